@@ -1,0 +1,1 @@
+"""A small continuous-batching server on the kvscope pool: model, engine, workload and report."""

@@ -1,0 +1,268 @@
+"""The serving loop: requests arrive, the scheduler plans a step, the model runs it on the pool.
+
+    engine = Engine(model, pool)
+    results = engine.run(requests)
+
+Each step runs prompt chunks and decodes together through the model; attention reads and
+writes the pool's KV tensor through `kvscope.kernels`. A finished prompt samples its first
+token (and forks `n - 1` siblings that share its blocks until they write: copy-on-write).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvscope import kernels
+
+from .batch import Batch
+from .model import LlamaModel
+from .report import RequestResult, StepSample
+from .scheduler import Scheduler, Stream
+from .workload import Request
+
+
+@dataclass
+class RequestState:
+    """A request in flight: its streams and its result so far."""
+
+    request: Request
+    result: RequestResult
+    streams: list[Stream] = field(default_factory=list)
+    num_finished: int = 0
+    forked: bool = False
+
+
+def sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """Greedy when `temperature <= 0`, else a draw from softmax(logits / temperature)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Engine:
+    """Continuous batching over one cache (a `KVPool`, or the static baseline)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: Any,
+        *,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 256,
+        prefill_chunk: int = 64,
+        seed: int = 0,
+        exclusive: bool = True,
+        worker: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.lm_head.weight.device
+        self.seed = seed
+        # exclusive: no other process allocates from this cache, so a stall is final
+        self.exclusive = exclusive
+        self.worker = worker
+        self.clock = clock
+        self.start_s = clock()
+        self.scheduler = Scheduler(
+            cache, self.copy_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk
+        )
+        self.states: dict[str, RequestState] = {}
+        self.results: list[RequestResult] = []
+        self.samples: list[StepSample] = []
+        self.on_finish: Callable[[RequestResult], None] = lambda _result: None
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return self.clock() - self.start_s
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Perform the pool's copy-on-write copies before anything writes the new blocks."""
+        if copies:
+            src, dst = zip(*copies)
+            kernels.copy_blocks(self.cache.kv, list(src), list(dst))
+
+    def add(self, request: Request) -> None:
+        """Queue a request: its first stream waits for admission."""
+        assert request.request_id not in self.states, f"duplicate request {request.request_id}"
+        result = RequestResult(request.request_id, request.arrival_s, len(request.prompt))
+        result.worker = self.worker
+        state = RequestState(request, result)
+        self.states[request.request_id] = state
+        problem = self._too_large(request)
+        if problem:
+            self._fail(state, problem)
+            return
+        stream = self._new_stream(request, 0)
+        state.streams.append(stream)
+        self.scheduler.add(stream)
+
+    def run(self, requests: list[Request], start_s: float | None = None) -> list[RequestResult]:
+        """Serve requests at their arrival times (relative to `start_s`) until all are done."""
+        if start_s is not None:
+            self.start_s = start_s
+        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        while pending or self.scheduler.has_work():
+            now = self.now()
+            while pending and pending[0].arrival_s <= now:
+                self.add(pending.popleft())
+            if self.scheduler.has_work():
+                self.step()
+            elif pending:
+                time.sleep(min(0.05, max(0.0, pending[0].arrival_s - now)))
+        return self.results
+
+    def step(self) -> int:
+        """Admit, run one batch through the model, sample and append; returns tokens computed."""
+        began = self.now()
+        for stream in self.scheduler.admit():
+            result = self.states[stream.request.request_id].result
+            if result.admitted_s < 0:
+                result.admitted_s = began
+        chunks = self.scheduler.plan()
+        if not chunks:
+            self._stall()
+            return 0
+        batch = Batch(chunks, self.cache, self.device)
+        hidden = self.model(batch.tokens, batch.positions, batch.attend)
+        for chunk in batch.chunks:
+            stream = chunk.stream
+            stream.num_computed += chunk.length
+            self._publish(stream)
+        done = [
+            (c.stream, row)
+            for c, row in zip(batch.chunks, batch.last_rows)
+            if c.stream.num_pending == 0
+        ]
+        if done:
+            rows = torch.tensor([row for _, row in done], device=self.device)
+            logits = self.model.logits(hidden[rows]).cpu()
+            for (stream, _), row_logits in zip(done, logits):
+                self._complete(stream, row_logits)
+        self._sample_cache(began, len(batch.tokens))
+        return len(batch.tokens)
+
+    def _publish(self, stream: Stream) -> None:
+        """Tell the pool which full blocks now hold computed K/V, so others can reuse them."""
+        block_size = self.cache.config.block_size
+        if stream.num_computed // block_size > stream.num_published // block_size:
+            self.cache.mark_computed(stream.seq, stream.num_computed)
+            stream.num_published = stream.num_computed
+
+    def _complete(self, stream: Stream, logits: Tensor) -> None:
+        """A stream computed its last token: sample; a finished prompt with n > 1 forks first."""
+        state = self.states[stream.request.request_id]
+        emitting = [stream]
+        if stream.index == 0 and stream.request.n > 1 and not state.forked:
+            state.forked = True
+            for index in range(1, stream.request.n):
+                child = self._new_stream(stream.request, index)
+                state.streams.append(child)
+                running = stream in self.scheduler.running
+                if running and self.scheduler.fork(stream, child):
+                    emitting.append(child)
+                else:
+                    # no room to fork: the child starts over as a request of its own
+                    self.scheduler.add(child)
+        for s in emitting:
+            self._emit(s, sample(logits, s.request.temperature, s.generator))
+
+    def _emit(self, stream: Stream, token: int) -> None:
+        """Record a sampled token; finish the stream or reserve the token's slot."""
+        state = self.states[stream.request.request_id]
+        stream.output.append(token)
+        if state.result.first_token_s < 0:
+            state.result.first_token_s = self.now()
+        if len(stream.output) >= stream.request.max_tokens:
+            self._finish(state, stream)
+        elif stream in self.scheduler.running:
+            self.scheduler.append(stream, token)
+        else:
+            stream.pending_token = token
+
+    def _finish(self, state: RequestState, stream: Stream) -> None:
+        """Free a finished stream; a request is done when all its streams are."""
+        seq = stream.seq
+        state.result.reserved_slots += len(seq.block_table) * self.cache.config.block_size
+        state.result.stored_tokens += seq.num_tokens if seq.block_table else 0
+        if stream.index == 0:
+            state.result.num_hit_tokens = max(stream.num_hit_tokens, 0)
+        self.scheduler.finish(stream)
+        state.num_finished += 1
+        if state.num_finished == stream.request.n:
+            state.result.finish_s = self.now()
+            state.result.outputs = [s.output for s in sorted(state.streams, key=lambda s: s.index)]
+            self._done(state)
+
+    def _fail(self, state: RequestState, error: str) -> None:
+        """Give up on a request that cannot be served, returning whatever it holds."""
+        for stream in state.streams:
+            self.scheduler.abort(stream)
+        state.result.error = error
+        state.result.finish_s = self.now()
+        self._done(state)
+
+    def _done(self, state: RequestState) -> None:
+        """Hand a request's result out."""
+        del self.states[state.request.request_id]
+        self.results.append(state.result)
+        self.on_finish(state.result)
+
+    def _stall(self) -> None:
+        """Nothing could run: the oldest waiting stream does not fit."""
+        head = self.scheduler.waiting[0]
+        if self.exclusive and not self.scheduler.running:
+            free = self.cache.stats().get("num_free", -1)
+            error = f"does not fit: the pool has {free} free blocks and nothing else runs"
+            self._fail(self.states[head.request.request_id], error)
+        else:
+            # other processes hold the blocks; they will give some back
+            time.sleep(0.002)
+
+    def _too_large(self, request: Request) -> str:
+        """Why a request can never be served by this cache ('' when it can)."""
+        config = self.cache.config
+        length = len(request.prompt) + request.max_tokens
+        max_len = getattr(self.cache, "max_len", 0)
+        if max_len and length > max_len:
+            return f"prompt + max_tokens = {length} exceeds the static max_len {max_len}"
+        if max_len:
+            blocks = getattr(self.cache, "blocks_per_seq", 0) * request.n
+        else:
+            blocks = -(-len(request.prompt) // config.block_size)
+            blocks += request.n * -(-request.max_tokens // config.block_size) + request.n
+        if blocks > config.num_blocks:
+            return f"needs up to {blocks} blocks, the pool has {config.num_blocks}"
+        return ""
+
+    def _new_stream(self, request: Request, index: int) -> Stream:
+        """A stream with its own seeded generator when sampling with a temperature."""
+        generator = None
+        if request.temperature > 0:
+            key = f"{self.seed}:{request.request_id}:{index}".encode()
+            generator = torch.Generator().manual_seed(zlib.crc32(key))
+        return Stream(request, index, generator)
+
+    def _sample_cache(self, began: float, num_tokens: int) -> None:
+        """Record how many tokens the cache stores in how many reserved slots."""
+        block_size = self.cache.config.block_size
+        fill: dict[int, int] = {}
+        for stream in list(self.scheduler.running) + list(self.scheduler.waiting):
+            seq = stream.seq
+            if seq is None or not seq.block_table:
+                continue
+            for i, block in enumerate(seq.block_table):
+                used = max(0, min(block_size, seq.num_tokens - i * block_size))
+                fill[block] = max(fill.get(block, 0), used)
+        end = self.now()
+        stored, reserved = sum(fill.values()), len(fill) * block_size
+        self.samples.append(StepSample(end, end - began, stored, reserved, num_tokens))

@@ -1,0 +1,166 @@
+"""What a run measured: per-request results, per-step samples, and the summary built from them.
+
+Definitions (also in `--json`):
+- KV utilization: tokens stored / slots reserved, averaged over the run weighted by step time
+  (a block shared by several sequences counts once).
+- internal fragmentation: slots a request held at its end but never filled / slots held, over
+  all requests (the unfilled tail of the last block when paged; `max_len` minus the final
+  length in the static layout).
+- prefix hit rate: prompt tokens found in the pool's prefix index at admission / prompt tokens.
+- preemptions: times the pool took a waiting sequence's blocks and it had to be recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestResult:
+    """One request's outputs and timeline, times in seconds since the run started."""
+
+    request_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    outputs: list[list[int]] = field(default_factory=list)
+    num_hit_tokens: int = 0
+    admitted_s: float = -1.0
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+    reserved_slots: int = 0
+    stored_tokens: int = 0
+    error: str = ""
+    worker: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated over all samples."""
+        return sum(len(o) for o in self.outputs)
+
+
+@dataclass
+class StepSample:
+    """The cache after one engine step: how many tokens it stores in how many reserved slots."""
+
+    t_s: float
+    dt_s: float
+    stored_tokens: int
+    reserved_slots: int
+    num_tokens: int
+
+
+@dataclass
+class Summary:
+    """The numbers of the summary table."""
+
+    baseline: str
+    workers: int
+    requests: int
+    failed: int
+    output_tokens: int
+    duration_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    kv_utilization: float
+    internal_fragmentation: float
+    peak_concurrent_requests: int
+    prefix_hit_rate: float
+    preemptions: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """One JSON object."""
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def peak_overlap(intervals: list[tuple[float, float]]) -> int:
+    """Most intervals [start, end) open at one time."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    peak = current = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def summarize(
+    results: list[RequestResult],
+    samples: list[StepSample],
+    duration_s: float,
+    num_preemptions: int,
+    baseline: str = "paged",
+    workers: int = 1,
+    extra: dict[str, Any] | None = None,
+) -> Summary:
+    """The summary of a run from every worker's results and samples."""
+    done = [r for r in results if not r.error]
+    ttfts = [(r.first_token_s - r.arrival_s) * 1000.0 for r in done if r.first_token_s >= 0]
+    output_tokens = sum(r.num_output_tokens for r in done)
+    stored = sum(s.stored_tokens * s.dt_s for s in samples)
+    reserved = sum(s.reserved_slots * s.dt_s for s in samples)
+    held = sum(r.reserved_slots for r in done)
+    unfilled = sum(r.reserved_slots - r.stored_tokens for r in done)
+    prompt_tokens = sum(r.num_prompt_tokens for r in done)
+    intervals = [(r.admitted_s, r.finish_s) for r in done if r.admitted_s >= 0]
+    return Summary(
+        baseline=baseline,
+        workers=workers,
+        requests=len(done),
+        failed=len(results) - len(done),
+        output_tokens=output_tokens,
+        duration_s=round(duration_s, 3),
+        output_tokens_per_s=round(output_tokens / duration_s, 1) if duration_s > 0 else 0.0,
+        ttft_p50_ms=round(percentile(ttfts, 50), 1),
+        ttft_p95_ms=round(percentile(ttfts, 95), 1),
+        kv_utilization=round(stored / reserved, 3) if reserved else 0.0,
+        internal_fragmentation=round(unfilled / held, 3) if held else 0.0,
+        peak_concurrent_requests=peak_overlap(intervals),
+        prefix_hit_rate=round(sum(r.num_hit_tokens for r in done) / prompt_tokens, 3)
+        if prompt_tokens
+        else 0.0,
+        preemptions=num_preemptions,
+        extra=extra or {},
+    )
+
+
+ROWS = [
+    ("requests", "requests", "{}"),
+    ("failed", "failed", "{}"),
+    ("output tokens", "output_tokens", "{}"),
+    ("duration", "duration_s", "{:.2f} s"),
+    ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
+    ("time to first token p50", "ttft_p50_ms", "{:.1f} ms"),
+    ("time to first token p95", "ttft_p95_ms", "{:.1f} ms"),
+    ("KV utilization", "kv_utilization", "{:.1%}"),
+    ("internal fragmentation", "internal_fragmentation", "{:.1%}"),
+    ("peak concurrent requests", "peak_concurrent_requests", "{}"),
+    ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+    ("preemptions", "preemptions", "{}"),
+]
+
+
+def render_table(summary: Summary) -> Any:
+    """A rich Table of the summary."""
+    from rich.table import Table
+
+    title = f"serve.py — {summary.baseline} cache, {summary.workers} worker(s)"
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, key, fmt in ROWS:
+        table.add_row(label, fmt.format(getattr(summary, key)))
+    return table

@@ -1,0 +1,203 @@
+"""First-come-first-served continuous batching over the pool: admit, plan a step, preempt.
+
+A stream is one sampled output of a request (a request with `n > 1` has n streams, forked
+from the first when its prompt is done). A running stream always has at least one token whose
+K/V is not computed yet: the prompt's remainder, or the token sampled last step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvscope.allocator.errors import PoolExhausted
+
+from .workload import Request
+
+CopyFn = Callable[[list[tuple[int, int]]], None]
+
+
+@dataclass
+class Stream:
+    """One output stream: its pool sequence, how much of it has K/V, what it generated."""
+
+    request: Request
+    index: int
+    generator: torch.Generator | None = None
+    seq: Any = None
+    num_computed: int = 0
+    num_published: int = 0
+    # sampled while the stream was set aside, not yet appended to the pool (-1: none)
+    pending_token: int = -1
+    # prompt tokens found in the pool's prefix index at the first admission (-1: not admitted)
+    num_hit_tokens: int = -1
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The pool's request id of this stream: `r7`, then `r7#1`, `r7#2` for forks."""
+        rid = self.request.request_id
+        return rid if self.index == 0 else f"{rid}#{self.index}"
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens reserved in the pool whose K/V is still to be computed."""
+        return self.seq.num_tokens - self.num_computed
+
+
+@dataclass
+class Chunk:
+    """Part of a step: compute K/V of `stream` positions [start, start + length)."""
+
+    stream: Stream
+    start: int
+    length: int
+
+
+class Scheduler:
+    """Holds waiting and running streams; decides who runs each step and who is set aside."""
+
+    def __init__(
+        self,
+        cache: Any,
+        copy_blocks: CopyFn,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 256,
+        prefill_chunk: int = 64,
+    ) -> None:
+        assert max_num_seqs >= 1 and prefill_chunk >= 1
+        self.cache = cache
+        self.copy_blocks = copy_blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Stream] = deque()
+        self.running: list[Stream] = []
+        self.num_preemptions = 0
+        self.num_set_aside = 0
+
+    def add(self, stream: Stream) -> None:
+        """Queue a new stream behind those already waiting."""
+        assert stream.seq is None
+        self.waiting.append(stream)
+
+    def has_work(self) -> bool:
+        """Whether any stream waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> list[Stream]:
+        """Move waiting streams into the pool, oldest first, until the pool or the batch is full."""
+        admitted: list[Stream] = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            stream = self.waiting[0]
+            try:
+                self._reserve(stream)
+            except PoolExhausted:
+                break
+            self.waiting.popleft()
+            self.running.append(stream)
+            admitted.append(stream)
+        return admitted
+
+    def plan(self) -> list[Chunk]:
+        """This step's work: every decode, then prompt chunks within the token budget."""
+        chunks = [Chunk(s, s.num_computed, 1) for s in self.running if s.num_pending == 1]
+        budget = self.max_num_batched_tokens - len(chunks)
+        for stream in self.running:
+            if stream.num_pending <= 1:
+                continue
+            length = min(stream.num_pending, self.prefill_chunk, budget)
+            if length <= 0:
+                break
+            chunks.append(Chunk(stream, stream.num_computed, length))
+            budget -= length
+        return chunks
+
+    def set_aside(self, stream: Stream) -> None:
+        """Stop running `stream`: the pool may now take its blocks (it preempts waiting ones)."""
+        self.running.remove(stream)
+        self.cache.set_state(stream.seq, "waiting")
+        self.waiting.appendleft(stream)
+        self.num_set_aside += 1
+
+    def pick_victim(self, exclude: Stream) -> Stream | None:
+        """The most recently admitted running stream other than `exclude`."""
+        for stream in reversed(self.running):
+            if stream is not exclude:
+                return stream
+        return None
+
+    def append(self, stream: Stream, token: int) -> bool:
+        """Append a sampled token, setting others aside while the pool is full.
+
+        Returns False when even that was not enough: `stream` itself is then set aside with
+        the token pending, to be appended when it is admitted again.
+        """
+        while True:
+            try:
+                self.copy_blocks(self.cache.append(stream.seq, [token]))
+                return True
+            except PoolExhausted:
+                victim = self.pick_victim(exclude=stream)
+                if victim is None:
+                    stream.pending_token = token
+                    self.set_aside(stream)
+                    return False
+                self.set_aside(victim)
+
+    def fork(self, parent: Stream, child: Stream) -> bool:
+        """Give `child` a fork of `parent`'s sequence, setting others aside while the pool is full."""
+        while True:
+            try:
+                child.seq = self.cache.fork(parent.seq, child.name)
+            except PoolExhausted:
+                victim = self.pick_victim(exclude=parent)
+                if victim is None:
+                    return False
+                self.set_aside(victim)
+                continue
+            child.num_computed = child.num_published = parent.num_computed
+            self.running.insert(self.running.index(parent) + 1, child)
+            return True
+
+    def finish(self, stream: Stream) -> None:
+        """Free a stream that generated all its tokens (running, or set aside this step)."""
+        if stream in self.running:
+            self.running.remove(stream)
+        else:
+            self.waiting.remove(stream)
+        self.cache.free(stream.seq)
+
+    def abort(self, stream: Stream) -> None:
+        """Drop a stream that cannot be served, returning its blocks."""
+        if stream in self.running:
+            self.running.remove(stream)
+        elif stream in self.waiting:
+            self.waiting.remove(stream)
+        if stream.seq is not None and stream.seq.state != "preempted":
+            self.cache.abort(stream.seq)
+
+    def _reserve(self, stream: Stream) -> None:
+        """Get blocks for a stream: a new sequence, a resumed one, or one set aside intact."""
+        cache = self.cache
+        if stream.seq is None:
+            stream.seq = cache.allocate(stream.name, stream.request.prompt)
+            stream.num_computed = stream.num_published = stream.seq.num_cached_tokens
+            stream.num_hit_tokens = stream.seq.num_cached_tokens
+        elif stream.seq.state == "preempted":
+            stream.num_computed = stream.num_published = cache.resume(stream.seq)
+            self.num_preemptions += 1
+        else:
+            cache.set_state(stream.seq, "running")
+        if stream.pending_token != -1:
+            try:
+                self.copy_blocks(cache.append(stream.seq, [stream.pending_token]))
+            except PoolExhausted:
+                cache.set_state(stream.seq, "waiting")
+                raise
+            stream.pending_token = -1
+        assert 0 <= stream.num_computed < stream.seq.num_tokens, "nothing left to compute"
