@@ -1,0 +1,244 @@
+"""BlockStore: block state changes — take new blocks, drop references, evict — all journaled.
+
+Who may write a block's header (docs/FORMAT.md, "Write domains"):
+- FREE and QUARANTINED blocks: the holder of the `free` lock;
+- LOCAL blocks and unindexed ALLOCATED blocks: their owner client, without a lock (no other
+  process can reach them: cross-process sharing only goes through the prefix index);
+- indexed blocks (ALLOCATED or CACHED): the holder of their index shard's lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from kvscope.allocator.crash import crash_point
+from kvscope.allocator.layout import (
+    BLOCK_MAGIC,
+    RING_HEADER_DTYPE,
+    BlockState,
+    SegmentView,
+    block_checksums,
+)
+from kvscope.allocator.prefix import PrefixIndex
+from kvscope.allocator.process import now_ns
+from kvscope.allocator.txn import Txn
+
+
+class BlockStore:
+    """Block headers, the free ring and this client's local cache."""
+
+    def __init__(self, view: SegmentView, client: int, free_lock: int, shard_locks: list[int]):
+        self.view = view
+        self.blocks = view.blocks
+        self.state = view.blocks["state"]
+        self.refcount = view.blocks["refcount"]
+        self.indexed = view.blocks["indexed"]
+        self.generation = view.blocks["generation"]
+        self.prefix_hash = view.blocks["prefix_hash"]
+        self.access_ns = view.blocks["access_ns"]
+        self.checksum = view.blocks["checksum"]
+        self.base = view.offsets["blocks"]
+        self.num_blocks = view.layout.num_blocks
+        self.ring = view.ring
+        self.ring_header = view.ring_header
+        self.ring_off = view.offsets["ring"]
+        self.client = client
+        crec = view.clients[client : client + 1]
+        self.local = view.clients["local"][client]
+        self.local_count = crec["local_count"]
+        self.local_count_off = (
+            view.offsets["clients"]
+            + client * view.clients.dtype.itemsize
+            + view.clients.dtype.fields["local_count"][1]
+        )
+        self.local_off = (
+            view.offsets["clients"]
+            + client * view.clients.dtype.itemsize
+            + view.clients.dtype.fields["local"][1]
+        )
+        self.local_cap = int(view.h["local_cache_size"])
+        self.free_lock = free_lock
+        self.shard_locks = shard_locks
+        self.index = PrefixIndex(view)
+
+    # -- journaling helpers -------------------------------------------------------------------
+
+    def save(self, t: Txn, ids: np.ndarray) -> None:
+        """Journal whole block records before changing them."""
+        t.journal.save_records(self.blocks, self.base, ids)
+
+    def seal(self, ids: np.ndarray) -> None:
+        """Recompute the records' checksums after changing identity fields."""
+        self.checksum[ids] = block_checksums(self.blocks[ids], ids)
+
+    def shard_locks_for(self, ids: np.ndarray) -> set[int]:
+        """Locks of the index shards that govern the indexed blocks among ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        keys = self.prefix_hash[ids[self.indexed[ids] == 1]]
+        shards = np.unique(keys & np.uint64(len(self.shard_locks) - 1))
+        return {self.shard_locks[int(s)] for s in shards}
+
+    # -- the free ring (free lock) -----------------------------------------------------------
+
+    @property
+    def ring_count(self) -> int:
+        """Blocks in the free ring (a hint unless the free lock is held)."""
+        return int(self.ring_header["count"][0])
+
+    def _save_ring_header(self, t: Txn) -> None:
+        t.journal.save(self.ring_off, RING_HEADER_DTYPE.itemsize)
+
+    def ring_pop(self, t: Txn, k: int) -> np.ndarray:
+        """Take k ids from the ring head."""
+        t.need(self.free_lock)
+        h = self.ring_header
+        k = min(k, int(h["count"][0]))
+        head = int(h["head"][0])
+        pos = (head + np.arange(k)) % self.num_blocks
+        ids = self.ring[pos].astype(np.int64)
+        self._save_ring_header(t)
+        h["head"] = head + k
+        h["count"] = int(h["count"][0]) - k
+        crash_point("blocks.after_ring_pop")
+        return ids
+
+    def ring_push(self, t: Txn, ids: np.ndarray) -> None:
+        """Return blocks to the ring tail as FREE."""
+        t.need(self.free_lock)
+        k = len(ids)
+        if k == 0:
+            return
+        self.save(t, ids)
+        self.state[ids] = BlockState.FREE
+        self.refcount[ids] = 0
+        self.indexed[ids] = 0
+        self.blocks["owner_pid"][ids] = 0
+        self.blocks["owner_client"][ids] = -1
+        self.seal(ids)
+        crash_point("blocks.after_release_records")
+        h = self.ring_header
+        tail = int(h["tail"][0])
+        self._save_ring_header(t)
+        pos = (tail + np.arange(k)) % self.num_blocks
+        first = tail % self.num_blocks
+        n1 = min(k, self.num_blocks - first)
+        t.journal.save(self.ring_off + RING_HEADER_DTYPE.itemsize + 4 * first, 4 * n1)
+        if n1 < k:
+            t.journal.save(self.ring_off + RING_HEADER_DTYPE.itemsize, 4 * (k - n1))
+        self.ring[pos] = ids
+        h["tail"] = tail + k
+        h["count"] = int(h["count"][0]) + k
+        crash_point("blocks.after_ring_push")
+
+    # -- the local cache (owner only) --------------------------------------------------------
+
+    def local_pop(self, t: Txn, k: int) -> np.ndarray:
+        """Take up to k blocks from this client's local cache."""
+        n = int(self.local_count[0])
+        k = min(k, n)
+        if k == 0:
+            return np.zeros(0, np.int64)
+        t.journal.save(self.local_count_off, 4)
+        ids = self.local[n - k : n].astype(np.int64)
+        self.local_count[0] = n - k
+        crash_point("blocks.after_local_pop")
+        return ids
+
+    def local_push(self, t: Txn, ids: np.ndarray) -> np.ndarray:
+        """Park blocks in the local cache (as LOCAL); return those that did not fit."""
+        n = int(self.local_count[0])
+        room = max(0, 2 * self.local_cap - n)
+        fit, rest = ids[:room], ids[room:]
+        if len(fit):
+            k = len(fit)
+            self.save(t, fit)
+            self.state[fit] = BlockState.LOCAL
+            self.refcount[fit] = 0
+            self.indexed[fit] = 0
+            self.seal(fit)
+            t.journal.save(self.local_count_off, 4)
+            t.journal.save(self.local_off + 4 * n, 4 * k)
+            self.local[n : n + k] = fit
+            self.local_count[0] = n + k
+        return rest
+
+    def refill(self, t: Txn, pid: int, start: int) -> None:
+        """Move a batch of FREE blocks from the ring into the local cache."""
+        n = int(self.local_count[0])
+        want = max(0, self.local_cap - n)
+        ids = self.ring_pop(t, want)
+        if len(ids):
+            self.save(t, ids)
+            self.blocks["owner_pid"][ids] = pid
+            self.blocks["owner_client"][ids] = self.client
+            self.blocks["owner_start"][ids] = start
+            self.local_push(t, ids)
+
+    # -- eviction (every index shard lock) ---------------------------------------------------
+
+    def evict(self, t: Txn, k: int) -> np.ndarray:
+        """Unindex up to k CACHED blocks, least recently used first; return them (not yet reset)."""
+        t.need(*self.shard_locks)
+        cand = np.flatnonzero(self.state == BlockState.CACHED)
+        if len(cand) == 0 or k <= 0:
+            return np.zeros(0, np.int64)
+        if len(cand) > k:
+            part = np.argpartition(self.access_ns[cand], k - 1)[:k]
+            cand = cand[part]
+        cand = cand[np.argsort(self.access_ns[cand], kind="stable")]
+        self.save(t, cand)
+        for b in cand.tolist():
+            removed = self.index.remove(int(self.prefix_hash[b]), b, t.journal)
+            assert removed, f"cached block {b} missing from the prefix index"
+        self.indexed[cand] = 0
+        self.refcount[cand] = 0
+        crash_point("blocks.after_evict")
+        return cand.astype(np.int64)
+
+    # -- taking and dropping references --------------------------------------------------------
+
+    def stamp(
+        self, t: Txn, ids: np.ndarray, pid: int, start: int, request: bytes, site: int
+    ) -> None:
+        """Turn blocks this client now owns into fresh ALLOCATED blocks with refcount 1."""
+        if len(ids) == 0:
+            return
+        self.save(t, ids)
+        b = self.blocks
+        now = now_ns()
+        b["magic"][ids] = BLOCK_MAGIC
+        self.state[ids] = BlockState.ALLOCATED
+        self.refcount[ids] = 1
+        self.indexed[ids] = 0
+        self.generation[ids] += 1
+        b["owner_pid"][ids] = pid
+        b["owner_client"][ids] = self.client
+        b["owner_start"][ids] = start
+        b["request"][ids] = request
+        b["alloc_ns"][ids] = now
+        self.access_ns[ids] = now
+        b["site"][ids] = site
+        b["num_tokens"][ids] = 0
+        self.prefix_hash[ids] = 0
+        b["parent_hash"][ids] = 0
+        self.seal(ids)
+        crash_point("blocks.after_records")
+
+    def drop(self, t: Txn, ids: np.ndarray) -> np.ndarray:
+        """Drop one reference to each block; return the unindexed ones that reached zero."""
+        if len(ids) == 0:
+            return ids
+        self.save(t, ids)
+        self.refcount[ids] -= 1
+        now = now_ns()
+        self.access_ns[ids] = now
+        zero = ids[self.refcount[ids] == 0]
+        idx = zero[self.indexed[zero] == 1]
+        self.state[idx] = BlockState.CACHED
+        self.seal(ids)
+        return zero[self.indexed[zero] == 0]
+
+    def give_back(self, t: Txn, ids: np.ndarray) -> None:
+        """Blocks with no references left: into the local cache, the rest to the ring."""
+        rest = self.local_push(t, ids)
+        if len(rest):
+            self.ring_push(t, rest)

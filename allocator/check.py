@@ -1,0 +1,316 @@
+"""Whole-pool consistency check over a segment view (a live snapshot or a dump), vectorised."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.layout import (
+    BLOCK_MAGIC,
+    FORMAT_VERSION,
+    POOL_MAGIC,
+    BlockState,
+    ClientState,
+    SegmentView,
+    SeqState,
+    block_checksums,
+    header_checksum,
+)
+from kvscope.allocator.process import is_alive
+
+# Per kind, at most this many per-block findings; the rest are summarised in one more.
+MAX_PER_KIND = 50
+
+Alive = Callable[[int, int], bool]
+
+
+def _req(view: SegmentView, b: int) -> str | None:
+    r = bytes(view.blocks["request"][b]).decode(errors="replace")
+    return r or None
+
+
+class _Report:
+    def __init__(self, view: SegmentView):
+        self.view = view
+        self.out: list[Finding] = []
+        self.counts: dict[str, int] = {}
+
+    def block(self, kind: FindingKind, b: int, message: str, **extra) -> None:
+        n = self.counts.get(kind.value, 0)
+        self.counts[kind.value] = n + 1
+        if n < MAX_PER_KIND:
+            blocks = self.view.blocks
+            self.out.append(
+                Finding(
+                    kind.value,
+                    message,
+                    block=int(b),
+                    owner_pid=int(blocks["owner_pid"][b]) or None,
+                    request=_req(self.view, b),
+                    extra=extra,
+                )
+            )
+
+    def blocks(self, kind: FindingKind, ids: np.ndarray, message: Callable[[int], str]) -> None:
+        for b in ids.tolist():
+            self.block(kind, b, message(b))
+
+    def add(self, f: Finding) -> None:
+        self.out.append(f)
+
+    def finish(self) -> list[Finding]:
+        for kind, n in self.counts.items():
+            if n > MAX_PER_KIND:
+                self.out.append(
+                    Finding(
+                        kind, f"{n - MAX_PER_KIND} more {kind} findings not listed ({n} in all)"
+                    )
+                )
+        return self.out
+
+
+def check_header(view: SegmentView) -> list[Finding]:
+    """Magic, version and checksum of the header."""
+    h = view.h
+    out = []
+    if int(h["magic"]) != POOL_MAGIC:
+        out.append(
+            Finding(
+                "header_corrupt",
+                f"header magic is {int(h['magic']):#018x}, expected {POOL_MAGIC:#018x}: the segment header was overwritten",
+            )
+        )
+    elif int(h["version"]) != FORMAT_VERSION:
+        out.append(
+            Finding(
+                "header_corrupt", f"format version {int(h['version'])}, expected {FORMAT_VERSION}"
+            )
+        )
+    elif header_checksum(view.raw) != int(h["checksum"]):
+        out.append(
+            Finding(
+                "header_corrupt",
+                f"header checksum {int(h['checksum']):#x} does not match its contents ({header_checksum(view.raw):#x}): a geometry field was overwritten",
+            )
+        )
+    return out
+
+
+def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
+    """Every invariant of docs/FORMAT.md; returns findings (empty when healthy)."""
+    head = check_header(view)
+    if head:
+        return head
+    r = _Report(view)
+    b = view.blocks
+    n = len(b)
+    ids = np.arange(n, dtype=np.int64)
+    state = b["state"]
+
+    bad_magic = ids[b["magic"] != BLOCK_MAGIC]
+    r.blocks(
+        FindingKind.BLOCK_HEADER_CORRUPT,
+        bad_magic,
+        lambda x: (
+            f"block magic is {int(b['magic'][x]):#010x}, expected {BLOCK_MAGIC:#010x}: the block header was overwritten"
+        ),
+    )
+    sums = block_checksums(b, ids)
+    bad_sum = ids[(sums != b["checksum"]) & (b["magic"] == BLOCK_MAGIC)]
+    r.blocks(
+        FindingKind.BLOCK_HEADER_CORRUPT,
+        bad_sum,
+        lambda x: (
+            "block record checksum mismatch: state, refcount, generation or owner was changed outside the allocator"
+        ),
+    )
+    corrupt = np.zeros(n, bool)
+    corrupt[bad_magic] = True
+    corrupt[bad_sum] = True
+
+    # Membership: the free ring.
+    rh = view.ring_header[0]
+    count, head_pos = int(rh["count"]), int(rh["head"])
+    if count > n:
+        r.add(
+            Finding(
+                "free_list_corrupt", f"free ring count {count} exceeds the {n} blocks of the pool"
+            )
+        )
+        count = n
+    ring_ids = view.ring[(head_pos + np.arange(count)) % max(n, 1)].astype(np.int64)
+    oob = (ring_ids < 0) | (ring_ids >= n)
+    if oob.any():
+        r.add(
+            Finding("free_list_corrupt", f"free ring holds {int(oob.sum())} ids outside [0, {n})")
+        )
+        ring_ids = ring_ids[~oob]
+    in_ring = np.bincount(ring_ids, minlength=n)
+    r.blocks(
+        FindingKind.DOUBLE_FREE,
+        ids[in_ring > 1],
+        lambda x: f"block is in the free ring {int(in_ring[x])} times: it was freed more than once",
+    )
+
+    # References from live sequences.
+    seqs = view.seqs
+    live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
+    refs = np.zeros(n, np.int64)
+    for s in live.tolist():
+        k = int(seqs["num_blocks"][s])
+        t = seqs["table"][s, :k].astype(np.int64)
+        t = t[(t >= 0) & (t < n)]
+        refs += np.bincount(t, minlength=n)
+
+    # Dead clients and their blocks.
+    clients = view.clients
+    dead_clients = {
+        int(c)
+        for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED)
+        if not alive(int(clients["pid"][c]), int(clients["start"][c]))
+    }
+    dead_refs = np.zeros(n, np.int64)
+    for s in live.tolist():
+        if int(seqs["owner_client"][s]) in dead_clients:
+            k = int(seqs["num_blocks"][s])
+            t = seqs["table"][s, :k].astype(np.int64)
+            dead_refs += np.bincount(t[(t >= 0) & (t < n)], minlength=n)
+    owner = b["owner_client"]
+    owned_by_dead = np.isin(owner, list(dead_clients)) if dead_clients else np.zeros(n, bool)
+
+    allocated = state == BlockState.ALLOCATED
+    freed = (
+        (state == BlockState.FREE) | (state == BlockState.LOCAL) | (state == BlockState.QUARANTINED)
+    )
+    r.blocks(
+        FindingKind.DOUBLE_FREE,
+        ids[(in_ring == 1) & (allocated | (state == BlockState.CACHED)) & ~corrupt],
+        lambda x: (
+            f"block is in the free ring but {BlockState(int(state[x])).name}: it was freed while still in use"
+        ),
+    )
+    r.blocks(
+        FindingKind.USE_AFTER_FREE,
+        ids[(refs > 0) & freed & (in_ring <= 1) & ~corrupt],
+        lambda x: (
+            f"block is {BlockState(int(state[x])).name} but {int(refs[x])} live sequence(s) still map it"
+        ),
+    )
+    r.blocks(
+        FindingKind.FREE_LIST_CORRUPT,
+        ids[(state == BlockState.FREE) & (in_ring == 0) & ~corrupt],
+        lambda x: "block is FREE but not in the free ring: it can never be allocated again",
+    )
+
+    # Local caches.
+    for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
+        k = int(clients["local_count"][c])
+        loc = clients["local"][c, :k].astype(np.int64)
+        wrong = loc[(state[loc] != BlockState.LOCAL) | (owner[loc] != c)]
+        r.blocks(
+            FindingKind.FREE_LIST_CORRUPT,
+            wrong,
+            lambda x, c=c: (
+                f"block is in the local cache of pid {int(clients['pid'][c])} but is {BlockState(int(state[x])).name}"
+            ),
+        )
+    local_ids = np.zeros(n, bool)
+    for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
+        local_ids[clients["local"][c, : int(clients["local_count"][c])]] = True
+    stray_local = ids[(state == BlockState.LOCAL) & ~local_ids & ~owned_by_dead & ~corrupt]
+    r.blocks(
+        FindingKind.FREE_LIST_CORRUPT,
+        stray_local,
+        lambda x: "block is LOCAL but in no process's local cache",
+    )
+
+    # Refcounts against references.
+    rc = b["refcount"].astype(np.int64)
+    alive_refs = refs - dead_refs
+    dead_leak = (dead_refs > 0) | (
+        owned_by_dead & (allocated | (state == BlockState.LOCAL)) & (alive_refs == 0)
+    )
+    r.blocks(
+        FindingKind.LEAK_DEAD_OWNER,
+        ids[dead_leak & ~corrupt],
+        lambda x: (
+            f"block is held by pid {int(b['owner_pid'][x])}, which died; reclaim it with `kvscope check --repair` or pool.reclaim_dead()"
+        ),
+    )
+    orphan = allocated & (refs == 0) & (rc > 0) & ~owned_by_dead & ~corrupt
+    r.blocks(
+        FindingKind.LEAK_ORPHAN,
+        ids[orphan],
+        lambda x: (
+            f"block has refcount {int(rc[x])} but no sequence maps it: a free was skipped, the block is lost until reclaimed"
+        ),
+    )
+    mismatch = allocated & (refs > 0) & (rc != refs) & ~corrupt
+    r.blocks(
+        FindingKind.REFCOUNT_MISMATCH,
+        ids[mismatch],
+        lambda x: f"refcount is {int(rc[x])} but {int(refs[x])} sequence(s) map the block",
+    )
+    cached_bad = (state == BlockState.CACHED) & ((rc != 0) | (b["indexed"] != 1)) & ~corrupt
+    r.blocks(
+        FindingKind.REFCOUNT_MISMATCH,
+        ids[cached_bad],
+        lambda x: (
+            f"CACHED block has refcount {int(rc[x])} and indexed={int(b['indexed'][x])} (expected 0 and 1)"
+        ),
+    )
+
+    # Prefix index against the indexed blocks.
+    keys = view.index["hash"]
+    used = np.flatnonzero(keys != 0)
+    ib = view.index["block"][used].astype(np.int64)
+    okb = (ib >= 0) & (ib < n)
+    bad_entries = used[~okb]
+    if len(bad_entries):
+        r.add(
+            Finding(
+                "free_list_corrupt",
+                f"prefix index has {len(bad_entries)} entries naming blocks outside the pool",
+            )
+        )
+    used, ib = used[okb], ib[okb]
+    stale = ib[(b["indexed"][ib] != 1) | (b["prefix_hash"][ib] != keys[used])]
+    r.blocks(
+        FindingKind.USE_AFTER_FREE,
+        stale[~corrupt[stale]],
+        lambda x: (
+            "prefix index names this block but it no longer holds that prefix: a hit would return another prompt's KV"
+        ),
+    )
+    indexed_n = int((b["indexed"] == 1).sum())
+    if indexed_n != len(used):
+        r.add(
+            Finding(
+                "refcount_mismatch",
+                f"{indexed_n} blocks are marked indexed but the prefix index holds {len(used)} entries",
+            )
+        )
+
+    # Header counters against the blocks.
+    n_free = int((state == BlockState.FREE).sum())
+    if count != n_free and not (in_ring > 1).any():
+        r.add(
+            Finding("free_list_corrupt", f"free ring count is {count} but {n_free} blocks are FREE")
+        )
+
+    # Locks whose holder died.
+    locks = view.locks
+    for i in np.flatnonzero(locks["holder_pid"] != 0).tolist():
+        pid = int(locks["holder_pid"][i])
+        if not alive(pid, int(locks["holder_start"][i])):
+            name = bytes(locks["name"][i]).decode()
+            r.add(
+                Finding(
+                    "lock_dead_holder",
+                    f"pool lock {name!r} is held by pid {pid}, which died holding it; the next process to take it rolls back its journal",
+                    owner_pid=pid,
+                    extra={"lock": name},
+                )
+            )
+    return r.finish()

@@ -1,0 +1,108 @@
+"""PoolConfig: the geometry and options a pool is created with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kvscope.allocator.errors import PoolError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Return the canonical name of a KV dtype given as a string or a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        for name, value in DTYPES.items():
+            if value == dtype:
+                return name
+        raise PoolError(f"unsupported KV dtype {dtype}; use one of {', '.join(DTYPES)}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise PoolError(f"unsupported KV dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass
+class PoolConfig:
+    """Geometry and options of a pool; everything but `num_blocks` has a default."""
+
+    num_blocks: int
+    block_size: int = 16
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    dtype: Any = "float16"
+    device: str = "cpu"
+    # 0 means "derive from num_blocks" (see `resolved`).
+    max_seqs: int = 0
+    max_blocks_per_seq: int = 0
+    max_clients: int = 32
+    local_cache_size: int = 4
+    num_shards: int = 8
+    event_capacity: int = 1024
+    guard: bool = False
+    events: bool = False
+    lockdep: bool = False
+    quarantine: int = 0
+    group: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def resolved(self) -> PoolConfig:
+        """Validate and fill derived defaults; raises PoolError on a geometry that cannot work."""
+        c = PoolConfig(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        c.dtype = dtype_name(c.dtype)
+        c.device = str(c.device)
+        for name in ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(c, name)
+            if not isinstance(value, int) or value <= 0:
+                raise PoolError(f"PoolConfig.{name} must be a positive integer, got {value!r}")
+        if c.num_blocks >= 2**31 - 1:
+            raise PoolError(f"PoolConfig.num_blocks={c.num_blocks} is too large (max 2**31-2)")
+        if c.block_size > 1024:
+            raise PoolError(f"PoolConfig.block_size={c.block_size} is too large (max 1024)")
+        if not (c.device == "cpu" or c.device.startswith("cuda")):
+            raise PoolError(f"PoolConfig.device must be 'cpu' or 'cuda[:N]', got {c.device!r}")
+        if c.max_blocks_per_seq <= 0:
+            c.max_blocks_per_seq = min(c.num_blocks, 2048)
+        if c.max_seqs <= 0:
+            c.max_seqs = min(max(64, c.num_blocks // 2), 4096)
+        if not 1 <= c.max_clients <= 1024:
+            raise PoolError(f"PoolConfig.max_clients must be in [1, 1024], got {c.max_clients}")
+        if not 0 <= c.local_cache_size <= 64:
+            raise PoolError(
+                f"PoolConfig.local_cache_size must be in [0, 64], got {c.local_cache_size}"
+            )
+        if c.num_shards <= 0 or c.num_shards & (c.num_shards - 1):
+            raise PoolError(f"PoolConfig.num_shards must be a power of two, got {c.num_shards}")
+        return c
+
+    @property
+    def slots_per_block(self) -> int:
+        """Slots per block: `block_size`, plus one guard slot in guard mode."""
+        return self.block_size + (1 if self.guard else 0)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The KV tensor's torch dtype."""
+        return DTYPES[dtype_name(self.dtype)]
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the KV data tensor."""
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return (
+            self.num_layers
+            * 2
+            * self.num_blocks
+            * self.slots_per_block
+            * self.num_kv_heads
+            * self.head_dim
+            * elem
+        )

@@ -1,0 +1,120 @@
+"""The findings vocabulary shared by check(), every probe, `analyze --json` and the exporters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class FindingKind(str, enum.Enum):
+    """Finding kinds, exactly as DESIGN.md names them."""
+
+    HEADER_CORRUPT = "header_corrupt"
+    BLOCK_HEADER_CORRUPT = "block_header_corrupt"
+    FREE_LIST_CORRUPT = "free_list_corrupt"
+    DOUBLE_FREE = "double_free"
+    REFCOUNT_MISMATCH = "refcount_mismatch"
+    USE_AFTER_FREE = "use_after_free"
+    OUT_OF_BOUNDS = "out_of_bounds"
+    GUARD_VIOLATION = "guard_violation"
+    LEAK_DEAD_OWNER = "leak_dead_owner"
+    LEAK_FINISHED = "leak_finished"
+    LEAK_ORPHAN = "leak_orphan"
+    LOCK_DEAD_HOLDER = "lock_dead_holder"
+    LOCK_ORDER_CYCLE = "lock_order_cycle"
+    LOCK_HELD_TOO_LONG = "lock_held_too_long"
+    POOL_EXHAUSTED = "pool_exhausted"
+
+
+ERROR, WARNING = "error", "warning"
+
+SEVERITY: dict[FindingKind, str] = {k: ERROR for k in FindingKind}
+SEVERITY.update(
+    {
+        FindingKind.LEAK_DEAD_OWNER: WARNING,
+        FindingKind.LOCK_HELD_TOO_LONG: WARNING,
+        FindingKind.POOL_EXHAUSTED: WARNING,
+        FindingKind.LOCK_DEAD_HOLDER: WARNING,
+    }
+)
+
+
+@dataclass
+class Finding:
+    """One problem, in the shape `analyze --json` prints."""
+
+    kind: str
+    message: str
+    block: int | None = None
+    owner_pid: int | None = None
+    request: str | None = None
+    severity: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        kind = FindingKind(self.kind)
+        self.kind = kind.value
+        if not self.severity:
+            self.severity = SEVERITY[kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict with the keys of DESIGN.md (plus `extra` when non-empty)."""
+        d = asdict(self)
+        if not d["extra"]:
+            d.pop("extra")
+        return d
+
+    def line(self) -> str:
+        """One line for a terminal."""
+        where = f" block {self.block}" if self.block is not None else ""
+        who = f" pid {self.owner_pid}" if self.owner_pid else ""
+        req = f" request {self.request!r}" if self.request else ""
+        return f"{self.severity}: {self.kind}{where}{who}{req}: {self.message}"
+
+
+def write_finding(view, t, f: Finding) -> None:
+    """Append a finding to the segment's findings ring (caller holds the findings lock)."""
+    from kvscope.allocator.layout import FINDINGS_CAPACITY
+    from kvscope.allocator.process import now_ns
+
+    h = view.header
+    head = int(h["findings_head"][0])
+    i = head % FINDINGS_CAPACITY
+    rec_size = view.findings.dtype.itemsize
+    t.journal.save(view.offsets["findings"] + i * rec_size, rec_size)
+    t.journal.save(h.dtype.fields["findings_head"][1], 8)
+    r = view.findings[i : i + 1]
+    r["time_ns"] = now_ns()
+    r["kind"] = f.kind.encode()
+    r["severity"] = 1 if f.severity == ERROR else 2
+    r["block"] = -1 if f.block is None else f.block
+    r["owner_pid"] = f.owner_pid or 0
+    r["request"] = (f.request or "").encode()[:32]
+    r["message"] = f.message.encode()[:200]
+    h["findings_head"] = head + 1
+
+
+def read_findings(view) -> list[Finding]:
+    """Findings in the segment's ring, oldest first."""
+    from kvscope.allocator.layout import FINDINGS_CAPACITY
+
+    head = int(view.h["findings_head"])
+    first = max(0, head - FINDINGS_CAPACITY)
+    out = []
+    for k in range(first, head):
+        r = view.findings[k % FINDINGS_CAPACITY]
+        block = int(r["block"])
+        out.append(
+            Finding(
+                kind=bytes(r["kind"]).decode(),
+                message=bytes(r["message"]).decode(errors="replace"),
+                block=None if block < 0 else block,
+                owner_pid=int(r["owner_pid"]) or None,
+                request=bytes(r["request"]).decode(errors="replace") or None,
+                severity=ERROR if int(r["severity"]) == 1 else WARNING,
+                extra={"time_ns": int(r["time_ns"])},
+            )
+        )
+    return out

@@ -1,0 +1,87 @@
+"""The undo journal: old bytes saved before every segment write, rolled back after a crash.
+
+One journal per client (attached process), in its client record. An operation saves the old
+bytes of everything it is about to change, changes it, then commits by setting the entry count
+to zero (one aligned 4-byte store). A process that dies mid-operation leaves a non-empty
+journal; recovery copies the saved bytes back, newest first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.layout import JOURNAL_BYTES, JOURNAL_ENTRIES, SegmentView
+
+
+class Journal:
+    """The undo journal of one client record."""
+
+    def __init__(self, view: SegmentView, client: int):
+        self.raw = view.raw
+        self.entries = view.clients["journal"][client]
+        self.data = view.clients["journal_data"][client]
+        self._count_field = view.clients["journal_count"][client : client + 1]
+        self._used_field = view.clients["journal_used"][client : client + 1]
+        self.count = int(self._count_field[0])
+        self.used = int(self._used_field[0])
+        self.op = 0
+
+    def _room(self, n_entries: int, n_bytes: int) -> None:
+        if self.count + n_entries > JOURNAL_ENTRIES or self.used + n_bytes > JOURNAL_BYTES:
+            raise PoolError(
+                f"operation too large for the undo journal ({self.count + n_entries} entries, "
+                f"{self.used + n_bytes} bytes); use smaller batches"
+            )
+
+    def save(self, offset: int, length: int) -> None:
+        """Save `length` old bytes at segment `offset` before they are overwritten."""
+        self._room(1, length)
+        n, used = self.count, self.used
+        e = self.entries[n]
+        e["offset"], e["length"], e["data_off"], e["op"] = offset, length, used, self.op
+        self.data[used : used + length] = self.raw[offset : offset + length]
+        self.used = used + length
+        self.count = n + 1
+        self._used_field[0] = self.used
+        # The count is written last: an entry exists only once its bytes are saved.
+        self._count_field[0] = self.count
+
+    def save_records(self, array: np.ndarray, base: int, ids: np.ndarray) -> None:
+        """Save whole records `array[ids]` of a section starting at segment offset `base`."""
+        k = len(ids)
+        if k == 0:
+            return
+        size = array.dtype.itemsize
+        self._room(k, k * size)
+        n, used = self.count, self.used
+        e = self.entries[n : n + k]
+        e["offset"] = base + ids.astype(np.uint64) * size
+        e["length"] = size
+        e["data_off"] = used + np.arange(k, dtype=np.uint32) * size
+        e["op"] = self.op
+        self.data[used : used + k * size] = array[ids].view(np.uint8).reshape(-1)
+        self.used = used + k * size
+        self.count = n + k
+        self._used_field[0] = self.used
+        self._count_field[0] = self.count
+
+    def commit(self) -> None:
+        """Forget the saved bytes: the operation's writes stand."""
+        self._count_field[0] = 0
+        self._used_field[0] = 0
+        self.count = self.used = 0
+
+    def rollback(self) -> int:
+        """Restore every saved range, newest first; return how many ranges were restored."""
+        n = int(self._count_field[0])
+        ents = self.entries[:n]
+        offs, lens, data_offs = (
+            ents["offset"].tolist(),
+            ents["length"].tolist(),
+            ents["data_off"].tolist(),
+        )
+        for i in range(n - 1, -1, -1):
+            off, length, d = offs[i], lens[i], data_offs[i]
+            self.raw[off : off + length] = self.data[d : d + length]
+        self.commit()
+        return n

@@ -1,0 +1,103 @@
+"""The KV data tensor: a shared file on CPU, a CUDA IPC allocation on GPU.
+
+Shape `[num_layers, 2, num_blocks, slots_per_block, num_kv_heads, head_dim]` (K and V).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+from kvscope.allocator.config import PoolConfig
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.segment import create_file
+
+IPC_MAX = 1024
+
+
+def kv_shape(cfg: PoolConfig) -> tuple[int, ...]:
+    """[layers, 2, blocks, slots, kv_heads, head_dim]."""
+    return (
+        cfg.num_layers,
+        2,
+        cfg.num_blocks,
+        cfg.slots_per_block,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
+
+
+def check_fits(cfg: PoolConfig, shm_free: int, meta_bytes: int) -> None:
+    """Raise PoolError when the geometry cannot fit in the memory it would live in."""
+    need = cfg.data_bytes
+    if cfg.device == "cpu":
+        if need + meta_bytes > shm_free:
+            raise PoolError(
+                f"pool needs {(need + meta_bytes) / 2**30:.2f} GiB of shared memory but only "
+                f"{shm_free / 2**30:.2f} GiB is free in /dev/shm; use fewer blocks or layers"
+            )
+        return
+    if meta_bytes > shm_free:
+        raise PoolError(
+            f"pool metadata needs {meta_bytes / 2**20:.1f} MiB of shared memory, only {shm_free / 2**20:.1f} MiB free"
+        )
+    if not torch.cuda.is_available():
+        raise PoolError(f"device {cfg.device!r} requested but CUDA is not available here")
+    dev = torch.device(cfg.device)
+    free, _total = torch.cuda.mem_get_info(dev)
+    if need > free:
+        raise PoolError(
+            f"pool needs {need / 2**30:.2f} GiB on {cfg.device} but only {free / 2**30:.2f} GiB is free"
+        )
+
+
+def create_cpu(path: str, cfg: PoolConfig) -> torch.Tensor:
+    """Create the shared data file and map it as the KV tensor (zero-filled)."""
+    shape = kv_shape(cfg)
+    nbytes = cfg.data_bytes
+    fd = create_file(path, nbytes, cfg.group)
+    os.close(fd)
+    return _map_cpu(path, shape, cfg.torch_dtype)
+
+
+def attach_cpu(path: str, cfg: PoolConfig) -> torch.Tensor:
+    """Map an existing CPU data file."""
+    if not os.path.exists(path):
+        raise PoolError(f"the pool's data file {path} is missing; the pool is unusable")
+    if os.path.getsize(path) < cfg.data_bytes:
+        raise PoolError(f"the pool's data file {path} is truncated")
+    return _map_cpu(path, kv_shape(cfg), cfg.torch_dtype)
+
+
+def _map_cpu(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return flat.view(shape)
+
+
+def create_cuda(cfg: PoolConfig) -> tuple[torch.Tensor, bytes]:
+    """Allocate the KV tensor on the GPU and return it with its pickled CUDA IPC handle."""
+    kv = torch.zeros(kv_shape(cfg), dtype=cfg.torch_dtype, device=cfg.device)
+    storage = kv.untyped_storage()
+    handle = storage._share_cuda_()
+    blob = pickle.dumps((handle, kv.storage_offset()))
+    if len(blob) > IPC_MAX:
+        raise PoolError(f"CUDA IPC handle too large ({len(blob)} bytes)")
+    return kv, blob
+
+
+def attach_cuda(blob: bytes, cfg: PoolConfig) -> torch.Tensor:
+    """Open the creator's KV tensor from its IPC handle (CUDA must be initialised first)."""
+    if not torch.cuda.is_available():
+        raise PoolError(f"pool lives on {cfg.device} but CUDA is not available in this process")
+    torch.cuda.init()
+    handle, offset = pickle.loads(blob)
+    storage = torch.UntypedStorage._new_shared_cuda(*handle)
+    shape = kv_shape(cfg)
+    kv = torch.empty(0, dtype=cfg.torch_dtype, device=cfg.device)
+    stride = torch.empty(shape, device="meta").stride()
+    kv.set_(storage, offset, shape, stride)
+    return kv

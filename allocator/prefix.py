@@ -1,0 +1,154 @@
+"""Prefix hashing and the prefix index (open addressing, sharded by hash).
+
+The hash of block j chains its parent's: H_j = H_{j-1} * P + c_j (mod 2^64), where c_j is a
+random-coefficient polynomial of the block's tokens, so all of a prompt's block hashes come
+from one vectorised cumulative sum. The stored and indexed key is fmix64(H_j), never 0. Equal
+keys name equal prefixes unless two collide, which the stored token ids and parent key catch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from kvscope.allocator.layout import INDEX_DTYPE, MASK64, SegmentView
+
+_P = 0x100000001B3
+_P_INV = pow(_P, -1, 1 << 64)
+_MAX_COEFS = 1024
+_COEFS = np.random.default_rng(0x4B5653).integers(0, 2**63, size=_MAX_COEFS, dtype=np.uint64) | 1
+
+
+def _fmix(h: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        h = h ^ (h >> np.uint64(33))
+        h = h * np.uint64(0xFF51AFD7ED558CCD)
+        h = h ^ (h >> np.uint64(33))
+        h = h * np.uint64(0xC4CEB9FE1A85EC53)
+        h = h ^ (h >> np.uint64(33))
+    return np.where(h == 0, np.uint64(1), h)
+
+
+def chain_hashes(tokens: np.ndarray, block_size: int, start: int = 0) -> np.ndarray:
+    """Linear chain values H_j for the full blocks of `tokens`, continuing from `start` (H_{-1})."""
+    n = len(tokens) // block_size
+    if n == 0:
+        return np.zeros(0, np.uint64)
+    t = (
+        np.asarray(tokens[: n * block_size], dtype=np.int64)
+        .astype(np.uint64)
+        .reshape(n, block_size)
+    )
+    with np.errstate(over="ignore"):
+        c = (t * _COEFS[:block_size]).sum(axis=1, dtype=np.uint64)
+        pj = np.ones(n, np.uint64)
+        pinv = np.ones(n, np.uint64)
+        if n > 1:
+            pj[1:] = np.cumprod(np.full(n - 1, _P, np.uint64), dtype=np.uint64)
+            pinv[1:] = np.cumprod(np.full(n - 1, _P_INV, np.uint64), dtype=np.uint64)
+        # H_j = P^j * (start * P + sum_{i<=j} c_i * P^-i)
+        acc = np.cumsum(c * pinv, dtype=np.uint64) + np.uint64((start * _P) & MASK64)
+        h = pj * acc
+    return h
+
+
+def chain_one(prev: int, tokens: list[int]) -> int:
+    """Scalar twin of `chain_hashes` for one block."""
+    c = 0
+    for t, k in zip(tokens, _COEFS_LIST):
+        c = (c + (t & MASK64) * k) & MASK64
+    return (prev * _P + c) & MASK64
+
+
+_COEFS_LIST = [int(x) for x in _COEFS]
+
+
+def keys_of(chain: np.ndarray) -> np.ndarray:
+    """Index keys (never 0) of chain values."""
+    return _fmix(chain.astype(np.uint64))
+
+
+def key_of(chain: int) -> int:
+    """Index key of one chain value."""
+    return int(_fmix(np.array([chain], np.uint64))[0])
+
+
+class PrefixIndex:
+    """Open-addressing table key -> block id; shard s owns slots [s*W, (s+1)*W)."""
+
+    def __init__(self, view: SegmentView):
+        self.keys = view.index["hash"]
+        self.blocks = view.index["block"]
+        self.base = view.offsets["index"]
+        self.capacity = len(self.keys)
+        self.num_shards = view.layout.num_shards
+        self.width = self.capacity // self.num_shards
+
+    def shard(self, key: int) -> int:
+        """The shard (and lock) that owns a key."""
+        return key & (self.num_shards - 1)
+
+    def _start(self, key: int) -> tuple[int, int]:
+        s = self.shard(key)
+        return s * self.width, (key >> 16) % self.width
+
+    def lookup(self, key: int) -> int:
+        """Block indexed under key, or -1."""
+        base, i = self._start(key)
+        keys, w = self.keys, self.width
+        for _ in range(w):
+            k = int(keys[base + i])
+            if k == key:
+                return int(self.blocks[base + i])
+            if k == 0:
+                return -1
+            i = (i + 1) % w
+        return -1
+
+    def insert(self, key: int, block: int, journal) -> bool:
+        """Index block under key; False if the key is already present or the shard is full."""
+        base, i = self._start(key)
+        keys, w = self.keys, self.width
+        for _ in range(w):
+            k = int(keys[base + i])
+            if k == key:
+                return False
+            if k == 0:
+                journal.save(self.base + (base + i) * INDEX_DTYPE.itemsize, INDEX_DTYPE.itemsize)
+                self.blocks[base + i] = block
+                keys[base + i] = key
+                return True
+            i = (i + 1) % w
+        return False
+
+    def remove(self, key: int, block: int, journal) -> bool:
+        """Remove key (if it maps to block) with backward-shift deletion; False if absent."""
+        base, i = self._start(key)
+        keys, blocks, w = self.keys, self.blocks, self.width
+        size = INDEX_DTYPE.itemsize
+        for _ in range(w):
+            k = int(keys[base + i])
+            if k == 0:
+                return False
+            if k == key and int(blocks[base + i]) == block:
+                break
+            i = (i + 1) % w
+        else:
+            return False
+        # Backward shift: pull later entries of the probe run into the hole.
+        hole = i
+        j = (i + 1) % w
+        while True:
+            kj = int(keys[base + j])
+            if kj == 0:
+                break
+            home = (kj >> 16) % w
+            # Move entry j into the hole if its home is not in the cyclic range (hole, j].
+            if (j - home) % w >= (j - hole) % w:
+                journal.save(self.base + (base + hole) * size, size)
+                keys[base + hole] = kj
+                blocks[base + hole] = blocks[base + j]
+                hole = j
+            j = (j + 1) % w
+        journal.save(self.base + (base + hole) * size, size)
+        keys[base + hole] = 0
+        blocks[base + hole] = -1
+        return True

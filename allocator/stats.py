@@ -1,0 +1,42 @@
+"""Pool statistics computed from a segment view (live or dump): one vectorised pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, ClientState, SegmentView, SeqState
+
+
+def pool_stats(view: SegmentView) -> dict[str, Any]:
+    """Block counts by state, occupancy and counters summed over every process."""
+    h = view.h
+    st = np.bincount(view.blocks["state"], minlength=len(BlockState))
+    n = int(h["num_blocks"])
+    clients = view.clients
+    live = clients["state"] == ClientState.ATTACHED
+    seqs = view.seqs
+    live_seqs = seqs["state"] != SeqState.EMPTY
+    out: dict[str, Any] = {
+        "num_blocks": n,
+        "num_free": int(st[BlockState.FREE]),
+        "num_cached": int(st[BlockState.CACHED]),
+        "num_allocated": int(st[BlockState.ALLOCATED]),
+        "num_local": int(st[BlockState.LOCAL]),
+        "num_quarantined": int(st[BlockState.QUARANTINED]),
+        "num_sequences": int(live_seqs.sum()),
+        "num_clients": int(live.sum()),
+        "ring_count": int(view.ring_header["count"][0]),
+        "refcount_peak": int(view.blocks["refcount"].max()) if n else 0,
+        "tokens_stored": int(
+            view.blocks["num_tokens"][view.blocks["state"] == BlockState.ALLOCATED].sum()
+        ),
+    }
+    for f in COUNTER_FIELDS:
+        out[f] = int(h[f]) + int(clients[f][live].sum())
+    out["utilization"] = out["num_allocated"] / n if n else 0.0
+    held = out["num_allocated"] * int(h["block_size"])
+    out["internal_fragmentation"] = 1 - out["tokens_stored"] / held if held else 0.0
+    q = out["prefix_queries"]
+    out["prefix_hit_rate"] = out["prefix_hits"] / q if q else 0.0
+    return out
