@@ -58,7 +58,7 @@ class Batch:
         lengths = [c.start + c.length for c in chunks]
         width = max((-(-n // self.block_size) for n in lengths), default=0)
         tables = torch.full((len(chunks), max(width, 1)), -1, dtype=torch.int32)
-        for row, (chunk, n) in enumerate(zip(chunks, lengths)):
+        for row, (chunk, n) in enumerate(zip(chunks, lengths, strict=True)):
             used = -(-n // self.block_size)
             tables[row, :used] = torch.tensor(chunk.stream.seq.block_table[:used])
         seq_lens = torch.tensor(lengths, dtype=torch.int32)

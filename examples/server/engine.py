@@ -88,7 +88,7 @@ class Engine:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Perform the pool's copy-on-write copies before anything writes the new blocks."""
         if copies:
-            src, dst = zip(*copies)
+            src, dst = zip(*copies, strict=True)
             kernels.copy_blocks(self.cache.kv, list(src), list(dst))
 
     def add(self, request: Request) -> None:
@@ -140,13 +140,13 @@ class Engine:
             self._publish(stream)
         done = [
             (c.stream, row)
-            for c, row in zip(batch.chunks, batch.last_rows)
+            for c, row in zip(batch.chunks, batch.last_rows, strict=True)
             if c.stream.num_pending == 0
         ]
         if done:
             rows = torch.tensor([row for _, row in done], device=self.device)
             logits = self.model.logits(hidden[rows]).cpu()
-            for (stream, _), row_logits in zip(done, logits):
+            for (stream, _), row_logits in zip(done, logits, strict=True):
                 self._complete(stream, row_logits)
         self._sample_cache(began, len(batch.tokens))
         return len(batch.tokens)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# (layer, q [tokens, heads, head_dim], k, v [tokens, kv_heads, head_dim]) -> [tokens, heads, head_dim]
+# (layer, q [tokens, heads, dim], k, v [tokens, kv_heads, dim]) -> [tokens, heads, dim]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -218,7 +218,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:
-        """Hidden states [tokens, hidden] after the final norm, for packed `tokens` at `positions`."""
+        """Hidden states [tokens, hidden] after the final norm of packed `tokens` at `positions`."""
         assert tokens.shape == positions.shape and tokens.dim() == 1
         x = self.model.embed_tokens(tokens)
         if self.inv_freq.device != positions.device:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from kvscope.allocator.errors import PoolExhausted
 
 from .workload import Request
@@ -150,7 +149,7 @@ class Scheduler:
                 self.set_aside(victim)
 
     def fork(self, parent: Stream, child: Stream) -> bool:
-        """Give `child` a fork of `parent`'s sequence, setting others aside while the pool is full."""
+        """Fork `parent`'s sequence for `child`, setting others aside while the pool is full."""
         while True:
             try:
                 child.seq = self.cache.fork(parent.seq, child.name)
