@@ -342,6 +342,7 @@ class KVPool:
 
     def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
+        self._check_process()
         tokens = [int(x) for x in tokens]
         if not tokens:
             raise PoolError("allocate needs at least one token")
@@ -687,6 +688,7 @@ class KVPool:
         return [table[p // bs] * spb + p % bs for p in range(start, end)]
 
     def _own(self, seq: Sequence) -> None:
+        self._check_process()
         if not isinstance(seq, Sequence):
             raise PoolError(f"expected a Sequence, got {type(seq).__name__}")
         if seq.pool_uid != self._uid:
@@ -702,6 +704,7 @@ class KVPool:
         """Block counts by state and the pool's counters (all processes)."""
         from kvscope.allocator.stats import pool_stats
 
+        self._check_process()
         return pool_stats(self.view)
 
     def check(self) -> list:
@@ -709,6 +712,7 @@ class KVPool:
         from kvscope.allocator.check import check_view
         from kvscope.allocator.snapshot import snapshot
 
+        self._check_process()
         return check_view(snapshot(self.view))
 
     def report(self, finding) -> None:

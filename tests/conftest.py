@@ -1,0 +1,56 @@
+"""Shared fixtures: unique pool names, cleaned up after each test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from kvscope.allocator import KVPool, PoolConfig
+from kvscope.allocator.segment import data_path, segment_path
+
+
+def _cleanup(name: str) -> None:
+    for p in (segment_path(name), data_path(name)):
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+@pytest.fixture
+def pool_name():
+    """A fresh pool name; its files are removed after the test."""
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    _cleanup(name)
+
+
+@pytest.fixture
+def make_pool(pool_name):
+    """Factory: make_pool(num_blocks=..., **config) -> KVPool (closed and unlinked afterwards)."""
+    made: list[KVPool] = []
+
+    def make(num_blocks: int = 64, **kw) -> KVPool:
+        kw.setdefault("block_size", 4)
+        kw.setdefault("head_dim", 8)
+        kw.setdefault("num_layers", 1)
+        kw.setdefault("dtype", "float32")
+        pool = KVPool.create(pool_name if not made else f"{pool_name}-{len(made)}", PoolConfig(num_blocks=num_blocks, **kw))
+        made.append(pool)
+        return pool
+
+    yield make
+    for p in made:
+        if not p._closed and p.pid == os.getpid():
+            p.close()
+        _cleanup(p.name)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

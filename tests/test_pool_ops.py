@@ -1,0 +1,242 @@
+"""Unit tests of every pool operation: allocate, append, fork, copy-on-write, free, evict, preempt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvscope.allocator import BlockState, KVPool, PoolError, PoolExhausted
+
+
+def test_allocate_reserves_ceil_blocks_and_check_is_clean(make_pool):
+    # GIVEN a pool with block size 4
+    pool = make_pool(64)
+    # WHEN a 10-token prompt is allocated
+    seq = pool.allocate("r1", list(range(10)))
+    # THEN it holds 3 distinct blocks, the pool counts them and check() is clean
+    assert len(set(seq.block_table)) == 3
+    assert pool.block_table(seq) == seq.block_table
+    st = pool.stats()
+    assert st["num_allocated"] == 3
+    assert st["num_free"] + st["num_local"] + st["num_allocated"] == 64
+    assert pool.check() == []
+
+
+def test_block_records_ownership_tokens_and_generation(make_pool):
+    pool = make_pool(16)
+    seq = pool.allocate("req-7", [5, 6, 7, 8, 9])
+    b = pool.view.blocks
+    first, second = seq.block_table
+    assert b["tokens"][first].tolist() == [5, 6, 7, 8]
+    assert b["num_tokens"][second] == 1 and b["tokens"][second][0] == 9
+    assert b["request"][first] == b"req-7"
+    assert b["owner_pid"][first] == pool.pid
+    assert b["generation"][first] == 1
+    assert b["alloc_ns"][first] > 0
+    pool.free(seq)
+    again = pool.allocate("req-8", [1, 2, 3, 4, 5, 6, 7, 8])
+    # Blocks are recycled from the local cache, with a new generation each time.
+    assert set(again.block_table) & {first, second}
+    reused = (set(again.block_table) & {first, second}).pop()
+    assert b["generation"][reused] == 2
+
+
+def test_append_fills_last_block_then_takes_new_ones(make_pool):
+    pool = make_pool(16)
+    seq = pool.allocate("r", [1, 2, 3])
+    assert pool.append(seq, [4]) == []
+    assert seq.num_blocks == 1 and seq.num_tokens == 4
+    assert pool.append(seq, [5, 6, 7, 8, 9]) == []
+    assert seq.num_blocks == 3
+    assert pool.view.blocks["tokens"][seq.block_table[2]][0] == 9
+    assert pool.view.seqs["num_tokens"][seq.slot] == 9
+    assert pool.check() == []
+
+
+def test_prefix_hit_after_mark_computed_shares_blocks(make_pool):
+    pool = make_pool(32)
+    prompt = list(range(100, 113))  # 13 tokens: 3 full blocks + 1
+    a = pool.allocate("a", prompt)
+    assert a.num_cached_tokens == 0
+    # Nothing is shared before the KV is marked computed.
+    b0 = pool.allocate("b0", prompt)
+    assert b0.num_cached_tokens == 0
+    pool.free(b0)
+    assert pool.mark_computed(a, len(prompt)) == 3
+    b = pool.allocate("b", prompt[:12] + [999])
+    assert b.num_cached_tokens == 12
+    assert b.block_table[:3] == a.block_table[:3]
+    assert pool.view.blocks["refcount"][a.block_table[0]] == 2
+    assert pool.stats()["prefix_hits"] == 3
+    # A prompt that is exactly its cached blocks recomputes the last one (its logits are needed).
+    c = pool.allocate("c", prompt[:12])
+    assert c.num_cached_tokens == 8
+    assert pool.check() == []
+
+
+def test_prefix_hit_is_verified_against_stored_tokens(make_pool):
+    # GIVEN a published prefix whose stored token ids are then changed (a forged hash collision)
+    pool = make_pool(32)
+    a = pool.allocate("a", list(range(9)))
+    pool.mark_computed(a, 9)
+    pool.view.blocks["tokens"][a.block_table[0], 0] = 12345
+    # WHEN another prompt with the same hash chain arrives
+    b = pool.allocate("b", list(range(9)))
+    # THEN the hit is refused: no other prompt's KV is returned
+    assert b.num_cached_tokens == 0
+    assert not set(b.block_table) & set(a.block_table)
+
+
+def test_free_keeps_published_blocks_cached_and_hit_revives_them(make_pool):
+    pool = make_pool(32)
+    prompt = list(range(9))
+    a = pool.allocate("a", prompt)
+    pool.mark_computed(a, 9)
+    shared = a.block_table[:2]
+    pool.free(a)
+    assert pool.stats()["num_cached"] == 2
+    assert (pool.view.blocks["state"][shared] == BlockState.CACHED).all()
+    b = pool.allocate("b", prompt)
+    assert b.block_table[:2] == shared
+    assert (pool.view.blocks["state"][shared] == BlockState.ALLOCATED).all()
+    assert pool.check() == []
+
+
+def test_fork_shares_everything_and_cow_on_first_write(make_pool):
+    pool = make_pool(32)
+    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
+    child = pool.fork(parent, "c")
+    assert child.block_table == parent.block_table
+    assert (pool.view.blocks["refcount"][parent.block_table] == 2).all()
+    # The last block is partly filled and shared: the child's first append copies it.
+    copies = pool.append(child, [7])
+    assert len(copies) == 1
+    src, dst = copies[0]
+    assert src == parent.block_table[-1] and dst == child.block_table[-1] and src != dst
+    assert pool.view.blocks["tokens"][dst][:3].tolist() == [5, 6, 7]
+    assert pool.view.blocks["refcount"][src] == 1
+    # The parent now owns its last block alone: no copy.
+    assert pool.append(parent, [8]) == []
+    assert pool.stats()["num_cow"] == 1
+    assert pool.check() == []
+    pool.free(parent)
+    pool.free(child)
+    assert pool.check() == []
+    assert pool.stats()["num_allocated"] == 0
+
+
+def test_eviction_takes_least_recently_used_cached_blocks_first(make_pool):
+    pool = make_pool(8, local_cache_size=0)
+    old = pool.allocate("old", list(range(5)))  # 2 blocks
+    pool.mark_computed(old, 5)
+    pool.free(old)  # 1 cached, 1 free
+    new = pool.allocate("new", list(range(50, 55)))
+    pool.mark_computed(new, 5)
+    pool.free(new)
+    cached_old = old.block_table if old.block_table else None
+    assert pool.stats()["num_cached"] == 2
+    before = pool.view.blocks["access_ns"].copy()
+    # Fill the pool: 6 free blocks then eviction of the older cached one first.
+    big = pool.allocate("big", list(range(200, 228)))  # 7 blocks
+    st = pool.stats()
+    assert st["num_evictions"] == 1 and st["num_cached"] == 1
+    survivor = np.flatnonzero(pool.view.blocks["state"] == BlockState.CACHED)[0]
+    victim_time = before[before > 0].min()
+    assert before[survivor] > victim_time
+    assert cached_old is None
+    pool.free(big)
+    assert pool.check() == []
+
+
+def test_exhausted_names_holders_and_leaves_pool_unchanged(make_pool):
+    pool = make_pool(4, local_cache_size=0)
+    a = pool.allocate("holder-a", list(range(12)))  # 3 blocks
+    with pytest.raises(PoolExhausted) as e:
+        pool.allocate("b", list(range(8)))
+    assert e.value.needed == 2 and e.value.free == 1
+    assert "holder-a=3" in str(e.value)
+    assert pool.stats()["num_sequences"] == 1
+    assert pool.check() == []
+    pool.free(a)
+
+
+def test_running_sequences_are_never_preempted_waiting_ones_are(make_pool):
+    pool = make_pool(4, local_cache_size=0)
+    run = pool.allocate("run", list(range(4)))
+    wait = pool.allocate("wait", list(range(8)))
+    pool.set_state(wait, "waiting")
+    got = pool.allocate("new", list(range(12)))  # needs 3 blocks: only by preempting "wait"
+    assert wait.state == "preempted" and wait.block_table == []
+    assert run.block_table and got.num_blocks == 3
+    assert pool.stats()["num_preemptions"] == 1
+    with pytest.raises(PoolExhausted):
+        pool.allocate("more", list(range(4)))
+    pool.free(got)
+    assert pool.resume(wait) == 0
+    assert wait.num_blocks == 2 and wait.state == "running"
+    assert pool.check() == []
+
+
+def test_abort_and_double_free_are_rejected(make_pool):
+    pool = make_pool(16)
+    seq = pool.allocate("r", [1, 2, 3])
+    pool.abort(seq)
+    assert seq.state == "aborted"
+    with pytest.raises(PoolError, match="already aborted"):
+        pool.free(seq)
+    assert pool.stats()["num_allocated"] == 0
+
+
+def test_sequence_from_another_pool_is_rejected(make_pool):
+    a = make_pool(16)
+    b = make_pool(16)
+    seq = a.allocate("r", [1, 2])
+    with pytest.raises(PoolError, match="another pool"):
+        b.free(seq)
+    with pytest.raises(PoolError, match="expected a Sequence"):
+        b.free("r")  # type: ignore[arg-type]
+
+
+def test_long_sequence_is_allocated_and_freed_in_chunks(make_pool):
+    pool = make_pool(1200, block_size=4, max_blocks_per_seq=1024)
+    seq = pool.allocate("long", list(range(4 * 1000)))
+    assert seq.num_blocks == 1000
+    assert pool.check() == []
+    pool.append(seq, list(range(4 * 20)))
+    assert seq.num_blocks == 1020
+    pool.free(seq)
+    assert pool.stats()["num_allocated"] == 0
+    assert pool.check() == []
+
+
+def test_attach_sees_the_same_blocks_and_kv_bytes(make_pool):
+    pool = make_pool(16)
+    seq = pool.allocate("r", [1, 2, 3, 4, 5])
+    pool.kv[0, 0, seq.block_table[0]] = 3.5
+    other = KVPool.attach(pool.name)
+    try:
+        assert other.stats()["num_allocated"] == 2
+        assert float(other.kv[0, 0, seq.block_table[0]].mean()) == 3.5
+        assert other.config.num_blocks == 16 and other.config.block_size == 4
+    finally:
+        other.close()
+
+
+def test_evict_returns_cached_blocks_to_the_ring(make_pool):
+    pool = make_pool(16)
+    a = pool.allocate("a", list(range(9)))
+    pool.mark_computed(a, 9)
+    pool.free(a)
+    assert pool.stats()["num_cached"] == 2
+    assert pool.evict(10) == 2
+    assert pool.stats()["num_cached"] == 0
+    assert pool.check() == []
+    b = pool.allocate("b", list(range(9)))
+    assert b.num_cached_tokens == 0
+
+
+def test_slot_mapping_follows_the_block_table(make_pool):
+    pool = make_pool(16)
+    seq = pool.allocate("r", list(range(6)))
+    t = seq.block_table
+    assert pool.slot_mapping(seq, 0, 6) == [t[0] * 4 + i for i in range(4)] + [t[1] * 4, t[1] * 4 + 1]
