@@ -1,0 +1,90 @@
+"""Guard-mode error buffer: where kernels record block-table and slot violations.
+
+Layout of the int32 buffer made by `new_error_buffer(capacity)`:
+`[count, capacity, record_0 ..., record_{capacity-1}]`, each record `ERROR_FIELDS` int32s
+`(sequence, logical_block, physical_block, slot, kind)`. `count` counts every violation seen,
+also those past `capacity`, which are dropped. Usage::
+
+    errors = new_error_buffer(device=q.device)
+    out = paged_decode(q, k, v, tables, lens, block_state=state, errors=errors)
+    for e in decode_errors(errors): ...  # {"sequence", "logical_block", ...}
+"""
+
+from __future__ import annotations
+
+import torch
+
+ERROR_FIELDS = 5
+HEADER_FIELDS = 2
+
+KIND_OUT_OF_RANGE = 1
+KIND_NOT_ALLOCATED = 2
+KIND_SLOT_OVERFLOW = 3
+KIND_NAMES = {
+    KIND_OUT_OF_RANGE: "out_of_range",
+    KIND_NOT_ALLOCATED: "not_allocated",
+    KIND_SLOT_OVERFLOW: "slot_overflow",
+}
+
+
+def new_error_buffer(capacity: int = 256, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed error buffer that holds up to `capacity` violation records."""
+    assert capacity >= 1
+    buf = torch.zeros(HEADER_FIELDS + capacity * ERROR_FIELDS, dtype=torch.int32, device=device)
+    buf[1] = capacity
+    return buf
+
+
+def error_capacity(errors: torch.Tensor) -> int:
+    """How many records `errors` can hold (from its size, so it needs no device read)."""
+    assert errors.dtype == torch.int32 and errors.dim() == 1 and errors.is_contiguous()
+    return (errors.numel() - HEADER_FIELDS) // ERROR_FIELDS
+
+
+def clear_errors(errors: torch.Tensor) -> None:
+    """Reset the buffer so it can be reused for the next launch."""
+    errors[0] = 0
+    errors[HEADER_FIELDS:] = 0
+
+
+def num_errors(errors: torch.Tensor) -> int:
+    """Violations recorded since the buffer was made or cleared (dropped ones included)."""
+    return int(errors[0].item())
+
+
+def decode_errors(errors: torch.Tensor) -> list[dict[str, object]]:
+    """The recorded violations as dicts {sequence, logical_block, physical_block, slot, kind}.
+
+    `slot` is the offset inside the block for `store_kv` violations and -1 for attention reads;
+    for `store_kv` and `copy_blocks` `sequence` is the token or pair index, `logical_block` -1.
+    """
+    host = errors.detach().to("cpu")
+    count = min(int(host[0]), error_capacity(host))
+    rows = host[HEADER_FIELDS : HEADER_FIELDS + count * ERROR_FIELDS].view(count, ERROR_FIELDS)
+    records = []
+    for seq, logical, physical, slot, kind in rows.tolist():
+        records.append(
+            {
+                "sequence": seq,
+                "logical_block": logical,
+                "physical_block": physical,
+                "slot": slot,
+                "kind": KIND_NAMES.get(kind, f"unknown_{kind}"),
+            }
+        )
+    records.sort(key=lambda r: (r["sequence"], r["logical_block"], r["physical_block"]))
+    return records
+
+
+def record_errors(errors: torch.Tensor, rows: torch.Tensor) -> None:
+    """Append violation `rows` [n, ERROR_FIELDS] to `errors` (the torch references' writer)."""
+    if rows.numel() == 0:
+        return
+    rows = rows.to(device=errors.device, dtype=torch.int32).view(-1, ERROR_FIELDS)
+    start = int(errors[0].item())
+    capacity = error_capacity(errors)
+    keep = rows[: max(0, capacity - start)]
+    if keep.shape[0]:
+        lo = HEADER_FIELDS + start * ERROR_FIELDS
+        errors[lo : lo + keep.numel()] = keep.reshape(-1)
+    errors[0] = start + rows.shape[0]
