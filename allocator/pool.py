@@ -470,6 +470,8 @@ class KVPool:
             self._fill(seq.block_table, n_old, tokens)
             seq.tokens.extend(tokens)
             self.view.seqs["num_tokens"][seq.slot] = n_new
+            if n_new // bs > len(seq.chain):
+                self._extend_chain(seq)
             return []
         locks: set[int] = set()
         if int(self.store.local_count[0]) < need_blocks + cow:
