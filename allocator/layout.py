@@ -416,3 +416,26 @@ def block_checksum(block_id: int, rec: np.void) -> int:
     h ^= (int(rec["prefix_hash"]) * _KI[5]) & MASK64
     h ^= int(rec["magic"])
     return h ^ (h >> 31)
+
+
+DUMP_MAGIC = 0x3150_4D55_4453_564B  # "KVSDUMP1" little-endian
+DUMP_VERSION = 1
+
+# A dump file: this header, then the segment bytes (segment_size), then the KV data if any.
+DUMP_HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("version", "<u4"),
+        ("flags", "<u4"),  # 1: KV data follows, 2: token ids redacted, 4: torn snapshot
+        ("segment_size", "<u8"),
+        ("data_size", "<u8"),
+        ("created_ns", "<u8"),
+        ("pid", "<i4"),
+        ("pad", "<u4"),
+        ("host", "S64"),
+        ("pool", "S64"),
+        ("reason", "S128"),
+        ("reserved", "u1", (256,)),
+    ]
+)
+DUMP_WITH_DATA, DUMP_REDACTED, DUMP_TORN = 1, 2, 4

@@ -44,6 +44,12 @@ from kvscope.allocator.sequence import STATE_NAMES, SeqTable, Sequence, request_
 from kvscope.allocator.txn import Escalate, Txn
 
 T = TypeVar("T")
+
+# Harness hooks, set by `kvscope run`'s bootstrap: each OPEN_HOOKS entry is called with every
+# pool this process creates or attaches; UNLINK_HOOK, when set, is called instead of unlinking
+# (the supervisor unlinks after it has dumped and analyzed the pool).
+OPEN_HOOKS: list[Callable[[KVPool], None]] = []
+UNLINK_HOOK: Callable[[KVPool], None] | None = None
 # A free of a long sequence commits in chunks so one journal never overflows.
 CHUNK = 128
 
@@ -81,6 +87,8 @@ class KVPool:
         self.on_event: Callable[..., None] | None = None
         self.site_of: Callable[[], int] | None = None
         self.on_finding: Callable[[Any], None] | None = None
+        for hook in OPEN_HOOKS:
+            hook(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -211,6 +219,9 @@ class KVPool:
 
     def unlink(self) -> None:
         """Remove the pool's files; processes still attached keep their mappings until they close."""
+        if UNLINK_HOOK is not None:
+            UNLINK_HOOK(self)
+            return
         for p in (segment_path(self.name), data_path(self.name)):
             try:
                 os.unlink(p)
