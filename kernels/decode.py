@@ -37,10 +37,10 @@ class DecodeConfig:
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
     state_ptr, errors_ptr, k_scale_ptr, v_scale_ptr,
-    scale_log2, num_blocks, max_blocks, error_capacity,
+    scale_log2, chunk, num_blocks, max_blocks, error_capacity,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_tb, stride_ob, stride_oh, stride_ab, stride_as, stride_ah, stride_mb, stride_ms,
-    CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
     GUARD: tl.constexpr, HAS_STATE: tl.constexpr, HAS_ERRORS: tl.constexpr, UPCAST: tl.constexpr,
@@ -49,11 +49,11 @@ def _decode_split_kernel(
     split = tl.program_id(1)
     kvh = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    start = split * CHUNK
+    start = split * chunk
     if SPLIT:
         if start >= seq_len:
             return
-    end = tl.minimum(start + CHUNK, seq_len)
+    end = tl.minimum(start + chunk, seq_len)
     b64 = b.to(tl.int64)
     split64 = split.to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
@@ -141,14 +141,14 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    lens_ptr, out_ptr, acc_ptr, ml_ptr,
+    lens_ptr, out_ptr, acc_ptr, ml_ptr, chunk,
     stride_ob, stride_oh, stride_ab, stride_as, stride_ah, stride_mb, stride_ms,
-    CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     b64 = b.to(tl.int64)
-    num_splits = tl.cdiv(tl.load(lens_ptr + b), CHUNK)
+    num_splits = tl.cdiv(tl.load(lens_ptr + b), chunk)
     s = tl.arange(0, SPLIT_TILE)
     d = tl.arange(0, HEAD_DIM)
     ml = ml_ptr + b64 * stride_mb + h * 2
@@ -212,12 +212,12 @@ def launch_decode(a: KernelArgs, out: torch.Tensor, cfg: DecodeConfig | None = N
     _decode_split_kernel[(batch, num_splits, kv_heads)](
         q, k, v, a.block_tables, a.seq_lens, out, acc, ml,
         g.state, g.errors, g.k_scale, g.v_scale,
-        a.scale * LOG2E, k.shape[0], max_blocks, g.capacity,
+        a.scale * LOG2E, chunk, k.shape[0], max_blocks, g.capacity,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.block_tables.stride(0),
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         ml.stride(0), ml.stride(1),
-        CHUNK=chunk, TILE=cfg.tile, BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim,
+        TILE=cfg.tile, BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         SPLIT=split, KV_FP8=g.fp8, GUARD=g.guard, HAS_STATE=g.has_state,
         HAS_ERRORS=g.has_errors, UPCAST=backend.interpreting(),
@@ -225,10 +225,10 @@ def launch_decode(a: KernelArgs, out: torch.Tensor, cfg: DecodeConfig | None = N
     )  # fmt: skip
     if split:
         _decode_merge_kernel[(batch, q_heads)](
-            a.seq_lens, out, acc, ml,
+            a.seq_lens, out, acc, ml, chunk,
             out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
             ml.stride(0), ml.stride(1),
-            CHUNK=chunk, HEAD_DIM=head_dim, SPLIT_TILE=16, num_warps=4,
+            HEAD_DIM=head_dim, SPLIT_TILE=16, num_warps=4,
         )  # fmt: skip
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_cases import HAS_CUDA, INTERPRETING, make_case
 from kvscope.kernels import backend_name, paged_decode, paged_decode_ref
+
+from tests.kernels_cases import HAS_CUDA, INTERPRETING, make_case
 
 
 def test_cpu_tensors_use_the_torch_reference_by_default(monkeypatch):

@@ -5,15 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_cases import (
-    TRITON_TARGETS,
-    dense_attention,
-    gathered,
-    make_case,
-    rel_err,
-    use_torch,
-    use_triton_on,
-)
 from kvscope.kernels import (
     copy_blocks,
     decode_errors,
@@ -24,6 +15,16 @@ from kvscope.kernels import (
     paged_decode,
     paged_prefill,
     store_kv,
+)
+
+from tests.kernels_cases import (
+    TRITON_TARGETS,
+    dense_attention,
+    gathered,
+    make_case,
+    rel_err,
+    use_torch,
+    use_triton_on,
 )
 
 BACKENDS = [pytest.param("torch", id="torch"), *TRITON_TARGETS]

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from kernels_cases import INTERPRETING
+
+from tests.kernels_cases import INTERPRETING
 
 TESTS = Path(__file__).resolve().parent
 FILES = ["test_kernels_triton.py", "test_kernels_guard.py", "test_kernels_backend.py"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_cases import dense_attention, gathered, make_case, rel_err
 from kvscope.kernels import (
     canary_dtype,
     copy_blocks_ref,
@@ -15,6 +14,8 @@ from kvscope.kernels import (
     store_kv_ref,
 )
 from kvscope.kernels.guard import canary_value
+
+from tests.kernels_cases import dense_attention, gathered, make_case, rel_err
 
 DECODE_CASES = [
     pytest.param([1, 15, 17, 40], 8, 4, 2, 16, id="B4-H4/2-L40-bs8"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_cases import TRITON_TARGETS, make_case, rel_err, use_triton_on
 from kvscope.kernels import (
     copy_blocks,
     copy_blocks_ref,
@@ -19,6 +18,8 @@ from kvscope.kernels import (
 )
 from kvscope.kernels.common import check_attention_inputs
 from kvscope.kernels.decode import DecodeConfig, launch_decode
+
+from tests.kernels_cases import TRITON_TARGETS, make_case, rel_err, use_triton_on
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 
