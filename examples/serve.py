@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-batched-tokens", type=int, default=256)
     c.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per step")
     c.add_argument("--workers", type=int, default=1, help="processes serving from one pool")
+    c.add_argument("--threads", type=int, default=0, help="torch threads (0: 1 for tiny model)")
     c.add_argument("--pool-name", default="", help="pool name (default serve-PID)")
     c.add_argument("--keep-pool", action="store_true", help="leave the pool for kvscope top")
     o = p.add_argument_group("output")
@@ -114,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batched_tokens,
         prefill_chunk=args.prefill_chunk,
         seed=args.seed,
+        threads=args.threads,
     )
     vocab_size = _vocab_size(args.model)
     if args.jsonl is not None:

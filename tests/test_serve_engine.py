@@ -23,6 +23,15 @@ from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E4
 BLOCK_SIZE = 8
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls on 2 busy cores run ~50x slower with 2 OpenMP threads than with 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
     return tiny_model(0)

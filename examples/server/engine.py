@@ -88,8 +88,8 @@ class Engine:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Perform the pool's copy-on-write copies before anything writes the new blocks."""
         if copies:
-            src, dst = zip(*copies, strict=True)
-            kernels.copy_blocks(self.cache.kv, list(src), list(dst))
+            pairs = torch.tensor(copies, dtype=torch.int64, device=self.cache.kv.device)
+            kernels.copy_blocks(self.cache.kv, pairs[:, 0], pairs[:, 1])
 
     def add(self, request: Request) -> None:
         """Queue a request: its first stream waits for admission."""

@@ -49,7 +49,15 @@ class RunConfig:
     max_num_batched_tokens: int = 256
     prefill_chunk: int = 64
     seed: int = 0
+    # torch threads per process; 0: one for the tiny model (OpenMP only slows tiny matmuls)
+    threads: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def num_threads(self) -> int:
+        """Threads each serving process should run torch with (0: leave torch's default)."""
+        if self.threads > 0:
+            return self.threads
+        return 1 if self.model_path is None or self.workers > 1 else 0
 
 
 @dataclass
@@ -130,10 +138,16 @@ def run(
         config.pool_name = f"serve-{os.getpid()}"
     max_len = config.max_len or max(len(r.prompt) + r.max_tokens for r in requests)
     model = build_model(config)
-    if config.workers == 1:
-        reports, duration_s, extra = _run_here(config, model, requests, max_len, on_finish)
-    else:
-        reports, duration_s, extra = _run_workers(config, model, requests, max_len, on_finish)
+    threads_before = torch.get_num_threads()
+    try:
+        if config.num_threads():
+            torch.set_num_threads(config.num_threads())
+        if config.workers == 1:
+            reports, duration_s, extra = _run_here(config, model, requests, max_len, on_finish)
+        else:
+            reports, duration_s, extra = _run_workers(config, model, requests, max_len, on_finish)
+    finally:
+        torch.set_num_threads(threads_before)
     errors = [r.error for r in reports if r.error]
     if errors:
         raise RuntimeError("a worker failed:\n" + errors[0])
@@ -238,7 +252,7 @@ def worker_main(
 ) -> None:
     """A worker process: load the model, attach the pool, serve its requests, report."""
     ready, go, start_value, finished, reports_q = channels
-    torch.set_num_threads(1)
+    torch.set_num_threads(config.num_threads() or 1)
     is_ready = False
     try:
         model = build_model(config)

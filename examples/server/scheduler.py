@@ -169,6 +169,9 @@ class Scheduler:
             self.running.remove(stream)
         else:
             self.waiting.remove(stream)
+        if stream.seq.state == "preempted":
+            # its blocks were taken while it was set aside; it finished without needing them
+            self.num_preemptions += 1
         self.cache.free(stream.seq)
 
     def abort(self, stream: Stream) -> None:
