@@ -68,7 +68,7 @@ class BlockStore:
 
     def seal(self, ids: np.ndarray) -> None:
         """Recompute the records' checksums after changing identity fields."""
-        self.checksum[ids] = block_checksums(self.blocks[ids], ids)
+        self.checksum[ids] = block_checksums(self.blocks, ids)
 
     def shard_locks_for(self, ids: np.ndarray) -> set[int]:
         """Locks of the index shards that govern the indexed blocks among ids."""

@@ -134,30 +134,34 @@ HEADER_CHECKSUM_BYTES = HEADER_DTYPE.fields["checksum"][1]
 
 
 def block_dtype(block_size: int) -> np.dtype:
-    """One fixed record per physical block."""
-    return np.dtype(
-        [
-            ("magic", "<u4"),
-            ("state", "u1"),
-            ("indexed", "u1"),
-            ("poisoned", "u1"),
-            ("pad", "u1"),
-            ("refcount", "<i4"),
-            ("generation", "<u4"),
-            ("owner_pid", "<i4"),
-            ("owner_client", "<i4"),
-            ("owner_start", "<u8"),
-            ("request", f"S{REQUEST_BYTES}"),
-            ("alloc_ns", "<u8"),
-            ("access_ns", "<u8"),
-            ("site", "<i4"),
-            ("num_tokens", "<u4"),
-            ("prefix_hash", "<u8"),
-            ("parent_hash", "<u8"),
-            ("checksum", "<u8"),
-            ("tokens", "<i4", (block_size,)),
-        ]
-    )
+    """One fixed record per physical block; the first 32 bytes are the checksummed identity."""
+    fields = [
+        ("magic", "<u4"),
+        ("state", "u1"),
+        ("indexed", "u1"),
+        ("poisoned", "u1"),
+        ("pad", "u1"),
+        ("refcount", "<i4"),
+        ("generation", "<u4"),
+        ("owner_pid", "<i4"),
+        ("owner_client", "<i4"),
+        ("prefix_hash", "<u8"),
+        ("checksum", "<u8"),
+        ("owner_start", "<u8"),
+        ("request", f"S{REQUEST_BYTES}"),
+        ("alloc_ns", "<u8"),
+        ("access_ns", "<u8"),
+        ("site", "<i4"),
+        ("num_tokens", "<u4"),
+        ("parent_hash", "<u8"),
+        ("tokens", "<i4", (block_size,)),
+    ]
+    if block_size % 2:
+        fields.append(("pad2", "<u4"))
+    return np.dtype(fields)
+
+
+IDENTITY_WORDS = 4
 
 
 RING_HEADER_DTYPE = np.dtype([("head", "<u8"), ("tail", "<u8"), ("count", "<u4"), ("pad", "<u4")])
@@ -376,46 +380,39 @@ def header_checksum(raw: np.ndarray) -> int:
 
 
 _K = np.array(
-    [
-        0x9E3779B97F4A7C15,
-        0xC2B2AE3D27D4EB4F,
-        0x165667B19E3779F9,
-        0x27D4EB2F165667C5,
-        0xFF51AFD7ED558CCD,
-        0xC4CEB9FE1A85EC53,
-    ],
+    [0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD],
     dtype=np.uint64,
 )
-
-
-def block_checksums(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Checksum of each block record's identity fields (id, state, refcount, generation, owner, hash)."""
-    with np.errstate(over="ignore"):
-        h = ids.astype(np.uint64) * _K[0]
-        h ^= blocks["state"].astype(np.uint64) * _K[1]
-        h ^= blocks["refcount"].astype(np.int64).astype(np.uint64) * _K[2]
-        h ^= blocks["generation"].astype(np.uint64) * _K[3]
-        h ^= blocks["owner_pid"].astype(np.int64).astype(np.uint64) * _K[4]
-        h ^= blocks["prefix_hash"] * _K[5]
-        h ^= blocks["magic"].astype(np.uint64)
-        h ^= h >> np.uint64(31)
-    return h
-
-
 MASK64 = (1 << 64) - 1
 _KI = [int(k) for k in _K]
 
 
-def block_checksum(block_id: int, rec: np.void) -> int:
-    """Scalar twin of `block_checksums` for one record (the single-block hot path)."""
-    h = (block_id * _KI[0]) & MASK64
-    h ^= (int(rec["state"]) * _KI[1]) & MASK64
-    h ^= ((int(rec["refcount"]) & MASK64) * _KI[2]) & MASK64
-    h ^= (int(rec["generation"]) * _KI[3]) & MASK64
-    h ^= ((int(rec["owner_pid"]) & MASK64) * _KI[4]) & MASK64
-    h ^= (int(rec["prefix_hash"]) * _KI[5]) & MASK64
-    h ^= int(rec["magic"])
-    return h ^ (h >> 31)
+def block_words(blocks: np.ndarray) -> np.ndarray:
+    """The block records as rows of little-endian 64-bit words (identity = first 4 words)."""
+    return blocks.view(np.uint64).reshape(len(blocks), blocks.dtype.itemsize // 8)
+
+
+def block_checksums(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Checksum of each block record's identity words (magic, state, refcount, generation, owner, hash)."""
+    w = block_words(blocks)[ids, :IDENTITY_WORDS]
+    with np.errstate(over="ignore"):
+        h = (w * _K[:IDENTITY_WORDS]).sum(axis=1, dtype=np.uint64) + np.asarray(ids, np.uint64) * _K[4]
+        h ^= h >> np.uint64(29)
+        h *= _K[0]
+        h ^= h >> np.uint64(32)
+    return h
+
+
+def block_checksum(words: np.ndarray, block_id: int) -> int:
+    """Scalar twin of `block_checksums` for one block (the single-block hot path)."""
+    row = words[block_id]
+    h = (
+        int(row[0]) * _KI[0] + int(row[1]) * _KI[1] + int(row[2]) * _KI[2] + int(row[3]) * _KI[3]
+        + block_id * _KI[4]
+    ) & MASK64
+    h ^= h >> 29
+    h = (h * _KI[0]) & MASK64
+    return h ^ (h >> 32)
 
 
 DUMP_MAGIC = 0x3150_4D55_4453_564B  # "KVSDUMP1" little-endian
