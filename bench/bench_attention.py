@@ -138,7 +138,7 @@ def read_roofline_gbs() -> float:
     """Read-only bandwidth: a bf16 sum over 1 GiB (bytes read per second)."""
     src = torch.randn(1 << 29, dtype=DTYPE, device="cuda")
     out = torch.empty((), dtype=torch.float32, device="cuda")
-    us = graph_us(lambda: torch.sum(src, dtype=torch.float32, out=out))
+    us = graph_us(lambda: torch.sum(src, dim=0, dtype=torch.float32, out=out))
     return (1 << 30) / us / 1e3
 
 
