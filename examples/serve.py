@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--jsonl", type=Path, help="read requests from this JSONL file instead")
     c = p.add_argument_group("cache and batching")
     c.add_argument("--baseline", choices=["paged", "static"], default="paged")
-    c.add_argument("--num-blocks", type=int, default=96)
+    c.add_argument("--num-blocks", type=int, default=64)
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--max-len", type=int, default=0, help="static reservation (0: the longest)")
     c.add_argument("--max-num-seqs", type=int, default=32)

@@ -39,7 +39,7 @@ class RunConfig:
     dtype: str = "auto"
     device: str = "cpu"
     baseline: str = "paged"
-    num_blocks: int = 96
+    num_blocks: int = 64
     block_size: int = 16
     max_len: int = 0
     workers: int = 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvscope.allocator.errors import PoolExhausted
+from kvscope.allocator import PoolExhausted
 
 
 @dataclass

@@ -39,8 +39,8 @@ class Request:
 class WorkloadSpec:
     """Knobs of the synthetic generator; lengths are inclusive (low, high) ranges."""
 
-    num_requests: int = 48
-    rate: float = 64.0
+    num_requests: int = 64
+    rate: float = 200.0
     prompt_len: tuple[int, int] = (8, 48)
     output_len: tuple[int, int] = (8, 24)
     num_prefixes: int = 10
@@ -87,7 +87,8 @@ def read_jsonl(path: Path, vocab_size: int) -> list[Request]:
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ServeError(f"--jsonl {path}: cannot read it ({exc.__class__.__name__})") from exc
+        reason = getattr(exc, "strerror", None) or exc.__class__.__name__
+        raise ServeError(f"--jsonl {path}: cannot read it ({reason})") from exc
     requests: list[Request] = []
     seen: set[str] = set()
     for lineno, line in enumerate(lines, start=1):
