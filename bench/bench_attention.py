@@ -25,16 +25,18 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+ROOT = Path(__file__).resolve().parents[1]
 try:
     import kvscope.kernels  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
     import kvscope
 
-    kvscope.__path__.append(str(Path(__file__).resolve().parents[1]))
+    kvscope.__path__.append(str(ROOT))
 
-from kvscope.kernels import new_error_buffer
-from kvscope.kernels.common import check_attention_inputs
-from kvscope.kernels.decode import DecodeConfig, launch_decode
+from kvscope.kernels import new_error_buffer  # noqa: E402
+from kvscope.kernels.common import check_attention_inputs  # noqa: E402
+from kvscope.kernels.decode import DecodeConfig, launch_decode  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
