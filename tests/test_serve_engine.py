@@ -131,6 +131,21 @@ def test_n_samples_share_the_prompt_through_fork_and_copy_on_write(
     assert_pool_clean(pool)
 
 
+def test_forked_samples_survive_preemption(model: LlamaModel, pools: list) -> None:
+    # GIVEN 3 samples per request in a pool too small for all of them: set-aside sequences
+    # then hold blocks that are shared with running siblings
+    pool = make_pool(model, 20)
+    pools.append(pool)
+    requests = workload(8, n=3, prompt_len=(10, 30), output_len=(10, 24), prefix_share=0.5)
+    engine = Engine(model, pool, max_num_seqs=12, prefill_chunk=16)
+    # WHEN served
+    results = engine.run(requests)
+    # THEN there were preemptions and copies, and nothing diverged or leaked
+    assert engine.scheduler.num_preemptions > 0 and pool.stats()["num_cow"] > 0
+    assert_matches_reference(model, requests, results)
+    assert_pool_clean(pool)
+
+
 def test_temperature_sampling_is_seeded(model: LlamaModel, pools: list) -> None:
     # GIVEN the same sampled workload served twice with one seed, once with another
     requests = workload(3, seed=3, n=2, temperature=1.5, output_len=(12, 12), prefix_share=0)
