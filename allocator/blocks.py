@@ -191,6 +191,9 @@ class BlockStore:
             assert removed, f"cached block {b} missing from the prefix index"
         self.indexed[cand] = 0
         self.refcount[cand] = 0
+        # In flight to the caller (stamped or pushed to the ring before the commit).
+        self.state[cand] = BlockState.LOCAL
+        self.blocks["owner_client"][cand] = self.client
         crash_point("blocks.after_evict")
         return cand.astype(np.int64)
 

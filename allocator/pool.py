@@ -302,7 +302,11 @@ class KVPool:
 
     def _preempt_one(self, t: Txn) -> bool:
         """Free the blocks of this process's oldest waiting sequence; False if there is none."""
-        waiting = [s for s in self._seqs.values() if s.state == "waiting" and s.block_table]
+        # The segment's state, not the Python one: it is rolled back with the transaction.
+        states = self.view.seqs["state"]
+        waiting = [
+            s for s in self._seqs.values() if states[s.slot] == SeqState.WAITING and s.block_table
+        ]
         if not waiting:
             return False
         seq = min(waiting, key=lambda s: s.seq_id)
