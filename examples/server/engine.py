@@ -26,6 +26,7 @@ from .batch import Batch
 from .model import LlamaModel
 from .report import RequestResult, StepSample
 from .scheduler import Scheduler, Stream
+from .static import StaticCache
 from .workload import Request
 
 
@@ -73,8 +74,10 @@ class Engine:
         self.worker = worker
         self.clock = clock
         self.start_s = clock()
+        # the static layout reserves everything at admission: no headroom to keep
+        watermark = 0.0 if isinstance(cache, StaticCache) else 1.0
         self.scheduler = Scheduler(
-            cache, self.copy_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk
+            cache, self.copy_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk, watermark
         )
         self.states: dict[str, RequestState] = {}
         self.results: list[RequestResult] = []
@@ -232,11 +235,10 @@ class Engine:
         """Why a request can never be served by this cache ('' when it can)."""
         config = self.cache.config
         length = len(request.prompt) + request.max_tokens
-        max_len = getattr(self.cache, "max_len", 0)
-        if max_len and length > max_len:
-            return f"prompt + max_tokens = {length} exceeds the static max_len {max_len}"
-        if max_len:
-            blocks = getattr(self.cache, "blocks_per_seq", 0) * request.n
+        if isinstance(self.cache, StaticCache):
+            if length > self.cache.max_len:
+                return f"prompt + max_tokens = {length} exceeds the static max_len {self.cache.max_len}"
+            blocks = self.cache.blocks_per_seq * request.n
         else:
             blocks = -(-len(request.prompt) // config.block_size)
             blocks += request.n * -(-request.max_tokens // config.block_size) + request.n

@@ -96,8 +96,8 @@ def build_cache(config: RunConfig, model: LlamaModel, max_len: int, workers: int
     return StaticCache(geometry, max_len)
 
 
-def create_pool(config: RunConfig, model: LlamaModel) -> Any:
-    """A new shared pool shaped for `model`."""
+def create_pool(config: RunConfig, model: LlamaModel, max_n: int = 1) -> Any:
+    """A new shared pool shaped for `model`, with sequence slots for every worker's streams."""
     from kvscope.allocator import KVPool, PoolConfig, PoolError
 
     pool_config = PoolConfig(
@@ -108,6 +108,7 @@ def create_pool(config: RunConfig, model: LlamaModel) -> Any:
         head_dim=model.config.head_dim,
         dtype=model.lm_head.weight.dtype,
         device=config.device,
+        max_seqs=max(64, 2 * config.workers * config.max_num_seqs * max_n),
     )
     try:
         return KVPool.create(config.pool_name, pool_config)
@@ -176,7 +177,7 @@ def _run_here(
     if config.baseline == "static":
         cache = build_cache(config, model, max_len)
     else:
-        cache = create_pool(config, model)
+        cache = create_pool(config, model, max(r.n for r in requests))
     try:
         engine = make_engine(config, model, cache, worker=0)
         if on_finish is not None:
@@ -199,7 +200,8 @@ def _run_workers(
     on_finish: Callable[[int], None] | None,
 ) -> Outcome:
     """N worker processes; the paged ones share one pool created here."""
-    pool = create_pool(config, model) if config.baseline == "paged" else None
+    max_n = max(r.n for r in requests)
+    pool = create_pool(config, model, max_n) if config.baseline == "paged" else None
     ctx = mp.get_context("fork" if config.device == "cpu" else "spawn")
     ready, reports_q = ctx.Queue(), ctx.Queue()
     go, start_value, finished = ctx.Event(), ctx.Value("d", 0.0), ctx.Value("i", 0)

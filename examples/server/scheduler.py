@@ -67,6 +67,7 @@ class Scheduler:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 256,
         prefill_chunk: int = 64,
+        watermark: float = 1.0,
     ) -> None:
         assert max_num_seqs >= 1 and prefill_chunk >= 1
         self.cache = cache
@@ -74,6 +75,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
+        # free blocks to keep per running stream when admitting, so they can grow (0: static)
+        self.watermark = watermark
         self.waiting: deque[Stream] = deque()
         self.running: list[Stream] = []
         self.num_preemptions = 0
@@ -91,12 +94,24 @@ class Scheduler:
     def admit(self) -> list[Stream]:
         """Move waiting streams into the pool, oldest first, until the pool or the batch is full."""
         admitted: list[Stream] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        headroom = self.watermark > 0 and bool(self.waiting)
+        available = self._available() if headroom else 0
+        while self.waiting:
             stream = self.waiting[0]
+            # a new request will fork into n streams once its prompt is done: count them now
+            width = stream.request.n if stream.seq is None and stream.index == 0 else 1
+            need = self._blocks_needed(stream)
+            if self.running and (
+                len(self.running) + width > self.max_num_seqs
+                or headroom
+                and available - need < self.watermark * (len(self.running) + width)
+            ):
+                break
             try:
                 self._reserve(stream)
             except PoolExhausted:
                 break
+            available -= need
             self.waiting.popleft()
             self.running.append(stream)
             admitted.append(stream)
@@ -182,6 +197,20 @@ class Scheduler:
             self.waiting.remove(stream)
         if stream.seq is not None and stream.seq.state != "preempted":
             self.cache.abort(stream.seq)
+
+    def _available(self) -> int:
+        """Blocks this process could take now: free, parked locally, or cached (evictable)."""
+        stats = self.cache.stats()
+        return stats["num_free"] + stats.get("num_local", 0) + stats.get("num_cached", 0)
+
+    def _blocks_needed(self, stream: Stream) -> int:
+        """Blocks admitting `stream` takes at most (ignoring prefix hits)."""
+        block_size = self.cache.config.block_size
+        if stream.seq is None:
+            return -(-len(stream.request.prompt) // block_size)
+        if stream.seq.state == "preempted":
+            return -(-(stream.seq.num_tokens + 1) // block_size)
+        return 1 if stream.pending_token != -1 else 0
 
     def _reserve(self, stream: Stream) -> None:
         """Get blocks for a stream: a new sequence, a resumed one, or one set aside intact."""
