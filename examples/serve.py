@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=0, help="torch threads (0: 1 for tiny model)")
     c.add_argument("--pool-name", default="", help="pool name (default serve-PID)")
     c.add_argument("--keep-pool", action="store_true", help="leave the pool for kvscope top")
+    c.add_argument("--guard", action="store_true", help="pool guard mode (a guard slot per block)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
     o.add_argument("--outputs", type=Path, help="write every request's tokens here (JSONL)")
@@ -111,6 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         pool_name=args.pool_name,
         keep_pool=args.keep_pool,
+        guard=args.guard,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         prefill_chunk=args.prefill_chunk,

@@ -37,7 +37,7 @@ def model() -> LlamaModel:
     return tiny_model(0)
 
 
-def make_pool(model: LlamaModel, num_blocks: int) -> KVPool:
+def make_pool(model: LlamaModel, num_blocks: int, guard: bool = False) -> KVPool:
     config = model.config
     pool_config = PoolConfig(
         num_blocks=num_blocks,
@@ -47,6 +47,7 @@ def make_pool(model: LlamaModel, num_blocks: int) -> KVPool:
         head_dim=config.head_dim,
         dtype=model.lm_head.weight.dtype,
         device=str(model.lm_head.weight.device),
+        guard=guard,
     )
     return KVPool.create(f"test-serve-{os.getpid()}-{uuid.uuid4().hex[:8]}", pool_config)
 
@@ -85,9 +86,13 @@ def assert_pool_clean(pool: KVPool) -> None:
     assert pool.stats()["num_allocated"] == 0
 
 
-def test_paged_greedy_equals_full_recomputation(model: LlamaModel, pools: list) -> None:
-    # GIVEN a roomy pool and requests sharing system prompts, prompts chunked 8 tokens a step
-    pool = make_pool(model, 256)
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
+def test_paged_greedy_equals_full_recomputation(
+    model: LlamaModel, pools: list, guard: bool
+) -> None:
+    # GIVEN a roomy pool (with a guard slot per block or not) and requests sharing system
+    # prompts, prompts chunked 8 tokens a step
+    pool = make_pool(model, 256, guard)
     pools.append(pool)
     requests = workload(12, prefix_len=(20, 40), prompt_len=(1, 20), output_len=(4, 20))
     engine = Engine(model, pool, max_num_seqs=6, prefill_chunk=8, max_num_batched_tokens=40)

@@ -45,6 +45,7 @@ class RunConfig:
     workers: int = 1
     pool_name: str = ""
     keep_pool: bool = False
+    guard: bool = False
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     prefill_chunk: int = 64
@@ -109,6 +110,7 @@ def create_pool(config: RunConfig, model: LlamaModel, max_n: int = 1) -> Any:
         dtype=model.lm_head.weight.dtype,
         device=config.device,
         max_seqs=max(64, 2 * config.workers * config.max_num_seqs * max_n),
+        guard=config.guard,
     )
     try:
         return KVPool.create(config.pool_name, pool_config)

@@ -94,18 +94,13 @@ class Scheduler:
     def admit(self) -> list[Stream]:
         """Move waiting streams into the pool, oldest first, until the pool or the batch is full."""
         admitted: list[Stream] = []
-        headroom = self.watermark > 0 and bool(self.waiting)
-        available = self._available() if headroom else 0
+        available = self._available() if self.watermark > 0 and self.waiting else 0
         while self.waiting:
             stream = self.waiting[0]
             # a new request will fork into n streams once its prompt is done: count them now
             width = stream.request.n if stream.seq is None and stream.index == 0 else 1
             need = self._blocks_needed(stream)
-            if self.running and (
-                len(self.running) + width > self.max_num_seqs
-                or headroom
-                and available - need < self.watermark * (len(self.running) + width)
-            ):
+            if self.running and not self._has_room(width, need, available):
                 break
             try:
                 self._reserve(stream)
@@ -197,6 +192,13 @@ class Scheduler:
             self.waiting.remove(stream)
         if stream.seq is not None and stream.seq.state != "preempted":
             self.cache.abort(stream.seq)
+
+    def _has_room(self, width: int, need: int, available: int) -> bool:
+        """Whether `width` more streams fit the batch and leave `watermark` blocks per stream."""
+        num_streams = len(self.running) + width
+        if num_streams > self.max_num_seqs:
+            return False
+        return self.watermark <= 0 or available - need >= self.watermark * num_streams
 
     def _available(self) -> int:
         """Blocks this process could take now: free, parked locally, or cached (evictable)."""
