@@ -1,1 +1,18 @@
-"""kvscope.tui."""
+"""kvscope.tui: `kvscope top`, the live terminal view of a pool or a dump.
+
+from kvscope.tui import run_top
+run_top("demo")            # a live pool, by name
+run_top("pool.kvd")        # a dump file
+"""
+
+from __future__ import annotations
+
+
+def run_top(target: str, *, hz: float = 10.0) -> int:
+    """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code."""
+    from kvscope.tui.app import run_top as _run_top
+
+    return _run_top(target, hz=hz)
+
+
+__all__ = ["run_top"]

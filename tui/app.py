@@ -1,0 +1,338 @@
+"""TopApp: the live (or dump) view of one pool, and `run_top`, the entry the CLI calls."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Footer
+from textual.worker import get_current_worker
+
+from kvscope.allocator.check import check_view
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.findings import Finding, read_findings
+from kvscope.allocator.layout import DUMP_HEADER_DTYPE, DUMP_MAGIC, DUMP_TORN, DUMP_VERSION, SegmentView
+from kvscope.allocator.snapshot import snapshot
+from kvscope.allocator.stats import pool_stats
+from kvscope.tui.frame import Frame
+from kvscope.tui.help import GotoScreen, HelpScreen
+from kvscope.tui.messages import BlockChosen, CheckDone, FrameReady, SequenceChosen
+from kvscope.tui.source import Source, open_source
+from kvscope.tui.widgets.blockmap import BlockMap
+from kvscope.tui.widgets.events import EventTail
+from kvscope.tui.widgets.findings import FindingsPanel
+from kvscope.tui.widgets.header import PoolHeader
+from kvscope.tui.widgets.inspector import BlockInspector
+from kvscope.tui.widgets.locks import LocksPanel
+from kvscope.tui.widgets.sequences import BlockTableView, SequenceList
+from kvscope.tui.widgets.sparklines import Trends
+
+# A full check_view may use at most 1/CHECK_SHARE of the TUI's time (large pools check less often).
+CHECK_SHARE = 25
+
+
+class TopApp(App[int]):
+    """`kvscope top`: header, block map, sequences, block table, inspector, events, findings, locks, trends."""
+
+    CSS_PATH = "top.tcss"
+    TITLE = "kvscope top"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS = [
+        Binding("question_mark", "help", "Help"),
+        Binding("g", "goto_block", "Block"),
+        Binding("r", "goto_request", "Request"),
+        Binding("p,space", "toggle_pause", "Pause"),
+        Binding("d", "dump", "Dump"),
+        Binding("c", "check", "Check"),
+        Binding("q", "quit", "Quit"),
+    ]
+    HELP = [
+        ("?", "this help"),
+        ("g", "go to a block by id"),
+        ("r", "go to a request (request id or sequence id)"),
+        ("p / space", "pause or resume the live refresh"),
+        ("d", "write a dump of the pool to the current directory"),
+        ("c", "run a full consistency check now"),
+        ("q", "quit"),
+    ]
+
+    frame: reactive[Frame | None] = reactive(None, repaint=False)
+    selected_block: reactive[int] = reactive(-1, repaint=False)
+    selected_seq: reactive[int] = reactive(-1, repaint=False)
+    paused: reactive[bool] = reactive(False, repaint=False)
+
+    def __init__(self, source: Source, *, hz: float = 10.0, check_every_s: float = 2.0) -> None:
+        super().__init__()
+        if not hz > 0:
+            raise PoolError(f"refresh rate must be positive, got {hz} Hz")
+        self.source = source
+        self.hz = hz
+        self.check_every_s = check_every_s
+        self.checked: list[Finding] = []
+        self.num_frames = 0
+        self._consumed = threading.Event()
+        self._consumed.set()
+        self._wake = threading.Event()
+        self._check_now = False
+        self._ring_head = -1
+        self._ring: list[Finding] = []
+
+    def compose(self) -> ComposeResult:
+        yield PoolHeader(id="header")
+        with Horizontal(id="main"):
+            yield BlockMap(id="blockmap")
+            with Vertical(id="right"):
+                yield SequenceList(id="sequences")
+                yield BlockTableView(id="blocktable")
+        with Horizontal(id="bottom"):
+            yield BlockInspector(id="inspector")
+            yield EventTail(id="events")
+            yield FindingsPanel(id="findings")
+            yield LocksPanel(id="locks")
+        yield Trends(id="trends")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(BlockMap).focus()
+        self._show_mode()
+        self.poll()
+
+    # -- the worker -------------------------------------------------------------------------
+
+    def take_frame(self) -> Frame:
+        """Read one snapshot and derive what every panel shares (runs in the worker)."""
+        t0 = time.perf_counter()
+        view = self.source.read()
+        copy_ms = (time.perf_counter() - t0) * 1e3
+        head = int(view.h["findings_head"])
+        if head != self._ring_head:
+            self._ring_head, self._ring = head, read_findings(view)
+        seen = {(f.kind, f.block, f.message) for f in self._ring}
+        findings = self._ring + [f for f in self.checked if (f.kind, f.block, f.message) not in seen]
+        return Frame(
+            view=view,
+            stats=pool_stats(view),
+            findings=findings,
+            taken_ns=time.time_ns() if self.source.live else getattr(self.source, "taken_ns", 0),
+            copy_ms=copy_ms,
+            torn=bool(getattr(view, "torn", False)),
+            live=self.source.live,
+        )
+
+    def _check(self, view: SegmentView) -> float:
+        t0 = time.perf_counter()
+        self.checked = check_view(view) if not getattr(view, "torn", False) else self.checked
+        cost = time.perf_counter() - t0
+        self.post_message(CheckDone(self.checked, cost))
+        return cost
+
+    @work(thread=True, exclusive=True, group="poll")
+    def poll(self) -> None:
+        """Take a snapshot every 1/hz seconds (never a lock); a full check every few seconds."""
+        worker = get_current_worker()
+        period = 1.0 / self.hz
+        next_check = 0.0
+        live = self.source.live
+        if not live:
+            self.post_message(FrameReady(self.take_frame()))
+            self._check(self.source.read_full())
+            return
+        while not worker.is_cancelled:
+            t0 = time.monotonic()
+            if not self.paused or not self.num_frames:
+                # Wait until the app has taken the previous frame: no backlog, and the buffer
+                # the app shows is never the one being written.
+                if not self._consumed.wait(timeout=0.5):
+                    continue
+                self._consumed.clear()
+                if t0 >= next_check or self._check_now:
+                    self._check_now = False
+                    cost = self._check(self.source.read_full())
+                    next_check = time.monotonic() + max(self.check_every_s, CHECK_SHARE * cost)
+                self.post_message(FrameReady(self.take_frame()))
+            self._wake.wait(max(0.0, t0 + period - time.monotonic()))
+            self._wake.clear()
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def on_frame_ready(self, message: FrameReady) -> None:
+        self.num_frames += 1
+        self.frame = message.frame
+        self._consumed.set()
+
+    def on_check_done(self, message: CheckDone) -> None:
+        if self.frame is not None and not self.source.live:
+            self.frame = Frame(**{**self.frame.__dict__, "findings": self._merged(self.frame.findings)})
+
+    def _merged(self, ring: list[Finding]) -> list[Finding]:
+        seen = {(f.kind, f.block, f.message) for f in ring}
+        return ring + [f for f in self.checked if (f.kind, f.block, f.message) not in seen]
+
+    def watch_frame(self, frame: Frame | None) -> None:
+        for panel in self._panels():
+            panel.frame = frame
+
+    def watch_selected_block(self, block: int) -> None:
+        self.query_one(BlockMap).selected_block = block
+        self.query_one(BlockInspector).selected_block = block
+
+    def watch_selected_seq(self, slot: int) -> None:
+        self.query_one(SequenceList).selected_seq = slot
+        self.query_one(BlockTableView).selected_seq = slot
+
+    def watch_paused(self) -> None:
+        self._show_mode()
+
+    def _panels(self) -> list:
+        return [
+            self.query_one(PoolHeader),
+            self.query_one(BlockMap),
+            self.query_one(SequenceList),
+            self.query_one(BlockTableView),
+            self.query_one(BlockInspector),
+            self.query_one(EventTail),
+            self.query_one(FindingsPanel),
+            self.query_one(LocksPanel),
+            self.query_one(Trends),
+        ]
+
+    def _show_mode(self) -> None:
+        if not self.source.live:
+            mode = f"dump {getattr(self.source, 'path', '')}"
+        elif self.paused:
+            mode = "PAUSED (p resumes)"
+        else:
+            mode = f"live {self.hz:g} Hz"
+        self.query_one(PoolHeader).mode = mode
+
+    def on_block_chosen(self, message: BlockChosen) -> None:
+        self.selected_block = message.block
+
+    def on_sequence_chosen(self, message: SequenceChosen) -> None:
+        self.selected_seq = message.slot
+        if self.frame is not None:
+            table = self.frame.block_table(message.slot)
+            if len(table):
+                self.selected_block = int(table[0])
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def action_help(self) -> None:
+        """Show every key binding."""
+        self.push_screen(HelpScreen(self.HELP))
+
+    def action_toggle_pause(self) -> None:
+        """Pause or resume the live refresh."""
+        self.paused = not self.paused
+        self._wake.set()
+
+    def action_check(self) -> None:
+        """Run check_view on the next frame."""
+        self._check_now = True
+        self._wake.set()
+        self.notify("checking the whole pool")
+
+    def action_goto_block(self) -> None:
+        """Ask for a block id and inspect it."""
+        self.push_screen(GotoScreen("block"), self.goto_block)
+
+    def action_goto_request(self) -> None:
+        """Ask for a request id and show its sequence."""
+        self.push_screen(GotoScreen("request"), self.goto_request)
+
+    def goto_block(self, text: str | None) -> None:
+        """Select block `text` (a decimal id, optionally '#'- or 'b'-prefixed)."""
+        if not text or self.frame is None:
+            return
+        digits = text.lstrip("#bB")
+        n = self.frame.num_blocks
+        if not digits.isdigit() or not 0 <= int(digits) < n:
+            self.notify(f"no block {text!r}: block ids run from 0 to {n - 1}", severity="error")
+            return
+        self.selected_block = int(digits)
+        self.query_one(BlockMap).focus()
+
+    def goto_request(self, text: str | None) -> None:
+        """Select the sequence whose request id (or else sequence id, or else a prefix) is `text`."""
+        if not text or self.frame is None:
+            return
+        seqs = self.frame.view.seqs
+        live = self.frame.live_slots()
+        requests = [bytes(r).decode(errors="replace") for r in seqs["request"][live]]
+        slot = next((int(s) for s, r in zip(live, requests) if r == text), None)
+        if slot is None and text.isdigit():
+            hit = live[seqs["seq_id"][live] == int(text)]
+            slot = int(hit[0]) if len(hit) else None
+        if slot is None:
+            slot = next((int(s) for s, r in zip(live, requests) if r.startswith(text)), None)
+        if slot is None:
+            self.notify(f"no live request {text!r}", severity="error")
+            return
+        self.post_message(SequenceChosen(slot))
+        self.query_one(SequenceList).focus()
+
+    def action_dump(self) -> None:
+        """Write a dump of the pool (a fresh consistent snapshot) next to where top was started."""
+        name = self.source.name or "pool"
+        path = os.path.abspath(f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.kvd")
+        self.write_dump(path)
+
+    @work(thread=True, group="dump")
+    def write_dump(self, path: str) -> None:
+        """Write the dump off the UI thread and say where it went."""
+        try:
+            view = snapshot(self.source.view) if self.source.live else self.source.read_full()
+            write_dump_file(view, path, self.source.name)
+        except (OSError, PoolError) as e:
+            self.call_from_thread(self.notify, f"dump failed: {e}", severity="error")
+            return
+        self.call_from_thread(self.notify, f"dump written to {path}")
+
+    def action_quit(self) -> None:
+        """Stop polling and exit."""
+        self._wake.set()
+        self.exit(0)
+
+
+def write_dump_file(view: SegmentView, path: str, pool: str) -> None:
+    """The harness's `write_dump` when present, else the dump header plus the segment bytes."""
+    try:
+        from kvscope.dumpfile import write_dump  # type: ignore[import-not-found]
+    except ImportError:
+        write_dump = None
+    if write_dump is not None:
+        write_dump(view, path)
+        return
+    head = np.zeros(1, DUMP_HEADER_DTYPE)
+    size = int(view.h["segment_size"])
+    head["magic"], head["version"] = DUMP_MAGIC, DUMP_VERSION
+    head["flags"] = DUMP_TORN if getattr(view, "torn", False) else 0
+    head["segment_size"], head["data_size"] = size, 0
+    head["created_ns"], head["pid"] = time.time_ns(), os.getpid()
+    head["host"] = socket.gethostname().encode()[:64]
+    head["pool"] = pool.encode()[:64]
+    head["reason"] = b"kvscope top: d pressed"
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(head.tobytes())
+        f.write(view.raw[:size].tobytes())
+    os.replace(tmp, path)
+
+
+def run_top(target: str, *, hz: float = 10.0) -> int:
+    """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code."""
+    source = open_source(target)
+    try:
+        app = TopApp(source, hz=hz)
+        app.run()
+    finally:
+        source.close()
+    return app.return_code or 0

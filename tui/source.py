@@ -1,0 +1,282 @@
+"""Where the TUI's snapshots come from: a live pool (read-only mapping) or a dump file.
+
+Both kinds yield `SegmentView`s, so every widget reads a live pool and a dump the same way.
+
+    source = open_source("demo")          # a pool name, or a path to a dump
+    view = source.read()                  # a consistent copy of what the TUI displays
+    full = source.read_full()             # a consistent copy of everything (for check_view)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import Protocol
+
+import numpy as np
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.layout import (
+    DUMP_HEADER_DTYPE,
+    DUMP_MAGIC,
+    DUMP_TORN,
+    HEADER_DTYPE,
+    POOL_MAGIC,
+    RING_HEADER_DTYPE,
+    SegmentView,
+    SeqState,
+)
+from kvscope.allocator.segment import check_name, list_names, segment_path, validate_bytes
+
+# Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), and the
+# prefix index, the free ring's body and the client journals are not copied at all.
+SHOWN_SECTIONS = ("blocks", "sites", "locks", "events", "lockgraph", "findings")
+
+
+class Source(Protocol):
+    """Something that yields snapshots of one pool."""
+
+    name: str
+    live: bool
+
+    def read(self) -> SegmentView:
+        """A consistent copy of the sections the panels show."""
+        ...
+
+    def read_full(self) -> SegmentView:
+        """A consistent copy of the whole segment."""
+        ...
+
+    def close(self) -> None:
+        """Release the mapping or file."""
+        ...
+
+
+def _counters(view: SegmentView) -> np.ndarray:
+    # The seqlock: one counter per pool lock plus one per client (owner-only writes).
+    return np.concatenate([view.locks["seq"], view.clients["seq"]])
+
+
+def _section_bounds(view: SegmentView, name: str) -> tuple[int, int]:
+    off = view.offsets
+    names = list(off)
+    start = off[name]
+    return start, off[names[names.index(name) + 1]]
+
+
+class Snapshotter:
+    """Consistent copies of a mapped segment into buffers it reuses (no allocation per tick).
+
+    `read()` copies only what the panels show; `read_full()` copies everything. Both check the
+    seqlock around the whole copy, so the result is consistent across sections, and take no lock.
+    A view returned by `read()` stays valid until `read()` has been called twice more (two
+    buffers alternate); the TUI consumes each frame before it asks for the next.
+    """
+
+    def __init__(self, view: SegmentView, tries: int = 50):
+        self.view = view
+        self.tries = tries
+        end = view.offsets["end"]
+        # np.zeros maps zero pages lazily: sections never copied cost no memory.
+        self._bufs = [np.zeros(end, np.uint8) for _ in range(2)]
+        self._views = [SegmentView(b, view.layout) for b in self._bufs]
+        self._live_rows: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(2)]
+        self._turn = 0
+        self._full: np.ndarray | None = None
+        self._bounds = [_section_bounds(view, s) for s in SHOWN_SECTIONS]
+        self._bounds.append((0, HEADER_DTYPE.itemsize))
+        ring = view.offsets["ring"]
+        self._bounds.append((ring, ring + RING_HEADER_DTYPE.itemsize))
+        self.num_retries = 0
+
+    def _consistent(self, copy) -> bool:
+        """Run `copy()` between two equal, even readings of the seqlock; False if it never was."""
+        view = self.view
+        for attempt in range(self.tries):
+            before = _counters(view).copy()
+            if (before % 2).any():
+                self.num_retries += 1
+                time.sleep(0.0002 * min(attempt + 1, 10))
+                continue
+            copy()
+            if np.array_equal(before, _counters(view)):
+                return True
+            self.num_retries += 1
+        return False
+
+    def read(self) -> SegmentView:
+        """Header, blocks, locks, client records (no journals), events, sites, lock graph,
+        findings, and the live rows of the sequence table (up to their longest block table)."""
+        i = self._turn
+        self._turn ^= 1
+        view, mine, dst = self.view, self._views[i], self._bufs[i]
+        src = view.raw
+        c0 = view.offsets["clients"]
+        csize = view.clients.dtype.itemsize
+        chead = view.clients.dtype.fields["journal"][1]
+        nclients = len(view.clients)
+        sdt = view.seqs.dtype
+        s0, ssize, shead = view.offsets["seqs"], sdt.itemsize, sdt.fields["table"][1]
+        nseqs = len(view.seqs)
+        src_rows = src[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
+        dst_rows = dst[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
+
+        def copy() -> None:
+            for a, b in self._bounds:
+                dst[a:b] = src[a:b]
+            dst[c0 : c0 + csize * nclients].reshape(nclients, csize)[:, :chead] = src[
+                c0 : c0 + csize * nclients
+            ].reshape(nclients, csize)[:, :chead]
+            # Forget rows this buffer held last time, then copy the live ones.
+            mine.seqs["state"][self._live_rows[i]] = SeqState.EMPTY
+            live = np.flatnonzero(view.seqs["state"] != SeqState.EMPTY)
+            width = shead
+            if len(live):
+                width += 4 * int(view.seqs["num_blocks"][live].max(initial=0))
+            width = min(width, ssize)
+            dst_rows[live, :width] = src_rows[live, :width]
+            self._live_rows[i] = live
+
+        mine.torn = not self._consistent(copy)  # type: ignore[attr-defined]
+        return mine
+
+    def read_full(self) -> SegmentView:
+        """Every byte of the segment (what check_view needs); reuses one buffer."""
+        if self._full is None:
+            self._full = np.zeros(self.view.offsets["end"], np.uint8)
+        full, src = self._full, self.view.raw
+
+        def copy() -> None:
+            full[:] = src
+
+        torn = not self._consistent(copy)
+        out = SegmentView(full, self.view.layout)
+        out.torn = torn  # type: ignore[attr-defined]
+        return out
+
+
+class LiveSource:
+    """A pool on this host, mapped read-only: the TUI never writes to it and takes no lock."""
+
+    live = True
+
+    def __init__(self, name: str):
+        check_name(name)
+        path = segment_path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            known = list_names()
+            hint = f" (pools on this host: {', '.join(known)})" if known else " (no pools on this host)"
+            raise PoolError(f"no pool named {name!r}: {path} does not exist{hint}") from None
+        except PermissionError:
+            raise PoolError(f"cannot read pool file {path}: permission denied") from None
+        try:
+            size = os.fstat(fd).st_size
+            layout = validate_bytes(os.pread(fd, HEADER_DTYPE.itemsize, 0), size, path)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.path = path
+        self.view = SegmentView(self._mm, layout)
+        self._snap = Snapshotter(self.view)
+
+    def read(self) -> SegmentView:
+        return self._snap.read()
+
+    def read_full(self) -> SegmentView:
+        return self._snap.read_full()
+
+    def close(self) -> None:
+        # Numpy views may still reference the map; the OS unmaps it at exit then.
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+def read_dump_file(path: str) -> tuple[SegmentView, np.void | None]:
+    """A dump (dump header + segment), or a bare segment image, as a SegmentView."""
+    try:
+        from kvscope.dumpfile import read_dump  # type: ignore[import-not-found]
+    except ImportError:
+        read_dump = None
+    with open(path, "rb") as f:
+        head = f.read(8)
+    magic = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if magic == DUMP_MAGIC and read_dump is not None:
+        return read_dump(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise PoolError(f"cannot read {path}: {e.strerror}") from None
+    dump_header = None
+    if magic == DUMP_MAGIC:
+        if len(data) < DUMP_HEADER_DTYPE.itemsize:
+            raise PoolError(f"{path} is truncated: shorter than a kvscope dump header")
+        dump_header = np.frombuffer(data, DUMP_HEADER_DTYPE, 1)[0]
+        start = DUMP_HEADER_DTYPE.itemsize
+        data = data[start : start + int(dump_header["segment_size"])]
+    elif magic != POOL_MAGIC:
+        raise PoolError(
+            f"{path} is not a kvscope dump or pool segment (magic {magic:#018x}); "
+            "give a pool name or a file written by `kvscope dump`"
+        )
+    layout = validate_bytes(data[: HEADER_DTYPE.itemsize], len(data), path)
+    view = SegmentView(bytearray(data), layout)
+    return view, dump_header
+
+
+class DumpSource:
+    """A dump file: the same view on every tick."""
+
+    live = False
+
+    def __init__(self, path: str):
+        self.path = path
+        self.view, self.dump_header = read_dump_file(path)
+        self.name = bytes(self.view.h["name"]).decode(errors="replace") or os.path.basename(path)
+        self.taken_ns = 0 if self.dump_header is None else int(self.dump_header["created_ns"])
+        torn = self.dump_header is not None and int(self.dump_header["flags"]) & DUMP_TORN
+        self.view.torn = bool(torn)  # type: ignore[attr-defined]
+
+    def read(self) -> SegmentView:
+        return self.view
+
+    def read_full(self) -> SegmentView:
+        return self.view
+
+    def close(self) -> None:
+        pass
+
+
+class ViewSource:
+    """A fixed SegmentView (tests, or a dump already read by the caller)."""
+
+    live = False
+
+    def __init__(self, view: SegmentView, name: str = ""):
+        self.view = view
+        self.name = name or bytes(view.h["name"]).decode(errors="replace")
+        if not hasattr(view, "torn"):
+            view.torn = False  # type: ignore[attr-defined]
+
+    def read(self) -> SegmentView:
+        return self.view
+
+    def read_full(self) -> SegmentView:
+        return self.view
+
+    def close(self) -> None:
+        pass
+
+
+def open_source(target: str) -> Source:
+    """A dump when `target` is an existing file, else the live pool of that name (PoolError if neither)."""
+    if os.path.isfile(target):
+        return DumpSource(target)
+    if os.sep in target or target.endswith(".kvd"):
+        raise PoolError(f"no such dump file: {target}")
+    return LiveSource(target)

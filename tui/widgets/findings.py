@@ -1,0 +1,50 @@
+"""The findings panel: the pool's findings ring plus the latest full check."""
+
+from __future__ import annotations
+
+from textual.reactive import reactive
+
+from kvscope.allocator.findings import Finding
+from kvscope.tui.frame import Frame
+from kvscope.tui.messages import BlockChosen
+from kvscope.tui.widgets.rows import Row, RowsView
+
+
+class FindingsPanel(RowsView):
+    """Every finding, errors in red; enter on one with a block inspects that block."""
+
+    COLUMNS = [("sev", 4), ("kind", 20), ("block", 7), ("pid", 7), ("message", 0)]
+
+    frame: reactive[Frame | None] = reactive(None, repaint=False)
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "findings"
+        self.empty_text = "no findings"
+        self.findings: list[Finding] = []
+
+    def watch_frame(self, frame: Frame | None) -> None:
+        if frame is None:
+            return
+        found = frame.findings
+        if found == self.findings:
+            return
+        self.findings = list(found)
+        errors = sum(f.severity == "error" for f in found)
+        self.border_title = f"findings ({errors} errors, {len(found) - errors} warnings)" if found else "findings"
+
+        def row_of(i: int) -> Row:
+            f = self.findings[i]
+            sev = "ERR" if f.severity == "error" else "warn"
+            return (
+                (sev, f.kind, "" if f.block is None else str(f.block), str(f.owner_pid or ""), f.message),
+                "bold red" if f.severity == "error" else "yellow",
+            )
+
+        self.set_rows(len(self.findings), row_of)
+
+    def on_rows_view_chosen(self, event: RowsView.Chosen) -> None:
+        event.stop()
+        f = self.findings[event.index]
+        if f.block is not None:
+            self.post_message(BlockChosen(f.block))

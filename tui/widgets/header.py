@@ -1,0 +1,77 @@
+"""The header: pool, device, geometry, probes, health and the refresh state."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import Static
+
+from kvscope.allocator.layout import Flag
+from kvscope.tui.frame import Frame, clock
+
+
+def _s(v: bytes) -> str:
+    return bytes(v).rstrip(b"\0").decode(errors="replace")
+
+
+class PoolHeader(Static):
+    """Two lines: what the pool is, and how it is doing."""
+
+    DEFAULT_CSS = """
+    PoolHeader { height: 2; background: $panel; padding: 0 1; }
+    """
+
+    frame: reactive[Frame | None] = reactive(None, repaint=False)
+    mode: reactive[str] = reactive("", repaint=False)
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", id=id)
+        self._text = ""
+
+    def watch_frame(self) -> None:
+        self._show()
+
+    def watch_mode(self) -> None:
+        self._show()
+
+    def _show(self) -> None:
+        frame = self.frame
+        if frame is None:
+            return
+        h = frame.view.h
+        st = frame.stats
+        t = Text()
+        t.append(f"{_s(h['name'])}", style="bold")
+        t.append(f"  {_s(h['device'])} {_s(h['dtype'])}  ")
+        t.append(
+            f"{int(h['num_blocks']):,} blocks x {int(h['block_size'])} tokens, "
+            f"{int(h['num_layers'])}L {int(h['num_kv_heads'])}H {int(h['head_dim'])}D  "
+        )
+        flags = int(h["flags"])
+        t.append("probes ")
+        for flag in Flag:
+            on = bool(flags & flag)
+            t.append(flag.name.lower() + " ", style="bold green" if on else "dim strike")
+        t.append("\n")
+        errors = sum(f.severity == "error" for f in frame.findings)
+        warnings = len(frame.findings) - errors
+        if errors:
+            t.append(f" {errors} errors ", style="bold white on red")
+        elif warnings:
+            t.append(f" {warnings} warnings ", style="bold black on yellow")
+        else:
+            t.append(" healthy ", style="bold black on green")
+        if errors and warnings:
+            t.append(f" {warnings} warnings", style="yellow")
+        t.append(
+            f"  used {100 * st['utilization']:.1f}%  free {st['num_free']:,}  cached {st['num_cached']:,}"
+            f"  seqs {st['num_sequences']}  procs {st['num_clients']}  "
+        )
+        t.append(self.mode, style="bold reverse" if "paused" in self.mode else "bold")
+        if frame.torn:
+            t.append("  torn snapshot", style="bold red")
+        if not frame.live and frame.taken_ns:
+            t.append(f"  taken {clock(int(frame.taken_ns))}", style="dim")
+        if t.plain != self._text:
+            self._text = t.plain
+            self.update(t, layout=False)

@@ -1,0 +1,108 @@
+"""The block inspector: every header field of one block, its owner, site and last events."""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import Static
+
+from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
+from kvscope.allocator.process import is_alive
+from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
+
+NUM_EVENTS = 6
+
+
+def describe_block(frame: Frame, b: int) -> Text:
+    """A field-per-line description of block `b` in `frame`."""
+    view = frame.view
+    out = Text()
+    if not 0 <= b < frame.num_blocks:
+        return Text("move the cursor in the block map, or press g to go to a block", style="dim")
+    rec = view.blocks[b]
+
+    def line(label: str, value: object, style: str = "") -> None:
+        out.append(f"{label:>11} ", style="bold")
+        out.append(f"{value}\n", style=style)
+
+    magic = int(rec["magic"])
+    line("block", b)
+    line("magic", f"{magic:#010x}" + ("" if magic == BLOCK_MAGIC else "  BAD"), "" if magic == BLOCK_MAGIC else "bold red")
+    line("state", STATE_NAMES.get(int(rec["state"]), f"? {int(rec['state'])}"))
+    line("refcount", int(rec["refcount"]))
+    line("generation", int(rec["generation"]))
+    line("indexed", bool(rec["indexed"]))
+    line("poisoned", bool(rec["poisoned"]))
+    pid = int(rec["owner_pid"])
+    alive = ""
+    if pid and frame.live:
+        alive = " (alive)" if is_alive(pid, int(rec["owner_start"])) else " (DEAD)"
+    line("owner", f"pid {pid} client {int(rec['owner_client'])}{alive}" if pid else "-", "bold red" if "DEAD" in alive else "")
+    line("request", request_of(rec) or "-")
+    line("allocated", clock(int(rec["alloc_ns"])))
+    line("accessed", clock(int(rec["access_ns"])))
+    site = int(rec["site"])
+    used_sites = int(view.h["num_sites_used"])
+    site_text = "-"
+    if 0 <= site < min(used_sites, len(view.sites)):
+        site_text = bytes(view.sites[site]["text"]).decode(errors="replace")
+    elif site >= 0:
+        site_text = f"site {site}"
+    line("site", site_text)
+    line("tokens", f"{int(rec['num_tokens'])}: {np.asarray(rec['tokens'])[: min(8, int(rec['num_tokens']))].tolist()}")
+    line("prefix hash", f"{int(rec['prefix_hash']):#018x}")
+    line("parent hash", f"{int(rec['parent_hash']):#018x}")
+    ok = int(block_checksums(view.blocks, np.array([b]))[0]) == int(rec["checksum"])
+    line("checksum", f"{int(rec['checksum']):#018x}" + ("" if ok else "  MISMATCH"), "" if ok else "bold red")
+    live = frame.live_slots()
+    seqs = view.seqs
+    lens = seqs["num_blocks"][live].astype(np.int64)
+    width = int(lens.max(initial=0))
+    tables = seqs["table"][live, :width]
+    hit = ((tables == b) & (np.arange(width)[None, :] < lens[:, None])).any(axis=1)
+    users = live[hit].tolist()
+    names = ", ".join(f"{request_of(seqs[s])}[{SeqState(int(seqs['state'][s])).name.lower()}]" for s in users[:4])
+    line("used by", names + (f" +{len(users) - 4}" if len(users) > 4 else "") if users else "-")
+    events = last_events(view, NUM_EVENTS, block=b)
+    out.append("last events\n", style="bold underline")
+    if len(events) == 0:
+        out.append("  none recorded\n", style="dim")
+    for e in events:
+        out.append(
+            f"  {clock(int(e['time_ns']))} pid {int(e['pid'])} {op_name(int(e['op']))} gen {int(e['generation'])} {request_of(e)}\n"
+        )
+    return out
+
+
+class BlockInspector(Static):
+    """Shows the selected block; follows the block map cursor and the tables' choices."""
+
+    DEFAULT_CSS = """
+    BlockInspector { height: 1fr; overflow-y: auto; }
+    """
+
+    frame: reactive[Frame | None] = reactive(None, repaint=False)
+    selected_block: reactive[int] = reactive(-1, repaint=False)
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("", id=id)
+        self.border_title = "block"
+        self._shown: tuple[int, str] = (-2, "")
+
+    def _show(self) -> None:
+        frame, b = self.frame, self.selected_block
+        if frame is None:
+            return
+        self.border_title = f"block {b}" if b >= 0 else "block"
+        text = describe_block(frame, b)
+        key = (b, text.plain)
+        if key != self._shown:
+            self._shown = key
+            self.update(text, layout=False)
+
+    def watch_frame(self) -> None:
+        self._show()
+
+    def watch_selected_block(self) -> None:
+        self._show()
