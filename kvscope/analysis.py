@@ -1,0 +1,321 @@
+"""The analysis behind `analyze`, `check` and `run`: findings, owners and events of one segment view.
+
+`analyze_view` returns the JSON object of DESIGN.md (`pool`, `healthy`, `summary`, `findings`);
+`kvscope.report` renders it for a person. Every pass over blocks is vectorised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from kvscope.allocator.check import check_header, check_view
+from kvscope.allocator.findings import ERROR, Finding, read_findings
+from kvscope.allocator.layout import (
+    DUMP_REDACTED,
+    DUMP_TORN,
+    DUMP_WITH_DATA,
+    NUM_SITES,
+    BlockState,
+    ClientState,
+    Flag,
+    SegmentView,
+    SeqState,
+)
+from kvscope.allocator.process import is_alive
+from kvscope.allocator.stats import pool_stats
+
+Alive = Callable[[int, int], bool]
+# Events shown per finding, newest last.
+EVENTS_PER_FINDING = 8
+LEAK_KINDS = {"leak_dead_owner", "leak_finished", "leak_orphan"}
+
+
+def _s(raw: bytes | np.bytes_) -> str:
+    return bytes(raw).decode(errors="replace")
+
+
+def op_names() -> dict[int, str]:
+    """Event op codes to names, from the probes when they define them (issue 5)."""
+    try:
+        from kvscope.probes.events import OP_NAMES  # type: ignore[import-not-found]
+    except Exception:
+        return {}
+    return {int(k): str(v) for k, v in dict(OP_NAMES).items()}
+
+
+def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str, Any]:
+    """Name, geometry, device, probe flags and origin of the pool a view shows."""
+    h = view.h
+    lay = view.layout
+    flags = int(h["flags"])
+    info: dict[str, Any] = {
+        "name": _s(h["name"]),
+        "geometry": {
+            "num_blocks": lay.num_blocks,
+            "block_size": lay.block_size,
+            "slots_per_block": int(h["slots_per_block"]),
+            "num_layers": int(h["num_layers"]),
+            "num_kv_heads": int(h["num_kv_heads"]),
+            "head_dim": int(h["head_dim"]),
+            "dtype": _s(h["dtype"]),
+            "max_seqs": lay.max_seqs,
+            "max_blocks_per_seq": lay.max_blocks_per_seq,
+        },
+        "device": _s(h["device"]),
+        "flags": {
+            "guard": bool(flags & Flag.GUARD),
+            "events": bool(flags & Flag.EVENTS),
+            "lockdep": bool(flags & Flag.LOCKDEP),
+        },
+        "creator_pid": int(h["creator_pid"]),
+        "created_ns": int(h["created_ns"]),
+    }
+    if dump_header is not None:
+        df = int(dump_header["flags"])
+        info["dump"] = {
+            "pid": int(dump_header["pid"]),
+            "host": _s(dump_header["host"]),
+            "reason": _s(dump_header["reason"]),
+            "created_ns": int(dump_header["created_ns"]),
+            "with_data": bool(df & DUMP_WITH_DATA),
+            "redacted": bool(df & DUMP_REDACTED),
+            "torn": bool(df & DUMP_TORN),
+        }
+    return info
+
+
+def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
+    """Blocks by state and by owner, sequences by state, processes alive and dead."""
+    b = view.blocks
+    state = b["state"]
+    counts = np.bincount(state, minlength=len(BlockState))
+    by_state = {s.name.lower(): int(counts[s]) for s in BlockState}
+    other = int(counts[len(BlockState) :].sum())
+    if other:
+        by_state["invalid"] = other
+    clients = view.clients
+    attached = np.flatnonzero(clients["state"] == ClientState.ATTACHED)
+    pid_alive = {
+        int(clients["pid"][c]): alive(int(clients["pid"][c]), int(clients["start"][c]))
+        for c in attached.tolist()
+    }
+    held = (state == BlockState.ALLOCATED) | (state == BlockState.LOCAL)
+    pids, num = np.unique(b["owner_pid"][held], return_counts=True)
+    seqs = view.seqs
+    live = seqs["state"] != SeqState.EMPTY
+    seq_pids, seq_num = np.unique(seqs["owner_pid"][live], return_counts=True)
+    requests = dict(zip(seq_pids.tolist(), seq_num.tolist()))
+    by_owner = [
+        {
+            "pid": pid,
+            "alive": pid_alive.get(pid),
+            "blocks": n,
+            "requests": int(requests.get(pid, 0)),
+        }
+        for pid, n in sorted(zip(pids.tolist(), num.tolist()), key=lambda x: -x[1])
+    ]
+    seq_states = np.bincount(seqs["state"], minlength=len(SeqState))
+    stats = pool_stats(view)
+    return {
+        "blocks_by_state": by_state,
+        "blocks_by_owner": by_owner,
+        "sequences_by_state": {
+            s.name.lower(): int(seq_states[s]) for s in SeqState if s != SeqState.EMPTY
+        },
+        "processes": {
+            "alive": sorted(p for p, a in pid_alive.items() if a),
+            "dead": sorted(p for p, a in pid_alive.items() if not a),
+        },
+        "utilization": stats["utilization"],
+        "prefix_hit_rate": stats["prefix_hit_rate"],
+        "counters": {
+            k: stats[k]
+            for k in (
+                "num_allocs",
+                "num_frees",
+                "num_cow",
+                "num_evictions",
+                "num_preemptions",
+                "num_forks",
+            )
+        },
+    }
+
+
+def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """The last events of the flight recorder that touched each of blocks, oldest first."""
+    if not blocks:
+        return {}
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & np.isin(ev["block"], np.asarray(blocks, np.int32))]
+    if not len(ev):
+        return {}
+    ev = ev[np.argsort(ev["time_ns"], kind="stable")]
+    names = op_names()
+    out: dict[int, list[dict[str, Any]]] = {}
+    for blk in np.unique(ev["block"]).tolist():
+        mine = ev[ev["block"] == blk][-EVENTS_PER_FINDING:]
+        out[blk] = [
+            {
+                "time_ns": int(e["time_ns"]),
+                "pid": int(e["pid"]),
+                "op": names.get(int(e["op"]), int(e["op"])),
+                "block": int(e["block"]),
+                "generation": int(e["generation"]),
+                "arg": int(e["arg"]),
+                "request": _s(e["request"]) or None,
+            }
+            for e in mine
+        ]
+    return out
+
+
+def first_bad_event(events: list[dict[str, Any]], generation: int) -> dict[str, Any] | None:
+    """The first event the flight recorder shows going wrong: a second free, or a stale generation."""
+    freed: set[int] = set()
+    for e in events:
+        op = e["op"]
+        if op in ("alloc", "allocate"):
+            freed.discard(e["generation"])
+        elif op in ("free", "release"):
+            if e["generation"] in freed:
+                return e
+            freed.add(e["generation"])
+        elif isinstance(op, str) and e["generation"] and e["generation"] < generation:
+            if e["generation"] in freed:
+                return e
+    return None
+
+
+def _block_detail(view: SegmentView, blk: int) -> dict[str, Any]:
+    b = view.blocks[blk]
+    site = int(b["site"])
+    text = _s(view.sites["text"][site]) if 0 <= site < NUM_SITES else ""
+    st = int(b["state"])
+    return {
+        "state": BlockState(st).name.lower() if st < len(BlockState) else f"invalid({st})",
+        "refcount": int(b["refcount"]),
+        "generation": int(b["generation"]),
+        "owner_pid": int(b["owner_pid"]) or None,
+        "request": _s(b["request"]) or None,
+        "site": text or None,
+        "alloc_ns": int(b["alloc_ns"]),
+        "access_ns": int(b["access_ns"]),
+        "num_tokens": int(b["num_tokens"]),
+        "prefix_hash": f"{int(b['prefix_hash']):#018x}",
+    }
+
+
+def collect_findings(view: SegmentView, alive: Alive) -> list[Finding]:
+    """Findings recorded in the segment's ring (as they happened), then the full check's."""
+    head = check_header(view)
+    if head:
+        # Nothing else in a segment whose header is corrupt can be trusted, the ring included.
+        for f in head:
+            f.extra["source"] = "check"
+        return head
+    try:
+        recorded = read_findings(view)
+    except ValueError:
+        # A scribbled ring: the full check below still reports what the blocks show.
+        recorded = []
+    for f in recorded:
+        f.extra["source"] = "recorded"
+    checked = check_view(view, alive=alive)
+    for f in checked:
+        f.extra["source"] = "check"
+    return recorded + checked
+
+
+def analyze_view(
+    view: SegmentView,
+    *,
+    alive: Alive = is_alive,
+    dump_header: np.void | None = None,
+    block: int | None = None,
+    request: str | None = None,
+    findings: list[Finding] | None = None,
+) -> dict[str, Any]:
+    """The report of DESIGN.md for one view, optionally narrowed to one block or one request."""
+    found = collect_findings(view, alive) if findings is None else findings
+    header_ok = not any(f.kind == "header_corrupt" for f in found)
+    if block is not None:
+        found = [f for f in found if f.block == block]
+    if request is not None:
+        found = [f for f in found if f.request == request]
+    blocks = sorted({f.block for f in found if f.block is not None} | ({block} if block is not None else set()))
+    blocks = [x for x in blocks if 0 <= x < view.layout.num_blocks]
+    events = block_events(view, blocks)
+    out_findings = []
+    for f in found:
+        d = f.to_dict()
+        d.update(d.pop("extra", {}))
+        if f.block is not None and 0 <= f.block < view.layout.num_blocks:
+            detail = _block_detail(view, f.block)
+            d["site"] = detail["site"]
+            d["alloc_ns"] = detail["alloc_ns"]
+            d["events"] = events.get(f.block, [])
+            bad = first_bad_event(d["events"], detail["generation"])
+            if bad is not None:
+                d["first_bad_event"] = bad
+        out_findings.append(d)
+    out_findings.sort(key=lambda d: (d["severity"] != ERROR, d["kind"]))
+    report: dict[str, Any] = {
+        "pool": pool_info(view, dump_header),
+        "healthy": not any(d["severity"] == ERROR for d in out_findings),
+        "summary": summary(view, alive) if header_ok else {},
+        "findings": out_findings,
+    }
+    if block is not None:
+        report["block"] = _focus_block(view, block, events.get(block, []))
+    if request is not None:
+        report["request"] = _focus_request(view, request)
+    return report
+
+
+def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> dict[str, Any]:
+    from kvscope.errors import UsageError
+
+    n = view.layout.num_blocks
+    if not 0 <= blk < n:
+        raise UsageError(f"block {blk} is out of range: the pool has blocks 0..{n - 1}")
+    seqs = view.seqs
+    live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
+    tables = seqs["table"][live]
+    cols = np.arange(tables.shape[1]) < seqs["num_blocks"][live][:, None]
+    mapped = live[((tables == blk) & cols).any(axis=1)]
+    d = _block_detail(view, blk)
+    d["block"] = blk
+    d["mapped_by"] = [_s(seqs["request"][s]) for s in mapped.tolist()]
+    d["events"] = events
+    return d
+
+
+def _focus_request(view: SegmentView, request: str) -> dict[str, Any]:
+    seqs = view.seqs
+    key = request.encode()[:32]
+    mine = np.flatnonzero((seqs["state"] != SeqState.EMPTY) & (seqs["request"] == key))
+    held = np.flatnonzero(
+        (view.blocks["request"] == key) & (view.blocks["state"] == BlockState.ALLOCATED)
+    )
+    return {
+        "request": request,
+        "sequences": [
+            {
+                "state": SeqState(int(seqs["state"][s])).name.lower(),
+                "owner_pid": int(seqs["owner_pid"][s]),
+                "num_tokens": int(seqs["num_tokens"][s]),
+                "block_table": seqs["table"][s, : int(seqs["num_blocks"][s])].tolist(),
+            }
+            for s in mine.tolist()
+        ],
+        "blocks_stamped": held.tolist()[:1000],
+        "num_blocks_stamped": int(len(held)),
+    }
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    """0 when healthy, 1 when a finding of severity error is present."""
+    return 0 if report["healthy"] else 1

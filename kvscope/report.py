@@ -1,0 +1,140 @@
+"""Rendering an analysis (kvscope.analysis) for a person: health, findings by severity, summary."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from typing import IO, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def console(file: IO[str] | None = None) -> Console:
+    """A rich console on file (stdout by default), plain when it is not a terminal."""
+    return Console(file=file or sys.stdout, highlight=False, soft_wrap=True)
+
+
+def _when(ns: int) -> str:
+    if not ns:
+        return "?"
+    return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="milliseconds")
+
+
+def _event_line(e: dict[str, Any]) -> str:
+    req = f" request {e['request']!r}" if e.get("request") else ""
+    return (
+        f"{_when(e['time_ns'])}  pid {e['pid']}  {e['op']}  gen {e['generation']}"
+        f"  arg {e['arg']}{req}"
+    )
+
+
+def print_json(report: dict[str, Any], file: IO[str] | None = None) -> None:
+    """The report as one JSON object (DESIGN.md's schema)."""
+    out = file or sys.stdout
+    json.dump(report, out, indent=2, default=str)
+    out.write("\n")
+
+
+def render(report: dict[str, Any], con: Console | None = None, *, title: str = "") -> None:
+    """Health, findings by severity (owner, site, last events, first bad event), summary."""
+    con = con or console()
+    pool = report["pool"]
+    geo = pool["geometry"]
+    flags = ", ".join(f"{k} {'on' if v else 'off'}" for k, v in pool["flags"].items())
+    con.print(f"[bold]{escape(title or 'pool')} {pool['name']!r}[/bold]")
+    dump = pool.get("dump")
+    if dump:
+        why = f": {dump['reason']}" if dump["reason"] else ""
+        notes = [n for n in ("redacted", "with_data", "torn") if dump[n]]
+        extra = f" ({', '.join(notes)})" if notes else ""
+        con.print(
+            escape(
+                f"dump written {_when(dump['created_ns'])} about pid {dump['pid']}"
+                f" on {dump['host'] or '?'}{why}{extra}"
+            )
+        )
+    con.print(
+        escape(
+            f"{geo['num_blocks']} blocks x {geo['block_size']} tokens, {geo['num_layers']} layers, "
+            f"{geo['num_kv_heads']} kv heads x {geo['head_dim']}, {geo['dtype']} on {pool['device']};"
+            f" probes: {flags}"
+        )
+    )
+    findings = report["findings"]
+    errors = [f for f in findings if f["severity"] == "error"]
+    warnings = [f for f in findings if f["severity"] != "error"]
+    if report["healthy"] and not warnings:
+        con.print("[bold green]health: OK[/bold green] - no findings")
+    elif report["healthy"]:
+        con.print(f"[bold yellow]health: OK with {len(warnings)} warning(s)[/bold yellow]")
+    else:
+        con.print(
+            f"[bold red]health: UNHEALTHY[/bold red] - {len(errors)} error(s), {len(warnings)} warning(s)"
+        )
+    for label, group, style in (("errors", errors, "red"), ("warnings", warnings, "yellow")):
+        if group:
+            con.print(f"\n[bold {style}]{label}[/bold {style}]")
+            for f in group:
+                _finding(con, f, style)
+    for key in ("block", "request"):
+        if key in report:
+            _focus(con, key, report[key])
+    _summary(con, report.get("summary") or {})
+
+
+def _finding(con: Console, f: dict[str, Any], style: str) -> None:
+    where = []
+    if f.get("block") is not None:
+        where.append(f"block {f['block']}")
+    if f.get("owner_pid"):
+        where.append(f"pid {f['owner_pid']}")
+    if f.get("request"):
+        where.append(f"request {f['request']!r}")
+    src = " (recorded)" if f.get("source") == "recorded" else ""
+    con.print(
+        f"  [{style}]{f['kind']}[/{style}] {escape(' '.join(where))}{src}: {escape(f['message'])}"
+    )
+    if f.get("site") or f.get("alloc_ns"):
+        con.print(escape(f"      allocated at {f.get('site') or '?'} ({_when(f.get('alloc_ns', 0))})"))
+    if f.get("events"):
+        con.print("      last events:")
+        for e in f["events"]:
+            con.print("        " + escape(_event_line(e)))
+    if f.get("first_bad_event"):
+        con.print("      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"])))
+
+
+def _focus(con: Console, key: str, d: dict[str, Any]) -> None:
+    con.print(f"\n[bold]{key} {escape(str(d.get(key)))}[/bold]")
+    for k, v in d.items():
+        if k in (key, "events"):
+            continue
+        con.print(escape(f"  {k}: {v}"))
+    for e in d.get("events") or []:
+        con.print("    " + escape(_event_line(e)))
+
+
+def _summary(con: Console, s: dict[str, Any]) -> None:
+    if not s:
+        return
+    con.print("\n[bold]blocks by state[/bold]")
+    con.print(
+        "  " + ", ".join(f"{k} {v}" for k, v in s["blocks_by_state"].items()),
+    )
+    con.print(
+        f"  utilization {s['utilization']:.1%}, prefix hit rate {s['prefix_hit_rate']:.1%};"
+        f" sequences: "
+        + (", ".join(f"{k} {v}" for k, v in s["sequences_by_state"].items() if v) or "none")
+    )
+    if s["blocks_by_owner"]:
+        t = Table(title=None, box=None, pad_edge=False, show_edge=False)
+        for col in ("owner pid", "process", "blocks held", "requests"):
+            t.add_column(col, justify="right" if col != "process" else "left")
+        for o in s["blocks_by_owner"][:20]:
+            state = {True: "alive", False: "dead", None: "detached"}[o["alive"]]
+            t.add_row(str(o["pid"]), state, str(o["blocks"]), str(o["requests"]))
+        con.print("\n[bold]blocks by owner[/bold]")
+        con.print(t)

@@ -1,0 +1,249 @@
+"""The parent side of `kvscope run`: start the child, follow its pools, dump and analyze at the end.
+
+The child (kvscope.bootstrap) lists every pool it opens in the run directory. The supervisor maps
+each one read-only and, every `interval_s`, prints the findings new in its findings ring and
+checks its header, so a finding shows up while the script runs. The pool lives in /dev/shm: after
+the child exits, however it exits (SIGKILL included), the supervisor still reads it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from kvscope.allocator.check import check_header
+from kvscope.allocator.findings import ERROR, Finding, read_findings
+from kvscope.allocator.layout import Layout, SegmentView
+from kvscope.allocator.process import is_alive
+from kvscope.allocator.snapshot import snapshot
+from kvscope.analysis import LEAK_KINDS, collect_findings
+from kvscope.bootstrap import pool_key
+from kvscope.dumpfile import layout_of_prefix
+
+
+@dataclass
+class Watched:
+    """One pool the child opened, mapped read-only by the supervisor."""
+
+    name: str
+    created_ns: int
+    path: str
+    layout: Layout
+    header_prefix: bytes
+    view: SegmentView
+    seen: int = 0
+    header_reported: bool = False
+    unlinked_to: str | None = None
+
+    @property
+    def key(self) -> str:
+        return pool_key(self.name, self.created_ns)
+
+
+def map_readonly(path: str, layout: Layout) -> SegmentView:
+    """A read-only view of a segment file laid out as `layout` (whatever its header says now)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, layout.offsets()["end"], mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return SegmentView(mm, layout)
+
+
+def _read_lines(path: str) -> list[list[str]]:
+    try:
+        with open(path) as f:
+            return [ln.rstrip("\n").split("\t") for ln in f if ln.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+@dataclass
+class Outcome:
+    """How the child ended and what the supervisor saw."""
+
+    returncode: int
+    exception: dict[str, Any] | None = None
+    exit_checks: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def signal(self) -> int | None:
+        return -self.returncode if self.returncode < 0 else None
+
+    @property
+    def failed(self) -> bool:
+        return self.returncode != 0
+
+    def describe(self, pid: int) -> str:
+        """One sentence: how the child ended."""
+        if self.signal is not None:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = f"signal {self.signal}"
+            return f"child pid {pid} was killed by {name}"
+        if self.exception:
+            e = self.exception
+            return f"child pid {pid} raised {e['type']}: {e['message']} ({e['where']})"
+        if self.returncode:
+            return f"child pid {pid} exited with status {self.returncode}"
+        return f"child pid {pid} exited normally"
+
+
+class Supervisor:
+    """Runs one child under the bootstrap and follows the pools it opens."""
+
+    def __init__(
+        self,
+        target: list[str],
+        *,
+        run_dir: str,
+        env: dict[str, str],
+        echo: Callable[[str], None],
+        interval_s: float = 0.05,
+    ):
+        self.target = target
+        self.run_dir = run_dir
+        self.env = env
+        self.echo = echo
+        self.interval_s = interval_s
+        self.pools: dict[str, Watched] = {}
+        self.live_findings: list[Finding] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        """Start the child: `python -m kvscope.bootstrap <target>`."""
+        cmd = [sys.executable, "-m", "kvscope.bootstrap", *self.target]
+        self.proc = subprocess.Popen(cmd, env=self.env)
+
+    def signal_child(self, signum: int) -> None:
+        """Forward a signal to the child while it runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def poll(self) -> list[Finding]:
+        """Map pools the child opened since the last poll and return findings new since then."""
+        self._discover()
+        new: list[Finding] = []
+        for w in self.pools.values():
+            for f in self._new_findings(w):
+                self.echo(f"kvscope: pool {w.name!r}: {f.line()}")
+                new.append(f)
+        self.live_findings += new
+        return new
+
+    def _discover(self) -> None:
+        for name, created, path in (r for r in _read_lines(self._p("pools")) if len(r) == 3):
+            key = pool_key(name, int(created))
+            if key in self.pools:
+                continue
+            try:
+                with open(self._p("hdr." + key), "rb") as f:
+                    prefix = f.read()
+            except FileNotFoundError:
+                continue
+            layout = layout_of_prefix(prefix)
+            if layout is None:
+                continue
+            where = self._unlinked().get(key, path)
+            try:
+                view = map_readonly(where, layout)
+            except (FileNotFoundError, ValueError, OSError):
+                continue
+            self.pools[key] = Watched(name, int(created), where, layout, prefix, view)
+        for key, aside in self._unlinked().items():
+            if key in self.pools:
+                self.pools[key].unlinked_to = aside
+
+    def _unlinked(self) -> dict[str, str]:
+        return {
+            pool_key(r[0], int(r[1])): r[2]
+            for r in _read_lines(self._p("unlinks"))
+            if len(r) == 3
+        }
+
+    def _new_findings(self, w: Watched) -> list[Finding]:
+        if w.header_reported:
+            return []
+        v = w.view
+        # Copies of the header and the findings ring only: cheap at any pool size.
+        small = SimpleNamespace(
+            h=v.header.copy()[0], findings=v.findings.copy(), raw=v.raw[:4096].copy()
+        )
+        bad = check_header(small)  # type: ignore[arg-type]
+        if bad:
+            # The header's counters cannot be trusted any more: report once, stop reading.
+            w.header_reported = True
+            return bad
+        head = int(small.h["findings_head"])
+        try:
+            recorded = read_findings(small)  # type: ignore[arg-type]
+        except ValueError:
+            return []
+        first = head - len(recorded)
+        new = recorded[max(0, w.seen - first) :]
+        w.seen = head
+        return new
+
+    def wait(self) -> Outcome:
+        """Poll until the child exits; then one last poll and the child's own records."""
+        assert self.proc is not None
+        while self.proc.poll() is None:
+            self.poll()
+            time.sleep(self.interval_s)
+        self.poll()
+        exc = None
+        try:
+            with open(self._p("exception")) as f:
+                exc = json.load(f)
+        except (FileNotFoundError, ValueError):
+            pass
+        checks: dict[str, Any] = {}
+        try:
+            with open(self._p(f"exit.{self.proc.pid}")) as f:
+                checks = json.load(f)
+        except (FileNotFoundError, ValueError):
+            pass
+        return Outcome(self.proc.returncode, exc, checks)
+
+    def final_findings(self, w: Watched) -> tuple[SegmentView, list[Finding]]:
+        """A consistent copy of the pool now, and every finding in it (recorded and checked)."""
+        snap = snapshot(w.view)
+        return snap, collect_findings(snap, is_alive)
+
+    def cleanup(self) -> None:
+        """Remove the files of pools the child unlinked (renamed aside until now)."""
+        for w in self.pools.values():
+            if w.unlinked_to:
+                for p in (w.unlinked_to, w.unlinked_to + ".data"):
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+
+    def _p(self, name: str) -> str:
+        return os.path.join(self.run_dir, name)
+
+
+def is_leak(f: Finding) -> bool:
+    """True for the leak kinds."""
+    return f.kind in LEAK_KINDS
+
+
+def is_error(f: Finding) -> bool:
+    """True for a finding of severity error that is not a leak."""
+    return f.severity == ERROR and not is_leak(f)

@@ -1,0 +1,86 @@
+"""Check a live pool: the same analysis as `analyze`, read without locking the pool.
+
+`--repair` attaches to the pool, rolls back the journals of processes that died mid-operation
+and returns the blocks of dead owners to the free ring, then says what it did and checks again.
+Exit code 0 when healthy (after repair), 1 when a finding of severity error remains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import numpy as np
+from kvscope.allocator.layout import ClientState
+from kvscope.allocator.process import is_alive
+from kvscope.allocator.segment import check_name
+from kvscope.analysis import analyze_view, exit_code
+from kvscope.report import print_json, render
+from kvscope.target import read_live
+
+
+def repair(name: str) -> dict[str, Any]:
+    """Roll back dead holders' journals and reclaim dead owners' blocks; what was done."""
+    from kvscope.allocator import KVPool
+
+    pool = KVPool.attach(name)
+    try:
+        c = pool.view.clients
+        journals = [
+            {"pid": int(c["pid"][i]), "entries": int(c["journal_count"][i])}
+            for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
+            if i != pool.client
+            and int(c["journal_count"][i])
+            and not is_alive(int(c["pid"][i]), int(c["start"][i]))
+        ]
+        dead = pool.dead_owners()
+        totals = pool.reclaim_dead()
+    finally:
+        pool.close()
+    return {"journals_rolled_back": journals, "dead_owners": [d["pid"] for d in dead], **totals}
+
+
+def describe_repair(done: dict[str, Any]) -> str:
+    """One line saying what --repair did."""
+    parts = []
+    for j in done["journals_rolled_back"]:
+        parts.append(f"rolled back {j['entries']} journal entries of dead pid {j['pid']}")
+    if done["processes"]:
+        pids = ", ".join(map(str, done["dead_owners"]))
+        parts.append(
+            f"reclaimed {done['blocks']} blocks and {done['sequences']} sequences"
+            f" from {done['processes']} dead process(es) (pid {pids})"
+        )
+    return "repair: " + ("; ".join(parts) if parts else "nothing to repair")
+
+
+class CheckCommand:
+    """Check a live pool (`--repair` reclaims what dead processes left behind)."""
+
+    @staticmethod
+    def prepare_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("name", metavar="NAME", help="the pool's name (see `kvscope ls`)")
+        parser.add_argument(
+            "--repair",
+            action="store_true",
+            help="roll back dead holders' journals and reclaim dead owners' blocks",
+        )
+        parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        check_name(args.name)
+        done = None
+        if args.repair:
+            read_live(args.name)  # a missing or corrupt pool fails here, before attaching
+            done = repair(args.name)
+            print(describe_repair(done), file=sys.stderr)
+        report = analyze_view(read_live(args.name), alive=is_alive)
+        if done is not None:
+            report["repair"] = done
+        if args.json:
+            print_json(report)
+        else:
+            render(report, title="live pool")
+        return exit_code(report)

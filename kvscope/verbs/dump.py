@@ -1,0 +1,43 @@
+"""Write a consistent snapshot of a live pool to a dump file (mode 0600).
+
+The copy is taken under the seqlock without locking or slowing the pool. `--with-data` adds
+the KV data; `--redact` replaces every prompt token id with a salted hash (equal prefixes still
+look equal, the text cannot be recovered) so the dump can travel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvscope.allocator.segment import check_name
+from kvscope.dumpfile import write_dump
+
+
+class DumpCommand:
+    """Dump a live pool to a file: `kvscope dump NAME -o FILE [--with-data] [--redact]`."""
+
+    @staticmethod
+    def prepare_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("name", metavar="NAME", help="the pool's name (see `kvscope ls`)")
+        parser.add_argument("-o", "--output", required=True, metavar="FILE", help="dump file")
+        parser.add_argument("--with-data", action="store_true", help="include the KV data")
+        parser.add_argument(
+            "--redact", action="store_true", help="replace token ids with salted hashes"
+        )
+        parser.add_argument("--reason", default="kvscope dump", help="note kept in the dump")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        check_name(args.name)
+        path = write_dump(
+            args.name,
+            args.output,
+            with_data=args.with_data,
+            redact=args.redact,
+            reason=args.reason,
+        )
+        size = os.path.getsize(path)
+        print(f"wrote {path} ({size / 2**20:.1f} MiB) from pool {args.name!r}", file=sys.stderr)
+        return 0

@@ -1,0 +1,90 @@
+"""List the pools on this host: name, device, geometry, occupancy, owners alive/dead, probes on.
+
+Each pool is read under the seqlock without attaching to it. A pool that cannot be read (a
+corrupt header, another user's file) is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.layout import ClientState
+from kvscope.allocator.process import is_alive
+from kvscope.allocator.segment import list_names
+from kvscope.allocator.stats import pool_stats
+from kvscope.analysis import pool_info
+from kvscope.report import console
+from kvscope.target import read_live
+from rich.table import Table
+
+
+def describe(name: str) -> dict[str, Any]:
+    """One row of `kvscope ls` for the pool `name`."""
+    try:
+        view = read_live(name)
+    except PoolError as e:
+        return {"name": name, "error": str(e)}
+    info = pool_info(view)
+    st = pool_stats(view)
+    c = view.clients
+    attached = np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
+    alive = [int(c["pid"][i]) for i in attached if is_alive(int(c["pid"][i]), int(c["start"][i]))]
+    dead = [int(c["pid"][i]) for i in attached if int(c["pid"][i]) not in alive]
+    return {
+        "name": name,
+        "device": info["device"],
+        "geometry": info["geometry"],
+        "num_free": st["num_free"],
+        "num_cached": st["num_cached"],
+        "num_held": st["num_allocated"] + st["num_local"],
+        "utilization": st["utilization"],
+        "owners_alive": alive,
+        "owners_dead": dead,
+        "probes": [k for k, v in info["flags"].items() if v],
+    }
+
+
+class LsCommand:
+    """List the pools on this host with their geometry, occupancy, owners and probes."""
+
+    @staticmethod
+    def prepare_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help="print one JSON list")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        rows = [describe(n) for n in list_names()]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        con = console()
+        if not rows:
+            con.print("no pools on this host")
+            return 0
+        t = Table(box=None, pad_edge=False, show_edge=False)
+        for col in ("pool", "device", "geometry", "held", "cached", "free", "owners", "probes"):
+            t.add_column(col)
+        for r in rows:
+            if "error" in r:
+                t.add_row(r["name"], "-", f"unreadable: {r['error']}", "", "", "", "", "")
+                continue
+            g = r["geometry"]
+            owners = f"{len(r['owners_alive'])} alive"
+            if r["owners_dead"]:
+                owners += f", {len(r['owners_dead'])} dead ({', '.join(map(str, r['owners_dead']))})"
+            t.add_row(
+                r["name"],
+                r["device"],
+                f"{g['num_blocks']}x{g['block_size']} {g['num_layers']}L {g['num_kv_heads']}x{g['head_dim']} {g['dtype']}",
+                f"{r['num_held']} ({r['utilization']:.0%})",
+                str(r["num_cached"]),
+                str(r["num_free"]),
+                owners,
+                ",".join(r["probes"]) or "-",
+            )
+        con.print(t)
+        return 0
