@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
-from server.checkpoint import tiny_model  # noqa: E402
+from server.checkpoint import load_model, save_model, tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
 from server.model import LlamaModel, ModelConfig, generate_reference  # noqa: E402
 from server.static import StaticCache, StaticGeometry  # noqa: E402
@@ -199,6 +199,29 @@ def test_static_baseline_greedy_equals_full_recomputation(model: LlamaModel) -> 
     assert_matches_reference(model, requests, results)
     assert cache.stats()["num_admission_failures"] > 0
     assert cache.stats()["num_free"] == geometry.num_blocks and cache.check() == []
+
+
+def test_paged_greedy_equals_transformers_llama(tmp_path: Path, pools: list) -> None:
+    """Same weights, same greedy tokens as Hugging Face's LlamaForCausalLM (optional extra)."""
+    transformers = pytest.importorskip("transformers")
+    # GIVEN a 3-layer random model saved as a checkpoint, loaded by us and by transformers
+    save_model(tiny_model(7, ModelConfig(num_layers=3)), tmp_path)
+    ours = load_model(tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    requests = workload(4, seed=7, output_len=(16, 24))
+    # WHEN our engine serves the requests on the pool and transformers generates greedily
+    pool = make_pool(ours, 128)
+    pools.append(pool)
+    results = {r.request_id: r.outputs[0] for r in Engine(ours, pool).run(requests)}
+    for request in requests:
+        prompt = torch.tensor([request.prompt])
+        with torch.no_grad():
+            ids = hf.eval().generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=request.max_tokens,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+        # THEN the tokens are the same
+        assert results[request.request_id] == ids[0, len(request.prompt) :].tolist()
 
 
 @pytest.mark.gpu
