@@ -186,8 +186,20 @@ def main(argv: list[str]) -> int:
         raise
     except BaseException as e:
         _record_exception(e)
-        raise
+        _print_user_traceback(e)
+        return 1
     return 0
+
+
+def _print_user_traceback(e: BaseException) -> None:
+    """The traceback as `python script.py` would print it: without the bootstrap's frames."""
+    tb = e.__traceback__
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen")
+    ):
+        tb = tb.tb_next
+    sys.excepthook(type(e), e.with_traceback(tb), tb)
 
 
 if __name__ == "__main__":

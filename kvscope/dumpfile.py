@@ -27,6 +27,7 @@ from kvscope.allocator.layout import (
     DUMP_TORN,
     DUMP_VERSION,
     DUMP_WITH_DATA,
+    FORMAT_VERSION,
     HEADER_DTYPE,
     POOL_MAGIC,
     Layout,
@@ -59,7 +60,10 @@ def layout_of_prefix(prefix: bytes) -> Layout | None:
         return None
     buf = bytearray(HEADER_DTYPE.itemsize)
     buf[: len(prefix)] = prefix[: HEADER_DTYPE.itemsize]
-    return Layout.from_header(np.frombuffer(buf, HEADER_DTYPE, 1)[0])
+    h = np.frombuffer(buf, HEADER_DTYPE, 1)[0]
+    if int(h["version"]) != FORMAT_VERSION:
+        return None
+    return Layout.from_header(h)
 
 
 def write_dump(

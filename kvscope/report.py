@@ -14,7 +14,10 @@ from rich.table import Table
 
 def console(file: IO[str] | None = None) -> Console:
     """A rich console on file (stdout by default), plain when it is not a terminal."""
-    return Console(file=file or sys.stdout, highlight=False, soft_wrap=True)
+    out = file or sys.stdout
+    # Not a terminal (a pipe, a file, a test): wide lines rather than wrapped tables.
+    width = None if out.isatty() else 200
+    return Console(file=out, highlight=False, soft_wrap=True, width=width)
 
 
 def _when(ns: int) -> str:
@@ -77,7 +80,7 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
     for label, group, style in (("errors", errors, "red"), ("warnings", warnings, "yellow")):
         if group:
             con.print(f"\n[bold {style}]{label}[/bold {style}]")
-            for f in group:
+            for f in _grouped(group):
                 _finding(con, f, style)
     for key in ("block", "request"):
         if key in report:
@@ -85,10 +88,43 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
     _summary(con, report.get("summary") or {})
 
 
+def _grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Findings that differ only by block become one entry listing the blocks (the first's events)."""
+    out: list[dict[str, Any]] = []
+    index: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for f in findings:
+        key = (f["kind"], f.get("owner_pid"), f.get("request"), f["message"], f.get("source"))
+        if f.get("block") is None or key not in index:
+            g = dict(f, blocks=[f["block"]] if f.get("block") is not None else [])
+            out.append(g)
+            if f.get("block") is not None:
+                index[key] = g
+        else:
+            index[key]["blocks"].append(f["block"])
+    return out
+
+
+def _blocks(ids: list[int]) -> str:
+    """'block 3' or 'blocks 0-6, 9' (ranges of consecutive ids)."""
+    if len(ids) == 1:
+        return f"block {ids[0]}"
+    runs: list[str] = []
+    ids = sorted(ids)
+    start = prev = ids[0]
+    for b in ids[1:] + [None]:
+        if b is not None and b == prev + 1:
+            prev = b
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if b is not None:
+            start = prev = b
+    return "blocks " + ", ".join(runs)
+
+
 def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     where = []
-    if f.get("block") is not None:
-        where.append(f"block {f['block']}")
+    if f.get("blocks"):
+        where.append(_blocks(f["blocks"]))
     if f.get("owner_pid"):
         where.append(f"pid {f['owner_pid']}")
     if f.get("request"):
@@ -97,8 +133,10 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     con.print(
         f"  [{style}]{f['kind']}[/{style}] {escape(' '.join(where))}{src}: {escape(f['message'])}"
     )
-    if f.get("site") or f.get("alloc_ns"):
-        con.print(escape(f"      allocated at {f.get('site') or '?'} ({_when(f.get('alloc_ns', 0))})"))
+    if f.get("site"):
+        con.print(escape(f"      allocated at {f['site']} ({_when(f.get('alloc_ns', 0))})"))
+    elif f.get("alloc_ns"):
+        con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
     if f.get("events"):
         con.print("      last events:")
         for e in f["events"]:

@@ -8,14 +8,16 @@ Exit code 0 when healthy (after repair), 1 when a finding of severity error rema
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 import numpy as np
 from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
-from kvscope.allocator.segment import check_name
+from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
+from kvscope.errors import UsageError
 from kvscope.report import print_json, render
 from kvscope.target import read_live
 
@@ -66,6 +68,11 @@ class CheckCommand:
             action="store_true",
             help="roll back dead holders' journals and reclaim dead owners' blocks",
         )
+        parser.add_argument(
+            "--unlink",
+            action="store_true",
+            help="remove the pool's files after the check (refused while a live process is attached)",
+        )
         parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
     @staticmethod
@@ -83,4 +90,20 @@ class CheckCommand:
             print_json(report)
         else:
             render(report, title="live pool")
+        if args.unlink:
+            unlink(args.name, report["summary"].get("processes", {}).get("alive", []))
         return exit_code(report)
+
+
+def unlink(name: str, alive: list[int]) -> None:
+    """Remove a pool's files, unless a live process still uses it."""
+    if alive:
+        raise UsageError(
+            f"pool {name!r} is still in use by pid {', '.join(map(str, alive))}; stop them before --unlink"
+        )
+    for p in (segment_path(name), data_path(name)):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+    print(f"unlinked pool {name!r}", file=sys.stderr)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 import numpy as np
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
-from kvscope.allocator.segment import list_names
+from kvscope.allocator.segment import list_names, segment_path
 from kvscope.allocator.stats import pool_stats
 from kvscope.analysis import pool_info
 from kvscope.report import console
@@ -22,11 +23,13 @@ from kvscope.target import read_live
 from rich.table import Table
 
 
-def describe(name: str) -> dict[str, Any]:
+def describe(name: str) -> dict[str, Any] | None:
     """One row of `kvscope ls` for the pool `name`."""
     try:
         view = read_live(name)
     except PoolError as e:
+        if not os.path.exists(segment_path(name)):
+            return None  # removed since it was listed
         return {"name": name, "error": str(e)}
     info = pool_info(view)
     st = pool_stats(view)
@@ -57,7 +60,7 @@ class LsCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        rows = [describe(n) for n in list_names()]
+        rows = [r for r in map(describe, list_names()) if r is not None]
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
@@ -67,7 +70,7 @@ class LsCommand:
             return 0
         t = Table(box=None, pad_edge=False, show_edge=False)
         for col in ("pool", "device", "geometry", "held", "cached", "free", "owners", "probes"):
-            t.add_column(col)
+            t.add_column(col, no_wrap=col != "owners")
         for r in rows:
             if "error" in r:
                 t.add_row(r["name"], "-", f"unreadable: {r['error']}", "", "", "", "", "")

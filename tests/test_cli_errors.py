@@ -1,0 +1,197 @@
+"""Every bad input gives one clear line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
+from kvscope.cli import main
+from kvscope.dumpfile import write_dump
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvscope: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def dump(make_pool, tmp_path):
+    """A healthy pool's dump file."""
+    pool = make_pool(32)
+    seq = pool.allocate("req-1", list(range(9)))
+    path = write_dump(pool, tmp_path / "pool.kvd")
+    pool.free(seq)
+    return tmp_path / "pool.kvd" if path else None
+
+
+def test_analyze_missing_pool(capsys):
+    assert main(["analyze", "no-such-pool-xyz"]) == 2
+    assert "no pool named 'no-such-pool-xyz'" in one_line_error(capsys)
+
+
+def test_analyze_missing_file(capsys, tmp_path):
+    assert main(["analyze", str(tmp_path / "missing.kvd")]) == 2
+    assert "no dump file at" in one_line_error(capsys)
+
+
+def test_analyze_directory(capsys, tmp_path):
+    assert main(["analyze", str(tmp_path)]) == 2
+    assert "is a directory" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("keep", [4, 300, DUMP_HEADER_DTYPE.itemsize + 100, -10])
+def test_analyze_truncated_file(capsys, dump, keep):
+    data = dump.read_bytes()
+    dump.write_bytes(data[:keep])
+    assert main(["analyze", str(dump)]) == 2
+    assert "truncated" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello world\n" * 100, os.urandom(5000)])
+def test_analyze_foreign_file(capsys, tmp_path, content):
+    path = tmp_path / "foreign.kvd"
+    path.write_bytes(content)
+    assert main(["analyze", str(path)]) == 2
+    line = one_line_error(capsys)
+    assert "not a kvscope dump" in line or "truncated" in line
+
+
+def test_analyze_other_dump_version(capsys, dump):
+    raw = bytearray(dump.read_bytes())
+    off = DUMP_HEADER_DTYPE.fields["version"][1]
+    raw[off : off + 4] = (99).to_bytes(4, "little")
+    dump.write_bytes(bytes(raw))
+    assert main(["analyze", str(dump)]) == 2
+    assert "version 99 dump" in one_line_error(capsys)
+
+
+def test_analyze_other_segment_version(capsys, dump):
+    raw = bytearray(dump.read_bytes())
+    off = DUMP_HEADER_DTYPE.itemsize + HEADER_DTYPE.fields["version"][1]
+    raw[off : off + 4] = (7).to_bytes(4, "little")
+    # The saved header copy names version 7 too: nothing in the file is readable by us.
+    saved = DUMP_HEADER_DTYPE.fields["reserved"][1] + HEADER_DTYPE.fields["version"][1]
+    raw[saved : saved + 4] = (7).to_bytes(4, "little")
+    dump.write_bytes(bytes(raw))
+    assert main(["analyze", str(dump)]) == 2
+    assert "format version 7" in one_line_error(capsys)
+
+
+def test_analyze_no_permission(capsys, dump, monkeypatch):
+    os.chmod(dump, 0)
+    if os.geteuid() == 0:
+        # root reads any file: make the open fail the way it fails for everyone else.
+        import builtins
+
+        real_open = builtins.open
+
+        def denied(path, *a, **kw):
+            if os.fspath(path) == str(dump):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *a, **kw)
+
+        monkeypatch.setattr(builtins, "open", denied)
+    assert main(["analyze", str(dump)]) == 2
+    assert "permission denied" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["analyze", "--bogus", "x"],
+        ["frobnicate"],
+        ["ls", "--nope"],
+        ["dump", "somepool"],
+        ["analyze", "x.kvd", "--block", "notanumber"],
+        ["run", "--fail-on", "sometimes", "x.py"],
+        ["run"],
+    ],
+)
+def test_bad_command_line(capsys, argv):
+    assert main(argv) == 2
+    one_line_error(capsys)
+
+
+def test_no_verb_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_invalid_pool_name(capsys):
+    assert main(["check", "../etc/passwd"]) == 2
+    assert "invalid pool name" in one_line_error(capsys)
+
+
+def test_dump_missing_pool(capsys, tmp_path):
+    assert main(["dump", "no-such-pool-xyz", "-o", str(tmp_path / "x.kvd")]) == 2
+    assert "no pool named" in one_line_error(capsys)
+    assert not (tmp_path / "x.kvd").exists()
+
+
+def test_dump_into_missing_directory(capsys, make_pool, tmp_path):
+    pool = make_pool(16)
+    assert main(["dump", pool.name, "-o", str(tmp_path / "nodir" / "x.kvd")]) == 2
+    assert "does not exist" in one_line_error(capsys)
+
+
+def test_dump_redact_with_data_refused(capsys, make_pool, tmp_path):
+    pool = make_pool(16)
+    assert main(["dump", pool.name, "-o", str(tmp_path / "x.kvd"), "--redact", "--with-data"]) == 2
+    assert "--redact cannot be combined" in one_line_error(capsys)
+
+
+def test_check_missing_pool(capsys):
+    assert main(["check", "no-such-pool-xyz", "--repair"]) == 2
+    assert "no pool named" in one_line_error(capsys)
+
+
+def test_check_foreign_pool_file(capsys, pool_name):
+    with open(f"/dev/shm/kvscope.{pool_name}", "wb") as f:
+        f.write(os.urandom(4096))
+    assert main(["check", pool_name]) == 2
+    assert "not a kvscope pool" in one_line_error(capsys)
+
+
+def test_check_pool_whose_header_was_scribbled_in_this_process(capsys, make_pool):
+    # GIVEN a pool this process has open, whose header magic was overwritten
+    pool = make_pool(16)
+    pool.view.raw[:8] = 0xAB
+    # WHEN it is checked THEN the check reports the corruption as a finding (exit 1)
+    assert main(["check", pool.name]) == 1
+    assert "header_corrupt" in capsys.readouterr().out
+    pool.view.header["magic"] = np.uint64(0x4B56_5343_4F50_4531)
+
+
+def test_analyze_out_of_range_block(capsys, dump):
+    assert main(["analyze", str(dump), "--block", "100000"]) == 2
+    assert "out of range" in one_line_error(capsys)
+
+
+def test_run_missing_script(capsys, tmp_path):
+    assert main(["run", str(tmp_path / "nope.py")]) == 2
+    assert "no script at" in one_line_error(capsys)
+
+
+def test_run_unknown_fault(capsys, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert main(["run", "--inject", "gremlins", str(script)]) == 2
+    assert "unknown fault 'gremlins'" in one_line_error(capsys)
+
+
+def test_run_missing_dump_dir(capsys, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert main(["run", "--dump-dir", str(tmp_path / "nodir"), str(script)]) == 2
+    assert "--dump-dir" in one_line_error(capsys)
+
+
+def test_top_bad_rate(capsys):
+    assert main(["top", "x", "--hz", "0"]) == 2
+    assert "--hz must be positive" in one_line_error(capsys)
