@@ -151,6 +151,23 @@ def test_forked_samples_survive_preemption(model: LlamaModel, pools: list) -> No
     assert_pool_clean(pool)
 
 
+def test_a_long_run_recycles_cached_prefix_blocks(model: LlamaModel, pools: list) -> None:
+    # GIVEN many more requests than the pool has blocks: published prefix blocks must be
+    # evicted from the prefix index over and over
+    pool = make_pool(model, 32)
+    pools.append(pool)
+    requests = workload(200, prompt_len=(8, 40), output_len=(2, 8))
+    # WHEN served
+    results = Engine(model, pool).run(requests)
+    # THEN all are served, a sample of them exactly, and the pool is healthy afterwards
+    assert not [r.error for r in results if r.error]
+    sample = requests[::20]
+    ids = {q.request_id for q in sample}
+    assert_matches_reference(model, sample, [r for r in results if r.request_id in ids])
+    assert pool.stats()["num_evictions"] > 0
+    assert_pool_clean(pool)
+
+
 def test_temperature_sampling_is_seeded(model: LlamaModel, pools: list) -> None:
     # GIVEN the same sampled workload served twice with one seed, once with another
     requests = workload(3, seed=3, n=2, temperature=1.5, output_len=(12, 12), prefix_share=0)
