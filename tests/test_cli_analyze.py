@@ -1,0 +1,194 @@
+"""dump, analyze, check and ls through main([...]) on real pools."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from kvscope import analysis
+from kvscope.allocator.segment import segment_path
+from kvscope.cli import main
+from kvscope.dumpfile import read_dump, read_dump_data
+
+
+def analyze_json(capsys, target: str, *extra: str) -> tuple[int, dict]:
+    code = main(["analyze", target, "--json", *extra])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_dump_of_healthy_pool_analyzes_healthy(capsys, make_pool, tmp_path):
+    # GIVEN a pool with a live sequence
+    pool = make_pool(32)
+    pool.allocate("req-1", list(range(9)))
+    out = tmp_path / "p.kvd"
+    # WHEN it is dumped and analyzed
+    assert main(["dump", pool.name, "-o", str(out)]) == 0
+    code, rep = analyze_json(capsys, str(out))
+    # THEN the dump is private, the report follows DESIGN.md and says healthy
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    assert code == 0
+    assert set(rep) >= {"pool", "healthy", "summary", "findings"}
+    assert rep["healthy"] is True and rep["findings"] == []
+    assert rep["pool"]["name"] == pool.name
+    assert rep["pool"]["geometry"]["num_blocks"] == 32
+    assert rep["summary"]["blocks_by_state"]["allocated"] == 3
+    assert rep["summary"]["blocks_by_owner"][0]["pid"] == os.getpid()
+
+
+def test_analyze_names_the_corrupted_block_and_its_request(capsys, make_pool, tmp_path):
+    # GIVEN a pool where a block's refcount was changed behind the allocator's back
+    pool = make_pool(32)
+    seq = pool.allocate("req-7", list(range(9)))
+    victim = seq.block_table[1]
+    pool.view.blocks["refcount"][victim] = 5
+    out = tmp_path / "p.kvd"
+    assert main(["dump", pool.name, "-o", str(out)]) == 0
+    # WHEN analyzed, as text and as JSON
+    assert main(["analyze", str(out)]) == 1
+    text = capsys.readouterr().out
+    code, rep = analyze_json(capsys, str(out))
+    # THEN the report is unhealthy and names the block, its owner and its request
+    assert code == 1 and rep["healthy"] is False
+    assert "UNHEALTHY" in text and f"block {victim}" in text and "req-7" in text
+    f = next(f for f in rep["findings"] if f["block"] == victim)
+    assert f["severity"] == "error" and f["owner_pid"] == os.getpid() and f["request"] == "req-7"
+
+
+def test_analyze_live_pool_by_name_and_narrowed(capsys, make_pool):
+    pool = make_pool(32)
+    seq = pool.allocate("req-a", list(range(5)))
+    pool.allocate("req-b", list(range(5)))
+    code, rep = analyze_json(capsys, pool.name, "--block", str(seq.block_table[0]))
+    assert code == 0
+    assert rep["block"]["mapped_by"] == ["req-a"] and rep["block"]["state"] == "allocated"
+    code, rep = analyze_json(capsys, pool.name, "--request", "req-b")
+    assert rep["request"]["sequences"][0]["num_tokens"] == 5
+
+
+def test_analyze_shows_the_last_events_of_a_block(capsys, make_pool, tmp_path, monkeypatch):
+    # GIVEN a flight recorder showing block 3 freed twice in the same generation
+    pool = make_pool(32)
+    seq = pool.allocate("req-e", list(range(16)))
+    blk = seq.block_table[0]
+    pool.view.blocks["refcount"][blk] = 3  # something the check reports on that block
+    ev = pool.view.events[pool.client]
+    for i, op in enumerate([1, 2, 2]):
+        ev[i]["time_ns"], ev[i]["pid"], ev[i]["op"] = 1000 + i, os.getpid(), op
+        ev[i]["block"], ev[i]["generation"], ev[i]["request"] = blk, 1, b"req-e"
+    monkeypatch.setattr(analysis, "op_names", lambda: {1: "alloc", 2: "free"})
+    # WHEN analyzed
+    code, rep = analyze_json(capsys, pool.name)
+    # THEN the finding carries those events and the second free as the first bad event
+    f = next(f for f in rep["findings"] if f["block"] == blk)
+    assert [e["op"] for e in f["events"]] == ["alloc", "free", "free"]
+    assert f["first_bad_event"]["time_ns"] == 1002
+    assert main(["analyze", pool.name]) == 1
+    assert "first bad event" in capsys.readouterr().out
+
+
+def test_redacted_dump_hides_tokens_but_keeps_equal_prefixes_equal(capsys, make_pool, tmp_path):
+    # GIVEN two sequences with the same prompt, and one with another
+    pool = make_pool(32)
+    a = pool.allocate("a", [11, 12, 13, 14, 15, 16])
+    b = pool.allocate("b", [11, 12, 13, 14, 15, 16])
+    c = pool.allocate("c", [11, 12, 13, 99, 15, 16])
+    out = tmp_path / "r.kvd"
+    # WHEN dumped with --redact
+    assert main(["dump", pool.name, "-o", str(out), "--redact"]) == 0
+    view, dh = read_dump(out)
+    tok = view.blocks["tokens"]
+    # THEN no token id survives, equal prefixes look equal, different ones differ from there on
+    assert not np.isin(tok[a.block_table], [11, 12, 13, 14, 15, 16, 99]).any()
+    assert (tok[a.block_table] == tok[b.block_table]).all()
+    assert (tok[c.block_table[0], :3] == tok[a.block_table[0], :3]).all()
+    assert (tok[c.block_table[0], 3:] != tok[a.block_table[0], 3:]).all()
+    assert int(dh["flags"]) & 2
+    code, rep = analyze_json(capsys, str(out))
+    assert code == 0 and rep["pool"]["dump"]["redacted"] is True
+
+
+def test_dump_with_data_carries_the_kv_tensor(make_pool, tmp_path):
+    pool = make_pool(16)
+    pool.kv.view(-1)[:100] = 7.0
+    out = tmp_path / "d.kvd"
+    assert main(["dump", pool.name, "-o", str(out), "--with-data"]) == 0
+    view, dh = read_dump(out)
+    data = read_dump_data(out, dh)
+    assert data is not None
+    assert bytes(data) == pool.kv.contiguous().view(-1).numpy().tobytes()
+
+
+def test_raw_copy_of_a_segment_is_analyzed_like_a_dump(capsys, make_pool, tmp_path):
+    pool = make_pool(16)
+    pool.allocate("r", [1, 2, 3])
+    copy = tmp_path / "copy.seg"
+    shutil.copyfile(segment_path(pool.name), copy)
+    code, rep = analyze_json(capsys, str(copy))
+    assert code == 0 and rep["summary"]["blocks_by_state"]["allocated"] == 1
+
+
+def test_ls_lists_pools_with_owners(capsys, make_pool):
+    pool = make_pool(16)
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert pool.name in out and "1 alive" in out
+    assert main(["ls", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[pool.name]["owners_alive"] == [os.getpid()]
+
+
+DIE_HOLDING = textwrap.dedent(
+    """
+    import os, signal, sys
+    from kvscope.allocator import KVPool
+    pool = KVPool.attach(sys.argv[1])
+    pool.allocate("doomed", list(range(10)))
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_check_repair_reclaims_a_dead_owners_blocks(capsys, make_pool):
+    # GIVEN a process that died holding blocks of the pool
+    pool = make_pool(32)
+    r = subprocess.run([sys.executable, "-c", DIE_HOLDING, pool.name])
+    assert r.returncode == -signal.SIGKILL
+    # WHEN checked THEN the leak is a warning naming the dead pid (exit 0)
+    assert main(["check", pool.name, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert {f["kind"] for f in rep["findings"]} == {"leak_dead_owner"}
+    assert rep["summary"]["processes"]["dead"]
+    # WHEN repaired THEN it says what it reclaimed and the pool is clean again
+    assert main(["check", pool.name, "--repair"]) == 0
+    cap = capsys.readouterr()
+    assert "reclaimed" in cap.err and "from 1 dead process" in cap.err
+    assert "health: OK - no findings" in cap.out
+    assert pool.stats()["num_allocated"] == 0
+
+
+def test_check_unlink_removes_an_unused_pool(capsys, pool_name):
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvscope.allocator import KVPool, PoolConfig; "
+            "KVPool.create(sys.argv[1], PoolConfig(num_blocks=8, block_size=4, head_dim=8, num_layers=1)).close()",
+            pool_name,
+        ],
+        check=True,
+    )
+    assert main(["check", pool_name, "--unlink"]) == 0
+    assert not os.path.exists(segment_path(pool_name))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["analyze", "--help"]])
+def test_help_exits_0(capsys, argv):
+    assert main(argv) == 0
+    assert "usage" in capsys.readouterr().out
