@@ -1,0 +1,183 @@
+"""`kvscope run`: a supervised child, its findings, and the dump it leaves when it goes wrong."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+
+import pytest
+from kvscope.allocator.segment import segment_path
+from kvscope.analysis import analyze_view
+from kvscope.cli import main
+from kvscope.dumpfile import alive_for, read_dump
+from kvscope.errors import EXIT_FAIL_ON
+
+PRELUDE = """
+import os, signal, sys
+from kvscope.allocator import KVPool, PoolConfig
+pool = KVPool.create(sys.argv[1], PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32"))
+seq = pool.allocate("req-1", list(range(10)))
+"""
+
+SCRIPTS = {
+    "clean": "pool.free(seq)\nprint('args', sys.argv[2:])\npool.close()\npool.unlink()\n",
+    "leak": "print('leaving req-1 behind')\n",
+    "sigkill": "os.kill(os.getpid(), signal.SIGKILL)\n",
+    "exception": "raise ValueError('the model exploded')\n",
+    "double_free": "pool.free(seq)\npool.free(seq)\n",
+    "scribble": (
+        "with open('/dev/shm/kvscope.' + sys.argv[1], 'r+b') as f:\n"
+        "    f.write(b'\\xde\\xad' * 8)\n"
+        "pool.free(seq)\n"
+    ),
+}
+
+
+def script(tmp_path, kind: str) -> str:
+    path = tmp_path / f"{kind}.py"
+    path.write_text(PRELUDE + SCRIPTS[kind])
+    return str(path)
+
+
+def dumps(tmp_path) -> list[str]:
+    return sorted(glob.glob(str(tmp_path / "kvscope-*.kvd")))
+
+
+def analysis_of(path: str) -> dict:
+    view, dh = read_dump(path)
+    return analyze_view(view, alive=alive_for(dh), dump_header=dh)
+
+
+def test_clean_script_runs_with_its_args_and_leaves_nothing(capfd, tmp_path, pool_name):
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "clean"), pool_name, "x", "--y"])
+    out, err = capfd.readouterr()
+    assert code == 0
+    assert "args ['x', '--y']" in out
+    assert dumps(tmp_path) == []
+    # the script's unlink was deferred to the supervisor, which removed the files afterwards
+    assert not glob.glob(segment_path(pool_name) + "*")
+
+
+def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
+    # GIVEN a script that exits without freeing its sequence
+    # WHEN run with the default --fail-on error
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "leak"), pool_name])
+    err = capfd.readouterr().err
+    # THEN it succeeds, but the leak is printed as it is found and a dump names the request
+    assert code == 0
+    assert "leak_finished" in err and "req-1" in err
+    (path,) = dumps(tmp_path)
+    assert path.endswith(".kvd") and f"kvscope-{pool_name}-" in path
+    rep = analysis_of(path)
+    kinds = {f["kind"] for f in rep["findings"]}
+    assert {"leak_finished", "leak_dead_owner"} <= kinds
+    assert "blocks leaked" in rep["pool"]["dump"]["reason"]
+
+
+def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
+    code = main(
+        ["run", "--fail-on", "leak", "--dump-dir", str(tmp_path), script(tmp_path, "leak"), pool_name]
+    )
+    assert code == EXIT_FAIL_ON
+    assert "--fail-on leak matched" in capfd.readouterr().err
+
+
+def test_fail_on_never_ignores_a_leak(capfd, tmp_path, pool_name):
+    code = main(
+        ["run", "--fail-on", "never", "--dump-dir", str(tmp_path), script(tmp_path, "leak"), pool_name]
+    )
+    assert code == 0
+    assert len(dumps(tmp_path)) == 1
+
+
+def test_sigkilled_child_leaves_a_dump_naming_the_dead_owner(capfd, tmp_path, pool_name):
+    # GIVEN a script killed with SIGKILL while it holds blocks
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "sigkill"), pool_name])
+    err = capfd.readouterr().err
+    # THEN the exit code is the shell's for SIGKILL, and the dump says who died holding what
+    assert code == 128 + 9
+    assert "killed by SIGKILL" in err
+    (path,) = dumps(tmp_path)
+    rep = analysis_of(path)
+    assert "SIGKILL" in rep["pool"]["dump"]["reason"]
+    dead = [f for f in rep["findings"] if f["kind"] == "leak_dead_owner"]
+    assert dead and dead[0]["request"] == "req-1" and dead[0]["owner_pid"] == rep["pool"]["dump"]["pid"]
+    assert rep["summary"]["blocks_by_owner"][0]["alive"] is False
+
+
+def test_uncaught_exception_leaves_a_dump_naming_it(capfd, tmp_path, pool_name):
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "exception"), pool_name])
+    err = capfd.readouterr().err
+    assert code == 1
+    # the script's own traceback, without the bootstrap's frames
+    assert "ValueError: the model exploded" in err and "bootstrap.py" not in err
+    (path,) = dumps(tmp_path)
+    rep = analysis_of(path)
+    assert "ValueError: the model exploded" in rep["pool"]["dump"]["reason"]
+    assert any(f["kind"] == "leak_finished" and f["request"] == "req-1" for f in rep["findings"])
+
+
+def test_double_free_is_rejected_and_reported(capfd, tmp_path, pool_name):
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "double_free"), pool_name])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert "already finished" in err and "raised PoolError" in err
+
+
+def test_header_scribble_is_found_while_running_and_analyzed(capfd, tmp_path, pool_name):
+    # GIVEN a script that overwrites its pool's header magic and exits 0
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "scribble"), pool_name])
+    err = capfd.readouterr().err
+    # THEN the corruption is an error finding: --fail-on error exits 66, and the dump says so
+    assert code == EXIT_FAIL_ON
+    assert "header_corrupt" in err
+    (path,) = dumps(tmp_path)
+    assert main(["analyze", path]) == 1
+    assert "header_corrupt" in capfd.readouterr().out
+
+
+def test_installed_command_runs_a_module_and_fails_on_leak(tmp_path, pool_name):
+    # GIVEN a module (run with -m) that leaks, and the installed `kvscope` command
+    (tmp_path / "leaky_mod.py").write_text(PRELUDE + SCRIPTS["leak"])
+    exe = shutil.which("kvscope") or os.path.join(os.path.dirname(os.sys.executable), "kvscope")
+    r = subprocess.run(
+        [exe, "run", "--fail-on", "leak", "-m", "leaky_mod", pool_name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == EXIT_FAIL_ON, r.stderr
+    assert "Traceback" not in r.stderr
+    (path,) = dumps(tmp_path)
+    r = subprocess.run([exe, "analyze", "--json", path], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert any(f["kind"] == "leak_finished" for f in json.loads(r.stdout)["findings"])
+
+
+def test_installed_command_reports_a_sigkill(tmp_path, pool_name):
+    exe = shutil.which("kvscope") or os.path.join(os.path.dirname(os.sys.executable), "kvscope")
+    r = subprocess.run(
+        [exe, "run", "--dump-dir", str(tmp_path), script(tmp_path, "sigkill"), pool_name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 137
+    assert "killed by SIGKILL" in r.stderr and "leak_dead_owner" in r.stderr
+    assert len(dumps(tmp_path)) == 1
+
+
+def test_missing_module_is_exit_2(capfd, tmp_path):
+    code = main(["run", "--dump-dir", str(tmp_path), "-m", "no_such_module_xyz"])
+    assert code == 2
+    assert "no module named 'no_such_module_xyz'" in capfd.readouterr().err
+
+
+@pytest.fixture(autouse=True)
+def _cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
