@@ -3,7 +3,9 @@
 Each program owns (sequence, split, kv head) and every query head of that kv head's group
 (grouped-query attention). A split is a fixed number of whole blocks chosen on the device from
 the lengths, so a long sequence gets many splits and a ragged batch gets splits in proportion
-to each length; the last split of a sequence to finish merges the partial softmax states.
+to each length; a small second kernel merges the splits' partial softmax states. In guard mode
+each split checks its block-table entries once up front; only a split holding a bad entry
+runs the per-token checked loop, so guard mode costs little on a clean pool.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class DecodeConfig:
     tile: int = 64
     chunk_blocks: int = 0
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     ctas_per_sm: int = 4
     ragged_waves: int = 4
     min_chunk_tokens: int = 256
@@ -60,49 +62,85 @@ def _split_tokens(
 
 
 @triton.jit
-def _merge_splits(
-    out_ptrs, acc_base, ml_base, heads, gmask, num_splits, stride_as, stride_ah,
-    HEAD_DIM: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_TILE: tl.constexpr,
+def _attend_tile(
+    q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks, num_blocks,
+    qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
+    TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_FP8: tl.constexpr, UPCAST: tl.constexpr, CHECK: tl.constexpr, HAS_STATE: tl.constexpr,
 ):  # fmt: skip
-    """Combine the splits' (max, sum, unnormalised acc) of one kv head's query heads."""
-    s = tl.arange(0, SPLIT_TILE)
+    """One online-softmax step over keys [t0, t0 + TILE); CHECK masks out bad blocks."""
+    toks = t0 + tl.arange(0, TILE)
     d = tl.arange(0, HEAD_DIM)
-    m_max = tl.full([SPLIT_TILE, GROUP_P2], -1.0e30, tl.float32)
-    for s0 in range(0, num_splits, SPLIT_TILE):
-        rows = (s0 + s).to(tl.int64)
-        mask = (rows < num_splits)[:, None] & gmask[None, :]
-        ml = ml_base + rows[:, None] * stride_as // HEAD_DIM * 2 + heads[None, :] * 2
-        m_max = tl.maximum(m_max, tl.load(ml, mask=mask, other=-1.0e30, cache_modifier=".cg"))
-    m_all = tl.max(m_max, 0)
-    l_all = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, SPLIT_TILE):
-        rows = (s0 + s).to(tl.int64)
-        mask = (rows < num_splits)[:, None] & gmask[None, :]
-        ml = ml_base + rows[:, None] * stride_as // HEAD_DIM * 2 + heads[None, :] * 2
-        m_s = tl.load(ml, mask=mask, other=-1.0e30, cache_modifier=".cg")
-        l_s = tl.load(ml + 1, mask=mask, other=0.0, cache_modifier=".cg")
-        w = tl.where(mask, tl.exp2(m_s - m_all[None, :]), 0.0)
-        l_all += tl.sum(w * l_s, 0)
-        part = acc_base + rows[:, None, None] * stride_as + heads[None, :, None] * stride_ah
-        a = tl.load(part + d[None, None, :], mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(a * w[:, :, None], 0)
-    out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=gmask[:, None])
+    ok = toks < end
+    lb = toks // BLOCK_SIZE
+    slot = toks % BLOCK_SIZE
+    blk = tl.load(table + lb, mask=ok & (lb < max_blocks), other=-1)
+    if CHECK:
+        ok = ok & (blk >= 0) & (blk < num_blocks)
+        if HAS_STATE:
+            ok = ok & (tl.load(state_ptr + blk, mask=ok, other=0) != 0)
+    row = blk.to(tl.int64)[:, None]
+    k = tl.load(k_base + row * stride_kn + slot[:, None] * stride_ks + d[None, :],
+                mask=ok[:, None], other=0.0)  # fmt: skip
+    v = tl.load(v_base + row * stride_vn + slot[:, None] * stride_vs + d[None, :],
+                mask=ok[:, None], other=0.0)  # fmt: skip
+    if KV_FP8 or UPCAST:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _check_blocks(
+    table, state_ptr, errors_ptr, b, kvh, first_block, end_block, max_blocks, num_blocks,
+    error_capacity, CHECK_TILE: tl.constexpr, HAS_STATE: tl.constexpr,
+    HAS_ERRORS: tl.constexpr,
+):  # fmt: skip
+    """Check a split's block-table entries once; record violations; return how many."""
+    num_bad = 0
+    for e0 in range(first_block, end_block, CHECK_TILE):
+        lb = e0 + tl.arange(0, CHECK_TILE)
+        need = lb < end_block
+        blk = tl.load(table + lb, mask=need & (lb < max_blocks), other=-1)
+        in_range = (blk >= 0) & (blk < num_blocks)
+        kind = tl.where(in_range, 0, 1)
+        if HAS_STATE:
+            allocated = tl.load(state_ptr + blk, mask=need & in_range, other=1) != 0
+            kind = tl.where(in_range & (allocated == 0), 2, kind)
+        bad = need & (kind != 0)
+        num_bad += tl.sum(bad.to(tl.int32), 0)
+        if HAS_ERRORS:
+            rec = bad & ((lb * 0 + kvh) == 0)  # kv head 0 records for all
+            idx = tl.atomic_add(errors_ptr + lb * 0, lb * 0 + 1, mask=rec)
+            keep = rec & (idx < error_capacity)
+            rec_ptr = errors_ptr + 2 + idx * 5
+            tl.store(rec_ptr, lb * 0 + b, mask=keep)
+            tl.store(rec_ptr + 1, lb, mask=keep)
+            tl.store(rec_ptr + 2, blk, mask=keep)
+            tl.store(rec_ptr + 3, lb * 0 - 1, mask=keep)
+            tl.store(rec_ptr + 4, kind, mask=keep)
+    return num_bad
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
     state_ptr, errors_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, batch, kv_heads, num_blocks, max_blocks, error_capacity,
     grid_splits, target_ctas, ragged_waves, min_chunk, forced_blocks,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_tb, stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
     TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-    LENS_PAD: tl.constexpr, KV_FP8: tl.constexpr, GUARD: tl.constexpr,
-    HAS_STATE: tl.constexpr, HAS_ERRORS: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LENS_PAD: tl.constexpr,
+    KV_FP8: tl.constexpr, GUARD: tl.constexpr, HAS_STATE: tl.constexpr,
+    HAS_ERRORS: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -139,85 +177,86 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for t0 in range(start, end, TILE):
-        toks = t0 + tl.arange(0, TILE)
-        valid = toks < end
-        lb = toks // BLOCK_SIZE
-        slot = toks % BLOCK_SIZE
-        blk = tl.load(table + lb, mask=valid & (lb < max_blocks), other=-1)
-        ok = valid
-        load_ok = valid
-        if GUARD:
-            in_range = (blk >= 0) & (blk < num_blocks)
-            kind = tl.where(in_range, 0, 1)
-            load_ok = valid & in_range
-            ok = load_ok
-            if HAS_STATE:
-                # K/V loads wait only on the range check; a freed block's rows are read
-                # (in bounds) and discarded below, keeping the state load off their path
-                allocated = tl.load(state_ptr + blk, mask=load_ok, other=1) != 0
-                kind = tl.where(load_ok & (allocated == 0), 2, kind)
-                ok = load_ok & allocated
-            if HAS_ERRORS:
-                # one record per bad block: at its first slot, from kv head 0 only
-                rec = valid & (kind != 0) & (slot == 0) & ((toks * 0 + kvh) == 0)
-                if tl.max(rec.to(tl.int32), 0) > 0:
-                    idx = tl.atomic_add(errors_ptr + toks * 0, toks * 0 + 1, mask=rec)
-                    keep = rec & (idx < error_capacity)
-                    rec_ptr = errors_ptr + 2 + idx * 5
-                    tl.store(rec_ptr, toks * 0 + b, mask=keep)
-                    tl.store(rec_ptr + 1, lb, mask=keep)
-                    tl.store(rec_ptr + 2, blk, mask=keep)
-                    tl.store(rec_ptr + 3, toks * 0 - 1, mask=keep)
-                    tl.store(rec_ptr + 4, kind, mask=keep)
-        row = blk.to(tl.int64)[:, None]
-        k = tl.load(
-            k_base + row * stride_kn + slot[:, None] * stride_ks + d[None, :],
-            mask=load_ok[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + row * stride_vn + slot[:, None] * stride_vs + d[None, :],
-            mask=load_ok[:, None],
-            other=0.0,
-        )
-        if KV_FP8 or UPCAST:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if HAS_STATE:
-            v = tl.where(ok[:, None], v, 0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    num_bad = 0
+    if GUARD:
+        # entries are checked once per split, so clean splits run the unchecked loop
+        num_bad = _check_blocks(
+            table, state_ptr, errors_ptr, b, kvh, start // BLOCK_SIZE,
+            tl.cdiv(end, BLOCK_SIZE), max_blocks, num_blocks, error_capacity, 64,
+            HAS_STATE, HAS_ERRORS,
+        )  # fmt: skip
+    if num_bad == 0:
+        for t0 in range(start, end, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks,
+                num_blocks, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
+                TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, False, HAS_STATE,
+            )  # fmt: skip
+    else:
+        for t0 in range(start, end, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks,
+                num_blocks, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
+                TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, True, HAS_STATE,
+            )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
-    out_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if num_splits == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
-        acc_base = acc_ptr + b64 * stride_ab
-        ml_base = ml_ptr + b64 * stride_ab // HEAD_DIM * 2
-        part = acc_base + split.to(tl.int64) * stride_as + heads[:, None] * stride_ah
-        tl.store(part + d[None, :], acc, mask=gmask[:, None])
-        ml = ml_base + split.to(tl.int64) * stride_as // HEAD_DIM * 2 + heads * 2
-        tl.store(ml, m_i, mask=gmask)
-        tl.store(ml + 1, l_i, mask=gmask)
-        # the last split of this (sequence, kv head) to finish merges them all
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + b64 * kv_heads + kvh, 1, sem="acq_rel")
-        if done == num_splits - 1:
-            hp = tl.arange(0, GROUP_P2)
-            _merge_splits(
-                out_ptr + b64 * stride_ob + (kvh * GROUP + hp)[:, None] * stride_oh + d[None, :],
-                acc_base, ml_base, kvh * GROUP + hp, hp < GROUP, num_splits, stride_as,
-                stride_ah, HEAD_DIM, GROUP_P2, 8,
-            )  # fmt: skip
+        part = acc_ptr + b64 * stride_ab + split.to(tl.int64) * stride_as
+        tl.store(part + heads[:, None] * stride_ah + d[None, :], acc, mask=gmask[:, None])
+        # (max, sum) pairs: ml has acc's layout with 2 in place of head_dim
+        ml = ml_ptr + (b64 * stride_ab + split.to(tl.int64) * stride_as) // HEAD_DIM * 2
+        tl.store(ml + heads * 2, m_i, mask=gmask)
+        tl.store(ml + heads * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    lens_ptr, out_ptr, acc_ptr, ml_ptr, batch, kv_heads, max_blocks, grid_splits,
+    target_ctas, ragged_waves, min_chunk, forced_blocks,
+    stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, LENS_PAD: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    chunk = _split_tokens(
+        lens_ptr, batch, kv_heads, max_blocks, grid_splits, target_ctas, ragged_waves,
+        min_chunk, forced_blocks, BLOCK_SIZE, LENS_PAD,
+    )  # fmt: skip
+    num_splits = tl.cdiv(tl.load(lens_ptr + b), chunk)
+    if num_splits <= 1:
+        return
+    b64 = b.to(tl.int64)
+    s = tl.arange(0, SPLIT_TILE)
+    d = tl.arange(0, HEAD_DIM)
+    part = acc_ptr + b64 * stride_ab + h * stride_ah
+    ml = ml_ptr + (b64 * stride_ab) // HEAD_DIM * 2 + h * 2
+    ml_stride = stride_as // HEAD_DIM * 2
+    m_max = tl.full([SPLIT_TILE], -1.0e30, tl.float32)
+    for s0 in range(0, num_splits, SPLIT_TILE):
+        rows = (s0 + s).to(tl.int64)
+        m_s = tl.load(ml + rows * ml_stride, mask=rows < num_splits, other=-1.0e30)
+        m_max = tl.maximum(m_max, m_s)
+    m_all = tl.max(m_max, 0)
+    l_all = tl.zeros([SPLIT_TILE], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_TILE):
+        rows = (s0 + s).to(tl.int64)
+        sm = rows < num_splits
+        m_s = tl.load(ml + rows * ml_stride, mask=sm, other=-1.0e30)
+        l_s = tl.load(ml + rows * ml_stride + 1, mask=sm, other=0.0)
+        w = tl.where(sm, tl.exp2(m_s - m_all), 0.0)
+        l_all += w * l_s
+        a = tl.load(part + rows[:, None] * stride_as + d[None, :], mask=sm[:, None], other=0.0)
+        acc += tl.sum(a * w[:, None], 0)
+    l_tot = tl.sum(l_all, 0)
+    out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+    tl.store(out_ptr + b64 * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def grid_splits(batch: int, kv_heads: int, max_blocks: int, block_size: int, cfg, sms: int):
@@ -241,25 +280,32 @@ def launch_decode(a: KernelArgs, out: torch.Tensor, cfg: DecodeConfig | None = N
     sms = backend.num_sms(q.device)
     splits = grid_splits(batch, kv_heads, max_blocks, a.block_size, cfg, sms)
     acc = torch.empty(batch, splits, q_heads, head_dim, device=q.device, dtype=torch.float32)
-    # (max, sum) pairs; indexed with acc's strides scaled by 2 / head_dim
     ml = torch.empty(batch, splits, q_heads, 2, device=q.device, dtype=torch.float32)
-    count = torch.zeros(batch, kv_heads, device=q.device, dtype=torch.int32)
     g = guard_args(a)
+    chunk_args = (
+        batch, kv_heads, max_blocks, splits, cfg.ctas_per_sm * sms, cfg.ragged_waves,
+        cfg.min_chunk_tokens, cfg.chunk_blocks,
+    )  # fmt: skip
+    lens_pad = triton.next_power_of_2(batch)
     _decode_kernel[(batch, splits, kv_heads)](
-        q, k, v, a.block_tables, a.seq_lens, out, acc, ml, count,
+        q, k, v, a.block_tables, a.seq_lens, out, acc, ml,
         g.state, g.errors, g.k_scale, g.v_scale,
-        a.scale * LOG2E, batch, kv_heads, k.shape[0], max_blocks, g.capacity,
-        splits, cfg.ctas_per_sm * sms, cfg.ragged_waves, cfg.min_chunk_tokens,
-        cfg.chunk_blocks,
+        a.scale * LOG2E, batch, kv_heads, k.shape[0], max_blocks, g.capacity, *chunk_args[3:],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.block_tables.stride(0),
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         TILE=cfg.tile, BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        GROUP_P2=triton.next_power_of_2(group), LENS_PAD=triton.next_power_of_2(batch),
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), LENS_PAD=lens_pad,
         KV_FP8=g.fp8, GUARD=g.guard, HAS_STATE=g.has_state, HAS_ERRORS=g.has_errors,
         UPCAST=backend.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(batch, q_heads)](
+            a.seq_lens, out, acc, ml, *chunk_args,
+            out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+            BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim, LENS_PAD=lens_pad, SPLIT_TILE=16,
+            num_warps=4,
+        )  # fmt: skip
 
 
 def paged_decode(
