@@ -72,15 +72,23 @@ class WorkerReport:
 
 
 def build_model(config: RunConfig) -> LlamaModel:
-    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device."""
+    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device.
+
+    `--dtype auto` is float32 on the CPU (half-precision matmuls there are slow); on CUDA it is
+    the checkpoint's half dtype, else float16, because the Triton kernels take fp16/bf16 only.
+    """
     dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
     if config.model_path is not None:
-        if config.dtype == "auto" and config.device == "cpu":
-            # half precision matmuls on CPU are slow and rarely what a CPU run wants
+        model = load_model(config.model_path, dtype=dtype, device=config.device)
+    else:
+        model = tiny_model(config.model_seed).to(config.device)
+    if dtype is None:
+        current = model.lm_head.weight.dtype
+        if config.device == "cpu":
             dtype = torch.float32
-        return load_model(config.model_path, dtype=dtype, device=config.device)
-    model = tiny_model(config.model_seed)
-    return model.to(device=config.device, dtype=dtype or torch.float32)
+        else:
+            dtype = current if current in (torch.float16, torch.bfloat16) else torch.float16
+    return model.to(dtype=dtype)
 
 
 def build_cache(config: RunConfig, model: LlamaModel, max_len: int, workers: int = 1) -> Any:
