@@ -140,12 +140,9 @@ def save_model(model: LlamaModel, directory: Path) -> None:
     write_safetensors(state, directory / "model.safetensors")
 
 
-def load_model(
-    directory: Path, dtype: torch.dtype | None = None, device: str = "cpu"
-) -> LlamaModel:
-    """A `LlamaModel` from a local Hugging Face-format directory; `dtype=None` keeps the file's."""
-    directory = Path(directory)
-    config_path = directory / "config.json"
+def load_config(directory: Path) -> ModelConfig:
+    """The model geometry from a Hugging Face directory's `config.json`, without the weights."""
+    config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise ServeError(f"--model {directory}: no config.json there (expected a Hugging Face dir)")
     try:
@@ -156,6 +153,16 @@ def load_model(
     architectures = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in architectures:
         raise ServeError(f"{config_path}: model_type {hf.get('model_type')!r} is not llama")
+    return config
+
+
+def load_model(
+    directory: Path, dtype: torch.dtype | None = None, device: str = "cpu"
+) -> LlamaModel:
+    """A `LlamaModel` from a local Hugging Face-format directory; `dtype=None` keeps the file's."""
+    directory = Path(directory)
+    config = load_config(directory)
+    config_path = directory / "config.json"
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ServeError(f"--model {directory}: no *.safetensors files there")

@@ -65,7 +65,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            extra={k: hf[k] for k in ("torch_dtype", "bos_token_id") if k in hf},
+            extra={k: hf[k] for k in ("torch_dtype", "dtype", "bos_token_id") if k in hf},
         )
 
     def to_hf(self) -> dict[str, Any]:

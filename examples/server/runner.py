@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_model, tiny_model
+from .checkpoint import load_config, load_model, tiny_model
 from .engine import Engine
 from .errors import ServeError
-from .model import LlamaModel
+from .model import LlamaModel, ModelConfig
 from .report import RequestResult, StepSample, Summary, summarize
 from .static import StaticCache, StaticGeometry
 from .workload import Request
@@ -71,51 +71,60 @@ class WorkerReport:
     error: str = ""
 
 
+def model_config(config: RunConfig) -> ModelConfig:
+    """The geometry of the run's model, read without loading its weights."""
+    if config.model_path is None:
+        return ModelConfig()
+    return load_config(config.model_path)
+
+
+def resolve_dtype(config: RunConfig) -> str:
+    """`--dtype auto` made explicit: float32 on the CPU (half matmuls there are slow); on CUDA
+    the checkpoint's half dtype, else float16, because the Triton kernels take fp16/bf16 only."""
+    if config.dtype != "auto":
+        return config.dtype
+    if config.device == "cpu":
+        return "float32"
+    extra = model_config(config).extra
+    wanted = extra.get("torch_dtype") or extra.get("dtype")
+    return wanted if wanted in ("float16", "bfloat16") else "float16"
+
+
 def build_model(config: RunConfig) -> LlamaModel:
-    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device.
-
-    `--dtype auto` is float32 on the CPU (half-precision matmuls there are slow); on CUDA it is
-    the checkpoint's half dtype, else float16, because the Triton kernels take fp16/bf16 only.
-    """
-    dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
+    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device."""
+    dtype = DTYPES[resolve_dtype(config)]
     if config.model_path is not None:
-        model = load_model(config.model_path, dtype=dtype, device=config.device)
-    else:
-        model = tiny_model(config.model_seed).to(config.device)
-    if dtype is None:
-        current = model.lm_head.weight.dtype
-        if config.device == "cpu":
-            dtype = torch.float32
-        else:
-            dtype = current if current in (torch.float16, torch.bfloat16) else torch.float16
-    return model.to(dtype=dtype)
+        return load_model(config.model_path, dtype=dtype, device=config.device)
+    return tiny_model(config.model_seed).to(device=config.device, dtype=dtype)
 
 
-def build_cache(config: RunConfig, model: LlamaModel, max_len: int, workers: int = 1) -> Any:
+def build_cache(config: RunConfig, max_len: int, workers: int = 1) -> StaticCache:
     """The static baseline's private cache (a 1/workers share of the blocks each)."""
+    model = model_config(config)
     geometry = StaticGeometry(
         num_blocks=config.num_blocks // workers,
         block_size=config.block_size,
-        num_layers=model.config.num_layers,
-        num_kv_heads=model.config.num_kv_heads,
-        head_dim=model.config.head_dim,
-        dtype=model.lm_head.weight.dtype,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=DTYPES[resolve_dtype(config)],
         device=config.device,
     )
     return StaticCache(geometry, max_len)
 
 
-def create_pool(config: RunConfig, model: LlamaModel, max_n: int = 1) -> Any:
-    """A new shared pool shaped for `model`, with sequence slots for every worker's streams."""
+def create_pool(config: RunConfig, max_n: int = 1) -> Any:
+    """A new shared pool shaped for the model, with sequence slots for every worker's streams."""
     from kvscope.allocator import KVPool, PoolConfig, PoolError
 
+    model = model_config(config)
     pool_config = PoolConfig(
         num_blocks=config.num_blocks,
         block_size=config.block_size,
-        num_layers=model.config.num_layers,
-        num_kv_heads=model.config.num_kv_heads,
-        head_dim=model.config.head_dim,
-        dtype=model.lm_head.weight.dtype,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=resolve_dtype(config),
         device=config.device,
         max_seqs=max(64, 2 * config.workers * config.max_num_seqs * max_n),
         guard=config.guard,
@@ -148,15 +157,14 @@ def run(
     if not config.pool_name:
         config.pool_name = f"serve-{os.getpid()}"
     max_len = config.max_len or max(len(r.prompt) + r.max_tokens for r in requests)
-    model = build_model(config)
     threads_before = torch.get_num_threads()
     try:
         if config.num_threads():
             torch.set_num_threads(config.num_threads())
         if config.workers == 1:
-            reports, duration_s, extra = _run_here(config, model, requests, max_len, on_finish)
+            reports, duration_s, extra = _run_here(config, requests, max_len, on_finish)
         else:
-            reports, duration_s, extra = _run_workers(config, model, requests, max_len, on_finish)
+            reports, duration_s, extra = _run_workers(config, requests, max_len, on_finish)
     finally:
         torch.set_num_threads(threads_before)
     errors = [r.error for r in reports if r.error]
@@ -178,16 +186,16 @@ Outcome = tuple[list[WorkerReport], float, dict[str, Any]]
 
 def _run_here(
     config: RunConfig,
-    model: LlamaModel,
     requests: list[Request],
     max_len: int,
     on_finish: Callable[[int], None] | None,
 ) -> Outcome:
     """One engine in this process."""
+    model = build_model(config)
     if config.baseline == "static":
-        cache = build_cache(config, model, max_len)
+        cache: Any = build_cache(config, max_len)
     else:
-        cache = create_pool(config, model, max(r.n for r in requests))
+        cache = create_pool(config, max(r.n for r in requests))
     try:
         engine = make_engine(config, model, cache, worker=0)
         if on_finish is not None:
@@ -204,14 +212,13 @@ def _run_here(
 
 def _run_workers(
     config: RunConfig,
-    model: LlamaModel,
     requests: list[Request],
     max_len: int,
     on_finish: Callable[[int], None] | None,
 ) -> Outcome:
     """N worker processes; the paged ones share one pool created here."""
     max_n = max(r.n for r in requests)
-    pool = create_pool(config, model, max_n) if config.baseline == "paged" else None
+    pool = create_pool(config, max_n) if config.baseline == "paged" else None
     ctx = mp.get_context("fork" if config.device == "cpu" else "spawn")
     ready, reports_q = ctx.Queue(), ctx.Queue()
     go, start_value, finished = ctx.Event(), ctx.Value("d", 0.0), ctx.Value("i", 0)
@@ -269,7 +276,7 @@ def worker_main(
     try:
         model = build_model(config)
         if config.baseline == "static":
-            cache = build_cache(config, model, max_len, config.workers)
+            cache = build_cache(config, max_len, config.workers)
         else:
             from kvscope.allocator import KVPool
 
