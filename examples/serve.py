@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from server.errors import ServeError  # noqa: E402
-from server.runner import RunConfig, run  # noqa: E402
+from server.runconfig import RunConfig  # noqa: E402
+from server.runner import run  # noqa: E402
 from server.workload import WorkloadSpec, generate_workload, read_jsonl  # noqa: E402
 
 

@@ -18,7 +18,8 @@ from kvscope.allocator import KVPool  # noqa: E402
 from serve import main  # noqa: E402
 from server.checkpoint import save_model, tiny_model  # noqa: E402
 from server.model import generate_reference  # noqa: E402
-from server.runner import RunConfig, run  # noqa: E402
+from server.runconfig import RunConfig  # noqa: E402
+from server.runner import run  # noqa: E402
 from server.workload import Request  # noqa: E402
 
 SMALL = ["--requests", "12", "--output-len", "2:6", "--rate", "0", "--no-progress"]

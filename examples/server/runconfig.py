@@ -1,0 +1,139 @@
+"""RunConfig: how a run is set up, and the model, caches and engine built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import load_config, load_model, tiny_model
+from .engine import Engine
+from .errors import ServeError
+from .model import LlamaModel, ModelConfig
+from .static import StaticCache, StaticGeometry
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs besides its requests."""
+
+    model_path: Path | None = None
+    model_seed: int = 0
+    dtype: str = "auto"
+    device: str = "cpu"
+    baseline: str = "paged"
+    num_blocks: int = 64
+    block_size: int = 16
+    max_len: int = 0
+    workers: int = 1
+    pool_name: str = ""
+    keep_pool: bool = False
+    guard: bool = False
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    prefill_chunk: int = 64
+    seed: int = 0
+    # torch threads per process; 0: one for the tiny model (OpenMP only slows tiny matmuls)
+    threads: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def num_threads(self) -> int:
+        """Threads each serving process should run torch with (0: leave torch's default)."""
+        if self.threads > 0:
+            return self.threads
+        return 1 if self.model_path is None or self.workers > 1 else 0
+
+
+def model_config(config: RunConfig) -> ModelConfig:
+    """The geometry of the run's model, read without loading its weights."""
+    if config.model_path is None:
+        return ModelConfig()
+    return load_config(config.model_path)
+
+
+def resolve_dtype(config: RunConfig) -> str:
+    """`--dtype auto` made explicit: float32 on the CPU (half matmuls there are slow); on CUDA
+    the checkpoint's half dtype, else float16, because the Triton kernels take fp16/bf16 only."""
+    if config.dtype != "auto":
+        return config.dtype
+    if config.device == "cpu":
+        return "float32"
+    extra = model_config(config).extra
+    wanted = extra.get("torch_dtype") or extra.get("dtype")
+    return wanted if wanted in ("float16", "bfloat16") else "float16"
+
+
+def build_model(config: RunConfig) -> LlamaModel:
+    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device."""
+    dtype = DTYPES[resolve_dtype(config)]
+    if config.model_path is not None:
+        return load_model(config.model_path, dtype=dtype, device=config.device)
+    return tiny_model(config.model_seed).to(device=config.device, dtype=dtype)
+
+
+def build_cache(config: RunConfig, max_len: int, workers: int = 1) -> StaticCache:
+    """The static baseline's private cache (a 1/workers share of the blocks each)."""
+    model = model_config(config)
+    geometry = StaticGeometry(
+        num_blocks=config.num_blocks // workers,
+        block_size=config.block_size,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=DTYPES[resolve_dtype(config)],
+        device=config.device,
+    )
+    return StaticCache(geometry, max_len)
+
+
+def create_pool(config: RunConfig, max_n: int = 1) -> Any:
+    """A new shared pool shaped for the model, with sequence slots for every worker's streams."""
+    from kvscope.allocator import KVPool, PoolConfig, PoolError
+
+    model = model_config(config)
+    pool_config = PoolConfig(
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=resolve_dtype(config),
+        device=config.device,
+        max_seqs=max(64, 2 * config.workers * config.max_num_seqs * max_n),
+        guard=config.guard,
+    )
+    try:
+        return KVPool.create(config.pool_name, pool_config)
+    except PoolError as exc:
+        raise ServeError(f"--pool-name {config.pool_name}: {exc}") from exc
+
+
+def make_engine(config: RunConfig, model: LlamaModel, cache: Any, worker: int) -> Engine:
+    """An engine with the run's batching limits."""
+    return Engine(
+        model,
+        cache,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        prefill_chunk=config.prefill_chunk,
+        seed=config.seed,
+        exclusive=config.workers == 1 or config.baseline == "static",
+        worker=worker,
+    )
+
+
+def cache_extra(cache: Any) -> dict[str, Any]:
+    """The cache's own counters and health at the end of the run."""
+    stats = dict(cache.stats())
+    return {"cache_stats": stats, "cache_findings": len(cache.check())}
+
+
+def release_cache(config: RunConfig, cache: Any) -> None:
+    """Close the cache; remove the shared pool unless the user keeps it for `kvscope top`."""
+    cache.close()
+    if not config.keep_pool:
+        cache.unlink()
