@@ -14,7 +14,7 @@ from server.errors import ServeError  # noqa: E402
 from server.report import (  # noqa: E402
     RequestResult,
     StepSample,
-    peak_overlap,
+    peak_running,
     percentile,
     render_table,
     summarize,
@@ -149,7 +149,14 @@ def test_percentiles_and_peaks() -> None:
     assert percentile([], 50) == 0.0
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile(list(range(101)), 95) == 95
-    assert peak_overlap([(0, 2), (1, 3), (2, 4), (5, 6)]) == 2
+    # worker 0 runs 3 requests until t=2 while worker 1 runs 2 from t=1.5: 5 at once
+    samples = [
+        StepSample(1.0, 1.0, 0, 0, 0, 3, worker=0),
+        StepSample(1.5, 0.5, 0, 0, 0, 2, worker=1),
+        StepSample(2.0, 1.0, 0, 0, 0, 1, worker=0),
+        StepSample(2.5, 1.0, 0, 0, 0, 2, worker=1),
+    ]
+    assert peak_running(samples) == 5
 
 
 def test_summary_arithmetic() -> None:
@@ -159,7 +166,7 @@ def test_summary_arithmetic() -> None:
         RequestResult("b", 0.5, 10, [[1], [2]], 0, 0.5, 0.8, 2.0, 32, 22),
         RequestResult("c", 0.5, 10, error="too large"),
     ]
-    samples = [StepSample(1.0, 1.0, 10, 16, 5), StepSample(2.0, 3.0, 30, 32, 5)]
+    samples = [StepSample(1.0, 1.0, 10, 16, 5, 2), StepSample(2.0, 3.0, 30, 32, 5, 1)]
     s = summarize(results, samples, duration_s=2.0, num_preemptions=3)
     # THEN each number follows its definition
     assert (s.requests, s.failed, s.output_tokens) == (2, 1, 5)

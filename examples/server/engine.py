@@ -267,4 +267,6 @@ class Engine:
                 fill[block] = max(fill.get(block, 0), used)
         end = self.now()
         stored, reserved = sum(fill.values()), len(fill) * block_size
-        self.samples.append(StepSample(end, end - began, stored, reserved, num_tokens))
+        running = len({s.request.request_id for s in self.scheduler.running})
+        sample = StepSample(end, end - began, stored, reserved, num_tokens, running, self.worker)
+        self.samples.append(sample)

@@ -7,6 +7,7 @@ Definitions (also in `--json`):
   all requests (the unfilled tail of the last block when paged; `max_len` minus the final
   length in the static layout).
 - prefix hit rate: prompt tokens found in the pool's prefix index at admission / prompt tokens.
+- peak concurrent requests: most requests with a sequence in the running batch at once.
 - preemptions: times the pool took a waiting sequence's blocks and it had to be recomputed.
 """
 
@@ -49,6 +50,9 @@ class StepSample:
     stored_tokens: int
     reserved_slots: int
     num_tokens: int
+    # requests with a stream in the running batch after this step
+    num_running_requests: int = 0
+    worker: int = 0
 
 
 @dataclass
@@ -87,13 +91,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def peak_overlap(intervals: list[tuple[float, float]]) -> int:
-    """Most intervals [start, end) open at one time."""
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    peak = current = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
+def peak_running(samples: list[StepSample]) -> int:
+    """Most requests running at once over all workers (each worker's latest sample counts)."""
+    current: dict[int, int] = {}
+    peak = 0
+    for sample in sorted(samples, key=lambda s: s.t_s):
+        current[sample.worker] = sample.num_running_requests
+        peak = max(peak, sum(current.values()))
     return peak
 
 
@@ -115,7 +119,6 @@ def summarize(
     held = sum(r.reserved_slots for r in done)
     unfilled = sum(r.reserved_slots - r.stored_tokens for r in done)
     prompt_tokens = sum(r.num_prompt_tokens for r in done)
-    intervals = [(r.admitted_s, r.finish_s) for r in done if r.admitted_s >= 0]
     return Summary(
         baseline=baseline,
         workers=workers,
@@ -128,7 +131,7 @@ def summarize(
         ttft_p95_ms=round(percentile(ttfts, 95), 1),
         kv_utilization=round(stored / reserved, 3) if reserved else 0.0,
         internal_fragmentation=round(unfilled / held, 3) if held else 0.0,
-        peak_concurrent_requests=peak_overlap(intervals),
+        peak_concurrent_requests=peak_running(samples),
         prefix_hit_rate=round(sum(r.num_hit_tokens for r in done) / prompt_tokens, 3)
         if prompt_tokens
         else 0.0,
