@@ -21,6 +21,7 @@ import uuid
 
 from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.check import check_view
+
 from kvscope.analysis import analyze_view
 from kvscope.dumpfile import read_dump, write_dump
 from kvscope.report import console, print_json, render
@@ -28,7 +29,12 @@ from kvscope.report import console, print_json, render
 
 def build(num_blocks: int, num_seqs: int, path: str) -> None:
     cfg = PoolConfig(
-        num_blocks=num_blocks, num_layers=1, head_dim=8, num_kv_heads=1, block_size=16, dtype="float16"
+        num_blocks=num_blocks,
+        num_layers=1,
+        head_dim=8,
+        num_kv_heads=1,
+        block_size=16,
+        dtype="float16",
     )
     pool = KVPool.create(f"bench-analyze-{uuid.uuid4().hex[:8]}", cfg)
     try:
@@ -60,11 +66,13 @@ def main() -> None:
         path = os.path.join(d, "bench.kvd")
         t = time.perf_counter()
         build(args.blocks, args.seqs, path)
-        print(f"built and dumped {args.blocks} blocks in {time.perf_counter() - t:.1f} s"
-              f" ({os.path.getsize(path) / 2**20:.0f} MiB)")
+        print(
+            f"built and dumped {args.blocks} blocks in {time.perf_counter() - t:.1f} s"
+            f" ({os.path.getsize(path) / 2**20:.0f} MiB)"
+        )
         view, dh = read_dump(path)
         sink = io.StringIO()
-        print(f"| stage | owner alive (s) | owner dead (s) |\n|---|---|---|")
+        print("| stage | owner alive (s) | owner dead (s) |\n|---|---|---|")
         rows = {
             "read_dump": lambda alive: read_dump(path),
             "check_view": lambda alive: check_view(view, alive=alive),
@@ -78,8 +86,8 @@ def main() -> None:
         }
         alive = {"alive": lambda pid, start: True, "dead": lambda pid, start: False}
         for name, fn in rows.items():
-            a = timed(lambda: fn(alive["alive"]), args.repeat)
-            b = timed(lambda: fn(alive["dead"]), args.repeat)
+            a = timed(lambda fn=fn: fn(alive["alive"]), args.repeat)
+            b = timed(lambda fn=fn: fn(alive["dead"]), args.repeat)
             print(f"| {name} | {a:.3f} | {b:.3f} |")
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from kvscope.allocator.check import check_header, check_view
 from kvscope.allocator.findings import ERROR, Finding, read_findings
 from kvscope.allocator.layout import (
@@ -245,7 +246,9 @@ def analyze_view(
         found = [f for f in found if f.block == block]
     if request is not None:
         found = [f for f in found if f.request == request]
-    blocks = sorted({f.block for f in found if f.block is not None} | ({block} if block is not None else set()))
+    blocks = sorted(
+        {f.block for f in found if f.block is not None} | ({block} if block is not None else set())
+    )
     blocks = [x for x in blocks if 0 <= x < view.layout.num_blocks]
     events = block_events(view, blocks)
     out_findings = []

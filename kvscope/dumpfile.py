@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable
 
 import numpy as np
+
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import (
     DUMP_HEADER_DTYPE,

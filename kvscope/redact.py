@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 
 import numpy as np
+
 from kvscope.allocator.layout import SegmentView, block_checksums
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

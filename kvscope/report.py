@@ -142,7 +142,9 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         for e in f["events"]:
             con.print("        " + escape(_event_line(e)))
     if f.get("first_bad_event"):
-        con.print("      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"])))
+        con.print(
+            "      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"]))
+        )
 
 
 def _focus(con: Console, key: str, d: dict[str, Any]) -> None:

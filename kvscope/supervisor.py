@@ -171,9 +171,7 @@ class Supervisor:
 
     def _unlinked(self) -> dict[str, str]:
         return {
-            pool_key(r[0], int(r[1])): r[2]
-            for r in _read_lines(self._p("unlinks"))
-            if len(r) == 3
+            pool_key(r[0], int(r[1])): r[2] for r in _read_lines(self._p("unlinks")) if len(r) == 3
         }
 
     def _new_findings(self, w: Watched) -> list[Finding]:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive

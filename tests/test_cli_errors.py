@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
+
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 
 import pytest
+
 from kvscope.analysis import analyze_view
 from kvscope.cli import main
 from kvscope.dumpfile import alive_for, read_dump

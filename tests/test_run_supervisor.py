@@ -7,10 +7,10 @@ import json
 import os
 import shutil
 import subprocess
-import textwrap
 
 import pytest
 from kvscope.allocator.segment import segment_path
+
 from kvscope.analysis import analyze_view
 from kvscope.cli import main
 from kvscope.dumpfile import alive_for, read_dump
@@ -53,7 +53,9 @@ def analysis_of(path: str) -> dict:
 
 
 def test_clean_script_runs_with_its_args_and_leaves_nothing(capfd, tmp_path, pool_name):
-    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "clean"), pool_name, "x", "--y"])
+    code = main(
+        ["run", "--dump-dir", str(tmp_path), script(tmp_path, "clean"), pool_name, "x", "--y"]
+    )
     out, err = capfd.readouterr()
     assert code == 0
     assert "args ['x', '--y']" in out
@@ -80,7 +82,15 @@ def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
 
 def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
     code = main(
-        ["run", "--fail-on", "leak", "--dump-dir", str(tmp_path), script(tmp_path, "leak"), pool_name]
+        [
+            "run",
+            "--fail-on",
+            "leak",
+            "--dump-dir",
+            str(tmp_path),
+            script(tmp_path, "leak"),
+            pool_name,
+        ]
     )
     assert code == EXIT_FAIL_ON
     assert "--fail-on leak matched" in capfd.readouterr().err
@@ -88,7 +98,15 @@ def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
 
 def test_fail_on_never_ignores_a_leak(capfd, tmp_path, pool_name):
     code = main(
-        ["run", "--fail-on", "never", "--dump-dir", str(tmp_path), script(tmp_path, "leak"), pool_name]
+        [
+            "run",
+            "--fail-on",
+            "never",
+            "--dump-dir",
+            str(tmp_path),
+            script(tmp_path, "leak"),
+            pool_name,
+        ]
     )
     assert code == 0
     assert len(dumps(tmp_path)) == 1
@@ -105,7 +123,11 @@ def test_sigkilled_child_leaves_a_dump_naming_the_dead_owner(capfd, tmp_path, po
     rep = analysis_of(path)
     assert "SIGKILL" in rep["pool"]["dump"]["reason"]
     dead = [f for f in rep["findings"] if f["kind"] == "leak_dead_owner"]
-    assert dead and dead[0]["request"] == "req-1" and dead[0]["owner_pid"] == rep["pool"]["dump"]["pid"]
+    assert (
+        dead
+        and dead[0]["request"] == "req-1"
+        and dead[0]["owner_pid"] == rep["pool"]["dump"]["pid"]
+    )
     assert rep["summary"]["blocks_by_owner"][0]["alive"] is False
 
 
@@ -181,3 +203,17 @@ def test_missing_module_is_exit_2(capfd, tmp_path):
 @pytest.fixture(autouse=True)
 def _cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+
+
+def test_live_shows_the_first_pool_in_the_tui(capfd, tmp_path, pool_name, monkeypatch):
+    # GIVEN a TUI that records what it was asked to show
+    import kvscope.verbs.run as run_verb
+
+    shown = []
+    monkeypatch.setattr(
+        run_verb, "load_run_top", lambda: lambda target, hz: shown.append((target, hz)) or 0
+    )
+    # WHEN a script runs with --live THEN the TUI opens on the pool the script created
+    code = main(["run", "--live", "--hz", "4", script(tmp_path, "clean"), pool_name])
+    assert code == 0
+    assert shown == [(pool_name, 4.0)]

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 import numpy as np
+
 from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import check_name, data_path, segment_path

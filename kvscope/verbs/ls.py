@@ -12,6 +12,8 @@ import os
 from typing import Any
 
 import numpy as np
+from rich.table import Table
+
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
@@ -20,7 +22,6 @@ from kvscope.allocator.stats import pool_stats
 from kvscope.analysis import pool_info
 from kvscope.report import console
 from kvscope.target import read_live
-from rich.table import Table
 
 
 def describe(name: str) -> dict[str, Any] | None:
@@ -78,7 +79,9 @@ class LsCommand:
             g = r["geometry"]
             owners = f"{len(r['owners_alive'])} alive"
             if r["owners_dead"]:
-                owners += f", {len(r['owners_dead'])} dead ({', '.join(map(str, r['owners_dead']))})"
+                owners += (
+                    f", {len(r['owners_dead'])} dead ({', '.join(map(str, r['owners_dead']))})"
+                )
             t.add_row(
                 r["name"],
                 r["device"],

@@ -52,7 +52,9 @@ def parse_faults(values: list[str] | None) -> list[str]:
     for v in values or []:
         for fault in filter(None, (x.strip() for x in v.split(","))):
             if fault not in FAULTS:
-                raise UsageError(f"unknown fault {fault!r} for --inject; one of: {', '.join(FAULTS)}")
+                raise UsageError(
+                    f"unknown fault {fault!r} for --inject; one of: {', '.join(FAULTS)}"
+                )
             out.append(fault)
     return out
 
