@@ -18,10 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from server.checkpoint import load_config  # noqa: E402
 from server.errors import ServeError  # noqa: E402
+from server.model import ModelConfig  # noqa: E402
+from server.report import RequestResult, Summary, render_table  # noqa: E402
 from server.runconfig import RunConfig  # noqa: E402
 from server.runner import run  # noqa: E402
-from server.workload import WorkloadSpec, generate_workload, read_jsonl  # noqa: E402
+from server.workload import Request, WorkloadSpec, generate_workload, read_jsonl  # noqa: E402
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -147,7 +150,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(summary.to_json())
     else:
         from rich.console import Console
-        from server.report import render_table
 
         Console().print(render_table(summary))
         if config.keep_pool and config.baseline == "paged":
@@ -157,17 +159,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _vocab_size(model: Path | None) -> int:
     """The vocabulary the workload draws token ids from."""
-    if model is None:
-        from server.model import ModelConfig
-
-        return ModelConfig().vocab_size
-    try:
-        return int(json.loads((model / "config.json").read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ServeError(f"--model {model}: no readable config.json with a vocab_size") from exc
+    return (ModelConfig() if model is None else load_config(model)).vocab_size
 
 
-def _run_with_progress(config: RunConfig, requests: list, show: bool):  # type: ignore[no-untyped-def]
+def _run_with_progress(
+    config: RunConfig, requests: list[Request], show: bool
+) -> tuple[Summary, list[RequestResult]]:
     """`run` with a rich progress bar on stderr (when stderr is a terminal)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn

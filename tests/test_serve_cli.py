@@ -111,7 +111,7 @@ def test_user_errors_are_one_line_and_exit_2(
 
 def test_a_model_dir_without_config_is_a_user_error(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["--model", str(tmp_path), "--no-progress"]) == 2
-    assert "no readable config.json" in capsys.readouterr().err
+    assert "no config.json there" in capsys.readouterr().err
 
 
 def test_bad_jsonl_is_a_user_error(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

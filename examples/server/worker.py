@@ -51,7 +51,7 @@ def run_workers(
     """N worker processes; the paged ones share one pool created here."""
     max_n = max(r.n for r in requests)
     pool = create_pool(config, max_n) if config.baseline == "paged" else None
-    ctx = mp.get_context("fork" if config.device == "cpu" else "spawn")
+    ctx: Any = mp.get_context("fork" if config.device == "cpu" else "spawn")
     ready, reports_q = ctx.Queue(), ctx.Queue()
     go, start_value, finished = ctx.Event(), ctx.Value("d", 0.0), ctx.Value("i", 0)
     procs = [
