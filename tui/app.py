@@ -8,18 +8,16 @@ import threading
 import time
 
 import numpy as np
-from textual import work
-from textual.app import App, ComposeResult
-from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.reactive import reactive
-from textual.widgets import Footer
-from textual.worker import get_current_worker
-
 from kvscope.allocator.check import check_view
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import Finding, read_findings
-from kvscope.allocator.layout import DUMP_HEADER_DTYPE, DUMP_MAGIC, DUMP_TORN, DUMP_VERSION, SegmentView
+from kvscope.allocator.layout import (
+    DUMP_HEADER_DTYPE,
+    DUMP_MAGIC,
+    DUMP_TORN,
+    DUMP_VERSION,
+    SegmentView,
+)
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
 from kvscope.tui.frame import Frame
@@ -34,6 +32,13 @@ from kvscope.tui.widgets.inspector import BlockInspector
 from kvscope.tui.widgets.locks import LocksPanel
 from kvscope.tui.widgets.sequences import BlockTableView, SequenceList
 from kvscope.tui.widgets.sparklines import Trends
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Footer
+from textual.worker import get_current_worker
 
 # A full check_view may use at most 1/CHECK_SHARE of the TUI's time (large pools check less often).
 CHECK_SHARE = 25
@@ -78,6 +83,7 @@ class TopApp(App[int]):
         self.check_every_s = check_every_s
         self.checked: list[Finding] = []
         self.num_frames = 0
+        self.num_checks = 0
         self._consumed = threading.Event()
         self._consumed.set()
         self._wake = threading.Event()
@@ -116,7 +122,9 @@ class TopApp(App[int]):
         if head != self._ring_head:
             self._ring_head, self._ring = head, read_findings(view)
         seen = {(f.kind, f.block, f.message) for f in self._ring}
-        findings = self._ring + [f for f in self.checked if (f.kind, f.block, f.message) not in seen]
+        findings = self._ring + [
+            f for f in self.checked if (f.kind, f.block, f.message) not in seen
+        ]
         return Frame(
             view=view,
             stats=pool_stats(view),
@@ -169,8 +177,11 @@ class TopApp(App[int]):
         self._consumed.set()
 
     def on_check_done(self, message: CheckDone) -> None:
+        self.num_checks += 1
         if self.frame is not None and not self.source.live:
-            self.frame = Frame(**{**self.frame.__dict__, "findings": self._merged(self.frame.findings)})
+            self.frame = Frame(
+                **{**self.frame.__dict__, "findings": self._merged(self.frame.findings)}
+            )
 
     def _merged(self, ring: list[Finding]) -> list[Finding]:
         seen = {(f.kind, f.block, f.message) for f in ring}

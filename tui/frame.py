@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import BlockState, SegmentView, SeqState
 
@@ -124,11 +123,16 @@ def cow_positions(frame: Frame, slot: int) -> set[int]:
     pos = np.where(same.all(axis=1), k, np.argmin(same, axis=1))
     blocks = frame.view.blocks
     out: set[int] = set()
-    for j, p in zip(np.flatnonzero((pos > 0) & (pos < k) & (pos < lens)), pos[(pos > 0) & (pos < k) & (pos < lens)]):
+    for j, p in zip(
+        np.flatnonzero((pos > 0) & (pos < k) & (pos < lens)),
+        pos[(pos > 0) & (pos < k) & (pos < lens)],
+    ):
         p = int(p)
         mine_b, theirs = int(mine[p]), int(tables[j, p])
-        if int(blocks["refcount"][mine_b]) == 1 and blocks["num_tokens"][mine_b] and (
-            blocks["tokens"][mine_b][0] == blocks["tokens"][theirs][0]
+        if (
+            int(blocks["refcount"][mine_b]) == 1
+            and blocks["num_tokens"][mine_b]
+            and (blocks["tokens"][mine_b][0] == blocks["tokens"][theirs][0])
         ):
             out.add(p)
     return out

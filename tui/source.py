@@ -31,6 +31,10 @@ from kvscope.allocator.segment import check_name, list_names, segment_path, vali
 # Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), and the
 # prefix index, the free ring's body and the client journals are not copied at all.
 SHOWN_SECTIONS = ("blocks", "sites", "locks", "events", "lockgraph", "findings")
+# Block records are copied in pieces of about this many bytes, each under the seqlock.
+CHUNK_BYTES = 256 * 1024
+# A whole-segment copy (for check_view) gives up after this many tries; the check then waits.
+FULL_TRIES = 3
 
 
 class Source(Protocol):
@@ -73,7 +77,7 @@ class Snapshotter:
     buffers alternate); the TUI consumes each frame before it asks for the next.
     """
 
-    def __init__(self, view: SegmentView, tries: int = 50):
+    def __init__(self, view: SegmentView, tries: int = 20):
         self.view = view
         self.tries = tries
         end = view.offsets["end"]
@@ -83,20 +87,21 @@ class Snapshotter:
         self._live_rows: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(2)]
         self._turn = 0
         self._full: np.ndarray | None = None
-        self._bounds = [_section_bounds(view, s) for s in SHOWN_SECTIONS]
+        self._blocks = _section_bounds(view, "blocks")
+        self._bounds = [_section_bounds(view, s) for s in SHOWN_SECTIONS if s != "blocks"]
         self._bounds.append((0, HEADER_DTYPE.itemsize))
         ring = view.offsets["ring"]
         self._bounds.append((ring, ring + RING_HEADER_DTYPE.itemsize))
         self.num_retries = 0
 
-    def _consistent(self, copy) -> bool:
+    def _consistent(self, copy, tries: int | None = None) -> bool:
         """Run `copy()` between two equal, even readings of the seqlock; False if it never was."""
         view = self.view
-        for attempt in range(self.tries):
+        for attempt in range(tries or self.tries):
             before = _counters(view).copy()
             if (before % 2).any():
                 self.num_retries += 1
-                time.sleep(0.0002 * min(attempt + 1, 10))
+                time.sleep(0.0001 * min(attempt + 1, 10))
                 continue
             copy()
             if np.array_equal(before, _counters(view)):
@@ -105,8 +110,16 @@ class Snapshotter:
         return False
 
     def read(self) -> SegmentView:
-        """Header, blocks, locks, client records (no journals), events, sites, lock graph,
-        findings, and the live rows of the sequence table (up to their longest block table)."""
+        """What the panels show, copied piece by piece, each piece under the seqlock.
+
+        The block records are copied in chunks of CHUNK_BYTES (a busy pool changes its counters
+        thousands of times a second, so one 10 ms copy of a 100k-block section would almost
+        never see them still); every record is whole and consistent, and the frame as a whole
+        spans the few milliseconds of the copy. The small sections (header, ring header, locks,
+        client records, events, sites, lock graph, findings, live sequence rows) are copied
+        together in one consistent piece. `torn` is set when some piece never found a quiet
+        moment in `tries` attempts (its last copy is kept).
+        """
         i = self._turn
         self._turn ^= 1
         view, mine, dst = self.view, self._views[i], self._bufs[i]
@@ -120,8 +133,19 @@ class Snapshotter:
         nseqs = len(view.seqs)
         src_rows = src[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
         dst_rows = dst[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
+        b0, b1 = self._blocks
+        rec = view.blocks.dtype.itemsize
+        step = max(1, CHUNK_BYTES // rec) * rec
+        ok = True
+        for a in range(b0, b1, step):
+            b = min(b1, a + step)
 
-        def copy() -> None:
+            def chunk(a: int = a, b: int = b) -> None:
+                dst[a:b] = src[a:b]
+
+            ok &= self._consistent(chunk)
+
+        def small() -> None:
             for a, b in self._bounds:
                 dst[a:b] = src[a:b]
             dst[c0 : c0 + csize * nclients].reshape(nclients, csize)[:, :chead] = src[
@@ -137,7 +161,8 @@ class Snapshotter:
             dst_rows[live, :width] = src_rows[live, :width]
             self._live_rows[i] = live
 
-        mine.torn = not self._consistent(copy)  # type: ignore[attr-defined]
+        ok &= self._consistent(small)
+        mine.torn = not ok  # type: ignore[attr-defined]
         return mine
 
     def read_full(self) -> SegmentView:
@@ -149,7 +174,7 @@ class Snapshotter:
         def copy() -> None:
             full[:] = src
 
-        torn = not self._consistent(copy)
+        torn = not self._consistent(copy, tries=FULL_TRIES)
         out = SegmentView(full, self.view.layout)
         out.torn = torn  # type: ignore[attr-defined]
         return out
@@ -167,7 +192,11 @@ class LiveSource:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             known = list_names()
-            hint = f" (pools on this host: {', '.join(known)})" if known else " (no pools on this host)"
+            hint = (
+                f" (pools on this host: {', '.join(known)})"
+                if known
+                else " (no pools on this host)"
+            )
             raise PoolError(f"no pool named {name!r}: {path} does not exist{hint}") from None
         except PermissionError:
             raise PoolError(f"cannot read pool file {path}: permission denied") from None

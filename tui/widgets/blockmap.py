@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+from kvscope.allocator.layout import BlockState
+from kvscope.tui.frame import Frame
+from kvscope.tui.messages import BlockChosen
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
@@ -11,10 +14,6 @@ from textual.geometry import Region
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
-
-from kvscope.allocator.layout import BlockState
-from kvscope.tui.frame import Frame
-from kvscope.tui.messages import BlockChosen
 
 # Colour per state, darkest to brightest for refcount 0-1, 2, 3, 4+.
 STATE_COLOURS = {

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from textual.reactive import reactive
-
 from kvscope.allocator.findings import Finding
 from kvscope.tui.frame import Frame
 from kvscope.tui.messages import BlockChosen
 from kvscope.tui.widgets.rows import Row, RowsView
+from textual.reactive import reactive
 
 
 class FindingsPanel(RowsView):
@@ -31,13 +30,21 @@ class FindingsPanel(RowsView):
             return
         self.findings = list(found)
         errors = sum(f.severity == "error" for f in found)
-        self.border_title = f"findings ({errors} errors, {len(found) - errors} warnings)" if found else "findings"
+        self.border_title = (
+            f"findings ({errors} errors, {len(found) - errors} warnings)" if found else "findings"
+        )
 
         def row_of(i: int) -> Row:
             f = self.findings[i]
             sev = "ERR" if f.severity == "error" else "warn"
             return (
-                (sev, f.kind, "" if f.block is None else str(f.block), str(f.owner_pid or ""), f.message),
+                (
+                    sev,
+                    f.kind,
+                    "" if f.block is None else str(f.block),
+                    str(f.owner_pid or ""),
+                    f.message,
+                ),
                 "bold red" if f.severity == "error" else "yellow",
             )
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from rich.text import Text
-from textual.reactive import reactive
-from textual.widgets import Static
-
 from kvscope.allocator.layout import Flag
 from kvscope.tui.frame import Frame, clock
+from rich.segment import Segment
+from rich.text import Text
+from textual.reactive import reactive
+from textual.strip import Strip
+from textual.widget import Widget
 
 
 def _s(v: bytes) -> str:
     return bytes(v).rstrip(b"\0").decode(errors="replace")
 
 
-class PoolHeader(Static):
+class PoolHeader(Widget):
     """Two lines: what the pool is, and how it is doing."""
 
     DEFAULT_CSS = """
@@ -25,8 +26,9 @@ class PoolHeader(Static):
     mode: reactive[str] = reactive("", repaint=False)
 
     def __init__(self, *, id: str | None = None) -> None:
-        super().__init__("", id=id)
+        super().__init__(id=id)
         self._text = ""
+        self._lines: list[Strip] = []
 
     def watch_frame(self) -> None:
         self._show()
@@ -74,4 +76,12 @@ class PoolHeader(Static):
             t.append(f"  taken {clock(int(frame.taken_ns))}", style="dim")
         if t.plain != self._text:
             self._text = t.plain
-            self.update(t, layout=False)
+            segments = t.render(self.app.console)
+            self._lines = [Strip(line) for line in Segment.split_lines(segments)]
+            self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        width = self.content_size.width
+        if y < len(self._lines):
+            return self._lines[y].crop_extend(0, width, self.rich_style)
+        return Strip.blank(width, self.rich_style)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from rich.text import Text
-from textual.reactive import reactive
-from textual.widgets import Static
-
 from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
 from kvscope.allocator.process import is_alive
 from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import Static
 
 NUM_EVENTS = 6
 
@@ -28,7 +27,11 @@ def describe_block(frame: Frame, b: int) -> Text:
 
     magic = int(rec["magic"])
     line("block", b)
-    line("magic", f"{magic:#010x}" + ("" if magic == BLOCK_MAGIC else "  BAD"), "" if magic == BLOCK_MAGIC else "bold red")
+    line(
+        "magic",
+        f"{magic:#010x}" + ("" if magic == BLOCK_MAGIC else "  BAD"),
+        "" if magic == BLOCK_MAGIC else "bold red",
+    )
     line("state", STATE_NAMES.get(int(rec["state"]), f"? {int(rec['state'])}"))
     line("refcount", int(rec["refcount"]))
     line("generation", int(rec["generation"]))
@@ -38,7 +41,11 @@ def describe_block(frame: Frame, b: int) -> Text:
     alive = ""
     if pid and frame.live:
         alive = " (alive)" if is_alive(pid, int(rec["owner_start"])) else " (DEAD)"
-    line("owner", f"pid {pid} client {int(rec['owner_client'])}{alive}" if pid else "-", "bold red" if "DEAD" in alive else "")
+    line(
+        "owner",
+        f"pid {pid} client {int(rec['owner_client'])}{alive}" if pid else "-",
+        "bold red" if "DEAD" in alive else "",
+    )
     line("request", request_of(rec) or "-")
     line("allocated", clock(int(rec["alloc_ns"])))
     line("accessed", clock(int(rec["access_ns"])))
@@ -50,11 +57,18 @@ def describe_block(frame: Frame, b: int) -> Text:
     elif site >= 0:
         site_text = f"site {site}"
     line("site", site_text)
-    line("tokens", f"{int(rec['num_tokens'])}: {np.asarray(rec['tokens'])[: min(8, int(rec['num_tokens']))].tolist()}")
+    line(
+        "tokens",
+        f"{int(rec['num_tokens'])}: {np.asarray(rec['tokens'])[: min(8, int(rec['num_tokens']))].tolist()}",
+    )
     line("prefix hash", f"{int(rec['prefix_hash']):#018x}")
     line("parent hash", f"{int(rec['parent_hash']):#018x}")
     ok = int(block_checksums(view.blocks, np.array([b]))[0]) == int(rec["checksum"])
-    line("checksum", f"{int(rec['checksum']):#018x}" + ("" if ok else "  MISMATCH"), "" if ok else "bold red")
+    line(
+        "checksum",
+        f"{int(rec['checksum']):#018x}" + ("" if ok else "  MISMATCH"),
+        "" if ok else "bold red",
+    )
     live = frame.live_slots()
     seqs = view.seqs
     lens = seqs["num_blocks"][live].astype(np.int64)
@@ -62,7 +76,9 @@ def describe_block(frame: Frame, b: int) -> Text:
     tables = seqs["table"][live, :width]
     hit = ((tables == b) & (np.arange(width)[None, :] < lens[:, None])).any(axis=1)
     users = live[hit].tolist()
-    names = ", ".join(f"{request_of(seqs[s])}[{SeqState(int(seqs['state'][s])).name.lower()}]" for s in users[:4])
+    names = ", ".join(
+        f"{request_of(seqs[s])}[{SeqState(int(seqs['state'][s])).name.lower()}]" for s in users[:4]
+    )
     line("used by", names + (f" +{len(users) - 4}" if len(users) > 4 else "") if users else "-")
     events = last_events(view, NUM_EVENTS, block=b)
     out.append("last events\n", style="bold underline")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-from textual.reactive import reactive
-
 from kvscope.tui.frame import Frame
 from kvscope.tui.widgets.rows import Row, RowsView
+from textual.reactive import reactive
 
 
 def _us(ns: float) -> str:
@@ -17,7 +16,15 @@ def _us(ns: float) -> str:
 class LocksPanel(RowsView):
     """Held locks in bold; a hold time only on a live pool (the holder's monotonic clock)."""
 
-    COLUMNS = [("lock", 9), ("holder", 14), ("acq", 8), ("cont", 6), ("wait us", 8), ("hold us", 8), ("max us", 0)]
+    COLUMNS = [
+        ("lock", 9),
+        ("holder", 14),
+        ("acq", 8),
+        ("cont", 6),
+        ("wait us", 8),
+        ("hold us", 8),
+        ("max us", 0),
+    ]
 
     frame: reactive[Frame | None] = reactive(None, repaint=False)
 

@@ -17,6 +17,7 @@ from textual.strip import Strip
 
 # A row: its cells (one string per column) and an optional Rich style for the whole row.
 Row = tuple[tuple[str, ...], str | None]
+ROWS_STEP = 64
 
 
 class RowsView(ScrollView, can_focus=True):
@@ -50,13 +51,25 @@ class RowsView(ScrollView, can_focus=True):
         self._row_of: Callable[[int], Row] = lambda i: ((), None)
         self._strips: dict[int, Strip] = {}
         self.empty_text = ""
+        self._shown: list[Row] = []
+        self._shown_rows = -1
 
     def set_rows(self, num_rows: int, row_of: Callable[[int], Row]) -> None:
         """Show `num_rows` rows, row i formatted on demand by `row_of(i)`."""
         self.num_rows = num_rows
         self._row_of = row_of
+        # Refresh only when what is on screen changed (most frames of a large pool change
+        # rows that are scrolled away).
+        top = int(self.scroll_offset.y)
+        shown = [row_of(i) for i in range(top, min(num_rows, top + self.size.height))]
+        if shown == self._shown and num_rows == self._shown_rows:
+            return
+        self._shown, self._shown_rows = shown, num_rows
         self._strips.clear()
-        self.virtual_size = Size(self.size.width, num_rows + 1)
+        # Grow the scroll range in steps: a new virtual size means a new layout of the screen.
+        height = -(-(num_rows + 1) // ROWS_STEP) * ROWS_STEP if num_rows >= self.size.height else 0
+        if self.virtual_size.height != height:
+            self.virtual_size = Size(self.size.width, height)
         if self.cursor >= num_rows:
             self.cursor = max(0, num_rows - 1)
         self.refresh()
@@ -76,7 +89,13 @@ class RowsView(ScrollView, can_focus=True):
         width = self.scrollable_content_region.width
         if y == 0:
             head = tuple(label for label, _ in self.COLUMNS)
-            return Strip([Segment(self._cells(head, width), self.rich_style + Style(bold=True, underline=True))])
+            return Strip(
+                [
+                    Segment(
+                        self._cells(head, width), self.rich_style + Style(bold=True, underline=True)
+                    )
+                ]
+            )
         i = int(self.scroll_offset.y) + y - 1
         if i >= self.num_rows:
             if i == 0 and self.empty_text:
@@ -94,6 +113,10 @@ class RowsView(ScrollView, can_focus=True):
             strip = Strip([Segment(self._cells(cells, width), rs)])
             self._strips[key] = strip
         return strip
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        self._shown_rows = -1
+        super().watch_scroll_y(old, new)
 
     def watch_cursor(self, old: int, new: int) -> None:
         self._strips.pop(old * 2 + 1, None)

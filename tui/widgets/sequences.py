@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from textual.reactive import reactive
-
 from kvscope.tui.frame import SEQ_STATE_NAMES, STATE_NAMES, Frame, cow_positions, request_of
 from kvscope.tui.messages import BlockChosen, SequenceChosen
 from kvscope.tui.widgets.rows import Row, RowsView
+from textual.reactive import reactive
 
-SEQ_STYLES = {"running": None, "waiting": "yellow", "preempted": "yellow", "finished": "dim", "aborted": "red"}
+SEQ_STYLES = {
+    "running": None,
+    "waiting": "yellow",
+    "preempted": "yellow",
+    "finished": "dim",
+    "aborted": "red",
+}
 
 
 class SequenceList(RowsView):
@@ -69,7 +74,14 @@ class SequenceList(RowsView):
 class BlockTableView(RowsView):
     """The selected sequence's block table; shared blocks and copy-on-write copies marked."""
 
-    COLUMNS = [("logical", 7), ("physical", 8), ("ref", 4), ("state", 9), ("tokens", 6), ("mark", 10)]
+    COLUMNS = [
+        ("logical", 7),
+        ("physical", 8),
+        ("ref", 4),
+        ("state", 9),
+        ("tokens", 6),
+        ("mark", 10),
+    ]
 
     frame: reactive[Frame | None] = reactive(None, repaint=False)
     selected_seq: reactive[int] = reactive(-1, repaint=False)
@@ -113,7 +125,10 @@ class BlockTableView(RowsView):
             state = STATE_NAMES.get(int(blocks["state"][b]), "?")
             if state != "allocated":
                 mark, style = f"{state}!", "bold red"
-            return ((str(i), str(b), str(ref), state, str(int(blocks["num_tokens"][b])), mark), style)
+            return (
+                (str(i), str(b), str(ref), state, str(int(blocks["num_tokens"][b])), mark),
+                style,
+            )
 
         self.set_rows(len(self.table), row_of)
 

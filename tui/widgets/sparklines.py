@@ -1,46 +1,25 @@
-"""Sparklines of utilization, free blocks, allocation rate and prefix hit rate."""
+"""Sparklines of utilization, free blocks, allocation rate and prefix hit rate (one Line-API widget)."""
 
 from __future__ import annotations
 
 from collections import deque
 
-from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical
-from textual.reactive import reactive
-from textual.widgets import Label, Sparkline
-
+import numpy as np
 from kvscope.tui.frame import Frame
+from rich.segment import Segment
+from rich.style import Style
+from textual.reactive import reactive
+from textual.strip import Strip
+from textual.widget import Widget
 
-HISTORY = 120
-
-
-class Trend(Vertical):
-    """One labelled sparkline over the last HISTORY samples."""
-
-    DEFAULT_CSS = """
-    Trend { width: 1fr; height: 100%; padding: 0 1; }
-    Trend Label { width: 100%; height: 1; }
-    Trend Sparkline { width: 100%; height: 1fr; min-height: 1; }
-    """
-
-    def __init__(self, title: str, *, id: str | None = None) -> None:
-        super().__init__(id=id)
-        self.title = title
-        self.samples: deque[float] = deque(maxlen=HISTORY)
-
-    def compose(self) -> ComposeResult:
-        yield Label(self.title)
-        yield Sparkline([], summary_function=max)
-
-    def add(self, value: float, text: str) -> None:
-        """Append a sample and show `text` as its current value."""
-        self.samples.append(value)
-        self.query_one(Label).update(f"{self.title} {text}")
-        self.query_one(Sparkline).data = list(self.samples)
+HISTORY = 240
+BARS = " ▁▂▃▄▅▆▇█"
+TITLES = ("utilization", "free blocks", "allocs/s", "prefix hits")
+COLOURS = ("green3", "dodger_blue1", "yellow3", "magenta")
 
 
-class Trends(Horizontal):
-    """The four trends, fed one sample per frame."""
+class Trends(Widget):
+    """Four labelled sparklines side by side; the newest sample is on the right."""
 
     DEFAULT_CSS = """
     Trends { height: 3; }
@@ -51,12 +30,19 @@ class Trends(Horizontal):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._last: tuple[int, int] | None = None
+        self.samples = [deque(maxlen=HISTORY) for _ in TITLES]
+        self.labels = [t for t in TITLES]
+        self._strips: dict[int, Strip] = {}
 
-    def compose(self) -> ComposeResult:
-        yield Trend("utilization", id="trend-util")
-        yield Trend("free blocks", id="trend-free")
-        yield Trend("allocs/s", id="trend-rate")
-        yield Trend("prefix hits", id="trend-hits")
+    def add(
+        self, values: tuple[float, float, float, float], texts: tuple[str, str, str, str]
+    ) -> None:
+        """Append one sample to each trend and show `texts` as their current values."""
+        for q, v in zip(self.samples, values):
+            q.append(float(v))
+        self.labels = [f"{t} {x}" for t, x in zip(TITLES, texts)]
+        self._strips.clear()
+        self.refresh()
 
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
@@ -68,9 +54,51 @@ class Trends(Horizontal):
             rate = max(0.0, (allocs - self._last[0]) / ((now - self._last[1]) / 1e9))
         if self._last is None or now != self._last[1]:
             self._last = (allocs, now)
-        self.query_one("#trend-util", Trend).add(st["utilization"], f"{100 * st['utilization']:.1f}%")
-        self.query_one("#trend-free", Trend).add(st["num_free"], f"{st['num_free']:,}")
-        self.query_one("#trend-rate", Trend).add(rate, f"{rate:,.0f}")
-        self.query_one("#trend-hits", Trend).add(
-            st["prefix_hit_rate"], f"{100 * st['prefix_hit_rate']:.1f}% of {st['prefix_queries']:,}"
+        self.add(
+            (st["utilization"], st["num_free"], rate, st["prefix_hit_rate"]),
+            (
+                f"{100 * st['utilization']:.1f}%",
+                f"{st['num_free']:,}",
+                f"{rate:,.0f}",
+                f"{100 * st['prefix_hit_rate']:.1f}% of {st['prefix_queries']:,}",
+            ),
         )
+
+    def _column(self, k: int, width: int, rows: int) -> list[str]:
+        """The sparkline of trend k as `rows` strings of `width` cells, top row first."""
+        data = np.asarray(self.samples[k], dtype=np.float64)[-width:]
+        if len(data) == 0:
+            return [" " * width] * rows
+        lo, hi = float(data.min()), float(data.max())
+        span = hi - lo
+        # Height in eighths of a cell; a flat line sits at the bottom row, one eighth high.
+        level = np.ones(len(data)) * 1 if span == 0 else 1 + (data - lo) / span * (rows * 8 - 1)
+        level = level.astype(np.int64)
+        out = []
+        for r in range(rows - 1, -1, -1):
+            cell = np.clip(level - r * 8, 0, 8)
+            out.append("".join(BARS[c] for c in cell.tolist()).rjust(width))
+        return out
+
+    def render_line(self, y: int) -> Strip:
+        width = self.content_size.width
+        height = self.content_size.height
+        strip = self._strips.get(y)
+        if strip is not None and strip.cell_length == width:
+            return strip
+        n = len(TITLES)
+        col = max(1, width // n)
+        segs: list[Segment] = []
+        for k in range(n):
+            w = col if k < n - 1 else width - col * (n - 1)
+            inner = max(1, w - 2)
+            if y == 0:
+                segs.append(
+                    Segment(" " + self.labels[k][:inner].ljust(inner) + " ", Style(bold=True))
+                )
+            else:
+                line = self._column(k, inner, max(1, height - 1))[y - 1]
+                segs.append(Segment(" " + line + " ", Style(color=COLOURS[k])))
+        strip = Strip(segs, width)
+        self._strips[y] = strip
+        return strip

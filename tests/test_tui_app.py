@@ -1,0 +1,262 @@
+"""kvscope top: panels and key bindings, driven with Textual's Pilot."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+
+import numpy as np
+import pytest
+from kvscope.allocator import KVPool, PoolError
+from kvscope.allocator.findings import Finding
+from kvscope.allocator.layout import block_checksums
+from kvscope.allocator.snapshot import snapshot
+from kvscope.allocator.stats import pool_stats
+from kvscope.tui.app import TopApp
+from kvscope.tui.help import HelpScreen
+from kvscope.tui.source import LiveSource, ViewSource, open_source
+from kvscope.tui.widgets.blockmap import BlockMap, cell_codes
+from kvscope.tui.widgets.findings import FindingsPanel
+from kvscope.tui.widgets.inspector import BlockInspector
+from kvscope.tui.widgets.sequences import BlockTableView, SequenceList
+
+
+def sync(fn):
+    """Run an async Pilot test with asyncio.run (no pytest plugin needed)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+# A pid no process has (pid_max is at most 2**22), so owners read as dead and stay stable.
+FROZEN_PID = 4_194_303
+
+
+def populate(pool: KVPool) -> None:
+    """Three sequences: req-a, req-b forked from it with a copy-on-write, req-c; one finding."""
+    a = pool.allocate("req-a", list(range(10)))
+    pool.mark_computed(a, 10)
+    b = pool.fork(a, "req-b")
+    pool.append(b, [99])
+    pool.allocate("req-c", list(range(100, 120)))
+    pool.report(Finding("leak_orphan", "block 7 has no sequence; free it", block=7))
+
+
+def frozen_view(pool: KVPool):
+    """A snapshot of `pool` with pids, times and lock timings fixed (for stable screenshots)."""
+    view = snapshot(pool.view)
+    b = view.blocks
+    used = b["owner_pid"] != 0
+    b["owner_pid"][used] = FROZEN_PID
+    b["owner_start"][:] = 0
+    b["alloc_ns"][:] = 0
+    b["access_ns"][:] = 0
+    b["checksum"][:] = block_checksums(b, np.arange(len(b)))
+    s = view.seqs
+    s["owner_pid"][s["owner_pid"] != 0] = FROZEN_PID
+    s["created_ns"][:] = 0
+    for f in ("wait_ns", "hold_ns", "max_hold_ns", "acquired_ns"):
+        view.locks[f][:] = 0
+    view.findings["time_ns"][:] = 0
+    view.findings["owner_pid"][:] = 0
+    view.clients["pid"][:] = FROZEN_PID
+    return view
+
+
+async def settle(pilot, app: TopApp) -> None:
+    """Wait until the app shows a frame and, for a dump, its check is done."""
+    for _ in range(100):
+        await pilot.pause(0.05)
+        if app.num_frames and (app.source.live or app.num_checks):
+            break
+    await pilot.pause(0.05)
+
+
+@pytest.fixture
+def dump_app(make_pool):
+    pool = make_pool(64)
+    populate(pool)
+    return TopApp(ViewSource(frozen_view(pool), name="tui-test"))
+
+
+@sync
+async def test_panels_show_the_pool(dump_app):
+    # GIVEN a dump of a pool with three sequences and a finding
+    async with dump_app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, dump_app)
+        # THEN the sequences list, the findings and the block map show them
+        seqs = dump_app.query_one(SequenceList)
+        assert seqs.num_rows == 3
+        assert [seqs._row_of(i)[0][1] for i in range(3)] == ["req-a", "req-b", "req-c"]
+        kinds = [f.kind for f in dump_app.query_one(FindingsPanel).findings]
+        assert "leak_orphan" in kinds
+        assert "leak_dead_owner" in kinds  # from the full check: the frozen owner is dead
+        assert "blocks (64)" in str(dump_app.query_one(BlockMap).border_title)
+
+
+@sync
+async def test_goto_request_shows_shared_and_cow_blocks(dump_app):
+    async with dump_app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, dump_app)
+        # WHEN r, a request id and enter are typed
+        await pilot.press("r", *"req-b", "enter")
+        await pilot.pause(0.1)
+        # THEN its block table marks the two shared blocks and the copy-on-write copy
+        table = dump_app.query_one(BlockTableView)
+        marks = [table._row_of(i)[0][5] for i in range(table.num_rows)]
+        assert marks == ["shared x2", "shared x2", "cow copy"]
+        assert dump_app.selected_block == table.table[0]
+
+
+@sync
+async def test_goto_block_fills_the_inspector(dump_app):
+    async with dump_app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, dump_app)
+        await pilot.press("g", "7", "enter")
+        await pilot.pause(0.1)
+        inspector = dump_app.query_one(BlockInspector)
+        assert dump_app.selected_block == 7
+        assert "block 7" in str(inspector.border_title)
+        text = inspector._shown[1]
+        for field in (
+            "refcount",
+            "generation",
+            "owner",
+            "request",
+            "site",
+            "checksum",
+            "last events",
+        ):
+            assert field in text
+        # AND a bad id is refused without moving
+        await pilot.press("g", *"999", "enter")
+        await pilot.pause(0.1)
+        assert dump_app.selected_block == 7
+
+
+@sync
+async def test_help_opens_and_closes(dump_app):
+    async with dump_app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, dump_app)
+        await pilot.press("question_mark")
+        await pilot.pause(0.05)
+        assert isinstance(dump_app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.pause(0.05)
+        assert not isinstance(dump_app.screen, HelpScreen)
+
+
+@sync
+async def test_d_writes_a_dump_that_top_opens(dump_app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    async with dump_app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, dump_app)
+        await pilot.press("d")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if list(tmp_path.glob("*.kvd")):
+                break
+    (path,) = tmp_path.glob("*.kvd")
+    source = open_source(str(path))
+    assert source.live is False
+    assert pool_stats(source.read())["num_sequences"] == 3
+
+
+@sync
+async def test_q_quits_with_zero(dump_app):
+    async with dump_app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, dump_app)
+        await pilot.press("q")
+    assert dump_app.return_code == 0
+
+
+@sync
+async def test_live_pool_refreshes_and_pauses(make_pool):
+    # GIVEN a live pool watched by top at 20 Hz
+    pool = make_pool(64)
+    pool.allocate("first", list(range(8)))
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, app)
+        seqs = app.query_one(SequenceList)
+        assert seqs.num_rows == 1
+        # WHEN the pool's user allocates another sequence, THEN the list follows
+        pool.allocate("second", list(range(8)))
+        for _ in range(40):
+            await pilot.pause(0.05)
+            if seqs.num_rows == 2:
+                break
+        assert seqs.num_rows == 2
+        # WHEN paused, THEN new sequences do not show until resumed
+        await pilot.press("p")
+        await pilot.pause(0.2)
+        frames = app.num_frames
+        pool.allocate("third", list(range(8)))
+        await pilot.pause(0.3)
+        assert app.paused and app.num_frames == frames and seqs.num_rows == 2
+        await pilot.press("p")
+        for _ in range(40):
+            await pilot.pause(0.05)
+            if seqs.num_rows == 3:
+                break
+        assert seqs.num_rows == 3
+
+
+def test_live_source_is_read_only_and_takes_no_lock(make_pool):
+    pool = make_pool(64)
+    populate(pool)
+    before = pool.view.locks["num_acquires"].copy()
+    source = LiveSource(pool.name)
+    view = source.read()
+    # The mapping itself refuses writes.
+    assert not source.view.blocks.flags.writeable
+    assert pool_stats(view)["num_sequences"] == 3
+    assert pool_stats(view)["num_allocated"] == pool.stats()["num_allocated"]
+    assert not view.torn
+    full = source.read_full()
+    assert bytes(full.raw[:64]) == bytes(pool.view.raw[:64])
+    # No lock was taken by reading (the acquire counters did not move).
+    assert np.array_equal(pool.view.locks["num_acquires"], before)
+
+
+def test_bad_target_is_one_clear_pool_error(tmp_path):
+    with pytest.raises(PoolError, match="no pool named"):
+        open_source("no-such-pool-xyz")
+    junk = tmp_path / "junk.kvd"
+    junk.write_bytes(b"not a dump at all")
+    with pytest.raises(PoolError, match="not a kvscope dump"):
+        open_source(str(junk))
+    with pytest.raises(PoolError, match="no such dump file"):
+        open_source(str(tmp_path / "missing.kvd"))
+
+
+def test_block_map_groups_large_pools_without_losing_findings():
+    # GIVEN 100,000 blocks on 1,000 cells, one allocated block with refcount 3 and a finding
+    n, cells = 100_000, 1_000
+    state = np.zeros(n, np.uint8)
+    refcount = np.zeros(n, np.int32)
+    marked = np.zeros(n, bool)
+    state[12_345], refcount[12_345] = 1, 3
+    marked[99_999] = True
+    codes = cell_codes(state, refcount, marked, group=100, num_cells=cells)
+    # THEN its cell is coloured allocated and shaded for refcount 3, and the finding is marked
+    assert codes[123] & 7 == 1 and codes[123] >> 3 & 3 == 2
+    assert codes[999] >> 8 & 1
+    assert (codes[:123] & 7 == 0).all()
+
+
+def test_run_top_rejects_a_missing_pool():
+    from kvscope.tui import run_top
+
+    with pytest.raises(PoolError):
+        run_top("no-such-pool-xyz")
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_dumps():
+    yield
+    assert not [p for p in os.listdir(".") if p.startswith("tui-test-") and p.endswith(".kvd")]
