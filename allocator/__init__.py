@@ -8,6 +8,7 @@ pool.free(seq)
 """
 
 from kvscope.allocator.config import PoolConfig
+from kvscope.allocator import crash
 from kvscope.allocator.crash import CRASH_POINTS
 from kvscope.allocator.errors import LockDeadlock, PoolError, PoolExhausted
 from kvscope.allocator.findings import Finding, FindingKind
@@ -17,6 +18,7 @@ from kvscope.allocator.sequence import Sequence
 
 __all__ = [
     "CRASH_POINTS",
+    "crash",
     "BlockState",
     "Finding",
     "FindingKind",

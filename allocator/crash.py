@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 # Every point, in the order an operation reaches them; tests iterate over this list.
 CRASH_POINTS: list[str] = []
@@ -20,6 +21,7 @@ def _register(*names: str) -> None:
 
 
 _register(
+    "txn.after_locks",
     "blocks.after_local_pop",
     "blocks.after_ring_pop",
     "blocks.after_evict",
@@ -50,6 +52,13 @@ def configure(spec: str | None) -> None:
     _target, _count = name, int(n or 1)
 
 
+def _from_env() -> None:
+    try:
+        configure(os.environ.get("KVSCOPE_CRASH_AT"))
+    except ValueError as e:
+        print(f"kvscope: KVSCOPE_CRASH_AT ignored: {e}", file=sys.stderr)
+
+
 def crash_point(name: str) -> None:
     """Die here if this point is armed and its count is reached."""
     global _count
@@ -60,4 +69,4 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-configure(os.environ.get("KVSCOPE_CRASH_AT"))
+_from_env()

@@ -59,7 +59,13 @@ class LockTable:
         """Index of a lock by name."""
         return self.names.index(name)
 
-    def acquire(self, i: int, *, recovering: bool = False) -> None:
+    def acquire(
+        self,
+        i: int,
+        *,
+        recovering: bool = False,
+        on_dead: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         """Take lock i; raise DeadHolder (lock released again) if a dead process left it held."""
         if self.on_acquire is not None:
             self.on_acquire(i)
@@ -87,6 +93,8 @@ class LockTable:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, off)
                 self.tlocks[i].release()
                 raise DeadHolder(i, dead)
+            if on_dead is not None:
+                on_dead(i, dead, int(self.holder_client[i]))
             self.clear_dead(i)
         t1 = time.perf_counter_ns()
         # Holder first, then make the counter odd: a death in between leaves a named dead holder.

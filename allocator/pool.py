@@ -12,6 +12,7 @@ import torch
 from kvscope.allocator import kvdata
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.config import PoolConfig
+from kvscope.allocator.crash import crash_point
 from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import (
@@ -268,7 +269,7 @@ class KVPool:
 
     # -- taking blocks -------------------------------------------------------------------------
 
-    def _take(self, t: Txn, n: int, request: bytes) -> np.ndarray:
+    def _take(self, t: Txn, n: int, request: bytes, exclude: int = -1) -> np.ndarray:
         """n fresh ALLOCATED blocks owned by this client: local cache, ring, eviction, preemption."""
         got = [self.store.local_pop(t, n)]
         short = n - len(got[0])
@@ -285,7 +286,7 @@ class KVPool:
             short -= evicted
             if evicted:
                 self._count("num_evictions", evicted)
-            while short > 0 and self._preempt_one(t):
+            while short > 0 and self._preempt_one(t, exclude):
                 ring = self.store.ring_pop(t, short)
                 got.append(ring)
                 short -= len(ring)
@@ -300,12 +301,15 @@ class KVPool:
         self.store.stamp(t, ids, self.pid, self.start, request, self._site())
         return ids
 
-    def _preempt_one(self, t: Txn) -> bool:
-        """Free the blocks of this process's oldest waiting sequence; False if there is none."""
+    def _preempt_one(self, t: Txn, exclude: int) -> bool:
+        """Free the blocks of this process's oldest waiting sequence (not `exclude`, the slot
+        being grown); False if there is none."""
         # The segment's state, not the Python one: it is rolled back with the transaction.
         states = self.view.seqs["state"]
         waiting = [
-            s for s in self._seqs.values() if states[s.slot] == SeqState.WAITING and s.block_table
+            s
+            for s in self._seqs.values()
+            if states[s.slot] == SeqState.WAITING and s.block_table and s.slot != exclude
         ]
         if not waiting:
             return False
@@ -442,6 +446,7 @@ class KVPool:
             b["state"][ids] = BlockState.ALLOCATED
             b["access_ns"][ids] = now_ns()
             self.store.seal(ids)
+            crash_point("prefix.after_hit")
         return hits
 
     def _set_hashes(
@@ -499,7 +504,7 @@ class KVPool:
             table = list(seq.block_table)
             copies: list[tuple[int, int]] = []
             if cow:
-                (dst,) = self._take(t, 1, rb).tolist()
+                (dst,) = self._take(t, 1, rb, seq.slot).tolist()
                 src = table[-1]
                 b["tokens"][dst] = b["tokens"][src]
                 b["num_tokens"][dst] = b["num_tokens"][src]
@@ -510,7 +515,7 @@ class KVPool:
                 copies.append((src, dst))
                 self._count("num_cow")
             if need_blocks > 0:
-                new = self._take(t, need_blocks, rb)
+                new = self._take(t, need_blocks, rb, seq.slot)
                 self.seqtab.write_blocks(t, seq.slot, len(table), new.tolist())
                 table += new.tolist()
             self._fill(table, n_old, tokens)

@@ -9,6 +9,7 @@ keys name equal prefixes unless two collide, which the stored token ids and pare
 from __future__ import annotations
 
 import numpy as np
+from kvscope.allocator.crash import crash_point
 from kvscope.allocator.layout import INDEX_DTYPE, MASK64, SegmentView
 
 _P = 0x100000001B3
@@ -115,6 +116,7 @@ class PrefixIndex:
                 journal.save(self.base + (base + i) * INDEX_DTYPE.itemsize, INDEX_DTYPE.itemsize)
                 self.blocks[base + i] = block
                 keys[base + i] = key
+                crash_point("prefix.after_insert")
                 return True
             i = (i + 1) % w
         return False

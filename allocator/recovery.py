@@ -32,16 +32,17 @@ def recover_dead_holders(pool: KVPool) -> list[dict[str, Any]]:
     view = pool.view
     recovered: list[dict[str, Any]] = []
     taken: list[int] = []
-    dead_holders = {}
+    dead_holders: dict[str, int] = {}
+    # A holder named in a lock record we now hold is dead even if /proc still shows it exiting:
+    # a live holder clears the record before unlocking, and the kernel unlocks at exit.
+    holder_clients: set[int] = set()
     try:
         for i in range(len(lt.names)):
-            pid = int(lt.holder_pid[i])
-            if pid and not is_alive(pid, int(lt.holder_start[i])):
-                dead_holders[lt.names[i]] = pid
-            lt.acquire(i, recovering=True)
+            lt.acquire(i, recovering=True, on_dead=lambda i, pid, client: (
+                dead_holders.__setitem__(lt.names[i], pid), holder_clients.add(client)))
             taken.append(i)
-        for c in dead_clients(view, pool.client):
-            if int(view.clients["journal_count"][c]):
+        for c in sorted(holder_clients | set(dead_clients(view, pool.client))):
+            if c != pool.client and int(view.clients["journal_count"][c]):
                 n = Journal(view, c).rollback()
                 recovered.append({"pid": int(view.clients["pid"][c]), "entries": n})
     finally:

@@ -52,6 +52,8 @@ class Txn:
             self.client_seq[0] += 1
             raise
         self.journal.op += 1
+        if self.held:
+            crash_point("txn.after_locks")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
