@@ -64,15 +64,11 @@ def _split_tokens(
 @triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks, num_blocks,
-    qk_scale, dirty, stride_kn, stride_ks, stride_vn, stride_vs,
+    qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
     TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_FP8: tl.constexpr, UPCAST: tl.constexpr, CHECK: tl.constexpr, HAS_STATE: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over keys [t0, t0 + TILE); CHECK masks out bad blocks.
-
-    The block-state load runs only in a `dirty` split (one holding a bad entry): in a clean
-    one it is predicated off, so the K/V loads never wait on it.
-    """
+    """One online-softmax step over keys [t0, t0 + TILE); CHECK masks out bad blocks."""
     toks = t0 + tl.arange(0, TILE)
     d = tl.arange(0, HEAD_DIM)
     ok = toks < end
@@ -82,7 +78,7 @@ def _attend_tile(
     if CHECK:
         ok = ok & (blk >= 0) & (blk < num_blocks)
         if HAS_STATE:
-            ok = ok & (tl.load(state_ptr + blk, mask=ok & ((toks * 0 + dirty) != 0), other=1) != 0)
+            ok = ok & (tl.load(state_ptr + blk, mask=ok, other=0) != 0)
     row = blk.to(tl.int64)[:, None]
     k = tl.load(k_base + row * stride_kn + slot[:, None] * stride_ks + d[None, :],
                 mask=ok[:, None], other=0.0)  # fmt: skip
@@ -183,19 +179,26 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     num_bad = 0
     if GUARD:
-        # entries are checked (and recorded) once per split, off the K/V load path
+        # entries are checked once per split, so clean splits run the unchecked loop
         num_bad = _check_blocks(
             table, state_ptr, errors_ptr, b, kvh, start // BLOCK_SIZE,
             tl.cdiv(end, BLOCK_SIZE), max_blocks, num_blocks, error_capacity, 64,
             HAS_STATE, HAS_ERRORS,
         )  # fmt: skip
-    # one loop for clean and dirty splits: two would each hold their own pipeline buffers
-    for t0 in range(start, end, TILE):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks,
-            num_blocks, qk_scale, num_bad, stride_kn, stride_ks, stride_vn, stride_vs,
-            TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, GUARD, HAS_STATE,
-        )  # fmt: skip
+    if num_bad == 0:
+        for t0 in range(start, end, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks,
+                num_blocks, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
+                TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, False, HAS_STATE,
+            )  # fmt: skip
+    else:
+        for t0 in range(start, end, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks,
+                num_blocks, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
+                TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, True, HAS_STATE,
+            )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     if num_splits == 1:
