@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--n", type=int, default=1, help="samples per request (fork + copy-on-write)")
     w.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload and sampling")
+    w.add_argument(
+        "--cancel-share", type=float, default=0.0, metavar="FRACTION",
+        help="requests the client cancels midway (the server aborts them)",
+    )  # fmt: skip
     w.add_argument("--jsonl", type=Path, help="read requests from this JSONL file instead")
     c = p.add_argument_group("cache and batching")
     c.add_argument("--baseline", choices=["paged", "static"], default="paged")
@@ -138,6 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
             n=args.n,
             temperature=args.temperature,
             seed=args.seed,
+            cancel_share=args.cancel_share,
         )
         requests = generate_workload(spec, vocab_size)
     summary, results = _run_with_progress(config, requests, show=not args.no_progress)

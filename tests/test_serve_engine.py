@@ -173,6 +173,29 @@ def test_a_long_run_recycles_cached_prefix_blocks(model: LlamaModel, pools: list
     assert_pool_clean(pool)
 
 
+def test_cancelled_requests_are_aborted_without_leaks(model: LlamaModel, pools: list) -> None:
+    # GIVEN requests of 2 samples, half of which the client cancels midway, in a tight pool
+    pool = make_pool(model, 40)
+    pools.append(pool)
+    requests = workload(16, seed=5, n=2, output_len=(4, 16), cancel_share=0.5)
+    cancelled = {r.request_id: r.cancel_after for r in requests if r.cancel_after}
+    assert cancelled
+    # WHEN served
+    results = Engine(model, pool, max_num_seqs=8).run(requests)
+    # THEN a cancelled request stopped where the client left, on the reference's path
+    for result in results:
+        request = next(r for r in requests if r.request_id == result.request_id)
+        expected = generate_reference(model, request.prompt, request.max_tokens)
+        assert result.cancelled == (request.request_id in cancelled)
+        if result.cancelled:
+            assert max(len(o) for o in result.outputs) == request.cancel_after
+        for output in result.outputs:
+            assert output == (expected[: len(output)] if result.cancelled else expected)
+    # AND the pool got every block and sequence slot back
+    assert_pool_clean(pool)
+    assert pool.stats()["num_sequences"] == 0
+
+
 def test_temperature_sampling_is_seeded(model: LlamaModel, pools: list) -> None:
     # GIVEN the same sampled workload served twice with one seed, once with another
     requests = workload(3, seed=3, n=2, temperature=1.5, output_len=(12, 12), prefix_share=0)

@@ -52,6 +52,15 @@ def test_the_shared_prefix_mix() -> None:
     assert all(r.prompt[:head] == by_prefix[0].prompt[:head] for r in by_prefix)
 
 
+def test_cancellations_are_drawn_only_when_asked_for() -> None:
+    plain = generate_workload(WorkloadSpec(num_requests=100), 256)
+    cancelling = generate_workload(WorkloadSpec(num_requests=100, cancel_share=0.5), 256)
+    assert all(r.cancel_after == 0 for r in plain)
+    cancelled = [r for r in cancelling if r.cancel_after]
+    assert 30 <= len(cancelled) <= 70
+    assert all(1 <= r.cancel_after < r.max_tokens for r in cancelled)
+
+
 def test_lengths_stay_in_their_ranges() -> None:
     spec = WorkloadSpec(num_requests=200, prompt_len=(3, 5), output_len=(2, 4), prefix_share=0)
     for r in generate_workload(spec, 100):
@@ -78,8 +87,9 @@ def test_jsonl_round_trip_and_text_prompts(tmp_path: Path) -> None:
         ("[1, 2]", "a JSON object"),
         ('{"max_tokens": 3}', "needs 'prompt'"),
         ('{"prompt_tokens": [1, 999]}', "prompt_tokens must be"),
-        ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be a positive"),
-        ('{"prompt": "x", "n": "2"}', "n must be a positive"),
+        ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be an integer >= 1"),
+        ('{"prompt": "x", "n": "2"}', "n must be an integer >= 1"),
+        ('{"prompt": "x", "cancel_after": -1}', "cancel_after must be an integer >= 0"),
         ('{"prompt": "x", "arrival_s": -1}', "arrival_s must be"),
         ('{"prompt": ""}', "empty prompt"),
     ],
@@ -165,14 +175,19 @@ def test_summary_arithmetic() -> None:
         RequestResult("a", 0.0, 10, [[1, 2, 3]], 8, 0.0, 0.1, 1.0, 16, 13),
         RequestResult("b", 0.5, 10, [[1], [2]], 0, 0.5, 0.8, 2.0, 32, 22),
         RequestResult("c", 0.5, 10, error="too large"),
+        RequestResult("d", 0.5, 10, [[4]], 0, 0.5, 0.6, 0.7, cancelled=True),
     ]
     samples = [StepSample(1.0, 1.0, 10, 16, 5, 2), StepSample(2.0, 3.0, 30, 32, 5, 1)]
     s = summarize(results, samples, duration_s=2.0, num_preemptions=3)
     # THEN each number follows its definition
-    assert (s.requests, s.failed, s.output_tokens) == (2, 1, 5)
-    assert s.output_tokens_per_s == 2.5
-    assert s.ttft_p50_ms == pytest.approx(200.0)
+    assert (s.requests, s.cancelled, s.failed, s.output_tokens) == (2, 1, 1, 6)
+    assert s.output_tokens_per_s == 3.0
+    assert s.ttft_p50_ms == pytest.approx(100.0)
     assert s.kv_utilization == round((10 * 1 + 30 * 3) / (16 * 1 + 32 * 3), 3)
     assert s.internal_fragmentation == round((3 + 10) / 48, 3)
-    assert s.prefix_hit_rate == 0.4 and s.peak_concurrent_requests == 2 and s.preemptions == 3
+    assert (
+        s.prefix_hit_rate == round(8 / 30, 3)
+        and s.peak_concurrent_requests == 2
+        and s.preemptions == 3
+    )
     assert "prefix hit rate" in str(render_table(s).columns[0]._cells)

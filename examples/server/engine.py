@@ -150,7 +150,9 @@ class Engine:
             rows = torch.tensor([row for _, row in done], device=self.device)
             logits = self.model.logits(hidden[rows]).cpu()
             for (stream, _), row_logits in zip(done, logits, strict=True):
-                self._complete(stream, row_logits)
+                # a request cancelled earlier in this loop has no state any more
+                if stream.request.request_id in self.states:
+                    self._complete(stream, row_logits)
         self._sample_cache(began, len(batch.tokens))
         return len(batch.tokens)
 
@@ -177,7 +179,8 @@ class Engine:
                     # no room to fork: the child starts over as a request of its own
                     self.scheduler.add(child)
         for s in emitting:
-            self._emit(s, sample(logits, s.request.temperature, s.generator))
+            if s.request.request_id in self.states:
+                self._emit(s, sample(logits, s.request.temperature, s.generator))
 
     def _emit(self, stream: Stream, token: int) -> None:
         """Record a sampled token; finish the stream or reserve the token's slot."""
@@ -187,6 +190,8 @@ class Engine:
             state.result.first_token_s = self.now()
         if len(stream.output) >= stream.request.max_tokens:
             self._finish(state, stream)
+        elif len(stream.output) == stream.request.cancel_after:
+            self._cancel(state)
         elif stream in self.scheduler.running:
             self.scheduler.append(stream, token)
         else:
@@ -205,6 +210,17 @@ class Engine:
             state.result.finish_s = self.now()
             state.result.outputs = [s.output for s in sorted(state.streams, key=lambda s: s.index)]
             self._done(state)
+
+    def _cancel(self, state: RequestState) -> None:
+        """The client gave up on the request: abort all its streams in the pool."""
+        for stream in state.streams:
+            self.scheduler.abort(stream)
+        result = state.result
+        result.cancelled = True
+        result.num_hit_tokens = max(state.streams[0].num_hit_tokens, 0)
+        result.finish_s = self.now()
+        result.outputs = [s.output for s in sorted(state.streams, key=lambda s: s.index)]
+        self._done(state)
 
     def _fail(self, state: RequestState, error: str) -> None:
         """Give up on a request that cannot be served, returning whatever it holds."""

@@ -33,6 +33,7 @@ class RequestResult:
     reserved_slots: int = 0
     stored_tokens: int = 0
     error: str = ""
+    cancelled: bool = False
     worker: int = 0
 
     @property
@@ -62,6 +63,7 @@ class Summary:
     baseline: str
     workers: int
     requests: int
+    cancelled: int
     failed: int
     output_tokens: int
     duration_s: float
@@ -122,7 +124,8 @@ def summarize(
     return Summary(
         baseline=baseline,
         workers=workers,
-        requests=len(done),
+        requests=sum(not r.cancelled for r in done),
+        cancelled=sum(r.cancelled for r in done),
         failed=len(results) - len(done),
         output_tokens=output_tokens,
         duration_s=round(duration_s, 3),
@@ -142,6 +145,7 @@ def summarize(
 
 ROWS = [
     ("requests", "requests", "{}"),
+    ("cancelled by the client", "cancelled", "{}"),
     ("failed", "failed", "{}"),
     ("output tokens", "output_tokens", "{}"),
     ("duration", "duration_s", "{:.2f} s"),

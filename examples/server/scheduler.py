@@ -185,12 +185,13 @@ class Scheduler:
         self.cache.free(stream.seq)
 
     def abort(self, stream: Stream) -> None:
-        """Drop a stream that cannot be served, returning its blocks."""
+        """Drop a stream that will not finish (cancelled, or cannot be served), returning its
+        blocks and its sequence slot; a stream already finished is left alone."""
         if stream in self.running:
             self.running.remove(stream)
         elif stream in self.waiting:
             self.waiting.remove(stream)
-        if stream.seq is not None and stream.seq.state != "preempted":
+        if stream.seq is not None and stream.seq.state not in ("finished", "aborted"):
             self.cache.abort(stream.seq)
 
     def _has_room(self, width: int, need: int, available: int) -> bool:

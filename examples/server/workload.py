@@ -5,7 +5,10 @@ mix: `num_prefixes` system prompts, one of which starts `prefix_share` of the re
 A JSONL file holds one request per line:
 
     {"id": "a", "prompt": "text" | "prompt_tokens": [1, 2], "max_tokens": 16,
-     "arrival_s": 0.0, "n": 1, "temperature": 0.0}
+     "arrival_s": 0.0, "n": 1, "temperature": 0.0, "cancel_after": 0}
+
+`cancel_after` > 0: the client cancels the request once it has that many output tokens (the
+server then aborts it in the pool).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ class Request:
     n: int = 1
     temperature: float = 0.0
     prefix_id: int = -1
+    cancel_after: int = 0
 
     def __post_init__(self) -> None:
-        assert self.prompt and self.max_tokens >= 1 and self.n >= 1
+        assert self.prompt and self.max_tokens >= 1 and self.n >= 1 and self.cancel_after >= 0
 
 
 @dataclass
@@ -49,6 +53,7 @@ class WorkloadSpec:
     n: int = 1
     temperature: float = 0.0
     seed: int = 0
+    cancel_share: float = 0.0
 
 
 def generate_workload(spec: WorkloadSpec, vocab_size: int) -> list[Request]:
@@ -68,15 +73,21 @@ def generate_workload(spec: WorkloadSpec, vocab_size: int) -> list[Request]:
             prefix_id = rng.randrange(len(prefixes))
         suffix = [rng.randrange(vocab_size) for _ in range(rng.randint(*spec.prompt_len))]
         prompt = (prefixes[prefix_id] if prefix_id >= 0 else []) + suffix
+        max_tokens = rng.randint(*spec.output_len)
+        cancel_after = 0
+        # drawn only when asked for, so that other workloads keep their seeded requests
+        if spec.cancel_share > 0 and rng.random() < spec.cancel_share and max_tokens > 1:
+            cancel_after = rng.randint(1, max_tokens - 1)
         requests.append(
             Request(
                 request_id=f"r{i}",
                 prompt=prompt or [rng.randrange(vocab_size)],
-                max_tokens=rng.randint(*spec.output_len),
+                max_tokens=max_tokens,
                 arrival_s=now,
                 n=spec.n,
                 temperature=spec.temperature,
                 prefix_id=prefix_id,
+                cancel_after=cancel_after,
             )
         )
     return requests
@@ -123,6 +134,7 @@ def write_jsonl(requests: list[Request], path: Path) -> None:
                 "arrival_s": r.arrival_s,
                 "n": r.n,
                 "temperature": r.temperature,
+                "cancel_after": r.cancel_after,
             }
             f.write(json.dumps(record) + "\n")
 
@@ -142,12 +154,12 @@ def _request_from(record: dict[str, Any], default_id: str, vocab_size: int, wher
         raise ServeError(f"{where}: needs 'prompt' (a string) or 'prompt_tokens' (a list)")
     if not prompt:
         raise ServeError(f"{where}: empty prompt")
-    fields = {"max_tokens": 16, "n": 1}
+    fields = {"max_tokens": (16, 1), "n": (1, 1), "cancel_after": (0, 0)}
     values: dict[str, Any] = {}
-    for name, default in fields.items():
+    for name, (default, least) in fields.items():
         value = record.get(name, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ServeError(f"{where}: {name} must be a positive integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ServeError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
         values[name] = value
     for name in ("arrival_s", "temperature"):
         value = record.get(name, 0.0)
@@ -161,4 +173,5 @@ def _request_from(record: dict[str, Any], default_id: str, vocab_size: int, wher
         arrival_s=values["arrival_s"],
         n=values["n"],
         temperature=values["temperature"],
+        cancel_after=values["cancel_after"],
     )
