@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-prefixes", type=int, default=spec.num_prefixes, help="system prompts")
     w.add_argument("--prefix-share", type=float, default=spec.prefix_share, metavar="FRACTION")
     w.add_argument("--prefix-len", type=length_range, default=spec.prefix_len, metavar="LO:HI")
-    w.add_argument("--n", type=int, default=1, help="samples per request (fork + copy-on-write)")
+    w.add_argument(
+        "--n", "--samples", dest="n", type=int, default=1,
+        help="samples per request (fork + copy-on-write)",
+    )  # fmt: skip
     w.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload and sampling")
     w.add_argument(
