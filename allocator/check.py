@@ -53,8 +53,12 @@ class _Report:
             )
 
     def blocks(self, kind: FindingKind, ids: np.ndarray, message: Callable[[int], str]) -> None:
-        for b in ids.tolist():
+        # Only the first MAX_PER_KIND become findings: count the rest without a Python loop.
+        room = max(0, MAX_PER_KIND - self.counts.get(kind.value, 0))
+        for b in ids[:room].tolist():
             self.block(kind, b, message(b))
+        if len(ids) > room:
+            self.counts[kind.value] = self.counts.get(kind.value, 0) + len(ids) - room
 
     def add(self, f: Finding) -> None:
         self.out.append(f)
@@ -68,6 +72,14 @@ class _Report:
                     )
                 )
         return self.out
+
+
+def table_refs(seqs: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """References to each block from the block tables of seqs[rows], in one bincount."""
+    tables = seqs["table"][rows]
+    used = np.arange(tables.shape[1]) < seqs["num_blocks"][rows][:, None]
+    t = tables[used].astype(np.int64)
+    return np.bincount(t[(t >= 0) & (t < n)], minlength=n)
 
 
 def check_header(view: SegmentView) -> list[Finding]:
@@ -156,12 +168,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     # References from live sequences.
     seqs = view.seqs
     live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
-    refs = np.zeros(n, np.int64)
-    for s in live.tolist():
-        k = int(seqs["num_blocks"][s])
-        t = seqs["table"][s, :k].astype(np.int64)
-        t = t[(t >= 0) & (t < n)]
-        refs += np.bincount(t, minlength=n)
+    refs = table_refs(seqs, live, n)
 
     # Dead clients and their blocks.
     clients = view.clients
@@ -170,12 +177,8 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED)
         if not alive(int(clients["pid"][c]), int(clients["start"][c]))
     }
-    dead_refs = np.zeros(n, np.int64)
-    for s in live.tolist():
-        if int(seqs["owner_client"][s]) in dead_clients:
-            k = int(seqs["num_blocks"][s])
-            t = seqs["table"][s, :k].astype(np.int64)
-            dead_refs += np.bincount(t[(t >= 0) & (t < n)], minlength=n)
+    of_dead = live[np.isin(seqs["owner_client"][live], list(dead_clients))]
+    dead_refs = table_refs(seqs, of_dead, n) if len(of_dead) else np.zeros(n, np.int64)
     owner = b["owner_client"]
     owned_by_dead = np.isin(owner, list(dead_clients)) if dead_clients else np.zeros(n, bool)
 

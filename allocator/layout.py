@@ -432,7 +432,9 @@ DUMP_HEADER_DTYPE = np.dtype(
         ("host", "S64"),
         ("pool", "S64"),
         ("reason", "S128"),
-        ("reserved", "u1", (256,)),
+        # The first 256 bytes of the segment header as last seen intact (a scribbled header
+        # must not make its own dump unreadable).
+        ("segment_header_prefix", "u1", (256,)),
     ]
 )
 DUMP_WITH_DATA, DUMP_REDACTED, DUMP_TORN = 1, 2, 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from kvscope.allocator.check import table_refs
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, ClientState, SegmentView, SeqState
 from kvscope.allocator.process import is_alive
@@ -159,9 +160,5 @@ def reclaim_dead(pool: KVPool) -> dict[str, int]:
 def _live_refs(view: SegmentView, ids: np.ndarray) -> np.ndarray:
     """References to ids from live sequences (ids of dead owners that someone still maps stay)."""
     seqs = view.seqs
-    n = len(view.blocks)
-    refs = np.zeros(n, np.int64)
-    for s in np.flatnonzero(seqs["state"] != SeqState.EMPTY).tolist():
-        t = seqs["table"][s, : int(seqs["num_blocks"][s])].astype(np.int64)
-        refs += np.bincount(t[(t >= 0) & (t < n)], minlength=n)
-    return refs[ids]
+    live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
+    return table_refs(seqs, live, len(view.blocks))[ids]

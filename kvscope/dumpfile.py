@@ -2,7 +2,7 @@
 
 A dump is `DUMP_HEADER_DTYPE` (kvscope.allocator.layout), then the segment bytes, then the KV
 data bytes when `DUMP_WITH_DATA` is set, so a dump and a live pool are read by the same
-`SegmentView`. The dump header's `reserved[0:256]` holds the first 256 bytes of the segment
+`SegmentView`. The dump header's `segment_header_prefix` holds the first 256 bytes of the segment
 header as the dumper last saw it intact (zero when unknown): a dump of a pool whose header was
 scribbled over can still be laid out and analyzed.
 
@@ -45,7 +45,7 @@ from kvscope.allocator.segment import (
 )
 from kvscope.allocator.snapshot import snapshot
 
-# Bytes of the segment header kept in the dump header's reserved field.
+# Bytes of the segment header kept in the dump header's segment_header_prefix field.
 SAVED_HEADER_BYTES = 256
 DUMP_SUFFIX = ".kvd"
 
@@ -126,7 +126,7 @@ def write_dump(
     dh["pool"] = bytes(snap.h["name"])
     dh["reason"] = reason.encode()[:128]
     if layout_of_prefix(header_prefix) is not None:
-        dh["reserved"][0, : len(header_prefix[:SAVED_HEADER_BYTES])] = np.frombuffer(
+        dh["segment_header_prefix"][0, : len(header_prefix[:SAVED_HEADER_BYTES])] = np.frombuffer(
             header_prefix[:SAVED_HEADER_BYTES], np.uint8
         )
     return _write_private(os.fspath(path), [dh.tobytes(), seg, data])
@@ -220,7 +220,7 @@ def read_dump(path: str | os.PathLike[str]) -> tuple[SegmentView, np.void]:
             raise PoolError(f"{path} is truncated: {size} bytes, its header says {want}")
         seg = bytearray(seg_size)
         f.readinto(seg)
-    layout = _layout(seg, seg_size, path, bytes(dh["reserved"][:SAVED_HEADER_BYTES]))
+    layout = _layout(seg, seg_size, path, bytes(dh["segment_header_prefix"][:SAVED_HEADER_BYTES]))
     return SegmentView(seg, layout), dh
 
 
