@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from server import checkpoint  # noqa: E402
 from server.checkpoint import (  # noqa: E402
     load_model,
     read_safetensors_pure,
@@ -93,6 +94,21 @@ def test_a_saved_checkpoint_loads_back_to_the_same_model(tmp_path: Path, tied: b
     assert torch.equal(forward_reference(model, tokens), forward_reference(loaded, tokens))
     if tied:
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_a_large_checkpoint_loads_through_meta_parameters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN a checkpoint counted as large, so the model is built on the meta device
+    monkeypatch.setattr(checkpoint, "LARGE_MODEL_PARAMS", 0)
+    model = tiny_model(4, ModelConfig(tie_word_embeddings=True))
+    save_model(model, tmp_path)
+    loaded = load_model(tmp_path)
+    # THEN every weight is real, ties hold, and the logits are the same
+    assert not any(p.is_meta for p in loaded.parameters())
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    tokens = [9, 8, 7, 6]
+    assert torch.equal(forward_reference(model, tokens), forward_reference(loaded, tokens))
 
 
 def test_loading_in_bfloat16_keeps_rope_in_float32(tmp_path: Path) -> None:

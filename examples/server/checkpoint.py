@@ -7,6 +7,7 @@ tensor's dtype, shape and byte range, then the raw little-endian bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -33,6 +34,7 @@ DTYPE_TO_TORCH = {
 }
 TORCH_TO_DTYPE = {v: k for k, v in DTYPE_TO_TORCH.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+LARGE_MODEL_PARAMS = 50_000_000
 
 
 def read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -171,8 +173,11 @@ def load_model(
         state.update(read_safetensors(file))
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     try:
-        # Meta parameters: no memory and no random init for weights that are about to be replaced.
-        with torch.device("meta"):
+        # A large model gets meta parameters: no memory and no random init for weights about to
+        # be replaced. (Building on meta imports torch._dynamo, a second: not worth it when small.)
+        num_params = sum(t.numel() for t in state.values())
+        large = num_params > LARGE_MODEL_PARAMS
+        with torch.device("meta") if large else contextlib.nullcontext():
             model = LlamaModel(config)
         inv_freq = rope_frequencies(config)
     except ValueError as exc:
