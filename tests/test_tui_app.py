@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from kvscope.allocator import KVPool, PoolError
 from kvscope.allocator.findings import Finding
-from kvscope.allocator.layout import block_checksums
+from kvscope.allocator.layout import block_checksums, header_checksum
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
 from kvscope.tui.app import TopApp
@@ -49,6 +49,8 @@ def populate(pool: KVPool) -> None:
 def frozen_view(pool: KVPool):
     """A snapshot of `pool` with pids, times and lock timings fixed (for stable screenshots)."""
     view = snapshot(pool.view)
+    view.header["name"] = b"tui-snapshot"
+    view.header["checksum"] = header_checksum(view.raw)
     b = view.blocks
     used = b["owner_pid"] != 0
     b["owner_pid"][used] = FROZEN_PID

@@ -320,7 +320,7 @@ def write_dump_file(view: SegmentView, path: str, pool: str) -> None:
     except ImportError:
         write_dump = None
     if write_dump is not None:
-        write_dump(view, path)
+        write_dump(view, path, reason="kvscope top: d pressed")
         return
     head = np.zeros(1, DUMP_HEADER_DTYPE)
     size = int(view.h["segment_size"])

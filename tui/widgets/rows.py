@@ -66,10 +66,7 @@ class RowsView(ScrollView, can_focus=True):
             return
         self._shown, self._shown_rows = shown, num_rows
         self._strips.clear()
-        # Grow the scroll range in steps: a new virtual size means a new layout of the screen.
-        height = -(-(num_rows + 1) // ROWS_STEP) * ROWS_STEP if num_rows >= self.size.height else 0
-        if self.virtual_size.height != height:
-            self.virtual_size = Size(self.size.width, height)
+        self._update_virtual_size()
         if self.cursor >= num_rows:
             self.cursor = max(0, num_rows - 1)
         self.refresh()
@@ -84,6 +81,19 @@ class RowsView(ScrollView, can_focus=True):
             out.append(text[:w].ljust(w) if w else "")
             used += w + 1
         return " ".join(out)[:width].ljust(width)
+
+    def _update_virtual_size(self) -> None:
+        # Grow the scroll range in steps: a new virtual size means a new layout of the screen.
+        visible = self.size.height
+        need = self.num_rows + 1
+        height = -(-need // ROWS_STEP) * ROWS_STEP if visible and need > visible else 0
+        if self.virtual_size.height != height:
+            self.virtual_size = Size(self.size.width, height)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._strips.clear()
+        self._shown_rows = -1
+        self._update_virtual_size()
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width

@@ -64,6 +64,10 @@ class Trends(Widget):
             ),
         )
 
+    def on_resize(self) -> None:
+        self._strips.clear()
+        self.refresh()
+
     def _column(self, k: int, width: int, rows: int) -> list[str]:
         """The sparkline of trend k as `rows` strings of `width` cells, top row first."""
         data = np.asarray(self.samples[k], dtype=np.float64)[-width:]
