@@ -16,6 +16,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 from kvscope.allocator import KVPool  # noqa: E402
 from serve import main  # noqa: E402
+from server import worker  # noqa: E402
 from server.checkpoint import save_model, tiny_model  # noqa: E402
 from server.model import generate_reference  # noqa: E402
 from server.runconfig import RunConfig  # noqa: E402
@@ -158,6 +159,18 @@ def test_workers_reuse_each_others_prefixes() -> None:
         assert by_id[request.request_id].outputs == [expected]
     assert summary.workers == 2 and summary.requests == 3
     assert summary.extra["cache_findings"] == 0
+
+
+def test_a_worker_that_dies_fails_the_run_and_removes_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # GIVEN workers that die before serving (forked, so they inherit the patch)
+    monkeypatch.setattr(worker, "build_model", lambda config: os._exit(3))
+    name = pool_name()
+    # WHEN the run starts, THEN it fails naming the exit code, and the pool is gone
+    with pytest.raises(RuntimeError, match="died with exit code 3"):
+        run(RunConfig(workers=2, pool_name=name), [Request("a", [1, 2], max_tokens=2)])
+    assert not Path(f"/dev/shm/kvscope.{name}").exists()
 
 
 def test_serve_py_runs_as_a_script() -> None:

@@ -66,8 +66,13 @@ def run_workers(
     try:
         for proc in procs:
             proc.start()
-        for _ in procs:
-            ready.get(timeout=300)
+        num_ready = 0
+        while num_ready < len(procs):
+            try:
+                ready.get(timeout=0.2)
+                num_ready += 1
+            except queue.Empty:
+                _check_alive(procs)
         start_value.value = time.monotonic()
         go.set()
         reports: list[WorkerReport] = []
@@ -76,8 +81,7 @@ def run_workers(
             try:
                 reports.append(reports_q.get(timeout=0.1))
             except queue.Empty:
-                if not any(p.is_alive() for p in procs) and reports_q.empty():
-                    raise RuntimeError("a worker died without a report") from None
+                _check_alive(procs)
             if on_finish is not None and finished.value > seen:
                 on_finish(finished.value - seen)
                 seen = finished.value
@@ -92,6 +96,13 @@ def run_workers(
         if pool is not None:
             release_cache(config, pool)
     return reports, duration_s, extra
+
+
+def _check_alive(procs: list[Any]) -> None:
+    """Raise if a worker process died (a crash, or a kill) instead of reporting."""
+    for i, proc in enumerate(procs):
+        if proc.exitcode not in (None, 0):
+            raise RuntimeError(f"worker {i} died with exit code {proc.exitcode}")
 
 
 def worker_main(
