@@ -1,0 +1,121 @@
+"""GPU memory and utilization from NVML, exported beside the pool's own bytes.
+
+    gpus = GpuMetrics()          # no GPU or no driver: one info line, no GPU metrics
+    gpus.register(meter)
+    ...
+    gpus.close()
+
+Names follow the OpenTelemetry hardware conventions (`hw.gpu.*`, attributes `hw.id`, `hw.name`,
+`hw.vendor`), plus `kvscope.gpu.memory.free` (NVML's free bytes: total - used - reserved).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+INDEX = "kvscope.gpu.index"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One NVML device: its handle and the attributes its data points carry."""
+
+    handle: Any
+    attributes: dict[str, Any]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class GpuMetrics:
+    """Reads every NVML device; `devices` is empty when there is no GPU or no driver."""
+
+    def __init__(self, nvml: Any = None, note: Callable[[str], None] = _stderr):
+        self.nvml = nvml
+        self.devices: list[Gpu] = []
+        try:
+            if self.nvml is None:
+                import pynvml
+
+                self.nvml = pynvml
+            self.nvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - ImportError or any NVMLError: no GPU metrics
+            note(f"kvscope: no GPU metrics (NVML unavailable: {e or type(e).__name__})")
+            self.nvml = None
+            return
+        for i in range(self.nvml.nvmlDeviceGetCount()):
+            h = self.nvml.nvmlDeviceGetHandleByIndex(i)
+            attrs = {
+                "hw.id": _text(self.nvml.nvmlDeviceGetUUID(h)),
+                "hw.name": _text(self.nvml.nvmlDeviceGetName(h)),
+                "hw.vendor": "NVIDIA",
+                INDEX: i,
+            }
+            self.devices.append(Gpu(h, attrs))
+        if not self.devices:
+            note("kvscope: no GPU metrics (NVML sees no device)")
+
+    def resource_attributes(self) -> dict[str, str]:
+        """`kvscope.gpu.ids`: the UUIDs of the GPUs on this host (empty without a GPU)."""
+        if not self.devices:
+            return {}
+        return {"kvscope.gpu.ids": ",".join(d.attributes["hw.id"] for d in self.devices)}
+
+    def register(self, meter: Meter) -> None:
+        """Create the GPU gauges on meter (none without a GPU)."""
+        if not self.devices:
+            return
+        gauges = (
+            ("hw.gpu.memory.limit", "By", "GPU memory size (NVML total).", self._limit),
+            ("hw.gpu.memory.usage", "By", "GPU memory used, all processes (NVML used).", self._usage),
+            ("kvscope.gpu.memory.free", "By", "GPU memory free (NVML free).", self._free),
+            ("hw.gpu.memory.utilization", "1", "Fraction of GPU memory used.", self._mem_util),
+            ("hw.gpu.utilization", "1", "Fraction of time a kernel ran (NVML gpu utilization).", self._util),
+        )
+        for name, unit, description, read in gauges:
+            meter.create_observable_gauge(name, callbacks=[self._callback(read)], unit=unit, description=description)
+
+    def _callback(self, read: Callable[[Any], float]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            out = []
+            for d in self.devices:
+                try:
+                    out.append(Observation(read(d.handle), d.attributes))
+                except Exception:  # noqa: BLE001 - a device that fell off the bus: skip it
+                    continue
+            return out
+
+        return observe
+
+    def _limit(self, h: Any) -> float:
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(h).total)
+
+    def _usage(self, h: Any) -> float:
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(h).used)
+
+    def _free(self, h: Any) -> float:
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(h).free)
+
+    def _mem_util(self, h: Any) -> float:
+        m = self.nvml.nvmlDeviceGetMemoryInfo(h)
+        return int(m.used) / int(m.total) if int(m.total) else 0.0
+
+    def _util(self, h: Any) -> float:
+        return self.nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
+
+    def close(self) -> None:
+        """Shut NVML down (once)."""
+        if self.nvml is not None:
+            self.nvml.nvmlShutdown()
+            self.nvml = None
+            self.devices = []
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,309 @@
+"""OpenTelemetry instrumentation of KVPool: per-process histograms, request spans, pool metrics.
+
+    from kvscope.probes.otel import KVPoolInstrumentor
+
+    inst = KVPoolInstrumentor()
+    inst.instrument(meter_provider=mp, tracer_provider=tp, collect=True)
+    pool = KVPool.create("demo", PoolConfig(num_blocks=1024))  # every pool opened from now on
+    ...
+    inst.uninstrument()                                          # methods restored exactly
+
+While instrumented, the KVPool operations are wrapped (the class, or only the given `pools`):
+each records `kvscope.pool.operation.duration`; allocate/fork start a `kvscope.request` span that
+free/abort end, with the request's block events; a finding reported in this process becomes an
+event on its request's span. Lock wait and hold times come from wrapping each pool's LockTable
+`acquire`/`release`. Pool gauges and counters are read from the segment by ONE collector
+(`collect=True`, see otel_metrics.py); under `kvscope run` the supervisor runs it, so a pool
+shared by several processes is counted once. Setup from OTEL_* variables: otel_exporters.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvscope.allocator import pool as pool_module
+from kvscope.allocator.pool import KVPool
+from kvscope.probes.otel_exporters import install_from_env, start_collector
+from kvscope.probes.otel_metrics import DEVICE, LOCK, POOL, PoolCollector
+from opentelemetry import metrics, trace
+from opentelemetry.trace import Link, Span
+
+__all__ = ["KVPoolInstrumentor", "install_from_env", "start_collector"]
+
+WRAPPED = ("allocate", "append", "fork", "free", "abort", "resume", "evict", "mark_computed")
+OP = "kvscope.operation"
+REQUEST = "kvscope.request.id"
+# Bucket boundaries in seconds: pool operations and lock times are microseconds to milliseconds.
+OP_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
+LIFETIME_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+SCOPE = "kvscope.probes.otel"
+_MISSING = object()
+
+
+class KVPoolInstrumentor:
+    """Instruments KVPool with OpenTelemetry meters and tracers; symmetric instrument/uninstrument."""
+
+    def __init__(self) -> None:
+        self._on = False
+        self._local = threading.local()
+        self._spans: dict[Any, Span] = {}
+        self._pools: list[KVPool] = []
+        self._saved: list[tuple[object, str, Any]] = []
+        self._preempted: set[Any] = set()
+        self.collector: PoolCollector | None = None
+
+    @property
+    def is_instrumented(self) -> bool:
+        """True between instrument() and uninstrument()."""
+        return self._on
+
+    def instrument(
+        self,
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        logger_provider: Any = None,
+        pools: Iterable[KVPool] | None = None,
+        collect: bool = False,
+        pool_names: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
+        """Wrap KVPool (or only `pools`); with collect, also report pool metrics from segments.
+
+        Args:
+            collect: run the pool collector in this process (one process per pool should).
+            pool_names: what the collector reads (default: the pools this instrumentor saw).
+        """
+        assert not self._on, "already instrumented"
+        mp = meter_provider or metrics.get_meter_provider()
+        meter = mp.get_meter(SCOPE)
+        self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(SCOPE)
+        self._op_hist = meter.create_histogram(
+            "kvscope.pool.operation.duration", "s", "Duration of a pool operation in this process.",
+            explicit_bucket_boundaries_advisory=OP_BUCKETS,
+        )
+        self._wait_hist = meter.create_histogram(
+            "kvscope.lock.wait.duration", "s", "Time from asking for a pool lock to holding it.",
+            explicit_bucket_boundaries_advisory=OP_BUCKETS,
+        )
+        self._hold_hist = meter.create_histogram(
+            "kvscope.lock.hold.duration", "s", "Time a pool lock was held.",
+            explicit_bucket_boundaries_advisory=OP_BUCKETS,
+        )
+        self._life_hist = meter.create_histogram(
+            "kvscope.block.lifetime", "s", "Allocation to last reference dropped, per block.",
+            explicit_bucket_boundaries_advisory=LIFETIME_BUCKETS,
+        )
+        given = list(pools) if pools is not None else None
+        for name in WRAPPED:
+            if given is None:
+                self._patch(KVPool, name, self._wrap(name, KVPool.__dict__[name]))
+            for p in given or []:
+                self._patch(p, name, types.MethodType(self._wrap(name, getattr(KVPool, name)), p))
+        for p in given or []:
+            self._attach(p)
+        if given is None:
+            pool_module.OPEN_HOOKS.append(self._attach)
+        self._on = True
+        if collect:
+            logger = logger_provider.get_logger(SCOPE) if logger_provider is not None else None
+            names = pool_names or (lambda: sorted({p.name for p in self._pools}))
+            self.collector = PoolCollector(meter, names, logger=logger)
+
+    def uninstrument(self) -> None:
+        """Restore every wrapped method and hook exactly; end open request spans."""
+        if not self._on:
+            return
+        if self._attach in pool_module.OPEN_HOOKS:
+            pool_module.OPEN_HOOKS.remove(self._attach)
+        for obj, name, old in reversed(self._saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self._saved.clear()
+        for span in self._spans.values():
+            span.set_attribute("kvscope.request.outcome", "open")
+            span.end()
+        self._spans.clear()
+        self._preempted.clear()
+        if self.collector is not None:
+            self.collector.close()
+            self.collector = None
+        self._pools.clear()
+        self._on = False
+
+    # -- wrapping ------------------------------------------------------------------------------
+
+    def _patch(self, obj: object, name: str, new: Any) -> None:
+        self._saved.append((obj, name, vars(obj).get(name, _MISSING)))
+        setattr(obj, name, new)
+
+    def _attach(self, pool: KVPool) -> None:
+        """Per pool: time its locks and see its findings (restored on uninstrument)."""
+        self._pools.append(pool)
+        a = {POOL: pool.name, DEVICE: pool.config.device}
+        lock_attrs = [{**a, LOCK: n} for n in pool.locks.names]
+        lt = pool.locks
+        acquire, release = lt.acquire, lt.release
+        held: dict[int, int] = {}
+
+        def timed_acquire(i: int, **kw: Any) -> None:
+            t0 = time.perf_counter_ns()
+            acquire(i, **kw)
+            t1 = time.perf_counter_ns()
+            held[i] = t1
+            self._wait_hist.record((t1 - t0) * 1e-9, lock_attrs[i])
+
+        def timed_release(i: int) -> None:
+            t1 = held.pop(i, None)
+            if t1 is not None:
+                self._hold_hist.record((time.perf_counter_ns() - t1) * 1e-9, lock_attrs[i])
+            release(i)
+
+        self._patch(lt, "acquire", timed_acquire)
+        self._patch(lt, "release", timed_release)
+        previous = pool.on_finding
+
+        def on_finding(finding: Any) -> None:
+            if previous is not None:
+                previous(finding)
+            self._finding_event(pool, finding)
+
+        self._patch(pool, "on_finding", on_finding)
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        inst = self
+
+        def wrapper(pool: KVPool, *args: Any, **kw: Any) -> Any:
+            local = inst._local
+            if getattr(local, "depth", 0):
+                # Inner calls (resume -> allocate, allocate -> append) belong to the outer op.
+                return original(pool, *args, **kw)
+            local.depth = 1
+            try:
+                return inst._call(name, original, pool, args, kw)
+            finally:
+                local.depth = 0
+
+        wrapper.__name__ = wrapper.__qualname__ = name
+        wrapper.__doc__ = original.__doc__
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    def _call(self, name: str, original: Callable[..., Any], pool: KVPool, args: tuple, kw: dict) -> Any:
+        attrs = {POOL: pool.name, DEVICE: pool.config.device, OP: name}
+        before = _blocks_before(pool, args) if name in ("free", "abort") else None
+        preempted = int(pool.counters["num_preemptions"][0]) if not pool._closed else 0
+        start_ns = time.time_ns()
+        t0 = time.perf_counter_ns()
+        try:
+            result = original(pool, *args, **kw)
+        except BaseException as e:
+            self._op_hist.record((time.perf_counter_ns() - t0) * 1e-9, {**attrs, "error.type": type(e).__name__})
+            raise
+        self._op_hist.record((time.perf_counter_ns() - t0) * 1e-9, attrs)
+        getattr(self, "_after_" + name, _nothing)(pool, args, result, start_ns)
+        if before is not None:
+            self._lifetimes(pool, *before, attrs={POOL: pool.name, DEVICE: pool.config.device})
+        if not pool._closed and int(pool.counters["num_preemptions"][0]) > preempted:
+            self._mark_preempted(pool)
+        return result
+
+    # -- request spans -------------------------------------------------------------------------
+
+    def _start(self, pool: KVPool, seq: Any, start_ns: int, links: list[Link] | None = None) -> Span:
+        span = self._tracer.start_span(
+            "kvscope.request",
+            start_time=start_ns,
+            links=links,
+            attributes={POOL: pool.name, DEVICE: pool.config.device, REQUEST: seq.request_id},
+        )
+        self._spans[seq] = span
+        return span
+
+    def _after_allocate(self, pool: KVPool, args: tuple, seq: Any, start_ns: int) -> None:
+        span = self._start(pool, seq, start_ns)
+        span.set_attribute("kvscope.request.prompt_tokens", len(seq.tokens))
+        span.set_attribute("kvscope.request.cached_tokens", seq.num_cached_tokens)
+        span.add_event("allocate", {"kvscope.blocks": len(seq.block_table),
+                                    "kvscope.prefix_hit_blocks": seq.num_cached_tokens // pool.block_size})
+
+    def _after_fork(self, pool: KVPool, args: tuple, child: Any, start_ns: int) -> None:
+        parent = self._spans.get(args[0])
+        links = [Link(parent.get_span_context())] if parent is not None else None
+        span = self._start(pool, child, start_ns, links)
+        span.add_event("fork", {"kvscope.blocks": len(child.block_table), "kvscope.parent.request.id": args[0].request_id})
+        if parent is not None:
+            parent.add_event("fork", {"kvscope.child.request.id": child.request_id})
+
+    def _after_append(self, pool: KVPool, args: tuple, copies: Any, start_ns: int) -> None:
+        seq, span = args[0], self._spans.get(args[0])
+        if span is None:
+            return
+        # One event per block-table change, not per token.
+        grew = -(-len(seq.tokens) // pool.block_size) != -(-(len(seq.tokens) - len(args[1])) // pool.block_size)
+        if grew or copies:
+            span.add_event("append", {"kvscope.blocks": len(seq.block_table), "kvscope.cow_copies": len(copies)})
+
+    def _after_resume(self, pool: KVPool, args: tuple, cached: Any, start_ns: int) -> None:
+        if (span := self._spans.get(args[0])) is not None:
+            span.add_event("resume", {"kvscope.blocks": len(args[0].block_table), "kvscope.cached_tokens": cached})
+
+    def _after_mark_computed(self, pool: KVPool, args: tuple, n: Any, start_ns: int) -> None:
+        if n and (span := self._spans.get(args[0])) is not None:
+            span.add_event("publish", {"kvscope.blocks": n})
+
+    def _after_free(self, pool: KVPool, args: tuple, result: Any, start_ns: int, outcome: str = "finished") -> None:
+        span = self._spans.pop(args[0], None)
+        self._preempted.discard(args[0])
+        if span is not None:
+            span.add_event("free" if outcome == "finished" else "abort")
+            span.set_attribute("kvscope.request.tokens", len(args[0].tokens))
+            span.set_attribute("kvscope.request.outcome", outcome)
+            span.end()
+
+    def _after_abort(self, pool: KVPool, args: tuple, result: Any, start_ns: int) -> None:
+        self._after_free(pool, args, result, start_ns, "aborted")
+
+    def _mark_preempted(self, pool: KVPool) -> None:
+        for seq, span in self._spans.items():
+            if seq.state == "preempted" and seq not in self._preempted:
+                span.add_event("preempt")
+                self._preempted.add(seq)
+            elif seq.state != "preempted":
+                self._preempted.discard(seq)
+
+    def _finding_event(self, pool: KVPool, f: Any) -> None:
+        span = next((s for q, s in self._spans.items() if f.request and q.request_id[:32] == f.request), None)
+        span = span or trace.get_current_span()
+        if span.is_recording():
+            span.add_event("kvscope.finding", {"kvscope.finding.kind": f.kind, "kvscope.finding.severity": f.severity,
+                                               "kvscope.block.id": -1 if f.block is None else f.block, "message": f.message})
+
+    def _lifetimes(self, pool: KVPool, ids: Any, alloc_ns: Any, attrs: dict[str, str]) -> None:
+        """Record allocation-to-free time of the blocks whose last reference this free dropped."""
+        if pool._closed or not len(ids):
+            return
+        now = time.time_ns()
+        gone = pool.view.blocks["refcount"][ids] == 0
+        for t in alloc_ns[gone].tolist():
+            self._life_hist.record(max(0, now - t) * 1e-9, attrs)
+
+
+def _blocks_before(pool: KVPool, args: tuple) -> tuple[Any, Any] | None:
+    """(block ids, their alloc_ns) of the sequence about to be freed."""
+    import numpy as np
+
+    seq = args[0] if args else None
+    table = getattr(seq, "block_table", None)
+    if not table or pool._closed:
+        return None
+    ids = np.asarray(table, np.int64)
+    return ids, pool.view.blocks["alloc_ns"][ids].astype(np.int64)
+
+
+def _nothing(*args: Any) -> None:
+    return None
