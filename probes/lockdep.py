@@ -1,0 +1,454 @@
+"""lockdep: the held-lock stack of every thread and the cross-process lock-order graph.
+
+    from kvscope.probes.lockdep import LockDep, TracedLock
+    lockdep = LockDep()
+    lockdep.instrument(pool)                # every pool lock now feeds the graph
+    cache_lock = TracedLock("cache", pool)  # a user lock: lock class "user:cache"
+    ...
+    lockdep.uninstrument(pool)
+
+A thread that takes lock class B while it holds A adds the edge A -> B, with the site where it
+was first seen, to the segment's lock-order graph, which every process attached to the pool
+shares. An edge whose reverse path B -> ... -> A is already there is reported as
+`lock_order_cycle` before the thread waits for B, so two processes that take locks in opposite
+orders are named before they ever overlap. Shard locks are one class ("index"); "sites" and
+"findings" are leaves taken last and are not traced. docs/LOCKDEP.md has the details and cost.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import kvscope.allocator
+import kvscope.probes
+from kvscope.allocator.findings import Finding, write_finding
+from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
+from kvscope.allocator.locks import DeadHolder
+
+import kvscope
+
+ENV = "KVSCOPE_LOCKDEP"
+HOLD_ENV = "KVSCOPE_LOCK_HOLD_S"
+UNTRACED = frozenset({"sites", "findings"})
+CLASS_BYTES, SITE_BYTES, MESSAGE_BYTES = 16, 120, 200
+_OWN_DIRS = tuple(
+    os.path.dirname(m.__file__ or "") + os.sep for m in (kvscope, kvscope.allocator, kvscope.probes)
+)
+_GLUE = ("contextlib.py", "threading.py")
+# write_finding's txn argument for ring writes made under a raw findings lock: the ring head
+# moves after the record is written, so a crash in between leaves nothing to undo.
+UNJOURNALED = SimpleNamespace(journal=SimpleNamespace(save=lambda offset, length: None))
+
+
+class Edge(NamedTuple):
+    """One lock-order edge: some thread took `dst` while holding `src`."""
+
+    src: str
+    dst: str
+    pid: int
+    site: str
+
+
+def lock_class(name: str) -> str:
+    """The lock class of a pool lock name: the index shards collapse to "index"."""
+    return "index" if name.startswith("index.") else name
+
+
+def call_site() -> str:
+    """`file:line function` of the innermost frame outside kvscope (the caller's code)."""
+    f = sys._getframe(1)
+    while f is not None and (
+        f.f_code.co_filename.startswith(_OWN_DIRS) or f.f_code.co_filename.endswith(_GLUE)
+    ):
+        f = f.f_back
+    if f is None:
+        return "?"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}"[:SITE_BYTES]
+
+
+def find_path(edges: list[Edge], src: str, dst: str) -> list[Edge]:
+    """The shortest chain of edges src -> ... -> dst (empty if there is none)."""
+    out: dict[str, list[Edge]] = {}
+    for e in edges:
+        out.setdefault(e.src, []).append(e)
+    came: dict[str, Edge | None] = {src: None}
+    todo = deque([src])
+    while todo:
+        node = todo.popleft()
+        if node == dst:
+            path: list[Edge] = []
+            while (e := came[node]) is not None:
+                path.append(e)
+                node = e.src
+            return path[::-1]
+        for e in out.get(node, ()):
+            if e.dst not in came:
+                came[e.dst] = e
+                todo.append(e.dst)
+    return []
+
+
+def cycle_finding(new: Edge, path: list[Edge]) -> Finding:
+    """The `lock_order_cycle` finding for a new edge that closes `path` (its reverse chain)."""
+    mine = f"pid {new.pid} takes {new.src} -> {new.dst} at {new.site}"
+    theirs = "; ".join(f"pid {e.pid} took {e.src} -> {e.dst} at {e.site}" for e in path)
+    why = "opposite orders" if len(path) == 1 else "these orders form a cycle that"
+    msg = f"{mine}; {theirs}"
+    tail = f": {why} deadlock{'' if len(path) == 1 else 's'} when they overlap"
+    if len(msg) + len(tail) <= MESSAGE_BYTES:
+        msg += tail
+    return Finding(
+        "lock_order_cycle",
+        msg,
+        owner_pid=new.pid,
+        extra={"chain": [new._asdict()] + [e._asdict() for e in path]},
+    )
+
+
+class LocalGraph:
+    """A lock-order graph in this process only (user locks with no pool to share one through)."""
+
+    shared = False
+
+    def __init__(self, report: Callable[[Finding], None]):
+        self._edges: list[Edge] = []
+        self._lock = threading.Lock()
+        self._report = report
+        self.known: set[tuple[str, str]] = set()
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive access to the edges."""
+        with self._lock:
+            yield
+
+    def edges(self) -> list[Edge]:
+        """Every edge, oldest first."""
+        return list(self._edges)
+
+    def add(self, e: Edge) -> None:
+        """Add an edge (caller holds `locked`)."""
+        self._edges.append(e)
+
+    def write(self, f: Finding) -> None:
+        """Nothing to write in a local graph: `notify` hands the finding over."""
+
+    def notify(self, f: Finding) -> None:
+        """Hand a finding to the callback."""
+        self._report(f)
+
+    def report(self, f: Finding) -> None:
+        """Report a finding."""
+        self.notify(f)
+
+
+class SegmentGraph:
+    """The lock-order graph in a pool's segment, shared by every attached process."""
+
+    shared = True
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.table = pool.locks
+        self.findings_lock = pool.locks.index("findings")
+        self.known: set[tuple[str, str]] = set()
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the pool's findings lock, raw: it is last in the lock order, and a leaf."""
+        self.table.acquire(self.findings_lock)
+        try:
+            yield
+        finally:
+            self.table.release(self.findings_lock)
+
+    def edges(self) -> list[Edge]:
+        """Every edge in the segment, oldest first."""
+        view = self.pool.view
+        g = view.lockgraph[: min(int(view.h["lockgraph_used"]), LOCKGRAPH_CAPACITY)]
+        cols = (g["src"].tolist(), g["dst"].tolist(), g["pid"].tolist(), g["site"].tolist())
+        return [
+            Edge(s.decode(), d.decode(), p, t.decode(errors="replace")) for s, d, p, t in zip(*cols)
+        ]
+
+    def add(self, e: Edge) -> bool:
+        """Append an edge (caller holds `locked`); False when the graph is full."""
+        view = self.pool.view
+        n = int(view.h["lockgraph_used"])
+        if n >= LOCKGRAPH_CAPACITY:
+            return False
+        r = view.lockgraph[n : n + 1]
+        r["src"], r["dst"], r["pid"] = (
+            e.src.encode()[:CLASS_BYTES],
+            e.dst.encode()[:CLASS_BYTES],
+            e.pid,
+        )
+        r["site"] = e.site.encode()[:SITE_BYTES]
+        # The count moves last: a crash before it leaves an unused record.
+        view.header["lockgraph_used"] = n + 1
+        return True
+
+    def write(self, f: Finding) -> None:
+        """Append a finding to the segment's ring (caller holds `locked`)."""
+        write_finding(self.pool.view, UNJOURNALED, f)
+
+    def notify(self, f: Finding) -> None:
+        """Hand a finding to the pool's probe callback."""
+        if self.pool.on_finding is not None:
+            self.pool.on_finding(f)
+
+    def report(self, f: Finding) -> None:
+        """Write and hand over a finding without the pool mutex (a stuck operation may hold it)."""
+        with self.locked():
+            self.write(f)
+        self.notify(f)
+
+
+class Held:
+    """One lock a thread holds (or is about to take): class, graph, and when."""
+
+    __slots__ = ("key", "cls", "graph", "t_ns", "table", "index")
+
+    def __init__(self, key: object, cls: str, graph: Any, table: Any = None, index: int = -1):
+        self.key, self.cls, self.graph, self.table, self.index = key, cls, graph, table, index
+        # Set once a traced lock is taken (pool locks keep their times in their records).
+        self.t_ns = 0
+
+    def stale(self) -> bool:
+        """True for a pool lock whose acquisition failed (its record names another holder)."""
+        t = self.table
+        i = self.index
+        return t is not None and (
+            int(t.holder_pid[i]) != t.pid or int(t.holder_tid[i]) != threading.get_native_id()
+        )
+
+
+class ThreadState:
+    """A thread's held-lock stack."""
+
+    __slots__ = ("stack", "busy", "ident", "native_id")
+
+    def __init__(self) -> None:
+        self.stack: list[Held] = []
+        self.busy = False
+        self.ident = threading.get_ident()
+        self.native_id = threading.get_native_id()
+
+
+class LockDep:
+    """The lockdep probe: held-lock stacks per thread, edges into the lock-order graphs."""
+
+    def __init__(self, on_finding: Callable[[Finding], None] | None = None):
+        self.enabled = False
+        self.on_finding = on_finding
+        self.local = LocalGraph(self._local_report)
+        self.threads: dict[int, ThreadState] = {}
+        self._tls = threading.local()
+        self._graphs: dict[int, SegmentGraph] = {}
+        self._hooks: dict[int, tuple[Any, ...]] = {}
+        ref = weakref.WeakMethod(self._after_fork)
+        os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+
+    def _after_fork(self) -> None:
+        # The child runs only the forking thread; the other threads' stacks stay in the parent.
+        st = getattr(self._tls, "s", None)
+        self.threads = {st.ident: st} if st is not None else {}
+
+    def _local_report(self, f: Finding) -> None:
+        if self.on_finding is not None:
+            self.on_finding(f)
+        else:
+            print(f"kvscope: {f.line()}", file=sys.stderr)
+
+    def instrument(self, pool: Any) -> None:
+        """Trace every lock of `pool` (chaining hooks already set by other probes)."""
+        if id(pool) in self._hooks:
+            return
+        lt = pool.locks
+        graph = self.graph_for(pool)
+        classes = [None if n in UNTRACED else lock_class(n) for n in lt.names]
+        keys = [(id(lt), i) for i in range(len(lt.names))]
+        prev_acquire, prev_release = lt.on_acquire, lt.on_release
+        live = [True]
+
+        def on_acquire(i: int) -> None:
+            if prev_acquire is not None:
+                prev_acquire(i)
+            cls = classes[i]
+            if cls is not None and live[0]:
+                self.before(cls, keys[i], graph, lt, i)
+
+        def on_release(i: int) -> None:
+            if classes[i] is not None and live[0]:
+                self.after_release(keys[i])
+            if prev_release is not None:
+                prev_release(i)
+
+        lt.on_acquire, lt.on_release = on_acquire, on_release
+        self._hooks[id(pool)] = (on_acquire, on_release, prev_acquire, prev_release, live)
+        self.enabled = True
+
+    def uninstrument(self, pool: Any) -> None:
+        """Stop tracing `pool`'s locks (a hook chained on top of ours keeps working)."""
+        entry = self._hooks.pop(id(pool), None)
+        if entry is None:
+            return
+        on_acquire, on_release, prev_acquire, prev_release, live = entry
+        live[0] = False
+        lt = pool.locks
+        if lt.on_acquire is on_acquire and lt.on_release is on_release:
+            lt.on_acquire, lt.on_release = prev_acquire, prev_release
+        self._graphs.pop(id(pool), None)
+
+    def graph_for(self, pool: Any | None) -> LocalGraph | SegmentGraph:
+        """The graph edges into a lock of `pool` go to (the first pool's, or the local one)."""
+        if pool is None:
+            return next(iter(self._graphs.values()), self.local)
+        g = self._graphs.get(id(pool))
+        if g is None:
+            g = self._graphs[id(pool)] = SegmentGraph(pool)
+        return g
+
+    def state(self) -> ThreadState:
+        """This thread's held-lock stack (created on first use)."""
+        st = getattr(self._tls, "s", None)
+        if st is None:
+            st = self._tls.s = ThreadState()
+            self.threads[st.ident] = st
+        return st
+
+    def before(
+        self, cls: str, key: object, graph: Any, table: Any = None, index: int = -1
+    ) -> Held | None:
+        """Record that this thread is about to take a lock (called before it may block)."""
+        st = self.state()
+        if st.busy:
+            return None
+        stack = st.stack
+        new: list[tuple[Any, Held]] = []
+        again = None
+        for h in stack:
+            if h.key is key:
+                # Left by an acquisition that failed (or a self-deadlock): replaced below.
+                again = h
+                continue
+            if h.cls == cls:
+                continue
+            if graph.shared:
+                if h.graph.shared and h.graph is not graph:
+                    continue
+                g = graph
+            else:
+                g = h.graph if h.graph.shared else graph
+            if (h.cls, cls) not in g.known:
+                new.append((g, h))
+        if new:
+            self._learn(st, new, cls)
+        if again is not None:
+            stack.remove(again)
+        h = Held(key, cls, graph, table, index)
+        stack.append(h)
+        return h
+
+    def after_release(self, key: object) -> None:
+        """Forget the newest entry for a lock this thread released."""
+        stack = self.state().stack
+        for j in range(len(stack) - 1, -1, -1):
+            if stack[j].key is key:
+                del stack[j]
+                return
+
+    def _learn(self, st: ThreadState, new: list[tuple[Any, Held]], cls: str) -> None:
+        """The slow path: add edges new to this process to their graphs, reporting cycles."""
+        site, pid = call_site(), os.getpid()
+        found: list[tuple[Any, Finding]] = []
+        st.busy = True
+        try:
+            for g, h in new:
+                if h.stale():
+                    st.stack.remove(h)
+                    continue
+                try:
+                    with g.locked():
+                        edges = g.edges()
+                        if not any(e.src == h.cls and e.dst == cls for e in edges):
+                            e = Edge(h.cls, cls, pid, site)
+                            path = find_path(edges, cls, h.cls)
+                            g.add(e)
+                            if path:
+                                f = cycle_finding(e, path)
+                                g.write(f)
+                                found.append((g, f))
+                except DeadHolder:
+                    # A dead process left the findings lock held: the next operation recovers it.
+                    continue
+                g.known.add((h.cls, cls))
+            for g, f in found:
+                g.notify(f)
+        finally:
+            st.busy = False
+
+
+class TracedLock:
+    """A drop-in for threading.Lock whose acquisitions feed lockdep (class "user:NAME")."""
+
+    def __init__(self, name: str, pool: Any | None = None, lockdep: LockDep | None = None):
+        self.name = name
+        self.cls = f"user:{name}"
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._lockdep = lockdep if lockdep is not None else LOCKDEP
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take the lock, as threading.Lock.acquire."""
+        ld = self._lockdep
+        if not ld.enabled:
+            return self._lock.acquire(blocking, timeout)
+        h = ld.before(self.cls, self, ld.graph_for(self.pool))
+        if self._lock.acquire(blocking, timeout):
+            if h is not None:
+                h.t_ns = time.perf_counter_ns()
+            return True
+        ld.after_release(self)
+        return False
+
+    def release(self) -> None:
+        """Release the lock."""
+        self._lock.release()
+        if self._lockdep.enabled:
+            self._lockdep.after_release(self)
+
+    def locked(self) -> bool:
+        """True while some thread holds the lock."""
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+LOCKDEP = LockDep()
+
+
+def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
+    """Instrument `pool` (and start its watchdog) when KVSCOPE_LOCKDEP=1; None when off."""
+    if env.get(ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+        return None
+    from kvscope.probes.watchdog import Watchdog
+
+    LOCKDEP.instrument(pool)
+    threshold_s = float(env.get(HOLD_ENV, "1.0"))
+    if threshold_s > 0:
+        Watchdog(pool, threshold_s=threshold_s, lockdep=LOCKDEP).start()
+    return LOCKDEP

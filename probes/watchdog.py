@@ -1,0 +1,164 @@
+"""The lock watchdog: reports `lock_held_too_long` with the holder thread's Python stack.
+
+    from kvscope.probes.watchdog import Watchdog
+    dog = Watchdog(pool, threshold_s=1.0).start()
+    ...
+    dog.stop()
+
+Every `interval_s` a daemon thread looks at the pool's lock records and, with a LockDep, at the
+traced user locks this process's threads hold. A hold by this process is timed with its own
+clock (a record's `acquired_ns` is the holder's perf_counter) and reported with the holder's
+stack; a hold by another process is timed from when the watchdog first saw it (the record's
+sequence counter names one hold) and reported without a stack, unless already reported.
+Each hold is reported once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from kvscope.allocator.findings import Finding
+from kvscope.allocator.process import is_alive
+from kvscope.probes.lockdep import LockDep, SegmentGraph
+
+STACK_FRAMES = 10
+
+
+def thread_stack(ident: int | None) -> list[str]:
+    """The innermost STACK_FRAMES frames of a thread of this process, one `file:line fn` each."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return []
+    frames = traceback.extract_stack(frame)[-STACK_FRAMES:]
+    return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames]
+
+
+def held_finding(
+    lock: str, held_s: float, pid: int, tid: int, stack: list[str], hold: str
+) -> Finding:
+    """The `lock_held_too_long` finding; `hold` names this one hold (for dedupe)."""
+    where = f", now at {stack[-1]}" if stack else ""
+    msg = (
+        f"{lock} held {held_s:.1f} s by pid {pid} thread {tid} ({hold}){where}: "
+        "do not block, sleep or compute long while holding it"
+    )
+    return Finding(
+        "lock_held_too_long",
+        msg,
+        owner_pid=pid,
+        extra={"lock": lock, "held_s": round(held_s, 3), "thread": tid, "stack": stack},
+    )
+
+
+class Watchdog:
+    """A daemon thread that reports locks held longer than `threshold_s`."""
+
+    def __init__(
+        self,
+        pool: Any | None = None,
+        threshold_s: float = 1.0,
+        interval_s: float | None = None,
+        lockdep: LockDep | None = None,
+    ):
+        assert pool is not None or lockdep is not None, "watch a pool, a LockDep, or both"
+        self.pool, self.lockdep = pool, lockdep
+        self.graph = SegmentGraph(pool) if pool is not None else None
+        self.threshold_ns = int(threshold_s * 1e9)
+        self.interval_s = interval_s if interval_s is not None else min(threshold_s / 2, 1.0)
+        self.reported: set[object] = set()
+        # (lock index, sequence counter) of another process's hold -> when first seen (our clock).
+        self.first_seen: dict[tuple[int, int], int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Watchdog:
+        """Start the watchdog thread."""
+        self._thread = threading.Thread(target=self._loop, name="kvscope-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the watchdog thread and wait for it."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.pool is not None and (self.pool._closed or self.pool.pid != os.getpid()):
+                return
+            for report, f in self.check():
+                report(f)
+
+    def check(self) -> list[tuple[Any, Finding]]:
+        """One look: findings for holds over the threshold not reported yet, with their reporter."""
+        out = self._pool_holds() if self.pool is not None else []
+        if self.lockdep is not None:
+            out += self._traced_holds()
+        return out
+
+    def _pool_holds(self) -> list[tuple[Any, Finding]]:
+        lt, now = self.pool.locks, time.perf_counter_ns()
+        out = []
+        by_native = {t.native_id: t.ident for t in threading.enumerate()}
+        for i, name in enumerate(lt.names):
+            seq = int(lt.seq[i])
+            pid, tid, t0 = int(lt.holder_pid[i]), int(lt.holder_tid[i]), int(lt.acquired_ns[i])
+            # Fields read under an odd, unchanged counter belong to one hold.
+            if seq % 2 == 0 or int(lt.seq[i]) != seq or not pid or (i, seq) in self.reported:
+                continue
+            lock, stack = f"pool lock {name!r}", []
+            if pid == lt.pid:
+                held_ns = now - t0
+            else:
+                held_ns = now - self.first_seen.setdefault((i, seq), now)
+            if held_ns < self.threshold_ns:
+                continue
+            hold = f"hold #{seq}"
+            if pid == lt.pid:
+                stack = thread_stack(by_native.get(tid))
+            elif not is_alive(pid, int(lt.holder_start[i])) or self._already(lock, hold):
+                continue
+            self.reported.add((i, seq))
+            f = held_finding(lock, held_ns / 1e9, pid, tid, stack, hold)
+            out.append((self._reporter(), f))
+        self.first_seen = {k: v for k, v in self.first_seen.items() if int(lt.seq[k[0]]) == k[1]}
+        return out
+
+    def _reporter(self) -> Any:
+        """graph.report, or only the callback while this process holds the findings lock."""
+        assert self.graph is not None
+        lt = self.pool.locks
+        fl = self.graph.findings_lock
+        return self.graph.notify if int(lt.holder_pid[fl]) == lt.pid else self.graph.report
+
+    def _already(self, lock: str, hold: str) -> bool:
+        """True when some process already reported this hold into the ring."""
+        return any(
+            f.kind == "lock_held_too_long" and lock in f.message and f"({hold})" in f.message
+            for f in self.pool.findings()
+        )
+
+    def _traced_holds(self) -> list[tuple[Any, Finding]]:
+        now, pid, out = time.perf_counter_ns(), os.getpid(), []
+        for st in list(self.lockdep.threads.values()):
+            for h in list(st.stack):
+                # Pool locks are timed from their records; t_ns is 0 while still waiting.
+                if h.table is not None or not h.t_ns or now - h.t_ns < self.threshold_ns:
+                    continue
+                key = (id(h.key), h.t_ns)
+                if key in self.reported:
+                    continue
+                self.reported.add(key)
+                lock = f"lock {h.cls!r}"
+                stack = thread_stack(st.ident)
+                f = held_finding(
+                    lock, (now - h.t_ns) / 1e9, pid, st.native_id, stack, f"since {h.t_ns}"
+                )
+                out.append((h.graph.report, f))
+        return out

@@ -1,0 +1,340 @@
+"""lockdep and the lock watchdog: cycles named before they deadlock, long holds named with a stack."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import pytest
+from kvscope.allocator import KVPool, LockDeadlock
+from kvscope.probes.lockdep import LockDep, TracedLock, install
+from kvscope.probes.watchdog import Watchdog
+
+CHILD_ALARM_S = 20
+DEADLOCKED = 3
+
+
+def _fork(fn: Callable[[], int]) -> int:
+    """Run fn in a child process (exit code = its result; 1 on an exception; SIGALRM if stuck)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        signal.alarm(CHILD_ALARM_S)
+        code = fn()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _wait(pid: int, timeout_s: float = 30.0) -> int:
+    """Exit code of a child (killed and -9 if it outlives the timeout)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -9
+
+
+def _attached(name: str) -> tuple[KVPool, LockDep]:
+    pool = KVPool.attach(name)
+    lockdep = LockDep()
+    lockdep.instrument(pool)
+    return pool, lockdep
+
+
+def _free_path(pool: KVPool) -> None:
+    """A free that evicts while holding the sequence-table lock: seqs, index shards, then free."""
+    seq = pool.allocate("cached", list(range(8)))
+    pool.mark_computed(seq, 8)
+    pool.free(seq)
+
+    def evict_under_seqs(t) -> None:
+        ids = pool.store.evict(t, 1)
+        if len(ids):
+            pool.store.ring_push(t, ids)
+
+    pool._run({pool.SEQS, pool.FREE, *pool.SHARDS}, evict_under_seqs)
+
+
+def _alloc_path(pool: KVPool) -> None:
+    """An allocation that holds the free-ring lock and then waits for the sequence-table lock."""
+    pool.locks.acquire(pool.FREE)
+    try:
+        pool.locks.acquire(pool.SEQS)
+        pool.locks.release(pool.SEQS)
+    finally:
+        pool.locks.release(pool.FREE)
+
+
+def _cycles(pool: KVPool) -> list:
+    return [f for f in pool.findings() if f.kind == "lock_order_cycle"]
+
+
+def test_opposite_orders_in_two_processes_are_reported_with_both_chains(make_pool):
+    # GIVEN a pool, a process that frees and evicts under seqs, then one taking free -> seqs
+    pool = make_pool(32)
+
+    def freer() -> int:
+        p, _ = _attached(pool.name)
+        _free_path(p)
+        return 0
+
+    def allocator() -> int:
+        p, _ = _attached(pool.name)
+        _alloc_path(p)
+        return 0
+
+    # WHEN they run one after the other (they never overlap, so nothing deadlocks)
+    p1 = _fork(freer)
+    assert _wait(p1) == 0
+    p2 = _fork(allocator)
+    assert _wait(p2) == 0
+
+    # THEN one lock_order_cycle names both chains, their pids and sites
+    (f,) = _cycles(pool)
+    assert f.severity == "error" and f.owner_pid == p2
+    assert f"pid {p2} takes free -> seqs at test_lockdep.py:" in f.message
+    assert f"pid {p1} took seqs -> free at test_lockdep.py:" in f.message
+    assert "_alloc_path" in f.message and "_free_path" in f.message
+    assert "deadlock" in f.message
+
+
+def _kernel_reports_edeadlk() -> bool:
+    """True when crossed fcntl locks of two processes make the kernel answer EDEADLK."""
+    fd, path = tempfile.mkstemp(dir="/dev/shm")
+    os.unlink(path)
+    os.ftruncate(fd, 2)
+    r, w = os.pipe()
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0)
+
+    def other() -> int:
+        signal.alarm(3)
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, 1)
+        os.write(w, b"1")
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0)
+        return 0
+
+    pid = _fork(other)
+    os.read(r, 1)
+    time.sleep(0.2)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX, 1, 1)
+        ok = False
+    except OSError as e:
+        ok = e.errno == errno.EDEADLK
+    fcntl.lockf(fd, fcntl.LOCK_UN, 1, 0)
+    _wait(pid, 5)
+    os.close(fd)
+    return ok
+
+
+def _overlap(pool: KVPool) -> tuple[list, list[int]]:
+    """Run the two orders so that they would deadlock; return (cycle findings, exit codes)."""
+    free_held_r, free_held_w = os.pipe()
+    seqs_held_r, seqs_held_w = os.pipe()
+
+    def freer() -> int:
+        p, _ = _attached(pool.name)
+        os.read(free_held_r, 1)
+        p.locks.acquire(p.SEQS)
+        os.write(seqs_held_w, b"1")
+        try:
+            # Blocks: the other process holds free.
+            p.locks.acquire(p.FREE)
+        except LockDeadlock:
+            return DEADLOCKED
+        finally:
+            p.locks.release(p.SEQS)
+        p.locks.release(p.FREE)
+        return 0
+
+    def allocator() -> int:
+        p, _ = _attached(pool.name)
+        p.locks.acquire(p.FREE)
+        os.write(free_held_w, b"1")
+        os.read(seqs_held_r, 1)
+        # Let the other process record seqs -> free and block on free first.
+        time.sleep(0.3)
+        try:
+            p.locks.acquire(p.SEQS)
+        except LockDeadlock:
+            return DEADLOCKED
+        finally:
+            p.locks.release(p.FREE)
+        p.locks.release(p.SEQS)
+        return 0
+
+    pids = [_fork(freer), _fork(allocator)]
+    end = time.monotonic() + 10
+    while not _cycles(pool) and time.monotonic() < end:
+        time.sleep(0.02)
+    found = _cycles(pool)
+    return found, [_wait(pid, 10) for pid in pids]
+
+
+def test_a_cycle_is_reported_before_the_processes_deadlock(make_pool):
+    # GIVEN two processes: one holds seqs and waits for free, the other holds free
+    pool = make_pool(32)
+    # WHEN the second one asks for seqs (a real deadlock unless the kernel breaks it)
+    found, codes = _overlap(pool)
+    # THEN the cycle was reported while they were stuck, and no process hangs the test
+    assert len(found) == 1 and "takes free -> seqs" in found[0].message
+    assert all(code in (0, DEADLOCKED, -9) for code in codes), codes
+
+
+def test_the_kernel_breaks_the_deadlock_with_edeadlk(make_pool):
+    if not _kernel_reports_edeadlk():
+        pytest.skip("this kernel does not report EDEADLK for crossed fcntl locks")
+    # GIVEN the overlapping opposite orders of the test above
+    pool = make_pool(32)
+    # WHEN they run
+    found, codes = _overlap(pool)
+    # THEN one process gets LockDeadlock, the other completes, and the cycle was named
+    assert sorted(codes) == [0, DEADLOCKED]
+    assert len(found) == 1
+
+
+def test_the_documented_order_is_not_a_cycle(make_pool):
+    # GIVEN two processes running every pool operation under lockdep
+    pool = make_pool(64, num_shards=4)
+
+    def worker() -> int:
+        p, lockdep = _attached(pool.name)
+        for i in range(5):
+            seq = p.allocate(f"r{i}", list(range(10)))
+            p.mark_computed(seq, 8)
+            p.append(seq, [1, 2, 3])
+            child = p.fork(seq, f"c{i}")
+            p.append(child, [4])
+            p.free(child)
+            p.free(seq)
+        p.evict(4)
+        _free_path(p)
+        assert not lockdep.state().stack
+        return 0
+
+    # WHEN they run
+    codes = [_wait(pid) for pid in [_fork(worker), _fork(worker)]]
+    # THEN no cycle is reported and the edges follow the documented order
+    assert codes == [0, 0]
+    assert _cycles(pool) == []
+    order = ["seqs", "index", "free"]
+    edges = {(bytes(r["src"]).decode(), bytes(r["dst"]).decode()) for r in pool.view.lockgraph}
+    edges.discard(("", ""))
+    assert edges and all(order.index(a) < order.index(b) for a, b in edges)
+
+
+def test_user_locks_and_pool_locks_form_cycles_too(make_pool):
+    # GIVEN a traced user lock and a pool, both under lockdep
+    pool = make_pool(32)
+    lockdep = LockDep()
+    lockdep.instrument(pool)
+    cache = TracedLock("cache", pool, lockdep=lockdep)
+
+    def cache_then_pool() -> None:
+        with cache:
+            pool.allocate("a", [1, 2, 3])
+
+    def pool_then_cache() -> None:
+        pool.locks.acquire(pool.SEQS)
+        with cache:
+            pass
+        pool.locks.release(pool.SEQS)
+
+    # WHEN one thread takes cache then seqs, another seqs then cache
+    for fn in (cache_then_pool, pool_then_cache):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+    # THEN the cycle is reported with the user lock's class
+    (f,) = _cycles(pool)
+    assert "takes seqs -> user:cache at test_lockdep.py:" in f.message
+    assert "took user:cache -> seqs" in f.message and "cache_then_pool" in f.message
+
+
+def test_traced_locks_without_a_pool_report_through_the_callback():
+    # GIVEN two traced locks and no pool
+    seen: list = []
+    lockdep = LockDep(on_finding=seen.append)
+    lockdep.enabled = True
+    a, b = TracedLock("a", lockdep=lockdep), TracedLock("b", lockdep=lockdep)
+    # WHEN they are taken a -> b, then b -> a
+    with a, b:
+        assert a.locked() and not b.acquire(blocking=False)
+    with b, a:
+        pass
+    # THEN the callback gets one cycle, and the stacks are empty again
+    assert [f.kind for f in seen] == ["lock_order_cycle"]
+    assert "takes b -> a" not in seen[0].message and "user:b -> user:a" in seen[0].message
+    assert lockdep.state().stack == []
+
+
+def test_lockdep_is_off_by_default_and_chains_other_hooks(make_pool):
+    # GIVEN a pool and another probe's acquire hook
+    pool = make_pool(16)
+    assert pool.locks.on_acquire is None and install(pool, {}) is None
+    assert pool.locks.on_acquire is None
+    calls: list[int] = []
+    pool.locks.on_acquire = calls.append
+    # WHEN lockdep is switched on by its variable, used, and switched off
+    lockdep = install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+    assert lockdep is not None
+    pool.allocate("a", [1, 2, 3])
+    lockdep.uninstrument(pool)
+    # THEN the other hook saw every acquisition and is the only hook left
+    assert pool.SEQS in calls and pool.locks.on_acquire == calls.append
+    assert pool.locks.on_release is None
+
+
+def test_the_watchdog_reports_a_long_hold_once_with_the_holders_stack(make_pool):
+    # GIVEN a pool with a watchdog at 0.2 s and a finding callback
+    pool = make_pool(16)
+    seen: list = []
+    pool.on_finding = seen.append
+    dog = Watchdog(pool, threshold_s=0.2, interval_s=0.05).start()
+
+    def hold_seqs(t) -> None:
+        time.sleep(0.6)
+
+    # WHEN a thread holds the sequence-table lock for 0.6 s
+    t = threading.Thread(target=lambda: pool._run({pool.SEQS}, hold_seqs))
+    t.start()
+    t.join()
+    dog.stop()
+    # THEN one lock_held_too_long names the lock and where the holder is, with its stack
+    (f,) = [f for f in pool.findings() if f.kind == "lock_held_too_long"]
+    assert f.severity == "warning" and "pool lock 'seqs'" in f.message
+    assert "hold_seqs" in f.message
+    (g,) = seen
+    assert any("hold_seqs" in frame for frame in g.extra["stack"])
+
+
+def test_the_watchdog_times_traced_user_locks():
+    # GIVEN a traced lock without a pool, and a watchdog on lockdep
+    seen: list = []
+    lockdep = LockDep(on_finding=seen.append)
+    lockdep.enabled = True
+    lock = TracedLock("slow", lockdep=lockdep)
+    dog = Watchdog(threshold_s=0.1, interval_s=0.02, lockdep=lockdep).start()
+    # WHEN it is held for 0.4 s
+    with lock:
+        time.sleep(0.4)
+    dog.stop()
+    # THEN it is reported once, with this test in the stack
+    (f,) = seen
+    assert f.kind == "lock_held_too_long" and "'user:slow'" in f.message
+    assert any("test_the_watchdog_times_traced_user_locks" in s for s in f.extra["stack"])
