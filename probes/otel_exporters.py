@@ -82,7 +82,10 @@ class Telemetry:
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def shutdown(self) -> None:
-        """Stop the collector and instrumentation, flush every exporter, close the endpoint."""
+        """Export what is pending, stop the collector and instrumentation, stop the exporters."""
+        if self.meter_provider is not None:
+            # While the collector still reads the pools: the last export carries their values.
+            self.meter_provider.force_flush()
         for close in reversed(self.closers):
             close()
         self.closers.clear()
@@ -255,7 +258,8 @@ def start_collector(pool_names: Callable[[], Iterable[str]], environ: Mapping[st
     collector = PoolCollector(meter, pool_names, logger=tel.logger_provider.get_logger("kvscope.probes.otel"))
     gpus.register(meter)
     tel.closers += [gpus.close, collector.close]
-    print(describe(env, prometheus=True), file=sys.stderr, flush=True)
+    shown = {**env, "OTEL_EXPORTER_PROMETHEUS_PORT": str(tel.prometheus_port)} if tel.prometheus_port else env
+    print(describe(shown, prometheus=True), file=sys.stderr, flush=True)
     return tel
 
 
