@@ -8,11 +8,14 @@ same run. Usage::
 
     python bench/bench_attention.py                 # the table
     python bench/bench_attention.py --sweep         # also search launch configs per shape
+    python bench/bench_attention.py --old DIR       # also the kernels package saved in DIR
+                                                    # (e.g. an older kernels/), side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -110,7 +113,7 @@ def gather_sdpa(p: Problem, mask) -> torch.Tensor:
     return sdpa(p.q, k, v, mask)
 
 
-def graph_us(fn) -> float:
+def graph_us(fn, rep: int = 300) -> float:
     """Median µs of CUDA-graph replays of `fn`, L2 flushed before each (do_bench)."""
     fn()
     side = torch.cuda.Stream()
@@ -124,7 +127,7 @@ def graph_us(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
-    return 1000 * do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    return 1000 * do_bench(graph.replay, warmup=50, rep=rep, return_mode="median")
 
 
 def copy_roofline_gbs() -> float:
@@ -147,7 +150,12 @@ def read_roofline_gbs() -> float:
     return (1 << 30) / us / 1e3
 
 
-def ours(p: Problem, cfg: DecodeConfig | None = None, guard: bool = False, fp8=None):
+def ours(
+    p: Problem, cfg: DecodeConfig | None = None, guard: bool = False, fp8=None, hints=True,
+    pkg=None,
+):  # fmt: skip
+    """A closure launching the decode kernel on `p` (hints: pass the batch's max/total length;
+    pkg: another kernels package, e.g. the one saved by `--old`)."""
     k, v = (p.k, p.v) if fp8 is None else fp8[:2]
     scales = {} if fp8 is None else {"k_scale": fp8[2], "v_scale": fp8[3]}
     extra = {"block_state": p.state, "errors": p.errors} if guard else {}
@@ -156,9 +164,21 @@ def ours(p: Problem, cfg: DecodeConfig | None = None, guard: bool = False, fp8=N
         scales.get("k_scale"), scales.get("v_scale"), extra.get("block_state"), extra.get("errors"),
     )  # fmt: skip
     out = torch.empty_like(p.q)
+    kw = {"max_seq_len": max(p.lens), "total_seq_len": sum(p.lens)} if hints else {}
+    if pkg is not None:
+        a = pkg.common.check_attention_inputs(
+            p.q, k, v, p.tables, p.seq_lens, None, None, scales.get("k_scale"),
+            scales.get("v_scale"), extra.get("block_state"), extra.get("errors"),
+        )  # fmt: skip
+
+        def run_old() -> torch.Tensor:
+            pkg.decode.launch_decode(a, out)
+            return out
+
+        return run_old
 
     def run() -> torch.Tensor:
-        launch_decode(a, out, cfg)
+        launch_decode(a, out, cfg, **kw)
         return out
 
     return run
@@ -169,39 +189,52 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 SWEEP = [
+    {"kvh_fast": False},
+    {"fused_merge": False},
+    {"kvh_fast": False, "fused_merge": False},
     {"tile": 32},
     {"tile": 128},
-    {"num_stages": 1},
-    {"num_stages": 3},
     {"num_warps": 8},
+    {"tile": 128, "num_warps": 8},
+    {"num_stages": 2},
+    {"num_stages": 4},
     {"ctas_per_sm": 2},
     {"ctas_per_sm": 3},
     {"ctas_per_sm": 6},
     {"ctas_per_sm": 8},
     {"ragged_waves": 2},
     {"ragged_waves": 8},
-    {"min_chunk_tokens": 512},
     {"chunk_blocks": 16},
     {"chunk_blocks": 32},
     {"chunk_blocks": 64},
     {"chunk_blocks": 128},
     {"chunk_blocks": 256},
 ]
+SWEEP_GUARD = [{"kvh_fast": False}, {"chunk_blocks": 64}]
+SWEEP_FP8 = [
+    {"fp8_tile": 64},
+    {"fp8_f16": False},
+    {"num_warps": 8},
+    {"fp8_tile": 64, "num_warps": 8},
+]
 
 
-def sweep(p: Problem) -> list[tuple[float, DecodeConfig]]:
-    """Time the default config and one change at a time from it."""
-    results = []
-    for change in [{}, *SWEEP]:
-        cfg = DecodeConfig(**change)
+def sweep(p: Problem, fp8) -> dict[str, float]:
+    """Time the default config and one change at a time from it: plain, guard and fp8."""
+    results = {}
+    runs = [("plain", {}, {})] + [("plain", c, {}) for c in SWEEP]
+    runs += [("guard", c, {"guard": True}) for c in SWEEP_GUARD]
+    runs += [("fp8", c, {"fp8": fp8}) for c in SWEEP_FP8]
+    for kind, change, kw in runs:
+        name = kind + " " + (",".join(f"{k}={v}" for k, v in change.items()) or "default")
         try:
-            results.append((graph_us(ours(p, cfg)), cfg))
+            results[name] = graph_us(ours(p, DecodeConfig(**change), **kw), rep=150)
         except Exception as exc:  # e.g. out of shared memory for a large tile
-            print(f"  skip {cfg}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
-    return sorted(results, key=lambda r: r[0])
+            print(f"  skip {name}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+    return results
 
 
-def measure(shape: Shape, peak_gbs: float, do_sweep: bool) -> tuple[dict, list]:
+def measure(shape: Shape, peak_gbs: float, do_sweep: bool, old=None) -> tuple[dict, dict]:
     """Every variant's median µs on one shape, plus the best sweep configs when asked."""
     p = Problem(shape)
     k, v, mask = p.dense()
@@ -217,6 +250,7 @@ def measure(shape: Shape, peak_gbs: float, do_sweep: bool) -> tuple[dict, list]:
     assert int(p.errors[0]) == 0, "guard mode flagged a clean pool"
     t["kvscope_guard"] = graph_us(guarded)
     t["kvscope_again"] = graph_us(run)
+    t["kvscope_nohint"] = graph_us(ours(p, hints=False))
     k_scale = torch.tensor([p.k.float().abs().amax() / 448], device="cuda")
     v_scale = torch.tensor([p.v.float().abs().amax() / 448], device="cuda")
     k8 = (p.k.float() / k_scale).to(torch.float8_e4m3fn)
@@ -224,7 +258,16 @@ def measure(shape: Shape, peak_gbs: float, do_sweep: bool) -> tuple[dict, list]:
     fp8 = ours(p, fp8=(k8, v8, k_scale, v_scale))
     err8 = rel(fp8(), want)
     t["kvscope_fp8"] = graph_us(fp8)
-    best = sweep(p)[:6] if do_sweep else []
+    if old is not None:
+        run_old = ours(p, pkg=old)
+        err_old = rel(run_old(), want)
+        assert err_old < 1e-2, err_old
+        t["old"] = graph_us(run_old)
+        p.errors.zero_()
+        p.errors[1] = (p.errors.numel() - 2) // 5
+        t["old_guard"] = graph_us(ours(p, guard=True, pkg=old))
+        t["old_fp8"] = graph_us(ours(p, fp8=(k8, v8, k_scale, v_scale), pkg=old))
+    best = sweep(p, (k8, v8, k_scale, v_scale)) if do_sweep else {}
     floor = p.kv_bytes / peak_gbs / 1e3
     row = {"shape": shape.name, "kv_bytes": p.kv_bytes, "floor_us": floor,
            "rel_err": err, "rel_err_fp8": err8, **t}  # fmt: skip
@@ -236,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="search launch configs per shape")
     ap.add_argument("--json", type=Path, help="write every number here too")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--old", type=Path, help="a saved kernels package dir to time side by side")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     props = torch.cuda.get_device_properties(0)
@@ -243,28 +287,44 @@ def main(argv: list[str] | None = None) -> int:
           f"triton {triton.__version__}")  # fmt: skip
     copy_gbs, read_gbs = copy_roofline_gbs(), read_roofline_gbs()
     print(f"# roofline: d2d copy {copy_gbs:.0f} GB/s (read+write), bf16 sum {read_gbs:.0f} GB/s")
+    old = None
+    if args.old:
+        sys.path.insert(0, str(args.old.resolve().parent))
+        name = args.old.resolve().name
+        old = importlib.import_module(name)
+        old.common = importlib.import_module(name + ".common")
+        old.decode = importlib.import_module(name + ".decode")
+    print(f"# kvscope default {asdict(DecodeConfig())}")
     rows, sweeps = [], {}
     for shape in shapes(args.seed):
-        row, best = measure(shape, max(copy_gbs, read_gbs), args.sweep)
+        row, best = measure(shape, max(copy_gbs, read_gbs), args.sweep, old)
         rows.append(row)
         if args.sweep:
-            sweeps[shape.name] = [(us, asdict(c)) for us, c in best]
-            print(
-                f"# sweep {shape.name}: " + "; ".join(f"{us:.1f}us {asdict(c)}" for us, c in best)
-            )
+            sweeps[shape.name] = best
         torch.cuda.empty_cache()
-    head = ["shape", "floor", "SDPA contig", "gather+SDPA", "kvscope", "GB/s", "% copy",
-            "% read", "again", "guard", "guard ovh", "fp8", "err", "err fp8"]  # fmt: skip
+    if sweeps:
+        names = list(next(iter(sweeps.values())))
+        print("| variant | " + " | ".join(sweeps) + " |")
+        print("|" + "---|" * (len(sweeps) + 1))
+        for n in names:
+            cells = [f"{sweeps[sh].get(n, float('nan')):.1f}" for sh in sweeps]
+            print(f"| {n} | " + " | ".join(cells) + " |")
+    head = ["shape", "floor", "SDPA contig", "gather+SDPA", "old", "kvscope", "GB/s", "% copy",
+            "% read", "again", "no hint", "guard", "guard ovh", "fp8", "old guard", "old fp8",
+            "err", "err fp8"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         gbs = r["kv_bytes"] / r["kvscope"] / 1e3
         cells = [
             r["shape"], f"{r['floor_us']:.0f}", f"{r['sdpa_contiguous']:.1f}",
-            f"{r['gather_sdpa']:.1f}", f"{r['kvscope']:.1f}", f"{gbs:.0f}",
+            f"{r['gather_sdpa']:.1f}", f"{r.get('old', float('nan')):.1f}",
+            f"{r['kvscope']:.1f}", f"{gbs:.0f}",
             f"{100 * gbs / copy_gbs:.0f}%", f"{100 * gbs / read_gbs:.0f}%", f"{r['kvscope_again']:.1f}",
-            f"{r['kvscope_guard']:.1f}", f"{100 * (r['kvscope_guard'] / r['kvscope'] - 1):+.1f}%",
-            f"{r['kvscope_fp8']:.1f}", f"{r['rel_err']:.1e}", f"{r['rel_err_fp8']:.1e}",
+            f"{r['kvscope_nohint']:.1f}", f"{r['kvscope_guard']:.1f}", f"{100 * (r['kvscope_guard'] / r['kvscope'] - 1):+.1f}%",
+            f"{r['kvscope_fp8']:.1f}", f"{r.get('old_guard', float('nan')):.1f}",
+            f"{r.get('old_fp8', float('nan')):.1f}", f"{r['rel_err']:.1e}",
+            f"{r['rel_err_fp8']:.1e}",
         ]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
     if args.json:

@@ -1,11 +1,16 @@
 """Paged attention decode: one new query token per sequence, split-K over the context.
 
-Each program owns (sequence, split, kv head) and every query head of that kv head's group
-(grouped-query attention). A split is a fixed number of whole blocks chosen on the device from
-the lengths, so a long sequence gets many splits and a ragged batch gets splits in proportion
-to each length; a small second kernel merges the splits' partial softmax states. In guard mode
-each split checks its block-table entries once up front; only a split holding a bad entry
-runs the per-token checked loop, so guard mode costs little on a clean pool.
+Each program owns (kv head, split, sequence) -- kv head fastest, so the programs running side by
+side read neighbouring 256-byte rows of the same physical blocks -- and every query head of that
+kv head's group (grouped-query attention, one `tl.dot` of [group padded to 16, D] x [D, TILE]).
+The host sizes the grid exactly from the batch's longest and total length (hints, or the block
+table's width), see `split.py`; each sequence takes as many equal splits of whole blocks as its
+length needs. Sequences with several splits are merged by the last of their programs to finish.
+
+Guard mode runs a small check kernel first (`_sanitize_kernel`): it checks every block-table
+entry the launch reads once per (sequence, logical block), records violations, and writes a
+scratch copy of the table with bad entries replaced by -1. The attention kernel then reads that
+copy and only masks `-1` entries: its inner loop is the unguarded one plus one compare.
 """
 
 from __future__ import annotations
@@ -18,42 +23,49 @@ import triton.language as tl
 
 from . import backend, reference
 from .common import KernelArgs, check_attention_inputs, guard_args
-from .split import _merge_kernel, _split_tokens, grid_splits
+from .split import _merge_group, _merge_kernel, _seq_splits, arrival_counters, plan_splits
 
 LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters; `chunk_blocks=0` lets the kernel pick the split size from seq_lens."""
+    """Launch parameters (`bench/bench_attention.py --sweep` varies them).
+
+    `chunk_blocks > 0` forces the split size; otherwise `plan_splits` picks it from
+    `ctas_per_sm` (programs per SM for a uniform batch), `ragged_waves` and `min_chunk_tokens`.
+    `tile` / `fp8_tile`: keys per loop step for 16-bit / fp8 caches (several blocks gathered).
+    """
 
     tile: int = 64
+    fp8_tile: int = 128
     chunk_blocks: int = 0
     num_warps: int = 4
     num_stages: int = 3
     ctas_per_sm: int = 4
     ragged_waves: int = 4
     min_chunk_tokens: int = 256
+    kvh_fast: bool = True
+    fused_merge: bool = True
+    fp8_f16: bool = True
 
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks, num_blocks,
+    q, m_i, l_i, acc, k_base, v_base, table, t0, end, max_blocks,
     qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
     TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_FP8: tl.constexpr, UPCAST: tl.constexpr, CHECK: tl.constexpr, HAS_STATE: tl.constexpr,
+    KV_FP8: tl.constexpr, UPCAST: tl.constexpr, GUARD: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over keys [t0, t0 + TILE); CHECK masks out bad blocks."""
+    """One online-softmax step over keys [t0, t0 + TILE); in guard mode -1 entries are masked."""
     toks = t0 + tl.arange(0, TILE)
     d = tl.arange(0, HEAD_DIM)
     ok = toks < end
     lb = toks // BLOCK_SIZE
     slot = toks % BLOCK_SIZE
     blk = tl.load(table + lb, mask=ok & (lb < max_blocks), other=-1)
-    if CHECK:
-        ok = ok & (blk >= 0) & (blk < num_blocks)
-        if HAS_STATE:
-            ok = ok & (tl.load(state_ptr + blk, mask=ok, other=0) != 0)
+    if GUARD:
+        ok = ok & (blk >= 0)
     row = blk.to(tl.int64)[:, None]
     k = tl.load(k_base + row * stride_kn + slot[:, None] * stride_ks + d[None, :],
                 mask=ok[:, None], other=0.0)  # fmt: skip
@@ -73,26 +85,32 @@ def _attend_tile(
 
 
 @triton.jit
-def _check_blocks(
-    table, state_ptr, errors_ptr, b, kvh, first_block, end_block, max_blocks, num_blocks,
-    error_capacity, CHECK_TILE: tl.constexpr, HAS_STATE: tl.constexpr,
+def _sanitize_kernel(
+    tables_ptr, lens_ptr, state_ptr, errors_ptr, clean_ptr,
+    max_blocks, num_blocks, error_capacity, stride_tb, stride_cb,
+    BLOCK_SIZE: tl.constexpr, CHECK_TILE: tl.constexpr, HAS_STATE: tl.constexpr,
     HAS_ERRORS: tl.constexpr,
 ):  # fmt: skip
-    """Check a split's block-table entries once; record violations; return how many."""
-    num_bad = 0
-    for e0 in range(first_block, end_block, CHECK_TILE):
+    """Guard mode: check each entry a sequence reads once; copy the table with bad ones -1."""
+    b = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    b64 = b.to(tl.int64)
+    need = tl.cdiv(tl.load(lens_ptr + b), BLOCK_SIZE)
+    table = tables_ptr + b64 * stride_tb
+    for e0 in range(part * CHECK_TILE, tl.maximum(need, max_blocks), parts * CHECK_TILE):
         lb = e0 + tl.arange(0, CHECK_TILE)
-        need = lb < end_block
-        blk = tl.load(table + lb, mask=need & (lb < max_blocks), other=-1)
+        in_table = lb < max_blocks
+        needed = lb < need
+        blk = tl.load(table + lb, mask=in_table, other=-1)
         in_range = (blk >= 0) & (blk < num_blocks)
         kind = tl.where(in_range, 0, 1)
         if HAS_STATE:
-            allocated = tl.load(state_ptr + blk, mask=need & in_range, other=1) != 0
+            allocated = tl.load(state_ptr + blk, mask=needed & in_range, other=1) != 0
             kind = tl.where(in_range & (allocated == 0), 2, kind)
-        bad = need & (kind != 0)
-        num_bad += tl.sum(bad.to(tl.int32), 0)
+        tl.store(clean_ptr + b64 * stride_cb + lb, tl.where(kind == 0, blk, -1), mask=in_table)
         if HAS_ERRORS:
-            rec = bad & ((lb * 0 + kvh) == 0)  # kv head 0 records for all
+            rec = needed & (kind != 0)
             idx = tl.atomic_add(errors_ptr + lb * 0, lb * 0 + 1, mask=rec)
             keep = rec & (idx < error_capacity)
             rec_ptr = errors_ptr + 2 + idx * 5
@@ -101,35 +119,34 @@ def _check_blocks(
             tl.store(rec_ptr + 2, blk, mask=keep)
             tl.store(rec_ptr + 3, lb * 0 - 1, mask=keep)
             tl.store(rec_ptr + 4, kind, mask=keep)
-    return num_bad
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
-    state_ptr, errors_ptr, k_scale_ptr, v_scale_ptr,
-    scale_log2, batch, kv_heads, num_blocks, max_blocks, error_capacity,
-    grid_splits, target_ctas, ragged_waves, min_chunk, forced_blocks,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr, sem_ptr,
+    k_scale_ptr, v_scale_ptr,
+    scale_log2, kv_heads, max_blocks, grid_splits, chunk,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_tb, stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
     TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LENS_PAD: tl.constexpr,
-    KV_FP8: tl.constexpr, GUARD: tl.constexpr, HAS_STATE: tl.constexpr,
-    HAS_ERRORS: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_PAD: tl.constexpr,
+    SPLIT_TILE: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr,
+    GUARD: tl.constexpr, UPCAST: tl.constexpr, KVH_FAST: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    if KVH_FAST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(2)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(2)
     split = tl.program_id(1)
-    kvh = tl.program_id(2)
-    chunk = _split_tokens(
-        lens_ptr, batch, kv_heads, max_blocks, grid_splits, target_ctas, ragged_waves,
-        min_chunk, forced_blocks, BLOCK_SIZE, LENS_PAD,
-    )  # fmt: skip
     seq_len = tl.load(lens_ptr + b)
-    num_splits = tl.maximum(tl.cdiv(seq_len, chunk), 1)
+    num_splits, piece = _seq_splits(seq_len, grid_splits, chunk, BLOCK_SIZE)
     if split >= num_splits:
         return
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start = split * piece
+    end = tl.minimum(start + piece, seq_len)
     b64 = b.to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -143,6 +160,9 @@ def _decode_kernel(
     if UPCAST:
         # the CPU interpreter multiplies bf16 as raw integers: do its dots in float32
         q = q.to(tl.float32)
+    elif KV_FP8 and FP8_F16:
+        # e4m3 -> fp16 is one hardware conversion per pair; -> bf16 is not
+        q = q.to(tl.float16)
     qk_scale = scale_log2
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -152,28 +172,12 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    num_bad = 0
-    if GUARD:
-        # entries are checked once per split, so clean splits run the unchecked loop
-        num_bad = _check_blocks(
-            table, state_ptr, errors_ptr, b, kvh, start // BLOCK_SIZE,
-            tl.cdiv(end, BLOCK_SIZE), max_blocks, num_blocks, error_capacity, 64,
-            HAS_STATE, HAS_ERRORS,
+    for t0 in range(start, end, TILE):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, table, t0, end, max_blocks,
+            qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
+            TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, GUARD,
         )  # fmt: skip
-    if num_bad == 0:
-        for t0 in range(start, end, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks,
-                num_blocks, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
-                TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, False, HAS_STATE,
-            )  # fmt: skip
-    else:
-        for t0 in range(start, end, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, k_base, v_base, table, state_ptr, t0, end, max_blocks,
-                num_blocks, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
-                TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, True, HAS_STATE,
-            )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     if num_splits == 1:
@@ -187,44 +191,85 @@ def _decode_kernel(
         ml = ml_ptr + (b64 * stride_ab + split.to(tl.int64) * stride_as) // HEAD_DIM * 2
         tl.store(ml + heads * 2, m_i, mask=gmask)
         tl.store(ml + heads * 2 + 1, l_i, mask=gmask)
+        if FUSED_MERGE:
+            # the last of the sequence's programs for this kv head merges; it resets the
+            # counter so the buffer is zero again for the next launch
+            tl.debug_barrier()
+            counter = sem_ptr + b64 * kv_heads + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == num_splits - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+                _merge_group(
+                    out_ptr, acc_ptr, ml_ptr, b64, kvh, num_splits,
+                    stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
+                    GROUP, MERGE_PAD, HEAD_DIM, SPLIT_TILE,
+                )  # fmt: skip
 
 
-def launch_decode(a: KernelArgs, out: torch.Tensor, cfg: DecodeConfig | None = None) -> None:
-    """Launch the decode kernel into `out` (a [batch, q_heads, head_dim] tensor)."""
+def launch_decode(
+    a: KernelArgs,
+    out: torch.Tensor,
+    cfg: DecodeConfig | None = None,
+    max_seq_len: int | None = None,
+    total_seq_len: int | None = None,
+) -> None:
+    """Launch the decode kernel(s) into `out` (a [batch, q_heads, head_dim] tensor).
+
+    `max_seq_len` / `total_seq_len`: host-side hints for the split plan (the longest and the
+    summed length); defaults: the block table's width and a uniform batch. A wrong hint is
+    never wrong, only slower: a sequence longer than `max_seq_len` takes larger splits.
+    """
     cfg = cfg or DecodeConfig()
     q, k, v = a.q, a.k_cache, a.v_cache
     batch, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
     max_blocks = a.block_tables.shape[1]
+    if max_seq_len is None:
+        max_seq_len = max_blocks * a.block_size
+    if total_seq_len is None:
+        total_seq_len = batch * max_seq_len
     sms = backend.num_sms(q.device)
-    splits = grid_splits(batch, kv_heads, max_blocks, a.block_size, cfg, sms)
-    acc = torch.empty(batch, splits, q_heads, head_dim, device=q.device, dtype=torch.float32)
-    ml = torch.empty(batch, splits, q_heads, 2, device=q.device, dtype=torch.float32)
+    splits, chunk = plan_splits(batch, kv_heads, max_seq_len, total_seq_len, a.block_size, cfg, sms)
     g = guard_args(a)
-    chunk_args = (
-        batch, kv_heads, max_blocks, splits, cfg.ctas_per_sm * sms, cfg.ragged_waves,
-        cfg.min_chunk_tokens, cfg.chunk_blocks,
-    )  # fmt: skip
-    lens_pad = triton.next_power_of_2(batch)
-    _decode_kernel[(batch, splits, kv_heads)](
-        q, k, v, a.block_tables, a.seq_lens, out, acc, ml,
-        g.state, g.errors, g.k_scale, g.v_scale,
-        a.scale * LOG2E, batch, kv_heads, k.shape[0], max_blocks, g.capacity, *chunk_args[3:],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), a.block_tables.stride(0),
-        out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        TILE=cfg.tile, BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), LENS_PAD=lens_pad,
-        KV_FP8=g.fp8, GUARD=g.guard, HAS_STATE=g.has_state, HAS_ERRORS=g.has_errors,
-        UPCAST=backend.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    tables = a.block_tables
+    if g.guard:
+        tables = torch.empty((batch, max_blocks), dtype=torch.int32, device=q.device)
+        check_tile = min(1024, triton.next_power_of_2(max(max_blocks, 16)))
+        _sanitize_kernel[(batch, triton.cdiv(max_blocks, check_tile))](
+            a.block_tables, a.seq_lens, g.state, g.errors, tables,
+            max_blocks, k.shape[0], g.capacity, a.block_tables.stride(0), tables.stride(0),
+            BLOCK_SIZE=a.block_size, CHECK_TILE=check_tile, HAS_STATE=g.has_state,
+            HAS_ERRORS=g.has_errors, num_warps=4,
+        )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(batch, q_heads)](
-            a.seq_lens, out, acc, ml, *chunk_args,
+        acc = torch.empty(batch, splits, q_heads, head_dim, device=q.device, dtype=torch.float32)
+        ml = torch.empty(batch, splits, q_heads, 2, device=q.device, dtype=torch.float32)
+    else:  # never written: every sequence has one split
+        acc = ml = out
+    fused = cfg.fused_merge and splits > 1
+    sem = arrival_counters(q.device, batch * kv_heads) if fused else a.seq_lens
+    grid = (kv_heads, splits, batch) if cfg.kvh_fast else (batch, splits, kv_heads)
+    merge_pad = triton.next_power_of_2(group)
+    tile = cfg.fp8_tile if g.fp8 else cfg.tile
+    _decode_kernel[grid](
+        q, k, v, tables, a.seq_lens, out, acc, ml, sem, g.k_scale, g.v_scale,
+        a.scale * LOG2E, kv_heads, max_blocks, splits, chunk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        TILE=tile, BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), MERGE_PAD=merge_pad,
+        SPLIT_TILE=16, KV_FP8=g.fp8, FP8_F16=cfg.fp8_f16, GUARD=g.guard,
+        UPCAST=backend.interpreting(), KVH_FAST=cfg.kvh_fast, FUSED_MERGE=fused,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1 and not fused:
+        _merge_kernel[(batch, kv_heads)](
+            a.seq_lens, out, acc, ml, splits, chunk,
             out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-            BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim, LENS_PAD=lens_pad, SPLIT_TILE=16,
-            num_warps=4,
+            BLOCK_SIZE=a.block_size, GROUP=group, MERGE_PAD=merge_pad, HEAD_DIM=head_dim,
+            SPLIT_TILE=16, num_warps=4,
         )  # fmt: skip
 
 
@@ -241,8 +286,14 @@ def paged_decode(
     v_scale: float | torch.Tensor | None = None,
     block_state: torch.Tensor | None = None,
     errors: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    total_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged K/V: [batch, q_heads, head_dim]."""
+    """Attention of one query token per sequence over its paged K/V: [batch, q_heads, head_dim].
+
+    `max_seq_len` / `total_seq_len` (optional, host ints): the batch's longest and summed
+    length, when the caller knows them; they only shape the launch (see `launch_decode`).
+    """
     if not backend.use_triton(q):
         return reference.paged_decode_ref(
             q, k_cache, v_cache, block_tables, seq_lens, scale, block_size,
@@ -254,5 +305,5 @@ def paged_decode(
     )  # fmt: skip
     assert q.dim() == 3 and block_tables.shape[0] == q.shape[0] == seq_lens.shape[0]
     out = torch.empty_like(q)
-    launch_decode(a, out)
+    launch_decode(a, out, max_seq_len=max_seq_len, total_seq_len=total_seq_len)
     return out

@@ -1,94 +1,139 @@
-"""Split-K plumbing for decode: the split size chosen on the device, and the merge kernel.
+"""Split-K plumbing for decode: the split plan (host), per-sequence splits (device), merging.
 
-The split size comes from `seq_lens` on the device (no host sync, so launches can be captured
-in CUDA graphs): uniform batches get about one wave of programs, ragged ones several waves of
-smaller splits so the longest sequences leave no tail. The grid's split axis is sized on the
-host for the smallest split allowed; programs past a sequence's last split exit at once.
+The host picks two numbers from what it knows without a device sync -- the batch, the longest
+length (`max_seq_len`, default the block table's width) and the total length
+(`total_seq_len`, default batch x longest, i.e. a uniform batch) -- and sizes the grid exactly:
+
+- `grid_splits` S: programs per (sequence, kv head) on the grid's split axis;
+- `chunk` C: tokens per split for the longest sequence.
+
+On the device each sequence takes `n = min(S, ceil(len / C))` splits of whole blocks of equal
+size (`_seq_splits`); programs past `n` exit after one scalar load. A uniform batch therefore
+launches no idle programs; a ragged one gets ~1k-token splits so the longest sequences leave
+no tail. The partial softmax states of a sequence with n > 1 are merged by the last of its
+programs to finish (a per-(sequence, kv head) arrival counter that the merging program resets
+to zero, so the buffer stays zeroed between launches and CUDA graphs can replay it), or by the
+separate `_merge_kernel` when `DecodeConfig.fused_merge` is off.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _split_tokens(
-    lens_ptr, batch, kv_heads, max_blocks, grid_splits, target_ctas, ragged_waves,
-    min_chunk, forced_blocks, BLOCK_SIZE: tl.constexpr, LENS_PAD: tl.constexpr,
-):  # fmt: skip
-    """Tokens per split, from the lengths on the device (no host sync, graph-safe).
+def _seq_splits(seq_len, grid_splits, chunk, BLOCK_SIZE: tl.constexpr):
+    """(splits, tokens per split) of one sequence: at most grid_splits, whole blocks."""
+    n = tl.minimum(tl.maximum(tl.cdiv(seq_len, chunk), 1), grid_splits)
+    piece = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n), BLOCK_SIZE), 1) * BLOCK_SIZE
+    n = tl.maximum(tl.cdiv(seq_len, piece), 1)
+    return n, piece
 
-    Uniform batches get about `target_ctas` programs in one wave; ragged ones `ragged_waves`
-    times more, smaller, so the longest sequences do not leave a tail. Always whole blocks.
-    """
-    if forced_blocks > 0:
-        blocks = forced_blocks
-    else:
-        i = tl.arange(0, LENS_PAD)
-        lens = tl.load(lens_ptr + i, mask=i < batch, other=0)
-        total = tl.sum(lens, 0)
-        longest = tl.max(lens, 0)
-        waves = tl.where(longest * batch == total, 1, ragged_waves)
-        per_cta = tl.maximum(tl.cdiv(total * kv_heads, target_ctas * waves), min_chunk)
-        # split the longest sequence evenly into the nearest whole number of pieces
-        pieces = tl.maximum((longest + per_cta // 2) // per_cta, 1)
-        blocks = tl.cdiv(tl.cdiv(longest, pieces), BLOCK_SIZE)
-    return tl.maximum(blocks, tl.cdiv(max_blocks, grid_splits)) * BLOCK_SIZE
+
+@triton.jit
+def _merge_group(
+    out_ptr, acc_ptr, ml_ptr, b64, kvh, num_splits,
+    stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
+    GROUP: tl.constexpr, MERGE_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,
+):  # fmt: skip
+    """Merge the partial (acc, max, sum) of `num_splits` splits for one kv head's q heads."""
+    s = tl.arange(0, SPLIT_TILE)
+    g = tl.arange(0, MERGE_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    gm = g < GROUP
+    heads = kvh * GROUP + g
+    base = acc_ptr + b64 * stride_ab
+    ml_base = ml_ptr + (b64 * stride_ab) // HEAD_DIM * 2
+    ml_stride = stride_as // HEAD_DIM * 2
+    m_run = tl.full([MERGE_PAD], -1.0e30, tl.float32)
+    l_run = tl.zeros([MERGE_PAD], tl.float32)
+    acc = tl.zeros([MERGE_PAD, HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_TILE):
+        rows = (s0 + s).to(tl.int64)
+        msk = (rows < num_splits)[:, None] & gm[None, :]
+        ml_off = ml_base + rows[:, None] * ml_stride + heads[None, :] * 2
+        m = tl.load(ml_off, mask=msk, other=-1.0e30, cache_modifier=".cg")
+        l_s = tl.load(ml_off + 1, mask=msk, other=0.0, cache_modifier=".cg")
+        a = tl.load(
+            base + rows[:, None, None] * stride_as + heads[None, :, None] * stride_ah
+            + d[None, None, :],
+            mask=msk[:, :, None], other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new[None, :])
+        l_run = l_run * alpha + tl.sum(w * l_s, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a, 0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(
+        out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=gm[:, None],
+    )
 
 
 @triton.jit
 def _merge_kernel(
-    lens_ptr, out_ptr, acc_ptr, ml_ptr, batch, kv_heads, max_blocks, grid_splits,
-    target_ctas, ragged_waves, min_chunk, forced_blocks,
+    lens_ptr, out_ptr, acc_ptr, ml_ptr, grid_splits, chunk,
     stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, LENS_PAD: tl.constexpr,
-    SPLIT_TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, MERGE_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):  # fmt: skip
+    """Separate merge launch (one program per sequence and kv head)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    chunk = _split_tokens(
-        lens_ptr, batch, kv_heads, max_blocks, grid_splits, target_ctas, ragged_waves,
-        min_chunk, forced_blocks, BLOCK_SIZE, LENS_PAD,
-    )  # fmt: skip
-    num_splits = tl.cdiv(tl.load(lens_ptr + b), chunk)
-    if num_splits <= 1:
-        return
-    b64 = b.to(tl.int64)
-    s = tl.arange(0, SPLIT_TILE)
-    d = tl.arange(0, HEAD_DIM)
-    part = acc_ptr + b64 * stride_ab + h * stride_ah
-    ml = ml_ptr + (b64 * stride_ab) // HEAD_DIM * 2 + h * 2
-    ml_stride = stride_as // HEAD_DIM * 2
-    m_max = tl.full([SPLIT_TILE], -1.0e30, tl.float32)
-    for s0 in range(0, num_splits, SPLIT_TILE):
-        rows = (s0 + s).to(tl.int64)
-        m_s = tl.load(ml + rows * ml_stride, mask=rows < num_splits, other=-1.0e30)
-        m_max = tl.maximum(m_max, m_s)
-    m_all = tl.max(m_max, 0)
-    l_all = tl.zeros([SPLIT_TILE], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, SPLIT_TILE):
-        rows = (s0 + s).to(tl.int64)
-        sm = rows < num_splits
-        m_s = tl.load(ml + rows * ml_stride, mask=sm, other=-1.0e30)
-        l_s = tl.load(ml + rows * ml_stride + 1, mask=sm, other=0.0)
-        w = tl.where(sm, tl.exp2(m_s - m_all), 0.0)
-        l_all += w * l_s
-        a = tl.load(part + rows[:, None] * stride_as + d[None, :], mask=sm[:, None], other=0.0)
-        acc += tl.sum(a * w[:, None], 0)
-    l_tot = tl.sum(l_all, 0)
-    out = acc / tl.where(l_tot > 0, l_tot, 1.0)
-    tl.store(out_ptr + b64 * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    kvh = tl.program_id(1)
+    num_splits, _ = _seq_splits(tl.load(lens_ptr + b), grid_splits, chunk, BLOCK_SIZE)
+    if num_splits > 1:
+        _merge_group(
+            out_ptr, acc_ptr, ml_ptr, b.to(tl.int64), kvh, num_splits,
+            stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
+            GROUP, MERGE_PAD, HEAD_DIM, SPLIT_TILE,
+        )  # fmt: skip
 
 
-def grid_splits(batch: int, kv_heads: int, max_blocks: int, block_size: int, cfg, sms: int) -> int:
-    """Programs along the split axis: enough for the smallest split the kernel may choose."""
+def plan_splits(
+    batch: int, kv_heads: int, max_len: int, total_len: int, block_size: int, cfg, sms: int
+) -> tuple[int, int]:
+    """(grid splits S, tokens per split C) for the longest sequence, chosen on the host."""
+    max_len = max(int(max_len), 1)
     if cfg.chunk_blocks:
-        return max(1, math.ceil(max_blocks / cfg.chunk_blocks))
-    most = cfg.ctas_per_sm * sms * cfg.ragged_waves
-    by_load = math.ceil(most / (batch * kv_heads))
-    by_size = math.ceil(max_blocks * block_size / cfg.min_chunk_tokens)
-    return max(1, min(by_load, by_size, max_blocks))
+        chunk = cfg.chunk_blocks * block_size
+        return max(1, math.ceil(max_len / chunk)), chunk
+    target = cfg.ctas_per_sm * sms
+    if total_len >= batch * max_len:
+        # uniform: about one wave of equal programs
+        pieces = max(1, round(target / (batch * kv_heads)))
+    else:
+        # ragged: ragged_waves waves of smaller splits, so the longest leave no tail
+        per_cta = math.ceil(total_len * kv_heads / (target * cfg.ragged_waves))
+        pieces = max(1, round(max_len / max(per_cta, 1)))
+    pieces = max(1, min(pieces, math.ceil(max_len / cfg.min_chunk_tokens)))
+    chunk = math.ceil(math.ceil(max_len / pieces) / block_size) * block_size
+    return max(1, math.ceil(max_len / chunk)), chunk
+
+
+_SEMAPHORES: dict[tuple, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, kept per device and stream.
+
+    Each launch leaves them zero again (the merging program resets its counter), so they are
+    allocated once, outside any CUDA graph capture, and reused; launches on one stream never
+    overlap. A buffer first needed during a capture is made for that call only.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _SEMAPHORES.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            _SEMAPHORES[key] = buf
+    return buf

@@ -16,6 +16,8 @@ from kvscope.kernels import (
     paged_prefill,
     store_kv,
 )
+from kvscope.kernels.common import check_attention_inputs
+from kvscope.kernels.decode import DecodeConfig, launch_decode
 
 from tests.kernels_cases import (
     TRITON_TARGETS,
@@ -92,6 +94,24 @@ def test_decode_records_and_skips_each_planted_violation(monkeypatch, backend):
         block_state=state, errors=errors,
     )  # fmt: skip
     # THEN each violation is recorded once and the output is attention over the good blocks
+    assert as_set(errors) == expected and num_errors(errors) == 3
+    assert rel_err(out, truth_without(case, pool, q, bad)) < 1e-2
+
+
+@pytest.mark.parametrize("device", TRITON_TARGETS)
+@pytest.mark.parametrize("chunk_blocks", [1, 2], ids=["split1", "split2"])
+def test_decode_guard_with_splits_skips_each_planted_violation(monkeypatch, device, chunk_blocks):
+    # GIVEN the planted violations and splits of one or two blocks (merged across splits)
+    case, pool, tables, state, expected, bad = planted_case(device)
+    q = torch.randn(3, 4, 16, device=device, dtype=torch.bfloat16)
+    errors = new_error_buffer(device=device)
+    use_triton_on(monkeypatch, device)
+    a = check_attention_inputs(
+        q, pool[0, 0], pool[0, 1], tables, case.seq_lens, None, 8, None, None, state, errors
+    )
+    out = torch.full_like(q, float("nan"))
+    launch_decode(a, out, DecodeConfig(tile=16, chunk_blocks=chunk_blocks))
+    # THEN each violation is recorded once (not once per kv head or split) and skipped
     assert as_set(errors) == expected and num_errors(errors) == 3
     assert rel_err(out, truth_without(case, pool, q, bad)) < 1e-2
 

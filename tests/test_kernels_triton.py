@@ -18,6 +18,7 @@ from kvscope.kernels import (
 )
 from kvscope.kernels.common import check_attention_inputs
 from kvscope.kernels.decode import DecodeConfig, launch_decode
+from kvscope.kernels.split import arrival_counters, plan_splits
 
 from tests.kernels_cases import TRITON_TARGETS, make_case, rel_err, use_triton_on
 
@@ -50,7 +51,10 @@ def test_decode_matches_reference(
 
 @pytest.mark.parametrize("device", TRITON_TARGETS)
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 1000], ids=["split1", "split3", "nosplit"])
-def test_decode_split_sizes_agree(monkeypatch, device, chunk_blocks):
+@pytest.mark.parametrize(
+    ("fused", "kvh_fast"), [(True, True), (False, False)], ids=["fused-kvhfast", "merge-kernel"]
+)
+def test_decode_split_sizes_agree(monkeypatch, device, chunk_blocks, fused, kvh_fast):
     # GIVEN ragged lengths and splits of 1 block, 3 blocks, or the whole context
     case = make_case([1, 15, 17, 100], 8, 2, 16, BF16, device)
     q = torch.randn(4, 4, 16, device=device, dtype=BF16)
@@ -60,14 +64,60 @@ def test_decode_split_sizes_agree(monkeypatch, device, chunk_blocks):
         q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None, None,
         None, None, None, None,
     )  # fmt: skip
-    out = torch.full_like(q, float("nan"))
-    launch_decode(a, out, DecodeConfig(tile=16, chunk_blocks=chunk_blocks))
-    # THEN every split size gives the same attention, and every element is written
-    assert rel_err(out, want) < 1e-2
+    cfg = DecodeConfig(tile=16, chunk_blocks=chunk_blocks, fused_merge=fused, kvh_fast=kvh_fast)
+    for _ in range(2):  # the fused merge's counters must be back at zero for the second launch
+        out = torch.full_like(q, float("nan"))
+        launch_decode(a, out, cfg)
+        # THEN every split size gives the same attention, and every element is written
+        assert rel_err(out, want) < 1e-2
+    assert int(arrival_counters(q.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("device", TRITON_TARGETS)
-def test_decode_fp8_cache_matches_reference(monkeypatch, device):
+@pytest.mark.parametrize(
+    ("max_len", "total"),
+    [(None, None), (40, None), (100, 133), (8, 8)],
+    ids=["no-hint", "max-too-small", "ragged-hint", "both-too-small"],
+)
+def test_decode_length_hints_never_change_the_result(monkeypatch, device, max_len, total):
+    # GIVEN a ragged batch, a small split plan target, and right or wrong host hints
+    case = make_case([3, 100, 17, 64], 8, 2, 16, BF16, device)
+    q = torch.randn(4, 4, 16, device=device, dtype=BF16)
+    want = paged_decode_ref(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    use_triton_on(monkeypatch, device)
+    a = check_attention_inputs(
+        q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None, None,
+        None, None, None, None,
+    )  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    cfg = DecodeConfig(tile=16, ctas_per_sm=2, min_chunk_tokens=16)
+    launch_decode(a, out, cfg, max_seq_len=max_len, total_seq_len=total)
+    # THEN a hint only shapes the launch: a too-small one means larger splits, not lost keys
+    assert rel_err(out, want) < 1e-2
+    got = paged_decode(
+        q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+        max_seq_len=max_len, total_seq_len=total,
+    )  # fmt: skip
+    assert rel_err(got, want) < 1e-2
+
+
+def test_split_plan_sizes_the_grid_exactly():
+    cfg = DecodeConfig()
+    # uniform batches: about one wave of ctas_per_sm x 132 programs, no idle ones
+    assert plan_splits(64, 8, 4096, 64 * 4096, 16, cfg, 132) == (1, 4096)
+    assert plan_splits(16, 8, 4096, 16 * 4096, 16, cfg, 132) == (4, 1024)
+    splits, chunk = plan_splits(1, 8, 32768, 32768, 16, cfg, 132)
+    assert 60 <= splits <= 70 and chunk % 16 == 0 and splits * chunk >= 32768
+    # ragged: ~1k-token splits so the longest sequences leave no tail
+    splits, chunk = plan_splits(64, 8, 8192, 64 * 4160, 16, cfg, 132)
+    assert chunk == 1024 and splits == 8
+    assert plan_splits(3, 2, 100, 150, 8, DecodeConfig(chunk_blocks=3), 8) == (5, 24)
+
+
+@pytest.mark.parametrize("device", TRITON_TARGETS)
+@pytest.mark.parametrize("f16", [True, False], ids=["fp16-dots", "bf16-dots"])
+@pytest.mark.parametrize("chunk_blocks", [0, 1], ids=["auto", "split1"])
+def test_decode_fp8_cache_matches_reference(monkeypatch, device, f16, chunk_blocks):
     case = make_case([3, 40, 19], 16, 2, 32, device=device, fp8=True)
     q = torch.randn(3, 4, 32, device=device, dtype=BF16)
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
@@ -75,6 +125,10 @@ def test_decode_fp8_cache_matches_reference(monkeypatch, device):
     want = paged_decode_ref(*args, **scales)
     use_triton_on(monkeypatch, device)
     assert rel_err(paged_decode(*args, **scales), want) < 1e-2
+    a = check_attention_inputs(*args, None, None, scales["k_scale"], scales["v_scale"], None, None)
+    out = torch.full_like(q, float("nan"))
+    launch_decode(a, out, DecodeConfig(fp8_f16=f16, fp8_tile=32, chunk_blocks=chunk_blocks))
+    assert rel_err(out, want) < 1e-2
 
 
 @pytest.mark.gpu
@@ -88,6 +142,49 @@ def test_decode_head_dims_on_cuda(monkeypatch, dim, dtype):
     want = paged_decode_ref(*args)
     use_triton_on(monkeypatch, "cuda")
     assert rel_err(paged_decode(*args), want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
+def test_decode_graph_replays_with_many_splits(monkeypatch, guard):
+    # GIVEN a 32k sequence (~64 splits merged by the last program) beside short ones,
+    # captured once in a CUDA graph
+    case = make_case([32768, 5, 4000, 0], 16, 8, 128, BF16, "cuda")
+    q = torch.randn(4, 32, 128, device="cuda", dtype=BF16)
+    extra = {}
+    if guard:
+        extra = {
+            "block_state": torch.ones(case.num_blocks, dtype=torch.uint8, device="cuda"),
+            "errors": torch.zeros(2 + 5 * 16, dtype=torch.int32, device="cuda"),
+        }
+        extra["errors"][1] = 16
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    use_triton_on(monkeypatch, "cuda")
+    hints = {"max_seq_len": 32768, "total_seq_len": 36773}
+
+    def run():
+        return paged_decode(*args, **hints, **extra)
+
+    run()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    # WHEN replayed with fresh queries
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        # THEN each replay is right and every element written
+        assert rel_err(out, paged_decode_ref(*args)) < 1e-2
+    if guard:
+        assert int(extra["errors"][0]) == 0
 
 
 # lens, new tokens, block_size, q_heads, kv_heads, dtype
