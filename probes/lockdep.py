@@ -25,7 +25,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 from typing import Any, NamedTuple
 
 import kvscope.allocator
@@ -63,9 +63,14 @@ def lock_class(name: str) -> str:
     return "index" if name.startswith("index.") else name
 
 
+def class_name(text: str) -> str:
+    """A lock class name as the segment stores it (16 bytes)."""
+    return text.encode()[:CLASS_BYTES].decode(errors="ignore")
+
+
 def call_site() -> str:
     """`file:line function` of the innermost frame outside kvscope (the caller's code)."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None and (
         f.f_code.co_filename.startswith(_OWN_DIRS) or f.f_code.co_filename.endswith(_GLUE)
     ):
@@ -86,9 +91,9 @@ def find_path(edges: list[Edge], src: str, dst: str) -> list[Edge]:
         node = todo.popleft()
         if node == dst:
             path: list[Edge] = []
-            while (e := came[node]) is not None:
-                path.append(e)
-                node = e.src
+            while (step := came[node]) is not None:
+                path.append(step)
+                node = step.src
             return path[::-1]
         for e in out.get(node, ()):
             if e.dst not in came:
@@ -119,36 +124,32 @@ class LocalGraph:
 
     shared = False
 
-    def __init__(self, report: Callable[[Finding], None]):
+    def __init__(self, notify: Callable[[Finding], None]):
         self._edges: list[Edge] = []
         self._lock = threading.Lock()
-        self._report = report
+        # Findings have no ring to go to here: writing is a no-op, reporting is notifying.
+        self.notify = self.report = notify
         self.known: set[tuple[str, str]] = set()
 
-    @contextmanager
-    def locked(self) -> Iterator[None]:
+    def usable(self) -> bool:
+        """Always: the graph lives in this process."""
+        return True
+
+    def locked(self) -> threading.Lock:
         """Exclusive access to the edges."""
-        with self._lock:
-            yield
+        return self._lock
 
     def edges(self) -> list[Edge]:
         """Every edge, oldest first."""
         return list(self._edges)
 
-    def add(self, e: Edge) -> None:
+    def add(self, e: Edge) -> bool:
         """Add an edge (caller holds `locked`)."""
         self._edges.append(e)
+        return True
 
     def write(self, f: Finding) -> None:
-        """Nothing to write in a local graph: `notify` hands the finding over."""
-
-    def notify(self, f: Finding) -> None:
-        """Hand a finding to the callback."""
-        self._report(f)
-
-    def report(self, f: Finding) -> None:
-        """Report a finding."""
-        self.notify(f)
+        """Nothing to write: `notify` hands the finding over."""
 
 
 class SegmentGraph:
@@ -161,6 +162,10 @@ class SegmentGraph:
         self.table = pool.locks
         self.findings_lock = pool.locks.index("findings")
         self.known: set[tuple[str, str]] = set()
+
+    def usable(self) -> bool:
+        """False once the pool is closed, or in a forked child of the process that opened it."""
+        return not self.pool._closed and self.pool.pid == os.getpid()
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -235,7 +240,7 @@ class Held:
 class ThreadState:
     """A thread's held-lock stack."""
 
-    __slots__ = ("stack", "busy", "ident", "native_id")
+    __slots__ = ("stack", "busy", "ident", "native_id", "__weakref__")
 
     def __init__(self) -> None:
         self.stack: list[Held] = []
@@ -251,7 +256,8 @@ class LockDep:
         self.enabled = False
         self.on_finding = on_finding
         self.local = LocalGraph(self._local_report)
-        self.threads: dict[int, ThreadState] = {}
+        # A thread's state goes when the thread does (its threading.local holds the only ref).
+        self.threads: weakref.WeakValueDictionary[int, ThreadState] = weakref.WeakValueDictionary()
         self._tls = threading.local()
         self._graphs: dict[int, SegmentGraph] = {}
         self._hooks: dict[int, tuple[Any, ...]] = {}
@@ -261,7 +267,7 @@ class LockDep:
     def _after_fork(self) -> None:
         # The child runs only the forking thread; the other threads' stacks stay in the parent.
         st = getattr(self._tls, "s", None)
-        self.threads = {st.ident: st} if st is not None else {}
+        self.threads = weakref.WeakValueDictionary({st.ident: st} if st is not None else {})
 
     def _local_report(self, f: Finding) -> None:
         if self.on_finding is not None:
@@ -312,11 +318,11 @@ class LockDep:
     def graph_for(self, pool: Any | None) -> LocalGraph | SegmentGraph:
         """The graph edges into a lock of `pool` go to (the first pool's, or the local one)."""
         if pool is None:
-            return next(iter(self._graphs.values()), self.local)
+            return next((g for g in self._graphs.values() if g.usable()), self.local)
         g = self._graphs.get(id(pool))
         if g is None:
             g = self._graphs[id(pool)] = SegmentGraph(pool)
-        return g
+        return g if g.usable() else self.local
 
     def state(self) -> ThreadState:
         """This thread's held-lock stack (created on first use)."""
@@ -377,6 +383,8 @@ class LockDep:
                 if h.stale():
                     st.stack.remove(h)
                     continue
+                if not g.usable():
+                    continue
                 try:
                     with g.locked():
                         edges = g.edges()
@@ -403,7 +411,7 @@ class TracedLock:
 
     def __init__(self, name: str, pool: Any | None = None, lockdep: LockDep | None = None):
         self.name = name
-        self.cls = f"user:{name}"
+        self.cls = class_name(f"user:{name}")
         self.pool = pool
         self._lock = threading.Lock()
         self._lockdep = lockdep if lockdep is not None else LOCKDEP
@@ -442,8 +450,13 @@ LOCKDEP = LockDep()
 
 
 def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
-    """Instrument `pool` (and start its watchdog) when KVSCOPE_LOCKDEP=1; None when off."""
-    if env.get(ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+    """Instrument `pool` and start its watchdog when lockdep is on; None when off.
+
+    On when KVSCOPE_LOCKDEP is 1, off when it is 0; unset, the pool's own `lockdep` flag decides.
+    """
+    value = env.get(ENV)
+    on = value.strip().lower() in ("1", "true", "yes", "on") if value else pool.config.lockdep
+    if not on:
         return None
     from kvscope.probes.watchdog import Watchdog
 

@@ -66,7 +66,8 @@ class Watchdog:
         lockdep: LockDep | None = None,
     ):
         assert pool is not None or lockdep is not None, "watch a pool, a LockDep, or both"
-        self.pool, self.lockdep = pool, lockdep
+        self.pool: Any = pool
+        self.lockdep: Any = lockdep
         self.graph = SegmentGraph(pool) if pool is not None else None
         self.threshold_ns = int(threshold_s * 1e9)
         self.interval_s = interval_s if interval_s is not None else min(threshold_s / 2, 1.0)
