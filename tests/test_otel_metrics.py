@@ -253,3 +253,24 @@ def test_uninstrument_restores_everything(otel, make_pool):
     # AND an uninstrumented pool records nothing more
     pool.free(pool.allocate("x", [1, 2, 3]))
     assert "kvscope.pool.operation.duration" not in otel.metrics()
+
+
+def test_every_exported_metric_is_documented(otel, make_pool):
+    from pathlib import Path
+
+    from kvscope.probes.nvml import GpuMetrics
+
+    from tests.test_otel_nvml import FakeNvml, collect
+
+    # GIVEN every metric this process and the fake GPU export after a run with a finding
+    otel.instrument(collect=True)
+    pool = make_pool(16, block_size=BS)
+    pool.free(pool.allocate("r", list(range(9))))
+    pool.report(Finding("leak_orphan", "orphan", block=1))
+    names = set(otel.metrics()) | set(collect(GpuMetrics(nvml=FakeNvml())))
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "METRICS.md").read_text()
+    # THEN docs/METRICS.md has a table row for each, with its unit
+    rows = {line.split("|")[1].strip(" `"): line for line in doc.splitlines() if line.startswith("| `")}
+    assert names - set(rows) == set()
+    for spec in POOL_METRICS:
+        assert f"| `{spec.unit}` |" in rows[spec.name], spec.name
