@@ -288,11 +288,11 @@ class Layout:
 
     @property
     def index_capacity(self) -> int:
-        """Prefix-index slots: a power of two at least twice the block count."""
+        """Prefix-index slots: a power of two at least 4x the blocks, 64 per shard at least."""
         cap = 1
-        while cap < 2 * self.num_blocks:
+        while cap < 4 * self.num_blocks:
             cap *= 2
-        return max(cap, 2 * self.num_shards)
+        return max(cap, 64 * self.num_shards)
 
     @property
     def block(self) -> np.dtype:

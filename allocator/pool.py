@@ -261,15 +261,19 @@ class KVPool:
 
                     recover_dead_holders(self)
 
-    def _count(self, field: str, n: int = 1) -> None:
-        self.counters[field][0] += n
+    def _count(self, t: Txn, field: str, n: int = 1) -> None:
+        """Add to a counter when (and only if) the transaction commits."""
+        if n:
+            t.after_commit.append(lambda: self.counters[field].__setitem__(0, self.counters[field][0] + n))
 
     def _site(self) -> int:
         return self.site_of() if self.site_of is not None else -1
 
     # -- taking blocks -------------------------------------------------------------------------
 
-    def _take(self, t: Txn, n: int, request: bytes, exclude: int = -1) -> np.ndarray:
+    def _take(
+        self, t: Txn, n: int, request: bytes, exclude: int = -1, site: int = -1
+    ) -> np.ndarray:
         """n fresh ALLOCATED blocks owned by this client: local cache, ring, eviction, preemption."""
         got = [self.store.local_pop(t, n)]
         short = n - len(got[0])
@@ -281,24 +285,25 @@ class KVPool:
                 self.store.refill(t, self.pid, self.start)
         if short > 0:
             t.need(self.SEQS, self.FREE, *self.SHARDS)
-            got.append(self.store.evict(t, short))
-            evicted = len(got[-1])
-            short -= evicted
-            if evicted:
-                self._count("num_evictions", evicted)
+            evicted = self.store.evict(t, short)
+            got.append(evicted)
+            short -= len(evicted)
+            self._count(t, "num_evictions", len(evicted))
+            # Preempted blocks land in the local cache, the ring, or stay cached (indexed).
             while short > 0 and self._preempt_one(t, exclude):
-                ring = self.store.ring_pop(t, short)
-                got.append(ring)
-                short -= len(ring)
-                if short > 0:
-                    ev = self.store.evict(t, short)
-                    got.append(ev)
-                    short -= len(ev)
+                for source in (self.store.local_pop, self.store.ring_pop, self.store.evict):
+                    more = source(t, short)
+                    got.append(more)
+                    short -= len(more)
+                    if source == self.store.evict:
+                        self._count(t, "num_evictions", len(more))
+                    if short == 0:
+                        break
         if short > 0:
             raise self._exhausted(n)
         ids = np.concatenate(got) if len(got) > 1 else got[0]
-        self._count("num_allocs", len(ids))
-        self.store.stamp(t, ids, self.pid, self.start, request, self._site())
+        self._count(t, "num_allocs", len(ids))
+        self.store.stamp(t, ids, self.pid, self.start, request, site)
         return ids
 
     def _preempt_one(self, t: Txn, exclude: int) -> bool:
@@ -316,7 +321,7 @@ class KVPool:
         seq = min(waiting, key=lambda s: s.seq_id)
         self._release_blocks(t, seq, 0)
         self.view.seqs["state"][seq.slot] = SeqState.PREEMPTED
-        self._count("num_preemptions")
+        self._count(t, "num_preemptions")
 
         def done() -> None:
             seq.block_table = []
@@ -390,8 +395,8 @@ class KVPool:
             self._fill(table, len(hits) * bs, tokens[len(hits) * bs : first * bs])
             self._set_hashes(new, len(hits), chain, keys)
             self.view.seqs["num_tokens"][slot] = min(len(tokens), first * bs)
-            self._count("prefix_queries", max_hits)
-            self._count("prefix_hits", len(hits))
+            self._count(t, "prefix_queries", max_hits)
+            self._count(t, "prefix_hits", len(hits))
             return Sequence(
                 request_id=str(request_id),
                 tokens=tokens[: first * bs],
@@ -513,7 +518,7 @@ class KVPool:
                 self.store.seal(np.array([dst]))
                 table[-1] = dst
                 copies.append((src, dst))
-                self._count("num_cow")
+                self._count(t, "num_cow")
             if need_blocks > 0:
                 new = self._take(t, need_blocks, rb, seq.slot)
                 self.seqtab.write_blocks(t, seq.slot, len(table), new.tolist())
@@ -594,7 +599,7 @@ class KVPool:
                 self.store.seal(ids)
             self.seqtab.write_blocks(t, slot, 0, ids)
             self.view.seqs["num_tokens"][slot] = len(seq.tokens)
-            self._count("num_forks")
+            self._count(t, "num_forks")
             return Sequence(
                 request_id=str(request_id),
                 tokens=list(seq.tokens),
@@ -621,7 +626,7 @@ class KVPool:
                 t.need(self.FREE)
             self.store.give_back(t, zero)
         self.seqtab.write_blocks(t, seq.slot, keep, [])
-        self._count("num_frees", len(ids))
+        self._count(t, "num_frees", len(ids))
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
@@ -694,7 +699,7 @@ class KVPool:
             ids = self.store.evict(t, num_blocks)
             if len(ids):
                 self.store.ring_push(t, ids)
-                self._count("num_evictions", len(ids))
+                self._count(t, "num_evictions", len(ids))
             return len(ids)
 
         return self._run({self.FREE, *self.SHARDS}, op)

@@ -135,10 +135,10 @@ class PrefixIndex:
             i = (i + 1) % w
         else:
             return False
-        # Backward shift: pull later entries of the probe run into the hole.
+        # Backward shift: pull later entries of the probe run into the hole (at most one lap).
         hole = i
         j = (i + 1) % w
-        while True:
+        for _ in range(w - 1):
             kj = int(keys[base + j])
             if kj == 0:
                 break

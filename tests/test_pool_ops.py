@@ -240,3 +240,20 @@ def test_slot_mapping_follows_the_block_table(make_pool):
     seq = pool.allocate("r", list(range(6)))
     t = seq.block_table
     assert pool.slot_mapping(seq, 0, 6) == [t[0] * 4 + i for i in range(4)] + [t[1] * 4, t[1] * 4 + 1]
+
+
+def test_prefix_index_survives_full_shards_and_heavy_churn(make_pool):
+    # GIVEN a small pool whose prefix index is recycled many times over
+    pool = make_pool(16, block_size=4, num_shards=8)
+    import random
+
+    rng = random.Random(3)
+    # WHEN hundreds of distinct prompts are published, freed and evicted
+    for i in range(400):
+        prompt = [rng.randrange(1000) for _ in range(13)]
+        seq = pool.allocate(f"r{i}", prompt)
+        pool.mark_computed(seq, len(prompt))
+        pool.free(seq)
+    # THEN the index and the blocks still agree
+    assert pool.check() == []
+    assert pool.stats()["num_evictions"] > 100

@@ -156,11 +156,6 @@ def test_forked_samples_survive_preemption(model: LlamaModel, pools: list) -> No
     assert_pool_clean(pool)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="allocator: PrefixIndex.remove's backward shift never ends in a full shard and "
-    "overflows the undo journal; remove this mark when it is bounded",
-)
 def test_a_long_run_recycles_cached_prefix_blocks(model: LlamaModel, pools: list) -> None:
     # GIVEN many more requests than the pool has blocks: published prefix blocks must be
     # evicted from the prefix index over and over
