@@ -73,15 +73,29 @@ class GpuMetrics:
             return
         gauges = (
             ("hw.gpu.memory.limit", "By", "GPU memory size (NVML total).", self._limit),
-            ("hw.gpu.memory.usage", "By", "GPU memory used, all processes (NVML used).", self._usage),
+            (
+                "hw.gpu.memory.usage",
+                "By",
+                "GPU memory used, all processes (NVML used).",
+                self._usage,
+            ),
             ("kvscope.gpu.memory.free", "By", "GPU memory free (NVML free).", self._free),
             ("hw.gpu.memory.utilization", "1", "Fraction of GPU memory used.", self._mem_util),
-            ("hw.gpu.utilization", "1", "Fraction of time a kernel ran (NVML gpu utilization).", self._util),
+            (
+                "hw.gpu.utilization",
+                "1",
+                "Fraction of time a kernel ran (NVML gpu utilization).",
+                self._util,
+            ),
         )
         for name, unit, description, read in gauges:
-            meter.create_observable_gauge(name, callbacks=[self._callback(read)], unit=unit, description=description)
+            meter.create_observable_gauge(
+                name, callbacks=[self._callback(read)], unit=unit, description=description
+            )
 
-    def _callback(self, read: Callable[[Any], float]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _callback(
+        self, read: Callable[[Any], float]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             out = []
             for d in self.devices:

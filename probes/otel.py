@@ -10,7 +10,7 @@
 
 While instrumented, the KVPool operations are wrapped (the class, or only the given `pools`):
 each records `kvscope.pool.operation.duration`; allocate/fork start a `kvscope.request` span that
-free/abort end, with the request's block events; a finding reported in this process becomes an
+free/abort end, with the request's block events (otel_traces.py); a finding reported in this process becomes an
 event on its request's span. Lock wait and hold times come from wrapping each pool's LockTable
 `acquire`/`release`. Pool gauges and counters are read from the segment by ONE collector
 (`collect=True`, see otel_metrics.py); under `kvscope run` the supervisor runs it, so a pool
@@ -29,16 +29,31 @@ from kvscope.allocator import pool as pool_module
 from kvscope.allocator.pool import KVPool
 from kvscope.probes.otel_exporters import install_from_env, start_collector
 from kvscope.probes.otel_metrics import DEVICE, LOCK, POOL, PoolCollector
+from kvscope.probes.otel_traces import RequestSpans
 from opentelemetry import metrics, trace
-from opentelemetry.trace import Link, Span
 
 __all__ = ["KVPoolInstrumentor", "install_from_env", "start_collector"]
 
 WRAPPED = ("allocate", "append", "fork", "free", "abort", "resume", "evict", "mark_computed")
 OP = "kvscope.operation"
-REQUEST = "kvscope.request.id"
 # Bucket boundaries in seconds: pool operations and lock times are microseconds to milliseconds.
-OP_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
+OP_BUCKETS = (
+    1e-6,
+    2.5e-6,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    0.1,
+    1.0,
+)
 LIFETIME_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
 SCOPE = "kvscope.probes.otel"
 _MISSING = object()
@@ -50,10 +65,9 @@ class KVPoolInstrumentor:
     def __init__(self) -> None:
         self._on = False
         self._local = threading.local()
-        self._spans: dict[Any, Span] = {}
         self._pools: list[KVPool] = []
         self._saved: list[tuple[object, str, Any]] = []
-        self._preempted: set[Any] = set()
+        self._requests: RequestSpans | None = None
         self.collector: PoolCollector | None = None
 
     @property
@@ -79,21 +93,30 @@ class KVPoolInstrumentor:
         assert not self._on, "already instrumented"
         mp = meter_provider or metrics.get_meter_provider()
         meter = mp.get_meter(SCOPE)
-        self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(SCOPE)
+        tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(SCOPE)
+        self._requests = RequestSpans(tracer)
         self._op_hist = meter.create_histogram(
-            "kvscope.pool.operation.duration", "s", "Duration of a pool operation in this process.",
+            "kvscope.pool.operation.duration",
+            "s",
+            "Duration of a pool operation in this process.",
             explicit_bucket_boundaries_advisory=OP_BUCKETS,
         )
         self._wait_hist = meter.create_histogram(
-            "kvscope.lock.wait.duration", "s", "Time from asking for a pool lock to holding it.",
+            "kvscope.lock.wait.duration",
+            "s",
+            "Time from asking for a pool lock to holding it.",
             explicit_bucket_boundaries_advisory=OP_BUCKETS,
         )
         self._hold_hist = meter.create_histogram(
-            "kvscope.lock.hold.duration", "s", "Time a pool lock was held.",
+            "kvscope.lock.hold.duration",
+            "s",
+            "Time a pool lock was held.",
             explicit_bucket_boundaries_advisory=OP_BUCKETS,
         )
         self._life_hist = meter.create_histogram(
-            "kvscope.block.lifetime", "s", "Allocation to last reference dropped, per block.",
+            "kvscope.block.lifetime",
+            "s",
+            "Allocation to last reference dropped, per block.",
             explicit_bucket_boundaries_advisory=LIFETIME_BUCKETS,
         )
         given = list(pools) if pools is not None else None
@@ -124,11 +147,8 @@ class KVPoolInstrumentor:
             else:
                 setattr(obj, name, old)
         self._saved.clear()
-        for span in self._spans.values():
-            span.set_attribute("kvscope.request.outcome", "open")
-            span.end()
-        self._spans.clear()
-        self._preempted.clear()
+        if self._requests is not None:
+            self._requests.end_all()
         if self.collector is not None:
             self.collector.close()
             self.collector = None
@@ -170,7 +190,8 @@ class KVPoolInstrumentor:
         def on_finding(finding: Any) -> None:
             if previous is not None:
                 previous(finding)
-            self._finding_event(pool, finding)
+            if self._requests is not None:
+                self._requests.finding_event(pool, finding)
 
         self._patch(pool, "on_finding", on_finding)
 
@@ -193,7 +214,9 @@ class KVPoolInstrumentor:
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         return wrapper
 
-    def _call(self, name: str, original: Callable[..., Any], pool: KVPool, args: tuple, kw: dict) -> Any:
+    def _call(
+        self, name: str, original: Callable[..., Any], pool: KVPool, args: tuple, kw: dict
+    ) -> Any:
         attrs = {POOL: pool.name, DEVICE: pool.config.device, OP: name}
         before = _blocks_before(pool, args) if name in ("free", "abort") else None
         preempted = int(pool.counters["num_preemptions"][0]) if not pool._closed else 0
@@ -202,86 +225,19 @@ class KVPoolInstrumentor:
         try:
             result = original(pool, *args, **kw)
         except BaseException as e:
-            self._op_hist.record((time.perf_counter_ns() - t0) * 1e-9, {**attrs, "error.type": type(e).__name__})
+            self._op_hist.record(
+                (time.perf_counter_ns() - t0) * 1e-9, {**attrs, "error.type": type(e).__name__}
+            )
             raise
         self._op_hist.record((time.perf_counter_ns() - t0) * 1e-9, attrs)
-        getattr(self, "_after_" + name, _nothing)(pool, args, result, start_ns)
+        requests = self._requests
+        assert requests is not None
+        getattr(requests, "after_" + name, _nothing)(pool, args, result, start_ns)
         if before is not None:
             self._lifetimes(pool, *before, attrs={POOL: pool.name, DEVICE: pool.config.device})
         if not pool._closed and int(pool.counters["num_preemptions"][0]) > preempted:
-            self._mark_preempted(pool)
+            requests.mark_preempted(pool)
         return result
-
-    # -- request spans -------------------------------------------------------------------------
-
-    def _start(self, pool: KVPool, seq: Any, start_ns: int, links: list[Link] | None = None) -> Span:
-        span = self._tracer.start_span(
-            "kvscope.request",
-            start_time=start_ns,
-            links=links,
-            attributes={POOL: pool.name, DEVICE: pool.config.device, REQUEST: seq.request_id},
-        )
-        self._spans[seq] = span
-        return span
-
-    def _after_allocate(self, pool: KVPool, args: tuple, seq: Any, start_ns: int) -> None:
-        span = self._start(pool, seq, start_ns)
-        span.set_attribute("kvscope.request.prompt_tokens", len(seq.tokens))
-        span.set_attribute("kvscope.request.cached_tokens", seq.num_cached_tokens)
-        span.add_event("allocate", {"kvscope.blocks": len(seq.block_table),
-                                    "kvscope.prefix_hit_blocks": seq.num_cached_tokens // pool.block_size})
-
-    def _after_fork(self, pool: KVPool, args: tuple, child: Any, start_ns: int) -> None:
-        parent = self._spans.get(args[0])
-        links = [Link(parent.get_span_context())] if parent is not None else None
-        span = self._start(pool, child, start_ns, links)
-        span.add_event("fork", {"kvscope.blocks": len(child.block_table), "kvscope.parent.request.id": args[0].request_id})
-        if parent is not None:
-            parent.add_event("fork", {"kvscope.child.request.id": child.request_id})
-
-    def _after_append(self, pool: KVPool, args: tuple, copies: Any, start_ns: int) -> None:
-        seq, span = args[0], self._spans.get(args[0])
-        if span is None:
-            return
-        # One event per block-table change, not per token.
-        grew = -(-len(seq.tokens) // pool.block_size) != -(-(len(seq.tokens) - len(args[1])) // pool.block_size)
-        if grew or copies:
-            span.add_event("append", {"kvscope.blocks": len(seq.block_table), "kvscope.cow_copies": len(copies)})
-
-    def _after_resume(self, pool: KVPool, args: tuple, cached: Any, start_ns: int) -> None:
-        if (span := self._spans.get(args[0])) is not None:
-            span.add_event("resume", {"kvscope.blocks": len(args[0].block_table), "kvscope.cached_tokens": cached})
-
-    def _after_mark_computed(self, pool: KVPool, args: tuple, n: Any, start_ns: int) -> None:
-        if n and (span := self._spans.get(args[0])) is not None:
-            span.add_event("publish", {"kvscope.blocks": n})
-
-    def _after_free(self, pool: KVPool, args: tuple, result: Any, start_ns: int, outcome: str = "finished") -> None:
-        span = self._spans.pop(args[0], None)
-        self._preempted.discard(args[0])
-        if span is not None:
-            span.add_event("free" if outcome == "finished" else "abort")
-            span.set_attribute("kvscope.request.tokens", len(args[0].tokens))
-            span.set_attribute("kvscope.request.outcome", outcome)
-            span.end()
-
-    def _after_abort(self, pool: KVPool, args: tuple, result: Any, start_ns: int) -> None:
-        self._after_free(pool, args, result, start_ns, "aborted")
-
-    def _mark_preempted(self, pool: KVPool) -> None:
-        for seq, span in self._spans.items():
-            if seq.state == "preempted" and seq not in self._preempted:
-                span.add_event("preempt")
-                self._preempted.add(seq)
-            elif seq.state != "preempted":
-                self._preempted.discard(seq)
-
-    def _finding_event(self, pool: KVPool, f: Any) -> None:
-        span = next((s for q, s in self._spans.items() if f.request and q.request_id[:32] == f.request), None)
-        span = span or trace.get_current_span()
-        if span.is_recording():
-            span.add_event("kvscope.finding", {"kvscope.finding.kind": f.kind, "kvscope.finding.severity": f.severity,
-                                               "kvscope.block.id": -1 if f.block is None else f.block, "message": f.message})
 
     def _lifetimes(self, pool: KVPool, ids: Any, alloc_ns: Any, attrs: dict[str, str]) -> None:
         """Record allocation-to-free time of the blocks whose last reference this free dropped."""

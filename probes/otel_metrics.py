@@ -47,34 +47,107 @@ class MetricSpec:
 # (name, stats key) of the monotonic segment counters, reported as observable counters.
 COUNTERS = (
     ("kvscope.pool.allocations", "num_allocs", "{block}", "Blocks handed out by allocations."),
-    ("kvscope.pool.frees", "num_frees", "{block}", "Block references dropped by free/abort/preempt."),
+    (
+        "kvscope.pool.frees",
+        "num_frees",
+        "{block}",
+        "Block references dropped by free/abort/preempt.",
+    ),
     ("kvscope.pool.cow_copies", "num_cow", "{block}", "Copy-on-write block copies."),
     ("kvscope.pool.evictions", "num_evictions", "{block}", "Cached blocks evicted for reuse."),
     ("kvscope.pool.preemptions", "num_preemptions", "{sequence}", "Waiting sequences preempted."),
-    ("kvscope.pool.prefix.queries", "prefix_queries", "{block}", "Full prompt blocks looked up in the prefix index."),
-    ("kvscope.pool.prefix.hits", "prefix_hits", "{block}", "Prompt blocks served from the prefix index."),
+    (
+        "kvscope.pool.prefix.queries",
+        "prefix_queries",
+        "{block}",
+        "Full prompt blocks looked up in the prefix index.",
+    ),
+    (
+        "kvscope.pool.prefix.hits",
+        "prefix_hits",
+        "{block}",
+        "Prompt blocks served from the prefix index.",
+    ),
     ("kvscope.pool.forks", "num_forks", "{sequence}", "Sequences forked (all blocks shared)."),
 )
 # (name, stats key, unit, description) of the pool gauges without extra attributes.
 GAUGES = (
     ("kvscope.pool.utilization", "utilization", "1", "Fraction of blocks allocated to sequences."),
-    ("kvscope.pool.internal_fragmentation", "internal_fragmentation", "1", "Fraction of slots in allocated blocks holding no token."),
-    ("kvscope.pool.refcount.peak", "refcount_peak", "{reference}", "Highest reference count of any block now."),
-    ("kvscope.pool.prefix.hit_rate", "prefix_hit_rate", "1", "Prefix hits / prefix queries since the pool was created."),
-    ("kvscope.pool.sequences", "num_sequences", "{sequence}", "Live sequences in the sequence table."),
+    (
+        "kvscope.pool.internal_fragmentation",
+        "internal_fragmentation",
+        "1",
+        "Fraction of slots in allocated blocks holding no token.",
+    ),
+    (
+        "kvscope.pool.refcount.peak",
+        "refcount_peak",
+        "{reference}",
+        "Highest reference count of any block now.",
+    ),
+    (
+        "kvscope.pool.prefix.hit_rate",
+        "prefix_hit_rate",
+        "1",
+        "Prefix hits / prefix queries since the pool was created.",
+    ),
+    (
+        "kvscope.pool.sequences",
+        "num_sequences",
+        "{sequence}",
+        "Live sequences in the sequence table.",
+    ),
 )
 POOL_METRICS = (
     [MetricSpec(n, "counter", u, d) for n, _, u, d in COUNTERS]
     + [MetricSpec(n, "gauge", u, d) for n, _, u, d in GAUGES]
     + [
-        MetricSpec("kvscope.pool.blocks", "gauge", "{block}", "Blocks by state.", (POOL, DEVICE, STATE)),
-        MetricSpec("kvscope.pool.memory.usage", "gauge", "By", "KV data bytes by block state.", (POOL, DEVICE, STATE)),
+        MetricSpec(
+            "kvscope.pool.blocks", "gauge", "{block}", "Blocks by state.", (POOL, DEVICE, STATE)
+        ),
+        MetricSpec(
+            "kvscope.pool.memory.usage",
+            "gauge",
+            "By",
+            "KV data bytes by block state.",
+            (POOL, DEVICE, STATE),
+        ),
         MetricSpec("kvscope.pool.memory.limit", "gauge", "By", "KV data bytes of the whole pool."),
-        MetricSpec("kvscope.pool.findings", "counter", "{finding}", "Findings reported to the pool, by kind.", (POOL, DEVICE, KIND, SEVERITY)),
-        MetricSpec("kvscope.pool.lock.acquisitions", "counter", "{acquisition}", "Pool lock acquisitions, all processes.", (POOL, DEVICE, LOCK)),
-        MetricSpec("kvscope.pool.lock.contentions", "counter", "{acquisition}", "Acquisitions that had to wait.", (POOL, DEVICE, LOCK)),
-        MetricSpec("kvscope.pool.lock.wait_time", "counter", "s", "Time spent waiting for pool locks, all processes.", (POOL, DEVICE, LOCK)),
-        MetricSpec("kvscope.pool.lock.hold_time", "counter", "s", "Time pool locks were held, all processes.", (POOL, DEVICE, LOCK)),
+        MetricSpec(
+            "kvscope.pool.findings",
+            "counter",
+            "{finding}",
+            "Findings reported to the pool, by kind.",
+            (POOL, DEVICE, KIND, SEVERITY),
+        ),
+        MetricSpec(
+            "kvscope.pool.lock.acquisitions",
+            "counter",
+            "{acquisition}",
+            "Pool lock acquisitions, all processes.",
+            (POOL, DEVICE, LOCK),
+        ),
+        MetricSpec(
+            "kvscope.pool.lock.contentions",
+            "counter",
+            "{acquisition}",
+            "Acquisitions that had to wait.",
+            (POOL, DEVICE, LOCK),
+        ),
+        MetricSpec(
+            "kvscope.pool.lock.wait_time",
+            "counter",
+            "s",
+            "Time spent waiting for pool locks, all processes.",
+            (POOL, DEVICE, LOCK),
+        ),
+        MetricSpec(
+            "kvscope.pool.lock.hold_time",
+            "counter",
+            "s",
+            "Time pool locks were held, all processes.",
+            (POOL, DEVICE, LOCK),
+        ),
     ]
 )
 
@@ -126,8 +199,17 @@ class PoolCollector:
         self._read_at = 0.0
         self._closed = False
         for spec in POOL_METRICS:
-            make = meter.create_observable_counter if spec.kind == "counter" else meter.create_observable_gauge
-            make(spec.name, callbacks=[self._callback(spec.name)], unit=spec.unit, description=spec.description)
+            make = (
+                meter.create_observable_counter
+                if spec.kind == "counter"
+                else meter.create_observable_gauge
+            )
+            make(
+                spec.name,
+                callbacks=[self._callback(spec.name)],
+                unit=spec.unit,
+                description=spec.description,
+            )
 
     def refresh(self, max_age_s: float = 0.0) -> list[tuple[_Reader, dict[str, Any]]]:
         """Read every pool's stats (reused when younger than max_age_s); emit new findings."""
@@ -209,7 +291,10 @@ def observations(name: str, r: _Reader, stats: dict[str, Any]) -> list[Observati
     if name == "kvscope.pool.blocks":
         return [Observation(v, {**a, STATE: STATE_NAMES[s]}) for s, v in by_state.items()]
     if name == "kvscope.pool.memory.usage":
-        return [Observation(v * r.block_bytes, {**a, STATE: STATE_NAMES[s]}) for s, v in by_state.items()]
+        return [
+            Observation(v * r.block_bytes, {**a, STATE: STATE_NAMES[s]})
+            for s, v in by_state.items()
+        ]
     if name == "kvscope.pool.memory.limit":
         return [Observation(stats["num_blocks"] * r.block_bytes, a)]
     if name == "kvscope.pool.findings":
@@ -231,7 +316,15 @@ def emit_finding_log(logger: Any, f: Any, attrs: dict[str, str]) -> None:
     from opentelemetry._logs import SeverityNumber
 
     err = f.severity == "error"
-    extra = {k: v for k, v in (("kvscope.block.id", f.block), ("kvscope.owner.pid", f.owner_pid), ("kvscope.request.id", f.request)) if v is not None}
+    extra = {
+        k: v
+        for k, v in (
+            ("kvscope.block.id", f.block),
+            ("kvscope.owner.pid", f.owner_pid),
+            ("kvscope.request.id", f.request),
+        )
+        if v is not None
+    }
     logger.emit(
         severity_number=SeverityNumber.ERROR if err else SeverityNumber.WARN,
         severity_text="ERROR" if err else "WARN",

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 from kvscope.allocator import Finding
-from kvscope.probes.otel_exporters import (
+from kvscope.probes.otel_config import (
     OtelConfigError,
     add_otel_arguments,
     exporter_names,
-    install_from_env,
     otel_env_from_args,
     otlp_target,
 )
+from kvscope.probes.otel_exporters import install_from_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,10 +37,16 @@ def test_exporters_and_endpoints_follow_the_otel_variables():
     assert exporter_names(env, "metrics") == ["console", "prometheus"]
     assert exporter_names(env, "traces") == [] == exporter_names({}, "logs")
     assert otlp_target({}, "metrics") == ("http/protobuf", "http://localhost:4318/v1/metrics")
-    base = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x"}
+    base = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x",
+    }
     assert otlp_target(base, "metrics") == ("http/protobuf", "http://c:4318/v1/metrics")
     assert otlp_target(base, "traces") == ("http/protobuf", "http://t/x")
-    assert otlp_target({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "logs") == ("grpc", "http://localhost:4317")
+    assert otlp_target({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "logs") == (
+        "grpc",
+        "http://localhost:4317",
+    )
     with pytest.raises(OtelConfigError, match="OTEL_TRACES_EXPORTER='prometheus'"):
         exporter_names({"OTEL_TRACES_EXPORTER": "prometheus"}, "traces")
     with pytest.raises(OtelConfigError, match="http/json"):
@@ -51,8 +57,18 @@ def test_run_flags_become_otel_variables():
     parser = argparse.ArgumentParser()
     add_otel_arguments(parser)
     args = parser.parse_args(
-        ["--metrics-exporter", "prometheus,otlp", "--otlp-protocol", "grpc", "--prometheus-port", "9999",
-         "--service-name", "llm-a", "--metrics-interval", "2.5"]
+        [
+            "--metrics-exporter",
+            "prometheus,otlp",
+            "--otlp-protocol",
+            "grpc",
+            "--prometheus-port",
+            "9999",
+            "--service-name",
+            "llm-a",
+            "--metrics-interval",
+            "2.5",
+        ]
     )
     assert otel_env_from_args(args) == {
         "OTEL_METRICS_EXPORTER": "prometheus,otlp",
@@ -110,9 +126,12 @@ def test_otlp_http_export_decodes_as_protobuf(receiver, make_pool):
     server, bodies = receiver
     # GIVEN every signal sent over OTLP/HTTP to the receiver, this process collecting
     env = {
-        "OTEL_METRICS_EXPORTER": "otlp", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_LOGS_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_LOGS_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
-        "OTEL_SERVICE_NAME": "kvscope-test", "KVSCOPE_OTEL_COLLECT": "1",
+        "OTEL_SERVICE_NAME": "kvscope-test",
+        "KVSCOPE_OTEL_COLLECT": "1",
     }
     tel = install_from_env(env)
     assert tel is not None
@@ -140,7 +159,9 @@ def test_otlp_http_export_decodes_as_protobuf(receiver, make_pool):
     logs = ExportLogsServiceRequest.FromString(bodies["/v1/logs"][0])
     (rec,) = [r for rl in logs.resource_logs for sl in rl.scope_logs for r in sl.log_records]
     assert rec.body.string_value == "block 3 has a reference but no owner"
-    assert {a.key: a.value.string_value for a in rec.attributes}["kvscope.finding.kind"] == "leak_orphan"
+    assert {a.key: a.value.string_value for a in rec.attributes}[
+        "kvscope.finding.kind"
+    ] == "leak_orphan"
 
 
 def test_otlp_grpc_export_reaches_a_grpc_receiver(make_pool):
@@ -164,16 +185,30 @@ def test_otlp_grpc_export_reaches_a_grpc_receiver(make_pool):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        env = {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "KVSCOPE_OTEL_COLLECT": "1"}
+        env = {
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+            "KVSCOPE_OTEL_COLLECT": "1",
+        }
         tel = install_from_env(env)
         pool = make_pool(16, block_size=4)
         pool.allocate("r1", [1, 2, 3])
         tel.shutdown()
     finally:
         server.stop(None)
-    names = {m.name for r in got for rm in r.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
-    assert {"kvscope.pool.blocks", "kvscope.pool.allocations", "kvscope.lock.hold.duration"} <= names
+    names = {
+        m.name
+        for r in got
+        for rm in r.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
+    assert {
+        "kvscope.pool.blocks",
+        "kvscope.pool.allocations",
+        "kvscope.lock.hold.duration",
+    } <= names
 
 
 # What `kvscope run --metrics-exporter prometheus` is to do (see otel_exporters.py): the
@@ -204,21 +239,48 @@ def test_prometheus_scrape_of_a_supervised_example_server():
     from prometheus_client.parser import text_string_to_metric_families
 
     name = f"otel-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
-           "OTEL_EXPORTER_PROMETHEUS_PORT": "0", "OTEL_SERVICE_NAME": "serve-test"}
-    serve = [str(REPO / "examples" / "serve.py"), "--requests", "40", "--rate", "8", "--no-progress",
-             "--pool-name", name]
+    env = {
+        **os.environ,
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+        "OTEL_EXPORTER_PROMETHEUS_PORT": "0",
+        "OTEL_SERVICE_NAME": "serve-test",
+    }
+    serve = [
+        str(REPO / "examples" / "serve.py"),
+        "--requests",
+        "40",
+        "--rate",
+        "8",
+        "--no-progress",
+        "--pool-name",
+        name,
+    ]
     # GIVEN the example server running under a supervisor that serves Prometheus
-    proc = subprocess.Popen([sys.executable, "-c", SUPERVISED, *serve], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISED, *serve],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(proc.stdout.readline().split()[1])
         # WHEN Prometheus scrapes it over HTTP while requests are in flight
         families, deadline = {}, time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
             families = {f.name: f for f in text_string_to_metric_families(text)}
-            allocs = [s.value for s in families.get("kvscope_pool_allocations", []).samples] if families else []
+            allocs = (
+                [s.value for s in families.get("kvscope_pool_allocations", []).samples]
+                if families
+                else []
+            )
             if "kvscope_pool_allocations" in families and allocs and allocs[0] > 0:
                 break
             time.sleep(0.2)
@@ -233,7 +295,9 @@ def test_prometheus_scrape_of_a_supervised_example_server():
     assert allocs.type == "counter"
     (sample,) = [s for s in allocs.samples if s.name == "kvscope_pool_allocations_total"]
     assert sample.labels["kvscope_pool_name"] == name and sample.value > 0
-    blocks = {s.labels["kvscope_block_state"]: s.value for s in families["kvscope_pool_blocks"].samples}
+    blocks = {
+        s.labels["kvscope_block_state"]: s.value for s in families["kvscope_pool_blocks"].samples
+    }
     assert set(blocks) == {"free", "allocated", "cached", "local", "quarantined"}
     limit = families["kvscope_pool_memory_limit_bytes"].samples[0].value
     usage = sum(s.value for s in families["kvscope_pool_memory_usage_bytes"].samples)

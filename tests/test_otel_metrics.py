@@ -38,7 +38,9 @@ class Otel:
         data = self.reader.get_metrics_data()
         if data is None:
             return {}
-        return {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        return {
+            m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        }
 
     def instrument(self, **kw: Any) -> None:
         self.inst.instrument(*self.providers, **kw)
@@ -47,7 +49,9 @@ class Otel:
 def points(metric: Any, **match: str) -> list[Any]:
     """Data points of a metric whose attributes include `match` (keys with dots as __)."""
     want = {k.replace("__", "."): v for k, v in match.items()}
-    return [p for p in metric.data.data_points if all(p.attributes.get(k) == v for k, v in want.items())]
+    return [
+        p for p in metric.data.data_points if all(p.attributes.get(k) == v for k, v in want.items())
+    ]
 
 
 def value(metric: Any, **match: str) -> Any:
@@ -120,9 +124,15 @@ def test_pool_metrics_after_a_known_sequence(otel, make_pool):
         assert value(m[name]) == pytest.approx(v), name
     blocks = m["kvscope.pool.blocks"]
     assert {p.attributes["kvscope.block.state"]: p.value for p in blocks.data.data_points} == {
-        "free": 12, "allocated": 4, "cached": 0, "local": 0, "quarantined": 0
+        "free": 12,
+        "allocated": 4,
+        "cached": 0,
+        "local": 0,
+        "quarantined": 0,
     }
-    assert value(m["kvscope.pool.memory.usage"], kvscope__block__state="allocated") == 4 * BLOCK_BYTES
+    assert (
+        value(m["kvscope.pool.memory.usage"], kvscope__block__state="allocated") == 4 * BLOCK_BYTES
+    )
     assert m["kvscope.pool.blocks"].data.__class__.__name__ == "Gauge"
     assert m["kvscope.pool.allocations"].data.is_monotonic
     assert value(m["kvscope.pool.lock.acquisitions"], kvscope__lock__name="seqs") >= 4
@@ -176,7 +186,9 @@ def test_a_failed_operation_records_its_error_type(otel, make_pool):
         pool.allocate("big", list(range(100, 108)))
     ops = otel.metrics()["kvscope.pool.operation.duration"]
     # THEN the success and the failure are two series of the allocate latency
-    errors = {p.attributes.get("error.type"): p.count for p in points(ops, kvscope__operation="allocate")}
+    errors = {
+        p.attributes.get("error.type"): p.count for p in points(ops, kvscope__operation="allocate")
+    }
     assert errors == {None: 1, "PoolExhausted": 1}
 
 
@@ -270,7 +282,9 @@ def test_every_exported_metric_is_documented(otel, make_pool):
     names = set(otel.metrics()) | set(collect(GpuMetrics(nvml=FakeNvml())))
     doc = (Path(__file__).resolve().parents[1] / "docs" / "METRICS.md").read_text()
     # THEN docs/METRICS.md has a table row for each, with its unit
-    rows = {line.split("|")[1].strip(" `"): line for line in doc.splitlines() if line.startswith("| `")}
+    rows = {
+        line.split("|")[1].strip(" `"): line for line in doc.splitlines() if line.startswith("| `")
+    }
     assert names - set(rows) == set()
     for spec in POOL_METRICS:
         assert f"| `{spec.unit}` |" in rows[spec.name], spec.name

@@ -20,7 +20,9 @@ def collect(gpus: GpuMetrics) -> dict[str, object]:
     mp.shutdown()
     if data is None:
         return {}
-    return {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    return {
+        m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
 
 
 def test_without_nvml_one_info_line_and_no_gpu_metrics():
@@ -88,7 +90,12 @@ def test_gpu_memory_and_utilization_with_hardware_attributes():
     for name, (unit, v) in want.items():
         (p,) = m[name].data.data_points
         assert (m[name].unit, p.value) == (unit, pytest.approx(v)), name
-        assert dict(p.attributes) == {"hw.id": "GPU-1234", "hw.name": "NVIDIA H200", "hw.vendor": "NVIDIA", "kvscope.gpu.index": 0}
+        assert dict(p.attributes) == {
+            "hw.id": "GPU-1234",
+            "hw.name": "NVIDIA H200",
+            "hw.vendor": "NVIDIA",
+            "kvscope.gpu.index": 0,
+        }
     assert gpus.resource_attributes() == {"kvscope.gpu.ids": "GPU-1234"}
     gpus.close()
     gpus.close()

@@ -82,7 +82,14 @@ def test_a_finding_is_an_event_on_its_request_span(otel, make_pool):  # noqa: F8
     pool = make_pool(16, block_size=BS)
     s = pool.allocate("req-7", [1, 2, 3, 4, 5])
     # WHEN a probe reports a finding about that request
-    pool.report(Finding("guard_violation", "slot 17 of block 2 was written past its end", block=2, request="req-7"))
+    pool.report(
+        Finding(
+            "guard_violation",
+            "slot 17 of block 2 was written past its end",
+            block=2,
+            request="req-7",
+        )
+    )
     pool.free(s)
     (name, attrs) = events(spans_by_request(otel)["req-7"])[1]
     # THEN the request's span carries it
