@@ -37,6 +37,8 @@ def build_parser() -> Parser:
             help=doc.splitlines()[0] if doc else None,
             description=doc,
             formatter_class=argparse.RawDescriptionHelpFormatter,
+            # `kvscope run script.py --n 2`: the script's flags are never our abbreviations.
+            allow_abbrev=False,
         )
         verb.prepare_parser(p)
         p.set_defaults(command=verb)
