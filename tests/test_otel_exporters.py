@@ -117,6 +117,7 @@ def receiver():
 
 
 def test_otlp_http_export_decodes_as_protobuf(receiver, make_pool):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the otel extra")
     from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
         ExportMetricsServiceRequest,
@@ -166,6 +167,7 @@ def test_otlp_http_export_decodes_as_protobuf(receiver, make_pool):
 
 def test_otlp_grpc_export_reaches_a_grpc_receiver(make_pool):
     grpc = pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc", reason="the otel extra")
     from concurrent import futures
 
     from opentelemetry.proto.collector.metrics.v1 import (
@@ -236,6 +238,8 @@ sys.exit(outcome.returncode)
 
 @pytest.mark.slow
 def test_prometheus_scrape_of_a_supervised_example_server():
+    pytest.importorskip("opentelemetry.exporter.prometheus", reason="the otel extra")
+    pytest.importorskip("prometheus_client", reason="the otel extra")
     from prometheus_client.parser import text_string_to_metric_families
 
     name = f"otel-{uuid.uuid4().hex[:8]}"
