@@ -261,8 +261,7 @@ class LockDep:
         self._tls = threading.local()
         self._graphs: dict[int, SegmentGraph] = {}
         self._hooks: dict[int, tuple[Any, ...]] = {}
-        ref = weakref.WeakMethod(self._after_fork)
-        os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        _INSTANCES.add(self)
 
     def _after_fork(self) -> None:
         # The child runs only the forking thread; the other threads' stacks stay in the parent.
@@ -446,6 +445,8 @@ class TracedLock:
         self.release()
 
 
+_INSTANCES: weakref.WeakSet[LockDep] = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [ld._after_fork() for ld in list(_INSTANCES)])
 LOCKDEP = LockDep()
 
 
