@@ -274,10 +274,10 @@ class LockDep:
         else:
             print(f"kvscope: {f.line()}", file=sys.stderr)
 
-    def instrument(self, pool: Any) -> None:
-        """Trace every lock of `pool` (chaining hooks already set by other probes)."""
+    def instrument(self, pool: Any) -> bool:
+        """Trace every lock of `pool` (chaining hooks already set by other probes); False if it was."""
         if id(pool) in self._hooks:
-            return
+            return False
         lt = pool.locks
         graph = self.graph_for(pool)
         classes = [None if n in UNTRACED else lock_class(n) for n in lt.names]
@@ -301,6 +301,7 @@ class LockDep:
         lt.on_acquire, lt.on_release = on_acquire, on_release
         self._hooks[id(pool)] = (on_acquire, on_release, prev_acquire, prev_release, live)
         self.enabled = True
+        return True
 
     def uninstrument(self, pool: Any) -> None:
         """Stop tracing `pool`'s locks (a hook chained on top of ours keeps working)."""
@@ -461,8 +462,7 @@ def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
         return None
     from kvscope.probes.watchdog import Watchdog
 
-    LOCKDEP.instrument(pool)
     threshold_s = float(env.get(HOLD_ENV, "1.0"))
-    if threshold_s > 0:
+    if LOCKDEP.instrument(pool) and threshold_s > 0:
         Watchdog(pool, threshold_s=threshold_s, lockdep=LOCKDEP).start()
     return LOCKDEP

@@ -93,8 +93,14 @@ class Watchdog:
         while not self._stop.wait(self.interval_s):
             if self.pool is not None and (self.pool._closed or self.pool.pid != os.getpid()):
                 return
-            for report, f in self.check():
-                report(f)
+            try:
+                for report, f in self.check():
+                    report(f)
+            except (AttributeError, TypeError):
+                # The pool was closed under us (its view is gone): nothing left to watch.
+                if self.pool is not None and self.pool._closed:
+                    return
+                raise
 
     def check(self) -> list[tuple[Any, Finding]]:
         """One look: findings for holds over the threshold not reported yet, with their reporter."""
