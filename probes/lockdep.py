@@ -58,6 +58,10 @@ class Edge(NamedTuple):
     site: str
 
 
+def _switched_on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def lock_class(name: str) -> str:
     """The lock class of a pool lock name: the index shards collapse to "index"."""
     return "index" if name.startswith("index.") else name
@@ -449,6 +453,8 @@ class TracedLock:
 _INSTANCES: weakref.WeakSet[LockDep] = weakref.WeakSet()
 os.register_at_fork(after_in_child=lambda: [ld._after_fork() for ld in list(_INSTANCES)])
 LOCKDEP = LockDep()
+# Under `kvscope run --lockdep` user locks are traced from the start, before any pool opens.
+LOCKDEP.enabled = _switched_on(os.environ.get(ENV))
 
 
 def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
@@ -457,8 +463,7 @@ def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
     On when KVSCOPE_LOCKDEP is 1, off when it is 0; unset, the pool's own `lockdep` flag decides.
     """
     value = env.get(ENV)
-    on = value.strip().lower() in ("1", "true", "yes", "on") if value else pool.config.lockdep
-    if not on:
+    if not (_switched_on(value) if value else pool.config.lockdep):
         return None
     from kvscope.probes.watchdog import Watchdog
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 from kvscope.allocator import KVPool, LockDeadlock
-from kvscope.probes.lockdep import LockDep, TracedLock, install
+from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
 
 CHILD_ALARM_S = 20
@@ -286,8 +286,9 @@ def test_traced_locks_without_a_pool_report_through_the_callback():
     assert lockdep.state().stack == []
 
 
-def test_lockdep_is_off_by_default_and_chains_other_hooks(make_pool):
-    # GIVEN a pool and another probe's acquire hook
+def test_lockdep_is_off_by_default_and_chains_other_hooks(make_pool, monkeypatch):
+    # GIVEN a pool and another probe's acquire hook (and the process-wide LockDep restored after)
+    monkeypatch.setattr(LOCKDEP, "enabled", LOCKDEP.enabled)
     pool = make_pool(16)
     assert pool.locks.on_acquire is None and install(pool, {}) is None
     assert pool.locks.on_acquire is None
