@@ -35,19 +35,26 @@ class DecodeConfig:
     `chunk_blocks > 0` forces the split size; otherwise `plan_splits` picks it from
     `ctas_per_sm` (programs per SM for a uniform batch), `ragged_waves` and `min_chunk_tokens`.
     `tile` / `fp8_tile`: keys per loop step for 16-bit / fp8 caches (several blocks gathered).
+    `max_regs` / `guard_max_regs`: register cap per thread (0: none) for plain / guard mode;
+    a uniform batch's plan fills exactly ctas_per_sm programs per SM, so the kernel must fit
+    that many (4 x 4 warps: 128 registers).
+    `fused_merge`: the last program of a sequence merges its splits instead of a second
+    launch (measured slower on the H200: the merge is serial in one program).
     """
 
     tile: int = 64
     fp8_tile: int = 128
     chunk_blocks: int = 0
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     ctas_per_sm: int = 4
     ragged_waves: int = 4
     min_chunk_tokens: int = 256
     kvh_fast: bool = True
-    fused_merge: bool = True
+    fused_merge: bool = False
     fp8_f16: bool = True
+    max_regs: int = 0
+    guard_max_regs: int = 128
 
 
 @triton.jit
@@ -252,6 +259,8 @@ def launch_decode(
     grid = (kv_heads, splits, batch) if cfg.kvh_fast else (batch, splits, kv_heads)
     merge_pad = triton.next_power_of_2(group)
     tile = cfg.fp8_tile if g.fp8 else cfg.tile
+    regs = cfg.guard_max_regs if g.guard else cfg.max_regs
+    extra = {"maxnreg": regs} if regs and not backend.interpreting() else {}
     _decode_kernel[grid](
         q, k, v, tables, a.seq_lens, out, acc, ml, sem, g.k_scale, g.v_scale,
         a.scale * LOG2E, kv_heads, max_blocks, splits, chunk,
@@ -262,7 +271,7 @@ def launch_decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)), MERGE_PAD=merge_pad,
         SPLIT_TILE=16, KV_FP8=g.fp8, FP8_F16=cfg.fp8_f16, GUARD=g.guard,
         UPCAST=backend.interpreting(), KVH_FAST=cfg.kvh_fast, FUSED_MERGE=fused,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     if splits > 1 and not fused:
         _merge_kernel[(batch, kv_heads)](
