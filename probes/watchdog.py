@@ -39,12 +39,13 @@ def thread_stack(ident: int | None) -> list[str]:
 
 
 def held_finding(
-    lock: str, held_s: float, pid: int, tid: int, stack: list[str], hold: str
+    lock: str, held_s: float, pid: int, tid: int, stack: list[str], hold: str = ""
 ) -> Finding:
-    """The `lock_held_too_long` finding; `hold` names this one hold (for dedupe)."""
+    """The `lock_held_too_long` finding; `hold` names one hold of a pool lock (for dedupe)."""
     where = f", now at {stack[-1]}" if stack else ""
+    which = f" ({hold})" if hold else ""
     msg = (
-        f"{lock} held {held_s:.1f} s by pid {pid} thread {tid} ({hold}){where}: "
+        f"{lock} held {held_s:.1f} s so far by pid {pid} thread {tid}{which}{where}: "
         "do not block, sleep or compute long while holding it"
     )
     return Finding(
@@ -158,14 +159,14 @@ class Watchdog:
                 # Pool locks are timed from their records; t_ns is 0 while still waiting.
                 if h.table is not None or not h.t_ns or now - h.t_ns < self.threshold_ns:
                     continue
+                if not h.graph.usable():
+                    continue
                 key = (id(h.key), h.t_ns)
                 if key in self.reported:
                     continue
                 self.reported.add(key)
                 lock = f"lock {h.cls!r}"
                 stack = thread_stack(st.ident)
-                f = held_finding(
-                    lock, (now - h.t_ns) / 1e9, pid, st.native_id, stack, f"since {h.t_ns}"
-                )
+                f = held_finding(lock, (now - h.t_ns) / 1e9, pid, st.native_id, stack)
                 out.append((h.graph.report, f))
         return out
