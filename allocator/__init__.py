@@ -7,8 +7,8 @@ copies = pool.append(seq, [next_token])
 pool.free(seq)
 """
 
-from kvscope.allocator.config import PoolConfig
 from kvscope.allocator import crash
+from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.crash import CRASH_POINTS
 from kvscope.allocator.errors import LockDeadlock, PoolError, PoolExhausted
 from kvscope.allocator.findings import Finding, FindingKind

@@ -380,7 +380,13 @@ def header_checksum(raw: np.ndarray) -> int:
 
 
 _K = np.array(
-    [0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD],
+    [
+        0x9E3779B97F4A7C15,
+        0xC2B2AE3D27D4EB4F,
+        0x165667B19E3779F9,
+        0x27D4EB2F165667C5,
+        0xFF51AFD7ED558CCD,
+    ],
     dtype=np.uint64,
 )
 MASK64 = (1 << 64) - 1
@@ -396,7 +402,9 @@ def block_checksums(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Checksum of each block record's identity words (magic, state, refcount, generation, owner, hash)."""
     w = block_words(blocks)[ids, :IDENTITY_WORDS]
     with np.errstate(over="ignore"):
-        h = (w * _K[:IDENTITY_WORDS]).sum(axis=1, dtype=np.uint64) + np.asarray(ids, np.uint64) * _K[4]
+        h = (w * _K[:IDENTITY_WORDS]).sum(axis=1, dtype=np.uint64) + np.asarray(
+            ids, np.uint64
+        ) * _K[4]
         h ^= h >> np.uint64(29)
         h *= _K[0]
         h ^= h >> np.uint64(32)
@@ -407,7 +415,10 @@ def block_checksum(words: np.ndarray, block_id: int) -> int:
     """Scalar twin of `block_checksums` for one block (the single-block hot path)."""
     row = words[block_id]
     h = (
-        int(row[0]) * _KI[0] + int(row[1]) * _KI[1] + int(row[2]) * _KI[2] + int(row[3]) * _KI[3]
+        int(row[0]) * _KI[0]
+        + int(row[1]) * _KI[1]
+        + int(row[2]) * _KI[2]
+        + int(row[3]) * _KI[3]
         + block_id * _KI[4]
     ) & MASK64
     h ^= h >> 29

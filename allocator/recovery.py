@@ -39,8 +39,14 @@ def recover_dead_holders(pool: KVPool) -> list[dict[str, Any]]:
     holder_clients: set[int] = set()
     try:
         for i in range(len(lt.names)):
-            lt.acquire(i, recovering=True, on_dead=lambda i, pid, client: (
-                dead_holders.__setitem__(lt.names[i], pid), holder_clients.add(client)))
+            lt.acquire(
+                i,
+                recovering=True,
+                on_dead=lambda i, pid, client: (
+                    dead_holders.__setitem__(lt.names[i], pid),
+                    holder_clients.add(client),
+                ),
+            )
             taken.append(i)
         for c in sorted(holder_clients | set(dead_clients(view, pool.client))):
             if c != pool.client and int(view.clients["journal_count"][c]):

@@ -148,7 +148,7 @@ def _read_data(view: SegmentView) -> bytes:
             raise PoolError(f"the KV data file of pool {name!r} is truncated")
         return data
     from kvscope.allocator import kvdata
-    from kvscope.allocator.pool import config_from_header
+    from kvscope.allocator.header import config_from_header
 
     blob = bytes(h["cuda_ipc"])[: int(h["cuda_ipc_len"])]
     kv = kvdata.attach_cuda(blob, config_from_header(h))

@@ -141,6 +141,9 @@ class RunCommand:
         parser.add_argument(
             "-m", dest="module", action="store_true", help="run a library module as a script"
         )
+        from kvscope.probes.otel_config import add_otel_arguments
+
+        add_otel_arguments(parser)
         parser.add_argument("script", metavar="script.py|module", help="what to run")
         parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -152,10 +155,18 @@ class RunCommand:
         dump_dir = check_dump_dir(args.dump_dir)
         run_dir = tempfile.mkdtemp(prefix="kvscope-run-")
         target = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        sup = Supervisor(
-            target, run_dir=run_dir, env=child_env(dict(os.environ), run_dir, args), echo=_echo
-        )
+        from kvscope.probes.otel_config import OtelConfigError, otel_env_from_args
+        from kvscope.probes.otel_exporters import start_collector
+
+        otel_env = {**os.environ, **otel_env_from_args(args)}
+        sup = Supervisor(target, run_dir=run_dir, env=child_env(otel_env, run_dir, args), echo=_echo)
+        tel = None
         try:
+            try:
+                # The supervisor collects pool metrics once for every process of the run.
+                tel = start_collector(lambda: [w.name for w in list(sup.pools.values())], otel_env)
+            except OtelConfigError as e:
+                raise UsageError(str(e)) from None
             with forwarded_signals(sup):
                 sup.start()
                 if run_top is not None:
@@ -163,6 +174,8 @@ class RunCommand:
                 outcome = sup.wait()
             return _finish(sup, outcome, dump_dir, args.fail_on)
         finally:
+            if tel is not None:
+                tel.shutdown()
             sup.cleanup()
             shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -1,0 +1,112 @@
+"""The segment header: writing a fresh one, sealing its checksum, reading the config back."""
+
+from __future__ import annotations
+
+import numpy as np
+from kvscope.allocator.config import PoolConfig
+from kvscope.allocator.layout import (
+    BLOCK_MAGIC,
+    FORMAT_VERSION,
+    HEADER_DTYPE,
+    POOL_MAGIC,
+    BlockState,
+    Flag,
+    SegmentView,
+    block_checksums,
+    header_checksum,
+    lock_names,
+)
+from kvscope.allocator.process import my_identity, now_ns
+
+
+def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
+    """Write a fresh header and empty sections."""
+    h = view.header
+    off = view.offsets
+    pid, start = my_identity()
+    flags = (Flag.GUARD if cfg.guard else 0) | (Flag.EVENTS if cfg.events else 0)
+    flags |= Flag.LOCKDEP if cfg.lockdep else 0
+    fields = dict(
+        magic=POOL_MAGIC,
+        version=FORMAT_VERSION,
+        header_size=HEADER_DTYPE.itemsize,
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        slots_per_block=cfg.slots_per_block,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype.encode(),
+        device=cfg.device.encode(),
+        flags=int(flags),
+        max_seqs=cfg.max_seqs,
+        max_blocks_per_seq=cfg.max_blocks_per_seq,
+        max_clients=cfg.max_clients,
+        num_shards=cfg.num_shards,
+        index_capacity=view.layout.index_capacity,
+        num_locks=len(lock_names(cfg.num_shards)),
+        event_capacity=cfg.event_capacity,
+        local_cache_size=cfg.local_cache_size,
+        quarantine=cfg.quarantine,
+        creator_pid=pid,
+        creator_start=start,
+        created_ns=now_ns(),
+        name=name.encode(),
+        off_blocks=off["blocks"],
+        off_ring=off["ring"],
+        off_index=off["index"],
+        off_seqs=off["seqs"],
+        off_sites=off["sites"],
+        off_locks=off["locks"],
+        off_clients=off["clients"],
+        off_events=off["events"],
+        off_lockgraph=off["lockgraph"],
+        off_findings=off["findings"],
+        segment_size=off["end"],
+        data_bytes=cfg.data_bytes,
+    )
+    for k, v in fields.items():
+        h[k] = v
+    n = cfg.num_blocks
+    ids = np.arange(n, dtype=np.int64)
+    b = view.blocks
+    b["magic"] = BLOCK_MAGIC
+    b["state"] = BlockState.FREE
+    b["owner_client"] = -1
+    b["site"] = -1
+    b["checksum"] = block_checksums(b, ids)
+    view.ring[:] = ids
+    view.ring_header["head"], view.ring_header["tail"], view.ring_header["count"] = 0, n, n
+    view.index["block"] = -1
+    view.seqs["table"] = -1
+    for i, lname in enumerate(lock_names(cfg.num_shards)):
+        view.locks["name"][i] = lname.encode()
+
+
+def seal_header(view: SegmentView) -> None:
+    """Checksum the immutable header fields (after the last of them is written)."""
+    view.header["checksum"] = header_checksum(view.raw)
+
+
+def config_from_header(h: np.void) -> PoolConfig:
+    """The PoolConfig a header records."""
+    flags = int(h["flags"])
+    return PoolConfig(
+        num_blocks=int(h["num_blocks"]),
+        block_size=int(h["block_size"]),
+        num_layers=int(h["num_layers"]),
+        num_kv_heads=int(h["num_kv_heads"]),
+        head_dim=int(h["head_dim"]),
+        dtype=bytes(h["dtype"]).decode(),
+        device=bytes(h["device"]).decode(),
+        max_seqs=int(h["max_seqs"]),
+        max_blocks_per_seq=int(h["max_blocks_per_seq"]),
+        max_clients=int(h["max_clients"]),
+        local_cache_size=int(h["local_cache_size"]),
+        num_shards=int(h["num_shards"]),
+        event_capacity=int(h["event_capacity"]),
+        guard=bool(flags & Flag.GUARD),
+        events=bool(flags & Flag.EVENTS),
+        lockdep=bool(flags & Flag.LOCKDEP),
+        quarantine=int(h["quarantine"]),
+    )

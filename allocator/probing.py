@@ -1,0 +1,214 @@
+"""The probes a pool handle runs: flight recorder, ownership sites, guard slots, leak and magic
+checks. The pool holds `probe = None` when every one is off, so each hook costs one attribute
+check; `kvscope run` turns them on through KVSCOPE_* variables (docs/PROBES.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
+from kvscope.allocator.findings import Finding
+from kvscope.allocator.layout import HEADER_CHECKSUM_BYTES, BlockState, Flag, header_checksum
+from kvscope.allocator.sites import SiteTable, site_text
+
+if TYPE_CHECKING:
+    from kvscope.allocator.pool import KVPool
+    from kvscope.allocator.txn import Txn
+
+
+def env_flag(name: str, environ=os.environ) -> bool:
+    """A probe switch: KVSCOPE_<NAME>=1/0; unset means on under `kvscope run`, off otherwise."""
+    value = environ.get(f"KVSCOPE_{name}")
+    if value is None:
+        return bool(environ.get("KVSCOPE_RUN_DIR"))
+    return value not in ("0", "", "false", "no", "off")
+
+
+@dataclass
+class ProbeFlags:
+    """Which probes a process runs on a pool."""
+
+    events: bool = False
+    ownership: bool = False
+    guard: bool = False
+    leaks: bool = False
+    magic: bool = False
+
+    @classmethod
+    def from_env(cls, header_flags: int, environ=os.environ) -> ProbeFlags:
+        """Probes switched on by the environment or recorded in the pool's header."""
+        return cls(
+            events=env_flag("EVENTS", environ) or bool(header_flags & Flag.EVENTS),
+            ownership=env_flag("OWNERSHIP", environ),
+            guard=bool(header_flags & Flag.GUARD),
+            leaks=env_flag("LEAKS", environ),
+            magic=env_flag("MAGIC", environ),
+        )
+
+    def any(self) -> bool:
+        return self.events or self.ownership or self.guard or self.leaks or self.magic
+
+
+class PoolProbes:
+    """Probe state of one pool handle."""
+
+    def __init__(self, pool: KVPool, flags: ProbeFlags):
+        self.pool = pool
+        self.flags = flags
+        self.recorder = EventRecorder(pool.view, pool.client, pool.pid) if flags.events else None
+        self.sites = SiteTable(pool) if flags.ownership else None
+        self.header_bytes = pool.view.raw[:HEADER_CHECKSUM_BYTES].tobytes()
+        self.reported: set[tuple[str, int]] = set()
+
+    # -- flight recorder -----------------------------------------------------------------------
+
+    def event(self, t: Txn, op: EventOp, ids, request: bytes = b"", arg: int = 0) -> None:
+        """Record an event when the transaction commits."""
+        if self.recorder is not None:
+            rec = self.recorder
+            ids = np.array(ids, np.int64, copy=True)
+            t.after_commit.append(lambda: rec.record(op, ids, request, arg))
+
+    def report(self, f: Finding) -> None:
+        """Report a finding once per (kind, block), with the block's last events."""
+        key = (f.kind, -1 if f.block is None else f.block)
+        if key in self.reported:
+            return
+        self.reported.add(key)
+        view = self.pool.view
+        if f.block is not None and 0 <= f.block < len(view.blocks):
+            f.events = f.events or events_for_block(view, f.block, 8)
+            site = site_text(view, int(view.blocks["site"][f.block]))
+            if site:
+                f.extra.setdefault("site", site)
+        if self.recorder is not None:
+            self.recorder.record(
+                EventOp.FINDING,
+                [-1 if f.block is None else f.block],
+                (f.request or "").encode()[:32],
+            )
+        self.pool.report(f)
+
+    def block_finding(self, kind: str, block: int, message: str) -> None:
+        """Report a finding about one block, owner and request from its header."""
+        b = self.pool.view.blocks
+        req = bytes(b["request"][block]).decode(errors="replace") or None
+        self.report(
+            Finding(
+                kind,
+                message,
+                block=int(block),
+                owner_pid=int(b["owner_pid"][block]) or None,
+                request=req,
+            )
+        )
+
+    # -- magic -----------------------------------------------------------------------------------
+
+    def verify(self) -> list[Finding]:
+        """Header magic, version and checksum against the bytes seen at attach (cheap)."""
+        view = self.pool.view
+        now = view.raw[:HEADER_CHECKSUM_BYTES].tobytes()
+        if now == self.header_bytes and header_checksum(view.raw) == int(view.h["checksum"]):
+            return []
+        diff = (
+            next(i for i in range(len(now)) if now[i] != self.header_bytes[i])
+            if now != self.header_bytes
+            else -1
+        )
+        field = _field_at(diff)
+        found = now[diff : diff + 8].hex() if diff >= 0 else "?"
+        want = self.header_bytes[diff : diff + 8].hex() if diff >= 0 else "?"
+        f = Finding(
+            "header_corrupt",
+            f"segment header changed at byte {diff} ({field}): found {found}, expected {want}; "
+            "something outside the allocator wrote into the pool's metadata",
+            extra={"offset": diff, "field": field, "found": found, "expected": want},
+        )
+        if self.recorder is not None:
+            from kvscope.allocator.events import recent_events
+
+            f.events = recent_events(view, 8)
+        self.report(f)
+        return [f]
+
+    # -- leaks at request end ----------------------------------------------------------------------
+
+    def before_release(self, ids: list[int], request: str) -> None:
+        """Refcounts of this process's unindexed blocks against its own block tables."""
+        if not self.flags.leaks or not ids:
+            return
+        b = self.pool.view.blocks
+        refs = Counter(x for s in self.pool._seqs.values() for x in s.block_table)
+        for blk in ids:
+            if b["indexed"][blk] or b["state"][blk] != BlockState.ALLOCATED:
+                continue
+            rc = int(b["refcount"][blk])
+            if rc != refs[blk]:
+                self.block_finding(
+                    "refcount_mismatch",
+                    blk,
+                    f"refcount is {rc} but {refs[blk]} sequence(s) of this process map the block (at the end of request {request!r})",
+                )
+
+    def after_release(self, ids: list[int], request: str) -> None:
+        """Blocks of a finished request still held by nobody's table: leaked; guard slots checked."""
+        if not ids:
+            return
+        pool = self.pool
+        b = pool.view.blocks
+        if self.flags.leaks:
+            mapped = {x for s in pool._seqs.values() for x in s.block_table}
+            for blk in ids:
+                if (
+                    b["state"][blk] == BlockState.ALLOCATED
+                    and not b["indexed"][blk]
+                    and int(b["refcount"][blk]) > 0
+                    and blk not in mapped
+                ):
+                    self.block_finding(
+                        "leak_finished",
+                        blk,
+                        f"request {request!r} ended but its block is still allocated (refcount {int(b['refcount'][blk])}) and no sequence maps it",
+                    )
+        if self.flags.guard:
+            self.check_guard(ids)
+
+    # -- guard mode -----------------------------------------------------------------------------
+
+    def check_guard(self, ids: list[int]) -> list[int]:
+        """Scan the guard slots of blocks, report violations, restore their canary."""
+        from kvscope.kernels import fill_guard, guard_scan
+
+        kv = self.pool.kv
+        bad = guard_scan(kv, blocks=list(ids))
+        for blk in bad:
+            self.block_finding(
+                "guard_violation",
+                blk,
+                "the guard slot after the block's last token was overwritten: a KV write ran past the end of the block",
+            )
+        if bad:
+            fill_guard(kv, blocks=list(bad))
+        return bad
+
+    def poison(self, ids: list[int]) -> None:
+        """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention."""
+        if ids and self.pool.kv.dtype.is_floating_point:
+            bs = self.pool.block_size
+            self.pool.kv[:, :, list(ids), :bs] = float("nan")
+
+
+def _field_at(offset: int) -> str:
+    from kvscope.allocator.layout import HEADER_DTYPE
+
+    for name in HEADER_DTYPE.names:
+        dt, off = HEADER_DTYPE.fields[name][:2]
+        if off <= offset < off + dt.itemsize:
+            return name
+    return "?"
