@@ -270,6 +270,8 @@ class LockDep:
     def _after_fork(self) -> None:
         # The child runs only the forking thread; the other threads' stacks stay in the parent.
         st = getattr(self._tls, "s", None)
+        if st is not None:
+            st.native_id = threading.get_native_id()
         self.threads = weakref.WeakValueDictionary({st.ident: st} if st is not None else {})
 
     def _local_report(self, f: Finding) -> None:

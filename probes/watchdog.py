@@ -9,7 +9,8 @@ Every `interval_s` a daemon thread looks at the pool's lock records and, with a 
 traced user locks this process's threads hold. A hold by this process is timed with its own
 clock (a record's `acquired_ns` is the holder's perf_counter) and reported with the holder's
 stack; a hold by another process is timed from when the watchdog first saw it (the record's
-sequence counter names one hold) and reported without a stack, unless already reported.
+sequence counter names one hold) and reported without a stack after twice the threshold,
+unless already reported (by the holder's own watchdog, say).
 Each hold is reported once.
 """
 
@@ -114,6 +115,8 @@ class Watchdog:
         lt, now = self.pool.locks, time.perf_counter_ns()
         out = []
         by_native = {t.native_id: t.ident for t in threading.enumerate()}
+        # After a fork Thread.native_id of the main thread is the parent's; its tid is our pid.
+        by_native[os.getpid()] = threading.main_thread().ident
         for i, name in enumerate(lt.names):
             seq = int(lt.seq[i])
             pid, tid, t0 = int(lt.holder_pid[i]), int(lt.holder_tid[i]), int(lt.acquired_ns[i])
@@ -122,10 +125,12 @@ class Watchdog:
                 continue
             lock, stack = f"pool lock {name!r}", []
             if pid == lt.pid:
-                held_ns = now - t0
+                held_ns, wait_ns = now - t0, self.threshold_ns
             else:
+                # Twice the threshold: the holder's own watchdog, which has the stack, goes first.
                 held_ns = now - self.first_seen.setdefault((i, seq), now)
-            if held_ns < self.threshold_ns:
+                wait_ns = 2 * self.threshold_ns
+            if held_ns < wait_ns:
                 continue
             hold = f"hold #{seq}"
             if pid == lt.pid:

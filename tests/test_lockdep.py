@@ -368,3 +368,47 @@ def test_a_dead_holder_is_recovered_under_lockdep_without_a_false_cycle(make_poo
     assert "lock_dead_holder" in kinds and "lock_order_cycle" not in kinds
     assert "lock_held_too_long" not in kinds
     assert lockdep.state().stack == []
+
+
+def test_a_long_hold_in_another_process_is_reported_once(make_pool):
+    # GIVEN a watchdog here, and another process with its own watchdog
+    pool = make_pool(16)
+    dog = Watchdog(pool, threshold_s=0.2, interval_s=0.02).start()
+
+    def hold_free_long() -> int:
+        p = KVPool.attach(pool.name)
+        Watchdog(p, threshold_s=0.2, interval_s=0.02).start()
+        p.locks.acquire(p.FREE)
+        time.sleep(0.8)
+        p.locks.release(p.FREE)
+        return 0
+
+    # WHEN that process holds the free-ring lock for 0.8 s
+    pid = _fork(hold_free_long)
+    assert _wait(pid) == 0
+    dog.stop()
+    # THEN the hold is reported once, by its own process, with where it was
+    (f,) = [f for f in pool.findings() if f.kind == "lock_held_too_long"]
+    assert f.owner_pid == pid and "pool lock 'free'" in f.message
+    assert "hold_free_long" in f.message
+
+
+def test_an_unwatched_process_long_hold_is_reported_by_an_observer(make_pool):
+    # GIVEN a watchdog here only
+    pool = make_pool(16)
+    dog = Watchdog(pool, threshold_s=0.1, interval_s=0.02).start()
+
+    def hold_free_long() -> int:
+        p = KVPool.attach(pool.name)
+        p.locks.acquire(p.FREE)
+        time.sleep(0.6)
+        p.locks.release(p.FREE)
+        return 0
+
+    # WHEN another process holds the free-ring lock for 0.6 s
+    pid = _fork(hold_free_long)
+    assert _wait(pid) == 0
+    dog.stop()
+    # THEN this process reports it once, naming the holder (its stack is out of reach)
+    (f,) = [f for f in pool.findings() if f.kind == "lock_held_too_long"]
+    assert f.owner_pid == pid and f"by pid {pid}" in f.message and "now at" not in f.message
