@@ -33,6 +33,7 @@ import kvscope.probes
 from kvscope.allocator.findings import Finding, write_finding
 from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
 from kvscope.allocator.locks import DeadHolder
+from kvscope.allocator.probing import env_flag
 
 import kvscope
 
@@ -56,10 +57,6 @@ class Edge(NamedTuple):
     dst: str
     pid: int
     site: str
-
-
-def _switched_on(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def lock_class(name: str) -> str:
@@ -456,16 +453,16 @@ _INSTANCES: weakref.WeakSet[LockDep] = weakref.WeakSet()
 os.register_at_fork(after_in_child=lambda: [ld._after_fork() for ld in list(_INSTANCES)])
 LOCKDEP = LockDep()
 # Under `kvscope run --lockdep` user locks are traced from the start, before any pool opens.
-LOCKDEP.enabled = _switched_on(os.environ.get(ENV))
+LOCKDEP.enabled = env_flag("LOCKDEP")
 
 
 def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
     """Instrument `pool` and start its watchdog when lockdep is on; None when off.
 
-    On when KVSCOPE_LOCKDEP is 1, off when it is 0; unset, the pool's own `lockdep` flag decides.
+    KVSCOPE_LOCKDEP=1/0 decides; unset, it is on under `kvscope run` (as every probe) or when
+    the pool was created with `PoolConfig(lockdep=True)`.
     """
-    value = env.get(ENV)
-    if not (_switched_on(value) if value else pool.config.lockdep):
+    if not (env_flag("LOCKDEP", env) or (ENV not in env and pool.config.lockdep)):
         return None
     from kvscope.probes.watchdog import Watchdog
 
