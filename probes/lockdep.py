@@ -450,7 +450,14 @@ class TracedLock:
 
 
 _INSTANCES: weakref.WeakSet[LockDep] = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: [ld._after_fork() for ld in list(_INSTANCES)])
+
+
+def _after_fork() -> None:
+    for lockdep in list(_INSTANCES):
+        lockdep._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 LOCKDEP = LockDep()
 # Under `kvscope run --lockdep` user locks are traced from the start, before any pool opens.
 LOCKDEP.enabled = env_flag("LOCKDEP")
