@@ -101,17 +101,17 @@ class BlockStore:
         crash_point("blocks.after_ring_pop")
         return ids
 
-    def ring_push(self, t: Txn, ids: np.ndarray) -> None:
-        """Return blocks to the ring tail as FREE."""
+    def ring_push(self, t: Txn, ids: np.ndarray, state: BlockState = BlockState.FREE) -> None:
+        """Return blocks to the ring tail as FREE (QUARANTINED in guard mode)."""
         t.need(self.free_lock)
         k = len(ids)
         if k == 0:
             return
         self.save(t, ids)
-        self.state[ids] = BlockState.FREE
+        self.state[ids] = state
         self.refcount[ids] = 0
         self.indexed[ids] = 0
-        self.blocks["owner_pid"][ids] = 0
+        # owner_pid and request stay: the last owner of a free block, for post-mortems.
         self.blocks["owner_client"][ids] = -1
         self.seal(ids)
         crash_point("blocks.after_release_records")
@@ -226,10 +226,19 @@ class BlockStore:
         self.seal(ids)
         crash_point("blocks.after_records")
 
-    def drop(self, t: Txn, ids: np.ndarray) -> np.ndarray:
-        """Drop one reference to each block; return the unindexed ones that reached zero."""
+    def drop(self, t: Txn, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Drop one reference to each block: (unindexed ones now unreferenced, ones already free).
+
+        A block that is not ALLOCATED with a positive refcount is already free: it is left
+        untouched and returned as a double free.
+        """
+        ids = np.asarray(ids, np.int64)
         if len(ids) == 0:
-            return ids
+            return ids, ids
+        live = (self.state[ids] == BlockState.ALLOCATED) & (self.refcount[ids] > 0)
+        already, ids = ids[~live], ids[live]
+        if len(ids) == 0:
+            return ids, already
         self.save(t, ids)
         self.refcount[ids] -= 1
         now = now_ns()
@@ -238,7 +247,7 @@ class BlockStore:
         idx = zero[self.indexed[zero] == 1]
         self.state[idx] = BlockState.CACHED
         self.seal(ids)
-        return zero[self.indexed[zero] == 0]
+        return zero[self.indexed[zero] == 0], already
 
     def give_back(self, t: Txn, ids: np.ndarray) -> None:
         """Blocks with no references left: into the local cache, the rest to the ring."""

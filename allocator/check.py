@@ -195,14 +195,15 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     )
     r.blocks(
         FindingKind.USE_AFTER_FREE,
-        ids[(refs > 0) & freed & (in_ring <= 1) & ~corrupt],
+        ids[(refs > 0) & (freed | (state == BlockState.CACHED)) & (in_ring <= 1) & ~corrupt],
         lambda x: (
             f"block is {BlockState(int(state[x])).name} but {int(refs[x])} live sequence(s) still map it"
         ),
     )
+    in_free_state = (state == BlockState.FREE) | (state == BlockState.QUARANTINED)
     r.blocks(
         FindingKind.FREE_LIST_CORRUPT,
-        ids[(state == BlockState.FREE) & (in_ring == 0) & ~corrupt],
+        ids[in_free_state & (in_ring == 0) & ~corrupt],
         lambda x: "block is FREE but not in the free ring: it can never be allocated again",
     )
 
@@ -296,7 +297,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         )
 
     # Header counters against the blocks.
-    n_free = int((state == BlockState.FREE).sum())
+    n_free = int(((state == BlockState.FREE) | (state == BlockState.QUARANTINED)).sum())
     if count != n_free and not (in_ring > 1).any():
         r.add(
             Finding("free_list_corrupt", f"free ring count is {count} but {n_free} blocks are FREE")

@@ -75,7 +75,11 @@ class Finding:
 
 
 def write_finding(view, t, f: Finding) -> None:
-    """Append a finding to the segment's findings ring (caller holds the findings lock)."""
+    """Append a finding to the segment's findings ring (caller holds the findings lock).
+
+    t None: no undo journal (a probe holding the findings lock raw); the record is written
+    before the head moves, so a crash in between leaves nothing to undo.
+    """
     from kvscope.allocator.layout import FINDINGS_CAPACITY
     from kvscope.allocator.process import now_ns
 
@@ -83,8 +87,9 @@ def write_finding(view, t, f: Finding) -> None:
     head = int(h["findings_head"][0])
     i = head % FINDINGS_CAPACITY
     rec_size = view.findings.dtype.itemsize
-    t.journal.save(view.offsets["findings"] + i * rec_size, rec_size)
-    t.journal.save(h.dtype.fields["findings_head"][1], 8)
+    if t is not None:
+        t.journal.save(view.offsets["findings"] + i * rec_size, rec_size)
+        t.journal.save(h.dtype.fields["findings_head"][1], 8)
     r = view.findings[i : i + 1]
     r["time_ns"] = now_ns()
     r["kind"] = f.kind.encode()

@@ -52,6 +52,7 @@ class LockTable:
         self.tlocks: list[threading.Lock] = mf.tlocks  # type: ignore[attr-defined]
         self.pid, self.start, self.client = pid, start, client
         # Probe hooks (lockdep, watchdog): None when off, so the cost is one attribute check.
+        # on_release(i) also follows a failed acquisition announced by on_acquire(i).
         self.on_acquire: Callable[[int], None] | None = None
         self.on_release: Callable[[int], None] | None = None
 
@@ -81,6 +82,8 @@ class LockTable:
                 fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, off)
         except OSError as e:
             self.tlocks[i].release()
+            if self.on_release is not None:
+                self.on_release(i)
             if e.errno == errno.EDEADLK:
                 raise LockDeadlock(
                     f"taking pool lock {self.names[i]!r} would deadlock with another process "
@@ -92,6 +95,8 @@ class LockTable:
             if not recovering:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, off)
                 self.tlocks[i].release()
+                if self.on_release is not None:
+                    self.on_release(i)
                 raise DeadHolder(i, dead)
             if on_dead is not None:
                 on_dead(i, dead, int(self.holder_client[i]))

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from kvscope.allocator import kvdata
+from kvscope.allocator import faults, kvdata
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
@@ -22,6 +22,7 @@ from kvscope.allocator.layout import (
     SegmentView,
 )
 from kvscope.allocator.locks import DeadHolder, LockTable
+from kvscope.allocator.probing import PoolProbes, ProbeFlags, env_flag
 from kvscope.allocator.process import my_identity, now_ns
 from kvscope.allocator.segment import (
     check_name,
@@ -78,9 +79,12 @@ class KVPool(SequenceOps):
         self._seqs: dict[int, Sequence] = {}
         self._uid = id(self)
         # Probe hooks: None when off (one attribute check per operation).
-        self.on_event: Callable[..., None] | None = None
         self.site_of: Callable[[], int] | None = None
         self.on_finding: Callable[[Any], None] | None = None
+        flags = ProbeFlags.from_env(int(view.h["flags"]))
+        self.probe: PoolProbes | None = PoolProbes(self, flags) if flags.any() else None
+        if self.probe is not None and self.probe.sites is not None:
+            self.site_of = self.probe.sites.site
         for hook in OPEN_HOOKS:
             hook(self)
 
@@ -91,6 +95,10 @@ class KVPool(SequenceOps):
         """Create a new pool named `name`; PoolError if one exists or it cannot fit."""
         check_name(name)
         cfg = config.resolved()
+        # Under `kvscope run --guard` (KVSCOPE_GUARD=1) every pool gets guard slots.
+        cfg.guard = cfg.guard or env_flag("GUARD")
+        cfg.events = cfg.events or env_flag("EVENTS")
+        cfg.lockdep = cfg.lockdep or env_flag("LOCKDEP")
         layout = Layout(
             cfg.num_blocks,
             cfg.block_size,
@@ -113,6 +121,10 @@ class KVPool(SequenceOps):
                 kv, blob = kvdata.create_cuda(cfg)
                 view.header["cuda_ipc_len"] = len(blob)
                 view.header["cuda_ipc"] = blob
+            if cfg.guard:
+                from kvscope.kernels import fill_guard
+
+                fill_guard(kv)
             seal_header(view)
         except BaseException:
             release(mf)
@@ -229,6 +241,8 @@ class KVPool(SequenceOps):
         self.close()
 
     def _check_process(self) -> None:
+        if self.probe is not None and self.probe.flags.magic:
+            self.probe.verify()
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")
         if os.getpid() != self.pid:
@@ -245,7 +259,10 @@ class KVPool(SequenceOps):
         with self._mutex:
             while True:
                 try:
-                    with Txn(self.locks, self.journal, self._client_seq, locks) as t:
+                    order = locks
+                    if faults.ARMED and len(locks) > 1 and faults.fire("lock-inversion"):
+                        order = sorted(locks, reverse=True)
+                    with Txn(self.locks, self.journal, self._client_seq, order) as t:
                         return fn(t)
                 except Escalate as e:
                     locks = e.locks
@@ -295,6 +312,23 @@ class KVPool(SequenceOps):
         from kvscope.allocator.findings import read_findings
 
         return read_findings(self.view)
+
+    def verify(self) -> list:
+        """Cheap per-step check (header magic, version, checksum); findings, reported once."""
+        self._check_process()
+        if self.probe is None:
+            from kvscope.allocator.probing import PoolProbes, ProbeFlags
+
+            self.probe = PoolProbes(self, ProbeFlags(magic=True))
+        return self.probe.verify()
+
+    def block_state(self) -> torch.Tensor:
+        """uint8 [num_blocks] on the pool's device, 1 where a block is ALLOCATED (for the
+        kernels' guard-mode checks)."""
+        from kvscope.allocator.layout import BlockState
+
+        st = (self.view.blocks["state"] == BlockState.ALLOCATED).astype(np.uint8)
+        return torch.from_numpy(st).to(self.kv.device)
 
     def dead_owners(self) -> list[dict[str, Any]]:
         """Processes that died while attached, with the blocks and sequences they left."""

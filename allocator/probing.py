@@ -176,32 +176,34 @@ class PoolProbes:
                         blk,
                         f"request {request!r} ended but its block is still allocated (refcount {int(b['refcount'][blk])}) and no sequence maps it",
                     )
-        if self.flags.guard:
-            self.check_guard(ids)
 
     # -- guard mode -----------------------------------------------------------------------------
 
-    def check_guard(self, ids: list[int]) -> list[int]:
-        """Scan the guard slots of blocks, report violations, restore their canary."""
+    def scan_guard(self, ids) -> list[int]:
+        """Blocks among ids whose guard slot changed (their canary is restored)."""
         from kvscope.kernels import fill_guard, guard_scan
 
-        kv = self.pool.kv
-        bad = guard_scan(kv, blocks=list(ids))
+        bad = guard_scan(self.pool.kv, blocks=[int(x) for x in ids])
+        if bad:
+            fill_guard(self.pool.kv, blocks=list(bad))
+        return list(bad)
+
+    def report_guard(self, bad: list[int]) -> None:
+        """Report guard violations found by scan_guard."""
         for blk in bad:
+            if self.recorder is not None:
+                self.recorder.record(EventOp.GUARD_VIOLATION, [blk])
             self.block_finding(
                 "guard_violation",
                 blk,
                 "the guard slot after the block's last token was overwritten: a KV write ran past the end of the block",
             )
-        if bad:
-            fill_guard(kv, blocks=list(bad))
-        return bad
 
     def poison(self, ids: list[int]) -> None:
         """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention."""
-        if ids and self.pool.kv.dtype.is_floating_point:
+        if len(ids) and self.pool.kv.dtype.is_floating_point:
             bs = self.pool.block_size
-            self.pool.kv[:, :, list(ids), :bs] = float("nan")
+            self.pool.kv[:, :, [int(x) for x in ids], :bs] = float("nan")
 
 
 def _field_at(offset: int) -> str:

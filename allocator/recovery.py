@@ -111,7 +111,7 @@ def reclaim_dead(pool: KVPool) -> dict[str, int]:
 
                 def drop_tail(t: Txn, s: int = s, k: int = k, keep: int = keep) -> int:
                     ids = seqs["table"][s, keep:k].astype(np.int64)
-                    zero = store.drop(t, ids)
+                    zero, _ = store.drop(t, ids)
                     store.ring_push(t, zero)
                     seqtab.write_blocks(t, s, keep, [])
                     if keep == 0:

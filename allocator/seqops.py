@@ -8,9 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.errors import PoolError, PoolExhausted
-from kvscope.allocator.layout import BlockState, SeqState
+from kvscope.allocator.events import EventOp
+from kvscope.allocator.layout import BlockState, SeqState, block_checksums
 from kvscope.allocator.prefix import chain_hashes, chain_one, key_of, keys_of
 from kvscope.allocator.process import now_ns
 from kvscope.allocator.sequence import STATE_NAMES, Sequence, request_bytes
@@ -74,6 +76,8 @@ class SequenceOps:
         if not waiting:
             return False
         seq = min(waiting, key=lambda s: s.seq_id)
+        if self.probe is not None:
+            self.probe.event(t, EventOp.PREEMPT, seq.block_table, request_bytes(seq.request_id))
         self._release_blocks(t, seq, 0)
         self.view.seqs["state"][seq.slot] = SeqState.PREEMPTED
         self._count(t, "num_preemptions")
@@ -139,12 +143,23 @@ class SequenceOps:
         if int(self.store.local_count[0]) < n_blocks:
             locks.add(self.FREE)
         rb = request_bytes(request_id)
+        site = self._site()
 
         def op(t: Txn) -> Sequence:
             slot, seq_id = self.seqtab.claim(t, rb, self.pid, self.start, self.client)
             hits = self._match(t, keys, tokens, max_hits)
             first = min(n_blocks, len(hits) + CHUNK)
-            new = self._take(t, first - len(hits), rb)
+            new = self._take(t, first - len(hits), rb, site=site)
+            if faults.ARMED and len(new) and faults.fire("refcount-skew"):
+                # A reference taken twice: the refcount no longer matches the block tables.
+                self.store.save(t, new[:1])
+                self.view.blocks["refcount"][new[:1]] += 1
+                self.store.seal(new[:1])
+            if self.probe is not None:
+                self.probe.event(t, EventOp.PREFIX_HIT, hits, rb)
+                self.probe.event(t, EventOp.ALLOCATE, new, rb, arg=seq_id)
+                if len(hits) < max_hits:
+                    self.probe.event(t, EventOp.PREFIX_MISS, [], rb, arg=max_hits - len(hits))
             table = hits + new.tolist()
             self.seqtab.write_blocks(t, slot, 0, table)
             self._fill(table, len(hits) * bs, tokens[len(hits) * bs : first * bs])
@@ -259,24 +274,29 @@ class SequenceOps:
         if cow and b["indexed"][last]:
             locks |= self.store.shard_locks_for(np.array([last]))
         rb = request_bytes(seq.request_id)
+        site = self._site()
 
         def op(t: Txn) -> tuple[list[int], list[tuple[int, int]]]:
             table = list(seq.block_table)
             copies: list[tuple[int, int]] = []
             if cow:
-                (dst,) = self._take(t, 1, rb, seq.slot).tolist()
+                (dst,) = self._take(t, 1, rb, seq.slot, site).tolist()
                 src = table[-1]
                 b["tokens"][dst] = b["tokens"][src]
                 b["num_tokens"][dst] = b["num_tokens"][src]
-                self.store.drop(t, np.array([src]))
+                self.store.drop(t, np.array([src]))  # src stays shared: refcount > 1
                 self.seqtab.set_blocks(t, seq.slot, len(table) - 1, dst)
                 self.store.seal(np.array([dst]))
                 table[-1] = dst
                 copies.append((src, dst))
+                if self.probe is not None:
+                    self.probe.event(t, EventOp.COW, [src], rb, arg=dst)
                 self._count(t, "num_cow")
             if need_blocks > 0:
-                new = self._take(t, need_blocks, rb, seq.slot)
+                new = self._take(t, need_blocks, rb, seq.slot, site)
                 self.seqtab.write_blocks(t, seq.slot, len(table), new.tolist())
+                if self.probe is not None:
+                    self.probe.event(t, EventOp.ALLOCATE, new, rb, arg=seq.seq_id)
                 table += new.tolist()
             self._fill(table, n_old, tokens)
             self.view.seqs["num_tokens"][seq.slot] = n_new
@@ -286,7 +306,24 @@ class SequenceOps:
         seq.block_table = table
         seq.tokens.extend(tokens)
         self._extend_chain(seq)
+        if faults.ARMED:
+            self._append_faults(seq)
         return copies
+
+    def _append_faults(self, seq: Sequence) -> None:
+        """Faults that strike while a sequence grows: a KV write past its block, scribbles."""
+        if faults.fire("oob-write"):
+            blk = seq.block_table[-1]
+            # One slot past the block's last token: the guard slot, or the next block's slot 0.
+            flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[4:])
+            flat[:, :, blk * self.slots_per_block + self.block_size] = 1.0
+        if faults.fire("header-scribble"):
+            off = self.view.header.dtype.fields["num_blocks"][1]
+            self.view.raw[off : off + 4] = np.frombuffer(b"\xde\xad\xbe\xef", np.uint8)
+        if faults.fire("block-scribble"):
+            blk = seq.block_table[0]
+            # Raw bytes over the refcount, not through the allocator: the checksum no longer matches.
+            self.view.blocks["refcount"][blk] = 0x5A5A5A5A
 
     def _extend_chain(self, seq: Sequence) -> None:
         """Hash blocks that became full (their keys are recorded, not yet indexed)."""
@@ -354,6 +391,8 @@ class SequenceOps:
                 self.store.seal(ids)
             self.seqtab.write_blocks(t, slot, 0, ids)
             self.view.seqs["num_tokens"][slot] = len(seq.tokens)
+            if self.probe is not None:
+                self.probe.event(t, EventOp.FORK, ids, rb, arg=seq.seq_id)
             self._count(t, "num_forks")
             return Sequence(
                 request_id=str(request_id),
@@ -371,16 +410,47 @@ class SequenceOps:
         self._seqs[child.slot] = child
         return child
 
-    def _release_blocks(self, t: Txn, seq: Sequence, keep: int) -> None:
+    def _release_blocks(
+        self, t: Txn, seq: Sequence, keep: int, *, skip: tuple[int, ...] = (), keep_table: bool = False
+    ) -> None:
         """Drop seq's references to table[keep:] (the caller holds the needed locks)."""
         ids = np.asarray(seq.block_table[keep:], np.int64)
         t.need(*self.store.shard_locks_for(ids))
-        zero = self.store.drop(t, ids)
+        probe = self.probe
+        rb = request_bytes(seq.request_id)
+        if probe is not None and probe.flags.magic:
+            # Never build on a record something else scribbled over: report it and leave it.
+            bad = ids[block_checksums(self.view.blocks, ids) != self.view.blocks["checksum"][ids]]
+            for blk in bad.tolist():
+                t.after_commit.append(lambda blk=blk: probe.block_finding(
+                    "block_header_corrupt", blk,
+                    "block record checksum mismatch when its request released it: its header was overwritten outside the allocator",
+                ))
+            ids = ids[~np.isin(ids, bad)]
+        drop_ids = ids[~np.isin(ids, skip)] if skip else ids
+        zero, already = self.store.drop(t, drop_ids)
+        for blk in already.tolist():
+            if probe is not None:
+                t.after_commit.append(lambda blk=blk: probe.block_finding(
+                    "double_free", blk, f"block released by request {seq.request_id!r} but it was already free",
+                ))
         if len(zero):
-            if int(self.store.local_count[0]) + len(zero) > 2 * self.store.local_cap:
+            if probe is not None and probe.flags.guard:
+                bad_guard = probe.scan_guard(zero)
+                t.after_commit.append(lambda: probe.report_guard(bad_guard))
+                probe.poison(zero)
+                # Quarantine: freed blocks go to the tail of the FIFO ring, never the local cache.
                 t.need(self.FREE)
-            self.store.give_back(t, zero)
-        self.seqtab.write_blocks(t, seq.slot, keep, [])
+                self.store.ring_push(t, zero, BlockState.QUARANTINED)
+            else:
+                if int(self.store.local_count[0]) + len(zero) > 2 * self.store.local_cap:
+                    t.need(self.FREE)
+                self.store.give_back(t, zero)
+        if not keep_table:
+            self.seqtab.write_blocks(t, seq.slot, keep, [])
+        if probe is not None:
+            op = EventOp.ABORT if seq.state == "aborted" else EventOp.FREE
+            probe.event(t, op, drop_ids, rb)
         self._count(t, "num_frees", len(ids))
 
     def free(self, seq: Sequence) -> None:
@@ -397,21 +467,58 @@ class SequenceOps:
         while len(seq.block_table) > CHUNK:
             keep = len(seq.block_table) - CHUNK
             self._release_tail(seq, keep)
-        ids = np.asarray(seq.block_table, np.int64)
+        table = list(seq.block_table)
+        ids = np.asarray(table, np.int64)
         locks = {self.SEQS} | self.store.shard_locks_for(ids)
-        if int(self.store.local_count[0]) + len(ids) > 2 * self.store.local_cap:
+        guard = self.probe is not None and self.probe.flags.guard
+        if guard or int(self.store.local_count[0]) + len(ids) > 2 * self.store.local_cap:
             locks.add(self.FREE)
+        if self.probe is not None:
+            self.probe.before_release(table, seq.request_id)
+        skip, stale = self._end_faults(seq, ids)
 
         def op(t: Txn) -> None:
-            self._release_blocks(t, seq, 0)
-            self.view.seqs["state"][seq.slot] = final
-            self.seqtab.release(t, seq.slot)
+            self._release_blocks(t, seq, 0, skip=skip, keep_table=stale)
+            if not stale:
+                self.view.seqs["state"][seq.slot] = final
+                self.seqtab.release(t, seq.slot)
 
         self._run(locks, op)
         self._seqs.pop(seq.slot, None)
         seq.block_table = []
         seq.state = final.name.lower()
         seq.slot = -1
+        if self.probe is not None:
+            self.probe.after_release(table, seq.request_id)
+        if faults.ARMED and faults.fire("double-free"):
+            self._release_again(table)
+
+    def _end_faults(self, seq: Sequence, ids: np.ndarray) -> tuple[tuple[int, ...], bool]:
+        """Faults that strike when a request ends: (blocks to leak, keep the stale table)."""
+        if not faults.ARMED:
+            return (), False
+        own = [int(b) for b in ids if not self.view.blocks["indexed"][b]]
+        if own and faults.fire("leak"):
+            return (own[-1],), False
+        if faults.fire("use-after-free"):
+            # The request's blocks are freed but its table stays live and mapped.
+            return (), True
+        if faults.fire("kill-holding-lock"):
+            from kvscope.allocator import crash
+
+            crash.configure("txn.after_locks:1")
+        return (), False
+
+    def _release_again(self, table: list[int]) -> None:
+        """The double-free fault: release one of a finished request's blocks a second time."""
+        own = [b for b in table if self.view.blocks["state"][b] != BlockState.CACHED]
+        if not own:
+            return
+        blk = np.array(own[-1:], np.int64)
+        already = self._run({self.FREE}, lambda t: self.store.drop(t, blk)[1])
+        if self.probe is not None:
+            for b in already.tolist():
+                self.probe.block_finding("double_free", b, "block released a second time after its request ended: it is already free")
 
     def _release_tail(self, seq: Sequence, keep: int) -> None:
         ids = np.asarray(seq.block_table[keep:], np.int64)

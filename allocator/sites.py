@@ -24,7 +24,9 @@ def caller_site() -> str:
     while f is not None:
         name = f.f_code.co_filename
         if not name.startswith(_KVSCOPE_DIRS) and not name.endswith(_SKIP):
-            return f"{os.path.relpath(name) if not name.startswith('<') else name}:{f.f_lineno} {f.f_code.co_name}"
+            cwd = os.getcwd() + os.sep
+            shown = name[len(cwd) :] if name.startswith(cwd) else name
+            return f"{shown}:{f.f_lineno} {f.f_code.co_name}"
         f = f.f_back
     return "<kvscope>"
 

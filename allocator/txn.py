@@ -24,11 +24,13 @@ class Escalate(Exception):
 class Txn:
     """Context manager: lock in order, journal every write, commit or roll back, unlock."""
 
-    def __init__(self, locks: LockTable, journal: Journal, client_seq: np.ndarray, held: set[int]):
+    def __init__(self, locks: LockTable, journal: Journal, client_seq: np.ndarray, held: set[int] | list[int]):
         self.lock_table = locks
         self.journal = journal
         self.client_seq = client_seq
-        self.held = sorted(held)
+        # Locks are taken in the one documented order (a list keeps a caller's order: the
+        # lock-inversion fault).
+        self.held = list(held) if isinstance(held, list) else sorted(held)
         self.held_set = set(held)
         self.after_commit: list[Callable[[], None]] = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ pool.unlink()
 EXPECTED = {
     "double-free": "double_free",
     "leak": "leak_finished",
-    "oob-write": "out_of_bounds",
+    "oob-write": "guard_violation",  # guard mode is on under kvscope run
     "header-scribble": "header_corrupt",
     "block-scribble": "block_header_corrupt",
     "use-after-free": "use_after_free",
@@ -54,18 +55,31 @@ def test_faults_reach_the_child_environment(tmp_path):
     ]
 
 
-@pytest.mark.xfail(reason="needs probes (issue 5)", strict=False)
+SERVE = str(Path(__file__).resolve().parent.parent / "examples" / "serve.py")
+# Faults about one block must name it and its owner.
+BLOCK_FAULTS = {"double-free", "leak", "oob-write", "block-scribble", "use-after-free", "refcount-skew"}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
-def test_injected_fault_produces_its_finding(capfd, tmp_path, pool_name, monkeypatch, fault):
-    # GIVEN a clean workload, WHEN run with one injected fault
+def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault):
+    # GIVEN the example server, WHEN run under kvscope with one injected fault
     monkeypatch.chdir(tmp_path)
-    path = tmp_path / "work.py"
-    path.write_text(WORKLOAD)
-    main(["run", "--inject", fault, "--dump-dir", str(tmp_path), str(path), pool_name])
+    code = main(["run", "--fail-on", "leak", "--inject", fault, "--dump-dir", str(tmp_path), SERVE, "--requests", "16", "--no-progress"])
     err = capfd.readouterr().err
-    # THEN its finding is printed as it happens and the dump's analysis holds it
+    # THEN the run fails, its finding is printed as it happens and the dump's analysis holds it
+    assert code != 0
     assert EXPECTED[fault] in err
     (dump,) = glob.glob(str(tmp_path / "kvscope-*.kvd"))
     view, dh = read_dump(dump)
     rep = analyze_view(view, alive=alive_for(dh), dump_header=dh)
-    assert EXPECTED[fault] in {f["kind"] for f in rep["findings"]}
+    found = [f for f in rep["findings"] if f["kind"] == EXPECTED[fault]]
+    assert found, f"{fault}: no {EXPECTED[fault]} in {[f['kind'] for f in rep['findings']]}"
+    pid = int(dh["pid"])
+    if fault in BLOCK_FAULTS:
+        # ... with the right block and owner
+        assert any(f["block"] is not None and f["owner_pid"] == pid for f in found)
+    elif fault == "kill-holding-lock":
+        assert any(f["owner_pid"] == pid for f in found)
+    elif fault == "lock-inversion":
+        assert f"pid {pid}" in found[0]["message"]
