@@ -8,7 +8,6 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.sites import site_text
 

@@ -25,7 +25,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from types import FrameType, SimpleNamespace
+from types import FrameType
 from typing import Any, NamedTuple
 
 import kvscope.allocator
@@ -47,7 +47,6 @@ _OWN_DIRS = tuple(
 _GLUE = ("contextlib.py", "threading.py")
 # write_finding's txn argument for ring writes made under a raw findings lock: the ring head
 # moves after the record is written, so a crash in between leaves nothing to undo.
-UNJOURNALED = SimpleNamespace(journal=SimpleNamespace(save=lambda offset, length: None))
 
 
 class Edge(NamedTuple):
@@ -205,7 +204,7 @@ class SegmentGraph:
 
     def write(self, f: Finding) -> None:
         """Append a finding to the segment's ring (caller holds `locked`)."""
-        write_finding(self.pool.view, UNJOURNALED, f)
+        write_finding(self.pool.view, None, f)
 
     def notify(self, f: Finding) -> None:
         """Hand a finding to the pool's probe callback."""
