@@ -285,10 +285,14 @@ class Layout:
     max_clients: int
     num_shards: int
     event_capacity: int
+    # 0: derived from the block count (new pools); an existing pool's header records its own.
+    index_slots: int = 0
 
     @property
     def index_capacity(self) -> int:
         """Prefix-index slots: a power of two at least 4x the blocks, 64 per shard at least."""
+        if self.index_slots:
+            return self.index_slots
         cap = 1
         while cap < 4 * self.num_blocks:
             cap *= 2
@@ -336,6 +340,7 @@ class Layout:
             max_clients=int(h["max_clients"]),
             num_shards=int(h["num_shards"]),
             event_capacity=int(h["event_capacity"]),
+            index_slots=int(h["index_capacity"]),
         )
 
 
