@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pool-name", default="", help="pool name (default serve-PID)")
     c.add_argument("--keep-pool", action="store_true", help="leave the pool for kvscope top")
     c.add_argument("--guard", action="store_true", help="pool guard mode (a guard slot per block)")
+    c.add_argument(
+        "--no-prefix-cache", action="store_true", help="never share computed prefix blocks"
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
     o.add_argument("--outputs", type=Path, help="write every request's tokens here (JSONL)")
@@ -124,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         pool_name=args.pool_name,
         keep_pool=args.keep_pool,
         guard=args.guard,
+        prefix_cache=not args.no_prefix_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         prefill_chunk=args.prefill_chunk,

@@ -63,6 +63,7 @@ class Engine:
         seed: int = 0,
         exclusive: bool = True,
         worker: int = 0,
+        prefix_cache: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
@@ -72,6 +73,8 @@ class Engine:
         # exclusive: no other process allocates from this cache, so a stall is final
         self.exclusive = exclusive
         self.worker = worker
+        # False: never publish computed blocks (the "prefix caching off" baseline)
+        self.prefix_cache = prefix_cache
         self.clock = clock
         self.start_s = clock()
         # the static layout reserves everything at admission: no headroom to keep
@@ -159,6 +162,8 @@ class Engine:
     def _publish(self, stream: Stream) -> None:
         """Tell the pool which full blocks now hold computed K/V, so others can reuse them."""
         block_size = self.cache.config.block_size
+        if not self.prefix_cache:
+            return
         if stream.num_computed // block_size > stream.num_published // block_size:
             self.cache.mark_computed(stream.seq, stream.num_computed)
             stream.num_published = stream.num_computed

@@ -33,6 +33,7 @@ class RunConfig:
     pool_name: str = ""
     keep_pool: bool = False
     guard: bool = False
+    prefix_cache: bool = True
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     prefill_chunk: int = 64
@@ -123,6 +124,7 @@ def make_engine(config: RunConfig, model: LlamaModel, cache: Any, worker: int) -
         seed=config.seed,
         exclusive=config.workers == 1 or config.baseline == "static",
         worker=worker,
+        prefix_cache=config.prefix_cache,
     )
 
 

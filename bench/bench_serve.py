@@ -1,0 +1,88 @@
+"""The example server on the GPU: paged pool vs static reservation, prefix sharing on vs off.
+
+    python bench/bench_serve.py --device cuda          # on the H200 (docs/BENCHMARKS.md)
+    python bench/bench_serve.py --device cpu --quick   # smoke test
+
+A random-weight Llama checkpoint (~110M parameters) is written to a temporary directory; the
+same seeded workload (256 requests arriving at once, 70% behind one of 10 shared 256-token
+system prompts) is served three ways, each in its own process, and the summaries are printed
+side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+sys.path.insert(0, EXAMPLES)
+
+
+def write_model(directory: str, quick: bool) -> None:
+    from server.checkpoint import save_model, tiny_model
+    from server.model import ModelConfig
+    from pathlib import Path
+
+    cfg = (
+        ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+        if quick
+        else ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64)
+    )
+    save_model(tiny_model(seed=0, config=cfg), Path(directory))
+
+
+def serve(model: str, device: str, extra: list[str], quick: bool) -> dict:
+    n = "32" if quick else "256"
+    cmd = [
+        sys.executable, os.path.join(EXAMPLES, "serve.py"), "--model", model, "--device", device,
+        "--json", "--no-progress", "--requests", n, "--rate", "0",
+        "--prompt-len", "32:256", "--output-len", "32:192",
+        "--num-prefixes", "10", "--prefix-share", "0.7", "--prefix-len", "256:256",
+        "--num-blocks", "64" if quick else "1024", "--block-size", "16",
+        "--max-num-seqs", "128", "--max-batched-tokens", "4096", "--prefill-chunk", "512",
+        *extra,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", help="also write the raw summaries here")
+    args = ap.parse_args(argv)
+    cases = {
+        "paged + prefix sharing": [],
+        "paged, prefix sharing off": ["--no-prefix-cache"],
+        "static reservation (max_len)": ["--baseline", "static"],
+    }
+    with tempfile.TemporaryDirectory() as model:
+        write_model(model, args.quick)
+        results = {name: serve(model, args.device, extra, args.quick) for name, extra in cases.items()}
+    keys = [
+        ("output tokens/s", "output_tokens_per_s", "{:,.0f}"),
+        ("KV utilization", "kv_utilization", "{:.1%}"),
+        ("internal fragmentation", "internal_fragmentation", "{:.1%}"),
+        ("peak concurrent requests", "peak_concurrent_requests", "{}"),
+        ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+        ("preemptions", "preemptions", "{}"),
+        ("duration (s)", "duration_s", "{:.2f}"),
+    ]
+    print("| metric | " + " | ".join(results) + " |")
+    print("|---|" + "---:|" * len(results))
+    for label, key, fmt in keys:
+        print(f"| {label} | " + " | ".join(fmt.format(r.get(key, float('nan'))) for r in results.values()) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
