@@ -124,7 +124,7 @@ class KVPoolInstrumentor:
         given = list(pools) if pools is not None else None
         for name in WRAPPED:
             if given is None:
-                self._patch(KVPool, name, self._wrap(name, KVPool.__dict__[name]))
+                self._patch(KVPool, name, self._wrap(name, getattr(KVPool, name)))
             for p in given or []:
                 self._patch(p, name, types.MethodType(self._wrap(name, getattr(KVPool, name)), p))
         for p in given or []:

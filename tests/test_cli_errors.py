@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
 
+from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
 
@@ -77,7 +77,7 @@ def test_analyze_other_segment_version(capsys, dump):
     off = DUMP_HEADER_DTYPE.itemsize + HEADER_DTYPE.fields["version"][1]
     raw[off : off + 4] = (7).to_bytes(4, "little")
     # The saved header copy names version 7 too: nothing in the file is readable by us.
-    saved = DUMP_HEADER_DTYPE.fields["reserved"][1] + HEADER_DTYPE.fields["version"][1]
+    saved = DUMP_HEADER_DTYPE.fields["segment_header_prefix"][1] + HEADER_DTYPE.fields["version"][1]
     raw[saved : saved + 4] = (7).to_bytes(4, "little")
     dump.write_bytes(bytes(raw))
     assert main(["analyze", str(dump)]) == 2

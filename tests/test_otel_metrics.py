@@ -7,9 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from kvscope.allocator import Finding, KVPool
-from kvscope.probes.otel import KVPoolInstrumentor
-from kvscope.probes.otel_metrics import POOL_METRICS
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 from opentelemetry.sdk.metrics import MeterProvider
@@ -17,6 +14,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvscope.allocator import Finding, KVPool
+from kvscope.probes.otel import KVPoolInstrumentor
+from kvscope.probes.otel_metrics import POOL_METRICS
 
 BS = 4
 # 1 layer x (K, V) x 4 slots x 2 heads x 8 dims x 4 bytes.
@@ -251,17 +252,17 @@ def test_a_pool_used_by_two_processes_is_counted_once(otel, make_pool):
 
 def test_uninstrument_restores_everything(otel, make_pool):
     pool = make_pool(16, block_size=BS)
-    before = {n: KVPool.__dict__[n] for n in ("allocate", "free", "append", "fork")}
+    before = {n: getattr(KVPool, n) for n in ("allocate", "free", "append", "fork")}
     otel.instrument(pools=[pool])
     assert "allocate" in vars(pool) and "acquire" in vars(pool.locks)
-    assert KVPool.__dict__["allocate"] is before["allocate"]
+    assert getattr(KVPool, "allocate") is before["allocate"]
     otel.inst.uninstrument()
     assert "allocate" not in vars(pool) and "acquire" not in vars(pool.locks)
     assert pool.on_finding is None
     otel.instrument()
-    assert KVPool.__dict__["allocate"] is not before["allocate"]
+    assert getattr(KVPool, "allocate") is not before["allocate"]
     otel.inst.uninstrument()
-    assert {n: KVPool.__dict__[n] for n in before} == before
+    assert {n: getattr(KVPool, n) for n in before} == before
     # AND an uninstrumented pool records nothing more
     pool.free(pool.allocate("x", [1, 2, 3]))
     assert "kvscope.pool.operation.duration" not in otel.metrics()
@@ -271,7 +272,6 @@ def test_every_exported_metric_is_documented(otel, make_pool):
     from pathlib import Path
 
     from kvscope.probes.nvml import GpuMetrics
-
     from tests.test_otel_nvml import FakeNvml, collect
 
     # GIVEN every metric this process and the fake GPU export after a run with a finding
