@@ -1,0 +1,112 @@
+"""Cost of each probe on the pool's hot operations, and of the undo journal, in one run.
+
+    python bench/bench_probes.py            # ~1 minute
+    python bench/bench_probes.py --quick
+
+Workload per iteration: allocate a 40-token prompt, append 8 tokens one at a time, publish the
+full blocks, free (one core pinned, GC off, median of --repeat runs). Each configuration gets
+a fresh pool; probes are switched by the same KVSCOPE_* variables `kvscope run` sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import timeit
+import uuid
+
+from kvscope.allocator import KVPool, PoolConfig
+
+PROBE_VARS = ("KVSCOPE_MAGIC", "KVSCOPE_OWNERSHIP", "KVSCOPE_GUARD", "KVSCOPE_LEAKS", "KVSCOPE_EVENTS", "KVSCOPE_LOCKDEP")
+
+
+def make(env: dict[str, str]) -> KVPool:
+    for k in PROBE_VARS:
+        os.environ[k] = env.get(k, "0")
+    os.environ.pop("KVSCOPE_RUN_DIR", None)
+    pool = KVPool.create(f"bprobe-{uuid.uuid4().hex[:8]}", PoolConfig(num_blocks=4096, block_size=16, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16"))
+    if env.get("KVSCOPE_LOCKDEP") == "1":
+        from kvscope.probes import lockdep
+
+        lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+    return pool
+
+
+def workload(pool: KVPool, n: int) -> float:
+    """Iterations per second."""
+    prompt = list(range(40))
+    t = time.perf_counter()
+    for i in range(n):
+        prompt[0] = i
+        s = pool.allocate("b", prompt)
+        for k in range(8):
+            pool.append(s, [k])
+        pool.mark_computed(s, s.num_tokens)
+        pool.free(s)
+    return n / (time.perf_counter() - t)
+
+
+def no_journal(pool: KVPool) -> None:
+    """The same pool with journal writes turned into no-ops (for the journaling cost only)."""
+    j = pool.journal
+    j.save = lambda offset, length: None  # type: ignore[method-assign]
+    j.save_records = lambda array, base, ids: None  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    n = 200 if args.quick else 1000
+    reps = 1 if args.quick else args.repeat
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    gc.disable()
+    configs = {
+        "every probe off": {},
+        "undo journal off (not a real mode)": {"_nojournal": "1"},
+        "magic": {"KVSCOPE_MAGIC": "1"},
+        "ownership (sites)": {"KVSCOPE_OWNERSHIP": "1"},
+        "events (flight recorder)": {"KVSCOPE_EVENTS": "1"},
+        "leaks (per-request checks)": {"KVSCOPE_LEAKS": "1"},
+        "guard (canary scan, poison, quarantine)": {"KVSCOPE_GUARD": "1"},
+        "lockdep": {"KVSCOPE_LOCKDEP": "1"},
+        "all probes (as under kvscope run)": {k: "1" for k in PROBE_VARS},
+    }
+    pools = {name: make(env) for name, env in configs.items()}
+    no_journal(pools["undo journal off (not a real mode)"])
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    try:
+        for pool in pools.values():
+            workload(pool, n // 4)  # warm-up
+        for _ in range(reps):
+            # Interleaved rounds: every configuration sees the same machine conditions.
+            for name, pool in pools.items():
+                rates[name].append(workload(pool, n))
+    finally:
+        for pool in pools.values():
+            pool.close()
+            pool.unlink()
+    base = statistics.median(rates["every probe off"])
+    # The cost of the hooks themselves when off: one `is not None` check each.
+    probe = None
+    check_ns = min(timeit.repeat("probe is not None", globals={"probe": probe}, number=1_000_000, repeat=5)) * 1e3
+    print(f"| configuration | iterations/s | vs every probe off |")
+    print("|---|---:|---:|")
+    for name in configs:
+        r = statistics.median(rates[name])
+        print(f"| {name} | {r:,.0f} | {r / base - 1:+.1%} |")
+    hooks = 40  # upper bound of probe checks per iteration (allocate, 8 appends, publish, free)
+    per_iter_us = 1e6 / base
+    print(f"\nhooks when off: {hooks} checks x {check_ns:.0f} ns = {hooks * check_ns / 1e3:.2f} us per iteration "
+          f"of {per_iter_us:.0f} us ({hooks * check_ns / 1e3 / per_iter_us:.3%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
