@@ -10,6 +10,7 @@ Who may write a block's header (docs/FORMAT.md, "Write domains"):
 from __future__ import annotations
 
 import numpy as np
+
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,

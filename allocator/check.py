@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,

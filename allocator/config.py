@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvscope.allocator.errors import PoolError
 
 DTYPES: dict[str, torch.dtype] = {

@@ -11,6 +11,7 @@ import enum
 from typing import Any
 
 import numpy as np
+
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import now_ns
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,

@@ -9,6 +9,7 @@ journal; recovery copies the saved bytes back, newest first.
 from __future__ import annotations
 
 import numpy as np
+
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import JOURNAL_BYTES, JOURNAL_ENTRIES, SegmentView
 

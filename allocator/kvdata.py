@@ -9,6 +9,7 @@ import os
 import pickle
 
 import torch
+
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.segment import create_file

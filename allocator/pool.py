@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
 from kvscope.allocator import faults, kvdata
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.config import PoolConfig
@@ -242,7 +243,7 @@ class KVPool(SequenceOps):
 
     def _check_process(self) -> None:
         if self.probe is not None and self.probe.flags.magic:
-            self.probe.verify()
+            self.probe.verify_often()
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")
         if os.getpid() != self.pid:

@@ -9,6 +9,7 @@ keys name equal prefixes unless two collide, which the stored token ids and pare
 from __future__ import annotations
 
 import numpy as np
+
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.layout import INDEX_DTYPE, MASK64, SegmentView
 

@@ -6,11 +6,13 @@ check; `kvscope run` turns them on through KVSCOPE_* variables (docs/PROBES.md).
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import HEADER_CHECKSUM_BYTES, BlockState, Flag, header_checksum
@@ -19,6 +21,10 @@ from kvscope.allocator.sites import SiteTable, site_text
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
     from kvscope.allocator.txn import Txn
+
+
+# With the magic probe on, operations re-verify the header at most this often.
+VERIFY_EVERY_S = 0.01
 
 
 def env_flag(name: str, environ=os.environ) -> bool:
@@ -64,6 +70,9 @@ class PoolProbes:
         self.sites = SiteTable(pool) if flags.ownership else None
         self.header_bytes = pool.view.raw[:HEADER_CHECKSUM_BYTES].tobytes()
         self.reported: set[tuple[str, int]] = set()
+        # verify() runs inside pool operations that verify() itself starts: never recurse.
+        self.verifying = False
+        self.last_verify = 0.0
 
     # -- flight recorder -----------------------------------------------------------------------
 
@@ -110,12 +119,29 @@ class PoolProbes:
 
     # -- magic -----------------------------------------------------------------------------------
 
+    def verify_often(self) -> None:
+        """verify() from inside operations, at most every VERIFY_EVERY_S (a step's cadence)."""
+        now = time.monotonic()
+        if now - self.last_verify >= VERIFY_EVERY_S:
+            self.last_verify = now
+            self.verify()
+
     def verify(self) -> list[Finding]:
-        """Header magic, version and checksum against the bytes seen at attach (cheap)."""
+        """Header magic, version and checksum against the bytes seen at attach (cheap); with
+        the leaks probe, block conservation too."""
+        if self.verifying:
+            return []
+        self.verifying = True
+        try:
+            return self._verify()
+        finally:
+            self.verifying = False
+
+    def _verify(self) -> list[Finding]:
         view = self.pool.view
         now = view.raw[:HEADER_CHECKSUM_BYTES].tobytes()
         if now == self.header_bytes and header_checksum(view.raw) == int(view.h["checksum"]):
-            return []
+            return self.conservation() if self.flags.leaks else []
         diff = (
             next(i for i in range(len(now)) if now[i] != self.header_bytes[i])
             if now != self.header_bytes
@@ -138,6 +164,28 @@ class PoolProbes:
         return [f]
 
     # -- leaks at request end ----------------------------------------------------------------------
+
+    def conservation(self) -> list[Finding]:
+        """Under the free lock: the ring holds exactly the free blocks, and this process's
+        local cache exactly its LOCAL blocks (free + cached + allocated + local == total)."""
+        pool = self.pool
+        b = pool.view.blocks
+
+        def count(t: Txn) -> tuple[int, int, int, int]:
+            st = np.bincount(b["state"], minlength=len(BlockState))
+            mine = int(((b["state"] == BlockState.LOCAL) & (b["owner_client"] == pool.client)).sum())
+            free = int(st[BlockState.FREE] + st[BlockState.QUARANTINED])
+            return free, pool.store.ring_count, mine, int(pool.store.local_count[0])
+
+        free, ring, mine, local = pool._run({pool.FREE}, count)
+        out = []
+        if free != ring:
+            out.append(Finding("free_list_corrupt", f"{free} blocks are free but the free ring holds {ring}: blocks were lost or freed twice"))
+        if mine != local:
+            out.append(Finding("free_list_corrupt", f"this process has {mine} LOCAL blocks but its local cache lists {local}"))
+        for f in out:
+            self.report(f)
+        return out
 
     def before_release(self, ids: list[int], request: str) -> None:
         """Refcounts of this process's unindexed blocks against its own block tables."""

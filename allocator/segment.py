@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import (
     FORMAT_VERSION,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.errors import PoolError, PoolExhausted

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import REQUEST_BYTES, SegmentView, SeqState

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+
 from kvscope.allocator.layout import SegmentView
 
 

@@ -77,9 +77,13 @@ def single_peer(bm: BlockManager, n: int) -> float:
 
 
 def append_ours(pool: KVPool, n: int) -> float:
-    seq = pool.allocate("a", [1])
+    # One token at a time; a fresh sequence every 1024 tokens (64 blocks).
     t = time.perf_counter()
+    seq = pool.allocate("a", [1])
     for i in range(n):
+        if seq.num_tokens >= 1024:
+            pool.free(seq)
+            seq = pool.allocate("a", [1])
         pool.append(seq, [i])
     rate = n / (time.perf_counter() - t)
     pool.free(seq)
@@ -87,10 +91,14 @@ def append_ours(pool: KVPool, n: int) -> float:
 
 
 def append_peer(bm: BlockManager, n: int) -> float:
+    t = time.perf_counter()
     seq = PeerSeq([1])
     bm.allocate(seq)
-    t = time.perf_counter()
     for i in range(n):
+        if len(seq.tokens) >= 1024:
+            bm.deallocate(seq)
+            seq = PeerSeq([1])
+            bm.allocate(seq)
         bm.append(seq, i)
     rate = n / (time.perf_counter() - t)
     bm.deallocate(seq)

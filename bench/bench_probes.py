@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     # The cost of the hooks themselves when off: one `is not None` check each.
     probe = None
     check_ns = min(timeit.repeat("probe is not None", globals={"probe": probe}, number=1_000_000, repeat=5)) * 1e3
-    print(f"| configuration | iterations/s | vs every probe off |")
+    print("| configuration | iterations/s | vs every probe off |")
     print("|---|---:|---:|")
     for name in configs:
         r = statistics.median(rates[name])

@@ -25,9 +25,10 @@ sys.path.insert(0, EXAMPLES)
 
 
 def write_model(directory: str, quick: bool) -> None:
+    from pathlib import Path
+
     from server.checkpoint import save_model, tiny_model
     from server.model import ModelConfig
-    from pathlib import Path
 
     cfg = (
         ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)

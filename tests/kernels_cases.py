@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from kvscope.kernels.backend import interpreting
 
 HAS_CUDA = torch.cuda.is_available()

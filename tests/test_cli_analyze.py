@@ -12,9 +12,9 @@ import textwrap
 
 import numpy as np
 import pytest
-from kvscope.allocator.segment import segment_path
 
 from kvscope import analysis
+from kvscope.allocator.segment import segment_path
 from kvscope.cli import main
 from kvscope.dumpfile import read_dump, read_dump_data
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvscope.kernels import backend_name, paged_decode, paged_decode_ref
 
+from kvscope.kernels import backend_name, paged_decode, paged_decode_ref
 from tests.kernels_cases import HAS_CUDA, INTERPRETING, make_case
 
 

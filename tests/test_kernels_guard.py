@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvscope.kernels import (
     copy_blocks,
     decode_errors,
@@ -18,7 +19,6 @@ from kvscope.kernels import (
 )
 from kvscope.kernels.common import check_attention_inputs
 from kvscope.kernels.decode import DecodeConfig, launch_decode
-
 from tests.kernels_cases import (
     TRITON_TARGETS,
     dense_attention,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvscope.kernels import (
     canary_dtype,
     copy_blocks_ref,
@@ -14,7 +15,6 @@ from kvscope.kernels import (
     store_kv_ref,
 )
 from kvscope.kernels.guard import canary_value
-
 from tests.kernels_cases import dense_attention, gathered, make_case, rel_err
 
 DECODE_CASES = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvscope.kernels import (
     copy_blocks,
     copy_blocks_ref,
@@ -19,7 +20,6 @@ from kvscope.kernels import (
 from kvscope.kernels.common import check_attention_inputs
 from kvscope.kernels.decode import DecodeConfig, launch_decode
 from kvscope.kernels.split import arrival_counters, plan_splits
-
 from tests.kernels_cases import TRITON_TARGETS, make_case, rel_err, use_triton_on
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn

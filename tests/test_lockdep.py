@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable
 
 import pytest
+
 from kvscope.allocator import KVPool, LockDeadlock
 from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
 from kvscope.probes.watchdog import Watchdog

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from kvscope.allocator import Finding
 from kvscope.probes.otel_config import (
     OtelConfigError,

@@ -255,12 +255,12 @@ def test_uninstrument_restores_everything(otel, make_pool):
     before = {n: getattr(KVPool, n) for n in ("allocate", "free", "append", "fork")}
     otel.instrument(pools=[pool])
     assert "allocate" in vars(pool) and "acquire" in vars(pool.locks)
-    assert getattr(KVPool, "allocate") is before["allocate"]
+    assert KVPool.allocate is before["allocate"]
     otel.inst.uninstrument()
     assert "allocate" not in vars(pool) and "acquire" not in vars(pool.locks)
     assert pool.on_finding is None
     otel.instrument()
-    assert getattr(KVPool, "allocate") is not before["allocate"]
+    assert KVPool.allocate is not before["allocate"]
     otel.inst.uninstrument()
     assert {n: getattr(KVPool, n) for n in before} == before
     # AND an uninstrumented pool records nothing more

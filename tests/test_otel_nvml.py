@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvscope.probes.nvml import GpuMetrics
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from kvscope.probes.nvml import GpuMetrics
 
 GIB = 1 << 30
 

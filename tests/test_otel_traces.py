@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvscope.allocator import Finding
-
 from tests.test_otel_metrics import BS, known_sequence, otel  # noqa: F401 - the fixture
 
 

@@ -292,3 +292,27 @@ def test_prefix_index_survives_full_shards_and_heavy_churn(make_pool):
     # THEN the index and the blocks still agree
     assert pool.check() == []
     assert pool.stats()["num_evictions"] > 100
+
+
+def test_verify_reports_a_header_scribble_and_lost_free_blocks(make_pool, monkeypatch):
+    # GIVEN a pool with the magic and leaks probes on
+    monkeypatch.setenv("KVSCOPE_MAGIC", "1")
+    monkeypatch.setenv("KVSCOPE_LEAKS", "1")
+    pool = make_pool(16)
+    assert pool.verify() == []
+    # WHEN a FREE block silently leaves the ring (its state changed behind the allocator's back)
+    ring_block = int(pool.view.ring[int(pool.view.ring_header["head"][0]) % 16])
+    pool.view.blocks["state"][ring_block] = BlockState.ALLOCATED
+    # THEN the per-step verify finds the broken conservation
+    assert [f.kind for f in pool.verify()] == ["free_list_corrupt"]
+    pool.view.blocks["state"][ring_block] = BlockState.FREE
+    # WHEN the header is scribbled
+    off = pool.view.header.dtype.fields["num_blocks"][1]
+    pool.view.raw[off] ^= 0xFF
+    found = pool.verify()
+    # THEN header_corrupt names the field, the bytes found and expected
+    assert found[0].kind == "header_corrupt"
+    assert found[0].extra["field"] == "num_blocks"
+    assert found[0].extra["found"] != found[0].extra["expected"]
+    assert "header_corrupt" in {f.kind for f in pool.findings()}
+    pool.view.raw[off] ^= 0xFF

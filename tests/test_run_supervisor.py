@@ -9,8 +9,8 @@ import shutil
 import subprocess
 
 import pytest
-from kvscope.allocator.segment import segment_path
 
+from kvscope.allocator.segment import segment_path
 from kvscope.analysis import analyze_view
 from kvscope.cli import main
 from kvscope.dumpfile import alive_for, read_dump

@@ -14,7 +14,6 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from kvscope.allocator import KVPool  # noqa: E402
 from serve import main  # noqa: E402
 from server import worker  # noqa: E402
 from server.checkpoint import save_model, tiny_model  # noqa: E402
@@ -22,6 +21,8 @@ from server.model import generate_reference  # noqa: E402
 from server.runconfig import RunConfig  # noqa: E402
 from server.runner import run  # noqa: E402
 from server.workload import Request  # noqa: E402
+
+from kvscope.allocator import KVPool  # noqa: E402
 
 SMALL = ["--requests", "12", "--output-len", "2:6", "--rate", "0", "--no-progress"]
 

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
+from server.batch import Batch  # noqa: E402
 from server.checkpoint import load_model, save_model, tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
 from server.model import (  # noqa: E402
@@ -24,6 +24,8 @@ from server.model import (  # noqa: E402
 )
 from server.static import StaticCache, StaticGeometry  # noqa: E402
 from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
+
+from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 
 BLOCK_SIZE = 8
 
@@ -325,3 +327,24 @@ def test_larger_model_on_gpu_equals_full_recomputation(pools: list, dtype: torch
     rel_tol = 0.01 if dtype == torch.float16 else 0.05
     assert_greedy_up_to_ties(model, requests, results, rel_tol)
     assert_pool_clean(pool)
+
+
+def test_guard_mode_kernels_turn_a_freed_block_read_into_a_finding(model: LlamaModel, pools: list) -> None:
+    # GIVEN a guard-mode pool and a stream whose block table still names a block after its free
+    pool = make_pool(model, 16, guard=True)
+    pools.append(pool)
+    engine = Engine(model, pool)
+    seq = pool.allocate("r", list(range(20)))
+    other = pool.allocate("o", list(range(100, 120)))
+    stale = other.block_table[0]
+    pool.free(other)
+    seq.block_table[0] = stale  # the engine's bug: a freed block in a live table
+    stream = type("S", (), {"seq": seq})()
+    chunk = type("C", (), {"stream": stream, "start": 0, "length": 20})()
+    # WHEN the step runs through the kernels
+    batch = Batch([chunk], pool, "cpu")
+    model(batch.tokens, batch.positions, batch.attend)
+    engine._report_violations(batch)
+    # THEN the kernels skipped the read and the pool holds a use_after_free finding for it
+    kinds = {(f.kind, f.block) for f in pool.findings()}
+    assert ("use_after_free", stale) in kinds

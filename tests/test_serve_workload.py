@@ -9,7 +9,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from kvscope.allocator import PoolExhausted  # noqa: E402
 from server.errors import ServeError  # noqa: E402
 from server.report import (  # noqa: E402
     RequestResult,
@@ -21,6 +20,8 @@ from server.report import (  # noqa: E402
 )
 from server.static import StaticCache, StaticGeometry  # noqa: E402
 from server.workload import WorkloadSpec, generate_workload, read_jsonl, write_jsonl  # noqa: E402
+
+from kvscope.allocator import PoolExhausted  # noqa: E402
 
 
 def test_the_generator_is_seeded_and_sorted_by_arrival() -> None:

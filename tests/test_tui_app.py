@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+
 from kvscope.allocator import KVPool, PoolError
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import block_checksums, header_checksum

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from kvscope.tui.app import TopApp
 from kvscope.tui.source import ViewSource
-
 from tests.test_tui_app import frozen_view, populate, settle
 
 pytest.importorskip("pytest_textual_snapshot")

@@ -24,6 +24,14 @@ class Batch:
         assert chunks
         self.kv = cache.kv
         self.block_size = cache.config.block_size
+        # Guard mode: the kernels check every block-table entry and slot against the pool's
+        # block states and record violations here instead of reading or writing out of bounds.
+        self.guard: dict[str, Tensor] = {}
+        if getattr(cache.config, "guard", False) and hasattr(cache, "block_state"):
+            self.guard = {
+                "block_state": cache.block_state().to(device),
+                "errors": kernels.new_error_buffer(device=device),
+            }
         slots_per_block = cache.slots_per_block
         prefills = [c for c in chunks if c.length > 1]
         decodes = [c for c in chunks if c.length == 1]
@@ -67,7 +75,9 @@ class Batch:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Store this step's K/V in the pool, then paged attention: [tokens, heads, head_dim]."""
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
-        kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        kernels.store_kv(
+            k, v, k_cache, v_cache, self.slot_mapping, block_size=self.block_size, **self.guard
+        )
         split = self.num_prefill_tokens
         outs = []
         if split:
@@ -81,13 +91,26 @@ class Batch:
                     lens,
                     self.query_start_loc,
                     block_size=self.block_size,
+                    **self.guard,
                 )  # fmt: skip
             )
         if split < q.shape[0]:
             tables, lens = self.decode
             outs.append(
                 kernels.paged_decode(
-                    q[split:], k_cache, v_cache, tables, lens, block_size=self.block_size
+                    q[split:],
+                    k_cache,
+                    v_cache,
+                    tables,
+                    lens,
+                    block_size=self.block_size,
+                    **self.guard,
                 )
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def violations(self) -> list[dict[str, Any]]:
+        """What the kernels' guard-mode checks recorded during this step (empty when off)."""
+        if not self.guard:
+            return []
+        return kernels.decode_errors(self.guard["errors"])

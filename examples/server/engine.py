@@ -140,6 +140,7 @@ class Engine:
             return 0
         batch = Batch(chunks, self.cache, self.device)
         hidden = self.model(batch.tokens, batch.positions, batch.attend)
+        self._report_violations(batch)
         for chunk in batch.chunks:
             stream = chunk.stream
             stream.num_computed += chunk.length
@@ -158,6 +159,23 @@ class Engine:
                     self._complete(stream, row_logits)
         self._sample_cache(began, len(batch.tokens))
         return len(batch.tokens)
+
+    def _report_violations(self, batch: Batch) -> None:
+        """Guard mode: each out-of-bounds or freed-block access the kernels skipped is a finding."""
+        probe = getattr(self.cache, "probe", None)
+        for v in batch.violations():
+            blk = int(v["physical_block"])
+            kind = "use_after_free" if v["kind"] == "not_allocated" else "out_of_bounds"
+            message = (
+                f"a kernel was asked to touch block {blk} ({v['kind']}, logical block "
+                f"{v['logical_block']}, slot {v['slot']}); the access was skipped"
+            )
+            if probe is not None and 0 <= blk < self.cache.config.num_blocks:
+                probe.block_finding(kind, blk, message)
+            elif probe is not None:
+                from kvscope.allocator import Finding
+
+                probe.report(Finding(kind, message))
 
     def _publish(self, stream: Stream) -> None:
         """Tell the pool which full blocks now hold computed K/V, so others can reuse them."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvscope.allocator import PoolExhausted
 
 from .workload import Request
