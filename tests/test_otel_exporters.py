@@ -314,3 +314,74 @@ def test_prometheus_scrape_of_a_supervised_example_server():
     # AND without a GPU the supervisor said so once and exported no GPU metric
     assert err.count("no GPU metrics") == 1
     assert not [n for n in families if n.startswith("hw_gpu")]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_prometheus_scrape_of_kvscope_run_with_the_example(tmp_path):
+    pytest.importorskip("opentelemetry.exporter.prometheus", reason="the otel extra")
+    pytest.importorskip("prometheus_client", reason="the otel extra")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = _free_port()
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    # GIVEN `kvscope run` with the Prometheus exporter, serving the example server
+    cmd = [
+        kvscope,
+        "run",
+        "--metrics-exporter",
+        "prometheus",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(port),
+        str(REPO / "examples" / "serve.py"),
+        "--requests",
+        "60",
+        "--rate",
+        "10",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    families: dict = {}
+    try:
+        # WHEN Prometheus scrapes it over HTTP while requests are in flight
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                text = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                    .read()
+                    .decode()
+                )
+            except OSError:
+                time.sleep(0.2)
+                continue
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            samples = families.get("kvscope_pool_allocations")
+            if samples and any(s.value > 0 for s in samples.samples):
+                break
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # THEN the run succeeded and the pool's counters were scraped, parsed by prometheus_client
+    assert proc.returncode == 0, err
+    allocs = families["kvscope_pool_allocations"]
+    assert allocs.type == "counter"
+    assert any(
+        s.value > 0 and s.labels.get("kvscope_pool_name", "").startswith("serve-")
+        for s in allocs.samples
+    ), allocs.samples
+    assert "kvscope_pool_blocks" in families
