@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
 from kvscope.dumpfile import dump_name, write_dump
@@ -32,17 +33,6 @@ from kvscope.report import console, render
 from kvscope.supervisor import Outcome, Supervisor, is_error, is_leak
 from kvscope.verbs.top import load_run_top
 
-FAULTS = (
-    "double-free",
-    "leak",
-    "oob-write",
-    "header-scribble",
-    "block-scribble",
-    "use-after-free",
-    "refcount-skew",
-    "kill-holding-lock",
-    "lock-inversion",
-)
 FAIL_ON = ("never", "error", "leak")
 
 
