@@ -57,6 +57,7 @@ class BlockStore:
             + view.clients.dtype.fields["local"][1]
         )
         self.local_cap = int(view.h["local_cache_size"])
+        self.quarantine = int(view.h["quarantine"])
         self.free_lock = free_lock
         self.shard_locks = shard_locks
         self.index = PrefixIndex(view)
@@ -89,7 +90,7 @@ class BlockStore:
         t.journal.save(self.ring_off, RING_HEADER_DTYPE.itemsize)
 
     def ring_pop(self, t: Txn, k: int) -> np.ndarray:
-        """Take k ids from the ring head."""
+        """Take k ids from the ring head (skipping blocks still in quarantine while others exist)."""
         t.need(self.free_lock)
         h = self.ring_header
         k = min(k, int(h["count"][0]))
@@ -99,7 +100,48 @@ class BlockStore:
         self._save_ring_header(t)
         h["head"] = head + k
         h["count"] = int(h["count"][0]) - k
+        if self.quarantine:
+            ids = self._release_quarantine(t, ids)
+        h["allocs"] = int(h["allocs"][0]) + len(ids)
         crash_point("blocks.after_ring_pop")
+        return ids
+
+    def _release_quarantine(self, t: Txn, ids: np.ndarray) -> np.ndarray:
+        """Send blocks freed fewer than `quarantine` allocations ago back to the tail, taking
+        older free blocks instead; when only young ones are left, they are used anyway."""
+        h = self.ring_header
+        allocs = int(h["allocs"][0])
+        young = (self.state[ids] == BlockState.QUARANTINED) & (
+            allocs - self.blocks["freed_at"][ids].astype(np.int64) < self.quarantine
+        )
+        if not young.any():
+            return ids
+        keep, back = ids[~young], ids[young]
+        want = len(ids)
+        # Older blocks behind the head (at most one lap of the ring).
+        extra: list[int] = []
+        for _ in range(int(h["count"][0])):
+            if len(keep) + len(extra) >= want:
+                break
+            (b,) = self.ring_pop_raw(t, 1)
+            if self.state[b] == BlockState.QUARANTINED and allocs - int(self.blocks["freed_at"][b]) < self.quarantine:
+                back = np.append(back, b)
+            else:
+                extra.append(int(b))
+        got = np.concatenate([keep, np.asarray(extra, np.int64)])
+        short = want - len(got)
+        if short > 0:
+            got, back = np.concatenate([got, back[:short]]), back[short:]
+        self._push_raw(t, back)
+        return got
+
+    def ring_pop_raw(self, t: Txn, k: int) -> np.ndarray:
+        """Pop k ids from the head with no quarantine rule (the caller holds the free lock)."""
+        h = self.ring_header
+        head = int(h["head"][0])
+        ids = self.ring[(head + np.arange(k)) % self.num_blocks].astype(np.int64)
+        h["head"] = head + k
+        h["count"] = int(h["count"][0]) - k
         return ids
 
     def ring_push(self, t: Txn, ids: np.ndarray, state: BlockState = BlockState.FREE) -> None:
@@ -116,6 +158,16 @@ class BlockStore:
         self.blocks["owner_client"][ids] = -1
         self.seal(ids)
         crash_point("blocks.after_release_records")
+        if state == BlockState.QUARANTINED:
+            self.blocks["freed_at"][ids] = int(self.ring_header["allocs"][0])
+        self._push_raw(t, ids)
+        crash_point("blocks.after_ring_push")
+
+    def _push_raw(self, t: Txn, ids: np.ndarray) -> None:
+        """Append ids at the ring tail (journaled; records unchanged)."""
+        k = len(ids)
+        if k == 0:
+            return
         h = self.ring_header
         tail = int(h["tail"][0])
         self._save_ring_header(t)
@@ -128,7 +180,6 @@ class BlockStore:
         self.ring[pos] = ids
         h["tail"] = tail + k
         h["count"] = int(h["count"][0]) + k
-        crash_point("blocks.after_ring_push")
 
     # -- the local cache (owner only) --------------------------------------------------------
 

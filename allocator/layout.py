@@ -154,6 +154,8 @@ def block_dtype(block_size: int) -> np.dtype:
         ("site", "<i4"),
         ("num_tokens", "<u4"),
         ("parent_hash", "<u8"),
+        # Guard mode: the free ring's allocation count when this block was quarantined.
+        ("freed_at", "<u8"),
         ("tokens", "<i4", (block_size,)),
     ]
     if block_size % 2:
@@ -164,7 +166,9 @@ def block_dtype(block_size: int) -> np.dtype:
 IDENTITY_WORDS = 4
 
 
-RING_HEADER_DTYPE = np.dtype([("head", "<u8"), ("tail", "<u8"), ("count", "<u4"), ("pad", "<u4")])
+RING_HEADER_DTYPE = np.dtype(
+    [("head", "<u8"), ("tail", "<u8"), ("count", "<u4"), ("pad", "<u4"), ("allocs", "<u8")]
+)
 INDEX_DTYPE = np.dtype([("hash", "<u8"), ("block", "<i4"), ("pad", "<u4")])
 
 

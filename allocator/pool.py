@@ -100,6 +100,8 @@ class KVPool(SequenceOps):
         cfg.guard = cfg.guard or env_flag("GUARD")
         cfg.events = cfg.events or env_flag("EVENTS")
         cfg.lockdep = cfg.lockdep or env_flag("LOCKDEP")
+        if cfg.guard and not cfg.quarantine:
+            cfg.quarantine = int(os.environ.get("KVSCOPE_QUARANTINE", "0") or 0)
         layout = Layout(
             cfg.num_blocks,
             cfg.block_size,

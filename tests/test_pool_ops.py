@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from kvscope.allocator import BlockState, KVPool, PoolError, PoolExhausted
@@ -316,3 +317,47 @@ def test_verify_reports_a_header_scribble_and_lost_free_blocks(make_pool, monkey
     assert found[0].extra["found"] != found[0].extra["expected"]
     assert "header_corrupt" in {f.kind for f in pool.findings()}
     pool.view.raw[off] ^= 0xFF
+
+
+def test_guard_mode_quarantines_freed_blocks_for_n_allocations(make_pool):
+    # GIVEN a guard-mode pool whose freed blocks stay quarantined for 4 allocations
+    pool = make_pool(8, guard=True, quarantine=4, local_cache_size=0)
+    assert pool.slots_per_block == pool.block_size + 1
+    prompt = pool.allocate("prompt", list(range(9)))  # 2 full blocks (published) + 1
+    pool.mark_computed(prompt, 9)
+    filler = pool.allocate("filler", list(range(100, 116)))  # 4 blocks
+    victim = pool.allocate("victim", [1])  # the last free block
+    freed = victim.block_table[0]
+    pool.free(victim)
+    assert pool.view.blocks["state"][freed] == BlockState.QUARANTINED
+    # THEN its token slots are poisoned and its guard slot still holds the canary
+    assert torch.isnan(pool.kv[:, :, freed, : pool.block_size]).all()
+    from kvscope.kernels import guard_scan
+
+    assert guard_scan(pool.kv, blocks=[freed]) == []
+    # WHEN older free blocks line up behind it (the published prefix, evicted)
+    pool.free(prompt)
+    assert pool.evict(2) == 2
+    # THEN allocations take the older blocks while the freed one waits out its quarantine
+    first = pool.allocate("a", [5, 6])
+    second = pool.allocate("b", [7, 8])
+    assert freed not in first.block_table + second.block_table
+    assert pool.check() == []
+    for s in (first, second, filler):
+        pool.free(s)
+
+
+def test_guard_violation_is_found_when_the_block_is_freed(make_pool, monkeypatch):
+    # GIVEN a guard-mode pool and a KV write one slot past a block's end
+    pool = make_pool(16, guard=True)
+    seq = pool.allocate("r", [1, 2, 3, 4, 5])
+    blk = seq.block_table[0]
+    pool.kv[0, 0, blk, pool.block_size] = 7.0
+    # WHEN the request ends
+    pool.free(seq)
+    # THEN a guard_violation names the block, its owner and request, and the canary is restored
+    found = [f for f in pool.findings() if f.kind == "guard_violation"]
+    assert found and found[0].block == blk and found[0].owner_pid == pool.pid and found[0].request == "r"
+    from kvscope.kernels import guard_scan
+
+    assert guard_scan(pool.kv, blocks=[blk]) == []

@@ -70,11 +70,17 @@ class LsCommand:
             con.print("no pools on this host")
             return 0
         t = Table(box=None, pad_edge=False, show_edge=False)
+        name_width = max(len(r["name"]) for r in rows)
         for col in ("pool", "device", "geometry", "held", "cached", "free", "owners", "probes"):
-            t.add_column(col, no_wrap=col != "owners")
+            t.add_column(
+                col, no_wrap=col != "owners", min_width=name_width if col == "pool" else None
+            )
+        unreadable = []
         for r in rows:
             if "error" in r:
-                t.add_row(r["name"], "-", f"unreadable: {r['error']}", "", "", "", "", "")
+                # A long message would squeeze every column: it gets its own line below.
+                t.add_row(r["name"], "-", "unreadable (below)", "", "", "", "", "")
+                unreadable.append(f"{r['name']}: {r['error']}")
                 continue
             g = r["geometry"]
             owners = f"{len(r['owners_alive'])} alive"
@@ -93,4 +99,6 @@ class LsCommand:
                 ",".join(r["probes"]) or "-",
             )
         con.print(t)
+        for line in unreadable:
+            con.print(line)
         return 0
