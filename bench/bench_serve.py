@@ -38,10 +38,10 @@ def write_model(directory: str, quick: bool) -> None:
     save_model(tiny_model(seed=0, config=cfg), Path(directory))
 
 
-def serve(model: str, device: str, extra: list[str], quick: bool, n: str = "") -> dict:
+def serve(model: str | None, device: str, extra: list[str], quick: bool, n: str = "") -> dict:
     n = n or ("32" if quick else "256")
     cmd = [
-        sys.executable, os.path.join(EXAMPLES, "serve.py"), "--model", model, "--device", device,
+        sys.executable, os.path.join(EXAMPLES, "serve.py"), *(["--model", model] if model else []), "--device", device,
         "--json", "--no-progress", "--requests", n, "--rate", "0",
         "--prompt-len", "32:256", "--output-len", "32:192",
         "--num-prefixes", "10", "--prefix-share", "0.7", "--prefix-len", "256:256",
@@ -56,7 +56,8 @@ def serve(model: str, device: str, extra: list[str], quick: bool, n: str = "") -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 32 requests")
+    ap.add_argument("--tiny", action="store_true", help="the built-in tiny model on the full workload")
     ap.add_argument("--json", help="also write the raw summaries here")
     args = ap.parse_args(argv)
     cases = {
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         "paged, prefix sharing off": ["--no-prefix-cache"],
         "static reservation (max_len)": ["--baseline", "static"],
     }
-    with tempfile.TemporaryDirectory() as model:
-        write_model(model, args.quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = None if args.tiny else tmp
+        if model:
+            write_model(model, args.quick)
         # Warm-up: Triton compiles each kernel variant once (cached on disk for later processes).
         for extra in cases.values():
             serve(model, args.device, extra, args.quick, n="8")
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ("KV utilization", "kv_utilization", "{:.1%}"),
         ("internal fragmentation", "internal_fragmentation", "{:.1%}"),
         ("peak concurrent requests", "peak_concurrent_requests", "{}"),
+        ("KV slots per running request", "kv_slots_per_request", "{:.0f}"),
         ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
         ("preemptions", "preemptions", "{}"),
         ("duration (s)", "duration_s", "{:.2f}"),

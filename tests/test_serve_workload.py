@@ -192,3 +192,16 @@ def test_summary_arithmetic() -> None:
         and s.preemptions == 3
     )
     assert "prefix hit rate" in str(render_table(s).columns[0]._cells)
+
+
+def test_kv_slots_per_request_weighs_steps_by_time() -> None:
+    from server.report import StepSample, slots_per_request
+
+    # GIVEN a 3 s step with 2 requests in 64 slots and a 1 s step with 1 request in 16
+    samples = [
+        StepSample(t_s=3, dt_s=3, stored_tokens=60, reserved_slots=64, num_tokens=2, num_running_requests=2),
+        StepSample(t_s=4, dt_s=1, stored_tokens=10, reserved_slots=16, num_tokens=1, num_running_requests=1),
+        StepSample(t_s=5, dt_s=1, stored_tokens=0, reserved_slots=0, num_tokens=0, num_running_requests=0),
+    ]
+    # THEN memory per running request is the time-weighted mean, idle steps left out
+    assert slots_per_request(samples) == (32 * 3 + 16 * 1) / 4

@@ -75,6 +75,8 @@ class Summary:
     peak_concurrent_requests: int
     prefix_hit_rate: float
     preemptions: int
+    # KV memory: slots reserved per running request, time-weighted (shared blocks count once)
+    kv_slots_per_request: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -139,8 +141,19 @@ def summarize(
         if prompt_tokens
         else 0.0,
         preemptions=num_preemptions,
+        kv_slots_per_request=slots_per_request(samples),
         extra=extra or {},
     )
+
+
+def slots_per_request(samples: list[StepSample]) -> float:
+    """KV slots reserved per running request, weighted by step time (memory per request)."""
+    busy = [s for s in samples if s.num_running_requests > 0]
+    weight = sum(s.dt_s for s in busy)
+    if weight <= 0:
+        return 0.0
+    total = sum(s.reserved_slots / s.num_running_requests * s.dt_s for s in busy)
+    return round(total / weight, 1)
 
 
 ROWS = [
@@ -155,6 +168,7 @@ ROWS = [
     ("KV utilization", "kv_utilization", "{:.1%}"),
     ("internal fragmentation", "internal_fragmentation", "{:.1%}"),
     ("peak concurrent requests", "peak_concurrent_requests", "{}"),
+    ("KV slots per running request", "kv_slots_per_request", "{:.0f}"),
     ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
     ("preemptions", "preemptions", "{}"),
 ]
