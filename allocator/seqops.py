@@ -291,6 +291,7 @@ class SequenceOps:
                 table[-1] = dst
                 copies.append((src, dst))
                 if self.probe is not None:
+                    self.probe.event(t, EventOp.ALLOCATE, [dst], rb, arg=seq.seq_id)
                     self.probe.event(t, EventOp.COW, [src], rb, arg=dst)
                 self._count(t, "num_cow")
             if need_blocks > 0:
