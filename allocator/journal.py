@@ -20,6 +20,10 @@ class Journal:
     def __init__(self, view: SegmentView, client: int):
         self.raw = view.raw
         self.entries = view.clients["journal"][client]
+        self.e_offset = self.entries["offset"]
+        self.e_length = self.entries["length"]
+        self.e_data = self.entries["data_off"]
+        self.e_op = self.entries["op"]
         self.data = view.clients["journal_data"][client]
         self._count_field = view.clients["journal_count"][client : client + 1]
         self._used_field = view.clients["journal_used"][client : client + 1]
@@ -36,10 +40,13 @@ class Journal:
 
     def save(self, offset: int, length: int) -> None:
         """Save `length` old bytes at segment `offset` before they are overwritten."""
-        self._room(1, length)
         n, used = self.count, self.used
-        e = self.entries[n]
-        e["offset"], e["length"], e["data_off"], e["op"] = offset, length, used, self.op
+        if n + 1 > JOURNAL_ENTRIES or used + length > JOURNAL_BYTES:
+            self._room(1, length)
+        self.e_offset[n] = offset
+        self.e_length[n] = length
+        self.e_data[n] = used
+        self.e_op[n] = self.op
         self.data[used : used + length] = self.raw[offset : offset + length]
         self.used = used + length
         self.count = n + 1

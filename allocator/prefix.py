@@ -69,8 +69,14 @@ def keys_of(chain: np.ndarray) -> np.ndarray:
 
 
 def key_of(chain: int) -> int:
-    """Index key of one chain value."""
-    return int(_fmix(np.array([chain], np.uint64))[0])
+    """Index key of one chain value (scalar twin of `keys_of`)."""
+    h = chain & MASK64
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & MASK64
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & MASK64
+    h ^= h >> 33
+    return h or 1
 
 
 class PrefixIndex:

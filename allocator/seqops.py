@@ -110,15 +110,18 @@ class SequenceOps:
     def _fill(self, ids: list[int], first_pos: int, tokens: list[int]) -> None:
         """Write token ids into blocks covering positions [first_pos, first_pos+len(tokens))."""
         bs = self.block_size
-        b = self.view.blocks
+        block_tokens, num_tokens = self.store.tokens, self.store.num_tokens
         pos = first_pos
         i = 0
         while i < len(tokens):
             blk = ids[pos // bs]
             off = pos % bs
             n = min(bs - off, len(tokens) - i)
-            b["tokens"][blk, off : off + n] = tokens[i : i + n]
-            b["num_tokens"][blk] = off + n
+            if n == 1:
+                block_tokens[blk, off] = tokens[i]
+            else:
+                block_tokens[blk, off : off + n] = tokens[i : i + n]
+            num_tokens[blk] = off + n
             pos += n
             i += n
 
@@ -244,6 +247,8 @@ class SequenceOps:
         tokens = [int(x) for x in tokens]
         if not tokens:
             return []
+        if len(tokens) <= self.block_size:
+            return self._append_chunk(seq, tokens)
         copies: list[tuple[int, int]] = []
         done = 0
         while done < len(tokens):
@@ -259,13 +264,12 @@ class SequenceOps:
         need_blocks = -(-n_new // bs) - len(seq.block_table)
         b = self.view.blocks
         last = seq.block_table[-1] if seq.block_table else -1
-        cow = n_old % bs != 0 and last >= 0 and int(b["refcount"][last]) > 1
+        cow = n_old % bs != 0 and last >= 0 and int(self.store.refcount[last]) > 1
         if need_blocks <= 0 and not cow:
             # Fast path: the tokens fit in the last block, which only this sequence uses.
-            self._check_process()
             self._fill(seq.block_table, n_old, tokens)
             seq.tokens.extend(tokens)
-            self.view.seqs["num_tokens"][seq.slot] = n_new
+            self.seqtab.num_tokens[seq.slot] = n_new
             if n_new // bs > len(seq.chain):
                 self._extend_chain(seq)
             return []
