@@ -241,12 +241,14 @@ class BlockStore:
 
     # -- eviction (every index shard lock) ---------------------------------------------------
 
-    def evict(self, t: Txn, k: int) -> np.ndarray:
-        """Unindex up to k CACHED blocks, least recently used first; return them (not yet reset)."""
+    def evict(self, t: Txn, k: int, extra: int = 0) -> np.ndarray:
+        """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),
+        least recently used first; return them (not yet reset)."""
         t.need(*self.shard_locks)
         cand = np.flatnonzero(self.state == BlockState.CACHED)
         if len(cand) == 0 or k <= 0:
             return np.zeros(0, np.int64)
+        k += min(extra, max(0, len(cand) - k) // 4)
         if len(cand) > k:
             part = np.argpartition(self.access_ns[cand], k - 1)[:k]
             cand = cand[part]

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 # A free of a long sequence commits in chunks so one journal never overflows.
 CHUNK = 128
+# Extra blocks evicted when the free ring runs dry (one pool scan per batch; at most a quarter
+# of the cached blocks, so a small cache keeps its LRU order).
+EVICT_BATCH = 32
 
 
 class SequenceOps:
@@ -43,9 +46,12 @@ class SequenceOps:
                 self.store.refill(t, self.pid, self.start)
         if short > 0:
             t.need(self.SEQS, self.FREE, *self.SHARDS)
-            evicted = self.store.evict(t, short)
-            got.append(evicted)
-            short -= len(evicted)
+            # Evict a batch: finding the LRU blocks scans the whole pool, so amortize it; the
+            # extra evicted blocks go to the free ring.
+            evicted = self.store.evict(t, short, extra=EVICT_BATCH)
+            got.append(evicted[:short])
+            self.store.ring_push(t, evicted[short:])
+            short -= len(got[-1])
             self._count(t, "num_evictions", len(evicted))
             # Preempted blocks land in the local cache, the ring, or stay cached (indexed).
             while short > 0 and self._preempt_one(t, exclude):
