@@ -138,7 +138,10 @@ class BlockStore:
             if len(keep) + len(extra) >= want:
                 break
             (b,) = self.ring_pop_raw(t, 1)
-            if self.state[b] == BlockState.QUARANTINED and allocs - int(self.blocks["freed_at"][b]) < self.quarantine:
+            if (
+                self.state[b] == BlockState.QUARANTINED
+                and allocs - int(self.blocks["freed_at"][b]) < self.quarantine
+            ):
                 back = np.append(back, b)
             else:
                 extra.append(int(b))

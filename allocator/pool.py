@@ -49,6 +49,7 @@ os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 def _current_pid() -> int:
     return _PID[0]
 
+
 # Harness hooks, set by `kvscope run`'s bootstrap: each OPEN_HOOKS entry is called with every
 # pool this process creates or attaches; UNLINK_HOOK, when set, is called instead of unlinking
 # (the supervisor unlinks after it has dumped and analyzed the pool).

@@ -173,16 +173,28 @@ class PoolProbes:
 
         def count(t: Txn) -> tuple[int, int, int, int]:
             st = np.bincount(b["state"], minlength=len(BlockState))
-            mine = int(((b["state"] == BlockState.LOCAL) & (b["owner_client"] == pool.client)).sum())
+            mine = int(
+                ((b["state"] == BlockState.LOCAL) & (b["owner_client"] == pool.client)).sum()
+            )
             free = int(st[BlockState.FREE] + st[BlockState.QUARANTINED])
             return free, pool.store.ring_count, mine, int(pool.store.local_count[0])
 
         free, ring, mine, local = pool._run({pool.FREE}, count)
         out = []
         if free != ring:
-            out.append(Finding("free_list_corrupt", f"{free} blocks are free but the free ring holds {ring}: blocks were lost or freed twice"))
+            out.append(
+                Finding(
+                    "free_list_corrupt",
+                    f"{free} blocks are free but the free ring holds {ring}: blocks were lost or freed twice",
+                )
+            )
         if mine != local:
-            out.append(Finding("free_list_corrupt", f"this process has {mine} LOCAL blocks but its local cache lists {local}"))
+            out.append(
+                Finding(
+                    "free_list_corrupt",
+                    f"this process has {mine} LOCAL blocks but its local cache lists {local}",
+                )
+            )
         for f in out:
             self.report(f)
         return out

@@ -195,7 +195,11 @@ def validate_bytes(head: bytes, size: int, where: str) -> Layout:
         )
     layout = Layout.from_header(h)
     off = layout.offsets()
-    if off["end"] != int(h["segment_size"]) or off["blocks"] != int(h["off_blocks"]) or off["clients"] != int(h["off_clients"]):
+    if (
+        off["end"] != int(h["segment_size"])
+        or off["blocks"] != int(h["off_blocks"])
+        or off["clients"] != int(h["off_clients"])
+    ):
         raise PoolError(
             f"{where}: its section offsets do not match its geometry (written by another kvscope build?); dump it with that build or recreate the pool"
         )

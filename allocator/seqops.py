@@ -11,125 +11,22 @@ import numpy as np
 
 from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
-from kvscope.allocator.errors import PoolError, PoolExhausted
+from kvscope.allocator.errors import PoolError
 from kvscope.allocator.events import EventOp
-from kvscope.allocator.layout import BlockState, SeqState, block_checksums
+from kvscope.allocator.layout import BlockState
 from kvscope.allocator.prefix import chain_hashes, chain_one, key_of, keys_of
 from kvscope.allocator.process import now_ns
+from kvscope.allocator.release import CHUNK, ReleaseOps
+from kvscope.allocator.reserve import ReserveOps
 from kvscope.allocator.sequence import STATE_NAMES, Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
     pass
 
-# A free of a long sequence commits in chunks so one journal never overflows.
-CHUNK = 128
-# Extra blocks evicted when the free ring runs dry (one pool scan per batch; at most a quarter
-# of the cached blocks, so a small cache keeps its LRU order).
-EVICT_BATCH = 32
 
-
-class SequenceOps:
+class SequenceOps(ReserveOps, ReleaseOps):
     """The operations on sequences and blocks (the `self` is always a KVPool)."""
-
-    def _take(
-        self, t: Txn, n: int, request: bytes, exclude: int = -1, site: int = -1
-    ) -> np.ndarray:
-        """n fresh ALLOCATED blocks owned by this client: local cache, ring, eviction, preemption."""
-        got = [self.store.local_pop(t, n)]
-        short = n - len(got[0])
-        if short > 0:
-            t.need(self.FREE)
-            got.append(self.store.ring_pop(t, short))
-            short -= len(got[-1])
-            if short == 0:
-                self.store.refill(t, self.pid, self.start)
-        if short > 0:
-            t.need(self.SEQS, self.FREE, *self.SHARDS)
-            # Evict a batch: finding the LRU blocks scans the whole pool, so amortize it; the
-            # extra evicted blocks go to the free ring.
-            evicted = self.store.evict(t, short, extra=EVICT_BATCH)
-            got.append(evicted[:short])
-            self.store.ring_push(t, evicted[short:])
-            short -= len(got[-1])
-            self._count(t, "num_evictions", len(evicted))
-            # Preempted blocks land in the local cache, the ring, or stay cached (indexed).
-            while short > 0 and self._preempt_one(t, exclude):
-                for source in (self.store.local_pop, self.store.ring_pop, self.store.evict):
-                    more = source(t, short)
-                    got.append(more)
-                    short -= len(more)
-                    if source == self.store.evict:
-                        self._count(t, "num_evictions", len(more))
-                    if short == 0:
-                        break
-        if short > 0:
-            raise self._exhausted(n)
-        ids = np.concatenate(got) if len(got) > 1 else got[0]
-        self._count(t, "num_allocs", len(ids))
-        self.store.stamp(t, ids, self.pid, self.start, request, site)
-        return ids
-
-    def _preempt_one(self, t: Txn, exclude: int) -> bool:
-        """Free the blocks of this process's oldest waiting sequence (not `exclude`, the slot
-        being grown); False if there is none."""
-        # The segment's state, not the Python one: it is rolled back with the transaction.
-        states = self.view.seqs["state"]
-        waiting = [
-            s
-            for s in self._seqs.values()
-            if states[s.slot] == SeqState.WAITING and s.block_table and s.slot != exclude
-        ]
-        if not waiting:
-            return False
-        seq = min(waiting, key=lambda s: s.seq_id)
-        if self.probe is not None:
-            self.probe.event(t, EventOp.PREEMPT, seq.block_table, request_bytes(seq.request_id))
-        self._release_blocks(t, seq, 0)
-        self.view.seqs["state"][seq.slot] = SeqState.PREEMPTED
-        self._count(t, "num_preemptions")
-
-        def done() -> None:
-            seq.block_table = []
-            seq.state = "preempted"
-            seq.num_published = 0
-
-        t.after_commit.append(done)
-        return True
-
-    def _exhausted(self, needed: int) -> PoolExhausted:
-        st = np.bincount(self.view.blocks["state"], minlength=len(BlockState))
-        seqs = self.view.seqs
-        live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
-        holders: dict[str, int] = {}
-        for s in live.tolist():
-            r = seqs["request"][s].decode(errors="replace")
-            holders[r] = holders.get(r, 0) + int(seqs["num_blocks"][s])
-        return PoolExhausted(
-            needed=needed,
-            free=int(st[BlockState.FREE] + st[BlockState.LOCAL]),
-            cached=int(st[BlockState.CACHED]),
-            held=int(st[BlockState.ALLOCATED]),
-            holders=holders,
-        )
-
-    def _fill(self, ids: list[int], first_pos: int, tokens: list[int]) -> None:
-        """Write token ids into blocks covering positions [first_pos, first_pos+len(tokens))."""
-        bs = self.block_size
-        block_tokens, num_tokens = self.store.tokens, self.store.num_tokens
-        pos = first_pos
-        i = 0
-        while i < len(tokens):
-            blk = ids[pos // bs]
-            off = pos % bs
-            n = min(bs - off, len(tokens) - i)
-            if n == 1:
-                block_tokens[blk, off] = tokens[i]
-            else:
-                block_tokens[blk, off : off + n] = tokens[i : i + n]
-            num_tokens[blk] = off + n
-            pos += n
-            i += n
 
     # -- public operations ---------------------------------------------------------------------
 
@@ -421,122 +318,6 @@ class SequenceOps:
         child = self._run(locks, op)
         self._seqs[child.slot] = child
         return child
-
-    def _release_blocks(
-        self, t: Txn, seq: Sequence, keep: int, *, skip: tuple[int, ...] = (), keep_table: bool = False
-    ) -> None:
-        """Drop seq's references to table[keep:] (the caller holds the needed locks)."""
-        ids = np.asarray(seq.block_table[keep:], np.int64)
-        t.need(*self.store.shard_locks_for(ids))
-        probe = self.probe
-        rb = request_bytes(seq.request_id)
-        if probe is not None and probe.flags.magic:
-            # Never build on a record something else scribbled over: report it and leave it.
-            bad = ids[block_checksums(self.view.blocks, ids) != self.view.blocks["checksum"][ids]]
-            for blk in bad.tolist():
-                t.after_commit.append(lambda blk=blk: probe.block_finding(
-                    "block_header_corrupt", blk,
-                    "block record checksum mismatch when its request released it: its header was overwritten outside the allocator",
-                ))
-            ids = ids[~np.isin(ids, bad)]
-        drop_ids = ids[~np.isin(ids, skip)] if skip else ids
-        zero, already = self.store.drop(t, drop_ids)
-        for blk in already.tolist():
-            if probe is not None:
-                t.after_commit.append(lambda blk=blk: probe.block_finding(
-                    "double_free", blk, f"block released by request {seq.request_id!r} but it was already free",
-                ))
-        if len(zero):
-            if probe is not None and probe.flags.guard:
-                bad_guard = probe.scan_guard(zero)
-                t.after_commit.append(lambda: probe.report_guard(bad_guard))
-                probe.poison(zero)
-                # Quarantine: freed blocks go to the tail of the FIFO ring, never the local cache.
-                t.need(self.FREE)
-                self.store.ring_push(t, zero, BlockState.QUARANTINED)
-            else:
-                if int(self.store.local_count[0]) + len(zero) > 2 * self.store.local_cap:
-                    t.need(self.FREE)
-                self.store.give_back(t, zero)
-        if not keep_table:
-            self.seqtab.write_blocks(t, seq.slot, keep, [])
-        if probe is not None:
-            op = EventOp.ABORT if seq.state == "aborted" else EventOp.FREE
-            probe.event(t, op, drop_ids, rb)
-        self._count(t, "num_frees", len(ids))
-
-    def free(self, seq: Sequence) -> None:
-        """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
-        self._end(seq, SeqState.FINISHED)
-
-    def abort(self, seq: Sequence) -> None:
-        """Release a sequence whose request did not finish."""
-        self._end(seq, SeqState.ABORTED)
-
-    def _end(self, seq: Sequence, final: SeqState) -> None:
-        self._own(seq)
-        # Long tables are released from the tail in chunks, each its own transaction.
-        while len(seq.block_table) > CHUNK:
-            keep = len(seq.block_table) - CHUNK
-            self._release_tail(seq, keep)
-        table = list(seq.block_table)
-        ids = np.asarray(table, np.int64)
-        locks = {self.SEQS} | self.store.shard_locks_for(ids)
-        guard = self.probe is not None and self.probe.flags.guard
-        if guard or int(self.store.local_count[0]) + len(ids) > 2 * self.store.local_cap:
-            locks.add(self.FREE)
-        if self.probe is not None:
-            self.probe.before_release(table, seq.request_id)
-        skip, stale = self._end_faults(seq, ids)
-
-        def op(t: Txn) -> None:
-            self._release_blocks(t, seq, 0, skip=skip, keep_table=stale)
-            if not stale:
-                self.view.seqs["state"][seq.slot] = final
-                self.seqtab.release(t, seq.slot)
-
-        self._run(locks, op)
-        self._seqs.pop(seq.slot, None)
-        seq.block_table = []
-        seq.state = final.name.lower()
-        seq.slot = -1
-        if self.probe is not None:
-            self.probe.after_release(table, seq.request_id)
-        if faults.ARMED and faults.fire("double-free"):
-            self._release_again(table)
-
-    def _end_faults(self, seq: Sequence, ids: np.ndarray) -> tuple[tuple[int, ...], bool]:
-        """Faults that strike when a request ends: (blocks to leak, keep the stale table)."""
-        if not faults.ARMED:
-            return (), False
-        own = [int(b) for b in ids if not self.view.blocks["indexed"][b]]
-        if own and faults.fire("leak"):
-            return (own[-1],), False
-        if faults.fire("use-after-free"):
-            # The request's blocks are freed but its table stays live and mapped.
-            return (), True
-        if faults.fire("kill-holding-lock"):
-            from kvscope.allocator import crash
-
-            crash.configure("txn.after_locks:1")
-        return (), False
-
-    def _release_again(self, table: list[int]) -> None:
-        """The double-free fault: release one of a finished request's blocks a second time."""
-        own = [b for b in table if self.view.blocks["state"][b] != BlockState.CACHED]
-        if not own:
-            return
-        blk = np.array(own[-1:], np.int64)
-        already = self._run({self.FREE}, lambda t: self.store.drop(t, blk)[1])
-        if self.probe is not None:
-            for b in already.tolist():
-                self.probe.block_finding("double_free", b, "block released a second time after its request ended: it is already free")
-
-    def _release_tail(self, seq: Sequence, keep: int) -> None:
-        ids = np.asarray(seq.block_table[keep:], np.int64)
-        locks = self.store.shard_locks_for(ids) | {self.FREE}
-        self._run(locks, lambda t: self._release_blocks(t, seq, keep))
-        seq.block_table = seq.block_table[:keep]
 
     def set_state(self, seq: Sequence, state: str) -> None:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""

@@ -24,7 +24,9 @@ class Escalate(Exception):
 class Txn:
     """Context manager: lock in order, journal every write, commit or roll back, unlock."""
 
-    def __init__(self, locks: LockTable, journal: Journal, client_seq: np.ndarray, held: set[int] | list[int]):
+    def __init__(
+        self, locks: LockTable, journal: Journal, client_seq: np.ndarray, held: set[int] | list[int]
+    ):
         self.lock_table = locks
         self.journal = journal
         self.client_seq = client_seq
