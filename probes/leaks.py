@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.sites import site_text
 
@@ -29,7 +30,10 @@ def summary(pool: Any) -> str | None:
     sites: Counter[str] = Counter()
     requests: dict[str, set[str]] = {}
     for blk in ids.tolist():
-        where = site_text(pool.view, int(b["site"][blk])) or "(allocation site not recorded: KVSCOPE_OWNERSHIP=1)"
+        where = (
+            site_text(pool.view, int(b["site"][blk]))
+            or "(allocation site not recorded: KVSCOPE_OWNERSHIP=1)"
+        )
         sites[where] += 1
         requests.setdefault(where, set()).add(bytes(b["request"][blk]).decode(errors="replace"))
     tokens = int(b["num_tokens"][ids].sum())
@@ -39,7 +43,9 @@ def summary(pool: Any) -> str | None:
         f"in {len(reqs)} request(s) still held by pid {pool.pid} at exit"
     ]
     for where, n in sites.most_common():
-        lines.append(f"==kvscope==   {n} block(s) allocated at {where} ({len(requests[where])} request(s))")
+        lines.append(
+            f"==kvscope==   {n} block(s) allocated at {where} ({len(requests[where])} request(s))"
+        )
     return "\n".join(lines)
 
 

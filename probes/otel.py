@@ -27,12 +27,13 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from opentelemetry import metrics, trace
+
 from kvscope.allocator import pool as pool_module
 from kvscope.allocator.pool import KVPool
 from kvscope.probes.otel_exporters import install_from_env, start_collector
 from kvscope.probes.otel_metrics import DEVICE, LOCK, POOL, PoolCollector
 from kvscope.probes.otel_traces import RequestSpans
-from opentelemetry import metrics, trace
 
 __all__ = ["KVPoolInstrumentor", "install_from_env", "start_collector"]
 

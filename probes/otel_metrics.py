@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
 from kvscope.allocator.layout import FINDINGS_CAPACITY, BlockState, SegmentView
 from kvscope.allocator.segment import MappedFile, open_existing, release, segment_path, view_of
 from kvscope.allocator.stats import pool_stats
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 POOL = "kvscope.pool.name"
 DEVICE = "kvscope.pool.device"

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvscope.probes.otel_metrics import DEVICE, POOL
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, Tracer
+
+from kvscope.probes.otel_metrics import DEVICE, POOL
 
 REQUEST = "kvscope.request.id"
 

@@ -1,0 +1,195 @@
+"""The lock-order graph: edges between lock classes, kept per process and in the segment, and
+the cycle search that names both chains of a lock-order inversion (used by lockdep.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any, NamedTuple
+
+import kvscope
+import kvscope.allocator
+import kvscope.probes
+from kvscope.allocator.findings import Finding, write_finding
+from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
+
+UNTRACED = frozenset({"sites", "findings"})
+CLASS_BYTES, SITE_BYTES, MESSAGE_BYTES = 16, 120, 200
+_OWN_DIRS = tuple(
+    os.path.dirname(m.__file__ or "") + os.sep for m in (kvscope, kvscope.allocator, kvscope.probes)
+)
+_GLUE = ("contextlib.py", "threading.py")
+
+
+class Edge(NamedTuple):
+    """One lock-order edge: some thread took `dst` while holding `src`."""
+
+    src: str
+    dst: str
+    pid: int
+    site: str
+
+
+def lock_class(name: str) -> str:
+    """The lock class of a pool lock name: the index shards collapse to "index"."""
+    return "index" if name.startswith("index.") else name
+
+
+def class_name(text: str) -> str:
+    """A lock class name as the segment stores it (16 bytes)."""
+    return text.encode()[:CLASS_BYTES].decode(errors="ignore")
+
+
+def call_site() -> str:
+    """`file:line function` of the innermost frame outside kvscope (the caller's code)."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and (
+        f.f_code.co_filename.startswith(_OWN_DIRS) or f.f_code.co_filename.endswith(_GLUE)
+    ):
+        f = f.f_back
+    if f is None:
+        return "?"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}"[:SITE_BYTES]
+
+
+def find_path(edges: list[Edge], src: str, dst: str) -> list[Edge]:
+    """The shortest chain of edges src -> ... -> dst (empty if there is none)."""
+    out: dict[str, list[Edge]] = {}
+    for e in edges:
+        out.setdefault(e.src, []).append(e)
+    came: dict[str, Edge | None] = {src: None}
+    todo = deque([src])
+    while todo:
+        node = todo.popleft()
+        if node == dst:
+            path: list[Edge] = []
+            while (step := came[node]) is not None:
+                path.append(step)
+                node = step.src
+            return path[::-1]
+        for e in out.get(node, ()):
+            if e.dst not in came:
+                came[e.dst] = e
+                todo.append(e.dst)
+    return []
+
+
+def cycle_finding(new: Edge, path: list[Edge]) -> Finding:
+    """The `lock_order_cycle` finding for a new edge that closes `path` (its reverse chain)."""
+    mine = f"pid {new.pid} takes {new.src} -> {new.dst} at {new.site}"
+    theirs = "; ".join(f"pid {e.pid} took {e.src} -> {e.dst} at {e.site}" for e in path)
+    why = "opposite orders" if len(path) == 1 else "these orders form a cycle that"
+    msg = f"{mine}; {theirs}"
+    tail = f": {why} deadlock{'' if len(path) == 1 else 's'} when they overlap"
+    if len(msg) + len(tail) <= MESSAGE_BYTES:
+        msg += tail
+    return Finding(
+        "lock_order_cycle",
+        msg,
+        owner_pid=new.pid,
+        extra={"chain": [new._asdict()] + [e._asdict() for e in path]},
+    )
+
+
+class LocalGraph:
+    """A lock-order graph in this process only (user locks with no pool to share one through)."""
+
+    shared = False
+
+    def __init__(self, notify: Callable[[Finding], None]):
+        self._edges: list[Edge] = []
+        self._lock = threading.Lock()
+        # Findings have no ring to go to here: writing is a no-op, reporting is notifying.
+        self.notify = self.report = notify
+        self.known: set[tuple[str, str]] = set()
+
+    def usable(self) -> bool:
+        """Always: the graph lives in this process."""
+        return True
+
+    def locked(self) -> threading.Lock:
+        """Exclusive access to the edges."""
+        return self._lock
+
+    def edges(self) -> list[Edge]:
+        """Every edge, oldest first."""
+        return list(self._edges)
+
+    def add(self, e: Edge) -> bool:
+        """Add an edge (caller holds `locked`)."""
+        self._edges.append(e)
+        return True
+
+    def write(self, f: Finding) -> None:
+        """Nothing to write: `notify` hands the finding over."""
+
+
+class SegmentGraph:
+    """The lock-order graph in a pool's segment, shared by every attached process."""
+
+    shared = True
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.table = pool.locks
+        self.findings_lock = pool.locks.index("findings")
+        self.known: set[tuple[str, str]] = set()
+
+    def usable(self) -> bool:
+        """False once the pool is closed, or in a forked child of the process that opened it."""
+        return not self.pool._closed and self.pool.pid == os.getpid()
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the pool's findings lock, raw: it is last in the lock order, and a leaf."""
+        self.table.acquire(self.findings_lock)
+        try:
+            yield
+        finally:
+            self.table.release(self.findings_lock)
+
+    def edges(self) -> list[Edge]:
+        """Every edge in the segment, oldest first."""
+        view = self.pool.view
+        g = view.lockgraph[: min(int(view.h["lockgraph_used"]), LOCKGRAPH_CAPACITY)]
+        cols = (g["src"].tolist(), g["dst"].tolist(), g["pid"].tolist(), g["site"].tolist())
+        return [
+            Edge(s.decode(), d.decode(), p, t.decode(errors="replace")) for s, d, p, t in zip(*cols)
+        ]
+
+    def add(self, e: Edge) -> bool:
+        """Append an edge (caller holds `locked`); False when the graph is full."""
+        view = self.pool.view
+        n = int(view.h["lockgraph_used"])
+        if n >= LOCKGRAPH_CAPACITY:
+            return False
+        r = view.lockgraph[n : n + 1]
+        r["src"], r["dst"], r["pid"] = (
+            e.src.encode()[:CLASS_BYTES],
+            e.dst.encode()[:CLASS_BYTES],
+            e.pid,
+        )
+        r["site"] = e.site.encode()[:SITE_BYTES]
+        # The count moves last: a crash before it leaves an unused record.
+        view.header["lockgraph_used"] = n + 1
+        return True
+
+    def write(self, f: Finding) -> None:
+        """Append a finding to the segment's ring (caller holds `locked`)."""
+        write_finding(self.pool.view, None, f)
+
+    def notify(self, f: Finding) -> None:
+        """Hand a finding to the pool's probe callback."""
+        if self.pool.on_finding is not None:
+            self.pool.on_finding(f)
+
+    def report(self, f: Finding) -> None:
+        """Write and hand over a finding without the pool mutex (a stuck operation may hold it)."""
+        with self.locked():
+            self.write(f)
+        self.notify(f)
