@@ -50,7 +50,8 @@ def test_kvscope_top_in_tmux_shows_the_live_pool(make_pool):
         for _ in range(100):
             time.sleep(0.2)
             screen = _tmux("capture-pane", "-p", "-t", session)
-            if "tmux-request" in screen and "healthy" in screen:
+            # Panels render on their own frames: wait for all of them.
+            if all(x in screen for x in ("tmux-request", "healthy", "blocks (256)", pool.name)):
                 break
         # THEN the screen shows the pool, its health, the block map and the request
         assert pool.name in screen
