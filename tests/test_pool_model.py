@@ -36,13 +36,15 @@ def kv_values(tokens: list[int]) -> list[float]:
 class PoolModel(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
+    extra_config: dict = {}
+
     def __init__(self):
         super().__init__()
         self.name = f"model-{uuid.uuid4().hex[:8]}"
         self.pool = KVPool.create(
             self.name,
             PoolConfig(num_blocks=NUM_BLOCKS, block_size=BS, num_layers=1, num_kv_heads=1,
-                       head_dim=1, dtype="float32", local_cache_size=2),
+                       head_dim=1, dtype="float32", local_cache_size=2, **self.extra_config),
         )
         self.live: dict[int, object] = {}
         self.n = 0
@@ -151,6 +153,7 @@ class PoolModel(RuleBasedStateMachine):
         assert self.pool.check() == []
         st_ = self.pool.stats()
         total = st_["num_free"] + st_["num_local"] + st_["num_cached"] + st_["num_allocated"]
+        total += st_["num_quarantined"]
         assert total == NUM_BLOCKS
         refs = np.zeros(NUM_BLOCKS, int)
         for s in self.live.values():
@@ -179,3 +182,18 @@ PoolModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPoolModel = PoolModel.TestCase
+
+
+class GuardedPoolModel(PoolModel):
+    """The same model on a guard-mode pool: guard slots, poisoning, a 3-allocation quarantine."""
+
+    extra_config = {"guard": True, "quarantine": 3}
+
+
+GuardedPoolModel.TestCase.settings = settings(
+    max_examples=int(os.environ.get("KVSCOPE_HYPOTHESIS_EXAMPLES", "60")) // 2,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestGuardedPoolModel = GuardedPoolModel.TestCase
