@@ -59,7 +59,8 @@ class ReleaseOps:
             if probe is not None and probe.flags.guard:
                 bad_guard = probe.scan_guard(zero)
                 t.after_commit.append(lambda: probe.report_guard(bad_guard))
-                probe.poison(zero)
+                # Poison only if the release commits: a rolled-back preemption keeps its KV.
+                t.before_commit.append(lambda zero=zero: probe.poison(zero))
                 # Quarantine: freed blocks go to the tail of the FIFO ring, never the local cache.
                 t.need(self.FREE)
                 self.store.ring_push(t, zero, BlockState.QUARANTINED)

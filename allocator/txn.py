@@ -35,6 +35,9 @@ class Txn:
         self.held = list(held) if isinstance(held, list) else sorted(held)
         self.held_set = set(held)
         self.after_commit: list[Callable[[], None]] = []
+        # Side effects outside the segment (KV poisoning) that must not happen if the operation
+        # is rolled back: run at commit, while the locks are still held.
+        self.before_commit: list[Callable[[], None]] = []
 
     def need(self, *locks: int) -> None:
         """Escalate unless every named lock is held."""
@@ -62,6 +65,8 @@ class Txn:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
+            for fn in self.before_commit:
+                fn()
             crash_point("txn.before_commit")
             self.journal.commit()
         else:

@@ -361,3 +361,21 @@ def test_guard_violation_is_found_when_the_block_is_freed(make_pool, monkeypatch
     from kvscope.kernels import guard_scan
 
     assert guard_scan(pool.kv, blocks=[blk]) == []
+
+
+def test_a_rolled_back_preemption_leaves_the_waiting_sequences_kv_intact(make_pool):
+    # GIVEN a guard-mode pool with a waiting sequence whose KV is written
+    pool = make_pool(4, guard=True, local_cache_size=0)
+    wait = pool.allocate("wait", list(range(8)))  # 2 blocks
+    pool.kv[:, :, wait.block_table, : pool.block_size] = 1.0
+    pool.set_state(wait, "waiting")
+    run = pool.allocate("run", [1, 2, 3])  # 1 block, 1 left free
+    # WHEN an allocation preempts it but still cannot fit, and is rolled back
+    with pytest.raises(PoolExhausted):
+        pool.allocate("big", list(range(100, 116)))  # 4 blocks
+    # THEN the waiting sequence still holds its blocks and its KV was not poisoned
+    assert wait.state == "waiting" and len(wait.block_table) == 2
+    assert bool((pool.kv[:, :, wait.block_table, : pool.block_size] == 1.0).all())
+    assert pool.check() == []
+    pool.free(run)
+    pool.free(wait)
