@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -191,26 +193,17 @@ class KVPool(SequenceOps):
             c["state"][i] = ClientState.ATTACHED
         return i
 
-    def _file_lock(self):
-        """A short-lived exclusive section for client registration (the `seqs` lock's byte)."""
-        pool = self
-
-        class _Section:
-            def __enter__(self):
-                import fcntl
-
-                self.tl = pool._mf.__dict__.setdefault("reg_lock", threading.Lock())
-                self.tl.acquire()
-                fcntl.lockf(pool._mf.fd, fcntl.LOCK_EX, 1, pool.view.offsets["clients"])
-                return self
-
-            def __exit__(self, *exc):
-                import fcntl
-
-                fcntl.lockf(pool._mf.fd, fcntl.LOCK_UN, 1, pool.view.offsets["clients"])
-                self.tl.release()
-
-        return _Section()
+    @contextlib.contextmanager
+    def _file_lock(self) -> Iterator[None]:
+        """A short exclusive section for client registration (a byte of the clients section)."""
+        tl = self._mf.__dict__.setdefault("reg_lock", threading.Lock())
+        off = self.view.offsets["clients"]
+        with tl:
+            fcntl.lockf(self._mf.fd, fcntl.LOCK_EX, 1, off)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._mf.fd, fcntl.LOCK_UN, 1, off)
 
     def close(self) -> None:
         """Detach: return this process's local cache to the ring and release the mapping."""
@@ -220,12 +213,11 @@ class KVPool(SequenceOps):
         if self.journal.count:
             self.journal.rollback()
         self._run({self.FREE}, self._flush_local)
-        with self._file_lock():
-            c = self.view.clients
-            h = self.view.header
-            for f in COUNTER_FIELDS:
-                h[f] = int(h[f][0]) + int(c[f][self.client])
-            c["state"][self.client] = ClientState.DETACHED
+        # The same journaled fold as reclaiming a dead process, under the lock that guards the
+        # header's counters (the seqs lock).
+        from kvscope.allocator.recovery import detach_client
+
+        self._run({self.SEQS}, lambda t: detach_client(self.view, t, self.client))
         self._closed = True
         self.view = None  # type: ignore[assignment]
         release(self._mf)

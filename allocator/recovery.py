@@ -71,6 +71,17 @@ def recover_dead_holders(pool: KVPool) -> list[dict[str, Any]]:
     return recovered
 
 
+def detach_client(view: SegmentView, t: Txn, c: int) -> None:
+    """Fold a client's counters into the header and mark its record detached (caller holds the
+    seqs lock, which guards the header's counters)."""
+    h = view.header
+    for f in COUNTER_FIELDS:
+        t.journal.save(h.dtype.fields[f][1], 8)
+        h[f] = int(h[f][0]) + int(view.clients[f][c])
+    t.journal.save(view.offsets["clients"] + c * view.clients.dtype.itemsize, 1)
+    view.clients["state"][c] = ClientState.DETACHED
+
+
 def dead_owners(view: SegmentView) -> list[dict[str, Any]]:
     """For each dead client: pid, its live sequences and the blocks it holds."""
     out = []
@@ -151,15 +162,7 @@ def reclaim_dead(pool: KVPool) -> dict[str, int]:
             if got < CHUNK * 2:
                 break
 
-        def detach(t: Txn, c: int = c) -> None:
-            h = view.header
-            for f in COUNTER_FIELDS:
-                t.journal.save(h.dtype.fields[f][1], 8)
-                h[f] = int(h[f][0]) + int(view.clients[f][c])
-            t.journal.save(view.offsets["clients"] + c * view.clients.dtype.itemsize, 1)
-            view.clients["state"][c] = ClientState.DETACHED
-
-        pool._run(pool.ALL, detach)
+        pool._run(pool.ALL, lambda t, c=c: detach_client(view, t, c))
         totals["processes"] += 1
     return totals
 

@@ -45,7 +45,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
         chain = [int(x) for x in chain_hashes(np.asarray(tokens), bs)]
         keys = keys_of(np.asarray(chain, np.uint64)).tolist() if chain else []
         max_hits = (len(tokens) - 1) // bs
-        shards = {self.SHARDS[k & (len(self.SHARDS) - 1)] for k in keys[:max_hits]}
+        shards = {self.SHARDS[self.store.index.shard(k)] for k in keys[:max_hits]}
         locks = {self.SEQS} | shards
         if int(self.store.local_count[0]) < n_blocks:
             locks.add(self.FREE)
