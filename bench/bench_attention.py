@@ -196,6 +196,9 @@ SWEEP = [
     {"ctas_per_sm": 2},
     {"chunk_blocks": 32},
     {"chunk_blocks": 64},
+    {"merge_heads": 0, "merge_split_tile": 16},
+    {"stream_max_tiles": 0},
+    {"stream_max_tiles": 16},
 ]
 SWEEP_GUARD = [{"guard_max_regs": 0}, {"guard_max_regs": 120}]
 SWEEP_FP8 = [{"fp8_tile": 64}, {"fp8_f16": False}]

@@ -15,6 +15,7 @@ copy and only masks `-1` entries: its inner loop is the unguarded one plus one c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,12 @@ class DecodeConfig:
     that many (4 x 4 warps: 128 registers).
     `fused_merge`: the last program of a sequence merges its splits instead of a second
     launch (measured slower on the H200: the merge is serial in one program).
+    `merge_heads`: query heads per merge program (0: one kv head's group);
+    `merge_split_tile`: splits merged per step (one step for up to 64 splits).
+    `fused_split_tile`: splits per step of the fused merge (small: it adds no registers).
+    `stream_max_tiles`: programs of at most this many tiles over a 16-bit cache load K/V
+    straight into registers with an L2 evict-first hint (`num_stages=1`) instead of the
+    cp.async pipeline (which drops the hint; see docs/BENCHMARKS.md).
     """
 
     tile: int = 64
@@ -55,6 +62,10 @@ class DecodeConfig:
     fp8_f16: bool = True
     max_regs: int = 0
     guard_max_regs: int = 128
+    merge_heads: int = 1
+    merge_split_tile: int = 64
+    fused_split_tile: int = 4
+    stream_max_tiles: int = 8
 
 
 @triton.jit
@@ -62,7 +73,7 @@ def _attend_tile(
     q, m_i, l_i, acc, k_base, v_base, table, t0, end, max_blocks,
     qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
     TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_FP8: tl.constexpr, UPCAST: tl.constexpr, GUARD: tl.constexpr,
+    KV_FP8: tl.constexpr, UPCAST: tl.constexpr, GUARD: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys [t0, t0 + TILE); in guard mode -1 entries are masked."""
     toks = t0 + tl.arange(0, TILE)
@@ -74,10 +85,15 @@ def _attend_tile(
     if GUARD:
         ok = ok & (blk >= 0)
     row = blk.to(tl.int64)[:, None]
-    k = tl.load(k_base + row * stride_kn + slot[:, None] * stride_ks + d[None, :],
-                mask=ok[:, None], other=0.0)  # fmt: skip
-    v = tl.load(v_base + row * stride_vn + slot[:, None] * stride_vs + d[None, :],
-                mask=ok[:, None], other=0.0)  # fmt: skip
+    k_ptrs = k_base + row * stride_kn + slot[:, None] * stride_ks + d[None, :]
+    v_ptrs = v_base + row * stride_vn + slot[:, None] * stride_vs + d[None, :]
+    if EVICT:
+        # streamed once: let these lines go first, before other data in L2
+        k = tl.load(k_ptrs, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptrs, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        k = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=ok[:, None], other=0.0)
     if KV_FP8 or UPCAST:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -139,7 +155,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_PAD: tl.constexpr,
     SPLIT_TILE: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr,
     GUARD: tl.constexpr, UPCAST: tl.constexpr, KVH_FAST: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     if KVH_FAST:
         kvh = tl.program_id(0)
@@ -183,7 +199,7 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, table, t0, end, max_blocks,
             qk_scale, stride_kn, stride_ks, stride_vn, stride_vs,
-            TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, GUARD,
+            TILE, BLOCK_SIZE, HEAD_DIM, KV_FP8, UPCAST, GUARD, EVICT,
         )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -261,6 +277,9 @@ def launch_decode(
     tile = cfg.fp8_tile if g.fp8 else cfg.tile
     regs = cfg.guard_max_regs if g.guard else cfg.max_regs
     extra = {"maxnreg": regs} if regs and not backend.interpreting() else {}
+    # short programs: no cp.async pipeline to fill, and evict-first keeps L2's other lines
+    stream = not g.fp8 and math.ceil(chunk / tile) <= cfg.stream_max_tiles
+    stages = 1 if stream else cfg.num_stages
     _decode_kernel[grid](
         q, k, v, tables, a.seq_lens, out, acc, ml, sem, g.k_scale, g.v_scale,
         a.scale * LOG2E, kv_heads, max_blocks, splits, chunk,
@@ -269,16 +288,20 @@ def launch_decode(
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         TILE=tile, BLOCK_SIZE=a.block_size, HEAD_DIM=head_dim, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), MERGE_PAD=merge_pad,
-        SPLIT_TILE=16, KV_FP8=g.fp8, FP8_F16=cfg.fp8_f16, GUARD=g.guard,
+        SPLIT_TILE=cfg.fused_split_tile, KV_FP8=g.fp8, FP8_F16=cfg.fp8_f16, GUARD=g.guard,
         UPCAST=backend.interpreting(), KVH_FAST=cfg.kvh_fast, FUSED_MERGE=fused,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        EVICT=stream,
+        num_warps=cfg.num_warps, num_stages=stages, **extra,
     )  # fmt: skip
     if splits > 1 and not fused:
-        _merge_kernel[(batch, kv_heads)](
+        heads = cfg.merge_heads or group
+        assert q_heads % heads == 0, f"merge_heads {heads} must divide {q_heads} query heads"
+        _merge_kernel[(batch, q_heads // heads)](
             a.seq_lens, out, acc, ml, splits, chunk,
             out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-            BLOCK_SIZE=a.block_size, GROUP=group, MERGE_PAD=merge_pad, HEAD_DIM=head_dim,
-            SPLIT_TILE=16, num_warps=4,
+            BLOCK_SIZE=a.block_size, GROUP=heads, MERGE_PAD=triton.next_power_of_2(heads),
+            HEAD_DIM=head_dim, SPLIT_TILE=min(cfg.merge_split_tile, triton.next_power_of_2(splits)),
+            num_warps=4,
         )  # fmt: skip
 
 

@@ -41,7 +41,7 @@ def _merge_group(
     GROUP: tl.constexpr, MERGE_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT_TILE: tl.constexpr,
 ):  # fmt: skip
-    """Merge the partial (acc, max, sum) of `num_splits` splits for one kv head's q heads."""
+    """Merge the partial (acc, max, sum) of `num_splits` splits of q heads [kvh * GROUP, +GROUP)."""
     s = tl.arange(0, SPLIT_TILE)
     g = tl.arange(0, MERGE_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -85,7 +85,7 @@ def _merge_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, MERGE_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):  # fmt: skip
-    """Separate merge launch (one program per sequence and kv head)."""
+    """Separate merge launch: one program per sequence and group of GROUP query heads."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     num_splits, _ = _seq_splits(tl.load(lens_ptr + b), grid_splits, chunk, BLOCK_SIZE)

@@ -52,10 +52,15 @@ def test_decode_matches_reference(
 @pytest.mark.parametrize("device", TRITON_TARGETS)
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 1000], ids=["split1", "split3", "nosplit"])
 @pytest.mark.parametrize(
-    ("fused", "kvh_fast"), [(True, True), (False, False)], ids=["fused-kvhfast", "merge-kernel"]
+    ("fused", "kvh_fast", "merge_heads", "stream"),
+    [(True, True, 1, 8), (False, False, 1, 8), (False, True, 0, 0), (False, True, 2, 0)],
+    ids=["fused-kvhfast", "merge-kernel", "merge-per-kvhead-pipelined", "merge-2heads-pipelined"],
 )
-def test_decode_split_sizes_agree(monkeypatch, device, chunk_blocks, fused, kvh_fast):
-    # GIVEN ragged lengths and splits of 1 block, 3 blocks, or the whole context
+def test_decode_split_sizes_agree(
+    monkeypatch, device, chunk_blocks, fused, kvh_fast, merge_heads, stream
+):
+    # GIVEN ragged lengths and splits of 1 block, 3 blocks, or the whole context, merged per
+    # query head, per 2 or per kv head's group, K/V streamed into registers or pipelined
     case = make_case([1, 15, 17, 100], 8, 2, 16, BF16, device)
     q = torch.randn(4, 4, 16, device=device, dtype=BF16)
     want = paged_decode_ref(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
@@ -64,7 +69,10 @@ def test_decode_split_sizes_agree(monkeypatch, device, chunk_blocks, fused, kvh_
         q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None, None,
         None, None, None, None,
     )  # fmt: skip
-    cfg = DecodeConfig(tile=16, chunk_blocks=chunk_blocks, fused_merge=fused, kvh_fast=kvh_fast)
+    cfg = DecodeConfig(
+        tile=16, chunk_blocks=chunk_blocks, fused_merge=fused, kvh_fast=kvh_fast,
+        merge_heads=merge_heads, merge_split_tile=2, stream_max_tiles=stream,
+    )  # fmt: skip
     for _ in range(2):  # the fused merge's counters must be back at zero for the second launch
         out = torch.full_like(q, float("nan"))
         launch_decode(a, out, cfg)
