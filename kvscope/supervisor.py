@@ -1,9 +1,10 @@
 """The parent side of `kvscope run`: start the child, follow its pools, dump and analyze at the end.
 
-The child (kvscope.bootstrap) lists every pool it opens in the run directory. The supervisor maps
-each one read-only and, every `interval_s`, prints the findings new in its findings ring and
-checks its header, so a finding shows up while the script runs. The pool lives in /dev/shm: after
-the child exits, however it exits (SIGKILL included), the supervisor still reads it whole.
+The child (kvscope.bootstrap), and every process it starts, lists each pool it opens in the run
+directory (kvscope/child.py). The supervisor maps each one read-only and, every `interval_s`,
+prints the findings new in its findings ring and checks its header, so a finding shows up while
+the script runs. The pool lives in /dev/shm: after the child exits, however it exits (SIGKILL
+included), the supervisor still reads it whole.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvscope.allocator.layout import Layout, SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.snapshot import snapshot
 from kvscope.analysis import LEAK_KINDS, collect_findings
-from kvscope.bootstrap import pool_key
+from kvscope.child import pool_key
 from kvscope.dumpfile import layout_of_prefix
 
 

@@ -3,12 +3,12 @@
 Each probe is off by default in the library and has its own KVSCOPE_* switch (docs/PROBES.md):
 magic, ownership, guard, leaks and events live in the allocator's hooks (allocator/probing.py);
 lockdep and the watchdog, fault injection, the leak summary at exit and the OpenTelemetry
-exporters live here. `install_from_env()` is what the `kvscope run` bootstrap calls.
+exporters live here. `install_from_env()` is what `kvscope run` calls in every process of the
+run (kvscope/child.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +17,7 @@ from kvscope.allocator import pool as pool_module
 from kvscope.allocator.events import OP_NAMES, EventOp
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.probing import env_flag
+from kvscope.probes.process_exit import at_exit
 
 __all__ = ["FAULTS", "OP_NAMES", "EventOp", "install_from_env"]
 
@@ -41,7 +42,7 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     pool_module.OPEN_HOOKS.append(lambda pool: _on_open(pool, env))
     if env_flag("LEAKS", env):
-        atexit.register(_at_exit)
+        at_exit(_at_exit)
     from kvscope.probes.otel_exporters import install_from_env as otel_install
 
     otel_install(env)

@@ -1,0 +1,158 @@
+"""The hooks every process of a `kvscope run` carries, the script's and each one it starts.
+
+`install()` runs once per process. The bootstrap calls it before the script runs; a process the
+script starts gets it from `import kvscope` (kvscope/__init__.py), which installs it whenever
+`KVSCOPE_RUN_DIR` names an existing directory. That variable is inherited by every child, and a
+process cannot open a pool without importing kvscope first, so spawn, forkserver and
+`subprocess` children come up with the same hooks as forked ones, which inherit them anyway.
+
+The hooks record in the run directory:
+
+- `pools`: one line per pool a process opens (`name<TAB>created_ns<TAB>segment path`), and
+  `hdr.<name>.<created_ns>`, the segment header's first bytes, so the supervisor can lay out and
+  dump the pool even after a SIGKILL or a scribbled header;
+- `unlinks`: pools the script unlinked; the files are renamed aside (the name is free again) and
+  the supervisor removes them after it has dumped and analyzed them;
+- `exit.<pid>`: what the leak check at that process's exit found, as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from typing import Any
+
+from kvscope.allocator import pool as pool_module
+from kvscope.allocator.findings import Finding
+from kvscope.allocator.segment import data_path, segment_path
+from kvscope.probes.process_exit import at_exit
+
+RUN_DIR_ENV = "KVSCOPE_RUN_DIR"
+HEADER_PREFIX_BYTES = 256
+# At most this many check findings are written to a pool's findings ring at exit.
+MAX_EXIT_FINDINGS = 32
+
+_pools: list[Any] = []
+# id(pool) -> the created_ns of its segment (a closed pool no longer has a view to read it from).
+_created: dict[int, int] = {}
+_install_lock = threading.Lock()
+_installed = False
+
+
+def run_dir() -> str | None:
+    """The supervisor's run directory; None outside a run or once the run is over."""
+    path = os.environ.get(RUN_DIR_ENV)
+    return path if path and os.path.isdir(path) else None
+
+
+def _append(name: str, line: str) -> None:
+    """Append one line to a run-directory file (O_APPEND: lines of many processes stay whole)."""
+    where = run_dir()
+    if where is None:
+        return
+    fd = os.open(os.path.join(where, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def pool_key(name: str, created_ns: int) -> str:
+    """Names one creation of a pool (a name can be unlinked and created again)."""
+    return f"{name}.{created_ns}"
+
+
+def on_open(pool: Any) -> None:
+    """OPEN_HOOKS entry: record the pool and its intact header for the supervisor."""
+    where = run_dir()
+    if where is None:
+        return
+    created = int(pool.view.h["created_ns"])
+    hdr = os.path.join(where, "hdr." + pool_key(pool.name, created))
+    if not os.path.exists(hdr):
+        # Written aside and renamed: a supervisor that sees the file sees all of it, even when
+        # two processes open the same pool at once.
+        tmp = f"{hdr}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(pool.view.raw[:HEADER_PREFIX_BYTES].tobytes())
+        os.replace(tmp, hdr)
+    _append("pools", f"{pool.name}\t{created}\t{segment_path(pool.name)}")
+    _pools.append(pool)
+    _created[id(pool)] = created
+
+
+def on_unlink(pool: Any) -> None:
+    """UNLINK_HOOK: rename the pool's files aside; the supervisor unlinks them after the dump."""
+    created = _created.get(id(pool), 0)
+    aside = f"{pool.name}.unlinked-{os.getpid()}-{created % 10**9}"
+    try:
+        os.rename(segment_path(pool.name), segment_path(aside))
+    except FileNotFoundError:
+        return
+    try:
+        os.rename(data_path(pool.name), data_path(aside))
+    except FileNotFoundError:
+        pass
+    _append("unlinks", f"{pool.name}\t{created}\t{segment_path(aside)}")
+
+
+def check_at_exit() -> dict[str, Any]:
+    """Report this process's leaks into each pool's findings ring; close pools that are clean."""
+    out: dict[str, Any] = {}
+    me = os.getpid()
+    for pool in _pools:
+        if pool._closed or pool.pid != me:
+            continue
+        held = 0
+        seqs = [s for s in pool._seqs.values() if s.block_table]
+        for seq in seqs:
+            held += len(seq.block_table)
+            pool.report(
+                Finding(
+                    "leak_finished",
+                    f"request {seq.request_id!r} still held {len(seq.block_table)} block(s) when"
+                    " the process exited: free or abort every sequence when its request ends",
+                    block=seq.block_table[0],
+                    owner_pid=me,
+                    request=str(seq.request_id)[:32],
+                )
+            )
+        # The local cache is not a leak: hand it back before looking for orphans.
+        pool._run({pool.FREE}, pool._flush_local)
+        mine = [f for f in pool.check() if f.owner_pid in (None, me)]
+        for f in mine[:MAX_EXIT_FINDINGS]:
+            pool.report(f)
+        orphans = sum(1 for f in mine if f.kind == "leak_orphan")
+        out[pool.name] = {"sequences": len(seqs), "blocks": held, "findings": len(mine)}
+        if not seqs and not orphans:
+            pool.close()
+    return out
+
+
+def _at_exit() -> None:
+    try:
+        found = check_at_exit()
+    except Exception as e:  # noqa: BLE001 - the check must never hide the script's own exit
+        print(f"kvscope: leak check at exit failed: {e}", file=sys.stderr)
+        return
+    where = run_dir()
+    if where is not None:
+        with open(os.path.join(where, f"exit.{os.getpid()}"), "w") as f:
+            json.dump(found, f)
+
+
+def install() -> None:
+    """Install the harness hooks, the exit check and the probes (once per process)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _installed = True
+    pool_module.OPEN_HOOKS.append(on_open)
+    pool_module.UNLINK_HOOK = on_unlink
+    at_exit(_at_exit)
+    from kvscope.probes import install_from_env
+
+    install_from_env()
