@@ -13,6 +13,8 @@ also those past `capacity`, which are dropped. Usage::
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 ERROR_FIELDS = 5
 HEADER_FIELDS = 2
@@ -88,3 +90,34 @@ def record_errors(errors: torch.Tensor, rows: torch.Tensor) -> None:
         lo = HEADER_FIELDS + start * ERROR_FIELDS
         errors[lo : lo + keep.numel()] = keep.reshape(-1)
     errors[0] = start + rows.shape[0]
+
+
+@triton.jit
+def _check_blocks(
+    blk, valid, record, seq, lb, state_ptr, errors_ptr, num_blocks, error_capacity,
+    HAS_STATE: tl.constexpr, HAS_ERRORS: tl.constexpr,
+):  # fmt: skip
+    """Guard mode, in a kernel: which of the `valid` table entries `blk` may be read.
+
+    An entry must lie in [0, num_blocks) and, with a block-state array, be allocated. Each bad
+    entry where `record` is set is written to the error buffer as (seq, lb, blk, -1, kind);
+    callers set `record` on one reader per (sequence, logical block).
+    """
+    in_range = (blk >= 0) & (blk < num_blocks)
+    kind = tl.where(in_range, 0, 1)  # KIND_OUT_OF_RANGE
+    ok = valid & in_range
+    if HAS_STATE:
+        allocated = tl.load(state_ptr + blk, mask=ok, other=1) != 0
+        kind = tl.where(ok & (allocated == 0), 2, kind)  # KIND_NOT_ALLOCATED
+        ok = ok & allocated
+    if HAS_ERRORS:
+        rec = record & valid & (kind != 0)
+        idx = tl.atomic_add(errors_ptr + lb * 0, lb * 0 + 1, mask=rec)
+        keep = rec & (idx < error_capacity)
+        rec_ptr = errors_ptr + 2 + idx * 5
+        tl.store(rec_ptr, lb * 0 + seq, mask=keep)
+        tl.store(rec_ptr + 1, lb, mask=keep)
+        tl.store(rec_ptr + 2, blk, mask=keep)
+        tl.store(rec_ptr + 3, lb * 0 - 1, mask=keep)
+        tl.store(rec_ptr + 4, kind, mask=keep)
+    return ok

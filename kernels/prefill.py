@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import backend, reference
 from .common import KernelArgs, check_attention_inputs, guard_args
+from .errors import _check_blocks
 
 LOG2E = 1.4426950408889634
 
@@ -85,25 +86,12 @@ def _prefill_kernel(
         blk = tl.load(table + lb, mask=valid & (lb < max_blocks), other=-1)
         ok = valid
         if GUARD:
-            in_range = (blk >= 0) & (blk < num_blocks)
-            kind = tl.where(in_range, 0, 1)
-            ok = valid & in_range
-            if HAS_STATE:
-                allocated = tl.load(state_ptr + blk, mask=ok, other=1) != 0
-                kind = tl.where(ok & (allocated == 0), 2, kind)
-                ok = ok & allocated
-            if HAS_ERRORS:
-                # a block is recorded by the first tile that reads it, at its first slot
-                first_reader = ((toks * 0 + mt) == 0) | (toks >= tile_first)
-                rec = valid & (kind != 0) & (slot == 0) & ((toks * 0 + kvh) == 0) & first_reader
-                idx = tl.atomic_add(errors_ptr + toks * 0, toks * 0 + 1, mask=rec)
-                keep = rec & (idx < error_capacity)
-                rec_ptr = errors_ptr + 2 + idx * 5
-                tl.store(rec_ptr, toks * 0 + b, mask=keep)
-                tl.store(rec_ptr + 1, lb, mask=keep)
-                tl.store(rec_ptr + 2, blk, mask=keep)
-                tl.store(rec_ptr + 3, toks * 0 - 1, mask=keep)
-                tl.store(rec_ptr + 4, kind, mask=keep)
+            # a block is recorded by the first tile that reads it, at its first slot
+            first_reader = ((toks * 0 + mt) == 0) | (toks >= tile_first)
+            ok = _check_blocks(
+                blk, valid, (slot == 0) & ((toks * 0 + kvh) == 0) & first_reader, b, lb, state_ptr,
+                errors_ptr, num_blocks, error_capacity, HAS_STATE, HAS_ERRORS,
+            )  # fmt: skip
         row = blk.to(tl.int64)[:, None]
         k = tl.load(
             k_base + row * stride_kn + slot[:, None] * stride_ks + d[None, :],
