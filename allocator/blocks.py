@@ -9,21 +9,43 @@ Who may write a block's header (docs/FORMAT.md, "Write domains"):
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from kvscope.allocator.crash import crash_point
+from kvscope.allocator.checksums import checksum_of_words
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
+    IDENTITY_WORDS,
+    REQUEST_BYTES,
     RING_HEADER_DTYPE,
     BlockState,
     SegmentView,
-    block_checksum,
     block_checksums,
+    block_dtype,
     block_words,
 )
 from kvscope.allocator.prefix import PrefixIndex
 from kvscope.allocator.process import now_ns
 from kvscope.allocator.txn import Txn
+
+_F = block_dtype(16).fields
+# Single-record writes: {magic, state, indexed}; {refcount, generation, owner_pid, owner_client,
+# prefix_hash}; {owner_start, request, alloc_ns, access_ns, site, num_tokens, parent_hash}.
+_HEAD = struct.Struct("<IBB")
+_IDENTITY = struct.Struct("<iIiiQ")
+_OWNER = struct.Struct(f"<Q{REQUEST_BYTES}sQQiIQ")
+_WORDS = struct.Struct(f"<{IDENTITY_WORDS}Q")
+_U4, _U8 = struct.Struct("<I"), struct.Struct("<Q")
+_REFCOUNT, _GENERATION = _F["refcount"][1], _F["generation"][1]
+_CHECKSUM, _OWNER_START = _F["checksum"][1], _F["owner_start"][1]
+assert _F["state"][1] == 4 and _F["indexed"][1] == 5 and _REFCOUNT == 8
+assert _F["prefix_hash"][1] == _REFCOUNT + _IDENTITY.size - 8
+assert _F["parent_hash"][1] == _OWNER_START + _OWNER.size - 8
+
+# Eviction candidates remembered from one pool scan (only when the cache holds over twice as many).
+LRU_KEEP = 1024
 
 
 class BlockStore:
@@ -44,6 +66,19 @@ class BlockStore:
         self.base = view.offsets["blocks"]
         self.record_size = view.blocks.dtype.itemsize
         self.words = block_words(view.blocks)
+        # Flat int32 / uint32 views of the whole segment for the per-token hot paths (a record
+        # is a whole number of 4-byte words): field f of block b is at word
+        # `at4[f] + b * rec4`. Numpy scalar access costs several times more.
+        end = view.offsets["end"]
+        self.mv = memoryview(view.buf)[:end]
+        self.i32 = memoryview(view.buf)[:end].cast("i")
+        self.u32 = memoryview(view.buf)[:end].cast("I")
+        assert self.record_size % 4 == 0 and self.base % 4 == 0
+        self.rec4 = self.record_size // 4
+        fields = view.blocks.dtype.fields
+        self.tokens_at4 = (self.base + fields["tokens"][1]) // 4
+        self.num_tokens_at4 = (self.base + fields["num_tokens"][1]) // 4
+        self.refcount_at4 = (self.base + fields["refcount"][1]) // 4
         self.num_blocks = view.layout.num_blocks
         self.ring = view.ring
         self.ring_header = view.ring_header
@@ -67,6 +102,11 @@ class BlockStore:
         self.free_lock = free_lock
         self.shard_locks = shard_locks
         self.index = PrefixIndex(view)
+        # Remembered eviction candidates, oldest first, with their access times at the scan.
+        self._lru_ids: list[int] = []
+        self._lru_ns: list[int] = []
+        self._lru_pos = 0
+        self._lru_cached = 0
 
     # -- journaling helpers -------------------------------------------------------------------
 
@@ -81,10 +121,14 @@ class BlockStore:
     def seal(self, ids: np.ndarray) -> None:
         """Recompute the records' checksums after changing identity fields."""
         if len(ids) == 1:
-            b = int(ids[0])
-            self.checksum[b] = block_checksum(self.words, b)
+            self.seal_one(int(ids[0]))
         else:
             self.checksum[ids] = block_checksums(self.blocks, ids)
+
+    def seal_one(self, b: int) -> None:
+        """`seal` of one block, from its identity words read with struct."""
+        rec = self.base + b * self.record_size
+        _U8.pack_into(self.mv, rec + _CHECKSUM, checksum_of_words(_WORDS.unpack_from(self.mv, rec), b))
 
     def shard_locks_for(self, ids: np.ndarray) -> set[int]:
         """Locks of the index shards that govern the indexed blocks among ids."""
@@ -248,14 +292,13 @@ class BlockStore:
         """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),
         least recently used first; return them (not yet reset)."""
         t.need(*self.shard_locks)
-        cand = np.flatnonzero(self.state == BlockState.CACHED)
-        if len(cand) == 0 or k <= 0:
+        if k <= 0:
             return np.zeros(0, np.int64)
-        k += min(extra, max(0, len(cand) - k) // 4)
-        if len(cand) > k:
-            part = np.argpartition(self.access_ns[cand], k - 1)[:k]
-            cand = cand[part]
-        cand = cand[np.argsort(self.access_ns[cand], kind="stable")]
+        cand = self._lru_take(t, k, extra)
+        if cand is None:
+            cand = self._lru_scan(t, k, extra)
+        if len(cand) == 0:
+            return np.zeros(0, np.int64)
         self.save(t, cand)
         for b in cand.tolist():
             removed = self.index.remove(int(self.prefix_hash[b]), b, t.journal)
@@ -268,6 +311,55 @@ class BlockStore:
         crash_point("blocks.after_evict")
         return cand.astype(np.int64)
 
+    def _lru_scan(self, t: Txn, k: int, extra: int) -> np.ndarray:
+        """The k (+extra) least recently used CACHED blocks, oldest first, from a pool scan.
+
+        A large cache also keeps the next LRU_KEEP oldest as later candidates (from commit on):
+        blocks cached after the scan are newer than all of them, so while they last they are
+        still the oldest, and eviction needs no scan.
+        """
+        cand = np.flatnonzero(self.state == BlockState.CACHED)
+        if len(cand) == 0:
+            return cand
+        k += min(extra, max(0, len(cand) - k) // 4)
+        keep = k + LRU_KEEP if len(cand) > 2 * LRU_KEEP + k else k
+        if len(cand) > keep:
+            cand = cand[np.argpartition(self.access_ns[cand], keep - 1)[:keep]]
+        cand = cand[np.argsort(self.access_ns[cand], kind="stable")]
+        if keep > k:
+            later = cand[k:]
+            lru = (later.tolist(), self.access_ns[later].tolist(), len(cand) - k)
+            t.after_commit.append(lambda: self._lru_reset(*lru))
+        return cand[:k]
+
+    def _lru_reset(self, ids: list[int], stamps: list[int], num_cached: int) -> None:
+        self._lru_ids, self._lru_ns, self._lru_pos = ids, stamps, 0
+        self._lru_cached = num_cached
+
+    def _lru_take(self, t: Txn, k: int, extra: int) -> np.ndarray | None:
+        """The next k (+extra) remembered candidates still CACHED and untouched since the scan;
+        None when fewer than k are left (the caller scans)."""
+        ids, stamps, pos = self._lru_ids, self._lru_ns, self._lru_pos
+        state, access = self.state, self.access_ns
+        want = k + min(extra, max(0, self._lru_cached - k) // 4)
+        got: list[int] = []
+        while pos < len(ids) and len(got) < want:
+            b = ids[pos]
+            if state[b] == BlockState.CACHED and access[b] == stamps[pos]:
+                got.append(b)
+            pos += 1
+        if len(got) < k:
+            self._lru_ids, self._lru_ns, self._lru_pos = [], [], 0
+            return None
+
+        def advance(pos: int = pos, n: int = len(got)) -> None:
+            if self._lru_ids is ids:
+                self._lru_pos = max(self._lru_pos, pos)
+                self._lru_cached = max(0, self._lru_cached - n)
+
+        t.after_commit.append(advance)
+        return np.asarray(got, np.int64)
+
     # -- taking and dropping references --------------------------------------------------------
 
     def stamp(
@@ -277,6 +369,18 @@ class BlockStore:
         if len(ids) == 0:
             return
         self.save(t, ids)
+        if len(ids) <= 4:
+            # A few blocks (a decode step's new block): three struct stores per record.
+            mv, now = self.mv, now_ns()
+            for b in ids.tolist():
+                rec = self.base + b * self.record_size
+                gen = (_U4.unpack_from(mv, rec + _GENERATION)[0] + 1) & 0xFFFF_FFFF
+                _HEAD.pack_into(mv, rec, BLOCK_MAGIC, BlockState.ALLOCATED, 0)
+                _IDENTITY.pack_into(mv, rec + _REFCOUNT, 1, gen, pid, self.client, 0)
+                _OWNER.pack_into(mv, rec + _OWNER_START, start, request, now, now, site, 0, 0)
+                self.seal_one(b)
+            crash_point("blocks.after_records")
+            return
         b = self.blocks
         now = now_ns()
         b["magic"][ids] = BLOCK_MAGIC

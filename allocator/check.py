@@ -230,6 +230,19 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         lambda x: "block is LOCAL but in no process's local cache",
     )
 
+    # Sequence-slot reserves: only an attached process (alive, or dead until reclaimed) has one.
+    reserved = np.flatnonzero(seqs["reserved"] == 1)
+    holder = seqs["owner_client"][reserved].astype(np.int64)
+    ok = (holder >= 0) & (holder < len(clients))
+    ok[ok] = clients["state"][holder[ok]] == ClientState.ATTACHED
+    if not ok.all():
+        r.add(
+            Finding(
+                "free_list_corrupt",
+                f"{int((~ok).sum())} sequence slots are reserved by client records that are not attached: no process can use them",
+            )
+        )
+
     # Refcounts against references.
     rc = b["refcount"].astype(np.int64)
     alive_refs = refs - dead_refs

@@ -60,3 +60,14 @@ def block_checksum(words: np.ndarray, block_id: int) -> int:
     h ^= h >> 29
     h = (h * _KI[0]) & MASK64
     return h ^ (h >> 32)
+
+
+def checksum_of_words(words: tuple[int, ...], block_id: int) -> int:
+    """Scalar checksum from a record's identity words already read as Python ints."""
+    h = (
+        words[0] * _KI[0] + words[1] * _KI[1] + words[2] * _KI[2] + words[3] * _KI[3]
+        + block_id * _KI[4]
+    ) & MASK64
+    h ^= h >> 29
+    h = (h * _KI[0]) & MASK64
+    return h ^ (h >> 32)

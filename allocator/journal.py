@@ -8,10 +8,23 @@ journal; recovery copies the saved bytes back, newest first.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.layout import JOURNAL_BYTES, JOURNAL_ENTRIES, SegmentView
+from kvscope.allocator.layout import (
+    CLIENT_DTYPE,
+    JOURNAL_BYTES,
+    JOURNAL_ENTRIES,
+    JOURNAL_ENTRY_DTYPE,
+    SegmentView,
+)
+
+# One journal entry {offset u8, length u4, data_off u4, op u8}, and a u4 count.
+_ENTRY = struct.Struct("<QIIQ")
+_U4 = struct.Struct("<I")
+assert _ENTRY.size == JOURNAL_ENTRY_DTYPE.itemsize
 
 
 class Journal:
@@ -30,6 +43,15 @@ class Journal:
         self.count = int(self._count_field[0])
         self.used = int(self._used_field[0])
         self.op = 0
+        # The one-range save is the hot path: plain byte copies and struct stores on the
+        # mapping, no numpy scalars (a dump's bytes are never journaled into).
+        base = view.offsets["clients"] + client * CLIENT_DTYPE.itemsize
+        fields = CLIENT_DTYPE.fields
+        self.mv = memoryview(view.buf)
+        self.entries_at = base + fields["journal"][1]
+        self.data_at = base + fields["journal_data"][1]
+        self.count_at = base + fields["journal_count"][1]
+        self.used_at = base + fields["journal_used"][1]
 
     def _room(self, n_entries: int, n_bytes: int) -> None:
         if self.count + n_entries > JOURNAL_ENTRIES or self.used + n_bytes > JOURNAL_BYTES:
@@ -43,16 +65,15 @@ class Journal:
         n, used = self.count, self.used
         if n + 1 > JOURNAL_ENTRIES or used + length > JOURNAL_BYTES:
             self._room(1, length)
-        self.e_offset[n] = offset
-        self.e_length[n] = length
-        self.e_data[n] = used
-        self.e_op[n] = self.op
-        self.data[used : used + length] = self.raw[offset : offset + length]
+        mv = self.mv
+        _ENTRY.pack_into(mv, self.entries_at + _ENTRY.size * n, offset, length, used, self.op)
+        d = self.data_at + used
+        mv[d : d + length] = mv[offset : offset + length]
         self.used = used + length
         self.count = n + 1
-        self._used_field[0] = self.used
+        _U4.pack_into(mv, self.used_at, used + length)
         # The count is written last: an entry exists only once its bytes are saved.
-        self._count_field[0] = self.count
+        _U4.pack_into(mv, self.count_at, n + 1)
 
     def save_records(self, array: np.ndarray, base: int, ids: np.ndarray) -> None:
         """Save whole records `array[ids]` of a section starting at segment offset `base`."""
@@ -75,8 +96,9 @@ class Journal:
 
     def commit(self) -> None:
         """Forget the saved bytes: the operation's writes stand."""
-        self._count_field[0] = 0
-        self._used_field[0] = 0
+        if self.count or self.used:
+            self._count_field[0] = 0
+            self._used_field[0] = 0
         self.count = self.used = 0
 
     def rollback(self) -> int:
@@ -91,5 +113,7 @@ class Journal:
         for i in range(n - 1, -1, -1):
             off, length, d = offs[i], lens[i], data_offs[i]
             self.raw[off : off + length] = self.data[d : d + length]
-        self.commit()
+        self._count_field[0] = 0
+        self._used_field[0] = 0
+        self.count = self.used = 0
         return n

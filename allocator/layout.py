@@ -176,7 +176,9 @@ def seq_dtype(max_blocks_per_seq: int) -> np.dtype:
     return np.dtype(
         [
             ("state", "u1"),
-            ("pad", "u1", (3,)),
+            # 1: the slot belongs to owner_client's reserve (EMPTY until that process uses it).
+            ("reserved", "u1"),
+            ("pad", "u1", (2,)),
             ("owner_pid", "<i4"),
             ("owner_client", "<i4"),
             ("num_blocks", "<u4"),

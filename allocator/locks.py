@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,17 @@ from collections.abc import Callable
 from kvscope.allocator.errors import LockDeadlock
 from kvscope.allocator.layout import LOCK_DTYPE, SegmentView, lock_names
 from kvscope.allocator.segment import MappedFile
+
+_F = LOCK_DTYPE.fields
+_SEQ, _HOLDER, _ACQUIRES = _F["seq"][1], _F["holder_pid"][1], _F["num_acquires"][1]
+_ACQUIRED, _HOLD = _F["acquired_ns"][1], _F["hold_ns"][1]
+# holder_pid, holder_client, holder_start, holder_tid, acquired_ns: one contiguous store.
+_HOLDER_REC = struct.Struct("<iiQQQ")
+assert _F["acquired_ns"][1] == _HOLDER + _HOLDER_REC.size - 8
+assert _F["max_hold_ns"][1] == _HOLD + 8
+_U8 = struct.Struct("<Q")
+_I4 = struct.Struct("<i")
+_U8X2 = struct.Struct("<QQ")
 
 
 class DeadHolder(Exception):
@@ -46,6 +58,9 @@ class LockTable:
         self.wait_ns = locks["wait_ns"]
         self.hold_ns = locks["hold_ns"]
         self.max_hold_ns = locks["max_hold_ns"]
+        # The lock record's hot fields are read and written with struct on the mapping (numpy
+        # scalar access costs several times more); the readers see the same bytes.
+        self.mv = memoryview(mf.mm)
         if not hasattr(mf, "tlocks"):
             # One thread lock per pool lock per process: fcntl locks do not exclude threads.
             mf.tlocks = [threading.Lock() for _ in self.names]  # type: ignore[attr-defined]
@@ -90,7 +105,9 @@ class LockTable:
                     "(the kernel reported EDEADLK): two processes take pool locks in opposite orders"
                 ) from None
             raise
-        dead = int(self.holder_pid[i])
+        mv = self.mv
+        rec = self.base + i * LOCK_DTYPE.itemsize
+        dead = _I4.unpack_from(mv, rec + _HOLDER)[0]
         if dead:
             if not recovering:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, off)
@@ -103,27 +120,27 @@ class LockTable:
             self.clear_dead(i)
         t1 = time.perf_counter_ns()
         # Holder first, then make the counter odd: a death in between leaves a named dead holder.
-        self.holder_pid[i] = self.pid
-        self.holder_client[i] = self.client
-        self.holder_start[i] = self.start
-        self.holder_tid[i] = threading.get_native_id()
-        self.acquired_ns[i] = t1
-        self.seq[i] += 1 if self.seq[i] % 2 == 0 else 2
-        self.num_acquires[i] += 1
+        _HOLDER_REC.pack_into(
+            mv, rec + _HOLDER, self.pid, self.client, self.start, threading.get_native_id(), t1
+        )
+        seq = _U8.unpack_from(mv, rec + _SEQ)[0]
+        _U8.pack_into(mv, rec + _SEQ, seq + (1 if seq % 2 == 0 else 2))
+        _U8.pack_into(mv, rec + _ACQUIRES, _U8.unpack_from(mv, rec + _ACQUIRES)[0] + 1)
         if contended:
             self.num_contended[i] += 1
             self.wait_ns[i] += t1 - t0
 
     def release(self, i: int) -> None:
         """Release lock i (the journal must already be committed)."""
-        held = time.perf_counter_ns() - int(self.acquired_ns[i])
-        self.hold_ns[i] += held
-        if held > self.max_hold_ns[i]:
-            self.max_hold_ns[i] = held
+        mv = self.mv
+        rec = self.base + i * LOCK_DTYPE.itemsize
+        held = time.perf_counter_ns() - _U8.unpack_from(mv, rec + _ACQUIRED)[0]
+        hold, longest = _U8X2.unpack_from(mv, rec + _HOLD)
+        _U8X2.pack_into(mv, rec + _HOLD, hold + held, max(longest, held))
         # Counter even first, then clear the holder (see acquire).
-        self.seq[i] += 1
-        self.holder_pid[i] = 0
-        fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, self.base + i * LOCK_DTYPE.itemsize)
+        _U8.pack_into(mv, rec + _SEQ, _U8.unpack_from(mv, rec + _SEQ)[0] + 1)
+        _I4.pack_into(mv, rec + _HOLDER, 0)
+        fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, rec)
         self.tlocks[i].release()
         if self.on_release is not None:
             self.on_release(i)

@@ -39,7 +39,7 @@ from kvscope.allocator.segment import (
 )
 from kvscope.allocator.seqops import SequenceOps
 from kvscope.allocator.sequence import SeqTable, Sequence
-from kvscope.allocator.txn import Escalate, Txn
+from kvscope.allocator.txn import ClientSeq, Escalate, Txn
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ class KVPool(SequenceOps):
         self._mutex = threading.RLock()
         self._closed = False
         self.client = self._register_client()
-        self._client_seq = view.clients["seq"][self.client : self.client + 1]
+        self._client_seq = ClientSeq(view, self.client)
         self.counters = {f: view.clients[f][self.client : self.client + 1] for f in COUNTER_FIELDS}
         self.journal = Journal(view, self.client)
         self.locks = LockTable(mf, view, self.pid, self.start, self.client)
@@ -87,7 +87,7 @@ class KVPool(SequenceOps):
         self.FREE = self.locks.index("free")
         self.ALL = set(range(len(self.locks.names)))
         self.store = BlockStore(view, self.client, self.FREE, self.SHARDS)
-        self.seqtab = SeqTable(view, self.SEQS)
+        self.seqtab = SeqTable(view, self.SEQS, self.client)
         self._seqs: dict[int, Sequence] = {}
         self._uid = id(self)
         # Probe hooks: None when off (one attribute check per operation).

@@ -72,8 +72,14 @@ def recover_dead_holders(pool: KVPool) -> list[dict[str, Any]]:
 
 
 def detach_client(view: SegmentView, t: Txn, c: int) -> None:
-    """Fold a client's counters into the header and mark its record detached (caller holds the
-    seqs lock, which guards the header's counters)."""
+    """Return a client's reserved sequence slots, fold its counters into the header and mark
+    its record detached (caller holds the seqs lock, which guards both)."""
+    seqs = view.seqs
+    mine = np.flatnonzero((seqs["reserved"] == 1) & (seqs["owner_client"] == c))
+    head = seqs.dtype.fields["table"][1]
+    for s in mine.tolist():
+        t.journal.save(view.offsets["seqs"] + s * seqs.dtype.itemsize, head)
+    seqs["reserved"][mine] = 0
     h = view.header
     for f in COUNTER_FIELDS:
         t.journal.save(h.dtype.fields[f][1], 8)

@@ -91,13 +91,15 @@ class ReleaseOps:
             self._release_tail(seq, keep)
         table = list(seq.block_table)
         ids = np.asarray(table, np.int64)
-        locks = {self.SEQS} | self.store.shard_locks_for(ids)
+        locks = self.store.shard_locks_for(ids)
         guard = self.probe is not None and self.probe.flags.guard
         if guard or int(self.store.local_count[0]) + len(ids) > 2 * self.store.local_cap:
             locks.add(self.FREE)
         if self.probe is not None:
             self.probe.before_release(table, seq.request_id)
         skip, stale = self._end_faults(seq, ids)
+        if not stale and not self.seqtab.can_release_locally(seq.slot):
+            locks.add(self.SEQS)
 
         def op(t: Txn) -> None:
             self._release_blocks(t, seq, 0, skip=skip, keep_table=stale)

@@ -3,6 +3,8 @@ Mixed into KVPool through SequenceOps."""
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from kvscope.allocator.errors import PoolExhausted
@@ -103,17 +105,21 @@ class ReserveOps:
     def _fill(self, ids: list[int], first_pos: int, tokens: list[int]) -> None:
         """Write token ids into blocks covering positions [first_pos, first_pos+len(tokens))."""
         bs = self.block_size
-        block_tokens, num_tokens = self.store.tokens, self.store.num_tokens
+        st = self.store
+        i32, u32, rec4 = st.i32, st.u32, st.rec4
+        tokens_at4, num_tokens_at4 = st.tokens_at4, st.num_tokens_at4
         pos = first_pos
         i = 0
-        while i < len(tokens):
+        total = len(tokens)
+        while i < total:
             blk = ids[pos // bs]
             off = pos % bs
-            n = min(bs - off, len(tokens) - i)
+            n = min(bs - off, total - i)
+            at = tokens_at4 + blk * rec4 + off
             if n == 1:
-                block_tokens[blk, off] = tokens[i]
+                i32[at] = tokens[i]
             else:
-                block_tokens[blk, off : off + n] = tokens[i : i + n]
-            num_tokens[blk] = off + n
+                i32[at : at + n] = array("i", tokens[i : i + n])
+            u32[num_tokens_at4 + blk * rec4] = off + n
             pos += n
             i += n

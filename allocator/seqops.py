@@ -46,7 +46,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
         keys = keys_of(np.asarray(chain, np.uint64)).tolist() if chain else []
         max_hits = (len(tokens) - 1) // bs
         shards = {self.SHARDS[self.store.index.shard(k)] for k in keys[:max_hits]}
-        locks = {self.SEQS} | shards
+        locks = shards if self.seqtab.can_claim_locally() else {self.SEQS} | shards
         if int(self.store.local_count[0]) < n_blocks:
             locks.add(self.FREE)
         rb = request_bytes(request_id)
@@ -167,12 +167,20 @@ class SequenceOps(ReserveOps, ReleaseOps):
         need_blocks = -(-n_new // bs) - len(seq.block_table)
         b = self.view.blocks
         last = seq.block_table[-1] if seq.block_table else -1
-        cow = n_old % bs != 0 and last >= 0 and int(self.store.refcount[last]) > 1
+        st = self.store
+        cow = n_old % bs != 0 and last >= 0 and st.i32[st.refcount_at4 + last * st.rec4] > 1
         if need_blocks <= 0 and not cow:
             # Fast path: the tokens fit in the last block, which only this sequence uses.
-            self._fill(seq.block_table, n_old, tokens)
+            if len(tokens) == 1 and n_old % bs:
+                off = n_old % bs
+                at = last * st.rec4
+                st.i32[st.tokens_at4 + at + off] = tokens[0]
+                st.u32[st.num_tokens_at4 + at] = off + 1
+            else:
+                self._fill(seq.block_table, n_old, tokens)
             seq.tokens.extend(tokens)
-            self.seqtab.num_tokens[seq.slot] = n_new
+            sq = self.seqtab
+            sq.u64[sq.num_tokens_at8 + seq.slot * sq.rec8] = n_new
             if n_new // bs > len(seq.chain):
                 self._extend_chain(seq)
             return []
@@ -289,7 +297,9 @@ class SequenceOps(ReserveOps, ReleaseOps):
         """A new sequence sharing every block of seq (refcounts +1)."""
         self._own(seq)
         ids = np.asarray(seq.block_table, np.int64)
-        locks = {self.SEQS} | self.store.shard_locks_for(ids)
+        locks = self.store.shard_locks_for(ids)
+        if not self.seqtab.can_claim_locally():
+            locks.add(self.SEQS)
         rb = request_bytes(request_id)
 
         def op(t: Txn) -> Sequence:
@@ -338,7 +348,8 @@ class SequenceOps(ReserveOps, ReleaseOps):
         fresh = self.allocate(seq.request_id, tokens)
         # Move the fresh sequence's slot into place of the old one.
         old_slot = seq.slot
-        self._run({self.SEQS}, lambda t: self.seqtab.release(t, old_slot))
+        locks = set() if self.seqtab.can_release_locally(old_slot) else {self.SEQS}
+        self._run(locks, lambda t: self.seqtab.release(t, old_slot))
         self._seqs.pop(old_slot, None)
         self._seqs.pop(fresh.slot, None)
         seq.slot, seq.seq_id, seq.block_table = fresh.slot, fresh.seq_id, fresh.block_table

@@ -53,13 +53,32 @@ class Sequence:
         )
 
 
-class SeqTable:
-    """The sequence-table section: slot claim/release under the seqs lock, owner-only writes after."""
+# Sequence ids a process takes at once from the header's counter (under the seqs lock).
+SEQ_ID_BATCH = 256
+SLOT_BATCH_MAX = 16
 
-    def __init__(self, view: SegmentView, lock: int):
+
+def slot_batch(max_seqs: int, max_clients: int) -> int:
+    """Slots a process reserves at once: 0 (no reserve) on small tables, so that every
+    process's reserve together (at most twice this each) never holds more than half the table."""
+    return min(SLOT_BATCH_MAX, max_seqs // (4 * max_clients))
+
+
+class SeqTable:
+    """The sequence-table section: slot claim/release, owner-only writes after.
+
+    A process claims slots in batches under the seqs lock into its **reserve** (slots marked
+    `reserved` with its client index, still EMPTY); a sequence then takes a reserved slot, and a
+    freed one goes back to the reserve, without the lock. Recovery returns a dead process's
+    reserve (recovery.py, `detach_client`).
+    """
+
+    def __init__(self, view: SegmentView, lock: int, client: int):
         self.view = view
         self.seqs = view.seqs
         self.state = view.seqs["state"]
+        self.reserved = view.seqs["reserved"]
+        self.owner_client = view.seqs["owner_client"]
         self.num_tokens = view.seqs["num_tokens"]
         self.num_blocks = view.seqs["num_blocks"]
         self.table = view.seqs["table"]
@@ -68,32 +87,50 @@ class SeqTable:
         self.head_size = view.seqs.dtype.fields["table"][1]
         self.max_blocks = view.layout.max_blocks_per_seq
         self.lock = lock
+        self.client = client
         self._hint = 0
+        self.batch = slot_batch(view.layout.max_seqs, view.layout.max_clients)
+        # This process's reserve (EMPTY slots marked reserved by it) and its range of ids.
+        self.reserve: list[int] = []
+        self.next_id = self.end_id = 0
+        # num_tokens (u8) of slot s is word `num_tokens_at8 + s * rec8` of a flat uint64 view.
+        end = view.offsets["end"]
+        self.u64 = memoryview(view.buf)[:end].cast("Q")
+        assert self.size % 8 == 0 and self.base % 8 == 0
+        self.rec8 = self.size // 8
+        self.num_tokens_at8 = (self.base + view.seqs.dtype.fields["num_tokens"][1]) // 8
 
     def save_head(self, t: Txn, slot: int) -> None:
         """Journal the slot's fixed fields."""
         t.journal.save(self.base + slot * self.size, self.head_size)
 
+    def can_claim_locally(self) -> bool:
+        """True when the next claim needs no seqs lock (a reserved slot and an id are at hand)."""
+        return bool(self.reserve) and self.next_id < self.end_id
+
+    def can_release_locally(self, slot: int) -> bool:
+        """True when releasing `slot` puts it back in this process's reserve (no seqs lock)."""
+        return (
+            len(self.reserve) < 2 * self.batch
+            and self.reserved[slot] == 1
+            and self.owner_client[slot] == self.client
+        )
+
     def claim(self, t: Txn, request: bytes, pid: int, start: int, client: int) -> tuple[int, int]:
         """Take an empty slot for a new sequence; return (slot, seq_id)."""
-        t.need(self.lock)
-        n = len(self.state)
-        empty = np.flatnonzero(self.state[self._hint :] == SeqState.EMPTY)
-        if len(empty):
-            slot = self._hint + int(empty[0])
+        if not self.batch:
+            t.need(self.lock)
+            (slot,) = self._empty_slots(1)
+            seq_id = self._take_ids(t, 1)
         else:
-            empty = np.flatnonzero(self.state[: self._hint] == SeqState.EMPTY)
-            if not len(empty):
-                raise PoolError(
-                    f"sequence table full: {n} live sequences (PoolConfig.max_seqs); free finished ones or create the pool with a larger max_seqs"
-                )
-            slot = int(empty[0])
-        self._hint = (slot + 1) % n
-        h = self.view.header
-        off = h.dtype.fields["next_seq_id"][1]
-        t.journal.save(off, 8)
-        seq_id = int(h["next_seq_id"][0]) + 1
-        h["next_seq_id"] = seq_id
+            before = (list(self.reserve), self.next_id, self.end_id)
+            t.after_rollback.append(lambda: self._restore(*before))
+            if not self.can_claim_locally():
+                t.need(self.lock)
+                self._refill(t, pid, start)
+            slot = self.reserve.pop()
+            seq_id = self.next_id
+            self.next_id += 1
         self.save_head(t, slot)
         rec = self.seqs[slot : slot + 1]
         rec["owner_pid"], rec["owner_client"], rec["owner_start"] = pid, client, start
@@ -103,10 +140,58 @@ class SeqTable:
         crash_point("seqs.after_claim")
         return slot, seq_id
 
+    def _restore(self, reserve: list[int], next_id: int, end_id: int) -> None:
+        self.reserve, self.next_id, self.end_id = reserve, next_id, end_id
+
+    def _empty_slots(self, k: int) -> list[int]:
+        """Up to k EMPTY slots no process reserves, from the rotating hint (caller: seqs lock)."""
+        n = len(self.state)
+        free = (self.state == SeqState.EMPTY) & (self.reserved == 0)
+        found = np.flatnonzero(free[self._hint :])[:k] + self._hint
+        if len(found) < k:
+            found = np.concatenate([found, np.flatnonzero(free[: self._hint])[: k - len(found)]])
+        if not len(found):
+            held = int(((self.state == SeqState.EMPTY) & (self.reserved == 1)).sum())
+            raise PoolError(
+                f"sequence table full: {n - held} live sequences and {held} empty slots reserved by attached processes (PoolConfig.max_seqs is {n}); free finished ones or create the pool with a larger max_seqs"
+            )
+        self._hint = (int(found[-1]) + 1) % n
+        return found.tolist()
+
+    def _take_ids(self, t: Txn, k: int) -> int:
+        """Advance the header's sequence-id counter by k; return the first id (seqs lock)."""
+        h = self.view.header
+        t.journal.save(h.dtype.fields["next_seq_id"][1], 8)
+        first = int(h["next_seq_id"][0]) + 1
+        h["next_seq_id"] = first + k - 1
+        return first
+
+    def _refill(self, t: Txn, pid: int, start: int) -> None:
+        """Reserve a batch of slots and ids for this process (caller: seqs lock)."""
+        if not self.reserve:
+            slots = self._empty_slots(self.batch)
+            for s in slots:
+                self.save_head(t, s)
+            rows = np.asarray(slots, np.int64)
+            self.reserved[rows] = 1
+            self.owner_client[rows] = self.client
+            self.seqs["owner_pid"][rows] = pid
+            self.seqs["owner_start"][rows] = start
+            # Popped from the end: the lowest slot first.
+            self.reserve = slots[::-1]
+        if self.next_id >= self.end_id:
+            self.next_id = self._take_ids(t, SEQ_ID_BATCH)
+            self.end_id = self.next_id + SEQ_ID_BATCH
+
     def release(self, t: Txn, slot: int) -> None:
-        """Give a slot back."""
-        t.need(self.lock)
+        """Give a slot back: to this process's reserve, or (seqs lock) to the table."""
         self.save_head(t, slot)
+        if self.can_release_locally(slot):
+            self.reserve.append(slot)
+            t.after_rollback.append(lambda: self.reserve.remove(slot))
+        else:
+            t.need(self.lock)
+            self.reserved[slot] = 0
         self.state[slot] = SeqState.EMPTY
         self.num_blocks[slot] = 0
         crash_point("seqs.after_release")

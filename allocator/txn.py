@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.journal import Journal
+from kvscope.allocator.layout import CLIENT_DTYPE, SegmentView
 from kvscope.allocator.locks import DeadHolder, LockTable
 
-if TYPE_CHECKING:
-    import numpy as np
+_U8 = struct.Struct("<Q")
+
+
+class ClientSeq:
+    """The `seq` field of this process's client record: odd while it is inside an operation.
+
+    Only the owner writes it, so a Python copy is the truth and each bump is one store.
+    """
+
+    def __init__(self, view: SegmentView, client: int):
+        self.mv = memoryview(view.buf)
+        self.at = (
+            view.offsets["clients"] + client * CLIENT_DTYPE.itemsize + CLIENT_DTYPE.fields["seq"][1]
+        )
+        self.value = _U8.unpack_from(self.mv, self.at)[0]
+
+    def bump(self) -> None:
+        """Advance the counter by one (odd: entering, even: leaving)."""
+        self.value += 1
+        _U8.pack_into(self.mv, self.at, self.value)
 
 
 class Escalate(Exception):
@@ -25,7 +44,7 @@ class Txn:
     """Context manager: lock in order, journal every write, commit or roll back, unlock."""
 
     def __init__(
-        self, locks: LockTable, journal: Journal, client_seq: np.ndarray, held: set[int] | list[int]
+        self, locks: LockTable, journal: Journal, client_seq: ClientSeq, held: set[int] | list[int]
     ):
         self.lock_table = locks
         self.journal = journal
@@ -33,21 +52,24 @@ class Txn:
         # Locks are taken in the one documented order (a list keeps a caller's order: the
         # lock-inversion fault).
         self.held = list(held) if isinstance(held, list) else sorted(held)
-        self.held_set = set(held)
+        self.held_set = held if isinstance(held, set) else set(held)
         self.after_commit: list[Callable[[], None]] = []
         # Side effects outside the segment (KV poisoning) that must not happen if the operation
         # is rolled back: run at commit, while the locks are still held.
         self.before_commit: list[Callable[[], None]] = []
+        # Python-side state changed with the segment's (this process's slot reserve): undone,
+        # newest first, when the transaction rolls back.
+        self.after_rollback: list[Callable[[], None]] = []
 
     def need(self, *locks: int) -> None:
         """Escalate unless every named lock is held."""
-        missing = set(locks) - self.held_set
-        if missing:
-            raise Escalate(self.held_set | missing)
+        for i in locks:
+            if i not in self.held_set:
+                raise Escalate(self.held_set | set(locks))
 
     def __enter__(self) -> Txn:
         # Odd while this process writes outside locks too: lock-free readers retry.
-        self.client_seq[0] += 1
+        self.client_seq.bump()
         taken: list[int] = []
         try:
             for i in self.held:
@@ -56,7 +78,7 @@ class Txn:
         except BaseException:
             for i in reversed(taken):
                 self.lock_table.release(i)
-            self.client_seq[0] += 1
+            self.client_seq.bump()
             raise
         self.journal.op += 1
         if self.held:
@@ -71,12 +93,14 @@ class Txn:
             self.journal.commit()
         else:
             self.journal.rollback()
+            for fn in reversed(self.after_rollback):
+                fn()
         for i in reversed(self.held):
             self.lock_table.release(i)
-        self.client_seq[0] += 1
+        self.client_seq.bump()
         if exc_type is None:
             for fn in self.after_commit:
                 fn()
 
 
-__all__ = ["DeadHolder", "Escalate", "Txn"]
+__all__ = ["ClientSeq", "DeadHolder", "Escalate", "Txn"]

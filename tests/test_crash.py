@@ -75,6 +75,8 @@ def _survive_and_reclaim(pool: KVPool) -> None:
     assert kinds <= {"leak_dead_owner"}, [f.line() for f in findings]
     pool.reclaim_dead()
     assert pool.check() == []
+    seqs = pool.view.seqs
+    assert set(seqs["owner_client"][seqs["reserved"] == 1].tolist()) <= {pool.client}
     st = pool.stats()
     live_blocks = {b for s in pool._seqs.values() for b in s.block_table}
     owned = np.flatnonzero(pool.view.blocks["state"] == BlockState.ALLOCATED)
@@ -85,8 +87,13 @@ def _survive_and_reclaim(pool: KVPool) -> None:
     assert pool.check() == []
 
 
-def test_every_crash_point_loses_no_block(make_pool, capsys):
-    pool = make_pool(NUM_BLOCKS, block_size=BS, local_cache_size=2, num_shards=2)
+# 64 slots and 32 possible processes: every claim takes the seqs lock; with 8, each process
+# keeps a reserve of slots (allocator/sequence.py) that crashes must not lose either.
+@pytest.mark.parametrize("max_clients", [32, 8], ids=["table", "slot-reserve"])
+def test_every_crash_point_loses_no_block(make_pool, capsys, max_clients):
+    pool = make_pool(
+        NUM_BLOCKS, block_size=BS, local_cache_size=2, num_shards=2, max_clients=max_clients
+    )
     trials = 0
     for point in CRASH_POINTS:
         for n in (1, 3, 7):

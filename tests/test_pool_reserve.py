@@ -1,0 +1,129 @@
+"""Each process's reserve of sequence slots: claimed in batches under the seqs lock, used and
+returned without it, given back at close and by recovery after a kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+
+from kvscope.allocator import KVPool, SeqState
+from kvscope.allocator.sequence import slot_batch
+
+# max_seqs // (4 * max_clients) = 2 slots per batch, at most 4 in a reserve.
+CONFIG = dict(max_seqs=64, max_clients=8)
+
+
+def _reserved(pool: KVPool, client: int | None = None) -> list[int]:
+    seqs = pool.view.seqs
+    mine = (seqs["reserved"] == 1) & (seqs["state"] == SeqState.EMPTY)
+    if client is not None:
+        mine &= seqs["owner_client"] == client
+    return np.flatnonzero(mine).tolist()
+
+
+def _seqs_acquires(pool: KVPool) -> int:
+    return int(pool.view.locks["num_acquires"][pool.SEQS])
+
+
+def test_reserved_slots_serve_allocate_and_free_without_the_seqs_lock(make_pool):
+    # GIVEN a pool whose table is large enough for per-process reserves
+    pool = make_pool(64, **CONFIG)
+    assert slot_batch(64, 8) == 2
+    # WHEN a first sequence is allocated and freed
+    pool.free(pool.allocate("a", [1, 2, 3]))
+    # THEN its slot went back to this process's reserve: no sequence, a clean check
+    assert len(_reserved(pool, pool.client)) == 2
+    assert pool.stats()["num_sequences"] == 0
+    assert pool.check() == []
+    # AND later allocations, forks and frees take no seqs lock while the reserve lasts
+    before = _seqs_acquires(pool)
+    for i in range(10):
+        s = pool.allocate(f"r{i}", [i, 1, 2])
+        pool.free(pool.fork(s, f"f{i}"))
+        pool.free(s)
+    assert _seqs_acquires(pool) == before
+    assert pool.check() == []
+
+
+def test_sequence_ids_stay_unique_and_increasing_across_refills(make_pool):
+    # GIVEN a pool with reserves of 2 slots
+    pool = make_pool(64, **CONFIG)
+    # WHEN more sequences live at once than a reserve holds
+    live = [pool.allocate(f"s{i}", [i]) for i in range(9)]
+    ids = [s.seq_id for s in live]
+    # THEN every sequence has its own id, in allocation order, and its own slot
+    assert ids == sorted(set(ids))
+    assert len({s.slot for s in live}) == 9
+    for s in live:
+        pool.free(s)
+    # AND the reserve keeps at most twice a batch; the rest went back to the table
+    assert len(_reserved(pool, pool.client)) == 4
+    assert pool.check() == []
+
+
+def test_close_gives_the_reserve_back_to_the_table(make_pool):
+    # GIVEN a second process that used (and so reserved) sequence slots, then detached
+    pool = make_pool(64, **CONFIG)
+    pid = os.fork()
+    if pid == 0:
+        other = KVPool.attach(pool.name)
+        other.free(other.allocate("x", [1, 2]))
+        code = 0 if _reserved(other, other.client) else 5
+        other.close()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # THEN no slot is left reserved by it and the pool checks clean
+    assert _reserved(pool) == []
+    assert pool.check() == []
+
+
+def test_a_killed_process_reserve_is_returned_by_reclaim_dead(make_pool):
+    # GIVEN a process that filled its reserve (and holds a live sequence), then was killed -9
+    pool = make_pool(64, **CONFIG)
+    pid = os.fork()
+    if pid == 0:
+        other = KVPool.attach(pool.name)
+        for i in range(3):
+            other.free(other.allocate(f"x{i}", [1, 2, i]))
+        other.allocate("held", [5, 6, 7])
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    dead = [c for c in range(8) if int(pool.view.clients["pid"][c]) == pid][0]
+    assert _reserved(pool, dead)
+    # WHEN this process keeps working: the dead reserve is not used, check shows only the dead owner
+    s = pool.allocate("mine", [9, 9])
+    assert s.slot not in _reserved(pool, dead)
+    assert {f.kind for f in pool.check()} <= {"leak_dead_owner"}
+    # AND the dead process is reclaimed
+    totals = pool.reclaim_dead()
+    # THEN its sequence, its blocks and every reserved slot are back
+    assert totals["sequences"] == 1
+    assert _reserved(pool, dead) == []
+    pool.free(s)
+    assert pool.check() == []
+    assert pool.stats()["num_sequences"] == 0
+
+
+def test_check_reports_a_slot_reserved_by_a_detached_process(make_pool):
+    # GIVEN an empty slot marked reserved by a client record nobody is attached to
+    pool = make_pool(64, **CONFIG)
+    pool.view.seqs["reserved"][40] = 1
+    pool.view.seqs["owner_client"][40] = 7
+    # WHEN the pool is checked
+    findings = pool.check()
+    # THEN the lost slot is reported
+    assert [f.kind for f in findings] == ["free_list_corrupt"]
+    assert "reserved" in findings[0].message
+
+
+def test_small_tables_keep_no_reserve(make_pool):
+    # GIVEN a table too small for reserves (64 slots, 32 possible processes)
+    pool = make_pool(64, max_seqs=64)
+    # WHEN a sequence comes and goes
+    pool.free(pool.allocate("a", [1]))
+    # THEN every claim went through the seqs lock and nothing is reserved
+    assert _reserved(pool) == []
+    assert pool.check() == []
