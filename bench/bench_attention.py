@@ -200,7 +200,7 @@ SWEEP = [
     {"stream_max_tiles": 0},
     {"stream_max_tiles": 16},
 ]
-SWEEP_GUARD = [{"guard_max_regs": 0}, {"guard_max_regs": 120}]
+SWEEP_GUARD = [{"guard_max_regs": 128}, {"guard_pdl": False}]
 SWEEP_FP8 = [{"fp8_tile": 64}, {"fp8_f16": False}]
 
 

@@ -14,8 +14,10 @@ Guard mode runs a small check kernel first (`_sanitize_kernel`): it checks every
 entry the launch reads once per (sequence, logical block), records violations, and writes a
 scratch copy of the table with bad entries replaced by -1. The attention kernel then reads that
 copy and only masks `-1` entries: its inner loop is the unguarded one plus one compare.
+The attention kernel is a programmatic dependent launch of the check kernel: its programs start
+and load their queries while the check runs, and wait (`gdc_wait`) before reading the table.
 (Checking inside the attention loop instead put the block-state load in the K/V load's
-dependency chain: +15-22% on the H200 against +3-8% for the separate launch.)
+dependency chain: +15-22% on the H200 against +2-5% for the separate launch.)
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class DecodeConfig:
     `stream_max_tiles`: programs of at most this many tiles over a 16-bit cache load K/V
     straight into registers with an L2 evict-first hint (`num_stages=1`) instead of the
     cp.async pipeline (which drops the hint; see docs/BENCHMARKS.md).
+    `guard_pdl`: in guard mode, start the attention kernel as a programmatic dependent launch
+    of the check kernel (its prologue overlaps the check; it waits before reading the table).
     """
 
     tile: int = 64
@@ -67,11 +71,12 @@ class DecodeConfig:
     fused_merge: bool = False
     fp8_f16: bool = True
     max_regs: int = 0
-    guard_max_regs: int = 128
+    guard_max_regs: int = 0
     merge_heads: int = 1
     merge_split_tile: int = 64
     fused_split_tile: int = 4
     stream_max_tiles: int = 8
+    guard_pdl: bool = True
 
 
 @triton.jit
@@ -124,9 +129,12 @@ def _sanitize_kernel(
     tables_ptr, lens_ptr, state_ptr, errors_ptr, clean_ptr,
     max_blocks, num_blocks, error_capacity, stride_tb, stride_cb,
     BLOCK_SIZE: tl.constexpr, CHECK_TILE: tl.constexpr, HAS_STATE: tl.constexpr,
-    HAS_ERRORS: tl.constexpr,
+    HAS_ERRORS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Guard mode: check each entry a sequence reads once; copy the table with bad ones -1."""
+    if PDL:
+        # the attention launch may start its prologue now (it waits before reading the copy)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -156,7 +164,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_PAD: tl.constexpr,
     SPLIT_TILE: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr,
     GUARD: tl.constexpr, UPCAST: tl.constexpr, KVH_FAST: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, EVICT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, EVICT: tl.constexpr, WAIT_PRIOR: tl.constexpr,
 ):  # fmt: skip
     if KVH_FAST:
         kvh = tl.program_id(0)
@@ -193,6 +201,9 @@ def _decode_kernel(
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     table = tables_ptr + b64 * stride_tb
+    if WAIT_PRIOR:
+        # programmatic dependent launch: the sanitize kernel's table copy is complete after this
+        tl.extra.cuda.gdc_wait()
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -257,6 +268,7 @@ def launch_decode(
     splits, chunk = plan_splits(batch, kv_heads, max_seq_len, total_seq_len, a.block_size, cfg, sms)
     g = guard_args(a)
     tables = a.block_tables
+    pdl = g.guard and cfg.guard_pdl and not backend.interpreting()
     if g.guard:
         tables = torch.empty((batch, max_blocks), dtype=torch.int32, device=q.device)
         check_tile = min(1024, triton.next_power_of_2(max(max_blocks, 16)))
@@ -264,7 +276,7 @@ def launch_decode(
             a.block_tables, a.seq_lens, g.state, g.errors, tables,
             max_blocks, k.shape[0], g.capacity, a.block_tables.stride(0), tables.stride(0),
             BLOCK_SIZE=a.block_size, CHECK_TILE=check_tile, HAS_STATE=g.has_state,
-            HAS_ERRORS=g.has_errors, num_warps=4,
+            HAS_ERRORS=g.has_errors, PDL=pdl, num_warps=4,
         )  # fmt: skip
     if splits > 1:
         acc = torch.empty(batch, splits, q_heads, head_dim, device=q.device, dtype=torch.float32)
@@ -278,6 +290,8 @@ def launch_decode(
     tile = cfg.fp8_tile if g.fp8 else cfg.tile
     regs = cfg.guard_max_regs if g.guard else cfg.max_regs
     extra = {"maxnreg": regs} if regs and not backend.interpreting() else {}
+    if pdl:
+        extra["launch_pdl"] = True
     # short programs: no cp.async pipeline to fill, and evict-first keeps L2's other lines
     stream = not g.fp8 and math.ceil(chunk / tile) <= cfg.stream_max_tiles
     stages = 1 if stream else cfg.num_stages
@@ -291,7 +305,7 @@ def launch_decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)), MERGE_PAD=merge_pad,
         SPLIT_TILE=cfg.fused_split_tile, KV_FP8=g.fp8, FP8_F16=cfg.fp8_f16, GUARD=g.guard,
         UPCAST=backend.interpreting(), KVH_FAST=cfg.kvh_fast, FUSED_MERGE=fused,
-        EVICT=stream,
+        EVICT=stream, WAIT_PRIOR=pdl,
         num_warps=cfg.num_warps, num_stages=stages, **extra,
     )  # fmt: skip
     if splits > 1 and not fused:
