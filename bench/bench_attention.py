@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import sys
@@ -171,8 +172,11 @@ def ours(
             scales.get("v_scale"), extra.get("block_state"), extra.get("errors"),
         )  # fmt: skip
 
+        takes_hints = "max_seq_len" in inspect.signature(pkg.decode.launch_decode).parameters
+        old_kw = kw if takes_hints else {}
+
         def run_old() -> torch.Tensor:
-            pkg.decode.launch_decode(a, out)
+            pkg.decode.launch_decode(a, out, **old_kw)
             return out
 
         return run_old
