@@ -21,14 +21,31 @@ import uuid
 
 from kvscope.allocator import KVPool, PoolConfig
 
-PROBE_VARS = ("KVSCOPE_MAGIC", "KVSCOPE_OWNERSHIP", "KVSCOPE_GUARD", "KVSCOPE_LEAKS", "KVSCOPE_EVENTS", "KVSCOPE_LOCKDEP")
+PROBE_VARS = (
+    "KVSCOPE_MAGIC",
+    "KVSCOPE_OWNERSHIP",
+    "KVSCOPE_GUARD",
+    "KVSCOPE_LEAKS",
+    "KVSCOPE_EVENTS",
+    "KVSCOPE_LOCKDEP",
+)
 
 
 def make(env: dict[str, str]) -> KVPool:
     for k in PROBE_VARS:
         os.environ[k] = env.get(k, "0")
     os.environ.pop("KVSCOPE_RUN_DIR", None)
-    pool = KVPool.create(f"bprobe-{uuid.uuid4().hex[:8]}", PoolConfig(num_blocks=4096, block_size=16, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16"))
+    pool = KVPool.create(
+        f"bprobe-{uuid.uuid4().hex[:8]}",
+        PoolConfig(
+            num_blocks=4096,
+            block_size=16,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=8,
+            dtype="float16",
+        ),
+    )
     if env.get("KVSCOPE_LOCKDEP") == "1":
         from kvscope.probes import lockdep
 
@@ -58,7 +75,9 @@ def no_journal(pool: KVPool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
@@ -95,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(rates["every probe off"])
     # The cost of the hooks themselves when off: one `is not None` check each.
     probe = None
-    check_ns = min(timeit.repeat("probe is not None", globals={"probe": probe}, number=1_000_000, repeat=5)) * 1e3
+    check_ns = (
+        min(
+            timeit.repeat("probe is not None", globals={"probe": probe}, number=1_000_000, repeat=5)
+        )
+        * 1e3
+    )
     print("| configuration | iterations/s | vs every probe off |")
     print("|---|---:|---:|")
     for name in configs:
@@ -103,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {r:,.0f} | {r / base - 1:+.1%} |")
     hooks = 40  # upper bound of probe checks per iteration (allocate, 8 appends, publish, free)
     per_iter_us = 1e6 / base
-    print(f"\nhooks when off: {hooks} checks x {check_ns:.0f} ns = {hooks * check_ns / 1e3:.2f} us per iteration "
-          f"of {per_iter_us:.0f} us ({hooks * check_ns / 1e3 / per_iter_us:.3%})")
+    print(
+        f"\nhooks when off: {hooks} checks x {check_ns:.0f} ns = {hooks * check_ns / 1e3:.2f} us per iteration "
+        f"of {per_iter_us:.0f} us ({hooks * check_ns / 1e3 / per_iter_us:.3%})"
+    )
     return 0
 
 

@@ -31,9 +31,25 @@ def write_model(directory: str, quick: bool) -> None:
     from server.model import ModelConfig
 
     cfg = (
-        ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+        ModelConfig(
+            vocab_size=1024,
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+        )
         if quick
-        else ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64)
+        else ModelConfig(
+            vocab_size=8192,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_layers=8,
+            num_heads=16,
+            num_kv_heads=4,
+            head_dim=64,
+        )
     )
     save_model(tiny_model(seed=0, config=cfg), Path(directory))
 
@@ -41,12 +57,37 @@ def write_model(directory: str, quick: bool) -> None:
 def serve(model: str | None, device: str, extra: list[str], quick: bool, n: str = "") -> dict:
     n = n or ("32" if quick else "256")
     cmd = [
-        sys.executable, os.path.join(EXAMPLES, "serve.py"), *(["--model", model] if model else []), "--device", device,
-        "--json", "--no-progress", "--requests", n, "--rate", "0",
-        "--prompt-len", "32:256", "--output-len", "32:192",
-        "--num-prefixes", "10", "--prefix-share", "0.7", "--prefix-len", "256:256",
-        "--num-blocks", "64" if quick else "1024", "--block-size", "16",
-        "--max-num-seqs", "128", "--max-batched-tokens", "4096", "--prefill-chunk", "512",
+        sys.executable,
+        os.path.join(EXAMPLES, "serve.py"),
+        *(["--model", model] if model else []),
+        "--device",
+        device,
+        "--json",
+        "--no-progress",
+        "--requests",
+        n,
+        "--rate",
+        "0",
+        "--prompt-len",
+        "32:256",
+        "--output-len",
+        "32:192",
+        "--num-prefixes",
+        "10",
+        "--prefix-share",
+        "0.7",
+        "--prefix-len",
+        "256:256",
+        "--num-blocks",
+        "64" if quick else "1024",
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "128",
+        "--max-batched-tokens",
+        "4096",
+        "--prefill-chunk",
+        "512",
         *extra,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -54,10 +95,14 @@ def serve(model: str | None, device: str, extra: list[str], quick: bool, n: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny model, 32 requests")
-    ap.add_argument("--tiny", action="store_true", help="the built-in tiny model on the full workload")
+    ap.add_argument(
+        "--tiny", action="store_true", help="the built-in tiny model on the full workload"
+    )
     ap.add_argument("--json", help="also write the raw summaries here")
     args = ap.parse_args(argv)
     cases = {
@@ -72,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up: Triton compiles each kernel variant once (cached on disk for later processes).
         for extra in cases.values():
             serve(model, args.device, extra, args.quick, n="8")
-        results = {name: serve(model, args.device, extra, args.quick) for name, extra in cases.items()}
+        results = {
+            name: serve(model, args.device, extra, args.quick) for name, extra in cases.items()
+        }
     keys = [
         ("output tokens/s", "output_tokens_per_s", "{:,.0f}"),
         ("KV utilization", "kv_utilization", "{:.1%}"),
@@ -86,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| metric | " + " | ".join(results) + " |")
     print("|---|" + "---:|" * len(results))
     for label, key, fmt in keys:
-        print(f"| {label} | " + " | ".join(fmt.format(r.get(key, float('nan'))) for r in results.values()) + " |")
+        print(
+            f"| {label} | "
+            + " | ".join(fmt.format(r.get(key, float("nan"))) for r in results.values())
+            + " |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

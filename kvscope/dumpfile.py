@@ -95,7 +95,7 @@ def write_dump(
     elif isinstance(view_or_name, SegmentView):
         live = view_or_name
     else:
-        live = view_or_name.view  # type: ignore[attr-defined]
+        live = view_or_name.view  # type: ignore[union-attr]
     try:
         # A live mapping is copied under the seqlock; an already-copied view as it is.
         snap = snapshot(live) if not isinstance(live.buf, bytearray | bytes) else live

@@ -36,7 +36,10 @@ def make_pool(pool_name):
         kw.setdefault("head_dim", 8)
         kw.setdefault("num_layers", 1)
         kw.setdefault("dtype", "float32")
-        pool = KVPool.create(pool_name if not made else f"{pool_name}-{len(made)}", PoolConfig(num_blocks=num_blocks, **kw))
+        pool = KVPool.create(
+            pool_name if not made else f"{pool_name}-{len(made)}",
+            PoolConfig(num_blocks=num_blocks, **kw),
+        )
         made.append(pool)
         return pool
 

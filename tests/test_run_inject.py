@@ -58,7 +58,14 @@ def test_faults_reach_the_child_environment(tmp_path):
 
 SERVE = str(Path(__file__).resolve().parent.parent / "examples" / "serve.py")
 # Faults about one block must name it and its owner.
-BLOCK_FAULTS = {"double-free", "leak", "oob-write", "block-scribble", "use-after-free", "refcount-skew"}
+BLOCK_FAULTS = {
+    "double-free",
+    "leak",
+    "oob-write",
+    "block-scribble",
+    "use-after-free",
+    "refcount-skew",
+}
 
 
 @pytest.mark.slow
@@ -66,7 +73,21 @@ BLOCK_FAULTS = {"double-free", "leak", "oob-write", "block-scribble", "use-after
 def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault):
     # GIVEN the example server, WHEN run under kvscope with one injected fault
     monkeypatch.chdir(tmp_path)
-    code = main(["run", "--fail-on", "leak", "--inject", fault, "--dump-dir", str(tmp_path), SERVE, "--requests", "16", "--no-progress"])
+    code = main(
+        [
+            "run",
+            "--fail-on",
+            "leak",
+            "--inject",
+            fault,
+            "--dump-dir",
+            str(tmp_path),
+            SERVE,
+            "--requests",
+            "16",
+            "--no-progress",
+        ]
+    )
     err = capfd.readouterr().err
     # THEN the run fails, its finding is printed as it happens and the dump's analysis holds it
     assert code != 0

@@ -329,7 +329,9 @@ def test_larger_model_on_gpu_equals_full_recomputation(pools: list, dtype: torch
     assert_pool_clean(pool)
 
 
-def test_guard_mode_kernels_turn_a_freed_block_read_into_a_finding(model: LlamaModel, pools: list) -> None:
+def test_guard_mode_kernels_turn_a_freed_block_read_into_a_finding(
+    model: LlamaModel, pools: list
+) -> None:
     # GIVEN a guard-mode pool and a stream whose block table still names a block after its free
     pool = make_pool(model, 16, guard=True)
     pools.append(pool)

@@ -199,9 +199,15 @@ def test_kv_slots_per_request_weighs_steps_by_time() -> None:
 
     # GIVEN a 3 s step with 2 requests in 64 slots and a 1 s step with 1 request in 16
     samples = [
-        StepSample(t_s=3, dt_s=3, stored_tokens=60, reserved_slots=64, num_tokens=2, num_running_requests=2),
-        StepSample(t_s=4, dt_s=1, stored_tokens=10, reserved_slots=16, num_tokens=1, num_running_requests=1),
-        StepSample(t_s=5, dt_s=1, stored_tokens=0, reserved_slots=0, num_tokens=0, num_running_requests=0),
+        StepSample(
+            t_s=3, dt_s=3, stored_tokens=60, reserved_slots=64, num_tokens=2, num_running_requests=2
+        ),
+        StepSample(
+            t_s=4, dt_s=1, stored_tokens=10, reserved_slots=16, num_tokens=1, num_running_requests=1
+        ),
+        StepSample(
+            t_s=5, dt_s=1, stored_tokens=0, reserved_slots=0, num_tokens=0, num_running_requests=0
+        ),
     ]
     # THEN memory per running request is the time-weighted mean, idle steps left out
     assert slots_per_request(samples) == (32 * 3 + 16 * 1) / 4

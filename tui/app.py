@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
-import numpy as np
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
+from textual.reactive import reactive
+from textual.widgets import Footer
+from textual.worker import get_current_worker
+
 from kvscope.allocator.check import check_view
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import Finding, read_findings
 from kvscope.allocator.layout import (
-    DUMP_HEADER_DTYPE,
-    DUMP_MAGIC,
-    DUMP_TORN,
-    DUMP_VERSION,
     SegmentView,
 )
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
+from kvscope.dumpfile import write_dump
 from kvscope.tui.frame import Frame
 from kvscope.tui.help import GotoScreen, HelpScreen
 from kvscope.tui.messages import BlockChosen, CheckDone, FrameReady, SequenceChosen
@@ -32,13 +36,6 @@ from kvscope.tui.widgets.inspector import BlockInspector
 from kvscope.tui.widgets.locks import LocksPanel
 from kvscope.tui.widgets.sequences import BlockTableView, SequenceList
 from kvscope.tui.widgets.sparklines import Trends
-from textual import work
-from textual.app import App, ComposeResult
-from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.reactive import reactive
-from textual.widgets import Footer
-from textual.worker import get_current_worker
 
 # A full check_view may use at most 1/CHECK_SHARE of the TUI's time (large pools check less often).
 CHECK_SHARE = 25
@@ -59,7 +56,7 @@ class TopApp(App[int]):
         Binding("c", "check", "Check"),
         Binding("q", "quit", "Quit"),
     ]
-    HELP = [
+    KEY_HELP = [
         ("?", "this help"),
         ("g", "go to a block by id"),
         ("r", "go to a request (request id or sequence id)"),
@@ -188,7 +185,12 @@ class TopApp(App[int]):
         return ring + [f for f in self.checked if (f.kind, f.block, f.message) not in seen]
 
     def watch_frame(self, frame: Frame | None) -> None:
-        for panel in self._panels():
+        try:
+            panels = self._panels()
+        except NoMatches:
+            # a frame that lands while the screen is still being built or already torn down
+            return
+        for panel in panels:
             panel.frame = frame
 
     def watch_selected_block(self, block: int) -> None:
@@ -238,7 +240,7 @@ class TopApp(App[int]):
 
     def action_help(self) -> None:
         """Show every key binding."""
-        self.push_screen(HelpScreen(self.HELP))
+        self.push_screen(HelpScreen(self.KEY_HELP))
 
     def action_toggle_pause(self) -> None:
         """Pause or resume the live refresh."""
@@ -301,41 +303,16 @@ class TopApp(App[int]):
         """Write the dump off the UI thread and say where it went."""
         try:
             view = snapshot(self.source.view) if self.source.live else self.source.read_full()
-            write_dump_file(view, path, self.source.name)
+            write_dump(view, path, reason="kvscope top: d pressed")
         except (OSError, PoolError) as e:
             self.call_from_thread(self.notify, f"dump failed: {e}", severity="error")
             return
         self.call_from_thread(self.notify, f"dump written to {path}")
 
-    def action_quit(self) -> None:
+    async def action_quit(self) -> None:
         """Stop polling and exit."""
         self._wake.set()
         self.exit(0)
-
-
-def write_dump_file(view: SegmentView, path: str, pool: str) -> None:
-    """The harness's `write_dump` when present, else the dump header plus the segment bytes."""
-    try:
-        from kvscope.dumpfile import write_dump  # type: ignore[import-not-found]
-    except ImportError:
-        write_dump = None
-    if write_dump is not None:
-        write_dump(view, path, reason="kvscope top: d pressed")
-        return
-    head = np.zeros(1, DUMP_HEADER_DTYPE)
-    size = int(view.h["segment_size"])
-    head["magic"], head["version"] = DUMP_MAGIC, DUMP_VERSION
-    head["flags"] = DUMP_TORN if getattr(view, "torn", False) else 0
-    head["segment_size"], head["data_size"] = size, 0
-    head["created_ns"], head["pid"] = time.time_ns(), os.getpid()
-    head["host"] = socket.gethostname().encode()[:64]
-    head["pool"] = pool.encode()[:64]
-    head["reason"] = b"kvscope top: d pressed"
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(head.tobytes())
-        f.write(view.raw[:size].tobytes())
-    os.replace(tmp, path)
 
 
 def run_top(target: str, *, hz: float = 10.0) -> int:

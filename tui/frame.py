@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import BlockState, SegmentView, SeqState
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from textual.message import Message
+
 from kvscope.allocator.findings import Finding
 from kvscope.tui.frame import Frame
-from textual.message import Message
 
 
 @dataclass

@@ -15,18 +15,17 @@ import time
 from typing import Protocol
 
 import numpy as np
+
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import (
-    DUMP_HEADER_DTYPE,
-    DUMP_MAGIC,
     DUMP_TORN,
     HEADER_DTYPE,
-    POOL_MAGIC,
     RING_HEADER_DTYPE,
     SegmentView,
     SeqState,
 )
 from kvscope.allocator.segment import check_name, list_names, segment_path, validate_bytes
+from kvscope.dumpfile import read_dump
 
 # Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), and the
 # prefix index, the free ring's body and the client journals are not copied at all.
@@ -227,35 +226,7 @@ class LiveSource:
 
 def read_dump_file(path: str) -> tuple[SegmentView, np.void | None]:
     """A dump (dump header + segment), or a bare segment image, as a SegmentView."""
-    try:
-        from kvscope.dumpfile import read_dump  # type: ignore[import-not-found]
-    except ImportError:
-        read_dump = None
-    with open(path, "rb") as f:
-        head = f.read(8)
-    magic = int.from_bytes(head, "little") if len(head) == 8 else 0
-    if magic == DUMP_MAGIC and read_dump is not None:
-        return read_dump(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise PoolError(f"cannot read {path}: {e.strerror}") from None
-    dump_header = None
-    if magic == DUMP_MAGIC:
-        if len(data) < DUMP_HEADER_DTYPE.itemsize:
-            raise PoolError(f"{path} is truncated: shorter than a kvscope dump header")
-        dump_header = np.frombuffer(data, DUMP_HEADER_DTYPE, 1)[0]
-        start = DUMP_HEADER_DTYPE.itemsize
-        data = data[start : start + int(dump_header["segment_size"])]
-    elif magic != POOL_MAGIC:
-        raise PoolError(
-            f"{path} is not a kvscope dump or pool segment (magic {magic:#018x}); "
-            "give a pool name or a file written by `kvscope dump`"
-        )
-    layout = validate_bytes(data[: HEADER_DTYPE.itemsize], len(data), path)
-    view = SegmentView(bytearray(data), layout)
-    return view, dump_header
+    return read_dump(path)
 
 
 class DumpSource:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from typing import Protocol
+
 from kvscope.verbs.analyze import AnalyzeCommand
 from kvscope.verbs.check import CheckCommand
 from kvscope.verbs.dump import DumpCommand
@@ -9,7 +12,18 @@ from kvscope.verbs.ls import LsCommand
 from kvscope.verbs.run import RunCommand
 from kvscope.verbs.top import TopCommand
 
-VERBS = {
+
+class Verb(Protocol):
+    """What cli.py needs of a verb class: its --help (the docstring), flags and run."""
+
+    @staticmethod
+    def prepare_parser(parser: argparse.ArgumentParser) -> None: ...
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int: ...
+
+
+VERBS: dict[str, type[Verb]] = {
     "run": RunCommand,
     "ls": LsCommand,
     "top": TopCommand,

@@ -149,7 +149,9 @@ class RunCommand:
         from kvscope.probes.otel_exporters import start_collector
 
         otel_env = {**os.environ, **otel_env_from_args(args)}
-        sup = Supervisor(target, run_dir=run_dir, env=child_env(otel_env, run_dir, args), echo=_echo)
+        sup = Supervisor(
+            target, run_dir=run_dir, env=child_env(otel_env, run_dir, args), echo=_echo
+        )
         tel = None
         try:
             try:

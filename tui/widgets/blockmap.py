@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from kvscope.allocator.layout import BlockState
-from kvscope.tui.frame import Frame
-from kvscope.tui.messages import BlockChosen
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
@@ -14,6 +11,10 @@ from textual.geometry import Region
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
+
+from kvscope.allocator.layout import BlockState
+from kvscope.tui.frame import Frame
+from kvscope.tui.messages import BlockChosen
 
 # Colour per state, darkest to brightest for refcount 0-1, 2, 3, 4+.
 STATE_COLOURS = {
@@ -110,7 +111,7 @@ class BlockMap(Widget, can_focus=True):
         if 0 <= sel < n:
             codes[sel // group] |= 1 << 9
         codes = codes.reshape(h, w)
-        changed = range(h)
+        changed: list[int] | range = range(h)
         if self._codes.shape == codes.shape and group == self.group:
             changed = np.flatnonzero((self._codes != codes).any(axis=1)).tolist()
         else:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from textual.reactive import reactive
+
 from kvscope.tui.frame import Frame, clock, last_events, op_name, request_of
 from kvscope.tui.messages import BlockChosen
 from kvscope.tui.widgets.rows import Row, RowsView
-from textual.reactive import reactive
 
 TAIL = 200
 

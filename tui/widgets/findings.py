@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from textual.reactive import reactive
+
 from kvscope.allocator.findings import Finding
 from kvscope.tui.frame import Frame
 from kvscope.tui.messages import BlockChosen
 from kvscope.tui.widgets.rows import Row, RowsView
-from textual.reactive import reactive
 
 
 class FindingsPanel(RowsView):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from kvscope.allocator.layout import Flag
-from kvscope.tui.frame import Frame, clock
 from rich.segment import Segment
 from rich.text import Text
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
+
+from kvscope.allocator.layout import Flag
+from kvscope.tui.frame import Frame, clock
 
 
 def _s(v: bytes) -> str:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
-from kvscope.allocator.process import is_alive
-from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import Static
+
+from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
+from kvscope.allocator.process import is_alive
+from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
 
 NUM_EVENTS = 6
 

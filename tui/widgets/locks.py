@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
+from textual.reactive import reactive
+
 from kvscope.tui.frame import Frame
 from kvscope.tui.widgets.rows import Row, RowsView
-from textual.reactive import reactive
 
 
 def _us(ns: float) -> str:

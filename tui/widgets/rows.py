@@ -36,7 +36,7 @@ class RowsView(ScrollView, can_focus=True):
     # Column labels and widths; the last column takes the remaining width.
     COLUMNS: list[tuple[str, int]] = []
 
-    cursor = reactive(0, repaint=False)
+    cursor: reactive[int] = reactive(0, repaint=False)
 
     @dataclass
     class Chosen(Message):

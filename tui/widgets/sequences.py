@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from textual.reactive import reactive
+
 from kvscope.tui.frame import SEQ_STATE_NAMES, STATE_NAMES, Frame, cow_positions, request_of
 from kvscope.tui.messages import BlockChosen, SequenceChosen
 from kvscope.tui.widgets.rows import Row, RowsView
-from textual.reactive import reactive
 
 SEQ_STYLES = {
     "running": None,

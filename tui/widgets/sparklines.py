@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-from kvscope.tui.frame import Frame
 from rich.segment import Segment
 from rich.style import Style
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
+
+from kvscope.tui.frame import Frame
 
 HISTORY = 240
 BARS = " ▁▂▃▄▅▆▇█"
@@ -30,7 +31,7 @@ class Trends(Widget):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._last: tuple[int, int] | None = None
-        self.samples = [deque(maxlen=HISTORY) for _ in TITLES]
+        self.samples: list[deque[float]] = [deque(maxlen=HISTORY) for _ in TITLES]
         self.labels = [t for t in TITLES]
         self._strips: dict[int, Strip] = {}
 
