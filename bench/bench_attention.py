@@ -114,8 +114,8 @@ def gather_sdpa(p: Problem, mask) -> torch.Tensor:
     return sdpa(p.q, k, v, mask)
 
 
-def graph_us(fn, rep: int = 300) -> float:
-    """Median µs of CUDA-graph replays of `fn`, L2 flushed before each (do_bench)."""
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn` (warmed up on a side stream first)."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -128,7 +128,12 @@ def graph_us(fn, rep: int = 300) -> float:
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
-    return 1000 * do_bench(graph.replay, warmup=50, rep=rep, return_mode="median")
+    return graph
+
+
+def graph_us(fn, rep: int = 300) -> float:
+    """Median µs of CUDA-graph replays of `fn`, L2 flushed before each (do_bench)."""
+    return 1000 * do_bench(capture(fn).replay, warmup=50, rep=rep, return_mode="median")
 
 
 def copy_roofline_gbs() -> float:

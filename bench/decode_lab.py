@@ -39,23 +39,6 @@ def flush_clean() -> None:
     torch.sum(FLUSH, dim=0, dtype=torch.float32, out=SINK)
 
 
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of fn (warmed up on a side stream first)."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def timed_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], None], reps: int = 200) -> float:
     """Median µs of graph replays, each after `flush`."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -75,7 +58,7 @@ def timed_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], None], reps: int =
 def sdpa_graph(p: ba.Problem) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """A graph of SDPA on p's contiguous twin, and its output (the reference)."""
     k, v, mask = p.dense()
-    return capture(lambda: ba.sdpa(p.q, k, v, mask)), ba.sdpa(p.q, k, v, mask)[:, :, 0]
+    return ba.capture(lambda: ba.sdpa(p.q, k, v, mask)), ba.sdpa(p.q, k, v, mask)[:, :, 0]
 
 
 def run_configs(configs: dict[str, dict]) -> None:
@@ -87,7 +70,7 @@ def run_configs(configs: dict[str, dict]) -> None:
         for name, change in configs.items():
             run = ba.ours(p, DecodeConfig(**change))
             err = ba.rel(run(), want)
-            g = capture(run)
+            g = ba.capture(run)
             cells.append(f"{name} {timed_us(g, flush_dirty):.1f}/{timed_us(g, flush_clean):.1f}")
             if err > 1e-2:
                 cells[-1] += f" (err {err:.1e})"
@@ -106,7 +89,7 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def run_lengths() -> None:
     tiny = torch.zeros(16, device="cuda")
-    g = capture(lambda: tiny.add_(1))
+    g = ba.capture(lambda: tiny.add_(1))
     print(f"one-element kernel: {timed_us(g, flush_dirty):.1f} µs (the harness floor)")
     for batch, lens in ((16, [512, 1024, 2048, 4096, 8192, 16384]), (64, [1024, 2048, 4096])):
         gb, t_sdpa, t_ours = [], [], []
@@ -115,7 +98,7 @@ def run_lengths() -> None:
             g, _ = sdpa_graph(p)
             t_sdpa.append(timed_us(g, flush_dirty))
             del g
-            g = capture(ba.ours(p))
+            g = ba.capture(ba.ours(p))
             t_ours.append(timed_us(g, flush_dirty))
             gb.append(p.kv_bytes / 1e9)
             print(f"{batch}x{n}: sdpa {t_sdpa[-1]:.1f} kvscope {t_ours[-1]:.1f} µs", flush=True)

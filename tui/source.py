@@ -229,29 +229,6 @@ def read_dump_file(path: str) -> tuple[SegmentView, np.void | None]:
     return read_dump(path)
 
 
-class DumpSource:
-    """A dump file: the same view on every tick."""
-
-    live = False
-
-    def __init__(self, path: str):
-        self.path = path
-        self.view, self.dump_header = read_dump_file(path)
-        self.name = bytes(self.view.h["name"]).decode(errors="replace") or os.path.basename(path)
-        self.taken_ns = 0 if self.dump_header is None else int(self.dump_header["created_ns"])
-        torn = self.dump_header is not None and int(self.dump_header["flags"]) & DUMP_TORN
-        self.view.torn = bool(torn)  # type: ignore[attr-defined]
-
-    def read(self) -> SegmentView:
-        return self.view
-
-    def read_full(self) -> SegmentView:
-        return self.view
-
-    def close(self) -> None:
-        pass
-
-
 class ViewSource:
     """A fixed SegmentView (tests, or a dump already read by the caller)."""
 
@@ -271,6 +248,19 @@ class ViewSource:
 
     def close(self) -> None:
         pass
+
+
+class DumpSource(ViewSource):
+    """A dump file: the same view on every tick."""
+
+    def __init__(self, path: str):
+        self.path = path
+        view, self.dump_header = read_dump_file(path)
+        name = bytes(view.h["name"]).decode(errors="replace") or os.path.basename(path)
+        self.taken_ns = 0 if self.dump_header is None else int(self.dump_header["created_ns"])
+        torn = self.dump_header is not None and int(self.dump_header["flags"]) & DUMP_TORN
+        view.torn = bool(torn)  # type: ignore[attr-defined]
+        super().__init__(view, name)
 
 
 def open_source(target: str) -> Source:
