@@ -39,6 +39,8 @@ _OWNER = struct.Struct(f"<Q{REQUEST_BYTES}sQQiIQ")
 _WORDS = struct.Struct(f"<{IDENTITY_WORDS}Q")
 _U4, _U8 = struct.Struct("<I"), struct.Struct("<Q")
 _REFCOUNT, _GENERATION = _F["refcount"][1], _F["generation"][1]
+_STATE, _INDEXED, _ACCESS_NS = _F["state"][1], _F["indexed"][1], _F["access_ns"][1]
+_PREFIX_HASH, _PARENT_HASH = _F["prefix_hash"][1], _F["parent_hash"][1]
 _CHECKSUM, _OWNER_START = _F["checksum"][1], _F["owner_start"][1]
 assert _F["state"][1] == 4 and _F["indexed"][1] == 5 and _REFCOUNT == 8
 assert _F["prefix_hash"][1] == _REFCOUNT + _IDENTITY.size - 8
@@ -75,6 +77,7 @@ class BlockStore:
         self.u32 = memoryview(view.buf)[:end].cast("I")
         assert self.record_size % 4 == 0 and self.base % 4 == 0
         self.rec4 = self.record_size // 4
+        self.block_size = view.layout.block_size
         fields = view.blocks.dtype.fields
         self.tokens_at4 = (self.base + fields["tokens"][1]) // 4
         self.num_tokens_at4 = (self.base + fields["num_tokens"][1]) // 4
@@ -120,10 +123,44 @@ class BlockStore:
 
     def seal(self, ids: np.ndarray) -> None:
         """Recompute the records' checksums after changing identity fields."""
-        if len(ids) == 1:
-            self.seal_one(int(ids[0]))
+        if len(ids) <= 8:
+            for b in ids.tolist():
+                self.seal_one(b)
         else:
             self.checksum[ids] = block_checksums(self.blocks, ids)
+
+    def is_indexed(self, b: int) -> bool:
+        """True while the prefix index names block b."""
+        return self.mv[self.base + b * self.record_size + _INDEXED] != 0
+
+    def refcount_of(self, b: int) -> int:
+        """Block b's reference count."""
+        return self.i32[self.refcount_at4 + b * self.rec4]
+
+    def holds_prefix(self, b: int, key: int, parent: int, tokens: list[int]) -> bool:
+        """True if block b is indexed under `key`, after `parent`, holding exactly `tokens`."""
+        mv, rec = self.mv, self.base + b * self.record_size
+        if mv[rec + _INDEXED] != 1 or _U8.unpack_from(mv, rec + _PREFIX_HASH)[0] != key:
+            return False
+        if _U8.unpack_from(mv, rec + _PARENT_HASH)[0] != parent:
+            return False
+        at = self.tokens_at4 + b * self.rec4
+        return self.i32[at : at + self.block_size].tolist() == tokens
+
+    def set_hashes(self, b: int, key: int, parent: int) -> None:
+        """Record block b's prefix and parent keys (not indexed; the caller journals and seals)."""
+        rec = self.base + b * self.record_size
+        _U8.pack_into(self.mv, rec + _PREFIX_HASH, key)
+        _U8.pack_into(self.mv, rec + _PARENT_HASH, parent)
+
+    def publish(self, t: Txn, b: int, key: int, parent: int) -> None:
+        """Mark block b indexed under `key` (its entry is already in the index; shard lock)."""
+        rec = self.base + b * self.record_size
+        t.journal.save(rec, self.record_size)
+        self.mv[rec + _INDEXED] = 1
+        _U8.pack_into(self.mv, rec + _PREFIX_HASH, key)
+        _U8.pack_into(self.mv, rec + _PARENT_HASH, parent)
+        self.seal_one(b)
 
     def seal_one(self, b: int) -> None:
         """`seal` of one block, from its identity words read with struct."""
@@ -132,6 +169,16 @@ class BlockStore:
 
     def shard_locks_for(self, ids: np.ndarray) -> set[int]:
         """Locks of the index shards that govern the indexed blocks among ids."""
+        if len(ids) <= 32:
+            # A sequence's table: a byte read per block beats building numpy masks.
+            mv, base, size = self.mv, self.base, self.record_size
+            mask = len(self.shard_locks) - 1
+            out: set[int] = set()
+            for b in ids.tolist() if isinstance(ids, np.ndarray) else ids:
+                rec = base + int(b) * size
+                if mv[rec + _INDEXED] == 1:
+                    out.add(self.shard_locks[_U8.unpack_from(mv, rec + _PREFIX_HASH)[0] & mask])
+            return out
         ids = np.asarray(ids, dtype=np.int64)
         keys = self.prefix_hash[ids[self.indexed[ids] == 1]]
         shards = np.unique(keys & np.uint64(len(self.shard_locks) - 1))
@@ -340,12 +387,14 @@ class BlockStore:
         """The next k (+extra) remembered candidates still CACHED and untouched since the scan;
         None when fewer than k are left (the caller scans)."""
         ids, stamps, pos = self._lru_ids, self._lru_ns, self._lru_pos
-        state, access = self.state, self.access_ns
+        mv, base, size = self.mv, self.base, self.record_size
+        cached = int(BlockState.CACHED)
         want = k + min(extra, max(0, self._lru_cached - k) // 4)
         got: list[int] = []
         while pos < len(ids) and len(got) < want:
             b = ids[pos]
-            if state[b] == BlockState.CACHED and access[b] == stamps[pos]:
+            rec = base + b * size
+            if mv[rec + _STATE] == cached and _U8.unpack_from(mv, rec + _ACCESS_NS)[0] == stamps[pos]:
                 got.append(b)
             pos += 1
         if len(got) < k:
@@ -410,6 +459,8 @@ class BlockStore:
         ids = np.asarray(ids, np.int64)
         if len(ids) == 0:
             return ids, ids
+        if len(ids) <= 4:
+            return self._drop_few(t, ids.tolist())
         live = (self.state[ids] == BlockState.ALLOCATED) & (self.refcount[ids] > 0)
         already, ids = ids[~live], ids[live]
         if len(ids) == 0:
@@ -423,6 +474,31 @@ class BlockStore:
         self.state[idx] = BlockState.CACHED
         self.seal(ids)
         return zero[self.indexed[zero] == 0], already
+
+    def _drop_few(self, t: Txn, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """`drop` of a few blocks, one record at a time."""
+        mv, i32, base, size = self.mv, self.i32, self.base, self.record_size
+        allocated, cached = int(BlockState.ALLOCATED), int(BlockState.CACHED)
+        now = now_ns()
+        zero: list[int] = []
+        already: list[int] = []
+        for b in ids:
+            rec = base + b * size
+            at = self.refcount_at4 + b * self.rec4
+            rc = i32[at]
+            if mv[rec + _STATE] != allocated or rc <= 0:
+                already.append(b)
+                continue
+            t.journal.save(rec, size)
+            i32[at] = rc - 1
+            _U8.pack_into(mv, rec + _ACCESS_NS, now)
+            if rc == 1:
+                if mv[rec + _INDEXED] == 1:
+                    mv[rec + _STATE] = cached
+                else:
+                    zero.append(b)
+            self.seal_one(b)
+        return np.asarray(zero, np.int64), np.asarray(already, np.int64)
 
     def give_back(self, t: Txn, ids: np.ndarray) -> None:
         """Blocks with no references left: into the local cache, the rest to the ring."""

@@ -48,10 +48,6 @@ _PID = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
-def _current_pid() -> int:
-    return _PID[0]
-
-
 # Harness hooks, set by `kvscope run`'s bootstrap: each OPEN_HOOKS entry is called with every
 # pool this process creates or attaches; UNLINK_HOOK, when set, is called instead of unlinking
 # (the supervisor unlinks after it has dumped and analyzed the pool).
@@ -249,7 +245,7 @@ class KVPool(SequenceOps):
             self.probe.verify_often()
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")
-        if _current_pid() != self.pid:
+        if _PID[0] != self.pid:
             raise PoolError(
                 f"this handle on pool {self.name!r} was opened by pid {self.pid}; "
                 "in a forked child call KVPool.attach(name) instead"

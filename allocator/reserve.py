@@ -59,6 +59,17 @@ class ReserveOps:
         self.store.stamp(t, ids, self.pid, self.start, request, site)
         return ids
 
+    def _take_locks(self, n: int) -> set[int]:
+        """The locks `_take(t, n)` will need, judged from the local cache and the ring's count
+        (a hint): when both are short, eviction's locks are taken up front rather than by a
+        rolled-back first attempt."""
+        local = int(self.store.local_count[0])
+        if local >= n:
+            return set()
+        if local + self.store.ring_count >= n:
+            return {self.FREE}
+        return {self.SEQS, self.FREE, *self.SHARDS}
+
     def _preempt_one(self, t: Txn, exclude: int) -> bool:
         """Free the blocks of this process's oldest waiting sequence (not `exclude`, the slot
         being grown); False if there is none."""
@@ -111,6 +122,14 @@ class ReserveOps:
         pos = first_pos
         i = 0
         total = len(tokens)
+        if pos % bs == 0 and total >= 2 * bs:
+            # Whole blocks (a prompt): one numpy copy.
+            full = total // bs
+            blk = np.asarray(ids[pos // bs : pos // bs + full], np.int64)
+            st.tokens[blk] = np.asarray(tokens[: full * bs], np.int32).reshape(full, bs)
+            st.num_tokens[blk] = bs
+            pos += full * bs
+            i = full * bs
         while i < total:
             blk = ids[pos // bs]
             off = pos % bs

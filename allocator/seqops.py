@@ -33,7 +33,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
     def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
         self._check_process()
-        tokens = [int(x) for x in tokens]
+        tokens = list(map(int, tokens))
         if not tokens:
             raise PoolError("allocate needs at least one token")
         bs = self.block_size
@@ -47,8 +47,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
         max_hits = (len(tokens) - 1) // bs
         shards = {self.SHARDS[self.store.index.shard(k)] for k in keys[:max_hits]}
         locks = shards if self.seqtab.can_claim_locally() else {self.SEQS} | shards
-        if int(self.store.local_count[0]) < n_blocks:
-            locks.add(self.FREE)
+        locks |= self._take_locks(min(n_blocks, CHUNK))
         rb = request_bytes(request_id)
         site = self._site()
 
@@ -112,12 +111,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
             if blk < 0:
                 break
             # A hash hit is trusted only if the stored tokens and parent key agree too.
-            if (
-                int(b["prefix_hash"][blk]) != key
-                or int(b["parent_hash"][blk]) != parent
-                or b["tokens"][blk].tolist() != tokens[j * bs : (j + 1) * bs]
-                or b["indexed"][blk] != 1
-            ):
+            if not self.store.holds_prefix(blk, key, parent, tokens[j * bs : (j + 1) * bs]):
                 break
             hits.append(blk)
             parent = key
@@ -136,18 +130,39 @@ class SequenceOps(ReserveOps, ReleaseOps):
     ) -> None:
         """Record prefix and parent keys of full blocks among freshly filled ones (unindexed)."""
         b = self.view.blocks
-        for i, blk in enumerate(ids.tolist()):
-            j = first_logical + i
-            if j < len(keys):
-                b["prefix_hash"][blk] = keys[j]
-                b["parent_hash"][blk] = keys[j - 1] if j else 0
+        n = min(len(ids), len(keys) - first_logical)
+        if n > 4:
+            js = np.arange(first_logical, first_logical + n)
+            k = np.asarray(keys, np.uint64)
+            b["prefix_hash"][ids[:n]] = k[js]
+            b["parent_hash"][ids[:n]] = np.where(js > 0, k[js - 1], np.uint64(0))
+        else:
+            for i, blk in enumerate(ids[: max(n, 0)].tolist()):
+                j = first_logical + i
+                self.store.set_hashes(blk, keys[j], keys[j - 1] if j else 0)
         if len(ids):
             self.store.seal(ids)
 
     def append(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
         """Append tokens; returns the copy-on-write (src, dst) block copies to perform first."""
         self._own(seq)
-        tokens = [int(x) for x in tokens]
+        tokens = list(map(int, tokens))
+        if len(tokens) == 1 and len(seq.tokens) % self.block_size:
+            # The decode step: one token into the last block, which has room; unless it is
+            # shared (copy-on-write), a write of the token, its count and the sequence's length.
+            st = self.store
+            n_old = len(seq.tokens)
+            off = n_old % self.block_size
+            at = seq.block_table[-1] * st.rec4
+            if st.i32[st.refcount_at4 + at] <= 1:
+                st.i32[st.tokens_at4 + at + off] = tokens[0]
+                st.u32[st.num_tokens_at4 + at] = off + 1
+                seq.tokens.append(tokens[0])
+                sq = self.seqtab
+                sq.u64[sq.num_tokens_at8 + seq.slot * sq.rec8] = n_old + 1
+                if (n_old + 1) // self.block_size > len(seq.chain):
+                    self._extend_chain(seq)
+                return []
         if not tokens:
             return []
         if len(tokens) <= self.block_size:
@@ -184,9 +199,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
             if n_new // bs > len(seq.chain):
                 self._extend_chain(seq)
             return []
-        locks: set[int] = set()
-        if int(self.store.local_count[0]) < need_blocks + cow:
-            locks.add(self.FREE)
+        locks = self._take_locks(max(0, need_blocks) + cow)
         if cow and b["indexed"][last]:
             locks |= self.store.shard_locks_for(np.array([last]))
         rb = request_bytes(seq.request_id)
@@ -272,20 +285,18 @@ class SequenceOps(ReserveOps, ReleaseOps):
         shard_of = self.store.index.shard
         locks = {self.SHARDS[shard_of(k)] for k in keys}
 
+        store = self.store
+
         def op(t: Txn) -> int:
             n = 0
             for j, key, blk in zip(todo, keys, blocks):
-                if b["indexed"][blk]:
+                if store.is_indexed(blk):
                     continue
-                if int(b["refcount"][blk]) != 1:
+                if store.refcount_of(blk) != 1:
                     # Shared through fork, not through the index: leave it private.
                     continue
-                if self.store.index.insert(key, blk, t.journal):
-                    self.store.save(t, np.array([blk]))
-                    b["indexed"][blk] = 1
-                    b["prefix_hash"][blk] = key
-                    b["parent_hash"][blk] = key_of(seq.chain[j - 1]) if j else 0
-                    self.store.seal(np.array([blk]))
+                if store.index.insert(key, blk, t.journal):
+                    store.publish(t, blk, key, key_of(seq.chain[j - 1]) if j else 0)
                     n += 1
             return n
 

@@ -149,6 +149,40 @@ def test_eviction_takes_least_recently_used_cached_blocks_first(make_pool):
     assert pool.check() == []
 
 
+def test_eviction_from_a_large_cache_stays_least_recently_used_across_batches(make_pool):
+    # GIVEN a cache large enough that eviction remembers candidates between pool scans
+    from kvscope.allocator.blocks import LRU_KEEP
+
+    pool = make_pool(3 * LRU_KEEP, block_size=4, local_cache_size=0)
+    for i in range(3 * LRU_KEEP - 8):
+        s = pool.allocate(f"p{i}", [i, i, i, i, 0])
+        pool.mark_computed(s, 4)
+        pool.free(s)
+    # AND some of the oldest cached blocks are hit again (they become the newest)
+    revived = []
+    for i in range(0, 40, 2):
+        s = pool.allocate(f"again{i}", [i, i, i, i, 1])
+        assert s.num_cached_tokens == 4
+        revived.append(s.block_table[0])
+        pool.free(s)
+    b = pool.view.blocks
+    # WHEN blocks are evicted in many small batches (the first scan remembers the rest)
+    evicted = []
+    for _ in range(30):
+        cached = np.flatnonzero(b["state"] == BlockState.CACHED)
+        oldest = cached[np.argsort(b["access_ns"][cached], kind="stable")][:3]
+        before = set(np.flatnonzero(b["state"] == BlockState.CACHED).tolist())
+        assert pool.evict(3) == 3
+        gone = before - set(np.flatnonzero(b["state"] == BlockState.CACHED).tolist())
+        # THEN each batch takes exactly the least recently used blocks
+        assert gone == set(oldest.tolist())
+        evicted += sorted(gone)
+    # AND the revived blocks were not evicted with their old neighbours
+    assert not set(revived) & set(evicted)
+    assert len(pool.store._lru_ids) == LRU_KEEP, "eviction did not use remembered candidates"
+    assert pool.check() == []
+
+
 def test_exhausted_names_holders_and_leaves_pool_unchanged(make_pool):
     pool = make_pool(4, local_cache_size=0)
     a = pool.allocate("holder-a", list(range(12)))  # 3 blocks
