@@ -49,9 +49,11 @@ os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 # Harness hooks, set by `kvscope run`'s bootstrap: each OPEN_HOOKS entry is called with every
-# pool this process creates or attaches; UNLINK_HOOK, when set, is called instead of unlinking
-# (the supervisor unlinks after it has dumped and analyzed the pool).
+# pool this process creates or attaches; CLOSE_HOOK, when set, with a pool about to be closed
+# (its sequences still readable); UNLINK_HOOK, when set, is called instead of unlinking (the
+# supervisor unlinks after it has dumped and analyzed the pool).
 OPEN_HOOKS: list[Callable[[KVPool], None]] = []
+CLOSE_HOOK: Callable[[KVPool], None] | None = None
 UNLINK_HOOK: Callable[[KVPool], None] | None = None
 # A free of a long sequence commits in chunks so one journal never overflows.
 CHUNK = 128
@@ -206,6 +208,8 @@ class KVPool(SequenceOps):
         if self._closed:
             return
         self._check_process()
+        if CLOSE_HOOK is not None:
+            CLOSE_HOOK(self)
         if self.journal.count:
             self.journal.rollback()
         self._run({self.FREE}, self._flush_local)

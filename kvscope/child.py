@@ -98,6 +98,31 @@ def on_unlink(pool: Any) -> None:
     _append("unlinks", f"{pool.name}\t{created}\t{segment_path(aside)}")
 
 
+def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
+    """Report each sequence of this process that still holds blocks as leak_finished."""
+    seqs = [s for s in pool._seqs.values() if s.block_table]
+    held = 0
+    for seq in seqs:
+        held += len(seq.block_table)
+        pool.report(
+            Finding(
+                "leak_finished",
+                f"request {seq.request_id!r} still held {len(seq.block_table)} block(s) when"
+                f" {when}: free or abort every sequence when its request ends",
+                block=seq.block_table[0],
+                owner_pid=os.getpid(),
+                request=str(seq.request_id)[:32],
+            )
+        )
+    return seqs, held
+
+
+def on_close(pool: Any) -> None:
+    """CLOSE_HOOK: closing a pool does not free its sequences; the ones left are leaks."""
+    if pool.pid == os.getpid():
+        report_held(pool, "the pool was closed")
+
+
 def check_at_exit() -> dict[str, Any]:
     """Report this process's leaks into each pool's findings ring; close pools that are clean."""
     out: dict[str, Any] = {}
@@ -105,20 +130,7 @@ def check_at_exit() -> dict[str, Any]:
     for pool in _pools:
         if pool._closed or pool.pid != me:
             continue
-        held = 0
-        seqs = [s for s in pool._seqs.values() if s.block_table]
-        for seq in seqs:
-            held += len(seq.block_table)
-            pool.report(
-                Finding(
-                    "leak_finished",
-                    f"request {seq.request_id!r} still held {len(seq.block_table)} block(s) when"
-                    " the process exited: free or abort every sequence when its request ends",
-                    block=seq.block_table[0],
-                    owner_pid=me,
-                    request=str(seq.request_id)[:32],
-                )
-            )
+        seqs, held = report_held(pool, "the process exited")
         # The local cache is not a leak: hand it back before looking for orphans.
         pool._run({pool.FREE}, pool._flush_local)
         mine = [f for f in pool.check() if f.owner_pid in (None, me)]
@@ -151,6 +163,7 @@ def install() -> None:
             return
         _installed = True
     pool_module.OPEN_HOOKS.append(on_open)
+    pool_module.CLOSE_HOOK = on_close
     pool_module.UNLINK_HOOK = on_unlink
     at_exit(_at_exit)
     from kvscope.probes import install_from_env

@@ -26,6 +26,7 @@ seq = pool.allocate("req-1", list(range(10)))
 SCRIPTS = {
     "clean": "pool.free(seq)\nprint('args', sys.argv[2:])\npool.close()\npool.unlink()\n",
     "leak": "print('leaving req-1 behind')\n",
+    "close_leak": "pool.close()\n",
     "sigkill": "os.kill(os.getpid(), signal.SIGKILL)\n",
     "exception": "raise ValueError('the model exploded')\n",
     "double_free": "pool.free(seq)\npool.free(seq)\n",
@@ -78,6 +79,18 @@ def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
     kinds = {f["kind"] for f in rep["findings"]}
     assert {"leak_finished", "leak_dead_owner"} <= kinds
     assert "blocks leaked" in rep["pool"]["dump"]["reason"]
+
+
+def test_closing_a_pool_with_a_live_sequence_is_a_leak(capfd, tmp_path, pool_name):
+    # GIVEN a script that closes its pool without freeing its sequence (close frees nothing)
+    code = main(
+        ["run", "--fail-on", "leak", "--dump-dir", str(tmp_path), script(tmp_path, "close_leak"),
+         pool_name]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    # THEN the request is reported when the pool is closed, and the run fails on it
+    assert code == EXIT_FAIL_ON
+    assert "leak_finished" in err and "req-1" in err and "when the pool was closed" in err
 
 
 def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
