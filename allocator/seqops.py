@@ -11,7 +11,7 @@ import numpy as np
 
 from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
-from kvscope.allocator.errors import PoolError
+from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.prefix import chain_hashes, chain_one, key_of, keys_of
@@ -45,15 +45,26 @@ class SequenceOps(ReserveOps, ReleaseOps):
         chain = [int(x) for x in chain_hashes(np.asarray(tokens), bs)]
         keys = keys_of(np.asarray(chain, np.uint64)).tolist() if chain else []
         max_hits = (len(tokens) - 1) // bs
-        shards = {self.SHARDS[self.store.index.shard(k)] for k in keys[:max_hits]}
-        locks = shards if self.seqtab.can_claim_locally() else {self.SEQS} | shards
-        locks |= self._take_locks(min(n_blocks, CHUNK))
+        index = self.store.index
+        shards = {self.SHARDS[index.shard(k)] for k in keys[:max_hits]}
+        claim_locks = shards if self.seqtab.can_claim_locally() else {self.SEQS} | shards
         rb = request_bytes(request_id)
         site = self._site()
+        # A prompt that will likely hit the prefix index (its first block is there: a read
+        # without the lock, only a hint) takes its hits in one transaction and its new blocks
+        # in a second, so other processes wait for the shard locks only while the hits are
+        # taken; a failure in the second undoes the first.
+        split = max_hits > 0 and index.lookup(keys[0]) >= 0
 
-        def op(t: Txn) -> Sequence:
+        def claim(t: Txn) -> tuple[int, int, list[int]]:
             slot, seq_id = self.seqtab.claim(t, rb, self.pid, self.start, self.client)
             hits = self._match(t, keys, tokens, max_hits)
+            if split:
+                self.seqtab.write_blocks(t, slot, 0, hits)
+                self.view.seqs["num_tokens"][slot] = len(hits) * bs
+            return slot, seq_id, hits
+
+        def grow(t: Txn, slot: int, seq_id: int, hits: list[int]) -> Sequence:
             first = min(n_blocks, len(hits) + CHUNK)
             new = self._take(t, first - len(hits), rb, site=site)
             if faults.ARMED and len(new) and faults.fire("refcount-skew"):
@@ -67,7 +78,8 @@ class SequenceOps(ReserveOps, ReleaseOps):
                 if len(hits) < max_hits:
                     self.probe.event(t, EventOp.PREFIX_MISS, [], rb, arg=max_hits - len(hits))
             table = hits + new.tolist()
-            self.seqtab.write_blocks(t, slot, 0, table)
+            done = len(hits) if split else 0
+            self.seqtab.write_blocks(t, slot, done, table[done:])
             self._fill(table, len(hits) * bs, tokens[len(hits) * bs : first * bs])
             self._set_hashes(new, len(hits), chain, keys)
             self.view.seqs["num_tokens"][slot] = min(len(tokens), first * bs)
@@ -85,7 +97,19 @@ class SequenceOps(ReserveOps, ReleaseOps):
                 num_published=len(hits),
             )
 
-        seq = self._run(locks, op)
+        if not split:
+            locks = claim_locks | self._take_locks(min(n_blocks, CHUNK))
+            seq = self._run(locks, lambda t: grow(t, *claim(t)))
+        else:
+            slot, seq_id, hits = self._run(claim_locks, claim)
+            more = min(n_blocks, len(hits) + CHUNK) - len(hits)
+            try:
+                seq = self._run(self._take_locks(more), lambda t: grow(t, slot, seq_id, hits))
+            except BaseException as e:
+                self._unclaim(slot, hits)
+                if isinstance(e, PoolExhausted):
+                    raise self._exhausted(e.needed) from None
+                raise
         self._seqs[seq.slot] = seq
         if len(seq.tokens) < len(tokens):
             try:
@@ -94,6 +118,24 @@ class SequenceOps(ReserveOps, ReleaseOps):
                 self.abort(seq)
                 raise
         return seq
+
+    def _unclaim(self, slot: int, hits: list[int]) -> None:
+        """Undo the first half of a split allocation: drop its hits, give its slot back."""
+        ids = np.asarray(hits, np.int64)
+        locks = self.store.shard_locks_for(ids)
+        if not self.seqtab.can_release_locally(slot):
+            locks.add(self.SEQS)
+
+        def op(t: Txn) -> None:
+            zero, _ = self.store.drop(t, ids)
+            if len(zero):
+                # Not reached while the hits stay indexed (an unreferenced one is CACHED).
+                t.need(self.FREE)
+                self.store.give_back(t, zero)
+            self.seqtab.write_blocks(t, slot, 0, [])
+            self.seqtab.release(t, slot)
+
+        self._run(locks, op)
 
     def _match(self, t: Txn, keys: list[int], tokens: list[int], max_hits: int) -> list[int]:
         """Longest verified prefix hit: take a reference on each hit block."""

@@ -40,6 +40,17 @@ class Escalate(Exception):
         self.locks = locks
 
 
+def _runs(locks: list[int]) -> list[list[int]]:
+    """Ascending lock indices split into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in locks:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
 class Txn:
     """Context manager: lock in order, journal every write, commit or roll back, unlock."""
 
@@ -53,6 +64,9 @@ class Txn:
         # lock-inversion fault).
         self.held = list(held) if isinstance(held, list) else sorted(held)
         self.held_set = held if isinstance(held, set) else set(held)
+        # Runs of consecutive locks (the index shards, say) take one fcntl call each; a caller's
+        # own order is kept lock by lock.
+        self.runs = _runs(self.held) if not isinstance(held, list) else [[i] for i in self.held]
         self.after_commit: list[Callable[[], None]] = []
         # Side effects outside the segment (KV poisoning) that must not happen if the operation
         # is rolled back: run at commit, while the locks are still held.
@@ -70,11 +84,16 @@ class Txn:
     def __enter__(self) -> Txn:
         # Odd while this process writes outside locks too: lock-free readers retry.
         self.client_seq.bump()
+        lt = self.lock_table
         taken: list[int] = []
         try:
-            for i in self.held:
-                self.lock_table.acquire(i)
-                taken.append(i)
+            for run in self.runs:
+                if len(run) > 1 and lt.acquire_run(run):
+                    taken += run
+                    continue
+                for i in run:
+                    lt.acquire(i)
+                    taken.append(i)
         except BaseException:
             for i in reversed(taken):
                 self.lock_table.release(i)
@@ -95,8 +114,8 @@ class Txn:
             self.journal.rollback()
             for fn in reversed(self.after_rollback):
                 fn()
-        for i in reversed(self.held):
-            self.lock_table.release(i)
+        for run in reversed(self.runs):
+            self.lock_table.release_run(run)
         self.client_seq.bump()
         if exc_type is None:
             for fn in self.after_commit:

@@ -195,6 +195,26 @@ def test_exhausted_names_holders_and_leaves_pool_unchanged(make_pool):
     pool.free(a)
 
 
+def test_a_prefix_hit_that_runs_out_of_blocks_gives_its_hits_back(make_pool):
+    # GIVEN a full pool whose published prefix is still in use
+    pool = make_pool(6, local_cache_size=0)
+    a = pool.allocate("a", list(range(9)))  # 3 blocks, 2 of them published
+    pool.mark_computed(a, 8)
+    hold = pool.allocate("hold", list(range(100, 112)))  # the other 3
+    refcounts = pool.view.blocks["refcount"].copy()
+    # WHEN a prompt hits that prefix but needs 2 new blocks
+    with pytest.raises(PoolExhausted) as e:
+        pool.allocate("b", list(range(8)) + list(range(200, 208)))
+    # THEN its hits were given back: refcounts, sequences and the report are as before
+    assert (pool.view.blocks["refcount"] == refcounts).all()
+    assert pool.stats()["num_sequences"] == 2
+    assert "b" not in e.value.holders and e.value.needed == 2
+    assert pool.check() == []
+    pool.free(a)
+    pool.free(hold)
+    assert pool.check() == []
+
+
 def test_running_sequences_are_never_preempted_waiting_ones_are(make_pool):
     pool = make_pool(4, local_cache_size=0)
     run = pool.allocate("run", list(range(4)))
