@@ -147,6 +147,17 @@ class BlockStore:
         at = self.tokens_at4 + b * self.rec4
         return self.i32[at : at + self.block_size].tolist() == tokens
 
+    def num_private(self, ids: np.ndarray) -> int:
+        """How many of ids are unindexed with at most one reference (freed when dropped)."""
+        if len(ids) > 32:
+            return int(((self.indexed[ids] == 0) & (self.refcount[ids] <= 1)).sum())
+        mv, i32, base, size = self.mv, self.i32, self.base, self.record_size
+        return sum(
+            1
+            for b in ids.tolist()
+            if mv[base + b * size + _INDEXED] == 0 and i32[self.refcount_at4 + b * self.rec4] <= 1
+        )
+
     def set_hashes(self, b: int, key: int, parent: int) -> None:
         """Record block b's prefix and parent keys (not indexed; the caller journals and seals)."""
         rec = self.base + b * self.record_size

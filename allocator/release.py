@@ -93,7 +93,9 @@ class ReleaseOps:
         ids = np.asarray(table, np.int64)
         locks = self.store.shard_locks_for(ids)
         guard = self.probe is not None and self.probe.flags.guard
-        if guard or int(self.store.local_count[0]) + len(ids) > 2 * self.store.local_cap:
+        # Only private blocks come back free (published ones stay cached): the free lock is
+        # needed when they overflow the local cache (a hint; the release escalates if not).
+        if guard or int(self.store.local_count[0]) + self.store.num_private(ids) > 2 * self.store.local_cap:
             locks.add(self.FREE)
         if self.probe is not None:
             self.probe.before_release(table, seq.request_id)

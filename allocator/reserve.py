@@ -34,7 +34,8 @@ class ReserveOps:
             if short == 0:
                 self.store.refill(t, self.pid, self.start)
         if short > 0:
-            t.need(self.SEQS, self.FREE, *self.SHARDS)
+            # Eviction needs every shard; preemption only touches this process's own slots.
+            t.need(self.FREE, *self.SHARDS)
             # Evict a batch: finding the LRU blocks scans the whole pool, so amortize it; the
             # extra evicted blocks go to the free ring.
             evicted = self.store.evict(t, short, extra=EVICT_BATCH)
@@ -68,7 +69,7 @@ class ReserveOps:
             return set()
         if local + self.store.ring_count >= n:
             return {self.FREE}
-        return {self.SEQS, self.FREE, *self.SHARDS}
+        return {self.FREE, *self.SHARDS}
 
     def _preempt_one(self, t: Txn, exclude: int) -> bool:
         """Free the blocks of this process's oldest waiting sequence (not `exclude`, the slot

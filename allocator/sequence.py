@@ -55,7 +55,7 @@ class Sequence:
 
 # Sequence ids a process takes at once from the header's counter (under the seqs lock).
 SEQ_ID_BATCH = 256
-SLOT_BATCH_MAX = 16
+SLOT_BATCH_MAX = 64
 
 
 def slot_batch(max_seqs: int, max_clients: int) -> int:
