@@ -13,8 +13,8 @@ import struct
 
 import numpy as np
 
-from kvscope.allocator.crash import crash_point
 from kvscope.allocator.checksums import checksum_of_words
+from kvscope.allocator.crash import crash_point
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
     IDENTITY_WORDS,
@@ -176,7 +176,9 @@ class BlockStore:
     def seal_one(self, b: int) -> None:
         """`seal` of one block, from its identity words read with struct."""
         rec = self.base + b * self.record_size
-        _U8.pack_into(self.mv, rec + _CHECKSUM, checksum_of_words(_WORDS.unpack_from(self.mv, rec), b))
+        _U8.pack_into(
+            self.mv, rec + _CHECKSUM, checksum_of_words(_WORDS.unpack_from(self.mv, rec), b)
+        )
 
     def shard_locks_for(self, ids: np.ndarray) -> set[int]:
         """Locks of the index shards that govern the indexed blocks among ids."""
@@ -405,7 +407,10 @@ class BlockStore:
         while pos < len(ids) and len(got) < want:
             b = ids[pos]
             rec = base + b * size
-            if mv[rec + _STATE] == cached and _U8.unpack_from(mv, rec + _ACCESS_NS)[0] == stamps[pos]:
+            if (
+                mv[rec + _STATE] == cached
+                and _U8.unpack_from(mv, rec + _ACCESS_NS)[0] == stamps[pos]
+            ):
                 got.append(b)
             pos += 1
         if len(got) < k:

@@ -65,7 +65,10 @@ def block_checksum(words: np.ndarray, block_id: int) -> int:
 def checksum_of_words(words: tuple[int, ...], block_id: int) -> int:
     """Scalar checksum from a record's identity words already read as Python ints."""
     h = (
-        words[0] * _KI[0] + words[1] * _KI[1] + words[2] * _KI[2] + words[3] * _KI[3]
+        words[0] * _KI[0]
+        + words[1] * _KI[1]
+        + words[2] * _KI[2]
+        + words[3] * _KI[3]
         + block_id * _KI[4]
     ) & MASK64
     h ^= h >> 29

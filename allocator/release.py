@@ -95,7 +95,11 @@ class ReleaseOps:
         guard = self.probe is not None and self.probe.flags.guard
         # Only private blocks come back free (published ones stay cached): the free lock is
         # needed when they overflow the local cache (a hint; the release escalates if not).
-        if guard or int(self.store.local_count[0]) + self.store.num_private(ids) > 2 * self.store.local_cap:
+        if (
+            guard
+            or int(self.store.local_count[0]) + self.store.num_private(ids)
+            > 2 * self.store.local_cap
+        ):
             locks.add(self.FREE)
         if self.probe is not None:
             self.probe.before_release(table, seq.request_id)

@@ -321,7 +321,6 @@ class SequenceOps(ReserveOps, ReleaseOps):
         todo = list(range(seq.num_published, upto))
         if not todo:
             return 0
-        b = self.view.blocks
         keys = [key_of(seq.chain[j]) for j in todo]
         blocks = [seq.block_table[j] for j in todo]
         shard_of = self.store.index.shard
