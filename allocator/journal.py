@@ -38,6 +38,7 @@ class Journal:
         self.e_data = self.entries["data_off"]
         self.e_op = self.entries["op"]
         self.data = view.clients["journal_data"][client]
+        self.entry_words = self.entries.view(np.uint64)
         self._count_field = view.clients["journal_count"][client : client + 1]
         self._used_field = view.clients["journal_used"][client : client + 1]
         self.count = int(self._count_field[0])
@@ -83,12 +84,15 @@ class Journal:
         size = array.dtype.itemsize
         self._room(k, k * size)
         n, used = self.count, self.used
-        e = self.entries[n : n + k]
-        e["offset"] = base + ids.astype(np.uint64) * size
-        e["length"] = size
-        e["data_off"] = used + np.arange(k, dtype=np.uint32) * size
-        e["op"] = self.op
-        self.data[used : used + k * size] = array[ids].view(np.uint8).reshape(-1)
+        # Entry words: offset; length | data_off << 32; op.
+        e = self.entry_words[3 * n : 3 * (n + k)].reshape(k, 3)
+        e[:, 0] = np.asarray(ids, np.uint64) * np.uint64(size) + np.uint64(base)
+        e[:, 1] = (
+            np.arange(used, used + k * size, size, dtype=np.uint64) << np.uint64(32)
+        ) | np.uint64(size)
+        e[:, 2] = self.op
+        rows = array.view(np.uint8).reshape(len(array), size)
+        np.take(rows, ids, axis=0, out=self.data[used : used + k * size].reshape(k, size))
         self.used = used + k * size
         self.count = n + k
         self._used_field[0] = self.used
