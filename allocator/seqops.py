@@ -50,11 +50,11 @@ class SequenceOps(ReserveOps, ReleaseOps):
         claim_locks = shards if self.seqtab.can_claim_locally() else {self.SEQS} | shards
         rb = request_bytes(request_id)
         site = self._site()
-        # A prompt that will likely hit the prefix index (its first block is there: a read
-        # without the lock, only a hint) takes its hits in one transaction and its new blocks
-        # in a second, so other processes wait for the shard locks only while the hits are
-        # taken; a failure in the second undoes the first.
-        split = max_hits > 0 and index.lookup(keys[0]) >= 0
+        # A prompt with a full block looks itself up in the index under the shard locks of its
+        # keys: it takes its hits in one transaction and its new blocks in a second, so other
+        # processes wait for those locks only while the hits are taken; a failure in the
+        # second undoes the first.
+        split = max_hits > 0
 
         def claim(t: Txn) -> tuple[int, int, list[int]]:
             slot, seq_id = self.seqtab.claim(t, rb, self.pid, self.start, self.client)
