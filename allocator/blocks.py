@@ -18,6 +18,7 @@ from kvscope.allocator.crash import crash_point
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
     IDENTITY_WORDS,
+    LOCAL_CACHE_MAX,
     REQUEST_BYTES,
     RING_HEADER_DTYPE,
     BlockState,
@@ -319,7 +320,8 @@ class BlockStore:
     def local_push(self, t: Txn, ids: np.ndarray) -> np.ndarray:
         """Park blocks in the local cache (as LOCAL); return those that did not fit."""
         n = int(self.local_count[0])
-        room = max(0, 2 * self.local_cap - n)
+        # up to twice the refill size, within the client record's array
+        room = max(0, min(2 * self.local_cap, LOCAL_CACHE_MAX) - n)
         fit, rest = ids[:room], ids[room:]
         if len(fit):
             k = len(fit)

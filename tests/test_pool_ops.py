@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from kvscope.allocator import BlockState, KVPool, PoolError, PoolExhausted
 
@@ -294,7 +294,10 @@ def test_slot_mapping_follows_the_block_table(make_pool):
     pool = make_pool(16)
     seq = pool.allocate("r", list(range(6)))
     t = seq.block_table
-    assert pool.slot_mapping(seq, 0, 6) == [t[0] * 4 + i for i in range(4)] + [t[1] * 4, t[1] * 4 + 1]
+    assert pool.slot_mapping(seq, 0, 6) == [t[0] * 4 + i for i in range(4)] + [
+        t[1] * 4,
+        t[1] * 4 + 1,
+    ]
 
 
 def test_prefix_index_remove_and_lookup_in_a_full_shard():
@@ -315,6 +318,7 @@ def test_prefix_index_remove_and_lookup_in_a_full_shard():
     for b, k in enumerate(keys):
         assert index.insert(k, b, journal)
     assert not index.insert(99 << 16, 99, journal)  # full
+
     # WHEN entries are removed one by one (a full shard has no empty slot to stop the shift)
     def hang(*_):
         raise AssertionError("remove() did not terminate in a full shard")
@@ -411,7 +415,12 @@ def test_guard_violation_is_found_when_the_block_is_freed(make_pool, monkeypatch
     pool.free(seq)
     # THEN a guard_violation names the block, its owner and request, and the canary is restored
     found = [f for f in pool.findings() if f.kind == "guard_violation"]
-    assert found and found[0].block == blk and found[0].owner_pid == pool.pid and found[0].request == "r"
+    assert (
+        found
+        and found[0].block == blk
+        and found[0].owner_pid == pool.pid
+        and found[0].request == "r"
+    )
     from kvscope.kernels import guard_scan
 
     assert guard_scan(pool.kv, blocks=[blk]) == []
@@ -433,3 +442,15 @@ def test_a_rolled_back_preemption_leaves_the_waiting_sequences_kv_intact(make_po
     assert pool.check() == []
     pool.free(run)
     pool.free(wait)
+
+
+def test_the_largest_local_cache_never_overflows_its_record(make_pool):
+    # GIVEN the largest local cache (its record holds 64 ids; frees park up to twice the size)
+    pool = make_pool(256, local_cache_size=64)
+    seqs = [pool.allocate(f"r{i}", list(range(i, i + 160))) for i in range(3)]
+    # WHEN three 40-block sequences are freed one after another
+    for s in seqs:
+        pool.free(s)
+    # THEN what does not fit goes back to the ring and the pool stays consistent
+    assert pool.check() == []
+    assert pool.stats()["num_allocated"] == 0
