@@ -43,6 +43,9 @@ _REFCOUNT, _GENERATION = _F["refcount"][1], _F["generation"][1]
 _STATE, _INDEXED, _ACCESS_NS = _F["state"][1], _F["indexed"][1], _F["access_ns"][1]
 _PREFIX_HASH, _PARENT_HASH = _F["prefix_hash"][1], _F["parent_hash"][1]
 _CHECKSUM, _OWNER_START = _F["checksum"][1], _F["owner_start"][1]
+# set_prefix_key writes both words at once; the layout keeps them adjacent.
+assert _CHECKSUM == _PREFIX_HASH + 8 and _PREFIX_HASH // 8 < IDENTITY_WORDS
+_KEY_AND_SUM = struct.Struct("<QQ")
 assert _F["state"][1] == 4 and _F["indexed"][1] == 5 and _REFCOUNT == 8
 assert _F["prefix_hash"][1] == _REFCOUNT + _IDENTITY.size - 8
 assert _F["parent_hash"][1] == _OWNER_START + _OWNER.size - 8
@@ -173,6 +176,13 @@ class BlockStore:
         _U8.pack_into(self.mv, rec + _PREFIX_HASH, key)
         _U8.pack_into(self.mv, rec + _PARENT_HASH, parent)
         self.seal_one(b)
+
+    def set_prefix_key(self, b: int, key: int) -> None:
+        """Set block b's prefix key and its new checksum in one 16-byte store (adjacent words)."""
+        rec = self.base + b * self.record_size
+        words = list(_WORDS.unpack_from(self.mv, rec))
+        words[_PREFIX_HASH // 8] = key
+        _KEY_AND_SUM.pack_into(self.mv, rec + _PREFIX_HASH, key, checksum_of_words(words, b))
 
     def seal_one(self, b: int) -> None:
         """`seal` of one block, from its identity words read with struct."""

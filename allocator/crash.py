@@ -31,6 +31,7 @@ _register(
     "seqs.after_claim",
     "seqs.after_table",
     "seqs.after_release",
+    "seqs.after_prefix_key",
     "prefix.after_hit",
     "prefix.after_insert",
     "txn.before_commit",

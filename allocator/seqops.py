@@ -309,9 +309,17 @@ class SequenceOps(ReserveOps, ReleaseOps):
             seq.chain.append(h)
             blk = seq.block_table[j]
             if not b["indexed"][blk] and int(b["refcount"][blk]) == 1:
-                b["prefix_hash"][blk] = key_of(h)
-                b["parent_hash"][blk] = key_of(prev) if j else 0
-                self.store.seal(np.array([blk]))
+                self._set_keys(blk, key_of(h), key_of(prev) if j else 0)
+
+    def _set_keys(self, blk: int, key: int, parent: int) -> None:
+        """Record a full block's prefix and parent keys (an unindexed block of our own: no lock).
+
+        The key is checksummed: key and checksum go in one 16-byte store, so a kill at any
+        point leaves the record sealed; the parent key is outside the checksum.
+        """
+        self.store.set_prefix_key(blk, key)
+        crash_point("seqs.after_prefix_key")
+        self.view.blocks["parent_hash"][blk] = parent
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
