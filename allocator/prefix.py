@@ -68,6 +68,26 @@ def keys_of(chain: np.ndarray) -> np.ndarray:
     return _fmix(chain.astype(np.uint64))
 
 
+def family_keys(keys: np.ndarray, shard_mask: int) -> np.ndarray:
+    """Keys whose shard bits are those of the prompt's first key (never 0).
+
+    Every block of one prompt then lives in one index shard, so an allocation, publication or
+    free of a prompt takes one shard lock, not every shard's (prompts spread over the shards).
+    """
+    if len(keys) == 0 or shard_mask == 0:
+        return keys
+    m = np.uint64(shard_mask)
+    out = (keys & ~m) | (keys[0] & m)
+    out[out == 0] = m + np.uint64(1)
+    return out
+
+
+def family_key(key: int, first: int, shard_mask: int) -> int:
+    """Scalar twin of `family_keys`: `key` in the shard of the prompt's first key `first`."""
+    k = (key & ~shard_mask & MASK64) | (first & shard_mask)
+    return k or shard_mask + 1
+
+
 def key_of(chain: int) -> int:
     """Index key of one chain value (scalar twin of `keys_of`)."""
     h = chain & MASK64

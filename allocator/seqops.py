@@ -14,7 +14,14 @@ from kvscope.allocator.crash import crash_point
 from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import BlockState
-from kvscope.allocator.prefix import chain_hashes, chain_one, key_of, keys_of
+from kvscope.allocator.prefix import (
+    chain_hashes,
+    chain_one,
+    family_key,
+    family_keys,
+    key_of,
+    keys_of,
+)
 from kvscope.allocator.process import now_ns
 from kvscope.allocator.release import CHUNK, ReleaseOps
 from kvscope.allocator.reserve import ReserveOps
@@ -43,7 +50,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
                 f"a prompt of {len(tokens)} tokens needs {n_blocks} blocks; PoolConfig.max_blocks_per_seq is {self.view.layout.max_blocks_per_seq}"
             )
         chain = [int(x) for x in chain_hashes(np.asarray(tokens), bs)]
-        keys = keys_of(np.asarray(chain, np.uint64)).tolist() if chain else []
+        keys = self._keys(chain)
         max_hits = (len(tokens) - 1) // bs
         index = self.store.index
         shards = {self.SHARDS[index.shard(k)] for k in keys[:max_hits]}
@@ -309,7 +316,20 @@ class SequenceOps(ReserveOps, ReleaseOps):
             seq.chain.append(h)
             blk = seq.block_table[j]
             if not b["indexed"][blk] and int(b["refcount"][blk]) == 1:
-                self._set_keys(blk, key_of(h), key_of(prev) if j else 0)
+                self._set_keys(
+                    blk, self._key(seq.chain, j), self._key(seq.chain, j - 1) if j else 0
+                )
+
+    def _keys(self, chain: list[int]) -> list[int]:
+        """Index keys of a prompt's chain values (`prefix.family_keys`: one shard per prompt)."""
+        if not chain:
+            return []
+        keys = keys_of(np.asarray(chain, np.uint64))
+        return family_keys(keys, self.store.index.num_shards - 1).tolist()
+
+    def _key(self, chain: list[int], j: int) -> int:
+        """Index key of block j of a chain (scalar twin of `_keys`)."""
+        return family_key(key_of(chain[j]), key_of(chain[0]), self.store.index.num_shards - 1)
 
     def _set_keys(self, blk: int, key: int, parent: int) -> None:
         """Record a full block's prefix and parent keys (an unindexed block of our own: no lock).
@@ -329,7 +349,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
         todo = list(range(seq.num_published, upto))
         if not todo:
             return 0
-        keys = [key_of(seq.chain[j]) for j in todo]
+        keys = [self._key(seq.chain, j) for j in todo]
         blocks = [seq.block_table[j] for j in todo]
         shard_of = self.store.index.shard
         locks = {self.SHARDS[shard_of(k)] for k in keys}
@@ -345,7 +365,7 @@ class SequenceOps(ReserveOps, ReleaseOps):
                     # Shared through fork, not through the index: leave it private.
                     continue
                 if store.index.insert(key, blk, t.journal):
-                    store.publish(t, blk, key, key_of(seq.chain[j - 1]) if j else 0)
+                    store.publish(t, blk, key, self._key(seq.chain, j - 1) if j else 0)
                     n += 1
             return n
 

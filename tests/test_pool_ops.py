@@ -454,3 +454,20 @@ def test_the_largest_local_cache_never_overflows_its_record(make_pool):
     # THEN what does not fit goes back to the ring and the pool stays consistent
     assert pool.check() == []
     assert pool.stats()["num_allocated"] == 0
+
+
+def test_a_prompts_blocks_share_one_index_shard(make_pool):
+    # GIVEN two published 16-block prompts in a pool with 8 index shards
+    pool = make_pool(128, num_shards=8)
+    shards = []
+    for first in (0, 1000):
+        seq = pool.allocate(f"p{first}", list(range(first, first + 16 * 4)))
+        pool.mark_computed(seq, seq.num_tokens)
+        keys = pool.view.blocks["prefix_hash"][seq.block_table].astype(np.uint64)
+        # THEN every block of a prompt is keyed into the shard of its first block
+        assert len({int(k) & 7 for k in keys}) == 1 and all(int(k) for k in keys)
+        shards.append(int(keys[0]) & 7)
+        # AND a second allocation of the prompt still hits every full block
+        again = pool.allocate(f"again{first}", list(range(first, first + 16 * 4 + 1)))
+        assert again.num_cached_tokens == 16 * 4
+    assert pool.check() == []
