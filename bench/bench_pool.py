@@ -196,7 +196,9 @@ def seqs_ours(pool: KVPool, prompts: list[list[int]], decode: int = 64, running:
     return len(prompts) / (time.perf_counter() - t)
 
 
-def seqs_peer(bm: BlockManager, prompts: list[list[int]], decode: int = 64, running: int = 64) -> float:
+def seqs_peer(
+    bm: BlockManager, prompts: list[list[int]], decode: int = 64, running: int = 64
+) -> float:
     t = time.perf_counter()
     live: list = []
     pending = iter(prompts)
@@ -250,7 +252,9 @@ def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="small workloads (smoke test)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seqs", type=int, default=10_000, help="sequences in the sequence workload")
@@ -291,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     m = median_rate(lambda: seqs_multi(4, prompts, num_blocks), 1 if args.quick else 3)
-    rows.append((f"sequence workload, 4 processes on {os.cpu_count()} cores (aggregate seqs/s)", m, float("nan")))
+    rows.append(
+        (
+            f"sequence workload, 4 processes on {os.cpu_count()} cores (aggregate seqs/s)",
+            m,
+            float("nan"),
+        )
+    )
     print("| workload | kvscope | peer (in-process) | kvscope / peer |")
     print("|---|---:|---:|---:|")
     for label, o, p in rows:

@@ -27,7 +27,10 @@ def _work(pool: KVPool, rng: random.Random, steps: int) -> None:
             if len(live) > 8:
                 pool.free(live.pop(0))
             elif r < 0.3 or not live:
-                s = pool.allocate(f"c{i}", rng.choice(PROMPTS) + [rng.randrange(9) for _ in range(rng.randrange(6))])
+                s = pool.allocate(
+                    f"c{i}",
+                    rng.choice(PROMPTS) + [rng.randrange(9) for _ in range(rng.randrange(6))],
+                )
                 pool.mark_computed(s, s.num_tokens)
                 live.append(s)
             elif r < 0.55:
@@ -107,7 +110,9 @@ def test_every_crash_point_loses_no_block(make_pool, capsys, max_clients):
             _survive_and_reclaim(pool)
             trials += 1
     with capsys.disabled():
-        print(f"\ncrash test: {len(CRASH_POINTS)} crash points, {trials} trials, every one recovered")
+        print(
+            f"\ncrash test: {len(CRASH_POINTS)} crash points, {trials} trials, every one recovered"
+        )
 
 
 @pytest.mark.slow
@@ -143,4 +148,6 @@ def test_random_sigkills_under_load_lose_nothing(make_pool):
     assert st["num_free"] + st["num_local"] + st["num_cached"] == NUM_BLOCKS * 2
     assert st["num_allocs"] > 1000, "the workers did little real work"
     dead_holders = [f for f in pool.findings() if f.kind == "lock_dead_holder"]
-    print(f"stress: 50 kills, {st['num_allocs']} allocations, {len(dead_holders)} locks recovered from dead holders")
+    print(
+        f"stress: 50 kills, {st['num_allocs']} allocations, {len(dead_holders)} locks recovered from dead holders"
+    )

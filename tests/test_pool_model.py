@@ -43,8 +43,16 @@ class PoolModel(RuleBasedStateMachine):
         self.name = f"model-{uuid.uuid4().hex[:8]}"
         self.pool = KVPool.create(
             self.name,
-            PoolConfig(num_blocks=NUM_BLOCKS, block_size=BS, num_layers=1, num_kv_heads=1,
-                       head_dim=1, dtype="float32", local_cache_size=2, **self.extra_config),
+            PoolConfig(
+                num_blocks=NUM_BLOCKS,
+                block_size=BS,
+                num_layers=1,
+                num_kv_heads=1,
+                head_dim=1,
+                dtype="float32",
+                local_cache_size=2,
+                **self.extra_config,
+            ),
         )
         self.live: dict[int, object] = {}
         self.n = 0
@@ -78,7 +86,9 @@ class PoolModel(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------------------
 
-    @rule(target=seqs, prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 20), max_size=9))
+    @rule(
+        target=seqs, prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 20), max_size=9)
+    )
     def allocate(self, prefix, tail):
         tokens = prefix + tail
         self.n += 1
@@ -171,7 +181,9 @@ class PoolModel(RuleBasedStateMachine):
                 assert s.block_table == []
                 continue
             vals = kv_values(s.tokens)
-            got = [float(kv[0, 0, s.block_table[p // BS], p % BS, 0, 0]) for p in range(s.num_tokens)]
+            got = [
+                float(kv[0, 0, s.block_table[p // BS], p % BS, 0, 0]) for p in range(s.num_tokens)
+            ]
             assert got == vals, f"{s.request_id} reads KV that is not its own"
 
 

@@ -32,14 +32,18 @@ def _worker(name: str, seed: int, ops: int) -> int:
         r = rng.random()
         try:
             if r < 0.3 or not live:
-                prompt = rng.choice(SYSTEM_PROMPTS) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+                prompt = rng.choice(SYSTEM_PROMPTS) + [
+                    rng.randrange(50) for _ in range(rng.randrange(1, 9))
+                ]
                 seq = pool.allocate(f"w{seed}-{i}", prompt)
                 write(seq, seq.num_cached_tokens)
                 live.append(seq)
             elif r < 0.65:
                 seq = rng.choice(live)
                 start = seq.num_tokens
-                for src, dst in pool.append(seq, [rng.randrange(50) for _ in range(rng.randrange(1, 4))]):
+                for src, dst in pool.append(
+                    seq, [rng.randrange(50) for _ in range(rng.randrange(1, 4))]
+                ):
                     kv[:, :, dst] = kv[:, :, src]
                 write(seq, start)
             elif r < 0.72 and len(live) < 12:
@@ -48,7 +52,10 @@ def _worker(name: str, seed: int, ops: int) -> int:
                 seq = live.pop(rng.randrange(len(live)))
                 # The KV read through the table must be this prompt's, even for blocks other
                 # processes computed.
-                got = [float(kv[0, 0, seq.block_table[p // BS], p % BS, 0, 0]) for p in range(seq.num_tokens)]
+                got = [
+                    float(kv[0, 0, seq.block_table[p // BS], p % BS, 0, 0])
+                    for p in range(seq.num_tokens)
+                ]
                 if got != kv_values(seq.tokens):
                     print(f"worker {seed}: {seq.request_id} read foreign KV", flush=True)
                     return 3
