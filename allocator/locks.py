@@ -118,15 +118,18 @@ class LockTable:
             if on_dead is not None:
                 on_dead(i, dead, int(self.holder_client[i]))
             self.clear_dead(i)
-        t1 = time.perf_counter_ns()
+        self._mark_held(i, threading.get_native_id(), t0, time.perf_counter_ns(), contended)
+
+    def _mark_held(self, i: int, tid: int, t0: int, t1: int, contended: bool) -> None:
+        """Record lock i as ours (taken at t1 after waiting since t0 when contended)."""
+        mv, rec = self.mv, self.base + i * LOCK_DTYPE.itemsize
         # Holder first, then make the counter odd: a death in between leaves a named dead holder.
-        _HOLDER_REC.pack_into(
-            mv, rec + _HOLDER, self.pid, self.client, self.start, threading.get_native_id(), t1
-        )
+        _HOLDER_REC.pack_into(mv, rec + _HOLDER, self.pid, self.client, self.start, tid, t1)
         seq = _U8.unpack_from(mv, rec + _SEQ)[0]
         _U8.pack_into(mv, rec + _SEQ, seq + (1 if seq % 2 == 0 else 2))
         _U8.pack_into(mv, rec + _ACQUIRES, _U8.unpack_from(mv, rec + _ACQUIRES)[0] + 1)
         if contended:
+            # A run's one wait counts for each of its locks.
             self.num_contended[i] += 1
             self.wait_ns[i] += t1 - t0
 
@@ -173,16 +176,7 @@ class LockTable:
         t1 = time.perf_counter_ns()
         tid = threading.get_native_id()
         for i in run:
-            rec = self.base + i * LOCK_DTYPE.itemsize
-            # Holder first, then make the counter odd (see acquire).
-            _HOLDER_REC.pack_into(mv, rec + _HOLDER, self.pid, self.client, self.start, tid, t1)
-            seq = _U8.unpack_from(mv, rec + _SEQ)[0]
-            _U8.pack_into(mv, rec + _SEQ, seq + (1 if seq % 2 == 0 else 2))
-            _U8.pack_into(mv, rec + _ACQUIRES, _U8.unpack_from(mv, rec + _ACQUIRES)[0] + 1)
-            if contended:
-                # One wait for the whole run: each of its locks counts it.
-                self.num_contended[i] += 1
-                self.wait_ns[i] += t1 - t0
+            self._mark_held(i, tid, t0, t1, contended)
         return True
 
     def release_run(self, run: list[int]) -> None:
