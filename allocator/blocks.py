@@ -25,7 +25,6 @@ from kvscope.allocator.layout import (
     SegmentView,
     block_checksums,
     block_dtype,
-    block_words,
 )
 from kvscope.allocator.prefix import PrefixIndex
 from kvscope.allocator.process import now_ns
@@ -71,7 +70,6 @@ class BlockStore:
         self.num_tokens = view.blocks["num_tokens"]
         self.base = view.offsets["blocks"]
         self.record_size = view.blocks.dtype.itemsize
-        self.words = block_words(view.blocks)
         # Flat int32 / uint32 views of the whole segment for the per-token hot paths (a record
         # is a whole number of 4-byte words): field f of block b is at word
         # `at4[f] + b * rec4`. Numpy scalar access costs several times more.
@@ -105,6 +103,8 @@ class BlockStore:
             + view.clients.dtype.fields["local"][1]
         )
         self.local_cap = int(view.h["local_cache_size"])
+        # Frees park up to twice the refill size, within the client record's array.
+        self.local_max = min(2 * self.local_cap, LOCAL_CACHE_MAX)
         self.quarantine = int(view.h["quarantine"])
         self.free_lock = free_lock
         self.shard_locks = shard_locks
@@ -173,8 +173,7 @@ class BlockStore:
         rec = self.base + b * self.record_size
         t.journal.save(rec, self.record_size)
         self.mv[rec + _INDEXED] = 1
-        _U8.pack_into(self.mv, rec + _PREFIX_HASH, key)
-        _U8.pack_into(self.mv, rec + _PARENT_HASH, parent)
+        self.set_hashes(b, key, parent)
         self.seal_one(b)
 
     def set_prefix_key(self, b: int, key: int) -> None:
@@ -330,8 +329,7 @@ class BlockStore:
     def local_push(self, t: Txn, ids: np.ndarray) -> np.ndarray:
         """Park blocks in the local cache (as LOCAL); return those that did not fit."""
         n = int(self.local_count[0])
-        # up to twice the refill size, within the client record's array
-        room = max(0, min(2 * self.local_cap, LOCAL_CACHE_MAX) - n)
+        room = max(0, self.local_max - n)
         fit, rest = ids[:room], ids[room:]
         if len(fit):
             k = len(fit)

@@ -65,7 +65,7 @@ class ReleaseOps:
                 t.need(self.FREE)
                 self.store.ring_push(t, zero, BlockState.QUARANTINED)
             else:
-                if int(self.store.local_count[0]) + len(zero) > 2 * self.store.local_cap:
+                if int(self.store.local_count[0]) + len(zero) > self.store.local_max:
                     t.need(self.FREE)
                 self.store.give_back(t, zero)
         if not keep_table:
@@ -97,8 +97,7 @@ class ReleaseOps:
         # needed when they overflow the local cache (a hint; the release escalates if not).
         if (
             guard
-            or int(self.store.local_count[0]) + self.store.num_private(ids)
-            > 2 * self.store.local_cap
+            or int(self.store.local_count[0]) + self.store.num_private(ids) > self.store.local_max
         ):
             locks.add(self.FREE)
         if self.probe is not None:
