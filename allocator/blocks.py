@@ -15,12 +15,12 @@ import numpy as np
 
 from kvscope.allocator.checksums import checksum_of_words
 from kvscope.allocator.crash import crash_point
+from kvscope.allocator.eviction import EvictionOps
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
     IDENTITY_WORDS,
     LOCAL_CACHE_MAX,
     REQUEST_BYTES,
-    RING_HEADER_DTYPE,
     BlockState,
     SegmentView,
     block_checksums,
@@ -28,6 +28,7 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.prefix import PrefixIndex
 from kvscope.allocator.process import now_ns
+from kvscope.allocator.ring import RingOps
 from kvscope.allocator.txn import Txn
 
 _F = block_dtype(16).fields
@@ -49,12 +50,10 @@ assert _F["state"][1] == 4 and _F["indexed"][1] == 5 and _REFCOUNT == 8
 assert _F["prefix_hash"][1] == _REFCOUNT + _IDENTITY.size - 8
 assert _F["parent_hash"][1] == _OWNER_START + _OWNER.size - 8
 
-# Eviction candidates remembered from one pool scan (only when the cache holds over twice as many).
-LRU_KEEP = 1024
 
-
-class BlockStore:
-    """Block headers, the free ring and this client's local cache."""
+class BlockStore(RingOps, EvictionOps):
+    """Block headers, the free ring (ring.py), eviction (eviction.py) and this client's local
+    cache."""
 
     def __init__(self, view: SegmentView, client: int, free_lock: int, shard_locks: list[int]):
         self.view = view
@@ -207,111 +206,6 @@ class BlockStore:
         shards = np.unique(keys & np.uint64(len(self.shard_locks) - 1))
         return {self.shard_locks[int(s)] for s in shards}
 
-    # -- the free ring (free lock) -----------------------------------------------------------
-
-    @property
-    def ring_count(self) -> int:
-        """Blocks in the free ring (a hint unless the free lock is held)."""
-        return int(self.ring_header["count"][0])
-
-    def _save_ring_header(self, t: Txn) -> None:
-        t.journal.save(self.ring_off, RING_HEADER_DTYPE.itemsize)
-
-    def ring_pop(self, t: Txn, k: int) -> np.ndarray:
-        """Take k ids from the ring head (skipping blocks still in quarantine while others exist)."""
-        t.need(self.free_lock)
-        h = self.ring_header
-        k = min(k, int(h["count"][0]))
-        head = int(h["head"][0])
-        pos = (head + np.arange(k)) % self.num_blocks
-        ids = self.ring[pos].astype(np.int64)
-        self._save_ring_header(t)
-        h["head"] = head + k
-        h["count"] = int(h["count"][0]) - k
-        if self.quarantine:
-            ids = self._release_quarantine(t, ids)
-        h["allocs"] = int(h["allocs"][0]) + len(ids)
-        crash_point("blocks.after_ring_pop")
-        return ids
-
-    def _release_quarantine(self, t: Txn, ids: np.ndarray) -> np.ndarray:
-        """Send blocks freed fewer than `quarantine` allocations ago back to the tail, taking
-        older free blocks instead; when only young ones are left, they are used anyway."""
-        h = self.ring_header
-        allocs = int(h["allocs"][0])
-        young = (self.state[ids] == BlockState.QUARANTINED) & (
-            allocs - self.blocks["freed_at"][ids].astype(np.int64) < self.quarantine
-        )
-        if not young.any():
-            return ids
-        keep, back = ids[~young], ids[young]
-        want = len(ids)
-        # Older blocks behind the head (at most one lap of the ring).
-        extra: list[int] = []
-        for _ in range(int(h["count"][0])):
-            if len(keep) + len(extra) >= want:
-                break
-            (b,) = self.ring_pop_raw(t, 1)
-            if (
-                self.state[b] == BlockState.QUARANTINED
-                and allocs - int(self.blocks["freed_at"][b]) < self.quarantine
-            ):
-                back = np.append(back, b)
-            else:
-                extra.append(int(b))
-        got = np.concatenate([keep, np.asarray(extra, np.int64)])
-        short = want - len(got)
-        if short > 0:
-            got, back = np.concatenate([got, back[:short]]), back[short:]
-        self._push_raw(t, back)
-        return got
-
-    def ring_pop_raw(self, t: Txn, k: int) -> np.ndarray:
-        """Pop k ids from the head with no quarantine rule (the caller holds the free lock)."""
-        h = self.ring_header
-        head = int(h["head"][0])
-        ids = self.ring[(head + np.arange(k)) % self.num_blocks].astype(np.int64)
-        h["head"] = head + k
-        h["count"] = int(h["count"][0]) - k
-        return ids
-
-    def ring_push(self, t: Txn, ids: np.ndarray, state: BlockState = BlockState.FREE) -> None:
-        """Return blocks to the ring tail as FREE (QUARANTINED in guard mode)."""
-        t.need(self.free_lock)
-        k = len(ids)
-        if k == 0:
-            return
-        self.save(t, ids)
-        self.state[ids] = state
-        self.refcount[ids] = 0
-        self.indexed[ids] = 0
-        # owner_pid and request stay: the last owner of a free block, for post-mortems.
-        self.blocks["owner_client"][ids] = -1
-        self.seal(ids)
-        crash_point("blocks.after_release_records")
-        if state == BlockState.QUARANTINED:
-            self.blocks["freed_at"][ids] = int(self.ring_header["allocs"][0])
-        self._push_raw(t, ids)
-        crash_point("blocks.after_ring_push")
-
-    def _push_raw(self, t: Txn, ids: np.ndarray) -> None:
-        """Append ids at the ring tail (journaled; records unchanged)."""
-        k = len(ids)
-        if k == 0:
-            return
-        h = self.ring_header
-        tail = int(h["tail"][0])
-        self._save_ring_header(t)
-        pos = (tail + np.arange(k)) % self.num_blocks
-        first = tail % self.num_blocks
-        n1 = min(k, self.num_blocks - first)
-        t.journal.save(self.ring_off + RING_HEADER_DTYPE.itemsize + 4 * first, 4 * n1)
-        if n1 < k:
-            t.journal.save(self.ring_off + RING_HEADER_DTYPE.itemsize, 4 * (k - n1))
-        self.ring[pos] = ids
-        h["tail"] = tail + k
-        h["count"] = int(h["count"][0]) + k
-
     # -- the local cache (owner only) --------------------------------------------------------
 
     def local_pop(self, t: Txn, k: int) -> np.ndarray:
@@ -355,85 +249,6 @@ class BlockStore:
             self.blocks["owner_client"][ids] = self.client
             self.blocks["owner_start"][ids] = start
             self.local_push(t, ids)
-
-    # -- eviction (every index shard lock) ---------------------------------------------------
-
-    def evict(self, t: Txn, k: int, extra: int = 0) -> np.ndarray:
-        """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),
-        least recently used first; return them (not yet reset)."""
-        t.need(*self.shard_locks)
-        if k <= 0:
-            return np.zeros(0, np.int64)
-        cand = self._lru_take(t, k, extra)
-        if cand is None:
-            cand = self._lru_scan(t, k, extra)
-        if len(cand) == 0:
-            return np.zeros(0, np.int64)
-        self.save(t, cand)
-        for b in cand.tolist():
-            removed = self.index.remove(int(self.prefix_hash[b]), b, t.journal)
-            assert removed, f"cached block {b} missing from the prefix index"
-        self.indexed[cand] = 0
-        self.refcount[cand] = 0
-        # In flight to the caller (stamped or pushed to the ring before the commit).
-        self.state[cand] = BlockState.LOCAL
-        self.blocks["owner_client"][cand] = self.client
-        crash_point("blocks.after_evict")
-        return cand.astype(np.int64)
-
-    def _lru_scan(self, t: Txn, k: int, extra: int) -> np.ndarray:
-        """The k (+extra) least recently used CACHED blocks, oldest first, from a pool scan.
-
-        A large cache also keeps the next LRU_KEEP oldest as later candidates (from commit on):
-        blocks cached after the scan are newer than all of them, so while they last they are
-        still the oldest, and eviction needs no scan.
-        """
-        cand = np.flatnonzero(self.state == BlockState.CACHED)
-        if len(cand) == 0:
-            return cand
-        k += min(extra, max(0, len(cand) - k) // 4)
-        keep = k + LRU_KEEP if len(cand) > 2 * LRU_KEEP + k else k
-        if len(cand) > keep:
-            cand = cand[np.argpartition(self.access_ns[cand], keep - 1)[:keep]]
-        cand = cand[np.argsort(self.access_ns[cand], kind="stable")]
-        if keep > k:
-            later = cand[k:]
-            lru = (later.tolist(), self.access_ns[later].tolist(), len(cand) - k)
-            t.after_commit.append(lambda: self._lru_reset(*lru))
-        return cand[:k]
-
-    def _lru_reset(self, ids: list[int], stamps: list[int], num_cached: int) -> None:
-        self._lru_ids, self._lru_ns, self._lru_pos = ids, stamps, 0
-        self._lru_cached = num_cached
-
-    def _lru_take(self, t: Txn, k: int, extra: int) -> np.ndarray | None:
-        """The next k (+extra) remembered candidates still CACHED and untouched since the scan;
-        None when fewer than k are left (the caller scans)."""
-        ids, stamps, pos = self._lru_ids, self._lru_ns, self._lru_pos
-        mv, base, size = self.mv, self.base, self.record_size
-        cached = int(BlockState.CACHED)
-        want = k + min(extra, max(0, self._lru_cached - k) // 4)
-        got: list[int] = []
-        while pos < len(ids) and len(got) < want:
-            b = ids[pos]
-            rec = base + b * size
-            if (
-                mv[rec + _STATE] == cached
-                and _U8.unpack_from(mv, rec + _ACCESS_NS)[0] == stamps[pos]
-            ):
-                got.append(b)
-            pos += 1
-        if len(got) < k:
-            self._lru_ids, self._lru_ns, self._lru_pos = [], [], 0
-            return None
-
-        def advance(pos: int = pos, n: int = len(got)) -> None:
-            if self._lru_ids is ids:
-                self._lru_pos = max(self._lru_pos, pos)
-                self._lru_cached = max(0, self._lru_cached - n)
-
-        t.after_commit.append(advance)
-        return np.asarray(got, np.int64)
 
     # -- taking and dropping references --------------------------------------------------------
 

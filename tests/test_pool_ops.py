@@ -151,7 +151,7 @@ def test_eviction_takes_least_recently_used_cached_blocks_first(make_pool):
 
 def test_eviction_from_a_large_cache_stays_least_recently_used_across_batches(make_pool):
     # GIVEN a cache large enough that eviction remembers candidates between pool scans
-    from kvscope.allocator.blocks import LRU_KEEP
+    from kvscope.allocator.eviction import LRU_KEEP
 
     pool = make_pool(3 * LRU_KEEP, block_size=4, local_cache_size=0)
     for i in range(3 * LRU_KEEP - 8):

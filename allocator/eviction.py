@@ -1,0 +1,100 @@
+"""Eviction: unindexing the least recently used CACHED blocks (every index shard lock), with
+candidates remembered from one pool scan. Mixed into BlockStore (blocks.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from kvscope.allocator.crash import crash_point
+from kvscope.allocator.layout import BlockState, block_dtype
+from kvscope.allocator.txn import Txn
+
+_F = block_dtype(16).fields
+_STATE, _ACCESS_NS = _F["state"][1], _F["access_ns"][1]
+_U8 = struct.Struct("<Q")
+
+# Eviction candidates remembered from one pool scan (only when the cache holds over twice as many).
+LRU_KEEP = 1024
+
+
+class EvictionOps:
+    """LRU eviction (the `self` is always a BlockStore)."""
+
+    def evict(self, t: Txn, k: int, extra: int = 0) -> np.ndarray:
+        """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),
+        least recently used first; return them (not yet reset)."""
+        t.need(*self.shard_locks)
+        if k <= 0:
+            return np.zeros(0, np.int64)
+        cand = self._lru_take(t, k, extra)
+        if cand is None:
+            cand = self._lru_scan(t, k, extra)
+        if len(cand) == 0:
+            return np.zeros(0, np.int64)
+        self.save(t, cand)
+        for b in cand.tolist():
+            removed = self.index.remove(int(self.prefix_hash[b]), b, t.journal)
+            assert removed, f"cached block {b} missing from the prefix index"
+        self.indexed[cand] = 0
+        self.refcount[cand] = 0
+        # In flight to the caller (stamped or pushed to the ring before the commit).
+        self.state[cand] = BlockState.LOCAL
+        self.blocks["owner_client"][cand] = self.client
+        crash_point("blocks.after_evict")
+        return cand.astype(np.int64)
+
+    def _lru_scan(self, t: Txn, k: int, extra: int) -> np.ndarray:
+        """The k (+extra) least recently used CACHED blocks, oldest first, from a pool scan.
+
+        A large cache also keeps the next LRU_KEEP oldest as later candidates (from commit on):
+        blocks cached after the scan are newer than all of them, so while they last they are
+        still the oldest, and eviction needs no scan.
+        """
+        cand = np.flatnonzero(self.state == BlockState.CACHED)
+        if len(cand) == 0:
+            return cand
+        k += min(extra, max(0, len(cand) - k) // 4)
+        keep = k + LRU_KEEP if len(cand) > 2 * LRU_KEEP + k else k
+        if len(cand) > keep:
+            cand = cand[np.argpartition(self.access_ns[cand], keep - 1)[:keep]]
+        cand = cand[np.argsort(self.access_ns[cand], kind="stable")]
+        if keep > k:
+            later = cand[k:]
+            lru = (later.tolist(), self.access_ns[later].tolist(), len(cand) - k)
+            t.after_commit.append(lambda: self._lru_reset(*lru))
+        return cand[:k]
+
+    def _lru_reset(self, ids: list[int], stamps: list[int], num_cached: int) -> None:
+        self._lru_ids, self._lru_ns, self._lru_pos = ids, stamps, 0
+        self._lru_cached = num_cached
+
+    def _lru_take(self, t: Txn, k: int, extra: int) -> np.ndarray | None:
+        """The next k (+extra) remembered candidates still CACHED and untouched since the scan;
+        None when fewer than k are left (the caller scans)."""
+        ids, stamps, pos = self._lru_ids, self._lru_ns, self._lru_pos
+        mv, base, size = self.mv, self.base, self.record_size
+        cached = int(BlockState.CACHED)
+        want = k + min(extra, max(0, self._lru_cached - k) // 4)
+        got: list[int] = []
+        while pos < len(ids) and len(got) < want:
+            b = ids[pos]
+            rec = base + b * size
+            if (
+                mv[rec + _STATE] == cached
+                and _U8.unpack_from(mv, rec + _ACCESS_NS)[0] == stamps[pos]
+            ):
+                got.append(b)
+            pos += 1
+        if len(got) < k:
+            self._lru_ids, self._lru_ns, self._lru_pos = [], [], 0
+            return None
+
+        def advance(pos: int = pos, n: int = len(got)) -> None:
+            if self._lru_ids is ids:
+                self._lru_pos = max(self._lru_pos, pos)
+                self._lru_cached = max(0, self._lru_cached - n)
+
+        t.after_commit.append(advance)
+        return np.asarray(got, np.int64)
