@@ -224,11 +224,6 @@ class LiveSource:
             pass
 
 
-def read_dump_file(path: str) -> tuple[SegmentView, np.void | None]:
-    """A dump (dump header + segment), or a bare segment image, as a SegmentView."""
-    return read_dump(path)
-
-
 class ViewSource:
     """A fixed SegmentView (tests, or a dump already read by the caller)."""
 
@@ -255,7 +250,8 @@ class DumpSource(ViewSource):
 
     def __init__(self, path: str):
         self.path = path
-        view, self.dump_header = read_dump_file(path)
+        # a dump (dump header + segment) or a bare segment image
+        view, self.dump_header = read_dump(path)
         name = bytes(view.h["name"]).decode(errors="replace") or os.path.basename(path)
         self.taken_ns = 0 if self.dump_header is None else int(self.dump_header["created_ns"])
         torn = self.dump_header is not None and int(self.dump_header["flags"]) & DUMP_TORN
