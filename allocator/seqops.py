@@ -1,4 +1,5 @@
-"""Sequence operations of a pool: allocate, append, fork, free, mark_computed, evict, resume.
+"""Sequence operations of a pool: allocate, fork, mark_computed, evict, resume; with append
+(append.py), taking blocks (reserve.py) and free/abort (release.py) mixed in.
 
 Mixed into KVPool (allocator/pool.py), which provides the segment views, `_run` and the locks.
 """
