@@ -60,6 +60,11 @@ def _from_env() -> None:
         print(f"kvscope: KVSCOPE_CRASH_AT ignored: {e}", file=sys.stderr)
 
 
+def armed() -> bool:
+    """True while a crash point is armed."""
+    return _target is not None
+
+
 def crash_point(name: str) -> None:
     """Die here if this point is armed and its count is reached."""
     global _count

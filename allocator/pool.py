@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvscope.allocator import faults, kvdata
+from kvscope.allocator import faults, kvdata, native
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
@@ -72,7 +72,9 @@ class KVPool(SequenceOps):
         self.block_size = self.config.block_size
         self.slots_per_block = self.config.slots_per_block
         self.pid, self.start = my_identity()
-        self._mutex = threading.RLock()
+        # One operation at a time per mapping (handles of one process on one pool share it:
+        # fcntl locks do not exclude each other within a process).
+        self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
         self._closed = False
         self.client = self._register_client()
         self._client_seq = ClientSeq(view, self.client)
@@ -95,6 +97,8 @@ class KVPool(SequenceOps):
         self.probe: PoolProbes | None = PoolProbes(self, flags) if flags.any() else None
         if self.probe is not None and self.probe.sites is not None:
             self.site_of = self.probe.sites.site
+        # The C core for the common case of the hot operations (native.py), or None.
+        self._native = native.core_for(self)
         for hook in OPEN_HOOKS:
             hook(self)
 
@@ -186,6 +190,9 @@ class KVPool(SequenceOps):
             rec["journal_used"] = 0
             rec["event_count"] = 0
             rec["event_head"] = 0
+            # A record reused after a process died inside an operation keeps its odd seq: even
+            # it out, or this process would look busy exactly while it is idle.
+            rec["seq"] += rec["seq"] % 2
             for f in COUNTER_FIELDS:
                 rec[f] = 0
             c["state"][i] = ClientState.ATTACHED
@@ -219,6 +226,9 @@ class KVPool(SequenceOps):
 
         self._run({self.SEQS}, lambda t: detach_client(self.view, t, self.client))
         self._closed = True
+        if self._native is not None:
+            self._native.close()
+            self._native = None
         self.view = None  # type: ignore[assignment]
         release(self._mf)
 

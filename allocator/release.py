@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvscope.allocator import faults
+from kvscope.allocator import faults, native
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import BlockState, SeqState, block_checksums
 from kvscope.allocator.sequence import Sequence, request_bytes
@@ -85,6 +85,17 @@ class ReleaseOps:
 
     def _end(self, seq: Sequence, final: SeqState) -> None:
         self._own(seq)
+        nat = self._native
+        if (
+            nat is not None
+            and native.usable(self)
+            and nat.release(seq.block_table, seq.slot, int(final))
+        ):
+            self._seqs.pop(seq.slot, None)
+            seq.block_table = []
+            seq.state = final.name.lower()
+            seq.slot = -1
+            return
         # Long tables are released from the tail in chunks, each its own transaction.
         while len(seq.block_table) > CHUNK:
             keep = len(seq.block_table) - CHUNK

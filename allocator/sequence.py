@@ -90,15 +90,33 @@ class SeqTable:
         self.client = client
         self._hint = 0
         self.batch = slot_batch(view.layout.max_seqs, view.layout.max_clients)
-        # This process's reserve (EMPTY slots marked reserved by it) and its range of ids.
+        # This process's reserve (EMPTY slots marked reserved by it) and its range of ids
+        # [next_id, end_id). The C core (native.py) holds these same two lists: they are
+        # changed in place, never replaced.
         self.reserve: list[int] = []
-        self.next_id = self.end_id = 0
+        self.ids: list[int] = [0, 0]
         # num_tokens (u8) of slot s is word `num_tokens_at8 + s * rec8` of a flat uint64 view.
         end = view.offsets["end"]
         self.u64 = memoryview(view.buf)[:end].cast("Q")
         assert self.size % 8 == 0 and self.base % 8 == 0
         self.rec8 = self.size // 8
         self.num_tokens_at8 = (self.base + view.seqs.dtype.fields["num_tokens"][1]) // 8
+
+    @property
+    def next_id(self) -> int:
+        return self.ids[0]
+
+    @next_id.setter
+    def next_id(self, v: int) -> None:
+        self.ids[0] = v
+
+    @property
+    def end_id(self) -> int:
+        return self.ids[1]
+
+    @end_id.setter
+    def end_id(self, v: int) -> None:
+        self.ids[1] = v
 
     def save_head(self, t: Txn, slot: int) -> None:
         """Journal the slot's fixed fields."""
@@ -141,7 +159,8 @@ class SeqTable:
         return slot, seq_id
 
     def _restore(self, reserve: list[int], next_id: int, end_id: int) -> None:
-        self.reserve, self.next_id, self.end_id = reserve, next_id, end_id
+        self.reserve[:] = reserve
+        self.ids[:] = [next_id, end_id]
 
     def _empty_slots(self, k: int) -> list[int]:
         """Up to k EMPTY slots no process reserves, from the rotating hint (caller: seqs lock)."""
@@ -178,7 +197,7 @@ class SeqTable:
             self.seqs["owner_pid"][rows] = pid
             self.seqs["owner_start"][rows] = start
             # Popped from the end: the lowest slot first.
-            self.reserve = slots[::-1]
+            self.reserve[:] = slots[::-1]
         if self.next_id >= self.end_id:
             self.next_id = self._take_ids(t, SEQ_ID_BATCH)
             self.end_id = self.next_id + SEQ_ID_BATCH

@@ -16,7 +16,8 @@ _U8 = struct.Struct("<Q")
 class ClientSeq:
     """The `seq` field of this process's client record: odd while it is inside an operation.
 
-    Only the owner writes it, so a Python copy is the truth and each bump is one store.
+    Only the owner writes it (the Python path and the C core, native.py), so each bump reads
+    the field and stores it plus one.
     """
 
     def __init__(self, view: SegmentView, client: int):
@@ -24,12 +25,14 @@ class ClientSeq:
         self.at = (
             view.offsets["clients"] + client * CLIENT_DTYPE.itemsize + CLIENT_DTYPE.fields["seq"][1]
         )
-        self.value = _U8.unpack_from(self.mv, self.at)[0]
+
+    @property
+    def value(self) -> int:
+        return _U8.unpack_from(self.mv, self.at)[0]
 
     def bump(self) -> None:
         """Advance the counter by one (odd: entering, even: leaving)."""
-        self.value += 1
-        _U8.pack_into(self.mv, self.at, self.value)
+        _U8.pack_into(self.mv, self.at, _U8.unpack_from(self.mv, self.at)[0] + 1)
 
 
 class Escalate(Exception):

@@ -1,0 +1,153 @@
+"""The pool's C core (allocator/_native.c): which handles use it, and its view of the segment.
+
+The core does the common case of allocate, free/abort, a one-token append and mark_computed on
+the same bytes, journal and locks as the Python methods; anything else it hands back (it
+returns None with nothing changed) and the Python method runs. A handle uses it when the
+extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
+`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: no probes, no guard
+quarantine, no lock hooks (lockdep, watchdog), no call-site recording, no armed fault or crash
+point. docs/FORMAT.md, "The native core".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvscope.allocator import crash, faults
+from kvscope.allocator.layout import (
+    CLIENT_DTYPE,
+    COUNTER_FIELDS,
+    HEADER_DTYPE,
+    JOURNAL_BYTES,
+    JOURNAL_ENTRIES,
+    block_dtype,
+    seq_dtype,
+)
+from kvscope.allocator.prefix import _COEFS_LIST
+
+if TYPE_CHECKING:
+    from kvscope.allocator.pool import KVPool
+
+try:
+    from kvscope.allocator import _native
+except ImportError:  # built without a C compiler: the pure-Python pool
+    _native = None  # type: ignore[assignment]
+
+# The record offsets the C core has compiled in (it asserts nothing itself).
+_BLOCK_FIELDS = {
+    "state": 4,
+    "indexed": 5,
+    "refcount": 8,
+    "generation": 12,
+    "owner_pid": 16,
+    "owner_client": 20,
+    "prefix_hash": 24,
+    "checksum": 32,
+    "owner_start": 40,
+    "request": 48,
+    "alloc_ns": 80,
+    "access_ns": 88,
+    "site": 96,
+    "num_tokens": 100,
+    "parent_hash": 104,
+    "tokens": 120,
+}
+_SEQ_FIELDS = {
+    "state": 0,
+    "reserved": 1,
+    "owner_pid": 4,
+    "owner_client": 8,
+    "num_blocks": 12,
+    "owner_start": 16,
+    "seq_id": 24,
+    "request": 32,
+    "num_tokens": 64,
+    "created_ns": 72,
+    "table": 80,
+}
+
+
+def available() -> bool:
+    """True when the C core was built and is not switched off (KVSCOPE_NATIVE=0)."""
+    return _native is not None and os.environ.get("KVSCOPE_NATIVE", "1") != "0"
+
+
+def _check_offsets() -> None:
+    bd, sd = block_dtype(16), seq_dtype(8)
+    for dt, want in ((bd, _BLOCK_FIELDS), (sd, _SEQ_FIELDS)):
+        for name, off in want.items():
+            assert dt.fields[name][1] == off, f"{name} moved: the native core needs rebuilding"
+
+
+def core_for(pool: KVPool) -> Any | None:
+    """The C core for one handle, or None (pure Python for this handle)."""
+    if not available() or pool.probe is not None or pool.store.quarantine:
+        return None
+    _check_offsets()
+    view = pool.view
+    off = view.offsets
+    client = pool.client
+    cbase = off["clients"] + client * CLIENT_DTYPE.itemsize
+    cf = CLIENT_DTYPE.fields
+    store = pool.store
+    layout = {
+        "num_blocks": view.layout.num_blocks,
+        "block_size": view.layout.block_size,
+        "record_size": view.blocks.dtype.itemsize,
+        "max_seqs": view.layout.max_seqs,
+        "seq_record_size": view.seqs.dtype.itemsize,
+        "max_blocks_per_seq": view.layout.max_blocks_per_seq,
+        "index_width": store.index.width,
+        "num_shards": store.index.num_shards,
+        "local_cap": store.local_cap,
+        "local_max": store.local_max,
+        "slot_batch": pool.seqtab.batch,
+        "off_blocks": off["blocks"],
+        "off_ring": off["ring"],
+        "off_index": off["index"],
+        "off_seqs": off["seqs"],
+        "off_locks": off["locks"],
+        "off_next_seq_id": HEADER_DTYPE.fields["next_seq_id"][1],
+        "c_seq": cbase + cf["seq"][1],
+        "c_local_count": cbase + cf["local_count"][1],
+        "c_local": cbase + cf["local"][1],
+        "c_jcount": cbase + cf["journal_count"][1],
+        "c_jused": cbase + cf["journal_used"][1],
+        "c_journal": cbase + cf["journal"][1],
+        "c_jdata": cbase + cf["journal_data"][1],
+        "c_counters": cbase + cf[COUNTER_FIELDS[0]][1],
+        "client": client,
+        "lock_free": pool.FREE,
+        "lock_shard0": pool.SHARDS[0],
+        "num_locks": len(pool.locks.names),
+        "pid": pool.pid,
+        "start": pool.start,
+        "journal_entries": JOURNAL_ENTRIES,
+        "journal_bytes": JOURNAL_BYTES,
+    }
+    # The counters are contiguous u8s in COUNTER_FIELDS order.
+    for i, f in enumerate(COUNTER_FIELDS):
+        assert cf[f][1] == cf[COUNTER_FIELDS[0]][1] + 8 * i
+    if layout["num_locks"] > 64 or store.local_cap > 64:
+        return None
+    return _native.Native(
+        pool._mf.mm,
+        pool._mf.fd,
+        layout,
+        pool.seqtab.reserve,
+        pool.seqtab.ids,
+        pool._mutex,
+        _COEFS_LIST[: view.layout.block_size],
+    )
+
+
+def usable(pool: KVPool) -> bool:
+    """True when this call may take the C path (nothing armed or hooked since the handle opened)."""
+    return (
+        pool.probe is None
+        and pool.site_of is None
+        and pool.locks.on_acquire is None
+        and not faults.ARMED
+        and not crash.armed()
+    )

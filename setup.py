@@ -1,0 +1,15 @@
+"""The pool's C core (allocator/_native.c): optional, the pure-Python allocator does everything
+without it (slower; docs/FORMAT.md "The native core")."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvscope.allocator._native",
+            ["allocator/_native.c"],
+            extra_compile_args=["-O2", "-std=gnu11"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,240 @@
+"""The C core (allocator/_native.c) against the Python allocator: the same operations leave the
+same bytes, a kill at any journal save of a native operation loses nothing, and every path that
+must stay in Python does."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+
+from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, faults, native
+from kvscope.allocator.layout import CLIENT_DTYPE
+from tests.test_crash import _survive_and_reclaim, _work
+
+BS = 4
+
+
+def test_the_core_is_built_and_on():
+    # pip install compiles it on a machine with a C compiler (every machine of this project).
+    assert native.available(), "kvscope.allocator._native was not built (no C compiler?)"
+
+
+def _pool(name: str, use_native: bool, num_blocks: int = 48) -> KVPool:
+    pool = KVPool.create(
+        name,
+        PoolConfig(
+            num_blocks=num_blocks,
+            block_size=BS,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=4,
+            dtype="float32",
+            local_cache_size=3,
+            num_shards=2,
+            max_clients=4,
+            max_seqs=64,
+        ),
+    )
+    if not use_native:
+        pool._native = None
+    return pool
+
+
+def _state(pool: KVPool) -> dict[str, np.ndarray]:
+    """The segment's allocator state, without times, lock statistics and journal scratch."""
+    v = pool.view
+    blocks = v.blocks.copy()
+    blocks["alloc_ns"] = blocks["access_ns"] = 0
+    seqs = v.seqs.copy()
+    seqs["created_ns"] = 0
+    c = v.clients[pool.client]
+    keep = ["local_count", "journal_count", "journal_used", "local", "num_allocs", "num_frees"]
+    keep += ["num_cow", "num_evictions", "prefix_queries", "prefix_hits", "num_forks"]
+    return {
+        "blocks": blocks.view(np.uint8),
+        "ring": np.concatenate([v.ring_header.view(np.uint8), v.ring.view(np.uint8)]),
+        "index": v.index.view(np.uint8).copy(),
+        "seqs": seqs.view(np.uint8),
+        "next_seq_id": np.array([v.h["next_seq_id"]]),
+        **{f: np.array(c[f]).ravel().copy() for f in keep},
+        "client_seq_even": np.array([int(c["seq"]) % 2]),
+    }
+
+
+def _same(a: KVPool, b: KVPool, step: str) -> None:
+    sa, sb = _state(a), _state(b)
+    for key in sa:
+        if not np.array_equal(sa[key], sb[key]):
+            raise AssertionError(f"after {step}: section {key} differs between C and Python")
+
+
+def _script(rng: random.Random, steps: int):
+    """Operations with shared prefixes, decode steps, publication, forks (copy-on-write),
+    aborts and a pool small enough to evict."""
+    systems = [[rng.randrange(50) for _ in range(9)] for _ in range(3)]
+    for i in range(steps):
+        r = rng.random()
+        if r < 0.25:
+            own = [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+            yield ("allocate", f"r{i}", (rng.choice(systems) if rng.random() < 0.7 else []) + own)
+        elif r < 0.6:
+            yield ("append", rng.random(), [rng.randrange(50)])
+        elif r < 0.66:
+            yield ("append", rng.random(), [rng.randrange(50) for _ in range(rng.randrange(2, 7))])
+        elif r < 0.78:
+            yield ("publish", rng.random(), None)
+        elif r < 0.83:
+            yield ("fork", rng.random(), f"f{i}")
+        elif r < 0.93:
+            yield ("free", rng.random(), None)
+        else:
+            yield ("abort", rng.random(), None)
+
+
+def _apply(pool: KVPool, live: list, op: tuple) -> object:
+    kind, arg, extra = op
+    try:
+        if kind == "allocate":
+            live.append(pool.allocate(arg, extra))
+            return live[-1].block_table
+        if not live:
+            return None
+        seq = live[int(arg * len(live))]
+        if kind == "append":
+            return pool.append(seq, extra)
+        if kind == "publish":
+            return pool.mark_computed(seq, seq.num_tokens)
+        if kind == "fork":
+            live.append(pool.fork(seq, extra))
+            return live[-1].block_table
+        live.remove(seq)
+        (pool.free if kind == "free" else pool.abort)(seq)
+        return None
+    except PoolExhausted as e:
+        return ("exhausted", e.needed)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_same_operations_leave_the_same_bytes(pool_name, seed):
+    # GIVEN two pools of one geometry, one using the C core and one pure Python
+    fast = _pool(pool_name, True)
+    slow = _pool(f"{pool_name}-py", False)
+    live_fast: list = []
+    live_slow: list = []
+    try:
+        # WHEN the same random operations run on both
+        for i, op in enumerate(_script(random.Random(seed), 600)):
+            got_fast = _apply(fast, live_fast, op)
+            got_slow = _apply(slow, live_slow, op)
+            # THEN every result, every sequence and every byte of allocator state agree
+            assert got_fast == got_slow, f"step {i} {op[0]}"
+            assert [s.block_table for s in live_fast] == [s.block_table for s in live_slow]
+            assert [s.tokens for s in live_fast] == [s.tokens for s in live_slow]
+            assert [(s.chain, s.num_published) for s in live_fast] == [
+                (s.chain, s.num_published) for s in live_slow
+            ]
+            _same(fast, slow, f"step {i} {op}")
+        assert fast.check() == [] and slow.check() == []
+        # and both paths ran, interleaved: the C core the common case, Python the rest
+        done = fast._native.stats()
+        assert done["native_ops"] > 200 and done["fallbacks"] > 0, done
+    finally:
+        for p in (fast, slow):
+            p.close()
+            p.unlink()
+
+
+def test_paths_that_stay_in_python(make_pool):
+    pool = make_pool(32, block_size=BS, max_clients=4, max_seqs=64)
+    assert pool._native is not None
+    s = pool.allocate("a", [1, 2, 3, 4, 5])  # the first claim refills the reserve: Python
+    before = pool._native.stats()
+    pool.append(s, [6])
+    assert pool._native.stats()["native_ops"] == before["native_ops"] + 1
+    # A fault armed at run time sends the next operation to Python (the faults live there).
+    faults.configure("leak:99")
+    try:
+        n = pool._native.stats()["native_ops"]
+        pool.append(s, [7])
+        assert pool._native.stats()["native_ops"] == n
+    finally:
+        faults.configure(None)
+    # Copy-on-write: the C core hands it back.
+    child = pool.fork(s, "b")
+    copies = pool.append(child, [8])
+    assert len(copies) == 1 and copies[0][0] == s.block_table[-1]
+    pool.free(child)
+    pool.free(s)
+    assert pool.check() == []
+
+
+def test_switched_off_by_env(pool_name, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+    pool = _pool(pool_name, True)
+    try:
+        assert pool._native is None
+        pool.free(pool.allocate("a", [1, 2, 3]))
+        assert pool.check() == []
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_probes_keep_the_python_path(pool_name, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = _pool(pool_name, True)
+    try:
+        assert pool._native is None
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def _native_child(name: str, kill_at: int, seed: int) -> None:
+    code = 0
+    try:
+        pool = KVPool.attach(name)
+        pool._native.set_crash_at(kill_at)
+        _work(pool, random.Random(seed), 400)
+        code = 3
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 4
+    os._exit(code)
+
+
+def test_a_kill_at_any_journal_save_of_a_native_operation_loses_nothing(make_pool):
+    # The slot reserve and the local cache on (max_clients 8): the C core's common case.
+    pool = make_pool(48, block_size=BS, local_cache_size=2, num_shards=2, max_clients=8)
+    rng = random.Random(5)
+    kills = sorted({1, 2, 3, 5, 8, 13, 21, 34, 55, *(rng.randrange(60, 2000) for _ in range(10))})
+    for n in kills:
+        pid = os.fork()
+        if pid == 0:
+            _native_child(pool.name, n, seed=n)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+            f"journal save {n} was not reached (exit {os.waitstatus_to_exitcode(status)})"
+        )
+        # It died inside an operation (its client seq is odd): recovery rolls the journal
+        # back and reclaims its blocks; nothing is lost.
+        c = pool.view.clients
+        (dead,) = [i for i in range(len(c)) if c["pid"][i] == pid and c["state"][i] == 1]
+        assert c["seq"][dead] % 2 == 1, (n, int(c["seq"][dead]), int(c["journal_count"][dead]))
+        _survive_and_reclaim(pool)
+
+
+def test_client_record_layout_matches_the_core():
+    # The C core reads the journal entries as {offset u8, length u4, data_off u4, op u8}.
+    e = CLIENT_DTYPE.fields["journal"][0].base
+    assert e.itemsize == 24 and [e.fields[f][1] for f in ("offset", "length", "data_off")] == [
+        0,
+        8,
+        12,
+    ]
