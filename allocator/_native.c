@@ -18,15 +18,17 @@
  * are released and seq goes even. A process killed anywhere leaves a journal that recovery
  * rolls back, exactly as for the Python path.
  *
- * Threads: the caller holds the pool handle's mutex (an RLock taken without blocking; when
- * another thread holds it, the call returns None and Python waits for it), so at most one
- * transaction of this handle runs at a time; the GIL is released only while waiting for
- * another process's fcntl lock.
+ * Threads: the C core runs with the GIL held, so no other thread of this process runs while it
+ * does; a Python-path operation of another thread may be half done, though (it holds the
+ * mapping's op mutex and counts itself in `busy`): then the call returns None and the Python
+ * path waits for the mutex. The GIL is released only to wait for another process's fcntl
+ * lock, and then the core holds the op mutex itself (taken without blocking, or it falls back).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -152,7 +154,18 @@ typedef struct {
     int64_t local_cap, local_max, slot_batch;
     PyObject *reserve; /* SeqTable.reserve: this process's reserved slots (a list, shared) */
     PyObject *ids;     /* SeqTable.ids: [next_id, end_id] (a list, shared) */
-    PyObject *mutex;   /* KVPool._mutex */
+    PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */
+    int64_t *busy;     /* the mapping's count of Python-path operations under that mutex */
+    Py_buffer busy_buf;
+    int mutex_held;    /* this call took the mutex to wait for an fcntl lock */
+    PyObject *seq_type;     /* allocator.sequence.Sequence */
+    PyObject *seq_fields;   /* its dataclass field names, in order (a tuple of 10) */
+    PyObject *seqs;         /* KVPool._seqs: slot -> Sequence */
+    PyObject *locks;        /* KVPool.locks (its on_acquire hook is read at every call) */
+    PyObject *faults_armed; /* faults.ARMED */
+    PyObject *crash_mod;    /* allocator.crash (its _target is read at every call) */
+    int64_t uid;            /* KVPool._uid */
+    int fork_gen;
     uint64_t *coefs;   /* prefix._COEFS[:bs] */
     /* the open transaction */
     uint32_t jcount, jused;
@@ -163,7 +176,8 @@ typedef struct {
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_tokens, *s_block_table, *s_slot, *s_chain,
-    *s_num_published;
+    *s_num_published, *s_probe, *s_site_of, *s_on_acquire, *s_target, *s_pool_uid, *s_state,
+    *s_running, *s_finished, *s_aborted;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -252,6 +266,19 @@ static int lock_take(Native *n, int i) {
     if (lock_fcntl(n, i, F_WRLCK, 0) != 0) {
         if (errno != EAGAIN && errno != EACCES) return FALLBACK;
         contended = 1;
+        /* Waiting releases the GIL: hold the op mutex meanwhile, so that no other thread of
+         * this process starts an operation on the mapping (fcntl locks do not exclude it). */
+        if (!n->mutex_held) {
+            PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
+            int ok = r == Py_True;
+            Py_XDECREF(r);
+            if (!ok) {
+                PyErr_Clear();
+                return FALLBACK;
+            }
+            n->mutex_held = 1;
+            *n->busy += 1;
+        }
         if (lock_fcntl(n, i, F_WRLCK, 1) != 0) return FALLBACK;
     }
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
@@ -526,12 +553,46 @@ static int index_insert(Native *n, uint64_t key, int32_t block, int *inserted) {
 
 /* -- argument helpers ------------------------------------------------------------------------- */
 
+/* 1 when `obj.__dict__[name]` is None (plain instance attributes: no descriptor on these). */
+static int dict_none(PyObject *obj, PyObject *name) {
+    PyObject *d = PyObject_GenericGetDict(obj, NULL);
+    if (d == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *v = PyDict_GetItemWithError(d, name);
+    Py_DECREF(d);
+    return v == Py_None;
+}
+
+/* obj.__dict__[name] as a new reference, else the generic lookup. */
+static PyObject *field(PyObject *obj, PyObject *name) {
+    PyObject *d = PyObject_GenericGetDict(obj, NULL);
+    if (d != NULL) {
+        PyObject *v = PyDict_GetItemWithError(d, name);
+        Py_DECREF(d);
+        if (v != NULL) return Py_NewRef(v);
+        if (PyErr_Occurred()) return NULL;
+    } else {
+        PyErr_Clear();
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
 /* Token ids of a list of ints into `out` (int32, as the records store them); FALLBACK on
  * anything else (Python raises its own error). */
 static int tokens_of(PyObject *list, int32_t *out, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = PyList_GET_ITEM(list, i);
         if (!PyLong_CheckExact(o)) return FALLBACK;
+#if PY_VERSION_HEX < 0x030C0000
+        /* Up to 3.11 an int below 2**30 is one 30-bit digit with the sign in ob_size. */
+        Py_ssize_t size = Py_SIZE(o);
+        if (size >= -1 && size <= 1) {
+            out[i] = (int32_t)(size * (long)((PyLongObject *)o)->ob_digit[0]);
+            continue;
+        }
+#endif
         long v = PyLong_AsLong(o);
         if (v == -1 && PyErr_Occurred()) {
             PyErr_Clear();
@@ -550,15 +611,14 @@ static inline uint64_t chain_next(Native *n, uint64_t prev, const int64_t *toks)
     return prev * CHAIN_P + c;
 }
 
-static int take_mutex(Native *n) {
-    PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
-    if (r == NULL) return ERROR;
-    int ok = r == Py_True;
-    Py_DECREF(r);
-    return ok ? OK : FALLBACK;
-}
+/* OK when no Python-path operation of another thread is half done on this mapping. */
+static int take_mutex(Native *n) { return *n->busy ? FALLBACK : OK; }
 
+/* End of a call: give back the op mutex if waiting for a lock made it take it. */
 static void drop_mutex(Native *n) {
+    if (!n->mutex_held) return;
+    n->mutex_held = 0;
+    *n->busy -= 1;
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_release);
     if (r == NULL)
         PyErr_Clear();
@@ -637,33 +697,35 @@ static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *
     }
 }
 
-static void request_of(PyObject *rb, char *out) {
+/* sequence.request_bytes of a str: its UTF-8, truncated to 32 bytes, zero-padded. */
+static int request_of(PyObject *rid, char *out) {
+    Py_ssize_t len;
+    const char *u = PyUnicode_AsUTF8AndSize(rid, &len);
+    if (u == NULL) return ERROR;
     memset(out, 0, REQUEST_BYTES);
-    Py_ssize_t len = PyBytes_GET_SIZE(rb);
-    memcpy(out, PyBytes_AS_STRING(rb), len < REQUEST_BYTES ? (size_t)len : REQUEST_BYTES);
+    memcpy(out, u, len < REQUEST_BYTES ? (size_t)len : REQUEST_BYTES);
+    return OK;
 }
 
 /* -- allocate --------------------------------------------------------------------------------- */
 
 /* allocate(tokens: list[int], request: bytes, site: int)
  *   -> (slot, seq_id, table: list[int], chain: list[int], hits) or None (the Python path). */
-static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_CheckExact(args[0]) || !PyBytes_Check(args[1])) return fallback(n);
-    PyObject *list = args[0];
-    int32_t site = (int32_t)PyLong_AsLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
+static PyObject *core_allocate(Native *n, PyObject *list, const char *request, int32_t site) {
+    if (!PyList_CheckExact(list)) return fallback(n);
     Py_ssize_t ntok = PyList_GET_SIZE(list);
     int64_t bs = n->bs;
     int64_t nblocks = (ntok + bs - 1) / bs;
     if (ntok == 0 || nblocks > CHUNK || nblocks > n->max_bps) return fallback(n);
     int32_t table[CHUNK];
-    int32_t *toks = PyMem_Malloc(sizeof(int32_t) * (size_t)ntok);
+    /* nblocks <= CHUNK: the chain and keys fit on the stack; tokens do unless blocks are big. */
+    uint64_t chain[CHUNK + 1], keys[CHUNK + 1];
+    int32_t small[2048];
+    int32_t *toks = ntok <= 2048 ? small : PyMem_Malloc(sizeof(int32_t) * (size_t)ntok);
     int64_t nfull = ntok / bs;
-    uint64_t *chain = PyMem_Malloc(sizeof(uint64_t) * (size_t)(nfull + 1));
-    uint64_t *keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)(nfull + 1));
     PyObject *result = NULL;
     int mutex = 0;
-    if (!toks || !chain || !keys) {
+    if (!toks) {
         PyErr_NoMemory();
         goto out;
     }
@@ -682,8 +744,6 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
     if (mask)
         for (int64_t j = 0; j < nfull; j++) keys[j] = family_key(keys[j], keys[0], mask);
     int64_t max_hits = (ntok - 1) / bs;
-    char request[REQUEST_BYTES];
-    request_of(args[1], request);
 
     int rc = take_mutex(n);
     if (rc != OK) {
@@ -699,7 +759,12 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
         goto out;
     }
     uint64_t locks = 0;
-    if (max_hits > 0) locks |= 1ull << (n->lock_shard0 + shard_of(n, keys[0]));
+    /* A prompt can only hit if its first block is indexed: a first look without the lock
+     * spares the shard lock to prompts that cannot hit. (A key inserted meanwhile is a hit
+     * missed, as if this allocation came first; a lookup never trusts a block without the
+     * lock and the stored tokens.) */
+    int may_hit = max_hits > 0 && index_lookup(n, keys[0]) >= 0;
+    if (may_hit) locks |= 1ull << (n->lock_shard0 + shard_of(n, keys[0]));
     if ((int64_t)local_count(n) < nblocks) locks |= 1ull << n->lock_free;
     if (txn_begin(n, locks)) {
         result = fallback(n);
@@ -710,7 +775,7 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
     /* The longest verified prefix hit (seqops._match). */
     int64_t hits = 0;
     uint64_t parent = 0;
-    for (int64_t j = 0; j < max_hits; j++) {
+    for (int64_t j = 0; may_hit && j < max_hits; j++) {
         int32_t b = index_lookup(n, keys[j]);
         if (b < 0 || b >= n->nb) break;
         uint8_t *r = blk(n, b);
@@ -760,30 +825,33 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
     for (int64_t j = 0; j < nfull; j++)
         PyList_SET_ITEM(ch, j, PyLong_FromUnsignedLongLong(chain[j]));
     n->native_ops++;
-    result = Py_BuildValue("(nKNNn)", (Py_ssize_t)slot, (unsigned long long)seq_id, tab, ch,
-                           (Py_ssize_t)hits);
+    result = PyTuple_New(5);
+    if (result) {
+        PyTuple_SET_ITEM(result, 0, PyLong_FromLongLong(slot));
+        PyTuple_SET_ITEM(result, 1, PyLong_FromUnsignedLongLong(seq_id));
+        PyTuple_SET_ITEM(result, 2, tab);
+        PyTuple_SET_ITEM(result, 3, ch);
+        PyTuple_SET_ITEM(result, 4, PyLong_FromLongLong(hits));
+    } else {
+        Py_DECREF(tab);
+        Py_DECREF(ch);
+    }
     goto out;
 abort:
     txn_abort(n);
     result = fallback(n);
 out:
     if (mutex) drop_mutex(n);
-    PyMem_Free(toks);
-    PyMem_Free(chain);
-    PyMem_Free(keys);
+    if (toks != small) PyMem_Free(toks);
     return result;
 }
 
 /* -- free ------------------------------------------------------------------------------------- */
 
 /* release(table: list[int], slot, final_state) -> True, or None (the Python path). */
-static PyObject *N_release(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_CheckExact(args[0])) return fallback(n);
-    PyObject *list = args[0];
+static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final) {
+    if (!PyList_CheckExact(list)) return fallback(n);
     Py_ssize_t k = PyList_GET_SIZE(list);
-    int64_t slot = PyLong_AsLongLong(args[1]);
-    long final = PyLong_AsLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
     if (k > CHUNK || slot < 0 || slot >= n->max_seqs) return fallback(n);
     int32_t ids[CHUNK], zero[CHUNK];
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -936,19 +1004,17 @@ fail:
 
 /* append1(seq, token: int) -> [] (no copies), or None (the Python path: copy-on-write, ...).
  * One token: into the last block when it has room, else into a new block (a transaction). */
-static PyObject *N_append1(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) return fallback(n);
-    PyObject *seq = args[0];
-    long tok = PyLong_AsLong(args[1]);
+static PyObject *core_append1(Native *n, PyObject *seq, PyObject *tok_in) {
+    long tok = PyLong_AsLong(tok_in);
     if (tok == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         return fallback(n);
     }
     if (tok < INT32_MIN || tok > INT32_MAX) return fallback(n);
-    PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
-    PyObject *table = PyObject_GetAttr(seq, s_block_table);
-    PyObject *slot_o = PyObject_GetAttr(seq, s_slot);
-    PyObject *chain = PyObject_GetAttr(seq, s_chain);
+    PyObject *tokens = field(seq, s_tokens);
+    PyObject *table = field(seq, s_block_table);
+    PyObject *slot_o = field(seq, s_slot);
+    PyObject *chain = field(seq, s_chain);
     PyObject *result = NULL, *tok_o = NULL;
     int mutex = 0;
     if (!tokens || !table || !slot_o || !chain) goto out;
@@ -1036,15 +1102,16 @@ out:
 /* -- mark_computed ---------------------------------------------------------------------------- */
 
 /* publish(seq, num_tokens) -> blocks published, or None (the Python path). */
-static PyObject *N_publish(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) return fallback(n);
-    PyObject *seq = args[0];
-    Py_ssize_t upto_tokens = PyLong_AsSsize_t(args[1]);
-    if (upto_tokens == -1 && PyErr_Occurred()) return NULL;
-    PyObject *tokens = PyObject_GetAttr(seq, s_tokens);
-    PyObject *table = PyObject_GetAttr(seq, s_block_table);
-    PyObject *chain = PyObject_GetAttr(seq, s_chain);
-    PyObject *pub_o = PyObject_GetAttr(seq, s_num_published);
+static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
+    Py_ssize_t upto_tokens = PyLong_AsSsize_t(upto_in);
+    if (upto_tokens == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *tokens = field(seq, s_tokens);
+    PyObject *table = field(seq, s_block_table);
+    PyObject *chain = field(seq, s_chain);
+    PyObject *pub_o = field(seq, s_num_published);
     PyObject *result = NULL;
     int mutex = 0;
     if (!tokens || !table || !chain || !pub_o) goto out;
@@ -1124,6 +1191,141 @@ out:
     return result;
 }
 
+/* -- entry points: the gate, the handle's checks, the Sequence ------------------------------- */
+
+static int fork_gen = 0; /* bumped in a forked child: a handle made before the fork is not ours */
+static void atfork_child(void) { fork_gen++; }
+
+/* OK when this call may take the C path: the handle is open and this process's, no operation
+ * of the Python path is half done, no fault or crash point is armed, no probe, call-site
+ * recording or lock hook is installed (each is read at every call: they can come at any
+ * time). FALLBACK otherwise, ERROR with an exception set. */
+static int gate(Native *n, PyObject *pool) {
+    if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
+    if (PyDict_GET_SIZE(n->faults_armed)) return FALLBACK;
+    if (!dict_none(pool, s_probe) || !dict_none(pool, s_site_of) ||
+        !dict_none(n->locks, s_on_acquire))
+        return FALLBACK;
+    PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
+    if (t == NULL && PyErr_Occurred()) return ERROR;
+    return t == Py_None ? OK : FALLBACK;
+}
+
+/* KVPool._own: a live Sequence of this handle; its slot, or -1 (the Python path decides). */
+static int64_t own_slot(Native *n, PyObject *seq) {
+    if (Py_TYPE(seq) != (PyTypeObject *)n->seq_type) return -1;
+    PyObject *uid = field(seq, s_pool_uid);
+    PyObject *slot = field(seq, s_slot);
+    int64_t out = -1;
+    if (uid && slot && PyLong_CheckExact(uid) && PyLong_CheckExact(slot) &&
+        PyLong_AsLongLong(uid) == n->uid)
+        out = PyLong_AsLongLong(slot);
+    Py_XDECREF(uid);
+    Py_XDECREF(slot);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return out >= 0 && out < n->max_seqs ? out : -1;
+}
+
+#define GATE(n, pool)                                                                        \
+    do {                                                                                     \
+        int g_ = gate(n, pool);                                                              \
+        if (g_ == ERROR) return NULL;                                                        \
+        if (g_ != OK) return fallback(n);                                                    \
+    } while (0)
+
+/* allocate(pool, tokens, request_id) -> Sequence | None */
+static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyUnicode_CheckExact(args[2]) || !PyList_CheckExact(args[1]))
+        return fallback(n);
+    GATE(n, args[0]);
+    char request[REQUEST_BYTES];
+    if (request_of(args[2], request)) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *got = core_allocate(n, args[1], request, -1);
+    if (got == NULL || got == Py_None) return got;
+    /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
+     * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
+    PyObject *tokens = PyList_GetSlice(args[1], 0, PyList_GET_SIZE(args[1]));
+    PyObject *uid = PyLong_FromLongLong(n->uid);
+    PyObject *cached =
+        PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);
+    PyObject *seq = NULL;
+    if (tokens && uid && cached) {
+        /* The dataclass's fields, in its order, straight into a new instance's __dict__
+         * (its __init__ only assigns them; tests/test_native.py compares the two). */
+        PyObject *a[10] = {args[2],        tokens, PyTuple_GET_ITEM(got, 2), PyTuple_GET_ITEM(got, 0),
+                           PyTuple_GET_ITEM(got, 1), uid, cached, s_running,
+                           PyTuple_GET_ITEM(got, 3), PyTuple_GET_ITEM(got, 4)};
+        PyTypeObject *tp = (PyTypeObject *)n->seq_type;
+        seq = tp->tp_alloc(tp, 0);
+        PyObject *d = seq ? PyObject_GenericGetDict(seq, NULL) : NULL;
+        for (int i = 0; d && i < 10; i++)
+            if (PyDict_SetItem(d, PyTuple_GET_ITEM(n->seq_fields, i), a[i])) Py_CLEAR(d);
+        if (d == NULL) Py_CLEAR(seq);
+        Py_XDECREF(d);
+    }
+    Py_XDECREF(tokens);
+    Py_XDECREF(uid);
+    Py_XDECREF(cached);
+    if (seq && PyDict_SetItem(n->seqs, PyTuple_GET_ITEM(got, 0), seq)) Py_CLEAR(seq);
+    Py_DECREF(got);
+    return seq;
+}
+
+/* end(pool, seq, final_state) -> True | None: free (FINISHED) or abort (ABORTED). */
+static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return fallback(n);
+    GATE(n, args[0]);
+    PyObject *seq = args[1];
+    int64_t slot = own_slot(n, seq);
+    long final = PyLong_AsLong(args[2]);
+    if (slot < 0 || (final != 3 && final != 4)) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *table = field(seq, s_block_table);
+    if (table == NULL) return NULL;
+    PyObject *done = core_release(n, table, slot, final);
+    Py_DECREF(table);
+    if (done == NULL || done == Py_None) return done;
+    Py_DECREF(done);
+    /* The Python side of a release: the handle forgets the sequence. */
+    PyObject *key = PyLong_FromLongLong(slot), *empty = PyList_New(0);
+    PyObject *minus = PyLong_FromLong(-1);
+    int bad = !key || !empty || !minus;
+    if (!bad && PyDict_DelItem(n->seqs, key)) PyErr_Clear();
+    bad = bad || PyObject_SetAttr(seq, s_block_table, empty) ||
+          PyObject_SetAttr(seq, s_state, final == 3 ? s_finished : s_aborted) ||
+          PyObject_SetAttr(seq, s_slot, minus);
+    Py_XDECREF(key);
+    Py_XDECREF(empty);
+    Py_XDECREF(minus);
+    if (bad) return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* append(pool, seq, tokens) -> [] | None: one token. */
+static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[2]) != 1)
+        return fallback(n);
+    GATE(n, args[0]);
+    if (own_slot(n, args[1]) < 0) return fallback(n);
+    return core_append1(n, args[1], PyList_GET_ITEM(args[2], 0));
+}
+
+/* mark_computed(pool, seq, num_tokens) -> int | None */
+static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return fallback(n);
+    GATE(n, args[0]);
+    if (own_slot(n, args[1]) < 0) return fallback(n);
+    return core_publish(n, args[1], args[2]);
+}
+
 /* -- the type --------------------------------------------------------------------------------- */
 
 static int get_size(PyObject *d, const char *key, int64_t *out) {
@@ -1136,13 +1338,20 @@ static int get_size(PyObject *d, const char *key, int64_t *out) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* Native(segment_buffer, fd, layout: dict, reserve: list, ids: list, mutex, coefs: list) */
+/* Native(segment_buffer, fd, layout: dict, reserve: list, ids: list, mutex, busy, coefs) */
 static int N_init(Native *n, PyObject *args, PyObject *kw) {
-    PyObject *bufobj, *d, *reserve, *ids, *mutex, *coefs;
+    PyObject *bufobj, *d, *reserve, *ids, *mutex, *busy, *coefs;
     int fd;
-    if (!PyArg_ParseTuple(args, "OiO!O!O!OO!", &bufobj, &fd, &PyDict_Type, &d, &PyList_Type,
-                          &reserve, &PyList_Type, &ids, &mutex, &PyList_Type, &coefs))
+    if (!PyArg_ParseTuple(args, "OiO!O!O!OOO!", &bufobj, &fd, &PyDict_Type, &d, &PyList_Type,
+                          &reserve, &PyList_Type, &ids, &mutex, &busy, &PyList_Type, &coefs))
         return -1;
+    if (PyObject_GetBuffer(busy, &n->busy_buf, PyBUF_WRITABLE) < 0) return -1;
+    if (n->busy_buf.len < 8) {
+        PyBuffer_Release(&n->busy_buf);
+        PyErr_SetString(PyExc_ValueError, "busy must be an 8-byte writable buffer");
+        return -1;
+    }
+    n->busy = n->busy_buf.buf;
     if (PyObject_GetBuffer(bufobj, &n->buf, PyBUF_WRITABLE) < 0) return -1;
     n->seg = n->buf.buf;
     n->fd = fd;
@@ -1201,14 +1410,47 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     Py_INCREF(ids);
     Py_INCREF(mutex);
     n->reserve = reserve, n->ids = ids, n->mutex = mutex;
+    PyObject **objs[] = {&n->seq_type, &n->seqs,      &n->locks,
+                         &n->faults_armed, &n->crash_mod, &n->seq_fields};
+    const char *names[] = {"seq_type", "seqs", "locks", "faults_armed", "crash_module",
+                           "seq_fields"};
+    for (int i = 0; i < 6; i++) {
+        PyObject *o = PyDict_GetItemString(d, names[i]);
+        if (o == NULL) {
+            PyErr_Format(PyExc_KeyError, "native core needs %s", names[i]);
+            return -1;
+        }
+        Py_INCREF(o);
+        *objs[i] = o;
+    }
+    if (!PyTuple_Check(n->seq_fields) || PyTuple_GET_SIZE(n->seq_fields) != 10 ||
+        !PyType_Check(n->seq_type)) {
+        PyErr_SetString(PyExc_TypeError, "seq_type must be a class of 10 fields");
+        return -1;
+    }
+    if (!PyDict_Check(n->seqs) || !PyDict_Check(n->faults_armed)) {
+        PyErr_SetString(PyExc_TypeError, "seqs and faults_armed must be dicts");
+        return -1;
+    }
+    int64_t uid;
+    if (get_size(d, "uid", &uid)) return -1;
+    n->uid = uid;
+    n->fork_gen = fork_gen;
     return 0;
 }
 
 static void N_dealloc(Native *n) {
     if (n->seg) PyBuffer_Release(&n->buf);
+    if (n->busy) PyBuffer_Release(&n->busy_buf);
     Py_XDECREF(n->reserve);
     Py_XDECREF(n->ids);
     Py_XDECREF(n->mutex);
+    Py_XDECREF(n->seq_type);
+    Py_XDECREF(n->seq_fields);
+    Py_XDECREF(n->seqs);
+    Py_XDECREF(n->locks);
+    Py_XDECREF(n->faults_armed);
+    Py_XDECREF(n->crash_mod);
     PyMem_Free(n->coefs);
     Py_TYPE(n)->tp_free((PyObject *)n);
 }
@@ -1233,25 +1475,15 @@ static PyObject *N_set_crash_at(Native *n, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-#define GUARD(fn)                                                                            \
-    static PyObject *fn##_g(Native *n, PyObject *const *a, Py_ssize_t k) {                   \
-        if (n->seg == NULL) return fallback(n);                                              \
-        return fn(n, a, k);                                                                  \
-    }
-GUARD(N_allocate)
-GUARD(N_release)
-GUARD(N_append1)
-GUARD(N_publish)
-
 static PyMethodDef N_methods[] = {
-    {"allocate", (PyCFunction)(void (*)(void))N_allocate_g, METH_FASTCALL,
-     "allocate(tokens, request, site) -> (slot, seq_id, table, chain, hits) | None"},
-    {"release", (PyCFunction)(void (*)(void))N_release_g, METH_FASTCALL,
-     "release(table, slot, final_state) -> True | None"},
-    {"append1", (PyCFunction)(void (*)(void))N_append1_g, METH_FASTCALL,
-     "append1(seq, token) -> [] | None"},
-    {"publish", (PyCFunction)(void (*)(void))N_publish_g, METH_FASTCALL,
-     "publish(seq, num_tokens) -> int | None"},
+    {"allocate", (PyCFunction)(void (*)(void))N_allocate, METH_FASTCALL,
+     "allocate(pool, tokens, request_id) -> Sequence | None (the Python path)"},
+    {"end", (PyCFunction)(void (*)(void))N_end, METH_FASTCALL,
+     "end(pool, seq, final_state) -> True | None: free or abort"},
+    {"append", (PyCFunction)(void (*)(void))N_append, METH_FASTCALL,
+     "append(pool, seq, tokens) -> [] | None: one token"},
+    {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
+     "mark_computed(pool, seq, num_tokens) -> int | None"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
     {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and fallbacks"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
@@ -1284,6 +1516,16 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_slot = PyUnicode_InternFromString("slot");
     s_chain = PyUnicode_InternFromString("chain");
     s_num_published = PyUnicode_InternFromString("num_published");
+    s_probe = PyUnicode_InternFromString("probe");
+    s_site_of = PyUnicode_InternFromString("site_of");
+    s_on_acquire = PyUnicode_InternFromString("on_acquire");
+    s_target = PyUnicode_InternFromString("_target");
+    s_pool_uid = PyUnicode_InternFromString("pool_uid");
+    s_state = PyUnicode_InternFromString("state");
+    s_running = PyUnicode_InternFromString("running");
+    s_finished = PyUnicode_InternFromString("finished");
+    s_aborted = PyUnicode_InternFromString("aborted");
+    pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;
     return m;

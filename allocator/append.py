@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvscope.allocator import faults, native
+from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.prefix import chain_one
@@ -19,11 +19,11 @@ class AppendOps:
 
     def append(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
         """Append tokens; returns the copy-on-write (src, dst) block copies to perform first."""
-        self._own(seq)
-        if len(tokens) == 1 and self._native is not None and native.usable(self):
-            done = self._native.append1(seq, tokens[0])
+        if self._native is not None:
+            done = self._native.append(self, seq, tokens)
             if done is not None:
                 return done
+        self._own(seq)
         tokens = list(map(int, tokens))
         if len(tokens) == 1 and len(seq.tokens) % self.block_size:
             # The decode step: one token into the last block, which has room; unless it is

@@ -11,6 +11,7 @@ point. docs/FORMAT.md, "The native core".
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from kvscope.allocator.layout import (
     seq_dtype,
 )
 from kvscope.allocator.prefix import _COEFS_LIST
+from kvscope.allocator.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
@@ -125,6 +127,14 @@ def core_for(pool: KVPool) -> Any | None:
         "start": pool.start,
         "journal_entries": JOURNAL_ENTRIES,
         "journal_bytes": JOURNAL_BYTES,
+        "uid": pool._uid,
+        # Read at every call (the gate in _native.c): hooks and faults can come at any time.
+        "seq_type": Sequence,
+        "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
+        "seqs": pool._seqs,
+        "locks": pool.locks,
+        "faults_armed": faults.ARMED,
+        "crash_module": crash,
     }
     # The counters are contiguous u8s in COUNTER_FIELDS order.
     for i, f in enumerate(COUNTER_FIELDS):
@@ -138,16 +148,6 @@ def core_for(pool: KVPool) -> Any | None:
         pool.seqtab.reserve,
         pool.seqtab.ids,
         pool._mutex,
+        pool._busy,
         _COEFS_LIST[: view.layout.block_size],
-    )
-
-
-def usable(pool: KVPool) -> bool:
-    """True when this call may take the C path (nothing armed or hooked since the handle opened)."""
-    return (
-        pool.probe is None
-        and pool.site_of is None
-        and pool.locks.on_acquire is None
-        and not faults.ARMED
-        and not crash.armed()
     )

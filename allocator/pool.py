@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import os
 import threading
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -75,6 +76,9 @@ class KVPool(SequenceOps):
         # One operation at a time per mapping (handles of one process on one pool share it:
         # fcntl locks do not exclude each other within a process).
         self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
+        # How many Python-path operations are inside that mutex (0 or 1, or more when nested):
+        # the C core (native.py) runs only while it is 0.
+        self._busy: array = mf.__dict__.setdefault("op_busy", array("q", [0]))
         self._closed = False
         self.client = self._register_client()
         self._client_seq = ClientSeq(view, self.client)
@@ -271,19 +275,24 @@ class KVPool(SequenceOps):
         """Run fn in a transaction, escalating locks and recovering dead holders as needed."""
         self._check_process()
         with self._mutex:
-            while True:
-                try:
-                    order = locks
-                    if faults.ARMED and len(locks) > 1 and faults.fire("lock-inversion"):
-                        order = sorted(locks, reverse=True)
-                    with Txn(self.locks, self.journal, self._client_seq, order) as t:
-                        return fn(t)
-                except Escalate as e:
-                    locks = e.locks
-                except DeadHolder:
-                    from kvscope.allocator.recovery import recover_dead_holders
+            busy = self._busy
+            busy[0] += 1
+            try:
+                while True:
+                    try:
+                        order = locks
+                        if faults.ARMED and len(locks) > 1 and faults.fire("lock-inversion"):
+                            order = sorted(locks, reverse=True)
+                        with Txn(self.locks, self.journal, self._client_seq, order) as t:
+                            return fn(t)
+                    except Escalate as e:
+                        locks = e.locks
+                    except DeadHolder:
+                        from kvscope.allocator.recovery import recover_dead_holders
 
-                    recover_dead_holders(self)
+                        recover_dead_holders(self)
+            finally:
+                busy[0] -= 1
 
     def _count(self, t: Txn, field: str, n: int = 1) -> None:
         """Add to a counter when (and only if) the transaction commits."""
@@ -356,4 +365,8 @@ class KVPool(SequenceOps):
 
         self._check_process()
         with self._mutex:
-            return reclaim_dead(self)
+            self._busy[0] += 1
+            try:
+                return reclaim_dead(self)
+            finally:
+                self._busy[0] -= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvscope.allocator import faults, native
+from kvscope.allocator import faults
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import BlockState, SeqState, block_checksums
 from kvscope.allocator.sequence import Sequence, request_bytes
@@ -13,6 +13,8 @@ from kvscope.allocator.txn import Txn
 
 # A free of a long sequence commits in chunks so one journal never overflows.
 CHUNK = 128
+# The C core's end() takes the final state as a plain int.
+_FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 
 
 class ReleaseOps:
@@ -77,25 +79,16 @@ class ReleaseOps:
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
-        self._end(seq, SeqState.FINISHED)
+        if self._native is None or self._native.end(self, seq, _FINISHED) is None:
+            self._end(seq, SeqState.FINISHED)
 
     def abort(self, seq: Sequence) -> None:
         """Release a sequence whose request did not finish."""
-        self._end(seq, SeqState.ABORTED)
+        if self._native is None or self._native.end(self, seq, _ABORTED) is None:
+            self._end(seq, SeqState.ABORTED)
 
     def _end(self, seq: Sequence, final: SeqState) -> None:
         self._own(seq)
-        nat = self._native
-        if (
-            nat is not None
-            and native.usable(self)
-            and nat.release(seq.block_table, seq.slot, int(final))
-        ):
-            self._seqs.pop(seq.slot, None)
-            seq.block_table = []
-            seq.state = final.name.lower()
-            seq.slot = -1
-            return
         # Long tables are released from the tail in chunks, each its own transaction.
         while len(seq.block_table) > CHUNK:
             keep = len(seq.block_table) - CHUNK

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvscope.allocator import faults, native
+from kvscope.allocator import faults
 from kvscope.allocator.append import AppendOps
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.errors import PoolError, PoolExhausted
@@ -35,26 +35,15 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
 
     def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
-        self._check_process()
-        nat = self._native
-        if nat is not None and type(tokens) is list and native.usable(self):
-            done = nat.allocate(tokens, request_bytes(request_id), -1)
-            if done is not None:
-                slot, seq_id, table, chain, hits = done
-                seq = Sequence(
-                    str(request_id),
-                    list(tokens),
-                    table,
-                    slot,
-                    seq_id,
-                    self._uid,
-                    hits * self.block_size,
-                    "running",
-                    chain,
-                    hits,
-                )
-                self._seqs[slot] = seq
+        if self._native is not None:
+            seq = self._native.allocate(self, tokens, request_id)
+            if seq is not None:
                 return seq
+        return self._allocate(request_id, tokens)
+
+    def _allocate(self, request_id: object, tokens: list[int]) -> Sequence:
+        # The Python path (a function of its own: its closures' cells cost every call).
+        self._check_process()
         tokens = list(map(int, tokens))
         if not tokens:
             raise PoolError("allocate needs at least one token")
@@ -220,11 +209,14 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
-        self._own(seq)
-        if self._native is not None and native.usable(self):
-            done = self._native.publish(seq, num_tokens)
+        if self._native is not None:
+            done = self._native.mark_computed(self, seq, num_tokens)
             if done is not None:
                 return done
+        return self._mark_computed(seq, num_tokens)
+
+    def _mark_computed(self, seq: Sequence, num_tokens: int) -> int:
+        self._own(seq)
         bs = self.block_size
         upto = min(num_tokens, len(seq.tokens)) // bs
         todo = list(range(seq.num_published, upto))
