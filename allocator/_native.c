@@ -165,6 +165,12 @@ typedef struct {
     PyObject *faults_armed; /* faults.ARMED */
     PyObject *crash_mod;    /* allocator.crash (its _target is read at every call) */
     int64_t uid;            /* KVPool._uid */
+    PyObject *store;        /* KVPool.store: its remembered LRU candidates (eviction.py) */
+    /* Done at commit: evictions to count, the LRU candidates' advance (eviction._lru_take). */
+    int64_t pend_evicted;
+    PyObject *pend_lru; /* the candidate list consumed from, or NULL */
+    Py_ssize_t pend_pos;
+    int64_t pend_taken;
     int fork_gen;
     uint64_t *coefs;   /* prefix._COEFS[:bs] */
     /* the open transaction */
@@ -172,12 +178,12 @@ typedef struct {
     uint64_t held; /* bit i: lock i */
     uint64_t acquired[MAX_LOCKS];
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
-    uint64_t native_ops, fallbacks;
+    uint64_t native_ops, fallbacks, native_evictions;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_tokens, *s_block_table, *s_slot, *s_chain,
     *s_num_published, *s_probe, *s_site_of, *s_on_acquire, *s_target, *s_pool_uid, *s_state,
-    *s_running, *s_finished, *s_aborted;
+    *s_running, *s_finished, *s_aborted, *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -189,6 +195,11 @@ static inline uint8_t *idx_entry(Native *n, int64_t i) {
     return n->seg + n->off_index + i * INDEX_ENTRY;
 }
 static inline uint8_t *ringh(Native *n) { return n->seg + n->off_ring; }
+
+/* The index shard (and lock) that owns a key. */
+static inline int64_t shard_of(Native *n, uint64_t key) {
+    return (int64_t)(key & (uint64_t)(n->num_shards - 1));
+}
 
 /* checksums.checksum_of_words over the record's 4 identity words. */
 static inline uint64_t checksum(Native *n, int64_t b) {
@@ -347,20 +358,54 @@ static int txn_begin(Native *n, uint64_t mask) {
     return OK;
 }
 
+static inline void count(Native *n, int field, uint64_t k) {
+    if (k) U8(n->seg + n->c_counters + 8 * (size_t)field) += k;
+}
+
+static PyObject *field(PyObject *obj, PyObject *name);
+
+/* eviction._lru_take's `advance`, after commit: the consumed candidates are gone. */
+static void lru_advance(Native *n) {
+    PyObject *ids = field(n->store, s_lru_ids);
+    PyObject *pos = field(n->store, s_lru_pos);
+    PyObject *cached = field(n->store, s_lru_cached);
+    if (ids && pos && cached && ids == n->pend_lru) {
+        Py_ssize_t p = PyLong_AsSsize_t(pos);
+        int64_t c = PyLong_AsLongLong(cached) - n->pend_taken;
+        PyObject *np = PyLong_FromSsize_t(p > n->pend_pos ? p : n->pend_pos);
+        PyObject *nc = PyLong_FromLongLong(c > 0 ? c : 0);
+        if (np && nc) {
+            PyObject_SetAttr(n->store, s_lru_pos, np);
+            PyObject_SetAttr(n->store, s_lru_cached, nc);
+        }
+        Py_XDECREF(np);
+        Py_XDECREF(nc);
+    }
+    Py_XDECREF(ids);
+    Py_XDECREF(pos);
+    Py_XDECREF(cached);
+    if (PyErr_Occurred()) PyErr_Clear();
+}
+
 static void txn_commit(Native *n) {
     jcommit(n);
     release_all(n);
     client_seq_bump(n);
+    count(n, C_EVICTIONS, (uint64_t)n->pend_evicted);
+    n->native_evictions += (uint64_t)n->pend_evicted;
+    n->pend_evicted = 0;
+    if (n->pend_lru) {
+        lru_advance(n);
+        Py_CLEAR(n->pend_lru);
+    }
 }
 
 static void txn_abort(Native *n) {
     jrollback(n);
     release_all(n);
     client_seq_bump(n);
-}
-
-static inline void count(Native *n, int field, uint64_t k) {
-    if (k) U8(n->seg + n->c_counters + 8 * (size_t)field) += k;
+    n->pend_evicted = 0;
+    Py_CLEAR(n->pend_lru);
 }
 
 /* -- blocks ----------------------------------------------------------------------------------- */
@@ -467,8 +512,125 @@ static int refill(Native *n) {
     return local_push(n, ids, got, &fit);
 }
 
-/* ReserveOps._take without eviction or preemption: FALLBACK when the ring is short too. The
- * free lock must be held when the local cache is short (`need_free` says so beforehand). */
+/* -- eviction (eviction.py) -------------------------------------------------------------------- */
+
+#define EVICT_BATCH 32
+
+/* PrefixIndex.remove: unindex `key` -> `block` with backward-shift deletion (shard lock). */
+static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
+    int64_t base = shard_of(n, key) * n->index_w, w = n->index_w;
+    int64_t i = (int64_t)((key >> 16) % (uint64_t)w), s;
+    *removed = 0;
+    for (s = 0; s < w; s++) {
+        uint8_t *e = idx_entry(n, base + i);
+        if (U8(e) == 0) return OK;
+        if (U8(e) == key && I4(e + 8) == block) break;
+        i = (i + 1) % w;
+    }
+    if (s == w) return OK;
+    int64_t hole = i, j = (i + 1) % w;
+    for (s = 0; s < w - 1; s++) {
+        uint8_t *ej = idx_entry(n, base + j);
+        uint64_t kj = U8(ej);
+        if (kj == 0) break;
+        int64_t home = (int64_t)((kj >> 16) % (uint64_t)w);
+        /* Move entry j into the hole if its home is not in the cyclic range (hole, j]. */
+        if (((j - home) % w + w) % w >= ((j - hole) % w + w) % w) {
+            if (jsave(n, n->off_index + (size_t)(base + hole) * INDEX_ENTRY, INDEX_ENTRY))
+                return FALLBACK;
+            uint8_t *eh = idx_entry(n, base + hole);
+            U8(eh) = kj;
+            I4(eh + 8) = I4(ej + 8);
+            hole = j;
+        }
+        j = (j + 1) % w;
+    }
+    if (jsave(n, n->off_index + (size_t)(base + hole) * INDEX_ENTRY, INDEX_ENTRY)) return FALLBACK;
+    uint8_t *eh = idx_entry(n, base + hole);
+    U8(eh) = 0;
+    I4(eh + 8) = -1;
+    *removed = 1;
+    return OK;
+}
+
+/* eviction._lru_take: the next k (+ extra) remembered candidates still CACHED and untouched
+ * since the scan; FALLBACK when fewer than k are left (Python scans the pool). */
+static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand) {
+    PyObject *ids = field(n->store, s_lru_ids), *stamps = field(n->store, s_lru_ns);
+    PyObject *pos_o = field(n->store, s_lru_pos), *cached_o = field(n->store, s_lru_cached);
+    int rc = FALLBACK;
+    if (!ids || !stamps || !pos_o || !cached_o || !PyList_CheckExact(ids) ||
+        !PyList_CheckExact(stamps) || PyList_GET_SIZE(stamps) != PyList_GET_SIZE(ids))
+        goto out;
+    Py_ssize_t pos = PyLong_AsSsize_t(pos_o);
+    int64_t cached = PyLong_AsLongLong(cached_o);
+    if (PyErr_Occurred()) goto out;
+    int64_t spare = cached - k > 0 ? (cached - k) / 4 : 0;
+    int64_t want = k + (extra < spare ? extra : spare), got = 0;
+    Py_ssize_t len = PyList_GET_SIZE(ids);
+    while (pos < len && got < want) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(ids, pos));
+        uint64_t st = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(stamps, pos));
+        if (PyErr_Occurred()) goto out;
+        if (b >= 0 && b < n->nb) {
+            uint8_t *r = blk(n, b);
+            if (r[BF_STATE] == B_CACHED && U8(r + BF_ACCESS_NS) == st) cand[got++] = (int32_t)b;
+        }
+        pos++;
+    }
+    if (got < k) goto out;
+    *ncand = got;
+    Py_XSETREF(n->pend_lru, Py_NewRef(ids));
+    n->pend_pos = pos;
+    n->pend_taken = got;
+    rc = OK;
+out:
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_XDECREF(ids);
+    Py_XDECREF(stamps);
+    Py_XDECREF(pos_o);
+    Py_XDECREF(cached_o);
+    return rc;
+}
+
+static inline int all_shards_held(Native *n) {
+    for (int64_t s = 0; s < n->num_shards; s++)
+        if (!(n->held & (1ull << (n->lock_shard0 + s)))) return 0;
+    return 1;
+}
+
+/* ReserveOps._take's eviction step: `k` blocks into out from the LRU cached ones; up to
+ * EVICT_BATCH more go to the free ring (every shard lock and the free lock held). */
+static int evict_into(Native *n, int64_t k, int32_t *out) {
+    if (!all_shards_held(n) || !(n->held & (1ull << n->lock_free))) return FALLBACK;
+    int32_t cand[CHUNK + EVICT_BATCH];
+    int64_t nc;
+    if (k > CHUNK || lru_take(n, k, EVICT_BATCH, cand, &nc)) return FALLBACK;
+    /* BlockStore.evict */
+    for (int64_t i = 0; i < nc; i++)
+        if (jsave_block(n, cand[i])) return FALLBACK;
+    for (int64_t i = 0; i < nc; i++) {
+        uint8_t *r = blk(n, cand[i]);
+        int removed;
+        if (index_remove(n, U8(r + BF_PREFIX_HASH), cand[i], &removed) || !removed)
+            return FALLBACK;
+    }
+    for (int64_t i = 0; i < nc; i++) {
+        uint8_t *r = blk(n, cand[i]);
+        r[BF_INDEXED] = 0;
+        I4(r + BF_REFCOUNT) = 0;
+        r[BF_STATE] = B_LOCAL; /* in flight to the caller: stamped or pushed to the ring */
+        I4(r + BF_OWNER_CLIENT) = n->client;
+    }
+    memcpy(out, cand, 4 * (size_t)k);
+    if (ring_push(n, cand + k, nc - k)) return FALLBACK;
+    n->pend_evicted += nc;
+    return OK;
+}
+
+/* ReserveOps._take without preemption: the local cache, the ring, LRU eviction; FALLBACK when
+ * they are short (Python preempts or raises PoolExhausted). The locks each step needs must
+ * be held already (`take_locks` plans them). */
 static int take(Native *n, int64_t k, int32_t *out) {
     int64_t got, more;
     if (local_pop(n, k, out, &got)) return FALLBACK;
@@ -476,10 +638,21 @@ static int take(Native *n, int64_t k, int32_t *out) {
         if (!(n->held & (1ull << n->lock_free))) return FALLBACK;
         if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
         got += more;
-        if (got < k) return FALLBACK; /* eviction or preemption: the Python path */
-        if (refill(n)) return FALLBACK;
+        if (got == k) return refill(n);
+        return evict_into(n, k - got, out + got);
     }
     return OK;
+}
+
+/* ReserveOps._take_locks: the locks `take(k)` will need, judged from the local cache and the
+ * ring's count (a hint: if it was wrong, `take` falls back). */
+static uint64_t take_locks(Native *n, int64_t k) {
+    int64_t local = local_count(n);
+    if (local >= k) return 0;
+    uint64_t locks = 1ull << n->lock_free;
+    if (local + (int64_t)U4(ringh(n) + RING_COUNT) >= k) return locks;
+    for (int64_t s = 0; s < n->num_shards; s++) locks |= 1ull << (n->lock_shard0 + s);
+    return locks;
 }
 
 /* BlockStore.stamp: fresh ALLOCATED blocks with refcount 1, owned by this client. */
@@ -511,9 +684,6 @@ static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, 
 
 /* -- the prefix index ------------------------------------------------------------------------- */
 
-static inline int64_t shard_of(Native *n, uint64_t key) {
-    return (int64_t)(key & (uint64_t)(n->num_shards - 1));
-}
 
 /* PrefixIndex.lookup */
 static int32_t index_lookup(Native *n, uint64_t key) {
@@ -765,7 +935,7 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
      * lock and the stored tokens.) */
     int may_hit = max_hits > 0 && index_lookup(n, keys[0]) >= 0;
     if (may_hit) locks |= 1ull << (n->lock_shard0 + shard_of(n, keys[0]));
-    if ((int64_t)local_count(n) < nblocks) locks |= 1ull << n->lock_free;
+    locks |= take_locks(n, nblocks);
     if (txn_begin(n, locks)) {
         result = fallback(n);
         goto out;
@@ -1056,7 +1226,7 @@ static PyObject *core_append1(Native *n, PyObject *seq, PyObject *tok_in) {
             goto out;
         }
         mutex = 1;
-        uint64_t locks = local_count(n) < 1 ? 1ull << n->lock_free : 0;
+        uint64_t locks = take_locks(n, 1);
         if (txn_begin(n, locks)) {
             result = fallback(n);
             goto out;
@@ -1410,11 +1580,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     Py_INCREF(ids);
     Py_INCREF(mutex);
     n->reserve = reserve, n->ids = ids, n->mutex = mutex;
-    PyObject **objs[] = {&n->seq_type, &n->seqs,      &n->locks,
-                         &n->faults_armed, &n->crash_mod, &n->seq_fields};
-    const char *names[] = {"seq_type", "seqs", "locks", "faults_armed", "crash_module",
-                           "seq_fields"};
-    for (int i = 0; i < 6; i++) {
+    PyObject **objs[] = {&n->seq_type,  &n->seqs,       &n->locks, &n->faults_armed,
+                         &n->crash_mod, &n->seq_fields, &n->store};
+    const char *names[] = {"seq_type",     "seqs",       "locks", "faults_armed",
+                           "crash_module", "seq_fields", "store"};
+    for (int i = 0; i < 7; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
             PyErr_Format(PyExc_KeyError, "native core needs %s", names[i]);
@@ -1451,6 +1621,8 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->locks);
     Py_XDECREF(n->faults_armed);
     Py_XDECREF(n->crash_mod);
+    Py_XDECREF(n->store);
+    Py_XDECREF(n->pend_lru);
     PyMem_Free(n->coefs);
     Py_TYPE(n)->tp_free((PyObject *)n);
 }
@@ -1465,8 +1637,9 @@ static PyObject *N_close(Native *n, PyObject *unused) {
 }
 
 static PyObject *N_stats(Native *n, PyObject *unused) {
-    return Py_BuildValue("{sKsK}", "native_ops", (unsigned long long)n->native_ops, "fallbacks",
-                         (unsigned long long)n->fallbacks);
+    return Py_BuildValue("{sKsKsK}", "native_ops", (unsigned long long)n->native_ops,
+                         "fallbacks", (unsigned long long)n->fallbacks, "evictions",
+                         (unsigned long long)n->native_evictions);
 }
 
 static PyObject *N_set_crash_at(Native *n, PyObject *arg) {
@@ -1525,6 +1698,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_running = PyUnicode_InternFromString("running");
     s_finished = PyUnicode_InternFromString("finished");
     s_aborted = PyUnicode_InternFromString("aborted");
+    s_lru_ids = PyUnicode_InternFromString("_lru_ids");
+    s_lru_ns = PyUnicode_InternFromString("_lru_ns");
+    s_lru_pos = PyUnicode_InternFromString("_lru_pos");
+    s_lru_cached = PyUnicode_InternFromString("_lru_cached");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;

@@ -135,6 +135,7 @@ def core_for(pool: KVPool) -> Any | None:
         "locks": pool.locks,
         "faults_armed": faults.ARMED,
         "crash_module": crash,
+        "store": pool.store,
     }
     # The counters are contiguous u8s in COUNTER_FIELDS order.
     for i, f in enumerate(COUNTER_FIELDS):

@@ -11,7 +11,7 @@ import signal
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, faults, native
+from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, eviction, faults, native
 from kvscope.allocator.layout import CLIENT_DTYPE
 from tests.test_crash import _survive_and_reclaim, _work
 
@@ -72,13 +72,20 @@ def _same(a: KVPool, b: KVPool, step: str) -> None:
             raise AssertionError(f"after {step}: section {key} differs between C and Python")
 
 
-def _script(rng: random.Random, steps: int):
+def _script(rng: random.Random, steps: int, churn: bool = False):
     """Operations with shared prefixes, decode steps, publication, forks (copy-on-write),
-    aborts and a pool small enough to evict."""
+    aborts and a pool small enough to evict; `churn` ends sequences about as often as it
+    starts them and publishes more (the cache fills with prefixes: eviction)."""
     systems = [[rng.randrange(50) for _ in range(9)] for _ in range(3)]
     for i in range(steps):
         r = rng.random()
-        if r < 0.25:
+        if churn and r < 0.35:
+            own = [rng.randrange(500) for _ in range(rng.randrange(4, 13))]
+            yield ("allocate", f"r{i}", own)
+            yield ("publish", 1.0 - 1e-9, None)
+            if r < 0.3:
+                yield ("free", 0.0, None)
+        elif r < 0.25:
             own = [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
             yield ("allocate", f"r{i}", (rng.choice(systems) if rng.random() < 0.7 else []) + own)
         elif r < 0.6:
@@ -118,16 +125,19 @@ def _apply(pool: KVPool, live: list, op: tuple) -> object:
         return ("exhausted", e.needed)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_same_operations_leave_the_same_bytes(pool_name, seed):
-    # GIVEN two pools of one geometry, one using the C core and one pure Python
+@pytest.mark.parametrize("seed,churn", [(1, False), (2, False), (3, True), (4, True)])
+def test_same_operations_leave_the_same_bytes(pool_name, seed, churn, monkeypatch):
+    # GIVEN two pools of one geometry, one using the C core and one pure Python; eviction
+    # remembers LRU candidates only in large caches: remember 8 here, so that the C core's
+    # eviction (it takes remembered candidates; Python scans) runs too
+    monkeypatch.setattr(eviction, "LRU_KEEP", 8)
     fast = _pool(pool_name, True)
     slow = _pool(f"{pool_name}-py", False)
     live_fast: list = []
     live_slow: list = []
     try:
         # WHEN the same random operations run on both
-        for i, op in enumerate(_script(random.Random(seed), 600)):
+        for i, op in enumerate(_script(random.Random(seed), 600, churn)):
             got_fast = _apply(fast, live_fast, op)
             got_slow = _apply(slow, live_slow, op)
             # THEN every result, every sequence and every byte of allocator state agree
@@ -142,6 +152,8 @@ def test_same_operations_leave_the_same_bytes(pool_name, seed):
         # and both paths ran, interleaved: the C core the common case, Python the rest
         done = fast._native.stats()
         assert done["native_ops"] > 200 and done["fallbacks"] > 0, done
+        # eviction among them when the cache fills with prefixes
+        assert done["evictions"] > 0 or not churn, done
     finally:
         for p in (fast, slow):
             p.close()
