@@ -169,6 +169,11 @@ typedef struct {
     /* Done at commit: evictions to count, the LRU candidates' advance (eviction._lru_take). */
     int64_t pend_evicted;
     PyObject *pend_lru; /* the candidate list consumed from, or NULL */
+    /* A scan's remembered candidates (eviction._lru_reset at commit), or pend_scan_n < 0. */
+    int32_t *pend_scan_ids;
+    uint64_t *pend_scan_ns;
+    int64_t pend_scan_n, pend_scan_cached;
+    PyObject *evict_mod; /* allocator.eviction (its LRU_KEEP is read at every scan) */
     Py_ssize_t pend_pos;
     int64_t pend_taken;
     int fork_gen;
@@ -387,6 +392,36 @@ static void lru_advance(Native *n) {
     if (PyErr_Occurred()) PyErr_Clear();
 }
 
+/* eviction._lru_reset, after commit: a scan's later candidates become the remembered ones. */
+static void lru_reset(Native *n) {
+    int64_t m = n->pend_scan_n;
+    PyObject *ids = PyList_New(m), *ns = PyList_New(m);
+    PyObject *zero = PyLong_FromLong(0), *cached = PyLong_FromLongLong(n->pend_scan_cached);
+    if (ids && ns && zero && cached) {
+        for (int64_t i = 0; i < m; i++) {
+            PyList_SET_ITEM(ids, i, PyLong_FromLong(n->pend_scan_ids[i]));
+            PyList_SET_ITEM(ns, i, PyLong_FromUnsignedLongLong(n->pend_scan_ns[i]));
+        }
+        PyObject_SetAttr(n->store, s_lru_ids, ids);
+        PyObject_SetAttr(n->store, s_lru_ns, ns);
+        PyObject_SetAttr(n->store, s_lru_pos, zero);
+        PyObject_SetAttr(n->store, s_lru_cached, cached);
+    }
+    Py_XDECREF(ids);
+    Py_XDECREF(ns);
+    Py_XDECREF(zero);
+    Py_XDECREF(cached);
+    if (PyErr_Occurred()) PyErr_Clear();
+}
+
+static void drop_pending_scan(Native *n) {
+    PyMem_Free(n->pend_scan_ids);
+    PyMem_Free(n->pend_scan_ns);
+    n->pend_scan_ids = NULL;
+    n->pend_scan_ns = NULL;
+    n->pend_scan_n = -1;
+}
+
 static void txn_commit(Native *n) {
     jcommit(n);
     release_all(n);
@@ -398,6 +433,10 @@ static void txn_commit(Native *n) {
         lru_advance(n);
         Py_CLEAR(n->pend_lru);
     }
+    if (n->pend_scan_n >= 0) {
+        lru_reset(n);
+        drop_pending_scan(n);
+    }
 }
 
 static void txn_abort(Native *n) {
@@ -406,6 +445,7 @@ static void txn_abort(Native *n) {
     client_seq_bump(n);
     n->pend_evicted = 0;
     Py_CLEAR(n->pend_lru);
+    drop_pending_scan(n);
 }
 
 /* -- blocks ----------------------------------------------------------------------------------- */
@@ -555,7 +595,8 @@ static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
 
 /* eviction._lru_take: the next k (+ extra) remembered candidates still CACHED and untouched
  * since the scan; FALLBACK when fewer than k are left (Python scans the pool). */
-static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand) {
+static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
+                    int dry) {
     PyObject *ids = field(n->store, s_lru_ids), *stamps = field(n->store, s_lru_ns);
     PyObject *pos_o = field(n->store, s_lru_pos), *cached_o = field(n->store, s_lru_cached);
     int rc = FALLBACK;
@@ -578,8 +619,23 @@ static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         }
         pos++;
     }
-    if (got < k) goto out;
+    if (got < k && dry) goto out;
+    if (got < k) {
+        /* eviction._lru_take: forget the exhausted candidates (at once, not at commit). */
+        PyObject *e1 = PyList_New(0), *e2 = PyList_New(0), *z = PyLong_FromLong(0);
+        if (e1 && e2 && z) {
+            PyObject_SetAttr(n->store, s_lru_ids, e1);
+            PyObject_SetAttr(n->store, s_lru_ns, e2);
+            PyObject_SetAttr(n->store, s_lru_pos, z);
+        }
+        Py_XDECREF(e1);
+        Py_XDECREF(e2);
+        Py_XDECREF(z);
+        goto out;
+    }
     *ncand = got;
+    rc = OK;
+    if (dry) goto out;
     Py_XSETREF(n->pend_lru, Py_NewRef(ids));
     n->pend_pos = pos;
     n->pend_taken = got;
@@ -593,19 +649,115 @@ out:
     return rc;
 }
 
-static inline int all_shards_held(Native *n) {
-    for (int64_t s = 0; s < n->num_shards; s++)
-        if (!(n->held & (1ull << (n->lock_shard0 + s)))) return 0;
-    return 1;
+typedef struct {
+    uint64_t ns;
+    int32_t id;
+} Aged;
+
+static inline int aged_lt(const Aged *a, const Aged *b) {
+    return a->ns < b->ns || (a->ns == b->ns && a->id < b->id);
+}
+
+static int aged_cmp(const void *a, const void *b) {
+    return aged_lt(a, b) ? -1 : aged_lt(b, a) ? 1 : 0;
+}
+
+/* Put the `keep` smallest of a[0..m) (by access time, then id) first (quickselect). */
+static void select_oldest(Aged *a, int64_t m, int64_t keep) {
+    int64_t lo = 0, hi = m - 1;
+    uint64_t seed = 0x9E3779B97F4A7C15ull;
+    while (lo < hi) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        Aged pivot = a[lo + (int64_t)((seed >> 33) % (uint64_t)(hi - lo + 1))];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (aged_lt(&a[i], &pivot)) i++;
+            while (aged_lt(&pivot, &a[j])) j--;
+            if (i <= j) {
+                Aged t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (keep - 1 <= j)
+            hi = j;
+        else if (keep - 1 >= i)
+            lo = i;
+        else
+            return;
+    }
+}
+
+/* eviction._lru_scan: the k (+ extra) least recently used CACHED blocks into cand, oldest
+ * first; a large cache also remembers the next LRU_KEEP oldest (set at commit). */
+static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
+                    int dry) {
+    PyObject *keep_o = PyObject_GetAttrString(n->evict_mod, "LRU_KEEP");
+    int64_t lru_keep = keep_o ? PyLong_AsLongLong(keep_o) : -1;
+    Py_XDECREF(keep_o);
+    if (lru_keep < 0 || PyErr_Occurred()) {
+        PyErr_Clear();
+        return FALLBACK;
+    }
+    int64_t m = 0;
+    for (int64_t b = 0; b < n->nb; b++) m += blk(n, b)[BF_STATE] == B_CACHED;
+    if (m == 0) return FALLBACK;
+    Aged *a = PyMem_Malloc(sizeof(Aged) * (size_t)m);
+    if (a == NULL) return FALLBACK;
+    /* Without the locks (a dry run plans them) other processes change states meanwhile: never
+     * past the count of the first pass. */
+    int64_t i = 0;
+    for (int64_t b = 0; b < n->nb && i < m; b++) {
+        uint8_t *r = blk(n, b);
+        if (r[BF_STATE] == B_CACHED) a[i].ns = U8(r + BF_ACCESS_NS), a[i++].id = (int32_t)b;
+    }
+    m = i;
+    int64_t spare = m - k > 0 ? (m - k) / 4 : 0;
+    k += extra < spare ? extra : spare;
+    int64_t keep = m > 2 * lru_keep + k ? k + lru_keep : k;
+    if (keep > m) keep = m;
+    if (m > keep) select_oldest(a, m, keep);
+    qsort(a, (size_t)keep, sizeof(Aged), aged_cmp);
+    int64_t take_n = k < keep ? k : keep;
+    for (int64_t j = 0; j < take_n; j++) cand[j] = a[j].id;
+    *ncand = take_n;
+    if (keep > k && !dry) {
+        drop_pending_scan(n);
+        int64_t later = keep - k;
+        n->pend_scan_ids = PyMem_Malloc(sizeof(int32_t) * (size_t)later);
+        n->pend_scan_ns = PyMem_Malloc(sizeof(uint64_t) * (size_t)later);
+        if (!n->pend_scan_ids || !n->pend_scan_ns) {
+            drop_pending_scan(n);
+            PyMem_Free(a);
+            return FALLBACK;
+        }
+        for (int64_t j = 0; j < later; j++) {
+            n->pend_scan_ids[j] = a[k + j].id;
+            n->pend_scan_ns[j] = a[k + j].ns;
+        }
+        n->pend_scan_n = later;
+        n->pend_scan_cached = m - k;
+    }
+    PyMem_Free(a);
+    return OK;
 }
 
 /* ReserveOps._take's eviction step: `k` blocks into out from the LRU cached ones; up to
  * EVICT_BATCH more go to the free ring (every shard lock and the free lock held). */
 static int evict_into(Native *n, int64_t k, int32_t *out) {
-    if (!all_shards_held(n) || !(n->held & (1ull << n->lock_free))) return FALLBACK;
+    if (!(n->held & (1ull << n->lock_free))) return FALLBACK;
     int32_t cand[CHUNK + EVICT_BATCH];
     int64_t nc;
-    if (k > CHUNK || lru_take(n, k, EVICT_BATCH, cand, &nc)) return FALLBACK;
+    if (k > CHUNK) return FALLBACK;
+    if (lru_take(n, k, EVICT_BATCH, cand, &nc, 0) && lru_scan(n, k, EVICT_BATCH, cand, &nc, 0))
+        return FALLBACK;
+    if (nc < k) return FALLBACK; /* preemption or PoolExhausted: the Python path */
+    /* Only the candidates' shards are locked (`take_locks` found them before the locks:
+     * another process may have changed the pool since; then the Python path, every shard). */
+    for (int64_t i = 0; i < nc; i++)
+        if (!(n->held & (1ull << (n->lock_shard0 +
+                                  shard_of(n, U8(blk(n, cand[i]) + BF_PREFIX_HASH))))))
+            return FALLBACK;
     /* BlockStore.evict */
     for (int64_t i = 0; i < nc; i++)
         if (jsave_block(n, cand[i])) return FALLBACK;
@@ -650,7 +802,18 @@ static uint64_t take_locks(Native *n, int64_t k) {
     int64_t local = local_count(n);
     if (local >= k) return 0;
     uint64_t locks = 1ull << n->lock_free;
-    if (local + (int64_t)U4(ringh(n) + RING_COUNT) >= k) return locks;
+    int64_t short_ = k - local - (int64_t)U4(ringh(n) + RING_COUNT);
+    if (short_ <= 0) return locks;
+    /* Eviction: the shards of the blocks it will take, found now without the locks (the same
+     * choice it makes under them when no other process changed the pool meanwhile). */
+    int32_t cand[CHUNK + EVICT_BATCH];
+    int64_t nc = 0;
+    if (short_ <= CHUNK && (!lru_take(n, short_, EVICT_BATCH, cand, &nc, 1) ||
+                            !lru_scan(n, short_, EVICT_BATCH, cand, &nc, 1))) {
+        for (int64_t i = 0; i < nc; i++)
+            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(blk(n, cand[i]) + BF_PREFIX_HASH)));
+        return locks;
+    }
     for (int64_t s = 0; s < n->num_shards; s++) locks |= 1ull << (n->lock_shard0 + s);
     return locks;
 }
@@ -1581,10 +1744,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     Py_INCREF(mutex);
     n->reserve = reserve, n->ids = ids, n->mutex = mutex;
     PyObject **objs[] = {&n->seq_type,  &n->seqs,       &n->locks, &n->faults_armed,
-                         &n->crash_mod, &n->seq_fields, &n->store};
+                         &n->crash_mod, &n->seq_fields, &n->store, &n->evict_mod};
     const char *names[] = {"seq_type",     "seqs",       "locks", "faults_armed",
-                           "crash_module", "seq_fields", "store"};
-    for (int i = 0; i < 7; i++) {
+                           "crash_module", "seq_fields", "store", "eviction_module"};
+    n->pend_scan_n = -1;
+    for (int i = 0; i < 8; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
             PyErr_Format(PyExc_KeyError, "native core needs %s", names[i]);
@@ -1623,6 +1787,8 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->crash_mod);
     Py_XDECREF(n->store);
     Py_XDECREF(n->pend_lru);
+    Py_XDECREF(n->evict_mod);
+    drop_pending_scan(n);
     PyMem_Free(n->coefs);
     Py_TYPE(n)->tp_free((PyObject *)n);
 }

@@ -19,6 +19,19 @@ _U8 = struct.Struct("<Q")
 LRU_KEEP = 1024
 
 
+def oldest(ids: np.ndarray, ns: np.ndarray, keep: int) -> np.ndarray:
+    """The `keep` ids with the smallest (access time, id), in that order (ids ascending).
+
+    Ties are broken by id, so the choice is one (the C core's scan makes the same).
+    """
+    if len(ids) > keep:
+        threshold = np.partition(ns, keep - 1)[keep - 1]
+        pick = ns < threshold
+        pick[np.flatnonzero(ns == threshold)[: keep - int(pick.sum())]] = True
+        ids, ns = ids[pick], ns[pick]
+    return ids[np.lexsort((ids, ns))]
+
+
 class EvictionOps:
     """LRU eviction (the `self` is always a BlockStore)."""
 
@@ -55,14 +68,13 @@ class EvictionOps:
         cand = np.flatnonzero(self.state == BlockState.CACHED)
         if len(cand) == 0:
             return cand
-        k += min(extra, max(0, len(cand) - k) // 4)
-        keep = k + LRU_KEEP if len(cand) > 2 * LRU_KEEP + k else k
-        if len(cand) > keep:
-            cand = cand[np.argpartition(self.access_ns[cand], keep - 1)[:keep]]
-        cand = cand[np.argsort(self.access_ns[cand], kind="stable")]
+        num_cached = len(cand)
+        k += min(extra, max(0, num_cached - k) // 4)
+        keep = k + LRU_KEEP if num_cached > 2 * LRU_KEEP + k else k
+        cand = oldest(cand, self.access_ns[cand], keep)
         if keep > k:
             later = cand[k:]
-            lru = (later.tolist(), self.access_ns[later].tolist(), len(cand) - k)
+            lru = (later.tolist(), self.access_ns[later].tolist(), num_cached - k)
             t.after_commit.append(lambda: self._lru_reset(*lru))
         return cand[:k]
 

@@ -15,7 +15,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvscope.allocator import crash, faults
+from kvscope.allocator import crash, eviction, faults
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
@@ -136,6 +136,7 @@ def core_for(pool: KVPool) -> Any | None:
         "faults_armed": faults.ARMED,
         "crash_module": crash,
         "store": pool.store,
+        "eviction_module": eviction,
     }
     # The counters are contiguous u8s in COUNTER_FIELDS order.
     for i, f in enumerate(COUNTER_FIELDS):

@@ -69,10 +69,15 @@ def _worker(name: str, seed: int, ops: int) -> int:
     return 0
 
 
+# max_clients 8 (the parent and 4 workers): each process keeps a slot reserve, so most operations take the C core's path
+# (allocator/_native.c), eviction included; 32: more of them take the Python path.
 @pytest.mark.slow
-def test_four_processes_share_one_pool_without_losing_a_block(make_pool):
+@pytest.mark.parametrize("max_clients", [32, 8])
+def test_four_processes_share_one_pool_without_losing_a_block(make_pool, max_clients):
     # GIVEN one pool and 4 processes attached to it
-    pool = make_pool(256, block_size=BS, num_kv_heads=1, head_dim=1, local_cache_size=4)
+    pool = make_pool(
+        256, block_size=BS, num_kv_heads=1, head_dim=1, local_cache_size=4, max_clients=max_clients
+    )
     ops = int(os.environ.get("KVSCOPE_PROC_OPS", "1500"))
     pids = []
     for w in range(4):
