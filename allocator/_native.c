@@ -26,6 +26,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -157,11 +158,13 @@ typedef struct {
     PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */
     int64_t *busy;     /* the mapping's count of Python-path operations under that mutex */
     Py_buffer busy_buf;
+    int64_t *hooks;    /* KVPool._hooks: probe hooks set on the handle (0: none) */
+    Py_buffer hooks_buf;
     int mutex_held;    /* this call took the mutex to wait for an fcntl lock */
     PyObject *seq_type;     /* allocator.sequence.Sequence */
     PyObject *seq_fields;   /* its dataclass field names, in order (a tuple of 10) */
+    Py_ssize_t seq_off[10]; /* their __slots__ offsets in an instance */
     PyObject *seqs;         /* KVPool._seqs: slot -> Sequence */
-    PyObject *locks;        /* KVPool.locks (its on_acquire hook is read at every call) */
     PyObject *faults_armed; /* faults.ARMED */
     PyObject *crash_mod;    /* allocator.crash (its _target is read at every call) */
     int64_t uid;            /* KVPool._uid */
@@ -186,9 +189,8 @@ typedef struct {
     uint64_t native_ops, fallbacks, native_evictions;
 } Native;
 
-static PyObject *s_acquire, *s_release, *s_tokens, *s_block_table, *s_slot, *s_chain,
-    *s_num_published, *s_probe, *s_site_of, *s_on_acquire, *s_target, *s_pool_uid, *s_state,
-    *s_running, *s_finished, *s_aborted, *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached;
+static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
+    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -886,18 +888,6 @@ static int index_insert(Native *n, uint64_t key, int32_t block, int *inserted) {
 
 /* -- argument helpers ------------------------------------------------------------------------- */
 
-/* 1 when `obj.__dict__[name]` is None (plain instance attributes: no descriptor on these). */
-static int dict_none(PyObject *obj, PyObject *name) {
-    PyObject *d = PyObject_GenericGetDict(obj, NULL);
-    if (d == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *v = PyDict_GetItemWithError(d, name);
-    Py_DECREF(d);
-    return v == Py_None;
-}
-
 /* obj.__dict__[name] as a new reference, else the generic lookup. */
 static PyObject *field(PyObject *obj, PyObject *name) {
     PyObject *d = PyObject_GenericGetDict(obj, NULL);
@@ -910,6 +900,21 @@ static PyObject *field(PyObject *obj, PyObject *name) {
         PyErr_Clear();
     }
     return PyObject_GetAttr(obj, name);
+}
+
+/* Field i of a Sequence (F_* below; its type is checked by own_slot or made here): the
+ * dataclass has __slots__, read and written at their offsets. */
+enum { F_REQUEST_ID, F_TOKENS, F_BLOCK_TABLE, F_SLOT, F_SEQ_ID, F_POOL_UID, F_CACHED, F_STATE,
+       F_CHAIN, F_PUBLISHED };
+
+static PyObject *sfield(Native *n, PyObject *seq, int i) {
+    PyObject *v = *(PyObject **)((char *)seq + n->seq_off[i]);
+    if (v == NULL) PyErr_SetObject(PyExc_AttributeError, PyTuple_GET_ITEM(n->seq_fields, i));
+    return Py_XNewRef(v);
+}
+
+static void sset(Native *n, PyObject *seq, int i, PyObject *v) {
+    Py_XSETREF(*(PyObject **)((char *)seq + n->seq_off[i]), Py_NewRef(v));
 }
 
 /* Token ids of a list of ints into `out` (int32, as the records store them); FALLBACK on
@@ -1344,10 +1349,10 @@ static PyObject *core_append1(Native *n, PyObject *seq, PyObject *tok_in) {
         return fallback(n);
     }
     if (tok < INT32_MIN || tok > INT32_MAX) return fallback(n);
-    PyObject *tokens = field(seq, s_tokens);
-    PyObject *table = field(seq, s_block_table);
-    PyObject *slot_o = field(seq, s_slot);
-    PyObject *chain = field(seq, s_chain);
+    PyObject *tokens = sfield(n, seq, F_TOKENS);
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    PyObject *slot_o = sfield(n, seq, F_SLOT);
+    PyObject *chain = sfield(n, seq, F_CHAIN);
     PyObject *result = NULL, *tok_o = NULL;
     int mutex = 0;
     if (!tokens || !table || !slot_o || !chain) goto out;
@@ -1441,10 +1446,10 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
         PyErr_Clear();
         return fallback(n);
     }
-    PyObject *tokens = field(seq, s_tokens);
-    PyObject *table = field(seq, s_block_table);
-    PyObject *chain = field(seq, s_chain);
-    PyObject *pub_o = field(seq, s_num_published);
+    PyObject *tokens = sfield(n, seq, F_TOKENS);
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    PyObject *chain = sfield(n, seq, F_CHAIN);
+    PyObject *pub_o = sfield(n, seq, F_PUBLISHED);
     PyObject *result = NULL;
     int mutex = 0;
     if (!tokens || !table || !chain || !pub_o) goto out;
@@ -1504,10 +1509,8 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
     }
     txn_commit(n);
     PyObject *u = PyLong_FromSsize_t(upto);
-    if (u == NULL || PyObject_SetAttr(seq, s_num_published, u)) {
-        Py_XDECREF(u);
-        goto out;
-    }
+    if (u == NULL) goto out;
+    sset(n, seq, F_PUBLISHED, u);
     Py_DECREF(u);
     n->native_ops++;
     result = PyLong_FromLong(published);
@@ -1534,11 +1537,8 @@ static void atfork_child(void) { fork_gen++; }
  * recording or lock hook is installed (each is read at every call: they can come at any
  * time). FALLBACK otherwise, ERROR with an exception set. */
 static int gate(Native *n, PyObject *pool) {
-    if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
+    if (n->seg == NULL || *n->busy || *n->hooks || n->fork_gen != fork_gen) return FALLBACK;
     if (PyDict_GET_SIZE(n->faults_armed)) return FALLBACK;
-    if (!dict_none(pool, s_probe) || !dict_none(pool, s_site_of) ||
-        !dict_none(n->locks, s_on_acquire))
-        return FALLBACK;
     PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
     if (t == NULL && PyErr_Occurred()) return ERROR;
     return t == Py_None ? OK : FALLBACK;
@@ -1547,8 +1547,8 @@ static int gate(Native *n, PyObject *pool) {
 /* KVPool._own: a live Sequence of this handle; its slot, or -1 (the Python path decides). */
 static int64_t own_slot(Native *n, PyObject *seq) {
     if (Py_TYPE(seq) != (PyTypeObject *)n->seq_type) return -1;
-    PyObject *uid = field(seq, s_pool_uid);
-    PyObject *slot = field(seq, s_slot);
+    PyObject *uid = sfield(n, seq, F_POOL_UID);
+    PyObject *slot = sfield(n, seq, F_SLOT);
     int64_t out = -1;
     if (uid && slot && PyLong_CheckExact(uid) && PyLong_CheckExact(slot) &&
         PyLong_AsLongLong(uid) == n->uid)
@@ -1589,18 +1589,14 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
         PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);
     PyObject *seq = NULL;
     if (tokens && uid && cached) {
-        /* The dataclass's fields, in its order, straight into a new instance's __dict__
-         * (its __init__ only assigns them; tests/test_native.py compares the two). */
+        /* The dataclass's fields straight into a new instance's slots (its __init__ only
+         * assigns them; tests/test_native.py compares the two). */
         PyObject *a[10] = {args[2],        tokens, PyTuple_GET_ITEM(got, 2), PyTuple_GET_ITEM(got, 0),
                            PyTuple_GET_ITEM(got, 1), uid, cached, s_running,
                            PyTuple_GET_ITEM(got, 3), PyTuple_GET_ITEM(got, 4)};
         PyTypeObject *tp = (PyTypeObject *)n->seq_type;
         seq = tp->tp_alloc(tp, 0);
-        PyObject *d = seq ? PyObject_GenericGetDict(seq, NULL) : NULL;
-        for (int i = 0; d && i < 10; i++)
-            if (PyDict_SetItem(d, PyTuple_GET_ITEM(n->seq_fields, i), a[i])) Py_CLEAR(d);
-        if (d == NULL) Py_CLEAR(seq);
-        Py_XDECREF(d);
+        for (int i = 0; seq && i < 10; i++) sset(n, seq, i, a[i]);
     }
     Py_XDECREF(tokens);
     Py_XDECREF(uid);
@@ -1621,7 +1617,7 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Clear();
         return fallback(n);
     }
-    PyObject *table = field(seq, s_block_table);
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
     PyObject *done = core_release(n, table, slot, final);
     Py_DECREF(table);
@@ -1632,9 +1628,11 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *minus = PyLong_FromLong(-1);
     int bad = !key || !empty || !minus;
     if (!bad && PyDict_DelItem(n->seqs, key)) PyErr_Clear();
-    bad = bad || PyObject_SetAttr(seq, s_block_table, empty) ||
-          PyObject_SetAttr(seq, s_state, final == 3 ? s_finished : s_aborted) ||
-          PyObject_SetAttr(seq, s_slot, minus);
+    if (!bad) {
+        sset(n, seq, F_BLOCK_TABLE, empty);
+        sset(n, seq, F_STATE, final == 3 ? s_finished : s_aborted);
+        sset(n, seq, F_SLOT, minus);
+    }
     Py_XDECREF(key);
     Py_XDECREF(empty);
     Py_XDECREF(minus);
@@ -1671,20 +1669,29 @@ static int get_size(PyObject *d, const char *key, int64_t *out) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* Native(segment_buffer, fd, layout: dict, reserve: list, ids: list, mutex, busy, coefs) */
-static int N_init(Native *n, PyObject *args, PyObject *kw) {
-    PyObject *bufobj, *d, *reserve, *ids, *mutex, *busy, *coefs;
-    int fd;
-    if (!PyArg_ParseTuple(args, "OiO!O!O!OOO!", &bufobj, &fd, &PyDict_Type, &d, &PyList_Type,
-                          &reserve, &PyList_Type, &ids, &mutex, &busy, &PyList_Type, &coefs))
-        return -1;
-    if (PyObject_GetBuffer(busy, &n->busy_buf, PyBUF_WRITABLE) < 0) return -1;
-    if (n->busy_buf.len < 8) {
-        PyBuffer_Release(&n->busy_buf);
-        PyErr_SetString(PyExc_ValueError, "busy must be an 8-byte writable buffer");
+/* An 8-byte word shared with Python (an array('q')). */
+static int word_of(PyObject *obj, Py_buffer *view, int64_t **out) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE) < 0) return -1;
+    if (view->len < 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "expected an 8-byte writable buffer");
         return -1;
     }
-    n->busy = n->busy_buf.buf;
+    *out = view->buf;
+    return 0;
+}
+
+/* Native(segment_buffer, fd, layout: dict, reserve: list, ids: list, mutex, busy, hooks,
+ *        coefs) */
+static int N_init(Native *n, PyObject *args, PyObject *kw) {
+    PyObject *bufobj, *d, *reserve, *ids, *mutex, *busy, *hooks, *coefs;
+    int fd;
+    if (!PyArg_ParseTuple(args, "OiO!O!O!OOOO!", &bufobj, &fd, &PyDict_Type, &d, &PyList_Type,
+                          &reserve, &PyList_Type, &ids, &mutex, &busy, &hooks, &PyList_Type,
+                          &coefs))
+        return -1;
+    if (word_of(busy, &n->busy_buf, &n->busy)) return -1;
+    if (word_of(hooks, &n->hooks_buf, &n->hooks)) return -1;
     if (PyObject_GetBuffer(bufobj, &n->buf, PyBUF_WRITABLE) < 0) return -1;
     n->seg = n->buf.buf;
     n->fd = fd;
@@ -1743,12 +1750,12 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     Py_INCREF(ids);
     Py_INCREF(mutex);
     n->reserve = reserve, n->ids = ids, n->mutex = mutex;
-    PyObject **objs[] = {&n->seq_type,  &n->seqs,       &n->locks, &n->faults_armed,
-                         &n->crash_mod, &n->seq_fields, &n->store, &n->evict_mod};
-    const char *names[] = {"seq_type",     "seqs",       "locks", "faults_armed",
-                           "crash_module", "seq_fields", "store", "eviction_module"};
+    PyObject **objs[] = {&n->seq_type,  &n->seqs,  &n->faults_armed, &n->crash_mod,
+                         &n->seq_fields, &n->store, &n->evict_mod};
+    const char *names[] = {"seq_type",   "seqs",  "faults_armed",   "crash_module",
+                           "seq_fields", "store", "eviction_module"};
     n->pend_scan_n = -1;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 7; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
             PyErr_Format(PyExc_KeyError, "native core needs %s", names[i]);
@@ -1766,6 +1773,17 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "seqs and faults_armed must be dicts");
         return -1;
     }
+    PyObject *tdict = ((PyTypeObject *)n->seq_type)->tp_dict;
+    for (int i = 0; i < 10; i++) {
+        PyObject *desc = PyDict_GetItemWithError(tdict, PyTuple_GET_ITEM(n->seq_fields, i));
+        if (desc == NULL || !Py_IS_TYPE(desc, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)desc)->d_member->type != T_OBJECT_EX) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "Sequence must be a dataclass with __slots__");
+            return -1;
+        }
+        n->seq_off[i] = ((PyMemberDescrObject *)desc)->d_member->offset;
+    }
     int64_t uid;
     if (get_size(d, "uid", &uid)) return -1;
     n->uid = uid;
@@ -1776,13 +1794,13 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
 static void N_dealloc(Native *n) {
     if (n->seg) PyBuffer_Release(&n->buf);
     if (n->busy) PyBuffer_Release(&n->busy_buf);
+    if (n->hooks) PyBuffer_Release(&n->hooks_buf);
     Py_XDECREF(n->reserve);
     Py_XDECREF(n->ids);
     Py_XDECREF(n->mutex);
     Py_XDECREF(n->seq_type);
     Py_XDECREF(n->seq_fields);
     Py_XDECREF(n->seqs);
-    Py_XDECREF(n->locks);
     Py_XDECREF(n->faults_armed);
     Py_XDECREF(n->crash_mod);
     Py_XDECREF(n->store);
@@ -1850,17 +1868,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (m == NULL) return NULL;
     s_acquire = PyUnicode_InternFromString("acquire");
     s_release = PyUnicode_InternFromString("release");
-    s_tokens = PyUnicode_InternFromString("tokens");
-    s_block_table = PyUnicode_InternFromString("block_table");
-    s_slot = PyUnicode_InternFromString("slot");
-    s_chain = PyUnicode_InternFromString("chain");
-    s_num_published = PyUnicode_InternFromString("num_published");
-    s_probe = PyUnicode_InternFromString("probe");
-    s_site_of = PyUnicode_InternFromString("site_of");
-    s_on_acquire = PyUnicode_InternFromString("on_acquire");
     s_target = PyUnicode_InternFromString("_target");
-    s_pool_uid = PyUnicode_InternFromString("pool_uid");
-    s_state = PyUnicode_InternFromString("state");
     s_running = PyUnicode_InternFromString("running");
     s_finished = PyUnicode_InternFromString("finished");
     s_aborted = PyUnicode_InternFromString("aborted");

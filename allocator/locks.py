@@ -13,6 +13,7 @@ import fcntl
 import struct
 import threading
 import time
+from array import array
 from collections.abc import Callable
 
 from kvscope.allocator.errors import LockDeadlock
@@ -31,6 +32,16 @@ _I4 = struct.Struct("<i")
 _U8X2 = struct.Struct("<QQ")
 
 
+# Bits of a handle's hooks word (KVPool._hooks): which probe hooks are set. The C core
+# (allocator/native.py) runs only while the word is 0.
+HOOK_PROBE, HOOK_SITE, HOOK_LOCKS = 1, 2, 4
+
+
+def mark_hook(word: array, bit: int, on: bool) -> None:
+    """Set or clear one bit of a hooks word."""
+    word[0] = word[0] | bit if on else word[0] & ~bit
+
+
 class DeadHolder(Exception):
     """A lock was taken whose record still names a holder that died holding it."""
 
@@ -42,7 +53,16 @@ class DeadHolder(Exception):
 class LockTable:
     """The pool's lock records and this process's handles on them."""
 
-    def __init__(self, mf: MappedFile, view: SegmentView, pid: int, start: int, client: int):
+    def __init__(
+        self,
+        mf: MappedFile,
+        view: SegmentView,
+        pid: int,
+        start: int,
+        client: int,
+        hooks: array | None = None,
+    ):
+        self.hooks = hooks if hooks is not None else array("q", [0])
         self.fd = mf.fd
         self.names = lock_names(view.layout.num_shards)
         self.base = view.offsets["locks"]
@@ -68,8 +88,18 @@ class LockTable:
         self.pid, self.start, self.client = pid, start, client
         # Probe hooks (lockdep, watchdog): None when off, so the cost is one attribute check.
         # on_release(i) also follows a failed acquisition announced by on_acquire(i).
-        self.on_acquire: Callable[[int], None] | None = None
+        self.on_acquire = None
         self.on_release: Callable[[int], None] | None = None
+
+    @property
+    def on_acquire(self) -> Callable[[int], None] | None:
+        """Probe hook called before each acquisition (lockdep, the watchdog), or None."""
+        return self._on_acquire
+
+    @on_acquire.setter
+    def on_acquire(self, value: Callable[[int], None] | None) -> None:
+        self._on_acquire = value
+        mark_hook(self.hooks, HOOK_LOCKS, value is not None)
 
     def index(self, name: str) -> int:
         """Index of a lock by name."""

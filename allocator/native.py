@@ -132,7 +132,6 @@ def core_for(pool: KVPool) -> Any | None:
         "seq_type": Sequence,
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
         "seqs": pool._seqs,
-        "locks": pool.locks,
         "faults_armed": faults.ARMED,
         "crash_module": crash,
         "store": pool.store,
@@ -151,5 +150,6 @@ def core_for(pool: KVPool) -> Any | None:
         pool.seqtab.ids,
         pool._mutex,
         pool._busy,
+        pool._hooks,
         _COEFS_LIST[: view.layout.block_size],
     )

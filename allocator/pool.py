@@ -25,7 +25,7 @@ from kvscope.allocator.layout import (
     Layout,
     SegmentView,
 )
-from kvscope.allocator.locks import DeadHolder, LockTable
+from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, DeadHolder, LockTable, mark_hook
 from kvscope.allocator.probing import PoolProbes, ProbeFlags, env_flag
 from kvscope.allocator.process import my_identity, now_ns
 from kvscope.allocator.segment import (
@@ -75,6 +75,9 @@ class KVPool(SequenceOps):
         self.pid, self.start = my_identity()
         # One operation at a time per mapping (handles of one process on one pool share it:
         # fcntl locks do not exclude each other within a process).
+        # Probe hooks set on this handle (bits of HOOK_*): the C core (native.py) runs only
+        # while none is; `probe`, `site_of` and the lock table's hooks keep it up to date.
+        self._hooks = array("q", [0])
         self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
         # How many Python-path operations are inside that mutex (0 or 1, or more when nested):
         # the C core (native.py) runs only while it is 0.
@@ -84,7 +87,7 @@ class KVPool(SequenceOps):
         self._client_seq = ClientSeq(view, self.client)
         self.counters = {f: view.clients[f][self.client : self.client + 1] for f in COUNTER_FIELDS}
         self.journal = Journal(view, self.client)
-        self.locks = LockTable(mf, view, self.pid, self.start, self.client)
+        self.locks = LockTable(mf, view, self.pid, self.start, self.client, self._hooks)
         n_shards = view.layout.num_shards
         self.SEQS = self.locks.index("seqs")
         self.SHARDS = [self.locks.index(f"index.{i}") for i in range(n_shards)]
@@ -95,16 +98,38 @@ class KVPool(SequenceOps):
         self._seqs: dict[int, Sequence] = {}
         self._uid = id(self)
         # Probe hooks: None when off (one attribute check per operation).
-        self.site_of: Callable[[], int] | None = None
+        self.site_of = None
         self.on_finding: Callable[[Any], None] | None = None
         flags = ProbeFlags.from_env(int(view.h["flags"]))
-        self.probe: PoolProbes | None = PoolProbes(self, flags) if flags.any() else None
+        self.probe = PoolProbes(self, flags) if flags.any() else None
         if self.probe is not None and self.probe.sites is not None:
             self.site_of = self.probe.sites.site
         # The C core for the common case of the hot operations (native.py), or None.
         self._native = native.core_for(self)
         for hook in OPEN_HOOKS:
             hook(self)
+
+    # -- probe hooks -------------------------------------------------------------------------
+
+    @property
+    def probe(self) -> PoolProbes | None:
+        """The probes watching this handle's operations (None when off)."""
+        return self._probe
+
+    @probe.setter
+    def probe(self, value: PoolProbes | None) -> None:
+        self._probe = value
+        mark_hook(self._hooks, HOOK_PROBE, value is not None)
+
+    @property
+    def site_of(self) -> Callable[[], int] | None:
+        """Call-site recording: returns the site index of the current operation (None: off)."""
+        return self._site_of
+
+    @site_of.setter
+    def site_of(self, value: Callable[[], int] | None) -> None:
+        self._site_of = value
+        mark_hook(self._hooks, HOOK_SITE, value is not None)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

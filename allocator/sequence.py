@@ -20,9 +20,13 @@ def request_bytes(request_id: object) -> bytes:
     return str(request_id).encode()[:REQUEST_BYTES]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
-    """A live sequence of one pool, owned by the process that allocated it."""
+    """A live sequence of one pool, owned by the process that allocated it.
+
+    It has `__slots__`: the C core (allocator/_native.c) builds and updates it at its slots'
+    offsets.
+    """
 
     request_id: str
     tokens: list[int]
