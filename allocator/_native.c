@@ -1657,6 +1657,96 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
     return core_publish(n, args[1], args[2]);
 }
 
+/* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block. */
+static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyUnicode_CheckExact(args[2])) return fallback(n);
+    GATE(n, args[0]);
+    PyObject *src = args[1];
+    if (own_slot(n, src) < 0) return fallback(n);
+    char request[REQUEST_BYTES];
+    if (request_of(args[2], request)) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *f[10];
+    for (int i = 0; i < 10; i++) f[i] = NULL;
+    int32_t ids[CHUNK];
+    PyObject *seq = NULL, *table = NULL, *tokens = NULL, *chain = NULL, *slot_o = NULL,
+             *id_o = NULL;
+    for (int i = 0; i < 10; i++)
+        if ((f[i] = sfield(n, src, i)) == NULL) goto out;
+    if (!PyList_CheckExact(f[F_BLOCK_TABLE]) || !PyList_CheckExact(f[F_TOKENS]) ||
+        !PyList_CheckExact(f[F_CHAIN]) || PyList_GET_SIZE(f[F_BLOCK_TABLE]) > CHUNK) {
+        seq = fallback(n);
+        goto out;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(f[F_BLOCK_TABLE]);
+    uint64_t locks = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(f[F_BLOCK_TABLE], i));
+        if (b < 0 || b >= n->nb) {
+            PyErr_Clear();
+            seq = fallback(n);
+            goto out;
+        }
+        ids[i] = (int32_t)b;
+        uint8_t *r = blk(n, b);
+        if (r[BF_INDEXED] == 1)
+            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(r + BF_PREFIX_HASH)));
+    }
+    int64_t slot;
+    uint64_t seq_id;
+    int rc = take_mutex(n);
+    if (rc == OK) rc = peek_claim(n, &slot, &seq_id);
+    if (rc != OK) {
+        seq = rc == ERROR ? NULL : fallback(n);
+        goto out;
+    }
+    if (txn_begin(n, locks)) {
+        seq = fallback(n);
+        goto out;
+    }
+    if (write_claim(n, slot, seq_id, request, wall_ns())) goto abort;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (jsave_block(n, ids[i])) goto abort;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        I4(blk(n, ids[i]) + BF_REFCOUNT) += 1;
+        seal(n, ids[i]);
+    }
+    if (write_blocks(n, slot, 0, ids, k)) goto abort;
+    U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)PyList_GET_SIZE(f[F_TOKENS]);
+    txn_commit(n);
+    count(n, C_FORKS, 1);
+    if (finish_claim(n, seq_id)) goto out;
+    /* seqops.fork's Sequence: copies of the parent's lists, its cached and published counts. */
+    table = PyList_GetSlice(f[F_BLOCK_TABLE], 0, k);
+    tokens = PyList_GetSlice(f[F_TOKENS], 0, PyList_GET_SIZE(f[F_TOKENS]));
+    chain = PyList_GetSlice(f[F_CHAIN], 0, PyList_GET_SIZE(f[F_CHAIN]));
+    slot_o = PyLong_FromLongLong(slot);
+    id_o = PyLong_FromUnsignedLongLong(seq_id);
+    if (!table || !tokens || !chain || !slot_o || !id_o) goto out;
+    PyTypeObject *tp = (PyTypeObject *)n->seq_type;
+    seq = tp->tp_alloc(tp, 0);
+    if (seq == NULL) goto out;
+    PyObject *a[10] = {args[2], tokens,    table,     slot_o, id_o,
+                       f[F_POOL_UID], f[F_CACHED], s_running, chain, f[F_PUBLISHED]};
+    for (int i = 0; i < 10; i++) sset(n, seq, i, a[i]);
+    if (PyDict_SetItem(n->seqs, slot_o, seq)) Py_CLEAR(seq);
+    n->native_ops++;
+    goto out;
+abort:
+    txn_abort(n);
+    seq = fallback(n);
+out:
+    for (int i = 0; i < 10; i++) Py_XDECREF(f[i]);
+    Py_XDECREF(table);
+    Py_XDECREF(tokens);
+    Py_XDECREF(chain);
+    Py_XDECREF(slot_o);
+    Py_XDECREF(id_o);
+    return seq;
+}
+
 /* -- the type --------------------------------------------------------------------------------- */
 
 static int get_size(PyObject *d, const char *key, int64_t *out) {
@@ -1841,6 +1931,8 @@ static PyMethodDef N_methods[] = {
      "append(pool, seq, tokens) -> [] | None: one token"},
     {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
      "mark_computed(pool, seq, num_tokens) -> int | None"},
+    {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
+     "fork(pool, seq, request_id) -> Sequence | None"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
     {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and fallbacks"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,

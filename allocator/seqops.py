@@ -248,6 +248,13 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
 
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
         """A new sequence sharing every block of seq (refcounts +1)."""
+        if self._native is not None:
+            child = self._native.fork(self, seq, request_id)
+            if child is not None:
+                return child
+        return self._fork(seq, request_id)
+
+    def _fork(self, seq: Sequence, request_id: object) -> Sequence:
         self._own(seq)
         ids = np.asarray(seq.block_table, np.int64)
         locks = self.store.shard_locks_for(ids)
