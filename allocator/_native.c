@@ -1,16 +1,16 @@
 /* kvscope.allocator._native: the pool's hot operations in C, on the same segment bytes.
  *
  * The Python allocator (seqops.py, append.py, release.py, blocks.py, ...) is the reference and
- * does everything; this module does the common case of four operations -- allocate, free/abort,
- * a one-token append, mark_computed -- with the same writes, the same journal, the same locks
- * and the same checksums, so check(), recovery, dumps and the TUI cannot tell which path wrote
- * a record (tests/test_native.py compares the two byte for byte).
+ * does everything; this module does the common case of allocate (with LRU eviction),
+ * free/abort, a one-token append, mark_computed and fork, with the same writes, the same
+ * journal, the same locks and the same checksums, so check(), recovery, dumps and the TUI
+ * cannot tell which path wrote a record (tests/test_native.py compares the two byte for byte).
  *
  * Whatever is not the common case is left to Python: every entry point returns None, with
- * nothing changed, when it meets one (a slot reserve to refill, a ring too short without
- * eviction, copy-on-write, a lock whose record names a dead holder, a journal too small, a
- * prompt longer than one chunk...), and the Python method then runs its own path. Probes,
- * armed faults and crash points keep the whole pool on the Python path (pool.py decides).
+ * nothing changed, when it meets one (a slot reserve to refill, preemption, copy-on-write, a
+ * lock whose record names a dead holder, a journal too small, a prompt longer than one
+ * chunk...), and the Python method then runs its own path. Probes, armed faults and crash
+ * points keep every call on the Python path (`gate`).
  *
  * Transactions follow docs/FORMAT.md: the client's seq goes odd, locks are taken in the one
  * order (ascending lock index), the old bytes of every shared write are saved in the client's
@@ -371,6 +371,14 @@ static inline void count(Native *n, int field, uint64_t k) {
 
 static PyObject *field(PyObject *obj, PyObject *name);
 
+/* Set the store's remembered-candidate fields (eviction.py; NULL: leave that one). */
+static void set_lru(Native *n, PyObject *ids, PyObject *ns, PyObject *pos, PyObject *cached) {
+    PyObject *names[4] = {s_lru_ids, s_lru_ns, s_lru_pos, s_lru_cached};
+    PyObject *values[4] = {ids, ns, pos, cached};
+    for (int i = 0; i < 4; i++)
+        if (values[i] && PyObject_SetAttr(n->store, names[i], values[i])) PyErr_Clear();
+}
+
 /* eviction._lru_take's `advance`, after commit: the consumed candidates are gone. */
 static void lru_advance(Native *n) {
     PyObject *ids = field(n->store, s_lru_ids);
@@ -381,10 +389,7 @@ static void lru_advance(Native *n) {
         int64_t c = PyLong_AsLongLong(cached) - n->pend_taken;
         PyObject *np = PyLong_FromSsize_t(p > n->pend_pos ? p : n->pend_pos);
         PyObject *nc = PyLong_FromLongLong(c > 0 ? c : 0);
-        if (np && nc) {
-            PyObject_SetAttr(n->store, s_lru_pos, np);
-            PyObject_SetAttr(n->store, s_lru_cached, nc);
-        }
+        if (np && nc) set_lru(n, NULL, NULL, np, nc);
         Py_XDECREF(np);
         Py_XDECREF(nc);
     }
@@ -404,10 +409,7 @@ static void lru_reset(Native *n) {
             PyList_SET_ITEM(ids, i, PyLong_FromLong(n->pend_scan_ids[i]));
             PyList_SET_ITEM(ns, i, PyLong_FromUnsignedLongLong(n->pend_scan_ns[i]));
         }
-        PyObject_SetAttr(n->store, s_lru_ids, ids);
-        PyObject_SetAttr(n->store, s_lru_ns, ns);
-        PyObject_SetAttr(n->store, s_lru_pos, zero);
-        PyObject_SetAttr(n->store, s_lru_cached, cached);
+        set_lru(n, ids, ns, zero, cached);
     }
     Py_XDECREF(ids);
     Py_XDECREF(ns);
@@ -625,11 +627,7 @@ static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     if (got < k) {
         /* eviction._lru_take: forget the exhausted candidates (at once, not at commit). */
         PyObject *e1 = PyList_New(0), *e2 = PyList_New(0), *z = PyLong_FromLong(0);
-        if (e1 && e2 && z) {
-            PyObject_SetAttr(n->store, s_lru_ids, e1);
-            PyObject_SetAttr(n->store, s_lru_ns, e2);
-            PyObject_SetAttr(n->store, s_lru_pos, z);
-        }
+        if (e1 && e2 && z) set_lru(n, e1, e2, z, NULL);
         Py_XDECREF(e1);
         Py_XDECREF(e2);
         Py_XDECREF(z);
