@@ -1,0 +1,231 @@
+/* allocate and free/abort (seqops.py allocate, release.py _end): the core of a sequence's
+ * start and end. Part of _native.c. */
+
+/* -- allocate --------------------------------------------------------------------------------- */
+
+/* allocate(tokens: list[int], request: bytes, site: int)
+ *   -> (slot, seq_id, table: list[int], chain: list[int], hits) or None (the Python path). */
+static PyObject *core_allocate(Native *n, PyObject *list, const char *request, int32_t site) {
+    if (!PyList_CheckExact(list)) return fallback(n);
+    Py_ssize_t ntok = PyList_GET_SIZE(list);
+    int64_t bs = n->bs;
+    int64_t nblocks = (ntok + bs - 1) / bs;
+    if (ntok == 0 || nblocks > CHUNK || nblocks > n->max_bps) return fallback(n);
+    int32_t table[CHUNK];
+    /* nblocks <= CHUNK: the chain and keys fit on the stack; tokens do unless blocks are big. */
+    uint64_t chain[CHUNK + 1], keys[CHUNK + 1];
+    int32_t small[2048];
+    int32_t *toks = ntok <= 2048 ? small : PyMem_Malloc(sizeof(int32_t) * (size_t)ntok);
+    int64_t nfull = ntok / bs;
+    PyObject *result = NULL;
+    int mutex = 0;
+    if (!toks) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (tokens_of(list, toks, ntok)) {
+        result = fallback(n);
+        goto out;
+    }
+    /* Chain values and keys of the full blocks (prefix.chain_hashes / family_keys). */
+    uint64_t mask = (uint64_t)(n->num_shards - 1);
+    for (int64_t j = 0; j < nfull; j++) {
+        uint64_t c = 0;
+        for (int64_t i = 0; i < bs; i++) c += (uint64_t)(int64_t)toks[j * bs + i] * n->coefs[i];
+        chain[j] = (j ? chain[j - 1] : 0) * CHAIN_P + c;
+        keys[j] = fmix64(chain[j]);
+    }
+    if (mask)
+        for (int64_t j = 0; j < nfull; j++) keys[j] = family_key(keys[j], keys[0], mask);
+    int64_t max_hits = (ntok - 1) / bs;
+
+    int rc = take_mutex(n);
+    if (rc != OK) {
+        result = rc == ERROR ? NULL : fallback(n);
+        goto out;
+    }
+    mutex = 1;
+    int64_t slot;
+    uint64_t seq_id;
+    rc = peek_claim(n, &slot, &seq_id);
+    if (rc != OK) {
+        result = rc == ERROR ? NULL : fallback(n);
+        goto out;
+    }
+    uint64_t locks = 0;
+    /* A prompt can only hit if its first block is indexed: a first look without the lock
+     * spares the shard lock to prompts that cannot hit. (A key inserted meanwhile is a hit
+     * missed, as if this allocation came first; a lookup never trusts a block without the
+     * lock and the stored tokens.) */
+    int may_hit = max_hits > 0 && index_lookup(n, keys[0]) >= 0;
+    if (may_hit) locks |= 1ull << (n->lock_shard0 + shard_of(n, keys[0]));
+    locks |= take_locks(n, nblocks);
+    if (txn_begin(n, locks)) {
+        result = fallback(n);
+        goto out;
+    }
+    uint64_t now = wall_ns();
+    if (write_claim(n, slot, seq_id, request, now)) goto abort;
+    /* The longest verified prefix hit (seqops._match). */
+    int64_t hits = 0;
+    uint64_t parent = 0;
+    for (int64_t j = 0; may_hit && j < max_hits; j++) {
+        int32_t b = index_lookup(n, keys[j]);
+        if (b < 0 || b >= n->nb) break;
+        uint8_t *r = blk(n, b);
+        if (r[BF_INDEXED] != 1 || U8(r + BF_PREFIX_HASH) != keys[j] ||
+            U8(r + BF_PARENT_HASH) != parent ||
+            memcmp(r + BF_TOKENS, toks + j * bs, 4 * (size_t)bs) != 0)
+            break;
+        table[hits++] = b;
+        parent = keys[j];
+    }
+    for (int64_t j = 0; j < hits; j++)
+        if (jsave_block(n, table[j])) goto abort;
+    for (int64_t j = 0; j < hits; j++) {
+        uint8_t *r = blk(n, table[j]);
+        I4(r + BF_REFCOUNT) += 1;
+        r[BF_STATE] = B_ALLOCATED;
+        U8(r + BF_ACCESS_NS) = now;
+        seal(n, table[j]);
+    }
+    int64_t k = nblocks - hits;
+    if (take(n, k, table + hits)) goto abort;
+    if (stamp(n, table + hits, k, request, site, now)) goto abort;
+    if (write_blocks(n, slot, 0, table, nblocks)) goto abort;
+    fill(n, table, hits * bs, toks + hits * bs, ntok - hits * bs);
+    /* seqops._set_hashes: keys of the new full blocks (unindexed), then seal. */
+    for (int64_t j = hits; j < nblocks; j++) {
+        uint8_t *r = blk(n, table[j]);
+        if (j < nfull) {
+            U8(r + BF_PREFIX_HASH) = keys[j];
+            U8(r + BF_PARENT_HASH) = j ? keys[j - 1] : 0;
+        }
+        seal(n, table[j]);
+    }
+    U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok;
+    txn_commit(n);
+    count(n, C_ALLOCS, (uint64_t)k);
+    count(n, C_QUERIES, (uint64_t)(max_hits > 0 ? max_hits : 0));
+    count(n, C_HITS, (uint64_t)hits);
+    if (finish_claim(n, seq_id)) goto out;
+    PyObject *tab = PyList_New(nblocks), *ch = PyList_New(nfull);
+    if (!tab || !ch) {
+        Py_XDECREF(tab);
+        Py_XDECREF(ch);
+        goto out;
+    }
+    for (int64_t j = 0; j < nblocks; j++) PyList_SET_ITEM(tab, j, PyLong_FromLong(table[j]));
+    for (int64_t j = 0; j < nfull; j++)
+        PyList_SET_ITEM(ch, j, PyLong_FromUnsignedLongLong(chain[j]));
+    n->native_ops++;
+    result = PyTuple_New(5);
+    if (result) {
+        PyTuple_SET_ITEM(result, 0, PyLong_FromLongLong(slot));
+        PyTuple_SET_ITEM(result, 1, PyLong_FromUnsignedLongLong(seq_id));
+        PyTuple_SET_ITEM(result, 2, tab);
+        PyTuple_SET_ITEM(result, 3, ch);
+        PyTuple_SET_ITEM(result, 4, PyLong_FromLongLong(hits));
+    } else {
+        Py_DECREF(tab);
+        Py_DECREF(ch);
+    }
+    goto out;
+abort:
+    txn_abort(n);
+    result = fallback(n);
+out:
+    if (mutex) drop_mutex(n);
+    if (toks != small) PyMem_Free(toks);
+    return result;
+}
+
+/* -- free ------------------------------------------------------------------------------------- */
+
+/* release(table: list[int], slot, final_state) -> True, or None (the Python path). */
+static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final) {
+    if (!PyList_CheckExact(list)) return fallback(n);
+    Py_ssize_t k = PyList_GET_SIZE(list);
+    if (k > CHUNK || slot < 0 || slot >= n->max_seqs) return fallback(n);
+    int32_t ids[CHUNK], zero[CHUNK];
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *o = PyList_GET_ITEM(list, i);
+        long v = PyLong_AsLong(o);
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        if (v < 0 || v >= n->nb) return fallback(n);
+        ids[i] = (int32_t)v;
+    }
+    int rc = take_mutex(n);
+    if (rc != OK) return rc == ERROR ? NULL : fallback(n);
+    PyObject *result = NULL;
+    /* SeqTable.can_release_locally, else the seqs lock: Python. */
+    uint8_t *s = seqrec(n, slot);
+    if (PyList_GET_SIZE(n->reserve) >= 2 * n->slot_batch || s[SF_RESERVED] != 1 ||
+        I4(s + SF_OWNER_CLIENT) != n->client) {
+        result = fallback(n);
+        goto out;
+    }
+    /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
+    uint64_t locks = 0;
+    int64_t private_ = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_INDEXED] == 1)
+            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(r + BF_PREFIX_HASH)));
+        else if (I4(r + BF_REFCOUNT) <= 1)
+            private_++;
+    }
+    if ((int64_t)local_count(n) + private_ > n->local_max) locks |= 1ull << n->lock_free;
+    if (txn_begin(n, locks)) {
+        result = fallback(n);
+        goto out;
+    }
+    uint64_t now = wall_ns();
+    int64_t nz = 0;
+    /* BlockStore.drop: blocks already free are left untouched (a double free). */
+    for (Py_ssize_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        int32_t rcnt = I4(r + BF_REFCOUNT);
+        if (r[BF_STATE] != B_ALLOCATED || rcnt <= 0) continue;
+        if (jsave_block(n, ids[i])) goto abort;
+        I4(r + BF_REFCOUNT) = rcnt - 1;
+        U8(r + BF_ACCESS_NS) = now;
+        if (rcnt == 1) {
+            if (r[BF_INDEXED] == 1)
+                r[BF_STATE] = B_CACHED;
+            else
+                zero[nz++] = ids[i];
+        }
+        seal(n, ids[i]);
+    }
+    /* BlockStore.give_back */
+    int64_t fit;
+    if (local_push(n, zero, nz, &fit)) goto abort;
+    if (fit < nz) {
+        if (!(n->held & (1ull << n->lock_free))) goto abort;
+        if (ring_push(n, zero + fit, nz - fit)) goto abort;
+    }
+    if (write_blocks(n, slot, 0, NULL, 0)) goto abort;
+    s[SF_STATE] = (uint8_t)final;
+    /* SeqTable.release into the reserve. */
+    if (jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE)) goto abort;
+    s[SF_STATE] = S_EMPTY;
+    U4(s + SF_NUM_BLOCKS) = 0;
+    txn_commit(n);
+    count(n, C_FREES, (uint64_t)k);
+    PyObject *v = PyLong_FromLongLong(slot);
+    if (v == NULL || PyList_Append(n->reserve, v)) {
+        Py_XDECREF(v);
+        goto out;
+    }
+    Py_DECREF(v);
+    n->native_ops++;
+    result = Py_NewRef(Py_True);
+    goto out;
+abort:
+    txn_abort(n);
+    result = fallback(n);
+out:
+    drop_mutex(n);
+    return result;
+}

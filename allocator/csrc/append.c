@@ -1,0 +1,242 @@
+/* A one-token append (append.py) and mark_computed (seqops.py): growing a sequence and
+ * publishing its full blocks. Part of _native.c. */
+
+/* -- append ----------------------------------------------------------------------------------- */
+
+
+/* AppendOps._extend_chain: hash blocks that became full; record keys of unshared ones. */
+static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *chain) {
+    Py_ssize_t full = PyList_GET_SIZE(tokens) / n->bs;
+    int64_t *tk = PyMem_Malloc(sizeof(int64_t) * (size_t)n->bs);
+    if (!tk) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    while (PyList_GET_SIZE(chain) < full) {
+        Py_ssize_t j = PyList_GET_SIZE(chain);
+        uint64_t prev = j ? PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(chain, j - 1)) : 0;
+        for (int64_t i = 0; i < n->bs; i++)
+            tk[i] = (int64_t)PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(tokens, j * n->bs + i));
+        if (PyErr_Occurred()) goto fail;
+        PyObject *h = PyLong_FromUnsignedLongLong(chain_next(n, prev, tk));
+        if (h == NULL || PyList_Append(chain, h)) {
+            Py_XDECREF(h);
+            goto fail;
+        }
+        Py_DECREF(h);
+        long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
+        if (b == -1 && PyErr_Occurred()) goto fail;
+        uint8_t *r = blk(n, b);
+        if (r[BF_INDEXED] == 0 && I4(r + BF_REFCOUNT) == 1) {
+            uint64_t key, parent;
+            if (seq_keys(n, chain, j, &key, &parent)) goto fail;
+            /* Key and checksum in one 16-byte store (append.py _set_keys: a kill leaves the
+             * record sealed either way); the parent key is outside the checksum. */
+            uint64_t w[2];
+            uint64_t old = U8(r + BF_PREFIX_HASH);
+            U8(r + BF_PREFIX_HASH) = key;
+            w[0] = key;
+            w[1] = checksum(n, b);
+            U8(r + BF_PREFIX_HASH) = old;
+#if defined(__SSE2__)
+            _mm_storeu_si128((__m128i *)(r + BF_PREFIX_HASH), _mm_loadu_si128((__m128i *)w));
+#else
+            U8(r + BF_PREFIX_HASH) = w[0];
+            U8(r + BF_CHECKSUM) = w[1];
+#endif
+            U8(r + BF_PARENT_HASH) = parent;
+        }
+    }
+    PyMem_Free(tk);
+    return OK;
+fail:
+    PyMem_Free(tk);
+    return ERROR;
+}
+
+/* append1(seq, token: int) -> [] (no copies), or None (the Python path: copy-on-write, ...).
+ * One token: into the last block when it has room, else into a new block (a transaction). */
+static PyObject *core_append1(Native *n, PyObject *seq, PyObject *tok_in) {
+    long tok = PyLong_AsLong(tok_in);
+    if (tok == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    if (tok < INT32_MIN || tok > INT32_MAX) return fallback(n);
+    PyObject *tokens = sfield(n, seq, F_TOKENS);
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    PyObject *slot_o = sfield(n, seq, F_SLOT);
+    PyObject *chain = sfield(n, seq, F_CHAIN);
+    PyObject *result = NULL, *tok_o = NULL;
+    int mutex = 0;
+    if (!tokens || !table || !slot_o || !chain) goto out;
+    if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(chain)) {
+        result = fallback(n);
+        goto out;
+    }
+    int64_t slot = PyLong_AsLongLong(slot_o);
+    if (slot == -1 && PyErr_Occurred()) goto out;
+    Py_ssize_t n_old = PyList_GET_SIZE(tokens), nb = PyList_GET_SIZE(table);
+    int64_t bs = n->bs, off = n_old % bs;
+    if (nb == 0 || slot < 0 || slot >= n->max_seqs || nb != (n_old + bs - 1) / bs) {
+        result = fallback(n);
+        goto out;
+    }
+    tok_o = PyLong_FromLong(tok);
+    if (tok_o == NULL) goto out;
+    if (off) {
+        long last = PyLong_AsLong(PyList_GET_ITEM(table, nb - 1));
+        if (last < 0 || last >= n->nb) {
+            PyErr_Clear();
+            result = fallback(n);
+            goto out;
+        }
+        uint8_t *r = blk(n, last);
+        if (I4(r + BF_REFCOUNT) > 1) { /* copy-on-write */
+            result = fallback(n);
+            goto out;
+        }
+        /* The decode step: unjournaled, as append.py's fast path (docs/FORMAT.md, crash rule 5). */
+        I4(r + BF_TOKENS + 4 * off) = (int32_t)tok;
+        U4(r + BF_NUM_TOKENS) = (uint32_t)(off + 1);
+        if (PyList_Append(tokens, tok_o)) goto out;
+        U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
+    } else {
+        int rc = take_mutex(n);
+        if (rc != OK) {
+            result = rc == ERROR ? NULL : fallback(n);
+            goto out;
+        }
+        mutex = 1;
+        uint64_t locks = take_locks(n, 1);
+        if (txn_begin(n, locks)) {
+            result = fallback(n);
+            goto out;
+        }
+        int32_t b;
+        uint8_t *s = seqrec(n, slot);
+        char request[REQUEST_BYTES];
+        memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
+        int32_t site = -1;
+        if (take(n, 1, &b) || stamp(n, &b, 1, request, site, wall_ns()) ||
+            write_blocks(n, slot, nb, &b, 1)) {
+            txn_abort(n);
+            result = fallback(n);
+            goto out;
+        }
+        I4(blk(n, b) + BF_TOKENS) = (int32_t)tok;
+        U4(blk(n, b) + BF_NUM_TOKENS) = 1;
+        U8(s + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
+        txn_commit(n);
+        count(n, C_ALLOCS, 1);
+        PyObject *bo = PyLong_FromLong(b);
+        if (bo == NULL || PyList_Append(table, bo)) {
+            Py_XDECREF(bo);
+            goto out;
+        }
+        Py_DECREF(bo);
+        if (PyList_Append(tokens, tok_o)) goto out;
+    }
+    if ((n_old + 1) / bs > PyList_GET_SIZE(chain) && extend_chain(n, tokens, table, chain))
+        goto out;
+    n->native_ops++;
+    result = PyList_New(0);
+out:
+    if (mutex) drop_mutex(n);
+    Py_XDECREF(tok_o);
+    Py_XDECREF(tokens);
+    Py_XDECREF(table);
+    Py_XDECREF(slot_o);
+    Py_XDECREF(chain);
+    return result;
+}
+
+/* -- mark_computed ---------------------------------------------------------------------------- */
+
+/* publish(seq, num_tokens) -> blocks published, or None (the Python path). */
+static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
+    Py_ssize_t upto_tokens = PyLong_AsSsize_t(upto_in);
+    if (upto_tokens == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *tokens = sfield(n, seq, F_TOKENS);
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    PyObject *chain = sfield(n, seq, F_CHAIN);
+    PyObject *pub_o = sfield(n, seq, F_PUBLISHED);
+    PyObject *result = NULL;
+    int mutex = 0;
+    if (!tokens || !table || !chain || !pub_o) goto out;
+    if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(chain)) {
+        result = fallback(n);
+        goto out;
+    }
+    Py_ssize_t pub = PyLong_AsSsize_t(pub_o);
+    if (pub == -1 && PyErr_Occurred()) goto out;
+    Py_ssize_t ntok = PyList_GET_SIZE(tokens);
+    Py_ssize_t upto = (upto_tokens < ntok ? upto_tokens : ntok) / n->bs;
+    if (upto <= pub) {
+        result = PyLong_FromLong(0);
+        goto out;
+    }
+    if (upto > PyList_GET_SIZE(chain) || upto > PyList_GET_SIZE(table) || pub < 0) {
+        result = fallback(n);
+        goto out;
+    }
+    uint64_t key0, unused;
+    if (seq_keys(n, chain, pub, &key0, &unused)) goto out;
+    int rc = take_mutex(n);
+    if (rc != OK) {
+        result = rc == ERROR ? NULL : fallback(n);
+        goto out;
+    }
+    mutex = 1;
+    /* Every key of a sequence lives in the shard of its first (prefix.family_keys). */
+    if (txn_begin(n, 1ull << (n->lock_shard0 + shard_of(n, key0)))) {
+        result = fallback(n);
+        goto out;
+    }
+    long published = 0;
+    for (Py_ssize_t j = pub; j < upto; j++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
+        if (b < 0 || b >= n->nb) {
+            PyErr_Clear();
+            goto abort;
+        }
+        uint8_t *r = blk(n, b);
+        if (r[BF_INDEXED] || I4(r + BF_REFCOUNT) != 1) continue;
+        uint64_t key, parent;
+        if (seq_keys(n, chain, j, &key, &parent)) {
+            PyErr_Clear();
+            goto abort;
+        }
+        int inserted;
+        if (index_insert(n, key, (int32_t)b, &inserted)) goto abort;
+        if (!inserted) continue;
+        /* BlockStore.publish */
+        if (jsave_block(n, b)) goto abort;
+        r[BF_INDEXED] = 1;
+        U8(r + BF_PREFIX_HASH) = key;
+        U8(r + BF_PARENT_HASH) = parent;
+        seal(n, b);
+        published++;
+    }
+    txn_commit(n);
+    PyObject *u = PyLong_FromSsize_t(upto);
+    if (u == NULL) goto out;
+    sset(n, seq, F_PUBLISHED, u);
+    Py_DECREF(u);
+    n->native_ops++;
+    result = PyLong_FromLong(published);
+    goto out;
+abort:
+    txn_abort(n);
+    result = fallback(n);
+out:
+    if (mutex) drop_mutex(n);
+    Py_XDECREF(tokens);
+    Py_XDECREF(table);
+    Py_XDECREF(chain);
+    Py_XDECREF(pub_o);
+    return result;
+}

@@ -1,0 +1,171 @@
+/* Taking and returning blocks: the local cache, the free ring, stamps (blocks.py, ring.py,
+ * reserve.py _take). Part of _native.c. */
+
+/* -- blocks ----------------------------------------------------------------------------------- */
+
+static inline uint32_t local_count(Native *n) { return U4(n->seg + n->c_local_count); }
+static inline int32_t *local_arr(Native *n) { return (int32_t *)(n->seg + n->c_local); }
+
+/* BlockStore.local_pop: up to k ids from the end of the local cache, in array order. */
+static int local_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
+    uint32_t c = local_count(n);
+    if (k > c) k = c;
+    *got = k;
+    if (k == 0) return OK;
+    if (jsave(n, n->c_local_count, 4)) return FALLBACK;
+    memcpy(out, local_arr(n) + (c - k), 4 * (size_t)k);
+    U4(n->seg + n->c_local_count) = (uint32_t)(c - k);
+    return OK;
+}
+
+/* RingOps.ring_pop (no quarantine: pools with one stay on the Python path). Free lock held. */
+static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
+    uint8_t *h = ringh(n);
+    uint32_t cnt = U4(h + RING_COUNT);
+    if (k > cnt) k = cnt;
+    uint64_t head = U8(h + RING_HEAD);
+    int32_t *ring = (int32_t *)(h + RING_IDS);
+    for (int64_t i = 0; i < k; i++) out[i] = ring[(head + (uint64_t)i) % (uint64_t)n->nb];
+    if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
+    U8(h + RING_HEAD) = head + (uint64_t)k;
+    U4(h + RING_COUNT) = cnt - (uint32_t)k;
+    U8(h + RING_ALLOCS) += (uint64_t)k;
+    *got = k;
+    return OK;
+}
+
+/* RingOps._push_raw + ring_push's record reset (state FREE). Free lock held. */
+static int ring_push(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0) return OK;
+    for (int64_t i = 0; i < k; i++)
+        if (jsave_block(n, ids[i])) return FALLBACK;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        r[BF_STATE] = B_FREE;
+        I4(r + BF_REFCOUNT) = 0;
+        r[BF_INDEXED] = 0;
+        I4(r + BF_OWNER_CLIENT) = -1;
+        seal(n, ids[i]);
+    }
+    uint8_t *h = ringh(n);
+    uint64_t tail = U8(h + RING_TAIL);
+    if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
+    uint64_t first = tail % (uint64_t)n->nb;
+    uint64_t n1 = (uint64_t)k < (uint64_t)n->nb - first ? (uint64_t)k : (uint64_t)n->nb - first;
+    if (jsave(n, n->off_ring + RING_IDS + 4 * first, (uint32_t)(4 * n1))) return FALLBACK;
+    if (n1 < (uint64_t)k && jsave(n, n->off_ring + RING_IDS, (uint32_t)(4 * ((uint64_t)k - n1))))
+        return FALLBACK;
+    int32_t *ring = (int32_t *)(h + RING_IDS);
+    for (int64_t i = 0; i < k; i++) ring[(tail + (uint64_t)i) % (uint64_t)n->nb] = ids[i];
+    U8(h + RING_TAIL) = tail + (uint64_t)k;
+    U4(h + RING_COUNT) += (uint32_t)k;
+    return OK;
+}
+
+/* BlockStore.local_push: park blocks as LOCAL; *rest = how many (from the end) did not fit. */
+static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out) {
+    uint32_t c = local_count(n);
+    int64_t room = n->local_max - (int64_t)c;
+    if (room < 0) room = 0;
+    int64_t fit = k < room ? k : room;
+    *fit_out = fit;
+    if (fit == 0) return OK;
+    for (int64_t i = 0; i < fit; i++)
+        if (jsave_block(n, ids[i])) return FALLBACK;
+    for (int64_t i = 0; i < fit; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        r[BF_STATE] = B_LOCAL;
+        I4(r + BF_REFCOUNT) = 0;
+        r[BF_INDEXED] = 0;
+        seal(n, ids[i]);
+    }
+    if (jsave(n, n->c_local_count, 4)) return FALLBACK;
+    if (jsave(n, n->c_local + 4 * (size_t)c, (uint32_t)(4 * fit))) return FALLBACK;
+    memcpy(local_arr(n) + c, ids, 4 * (size_t)fit);
+    U4(n->seg + n->c_local_count) = c + (uint32_t)fit;
+    return OK;
+}
+
+/* BlockStore.refill: a batch of FREE blocks from the ring into the local cache. */
+static int refill(Native *n) {
+    int64_t want = n->local_cap - (int64_t)local_count(n);
+    if (want < 0) want = 0;
+    int32_t ids[64];
+    int64_t got;
+    if (ring_pop(n, want, ids, &got)) return FALLBACK;
+    for (int64_t i = 0; i < got; i++)
+        if (jsave_block(n, ids[i])) return FALLBACK;
+    for (int64_t i = 0; i < got; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        I4(r + BF_OWNER_PID) = n->pid;
+        I4(r + BF_OWNER_CLIENT) = n->client;
+        U8(r + BF_OWNER_START) = n->start;
+    }
+    int64_t fit;
+    return local_push(n, ids, got, &fit);
+}
+
+/* ReserveOps._take without preemption: the local cache, the ring, LRU eviction; FALLBACK when
+ * they are short (Python preempts or raises PoolExhausted). The locks each step needs must
+ * be held already (`take_locks` plans them). */
+static int take(Native *n, int64_t k, int32_t *out) {
+    int64_t got, more;
+    if (local_pop(n, k, out, &got)) return FALLBACK;
+    if (got < k) {
+        if (!(n->held & (1ull << n->lock_free))) return FALLBACK;
+        if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
+        got += more;
+        if (got == k) return refill(n);
+        return evict_into(n, k - got, out + got);
+    }
+    return OK;
+}
+
+/* ReserveOps._take_locks: the locks `take(k)` will need, judged from the local cache and the
+ * ring's count (a hint: if it was wrong, `take` falls back). */
+static uint64_t take_locks(Native *n, int64_t k) {
+    int64_t local = local_count(n);
+    if (local >= k) return 0;
+    uint64_t locks = 1ull << n->lock_free;
+    int64_t short_ = k - local - (int64_t)U4(ringh(n) + RING_COUNT);
+    if (short_ <= 0) return locks;
+    /* Eviction: the shards of the blocks it will take, found now without the locks (the same
+     * choice it makes under them when no other process changed the pool meanwhile). */
+    int32_t cand[CHUNK + EVICT_BATCH];
+    int64_t nc = 0;
+    if (short_ <= CHUNK && (!lru_take(n, short_, EVICT_BATCH, cand, &nc, 1) ||
+                            !lru_scan(n, short_, EVICT_BATCH, cand, &nc, 1))) {
+        for (int64_t i = 0; i < nc; i++)
+            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(blk(n, cand[i]) + BF_PREFIX_HASH)));
+        return locks;
+    }
+    for (int64_t s = 0; s < n->num_shards; s++) locks |= 1ull << (n->lock_shard0 + s);
+    return locks;
+}
+
+/* BlockStore.stamp: fresh ALLOCATED blocks with refcount 1, owned by this client. */
+static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, int32_t site,
+                 uint64_t now) {
+    for (int64_t i = 0; i < k; i++)
+        if (jsave_block(n, ids[i])) return FALLBACK;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        U4(r) = BLOCK_MAGIC;
+        r[BF_STATE] = B_ALLOCATED;
+        r[BF_INDEXED] = 0;
+        I4(r + BF_REFCOUNT) = 1;
+        U4(r + BF_GENERATION) += 1;
+        I4(r + BF_OWNER_PID) = n->pid;
+        I4(r + BF_OWNER_CLIENT) = n->client;
+        U8(r + BF_PREFIX_HASH) = 0;
+        U8(r + BF_OWNER_START) = n->start;
+        memcpy(r + BF_REQUEST, request, REQUEST_BYTES);
+        U8(r + BF_ALLOC_NS) = now;
+        U8(r + BF_ACCESS_NS) = now;
+        I4(r + BF_SITE) = site;
+        U4(r + BF_NUM_TOKENS) = 0;
+        U8(r + BF_PARENT_HASH) = 0;
+        seal(n, ids[i]);
+    }
+    return OK;
+}

@@ -1,0 +1,214 @@
+/* The C core's shared part: constants, record offsets, the Native object, record helpers. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define BLOCK_MAGIC 0x4B56424Bu
+#define REQUEST_BYTES 32
+#define MAX_LOCKS 64
+#define CHUNK 128
+/* Extra blocks evicted when the ring runs dry (reserve.py EVICT_BATCH). */
+#define EVICT_BATCH 32
+
+enum { B_FREE = 0, B_ALLOCATED = 1, B_CACHED = 2, B_LOCAL = 3 };
+enum { S_EMPTY = 0, S_RUNNING = 1 };
+enum { OK = 0, FALLBACK = 1, ERROR = -1 };
+
+/* Block record fields (allocator/layout.py block_dtype; the same offsets at every block size). */
+#define BF_STATE 4
+#define BF_INDEXED 5
+#define BF_REFCOUNT 8
+#define BF_GENERATION 12
+#define BF_OWNER_PID 16
+#define BF_OWNER_CLIENT 20
+#define BF_PREFIX_HASH 24
+#define BF_CHECKSUM 32
+#define BF_OWNER_START 40
+#define BF_REQUEST 48
+#define BF_ALLOC_NS 80
+#define BF_ACCESS_NS 88
+#define BF_SITE 96
+#define BF_NUM_TOKENS 100
+#define BF_PARENT_HASH 104
+#define BF_TOKENS 120
+/* Sequence-table record fields (seq_dtype). */
+#define SF_STATE 0
+#define SF_RESERVED 1
+#define SF_OWNER_PID 4
+#define SF_OWNER_CLIENT 8
+#define SF_NUM_BLOCKS 12
+#define SF_OWNER_START 16
+#define SF_SEQ_ID 24
+#define SF_REQUEST 32
+#define SF_NUM_TOKENS 64
+#define SF_CREATED_NS 72
+#define SF_TABLE 80
+/* Lock record fields (LOCK_DTYPE, 96 bytes). */
+#define LOCK_SIZE 96
+#define LF_SEQ 16
+#define LF_HOLDER_PID 24
+#define LF_HOLDER_CLIENT 28
+#define LF_HOLDER_START 32
+#define LF_HOLDER_TID 40
+#define LF_ACQUIRED 48
+#define LF_ACQUIRES 56
+#define LF_CONTENDED 64
+#define LF_WAIT 72
+#define LF_HOLD 80
+#define LF_MAX_HOLD 88
+/* Ring header (RING_HEADER_DTYPE) and index entries (INDEX_DTYPE). */
+#define RING_HEAD 0
+#define RING_TAIL 8
+#define RING_COUNT 16
+#define RING_ALLOCS 24
+#define RING_IDS 32
+#define INDEX_ENTRY 16
+/* Journal entry {offset u8, length u4, data_off u4, op u8}. */
+#define JENTRY 24
+/* COUNTER_FIELDS order. */
+enum { C_ALLOCS, C_FREES, C_COW, C_EVICTIONS, C_PREEMPTIONS, C_QUERIES, C_HITS, C_FORKS };
+
+static const uint64_t KSUM[5] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
+                                 0x27D4EB2F165667C5ull, 0xFF51AFD7ED558CCDull};
+static const uint64_t CHAIN_P = 0x100000001B3ull;
+
+static inline uint64_t wall_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t fmix64(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    h ^= h >> 33;
+    return h ? h : 1;
+}
+
+/* prefix.family_key: `key` moved into the shard of the prompt's first key. */
+static inline uint64_t family_key(uint64_t key, uint64_t first, uint64_t mask) {
+    uint64_t k = (key & ~mask) | (first & mask);
+    return k ? k : mask + 1;
+}
+
+#define U8(p) (*(uint64_t *)(p))
+#define U4(p) (*(uint32_t *)(p))
+#define I4(p) (*(int32_t *)(p))
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buf; /* the segment mapping, writable */
+    uint8_t *seg;
+    int fd;
+    /* geometry */
+    int64_t nb, bs, rec, max_seqs, seq_rec, max_bps, index_w, num_shards;
+    size_t off_blocks, off_ring, off_index, off_seqs, off_locks, off_next_seq_id;
+    /* this client's record: absolute offsets of its fields */
+    size_t c_seq, c_local_count, c_local, c_jcount, c_jused, c_journal, c_jdata, c_counters;
+    uint32_t j_entries, j_bytes;
+    int client, lock_free, lock_shard0, num_locks;
+    int32_t pid;
+    uint64_t start;
+    int64_t local_cap, local_max, slot_batch;
+    PyObject *reserve; /* SeqTable.reserve: this process's reserved slots (a list, shared) */
+    PyObject *ids;     /* SeqTable.ids: [next_id, end_id] (a list, shared) */
+    PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */
+    int64_t *busy;     /* the mapping's count of Python-path operations under that mutex */
+    Py_buffer busy_buf;
+    int64_t *hooks;    /* KVPool._hooks: probe hooks set on the handle (0: none) */
+    Py_buffer hooks_buf;
+    int mutex_held;    /* this call took the mutex to wait for an fcntl lock */
+    PyObject *seq_type;     /* allocator.sequence.Sequence */
+    PyObject *seq_fields;   /* its dataclass field names, in order (a tuple of 10) */
+    Py_ssize_t seq_off[10]; /* their __slots__ offsets in an instance */
+    PyObject *seqs;         /* KVPool._seqs: slot -> Sequence */
+    PyObject *faults_armed; /* faults.ARMED */
+    PyObject *crash_mod;    /* allocator.crash (its _target is read at every call) */
+    int64_t uid;            /* KVPool._uid */
+    PyObject *store;        /* KVPool.store: its remembered LRU candidates (eviction.py) */
+    /* Done at commit: evictions to count, the LRU candidates' advance (eviction._lru_take). */
+    int64_t pend_evicted;
+    PyObject *pend_lru; /* the candidate list consumed from, or NULL */
+    /* A scan's remembered candidates (eviction._lru_reset at commit), or pend_scan_n < 0. */
+    int32_t *pend_scan_ids;
+    uint64_t *pend_scan_ns;
+    int64_t pend_scan_n, pend_scan_cached;
+    PyObject *evict_mod; /* allocator.eviction (its LRU_KEEP is read at every scan) */
+    Py_ssize_t pend_pos;
+    int64_t pend_taken;
+    int fork_gen;
+    uint64_t *coefs;   /* prefix._COEFS[:bs] */
+    /* the open transaction */
+    uint32_t jcount, jused;
+    uint64_t held; /* bit i: lock i */
+    uint64_t acquired[MAX_LOCKS];
+    int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
+    uint64_t native_ops, fallbacks, native_evictions;
+} Native;
+
+static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
+    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached;
+
+/* -- records --------------------------------------------------------------------------------- */
+
+static inline uint8_t *blk(Native *n, int64_t b) { return n->seg + n->off_blocks + b * n->rec; }
+static inline uint8_t *seqrec(Native *n, int64_t s) {
+    return n->seg + n->off_seqs + s * n->seq_rec;
+}
+static inline uint8_t *idx_entry(Native *n, int64_t i) {
+    return n->seg + n->off_index + i * INDEX_ENTRY;
+}
+static inline uint8_t *ringh(Native *n) { return n->seg + n->off_ring; }
+
+/* The index shard (and lock) that owns a key. */
+static inline int64_t shard_of(Native *n, uint64_t key) {
+    return (int64_t)(key & (uint64_t)(n->num_shards - 1));
+}
+
+/* checksums.checksum_of_words over the record's 4 identity words. */
+static inline uint64_t checksum(Native *n, int64_t b) {
+    uint64_t *w = (uint64_t *)blk(n, b);
+    uint64_t h = w[0] * KSUM[0] + w[1] * KSUM[1] + w[2] * KSUM[2] + w[3] * KSUM[3] +
+                 (uint64_t)b * KSUM[4];
+    h ^= h >> 29;
+    h *= KSUM[0];
+    return h ^ (h >> 32);
+}
+
+static inline void seal(Native *n, int64_t b) { U8(blk(n, b) + BF_CHECKSUM) = checksum(n, b); }
+
+static inline void count(Native *n, int field, uint64_t k) {
+    if (k) U8(n->seg + n->c_counters + 8 * (size_t)field) += k;
+}
+
+/* Defined in a later part (the parts are one translation unit: see _native.c). */
+static PyObject *field(PyObject *obj, PyObject *name);
+static PyObject *fallback(Native *n);
+static int evict_into(Native *n, int64_t k, int32_t *out);
+static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
+                    int dry);
+static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
+                    int dry);
+static void lru_advance(Native *n);
+static void lru_reset(Native *n);
+static void drop_pending_scan(Native *n);

@@ -1,0 +1,222 @@
+/* The methods Python calls: the gate, the handle's checks, building Sequences, fork.
+ * Part of _native.c. */
+
+/* -- entry points: the gate, the handle's checks, the Sequence ------------------------------- */
+
+static int fork_gen = 0; /* bumped in a forked child: a handle made before the fork is not ours */
+static void atfork_child(void) { fork_gen++; }
+
+/* OK when this call may take the C path: the handle is open and this process's, no operation
+ * of the Python path is half done, no fault or crash point is armed, no probe, call-site
+ * recording or lock hook is installed (each is read at every call: they can come at any
+ * time). FALLBACK otherwise, ERROR with an exception set. */
+static int gate(Native *n, PyObject *pool) {
+    if (n->seg == NULL || *n->busy || *n->hooks || n->fork_gen != fork_gen) return FALLBACK;
+    if (PyDict_GET_SIZE(n->faults_armed)) return FALLBACK;
+    PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
+    if (t == NULL && PyErr_Occurred()) return ERROR;
+    return t == Py_None ? OK : FALLBACK;
+}
+
+/* KVPool._own: a live Sequence of this handle; its slot, or -1 (the Python path decides). */
+static int64_t own_slot(Native *n, PyObject *seq) {
+    if (Py_TYPE(seq) != (PyTypeObject *)n->seq_type) return -1;
+    PyObject *uid = sfield(n, seq, F_POOL_UID);
+    PyObject *slot = sfield(n, seq, F_SLOT);
+    int64_t out = -1;
+    if (uid && slot && PyLong_CheckExact(uid) && PyLong_CheckExact(slot) &&
+        PyLong_AsLongLong(uid) == n->uid)
+        out = PyLong_AsLongLong(slot);
+    Py_XDECREF(uid);
+    Py_XDECREF(slot);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return out >= 0 && out < n->max_seqs ? out : -1;
+}
+
+#define GATE(n, pool)                                                                        \
+    do {                                                                                     \
+        int g_ = gate(n, pool);                                                              \
+        if (g_ == ERROR) return NULL;                                                        \
+        if (g_ != OK) return fallback(n);                                                    \
+    } while (0)
+
+/* allocate(pool, tokens, request_id) -> Sequence | None */
+static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyUnicode_CheckExact(args[2]) || !PyList_CheckExact(args[1]))
+        return fallback(n);
+    GATE(n, args[0]);
+    char request[REQUEST_BYTES];
+    if (request_of(args[2], request)) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *got = core_allocate(n, args[1], request, -1);
+    if (got == NULL || got == Py_None) return got;
+    /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
+     * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
+    PyObject *tokens = PyList_GetSlice(args[1], 0, PyList_GET_SIZE(args[1]));
+    PyObject *uid = PyLong_FromLongLong(n->uid);
+    PyObject *cached =
+        PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);
+    PyObject *seq = NULL;
+    if (tokens && uid && cached) {
+        /* The dataclass's fields straight into a new instance's slots (its __init__ only
+         * assigns them; tests/test_native.py compares the two). */
+        PyObject *a[10] = {args[2],        tokens, PyTuple_GET_ITEM(got, 2), PyTuple_GET_ITEM(got, 0),
+                           PyTuple_GET_ITEM(got, 1), uid, cached, s_running,
+                           PyTuple_GET_ITEM(got, 3), PyTuple_GET_ITEM(got, 4)};
+        PyTypeObject *tp = (PyTypeObject *)n->seq_type;
+        seq = tp->tp_alloc(tp, 0);
+        for (int i = 0; seq && i < 10; i++) sset(n, seq, i, a[i]);
+    }
+    Py_XDECREF(tokens);
+    Py_XDECREF(uid);
+    Py_XDECREF(cached);
+    if (seq && PyDict_SetItem(n->seqs, PyTuple_GET_ITEM(got, 0), seq)) Py_CLEAR(seq);
+    Py_DECREF(got);
+    return seq;
+}
+
+/* end(pool, seq, final_state) -> True | None: free (FINISHED) or abort (ABORTED). */
+static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return fallback(n);
+    GATE(n, args[0]);
+    PyObject *seq = args[1];
+    int64_t slot = own_slot(n, seq);
+    long final = PyLong_AsLong(args[2]);
+    if (slot < 0 || (final != 3 && final != 4)) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    if (table == NULL) return NULL;
+    PyObject *done = core_release(n, table, slot, final);
+    Py_DECREF(table);
+    if (done == NULL || done == Py_None) return done;
+    Py_DECREF(done);
+    /* The Python side of a release: the handle forgets the sequence. */
+    PyObject *key = PyLong_FromLongLong(slot), *empty = PyList_New(0);
+    PyObject *minus = PyLong_FromLong(-1);
+    int bad = !key || !empty || !minus;
+    if (!bad && PyDict_DelItem(n->seqs, key)) PyErr_Clear();
+    if (!bad) {
+        sset(n, seq, F_BLOCK_TABLE, empty);
+        sset(n, seq, F_STATE, final == 3 ? s_finished : s_aborted);
+        sset(n, seq, F_SLOT, minus);
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(empty);
+    Py_XDECREF(minus);
+    if (bad) return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* append(pool, seq, tokens) -> [] | None: one token. */
+static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[2]) != 1)
+        return fallback(n);
+    GATE(n, args[0]);
+    if (own_slot(n, args[1]) < 0) return fallback(n);
+    return core_append1(n, args[1], PyList_GET_ITEM(args[2], 0));
+}
+
+/* mark_computed(pool, seq, num_tokens) -> int | None */
+static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return fallback(n);
+    GATE(n, args[0]);
+    if (own_slot(n, args[1]) < 0) return fallback(n);
+    return core_publish(n, args[1], args[2]);
+}
+
+/* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block. */
+static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyUnicode_CheckExact(args[2])) return fallback(n);
+    GATE(n, args[0]);
+    PyObject *src = args[1];
+    if (own_slot(n, src) < 0) return fallback(n);
+    char request[REQUEST_BYTES];
+    if (request_of(args[2], request)) {
+        PyErr_Clear();
+        return fallback(n);
+    }
+    PyObject *f[10];
+    for (int i = 0; i < 10; i++) f[i] = NULL;
+    int32_t ids[CHUNK];
+    PyObject *seq = NULL, *table = NULL, *tokens = NULL, *chain = NULL, *slot_o = NULL,
+             *id_o = NULL;
+    for (int i = 0; i < 10; i++)
+        if ((f[i] = sfield(n, src, i)) == NULL) goto out;
+    if (!PyList_CheckExact(f[F_BLOCK_TABLE]) || !PyList_CheckExact(f[F_TOKENS]) ||
+        !PyList_CheckExact(f[F_CHAIN]) || PyList_GET_SIZE(f[F_BLOCK_TABLE]) > CHUNK) {
+        seq = fallback(n);
+        goto out;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(f[F_BLOCK_TABLE]);
+    uint64_t locks = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(f[F_BLOCK_TABLE], i));
+        if (b < 0 || b >= n->nb) {
+            PyErr_Clear();
+            seq = fallback(n);
+            goto out;
+        }
+        ids[i] = (int32_t)b;
+        uint8_t *r = blk(n, b);
+        if (r[BF_INDEXED] == 1)
+            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(r + BF_PREFIX_HASH)));
+    }
+    int64_t slot;
+    uint64_t seq_id;
+    int rc = take_mutex(n);
+    if (rc == OK) rc = peek_claim(n, &slot, &seq_id);
+    if (rc != OK) {
+        seq = rc == ERROR ? NULL : fallback(n);
+        goto out;
+    }
+    if (txn_begin(n, locks)) {
+        seq = fallback(n);
+        goto out;
+    }
+    if (write_claim(n, slot, seq_id, request, wall_ns())) goto abort;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (jsave_block(n, ids[i])) goto abort;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        I4(blk(n, ids[i]) + BF_REFCOUNT) += 1;
+        seal(n, ids[i]);
+    }
+    if (write_blocks(n, slot, 0, ids, k)) goto abort;
+    U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)PyList_GET_SIZE(f[F_TOKENS]);
+    txn_commit(n);
+    count(n, C_FORKS, 1);
+    if (finish_claim(n, seq_id)) goto out;
+    /* seqops.fork's Sequence: copies of the parent's lists, its cached and published counts. */
+    table = PyList_GetSlice(f[F_BLOCK_TABLE], 0, k);
+    tokens = PyList_GetSlice(f[F_TOKENS], 0, PyList_GET_SIZE(f[F_TOKENS]));
+    chain = PyList_GetSlice(f[F_CHAIN], 0, PyList_GET_SIZE(f[F_CHAIN]));
+    slot_o = PyLong_FromLongLong(slot);
+    id_o = PyLong_FromUnsignedLongLong(seq_id);
+    if (!table || !tokens || !chain || !slot_o || !id_o) goto out;
+    PyTypeObject *tp = (PyTypeObject *)n->seq_type;
+    seq = tp->tp_alloc(tp, 0);
+    if (seq == NULL) goto out;
+    PyObject *a[10] = {args[2], tokens,    table,     slot_o, id_o,
+                       f[F_POOL_UID], f[F_CACHED], s_running, chain, f[F_PUBLISHED]};
+    for (int i = 0; i < 10; i++) sset(n, seq, i, a[i]);
+    if (PyDict_SetItem(n->seqs, slot_o, seq)) Py_CLEAR(seq);
+    n->native_ops++;
+    goto out;
+abort:
+    txn_abort(n);
+    seq = fallback(n);
+out:
+    for (int i = 0; i < 10; i++) Py_XDECREF(f[i]);
+    Py_XDECREF(table);
+    Py_XDECREF(tokens);
+    Py_XDECREF(chain);
+    Py_XDECREF(slot_o);
+    Py_XDECREF(id_o);
+    return seq;
+}

@@ -1,0 +1,43 @@
+/* The undo journal (journal.py): save before every write, roll back, commit. Part of
+ * _native.c. */
+
+/* -- the journal ------------------------------------------------------------------------------ */
+
+static int jsave(Native *n, size_t off, uint32_t len) {
+    if (n->jcount + 1 > n->j_entries || n->jused + len > n->j_bytes) return FALLBACK;
+    if (n->crash_at > 0 && --n->crash_at == 0) kill(getpid(), SIGKILL);
+    uint8_t *e = n->seg + n->c_journal + (size_t)n->jcount * JENTRY;
+    U8(e) = off;
+    U4(e + 8) = len;
+    U4(e + 12) = n->jused;
+    U8(e + 16) = 0;
+    memcpy(n->seg + n->c_jdata + n->jused, n->seg + off, len);
+    n->jused += len;
+    n->jcount += 1;
+    U4(n->seg + n->c_jused) = n->jused;
+    /* The count is written last: an entry exists only once its bytes are saved. */
+    __atomic_store_n((uint32_t *)(n->seg + n->c_jcount), n->jcount, __ATOMIC_RELEASE);
+    return OK;
+}
+
+static inline int jsave_block(Native *n, int64_t b) {
+    return jsave(n, n->off_blocks + b * n->rec, (uint32_t)n->rec);
+}
+
+static void jrollback(Native *n) {
+    for (int64_t i = (int64_t)n->jcount - 1; i >= 0; i--) {
+        uint8_t *e = n->seg + n->c_journal + (size_t)i * JENTRY;
+        memcpy(n->seg + U8(e), n->seg + n->c_jdata + U4(e + 12), U4(e + 8));
+    }
+    __atomic_store_n((uint32_t *)(n->seg + n->c_jcount), 0, __ATOMIC_RELEASE);
+    U4(n->seg + n->c_jused) = 0;
+    n->jcount = n->jused = 0;
+}
+
+static void jcommit(Native *n) {
+    if (n->jcount || n->jused) {
+        __atomic_store_n((uint32_t *)(n->seg + n->c_jcount), 0, __ATOMIC_RELEASE);
+        U4(n->seg + n->c_jused) = 0;
+    }
+    n->jcount = n->jused = 0;
+}

@@ -1,0 +1,131 @@
+/* Pool locks (locks.py) and transactions (txn.py). Part of _native.c. */
+
+/* -- locks ------------------------------------------------------------------------------------ */
+
+static int lock_fcntl(Native *n, int i, short type, int wait) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)(n->off_locks + (size_t)i * LOCK_SIZE);
+    fl.l_len = 1;
+    int r;
+    if (!wait) return fcntl(n->fd, F_SETLK, &fl);
+    Py_BEGIN_ALLOW_THREADS r = fcntl(n->fd, F_SETLKW, &fl);
+    Py_END_ALLOW_THREADS return r;
+}
+
+/* Take lock i as LockTable.acquire does; FALLBACK (not taken) when its record names a dead
+ * holder or the kernel refuses (EDEADLK): the Python path then recovers or reports. */
+static int lock_take(Native *n, int i) {
+    uint64_t t0 = mono_ns();
+    int contended = 0;
+    if (lock_fcntl(n, i, F_WRLCK, 0) != 0) {
+        if (errno != EAGAIN && errno != EACCES) return FALLBACK;
+        contended = 1;
+        /* Waiting releases the GIL: hold the op mutex meanwhile, so that no other thread of
+         * this process starts an operation on the mapping (fcntl locks do not exclude it). */
+        if (!n->mutex_held) {
+            PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
+            int ok = r == Py_True;
+            Py_XDECREF(r);
+            if (!ok) {
+                PyErr_Clear();
+                return FALLBACK;
+            }
+            n->mutex_held = 1;
+            *n->busy += 1;
+        }
+        if (lock_fcntl(n, i, F_WRLCK, 1) != 0) return FALLBACK;
+    }
+    uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
+    if (I4(r + LF_HOLDER_PID)) {
+        lock_fcntl(n, i, F_UNLCK, 0);
+        return FALLBACK;
+    }
+    uint64_t t1 = mono_ns();
+    /* Holder first, then make the counter odd: a death in between leaves a named dead holder. */
+    I4(r + LF_HOLDER_PID) = n->pid;
+    I4(r + LF_HOLDER_CLIENT) = n->client;
+    U8(r + LF_HOLDER_START) = n->start;
+    U8(r + LF_HOLDER_TID) = (uint64_t)syscall(SYS_gettid);
+    U8(r + LF_ACQUIRED) = t1;
+    uint64_t seq = U8(r + LF_SEQ);
+    U8(r + LF_SEQ) = seq + (seq % 2 == 0 ? 1 : 2);
+    U8(r + LF_ACQUIRES) += 1;
+    if (contended) {
+        U8(r + LF_CONTENDED) += 1;
+        U8(r + LF_WAIT) += t1 - t0;
+    }
+    n->held |= 1ull << i;
+    return OK;
+}
+
+static void lock_drop(Native *n, int i) {
+    uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
+    uint64_t held = mono_ns() - U8(r + LF_ACQUIRED);
+    U8(r + LF_HOLD) += held;
+    if (held > U8(r + LF_MAX_HOLD)) U8(r + LF_MAX_HOLD) = held;
+    /* Counter even first, then clear the holder. */
+    U8(r + LF_SEQ) += 1;
+    I4(r + LF_HOLDER_PID) = 0;
+    lock_fcntl(n, i, F_UNLCK, 0);
+    n->held &= ~(1ull << i);
+}
+
+static void release_all(Native *n) {
+    for (int i = n->num_locks - 1; i >= 0; i--)
+        if (n->held & (1ull << i)) lock_drop(n, i);
+}
+
+static inline void client_seq_bump(Native *n) {
+    uint64_t *p = (uint64_t *)(n->seg + n->c_seq);
+    __atomic_store_n(p, *p + 1, __ATOMIC_RELEASE);
+}
+
+/* Begin: seq odd, then every lock of `mask` in ascending order. */
+static int txn_begin(Native *n, uint64_t mask) {
+    client_seq_bump(n);
+    n->jcount = U4(n->seg + n->c_jcount);
+    n->jused = U4(n->seg + n->c_jused);
+    if (n->jcount || n->jused) {
+        /* Never on top of an open journal (Python left one: let it deal with it). */
+        client_seq_bump(n);
+        return FALLBACK;
+    }
+    for (int i = 0; i < n->num_locks; i++) {
+        if (!(mask & (1ull << i))) continue;
+        if (lock_take(n, i) != OK) {
+            release_all(n);
+            client_seq_bump(n);
+            return FALLBACK;
+        }
+    }
+    return OK;
+}
+
+static void txn_commit(Native *n) {
+    jcommit(n);
+    release_all(n);
+    client_seq_bump(n);
+    count(n, C_EVICTIONS, (uint64_t)n->pend_evicted);
+    n->native_evictions += (uint64_t)n->pend_evicted;
+    n->pend_evicted = 0;
+    if (n->pend_lru) {
+        lru_advance(n);
+        Py_CLEAR(n->pend_lru);
+    }
+    if (n->pend_scan_n >= 0) {
+        lru_reset(n);
+        drop_pending_scan(n);
+    }
+}
+
+static void txn_abort(Native *n) {
+    jrollback(n);
+    release_all(n);
+    client_seq_bump(n);
+    n->pend_evicted = 0;
+    Py_CLEAR(n->pend_lru);
+    drop_pending_scan(n);
+}

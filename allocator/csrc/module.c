@@ -1,0 +1,229 @@
+/* The Native type: its construction from the pool's layout, its methods, the module.
+ * Part of _native.c. */
+
+/* -- the type --------------------------------------------------------------------------------- */
+
+static int get_size(PyObject *d, const char *key, int64_t *out) {
+    PyObject *v = PyDict_GetItemString(d, key);
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "native layout needs %s", key);
+        return -1;
+    }
+    *out = PyLong_AsLongLong(v);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* An 8-byte word shared with Python (an array('q')). */
+static int word_of(PyObject *obj, Py_buffer *view, int64_t **out) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE) < 0) return -1;
+    if (view->len < 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "expected an 8-byte writable buffer");
+        return -1;
+    }
+    *out = view->buf;
+    return 0;
+}
+
+/* Native(segment_buffer, fd, layout: dict, reserve: list, ids: list, mutex, busy, hooks,
+ *        coefs) */
+static int N_init(Native *n, PyObject *args, PyObject *kw) {
+    PyObject *bufobj, *d, *reserve, *ids, *mutex, *busy, *hooks, *coefs;
+    int fd;
+    if (!PyArg_ParseTuple(args, "OiO!O!O!OOOO!", &bufobj, &fd, &PyDict_Type, &d, &PyList_Type,
+                          &reserve, &PyList_Type, &ids, &mutex, &busy, &hooks, &PyList_Type,
+                          &coefs))
+        return -1;
+    if (word_of(busy, &n->busy_buf, &n->busy)) return -1;
+    if (word_of(hooks, &n->hooks_buf, &n->hooks)) return -1;
+    if (PyObject_GetBuffer(bufobj, &n->buf, PyBUF_WRITABLE) < 0) return -1;
+    n->seg = n->buf.buf;
+    n->fd = fd;
+    struct {
+        const char *k;
+        int64_t *v;
+    } sizes[] = {{"num_blocks", &n->nb},
+                 {"block_size", &n->bs},
+                 {"record_size", &n->rec},
+                 {"max_seqs", &n->max_seqs},
+                 {"seq_record_size", &n->seq_rec},
+                 {"max_blocks_per_seq", &n->max_bps},
+                 {"index_width", &n->index_w},
+                 {"num_shards", &n->num_shards},
+                 {"local_cap", &n->local_cap},
+                 {"local_max", &n->local_max},
+                 {"slot_batch", &n->slot_batch}};
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
+        if (get_size(d, sizes[i].k, sizes[i].v)) return -1;
+    int64_t v[17];
+    const char *offs[] = {"off_blocks", "off_ring",   "off_index",   "off_seqs",  "off_locks",
+                          "off_next_seq_id", "c_seq", "c_local_count", "c_local", "c_jcount",
+                          "c_jused", "c_journal", "c_jdata", "c_counters", "client",
+                          "lock_free", "lock_shard0"};
+    for (size_t i = 0; i < 17; i++)
+        if (get_size(d, offs[i], &v[i])) return -1;
+    n->off_blocks = v[0], n->off_ring = v[1], n->off_index = v[2], n->off_seqs = v[3];
+    n->off_locks = v[4], n->off_next_seq_id = v[5], n->c_seq = v[6], n->c_local_count = v[7];
+    n->c_local = v[8], n->c_jcount = v[9], n->c_jused = v[10], n->c_journal = v[11];
+    n->c_jdata = v[12], n->c_counters = v[13];
+    n->client = (int)v[14], n->lock_free = (int)v[15], n->lock_shard0 = (int)v[16];
+    int64_t pid, start, je, jb, nl;
+    if (get_size(d, "pid", &pid) || get_size(d, "start", &start) ||
+        get_size(d, "journal_entries", &je) || get_size(d, "journal_bytes", &jb) ||
+        get_size(d, "num_locks", &nl))
+        return -1;
+    n->pid = (int32_t)pid, n->start = (uint64_t)start;
+    n->j_entries = (uint32_t)je, n->j_bytes = (uint32_t)jb, n->num_locks = (int)nl;
+    if (n->num_locks > MAX_LOCKS || n->local_cap > 64 || n->bs > 4096 || n->bs < 1) {
+        PyErr_SetString(PyExc_ValueError, "geometry outside the native core's limits");
+        return -1;
+    }
+    if (PyList_GET_SIZE(coefs) < n->bs) {
+        PyErr_SetString(PyExc_ValueError, "need one chain coefficient per token of a block");
+        return -1;
+    }
+    n->coefs = PyMem_Malloc(sizeof(uint64_t) * (size_t)n->bs);
+    if (!n->coefs) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int64_t i = 0; i < n->bs; i++)
+        n->coefs[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(coefs, i));
+    if (PyErr_Occurred()) return -1;
+    Py_INCREF(reserve);
+    Py_INCREF(ids);
+    Py_INCREF(mutex);
+    n->reserve = reserve, n->ids = ids, n->mutex = mutex;
+    PyObject **objs[] = {&n->seq_type,  &n->seqs,  &n->faults_armed, &n->crash_mod,
+                         &n->seq_fields, &n->store, &n->evict_mod};
+    const char *names[] = {"seq_type",   "seqs",  "faults_armed",   "crash_module",
+                           "seq_fields", "store", "eviction_module"};
+    n->pend_scan_n = -1;
+    for (int i = 0; i < 7; i++) {
+        PyObject *o = PyDict_GetItemString(d, names[i]);
+        if (o == NULL) {
+            PyErr_Format(PyExc_KeyError, "native core needs %s", names[i]);
+            return -1;
+        }
+        Py_INCREF(o);
+        *objs[i] = o;
+    }
+    if (!PyTuple_Check(n->seq_fields) || PyTuple_GET_SIZE(n->seq_fields) != 10 ||
+        !PyType_Check(n->seq_type)) {
+        PyErr_SetString(PyExc_TypeError, "seq_type must be a class of 10 fields");
+        return -1;
+    }
+    if (!PyDict_Check(n->seqs) || !PyDict_Check(n->faults_armed)) {
+        PyErr_SetString(PyExc_TypeError, "seqs and faults_armed must be dicts");
+        return -1;
+    }
+    PyObject *tdict = ((PyTypeObject *)n->seq_type)->tp_dict;
+    for (int i = 0; i < 10; i++) {
+        PyObject *desc = PyDict_GetItemWithError(tdict, PyTuple_GET_ITEM(n->seq_fields, i));
+        if (desc == NULL || !Py_IS_TYPE(desc, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)desc)->d_member->type != T_OBJECT_EX) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "Sequence must be a dataclass with __slots__");
+            return -1;
+        }
+        n->seq_off[i] = ((PyMemberDescrObject *)desc)->d_member->offset;
+    }
+    int64_t uid;
+    if (get_size(d, "uid", &uid)) return -1;
+    n->uid = uid;
+    n->fork_gen = fork_gen;
+    return 0;
+}
+
+static void N_dealloc(Native *n) {
+    if (n->seg) PyBuffer_Release(&n->buf);
+    if (n->busy) PyBuffer_Release(&n->busy_buf);
+    if (n->hooks) PyBuffer_Release(&n->hooks_buf);
+    Py_XDECREF(n->reserve);
+    Py_XDECREF(n->ids);
+    Py_XDECREF(n->mutex);
+    Py_XDECREF(n->seq_type);
+    Py_XDECREF(n->seq_fields);
+    Py_XDECREF(n->seqs);
+    Py_XDECREF(n->faults_armed);
+    Py_XDECREF(n->crash_mod);
+    Py_XDECREF(n->store);
+    Py_XDECREF(n->pend_lru);
+    Py_XDECREF(n->evict_mod);
+    drop_pending_scan(n);
+    PyMem_Free(n->coefs);
+    Py_TYPE(n)->tp_free((PyObject *)n);
+}
+
+/* close(): let go of the mapping (the pool is about to unmap it). */
+static PyObject *N_close(Native *n, PyObject *unused) {
+    if (n->seg) {
+        PyBuffer_Release(&n->buf);
+        n->seg = NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *N_stats(Native *n, PyObject *unused) {
+    return Py_BuildValue("{sKsKsK}", "native_ops", (unsigned long long)n->native_ops,
+                         "fallbacks", (unsigned long long)n->fallbacks, "evictions",
+                         (unsigned long long)n->native_evictions);
+}
+
+static PyObject *N_set_crash_at(Native *n, PyObject *arg) {
+    n->crash_at = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef N_methods[] = {
+    {"allocate", (PyCFunction)(void (*)(void))N_allocate, METH_FASTCALL,
+     "allocate(pool, tokens, request_id) -> Sequence | None (the Python path)"},
+    {"end", (PyCFunction)(void (*)(void))N_end, METH_FASTCALL,
+     "end(pool, seq, final_state) -> True | None: free or abort"},
+    {"append", (PyCFunction)(void (*)(void))N_append, METH_FASTCALL,
+     "append(pool, seq, tokens) -> [] | None: one token"},
+    {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
+     "mark_computed(pool, seq, num_tokens) -> int | None"},
+    {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
+     "fork(pool, seq, request_id) -> Sequence | None"},
+    {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
+    {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and fallbacks"},
+    {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
+     "tests: SIGKILL this process at the n-th journal save (0: off)"},
+    {NULL}};
+
+static PyTypeObject NativeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvscope.allocator._native.Native",
+    .tp_basicsize = sizeof(Native),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The pool's hot operations on one client's view of a segment.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)N_init,
+    .tp_dealloc = (destructor)N_dealloc,
+    .tp_methods = N_methods,
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native",
+                                    "The pool's hot operations in C (see allocator/native.py).",
+                                    -1, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&NativeType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (m == NULL) return NULL;
+    s_acquire = PyUnicode_InternFromString("acquire");
+    s_release = PyUnicode_InternFromString("release");
+    s_target = PyUnicode_InternFromString("_target");
+    s_running = PyUnicode_InternFromString("running");
+    s_finished = PyUnicode_InternFromString("finished");
+    s_aborted = PyUnicode_InternFromString("aborted");
+    s_lru_ids = PyUnicode_InternFromString("_lru_ids");
+    s_lru_ns = PyUnicode_InternFromString("_lru_ns");
+    s_lru_pos = PyUnicode_InternFromString("_lru_pos");
+    s_lru_cached = PyUnicode_InternFromString("_lru_cached");
+    pthread_atfork(NULL, NULL, atfork_child);
+    Py_INCREF(&NativeType);
+    if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;
+    return m;
+}
