@@ -124,6 +124,7 @@ static int take(Native *n, int64_t k, int32_t *out) {
 /* ReserveOps._take_locks: the locks `take(k)` will need, judged from the local cache and the
  * ring's count (a hint: if it was wrong, `take` falls back). */
 static uint64_t take_locks(Native *n, int64_t k) {
+    n->dry_valid = 0; /* a plan is for one operation only */
     int64_t local = local_count(n);
     if (local >= k) return 0;
     uint64_t locks = 1ull << n->lock_free;

@@ -115,6 +115,12 @@ static inline uint64_t family_key(uint64_t key, uint64_t first, uint64_t mask) {
 #define U4(p) (*(uint32_t *)(p))
 #define I4(p) (*(int32_t *)(p))
 
+/* A cached block by age: its access time and id (eviction's order). */
+typedef struct {
+    uint64_t ns;
+    int32_t id;
+} Aged;
+
 typedef struct {
     PyObject_HEAD
     Py_buffer buf; /* the segment mapping, writable */
@@ -154,6 +160,10 @@ typedef struct {
     uint64_t *pend_scan_ns;
     int64_t pend_scan_n, pend_scan_cached;
     PyObject *evict_mod; /* allocator.eviction (its LRU_KEEP is read at every scan) */
+    /* Scratch for scans (num_blocks entries), and what the last dry scan found there. */
+    Aged *scan_buf;
+    int dry_valid;
+    int64_t dry_k, dry_extra, dry_lru_keep, dry_m, dry_keep, dry_added;
     Py_ssize_t pend_pos;
     int64_t pend_taken;
     int fork_gen;

@@ -110,10 +110,6 @@ out:
     return rc;
 }
 
-typedef struct {
-    uint64_t ns;
-    int32_t id;
-} Aged;
 
 static inline int aged_lt(const Aged *a, const Aged *b) {
     return a->ns < b->ns || (a->ns == b->ns && a->id < b->id);
@@ -149,8 +145,21 @@ static void select_oldest(Aged *a, int64_t m, int64_t keep) {
     }
 }
 
+/* True when the blocks a dry scan chose (scan_buf[0..dry_keep)) are still CACHED with the access
+ * times it saw: nothing older can have appeared since (a block cached later is newer), so the
+ * scan's choice stands. */
+static int dry_still_oldest(Native *n) {
+    for (int64_t j = 0; j < n->dry_keep; j++) {
+        uint8_t *r = blk(n, n->scan_buf[j].id);
+        if (r[BF_STATE] != B_CACHED || U8(r + BF_ACCESS_NS) != n->scan_buf[j].ns) return 0;
+    }
+    return 1;
+}
+
 /* eviction._lru_scan: the k (+ extra) least recently used CACHED blocks into cand, oldest
- * first; a large cache also remembers the next LRU_KEEP oldest (set at commit). */
+ * first; a large cache also remembers the next LRU_KEEP oldest (set at commit).
+ * A dry run (planning the locks, before they are taken) leaves its result for the real run of
+ * the same operation, which keeps it when it still holds. */
 static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry) {
     PyObject *keep_o = PyObject_GetAttrString(n->evict_mod, "LRU_KEEP");
@@ -160,25 +169,38 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         PyErr_Clear();
         return FALLBACK;
     }
-    int64_t m = 0;
-    for (int64_t b = 0; b < n->nb; b++) m += blk(n, b)[BF_STATE] == B_CACHED;
-    if (m == 0) return FALLBACK;
-    Aged *a = PyMem_Malloc(sizeof(Aged) * (size_t)m);
-    if (a == NULL) return FALLBACK;
-    /* Without the locks (a dry run plans them) other processes change states meanwhile: never
-     * past the count of the first pass. */
-    int64_t i = 0;
-    for (int64_t b = 0; b < n->nb && i < m; b++) {
-        uint8_t *r = blk(n, b);
-        if (r[BF_STATE] == B_CACHED) a[i].ns = U8(r + BF_ACCESS_NS), a[i++].id = (int32_t)b;
+    if (n->scan_buf == NULL && (n->scan_buf = PyMem_Malloc(sizeof(Aged) * (size_t)n->nb)) == NULL)
+        return FALLBACK;
+    Aged *a = n->scan_buf;
+    int64_t m, keep, k_in = k;
+    if (!dry && n->dry_valid && n->dry_k == k && n->dry_extra == extra && n->dry_lru_keep == lru_keep &&
+        dry_still_oldest(n)) {
+        /* The scan that planned this operation's locks, still true under them. */
+        m = n->dry_m;
+        keep = n->dry_keep;
+        k += n->dry_added;
+    } else {
+        /* One pass over the records (without the locks when dry: only a plan). */
+        m = 0;
+        for (int64_t b = 0; b < n->nb; b++) {
+            uint8_t *r = blk(n, b);
+            if (r[BF_STATE] == B_CACHED) a[m].ns = U8(r + BF_ACCESS_NS), a[m++].id = (int32_t)b;
+        }
+        if (m == 0) return FALLBACK;
+        int64_t spare = m - k > 0 ? (m - k) / 4 : 0;
+        k += extra < spare ? extra : spare;
+        keep = m > 2 * lru_keep + k ? k + lru_keep : k;
+        if (keep > m) keep = m;
+        if (m > keep) select_oldest(a, m, keep);
+        qsort(a, (size_t)keep, sizeof(Aged), aged_cmp);
     }
-    m = i;
-    int64_t spare = m - k > 0 ? (m - k) / 4 : 0;
-    k += extra < spare ? extra : spare;
-    int64_t keep = m > 2 * lru_keep + k ? k + lru_keep : k;
-    if (keep > m) keep = m;
-    if (m > keep) select_oldest(a, m, keep);
-    qsort(a, (size_t)keep, sizeof(Aged), aged_cmp);
+    if (dry) {
+        n->dry_valid = 1;
+        n->dry_k = k_in, n->dry_extra = extra, n->dry_lru_keep = lru_keep;
+        n->dry_m = m, n->dry_keep = keep, n->dry_added = k - k_in;
+    } else {
+        n->dry_valid = 0;
+    }
     int64_t take_n = k < keep ? k : keep;
     for (int64_t j = 0; j < take_n; j++) cand[j] = a[j].id;
     *ncand = take_n;
@@ -189,7 +211,6 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         n->pend_scan_ns = PyMem_Malloc(sizeof(uint64_t) * (size_t)later);
         if (!n->pend_scan_ids || !n->pend_scan_ns) {
             drop_pending_scan(n);
-            PyMem_Free(a);
             return FALLBACK;
         }
         for (int64_t j = 0; j < later; j++) {
@@ -199,7 +220,6 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         n->pend_scan_n = later;
         n->pend_scan_cached = m - k;
     }
-    PyMem_Free(a);
     return OK;
 }
 

@@ -91,6 +91,7 @@ static int txn_begin(Native *n, uint64_t mask) {
     if (n->jcount || n->jused) {
         /* Never on top of an open journal (Python left one: let it deal with it). */
         client_seq_bump(n);
+        n->dry_valid = 0;
         return FALLBACK;
     }
     for (int i = 0; i < n->num_locks; i++) {
@@ -98,6 +99,7 @@ static int txn_begin(Native *n, uint64_t mask) {
         if (lock_take(n, i) != OK) {
             release_all(n);
             client_seq_bump(n);
+            n->dry_valid = 0;
             return FALLBACK;
         }
     }
@@ -105,6 +107,7 @@ static int txn_begin(Native *n, uint64_t mask) {
 }
 
 static void txn_commit(Native *n) {
+    n->dry_valid = 0;
     jcommit(n);
     release_all(n);
     client_seq_bump(n);
@@ -122,6 +125,7 @@ static void txn_commit(Native *n) {
 }
 
 static void txn_abort(Native *n) {
+    n->dry_valid = 0;
     jrollback(n);
     release_all(n);
     client_seq_bump(n);

@@ -151,6 +151,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->pend_lru);
     Py_XDECREF(n->evict_mod);
     drop_pending_scan(n);
+    PyMem_Free(n->scan_buf);
     PyMem_Free(n->coefs);
     Py_TYPE(n)->tp_free((PyObject *)n);
 }
