@@ -3,6 +3,9 @@ of blocks as they fill. Mixed into KVPool through SequenceOps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
 import numpy as np
 
 from kvscope.allocator import faults
@@ -13,9 +16,50 @@ from kvscope.allocator.release import CHUNK
 from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
+if TYPE_CHECKING:
+    import torch
+
+    from kvscope.allocator.blocks import BlockStore
+    from kvscope.allocator.layout import SegmentView
+    from kvscope.allocator.probing import PoolProbes
+    from kvscope.allocator.sequence import SeqTable
+
+    T = TypeVar("T")
+
 
 class AppendOps:
     """Appends (the `self` is always a KVPool)."""
+
+    # Set by KVPool.__init__ (pool.py; `probe` is a property there); declared here for type
+    # checkers only (no values: nothing at class level).
+    view: SegmentView
+    kv: torch.Tensor
+    store: BlockStore
+    seqtab: SeqTable
+    block_size: int
+    slots_per_block: int
+    probe: PoolProbes | None
+    _native: Any | None
+
+    if TYPE_CHECKING:
+        # Provided by KVPool (pool.py), SequenceOps (seqops.py) and ReserveOps (reserve.py).
+        def _run(self, locks: set[int], fn: Callable[[Txn], T]) -> T: ...
+
+        def _count(self, t: Txn, field: str, n: int = 1) -> None: ...
+
+        def _site(self) -> int: ...
+
+        def _own(self, seq: Sequence) -> None: ...
+
+        def _key(self, chain: list[int], j: int) -> int: ...
+
+        def _take(
+            self, t: Txn, n: int, request: bytes, exclude: int = -1, site: int = -1
+        ) -> np.ndarray: ...
+
+        def _take_locks(self, n: int) -> set[int]: ...
+
+        def _fill(self, ids: list[int], first_pos: int, tokens: list[int]) -> None: ...
 
     def append(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
         """Append tokens; returns the copy-on-write (src, dst) block copies to perform first."""

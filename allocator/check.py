@@ -216,7 +216,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         r.blocks(
             FindingKind.FREE_LIST_CORRUPT,
             wrong,
-            lambda x, c=c: (
+            lambda x, c=c: (  # type: ignore[misc]  # mypy cannot infer a lambda with defaults
                 f"block is in the local cache of pid {int(clients['pid'][c])} but is {BlockState(int(state[x])).name}"
             ),
         )

@@ -4,12 +4,16 @@ candidates remembered from one pool scan. Mixed into BlockStore (blocks.py)."""
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.layout import BlockState, block_dtype
 from kvscope.allocator.txn import Txn
+
+if TYPE_CHECKING:
+    from kvscope.allocator.prefix import PrefixIndex
 
 _F = block_dtype(16).fields
 _STATE, _ACCESS_NS = _F["state"][1], _F["access_ns"][1]
@@ -34,6 +38,25 @@ def oldest(ids: np.ndarray, ns: np.ndarray, keep: int) -> np.ndarray:
 
 class EvictionOps:
     """LRU eviction (the `self` is always a BlockStore)."""
+
+    # Set by BlockStore.__init__ (blocks.py); declared here for type checkers only (no values:
+    # nothing at class level).
+    blocks: np.ndarray
+    state: np.ndarray
+    refcount: np.ndarray
+    indexed: np.ndarray
+    prefix_hash: np.ndarray
+    access_ns: np.ndarray
+    mv: memoryview
+    base: int
+    record_size: int
+    client: int
+    shard_locks: list[int]
+    index: PrefixIndex
+
+    if TYPE_CHECKING:
+        # BlockStore's journaling helper (blocks.py).
+        def save(self, t: Txn, ids: np.ndarray) -> None: ...
 
     def evict(self, t: Txn, k: int, extra: int = 0) -> np.ndarray:
         """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),

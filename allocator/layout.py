@@ -129,7 +129,7 @@ HEADER_DTYPE = np.dtype(
     ]
     + [(name, "<u8") for name in COUNTER_FIELDS]
 )
-HEADER_CHECKSUM_BYTES = HEADER_DTYPE.fields["checksum"][1]
+HEADER_CHECKSUM_BYTES = HEADER_DTYPE.fields["checksum"][1]  # type: ignore[index]
 
 
 def block_dtype(block_size: int) -> np.dtype:

@@ -305,7 +305,7 @@ class KVPool(SequenceOps):
             try:
                 while True:
                     try:
-                        order = locks
+                        order: set[int] | list[int] = locks
                         if faults.ARMED and len(locks) > 1 and faults.fire("lock-inversion"):
                             order = sorted(locks, reverse=True)
                         with Txn(self.locks, self.journal, self._client_seq, order) as t:

@@ -38,16 +38,14 @@ def recover_dead_holders(pool: KVPool) -> list[dict[str, Any]]:
     # A holder named in a lock record we now hold is dead even if /proc still shows it exiting:
     # a live holder clears the record before unlocking, and the kernel unlocks at exit.
     holder_clients: set[int] = set()
+
+    def on_dead(lock: int, pid: int, client: int) -> None:
+        dead_holders[lt.names[lock]] = pid
+        holder_clients.add(client)
+
     try:
         for i in range(len(lt.names)):
-            lt.acquire(
-                i,
-                recovering=True,
-                on_dead=lambda i, pid, client: (
-                    dead_holders.__setitem__(lt.names[i], pid),
-                    holder_clients.add(client),
-                ),
-            )
+            lt.acquire(i, recovering=True, on_dead=on_dead)
             taken.append(i)
         for c in sorted(holder_clients | set(dead_clients(view, pool.client))):
             if c != pool.client and int(view.clients["journal_count"][c]):

@@ -4,6 +4,7 @@ Mixed into KVPool through SequenceOps."""
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +14,12 @@ from kvscope.allocator.layout import BlockState, SeqState
 from kvscope.allocator.sequence import request_bytes
 from kvscope.allocator.txn import Txn
 
+if TYPE_CHECKING:
+    from kvscope.allocator.blocks import BlockStore
+    from kvscope.allocator.layout import SegmentView
+    from kvscope.allocator.probing import PoolProbes
+    from kvscope.allocator.sequence import Sequence
+
 # Extra blocks evicted when the free ring runs dry (one pool scan per batch; at most a quarter
 # of the cached blocks, so a small cache keeps its LRU order).
 EVICT_BATCH = 32
@@ -20,6 +27,32 @@ EVICT_BATCH = 32
 
 class ReserveOps:
     """Block reservation (the `self` is always a KVPool)."""
+
+    # Set by KVPool.__init__ (pool.py; `probe` is a property there); declared here for type
+    # checkers only (no values: nothing at class level).
+    view: SegmentView
+    store: BlockStore
+    block_size: int
+    pid: int
+    start: int
+    FREE: int
+    SHARDS: list[int]
+    probe: PoolProbes | None
+    _seqs: dict[int, Sequence]
+
+    if TYPE_CHECKING:
+        # Provided by KVPool (pool.py) and ReleaseOps (release.py).
+        def _count(self, t: Txn, field: str, n: int = 1) -> None: ...
+
+        def _release_blocks(
+            self,
+            t: Txn,
+            seq: Sequence,
+            keep: int,
+            *,
+            skip: tuple[int, ...] = (),
+            keep_table: bool = False,
+        ) -> None: ...
 
     def _take(
         self, t: Txn, n: int, request: bytes, exclude: int = -1, site: int = -1
@@ -126,9 +159,9 @@ class ReserveOps:
         if pos % bs == 0 and total >= 2 * bs:
             # Whole blocks (a prompt): one numpy copy.
             full = total // bs
-            blk = np.asarray(ids[pos // bs : pos // bs + full], np.int64)
-            st.tokens[blk] = np.asarray(tokens[: full * bs], np.int32).reshape(full, bs)
-            st.num_tokens[blk] = bs
+            whole = np.asarray(ids[pos // bs : pos // bs + full], np.int64)
+            st.tokens[whole] = np.asarray(tokens[: full * bs], np.int32).reshape(full, bs)
+            st.num_tokens[whole] = bs
             pos += full * bs
             i = full * bs
         while i < total:

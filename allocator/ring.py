@@ -3,6 +3,8 @@ quarantine. Mixed into BlockStore (blocks.py), which provides the views and jour
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvscope.allocator.crash import crash_point
@@ -12,6 +14,25 @@ from kvscope.allocator.txn import Txn
 
 class RingOps:
     """Popping and pushing free blocks (the `self` is always a BlockStore)."""
+
+    # Set by BlockStore.__init__ (blocks.py); declared here for type checkers only (no values:
+    # nothing at class level).
+    blocks: np.ndarray
+    state: np.ndarray
+    refcount: np.ndarray
+    indexed: np.ndarray
+    ring: np.ndarray
+    ring_header: np.ndarray
+    ring_off: int
+    num_blocks: int
+    quarantine: int
+    free_lock: int
+
+    if TYPE_CHECKING:
+        # BlockStore's journaling helpers (blocks.py).
+        def save(self, t: Txn, ids: np.ndarray) -> None: ...
+
+        def seal(self, ids: np.ndarray) -> None: ...
 
     @property
     def ring_count(self) -> int:

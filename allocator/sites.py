@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from kvscope.allocator.layout import NUM_SITES
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from kvscope.allocator.pool import KVPool
 
 _KVSCOPE_DIRS = tuple(
@@ -20,7 +22,7 @@ _SKIP = ("<frozen runpy>", "<frozen importlib", "/runpy.py")
 
 def caller_site() -> str:
     """`file:line function` of the first frame outside kvscope (cheap: no traceback objects)."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
         if not name.startswith(_KVSCOPE_DIRS) and not name.endswith(_SKIP):
@@ -41,7 +43,7 @@ class SiteTable:
 
     def site(self) -> int:
         """The id of the calling site (interning it on first sight)."""
-        f = sys._getframe(1)
+        f: FrameType | None = sys._getframe(1)
         while f is not None and f.f_code.co_filename.startswith(_KVSCOPE_DIRS):
             f = f.f_back
         if f is None:
