@@ -20,7 +20,7 @@ _STATE, _ACCESS_NS = _F["state"][1], _F["access_ns"][1]
 _U8 = struct.Struct("<Q")
 
 # Eviction candidates remembered from one pool scan (only when the cache holds over twice as many).
-LRU_KEEP = 1024
+LRU_KEEP = 4096
 
 
 def oldest(ids: np.ndarray, ns: np.ndarray, keep: int) -> np.ndarray:
