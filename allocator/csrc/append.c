@@ -82,7 +82,8 @@ static PyObject *core_append1(Native *n, PyObject *seq, PyObject *tok_in) {
         result = fallback(n);
         goto out;
     }
-    tok_o = PyLong_FromLong(tok);
+    /* The token as the sequence keeps it: an int as given (append.py stores int(t)). */
+    tok_o = PyLong_CheckExact(tok_in) ? Py_NewRef(tok_in) : PyLong_FromLong(tok);
     if (tok_o == NULL) goto out;
     if (off) {
         long last = PyLong_AsLong(PyList_GET_ITEM(table, nb - 1));
