@@ -311,3 +311,47 @@ def test_threads_of_one_process_mix_both_paths(make_pool):
     assert pool.check() == []
     assert pool.stats()["num_allocated"] == 0
     assert pool._native.stats()["native_ops"] > 0
+
+
+def test_an_operation_that_waits_for_another_process_gives_the_mutex_back(make_pool):
+    # GIVEN a published sequence whose index shard another process holds locked for a while
+    pool = make_pool(64, block_size=BS, max_clients=4, max_seqs=64)
+    first = pool.allocate("a", list(range(9)))  # the slot reserve's first claim: Python
+    seq = pool.allocate("b", list(range(20, 29)))
+    pool.mark_computed(seq, seq.num_tokens)
+    shard = pool.SHARDS[pool.store.index.shard(pool.view.blocks["prefix_hash"][seq.block_table[0]])]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        other = KVPool.attach(pool.name)
+        other.locks.acquire(shard)
+        os.write(w, b"x")
+        import time
+
+        time.sleep(0.3)
+        other.locks.release(shard)
+        os._exit(0)
+    os.read(r, 1)
+    # WHEN this process forks the sequence (the C core waits for the lock, GIL released)
+    before = pool._native.stats()["native_ops"]
+    child = pool.fork(seq, "c")
+    os.waitpid(pid, 0)
+    # THEN it did so natively, and the handle's op mutex and busy count are free again
+    assert pool._native.stats()["native_ops"] == before + 1
+    assert pool._busy[0] == 0
+    import threading
+
+    got: list[bool] = []
+
+    def try_mutex() -> None:
+        if pool._mutex.acquire(blocking=False):
+            pool._mutex.release()
+            got.append(True)
+
+    t = threading.Thread(target=try_mutex)
+    t.start()
+    t.join()
+    assert got == [True]
+    for s in (child, seq, first):
+        pool.free(s)
+    assert pool.check() == []

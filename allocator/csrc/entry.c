@@ -212,6 +212,7 @@ abort:
     txn_abort(n);
     seq = fallback(n);
 out:
+    drop_mutex(n); /* if waiting for a lock made the core take it */
     for (int i = 0; i < 10; i++) Py_XDECREF(f[i]);
     Py_XDECREF(table);
     Py_XDECREF(tokens);
