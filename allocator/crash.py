@@ -37,6 +37,7 @@ _register(
     "txn.before_commit",
 )
 
+# The armed point (the C core reads `_target` to keep off while one is armed: native.py).
 _target: str | None = None
 _count = 0
 
@@ -58,11 +59,6 @@ def _from_env() -> None:
         configure(os.environ.get("KVSCOPE_CRASH_AT"))
     except ValueError as e:
         print(f"kvscope: KVSCOPE_CRASH_AT ignored: {e}", file=sys.stderr)
-
-
-def armed() -> bool:
-    """True while a crash point is armed."""
-    return _target is not None
 
 
 def crash_point(name: str) -> None:
