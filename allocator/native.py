@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from kvscope.allocator import crash, eviction, faults
@@ -82,8 +83,29 @@ def _check_offsets() -> None:
             assert dt.fields[name][1] == off, f"{name} moved: the native core needs rebuilding"
 
 
+_warned = False
+
+
+def _warn_not_built() -> None:
+    """Say once per process that the pool runs without its C core (unless asked to)."""
+    global _warned
+    if _warned or os.environ.get("KVSCOPE_NATIVE", "1") == "0":
+        return
+    _warned = True
+    warnings.warn(
+        "kvscope: the pool's C core (kvscope.allocator._native) is not built, so pools run on "
+        "the slower Python path; reinstall with a C compiler and Python headers "
+        "(KVSCOPE_NATIVE=0 silences this)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def core_for(pool: KVPool) -> Any | None:
     """The C core for one handle, or None (pure Python for this handle)."""
+    if _native is None:
+        _warn_not_built()
+        return None
     if not available() or pool.probe is not None or pool.store.quarantine:
         return None
     _check_offsets()

@@ -191,6 +191,22 @@ def test_paths_that_stay_in_python(make_pool):
     assert pool.check() == []
 
 
+def test_a_missing_core_is_said_once(pool_name, monkeypatch):
+    # GIVEN an install without the C core (no compiler)
+    monkeypatch.setattr(native, "_native", None)
+    monkeypatch.setattr(native, "_warned", False)
+    # WHEN pools are made THEN one RuntimeWarning says so, and the pool works in Python
+    with pytest.warns(RuntimeWarning, match="C core"):
+        pool = _pool(pool_name, True)
+    try:
+        assert pool._native is None
+        pool.free(pool.allocate("a", [1, 2, 3]))
+        assert native._warned
+    finally:
+        pool.close()
+        pool.unlink()
+
+
 def test_switched_off_by_env(pool_name, monkeypatch):
     monkeypatch.setenv("KVSCOPE_NATIVE", "0")
     pool = _pool(pool_name, True)
