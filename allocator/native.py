@@ -20,7 +20,6 @@ from kvscope.allocator import crash, eviction, faults
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
-    HEADER_DTYPE,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
     block_dtype,
@@ -132,7 +131,6 @@ def core_for(pool: KVPool) -> Any | None:
         "off_index": off["index"],
         "off_seqs": off["seqs"],
         "off_locks": off["locks"],
-        "off_next_seq_id": HEADER_DTYPE.fields["next_seq_id"][1],
         "c_seq": cbase + cf["seq"][1],
         "c_local_count": cbase + cf["local_count"][1],
         "c_local": cbase + cf["local"][1],
@@ -158,20 +156,17 @@ def core_for(pool: KVPool) -> Any | None:
         "crash_module": crash,
         "store": pool.store,
         "eviction_module": eviction,
+        # Shared with the Python path, changed in place by both.
+        "reserve": pool.seqtab.reserve,
+        "ids": pool.seqtab.ids,
+        "mutex": pool._mutex,
+        "busy": pool._busy,
+        "hooks": pool._hooks,
+        "coefs": _COEFS_LIST[: view.layout.block_size],
     }
     # The counters are contiguous u8s in COUNTER_FIELDS order.
     for i, f in enumerate(COUNTER_FIELDS):
         assert cf[f][1] == cf[COUNTER_FIELDS[0]][1] + 8 * i
     if layout["num_locks"] > 64 or store.local_cap > 64:
         return None
-    return _native.Native(
-        pool._mf.mm,
-        pool._mf.fd,
-        layout,
-        pool.seqtab.reserve,
-        pool.seqtab.ids,
-        pool._mutex,
-        pool._busy,
-        pool._hooks,
-        _COEFS_LIST[: view.layout.block_size],
-    )
+    return _native.Native(pool._mf.mm, pool._mf.fd, layout)

@@ -3,8 +3,8 @@
 
 /* -- allocate --------------------------------------------------------------------------------- */
 
-/* allocate(tokens: list[int], request: bytes, site: int)
- *   -> (slot, seq_id, table: list[int], chain: list[int], hits) or None (the Python path). */
+/* A prompt's allocation (tokens: a list of ints; request: 32 bytes) -> (slot, seq_id,
+ * table: list[int], chain: list[int], hits), or None (the Python path). */
 static PyObject *core_allocate(Native *n, PyObject *list, const char *request, int32_t site) {
     if (!PyList_CheckExact(list)) return fallback(n);
     Py_ssize_t ntok = PyList_GET_SIZE(list);
@@ -23,16 +23,14 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         PyErr_NoMemory();
         goto out;
     }
-    if (tokens_of(list, toks, ntok)) {
+    if (tokens_of(list, 0, toks, ntok)) {
         result = fallback(n);
         goto out;
     }
     /* Chain values and keys of the full blocks (prefix.chain_hashes / family_keys). */
     uint64_t mask = (uint64_t)(n->num_shards - 1);
     for (int64_t j = 0; j < nfull; j++) {
-        uint64_t c = 0;
-        for (int64_t i = 0; i < bs; i++) c += (uint64_t)(int64_t)toks[j * bs + i] * n->coefs[i];
-        chain[j] = (j ? chain[j - 1] : 0) * CHAIN_P + c;
+        chain[j] = chain_next(n, j ? chain[j - 1] : 0, toks + j * bs);
         keys[j] = fmix64(chain[j]);
     }
     if (mask)
@@ -58,7 +56,7 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
      * missed, as if this allocation came first; a lookup never trusts a block without the
      * lock and the stored tokens.) */
     int may_hit = max_hits > 0 && index_lookup(n, keys[0]) >= 0;
-    if (may_hit) locks |= 1ull << (n->lock_shard0 + shard_of(n, keys[0]));
+    if (may_hit) locks |= shard_lock(n, keys[0]);
     locks |= take_locks(n, nblocks);
     if (txn_begin(n, locks)) {
         result = fallback(n);
@@ -142,19 +140,15 @@ out:
 
 /* -- free ------------------------------------------------------------------------------------- */
 
-/* release(table: list[int], slot, final_state) -> True, or None (the Python path). */
+/* A sequence's release (table: its block ids; final: FINISHED or ABORTED) -> True, or None
+ * (the Python path). */
 static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final) {
-    if (!PyList_CheckExact(list)) return fallback(n);
-    Py_ssize_t k = PyList_GET_SIZE(list);
-    if (k > CHUNK || slot < 0 || slot >= n->max_seqs) return fallback(n);
     int32_t ids[CHUNK], zero[CHUNK];
-    for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *o = PyList_GET_ITEM(list, i);
-        long v = PyLong_AsLong(o);
-        if (v == -1 && PyErr_Occurred()) return NULL;
-        if (v < 0 || v >= n->nb) return fallback(n);
-        ids[i] = (int32_t)v;
-    }
+    Py_ssize_t k;
+    /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
+    uint64_t locks;
+    if (slot < 0 || slot >= n->max_seqs || table_of(n, list, ids, &k, &locks))
+        return fallback(n);
     int rc = take_mutex(n);
     if (rc != OK) return rc == ERROR ? NULL : fallback(n);
     PyObject *result = NULL;
@@ -165,17 +159,12 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
         result = fallback(n);
         goto out;
     }
-    /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
-    uint64_t locks = 0;
     int64_t private_ = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
-        if (r[BF_INDEXED] == 1)
-            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(r + BF_PREFIX_HASH)));
-        else if (I4(r + BF_REFCOUNT) <= 1)
-            private_++;
+        private_ += r[BF_INDEXED] != 1 && I4(r + BF_REFCOUNT) <= 1;
     }
-    if ((int64_t)local_count(n) + private_ > n->local_max) locks |= 1ull << n->lock_free;
+    if ((int64_t)local_count(n) + private_ > n->local_max) locks |= lock_bit(n->lock_free);
     if (txn_begin(n, locks)) {
         result = fallback(n);
         goto out;
@@ -202,13 +191,13 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     int64_t fit;
     if (local_push(n, zero, nz, &fit)) goto abort;
     if (fit < nz) {
-        if (!(n->held & (1ull << n->lock_free))) goto abort;
+        if (!holds(n, n->lock_free)) goto abort;
         if (ring_push(n, zero + fit, nz - fit)) goto abort;
     }
     if (write_blocks(n, slot, 0, NULL, 0)) goto abort;
     s[SF_STATE] = (uint8_t)final;
     /* SeqTable.release into the reserve. */
-    if (jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE)) goto abort;
+    if (jsave_head(n, slot)) goto abort;
     s[SF_STATE] = S_EMPTY;
     U4(s + SF_NUM_BLOCKS) = 0;
     txn_commit(n);

@@ -7,29 +7,28 @@
 /* AppendOps._extend_chain: hash blocks that became full; record keys of unshared ones. */
 static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *chain) {
     Py_ssize_t full = PyList_GET_SIZE(tokens) / n->bs;
-    int64_t *tk = PyMem_Malloc(sizeof(int64_t) * (size_t)n->bs);
-    if (!tk) {
-        PyErr_NoMemory();
-        return ERROR;
-    }
+    int32_t tk[4096]; /* a block's tokens (block_size <= 4096: N_init) */
     while (PyList_GET_SIZE(chain) < full) {
         Py_ssize_t j = PyList_GET_SIZE(chain);
         uint64_t prev = j ? PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(chain, j - 1)) : 0;
-        for (int64_t i = 0; i < n->bs; i++)
-            tk[i] = (int64_t)PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(tokens, j * n->bs + i));
-        if (PyErr_Occurred()) goto fail;
+        if (PyErr_Occurred()) return ERROR;
+        /* A sequence's tokens are int32 ints (both paths store them in the records). */
+        if (tokens_of(tokens, j * n->bs, tk, n->bs)) {
+            PyErr_SetString(PyExc_SystemError, "a sequence holds a token that is not an int32");
+            return ERROR;
+        }
         PyObject *h = PyLong_FromUnsignedLongLong(chain_next(n, prev, tk));
         if (h == NULL || PyList_Append(chain, h)) {
             Py_XDECREF(h);
-            goto fail;
+            return ERROR;
         }
         Py_DECREF(h);
         long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
-        if (b == -1 && PyErr_Occurred()) goto fail;
+        if (b == -1 && PyErr_Occurred()) return ERROR;
         uint8_t *r = blk(n, b);
         if (r[BF_INDEXED] == 0 && I4(r + BF_REFCOUNT) == 1) {
             uint64_t key, parent;
-            if (seq_keys(n, chain, j, &key, &parent)) goto fail;
+            if (seq_keys(n, chain, j, &key, &parent)) return ERROR;
             /* Key and checksum in one 16-byte store (append.py _set_keys: a kill leaves the
              * record sealed either way); the parent key is outside the checksum. */
             uint64_t w[2];
@@ -47,16 +46,13 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
             U8(r + BF_PARENT_HASH) = parent;
         }
     }
-    PyMem_Free(tk);
     return OK;
-fail:
-    PyMem_Free(tk);
-    return ERROR;
 }
 
-/* append1(seq, token: int) -> [] (no copies), or None (the Python path: copy-on-write, ...).
- * One token: into the last block when it has room, else into a new block (a transaction). */
-static PyObject *core_append1(Native *n, PyObject *seq, PyObject *tok_in) {
+/* One token appended to seq (in `slot`) -> [] (no copies), or None (the Python path:
+ * copy-on-write, ...): into the last block when it has room, else into a new block (a
+ * transaction). */
+static PyObject *core_append1(Native *n, PyObject *seq, int64_t slot, PyObject *tok_in) {
     long tok = PyLong_AsLong(tok_in);
     if (tok == -1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -65,20 +61,17 @@ static PyObject *core_append1(Native *n, PyObject *seq, PyObject *tok_in) {
     if (tok < INT32_MIN || tok > INT32_MAX) return fallback(n);
     PyObject *tokens = sfield(n, seq, F_TOKENS);
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
-    PyObject *slot_o = sfield(n, seq, F_SLOT);
     PyObject *chain = sfield(n, seq, F_CHAIN);
     PyObject *result = NULL, *tok_o = NULL;
     int mutex = 0;
-    if (!tokens || !table || !slot_o || !chain) goto out;
+    if (!tokens || !table || !chain) goto out;
     if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(chain)) {
         result = fallback(n);
         goto out;
     }
-    int64_t slot = PyLong_AsLongLong(slot_o);
-    if (slot == -1 && PyErr_Occurred()) goto out;
     Py_ssize_t n_old = PyList_GET_SIZE(tokens), nb = PyList_GET_SIZE(table);
     int64_t bs = n->bs, off = n_old % bs;
-    if (nb == 0 || slot < 0 || slot >= n->max_seqs || nb != (n_old + bs - 1) / bs) {
+    if (nb == 0 || nb != (n_old + bs - 1) / bs) {
         result = fallback(n);
         goto out;
     }
@@ -147,14 +140,14 @@ out:
     Py_XDECREF(tok_o);
     Py_XDECREF(tokens);
     Py_XDECREF(table);
-    Py_XDECREF(slot_o);
     Py_XDECREF(chain);
     return result;
 }
 
 /* -- mark_computed ---------------------------------------------------------------------------- */
 
-/* publish(seq, num_tokens) -> blocks published, or None (the Python path). */
+/* seq's full blocks of positions [0, num_tokens) published -> how many, or None (the Python
+ * path). */
 static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
     Py_ssize_t upto_tokens = PyLong_AsSsize_t(upto_in);
     if (upto_tokens == -1 && PyErr_Occurred()) {
@@ -193,7 +186,7 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
     }
     mutex = 1;
     /* Every key of a sequence lives in the shard of its first (prefix.family_keys). */
-    if (txn_begin(n, 1ull << (n->lock_shard0 + shard_of(n, key0)))) {
+    if (txn_begin(n, shard_lock(n, key0))) {
         result = fallback(n);
         goto out;
     }

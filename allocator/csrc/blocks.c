@@ -112,7 +112,7 @@ static int take(Native *n, int64_t k, int32_t *out) {
     int64_t got, more;
     if (local_pop(n, k, out, &got)) return FALLBACK;
     if (got < k) {
-        if (!(n->held & (1ull << n->lock_free))) return FALLBACK;
+        if (!holds(n, n->lock_free)) return FALLBACK;
         if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
         got += more;
         if (got == k) return refill(n);
@@ -127,7 +127,7 @@ static uint64_t take_locks(Native *n, int64_t k) {
     n->dry_valid = 0; /* a plan is for one operation only */
     int64_t local = local_count(n);
     if (local >= k) return 0;
-    uint64_t locks = 1ull << n->lock_free;
+    uint64_t locks = lock_bit(n->lock_free);
     int64_t short_ = k - local - (int64_t)U4(ringh(n) + RING_COUNT);
     if (short_ <= 0) return locks;
     /* Eviction: the shards of the blocks it will take, found now without the locks (the same
@@ -136,11 +136,10 @@ static uint64_t take_locks(Native *n, int64_t k) {
     int64_t nc = 0;
     if (short_ <= CHUNK && (!lru_take(n, short_, EVICT_BATCH, cand, &nc, 1) ||
                             !lru_scan(n, short_, EVICT_BATCH, cand, &nc, 1))) {
-        for (int64_t i = 0; i < nc; i++)
-            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(blk(n, cand[i]) + BF_PREFIX_HASH)));
+        for (int64_t i = 0; i < nc; i++) locks |= block_shard_lock(n, cand[i]);
         return locks;
     }
-    for (int64_t s = 0; s < n->num_shards; s++) locks |= 1ull << (n->lock_shard0 + s);
+    for (int64_t s = 0; s < n->num_shards; s++) locks |= lock_bit(n->lock_shard0 + (int)s);
     return locks;
 }
 

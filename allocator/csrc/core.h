@@ -128,7 +128,7 @@ typedef struct {
     int fd;
     /* geometry */
     int64_t nb, bs, rec, max_seqs, seq_rec, max_bps, index_w, num_shards;
-    size_t off_blocks, off_ring, off_index, off_seqs, off_locks, off_next_seq_id;
+    size_t off_blocks, off_ring, off_index, off_seqs, off_locks;
     /* this client's record: absolute offsets of its fields */
     size_t c_seq, c_local_count, c_local, c_jcount, c_jused, c_journal, c_jdata, c_counters;
     uint32_t j_entries, j_bytes;
@@ -171,7 +171,6 @@ typedef struct {
     /* the open transaction */
     uint32_t jcount, jused;
     uint64_t held; /* bit i: lock i */
-    uint64_t acquired[MAX_LOCKS];
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
     uint64_t native_ops, fallbacks, native_evictions;
 } Native;
@@ -206,6 +205,17 @@ static inline uint64_t checksum(Native *n, int64_t b) {
 }
 
 static inline void seal(Native *n, int64_t b) { U8(blk(n, b) + BF_CHECKSUM) = checksum(n, b); }
+
+/* Lock bits (the `held` word and lock sets): lock i; the index shard lock of a key; that of
+ * block b's prefix key (meaningful while it is indexed). */
+static inline uint64_t lock_bit(int i) { return 1ull << i; }
+static inline int holds(Native *n, int i) { return (n->held & lock_bit(i)) != 0; }
+static inline uint64_t shard_lock(Native *n, uint64_t key) {
+    return lock_bit(n->lock_shard0 + (int)shard_of(n, key));
+}
+static inline uint64_t block_shard_lock(Native *n, int64_t b) {
+    return shard_lock(n, U8(blk(n, b) + BF_PREFIX_HASH));
+}
 
 static inline void count(Native *n, int field, uint64_t k) {
     if (k) U8(n->seg + n->c_counters + 8 * (size_t)field) += k;

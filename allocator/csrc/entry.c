@@ -36,6 +36,18 @@ static int64_t own_slot(Native *n, PyObject *seq) {
     return out >= 0 && out < n->max_seqs ? out : -1;
 }
 
+/* A new Sequence with these 10 field values (the dataclass's order: its __init__ only assigns
+ * them; tests/test_native.py compares the two), registered in the handle's live sequences
+ * under `slot`. */
+static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot) {
+    PyTypeObject *tp = (PyTypeObject *)n->seq_type;
+    PyObject *seq = tp->tp_alloc(tp, 0);
+    if (seq == NULL) return NULL;
+    for (int i = 0; i < 10; i++) sset(n, seq, i, fields[i]);
+    if (PyDict_SetItem(n->seqs, slot, seq)) Py_CLEAR(seq);
+    return seq;
+}
+
 #define GATE(n, pool)                                                                        \
     do {                                                                                     \
         int g_ = gate(n, pool);                                                              \
@@ -63,19 +75,14 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
         PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);
     PyObject *seq = NULL;
     if (tokens && uid && cached) {
-        /* The dataclass's fields straight into a new instance's slots (its __init__ only
-         * assigns them; tests/test_native.py compares the two). */
         PyObject *a[10] = {args[2],        tokens, PyTuple_GET_ITEM(got, 2), PyTuple_GET_ITEM(got, 0),
                            PyTuple_GET_ITEM(got, 1), uid, cached, s_running,
                            PyTuple_GET_ITEM(got, 3), PyTuple_GET_ITEM(got, 4)};
-        PyTypeObject *tp = (PyTypeObject *)n->seq_type;
-        seq = tp->tp_alloc(tp, 0);
-        for (int i = 0; seq && i < 10; i++) sset(n, seq, i, a[i]);
+        seq = new_sequence(n, a, PyTuple_GET_ITEM(got, 0));
     }
     Py_XDECREF(tokens);
     Py_XDECREF(uid);
     Py_XDECREF(cached);
-    if (seq && PyDict_SetItem(n->seqs, PyTuple_GET_ITEM(got, 0), seq)) Py_CLEAR(seq);
     Py_DECREF(got);
     return seq;
 }
@@ -119,8 +126,9 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[2]) != 1)
         return fallback(n);
     GATE(n, args[0]);
-    if (own_slot(n, args[1]) < 0) return fallback(n);
-    return core_append1(n, args[1], PyList_GET_ITEM(args[2], 0));
+    int64_t slot = own_slot(n, args[1]);
+    if (slot < 0) return fallback(n);
+    return core_append1(n, args[1], slot, PyList_GET_ITEM(args[2], 0));
 }
 
 /* mark_computed(pool, seq, num_tokens) -> int | None */
@@ -149,24 +157,12 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
              *id_o = NULL;
     for (int i = 0; i < 10; i++)
         if ((f[i] = sfield(n, src, i)) == NULL) goto out;
-    if (!PyList_CheckExact(f[F_BLOCK_TABLE]) || !PyList_CheckExact(f[F_TOKENS]) ||
-        !PyList_CheckExact(f[F_CHAIN]) || PyList_GET_SIZE(f[F_BLOCK_TABLE]) > CHUNK) {
+    Py_ssize_t k;
+    uint64_t locks; /* the shards of its indexed blocks */
+    if (!PyList_CheckExact(f[F_TOKENS]) || !PyList_CheckExact(f[F_CHAIN]) ||
+        table_of(n, f[F_BLOCK_TABLE], ids, &k, &locks)) {
         seq = fallback(n);
         goto out;
-    }
-    Py_ssize_t k = PyList_GET_SIZE(f[F_BLOCK_TABLE]);
-    uint64_t locks = 0;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        long b = PyLong_AsLong(PyList_GET_ITEM(f[F_BLOCK_TABLE], i));
-        if (b < 0 || b >= n->nb) {
-            PyErr_Clear();
-            seq = fallback(n);
-            goto out;
-        }
-        ids[i] = (int32_t)b;
-        uint8_t *r = blk(n, b);
-        if (r[BF_INDEXED] == 1)
-            locks |= 1ull << (n->lock_shard0 + shard_of(n, U8(r + BF_PREFIX_HASH)));
     }
     int64_t slot;
     uint64_t seq_id;
@@ -199,14 +195,10 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     slot_o = PyLong_FromLongLong(slot);
     id_o = PyLong_FromUnsignedLongLong(seq_id);
     if (!table || !tokens || !chain || !slot_o || !id_o) goto out;
-    PyTypeObject *tp = (PyTypeObject *)n->seq_type;
-    seq = tp->tp_alloc(tp, 0);
-    if (seq == NULL) goto out;
     PyObject *a[10] = {args[2], tokens,    table,     slot_o, id_o,
                        f[F_POOL_UID], f[F_CACHED], s_running, chain, f[F_PUBLISHED]};
-    for (int i = 0; i < 10; i++) sset(n, seq, i, a[i]);
-    if (PyDict_SetItem(n->seqs, slot_o, seq)) Py_CLEAR(seq);
-    n->native_ops++;
+    seq = new_sequence(n, a, slot_o);
+    if (seq) n->native_ops++;
     goto out;
 abort:
     txn_abort(n);

@@ -100,7 +100,6 @@ static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     Py_XSETREF(n->pend_lru, Py_NewRef(ids));
     n->pend_pos = pos;
     n->pend_taken = got;
-    rc = OK;
 out:
     if (PyErr_Occurred()) PyErr_Clear();
     Py_XDECREF(ids);
@@ -224,9 +223,9 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 }
 
 /* ReserveOps._take's eviction step: `k` blocks into out from the LRU cached ones; up to
- * EVICT_BATCH more go to the free ring (every shard lock and the free lock held). */
+ * EVICT_BATCH more go to the free ring (the free lock and the candidates' shard locks held). */
 static int evict_into(Native *n, int64_t k, int32_t *out) {
-    if (!(n->held & (1ull << n->lock_free))) return FALLBACK;
+    if (!holds(n, n->lock_free)) return FALLBACK;
     int32_t cand[CHUNK + EVICT_BATCH];
     int64_t nc;
     if (k > CHUNK) return FALLBACK;
@@ -236,9 +235,7 @@ static int evict_into(Native *n, int64_t k, int32_t *out) {
     /* Only the candidates' shards are locked (`take_locks` found them before the locks:
      * another process may have changed the pool since; then the Python path, every shard). */
     for (int64_t i = 0; i < nc; i++)
-        if (!(n->held & (1ull << (n->lock_shard0 +
-                                  shard_of(n, U8(blk(n, cand[i]) + BF_PREFIX_HASH))))))
-            return FALLBACK;
+        if (!(n->held & block_shard_lock(n, cand[i]))) return FALLBACK;
     /* BlockStore.evict */
     for (int64_t i = 0; i < nc; i++)
         if (jsave_block(n, cand[i])) return FALLBACK;

@@ -24,6 +24,11 @@ static inline int jsave_block(Native *n, int64_t b) {
     return jsave(n, n->off_blocks + b * n->rec, (uint32_t)n->rec);
 }
 
+/* SeqTable.save_head: the slot's fixed fields (its table is saved by range). */
+static inline int jsave_head(Native *n, int64_t slot) {
+    return jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE);
+}
+
 static void jrollback(Native *n) {
     for (int64_t i = (int64_t)n->jcount - 1; i >= 0; i--) {
         uint8_t *e = n->seg + n->c_journal + (size_t)i * JENTRY;

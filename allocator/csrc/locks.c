@@ -57,7 +57,7 @@ static int lock_take(Native *n, int i) {
         U8(r + LF_CONTENDED) += 1;
         U8(r + LF_WAIT) += t1 - t0;
     }
-    n->held |= 1ull << i;
+    n->held |= lock_bit(i);
     return OK;
 }
 
@@ -70,12 +70,12 @@ static void lock_drop(Native *n, int i) {
     U8(r + LF_SEQ) += 1;
     I4(r + LF_HOLDER_PID) = 0;
     lock_fcntl(n, i, F_UNLCK, 0);
-    n->held &= ~(1ull << i);
+    n->held &= ~lock_bit(i);
 }
 
 static void release_all(Native *n) {
     for (int i = n->num_locks - 1; i >= 0; i--)
-        if (n->held & (1ull << i)) lock_drop(n, i);
+        if (holds(n, i)) lock_drop(n, i);
 }
 
 static inline void client_seq_bump(Native *n) {
@@ -95,7 +95,7 @@ static int txn_begin(Native *n, uint64_t mask) {
         return FALLBACK;
     }
     for (int i = 0; i < n->num_locks; i++) {
-        if (!(mask & (1ull << i))) continue;
+        if (!(mask & lock_bit(i))) continue;
         if (lock_take(n, i) != OK) {
             release_all(n);
             client_seq_bump(n);

@@ -25,59 +25,93 @@ static int word_of(PyObject *obj, Py_buffer *view, int64_t **out) {
     return 0;
 }
 
-/* Native(segment_buffer, fd, layout: dict, reserve: list, ids: list, mutex, busy, hooks,
- *        coefs) */
+/* Native(segment_buffer, fd, layout: dict): the layout dict (native.py core_for) names every
+ * offset, size and shared Python object the core uses. */
 static int N_init(Native *n, PyObject *args, PyObject *kw) {
-    PyObject *bufobj, *d, *reserve, *ids, *mutex, *busy, *hooks, *coefs;
+    PyObject *bufobj, *d;
     int fd;
-    if (!PyArg_ParseTuple(args, "OiO!O!O!OOOO!", &bufobj, &fd, &PyDict_Type, &d, &PyList_Type,
-                          &reserve, &PyList_Type, &ids, &mutex, &busy, &hooks, &PyList_Type,
-                          &coefs))
+    if (!PyArg_ParseTuple(args, "OiO!", &bufobj, &fd, &PyDict_Type, &d)) return -1;
+    /* Integers, each read as int64 and stored at its field's width. */
+    enum { I64, SIZE, INT, I32, U32, U64 };
+    struct {
+        const char *key;
+        void *dst;
+        int kind;
+    } ints[] = {
+        {"num_blocks", &n->nb, I64},          {"block_size", &n->bs, I64},
+        {"record_size", &n->rec, I64},        {"max_seqs", &n->max_seqs, I64},
+        {"seq_record_size", &n->seq_rec, I64}, {"max_blocks_per_seq", &n->max_bps, I64},
+        {"index_width", &n->index_w, I64},    {"num_shards", &n->num_shards, I64},
+        {"local_cap", &n->local_cap, I64},    {"local_max", &n->local_max, I64},
+        {"slot_batch", &n->slot_batch, I64},  {"uid", &n->uid, I64},
+        {"off_blocks", &n->off_blocks, SIZE}, {"off_ring", &n->off_ring, SIZE},
+        {"off_index", &n->off_index, SIZE},   {"off_seqs", &n->off_seqs, SIZE},
+        {"off_locks", &n->off_locks, SIZE},   {"c_seq", &n->c_seq, SIZE},
+        {"c_local_count", &n->c_local_count, SIZE}, {"c_local", &n->c_local, SIZE},
+        {"c_jcount", &n->c_jcount, SIZE},     {"c_jused", &n->c_jused, SIZE},
+        {"c_journal", &n->c_journal, SIZE},   {"c_jdata", &n->c_jdata, SIZE},
+        {"c_counters", &n->c_counters, SIZE}, {"client", &n->client, INT},
+        {"lock_free", &n->lock_free, INT},    {"lock_shard0", &n->lock_shard0, INT},
+        {"num_locks", &n->num_locks, INT},    {"pid", &n->pid, I32},
+        {"journal_entries", &n->j_entries, U32}, {"journal_bytes", &n->j_bytes, U32},
+        {"start", &n->start, U64},
+    };
+    for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) {
+        int64_t v;
+        if (get_size(d, ints[i].key, &v)) return -1;
+        switch (ints[i].kind) {
+        case I64: *(int64_t *)ints[i].dst = v; break;
+        case SIZE: *(size_t *)ints[i].dst = (size_t)v; break;
+        case INT: *(int *)ints[i].dst = (int)v; break;
+        case I32: *(int32_t *)ints[i].dst = (int32_t)v; break;
+        case U32: *(uint32_t *)ints[i].dst = (uint32_t)v; break;
+        case U64: *(uint64_t *)ints[i].dst = (uint64_t)v; break;
+        }
+    }
+    if (n->num_locks > MAX_LOCKS || n->local_cap > 64 || n->bs > 4096 || n->bs < 1) {
+        PyErr_SetString(PyExc_ValueError, "geometry outside the native core's limits");
         return -1;
+    }
+    /* Python objects the core shares with the handle (new references). */
+    PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
+                         &n->seq_fields, &n->seqs, &n->faults_armed, &n->crash_mod,
+                         &n->store,     &n->evict_mod};
+    const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
+                           "seq_fields", "seqs", "faults_armed", "crash_module",
+                           "store",      "eviction_module"};
+    for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
+        PyObject *o = PyDict_GetItemString(d, names[i]);
+        if (o == NULL) {
+            PyErr_Format(PyExc_KeyError, "native core needs %s", names[i]);
+            return -1;
+        }
+        *objs[i] = Py_NewRef(o);
+    }
+    if (!PyList_CheckExact(n->reserve) || !PyList_CheckExact(n->ids) ||
+        PyList_GET_SIZE(n->ids) != 2) {
+        PyErr_SetString(PyExc_TypeError, "reserve and ids must be lists (ids: [next, end])");
+        return -1;
+    }
+    if (!PyTuple_Check(n->seq_fields) || PyTuple_GET_SIZE(n->seq_fields) != 10 ||
+        !PyType_Check(n->seq_type)) {
+        PyErr_SetString(PyExc_TypeError, "seq_type must be a class of 10 fields");
+        return -1;
+    }
+    if (!PyDict_Check(n->seqs) || !PyDict_Check(n->faults_armed)) {
+        PyErr_SetString(PyExc_TypeError, "seqs and faults_armed must be dicts");
+        return -1;
+    }
+    PyObject *busy = PyDict_GetItemString(d, "busy"), *hooks = PyDict_GetItemString(d, "hooks");
+    PyObject *coefs = PyDict_GetItemString(d, "coefs");
+    if (!busy || !hooks || !coefs || !PyList_Check(coefs)) {
+        PyErr_SetString(PyExc_KeyError, "native core needs busy, hooks and coefs (a list)");
+        return -1;
+    }
     if (word_of(busy, &n->busy_buf, &n->busy)) return -1;
     if (word_of(hooks, &n->hooks_buf, &n->hooks)) return -1;
     if (PyObject_GetBuffer(bufobj, &n->buf, PyBUF_WRITABLE) < 0) return -1;
     n->seg = n->buf.buf;
     n->fd = fd;
-    struct {
-        const char *k;
-        int64_t *v;
-    } sizes[] = {{"num_blocks", &n->nb},
-                 {"block_size", &n->bs},
-                 {"record_size", &n->rec},
-                 {"max_seqs", &n->max_seqs},
-                 {"seq_record_size", &n->seq_rec},
-                 {"max_blocks_per_seq", &n->max_bps},
-                 {"index_width", &n->index_w},
-                 {"num_shards", &n->num_shards},
-                 {"local_cap", &n->local_cap},
-                 {"local_max", &n->local_max},
-                 {"slot_batch", &n->slot_batch}};
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
-        if (get_size(d, sizes[i].k, sizes[i].v)) return -1;
-    int64_t v[17];
-    const char *offs[] = {"off_blocks", "off_ring",   "off_index",   "off_seqs",  "off_locks",
-                          "off_next_seq_id", "c_seq", "c_local_count", "c_local", "c_jcount",
-                          "c_jused", "c_journal", "c_jdata", "c_counters", "client",
-                          "lock_free", "lock_shard0"};
-    for (size_t i = 0; i < 17; i++)
-        if (get_size(d, offs[i], &v[i])) return -1;
-    n->off_blocks = v[0], n->off_ring = v[1], n->off_index = v[2], n->off_seqs = v[3];
-    n->off_locks = v[4], n->off_next_seq_id = v[5], n->c_seq = v[6], n->c_local_count = v[7];
-    n->c_local = v[8], n->c_jcount = v[9], n->c_jused = v[10], n->c_journal = v[11];
-    n->c_jdata = v[12], n->c_counters = v[13];
-    n->client = (int)v[14], n->lock_free = (int)v[15], n->lock_shard0 = (int)v[16];
-    int64_t pid, start, je, jb, nl;
-    if (get_size(d, "pid", &pid) || get_size(d, "start", &start) ||
-        get_size(d, "journal_entries", &je) || get_size(d, "journal_bytes", &jb) ||
-        get_size(d, "num_locks", &nl))
-        return -1;
-    n->pid = (int32_t)pid, n->start = (uint64_t)start;
-    n->j_entries = (uint32_t)je, n->j_bytes = (uint32_t)jb, n->num_locks = (int)nl;
-    if (n->num_locks > MAX_LOCKS || n->local_cap > 64 || n->bs > 4096 || n->bs < 1) {
-        PyErr_SetString(PyExc_ValueError, "geometry outside the native core's limits");
-        return -1;
-    }
     if (PyList_GET_SIZE(coefs) < n->bs) {
         PyErr_SetString(PyExc_ValueError, "need one chain coefficient per token of a block");
         return -1;
@@ -90,33 +124,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     for (int64_t i = 0; i < n->bs; i++)
         n->coefs[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(coefs, i));
     if (PyErr_Occurred()) return -1;
-    Py_INCREF(reserve);
-    Py_INCREF(ids);
-    Py_INCREF(mutex);
-    n->reserve = reserve, n->ids = ids, n->mutex = mutex;
-    PyObject **objs[] = {&n->seq_type,  &n->seqs,  &n->faults_armed, &n->crash_mod,
-                         &n->seq_fields, &n->store, &n->evict_mod};
-    const char *names[] = {"seq_type",   "seqs",  "faults_armed",   "crash_module",
-                           "seq_fields", "store", "eviction_module"};
     n->pend_scan_n = -1;
-    for (int i = 0; i < 7; i++) {
-        PyObject *o = PyDict_GetItemString(d, names[i]);
-        if (o == NULL) {
-            PyErr_Format(PyExc_KeyError, "native core needs %s", names[i]);
-            return -1;
-        }
-        Py_INCREF(o);
-        *objs[i] = o;
-    }
-    if (!PyTuple_Check(n->seq_fields) || PyTuple_GET_SIZE(n->seq_fields) != 10 ||
-        !PyType_Check(n->seq_type)) {
-        PyErr_SetString(PyExc_TypeError, "seq_type must be a class of 10 fields");
-        return -1;
-    }
-    if (!PyDict_Check(n->seqs) || !PyDict_Check(n->faults_armed)) {
-        PyErr_SetString(PyExc_TypeError, "seqs and faults_armed must be dicts");
-        return -1;
-    }
     PyObject *tdict = ((PyTypeObject *)n->seq_type)->tp_dict;
     for (int i = 0; i < 10; i++) {
         PyObject *desc = PyDict_GetItemWithError(tdict, PyTuple_GET_ITEM(n->seq_fields, i));
@@ -128,9 +136,6 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         }
         n->seq_off[i] = ((PyMemberDescrObject *)desc)->d_member->offset;
     }
-    int64_t uid;
-    if (get_size(d, "uid", &uid)) return -1;
-    n->uid = uid;
     n->fork_gen = fork_gen;
     return 0;
 }

@@ -4,10 +4,15 @@
 /* -- the prefix index ------------------------------------------------------------------------- */
 
 
+/* PrefixIndex._start: the key's shard's first entry (*base) and its home slot in the shard. */
+static inline int64_t probe_start(Native *n, uint64_t key, int64_t *base) {
+    *base = shard_of(n, key) * n->index_w;
+    return (int64_t)((key >> 16) % (uint64_t)n->index_w);
+}
+
 /* PrefixIndex.lookup */
 static int32_t index_lookup(Native *n, uint64_t key) {
-    int64_t base = shard_of(n, key) * n->index_w, w = n->index_w;
-    int64_t i = (int64_t)((key >> 16) % (uint64_t)w);
+    int64_t base, w = n->index_w, i = probe_start(n, key, &base);
     for (int64_t s = 0; s < w; s++) {
         uint8_t *e = idx_entry(n, base + i);
         uint64_t k = U8(e);
@@ -20,8 +25,7 @@ static int32_t index_lookup(Native *n, uint64_t key) {
 
 /* PrefixIndex.insert: 1 inserted, 0 present or shard full, FALLBACK journal full. */
 static int index_insert(Native *n, uint64_t key, int32_t block, int *inserted) {
-    int64_t base = shard_of(n, key) * n->index_w, w = n->index_w;
-    int64_t i = (int64_t)((key >> 16) % (uint64_t)w);
+    int64_t base, w = n->index_w, i = probe_start(n, key, &base);
     *inserted = 0;
     for (int64_t s = 0; s < w; s++) {
         uint8_t *e = idx_entry(n, base + i);
@@ -42,8 +46,7 @@ static int index_insert(Native *n, uint64_t key, int32_t block, int *inserted) {
 
 /* PrefixIndex.remove: unindex `key` -> `block` with backward-shift deletion (shard lock). */
 static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
-    int64_t base = shard_of(n, key) * n->index_w, w = n->index_w;
-    int64_t i = (int64_t)((key >> 16) % (uint64_t)w), s;
+    int64_t base, w = n->index_w, i = probe_start(n, key, &base), s;
     *removed = 0;
     for (s = 0; s < w; s++) {
         uint8_t *e = idx_entry(n, base + i);
@@ -77,10 +80,10 @@ static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
     return OK;
 }
 
-/* prefix.chain_one over one block of the stored tokens (as Python ints, masked to 64 bits). */
-static inline uint64_t chain_next(Native *n, uint64_t prev, const int64_t *toks) {
+/* prefix.chain_one: the chain value of one block of tokens after `prev`. */
+static inline uint64_t chain_next(Native *n, uint64_t prev, const int32_t *toks) {
     uint64_t c = 0;
-    for (int64_t i = 0; i < n->bs; i++) c += (uint64_t)toks[i] * n->coefs[i];
+    for (int64_t i = 0; i < n->bs; i++) c += (uint64_t)(int64_t)toks[i] * n->coefs[i];
     return prev * CHAIN_P + c;
 }
 

@@ -32,11 +32,11 @@ static void sset(Native *n, PyObject *seq, int i, PyObject *v) {
     Py_XSETREF(*(PyObject **)((char *)seq + n->seq_off[i]), Py_NewRef(v));
 }
 
-/* Token ids of a list of ints into `out` (int32, as the records store them); FALLBACK on
- * anything else (Python raises its own error). */
-static int tokens_of(PyObject *list, int32_t *out, Py_ssize_t n) {
+/* Token ids list[start:start + n] (ints) into `out` (int32, as the records store them);
+ * FALLBACK on anything else (Python raises its own error). */
+static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PyList_GET_ITEM(list, i);
+        PyObject *o = PyList_GET_ITEM(list, start + i);
         if (!PyLong_CheckExact(o)) return FALLBACK;
 #if PY_VERSION_HEX < 0x030C0000
         /* Up to 3.11 an int below 2**30 is one 30-bit digit with the sign in ob_size. */
@@ -57,6 +57,24 @@ static int tokens_of(PyObject *list, int32_t *out, Py_ssize_t n) {
     return OK;
 }
 
+
+/* A block table (a list of at most CHUNK block ids) into ids; the lock bits of the index
+ * shards of its indexed blocks into *shards. FALLBACK on anything else. */
+static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t *k, uint64_t *shards) {
+    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > CHUNK) return FALLBACK;
+    *k = PyList_GET_SIZE(list);
+    *shards = 0;
+    for (Py_ssize_t i = 0; i < *k; i++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(list, i));
+        if (b < 0 || b >= n->nb) {
+            PyErr_Clear();
+            return FALLBACK;
+        }
+        ids[i] = (int32_t)b;
+        if (blk(n, b)[BF_INDEXED] == 1) *shards |= block_shard_lock(n, b);
+    }
+    return OK;
+}
 
 /* OK when no Python-path operation of another thread is half done on this mapping. */
 static int take_mutex(Native *n) { return *n->busy ? FALLBACK : OK; }
@@ -104,7 +122,7 @@ static int finish_claim(Native *n, uint64_t seq_id) {
 static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *request,
                        uint64_t now) {
     uint8_t *s = seqrec(n, slot);
-    if (jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE)) return FALLBACK;
+    if (jsave_head(n, slot)) return FALLBACK;
     I4(s + SF_OWNER_PID) = n->pid;
     I4(s + SF_OWNER_CLIENT) = n->client;
     U8(s + SF_OWNER_START) = n->start;
@@ -121,7 +139,7 @@ static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *req
 static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *ids, int64_t k) {
     if (start + k > n->max_bps) return FALLBACK;
     uint8_t *s = seqrec(n, slot);
-    if (jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE)) return FALLBACK;
+    if (jsave_head(n, slot)) return FALLBACK;
     if (k) {
         size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)start;
         if (jsave(n, off, (uint32_t)(4 * k))) return FALLBACK;
