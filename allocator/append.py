@@ -69,22 +69,6 @@ class AppendOps:
                 return done
         self._own(seq)
         tokens = list(map(int, tokens))
-        if len(tokens) == 1 and len(seq.tokens) % self.block_size:
-            # The decode step: one token into the last block, which has room; unless it is
-            # shared (copy-on-write), a write of the token, its count and the sequence's length.
-            st = self.store
-            n_old = len(seq.tokens)
-            off = n_old % self.block_size
-            at = seq.block_table[-1] * st.rec4
-            if st.i32[st.refcount_at4 + at] <= 1:
-                st.i32[st.tokens_at4 + at + off] = tokens[0]
-                st.u32[st.num_tokens_at4 + at] = off + 1
-                seq.tokens.append(tokens[0])
-                sq = self.seqtab
-                sq.u64[sq.num_tokens_at8 + seq.slot * sq.rec8] = n_old + 1
-                if (n_old + 1) // self.block_size > len(seq.chain):
-                    self._extend_chain(seq)
-                return []
         if not tokens:
             return []
         if len(tokens) <= self.block_size:
@@ -107,7 +91,8 @@ class AppendOps:
         st = self.store
         cow = n_old % bs != 0 and last >= 0 and st.i32[st.refcount_at4 + last * st.rec4] > 1
         if need_blocks <= 0 and not cow:
-            # Fast path: the tokens fit in the last block, which only this sequence uses.
+            # Fast path: the tokens fit in the last block, which only this sequence uses (the
+            # decode step: a write of the token, its count and the sequence's length).
             if len(tokens) == 1 and n_old % bs:
                 off = n_old % bs
                 at = last * st.rec4

@@ -26,10 +26,6 @@ class ClientSeq:
             view.offsets["clients"] + client * CLIENT_DTYPE.itemsize + CLIENT_DTYPE.fields["seq"][1]
         )
 
-    @property
-    def value(self) -> int:
-        return _U8.unpack_from(self.mv, self.at)[0]
-
     def bump(self) -> None:
         """Advance the counter by one (odd: entering, even: leaving)."""
         _U8.pack_into(self.mv, self.at, _U8.unpack_from(self.mv, self.at)[0] + 1)
