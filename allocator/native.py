@@ -76,10 +76,19 @@ def available() -> bool:
 
 
 def _check_offsets() -> None:
+    """The layout still has the offsets the core has compiled in (checked once, at import)."""
     bd, sd = block_dtype(16), seq_dtype(8)
     for dt, want in ((bd, _BLOCK_FIELDS), (sd, _SEQ_FIELDS)):
         for name, off in want.items():
             assert dt.fields[name][1] == off, f"{name} moved: the native core needs rebuilding"
+    # The counters are contiguous u8s in COUNTER_FIELDS order.
+    cf = CLIENT_DTYPE.fields
+    for i, f in enumerate(COUNTER_FIELDS):
+        assert cf[f][1] == cf[COUNTER_FIELDS[0]][1] + 8 * i
+
+
+if _native is not None:
+    _check_offsets()
 
 
 _warned = False
@@ -107,7 +116,6 @@ def core_for(pool: KVPool) -> Any | None:
         return None
     if not available() or pool.probe is not None or pool.store.quarantine:
         return None
-    _check_offsets()
     view = pool.view
     off = view.offsets
     client = pool.client
@@ -164,9 +172,6 @@ def core_for(pool: KVPool) -> Any | None:
         "hooks": pool._hooks,
         "coefs": _COEFS_LIST[: view.layout.block_size],
     }
-    # The counters are contiguous u8s in COUNTER_FIELDS order.
-    for i, f in enumerate(COUNTER_FIELDS):
-        assert cf[f][1] == cf[COUNTER_FIELDS[0]][1] + 8 * i
     if layout["num_locks"] > 64 or store.local_cap > 64:
         return None
     return _native.Native(pool._mf.mm, pool._mf.fd, layout)
