@@ -3,12 +3,17 @@ and time against context length (bandwidth and fixed cost by least squares).
 
     python bench/decode_lab.py configs '{"base": {}, "no-stream": {"stream_max_tiles": 0}}'
     python bench/decode_lab.py lengths            # batch 16 and 64, lengths 512-16384
+    python bench/decode_lab.py floor              # the same bytes, only read, same harness
 
 `configs` times SDPA on a contiguous cache and kvscope's decode with each `DecodeConfig`
 override on bench_attention's five shapes. Every time is the median of 200 CUDA-graph replays,
 each after an L2 flush; "dirty" flushes by writing 256 MB (what `triton.testing.do_bench`
 does: L2 is left full of dirty lines that the timed kernel must write back), "clean" by
 reading it (the lines it leaves need no write-back). The difference is the write-back cost.
+`floor` times, in the same harness, kernels that do nothing but read each shape's K+V bytes
+once from a contiguous buffer: `torch.sum`, and the fastest of a plain Triton streaming read
+over a few grid sizes and pipeline depths, with and without an L2 evict-first hint. A decode
+kernel must read at least those bytes, so the fastest of them is what it cannot beat.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -109,13 +116,74 @@ def run_lengths() -> None:
             print(f"batch {batch} {name}: {1e3 / slope:.2f} TB/s, fixed {icpt:.1f} µs")
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, per_prog, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    """Read x[pid * per_prog, +per_prog) once (16-byte loads); store its sum."""
+    start = tl.program_id(0).to(tl.int64) * per_prog
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, per_prog, BLOCK):
+        offs = start + i + tl.arange(0, BLOCK)
+        if EVICT:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc += x.to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def read_floor(n: int) -> str:
+    """Dirty/clean µs of only reading n bf16 elements once: torch.sum, and the fastest plain
+    Triton streaming read (programs per SM x pipeline stages x elements per step x warps;
+    the dirty time decides), without and with an evict-first hint."""
+    buf = torch.randn(n, device="cuda").to(torch.bfloat16)
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    parts = torch.empty(32 * sms, dtype=torch.float32, device="cuda")
+
+    def read(progs: int, stages: int, evict: bool, block: int, warps: int) -> Callable[[], None]:
+        per = triton.cdiv(triton.cdiv(n, progs), block) * block
+        kernel = _read_kernel[(progs,)]
+        return lambda: kernel(buf, parts, n, per, BLOCK=block, EVICT=evict, num_warps=warps,
+                              num_stages=stages)  # fmt: skip
+
+    runs = {"sum": lambda: torch.sum(buf, dim=0, dtype=torch.float32, out=sink)}
+    for per_sm in (4, 8, 16, 32):
+        for stages, evict in ((1, False), (2, False), (4, False), (1, True)):
+            for block, warps in ((4096, 8), (8192, 8), (2048, 4)):
+                name = f"read {per_sm}/SM {stages} stages {block}x{warps}w"
+                runs[name + (" evict-first" if evict else "")] = read(
+                    per_sm * sms, stages, evict, block, warps
+                )
+    cells = {}
+    for name, fn in runs.items():
+        g = ba.capture(fn)
+        cells[name] = (timed_us(g, flush_dirty), timed_us(g, flush_clean))
+        del g
+    plain = min((k for k in cells if "read" in k and "evict" not in k), key=lambda k: cells[k][0])
+    evict = min((k for k in cells if "evict" in k), key=lambda k: cells[k][0])
+    return "  ".join(f"{k} {cells[k][0]:.1f}/{cells[k][1]:.1f}" for k in ("sum", plain, evict))
+
+
+def run_floor() -> None:
+    tiny = torch.zeros(16, device="cuda")
+    g = ba.capture(lambda: tiny.add_(1))
+    print(f"one-element kernel: {timed_us(g, flush_dirty):.1f}/{timed_us(g, flush_clean):.1f} µs")
+    del g
+    for shape in ba.shapes(0):
+        n = sum(shape.lens) * ba.KV_HEADS * ba.HEAD_DIM * 2  # bf16 K+V elements
+        print(f"{shape.name} ({n * 2 / 1e6:.0f} MB): {read_floor(n)}   (µs, dirty/clean)")
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "configs":
         run_configs(json.loads(argv[1]))
     elif argv == ["lengths"]:
         run_lengths()
+    elif argv == ["floor"]:
+        run_floor()
     else:
-        print("usage: decode_lab.py configs JSON | decode_lab.py lengths", file=sys.stderr)
+        print("usage: decode_lab.py configs JSON | lengths | floor", file=sys.stderr)
         return 2
     return 0
 
