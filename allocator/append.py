@@ -3,8 +3,7 @@ of blocks as they fill. Mixed into KVPool through SequenceOps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,49 +16,13 @@ from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
-    import torch
-
-    from kvscope.allocator.blocks import BlockStore
-    from kvscope.allocator.layout import SegmentView
-    from kvscope.allocator.probing import PoolProbes
-    from kvscope.allocator.sequence import SeqTable
-
-    T = TypeVar("T")
+    from .surface import PoolSurface
+else:
+    PoolSurface = object
 
 
-class AppendOps:
+class AppendOps(PoolSurface):
     """Appends (the `self` is always a KVPool)."""
-
-    # Set by KVPool.__init__ (pool.py; `probe` is a property there); declared here for type
-    # checkers only (no values: nothing at class level).
-    view: SegmentView
-    kv: torch.Tensor
-    store: BlockStore
-    seqtab: SeqTable
-    block_size: int
-    slots_per_block: int
-    probe: PoolProbes | None
-    _native: Any | None
-
-    if TYPE_CHECKING:
-        # Provided by KVPool (pool.py), SequenceOps (seqops.py) and ReserveOps (reserve.py).
-        def _run(self, locks: set[int], fn: Callable[[Txn], T]) -> T: ...
-
-        def _count(self, t: Txn, field: str, n: int = 1) -> None: ...
-
-        def _site(self) -> int: ...
-
-        def _own(self, seq: Sequence) -> None: ...
-
-        def _key(self, chain: list[int], j: int) -> int: ...
-
-        def _take(
-            self, t: Txn, n: int, request: bytes, exclude: int = -1, site: int = -1
-        ) -> np.ndarray: ...
-
-        def _take_locks(self, n: int) -> set[int]: ...
-
-        def _fill(self, ids: list[int], first_pos: int, tokens: list[int]) -> None: ...
 
     def append(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
         """Append tokens; returns the copy-on-write (src, dst) block copies to perform first."""
@@ -155,7 +118,9 @@ class AppendOps:
             flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[4:])
             flat[:, :, blk * self.slots_per_block + self.block_size] = 1.0
         if faults.fire("header-scribble"):
-            off = self.view.header.dtype.fields["num_blocks"][1]
+            fields = self.view.header.dtype.fields
+            assert fields is not None  # a structured dtype
+            off = fields["num_blocks"][1]
             self.view.raw[off : off + 4] = np.frombuffer(b"\xde\xad\xbe\xef", np.uint8)
         if faults.fire("block-scribble"):
             blk = seq.block_table[0]

@@ -3,8 +3,7 @@ strike when a request ends. Mixed into KVPool through SequenceOps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,12 +14,9 @@ from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
-    from kvscope.allocator.blocks import BlockStore
-    from kvscope.allocator.layout import SegmentView
-    from kvscope.allocator.probing import PoolProbes
-    from kvscope.allocator.sequence import SeqTable
-
-    T = TypeVar("T")
+    from .surface import PoolSurface
+else:
+    PoolSurface = object
 
 # A free of a long sequence commits in chunks so one journal never overflows.
 CHUNK = 128
@@ -28,27 +24,8 @@ CHUNK = 128
 _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 
 
-class ReleaseOps:
+class ReleaseOps(PoolSurface):
     """Dropping a sequence's references (the `self` is always a KVPool)."""
-
-    # Set by KVPool.__init__ (pool.py; `probe` is a property there); declared here for type
-    # checkers only (no values: nothing at class level).
-    view: SegmentView
-    store: BlockStore
-    seqtab: SeqTable
-    FREE: int
-    SEQS: int
-    probe: PoolProbes | None
-    _seqs: dict[int, Sequence]
-    _native: Any | None
-
-    if TYPE_CHECKING:
-        # Provided by KVPool (pool.py) and SequenceOps (seqops.py).
-        def _run(self, locks: set[int], fn: Callable[[Txn], T]) -> T: ...
-
-        def _count(self, t: Txn, field: str, n: int = 1) -> None: ...
-
-        def _own(self, seq: Sequence) -> None: ...
 
     def _release_blocks(
         self,

@@ -15,44 +15,17 @@ from kvscope.allocator.sequence import request_bytes
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
-    from kvscope.allocator.blocks import BlockStore
-    from kvscope.allocator.layout import SegmentView
-    from kvscope.allocator.probing import PoolProbes
-    from kvscope.allocator.sequence import Sequence
+    from .surface import PoolSurface
+else:
+    PoolSurface = object
 
 # Extra blocks evicted when the free ring runs dry (one pool scan per batch; at most a quarter
 # of the cached blocks, so a small cache keeps its LRU order).
 EVICT_BATCH = 32
 
 
-class ReserveOps:
+class ReserveOps(PoolSurface):
     """Block reservation (the `self` is always a KVPool)."""
-
-    # Set by KVPool.__init__ (pool.py; `probe` is a property there); declared here for type
-    # checkers only (no values: nothing at class level).
-    view: SegmentView
-    store: BlockStore
-    block_size: int
-    pid: int
-    start: int
-    FREE: int
-    SHARDS: list[int]
-    probe: PoolProbes | None
-    _seqs: dict[int, Sequence]
-
-    if TYPE_CHECKING:
-        # Provided by KVPool (pool.py) and ReleaseOps (release.py).
-        def _count(self, t: Txn, field: str, n: int = 1) -> None: ...
-
-        def _release_blocks(
-            self,
-            t: Txn,
-            seq: Sequence,
-            keep: int,
-            *,
-            skip: tuple[int, ...] = (),
-            keep_table: bool = False,
-        ) -> None: ...
 
     def _take(
         self, t: Txn, n: int, request: bytes, exclude: int = -1, site: int = -1

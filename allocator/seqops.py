@@ -6,8 +6,6 @@ Mixed into KVPool (allocator/pool.py), which provides the segment views, `_run` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from kvscope.allocator import faults
@@ -32,16 +30,6 @@ from kvscope.allocator.txn import Txn
 
 class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
     """The operations on sequences and blocks (the `self` is always a KVPool)."""
-
-    # Set by KVPool.__init__ (pool.py), besides those the mixins declare; for type checkers
-    # only (no values: nothing at class level).
-    name: str
-    client: int
-    _uid: int
-
-    if TYPE_CHECKING:
-        # Provided by KVPool (pool.py).
-        def _check_process(self) -> None: ...
 
     # -- public operations ---------------------------------------------------------------------
 
