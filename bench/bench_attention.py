@@ -208,6 +208,8 @@ SWEEP = [
     {"merge_heads": 0, "merge_split_tile": 16},
     {"stream_max_tiles": 0},
     {"stream_max_tiles": 16},
+    {"merge_warps": 4},
+    {"merge_pdl": False},
 ]
 SWEEP_GUARD = [{"guard_max_regs": 128}, {"guard_pdl": False}]
 SWEEP_FP8 = [{"fp8_tile": 64}, {"fp8_f16": False}]

@@ -50,6 +50,14 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return backend_name(tensor) == "triton"
 
 
+def has_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` can be programmatic dependent launches (`griddepcontrol`:
+    compute capability 9.0 and up; never under the CPU interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a nominal 8 on CPU)."""
     if device.type != "cuda":

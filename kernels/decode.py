@@ -6,7 +6,8 @@ kv head's group (grouped-query attention, one `tl.dot` of [group padded to 16, D
 The host sizes the grid exactly from the batch's longest and total length (hints, or the block
 table's width), see `split.py`; each sequence takes as many equal splits of whole blocks as its
 length needs. Sequences with several splits are merged by a second launch, one program per
-(sequence, query head) over up to 64 splits at a time (`split.py`). Programs with only a few
+(sequence, query head) over up to 64 splits at a time (`split.py`), started early as a
+programmatic dependent launch on Hopper. Programs with only a few
 tiles (one long sequence cut into many splits) load K/V straight into registers with an L2
 evict-first hint; longer ones use the cp.async pipeline (which drops that hint).
 
@@ -57,6 +58,11 @@ class DecodeConfig:
     cp.async pipeline (which drops the hint; see docs/BENCHMARKS.md).
     `guard_pdl`: in guard mode, start the attention kernel as a programmatic dependent launch
     of the check kernel (its prologue overlaps the check; it waits before reading the table).
+    `merge_warps`: warps per merge program (0: one per 4,096 partial elements of a step, 1-4;
+    the merge is latency-bound, and fewer warps sum across fewer of them).
+    `merge_pdl`: start the merge as a programmatic dependent launch, triggered when the
+    attention loops end (it reads the lengths, then waits for the partials).
+    Both launches are plain ones below compute capability 9.0.
     """
 
     tile: int = 64
@@ -77,6 +83,8 @@ class DecodeConfig:
     fused_split_tile: int = 4
     stream_max_tiles: int = 8
     guard_pdl: bool = True
+    merge_warps: int = 0
+    merge_pdl: bool = True
 
 
 @triton.jit
@@ -165,6 +173,7 @@ def _decode_kernel(
     SPLIT_TILE: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr,
     GUARD: tl.constexpr, UPCAST: tl.constexpr, KVH_FAST: tl.constexpr,
     FUSED_MERGE: tl.constexpr, EVICT: tl.constexpr, WAIT_PRIOR: tl.constexpr,
+    LAUNCH_DEP: tl.constexpr,
 ):  # fmt: skip
     if KVH_FAST:
         kvh = tl.program_id(0)
@@ -213,6 +222,9 @@ def _decode_kernel(
             stride_vs, TILE, BLOCK_SIZE, HEAD_DIM, GUARD, EVICT,
         )  # fmt: skip
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, k, v, ok, qk_scale, KV_FP8, UPCAST)
+    if LAUNCH_DEP:
+        # the merge launch may start now; it waits for this grid before reading partials
+        tl.extra.cuda.gdc_launch_dependents()
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     if num_splits == 1:
@@ -268,7 +280,7 @@ def launch_decode(
     splits, chunk = plan_splits(batch, kv_heads, max_seq_len, total_seq_len, a.block_size, cfg, sms)
     g = guard_args(a)
     tables = a.block_tables
-    pdl = g.guard and cfg.guard_pdl and not backend.interpreting()
+    pdl = g.guard and cfg.guard_pdl and backend.has_pdl(q.device)
     if g.guard:
         tables = torch.empty((batch, max_blocks), dtype=torch.int32, device=q.device)
         check_tile = min(1024, triton.next_power_of_2(max(max_blocks, 16)))
@@ -295,6 +307,7 @@ def launch_decode(
     # short programs: no cp.async pipeline to fill, and evict-first keeps L2's other lines
     stream = not g.fp8 and math.ceil(chunk / tile) <= cfg.stream_max_tiles
     stages = 1 if stream else cfg.num_stages
+    merge_pdl = cfg.merge_pdl and splits > 1 and not fused and backend.has_pdl(q.device)
     _decode_kernel[grid](
         q, k, v, tables, a.seq_lens, out, acc, ml, sem, g.k_scale, g.v_scale,
         a.scale * LOG2E, kv_heads, max_blocks, splits, chunk,
@@ -305,18 +318,22 @@ def launch_decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)), MERGE_PAD=merge_pad,
         SPLIT_TILE=cfg.fused_split_tile, KV_FP8=g.fp8, FP8_F16=cfg.fp8_f16, GUARD=g.guard,
         UPCAST=backend.interpreting(), KVH_FAST=cfg.kvh_fast, FUSED_MERGE=fused,
-        EVICT=stream, WAIT_PRIOR=pdl,
+        EVICT=stream, WAIT_PRIOR=pdl, LAUNCH_DEP=merge_pdl,
         num_warps=cfg.num_warps, num_stages=stages, **extra,
     )  # fmt: skip
     if splits > 1 and not fused:
         heads = cfg.merge_heads or group
         assert q_heads % heads == 0, f"merge_heads {heads} must divide {q_heads} query heads"
+        split_tile = min(cfg.merge_split_tile, triton.next_power_of_2(splits))
+        # a latency-bound step: one warp per 4096 partial elements (fewer cross-warp sums)
+        tile_elems = split_tile * triton.next_power_of_2(heads) * head_dim
+        warps = cfg.merge_warps or max(1, min(4, tile_elems // 4096))
         _merge_kernel[(batch, q_heads // heads)](
             a.seq_lens, out, acc, ml, splits, chunk,
             out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
             BLOCK_SIZE=a.block_size, GROUP=heads, MERGE_PAD=triton.next_power_of_2(heads),
-            HEAD_DIM=head_dim, SPLIT_TILE=min(cfg.merge_split_tile, triton.next_power_of_2(splits)),
-            num_warps=4,
+            HEAD_DIM=head_dim, SPLIT_TILE=split_tile, WAIT_PRIOR=merge_pdl, num_warps=warps,
+            **({"launch_pdl": True} if merge_pdl else {}),
         )  # fmt: skip
 
 

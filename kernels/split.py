@@ -83,12 +83,15 @@ def _merge_kernel(
     lens_ptr, out_ptr, acc_ptr, ml_ptr, grid_splits, chunk,
     stride_ob, stride_oh, stride_ab, stride_as, stride_ah,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, MERGE_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT_TILE: tl.constexpr, WAIT_PRIOR: tl.constexpr,
 ):  # fmt: skip
     """Separate merge launch: one program per sequence and group of GROUP query heads."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     num_splits, _ = _seq_splits(tl.load(lens_ptr + b), grid_splits, chunk, BLOCK_SIZE)
+    if WAIT_PRIOR:
+        # programmatic dependent launch: the decode grid's partials are complete after this
+        tl.extra.cuda.gdc_wait()
     if num_splits > 1:
         _merge_group(
             out_ptr, acc_ptr, ml_ptr, b.to(tl.int64), kvh, num_splits,

@@ -55,3 +55,12 @@ def test_public_function_on_cpu_equals_its_reference(monkeypatch):
 def test_cuda_tensors_use_triton_by_default(monkeypatch):
     monkeypatch.delenv("KVSCOPE_KERNELS", raising=False)
     assert backend_name(torch.zeros(1, device="cuda")) == "triton"
+
+
+def test_programmatic_dependent_launch_only_where_the_device_has_it():
+    from kvscope.kernels.backend import has_pdl
+
+    assert not has_pdl(torch.device("cpu"))
+    if HAS_CUDA and not INTERPRETING:
+        major = torch.cuda.get_device_capability()[0]
+        assert has_pdl(torch.device("cuda")) == (major >= 9)
