@@ -202,12 +202,7 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     U4(s + SF_NUM_BLOCKS) = 0;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)k);
-    PyObject *v = PyLong_FromLongLong(slot);
-    if (v == NULL || PyList_Append(n->reserve, v)) {
-        Py_XDECREF(v);
-        goto out;
-    }
-    Py_DECREF(v);
+    if (append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
     n->native_ops++;
     result = Py_NewRef(Py_True);
     goto out;

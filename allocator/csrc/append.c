@@ -17,12 +17,8 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
             PyErr_SetString(PyExc_SystemError, "a sequence holds a token that is not an int32");
             return ERROR;
         }
-        PyObject *h = PyLong_FromUnsignedLongLong(chain_next(n, prev, tk));
-        if (h == NULL || PyList_Append(chain, h)) {
-            Py_XDECREF(h);
+        if (append_new(chain, PyLong_FromUnsignedLongLong(chain_next(n, prev, tk))))
             return ERROR;
-        }
-        Py_DECREF(h);
         long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
         if (b == -1 && PyErr_Occurred()) return ERROR;
         uint8_t *r = blk(n, b);
@@ -123,12 +119,7 @@ static PyObject *core_append1(Native *n, PyObject *seq, int64_t slot, PyObject *
         U8(s + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
         txn_commit(n);
         count(n, C_ALLOCS, 1);
-        PyObject *bo = PyLong_FromLong(b);
-        if (bo == NULL || PyList_Append(table, bo)) {
-            Py_XDECREF(bo);
-            goto out;
-        }
-        Py_DECREF(bo);
+        if (append_new(table, PyLong_FromLong(b))) goto out;
         if (PyList_Append(tokens, tok_o)) goto out;
     }
     if ((n_old + 1) / bs > PyList_GET_SIZE(chain) && extend_chain(n, tokens, table, chain))

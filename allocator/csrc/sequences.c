@@ -32,6 +32,15 @@ static void sset(Native *n, PyObject *seq, int i, PyObject *v) {
     Py_XSETREF(*(PyObject **)((char *)seq + n->seq_off[i]), Py_NewRef(v));
 }
 
+/* Append `item` (a new reference, NULL if making it failed) to `list`; the reference is
+ * consumed either way. */
+static int append_new(PyObject *list, PyObject *item) {
+    if (item == NULL) return ERROR;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc ? ERROR : OK;
+}
+
 /* Token ids list[start:start + n] (ints) into `out` (int32, as the records store them);
  * FALLBACK on anything else (Python raises its own error). */
 static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t n) {
