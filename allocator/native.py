@@ -1,7 +1,7 @@
 """The pool's C core (allocator/_native.c): which handles use it, and its view of the segment.
 
-The core does the common case of allocate, free/abort, a one-token append and mark_computed on
-the same bytes, journal and locks as the Python methods; anything else it hands back (it
+The core does the common case of allocate, free/abort, a one-token append, mark_computed and
+fork on the same bytes, journal and locks as the Python methods; anything else it hands back (it
 returns None with nothing changed) and the Python method runs. A handle uses it when the
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
 `KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: no probes, no guard
@@ -116,6 +116,8 @@ def core_for(pool: KVPool) -> Any | None:
         return None
     if not available() or pool.probe is not None or pool.store.quarantine:
         return None
+    if len(pool.locks.names) > 64 or pool.store.local_cap > 64:
+        return None  # the core holds locks in a 64-bit mask and refills the cache 64 at most
     view = pool.view
     off = view.offsets
     client = pool.client
@@ -172,6 +174,4 @@ def core_for(pool: KVPool) -> Any | None:
         "hooks": pool._hooks,
         "coefs": _COEFS_LIST[: view.layout.block_size],
     }
-    if layout["num_locks"] > 64 or store.local_cap > 64:
-        return None
     return _native.Native(pool._mf.mm, pool._mf.fd, layout)
