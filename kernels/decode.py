@@ -324,14 +324,14 @@ def launch_decode(
     if splits > 1 and not fused:
         heads = cfg.merge_heads or group
         assert q_heads % heads == 0, f"merge_heads {heads} must divide {q_heads} query heads"
+        heads_pad = triton.next_power_of_2(heads)
         split_tile = min(cfg.merge_split_tile, triton.next_power_of_2(splits))
         # a latency-bound step: one warp per 4096 partial elements (fewer cross-warp sums)
-        tile_elems = split_tile * triton.next_power_of_2(heads) * head_dim
-        warps = cfg.merge_warps or max(1, min(4, tile_elems // 4096))
+        warps = cfg.merge_warps or max(1, min(4, split_tile * heads_pad * head_dim // 4096))
         _merge_kernel[(batch, q_heads // heads)](
             a.seq_lens, out, acc, ml, splits, chunk,
             out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-            BLOCK_SIZE=a.block_size, GROUP=heads, MERGE_PAD=triton.next_power_of_2(heads),
+            BLOCK_SIZE=a.block_size, GROUP=heads, MERGE_PAD=heads_pad,
             HEAD_DIM=head_dim, SPLIT_TILE=split_tile, WAIT_PRIOR=merge_pdl, num_warps=warps,
             **({"launch_pdl": True} if merge_pdl else {}),
         )  # fmt: skip
