@@ -124,6 +124,7 @@ class TopApp(App[int]):
         self.query_one(BlockMap).focus()
         self._show_mode()
         if self.script is not None:
+            self.screen.add_class("-with-script")
             self.set_interval(SCRIPT_EVERY_S, self._script_state)
         self.poll()
 

@@ -31,7 +31,7 @@ from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
 from kvscope.capacity import capacity_answer
 from kvscope.dumpfile import dump_name, write_dump
-from kvscope.errors import EXIT_FAIL_ON, UsageError
+from kvscope.errors import EXIT_FAIL_ON, PoolError, UsageError
 from kvscope.history import history_path
 from kvscope.report import console, render
 from kvscope.scriptlog import ScriptLog
@@ -225,6 +225,9 @@ def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None
         worker.start()
         try:
             run_top(first.name, hz=hz, script=log)
+        except PoolError as e:
+            # The script removed its pool before the TUI could open it: go on without it.
+            held.append(f"kvscope: --live: {e}")
         finally:
             stop.set()
             worker.join()
