@@ -96,8 +96,9 @@ def capacity_answer(view: SegmentView, history: History | None) -> dict[str, Any
         out["pool_size_without_preemption"] = peak
         kind = "too small" if mean >= TOO_SMALL * n else "spiky"
         out["answer"] = (
-            f"{kind}: {preempted} preemption(s); peak demand {peak} blocks, mean {mean:.0f}"
-            f" ({100 * mean / n:.0f}% of the pool); a pool of {peak} blocks"
-            f" (+{peak - n}) would have served this run without preemption"
+            f"{kind}: {preempted} preemption(s); peak demand {peak} blocks is"
+            f" {peak / max(mean, 1e-9):.1f}x the mean {mean:.0f} ({100 * mean / n:.0f}% of the"
+            f" pool); a pool of {peak} blocks (+{peak - n}) would have served this run without"
+            " preemption"
         )
     return out

@@ -61,7 +61,7 @@ def block_map(
     rows = -(-len(shown) // cols)
     w, h = cols * cell, rows * cell
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="blockmap" width="{w}" height="{h}"'
+        f'<svg class="blockmap" width="{w}" height="{h}"'
         f' viewBox="0 0 {w} {h}" role="img" aria-label="block map">'
     ]
     names = {s.value: s.name.lower() for s in BlockState}
@@ -132,7 +132,7 @@ def line_chart(
         return top + ph - (np.asarray(v) - lo) / (hi - lo) * ph
 
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" height="{height}"'
+        f'<svg class="chart" width="{width}" height="{height}"'
         f' viewBox="0 0 {width} {height}" role="img" aria-label="{esc(y_label)}">',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>',
     ]
@@ -142,10 +142,10 @@ def line_chart(
             f'<text x="{left - 4}" y="{float(y(v)) + 4:.1f}" text-anchor="end" class="tick">'
             f"{_num(v)}</text>"
         )
-    for frac in (0.0, 0.5, 1.0):
+    for frac, anchor in ((0.0, "start"), (0.5, "middle"), (1.0, "end")):
         tv = t0 + frac * span
         out.append(
-            f'<text x="{float(x(tv)):.1f}" y="{height - 12}" text-anchor="middle" class="tick">'
+            f'<text x="{float(x(tv)):.1f}" y="{height - 12}" text-anchor="{anchor}" class="tick">'
             f"{tv:.1f} s</text>"
         )
     out.append(
@@ -189,7 +189,7 @@ def histogram(
     bw = (width - 20) / n
     hi = max(counts + [1])
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" height="{height}"'
+        f'<svg class="chart" width="{width}" height="{height}"'
         f' viewBox="0 0 {width} {height}" role="img" aria-label="{esc(x_label)}">'
     ]
     ph = height - top - bottom

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -253,10 +254,15 @@ def history_beside(target: str) -> History | None:
 
 
 def history_for(target: str, explicit: str | None = None) -> History | None:
-    """The history of what a verb looks at: `explicit` (a --history file) when given, else the
-    one beside a dump file; None for a live pool or a dump without one."""
+    """The history of what a verb looks at: `explicit` (a --history file; PoolError when it
+    cannot be read) when given, else the one beside a dump file (a warning on stderr and None
+    when that one cannot be read: the dump is still worth reading); None for a live pool."""
     if explicit:
         return read_history(explicit)
     if not looks_like_path(target):
         return None
-    return history_beside(target)
+    try:
+        return history_beside(target)
+    except PoolError as e:
+        print(f"kvscope: warning: {e}; going on without it", file=sys.stderr)
+        return None

@@ -249,18 +249,21 @@ def _beside_dump(w: Watched, snap: SegmentView, path: str, report: dict[str, Any
 
 
 def _write_timelines(sup: Supervisor, dump_dir: str) -> None:
-    """--timeline: each pool's flight recorder and history as a Chrome trace in dump_dir."""
+    """--timeline: each pool's flight recorder and history as a Chrome trace in dump_dir, and
+    the history itself (for `kvscope report NAME --history FILE` on a pool the script kept)."""
     used: set[str] = set()
     for w in sup.pools.values():
         snap, found = sup.final_findings(w)
-        path = trace_path(_unique(os.path.join(dump_dir, dump_name(w.name, sup.pid)), used))
+        base = _unique(os.path.join(dump_dir, dump_name(w.name, sup.pid)), used)
         trace = build_trace(snap, history=w.history, findings=found, end_ns=time.time_ns())
         try:
-            write_trace(trace, path)
+            write_trace(trace, trace_path(base))
+            if w.history is not None and w.history.count:
+                w.history.write(history_path(base))
         except OSError as e:
-            _echo(f"kvscope: could not write {path}: {e.strerror or e}")
+            _echo(f"kvscope: could not write the timeline of pool {w.name!r}: {e.strerror or e}")
             continue
-        _echo(f"kvscope: wrote {path} (open it in Perfetto or chrome://tracing)")
+        _echo(f"kvscope: wrote {trace_path(base)} (open it in Perfetto or chrome://tracing)")
 
 
 def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> int:
