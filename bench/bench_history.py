@@ -75,6 +75,31 @@ def stacks(n: int, reps: int) -> None:
         print(f"| {name} | {r:,.0f} | {r / base - 1:+.1%} | {r / off - 1:+.1%} | {sites[name]} |")
 
 
+def site_call_cost(reps: int) -> None:
+    """What one `site()` costs (min of runs: the noise of a busy machine only adds)."""
+    print("\n| sites | one site() call (µs, min of runs) |")
+    print("|---|---:|")
+    for depth in ("1", "8"):
+        os.environ["KVSCOPE_STACK_DEPTH"] = depth
+        pool = make({"KVSCOPE_OWNERSHIP": "1"})
+        os.environ.pop("KVSCOPE_STACK_DEPTH", None)
+        try:
+            site = pool.probe.sites.site
+            n = 20_000
+
+            def calls(site=site, n=n) -> float:
+                t = time.perf_counter()
+                for _ in range(n):
+                    site()
+                return (time.perf_counter() - t) / n
+
+            best = min(deep(10, calls) for _ in range(max(5, reps * 2)))
+            print(f"| KVSCOPE_STACK_DEPTH={depth} | {best * 1e6:.2f} |")
+        finally:
+            pool.close()
+            pool.unlink()
+
+
 def _pool(num_blocks: int) -> KVPool:
     for k in ("KVSCOPE_OWNERSHIP", "KVSCOPE_EVENTS", "KVSCOPE_GUARD", "KVSCOPE_LEAKS"):
         os.environ[k] = "0"
@@ -123,8 +148,9 @@ def sample_cost(reps: int) -> None:
             pool.unlink()
 
 
-def _sampler(stop, ready, path: str) -> None:
-    """What `kvscope run`'s supervisor does for the history: map read-only, sample, poll."""
+def _sampler(stop, active, ready, path: str) -> None:
+    """What `kvscope run`'s supervisor does for the history: map read-only, sample, poll;
+    sampling only while `active` is set."""
     with open(path, "rb") as f:
         layout = layout_of_prefix(f.read(4096))
     view = map_readonly(path, layout)
@@ -132,46 +158,50 @@ def _sampler(stop, ready, path: str) -> None:
     h.sample(view)
     ready.set()
     while not stop.is_set():
-        h.sample(view)
+        if active.is_set():
+            h.sample(view)
         time.sleep(0.05)  # the supervisor's poll interval
 
 
 def throughput(phase_s: float, rounds: int) -> None:
+    """The pool user's iterations/s in alternating phases without and with the sampler (one
+    sampler process throughout, switched by an event); paired ratios cancel slow drift."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     pool = _pool(4096)
     path = segment_path(pool.name)
+    ctx = mp.get_context("spawn")
+    stop, active, ready = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_sampler, args=(stop, active, ready, path))
+    proc.start()
+    ready.wait(120)  # its imports (torch) are not part of the cost
     without, with_ = [], []
     try:
         workload(pool, 2000)
         for _ in range(rounds):
             for sampled in (False, True):
-                ctx = mp.get_context("spawn")
-                stop, ready = ctx.Event(), ctx.Event()
-                proc = None
-                if sampled:
-                    proc = ctx.Process(target=_sampler, args=(stop, ready, path))
-                    proc.start()
-                    ready.wait(120)  # its imports (torch) are not part of the cost
+                (active.set if sampled else active.clear)()
                 done, t0 = 0, time.perf_counter()
                 while time.perf_counter() - t0 < phase_s:
-                    workload(pool, 500)
-                    done += 500
+                    workload(pool, 200)
+                    done += 200
                 (with_ if sampled else without).append(done / (time.perf_counter() - t0))
-                if proc is not None:
-                    stop.set()
-                    proc.join()
     finally:
+        stop.set()
+        proc.join()
         pool.close()
         pool.unlink()
     a, b = statistics.median(without), statistics.median(with_)
-    print(f"\npool user (C core), iterations/s over {rounds} phases of {phase_s:g} s each:")
-    print(f"  without a sampler: {', '.join(f'{x:,.0f}' for x in without)} (median {a:,.0f})")
+    paired = statistics.median(w / o for w, o in zip(with_, without))
+    print(f"\npool user (C core), iterations/s, {rounds} rounds of {phase_s:g} s phases:")
     print(
-        f"  sampled every {HISTORY_INTERVAL_S:g} s: {', '.join(f'{x:,.0f}' for x in with_)}"
-        f" (median {b:,.0f})"
+        f"  without the sampler: median {a:,.0f} (min {min(without):,.0f}, max {max(without):,.0f})"
     )
-    print(f"  ratio with / without: {b / a:.3f}")
+    print(
+        f"  sampled every {HISTORY_INTERVAL_S:g} s: median {b:,.0f} (min {min(with_):,.0f},"
+        f" max {max(with_):,.0f})"
+    )
+    print(f"  median of the paired ratios with / without: {paired:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--phase-s", type=float, default=4.0)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--phase-s", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args(argv)
     n = 200 if args.quick else 1000
     reps = 1 if args.quick else args.repeat
@@ -189,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     gc.disable()
     stacks(n, reps)
+    site_call_cost(reps)
     sample_cost(reps)
     gc.enable()
-    throughput(1.0 if args.quick else args.phase_s, 1 if args.quick else args.rounds)
+    throughput(args.phase_s, 3 if args.quick else args.rounds)
     return 0
 
 
