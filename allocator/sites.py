@@ -67,7 +67,9 @@ class SiteTable:
     def __init__(self, pool: KVPool, depth: int | None = None):
         self.pool = pool
         self.cache: dict[tuple[str, int, str], int] = {}
-        self.stacks: dict[tuple[object, ...], int] = {}
+        self.stacks: dict[tuple[int, ...], int] = {}
+        self.outside: dict[int, bool] = {}
+        self.codes: list[object] = []
         self.depth = stack_depth() if depth is None else depth
         self.lock = pool.locks.index("sites")
 
@@ -89,22 +91,29 @@ class SiteTable:
     def _stack(self, f: FrameType) -> int:
         """The id of the stack from `f` outward: up to `depth` frames, up to the first frame of
         kvscope or of runpy (the bootstrap that started the script)."""
+        outside = self.outside
+        key: list[int] = []
         frames: list[FrameType] = []
         g: FrameType | None = f
         while g is not None and len(frames) < self.depth:
-            if not _outside(g):
-                if frames:
-                    break
-            else:
+            code = g.f_code
+            # Whether a code object is outside kvscope, by its id: a dict lookup per frame
+            # instead of two string tests (the code objects are kept alive: ids stay theirs).
+            out = outside.get(id(code))
+            if out is None:
+                out = outside[id(code)] = _outside(g)
+                self.codes.append(code)
+            if out:
                 frames.append(g)
+                key += (id(code), g.f_lineno)
+            elif frames:
+                break
             g = g.f_back
         if not frames:
             return -1
-        # Code objects and line numbers: a cheap key, built without formatting any text.
-        key = tuple(x for fr in frames for x in (fr.f_code, fr.f_lineno))
-        sid = self.stacks.get(key)
+        sid = self.stacks.get(tuple(key))
         if sid is None:
-            sid = self.stacks[key] = self._intern_stack(frames)
+            sid = self.stacks[tuple(key)] = self._intern_stack(frames)
         return sid
 
     def _intern_stack(self, frames: list[FrameType]) -> int:
