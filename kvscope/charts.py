@@ -47,7 +47,7 @@ def _cells(
     shown = np.where(used > 0, 1 + np.argmax(counts[:, 1:], axis=1), int(BlockState.FREE))
     invalid = ((st >= len(BlockState)) | (st < -1)).any(axis=1)
     shown = np.where(invalid, -1, shown)
-    return shown, rc.reshape(cells, group).max(axis=1), mk, used
+    return shown, rc.reshape(cells, group).max(axis=1), np.asarray(mk), np.asarray(used)
 
 
 def block_map(
@@ -125,11 +125,11 @@ def line_chart(
     t0, t1 = (float(t[0]), float(t[-1])) if len(t) else (0.0, 1.0)
     span = t1 - t0 or 1.0
 
-    def x(v: np.ndarray | float) -> np.ndarray | float:
-        return left + (np.asarray(v) - t0) / span * pw
+    def x(v: np.ndarray | float) -> np.ndarray:
+        return left + (np.asarray(v, np.float64) - t0) / span * pw
 
-    def y(v: np.ndarray | float) -> np.ndarray | float:
-        return top + ph - (np.asarray(v) - lo) / (hi - lo) * ph
+    def y(v: np.ndarray | float) -> np.ndarray:
+        return top + ph - (np.asarray(v, np.float64) - lo) / (hi - lo) * ph
 
     out = [
         f'<svg class="chart" width="{width}" height="{height}"'
@@ -137,10 +137,10 @@ def line_chart(
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>',
     ]
     for frac in (0.0, 0.5, 1.0):
-        v = lo + frac * (hi / 1.05 - lo)
+        tick = lo + frac * (hi / 1.05 - lo)
         out.append(
-            f'<text x="{left - 4}" y="{float(y(v)) + 4:.1f}" text-anchor="end" class="tick">'
-            f"{_num(v)}</text>"
+            f'<text x="{left - 4}" y="{float(y(tick)) + 4:.1f}" text-anchor="end" class="tick">'
+            f"{_num(tick)}</text>"
         )
     for frac, anchor in ((0.0, "start"), (0.5, "middle"), (1.0, "end")):
         tv = t0 + frac * span

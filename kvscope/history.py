@@ -67,7 +67,7 @@ LOCK_COLUMNS = (
 
 def sample_dtype(num_locks: int) -> np.dtype:
     """One sample: wall and monotonic time, gauges, their peaks, counters, per-lock records."""
-    fields = [("time_ns", "<i8"), ("mono_ns", "<i8")]
+    fields: list[tuple[Any, ...]] = [("time_ns", "<i8"), ("mono_ns", "<i8")]
     fields += [(g, "<i8") for g in (*GAUGES, *PEAKS, *COUNTER_FIELDS)]
     fields += [(c, "<i8", (num_locks,)) for c in LOCK_COLUMNS]
     return np.dtype(fields)
@@ -190,7 +190,7 @@ class History:
     def to_json(self) -> dict[str, Any]:
         """The series as one JSON object: columns of numbers, one list per field."""
         s = self.samples
-        cols = {f: s[f].tolist() for f in s.dtype.names}
+        cols = {f: s[f].tolist() for f in s.dtype.names or ()}
         return {
             "schema": SCHEMA,
             "pool": self.name,
@@ -221,7 +221,7 @@ class History:
             interval_s=float(d["interval_s"]),
             capacity=max(2, n + n % 2),
         )
-        for f in hist.rows.dtype.names:
+        for f in hist.rows.dtype.names or ():
             hist.rows[f][:n] = np.asarray(cols[f], np.int64).reshape(hist.rows[f][:n].shape)
         hist.count = n
         return hist
