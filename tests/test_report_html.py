@@ -125,3 +125,20 @@ def test_report_loads_in_headless_chromium_without_a_console_error(report_file, 
     dom = _chromium("--dump-dom", report_file.as_uri())
     assert _console(dom.stderr) == []
     assert "Block map" in dom.stdout and dom.stdout.count("<svg") >= 7
+
+
+def test_report_of_a_dump_with_a_corrupt_header(make_pool, tmp_path, capsys):
+    # GIVEN a dump whose segment header was scribbled over after it was written
+    pool = make_pool(16)
+    pool.allocate("r", [1, 2, 3])
+    dump = tmp_path / "p.kvd"
+    assert main(["dump", pool.name, "-o", str(dump)]) == 0
+    with open(dump, "r+b") as f:
+        f.seek(560 + 24)  # the dump header, then the segment header's geometry
+        f.write(b"\xde\xad" * 4)
+    # WHEN it is reported THEN the page says what is wrong and makes no capacity claim
+    out = tmp_path / "r.html"
+    assert main(["report", str(dump), "-o", str(out)]) == 0
+    page = out.read_text()
+    assert "header_corrupt" in page
+    assert "its counters cannot be trusted" in page

@@ -54,12 +54,16 @@ class ReportCommand:
         t = open_target(args.target)
         history = history_for(args.target, args.history)
         analysis = analyze_view(t.view, alive=t.alive, dump_header=t.dump_header)
+        if analysis["summary"]:
+            capacity = capacity_answer(t.view, history)
+        else:
+            # The summary is empty when the header is corrupt: none of its counters is trusted.
+            capacity = {
+                "num_blocks": t.view.layout.num_blocks,
+                "answer": "the pool's header is corrupt: its counters cannot be trusted",
+            }
         page = build_report(
-            t.view,
-            analysis=analysis,
-            history=history,
-            capacity=capacity_answer(t.view, history),
-            source=args.target,
+            t.view, analysis=analysis, history=history, capacity=capacity, source=args.target
         )
         tmp = f"{args.output}.tmp{os.getpid()}"
         try:
