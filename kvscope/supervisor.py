@@ -3,8 +3,9 @@
 The child (kvscope.bootstrap), and every process it starts, lists each pool it opens in the run
 directory (kvscope/child.py). The supervisor maps each one read-only and, every `interval_s`,
 prints the findings new in its findings ring and checks its header, so a finding shows up while
-the script runs. The pool lives in /dev/shm: after the child exits, however it exits (SIGKILL
-included), the supervisor still reads it whole.
+the script runs. It also samples each pool's counters into a bounded time series
+(kvscope.history), which `kvscope run` writes beside the dump. The pool lives in /dev/shm:
+after the child exits, however it exits (SIGKILL included), the supervisor still reads it whole.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from kvscope.allocator.snapshot import snapshot
 from kvscope.analysis import LEAK_KINDS, collect_findings
 from kvscope.child import pool_key
 from kvscope.dumpfile import layout_of_prefix
+from kvscope.history import History
+
+# How often each pool's counters are sampled (kvscope.history stretches it on large pools).
+HISTORY_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Watched:
     seen: int = 0
     header_reported: bool = False
     unlinked_to: str | None = None
+    history: History | None = None
 
     @property
     def key(self) -> str:
@@ -126,10 +132,10 @@ class Supervisor:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self) -> None:
-        """Start the child: `python -m kvscope.bootstrap <target>`."""
+    def start(self, **popen_kw: Any) -> None:
+        """Start the child: `python -m kvscope.bootstrap <target>` (popen_kw: its pipes)."""
         cmd = [sys.executable, "-m", "kvscope.bootstrap", *self.target]
-        self.proc = subprocess.Popen(cmd, env=self.env)
+        self.proc = subprocess.Popen(cmd, env=self.env, **popen_kw)
 
     def signal_child(self, signum: int) -> None:
         """Forward a signal to the child while it runs."""
@@ -144,8 +150,20 @@ class Supervisor:
             for f in self._new_findings(w):
                 self.echo(f"kvscope: pool {w.name!r}: {f.line()}")
                 new.append(f)
+            self._sample(w)
         self.live_findings += new
         return new
+
+    def _sample(self, w: Watched, *, now: bool = False) -> None:
+        """Add to the pool's time series when a sample is due (`now`: always)."""
+        if w.header_reported:
+            return  # its counters cannot be trusted any more
+        if w.history is None:
+            w.history = History.for_view(w.view, interval_s=HISTORY_INTERVAL_S)
+        if now:
+            w.history.add(w.view)
+        else:
+            w.history.sample(w.view)
 
     def _discover(self) -> None:
         for name, created, path in (r for r in _read_lines(self._p("pools")) if len(r) == 3):
@@ -205,6 +223,8 @@ class Supervisor:
             self.poll()
             time.sleep(self.interval_s)
         self.poll()
+        for w in self.pools.values():
+            self._sample(w, now=True)
         exc = None
         try:
             with open(self._p("exception")) as f:

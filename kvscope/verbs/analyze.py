@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 
 from kvscope.analysis import analyze_view, exit_code
+from kvscope.capacity import capacity_answer
+from kvscope.history import history_for
 from kvscope.report import print_json, render
 from kvscope.target import open_target
 
@@ -35,6 +37,8 @@ class AnalyzeCommand:
             block=args.block,
             request=args.request,
         )
+        if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
+            report["capacity"] = capacity_answer(t.view, history_for(args.target))
         if args.json:
             print_json(report)
         else:

@@ -20,7 +20,7 @@ from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import list_names, segment_path
 from kvscope.allocator.stats import pool_stats
 from kvscope.analysis import pool_info
-from kvscope.report import console
+from kvscope.report import JSON_SCHEMA, console
 from kvscope.target import read_live
 
 
@@ -63,7 +63,8 @@ class LsCommand:
     def run(args: argparse.Namespace) -> int:
         rows = [r for r in map(describe, list_names()) if r is not None]
         if args.json:
-            print(json.dumps(rows, indent=2))
+            # A list, as always; each row carries the schema version (docs/CLI.md).
+            print(json.dumps([{"schema": JSON_SCHEMA, **r} for r in rows], indent=2))
             return 0
         con = console()
         if not rows:

@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -25,12 +26,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvscope.allocator.faults import FAULTS
+from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
+from kvscope.capacity import capacity_answer
 from kvscope.dumpfile import dump_name, write_dump
-from kvscope.errors import EXIT_FAIL_ON, UsageError
+from kvscope.errors import EXIT_FAIL_ON, PoolError, UsageError
+from kvscope.history import history_path
 from kvscope.report import console, render
-from kvscope.supervisor import Outcome, Supervisor, is_error, is_leak
+from kvscope.scriptlog import ScriptLog
+from kvscope.supervisor import Outcome, Supervisor, Watched, is_error, is_leak
+from kvscope.timeline import build_trace, trace_path, write_trace
 from kvscope.verbs.top import load_run_top
 
 FAIL_ON = ("never", "error", "leak")
@@ -102,6 +108,11 @@ class RunCommand:
         parser.add_argument("--live", action="store_true", help="show the TUI while it runs")
         parser.add_argument("--hz", type=float, default=10.0, help="TUI refresh rate (--live)")
         parser.add_argument(
+            "--timeline",
+            action="store_true",
+            help="write each pool's flight recorder as a Chrome trace beside its dump",
+        )
+        parser.add_argument(
             "--guard",
             action=argparse.BooleanOptionalAction,
             default=True,
@@ -160,11 +171,16 @@ class RunCommand:
             except OtelConfigError as e:
                 raise UsageError(str(e)) from None
             with forwarded_signals(sup):
-                sup.start()
+                log = _start(sup, live=run_top is not None)
                 if run_top is not None:
-                    _live(sup, run_top, args.hz)
+                    _live(sup, run_top, args.hz, log)
                 outcome = sup.wait()
-            return _finish(sup, outcome, dump_dir, args.fail_on)
+                if log is not None:
+                    log.close()
+            code = _finish(sup, outcome, dump_dir, args.fail_on)
+            if args.timeline:
+                _write_timelines(sup, dump_dir)
+            return code
         finally:
             if tel is not None:
                 tel.shutdown()
@@ -176,8 +192,21 @@ def _echo(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _live(sup: Supervisor, run_top: Any, hz: float) -> None:
-    """Show the first pool the child opens in the TUI; findings wait until the TUI closes."""
+def _start(sup: Supervisor, *, live: bool) -> ScriptLog | None:
+    """Start the child; under --live its output goes to pipes and is kept (kvscope.scriptlog)."""
+    if not live:
+        sup.start()
+        return None
+    # Line by line into the log panel rather than in 8 KiB blocks.
+    sup.env["PYTHONUNBUFFERED"] = "1"
+    sup.start(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert sup.proc is not None
+    return ScriptLog(sup.proc, sup.run_dir)
+
+
+def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None) -> None:
+    """Show the first pool the child opens in the TUI with the script's output beside it;
+    findings and the output are printed when the TUI closes."""
     assert sup.proc is not None
     held: list[str] = []
     sup.echo = held.append
@@ -195,13 +224,46 @@ def _live(sup: Supervisor, run_top: Any, hz: float) -> None:
         worker = threading.Thread(target=follow, daemon=True)
         worker.start()
         try:
-            run_top(first.name, hz=hz)
+            run_top(first.name, hz=hz, script=log)
+        except PoolError as e:
+            # The script removed its pool before the TUI could open it: go on without it.
+            held.append(f"kvscope: --live: {e}")
         finally:
             stop.set()
             worker.join()
+    if log is not None:
+        log.release()
     sup.echo = _echo
     for line in held:
         _echo(line)
+
+
+def _beside_dump(w: Watched, snap: SegmentView, path: str, report: dict[str, Any]) -> None:
+    """The pool's history beside its dump, and the capacity answer in the printed analysis."""
+    if w.history is not None and w.history.count:
+        try:
+            w.history.write(history_path(path))
+        except OSError as e:
+            _echo(f"kvscope: could not write the history beside {path}: {e.strerror or e}")
+    report["capacity"] = capacity_answer(snap, w.history)
+
+
+def _write_timelines(sup: Supervisor, dump_dir: str) -> None:
+    """--timeline: each pool's flight recorder and history as a Chrome trace in dump_dir, and
+    the history itself (for `kvscope report NAME --history FILE` on a pool the script kept)."""
+    used: set[str] = set()
+    for w in sup.pools.values():
+        snap, found = sup.final_findings(w)
+        base = _unique(os.path.join(dump_dir, dump_name(w.name, sup.pid)), used)
+        trace = build_trace(snap, history=w.history, findings=found, end_ns=time.time_ns())
+        try:
+            write_trace(trace, trace_path(base))
+            if w.history is not None and w.history.count:
+                w.history.write(history_path(base))
+        except OSError as e:
+            _echo(f"kvscope: could not write the timeline of pool {w.name!r}: {e.strerror or e}")
+            continue
+        _echo(f"kvscope: wrote {trace_path(base)} (open it in Perfetto or chrome://tracing)")
 
 
 def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> int:
@@ -225,6 +287,7 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
             write_dump(snap, path, reason=reason, pid=pid, header_prefix=w.header_prefix)
             report = analyze_view(snap, alive=is_alive, findings=fs)
             report["pool"]["dump"] = _dump_info(path, pid, reason)
+            _beside_dump(w, snap, path, report)
             con = console(sys.stderr)
             con.print()
             render(report, con, title=f"kvscope run: {what}; pool")
