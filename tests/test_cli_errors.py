@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
+from kvscope.allocator.segment import segment_path
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
 
@@ -153,7 +154,7 @@ def test_check_missing_pool(capsys):
 
 
 def test_check_foreign_pool_file(capsys, pool_name):
-    with open(f"/dev/shm/kvscope.{pool_name}", "wb") as f:
+    with open(segment_path(pool_name), "wb") as f:
         f.write(os.urandom(4096))
     assert main(["check", pool_name]) == 2
     assert "not a kvscope pool" in one_line_error(capsys)
