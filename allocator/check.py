@@ -7,9 +7,13 @@ from collections.abc import Callable
 import numpy as np
 
 from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.geometry import geometry_problem
+from kvscope.allocator.header import header_corruption
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
     FORMAT_VERSION,
+    HEADER_DTYPE,
+    LOCAL_CACHE_MAX,
     POOL_MAGIC,
     BlockState,
     ClientState,
@@ -83,31 +87,130 @@ def table_refs(seqs: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(t[(t >= 0) & (t < n)], minlength=n)
 
 
-def check_header(view: SegmentView) -> list[Finding]:
-    """Magic, version and checksum of the header."""
+def check_header(view: SegmentView, intact: bytes | None = None) -> list[Finding]:
+    """Magic, version and checksum of the header; a changed field is named, with the bytes
+    found and expected (against the layout the segment was opened with, and `intact`, the
+    header's first bytes as last seen intact, when known)."""
     h = view.h
-    out = []
-    if int(h["magic"]) != POOL_MAGIC:
-        out.append(
-            Finding(
-                "header_corrupt",
-                f"header magic is {int(h['magic']):#018x}, expected {POOL_MAGIC:#018x}: the segment header was overwritten",
+    magic_ok = int(h["magic"]) == POOL_MAGIC
+    version_ok = int(h["version"]) == FORMAT_VERSION
+    if magic_ok and version_ok and header_checksum(view.raw) == int(h["checksum"]):
+        return []
+    raw = np.asarray(view.raw[: HEADER_DTYPE.itemsize]).tobytes()
+    if intact is None:
+        intact = getattr(view, "intact_header", None)
+    diff = header_corruption(raw, getattr(view, "layout", None), intact)
+    extra: dict = {}
+    if diff is not None:
+        text = diff.pop("text")
+        extra = diff
+    elif not magic_ok:
+        text = f"header magic is {int(h['magic']):#018x}, expected {POOL_MAGIC:#018x}"
+    elif not version_ok:
+        text = f"format version {int(h['version'])}, expected {FORMAT_VERSION}"
+    else:
+        problem = geometry_problem(h)
+        text = (
+            f"header checksum {int(h['checksum']):#x} does not match its contents"
+            f" ({header_checksum(view.raw):#x}): "
+            + (
+                problem
+                or "a field with no saved copy to compare (name, creator, dtype, ...) changed"
             )
         )
-    elif int(h["version"]) != FORMAT_VERSION:
-        out.append(
+    return [
+        Finding(
+            "header_corrupt",
+            f"{text}: something outside the allocator overwrote the pool's header",
+            extra=extra,
+        )
+    ]
+
+
+def _state_name(value: int) -> str:
+    return BlockState(value).name if value < len(BlockState) else f"state {value}"
+
+
+def local_cache(r: _Report, clients: np.ndarray, c: int, n: int) -> np.ndarray:
+    """Client c's local cache of free block ids, with a finding for each count or id that
+    cannot be right (only the ids inside the pool are returned)."""
+    k = int(clients["local_count"][c])
+    pid = int(clients["pid"][c])
+    if k > LOCAL_CACHE_MAX:
+        r.add(
             Finding(
-                "header_corrupt", f"format version {int(h['version'])}, expected {FORMAT_VERSION}"
+                "free_list_corrupt",
+                f"the local cache of pid {pid} claims {k} blocks; it holds at most {LOCAL_CACHE_MAX}",
+                owner_pid=pid or None,
             )
         )
-    elif header_checksum(view.raw) != int(h["checksum"]):
-        out.append(
+    loc = clients["local"][c, : min(k, LOCAL_CACHE_MAX)].astype(np.int64)
+    inside = (loc >= 0) & (loc < n)
+    if not inside.all():
+        r.add(
             Finding(
-                "header_corrupt",
-                f"header checksum {int(h['checksum']):#x} does not match its contents ({header_checksum(view.raw):#x}): a geometry field was overwritten",
+                "free_list_corrupt",
+                f"the local cache of pid {pid} holds {int((~inside).sum())} ids outside the pool's blocks [0, {n})",
+                owner_pid=pid or None,
             )
         )
-    return out
+    return loc[inside]
+
+
+def check_tables(r: _Report, seqs: np.ndarray, live: np.ndarray, n: int) -> None:
+    """Sequence records that cannot be right: a state outside the enum, a block count past the
+    table, or a block-table entry outside the pool (a kernel would read or write outside the
+    KV tensor: out_of_bounds)."""
+    bad_state = live[seqs["state"][live] >= len(SeqState)]
+    for s in bad_state[:MAX_PER_KIND].tolist():
+        r.add(
+            Finding(
+                "free_list_corrupt",
+                f"sequence slot {s} has state {int(seqs['state'][s])}, not a sequence state (0-{len(SeqState) - 1}): no process can use or free it",
+                owner_pid=int(seqs["owner_pid"][s]) or None,
+                request=_seq_req(seqs, s),
+            )
+        )
+    width = seqs["table"].shape[1]
+    claimed = seqs["num_blocks"][live].astype(np.int64)
+    for s in live[claimed > width][:MAX_PER_KIND].tolist():
+        r.add(
+            Finding(
+                "out_of_bounds",
+                f"sequence slot {s} claims {int(seqs['num_blocks'][s])} blocks; its table holds {width}",
+                owner_pid=int(seqs["owner_pid"][s]) or None,
+                request=_seq_req(seqs, s),
+            )
+        )
+    tables = seqs["table"][live].astype(np.int64)
+    used = np.arange(width) < np.minimum(claimed, width)[:, None]
+    outside = used & ((tables < 0) | (tables >= n))
+    rows = np.flatnonzero(outside.any(axis=1))
+    for i in rows[:MAX_PER_KIND].tolist():
+        s = int(live[i])
+        cols = np.flatnonzero(outside[i])
+        r.add(
+            Finding(
+                "out_of_bounds",
+                f"the block table of sequence slot {s} maps logical block {int(cols[0])} to block"
+                f" {int(tables[i, cols[0]])}, outside the pool's blocks [0, {n})"
+                + (f" ({len(cols)} such entries)" if len(cols) > 1 else "")
+                + ": a kernel would read or write outside the KV tensor",
+                owner_pid=int(seqs["owner_pid"][s]) or None,
+                request=_seq_req(seqs, s),
+            )
+        )
+    if len(rows) > MAX_PER_KIND:
+        r.add(
+            Finding(
+                "out_of_bounds",
+                f"{len(rows) - MAX_PER_KIND} more sequences map blocks outside the pool",
+            )
+        )
+
+
+def _seq_req(seqs: np.ndarray, s: int) -> str | None:
+    return bytes(seqs["request"][s]).decode(errors="replace") or None
 
 
 def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
@@ -141,10 +244,23 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     corrupt = np.zeros(n, bool)
     corrupt[bad_magic] = True
     corrupt[bad_sum] = True
+    # A record that checks but holds values no allocator writes was resealed by someone else.
+    bad_value = ids[
+        ((state >= len(BlockState)) | (b["refcount"] < 0) | (b["indexed"] > 1)) & ~corrupt
+    ]
+    r.blocks(
+        FindingKind.BLOCK_HEADER_CORRUPT,
+        bad_value,
+        lambda x: (
+            f"block record holds state {int(state[x])}, refcount {int(b['refcount'][x])}, indexed"
+            f" {int(b['indexed'][x])}: no allocator writes these values (states are 0-{len(BlockState) - 1})"
+        ),
+    )
+    corrupt[bad_value] = True
 
     # Membership: the free ring.
     rh = view.ring_header[0]
-    count, head_pos = int(rh["count"]), int(rh["head"])
+    count, head_pos, tail_pos = int(rh["count"]), int(rh["head"]), int(rh["tail"])
     if count > n:
         r.add(
             Finding(
@@ -152,7 +268,15 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
             )
         )
         count = n
-    ring_ids = view.ring[(head_pos + np.arange(count)) % max(n, 1)].astype(np.int64)
+    elif (tail_pos - head_pos) % 2**64 != count:
+        r.add(
+            Finding(
+                "free_list_corrupt",
+                f"free ring head {head_pos} and tail {tail_pos} do not span its count {count}",
+            )
+        )
+    # Positions are taken modulo the pool in Python ints: a head near 2**64 must not overflow.
+    ring_ids = view.ring[(head_pos % max(n, 1) + np.arange(count)) % max(n, 1)].astype(np.int64)
     oob = (ring_ids < 0) | (ring_ids >= n)
     if oob.any():
         r.add(
@@ -169,6 +293,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     # References from live sequences.
     seqs = view.seqs
     live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
+    check_tables(r, seqs, live, n)
     refs = table_refs(seqs, live, n)
 
     # Dead clients and their blocks.
@@ -191,14 +316,14 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         FindingKind.DOUBLE_FREE,
         ids[(in_ring == 1) & (allocated | (state == BlockState.CACHED)) & ~corrupt],
         lambda x: (
-            f"block is in the free ring but {BlockState(int(state[x])).name}: it was freed while still in use"
+            f"block is in the free ring but {_state_name(int(state[x]))}: it was freed while still in use"
         ),
     )
     r.blocks(
         FindingKind.USE_AFTER_FREE,
         ids[(refs > 0) & (freed | (state == BlockState.CACHED)) & (in_ring <= 1) & ~corrupt],
         lambda x: (
-            f"block is {BlockState(int(state[x])).name} but {int(refs[x])} live sequence(s) still map it"
+            f"block is {_state_name(int(state[x]))} but {int(refs[x])} live sequence(s) still map it"
         ),
     )
     in_free_state = (state == BlockState.FREE) | (state == BlockState.QUARANTINED)
@@ -209,20 +334,18 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     )
 
     # Local caches.
+    local_ids = np.zeros(n, bool)
     for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
-        k = int(clients["local_count"][c])
-        loc = clients["local"][c, :k].astype(np.int64)
+        loc = local_cache(r, clients, c, n)
+        local_ids[loc] = True
         wrong = loc[(state[loc] != BlockState.LOCAL) | (owner[loc] != c)]
         r.blocks(
             FindingKind.FREE_LIST_CORRUPT,
             wrong,
             lambda x, c=c: (  # type: ignore[misc]  # mypy cannot infer a lambda with defaults
-                f"block is in the local cache of pid {int(clients['pid'][c])} but is {BlockState(int(state[x])).name}"
+                f"block is in the local cache of pid {int(clients['pid'][c])} but is {_state_name(int(state[x]))}"
             ),
         )
-    local_ids = np.zeros(n, bool)
-    for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
-        local_ids[clients["local"][c, : int(clients["local_count"][c])]] = True
     stray_local = ids[(state == BlockState.LOCAL) & ~local_ids & ~owned_by_dead & ~corrupt]
     r.blocks(
         FindingKind.FREE_LIST_CORRUPT,
@@ -322,7 +445,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     for i in np.flatnonzero(locks["holder_pid"] != 0).tolist():
         pid = int(locks["holder_pid"][i])
         if not alive(pid, int(locks["holder_start"][i])):
-            name = bytes(locks["name"][i]).decode()
+            name = bytes(locks["name"][i]).decode(errors="replace")
             r.add(
                 Finding(
                     "lock_dead_holder",
@@ -332,3 +455,34 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
                 )
             )
     return r.finish()
+
+
+def repair_blocker(view: SegmentView, alive: Alive = is_alive) -> str | None:
+    """Why reclaiming this pool's dead processes cannot be done safely, or None.
+
+    Reclaiming walks the free ring and each dead process's local cache and block tables: an id
+    outside the pool, or a ring position no allocator reaches, means the segment was damaged
+    and the repair would act on garbage. (A dead process's journal that cannot be trusted is
+    not a blocker: the repair skips it and says so, `Journal.problem`.)
+    """
+    n = view.layout.num_blocks
+    rh = view.ring_header[0]
+    if int(rh["count"]) > n or max(int(rh["head"]), int(rh["tail"])) >= 2**62:
+        return f"its free ring (head {int(rh['head'])}, tail {int(rh['tail'])}, count {int(rh['count'])}) is damaged"
+    c, seqs = view.clients, view.seqs
+    for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist():
+        pid = int(c["pid"][i])
+        if alive(pid, int(c["start"][i])):
+            continue
+        k = int(c["local_count"][i])
+        loc = c["local"][i, : min(k, LOCAL_CACHE_MAX)]
+        if k > LOCAL_CACHE_MAX or ((loc < 0) | (loc >= n)).any():
+            return f"the local cache of dead pid {pid} holds ids outside the pool"
+        mine = np.flatnonzero((seqs["owner_client"] == i) & (seqs["state"] != SeqState.EMPTY))
+        width = seqs["table"].shape[1]
+        for s in mine.tolist():
+            k = int(seqs["num_blocks"][s])
+            t = seqs["table"][s, : min(k, width)]
+            if k > width or ((t < 0) | (t >= n)).any():
+                return f"a block table of dead pid {pid} (sequence slot {s}) maps blocks outside the pool"
+    return None

@@ -132,7 +132,9 @@ def attach_cuda(blob: bytes, cfg: PoolConfig) -> torch.Tensor:
     except PoolError:
         raise
     except Exception:
-        raise PoolError("the pool's CUDA IPC handle is unreadable; the segment is damaged") from None
+        raise PoolError(
+            "the pool's CUDA IPC handle is unreadable; the segment is damaged"
+        ) from None
     storage = torch.UntypedStorage._new_shared_cuda(*handle)
     shape = kv_shape(cfg)
     kv = torch.empty(0, dtype=cfg.torch_dtype, device=cfg.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 
@@ -10,7 +11,14 @@ import numpy as np
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
-from kvscope.allocator.segment import check_name, open_existing, release, segment_path, view_of
+from kvscope.allocator.segment import (
+    TRUST_ENV,
+    check_name,
+    open_existing,
+    release,
+    segment_path,
+    view_of,
+)
 from kvscope.allocator.snapshot import snapshot
 from kvscope.analysis import Alive
 from kvscope.dumpfile import alive_for, read_dump
@@ -26,10 +34,19 @@ class Target:
     title: str
 
 
-def read_live(name: str) -> SegmentView:
+def add_trust_owner(parser: argparse.ArgumentParser) -> None:
+    """The --trust-owner flag of every verb that opens a pool by name."""
+    parser.add_argument(
+        "--trust-owner",
+        action="store_true",
+        help=f"open a pool that another user owns (or everyone may write); also {TRUST_ENV}=1",
+    )
+
+
+def read_live(name: str, trust_owner: bool = False) -> SegmentView:
     """A seqlock-consistent copy of the live pool `name` (takes no lock, writes nothing)."""
     check_name(name)
-    mf = open_existing(segment_path(name), name)
+    mf = open_existing(segment_path(name), name, trust_owner)
     try:
         return snapshot(view_of(mf))
     finally:
@@ -38,10 +55,10 @@ def read_live(name: str) -> SegmentView:
 
 def looks_like_path(target: str) -> bool:
     """True for what must be a file: an existing path, a path with a separator or a .kvd name."""
-    return os.path.exists(target) or os.sep in target or target.endswith(".kvd")
+    return os.path.lexists(target) or os.sep in target or target.endswith(".kvd")
 
 
-def open_target(target: str) -> Target:
+def open_target(target: str, trust_owner: bool = False) -> Target:
     """A dump file when target names one, else the live pool of that name."""
     if looks_like_path(target):
         view, dh = read_dump(target)
@@ -50,4 +67,4 @@ def open_target(target: str) -> Target:
         check_name(target)
     except PoolError:
         raise PoolError(f"{target!r} is neither a dump file nor a pool name") from None
-    return Target(read_live(target), None, is_alive, "live pool")
+    return Target(read_live(target, trust_owner), None, is_alive, "live pool")

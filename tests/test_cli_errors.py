@@ -89,16 +89,14 @@ def test_analyze_no_permission(capsys, dump, monkeypatch):
     os.chmod(dump, 0)
     if os.geteuid() == 0:
         # root reads any file: make the open fail the way it fails for everyone else.
-        import builtins
-
-        real_open = builtins.open
+        real_open = os.open
 
         def denied(path, *a, **kw):
             if os.fspath(path) == str(dump):
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, *a, **kw)
 
-        monkeypatch.setattr(builtins, "open", denied)
+        monkeypatch.setattr(os, "open", denied)
     assert main(["analyze", str(dump)]) == 2
     assert "permission denied" in one_line_error(capsys)
 

@@ -10,7 +10,7 @@ import argparse
 
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.report import print_json, render
-from kvscope.target import open_target
+from kvscope.target import add_trust_owner, open_target
 
 
 class AnalyzeCommand:
@@ -24,10 +24,11 @@ class AnalyzeCommand:
         parser.add_argument(
             "--request", metavar="R", help="narrow the report to the request with id R"
         )
+        add_trust_owner(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        t = open_target(args.target)
+        t = open_target(args.target, args.trust_owner)
         report = analyze_view(
             t.view,
             alive=t.alive,
