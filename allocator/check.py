@@ -11,9 +11,11 @@ from kvscope.allocator.geometry import geometry_problem
 from kvscope.allocator.header import header_corruption
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
+    COUNTER_FIELDS,
     FORMAT_VERSION,
     HEADER_DTYPE,
     LOCAL_CACHE_MAX,
+    LOCK_DTYPE,
     POOL_MAGIC,
     BlockState,
     ClientState,
@@ -457,19 +459,49 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     return r.finish()
 
 
+# No count, time or position the allocator keeps gets near this (2**62 ns is 146 years):
+# a larger one was written by someone else, and adding to it would overflow.
+COUNTER_LIMIT = 2**62
+
+
+def _huge_counter(view: SegmentView) -> str | None:
+    """The first 64-bit counter of the header, ring, locks or clients past COUNTER_LIMIT."""
+    places = [
+        ("header", view.header, ["findings_head", "next_seq_id", *COUNTER_FIELDS]),
+        ("free ring", view.ring_header, ["head", "tail", "allocs"]),
+        ("lock", view.locks, [f for f in LOCK_DTYPE.names or () if LOCK_DTYPE[f] == np.uint64]),
+        ("client", view.clients, ["seq", "event_head", *COUNTER_FIELDS]),
+    ]
+    for where, arr, fields in places:
+        for f in fields:
+            big = np.flatnonzero(arr[f] >= np.uint64(COUNTER_LIMIT))
+            if len(big):
+                return f"its {where} field {f} is {int(arr[f][big[0]])}, beyond any real count"
+    return None
+
+
 def repair_blocker(view: SegmentView, alive: Alive = is_alive) -> str | None:
     """Why reclaiming this pool's dead processes cannot be done safely, or None.
 
-    Reclaiming walks the free ring and each dead process's local cache and block tables: an id
-    outside the pool, or a ring position no allocator reaches, means the segment was damaged
-    and the repair would act on garbage. (A dead process's journal that cannot be trusted is
-    not a blocker: the repair skips it and says so, `Journal.problem`.)
+    Reclaiming walks the free ring and each dead process's local cache and block tables, adds
+    to counters and takes every lock: an id outside the pool, a lock naming a client record
+    that does not exist, or a counter no allocator reaches means the segment was damaged and
+    the repair would act on garbage. (A dead process's journal that cannot be trusted is not a
+    blocker: the repair skips it and says so, `Journal.problem`.)
     """
     n = view.layout.num_blocks
     rh = view.ring_header[0]
-    if int(rh["count"]) > n or max(int(rh["head"]), int(rh["tail"])) >= 2**62:
+    if int(rh["count"]) > n:
         return f"its free ring (head {int(rh['head'])}, tail {int(rh['tail'])}, count {int(rh['count'])}) is damaged"
-    c, seqs = view.clients, view.seqs
+    huge = _huge_counter(view)
+    if huge is not None:
+        return huge
+    c, seqs, locks = view.clients, view.seqs, view.locks
+    held = np.flatnonzero(locks["holder_pid"] != 0)
+    for i in held.tolist():
+        if not 0 <= int(locks["holder_client"][i]) < len(c):
+            name = bytes(locks["name"][i]).decode(errors="replace")
+            return f"its lock {name!r} names client record {int(locks['holder_client'][i])}, which does not exist"
     for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist():
         pid = int(c["pid"][i])
         if alive(pid, int(c["start"][i])):
