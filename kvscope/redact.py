@@ -94,7 +94,7 @@ class Redactor:
             # A 32-byte id may be the cut-off head of a longer one: take the rest with it.
             tail = rb"[^'\"\s]*" if len(rid) >= REQUEST_BYTES else rb"(?![\w.-])"
             stand_in = self.requests[rid]
-            text = re.sub(rb"(?<![\w.-])" + re.escape(rid) + tail, lambda m: stand_in, text)
+            text = re.sub(rb"(?<![\w.-])" + re.escape(rid) + tail, lambda m, s=stand_in: s, text)
         return text
 
 
