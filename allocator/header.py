@@ -144,7 +144,12 @@ def _expected_from_layout(layout: Layout) -> dict[str, int]:
 def _show(field: str, raw: bytes) -> str:
     dt = HEADER_DTYPE.fields[field][0]  # type: ignore[index]
     if dt.kind in "ui":
-        return f"{int(np.frombuffer(raw, dt, 1)[0])} (bytes {raw.hex()})"
+        value = int(np.frombuffer(raw, dt, 1)[0])
+        return (
+            f"{value:#x}"
+            if dt.itemsize == 8 and field in ("magic", "creator_start")
+            else f"{value} (bytes {raw.hex()})"
+        )
     return repr(raw.rstrip(b"\0"))
 
 

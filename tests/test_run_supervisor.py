@@ -31,7 +31,8 @@ SCRIPTS = {
     "exception": "raise ValueError('the model exploded')\n",
     "double_free": "pool.free(seq)\npool.free(seq)\n",
     "scribble": (
-        "with open('/dev/shm/kvscope.' + sys.argv[1], 'r+b') as f:\n"
+        "from kvscope.allocator.segment import segment_path\n"
+        "with open(segment_path(sys.argv[1]), 'r+b') as f:\n"
         "    f.write(b'\\xde\\xad' * 8)\n"
         "pool.free(seq)\n"
     ),
