@@ -63,14 +63,21 @@ class Watched:
         return pool_key(self.name, self.created_ns)
 
 
+class ShortFile(ValueError):
+    """A segment file shorter than its layout (truncated): mapping it would SIGBUS."""
+
+
 def map_readonly(path: str, layout: Layout) -> tuple[SegmentView, int]:
     """A read-only view of a segment file laid out as `layout` (whatever its header says now),
     and the descriptor it was mapped from (kept open, so that its size can be checked)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        need = layout.offsets()["end"]
-        if os.fstat(fd).st_size < need:
-            raise ValueError(f"{path} is shorter than its layout")
+        need, size = layout.offsets()["end"], os.fstat(fd).st_size
+        if size < need:
+            raise ShortFile(
+                f"its segment file is {size} bytes, shorter than its layout ({need}): it is not"
+                " read, and every process still using it dies of SIGBUS"
+            )
         mm = mmap.mmap(fd, need, mmap.MAP_SHARED, mmap.PROT_READ)
     except BaseException:
         os.close(fd)
@@ -141,6 +148,8 @@ class Supervisor:
         self.fail_on = fail_on
         self.stopper = stopper if stopper is not None else Stopper(lambda line: self.echo(line))
         self.pools: dict[str, Watched] = {}
+        # Pools whose file was already too short when found (said once each).
+        self._short: set[str] = set()
         self.live_findings: list[Finding] = []
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -188,6 +197,11 @@ class Supervisor:
             where = self._unlinked().get(key, path)
             try:
                 view, fd = map_readonly(where, layout)
+            except ShortFile as e:
+                if key not in self._short:
+                    self._short.add(key)
+                    self.echo(f"kvscope: pool {name!r}: {e}")
+                continue
             except (FileNotFoundError, ValueError, OSError):
                 continue
             self.pools[key] = Watched(name, int(created), where, layout, prefix, view, fd)

@@ -35,6 +35,7 @@ class AnalyzeCommand:
             dump_header=t.dump_header,
             block=args.block,
             request=args.request,
+            findings=t.findings(),
         )
         if args.json:
             print_json(report)

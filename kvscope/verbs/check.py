@@ -22,7 +22,7 @@ from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import UsageError
 from kvscope.report import print_json, render
-from kvscope.target import add_trust_owner, read_live
+from kvscope.target import add_trust_owner, live_target, read_live
 
 
 def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
@@ -101,7 +101,8 @@ class CheckCommand:
                 )
             done = repair(args.name, args.trust_owner)
             print(describe_repair(done), file=sys.stderr)
-        report = analyze_view(read_live(args.name, args.trust_owner), alive=is_alive)
+        t = live_target(args.name, args.trust_owner)
+        report = analyze_view(t.view, alive=t.alive, findings=t.findings())
         if done is not None:
             report["repair"] = done
         if args.json:
