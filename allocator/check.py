@@ -11,11 +11,8 @@ from kvscope.allocator.geometry import geometry_problem
 from kvscope.allocator.header import header_corruption
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
-    COUNTER_FIELDS,
     FORMAT_VERSION,
     HEADER_DTYPE,
-    LOCAL_CACHE_MAX,
-    LOCK_DTYPE,
     POOL_MAGIC,
     BlockState,
     ClientState,
@@ -25,6 +22,7 @@ from kvscope.allocator.layout import (
     header_checksum,
 )
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.ranges import check_tables, local_cache
 
 # Per kind, at most this many per-block findings; the rest are summarised in one more.
 MAX_PER_KIND = 50
@@ -135,88 +133,6 @@ def _state_name(value: int) -> str:
     return BlockState(value).name if value < len(BlockState) else f"state {value}"
 
 
-def local_cache(r: _Report, clients: np.ndarray, c: int, n: int) -> np.ndarray:
-    """Client c's local cache of free block ids, with a finding for each count or id that
-    cannot be right (only the ids inside the pool are returned)."""
-    k = int(clients["local_count"][c])
-    pid = int(clients["pid"][c])
-    if k > LOCAL_CACHE_MAX:
-        r.add(
-            Finding(
-                "free_list_corrupt",
-                f"the local cache of pid {pid} claims {k} blocks; it holds at most {LOCAL_CACHE_MAX}",
-                owner_pid=pid or None,
-            )
-        )
-    loc = clients["local"][c, : min(k, LOCAL_CACHE_MAX)].astype(np.int64)
-    inside = (loc >= 0) & (loc < n)
-    if not inside.all():
-        r.add(
-            Finding(
-                "free_list_corrupt",
-                f"the local cache of pid {pid} holds {int((~inside).sum())} ids outside the pool's blocks [0, {n})",
-                owner_pid=pid or None,
-            )
-        )
-    return loc[inside]
-
-
-def check_tables(r: _Report, seqs: np.ndarray, live: np.ndarray, n: int) -> None:
-    """Sequence records that cannot be right: a state outside the enum, a block count past the
-    table, or a block-table entry outside the pool (a kernel would read or write outside the
-    KV tensor: out_of_bounds)."""
-    bad_state = live[seqs["state"][live] >= len(SeqState)]
-    for s in bad_state[:MAX_PER_KIND].tolist():
-        r.add(
-            Finding(
-                "free_list_corrupt",
-                f"sequence slot {s} has state {int(seqs['state'][s])}, not a sequence state (0-{len(SeqState) - 1}): no process can use or free it",
-                owner_pid=int(seqs["owner_pid"][s]) or None,
-                request=_seq_req(seqs, s),
-            )
-        )
-    width = seqs["table"].shape[1]
-    claimed = seqs["num_blocks"][live].astype(np.int64)
-    for s in live[claimed > width][:MAX_PER_KIND].tolist():
-        r.add(
-            Finding(
-                "out_of_bounds",
-                f"sequence slot {s} claims {int(seqs['num_blocks'][s])} blocks; its table holds {width}",
-                owner_pid=int(seqs["owner_pid"][s]) or None,
-                request=_seq_req(seqs, s),
-            )
-        )
-    tables = seqs["table"][live].astype(np.int64)
-    used = np.arange(width) < np.minimum(claimed, width)[:, None]
-    outside = used & ((tables < 0) | (tables >= n))
-    rows = np.flatnonzero(outside.any(axis=1))
-    for i in rows[:MAX_PER_KIND].tolist():
-        s = int(live[i])
-        cols = np.flatnonzero(outside[i])
-        r.add(
-            Finding(
-                "out_of_bounds",
-                f"the block table of sequence slot {s} maps logical block {int(cols[0])} to block"
-                f" {int(tables[i, cols[0]])}, outside the pool's blocks [0, {n})"
-                + (f" ({len(cols)} such entries)" if len(cols) > 1 else "")
-                + ": a kernel would read or write outside the KV tensor",
-                owner_pid=int(seqs["owner_pid"][s]) or None,
-                request=_seq_req(seqs, s),
-            )
-        )
-    if len(rows) > MAX_PER_KIND:
-        r.add(
-            Finding(
-                "out_of_bounds",
-                f"{len(rows) - MAX_PER_KIND} more sequences map blocks outside the pool",
-            )
-        )
-
-
-def _seq_req(seqs: np.ndarray, s: int) -> str | None:
-    return bytes(seqs["request"][s]).decode(errors="replace") or None
-
-
 def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     """Every invariant of docs/FORMAT.md; returns findings (empty when healthy)."""
     head = check_header(view)
@@ -297,7 +213,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     # References from live sequences.
     seqs = view.seqs
     live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
-    check_tables(r, seqs, live, n)
+    check_tables(r.add, seqs, live, n, MAX_PER_KIND)
     refs = table_refs(seqs, live, n)
 
     # Dead clients and their blocks.
@@ -340,7 +256,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     # Local caches.
     local_ids = np.zeros(n, bool)
     for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
-        loc = local_cache(r, clients, c, n)
+        loc = local_cache(r.add, clients, c, n)
         local_ids[loc] = True
         wrong = loc[(state[loc] != BlockState.LOCAL) | (owner[loc] != c)]
         r.blocks(
@@ -459,64 +375,3 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
                 )
             )
     return r.finish()
-
-
-# No count, time or position the allocator keeps gets near this (2**62 ns is 146 years):
-# a larger one was written by someone else, and adding to it would overflow.
-COUNTER_LIMIT = 2**62
-
-
-def _huge_counter(view: SegmentView) -> str | None:
-    """The first 64-bit counter of the header, ring, locks or clients past COUNTER_LIMIT."""
-    places = [
-        ("header", view.header, ["findings_head", "next_seq_id", *COUNTER_FIELDS]),
-        ("free ring", view.ring_header, ["head", "tail", "allocs"]),
-        ("lock", view.locks, [f for f in LOCK_DTYPE.names or () if LOCK_DTYPE[f] == np.uint64]),
-        ("client", view.clients, ["seq", "event_head", *COUNTER_FIELDS]),
-    ]
-    for where, arr, fields in places:
-        for f in fields:
-            big = np.flatnonzero(arr[f] >= np.uint64(COUNTER_LIMIT))
-            if len(big):
-                return f"its {where} field {f} is {int(arr[f][big[0]])}, beyond any real count"
-    return None
-
-
-def repair_blocker(view: SegmentView, alive: Alive = is_alive) -> str | None:
-    """Why reclaiming this pool's dead processes cannot be done safely, or None.
-
-    Reclaiming walks the free ring and each dead process's local cache and block tables, adds
-    to counters and takes every lock: an id outside the pool, a lock naming a client record
-    that does not exist, or a counter no allocator reaches means the segment was damaged and
-    the repair would act on garbage. (A dead process's journal that cannot be trusted is not a
-    blocker: the repair skips it and says so, `Journal.problem`.)
-    """
-    n = view.layout.num_blocks
-    rh = view.ring_header[0]
-    if int(rh["count"]) > n:
-        return f"its free ring (head {int(rh['head'])}, tail {int(rh['tail'])}, count {int(rh['count'])}) is damaged"
-    huge = _huge_counter(view)
-    if huge is not None:
-        return huge
-    c, seqs, locks = view.clients, view.seqs, view.locks
-    held = np.flatnonzero(locks["holder_pid"] != 0)
-    for i in held.tolist():
-        if not 0 <= int(locks["holder_client"][i]) < len(c):
-            name = bytes(locks["name"][i]).decode(errors="replace")
-            return f"its lock {name!r} names client record {int(locks['holder_client'][i])}, which does not exist"
-    for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist():
-        pid = int(c["pid"][i])
-        if alive(pid, int(c["start"][i])):
-            continue
-        k = int(c["local_count"][i])
-        loc = c["local"][i, : min(k, LOCAL_CACHE_MAX)]
-        if k > LOCAL_CACHE_MAX or ((loc < 0) | (loc >= n)).any():
-            return f"the local cache of dead pid {pid} holds ids outside the pool"
-        mine = np.flatnonzero((seqs["owner_client"] == i) & (seqs["state"] != SeqState.EMPTY))
-        width = seqs["table"].shape[1]
-        for s in mine.tolist():
-            k = int(seqs["num_blocks"][s])
-            t = seqs["table"][s, : min(k, width)]
-            if k > width or ((t < 0) | (t >= n)).any():
-                return f"a block table of dead pid {pid} (sequence slot {s}) maps blocks outside the pool"
-    return None

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.allocator.check import repair_blocker
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import UsageError
