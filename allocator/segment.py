@@ -148,16 +148,23 @@ def check_file(path: str, st: os.stat_result, trust_owner: bool) -> None:
 
 
 def open_file(
-    path: str, name: str, *, trust_owner: bool, missing: str | None = None, owner: int = -1
+    path: str,
+    name: str,
+    *,
+    trust_owner: bool,
+    missing: str | None = None,
+    owner: int = -1,
+    writable: bool = True,
 ) -> int:
-    """Open an existing pool file read-write without following a symlink or blocking on a
-    FIFO, checked by `check_file`; raises PoolError with one clear line.
+    """Open an existing pool file without following a symlink or blocking on a FIFO, checked
+    by `check_file`; raises PoolError with one clear line.
 
     Args:
         missing: the message when the file does not exist (default: no pool named `name`).
         owner: when >= 0, the uid that must own the file (a data file: its segment's owner).
+        writable: open it read-write (False: read-only, for readers such as the TUI).
     """
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
