@@ -135,9 +135,17 @@ def attach_cuda(blob: bytes, cfg: PoolConfig) -> torch.Tensor:
         raise PoolError(
             "the pool's CUDA IPC handle is unreadable; the segment is damaged"
         ) from None
-    storage = torch.UntypedStorage._new_shared_cuda(*handle)
     shape = kv_shape(cfg)
-    kv = torch.empty(0, dtype=cfg.torch_dtype, device=cfg.device)
     stride = torch.empty(shape, device="meta").stride()
-    kv.set_(storage, offset, shape, stride)
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(*handle)
+        kv = torch.empty(0, dtype=cfg.torch_dtype, device=cfg.device)
+        kv.set_(storage, offset, shape, stride)
+    except (RuntimeError, TypeError, ValueError) as e:
+        # A creator that has exited, another device, or a handle that is not one.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PoolError(
+            f"cannot open the pool's KV tensor on {cfg.device} from its CUDA IPC handle ({first});"
+            " the creating process must still run"
+        ) from None
     return kv
