@@ -176,7 +176,6 @@ def seed_pool(tmp_path_factory):
     import uuid
 
     name = f"fz-{uuid.uuid4().hex[:8]}"
-    os.environ.setdefault("KVSCOPE_EVENTS", "1")
     cfg = PoolConfig(num_blocks=48, block_size=4, head_dim=8, num_layers=1, dtype="float32",
                      max_clients=4, event_capacity=64, max_seqs=32, events=True)  # fmt: skip
     pool = KVPool.create(name, cfg)
