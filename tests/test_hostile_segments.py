@@ -171,3 +171,19 @@ def test_segment_files_with_huge_geometry_are_refused_by_check(capsys, make_pool
         f.write(raw)
     assert main(["check", name]) == 2
     assert "num_shards is 2147483648" in one_line_error(capsys)
+
+
+def test_a_cuda_ipc_handle_is_read_as_plain_data_only():
+    # GIVEN a handle blob as the creator writes it (plain tuples, ints, bytes, bools) and one
+    # that names code, as a tampered segment could
+    import io
+    import pickle
+
+    from kvscope.allocator.errors import PoolError
+    from kvscope.allocator.kvdata import _PlainUnpickler
+
+    handle = ((0, b"\x01" * 64, 4096, 0, b"ref", 8, b"\x02" * 64, True), 0)
+    assert _PlainUnpickler(io.BytesIO(pickle.dumps(handle))).load() == handle
+    # WHEN the tampered one is read THEN nothing is called: one PoolError
+    with pytest.raises(PoolError, match="names posix.system"):
+        _PlainUnpickler(io.BytesIO(pickle.dumps((os.system, ("true",))))).load()
