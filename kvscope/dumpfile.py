@@ -19,7 +19,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import BinaryIO
+from io import BufferedReader
 
 import numpy as np
 
@@ -257,7 +257,7 @@ def _remove(path: str) -> None:
         pass
 
 
-def _open(path: str) -> BinaryIO:
+def _open(path: str) -> BufferedReader:
     """Open a dump file for reading: a regular file (a FIFO or a device is refused, never
     waited on); every failure is one PoolError line."""
     try:
@@ -292,7 +292,7 @@ def read_dump(path: str | os.PathLike[str]) -> tuple[SegmentView, np.void]:
             raise PoolError(f"cannot read {path}: {e.strerror}") from None
 
 
-def _read(f: BinaryIO, path: str) -> tuple[SegmentView, np.void]:
+def _read(f: BufferedReader, path: str) -> tuple[SegmentView, np.void]:
     size = os.fstat(f.fileno()).st_size
     head = f.read(DUMP_HEADER_DTYPE.itemsize)
     magic = int.from_bytes(head[:8], "little") if len(head) >= 8 else None
@@ -342,7 +342,7 @@ def _layout(seg: bytearray, seg_size: int, where: str, saved: bytes) -> Layout:
 
 
 def _read_raw_segment(
-    f: BinaryIO, path: str, size: int, head: bytes
+    f: BufferedReader, path: str, size: int, head: bytes
 ) -> tuple[SegmentView, np.void]:
     """A plain copy of /dev/shm/kvscope.NAME read as a dump without a dump header."""
     head += f.read(max(0, HEADER_DTYPE.itemsize - len(head)))

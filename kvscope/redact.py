@@ -93,8 +93,8 @@ class Redactor:
         for rid in sorted(self.requests, key=len, reverse=True):
             # A 32-byte id may be the cut-off head of a longer one: take the rest with it.
             tail = rb"[^'\"\s]*" if len(rid) >= REQUEST_BYTES else rb"(?![\w.-])"
-            stand_in = self.requests[rid]
-            text = re.sub(rb"(?<![\w.-])" + re.escape(rid) + tail, lambda m, s=stand_in: s, text)
+            # The stand-in is `r~` and hex digits: no backslash for re.sub to interpret.
+            text = re.sub(rb"(?<![\w.-])" + re.escape(rid) + tail, self.requests[rid], text)
         return text
 
 

@@ -53,7 +53,7 @@ class Stopper:
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.blocked = False
-        self._mask: set[signal.Signals] | None = None
+        self._mask: set[int | signal.Signals] | None = None
         self._timer: threading.Timer | None = None
         self._prctl = _prctl()
 
@@ -71,7 +71,7 @@ class Stopper:
             yield
         finally:
             self.blocked = False
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask or set())
             for s, h in old.items():
                 signal.signal(s, h)
             if self._timer is not None:
