@@ -195,6 +195,10 @@ def check_target(path: str) -> None:
     """A dump goes to a new or regular file (or "-", standard output): writing it next to a
     device, FIFO or directory and renaming it over that would replace the node itself."""
     if path == STDOUT:
+        if sys.stdout.isatty():
+            raise PoolError(
+                "standard output is a terminal; send the dump to a file or a pipe (-o - > pool.kvd)"
+            )
         return
     try:
         st = os.stat(path)
