@@ -40,7 +40,21 @@ _WHERE = {
     "Sequence": "sequence",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [
+    "CRASH_POINTS",
+    "BlockState",
+    "Finding",
+    "FindingKind",
+    "KVPool",
+    "LockDeadlock",
+    "PoolConfig",
+    "PoolError",
+    "PoolExhausted",
+    "SeqState",
+    "Sequence",
+    "crash",
+]
+assert sorted(__all__) == sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:

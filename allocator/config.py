@@ -6,18 +6,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvscope.allocator.errors import PoolError
+from kvscope.allocator.geometry import ELEMENT_BYTES
 
 if TYPE_CHECKING:
     import torch
 
-# KV dtypes by name, with their element size. torch is imported only where a tensor is made:
-# the CLI reads pools (numpy) and must start without it.
-DTYPES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-}
+# KV dtypes by name, with their element size (the one table, shared with the header checks).
+# torch is imported only where a tensor is made: the CLI reads pools (numpy) and must start
+# without it.
+DTYPES: dict[str, int] = ELEMENT_BYTES
 
 
 def dtype_name(dtype: Any) -> str:

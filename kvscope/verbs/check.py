@@ -14,24 +14,30 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import UsageError
 from kvscope.report import print_json, render
-from kvscope.target import read_live
+from kvscope.target import add_trust_owner, live_target, read_live
 
 
-def repair(name: str) -> dict[str, Any]:
+def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     """Roll back dead holders' journals and reclaim dead owners' blocks; what was done."""
     from kvscope.allocator import KVPool
 
-    pool = KVPool.attach(name)
+    pool = KVPool.attach(name, trust_owner)
     try:
         c = pool.view.clients
         journals = [
-            {"pid": int(c["pid"][i]), "entries": int(c["journal_count"][i])}
+            {
+                "pid": int(c["pid"][i]),
+                "entries": int(c["journal_count"][i]),
+                "skipped": Journal(pool.view, i).problem(),
+            }
             for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
             if i != pool.client
             and int(c["journal_count"][i])
@@ -48,7 +54,12 @@ def describe_repair(done: dict[str, Any]) -> str:
     """One line saying what --repair did."""
     parts = []
     for j in done["journals_rolled_back"]:
-        parts.append(f"rolled back {j['entries']} journal entries of dead pid {j['pid']}")
+        if j.get("skipped"):
+            parts.append(
+                f"skipped the undo journal of dead pid {j['pid']} ({j['skipped']}): its last operation was not rolled back"
+            )
+        else:
+            parts.append(f"rolled back {j['entries']} journal entries of dead pid {j['pid']}")
     if done["processes"]:
         pids = ", ".join(map(str, done["dead_owners"]))
         parts.append(
@@ -75,16 +86,23 @@ class CheckCommand:
             help="remove the pool's files after the check (refused while a live process is attached)",
         )
         parser.add_argument("--json", action="store_true", help="print the report as JSON")
+        add_trust_owner(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
         check_name(args.name)
         done = None
         if args.repair:
-            read_live(args.name)  # a missing or corrupt pool fails here, before attaching
-            done = repair(args.name)
+            # A missing or corrupt pool fails here, before attaching; a damaged one is refused.
+            blocker = repair_blocker(read_live(args.name, args.trust_owner))
+            if blocker is not None:
+                raise UsageError(
+                    f"pool {args.name!r} cannot be repaired safely: {blocker}; see `kvscope check {args.name}`"
+                )
+            done = repair(args.name, args.trust_owner)
             print(describe_repair(done), file=sys.stderr)
-        report = analyze_view(read_live(args.name), alive=is_alive)
+        t = live_target(args.name, args.trust_owner)
+        report = analyze_view(t.view, alive=t.alive, findings=t.findings())
         if done is not None:
             report["repair"] = done
         if args.json:
