@@ -1,8 +1,8 @@
 """Pool throughput: kvscope's shared, journaled KVPool beside nano-vllm's BlockManager and vLLM's
 v1 BlockPool, the same workloads in the same run.
 
-    python bench/bench_pool.py --nano-vllm DIR --vllm DIR   # all three, about 5 minutes
-    python bench/bench_pool.py --quick                      # kvscope alone, a smoke test
+    python bench/bench_pool.py --nano-vllm DIR --vllm DIR   # all three, 10-20 minutes
+    python bench/bench_pool.py --quick                      # kvscope alone, small: a smoke test
 
 The peers are not part of kvscope; each is installed for the run and driven through its own
 methods (bench/peer_nanovllm.py and bench/peer_vllm.py say how, and which calls stand for
@@ -14,9 +14,9 @@ which operation):
     python bench/bench_pool.py --nano-vllm /tmp/nano-vllm --vllm /tmp/vllm-peer
 
 A peer left out is not measured; an operation a peer has no equivalent of is n/a. One core
-pinned, GC off; each workload gets a fresh pool per contender, one untimed warm-up run each
-(the first ~0.1 s after a pool is made measures up to 25% slow), then --repeat rounds that
-take the contenders in turn; the table has the medians, stderr every run.
+pinned, GC off; each workload gets a fresh pool per contender and one untimed warm-up run each
+(the first runs after a pool is made measure slow), then --repeat rounds that take the
+contenders in turn; the table has the medians, stderr every run.
 """
 
 from __future__ import annotations
