@@ -41,7 +41,12 @@ def load(checkout: str) -> tuple[ModuleType, str]:
     package = importlib.util.module_from_spec(spec)
     package.__path__ = [str(package_dir)]
     sys.modules["nanovllm"] = package
-    module = importlib.import_module("nanovllm.engine.block_manager")
+    try:
+        module = importlib.import_module("nanovllm.engine.block_manager")
+    except ImportError as e:
+        raise SystemExit(
+            f"bench_pool: error: cannot import nano-vllm's BlockManager ({e})"
+        ) from None
     return module, _commit(root)
 
 

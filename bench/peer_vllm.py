@@ -43,8 +43,13 @@ def load(target: str | None) -> tuple[ModuleType, ModuleType, str]:
     """vllm.v1.core.block_pool, vllm.v1.core.kv_cache_utils and vLLM's version."""
     if target:
         sys.path.insert(0, target)
-    hashing = importlib.import_module("vllm.utils.hashing")
-    block_pool = importlib.import_module("vllm.v1.core.block_pool")
+    try:
+        hashing = importlib.import_module("vllm.utils.hashing")
+        block_pool = importlib.import_module("vllm.v1.core.block_pool")
+    except ImportError as e:
+        raise SystemExit(
+            f"bench_pool: error: cannot import vLLM's BlockPool ({e}); see {__file__}"
+        ) from None
     utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
     vllm = importlib.import_module("vllm")
     # As EngineCore does before any request is hashed.
