@@ -10,8 +10,8 @@ Why that many packages: block_pool.py imports vllm.distributed.kv_events, which 
 vllm.config (the engine's whole configuration: pydantic, transformers, the quantization
 registry), and vllm.v1.request (torch, the structured-output backends xgrammar and llguidance,
 the OpenAI-compatible parsers). None of it runs a GPU: torch is kvscope's own CPU build, no CUDA
-is initialised and vLLM's compiled kernels (`vllm._C`) are not loaded. Importing takes about
-30 s on the 2-core machine, before anything is timed.
+is initialised and vLLM's compiled kernels (`vllm._C`) are not loaded. Importing takes 20-40 s
+on the 2-core machine (bench_pool.py prints it), before anything is timed.
 
 BlockPool is the block level of vLLM's KV cache: it hands out and frees blocks, looks up and
 caches full blocks by hash, and evicts LRU cached blocks. The per-request bookkeeping above it
