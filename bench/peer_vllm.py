@@ -8,8 +8,8 @@ Install the wheel without its dependencies into a folder of its own, with the pa
 
 Why that many packages: block_pool.py imports vllm.distributed.kv_events, which imports
 vllm.config (the engine's whole configuration: pydantic, transformers, the quantization
-registry), and vllm.v1.request (torch, the structured-output backends xgrammar and llguidance,
-the OpenAI-compatible parsers). None of it runs a GPU: torch is kvscope's own CPU build, no CUDA
+registry), and vllm.v1.core.kv_cache_utils, which imports vllm.v1.request (torch, the
+structured-output backends xgrammar and llguidance, the OpenAI-compatible parsers). None of it runs a GPU: torch is kvscope's own CPU build, no CUDA
 is initialised and vLLM's compiled kernels (`vllm._C`) are not loaded. Importing takes 20-40 s
 on the 2-core machine (bench_pool.py prints it), before anything is timed.
 
