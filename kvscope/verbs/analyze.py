@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from kvscope.analysis import analyze_view, exit_code
+from kvscope.kvread import for_target
 from kvscope.report import print_json, render
 from kvscope.target import open_target
 
@@ -34,6 +35,7 @@ class AnalyzeCommand:
             dump_header=t.dump_header,
             block=args.block,
             request=args.request,
+            kv=for_target(args.target, t.view, t.dump_header),
         )
         if args.json:
             print_json(report)

@@ -19,6 +19,7 @@ from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import UsageError
+from kvscope.kvread import for_live
 from kvscope.report import print_json, render
 from kvscope.target import read_live
 
@@ -84,7 +85,8 @@ class CheckCommand:
             read_live(args.name)  # a missing or corrupt pool fails here, before attaching
             done = repair(args.name)
             print(describe_repair(done), file=sys.stderr)
-        report = analyze_view(read_live(args.name), alive=is_alive)
+        view = read_live(args.name)
+        report = analyze_view(view, alive=is_alive, kv=for_live(args.name, view))
         if done is not None:
             report["repair"] = done
         if args.json:

@@ -28,7 +28,7 @@ from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
 from kvscope.dumpfile import dump_name, write_dump
-from kvscope.errors import EXIT_FAIL_ON, UsageError
+from kvscope.errors import EXIT_FAIL_ON, EXIT_FINDINGS, UsageError
 from kvscope.report import console, render
 from kvscope.supervisor import Outcome, Supervisor, is_error, is_leak
 from kvscope.verbs.top import load_run_top
@@ -229,12 +229,29 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
             con.print()
             render(report, con, title=f"kvscope run: {what}; pool")
             _echo(f"kvscope: wrote {path} (kvscope analyze {path})")
+    unfired = _report_unfired(sup)
     if outcome.failed:
         return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0)
+    if unfired:
+        return EXIT_FINDINGS
     if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
         _echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
         return EXIT_FAIL_ON
     return 0
+
+
+def _report_unfired(sup: Supervisor) -> bool:
+    """Faults armed for the run that no process injected (kvscope/child.py records them): say
+    so; True when there is one (the run proved nothing about them)."""
+    from kvscope.child import unfired_faults
+
+    unfired = unfired_faults(sup.run_dir)
+    for name in unfired:
+        _echo(
+            f"kvscope: fault {name!r} was armed but never fired: no operation of the script "
+            "gave it an opportunity it could act on"
+        )
+    return bool(unfired)
 
 
 def _unique(path: str, used: set[str]) -> str:
