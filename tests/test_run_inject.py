@@ -85,6 +85,8 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
             SERVE,
             "--requests",
             "16",
+            "--clock",
+            "steps",
             "--no-progress",
         ]
     )
