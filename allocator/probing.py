@@ -348,10 +348,13 @@ class PoolProbes:
             )
 
     def poison(self, ids: list[int]) -> None:
-        """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention."""
-        if len(ids) and self.pool.kv.dtype.is_floating_point:
+        """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention
+        (at commit: blocks the same operation handed out again are left alone)."""
+        b = self.pool.view.blocks
+        ids = [int(x) for x in ids if b["state"][x] != BlockState.ALLOCATED]
+        if ids and self.pool.kv.dtype.is_floating_point:
             bs = self.pool.block_size
-            self.pool.kv[:, :, [int(x) for x in ids], :bs] = float("nan")
+            self.pool.kv[:, :, ids, :bs] = float("nan")
 
 
 def _field_at(offset: int) -> str:

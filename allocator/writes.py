@@ -82,6 +82,9 @@ class WriteProbes:
             store = self.pool.store
             store.blocks["poisoned"][ids] = 1
             store.seal(ids)
+            # The poison lands at commit: the same operation may hand them out again first
+            # (a preemption freeing blocks for the sequence it grows).
+            t.__dict__.setdefault("quarantined", set()).update(ids.tolist())
 
     def before_reuse(self, t: Txn, ids: np.ndarray, request: bytes) -> None:
         """Blocks about to be handed to `request`: their poison must be intact and no live
@@ -106,6 +109,9 @@ class WriteProbes:
         pool = self.pool
         b = pool.view.blocks
         mine = ids[b["poisoned"][ids] == 1]
+        fresh = t.__dict__.get("quarantined")
+        if fresh:
+            mine = mine[~np.isin(mine, list(fresh))]
         if len(mine) == 0:
             return
         for blk, count in integrity.poison_broken(pool.kv, mine, pool.block_size):
