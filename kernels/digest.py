@@ -55,15 +55,18 @@ def _block_digest_kernel(
     base = kv_ptr + blk * stride_n
     e = tl.arange(0, TILE)
     acc = tl.zeros([TILE], tl.int64)
-    for row in range(0, num_lk):
-        row_ptr = base + row.to(tl.int64) * stride_lk
+    # The (layer, K/V) row's pointer and its first element's index, advanced row by row.
+    row_ptr = base
+    first = tl.zeros([TILE], tl.int64)
+    for _row in range(0, num_lk):
         for e0 in range(0, ELEMS, TILE):
             offs = e0 + e
             mask = offs < ELEMS
             bits = tl.load(row_ptr + offs, mask=mask, other=0).to(tl.int64)
-            i = row.to(tl.int64) * ELEMS + offs.to(tl.int64)
-            coef = (i * MUL + ADD) | 1
+            coef = ((first + offs) * MUL + ADD) | 1
             acc += tl.where(mask, bits * coef, 0)
+        row_ptr += stride_lk
+        first += ELEMS
     tl.store(out_ptr + pid, tl.sum(acc, 0))
 
 
