@@ -21,6 +21,7 @@ from a dump's data with `kv_from_bytes`); the probes (probing.py) call them as o
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
 import numpy as np
 import torch
@@ -33,12 +34,12 @@ GENERATION_MASK = 0xFFFF_FFFF
 MAX_PER_KIND = 50
 
 MODIFIED_MESSAGE = (
-    "the K/V of this published block changed after it was published (digest {found:#010x}, "
-    "published {want:#010x}): something wrote into a block that requests share as a cached prefix"
+    "K/V changed since the block was published (seen at {when}; digest {found:#010x}, "
+    "published {want:#010x}): a write into a prefix block requests share"
 )
 POISON_MESSAGE = (
-    "block was written after it was freed: the poison (NaN) its token slots got when pid "
-    "{pid} request {request!r} freed it was overwritten in quarantine ({slots} element(s) changed)"
+    "written after it was freed: pid {pid} request {request!r} freed it at {when}, and "
+    "{slots} element(s) of the poison (NaN) it got then were overwritten in quarantine"
 )
 CANARY_MESSAGE = (
     "the guard slot after the block's last token was overwritten: a KV write ran past the end "
@@ -95,6 +96,18 @@ def modified(
 
 
 # -- poison ----------------------------------------------------------------------------------
+
+
+def poison_message(rec: np.void, count: int) -> str:
+    """The write-after-free message: who freed the block (its record keeps the last owner)
+    and when (its last access is the release)."""
+    when = datetime.fromtimestamp(int(rec["access_ns"]) / 1e9).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return POISON_MESSAGE.format(
+        pid=int(rec["owner_pid"]),
+        request=bytes(rec["request"]).decode(errors="replace"),
+        when=when[:-3],
+        slots=count,
+    )
 
 
 def poison_bits(dtype: torch.dtype) -> torch.Tensor:
@@ -191,16 +204,12 @@ def check_kv(
     out: list[Finding] = []
     for blk, found, want in changed[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
-            msg = MODIFIED_MESSAGE.format(found=found, want=want)
+            msg = MODIFIED_MESSAGE.format(when="a check", found=found, want=want)
             out.append(_finding(view, "published_block_modified", blk, msg))
     for blk, count in written[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
             rec = b[blk]
-            msg = POISON_MESSAGE.format(
-                pid=int(rec["owner_pid"]),
-                request=bytes(rec["request"]).decode(errors="replace"),
-                slots=count,
-            )
+            msg = poison_message(rec, count)
             out.append(_finding(view, "use_after_free", blk, msg, freed_ns=int(rec["access_ns"])))
     for blk in canaries[:MAX_PER_KIND]:
         out.append(_finding(view, "guard_violation", blk, CANARY_MESSAGE))

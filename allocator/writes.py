@@ -67,8 +67,8 @@ class WriteProbes:
         ids = np.asarray(ids, np.int64)
         ids = ids[pool.view.blocks["indexed"][ids] == 1]
         for blk, found, want in integrity.modified(pool.view.blocks, pool.kv, ids, pool.block_size):
-            msg = integrity.MODIFIED_MESSAGE.format(found=found, want=want)
-            self._later(t, "published_block_modified", blk, f"{msg} (seen at {when})")
+            msg = integrity.MODIFIED_MESSAGE.format(when=when, found=found, want=want)
+            self._later(t, "published_block_modified", blk, msg)
 
     def evicting(self, t: Txn, ids: np.ndarray) -> None:
         """Eviction hook (records saved, not yet reset)."""
@@ -116,11 +116,7 @@ class WriteProbes:
             return
         for blk, count in integrity.poison_broken(pool.kv, mine, pool.block_size):
             rec = b[blk]
-            msg = integrity.POISON_MESSAGE.format(
-                pid=int(rec["owner_pid"]),
-                request=bytes(rec["request"]).decode(errors="replace"),
-                slots=count,
-            )
+            msg = integrity.poison_message(rec, count)
             self._later(t, "use_after_free", blk, msg, freed_ns=int(rec["access_ns"]))
 
     def _check_unmapped(self, t: Txn, ids: np.ndarray, request: bytes) -> None:
