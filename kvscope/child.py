@@ -138,9 +138,22 @@ def own_block(pool: Any, seq: Any) -> int:
 
 
 def on_close(pool: Any) -> None:
-    """CLOSE_HOOK: closing a pool does not free its sequences; the ones left are leaks."""
+    """CLOSE_HOOK: closing a pool does not free its sequences, the ones left are leaks; and
+    the pool is checked (its KV data included) while this process can still read it."""
     if pool.pid == os.getpid():
         report_held(pool, "the pool was closed")
+        report_checked(pool)
+
+
+def report_checked(pool: Any) -> list[Finding]:
+    """`pool.check()`, and its findings about this process (or no process) into the ring."""
+    me = os.getpid()
+    mine = [f for f in pool.check() if f.owner_pid in (None, me)]
+    # Through the probes when on: what they already reported about a block is not repeated.
+    report = pool.report if pool.probe is None else pool.probe.report
+    for f in mine[:MAX_EXIT_FINDINGS]:
+        report(f)
+    return mine
 
 
 def check_at_exit() -> dict[str, Any]:
@@ -153,9 +166,7 @@ def check_at_exit() -> dict[str, Any]:
         seqs, held = report_held(pool, "the process exited")
         # The local cache is not a leak: hand it back before looking for orphans.
         pool._run({pool.FREE}, pool._flush_local)
-        mine = [f for f in pool.check() if f.owner_pid in (None, me)]
-        for f in mine[:MAX_EXIT_FINDINGS]:
-            pool.report(f)
+        mine = report_checked(pool)
         orphans = sum(1 for f in mine if f.kind == "leak_orphan")
         out[pool.name] = {"sequences": len(seqs), "blocks": held, "findings": len(mine)}
         if not seqs and not orphans:
