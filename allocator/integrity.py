@@ -39,7 +39,7 @@ MODIFIED_MESSAGE = (
 )
 POISON_MESSAGE = (
     "written after it was freed: pid {pid} request {request!r} freed it at {when}, and "
-    "{slots} element(s) of the poison (NaN) it got then were overwritten in quarantine"
+    "{slots} element(s) of its poison (NaN) were overwritten in quarantine"
 )
 CANARY_MESSAGE = (
     "the guard slot after the block's last token was overwritten: a KV write ran past the end "
