@@ -156,3 +156,35 @@ def test_guard_canaries_of_held_and_cached_blocks_are_verified(make_pool, probes
     # THEN both blocks are guard violations
     assert verified == checked == {held.block_table[0], blk}
     pool.free(held)
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_pool_the_digest_kernel_and_the_poison_check_find_the_writes(pool_name, probes):
+    # GIVEN a guard-mode CUDA pool (the digest runs as a Triton kernel there)
+    from kvscope.allocator import PoolConfig
+
+    pool = KVPool.create(
+        pool_name,
+        PoolConfig(num_blocks=16, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64,
+                   dtype="bfloat16", device="cuda", guard=True),
+    )  # fmt: skip
+    try:
+        seq = pool.allocate("owner", list(range(33)))
+        pool.kv[:, :, seq.block_table, :16] = torch.randn(
+            pool.kv[:, :, seq.block_table, :16].shape, device="cuda"
+        ).to(pool.kv.dtype)
+        assert pool.mark_computed(seq, 32) == 2
+        freed = pool.allocate("freed", [7] * 20)
+        stale = freed.block_table[-1]
+        pool.free(freed)
+        # WHEN a published block and a freed one are written, and the pool is checked
+        pool.kv[1, 0, seq.block_table[1], 3, 1, 5] += 1.0
+        pool.kv[0, 1, stale, 2] = 0.0
+        found = {(f.kind, f.block, f.request) for f in pool.check()}
+        # THEN both writes are findings, named by block and request
+        assert ("published_block_modified", seq.block_table[1], "owner") in found
+        assert ("use_after_free", stale, "freed") in found
+        pool.free(seq)
+    finally:
+        pool.close()
+        pool.unlink()
