@@ -15,6 +15,8 @@ CPU reference agree exactly (tests/test_kernels_digest.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,27 +49,26 @@ def fmix64(h: int) -> int:
 
 @triton.jit
 def _block_digest_kernel(
-    kv_ptr, blocks_ptr, out_ptr, num_lk, stride_lk, stride_n,
+    kv_ptr, blocks_ptr, out_ptr, stride_lk, stride_n,
     ELEMS: tl.constexpr, MUL: tl.constexpr, ADD: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
+    # One program per (block, layer x K/V row): the row's partial sum, added up by the launcher.
     pid = tl.program_id(0)
+    row = tl.program_id(1)
+    num_rows = tl.num_programs(1)
     blk = tl.load(blocks_ptr + pid).to(tl.int64)
-    base = kv_ptr + blk * stride_n
+    row64 = row.to(tl.int64)
+    row_ptr = kv_ptr + blk * stride_n + row64 * stride_lk
+    first = row64 * ELEMS
     e = tl.arange(0, TILE)
     acc = tl.zeros([TILE], tl.int64)
-    # The (layer, K/V) row's pointer and its first element's index, advanced row by row.
-    row_ptr = base
-    first = tl.zeros([TILE], tl.int64)
-    for _row in range(0, num_lk):
-        for e0 in range(0, ELEMS, TILE):
-            offs = e0 + e
-            mask = offs < ELEMS
-            bits = tl.load(row_ptr + offs, mask=mask, other=0).to(tl.int64)
-            coef = ((first + offs) * MUL + ADD) | 1
-            acc += tl.where(mask, bits * coef, 0)
-        row_ptr += stride_lk
-        first += ELEMS
-    tl.store(out_ptr + pid, tl.sum(acc, 0))
+    for e0 in range(0, ELEMS, TILE):
+        offs = e0 + e
+        mask = offs < ELEMS
+        bits = tl.load(row_ptr + offs, mask=mask, other=0).to(tl.int64)
+        coef = ((first + offs) * MUL + ADD) | 1
+        acc += tl.where(mask, bits * coef, 0)
+    tl.store(out_ptr + pid * num_rows + row, tl.sum(acc, 0))
 
 
 def _raw_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> list[int]:
@@ -75,14 +76,22 @@ def _raw_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> l
     assert kv_cache.stride(3) == heads * head_dim and kv_cache.stride(4) == head_dim
     assert kv_cache.stride(5) == 1 and kv_cache.stride(0) == 2 * kv_cache.stride(1)
     bits = int_view(kv_cache)
-    out = torch.empty(ids.numel(), dtype=torch.int64, device=kv_cache.device)
+    rows = layers * 2
+    partial = torch.empty(ids.numel(), rows, dtype=torch.int64, device=kv_cache.device)
     elems = block_size * heads * head_dim
-    _block_digest_kernel[(ids.numel(),)](
-        bits, ids, out, layers * 2, bits.stride(1), bits.stride(2),
+    _block_digest_kernel[(ids.numel(), rows)](
+        bits, ids, partial, bits.stride(1), bits.stride(2),
         ELEMS=elems, MUL=DIGEST_MUL, ADD=DIGEST_ADD,
-        TILE=min(1024, triton.next_power_of_2(elems)), num_warps=4,
+        TILE=min(2048, triton.next_power_of_2(elems)), num_warps=4,
     )  # fmt: skip
-    return out.tolist()
+    # int64 sums wrap like the kernel's: the same value as one sum over the whole block.
+    return partial.sum(1).tolist()
+
+
+@functools.lru_cache(maxsize=8)
+def _coefficients(n: int, device: torch.device) -> torch.Tensor:
+    """coef(i) for i in [0, n), int64."""
+    return (torch.arange(n, dtype=torch.int64, device=device) * DIGEST_MUL + DIGEST_ADD) | 1
 
 
 def block_digests_ref_raw(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> list[int]:
@@ -90,9 +99,7 @@ def block_digests_ref_raw(kv_cache: torch.Tensor, ids: torch.Tensor, block_size:
     layers, _, _, _, heads, head_dim = kv_cache.shape
     per_block = layers * 2 * block_size * heads * head_dim
     step = max(1, _REF_ELEMS // per_block)
-    coef = (
-        torch.arange(per_block, dtype=torch.int64, device=kv_cache.device) * DIGEST_MUL + DIGEST_ADD
-    ) | 1
+    coef = _coefficients(per_block, kv_cache.device)
     bits = int_view(kv_cache)
     out: list[int] = []
     for k in range(0, ids.numel(), step):
