@@ -101,7 +101,8 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
     assert found, f"{fault}: no {EXPECTED[fault]} in {[f['kind'] for f in rep['findings']]}"
     pid = int(dh["pid"])
     # A killed child leaves its pool in /dev/shm for `kvscope check --repair`: clean up here.
-    for leftover in glob.glob(f"/dev/shm/kvscope.serve-{pid}*"):
+    shm = os.environ.get("KVSCOPE_SHM_DIR", "/dev/shm")
+    for leftover in glob.glob(os.path.join(shm, f"kvscope.serve-{pid}*")):
         os.unlink(leftover)
     if fault in BLOCK_FAULTS:
         # ... with the right block and owner
