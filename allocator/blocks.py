@@ -139,6 +139,20 @@ class BlockStore(RingOps, EvictionOps):
         else:
             self.checksum[ids] = block_checksums(self.blocks, ids)
 
+    def unsealed(self, ids: np.ndarray | list[int]) -> list[int]:
+        """Blocks among ids whose record no longer matches its checksum."""
+        if len(ids) <= 8:
+            mv, base, size = self.mv, self.base, self.record_size
+            out = []
+            for b in ids.tolist() if isinstance(ids, np.ndarray) else ids:
+                rec = base + b * size
+                want = _U8.unpack_from(mv, rec + _CHECKSUM)[0]
+                if checksum_of_words(_WORDS.unpack_from(mv, rec), b) != want:
+                    out.append(b)
+            return out
+        arr = np.asarray(ids, np.int64)
+        return arr[block_checksums(self.blocks, arr) != self.checksum[arr]].tolist()
+
     def is_indexed(self, b: int) -> bool:
         """True while the prefix index names block b."""
         return self.mv[self.base + b * self.record_size + _INDEXED] != 0

@@ -19,7 +19,6 @@ from kvscope.allocator.layout import (
     HEADER_CHECKSUM_BYTES,
     BlockState,
     Flag,
-    block_checksums,
     header_checksum,
 )
 from kvscope.allocator.sites import SiteTable, caller_site, site_text
@@ -185,17 +184,15 @@ class PoolProbes:
         record something outside the allocator wrote is reported, once, before it is resealed
         over). Records already checked in this transaction are skipped: it may change one in
         steps and save it again."""
+        todo = np.atleast_1d(ids).tolist()
         if t is not None:
             seen = t.__dict__.setdefault("checked_records", set())
-            todo = [b for b in np.atleast_1d(ids).tolist() if b not in seen]
+            todo = [b for b in todo if b not in seen]
             seen.update(todo)
-        else:
-            todo = np.atleast_1d(ids).tolist()
         if not todo:
             return
         b = self.pool.view.blocks
-        arr = np.asarray(todo, np.int64)
-        for blk in arr[block_checksums(b, arr) != b["checksum"][arr]].tolist():
+        for blk in self.pool.store.unsealed(todo):
             rec = b[blk].copy()
 
             def found(blk: int = blk, rec: np.void = rec) -> None:
