@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = 1 if args.quick else args.repeat
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    # One core: torch's own thread pool would only fight over it.
+    torch.set_num_threads(1)
     gc.disable()
     if not args.digests_only:
         per_operation(200 if args.quick else 1000, reps)
