@@ -139,16 +139,25 @@ def own_block(pool: Any, seq: Any) -> int:
 
 def on_close(pool: Any) -> None:
     """CLOSE_HOOK: closing a pool does not free its sequences, the ones left are leaks; and
-    the pool is checked (its KV data included) while this process can still read it."""
+    its KV data is checked while this process can still read it (the supervisor checks the
+    rest at the end of the run, when no other process is busy with the pool)."""
     if pool.pid == os.getpid():
         report_held(pool, "the pool was closed")
-        report_checked(pool)
+        report_checked(pool, data_only=True)
 
 
-def report_checked(pool: Any) -> list[Finding]:
-    """`pool.check()`, and its findings about this process (or no process) into the ring."""
+def report_checked(pool: Any, data_only: bool = False) -> list[Finding]:
+    """`pool.check()` (with data_only, only its KV data checks), and its findings about this
+    process (or no process) into the ring."""
+    from kvscope.allocator.integrity import check_kv
+    from kvscope.allocator.snapshot import snapshot
+
     me = os.getpid()
-    mine = [f for f in pool.check() if f.owner_pid in (None, me)]
+    if data_only:
+        found = check_kv(snapshot(pool.view), pool.kv, again=lambda: snapshot(pool.view))
+    else:
+        found = pool.check()
+    mine = [f for f in found if f.owner_pid in (None, me)]
     # Through the probes when on: what they already reported about a block is not repeated.
     report = pool.report if pool.probe is None else pool.probe.report
     for f in mine[:MAX_EXIT_FINDINGS]:
