@@ -126,13 +126,18 @@ class ReleaseOps(PoolSurface):
             locks.add(self.SEQS)
         if faults.ARMED and locks:
             self._kill_fault()
+        # Whether this release is the double-free fault's opportunity, decided once (a retried
+        # transaction must not count it twice).
+        double: list[bool] = [] if "double-free" in faults.ARMED else [False]
 
         def op(t: Txn) -> list:
             freed = self._release_blocks(t, seq, 0, skip=skip, keep_table=stale)
             if not stale:
                 self.view.seqs["state"][seq.slot] = final
                 self.seqtab.release(t, seq.slot)
-            if faults.ARMED and len(freed) and faults.opportunity("double-free"):
+            if len(freed) and not double:
+                double.append(faults.opportunity("double-free"))
+            if len(freed) and double[0]:
                 self._release_again(t, int(freed[-1]), seq.request_id)
             # Read inside the transaction: once it commits, what it freed is anyone's.
             return [] if probe is None else probe.held_after_release(table)
