@@ -39,6 +39,32 @@ EXPECTED = {
 }
 
 
+TWO_REQUESTS = """
+import sys
+from kvscope.allocator import KVPool, PoolConfig
+pool = KVPool.create(sys.argv[1], PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32"))
+for i in range(2):
+    pool.free(pool.allocate(f"req-{i}", list(range(i, i + 9))))
+pool.close()
+pool.unlink()
+"""
+
+
+def test_a_fault_that_never_fired_fails_the_run(capfd, tmp_path, pool_name):
+    # GIVEN a script that ends two requests, and double-free armed for the third
+    script = tmp_path / "two.py"
+    script.write_text(TWO_REQUESTS)
+    # WHEN it runs under kvscope with the fault
+    code = main(
+        ["run", "--inject", "double-free", "--dump-dir", str(tmp_path), str(script), pool_name]
+    )
+    err = capfd.readouterr().err
+    # THEN nothing claims the fault was injected, the run says it never fired and exits 1
+    assert "injecting" not in err
+    assert "fault 'double-free' was armed but never fired" in err
+    assert code == 1
+
+
 def test_every_fault_has_an_expected_finding():
     assert set(EXPECTED) == set(FAULTS)
 
