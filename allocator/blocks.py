@@ -10,6 +10,7 @@ Who may write a block's header (docs/FORMAT.md, "Write domains"):
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
@@ -113,11 +114,17 @@ class BlockStore(RingOps, EvictionOps):
         self._lru_ns: list[int] = []
         self._lru_pos = 0
         self._lru_cached = 0
+        # Probe hooks (probing.py, writes.py), None when off: `verify_hook(t, ids)` checks
+        # records before they are changed; `evict_hook(t, ids)` sees blocks being evicted.
+        self.verify_hook: Callable[[Txn | None, np.ndarray], None] | None = None
+        self.evict_hook: Callable[[Txn, np.ndarray], None] | None = None
 
     # -- journaling helpers -------------------------------------------------------------------
 
     def save(self, t: Txn, ids: np.ndarray) -> None:
         """Journal whole block records before changing them."""
+        if self.verify_hook is not None:
+            self.verify_hook(t, ids)
         if len(ids) == 1:
             # One record: a plain byte range is several times cheaper than the batch path.
             t.journal.save(self.base + int(ids[0]) * self.record_size, self.record_size)
@@ -131,6 +138,20 @@ class BlockStore(RingOps, EvictionOps):
                 self.seal_one(b)
         else:
             self.checksum[ids] = block_checksums(self.blocks, ids)
+
+    def unsealed(self, ids: np.ndarray | list[int]) -> list[int]:
+        """Blocks among ids whose record no longer matches its checksum."""
+        if len(ids) <= 8:
+            mv, base, size = self.mv, self.base, self.record_size
+            out = []
+            for b in ids.tolist() if isinstance(ids, np.ndarray) else ids:
+                rec = base + b * size
+                want = _U8.unpack_from(mv, rec + _CHECKSUM)[0]
+                if checksum_of_words(_WORDS.unpack_from(mv, rec), b) != want:
+                    out.append(b)
+            return out
+        arr = np.asarray(ids, np.int64)
+        return arr[block_checksums(self.blocks, arr) != self.checksum[arr]].tolist()
 
     def is_indexed(self, b: int) -> bool:
         """True while the prefix index names block b."""
@@ -178,6 +199,8 @@ class BlockStore(RingOps, EvictionOps):
     def set_prefix_key(self, b: int, key: int) -> None:
         """Set block b's prefix key and its new checksum in one 16-byte store (adjacent words)."""
         rec = self.base + b * self.record_size
+        if self.verify_hook is not None:
+            self.verify_hook(None, np.array([b]))
         words = list(_WORDS.unpack_from(self.mv, rec))
         words[_PREFIX_HASH // 8] = key
         _KEY_AND_SUM.pack_into(self.mv, rec + _PREFIX_HASH, key, checksum_of_words(words, b))

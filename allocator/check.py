@@ -28,6 +28,8 @@ from kvscope.allocator.ranges import check_tables, local_cache
 MAX_PER_KIND = 50
 
 Alive = Callable[[int, int], bool]
+# (pid, request) a finding about a block names instead of the block's own record.
+Who = Callable[[int], tuple[int | None, str | None]]
 
 
 def _req(view: SegmentView, b: int) -> str | None:
@@ -41,27 +43,37 @@ class _Report:
         self.out: list[Finding] = []
         self.counts: dict[str, int] = {}
 
-    def block(self, kind: FindingKind, b: int, message: str, **extra) -> None:
+    def block(
+        self, kind: FindingKind, b: int, message: str, who: Who | None = None, **extra
+    ) -> None:
         n = self.counts.get(kind.value, 0)
         self.counts[kind.value] = n + 1
         if n < MAX_PER_KIND:
             blocks = self.view.blocks
+            # The owner is the block's own record, unless `who` names the sequence at fault.
+            pid, req = who(b) if who is not None else (None, None)
             self.out.append(
                 Finding(
                     kind.value,
                     message,
                     block=int(b),
-                    owner_pid=int(blocks["owner_pid"][b]) or None,
-                    request=_req(self.view, b),
+                    owner_pid=pid or int(blocks["owner_pid"][b]) or None,
+                    request=req or _req(self.view, b),
                     extra=extra,
                 )
             )
 
-    def blocks(self, kind: FindingKind, ids: np.ndarray, message: Callable[[int], str]) -> None:
+    def blocks(
+        self,
+        kind: FindingKind,
+        ids: np.ndarray,
+        message: Callable[[int], str],
+        who: Who | None = None,
+    ) -> None:
         # Only the first MAX_PER_KIND become findings: count the rest without a Python loop.
         room = max(0, MAX_PER_KIND - self.counts.get(kind.value, 0))
         for b in ids[:room].tolist():
-            self.block(kind, b, message(b))
+            self.block(kind, b, message(b), who)
         if len(ids) > room:
             self.counts[kind.value] = self.counts.get(kind.value, 0) + len(ids) - room
 
@@ -77,6 +89,22 @@ class _Report:
                     )
                 )
         return self.out
+
+
+def mapper(seqs: np.ndarray, rows: np.ndarray) -> Who:
+    """(pid, request) of the first sequence of seqs[rows] whose block table maps a block:
+    who still uses a block that should not be used any more."""
+
+    def who(blk: int) -> tuple[int | None, str | None]:
+        tables = seqs["table"][rows]
+        used = np.arange(tables.shape[1]) < seqs["num_blocks"][rows][:, None]
+        hit = np.flatnonzero(((tables == blk) & used).any(axis=1))
+        if len(hit) == 0:
+            return None, None
+        s = int(rows[hit[0]])
+        return int(seqs["owner_pid"][s]), bytes(seqs["request"][s]).decode(errors="replace")
+
+    return who
 
 
 def table_refs(seqs: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
@@ -245,6 +273,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         lambda x: (
             f"block is {_state_name(int(state[x]))} but {int(refs[x])} live sequence(s) still map it"
         ),
+        mapper(seqs, live),
     )
     in_free_state = (state == BlockState.FREE) | (state == BlockState.QUARANTINED)
     r.blocks(
@@ -296,8 +325,9 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         FindingKind.LEAK_DEAD_OWNER,
         ids[dead_leak & ~corrupt],
         lambda x: (
-            f"block is held by pid {int(b['owner_pid'][x])}, which died; reclaim it with `kvscope check --repair` or pool.reclaim_dead()"
+            f"block is held by pid {mapper(seqs, of_dead)(x)[0] or int(b['owner_pid'][x])}, which died; reclaim it with `kvscope check --repair` or pool.reclaim_dead()"
         ),
+        mapper(seqs, of_dead),
     )
     orphan = allocated & (refs == 0) & (rc > 0) & ~owned_by_dead & ~corrupt
     r.blocks(

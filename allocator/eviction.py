@@ -4,6 +4,7 @@ candidates remembered from one pool scan. Mixed into BlockStore (blocks.py)."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,6 +54,7 @@ class EvictionOps:
     client: int
     shard_locks: list[int]
     index: PrefixIndex
+    evict_hook: Callable[[Txn, np.ndarray], None] | None
 
     if TYPE_CHECKING:
         # BlockStore's journaling helper (blocks.py).
@@ -70,6 +72,8 @@ class EvictionOps:
         if len(cand) == 0:
             return np.zeros(0, np.int64)
         self.save(t, cand)
+        if self.evict_hook is not None:
+            self.evict_hook(t, cand)
         for b in cand.tolist():
             removed = self.index.remove(int(self.prefix_hash[b]), b, t.journal)
             assert removed, f"cached block {b} missing from the prefix index"

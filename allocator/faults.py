@@ -3,12 +3,19 @@
 Each fault makes the allocator misbehave once, at the n-th opportunity (default 3, so it strikes
 in the middle of real work), in a way a real bug would; the probes must then report it. Tests
 and users use them to prove their detection works. See docs/PROBES.md for what each one does.
+
+A fault site asks `opportunity(name)` where the fault could strike; from the n-th opportunity on
+it stays true until the site has acted and called `fired(name)`, so a site that cannot act this
+time (a double free needs a block that was really freed) acts at the next one it can. Only
+`fired` announces the fault: a fault that says it was injected was injected. Faults still armed
+when a process exits are listed by `unfired()` (`kvscope run` reports them).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 FAULTS = (
     "double-free",
@@ -25,6 +32,10 @@ DEFAULT_AT = 3
 
 # fault -> opportunities left before it fires; empty when nothing is armed (the common case).
 ARMED: dict[str, int] = {}
+# Faults this process injected, in order.
+FIRED: list[str] = []
+# Called with the fault's name each time one is injected (kvscope/child.py records it).
+ON_FIRE: list[Callable[[str], None]] = []
 
 
 def parse(spec: str | None) -> dict[str, int]:
@@ -47,17 +58,38 @@ def configure(spec: str | None) -> None:
     ARMED.update(parse(spec))
 
 
-def fire(name: str) -> bool:
-    """True exactly once: at the armed fault's n-th opportunity."""
+def opportunity(name: str) -> bool:
+    """True at the armed fault's n-th opportunity and at every later one until it has fired."""
     left = ARMED.get(name)
     if left is None:
         return False
     if left > 1:
         ARMED[name] = left - 1
         return False
-    del ARMED[name]
-    print(f"kvscope: injecting fault {name!r} (pid {os.getpid()})", file=sys.stderr, flush=True)
     return True
+
+
+def fired(name: str) -> None:
+    """The site has injected the fault: disarm it and announce it."""
+    assert ARMED.get(name) == 1, f"fault {name!r} fired without its opportunity"
+    del ARMED[name]
+    FIRED.append(name)
+    print(f"kvscope: injecting fault {name!r} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    for hook in ON_FIRE:
+        hook(name)
+
+
+def fire(name: str) -> bool:
+    """`opportunity` and `fired` in one, for sites that always act when asked (True once)."""
+    if not opportunity(name):
+        return False
+    fired(name)
+    return True
+
+
+def unfired() -> list[str]:
+    """Faults still armed in this process: their site never had an opportunity it could use."""
+    return sorted(ARMED)
 
 
 def _from_env() -> None:

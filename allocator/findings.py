@@ -18,6 +18,8 @@ class FindingKind(str, enum.Enum):
     USE_AFTER_FREE = "use_after_free"
     OUT_OF_BOUNDS = "out_of_bounds"
     GUARD_VIOLATION = "guard_violation"
+    # The K/V of a block published to the prefix index changed after it was published.
+    PUBLISHED_BLOCK_MODIFIED = "published_block_modified"
     LEAK_DEAD_OWNER = "leak_dead_owner"
     LEAK_FINISHED = "leak_finished"
     LEAK_ORPHAN = "leak_orphan"

@@ -168,6 +168,10 @@ def block_dtype(block_size: int) -> np.dtype:
     ]
     if block_size % 2:
         fields.append(("pad2", "<u4"))
+    # Digest probe: the high half of the block's K/V digest taken when it was published, over
+    # the generation it was taken in (integrity.py); 0 when none. Appended last: the C core's
+    # compiled offsets of the fields above never move.
+    fields.append(("kv_digest", "<u8"))
     return np.dtype(fields)
 
 

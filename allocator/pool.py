@@ -306,9 +306,15 @@ class KVPool(SequenceOps):
                 while True:
                     try:
                         order: set[int] | list[int] = locks
-                        if faults.ARMED and len(locks) > 1 and faults.fire("lock-inversion"):
+                        invert = (
+                            faults.ARMED and len(locks) > 1 and faults.opportunity("lock-inversion")
+                        )
+                        if invert:
                             order = sorted(locks, reverse=True)
                         with Txn(self.locks, self.journal, self._client_seq, order) as t:
+                            if invert:
+                                # Announced once the locks are taken in the wrong order.
+                                faults.fired("lock-inversion")
                             return fn(t)
                     except Escalate as e:
                         locks = e.locks
@@ -341,10 +347,13 @@ class KVPool(SequenceOps):
     def check(self) -> list:
         """Full consistency check; returns findings (empty when healthy)."""
         from kvscope.allocator.check import check_view
+        from kvscope.allocator.integrity import check_kv
         from kvscope.allocator.snapshot import snapshot
 
         self._check_process()
-        return check_view(snapshot(self.view))
+        snap = snapshot(self.view)
+        # The KV data too: published blocks' digests, freed blocks' poison, guard canaries.
+        return check_view(snap) + check_kv(snap, self.kv, again=lambda: snapshot(self.view))
 
     def report(self, finding) -> None:
         """Record a finding in the segment's findings ring (and hand it to the probe callback)."""
@@ -362,7 +371,8 @@ class KVPool(SequenceOps):
         return read_findings(self.view)
 
     def verify(self) -> list:
-        """Cheap per-step check (header magic, version, checksum); findings, reported once."""
+        """Cheap per-step check (header magic, version, checksum; in guard mode every block's
+        canary); findings, reported once."""
         self._check_process()
         if self.probe is None:
             from kvscope.allocator.probing import PoolProbes, ProbeFlags

@@ -15,11 +15,18 @@ import numpy as np
 
 from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
 from kvscope.allocator.findings import Finding
-from kvscope.allocator.layout import HEADER_CHECKSUM_BYTES, BlockState, Flag, header_checksum
-from kvscope.allocator.sites import SiteTable, site_text
+from kvscope.allocator.layout import (
+    HEADER_CHECKSUM_BYTES,
+    BlockState,
+    Flag,
+    header_checksum,
+)
+from kvscope.allocator.sites import SiteTable, caller_site, site_text
+from kvscope.allocator.writes import WriteProbes
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
+    from kvscope.allocator.sequence import Sequence
     from kvscope.allocator.txn import Txn
 
 
@@ -44,6 +51,7 @@ class ProbeFlags:
     guard: bool = False
     leaks: bool = False
     magic: bool = False
+    digest: bool = False
 
     @classmethod
     def from_env(cls, header_flags: int, environ=os.environ) -> ProbeFlags:
@@ -54,10 +62,13 @@ class ProbeFlags:
             guard=bool(header_flags & Flag.GUARD),
             leaks=env_flag("LEAKS", environ),
             magic=env_flag("MAGIC", environ),
+            digest=env_flag("DIGEST", environ),
         )
 
     def any(self) -> bool:
-        return self.events or self.ownership or self.guard or self.leaks or self.magic
+        return (
+            self.events or self.ownership or self.guard or self.leaks or self.magic or self.digest
+        )
 
 
 class PoolProbes:
@@ -69,10 +80,14 @@ class PoolProbes:
         self.recorder = EventRecorder(pool.view, pool.client, pool.pid) if flags.events else None
         self.sites = SiteTable(pool) if flags.ownership else None
         self.header_bytes = pool.view.raw[:HEADER_CHECKSUM_BYTES].tobytes()
-        self.reported: set[tuple[str, int]] = set()
+        self.reported: set[tuple[str, int, str | None]] = set()
         # verify() runs inside pool operations that verify() itself starts: never recurse.
         self.verifying = False
         self.last_verify = 0.0
+        if flags.magic:
+            # Every record an operation is about to change is checked first (blocks.py `save`).
+            pool.store.verify_hook = self.check_records
+        self.writes = WriteProbes(self)
 
     # -- flight recorder -----------------------------------------------------------------------
 
@@ -83,16 +98,18 @@ class PoolProbes:
             ids = np.array(ids, np.int64, copy=True)
             t.after_commit.append(lambda: rec.record(op, ids, request, arg))
 
-    def report(self, f: Finding) -> None:
-        """Report a finding once per (kind, block), with the block's last events."""
-        key = (f.kind, -1 if f.block is None else f.block)
+    def report(self, f: Finding, rec: np.void | None = None) -> bool:
+        """Report a finding once per (kind, block), with the block's last events and the
+        allocation site of `rec` (the block's record as the finding saw it; default: now)."""
+        key = (f.kind, -1 if f.block is None else f.block, f.request if f.block is None else "")
         if key in self.reported:
-            return
+            return False
         self.reported.add(key)
         view = self.pool.view
         if f.block is not None and 0 <= f.block < len(view.blocks):
             f.events = f.events or events_for_block(view, f.block, 8)
-            site = site_text(view, int(view.blocks["site"][f.block]))
+            site_id = int((view.blocks[f.block] if rec is None else rec)["site"])
+            site = site_text(view, site_id)
             if site:
                 f.extra.setdefault("site", site)
         if self.recorder is not None:
@@ -102,40 +119,95 @@ class PoolProbes:
                 (f.request or "").encode()[:32],
             )
         self.pool.report(f)
+        return True
 
-    def block_finding(self, kind: str, block: int, message: str) -> None:
-        """Report a finding about one block, owner and request from its header."""
-        b = self.pool.view.blocks
-        req = bytes(b["request"][block]).decode(errors="replace") or None
+    def block_finding(
+        self, kind: str, block: int, message: str, rec: np.void | None = None, **extra
+    ) -> Finding | None:
+        """Report a finding about one block; owner, request and site come from `rec`, the
+        block's own record as it was when the problem was seen (default: the record now).
+
+        A block can change hands between the moment a problem is seen and the report (another
+        process allocates a block this one just freed): callers that see it inside a
+        transaction pass the record they saw there.
+        """
+        r = self.pool.view.blocks[block].copy() if rec is None else rec
+        req = bytes(r["request"]).decode(errors="replace") or None
+        f = Finding(
+            kind,
+            message,
+            block=int(block),
+            owner_pid=int(r["owner_pid"]) or None,
+            request=req,
+            extra=dict(extra),
+        )
+        return f if self.report(f, rec=r) else None
+
+    def double_end(self, seq: Sequence) -> None:
+        """A sequence already freed or aborted is released again (the pool refuses it)."""
         self.report(
             Finding(
-                kind,
-                message,
-                block=int(block),
-                owner_pid=int(b["owner_pid"][block]) or None,
-                request=req,
+                "double_free",
+                f"request {seq.request_id!r} was already {seq.state} and is released again at "
+                f"{caller_site()}: the pool refused it (PoolError), but the caller frees twice",
+                owner_pid=self.pool.pid,
+                request=str(seq.request_id)[:32],
             )
         )
 
     # -- magic -----------------------------------------------------------------------------------
 
     def verify_often(self) -> None:
-        """verify() from inside operations, at most every VERIFY_EVERY_S (a step's cadence)."""
+        """The header (and conservation) from inside operations, at most every VERIFY_EVERY_S
+        (a step's cadence)."""
         now = time.monotonic()
         if now - self.last_verify >= VERIFY_EVERY_S:
             self.last_verify = now
-            self.verify()
+            self._once(self._verify)
 
     def verify(self) -> list[Finding]:
         """Header magic, version and checksum against the bytes seen at attach (cheap); with
-        the leaks probe, block conservation too."""
+        the leaks probe, block conservation too; in guard mode, every block's canary."""
+        return self._once(lambda: self._verify() + self.writes.scan_canaries())
+
+    def _once(self, fn) -> list[Finding]:
         if self.verifying:
             return []
         self.verifying = True
         try:
-            return self._verify()
+            return fn()
         finally:
             self.verifying = False
+
+    def check_records(self, t: Txn | None, ids: np.ndarray) -> None:
+        """Before an operation changes block records: each must still match its checksum (a
+        record something outside the allocator wrote is reported, once, before it is resealed
+        over). Records already checked in this transaction are skipped: it may change one in
+        steps and save it again."""
+        todo = np.atleast_1d(ids).tolist()
+        if t is not None:
+            seen = t.__dict__.setdefault("checked_records", set())
+            todo = [b for b in todo if b not in seen]
+            seen.update(todo)
+        if not todo:
+            return
+        b = self.pool.view.blocks
+        for blk in self.pool.store.unsealed(todo):
+            rec = b[blk].copy()
+
+            def found(blk: int = blk, rec: np.void = rec) -> None:
+                self.block_finding(
+                    "block_header_corrupt",
+                    blk,
+                    "block record checksum mismatch when the allocator was about to change it: "
+                    "its header was overwritten outside the allocator",
+                    rec=rec,
+                )
+
+            if t is None:
+                found()
+            else:
+                t.after_commit.append(found)
 
     def _verify(self) -> list[Finding]:
         view = self.pool.view
@@ -216,26 +288,39 @@ class PoolProbes:
                     f"refcount is {rc} but {refs[blk]} sequence(s) of this process map the block (at the end of request {request!r})",
                 )
 
-    def after_release(self, ids: list[int], request: str) -> None:
-        """Blocks of a finished request still held by nobody's table: leaked; guard slots checked."""
-        if not ids:
+    def held_after_release(self, ids: list[int]) -> list[tuple[int, np.void]]:
+        """Inside a release's transaction, after its drops: the blocks of `ids` this process
+        still holds (its own, unindexed, referenced), with their records as they are now.
+
+        Read here and not after the commit: a block the release freed can be taken by another
+        process the moment the locks are released, and would then look held by this one.
+        """
+        if not self.flags.leaks or not ids:
+            return []
+        b = self.pool.view.blocks
+        arr = np.asarray(ids, np.int64)
+        held = arr[
+            (b["state"][arr] == BlockState.ALLOCATED)
+            & (b["indexed"][arr] == 0)
+            & (b["refcount"][arr] > 0)
+            & (b["owner_client"][arr] == self.pool.client)
+        ]
+        return [(int(blk), b[int(blk)].copy()) for blk in np.unique(held).tolist()]
+
+    def after_release(self, held: list[tuple[int, np.void]], request: str) -> None:
+        """Blocks a finished request left held (`held_after_release`) that no sequence of this
+        process maps: leaked, reported with the record seen inside the release."""
+        if not held:
             return
-        pool = self.pool
-        b = pool.view.blocks
-        if self.flags.leaks:
-            mapped = {x for s in pool._seqs.values() for x in s.block_table}
-            for blk in ids:
-                if (
-                    b["state"][blk] == BlockState.ALLOCATED
-                    and not b["indexed"][blk]
-                    and int(b["refcount"][blk]) > 0
-                    and blk not in mapped
-                ):
-                    self.block_finding(
-                        "leak_finished",
-                        blk,
-                        f"request {request!r} ended but its block is still allocated (refcount {int(b['refcount'][blk])}) and no sequence maps it",
-                    )
+        mapped = {x for s in self.pool._seqs.values() for x in s.block_table}
+        for blk, rec in held:
+            if blk not in mapped:
+                self.block_finding(
+                    "leak_finished",
+                    blk,
+                    f"request {request!r} ended but its block is still allocated (refcount {int(rec['refcount'])}) and no sequence maps it",
+                    rec=rec,
+                )
 
     # -- guard mode -----------------------------------------------------------------------------
 
@@ -260,10 +345,13 @@ class PoolProbes:
             )
 
     def poison(self, ids: list[int]) -> None:
-        """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention."""
-        if len(ids) and self.pool.kv.dtype.is_floating_point:
+        """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention
+        (at commit: blocks the same operation handed out again are left alone)."""
+        b = self.pool.view.blocks
+        ids = [int(x) for x in ids if b["state"][x] != BlockState.ALLOCATED]
+        if ids and self.pool.kv.dtype.is_floating_point:
             bs = self.pool.block_size
-            self.pool.kv[:, :, [int(x) for x in ids], :bs] = float("nan")
+            self.pool.kv[:, :, ids, :bs] = float("nan")
 
 
 def _field_at(offset: int) -> str:

@@ -35,8 +35,9 @@ class ReleaseOps(PoolSurface):
         *,
         skip: tuple[int, ...] = (),
         keep_table: bool = False,
-    ) -> None:
-        """Drop seq's references to table[keep:] (the caller holds the needed locks)."""
+    ) -> np.ndarray:
+        """Drop seq's references to table[keep:] (the caller holds the needed locks); returns
+        the blocks this freed (unindexed, no reference left)."""
         ids = np.asarray(seq.block_table[keep:], np.int64)
         t.need(*self.store.shard_locks_for(ids))
         probe = self.probe
@@ -54,14 +55,18 @@ class ReleaseOps(PoolSurface):
                 )
             ids = ids[~np.isin(ids, bad)]
         drop_ids = ids[~np.isin(ids, skip)] if skip else ids
+        if probe is not None:
+            probe.writes.verify_published(t, drop_ids, f"its release by request {seq.request_id!r}")
         zero, already = self.store.drop(t, drop_ids)
-        for blk in already.tolist():
-            if probe is not None:
+        if probe is not None:
+            for blk in already.tolist():
+                rec = self.view.blocks[blk].copy()
                 t.after_commit.append(
-                    lambda blk=blk: probe.block_finding(
+                    lambda blk=blk, rec=rec: probe.block_finding(
                         "double_free",
                         blk,
                         f"block released by request {seq.request_id!r} but it was already free",
+                        rec=rec,
                     )
                 )
         if len(zero):
@@ -73,6 +78,7 @@ class ReleaseOps(PoolSurface):
                 # Quarantine: freed blocks go to the tail of the FIFO ring, never the local cache.
                 t.need(self.FREE)
                 self.store.ring_push(t, zero, BlockState.QUARANTINED)
+                probe.writes.quarantined(t, zero)
             else:
                 if int(self.store.local_count[0]) + len(zero) > self.store.local_max:
                     t.need(self.FREE)
@@ -83,6 +89,7 @@ class ReleaseOps(PoolSurface):
             op = EventOp.ABORT if seq.state == "aborted" else EventOp.FREE
             probe.event(t, op, drop_ids, rb)
         self._count(t, "num_frees", len(ids))
+        return zero
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
@@ -95,7 +102,7 @@ class ReleaseOps(PoolSurface):
             self._end(seq, SeqState.ABORTED)
 
     def _end(self, seq: Sequence, final: SeqState) -> None:
-        self._own(seq)
+        self._own_for_release(seq)
         # Long tables are released from the tail in chunks, each its own transaction.
         while len(seq.block_table) > CHUNK:
             keep = len(seq.block_table) - CHUNK
@@ -103,7 +110,8 @@ class ReleaseOps(PoolSurface):
         table = list(seq.block_table)
         ids = np.asarray(table, np.int64)
         locks = self.store.shard_locks_for(ids)
-        guard = self.probe is not None and self.probe.flags.guard
+        probe = self.probe
+        guard = probe is not None and probe.flags.guard
         # Only private blocks come back free (published ones stay cached): the free lock is
         # needed when they overflow the local cache (a hint; the release escalates if not).
         if (
@@ -111,58 +119,91 @@ class ReleaseOps(PoolSurface):
             or int(self.store.local_count[0]) + self.store.num_private(ids) > self.store.local_max
         ):
             locks.add(self.FREE)
-        if self.probe is not None:
-            self.probe.before_release(table, seq.request_id)
+        if probe is not None:
+            probe.before_release(table, seq.request_id)
         skip, stale = self._end_faults(seq, ids)
         if not stale and not self.seqtab.can_release_locally(seq.slot):
             locks.add(self.SEQS)
+        if faults.ARMED and locks:
+            self._kill_fault()
+        # Whether this release is the double-free fault's opportunity, decided once (a retried
+        # transaction must not count it twice).
+        double: list[bool] = [] if "double-free" in faults.ARMED else [False]
 
-        def op(t: Txn) -> None:
-            self._release_blocks(t, seq, 0, skip=skip, keep_table=stale)
+        def op(t: Txn) -> list:
+            freed = self._release_blocks(t, seq, 0, skip=skip, keep_table=stale)
             if not stale:
                 self.view.seqs["state"][seq.slot] = final
                 self.seqtab.release(t, seq.slot)
+            if len(freed) and not double:
+                double.append(faults.opportunity("double-free"))
+            if len(freed) and double[0]:
+                self._release_again(t, int(freed[-1]), seq.request_id)
+            # Read inside the transaction: once it commits, what it freed is anyone's.
+            return [] if probe is None else probe.held_after_release(table)
 
-        self._run(locks, op)
+        held = self._run(locks, op)
         self._seqs.pop(seq.slot, None)
         seq.block_table = []
         seq.state = final.name.lower()
         seq.slot = -1
-        if self.probe is not None:
-            self.probe.after_release(table, seq.request_id)
-        if faults.ARMED and faults.fire("double-free"):
-            self._release_again(table)
+        if probe is not None:
+            probe.after_release(held, seq.request_id)
+
+    def _own_for_release(self, seq: Sequence) -> None:
+        """`_own`, and under the probes a second free or abort of one sequence is recorded as
+        `double_free` before the library refuses it with PoolError."""
+        if self.probe is not None and isinstance(seq, Sequence) and seq.slot < 0:
+            if seq.pool_uid == self._uid and seq.state in ("finished", "aborted"):
+                self.probe.double_end(seq)
+        self._own(seq)
 
     def _end_faults(self, seq: Sequence, ids: np.ndarray) -> tuple[tuple[int, ...], bool]:
-        """Faults that strike when a request ends: (blocks to leak, keep the stale table)."""
+        """Faults that strike when a request ends: (blocks to leak, keep the stale table).
+
+        Each waits for a request it can act on: `leak` for a block only this request holds
+        (so nothing else frees it), `use-after-free` for one the release really frees.
+        """
         if not faults.ARMED:
             return (), False
-        own = [int(b) for b in ids if not self.view.blocks["indexed"][b]]
-        if own and faults.fire("leak"):
-            return (own[-1],), False
-        if faults.fire("use-after-free"):
+        b = self.view.blocks
+        private = [int(x) for x in ids if not b["indexed"][x] and int(b["refcount"][x]) == 1]
+        if private and faults.opportunity("leak"):
+            faults.fired("leak")
+            return (private[-1],), False
+        if private and faults.opportunity("use-after-free"):
             # The request's blocks are freed but its table stays live and mapped.
+            faults.fired("use-after-free")
             return (), True
-        if faults.fire("kill-holding-lock"):
+        return (), False
+
+    def _kill_fault(self) -> None:
+        """`kill-holding-lock`: die (SIGKILL) right after this release has taken its locks."""
+        if faults.opportunity("kill-holding-lock"):
             from kvscope.allocator import crash
 
             crash.configure("txn.after_locks:1")
-        return (), False
+            faults.fired("kill-holding-lock")
 
-    def _release_again(self, table: list[int]) -> None:
-        """The double-free fault: release one of a finished request's blocks a second time."""
-        own = [b for b in table if self.view.blocks["state"][b] != BlockState.CACHED]
-        if not own:
-            return
-        blk = np.array(own[-1:], np.int64)
-        already = self._run({self.FREE}, lambda t: self.store.drop(t, blk)[1])
-        if self.probe is not None:
-            for b in already.tolist():
-                self.probe.block_finding(
+    def _release_again(self, t: Txn, blk: int, request: str) -> None:
+        """The double-free fault: release a block this release has just freed a second time,
+        in the same transaction (so no other process can have taken it in between)."""
+        _, already = self.store.drop(t, np.array([blk], np.int64))
+        assert already.tolist() == [blk], "a block just freed must read as already free"
+        rec = self.view.blocks[blk].copy()
+        probe = self.probe
+
+        def done() -> None:
+            faults.fired("double-free")
+            if probe is not None:
+                probe.block_finding(
                     "double_free",
-                    b,
-                    "block released a second time after its request ended: it is already free",
+                    blk,
+                    f"block released a second time after request {request!r} ended: it is already free",
+                    rec=rec,
                 )
+
+        t.after_commit.append(done)
 
     def _release_tail(self, seq: Sequence, keep: int) -> None:
         ids = np.asarray(seq.block_table[keep:], np.int64)

@@ -63,7 +63,12 @@ class ReserveOps(PoolSurface):
             raise self._exhausted(n)
         ids = np.concatenate(got) if len(got) > 1 else got[0]
         self._count(t, "num_allocs", len(ids))
+        probe = self.probe
+        if probe is not None:
+            probe.writes.before_reuse(t, ids, request)
         self.store.stamp(t, ids, self.pid, self.start, request, site)
+        if probe is not None:
+            probe.writes.reused(t, ids)
         return ids
 
     def _take_locks(self, n: int) -> set[int]:

@@ -176,6 +176,8 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
             b["access_ns"][ids] = now_ns()
             self.store.seal(ids)
             crash_point("prefix.after_hit")
+            if self.probe is not None:
+                self.probe.writes.verify_published(t, ids, "a prefix hit")
         return hits
 
     def _set_hashes(
@@ -230,7 +232,7 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
         store = self.store
 
         def op(t: Txn) -> int:
-            n = 0
+            done: list[int] = []
             for j, key, blk in zip(todo, keys, blocks):
                 if store.is_indexed(blk):
                     continue
@@ -239,8 +241,10 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
                     continue
                 if store.index.insert(key, blk, t.journal):
                     store.publish(t, blk, key, self._key(seq.chain, j - 1) if j else 0)
-                    n += 1
-            return n
+                    done.append(blk)
+            if self.probe is not None:
+                self.probe.writes.published(t, done)
+            return len(done)
 
         n = self._run(locks, op)
         seq.num_published = upto

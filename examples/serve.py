@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--no-prefix-cache", action="store_true", help="never share computed prefix blocks"
     )
+    c.add_argument(
+        "--clock", choices=["wall", "steps"], default="wall",
+        help="arrivals on the wall clock, or on virtual time advancing per engine step "
+        "(the same schedule on every machine)",
+    )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
     o.add_argument("--outputs", type=Path, help="write every request's tokens here (JSONL)")
@@ -133,6 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         seed=args.seed,
         threads=args.threads,
+        clock=args.clock,
     )
     vocab_size = _vocab_size(args.model)
     if args.jsonl is not None:

@@ -7,6 +7,7 @@
 from .backend import backend_name, use_triton
 from .copy import copy_blocks
 from .decode import paged_decode
+from .digest import block_digests
 from .errors import (
     ERROR_FIELDS,
     KIND_NAMES,
@@ -31,6 +32,7 @@ __all__ = [
     "ERROR_FIELDS",
     "KIND_NAMES",
     "backend_name",
+    "block_digests",
     "canary_dtype",
     "canary_value",
     "clear_errors",

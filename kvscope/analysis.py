@@ -13,6 +13,7 @@ import numpy as np
 
 from kvscope.allocator.check import check_header, check_view
 from kvscope.allocator.findings import ERROR, Finding, read_findings
+from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.layout import (
     DUMP_REDACTED,
     DUMP_TORN,
@@ -26,6 +27,7 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import site_frames
 from kvscope.allocator.stats import pool_stats
+from kvscope.kvread import KVData
 
 Alive = Callable[[int, int], bool]
 # Events shown per finding, newest last.
@@ -211,8 +213,9 @@ def _block_detail(view: SegmentView, blk: int) -> dict[str, Any]:
     return detail
 
 
-def collect_findings(view: SegmentView, alive: Alive) -> list[Finding]:
-    """Findings recorded in the segment's ring (as they happened), then the full check's."""
+def collect_findings(view: SegmentView, alive: Alive, kv: KVData | None = None) -> list[Finding]:
+    """Findings recorded in the segment's ring (as they happened), then the full check's (and
+    with `kv`, the pool's KV data, the data checks of allocator/integrity.py)."""
     head = check_header(view)
     if head:
         # Nothing else in a segment whose header is corrupt can be trusted, the ring included.
@@ -227,6 +230,8 @@ def collect_findings(view: SegmentView, alive: Alive) -> list[Finding]:
     for f in recorded:
         f.extra["source"] = "recorded"
     checked = check_view(view, alive=alive)
+    if kv is not None:
+        checked += check_kv(view, kv.tensor, again=kv.again)
     for f in checked:
         f.extra["source"] = "check"
     return recorded + checked
@@ -240,9 +245,10 @@ def analyze_view(
     block: int | None = None,
     request: str | None = None,
     findings: list[Finding] | None = None,
+    kv: KVData | None = None,
 ) -> dict[str, Any]:
     """The report of DESIGN.md for one view, optionally narrowed to one block or one request."""
-    found = collect_findings(view, alive) if findings is None else findings
+    found = collect_findings(view, alive, kv) if findings is None else findings
     header_ok = not any(f.kind == "header_corrupt" for f in found)
     if block is not None:
         found = [f for f in found if f.block == block]

@@ -13,7 +13,10 @@ The hooks record in the run directory:
   dump the pool even after a SIGKILL or a scribbled header;
 - `unlinks`: pools the script unlinked; the files are renamed aside (the name is free again) and
   the supervisor removes them after it has dumped and analyzed them;
-- `exit.<pid>`: what the leak check at that process's exit found, as JSON.
+- `exit.<pid>`: what the leak check at that process's exit found, as JSON;
+- `faults`: one line per injected fault (`fired<TAB>name<TAB>pid`) the moment it acts, and one
+  per fault still armed when a process exits (`unfired<TAB>name<TAB>pid`): a run whose fault
+  never fired in any process proved nothing (`unfired_faults`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import threading
 from typing import Any
 
+from kvscope.allocator import faults
 from kvscope.allocator import pool as pool_module
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.segment import data_path, segment_path
@@ -109,7 +113,7 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
                 "leak_finished",
                 f"request {seq.request_id!r} still held {len(seq.block_table)} block(s) when"
                 f" {when}: free or abort every sequence when its request ends",
-                block=seq.block_table[0],
+                block=own_block(pool, seq),
                 owner_pid=os.getpid(),
                 request=str(seq.request_id)[:32],
             )
@@ -117,10 +121,48 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
     return seqs, held
 
 
+def own_block(pool: Any, seq: Any) -> int:
+    """The block a leaked sequence is reported by: the first one its own request allocated
+    (its record names that request, and the site is the request's own `allocate`), not a
+    shared prefix block another request allocated; the last block when none is its own (a
+    fork holding only its parent's blocks)."""
+    b = pool.view.blocks
+    rid = str(seq.request_id).encode()[:32]
+    for blk in seq.block_table:
+        if bytes(b["request"][blk]) == rid and not b["indexed"][blk]:
+            return int(blk)
+    for blk in seq.block_table:
+        if bytes(b["request"][blk]) == rid:
+            return int(blk)
+    return int(seq.block_table[-1])
+
+
 def on_close(pool: Any) -> None:
-    """CLOSE_HOOK: closing a pool does not free its sequences; the ones left are leaks."""
+    """CLOSE_HOOK: closing a pool does not free its sequences, the ones left are leaks; and
+    its KV data is checked while this process can still read it (the supervisor checks the
+    rest at the end of the run, when no other process is busy with the pool)."""
     if pool.pid == os.getpid():
         report_held(pool, "the pool was closed")
+        report_checked(pool, data_only=True)
+
+
+def report_checked(pool: Any, data_only: bool = False) -> list[Finding]:
+    """`pool.check()` (with data_only, only its KV data checks), and its findings about this
+    process (or no process) into the ring."""
+    from kvscope.allocator.integrity import check_kv
+    from kvscope.allocator.snapshot import snapshot
+
+    me = os.getpid()
+    if data_only:
+        found = check_kv(snapshot(pool.view), pool.kv, again=lambda: snapshot(pool.view))
+    else:
+        found = pool.check()
+    mine = [f for f in found if f.owner_pid in (None, me)]
+    # Through the probes when on: what they already reported about a block is not repeated.
+    report = pool.report if pool.probe is None else pool.probe.report
+    for f in mine[:MAX_EXIT_FINDINGS]:
+        report(f)
+    return mine
 
 
 def check_at_exit() -> dict[str, Any]:
@@ -133,9 +175,7 @@ def check_at_exit() -> dict[str, Any]:
         seqs, held = report_held(pool, "the process exited")
         # The local cache is not a leak: hand it back before looking for orphans.
         pool._run({pool.FREE}, pool._flush_local)
-        mine = [f for f in pool.check() if f.owner_pid in (None, me)]
-        for f in mine[:MAX_EXIT_FINDINGS]:
-            pool.report(f)
+        mine = report_checked(pool)
         orphans = sum(1 for f in mine if f.kind == "leak_orphan")
         out[pool.name] = {"sequences": len(seqs), "blocks": held, "findings": len(mine)}
         if not seqs and not orphans:
@@ -143,7 +183,33 @@ def check_at_exit() -> dict[str, Any]:
     return out
 
 
+def _fault_fired(name: str) -> None:
+    """faults.ON_FIRE hook: record the injected fault at once (the process may die of it)."""
+    _append("faults", f"fired\t{name}\t{os.getpid()}")
+
+
+def _record_unfired() -> None:
+    for name in faults.unfired():
+        _append("faults", f"unfired\t{name}\t{os.getpid()}")
+
+
+def unfired_faults(where: str) -> list[str]:
+    """Faults armed in some process of the run (in a run directory) that fired in none."""
+    fired: set[str] = set()
+    armed: set[str] = set()
+    try:
+        with open(os.path.join(where, "faults")) as f:
+            for line in f:
+                what, _, rest = line.rstrip("\n").partition("\t")
+                name = rest.partition("\t")[0]
+                (fired if what == "fired" else armed).add(name)
+    except FileNotFoundError:
+        return []
+    return sorted(armed - fired)
+
+
 def _at_exit() -> None:
+    _record_unfired()
     try:
         found = check_at_exit()
     except Exception as e:  # noqa: BLE001 - the check must never hide the script's own exit
@@ -165,6 +231,7 @@ def install() -> None:
     pool_module.OPEN_HOOKS.append(on_open)
     pool_module.CLOSE_HOOK = on_close
     pool_module.UNLINK_HOOK = on_unlink
+    faults.ON_FIRE.append(_fault_fired)
     at_exit(_at_exit)
     from kvscope.probes import install_from_env
 

@@ -16,7 +16,12 @@ import pytest
 from tests.kernels_cases import INTERPRETING
 
 TESTS = Path(__file__).resolve().parent
-FILES = ["test_kernels_triton.py", "test_kernels_guard.py", "test_kernels_backend.py"]
+FILES = [
+    "test_kernels_triton.py",
+    "test_kernels_guard.py",
+    "test_kernels_backend.py",
+    "test_kernels_digest.py",
+]
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interp cases already run in this process")

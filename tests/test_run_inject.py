@@ -39,6 +39,32 @@ EXPECTED = {
 }
 
 
+TWO_REQUESTS = """
+import sys
+from kvscope.allocator import KVPool, PoolConfig
+pool = KVPool.create(sys.argv[1], PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32"))
+for i in range(2):
+    pool.free(pool.allocate(f"req-{i}", list(range(i, i + 9))))
+pool.close()
+pool.unlink()
+"""
+
+
+def test_a_fault_that_never_fired_fails_the_run(capfd, tmp_path, pool_name):
+    # GIVEN a script that ends two requests, and double-free armed for the third
+    script = tmp_path / "two.py"
+    script.write_text(TWO_REQUESTS)
+    # WHEN it runs under kvscope with the fault
+    code = main(
+        ["run", "--inject", "double-free", "--dump-dir", str(tmp_path), str(script), pool_name]
+    )
+    err = capfd.readouterr().err
+    # THEN nothing claims the fault was injected, the run says it never fired and exits 1
+    assert "injecting" not in err
+    assert "fault 'double-free' was armed but never fired" in err
+    assert code == 1
+
+
 def test_every_fault_has_an_expected_finding():
     assert set(EXPECTED) == set(FAULTS)
 
@@ -85,6 +111,8 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
             SERVE,
             "--requests",
             "16",
+            "--clock",
+            "steps",
             "--no-progress",
         ]
     )
@@ -99,7 +127,8 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
     assert found, f"{fault}: no {EXPECTED[fault]} in {[f['kind'] for f in rep['findings']]}"
     pid = int(dh["pid"])
     # A killed child leaves its pool in /dev/shm for `kvscope check --repair`: clean up here.
-    for leftover in glob.glob(f"/dev/shm/kvscope.serve-{pid}*"):
+    shm = os.environ.get("KVSCOPE_SHM_DIR", "/dev/shm")
+    for leftover in glob.glob(os.path.join(shm, f"kvscope.serve-{pid}*")):
         os.unlink(leftover)
     if fault in BLOCK_FAULTS:
         # ... with the right block and owner

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -17,6 +18,7 @@ sys.path.insert(0, str(EXAMPLES))
 from serve import main  # noqa: E402
 from server import worker  # noqa: E402
 from server.checkpoint import save_model, tiny_model  # noqa: E402
+from server.engine import Engine  # noqa: E402
 from server.model import generate_reference  # noqa: E402
 from server.runconfig import RunConfig  # noqa: E402
 from server.runner import run  # noqa: E402
@@ -162,16 +164,51 @@ def test_workers_reuse_each_others_prefixes() -> None:
     assert summary.extra["cache_findings"] == 0
 
 
-def test_a_worker_that_dies_fails_the_run_and_removes_the_pool(
+def test_when_every_worker_dies_the_run_fails_and_removes_the_pool(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # GIVEN workers that die before serving (forked, so they inherit the patch)
     monkeypatch.setattr(worker, "build_model", lambda config: os._exit(3))
     name = pool_name()
     # WHEN the run starts, THEN it fails naming the exit code, and the pool is gone
-    with pytest.raises(RuntimeError, match="died with exit code 3"):
+    with pytest.raises(RuntimeError, match="every worker died: worker 0 exited with code 3"):
         run(RunConfig(workers=2, pool_name=name), [Request("a", [1, 2], max_tokens=2)])
     assert not Path(f"/dev/shm/kvscope.{name}").exists()
+
+
+@pytest.mark.slow
+def test_the_other_workers_keep_serving_after_one_is_killed(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # GIVEN two workers, and worker 1 SIGKILLed in the middle of its third step (the patch is
+    # inherited by the forked workers)
+    real_step = Engine.step
+    steps = {"n": 0}
+
+    def step(self: Engine) -> int:
+        steps["n"] += 1
+        if self.worker == 1 and steps["n"] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    model = tiny_model(0)
+    requests = [Request(f"r{i}", [i + 1] * 20, max_tokens=6) for i in range(6)]
+    config = RunConfig(workers=2, pool_name=pool_name(), block_size=16, clock="steps")
+    # WHEN they serve
+    summary, results = run(config, requests)
+    # THEN worker 0 served all its requests exactly, worker 1's three failed, naming the kill
+    by_id = {r.request_id: r for r in results}
+    for rid in ("r0", "r2", "r4"):
+        request = requests[int(rid[1:])]
+        assert by_id[rid].outputs == [generate_reference(model, request.prompt, 6)]
+    for rid in ("r1", "r3", "r5"):
+        assert "worker 1 killed by SIGKILL" in by_id[rid].error
+    assert summary.requests == 3 and summary.failed == 3
+    assert summary.extra["workers_died"] == [{"worker": 1, "how": "killed by SIGKILL", "failed": 3}]
+    # AND the dead worker's blocks went back to the pool: it ends with no findings
+    assert summary.extra["cache_findings"] == 0
+    assert "worker 1" in capfd.readouterr().err
 
 
 def test_serve_py_runs_as_a_script() -> None:

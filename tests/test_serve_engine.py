@@ -341,12 +341,13 @@ def test_guard_mode_kernels_turn_a_freed_block_read_into_a_finding(
     stale = other.block_table[0]
     pool.free(other)
     seq.block_table[0] = stale  # the engine's bug: a freed block in a live table
-    stream = type("S", (), {"seq": seq})()
+    stream = type("S", (), {"seq": seq, "name": "r"})()
     chunk = type("C", (), {"stream": stream, "start": 0, "length": 20})()
     # WHEN the step runs through the kernels
     batch = Batch([chunk], pool, "cpu")
     model(batch.tokens, batch.positions, batch.attend)
     engine._report_violations(batch)
-    # THEN the kernels skipped the read and the pool holds a use_after_free finding for it
-    kinds = {(f.kind, f.block) for f in pool.findings()}
-    assert ("use_after_free", stale) in kinds
+    # THEN the kernels skipped the read and the pool holds a use_after_free finding for it,
+    # naming the request whose table still maps the block (not the block's last owner, "o")
+    found = {(f.kind, f.block, f.request, f.owner_pid) for f in pool.findings()}
+    assert ("use_after_free", stale, "r", os.getpid()) in found

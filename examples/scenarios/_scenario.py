@@ -17,5 +17,15 @@ def run(fault: str, *serve_args: str) -> int:
         faults.configure(fault)
     import serve
 
-    sys.argv = ["serve.py", "--requests", "24", "--no-progress", *serve_args, *sys.argv[1:]]
+    # Arrivals on the step clock: the fault strikes the same request on every machine.
+    sys.argv = [
+        "serve.py",
+        "--requests",
+        "24",
+        "--clock",
+        "steps",
+        "--no-progress",
+        *serve_args,
+        *sys.argv[1:],
+    ]
     return serve.main()

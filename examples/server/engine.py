@@ -10,6 +10,7 @@ token (and forks `n - 1` siblings that share its blocks until they write: copy-o
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections import deque
@@ -47,6 +48,30 @@ def sample(logits: Tensor, temperature: float, generator: torch.Generator | None
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class StepClock:
+    """Virtual seconds: `step_s` per engine step, jumping over idle gaps to the next arrival.
+
+    With it a run is the same on every machine: which requests have arrived by which step does
+    not depend on how fast the steps run (the scenarios and the tests use it; the wall clock,
+    `time.monotonic`, is the default).
+    """
+
+    def __init__(self, step_s: float = 0.005) -> None:
+        self.step_s = step_s
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self) -> None:
+        """One engine step has run."""
+        self.t += self.step_s
+
+    def sleep(self, seconds: float) -> None:
+        """Idle until `seconds` later (no real waiting)."""
+        self.t += seconds
 
 
 class Engine:
@@ -113,7 +138,8 @@ class Engine:
         self.scheduler.add(stream)
 
     def run(self, requests: list[Request], start_s: float | None = None) -> list[RequestResult]:
-        """Serve requests at their arrival times (relative to `start_s`) until all are done."""
+        """Serve requests at their arrival times (relative to `start_s`, on the engine's clock)
+        until all are done."""
         if start_s is not None:
             self.start_s = start_s
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
@@ -123,8 +149,14 @@ class Engine:
                 self.add(pending.popleft())
             if self.scheduler.has_work():
                 self.step()
+                if isinstance(self.clock, StepClock):
+                    self.clock.tick()
             elif pending:
-                time.sleep(min(0.05, max(0.0, pending[0].arrival_s - now)))
+                wait = max(0.0, pending[0].arrival_s - now)
+                if isinstance(self.clock, StepClock):
+                    self.clock.sleep(wait)
+                else:
+                    time.sleep(min(0.05, wait))
         return self.results
 
     def step(self) -> int:
@@ -170,12 +202,17 @@ class Engine:
                 f"a kernel was asked to touch block {blk} ({v['kind']}, logical block "
                 f"{v['logical_block']}, slot {v['slot']}); the access was skipped"
             )
-            if probe is not None and 0 <= blk < self.cache.config.num_blocks:
-                probe.block_finding(kind, blk, message)
-            elif probe is not None:
-                from kvscope.allocator import Finding
+            if probe is None:
+                continue
+            from kvscope.allocator import Finding
 
-                probe.report(Finding(kind, message))
+            # Named after the request of this batch whose block table holds the block (the
+            # one using it), not after the block's last owner.
+            user = next(
+                (c.stream.name for c in batch.chunks if blk in c.stream.seq.block_table), None
+            )
+            block = blk if 0 <= blk < self.cache.config.num_blocks else None
+            probe.report(Finding(kind, message, block=block, owner_pid=os.getpid(), request=user))
 
     def _publish(self, stream: Stream) -> None:
         """Tell the pool which full blocks now hold computed K/V, so others can reuse them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 
 from .checkpoint import load_config, load_model, tiny_model
-from .engine import Engine
+from .engine import Engine, StepClock
 from .errors import ServeError
 from .model import LlamaModel, ModelConfig
 from .static import StaticCache, StaticGeometry
@@ -40,6 +41,9 @@ class RunConfig:
     seed: int = 0
     # torch threads per process; 0: one for the tiny model (OpenMP only slows tiny matmuls)
     threads: int = 0
+    # "wall": arrivals on the wall clock; "steps": on a virtual clock advancing per engine step
+    # (the same schedule on every machine: engine.StepClock)
+    clock: str = "wall"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def num_threads(self) -> int:
@@ -125,7 +129,13 @@ def make_engine(config: RunConfig, model: LlamaModel, cache: Any, worker: int) -
         exclusive=config.workers == 1 or config.baseline == "static",
         worker=worker,
         prefix_cache=config.prefix_cache,
+        clock=StepClock() if config.clock == "steps" else time.monotonic,
     )
+
+
+def start_time(config: RunConfig, wall_start_s: float) -> float | None:
+    """Where an engine's clock starts: the run's common wall-clock start, or (steps) its own."""
+    return wall_start_s if config.clock == "wall" else None
 
 
 def cache_extra(cache: Any) -> dict[str, Any]:

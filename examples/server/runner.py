@@ -18,6 +18,7 @@ from .runconfig import (
     create_pool,
     make_engine,
     release_cache,
+    start_time,
 )
 from .worker import Outcome, WorkerReport, run_workers
 from .workload import Request
@@ -72,7 +73,7 @@ def _run_here(
         if on_finish is not None:
             engine.on_finish = lambda _result: on_finish(1)
         start = time.monotonic()
-        engine.run(requests, start_s=start)
+        engine.run(requests, start_s=start_time(config, start))
         duration_s = time.monotonic() - start
         extra = cache_extra(cache)
     finally:

@@ -11,6 +11,7 @@ import argparse
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.capacity import capacity_answer
 from kvscope.history import history_for
+from kvscope.kvread import for_target
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, open_target
 
@@ -38,6 +39,7 @@ class AnalyzeCommand:
             block=args.block,
             request=args.request,
             findings=t.findings(),
+            kv=for_target(args.target, t.view, t.dump_header),
         )
         if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
             report["capacity"] = capacity_answer(t.view, history_for(args.target))

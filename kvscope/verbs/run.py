@@ -34,7 +34,7 @@ from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
 from kvscope.capacity import capacity_answer
 from kvscope.dumpfile import dump_name, write_dump
-from kvscope.errors import EXIT_FAIL_ON, EXIT_USAGE, UsageError
+from kvscope.errors import EXIT_FAIL_ON, EXIT_FINDINGS, EXIT_USAGE, UsageError
 from kvscope.history import history_path
 from kvscope.report import console, render
 from kvscope.scriptlog import ScriptLog
@@ -317,10 +317,13 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
                 _echo(f"kvscope: wrote {path} (kvscope analyze {path})")
             else:
                 _echo(f"kvscope: no dump of pool {w.name!r} was written (above)")
+    unfired = _report_unfired(sup)
     if outcome.failed:
         return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0)
     if dump_failed:
         return EXIT_USAGE
+    if unfired:
+        return EXIT_FINDINGS
     if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
         _echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
         return EXIT_FAIL_ON
@@ -335,6 +338,20 @@ def _as_run_sees_it(report: dict[str, Any], fail_on: str) -> None:
             d["message"] += f" ({severity} under --fail-on {fail_on})"
             d["severity"] = severity
     report["healthy"] = not any(d["severity"] == ERROR for d in report["findings"])
+
+
+def _report_unfired(sup: Supervisor) -> bool:
+    """Faults armed for the run that no process injected (kvscope/child.py records them): say
+    so; True when there is one (the run proved nothing about them)."""
+    from kvscope.child import unfired_faults
+
+    unfired = unfired_faults(sup.run_dir)
+    for name in unfired:
+        _echo(
+            f"kvscope: fault {name!r} was armed but never fired: no operation of the script "
+            "gave it an opportunity it could act on"
+        )
+    return bool(unfired)
 
 
 def _unique(path: str, used: set[str]) -> str:

@@ -1,0 +1,241 @@
+"""Integrity of the KV data: digests of published blocks, poison of freed ones, guard canaries.
+
+Three probes prove that nothing writes into a block its writer does not own:
+
+- **digest** (`KVSCOPE_DIGEST`): a block's K/V is hashed when it is published
+  (`mark_computed`) and the hash stored in its record (`kv_digest`: the hash's high 32 bits over
+  the block's generation, so a digest left by an older allocation of the block never counts);
+  it is verified on a prefix hit, on eviction, when a request releases the block, and by
+  `check` / `analyze`. A mismatch is `published_block_modified`.
+- **poison** (guard mode): a freed block's token slots are filled with NaN and it waits in
+  quarantine (`poisoned` = 1); the poison is verified before the block is reused and by
+  `check` / `analyze`. A changed poison is a write after free (`use_after_free`).
+- **canaries** (guard mode): every block's guard slot holds the canary; `pool.verify()` and
+  `check` / `analyze` scan them all, not only the blocks being freed (`guard_violation`).
+
+Functions here take a segment view's block records and the pool's KV tensor (live, or rebuilt
+from a dump's data with `kv_from_bytes`); the probes (probing.py) call them as operations run,
+`check_kv` is the whole-pool pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+import numpy as np
+import torch
+
+from kvscope.allocator.findings import Finding
+from kvscope.allocator.layout import BlockState, SegmentView
+
+GENERATION_MASK = 0xFFFF_FFFF
+# Findings per kind from one whole-pool pass (check.py's MAX_PER_KIND).
+MAX_PER_KIND = 50
+
+MODIFIED_MESSAGE = (
+    "K/V changed since the block was published (seen at {when}; digest {found:#010x}, "
+    "published {want:#010x}): a write into a prefix block requests share"
+)
+POISON_MESSAGE = (
+    "written after it was freed: pid {pid} request {request!r} freed it at {when}, and "
+    "{slots} element(s) of its poison (NaN) were overwritten in quarantine"
+)
+CANARY_MESSAGE = (
+    "the guard slot after the block's last token was overwritten: a KV write ran past the end "
+    "of the block"
+)
+
+
+# -- digests ---------------------------------------------------------------------------------
+
+
+def tagged(digest: int, generation: int) -> int:
+    """The `kv_digest` word: the digest's high half over the block's generation."""
+    return ((digest >> 32) << 32) | (generation & GENERATION_MASK)
+
+
+def digests_of(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[int]:
+    """Digests (u64) of the K/V of blocks `ids` (kernels/digest.py)."""
+    from kvscope.kernels import block_digests
+
+    return block_digests(kv, [int(x) for x in ids], block_size)
+
+
+def stamp_digests(blocks: np.ndarray, kv: torch.Tensor, ids: np.ndarray, block_size: int) -> None:
+    """Record the digest of each block of `ids` in its record (the caller journaled them)."""
+    if len(ids) == 0:
+        return
+    digests = digests_of(kv, ids, block_size)
+    gens = blocks["generation"][ids].tolist()
+    blocks["kv_digest"][ids] = np.asarray([tagged(d, g) for d, g in zip(digests, gens)], np.uint64)
+
+
+def has_digest(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Mask of `ids` whose record holds a digest taken in the block's current generation."""
+    word = blocks["kv_digest"][ids]
+    return (word != 0) & ((word & np.uint64(GENERATION_MASK)) == blocks["generation"][ids])
+
+
+def modified(
+    blocks: np.ndarray, kv: torch.Tensor, ids: np.ndarray, block_size: int
+) -> list[tuple[int, int, int]]:
+    """Published blocks among `ids` whose K/V no longer matches their digest:
+    (block, high half found, high half recorded)."""
+    ids = np.asarray(ids, np.int64)
+    ids = ids[has_digest(blocks, ids)]
+    if len(ids) == 0:
+        return []
+    found = digests_of(kv, ids, block_size)
+    want = blocks["kv_digest"][ids].tolist()
+    return [
+        (int(b), d >> 32, int(w) >> 32)
+        for b, d, w in zip(ids.tolist(), found, want)
+        if d >> 32 != int(w) >> 32
+    ]
+
+
+# -- poison ----------------------------------------------------------------------------------
+
+
+def poison_message(rec: np.void, count: int) -> str:
+    """The write-after-free message: who freed the block (its record keeps the last owner)
+    and when (its last access is the release)."""
+    when = datetime.fromtimestamp(int(rec["access_ns"]) / 1e9).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return POISON_MESSAGE.format(
+        pid=int(rec["owner_pid"]),
+        request=bytes(rec["request"]).decode(errors="replace"),
+        when=when[:-3],
+        slots=count,
+    )
+
+
+def poison_bits(dtype: torch.dtype) -> torch.Tensor:
+    """The bits a poisoned element holds (NaN of `dtype` as its integer of the same width)."""
+    from kvscope.kernels.digest import int_view
+
+    return int_view(torch.full((1,), float("nan"), dtype=dtype))[0]
+
+
+def can_poison(kv: torch.Tensor) -> bool:
+    """Freed blocks are poisoned only in floating-point caches."""
+    return kv.dtype.is_floating_point
+
+
+def poison_broken(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
+    """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
+    if len(ids) == 0 or not can_poison(kv):
+        return []
+    from kvscope.kernels.digest import int_view
+
+    idx = torch.as_tensor(np.asarray(ids, np.int64), device=kv.device)
+    bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
+    bad = (bits != poison_bits(kv.dtype).to(kv.device)).transpose(0, 2).reshape(len(ids), -1)
+    counts = bad.sum(1).tolist()
+    return [(int(b), int(c)) for b, c in zip(np.asarray(ids).tolist(), counts) if c]
+
+
+# -- canaries --------------------------------------------------------------------------------
+
+
+def has_guard(view: SegmentView) -> bool:
+    """True when the pool's blocks carry a guard slot."""
+    return int(view.h["slots_per_block"]) > view.layout.block_size
+
+
+def broken_canaries(kv: torch.Tensor, ids: np.ndarray | None = None) -> list[int]:
+    """Blocks (of `ids`, or all) whose guard slot no longer holds the canary (read-only)."""
+    from kvscope.kernels import guard_scan
+
+    if ids is not None and len(ids) == 0:
+        return []
+    return guard_scan(kv, blocks=None if ids is None else [int(x) for x in ids])
+
+
+# -- the whole-pool pass ---------------------------------------------------------------------
+
+
+def _finding(view: SegmentView, kind: str, b: int, message: str, **extra) -> Finding:
+    rec = view.blocks[b]
+    return Finding(
+        kind,
+        message,
+        block=int(b),
+        owner_pid=int(rec["owner_pid"]) or None,
+        request=bytes(rec["request"]).decode(errors="replace") or None,
+        extra=extra,
+    )
+
+
+def _unchanged(view: SegmentView, again: SegmentView | None, b: int) -> bool:
+    """True when block b has the same generation and state in `again` (a later read of the
+    live pool): its data could not have been legitimately rewritten in between."""
+    if again is None:
+        return True
+    old, new = view.blocks[b], again.blocks[b]
+    return all(old[f] == new[f] for f in ("generation", "state", "kv_digest", "poisoned"))
+
+
+def check_kv(
+    view: SegmentView,
+    kv: torch.Tensor,
+    again: Callable[[], SegmentView] | None = None,
+) -> list[Finding]:
+    """Digests of published blocks, poison of freed ones and every guard canary, over a whole
+    pool; findings, empty when its data is intact.
+
+    `again`, for a live pool, reads its records once more: a block whose data looks wrong is
+    reported only if it kept its generation and state meanwhile (a block evicted and reused
+    while its data was read is not a finding).
+    """
+    b = view.blocks
+    bs = view.layout.block_size
+    n = len(b)
+    ids = np.arange(n, dtype=np.int64)
+    state = b["state"]
+    published = ids[(b["indexed"] == 1) & has_digest(b, ids)]
+    changed = modified(b, kv, published, bs)
+    freed = (state == BlockState.FREE) | (state == BlockState.QUARANTINED)
+    freed |= state == BlockState.LOCAL
+    poisoned = ids[freed & (b["poisoned"] == 1)]
+    written = poison_broken(kv, poisoned, bs) if has_guard(view) else []
+    canaries = broken_canaries(kv) if has_guard(view) else []
+    later = again() if again is not None and (changed or written) else None
+    out: list[Finding] = []
+    for blk, found, want in changed[:MAX_PER_KIND]:
+        if _unchanged(view, later, blk):
+            msg = MODIFIED_MESSAGE.format(when="a check", found=found, want=want)
+            out.append(_finding(view, "published_block_modified", blk, msg))
+    for blk, count in written[:MAX_PER_KIND]:
+        if _unchanged(view, later, blk):
+            rec = b[blk]
+            msg = poison_message(rec, count)
+            out.append(_finding(view, "use_after_free", blk, msg, freed_ns=int(rec["access_ns"])))
+    for blk in canaries[:MAX_PER_KIND]:
+        out.append(_finding(view, "guard_violation", blk, CANARY_MESSAGE))
+    return out
+
+
+def kv_from_bytes(view: SegmentView, data: np.ndarray | bytes | bytearray) -> torch.Tensor:
+    """The KV tensor `[layers, 2, blocks, slots, heads, dim]` over a pool's data bytes (a
+    dump's, or a CPU pool's data file); read-only use."""
+    h = view.h
+    dtype = getattr(torch, bytes(h["dtype"]).decode().strip("\0"))
+    shape = (
+        int(h["num_layers"]),
+        2,
+        view.layout.num_blocks,
+        int(h["slots_per_block"]),
+        int(h["num_kv_heads"]),
+        int(h["head_dim"]),
+    )
+    raw = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    need = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    assert len(raw) >= need, "the KV data is shorter than the pool's geometry"
+    import warnings
+
+    with warnings.catch_warnings():
+        # A read-only buffer (a dump's memory map): nothing here writes through it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(raw[:need].view(np.uint8))
+    return flat.view(dtype).view(shape)

@@ -1,0 +1,190 @@
+"""Writes into blocks the writer does not own are findings: a published block's K/V changing
+(digest), a freed block written in quarantine (poison), a guard canary overwritten anywhere,
+seen as operations run and by `check` / `analyze` of a live CPU pool or a `--with-data` dump."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvscope.allocator import KVPool, faults
+from kvscope.allocator.events import events_for_block
+from kvscope.cli import main
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """The probes `kvscope run` turns on."""
+    for name in ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST"):
+        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
+    yield
+    faults.configure(None)
+
+
+def write_kv(pool: KVPool, blocks: list[int], seed: int = 0) -> None:
+    """Fill the token slots of `blocks` with K/V (what an engine's prefill writes)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = pool.kv[:, :, blocks, : pool.block_size].shape
+    pool.kv[:, :, blocks, : pool.block_size] = torch.randn(shape, generator=gen)
+
+
+def published(pool: KVPool) -> tuple[object, int]:
+    """A request whose first two blocks hold K/V and are published; its second block."""
+    seq = pool.allocate("owner", list(range(9)))
+    write_kv(pool, seq.block_table)
+    assert pool.mark_computed(seq, 8) == 2
+    return seq, seq.block_table[1]
+
+
+def modified(pool: KVPool) -> list:
+    return [f for f in pool.findings() if f.kind == "published_block_modified"]
+
+
+def test_an_untouched_published_block_is_no_finding(make_pool, probes):
+    # GIVEN published blocks nobody writes, WHEN hit, evicted, checked, THEN nothing is found
+    pool = make_pool(16)
+    seq, _ = published(pool)
+    other = pool.allocate("hit", list(range(8)) + [50])
+    pool.free(other)
+    pool.free(seq)
+    assert pool.evict(16) == 2
+    assert not modified(pool) and pool.check() == []
+
+
+@pytest.mark.parametrize(
+    "when,seen",
+    [
+        ("prefix hit", "seen at a prefix hit"),
+        ("release", "seen at its release by request 'owner'"),
+        ("eviction", "seen at its eviction"),
+        ("check", "seen at a check"),
+    ],
+)
+def test_a_write_into_a_published_block_is_found(make_pool, probes, when, seen):
+    # GIVEN a published block whose K/V something overwrites afterwards (while its request
+    # holds it, for the release; once it is only cached, otherwise)
+    pool = make_pool(16)
+    seq, blk = published(pool)
+    if when != "release":
+        pool.free(seq)
+    pool.kv[0, 1, blk, 2, 0, 3] += 1.0
+    # WHEN the pool next looks at it
+    if when == "prefix hit":
+        pool.allocate("hit", list(range(8)) + [50])
+    elif when == "release":
+        pool.free(seq)
+    elif when == "eviction":
+        pool.evict(16)
+    found = modified(pool) if when != "check" else pool.check()
+    # THEN it is an error naming the block, the process and request that published it
+    assert [f.kind for f in found] == ["published_block_modified"], found
+    assert (found[0].block, found[0].owner_pid, found[0].request) == (blk, pool.pid, "owner")
+    assert found[0].severity == "error" and seen in found[0].message
+
+
+def test_a_digest_from_an_older_allocation_of_the_block_never_counts(make_pool, probes):
+    # GIVEN a published block evicted, then allocated again and written with other K/V
+    pool = make_pool(4)
+    seq, blk = published(pool)
+    pool.free(seq)
+    pool.evict(4)
+    again = pool.allocate("again", list(range(100, 116)))
+    assert blk in again.block_table
+    write_kv(pool, again.block_table, seed=1)
+    # WHEN it is checked before being published again, THEN its old digest is not used
+    assert pool.check() == []
+
+
+def test_analyze_of_a_dump_with_data_and_of_the_live_pool_find_the_write(
+    make_pool, probes, tmp_path, capsys
+):
+    # GIVEN a live CPU pool with a published block overwritten (no operation touched it since)
+    pool = make_pool(16)
+    _, blk = published(pool)
+    pool.kv[1 - 1, 0, blk, 0, 0, 0] = 7.0
+    dump = str(tmp_path / "pool.kvd")
+    assert main(["dump", pool.name, "-o", dump, "--with-data"]) == 0
+    capsys.readouterr()
+    # WHEN analyzed live, checked live, and analyzed from the dump
+    for argv in (["analyze", pool.name, "--json"], ["check", pool.name, "--json"],
+                 ["analyze", dump, "--json"]):  # fmt: skip
+        code = main(argv)
+        report = json.loads(capsys.readouterr().out)
+        # THEN each reports published_block_modified for the block, exit 1
+        kinds = {(f["kind"], f["block"]) for f in report["findings"]}
+        assert code == 1 and ("published_block_modified", blk) in kinds, (argv, kinds)
+    # AND a dump without the data has nothing to check it against
+    bare = str(tmp_path / "bare.kvd")
+    assert main(["dump", pool.name, "-o", bare]) == 0
+    assert main(["analyze", bare]) == 0
+
+
+def test_a_write_after_free_is_found_before_reuse_naming_who_freed_it(make_pool, probes):
+    # GIVEN a guard-mode pool: a request's blocks are freed (poisoned, in quarantine) and then
+    # one token's K/V is written through the table the engine kept
+    pool = make_pool(8, guard=True)
+    seq = pool.allocate("freed", list(range(6)))
+    table = list(seq.block_table)
+    pool.free(seq)
+    pool.kv[:, :, table[1], 1] = 0.5  # slot 1 of the stale table's second block
+    # WHEN the pool is checked, THEN a use_after_free names the block and who freed it
+    (f,) = [f for f in pool.check() if f.kind == "use_after_free"]
+    assert (f.block, f.owner_pid, f.request) == (table[1], pool.pid, "freed")
+    assert "written after it was freed" in f.message
+    # AND when the block is handed out again, the probe reports it before reuse
+    pool.allocate("next", list(range(100, 100 + 4 * 8 - 3)))
+    (live,) = [f for f in pool.findings() if f.kind == "use_after_free"]
+    assert (live.block, live.request) == (table[1], "freed")
+    # AND the block's history says who freed it and when
+    frees = [e for e in events_for_block(pool.view, table[1]) if e["op"] == "free"]
+    assert (frees[-1]["pid"], frees[-1]["request"]) == (pool.pid, "freed")
+
+
+def test_guard_canaries_of_held_and_cached_blocks_are_verified(make_pool, probes):
+    # GIVEN a guard-mode pool with a held block and a cached one whose guard slots were hit
+    pool = make_pool(16, guard=True)
+    held = pool.allocate("held", list(range(5)))
+    cached, blk = published(pool)
+    pool.free(cached)
+    pool.kv[0, 0, held.block_table[0], pool.block_size] = 1.0
+    pool.kv[0, 1, blk, pool.block_size] = 1.0
+    # WHEN the pool is verified and checked (no block was freed since)
+    verified = {f.block for f in pool.verify() if f.kind == "guard_violation"}
+    checked = {f.block for f in pool.check() if f.kind == "guard_violation"}
+    # THEN both blocks are guard violations
+    assert verified == checked == {held.block_table[0], blk}
+    pool.free(held)
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_pool_the_digest_kernel_and_the_poison_check_find_the_writes(pool_name, probes):
+    # GIVEN a guard-mode CUDA pool (the digest runs as a Triton kernel there)
+    from kvscope.allocator import PoolConfig
+
+    pool = KVPool.create(
+        pool_name,
+        PoolConfig(num_blocks=16, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64,
+                   dtype="bfloat16", device="cuda", guard=True),
+    )  # fmt: skip
+    try:
+        seq = pool.allocate("owner", list(range(33)))
+        pool.kv[:, :, seq.block_table, :16] = torch.randn(
+            pool.kv[:, :, seq.block_table, :16].shape, device="cuda"
+        ).to(pool.kv.dtype)
+        assert pool.mark_computed(seq, 32) == 2
+        freed = pool.allocate("freed", [7] * 20)
+        stale = freed.block_table[-1]
+        pool.free(freed)
+        # WHEN a published block and a freed one are written, and the pool is checked
+        pool.kv[1, 0, seq.block_table[1], 3, 1, 5] += 1.0
+        pool.kv[0, 1, stale, 2] = 0.0
+        found = {(f.kind, f.block, f.request) for f in pool.check()}
+        # THEN both writes are findings, named by block and request
+        assert ("published_block_modified", seq.block_table[1], "owner") in found
+        assert ("use_after_free", stale, "freed") in found
+        pool.free(seq)
+    finally:
+        pool.close()
+        pool.unlink()
