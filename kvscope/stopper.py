@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -44,6 +45,23 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
+def drop_dead_terminal() -> bool:
+    """After a hangup: when the terminal is gone (a write to it fails with EIO), point stdin,
+    stdout and stderr at /dev/null, so what still writes to it (the TUI closing, the analysis)
+    finishes instead of failing or blocking; True when it did."""
+    try:
+        os.write(1, b"")
+        return False
+    except OSError as e:
+        if e.errno != errno.EIO:
+            return False
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    return True
+
+
 class Stopper:
     """Forwards stop signals to one child, and kills it when the grace period runs out."""
 
@@ -56,6 +74,9 @@ class Stopper:
         self._mask: set[int | signal.Signals] | None = None
         self._timer: threading.Timer | None = None
         self._prctl = _prctl()
+        # Set by every stop signal, even one that comes after the script ended: what else
+        # kvscope waits on (the TUI of --live) stops waiting.
+        self.stop_requested = threading.Event()
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
@@ -125,6 +146,9 @@ class Stopper:
     def on_signal(self, signum: int, from_terminal: bool) -> None:
         """Forward a stop signal (unless the terminal sent it to the child too); the first
         starts the grace period, a second one kills the child now."""
+        if signum == signal.SIGHUP:
+            drop_dead_terminal()
+        self.stop_requested.set()
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return

@@ -226,3 +226,15 @@ def test_a_process_still_attached_when_the_script_ends_is_reported(tmp_path, poo
     # THEN kvscope names it: pid, pool, still running
     assert f"pid {worker} is still attached to pool {pool_name!r} and still running" in err
     assert run.returncode == 0
+
+
+def test_a_stop_signal_after_the_script_ended_still_asks_the_tui_to_close():
+    # GIVEN a stopper whose script has already ended (the TUI of --live still open)
+    stopper = Stopper(lambda line: None, grace_s=1.0)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stopper.watch(proc)
+    # WHEN the terminal hangs up THEN nothing is forwarded, but the stop request is set
+    stopper.on_signal(signal.SIGHUP, from_terminal=True)
+    assert stopper.stop_requested.is_set()
+    assert not stopper.stopping

@@ -175,3 +175,24 @@ async def test_script_panel_shows_output_and_the_exit(make_pool):
         assert "script exit 3" in app.query_one(PoolHeader).mode
         assert "exited with status 3" in str(panel.border_title)
         assert panel.num_rows == 3 and panel.cursor == 2
+
+
+@sync
+async def test_a_stop_request_closes_the_tui(make_pool):
+    # GIVEN top as `kvscope run --live` shows it, with the stop event of its stopper
+    import threading
+
+    pool = make_pool(64, events=True)
+    populate(pool)
+    stop = threading.Event()
+    app = TopApp(ViewSource(frozen_view(pool), name="tui-test"), stop=stop)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        assert app.is_running
+        # WHEN a stop signal reaches kvscope (the event is set) THEN the TUI exits by itself
+        stop.set()
+        for _ in range(50):
+            await pilot.pause(0.05)
+            if not app.is_running:
+                break
+        assert not app.is_running

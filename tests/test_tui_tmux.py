@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -13,8 +14,15 @@ import pytest
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
+# The terminal's size comes from tmux: never from COLUMNS / LINES that something in the test
+# session may have exported (shutil.get_terminal_size, and so Textual, prefers them).
+_ENV = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+
+
 def _tmux(*args: str) -> str:
-    return subprocess.run(["tmux", *args], capture_output=True, text=True, check=False).stdout
+    return subprocess.run(
+        ["tmux", *args], capture_output=True, text=True, check=False, env=_ENV
+    ).stdout
 
 
 def _top_command(name: str) -> str:
@@ -43,6 +51,7 @@ def test_kvscope_top_in_tmux_shows_the_live_pool(make_pool):
             _top_command(pool.name),
         ],
         check=True,
+        env=_ENV,
     )
     try:
         # WHEN kvscope top runs in a 160x48 terminal
@@ -98,14 +107,25 @@ sys.exit(3)
 """
 
 
-def _wait_for(session: str, *needles: str, tries: int = 150) -> str:
+# Only ever an upper bound for what happens anyway (a busy CI machine draws slowly).
+PATIENCE_S = 120.0
+
+
+def _wait_for(session: str, *needles: str) -> str:
     screen = ""
-    for _ in range(tries):
+    deadline = time.monotonic() + PATIENCE_S
+    while time.monotonic() < deadline:
         time.sleep(0.2)
         screen = _tmux("capture-pane", "-p", "-t", session, "-S", "-200")
         if all(n in screen for n in needles):
             break
     return screen
+
+
+def _runs(marker: str) -> bool:
+    """True while a process whose command line holds marker runs."""
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return bool(out.strip())
 
 
 @pytest.mark.slow
@@ -120,7 +140,9 @@ def test_run_live_keeps_the_script_output_and_shows_its_exit(tmp_path, pool_name
         f"cd {tmp_path} && {kvscope} run --live {script} {pool_name} {go}; echo EXIT=$?; sleep 60"
     )
     subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "36", command], check=True
+        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "36", command],
+        check=True,
+        env=_ENV,
     )
     try:
         # THEN the TUI shows the pool, the script's output so far and that it runs
@@ -140,3 +162,32 @@ def test_run_live_keeps_the_script_output_and_shows_its_exit(tmp_path, pool_name
             assert line in after
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+@pytest.mark.slow
+def test_run_live_ends_when_its_terminal_hangs_up(tmp_path, pool_name):
+    # GIVEN a script under `kvscope run --live` whose TUI is on the screen
+    script = tmp_path / "live.py"
+    script.write_text(LIVE_SCRIPT)
+    go = tmp_path / "go"
+    kvscope = shutil.which("kvscope", path=str(__import__("pathlib").Path(sys.executable).parent))
+    session = f"kvscope-hup-{uuid.uuid4().hex[:8]}"
+    command = f"cd {tmp_path} && {kvscope} run --live --stop-grace 1 {script} {pool_name} {go}"
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "36", command],
+        check=True,
+        env=_ENV,
+    )
+    try:
+        screen = _wait_for(session, "req-live", "script running")
+        assert "script running" in screen
+    finally:
+        # WHEN the terminal goes away (the session is killed: SIGHUP)
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    # THEN kvscope closes its TUI, stops the script and exits: nothing of the run is left
+    deadline = time.monotonic() + PATIENCE_S
+    while _runs(str(script)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _runs(str(script))
+    subprocess.run(["pkill", "-9", "-f", str(script)], capture_output=True)
+    assert not left, "kvscope run --live kept running after its terminal hung up"

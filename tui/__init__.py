@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def run_top(target: str, *, hz: float = 10.0, script: Any = None) -> int:
+def run_top(target: str, *, hz: float = 10.0, script: Any = None, stop: Any = None) -> int:
     """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code.
 
-    `script` (kvscope run --live): the running script's output and state, shown in a panel.
+    `script` (kvscope run --live): the running script's output and state, shown in a panel;
+    `stop` (a threading.Event): closes the TUI when set.
     """
     from kvscope.tui.app import run_top as _run_top
 
-    return _run_top(target, hz=hz, script=script)
+    return _run_top(target, hz=hz, script=script, stop=stop)
 
 
 __all__ = ["run_top"]

@@ -84,8 +84,12 @@ class TopApp(App[int]):
         hz: float = 10.0,
         check_every_s: float = 2.0,
         script: ScriptOutput | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         super().__init__()
+        # Set by `kvscope run --live` when a stop signal reaches it (its terminal hung up, a
+        # service manager's SIGTERM): the TUI closes, as a plain `kvscope top` would die.
+        self.stop = stop
         if not hz > 0:
             raise PoolError(f"refresh rate must be positive, got {hz} Hz")
         self.source = source
@@ -126,7 +130,13 @@ class TopApp(App[int]):
         if self.script is not None:
             self.screen.add_class("-with-script")
             self.set_interval(SCRIPT_EVERY_S, self._script_state)
+        if self.stop is not None:
+            self.set_interval(SCRIPT_EVERY_S, self._stop_requested)
         self.poll()
+
+    def _stop_requested(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            self.exit(0)
 
     # -- the worker -------------------------------------------------------------------------
 
@@ -355,14 +365,21 @@ class TopApp(App[int]):
         self.exit(0)
 
 
-def run_top(target: str, *, hz: float = 10.0, script: ScriptOutput | None = None) -> int:
+def run_top(
+    target: str,
+    *,
+    hz: float = 10.0,
+    script: ScriptOutput | None = None,
+    stop: threading.Event | None = None,
+) -> int:
     """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code.
 
-    `script`: the output and state of the script `kvscope run --live` runs (a log panel).
+    `script`: the output and state of the script `kvscope run --live` runs (a log panel);
+    `stop`: closes the TUI when set (a stop signal reached `kvscope run --live`).
     """
     source = open_source(target)
     try:
-        app = TopApp(source, hz=hz, script=script)
+        app = TopApp(source, hz=hz, script=script, stop=stop)
         app.run()
     finally:
         source.close()

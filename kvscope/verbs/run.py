@@ -227,7 +227,7 @@ def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None
         worker = threading.Thread(target=follow, daemon=True)
         worker.start()
         try:
-            run_top(first.name, hz=hz, script=log)
+            run_top(first.name, hz=hz, script=log, stop=sup.stopper.stop_requested)
         except PoolError as e:
             # The script removed its pool before the TUI could open it: go on without it.
             held.append(f"kvscope: --live: {e}")
