@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import threading
 from array import array
@@ -13,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvscope.allocator import faults, kvdata, native
+from kvscope.allocator import faults, kvdata, native, ofd
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
@@ -73,8 +72,8 @@ class KVPool(SequenceOps):
         self.block_size = self.config.block_size
         self.slots_per_block = self.config.slots_per_block
         self.pid, self.start = my_identity()
-        # One operation at a time per mapping (handles of one process on one pool share it:
-        # fcntl locks do not exclude each other within a process).
+        # One operation at a time per mapping (handles of one process on one pool share it and
+        # its one open of the segment, whose OFD locks do not exclude each other).
         # Probe hooks set on this handle (bits of HOOK_*): the C core (native.py) runs only
         # while none is; `probe`, `site_of` and the lock table's hooks keep it up to date.
         self._hooks = array("q", [0])
@@ -233,11 +232,11 @@ class KVPool(SequenceOps):
         tl = self._mf.__dict__.setdefault("reg_lock", threading.Lock())
         off = self.view.offsets["clients"]
         with tl:
-            fcntl.lockf(self._mf.fd, fcntl.LOCK_EX, 1, off)
+            ofd.lock(self._mf.fd, off, 1, wait=True)
             try:
                 yield
             finally:
-                fcntl.lockf(self._mf.fd, fcntl.LOCK_UN, 1, off)
+                ofd.unlock(self._mf.fd, off, 1)
 
     def close(self) -> None:
         """Detach: return this process's local cache to the ring and release the mapping."""
