@@ -12,9 +12,6 @@ import os
 import sys
 from typing import Any
 
-import numpy as np
-
-from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
@@ -24,24 +21,27 @@ from kvscope.target import read_live
 
 
 def repair(name: str) -> dict[str, Any]:
-    """Roll back dead holders' journals and reclaim dead owners' blocks; what was done."""
+    """Roll back dead holders' journals and reclaim dead owners' blocks; what was done.
+
+    Safe beside other processes that reclaim at the same time: it reports what this repair
+    did (an attach to a full client table reclaims one dead process first)."""
     from kvscope.allocator import KVPool
 
     pool = KVPool.attach(name)
+    done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
-        c = pool.view.clients
-        journals = [
-            {"pid": int(c["pid"][i]), "entries": int(c["journal_count"][i])}
-            for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
-            if i != pool.client
-            and int(c["journal_count"][i])
-            and not is_alive(int(c["pid"][i]), int(c["start"][i]))
-        ]
-        dead = pool.dead_owners()
-        totals = pool.reclaim_dead()
+        pool.reclaim_dead(done)
     finally:
         pool.close()
-    return {"journals_rolled_back": journals, "dead_owners": [d["pid"] for d in dead], **totals}
+    return {
+        "journals_rolled_back": [
+            {"pid": d["pid"], "entries": d["entries"]} for d in done if d["entries"]
+        ],
+        "dead_owners": [d["pid"] for d in done if d["detached"]],
+        "processes": sum(d["detached"] for d in done),
+        "sequences": sum(d["sequences"] for d in done),
+        "blocks": sum(d["blocks"] for d in done),
+    }
 
 
 def describe_repair(done: dict[str, Any]) -> str:
