@@ -153,12 +153,13 @@ class Worker:
                     self.verify(seq)
 
 
-def _child(fn: Callable[[], None]) -> int:
+def _child(fn: Callable[[], None], native: bool) -> int:
     pid = os.fork()
     if pid:
         return pid
     code = 0
     try:
+        os.environ["KVSCOPE_NATIVE"] = "1" if native else "0"
         fn()
     except BaseException:
         traceback.print_exc()
@@ -196,7 +197,6 @@ def stress(
     seconds: float, *, workers: int = 5, native: bool = True, seed: int = 0
 ) -> dict[str, Any]:
     """Run the stress for `seconds` on a fresh pool; the figures of the run."""
-    os.environ["KVSCOPE_NATIVE"] = "1" if native else "0"
     rng = random.Random(seed)
     name = f"stress-{uuid.uuid4().hex[:8]}"
     cfg = PoolConfig(
@@ -222,11 +222,11 @@ def stress(
         out["worker_exits"] += not os.WIFSIGNALED(status)
 
     def spawn(w: int) -> int:
-        return _child(lambda: Worker(name, rng.randrange(1 << 30), counters[w]).run())
+        return _child(lambda: Worker(name, rng.randrange(1 << 30), counters[w]).run(), native)
 
     try:
         pids = [spawn(w) for w in range(workers)]
-        helpers = [_child(lambda s=s: _reclaimer(name, s)) for s in (1, 2)]
+        helpers = [_child(lambda s=s: _reclaimer(name, s), native) for s in (1, 2)]
         end = time.monotonic() + seconds
         next_kill = time.monotonic() + rng.uniform(0.2, 2.0)
         next_repair = time.monotonic() + rng.uniform(0.5, 1.5)
@@ -244,7 +244,7 @@ def stress(
                 if repairing and os.waitpid(repairing, os.WNOHANG)[0]:
                     repairing = 0
                 if not repairing:
-                    repairing = _child(lambda: _repair(name))
+                    repairing = _child(lambda: _repair(name), native)
                     out["repairs"] += 1
                 next_repair = now + rng.uniform(0.5, 1.5)
                 out["analyses"].append(_analyze_live(name))
