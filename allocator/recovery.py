@@ -11,6 +11,7 @@ process gone); a step that finds otherwise does nothing, and the reclaim of that
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -123,10 +124,11 @@ def recover_dead_holders(
     return recovered
 
 
-def detach_client(view: SegmentView, t: Txn, c: int) -> bool:
+def detach_client(view: SegmentView, t: Txn, c: int, *, dead: bool = False) -> bool:
     """Return up to CHUNK of a client's reserved sequence slots; once none is left, fold its
     counters into the header and mark its record detached (True). The caller holds the seqs
-    lock, which guards both, and calls again while this returns False."""
+    lock, which guards both, and calls again while this returns False. `dead`: the client's
+    process died (its counter is evened)."""
     seqs = view.seqs
     mine = np.flatnonzero((seqs["reserved"] == 1) & (seqs["owner_client"] == c))
     head = seqs.dtype.fields["table"][1]
@@ -141,10 +143,11 @@ def detach_client(view: SegmentView, t: Txn, c: int) -> bool:
         h[f] = int(h[f][0]) + int(view.clients[f][c])
     rec = view.offsets["clients"] + c * view.clients.dtype.itemsize
     t.journal.save(rec, 1)
-    # A process that died inside an operation left its counter odd: even it, so that no
-    # snapshot waits for a writer that will never finish.
-    t.journal.save(rec + view.clients.dtype.fields["seq"][1], 8)
-    view.clients["seq"][c] += int(view.clients["seq"][c]) % 2
+    if dead:
+        # A process that died inside an operation left its counter odd: even it, so that no
+        # snapshot waits for a writer that will never finish.
+        t.journal.save(rec + view.clients.dtype.fields["seq"][1], 8)
+        view.clients["seq"][c] += int(view.clients["seq"][c]) % 2
     view.clients["state"][c] = ClientState.DETACHED
     return True
 
@@ -246,7 +249,7 @@ def reclaim_client(
         for s in np.flatnonzero(live).tolist():
             released = False
             while not released:
-                n, released = step(lambda t, s=s: drop_tail(t, s))
+                n, released = step(functools.partial(drop_tail, s=s))
                 done["blocks"] += max(n, 0)
             done["sequences"] += int(n >= 0)
         while True:
@@ -254,7 +257,7 @@ def reclaim_client(
             done["blocks"] += n
             if n < CHUNK * 2:
                 break
-        while not step(lambda t: detach_client(view, t, c)):
+        while not step(functools.partial(detach_client, view, c=c, dead=True)):
             pass
     except _Gone:
         return None
@@ -334,6 +337,9 @@ def reclaim_for_attach(
         got = reclaim_client(view, run, store, seqtab, d)
         if got is not None:
             done.append({"pid": d.pid, **got, "detached": True})
+            return d.client
+        if int(view.clients["state"][d.client]) == ClientState.DETACHED:
+            # Another reclaimer finished it; no other attach can take it while we register.
             return d.client
     return None
 

@@ -275,19 +275,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(
-        "| core | seconds | kills | operations | corruptions | blocks lost | live analyze: runs, consistent, max s, errors |"
+        "| core | seconds | kills | operations | corruptions | blocks lost | workers failed "
+        "| live analyses (consistent) | analyze median / max s | errors in consistent analyses |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for native in (True, False):
         r = stress(args.seconds, workers=args.workers, native=native, seed=args.seed)
         an = r["analyses"]
+        times = sorted(s for s, _, _ in an)
         consistent = sum(c for _, c, _ in an)
         errors = sum(e for _, c, e in an if c)
         corruptions = r["corruptions"] + len(r["check"])
         print(
-            f"| {'C core' if native else 'Python (KVSCOPE_NATIVE=0)'} | {args.seconds:.0f} | {r['kills']} "
-            f"| {r['operations']:,} | {corruptions} | {r['blocks_lost']} "
-            f"| {len(an)}, {consistent}, {max((s for s, _, _ in an), default=0):.2f}, {errors} |",
+            f"| {'C core' if native else 'Python (KVSCOPE_NATIVE=0)'} | {args.seconds:.0f} "
+            f"| {r['kills']} | {r['operations']:,} | {corruptions} | {r['blocks_lost']} "
+            f"| {r['worker_exits']} | {len(an)} ({consistent}) "
+            f"| {times[len(times) // 2]:.2f} / {times[-1]:.2f} | {errors} |",
             flush=True,
         )
         for line in r["check"]:
