@@ -27,6 +27,13 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, DeadHolder, LockTable, mark_hook
 from kvscope.allocator.probing import PoolProbes, ProbeFlags, env_flag
 from kvscope.allocator.process import my_identity, now_ns
+from kvscope.allocator.recovery import (
+    dead_owners,
+    detach_client,
+    reclaim_dead,
+    reclaim_for_attach,
+    recover_dead_holders,
+)
 from kvscope.allocator.segment import (
     check_name,
     data_path,
@@ -201,8 +208,6 @@ class KVPool(SequenceOps):
     def _register_client(self) -> int:
         """Claim a client record: a never-used one first (dead ones stay for analysis), then a
         detached one; in a full table, one reclaimed from a dead process (recovery.py)."""
-        from kvscope.allocator.recovery import reclaim_for_attach
-
         c = self.view.clients
         with self._file_lock():
             states = c["state"]
@@ -260,8 +265,6 @@ class KVPool(SequenceOps):
         self._check_process()
         if CLOSE_HOOK is not None:
             CLOSE_HOOK(self)
-        from kvscope.allocator.recovery import detach_client
-
         with self._mutex:
             if self.journal.count:
                 self.journal.rollback()
@@ -330,8 +333,6 @@ class KVPool(SequenceOps):
                     except Escalate as e:
                         locks = e.locks
                     except DeadHolder:
-                        from kvscope.allocator.recovery import recover_dead_holders
-
                         recover_dead_holders(self.locks, self.view, self.client, self.report)
             finally:
                 busy[0] -= 1
@@ -397,8 +398,6 @@ class KVPool(SequenceOps):
 
     def dead_owners(self) -> list[dict[str, Any]]:
         """Processes that died while attached, with the blocks and sequences they left."""
-        from kvscope.allocator.recovery import dead_owners
-
         return dead_owners(self.view)
 
     def reclaim_dead(self, done: list[dict[str, Any]] | None = None) -> dict[str, int]:
@@ -406,8 +405,6 @@ class KVPool(SequenceOps):
 
         Safe while other processes reclaim too. `done`, when given, gets one entry per process
         this call reclaimed (pid, sequences, blocks, journal entries rolled back)."""
-        from kvscope.allocator.recovery import reclaim_dead
-
         self._check_process()
         with self._mutex:
             self._busy[0] += 1

@@ -18,17 +18,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.check import table_refs
+from kvscope.allocator.findings import Finding, write_finding
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, ClientState, SegmentView, SeqState
+from kvscope.allocator.locks import DeadHolder, LockTable
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.sequence import SeqTable
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
-    from kvscope.allocator.blocks import BlockStore
-    from kvscope.allocator.locks import LockTable
     from kvscope.allocator.pool import KVPool
-    from kvscope.allocator.sequence import SeqTable
 
 T = TypeVar("T")
 CHUNK = 128
@@ -110,8 +111,6 @@ def recover_dead_holders(
         for i in reversed(taken):
             lt.release(i)
     if dead_holders:
-        from kvscope.allocator.findings import Finding
-
         for name, pid in dead_holders.items():
             report(
                 Finding(
@@ -307,11 +306,6 @@ def reclaim_for_attach(
     client with transactions journaled in that client's own record (the attacher has none
     yet); the record's index, now detached, or None when every attached process is alive.
     The caller holds the registration lock, so no other attach takes the record meanwhile."""
-    from kvscope.allocator.blocks import BlockStore
-    from kvscope.allocator.findings import write_finding
-    from kvscope.allocator.locks import DeadHolder, LockTable
-    from kvscope.allocator.sequence import SeqTable
-
     for d in find_dead(view):
         lt = LockTable(mf, view, pid, start, d.client)
         every = set(range(len(lt.names)))

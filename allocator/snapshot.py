@@ -3,12 +3,11 @@ and the TUI use.
 
 Every pool lock and every client record has a counter that is odd while its writer is inside an
 operation (docs/FORMAT.md sections 7 and 8). A copy is consistent when it was taken between two
-equal readings of the counters with no live writer inside an operation. Counters that no live
-writer will change again do not count: those of detached records, and those of processes that
-died (recovery evens them; until then the pool holds whatever the dead process left, which is
-what a check under the locks would see too). A live writer that stays inside one operation for
-the whole copy (a long operation, a stopped process) is rolled back in the copy from its undo
-journal, so a stall does not make every copy torn.
+equal readings of the counters with no live writer inside an operation. Counters of detached
+records do not count. A process that died inside an operation never finishes it, and one that
+stays inside one operation for the whole copy (a long operation, a stopped process) does not
+change it meanwhile: both are rolled back in the copy from their undo journals, so the copy
+shows the pool as recovery leaves it, and neither a death nor a stall makes every copy torn.
 
     seqlock = Seqlock(view)
     ok = seqlock.copy_between(lambda: np.copyto(dst, view.raw), tries=20)  # one copy
@@ -22,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvscope.allocator.layout import ClientState, SegmentView
+from kvscope.allocator.layout import ClientState, SegmentView, block_checksums, block_words
 from kvscope.allocator.process import is_alive
 
 
@@ -52,9 +51,12 @@ class Seqlock:
         return np.concatenate([self.view.locks["seq"], self.view.clients["seq"]])
 
     def quiet(self, undo: bool = False) -> tuple[np.ndarray, list[int]] | None:
-        """The counters now and the live clients inside an operation, or None when one is
-        (or, with `undo`, when a lock is held by a live process outside a client operation:
-        recovery, say)."""
+        """The counters now, or None while a live writer is inside an operation.
+
+        With `undo`, the attached clients inside an operation (odd counter, alive or dead) are
+        listed instead, to be rolled back in the copy; None then only when a live process holds
+        a lock outside an operation of its own record (recovery, say: its writes are in no
+        journal)."""
         v = self.view
         counters = self._counters()
         odd = np.flatnonzero(counters % 2)
@@ -65,36 +67,44 @@ class Seqlock:
                 c = k - nl
                 if int(v.clients["state"][c]) != ClientState.ATTACHED:
                     continue
-                if not self._gone(int(v.clients["pid"][c]), int(v.clients["start"][c])):
-                    if not undo:
-                        return None
+                if undo:
                     busy.append(c)
+                elif not self._gone(int(v.clients["pid"][c]), int(v.clients["start"][c])):
+                    return None
                 continue
             pid = int(v.locks["holder_pid"][k])
+            if pid and self._gone(pid, int(v.locks["holder_start"][k])):
+                continue
             # No holder yet (or already none): a live process is taking or leaving it.
-            if not pid or not self._gone(pid, int(v.locks["holder_start"][k])):
-                if not undo:
-                    return None
-                # Held inside an operation of a live client (its writes are in its journal).
-                c = int(v.locks["holder_client"][k])
-                if not (0 <= c < len(v.clients)) or int(v.clients["pid"][c]) != pid:
-                    return None
-                if counters[nl + c] % 2 == 0:
-                    return None
+            if not undo or not pid:
+                return None
+            # Held inside an operation of a live client (its writes are in its journal).
+            c = int(v.locks["holder_client"][k])
+            if not (0 <= c < len(v.clients)) or int(v.clients["pid"][c]) != pid:
+                return None
+            if counters[nl + c] % 2 == 0:
+                return None
         return counters, busy
 
     def copy_between(
-        self, copy: Callable[[], None], tries: int, undo_into: np.ndarray | None = None
+        self,
+        copy: Callable[[], None],
+        tries: int,
+        undo_into: np.ndarray | None = None,
+        verify: Callable[[], bool] | None = None,
     ) -> bool:
         """Run `copy()` between two equal readings of the counters that show no live writer
         inside an operation; False if there was none in `tries` attempts (the last copy is
         kept).
 
-        With `undo_into` (the whole-segment buffer `copy` writes), a live writer that stays
-        inside one operation through the copy (a long operation, a stopped process) does not
-        make it torn: its journal, read after the copy, is rolled back in the copy, which then
-        shows the pool as before that operation, as crash recovery would.
+        With `undo_into` (the whole-segment buffer `copy` writes), a writer inside an operation
+        does not make the copy torn as long as it stays inside that one operation through the
+        copy (a long operation, a stopped process) or never comes back (a process that died
+        in it): its journal, read after the copy, is rolled back in the copy, which then shows
+        the pool as before that operation, as recovery would leave it. `verify`, when given,
+        is asked after a copy and False makes it try again.
         """
+        jcount = self.view.clients["journal_count"]
         for attempt in range(tries):
             got = self.quiet(undo=undo_into is not None)
             if got is None:
@@ -102,20 +112,27 @@ class Seqlock:
                 time.sleep(0.0001 * min(attempt + 1, 10))
                 continue
             before, busy = got
+            counts = jcount.copy()
             copy()
             for c in busy:
                 assert undo_into is not None
-                self._undo(c, undo_into)
-            if np.array_equal(before, self._counters()):
+                self._undo(c, undo_into, int(counts[c]))
+            if np.array_equal(before, self._counters()) and (verify is None or verify()):
                 return True
             self.num_retries += 1
         return False
 
-    def _undo(self, c: int, dst: np.ndarray) -> None:
-        """Roll live client c's journal back in the copy dst (newest entry first)."""
+    def _undo(self, c: int, dst: np.ndarray, count_before: int) -> None:
+        """Roll client c's journal back in the copy dst, newest entry first.
+
+        Its entries as of now (an entry below the count is complete: its bytes were saved
+        before the count grew), or as of before the copy when there were more then: a writer
+        that rolls back its own operation, or a reclaimer rolling back a dead one's, zeroes
+        the count only after restoring, and leaves the entries in place until the writer's
+        next operation (which changes its counter, and the copy is taken again).
+        """
         cl = self.view.clients
-        # The count first: an entry below it is complete (its bytes were saved before it).
-        n = min(int(cl["journal_count"][c]), len(cl["journal"][c]))
+        n = min(max(int(cl["journal_count"][c]), count_before), len(cl["journal"][c]))
         entries = cl["journal"][c][:n].copy()
         data = cl["journal_data"][c].copy()
         end = len(dst)
@@ -146,21 +163,31 @@ def copy_segment(view: SegmentView, dst: np.ndarray, seqlock: Seqlock, tries: in
     reads is consistent.
 
     Everything is copied once, then what a check reads is copied again at a quiet moment (no
-    live writer inside an operation, or only ones that stay inside one through the copy,
-    rolled back in it): the journals of live clients are empty then (or rolled back), and
-    those of dead ones do not change until recovery (which empties them under every lock, and
-    evens the counter), so the first copy of their bytes stands; the site texts and event
-    rings only grow.
+    live writer inside an operation, or only ones that stay inside one through the copy or
+    died in it, rolled back in it): the journals of live clients are empty then (or rolled
+    back), and those of dead ones do not change until recovery (which empties them under every
+    lock, and evens the counter), so the first copy of their bytes stands; the site texts and
+    event rings only grow. A block record that fails its checksum in the copy but not in the
+    pool was caught half way through one of the stores an append makes outside any operation
+    (its prefix key and checksum, docs/FORMAT.md crash rule 5): the copy is taken again.
     """
     src = view.raw
     np.copyto(dst, src)
     ranges = _state_ranges(view)
+    copied = SegmentView(dst, view.layout).blocks
+    ids = np.arange(len(copied), dtype=np.int64)
 
     def copy() -> None:
         for a, b in ranges:
             dst[a:b] = src[a:b]
 
-    return seqlock.copy_between(copy, tries, undo_into=dst)
+    def whole_records() -> bool:
+        bad = ids[block_checksums(copied, ids) != copied["checksum"]]
+        return not len(bad) or bool(
+            (block_words(copied)[bad] == block_words(view.blocks)[bad]).all()
+        )
+
+    return seqlock.copy_between(copy, tries, undo_into=dst, verify=whole_records)
 
 
 def snapshot(view: SegmentView, tries: int = 200) -> SegmentView:

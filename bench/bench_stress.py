@@ -190,6 +190,10 @@ def _analyze_live(name: str) -> tuple[float, bool, int]:
     t0 = time.perf_counter()
     rep = analyze_view(read_live(name))
     errors = sum(f["severity"] == "error" for f in rep["findings"])
+    if errors and rep["pool"]["consistent"]:
+        for f in rep["findings"]:
+            if f["severity"] == "error":
+                print(f"live analyze: {f['kind']} block {f['block']}: {f['message']}", file=sys.stderr)
     return time.perf_counter() - t0, rep["pool"]["consistent"], errors
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvscope.allocator import KVPool, crash
-from kvscope.allocator.check import DEFAULT_LOCK_HOLD_S
+from kvscope.allocator.check import DEFAULT_LOCK_HOLD_S, check_view
 from kvscope.allocator.layout import DUMP_HEADER_DTYPE, DUMP_TORN
 from kvscope.allocator.snapshot import snapshot
 from kvscope.cli import main
@@ -60,8 +60,11 @@ def test_a_death_mid_operation_does_not_tear_later_snapshots(make_pool, tmp_path
     before = snapshot(pool.view)
     pool.reclaim_dead()
     path = write_dump(pool.name, tmp_path / "idle.kvd")
-    # THEN no copy is torn, and recovery evened the dead process's counter
+    # THEN no copy is torn: the dead process's half-done allocation is shown rolled back, as
+    # recovery leaves it (only warnings: it died holding a lock and blocks), and recovery
+    # evened the dead process's counter
     assert before.torn is False
+    assert {f.kind for f in check_view(before)} <= {"lock_dead_holder", "leak_dead_owner"}
     assert int(pool.view.clients["seq"][c]) % 2 == 0
     dh = np.fromfile(path, DUMP_HEADER_DTYPE, 1)[0]
     assert not int(dh["flags"]) & DUMP_TORN
