@@ -8,9 +8,12 @@ from collections.abc import Callable
 import numpy as np
 
 from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.geometry import geometry_problem
+from kvscope.allocator.header import header_corruption
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
     FORMAT_VERSION,
+    HEADER_DTYPE,
     POOL_MAGIC,
     BlockState,
     ClientState,
@@ -20,6 +23,7 @@ from kvscope.allocator.layout import (
     header_checksum,
 )
 from kvscope.allocator.process import is_alive, process_state
+from kvscope.allocator.ranges import check_tables, local_cache
 
 # Per kind, at most this many per-block findings; the rest are summarised in one more.
 MAX_PER_KIND = 50
@@ -88,31 +92,50 @@ def table_refs(seqs: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(t[(t >= 0) & (t < n)], minlength=n)
 
 
-def check_header(view: SegmentView) -> list[Finding]:
-    """Magic, version and checksum of the header."""
+def check_header(view: SegmentView, intact: bytes | None = None) -> list[Finding]:
+    """Magic, version and checksum of the header; a changed field is named, with the bytes
+    found and expected (against the layout the segment was opened with, and `intact`, the
+    header's first bytes as last seen intact, when known)."""
     h = view.h
-    out = []
-    if int(h["magic"]) != POOL_MAGIC:
-        out.append(
-            Finding(
-                "header_corrupt",
-                f"header magic is {int(h['magic']):#018x}, expected {POOL_MAGIC:#018x}: the segment header was overwritten",
+    magic_ok = int(h["magic"]) == POOL_MAGIC
+    version_ok = int(h["version"]) == FORMAT_VERSION
+    raw = np.asarray(view.raw[: HEADER_DTYPE.itemsize]).tobytes()
+    if intact is None:
+        intact = getattr(view, "intact_header", None)
+    # Even a header that checks can disagree with the layout it was read with (a dump laid
+    # out from its saved copy) or with that copy: someone resealed it.
+    diff = header_corruption(raw, getattr(view, "layout", None), intact)
+    if diff is None and magic_ok and version_ok and header_checksum(view.raw) == int(h["checksum"]):
+        return []
+    extra: dict = {}
+    if diff is not None:
+        text = diff.pop("text")
+        extra = diff
+    elif not magic_ok:
+        text = f"header magic is {int(h['magic']):#018x}, expected {POOL_MAGIC:#018x}"
+    elif not version_ok:
+        text = f"format version {int(h['version'])}, expected {FORMAT_VERSION}"
+    else:
+        problem = geometry_problem(h)
+        text = (
+            f"header checksum {int(h['checksum']):#x} does not match its contents"
+            f" ({header_checksum(view.raw):#x}): "
+            + (
+                problem
+                or "a field with no saved copy to compare (name, creator, dtype, ...) changed"
             )
         )
-    elif int(h["version"]) != FORMAT_VERSION:
-        out.append(
-            Finding(
-                "header_corrupt", f"format version {int(h['version'])}, expected {FORMAT_VERSION}"
-            )
+    return [
+        Finding(
+            "header_corrupt",
+            f"{text}: something outside the allocator overwrote the pool's header",
+            extra=extra,
         )
-    elif header_checksum(view.raw) != int(h["checksum"]):
-        out.append(
-            Finding(
-                "header_corrupt",
-                f"header checksum {int(h['checksum']):#x} does not match its contents ({header_checksum(view.raw):#x}): a geometry field was overwritten",
-            )
-        )
-    return out
+    ]
+
+
+def _state_name(value: int) -> str:
+    return BlockState(value).name if value < len(BlockState) else f"state {value}"
 
 
 def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
@@ -146,10 +169,23 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     corrupt = np.zeros(n, bool)
     corrupt[bad_magic] = True
     corrupt[bad_sum] = True
+    # A record that checks but holds values no allocator writes was resealed by someone else.
+    bad_value = ids[
+        ((state >= len(BlockState)) | (b["refcount"] < 0) | (b["indexed"] > 1)) & ~corrupt
+    ]
+    r.blocks(
+        FindingKind.BLOCK_HEADER_CORRUPT,
+        bad_value,
+        lambda x: (
+            f"block record holds state {int(state[x])}, refcount {int(b['refcount'][x])}, indexed"
+            f" {int(b['indexed'][x])}: no allocator writes these values (states are 0-{len(BlockState) - 1})"
+        ),
+    )
+    corrupt[bad_value] = True
 
     # Membership: the free ring.
     rh = view.ring_header[0]
-    count, head_pos = int(rh["count"]), int(rh["head"])
+    count, head_pos, tail_pos = int(rh["count"]), int(rh["head"]), int(rh["tail"])
     if count > n:
         r.add(
             Finding(
@@ -157,7 +193,15 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
             )
         )
         count = n
-    ring_ids = view.ring[(head_pos + np.arange(count)) % max(n, 1)].astype(np.int64)
+    elif (tail_pos - head_pos) % 2**64 != count:
+        r.add(
+            Finding(
+                "free_list_corrupt",
+                f"free ring head {head_pos} and tail {tail_pos} do not span its count {count}",
+            )
+        )
+    # Positions are taken modulo the pool in Python ints: a head near 2**64 must not overflow.
+    ring_ids = view.ring[(head_pos % max(n, 1) + np.arange(count)) % max(n, 1)].astype(np.int64)
     oob = (ring_ids < 0) | (ring_ids >= n)
     if oob.any():
         r.add(
@@ -174,6 +218,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     # References from live sequences.
     seqs = view.seqs
     live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
+    check_tables(r.add, seqs, live, n, MAX_PER_KIND)
     refs = table_refs(seqs, live, n)
 
     # Dead clients and their blocks.
@@ -196,14 +241,14 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         FindingKind.DOUBLE_FREE,
         ids[(in_ring == 1) & (allocated | (state == BlockState.CACHED)) & ~corrupt],
         lambda x: (
-            f"block is in the free ring but {BlockState(int(state[x])).name}: it was freed while still in use"
+            f"block is in the free ring but {_state_name(int(state[x]))}: it was freed while still in use"
         ),
     )
     r.blocks(
         FindingKind.USE_AFTER_FREE,
         ids[(refs > 0) & (freed | (state == BlockState.CACHED)) & (in_ring <= 1) & ~corrupt],
         lambda x: (
-            f"block is {BlockState(int(state[x])).name} but {int(refs[x])} live sequence(s) still map it"
+            f"block is {_state_name(int(state[x]))} but {int(refs[x])} live sequence(s) still map it"
         ),
     )
     in_free_state = (state == BlockState.FREE) | (state == BlockState.QUARANTINED)
@@ -214,20 +259,18 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     )
 
     # Local caches.
+    local_ids = np.zeros(n, bool)
     for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
-        k = int(clients["local_count"][c])
-        loc = clients["local"][c, :k].astype(np.int64)
+        loc = local_cache(r.add, clients, c, n)
+        local_ids[loc] = True
         wrong = loc[(state[loc] != BlockState.LOCAL) | (owner[loc] != c)]
         r.blocks(
             FindingKind.FREE_LIST_CORRUPT,
             wrong,
             lambda x, c=c: (  # type: ignore[misc]  # mypy cannot infer a lambda with defaults
-                f"block is in the local cache of pid {int(clients['pid'][c])} but is {BlockState(int(state[x])).name}"
+                f"block is in the local cache of pid {int(clients['pid'][c])} but is {_state_name(int(state[x]))}"
             ),
         )
-    local_ids = np.zeros(n, bool)
-    for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
-        local_ids[clients["local"][c, : int(clients["local_count"][c])]] = True
     stray_local = ids[(state == BlockState.LOCAL) & ~local_ids & ~owned_by_dead & ~corrupt]
     r.blocks(
         FindingKind.FREE_LIST_CORRUPT,

@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvscope.allocator.errors import PoolError
+from kvscope.allocator.geometry import ELEMENT_BYTES
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+if TYPE_CHECKING:
+    import torch
+
+# KV dtypes by name, with their element size (the one table, shared with the header checks).
+# torch is imported only where a tensor is made: the CLI reads pools (numpy) and must start
+# without it.
+DTYPES: dict[str, int] = ELEMENT_BYTES
 
 
-def dtype_name(dtype: str | torch.dtype) -> str:
+def dtype_name(dtype: Any) -> str:
     """Return the canonical name of a KV dtype given as a string or a torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        for name, value in DTYPES.items():
-            if value == dtype:
-                return name
-        raise PoolError(f"unsupported KV dtype {dtype}; use one of {', '.join(DTYPES)}")
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise PoolError(f"unsupported KV dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -92,12 +87,14 @@ class PoolConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The KV tensor's torch dtype."""
-        return DTYPES[dtype_name(self.dtype)]
+        import torch
+
+        return getattr(torch, dtype_name(self.dtype))
 
     @property
     def data_bytes(self) -> int:
         """Bytes of the KV data tensor."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        elem = DTYPES[dtype_name(self.dtype)]
         return (
             self.num_layers
             * 2

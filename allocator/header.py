@@ -1,17 +1,23 @@
-"""The segment header: writing a fresh one, sealing its checksum, reading the config back."""
+"""The segment header: writing a fresh one, sealing its checksum, reading the config back, and
+naming the field that changed when it no longer checks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
 from kvscope.allocator.config import PoolConfig
+from kvscope.allocator.geometry import SECTION_FIELDS
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
     FORMAT_VERSION,
+    HEADER_CHECKSUM_BYTES,
     HEADER_DTYPE,
     POOL_MAGIC,
     BlockState,
     Flag,
+    Layout,
     SegmentView,
     block_checksums,
     header_checksum,
@@ -111,3 +117,72 @@ def config_from_header(h: np.void) -> PoolConfig:
         lockdep=bool(flags & Flag.LOCKDEP),
         quarantine=int(h["quarantine"]),
     )
+
+
+def _expected_from_layout(layout: Layout) -> dict[str, int]:
+    """The header's geometry fields as the layout the segment was opened with says they are."""
+    off = layout.offsets()
+    out = {
+        "magic": POOL_MAGIC,
+        "version": FORMAT_VERSION,
+        "header_size": HEADER_DTYPE.itemsize,
+        "num_blocks": layout.num_blocks,
+        "block_size": layout.block_size,
+        "max_seqs": layout.max_seqs,
+        "max_blocks_per_seq": layout.max_blocks_per_seq,
+        "max_clients": layout.max_clients,
+        "num_shards": layout.num_shards,
+        "index_capacity": layout.index_capacity,
+        "num_locks": len(lock_names(layout.num_shards)),
+        "event_capacity": layout.event_capacity,
+    }
+    for field, section in SECTION_FIELDS:
+        out[field] = off[section]
+    return out
+
+
+def _show(field: str, raw: bytes) -> str:
+    dt = HEADER_DTYPE.fields[field][0]  # type: ignore[index]
+    if dt.kind in "ui":
+        value = int(np.frombuffer(raw, dt, 1)[0])
+        return (
+            f"{value:#x}"
+            if dt.itemsize == 8 and field in ("magic", "creator_start")
+            else f"{value} (bytes {raw.hex()})"
+        )
+    return repr(raw.rstrip(b"\0"))
+
+
+def header_corruption(
+    raw: bytes, layout: Layout | None = None, intact: bytes | None = None
+) -> dict[str, Any] | None:
+    """Which immutable header field differs from what it must be: the first one, in byte order,
+    with the bytes found and expected; None when every known field is as expected.
+
+    Args:
+        raw: the header's bytes now (at least its checksummed part).
+        layout: the layout the segment was opened with (its geometry fields must match it).
+        intact: the header's first bytes as last seen intact (a dump's or a run's saved copy).
+    """
+    expected: dict[str, bytes] = {}
+    for field, value in (_expected_from_layout(layout) if layout else {}).items():
+        expected[field] = np.array(value, HEADER_DTYPE.fields[field][0]).tobytes()  # type: ignore[index]
+    for field in HEADER_DTYPE.names or ():
+        dt, off = HEADER_DTYPE.fields[field][:2]  # type: ignore[index]
+        end = off + dt.itemsize
+        if intact is not None and end <= min(len(intact), HEADER_CHECKSUM_BYTES):
+            expected.setdefault(field, bytes(intact[off:end]))
+    for field in HEADER_DTYPE.names or ():
+        dt, off = HEADER_DTYPE.fields[field][:2]  # type: ignore[index]
+        if field not in expected or off + dt.itemsize > len(raw):
+            continue
+        found = bytes(raw[off : off + dt.itemsize])
+        if found != expected[field]:
+            return {
+                "field": field,
+                "offset": int(off),
+                "found": found.hex(),
+                "expected": expected[field].hex(),
+                "text": f"header field {field} (byte {off}) is {_show(field, found)}, expected {_show(field, expected[field])}",
+            }
+    return None

@@ -15,6 +15,7 @@ import numpy as np
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
+    HEADER_CHECKSUM_BYTES,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
     JOURNAL_ENTRY_DTYPE,
@@ -25,6 +26,8 @@ from kvscope.allocator.layout import (
 _ENTRY = struct.Struct("<QIIQ")
 _U4 = struct.Struct("<I")
 assert _ENTRY.size == JOURNAL_ENTRY_DTYPE.itemsize
+# The header's immutable fields and their checksum: no operation ever journals them.
+HEADER_SEALED_BYTES = HEADER_CHECKSUM_BYTES + 8
 
 
 class Journal:
@@ -44,6 +47,8 @@ class Journal:
         self.count = int(self._count_field[0])
         self.used = int(self._used_field[0])
         self.op = 0
+        # Why the last rollback was refused (see `problem`), or None.
+        self.skipped: str | None = None
         # The one-range save is the hot path: plain byte copies and struct stores on the
         # mapping, no numpy scalars (a dump's bytes are never journaled into).
         base = view.offsets["clients"] + client * CLIENT_DTYPE.itemsize
@@ -105,9 +110,39 @@ class Journal:
             self._used_field[0] = 0
         self.count = self.used = 0
 
+    def problem(self) -> str | None:
+        """Why this journal cannot be rolled back safely (a count past its capacity, an entry
+        outside the segment or over the sealed header, saved bytes past its data), or None."""
+        n, used = int(self._count_field[0]), int(self._used_field[0])
+        if n > JOURNAL_ENTRIES:
+            return f"it claims {n} entries, it holds at most {JOURNAL_ENTRIES}"
+        if used > JOURNAL_BYTES:
+            return f"it claims {used} saved bytes, it holds at most {JOURNAL_BYTES}"
+        ents = self.entries[:n]
+        offs = ents["offset"].astype(object)
+        lens = ents["length"].astype(np.int64)
+        data = ents["data_off"].astype(np.int64)
+        size = len(self.raw)
+        for i in range(n):
+            off, length, d = int(offs[i]), int(lens[i]), int(data[i])
+            if off + length > size:
+                return f"entry {i} restores bytes [{off}, {off + length}) outside the {size}-byte segment"
+            if off < HEADER_SEALED_BYTES:
+                return f"entry {i} restores bytes at {off}, inside the sealed header"
+            if d + length > used:
+                return f"entry {i}'s saved bytes [{d}, {d + length}) run past the journal's {used} bytes"
+        return None
+
     def rollback(self) -> int:
-        """Restore every saved range, newest first; return how many ranges were restored."""
+        """Restore every saved range, newest first; return how many ranges were restored.
+
+        A journal that `problem` rejects is not applied at all (`skipped` says why) and is
+        cleared: its writes stand, and a check reports what they left.
+        """
         n = int(self._count_field[0])
+        self.skipped = self.problem()
+        if self.skipped is not None:
+            n = 0
         ents = self.entries[:n]
         offs, lens, data_offs = (
             ents["offset"].tolist(),

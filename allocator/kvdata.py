@@ -5,6 +5,7 @@ Shape `[num_layers, 2, num_blocks, slots_per_block, num_kv_heads, head_dim]` (K 
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 
@@ -12,9 +13,16 @@ import torch
 
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.segment import create_file
+from kvscope.allocator.geometry import ELEMENT_BYTES
+from kvscope.allocator.segment import check_size, create_file, open_file
 
 IPC_MAX = 1024
+
+# Sizes are computed without torch (geometry.ELEMENT_BYTES): keep that table true.
+if {
+    k: torch.empty((), dtype=getattr(torch, k)).element_size() for k in ELEMENT_BYTES
+} != ELEMENT_BYTES:
+    raise ImportError("geometry.ELEMENT_BYTES disagrees with torch's element sizes")
 
 
 def kv_shape(cfg: PoolConfig) -> tuple[int, ...]:
@@ -55,28 +63,54 @@ def check_fits(cfg: PoolConfig, shm_free: int, meta_bytes: int) -> None:
 
 def create_cpu(path: str, cfg: PoolConfig) -> torch.Tensor:
     """Create the shared data file and map it as the KV tensor (zero-filled)."""
-    shape = kv_shape(cfg)
-    nbytes = cfg.data_bytes
-    fd = create_file(path, nbytes, cfg.group)
-    os.close(fd)
-    return _map_cpu(path, shape, cfg.torch_dtype)
+    fd = create_file(path, cfg.data_bytes, cfg.group)
+    try:
+        return _map_fd(fd, kv_shape(cfg), cfg.torch_dtype)
+    finally:
+        os.close(fd)
 
 
-def attach_cpu(path: str, cfg: PoolConfig) -> torch.Tensor:
-    """Map an existing CPU data file."""
-    if not os.path.exists(path):
-        raise PoolError(f"the pool's data file {path} is missing; the pool is unusable")
-    if os.path.getsize(path) < cfg.data_bytes:
-        raise PoolError(f"the pool's data file {path} is truncated")
-    return _map_cpu(path, kv_shape(cfg), cfg.torch_dtype)
+def attach_cpu(
+    path: str, cfg: PoolConfig, owner: int = -1, trust_owner: bool = False
+) -> torch.Tensor:
+    """Map an existing CPU data file: a regular file (never through a symlink) of the segment's
+    owner, at least as long as the geometry needs (a shorter one would SIGBUS on first touch).
+
+    Args:
+        owner: the uid that owns the pool's segment (default: this process's user).
+        trust_owner: accept a file of another user (with `owner` naming that user).
+    """
+    fd = open_file(
+        path,
+        "",
+        trust_owner=trust_owner,
+        missing=f"the pool's data file {path} is missing; the pool is unusable",
+        owner=os.geteuid() if owner < 0 else owner,
+    )
+    try:
+        check_size(fd, cfg.data_bytes, path)
+        return _map_fd(fd, kv_shape(cfg), cfg.torch_dtype)
+    finally:
+        os.close(fd)
 
 
-def _map_cpu(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _map_fd(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Map the file open on fd; through /proc/self/fd so that no path is looked up again."""
     numel = 1
     for s in shape:
         numel *= s
-    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)
     return flat.view(shape)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Loads only plain data (tuples, ints, bytes, bools): a CUDA IPC handle needs no class,
+    and a segment's bytes must never name code to run."""
+
+    def find_class(self, module: str, name: str):  # type: ignore[no-untyped-def]
+        raise PoolError(
+            f"the pool's CUDA IPC handle names {module}.{name}; a handle holds only plain data, so the segment was tampered with"
+        )
 
 
 def create_cuda(cfg: PoolConfig) -> tuple[torch.Tensor, bytes]:
@@ -95,10 +129,25 @@ def attach_cuda(blob: bytes, cfg: PoolConfig) -> torch.Tensor:
     if not torch.cuda.is_available():
         raise PoolError(f"pool lives on {cfg.device} but CUDA is not available in this process")
     torch.cuda.init()
-    handle, offset = pickle.loads(blob)
-    storage = torch.UntypedStorage._new_shared_cuda(*handle)
+    try:
+        handle, offset = _PlainUnpickler(io.BytesIO(blob)).load()
+    except PoolError:
+        raise
+    except Exception:
+        raise PoolError(
+            "the pool's CUDA IPC handle is unreadable; the segment is damaged"
+        ) from None
     shape = kv_shape(cfg)
-    kv = torch.empty(0, dtype=cfg.torch_dtype, device=cfg.device)
     stride = torch.empty(shape, device="meta").stride()
-    kv.set_(storage, offset, shape, stride)
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(*handle)
+        kv = torch.empty(0, dtype=cfg.torch_dtype, device=cfg.device)
+        kv.set_(storage, offset, shape, stride)
+    except (RuntimeError, TypeError, ValueError) as e:
+        # A creator that has exited, another device, or a handle that is not one.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PoolError(
+            f"cannot open the pool's KV tensor on {cfg.device} from its CUDA IPC handle ({first});"
+            " the creating process must still run"
+        ) from None
     return kv

@@ -132,6 +132,15 @@ HEADER_DTYPE = np.dtype(
 HEADER_CHECKSUM_BYTES = HEADER_DTYPE.fields["checksum"][1]  # type: ignore[index]
 
 
+def header_field_at(offset: int) -> str:
+    """The name of the header field holding byte `offset` ("?" outside the header)."""
+    for name in HEADER_DTYPE.names or ():
+        dt, off = HEADER_DTYPE.fields[name][:2]  # type: ignore[index]
+        if off <= offset < off + dt.itemsize:
+            return name
+    return "?"
+
+
 def block_dtype(block_size: int) -> np.dtype:
     """One fixed record per physical block; the first 32 bytes are the checksummed identity."""
     fields = [

@@ -40,6 +40,7 @@ from kvscope.allocator.segment import (
     map_new,
     open_existing,
     release,
+    remove_if_created,
     segment_path,
     shm_free_bytes,
     view_of,
@@ -182,21 +183,20 @@ class KVPool(SequenceOps):
         except BaseException:
             release(mf)
             for p in (path, data_path(name)):
-                if os.path.exists(p):
-                    os.unlink(p)
+                remove_if_created(p)
             raise
         return cls(name, mf, view, kv, created=True)
 
     @classmethod
-    def attach(cls, name: str) -> KVPool:
-        """Attach to an existing pool by name."""
+    def attach(cls, name: str, trust_owner: bool = False) -> KVPool:
+        """Attach to an existing pool by name (another user's only with `trust_owner`)."""
         check_name(name)
-        mf = open_existing(segment_path(name), name)
+        mf = open_existing(segment_path(name), name, trust_owner)
         try:
             view = view_of(mf)
             cfg = config_from_header(view.h)
             if cfg.device == "cpu":
-                kv = kvdata.attach_cpu(data_path(name), cfg)
+                kv = kvdata.attach_cpu(data_path(name), cfg, mf.uid, trust_owner)
             else:
                 blob = bytes(view.h["cuda_ipc"])[: int(view.h["cuda_ipc_len"])]
                 kv = kvdata.attach_cuda(blob, cfg)
@@ -404,7 +404,7 @@ class KVPool(SequenceOps):
         """Return dead processes' blocks to the pool; shared blocks lose only their references.
 
         Safe while other processes reclaim too. `done`, when given, gets one entry per process
-        this call reclaimed (pid, sequences, blocks, journal entries rolled back)."""
+        this call acted on (recovery.reclaim_dead)."""
         self._check_process()
         with self._mutex:
             self._busy[0] += 1

@@ -105,8 +105,9 @@ def recover_dead_holders(
         }
         for k in sorted(held | set(dead_clients(view, me))):
             if k != me and int(c["journal_count"][k]):
-                n = Journal(view, k).rollback()
-                recovered.append({"pid": int(c["pid"][k]), "entries": n})
+                j = Journal(view, k)
+                n = j.rollback()
+                recovered.append({"pid": int(c["pid"][k]), "entries": n, "skipped": j.skipped})
     finally:
         for i in reversed(taken):
             lt.release(i)
@@ -180,9 +181,11 @@ class _Gone(Exception):
 
 def reclaim_client(
     view: SegmentView, run: RunAll, store: BlockStore, seqtab: SeqTable, d: DeadClient
-) -> dict[str, int] | None:
+) -> dict[str, Any] | None:
     """Return one dead client's blocks, sequences and slots, each step its own transaction
-    under every lock; what was done, or None when another reclaimer took over the record."""
+    under every lock; what was done (sequences, blocks, journal entries rolled back, and why
+    its journal was skipped, `Journal.problem`), or None when another reclaimer took over the
+    record."""
     c = d.client
     seqs, b = view.seqs, view.blocks
 
@@ -194,8 +197,11 @@ def reclaim_client(
 
         return run(checked)
 
-    def rollback(t: Txn) -> int:
-        return Journal(view, c).rollback() if int(view.clients["journal_count"][c]) else 0
+    def rollback(t: Txn) -> tuple[int, str | None]:
+        if not int(view.clients["journal_count"][c]):
+            return 0, None
+        j = Journal(view, c)
+        return j.rollback(), j.skipped
 
     def mine(s: int) -> bool:
         return (
@@ -241,9 +247,9 @@ def reclaim_client(
             view.clients["local_count"][c] = 0
         return len(ids)
 
-    done = {"sequences": 0, "blocks": 0, "entries": 0}
+    done: dict[str, Any] = {"sequences": 0, "blocks": 0}
     try:
-        done["entries"] = step(rollback)
+        done["entries"], done["skipped"] = step(rollback)
         live = (seqs["owner_client"] == c) & (seqs["state"] != SeqState.EMPTY)
         for s in np.flatnonzero(live).tolist():
             released = False
@@ -265,13 +271,14 @@ def reclaim_client(
 
 def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None = None) -> dict[str, int]:
     """Return every dead client's blocks (totals); `done` gets one entry per dead process this
-    call acted on: pid, sequences, blocks, journal entries rolled back, and whether it was this
-    call that reclaimed the process (`detached`) or another reclaimer finished it."""
+    call acted on: pid, sequences, blocks, journal entries rolled back (`skipped`: why its
+    journal could not be trusted and was not), and whether it was this call that reclaimed the
+    process (`detached`) or another reclaimer finished it."""
     totals = {"processes": 0, "sequences": 0, "blocks": 0}
     # Stop the world once: dead holders' and every dead client's journals rolled back.
-    rolled: dict[int, int] = {}
+    rolled: dict[int, dict[str, Any]] = {}
     for r in recover_dead_holders(pool.locks, pool.view, pool.client, pool.report):
-        rolled[r["pid"]] = rolled.get(r["pid"], 0) + r["entries"]
+        rolled[r["pid"]] = r
     for d in find_dead(pool.view, pool.client):
         got = reclaim_client(
             pool.view, lambda fn: pool._run(pool.ALL, fn), pool.store, pool.seqtab, d
@@ -281,12 +288,15 @@ def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None = None) -> dict
         totals["processes"] += 1
         totals["sequences"] += got["sequences"]
         totals["blocks"] += got["blocks"]
-        got["entries"] += rolled.pop(d.pid, 0)
+        if d.pid in rolled:
+            r = rolled.pop(d.pid)
+            got["entries"] += r["entries"]
+            got["skipped"] = got["skipped"] or r["skipped"]
         if done is not None:
             done.append({"pid": d.pid, **got, "detached": True})
     if done is not None:
-        for pid, n in rolled.items():
-            done.append({"pid": pid, "sequences": 0, "blocks": 0, "entries": n, "detached": False})
+        for pid, r in rolled.items():
+            done.append({**r, "pid": pid, "sequences": 0, "blocks": 0, "detached": False})
     return totals
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import ClientState, SegmentView, block_checksums, block_words
 from kvscope.allocator.process import is_alive
 
@@ -132,6 +133,9 @@ class Seqlock:
         next operation (which changes its counter, and the copy is taken again).
         """
         cl = self.view.clients
+        if Journal(self.view, c).problem() is not None:
+            # Recovery will not apply a journal it cannot trust (its writes stand): nor does this.
+            return
         n = min(max(int(cl["journal_count"][c]), count_before), len(cl["journal"][c]))
         entries = cl["journal"][c][:n].copy()
         data = cl["journal_data"][c].copy()

@@ -1,10 +1,22 @@
-"""Pool throughput: the shared, journaled KVPool beside a plain in-process peer, same workloads.
+"""Pool throughput: kvscope's shared, journaled KVPool beside nano-vllm's BlockManager and vLLM's
+v1 BlockPool, the same workloads in the same run.
 
-    python bench/bench_pool.py            # full run (about a minute or two)
-    python bench/bench_pool.py --quick    # smaller workloads, for a smoke test
+    python bench/bench_pool.py --nano-vllm DIR --vllm DIR   # all three, 10-20 minutes
+    python bench/bench_pool.py --quick                      # kvscope alone, small: a smoke test
 
-One core pinned, GC off, median of --repeat runs after a warm-up run. Prints a markdown table
-with ratios.
+The peers are not part of kvscope; each is installed for the run and driven through its own
+methods (bench/peer_nanovllm.py and bench/peer_vllm.py say how, and which calls stand for
+which operation):
+
+    git clone https://github.com/GeeeekExplorer/nano-vllm /tmp/nano-vllm
+    pip install xxhash
+    pip install --no-deps --target /tmp/vllm-peer vllm==0.33.0 -r bench/vllm_import_deps.txt
+    python bench/bench_pool.py --nano-vllm /tmp/nano-vllm --vllm /tmp/vllm-peer
+
+A peer left out is not measured; an operation a peer has no equivalent of is n/a. One core
+pinned, GC off; each workload gets a fresh pool per contender and one untimed warm-up run each
+(the first runs after a pool is made measure slow), then --repeat rounds that take the
+contenders in turn; the table has the medians, stderr every run.
 """
 
 from __future__ import annotations
@@ -18,14 +30,19 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from peer_blockmanager import BlockManager, PeerSeq  # noqa: E402
+import peer_nanovllm  # noqa: E402
+import peer_vllm  # noqa: E402
 
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 
 BS = 16
+NUM_BLOCKS = 64 * 1024
+DECODE = 64
+RUNNING = 64
 
 
 def new_pool(num_blocks: int) -> KVPool:
@@ -33,132 +50,98 @@ def new_pool(num_blocks: int) -> KVPool:
     return KVPool.create(f"bench-{uuid.uuid4().hex[:8]}", cfg)
 
 
-def median_rate(fn: Callable[[], float], repeat: int) -> float:
-    """fn returns ops/s for one run; the median over runs, after one untimed warm-up run (the
-    first ~0.1 s after a pool is made measure up to 25% slow on this machine, for kvscope and
-    the peer alike)."""
-    fn()
-    return statistics.median(fn() for _ in range(repeat))
+class KvscopePool:
+    """A KVPool handle, with a workload per method (rates per second)."""
 
+    name = "kvscope"
 
-# -- micro workloads ---------------------------------------------------------------------------
+    def __init__(self, pool: KVPool):
+        self.pool = pool
 
+    def batch(self, n: int, tokens: list[int]) -> float:
+        pool = self.pool
+        t = time.perf_counter()
+        for i in range(n):
+            tokens[0] = i  # a new prompt each time: no prefix hits
+            pool.free(pool.allocate("b", tokens))
+        return 64 * n / (time.perf_counter() - t)
 
-def batch_ours(pool: KVPool, n: int) -> float:
-    toks = [random.randrange(30000) for _ in range(64 * BS)]
-    t = time.perf_counter()
-    for i in range(n):
-        toks[0] = i  # a new prompt each time: no prefix hits
-        pool.free(pool.allocate("b", toks))
-    return 64 * n / (time.perf_counter() - t)
+    def single(self, n: int) -> float:
+        pool = self.pool
+        t = time.perf_counter()
+        for i in range(n):
+            pool.free(pool.allocate("s", [i, 1, 2]))
+        return n / (time.perf_counter() - t)
 
+    def append(self, n: int) -> float:
+        # One token at a time; a fresh sequence every 1024 tokens (64 blocks).
+        pool = self.pool
+        t = time.perf_counter()
+        seq = pool.allocate("a", [1])
+        for i in range(n):
+            if seq.num_tokens >= 1024:
+                pool.free(seq)
+                seq = pool.allocate("a", [1])
+            pool.append(seq, [i])
+        rate = n / (time.perf_counter() - t)
+        pool.free(seq)
+        return rate
 
-def batch_peer(bm: BlockManager, n: int) -> float:
-    toks = [random.randrange(30000) for _ in range(64 * BS)]
-    t = time.perf_counter()
-    for i in range(n):
-        toks[0] = i
-        s = PeerSeq(toks)
-        bm.allocate(s)
-        bm.deallocate(s)
-    return 64 * n / (time.perf_counter() - t)
+    def fork(self, n: int) -> float:
+        pool = self.pool
+        seq = pool.allocate("f", list(range(16 * BS)))
+        t = time.perf_counter()
+        for _ in range(n):
+            pool.free(pool.fork(seq, "c"))
+        rate = n / (time.perf_counter() - t)
+        pool.free(seq)
+        return rate
 
-
-def single_ours(pool: KVPool, n: int) -> float:
-    t = time.perf_counter()
-    for i in range(n):
-        pool.free(pool.allocate("s", [i, 1, 2]))
-    return n / (time.perf_counter() - t)
-
-
-def single_peer(bm: BlockManager, n: int) -> float:
-    t = time.perf_counter()
-    for i in range(n):
-        s = PeerSeq([i, 1, 2])
-        bm.allocate(s)
-        bm.deallocate(s)
-    return n / (time.perf_counter() - t)
-
-
-def append_ours(pool: KVPool, n: int) -> float:
-    # One token at a time; a fresh sequence every 1024 tokens (64 blocks).
-    t = time.perf_counter()
-    seq = pool.allocate("a", [1])
-    for i in range(n):
-        if seq.num_tokens >= 1024:
+    def hit(self, n: int, prompt: list[int]) -> float:
+        pool = self.pool
+        owner = pool.allocate("p", prompt)
+        pool.mark_computed(owner, len(prompt))
+        expect = (len(prompt) - 1) // BS * BS
+        t = time.perf_counter()
+        for _ in range(n):
+            seq = pool.allocate("h", prompt)
+            assert seq.num_cached_tokens == expect
             pool.free(seq)
-            seq = pool.allocate("a", [1])
-        pool.append(seq, [i])
-    rate = n / (time.perf_counter() - t)
-    pool.free(seq)
-    return rate
+        rate = n / (time.perf_counter() - t)
+        pool.free(owner)
+        return rate
 
+    def seqs(self, prompts: list[list[int]], decode: int, running: int) -> float:
+        pool = self.pool
+        t = time.perf_counter()
+        live: list[list[Any]] = []
+        pending = iter(prompts)
+        done = 0
+        tok = 0
+        while done < len(prompts):
+            while len(live) < running:
+                p = next(pending, None)
+                if p is None:
+                    break
+                seq = pool.allocate("w", p)
+                pool.mark_computed(seq, len(p))
+                live.append([seq, decode])
+            for item in live:
+                seq = item[0]
+                tok += 1
+                pool.append(seq, [tok])
+                if seq.num_tokens % BS == 0:
+                    pool.mark_computed(seq, seq.num_tokens)
+                item[1] -= 1
+            for item in [x for x in live if x[1] == 0]:
+                pool.free(item[0])
+                live.remove(item)
+                done += 1
+        return len(prompts) / (time.perf_counter() - t)
 
-def append_peer(bm: BlockManager, n: int) -> float:
-    t = time.perf_counter()
-    seq = PeerSeq([1])
-    bm.allocate(seq)
-    for i in range(n):
-        if len(seq.tokens) >= 1024:
-            bm.deallocate(seq)
-            seq = PeerSeq([1])
-            bm.allocate(seq)
-        bm.append(seq, i)
-    rate = n / (time.perf_counter() - t)
-    bm.deallocate(seq)
-    return rate
-
-
-def fork_ours(pool: KVPool, n: int) -> float:
-    seq = pool.allocate("f", list(range(16 * BS)))
-    t = time.perf_counter()
-    for _ in range(n):
-        pool.free(pool.fork(seq, "c"))
-    rate = n / (time.perf_counter() - t)
-    pool.free(seq)
-    return rate
-
-
-def fork_peer(bm: BlockManager, n: int) -> float:
-    seq = PeerSeq(list(range(16 * BS)))
-    bm.allocate(seq)
-    t = time.perf_counter()
-    for _ in range(n):
-        bm.deallocate(bm.fork(seq))
-    rate = n / (time.perf_counter() - t)
-    bm.deallocate(seq)
-    return rate
-
-
-def hit_ours(pool: KVPool, n: int) -> float:
-    prompt = list(range(16 * BS + 1))
-    seq = pool.allocate("p", prompt)
-    pool.mark_computed(seq, len(prompt))
-    t = time.perf_counter()
-    for _ in range(n):
-        s = pool.allocate("h", prompt)
-        assert s.num_cached_tokens == 16 * BS
-        pool.free(s)
-    rate = n / (time.perf_counter() - t)
-    pool.free(seq)
-    return rate
-
-
-def hit_peer(bm: BlockManager, n: int) -> float:
-    prompt = list(range(16 * BS + 1))
-    seq = PeerSeq(prompt)
-    bm.allocate(seq)
-    t = time.perf_counter()
-    for _ in range(n):
-        s = PeerSeq(prompt)
-        bm.allocate(s)
-        bm.deallocate(s)
-    rate = n / (time.perf_counter() - t)
-    bm.deallocate(seq)
-    return rate
-
-
-# -- the sequence workload -----------------------------------------------------------------------
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.unlink()
 
 
 def workload(num_seqs: int, seed: int) -> list[list[int]]:
@@ -172,61 +155,6 @@ def workload(num_seqs: int, seed: int) -> list[list[int]]:
     return out
 
 
-def seqs_ours(pool: KVPool, prompts: list[list[int]], decode: int = 64, running: int = 64) -> float:
-    t = time.perf_counter()
-    live: list = []
-    pending = iter(prompts)
-    done = 0
-    tok = 0
-    while done < len(prompts):
-        while len(live) < running:
-            p = next(pending, None)
-            if p is None:
-                break
-            s = pool.allocate("w", p)
-            pool.mark_computed(s, len(p))
-            live.append([s, decode])
-        for item in live:
-            s = item[0]
-            tok += 1
-            pool.append(s, [tok])
-            if s.num_tokens % BS == 0:
-                pool.mark_computed(s, s.num_tokens)
-            item[1] -= 1
-        for item in [x for x in live if x[1] == 0]:
-            pool.free(item[0])
-            live.remove(item)
-            done += 1
-    return len(prompts) / (time.perf_counter() - t)
-
-
-def seqs_peer(
-    bm: BlockManager, prompts: list[list[int]], decode: int = 64, running: int = 64
-) -> float:
-    t = time.perf_counter()
-    live: list = []
-    pending = iter(prompts)
-    done = 0
-    tok = 0
-    while done < len(prompts):
-        while len(live) < running:
-            p = next(pending, None)
-            if p is None:
-                break
-            s = PeerSeq(p)
-            bm.allocate(s)
-            live.append([s, decode])
-        for item in live:
-            tok += 1
-            bm.append(item[0], tok)
-            item[1] -= 1
-        for item in [x for x in live if x[1] == 0]:
-            bm.deallocate(item[0])
-            live.remove(item)
-            done += 1
-    return len(prompts) / (time.perf_counter() - t)
-
-
 def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> float:
     """Aggregate sequences/s of num_procs processes sharing one pool (wall clock, all running)."""
     pool = new_pool(num_blocks)
@@ -237,10 +165,10 @@ def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> flo
         pid = os.fork()
         if pid == 0:
             os.close(w)
-            mine = KVPool.attach(pool.name)
+            mine = KvscopePool(KVPool.attach(pool.name))
             os.read(r, 1)  # start together
-            seqs_ours(mine, prompts[k * share : (k + 1) * share], running=64 // num_procs)
-            mine.close()
+            mine.seqs(prompts[k * share : (k + 1) * share], DECODE, RUNNING // num_procs)
+            mine.pool.close()
             os._exit(0)
         pids.append(pid)
     os.close(r)
@@ -255,6 +183,32 @@ def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> flo
     return rate
 
 
+def measure(
+    makers: dict[str, Callable[[], Any]], method: str, args: tuple[Any, ...], reps: int, label: str
+) -> dict[str, float | None]:
+    """Median rate per contender; None where the contender has no such operation."""
+    made = {name: make() for name, make in makers.items()}
+    try:
+        runs: dict[str, list[float]] = {}
+        fns = {n: getattr(c, method) for n, c in made.items() if hasattr(c, method)}
+        for fn in fns.values():
+            fn(*args)  # warm-up
+        for _ in range(reps):
+            for name, fn in fns.items():
+                runs.setdefault(name, []).append(fn(*args))
+    finally:
+        for contender in made.values():
+            contender.close()
+    for name, rates in runs.items():
+        shown = " ".join(f"{r:,.0f}" for r in rates)
+        print(f"{label} | {name}: {shown}", file=sys.stderr)
+    return {name: statistics.median(runs[name]) if name in runs else None for name in makers}
+
+
+def fmt(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:,.0f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -262,56 +216,64 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small workloads (smoke test)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seqs", type=int, default=10_000, help="sequences in the sequence workload")
+    ap.add_argument("--nano-vllm", metavar="DIR", help="a nano-vllm checkout to measure beside")
+    ap.add_argument("--vllm", metavar="DIR", help="a pip --target folder holding vllm")
     args = ap.parse_args(argv)
     scale = 0.1 if args.quick else 1.0
     reps = 1 if args.quick else args.repeat
     nseq = max(200, int(args.seqs * scale))
+
+    makers: dict[str, Callable[[], Any]] = {"kvscope": lambda: KvscopePool(new_pool(NUM_BLOCKS))}
+    if args.nano_vllm:
+        nano, commit = peer_nanovllm.load(args.nano_vllm)
+        print(f"nano-vllm at {commit}", file=sys.stderr)
+        makers["nano-vllm"] = lambda: peer_nanovllm.NanoVllmPeer(nano, NUM_BLOCKS, BS)
+    if args.vllm:
+        t = time.perf_counter()
+        block_pool, utils, version = peer_vllm.load(args.vllm)
+        print(f"vllm {version}, imported in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        makers["vLLM BlockPool"] = lambda: peer_vllm.VllmPeer((block_pool, utils), NUM_BLOCKS, BS)
+
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    gc.collect()
     gc.disable()
     random.seed(0)
-    num_blocks = 64 * 1024
-    rows = []
-    pool = new_pool(num_blocks)
-    try:
-        micro = [
-            ("allocate+free, batches of 64 (blocks/s)", batch_ours, batch_peer, int(2000 * scale)),
-            ("allocate+free, single pairs (pairs/s)", single_ours, single_peer, int(20000 * scale)),
-            ("append one token (appends/s)", append_ours, append_peer, int(50000 * scale)),
-            ("fork+free of 16 blocks (forks/s)", fork_ours, fork_peer, int(5000 * scale)),
-            ("prefix hit of 16 blocks (allocs/s)", hit_ours, hit_peer, int(5000 * scale)),
-        ]
-        for label, ours, peer, n in micro:
-            bm = BlockManager(num_blocks, BS)
-            o = median_rate(lambda ours=ours, n=n: ours(pool, n), reps)
-            p = median_rate(lambda peer=peer, n=n, bm=bm: peer(bm, n), reps)
-            rows.append((label, o, p))
-            print(f"{label}: kvscope {o:,.0f}  peer {p:,.0f}  ratio {o / p:.2f}", file=sys.stderr)
-        prompts = workload(nseq, 1)
-        seq_reps = 1 if args.quick else 3
-        o = median_rate(lambda: seqs_ours(pool, prompts), seq_reps)
-        p = median_rate(lambda: seqs_peer(BlockManager(num_blocks, BS), prompts), seq_reps)
-        rows.append((f"sequence workload, 1 process ({nseq} seqs, seqs/s)", o, p))
-        print(f"seqs 1 proc: kvscope {o:,.0f} peer {p:,.0f}", file=sys.stderr)
-    finally:
-        pool.close()
-        pool.unlink()
+    batch_tokens = [random.randrange(30000) for _ in range(64 * BS)]
+    hit_prompt = list(range(16 * BS + 1))
+    micro: list[tuple[str, str, tuple[Any, ...]]] = [
+        ("allocate+free, batches of 64 (blocks/s)", "batch", (int(2000 * scale), batch_tokens)),
+        ("allocate+free, single pairs (pairs/s)", "single", (int(20000 * scale),)),
+        ("append one token (appends/s)", "append", (int(50000 * scale),)),
+        ("fork+free of 16 blocks (forks/s)", "fork", (int(5000 * scale),)),
+        ("prefix hit of 16 blocks (allocs/s)", "hit", (int(5000 * scale), hit_prompt)),
+    ]
+    rows = [(label, measure(makers, m, a, reps, label)) for label, m, a in micro]
+    prompts = workload(nseq, 1)
+    label = f"sequence workload, 1 process ({nseq:,} seqs, seqs/s)"
+    seq_reps = 1 if args.quick else 3
+    rows.append((label, measure(makers, "seqs", (prompts, DECODE, RUNNING), seq_reps, label)))
+
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-    m = median_rate(lambda: seqs_multi(4, prompts, num_blocks), 1 if args.quick else 3)
-    rows.append(
-        (
-            f"sequence workload, 4 processes on {os.cpu_count()} cores (aggregate seqs/s)",
-            m,
-            float("nan"),
-        )
+    multi = statistics.median(
+        seqs_multi(4, prompts, NUM_BLOCKS) for _ in range(1 if args.quick else 3)
     )
-    print("| workload | kvscope | peer (in-process) | kvscope / peer |")
-    print("|---|---:|---:|---:|")
-    for label, o, p in rows:
-        ratio = f"{o / p:.2f}" if p == p else "—"
-        peer = f"{p:,.0f}" if p == p else "— (cannot share)"
-        print(f"| {label} | {o:,.0f} | {peer} | {ratio} |")
+    label = f"sequence workload, 4 processes on {os.cpu_count()} cores (aggregate seqs/s)"
+    rows.append((label, {"kvscope": multi}))
+
+    peers = [name for name in makers if name != "kvscope"]
+    head = ["workload", "kvscope", *peers, *(f"kvscope / {p}" for p in peers)]
+    print("| " + " | ".join(head) + " |")
+    print("|---|" + "---:|" * (len(head) - 1))
+    for label, rates in rows:
+        ours = rates["kvscope"]
+        cells = [label, fmt(ours)]
+        cells += ["— (one process only)" if p not in rates else fmt(rates[p]) for p in peers]
+        for p in peers:
+            theirs = rates.get(p)
+            cells.append(f"{ours / theirs:.2f}" if ours and theirs else "n/a")
+        print("| " + " | ".join(cells) + " |")
     return 0
 
 

@@ -17,7 +17,6 @@ from kvscope.allocator.layout import (
     DUMP_REDACTED,
     DUMP_TORN,
     DUMP_WITH_DATA,
-    NUM_SITES,
     BlockState,
     ClientState,
     Flag,
@@ -25,6 +24,7 @@ from kvscope.allocator.layout import (
     SeqState,
 )
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.sites import site_frames
 from kvscope.allocator.stats import pool_stats
 
 Alive = Callable[[int, int], bool]
@@ -196,21 +196,23 @@ def first_bad_event(events: list[dict[str, Any]], generation: int) -> dict[str, 
 
 def _block_detail(view: SegmentView, blk: int) -> dict[str, Any]:
     b = view.blocks[blk]
-    site = int(b["site"])
-    text = _s(view.sites["text"][site]) if 0 <= site < NUM_SITES else ""
+    frames = site_frames(view, int(b["site"]))
     st = int(b["state"])
-    return {
+    detail = {
         "state": BlockState(st).name.lower() if st < len(BlockState) else f"invalid({st})",
         "refcount": int(b["refcount"]),
         "generation": int(b["generation"]),
         "owner_pid": int(b["owner_pid"]) or None,
         "request": _s(b["request"]) or None,
-        "site": text or None,
+        "site": " <- ".join(frames) or None,
         "alloc_ns": int(b["alloc_ns"]),
         "access_ns": int(b["access_ns"]),
         "num_tokens": int(b["num_tokens"]),
         "prefix_hash": f"{int(b['prefix_hash']):#018x}",
     }
+    if len(frames) > 1:
+        detail["stack"] = frames
+    return detail
 
 
 def collect_findings(view: SegmentView, alive: Alive) -> list[Finding]:
@@ -262,6 +264,8 @@ def analyze_view(
         if f.block is not None and 0 <= f.block < view.layout.num_blocks:
             detail = _block_detail(view, f.block)
             d["site"] = detail["site"]
+            if "stack" in detail:
+                d["stack"] = detail["stack"]
             d["alloc_ns"] = detail["alloc_ns"]
             d["events"] = events.get(f.block, [])
             bad = first_bad_event(d["events"], detail["generation"])

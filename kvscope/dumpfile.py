@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
+import sys
 import tempfile
 from collections.abc import Callable
+from io import BufferedReader
 
 import numpy as np
 
 from kvscope.allocator.errors import PoolError
+from kvscope.allocator.geometry import geometry_problem
 from kvscope.allocator.layout import (
     DUMP_HEADER_DTYPE,
     DUMP_MAGIC,
@@ -36,8 +40,11 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.process import is_alive, now_ns
 from kvscope.allocator.segment import (
+    check_name,
+    check_size,
     data_path,
     open_existing,
+    open_file,
     release,
     segment_path,
     validate_bytes,
@@ -48,6 +55,8 @@ from kvscope.allocator.snapshot import snapshot
 # Bytes of the segment header kept in the dump header's segment_header_prefix field.
 SAVED_HEADER_BYTES = 256
 DUMP_SUFFIX = ".kvd"
+# `kvscope dump NAME -o -`: the dump goes to standard output.
+STDOUT = "-"
 
 
 def dump_name(pool: str, pid: int) -> str:
@@ -56,13 +65,16 @@ def dump_name(pool: str, pid: int) -> str:
 
 
 def layout_of_prefix(prefix: bytes) -> Layout | None:
-    """The layout a saved header prefix describes, or None when it holds no intact pool header."""
+    """The layout a saved header prefix describes, or None when it holds no usable pool header
+    (every geometry field it covers is range-checked, as for a whole header)."""
     if len(prefix) < 8 or int.from_bytes(prefix[:8], "little") != POOL_MAGIC:
         return None
     buf = bytearray(HEADER_DTYPE.itemsize)
     buf[: len(prefix)] = prefix[: HEADER_DTYPE.itemsize]
     h = np.frombuffer(buf, HEADER_DTYPE, 1)[0]
     if int(h["version"]) != FORMAT_VERSION:
+        return None
+    if geometry_problem(h, known_bytes=min(len(prefix), HEADER_DTYPE.itemsize)) is not None:
         return None
     return Layout.from_header(h)
 
@@ -76,21 +88,28 @@ def write_dump(
     reason: str = "",
     pid: int | None = None,
     header_prefix: bytes | None = None,
+    trust_owner: bool = False,
 ) -> str:
-    """Write a consistent dump of a pool (by name, SegmentView or KVPool) to path, mode 0600.
+    """Write a consistent dump of a pool (by name, SegmentView or KVPool) to path, mode 0600;
+    path "-" writes it to standard output.
 
     Args:
         pid: the process the dump is about (default: this one), recorded in the dump header.
         header_prefix: the segment header's first bytes as last seen intact (default: the
             segment's own header when it is intact).
+        trust_owner: dump a pool that another user owns (by name).
     """
     if with_data and redact:
         raise PoolError(
             "--redact cannot be combined with --with-data: the KV values encode the prompt; dump one or the other"
         )
+    target = os.fspath(path)
+    check_target(target)
     mf = None
+    name = getattr(view_or_name, "name", None)
     if isinstance(view_or_name, str):
-        mf = open_existing(segment_path(view_or_name), view_or_name)
+        name = view_or_name
+        mf = open_existing(segment_path(name), name, trust_owner)
         live = view_of(mf)
     elif isinstance(view_or_name, SegmentView):
         live = view_or_name
@@ -100,7 +119,8 @@ def write_dump(
         # A live mapping is copied under the seqlock; an already-copied view as it is.
         snap = snapshot(live) if not isinstance(live.buf, bytearray | bytes) else live
         torn = bool(getattr(snap, "torn", False))
-        data = _read_data(snap) if with_data else b""
+        owner = mf.uid if mf is not None else -1
+        data = _read_data(snap, name, owner, trust_owner) if with_data else b""
     finally:
         if mf is not None:
             release(mf)
@@ -129,21 +149,37 @@ def write_dump(
         dh["segment_header_prefix"][0, : len(header_prefix[:SAVED_HEADER_BYTES])] = np.frombuffer(
             header_prefix[:SAVED_HEADER_BYTES], np.uint8
         )
-    return _write_private(os.fspath(path), [dh.tobytes(), seg, data])
+    parts = [dh.tobytes(), seg, data]
+    if target == STDOUT:
+        return _write_stdout(parts)
+    return _write_private(target, parts)
 
 
-def _read_data(view: SegmentView) -> bytes:
+def _read_data(view: SegmentView, name: str | None, owner: int, trust_owner: bool) -> bytes:
     """The pool's KV data bytes (CPU: its shared file; CUDA: copied from the device)."""
     h = view.h
-    name = bytes(h["name"]).decode(errors="replace")
     device = bytes(h["device"]).decode(errors="replace")
     nbytes = int(h["data_bytes"])
     if device == "cpu":
+        # The data file is found by the pool's name, never by a name the segment holds
+        # unchecked: a header naming "../x" must not make the dump read another file.
+        name = check_name(name or bytes(h["name"]).decode(errors="replace"))
+        path = data_path(name)
+        fd = open_file(
+            path,
+            name,
+            trust_owner=trust_owner,
+            missing=f"cannot read the KV data of pool {name!r}: {path} does not exist",
+            owner=os.geteuid() if owner < 0 else owner,
+        )
         try:
-            with open(data_path(name), "rb") as f:
+            check_size(fd, nbytes, path)
+            with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(nbytes)
         except OSError as e:
             raise PoolError(f"cannot read the KV data of pool {name!r}: {e.strerror}") from None
+        finally:
+            os.close(fd)
         if len(data) < nbytes:
             raise PoolError(f"the KV data file of pool {name!r} is truncated")
         return data
@@ -155,8 +191,45 @@ def _read_data(view: SegmentView) -> bytes:
     return kv.contiguous().cpu().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()
 
 
+def check_target(path: str) -> None:
+    """A dump goes to a new or regular file (or "-", standard output): writing it next to a
+    device, FIFO or directory and renaming it over that would replace the node itself."""
+    if path == STDOUT:
+        if sys.stdout.isatty():
+            raise PoolError(
+                "standard output is a terminal; send the dump to a file or a pipe (-o - > pool.kvd)"
+            )
+        return
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise PoolError(f"cannot write {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PoolError(
+            f"cannot write {path}: it is not a regular file (a dump replaces the file it is written to); use a file path, or - for standard output"
+        )
+
+
+def _write_stdout(parts: list[bytes | bytearray]) -> str:
+    """Write parts to standard output (a pipe or a file the shell opened)."""
+    out = sys.stdout.buffer
+    try:
+        out.flush()
+        for p in parts:
+            out.write(p)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise PoolError(f"cannot write the dump to standard output: {e.strerror}") from None
+    return STDOUT
+
+
 def _write_private(path: str, parts: list[bytes | bytearray]) -> str:
-    """Write parts to path atomically, readable by its owner only (mode 0600)."""
+    """Write parts to path atomically, readable by its owner only (mode 0600); a failed write
+    (a full disk, say) leaves no file behind and is one PoolError."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=".kvscope-dump-", dir=directory)
@@ -164,22 +237,35 @@ def _write_private(path: str, parts: list[bytes | bytearray]) -> str:
         raise PoolError(f"cannot write {path}: directory {directory} does not exist") from None
     except PermissionError:
         raise PoolError(f"cannot write {path}: permission denied in {directory}") from None
+    except OSError as e:
+        raise PoolError(f"cannot write {path}: {e.strerror}") from None
     try:
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "wb") as f:
             for p in parts:
                 f.write(p)
         os.replace(tmp, path)
+    except OSError as e:
+        _remove(tmp)
+        raise PoolError(f"cannot write {path}: {e.strerror}; nothing was written") from None
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _remove(tmp)
         raise
     return path
 
 
-def _open(path: str):
+def _remove(path: str) -> None:
     try:
-        return open(path, "rb")
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _open(path: str) -> BufferedReader:
+    """Open a dump file for reading: a regular file (a FIFO or a device is refused, never
+    waited on); every failure is one PoolError line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise PoolError(f"no dump file at {path}") from None
     except IsADirectoryError:
@@ -188,40 +274,62 @@ def _open(path: str):
         raise PoolError(
             f"cannot read {path}: permission denied (dump files are mode 0600; run as their owner)"
         ) from None
+    except OSError as e:
+        raise PoolError(f"cannot read {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        raise PoolError(f"{path} is a directory, not a dump file")
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise PoolError(f"{path} is not a regular file, not a dump file")
+    return os.fdopen(fd, "rb")
 
 
 def read_dump(path: str | os.PathLike[str]) -> tuple[SegmentView, np.void]:
     """Read a dump file (or a raw copy of a segment); PoolError with one clear line if unusable."""
     path = os.fspath(path)
     with _open(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(DUMP_HEADER_DTYPE.itemsize)
-        magic = int.from_bytes(head[:8], "little") if len(head) >= 8 else None
-        if magic == POOL_MAGIC:
-            return _read_raw_segment(f, path, size, head)
-        if magic != DUMP_MAGIC:
-            if len(head) < 8 and DUMP_MAGIC.to_bytes(8, "little").startswith(head):
-                raise PoolError(f"{path} is truncated: {size} bytes, not even a dump header")
-            raise PoolError(f"{path} is not a kvscope dump (it does not start with the dump magic)")
-        if len(head) < DUMP_HEADER_DTYPE.itemsize:
-            raise PoolError(
-                f"{path} is truncated: {size} bytes, a dump header needs {DUMP_HEADER_DTYPE.itemsize}"
-            )
-        dh = np.frombuffer(head, DUMP_HEADER_DTYPE, 1)[0]
-        if int(dh["version"]) != DUMP_VERSION:
-            raise PoolError(
-                f"{path} is a version {int(dh['version'])} dump; this kvscope reads version {DUMP_VERSION}"
-            )
-        seg_size = int(dh["segment_size"])
-        want = DUMP_HEADER_DTYPE.itemsize + seg_size
-        if int(dh["flags"]) & DUMP_WITH_DATA:
-            want += int(dh["data_size"])
-        if size < want:
-            raise PoolError(f"{path} is truncated: {size} bytes, its header says {want}")
-        seg = bytearray(seg_size)
-        f.readinto(seg)
-    layout = _layout(seg, seg_size, path, bytes(dh["segment_header_prefix"][:SAVED_HEADER_BYTES]))
-    return SegmentView(seg, layout), dh
+        try:
+            return _read(f, path)
+        except OSError as e:
+            raise PoolError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _read(f: BufferedReader, path: str) -> tuple[SegmentView, np.void]:
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(DUMP_HEADER_DTYPE.itemsize)
+    magic = int.from_bytes(head[:8], "little") if len(head) >= 8 else None
+    if magic == POOL_MAGIC:
+        return _read_raw_segment(f, path, size, head)
+    if magic != DUMP_MAGIC:
+        if len(head) < 8 and DUMP_MAGIC.to_bytes(8, "little").startswith(head):
+            raise PoolError(f"{path} is truncated: {size} bytes, not even a dump header")
+        raise PoolError(f"{path} is not a kvscope dump (it does not start with the dump magic)")
+    if len(head) < DUMP_HEADER_DTYPE.itemsize:
+        raise PoolError(
+            f"{path} is truncated: {size} bytes, a dump header needs {DUMP_HEADER_DTYPE.itemsize}"
+        )
+    dh = np.frombuffer(head, DUMP_HEADER_DTYPE, 1)[0]
+    if int(dh["version"]) != DUMP_VERSION:
+        raise PoolError(
+            f"{path} is a version {int(dh['version'])} dump; this kvscope reads version {DUMP_VERSION}"
+        )
+    seg_size = int(dh["segment_size"])
+    want = DUMP_HEADER_DTYPE.itemsize + seg_size
+    if int(dh["flags"]) & DUMP_WITH_DATA:
+        want += int(dh["data_size"])
+    if size < want:
+        raise PoolError(f"{path} is truncated: {size} bytes, its header says {want}")
+    # Sized by the file: a segment_size that claims more than the file holds was refused above.
+    seg = bytearray(seg_size)
+    if f.readinto(seg) != seg_size:
+        raise PoolError(f"{path} is truncated: it ended while its segment was read")
+    saved = bytes(dh["segment_header_prefix"][:SAVED_HEADER_BYTES])
+    view = SegmentView(seg, _layout(seg, seg_size, path, saved))
+    # check_header names a changed header field against this copy (kvscope.allocator.check).
+    view.intact_header = saved if layout_of_prefix(saved) is not None else None  # type: ignore[attr-defined]
+    return view, dh
 
 
 def _layout(seg: bytearray, seg_size: int, where: str, saved: bytes) -> Layout:
@@ -237,14 +345,19 @@ def _layout(seg: bytearray, seg_size: int, where: str, saved: bytes) -> Layout:
     return layout
 
 
-def _read_raw_segment(f, path: str, size: int, head: bytes) -> tuple[SegmentView, np.void]:
+def _read_raw_segment(
+    f: BufferedReader, path: str, size: int, head: bytes
+) -> tuple[SegmentView, np.void]:
     """A plain copy of /dev/shm/kvscope.NAME read as a dump without a dump header."""
-    seg = bytearray(size)
-    seg[: len(head)] = head
-    f.readinto(memoryview(seg)[len(head) :])
-    layout = validate_bytes(bytes(seg[: HEADER_DTYPE.itemsize]), size, path)
+    head += f.read(max(0, HEADER_DTYPE.itemsize - len(head)))
+    layout = validate_bytes(head[: HEADER_DTYPE.itemsize], size, path)
+    seg_size = layout.offsets()["end"]
+    seg = bytearray(seg_size)
+    seg[: len(head)] = head[:seg_size]
+    if f.readinto(memoryview(seg)[len(head) :]) != seg_size - len(head):
+        raise PoolError(f"{path} is truncated: it ended while its segment was read")
     dh = np.zeros(1, DUMP_HEADER_DTYPE)
-    dh["magic"], dh["version"], dh["segment_size"] = DUMP_MAGIC, DUMP_VERSION, size
+    dh["magic"], dh["version"], dh["segment_size"] = DUMP_MAGIC, DUMP_VERSION, seg_size
     dh["pool"] = np.frombuffer(seg, HEADER_DTYPE, 1)[0]["name"]
     return SegmentView(seg, layout), dh[0]
 

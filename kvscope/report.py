@@ -34,10 +34,15 @@ def _event_line(e: dict[str, Any]) -> str:
     )
 
 
+# The version of every `--json` output's shape (docs/CLI.md): +1 when a key changes meaning or
+# goes away; new keys do not change it.
+JSON_SCHEMA = 1
+
+
 def print_json(report: dict[str, Any], file: IO[str] | None = None) -> None:
-    """The report as one JSON object (DESIGN.md's schema)."""
+    """The report as one JSON object (DESIGN.md's schema), `"schema": JSON_SCHEMA` first."""
     out = file or sys.stdout
-    json.dump(report, out, indent=2, default=str)
+    json.dump({"schema": JSON_SCHEMA, **report}, out, indent=2, default=str)
     out.write("\n")
 
 
@@ -80,15 +85,17 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
     for label, group, style in (("errors", errors, "red"), ("warnings", warnings, "yellow")):
         if group:
             con.print(f"\n[bold {style}]{label}[/bold {style}]")
-            for f in _grouped(group):
+            for f in grouped(group):
                 _finding(con, f, style)
     for key in ("block", "request"):
         if key in report:
             _focus(con, key, report[key])
     _summary(con, report.get("summary") or {})
+    if report.get("capacity"):
+        _capacity(con, report["capacity"])
 
 
-def _grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Findings that differ only by block become one entry listing the blocks (the first's events)."""
     out: list[dict[str, Any]] = []
     index: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -133,7 +140,11 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     con.print(
         f"  [{style}]{f['kind']}[/{style}] {escape(' '.join(where))}{src}: {escape(f['message'])}"
     )
-    if f.get("site"):
+    if f.get("stack"):
+        con.print(escape(f"      allocated at {f['stack'][0]} ({_when(f.get('alloc_ns', 0))})"))
+        for frame in f["stack"][1:]:
+            con.print(escape(f"        called from {frame}"))
+    elif f.get("site"):
         con.print(escape(f"      allocated at {f['site']} ({_when(f.get('alloc_ns', 0))})"))
     elif f.get("alloc_ns"):
         con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
@@ -178,3 +189,17 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
             t.add_row(str(o["pid"]), state, str(o["blocks"]), str(o["requests"]))
         con.print("\n[bold]blocks by owner[/bold]")
         con.print(t)
+
+
+def _capacity(con: Console, c: dict[str, Any]) -> None:
+    """The capacity answer (kvscope.capacity): one sentence, then peak and mean demand."""
+    con.print("\n[bold]capacity[/bold]")
+    con.print("  " + escape(c["answer"]))
+    if c.get("source") == "history":
+        con.print(
+            escape(
+                f"  peak demand {c['peak_demand']}, mean {c['mean_demand']} of {c['num_blocks']}"
+                f" blocks over {c['span_s']:.1f} s ({c['num_samples']} samples);"
+                f" preemptions {c['num_preemptions']}, evictions {c['num_evictions']}"
+            )
+        )

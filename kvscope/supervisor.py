@@ -3,8 +3,9 @@
 The child (kvscope.bootstrap), and every process it starts, lists each pool it opens in the run
 directory (kvscope/child.py). The supervisor maps each one read-only and, every `interval_s`,
 prints the findings new in its findings ring and checks its header, so a finding shows up while
-the script runs. The pool lives in /dev/shm: after the child exits, however it exits (SIGKILL
-included), the supervisor still reads it whole.
+the script runs. It also samples each pool's counters into a bounded time series
+(kvscope.history), which `kvscope run` writes beside the dump. The pool lives in /dev/shm:
+after the child exits, however it exits (SIGKILL included), the supervisor still reads it whole.
 """
 
 from __future__ import annotations
@@ -15,20 +16,27 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from kvscope.allocator.check import check_header
-from kvscope.allocator.findings import ERROR, Finding, read_findings
-from kvscope.allocator.layout import Layout, SegmentView
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.findings import ERROR, WARNING, Finding, read_findings
+from kvscope.allocator.layout import ClientState, Layout, SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.snapshot import snapshot
 from kvscope.analysis import LEAK_KINDS, collect_findings
 from kvscope.child import pool_key
 from kvscope.dumpfile import layout_of_prefix
+from kvscope.history import History
+from kvscope.stopper import Stopper
+
+# How often each pool's counters are sampled (kvscope.history stretches it on large pools).
+HISTORY_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -41,23 +49,46 @@ class Watched:
     layout: Layout
     header_prefix: bytes
     view: SegmentView
+    fd: int = -1
     seen: int = 0
     header_reported: bool = False
+    truncated_to: int | None = None
     unlinked_to: str | None = None
+    history: History | None = None
+
+    def check_size(self) -> bool:
+        """True while the file is still as long as the mapping (reading a page the file lost
+        would kill this process with SIGBUS); remembers the size it shrank to."""
+        size = os.fstat(self.fd).st_size
+        if size < self.layout.offsets()["end"]:
+            self.truncated_to = size
+        return self.truncated_to is None
 
     @property
     def key(self) -> str:
         return pool_key(self.name, self.created_ns)
 
 
-def map_readonly(path: str, layout: Layout) -> SegmentView:
-    """A read-only view of a segment file laid out as `layout` (whatever its header says now)."""
-    fd = os.open(path, os.O_RDONLY)
+class ShortFile(ValueError):
+    """A segment file shorter than its layout (truncated): mapping it would SIGBUS."""
+
+
+def map_readonly(path: str, layout: Layout) -> tuple[SegmentView, int]:
+    """A read-only view of a segment file laid out as `layout` (whatever its header says now),
+    and the descriptor it was mapped from (kept open, so that its size can be checked)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        mm = mmap.mmap(fd, layout.offsets()["end"], mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
+        need, size = layout.offsets()["end"], os.fstat(fd).st_size
+        if size < need:
+            raise ShortFile(
+                f"its segment file is {size} bytes, shorter than its layout ({need}): it is not"
+                " read, and every process still using it dies of SIGBUS"
+            )
+        mm = mmap.mmap(fd, need, mmap.MAP_SHARED, mmap.PROT_READ)
+    except BaseException:
         os.close(fd)
-    return SegmentView(mm, layout)
+        raise
+    return SegmentView(mm, layout), fd
 
 
 def _read_lines(path: str) -> list[list[str]]:
@@ -111,13 +142,20 @@ class Supervisor:
         env: dict[str, str],
         echo: Callable[[str], None],
         interval_s: float = 0.05,
+        fail_on: str = "error",
+        stopper: Stopper | None = None,
     ):
         self.target = target
         self.run_dir = run_dir
         self.env = env
         self.echo = echo
         self.interval_s = interval_s
+        # Findings are echoed with the severity --fail-on gives them (`fails`).
+        self.fail_on = fail_on
+        self.stopper = stopper if stopper is not None else Stopper(lambda line: self.echo(line))
         self.pools: dict[str, Watched] = {}
+        # Pools whose file was already too short when found (said once each).
+        self._short: set[str] = set()
         self.live_findings: list[Finding] = []
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -126,10 +164,13 @@ class Supervisor:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self) -> None:
-        """Start the child: `python -m kvscope.bootstrap <target>`."""
+    def start(self, **popen_kw: Any) -> None:
+        """Start the child: `python -m kvscope.bootstrap <target>` (popen_kw: its pipes)."""
         cmd = [sys.executable, "-m", "kvscope.bootstrap", *self.target]
-        self.proc = subprocess.Popen(cmd, env=self.env)
+        self.proc = subprocess.Popen(
+            cmd, env=self.env, preexec_fn=self.stopper.child_setup(), **popen_kw
+        )
+        self.stopper.watch(self.proc)
 
     def signal_child(self, signum: int) -> None:
         """Forward a signal to the child while it runs."""
@@ -142,10 +183,23 @@ class Supervisor:
         new: list[Finding] = []
         for w in self.pools.values():
             for f in self._new_findings(w):
-                self.echo(f"kvscope: pool {w.name!r}: {f.line()}")
+                shown = replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING)
+                self.echo(f"kvscope: pool {w.name!r}: {shown.line()}")
                 new.append(f)
+            self._sample(w)
         self.live_findings += new
         return new
+
+    def _sample(self, w: Watched, *, now: bool = False) -> None:
+        """Add to the pool's time series when a sample is due (`now`: always)."""
+        if w.header_reported:
+            return  # its counters cannot be trusted any more
+        if w.history is None:
+            w.history = History.for_view(w.view, interval_s=HISTORY_INTERVAL_S)
+        if now:
+            w.history.add(w.view)
+        else:
+            w.history.sample(w.view)
 
     def _discover(self) -> None:
         for name, created, path in (r for r in _read_lines(self._p("pools")) if len(r) == 3):
@@ -162,10 +216,15 @@ class Supervisor:
                 continue
             where = self._unlinked().get(key, path)
             try:
-                view = map_readonly(where, layout)
+                view, fd = map_readonly(where, layout)
+            except ShortFile as e:
+                if key not in self._short:
+                    self._short.add(key)
+                    self.echo(f"kvscope: pool {name!r}: {e}")
+                continue
             except (FileNotFoundError, ValueError, OSError):
                 continue
-            self.pools[key] = Watched(name, int(created), where, layout, prefix, view)
+            self.pools[key] = Watched(name, int(created), where, layout, prefix, view, fd)
         for key, aside in self._unlinked().items():
             if key in self.pools:
                 self.pools[key].unlinked_to = aside
@@ -176,14 +235,22 @@ class Supervisor:
         }
 
     def _new_findings(self, w: Watched) -> list[Finding]:
-        if w.header_reported:
+        if w.header_reported or w.truncated_to is not None:
+            return []
+        if not w.check_size():
+            self.echo(
+                f"kvscope: pool {w.name!r}: its segment file shrank to {w.truncated_to} bytes"
+                f" (it needs {w.layout.offsets()['end']}): every process still using it will"
+                " die of SIGBUS; it is no longer read"
+            )
             return []
         v = w.view
         # Copies of the header and the findings ring only: cheap at any pool size.
         small = SimpleNamespace(
             h=v.header.copy()[0], findings=v.findings.copy(), raw=v.raw[:4096].copy()
         )
-        bad = check_header(small)  # type: ignore[arg-type]
+        small.layout = w.layout
+        bad = check_header(small, w.header_prefix)  # type: ignore[arg-type]
         if bad:
             # The header's counters cannot be trusted any more: report once, stop reading.
             w.header_reported = True
@@ -203,8 +270,15 @@ class Supervisor:
         assert self.proc is not None
         while self.proc.poll() is None:
             self.poll()
-            time.sleep(self.interval_s)
+            self.stopper.sleep(self.interval_s)
         self.poll()
+        for w in self.pools.values():
+            self._sample(w, now=True)
+        for w, pid in self.still_attached():
+            self.echo(
+                f"kvscope: pid {pid} is still attached to pool {w.name!r} and still running"
+                " after the script ended: a process of the run outlived it"
+            )
         exc = None
         try:
             with open(self._p("exception")) as f:
@@ -219,14 +293,36 @@ class Supervisor:
             pass
         return Outcome(self.proc.returncode, exc, checks)
 
+    def still_attached(self) -> list[tuple[Watched, int]]:
+        """Live processes (other than this one) still attached to a pool of the run."""
+        out = []
+        me = os.getpid()
+        for w in self.pools.values():
+            if not w.check_size():
+                continue
+            c = snapshot(w.view).clients
+            for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist():
+                pid = int(c["pid"][i])
+                if pid != me and is_alive(pid, int(c["start"][i])):
+                    out.append((w, pid))
+        return out
+
     def final_findings(self, w: Watched) -> tuple[SegmentView, list[Finding]]:
-        """A consistent copy of the pool now, and every finding in it (recorded and checked)."""
+        """A consistent copy of the pool now, and every finding in it (recorded and checked);
+        PoolError when its file was truncated meanwhile."""
+        if not w.check_size():
+            raise PoolError(
+                f"pool {w.name!r} cannot be dumped: its segment file shrank to {w.truncated_to} bytes"
+            )
         snap = snapshot(w.view)
         return snap, collect_findings(snap, is_alive)
 
     def cleanup(self) -> None:
         """Remove the files of pools the child unlinked (renamed aside until now)."""
         for w in self.pools.values():
+            if w.fd >= 0:
+                os.close(w.fd)
+                w.fd = -1
             if w.unlinked_to:
                 for p in (w.unlinked_to, w.unlinked_to + ".data"):
                     try:
@@ -246,3 +342,15 @@ def is_leak(f: Finding) -> bool:
 def is_error(f: Finding) -> bool:
     """True for a finding of severity error that is not a leak."""
     return f.severity == ERROR and not is_leak(f)
+
+
+def fails(f: Finding | dict[str, Any], fail_on: str) -> bool:
+    """True when the finding makes `kvscope run --fail-on fail_on` fail: `error`, a finding of
+    severity error that is not a leak; `leak`, that or any leak; `never`, nothing."""
+    kind, severity = (f["kind"], f["severity"]) if isinstance(f, dict) else (f.kind, f.severity)
+    leak = kind in LEAK_KINDS
+    if fail_on == "error":
+        return severity == ERROR and not leak
+    if fail_on == "leak":
+        return severity == ERROR or leak
+    return False

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
+from kvscope.allocator.segment import segment_path
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
 
@@ -88,16 +89,14 @@ def test_analyze_no_permission(capsys, dump, monkeypatch):
     os.chmod(dump, 0)
     if os.geteuid() == 0:
         # root reads any file: make the open fail the way it fails for everyone else.
-        import builtins
-
-        real_open = builtins.open
+        real_open = os.open
 
         def denied(path, *a, **kw):
             if os.fspath(path) == str(dump):
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, *a, **kw)
 
-        monkeypatch.setattr(builtins, "open", denied)
+        monkeypatch.setattr(os, "open", denied)
     assert main(["analyze", str(dump)]) == 2
     assert "permission denied" in one_line_error(capsys)
 
@@ -153,7 +152,7 @@ def test_check_missing_pool(capsys):
 
 
 def test_check_foreign_pool_file(capsys, pool_name):
-    with open(f"/dev/shm/kvscope.{pool_name}", "wb") as f:
+    with open(segment_path(pool_name), "wb") as f:
         f.write(os.urandom(4096))
     assert main(["check", pool_name]) == 2
     assert "not a kvscope pool" in one_line_error(capsys)

@@ -31,7 +31,8 @@ SCRIPTS = {
     "exception": "raise ValueError('the model exploded')\n",
     "double_free": "pool.free(seq)\npool.free(seq)\n",
     "scribble": (
-        "with open('/dev/shm/kvscope.' + sys.argv[1], 'r+b') as f:\n"
+        "from kvscope.allocator.segment import segment_path\n"
+        "with open(segment_path(sys.argv[1]), 'r+b') as f:\n"
         "    f.write(b'\\xde\\xad' * 8)\n"
         "pool.free(seq)\n"
     ),
@@ -70,9 +71,12 @@ def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
     # WHEN run with the default --fail-on error
     code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "leak"), pool_name])
     err = capfd.readouterr().err
-    # THEN it succeeds, but the leak is printed as it is found and a dump names the request
+    # THEN it succeeds, but the leak is printed as it is found and a dump names the request;
+    # the printed verdict agrees with the exit code: the leak is a warning under this --fail-on
     assert code == 0
     assert "leak_finished" in err and "req-1" in err
+    assert "UNHEALTHY" not in err and "health: OK with" in err
+    assert "warning: leak_finished" in err and "(warning under --fail-on error)" in err
     (path,) = dumps(tmp_path)
     assert path.endswith(".kvd") and f"kvscope-{pool_name}-" in path
     rep = analysis_of(path)
@@ -106,7 +110,8 @@ def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
         ]
     )
     assert code == EXIT_FAIL_ON
-    assert "--fail-on leak matched" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "--fail-on leak matched" in err and "health: UNHEALTHY" in err
 
 
 def test_fail_on_never_ignores_a_leak(capfd, tmp_path, pool_name):
@@ -224,7 +229,9 @@ def test_live_shows_the_first_pool_in_the_tui(capfd, tmp_path, pool_name, monkey
 
     shown = []
     monkeypatch.setattr(
-        run_verb, "load_run_top", lambda: lambda target, hz: shown.append((target, hz)) or 0
+        run_verb,
+        "load_run_top",
+        lambda: lambda target, hz, script=None: shown.append((target, hz)) or 0,
     )
     # WHEN a script runs with --live THEN the TUI opens on the pool the script created
     code = main(["run", "--live", "--hz", "4", script(tmp_path, "clean"), pool_name])

@@ -154,10 +154,15 @@ async def test_help_opens_and_closes(dump_app):
 
 
 @sync
-async def test_d_writes_a_dump_that_top_opens(dump_app, tmp_path, monkeypatch):
+async def test_d_writes_a_dump_that_top_opens(make_pool, tmp_path, monkeypatch):
+    # GIVEN top on a live pool with three sequences
     monkeypatch.chdir(tmp_path)
-    async with dump_app.run_test(size=(80, 24)) as pilot:
-        await settle(pilot, dump_app)
+    pool = make_pool(64)
+    populate(pool)
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        # WHEN d is pressed THEN a dump is written that top opens as a dump
         await pilot.press("d")
         for _ in range(100):
             await pilot.pause(0.05)

@@ -7,12 +7,17 @@ run_top("pool.kvd")        # a dump file
 
 from __future__ import annotations
 
+from typing import Any
 
-def run_top(target: str, *, hz: float = 10.0) -> int:
-    """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code."""
+
+def run_top(target: str, *, hz: float = 10.0, script: Any = None) -> int:
+    """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code.
+
+    `script` (kvscope run --live): the running script's output and state, shown in a panel.
+    """
     from kvscope.tui.app import run_top as _run_top
 
-    return _run_top(target, hz=hz)
+    return _run_top(target, hz=hz, script=script)
 
 
 __all__ = ["run_top"]

@@ -34,11 +34,14 @@ from kvscope.tui.widgets.findings import FindingsPanel
 from kvscope.tui.widgets.header import PoolHeader
 from kvscope.tui.widgets.inspector import BlockInspector
 from kvscope.tui.widgets.locks import LocksPanel
+from kvscope.tui.widgets.script import ScriptOutput, ScriptPanel
 from kvscope.tui.widgets.sequences import BlockTableView, SequenceList
 from kvscope.tui.widgets.sparklines import Trends
 
 # A full check_view may use at most 1/CHECK_SHARE of the TUI's time (large pools check less often).
 CHECK_SHARE = 25
+# How often the script panel of `kvscope run --live` looks for new output.
+SCRIPT_EVERY_S = 0.2
 
 
 class TopApp(App[int]):
@@ -65,17 +68,29 @@ class TopApp(App[int]):
         ("c", "run a full consistency check now"),
         ("q", "quit"),
     ]
+    # Actions of a live pool only: a dump does not change, is already a dump, and was checked
+    # once when it was opened.
+    LIVE_ONLY = {"toggle_pause": "p / space", "dump": "d", "check": "c"}
 
     frame: reactive[Frame | None] = reactive(None, repaint=False)
     selected_block: reactive[int] = reactive(-1, repaint=False)
     selected_seq: reactive[int] = reactive(-1, repaint=False)
     paused: reactive[bool] = reactive(False, repaint=False)
 
-    def __init__(self, source: Source, *, hz: float = 10.0, check_every_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        source: Source,
+        *,
+        hz: float = 10.0,
+        check_every_s: float = 2.0,
+        script: ScriptOutput | None = None,
+    ) -> None:
         super().__init__()
         if not hz > 0:
             raise PoolError(f"refresh rate must be positive, got {hz} Hz")
         self.source = source
+        self.script = script
+        self._script_status = "running"
         self.hz = hz
         self.check_every_s = check_every_s
         self.checked: list[Finding] = []
@@ -100,12 +115,17 @@ class TopApp(App[int]):
             yield EventTail(id="events")
             yield FindingsPanel(id="findings")
             yield LocksPanel(id="locks")
+        if self.script is not None:
+            yield ScriptPanel(self.script, id="script")
         yield Trends(id="trends")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one(BlockMap).focus()
         self._show_mode()
+        if self.script is not None:
+            self.screen.add_class("-with-script")
+            self.set_interval(SCRIPT_EVERY_S, self._script_state)
         self.poll()
 
     # -- the worker -------------------------------------------------------------------------
@@ -204,6 +224,17 @@ class TopApp(App[int]):
     def watch_paused(self) -> None:
         self._show_mode()
 
+    def _script_state(self) -> None:
+        """New output in the script panel; in the header whether the script still runs, and a
+        notification once when it ends (on a timer: a paused view still follows the script)."""
+        assert self.script is not None
+        self.query_one(ScriptPanel).refresh_output()
+        status = self.script.status()
+        if status != self._script_status:
+            self._script_status = status
+            self._show_mode()
+            self.notify(f"the script {status}; q quits", timeout=10)
+
     def _panels(self) -> list:
         return [
             self.query_one(PoolHeader),
@@ -224,6 +255,8 @@ class TopApp(App[int]):
             mode = "PAUSED (p resumes)"
         else:
             mode = f"live {self.hz:g} Hz"
+        if self.script is not None:
+            mode += "  script " + self._script_status.replace("exited with status", "exit")
         self.query_one(PoolHeader).mode = mode
 
     def on_block_chosen(self, message: BlockChosen) -> None:
@@ -238,9 +271,16 @@ class TopApp(App[int]):
 
     # -- actions ----------------------------------------------------------------------------
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """On a dump, the live-only actions are neither offered (footer) nor run."""
+        if action in self.LIVE_ONLY and not self.source.live:
+            return False
+        return True
+
     def action_help(self) -> None:
-        """Show every key binding."""
-        self.push_screen(HelpScreen(self.KEY_HELP))
+        """Show every key binding that applies, and the block map's legend."""
+        hidden = set() if self.source.live else set(self.LIVE_ONLY.values())
+        self.push_screen(HelpScreen([kh for kh in self.KEY_HELP if kh[0] not in hidden]))
 
     def action_toggle_pause(self) -> None:
         """Pause or resume the live refresh."""
@@ -315,11 +355,14 @@ class TopApp(App[int]):
         self.exit(0)
 
 
-def run_top(target: str, *, hz: float = 10.0) -> int:
-    """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code."""
+def run_top(target: str, *, hz: float = 10.0, script: ScriptOutput | None = None) -> int:
+    """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code.
+
+    `script`: the output and state of the script `kvscope run --live` runs (a log panel).
+    """
     source = open_source(target)
     try:
-        app = TopApp(source, hz=hz)
+        app = TopApp(source, hz=hz, script=script)
         app.run()
     finally:
         source.close()

@@ -9,7 +9,9 @@ from kvscope.verbs.analyze import AnalyzeCommand
 from kvscope.verbs.check import CheckCommand
 from kvscope.verbs.dump import DumpCommand
 from kvscope.verbs.ls import LsCommand
+from kvscope.verbs.report import ReportCommand
 from kvscope.verbs.run import RunCommand
+from kvscope.verbs.timeline import TimelineCommand
 from kvscope.verbs.top import TopCommand
 
 
@@ -30,4 +32,6 @@ VERBS: dict[str, type[Verb]] = {
     "dump": DumpCommand,
     "analyze": AnalyzeCommand,
     "check": CheckCommand,
+    "timeline": TimelineCommand,
+    "report": ReportCommand,
 }

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 
 from kvscope.analysis import analyze_view, exit_code
+from kvscope.capacity import capacity_answer
+from kvscope.history import history_for
 from kvscope.report import print_json, render
-from kvscope.target import open_target
+from kvscope.target import add_trust_owner, open_target
 
 
 class AnalyzeCommand:
@@ -24,17 +26,21 @@ class AnalyzeCommand:
         parser.add_argument(
             "--request", metavar="R", help="narrow the report to the request with id R"
         )
+        add_trust_owner(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        t = open_target(args.target)
+        t = open_target(args.target, args.trust_owner)
         report = analyze_view(
             t.view,
             alive=t.alive,
             dump_header=t.dump_header,
             block=args.block,
             request=args.request,
+            findings=t.findings(),
         )
+        if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
+            report["capacity"] = capacity_answer(t.view, history_for(args.target))
         if args.json:
             print_json(report)
         else:

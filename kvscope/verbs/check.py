@@ -12,22 +12,23 @@ import os
 import sys
 from typing import Any
 
-from kvscope.allocator.process import is_alive
+from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import UsageError
 from kvscope.report import print_json, render
-from kvscope.target import read_live
+from kvscope.target import add_trust_owner, live_target, read_live
 
 
-def repair(name: str) -> dict[str, Any]:
+def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     """Roll back dead holders' journals and reclaim dead owners' blocks; what was done.
 
     Safe beside other processes that reclaim at the same time: it reports what this repair
-    did (an attach to a full client table reclaims one dead process first)."""
+    did (an attach to a full client table reclaims one dead process first). A dead process's
+    journal that cannot be trusted is skipped and said to be (`Journal.problem`)."""
     from kvscope.allocator import KVPool
 
-    pool = KVPool.attach(name)
+    pool = KVPool.attach(name, trust_owner)
     done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
         pool.reclaim_dead(done)
@@ -35,7 +36,9 @@ def repair(name: str) -> dict[str, Any]:
         pool.close()
     return {
         "journals_rolled_back": [
-            {"pid": d["pid"], "entries": d["entries"]} for d in done if d["entries"]
+            {"pid": d["pid"], "entries": d["entries"], "skipped": d["skipped"]}
+            for d in done
+            if d["entries"] or d["skipped"]
         ],
         "dead_owners": [d["pid"] for d in done if d["detached"]],
         "processes": sum(d["detached"] for d in done),
@@ -48,7 +51,12 @@ def describe_repair(done: dict[str, Any]) -> str:
     """One line saying what --repair did."""
     parts = []
     for j in done["journals_rolled_back"]:
-        parts.append(f"rolled back {j['entries']} journal entries of dead pid {j['pid']}")
+        if j.get("skipped"):
+            parts.append(
+                f"skipped the undo journal of dead pid {j['pid']} ({j['skipped']}): its last operation was not rolled back"
+            )
+        else:
+            parts.append(f"rolled back {j['entries']} journal entries of dead pid {j['pid']}")
     if done["processes"]:
         pids = ", ".join(map(str, done["dead_owners"]))
         parts.append(
@@ -75,16 +83,23 @@ class CheckCommand:
             help="remove the pool's files after the check (refused while a live process is attached)",
         )
         parser.add_argument("--json", action="store_true", help="print the report as JSON")
+        add_trust_owner(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
         check_name(args.name)
         done = None
         if args.repair:
-            read_live(args.name)  # a missing or corrupt pool fails here, before attaching
-            done = repair(args.name)
+            # A missing or corrupt pool fails here, before attaching; a damaged one is refused.
+            blocker = repair_blocker(read_live(args.name, args.trust_owner))
+            if blocker is not None:
+                raise UsageError(
+                    f"pool {args.name!r} cannot be repaired safely: {blocker}; see `kvscope check {args.name}`"
+                )
+            done = repair(args.name, args.trust_owner)
             print(describe_repair(done), file=sys.stderr)
-        report = analyze_view(read_live(args.name), alive=is_alive)
+        t = live_target(args.name, args.trust_owner)
+        report = analyze_view(t.view, alive=t.alive, findings=t.findings())
         if done is not None:
             report["repair"] = done
         if args.json:

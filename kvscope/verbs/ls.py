@@ -1,7 +1,8 @@
 """List the pools on this host: name, device, geometry, occupancy, owners alive/dead, probes on.
 
 Each pool is read under the seqlock without attaching to it. A pool that cannot be read (a
-corrupt header, another user's file) is listed with the reason.
+corrupt header, another user's file: `--trust-owner` reads those) is listed with the reason;
+anything in the directory that is not a regular file (a directory, a FIFO, a symlink) is skipped.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import list_names, segment_path
 from kvscope.allocator.stats import pool_stats
 from kvscope.analysis import pool_info
-from kvscope.report import console
-from kvscope.target import read_live
+from kvscope.report import JSON_SCHEMA, console
+from kvscope.target import add_trust_owner, read_live
 
 
-def describe(name: str) -> dict[str, Any] | None:
+def describe(name: str, trust_owner: bool = False) -> dict[str, Any] | None:
     """One row of `kvscope ls` for the pool `name`."""
     try:
-        view = read_live(name)
+        view = read_live(name, trust_owner)
     except PoolError as e:
-        if not os.path.exists(segment_path(name)):
-            return None  # removed since it was listed
+        if not os.path.isfile(segment_path(name)) or os.path.islink(segment_path(name)):
+            return None  # removed since it was listed, or replaced by something not a pool
         return {"name": name, "error": str(e)}
     info = pool_info(view)
     st = pool_stats(view)
@@ -58,12 +59,14 @@ class LsCommand:
     @staticmethod
     def prepare_parser(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="print one JSON list")
+        add_trust_owner(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        rows = [r for r in map(describe, list_names()) if r is not None]
+        rows = [r for r in (describe(n, args.trust_owner) for n in list_names()) if r is not None]
         if args.json:
-            print(json.dumps(rows, indent=2))
+            # A list, as always; each row carries the schema version (docs/CLI.md).
+            print(json.dumps([{"schema": JSON_SCHEMA, **r} for r in rows], indent=2))
             return 0
         con = console()
         if not rows:

@@ -5,32 +5,42 @@ uncaught exception, non-zero exit), when a finding of severity error occurs, or 
 leak at exit, every pool the script used is dumped to --dump-dir as kvscope-<pool>-<pid>.kvd
 and the analysis is printed.
 
-Exit code: the script's when it failed (128+N when killed by signal N); otherwise 66 when
---fail-on matched (error: a finding of severity error other than a leak; leak: that, or any
-leaked block); otherwise 0.
+Exit code: the script's when it failed (128+N when killed by signal N); otherwise 2 when a dump
+could not be written; otherwise 66 when --fail-on matched (error: a finding of severity error
+other than a leak; leak: that, or any leaked block); otherwise 0. The printed analysis shows
+each finding with the severity --fail-on gives it, so its headline agrees with that code.
+
+SIGINT, SIGTERM and SIGHUP sent to kvscope are forwarded to the script; if it still runs
+--stop-grace seconds later (or at a second signal) it is killed with SIGKILL (kvscope/stopper.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
-import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
+from kvscope.allocator.errors import PoolError
 from kvscope.allocator.faults import FAULTS
+from kvscope.allocator.findings import ERROR, WARNING
+from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
+from kvscope.capacity import capacity_answer
 from kvscope.dumpfile import dump_name, write_dump
-from kvscope.errors import EXIT_FAIL_ON, UsageError
+from kvscope.errors import EXIT_FAIL_ON, EXIT_USAGE, UsageError
+from kvscope.history import history_path
 from kvscope.report import console, render
-from kvscope.supervisor import Outcome, Supervisor, is_error, is_leak
+from kvscope.scriptlog import ScriptLog
+from kvscope.stopper import DEFAULT_GRACE_S, Stopper
+from kvscope.supervisor import Outcome, Supervisor, Watched, fails, is_error, is_leak
+from kvscope.timeline import build_trace, trace_path, write_trace
 from kvscope.verbs.top import load_run_top
 
 FAIL_ON = ("never", "error", "leak")
@@ -73,27 +83,6 @@ def check_dump_dir(path: str) -> str:
     return path
 
 
-@contextlib.contextmanager
-def forwarded_signals(sup: Supervisor) -> Iterator[None]:
-    """While the child runs: Ctrl-C reaches it through the terminal; SIGTERM/SIGHUP are forwarded."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {
-        s: signal.signal(s, h)
-        for s, h in (
-            (signal.SIGINT, signal.SIG_IGN),
-            (signal.SIGTERM, lambda n, f: sup.signal_child(n)),
-            (signal.SIGHUP, lambda n, f: sup.signal_child(n)),
-        )
-    }
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 class RunCommand:
     """Run a script with the probes on: `kvscope run [options] script.py [args]` or `-m module`."""
 
@@ -101,6 +90,11 @@ class RunCommand:
     def prepare_parser(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--live", action="store_true", help="show the TUI while it runs")
         parser.add_argument("--hz", type=float, default=10.0, help="TUI refresh rate (--live)")
+        parser.add_argument(
+            "--timeline",
+            action="store_true",
+            help="write each pool's flight recorder as a Chrome trace beside its dump",
+        )
         parser.add_argument(
             "--guard",
             action=argparse.BooleanOptionalAction,
@@ -129,6 +123,14 @@ class RunCommand:
             help="exit 66 when the script succeeded but this happened (default: error)",
         )
         parser.add_argument(
+            "--stop-grace",
+            type=float,
+            default=DEFAULT_GRACE_S,
+            metavar="S",
+            help="after a forwarded SIGINT/SIGTERM/SIGHUP, SIGKILL the script if it still runs"
+            f" after S seconds (default {DEFAULT_GRACE_S:g})",
+        )
+        parser.add_argument(
             "-m", dest="module", action="store_true", help="run a library module as a script"
         )
         from kvscope.probes.otel_config import add_otel_arguments
@@ -141,6 +143,8 @@ class RunCommand:
     def run(args: argparse.Namespace) -> int:
         if not args.module and not os.path.isfile(args.script):
             raise UsageError(f"no script at {args.script}")
+        if not args.stop_grace >= 0:
+            raise UsageError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
         run_top = load_run_top() if args.live else None
         dump_dir = check_dump_dir(args.dump_dir)
         run_dir = tempfile.mkdtemp(prefix="kvscope-run-")
@@ -150,21 +154,36 @@ class RunCommand:
 
         otel_env = {**os.environ, **otel_env_from_args(args)}
         sup = Supervisor(
-            target, run_dir=run_dir, env=child_env(otel_env, run_dir, args), echo=_echo
+            target,
+            run_dir=run_dir,
+            env=child_env(otel_env, run_dir, args),
+            echo=_echo,
+            fail_on=args.fail_on,
+            stopper=Stopper(_echo, args.stop_grace),
         )
         tel = None
         try:
-            try:
-                # The supervisor collects pool metrics once for every process of the run.
-                tel = start_collector(lambda: [w.name for w in list(sup.pools.values())], otel_env)
-            except OtelConfigError as e:
-                raise UsageError(str(e)) from None
-            with forwarded_signals(sup):
-                sup.start()
+            # Stop signals are collected from here on (kvscope/stopper.py), before the
+            # collector starts threads that would otherwise take them.
+            with sup.stopper.collecting():
+                try:
+                    # The supervisor collects pool metrics once for every process of the run.
+                    tel = start_collector(
+                        lambda: [w.name for w in list(sup.pools.values())], otel_env
+                    )
+                except OtelConfigError as e:
+                    raise UsageError(str(e)) from None
+                log = _start(sup, live=run_top is not None)
                 if run_top is not None:
-                    _live(sup, run_top, args.hz)
+                    with sup.stopper.handled():
+                        _live(sup, run_top, args.hz, log)
                 outcome = sup.wait()
-            return _finish(sup, outcome, dump_dir, args.fail_on)
+                if log is not None:
+                    log.close()
+            code = _finish(sup, outcome, dump_dir, args.fail_on)
+            if args.timeline:
+                _write_timelines(sup, dump_dir)
+            return code
         finally:
             if tel is not None:
                 tel.shutdown()
@@ -176,8 +195,21 @@ def _echo(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _live(sup: Supervisor, run_top: Any, hz: float) -> None:
-    """Show the first pool the child opens in the TUI; findings wait until the TUI closes."""
+def _start(sup: Supervisor, *, live: bool) -> ScriptLog | None:
+    """Start the child; under --live its output goes to pipes and is kept (kvscope.scriptlog)."""
+    if not live:
+        sup.start()
+        return None
+    # Line by line into the log panel rather than in 8 KiB blocks.
+    sup.env["PYTHONUNBUFFERED"] = "1"
+    sup.start(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert sup.proc is not None
+    return ScriptLog(sup.proc, sup.run_dir)
+
+
+def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None) -> None:
+    """Show the first pool the child opens in the TUI with the script's output beside it;
+    findings and the output are printed when the TUI closes."""
     assert sup.proc is not None
     held: list[str] = []
     sup.echo = held.append
@@ -195,19 +227,65 @@ def _live(sup: Supervisor, run_top: Any, hz: float) -> None:
         worker = threading.Thread(target=follow, daemon=True)
         worker.start()
         try:
-            run_top(first.name, hz=hz)
+            run_top(first.name, hz=hz, script=log)
+        except PoolError as e:
+            # The script removed its pool before the TUI could open it: go on without it.
+            held.append(f"kvscope: --live: {e}")
         finally:
             stop.set()
             worker.join()
+    if log is not None:
+        log.release()
     sup.echo = _echo
     for line in held:
         _echo(line)
 
 
+def _beside_dump(w: Watched, snap: SegmentView, path: str, report: dict[str, Any]) -> None:
+    """The pool's history beside its dump, and the capacity answer in the printed analysis."""
+    if w.history is not None and w.history.count:
+        try:
+            w.history.write(history_path(path))
+        except OSError as e:
+            _echo(f"kvscope: could not write the history beside {path}: {e.strerror or e}")
+    report["capacity"] = capacity_answer(snap, w.history)
+
+
+def _write_timelines(sup: Supervisor, dump_dir: str) -> None:
+    """--timeline: each pool's flight recorder and history as a Chrome trace in dump_dir, and
+    the history itself (for `kvscope report NAME --history FILE` on a pool the script kept)."""
+    used: set[str] = set()
+    for w in sup.pools.values():
+        snap, found = sup.final_findings(w)
+        base = _unique(os.path.join(dump_dir, dump_name(w.name, sup.pid)), used)
+        trace = build_trace(snap, history=w.history, findings=found, end_ns=time.time_ns())
+        try:
+            write_trace(trace, trace_path(base))
+            if w.history is not None and w.history.count:
+                w.history.write(history_path(base))
+        except OSError as e:
+            _echo(f"kvscope: could not write the timeline of pool {w.name!r}: {e.strerror or e}")
+            continue
+        _echo(f"kvscope: wrote {trace_path(base)} (open it in Perfetto or chrome://tracing)")
+
+
 def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> int:
-    """Dump and analyze when something went wrong; the exit code."""
+    """Dump and analyze when something went wrong; the exit code.
+
+    The printed analysis gives each finding the severity --fail-on gives it (error when it
+    fails the run, warning when not), so its headline and the exit code agree; the dump keeps
+    the findings' own severities. A dump that cannot be written (a full disk) is one line, the
+    analysis is still printed, and the exit code is the script's when it failed, else 2.
+    """
     pid = sup.pid
-    finals = [(w, *sup.final_findings(w)) for w in sup.pools.values()]
+    finals = []
+    dump_failed = False
+    for w in sup.pools.values():
+        try:
+            finals.append((w, *sup.final_findings(w)))
+        except PoolError as e:
+            _echo(f"kvscope: error: {e}")
+            dump_failed = True
     found = sup.live_findings + [f for _, _, fs in finals for f in fs]
     leaked_at_exit = any(v.get("blocks") or v.get("findings") for v in outcome.exit_checks.values())
     leaked = leaked_at_exit or any(is_leak(f) for f in found)
@@ -217,24 +295,46 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
         notes = [what] + (["findings of severity error"] if errored else [])
         notes += ["blocks leaked"] if leaked else []
         reason = "; ".join(notes)
-        if not finals:
+        if not finals and not dump_failed:
             _echo(f"kvscope: {what}; it opened no pool, so there is nothing to dump")
         used: set[str] = set()
         for w, snap, fs in finals:
             path = _unique(os.path.join(dump_dir, dump_name(w.name, pid)), used)
-            write_dump(snap, path, reason=reason, pid=pid, header_prefix=w.header_prefix)
+            try:
+                write_dump(snap, path, reason=reason, pid=pid, header_prefix=w.header_prefix)
+            except PoolError as e:
+                _echo(f"kvscope: error: {e}")
+                dump_failed, path = True, ""
             report = analyze_view(snap, alive=is_alive, findings=fs)
-            report["pool"]["dump"] = _dump_info(path, pid, reason)
+            _as_run_sees_it(report, fail_on)
+            if path:
+                report["pool"]["dump"] = _dump_info(path, pid, reason)
+                _beside_dump(w, snap, path, report)
             con = console(sys.stderr)
             con.print()
             render(report, con, title=f"kvscope run: {what}; pool")
-            _echo(f"kvscope: wrote {path} (kvscope analyze {path})")
+            if path:
+                _echo(f"kvscope: wrote {path} (kvscope analyze {path})")
+            else:
+                _echo(f"kvscope: no dump of pool {w.name!r} was written (above)")
     if outcome.failed:
         return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0)
+    if dump_failed:
+        return EXIT_USAGE
     if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
         _echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
         return EXIT_FAIL_ON
     return 0
+
+
+def _as_run_sees_it(report: dict[str, Any], fail_on: str) -> None:
+    """Give each finding of the report the severity --fail-on gives it, and say so."""
+    for d in report["findings"]:
+        severity = ERROR if fails(d, fail_on) else WARNING
+        if severity != d["severity"]:
+            d["message"] += f" ({severity} under --fail-on {fail_on})"
+            d["severity"] = severity
+    report["healthy"] = not any(d["severity"] == ERROR for d in report["findings"])
 
 
 def _unique(path: str, used: set[str]) -> str:

@@ -12,7 +12,8 @@ TAIL = 200
 
 
 class EventTail(RowsView):
-    """Newest event last; empty until the events probe records some."""
+    """Newest event first; empty until the events probe records some. The cursor stays on its
+    event as newer ones arrive above it (on the top row, it follows the newest)."""
 
     COLUMNS = [("time", 12), ("pid", 7), ("op", 10), ("block", 7), ("gen", 5), ("request", 0)]
 
@@ -32,9 +33,12 @@ class EventTail(RowsView):
         newest = int(ev["time_ns"][-1]) if len(ev) else 0
         if newest == self._newest and len(ev) == (0 if self.events is None else len(self.events)):
             return
+        arrived = int((ev["time_ns"] > self._newest).sum()) if self._newest >= 0 else 0
         self._newest = newest
+        # Newest first: row i is the i-th newest event.
+        ev = ev[::-1]
         self.events = ev
-        follow = self.num_rows == 0 or self.cursor >= self.num_rows - 1
+        keep = self.num_rows > 0 and self.cursor > 0
 
         def row_of(i: int) -> Row:
             e = ev[i]
@@ -50,9 +54,10 @@ class EventTail(RowsView):
                 None,
             )
 
+        self.border_title = f"events ({len(ev)}, newest first)" if len(ev) else "events"
         self.set_rows(len(ev), row_of)
-        if follow and len(ev):
-            self.cursor = len(ev) - 1
+        if keep and len(ev):
+            self.cursor = min(len(ev) - 1, self.cursor + arrived)
 
     def on_rows_view_chosen(self, event: RowsView.Chosen) -> None:
         event.stop()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Static
 
 from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.sites import site_frames
 from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
 
 NUM_EVENTS = 6
@@ -51,13 +54,10 @@ def describe_block(frame: Frame, b: int) -> Text:
     line("allocated", clock(int(rec["alloc_ns"])))
     line("accessed", clock(int(rec["access_ns"])))
     site = int(rec["site"])
-    used_sites = int(view.h["num_sites_used"])
-    site_text = "-"
-    if 0 <= site < min(used_sites, len(view.sites)):
-        site_text = bytes(view.sites[site]["text"]).decode(errors="replace")
-    elif site >= 0:
-        site_text = f"site {site}"
-    line("site", site_text)
+    frames = site_frames(view, site)
+    line("site", frames[0] if frames else (f"site {site}" if site >= 0 else "-"))
+    for frame in frames[1:]:
+        line("called from", frame)
     line(
         "tokens",
         f"{int(rec['num_tokens'])}: {np.asarray(rec['tokens'])[: min(8, int(rec['num_tokens']))].tolist()}",
@@ -92,20 +92,28 @@ def describe_block(frame: Frame, b: int) -> Text:
     return out
 
 
-class BlockInspector(Static):
-    """Shows the selected block; follows the block map cursor and the tables' choices."""
+class BlockInspector(VerticalScroll, can_focus=True):
+    """Shows the selected block; follows the block map cursor and the tables' choices.
+
+    It takes focus (tab) and scrolls (arrows, page up/down, home/end), so that the fields past
+    the panel's height (checksum, sequences, events) can be read on any terminal.
+    """
 
     DEFAULT_CSS = """
-    BlockInspector { height: 1fr; overflow-y: auto; }
+    BlockInspector { height: 1fr; scrollbar-size-vertical: 1; }
+    BlockInspector > Static { height: auto; }
     """
 
     frame: reactive[Frame | None] = reactive(None, repaint=False)
     selected_block: reactive[int] = reactive(-1, repaint=False)
 
     def __init__(self, *, id: str | None = None) -> None:
-        super().__init__("", id=id)
+        super().__init__(id=id)
         self.border_title = "block"
         self._shown: tuple[int, str] = (-2, "")
+
+    def compose(self) -> ComposeResult:
+        yield Static("")
 
     def _show(self) -> None:
         frame, b = self.frame, self.selected_block
@@ -114,9 +122,11 @@ class BlockInspector(Static):
         self.border_title = f"block {b}" if b >= 0 else "block"
         text = describe_block(frame, b)
         key = (b, text.plain)
-        if key != self._shown:
+        if key != self._shown and self.is_mounted:
+            if b != self._shown[0]:
+                self.scroll_home(animate=False)
             self._shown = key
-            self.update(text, layout=False)
+            self.query_one(Static).update(text)
 
     def watch_frame(self) -> None:
         self._show()

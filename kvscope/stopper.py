@@ -1,0 +1,162 @@
+"""Stopping the script of `kvscope run`: signals forwarded once, a grace period, then SIGKILL.
+
+The script runs in kvscope's process group, as it would without kvscope: Ctrl-C at a terminal
+reaches it (and every process it started) directly. While it runs, kvscope blocks SIGINT,
+SIGTERM and SIGHUP in its own threads and collects them with `sigtimedwait`, which says who
+sent each one: a signal another process sent to kvscope (`kill`, a service manager) is
+forwarded to the script; one the terminal sent (si_code SI_KERNEL) already reached it and is
+not sent twice. Either way the first one starts the grace period (`--stop-grace`, 10 s): if
+the script still runs when it ends, or when a second such signal comes, it is killed with
+SIGKILL. The script itself gets the parent-death signal SIGKILL (PR_SET_PDEATHSIG), so killing
+kvscope, even with SIGKILL, never leaves it running on its own.
+
+    stopper = Stopper(echo, grace_s=10.0)
+    with stopper.collecting():
+        proc = subprocess.Popen(cmd, preexec_fn=stopper.child_setup())
+        stopper.watch(proc)
+        while proc.poll() is None:
+            stopper.sleep(0.05)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# siginfo si_code of a signal the kernel sent on its own: a terminal's Ctrl-C or hangup.
+SI_KERNEL = 0x80
+PR_SET_PDEATHSIG = 1
+DEFAULT_GRACE_S = 10.0
+
+
+def _prctl() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+class Stopper:
+    """Forwards stop signals to one child, and kills it when the grace period runs out."""
+
+    def __init__(self, echo: Callable[[str], None], grace_s: float = DEFAULT_GRACE_S):
+        self.echo = echo
+        self.grace_s = grace_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+        self.blocked = False
+        self._mask: set[int | signal.Signals] | None = None
+        self._timer: threading.Timer | None = None
+        self._prctl = _prctl()
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Block the stop signals (collected by `sleep`), with handlers for any that another
+        thread receives; restore both afterwards. Outside the main thread: nothing to do."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self._on_handler) for s in STOP_SIGNALS}
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        self.blocked = True
+        try:
+            yield
+        finally:
+            self.blocked = False
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask or set())
+            for s, h in old.items():
+                signal.signal(s, h)
+            if self._timer is not None:
+                self._timer.cancel()
+
+    @contextlib.contextmanager
+    def handled(self) -> Iterator[None]:
+        """Unblock the stop signals for a while (the TUI of --live): the handlers forward them."""
+        if not self.blocked:
+            yield
+            return
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+    def child_setup(self) -> Callable[[], None]:
+        """A preexec_fn for the child: kvscope's signal mask undone, and SIGKILL when kvscope dies."""
+        parent = os.getpid()
+        mask = self._mask
+        prctl = self._prctl
+
+        def setup() -> None:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if prctl is not None:
+                prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+                # kvscope died before the death signal was armed: do not run on alone.
+                if os.getppid() != parent:
+                    os._exit(128 + int(signal.SIGKILL))
+
+        return setup
+
+    def watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """The child to forward signals to."""
+        self.proc = proc
+
+    def sleep(self, seconds: float) -> None:
+        """Wait up to `seconds`, acting on a stop signal that comes meanwhile."""
+        if not self.blocked:
+            time.sleep(seconds)
+            return
+        info = signal.sigtimedwait(STOP_SIGNALS, seconds)
+        if info is not None:
+            self.on_signal(info.si_signo, from_terminal=info.si_code == SI_KERNEL)
+
+    def _on_handler(self, signum: int, frame: object) -> None:
+        self.on_signal(signum, from_terminal=False)
+
+    def on_signal(self, signum: int, from_terminal: bool) -> None:
+        """Forward a stop signal (unless the terminal sent it to the child too); the first
+        starts the grace period, a second one kills the child now."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        name = signal.Signals(signum).name
+        if self.stopping:
+            self.echo(f"kvscope: {name} again: killing the script (pid {proc.pid}) with SIGKILL")
+            self.kill()
+            return
+        self.stopping = True
+        if not from_terminal:
+            proc.send_signal(signum)
+        sent = "sent to" if from_terminal else "forwarded to"
+        self.echo(
+            f"kvscope: {name} {sent} the script (pid {proc.pid}); it is killed with SIGKILL"
+            f" if it still runs in {self.grace_s:g} s (--stop-grace) or on a second signal"
+        )
+        self._timer = threading.Timer(self.grace_s, self._grace_over)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _grace_over(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            self.echo(
+                f"kvscope: the script (pid {proc.pid}) still runs {self.grace_s:g} s after the"
+                " stop signal: killing it with SIGKILL"
+            )
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the child if it still runs."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()

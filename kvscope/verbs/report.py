@@ -1,0 +1,82 @@
+"""Write one self-contained HTML report of a live pool or a dump.
+
+The file works offline and runs no script (inline SVG and CSS): the block map with a legend;
+utilization, held / cached / free blocks, demand and preemptions over time (from the history
+`kvscope run` writes beside its dumps); the capacity answer (peak vs mean demand, the pool size
+that would have avoided every preemption); refcount and reuse histograms; every finding with
+its allocation site or stack and the events that allocated and freed its blocks.
+Exit code 0, or 2 on unusable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvscope.analysis import analyze_view
+from kvscope.capacity import capacity_answer
+from kvscope.errors import UsageError
+from kvscope.history import history_for
+from kvscope.htmlreport import build_report
+from kvscope.target import Target, open_target
+
+
+def taken_ns(t: Target, target: str) -> int:
+    """When the view was taken: a dump's time, a raw segment file's mtime, 0 for a live pool."""
+    if t.dump_header is not None:
+        return int(t.dump_header["created_ns"])
+    if os.path.isfile(target):
+        return int(os.stat(target).st_mtime_ns)
+    return 0
+
+
+def output_error(path: str, e: OSError) -> UsageError:
+    """The one-line error for an output file that cannot be written."""
+    return UsageError(f"cannot write {path}: {e.strerror or e}")
+
+
+class ReportCommand:
+    """Write a self-contained HTML report of a pool or a dump: `kvscope report NAME|FILE -o report.html`."""
+
+    @staticmethod
+    def prepare_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("target", metavar="NAME|FILE", help="a pool name or a dump file")
+        parser.add_argument("-o", "--output", required=True, metavar="FILE", help="HTML file")
+        parser.add_argument(
+            "--history",
+            metavar="FILE",
+            help="the pool's history (default: FILE.history.json beside a dump)",
+        )
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        t = open_target(args.target)
+        history = history_for(args.target, args.history)
+        analysis = analyze_view(t.view, alive=t.alive, dump_header=t.dump_header)
+        if analysis["summary"]:
+            capacity = capacity_answer(t.view, history)
+        else:
+            # The summary is empty when the header is corrupt: none of its counters is trusted.
+            capacity = {
+                "num_blocks": t.view.layout.num_blocks,
+                "answer": "the pool's header is corrupt: its counters cannot be trusted",
+            }
+        page = build_report(
+            t.view, analysis=analysis, history=history, capacity=capacity, source=args.target
+        )
+        tmp = f"{args.output}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                f.write(page)
+            os.replace(tmp, args.output)
+        except OSError as e:
+            raise output_error(args.output, e) from None
+        size = os.path.getsize(args.output)
+        print(
+            f"kvscope: wrote {os.path.abspath(args.output)} ({size / 1024:.0f} KiB,"
+            f" {len(analysis['findings'])} finding(s),"
+            f" {0 if history is None else history.count} history sample(s))",
+            file=sys.stderr,
+        )
+        return 0

@@ -1,0 +1,71 @@
+"""Write the flight recorder of a live pool or a dump as a Chrome trace-event file.
+
+Open it in Perfetto (ui.perfetto.dev, "Open trace file") or chrome://tracing: a track per
+process with a slice per request from allocate to free or abort (its blocks in the slice's
+arguments), preemptions, copy-on-write, evictions, every finding as an instant naming its
+blocks, and, from the history `kvscope run` writes beside its dumps, the pool's counters and
+its locks over time. `-o -` writes to stdout. Exit code 0, or 2 on unusable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from kvscope.analysis import collect_findings
+from kvscope.history import history_for
+from kvscope.target import open_target
+from kvscope.timeline import build_trace, write_trace
+from kvscope.verbs.report import output_error, taken_ns
+
+
+class TimelineCommand:
+    """Write a pool's flight recorder as a trace for Perfetto: `kvscope timeline NAME|FILE -o trace.json`."""
+
+    @staticmethod
+    def prepare_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("target", metavar="NAME|FILE", help="a pool name or a dump file")
+        parser.add_argument(
+            "-o", "--output", required=True, metavar="FILE", help="trace file (- for stdout)"
+        )
+        parser.add_argument(
+            "--history",
+            metavar="FILE",
+            help="the pool's history (default: FILE.history.json beside a dump)",
+        )
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        t = open_target(args.target)
+        history = history_for(args.target, args.history)
+        findings = collect_findings(t.view, t.alive)
+        trace = build_trace(
+            t.view,
+            history=history,
+            findings=findings,
+            end_ns=taken_ns(t, args.target) or time.time_ns(),
+            source=args.target,
+        )
+        if args.output == "-":
+            import json
+
+            json.dump(trace, sys.stdout, separators=(",", ":"))
+            sys.stdout.write("\n")
+        else:
+            try:
+                write_trace(trace, args.output)
+            except OSError as e:
+                raise output_error(args.output, e) from None
+        od = trace["otherData"]
+        what = f"{od['num_requests']} request slice(s), {len(findings)} finding(s)"
+        what += f", {od['history_samples']} history sample(s)"
+        if not od["num_requests"] and not int(t.view.events["time_ns"].max(initial=0)):
+            what += " (no events recorded: the events probe was off; kvscope run turns it on)"
+        where = "stdout" if args.output == "-" else os.path.abspath(args.output)
+        print(
+            f"kvscope: wrote {where}: {what}; open it in Perfetto or chrome://tracing",
+            file=sys.stderr,
+        )
+        return 0

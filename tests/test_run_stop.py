@@ -1,0 +1,228 @@
+"""Stopping `kvscope run`: signals reach the script once, a script that ignores them is killed
+after the grace period, a killed kvscope takes its script with it, and a process of the run that
+outlives the script is reported. Real processes and real signals throughout."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvscope.allocator.process import is_alive
+from kvscope.stopper import Stopper
+
+pytestmark = pytest.mark.slow
+
+KVSCOPE = os.path.join(os.path.dirname(sys.executable), "kvscope")
+# Only ever an upper bound for something that happens anyway: never the outcome of a test.
+PATIENCE_S = 120.0
+
+
+def wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def start_run(tmp_path, body: str, *flags: str) -> subprocess.Popen[str]:
+    """kvscope run on a script, its output in files (a process the script leaves behind may
+    keep a pipe open long after kvscope has exited)."""
+    script = tmp_path / "script.py"
+    script.write_text("import os, signal, sys, time\nready = sys.argv[1]\n" + body)
+    return subprocess.Popen(
+        [KVSCOPE, "run", "--dump-dir", str(tmp_path), *flags, str(script), str(tmp_path / "ready")],
+        stdout=open(tmp_path / "out", "w"),
+        stderr=open(tmp_path / "err", "w"),
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(run: subprocess.Popen[str], tmp_path) -> tuple[str, str]:
+    """Wait for kvscope to exit; its stdout and stderr."""
+    run.wait(timeout=PATIENCE_S)
+    return (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+
+
+def test_sigterm_is_forwarded_and_a_script_ignoring_it_is_killed(tmp_path):
+    # GIVEN a script under kvscope run that ignores SIGTERM
+    run = start_run(
+        tmp_path,
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nopen(ready, 'w').close()\ntime.sleep(600)\n",
+        "--stop-grace",
+        "0.5",
+    )
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
+        # WHEN kvscope gets SIGTERM
+        run.send_signal(signal.SIGTERM)
+        _, err = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    # THEN it forwarded it, and after the grace period killed the script: the run ends as
+    # killed by SIGKILL
+    assert "SIGTERM forwarded to the script" in err
+    assert "killing it with SIGKILL" in err
+    assert run.returncode == 128 + signal.SIGKILL
+
+
+def test_a_script_that_handles_sigterm_gets_it_once_and_ends_its_own_way(tmp_path):
+    # GIVEN a script that counts SIGTERMs and exits 3 after its first
+    body = (
+        "got = []\n"
+        "def on_term(n, f):\n"
+        "    got.append(n)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "open(ready, 'w').close()\n"
+        "while not got:\n"
+        "    time.sleep(0.05)\n"
+        "print('terms', len(got), flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    run = start_run(tmp_path, body)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
+        run.send_signal(signal.SIGTERM)
+        out, err = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    # THEN the script saw it and chose its exit status, which is the run's
+    assert "terms 1" in out
+    assert run.returncode == 3
+    assert "killing" not in err
+
+
+def test_a_terminal_ctrl_c_reaches_the_script_and_is_not_sent_again():
+    # GIVEN a child that blocks SIGINT, so that a signal sent to it stays pending
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, sys\n"
+         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+         "print('ready', flush=True)\n"
+         "sys.stdin.readline()\n"
+         "print(sorted(signal.sigpending()), flush=True)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        lines: list[str] = []
+        stopper = Stopper(lines.append, grace_s=PATIENCE_S)
+        stopper.watch(child)  # type: ignore[arg-type]
+        # WHEN kvscope learns of a SIGINT the terminal sent to the whole process group
+        stopper.on_signal(signal.SIGINT, from_terminal=True)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        # THEN it does not send the script another one, and says the grace period started
+        assert child.stdout.readline().strip() == "[]"
+        assert "SIGINT sent to the script" in lines[0]
+    finally:
+        child.kill()
+        child.wait()
+        if stopper._timer is not None:
+            stopper._timer.cancel()
+
+
+def test_ctrl_c_at_a_terminal_stops_the_script(tmp_path):
+    # GIVEN kvscope run in a terminal (a pty, its own session), running a script that waits
+    script = tmp_path / "wait.py"
+    script.write_text("import sys, time\nprint('script ready', flush=True)\ntime.sleep(600)\n")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(KVSCOPE, [KVSCOPE, "run", "--dump-dir", str(tmp_path), str(script)])
+    out = b""
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        sent = False
+        while True:
+            assert time.monotonic() < deadline, out.decode(errors="replace")
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            if not sent and b"script ready" in out:
+                # WHEN Ctrl-C is typed
+                os.write(fd, b"\x03")
+                sent = True
+        _, status = os.waitpid(pid, 0)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+    text = out.decode(errors="replace")
+    # THEN the script got KeyboardInterrupt, kvscope did not send a second SIGINT, and the run
+    # ended with the script's failure
+    assert "KeyboardInterrupt" in text
+    assert "SIGINT sent to the script" in text
+    assert os.waitstatus_to_exitcode(status) == 1
+
+
+def test_killing_kvscope_does_not_orphan_the_script(tmp_path):
+    # GIVEN a script running under kvscope run
+    run = start_run(tmp_path, "open(ready, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists() and (tmp_path / "ready").read_text(),
+                 "the script to start")  # fmt: skip
+        script_pid = int((tmp_path / "ready").read_text())
+        # WHEN kvscope itself is killed with SIGKILL (nothing of it runs afterwards)
+        run.kill()
+        run.wait(timeout=PATIENCE_S)
+        # THEN the script dies with it
+        wait_for(lambda: not is_alive(script_pid, 0), "the script to die")
+    finally:
+        try:
+            os.killpg(run.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_process_still_attached_when_the_script_ends_is_reported(tmp_path, pool_name):
+    # GIVEN a script that starts a worker of its own, which attaches to the pool and outlives it
+    (tmp_path / "worker.py").write_text(
+        "import sys, time\n"
+        "from kvscope.allocator import KVPool\n"
+        "pool = KVPool.attach(sys.argv[1])\n"
+        "open(sys.argv[2], 'w').close()\n"
+        "time.sleep(600)\n"
+    )
+    body = (
+        "import subprocess\n"
+        "from kvscope.allocator import KVPool, PoolConfig\n"
+        f"pool = KVPool.create({pool_name!r}, PoolConfig(num_blocks=16, block_size=4,"
+        " head_dim=8, num_layers=1, dtype='float32'))\n"
+        f"worker = subprocess.Popen([sys.executable, {str(tmp_path / 'worker.py')!r},"
+        f" {pool_name!r}, ready + '.worker'], start_new_session=True)\n"
+        "while not os.path.exists(ready + '.worker'):\n"
+        "    time.sleep(0.05)\n"
+        "open(ready, 'w').write(str(worker.pid))\n"
+        "pool.close()\n"
+    )
+    run = start_run(tmp_path, body)
+    ready = tmp_path / "ready"
+    try:
+        _, err = finish(run, tmp_path)
+        worker = int(ready.read_text())
+    finally:
+        if ready.exists() and ready.read_text():
+            try:
+                os.kill(int(ready.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    # THEN kvscope names it: pid, pool, still running
+    assert f"pid {worker} is still attached to pool {pool_name!r} and still running" in err
+    assert run.returncode == 0

@@ -1,0 +1,84 @@
+"""KVSCOPE_STACK_DEPTH: allocation sites as stacks, interned once per distinct stack."""
+
+from __future__ import annotations
+
+import json
+
+from kvscope.allocator.sites import site_frames, site_text, stack_depth
+from kvscope.cli import main
+
+
+def _helper(pool, name):
+    return pool.allocate(name, list(range(5)))
+
+
+def _from_a(pool, name):
+    return _helper(pool, name)
+
+
+def _from_b(pool, name):
+    return _helper(pool, name)
+
+
+def _site(pool, seq) -> int:
+    return int(pool.view.blocks["site"][seq.block_table[0]])
+
+
+def test_a_helper_called_from_two_places_gives_two_stacks(make_pool, monkeypatch):
+    # GIVEN ownership on with 3 frames per site
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    monkeypatch.setenv("KVSCOPE_STACK_DEPTH", "3")
+    pool = make_pool(32)
+    # WHEN one helper allocates for two callers
+    a, again = [_from_a(pool, f"ra{i}") for i in range(2)]
+    b = _from_b(pool, "rb")
+    fa, fb = site_frames(pool.view, _site(pool, a)), site_frames(pool.view, _site(pool, b))
+    # THEN both stacks start at the helper and tell the callers apart
+    assert len(fa) == len(fb) == 3
+    assert "_helper" in fa[0] and "_helper" in fb[0]
+    assert "_from_a" in fa[1] and "_from_b" in fb[1]
+    assert site_text(pool.view, _site(pool, a)) == " <- ".join(fa)
+    # AND a stack seen again is the same entry: the table holds 3 frames and 1 stack entry
+    # per distinct stack, the helper's frame once
+    assert _site(pool, again) == _site(pool, a)
+    assert int(pool.view.h["num_sites_used"]) == (3 + 1) + (2 + 1)
+
+
+def test_without_depth_a_site_is_one_frame(make_pool, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    monkeypatch.delenv("KVSCOPE_STACK_DEPTH", raising=False)
+    pool = make_pool(32)
+    a, b = _from_a(pool, "ra"), _from_b(pool, "rb")
+    assert _site(pool, a) == _site(pool, b)
+    assert len(site_frames(pool.view, _site(pool, a))) == 1
+
+
+def test_stack_depth_is_bounded_and_forgiving():
+    assert stack_depth({}) == 1
+    assert stack_depth({"KVSCOPE_STACK_DEPTH": "8"}) == 8
+    assert stack_depth({"KVSCOPE_STACK_DEPTH": "500"}) == 16
+    assert stack_depth({"KVSCOPE_STACK_DEPTH": "x"}) == 1
+    assert stack_depth({"KVSCOPE_STACK_DEPTH": "0"}) == 1
+
+
+def test_analyze_shows_the_stack_of_a_finding(make_pool, monkeypatch, tmp_path, capsys):
+    # GIVEN a leaked block allocated through the helper, with stacks recorded
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    monkeypatch.setenv("KVSCOPE_STACK_DEPTH", "2")
+    pool = make_pool(32)
+    seq = _from_b(pool, "leaky")
+    from kvscope.allocator.findings import Finding
+
+    pool.report(Finding("leak_finished", "leaked", block=seq.block_table[0], request="leaky"))
+    dump = tmp_path / "s.kvd"
+    assert main(["dump", pool.name, "-o", str(dump)]) == 0
+    capsys.readouterr()
+    # WHEN analyzed THEN the JSON has the stack and the text names the caller
+    main(["analyze", str(dump), "--json"])
+    (f,) = [
+        f for f in json.loads(capsys.readouterr().out)["findings"] if f["kind"] == "leak_finished"
+    ]
+    assert len(f["stack"]) == 2 and "_from_b" in f["stack"][1]
+    main(["analyze", str(dump)])
+    out = capsys.readouterr().out
+    assert "allocated at" in out and "called from" in out and "_from_b" in out
