@@ -21,7 +21,7 @@
  * Threads: the C core runs with the GIL held, so no other thread of this process runs while it
  * does; a Python-path operation of another thread may be half done, though (it holds the
  * mapping's op mutex and counts itself in `busy`): then the call returns None and the Python
- * path waits for the mutex. The GIL is released only to wait for another process's fcntl
+ * path waits for the mutex. The GIL is released only to wait for another process's OFD
  * lock, and then the core holds the op mutex itself (taken without blocking, or it falls back).
  */
 /* The parts, one noun each, compiled as this one translation unit (every function stays

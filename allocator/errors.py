@@ -31,6 +31,6 @@ class PoolExhausted(PoolError):
 
 
 class LockDeadlock(PoolError):
-    """The kernel refused a lock because waiting would deadlock (EDEADLK)."""
+    """Waiting for a pool lock would deadlock: a wait cycle between processes (allocator/waits.py)."""
 
     exit_code = 1

@@ -1,24 +1,25 @@
-"""Pool locks: a thread lock plus an fcntl byte-range lock on the segment file, per lock record.
+"""Pool locks: a thread lock plus an OFD byte-range lock on the segment file, per lock record.
 
-The kernel drops a dead process's fcntl locks, so a lock is never stuck; the lock record still
-names the dead holder, which tells the next taker to run recovery before it proceeds. Each
+The kernel drops a dead process's OFD locks (ofd.py), so a lock is never stuck; the lock record
+still names the dead holder, which tells the next taker to run recovery before it proceeds. Each
 record also carries a sequence counter, odd while held: together these are the seqlock that
-lock-free readers check.
+lock-free readers check. A process publishes the locks it waits for (waits.py), so that a
+lock-order inversion between processes raises LockDeadlock instead of hanging.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import struct
 import threading
 import time
 from array import array
 from collections.abc import Callable
 
+from kvscope.allocator import ofd
 from kvscope.allocator.errors import LockDeadlock
-from kvscope.allocator.layout import LOCK_DTYPE, SegmentView, lock_names
+from kvscope.allocator.layout import CLIENT_DTYPE, LOCK_DTYPE, SegmentView, lock_names
 from kvscope.allocator.segment import MappedFile
+from kvscope.allocator.waits import WAIT_AT, find_cycle, wait_word
 
 _F = LOCK_DTYPE.fields
 _SEQ, _HOLDER, _ACQUIRES = _F["seq"][1], _F["holder_pid"][1], _F["num_acquires"][1]
@@ -30,6 +31,9 @@ assert _F["max_hold_ns"][1] == _HOLD + 8
 _U8 = struct.Struct("<Q")
 _I4 = struct.Struct("<i")
 _U8X2 = struct.Struct("<QQ")
+# A lock taken out of order is waited for in slices (growing to the max), looking for a wait
+# cycle between slices.
+WAIT_SLICE_S, WAIT_SLICE_MAX_S = 0.001, 0.05
 
 
 # Bits of a handle's hooks word (KVPool._hooks): which probe hooks are set. The C core
@@ -82,10 +86,15 @@ class LockTable:
         # scalar access costs several times more); the readers see the same bytes.
         self.mv = memoryview(mf.mm)
         if not hasattr(mf, "tlocks"):
-            # One thread lock per pool lock per process: fcntl locks do not exclude threads.
+            # One thread lock per pool lock per process: the threads of a process share its open
+            # of the segment, and OFD locks do not exclude each other within one open.
             mf.tlocks = [threading.Lock() for _ in self.names]  # type: ignore[attr-defined]
         self.tlocks: list[threading.Lock] = mf.tlocks  # type: ignore[attr-defined]
         self.pid, self.start, self.client = pid, start, client
+        self.view = view
+        # Where this process publishes the locks it waits for (waits.py).
+        self.wait_at = view.offsets["clients"] + client * CLIENT_DTYPE.itemsize + WAIT_AT
+        ofd.track(mf)
         # Probe hooks (lockdep, watchdog): None when off, so the cost is one attribute check.
         # on_release(i) also follows a failed acquisition announced by on_acquire(i).
         self.on_acquire = None
@@ -117,30 +126,19 @@ class LockTable:
             self.on_acquire(i)
         t0 = time.perf_counter_ns()
         self.tlocks[i].acquire()
-        off = self.base + i * LOCK_DTYPE.itemsize
-        contended = False
         try:
-            try:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, off)
-            except (BlockingIOError, PermissionError):
-                contended = True
-                fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, off)
-        except OSError as e:
+            contended = self._take(i, i)
+        except BaseException:
             self.tlocks[i].release()
             if self.on_release is not None:
                 self.on_release(i)
-            if e.errno == errno.EDEADLK:
-                raise LockDeadlock(
-                    f"taking pool lock {self.names[i]!r} would deadlock with another process "
-                    "(the kernel reported EDEADLK): two processes take pool locks in opposite orders"
-                ) from None
             raise
         mv = self.mv
         rec = self.base + i * LOCK_DTYPE.itemsize
         dead = _I4.unpack_from(mv, rec + _HOLDER)[0]
         if dead:
             if not recovering:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, off)
+                ofd.unlock(self.fd, rec, 1)
                 self.tlocks[i].release()
                 if self.on_release is not None:
                     self.on_release(i)
@@ -149,6 +147,51 @@ class LockTable:
                 on_dead(i, dead, int(self.holder_client[i]))
             self.clear_dead(i)
         self._mark_held(i, threading.get_native_id(), t0, time.perf_counter_ns(), contended)
+
+    def _take(self, first: int, last: int) -> bool:
+        """Lock the bytes of records first..last (the kernel grants a range all at once); True
+        when another process held some of them and this one waited."""
+        start = self.base + first * LOCK_DTYPE.itemsize
+        length = (last - first) * LOCK_DTYPE.itemsize + 1
+        if ofd.lock(self.fd, start, length, wait=False):
+            return False
+        mv = self.mv
+        _U8.pack_into(mv, self.wait_at, wait_word(first, last))
+        try:
+            tid = threading.get_native_id()
+            if not self._holds_above(first, tid):
+                # In the documented order: this wait cannot close a cycle.
+                ofd.lock(self.fd, start, length, wait=True)
+            else:
+                self._wait_watching(first, last, start, length, tid)
+        finally:
+            _U8.pack_into(mv, self.wait_at, 0)
+        return True
+
+    def _holds_above(self, i: int, tid: int) -> bool:
+        """True when this thread holds a pool lock ordered after lock i."""
+        pids, tids = self.holder_pid[i + 1 :], self.holder_tid[i + 1 :]
+        return bool(((pids == self.pid) & (tids == tid)).any())
+
+    def _wait_watching(self, first: int, last: int, start: int, length: int, tid: int) -> None:
+        """Wait in slices for a lock taken out of order, raising LockDeadlock on a wait cycle."""
+        pause = WAIT_SLICE_S
+        while True:
+            cycle = find_cycle(self.view, self.pid, tid, range(first, last + 1))
+            if cycle is not None:
+                what = (
+                    f"pool lock {self.names[first]!r}"
+                    if first == last
+                    else f"pool locks {self.names[first]!r}..{self.names[last]!r}"
+                )
+                raise LockDeadlock(
+                    f"taking {what} would deadlock with another process ({'; '.join(cycle)}, "
+                    "which this thread holds): two processes take pool locks in opposite orders"
+                )
+            time.sleep(pause)
+            if ofd.lock(self.fd, start, length, wait=False):
+                return
+            pause = min(2 * pause, WAIT_SLICE_MAX_S)
 
     def _mark_held(self, i: int, tid: int, t0: int, t1: int, contended: bool) -> None:
         """Record lock i as ours (taken at t1 after waiting since t0 when contended)."""
@@ -164,7 +207,7 @@ class LockTable:
             self.wait_ns[i] += t1 - t0
 
     def acquire_run(self, run: list[int]) -> bool:
-        """Take consecutive locks run[0]..run[-1] with one fcntl call over their bytes (one wait
+        """Take consecutive locks run[0]..run[-1] with one lock over their bytes (one wait
         for all of them when another process holds some); False (nothing taken) when a lock
         probe watches each acquisition: the caller then takes them one by one with `acquire`."""
         if self.on_acquire is not None:
@@ -175,22 +218,8 @@ class LockTable:
             tl[i].acquire()
         first = self.base + run[0] * LOCK_DTYPE.itemsize
         length = (run[-1] - run[0]) * LOCK_DTYPE.itemsize + 1
-        contended = False
         try:
-            try:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, length, first)
-            except (BlockingIOError, PermissionError):
-                contended = True
-                fcntl.lockf(self.fd, fcntl.LOCK_EX, length, first)
-        except OSError as e:
-            for i in reversed(run):
-                tl[i].release()
-            if e.errno == errno.EDEADLK:
-                raise LockDeadlock(
-                    f"taking pool locks {self.names[run[0]]!r}..{self.names[run[-1]]!r} would deadlock with another process "
-                    "(the kernel reported EDEADLK): two processes take pool locks in opposite orders"
-                ) from None
-            raise
+            contended = self._take(run[0], run[-1])
         except BaseException:
             for i in reversed(run):
                 tl[i].release()
@@ -199,7 +228,7 @@ class LockTable:
         for i in run:
             dead = _I4.unpack_from(mv, self.base + i * LOCK_DTYPE.itemsize + _HOLDER)[0]
             if dead:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, length, first)
+                ofd.unlock(self.fd, first, length)
                 for j in reversed(run):
                     tl[j].release()
                 raise DeadHolder(i, dead)
@@ -210,7 +239,7 @@ class LockTable:
         return True
 
     def release_run(self, run: list[int]) -> None:
-        """Release consecutive held locks, last first, with one fcntl call over their bytes."""
+        """Release consecutive held locks, last first, with one unlock over their bytes."""
         if len(run) == 1 or self.on_release is not None:
             for i in reversed(run):
                 self.release(i)
@@ -226,7 +255,7 @@ class LockTable:
             _I4.pack_into(mv, rec + _HOLDER, 0)
         first = self.base + run[0] * LOCK_DTYPE.itemsize
         length = (run[-1] - run[0]) * LOCK_DTYPE.itemsize + 1
-        fcntl.lockf(self.fd, fcntl.LOCK_UN, length, first)
+        ofd.unlock(self.fd, first, length)
         for i in reversed(run):
             self.tlocks[i].release()
 
@@ -240,7 +269,7 @@ class LockTable:
         # Counter even first, then clear the holder (see acquire).
         _U8.pack_into(mv, rec + _SEQ, _U8.unpack_from(mv, rec + _SEQ)[0] + 1)
         _I4.pack_into(mv, rec + _HOLDER, 0)
-        fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, rec)
+        ofd.unlock(self.fd, rec, 1)
         self.tlocks[i].release()
         if self.on_release is not None:
             self.on_release(i)

@@ -149,6 +149,7 @@ def core_for(pool: KVPool) -> Any | None:
         "c_journal": cbase + cf["journal"][1],
         "c_jdata": cbase + cf["journal_data"][1],
         "c_counters": cbase + cf[COUNTER_FIELDS[0]][1],
+        "c_wait": pool.locks.wait_at,
         "client": client,
         "lock_free": pool.FREE,
         "lock_shard0": pool.SHARDS[0],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import threading
 from array import array
@@ -13,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvscope.allocator import faults, kvdata, native
+from kvscope.allocator import faults, kvdata, native, ofd
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
@@ -28,6 +27,13 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, DeadHolder, LockTable, mark_hook
 from kvscope.allocator.probing import PoolProbes, ProbeFlags, env_flag
 from kvscope.allocator.process import my_identity, now_ns
+from kvscope.allocator.recovery import (
+    dead_owners,
+    detach_client,
+    reclaim_dead,
+    reclaim_for_attach,
+    recover_dead_holders,
+)
 from kvscope.allocator.segment import (
     check_name,
     data_path,
@@ -74,8 +80,8 @@ class KVPool(SequenceOps):
         self.block_size = self.config.block_size
         self.slots_per_block = self.config.slots_per_block
         self.pid, self.start = my_identity()
-        # One operation at a time per mapping (handles of one process on one pool share it:
-        # fcntl locks do not exclude each other within a process).
+        # One operation at a time per mapping (handles of one process on one pool share it and
+        # its one open of the segment, whose OFD locks do not exclude each other).
         # Probe hooks set on this handle (bits of HOOK_*): the C core (native.py) runs only
         # while none is; `probe`, `site_of` and the lock table's hooks keep it up to date.
         self._hooks = array("q", [0])
@@ -84,6 +90,8 @@ class KVPool(SequenceOps):
         # the C core (native.py) runs only while it is 0.
         self._busy: array = mf.__dict__.setdefault("op_busy", array("q", [0]))
         self._closed = False
+        # Dead processes an attach to a full client table reclaimed (recovery.py).
+        self.reclaimed_at_attach: list[dict[str, Any]] = []
         self.client = self._register_client()
         self._client_seq = ClientSeq(view, self.client)
         self.counters = {f: view.clients[f][self.client : self.client + 1] for f in COUNTER_FIELDS}
@@ -198,27 +206,38 @@ class KVPool(SequenceOps):
         return cls(name, mf, view, kv, created=False)
 
     def _register_client(self) -> int:
-        """Claim a client record (slot reuse prefers never-used slots, keeping dead ones for analysis)."""
+        """Claim a client record: a never-used one first (dead ones stay for analysis), then a
+        detached one; in a full table, one reclaimed from a dead process (recovery.py)."""
         c = self.view.clients
-        fd_lock = self._file_lock()
-        with fd_lock:
+        with self._file_lock():
             states = c["state"]
             empty = np.flatnonzero(states == ClientState.EMPTY)
             if len(empty) == 0:
                 empty = np.flatnonzero(states == ClientState.DETACHED)
-            if len(empty) == 0:
-                raise PoolError(
-                    f"pool {self.name!r} has {len(states)} attached processes (PoolConfig.max_clients); "
-                    "detach some or reclaim dead ones with `kvscope check --repair`"
+            if len(empty):
+                i = int(empty[0])
+            else:
+                got = reclaim_for_attach(
+                    self._mf, self.view, self.pid, self.start, self.reclaimed_at_attach
                 )
-            i = int(empty[0])
+                if got is None:
+                    raise PoolError(
+                        f"pool {self.name!r} has {len(states)} attached processes, all alive "
+                        "(PoolConfig.max_clients); detach some, or create the pool with a larger "
+                        "max_clients"
+                    )
+                i = got
             rec = c[i : i + 1]
-            rec["pid"], rec["start"], rec["attached_ns"] = self.pid, self.start, now_ns()
+            rec["pid"], rec["start"] = self.pid, self.start
+            # The attach time is also the record's attach generation: it never repeats, so a
+            # reclaimer can tell this attach from an earlier one of the same process.
+            rec["attached_ns"] = max(now_ns(), int(rec["attached_ns"][0]) + 1)
             rec["local_count"] = 0
             rec["journal_count"] = 0
             rec["journal_used"] = 0
             rec["event_count"] = 0
             rec["event_head"] = 0
+            rec["op"] = 0
             # A record reused after a process died inside an operation keeps its odd seq: even
             # it out, or this process would look busy exactly while it is idle.
             rec["seq"] += rec["seq"] % 2
@@ -233,28 +252,29 @@ class KVPool(SequenceOps):
         tl = self._mf.__dict__.setdefault("reg_lock", threading.Lock())
         off = self.view.offsets["clients"]
         with tl:
-            fcntl.lockf(self._mf.fd, fcntl.LOCK_EX, 1, off)
+            ofd.lock(self._mf.fd, off, 1, wait=True)
             try:
                 yield
             finally:
-                fcntl.lockf(self._mf.fd, fcntl.LOCK_UN, 1, off)
+                ofd.unlock(self._mf.fd, off, 1)
 
     def close(self) -> None:
-        """Detach: return this process's local cache to the ring and release the mapping."""
+        """Detach: return this process's local cache and slot reserve, release the mapping."""
         if self._closed:
             return
         self._check_process()
         if CLOSE_HOOK is not None:
             CLOSE_HOOK(self)
-        if self.journal.count:
-            self.journal.rollback()
-        self._run({self.FREE}, self._flush_local)
-        # The same journaled fold as reclaiming a dead process, under the lock that guards the
-        # header's counters (the seqs lock).
-        from kvscope.allocator.recovery import detach_client
-
-        self._run({self.SEQS}, lambda t: detach_client(self.view, t, self.client))
-        self._closed = True
+        with self._mutex:
+            if self.journal.count:
+                self.journal.rollback()
+            self._run({self.FREE}, self._flush_local)
+            self.seqtab.reserve.clear()
+            # The same journaled fold as reclaiming a dead process, under the lock that guards
+            # the header's counters (the seqs lock), a chunk of reserved slots at a time.
+            while not self._run({self.SEQS}, lambda t: detach_client(self.view, t, self.client)):
+                pass
+            self._closed = True
         if self._native is not None:
             self._native.close()
             self._native = None
@@ -319,9 +339,7 @@ class KVPool(SequenceOps):
                     except Escalate as e:
                         locks = e.locks
                     except DeadHolder:
-                        from kvscope.allocator.recovery import recover_dead_holders
-
-                        recover_dead_holders(self)
+                        recover_dead_holders(self.locks, self.view, self.client, self.report)
             finally:
                 busy[0] -= 1
 
@@ -390,18 +408,17 @@ class KVPool(SequenceOps):
 
     def dead_owners(self) -> list[dict[str, Any]]:
         """Processes that died while attached, with the blocks and sequences they left."""
-        from kvscope.allocator.recovery import dead_owners
-
         return dead_owners(self.view)
 
-    def reclaim_dead(self) -> dict[str, int]:
-        """Return dead processes' blocks to the pool; shared blocks lose only their references."""
-        from kvscope.allocator.recovery import reclaim_dead
+    def reclaim_dead(self, done: list[dict[str, Any]] | None = None) -> dict[str, int]:
+        """Return dead processes' blocks to the pool; shared blocks lose only their references.
 
+        Safe while other processes reclaim too. `done`, when given, gets one entry per process
+        this call acted on (recovery.reclaim_dead)."""
         self._check_process()
         with self._mutex:
             self._busy[0] += 1
             try:
-                return reclaim_dead(self)
+                return reclaim_dead(self, done)
             finally:
                 self._busy[0] -= 1

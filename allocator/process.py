@@ -44,6 +44,30 @@ def is_alive(pid: int, start: int) -> bool:
     return start == 0 or int(fields[19]) == start
 
 
+# /proc/PID/stat state letters, as words.
+_STATES = {
+    b"R": "running",
+    b"S": "sleeping",
+    b"D": "in uninterruptible sleep",
+    b"T": "stopped",
+    b"t": "stopped",
+    b"Z": "zombie",
+    b"X": "zombie",
+    b"I": "idle",
+}
+
+
+def process_state(pid: int) -> str:
+    """What a process is doing now (`running`, `sleeping`, `stopped`, ...); '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    letter = stat[stat.rindex(b")") + 2 :].split()[0]
+    return _STATES.get(letter, letter.decode(errors="replace"))
+
+
 def now_ns() -> int:
     """Wall-clock time in nanoseconds (comparable across processes)."""
     return time.time_ns()

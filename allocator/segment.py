@@ -81,8 +81,9 @@ class MappedFile:
     uid: int = -1
 
 
-# fcntl locks belong to (process, file): closing ANY descriptor of the file drops them all, so a
-# process keeps exactly one descriptor per segment, shared by every pool handle it opens.
+# A process opens each segment once, shared by every pool handle it opens: the pool's OFD locks
+# belong to that open (allocator/ofd.py), and the locks of two opens in one process would
+# exclude each other.
 _OPEN: dict[str, MappedFile] = {}
 # path -> (device, inode) of each file this process created: a failed create removes only those.
 _CREATED: dict[str, tuple[int, int]] = {}

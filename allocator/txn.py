@@ -63,7 +63,7 @@ class Txn:
         # lock-inversion fault).
         self.held = list(held) if isinstance(held, list) else sorted(held)
         self.held_set = held if isinstance(held, set) else set(held)
-        # Runs of consecutive locks (the index shards, say) take one fcntl call each; a caller's
+        # Runs of consecutive locks (the index shards, say) take one OFD lock each; a caller's
         # own order is kept lock by lock.
         self.runs = _runs(self.held) if not isinstance(held, list) else [[i] for i in self.held]
         self.after_commit: list[Callable[[], None]] = []

@@ -74,6 +74,10 @@ def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str
         },
         "creator_pid": int(h["creator_pid"]),
         "created_ns": int(h["created_ns"]),
+        # False when the copy was taken while a live writer was mid-operation (no quiet moment
+        # came): its findings may show a half-done operation that a consistent copy would not.
+        "consistent": not getattr(view, "torn", False)
+        and not (dump_header is not None and int(dump_header["flags"]) & DUMP_TORN),
     }
     if dump_header is not None:
         df = int(dump_header["flags"])

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import signal
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
-
-import pytest
 
 from kvscope.allocator import KVPool, LockDeadlock
 from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
@@ -114,35 +109,6 @@ def test_opposite_orders_in_two_processes_are_reported_with_both_chains(make_poo
     assert "deadlock" in f.message
 
 
-def _kernel_reports_edeadlk() -> bool:
-    """True when crossed fcntl locks of two processes make the kernel answer EDEADLK."""
-    fd, path = tempfile.mkstemp(dir="/dev/shm")
-    os.unlink(path)
-    os.ftruncate(fd, 2)
-    r, w = os.pipe()
-    fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0)
-
-    def other() -> int:
-        signal.alarm(3)
-        fcntl.lockf(fd, fcntl.LOCK_EX, 1, 1)
-        os.write(w, b"1")
-        fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0)
-        return 0
-
-    pid = _fork(other)
-    os.read(r, 1)
-    time.sleep(0.2)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX, 1, 1)
-        ok = False
-    except OSError as e:
-        ok = e.errno == errno.EDEADLK
-    fcntl.lockf(fd, fcntl.LOCK_UN, 1, 0)
-    _wait(pid, 5)
-    os.close(fd)
-    return ok
-
-
 def _overlap(pool: KVPool) -> tuple[list, list[int]]:
     """Run the two orders so that they would deadlock; return (cycle findings, exit codes)."""
     free_held_r, free_held_w = os.pipe()
@@ -200,10 +166,9 @@ def test_a_cycle_is_reported_before_the_processes_deadlock(make_pool):
     assert all(code in (0, DEADLOCKED, -9) for code in codes), codes
 
 
-def test_the_kernel_breaks_the_deadlock_with_edeadlk(make_pool):
-    if not _kernel_reports_edeadlk():
-        pytest.skip("this kernel does not report EDEADLK for crossed fcntl locks")
-    # GIVEN the overlapping opposite orders of the test above
+def test_the_pool_breaks_the_deadlock_with_lock_deadlock(make_pool):
+    # GIVEN the overlapping opposite orders of the test above (the taker out of order waits in
+    # slices and follows the published waits: allocator/waits.py)
     pool = make_pool(32)
     # WHEN they run
     found, codes = _overlap(pool)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -25,6 +26,7 @@ from kvscope.allocator.layout import (
     SeqState,
 )
 from kvscope.allocator.segment import check_name, list_names, segment_path, validate_bytes
+from kvscope.allocator.snapshot import Seqlock, copy_segment
 from kvscope.dumpfile import read_dump
 
 # Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), and the
@@ -53,11 +55,6 @@ class Source(Protocol):
     def close(self) -> None:
         """Release the mapping or file."""
         ...
-
-
-def _counters(view: SegmentView) -> np.ndarray:
-    # The seqlock: one counter per pool lock plus one per client (owner-only writes).
-    return np.concatenate([view.locks["seq"], view.clients["seq"]])
 
 
 def _section_bounds(view: SegmentView, name: str) -> tuple[int, int]:
@@ -91,22 +88,17 @@ class Snapshotter:
         self._bounds.append((0, HEADER_DTYPE.itemsize))
         ring = view.offsets["ring"]
         self._bounds.append((ring, ring + RING_HEADER_DTYPE.itemsize))
-        self.num_retries = 0
+        self._seqlock = Seqlock(view)
 
-    def _consistent(self, copy, tries: int | None = None) -> bool:
-        """Run `copy()` between two equal, even readings of the seqlock; False if it never was."""
-        view = self.view
-        for attempt in range(tries or self.tries):
-            before = _counters(view).copy()
-            if (before % 2).any():
-                self.num_retries += 1
-                time.sleep(0.0001 * min(attempt + 1, 10))
-                continue
-            copy()
-            if np.array_equal(before, _counters(view)):
-                return True
-            self.num_retries += 1
-        return False
+    @property
+    def num_retries(self) -> int:
+        """Copies retried because a writer was inside an operation (the seqlock's count)."""
+        return self._seqlock.num_retries
+
+    def _consistent(self, copy: Callable[[], None], dst: np.ndarray) -> bool:
+        """Run `copy()` into dst at a quiet moment of the seqlock (allocator/snapshot.py, the
+        one reader); False if there was none in `tries` attempts."""
+        return self._seqlock.copy_between(copy, self.tries, undo_into=dst)
 
     def read(self) -> SegmentView:
         """What the panels show, copied piece by piece, each piece under the seqlock.
@@ -142,7 +134,7 @@ class Snapshotter:
             def chunk(a: int = a, b: int = b) -> None:
                 dst[a:b] = src[a:b]
 
-            ok &= self._consistent(chunk)
+            ok &= self._consistent(chunk, dst)
 
         def small() -> None:
             for a, b in self._bounds:
@@ -160,22 +152,19 @@ class Snapshotter:
             dst_rows[live, :width] = src_rows[live, :width]
             self._live_rows[i] = live
 
-        ok &= self._consistent(small)
+        ok &= self._consistent(small, dst)
         mine.torn = not ok  # type: ignore[attr-defined]
+        mine.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
         return mine
 
     def read_full(self) -> SegmentView:
         """Every byte of the segment (what check_view needs); reuses one buffer."""
         if self._full is None:
             self._full = np.zeros(self.view.offsets["end"], np.uint8)
-        full, src = self._full, self.view.raw
-
-        def copy() -> None:
-            full[:] = src
-
-        torn = not self._consistent(copy, tries=FULL_TRIES)
-        out = SegmentView(full, self.view.layout)
+        torn = not copy_segment(self.view, self._full, self._seqlock, FULL_TRIES)
+        out = SegmentView(self._full, self.view.layout)
         out.torn = torn  # type: ignore[attr-defined]
+        out.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
         return out
 
 

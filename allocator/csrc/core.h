@@ -131,6 +131,7 @@ typedef struct {
     size_t off_blocks, off_ring, off_index, off_seqs, off_locks;
     /* this client's record: absolute offsets of its fields */
     size_t c_seq, c_local_count, c_local, c_jcount, c_jused, c_journal, c_jdata, c_counters;
+    size_t c_wait; /* where this process publishes the locks it waits for (waits.py) */
     uint32_t j_entries, j_bytes;
     int client, lock_free, lock_shard0, num_locks;
     int32_t pid;

@@ -2,6 +2,8 @@
 
 /* -- locks ------------------------------------------------------------------------------------ */
 
+/* An OFD lock (allocator/ofd.py: it belongs to this open of the segment, so no stray close of
+ * another descriptor drops it) on the one byte of lock i's record. */
 static int lock_fcntl(Native *n, int i, short type, int wait) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
@@ -9,14 +11,17 @@ static int lock_fcntl(Native *n, int i, short type, int wait) {
     fl.l_whence = SEEK_SET;
     fl.l_start = (off_t)(n->off_locks + (size_t)i * LOCK_SIZE);
     fl.l_len = 1;
+    fl.l_pid = 0;
     int r;
-    if (!wait) return fcntl(n->fd, F_SETLK, &fl);
-    Py_BEGIN_ALLOW_THREADS r = fcntl(n->fd, F_SETLKW, &fl);
+    if (!wait) return fcntl(n->fd, F_OFD_SETLK, &fl);
+    Py_BEGIN_ALLOW_THREADS r = fcntl(n->fd, F_OFD_SETLKW, &fl);
     Py_END_ALLOW_THREADS return r;
 }
 
 /* Take lock i as LockTable.acquire does; FALLBACK (not taken) when its record names a dead
- * holder or the kernel refuses (EDEADLK): the Python path then recovers or reports. */
+ * holder or the wait fails: the Python path then recovers or reports. The core takes locks in
+ * the documented order only, so its waits cannot close a cycle; it publishes them (waits.py)
+ * for a Python-path waiter that takes locks out of order to see one. */
 static int lock_take(Native *n, int i) {
     uint64_t t0 = mono_ns();
     int contended = 0;
@@ -36,7 +41,10 @@ static int lock_take(Native *n, int i) {
             n->mutex_held = 1;
             *n->busy += 1;
         }
-        if (lock_fcntl(n, i, F_WRLCK, 1) != 0) return FALLBACK;
+        U8(n->seg + n->c_wait) = (uint64_t)(i + 1) | ((uint64_t)(i + 1) << 32);
+        int r = lock_fcntl(n, i, F_WRLCK, 1);
+        U8(n->seg + n->c_wait) = 0;
+        if (r != 0) return FALLBACK;
     }
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
     if (I4(r + LF_HOLDER_PID)) {

@@ -12,11 +12,6 @@ import os
 import sys
 from typing import Any
 
-import numpy as np
-
-from kvscope.allocator.journal import Journal
-from kvscope.allocator.layout import ClientState
-from kvscope.allocator.process import is_alive
 from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
@@ -27,28 +22,30 @@ from kvscope.target import add_trust_owner, live_target, read_live
 
 
 def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
-    """Roll back dead holders' journals and reclaim dead owners' blocks; what was done."""
+    """Roll back dead holders' journals and reclaim dead owners' blocks; what was done.
+
+    Safe beside other processes that reclaim at the same time: it reports what this repair
+    did (an attach to a full client table reclaims one dead process first). A dead process's
+    journal that cannot be trusted is skipped and said to be (`Journal.problem`)."""
     from kvscope.allocator import KVPool
 
     pool = KVPool.attach(name, trust_owner)
+    done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
-        c = pool.view.clients
-        journals = [
-            {
-                "pid": int(c["pid"][i]),
-                "entries": int(c["journal_count"][i]),
-                "skipped": Journal(pool.view, i).problem(),
-            }
-            for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
-            if i != pool.client
-            and int(c["journal_count"][i])
-            and not is_alive(int(c["pid"][i]), int(c["start"][i]))
-        ]
-        dead = pool.dead_owners()
-        totals = pool.reclaim_dead()
+        pool.reclaim_dead(done)
     finally:
         pool.close()
-    return {"journals_rolled_back": journals, "dead_owners": [d["pid"] for d in dead], **totals}
+    return {
+        "journals_rolled_back": [
+            {"pid": d["pid"], "entries": d["entries"], "skipped": d["skipped"]}
+            for d in done
+            if d["entries"] or d["skipped"]
+        ],
+        "dead_owners": [d["pid"] for d in done if d["detached"]],
+        "processes": sum(d["detached"] for d in done),
+        "sequences": sum(d["sequences"] for d in done),
+        "blocks": sum(d["blocks"] for d in done),
+    }
 
 
 def describe_repair(done: dict[str, Any]) -> str:

@@ -1,0 +1,260 @@
+"""Client records under many processes: concurrent reclaimers, a full table, close() at any size.
+
+Real processes and real `kill -9`: processes die holding sequences, then several reclaimers,
+`kvscope check --repair` and newly attaching processes run against each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import signal
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvscope.allocator import KVPool, PoolError
+from kvscope.allocator.layout import ClientState, SeqState
+from kvscope.cli import main
+
+BS = 4
+NUM_BLOCKS = 256
+PROMPTS = [[50 + i] * 8 + [i] for i in range(4)]
+CHILD_ALARM_S = 60
+CORRUPT = 3
+
+
+def _fork(fn: Callable[[], int]) -> int:
+    """Run fn in a child process (exit code = its result; 1 on an exception; SIGALRM if stuck)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        signal.alarm(CHILD_ALARM_S)
+        code = fn()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _wait(pid: int) -> int:
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _own_sequences_intact(pool: KVPool, live: list) -> bool:
+    """True when the pool's table still holds each of this process's sequences as it knows it."""
+    seqs = pool.view.seqs
+    for s in live:
+        row = seqs[s.slot]
+        if (
+            int(row["state"]) != SeqState.RUNNING
+            or int(row["owner_pid"]) != os.getpid()
+            or row["table"][: int(row["num_blocks"])].tolist() != s.block_table
+        ):
+            print(f"pid {os.getpid()}: sequence {s.request_id} was changed by another process")
+            return False
+    return True
+
+
+def _allocate_some(pool: KVPool, rng: random.Random, tag: str, n: int) -> list:
+    live = []
+    for i in range(n):
+        seq = pool.allocate(
+            f"{tag}-{i}", rng.choice(PROMPTS) + [rng.randrange(40)] * rng.randrange(9)
+        )
+        pool.mark_computed(seq, seq.num_tokens)
+        live.append(seq)
+    return live
+
+
+def _holder(name: str, seed: int, ready_w: int) -> int:
+    """Attach, take sequences, say so, and wait to be killed."""
+    pool = KVPool.attach(name)
+    _allocate_some(pool, random.Random(seed), f"h{seed}", 4)
+    os.write(ready_w, b"1")
+    time.sleep(CHILD_ALARM_S)
+    return 0
+
+
+def _attacher(name: str, seed: int, rounds: int) -> int:
+    """Attach, allocate, check that nobody touched its sequences, free, close; again."""
+    rng = random.Random(seed)
+    for r in range(rounds):
+        pool = KVPool.attach(name)
+        live = _allocate_some(pool, rng, f"a{seed}-{r}", 3)
+        for _ in range(5):
+            if not _own_sequences_intact(pool, live):
+                return CORRUPT
+            time.sleep(0.001)
+        for s in live:
+            pool.free(s)
+        pool.close()
+    return 0
+
+
+def _reclaimer(name: str, rounds: int) -> int:
+    pool = KVPool.attach(name)
+    for _ in range(rounds):
+        pool.reclaim_dead()
+    pool.close()
+    return 0
+
+
+def _repairer(name: str) -> int:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(["check", name, "--repair"])
+
+
+def _conserved(pool: KVPool) -> None:
+    st = pool.stats()
+    assert st["num_free"] + st["num_local"] + st["num_cached"] + st["num_allocated"] == NUM_BLOCKS
+
+
+@pytest.mark.slow
+def test_concurrent_reclaimers_repair_and_attaches_never_touch_a_live_process(make_pool):
+    # GIVEN a pool whose client table is small enough that records are reused at once
+    pool = make_pool(NUM_BLOCKS, block_size=BS, max_clients=10, max_seqs=256)
+    for rnd in range(6):
+        # GIVEN three processes killed while holding sequences
+        r, w = os.pipe()
+        holders = [
+            _fork(lambda i=i, rnd=rnd, w=w: _holder(pool.name, 10 * rnd + i, w)) for i in range(3)
+        ]
+        for _ in holders:
+            os.read(r, 1)
+        for pid in holders:
+            os.kill(pid, signal.SIGKILL)
+            _wait(pid)
+        os.close(r)
+        os.close(w)
+        # WHEN three reclaimers, a `check --repair` and three attaching processes run at once
+        procs = [_fork(lambda: _reclaimer(pool.name, 8)) for _ in range(3)]
+        procs.append(_fork(lambda: _repairer(pool.name)))
+        procs += [
+            _fork(lambda i=i, rnd=rnd: _attacher(pool.name, 100 * rnd + i, 4)) for i in range(3)
+        ]
+        codes = [_wait(pid) for pid in procs]
+        # THEN no process saw its sequences changed, and the pool is consistent
+        assert codes == [0] * len(procs), codes
+        assert pool.check() == []
+    pool.reclaim_dead()
+    # THEN every dead process was reclaimed once, and no block is lost
+    assert pool.check() == []
+    c = pool.view.clients
+    attached = np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
+    assert attached == [pool.client]
+    assert pool.stats()["num_allocated"] == 0
+    _conserved(pool)
+
+
+def test_a_stale_dead_client_is_not_reclaimed_once_a_live_process_reuses_its_record(make_pool):
+    from kvscope.allocator.recovery import find_dead, reclaim_client
+
+    # GIVEN a process killed holding sequences, seen dead by this reclaimer
+    pool = make_pool(NUM_BLOCKS, block_size=BS, max_clients=3)
+    r, w = os.pipe()
+    dead = _fork(lambda: _holder(pool.name, 1, w))
+    os.read(r, 1)
+    os.kill(dead, signal.SIGKILL)
+    _wait(dead)
+    (stale,) = find_dead(pool.view, pool.client)
+    # ... and then reclaimed by another process, whose record a new live process reuses
+    assert _wait(_fork(lambda: _reclaimer(pool.name, 1))) == 0
+    go_r, go_w = os.pipe()
+
+    def reuser() -> int:
+        p = KVPool.attach(pool.name)
+        live = _allocate_some(p, random.Random(2), "reuser", 4)
+        os.write(w, p.client.to_bytes(4, "little"))
+        os.read(go_r, 1)
+        if not _own_sequences_intact(p, live):
+            return CORRUPT
+        for s in live:
+            p.free(s)
+        p.close()
+        return 0
+
+    pid = _fork(reuser)
+    assert int.from_bytes(os.read(r, 4), "little") == stale.client
+    # WHEN this reclaimer acts on its stale list
+    got = reclaim_client(
+        pool.view, lambda fn: pool._run(pool.ALL, fn), pool.store, pool.seqtab, stale
+    )
+    totals = pool.reclaim_dead()
+    os.write(go_w, b"1")
+    # THEN it does nothing: the live process's sequences are intact
+    assert got is None and totals["processes"] == 0
+    assert _wait(pid) == 0
+    assert pool.check() == []
+
+
+def test_a_table_full_of_dead_processes_still_takes_an_attach_and_a_repair(make_pool, capsys):
+    # GIVEN a pool with room for 3 processes: this one, and 2 killed holding sequences
+    pool = make_pool(NUM_BLOCKS, block_size=BS, max_clients=3)
+    r, w = os.pipe()
+    dead = [_fork(lambda i=i: _holder(pool.name, i, w)) for i in range(2)]
+    for _ in dead:
+        os.read(r, 1)
+    for pid in dead:
+        os.kill(pid, signal.SIGKILL)
+        _wait(pid)
+    assert (pool.view.clients["state"] == ClientState.ATTACHED).all()
+
+    # WHEN another process attaches
+    def attach() -> int:
+        p = KVPool.attach(pool.name)
+        (done,) = p.reclaimed_at_attach
+        p.free(p.allocate("new", [1, 2, 3]))
+        p.close()
+        return 0 if done["pid"] in dead and done["sequences"] == 4 else 5
+
+    # THEN it reclaims one dead process's record and works
+    assert _wait(_fork(attach)) == 0
+    assert {f.kind for f in pool.check()} <= {"leak_dead_owner"}
+
+    # WHEN the table is full again (one more dies) and `kvscope check --repair` runs
+    dead.append(_fork(lambda: _holder(pool.name, 7, w)))
+    os.read(r, 1)
+    os.kill(dead[-1], signal.SIGKILL)
+    _wait(dead[-1])
+    assert (pool.view.clients["state"] == ClientState.ATTACHED).all()
+    assert main(["check", pool.name, "--repair"]) == 0
+    # THEN it attaches, reclaims both dead processes and the pool is clean
+    err = capsys.readouterr().err
+    assert "from 2 dead process(es)" in err, err
+    assert pool.check() == []
+    assert pool.stats()["num_allocated"] == 0
+    _conserved(pool)
+
+
+def test_a_table_full_of_live_processes_refuses_in_one_line(make_pool):
+    # GIVEN a pool with room for 2 processes, both alive
+    pool = make_pool(32, max_clients=2)
+    other = KVPool.attach(pool.name)
+    # WHEN a third attach comes THEN it is refused with what to do
+    with pytest.raises(PoolError, match="all alive.*larger max_clients"):
+        KVPool.attach(pool.name)
+    other.close()
+    KVPool.attach(pool.name).close()
+
+
+def test_close_with_hundreds_of_live_sequences(make_pool):
+    # GIVEN a handle with 600 live sequences (each in a slot of its reserve)
+    pool = make_pool(2048, max_seqs=1024, max_clients=8)
+    other = KVPool.attach(pool.name)
+    for i in range(600):
+        other.allocate(f"r{i}", [i, i + 1, i + 2])
+    # WHEN it closes
+    other.close()
+    # THEN its record is detached and none of its slots stays reserved
+    seqs = pool.view.seqs
+    assert pool.view.clients["state"][other.client] == ClientState.DETACHED
+    assert not ((seqs["reserved"] == 1) & (seqs["owner_client"] == other.client)).any()
+    assert int((seqs["state"] == SeqState.RUNNING).sum()) == 600
