@@ -64,7 +64,7 @@ def test_run_live_hands_the_output_to_the_tui_then_prints_it_once(
 
     seen: list[list[tuple[str, str]]] = []
 
-    def fake_top(target, hz, script=None):
+    def fake_top(target, hz, script=None, stop=None):
         for _ in range(200):
             if any(line == "before the pool" for _, line in script.tail()):
                 break
