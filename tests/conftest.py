@@ -14,7 +14,7 @@ from kvscope.allocator.segment import data_path, segment_path
 
 def _cleanup(name: str) -> None:
     for p in (segment_path(name), data_path(name)):
-        if os.path.exists(p):
+        if os.path.lexists(p):
             os.unlink(p)
 
 

@@ -29,6 +29,22 @@ def test_flight_recorder_keeps_each_blocks_last_events(make_pool, monkeypatch):
     assert len(recent_events(pool.view, 3)) == 3
 
 
+def test_an_abort_is_recorded_as_abort_and_a_free_as_free(make_pool, monkeypatch):
+    # GIVEN a pool with the events probe on, one short and one long sequence (released in chunks)
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(200)
+    done = pool.allocate("done", [1, 2, 3, 4, 5])
+    gone = pool.allocate("gone", list(range(600)))
+    # WHEN one is freed and the other aborted
+    pool.free(done)
+    pool.abort(gone)
+    # THEN the release events say which
+    ops = {
+        e["request"]: e["op"] for e in recent_events(pool.view, 400) if e["op"] in ("free", "abort")
+    }
+    assert ops == {"done": "free", "gone": "abort"}
+
+
 def test_ownership_records_the_first_frame_outside_kvscope(make_pool, monkeypatch):
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     pool = make_pool(16)

@@ -25,6 +25,7 @@ from server.runner import run  # noqa: E402
 from server.workload import Request  # noqa: E402
 
 from kvscope.allocator import KVPool  # noqa: E402
+from kvscope.allocator.segment import segment_path  # noqa: E402
 
 SMALL = ["--requests", "12", "--output-len", "2:6", "--rate", "0", "--no-progress"]
 
@@ -137,7 +138,7 @@ def test_keep_pool_leaves_it_for_kvscope_top(capsys: pytest.CaptureFixture[str])
         pool.unlink()
     # without --keep-pool the pool is gone after the run
     run_json(capsys, "--pool-name", name)
-    assert not Path(f"/dev/shm/kvscope.{name}").exists()
+    assert not os.path.lexists(segment_path(name))
 
 
 def test_workers_reuse_each_others_prefixes() -> None:
@@ -173,7 +174,7 @@ def test_when_every_worker_dies_the_run_fails_and_removes_the_pool(
     # WHEN the run starts, THEN it fails naming the exit code, and the pool is gone
     with pytest.raises(RuntimeError, match="every worker died: worker 0 exited with code 3"):
         run(RunConfig(workers=2, pool_name=name), [Request("a", [1, 2], max_tokens=2)])
-    assert not Path(f"/dev/shm/kvscope.{name}").exists()
+    assert not os.path.lexists(segment_path(name))
 
 
 @pytest.mark.slow
