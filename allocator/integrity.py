@@ -95,6 +95,37 @@ def modified(
     ]
 
 
+_BLANK: dict[tuple, dict[int, str]] = {}
+
+
+def _blank_digests(kv: torch.Tensor, block_size: int) -> dict[int, str]:
+    """High halves of the digests a block has before anything is written into it (zeros, as
+    created; NaN, as poisoned), for this cache's geometry."""
+    shape = (*kv.shape[:2], 1, *kv.shape[3:])
+    key = (shape, kv.dtype, str(kv.device), block_size)
+    if key not in _BLANK:
+        blank = {
+            digests_of(kv.new_zeros(shape), np.zeros(1, np.int64), block_size)[0] >> 32: "zero"
+        }
+        if can_poison(kv):
+            nan = kv.new_full(shape, float("nan"))
+            blank[digests_of(nan, np.zeros(1, np.int64), block_size)[0] >> 32] = "NaN (poison)"
+        _BLANK[key] = blank
+    return _BLANK[key]
+
+
+def modified_message(when: str, found: int, want: int, kv: torch.Tensor, block_size: int) -> str:
+    """The `published_block_modified` message; says so when the digest was taken of a block
+    nothing had been written into (published before its K/V was written)."""
+    blank = _blank_digests(kv, block_size).get(want)
+    if blank is None:
+        return MODIFIED_MESSAGE.format(when=when, found=found, want=want)
+    return (
+        f"published before its K/V was written: mark_computed digested an all-{blank} block, "
+        f"and its K/V changed since (seen at {when}; digest now {found:#010x})"
+    )
+
+
 # -- poison ----------------------------------------------------------------------------------
 
 
@@ -204,7 +235,7 @@ def check_kv(
     out: list[Finding] = []
     for blk, found, want in changed[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
-            msg = MODIFIED_MESSAGE.format(when="a check", found=found, want=want)
+            msg = modified_message("a check", found, want, kv, bs)
             out.append(_finding(view, "published_block_modified", blk, msg))
     for blk, count in written[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):

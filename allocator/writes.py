@@ -67,7 +67,7 @@ class WriteProbes:
         ids = np.asarray(ids, np.int64)
         ids = ids[pool.view.blocks["indexed"][ids] == 1]
         for blk, found, want in integrity.modified(pool.view.blocks, pool.kv, ids, pool.block_size):
-            msg = integrity.MODIFIED_MESSAGE.format(when=when, found=found, want=want)
+            msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size)
             self._later(t, "published_block_modified", blk, msg)
 
     def evicting(self, t: Txn, ids: np.ndarray) -> None:

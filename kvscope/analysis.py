@@ -179,20 +179,40 @@ def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[st
     return out
 
 
+# How an event changes the number of references to its block (None: to an unknown number).
+_TAKES = {"alloc": 1, "allocate": 1, "prefix_hit": 1, "fork": 1}
+_DROPS = {"free": 1, "release": 1, "abort": 1, "cow": 1}
+
+
 def first_bad_event(events: list[dict[str, Any]], generation: int) -> dict[str, Any] | None:
-    """The first event the flight recorder shows going wrong: a second free, or a stale generation."""
+    """The first event the flight recorder shows going wrong: a release of a block nobody held
+    any more (a double free; shared blocks are counted by reference from their allocation on),
+    or an operation on a generation already released.
+    """
+    refs: dict[int, int | None] = {}  # generation -> references held, None while unknown
     freed: set[int] = set()
     for e in events:
-        op = e["op"]
+        op, gen = e["op"], e["generation"]
         if op in ("alloc", "allocate"):
-            freed.discard(e["generation"])
-        elif op in ("free", "release"):
-            if e["generation"] in freed:
+            refs[gen] = 1
+            freed.discard(gen)
+        elif op in _TAKES:
+            # (a published block with no reference left stays cached: a prefix hit takes it)
+            freed.discard(gen)
+            held = refs.get(gen)
+            refs[gen] = None if held is None else held + 1
+        elif op in _DROPS:
+            if gen in freed:
                 return e
-            freed.add(e["generation"])
-        elif isinstance(op, str) and e["generation"] and e["generation"] < generation:
-            if e["generation"] in freed:
-                return e
+            held = refs.get(gen)
+            if held is not None:
+                refs[gen] = held - 1
+                if held - 1 == 0:
+                    freed.add(gen)
+        elif op == "reclaim":
+            refs[gen] = None
+        elif isinstance(op, str) and gen and gen < generation and gen in freed:
+            return e
     return None
 
 

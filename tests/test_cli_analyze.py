@@ -193,3 +193,24 @@ def test_check_unlink_removes_an_unused_pool(capsys, pool_name):
 def test_help_exits_0(capsys, argv):
     assert main(argv) == 0
     assert "usage" in capsys.readouterr().out
+
+
+def test_shared_blocks_released_by_each_holder_are_no_bad_event(make_pool, monkeypatch):
+    # GIVEN a published prompt block shared by a fork and by a later prefix hit, each released
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(32)
+    seq = pool.allocate("a", list(range(9)))
+    pool.mark_computed(seq, 9)
+    kid = pool.fork(seq, "a.1")
+    blk = seq.block_table[0]
+    pool.free(seq)
+    pool.free(kid)
+    again = pool.allocate("b", list(range(9)))
+    assert again.block_table[0] == blk
+    pool.free(again)
+    events = analysis.block_events(pool.view, [blk])[blk]
+    assert [e["op"] for e in events] == ["allocate", "fork", "free", "free", "prefix_hit", "free"]
+    # THEN no event is a bad one; WHEN the last release is repeated THEN that one is
+    assert analysis.first_bad_event(events, int(pool.view.blocks["generation"][blk])) is None
+    twice = [*events, dict(events[-1], time_ns=events[-1]["time_ns"] + 1)]
+    assert analysis.first_bad_event(twice, int(pool.view.blocks["generation"][blk])) == twice[-1]

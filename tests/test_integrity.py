@@ -84,6 +84,27 @@ def test_a_write_into_a_published_block_is_found(make_pool, probes, when, seen):
     assert found[0].severity == "error" and seen in found[0].message
 
 
+def test_a_block_published_before_its_kv_was_written_is_named_so(make_pool, probes):
+    # GIVEN a prompt published right after allocate, its K/V written afterwards (an engine
+    # that calls mark_computed before prefill)
+    pool = make_pool(16)
+    seq = pool.allocate("early", list(range(9)))
+    assert pool.mark_computed(seq, 8) == 2
+    write_kv(pool, seq.block_table)
+    # WHEN a second request hits the prefix
+    pool.allocate("hit", list(range(8)) + [50])
+    # THEN both published blocks are found, and the message says what happened
+    found = modified(pool)
+    assert sorted(f.block for f in found) == sorted(seq.block_table[:2])
+    assert all("published before its K/V was written" in f.message for f in found)
+    # (an ordinary overwrite of written K/V does not say so)
+    pool2 = make_pool(16)
+    seq2, blk = published(pool2)
+    pool2.kv[0, 1, blk, 2, 0, 3] += 1.0
+    pool2.free(seq2)
+    assert [("published before" in f.message) for f in modified(pool2)] == [False]
+
+
 def test_a_digest_from_an_older_allocation_of_the_block_never_counts(make_pool, probes):
     # GIVEN a published block evicted, then allocated again and written with other K/V
     pool = make_pool(4)
