@@ -20,6 +20,8 @@ class FindingKind(str, enum.Enum):
     GUARD_VIOLATION = "guard_violation"
     # The K/V of a block published to the prefix index changed after it was published.
     PUBLISHED_BLOCK_MODIFIED = "published_block_modified"
+    # A finished request's block still holds the poison where its tokens' K/V belongs.
+    KV_NEVER_WRITTEN = "kv_never_written"
     LEAK_DEAD_OWNER = "leak_dead_owner"
     LEAK_FINISHED = "leak_finished"
     LEAK_ORPHAN = "leak_orphan"

@@ -166,6 +166,36 @@ def poison_broken(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[tu
     return [(int(b), int(c)) for b, c in zip(np.asarray(ids).tolist(), counts) if c]
 
 
+UNWRITTEN_MESSAGE = (
+    "request {request!r} finished with positions {first}-{last} ({slots} slot(s)) of this block "
+    "never written: a copy-on-write copy skipped, or K/V written through a stale table"
+)
+
+
+def unwritten_slots(
+    kv: torch.Tensor, table: list[int], num_tokens: int, block_size: int
+) -> list[tuple[int, int, int, int]]:
+    """Blocks of a sequence's table with token slots, for positions [0, num_tokens), that still
+    hold the poison in every layer, K and V: (block, first position, last position, slots)."""
+    if not table or num_tokens <= 0 or not can_poison(kv):
+        return []
+    from kvscope.kernels.digest import int_view
+
+    n = min(len(table), -(-num_tokens // block_size))
+    idx = torch.as_tensor(table[:n], dtype=torch.int64, device=kv.device)
+    bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
+    blank = (bits == poison_bits(kv.dtype).to(kv.device)).transpose(0, 2)  # [n, 2, L, bs, H, D]
+    blank = blank.permute(0, 3, 1, 2, 4, 5).reshape(n, block_size, -1).all(2).cpu().numpy()
+    out = []
+    for i, blk in enumerate(table[:n]):
+        used = min(block_size, num_tokens - i * block_size)
+        hit = np.flatnonzero(blank[i, :used])
+        if len(hit):
+            base = i * block_size
+            out.append((int(blk), base + int(hit[0]), base + int(hit[-1]), len(hit)))
+    return out
+
+
 # -- canaries --------------------------------------------------------------------------------
 
 

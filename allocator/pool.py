@@ -179,6 +179,10 @@ class KVPool(SequenceOps):
                 from kvscope.kernels import fill_guard
 
                 fill_guard(kv)
+                if kv.dtype.is_floating_point:
+                    # Token slots start poisoned, as freed ones are: K/V never written into a
+                    # block shows as NaN, and is found when its request finishes (writes.py).
+                    kv[:, :, :, : cfg.block_size] = float("nan")
             seal_header(view)
         except BaseException:
             release(mf)

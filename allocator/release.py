@@ -93,6 +93,8 @@ class ReleaseOps(PoolSurface):
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
+        if self.probe is not None and isinstance(seq, Sequence) and seq.slot >= 0:
+            self.probe.writes.finished(seq)
         if self._native is None or self._native.end(self, seq, _FINISHED) is None:
             self._end(seq, SeqState.FINISHED)
 

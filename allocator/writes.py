@@ -27,6 +27,7 @@ from kvscope.allocator.layout import SeqState
 if TYPE_CHECKING:
     from kvscope.allocator.findings import Finding
     from kvscope.allocator.probing import PoolProbes
+    from kvscope.allocator.sequence import Sequence
     from kvscope.allocator.txn import Txn
 
 
@@ -104,6 +105,23 @@ class WriteProbes:
             if len(mine):
                 b["poisoned"][mine] = 0
                 self.pool.store.seal(mine)
+
+    def finished(self, seq: Sequence) -> None:
+        """Guard mode, a request that finished (not aborted): the K/V of every position but
+        its last was written into its own blocks (an engine may end a request before feeding
+        back its last sampled token). Token slots still poisoned, from the pool's creation or
+        the block's last free, mean the writes went elsewhere."""
+        if not self.guard or not seq.block_table:
+            return
+        pool = self.pool
+        table = list(seq.block_table)
+        for blk, first, last, slots in integrity.unwritten_slots(
+            pool.kv, table, len(seq.tokens) - 1, pool.block_size
+        ):
+            msg = integrity.UNWRITTEN_MESSAGE.format(
+                request=seq.request_id, slots=slots, first=first, last=last
+            )
+            self.probes.block_finding("kv_never_written", blk, msg)
 
     def _check_poison(self, t: Txn, ids: np.ndarray) -> None:
         pool = self.pool

@@ -87,6 +87,9 @@ def paged_decode_ref(
     readable = ok[:, pos // bs] & (pos[None, :] < seq_lens.long().cpu()[:, None])
     k = _gather(k_cache, blk, length, bs, _scale_value(k_scale))  # [B, L, Hkv, D]
     v = _gather(v_cache, blk, length, bs, _scale_value(v_scale))
+    # Never read past a sequence's end, as the kernels do not: those slots may hold anything
+    # (the poison, NaN, in guard mode), and 0 * NaN would reach the output.
+    v = v.masked_fill(~readable.to(v.device)[:, :, None, None], 0.0)
     qf = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
     s = torch.einsum("bhgd,blhd->bhgl", qf, k) * default_scale(head_dim, scale)
     s = s.masked_fill(~readable.to(s.device)[:, None, None, :], NEG_INF)
@@ -129,6 +132,7 @@ def paged_prefill_ref(
         pos = torch.arange(length)
         qpos = length - n + torch.arange(n)
         mask = (pos[None, :] <= qpos[:, None]) & ok[i, pos // bs][None, :]
+        v = v.masked_fill(~ok[i, pos // bs].to(v.device)[:, None, None], 0.0)
         qi = q[starts[i] : starts[i + 1]].float().view(n, kv_heads, group, head_dim)
         s = torch.einsum("nhgd,lhd->hgnl", qi, k) * sm_scale
         s = s.masked_fill(~mask.to(s.device), NEG_INF)

@@ -163,6 +163,64 @@ def test_a_write_after_free_is_found_before_reuse_naming_who_freed_it(make_pool,
     assert (frees[-1]["pid"], frees[-1]["request"]) == (pool.pid, "freed")
 
 
+def write_positions(pool: KVPool, seq, first: int, last: int) -> None:
+    """Write K/V for positions [first, last] of seq through its current table."""
+    for pos in range(first, last + 1):
+        blk = seq.block_table[pos // pool.block_size]
+        pool.kv[:, :, blk, pos % pool.block_size] = float(pos)
+
+
+def unwritten(pool: KVPool) -> list:
+    return [f for f in pool.findings() if f.kind == "kv_never_written"]
+
+
+def test_a_copy_on_write_copy_the_engine_skipped_is_found_when_the_request_finishes(
+    make_pool, probes
+):
+    # GIVEN a guard-mode pool, a 6-token request forked, and the parent's append copying the
+    # shared partial block: an engine that skips the copy and writes the new token through
+    # the table it had before
+    pool = make_pool(16, guard=True)
+    seq = pool.allocate("parent", list(range(6)))
+    write_positions(pool, seq, 0, 5)
+    kid = pool.fork(seq, "kid")
+    old = list(seq.block_table)
+    ((src, dst),) = pool.append(seq, [6])
+    pool.kv[:, :, old[1], 6 % pool.block_size] = 6.0  # into src: the kid's block now
+    pool.append(seq, [7])
+    write_positions(pool, seq, 7, 7)
+    # WHEN both requests finish
+    pool.free(kid)
+    pool.free(seq)
+    # THEN the parent's copy is found, naming its block and the positions never written
+    (f,) = unwritten(pool)
+    assert (f.block, f.request, f.severity) == (dst, "parent", "error")
+    assert "positions 4-6" in f.message
+
+
+def test_an_engine_that_writes_everything_aborts_or_ends_early_has_no_unwritten_finding(
+    make_pool, probes
+):
+    # GIVEN a guard-mode pool and an engine doing it right: the copy performed, every position
+    # written; plus a request aborted before its prefill and one ended before its last token
+    pool = make_pool(16, guard=True)
+    seq = pool.allocate("parent", list(range(6)))
+    write_positions(pool, seq, 0, 5)
+    kid = pool.fork(seq, "kid")
+    ((src, dst),) = pool.append(seq, [6])
+    pool.kv[:, :, dst] = pool.kv[:, :, src]
+    write_positions(pool, seq, 6, 6)
+    aborted = pool.allocate("aborted", list(range(50, 60)))
+    early = pool.allocate("early", list(range(70, 75)))
+    write_positions(pool, early, 0, 3)  # its last position's K/V never fed back
+    # WHEN they end
+    for s in (kid, seq, early):
+        pool.free(s)
+    pool.abort(aborted)
+    # THEN nothing is reported
+    assert unwritten(pool) == []
+
+
 def test_guard_canaries_of_held_and_cached_blocks_are_verified(make_pool, probes):
     # GIVEN a guard-mode pool with a held block and a cached one whose guard slots were hit
     pool = make_pool(16, guard=True)
