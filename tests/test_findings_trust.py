@@ -33,6 +33,7 @@ def test_a_block_another_process_takes_right_after_a_free_is_no_leak(
     pool = make_pool(8, guard=True)
     other = KVPool.attach(pool.name)
     seq = pool.allocate("r17", list(range(6)))
+    pool.kv[:, :, seq.block_table, : pool.block_size] = 1.0  # its K/V, as an engine writes it
     freed = set(seq.block_table)
     taken = []
     real_run = pool._run
