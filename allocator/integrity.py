@@ -176,7 +176,8 @@ def unwritten_slots(
     kv: torch.Tensor, table: list[int], num_tokens: int, block_size: int
 ) -> list[tuple[int, int, int, int]]:
     """Blocks of a sequence's table with token slots, for positions [0, num_tokens), that still
-    hold the poison in every layer, K and V: (block, first position, last position, slots)."""
+    hold the poison in every layer, K and V: (block, first position, last position, slots).
+    None when no position was written at all."""
     if not table or num_tokens <= 0 or not can_poison(kv):
         return []
     from kvscope.kernels.digest import int_view
@@ -186,10 +187,13 @@ def unwritten_slots(
     bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
     blank = (bits == poison_bits(kv.dtype).to(kv.device)).transpose(0, 2)  # [n, 2, L, bs, H, D]
     blank = blank.permute(0, 3, 1, 2, 4, 5).reshape(n, block_size, -1).all(2).cpu().numpy()
+    used = np.minimum(block_size, num_tokens - np.arange(n) * block_size)
+    checked = np.arange(block_size)[None, :] < used[:, None]
+    if blank[checked].all():
+        return []  # nothing written at all: a program that drives the allocator without K/V
     out = []
     for i, blk in enumerate(table[:n]):
-        used = min(block_size, num_tokens - i * block_size)
-        hit = np.flatnonzero(blank[i, :used])
+        hit = np.flatnonzero(blank[i, : used[i]])
         if len(hit):
             base = i * block_size
             out.append((int(blk), base + int(hit[0]), base + int(hit[-1]), len(hit)))

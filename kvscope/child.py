@@ -177,7 +177,13 @@ def check_at_exit() -> dict[str, Any]:
         pool._run({pool.FREE}, pool._flush_local)
         mine = report_checked(pool)
         orphans = sum(1 for f in mine if f.kind == "leak_orphan")
-        out[pool.name] = {"sequences": len(seqs), "blocks": held, "findings": len(mine)}
+        leaks = sum(1 for f in mine if f.kind.startswith("leak_"))
+        out[pool.name] = {
+            "sequences": len(seqs),
+            "blocks": held,
+            "findings": len(mine),
+            "leaks": leaks,
+        }
         if not seqs and not orphans:
             pool.close()
     return out

@@ -211,10 +211,11 @@ def test_an_engine_that_writes_everything_aborts_or_ends_early_has_no_unwritten_
     pool.kv[:, :, dst] = pool.kv[:, :, src]
     write_positions(pool, seq, 6, 6)
     aborted = pool.allocate("aborted", list(range(50, 60)))
+    no_kv = pool.allocate("no-kv", list(range(80, 90)))  # a scheduler test writes no K/V
     early = pool.allocate("early", list(range(70, 75)))
     write_positions(pool, early, 0, 3)  # its last position's K/V never fed back
     # WHEN they end
-    for s in (kid, seq, early):
+    for s in (kid, seq, early, no_kv):
         pool.free(s)
     pool.abort(aborted)
     # THEN nothing is reported

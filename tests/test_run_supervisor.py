@@ -30,6 +30,13 @@ SCRIPTS = {
     "sigkill": "os.kill(os.getpid(), signal.SIGKILL)\n",
     "exception": "raise ValueError('the model exploded')\n",
     "double_free": "pool.free(seq)\npool.free(seq)\n",
+    "late_write": (
+        "pool.kv[:, :, seq.block_table, :4] = 1.0\n"
+        "pool.mark_computed(seq, 8)\n"
+        "first = seq.block_table[0]\n"
+        "pool.free(seq)\n"
+        "pool.kv[0, 0, first, 1] = 7.0\n"
+    ),
     "scribble": (
         "from kvscope.allocator.segment import segment_path\n"
         "with open(segment_path(sys.argv[1]), 'r+b') as f:\n"
@@ -237,3 +244,15 @@ def test_live_shows_the_first_pool_in_the_tui(capfd, tmp_path, pool_name, monkey
     code = main(["run", "--live", "--hz", "4", script(tmp_path, "clean"), pool_name])
     assert code == 0
     assert shown == [(pool_name, 4.0)]
+
+
+def test_a_finding_only_the_exit_check_sees_is_no_leak(capfd, tmp_path, pool_name):
+    # GIVEN a script that writes into a published, cached block after its last operation
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "late_write"), pool_name])
+    err = capfd.readouterr().err
+    # THEN the exit check finds it, the run fails on it, and nothing calls it a leak
+    assert code == EXIT_FAIL_ON
+    assert "published_block_modified" in err
+    (path,) = dumps(tmp_path)
+    reason = analysis_of(path)["pool"]["dump"]["reason"]
+    assert "findings of severity error" in reason and "leak" not in reason

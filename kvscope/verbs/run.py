@@ -287,7 +287,8 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
             _echo(f"kvscope: error: {e}")
             dump_failed = True
     found = sup.live_findings + [f for _, _, fs in finals for f in fs]
-    leaked_at_exit = any(v.get("blocks") or v.get("findings") for v in outcome.exit_checks.values())
+    # (the exit check's other findings are errors or warnings of their own kinds, not leaks)
+    leaked_at_exit = any(v.get("blocks") or v.get("leaks") for v in outcome.exit_checks.values())
     leaked = leaked_at_exit or any(is_leak(f) for f in found)
     errored = any(is_error(f) for f in found)
     what = outcome.describe(pid)
