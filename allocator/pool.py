@@ -308,8 +308,6 @@ class KVPool(SequenceOps):
         self.close()
 
     def _check_process(self) -> None:
-        if self.probe is not None and self.probe.flags.magic:
-            self.probe.verify_often()
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")
         if _PID[0] != self.pid:
@@ -317,6 +315,9 @@ class KVPool(SequenceOps):
                 f"this handle on pool {self.name!r} was opened by pid {self.pid}; "
                 "in a forked child call KVPool.attach(name) instead"
             )
+        # (after the checks above: the verification runs operations of its own)
+        if self.probe is not None and self.probe.flags.magic:
+            self.probe.verify_often()
 
     # -- the operation runner ------------------------------------------------------------------
 
