@@ -14,6 +14,13 @@ setup(
             depends=[str(p) for p in Path("allocator/csrc").glob("*")],
             extra_compile_args=["-O2", "-std=gnu11"],
             optional=True,
-        )
+        ),
+        # `kvscope run` reading a pool file the script truncates (kvscope/csrc/sigbus.c)
+        Extension(
+            "kvscope._sigbus",
+            ["kvscope/csrc/sigbus.c"],
+            extra_compile_args=["-O2", "-std=gnu11"],
+            optional=True,
+        ),
     ]
 )

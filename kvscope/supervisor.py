@@ -35,6 +35,11 @@ from kvscope.dumpfile import layout_of_prefix
 from kvscope.history import History
 from kvscope.stopper import Stopper
 
+try:
+    from kvscope import _sigbus  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: a cut between check and read still kills
+    _sigbus = None
+
 # How often each pool's counters are sampled (kvscope.history stretches it on large pools).
 HISTORY_INTERVAL_S = 0.1
 
@@ -53,6 +58,7 @@ class Watched:
     seen: int = 0
     header_reported: bool = False
     truncated_to: int | None = None
+    cut_reported: bool = False
     unlinked_to: str | None = None
     history: History | None = None
 
@@ -88,7 +94,12 @@ def map_readonly(path: str, layout: Layout) -> tuple[SegmentView, int]:
     except BaseException:
         os.close(fd)
         raise
-    return SegmentView(mm, layout), fd
+    view = SegmentView(mm, layout)
+    if _sigbus is not None:
+        # A cut between a size check and a read reads zeros here, not SIGBUS: the reader checks
+        # the size again afterwards and drops what it read (kvscope/csrc/sigbus.c).
+        _sigbus.guard(view.raw.ctypes.data, need)
+    return view, fd
 
 
 def _read_lines(path: str) -> list[list[str]]:
@@ -194,12 +205,17 @@ class Supervisor:
         """Add to the pool's time series when a sample is due (`now`: always)."""
         if w.header_reported:
             return  # its counters cannot be trusted any more
+        if not self._whole(w):
+            return  # reading a page the file lost would kill this process (SIGBUS)
         if w.history is None:
             w.history = History.for_view(w.view, interval_s=HISTORY_INTERVAL_S)
+        before = w.history.count
         if now:
             w.history.add(w.view)
         else:
             w.history.sample(w.view)
+        if not self._whole(w):
+            w.history.count = min(w.history.count, before)  # read (partly) from zero pages
 
     def _discover(self) -> None:
         for name, created, path in (r for r in _read_lines(self._p("pools")) if len(r) == 3):
@@ -234,15 +250,21 @@ class Supervisor:
             pool_key(r[0], int(r[1])): r[2] for r in _read_lines(self._p("unlinks")) if len(r) == 3
         }
 
-    def _new_findings(self, w: Watched) -> list[Finding]:
-        if w.header_reported or w.truncated_to is not None:
-            return []
-        if not w.check_size():
+    def _whole(self, w: Watched) -> bool:
+        """True while the pool's file is whole; says so once when it is found cut short."""
+        if w.truncated_to is None and w.check_size():
+            return True
+        if not w.cut_reported:
+            w.cut_reported = True
             self.echo(
                 f"kvscope: pool {w.name!r}: its segment file shrank to {w.truncated_to} bytes"
                 f" (it needs {w.layout.offsets()['end']}): every process still using it will"
                 " die of SIGBUS; it is no longer read"
             )
+        return False
+
+    def _new_findings(self, w: Watched) -> list[Finding]:
+        if w.header_reported or not self._whole(w):
             return []
         v = w.view
         # Copies of the header and the findings ring only: cheap at any pool size.
@@ -260,6 +282,8 @@ class Supervisor:
             recorded = read_findings(small)  # type: ignore[arg-type]
         except ValueError:
             return []
+        if not self._whole(w):
+            return []  # cut while it was read (the lost pages read as zeros)
         first = head - len(recorded)
         new = recorded[max(0, w.seen - first) :]
         w.seen = head
@@ -301,6 +325,8 @@ class Supervisor:
             if not w.check_size():
                 continue
             c = snapshot(w.view).clients
+            if not w.check_size():
+                continue
             for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist():
                 pid = int(c["pid"][i])
                 if pid != me and is_alive(pid, int(c["start"][i])):
@@ -310,11 +336,17 @@ class Supervisor:
     def final_findings(self, w: Watched) -> tuple[SegmentView, list[Finding]]:
         """A consistent copy of the pool now, and every finding in it (recorded and checked);
         PoolError when its file was truncated meanwhile."""
-        if not w.check_size():
-            raise PoolError(
-                f"pool {w.name!r} cannot be dumped: its segment file shrank to {w.truncated_to} bytes"
-            )
+
+        def whole() -> None:
+            if not w.check_size():
+                raise PoolError(
+                    f"pool {w.name!r} cannot be dumped: its segment file shrank to"
+                    f" {w.truncated_to} bytes"
+                )
+
+        whole()
         snap = snapshot(w.view)
+        whole()  # a cut while the copy was taken: it read zero pages
         return snap, collect_findings(snap, is_alive)
 
     def cleanup(self) -> None:
@@ -323,6 +355,8 @@ class Supervisor:
             if w.fd >= 0:
                 os.close(w.fd)
                 w.fd = -1
+                if _sigbus is not None:
+                    _sigbus.unguard(w.view.raw.ctypes.data)
             if w.unlinked_to:
                 for p in (w.unlinked_to, w.unlinked_to + ".data"):
                     try:
