@@ -232,5 +232,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;
+    if (PyModule_AddObject(m, "LAYOUT", layout_dict()) < 0) return NULL;
     return m;
 }
