@@ -30,21 +30,16 @@ DEVICE = "kvscope.pool.device"
 LOCK = "kvscope.lock.name"
 
 _WORDS = LOCK_DTYPE.itemsize // 8
-# The record's consecutive u8 counters this reads: acquisitions .. hold time.
-_FIRST = LOCK_DTYPE.fields["num_acquires"][1] // 8
-_ACQ, _WAIT, _HOLD = (
-    LOCK_DTYPE.fields[f][1] // 8 - _FIRST for f in ("num_acquires", "wait_ns", "hold_ns")
-)
-_LAST = LOCK_DTYPE.fields["hold_ns"][1] // 8 + 1
+_ACQ, _WAIT, _HOLD = (LOCK_DTYPE.fields[f][1] // 8 for f in ("num_acquires", "wait_ns", "hold_ns"))
 assert LOCK_DTYPE.itemsize % 8 == 0 and LOCK_DTYPE.fields["num_acquires"][1] % 8 == 0
 
 
-def lock_counts(pool: KVPool) -> np.ndarray | None:
-    """A copy of every lock's (acquisitions, contentions, wait ns, hold ns); None once closed."""
+def lock_bytes(pool: KVPool) -> bytes | None:
+    """A copy of the pool's lock records (about 1 KiB: cheaper than any numpy step); None
+    once the handle is closed."""
     if pool._closed:
         return None
-    words = pool.view.locks.view(np.uint64).reshape(-1, _WORDS)
-    return words[:, _FIRST:_LAST].copy()
+    return pool.view.locks.tobytes()
 
 
 class LockTimes:
@@ -54,14 +49,17 @@ class LockTimes:
         self.wait_hist = wait_hist
         self.hold_hist = hold_hist
 
-    snapshot = staticmethod(lock_counts)
+    snapshot = staticmethod(lock_bytes)
 
-    def record(self, pool: KVPool, before: np.ndarray | None) -> None:
+    def record(self, pool: KVPool, before: bytes | None) -> None:
         """Record, per lock, what was added to its record since `before` (this operation's)."""
-        after = lock_counts(pool)
-        if before is None or after is None or after.shape != before.shape:
-            return
-        added = after - before  # u8: a counter that went down (a torn read) wraps; skipped
+        after = lock_bytes(pool)
+        if before is None or after is None or after == before or len(after) != len(before):
+            return  # most appends take no pool lock
+        # u8 differences: a counter that went down (a torn read) wraps, and is skipped below.
+        added = np.frombuffer(after, np.uint64).reshape(-1, _WORDS) - np.frombuffer(
+            before, np.uint64
+        ).reshape(-1, _WORDS)
         attrs = None
         for i in np.flatnonzero(added[:, _ACQ]).tolist():
             k, wait, hold = (int(x) for x in added[i, [_ACQ, _WAIT, _HOLD]])
