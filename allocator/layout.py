@@ -17,6 +17,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     BLOCK_MAGIC,
     CHUNK,
     COUNTER_FIELDS,
+    EVENT_FIELDS,
     EVICT_BATCH,
     INDEX_FIELDS,
     JOURNAL_BYTES,
@@ -169,18 +170,7 @@ CLIENT_DTYPE = np.dtype(
     ]
 )
 
-EVENT_DTYPE = np.dtype(
-    [
-        ("time_ns", "<u8"),
-        ("pid", "<i4"),
-        ("op", "u1"),
-        ("pad", "u1", (3,)),
-        ("block", "<i4"),
-        ("generation", "<u4"),
-        ("arg", "<i8"),
-        ("request", f"S{REQUEST_BYTES}"),
-    ]
-)
+EVENT_DTYPE = np.dtype(EVENT_FIELDS)
 
 LOCKGRAPH_DTYPE = np.dtype(
     [("src", "S16"), ("dst", "S16"), ("pid", "<i4"), ("pad", "<u4"), ("site", "S120")]

@@ -21,6 +21,7 @@ from kvscope.allocator import crash, eviction, faults, records
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
+    EVENT_DTYPE,
     INDEX_DTYPE,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
@@ -61,6 +62,7 @@ def expected_layout() -> dict[str, int]:
         "ring_header": RING_HEADER_DTYPE,
         "index": INDEX_DTYPE,
         "journal_entry": JOURNAL_ENTRY_DTYPE,
+        "event": EVENT_DTYPE,
     }
     out = records.c_values()
     for name, (record, field) in records.c_offset_names().items():

@@ -137,6 +137,17 @@ RING_HEADER_FIELDS: list[Field] = [
     ("allocs", "<u8"),
 ]
 INDEX_FIELDS: list[Field] = [("hash", "<u8"), ("block", "<i4"), ("pad", "<u4")]
+# One flight-recorder event (each client has a ring of them).
+EVENT_FIELDS: list[Field] = [
+    ("time_ns", "<u8"),
+    ("pid", "<i4"),
+    ("op", "u1"),
+    ("pad", "u1", (3,)),
+    ("block", "<i4"),
+    ("generation", "<u4"),
+    ("arg", "<i8"),
+    ("request", f"S{REQUEST_BYTES}"),
+]
 JOURNAL_ENTRY_FIELDS: list[Field] = [
     ("offset", "<u8"),
     ("length", "<u4"),
@@ -155,6 +166,7 @@ C_RECORDS = {
     "LF_": ("lock", "max_hold_ns"),
     "RING_": ("ring_header", "allocs"),
     "JE_": ("journal_entry", "op"),
+    "EV_": ("event", "request"),
 }
 # Older short names the C core also uses, for lock fields.
 C_ALIASES = {
@@ -164,6 +176,7 @@ C_ALIASES = {
     "LF_WAIT": ("lock", "wait_ns"),
     "LF_HOLD": ("lock", "hold_ns"),
     "LF_MAX_HOLD": ("lock", "max_hold_ns"),
+    "EV_TIME": ("event", "time_ns"),
 }
 # C macro -> the record whose whole size it is.
 C_SIZES = {
@@ -171,6 +184,7 @@ C_SIZES = {
     "RING_IDS": "ring_header",  # the ring's block ids follow its header
     "INDEX_ENTRY": "index",
     "JENTRY": "journal_entry",
+    "EV_SIZE": "event",
 }
 
 
@@ -183,6 +197,7 @@ def record_fields(record: str) -> list[Field]:
         "ring_header": lambda: RING_HEADER_FIELDS,
         "index": lambda: INDEX_FIELDS,
         "journal_entry": lambda: JOURNAL_ENTRY_FIELDS,
+        "event": lambda: EVENT_FIELDS,
     }[record]()
 
 
