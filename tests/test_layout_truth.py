@@ -96,8 +96,8 @@ def test_python_path_has_one_chunk_and_one_evict_batch():
     from kvscope.allocator import append, recovery, release, reserve, seqops
 
     for mod in (append, recovery, release, seqops):
-        assert mod.CHUNK is records.CHUNK
-    assert reserve.EVICT_BATCH is records.EVICT_BATCH
+        assert mod.CHUNK == records.CHUNK
+    assert reserve.EVICT_BATCH == records.EVICT_BATCH
     for path in ROOT.glob("allocator/*.py"):
         if path.name != "records.py":
             text = path.read_text()
