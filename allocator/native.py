@@ -94,8 +94,22 @@ assert all(_CF[f][1] == _CF[COUNTER_FIELDS[0]][1] + 8 * i for i, f in enumerate(
     "COUNTER_FIELDS are not contiguous in CLIENT_DTYPE"
 )
 
-if _native is not None:
-    check_layout(getattr(_native, "LAYOUT", {}))
+
+def checked(module: Any) -> Any:
+    """The built core if it has today's layout; None if not but KVSCOPE_NATIVE=0 (the core is
+    off anyway, so a stale build must not stop the Python path); LayoutMismatch otherwise."""
+    if module is None:
+        return None
+    try:
+        check_layout(getattr(module, "LAYOUT", {}))
+    except LayoutMismatch:
+        if os.environ.get("KVSCOPE_NATIVE", "1") == "0":
+            return None
+        raise
+    return module
+
+
+_native = checked(_native)
 
 
 _warned = False

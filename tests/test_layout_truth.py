@@ -6,6 +6,7 @@ from __future__ import annotations
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,21 @@ def test_a_core_built_for_another_layout_raises(change):
         native.check_layout(built)
     assert "pip install" in str(err.value)
     assert isinstance(err.value, ImportError)
+
+
+def test_a_stale_core_is_dropped_when_switched_off(monkeypatch):
+    # GIVEN a core built for another layout
+    stale = types.SimpleNamespace(LAYOUT={**native.expected_layout(), "SF_TABLE": 72})
+    # WHEN it is loaded with the core switched on / THEN the import fails, saying why
+    monkeypatch.setenv("KVSCOPE_NATIVE", "1")
+    with pytest.raises(native.LayoutMismatch, match="SF_TABLE: built 72, layout 80"):
+        native.checked(stale)
+    # AND with KVSCOPE_NATIVE=0 (the way out the message names) the pool runs in Python
+    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+    assert native.checked(stale) is None
+    # AND a core with today's layout loads either way
+    good = types.SimpleNamespace(LAYOUT=native.expected_layout())
+    assert native.checked(good) is good
 
 
 def test_the_generator_packs_as_numpy_does():
