@@ -168,7 +168,7 @@ C_RECORDS = {
     "JE_": ("journal_entry", "op"),
     "EV_": ("event", "request"),
 }
-# Older short names the C core also uses, for lock fields.
+# Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
     "LF_ACQUIRED": ("lock", "acquired_ns"),
     "LF_ACQUIRES": ("lock", "num_acquires"),
