@@ -109,7 +109,7 @@ class KVPoolInstrumentor:
         self._wait_hist = meter.create_histogram(
             "kvscope.lock.wait.duration",
             "s",
-            "Time from asking for a pool lock to holding it.",
+            "Time an acquisition of a pool lock waited behind another holder.",
             explicit_bucket_boundaries_advisory=OP_BUCKETS,
         )
         self._hold_hist = meter.create_histogram(
