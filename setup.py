@@ -1,9 +1,18 @@
 """The pool's C core (allocator/_native.c): optional, the pure-Python allocator does everything
 without it (slower; docs/FORMAT.md "The native core")."""
 
+import runpy
 from pathlib import Path
 
 from setuptools import Extension, setup
+
+# The core's offsets and constants come from allocator/records.py (plain Python: this runs in
+# pip's build environment, which may lack numpy), written as a header the core includes.
+RECORDS = Path("allocator/records.py")
+HEADER = Path("allocator/csrc/layout.h")
+text = runpy.run_path(str(RECORDS))["c_header"]()
+if not HEADER.exists() or HEADER.read_text() != text:
+    HEADER.write_text(text)
 
 setup(
     ext_modules=[
@@ -11,7 +20,7 @@ setup(
             "kvscope.allocator._native",
             ["allocator/_native.c"],
             # its parts (one translation unit: _native.c includes them)
-            depends=[str(p) for p in Path("allocator/csrc").glob("*")],
+            depends=[str(p) for p in Path("allocator/csrc").glob("*")] + [str(RECORDS)],
             extra_compile_args=["-O2", "-std=gnu11"],
             optional=True,
         ),

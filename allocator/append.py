@@ -10,8 +10,8 @@ import numpy as np
 from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.events import EventOp
+from kvscope.allocator.layout import CHUNK
 from kvscope.allocator.prefix import chain_one
-from kvscope.allocator.release import CHUNK
 from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 

@@ -11,40 +11,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The constants and record fields the C core shares are defined once, in records.py (plain
+# Python, which setup.py turns into the core's header); the dtypes below are built from them.
+from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers import them here
+    BLOCK_MAGIC,
+    CHUNK,
+    COUNTER_FIELDS,
+    EVENT_FIELDS,
+    EVICT_BATCH,
+    INDEX_FIELDS,
+    JOURNAL_BYTES,
+    JOURNAL_ENTRIES,
+    JOURNAL_ENTRY_FIELDS,
+    LOCAL_CACHE_MAX,
+    LOCK_FIELDS,
+    REQUEST_BYTES,
+    RING_HEADER_FIELDS,
+    BlockState,
+    SeqState,
+    block_fields,
+    seq_fields,
+)
+
 POOL_MAGIC = 0x4B56_5343_4F50_4531
-BLOCK_MAGIC = 0x4B56_424B
 FORMAT_VERSION = 2
 ALIGN = 64
 NO_BLOCK = -1
 
-LOCAL_CACHE_MAX = 64
-JOURNAL_ENTRIES = 512
-JOURNAL_BYTES = 96 * 1024
 FINDINGS_CAPACITY = 256
 LOCKGRAPH_CAPACITY = 256
 NUM_SITES = 1024
-REQUEST_BYTES = 32
-
-
-class BlockState(enum.IntEnum):
-    """Lifecycle state of a physical block (DESIGN.md "Block lifecycle")."""
-
-    FREE = 0
-    ALLOCATED = 1
-    CACHED = 2
-    LOCAL = 3
-    QUARANTINED = 4
-
-
-class SeqState(enum.IntEnum):
-    """State of a sequence-table slot."""
-
-    EMPTY = 0
-    RUNNING = 1
-    WAITING = 2
-    FINISHED = 3
-    ABORTED = 4
-    PREEMPTED = 5
 
 
 class ClientState(enum.IntEnum):
@@ -62,18 +58,6 @@ class Flag(enum.IntFlag):
     EVENTS = 2
     LOCKDEP = 4
 
-
-# Per-client counters; the header keeps the totals of clients that detached or were reclaimed.
-COUNTER_FIELDS = (
-    "num_allocs",
-    "num_frees",
-    "num_cow",
-    "num_evictions",
-    "num_preemptions",
-    "prefix_queries",
-    "prefix_hits",
-    "num_forks",
-)
 
 HEADER_IMMUTABLE = [
     ("magic", "<u8"),
@@ -142,91 +126,26 @@ def header_field_at(offset: int) -> str:
 
 
 def block_dtype(block_size: int) -> np.dtype:
-    """One fixed record per physical block; the first 32 bytes are the checksummed identity."""
-    fields = [
-        ("magic", "<u4"),
-        ("state", "u1"),
-        ("indexed", "u1"),
-        ("poisoned", "u1"),
-        ("pad", "u1"),
-        ("refcount", "<i4"),
-        ("generation", "<u4"),
-        ("owner_pid", "<i4"),
-        ("owner_client", "<i4"),
-        ("prefix_hash", "<u8"),
-        ("checksum", "<u8"),
-        ("owner_start", "<u8"),
-        ("request", f"S{REQUEST_BYTES}"),
-        ("alloc_ns", "<u8"),
-        ("access_ns", "<u8"),
-        ("site", "<i4"),
-        ("num_tokens", "<u4"),
-        ("parent_hash", "<u8"),
-        # Guard mode: the free ring's allocation count when this block was quarantined.
-        ("freed_at", "<u8"),
-        ("tokens", "<i4", (block_size,)),
-    ]
-    if block_size % 2:
-        fields.append(("pad2", "<u4"))
-    # Digest probe: the high half of the block's K/V digest taken when it was published, over
-    # the generation it was taken in (integrity.py); 0 when none. Appended last: the C core's
-    # compiled offsets of the fields above never move.
-    fields.append(("kv_digest", "<u8"))
-    return np.dtype(fields)
+    """One fixed record per physical block (records.block_fields)."""
+    return np.dtype(block_fields(block_size))
 
 
 IDENTITY_WORDS = 4
 
 
-RING_HEADER_DTYPE = np.dtype(
-    [("head", "<u8"), ("tail", "<u8"), ("count", "<u4"), ("pad", "<u4"), ("allocs", "<u8")]
-)
-INDEX_DTYPE = np.dtype([("hash", "<u8"), ("block", "<i4"), ("pad", "<u4")])
+RING_HEADER_DTYPE = np.dtype(RING_HEADER_FIELDS)
+INDEX_DTYPE = np.dtype(INDEX_FIELDS)
 
 
 def seq_dtype(max_blocks_per_seq: int) -> np.dtype:
-    """One slot per live sequence, with its block table (logical -> physical)."""
-    return np.dtype(
-        [
-            ("state", "u1"),
-            # 1: the slot belongs to owner_client's reserve (EMPTY until that process uses it).
-            ("reserved", "u1"),
-            ("pad", "u1", (2,)),
-            ("owner_pid", "<i4"),
-            ("owner_client", "<i4"),
-            ("num_blocks", "<u4"),
-            ("owner_start", "<u8"),
-            ("seq_id", "<u8"),
-            ("request", f"S{REQUEST_BYTES}"),
-            ("num_tokens", "<u8"),
-            ("created_ns", "<u8"),
-            ("table", "<i4", (max_blocks_per_seq,)),
-        ]
-    )
+    """One slot per live sequence, with its block table (records.seq_fields)."""
+    return np.dtype(seq_fields(max_blocks_per_seq))
 
 
 SITE_DTYPE = np.dtype([("text", "S120"), ("hits", "<u8")])
 
-LOCK_DTYPE = np.dtype(
-    [
-        ("name", "S16"),
-        ("seq", "<u8"),
-        ("holder_pid", "<i4"),
-        ("holder_client", "<i4"),
-        ("holder_start", "<u8"),
-        ("holder_tid", "<u8"),
-        ("acquired_ns", "<u8"),
-        ("num_acquires", "<u8"),
-        ("num_contended", "<u8"),
-        ("wait_ns", "<u8"),
-        ("hold_ns", "<u8"),
-        ("max_hold_ns", "<u8"),
-    ]
-)
-
-JOURNAL_ENTRY_DTYPE = np.dtype(
-    [("offset", "<u8"), ("length", "<u4"), ("data_off", "<u4"), ("op", "<u8")]
-)
+LOCK_DTYPE = np.dtype(LOCK_FIELDS)
+JOURNAL_ENTRY_DTYPE = np.dtype(JOURNAL_ENTRY_FIELDS)
 
 CLIENT_DTYPE = np.dtype(
     [
@@ -251,18 +170,7 @@ CLIENT_DTYPE = np.dtype(
     ]
 )
 
-EVENT_DTYPE = np.dtype(
-    [
-        ("time_ns", "<u8"),
-        ("pid", "<i4"),
-        ("op", "u1"),
-        ("pad", "u1", (3,)),
-        ("block", "<i4"),
-        ("generation", "<u4"),
-        ("arg", "<i8"),
-        ("request", f"S{REQUEST_BYTES}"),
-    ]
-)
+EVENT_DTYPE = np.dtype(EVENT_FIELDS)
 
 LOCKGRAPH_DTYPE = np.dtype(
     [("src", "S16"), ("dst", "S16"), ("pid", "<i4"), ("pad", "<u4"), ("site", "S120")]

@@ -14,14 +14,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvscope.allocator import crash, eviction, faults
+from kvscope.allocator import crash, eviction, faults, records
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
+    EVENT_DTYPE,
+    INDEX_DTYPE,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
+    JOURNAL_ENTRY_DTYPE,
+    LOCK_DTYPE,
+    RING_HEADER_DTYPE,
     block_dtype,
     seq_dtype,
 )
@@ -36,59 +42,74 @@ try:
 except ImportError:  # built without a C compiler: the pure-Python pool
     _native = None  # type: ignore[assignment]
 
-# The record offsets the C core has compiled in (it asserts nothing itself).
-_BLOCK_FIELDS = {
-    "state": 4,
-    "indexed": 5,
-    "refcount": 8,
-    "generation": 12,
-    "owner_pid": 16,
-    "owner_client": 20,
-    "prefix_hash": 24,
-    "checksum": 32,
-    "owner_start": 40,
-    "request": 48,
-    "alloc_ns": 80,
-    "access_ns": 88,
-    "site": 96,
-    "num_tokens": 100,
-    "parent_hash": 104,
-    "tokens": 120,
-}
-_SEQ_FIELDS = {
-    "state": 0,
-    "reserved": 1,
-    "owner_pid": 4,
-    "owner_client": 8,
-    "num_blocks": 12,
-    "owner_start": 16,
-    "seq_id": 24,
-    "request": 32,
-    "num_tokens": 64,
-    "created_ns": 72,
-    "table": 80,
-}
-
 
 def available() -> bool:
     """True when the C core was built and is not switched off (KVSCOPE_NATIVE=0)."""
     return _native is not None and os.environ.get("KVSCOPE_NATIVE", "1") != "0"
 
 
-def _check_offsets() -> None:
-    """The layout still has the offsets the core has compiled in (checked once, at import)."""
-    bd, sd = block_dtype(16), seq_dtype(8)
-    for dt, want in ((bd, _BLOCK_FIELDS), (sd, _SEQ_FIELDS)):
-        for name, off in want.items():
-            assert dt.fields[name][1] == off, f"{name} moved: the native core needs rebuilding"
-    # The counters are contiguous u8s in COUNTER_FIELDS order.
-    cf = CLIENT_DTYPE.fields
-    for i, f in enumerate(COUNTER_FIELDS):
-        assert cf[f][1] == cf[COUNTER_FIELDS[0]][1] + 8 * i
+class LayoutMismatch(ImportError):
+    """The C core was compiled for another segment layout than records.py/layout.py describe."""
 
 
-if _native is not None:
-    _check_offsets()
+def expected_layout() -> dict[str, int]:
+    """Every constant the C core takes from records.py, with the value the numpy dtypes give
+    (independent of the header generator's own arithmetic)."""
+    dtypes = {
+        "block": block_dtype(2),
+        "seq": seq_dtype(1),
+        "lock": LOCK_DTYPE,
+        "ring_header": RING_HEADER_DTYPE,
+        "index": INDEX_DTYPE,
+        "journal_entry": JOURNAL_ENTRY_DTYPE,
+        "event": EVENT_DTYPE,
+    }
+    out = records.c_values()
+    for name, (record, field) in records.c_offset_names().items():
+        out[name] = dtypes[record].fields[field][1]
+    for name, record in records.C_SIZES.items():
+        out[name] = dtypes[record].itemsize
+    return out
+
+
+def check_layout(built: Mapping[str, int]) -> None:
+    """Raise LayoutMismatch unless `built` (the core's `_native.LAYOUT`) is today's layout."""
+    want = expected_layout()
+    diff = [
+        f"{k}: built {built.get(k)}, layout {want.get(k)}"
+        for k in sorted(set(want) | set(built))
+        if built.get(k) != want.get(k)
+    ]
+    if diff:
+        shown = "; ".join(diff[:3]) + (f" (and {len(diff) - 3} more)" if len(diff) > 3 else "")
+        raise LayoutMismatch(
+            "kvscope: the pool's C core (kvscope.allocator._native) was built for another "
+            f"segment layout ({shown}); rebuild it: pip install -e . (or KVSCOPE_NATIVE=0)"
+        )
+
+
+# The counters are one block of u8s in COUNTER_FIELDS order (the core indexes them).
+_CF = CLIENT_DTYPE.fields
+assert all(_CF[f][1] == _CF[COUNTER_FIELDS[0]][1] + 8 * i for i, f in enumerate(COUNTER_FIELDS)), (
+    "COUNTER_FIELDS are not contiguous in CLIENT_DTYPE"
+)
+
+
+def checked(module: Any) -> Any:
+    """The built core if it has today's layout; None if not but KVSCOPE_NATIVE=0 (the core is
+    off anyway, so a stale build must not stop the Python path); LayoutMismatch otherwise."""
+    if module is None:
+        return None
+    try:
+        check_layout(getattr(module, "LAYOUT", {}))
+    except LayoutMismatch:
+        if os.environ.get("KVSCOPE_NATIVE", "1") == "0":
+            return None
+        raise
+    return module
+
+
+_native = checked(_native)
 
 
 _warned = False

@@ -63,8 +63,6 @@ os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 OPEN_HOOKS: list[Callable[[KVPool], None]] = []
 CLOSE_HOOK: Callable[[KVPool], None] | None = None
 UNLINK_HOOK: Callable[[KVPool], None] | None = None
-# A free of a long sequence commits in chunks so one journal never overflows.
-CHUNK = 128
 
 
 class KVPool(SequenceOps):

@@ -22,7 +22,14 @@ from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.check import table_refs
 from kvscope.allocator.findings import Finding, write_finding
 from kvscope.allocator.journal import Journal
-from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, ClientState, SegmentView, SeqState
+from kvscope.allocator.layout import (
+    CHUNK,
+    COUNTER_FIELDS,
+    BlockState,
+    ClientState,
+    SegmentView,
+    SeqState,
+)
 from kvscope.allocator.locks import DeadHolder, LockTable
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sequence import SeqTable
@@ -32,7 +39,6 @@ if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
 
 T = TypeVar("T")
-CHUNK = 128
 # Runs fn in a transaction that holds every pool lock (recovering dead holders first).
 RunAll = Callable[[Callable[[Txn], Any]], Any]
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvscope.allocator import faults
 from kvscope.allocator.events import EventOp
-from kvscope.allocator.layout import BlockState, SeqState, block_checksums
+from kvscope.allocator.layout import CHUNK, BlockState, SeqState, block_checksums
 from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
@@ -18,8 +18,6 @@ if TYPE_CHECKING:
 else:
     PoolSurface = object
 
-# A free of a long sequence commits in chunks so one journal never overflows.
-CHUNK = 128
 # The C core's end() takes the final state as a plain int.
 _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvscope.allocator.errors import PoolExhausted
 from kvscope.allocator.events import EventOp
-from kvscope.allocator.layout import BlockState, SeqState
+from kvscope.allocator.layout import EVICT_BATCH, BlockState, SeqState
 from kvscope.allocator.sequence import request_bytes
 from kvscope.allocator.txn import Txn
 
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
     from .surface import PoolSurface
 else:
     PoolSurface = object
-
-# Extra blocks evicted when the free ring runs dry (one pool scan per batch; at most a quarter
-# of the cached blocks, so a small cache keeps its LRU order).
-EVICT_BATCH = 32
 
 
 class ReserveOps(PoolSurface):

@@ -13,7 +13,7 @@ from kvscope.allocator.append import AppendOps
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.events import EventOp
-from kvscope.allocator.layout import BlockState
+from kvscope.allocator.layout import CHUNK, BlockState
 from kvscope.allocator.prefix import (
     chain_hashes,
     family_key,
@@ -22,7 +22,7 @@ from kvscope.allocator.prefix import (
     keys_of,
 )
 from kvscope.allocator.process import now_ns
-from kvscope.allocator.release import CHUNK, ReleaseOps
+from kvscope.allocator.release import ReleaseOps
 from kvscope.allocator.reserve import ReserveOps
 from kvscope.allocator.sequence import STATE_NAMES, Sequence, request_bytes
 from kvscope.allocator.txn import Txn

@@ -11,12 +11,13 @@
 While instrumented, the KVPool operations are wrapped (the class, or only the given `pools`):
 each records `kvscope.pool.operation.duration`; allocate/fork start a `kvscope.request` span
 that free/abort end, with the request's block events (otel_traces.py); a finding reported in
-this process becomes an event on its request's span. Lock wait and hold times come from
-wrapping each pool's LockTable `acquire`/`release` (the lock hooks fire before the acquire and
-after the release, so they cannot time either). Pool gauges and counters are read from the
-segment by ONE collector (`collect=True`, otel_metrics.py); under `kvscope run` the supervisor
-runs it, so a pool shared by several processes is counted once. Setup from OTEL_* variables:
-otel_exporters.py. Cost: about 25 us per pool operation on a CPU pool (docs/METRICS.md).
+this process becomes an event on its request's span. Lock wait and hold times are read from
+the segment's lock records (what each operation added to them: otel_locks.py), which the C
+core and the Python path keep alike, so they are the same whichever ran the operation. Pool
+gauges and counters are read from the segment by ONE collector (`collect=True`,
+otel_metrics.py); under `kvscope run` the supervisor runs it, so a pool shared by several
+processes is counted once. Setup from OTEL_* variables: otel_exporters.py. Cost:
+docs/METRICS.md (bench/bench_metrics.py measures it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from opentelemetry import metrics, trace
 from kvscope.allocator import pool as pool_module
 from kvscope.allocator.pool import KVPool
 from kvscope.probes.otel_exporters import install_from_env, start_collector
-from kvscope.probes.otel_metrics import DEVICE, LOCK, POOL, PoolCollector
+from kvscope.probes.otel_locks import LockTimes
+from kvscope.probes.otel_metrics import DEVICE, POOL, PoolCollector
 from kvscope.probes.otel_traces import RequestSpans
 
 __all__ = ["KVPoolInstrumentor", "install_from_env", "start_collector"]
@@ -107,7 +109,7 @@ class KVPoolInstrumentor:
         self._wait_hist = meter.create_histogram(
             "kvscope.lock.wait.duration",
             "s",
-            "Time from asking for a pool lock to holding it.",
+            "Time an acquisition of a pool lock waited behind another holder.",
             explicit_bucket_boundaries_advisory=OP_BUCKETS,
         )
         self._hold_hist = meter.create_histogram(
@@ -116,6 +118,7 @@ class KVPoolInstrumentor:
             "Time a pool lock was held.",
             explicit_bucket_boundaries_advisory=OP_BUCKETS,
         )
+        self._locks = LockTimes(self._wait_hist, self._hold_hist)
         self._life_hist = meter.create_histogram(
             "kvscope.block.lifetime",
             "s",
@@ -165,29 +168,8 @@ class KVPoolInstrumentor:
         setattr(obj, name, new)
 
     def _attach(self, pool: KVPool) -> None:
-        """Per pool: time its locks and see its findings (restored on uninstrument)."""
+        """Per pool: see its findings (restored on uninstrument)."""
         self._pools.append(pool)
-        a = {POOL: pool.name, DEVICE: pool.config.device}
-        lock_attrs = [{**a, LOCK: n} for n in pool.locks.names]
-        lt = pool.locks
-        acquire, release = lt.acquire, lt.release
-        held: dict[int, int] = {}
-
-        def timed_acquire(i: int, **kw: Any) -> None:
-            t0 = time.perf_counter_ns()
-            acquire(i, **kw)
-            t1 = time.perf_counter_ns()
-            held[i] = t1
-            self._wait_hist.record((t1 - t0) * 1e-9, lock_attrs[i])
-
-        def timed_release(i: int) -> None:
-            t1 = held.pop(i, None)
-            if t1 is not None:
-                self._hold_hist.record((time.perf_counter_ns() - t1) * 1e-9, lock_attrs[i])
-            release(i)
-
-        self._patch(lt, "acquire", timed_acquire)
-        self._patch(lt, "release", timed_release)
         previous = pool.on_finding
 
         def on_finding(finding: Any) -> None:
@@ -207,10 +189,15 @@ class KVPoolInstrumentor:
                 # Inner calls (resume -> allocate, allocate -> append) belong to the outer op.
                 return original(pool, *args, **kw)
             local.depth = 1
-            try:
-                return inst._call(name, original, pool, args, kw)
-            finally:
-                local.depth = 0
+            # Under the mapping's op mutex (which the operation takes itself, reentrantly): no
+            # other thread's operation adds to the lock records between the two reads.
+            with pool._mutex:
+                before = inst._locks.snapshot(pool)
+                try:
+                    return inst._call(name, original, pool, args, kw)
+                finally:
+                    local.depth = 0
+                    inst._locks.record(pool, before)
 
         wrapper.__name__ = wrapper.__qualname__ = name
         wrapper.__doc__ = original.__doc__

@@ -90,7 +90,7 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
 static int refill(Native *n) {
     int64_t want = n->local_cap - (int64_t)local_count(n);
     if (want < 0) want = 0;
-    int32_t ids[64];
+    int32_t ids[LOCAL_CACHE_MAX];
     int64_t got;
     if (ring_pop(n, want, ids, &got)) return FALLBACK;
     for (int64_t i = 0; i < got; i++)

@@ -15,70 +15,13 @@
 #include <emmintrin.h>
 #endif
 
-#define BLOCK_MAGIC 0x4B56424Bu
-#define REQUEST_BYTES 32
+/* Offsets, sizes, states and constants of the segment: generated from allocator/records.py
+ * by setup.py (the one definition; native.py checks the built values at import). */
+#include "layout.h"
+/* The held-lock mask is one 64-bit word. */
 #define MAX_LOCKS 64
-#define CHUNK 128
-/* Extra blocks evicted when the ring runs dry (reserve.py EVICT_BATCH). */
-#define EVICT_BATCH 32
 
-enum { B_FREE = 0, B_ALLOCATED = 1, B_CACHED = 2, B_LOCAL = 3 };
-enum { S_EMPTY = 0, S_RUNNING = 1 };
 enum { OK = 0, FALLBACK = 1, ERROR = -1 };
-
-/* Block record fields (allocator/layout.py block_dtype; the same offsets at every block size). */
-#define BF_STATE 4
-#define BF_INDEXED 5
-#define BF_REFCOUNT 8
-#define BF_GENERATION 12
-#define BF_OWNER_PID 16
-#define BF_OWNER_CLIENT 20
-#define BF_PREFIX_HASH 24
-#define BF_CHECKSUM 32
-#define BF_OWNER_START 40
-#define BF_REQUEST 48
-#define BF_ALLOC_NS 80
-#define BF_ACCESS_NS 88
-#define BF_SITE 96
-#define BF_NUM_TOKENS 100
-#define BF_PARENT_HASH 104
-#define BF_TOKENS 120
-/* Sequence-table record fields (seq_dtype). */
-#define SF_STATE 0
-#define SF_RESERVED 1
-#define SF_OWNER_PID 4
-#define SF_OWNER_CLIENT 8
-#define SF_NUM_BLOCKS 12
-#define SF_OWNER_START 16
-#define SF_SEQ_ID 24
-#define SF_REQUEST 32
-#define SF_NUM_TOKENS 64
-#define SF_CREATED_NS 72
-#define SF_TABLE 80
-/* Lock record fields (LOCK_DTYPE, 96 bytes). */
-#define LOCK_SIZE 96
-#define LF_SEQ 16
-#define LF_HOLDER_PID 24
-#define LF_HOLDER_CLIENT 28
-#define LF_HOLDER_START 32
-#define LF_HOLDER_TID 40
-#define LF_ACQUIRED 48
-#define LF_ACQUIRES 56
-#define LF_CONTENDED 64
-#define LF_WAIT 72
-#define LF_HOLD 80
-#define LF_MAX_HOLD 88
-/* Ring header (RING_HEADER_DTYPE) and index entries (INDEX_DTYPE). */
-#define RING_HEAD 0
-#define RING_TAIL 8
-#define RING_COUNT 16
-#define RING_ALLOCS 24
-#define RING_IDS 32
-#define INDEX_ENTRY 16
-/* Journal entry {offset u8, length u4, data_off u4, op u8}. */
-#define JENTRY 24
-/* COUNTER_FIELDS order. */
-enum { C_ALLOCS, C_FREES, C_COW, C_EVICTIONS, C_PREEMPTIONS, C_QUERIES, C_HITS, C_FORKS };
 
 static const uint64_t KSUM[5] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
                                  0x27D4EB2F165667C5ull, 0xFF51AFD7ED558CCDull};

@@ -7,10 +7,10 @@ static int jsave(Native *n, size_t off, uint32_t len) {
     if (n->jcount + 1 > n->j_entries || n->jused + len > n->j_bytes) return FALLBACK;
     if (n->crash_at > 0 && --n->crash_at == 0) kill(getpid(), SIGKILL);
     uint8_t *e = n->seg + n->c_journal + (size_t)n->jcount * JENTRY;
-    U8(e) = off;
-    U4(e + 8) = len;
-    U4(e + 12) = n->jused;
-    U8(e + 16) = 0;
+    U8(e + JE_OFFSET) = off;
+    U4(e + JE_LENGTH) = len;
+    U4(e + JE_DATA_OFF) = n->jused;
+    U8(e + JE_OP) = 0;
     memcpy(n->seg + n->c_jdata + n->jused, n->seg + off, len);
     n->jused += len;
     n->jcount += 1;
@@ -32,7 +32,8 @@ static inline int jsave_head(Native *n, int64_t slot) {
 static void jrollback(Native *n) {
     for (int64_t i = (int64_t)n->jcount - 1; i >= 0; i--) {
         uint8_t *e = n->seg + n->c_journal + (size_t)i * JENTRY;
-        memcpy(n->seg + U8(e), n->seg + n->c_jdata + U4(e + 12), U4(e + 8));
+        memcpy(n->seg + U8(e + JE_OFFSET), n->seg + n->c_jdata + U4(e + JE_DATA_OFF),
+               U4(e + JE_LENGTH));
     }
     __atomic_store_n((uint32_t *)(n->seg + n->c_jcount), 0, __ATOMIC_RELEASE);
     U4(n->seg + n->c_jused) = 0;

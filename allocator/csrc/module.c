@@ -69,7 +69,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         case U64: *(uint64_t *)ints[i].dst = (uint64_t)v; break;
         }
     }
-    if (n->num_locks > MAX_LOCKS || n->local_cap > 64 || n->bs > 4096 || n->bs < 1) {
+    if (n->num_locks > MAX_LOCKS || n->local_cap > LOCAL_CACHE_MAX || n->bs > 4096 || n->bs < 1) {
         PyErr_SetString(PyExc_ValueError, "geometry outside the native core's limits");
         return -1;
     }
@@ -232,5 +232,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;
+    if (PyModule_AddObject(m, "LAYOUT", layout_dict()) < 0) return NULL;
     return m;
 }

@@ -1,0 +1,301 @@
+"""The segment's shared constants and the fields of the records the C core writes, in plain
+Python: the one definition of each.
+
+layout.py builds its numpy dtypes from these lists; setup.py runs this file on its own (no
+numpy, no kvscope import: pip may build in an isolated environment) and writes `c_header()` to
+allocator/csrc/layout.h, which the C core includes. The compiled module keeps what it was built
+with (`_native.LAYOUT`) and native.py compares that with the dtypes at import, so a core built
+for another layout refuses to load instead of writing the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+BLOCK_MAGIC = 0x4B56_424B
+REQUEST_BYTES = 32
+LOCAL_CACHE_MAX = 64
+JOURNAL_ENTRIES = 512
+JOURNAL_BYTES = 96 * 1024
+# The most blocks one transaction frees, claims or reclaims: longer work commits in chunks of
+# this many, so one client's undo journal (JOURNAL_ENTRIES) never overflows.
+CHUNK = 128
+# Extra blocks evicted when the free ring runs dry (one pool scan per batch; at most a quarter
+# of the cached blocks, so a small cache keeps its LRU order).
+EVICT_BATCH = 32
+
+
+class BlockState(enum.IntEnum):
+    """Lifecycle state of a physical block (DESIGN.md "Block lifecycle")."""
+
+    FREE = 0
+    ALLOCATED = 1
+    CACHED = 2
+    LOCAL = 3
+    QUARANTINED = 4
+
+
+class SeqState(enum.IntEnum):
+    """State of a sequence-table slot."""
+
+    EMPTY = 0
+    RUNNING = 1
+    WAITING = 2
+    FINISHED = 3
+    ABORTED = 4
+    PREEMPTED = 5
+
+
+# Per-client counters; the header keeps the totals of clients that detached or were reclaimed.
+COUNTER_FIELDS = (
+    "num_allocs",
+    "num_frees",
+    "num_cow",
+    "num_evictions",
+    "num_preemptions",
+    "prefix_queries",
+    "prefix_hits",
+    "num_forks",
+)
+
+# A field: (name, numpy type string) or (name, type, shape).
+Field = tuple
+
+
+def block_fields(block_size: int) -> list[Field]:
+    """One fixed record per physical block; the first 32 bytes are the checksummed identity."""
+    fields: list[Field] = [
+        ("magic", "<u4"),
+        ("state", "u1"),
+        ("indexed", "u1"),
+        ("poisoned", "u1"),
+        ("pad", "u1"),
+        ("refcount", "<i4"),
+        ("generation", "<u4"),
+        ("owner_pid", "<i4"),
+        ("owner_client", "<i4"),
+        ("prefix_hash", "<u8"),
+        ("checksum", "<u8"),
+        ("owner_start", "<u8"),
+        ("request", f"S{REQUEST_BYTES}"),
+        ("alloc_ns", "<u8"),
+        ("access_ns", "<u8"),
+        ("site", "<i4"),
+        ("num_tokens", "<u4"),
+        ("parent_hash", "<u8"),
+        # Guard mode: the free ring's allocation count when this block was quarantined.
+        ("freed_at", "<u8"),
+        ("tokens", "<i4", (block_size,)),
+    ]
+    if block_size % 2:
+        fields.append(("pad2", "<u4"))
+    # Digest probe: the high half of the block's K/V digest taken when it was published, over
+    # the generation it was taken in (integrity.py); 0 when none. Appended last: the offsets of
+    # the fields above are the same at every block size.
+    fields.append(("kv_digest", "<u8"))
+    return fields
+
+
+def seq_fields(max_blocks_per_seq: int) -> list[Field]:
+    """One slot per live sequence, with its block table (logical -> physical)."""
+    return [
+        ("state", "u1"),
+        # 1: the slot belongs to owner_client's reserve (EMPTY until that process uses it).
+        ("reserved", "u1"),
+        ("pad", "u1", (2,)),
+        ("owner_pid", "<i4"),
+        ("owner_client", "<i4"),
+        ("num_blocks", "<u4"),
+        ("owner_start", "<u8"),
+        ("seq_id", "<u8"),
+        ("request", f"S{REQUEST_BYTES}"),
+        ("num_tokens", "<u8"),
+        ("created_ns", "<u8"),
+        ("table", "<i4", (max_blocks_per_seq,)),
+    ]
+
+
+LOCK_FIELDS: list[Field] = [
+    ("name", "S16"),
+    ("seq", "<u8"),
+    ("holder_pid", "<i4"),
+    ("holder_client", "<i4"),
+    ("holder_start", "<u8"),
+    ("holder_tid", "<u8"),
+    ("acquired_ns", "<u8"),
+    ("num_acquires", "<u8"),
+    ("num_contended", "<u8"),
+    ("wait_ns", "<u8"),
+    ("hold_ns", "<u8"),
+    ("max_hold_ns", "<u8"),
+]
+RING_HEADER_FIELDS: list[Field] = [
+    ("head", "<u8"),
+    ("tail", "<u8"),
+    ("count", "<u4"),
+    ("pad", "<u4"),
+    ("allocs", "<u8"),
+]
+INDEX_FIELDS: list[Field] = [("hash", "<u8"), ("block", "<i4"), ("pad", "<u4")]
+# One flight-recorder event (each client has a ring of them).
+EVENT_FIELDS: list[Field] = [
+    ("time_ns", "<u8"),
+    ("pid", "<i4"),
+    ("op", "u1"),
+    ("pad", "u1", (3,)),
+    ("block", "<i4"),
+    ("generation", "<u4"),
+    ("arg", "<i8"),
+    ("request", f"S{REQUEST_BYTES}"),
+]
+JOURNAL_ENTRY_FIELDS: list[Field] = [
+    ("offset", "<u8"),
+    ("length", "<u4"),
+    ("data_off", "<u4"),
+    ("op", "<u8"),
+]
+
+# -- the C core's names -------------------------------------------------------------------------
+
+# C macro prefix -> (record, the last field named): a record's fields up to that one get
+# `PREFIX + NAME.upper()` (the block and sequence records end in arrays sized by the geometry;
+# the C core takes their record sizes at run time).
+C_RECORDS = {
+    "BF_": ("block", "tokens"),
+    "SF_": ("seq", "table"),
+    "LF_": ("lock", "max_hold_ns"),
+    "RING_": ("ring_header", "allocs"),
+    "JE_": ("journal_entry", "op"),
+    "EV_": ("event", "request"),
+}
+# Shorter names the C core uses for some fields (the systematic ones are defined too).
+C_ALIASES = {
+    "LF_ACQUIRED": ("lock", "acquired_ns"),
+    "LF_ACQUIRES": ("lock", "num_acquires"),
+    "LF_CONTENDED": ("lock", "num_contended"),
+    "LF_WAIT": ("lock", "wait_ns"),
+    "LF_HOLD": ("lock", "hold_ns"),
+    "LF_MAX_HOLD": ("lock", "max_hold_ns"),
+    "EV_TIME": ("event", "time_ns"),
+}
+# C macro -> the record whose whole size it is.
+C_SIZES = {
+    "LOCK_SIZE": "lock",
+    "RING_IDS": "ring_header",  # the ring's block ids follow its header
+    "INDEX_ENTRY": "index",
+    "JENTRY": "journal_entry",
+    "EV_SIZE": "event",
+}
+
+
+def record_fields(record: str) -> list[Field]:
+    """The fields of one of the C_RECORDS / C_SIZES records (arrays at their smallest size)."""
+    return {
+        "block": lambda: block_fields(2),
+        "seq": lambda: seq_fields(1),
+        "lock": lambda: LOCK_FIELDS,
+        "ring_header": lambda: RING_HEADER_FIELDS,
+        "index": lambda: INDEX_FIELDS,
+        "journal_entry": lambda: JOURNAL_ENTRY_FIELDS,
+        "event": lambda: EVENT_FIELDS,
+    }[record]()
+
+
+def _counter_name(field: str) -> str:
+    return "C_" + field.removeprefix("num_").removeprefix("prefix_").upper()
+
+
+def c_values() -> dict[str, int]:
+    """Every constant of the C core that is not an offset: magic, sizes, states, counters."""
+    out = {
+        "BLOCK_MAGIC": BLOCK_MAGIC,
+        "REQUEST_BYTES": REQUEST_BYTES,
+        "LOCAL_CACHE_MAX": LOCAL_CACHE_MAX,
+        "CHUNK": CHUNK,
+        "EVICT_BATCH": EVICT_BATCH,
+        "NUM_COUNTERS": len(COUNTER_FIELDS),
+    }
+    out.update({f"B_{s.name}": int(s) for s in BlockState})
+    out.update({f"S_{s.name}": int(s) for s in SeqState})
+    out.update({_counter_name(f): i for i, f in enumerate(COUNTER_FIELDS)})
+    return out
+
+
+def c_offset_names() -> dict[str, tuple[str, str]]:
+    """C macro -> (record, field) of every offset the C core uses."""
+    out: dict[str, tuple[str, str]] = {}
+    for prefix, (record, last) in C_RECORDS.items():
+        for f in record_fields(record):
+            out[prefix + f[0].upper()] = (record, f[0])
+            if f[0] == last:
+                break
+    out.update(C_ALIASES)
+    return out
+
+
+_ITEM = {"u1": 1, "<u4": 4, "<i4": 4, "<u8": 8, "<i8": 8}
+
+
+def _itemsize(f: Field) -> int:
+    """Bytes of one packed field (numpy's unaligned structured layout)."""
+    kind = f[1]
+    size = int(kind[1:]) if kind.startswith("S") else _ITEM[kind]
+    for n in f[2] if len(f) > 2 else ():
+        size *= n
+    return size
+
+
+def packed_offsets(fields: list[Field]) -> dict[str, int]:
+    """Field -> byte offset, and the record size under key '' (no padding, as numpy packs)."""
+    out, pos = {}, 0
+    for f in fields:
+        out[f[0]] = pos
+        pos += _itemsize(f)
+    out[""] = pos
+    return out
+
+
+def c_constants() -> dict[str, int]:
+    """Every name the C core takes from this file, with its value."""
+    out = c_values()
+    for name, (record, field) in c_offset_names().items():
+        out[name] = packed_offsets(record_fields(record))[field]
+    for name, record in C_SIZES.items():
+        out[name] = packed_offsets(record_fields(record))[""]
+    return out
+
+
+def c_header() -> str:
+    """allocator/csrc/layout.h: the constants as macros, and the table `_native.LAYOUT` exports."""
+    consts = c_constants()
+    lines = [
+        "/* Generated by setup.py from allocator/records.py: do not edit (edit records.py). */",
+        "#ifndef KVSCOPE_LAYOUT_H",
+        "#define KVSCOPE_LAYOUT_H",
+    ]
+    lines += [
+        f"#define {k} {v:#x}u" if k == "BLOCK_MAGIC" else f"#define {k} {v}"
+        for k, v in consts.items()
+    ]
+    lines.append("static const struct { const char *name; long long value; } KV_LAYOUT[] = {")
+    lines += [f'    {{"{k}", {k}}},' for k in consts]
+    lines += [
+        "};",
+        "/* _native.LAYOUT: name -> value, what this build was compiled with. */",
+        "static PyObject *layout_dict(void) {",
+        "    PyObject *d = PyDict_New();",
+        "    for (size_t i = 0; d && i < sizeof KV_LAYOUT / sizeof KV_LAYOUT[0]; i++) {",
+        "        PyObject *v = PyLong_FromLongLong(KV_LAYOUT[i].value);",
+        "        if (v == NULL || PyDict_SetItemString(d, KV_LAYOUT[i].name, v) < 0) Py_CLEAR(d);",
+        "        Py_XDECREF(v);",
+        "    }",
+        "    return d;",
+        "}",
+        "#endif",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(c_header(), end="")

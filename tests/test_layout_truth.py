@@ -1,0 +1,121 @@
+"""One definition of the segment layout: records.py feeds both layout.py's dtypes and the C
+core's generated header, and a core built for another layout refuses to load."""
+
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from kvscope.allocator import layout, native, records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_built_core_has_todays_layout():
+    # GIVEN the core pip built / WHEN its exported constants are compared with the dtypes
+    if native._native is None:
+        pytest.skip("the C core is not built")
+    built = native._native.LAYOUT
+    # THEN every offset, size and constant the core compiled in is the layout's
+    assert built == native.expected_layout()
+    assert built["CHUNK"] == layout.CHUNK and built["EVICT_BATCH"] == layout.EVICT_BATCH
+    assert built["LF_WAIT"] == layout.LOCK_DTYPE.fields["wait_ns"][1]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("BF_STATE", 5),  # a block field moved
+        ("LOCK_SIZE", 104),  # a record grew
+        ("CHUNK", 64),  # a constant changed on one side
+        ("EVICT_BATCH", None),  # a constant the core does not know
+    ],
+)
+def test_a_core_built_for_another_layout_raises(change):
+    # GIVEN a core's constants with one deliberately altered (or missing)
+    name, value = change
+    built = dict(native.expected_layout())
+    if value is None:
+        del built[name]
+    else:
+        built[name] = value
+    # WHEN the import-time check compares them / THEN it raises, naming the constant
+    with pytest.raises(native.LayoutMismatch, match=name) as err:
+        native.check_layout(built)
+    assert "pip install" in str(err.value)
+    assert isinstance(err.value, ImportError)
+
+
+def test_a_stale_core_is_dropped_when_switched_off(monkeypatch):
+    # GIVEN a core built for another layout
+    stale = types.SimpleNamespace(LAYOUT={**native.expected_layout(), "SF_TABLE": 72})
+    # WHEN it is loaded with the core switched on / THEN the import fails, saying why
+    monkeypatch.setenv("KVSCOPE_NATIVE", "1")
+    with pytest.raises(native.LayoutMismatch, match="SF_TABLE: built 72, layout 80"):
+        native.checked(stale)
+    # AND with KVSCOPE_NATIVE=0 (the way out the message names) the pool runs in Python
+    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+    assert native.checked(stale) is None
+    # AND a core with today's layout loads either way
+    good = types.SimpleNamespace(LAYOUT=native.expected_layout())
+    assert native.checked(good) is good
+
+
+def test_the_generator_packs_as_numpy_does():
+    # GIVEN the header generator's own offset arithmetic (setup.py has no numpy)
+    # WHEN compared with numpy's packing of the same fields at several geometries
+    for bs in (1, 2, 4, 16, 33):
+        want = layout.block_dtype(bs)
+        got = records.packed_offsets(records.block_fields(bs))
+        # THEN every field and the record size agree
+        assert got[""] == want.itemsize
+        assert all(got[f] == want.fields[f][1] for f in want.names)
+    for mb in (1, 8, 129):
+        want = layout.seq_dtype(mb)
+        got = records.packed_offsets(records.seq_fields(mb))
+        assert got[""] == want.itemsize
+    assert records.c_constants() == native.expected_layout()
+
+
+def test_setup_writes_the_header_from_records_without_numpy(tmp_path):
+    # GIVEN records.py run on its own, in an interpreter that cannot import numpy or kvscope
+    blocker = tmp_path / "numpy.py"
+    blocker.write_text("raise ImportError('no numpy in the build environment')\n")
+    code = (
+        f"import runpy; print(runpy.run_path({str(ROOT / 'allocator/records.py')!r})['c_header']())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {code}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    # WHEN the header is generated / THEN it defines every constant with the layout's value
+    defines = {
+        line.split()[1]: int(line.split()[2].rstrip("u"), 0)
+        for line in out.splitlines()
+        if line.startswith("#define ") and len(line.split()) == 3
+    }
+    assert defines == native.expected_layout()
+    assert all(f'{{"{name}", {name}}}' in out for name in defines)
+    assert defines["BF_TOKENS"] == 120 and defines["CHUNK"] == 128
+
+
+def test_python_path_has_one_chunk_and_one_evict_batch():
+    # GIVEN the modules that chunk work and evict in batches
+    # WHEN their constants are looked up / THEN each is records.py's, not a copy
+    from kvscope.allocator import append, recovery, release, reserve, seqops
+
+    for mod in (append, recovery, release, seqops):
+        assert mod.CHUNK == records.CHUNK
+    assert reserve.EVICT_BATCH == records.EVICT_BATCH
+    for path in ROOT.glob("allocator/*.py"):
+        if path.name != "records.py":
+            text = path.read_text()
+            assert "\nCHUNK = " not in text and "\nEVICT_BATCH = " not in text, path.name
+    assert runpy.run_path(str(ROOT / "allocator/records.py"))["CHUNK"] == layout.CHUNK
