@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import BlockState, SegmentView
+
+# torch is imported where a tensor is made: `kvscope analyze` of a dump without data needs none.
+if TYPE_CHECKING:
+    import torch
 
 GENERATION_MASK = 0xFFFF_FFFF
 # Findings per kind from one whole-pool pass (check.py's MAX_PER_KIND).
@@ -112,6 +116,8 @@ def poison_message(rec: np.void, count: int) -> str:
 
 def poison_bits(dtype: torch.dtype) -> torch.Tensor:
     """The bits a poisoned element holds (NaN of `dtype` as its integer of the same width)."""
+    import torch
+
     from kvscope.kernels.digest import int_view
 
     return int_view(torch.full((1,), float("nan"), dtype=dtype))[0]
@@ -126,6 +132,8 @@ def poison_broken(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[tu
     """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
     if len(ids) == 0 or not can_poison(kv):
         return []
+    import torch
+
     from kvscope.kernels.digest import int_view
 
     idx = torch.as_tensor(np.asarray(ids, np.int64), device=kv.device)
@@ -219,6 +227,8 @@ def check_kv(
 def kv_from_bytes(view: SegmentView, data: np.ndarray | bytes | bytearray) -> torch.Tensor:
     """The KV tensor `[layers, 2, blocks, slots, heads, dim]` over a pool's data bytes (a
     dump's, or a CPU pool's data file); read-only use."""
+    import torch
+
     h = view.h
     dtype = getattr(torch, bytes(h["dtype"]).decode().strip("\0"))
     shape = (

@@ -6,7 +6,9 @@
 Builds a pool (block_size 16, 1 layer, 1 kv head x 8, float16), allocates --seqs sequences,
 dumps it, then times each stage of the analysis twice: with the owner alive (a healthy pool)
 and as seen from another host (every owner dead: every held block is a leak finding, the worst
-case for the report). Prints the median of --repeat runs per stage, in seconds.
+case for the report). Then times the command a user types, `kvscope analyze FILE` (and
+`--json`), end to end in a fresh process: start-up, imports, read, analysis and output (its
+owner, this process, alive). Prints the median of --repeat runs per row, in seconds.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -55,6 +60,12 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(runs)
 
 
+def analyze_command(argv: list[str]) -> None:
+    """Run `kvscope analyze` as a user does; it must have analyzed (exit 0 or 1)."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=1_000_000)
@@ -88,6 +99,13 @@ def main() -> None:
             a = timed(lambda fn=fn: fn(alive["alive"]), args.repeat)
             b = timed(lambda fn=fn: fn(alive["dead"]), args.repeat)
             print(f"| {name} | {a:.3f} | {b:.3f} |")
+        kvscope = shutil.which("kvscope")
+        command = [kvscope] if kvscope else [sys.executable, "-m", "kvscope"]
+        for extra in ([], ["--json"]):
+            argv = [*command, "analyze", path, *extra]
+            t = timed(lambda argv=argv: analyze_command(argv), args.repeat)
+            label = " ".join(["kvscope analyze FILE", *extra])
+            print(f"| `{label}` (the command) | {t:.3f} | - |")
 
 
 if __name__ == "__main__":
