@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+# The checksum functions live in checksums.py; the readers import them with the dtypes.
+from kvscope.allocator.checksums import (  # noqa: F401
+    HEADER_CHECKSUM_BYTES,
+    IDENTITY_WORDS,
+    MASK64,
+    block_checksum,
+    block_checksums,
+    block_words,
+    header_checksum,
+)
 
 POOL_MAGIC = 0x4B56_5343_4F50_4531
 BLOCK_MAGIC = 0x4B56_424B
@@ -129,7 +141,7 @@ HEADER_DTYPE = np.dtype(
     ]
     + [(name, "<u8") for name in COUNTER_FIELDS]
 )
-HEADER_CHECKSUM_BYTES = HEADER_DTYPE.fields["checksum"][1]  # type: ignore[index]
+assert HEADER_DTYPE.fields["checksum"][1] == HEADER_CHECKSUM_BYTES  # type: ignore[index]
 
 
 def header_field_at(offset: int) -> str:
@@ -173,9 +185,6 @@ def block_dtype(block_size: int) -> np.dtype:
     # compiled offsets of the fields above never move.
     fields.append(("kv_digest", "<u8"))
     return np.dtype(fields)
-
-
-IDENTITY_WORDS = 4
 
 
 RING_HEADER_DTYPE = np.dtype(
@@ -365,7 +374,9 @@ class Layout:
 class SegmentView:
     """Numpy views of every section of one segment buffer (live mmap or dump bytes)."""
 
-    def __init__(self, buf: memoryview | bytearray | bytes, layout: Layout):
+    # buf: anything with the buffer protocol (a live mmap; bytes, a bytearray or a numpy array
+    # holding a copy).
+    def __init__(self, buf: Any, layout: Layout):
         self.buf = buf
         self.layout = layout
         off = layout.offsets()
@@ -419,13 +430,3 @@ DUMP_HEADER_DTYPE = np.dtype(
     ]
 )
 DUMP_WITH_DATA, DUMP_REDACTED, DUMP_TORN = 1, 2, 4
-
-
-# The checksum functions live in checksums.py; the readers import them with the dtypes.
-from kvscope.allocator.checksums import (  # noqa: E402, F401
-    MASK64,
-    block_checksum,
-    block_checksums,
-    block_words,
-    header_checksum,
-)

@@ -47,7 +47,7 @@ class ReleaseOps(PoolSurface):
             bad = ids[block_checksums(self.view.blocks, ids) != self.view.blocks["checksum"][ids]]
             for blk in bad.tolist():
                 t.after_commit.append(
-                    lambda blk=blk: probe.block_finding(
+                    lambda blk=blk: probe.block_finding(  # type: ignore[misc]
                         "block_header_corrupt",
                         blk,
                         "block record checksum mismatch when its request released it: its header was overwritten outside the allocator",
@@ -62,7 +62,7 @@ class ReleaseOps(PoolSurface):
             for blk in already.tolist():
                 rec = self.view.blocks[blk].copy()
                 t.after_commit.append(
-                    lambda blk=blk, rec=rec: probe.block_finding(
+                    lambda blk=blk, rec=rec: probe.block_finding(  # type: ignore[misc]
                         "double_free",
                         blk,
                         f"block released by request {seq.request_id!r} but it was already free",
@@ -74,7 +74,7 @@ class ReleaseOps(PoolSurface):
                 bad_guard = probe.scan_guard(zero)
                 t.after_commit.append(lambda: probe.report_guard(bad_guard))
                 # Poison only if the release commits: a rolled-back preemption keeps its KV.
-                t.before_commit.append(lambda zero=zero: probe.poison(zero))
+                t.before_commit.append(lambda zero=zero: probe.poison(zero))  # type: ignore[misc]
                 # Quarantine: freed blocks go to the tail of the FIFO ring, never the local cache.
                 t.need(self.FREE)
                 self.store.ring_push(t, zero, BlockState.QUARANTINED)

@@ -114,7 +114,7 @@ def write_dump(
     elif isinstance(view_or_name, SegmentView):
         live = view_or_name
     else:
-        live = view_or_name.view  # type: ignore[union-attr]
+        live = view_or_name.view  # type: ignore[attr-defined]
     try:
         # A live mapping is copied under the seqlock; an already-copied view as it is.
         snap = snapshot(live) if not isinstance(live.buf, bytearray | bytes) else live
@@ -212,7 +212,7 @@ def check_target(path: str) -> None:
         )
 
 
-def _write_stdout(parts: list[bytes | bytearray]) -> str:
+def _write_stdout(parts: list[bytes | bytearray | memoryview]) -> str:
     """Write parts to standard output (a pipe or a file the shell opened)."""
     out = sys.stdout.buffer
     try:
@@ -227,7 +227,7 @@ def _write_stdout(parts: list[bytes | bytearray]) -> str:
     return STDOUT
 
 
-def _write_private(path: str, parts: list[bytes | bytearray]) -> str:
+def _write_private(path: str, parts: list[bytes | bytearray | memoryview]) -> str:
     """Write parts to path atomically, readable by its owner only (mode 0600); a failed write
     (a full disk, say) leaves no file behind and is one PoolError."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -337,9 +337,10 @@ def _layout(seg: bytearray, seg_size: int, where: str, saved: bytes) -> Layout:
     try:
         layout = validate_bytes(bytes(seg[: HEADER_DTYPE.itemsize]), seg_size, where)
     except PoolError:
-        layout = layout_of_prefix(saved)
-        if layout is None:
+        from_saved = layout_of_prefix(saved)
+        if from_saved is None:
             raise
+        layout = from_saved
     if layout.offsets()["end"] > seg_size:
         raise PoolError(f"{where} is truncated: its segment is smaller than its geometry")
     return layout

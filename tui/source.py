@@ -43,6 +43,7 @@ class Source(Protocol):
 
     name: str
     live: bool
+    view: SegmentView
 
     def read(self) -> SegmentView:
         """A consistent copy of the sections the panels show."""
@@ -55,6 +56,13 @@ class Source(Protocol):
     def close(self) -> None:
         """Release the mapping or file."""
         ...
+
+
+def _field_offset(dtype: np.dtype, name: str) -> int:
+    """Offset of field `name` in a structured record of the segment."""
+    fields = dtype.fields
+    assert fields is not None, "a segment record is a structured dtype"
+    return int(fields[name][1])
 
 
 def _section_bounds(view: SegmentView, name: str) -> tuple[int, int]:
@@ -117,10 +125,10 @@ class Snapshotter:
         src = view.raw
         c0 = view.offsets["clients"]
         csize = view.clients.dtype.itemsize
-        chead = view.clients.dtype.fields["journal"][1]
+        chead = _field_offset(view.clients.dtype, "journal")
         nclients = len(view.clients)
         sdt = view.seqs.dtype
-        s0, ssize, shead = view.offsets["seqs"], sdt.itemsize, sdt.fields["table"][1]
+        s0, ssize, shead = view.offsets["seqs"], sdt.itemsize, _field_offset(sdt, "table")
         nseqs = len(view.seqs)
         src_rows = src[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
         dst_rows = dst[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
