@@ -26,8 +26,8 @@ import uuid
 
 from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.check import check_view
+from kvscope.allocator.dumpfile import read_dump, write_dump
 from kvscope.analysis import analyze_view
-from kvscope.dumpfile import read_dump, write_dump
 from kvscope.report import console, print_json, render
 
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +27,10 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import site_frames
 from kvscope.allocator.stats import pool_stats
-from kvscope.kvread import KVData
+
+if TYPE_CHECKING:
+    # kvread reads a pool's data through kvscope.target, which analyzes with this module.
+    from kvscope.kvread import KVData
 
 Alive = Callable[[int, int], bool]
 # Events shown per finding, newest last.

@@ -45,7 +45,7 @@ def has_data_checks(view: SegmentView) -> bool:
 
 def for_dump(path: str, view: SegmentView, dump_header: np.void | None) -> KVData | None:
     """The KV data a dump carries (None without `--with-data`, or when it is short)."""
-    from kvscope.dumpfile import read_dump_data
+    from kvscope.allocator.dumpfile import read_dump_data
 
     if dump_header is None or not has_data_checks(view):
         return None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvscope.allocator.dumpfile import alive_for, read_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import SegmentView
@@ -24,7 +25,6 @@ from kvscope.allocator.segment import (
 )
 from kvscope.allocator.snapshot import snapshot
 from kvscope.analysis import Alive, collect_findings
-from kvscope.dumpfile import alive_for, read_dump
 
 
 @dataclass
