@@ -8,7 +8,7 @@ from typing import Any
 
 
 class FindingKind(str, enum.Enum):
-    """Finding kinds, exactly as DESIGN.md names them."""
+    """Finding kinds: the names `analyze --json` and every probe use (docs/PROBES.md)."""
 
     HEADER_CORRUPT = "header_corrupt"
     BLOCK_HEADER_CORRUPT = "block_header_corrupt"
@@ -62,7 +62,7 @@ class Finding:
             self.severity = SEVERITY[kind]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict with the keys of DESIGN.md (plus `extra` when non-empty)."""
+        """JSON-ready dict with the keys of docs/CLI.md's report (plus `extra` when non-empty)."""
         d = asdict(self)
         if not d["extra"]:
             d.pop("extra")

@@ -39,7 +39,7 @@ REQUEST_BYTES = 32
 
 
 class BlockState(enum.IntEnum):
-    """Lifecycle state of a physical block (DESIGN.md "Block lifecycle")."""
+    """Lifecycle state of a physical block (docs/FORMAT.md, "Block headers")."""
 
     FREE = 0
     ALLOCATED = 1

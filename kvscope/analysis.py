@@ -1,6 +1,6 @@
 """The analysis behind `analyze`, `check` and `run`: findings, owners and events of one segment view.
 
-`analyze_view` returns the JSON object of DESIGN.md (`pool`, `healthy`, `summary`, `findings`);
+`analyze_view` returns the JSON object of docs/CLI.md (`pool`, `healthy`, `summary`, `findings`);
 `kvscope.report` renders it for a person. Every pass over blocks is vectorised.
 """
 
@@ -254,7 +254,7 @@ def analyze_view(
     findings: list[Finding] | None = None,
     kv: KVData | None = None,
 ) -> dict[str, Any]:
-    """The report of DESIGN.md for one view, optionally narrowed to one block or one request."""
+    """The report of docs/CLI.md for one view, optionally narrowed to one block or one request."""
     found = collect_findings(view, alive, kv) if findings is None else findings
     header_ok = not any(f.kind == "header_corrupt" for f in found)
     if block is not None:
