@@ -26,7 +26,6 @@ class FindingKind(str, enum.Enum):
     LOCK_DEAD_HOLDER = "lock_dead_holder"
     LOCK_ORDER_CYCLE = "lock_order_cycle"
     LOCK_HELD_TOO_LONG = "lock_held_too_long"
-    POOL_EXHAUSTED = "pool_exhausted"
 
 
 ERROR, WARNING = "error", "warning"
@@ -36,7 +35,6 @@ SEVERITY.update(
     {
         FindingKind.LEAK_DEAD_OWNER: WARNING,
         FindingKind.LOCK_HELD_TOO_LONG: WARNING,
-        FindingKind.POOL_EXHAUSTED: WARNING,
         FindingKind.LOCK_DEAD_HOLDER: WARNING,
     }
 )

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvscope.allocator.findings import Finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import BlockState, SegmentView
 
 # torch is imported where a tensor is made: `kvscope analyze` of a dump without data needs none.
@@ -213,14 +213,16 @@ def check_kv(
     for blk, found, want in changed[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
             msg = MODIFIED_MESSAGE.format(when="a check", found=found, want=want)
-            out.append(_finding(view, "published_block_modified", blk, msg))
+            out.append(_finding(view, FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg))
     for blk, count in written[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
             rec = b[blk]
             msg = poison_message(rec, count)
-            out.append(_finding(view, "use_after_free", blk, msg, freed_ns=int(rec["access_ns"])))
+            out.append(
+                _finding(view, FindingKind.USE_AFTER_FREE, blk, msg, freed_ns=int(rec["access_ns"]))
+            )
     for blk in canaries[:MAX_PER_KIND]:
-        out.append(_finding(view, "guard_violation", blk, CANARY_MESSAGE))
+        out.append(_finding(view, FindingKind.GUARD_VIOLATION, blk, CANARY_MESSAGE))
     return out
 
 

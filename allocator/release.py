@@ -9,6 +9,7 @@ import numpy as np
 
 from kvscope.allocator import faults
 from kvscope.allocator.events import EventOp
+from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import BlockState, SeqState, block_checksums
 from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
@@ -48,7 +49,7 @@ class ReleaseOps(PoolSurface):
             for blk in bad.tolist():
                 t.after_commit.append(
                     lambda blk=blk: probe.block_finding(  # type: ignore[misc]
-                        "block_header_corrupt",
+                        FindingKind.BLOCK_HEADER_CORRUPT,
                         blk,
                         "block record checksum mismatch when its request released it: its header was overwritten outside the allocator",
                     )
@@ -63,7 +64,7 @@ class ReleaseOps(PoolSurface):
                 rec = self.view.blocks[blk].copy()
                 t.after_commit.append(
                     lambda blk=blk, rec=rec: probe.block_finding(  # type: ignore[misc]
-                        "double_free",
+                        FindingKind.DOUBLE_FREE,
                         blk,
                         f"block released by request {seq.request_id!r} but it was already free",
                         rec=rec,
@@ -197,7 +198,7 @@ class ReleaseOps(PoolSurface):
             faults.fired("double-free")
             if probe is not None:
                 probe.block_finding(
-                    "double_free",
+                    FindingKind.DOUBLE_FREE,
                     blk,
                     f"block released a second time after request {request!r} ended: it is already free",
                     rec=rec,

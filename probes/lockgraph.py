@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import kvscope.allocator
-from kvscope.allocator.findings import Finding, write_finding
+from kvscope.allocator.findings import Finding, FindingKind, write_finding
 from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
 
 UNTRACED = frozenset({"sites", "findings"})
@@ -91,7 +91,7 @@ def cycle_finding(new: Edge, path: list[Edge]) -> Finding:
     if len(msg) + len(tail) <= MESSAGE_BYTES:
         msg += tail
     return Finding(
-        "lock_order_cycle",
+        FindingKind.LOCK_ORDER_CYCLE,
         msg,
         owner_pid=new.pid,
         extra={"chain": [new._asdict()] + [e._asdict() for e in path]},
