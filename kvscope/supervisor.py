@@ -194,6 +194,8 @@ class Supervisor:
         """Add to the pool's time series when a sample is due (`now`: always)."""
         if w.header_reported:
             return  # its counters cannot be trusted any more
+        if not w.check_size():
+            return  # truncated: reading its mapping past the file's end would raise SIGBUS
         if w.history is None:
             w.history = History.for_view(w.view, interval_s=HISTORY_INTERVAL_S)
         if now:
