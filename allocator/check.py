@@ -155,7 +155,7 @@ def check_header(view: SegmentView, intact: bytes | None = None) -> list[Finding
         )
     return [
         Finding(
-            "header_corrupt",
+            FindingKind.HEADER_CORRUPT,
             f"{text}: something outside the allocator overwrote the pool's header",
             extra=extra,
         )
@@ -217,14 +217,15 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     if count > n:
         r.add(
             Finding(
-                "free_list_corrupt", f"free ring count {count} exceeds the {n} blocks of the pool"
+                FindingKind.FREE_LIST_CORRUPT,
+                f"free ring count {count} exceeds the {n} blocks of the pool",
             )
         )
         count = n
     elif (tail_pos - head_pos) % 2**64 != count:
         r.add(
             Finding(
-                "free_list_corrupt",
+                FindingKind.FREE_LIST_CORRUPT,
                 f"free ring head {head_pos} and tail {tail_pos} do not span its count {count}",
             )
         )
@@ -233,7 +234,10 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     oob = (ring_ids < 0) | (ring_ids >= n)
     if oob.any():
         r.add(
-            Finding("free_list_corrupt", f"free ring holds {int(oob.sum())} ids outside [0, {n})")
+            Finding(
+                FindingKind.FREE_LIST_CORRUPT,
+                f"free ring holds {int(oob.sum())} ids outside [0, {n})",
+            )
         )
         ring_ids = ring_ids[~oob]
     in_ring = np.bincount(ring_ids, minlength=n)
@@ -315,7 +319,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     if not ok.all():
         r.add(
             Finding(
-                "free_list_corrupt",
+                FindingKind.FREE_LIST_CORRUPT,
                 f"{int((~ok).sum())} sequence slots are reserved by client records that are not attached: no process can use them",
             )
         )
@@ -366,7 +370,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     if len(bad_entries):
         r.add(
             Finding(
-                "free_list_corrupt",
+                FindingKind.FREE_LIST_CORRUPT,
                 f"prefix index has {len(bad_entries)} entries naming blocks outside the pool",
             )
         )
@@ -383,7 +387,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     if indexed_n != len(used):
         r.add(
             Finding(
-                "refcount_mismatch",
+                FindingKind.REFCOUNT_MISMATCH,
                 f"{indexed_n} blocks are marked indexed but the prefix index holds {len(used)} entries",
             )
         )
@@ -392,7 +396,10 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     n_free = int(((state == BlockState.FREE) | (state == BlockState.QUARANTINED)).sum())
     if count != n_free and not (in_ring > 1).any():
         r.add(
-            Finding("free_list_corrupt", f"free ring count is {count} but {n_free} blocks are FREE")
+            Finding(
+                FindingKind.FREE_LIST_CORRUPT,
+                f"free ring count is {count} but {n_free} blocks are FREE",
+            )
         )
 
     # Locks whose holder died, or holds them too long.
@@ -429,7 +436,7 @@ def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         if not alive(pid, int(locks["holder_start"][i])):
             out.append(
                 Finding(
-                    "lock_dead_holder",
+                    FindingKind.LOCK_DEAD_HOLDER,
                     f"pool lock {name!r} is held by pid {pid}, which died holding it; the next process to take it rolls back its journal",
                     owner_pid=pid,
                     extra={"lock": name},
@@ -449,7 +456,7 @@ def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         )
         out.append(
             Finding(
-                "lock_held_too_long",
+                FindingKind.LOCK_HELD_TOO_LONG,
                 f"pool lock {name!r} held {held_ns / 1e9:.1f} s so far by pid {pid} thread {int(locks['holder_tid'][i])}; {why}",
                 owner_pid=pid,
                 extra={"lock": name, "held_s": round(held_ns / 1e9, 3), "holder_state": state},

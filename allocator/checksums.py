@@ -1,12 +1,20 @@
-"""Checksums of the segment: the immutable header fields and each block record's identity."""
+"""Checksums of the segment: the immutable header fields and each block record's identity.
+
+Below layout.py, which re-exports these functions beside the dtypes; the two sizes they need are
+stated here and layout.py asserts its dtypes agree.
+"""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
-from kvscope.allocator.layout import HEADER_CHECKSUM_BYTES, IDENTITY_WORDS
+# The header bytes the checksum covers: every field before `checksum` (layout.HEADER_DTYPE).
+HEADER_CHECKSUM_BYTES = 292
+# A block record's identity: its first four u64 words (layout.block_dtype).
+IDENTITY_WORDS = 4
 
 
 def header_checksum(raw: np.ndarray) -> int:
@@ -62,7 +70,7 @@ def block_checksum(words: np.ndarray, block_id: int) -> int:
     return h ^ (h >> 32)
 
 
-def checksum_of_words(words: tuple[int, ...], block_id: int) -> int:
+def checksum_of_words(words: Sequence[int], block_id: int) -> int:
     """Scalar checksum from a record's identity words already read as Python ints."""
     h = (
         words[0] * _KI[0]

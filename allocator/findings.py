@@ -8,7 +8,7 @@ from typing import Any
 
 
 class FindingKind(str, enum.Enum):
-    """Finding kinds, exactly as DESIGN.md names them."""
+    """Finding kinds: the names `analyze --json` and every probe use (docs/PROBES.md)."""
 
     HEADER_CORRUPT = "header_corrupt"
     BLOCK_HEADER_CORRUPT = "block_header_corrupt"
@@ -28,7 +28,6 @@ class FindingKind(str, enum.Enum):
     LOCK_DEAD_HOLDER = "lock_dead_holder"
     LOCK_ORDER_CYCLE = "lock_order_cycle"
     LOCK_HELD_TOO_LONG = "lock_held_too_long"
-    POOL_EXHAUSTED = "pool_exhausted"
 
 
 ERROR, WARNING = "error", "warning"
@@ -38,7 +37,6 @@ SEVERITY.update(
     {
         FindingKind.LEAK_DEAD_OWNER: WARNING,
         FindingKind.LOCK_HELD_TOO_LONG: WARNING,
-        FindingKind.POOL_EXHAUSTED: WARNING,
         FindingKind.LOCK_DEAD_HOLDER: WARNING,
     }
 )
@@ -64,7 +62,7 @@ class Finding:
             self.severity = SEVERITY[kind]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict with the keys of DESIGN.md (plus `extra` when non-empty)."""
+        """JSON-ready dict with the keys of docs/CLI.md's report (plus `extra` when non-empty)."""
         d = asdict(self)
         if not d["extra"]:
             d.pop("extra")

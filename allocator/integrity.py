@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kvscope.allocator.findings import Finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import BlockState, SegmentView
+
+# torch is imported where a tensor is made: `kvscope analyze` of a dump without data needs none.
+if TYPE_CHECKING:
+    import torch
 
 GENERATION_MASK = 0xFFFF_FFFF
 # Findings per kind from one whole-pool pass (check.py's MAX_PER_KIND).
@@ -143,6 +147,8 @@ def poison_message(rec: np.void, count: int) -> str:
 
 def poison_bits(dtype: torch.dtype) -> torch.Tensor:
     """The bits a poisoned element holds (NaN of `dtype` as its integer of the same width)."""
+    import torch
+
     from kvscope.kernels.digest import int_view
 
     return int_view(torch.full((1,), float("nan"), dtype=dtype))[0]
@@ -157,6 +163,8 @@ def poison_broken(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[tu
     """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
     if len(ids) == 0 or not can_poison(kv):
         return []
+    import torch
+
     from kvscope.kernels.digest import int_view
 
     idx = torch.as_tensor(np.asarray(ids, np.int64), device=kv.device)
@@ -180,6 +188,8 @@ def unwritten_slots(
     None when no position was written at all."""
     if not table or num_tokens <= 0 or not can_poison(kv):
         return []
+    import torch
+
     from kvscope.kernels.digest import int_view
 
     n = min(len(table), -(-num_tokens // block_size))
@@ -270,20 +280,24 @@ def check_kv(
     for blk, found, want in changed[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
             msg = modified_message("a check", found, want, kv, bs)
-            out.append(_finding(view, "published_block_modified", blk, msg))
+            out.append(_finding(view, FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg))
     for blk, count in written[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
             rec = b[blk]
             msg = poison_message(rec, count)
-            out.append(_finding(view, "use_after_free", blk, msg, freed_ns=int(rec["access_ns"])))
+            out.append(
+                _finding(view, FindingKind.USE_AFTER_FREE, blk, msg, freed_ns=int(rec["access_ns"]))
+            )
     for blk in canaries[:MAX_PER_KIND]:
-        out.append(_finding(view, "guard_violation", blk, CANARY_MESSAGE))
+        out.append(_finding(view, FindingKind.GUARD_VIOLATION, blk, CANARY_MESSAGE))
     return out
 
 
 def kv_from_bytes(view: SegmentView, data: np.ndarray | bytes | bytearray) -> torch.Tensor:
     """The KV tensor `[layers, 2, blocks, slots, heads, dim]` over a pool's data bytes (a
     dump's, or a CPU pool's data file); read-only use."""
+    import torch
+
     h = view.h
     dtype = getattr(torch, bytes(h["dtype"]).decode().strip("\0"))
     shape = (

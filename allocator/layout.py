@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+# The checksum functions live in checksums.py; the readers import them with the dtypes.
+from kvscope.allocator.checksums import (  # noqa: F401
+    HEADER_CHECKSUM_BYTES,
+    IDENTITY_WORDS,
+    MASK64,
+    block_checksum,
+    block_checksums,
+    block_words,
+    header_checksum,
+)
 
 # The constants and record fields the C core shares are defined once, in records.py (plain
 # Python, which setup.py turns into the core's header); the dtypes below are built from them.
@@ -113,7 +125,7 @@ HEADER_DTYPE = np.dtype(
     ]
     + [(name, "<u8") for name in COUNTER_FIELDS]
 )
-HEADER_CHECKSUM_BYTES = HEADER_DTYPE.fields["checksum"][1]  # type: ignore[index]
+assert HEADER_DTYPE.fields["checksum"][1] == HEADER_CHECKSUM_BYTES  # type: ignore[index]
 
 
 def header_field_at(offset: int) -> str:
@@ -128,9 +140,6 @@ def header_field_at(offset: int) -> str:
 def block_dtype(block_size: int) -> np.dtype:
     """One fixed record per physical block (records.block_fields)."""
     return np.dtype(block_fields(block_size))
-
-
-IDENTITY_WORDS = 4
 
 
 RING_HEADER_DTYPE = np.dtype(RING_HEADER_FIELDS)
@@ -273,7 +282,9 @@ class Layout:
 class SegmentView:
     """Numpy views of every section of one segment buffer (live mmap or dump bytes)."""
 
-    def __init__(self, buf: memoryview | bytearray | bytes, layout: Layout):
+    # buf: anything with the buffer protocol (a live mmap; bytes, a bytearray or a numpy array
+    # holding a copy).
+    def __init__(self, buf: Any, layout: Layout):
         self.buf = buf
         self.layout = layout
         off = layout.offsets()
@@ -327,13 +338,3 @@ DUMP_HEADER_DTYPE = np.dtype(
     ]
 )
 DUMP_WITH_DATA, DUMP_REDACTED, DUMP_TORN = 1, 2, 4
-
-
-# The checksum functions live in checksums.py; the readers import them with the dtypes.
-from kvscope.allocator.checksums import (  # noqa: E402, F401
-    MASK64,
-    block_checksum,
-    block_checksums,
-    block_words,
-    header_checksum,
-)

@@ -112,7 +112,7 @@ class PrefixIndex:
         # Probing reads one key per step: flat uint64 / int32 views of the section (entry i's
         # key is word 2 i, its block word 4 i + 2) cost less than numpy scalars.
         assert INDEX_DTYPE.itemsize == 16 and INDEX_DTYPE.fields["block"][1] == 8
-        raw = memoryview(view.index.view(np.uint8))
+        raw = view.index.view(np.uint8).data
         self.q = raw.cast("Q")
         self.i = raw.cast("i")
 

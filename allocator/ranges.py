@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvscope.allocator.findings import Finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import (
     COUNTER_FIELDS,
     LOCAL_CACHE_MAX,
@@ -34,7 +34,7 @@ def local_cache(add: Add, clients: np.ndarray, c: int, n: int) -> np.ndarray:
     if k > LOCAL_CACHE_MAX:
         add(
             Finding(
-                "free_list_corrupt",
+                FindingKind.FREE_LIST_CORRUPT,
                 f"the local cache of pid {pid} claims {k} blocks; it holds at most {LOCAL_CACHE_MAX}",
                 owner_pid=pid or None,
             )
@@ -44,7 +44,7 @@ def local_cache(add: Add, clients: np.ndarray, c: int, n: int) -> np.ndarray:
     if not inside.all():
         add(
             Finding(
-                "free_list_corrupt",
+                FindingKind.FREE_LIST_CORRUPT,
                 f"the local cache of pid {pid} holds {int((~inside).sum())} ids outside the pool's blocks [0, {n})",
                 owner_pid=pid or None,
             )
@@ -60,7 +60,7 @@ def check_tables(add: Add, seqs: np.ndarray, live: np.ndarray, n: int, limit: in
     for s in bad_state[:limit].tolist():
         add(
             Finding(
-                "free_list_corrupt",
+                FindingKind.FREE_LIST_CORRUPT,
                 f"sequence slot {s} has state {int(seqs['state'][s])}, not a sequence state (0-{len(SeqState) - 1}): no process can use or free it",
                 owner_pid=int(seqs["owner_pid"][s]) or None,
                 request=_seq_req(seqs, s),
@@ -71,7 +71,7 @@ def check_tables(add: Add, seqs: np.ndarray, live: np.ndarray, n: int, limit: in
     for s in live[claimed > width][:limit].tolist():
         add(
             Finding(
-                "out_of_bounds",
+                FindingKind.OUT_OF_BOUNDS,
                 f"sequence slot {s} claims {int(seqs['num_blocks'][s])} blocks; its table holds {width}",
                 owner_pid=int(seqs["owner_pid"][s]) or None,
                 request=_seq_req(seqs, s),
@@ -86,7 +86,7 @@ def check_tables(add: Add, seqs: np.ndarray, live: np.ndarray, n: int, limit: in
         cols = np.flatnonzero(outside[i])
         add(
             Finding(
-                "out_of_bounds",
+                FindingKind.OUT_OF_BOUNDS,
                 f"the block table of sequence slot {s} maps logical block {int(cols[0])} to block"
                 f" {int(tables[i, cols[0]])}, outside the pool's blocks [0, {n})"
                 + (f" ({len(cols)} such entries)" if len(cols) > 1 else "")
@@ -98,7 +98,7 @@ def check_tables(add: Add, seqs: np.ndarray, live: np.ndarray, n: int, limit: in
     if len(rows) > limit:
         add(
             Finding(
-                "out_of_bounds",
+                FindingKind.OUT_OF_BOUNDS,
                 f"{len(rows) - limit} more sequences map blocks outside the pool",
             )
         )

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.check import table_refs
-from kvscope.allocator.findings import Finding, write_finding
+from kvscope.allocator.findings import Finding, FindingKind, write_finding
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import (
     CHUNK,
@@ -121,7 +121,7 @@ def recover_dead_holders(
         for name, pid in dead_holders.items():
             report(
                 Finding(
-                    "lock_dead_holder",
+                    FindingKind.LOCK_DEAD_HOLDER,
                     f"pid {pid} died holding pool lock {name!r}; its unfinished operation was rolled back",
                     owner_pid=pid,
                     extra={"lock": name},

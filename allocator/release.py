@@ -9,6 +9,7 @@ import numpy as np
 
 from kvscope.allocator import faults
 from kvscope.allocator.events import EventOp
+from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import CHUNK, BlockState, SeqState, block_checksums
 from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
@@ -46,8 +47,8 @@ class ReleaseOps(PoolSurface):
             bad = ids[block_checksums(self.view.blocks, ids) != self.view.blocks["checksum"][ids]]
             for blk in bad.tolist():
                 t.after_commit.append(
-                    lambda blk=blk: probe.block_finding(
-                        "block_header_corrupt",
+                    lambda blk=blk: probe.block_finding(  # type: ignore[misc]
+                        FindingKind.BLOCK_HEADER_CORRUPT,
                         blk,
                         "block record checksum mismatch when its request released it: its header was overwritten outside the allocator",
                     )
@@ -61,8 +62,8 @@ class ReleaseOps(PoolSurface):
             for blk in already.tolist():
                 rec = self.view.blocks[blk].copy()
                 t.after_commit.append(
-                    lambda blk=blk, rec=rec: probe.block_finding(
-                        "double_free",
+                    lambda blk=blk, rec=rec: probe.block_finding(  # type: ignore[misc]
+                        FindingKind.DOUBLE_FREE,
                         blk,
                         f"block released by request {seq.request_id!r} but it was already free",
                         rec=rec,
@@ -73,7 +74,7 @@ class ReleaseOps(PoolSurface):
                 bad_guard = probe.scan_guard(zero)
                 t.after_commit.append(lambda: probe.report_guard(bad_guard))
                 # Poison only if the release commits: a rolled-back preemption keeps its KV.
-                t.before_commit.append(lambda zero=zero: probe.poison(zero))
+                t.before_commit.append(lambda zero=zero: probe.poison(zero))  # type: ignore[misc]
                 # Quarantine: freed blocks go to the tail of the FIFO ring, never the local cache.
                 t.need(self.FREE)
                 self.store.ring_push(t, zero, BlockState.QUARANTINED)
@@ -198,7 +199,7 @@ class ReleaseOps(PoolSurface):
             faults.fired("double-free")
             if probe is not None:
                 probe.block_finding(
-                    "double_free",
+                    FindingKind.DOUBLE_FREE,
                     blk,
                     f"block released a second time after request {request!r} ended: it is already free",
                     rec=rec,

@@ -66,10 +66,10 @@ class Txn:
         # Runs of consecutive locks (the index shards, say) take one OFD lock each; a caller's
         # own order is kept lock by lock.
         self.runs = _runs(self.held) if not isinstance(held, list) else [[i] for i in self.held]
-        self.after_commit: list[Callable[[], None]] = []
+        self.after_commit: list[Callable[[], object]] = []
         # Side effects outside the segment (KV poisoning) that must not happen if the operation
         # is rolled back: run at commit, while the locks are still held.
-        self.before_commit: list[Callable[[], None]] = []
+        self.before_commit: list[Callable[[], object]] = []
         # Python-side state changed with the segment's (this process's slot reserve): undone,
         # newest first, when the transaction rolls back.
         self.after_rollback: list[Callable[[], None]] = []

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvscope.allocator import integrity
+from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import SeqState
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class WriteProbes:
         ids = ids[pool.view.blocks["indexed"][ids] == 1]
         for blk, found, want in integrity.modified(pool.view.blocks, pool.kv, ids, pool.block_size):
             msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size)
-            self._later(t, "published_block_modified", blk, msg)
+            self._later(t, FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg)
 
     def evicting(self, t: Txn, ids: np.ndarray) -> None:
         """Eviction hook (records saved, not yet reset)."""
@@ -121,7 +122,7 @@ class WriteProbes:
             msg = integrity.UNWRITTEN_MESSAGE.format(
                 request=seq.request_id, slots=slots, first=first, last=last
             )
-            self.probes.block_finding("kv_never_written", blk, msg)
+            self.probes.block_finding(FindingKind.KV_NEVER_WRITTEN, blk, msg)
 
     def _check_poison(self, t: Txn, ids: np.ndarray) -> None:
         pool = self.pool
@@ -135,7 +136,7 @@ class WriteProbes:
         for blk, count in integrity.poison_broken(pool.kv, mine, pool.block_size):
             rec = b[blk]
             msg = integrity.poison_message(rec, count)
-            self._later(t, "use_after_free", blk, msg, freed_ns=int(rec["access_ns"]))
+            self._later(t, FindingKind.USE_AFTER_FREE, blk, msg, freed_ns=int(rec["access_ns"]))
 
     def _check_unmapped(self, t: Txn, ids: np.ndarray, request: bytes) -> None:
         seqs = self.pool.view.seqs
@@ -167,7 +168,7 @@ class WriteProbes:
 
         rec = self.pool.view.blocks[blk].copy()
         f = Finding(
-            "use_after_free",
+            FindingKind.USE_AFTER_FREE,
             f"block is being handed to request {taker!r} but request {holder!r} of pid {pid} "
             "still maps it: it was freed while that request's block table was in use",
             block=blk,
@@ -187,9 +188,11 @@ class WriteProbes:
         out = []
         for blk in integrity.broken_canaries(self.pool.kv):
             before = len(probes.reported)
-            probes.block_finding("guard_violation", blk, integrity.CANARY_MESSAGE)
+            probes.block_finding(FindingKind.GUARD_VIOLATION, blk, integrity.CANARY_MESSAGE)
             if len(probes.reported) > before:
                 out.append(blk)
         from kvscope.allocator.findings import Finding
 
-        return [Finding("guard_violation", integrity.CANARY_MESSAGE, block=b) for b in out]
+        return [
+            Finding(FindingKind.GUARD_VIOLATION, integrity.CANARY_MESSAGE, block=b) for b in out
+        ]

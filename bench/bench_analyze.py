@@ -6,7 +6,9 @@
 Builds a pool (block_size 16, 1 layer, 1 kv head x 8, float16), allocates --seqs sequences,
 dumps it, then times each stage of the analysis twice: with the owner alive (a healthy pool)
 and as seen from another host (every owner dead: every held block is a leak finding, the worst
-case for the report). Prints the median of --repeat runs per stage, in seconds.
+case for the report). Then times the command a user types, `kvscope analyze FILE` (and
+`--json`), end to end in a fresh process: start-up, imports, read, analysis and output (its
+owner, this process, alive). Prints the median of --repeat runs per row, in seconds.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 
 from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.check import check_view
+from kvscope.allocator.dumpfile import read_dump, write_dump
 from kvscope.analysis import analyze_view
-from kvscope.dumpfile import read_dump, write_dump
 from kvscope.report import console, print_json, render
 
 
@@ -53,6 +59,16 @@ def timed(fn, repeat: int) -> float:
         fn()
         runs.append(time.perf_counter() - t)
     return statistics.median(runs)
+
+
+def analyze_command(argv: list[str], cpu_s: list[float]) -> None:
+    """Run `kvscope analyze` as a user does; it must have analyzed (exit 0 or 1). Appends the
+    CPU seconds (user + system) it used to cpu_s: on a loaded machine, wall time is not its own."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert done.returncode in (0, 1), done.stderr
+    cpu_s.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -88,6 +104,14 @@ def main() -> None:
             a = timed(lambda fn=fn: fn(alive["alive"]), args.repeat)
             b = timed(lambda fn=fn: fn(alive["dead"]), args.repeat)
             print(f"| {name} | {a:.3f} | {b:.3f} |")
+        kvscope = shutil.which("kvscope")
+        command = [kvscope] if kvscope else [sys.executable, "-m", "kvscope"]
+        for extra in ([], ["--json"]):
+            argv = [*command, "analyze", path, *extra]
+            cpu: list[float] = []
+            t = timed(lambda argv=argv, cpu=cpu: analyze_command(argv, cpu), args.repeat)
+            label = " ".join(["kvscope analyze FILE", *extra])
+            print(f"| `{label}` (the command; CPU {statistics.median(cpu):.3f} s) | {t:.3f} | - |")
 
 
 if __name__ == "__main__":

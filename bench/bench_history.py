@@ -28,8 +28,8 @@ import numpy as np
 from bench_probes import make, workload
 
 from kvscope.allocator import KVPool, PoolConfig
+from kvscope.allocator.dumpfile import layout_of_prefix
 from kvscope.allocator.segment import segment_path
-from kvscope.dumpfile import layout_of_prefix
 from kvscope.history import History, read_sample, sample_dtype
 from kvscope.supervisor import HISTORY_INTERVAL_S, map_readonly
 

@@ -193,7 +193,9 @@ def _analyze_live(name: str) -> tuple[float, bool, int]:
     if errors and rep["pool"]["consistent"]:
         for f in rep["findings"]:
             if f["severity"] == "error":
-                print(f"live analyze: {f['kind']} block {f['block']}: {f['message']}", file=sys.stderr)
+                print(
+                    f"live analyze: {f['kind']} block {f['block']}: {f['message']}", file=sys.stderr
+                )
     return time.perf_counter() - t0, rep["pool"]["consistent"], errors
 
 

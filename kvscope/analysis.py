@@ -1,13 +1,13 @@
 """The analysis behind `analyze`, `check` and `run`: findings, owners and events of one segment view.
 
-`analyze_view` returns the JSON object of DESIGN.md (`pool`, `healthy`, `summary`, `findings`);
+`analyze_view` returns the JSON object of docs/CLI.md (`pool`, `healthy`, `summary`, `findings`);
 `kvscope.report` renders it for a person. Every pass over blocks is vectorised.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +27,10 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import site_frames
 from kvscope.allocator.stats import pool_stats
-from kvscope.kvread import KVData
+
+if TYPE_CHECKING:
+    # kvread reads a pool's data through kvscope.target, which analyzes with this module.
+    from kvscope.kvread import KVData
 
 Alive = Callable[[int, int], bool]
 # Events shown per finding, newest last.
@@ -271,7 +274,7 @@ def analyze_view(
     findings: list[Finding] | None = None,
     kv: KVData | None = None,
 ) -> dict[str, Any]:
-    """The report of DESIGN.md for one view, optionally narrowed to one block or one request."""
+    """The report of docs/CLI.md for one view, optionally narrowed to one block or one request."""
     found = collect_findings(view, alive, kv) if findings is None else findings
     header_ok = not any(f.kind == "header_corrupt" for f in found)
     if block is not None:

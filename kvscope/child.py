@@ -29,7 +29,7 @@ from typing import Any
 
 from kvscope.allocator import faults
 from kvscope.allocator import pool as pool_module
-from kvscope.allocator.findings import Finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.probes.process_exit import at_exit
 
@@ -110,7 +110,7 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
         held += len(seq.block_table)
         pool.report(
             Finding(
-                "leak_finished",
+                FindingKind.LEAK_FINISHED,
                 f"request {seq.request_id!r} still held {len(seq.block_table)} block(s) when"
                 f" {when}: free or abort every sequence when its request ends",
                 block=own_block(pool, seq),
@@ -176,7 +176,7 @@ def check_at_exit() -> dict[str, Any]:
         # The local cache is not a leak: hand it back before looking for orphans.
         pool._run({pool.FREE}, pool._flush_local)
         mine = report_checked(pool)
-        orphans = sum(1 for f in mine if f.kind == "leak_orphan")
+        orphans = sum(1 for f in mine if f.kind == FindingKind.LEAK_ORPHAN)
         leaks = sum(1 for f in mine if f.kind.startswith("leak_"))
         out[pool.name] = {
             "sequences": len(seqs),

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from kvscope import __version__
 from kvscope.errors import EXIT_USAGE, PoolError, UsageError
-from kvscope.verbs import VERBS
+from kvscope.verbs import VERBS, load, summary
 
 
 class Parser(argparse.ArgumentParser):
@@ -21,8 +21,9 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def build_parser() -> Parser:
-    """The top-level parser with one subcommand per verb."""
+def build_parser(verb: str | None = None) -> Parser:
+    """The top-level parser with one subcommand per verb; only `verb`'s flags are prepared
+    (None: every verb's), so a command imports nothing of the verbs it does not run."""
     parser = Parser(
         prog="kvscope",
         description="Debugging and observability harness for the kvscope shared KV-cache pool.",
@@ -30,25 +31,35 @@ def build_parser() -> Parser:
     )
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser)
-    for name, verb in VERBS.items():
-        doc = (verb.__doc__ or "").strip()
+    for name in VERBS:
+        cls = load(name) if verb in (None, name) else None
+        doc = (cls.__doc__ or "").strip() if cls is not None else None
         p = sub.add_parser(
             name,
-            help=doc.splitlines()[0] if doc else None,
+            help=summary(name),
             description=doc,
             formatter_class=argparse.RawDescriptionHelpFormatter,
             # `kvscope run script.py --n 2`: the script's flags are never our abbreviations.
             allow_abbrev=False,
         )
-        verb.prepare_parser(p)
-        p.set_defaults(command=verb)
+        if cls is not None:
+            cls.prepare_parser(p)
+            p.set_defaults(command=cls)
     return parser
+
+
+def verb_of(argv: list[str]) -> str:
+    """The verb argv names: its first word that is not an option (the top-level options,
+    --help and --version, take no value); "" when there is none."""
+    return next((a for a in argv if not a.startswith("-")), "")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse argv, run the verb and return its exit code; user errors are one line on stderr."""
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
     try:
+        parser = build_parser(verb_of(argv))
         args = parser.parse_args(argv)
         if args.verb is None:
             parser.print_help(sys.stderr)

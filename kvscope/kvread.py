@@ -11,13 +11,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kvscope.allocator.integrity import kv_from_bytes
+from kvscope.allocator.integrity import has_digest, has_guard, kv_from_bytes
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.segment import data_path
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -32,11 +35,19 @@ def _sized(data: np.ndarray, view: SegmentView) -> bool:
     return len(data) >= int(view.h["data_bytes"])
 
 
+def has_data_checks(view: SegmentView) -> bool:
+    """True when a data check applies to the pool: its blocks carry a guard slot (canaries,
+    poison) or a block holds a digest. Without one the KV tensor, and torch, are never needed."""
+    blocks = view.blocks
+    ids = np.flatnonzero(blocks["kv_digest"] != 0)
+    return has_guard(view) or bool(has_digest(blocks, ids).any())
+
+
 def for_dump(path: str, view: SegmentView, dump_header: np.void | None) -> KVData | None:
     """The KV data a dump carries (None without `--with-data`, or when it is short)."""
-    from kvscope.dumpfile import read_dump_data
+    from kvscope.allocator.dumpfile import read_dump_data
 
-    if dump_header is None:
+    if dump_header is None or not has_data_checks(view):
         return None
     data = read_dump_data(path, dump_header)
     if data is None or not _sized(data, view):
@@ -47,6 +58,8 @@ def for_dump(path: str, view: SegmentView, dump_header: np.void | None) -> KVDat
 def for_live(name: str, view: SegmentView) -> KVData | None:
     """A live CPU pool's KV data, mapped read-only from its data file (None when unreadable)."""
     if bytes(view.h["device"]).decode(errors="replace").strip("\0") != "cpu":
+        return None
+    if not has_data_checks(view):
         return None
     try:
         data = np.memmap(data_path(name), np.uint8, "r")

@@ -40,7 +40,7 @@ JSON_SCHEMA = 1
 
 
 def print_json(report: dict[str, Any], file: IO[str] | None = None) -> None:
-    """The report as one JSON object (DESIGN.md's schema), `"schema": JSON_SCHEMA` first."""
+    """The report as one JSON object (docs/CLI.md's schema), `"schema": JSON_SCHEMA` first."""
     out = file or sys.stdout
     json.dump({"schema": JSON_SCHEMA, **report}, out, indent=2, default=str)
     out.write("\n")

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvscope.allocator.dumpfile import alive_for, read_dump
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import Finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import (
@@ -24,7 +25,6 @@ from kvscope.allocator.segment import (
 )
 from kvscope.allocator.snapshot import snapshot
 from kvscope.analysis import Alive, collect_findings
-from kvscope.dumpfile import alive_for, read_dump
 
 
 @dataclass
@@ -64,7 +64,7 @@ def data_file_findings(name: str, view: SegmentView) -> list[Finding]:
             return []
     return [
         Finding(
-            "out_of_bounds",
+            FindingKind.OUT_OF_BOUNDS,
             f"the pool's KV data file {path} {problem}: a process that reads or writes the"
             " missing part of the KV tensor dies of SIGBUS, and no process can attach",
             extra={"path": path, "data_bytes": need},

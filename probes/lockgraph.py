@@ -12,16 +12,18 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NamedTuple
 
-import kvscope
 import kvscope.allocator
-import kvscope.probes
-from kvscope.allocator.findings import Finding, write_finding
+from kvscope.allocator.findings import Finding, FindingKind, write_finding
 from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
 
 UNTRACED = frozenset({"sites", "findings"})
 CLASS_BYTES, SITE_BYTES, MESSAGE_BYTES = 16, 120, 200
+# kvscope's own folders, whose frames are not the caller's code: the harness's (the parent
+# package, loaded before any of its subpackages: nothing of it is imported here), the
+# allocator's and this one.
 _OWN_DIRS = tuple(
-    os.path.dirname(m.__file__ or "") + os.sep for m in (kvscope, kvscope.allocator, kvscope.probes)
+    os.path.dirname(path or "") + os.sep
+    for path in (sys.modules["kvscope"].__file__, kvscope.allocator.__file__, __file__)
 )
 _GLUE = ("contextlib.py", "threading.py")
 
@@ -89,7 +91,7 @@ def cycle_finding(new: Edge, path: list[Edge]) -> Finding:
     if len(msg) + len(tail) <= MESSAGE_BYTES:
         msg += tail
     return Finding(
-        "lock_order_cycle",
+        FindingKind.LOCK_ORDER_CYCLE,
         msg,
         owner_pid=new.pid,
         extra={"chain": [new._asdict()] + [e._asdict() for e in path]},

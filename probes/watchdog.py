@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any
 
-from kvscope.allocator.findings import Finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.process import is_alive
 from kvscope.probes.lockdep import LockDep, SegmentGraph
 
@@ -50,7 +50,7 @@ def held_finding(
         "do not block, sleep or compute long while holding it"
     )
     return Finding(
-        "lock_held_too_long",
+        FindingKind.LOCK_HELD_TOO_LONG,
         msg,
         owner_pid=pid,
         extra={"lock": lock, "held_s": round(held_s, 3), "thread": tid, "stack": stack},
@@ -153,7 +153,9 @@ class Watchdog:
     def _already(self, lock: str, hold: str) -> bool:
         """True when some process already reported this hold into the ring."""
         return any(
-            f.kind == "lock_held_too_long" and lock in f.message and f"({hold})" in f.message
+            f.kind == FindingKind.LOCK_HELD_TOO_LONG
+            and lock in f.message
+            and f"({hold})" in f.message
             for f in self.pool.findings()
         )
 

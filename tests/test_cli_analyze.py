@@ -32,7 +32,7 @@ def test_dump_of_healthy_pool_analyzes_healthy(capsys, make_pool, tmp_path):
     # WHEN it is dumped and analyzed
     assert main(["dump", pool.name, "-o", str(out)]) == 0
     code, rep = analyze_json(capsys, str(out))
-    # THEN the dump is private, the report follows DESIGN.md and says healthy
+    # THEN the dump is private, the report has docs/CLI.md's keys and says healthy
     assert os.stat(out).st_mode & 0o777 == 0o600
     assert code == 0
     assert set(rep) >= {"pool", "healthy", "summary", "findings"}

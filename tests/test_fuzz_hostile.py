@@ -189,7 +189,7 @@ def seed_pool(tmp_path_factory):
         pool.free(b)
         from kvscope.allocator.findings import Finding
 
-        pool.report(Finding("pool_exhausted", "seeded finding", block=3, request="fz-req-a"))
+        pool.report(Finding("lock_held_too_long", "seeded finding", block=3, request="fz-req-a"))
         # A dead process: attached, a sequence, and an undo journal it never committed.
         pid = os.fork()
         if pid == 0:

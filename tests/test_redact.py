@@ -48,7 +48,7 @@ def test_redacted_dump_holds_no_token_prefix_key_or_request_id(capsys, make_pool
     long_seq = pool.allocate(REQUESTS[4], OTHER)
     pool.report(
         Finding(
-            "pool_exhausted",
+            "lock_held_too_long",
             f"request '{REQUESTS[4]}' waited",
             block=long_seq.block_table[0],
             request=REQUESTS[4][:32],

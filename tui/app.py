@@ -16,6 +16,7 @@ from textual.widgets import Footer
 from textual.worker import get_current_worker
 
 from kvscope.allocator.check import check_view
+from kvscope.allocator.dumpfile import write_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import Finding, read_findings
 from kvscope.allocator.layout import (
@@ -23,7 +24,6 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
-from kvscope.dumpfile import write_dump
 from kvscope.tui.frame import Frame
 from kvscope.tui.help import GotoScreen, HelpScreen
 from kvscope.tui.messages import BlockChosen, CheckDone, FrameReady, SequenceChosen

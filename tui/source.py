@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvscope.allocator.dumpfile import read_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import (
     DUMP_TORN,
@@ -25,9 +26,13 @@ from kvscope.allocator.layout import (
     SegmentView,
     SeqState,
 )
-from kvscope.allocator.segment import check_name, list_names, segment_path, validate_bytes
+from kvscope.allocator.segment import (
+    check_name,
+    open_file,
+    segment_path,
+    validate_bytes,
+)
 from kvscope.allocator.snapshot import Seqlock, copy_segment
-from kvscope.dumpfile import read_dump
 
 # Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), and the
 # prefix index, the free ring's body and the client journals are not copied at all.
@@ -43,6 +48,7 @@ class Source(Protocol):
 
     name: str
     live: bool
+    view: SegmentView
 
     def read(self) -> SegmentView:
         """A consistent copy of the sections the panels show."""
@@ -55,6 +61,13 @@ class Source(Protocol):
     def close(self) -> None:
         """Release the mapping or file."""
         ...
+
+
+def _field_offset(dtype: np.dtype, name: str) -> int:
+    """Offset of field `name` in a structured record of the segment."""
+    fields = dtype.fields
+    assert fields is not None, "a segment record is a structured dtype"
+    return int(fields[name][1])
 
 
 def _section_bounds(view: SegmentView, name: str) -> tuple[int, int]:
@@ -117,10 +130,10 @@ class Snapshotter:
         src = view.raw
         c0 = view.offsets["clients"]
         csize = view.clients.dtype.itemsize
-        chead = view.clients.dtype.fields["journal"][1]
+        chead = _field_offset(view.clients.dtype, "journal")
         nclients = len(view.clients)
         sdt = view.seqs.dtype
-        s0, ssize, shead = view.offsets["seqs"], sdt.itemsize, sdt.fields["table"][1]
+        s0, ssize, shead = view.offsets["seqs"], sdt.itemsize, _field_offset(sdt, "table")
         nseqs = len(view.seqs)
         src_rows = src[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
         dst_rows = dst[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
@@ -173,21 +186,12 @@ class LiveSource:
 
     live = True
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, trust_owner: bool = False):
         check_name(name)
         path = segment_path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            known = list_names()
-            hint = (
-                f" (pools on this host: {', '.join(known)})"
-                if known
-                else " (no pools on this host)"
-            )
-            raise PoolError(f"no pool named {name!r}: {path} does not exist{hint}") from None
-        except PermissionError:
-            raise PoolError(f"cannot read pool file {path}: permission denied") from None
+        # As every reader opens a pool: no symlink followed, no FIFO blocked on, another
+        # user's (or a world-writable) file refused unless trusted (KVSCOPE_TRUST_OWNER=1).
+        fd = open_file(path, name, trust_owner=trust_owner, writable=False)
         try:
             size = os.fstat(fd).st_size
             layout = validate_bytes(os.pread(fd, HEADER_DTYPE.itemsize, 0), size, path)

@@ -1,7 +1,7 @@
 """Analyze a dump file or a live pool: health, findings with owners and events, summary.
 
 Exit code 0 when healthy, 1 when a finding of severity error is present, 2 on unusable input.
-`--json` prints DESIGN.md's object: {"pool", "healthy", "summary", "findings"}.
+`--json` prints the object of docs/CLI.md: {"pool", "healthy", "summary", "findings"}.
 """
 
 from __future__ import annotations

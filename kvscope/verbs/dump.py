@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 
+from kvscope.allocator.dumpfile import STDOUT, write_dump
 from kvscope.allocator.segment import check_name
-from kvscope.dumpfile import STDOUT, write_dump
 from kvscope.target import add_trust_owner
 
 

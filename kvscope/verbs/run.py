@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from kvscope.allocator.dumpfile import dump_name, write_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.findings import ERROR, WARNING
@@ -33,7 +34,6 @@ from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
 from kvscope.capacity import capacity_answer
-from kvscope.dumpfile import dump_name, write_dump
 from kvscope.errors import EXIT_FAIL_ON, EXIT_FINDINGS, EXIT_USAGE, UsageError
 from kvscope.history import history_path
 from kvscope.report import console, render

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from textual.reactive import reactive
 
 from kvscope.tui.frame import Frame, clock, last_events, op_name, request_of
@@ -23,7 +24,7 @@ class EventTail(RowsView):
         super().__init__(id=id)
         self.border_title = "events"
         self.empty_text = "no events recorded (the events probe is off)"
-        self.events = None
+        self.events: np.ndarray | None = None
         self._newest = -1
 
     def watch_frame(self, frame: Frame | None) -> None:

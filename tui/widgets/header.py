@@ -54,7 +54,7 @@ class PoolHeader(Widget):
         t.append("probes ")
         for flag in Flag:
             on = bool(flags & flag)
-            t.append(flag.name.lower() + " ", style="bold green" if on else "dim strike")
+            t.append((flag.name or "").lower() + " ", style="bold green" if on else "dim strike")
         t.append("\n")
         errors = sum(f.severity == "error" for f in frame.findings)
         warnings = len(frame.findings) - errors

@@ -56,8 +56,8 @@ def describe_block(frame: Frame, b: int) -> Text:
     site = int(rec["site"])
     frames = site_frames(view, site)
     line("site", frames[0] if frames else (f"site {site}" if site >= 0 else "-"))
-    for frame in frames[1:]:
-        line("called from", frame)
+    for caller in frames[1:]:
+        line("called from", caller)
     line(
         "tokens",
         f"{int(rec['num_tokens'])}: {np.asarray(rec['tokens'])[: min(8, int(rec['num_tokens']))].tolist()}",

@@ -1,0 +1,381 @@
+"""Dump files: a consistent copy of a pool's segment (and optionally its KV data) that travels.
+
+A dump is `DUMP_HEADER_DTYPE` (kvscope.allocator.layout), then the segment bytes, then the KV
+data bytes when `DUMP_WITH_DATA` is set, so a dump and a live pool are read by the same
+`SegmentView`. The dump header's `segment_header_prefix` holds the first 256 bytes of the segment
+header as the dumper last saw it intact (zero when unknown): a dump of a pool whose header was
+scribbled over can still be laid out and analyzed.
+
+    from kvscope.allocator.dumpfile import read_dump, write_dump
+    write_dump("demo", "demo.kvd", redact=True, reason="nightly")
+    view, dump_header = read_dump("demo.kvd")
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
+from io import BufferedReader
+
+import numpy as np
+
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.geometry import geometry_problem
+from kvscope.allocator.layout import (
+    DUMP_HEADER_DTYPE,
+    DUMP_MAGIC,
+    DUMP_REDACTED,
+    DUMP_TORN,
+    DUMP_VERSION,
+    DUMP_WITH_DATA,
+    FORMAT_VERSION,
+    HEADER_DTYPE,
+    POOL_MAGIC,
+    Layout,
+    SegmentView,
+)
+from kvscope.allocator.process import is_alive, now_ns
+from kvscope.allocator.segment import (
+    check_name,
+    check_size,
+    data_path,
+    open_existing,
+    open_file,
+    release,
+    segment_path,
+    validate_bytes,
+    view_of,
+)
+from kvscope.allocator.snapshot import snapshot
+
+# Bytes of the segment header kept in the dump header's segment_header_prefix field.
+SAVED_HEADER_BYTES = 256
+DUMP_SUFFIX = ".kvd"
+# `kvscope dump NAME -o -`: the dump goes to standard output.
+STDOUT = "-"
+
+
+def dump_name(pool: str, pid: int) -> str:
+    """The file name `kvscope run` gives a dump: kvscope-<pool>-<pid>.kvd."""
+    return f"kvscope-{pool}-{pid}{DUMP_SUFFIX}"
+
+
+def layout_of_prefix(prefix: bytes) -> Layout | None:
+    """The layout a saved header prefix describes, or None when it holds no usable pool header
+    (every geometry field it covers is range-checked, as for a whole header)."""
+    if len(prefix) < 8 or int.from_bytes(prefix[:8], "little") != POOL_MAGIC:
+        return None
+    buf = bytearray(HEADER_DTYPE.itemsize)
+    buf[: len(prefix)] = prefix[: HEADER_DTYPE.itemsize]
+    h = np.frombuffer(buf, HEADER_DTYPE, 1)[0]
+    if int(h["version"]) != FORMAT_VERSION:
+        return None
+    if geometry_problem(h, known_bytes=min(len(prefix), HEADER_DTYPE.itemsize)) is not None:
+        return None
+    return Layout.from_header(h)
+
+
+def write_dump(
+    view_or_name: str | SegmentView | object,
+    path: str | os.PathLike[str],
+    *,
+    with_data: bool = False,
+    redact: bool = False,
+    reason: str = "",
+    pid: int | None = None,
+    header_prefix: bytes | None = None,
+    trust_owner: bool = False,
+) -> str:
+    """Write a consistent dump of a pool (by name, SegmentView or KVPool) to path, mode 0600;
+    path "-" writes it to standard output.
+
+    Args:
+        pid: the process the dump is about (default: this one), recorded in the dump header.
+        header_prefix: the segment header's first bytes as last seen intact (default: the
+            segment's own header when it is intact).
+        trust_owner: dump a pool that another user owns (by name).
+    """
+    if with_data and redact:
+        raise PoolError(
+            "--redact cannot be combined with --with-data: the KV values encode the prompt; dump one or the other"
+        )
+    target = os.fspath(path)
+    check_target(target)
+    mf = None
+    name = getattr(view_or_name, "name", None)
+    if isinstance(view_or_name, str):
+        name = view_or_name
+        mf = open_existing(segment_path(name), name, trust_owner)
+        live = view_of(mf)
+    elif isinstance(view_or_name, SegmentView):
+        live = view_or_name
+    else:
+        live = view_or_name.view  # type: ignore[attr-defined]
+    try:
+        # A live mapping is copied under the seqlock; an already-copied view as it is.
+        snap = snapshot(live) if not isinstance(live.buf, bytearray | bytes) else live
+        torn = bool(getattr(snap, "torn", False))
+        owner = mf.uid if mf is not None else -1
+        data = _read_data(snap, name, owner, trust_owner) if with_data else b""
+    finally:
+        if mf is not None:
+            release(mf)
+    seg = bytearray(snap.raw.tobytes()) if snap.buf is live.buf else snap.buf
+    seg_view = SegmentView(seg, snap.layout)
+    if redact:
+        from kvscope.allocator.redact import redact_view
+
+        redact_view(seg_view)
+    if header_prefix is None:
+        header_prefix = bytes(seg[:SAVED_HEADER_BYTES])
+    dh = np.zeros(1, DUMP_HEADER_DTYPE)
+    dh["magic"], dh["version"] = DUMP_MAGIC, DUMP_VERSION
+    dh["flags"] = (
+        (DUMP_WITH_DATA if with_data else 0)
+        | (DUMP_REDACTED if redact else 0)
+        | (DUMP_TORN if torn else 0)
+    )
+    dh["segment_size"], dh["data_size"] = len(seg), len(data)
+    dh["created_ns"] = now_ns()
+    dh["pid"] = os.getpid() if pid is None else pid
+    dh["host"] = socket.gethostname().encode()[:64]
+    dh["pool"] = bytes(snap.h["name"])
+    dh["reason"] = reason.encode()[:128]
+    if layout_of_prefix(header_prefix) is not None:
+        dh["segment_header_prefix"][0, : len(header_prefix[:SAVED_HEADER_BYTES])] = np.frombuffer(
+            header_prefix[:SAVED_HEADER_BYTES], np.uint8
+        )
+    parts = [dh.tobytes(), seg, data]
+    if target == STDOUT:
+        return _write_stdout(parts)
+    return _write_private(target, parts)
+
+
+def _read_data(view: SegmentView, name: str | None, owner: int, trust_owner: bool) -> bytes:
+    """The pool's KV data bytes (CPU: its shared file; CUDA: copied from the device)."""
+    h = view.h
+    device = bytes(h["device"]).decode(errors="replace")
+    nbytes = int(h["data_bytes"])
+    if device == "cpu":
+        # The data file is found by the pool's name, never by a name the segment holds
+        # unchecked: a header naming "../x" must not make the dump read another file.
+        name = check_name(name or bytes(h["name"]).decode(errors="replace"))
+        path = data_path(name)
+        fd = open_file(
+            path,
+            name,
+            trust_owner=trust_owner,
+            missing=f"cannot read the KV data of pool {name!r}: {path} does not exist",
+            owner=os.geteuid() if owner < 0 else owner,
+        )
+        try:
+            check_size(fd, nbytes, path)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(nbytes)
+        except OSError as e:
+            raise PoolError(f"cannot read the KV data of pool {name!r}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        if len(data) < nbytes:
+            raise PoolError(f"the KV data file of pool {name!r} is truncated")
+        return data
+    from kvscope.allocator import kvdata
+    from kvscope.allocator.header import config_from_header
+
+    blob = bytes(h["cuda_ipc"])[: int(h["cuda_ipc_len"])]
+    kv = kvdata.attach_cuda(blob, config_from_header(h))
+    return kv.contiguous().cpu().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()
+
+
+def check_target(path: str) -> None:
+    """A dump goes to a new or regular file (or "-", standard output): writing it next to a
+    device, FIFO or directory and renaming it over that would replace the node itself."""
+    if path == STDOUT:
+        if sys.stdout.isatty():
+            raise PoolError(
+                "standard output is a terminal; send the dump to a file or a pipe (-o - > pool.kvd)"
+            )
+        return
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise PoolError(f"cannot write {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PoolError(
+            f"cannot write {path}: it is not a regular file (a dump replaces the file it is written to); use a file path, or - for standard output"
+        )
+
+
+def _write_stdout(parts: list[bytes | bytearray | memoryview]) -> str:
+    """Write parts to standard output (a pipe or a file the shell opened)."""
+    out = sys.stdout.buffer
+    try:
+        out.flush()
+        for p in parts:
+            out.write(p)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise PoolError(f"cannot write the dump to standard output: {e.strerror}") from None
+    return STDOUT
+
+
+def _write_private(path: str, parts: list[bytes | bytearray | memoryview]) -> str:
+    """Write parts to path atomically, readable by its owner only (mode 0600); a failed write
+    (a full disk, say) leaves no file behind and is one PoolError."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kvscope-dump-", dir=directory)
+    except FileNotFoundError:
+        raise PoolError(f"cannot write {path}: directory {directory} does not exist") from None
+    except PermissionError:
+        raise PoolError(f"cannot write {path}: permission denied in {directory}") from None
+    except OSError as e:
+        raise PoolError(f"cannot write {path}: {e.strerror}") from None
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            for p in parts:
+                f.write(p)
+        os.replace(tmp, path)
+    except OSError as e:
+        _remove(tmp)
+        raise PoolError(f"cannot write {path}: {e.strerror}; nothing was written") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+    return path
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _open(path: str) -> BufferedReader:
+    """Open a dump file for reading: a regular file (a FIFO or a device is refused, never
+    waited on); every failure is one PoolError line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise PoolError(f"no dump file at {path}") from None
+    except IsADirectoryError:
+        raise PoolError(f"{path} is a directory, not a dump file") from None
+    except PermissionError:
+        raise PoolError(
+            f"cannot read {path}: permission denied (dump files are mode 0600; run as their owner)"
+        ) from None
+    except OSError as e:
+        raise PoolError(f"cannot read {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        raise PoolError(f"{path} is a directory, not a dump file")
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise PoolError(f"{path} is not a regular file, not a dump file")
+    return os.fdopen(fd, "rb")
+
+
+def read_dump(path: str | os.PathLike[str]) -> tuple[SegmentView, np.void]:
+    """Read a dump file (or a raw copy of a segment); PoolError with one clear line if unusable."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        try:
+            return _read(f, path)
+        except OSError as e:
+            raise PoolError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _read(f: BufferedReader, path: str) -> tuple[SegmentView, np.void]:
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(DUMP_HEADER_DTYPE.itemsize)
+    magic = int.from_bytes(head[:8], "little") if len(head) >= 8 else None
+    if magic == POOL_MAGIC:
+        return _read_raw_segment(f, path, size, head)
+    if magic != DUMP_MAGIC:
+        if len(head) < 8 and DUMP_MAGIC.to_bytes(8, "little").startswith(head):
+            raise PoolError(f"{path} is truncated: {size} bytes, not even a dump header")
+        raise PoolError(f"{path} is not a kvscope dump (it does not start with the dump magic)")
+    if len(head) < DUMP_HEADER_DTYPE.itemsize:
+        raise PoolError(
+            f"{path} is truncated: {size} bytes, a dump header needs {DUMP_HEADER_DTYPE.itemsize}"
+        )
+    dh = np.frombuffer(head, DUMP_HEADER_DTYPE, 1)[0]
+    if int(dh["version"]) != DUMP_VERSION:
+        raise PoolError(
+            f"{path} is a version {int(dh['version'])} dump; this kvscope reads version {DUMP_VERSION}"
+        )
+    seg_size = int(dh["segment_size"])
+    want = DUMP_HEADER_DTYPE.itemsize + seg_size
+    if int(dh["flags"]) & DUMP_WITH_DATA:
+        want += int(dh["data_size"])
+    if size < want:
+        raise PoolError(f"{path} is truncated: {size} bytes, its header says {want}")
+    # Sized by the file: a segment_size that claims more than the file holds was refused above.
+    seg = bytearray(seg_size)
+    if f.readinto(seg) != seg_size:
+        raise PoolError(f"{path} is truncated: it ended while its segment was read")
+    saved = bytes(dh["segment_header_prefix"][:SAVED_HEADER_BYTES])
+    view = SegmentView(seg, _layout(seg, seg_size, path, saved))
+    # check_header names a changed header field against this copy (kvscope.allocator.check).
+    view.intact_header = saved if layout_of_prefix(saved) is not None else None  # type: ignore[attr-defined]
+    return view, dh
+
+
+def _layout(seg: bytearray, seg_size: int, where: str, saved: bytes) -> Layout:
+    """The segment's layout; when its own header is corrupt, the one the dumper saved."""
+    try:
+        layout = validate_bytes(bytes(seg[: HEADER_DTYPE.itemsize]), seg_size, where)
+    except PoolError:
+        from_saved = layout_of_prefix(saved)
+        if from_saved is None:
+            raise
+        layout = from_saved
+    if layout.offsets()["end"] > seg_size:
+        raise PoolError(f"{where} is truncated: its segment is smaller than its geometry")
+    return layout
+
+
+def _read_raw_segment(
+    f: BufferedReader, path: str, size: int, head: bytes
+) -> tuple[SegmentView, np.void]:
+    """A plain copy of /dev/shm/kvscope.NAME read as a dump without a dump header."""
+    head += f.read(max(0, HEADER_DTYPE.itemsize - len(head)))
+    layout = validate_bytes(head[: HEADER_DTYPE.itemsize], size, path)
+    seg_size = layout.offsets()["end"]
+    seg = bytearray(seg_size)
+    seg[: len(head)] = head[:seg_size]
+    if f.readinto(memoryview(seg)[len(head) :]) != seg_size - len(head):
+        raise PoolError(f"{path} is truncated: it ended while its segment was read")
+    dh = np.zeros(1, DUMP_HEADER_DTYPE)
+    dh["magic"], dh["version"], dh["segment_size"] = DUMP_MAGIC, DUMP_VERSION, seg_size
+    dh["pool"] = np.frombuffer(seg, HEADER_DTYPE, 1)[0]["name"]
+    return SegmentView(seg, layout), dh[0]
+
+
+def read_dump_data(path: str | os.PathLike[str], dump_header: np.void) -> np.ndarray | None:
+    """The KV data bytes of a dump written with data (a read-only memory map), else None."""
+    if not int(dump_header["flags"]) & DUMP_WITH_DATA:
+        return None
+    offset = DUMP_HEADER_DTYPE.itemsize + int(dump_header["segment_size"])
+    return np.memmap(
+        os.fspath(path), np.uint8, "r", offset=offset, shape=(int(dump_header["data_size"]),)
+    )
+
+
+def alive_for(dump_header: np.void) -> Callable[[int, int], bool]:
+    """An `alive(pid, start)` for a dump: processes of another host count as dead."""
+    host = bytes(dump_header["host"]).decode(errors="replace")
+    if host != socket.gethostname():
+        return lambda pid, start: False
+    return is_alive
