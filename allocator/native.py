@@ -4,9 +4,10 @@ The core does the common case of allocate, free/abort, a one-token append, mark_
 fork on the same bytes, journal and locks as the Python methods; anything else it hands back (it
 returns None with nothing changed) and the Python method runs. A handle uses it when the
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
-`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: no probes, no guard
-quarantine, no lock hooks (lockdep, watchdog), no call-site recording, no armed fault or crash
-point. docs/FORMAT.md, "The native core".
+`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: no probe but the light
+ones the core runs itself (events, ownership, leaks, magic: `PoolProbes.native_bits`), no guard
+quarantine, no lock hooks (lockdep, watchdog), no call-site recorder other than the probe's, no
+armed fault or crash point. docs/FORMAT.md, "The native core".
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvscope.allocator import crash, eviction, faults
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
+    EVENT_DTYPE,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
     block_dtype,
@@ -27,6 +29,7 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.prefix import _COEFS_LIST
 from kvscope.allocator.sequence import Sequence
+from kvscope.allocator.sites import KVSCOPE_DIRS
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
@@ -114,7 +117,7 @@ def core_for(pool: KVPool) -> Any | None:
     if _native is None:
         _warn_not_built()
         return None
-    if not available() or pool.probe is not None or pool.store.quarantine:
+    if not available() or pool.store.quarantine:
         return None
     if len(pool.locks.names) > 64 or pool.store.local_cap > 64:
         return None  # the core holds locks in a 64-bit mask and refills the cache 64 at most
@@ -150,6 +153,9 @@ def core_for(pool: KVPool) -> Any | None:
         "c_jdata": cbase + cf["journal_data"][1],
         "c_counters": cbase + cf[COUNTER_FIELDS[0]][1],
         "c_wait": pool.locks.wait_at,
+        "off_events": off["events"] + client * view.layout.event_capacity * EVENT_DTYPE.itemsize,
+        "c_event_head": cbase + cf["event_head"][1],
+        "event_capacity": view.layout.event_capacity,
         "client": client,
         "lock_free": pool.FREE,
         "lock_shard0": pool.SHARDS[0],
@@ -173,6 +179,9 @@ def core_for(pool: KVPool) -> Any | None:
         "mutex": pool._mutex,
         "busy": pool._busy,
         "hooks": pool._hooks,
+        # The light probes the core runs itself (probing.PoolProbes.native_bits).
+        "probe_bits": pool._probe_bits,
+        "kvscope_dirs": KVSCOPE_DIRS,
         "coefs": _COEFS_LIST[: view.layout.block_size],
     }
     return _native.Native(pool._mf.mm, pool._mf.fd, layout)

@@ -85,6 +85,8 @@ class KVPool(SequenceOps):
         # Probe hooks set on this handle (bits of HOOK_*): the C core (native.py) runs only
         # while none is; `probe`, `site_of` and the lock table's hooks keep it up to date.
         self._hooks = array("q", [0])
+        # The light probes the C core runs itself for this handle (PoolProbes.native_bits).
+        self._probe_bits = array("q", [0])
         self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
         # How many Python-path operations are inside that mutex (0 or 1, or more when nested):
         # the C core (native.py) runs only while it is 0.
@@ -128,7 +130,11 @@ class KVPool(SequenceOps):
     @probe.setter
     def probe(self, value: PoolProbes | None) -> None:
         self._probe = value
-        mark_hook(self._hooks, HOOK_PROBE, value is not None)
+        # Probes the C core runs itself keep it on; any other sends operations to Python.
+        bits = 0 if value is None else value.native_bits()
+        self._probe_bits[0] = max(bits, 0)
+        mark_hook(self._hooks, HOOK_PROBE, bits < 0)
+        self._mark_site()
 
     @property
     def site_of(self) -> Callable[[], int] | None:
@@ -138,7 +144,14 @@ class KVPool(SequenceOps):
     @site_of.setter
     def site_of(self, value: Callable[[], int] | None) -> None:
         self._site_of = value
-        mark_hook(self._hooks, HOOK_SITE, value is not None)
+        self._mark_site()
+
+    def _mark_site(self) -> None:
+        """The C core records sites itself only for the ownership probe's site table."""
+        fn = getattr(self, "_site_of", None)
+        probe = getattr(self, "_probe", None)
+        ours = probe is not None and probe.sites is not None and fn == probe.sites.site
+        mark_hook(self._hooks, HOOK_SITE, fn is not None and not ours)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ class ReleaseOps(PoolSurface):
         *,
         skip: tuple[int, ...] = (),
         keep_table: bool = False,
+        aborted: bool = False,
     ) -> np.ndarray:
         """Drop seq's references to table[keep:] (the caller holds the needed locks); returns
         the blocks this freed (unindexed, no reference left)."""
@@ -86,7 +87,7 @@ class ReleaseOps(PoolSurface):
         if not keep_table:
             self.seqtab.write_blocks(t, seq.slot, keep, [])
         if probe is not None:
-            op = EventOp.ABORT if seq.state == "aborted" else EventOp.FREE
+            op = EventOp.ABORT if aborted or seq.state == "aborted" else EventOp.FREE
             probe.event(t, op, drop_ids, rb)
         self._count(t, "num_frees", len(ids))
         return zero
@@ -106,7 +107,7 @@ class ReleaseOps(PoolSurface):
         # Long tables are released from the tail in chunks, each its own transaction.
         while len(seq.block_table) > CHUNK:
             keep = len(seq.block_table) - CHUNK
-            self._release_tail(seq, keep)
+            self._release_tail(seq, keep, final == SeqState.ABORTED)
         table = list(seq.block_table)
         ids = np.asarray(table, np.int64)
         locks = self.store.shard_locks_for(ids)
@@ -131,7 +132,9 @@ class ReleaseOps(PoolSurface):
         double: list[bool] = [] if "double-free" in faults.ARMED else [False]
 
         def op(t: Txn) -> list:
-            freed = self._release_blocks(t, seq, 0, skip=skip, keep_table=stale)
+            freed = self._release_blocks(
+                t, seq, 0, skip=skip, keep_table=stale, aborted=final == SeqState.ABORTED
+            )
             if not stale:
                 self.view.seqs["state"][seq.slot] = final
                 self.seqtab.release(t, seq.slot)
@@ -205,8 +208,8 @@ class ReleaseOps(PoolSurface):
 
         t.after_commit.append(done)
 
-    def _release_tail(self, seq: Sequence, keep: int) -> None:
+    def _release_tail(self, seq: Sequence, keep: int, aborted: bool = False) -> None:
         ids = np.asarray(seq.block_table[keep:], np.int64)
         locks = self.store.shard_locks_for(ids) | {self.FREE}
-        self._run(locks, lambda t: self._release_blocks(t, seq, keep))
+        self._run(locks, lambda t: self._release_blocks(t, seq, keep, aborted=aborted))
         seq.block_table = seq.block_table[:keep]

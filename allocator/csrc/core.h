@@ -77,6 +77,27 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define INDEX_ENTRY 16
 /* Journal entry {offset u8, length u4, data_off u4, op u8}. */
 #define JENTRY 24
+/* The light probes the core runs itself (probes.c): bits of the handle's probe word
+ * (KVPool._probe_bits, probing.PoolProbes.native_bits). */
+#define P_EVENTS 1
+#define P_SITES 2      /* ownership, one frame: sites cached by (code object, instruction) */
+#define P_LEAKS 4
+#define P_MAGIC 8
+#define P_SITES_EACH 16 /* ownership with stacks: the handle's site_of at every allocation */
+/* Event records (EVENT_DTYPE) and their ops (events.py EventOp). */
+#define EV_SIZE 64
+#define EV_TIME 0
+#define EV_PID 8
+#define EV_OP 12
+#define EV_BLOCK 16
+#define EV_GENERATION 20
+#define EV_ARG 24
+#define EV_REQUEST 32
+enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7, E_ABORT = 10 };
+/* probing.VERIFY_EVERY_S */
+#define VERIFY_EVERY_NS 10000000ull
+/* Entries of the core's site cache (a power of two). */
+#define SITE_CACHE 256
 /* COUNTER_FIELDS order. */
 enum { C_ALLOCS, C_FREES, C_COW, C_EVICTIONS, C_PREEMPTIONS, C_QUERIES, C_HITS, C_FORKS };
 
@@ -174,10 +195,28 @@ typedef struct {
     uint64_t held; /* bit i: lock i */
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
     uint64_t native_ops, fallbacks, native_evictions;
+    /* probes (probes.c) */
+    int64_t *probe_bits; /* KVPool._probe_bits: P_* of the handle's probe (read at every call) */
+    Py_buffer probe_bits_buf;
+    int probes;          /* this call's P_* */
+    size_t off_ev, c_event_head; /* this client's event ring and its head */
+    uint64_t ev_cap;
+    PyObject *kv_dirs;   /* sites._KVSCOPE_DIRS */
+    PyObject *site_code[SITE_CACHE];
+    int site_lasti[SITE_CACHE];
+    int32_t site_id[SITE_CACHE];
+    PyObject *out_code[SITE_CACHE];
+    uint8_t out_flag[SITE_CACHE];
+    int site_used, out_used;
+    uint32_t *checked;   /* magic: block -> the transaction that checked its record */
+    uint32_t txn_stamp;
+    int32_t *refs;       /* leaks: scratch counts per block (zero between calls) */
+    uint64_t last_verify_ns;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
-    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached;
+    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_often,
+    *s_native_leaked;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -233,3 +272,4 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 static void lru_advance(Native *n);
 static void lru_reset(Native *n);
 static void drop_pending_scan(Native *n);
+static int record_sealed(Native *n, int64_t b);

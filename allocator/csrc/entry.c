@@ -7,15 +7,19 @@ static int fork_gen = 0; /* bumped in a forked child: a handle made before the f
 static void atfork_child(void) { fork_gen++; }
 
 /* OK when this call may take the C path: the handle is open and this process's, no operation
- * of the Python path is half done, no fault or crash point is armed, no probe, call-site
- * recording or lock hook is installed (each is read at every call: they can come at any
- * time). FALLBACK otherwise, ERROR with an exception set. */
+ * of the Python path is half done, no fault or crash point is armed, no probe the core does
+ * not run itself (probes.c), no foreign call-site recorder, no lock hook (each is read at
+ * every call: they can come at any time). FALLBACK otherwise, ERROR with an exception set. */
 static int gate(Native *n, PyObject *pool) {
     if (n->seg == NULL || *n->busy || *n->hooks || n->fork_gen != fork_gen) return FALLBACK;
     if (PyDict_GET_SIZE(n->faults_armed)) return FALLBACK;
     PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
     if (t == NULL && PyErr_Occurred()) return ERROR;
-    return t == Py_None ? OK : FALLBACK;
+    if (t != Py_None) return FALLBACK;
+    n->probes = (int)*n->probe_bits;
+    /* KVPool._check_process: the magic probe re-verifies the header now and then. */
+    if ((n->probes & P_MAGIC) && verify_often(n, pool)) return ERROR;
+    return *n->busy ? FALLBACK : OK;
 }
 
 /* KVPool._own: a live Sequence of this handle; its slot, or -1 (the Python path decides). */
@@ -65,7 +69,9 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_Clear();
         return fallback(n);
     }
-    PyObject *got = core_allocate(n, args[1], request, -1);
+    int32_t site = site_now(n, args[0]);
+    if (site == -2) return NULL;
+    PyObject *got = core_allocate(n, args[1], request, site);
     if (got == NULL || got == Py_None) return got;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
@@ -103,7 +109,9 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *done = core_release(n, table, slot, final);
     Py_DECREF(table);
     if (done == NULL || done == Py_None) return done;
-    Py_DECREF(done);
+    /* done: the blocks the release left held that nothing maps (the leaks probe's), reported
+     * once the handle has forgotten the sequence (probing.after_release) */
+    PyObject *leaked = done;
     /* The Python side of a release: the handle forgets the sequence. */
     PyObject *key = PyLong_FromLongLong(slot), *empty = PyList_New(0);
     PyObject *minus = PyLong_FromLong(-1);
@@ -117,6 +125,12 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_XDECREF(key);
     Py_XDECREF(empty);
     Py_XDECREF(minus);
+    if (!bad) {
+        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
+        bad = rid == NULL || report_leaked(n, args[0], leaked, rid) != OK;
+        Py_XDECREF(rid);
+    }
+    Py_DECREF(leaked);
     if (bad) return NULL;
     Py_RETURN_TRUE;
 }
@@ -128,7 +142,7 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0) return fallback(n);
-    return core_append1(n, args[1], slot, PyList_GET_ITEM(args[2], 0));
+    return core_append1(n, args[0], args[1], slot, PyList_GET_ITEM(args[2], 0));
 }
 
 /* mark_computed(pool, seq, num_tokens) -> int | None */
@@ -187,6 +201,8 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)PyList_GET_SIZE(f[F_TOKENS]);
     txn_commit(n);
     count(n, C_FORKS, 1);
+    ev_record(n, E_FORK, ids, k, request, PyLong_AsLongLong(f[F_SEQ_ID]));
+    if (PyErr_Occurred()) goto out;
     if (finish_claim(n, seq_id)) goto out;
     /* seqops.fork's Sequence: copies of the parent's lists, its cached and published counts. */
     table = PyList_GetSlice(f[F_BLOCK_TABLE], 0, k);

@@ -94,6 +94,7 @@ static inline void client_seq_bump(Native *n) {
 /* Begin: seq odd, then every lock of `mask` in ascending order. */
 static int txn_begin(Native *n, uint64_t mask) {
     client_seq_bump(n);
+    if (++n->txn_stamp == 0) n->txn_stamp = 1; /* records the magic probe checked: none */
     n->jcount = U4(n->seg + n->c_jcount);
     n->jused = U4(n->seg + n->c_jused);
     if (n->jcount || n->jused) {
