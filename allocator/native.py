@@ -28,6 +28,7 @@ from kvscope.allocator.layout import (
     seq_dtype,
 )
 from kvscope.allocator.prefix import _COEFS_LIST
+from kvscope.allocator.probing import LOCKS_HELD
 from kvscope.allocator.sequence import Sequence
 from kvscope.allocator.sites import KVSCOPE_DIRS
 
@@ -121,6 +122,9 @@ def core_for(pool: KVPool) -> Any | None:
         return None
     if len(pool.locks.names) > 64 or pool.store.local_cap > 64:
         return None  # the core holds locks in a 64-bit mask and refills the cache 64 at most
+    # lockdep's lock classes (kvscope.probes imports the allocator: imported once it is loaded)
+    from kvscope.probes.lockgraph import UNTRACED, lock_class
+
     view = pool.view
     off = view.offsets
     client = pool.client
@@ -181,6 +185,10 @@ def core_for(pool: KVPool) -> Any | None:
         "hooks": pool._hooks,
         # The light probes the core runs itself (probing.PoolProbes.native_bits).
         "probe_bits": pool._probe_bits,
+        "locks_held": LOCKS_HELD,
+        "lock_classes": tuple(
+            None if name in UNTRACED else lock_class(name) for name in pool.locks.names
+        ),
         "kvscope_dirs": KVSCOPE_DIRS,
         "coefs": _COEFS_LIST[: view.layout.block_size],
     }

@@ -25,7 +25,7 @@ from kvscope.allocator.layout import (
     SegmentView,
 )
 from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, DeadHolder, LockTable, mark_hook
-from kvscope.allocator.probing import PoolProbes, ProbeFlags, env_flag
+from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ProbeFlags, env_flag
 from kvscope.allocator.process import my_identity, now_ns
 from kvscope.allocator.recovery import (
     dead_owners,
@@ -132,7 +132,7 @@ class KVPool(SequenceOps):
         self._probe = value
         # Probes the C core runs itself keep it on; any other sends operations to Python.
         bits = 0 if value is None else value.native_bits()
-        self._probe_bits[0] = max(bits, 0)
+        self._probe_bits[0] = max(bits, 0) | (self._probe_bits[0] & NATIVE_LOCKDEP)
         mark_hook(self._hooks, HOOK_PROBE, bits < 0)
         self._mark_site()
 

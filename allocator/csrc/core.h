@@ -84,6 +84,9 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_LEAKS 4
 #define P_MAGIC 8
 #define P_SITES_EACH 16 /* ownership with stacks: the handle's site_of at every allocation */
+#define P_LOCKDEP 32    /* lockdep instruments the handle's locks, and nothing else does */
+/* LockTable's hook bit (locks.py HOOK_LOCKS) */
+#define HOOK_LOCKS_BIT 4
 /* Event records (EVENT_DTYPE) and their ops (events.py EventOp). */
 #define EV_SIZE 64
 #define EV_TIME 0
@@ -212,11 +215,19 @@ typedef struct {
     uint32_t txn_stamp;
     int32_t *refs;       /* leaks: scratch counts per block (zero between calls) */
     uint64_t last_verify_ns;
+    /* lockdep (probes.c lockdep_ok) */
+    int64_t *locks_held; /* probing.LOCKS_HELD: entries on lockdep's held-lock stacks */
+    Py_buffer locks_held_buf;
+    uint64_t traced;              /* locks lockdep traces (not sites, findings) */
+    uint64_t same_class[MAX_LOCKS]; /* locks of lock i's class (the index shards are one) */
+    uint64_t known_into[MAX_LOCKS]; /* bit i of [j]: the order edge class(i) -> class(j) is known */
+    int lockdep_was_on;
+    PyObject *pool; /* the call's pool (borrowed, for the duration of one call) */
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_often,
-    *s_native_leaked;
+    *s_native_leaked, *s_lockdep_knows;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -273,3 +284,4 @@ static void lru_advance(Native *n);
 static void lru_reset(Native *n);
 static void drop_pending_scan(Native *n);
 static int record_sealed(Native *n, int64_t b);
+static int lockdep_ok(Native *n, uint64_t mask);

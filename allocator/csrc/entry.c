@@ -11,12 +11,23 @@ static void atfork_child(void) { fork_gen++; }
  * not run itself (probes.c), no foreign call-site recorder, no lock hook (each is read at
  * every call: they can come at any time). FALLBACK otherwise, ERROR with an exception set. */
 static int gate(Native *n, PyObject *pool) {
-    if (n->seg == NULL || *n->busy || *n->hooks || n->fork_gen != fork_gen) return FALLBACK;
+    if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
+    n->probes = (int)*n->probe_bits;
+    /* Lock hooks: lockdep's own the core runs while no thread holds a traced lock (else the
+     * held-lock stacks are Python's: an edge from a user lock). */
+    if (*n->hooks & ~(int64_t)HOOK_LOCKS_BIT) return FALLBACK;
+    if (*n->hooks && (!(n->probes & P_LOCKDEP) || *n->locks_held)) return FALLBACK;
+    if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
+    else if (!n->lockdep_was_on) {
+        /* (re)instrumented: the edges it knows are asked for again */
+        memset(n->known_into, 0, sizeof n->known_into);
+        n->lockdep_was_on = 1;
+    }
+    n->pool = pool;
     if (PyDict_GET_SIZE(n->faults_armed)) return FALLBACK;
     PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
     if (t == NULL && PyErr_Occurred()) return ERROR;
     if (t != Py_None) return FALLBACK;
-    n->probes = (int)*n->probe_bits;
     /* KVPool._check_process: the magic probe re-verifies the header now and then. */
     if ((n->probes & P_MAGIC) && verify_often(n, pool)) return ERROR;
     return *n->busy ? FALLBACK : OK;

@@ -93,6 +93,15 @@ static inline void client_seq_bump(Native *n) {
 
 /* Begin: seq odd, then every lock of `mask` in ascending order. */
 static int txn_begin(Native *n, uint64_t mask) {
+    if (n->probes & P_LOCKDEP) {
+        int rc = lockdep_ok(n, mask);
+        if (rc != OK) {
+            /* A new order edge: the Python path learns it (an error there too: it raises it) */
+            PyErr_Clear();
+            n->dry_valid = 0;
+            return FALLBACK;
+        }
+    }
     client_seq_bump(n);
     if (++n->txn_stamp == 0) n->txn_stamp = 1; /* records the magic probe checked: none */
     n->jcount = U4(n->seg + n->c_jcount);

@@ -118,6 +118,24 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (word_of(pbits, &n->probe_bits_buf, &n->probe_bits)) return -1;
+    PyObject *held = PyDict_GetItemString(d, "locks_held");
+    PyObject *classes = PyDict_GetItemString(d, "lock_classes");
+    if (!held || !classes || !PyTuple_Check(classes) || PyTuple_GET_SIZE(classes) != n->num_locks) {
+        PyErr_SetString(PyExc_KeyError, "native core needs locks_held and lock_classes (a tuple)");
+        return -1;
+    }
+    if (word_of(held, &n->locks_held_buf, &n->locks_held)) return -1;
+    for (int i = 0; i < n->num_locks; i++) {
+        PyObject *ci = PyTuple_GET_ITEM(classes, i);
+        if (ci == Py_None) continue;
+        n->traced |= lock_bit(i);
+        for (int j = 0; j < n->num_locks; j++) {
+            PyObject *cj = PyTuple_GET_ITEM(classes, j);
+            int eq = cj != Py_None ? PyObject_RichCompareBool(ci, cj, Py_EQ) : 0;
+            if (eq < 0) return -1;
+            if (eq) n->same_class[i] |= lock_bit(j);
+        }
+    }
     if (PyObject_GetBuffer(bufobj, &n->buf, PyBUF_WRITABLE) < 0) return -1;
     n->seg = n->buf.buf;
     n->fd = fd;
@@ -154,6 +172,7 @@ static void N_dealloc(Native *n) {
     if (n->busy) PyBuffer_Release(&n->busy_buf);
     if (n->hooks) PyBuffer_Release(&n->hooks_buf);
     if (n->probe_bits) PyBuffer_Release(&n->probe_bits_buf);
+    if (n->locks_held) PyBuffer_Release(&n->locks_held_buf);
     site_cache_clear(n);
     Py_XDECREF(n->kv_dirs);
     PyMem_Free(n->checked);
@@ -246,6 +265,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_probe = PyUnicode_InternFromString("_probe");
     s_verify_often = PyUnicode_InternFromString("verify_often");
     s_native_leaked = PyUnicode_InternFromString("native_leaked");
+    s_lockdep_knows = PyUnicode_InternFromString("_lockdep_knows");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;

@@ -285,3 +285,29 @@ static int report_leaked(Native *n, PyObject *pool, PyObject *leaked, PyObject *
     Py_XDECREF(r);
     return r ? OK : ERROR;
 }
+
+/* -- lockdep (probes/lockdep.py LockDep.before) ---------------------------------------------- */
+
+/* A transaction takes the locks of `mask` in ascending order, with no other traced lock held
+ * (the gate): each pair (i < j) of traced locks of different classes is an order edge
+ * class(i) -> class(j). OK when lockdep knows every one (a bit matrix here; the probe's graph
+ * is asked once per edge the core has not seen), FALLBACK when one is new (the Python path
+ * learns it, and reports a cycle it closes), ERROR with an exception set. */
+static int lockdep_ok(Native *n, uint64_t mask) {
+    mask &= n->traced;
+    for (uint64_t m = mask; m; m &= m - 1) {
+        int j = __builtin_ctzll(m);
+        uint64_t need = mask & (lock_bit(j) - 1) & ~n->same_class[j] & ~n->known_into[j];
+        for (; need; need &= need - 1) {
+            int i = __builtin_ctzll(need);
+            PyObject *r = PyObject_CallMethod(n->pool, "_lockdep_knows", "ii", i, j);
+            if (r == NULL) return ERROR;
+            int known = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (known < 0) return ERROR;
+            if (!known) return FALLBACK;
+            n->known_into[j] |= lock_bit(i);
+        }
+    }
+    return OK;
+}
