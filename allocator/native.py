@@ -160,6 +160,8 @@ def core_for(pool: KVPool) -> Any | None:
         "off_events": off["events"] + client * view.layout.event_capacity * EVENT_DTYPE.itemsize,
         "c_event_head": cbase + cf["event_head"][1],
         "event_capacity": view.layout.event_capacity,
+        "max_clients": view.layout.max_clients,
+        "client_record_size": CLIENT_DTYPE.itemsize,
         "client": client,
         "lock_free": pool.FREE,
         "lock_shard0": pool.SHARDS[0],

@@ -223,11 +223,19 @@ typedef struct {
     uint64_t known_into[MAX_LOCKS]; /* bit i of [j]: the order edge class(i) -> class(j) is known */
     int lockdep_was_on;
     PyObject *pool; /* the call's pool (borrowed, for the duration of one call) */
+    /* leaks: the slots that may hold a live sequence (a superset, kept while no client but
+     * this core ran a transaction since the last full scan: every client's seq as seen) */
+    int32_t *maybe_live;
+    uint8_t *in_maybe;
+    int64_t n_maybe;
+    uint64_t *seen_seq;
+    int maybe_valid;
+    int64_t max_clients, client_size;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_often,
-    *s_native_leaked, *s_lockdep_knows;
+    *s_native_leaked, *s_lockdep_learn;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -285,3 +293,4 @@ static void lru_reset(Native *n);
 static void drop_pending_scan(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static int lockdep_ok(Native *n, uint64_t mask);
+static void maybe_live_add(Native *n, int64_t slot);

@@ -214,15 +214,53 @@ static int refcounts_match(Native *n, const int32_t *ids, int64_t k) {
     return bad ? FALLBACK : OK;
 }
 
+static void maybe_live_add(Native *n, int64_t slot) {
+    if (n->maybe_valid && !n->in_maybe[slot]) {
+        n->in_maybe[slot] = 1;
+        n->maybe_live[n->n_maybe++] = (int32_t)slot;
+    }
+}
+
+static inline uint64_t client_seq_of(Native *n, int64_t c) {
+    return U8(n->seg + n->c_seq + (c - n->client) * n->client_size);
+}
+
+/* The slots that may hold a live sequence: the cache while every client's transaction count
+ * is as seen (this core's own claims are added as it makes them), else a scan of the whole
+ * sequence table. 0, or -1 without memory. */
+static int maybe_live_sync(Native *n) {
+    if (n->maybe_live == NULL) {
+        n->maybe_live = PyMem_Calloc((size_t)n->max_seqs, sizeof(int32_t));
+        n->in_maybe = PyMem_Calloc((size_t)n->max_seqs, 1);
+        n->seen_seq = PyMem_Calloc((size_t)n->max_clients, sizeof(uint64_t));
+        if (!n->maybe_live || !n->in_maybe || !n->seen_seq) return -1;
+    }
+    if (n->maybe_valid) {
+        int64_t c = 0;
+        while (c < n->max_clients && client_seq_of(n, c) == n->seen_seq[c]) c++;
+        if (c == n->max_clients) return 0;
+    }
+    for (int64_t c = 0; c < n->max_clients; c++) n->seen_seq[c] = client_seq_of(n, c);
+    memset(n->in_maybe, 0, (size_t)n->max_seqs);
+    n->n_maybe = 0;
+    for (int64_t s = 0; s < n->max_seqs; s++)
+        if (seqrec(n, s)[SF_STATE] != S_EMPTY) {
+            n->in_maybe[s] = 1;
+            n->maybe_live[n->n_maybe++] = (int32_t)s;
+        }
+    n->maybe_valid = 1;
+    return 0;
+}
+
 /* writes._check_unmapped: no live sequence (of any process) maps a block about to be handed
  * out. OK, or FALLBACK (Python reports the stale table). */
 static int unmapped(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
-    if (!leak_scratch(n)) return FALLBACK;
+    if (!leak_scratch(n) || maybe_live_sync(n)) return FALLBACK;
     for (int64_t i = 0; i < k; i++) n->refs[ids[i]] = 1;
     int hit = 0;
-    for (int64_t s = 0; s < n->max_seqs && !hit; s++) {
-        uint8_t *q = seqrec(n, s);
+    for (int64_t m = 0; m < n->n_maybe && !hit; m++) {
+        uint8_t *q = seqrec(n, n->maybe_live[m]);
         if (q[SF_STATE] == S_EMPTY) continue;
         uint32_t nb = U4(q + SF_NUM_BLOCKS);
         if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
@@ -290,9 +328,10 @@ static int report_leaked(Native *n, PyObject *pool, PyObject *leaked, PyObject *
 
 /* A transaction takes the locks of `mask` in ascending order, with no other traced lock held
  * (the gate): each pair (i < j) of traced locks of different classes is an order edge
- * class(i) -> class(j). OK when lockdep knows every one (a bit matrix here; the probe's graph
- * is asked once per edge the core has not seen), FALLBACK when one is new (the Python path
- * learns it, and reports a cycle it closes), ERROR with an exception set. */
+ * class(i) -> class(j). OK when lockdep knows every one: a bit matrix here, the probe's
+ * `_lockdep_learn` called once per edge the core has not seen (it adds a new edge to the
+ * graph and reports a cycle it closes, as `LockDep.before`); FALLBACK when it could not learn
+ * it (the Python path then takes the locks under its hooks), ERROR with an exception set. */
 static int lockdep_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
     for (uint64_t m = mask; m; m &= m - 1) {
@@ -300,7 +339,7 @@ static int lockdep_ok(Native *n, uint64_t mask) {
         uint64_t need = mask & (lock_bit(j) - 1) & ~n->same_class[j] & ~n->known_into[j];
         for (; need; need &= need - 1) {
             int i = __builtin_ctzll(need);
-            PyObject *r = PyObject_CallMethod(n->pool, "_lockdep_knows", "ii", i, j);
+            PyObject *r = PyObject_CallMethod(n->pool, "_lockdep_learn", "ii", i, j);
             if (r == NULL) return ERROR;
             int known = PyObject_IsTrue(r);
             Py_DECREF(r);
