@@ -176,6 +176,7 @@ def core_for(pool: KVPool) -> Any | None:
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
         "seqs": pool._seqs,
         "faults_armed": faults.ARMED,
+        "fault_ops": faults.FAULT_OPS,
         "crash_module": crash,
         "store": pool.store,
         "eviction_module": eviction,

@@ -174,12 +174,15 @@ def test_paths_that_stay_in_python(make_pool):
     before = pool._native.stats()
     pool.append(s, [6])
     assert pool._native.stats()["native_ops"] == before["native_ops"] + 1
-    # A fault armed at run time sends the next operation to Python (the faults live there).
+    # A fault armed at run time sends the operations it can strike to Python (the faults live
+    # there): a free, not an append.
     faults.configure("leak:99")
     try:
         n = pool._native.stats()["native_ops"]
         pool.append(s, [7])
-        assert pool._native.stats()["native_ops"] == n
+        assert pool._native.stats()["native_ops"] == n + 1
+        pool.free(pool.allocate("z", [1, 2, 3]))
+        assert pool._native.stats()["native_ops"] == n + 2  # the allocation only
     finally:
         faults.configure(None)
     # Copy-on-write: the C core hands it back.

@@ -85,6 +85,8 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_MAGIC 8
 #define P_SITES_EACH 16 /* ownership with stacks: the handle's site_of at every allocation */
 #define P_LOCKDEP 32    /* lockdep instruments the handle's locks, and nothing else does */
+/* The entry points, as bits of faults.FAULT_OPS (native.py) */
+enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK = 16 };
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
 #define HOOK_LOCKS_BIT 4
 /* Event records (EVENT_DTYPE) and their ops (events.py EventOp). */
@@ -231,6 +233,8 @@ typedef struct {
     uint64_t *seen_seq;
     int maybe_valid;
     int64_t max_clients, client_size;
+    PyObject *fault_ops; /* fault name -> OP_* bits of the operations it can strike */
+    int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,

@@ -10,7 +10,8 @@ static void atfork_child(void) { fork_gen++; }
  * of the Python path is half done, no fault or crash point is armed, no probe the core does
  * not run itself (probes.c), no foreign call-site recorder, no lock hook (each is read at
  * every call: they can come at any time). FALLBACK otherwise, ERROR with an exception set. */
-static int gate(Native *n, PyObject *pool) {
+static int gate(Native *n, PyObject *pool, int op) {
+    n->txn_banned = 0;
     if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
     n->probes = (int)*n->probe_bits;
     /* Lock hooks: lockdep's own the core runs while no thread holds a traced lock (else the
@@ -24,10 +25,27 @@ static int gate(Native *n, PyObject *pool) {
         n->lockdep_was_on = 1;
     }
     n->pool = pool;
-    if (PyDict_GET_SIZE(n->faults_armed)) return FALLBACK;
+    /* An armed fault or crash point strikes inside a transaction of the Python path: an
+     * operation it could strike falls back when it needs one (txn_begin); what needs none
+     * (a token into the last block) stays here. */
+    if (PyDict_GET_SIZE(n->faults_armed)) {
+        Py_ssize_t pos = 0;
+        PyObject *name, *left;
+        while (PyDict_Next(n->faults_armed, &pos, &name, &left)) {
+            PyObject *mask = PyDict_GetItemWithError(n->fault_ops, name);
+            if (mask == NULL && PyErr_Occurred()) return ERROR;
+            if (mask == NULL || (PyLong_AsLong(mask) & op)) n->txn_banned = 1;
+        }
+    }
     PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
     if (t == NULL && PyErr_Occurred()) return ERROR;
-    if (t != Py_None) return FALLBACK;
+    if (t != Py_None) {
+        /* seqs.after_prefix_key: a block filled by an append gets its key outside any
+         * transaction */
+        int eq = PyUnicode_Check(t) ? PyUnicode_CompareWithASCIIString(t, "seqs.after_prefix_key") == 0 : 0;
+        if (eq && op == OP_APPEND) return FALLBACK;
+        n->txn_banned = 1;
+    }
     /* KVPool._check_process: the magic probe re-verifies the header now and then. */
     if ((n->probes & P_MAGIC) && verify_often(n, pool)) return ERROR;
     return *n->busy ? FALLBACK : OK;
@@ -63,9 +81,9 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
     return seq;
 }
 
-#define GATE(n, pool)                                                                        \
+#define GATE(n, pool, op)                                                                    \
     do {                                                                                     \
-        int g_ = gate(n, pool);                                                              \
+        int g_ = gate(n, pool, op);                                                          \
         if (g_ == ERROR) return NULL;                                                        \
         if (g_ != OK) return fallback(n);                                                    \
     } while (0)
@@ -74,7 +92,7 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
 static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyUnicode_CheckExact(args[2]) || !PyList_CheckExact(args[1]))
         return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_ALLOCATE);
     char request[REQUEST_BYTES];
     if (request_of(args[2], request)) {
         PyErr_Clear();
@@ -107,7 +125,7 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
 /* end(pool, seq, final_state) -> True | None: free (FINISHED) or abort (ABORTED). */
 static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_END);
     PyObject *seq = args[1];
     int64_t slot = own_slot(n, seq);
     long final = PyLong_AsLong(args[2]);
@@ -150,7 +168,7 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[2]) != 1)
         return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_APPEND);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0) return fallback(n);
     return core_append1(n, args[0], args[1], slot, PyList_GET_ITEM(args[2], 0));
@@ -159,7 +177,7 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 /* mark_computed(pool, seq, num_tokens) -> int | None */
 static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_MARK_COMPUTED);
     if (own_slot(n, args[1]) < 0) return fallback(n);
     return core_publish(n, args[1], args[2]);
 }
@@ -167,7 +185,7 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
 /* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block. */
 static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyUnicode_CheckExact(args[2])) return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_FORK);
     PyObject *src = args[1];
     if (own_slot(n, src) < 0) return fallback(n);
     char request[REQUEST_BYTES];

@@ -96,6 +96,10 @@ static inline void client_seq_bump(Native *n) {
 
 /* Begin: seq odd, then every lock of `mask` in ascending order. */
 static int txn_begin(Native *n, uint64_t mask) {
+    if (n->txn_banned) {
+        n->dry_valid = 0;
+        return FALLBACK;
+    }
     if (n->probes & P_LOCKDEP) {
         int rc = lockdep_ok(n, mask);
         if (rc != OK) {
