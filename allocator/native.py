@@ -177,6 +177,7 @@ def core_for(pool: KVPool) -> Any | None:
         "seqs": pool._seqs,
         "faults_armed": faults.ARMED,
         "fault_ops": faults.FAULT_OPS,
+        "guarded": pool._guarded,
         "crash_module": crash,
         "store": pool.store,
         "eviction_module": eviction,

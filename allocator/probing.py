@@ -39,6 +39,17 @@ LOCKS_HELD = array("q", [0])
 # Bits of the C core's probe word (allocator/csrc/core.h P_*): the probes it runs itself.
 NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
 NATIVE_LOCKDEP = 32
+NATIVE_GUARD_SAMPLED = 64
+GUARD_SAMPLE_ENV = "KVSCOPE_GUARD_SAMPLE"
+
+
+def guard_sample_from_env(environ=os.environ) -> int:
+    """KVSCOPE_GUARD_SAMPLE=N: guard mode guards one allocation in N (0 when unset or not a
+    number)."""
+    try:
+        return max(0, int(environ.get(GUARD_SAMPLE_ENV, "0") or 0))
+    except ValueError:
+        return 0
 
 
 def env_flag(name: str, environ=os.environ) -> bool:
@@ -72,10 +83,6 @@ class ProbeFlags:
             digest=env_flag("DIGEST", environ),
         )
 
-    def light(self) -> bool:
-        """Only probes the C core runs itself (no guard, no digest)."""
-        return not (self.guard or self.digest)
-
     def any(self) -> bool:
         return (
             self.events or self.ownership or self.guard or self.leaks or self.magic or self.digest
@@ -104,9 +111,12 @@ class PoolProbes:
         """The probes as the C core's probe word (P_* of allocator/csrc/core.h), or -1 when one
         of them needs the Python path (guard, digest)."""
         f = self.flags
-        if not f.light():
+        sampled = f.guard and self.pool.guard_sample > 1 and not self.pool.store.quarantine
+        if f.digest or (f.guard and not sampled):
             return -1
         bits = NATIVE_EVENTS * f.events + NATIVE_LEAKS * f.leaks + NATIVE_MAGIC * f.magic
+        # Sampled guard: the core runs every allocation but the guarded ones (Python's).
+        bits |= NATIVE_GUARD_SAMPLED * sampled
         if self.sites is not None:
             bits |= NATIVE_SITES if self.sites.depth == 1 else NATIVE_SITES_EACH
         return bits

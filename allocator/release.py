@@ -71,7 +71,7 @@ class ReleaseOps(PoolSurface):
                     )
                 )
         if len(zero):
-            if probe is not None and probe.flags.guard:
+            if probe is not None and probe.flags.guard and self._guards(seq.slot):
                 bad_guard = probe.scan_guard(zero)
                 t.after_commit.append(lambda: probe.report_guard(bad_guard))
                 # Poison only if the release commits: a rolled-back preemption keeps its KV.
@@ -112,7 +112,7 @@ class ReleaseOps(PoolSurface):
         ids = np.asarray(table, np.int64)
         locks = self.store.shard_locks_for(ids)
         probe = self.probe
-        guard = probe is not None and probe.flags.guard
+        guard = probe is not None and probe.flags.guard and self._guards(seq.slot)
         # Only private blocks come back free (published ones stay cached): the free lock is
         # needed when they overflow the local cache (a hint; the release escalates if not).
         if (
@@ -146,6 +146,7 @@ class ReleaseOps(PoolSurface):
             return [] if probe is None else probe.held_after_release(table)
 
         held = self._run(locks, op)
+        self._guarded.discard(seq.slot)
         self._seqs.pop(seq.slot, None)
         seq.block_table = []
         seq.state = final.name.lower()

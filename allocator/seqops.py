@@ -35,6 +35,11 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
 
     def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
+        if self._guard_every > 1 and self._sample_guard():
+            # Sampled guard mode: this one is guarded (its release on the Python path).
+            seq = self._allocate(request_id, tokens)
+            self._guarded.add(seq.slot)
+            return seq
         if self._native is not None:
             seq = self._native.allocate(self, tokens, request_id)
             if seq is not None:

@@ -88,7 +88,9 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         seal(n, table[j]);
     }
     int64_t k = nblocks - hits;
-    if (take(n, k, table + hits) || unmapped(n, table + hits, k)) goto abort;
+    if (take(n, k, table + hits) || unmapped(n, table + hits, k) ||
+        unpoisoned(n, table + hits, k))
+        goto abort;
     if (stamp(n, table + hits, k, request, site, now)) goto abort;
     if (write_blocks(n, slot, 0, table, nblocks)) goto abort;
     fill(n, table, hits * bs, toks + hits * bs, ntok - hits * bs);

@@ -122,7 +122,8 @@ static PyObject *core_append1(Native *n, PyObject *pool, PyObject *seq, int64_t 
         uint8_t *s = seqrec(n, slot);
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
-        if (take(n, 1, &b) || unmapped(n, &b, 1) || stamp(n, &b, 1, request, site, wall_ns()) ||
+        if (take(n, 1, &b) || unmapped(n, &b, 1) || unpoisoned(n, &b, 1) ||
+            stamp(n, &b, 1, request, site, wall_ns()) ||
             write_blocks(n, slot, nb, &b, 1)) {
             txn_abort(n);
             result = fallback(n);

@@ -85,6 +85,10 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_MAGIC 8
 #define P_SITES_EACH 16 /* ownership with stacks: the handle's site_of at every allocation */
 #define P_LOCKDEP 32    /* lockdep instruments the handle's locks, and nothing else does */
+#define P_GUARD_SAMPLED 64 /* sampled guard mode: guarded sequences and poisoned blocks: Python */
+/* Guard mode's fields and state (block_dtype, BlockState) */
+#define BF_POISONED 6
+#define B_QUARANTINED 4
 /* The entry points, as bits of faults.FAULT_OPS (native.py) */
 enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK = 16 };
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
@@ -234,6 +238,7 @@ typedef struct {
     int maybe_valid;
     int64_t max_clients, client_size;
     PyObject *fault_ops; /* fault name -> OP_* bits of the operations it can strike */
+    PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
     int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
 } Native;
 

@@ -133,6 +133,8 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Clear();
         return fallback(n);
     }
+    int g = guarded(n, slot);
+    if (g) return g < 0 ? NULL : fallback(n);
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
     PyObject *done = core_release(n, table, slot, final);

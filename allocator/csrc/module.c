@@ -79,10 +79,12 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     /* Python objects the core shares with the handle (new references). */
     PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->seqs, &n->faults_armed, &n->crash_mod,
-                         &n->store,     &n->evict_mod, &n->kv_dirs, &n->fault_ops};
+                         &n->store,     &n->evict_mod, &n->kv_dirs, &n->fault_ops,
+                         &n->guarded};
     const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
                            "seq_fields", "seqs", "faults_armed", "crash_module",
-                           "store",      "eviction_module", "kvscope_dirs", "fault_ops"};
+                           "store",      "eviction_module", "kvscope_dirs", "fault_ops",
+                           "guarded"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -177,6 +179,7 @@ static void N_dealloc(Native *n) {
     site_cache_clear(n);
     Py_XDECREF(n->kv_dirs);
     Py_XDECREF(n->fault_ops);
+    Py_XDECREF(n->guarded);
     PyMem_Free(n->checked);
     PyMem_Free(n->refs);
     PyMem_Free(n->maybe_live);
