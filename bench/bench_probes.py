@@ -29,10 +29,12 @@ LIGHT_VARS = (
     "KVSCOPE_LOCKDEP",
 )
 PROBE_VARS = (*LIGHT_VARS, "KVSCOPE_GUARD", "KVSCOPE_DIGEST")
+# Set per configuration too (not a probe of its own: it samples guard mode).
+SAMPLE_VAR = "KVSCOPE_GUARD_SAMPLE"
 
 
 def make(env: dict[str, str]) -> KVPool:
-    for k in PROBE_VARS:
+    for k in (*PROBE_VARS, SAMPLE_VAR):
         os.environ[k] = env.get(k, "0")
     os.environ.pop("KVSCOPE_RUN_DIR", None)
     pool = KVPool.create(
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "digest": {"KVSCOPE_DIGEST": "1"},
         "guard (canary scan, poison, quarantine)": {"KVSCOPE_GUARD": "1"},
         "all probes (as under kvscope run)": {k: "1" for k in PROBE_VARS},
+        "light probes + sampled guard 1/64": {**light, "KVSCOPE_GUARD": "1", SAMPLE_VAR: "64"},
     }
     pools = {name: make(env) for name, env in configs.items()}
     no_journal(pools["undo journal off, Python path (not a real mode)"])
