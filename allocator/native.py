@@ -22,6 +22,7 @@ from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
     EVENT_DTYPE,
+    HEADER_CHECKSUM_BYTES,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
     block_dtype,
@@ -162,6 +163,8 @@ def core_for(pool: KVPool) -> Any | None:
         "event_capacity": view.layout.event_capacity,
         "max_clients": view.layout.max_clients,
         "client_record_size": CLIENT_DTYPE.itemsize,
+        # magic: the header's bytes up to and with its checksum
+        "header_check_bytes": HEADER_CHECKSUM_BYTES + 8,
         "client": client,
         "lock_free": pool.FREE,
         "lock_shard0": pool.SHARDS[0],

@@ -205,3 +205,35 @@ def test_probe_findings_come_from_either_path(pool_name, monkeypatch):
     finally:
         pool.close()
         pool.unlink()
+
+
+def test_the_core_reverifies_the_header_and_the_free_counts(pool_name, monkeypatch):
+    # GIVEN the C core with magic and leaks on, past its first periodic check
+    import time
+
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("MAGIC", "LEAKS") else "0")
+    pool = _pool(pool_name, True, *DEFAULT)
+    try:
+        pool.free(pool.allocate("a", [1, 2, 3]))
+        time.sleep(0.011)
+        pool.free(pool.allocate("b", [1, 2, 3]))
+        assert pool.findings() == []
+        # WHEN a block goes missing from the free ring, and 10 ms later an operation runs
+        pool.view.ring_header["count"] -= 1
+        time.sleep(0.011)
+        ops = pool._native.stats()["native_ops"]
+        pool.free(pool.allocate("c", [1, 2, 3]))
+        # THEN the core's count found it and the probe reported it; the operation ran in the core
+        assert [f.kind for f in pool.findings()] == ["free_list_corrupt"]
+        assert pool._native.stats()["native_ops"] == ops + 2
+        # WHEN the header is scribbled over THEN the next check reports that too
+        pool.view.ring_header["count"] += 1
+        pool.view.raw[8] ^= 0xFF
+        time.sleep(0.011)
+        pool.free(pool.allocate("d", [1, 2, 3]))
+        assert [f.kind for f in pool.findings()][-1] == "header_corrupt"
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()

@@ -239,12 +239,14 @@ typedef struct {
     int64_t max_clients, client_size;
     PyObject *fault_ops; /* fault name -> OP_* bits of the operations it can strike */
     PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
+    uint8_t *hdr_copy;   /* magic: the header's checked bytes as the probe last found them */
+    int64_t hdr_len;
     int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_often,
-    *s_native_leaked, *s_lockdep_learn;
+    *s_native_leaked, *s_lockdep_learn, *s_conservation;
 
 /* -- records --------------------------------------------------------------------------------- */
 

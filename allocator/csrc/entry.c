@@ -11,8 +11,9 @@ static void atfork_child(void) { fork_gen++; }
  * not run itself (probes.c), no foreign call-site recorder, no lock hook (each is read at
  * every call: they can come at any time). FALLBACK otherwise, ERROR with an exception set. */
 static int gate(Native *n, PyObject *pool, int op) {
-    n->txn_banned = 0;
+    /* (another thread's operation may be waiting for a lock in the core: leave its state) */
     if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
+    n->txn_banned = 0;
     n->probes = (int)*n->probe_bits;
     /* Lock hooks: lockdep's own the core runs while no thread holds a traced lock (else the
      * held-lock stacks are Python's: an edge from a user lock). */

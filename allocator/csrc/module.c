@@ -59,6 +59,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"off_events", &n->off_ev, SIZE},     {"c_event_head", &n->c_event_head, SIZE},
         {"event_capacity", &n->ev_cap, U64},
         {"max_clients", &n->max_clients, I64}, {"client_record_size", &n->client_size, I64},
+        {"header_check_bytes", &n->hdr_len, I64},
     };
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) {
         int64_t v;
@@ -183,6 +184,7 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->checked);
     PyMem_Free(n->refs);
     PyMem_Free(n->maybe_live);
+    PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);
     PyMem_Free(n->seen_seq);
     Py_XDECREF(n->reserve);
@@ -274,6 +276,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_verify_often = PyUnicode_InternFromString("verify_often");
     s_native_leaked = PyUnicode_InternFromString("native_leaked");
     s_lockdep_learn = PyUnicode_InternFromString("_lockdep_learn");
+    s_conservation = PyUnicode_InternFromString("conservation");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;

@@ -154,18 +154,47 @@ static int all_sealed(Native *n, const int32_t *ids, int64_t k) {
     return 1;
 }
 
-/* probing.verify_often: the header (and conservation) at most every VERIFY_EVERY_S; its
- * findings are the probe's. OK, or ERROR with an exception set. */
+/* The probe's method `name` (no arguments): OK, or ERROR with an exception set. */
+static int call_probe(PyObject *pool, PyObject *name) {
+    PyObject *probe = PyObject_GetAttr(pool, s_probe);
+    if (probe == NULL) return ERROR;
+    PyObject *r = probe == Py_None ? Py_NewRef(Py_None) : PyObject_CallMethodNoArgs(probe, name);
+    Py_DECREF(probe);
+    Py_XDECREF(r);
+    return r ? OK : ERROR;
+}
+
+/* probing.conservation, counted here under the free lock: the ring holds exactly the free
+ * (and quarantined) blocks, this client's local cache exactly its LOCAL blocks. 1 when they
+ * agree (or the lock is not to be had now: the next check counts), 0 when not. */
+static int conserved(Native *n) {
+    if (txn_begin(n, lock_bit(n->lock_free)) != OK) return 1;
+    int64_t free_ = 0, mine = 0;
+    for (int64_t b = 0; b < n->nb; b++) {
+        uint8_t *r = blk(n, b);
+        free_ += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
+        mine += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
+    }
+    int ok = free_ == (int64_t)U4(ringh(n) + RING_COUNT) && mine == (int64_t)local_count(n);
+    txn_commit(n);
+    return ok;
+}
+
+/* probing.verify_often: the header (and, with the leaks probe, conservation) at most every
+ * VERIFY_EVERY_S. The header's checked bytes (up to and with its checksum) are compared with
+ * a copy taken after the probe's first check; a difference, or counts that do not agree, go
+ * to the probe, which checks again and reports. OK, or ERROR with an exception set. */
 static int verify_often(Native *n, PyObject *pool) {
     uint64_t now = mono_ns();
     if (now - n->last_verify_ns < VERIFY_EVERY_NS) return OK;
     n->last_verify_ns = now;
-    PyObject *probe = PyObject_GetAttr(pool, s_probe);
-    if (probe == NULL) return ERROR;
-    PyObject *r = probe == Py_None ? Py_NewRef(Py_None) : PyObject_CallMethodNoArgs(probe, s_verify_often);
-    Py_DECREF(probe);
-    if (r == NULL) return ERROR;
-    Py_DECREF(r);
+    if (n->hdr_copy == NULL || memcmp(n->hdr_copy, n->seg, n->hdr_len) != 0) {
+        if (call_probe(pool, s_verify_often)) return ERROR;
+        if (n->hdr_copy == NULL && (n->hdr_copy = PyMem_Malloc(n->hdr_len)) != NULL)
+            memcpy(n->hdr_copy, n->seg, n->hdr_len);
+        return OK;
+    }
+    if ((n->probes & P_LEAKS) && !conserved(n)) return call_probe(pool, s_conservation);
     return OK;
 }
 
