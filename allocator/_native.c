@@ -33,6 +33,7 @@
 #include "csrc/prefix.c"
 #include "csrc/eviction.c"
 #include "csrc/sequences.c"
+#include "csrc/probes.c"
 #include "csrc/allocate.c"
 #include "csrc/append.c"
 #include "csrc/entry.c"

@@ -47,6 +47,10 @@ class PoolConfig:
     events: bool = False
     lockdep: bool = False
     quarantine: int = 0
+    # Sampled guard mode: guard, poison and quarantine one allocation in N (0 or 1: every one);
+    # N > 1 turns guard mode on. Applies to the creating handle (KVSCOPE_GUARD_SAMPLE: to every
+    # handle of a process). docs/PROBES.md.
+    guard_sample: int = 0
     group: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -71,6 +75,12 @@ class PoolConfig:
             c.max_seqs = min(max(64, c.num_blocks // 2), 4096)
         if not 1 <= c.max_clients <= 1024:
             raise PoolError(f"PoolConfig.max_clients must be in [1, 1024], got {c.max_clients}")
+        if not isinstance(c.guard_sample, int) or c.guard_sample < 0:
+            raise PoolError(
+                f"PoolConfig.guard_sample must be an integer >= 0, got {c.guard_sample!r}"
+            )
+        if c.guard_sample > 1:
+            c.guard = True
         if not 0 <= c.local_cache_size <= 64:
             raise PoolError(
                 f"PoolConfig.local_cache_size must be in [0, 64], got {c.local_cache_size}"

@@ -29,6 +29,22 @@ FAULTS = (
     "lock-inversion",
 )
 DEFAULT_AT = 3
+# The pool operations each fault can strike (bits: allocate 1, free/abort 2, append 4,
+# mark_computed 8, fork 16): the C core hands those to the Python path while the fault is armed
+# and keeps the others (docs/FORMAT.md, "The native core").
+ALLOCATE, END, APPEND, MARK_COMPUTED, FORK = 1, 2, 4, 8, 16
+FAULT_OPS: dict[str, int] = {
+    "double-free": END,
+    "leak": END,
+    "use-after-free": END,
+    "kill-holding-lock": END,
+    "oob-write": APPEND,
+    "header-scribble": APPEND,
+    "block-scribble": APPEND,
+    "refcount-skew": ALLOCATE,
+    # any transaction with more than one lock
+    "lock-inversion": ALLOCATE | END | APPEND | MARK_COMPUTED | FORK,
+}
 
 # fault -> opportunities left before it fires; empty when nothing is armed (the common case).
 ARMED: dict[str, int] = {}

@@ -40,6 +40,15 @@ WAIT_SLICE_S, WAIT_SLICE_MAX_S = 0.001, 0.05
 # (allocator/native.py) runs only while the word is 0.
 HOOK_PROBE, HOOK_SITE, HOOK_LOCKS = 1, 2, 4
 
+# Locks lockdep does not order (leaves, taken alone), and the lock class of a pool lock name
+# (the index shards collapse to "index"): the C core and probes/lockdep.py both need them.
+UNTRACED = frozenset({"sites", "findings"})
+
+
+def lock_class(name: str) -> str:
+    """The lock class of a pool lock name: the index shards collapse to "index"."""
+    return "index" if name.startswith("index.") else name
+
 
 def mark_hook(word: array, bit: int, on: bool) -> None:
     """Set or clear one bit of a hooks word."""

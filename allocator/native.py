@@ -4,9 +4,10 @@ The core does the common case of allocate, free/abort, a one-token append, mark_
 fork on the same bytes, journal and locks as the Python methods; anything else it hands back (it
 returns None with nothing changed) and the Python method runs. A handle uses it when the
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
-`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: no probes, no guard
-quarantine, no lock hooks (lockdep, watchdog), no call-site recording, no armed fault or crash
-point. docs/FORMAT.md, "The native core".
+`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: no probe but the light
+ones the core runs itself (events, ownership, leaks, magic: `PoolProbes.native_bits`), no guard
+quarantine, no lock hooks (lockdep, watchdog), no call-site recorder other than the probe's, no
+armed fault or crash point. docs/FORMAT.md, "The native core".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
     EVENT_DTYPE,
+    HEADER_CHECKSUM_BYTES,
     INDEX_DTYPE,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
@@ -31,8 +33,11 @@ from kvscope.allocator.layout import (
     block_dtype,
     seq_dtype,
 )
+from kvscope.allocator.locks import UNTRACED, lock_class
 from kvscope.allocator.prefix import _COEFS_LIST
+from kvscope.allocator.probing import LOCKS_HELD
 from kvscope.allocator.sequence import Sequence
+from kvscope.allocator.sites import KVSCOPE_DIRS
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
@@ -135,7 +140,7 @@ def core_for(pool: KVPool) -> Any | None:
     if _native is None:
         _warn_not_built()
         return None
-    if not available() or pool.probe is not None or pool.store.quarantine:
+    if not available() or pool.store.quarantine:
         return None
     if len(pool.locks.names) > 64 or pool.store.local_cap > 64:
         return None  # the core holds locks in a 64-bit mask and refills the cache 64 at most
@@ -171,6 +176,13 @@ def core_for(pool: KVPool) -> Any | None:
         "c_jdata": cbase + cf["journal_data"][1],
         "c_counters": cbase + cf[COUNTER_FIELDS[0]][1],
         "c_wait": pool.locks.wait_at,
+        "off_events": off["events"] + client * view.layout.event_capacity * EVENT_DTYPE.itemsize,
+        "c_event_head": cbase + cf["event_head"][1],
+        "event_capacity": view.layout.event_capacity,
+        "max_clients": view.layout.max_clients,
+        "client_record_size": CLIENT_DTYPE.itemsize,
+        # magic: the header's bytes up to and with its checksum
+        "header_check_bytes": HEADER_CHECKSUM_BYTES + 8,
         "client": client,
         "lock_free": pool.FREE,
         "lock_shard0": pool.SHARDS[0],
@@ -185,6 +197,8 @@ def core_for(pool: KVPool) -> Any | None:
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
         "seqs": pool._seqs,
         "faults_armed": faults.ARMED,
+        "fault_ops": faults.FAULT_OPS,
+        "guarded": pool._guarded,
         "crash_module": crash,
         "store": pool.store,
         "eviction_module": eviction,
@@ -194,6 +208,13 @@ def core_for(pool: KVPool) -> Any | None:
         "mutex": pool._mutex,
         "busy": pool._busy,
         "hooks": pool._hooks,
+        # The light probes the core runs itself (probing.PoolProbes.native_bits).
+        "probe_bits": pool._probe_bits,
+        "locks_held": LOCKS_HELD,
+        "lock_classes": tuple(
+            None if name in UNTRACED else lock_class(name) for name in pool.locks.names
+        ),
+        "kvscope_dirs": KVSCOPE_DIRS,
         "coefs": _COEFS_LIST[: view.layout.block_size],
     }
     return _native.Native(pool._mf.mm, pool._mf.fd, layout)

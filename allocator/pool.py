@@ -25,7 +25,14 @@ from kvscope.allocator.layout import (
     SegmentView,
 )
 from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, DeadHolder, LockTable, mark_hook
-from kvscope.allocator.probing import PoolProbes, ProbeFlags, env_flag
+from kvscope.allocator.probing import (
+    GUARD_SAMPLE_ENV,
+    NATIVE_LOCKDEP,
+    PoolProbes,
+    ProbeFlags,
+    env_flag,
+    guard_sample_from_env,
+)
 from kvscope.allocator.process import my_identity, now_ns
 from kvscope.allocator.recovery import (
     dead_owners,
@@ -83,6 +90,13 @@ class KVPool(SequenceOps):
         # Probe hooks set on this handle (bits of HOOK_*): the C core (native.py) runs only
         # while none is; `probe`, `site_of` and the lock table's hooks keep it up to date.
         self._hooks = array("q", [0])
+        # Sampled guard mode (guard_sample): the allocation counter, and the slots of the
+        # sequences it guards (their releases guard, poison and quarantine; others do not).
+        self._guard_every = guard_sample_from_env()
+        self._guard_tick = 0
+        self._guarded: set[int] = set()
+        # The light probes the C core runs itself for this handle (PoolProbes.native_bits).
+        self._probe_bits = array("q", [0])
         self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
         # How many Python-path operations are inside that mutex (0 or 1, or more when nested):
         # the C core (native.py) runs only while it is 0.
@@ -126,7 +140,31 @@ class KVPool(SequenceOps):
     @probe.setter
     def probe(self, value: PoolProbes | None) -> None:
         self._probe = value
-        mark_hook(self._hooks, HOOK_PROBE, value is not None)
+        # Probes the C core runs itself keep it on; any other sends operations to Python.
+        bits = 0 if value is None else value.native_bits()
+        self._probe_bits[0] = max(bits, 0) | (self._probe_bits[0] & NATIVE_LOCKDEP)
+        mark_hook(self._hooks, HOOK_PROBE, bits < 0)
+        self._mark_site()
+
+    @property
+    def guard_sample(self) -> int:
+        """Guard mode guards one allocation in this many (0 or 1: every one)."""
+        return self._guard_every
+
+    @guard_sample.setter
+    def guard_sample(self, every: int) -> None:
+        self._guard_every = every
+        self.probe = self.probe  # the C core's share of the probes changes with it
+
+    def _sample_guard(self) -> bool:
+        """True for the allocation sampled guard mode guards (the first, then one in N)."""
+        tick = self._guard_tick
+        self._guard_tick = tick + 1
+        return tick % self._guard_every == 0
+
+    def _guards(self, slot: int) -> bool:
+        """Whether guard mode guards the release of the sequence in `slot`."""
+        return self._guard_every <= 1 or slot in self._guarded
 
     @property
     def site_of(self) -> Callable[[], int] | None:
@@ -136,7 +174,14 @@ class KVPool(SequenceOps):
     @site_of.setter
     def site_of(self, value: Callable[[], int] | None) -> None:
         self._site_of = value
-        mark_hook(self._hooks, HOOK_SITE, value is not None)
+        self._mark_site()
+
+    def _mark_site(self) -> None:
+        """The C core records sites itself only for the ownership probe's site table."""
+        fn = getattr(self, "_site_of", None)
+        probe = getattr(self, "_probe", None)
+        ours = probe is not None and probe.sites is not None and fn == probe.sites.site
+        mark_hook(self._hooks, HOOK_SITE, fn is not None and not ours)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -187,7 +232,10 @@ class KVPool(SequenceOps):
             for p in (path, data_path(name)):
                 remove_if_created(p)
             raise
-        return cls(name, mf, view, kv, created=True)
+        pool = cls(name, mf, view, kv, created=True)
+        if cfg.guard_sample > 1 and not os.environ.get(GUARD_SAMPLE_ENV):
+            pool.guard_sample = cfg.guard_sample
+        return pool
 
     @classmethod
     def attach(cls, name: str, trust_owner: bool = False) -> KVPool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +33,23 @@ if TYPE_CHECKING:
 
 # With the magic probe on, operations re-verify the header at most this often.
 VERIFY_EVERY_S = 0.01
+# Entries on lockdep's held-lock stacks, all threads (probes/lockdep.py keeps it): the C core
+# runs lockdep itself only while it is 0 (no edge from a lock the core does not see).
+LOCKS_HELD = array("q", [0])
+# Bits of the C core's probe word (allocator/csrc/core.h P_*): the probes it runs itself.
+NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
+NATIVE_LOCKDEP = 32
+NATIVE_GUARD_SAMPLED = 64
+GUARD_SAMPLE_ENV = "KVSCOPE_GUARD_SAMPLE"
+
+
+def guard_sample_from_env(environ=os.environ) -> int:
+    """KVSCOPE_GUARD_SAMPLE=N: guard mode guards one allocation in N (0 when unset or not a
+    number)."""
+    try:
+        return max(0, int(environ.get(GUARD_SAMPLE_ENV, "0") or 0))
+    except ValueError:
+        return 0
 
 
 def env_flag(name: str, environ=os.environ) -> bool:
@@ -88,6 +106,20 @@ class PoolProbes:
             # Every record an operation is about to change is checked first (blocks.py `save`).
             pool.store.verify_hook = self.check_records
         self.writes = WriteProbes(self)
+
+    def native_bits(self) -> int:
+        """The probes as the C core's probe word (P_* of allocator/csrc/core.h), or -1 when one
+        of them needs the Python path (guard, digest)."""
+        f = self.flags
+        sampled = f.guard and self.pool.guard_sample > 1 and not self.pool.store.quarantine
+        if f.digest or (f.guard and not sampled):
+            return -1
+        bits = NATIVE_EVENTS * f.events + NATIVE_LEAKS * f.leaks + NATIVE_MAGIC * f.magic
+        # Sampled guard: the core runs every allocation but the guarded ones (Python's).
+        bits |= NATIVE_GUARD_SAMPLED * sampled
+        if self.sites is not None:
+            bits |= NATIVE_SITES if self.sites.depth == 1 else NATIVE_SITES_EACH
+        return bits
 
     # -- flight recorder -----------------------------------------------------------------------
 
@@ -276,7 +308,7 @@ class PoolProbes:
         if not self.flags.leaks or not ids:
             return
         b = self.pool.view.blocks
-        refs = Counter(x for s in self.pool._seqs.values() for x in s.block_table)
+        refs = self._mapped()
         for blk in ids:
             if b["indexed"][blk] or b["state"][blk] != BlockState.ALLOCATED:
                 continue
@@ -287,6 +319,23 @@ class PoolProbes:
                     blk,
                     f"refcount is {rc} but {refs[blk]} sequence(s) of this process map the block (at the end of request {request!r})",
                 )
+
+    def _mapped(self) -> Counter[int]:
+        """How many of this handle's live sequences map each block (their tables in the
+        segment: what the C core counts too)."""
+        seqs = self.pool.view.seqs
+        refs: Counter[int] = Counter()
+        for slot in self.pool._seqs:
+            refs.update(seqs["table"][slot, : int(seqs["num_blocks"][slot])].tolist())
+        return refs
+
+    def native_leaked(self, leaked: list[tuple[int, bytes]], request: str) -> None:
+        """after_release for the C core: blocks it found held and unmapped, with the bytes of
+        their records as seen inside the release."""
+        dt = self.pool.view.blocks.dtype
+        self.after_release(
+            [(blk, np.frombuffer(raw, dt)[0].copy()) for blk, raw in leaked], request
+        )
 
     def held_after_release(self, ids: list[int]) -> list[tuple[int, np.void]]:
         """Inside a release's transaction, after its drops: the blocks of `ids` this process
@@ -312,7 +361,7 @@ class PoolProbes:
         process maps: leaked, reported with the record seen inside the release."""
         if not held:
             return
-        mapped = {x for s in self.pool._seqs.values() for x in s.block_table}
+        mapped = self._mapped()
         for blk, rec in held:
             if blk not in mapped:
                 self.block_finding(

@@ -34,7 +34,7 @@ class ReleaseOps(PoolSurface):
         *,
         skip: tuple[int, ...] = (),
         keep_table: bool = False,
-        event: EventOp = EventOp.FREE,
+        aborted: bool = False,
     ) -> np.ndarray:
         """Drop seq's references to table[keep:] (the caller holds the needed locks); returns
         the blocks this freed (unindexed, no reference left)."""
@@ -70,7 +70,7 @@ class ReleaseOps(PoolSurface):
                     )
                 )
         if len(zero):
-            if probe is not None and probe.flags.guard:
+            if probe is not None and probe.flags.guard and self._guards(seq.slot):
                 bad_guard = probe.scan_guard(zero)
                 t.after_commit.append(lambda: probe.report_guard(bad_guard))
                 # Poison only if the release commits: a rolled-back preemption keeps its KV.
@@ -86,14 +86,16 @@ class ReleaseOps(PoolSurface):
         if not keep_table:
             self.seqtab.write_blocks(t, seq.slot, keep, [])
         if probe is not None:
-            probe.event(t, event, drop_ids, rb)
+            op = EventOp.ABORT if aborted or seq.state == "aborted" else EventOp.FREE
+            probe.event(t, op, drop_ids, rb)
         self._count(t, "num_frees", len(ids))
         return zero
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
         if self.probe is not None and isinstance(seq, Sequence) and seq.slot >= 0:
-            self.probe.writes.finished(seq)
+            if self._guards(seq.slot):  # (in sampled guard mode, the sampled requests)
+                self.probe.writes.finished(seq)
         if self._native is None or self._native.end(self, seq, _FINISHED) is None:
             self._end(seq, SeqState.FINISHED)
 
@@ -105,15 +107,14 @@ class ReleaseOps(PoolSurface):
     def _end(self, seq: Sequence, final: SeqState) -> None:
         self._own_for_release(seq)
         # Long tables are released from the tail in chunks, each its own transaction.
-        event = EventOp.ABORT if final == SeqState.ABORTED else EventOp.FREE
         while len(seq.block_table) > CHUNK:
             keep = len(seq.block_table) - CHUNK
-            self._release_tail(seq, keep, event)
+            self._release_tail(seq, keep, final == SeqState.ABORTED)
         table = list(seq.block_table)
         ids = np.asarray(table, np.int64)
         locks = self.store.shard_locks_for(ids)
         probe = self.probe
-        guard = probe is not None and probe.flags.guard
+        guard = probe is not None and probe.flags.guard and self._guards(seq.slot)
         # Only private blocks come back free (published ones stay cached): the free lock is
         # needed when they overflow the local cache (a hint; the release escalates if not).
         if (
@@ -133,7 +134,9 @@ class ReleaseOps(PoolSurface):
         double: list[bool] = [] if "double-free" in faults.ARMED else [False]
 
         def op(t: Txn) -> list:
-            freed = self._release_blocks(t, seq, 0, skip=skip, keep_table=stale, event=event)
+            freed = self._release_blocks(
+                t, seq, 0, skip=skip, keep_table=stale, aborted=final == SeqState.ABORTED
+            )
             if not stale:
                 self.view.seqs["state"][seq.slot] = final
                 self.seqtab.release(t, seq.slot)
@@ -145,6 +148,7 @@ class ReleaseOps(PoolSurface):
             return [] if probe is None else probe.held_after_release(table)
 
         held = self._run(locks, op)
+        self._guarded.discard(seq.slot)
         self._seqs.pop(seq.slot, None)
         seq.block_table = []
         seq.state = final.name.lower()
@@ -207,8 +211,8 @@ class ReleaseOps(PoolSurface):
 
         t.after_commit.append(done)
 
-    def _release_tail(self, seq: Sequence, keep: int, event: EventOp = EventOp.FREE) -> None:
+    def _release_tail(self, seq: Sequence, keep: int, aborted: bool = False) -> None:
         ids = np.asarray(seq.block_table[keep:], np.int64)
         locks = self.store.shard_locks_for(ids) | {self.FREE}
-        self._run(locks, lambda t: self._release_blocks(t, seq, keep, event=event))
+        self._run(locks, lambda t: self._release_blocks(t, seq, keep, aborted=aborted))
         seq.block_table = seq.block_table[:keep]

@@ -35,11 +35,14 @@ class SequenceOps(AppendOps, ReserveOps, ReleaseOps):
 
     def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
-        if self._native is not None:
-            seq = self._native.allocate(self, tokens, request_id)
-            if seq is not None:
-                return seq
-        return self._allocate(request_id, tokens)
+        guarded = self._guard_every > 1 and self._sample_guard()
+        seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
+        if seq is None:
+            seq = self._allocate(request_id, tokens)
+        if guarded:
+            # Sampled guard mode: this one is guarded (its release runs on the Python path).
+            self._guarded.add(seq.slot)
+        return seq
 
     def _allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         # The Python path (a function of its own: its closures' cells cost every call).

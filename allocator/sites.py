@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from kvscope.allocator.pool import KVPool
 
-_KVSCOPE_DIRS = tuple(
+KVSCOPE_DIRS = _KVSCOPE_DIRS = tuple(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
     for d in ("allocator", "kernels", "probes", "tui", "kvscope")
 )

@@ -53,11 +53,14 @@ class PoolSurface(Protocol):
     probe: PoolProbes | None
     _seqs: dict[int, Sequence]
     _native: Any | None
+    _guarded: set[int]
 
     # pool.py
     def _check_process(self) -> None: ...
 
     def _run(self, locks: set[int], fn: Callable[[Txn], T]) -> T: ...
+
+    def _guards(self, slot: int) -> bool: ...
 
     def _count(self, t: Txn, field: str, n: int = 1) -> None: ...
 

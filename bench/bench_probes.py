@@ -21,18 +21,20 @@ import uuid
 
 from kvscope.allocator import KVPool, PoolConfig
 
-PROBE_VARS = (
+LIGHT_VARS = (
     "KVSCOPE_MAGIC",
     "KVSCOPE_OWNERSHIP",
-    "KVSCOPE_GUARD",
     "KVSCOPE_LEAKS",
     "KVSCOPE_EVENTS",
     "KVSCOPE_LOCKDEP",
 )
+PROBE_VARS = (*LIGHT_VARS, "KVSCOPE_GUARD", "KVSCOPE_DIGEST")
+# Set per configuration too (not a probe of its own: it samples guard mode).
+SAMPLE_VAR = "KVSCOPE_GUARD_SAMPLE"
 
 
 def make(env: dict[str, str]) -> KVPool:
-    for k in PROBE_VARS:
+    for k in (*PROBE_VARS, SAMPLE_VAR):
         os.environ[k] = env.get(k, "0")
     os.environ.pop("KVSCOPE_RUN_DIR", None)
     pool = KVPool.create(
@@ -88,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     gc.disable()
-    # Any probe keeps the pool on the Python path (docs/FORMAT.md "The native core"): each is
-    # compared with every probe off on that path, and with the default (the C core).
+    # The light probes run in the C core (docs/FORMAT.md "The native core"); guard and digest
+    # still send every operation to the Python path. Ratios are against the probes-off C core.
+    light = {k: "1" for k in LIGHT_VARS}
     configs = {
         "every probe off (the C core)": {},
         "every probe off, Python path (KVSCOPE_NATIVE=0)": {"_python": "1"},
@@ -98,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         "ownership (sites)": {"KVSCOPE_OWNERSHIP": "1"},
         "events (flight recorder)": {"KVSCOPE_EVENTS": "1"},
         "leaks (per-request checks)": {"KVSCOPE_LEAKS": "1"},
-        "guard (canary scan, poison, quarantine)": {"KVSCOPE_GUARD": "1"},
         "lockdep": {"KVSCOPE_LOCKDEP": "1"},
+        "light probes (magic, ownership, events, leaks, lockdep)": light,
+        "digest": {"KVSCOPE_DIGEST": "1"},
+        "guard (canary scan, poison, quarantine)": {"KVSCOPE_GUARD": "1"},
         "all probes (as under kvscope run)": {k: "1" for k in PROBE_VARS},
+        "light probes + sampled guard 1/64": {**light, "KVSCOPE_GUARD": "1", SAMPLE_VAR: "64"},
     }
     pools = {name: make(env) for name, env in configs.items()}
     no_journal(pools["undo journal off, Python path (not a real mode)"])
@@ -112,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             # Interleaved rounds: every configuration sees the same machine conditions.
             for name, pool in pools.items():
                 rates[name].append(workload(pool, n))
+        # The share of operations the C core ran (the rest went to the Python path).
+        native_share = {}
+        for name, pool in pools.items():
+            if pool._native is not None:
+                st = pool._native.stats()
+                native_share[name] = st["native_ops"] / max(1, st["native_ops"] + st["fallbacks"])
     finally:
         for pool in pools.values():
             pool.close()
@@ -126,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         * 1e3
     )
-    print("| configuration | iterations/s | vs every probe off, Python path | vs the C core |")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
+    print("| configuration | iterations/s | vs the C core | in the C core |")
     print("|---|---:|---:|---:|")
     for name in configs:
         r = statistics.median(rates[name])
-        print(f"| {name} | {r:,.0f} | {r / base - 1:+.1%} | {r / fast - 1:+.1%} |")
+        share = native_share.get(name)
+        shown = "-" if share is None else f"{share:.0%}"
+        print(f"| {name} | {r:,.0f} | {r / fast:.2f}x | {shown} |")
     hooks = 40  # upper bound of probe checks per iteration (allocate, 8 appends, publish, free)
     per_iter_us = 1e6 / base
     print(

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.locks import DeadHolder
-from kvscope.allocator.probing import env_flag
+from kvscope.allocator.probing import LOCKS_HELD, NATIVE_LOCKDEP, env_flag
 from kvscope.probes.lockgraph import (  # noqa: F401
     CLASS_BYTES,
     MESSAGE_BYTES,
@@ -98,6 +98,7 @@ class LockDep:
         if st is not None:
             st.native_id = threading.get_native_id()
         self.threads = weakref.WeakValueDictionary({st.ident: st} if st is not None else {})
+        LOCKS_HELD[0] = len(st.stack) if st is not None else 0
 
     def _local_report(self, f: Finding) -> None:
         if self.on_finding is not None:
@@ -132,6 +133,21 @@ class LockDep:
         lt.on_acquire, lt.on_release = on_acquire, on_release
         self._hooks[id(pool)] = (on_acquire, on_release, prev_acquire, prev_release, live)
         self.enabled = True
+        if prev_acquire is None and prev_release is None:
+            # The pool's C core runs these hooks itself: it hands over an order edge it has not
+            # seen yet (taking lock j while holding i), learned here as `before` would.
+            def learn(i: int, j: int) -> bool:
+                ci, cj = classes[i], classes[j]
+                if ci is None or cj is None or ci == cj or (ci, cj) in graph.known:
+                    return True
+                st = self.state()
+                if st.busy:
+                    return False
+                self._learn(st, [(graph, Held(keys[i], ci, graph))], cj)
+                return (ci, cj) in graph.known
+
+            pool._lockdep_learn = learn
+            pool._probe_bits[0] |= NATIVE_LOCKDEP
         return True
 
     def uninstrument(self, pool: Any) -> None:
@@ -141,6 +157,8 @@ class LockDep:
             return
         on_acquire, on_release, prev_acquire, prev_release, live = entry
         live[0] = False
+        pool._probe_bits[0] &= ~NATIVE_LOCKDEP
+        pool.__dict__.pop("_lockdep_learn", None)
         lt = pool.locks
         if lt.on_acquire is on_acquire and lt.on_release is on_release:
             lt.on_acquire, lt.on_release = prev_acquire, prev_release
@@ -192,8 +210,10 @@ class LockDep:
             self._learn(st, new, cls)
         if again is not None:
             stack.remove(again)
+            LOCKS_HELD[0] -= 1
         h = Held(key, cls, graph, table, index)
         stack.append(h)
+        LOCKS_HELD[0] += 1
         return h
 
     def after_release(self, key: object) -> None:
@@ -202,6 +222,7 @@ class LockDep:
         for j in range(len(stack) - 1, -1, -1):
             if stack[j].key is key:
                 del stack[j]
+                LOCKS_HELD[0] -= 1
                 return
 
     def _learn(self, st: ThreadState, new: list[tuple[Any, Held]], cls: str) -> None:
@@ -213,6 +234,7 @@ class LockDep:
             for g, h in new:
                 if h.stale():
                     st.stack.remove(h)
+                    LOCKS_HELD[0] -= 1
                     continue
                 if not g.usable():
                     continue

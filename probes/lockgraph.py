@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import kvscope.allocator
 from kvscope.allocator.findings import Finding, FindingKind, write_finding
 from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
+from kvscope.allocator.locks import UNTRACED, lock_class  # noqa: F401 - lockdep imports them here
 
-UNTRACED = frozenset({"sites", "findings"})
 CLASS_BYTES, SITE_BYTES, MESSAGE_BYTES = 16, 120, 200
 # kvscope's own folders, whose frames are not the caller's code: the harness's (the parent
 # package, loaded before any of its subpackages: nothing of it is imported here), the
@@ -35,11 +35,6 @@ class Edge(NamedTuple):
     dst: str
     pid: int
     site: str
-
-
-def lock_class(name: str) -> str:
-    """The lock class of a pool lock name: the index shards collapse to "index"."""
-    return "index" if name.startswith("index.") else name
 
 
 def class_name(text: str) -> str:

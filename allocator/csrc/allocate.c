@@ -88,7 +88,9 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         seal(n, table[j]);
     }
     int64_t k = nblocks - hits;
-    if (take(n, k, table + hits)) goto abort;
+    if (take(n, k, table + hits) || unmapped(n, table + hits, k) ||
+        unpoisoned(n, table + hits, k))
+        goto abort;
     if (stamp(n, table + hits, k, request, site, now)) goto abort;
     if (write_blocks(n, slot, 0, table, nblocks)) goto abort;
     fill(n, table, hits * bs, toks + hits * bs, ntok - hits * bs);
@@ -106,6 +108,9 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
     count(n, C_ALLOCS, (uint64_t)k);
     count(n, C_QUERIES, (uint64_t)(max_hits > 0 ? max_hits : 0));
     count(n, C_HITS, (uint64_t)hits);
+    ev_record(n, E_PREFIX_HIT, table, hits, request, 0);
+    ev_record(n, E_ALLOCATE, table + hits, k, request, (int64_t)seq_id);
+    if (hits < max_hits) ev_record(n, E_PREFIX_MISS, NULL, 0, request, max_hits - hits);
     if (finish_claim(n, seq_id)) goto out;
     PyObject *tab = PyList_New(nblocks), *ch = PyList_New(nfull);
     if (!tab || !ch) {
@@ -140,8 +145,8 @@ out:
 
 /* -- free ------------------------------------------------------------------------------------- */
 
-/* A sequence's release (table: its block ids; final: FINISHED or ABORTED) -> True, or None
- * (the Python path). */
+/* A sequence's release (table: its block ids; final: FINISHED or ABORTED) -> the blocks it
+ * leaked (leaked_blocks: a list, empty without the leaks probe), or None (the Python path). */
 static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final) {
     int32_t ids[CHUNK], zero[CHUNK];
     Py_ssize_t k;
@@ -149,6 +154,20 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     uint64_t locks;
     if (slot < 0 || slot >= n->max_seqs || table_of(n, list, ids, &k, &locks))
         return fallback(n);
+    /* Under a probe, a block already free is a double free the Python path reports; magic:
+     * a record something else wrote; leaks: refcounts the handle's tables do not explain. */
+    if (n->probes) {
+        for (Py_ssize_t i = 0; i < k; i++) {
+            uint8_t *r = blk(n, ids[i]);
+            if (r[BF_STATE] != B_ALLOCATED || I4(r + BF_REFCOUNT) <= 0) return fallback(n);
+        }
+        if (!all_sealed(n, ids, k)) return fallback(n);
+        int m = refcounts_match(n, ids, k);
+        if (m != OK) return m == ERROR ? NULL : fallback(n);
+    }
+    PyObject *leaked = NULL;
+    char request[REQUEST_BYTES];
+    memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
     int rc = take_mutex(n);
     if (rc != OK) return rc == ERROR ? NULL : fallback(n);
     PyObject *result = NULL;
@@ -194,6 +213,13 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
         if (!holds(n, n->lock_free)) goto abort;
         if (ring_push(n, zero + fit, nz - fit)) goto abort;
     }
+    /* probing.held_after_release: read inside the transaction (once it commits, what it
+     * freed is anyone's) */
+    leaked = leaked_blocks(n, ids, k, slot);
+    if (leaked == NULL) {
+        txn_abort(n);
+        goto out;
+    }
     if (write_blocks(n, slot, 0, NULL, 0)) goto abort;
     s[SF_STATE] = (uint8_t)final;
     /* SeqTable.release into the reserve. */
@@ -202,14 +228,16 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     U4(s + SF_NUM_BLOCKS) = 0;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)k);
+    ev_record(n, final == 4 ? E_ABORT : E_FREE, ids, k, request, 0);
     if (append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
     n->native_ops++;
-    result = Py_NewRef(Py_True);
+    result = Py_NewRef(leaked);
     goto out;
 abort:
     txn_abort(n);
     result = fallback(n);
 out:
+    Py_XDECREF(leaked);
     drop_mutex(n);
     return result;
 }

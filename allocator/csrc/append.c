@@ -48,7 +48,8 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
 /* One token appended to seq (in `slot`) -> [] (no copies), or None (the Python path:
  * copy-on-write, ...): into the last block when it has room, else into a new block (a
  * transaction). */
-static PyObject *core_append1(Native *n, PyObject *seq, int64_t slot, PyObject *tok_in) {
+static PyObject *core_append1(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
+                              PyObject *tok_in) {
     long tok = PyLong_AsLong(tok_in);
     if (tok == -1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -71,6 +72,18 @@ static PyObject *core_append1(Native *n, PyObject *seq, int64_t slot, PyObject *
         result = fallback(n);
         goto out;
     }
+    /* magic: a block this append fills gets its prefix key (extend_chain), on a record that
+     * must still match its checksum (append.py _set_keys; else the Python path reports). */
+    if ((n->probes & P_MAGIC) && (n_old + 1) % bs == 0) {
+        for (Py_ssize_t j = PyList_GET_SIZE(chain); j < (n_old + 1) / bs && j < nb; j++) {
+            long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
+            if (b < 0 || b >= n->nb || U8(blk(n, b) + BF_CHECKSUM) != checksum(n, b)) {
+                PyErr_Clear();
+                result = fallback(n);
+                goto out;
+            }
+        }
+    }
     /* The token as the sequence keeps it: an int as given (append.py stores int(t)). */
     tok_o = PyLong_CheckExact(tok_in) ? Py_NewRef(tok_in) : PyLong_FromLong(tok);
     if (tok_o == NULL) goto out;
@@ -92,6 +105,8 @@ static PyObject *core_append1(Native *n, PyObject *seq, int64_t slot, PyObject *
         if (PyList_Append(tokens, tok_o)) goto out;
         U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
     } else {
+        int32_t site = site_now(n, pool);
+        if (site == -2) goto out;
         int rc = take_mutex(n);
         if (rc != OK) {
             result = rc == ERROR ? NULL : fallback(n);
@@ -107,8 +122,8 @@ static PyObject *core_append1(Native *n, PyObject *seq, int64_t slot, PyObject *
         uint8_t *s = seqrec(n, slot);
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
-        int32_t site = -1;
-        if (take(n, 1, &b) || stamp(n, &b, 1, request, site, wall_ns()) ||
+        if (take(n, 1, &b) || unmapped(n, &b, 1) || unpoisoned(n, &b, 1) ||
+            stamp(n, &b, 1, request, site, wall_ns()) ||
             write_blocks(n, slot, nb, &b, 1)) {
             txn_abort(n);
             result = fallback(n);
@@ -119,6 +134,7 @@ static PyObject *core_append1(Native *n, PyObject *seq, int64_t slot, PyObject *
         U8(s + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
         txn_commit(n);
         count(n, C_ALLOCS, 1);
+        ev_record(n, E_ALLOCATE, &b, 1, request, (int64_t)U8(s + SF_SEQ_ID));
         if (append_new(table, PyLong_FromLong(b))) goto out;
         if (PyList_Append(tokens, tok_o)) goto out;
     }

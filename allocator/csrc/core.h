@@ -23,6 +23,26 @@
 
 enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 
+/* The light probes the core runs itself (probes.c): bits of the handle's probe word
+ * (KVPool._probe_bits, probing.PoolProbes.native_bits). */
+#define P_EVENTS 1
+#define P_SITES 2      /* ownership, one frame: sites cached by (code object, instruction) */
+#define P_LEAKS 4
+#define P_MAGIC 8
+#define P_SITES_EACH 16 /* ownership with stacks: the handle's site_of at every allocation */
+#define P_LOCKDEP 32    /* lockdep instruments the handle's locks, and nothing else does */
+#define P_GUARD_SAMPLED 64 /* sampled guard mode: guarded sequences and poisoned blocks: Python */
+/* The entry points, as bits of faults.FAULT_OPS (native.py) */
+enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK = 16 };
+/* LockTable's hook bit (locks.py HOOK_LOCKS) */
+#define HOOK_LOCKS_BIT 4
+/* Event ops (events.py EventOp). */
+enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7, E_ABORT = 10 };
+/* probing.VERIFY_EVERY_S */
+#define VERIFY_EVERY_NS 10000000ull
+/* Entries of the core's site cache (a power of two). */
+#define SITE_CACHE 256
+
 static const uint64_t KSUM[5] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0x165667B19E3779F9ull,
                                  0x27D4EB2F165667C5ull, 0xFF51AFD7ED558CCDull};
 static const uint64_t CHAIN_P = 0x100000001B3ull;
@@ -117,10 +137,49 @@ typedef struct {
     uint64_t held; /* bit i: lock i */
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
     uint64_t native_ops, fallbacks, native_evictions;
+    /* probes (probes.c) */
+    int64_t *probe_bits; /* KVPool._probe_bits: P_* of the handle's probe (read at every call) */
+    Py_buffer probe_bits_buf;
+    int probes;          /* this call's P_* */
+    size_t off_ev, c_event_head; /* this client's event ring and its head */
+    uint64_t ev_cap;
+    PyObject *kv_dirs;   /* sites._KVSCOPE_DIRS */
+    PyObject *site_code[SITE_CACHE];
+    int site_lasti[SITE_CACHE];
+    int32_t site_id[SITE_CACHE];
+    PyObject *out_code[SITE_CACHE];
+    uint8_t out_flag[SITE_CACHE];
+    int site_used, out_used;
+    uint32_t *checked;   /* magic: block -> the transaction that checked its record */
+    uint32_t txn_stamp;
+    int32_t *refs;       /* leaks: scratch counts per block (zero between calls) */
+    uint64_t last_verify_ns;
+    /* lockdep (probes.c lockdep_ok) */
+    int64_t *locks_held; /* probing.LOCKS_HELD: entries on lockdep's held-lock stacks */
+    Py_buffer locks_held_buf;
+    uint64_t traced;              /* locks lockdep traces (not sites, findings) */
+    uint64_t same_class[MAX_LOCKS]; /* locks of lock i's class (the index shards are one) */
+    uint64_t known_into[MAX_LOCKS]; /* bit i of [j]: the order edge class(i) -> class(j) is known */
+    int lockdep_was_on;
+    PyObject *pool; /* the call's pool (borrowed, for the duration of one call) */
+    /* leaks: the slots that may hold a live sequence (a superset, kept while no client but
+     * this core ran a transaction since the last full scan: every client's seq as seen) */
+    int32_t *maybe_live;
+    uint8_t *in_maybe;
+    int64_t n_maybe;
+    uint64_t *seen_seq;
+    int maybe_valid;
+    int64_t max_clients, client_size;
+    PyObject *fault_ops; /* fault name -> OP_* bits of the operations it can strike */
+    PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
+    uint8_t *hdr_copy;   /* magic: the header's checked bytes as the probe last found them */
+    int64_t hdr_len;
+    int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
-    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached;
+    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_often,
+    *s_native_leaked, *s_lockdep_learn, *s_conservation;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -176,3 +235,6 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 static void lru_advance(Native *n);
 static void lru_reset(Native *n);
 static void drop_pending_scan(Native *n);
+static int record_sealed(Native *n, int64_t b);
+static int lockdep_ok(Native *n, uint64_t mask);
+static void maybe_live_add(Native *n, int64_t slot);

@@ -7,15 +7,49 @@ static int fork_gen = 0; /* bumped in a forked child: a handle made before the f
 static void atfork_child(void) { fork_gen++; }
 
 /* OK when this call may take the C path: the handle is open and this process's, no operation
- * of the Python path is half done, no fault or crash point is armed, no probe, call-site
- * recording or lock hook is installed (each is read at every call: they can come at any
- * time). FALLBACK otherwise, ERROR with an exception set. */
-static int gate(Native *n, PyObject *pool) {
-    if (n->seg == NULL || *n->busy || *n->hooks || n->fork_gen != fork_gen) return FALLBACK;
-    if (PyDict_GET_SIZE(n->faults_armed)) return FALLBACK;
+ * of the Python path is half done, no fault or crash point is armed, no probe the core does
+ * not run itself (probes.c), no foreign call-site recorder, no lock hook (each is read at
+ * every call: they can come at any time). FALLBACK otherwise, ERROR with an exception set. */
+static int gate(Native *n, PyObject *pool, int op) {
+    /* (another thread's operation may be waiting for a lock in the core: leave its state) */
+    if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
+    n->txn_banned = 0;
+    n->probes = (int)*n->probe_bits;
+    /* Lock hooks: lockdep's own the core runs while no thread holds a traced lock (else the
+     * held-lock stacks are Python's: an edge from a user lock). */
+    if (*n->hooks & ~(int64_t)HOOK_LOCKS_BIT) return FALLBACK;
+    if (*n->hooks && (!(n->probes & P_LOCKDEP) || *n->locks_held)) return FALLBACK;
+    if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
+    else if (!n->lockdep_was_on) {
+        /* (re)instrumented: the edges it knows are asked for again */
+        memset(n->known_into, 0, sizeof n->known_into);
+        n->lockdep_was_on = 1;
+    }
+    n->pool = pool;
+    /* An armed fault or crash point strikes inside a transaction of the Python path: an
+     * operation it could strike falls back when it needs one (txn_begin); what needs none
+     * (a token into the last block) stays here. */
+    if (PyDict_GET_SIZE(n->faults_armed)) {
+        Py_ssize_t pos = 0;
+        PyObject *name, *left;
+        while (PyDict_Next(n->faults_armed, &pos, &name, &left)) {
+            PyObject *mask = PyDict_GetItemWithError(n->fault_ops, name);
+            if (mask == NULL && PyErr_Occurred()) return ERROR;
+            if (mask == NULL || (PyLong_AsLong(mask) & op)) n->txn_banned = 1;
+        }
+    }
     PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
     if (t == NULL && PyErr_Occurred()) return ERROR;
-    return t == Py_None ? OK : FALLBACK;
+    if (t != Py_None) {
+        /* seqs.after_prefix_key: a block filled by an append gets its key outside any
+         * transaction */
+        int eq = PyUnicode_Check(t) ? PyUnicode_CompareWithASCIIString(t, "seqs.after_prefix_key") == 0 : 0;
+        if (eq && op == OP_APPEND) return FALLBACK;
+        n->txn_banned = 1;
+    }
+    /* KVPool._check_process: the magic probe re-verifies the header now and then. */
+    if ((n->probes & P_MAGIC) && verify_often(n, pool)) return ERROR;
+    return *n->busy ? FALLBACK : OK;
 }
 
 /* KVPool._own: a live Sequence of this handle; its slot, or -1 (the Python path decides). */
@@ -48,9 +82,9 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
     return seq;
 }
 
-#define GATE(n, pool)                                                                        \
+#define GATE(n, pool, op)                                                                    \
     do {                                                                                     \
-        int g_ = gate(n, pool);                                                              \
+        int g_ = gate(n, pool, op);                                                          \
         if (g_ == ERROR) return NULL;                                                        \
         if (g_ != OK) return fallback(n);                                                    \
     } while (0)
@@ -59,13 +93,15 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
 static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyUnicode_CheckExact(args[2]) || !PyList_CheckExact(args[1]))
         return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_ALLOCATE);
     char request[REQUEST_BYTES];
     if (request_of(args[2], request)) {
         PyErr_Clear();
         return fallback(n);
     }
-    PyObject *got = core_allocate(n, args[1], request, -1);
+    int32_t site = site_now(n, args[0]);
+    if (site == -2) return NULL;
+    PyObject *got = core_allocate(n, args[1], request, site);
     if (got == NULL || got == Py_None) return got;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
@@ -90,7 +126,7 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
 /* end(pool, seq, final_state) -> True | None: free (FINISHED) or abort (ABORTED). */
 static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_END);
     PyObject *seq = args[1];
     int64_t slot = own_slot(n, seq);
     long final = PyLong_AsLong(args[2]);
@@ -98,12 +134,16 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Clear();
         return fallback(n);
     }
+    int g = guarded(n, slot);
+    if (g) return g < 0 ? NULL : fallback(n);
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
     PyObject *done = core_release(n, table, slot, final);
     Py_DECREF(table);
     if (done == NULL || done == Py_None) return done;
-    Py_DECREF(done);
+    /* done: the blocks the release left held that nothing maps (the leaks probe's), reported
+     * once the handle has forgotten the sequence (probing.after_release) */
+    PyObject *leaked = done;
     /* The Python side of a release: the handle forgets the sequence. */
     PyObject *key = PyLong_FromLongLong(slot), *empty = PyList_New(0);
     PyObject *minus = PyLong_FromLong(-1);
@@ -117,6 +157,12 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_XDECREF(key);
     Py_XDECREF(empty);
     Py_XDECREF(minus);
+    if (!bad) {
+        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
+        bad = rid == NULL || report_leaked(n, args[0], leaked, rid) != OK;
+        Py_XDECREF(rid);
+    }
+    Py_DECREF(leaked);
     if (bad) return NULL;
     Py_RETURN_TRUE;
 }
@@ -125,16 +171,16 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[2]) != 1)
         return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_APPEND);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0) return fallback(n);
-    return core_append1(n, args[1], slot, PyList_GET_ITEM(args[2], 0));
+    return core_append1(n, args[0], args[1], slot, PyList_GET_ITEM(args[2], 0));
 }
 
 /* mark_computed(pool, seq, num_tokens) -> int | None */
 static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_MARK_COMPUTED);
     if (own_slot(n, args[1]) < 0) return fallback(n);
     return core_publish(n, args[1], args[2]);
 }
@@ -142,7 +188,7 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
 /* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block. */
 static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyUnicode_CheckExact(args[2])) return fallback(n);
-    GATE(n, args[0]);
+    GATE(n, args[0], OP_FORK);
     PyObject *src = args[1];
     if (own_slot(n, src) < 0) return fallback(n);
     char request[REQUEST_BYTES];
@@ -187,6 +233,8 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)PyList_GET_SIZE(f[F_TOKENS]);
     txn_commit(n);
     count(n, C_FORKS, 1);
+    ev_record(n, E_FORK, ids, k, request, PyLong_AsLongLong(f[F_SEQ_ID]));
+    if (PyErr_Occurred()) goto out;
     if (finish_claim(n, seq_id)) goto out;
     /* seqops.fork's Sequence: copies of the parent's lists, its cached and published counts. */
     table = PyList_GetSlice(f[F_BLOCK_TABLE], 0, k);

@@ -87,13 +87,31 @@ static void release_all(Native *n) {
 }
 
 static inline void client_seq_bump(Native *n) {
-    uint64_t *p = (uint64_t *)(n->seg + n->c_seq);
-    __atomic_store_n(p, *p + 1, __ATOMIC_RELEASE);
+    uint64_t *p = (uint64_t *)(n->seg + n->c_seq), old = *p;
+    __atomic_store_n(p, old + 1, __ATOMIC_RELEASE);
+    /* the leaks probe's live-slot cache follows this core's own transactions (one of the
+     * Python path in between still shows as a difference: a rescan) */
+    if (n->maybe_valid && n->seen_seq[n->client] == old) n->seen_seq[n->client] = old + 1;
 }
 
 /* Begin: seq odd, then every lock of `mask` in ascending order. */
 static int txn_begin(Native *n, uint64_t mask) {
+    if (n->txn_banned) {
+        n->dry_valid = 0;
+        return FALLBACK;
+    }
+    if (n->probes & P_LOCKDEP) {
+        int rc = lockdep_ok(n, mask);
+        if (rc != OK) {
+            /* An edge lockdep could not learn now: the Python path takes the locks (an error
+             * there too: it raises it) */
+            PyErr_Clear();
+            n->dry_valid = 0;
+            return FALLBACK;
+        }
+    }
     client_seq_bump(n);
+    if (++n->txn_stamp == 0) n->txn_stamp = 1; /* records the magic probe checked: none */
     n->jcount = U4(n->seg + n->c_jcount);
     n->jused = U4(n->seg + n->c_jused);
     if (n->jcount || n->jused) {

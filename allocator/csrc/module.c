@@ -56,6 +56,10 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"num_locks", &n->num_locks, INT},    {"pid", &n->pid, I32},
         {"journal_entries", &n->j_entries, U32}, {"journal_bytes", &n->j_bytes, U32},
         {"start", &n->start, U64},
+        {"off_events", &n->off_ev, SIZE},     {"c_event_head", &n->c_event_head, SIZE},
+        {"event_capacity", &n->ev_cap, U64},
+        {"max_clients", &n->max_clients, I64}, {"client_record_size", &n->client_size, I64},
+        {"header_check_bytes", &n->hdr_len, I64},
     };
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) {
         int64_t v;
@@ -76,10 +80,12 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     /* Python objects the core shares with the handle (new references). */
     PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->seqs, &n->faults_armed, &n->crash_mod,
-                         &n->store,     &n->evict_mod};
+                         &n->store,     &n->evict_mod, &n->kv_dirs, &n->fault_ops,
+                         &n->guarded};
     const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
                            "seq_fields", "seqs", "faults_armed", "crash_module",
-                           "store",      "eviction_module"};
+                           "store",      "eviction_module", "kvscope_dirs", "fault_ops",
+                           "guarded"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -110,6 +116,30 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     }
     if (word_of(busy, &n->busy_buf, &n->busy)) return -1;
     if (word_of(hooks, &n->hooks_buf, &n->hooks)) return -1;
+    PyObject *pbits = PyDict_GetItemString(d, "probe_bits");
+    if (!pbits || !PyTuple_Check(n->kv_dirs)) {
+        PyErr_SetString(PyExc_KeyError, "native core needs probe_bits and kvscope_dirs (a tuple)");
+        return -1;
+    }
+    if (word_of(pbits, &n->probe_bits_buf, &n->probe_bits)) return -1;
+    PyObject *held = PyDict_GetItemString(d, "locks_held");
+    PyObject *classes = PyDict_GetItemString(d, "lock_classes");
+    if (!held || !classes || !PyTuple_Check(classes) || PyTuple_GET_SIZE(classes) != n->num_locks) {
+        PyErr_SetString(PyExc_KeyError, "native core needs locks_held and lock_classes (a tuple)");
+        return -1;
+    }
+    if (word_of(held, &n->locks_held_buf, &n->locks_held)) return -1;
+    for (int i = 0; i < n->num_locks; i++) {
+        PyObject *ci = PyTuple_GET_ITEM(classes, i);
+        if (ci == Py_None) continue;
+        n->traced |= lock_bit(i);
+        for (int j = 0; j < n->num_locks; j++) {
+            PyObject *cj = PyTuple_GET_ITEM(classes, j);
+            int eq = cj != Py_None ? PyObject_RichCompareBool(ci, cj, Py_EQ) : 0;
+            if (eq < 0) return -1;
+            if (eq) n->same_class[i] |= lock_bit(j);
+        }
+    }
     if (PyObject_GetBuffer(bufobj, &n->buf, PyBUF_WRITABLE) < 0) return -1;
     n->seg = n->buf.buf;
     n->fd = fd;
@@ -145,6 +175,18 @@ static void N_dealloc(Native *n) {
     if (n->seg) PyBuffer_Release(&n->buf);
     if (n->busy) PyBuffer_Release(&n->busy_buf);
     if (n->hooks) PyBuffer_Release(&n->hooks_buf);
+    if (n->probe_bits) PyBuffer_Release(&n->probe_bits_buf);
+    if (n->locks_held) PyBuffer_Release(&n->locks_held_buf);
+    site_cache_clear(n);
+    Py_XDECREF(n->kv_dirs);
+    Py_XDECREF(n->fault_ops);
+    Py_XDECREF(n->guarded);
+    PyMem_Free(n->checked);
+    PyMem_Free(n->refs);
+    PyMem_Free(n->maybe_live);
+    PyMem_Free(n->hdr_copy);
+    PyMem_Free(n->in_maybe);
+    PyMem_Free(n->seen_seq);
     Py_XDECREF(n->reserve);
     Py_XDECREF(n->ids);
     Py_XDECREF(n->mutex);
@@ -229,6 +271,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_lru_ns = PyUnicode_InternFromString("_lru_ns");
     s_lru_pos = PyUnicode_InternFromString("_lru_pos");
     s_lru_cached = PyUnicode_InternFromString("_lru_cached");
+    s_site_of = PyUnicode_InternFromString("_site_of");
+    s_probe = PyUnicode_InternFromString("_probe");
+    s_verify_often = PyUnicode_InternFromString("verify_often");
+    s_native_leaked = PyUnicode_InternFromString("native_leaked");
+    s_lockdep_learn = PyUnicode_InternFromString("_lockdep_learn");
+    s_conservation = PyUnicode_InternFromString("conservation");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;

@@ -141,6 +141,7 @@ static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *req
     U8(s + SF_NUM_TOKENS) = 0;
     U4(s + SF_NUM_BLOCKS) = 0;
     s[SF_STATE] = S_RUNNING;
+    maybe_live_add(n, slot);
     return OK;
 }
 

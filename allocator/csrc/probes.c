@@ -1,0 +1,403 @@
+/* The light probes, run by the core itself (probing.py, events.py, sites.py, writes.py are
+ * the reference): flight-recorder events, allocation sites, leak accounting, record checksums.
+ * What the core finds it never reports itself: a finding sends the operation (undone) to the
+ * Python path, which finds and reports the same thing, or, after a commit, is handed to a
+ * Python callback of the probe. Part of _native.c. */
+
+/* -- the flight recorder (events.py EventRecorder.record) ------------------------------------ */
+
+/* One event per block (one with block -1 when there are none), into this client's ring. */
+static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const char *request,
+                      int64_t arg) {
+    if (!(n->probes & P_EVENTS) || n->ev_cap == 0) return;
+    int32_t none = -1;
+    if (k == 0) {
+        ids = &none;
+        k = 1;
+    }
+    if (k > (int64_t)n->ev_cap) {
+        ids += k - (int64_t)n->ev_cap;
+        k = (int64_t)n->ev_cap;
+    }
+    uint64_t h = U8(n->seg + n->c_event_head), now = wall_ns();
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *e = n->seg + n->off_ev + ((h + (uint64_t)i) % n->ev_cap) * EV_SIZE;
+        U8(e + EV_TIME) = now;
+        I4(e + EV_PID) = n->pid;
+        e[EV_OP] = (uint8_t)op;
+        I4(e + EV_BLOCK) = ids[i];
+        U4(e + EV_GENERATION) = ids[i] >= 0 ? U4(blk(n, ids[i]) + BF_GENERATION) : 0;
+        *(int64_t *)(e + EV_ARG) = arg;
+        memcpy(e + EV_REQUEST, request, REQUEST_BYTES);
+    }
+    U8(n->seg + n->c_event_head) = h + (uint64_t)k;
+}
+
+/* -- allocation sites (sites.py SiteTable.site) ---------------------------------------------- */
+
+static inline size_t ptr_hash(const void *p, int salt) {
+    uint64_t h = (uint64_t)(uintptr_t)p * 0x9E3779B97F4A7C15ull + (uint64_t)salt * KSUM[1];
+    return (size_t)(h >> 40);
+}
+
+/* Forget every cached code object (the cache is full). */
+static void site_cache_clear(Native *n) {
+    for (int i = 0; i < SITE_CACHE; i++) {
+        Py_CLEAR(n->site_code[i]);
+        Py_CLEAR(n->out_code[i]);
+    }
+    n->site_used = n->out_used = 0;
+}
+
+/* Whether a code object lies outside kvscope's own folders (cached per code object). */
+static int code_outside(Native *n, PyCodeObject *code) {
+    size_t i = ptr_hash(code, 0) & (SITE_CACHE - 1);
+    while (n->out_code[i]) {
+        if (n->out_code[i] == (PyObject *)code) return n->out_flag[i];
+        i = (i + 1) & (SITE_CACHE - 1);
+    }
+    int out = 1;
+    PyObject *name = code->co_filename;
+    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(n->kv_dirs); d++) {
+        Py_ssize_t hit = PyUnicode_Tailmatch(name, PyTuple_GET_ITEM(n->kv_dirs, d), 0,
+                                             PY_SSIZE_T_MAX, -1);
+        if (hit < 0) return -1;
+        if (hit) out = 0;
+    }
+    if (n->out_used * 4 >= SITE_CACHE * 3) {
+        site_cache_clear(n);
+        return code_outside(n, code);
+    }
+    n->out_code[i] = Py_NewRef((PyObject *)code);
+    n->out_flag[i] = (uint8_t)out;
+    n->out_used++;
+    return out;
+}
+
+/* The site id of the operation being run: the first frame outside kvscope, looked up by its
+ * code object and instruction in a table of the core's own; only a site not seen yet calls
+ * the handle's `site_of` (which interns it in the segment). -1 when sites are off; -2 with an
+ * exception set. */
+static int32_t site_now(Native *n, PyObject *pool) {
+    if (!(n->probes & (P_SITES | P_SITES_EACH))) return -1;
+    if (n->probes & P_SITES) {
+        PyFrameObject *f = PyEval_GetFrame();
+        Py_XINCREF(f);
+        PyCodeObject *code = NULL;
+        int lasti = 0, out = 0;
+        while (f != NULL) {
+            code = PyFrame_GetCode(f);
+            out = code_outside(n, code);
+            if (out != 0) {
+                lasti = PyFrame_GetLasti(f);
+                Py_DECREF(f);
+                break;
+            }
+            Py_DECREF(code);
+            PyFrameObject *back = PyFrame_GetBack(f);
+            Py_DECREF(f);
+            f = back;
+        }
+        if (f == NULL) return -1; /* every frame is kvscope's */
+        Py_DECREF(code); /* the caches hold their own references */
+        if (out < 0) return -2;
+        size_t i = ptr_hash(code, lasti) & (SITE_CACHE - 1);
+        while (n->site_code[i]) {
+            if (n->site_code[i] == (PyObject *)code && n->site_lasti[i] == lasti)
+                return n->site_id[i];
+            i = (i + 1) & (SITE_CACHE - 1);
+        }
+        int32_t sid = -1;
+        PyObject *fn = PyObject_GetAttr(pool, s_site_of);
+        PyObject *got = fn && fn != Py_None ? PyObject_CallNoArgs(fn) : NULL;
+        Py_XDECREF(fn);
+        if (got == NULL) return PyErr_Occurred() ? -2 : -1;
+        sid = (int32_t)PyLong_AsLong(got);
+        Py_DECREF(got);
+        if (sid == -1 && PyErr_Occurred()) return -2;
+        if (n->site_used * 4 >= SITE_CACHE * 3) return sid; /* full: cleared at the next miss */
+        n->site_code[i] = Py_NewRef((PyObject *)code);
+        n->site_lasti[i] = lasti;
+        n->site_id[i] = sid;
+        n->site_used++;
+        return sid;
+    }
+    /* Stacks (KVSCOPE_STACK_DEPTH > 1): the handle's site_of at every allocation. */
+    PyObject *fn = PyObject_GetAttr(pool, s_site_of);
+    PyObject *got = fn && fn != Py_None ? PyObject_CallNoArgs(fn) : NULL;
+    Py_XDECREF(fn);
+    if (got == NULL) return PyErr_Occurred() ? -2 : -1;
+    long sid = PyLong_AsLong(got);
+    Py_DECREF(got);
+    return sid == -1 && PyErr_Occurred() ? -2 : (int32_t)sid;
+}
+
+/* -- magic: record checksums (probing.py check_records) --------------------------------------- */
+
+/* Block b's record, about to be saved and changed, still matches its checksum (checked once
+ * per transaction: an operation may change a record in steps and save it again). */
+static int record_sealed(Native *n, int64_t b) {
+    if (n->checked == NULL) {
+        n->checked = PyMem_Calloc((size_t)n->nb, sizeof(uint32_t));
+        if (n->checked == NULL) return 0; /* no memory: let the Python path check */
+    }
+    if (n->checked[b] == n->txn_stamp) return 1;
+    n->checked[b] = n->txn_stamp;
+    return U8(blk(n, b) + BF_CHECKSUM) == checksum(n, b);
+}
+
+/* Every record of ids sealed (else the Python path runs the operation and reports). */
+static int all_sealed(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & P_MAGIC)) return 1;
+    for (int64_t i = 0; i < k; i++)
+        if (U8(blk(n, ids[i]) + BF_CHECKSUM) != checksum(n, ids[i])) return 0;
+    return 1;
+}
+
+/* The probe's method `name` (no arguments): OK, or ERROR with an exception set. */
+static int call_probe(PyObject *pool, PyObject *name) {
+    PyObject *probe = PyObject_GetAttr(pool, s_probe);
+    if (probe == NULL) return ERROR;
+    PyObject *r = probe == Py_None ? Py_NewRef(Py_None) : PyObject_CallMethodNoArgs(probe, name);
+    Py_DECREF(probe);
+    Py_XDECREF(r);
+    return r ? OK : ERROR;
+}
+
+/* probing.conservation, counted here under the free lock: the ring holds exactly the free
+ * (and quarantined) blocks, this client's local cache exactly its LOCAL blocks. 1 when they
+ * agree (or the lock is not to be had now: the next check counts), 0 when not. */
+static int conserved(Native *n) {
+    if (txn_begin(n, lock_bit(n->lock_free)) != OK) return 1;
+    int64_t free_ = 0, mine = 0;
+    for (int64_t b = 0; b < n->nb; b++) {
+        uint8_t *r = blk(n, b);
+        free_ += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
+        mine += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
+    }
+    int ok = free_ == (int64_t)U4(ringh(n) + RING_COUNT) && mine == (int64_t)local_count(n);
+    txn_commit(n);
+    return ok;
+}
+
+/* probing.verify_often: the header (and, with the leaks probe, conservation) at most every
+ * VERIFY_EVERY_S. The header's checked bytes (up to and with its checksum) are compared with
+ * a copy taken after the probe's first check; a difference, or counts that do not agree, go
+ * to the probe, which checks again and reports. OK, or ERROR with an exception set. */
+static int verify_often(Native *n, PyObject *pool) {
+    uint64_t now = mono_ns();
+    if (now - n->last_verify_ns < VERIFY_EVERY_NS) return OK;
+    n->last_verify_ns = now;
+    if (n->hdr_copy == NULL || memcmp(n->hdr_copy, n->seg, n->hdr_len) != 0) {
+        if (call_probe(pool, s_verify_often)) return ERROR;
+        if (n->hdr_copy == NULL && (n->hdr_copy = PyMem_Malloc(n->hdr_len)) != NULL)
+            memcpy(n->hdr_copy, n->seg, n->hdr_len);
+        return OK;
+    }
+    if ((n->probes & P_LEAKS) && !conserved(n)) return call_probe(pool, s_conservation);
+    return OK;
+}
+
+/* -- leaks (probing.py before_release / after_release, writes.py _check_unmapped) ------------- */
+
+static int leak_scratch(Native *n) {
+    if (n->refs == NULL) n->refs = PyMem_Calloc((size_t)n->nb, sizeof(int32_t));
+    return n->refs != NULL;
+}
+
+/* Count, in n->refs, the blocks of `slot`'s table (the segment's copy). */
+static void count_table(Native *n, int64_t slot, int sign) {
+    uint8_t *s = seqrec(n, slot);
+    uint32_t nb = U4(s + SF_NUM_BLOCKS);
+    if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
+    int32_t *t = (int32_t *)(s + SF_TABLE);
+    for (uint32_t j = 0; j < nb; j++)
+        if (t[j] >= 0 && t[j] < n->nb) n->refs[t[j]] += sign;
+}
+
+/* n->refs += (or -=) every live sequence of this handle's table. */
+static int count_handle_tables(Native *n, int sign, int64_t skip_slot) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *val;
+    while (PyDict_Next(n->seqs, &pos, &key, &val)) {
+        int64_t slot = PyLong_AsLongLong(key);
+        if (slot == -1 && PyErr_Occurred()) return ERROR;
+        if (slot >= 0 && slot < n->max_seqs && slot != skip_slot) count_table(n, slot, sign);
+    }
+    return OK;
+}
+
+/* before_release: each unindexed ALLOCATED block of the table has as many references as
+ * this handle's sequences map it. OK, FALLBACK on a mismatch (Python reports it), ERROR. */
+static int refcounts_match(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & P_LEAKS) || k == 0) return OK;
+    if (!leak_scratch(n)) return FALLBACK;
+    if (count_handle_tables(n, 1, -1)) return ERROR;
+    int bad = 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_INDEXED] || r[BF_STATE] != B_ALLOCATED) continue;
+        if (I4(r + BF_REFCOUNT) != n->refs[ids[i]]) bad = 1;
+    }
+    count_handle_tables(n, -1, -1);
+    return bad ? FALLBACK : OK;
+}
+
+static void maybe_live_add(Native *n, int64_t slot) {
+    if (n->maybe_valid && !n->in_maybe[slot]) {
+        n->in_maybe[slot] = 1;
+        n->maybe_live[n->n_maybe++] = (int32_t)slot;
+    }
+}
+
+static inline uint64_t client_seq_of(Native *n, int64_t c) {
+    return U8(n->seg + n->c_seq + (c - n->client) * n->client_size);
+}
+
+/* The slots that may hold a live sequence: the cache while every client's transaction count
+ * is as seen (this core's own claims are added as it makes them), else a scan of the whole
+ * sequence table. 0, or -1 without memory. */
+static int maybe_live_sync(Native *n) {
+    if (n->maybe_live == NULL) {
+        n->maybe_live = PyMem_Calloc((size_t)n->max_seqs, sizeof(int32_t));
+        n->in_maybe = PyMem_Calloc((size_t)n->max_seqs, 1);
+        n->seen_seq = PyMem_Calloc((size_t)n->max_clients, sizeof(uint64_t));
+        if (!n->maybe_live || !n->in_maybe || !n->seen_seq) return -1;
+    }
+    if (n->maybe_valid) {
+        int64_t c = 0;
+        while (c < n->max_clients && client_seq_of(n, c) == n->seen_seq[c]) c++;
+        if (c == n->max_clients) return 0;
+    }
+    for (int64_t c = 0; c < n->max_clients; c++) n->seen_seq[c] = client_seq_of(n, c);
+    memset(n->in_maybe, 0, (size_t)n->max_seqs);
+    n->n_maybe = 0;
+    for (int64_t s = 0; s < n->max_seqs; s++)
+        if (seqrec(n, s)[SF_STATE] != S_EMPTY) {
+            n->in_maybe[s] = 1;
+            n->maybe_live[n->n_maybe++] = (int32_t)s;
+        }
+    n->maybe_valid = 1;
+    return 0;
+}
+
+/* Sampled guard mode: blocks about to be handed out were never poisoned in quarantine (the
+ * Python path verifies and clears the poison: writes.before_reuse). OK, or FALLBACK. */
+static int unpoisoned(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & P_GUARD_SAMPLED)) return OK;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_POISONED] || r[BF_STATE] == B_QUARANTINED) return FALLBACK;
+    }
+    return OK;
+}
+
+/* Sampled guard mode: the sequence in `slot` is one it guards (its release: Python). 1, 0,
+ * or -1 with an exception set. */
+static int guarded(Native *n, int64_t slot) {
+    if (!(n->probes & P_GUARD_SAMPLED) || PySet_GET_SIZE(n->guarded) == 0) return 0;
+    PyObject *key = PyLong_FromLongLong(slot);
+    if (key == NULL) return -1;
+    int in = PySet_Contains(n->guarded, key);
+    Py_DECREF(key);
+    return in;
+}
+
+/* writes._check_unmapped: no live sequence (of any process) maps a block about to be handed
+ * out. OK, or FALLBACK (Python reports the stale table). */
+static int unmapped(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & P_LEAKS) || k == 0) return OK;
+    if (!leak_scratch(n) || maybe_live_sync(n)) return FALLBACK;
+    for (int64_t i = 0; i < k; i++) n->refs[ids[i]] = 1;
+    int hit = 0;
+    for (int64_t m = 0; m < n->n_maybe && !hit; m++) {
+        uint8_t *q = seqrec(n, n->maybe_live[m]);
+        if (q[SF_STATE] == S_EMPTY) continue;
+        uint32_t nb = U4(q + SF_NUM_BLOCKS);
+        if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
+        int32_t *t = (int32_t *)(q + SF_TABLE);
+        for (uint32_t j = 0; j < nb; j++)
+            if (t[j] >= 0 && t[j] < n->nb && n->refs[t[j]]) {
+                hit = 1;
+                break;
+            }
+    }
+    for (int64_t i = 0; i < k; i++) n->refs[ids[i]] = 0;
+    return hit ? FALLBACK : OK;
+}
+
+/* held_after_release, inside the release's transaction after its drops: the blocks of the
+ * table this process still holds that no other sequence of this handle maps (leaked), with
+ * their records as they are now: a list of (block, record bytes), empty when none; NULL with
+ * an exception set. */
+static PyObject *leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t slot) {
+    PyObject *out = PyList_New(0);
+    if (out == NULL || !(n->probes & P_LEAKS)) return out;
+    int any = 0;
+    for (int64_t i = 0; i < k && !any; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        any = r[BF_STATE] == B_ALLOCATED && !r[BF_INDEXED] && I4(r + BF_REFCOUNT) > 0 &&
+              I4(r + BF_OWNER_CLIENT) == n->client;
+    }
+    if (!any) return out;
+    if (!leak_scratch(n) || count_handle_tables(n, 1, slot)) {
+        Py_DECREF(out);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    }
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_STATE] != B_ALLOCATED || r[BF_INDEXED] || I4(r + BF_REFCOUNT) <= 0 ||
+            I4(r + BF_OWNER_CLIENT) != n->client || n->refs[ids[i]])
+            continue;
+        int dup = 0;
+        for (int64_t j = 0; j < i; j++) dup |= ids[j] == ids[i];
+        if (dup) continue;
+        PyObject *item = Py_BuildValue("(iy#)", ids[i], (const char *)r, (Py_ssize_t)n->rec);
+        if (append_new(out, item)) {
+            Py_CLEAR(out);
+            break;
+        }
+    }
+    count_handle_tables(n, -1, slot);
+    return out;
+}
+
+/* after_release: hand leaked blocks (leaked_blocks) to the probe, which reports them. */
+static int report_leaked(Native *n, PyObject *pool, PyObject *leaked, PyObject *request) {
+    if (leaked == NULL || PyList_GET_SIZE(leaked) == 0) return OK;
+    PyObject *probe = PyObject_GetAttr(pool, s_probe);
+    if (probe == NULL) return ERROR;
+    PyObject *r = probe == Py_None ? Py_NewRef(Py_None)
+                                   : PyObject_CallMethodObjArgs(probe, s_native_leaked, leaked,
+                                                                request, NULL);
+    Py_DECREF(probe);
+    Py_XDECREF(r);
+    return r ? OK : ERROR;
+}
+
+/* -- lockdep (probes/lockdep.py LockDep.before) ---------------------------------------------- */
+
+/* A transaction takes the locks of `mask` in ascending order, with no other traced lock held
+ * (the gate): each pair (i < j) of traced locks of different classes is an order edge
+ * class(i) -> class(j). OK when lockdep knows every one: a bit matrix here, the probe's
+ * `_lockdep_learn` called once per edge the core has not seen (it adds a new edge to the
+ * graph and reports a cycle it closes, as `LockDep.before`); FALLBACK when it could not learn
+ * it (the Python path then takes the locks under its hooks), ERROR with an exception set. */
+static int lockdep_ok(Native *n, uint64_t mask) {
+    mask &= n->traced;
+    for (uint64_t m = mask; m; m &= m - 1) {
+        int j = __builtin_ctzll(m);
+        uint64_t need = mask & (lock_bit(j) - 1) & ~n->same_class[j] & ~n->known_into[j];
+        for (; need; need &= need - 1) {
+            int i = __builtin_ctzll(need);
+            PyObject *r = PyObject_CallMethod(n->pool, "_lockdep_learn", "ii", i, j);
+            if (r == NULL) return ERROR;
+            int known = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (known < 0) return ERROR;
+            if (!known) return FALLBACK;
+            n->known_into[j] |= lock_bit(i);
+        }
+    }
+    return OK;
+}

@@ -1,0 +1,107 @@
+"""A serving-shaped loop under each probe set: pool operations per second, in one run.
+
+    python bench/bench_serving_loop.py              # ~1 minute
+    python bench/bench_serving_loop.py --steps 100 --repeat 1
+
+Each step, every running sequence (64 of them) appends one token; a sequence whose output is
+complete is published (mark_computed) and freed, and a new request takes its place, 70% of them
+behind one of 8 shared 32-token system prompts (prefix hits). Every configuration runs the same
+seeded requests on a fresh pool (block size 16, 4096 blocks; one core pinned, GC off), in
+interleaved rounds; the median of --repeat rounds is shown with its ratio to the probes-off C
+core. Probes are switched by the KVSCOPE_* variables `kvscope run` sets (bench_probes.make).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_probes import LIGHT_VARS, PROBE_VARS, SAMPLE_VAR, make  # noqa: E402
+
+from kvscope.allocator import KVPool  # noqa: E402
+
+RUNNING = 64
+SYSTEMS = 8
+
+
+def serve(pool: KVPool, steps: int, seed: int) -> float:
+    """Pool operations per second over `steps` decode steps."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(32000) for _ in range(32)] for _ in range(SYSTEMS)]
+    n = 0
+
+    def admit() -> list:
+        nonlocal n
+        n += 1
+        own = [rng.randrange(32000) for _ in range(rng.randrange(8, 41))]
+        prompt = (rng.choice(systems) if rng.random() < 0.7 else []) + own
+        return [pool.allocate(f"req-{n}", prompt), rng.randrange(16, 129)]
+
+    running = [admit() for _ in range(RUNNING)]
+    ops = RUNNING
+    t = time.perf_counter()
+    for _ in range(steps):
+        for i, (seq, left) in enumerate(running):
+            pool.append(seq, [rng.randrange(32000)])
+            ops += 1
+            if left > 1:
+                running[i][1] = left - 1
+                continue
+            pool.mark_computed(seq, seq.num_tokens)
+            pool.free(seq)
+            running[i] = admit()
+            ops += 3
+    dt = time.perf_counter() - t
+    for seq, _ in running:
+        pool.free(seq)
+    return ops / dt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    gc.disable()
+    light = {k: "1" for k in LIGHT_VARS}
+    configs = {
+        "every probe off (the C core)": {},
+        "every probe off, Python path (KVSCOPE_NATIVE=0)": {"_python": "1"},
+        "light probes (magic, ownership, events, leaks, lockdep)": light,
+        "light probes + sampled guard 1/64": {**light, "KVSCOPE_GUARD": "1", SAMPLE_VAR: "64"},
+        "all probes (as under kvscope run)": {k: "1" for k in PROBE_VARS},
+    }
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    for r in range(args.repeat):
+        # Interleaved rounds, a fresh pool each: every configuration sees the same machine.
+        for name, env in configs.items():
+            pool = make(env)
+            try:
+                steps = args.steps if "off (" in name or "light" in name else args.steps // 10
+                rates[name].append(serve(pool, steps, seed=r))
+            finally:
+                pool.close()
+                pool.unlink()
+    fast = statistics.median(rates["every probe off (the C core)"])
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
+    print("| configuration | pool ops/s | vs the C core |")
+    print("|---|---:|---:|")
+    for name in configs:
+        rate = statistics.median(rates[name])
+        print(f"| {name} | {rate:,.0f} | {rate / fast:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

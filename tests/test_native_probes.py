@@ -1,0 +1,239 @@
+"""The C core with probes on against the Python path: over geometries (block size, local cache,
+index shards, clients) and probe sets (none, each light probe alone, all of them), the same
+operations leave the same bytes, the same flight-recorder events, the same allocation sites and
+the same findings; and the core does run them (the probes no longer send a handle to Python)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from kvscope.allocator import KVPool, PoolConfig, eviction
+from kvscope.allocator.findings import read_findings
+from kvscope.allocator.layout import BlockState
+from kvscope.probes import lockdep
+from tests.test_native import _apply, _fields, _script, _state
+
+PROBES = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
+PROBE_SETS = {"none": (), **{p.lower(): (p,) for p in PROBES}, "all": PROBES}
+
+
+def _pool(name: str, use_native: bool, bs: int, local: int, shards: int, clients: int) -> KVPool:
+    pool = KVPool.create(
+        name,
+        PoolConfig(
+            num_blocks=max(48, 192 // bs),
+            block_size=bs,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=4,
+            dtype="float32",
+            local_cache_size=local,
+            num_shards=shards,
+            max_clients=clients,
+            max_seqs=64,
+            event_capacity=256,
+        ),
+    )
+    if not use_native:
+        pool._native = None
+    # No watchdog: a hold it times would depend on the machine's speed.
+    lockdep.install(pool, {**os.environ, "KVSCOPE_LOCK_HOLD_S": "0"})
+    return pool
+
+
+def _probe_state(pool: KVPool) -> dict[str, object]:
+    """What the probes wrote: this client's events (without times), the site table, findings."""
+    v = pool.view
+    ev = v.events[pool.client].copy()
+    ev["time_ns"] = 0
+    used = int(v.h["num_sites_used"])
+    return {
+        "events": ev.view(np.uint8),
+        "event_head": int(v.clients["event_head"][pool.client]),
+        "sites": [bytes(t) for t in v.sites["text"][:used]],
+        "findings": [(f.kind, f.block, f.message, f.request) for f in read_findings(v)],
+        "lock_order": {
+            (bytes(e["src"]), bytes(e["dst"])) for e in v.lockgraph[: int(v.h["lockgraph_used"])]
+        },
+    }
+
+
+def _same_all(a: KVPool, b: KVPool, step: str) -> None:
+    sa, sb = _state(a), _state(b)
+    for key in sa:
+        assert np.array_equal(sa[key], sb[key]), f"after {step}: {key} differs (C vs Python)"
+    pa, pb = _probe_state(a), _probe_state(b)
+    # The core takes some locks together that the Python path takes in two transactions (an
+    # allocation's index shard and free lock): its lock-order graph has every edge of the
+    # Python path's, and may have more.
+    assert pb.pop("lock_order") <= pa.pop("lock_order"), f"after {step}: an edge is missing"
+    for key in pa:
+        if isinstance(pa[key], np.ndarray):
+            assert np.array_equal(pa[key], pb[key]), f"after {step}: {key} differ"
+        else:
+            assert pa[key] == pb[key], f"after {step}: {key} differ"
+
+
+def _corrupt(pool: KVPool, live: list, rng: random.Random) -> None:
+    """Hostile writes the probes exist for, the same on both pools: a block record scribbled
+    over (magic) or a refcount taken twice (leaks)."""
+    if not live:
+        return
+    seq = live[rng.randrange(len(live))]
+    blk = seq.block_table[rng.randrange(len(seq.block_table))]
+    b = pool.view.blocks
+    if b["state"][blk] != BlockState.ALLOCATED:
+        return
+    if rng.random() < 0.5:
+        b["owner_pid"][blk] ^= 0x40  # not resealed: the checksum no longer matches
+    else:
+        b["refcount"][blk] += 1
+        pool.store.seal(np.array([blk]))
+
+
+def _run(
+    pool_name: str,
+    monkeypatch,
+    probes: tuple[str, ...],
+    geometry: tuple,
+    steps: int,
+    seed: int,
+    hostile: bool,
+) -> dict[str, int]:
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in probes else "0")
+    monkeypatch.setattr(eviction, "LRU_KEEP", 8)
+    fast = _pool(pool_name, True, *geometry)
+    slow = _pool(f"{pool_name}-py", False, *geometry)
+    live_fast: list = []
+    live_slow: list = []
+    rng = random.Random(seed)
+    try:
+        for i, op in enumerate(_script(random.Random(seed), steps, churn=seed % 2 == 1)):
+            if hostile and rng.random() < 0.03:
+                state = rng.getstate()
+                _corrupt(fast, live_fast, rng)
+                rng.setstate(state)
+                _corrupt(slow, live_slow, rng)
+            got_fast = _apply(fast, live_fast, op)
+            got_slow = _apply(slow, live_slow, op)
+            assert got_fast == got_slow, f"step {i} {op[0]}"
+            assert [_fields(s) for s in live_fast] == [_fields(s) for s in live_slow]
+            _same_all(fast, slow, f"step {i} {op}")
+        return fast._native.stats()
+    finally:
+        for p in (fast, slow):
+            lockdep.LOCKDEP.uninstrument(p)
+            p.close()
+            p.unlink()
+
+
+# (block size, local cache, shards, clients)
+DEFAULT = (4, 3, 2, 4)
+GEOMETRIES = [
+    (bs, local, shards, clients)
+    for bs in (1, 4, 16)
+    for local in (0, 64)
+    for shards in (1, 8)
+    for clients in (2, 32)
+]
+# Every value of every dimension at least once, kept quick; the full product is slow.
+QUICK = [(1, 0, 1, 2), (4, 64, 8, 32), (16, 0, 8, 2), (16, 64, 1, 32)]
+
+
+def _gid(g: tuple) -> str:
+    return "bs{}-local{}-shards{}-clients{}".format(*g)
+
+
+@pytest.mark.parametrize("name", list(PROBE_SETS))
+def test_each_probe_set_leaves_the_same_bytes_events_sites_and_findings(
+    pool_name, monkeypatch, name
+):
+    # GIVEN two pools, one on the C core and one on the Python path, with the same probes on
+    # WHEN the same operations run on both, with hostile writes now and then
+    stats = _run(pool_name, monkeypatch, PROBE_SETS[name], DEFAULT, 300, 3, hostile=True)
+    # THEN every byte, event, site and finding agreed after every step (checked in _run), and
+    # the C core ran most of the operations with the probes on
+    assert stats["native_ops"] > 150, stats
+
+
+@pytest.mark.parametrize("geometry", QUICK, ids=_gid)
+def test_the_light_probes_keep_every_operation_in_the_core(pool_name, monkeypatch, geometry):
+    # GIVEN a geometry, WHEN the same operations run with no probe and with every light probe
+    plain = _run(pool_name, monkeypatch, (), geometry, 250, 1, hostile=False)
+    probed = _run(pool_name, monkeypatch, PROBES, geometry, 250, 1, hostile=False)
+    # THEN both agreed with Python throughout, and the probes sent not one more operation there
+    assert probed == plain and plain["native_ops"] > 40, (plain, probed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probes", ["none", "all"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=_gid)
+def test_every_geometry(pool_name, monkeypatch, geometry, probes):
+    stats = _run(pool_name, monkeypatch, PROBE_SETS[probes], geometry, 200, 2, hostile=True)
+    assert stats["native_ops"] > 20, stats
+
+
+def test_probe_findings_come_from_either_path(pool_name, monkeypatch):
+    # GIVEN the C core with every light probe on, and a block record scribbled over
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1")
+    pool = _pool(pool_name, True, *DEFAULT)
+    try:
+        a = pool.allocate("a", [1, 2, 3, 4, 5])
+        b = pool.allocate("b", [9, 9, 9])
+        ops = pool._native.stats()["native_ops"]
+        first = a.block_table[0]
+        pool.view.blocks["owner_pid"][first] ^= 1
+        # WHEN the sequences end
+        pool.free(b)
+        pool.free(a)
+        # THEN the clean one ended in the C core; the scribbled record was reported once, and
+        # left alone by its release (so it stays held: a leak)
+        assert pool._native.stats()["native_ops"] == ops + 1
+        kinds = [f.kind for f in pool.findings()]
+        assert kinds == ["block_header_corrupt", "leak_finished"], kinds
+        # and the flight recorder has the blocks' frees, the site names this file
+        ops_seen = {int(o) for o in pool.view.events[pool.client]["op"]}
+        assert {1, 2, 9} <= ops_seen, ops_seen
+        site = int(pool.view.blocks["site"][first])
+        assert "test_native_probes.py" in bytes(pool.view.sites["text"][site]).decode()
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_the_core_reverifies_the_header_and_the_free_counts(pool_name, monkeypatch):
+    # GIVEN the C core with magic and leaks on, past its first periodic check
+    import time
+
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("MAGIC", "LEAKS") else "0")
+    pool = _pool(pool_name, True, *DEFAULT)
+    try:
+        pool.free(pool.allocate("a", [1, 2, 3]))
+        time.sleep(0.011)
+        pool.free(pool.allocate("b", [1, 2, 3]))
+        assert pool.findings() == []
+        # WHEN a block goes missing from the free ring, and 10 ms later an operation runs
+        pool.view.ring_header["count"] -= 1
+        time.sleep(0.011)
+        ops = pool._native.stats()["native_ops"]
+        pool.free(pool.allocate("c", [1, 2, 3]))
+        # THEN the core's count found it and the probe reported it; the operation ran in the core
+        assert [f.kind for f in pool.findings()] == ["free_list_corrupt"]
+        assert pool._native.stats()["native_ops"] == ops + 2
+        # WHEN the header is scribbled over THEN the next check reports that too
+        pool.view.ring_header["count"] += 1
+        pool.view.raw[8] ^= 0xFF
+        time.sleep(0.011)
+        pool.free(pool.allocate("d", [1, 2, 3]))
+        assert [f.kind for f in pool.findings()][-1] == "header_corrupt"
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()
