@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         help="--mixes: replay decode steps as CUDA graphs",
     )
     ap.add_argument(
-        "--profile", type=int, default=0, metavar="N", help="--mixes: also profile N requests"
+        "--only-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--mixes: no table; profile N requests of the top-10 mix instead",
     )
     args = ap.parse_args(argv)
     if args.mixes:
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _mixes(args: argparse.Namespace) -> int:
-    """`--mixes`: the table, then (with --profile) where a step's time goes."""
+    """`--mixes`: the table, or (`--only-profile N`) where a step's time goes."""
     import datetime
     import platform
 
@@ -172,26 +176,26 @@ def _mixes(args: argparse.Namespace) -> int:
 
     graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     model = serve_mixes.build_model(args.device, args.quick)
-    results = serve_mixes.run_mixes(model, args.device, args.requests, graphs)
+    results: dict = {"cases": []}
+    if not args.only_profile:
+        results = serve_mixes.run_mixes(model, args.device, args.requests, graphs)
     results["machine"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
         "torch": torch.__version__,
         "model": "tiny" if args.quick else "llama2-7b shape, random fp16",
     }
-    print(serve_mixes.render(results), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    if args.profile:
+    if args.only_profile:
         results["profiles"] = [
-            serve_mixes.profile_case(model, args.device, g, args.profile) for g in graphs
+            serve_mixes.profile_case(model, args.device, g, args.only_profile) for g in graphs
         ]
         for p in results["profiles"]:
             shown = {k: v for k, v in p.items() if k not in ("top_kernels", "cprofile_tottime")}
             print(json.dumps(shown, indent=1))
             print(p.get("top_kernels", ""))
             print(p["cprofile_tottime"][:6000])
+    else:
+        print(serve_mixes.render(results), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

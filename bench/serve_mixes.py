@@ -80,9 +80,15 @@ def build_model(device: str, quick: bool) -> LlamaModel:
 
 
 def case_config(
-    model: LlamaModel, device: str, sharing: bool, graphs: bool, name: str
+    model: LlamaModel, mix: str, device: str, sharing: bool, graphs: bool, name: str
 ) -> RunConfig:
-    """The run of one case: 12 sequences at most, a pool large enough never to preempt."""
+    """The run of one case: 12 sequences at most, a pool large enough never to preempt.
+
+    1024 blocks (8 GiB of Llama-2-7B's KV). A pool's CUDA memory stays with this process
+    after the pool is closed (torch keeps a tensor it shared through CUDA IPC until every
+    receiver lets go), so one process has room for about 15 such pools beside the model: the
+    table (3 warm-ups, 12 cases) or a profile (`--only-profile`), not both.
+    """
     return RunConfig(
         model_shape=model.config,
         device=device,
@@ -104,7 +110,7 @@ def serve_case(
     """Serve one case; its summary as a dict, with requests/s added."""
     requests = mix_requests(mix, n, model.config.vocab_size)
     name = f"mix-{tag}-{mix}-{int(sharing)}{int(graphs)}"
-    config = case_config(model, device, sharing, graphs, name)
+    config = case_config(model, mix, device, sharing, graphs, name)
     summary, _ = run(config, requests, model=model)
     free_device_memory(device)
     out = asdict(summary)
@@ -158,9 +164,7 @@ def run_mixes(
     return {"block_bytes": kv_block_bytes(model), "cases": cases}
 
 
-def profile_case(
-    model: LlamaModel, device: str, graphs: bool, num_requests: int
-) -> dict[str, Any]:
+def profile_case(model: LlamaModel, device: str, graphs: bool, num_requests: int) -> dict[str, Any]:
     """Where the time of the top-10 mix (sharing on) goes: kernel time on the GPU against the
     run's wall time (torch.profiler), and the engine thread's hottest functions (cProfile)."""
     serve_case(model, "top-10", True, graphs, CLIENTS, device, "pwarm")

@@ -145,9 +145,7 @@ LLAMA2_7B = ModelConfig(
 )
 
 
-def random_model(
-    config: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0
-) -> LlamaModel:
+def random_model(config: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
     """A model of `config`'s shape with random weights made on `device` in `dtype`.
 
     For geometries too large to write and load as a checkpoint just to time them (a 7B model is

@@ -35,6 +35,7 @@ from .runconfig import (
 from .worker import Outcome, WorkerReport
 from .workload import Request
 
+
 def rank_pool_name(base: str, rank: int) -> str:
     """The pool of rank `rank`."""
     return f"{base}-rank{rank}"

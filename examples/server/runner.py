@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .model import LlamaModel
+from .ranks import run_ranks
 from .report import RequestResult, Summary, summarize
 from .runconfig import (
     RunConfig,
@@ -23,7 +24,6 @@ from .runconfig import (
     release_cache,
     start_time,
 )
-from .ranks import run_ranks
 from .worker import Outcome, WorkerReport, run_workers
 from .workload import Request
 
