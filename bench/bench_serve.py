@@ -2,6 +2,9 @@
 
     python bench/bench_serve.py --device cuda          # on the H200 (docs/BENCHMARKS.md)
     python bench/bench_serve.py --device cpu --quick   # smoke test
+    python bench/bench_serve.py --mixes --device cuda  # the prefix-sharing report's table
+
+(`--mixes`: bench/serve_mixes.py.)
 
 A random-weight Llama checkpoint (~110M parameters) is written to a temporary directory; the
 same seeded workload (256 requests arriving at once, 70% behind one of 10 shared 256-token
@@ -104,7 +107,26 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny", action="store_true", help="the built-in tiny model on the full workload"
     )
     ap.add_argument("--json", help="also write the raw summaries here")
+    ap.add_argument(
+        "--mixes", action="store_true", help="the prefix-sharing table: 3 mixes x sharing on/off"
+    )
+    ap.add_argument("--requests", type=int, default=192, help="--mixes: requests per case")
+    ap.add_argument(
+        "--cuda-graphs",
+        choices=["off", "on", "both"],
+        default="off",
+        help="--mixes: replay decode steps as CUDA graphs",
+    )
+    ap.add_argument(
+        "--only-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--mixes: no table; profile N requests of the top-10 mix instead",
+    )
     args = ap.parse_args(argv)
+    if args.mixes:
+        return _mixes(args)
     cases = {
         "paged + prefix sharing": [],
         "paged, prefix sharing off": ["--no-prefix-cache"],
@@ -138,6 +160,42 @@ def main(argv: list[str] | None = None) -> int:
             + " | ".join(fmt.format(r.get(key, float("nan"))) for r in results.values())
             + " |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _mixes(args: argparse.Namespace) -> int:
+    """`--mixes`: the table, or (`--only-profile N`) where a step's time goes."""
+    import datetime
+    import platform
+
+    import serve_mixes
+    import torch
+
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
+    model = serve_mixes.build_model(args.device, args.quick)
+    results: dict = {"cases": []}
+    if not args.only_profile:
+        results = serve_mixes.run_mixes(model, args.device, args.requests, graphs)
+    results["machine"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "model": "tiny" if args.quick else "llama2-7b shape, random fp16",
+    }
+    if args.only_profile:
+        results["profiles"] = [
+            serve_mixes.profile_case(model, args.device, g, args.only_profile) for g in graphs
+        ]
+        for p in results["profiles"]:
+            shown = {k: v for k, v in p.items() if k not in ("top_kernels", "cprofile_tottime")}
+            print(json.dumps(shown, indent=1))
+            print(p.get("top_kernels", ""))
+            print(p["cprofile_tottime"][:6000])
+    else:
+        print(serve_mixes.render(results), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

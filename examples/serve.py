@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-batched-tokens", type=int, default=256)
     c.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per step")
     c.add_argument("--workers", type=int, default=1, help="processes serving from one pool")
+    c.add_argument(
+        "--ranks", type=int, default=1,
+        help="engine processes each with its own pool, on cuda:0..N-1 with --device cuda",
+    )  # fmt: skip
+    c.add_argument(
+        "--fault-rank", type=int, default=-1, metavar="RANK",
+        help="with --ranks: faults armed by `kvscope run --inject` fire in this rank only",
+    )  # fmt: skip
+    c.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
     c.add_argument("--threads", type=int, default=0, help="torch threads (0: 1 for tiny model)")
     c.add_argument("--pool-name", default="", help="pool name (default serve-PID)")
     c.add_argument("--keep-pool", action="store_true", help="leave the pool for kvscope top")
@@ -109,16 +118,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Validate flags, run, print."""
-    for flag in ("requests", "workers", "num_blocks", "block_size", "n", "max_num_seqs"):
+    for flag in ("requests", "workers", "ranks", "num_blocks", "block_size", "n", "max_num_seqs"):
         if getattr(args, flag) < 1:
             raise ServeError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.model is not None and not args.model.is_dir():
         raise ServeError(f"--model {args.model}: not a directory")
+    if args.ranks > 1 and args.workers > 1:
+        raise ServeError("--ranks and --workers do not combine: each rank is one engine")
+    if not -1 <= args.fault_rank < args.ranks:
+        raise ServeError(f"--fault-rank {args.fault_rank}: not a rank of --ranks {args.ranks}")
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ServeError("--device cuda: no CUDA device here")
+        if args.ranks > torch.cuda.device_count():
+            raise ServeError(
+                f"--ranks {args.ranks}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
+    elif args.cuda_graphs:
+        raise ServeError("--cuda-graphs needs --device cuda")
     config = RunConfig(
         model_path=args.model,
         model_seed=args.model_seed,
@@ -139,6 +158,9 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
         clock=args.clock,
+        cuda_graphs=args.cuda_graphs,
+        ranks=args.ranks,
+        fault_rank=args.fault_rank,
     )
     vocab_size = _vocab_size(args.model)
     if args.jsonl is not None:
@@ -171,7 +193,11 @@ def _serve(args: argparse.Namespace) -> int:
 
         Console().print(render_table(summary))
         if config.keep_pool and config.baseline == "paged":
-            print(f"pool kept: kvscope top {config.pool_name}")
+            names = [config.pool_name]
+            if config.ranks > 1:
+                names = [f"{config.pool_name}-rank{i}" for i in range(config.ranks)]
+            for name in names:
+                print(f"pool kept: kvscope top {name}")
     return 0
 
 

@@ -70,6 +70,8 @@ def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str
             "max_blocks_per_seq": lay.max_blocks_per_seq,
         },
         "device": _s(h["device"]),
+        # bytes of the pool's KV tensor (all blocks, every layer, K and V)
+        "data_bytes": int(h["data_bytes"]),
         "flags": {
             "guard": bool(flags & Flag.GUARD),
             "events": bool(flags & Flag.EVENTS),

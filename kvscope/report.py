@@ -46,6 +46,21 @@ def print_json(report: dict[str, Any], file: IO[str] | None = None) -> None:
     out.write("\n")
 
 
+def _memory(con: Any, pool: dict[str, Any]) -> None:
+    """A live pool on a GPU: its KV bytes beside that GPU's memory now (NVML)."""
+    gpu = pool.get("gpu")
+    if not gpu or "data_bytes" not in pool:
+        return
+    share = pool["data_bytes"] / gpu["total"] if gpu["total"] else 0.0
+    con.print(
+        escape(
+            f"KV data {pool['data_bytes'] / 2**30:.2f} GiB ({share:.1%} of the GPU); "
+            f"GPU {gpu['index']} {gpu['name']} (NVML): {gpu['used'] / 2**30:.2f} GiB used "
+            f"of {gpu['total'] / 2**30:.2f} GiB"
+        )
+    )
+
+
 def render(report: dict[str, Any], con: Console | None = None, *, title: str = "") -> None:
     """Health, findings by severity (owner, site, last events, first bad event), summary."""
     con = con or console()
@@ -71,6 +86,7 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
             f" probes: {flags}"
         )
     )
+    _memory(con, pool)
     findings = report["findings"]
     errors = [f for f in findings if f["severity"] == "error"]
     warnings = [f for f in findings if f["severity"] != "error"]

@@ -5,18 +5,24 @@
     ...
     gpus.close()
 
+    gpu_memory("cuda:1")         # {"index", "name", "used", "total", "free"} or None
+
 Names follow the OpenTelemetry hardware conventions (`hw.gpu.*`, attributes `hw.id`, `hw.name`,
 `hw.vendor`), plus `kvscope.gpu.memory.free` (NVML's free bytes: total - used - reserved).
+OpenTelemetry is imported only by `register`: `gpu_memory` (what `kvscope analyze` shows beside
+a live pool on a GPU) works without it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+if TYPE_CHECKING:
+    from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 INDEX = "kvscope.gpu.index"
 
@@ -71,6 +77,9 @@ class GpuMetrics:
         """Create the GPU gauges on meter (none without a GPU)."""
         if not self.devices:
             return
+        from opentelemetry.metrics import Observation
+
+        self._observation = Observation
         gauges = (
             ("hw.gpu.memory.limit", "By", "GPU memory size (NVML total).", self._limit),
             (
@@ -100,7 +109,7 @@ class GpuMetrics:
             out = []
             for d in self.devices:
                 try:
-                    out.append(Observation(read(d.handle), d.attributes))
+                    out.append(self._observation(read(d.handle), d.attributes))
                 except Exception:  # noqa: BLE001 - a device that fell off the bus: skip it
                     continue
             return out
@@ -108,16 +117,16 @@ class GpuMetrics:
         return observe
 
     def _limit(self, h: Any) -> float:
-        return int(self.nvml.nvmlDeviceGetMemoryInfo(h).total)
+        return int(memory_info(self.nvml, h).total)
 
     def _usage(self, h: Any) -> float:
-        return int(self.nvml.nvmlDeviceGetMemoryInfo(h).used)
+        return int(memory_info(self.nvml, h).used)
 
     def _free(self, h: Any) -> float:
-        return int(self.nvml.nvmlDeviceGetMemoryInfo(h).free)
+        return int(memory_info(self.nvml, h).free)
 
     def _mem_util(self, h: Any) -> float:
-        m = self.nvml.nvmlDeviceGetMemoryInfo(h)
+        m = memory_info(self.nvml, h)
         return int(m.used) / int(m.total) if int(m.total) else 0.0
 
     def _util(self, h: Any) -> float:
@@ -131,5 +140,62 @@ class GpuMetrics:
             self.devices = []
 
 
+def memory_info(nvml: Any, h: Any) -> Any:
+    """NVML's memory reading, version 2 where the binding has it: its `used` leaves out the
+    memory the driver reserves, as nvidia-smi's does (version 1 counts it as used: on an H200,
+    about 600 MiB more)."""
+    v2 = getattr(nvml, "nvmlMemory_v2", None)
+    if v2 is not None:
+        try:
+            return nvml.nvmlDeviceGetMemoryInfo(h, version=v2)
+        except Exception:  # noqa: BLE001 - a driver without v2: fall back to v1
+            pass
+    return nvml.nvmlDeviceGetMemoryInfo(h)
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def nvml_index(device: str) -> int:
+    """The NVML index of a torch device string (`cuda`, `cuda:N`), through CUDA_VISIBLE_DEVICES
+    when it lists indices (NVML ignores it and numbers every GPU on the host)."""
+    _, _, tail = device.partition(":")
+    index = int(tail) if tail else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if visible and all(v.isdigit() for v in visible) and index < len(visible):
+        return int(visible[index])
+    return index
+
+
+def gpu_memory(device: str, nvml: Any = None) -> dict[str, Any] | None:
+    """NVML's memory reading of the GPU behind a torch device string; None without NVML, a GPU
+    of that index, or for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        if nvml is None:
+            import pynvml
+
+            nvml = pynvml
+        nvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - ImportError or any NVMLError: nothing to show
+        return None
+    try:
+        index = nvml_index(device)
+        if index >= nvml.nvmlDeviceGetCount():
+            return None
+        h = nvml.nvmlDeviceGetHandleByIndex(index)
+        m = memory_info(nvml, h)
+        return {
+            "index": index,
+            "name": _text(nvml.nvmlDeviceGetName(h)),
+            "uuid": _text(nvml.nvmlDeviceGetUUID(h)),
+            "used": int(m.used),
+            "total": int(m.total),
+            "free": int(m.free),
+        }
+    except Exception:  # noqa: BLE001 - a device that fell off the bus: nothing to show
+        return None
+    finally:
+        nvml.nvmlShutdown()

@@ -132,6 +132,37 @@ def tiny_model(seed: int = 0, config: ModelConfig | None = None) -> LlamaModel:
     return model.eval()
 
 
+# The geometry of Llama-2-7B (the prefix-sharing report's model), for random-weight benchmarks.
+LLAMA2_7B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+)
+
+
+def random_model(config: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
+    """A model of `config`'s shape with random weights made on `device` in `dtype`.
+
+    For geometries too large to write and load as a checkpoint just to time them (a 7B model is
+    13 GB of fp16): nothing is downloaded or stored; the weights are torch's default init.
+    """
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.inv_freq = rope_frequencies(config)
+    return model.eval()
+
+
 def save_model(model: LlamaModel, directory: Path) -> None:
     """Write `config.json` and `model.safetensors` in the Hugging Face layout."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from torch import Tensor
 from kvscope import kernels
 
 from .batch import Batch
+from .graphs import DecodeGraphs
 from .model import LlamaModel
 from .report import RequestResult, StepSample
 from .scheduler import Scheduler, Stream
@@ -74,6 +75,9 @@ class StepClock:
         self.t += seconds
 
 
+PHASES = ("schedule", "batch", "launch", "wait", "pool")
+
+
 class Engine:
     """Continuous batching over one cache (a `KVPool`, or the static baseline)."""
 
@@ -90,8 +94,11 @@ class Engine:
         worker: int = 0,
         prefix_cache: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        # decode-only steps replayed as CUDA graphs (None: every step runs eagerly)
+        self.graphs = graphs
         self.cache = cache
         self.device = model.lm_head.weight.device
         self.seed = seed
@@ -111,6 +118,11 @@ class Engine:
         self.results: list[RequestResult] = []
         self.samples: list[StepSample] = []
         self.on_finish: Callable[[RequestResult], None] = lambda _result: None
+        # Seconds of the engine's own thread per phase of a step, summed over the run. On CUDA
+        # "launch" is the time to issue the model's kernels and "wait" the time the host then
+        # waits for the logits: a step whose wait is near zero is bound by its launches.
+        self.phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.num_steps = 0
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -162,6 +174,7 @@ class Engine:
     def step(self) -> int:
         """Admit, run one batch through the model, sample and append; returns tokens computed."""
         began = self.now()
+        t0 = time.perf_counter()
         for stream in self.scheduler.admit():
             result = self.states[stream.request.request_id].result
             if result.admitted_s < 0:
@@ -170,8 +183,12 @@ class Engine:
         if not chunks:
             self._stall()
             return 0
+        t1 = time.perf_counter()
         batch = Batch(chunks, self.cache, self.device)
-        hidden = self.model(batch.tokens, batch.positions, batch.attend)
+        t2 = time.perf_counter()
+        hidden = self.graphs.forward(batch) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(batch.tokens, batch.positions, batch.attend)
         self._report_violations(batch)
         for chunk in batch.chunks:
             stream = chunk.stream
@@ -182,14 +199,20 @@ class Engine:
             for c, row in zip(batch.chunks, batch.last_rows, strict=True)
             if c.stream.num_pending == 0
         ]
+        t3 = t4 = time.perf_counter()
         if done:
             rows = torch.tensor([row for _, row in done], device=self.device)
             logits = self.model.logits(hidden[rows]).cpu()
+            t4 = time.perf_counter()
             for (stream, _), row_logits in zip(done, logits, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
                     self._complete(stream, row_logits)
         self._sample_cache(began, len(batch.tokens))
+        t5 = time.perf_counter()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            self.phase_s[phase] += seconds
+        self.num_steps += 1
         return len(batch.tokens)
 
     def _report_violations(self, batch: Batch) -> None:
@@ -344,5 +367,7 @@ class Engine:
         end = self.now()
         stored, reserved = sum(fill.values()), len(fill) * block_size
         running = len({s.request.request_id for s in self.scheduler.running})
-        sample = StepSample(end, end - began, stored, reserved, num_tokens, running, self.worker)
+        sample = StepSample(
+            end, end - began, stored, reserved, num_tokens, running, self.worker, len(fill)
+        )
         self.samples.append(sample)

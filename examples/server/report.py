@@ -9,6 +9,10 @@ Definitions (also in `--json`):
 - prefix hit rate: prompt tokens found in the pool's prefix index at admission / prompt tokens.
 - peak concurrent requests: most requests with a sequence in the running batch at once.
 - preemptions: times the pool took a waiting sequence's blocks and it had to be recomputed.
+- peak KV blocks: most blocks the running and waiting sequences' tables held at once (a block
+  shared by several sequences counts once; cached blocks no table maps are not held).
+- time to first token from admission: first token minus the step that admitted the request,
+  leaving out the time it queued (what a closed-loop client of a full server sees on top).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class StepSample:
     # requests with a stream in the running batch after this step
     num_running_requests: int = 0
     worker: int = 0
+    # distinct blocks in the running and waiting sequences' tables
+    held_blocks: int = 0
 
 
 @dataclass
@@ -77,6 +83,9 @@ class Summary:
     preemptions: int
     # KV memory: slots reserved per running request, time-weighted (shared blocks count once)
     kv_slots_per_request: float = 0.0
+    peak_kv_blocks: int = 0
+    ttft_admitted_p50_ms: float = 0.0
+    ttft_admitted_p95_ms: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -97,10 +106,15 @@ def percentile(values: list[float], q: float) -> float:
 
 def peak_running(samples: list[StepSample]) -> int:
     """Most requests running at once over all workers (each worker's latest sample counts)."""
+    return peak_over_workers(samples, "num_running_requests")
+
+
+def peak_over_workers(samples: list[StepSample], field_name: str) -> int:
+    """The largest sum over workers of a sample field (each worker's latest sample counts)."""
     current: dict[int, int] = {}
     peak = 0
     for sample in sorted(samples, key=lambda s: s.t_s):
-        current[sample.worker] = sample.num_running_requests
+        current[sample.worker] = getattr(sample, field_name)
         peak = max(peak, sum(current.values()))
     return peak
 
@@ -117,6 +131,11 @@ def summarize(
     """The summary of a run from every worker's results and samples."""
     done = [r for r in results if not r.error]
     ttfts = [(r.first_token_s - r.arrival_s) * 1000.0 for r in done if r.first_token_s >= 0]
+    admitted = [
+        (r.first_token_s - r.admitted_s) * 1000.0
+        for r in done
+        if r.first_token_s >= 0 and r.admitted_s >= 0
+    ]
     output_tokens = sum(r.num_output_tokens for r in done)
     stored = sum(s.stored_tokens * s.dt_s for s in samples)
     reserved = sum(s.reserved_slots * s.dt_s for s in samples)
@@ -142,6 +161,9 @@ def summarize(
         else 0.0,
         preemptions=num_preemptions,
         kv_slots_per_request=slots_per_request(samples),
+        peak_kv_blocks=peak_over_workers(samples, "held_blocks"),
+        ttft_admitted_p50_ms=round(percentile(admitted, 50), 1),
+        ttft_admitted_p95_ms=round(percentile(admitted, 95), 1),
         extra=extra or {},
     )
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_config, load_model, tiny_model
+from .checkpoint import load_config, load_model, random_model, tiny_model
 from .engine import Engine, StepClock
 from .errors import ServeError
+from .graphs import DecodeGraphs
 from .model import LlamaModel, ModelConfig
 from .static import StaticCache, StaticGeometry
 
@@ -23,6 +24,9 @@ class RunConfig:
     """Everything a run needs besides its requests."""
 
     model_path: Path | None = None
+    # the geometry of a random-weight model built on the device instead of a checkpoint
+    # (checkpoint.random_model: timing a large shape without writing and loading its weights)
+    model_shape: ModelConfig | None = None
     model_seed: int = 0
     dtype: str = "auto"
     device: str = "cpu"
@@ -44,17 +48,33 @@ class RunConfig:
     # "wall": arrivals on the wall clock; "steps": on a virtual clock advancing per engine step
     # (the same schedule on every machine: engine.StepClock)
     clock: str = "wall"
+    # replay decode-only steps as CUDA graphs (graphs.DecodeGraphs; CUDA only)
+    cuda_graphs: bool = False
+    # engine processes each with its own pool, on cuda:0..ranks-1 (or all on the CPU)
+    ranks: int = 1
+    # with ranks > 1: the rank where `kvscope run --inject` faults fire (-1: every rank)
+    fault_rank: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def num_threads(self) -> int:
         """Threads each serving process should run torch with (0: leave torch's default)."""
         if self.threads > 0:
             return self.threads
-        return 1 if self.model_path is None or self.workers > 1 else 0
+        tiny = self.model_path is None and self.model_shape is None
+        return 1 if tiny or self.workers > 1 else 0
+
+
+def rank_devices(config: RunConfig) -> list[str]:
+    """The device of each rank: cuda:0..N-1 on CUDA, the CPU for all on the CPU."""
+    if config.device.startswith("cuda"):
+        return [f"cuda:{i}" for i in range(config.ranks)]
+    return [config.device] * config.ranks
 
 
 def model_config(config: RunConfig) -> ModelConfig:
     """The geometry of the run's model, read without loading its weights."""
+    if config.model_shape is not None:
+        return config.model_shape
     if config.model_path is None:
         return ModelConfig()
     return load_config(config.model_path)
@@ -75,6 +95,8 @@ def resolve_dtype(config: RunConfig) -> str:
 def build_model(config: RunConfig) -> LlamaModel:
     """The checkpoint at `model_path`, or the built-in tiny model, on the configured device."""
     dtype = DTYPES[resolve_dtype(config)]
+    if config.model_shape is not None:
+        return random_model(config.model_shape, config.device, dtype, config.model_seed)
     if config.model_path is not None:
         return load_model(config.model_path, dtype=dtype, device=config.device)
     return tiny_model(config.model_seed).to(device=config.device, dtype=dtype)
@@ -117,8 +139,14 @@ def create_pool(config: RunConfig, max_n: int = 1) -> Any:
         raise ServeError(f"--pool-name {config.pool_name}: {exc}") from exc
 
 
-def make_engine(config: RunConfig, model: LlamaModel, cache: Any, worker: int) -> Engine:
-    """An engine with the run's batching limits."""
+def make_engine(
+    config: RunConfig, model: LlamaModel, cache: Any, worker: int, max_len: int = 0
+) -> Engine:
+    """An engine with the run's batching limits (and its decode graphs, captured here)."""
+    graphs = None
+    if config.cuda_graphs and not config.guard:
+        assert max_len > 0, "decode graphs need the longest sequence's length"
+        graphs = DecodeGraphs(model, cache, config.max_num_seqs, max_len)
     return Engine(
         model,
         cache,
@@ -130,6 +158,7 @@ def make_engine(config: RunConfig, model: LlamaModel, cache: Any, worker: int) -
         worker=worker,
         prefix_cache=config.prefix_cache,
         clock=StepClock() if config.clock == "steps" else time.monotonic,
+        graphs=graphs,
     )
 
 
@@ -142,6 +171,17 @@ def cache_extra(cache: Any) -> dict[str, Any]:
     """The cache's own counters and health at the end of the run."""
     stats = dict(cache.stats())
     return {"cache_stats": stats, "cache_findings": len(cache.check())}
+
+
+def engine_extra(engine: Engine) -> dict[str, Any]:
+    """Where a step's time went in the engine's thread: mean milliseconds per step and phase."""
+    steps = max(engine.num_steps, 1)
+    phases = {k: round(v * 1000.0 / steps, 3) for k, v in engine.phase_s.items()}
+    out: dict[str, Any] = {"engine_steps": engine.num_steps, "step_phase_ms": phases}
+    if engine.graphs is not None:
+        out["graph_replays"] = engine.graphs.num_replays
+        out["static_forwards"] = engine.graphs.num_forwards
+    return out
 
 
 def release_cache(config: RunConfig, cache: Any) -> None:

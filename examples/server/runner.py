@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .model import LlamaModel
+from .ranks import run_ranks
 from .report import RequestResult, Summary, summarize
 from .runconfig import (
     RunConfig,
@@ -16,7 +18,9 @@ from .runconfig import (
     build_model,
     cache_extra,
     create_pool,
+    engine_extra,
     make_engine,
+    rank_devices,
     release_cache,
     start_time,
 )
@@ -25,10 +29,19 @@ from .workload import Request
 
 
 def run(
-    config: RunConfig, requests: list[Request], on_finish: Callable[[int], None] | None = None
+    config: RunConfig,
+    requests: list[Request],
+    on_finish: Callable[[int], None] | None = None,
+    model: LlamaModel | None = None,
 ) -> tuple[Summary, list[RequestResult]]:
-    """Serve `requests` as configured; returns the summary and every request's result."""
+    """Serve `requests` as configured; returns the summary and every request's result.
+
+    `model`: one already built (a benchmark serving several cases with one set of weights);
+    one process only.
+    """
+    assert model is None or config.workers == 1
     assert config.baseline in ("paged", "static") and config.workers >= 1
+    assert config.ranks == 1 or config.workers == 1, "ranks each run one engine"
     if not config.pool_name:
         config.pool_name = f"serve-{os.getpid()}"
     max_len = config.max_len or max(len(r.prompt) + r.max_tokens for r in requests)
@@ -36,8 +49,13 @@ def run(
     try:
         if config.num_threads():
             torch.set_num_threads(config.num_threads())
-        if config.workers == 1:
-            reports, duration_s, extra = _run_here(config, requests, max_len, on_finish)
+        if config.ranks > 1:
+            devices = rank_devices(config)
+            reports, duration_s, extra = run_ranks(
+                config, requests, devices, max_len, on_finish, config.fault_rank
+            )
+        elif config.workers == 1:
+            reports, duration_s, extra = _run_here(config, requests, max_len, on_finish, model)
         else:
             reports, duration_s, extra = run_workers(config, requests, max_len, on_finish)
     finally:
@@ -50,8 +68,9 @@ def run(
     preemptions = sum(rep.num_preemptions for rep in reports)
     if config.baseline == "static":
         extra["max_len"] = max_len
+    processes = max(config.workers, config.ranks)
     summary = summarize(
-        results, samples, duration_s, preemptions, config.baseline, config.workers, extra
+        results, samples, duration_s, preemptions, config.baseline, processes, extra
     )
     return summary, results
 
@@ -61,21 +80,22 @@ def _run_here(
     requests: list[Request],
     max_len: int,
     on_finish: Callable[[int], None] | None,
+    model: LlamaModel | None = None,
 ) -> Outcome:
     """One engine in this process."""
-    model = build_model(config)
+    model = model if model is not None else build_model(config)
     if config.baseline == "static":
         cache: Any = build_cache(config, max_len)
     else:
         cache = create_pool(config, max(r.n for r in requests))
     try:
-        engine = make_engine(config, model, cache, worker=0)
+        engine = make_engine(config, model, cache, worker=0, max_len=max_len)
         if on_finish is not None:
             engine.on_finish = lambda _result: on_finish(1)
         start = time.monotonic()
         engine.run(requests, start_s=start_time(config, start))
         duration_s = time.monotonic() - start
-        extra = cache_extra(cache)
+        extra = cache_extra(cache) | engine_extra(engine)
     finally:
         release_cache(config, cache)
     report = WorkerReport(engine.results, engine.samples, engine.scheduler.num_preemptions)

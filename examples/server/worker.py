@@ -203,7 +203,7 @@ def worker_main(
             from kvscope.allocator import KVPool
 
             cache = KVPool.attach(config.pool_name)
-        engine = make_engine(config, model, cache, worker)
+        engine = make_engine(config, model, cache, worker, max_len)
         # Each result goes back as soon as it is final: a worker that dies later loses only
         # its unfinished requests.
         engine.on_finish = lambda result: conn.send(("result", result))

@@ -12,6 +12,7 @@ from kvscope.analysis import analyze_view, exit_code
 from kvscope.capacity import capacity_answer
 from kvscope.history import history_for
 from kvscope.kvread import for_target
+from kvscope.probes.nvml import gpu_memory
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, open_target
 
@@ -43,6 +44,11 @@ class AnalyzeCommand:
         )
         if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
             report["capacity"] = capacity_answer(t.view, history_for(args.target))
+        if t.dump_header is None:
+            # A live pool on a GPU: that GPU's memory now (NVML), beside the pool's own bytes.
+            gpu = gpu_memory(report["pool"]["device"])
+            if gpu is not None:
+                report["pool"]["gpu"] = gpu
         if args.json:
             print_json(report)
         else:
