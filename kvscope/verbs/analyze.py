@@ -12,7 +12,6 @@ from kvscope.analysis import analyze_view, exit_code
 from kvscope.capacity import capacity_answer
 from kvscope.history import history_for
 from kvscope.kvread import for_target
-from kvscope.probes.nvml import gpu_memory
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, open_target
 
@@ -44,8 +43,11 @@ class AnalyzeCommand:
         )
         if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
             report["capacity"] = capacity_answer(t.view, history_for(args.target))
-        if t.dump_header is None:
-            # A live pool on a GPU: that GPU's memory now (NVML), beside the pool's own bytes.
+        if t.dump_header is None and str(report["pool"]["device"]).startswith("cuda"):
+            # A live pool on a GPU: that GPU's memory now (NVML), beside the pool's own bytes
+            # (kvscope.probes imports the pool, and torch: only here).
+            from kvscope.probes.nvml import gpu_memory
+
             gpu = gpu_memory(report["pool"]["device"])
             if gpu is not None:
                 report["pool"]["gpu"] = gpu
