@@ -195,8 +195,8 @@ def unwritten_slots(
     n = min(len(table), -(-num_tokens // block_size))
     idx = torch.as_tensor(table[:n], dtype=torch.int64, device=kv.device)
     bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
-    blank = (bits == poison_bits(kv.dtype).to(kv.device)).transpose(0, 2)  # [n, 2, L, bs, H, D]
-    blank = blank.permute(0, 3, 1, 2, 4, 5).reshape(n, block_size, -1).all(2).cpu().numpy()
+    same = (bits == poison_bits(kv.dtype).to(kv.device)).transpose(0, 2)  # [n, 2, L, bs, H, D]
+    blank = same.permute(0, 3, 1, 2, 4, 5).reshape(n, block_size, -1).all(2).cpu().numpy()
     used = np.minimum(block_size, num_tokens - np.arange(n) * block_size)
     checked = np.arange(block_size)[None, :] < used[:, None]
     if blank[checked].all():

@@ -54,6 +54,7 @@ class PoolSurface(Protocol):
     _seqs: dict[int, Sequence]
     _native: Any | None
     _guarded: set[int]
+    _guard_every: int
 
     # pool.py
     def _check_process(self) -> None: ...
@@ -61,6 +62,8 @@ class PoolSurface(Protocol):
     def _run(self, locks: set[int], fn: Callable[[Txn], T]) -> T: ...
 
     def _guards(self, slot: int) -> bool: ...
+
+    def _sample_guard(self) -> bool: ...
 
     def _count(self, t: Txn, field: str, n: int = 1) -> None: ...
 

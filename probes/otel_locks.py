@@ -30,8 +30,10 @@ DEVICE = "kvscope.pool.device"
 LOCK = "kvscope.lock.name"
 
 _WORDS = LOCK_DTYPE.itemsize // 8
-_ACQ, _WAIT, _HOLD = (LOCK_DTYPE.fields[f][1] // 8 for f in ("num_acquires", "wait_ns", "hold_ns"))
-assert LOCK_DTYPE.itemsize % 8 == 0 and LOCK_DTYPE.fields["num_acquires"][1] % 8 == 0
+_FIELDS = LOCK_DTYPE.fields
+assert _FIELDS is not None and LOCK_DTYPE.itemsize % 8 == 0
+_ACQ, _WAIT, _HOLD = (_FIELDS[f][1] // 8 for f in ("num_acquires", "wait_ns", "hold_ns"))
+assert _FIELDS["num_acquires"][1] % 8 == 0
 
 
 def lock_bytes(pool: KVPool) -> bytes | None:
