@@ -14,9 +14,11 @@ import argparse
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry.sdk.resources import Resource
+# The SDK is imported where a resource is made: `kvscope run`'s flags need none of it.
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
 
 EXPORTERS = {
     "metrics": ("none", "console", "otlp", "prometheus"),
@@ -74,6 +76,8 @@ def resource_from_env(
             attrs[k.strip()] = v.strip()
     attrs["service.name"] = environ.get("OTEL_SERVICE_NAME") or attrs.get("service.name", "kvscope")
     attrs.update({"host.name": socket.gethostname(), "process.pid": os.getpid(), **(extra or {})})
+    from opentelemetry.sdk.resources import Resource
+
     return Resource(attrs)
 
 

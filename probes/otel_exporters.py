@@ -185,11 +185,11 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> Telemetry | No
 
     The pool collector runs here only with KVSCOPE_OTEL_COLLECT=1 (the supervisor collects).
     """
-    from kvscope.probes.otel import KVPoolInstrumentor
-
     env = os.environ if environ is None else environ
     if not configured(env):
-        return None
+        return None  # (before the import: a run without exporters needs no OTel SDK)
+    from kvscope.probes.otel import KVPoolInstrumentor
+
     collect = env.get(COLLECT_ENV) == "1"
     tel = build_telemetry(env, prometheus=collect)
     inst = KVPoolInstrumentor()
@@ -202,12 +202,12 @@ def start_collector(
     pool_names: Callable[[], Iterable[str]], environ: Mapping[str, str] | None = None
 ) -> Telemetry | None:
     """Supervisor side: pool metrics of `pool_names()`, GPU metrics and the Prometheus endpoint."""
+    env = os.environ if environ is None else environ
+    if not configured(env):
+        return None  # (before the imports: a run without exporters needs no OTel SDK)
     from kvscope.probes.nvml import GpuMetrics
     from kvscope.probes.otel_metrics import PoolCollector
 
-    env = os.environ if environ is None else environ
-    if not configured(env):
-        return None
     gpus = GpuMetrics()
     tel = build_telemetry(env, prometheus=True, extra=gpus.resource_attributes())
     meter = tel.meter_provider.get_meter("kvscope.probes.otel")

@@ -1,0 +1,78 @@
+"""examples/serve.py plainly and under `kvscope run` (every probe it switches on), interleaved:
+the output tokens/s of each, and the ratio (docs/BENCHMARKS.md, "Probes and the undo journal").
+
+    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 3   # on the H200
+    python bench/bench_serve_run.py --device cpu --quick --repeat 1          # smoke test
+
+The model and workload are bench_serve.py's (a random-weight ~110M-parameter Llama; `--quick`:
+its tiny model); one 8-request warm-up first, so that Triton's compilation is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_serve  # noqa: E402
+
+
+def serve_cmd(model: str, device: str, quick: bool, requests: int) -> list[str]:
+    """bench_serve.serve's command line for this workload (captured, not run)."""
+    seen: list[list[str]] = []
+
+    class Done:
+        stdout = "{}"
+
+    real = bench_serve.subprocess.run
+    bench_serve.subprocess.run = lambda cmd, **kw: seen.append(cmd) or Done()  # type: ignore[assignment]
+    try:
+        bench_serve.serve(model, device, [], quick, str(requests))
+    finally:
+        bench_serve.subprocess.run = real
+    return seen[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="the tiny model")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        bench_serve.write_model(tmp, args.quick)
+        cmd = serve_cmd(tmp, args.device, args.quick, args.requests)
+        runs = {
+            "plain": cmd,
+            "kvscope run": [sys.executable, "-m", "kvscope", "run", "--dump-dir", tmp, *cmd[1:]],
+        }
+        i = cmd.index("--requests") + 1
+        subprocess.run([*cmd[:i], "8", *cmd[i + 1 :]], capture_output=True, check=True)
+        out: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(args.repeat):
+            for name, c in runs.items():
+                done = subprocess.run(c, capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(f"{name}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
+                    return 1
+                out[name].append(json.loads(done.stdout)["output_tokens_per_s"])
+                print(f"{name}: {out[name][-1]:.1f} output tokens/s", flush=True)
+    med = {k: sorted(v)[len(v) // 2] for k, v in out.items()}
+    print(f"median: plain {med['plain']:.1f}, kvscope run {med['kvscope run']:.1f} output tokens/s"
+          f" ({med['kvscope run'] / med['plain']:.2f}x)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
