@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
-from kvscope.allocator.findings import Finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import (
     HEADER_CHECKSUM_BYTES,
     BlockState,
@@ -179,7 +179,7 @@ class PoolProbes:
         """A sequence already freed or aborted is released again (the pool refuses it)."""
         self.report(
             Finding(
-                "double_free",
+                FindingKind.DOUBLE_FREE,
                 f"request {seq.request_id!r} was already {seq.state} and is released again at "
                 f"{caller_site()}: the pool refused it (PoolError), but the caller frees twice",
                 owner_pid=self.pool.pid,
@@ -229,7 +229,7 @@ class PoolProbes:
 
             def found(blk: int = blk, rec: np.void = rec) -> None:
                 self.block_finding(
-                    "block_header_corrupt",
+                    FindingKind.BLOCK_HEADER_CORRUPT,
                     blk,
                     "block record checksum mismatch when the allocator was about to change it: "
                     "its header was overwritten outside the allocator",
@@ -255,7 +255,7 @@ class PoolProbes:
         found = now[diff : diff + 8].hex() if diff >= 0 else "?"
         want = self.header_bytes[diff : diff + 8].hex() if diff >= 0 else "?"
         f = Finding(
-            "header_corrupt",
+            FindingKind.HEADER_CORRUPT,
             f"segment header changed at byte {diff} ({field}): found {found}, expected {want}; "
             "something outside the allocator wrote into the pool's metadata",
             extra={"offset": diff, "field": field, "found": found, "expected": want},
@@ -288,14 +288,14 @@ class PoolProbes:
         if free != ring:
             out.append(
                 Finding(
-                    "free_list_corrupt",
+                    FindingKind.FREE_LIST_CORRUPT,
                     f"{free} blocks are free but the free ring holds {ring}: blocks were lost or freed twice",
                 )
             )
         if mine != local:
             out.append(
                 Finding(
-                    "free_list_corrupt",
+                    FindingKind.FREE_LIST_CORRUPT,
                     f"this process has {mine} LOCAL blocks but its local cache lists {local}",
                 )
             )
@@ -315,7 +315,7 @@ class PoolProbes:
             rc = int(b["refcount"][blk])
             if rc != refs[blk]:
                 self.block_finding(
-                    "refcount_mismatch",
+                    FindingKind.REFCOUNT_MISMATCH,
                     blk,
                     f"refcount is {rc} but {refs[blk]} sequence(s) of this process map the block (at the end of request {request!r})",
                 )
@@ -365,7 +365,7 @@ class PoolProbes:
         for blk, rec in held:
             if blk not in mapped:
                 self.block_finding(
-                    "leak_finished",
+                    FindingKind.LEAK_FINISHED,
                     blk,
                     f"request {request!r} ended but its block is still allocated (refcount {int(rec['refcount'])}) and no sequence maps it",
                     rec=rec,
@@ -388,7 +388,7 @@ class PoolProbes:
             if self.recorder is not None:
                 self.recorder.record(EventOp.GUARD_VIOLATION, [blk])
             self.block_finding(
-                "guard_violation",
+                FindingKind.GUARD_VIOLATION,
                 blk,
                 "the guard slot after the block's last token was overwritten: a KV write ran past the end of the block",
             )

@@ -10,8 +10,6 @@ from kvscope.allocator.findings import SEVERITY, FindingKind
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("allocator", "probes", "kvscope", "tui")
-# Producers that still pass string literals: the in-operation probes, being reworked (issue 17).
-LITERALS_LEFT = {"allocator/probing.py"}
 VALUES = {k.value: k for k in FindingKind}
 
 
@@ -48,5 +46,5 @@ def test_producers_name_kinds_with_the_enum():
     # GIVEN every kind passed in a call of the library
     # WHEN the string literals among them are collected
     literals = {(rel, kind.value) for rel, kind, literal in kinds_passed() if literal}
-    # THEN none is outside the files still being reworked
-    assert {(rel, v) for rel, v in literals if rel not in LITERALS_LEFT} == set()
+    # THEN there is none
+    assert literals == set()
