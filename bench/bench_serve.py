@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ("internal fragmentation", "internal_fragmentation", "{:.1%}"),
         ("peak concurrent requests", "peak_concurrent_requests", "{}"),
         ("KV slots per running request", "kv_slots_per_request", "{:.0f}"),
-        ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+        ("prompt tokens cached", "prefix_hit_rate", "{:.1%}"),
         ("preemptions", "preemptions", "{}"),
         ("duration (s)", "duration_s", "{:.2f}"),
     ]

@@ -205,7 +205,7 @@ def render(results: dict[str, Any]) -> str:
     block_gib = results["block_bytes"] / 2**30
     lines = [
         "| mix | prefix sharing | CUDA graphs | requests/s | output tokens/s | peak KV blocks "
-        "(GiB) | TTFT p95 from admission | prefix hit rate |",
+        "(GiB) | TTFT p95 from admission | prompt tokens cached |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for c in results["cases"]:

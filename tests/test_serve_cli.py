@@ -50,7 +50,7 @@ def test_the_summary_table_has_every_metric(capsys: pytest.CaptureFixture[str]) 
         "KV utilization",
         "internal fragmentation",
         "peak concurrent requests",
-        "prefix hit rate",
+        "prompt tokens cached",
         "preemptions",
     ):
         assert label in out

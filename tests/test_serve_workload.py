@@ -191,7 +191,7 @@ def test_summary_arithmetic() -> None:
         and s.peak_concurrent_requests == 2
         and s.preemptions == 3
     )
-    assert "prefix hit rate" in str(render_table(s).columns[0]._cells)
+    assert "prompt tokens cached" in str(render_table(s).columns[0]._cells)
 
 
 def test_kv_slots_per_request_weighs_steps_by_time() -> None:

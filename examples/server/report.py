@@ -6,7 +6,7 @@ Definitions (also in `--json`):
 - internal fragmentation: slots a request held at its end but never filled / slots held, over
   all requests (the unfilled tail of the last block when paged; `max_len` minus the final
   length in the static layout).
-- prefix hit rate: prompt tokens found in the pool's prefix index at admission / prompt tokens.
+- prompt tokens cached: prompt tokens found in the pool's prefix index at admission / prompt tokens.
 - peak concurrent requests: most requests with a sequence in the running batch at once.
 - preemptions: times the pool took a waiting sequence's blocks and it had to be recomputed.
 - peak KV blocks: most blocks the running and waiting sequences' tables held at once (a block
@@ -191,7 +191,7 @@ ROWS = [
     ("internal fragmentation", "internal_fragmentation", "{:.1%}"),
     ("peak concurrent requests", "peak_concurrent_requests", "{}"),
     ("KV slots per running request", "kv_slots_per_request", "{:.0f}"),
-    ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+    ("prompt tokens cached", "prefix_hit_rate", "{:.1%}"),
     ("preemptions", "preemptions", "{}"),
 ]
 
