@@ -32,6 +32,11 @@ class FindingKind(str, enum.Enum):
 
 ERROR, WARNING = "error", "warning"
 
+# Blocks held that nothing will give back.
+LEAK_KINDS = frozenset(
+    {FindingKind.LEAK_DEAD_OWNER, FindingKind.LEAK_FINISHED, FindingKind.LEAK_ORPHAN}
+)
+
 SEVERITY: dict[FindingKind, str] = {k: ERROR for k in FindingKind}
 SEVERITY.update(
     {

@@ -159,18 +159,24 @@ def can_poison(kv: torch.Tensor) -> bool:
     return kv.dtype.is_floating_point
 
 
-def poison_broken(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
-    """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
-    if len(ids) == 0 or not can_poison(kv):
-        return []
+def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor:
+    """Which elements of the token slots of blocks `ids` hold the poison: bool, [block, slot,
+    the slot's elements in every layer, K and V]."""
     import torch
 
     from kvscope.kernels.digest import int_view
 
     idx = torch.as_tensor(np.asarray(ids, np.int64), device=kv.device)
     bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
-    bad = (bits != poison_bits(kv.dtype).to(kv.device)).transpose(0, 2).reshape(len(ids), -1)
-    counts = bad.sum(1).tolist()
+    same = bits == poison_bits(kv.dtype).to(kv.device)
+    return same.permute(2, 3, 0, 1, 4, 5).reshape(len(idx), block_size, -1)
+
+
+def poison_broken(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
+    """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
+    if len(ids) == 0 or not can_poison(kv):
+        return []
+    counts = (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
     return [(int(b), int(c)) for b, c in zip(np.asarray(ids).tolist(), counts) if c]
 
 
@@ -185,18 +191,11 @@ def unwritten_slots(
 ) -> list[tuple[int, int, int, int]]:
     """Blocks of a sequence's table with token slots, for positions [0, num_tokens), that still
     hold the poison in every layer, K and V: (block, first position, last position, slots).
-    None when no position was written at all."""
+    Empty too when no position was written at all."""
     if not table or num_tokens <= 0 or not can_poison(kv):
         return []
-    import torch
-
-    from kvscope.kernels.digest import int_view
-
     n = min(len(table), -(-num_tokens // block_size))
-    idx = torch.as_tensor(table[:n], dtype=torch.int64, device=kv.device)
-    bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
-    same = (bits == poison_bits(kv.dtype).to(kv.device)).transpose(0, 2)  # [n, 2, L, bs, H, D]
-    blank = same.permute(0, 3, 1, 2, 4, 5).reshape(n, block_size, -1).all(2).cpu().numpy()
+    blank = _poisoned(kv, table[:n], block_size).all(2).cpu().numpy()
     used = np.minimum(block_size, num_tokens - np.arange(n) * block_size)
     checked = np.arange(block_size)[None, :] < used[:, None]
     if blank[checked].all():

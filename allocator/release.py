@@ -86,7 +86,7 @@ class ReleaseOps(PoolSurface):
         if not keep_table:
             self.seqtab.write_blocks(t, seq.slot, keep, [])
         if probe is not None:
-            op = EventOp.ABORT if aborted or seq.state == "aborted" else EventOp.FREE
+            op = EventOp.ABORT if aborted else EventOp.FREE
             probe.event(t, op, drop_ids, rb)
         self._count(t, "num_frees", len(ids))
         return zero

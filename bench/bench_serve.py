@@ -57,9 +57,12 @@ def write_model(directory: str, quick: bool) -> None:
     save_model(tiny_model(seed=0, config=cfg), Path(directory))
 
 
-def serve(model: str | None, device: str, extra: list[str], quick: bool, n: str = "") -> dict:
+def serve_command(
+    model: str | None, device: str, extra: list[str], quick: bool, n: str = ""
+) -> list[str]:
+    """The examples/serve.py command line of this benchmark's workload."""
     n = n or ("32" if quick else "256")
-    cmd = [
+    return [
         sys.executable,
         os.path.join(EXAMPLES, "serve.py"),
         *(["--model", model] if model else []),
@@ -93,6 +96,10 @@ def serve(model: str | None, device: str, extra: list[str], quick: bool, n: str 
         "512",
         *extra,
     ]
+
+
+def serve(model: str | None, device: str, extra: list[str], quick: bool, n: str = "") -> dict:
+    cmd = serve_command(model, device, extra, quick, n)
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 

@@ -21,22 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serve  # noqa: E402
 
 
-def serve_cmd(model: str, device: str, quick: bool, requests: int) -> list[str]:
-    """bench_serve.serve's command line for this workload (captured, not run)."""
-    seen: list[list[str]] = []
-
-    class Done:
-        stdout = "{}"
-
-    real = bench_serve.subprocess.run
-    bench_serve.subprocess.run = lambda cmd, **kw: seen.append(cmd) or Done()  # type: ignore[assignment]
-    try:
-        bench_serve.serve(model, device, [], quick, str(requests))
-    finally:
-        bench_serve.subprocess.run = real
-    return seen[0]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -49,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         bench_serve.write_model(tmp, args.quick)
-        cmd = serve_cmd(tmp, args.device, args.quick, args.requests)
+        cmd = bench_serve.serve_command(tmp, args.device, [], args.quick, str(args.requests))
         runs = {
             "plain": cmd,
             "kvscope run": [sys.executable, "-m", "kvscope", "run", "--dump-dir", tmp, *cmd[1:]],

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 Alive = Callable[[int, int], bool]
 # Events shown per finding, newest last.
 EVENTS_PER_FINDING = 8
-LEAK_KINDS = {"leak_dead_owner", "leak_finished", "leak_orphan"}
 
 
 def _s(raw: bytes | np.bytes_) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvscope.allocator import faults
 from kvscope.allocator import pool as pool_module
-from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.findings import LEAK_KINDS, Finding, FindingKind
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.probes.process_exit import at_exit
 
@@ -177,7 +177,7 @@ def check_at_exit() -> dict[str, Any]:
         pool._run({pool.FREE}, pool._flush_local)
         mine = report_checked(pool)
         orphans = sum(1 for f in mine if f.kind == FindingKind.LEAK_ORPHAN)
-        leaks = sum(1 for f in mine if f.kind.startswith("leak_"))
+        leaks = sum(1 for f in mine if f.kind in LEAK_KINDS)
         out[pool.name] = {
             "sequences": len(seqs),
             "blocks": held,

@@ -26,11 +26,11 @@ import numpy as np
 from kvscope.allocator.check import check_header
 from kvscope.allocator.dumpfile import layout_of_prefix
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import ERROR, WARNING, Finding, read_findings
+from kvscope.allocator.findings import ERROR, LEAK_KINDS, WARNING, Finding, read_findings
 from kvscope.allocator.layout import ClientState, Layout, SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.snapshot import snapshot
-from kvscope.analysis import LEAK_KINDS, collect_findings
+from kvscope.analysis import collect_findings
 from kvscope.child import pool_key
 from kvscope.history import History
 from kvscope.stopper import Stopper

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from kvscope.allocator import KVPool, PoolConfig
+from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.allocator.segment import data_path, segment_path
 
 
@@ -24,6 +24,16 @@ def pool_name():
     name = f"test-{uuid.uuid4().hex[:10]}"
     yield name
     _cleanup(name)
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """The probes `kvscope run` turns on (guard mode comes with each pool's config); no fault
+    left armed afterwards."""
+    for name in ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST"):
+        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
+    yield
+    faults.configure(None)
 
 
 @pytest.fixture

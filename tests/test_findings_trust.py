@@ -13,15 +13,6 @@ from kvscope.allocator.sites import site_text
 from kvscope.child import report_held
 
 
-@pytest.fixture
-def probes(monkeypatch):
-    """The probes `kvscope run` turns on (guard mode comes with each pool's config)."""
-    for name in ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST"):
-        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
-    yield
-    faults.configure(None)
-
-
 def found(pool: KVPool, kind: str) -> list:
     return [f for f in pool.findings() if f.kind == kind]
 

@@ -9,6 +9,20 @@ from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.layout import BlockState
 
 
+def sampled_pool(name: str, every: int) -> KVPool:
+    """A small CPU pool in sampled guard mode, one allocation in `every`."""
+    config = PoolConfig(
+        num_blocks=64,
+        block_size=4,
+        head_dim=8,
+        num_layers=1,
+        dtype="float32",
+        max_clients=4,
+        guard_sample=every,
+    )
+    return KVPool.create(name, config)
+
+
 def _guarded_releases(pool: KVPool, n: int) -> list[bool]:
     """For n requests in turn: whether their release poisoned and quarantined their blocks."""
     out = []
@@ -28,18 +42,7 @@ def _guarded_releases(pool: KVPool, n: int) -> list[bool]:
 
 def test_one_allocation_in_n_is_guarded(pool_name):
     # GIVEN a pool in sampled guard mode, one allocation in 4
-    pool = KVPool.create(
-        pool_name,
-        PoolConfig(
-            num_blocks=64,
-            block_size=4,
-            head_dim=8,
-            num_layers=1,
-            dtype="float32",
-            max_clients=4,
-            guard_sample=4,
-        ),
-    )
+    pool = sampled_pool(pool_name, 4)
     try:
         assert pool.config.guard and pool.guard_sample == 4
         # WHEN eight requests run one after the other
@@ -56,18 +59,7 @@ def test_one_allocation_in_n_is_guarded(pool_name):
 
 def test_a_sampled_write_past_the_block_is_caught_at_release(pool_name):
     # GIVEN sampled guard mode and a write into the guard slot of a guarded request's block
-    pool = KVPool.create(
-        pool_name,
-        PoolConfig(
-            num_blocks=64,
-            block_size=4,
-            head_dim=8,
-            num_layers=1,
-            dtype="float32",
-            max_clients=4,
-            guard_sample=2,
-        ),
-    )
+    pool = sampled_pool(pool_name, 2)
     try:
         seq = pool.allocate("guarded", list(range(6)))
         blk = seq.block_table[-1]

@@ -9,18 +9,9 @@ import json
 import pytest
 import torch
 
-from kvscope.allocator import KVPool, faults
+from kvscope.allocator import KVPool
 from kvscope.allocator.events import events_for_block
 from kvscope.cli import main
-
-
-@pytest.fixture
-def probes(monkeypatch):
-    """The probes `kvscope run` turns on."""
-    for name in ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST"):
-        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
-    yield
-    faults.configure(None)
 
 
 def write_kv(pool: KVPool, blocks: list[int], seed: int = 0) -> None:

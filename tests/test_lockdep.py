@@ -6,30 +6,19 @@ import os
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable
 
 from kvscope.allocator import KVPool, LockDeadlock
 from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
+from tests.forking import fork_child
 
 CHILD_ALARM_S = 20
 DEADLOCKED = 3
 
 
 def _fork(fn: Callable[[], int]) -> int:
-    """Run fn in a child process (exit code = its result; 1 on an exception; SIGALRM if stuck)."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        signal.alarm(CHILD_ALARM_S)
-        code = fn()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
+    return fork_child(fn, CHILD_ALARM_S)
 
 
 def _wait(pid: int, timeout_s: float = 30.0) -> int:

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import time
-import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +20,8 @@ import pytest
 from kvscope.allocator import KVPool, PoolError
 from kvscope.allocator.layout import ClientState, SeqState
 from kvscope.cli import main
+from tests.forking import fork_child
+from tests.forking import wait_child as _wait
 
 BS = 4
 NUM_BLOCKS = 256
@@ -30,22 +31,7 @@ CORRUPT = 3
 
 
 def _fork(fn: Callable[[], int]) -> int:
-    """Run fn in a child process (exit code = its result; 1 on an exception; SIGALRM if stuck)."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        signal.alarm(CHILD_ALARM_S)
-        code = fn()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
-
-
-def _wait(pid: int) -> int:
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return fork_child(fn, CHILD_ALARM_S)
 
 
 def _own_sequences_intact(pool: KVPool, live: list) -> bool:

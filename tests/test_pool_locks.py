@@ -7,32 +7,18 @@ import gc
 import os
 import signal
 import time
-import traceback
 from collections.abc import Callable
 
 from kvscope.allocator import KVPool, ofd
 from kvscope.allocator.layout import LOCK_DTYPE
+from tests.forking import fork_child
+from tests.forking import wait_child as _wait
 
 CHILD_ALARM_S = 30
 
 
 def _fork(fn: Callable[[], int]) -> int:
-    """Run fn in a child process (exit code = its result; 1 on an exception; SIGALRM if stuck)."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        signal.alarm(CHILD_ALARM_S)
-        code = fn()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
-
-
-def _wait(pid: int) -> int:
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return fork_child(fn, CHILD_ALARM_S)
 
 
 def _lock_is_free(pool: KVPool, lock: int) -> bool:
