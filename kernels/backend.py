@@ -6,7 +6,9 @@ interpreter), `KVSCOPE_KERNELS=torch` forces the reference; unset or `auto` pick
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -63,3 +65,27 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@contextlib.contextmanager
+def serial_cpu(tensor: torch.Tensor) -> Iterator[None]:
+    """Run the torch ops of the block on one thread when `tensor` is on the CPU.
+
+    kvscope's own work on a CPU pool's K/V (canary fill and scan, poison, digests) runs inside
+    the user's processes. torch's CPU ops use GNU OpenMP, which is not fork-safe: once a process
+    has run a parallel region, a child it forks waits forever in its first one. A probe must not
+    start that thread pool in a parent that would not have had it, nor enter it in a forked
+    child (where the parent's pool may already exist), so its ops run on the calling thread.
+    """
+    if tensor.device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
