@@ -253,8 +253,7 @@ class KVPool:
         if seq.slot < 0:
             raise PoolError(f"sequence {seq.request_id!r} was already {seq.state}")
 
-    # -- sequences: the C core (native.py) first where it has the operation, then the Python
-    # path in the module named after it -----------------------------------------------------
+    # -- sequences (the C core first where it has the operation, then the Python path) ---------
 
     def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
