@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvscope.allocator import eviction, ring
 from kvscope.allocator.checksums import checksum_of_words
 from kvscope.allocator.crash import crash_point
-from kvscope.allocator.eviction import EvictionOps
 from kvscope.allocator.layout import (
     BLOCK_MAGIC,
     IDENTITY_WORDS,
@@ -29,7 +29,6 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.prefix import PrefixIndex
 from kvscope.allocator.process import now_ns
-from kvscope.allocator.ring import RingOps
 from kvscope.allocator.txn import Txn
 
 _F = block_dtype(16).fields
@@ -52,7 +51,7 @@ assert _F["prefix_hash"][1] == _REFCOUNT + _IDENTITY.size - 8
 assert _F["parent_hash"][1] == _OWNER_START + _OWNER.size - 8
 
 
-class BlockStore(RingOps, EvictionOps):
+class BlockStore:
     """Block headers, the free ring (ring.py), eviction (eviction.py) and this client's local
     cache."""
 
@@ -228,6 +227,26 @@ class BlockStore(RingOps, EvictionOps):
         keys = self.prefix_hash[ids[self.indexed[ids] == 1]]
         shards = np.unique(keys & np.uint64(len(self.shard_locks) - 1))
         return {self.shard_locks[int(s)] for s in shards}
+
+    # -- the free ring (ring.py) and eviction (eviction.py) -------------------------------------
+
+    @property
+    def ring_count(self) -> int:
+        """Blocks in the free ring (a hint unless the free lock is held)."""
+        return int(self.ring_header["count"][0])
+
+    def ring_pop(self, t: Txn, k: int) -> np.ndarray:
+        """Take k ids from the ring head (skipping blocks still in quarantine while others exist)."""
+        return ring.pop(self, t, k)
+
+    def ring_push(self, t: Txn, ids: np.ndarray, state: BlockState = BlockState.FREE) -> None:
+        """Return blocks to the ring tail as FREE (QUARANTINED in guard mode)."""
+        ring.push(self, t, ids, state)
+
+    def evict(self, t: Txn, k: int, extra: int = 0) -> np.ndarray:
+        """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),
+        least recently used first; return them (not yet reset)."""
+        return eviction.evict(self, t, k, extra)
 
     # -- the local cache (owner only) --------------------------------------------------------
 

@@ -1,62 +1,53 @@
-"""KVPool: the shared paged KV pool (create/attach, allocate, append, fork, free, stats, check)."""
+"""KVPool: the shared paged KV pool. Every public operation is a method here; its work is in the
+module it calls: lifecycle.py (create, attach, close, unlink, reclaim_dead), allocate.py,
+append.py, publish.py (mark_computed), fork.py, release.py (free, abort), preempt.py (set_state,
+resume), eviction.py (evict). Where the C core (native.py) has the operation, it runs first."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from kvscope.allocator import faults, kvdata, native, ofd
+from kvscope.allocator import (
+    allocate,
+    append,
+    eviction,
+    fork,
+    lifecycle,
+    native,
+    preempt,
+    publish,
+    release,
+    runner,
+)
 from kvscope.allocator.blocks import BlockStore
+from kvscope.allocator.check import check_view
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.header import config_from_header, init_segment, seal_header
+from kvscope.allocator.findings import read_findings, write_finding
+from kvscope.allocator.header import config_from_header
+from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.journal import Journal
-from kvscope.allocator.layout import (
-    COUNTER_FIELDS,
-    ClientState,
-    Layout,
-    SegmentView,
-)
-from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, DeadHolder, LockTable, mark_hook
-from kvscope.allocator.probing import (
-    GUARD_SAMPLE_ENV,
-    NATIVE_LOCKDEP,
-    PoolProbes,
-    ProbeFlags,
-    env_flag,
-    guard_sample_from_env,
-)
-from kvscope.allocator.process import my_identity, now_ns
-from kvscope.allocator.recovery import (
-    dead_owners,
-    detach_client,
-    reclaim_dead,
-    reclaim_for_attach,
-    recover_dead_holders,
-)
-from kvscope.allocator.segment import (
-    check_name,
-    data_path,
-    map_new,
-    open_existing,
-    release,
-    remove_if_created,
-    segment_path,
-    shm_free_bytes,
-    view_of,
-)
-from kvscope.allocator.seqops import SequenceOps
+from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
+from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, LockTable, mark_hook
+from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ProbeFlags, guard_sample_from_env
+from kvscope.allocator.process import my_identity
+from kvscope.allocator.recovery import dead_owners
 from kvscope.allocator.sequence import SeqTable, Sequence
-from kvscope.allocator.txn import ClientSeq, Escalate, Txn
+from kvscope.allocator.snapshot import snapshot
+from kvscope.allocator.stats import pool_stats
+from kvscope.allocator.txn import ClientSeq, Txn
 
 T = TypeVar("T")
+
+# The C core's end() takes the final state as a plain int.
+_FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 
 # This process's pid, refreshed in a forked child (os.getpid() is a system call per operation).
 _PID = [os.getpid()]
@@ -72,7 +63,7 @@ CLOSE_HOOK: Callable[[KVPool], None] | None = None
 UNLINK_HOOK: Callable[[KVPool], None] | None = None
 
 
-class KVPool(SequenceOps):
+class KVPool:
     """A paged KV-cache pool in shared memory, usable by many processes at once."""
 
     def __init__(self, name: str, mf, view: SegmentView, kv: torch.Tensor, created: bool):
@@ -183,175 +174,44 @@ class KVPool(SequenceOps):
         ours = probe is not None and probe.sites is not None and fn == probe.sites.site
         mark_hook(self._hooks, HOOK_SITE, fn is not None and not ours)
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- lifecycle (lifecycle.py) -------------------------------------------------------------
 
     @classmethod
     def create(cls, name: str, config: PoolConfig) -> KVPool:
         """Create a new pool named `name`; PoolError if one exists or it cannot fit."""
-        check_name(name)
-        cfg = config.resolved()
-        # Under `kvscope run --guard` (KVSCOPE_GUARD=1) every pool gets guard slots.
-        cfg.guard = cfg.guard or env_flag("GUARD")
-        cfg.events = cfg.events or env_flag("EVENTS")
-        cfg.lockdep = cfg.lockdep or env_flag("LOCKDEP")
-        if cfg.guard and not cfg.quarantine:
-            cfg.quarantine = int(os.environ.get("KVSCOPE_QUARANTINE", "0") or 0)
-        layout = Layout(
-            cfg.num_blocks,
-            cfg.block_size,
-            cfg.max_seqs,
-            cfg.max_blocks_per_seq,
-            cfg.max_clients,
-            cfg.num_shards,
-            cfg.event_capacity,
-        )
-        size = layout.offsets()["end"]
-        kvdata.check_fits(cfg, shm_free_bytes(), size)
-        path = segment_path(name)
-        mf = map_new(path, size, cfg.group)
-        try:
-            view = SegmentView(mf.mm, layout)
-            init_segment(view, cfg, name)
-            if cfg.device == "cpu":
-                kv = kvdata.create_cpu(data_path(name), cfg)
-            else:
-                kv, blob = kvdata.create_cuda(cfg)
-                view.header["cuda_ipc_len"] = len(blob)
-                view.header["cuda_ipc"] = blob
-            if cfg.guard:
-                from kvscope.kernels import fill_guard
-
-                fill_guard(kv)
-                if kv.dtype.is_floating_point:
-                    # Token slots start poisoned, as freed ones are: K/V never written into a
-                    # block shows as NaN, and is found when its request finishes (writes.py).
-                    kv[:, :, :, : cfg.block_size] = float("nan")
-            seal_header(view)
-        except BaseException:
-            release(mf)
-            for p in (path, data_path(name)):
-                remove_if_created(p)
-            raise
-        pool = cls(name, mf, view, kv, created=True)
-        if cfg.guard_sample > 1 and not os.environ.get(GUARD_SAMPLE_ENV):
-            pool.guard_sample = cfg.guard_sample
-        return pool
+        return lifecycle.create(cls, name, config)
 
     @classmethod
     def attach(cls, name: str, trust_owner: bool = False) -> KVPool:
         """Attach to an existing pool by name (another user's only with `trust_owner`)."""
-        check_name(name)
-        mf = open_existing(segment_path(name), name, trust_owner)
-        try:
-            view = view_of(mf)
-            cfg = config_from_header(view.h)
-            if cfg.device == "cpu":
-                kv = kvdata.attach_cpu(data_path(name), cfg, mf.uid, trust_owner)
-            else:
-                blob = bytes(view.h["cuda_ipc"])[: int(view.h["cuda_ipc_len"])]
-                kv = kvdata.attach_cuda(blob, cfg)
-        except BaseException:
-            release(mf)
-            raise
-        return cls(name, mf, view, kv, created=False)
+        return lifecycle.attach(cls, name, trust_owner)
 
     def _register_client(self) -> int:
-        """Claim a client record: a never-used one first (dead ones stay for analysis), then a
-        detached one; in a full table, one reclaimed from a dead process (recovery.py)."""
-        c = self.view.clients
-        with self._file_lock():
-            states = c["state"]
-            empty = np.flatnonzero(states == ClientState.EMPTY)
-            if len(empty) == 0:
-                empty = np.flatnonzero(states == ClientState.DETACHED)
-            if len(empty):
-                i = int(empty[0])
-            else:
-                got = reclaim_for_attach(
-                    self._mf, self.view, self.pid, self.start, self.reclaimed_at_attach
-                )
-                if got is None:
-                    raise PoolError(
-                        f"pool {self.name!r} has {len(states)} attached processes, all alive "
-                        "(PoolConfig.max_clients); detach some, or create the pool with a larger "
-                        "max_clients"
-                    )
-                i = got
-            rec = c[i : i + 1]
-            rec["pid"], rec["start"] = self.pid, self.start
-            # The attach time is also the record's attach generation: it never repeats, so a
-            # reclaimer can tell this attach from an earlier one of the same process.
-            rec["attached_ns"] = max(now_ns(), int(rec["attached_ns"][0]) + 1)
-            rec["local_count"] = 0
-            rec["journal_count"] = 0
-            rec["journal_used"] = 0
-            rec["event_count"] = 0
-            rec["event_head"] = 0
-            rec["op"] = 0
-            # A record reused after a process died inside an operation keeps its odd seq: even
-            # it out, or this process would look busy exactly while it is idle.
-            rec["seq"] += rec["seq"] % 2
-            for f in COUNTER_FIELDS:
-                rec[f] = 0
-            c["state"][i] = ClientState.ATTACHED
-        return i
-
-    @contextlib.contextmanager
-    def _file_lock(self) -> Iterator[None]:
-        """A short exclusive section for client registration (a byte of the clients section)."""
-        tl = self._mf.__dict__.setdefault("reg_lock", threading.Lock())
-        off = self.view.offsets["clients"]
-        with tl:
-            ofd.lock(self._mf.fd, off, 1, wait=True)
-            try:
-                yield
-            finally:
-                ofd.unlock(self._mf.fd, off, 1)
+        return lifecycle.register_client(self)
 
     def close(self) -> None:
         """Detach: return this process's local cache and slot reserve, release the mapping."""
-        if self._closed:
-            return
-        self._check_process()
-        if CLOSE_HOOK is not None:
-            CLOSE_HOOK(self)
-        with self._mutex:
-            if self.journal.count:
-                self.journal.rollback()
-            self._run({self.FREE}, self._flush_local)
-            self.seqtab.reserve.clear()
-            # The same journaled fold as reclaiming a dead process, under the lock that guards
-            # the header's counters (the seqs lock), a chunk of reserved slots at a time.
-            while not self._run({self.SEQS}, lambda t: detach_client(self.view, t, self.client)):
-                pass
-            self._closed = True
-        if self._native is not None:
-            self._native.close()
-            self._native = None
-        self.view = None  # type: ignore[assignment]
-        release(self._mf)
+        lifecycle.close(self, CLOSE_HOOK)
 
     def _flush_local(self, t: Txn) -> None:
-        ids = self.store.local_pop(t, len(self.store.local))
-        if len(ids):
-            self.store.ring_push(t, ids)
+        lifecycle.flush_local(self, t)
 
     def unlink(self) -> None:
         """Remove the pool's files; processes still attached keep their mappings until they close."""
-        if UNLINK_HOOK is not None:
-            UNLINK_HOOK(self)
-            return
-        for p in (segment_path(self.name), data_path(self.name)):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        lifecycle.unlink(self, UNLINK_HOOK)
 
     def __enter__(self) -> KVPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def reclaim_dead(self, done: list[dict[str, Any]] | None = None) -> dict[str, int]:
+        """Return dead processes' blocks to the pool; shared blocks lose only their references.
+
+        Safe while other processes reclaim too. `done`, when given, gets one entry per process
+        this call acted on (recovery.reclaim_dead)."""
+        return lifecycle.reclaim_dead(self, done)
 
     def _check_process(self) -> None:
         if self._closed:
@@ -365,34 +225,11 @@ class KVPool(SequenceOps):
         if self.probe is not None and self.probe.flags.magic:
             self.probe.verify_often()
 
-    # -- the operation runner ------------------------------------------------------------------
+    # -- the operation runner (runner.py) -----------------------------------------------------
 
     def _run(self, locks: set[int], fn: Callable[[Txn], T]) -> T:
         """Run fn in a transaction, escalating locks and recovering dead holders as needed."""
-        self._check_process()
-        with self._mutex:
-            busy = self._busy
-            busy[0] += 1
-            try:
-                while True:
-                    try:
-                        order: set[int] | list[int] = locks
-                        invert = (
-                            faults.ARMED and len(locks) > 1 and faults.opportunity("lock-inversion")
-                        )
-                        if invert:
-                            order = sorted(locks, reverse=True)
-                        with Txn(self.locks, self.journal, self._client_seq, order) as t:
-                            if invert:
-                                # Announced once the locks are taken in the wrong order.
-                                faults.fired("lock-inversion")
-                            return fn(t)
-                    except Escalate as e:
-                        locks = e.locks
-                    except DeadHolder:
-                        recover_dead_holders(self.locks, self.view, self.client, self.report)
-            finally:
-                busy[0] -= 1
+        return runner.run(self, locks, fn)
 
     def _count(self, t: Txn, field: str, n: int = 1) -> None:
         """Add to a counter when (and only if) the transaction commits."""
@@ -404,21 +241,99 @@ class KVPool(SequenceOps):
     def _site(self) -> int:
         return self.site_of() if self.site_of is not None else -1
 
+    def _own(self, seq: Sequence) -> None:
+        """PoolError unless seq is a live sequence of this handle."""
+        self._check_process()
+        if not isinstance(seq, Sequence):
+            raise PoolError(f"expected a Sequence, got {type(seq).__name__}")
+        if seq.pool_uid != self._uid:
+            raise PoolError(
+                f"sequence {seq.request_id!r} belongs to another pool handle, not to pool {self.name!r}"
+            )
+        if seq.slot < 0:
+            raise PoolError(f"sequence {seq.request_id!r} was already {seq.state}")
+
+    # -- sequences (the C core first where it has the operation, then the Python path) ---------
+
+    def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
+        """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
+        guarded = self._guard_every > 1 and self._sample_guard()
+        seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
+        if seq is None:
+            seq = allocate.allocate(self, request_id, tokens)
+        if guarded:
+            # Sampled guard mode: this one is guarded (its release runs on the Python path).
+            self._guarded.add(seq.slot)
+        return seq
+
+    def append(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
+        """Append tokens; returns the copy-on-write (src, dst) block copies to perform first."""
+        if self._native is not None:
+            done = self._native.append(self, seq, tokens)
+            if done is not None:
+                return done
+        return append.append(self, seq, tokens)
+
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
+        """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
+        if self._native is not None:
+            done = self._native.mark_computed(self, seq, num_tokens)
+            if done is not None:
+                return done
+        return publish.mark_computed(self, seq, num_tokens)
+
+    def fork(self, seq: Sequence, request_id: object) -> Sequence:
+        """A new sequence sharing every block of seq (refcounts +1)."""
+        if self._native is not None:
+            child = self._native.fork(self, seq, request_id)
+            if child is not None:
+                return child
+        return fork.fork(self, seq, request_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
+        if self.probe is not None and isinstance(seq, Sequence) and seq.slot >= 0:
+            if self._guards(seq.slot):  # (in sampled guard mode, the sampled requests)
+                self.probe.writes.finished(seq)
+        if self._native is None or self._native.end(self, seq, _FINISHED) is None:
+            release.end(self, seq, SeqState.FINISHED)
+
+    def abort(self, seq: Sequence) -> None:
+        """Release a sequence whose request did not finish."""
+        if self._native is None or self._native.end(self, seq, _ABORTED) is None:
+            release.end(self, seq, SeqState.ABORTED)
+
+    def set_state(self, seq: Sequence, state: str) -> None:
+        """Mark a sequence running or waiting (only waiting ones may be preempted)."""
+        preempt.set_state(self, seq, state)
+
+    def resume(self, seq: Sequence) -> int:
+        """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
+        return preempt.resume(self, seq)
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to num_blocks CACHED blocks (LRU first) to the free ring; return how many."""
+        return eviction.evict_to_ring(self, num_blocks)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Physical block ids of seq, logical order."""
+        self._own(seq)
+        return list(seq.block_table)
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat KV slot (block * slots_per_block + offset) of each position in [start, end)."""
+        bs, spb, table = self.block_size, self.slots_per_block, seq.block_table
+        return [table[p // bs] * spb + p % bs for p in range(start, end)]
+
     # -- looking -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Block counts by state and the pool's counters (all processes)."""
-        from kvscope.allocator.stats import pool_stats
-
         self._check_process()
         return pool_stats(self.view)
 
     def check(self) -> list:
         """Full consistency check; returns findings (empty when healthy)."""
-        from kvscope.allocator.check import check_view
-        from kvscope.allocator.integrity import check_kv
-        from kvscope.allocator.snapshot import snapshot
-
         self._check_process()
         snap = snapshot(self.view)
         # The KV data too: published blocks' digests, freed blocks' poison, guard canaries.
@@ -426,8 +341,6 @@ class KVPool(SequenceOps):
 
     def report(self, finding) -> None:
         """Record a finding in the segment's findings ring (and hand it to the probe callback)."""
-        from kvscope.allocator.findings import write_finding
-
         fl = self.locks.index("findings")
         self._run({fl}, lambda t: write_finding(self.view, t, finding))
         if self.on_finding is not None:
@@ -435,8 +348,6 @@ class KVPool(SequenceOps):
 
     def findings(self) -> list:
         """Findings recorded in the segment by any process, oldest first."""
-        from kvscope.allocator.findings import read_findings
-
         return read_findings(self.view)
 
     def verify(self) -> list:
@@ -444,32 +355,15 @@ class KVPool(SequenceOps):
         canary); findings, reported once."""
         self._check_process()
         if self.probe is None:
-            from kvscope.allocator.probing import PoolProbes, ProbeFlags
-
             self.probe = PoolProbes(self, ProbeFlags(magic=True))
         return self.probe.verify()
 
     def block_state(self) -> torch.Tensor:
         """uint8 [num_blocks] on the pool's device, 1 where a block is ALLOCATED (for the
         kernels' guard-mode checks)."""
-        from kvscope.allocator.layout import BlockState
-
         st = (self.view.blocks["state"] == BlockState.ALLOCATED).astype(np.uint8)
         return torch.from_numpy(st).to(self.kv.device)
 
     def dead_owners(self) -> list[dict[str, Any]]:
         """Processes that died while attached, with the blocks and sequences they left."""
         return dead_owners(self.view)
-
-    def reclaim_dead(self, done: list[dict[str, Any]] | None = None) -> dict[str, int]:
-        """Return dead processes' blocks to the pool; shared blocks lose only their references.
-
-        Safe while other processes reclaim too. `done`, when given, gets one entry per process
-        this call acted on (recovery.reclaim_dead)."""
-        self._check_process()
-        with self._mutex:
-            self._busy[0] += 1
-            try:
-                return reclaim_dead(self, done)
-            finally:
-                self._busy[0] -= 1

@@ -1,0 +1,217 @@
+"""A pool's life: create, attach, this process's client record, close, unlink, and reclaiming
+what dead processes left. The `KVPool` methods of the same names (pool.py) call these."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvscope.allocator import kvdata, ofd, recovery
+from kvscope.allocator.config import PoolConfig
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.header import config_from_header, init_segment, seal_header
+from kvscope.allocator.layout import COUNTER_FIELDS, ClientState, Layout, SegmentView
+from kvscope.allocator.probing import GUARD_SAMPLE_ENV, env_flag
+from kvscope.allocator.process import now_ns
+from kvscope.allocator.segment import (
+    check_name,
+    data_path,
+    map_new,
+    open_existing,
+    release,
+    remove_if_created,
+    segment_path,
+    shm_free_bytes,
+    view_of,
+)
+from kvscope.allocator.txn import Txn
+
+if TYPE_CHECKING:
+    from kvscope.allocator.pool import KVPool
+
+
+def create(cls: type[KVPool], name: str, config: PoolConfig) -> KVPool:
+    """A new pool named `name` (`KVPool.create`); PoolError if one exists or it cannot fit."""
+    check_name(name)
+    cfg = config.resolved()
+    # Under `kvscope run --guard` (KVSCOPE_GUARD=1) every pool gets guard slots.
+    cfg.guard = cfg.guard or env_flag("GUARD")
+    cfg.events = cfg.events or env_flag("EVENTS")
+    cfg.lockdep = cfg.lockdep or env_flag("LOCKDEP")
+    if cfg.guard and not cfg.quarantine:
+        cfg.quarantine = int(os.environ.get("KVSCOPE_QUARANTINE", "0") or 0)
+    layout = Layout(
+        cfg.num_blocks,
+        cfg.block_size,
+        cfg.max_seqs,
+        cfg.max_blocks_per_seq,
+        cfg.max_clients,
+        cfg.num_shards,
+        cfg.event_capacity,
+    )
+    size = layout.offsets()["end"]
+    kvdata.check_fits(cfg, shm_free_bytes(), size)
+    path = segment_path(name)
+    mf = map_new(path, size, cfg.group)
+    try:
+        view = SegmentView(mf.mm, layout)
+        init_segment(view, cfg, name)
+        if cfg.device == "cpu":
+            kv = kvdata.create_cpu(data_path(name), cfg)
+        else:
+            kv, blob = kvdata.create_cuda(cfg)
+            view.header["cuda_ipc_len"] = len(blob)
+            view.header["cuda_ipc"] = blob
+        if cfg.guard:
+            from kvscope.kernels import fill_guard
+
+            fill_guard(kv)
+            if kv.dtype.is_floating_point:
+                # Token slots start poisoned, as freed ones are: K/V never written into a
+                # block shows as NaN, and is found when its request finishes (writes.py).
+                kv[:, :, :, : cfg.block_size] = float("nan")
+        seal_header(view)
+    except BaseException:
+        release(mf)
+        for p in (path, data_path(name)):
+            remove_if_created(p)
+        raise
+    pool = cls(name, mf, view, kv, created=True)
+    if cfg.guard_sample > 1 and not os.environ.get(GUARD_SAMPLE_ENV):
+        pool.guard_sample = cfg.guard_sample
+    return pool
+
+
+def attach(cls: type[KVPool], name: str, trust_owner: bool = False) -> KVPool:
+    """An existing pool by name (`KVPool.attach`; another user's only with `trust_owner`)."""
+    check_name(name)
+    mf = open_existing(segment_path(name), name, trust_owner)
+    try:
+        view = view_of(mf)
+        cfg = config_from_header(view.h)
+        if cfg.device == "cpu":
+            kv = kvdata.attach_cpu(data_path(name), cfg, mf.uid, trust_owner)
+        else:
+            blob = bytes(view.h["cuda_ipc"])[: int(view.h["cuda_ipc_len"])]
+            kv = kvdata.attach_cuda(blob, cfg)
+    except BaseException:
+        release(mf)
+        raise
+    return cls(name, mf, view, kv, created=False)
+
+
+def register_client(pool: KVPool) -> int:
+    """Claim a client record: a never-used one first (dead ones stay for analysis), then a
+    detached one; in a full table, one reclaimed from a dead process (recovery.py)."""
+    c = pool.view.clients
+    with _file_lock(pool):
+        states = c["state"]
+        empty = np.flatnonzero(states == ClientState.EMPTY)
+        if len(empty) == 0:
+            empty = np.flatnonzero(states == ClientState.DETACHED)
+        if len(empty):
+            i = int(empty[0])
+        else:
+            got = recovery.reclaim_for_attach(
+                pool._mf, pool.view, pool.pid, pool.start, pool.reclaimed_at_attach
+            )
+            if got is None:
+                raise PoolError(
+                    f"pool {pool.name!r} has {len(states)} attached processes, all alive "
+                    "(PoolConfig.max_clients); detach some, or create the pool with a larger "
+                    "max_clients"
+                )
+            i = got
+        rec = c[i : i + 1]
+        rec["pid"], rec["start"] = pool.pid, pool.start
+        # The attach time is also the record's attach generation: it never repeats, so a
+        # reclaimer can tell this attach from an earlier one of the same process.
+        rec["attached_ns"] = max(now_ns(), int(rec["attached_ns"][0]) + 1)
+        rec["local_count"] = 0
+        rec["journal_count"] = 0
+        rec["journal_used"] = 0
+        rec["event_count"] = 0
+        rec["event_head"] = 0
+        rec["op"] = 0
+        # A record reused after a process died inside an operation keeps its odd seq: even
+        # it out, or this process would look busy exactly while it is idle.
+        rec["seq"] += rec["seq"] % 2
+        for f in COUNTER_FIELDS:
+            rec[f] = 0
+        c["state"][i] = ClientState.ATTACHED
+    return i
+
+
+@contextlib.contextmanager
+def _file_lock(pool: KVPool) -> Iterator[None]:
+    """A short exclusive section for client registration (a byte of the clients section)."""
+    tl = pool._mf.__dict__.setdefault("reg_lock", threading.Lock())
+    off = pool.view.offsets["clients"]
+    with tl:
+        ofd.lock(pool._mf.fd, off, 1, wait=True)
+        try:
+            yield
+        finally:
+            ofd.unlock(pool._mf.fd, off, 1)
+
+
+def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
+    """Detach (`KVPool.close`): `hook` sees the pool first (pool.CLOSE_HOOK), then this
+    process's local cache and slot reserve go back and the mapping is released."""
+    if pool._closed:
+        return
+    pool._check_process()
+    if hook is not None:
+        hook(pool)
+    with pool._mutex:
+        if pool.journal.count:
+            pool.journal.rollback()
+        pool._run({pool.FREE}, pool._flush_local)
+        pool.seqtab.reserve.clear()
+        # The same journaled fold as reclaiming a dead process, under the lock that guards
+        # the header's counters (the seqs lock), a chunk of reserved slots at a time.
+        while not pool._run(
+            {pool.SEQS}, lambda t: recovery.detach_client(pool.view, t, pool.client)
+        ):
+            pass
+        pool._closed = True
+    if pool._native is not None:
+        pool._native.close()
+        pool._native = None
+    pool.view = None  # type: ignore[assignment]
+    release(pool._mf)
+
+
+def flush_local(pool: KVPool, t: Txn) -> None:
+    """Return this process's local cache to the free ring."""
+    ids = pool.store.local_pop(t, len(pool.store.local))
+    if len(ids):
+        pool.store.ring_push(t, ids)
+
+
+def unlink(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
+    """Remove the pool's files (`KVPool.unlink`), or only call `hook` (pool.UNLINK_HOOK)."""
+    if hook is not None:
+        hook(pool)
+        return
+    for p in (segment_path(pool.name), data_path(pool.name)):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None) -> dict[str, int]:
+    """`KVPool.reclaim_dead`: recovery.reclaim_dead as one of this handle's operations."""
+    pool._check_process()
+    with pool._mutex:
+        pool._busy[0] += 1
+        try:
+            return recovery.reclaim_dead(pool, done)
+        finally:
+            pool._busy[0] -= 1

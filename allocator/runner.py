@@ -1,0 +1,46 @@
+"""The operation runner: every Python-path operation of a pool is a function run in a
+transaction (txn.py) under this handle's mutex, retried with more locks when it asks for them
+(`Escalate`) and after recovering a lock whose holder died (`DeadHolder`). `KVPool._run`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from kvscope.allocator import faults
+from kvscope.allocator.locks import DeadHolder
+from kvscope.allocator.recovery import recover_dead_holders
+from kvscope.allocator.txn import Escalate, Txn
+
+if TYPE_CHECKING:
+    from kvscope.allocator.pool import KVPool
+
+T = TypeVar("T")
+
+
+def run(pool: KVPool, locks: set[int], fn: Callable[[Txn], T]) -> T:
+    """Run fn in a transaction, escalating locks and recovering dead holders as needed."""
+    pool._check_process()
+    with pool._mutex:
+        busy = pool._busy
+        busy[0] += 1
+        try:
+            while True:
+                try:
+                    order: set[int] | list[int] = locks
+                    invert = (
+                        faults.ARMED and len(locks) > 1 and faults.opportunity("lock-inversion")
+                    )
+                    if invert:
+                        order = sorted(locks, reverse=True)
+                    with Txn(pool.locks, pool.journal, pool._client_seq, order) as t:
+                        if invert:
+                            # Announced once the locks are taken in the wrong order.
+                            faults.fired("lock-inversion")
+                        return fn(t)
+                except Escalate as e:
+                    locks = e.locks
+                except DeadHolder:
+                    recover_dead_holders(pool.locks, pool.view, pool.client, pool.report)
+        finally:
+            busy[0] -= 1
