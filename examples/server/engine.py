@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kvscope import kernels
+from kvscope.allocator import Finding, FindingKind
 
 from .batch import Batch
 from .graphs import DecodeGraphs
@@ -220,15 +221,17 @@ class Engine:
         probe = getattr(self.cache, "probe", None)
         for v in batch.violations():
             blk = int(v["physical_block"])
-            kind = "use_after_free" if v["kind"] == "not_allocated" else "out_of_bounds"
+            kind = (
+                FindingKind.USE_AFTER_FREE
+                if v["kind"] == "not_allocated"
+                else FindingKind.OUT_OF_BOUNDS
+            )
             message = (
                 f"a kernel was asked to touch block {blk} ({v['kind']}, logical block "
                 f"{v['logical_block']}, slot {v['slot']}); the access was skipped"
             )
             if probe is None:
                 continue
-            from kvscope.allocator import Finding
-
             # Named after the request of this batch whose block table holds the block (the
             # one using it), not after the block's last owner.
             user = next(
