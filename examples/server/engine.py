@@ -25,7 +25,7 @@ from kvscope import kernels
 from kvscope.allocator import Finding, FindingKind
 
 from .batch import Batch
-from .graphs import DecodeGraphs
+from .graphs import StepGraphs
 from .model import LlamaModel
 from .report import RequestResult, StepSample
 from .scheduler import Scheduler, Stream
@@ -76,7 +76,10 @@ class StepClock:
         self.t += seconds
 
 
-PHASES = ("schedule", "batch", "launch", "wait", "pool")
+# A step's phases, in order: admit and plan; pack the batch; issue the forward (or replay its
+# graph); publish computed blocks to the pool while the GPU runs; wait for the sampled tokens;
+# sample, append and finish in the pool; record the cache's fill for the report.
+PHASES = ("schedule", "batch", "launch", "publish", "wait", "pool", "record")
 
 
 class Engine:
@@ -95,10 +98,10 @@ class Engine:
         worker: int = 0,
         prefix_cache: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        graphs: DecodeGraphs | None = None,
+        graphs: StepGraphs | None = None,
     ) -> None:
         self.model = model
-        # decode-only steps replayed as CUDA graphs (None: every step runs eagerly)
+        # steps replayed as CUDA graphs (None: every step runs eagerly)
         self.graphs = graphs
         self.cache = cache
         self.device = model.lm_head.weight.device
@@ -190,6 +193,7 @@ class Engine:
         hidden = self.graphs.forward(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.tokens, batch.positions, batch.attend)
+        t3 = time.perf_counter()
         self._report_violations(batch)
         for chunk in batch.chunks:
             stream = chunk.stream
@@ -200,21 +204,29 @@ class Engine:
             for c, row in zip(batch.chunks, batch.last_rows, strict=True)
             if c.stream.num_pending == 0
         ]
-        t3 = t4 = time.perf_counter()
+        t4 = t5 = time.perf_counter()
         if done:
-            rows = torch.tensor([row for _, row in done], device=self.device)
-            logits = self.model.logits(hidden[rows]).cpu()
-            t4 = time.perf_counter()
-            for (stream, _), row_logits in zip(done, logits, strict=True):
+            rows = torch.tensor([row for _, row in done]).to(self.device, non_blocking=True)
+            logits = self.model.logits(hidden[rows])
+            if all(stream.request.temperature <= 0 for stream, _ in done):
+                # greedy: only the chosen ids cross to the host, not [rows, vocab] floats
+                picks: list[Any] = logits.argmax(-1).tolist()
+            else:
+                picks = list(logits.cpu())
+            t5 = time.perf_counter()
+            for (stream, _), pick in zip(done, picks, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
-                    self._complete(stream, row_logits)
-        self._sample_cache(began, len(batch.tokens))
-        t5 = time.perf_counter()
-        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            self.phase_s[phase] += seconds
+                    self._complete(stream, pick)
+        t6 = time.perf_counter()
+        self._sample_cache(began, batch.num_tokens)
+        t7 = time.perf_counter()
+        times = (t0, t1, t2, t3, t4, t5, t6, t7)
+        assert len(times) == len(PHASES) + 1
+        for phase, start, end in zip(PHASES, times, times[1:]):  # noqa: B905
+            self.phase_s[phase] += end - start
         self.num_steps += 1
-        return len(batch.tokens)
+        return batch.num_tokens
 
     def _report_violations(self, batch: Batch) -> None:
         """Guard mode: each out-of-bounds or freed-block access the kernels skipped is a finding."""
@@ -249,8 +261,9 @@ class Engine:
             self.cache.mark_computed(stream.seq, stream.num_computed)
             stream.num_published = stream.num_computed
 
-    def _complete(self, stream: Stream, logits: Tensor) -> None:
-        """A stream computed its last token: sample; a finished prompt with n > 1 forks first."""
+    def _complete(self, stream: Stream, pick: Tensor | int) -> None:
+        """A stream computed its last token: sample from its logits (or take the greedy token
+        `pick` chosen on the device); a finished prompt with n > 1 forks first."""
         state = self.states[stream.request.request_id]
         emitting = [stream]
         if stream.index == 0 and stream.request.n > 1 and not state.forked:
@@ -266,7 +279,10 @@ class Engine:
                     self.scheduler.add(child)
         for s in emitting:
             if s.request.request_id in self.states:
-                self._emit(s, sample(logits, s.request.temperature, s.generator))
+                if isinstance(pick, int):
+                    self._emit(s, pick)
+                else:
+                    self._emit(s, sample(pick, s.request.temperature, s.generator))
 
     def _emit(self, stream: Stream, token: int) -> None:
         """Record a sampled token; finish the stream or reserve the token's slot."""
@@ -357,20 +373,30 @@ class Engine:
         return Stream(request, index, generator)
 
     def _sample_cache(self, began: float, num_tokens: int) -> None:
-        """Record how many tokens the cache stores in how many reserved slots."""
+        """Record how many tokens the cache stores in how many reserved slots.
+
+        A block shared by several sequences counts once, as full as its fullest user: only a
+        sequence's last blocks are partly filled, so the full ones are gathered a slice at a time.
+        """
         block_size = self.cache.config.block_size
-        fill: dict[int, int] = {}
+        full: set[int] = set()
+        tails: dict[int, int] = {}
         for stream in list(self.scheduler.running) + list(self.scheduler.waiting):
             seq = stream.seq
             if seq is None or not seq.block_table:
                 continue
-            for i, block in enumerate(seq.block_table):
-                used = max(0, min(block_size, seq.num_tokens - i * block_size))
-                fill[block] = max(fill.get(block, 0), used)
+            table, num_tokens_seq = seq.block_table, seq.num_tokens
+            num_full = min(num_tokens_seq // block_size, len(table))
+            full.update(table[:num_full])
+            for i in range(num_full, len(table)):
+                used = max(0, num_tokens_seq - i * block_size)
+                tails[table[i]] = max(tails.get(table[i], 0), used)
+        partial = {b: used for b, used in tails.items() if b not in full}
         end = self.now()
-        stored, reserved = sum(fill.values()), len(fill) * block_size
+        num_blocks = len(full) + len(partial)
+        stored, reserved = len(full) * block_size + sum(partial.values()), num_blocks * block_size
         running = len({s.request.request_id for s in self.scheduler.running})
         sample = StepSample(
-            end, end - began, stored, reserved, num_tokens, running, self.worker, len(fill)
+            end, end - began, stored, reserved, num_tokens, running, self.worker, num_blocks
         )
         self.samples.append(sample)

@@ -12,7 +12,7 @@ import torch
 from .checkpoint import load_config, load_model, random_model, tiny_model
 from .engine import Engine, StepClock
 from .errors import ServeError
-from .graphs import DecodeGraphs
+from .graphs import StepGraphs
 from .model import LlamaModel, ModelConfig
 from .static import StaticCache, StaticGeometry
 
@@ -48,7 +48,8 @@ class RunConfig:
     # "wall": arrivals on the wall clock; "steps": on a virtual clock advancing per engine step
     # (the same schedule on every machine: engine.StepClock)
     clock: str = "wall"
-    # replay decode-only steps as CUDA graphs (graphs.DecodeGraphs; CUDA only)
+    # replay steps as CUDA graphs (graphs.StepGraphs: decode steps and steps holding prompt
+    # chunks; on CUDA)
     cuda_graphs: bool = False
     # engine processes each with its own pool, on cuda:0..ranks-1 (or all on the CPU)
     ranks: int = 1
@@ -142,11 +143,18 @@ def create_pool(config: RunConfig, max_n: int = 1) -> Any:
 def make_engine(
     config: RunConfig, model: LlamaModel, cache: Any, worker: int, max_len: int = 0
 ) -> Engine:
-    """An engine with the run's batching limits (and its decode graphs, captured here)."""
+    """An engine with the run's batching limits (and its step graphs, captured here)."""
     graphs = None
     if config.cuda_graphs and not config.guard:
-        assert max_len > 0, "decode graphs need the longest sequence's length"
-        graphs = DecodeGraphs(model, cache, config.max_num_seqs, max_len)
+        assert max_len > 0, "step graphs need the longest sequence's length"
+        graphs = StepGraphs(
+            model,
+            cache,
+            config.max_num_seqs,
+            max_len,
+            max_tokens=config.max_num_batched_tokens,
+            max_chunk=config.prefill_chunk,
+        )
     return Engine(
         model,
         cache,
@@ -181,6 +189,7 @@ def engine_extra(engine: Engine) -> dict[str, Any]:
     if engine.graphs is not None:
         out["graph_replays"] = engine.graphs.num_replays
         out["static_forwards"] = engine.graphs.num_forwards
+        out["mixed_step_forwards"] = engine.graphs.num_mixed
     return out
 
 
