@@ -72,9 +72,9 @@ def test_token_buckets_cover_every_step_size() -> None:
 def test_static_buffer_steps_equal_eager_steps(pools: list) -> None:
     # GIVEN the tiny model and two pools, one engine with step graphs (on the CPU: their
     # static buffers, run eagerly) for up to 4 sequences of at most 40 tokens and steps of up
-    # to 256 tokens
+    # to 256 tokens (the model's projections fused, as serve.py runs it)
     torch.set_num_threads(1)
-    model = tiny_model(0)
+    model = tiny_model(0).fuse()
     eager_pool, graph_pool = make_pool(model, 96), make_pool(model, 96)
     pools += [eager_pool, graph_pool]
     graphs = StepGraphs(model, graph_pool, max_seqs=4, max_len=40, max_tokens=256, max_chunk=8)
@@ -112,7 +112,7 @@ def test_a_batch_wider_than_the_graphs_runs_eagerly(pools: list) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list) -> None:
     # GIVEN the tiny model in fp16 on the GPU, with step graphs captured for 4 sequences
-    model = tiny_model(0).to(device="cuda", dtype=torch.float16)
+    model = tiny_model(0).to(device="cuda", dtype=torch.float16).fuse()
     eager_pool, graph_pool = make_pool(model, 96), make_pool(model, 96)
     pools += [eager_pool, graph_pool]
     graphs = StepGraphs(model, graph_pool, max_seqs=4, max_len=40, max_tokens=256, max_chunk=8)

@@ -94,13 +94,16 @@ def resolve_dtype(config: RunConfig) -> str:
 
 
 def build_model(config: RunConfig) -> LlamaModel:
-    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device."""
+    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device,
+    its projections fused for serving (`LlamaModel.fuse`)."""
     dtype = DTYPES[resolve_dtype(config)]
     if config.model_shape is not None:
-        return random_model(config.model_shape, config.device, dtype, config.model_seed)
-    if config.model_path is not None:
-        return load_model(config.model_path, dtype=dtype, device=config.device)
-    return tiny_model(config.model_seed).to(device=config.device, dtype=dtype)
+        model = random_model(config.model_shape, config.device, dtype, config.model_seed)
+    elif config.model_path is not None:
+        model = load_model(config.model_path, dtype=dtype, device=config.device)
+    else:
+        model = tiny_model(config.model_seed).to(device=config.device, dtype=dtype)
+    return model.fuse()
 
 
 def build_cache(config: RunConfig, max_len: int, workers: int = 1) -> StaticCache:
@@ -186,6 +189,11 @@ def engine_extra(engine: Engine) -> dict[str, Any]:
     steps = max(engine.num_steps, 1)
     phases = {k: round(v * 1000.0 / steps, 3) for k, v in engine.phase_s.items()}
     out: dict[str, Any] = {"engine_steps": engine.num_steps, "step_phase_ms": phases}
+    gpu = engine.gpu_seconds()
+    if gpu:
+        out["gpu_s"] = round(sum(seconds for _, seconds in gpu.values()), 4)
+        out["gpu_step_ms"] = {k: round(s * 1000.0 / n, 3) for k, (n, s) in gpu.items()}
+        out["steps_by_kind"] = {k: n for k, (n, _) in gpu.items()}
     if engine.graphs is not None:
         out["graph_replays"] = engine.graphs.num_replays
         out["static_forwards"] = engine.graphs.num_forwards
