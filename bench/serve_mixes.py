@@ -116,9 +116,11 @@ def serve_case(
     out = asdict(summary)
     out["requests_per_s"] = round(summary.requests / summary.duration_s, 2)
     out["mean_prompt_tokens"] = round(sum(len(r.prompt) for r in requests) / len(requests), 1)
-    # the GPU's time on the steps' work against the run's wall time (CUDA only)
+    # The share of the run's wall time the GPU spent inside steps' work (CUDA events around
+    # each step). A graph replays its kernels back to back, so there it is nearly the GPU's
+    # busy time; an eager step's span also holds the gaps while Python issues its kernels.
     if "gpu_s" in summary.extra:
-        out["gpu_busy"] = round(summary.extra["gpu_s"] / summary.duration_s, 3)
+        out["gpu_step_share"] = round(summary.extra["gpu_s"] / summary.duration_s, 3)
     return out
 
 
@@ -162,7 +164,7 @@ def run_mixes(
                     f"steps {summary['extra'].get('engine_steps')} "
                     f"phase ms {summary['extra'].get('step_phase_ms')} "
                     f"replays {summary['extra'].get('graph_replays')} "
-                    f"gpu busy {summary.get('gpu_busy')} "
+                    f"GPU in steps {summary.get('gpu_step_share')} "
                     f"gpu ms/step {summary['extra'].get('gpu_step_ms')} "
                     f"steps {summary['extra'].get('steps_by_kind')}",
                     flush=True,
@@ -173,7 +175,7 @@ def run_mixes(
 def profile_case(model: LlamaModel, device: str, graphs: bool, num_requests: int) -> dict[str, Any]:
     """Where the time of the top-10 mix (sharing on) goes: the GPU's kernels (torch.profiler;
     the window holds the case's set-up too, graph captures included, so the kernel total is not
-    the serving's: the case's own `gpu_busy` is), and the engine thread's hottest functions
+    the serving's: the case's own `gpu_step_share` is), and the engine thread's hottest functions
     (cProfile)."""
     serve_case(model, "top-10", True, graphs, CLIENTS, device, "pwarm")
     out: dict[str, Any] = {"cuda_graphs": graphs}
@@ -194,7 +196,7 @@ def profile_case(model: LlamaModel, device: str, graphs: bool, num_requests: int
         out.update(
             window_s=round(wall_s, 3),
             window_kernel_s=round(kernel_us / 1e6, 3),
-            gpu_busy=summary.get("gpu_busy"),
+            gpu_step_share=summary.get("gpu_step_share"),
             engine=summary["extra"],
             top_kernels=events.table(sort_by="self_device_time_total", row_limit=12),
         )
@@ -213,7 +215,7 @@ def render(results: dict[str, Any]) -> str:
     block_gib = results["block_bytes"] / 2**30
     lines = [
         "| mix | prefix sharing | CUDA graphs | requests/s | output tokens/s | peak KV blocks "
-        "(GiB) | TTFT p95 from admission | prompt tokens cached | GPU busy |",
+        "(GiB) | TTFT p95 from admission | prompt tokens cached | GPU in steps |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in results["cases"]:
@@ -223,7 +225,7 @@ def render(results: dict[str, Any]) -> str:
             f"{c['output_tokens_per_s']:,.0f} | {c['peak_kv_blocks']} "
             f"({c['peak_kv_blocks'] * block_gib:.2f}) | {c['ttft_admitted_p95_ms']:,.1f} ms | "
             f"{c['prefix_hit_rate']:.1%} | "
-            + (f"{c['gpu_busy']:.0%} |" if "gpu_busy" in c else "- |")
+            + (f"{c['gpu_step_share']:.0%} |" if "gpu_step_share" in c else "- |")
         )
     lines += ["", "| mix | CUDA graphs | requests/s, sharing on vs off | peak KV blocks |"]
     lines.append("|---|---|---:|---:|")
