@@ -122,3 +122,18 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list) -> None:
     # THEN the replays, decode and mixed steps alike, produced the eager engine's tokens
     assert graphs.num_replays == graphs.num_forwards > 10 and graphs.num_mixed > 5
     assert through_graphs == eager
+
+
+def test_the_step_timer_sums_each_phase_between_its_boundaries() -> None:
+    # GIVEN a step timer on the CPU
+    from server.steptime import PHASES, StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    # WHEN two steps report their phase boundaries
+    timer.add((0.0, 1.0, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0))
+    timer.add((100.0, 101.0, 103.0, 106.0, 110.0, 115.0, 121.0, 128.0))
+    # THEN each phase holds the sum of its spans, in order, and the CPU records no GPU time
+    assert timer.num_steps == 2
+    assert list(timer.phase_s) == list(PHASES)
+    assert list(timer.phase_s.values()) == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+    assert timer.gpu_began(mixed=True) is None and timer.gpu_seconds() == {}

@@ -30,6 +30,7 @@ from .model import LlamaModel
 from .report import RequestResult, StepSample
 from .scheduler import Scheduler, Stream
 from .static import StaticCache
+from .steptime import StepTimer
 from .workload import Request
 
 
@@ -76,12 +77,6 @@ class StepClock:
         self.t += seconds
 
 
-# A step's phases, in order: admit and plan; pack the batch; issue the forward (or replay its
-# graph); publish computed blocks to the pool while the GPU runs; wait for the sampled tokens;
-# sample, append and finish in the pool; record the cache's fill for the report.
-PHASES = ("schedule", "batch", "launch", "publish", "wait", "pool", "record")
-
-
 class Engine:
     """Continuous batching over one cache (a `KVPool`, or the static baseline)."""
 
@@ -122,15 +117,8 @@ class Engine:
         self.results: list[RequestResult] = []
         self.samples: list[StepSample] = []
         self.on_finish: Callable[[RequestResult], None] = lambda _result: None
-        # Seconds of the engine's own thread per phase of a step, summed over the run. On CUDA
-        # "launch" is the time to issue the model's kernels and "wait" the time the host then
-        # waits for the logits: a step whose wait is near zero is bound by its launches.
-        self.phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self.num_steps = 0
-        # On CUDA, a pair of timing events around each step's GPU work (its input copies, the
-        # forward, the logits and the token pick), by step kind ("decode" or "mixed"): the GPU's
-        # time per step, and against the run's wall time how busy the GPU was.
-        self.gpu_events: list[tuple[str, Any, Any]] = []
+        # where each step's time went: host seconds per phase, the GPU's time per step
+        self.timer = StepTimer(self.device)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -194,7 +182,7 @@ class Engine:
         t1 = time.perf_counter()
         batch = Batch(chunks, self.cache, self.device)
         t2 = time.perf_counter()
-        events = self._gpu_step_began(batch)
+        events = self.timer.gpu_began(mixed=batch.num_prefill_tokens > 0)
         hidden = self.graphs.forward(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.tokens, batch.positions, batch.attend)
@@ -211,17 +199,17 @@ class Engine:
         ]
         t4 = t5 = time.perf_counter()
         if not done:
-            self._gpu_step_ended(events)
+            self.timer.gpu_ended(events)
         if done:
             rows = torch.tensor([row for _, row in done]).to(self.device, non_blocking=True)
             logits = self.model.logits(hidden[rows])
             if all(stream.request.temperature <= 0 for stream, _ in done):
                 # greedy: only the chosen ids cross to the host, not [rows, vocab] floats
                 chosen = logits.argmax(-1)
-                self._gpu_step_ended(events)
+                self.timer.gpu_ended(events)
                 picks: list[Any] = chosen.tolist()
             else:
-                self._gpu_step_ended(events)
+                self.timer.gpu_ended(events)
                 picks = list(logits.cpu())
             t5 = time.perf_counter()
             for (stream, _), pick in zip(done, picks, strict=True):
@@ -231,36 +219,8 @@ class Engine:
         t6 = time.perf_counter()
         self._sample_cache(began, batch.num_tokens)
         t7 = time.perf_counter()
-        times = (t0, t1, t2, t3, t4, t5, t6, t7)
-        assert len(times) == len(PHASES) + 1
-        for phase, start, end in zip(PHASES, times, times[1:]):  # noqa: B905
-            self.phase_s[phase] += end - start
-        self.num_steps += 1
+        self.timer.add((t0, t1, t2, t3, t4, t5, t6, t7))
         return batch.num_tokens
-
-    def _gpu_step_began(self, batch: Batch) -> Any:
-        """Record a timing event before the step's GPU work (None off CUDA)."""
-        if self.device.type != "cuda":
-            return None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(torch.cuda.current_stream(self.device))
-        kind = "mixed" if batch.num_prefill_tokens else "decode"
-        self.gpu_events.append((kind, start, end))
-        return end
-
-    def _gpu_step_ended(self, end: Any) -> None:
-        if end is not None:
-            end.record(torch.cuda.current_stream(self.device))
-
-    def gpu_seconds(self) -> dict[str, tuple[int, float]]:
-        """Per step kind: how many steps, and the GPU seconds their work took (CUDA only)."""
-        if self.gpu_events:
-            torch.cuda.synchronize(self.device)
-        out: dict[str, tuple[int, float]] = {}
-        for kind, start, end in self.gpu_events:
-            steps, seconds = out.get(kind, (0, 0.0))
-            out[kind] = (steps + 1, seconds + start.elapsed_time(end) / 1000.0)
-        return out
 
     def _report_violations(self, batch: Batch) -> None:
         """Guard mode: each out-of-bounds or freed-block access the kernels skipped is a finding."""

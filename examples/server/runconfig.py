@@ -186,10 +186,11 @@ def cache_extra(cache: Any) -> dict[str, Any]:
 
 def engine_extra(engine: Engine) -> dict[str, Any]:
     """Where a step's time went in the engine's thread: mean milliseconds per step and phase."""
-    steps = max(engine.num_steps, 1)
-    phases = {k: round(v * 1000.0 / steps, 3) for k, v in engine.phase_s.items()}
-    out: dict[str, Any] = {"engine_steps": engine.num_steps, "step_phase_ms": phases}
-    gpu = engine.gpu_seconds()
+    timer = engine.timer
+    steps = max(timer.num_steps, 1)
+    phases = {k: round(v * 1000.0 / steps, 3) for k, v in timer.phase_s.items()}
+    out: dict[str, Any] = {"engine_steps": timer.num_steps, "step_phase_ms": phases}
+    gpu = timer.gpu_seconds()
     if gpu:
         out["gpu_s"] = round(sum(seconds for _, seconds in gpu.values()), 4)
         out["gpu_step_ms"] = {k: round(s * 1000.0 / n, 3) for k, (n, s) in gpu.items()}
