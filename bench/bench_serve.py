@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cuda-graphs",
         choices=["off", "on", "both"],
         default="off",
-        help="--mixes: replay decode steps as CUDA graphs",
+        help="--mixes: replay steps (decode and prompt chunks) as CUDA graphs",
     )
     ap.add_argument(
         "--only-profile",

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault-rank", type=int, default=-1, metavar="RANK",
         help="with --ranks: faults armed by `kvscope run --inject` fire in this rank only",
     )  # fmt: skip
-    c.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
+    c.add_argument(
+        "--cuda-graphs", action="store_true", help="replay engine steps as CUDA graphs (CUDA only)"
+    )
     c.add_argument("--threads", type=int, default=0, help="torch threads (0: 1 for tiny model)")
     c.add_argument("--pool-name", default="", help="pool name (default serve-PID)")
     c.add_argument("--keep-pool", action="store_true", help="leave the pool for kvscope top")

@@ -6,17 +6,19 @@
     gpus.close()
 
     gpu_memory("cuda:1")         # {"index", "name", "used", "total", "free"} or None
+    reader = GpuMemoryReader("cuda:1"); reader.read()   # the same, NVML kept open (`top`)
 
 Names follow the OpenTelemetry hardware conventions (`hw.gpu.*`, attributes `hw.id`, `hw.name`,
 `hw.vendor`), plus `kvscope.gpu.memory.free` (NVML's free bytes: total - used - reserved).
 OpenTelemetry is imported only by `register`: `gpu_memory` (what `kvscope analyze` shows beside
-a live pool on a GPU) works without it.
+a live pool on a GPU) and `GpuMemoryReader` (the same in `kvscope top`'s header) work without it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -168,11 +170,8 @@ def nvml_index(device: str) -> int:
     return index
 
 
-def gpu_memory(device: str, nvml: Any = None) -> dict[str, Any] | None:
-    """NVML's memory reading of the GPU behind a torch device string; None without NVML, a GPU
-    of that index, or for the CPU."""
-    if not device.startswith("cuda"):
-        return None
+def _open(nvml: Any) -> Any:
+    """NVML initialised (pynvml when `nvml` is None), or None without a driver or binding."""
     try:
         if nvml is None:
             import pynvml
@@ -181,6 +180,11 @@ def gpu_memory(device: str, nvml: Any = None) -> dict[str, Any] | None:
         nvml.nvmlInit()
     except Exception:  # noqa: BLE001 - ImportError or any NVMLError: nothing to show
         return None
+    return nvml
+
+
+def _read(nvml: Any, device: str) -> dict[str, Any] | None:
+    """One reading of the GPU behind `device` through an initialised NVML."""
     try:
         index = nvml_index(device)
         if index >= nvml.nvmlDeviceGetCount():
@@ -197,5 +201,55 @@ def gpu_memory(device: str, nvml: Any = None) -> dict[str, Any] | None:
         }
     except Exception:  # noqa: BLE001 - a device that fell off the bus: nothing to show
         return None
+
+
+def gpu_memory(device: str, nvml: Any = None) -> dict[str, Any] | None:
+    """NVML's memory reading of the GPU behind a torch device string; None without NVML, a GPU
+    of that index, or for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    nvml = _open(nvml)
+    if nvml is None:
+        return None
+    try:
+        return _read(nvml, device)
     finally:
         nvml.nvmlShutdown()
+
+
+class GpuMemoryReader:
+    """`gpu_memory` of one device for a display that refreshes often (`kvscope top`): NVML
+    stays initialised, and it is read at most every `every_s` seconds (the last reading is
+    returned in between). `read()` is None without NVML or that GPU."""
+
+    def __init__(
+        self,
+        device: str,
+        nvml: Any = None,
+        every_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert device.startswith("cuda"), device
+        self.device = device
+        self.every_s = every_s
+        self.clock = clock
+        self.nvml = _open(nvml)
+        self.last: dict[str, Any] | None = None
+        self.read_at = -float("inf")
+        self.num_reads = 0
+
+    def read(self) -> dict[str, Any] | None:
+        if self.nvml is None:
+            return None
+        now = self.clock()
+        if now - self.read_at >= self.every_s:
+            self.read_at = now
+            self.last = _read(self.nvml, self.device)
+            self.num_reads += 1
+        return self.last
+
+    def close(self) -> None:
+        """Shut NVML down (once)."""
+        if self.nvml is not None:
+            self.nvml.nvmlShutdown()
+            self.nvml = None

@@ -22,6 +22,8 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from kvscope.allocator.layout import FINDINGS_CAPACITY, BlockState, SegmentView
 from kvscope.allocator.segment import MappedFile, open_existing, release, segment_path, view_of
 from kvscope.allocator.stats import pool_stats
+from kvscope.probes.nvml import INDEX as GPU_INDEX
+from kvscope.probes.nvml import nvml_index
 
 POOL = "kvscope.pool.name"
 DEVICE = "kvscope.pool.device"
@@ -153,6 +155,16 @@ POOL_METRICS = (
 )
 
 
+def pool_attributes(name: str, device: str) -> dict[str, Any]:
+    """The attributes of every series of one pool: its name and device and, for a pool on a GPU,
+    that GPU's NVML index, which the GPU's own `hw.gpu.*` series carry too (one pool per GPU:
+    each rank's pool beside its GPU's memory)."""
+    attrs: dict[str, Any] = {POOL: name, DEVICE: device}
+    if device.startswith("cuda"):
+        attrs[GPU_INDEX] = nvml_index(device)
+    return attrs
+
+
 class _Reader:
     """One mapped segment, reopened when its file is replaced and dropped when it is gone."""
 
@@ -163,7 +175,7 @@ class _Reader:
         self.mf: MappedFile = open_existing(self.path, name)
         self.view: SegmentView = view_of(self.mf)
         h = self.view.h
-        self.attrs = {POOL: name, DEVICE: bytes(h["device"]).decode()}
+        self.attrs = pool_attributes(name, bytes(h["device"]).decode())
         self.block_bytes = int(h["data_bytes"]) // max(1, int(h["num_blocks"]))
         self.findings_seen = 0
         self.kind_counts: dict[tuple[str, str], int] = {}

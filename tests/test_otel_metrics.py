@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvscope.allocator import Finding, KVPool
 from kvscope.probes.otel import KVPoolInstrumentor
-from kvscope.probes.otel_metrics import POOL_METRICS
+from kvscope.probes.otel_metrics import POOL_METRICS, pool_attributes
 
 BS = 4
 # 1 layer x (K, V) x 4 slots x 2 heads x 8 dims x 4 bytes.
@@ -289,3 +289,19 @@ def test_every_exported_metric_is_documented(otel, make_pool):
     assert names - set(rows) == set()
     for spec in POOL_METRICS:
         assert f"| `{spec.unit}` |" in rows[spec.name], spec.name
+
+
+def test_a_gpu_pool_s_series_carry_its_gpu_s_nvml_index(monkeypatch):
+    # GIVEN pools on the CPU and on two GPUs (one pool per rank)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # THEN a GPU pool's attributes name its GPU as the hw.gpu.* series do; a CPU pool's do not
+    assert pool_attributes("p", "cpu") == {"kvscope.pool.name": "p", "kvscope.pool.device": "cpu"}
+    assert pool_attributes("p-rank1", "cuda:1") == {
+        "kvscope.pool.name": "p-rank1",
+        "kvscope.pool.device": "cuda:1",
+        "kvscope.gpu.index": 1,
+    }
+    assert pool_attributes("p-rank0", "cuda")["kvscope.gpu.index"] == 0
+    # AND under CUDA_VISIBLE_DEVICES, cuda:1 is the second GPU listed (NVML numbers them all)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert pool_attributes("p-rank1", "cuda:1")["kvscope.gpu.index"] == 5

@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from kvscope.probes.nvml import GpuMetrics
+from kvscope.probes.nvml import GpuMemoryReader, GpuMetrics
 
 GIB = 1 << 30
 
@@ -101,3 +101,40 @@ def test_gpu_memory_and_utilization_with_hardware_attributes():
     gpus.close()
     gpus.close()
     assert FakeNvml.shutdowns == 1
+
+
+def test_the_reader_for_top_reads_nvml_at_most_once_a_second():
+    # GIVEN a reader of cuda:0 on a clock the test moves
+    now = [100.0]
+    shutdowns = FakeNvml.shutdowns
+    reader = GpuMemoryReader("cuda:0", nvml=FakeNvml(), every_s=1.0, clock=lambda: now[0])
+    # WHEN it is read three times within a second, then once after
+    first = reader.read()
+    now[0] += 0.5
+    assert reader.read() == first
+    now[0] += 0.4
+    reader.read()
+    assert reader.num_reads == 1
+    now[0] += 0.2
+    reader.read()
+    # THEN NVML was read twice, and the reading is the GPU's memory
+    assert reader.num_reads == 2
+    assert first == {
+        "index": 0,
+        "name": "NVIDIA H200",
+        "uuid": "GPU-1234",
+        "used": 60 * GIB,
+        "total": 80 * GIB,
+        "free": 20 * GIB,
+    }
+    # AND closing shuts NVML down once
+    reader.close()
+    reader.close()
+    assert FakeNvml.shutdowns == shutdowns + 1 and reader.read() is None
+
+
+def test_the_reader_of_a_gpu_nvml_does_not_see_reads_none():
+    # GIVEN NVML with one GPU, WHEN the reader asks for cuda:3, THEN there is nothing to show
+    reader = GpuMemoryReader("cuda:3", nvml=FakeNvml())
+    assert reader.read() is None
+    reader.close()

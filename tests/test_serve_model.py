@@ -195,3 +195,24 @@ def test_model_parameter_names_are_the_hugging_face_ones() -> None:
     assert "model.layers.0.self_attn.q_proj.weight" in names
     assert "model.layers.0.mlp.gate_proj.weight" in names
     assert "model.layers.0.post_attention_layernorm.weight" in names
+
+
+def test_fused_projections_give_the_same_logits_and_keep_the_weights() -> None:
+    # GIVEN the tiny model and a copy of it
+    plain = tiny_model(7)
+    fused = tiny_model(7)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    # WHEN the copy's q/k/v and gate/up projections are fused
+    fused.fuse()
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    # THEN its logits are the plain model's, up to float32 rounding
+    assert torch.allclose(
+        forward_reference(fused, tokens), forward_reference(plain, tokens), atol=1e-5
+    )
+    # AND its parameters keep their names and values, now views of the fused weights
+    after = fused.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    attn = fused.model.layers[0].self_attn
+    assert attn.qkv is not None
+    assert attn.k_proj.weight.data_ptr() == attn.qkv[attn.q_proj.weight.shape[0] :].data_ptr()

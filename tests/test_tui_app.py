@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import block_checksums, header_checksum
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
-from kvscope.tui.app import TopApp
+from kvscope.tui.app import TopApp, gpu_reader
 from kvscope.tui.help import HelpScreen
 from kvscope.tui.source import LiveSource, ViewSource, open_source
 from kvscope.tui.widgets.blockmap import BlockMap, cell_codes
@@ -268,3 +269,35 @@ def test_run_top_rejects_a_missing_pool():
 def _no_stray_dumps():
     yield
     assert not [p for p in os.listdir(".") if p.startswith("tui-test-") and p.endswith(".kvd")]
+
+
+@sync
+async def test_top_shows_the_gpu_memory_beside_a_gpu_pool_s_bytes(make_pool):
+    # GIVEN a live pool watched by top with the NVML reading of its GPU (a fake NVML: one
+    # 80 GiB GPU with 60 GiB used)
+    from kvscope.probes.nvml import GpuMemoryReader
+    from kvscope.tui.widgets.header import PoolHeader
+    from tests.test_otel_nvml import FakeNvml
+
+    pool = make_pool(64)
+    gpu = GpuMemoryReader("cuda:0", nvml=FakeNvml())
+    app = TopApp(LiveSource(pool.name), hz=20, gpu=gpu)
+    async with app.run_test(size=(200, 48)) as pilot:
+        await settle(pilot, app)
+        # THEN the header shows the GPU's memory and the pool's KV bytes against it
+        text = app.query_one(PoolHeader)._text
+        kv = int(pool.view.h["data_bytes"]) / 2**30
+        assert f"GPU 0 NVIDIA H200 60.0/80.0 GiB used, KV data {kv:.2f} GiB" in text
+    gpu.close()
+
+
+def test_top_reads_a_gpu_only_for_a_live_pool_on_one(make_pool):
+    # GIVEN a live pool on the CPU and a dump, THEN top reads no GPU for them
+    pool = make_pool(64)
+    assert gpu_reader(LiveSource(pool.name)) is None
+    assert gpu_reader(ViewSource(frozen_view(pool), name="d")) is None
+    # AND for a live pool whose header says cuda:1, it reads that GPU
+    source = SimpleNamespace(live=True, view=SimpleNamespace(h={"device": b"cuda:1\0\0"}))
+    reader = gpu_reader(source)
+    assert reader is not None and reader.device == "cuda:1"
+    reader.close()

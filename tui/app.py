@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -85,8 +86,12 @@ class TopApp(App[int]):
         check_every_s: float = 2.0,
         script: ScriptOutput | None = None,
         stop: threading.Event | None = None,
+        gpu: Any = None,
     ) -> None:
         super().__init__()
+        # NVML's reading of the GPU a live pool lives on (`gpu_reader`), shown in the header
+        # beside the pool's KV bytes; None for a dump or a pool on the CPU.
+        self.gpu = gpu
         # Set by `kvscope run --live` when a stop signal reaches it (its terminal hung up, a
         # service manager's SIGTERM): the TUI closes, as a plain `kvscope top` would die.
         self.stop = stop
@@ -160,6 +165,7 @@ class TopApp(App[int]):
             copy_ms=copy_ms,
             torn=bool(getattr(view, "torn", False)),
             live=self.source.live,
+            extra={"gpu": self.gpu.read()} if self.gpu is not None else {},
         )
 
     def _check(self, view: SegmentView) -> float:
@@ -365,6 +371,20 @@ class TopApp(App[int]):
         self.exit(0)
 
 
+def gpu_reader(source: Source) -> Any:
+    """A `GpuMemoryReader` of the GPU a live pool's KV data is on; None for a dump (its GPU's
+    memory now says nothing about the moment it was taken) or a pool on the CPU."""
+    if not source.live:
+        return None
+    device = bytes(source.view.h["device"]).rstrip(b"\0").decode(errors="replace")
+    if not device.startswith("cuda"):
+        return None
+    # imports the pool's package (and torch): only for a pool on a GPU
+    from kvscope.probes.nvml import GpuMemoryReader
+
+    return GpuMemoryReader(device)
+
+
 def run_top(
     target: str,
     *,
@@ -378,9 +398,13 @@ def run_top(
     `stop`: closes the TUI when set (a stop signal reached `kvscope run --live`).
     """
     source = open_source(target)
+    gpu = None
     try:
-        app = TopApp(source, hz=hz, script=script, stop=stop)
+        gpu = gpu_reader(source)
+        app = TopApp(source, hz=hz, script=script, stop=stop, gpu=gpu)
         app.run()
     finally:
+        if gpu is not None:
+            gpu.close()
         source.close()
     return app.return_code or 0

@@ -3,12 +3,18 @@
 Prompt chunks come first, then decodes; every new token's K/V is stored into its pool slot
 with `store_kv`, then `paged_prefill` attends the chunks over their cached prefix and
 `paged_decode` the single tokens over their whole sequence, all on the pool's KV tensor.
+
+The step's inputs are built on the host as numpy arrays (`host_*`, `host_tables`). The eager
+forward copies them to the device when it first reads them; the CUDA graphs of a step
+(graphs.StepGraphs) copy them into their static buffers instead, in one transfer.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,11 +24,12 @@ from .scheduler import Chunk
 
 
 class Batch:
-    """Token ids, positions, slots and block tables of one step, on the model's device."""
+    """Token ids, positions, slots and block tables of one step (host arrays, device tensors)."""
 
     def __init__(self, chunks: list[Chunk], cache: Any, device: torch.device | str) -> None:
         assert chunks
         self.kv = cache.kv
+        self.device = torch.device(device)
         self.block_size = cache.config.block_size
         # Guard mode: the kernels check every block-table entry and slot against the pool's
         # block states and record violations here instead of reading or writing out of bounds.
@@ -32,45 +39,79 @@ class Batch:
                 "block_state": cache.block_state().to(device),
                 "errors": kernels.new_error_buffer(device=device),
             }
-        slots_per_block = cache.slots_per_block
         prefills = [c for c in chunks if c.length > 1]
         decodes = [c for c in chunks if c.length == 1]
         self.chunks = prefills + decodes
+        self.num_prefills = len(prefills)
         self.num_prefill_tokens = sum(c.length for c in prefills)
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        lengths = np.array([c.length for c in self.chunks], dtype=np.int64)
+        self.num_tokens = int(lengths.sum())
+        # index of each chunk's last token in the packed batch: where its logits come from
+        self.last_rows = (np.cumsum(lengths) - 1).tolist()
+        # total tokens of each chunk's sequence once this step has run
+        self.seq_lens = [c.start + c.length for c in self.chunks]
+        self.max_query_len = int(lengths.max())
+        self.host_tokens = np.empty(self.num_tokens, dtype=np.int64)
+        self.host_positions = np.empty(self.num_tokens, dtype=np.int64)
+        self.host_slots = np.empty(self.num_tokens, dtype=np.int64)
+        slots_per_block = cache.slots_per_block
+        row = 0
         for chunk in self.chunks:
             seq = chunk.stream.seq
-            table = seq.block_table
-            for pos in range(chunk.start, chunk.start + chunk.length):
-                tokens.append(seq.tokens[pos])
-                positions.append(pos)
-                slots.append(
-                    table[pos // self.block_size] * slots_per_block + pos % self.block_size
-                )
-        # index of each chunk's last token in the packed batch: where its logits come from
-        ends = torch.tensor([c.length for c in self.chunks]).cumsum(0)
-        self.last_rows = (ends - 1).tolist()
-        self.tokens = torch.tensor(tokens, dtype=torch.long, device=device)
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
-        self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-        self.prefill = self._group(prefills, device)
-        self.decode = self._group(decodes, device)
-        if prefills:
-            starts = [0] + torch.tensor([c.length for c in prefills]).cumsum(0).tolist()
-            self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+            end = row + chunk.length
+            pos = np.arange(chunk.start, chunk.start + chunk.length, dtype=np.int64)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            self.host_tokens[row:end] = seq.tokens[chunk.start : chunk.start + chunk.length]
+            self.host_positions[row:end] = pos
+            self.host_slots[row:end] = (
+                table[pos // self.block_size] * slots_per_block + pos % self.block_size
+            )
+            row = end
 
-    def _group(self, chunks: list[Chunk], device: torch.device | str) -> tuple[Tensor, Tensor]:
-        """Block tables [n, max_blocks] (-1 padded) and total lengths [n] of some chunks."""
-        lengths = [c.start + c.length for c in chunks]
-        width = max((-(-n // self.block_size) for n in lengths), default=0)
-        tables = torch.full((len(chunks), max(width, 1)), -1, dtype=torch.int32)
-        for row, (chunk, n) in enumerate(zip(chunks, lengths, strict=True)):
-            used = -(-n // self.block_size)
-            tables[row, :used] = torch.tensor(chunk.stream.seq.block_table[:used])
-        seq_lens = torch.tensor(lengths, dtype=torch.int32)
-        return tables.to(device), seq_lens.to(device)
+    def host_tables(self, rows: list[Chunk], width: int) -> np.ndarray:
+        """Block tables [len(rows), width] of some chunks' sequences, -1 past each one's end."""
+        tables = np.full((len(rows), max(width, 1)), -1, dtype=np.int32)
+        for i, chunk in enumerate(rows):
+            used = -(-(chunk.start + chunk.length) // self.block_size)
+            tables[i, :used] = chunk.stream.seq.block_table[:used]
+        return tables
+
+    def _to_device(self, array: np.ndarray) -> Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    @cached_property
+    def tokens(self) -> Tensor:
+        return self._to_device(self.host_tokens)
+
+    @cached_property
+    def positions(self) -> Tensor:
+        return self._to_device(self.host_positions)
+
+    @cached_property
+    def slot_mapping(self) -> Tensor:
+        return self._to_device(self.host_slots)
+
+    @cached_property
+    def prefill(self) -> tuple[Tensor, Tensor]:
+        """Block tables [n, max_blocks] (-1 padded) and total lengths [n] of the prompt chunks."""
+        return self._group(0, self.num_prefills)
+
+    @cached_property
+    def decode(self) -> tuple[Tensor, Tensor]:
+        """The same for the decodes."""
+        return self._group(self.num_prefills, len(self.chunks))
+
+    @cached_property
+    def query_start_loc(self) -> Tensor:
+        """Where each prompt chunk's tokens start in the packed batch, and the end: [n + 1]."""
+        lengths = [c.length for c in self.chunks[: self.num_prefills]]
+        return self._to_device(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+    def _group(self, first: int, end: int) -> tuple[Tensor, Tensor]:
+        lens = self.seq_lens[first:end]
+        width = max((-(-n // self.block_size) for n in lens), default=0)
+        tables = self.host_tables(self.chunks[first:end], width)
+        return self._to_device(tables), self._to_device(np.asarray(lens, dtype=np.int32))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Store this step's K/V in the pool, then paged attention: [tokens, heads, head_dim]."""
@@ -91,11 +132,14 @@ class Batch:
                     lens,
                     self.query_start_loc,
                     block_size=self.block_size,
+                    # known here: without it the launch reads it back from the GPU
+                    max_query_len=max(c.length for c in self.chunks[: self.num_prefills]),
                     **self.guard,
                 )  # fmt: skip
             )
         if split < q.shape[0]:
             tables, lens = self.decode
+            decode_lens = self.seq_lens[self.num_prefills :]
             outs.append(
                 kernels.paged_decode(
                     q[split:],
@@ -104,8 +148,10 @@ class Batch:
                     tables,
                     lens,
                     block_size=self.block_size,
+                    max_seq_len=max(decode_lens),
+                    total_seq_len=sum(decode_lens),
                     **self.guard,
-                )
+                )  # fmt: skip
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

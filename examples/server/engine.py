@@ -22,13 +22,15 @@ import torch
 from torch import Tensor
 
 from kvscope import kernels
+from kvscope.allocator import Finding, FindingKind
 
 from .batch import Batch
-from .graphs import DecodeGraphs
+from .graphs import StepGraphs
 from .model import LlamaModel
 from .report import RequestResult, StepSample
 from .scheduler import Scheduler, Stream
 from .static import StaticCache
+from .steptime import StepTimer
 from .workload import Request
 
 
@@ -75,9 +77,6 @@ class StepClock:
         self.t += seconds
 
 
-PHASES = ("schedule", "batch", "launch", "wait", "pool")
-
-
 class Engine:
     """Continuous batching over one cache (a `KVPool`, or the static baseline)."""
 
@@ -94,10 +93,10 @@ class Engine:
         worker: int = 0,
         prefix_cache: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        graphs: DecodeGraphs | None = None,
+        graphs: StepGraphs | None = None,
     ) -> None:
         self.model = model
-        # decode-only steps replayed as CUDA graphs (None: every step runs eagerly)
+        # steps replayed as CUDA graphs (None: every step runs eagerly)
         self.graphs = graphs
         self.cache = cache
         self.device = model.lm_head.weight.device
@@ -118,11 +117,8 @@ class Engine:
         self.results: list[RequestResult] = []
         self.samples: list[StepSample] = []
         self.on_finish: Callable[[RequestResult], None] = lambda _result: None
-        # Seconds of the engine's own thread per phase of a step, summed over the run. On CUDA
-        # "launch" is the time to issue the model's kernels and "wait" the time the host then
-        # waits for the logits: a step whose wait is near zero is bound by its launches.
-        self.phase_s: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self.num_steps = 0
+        # where each step's time went: host seconds per phase, the GPU's time per step
+        self.timer = StepTimer(self.device)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -186,9 +182,11 @@ class Engine:
         t1 = time.perf_counter()
         batch = Batch(chunks, self.cache, self.device)
         t2 = time.perf_counter()
+        events = self.timer.gpu_began(mixed=batch.num_prefill_tokens > 0)
         hidden = self.graphs.forward(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.tokens, batch.positions, batch.attend)
+        t3 = time.perf_counter()
         self._report_violations(batch)
         for chunk in batch.chunks:
             stream = chunk.stream
@@ -199,36 +197,47 @@ class Engine:
             for c, row in zip(batch.chunks, batch.last_rows, strict=True)
             if c.stream.num_pending == 0
         ]
-        t3 = t4 = time.perf_counter()
+        t4 = t5 = time.perf_counter()
+        if not done:
+            self.timer.gpu_ended(events)
         if done:
-            rows = torch.tensor([row for _, row in done], device=self.device)
-            logits = self.model.logits(hidden[rows]).cpu()
-            t4 = time.perf_counter()
-            for (stream, _), row_logits in zip(done, logits, strict=True):
+            rows = torch.tensor([row for _, row in done]).to(self.device, non_blocking=True)
+            logits = self.model.logits(hidden[rows])
+            if all(stream.request.temperature <= 0 for stream, _ in done):
+                # greedy: only the chosen ids cross to the host, not [rows, vocab] floats
+                chosen = logits.argmax(-1)
+                self.timer.gpu_ended(events)
+                picks: list[Any] = chosen.tolist()
+            else:
+                self.timer.gpu_ended(events)
+                picks = list(logits.cpu())
+            t5 = time.perf_counter()
+            for (stream, _), pick in zip(done, picks, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
-                    self._complete(stream, row_logits)
-        self._sample_cache(began, len(batch.tokens))
-        t5 = time.perf_counter()
-        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            self.phase_s[phase] += seconds
-        self.num_steps += 1
-        return len(batch.tokens)
+                    self._complete(stream, pick)
+        t6 = time.perf_counter()
+        self._sample_cache(began, batch.num_tokens)
+        t7 = time.perf_counter()
+        self.timer.add((t0, t1, t2, t3, t4, t5, t6, t7))
+        return batch.num_tokens
 
     def _report_violations(self, batch: Batch) -> None:
         """Guard mode: each out-of-bounds or freed-block access the kernels skipped is a finding."""
         probe = getattr(self.cache, "probe", None)
         for v in batch.violations():
             blk = int(v["physical_block"])
-            kind = "use_after_free" if v["kind"] == "not_allocated" else "out_of_bounds"
+            kind = (
+                FindingKind.USE_AFTER_FREE
+                if v["kind"] == "not_allocated"
+                else FindingKind.OUT_OF_BOUNDS
+            )
             message = (
                 f"a kernel was asked to touch block {blk} ({v['kind']}, logical block "
                 f"{v['logical_block']}, slot {v['slot']}); the access was skipped"
             )
             if probe is None:
                 continue
-            from kvscope.allocator import Finding
-
             # Named after the request of this batch whose block table holds the block (the
             # one using it), not after the block's last owner.
             user = next(
@@ -246,8 +255,9 @@ class Engine:
             self.cache.mark_computed(stream.seq, stream.num_computed)
             stream.num_published = stream.num_computed
 
-    def _complete(self, stream: Stream, logits: Tensor) -> None:
-        """A stream computed its last token: sample; a finished prompt with n > 1 forks first."""
+    def _complete(self, stream: Stream, pick: Tensor | int) -> None:
+        """A stream computed its last token: sample from its logits (or take the greedy token
+        `pick` chosen on the device); a finished prompt with n > 1 forks first."""
         state = self.states[stream.request.request_id]
         emitting = [stream]
         if stream.index == 0 and stream.request.n > 1 and not state.forked:
@@ -263,7 +273,10 @@ class Engine:
                     self.scheduler.add(child)
         for s in emitting:
             if s.request.request_id in self.states:
-                self._emit(s, sample(logits, s.request.temperature, s.generator))
+                if isinstance(pick, int):
+                    self._emit(s, pick)
+                else:
+                    self._emit(s, sample(pick, s.request.temperature, s.generator))
 
     def _emit(self, stream: Stream, token: int) -> None:
         """Record a sampled token; finish the stream or reserve the token's slot."""
@@ -354,20 +367,30 @@ class Engine:
         return Stream(request, index, generator)
 
     def _sample_cache(self, began: float, num_tokens: int) -> None:
-        """Record how many tokens the cache stores in how many reserved slots."""
+        """Record how many tokens the cache stores in how many reserved slots.
+
+        A block shared by several sequences counts once, as full as its fullest user: only a
+        sequence's last blocks are partly filled, so the full ones are gathered a slice at a time.
+        """
         block_size = self.cache.config.block_size
-        fill: dict[int, int] = {}
+        full: set[int] = set()
+        tails: dict[int, int] = {}
         for stream in list(self.scheduler.running) + list(self.scheduler.waiting):
             seq = stream.seq
             if seq is None or not seq.block_table:
                 continue
-            for i, block in enumerate(seq.block_table):
-                used = max(0, min(block_size, seq.num_tokens - i * block_size))
-                fill[block] = max(fill.get(block, 0), used)
+            table, num_tokens_seq = seq.block_table, seq.num_tokens
+            num_full = min(num_tokens_seq // block_size, len(table))
+            full.update(table[:num_full])
+            for i in range(num_full, len(table)):
+                used = max(0, num_tokens_seq - i * block_size)
+                tails[table[i]] = max(tails.get(table[i], 0), used)
+        partial = {b: used for b, used in tails.items() if b not in full}
         end = self.now()
-        stored, reserved = sum(fill.values()), len(fill) * block_size
+        num_blocks = len(full) + len(partial)
+        stored, reserved = len(full) * block_size + sum(partial.values()), num_blocks * block_size
         running = len({s.request.request_id for s in self.scheduler.running})
         sample = StepSample(
-            end, end - began, stored, reserved, num_tokens, running, self.worker, len(fill)
+            end, end - began, stored, reserved, num_tokens, running, self.worker, num_blocks
         )
         self.samples.append(sample)

@@ -1,17 +1,25 @@
-"""Decode steps replayed as CUDA graphs: one captured forward per batch size.
+"""Engine steps replayed as CUDA graphs: decode steps per batch size, mixed steps per token count.
 
-A decode-only step of a large model launches about 30 kernels per layer from Python; at a batch
-of a dozen sequences the GPU finishes each one faster than Python issues the next, so the step
-is as long as its launches. A CUDA graph replays all of them from one call.
+A step of a large model launches about 30 kernels per layer from Python; at a batch of a dozen
+sequences the GPU finishes each one faster than Python issues the next, so the step is as long
+as its launches. A CUDA graph replays all of them from one call.
 
-    graphs = DecodeGraphs(model, cache, max_batch=12, max_len=1152)   # captures on CUDA
-    hidden = graphs.forward(batch)        # None: not a decode-only step that fits; run eagerly
+    graphs = StepGraphs(model, cache, max_seqs=12, max_len=1152, max_tokens=4096, max_chunk=2048)
+    hidden = graphs.forward(batch)   # None: a step that fits no graph (or guard mode): eager
 
-Every input lives in a static buffer that the captured kernels read: a step copies its tokens,
-positions, slots, block tables and lengths in and replays. Block tables are padded with -1 to
-`max_len`'s width (the decode kernel reads no entry past a sequence's length). On the CPU
-nothing is captured: the same static-buffer forward runs eagerly, so the tests check the
-buffers' bookkeeping against the ordinary path.
+Two families of graphs over the same static input buffers:
+- decode steps (every chunk one token): one graph per batch size 1..max_seqs, attention
+  through `paged_decode` (split over the sequence: the fast path for long contexts);
+- steps holding a prompt chunk: one graph per token-count bucket (16, 32, ... max_tokens; a
+  step runs in the smallest bucket that holds it, the padding rows store nothing), every chunk,
+  decodes included, attended by `paged_prefill` over `max_seqs` sequence rows (the unused rows
+  have no new tokens: their programs return at once).
+
+A step's inputs (tokens, positions, slots, block tables, lengths, chunk starts) are written on
+the host into one page-locked buffer per dtype and copied to the static buffers in one transfer
+each. Block tables are padded with -1 to `max_len`'s width (no kernel reads an entry past a
+sequence's length). On the CPU nothing is captured: the same static-buffer forwards run
+eagerly, so the tests check the buffers' bookkeeping against the ordinary path.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,87 +37,163 @@ from .batch import Batch
 from .model import LlamaModel
 
 
-class DecodeGraphs:
-    """Static decode inputs and, on CUDA, one captured model forward per batch size."""
+def token_buckets(max_tokens: int) -> list[int]:
+    """Padded token counts of the mixed-step graphs: steps of 16 to 128, then about 1.25x."""
+    buckets, b = [], 16
+    while b < max_tokens:
+        buckets.append(b)
+        b = b + 16 if b < 128 else -(-int(b * 1.25) // 64) * 64
+    return buckets + [max_tokens]
 
-    def __init__(self, model: LlamaModel, cache: Any, max_batch: int, max_len: int) -> None:
-        assert max_batch >= 1 and max_len >= 1
+
+class StepGraphs:
+    """Static step inputs and, on CUDA, one captured model forward per step shape."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: Any,
+        max_seqs: int,
+        max_len: int,
+        max_tokens: int = 0,
+        max_chunk: int = 0,
+    ) -> None:
+        assert max_seqs >= 1 and max_len >= 1
         self.model = model
         self.kv = cache.kv
         self.block_size = cache.config.block_size
-        self.slots_per_block = cache.slots_per_block
-        self.max_batch = max_batch
+        self.max_seqs = max_seqs
         self.width = -(-max_len // self.block_size)
-        device = model.lm_head.weight.device
-        self.device = device
-        self.tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        # -1: store nothing (the capture's own forward must not write the pool)
-        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self.tables = torch.zeros(max_batch, self.width, dtype=torch.int32, device=device)
-        self.lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        # batch size -> (graph, its output hidden states)
-        self.graphs: dict[int, tuple[Any, Tensor]] = {}
+        # max_tokens 0: decode graphs only
+        self.buckets = token_buckets(max_tokens) if max_tokens > 0 else []
+        self.max_chunk = max_chunk or max_tokens
+        self.device = model.lm_head.weight.device
+        rows = max([max_seqs, *self.buckets])
+        # int64: tokens, positions, slots; int32: tables, lens, chunk starts
+        self.n32 = max_seqs * self.width + max_seqs + max_seqs + 1
+        pin = self.device.type == "cuda"
+        self.host64 = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(self.n32, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
+        self.dev32 = torch.zeros(self.n32, dtype=torch.int32, device=self.device)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.np64[2] = -1  # slot -1: store nothing (the captures' own forwards write no block)
+        self.np32[self.max_seqs * self.width :] = 0
+        # the last transfer from the page-locked buffers: wait for it before writing them again
+        self.copied = torch.cuda.Event() if pin else None
+        self._load()
+        # key -> (graph, its output hidden states); key: ("decode", n) or ("mixed", tokens)
+        self.graphs: dict[tuple[str, int], tuple[Any, Tensor]] = {}
         # steps served from the static buffers, and how many of them were graph replays
         self.num_forwards = 0
         self.num_replays = 0
-        if device.type == "cuda":
+        self.num_mixed = 0
+        if self.device.type == "cuda":
             self._capture_all()
 
+    # views of the device buffers the captured kernels read
+    def _tables(self) -> Tensor:
+        return self.dev32[: self.max_seqs * self.width].view(self.max_seqs, self.width)
+
+    def _lens(self) -> Tensor:
+        first = self.max_seqs * self.width
+        return self.dev32[first : first + self.max_seqs]
+
+    def _starts(self) -> Tensor:
+        return self.dev32[self.max_seqs * self.width + self.max_seqs :]
+
     def forward(self, batch: Batch) -> Tensor | None:
-        """Hidden states [n, hidden] of a decode-only `batch`, or None when it does not fit."""
+        """Hidden states [tokens, hidden] of `batch`, or None when no graph fits it."""
         n = len(batch.chunks)
-        if batch.num_prefill_tokens or batch.guard or n > self.max_batch:
+        if batch.guard or n > self.max_seqs or max(batch.seq_lens) > self.width * self.block_size:
             return None
-        tables, lens = batch.decode
-        if tables.shape[1] > self.width:
-            return None
-        self.tokens[:n].copy_(batch.tokens)
-        self.positions[:n].copy_(batch.positions)
-        self.slots[:n].copy_(batch.slot_mapping)
-        self.tables[:n].fill_(-1)
-        self.tables[:n, : tables.shape[1]].copy_(tables)
-        self.lens[:n].copy_(lens)
+        if batch.num_prefill_tokens == 0:
+            key = ("decode", n)
+        else:
+            bucket = next((b for b in self.buckets if b >= batch.num_tokens), 0)
+            if not bucket or batch.max_query_len > self.max_chunk:
+                return None
+            key = ("mixed", bucket)
+            self.num_mixed += 1
+        self._write(batch)
+        self._load()
         self.num_forwards += 1
-        if n in self.graphs:
-            graph, out = self.graphs[n]
+        if key in self.graphs:
+            graph, out = self.graphs[key]
             graph.replay()
             self.num_replays += 1
-            return out
-        return self._forward(n)
+            return out[: batch.num_tokens]
+        return self._forward(*key)[: batch.num_tokens]
 
-    def _forward(self, n: int) -> Tensor:
-        """The model over the first `n` rows of the static buffers."""
-        return self.model(self.tokens[:n], self.positions[:n], self._attend(n))
+    def _write(self, batch: Batch) -> None:
+        """The step's inputs into the page-locked buffers (rows past the step: store nothing)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        t, n = batch.num_tokens, len(batch.chunks)
+        self.np64[0, :t] = batch.host_tokens
+        self.np64[1, :t] = batch.host_positions
+        self.np64[2, :t] = batch.host_slots
+        self.np64[2, t:] = -1
+        first = self.max_seqs * self.width
+        tables = self.np32[:first].reshape(self.max_seqs, self.width)
+        tables[:] = -1
+        tables[:n] = batch.host_tables(batch.chunks, self.width)
+        lens = self.np32[first : first + self.max_seqs]
+        lens[:] = 0
+        lens[:n] = batch.seq_lens
+        starts = self.np32[first + self.max_seqs :]
+        starts[0] = 0
+        starts[1 : n + 1] = np.cumsum([c.length for c in batch.chunks])
+        starts[n + 1 :] = t
 
-    def _attend(self, n: int) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
-        """Store K/V into the pool, then paged decode, over the static buffers' first `n` rows."""
-        slots, tables, lens = self.slots[:n], self.tables[:n], self.lens[:n]
-        max_seq_len = self.width * self.block_size
+    def _load(self) -> None:
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def _forward(self, kind: str, size: int) -> Tensor:
+        """The model over the first `size` rows of the static buffers."""
+        tokens, positions = self.dev64[0, :size], self.dev64[1, :size]
+        return self.model(tokens, positions, self._attend(kind, size))
+
+    def _attend(self, kind: str, size: int) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+        """Store K/V into the pool, then paged attention over the static buffers."""
+        slots, bs = self.dev64[2, :size], self.block_size
+        tables, lens, starts = self._tables(), self._lens(), self._starts()
+        max_seq_len = self.width * bs
+        max_query_len = min(size, self.max_chunk)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
-            kernels.store_kv(k, v, k_cache, v_cache, slots, block_size=self.block_size)
-            return kernels.paged_decode(
-                q, k_cache, v_cache, tables, lens,
-                block_size=self.block_size, max_seq_len=max_seq_len,
+            kernels.store_kv(k, v, k_cache, v_cache, slots, block_size=bs)
+            if kind == "decode":
+                return kernels.paged_decode(
+                    q, k_cache, v_cache, tables[:size], lens[:size],
+                    block_size=bs, max_seq_len=max_seq_len,
+                )  # fmt: skip
+            return kernels.paged_prefill(
+                q, k_cache, v_cache, tables, lens, starts,
+                block_size=bs, max_query_len=max_query_len,
             )  # fmt: skip
 
         return attend
 
     def _capture_all(self) -> None:
-        """Capture every batch size, largest first so the smaller ones reuse its memory."""
+        """Capture every shape, largest first so the smaller ones reuse its memory."""
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
-        for n in range(self.max_batch, 0, -1):
+        keys = [("mixed", b) for b in reversed(self.buckets)]
+        keys += [("decode", n) for n in range(self.max_seqs, 0, -1)]
+        for key in keys:
             # Warm up off the capture (Triton compiles, cuBLAS picks its kernels), on a side
             # stream as torch's graph docs ask.
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._forward(n)
+                self._forward(*key)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(n)
-            self.graphs[n] = (graph, out)
+                out = self._forward(*key)
+            self.graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)

@@ -142,6 +142,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def fuse_rows(linears: list[nn.Linear]) -> Tensor:
+    """One weight [sum of outputs, inputs] holding `linears`' weights, which become views of
+    it: one matmul instead of several, the same parameter names and memory."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention projections; the attention itself is the `attend` callback."""
 
@@ -153,16 +165,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, config.num_kv_heads * dim, bias=False)
         self.v_proj = nn.Linear(hidden, config.num_kv_heads * dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * dim, hidden, bias=False)
+        # set by `fuse()`: q, k and v projected in one matmul
+        self.qkv: Tensor | None = None
+
+    def fuse(self) -> None:
+        self.qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         cfg, num_tokens = self.config, x.shape[0]
-        q = self.q_proj(x).view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.qkv is not None:
+            qkv = F.linear(x, self.qkv).view(num_tokens, heads + 2 * kv_heads, dim)
+            # q and k rotated together: one set of elementwise kernels instead of two
+            qk = qkv[:, : heads + kv_heads]
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        else:
+            q = self.q_proj(x).view(num_tokens, heads, dim)
+            k = self.k_proj(x).view(num_tokens, kv_heads, dim)
+            v = self.v_proj(x).view(num_tokens, kv_heads, dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         out = attend(layer, q, k, v)
-        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim))
+        return self.o_proj(out.reshape(num_tokens, heads * dim))
 
 
 class MLP(nn.Module):
@@ -173,8 +198,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        # set by `fuse()`: gate and up projected in one matmul
+        self.gate_up: Tensor | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_rows([self.gate_proj, self.up_proj])
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -215,6 +248,15 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain float32 attribute, not a buffer: `model.to(bfloat16)` must not round it.
         self.inv_freq = rope_frequencies(config)
+
+    def fuse(self) -> LlamaModel:
+        """Serve with fused projections: q/k/v and gate/up each one matmul per layer (fewer,
+        larger kernels). The weights become views of the fused ones: the same names, the same
+        memory. Call after the weights are loaded and placed (`to()` would undo the views)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:

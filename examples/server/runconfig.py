@@ -12,7 +12,7 @@ import torch
 from .checkpoint import load_config, load_model, random_model, tiny_model
 from .engine import Engine, StepClock
 from .errors import ServeError
-from .graphs import DecodeGraphs
+from .graphs import StepGraphs
 from .model import LlamaModel, ModelConfig
 from .static import StaticCache, StaticGeometry
 
@@ -48,7 +48,8 @@ class RunConfig:
     # "wall": arrivals on the wall clock; "steps": on a virtual clock advancing per engine step
     # (the same schedule on every machine: engine.StepClock)
     clock: str = "wall"
-    # replay decode-only steps as CUDA graphs (graphs.DecodeGraphs; CUDA only)
+    # replay steps as CUDA graphs (graphs.StepGraphs: decode steps and steps holding prompt
+    # chunks; on CUDA)
     cuda_graphs: bool = False
     # engine processes each with its own pool, on cuda:0..ranks-1 (or all on the CPU)
     ranks: int = 1
@@ -93,13 +94,16 @@ def resolve_dtype(config: RunConfig) -> str:
 
 
 def build_model(config: RunConfig) -> LlamaModel:
-    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device."""
+    """The checkpoint at `model_path`, or the built-in tiny model, on the configured device,
+    its projections fused for serving (`LlamaModel.fuse`)."""
     dtype = DTYPES[resolve_dtype(config)]
     if config.model_shape is not None:
-        return random_model(config.model_shape, config.device, dtype, config.model_seed)
-    if config.model_path is not None:
-        return load_model(config.model_path, dtype=dtype, device=config.device)
-    return tiny_model(config.model_seed).to(device=config.device, dtype=dtype)
+        model = random_model(config.model_shape, config.device, dtype, config.model_seed)
+    elif config.model_path is not None:
+        model = load_model(config.model_path, dtype=dtype, device=config.device)
+    else:
+        model = tiny_model(config.model_seed).to(device=config.device, dtype=dtype)
+    return model.fuse()
 
 
 def build_cache(config: RunConfig, max_len: int, workers: int = 1) -> StaticCache:
@@ -142,11 +146,18 @@ def create_pool(config: RunConfig, max_n: int = 1) -> Any:
 def make_engine(
     config: RunConfig, model: LlamaModel, cache: Any, worker: int, max_len: int = 0
 ) -> Engine:
-    """An engine with the run's batching limits (and its decode graphs, captured here)."""
+    """An engine with the run's batching limits (and its step graphs, captured here)."""
     graphs = None
     if config.cuda_graphs and not config.guard:
-        assert max_len > 0, "decode graphs need the longest sequence's length"
-        graphs = DecodeGraphs(model, cache, config.max_num_seqs, max_len)
+        assert max_len > 0, "step graphs need the longest sequence's length"
+        graphs = StepGraphs(
+            model,
+            cache,
+            config.max_num_seqs,
+            max_len,
+            max_tokens=config.max_num_batched_tokens,
+            max_chunk=config.prefill_chunk,
+        )
     return Engine(
         model,
         cache,
@@ -175,12 +186,19 @@ def cache_extra(cache: Any) -> dict[str, Any]:
 
 def engine_extra(engine: Engine) -> dict[str, Any]:
     """Where a step's time went in the engine's thread: mean milliseconds per step and phase."""
-    steps = max(engine.num_steps, 1)
-    phases = {k: round(v * 1000.0 / steps, 3) for k, v in engine.phase_s.items()}
-    out: dict[str, Any] = {"engine_steps": engine.num_steps, "step_phase_ms": phases}
+    timer = engine.timer
+    steps = max(timer.num_steps, 1)
+    phases = {k: round(v * 1000.0 / steps, 3) for k, v in timer.phase_s.items()}
+    out: dict[str, Any] = {"engine_steps": timer.num_steps, "step_phase_ms": phases}
+    gpu = timer.gpu_seconds()
+    if gpu:
+        out["gpu_s"] = round(sum(seconds for _, seconds in gpu.values()), 4)
+        out["gpu_step_ms"] = {k: round(s * 1000.0 / n, 3) for k, (n, s) in gpu.items()}
+        out["steps_by_kind"] = {k: n for k, (n, _) in gpu.items()}
     if engine.graphs is not None:
         out["graph_replays"] = engine.graphs.num_replays
         out["static_forwards"] = engine.graphs.num_forwards
+        out["mixed_step_forwards"] = engine.graphs.num_mixed
     return out
 
 

@@ -71,6 +71,15 @@ class PoolHeader(Widget):
             f"  seqs {st['num_sequences']}  procs {st['num_clients']}  "
         )
         t.append(self.mode, style="bold reverse" if "paused" in self.mode else "bold")
+        gpu = frame.extra.get("gpu")
+        if gpu:
+            data = int(h["data_bytes"])
+            share = data / gpu["total"] if gpu["total"] else 0.0
+            t.append(
+                f"  GPU {gpu['index']} {gpu['name']} {gpu['used'] / 2**30:.1f}/"
+                f"{gpu['total'] / 2**30:.1f} GiB used, KV data {data / 2**30:.2f} GiB "
+                f"({share:.1%})"
+            )
         if frame.torn:
             t.append("  torn snapshot", style="bold red")
         if not frame.live and frame.taken_ns:
