@@ -87,6 +87,9 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
         )
     )
     _memory(con, pool)
+    data = report.get("data_checks")
+    if data and not data["checked"]:
+        con.print(escape(f"note: {data['unchecked']}"))
     findings = report["findings"]
     errors = [f for f in findings if f["severity"] == "error"]
     warnings = [f for f in findings if f["severity"] != "error"]
