@@ -27,7 +27,13 @@ from kvscope.allocator.checkrefs import (
     check_states,
     dead_owners,
 )
-from kvscope.allocator.checkreport import MAX_PER_KIND, Alive, CheckReport, table_refs
+from kvscope.allocator.checkreport import (
+    MAX_PER_KIND,
+    Alive,
+    CheckReport,
+    TableEntries,
+    table_refs,
+)
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.geometry import geometry_problem
 from kvscope.allocator.header import header_corruption
@@ -102,22 +108,22 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     if head:
         return head
     r = CheckReport(view)
-    b = view.blocks
-    n = len(b)
-    corrupt = check_records(r, b)
+    n = len(view.blocks)
+    corrupt = check_records(r)
     in_ring, count = check_ring(r, view)
     # References from live sequences.
     seqs = view.seqs
     live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
     check_tables(r.add, seqs, live, n, MAX_PER_KIND)
-    refs = table_refs(seqs, live, n)
-    dead = dead_owners(view, live, alive)
-    check_states(r, view, live, refs, in_ring, corrupt)
-    check_local_caches(r, view, dead.owned, corrupt)
+    entries = TableEntries.of(seqs, live)
+    refs = entries.refs(n)
+    dead = dead_owners(r, live, entries, alive)
+    check_states(r, live, entries, refs, in_ring, corrupt)
+    check_local_caches(r, dead.owned, corrupt)
     check_reserves(r, view)
-    check_refcounts(r, view, refs, dead, corrupt)
-    check_index(r, view, corrupt)
-    check_free_count(r, b["state"], in_ring, count)
+    check_refcounts(r, refs, dead, corrupt)
+    check_index(r, corrupt)
+    check_free_count(r, in_ring, count)
     for f in lock_findings(view, alive):
         r.add(f)
     return r.finish()

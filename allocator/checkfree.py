@@ -57,14 +57,12 @@ def check_ring(r: CheckReport, view: SegmentView) -> tuple[np.ndarray, int]:
     return in_ring, count
 
 
-def check_local_caches(
-    r: CheckReport, view: SegmentView, owned_by_dead: np.ndarray, corrupt: np.ndarray
-) -> None:
+def check_local_caches(r: CheckReport, owned_by_dead: np.ndarray, corrupt: np.ndarray) -> None:
     """Each attached process's local cache holds only LOCAL blocks it owns, and every LOCAL
     block is in a cache (or its owner died: the leak part reports that)."""
-    b, clients = view.blocks, view.clients
-    n = len(b)
-    state, owner = b["state"], b["owner_client"]
+    clients = r.view.clients
+    state, owner = r.cols.state, r.cols.owner_client
+    n = len(state)
     local_ids = np.zeros(n, bool)
     for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist():
         loc = local_cache(r.add, clients, c, n)
@@ -87,8 +85,9 @@ def check_local_caches(
     )
 
 
-def check_free_count(r: CheckReport, state: np.ndarray, in_ring: np.ndarray, count: int) -> None:
+def check_free_count(r: CheckReport, in_ring: np.ndarray, count: int) -> None:
     """The ring's count against the blocks in a free state (unless a double free explains it)."""
+    state = r.cols.state
     n_free = int(((state == BlockState.FREE) | (state == BlockState.QUARANTINED)).sum())
     if count != n_free and not (in_ring > 1).any():
         r.add(

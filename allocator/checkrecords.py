@@ -9,13 +9,15 @@ from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import BLOCK_MAGIC, BlockState, block_checksums
 
 
-def check_records(r: CheckReport, b: np.ndarray) -> np.ndarray:
+def check_records(r: CheckReport) -> np.ndarray:
     """Blocks whose record has a wrong magic, a wrong checksum, or values no allocator writes;
     returns the mask of those blocks (the later parts do not judge them again)."""
+    b = r.view.blocks
+    heads = r.cols.heads
     n = len(b)
     ids = np.arange(n, dtype=np.int64)
-    state = b["state"]
-    magic_ok = b["magic"] == BLOCK_MAGIC
+    state = r.cols.state
+    magic_ok = heads["magic"] == BLOCK_MAGIC
     bad_magic = ids[~magic_ok]
     r.blocks(
         FindingKind.BLOCK_HEADER_CORRUPT,
@@ -24,8 +26,9 @@ def check_records(r: CheckReport, b: np.ndarray) -> np.ndarray:
             f"block magic is {int(b['magic'][x]):#010x}, expected {BLOCK_MAGIC:#010x}: the block header was overwritten"
         ),
     )
-    sums = block_checksums(b, ids)
-    bad_sum = ids[(sums != b["checksum"]) & magic_ok]
+    # The heads hold each record's identity words at their offsets: what the checksum covers.
+    sums = block_checksums(heads, ids)
+    bad_sum = ids[(sums != heads["checksum"]) & magic_ok]
     r.blocks(
         FindingKind.BLOCK_HEADER_CORRUPT,
         bad_sum,
@@ -37,7 +40,7 @@ def check_records(r: CheckReport, b: np.ndarray) -> np.ndarray:
     corrupt[bad_sum] = True
     # A record that checks but holds values no allocator writes was resealed by someone else.
     bad_value = ids[
-        ((state >= len(BlockState)) | (b["refcount"] < 0) | (b["indexed"] > 1)) & ~corrupt
+        ((state >= len(BlockState)) | (r.cols.refcount < 0) | (r.cols.indexed > 1)) & ~corrupt
     ]
     r.blocks(
         FindingKind.BLOCK_HEADER_CORRUPT,

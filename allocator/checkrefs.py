@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.allocator.checkreport import Alive, CheckReport, mapper, state_name, table_refs
+from kvscope.allocator.checkreport import Alive, CheckReport, TableEntries, mapper, state_name
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import BlockState, ClientState, SegmentView
 
@@ -17,16 +17,21 @@ from kvscope.allocator.layout import BlockState, ClientState, SegmentView
 class DeadOwners:
     """What processes that died without detaching still hold."""
 
-    # live sequence slots whose owner died
+    # live sequence slots whose owner died, and their tables' entries
     of_dead: np.ndarray
+    entries: TableEntries
     # references to each block from those sequences' tables
     refs: np.ndarray
     # blocks whose record names a dead client as owner
     owned: np.ndarray
 
 
-def dead_owners(view: SegmentView, live: np.ndarray, alive: Alive) -> DeadOwners:
-    """The sequences and blocks of clients still attached whose process died."""
+def dead_owners(
+    r: CheckReport, live: np.ndarray, entries: TableEntries, alive: Alive
+) -> DeadOwners:
+    """The sequences and blocks of clients still attached whose process died (`entries`: the
+    tables of the `live` sequences)."""
+    view = r.view
     clients, seqs = view.clients, view.seqs
     n = len(view.blocks)
     dead_clients = [
@@ -34,24 +39,26 @@ def dead_owners(view: SegmentView, live: np.ndarray, alive: Alive) -> DeadOwners
         for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist()
         if not alive(int(clients["pid"][c]), int(clients["start"][c]))
     ]
-    of_dead = live[np.isin(seqs["owner_client"][live], dead_clients)]
-    refs = table_refs(seqs, of_dead, n) if len(of_dead) else np.zeros(n, np.int64)
-    owner = view.blocks["owner_client"]
-    owned = np.isin(owner, dead_clients) if dead_clients else np.zeros(n, bool)
-    return DeadOwners(of_dead, refs, owned)
+    if not dead_clients:
+        none = np.zeros(0, np.int64)
+        return DeadOwners(none, TableEntries(none, none), np.zeros(n, np.int64), np.zeros(n, bool))
+    keep = np.isin(seqs["owner_client"][live], dead_clients)
+    of_dead = entries.subset(keep)
+    owned = np.isin(r.cols.owner_client, dead_clients)
+    return DeadOwners(live[keep], of_dead, of_dead.refs(n), owned)
 
 
 def check_states(
     r: CheckReport,
-    view: SegmentView,
     live: np.ndarray,
+    entries: TableEntries,
     refs: np.ndarray,
     in_ring: np.ndarray,
     corrupt: np.ndarray,
 ) -> None:
     """A block in the ring but in use (double free), one mapped but free or cached (use after
     free), one FREE but not in the ring (lost)."""
-    state = view.blocks["state"]
+    state = r.cols.state
     allocated = state == BlockState.ALLOCATED
     cached = state == BlockState.CACHED
     free = (state == BlockState.FREE) | (state == BlockState.QUARANTINED)
@@ -69,7 +76,7 @@ def check_states(
         lambda x: (
             f"block is {state_name(int(state[x]))} but {int(refs[x])} live sequence(s) still map it"
         ),
-        mapper(view.seqs, live),
+        mapper(r.view.seqs, live, entries),
     )
     r.blocks(
         FindingKind.FREE_LIST_CORRUPT,
@@ -95,19 +102,19 @@ def check_reserves(r: CheckReport, view: SegmentView) -> None:
 
 
 def check_refcounts(
-    r: CheckReport, view: SegmentView, refs: np.ndarray, dead: DeadOwners, corrupt: np.ndarray
+    r: CheckReport, refs: np.ndarray, dead: DeadOwners, corrupt: np.ndarray
 ) -> None:
     """Refcounts against references: blocks of dead processes, blocks no table maps (orphans),
     counts that disagree, cached blocks still counted."""
-    b, seqs = view.blocks, view.seqs
-    state = b["state"]
+    b, seqs = r.view.blocks, r.view.seqs
+    state = r.cols.state
     allocated = state == BlockState.ALLOCATED
-    rc = b["refcount"].astype(np.int64)
+    rc = r.cols.refcount
     alive_refs = refs - dead.refs
     dead_leak = (dead.refs > 0) | (
         dead.owned & (allocated | (state == BlockState.LOCAL)) & (alive_refs == 0)
     )
-    of_dead = mapper(seqs, dead.of_dead)
+    of_dead = mapper(seqs, dead.of_dead, dead.entries)
     r.blocks(
         FindingKind.LEAK_DEAD_OWNER,
         np.flatnonzero(dead_leak & ~corrupt),
@@ -130,7 +137,7 @@ def check_refcounts(
         np.flatnonzero(mismatch),
         lambda x: f"refcount is {int(rc[x])} but {int(refs[x])} sequence(s) map the block",
     )
-    cached_bad = (state == BlockState.CACHED) & ((rc != 0) | (b["indexed"] != 1)) & ~corrupt
+    cached_bad = (state == BlockState.CACHED) & ((rc != 0) | (r.cols.indexed != 1)) & ~corrupt
     r.blocks(
         FindingKind.REFCOUNT_MISMATCH,
         np.flatnonzero(cached_bad),
@@ -140,9 +147,10 @@ def check_refcounts(
     )
 
 
-def check_index(r: CheckReport, view: SegmentView, corrupt: np.ndarray) -> None:
+def check_index(r: CheckReport, corrupt: np.ndarray) -> None:
     """The prefix index against the indexed blocks: every entry names a block that holds its
     prefix, and every indexed block has an entry."""
+    view = r.view
     b = view.blocks
     n = len(b)
     keys = view.index["hash"]
@@ -158,7 +166,7 @@ def check_index(r: CheckReport, view: SegmentView, corrupt: np.ndarray) -> None:
             )
         )
     used, ib = used[okb], ib[okb]
-    stale = ib[(b["indexed"][ib] != 1) | (b["prefix_hash"][ib] != keys[used])]
+    stale = ib[(r.cols.indexed[ib] != 1) | (b["prefix_hash"][ib] != keys[used])]
     r.blocks(
         FindingKind.USE_AFTER_FREE,
         stale[~corrupt[stale]],
@@ -166,7 +174,7 @@ def check_index(r: CheckReport, view: SegmentView, corrupt: np.ndarray) -> None:
             "prefix index names this block but it no longer holds that prefix: a hit would return another prompt's KV"
         ),
     )
-    indexed_n = int((b["indexed"] == 1).sum())
+    indexed_n = int((r.cols.indexed == 1).sum())
     if indexed_n != len(used):
         r.add(
             Finding(

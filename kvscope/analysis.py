@@ -99,7 +99,8 @@ def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str
 def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     """Blocks by state and by owner, sequences by state, processes alive and dead."""
     b = view.blocks
-    state = b["state"]
+    # One strided pass over the records; every use after reads a contiguous copy.
+    state = np.ascontiguousarray(b["state"])
     counts = np.bincount(state, minlength=len(BlockState))
     by_state = {s.name.lower(): int(counts[s]) for s in BlockState}
     other = int(counts[len(BlockState) :].sum())
