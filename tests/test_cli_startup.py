@@ -124,6 +124,23 @@ def test_a_dump_without_data_of_a_guarded_pool_says_its_data_was_not_checked(mak
     assert "note: the dump carries no KV data (written without --with-data)" in out
 
 
+@pytest.mark.slow
+def test_dump_report_and_timeline_import_no_heavy_module(make_pool, tmp_path):
+    # GIVEN a live guard-mode CPU pool holding a sequence
+    pool = make_pool(16, guard=True)
+    pool.allocate("req-1", list(range(5)))
+    dump = str(tmp_path / "p.kvd")
+    # WHEN a fresh interpreter dumps it (with its data), writes its report and its timeline
+    runs = [
+        ["dump", pool.name, "-o", dump, "--with-data"],
+        ["report", dump, "-o", str(tmp_path / "p.html")],
+        ["timeline", pool.name, "-o", str(tmp_path / "p.json")],
+    ]
+    # THEN each succeeds without the heavy modules
+    for argv in runs:
+        assert imported_by(*argv) == {"code": 0, "heavy": []}, argv
+
+
 def test_help_summaries_are_the_verbs_docstrings():
     # GIVEN every verb's class WHEN its docstring's first line is read
     # THEN it is the summary `kvscope --help` lists without importing the verb
