@@ -118,8 +118,8 @@ def _blank_digests(kv: KV, block_size: int) -> dict[int, str]:
         one = np.zeros(1, np.int64)
         blank = {digests_of(kvbits.blank_block(kv, 0), one, block_size)[0] >> 32: "zero"}
         if can_poison(kv):
-            nan = kvbits.blank_block(kv, kvbits.NAN_BITS[kv.dtype])
-            blank[digests_of(nan, one, block_size)[0] >> 32] = "NaN (poison)"
+            poisoned_block = kvbits.blank_block(kv, kvbits.NAN_BITS[kv.dtype])
+            blank[digests_of(poisoned_block, one, block_size)[0] >> 32] = "NaN (poison)"
         return blank
     key = (shape, kv.dtype, str(kv.device), block_size)
     if key not in _BLANK:
@@ -176,11 +176,9 @@ def can_poison(kv: KV) -> bool:
     return kv.dtype.is_floating_point
 
 
-def _poisoned(kv: KV, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor | np.ndarray:
+def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor:
     """Which elements of the token slots of blocks `ids` hold the poison: bool, [block, slot,
-    the slot's elements in every layer, K and V]."""
-    if isinstance(kv, KVBits):
-        return kvbits.poisoned(kv, ids, block_size)
+    the slot's elements in every layer, K and V] (kvbits.poisoned for bits)."""
     import torch
 
     from kvscope.kernels.digest import int_view
@@ -195,7 +193,10 @@ def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, i
     """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
     if len(ids) == 0 or not can_poison(kv):
         return []
-    counts = (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
+    if isinstance(kv, KVBits):
+        counts = (~kvbits.poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
+    else:
+        counts = (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
     return [(int(b), int(c)) for b, c in zip(np.asarray(ids).tolist(), counts) if c]
 
 

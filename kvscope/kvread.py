@@ -72,8 +72,8 @@ def for_live(name: str, view: SegmentView) -> KVData | None:
     device = bytes(view.h["device"]).decode(errors="replace").strip("\0")
     if device != "cpu":
         return _skipped(
-            f"the KV data is on {device}, which check does not read (attach and call"
-            " pool.check(), or `kvscope dump --with-data` and analyze the dump)"
+            f"the KV data is on {device} and is not read from the device (attach and call"
+            " pool.check(), or `kvscope dump NAME -o FILE --with-data` and analyze the dump)"
         )
     try:
         data = np.memmap(data_path(name), np.uint8, "r")

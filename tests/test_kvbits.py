@@ -119,3 +119,18 @@ def test_a_block_published_blank_is_named_so_by_both_paths():
     # THEN numpy and torch know the same two
     assert integrity._blank_digests(bits, 4) == integrity._blank_digests(kv, 4)
     assert sorted(integrity._blank_digests(bits, 4).values()) == ["NaN (poison)", "zero"]
+
+
+def test_the_data_of_a_pool_on_a_gpu_is_said_not_checked(make_pool):
+    # GIVEN a copy of a guard-mode pool's records whose header says its data is on a GPU
+    from kvscope.kvread import for_live
+
+    pool = make_pool(8, guard=True)
+    view = snapshot(pool.view)
+    view.h["device"] = b"cuda:0"
+    # WHEN `check` looks for its KV data
+    kv = for_live(pool.name, view)
+    # THEN none is read, and the reason names the device and what to do instead
+    assert kv is not None and kv.bits is None
+    assert kv.unchecked is not None and "on cuda:0 and is not read" in kv.unchecked
+    assert "pool.check()" in kv.unchecked and "--with-data" in kv.unchecked
