@@ -10,7 +10,9 @@ attaching. A CUDA pool's live data is not read (attach and `pool.check()`, or du
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,9 +77,8 @@ def for_live(name: str, view: SegmentView) -> KVData | None:
             f"the KV data is on {device} and is not read from the device (attach and call"
             " pool.check(), or `kvscope dump NAME -o FILE --with-data` and analyze the dump)"
         )
-    try:
-        data = np.memmap(data_path(name), np.uint8, "r")
-    except (OSError, ValueError):
+    data = _map_regular(data_path(name))
+    if data is None:
         return _skipped("the pool's KV data file cannot be read")
     if not _sized(data, view):
         return _skipped("the pool's KV data file is shorter than its geometry")
@@ -88,6 +89,24 @@ def for_live(name: str, view: SegmentView) -> KVData | None:
         return read_live(name)
 
     return KVData(kv_bits(view, data), again)
+
+
+def _map_regular(path: str) -> np.ndarray | None:
+    """The bytes of the regular file at path, mapped read-only; None for anything else (a
+    FIFO is never opened for reading and waited on, a symlink never followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return None
+        return np.frombuffer(mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ), np.uint8)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def for_target(target: str, view: SegmentView, dump_header: np.void | None) -> KVData | None:

@@ -134,3 +134,28 @@ def test_the_data_of_a_pool_on_a_gpu_is_said_not_checked(make_pool):
     assert kv is not None and kv.bits is None
     assert kv.unchecked is not None and "on cuda:0 and is not read" in kv.unchecked
     assert "pool.check()" in kv.unchecked and "--with-data" in kv.unchecked
+
+
+def test_a_fifo_at_the_data_path_is_not_waited_on(make_pool):
+    # GIVEN a guard-mode pool whose KV data file was replaced by a FIFO
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pool = make_pool(8, guard=True)
+    os.unlink(data_path(pool.name))
+    os.mkfifo(data_path(pool.name))
+    # WHEN a fresh process checks it (a reader that opened the FIFO would wait for a writer)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvscope", "check", pool.name, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # THEN it answers: the data file is an error, and its data checks say they did not run
+    report = json.loads(done.stdout)
+    assert done.returncode == 1
+    assert any("is not a regular file" in f["message"] for f in report["findings"])
+    assert report["data_checks"]["checked"] is False
+    assert "cannot be read" in report["data_checks"]["unchecked"]
