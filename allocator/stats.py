@@ -31,9 +31,7 @@ def pool_stats(view: SegmentView) -> dict[str, Any]:
         "num_clients": int(live.sum()),
         "ring_count": int(view.ring_header["count"][0]),
         "refcount_peak": int(view.blocks["refcount"].max()) if n else 0,
-        "tokens_stored": int(
-            view.blocks["num_tokens"][state == BlockState.ALLOCATED].sum()
-        ),
+        "tokens_stored": int(view.blocks["num_tokens"][state == BlockState.ALLOCATED].sum()),
     }
     for f in COUNTER_FIELDS:
         out[f] = int(h[f]) + int(clients[f][live].sum())
