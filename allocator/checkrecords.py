@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvscope.allocator.checkreport import CheckReport
+from kvscope.allocator.checksums import IDENTITY_WORDS
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import BLOCK_MAGIC, BlockState, block_checksums
 
@@ -27,6 +28,7 @@ def check_records(r: CheckReport) -> np.ndarray:
         ),
     )
     # The heads hold each record's identity words at their offsets: what the checksum covers.
+    assert heads.dtype.itemsize >= 8 * IDENTITY_WORDS
     sums = block_checksums(heads, ids)
     bad_sum = ids[(sums != heads["checksum"]) & magic_ok]
     r.blocks(
