@@ -15,7 +15,9 @@ Three probes prove that nothing writes into a block its writer does not own:
 
 Functions here take a segment view's block records and the pool's KV tensor (live, or rebuilt
 from a dump's data with `kv_from_bytes`); the probes (probing.py) call them as operations run,
-`check_kv` is the whole-pool pass.
+`check_kv` is the whole-pool pass. The KV data is a torch tensor (a live pool's) or its bits in
+numpy (kvbits.KVBits: a data file or a dump's data, which `check` and `analyze` read without
+torch); each function below takes either.
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvscope.allocator import kvbits
 from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.kvbits import KVBits
 from kvscope.allocator.layout import BlockState, SegmentView
 
-# torch is imported where a tensor is made: `kvscope analyze` of a dump without data needs none.
+# torch is imported where a tensor is made: `kvscope check` and `analyze` read bits with numpy.
 if TYPE_CHECKING:
     import torch
+
+    KV = torch.Tensor | KVBits
 
 GENERATION_MASK = 0xFFFF_FFFF
 # Findings per kind from one whole-pool pass (check.py's MAX_PER_KIND).
@@ -59,8 +65,10 @@ def tagged(digest: int, generation: int) -> int:
     return ((digest >> 32) << 32) | (generation & GENERATION_MASK)
 
 
-def digests_of(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[int]:
+def digests_of(kv: KV, ids: np.ndarray, block_size: int) -> list[int]:
     """Digests (u64) of the K/V of blocks `ids` (kernels/digest.py)."""
+    if isinstance(kv, KVBits):
+        return kvbits.block_digests(kv, ids, block_size)
     from kvscope.kernels import block_digests
 
     return block_digests(kv, [int(x) for x in ids], block_size)
@@ -82,7 +90,7 @@ def has_digest(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def modified(
-    blocks: np.ndarray, kv: torch.Tensor, ids: np.ndarray, block_size: int
+    blocks: np.ndarray, kv: KV, ids: np.ndarray, block_size: int
 ) -> list[tuple[int, int, int]]:
     """Published blocks among `ids` whose K/V no longer matches their digest:
     (block, high half found, high half recorded)."""
@@ -102,10 +110,17 @@ def modified(
 _BLANK: dict[tuple, dict[int, str]] = {}
 
 
-def _blank_digests(kv: torch.Tensor, block_size: int) -> dict[int, str]:
+def _blank_digests(kv: KV, block_size: int) -> dict[int, str]:
     """High halves of the digests a block has before anything is written into it (zeros, as
     created; NaN, as poisoned), for this cache's geometry."""
     shape = (*kv.shape[:2], 1, *kv.shape[3:])
+    if isinstance(kv, KVBits):
+        one = np.zeros(1, np.int64)
+        blank = {digests_of(kvbits.blank_block(kv, 0), one, block_size)[0] >> 32: "zero"}
+        if can_poison(kv):
+            poisoned_block = kvbits.blank_block(kv, kvbits.NAN_BITS[kv.dtype])
+            blank[digests_of(poisoned_block, one, block_size)[0] >> 32] = "NaN (poison)"
+        return blank
     key = (shape, kv.dtype, str(kv.device), block_size)
     if key not in _BLANK:
         blank = {
@@ -118,7 +133,7 @@ def _blank_digests(kv: torch.Tensor, block_size: int) -> dict[int, str]:
     return _BLANK[key]
 
 
-def modified_message(when: str, found: int, want: int, kv: torch.Tensor, block_size: int) -> str:
+def modified_message(when: str, found: int, want: int, kv: KV, block_size: int) -> str:
     """The `published_block_modified` message; says so when the digest was taken of a block
     nothing had been written into (published before its K/V was written)."""
     blank = _blank_digests(kv, block_size).get(want)
@@ -154,14 +169,16 @@ def poison_bits(dtype: torch.dtype) -> torch.Tensor:
     return int_view(torch.full((1,), float("nan"), dtype=dtype))[0]
 
 
-def can_poison(kv: torch.Tensor) -> bool:
+def can_poison(kv: KV) -> bool:
     """Freed blocks are poisoned only in floating-point caches."""
+    if isinstance(kv, KVBits):
+        return kvbits.can_poison(kv)
     return kv.dtype.is_floating_point
 
 
 def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor:
     """Which elements of the token slots of blocks `ids` hold the poison: bool, [block, slot,
-    the slot's elements in every layer, K and V]."""
+    the slot's elements in every layer, K and V] (kvbits.poisoned for bits)."""
     import torch
 
     from kvscope.kernels.digest import int_view
@@ -172,11 +189,14 @@ def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) ->
     return same.permute(2, 3, 0, 1, 4, 5).reshape(len(idx), block_size, -1)
 
 
-def poison_broken(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
+def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
     """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
     if len(ids) == 0 or not can_poison(kv):
         return []
-    counts = (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
+    if isinstance(kv, KVBits):
+        counts = (~kvbits.poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
+    else:
+        counts = (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
     return [(int(b), int(c)) for b, c in zip(np.asarray(ids).tolist(), counts) if c]
 
 
@@ -217,8 +237,10 @@ def has_guard(view: SegmentView) -> bool:
     return int(view.h["slots_per_block"]) > view.layout.block_size
 
 
-def broken_canaries(kv: torch.Tensor, ids: np.ndarray | None = None) -> list[int]:
+def broken_canaries(kv: KV, ids: np.ndarray | None = None) -> list[int]:
     """Blocks (of `ids`, or all) whose guard slot no longer holds the canary (read-only)."""
+    if isinstance(kv, KVBits):
+        return kvbits.broken_canaries(kv, ids)
     from kvscope.kernels import guard_scan
 
     if ids is not None and len(ids) == 0:
@@ -252,7 +274,7 @@ def _unchanged(view: SegmentView, again: SegmentView | None, b: int) -> bool:
 
 def check_kv(
     view: SegmentView,
-    kv: torch.Tensor,
+    kv: KV,
     again: Callable[[], SegmentView] | None = None,
 ) -> list[Finding]:
     """Digests of published blocks, poison of freed ones and every guard canary, over a whole
@@ -290,30 +312,3 @@ def check_kv(
     for blk in canaries[:MAX_PER_KIND]:
         out.append(_finding(view, FindingKind.GUARD_VIOLATION, blk, CANARY_MESSAGE))
     return out
-
-
-def kv_from_bytes(view: SegmentView, data: np.ndarray | bytes | bytearray) -> torch.Tensor:
-    """The KV tensor `[layers, 2, blocks, slots, heads, dim]` over a pool's data bytes (a
-    dump's, or a CPU pool's data file); read-only use."""
-    import torch
-
-    h = view.h
-    dtype = getattr(torch, bytes(h["dtype"]).decode().strip("\0"))
-    shape = (
-        int(h["num_layers"]),
-        2,
-        view.layout.num_blocks,
-        int(h["slots_per_block"]),
-        int(h["num_kv_heads"]),
-        int(h["head_dim"]),
-    )
-    raw = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
-    need = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    assert len(raw) >= need, "the KV data is shorter than the pool's geometry"
-    import warnings
-
-    with warnings.catch_warnings():
-        # A read-only buffer (a dump's memory map): nothing here writes through it.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(raw[:need].view(np.uint8))
-    return flat.view(dtype).view(shape)

@@ -12,7 +12,9 @@ from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, ClientState, Se
 def pool_stats(view: SegmentView) -> dict[str, Any]:
     """Block counts by state, occupancy and counters summed over every process."""
     h = view.h
-    st = np.bincount(view.blocks["state"], minlength=len(BlockState))
+    # One strided pass over the records; every use after reads a contiguous copy.
+    state = np.ascontiguousarray(view.blocks["state"])
+    st = np.bincount(state, minlength=len(BlockState))
     n = int(h["num_blocks"])
     clients = view.clients
     live = clients["state"] == ClientState.ATTACHED
@@ -29,9 +31,7 @@ def pool_stats(view: SegmentView) -> dict[str, Any]:
         "num_clients": int(live.sum()),
         "ring_count": int(view.ring_header["count"][0]),
         "refcount_peak": int(view.blocks["refcount"].max()) if n else 0,
-        "tokens_stored": int(
-            view.blocks["num_tokens"][view.blocks["state"] == BlockState.ALLOCATED].sum()
-        ),
+        "tokens_stored": int(view.blocks["num_tokens"][state == BlockState.ALLOCATED].sum()),
     }
     for f in COUNTER_FIELDS:
         out[f] = int(h[f]) + int(clients[f][live].sum())

@@ -42,12 +42,11 @@ def _s(raw: bytes | np.bytes_) -> str:
 
 
 def op_names() -> dict[int, str]:
-    """Event op codes to names, from the probes when they define them (issue 5)."""
-    try:
-        from kvscope.probes.events import OP_NAMES  # type: ignore[import-not-found]
-    except Exception:
-        return {}
-    return {int(k): str(v) for k, v in dict(OP_NAMES).items()}
+    """Event op codes to names (the flight recorder's vocabulary)."""
+    # From the allocator itself: kvscope.probes would import the pool, and torch.
+    from kvscope.allocator.events import OP_NAMES
+
+    return dict(OP_NAMES)
 
 
 def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str, Any]:
@@ -100,7 +99,8 @@ def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str
 def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     """Blocks by state and by owner, sequences by state, processes alive and dead."""
     b = view.blocks
-    state = b["state"]
+    # One strided pass over the records; every use after reads a contiguous copy.
+    state = np.ascontiguousarray(b["state"])
     counts = np.bincount(state, minlength=len(BlockState))
     by_state = {s.name.lower(): int(counts[s]) for s in BlockState}
     other = int(counts[len(BlockState) :].sum())
@@ -258,8 +258,8 @@ def collect_findings(view: SegmentView, alive: Alive, kv: KVData | None = None) 
     for f in recorded:
         f.extra["source"] = "recorded"
     checked = check_view(view, alive=alive)
-    if kv is not None:
-        checked += check_kv(view, kv.tensor, again=kv.again)
+    if kv is not None and kv.bits is not None:
+        checked += check_kv(view, kv.bits, again=kv.again)
     for f in checked:
         f.extra["source"] = "check"
     return recorded + checked
@@ -309,6 +309,8 @@ def analyze_view(
         "summary": summary(view, alive) if header_ok else {},
         "findings": out_findings,
     }
+    if kv is not None:
+        report["data_checks"] = {"checked": kv.bits is not None, "unchecked": kv.unchecked}
     if block is not None:
         report["block"] = _focus_block(view, block, events.get(block, []))
     if request is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.allocator.layout import BlockState, SegmentView, SeqState
+from kvscope.allocator.layout import SegmentView, SeqState
 from kvscope.allocator.stats import pool_stats
 from kvscope.history import History
 
@@ -48,7 +48,7 @@ def capacity_answer(view: SegmentView, history: History | None) -> dict[str, Any
         pre = seqs["state"] == SeqState.PREEMPTED
         bs = int(view.h["block_size"])
         wanted = int(((seqs["num_tokens"][pre].astype(np.int64) + bs - 1) // bs).sum())
-        held = int((view.blocks["state"] == BlockState.ALLOCATED).sum())
+        held = st["num_allocated"]
         out.update(
             source="snapshot",
             demand_now=held + wanted,

@@ -1,19 +1,30 @@
-"""Rendering an analysis (kvscope.analysis) for a person: health, findings by severity, summary."""
+"""Rendering an analysis (kvscope.analysis) for a person: health, findings by severity, summary.
+
+rich is imported by the functions that print for a person: `--json` output needs none of it.
+"""
 
 from __future__ import annotations
 
 import datetime
 import json
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def escape(text: str) -> str:
+    """`text` with rich's markup escaped (it may hold brackets: a request id, a path)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def console(file: IO[str] | None = None) -> Console:
     """A rich console on file (stdout by default), plain when it is not a terminal."""
+    from rich.console import Console
+
     out = file or sys.stdout
     # Not a terminal (a pipe, a file, a test): wide lines rather than wrapped tables.
     width = None if out.isatty() else 200
@@ -87,6 +98,9 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
         )
     )
     _memory(con, pool)
+    data = report.get("data_checks")
+    if data and not data["checked"]:
+        con.print(escape(f"note: {data['unchecked']}"))
     findings = report["findings"]
     errors = [f for f in findings if f["severity"] == "error"]
     warnings = [f for f in findings if f["severity"] != "error"]
@@ -197,6 +211,8 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
         + (", ".join(f"{k} {v}" for k, v in s["sequences_by_state"].items() if v) or "none")
     )
     if s["blocks_by_owner"]:
+        from rich.table import Table
+
         t = Table(title=None, box=None, pad_edge=False, show_edge=False)
         for col in ("owner pid", "process", "blocks held", "requests"):
             t.add_column(col, justify="right" if col != "process" else "left")

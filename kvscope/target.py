@@ -6,6 +6,7 @@ import argparse
 import os
 import stat
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,10 @@ from kvscope.allocator.segment import (
 from kvscope.allocator.snapshot import snapshot
 from kvscope.analysis import Alive, collect_findings
 
+if TYPE_CHECKING:
+    # kvread reads a live pool again through this module.
+    from kvscope.kvread import KVData
+
 
 @dataclass
 class Target:
@@ -38,10 +43,10 @@ class Target:
     # Findings about the files around a live segment (its KV data file), not in the segment.
     extra: list[Finding] = field(default_factory=list)
 
-    def findings(self) -> list[Finding] | None:
-        """Every finding, when there is more than the segment's own (else None: the analysis
-        collects those itself)."""
-        return collect_findings(self.view, self.alive) + self.extra if self.extra else None
+    def findings(self, kv: KVData | None = None) -> list[Finding] | None:
+        """Every finding (with `kv`, the data checks' too), when there is more than the
+        segment's own (else None: the analysis collects those itself)."""
+        return collect_findings(self.view, self.alive, kv) + self.extra if self.extra else None
 
 
 def data_file_findings(name: str, view: SegmentView) -> list[Finding]:

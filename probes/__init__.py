@@ -13,7 +13,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvscope.allocator import pool as pool_module
 from kvscope.allocator.events import OP_NAMES, EventOp
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.probing import env_flag
@@ -39,6 +38,9 @@ def _at_exit() -> None:
 
 def install_from_env(environ: Mapping[str, str] | None = None) -> None:
     """Install the probes the environment switches on, for every pool this process opens."""
+    # Imported here: the pool imports torch, and `kvscope analyze` imports probes.nvml.
+    from kvscope.allocator import pool as pool_module
+
     env = os.environ if environ is None else environ
     pool_module.OPEN_HOOKS.append(lambda pool: _on_open(pool, env))
     if env_flag("LEAKS", env):

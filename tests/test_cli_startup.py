@@ -1,4 +1,5 @@
-"""The reading verbs start without torch, Triton or the OpenTelemetry SDK (kvscope/verbs)."""
+"""The reading verbs start without torch, Triton, OpenTelemetry or Textual (kvscope/verbs): each
+test runs a verb in a fresh interpreter and fails if one of them is in its sys.modules."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from kvscope.cli import main
 from kvscope.verbs import VERBS, load, summary
 
-HEAVY = ("torch", "triton", "opentelemetry.sdk", "textual")
+HEAVY = ("torch", "triton", "opentelemetry", "textual")
 
 # Runs the installed CLI's main in a fresh interpreter and prints what it had to import.
 PROBE = """
@@ -28,8 +29,9 @@ print(json.dumps({{"code": code, "heavy": heavy}}), file=sys.stderr)
 """
 
 
-def imported_by(*argv: str) -> dict:
-    """Exit code and the heavy modules `kvscope ARGV` imported, in a fresh interpreter."""
+def run_fresh(*argv: str) -> tuple[dict, str]:
+    """Exit code and the heavy modules `kvscope ARGV` imported in a fresh interpreter, and
+    what it printed on stdout."""
     run = subprocess.run(
         [sys.executable, "-c", PROBE.format(heavy=HEAVY), *argv],
         capture_output=True,
@@ -37,7 +39,12 @@ def imported_by(*argv: str) -> dict:
         timeout=120,
         env={**os.environ, "KVSCOPE_RUN_DIR": ""},
     )
-    return json.loads(run.stderr.strip().splitlines()[-1])
+    return json.loads(run.stderr.strip().splitlines()[-1]), run.stdout
+
+
+def imported_by(*argv: str) -> dict:
+    """Exit code and the heavy modules `kvscope ARGV` imported, in a fresh interpreter."""
+    return run_fresh(*argv)[0]
 
 
 @pytest.fixture
@@ -79,6 +86,59 @@ def test_ls_and_check_of_an_unguarded_pool_import_no_heavy_module(make_pool):
     # THEN both run without the heavy modules
     assert listed["heavy"] == [] and listed["code"] in (0, 2)
     assert checked == {"code": 0, "heavy": []}
+
+
+@pytest.mark.slow
+def test_check_and_analyze_of_a_guarded_pool_read_its_data_without_torch(
+    make_pool, probes, tmp_path
+):
+    # GIVEN a live guard-mode CPU pool whose held block's guard slot was overwritten, and a
+    # dump of it with its KV data
+    pool = make_pool(16, guard=True)
+    held = pool.allocate("held", list(range(5)))
+    pool.kv[0, 1, held.block_table[0], pool.block_size] = 1.0
+    dump = str(tmp_path / "guarded.kvd")
+    assert main(["dump", pool.name, "-o", dump, "--with-data"]) == 0
+    # WHEN a fresh interpreter checks the pool and analyzes the dump, as JSON
+    for argv in (["check", pool.name, "--json"], ["analyze", dump, "--json"]):
+        got, out = run_fresh(*argv)
+        # THEN each read the data and found the canary, without the heavy modules
+        assert got == {"code": 1, "heavy": []}, argv
+        report = json.loads(out)
+        found = {(f["kind"], f["block"]) for f in report["findings"]}
+        assert ("guard_violation", held.block_table[0]) in found, argv
+        assert report["data_checks"] == {"checked": True, "unchecked": None}
+
+
+@pytest.mark.slow
+def test_a_dump_without_data_of_a_guarded_pool_says_its_data_was_not_checked(make_pool, tmp_path):
+    # GIVEN a dump, without KV data, of a guard-mode pool
+    pool = make_pool(16, guard=True)
+    pool.allocate("held", list(range(5)))
+    dump = str(tmp_path / "bare.kvd")
+    assert main(["dump", pool.name, "-o", dump]) == 0
+    # WHEN a fresh interpreter analyzes it, as text
+    got, out = run_fresh("analyze", dump)
+    # THEN it says which checks did not run, and imported none of the heavy modules
+    assert got == {"code": 0, "heavy": []}
+    assert "note: the dump carries no KV data (written without --with-data)" in out
+
+
+@pytest.mark.slow
+def test_dump_report_and_timeline_import_no_heavy_module(make_pool, tmp_path):
+    # GIVEN a live guard-mode CPU pool holding a sequence
+    pool = make_pool(16, guard=True)
+    pool.allocate("req-1", list(range(5)))
+    dump = str(tmp_path / "p.kvd")
+    # WHEN a fresh interpreter dumps it (with its data), writes its report and its timeline
+    runs = [
+        ["dump", pool.name, "-o", dump, "--with-data"],
+        ["report", dump, "-o", str(tmp_path / "p.html")],
+        ["timeline", pool.name, "-o", str(tmp_path / "p.json")],
+    ]
+    # THEN each succeeds without the heavy modules
+    for argv in runs:
+        assert imported_by(*argv) == {"code": 0, "heavy": []}, argv
 
 
 def test_help_summaries_are_the_verbs_docstrings():

@@ -32,14 +32,15 @@ class AnalyzeCommand:
     @staticmethod
     def run(args: argparse.Namespace) -> int:
         t = open_target(args.target, args.trust_owner)
+        kv = for_target(args.target, t.view, t.dump_header)
         report = analyze_view(
             t.view,
             alive=t.alive,
             dump_header=t.dump_header,
             block=args.block,
             request=args.request,
-            findings=t.findings(),
-            kv=for_target(args.target, t.view, t.dump_header),
+            findings=t.findings(kv),
+            kv=kv,
         )
         if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
             report["capacity"] = capacity_answer(t.view, history_for(args.target))

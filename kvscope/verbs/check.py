@@ -100,9 +100,8 @@ class CheckCommand:
             done = repair(args.name, args.trust_owner)
             print(describe_repair(done), file=sys.stderr)
         t = live_target(args.name, args.trust_owner)
-        report = analyze_view(
-            t.view, alive=t.alive, findings=t.findings(), kv=for_live(args.name, t.view)
-        )
+        kv = for_live(args.name, t.view)
+        report = analyze_view(t.view, alive=t.alive, findings=t.findings(kv), kv=kv)
         if done is not None:
             report["repair"] = done
         if args.json:

@@ -13,7 +13,6 @@ import os
 from typing import Any
 
 import numpy as np
-from rich.table import Table
 
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import ClientState
@@ -68,6 +67,8 @@ class LsCommand:
             # A list, as always; each row carries the schema version (docs/CLI.md).
             print(json.dumps([{"schema": JSON_SCHEMA, **r} for r in rows], indent=2))
             return 0
+        from rich.table import Table
+
         con = console()
         if not rows:
             con.print("no pools on this host")

@@ -16,24 +16,10 @@ import sys
 
 from kvscope.analysis import analyze_view
 from kvscope.capacity import capacity_answer
-from kvscope.errors import UsageError
 from kvscope.history import history_for
 from kvscope.htmlreport import build_report
-from kvscope.target import Target, open_target
-
-
-def taken_ns(t: Target, target: str) -> int:
-    """When the view was taken: a dump's time, a raw segment file's mtime, 0 for a live pool."""
-    if t.dump_header is not None:
-        return int(t.dump_header["created_ns"])
-    if os.path.isfile(target):
-        return int(os.stat(target).st_mtime_ns)
-    return 0
-
-
-def output_error(path: str, e: OSError) -> UsageError:
-    """The one-line error for an output file that cannot be written."""
-    return UsageError(f"cannot write {path}: {e.strerror or e}")
+from kvscope.target import open_target
+from kvscope.verbs.common import add_target_and_history, output_error
 
 
 class ReportCommand:
@@ -41,13 +27,8 @@ class ReportCommand:
 
     @staticmethod
     def prepare_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("target", metavar="NAME|FILE", help="a pool name or a dump file")
+        add_target_and_history(parser)
         parser.add_argument("-o", "--output", required=True, metavar="FILE", help="HTML file")
-        parser.add_argument(
-            "--history",
-            metavar="FILE",
-            help="the pool's history (default: FILE.history.json beside a dump)",
-        )
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:

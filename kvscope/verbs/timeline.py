@@ -18,7 +18,7 @@ from kvscope.analysis import collect_findings
 from kvscope.history import history_for
 from kvscope.target import open_target
 from kvscope.timeline import build_trace, write_trace
-from kvscope.verbs.report import output_error, taken_ns
+from kvscope.verbs.common import add_target_and_history, output_error, taken_ns
 
 
 class TimelineCommand:
@@ -26,14 +26,9 @@ class TimelineCommand:
 
     @staticmethod
     def prepare_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("target", metavar="NAME|FILE", help="a pool name or a dump file")
+        add_target_and_history(parser)
         parser.add_argument(
             "-o", "--output", required=True, metavar="FILE", help="trace file (- for stdout)"
-        )
-        parser.add_argument(
-            "--history",
-            metavar="FILE",
-            help="the pool's history (default: FILE.history.json beside a dump)",
         )
 
     @staticmethod

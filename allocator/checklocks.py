@@ -1,0 +1,75 @@
+"""The whole-pool check's locks: a pool lock whose holder died, or that a live process has held
+too long (from the lock records, with the holder's state)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kvscope.allocator.checkreport import Alive
+from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.layout import SegmentView
+from kvscope.allocator.process import is_alive, process_state
+
+# A pool lock held longer than this is a stall (`lock_held_too_long`); the lock watchdog's
+# variable and default.
+LOCK_HOLD_ENV = "KVSCOPE_LOCK_HOLD_S"
+DEFAULT_LOCK_HOLD_S = 1.0
+
+
+def lock_hold_threshold_s() -> float:
+    """`KVSCOPE_LOCK_HOLD_S` (seconds; 0 turns the stall check off), else the lock watchdog's
+    default (probes/watchdog.py, tests/test_pool_stalls.py compares the two)."""
+    try:
+        return float(os.environ.get(LOCK_HOLD_ENV, "") or DEFAULT_LOCK_HOLD_S)
+    except ValueError:
+        return DEFAULT_LOCK_HOLD_S
+
+
+def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
+    """From the lock records: a lock whose holder died (`lock_dead_holder`), and on a live copy
+    (one that carries the monotonic time it was taken, `taken_mono_ns`) a lock a live process
+    has held longer than `KVSCOPE_LOCK_HOLD_S` (`lock_held_too_long`), with the holder's state.
+
+    A record's `acquired_ns` is the holder's CLOCK_MONOTONIC, comparable with this host's
+    clock while it has not rebooted; a dump does not say when it was taken on that clock, so
+    stalls are reported on live pools only.
+    """
+    out = []
+    locks = view.locks
+    taken_ns = getattr(view, "taken_mono_ns", None)
+    limit_ns = int(lock_hold_threshold_s() * 1e9)
+    for i in np.flatnonzero(locks["holder_pid"] != 0).tolist():
+        pid = int(locks["holder_pid"][i])
+        name = bytes(locks["name"][i]).decode(errors="replace")
+        if not alive(pid, int(locks["holder_start"][i])):
+            out.append(
+                Finding(
+                    FindingKind.LOCK_DEAD_HOLDER,
+                    f"pool lock {name!r} is held by pid {pid}, which died holding it; the next process to take it rolls back its journal",
+                    owner_pid=pid,
+                    extra={"lock": name},
+                )
+            )
+            continue
+        held_ns = (taken_ns or 0) - int(locks["acquired_ns"][i])
+        if taken_ns is None or limit_ns <= 0 or int(locks["seq"][i]) % 2 == 0 or held_ns < limit_ns:
+            continue
+        state = process_state(pid)
+        why = {
+            "stopped": f"it is stopped (SIGSTOP or a debugger): every process that needs the lock waits until it continues (kill -CONT {pid})",
+            "zombie": "it is exiting",
+        }.get(
+            state,
+            f"it is {state or 'gone'}: do not block, sleep or compute long while holding a pool lock",
+        )
+        out.append(
+            Finding(
+                FindingKind.LOCK_HELD_TOO_LONG,
+                f"pool lock {name!r} held {held_ns / 1e9:.1f} s so far by pid {pid} thread {int(locks['holder_tid'][i])}; {why}",
+                owner_pid=pid,
+                extra={"lock": name, "held_s": round(held_ns / 1e9, 3), "holder_state": state},
+            )
+        )
+    return out

@@ -1,0 +1,184 @@
+"""The whole-pool check's conservation of references: every block's state and refcount against
+the live block tables that map it, the blocks of dead processes, the prefix index, and the
+sequence slots reserved by processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvscope.allocator.checkreport import Alive, CheckReport, TableEntries, mapper, state_name
+from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.layout import BlockState, ClientState, SegmentView
+
+
+@dataclass
+class DeadOwners:
+    """What processes that died without detaching still hold."""
+
+    # live sequence slots whose owner died, and their tables' entries
+    of_dead: np.ndarray
+    entries: TableEntries
+    # references to each block from those sequences' tables
+    refs: np.ndarray
+    # blocks whose record names a dead client as owner
+    owned: np.ndarray
+
+
+def dead_owners(
+    r: CheckReport, live: np.ndarray, entries: TableEntries, alive: Alive
+) -> DeadOwners:
+    """The sequences and blocks of clients still attached whose process died (`entries`: the
+    tables of the `live` sequences)."""
+    view = r.view
+    clients, seqs = view.clients, view.seqs
+    n = len(view.blocks)
+    dead_clients = [
+        int(c)
+        for c in np.flatnonzero(clients["state"] == ClientState.ATTACHED).tolist()
+        if not alive(int(clients["pid"][c]), int(clients["start"][c]))
+    ]
+    if not dead_clients:
+        none = np.zeros(0, np.int64)
+        return DeadOwners(none, TableEntries(none, none), np.zeros(n, np.int64), np.zeros(n, bool))
+    keep = np.isin(seqs["owner_client"][live], dead_clients)
+    of_dead = entries.subset(keep)
+    owned = np.isin(r.cols.owner_client, dead_clients)
+    return DeadOwners(live[keep], of_dead, of_dead.refs(n), owned)
+
+
+def check_states(
+    r: CheckReport,
+    live: np.ndarray,
+    entries: TableEntries,
+    refs: np.ndarray,
+    in_ring: np.ndarray,
+    corrupt: np.ndarray,
+) -> None:
+    """A block in the ring but in use (double free), one mapped but free or cached (use after
+    free), one FREE but not in the ring (lost)."""
+    state = r.cols.state
+    allocated = state == BlockState.ALLOCATED
+    cached = state == BlockState.CACHED
+    free = (state == BlockState.FREE) | (state == BlockState.QUARANTINED)
+    r.blocks(
+        FindingKind.DOUBLE_FREE,
+        np.flatnonzero((in_ring == 1) & (allocated | cached) & ~corrupt),
+        lambda x: (
+            f"block is in the free ring but {state_name(int(state[x]))}: it was freed while still in use"
+        ),
+    )
+    freed = free | (state == BlockState.LOCAL)
+    r.blocks(
+        FindingKind.USE_AFTER_FREE,
+        np.flatnonzero((refs > 0) & (freed | cached) & (in_ring <= 1) & ~corrupt),
+        lambda x: (
+            f"block is {state_name(int(state[x]))} but {int(refs[x])} live sequence(s) still map it"
+        ),
+        mapper(r.view.seqs, live, entries),
+    )
+    r.blocks(
+        FindingKind.FREE_LIST_CORRUPT,
+        np.flatnonzero(free & (in_ring == 0) & ~corrupt),
+        lambda x: "block is FREE but not in the free ring: it can never be allocated again",
+    )
+
+
+def check_reserves(r: CheckReport, view: SegmentView) -> None:
+    """Only an attached process (alive, or dead until reclaimed) holds a sequence-slot reserve."""
+    seqs, clients = view.seqs, view.clients
+    reserved = np.flatnonzero(seqs["reserved"] == 1)
+    holder = seqs["owner_client"][reserved].astype(np.int64)
+    ok = (holder >= 0) & (holder < len(clients))
+    ok[ok] = clients["state"][holder[ok]] == ClientState.ATTACHED
+    if not ok.all():
+        r.add(
+            Finding(
+                FindingKind.FREE_LIST_CORRUPT,
+                f"{int((~ok).sum())} sequence slots are reserved by client records that are not attached: no process can use them",
+            )
+        )
+
+
+def check_refcounts(
+    r: CheckReport, refs: np.ndarray, dead: DeadOwners, corrupt: np.ndarray
+) -> None:
+    """Refcounts against references: blocks of dead processes, blocks no table maps (orphans),
+    counts that disagree, cached blocks still counted."""
+    b, seqs = r.view.blocks, r.view.seqs
+    state = r.cols.state
+    allocated = state == BlockState.ALLOCATED
+    rc = r.cols.refcount
+    alive_refs = refs - dead.refs
+    dead_leak = (dead.refs > 0) | (
+        dead.owned & (allocated | (state == BlockState.LOCAL)) & (alive_refs == 0)
+    )
+    of_dead = mapper(seqs, dead.of_dead, dead.entries)
+    r.blocks(
+        FindingKind.LEAK_DEAD_OWNER,
+        np.flatnonzero(dead_leak & ~corrupt),
+        lambda x: (
+            f"block is held by pid {of_dead(x)[0] or int(b['owner_pid'][x])}, which died; reclaim it with `kvscope check --repair` or pool.reclaim_dead()"
+        ),
+        of_dead,
+    )
+    orphan = allocated & (refs == 0) & (rc > 0) & ~dead.owned & ~corrupt
+    r.blocks(
+        FindingKind.LEAK_ORPHAN,
+        np.flatnonzero(orphan),
+        lambda x: (
+            f"block has refcount {int(rc[x])} but no sequence maps it: a free was skipped, the block is lost until reclaimed"
+        ),
+    )
+    mismatch = allocated & (refs > 0) & (rc != refs) & ~corrupt
+    r.blocks(
+        FindingKind.REFCOUNT_MISMATCH,
+        np.flatnonzero(mismatch),
+        lambda x: f"refcount is {int(rc[x])} but {int(refs[x])} sequence(s) map the block",
+    )
+    cached_bad = (state == BlockState.CACHED) & ((rc != 0) | (r.cols.indexed != 1)) & ~corrupt
+    r.blocks(
+        FindingKind.REFCOUNT_MISMATCH,
+        np.flatnonzero(cached_bad),
+        lambda x: (
+            f"CACHED block has refcount {int(rc[x])} and indexed={int(b['indexed'][x])} (expected 0 and 1)"
+        ),
+    )
+
+
+def check_index(r: CheckReport, corrupt: np.ndarray) -> None:
+    """The prefix index against the indexed blocks: every entry names a block that holds its
+    prefix, and every indexed block has an entry."""
+    view = r.view
+    b = view.blocks
+    n = len(b)
+    keys = view.index["hash"]
+    used = np.flatnonzero(keys != 0)
+    ib = view.index["block"][used].astype(np.int64)
+    okb = (ib >= 0) & (ib < n)
+    bad_entries = used[~okb]
+    if len(bad_entries):
+        r.add(
+            Finding(
+                FindingKind.FREE_LIST_CORRUPT,
+                f"prefix index has {len(bad_entries)} entries naming blocks outside the pool",
+            )
+        )
+    used, ib = used[okb], ib[okb]
+    stale = ib[(r.cols.indexed[ib] != 1) | (b["prefix_hash"][ib] != keys[used])]
+    r.blocks(
+        FindingKind.USE_AFTER_FREE,
+        stale[~corrupt[stale]],
+        lambda x: (
+            "prefix index names this block but it no longer holds that prefix: a hit would return another prompt's KV"
+        ),
+    )
+    indexed_n = int((r.cols.indexed == 1).sum())
+    if indexed_n != len(used):
+        r.add(
+            Finding(
+                FindingKind.REFCOUNT_MISMATCH,
+                f"{indexed_n} blocks are marked indexed but the prefix index holds {len(used)} entries",
+            )
+        )
