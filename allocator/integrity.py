@@ -57,6 +57,22 @@ CANARY_MESSAGE = (
 )
 
 
+def cpu_bits(kv: KV) -> KV:
+    """A CPU tensor as its bits (KVBits, numpy, no copy); other inputs unchanged.
+
+    kvscope's work on a CPU pool's K/V runs inside the user's processes, where torch's CPU ops
+    would use GNU OpenMP, which is not fork-safe: a parent that ran a parallel region forks
+    children that wait forever in their first one. numpy runs these passes on the calling thread
+    (kernels/backend.serial_cpu covers the kernels' own CPU paths).
+    """
+    if isinstance(kv, KVBits) or kv.device.type != "cpu":
+        return kv
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[kv.element_size()]
+    return KVBits(kv.view(ints).numpy(), str(kv.dtype).removeprefix("torch."))
+
+
 # -- digests ---------------------------------------------------------------------------------
 
 
@@ -67,6 +83,7 @@ def tagged(digest: int, generation: int) -> int:
 
 def digests_of(kv: KV, ids: np.ndarray, block_size: int) -> list[int]:
     """Digests (u64) of the K/V of blocks `ids` (kernels/digest.py)."""
+    kv = cpu_bits(kv)
     if isinstance(kv, KVBits):
         return kvbits.block_digests(kv, ids, block_size)
     from kvscope.kernels import block_digests
@@ -113,6 +130,7 @@ _BLANK: dict[tuple, dict[int, str]] = {}
 def _blank_digests(kv: KV, block_size: int) -> dict[int, str]:
     """High halves of the digests a block has before anything is written into it (zeros, as
     created; NaN, as poisoned), for this cache's geometry."""
+    kv = cpu_bits(kv)
     shape = (*kv.shape[:2], 1, *kv.shape[3:])
     if isinstance(kv, KVBits):
         one = np.zeros(1, np.int64)
@@ -191,6 +209,7 @@ def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) ->
 
 def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
     """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
+    kv = cpu_bits(kv)
     if len(ids) == 0 or not can_poison(kv):
         return []
     if isinstance(kv, KVBits):
@@ -207,15 +226,19 @@ UNWRITTEN_MESSAGE = (
 
 
 def unwritten_slots(
-    kv: torch.Tensor, table: list[int], num_tokens: int, block_size: int
+    kv: KV, table: list[int], num_tokens: int, block_size: int
 ) -> list[tuple[int, int, int, int]]:
     """Blocks of a sequence's table with token slots, for positions [0, num_tokens), that still
     hold the poison in every layer, K and V: (block, first position, last position, slots).
     Empty too when no position was written at all."""
+    kv = cpu_bits(kv)
     if not table or num_tokens <= 0 or not can_poison(kv):
         return []
     n = min(len(table), -(-num_tokens // block_size))
-    blank = _poisoned(kv, table[:n], block_size).all(2).cpu().numpy()
+    if isinstance(kv, KVBits):
+        blank = kvbits.poisoned(kv, table[:n], block_size).all(2)
+    else:
+        blank = _poisoned(kv, table[:n], block_size).all(2).cpu().numpy()
     used = np.minimum(block_size, num_tokens - np.arange(n) * block_size)
     checked = np.arange(block_size)[None, :] < used[:, None]
     if blank[checked].all():
@@ -239,6 +262,7 @@ def has_guard(view: SegmentView) -> bool:
 
 def broken_canaries(kv: KV, ids: np.ndarray | None = None) -> list[int]:
     """Blocks (of `ids`, or all) whose guard slot no longer holds the canary (read-only)."""
+    kv = cpu_bits(kv)
     if isinstance(kv, KVBits):
         return kvbits.broken_canaries(kv, ids)
     from kvscope.kernels import guard_scan

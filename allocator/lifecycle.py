@@ -69,12 +69,14 @@ def create(cls: type[KVPool], name: str, config: PoolConfig) -> KVPool:
             view.header["cuda_ipc"] = blob
         if cfg.guard:
             from kvscope.kernels import fill_guard
+            from kvscope.kernels.backend import serial_cpu
 
-            fill_guard(kv)
-            if kv.dtype.is_floating_point:
-                # Token slots start poisoned, as freed ones are: K/V never written into a
-                # block shows as NaN, and is found when its request finishes (writes.py).
-                kv[:, :, :, : cfg.block_size] = float("nan")
+            with serial_cpu(kv):  # (no OpenMP thread pool in a process that may fork)
+                fill_guard(kv)
+                if kv.dtype.is_floating_point:
+                    # Token slots start poisoned, as freed ones are: K/V never written into a
+                    # block shows as NaN, and is found when its request finishes (writes.py).
+                    kv[:, :, :, : cfg.block_size] = float("nan")
         seal_header(view)
     except BaseException:
         release(mf)
