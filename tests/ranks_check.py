@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -55,4 +57,63 @@ def leak_on_rank_one(device: str, tmp: Path) -> dict[str, Any]:
         "ls": {r["name"]: r for r in listed if r["name"] in names},
         "analyze": analyzed,
         "names": names,
+    }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape_two_ranks(device: str, tmp: Path) -> dict[str, Any]:
+    """`kvscope run` with the Prometheus exporter over serve.py --ranks 2 on `device`, scraped
+    until both ranks' pools have allocated; returns the last scrape's pools (labels and
+    allocation count by pool name), its metric families, and the run's exit and stderr."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    name = f"ranks-{uuid.uuid4().hex[:8]}"
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    cmd = [
+        kvscope, "run", "--metrics-exporter", "prometheus", "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(port), str(SERVE), "--ranks", "2", "--device", device,
+        "--requests", "200", "--rate", "20", "--no-progress", "--pool-name", name,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wanted = [f"{name}-rank0", f"{name}-rank1"]
+    pools: dict[str, dict[str, Any]] = {}
+    families: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                url = f"http://127.0.0.1:{port}/metrics"
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            allocs = families.get("kvscope_pool_allocations")
+            pools = {
+                s.labels["kvscope_pool_name"]: {"value": s.value, **s.labels}
+                for s in (allocs.samples if allocs else [])
+                if s.name == "kvscope_pool_allocations_total"
+            }
+            if set(wanted) <= {p for p, s in pools.items() if s["value"] > 0}:
+                break
+            time.sleep(0.2)
+        _out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return {
+        "returncode": proc.returncode,
+        "stderr": err if proc.returncode is not None else "",
+        "pools": pools,
+        "families": families,
+        "wanted": wanted,
     }

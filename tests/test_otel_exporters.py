@@ -24,6 +24,7 @@ from kvscope.probes.otel_config import (
     otlp_target,
 )
 from kvscope.probes.otel_exporters import install_from_env
+from tests.ranks_check import free_port, scrape_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -316,21 +317,13 @@ def test_prometheus_scrape_of_a_supervised_example_server():
     assert not [n for n in families if n.startswith("hw_gpu")]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_prometheus_scrape_of_kvscope_run_with_the_example(tmp_path):
     pytest.importorskip("opentelemetry.exporter.prometheus", reason="the otel extra")
     pytest.importorskip("prometheus_client", reason="the otel extra")
     from prometheus_client.parser import text_string_to_metric_families
 
-    port = _free_port()
+    port = free_port()
     kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
     # GIVEN `kvscope run` with the Prometheus exporter, serving the example server
     cmd = [
@@ -391,53 +384,13 @@ def test_prometheus_scrape_of_kvscope_run_with_the_example(tmp_path):
 def test_prometheus_scrape_of_two_ranks_shows_each_rank_s_pool_with_its_device(tmp_path):
     pytest.importorskip("opentelemetry.exporter.prometheus", reason="the otel extra")
     pytest.importorskip("prometheus_client", reason="the otel extra")
-    from prometheus_client.parser import text_string_to_metric_families
-
-    port = _free_port()
-    name = f"ranks-{uuid.uuid4().hex[:8]}"
-    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
     # GIVEN `kvscope run` with the Prometheus exporter, serving the example server as two
     # ranks (two engine processes, each with its own pool; on the CPU both pools are "cpu")
-    cmd = [
-        kvscope, "run", "--metrics-exporter", "prometheus", "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(port), str(REPO / "examples" / "serve.py"), "--ranks", "2",
-        "--requests", "200", "--rate", "20", "--no-progress", "--pool-name", name,
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    pools: dict[str, dict[str, float]] = {}
-    wanted = {f"{name}-rank0", f"{name}-rank1"}
-    try:
-        # WHEN Prometheus scrapes the supervisor until both ranks have allocated
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                text = (
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-                    .read()
-                    .decode()
-                )
-            except OSError:
-                time.sleep(0.2)
-                continue
-            families = {f.name: f for f in text_string_to_metric_families(text)}
-            allocs = families.get("kvscope_pool_allocations")
-            pools = {
-                s.labels["kvscope_pool_name"]: {"value": s.value, **s.labels}
-                for s in (allocs.samples if allocs else [])
-                if s.name == "kvscope_pool_allocations_total"
-            }
-            if wanted <= {p for p, s in pools.items() if s["value"] > 0}:
-                break
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # WHEN Prometheus scrapes the supervisor until both ranks have allocated
+    got = scrape_two_ranks("cpu", tmp_path)
     # THEN the run succeeded and one scrape held both ranks' pools, each with its device
-    assert proc.returncode == 0, err
-    assert wanted <= set(pools), pools
-    for pool in wanted:
-        assert pools[pool]["value"] > 0 and pools[pool]["kvscope_pool_device"] == "cpu"
+    assert got["returncode"] == 0, got["stderr"]
+    assert set(got["wanted"]) <= set(got["pools"]), got["pools"]
+    for pool in got["wanted"]:
+        assert got["pools"][pool]["value"] > 0
+        assert got["pools"][pool]["kvscope_pool_device"] == "cpu"
