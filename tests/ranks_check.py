@@ -76,9 +76,8 @@ def scrape_two_ranks(device: str, tmp: Path) -> dict[str, Any]:
 
     port = free_port()
     name = f"ranks-{uuid.uuid4().hex[:8]}"
-    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
     cmd = [
-        kvscope, "run", "--metrics-exporter", "prometheus", "--prometheus-host", "127.0.0.1",
+        sys.executable, "-m", "kvscope", "run", "--metrics-exporter", "prometheus", "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(port), str(SERVE), "--ranks", "2", "--device", device,
         "--requests", "200", "--rate", "20", "--no-progress", "--pool-name", name,
     ]  # fmt: skip
