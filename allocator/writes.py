@@ -13,6 +13,10 @@
 The checks themselves are integrity.py's; here they are wired to the moments a block changes
 hands. Findings are reported when the operation commits, with the block's record as it was seen
 inside the operation.
+
+The C core runs the same checks itself (allocator/csrc/kvdata.c): on a CPU pool's bytes, or, for
+data it cannot reach (a CUDA pool), through `native_kv`, one call per operation for all of its
+blocks. Whatever it finds sends the operation to the Python path here, which reports it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class WriteProbes:
     def __init__(self, probes: PoolProbes):
         self.probes = probes
         self.pool = probes.pool
+        # The C core `finished` last asked, and whether it reads the KV data itself.
+        self._core: object = None
+        self._core_reads_kv = False
         self.digest = probes.flags.digest
         self.guard = probes.flags.guard and integrity.can_poison(probes.pool.kv)
         self.stale = probes.flags.leaks
@@ -116,6 +123,8 @@ class WriteProbes:
             return
         pool = self.pool
         table = list(seq.block_table)
+        if self._kv_core() is not None and not pool._native.unwritten(table, len(seq.tokens) - 1):
+            return  # the core's pass over the bytes: nothing to report
         for blk, first, last, slots in integrity.unwritten_slots(
             pool.kv, table, len(seq.tokens) - 1, pool.block_size
         ):
@@ -123,6 +132,38 @@ class WriteProbes:
                 request=seq.request_id, slots=slots, first=first, last=last
             )
             self.probes.block_finding(FindingKind.KV_NEVER_WRITTEN, blk, msg)
+
+    def _kv_core(self) -> object | None:
+        """The handle's C core when it reads the KV data itself (a CPU pool), else None."""
+        core = self.pool._native
+        if core is not self._core:
+            self._core = core
+            self._core_reads_kv = core is not None and core.stats()["kv_direct"]
+        return core if self._core_reads_kv else None
+
+    def native_kv(self, op: str, ids: list[int]) -> object:
+        """The C core's work on the KV data of blocks `ids` where it cannot reach the data (a
+        CUDA pool, or KVSCOPE_NATIVE_KV=python): one call, and on a GPU one kernel launch, per
+        operation (allocator/csrc/kvdata.c). `op`:
+
+        - "canary": True if a guard slot of `ids` lost its canary (read only);
+        - "poison": NaN into their token slots;
+        - "poison_broken": True if one of them no longer holds all its poison;
+        - "digests": their digests (kernels/digest.py block_digests).
+
+        The checks read their answer back from the GPU (a synchronization per check).
+        """
+        pool = self.pool
+        kv, bs = pool.kv, pool.block_size
+        if op == "canary":
+            return bool(integrity.broken_canaries(kv, np.asarray(ids, np.int64)))
+        if op == "poison":
+            kv[:, :, ids, :bs] = float("nan")
+            return None
+        if op == "poison_broken":
+            return bool(integrity.poison_broken(kv, np.asarray(ids, np.int64), bs))
+        assert op == "digests", op
+        return integrity.digests_of(kv, np.asarray(ids, np.int64), bs)
 
     def _check_poison(self, t: Txn, ids: np.ndarray) -> None:
         pool = self.pool
