@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     gc.disable()
-    # The light probes run in the C core (docs/FORMAT.md "The native core"); guard and digest
-    # still send every operation to the Python path. Ratios are against the probes-off C core.
+    # Every probe runs in the C core (docs/FORMAT.md "The native core"); ratios are against the
+    # probes-off C core.
     light = {k: "1" for k in LIGHT_VARS}
     configs = {
         "every probe off (the C core)": {},
