@@ -32,24 +32,60 @@ static inline uint8_t *kv_row(Native *n, int64_t r, int64_t b) {
     return n->kv + (size_t)r * n->kv_row_stride + (size_t)b * n->kv_block_stride;
 }
 
-/* Element i of a row, as kernels/digest.py int_view reads it: the bits as the integer of the
- * element's width (1 byte unsigned, wider ones sign-extended). */
-static inline int64_t kv_elem(const uint8_t *p, int64_t i, int esize) {
-    switch (esize) {
-    case 1: return p[i];
-    case 2: return ((const int16_t *)p)[i];
-    case 4: return ((const int32_t *)p)[i];
-    default: return ((const int64_t *)p)[i];
+/* The loops over a row's elements, one per element width (the width is the cache's dtype's:
+ * chosen once per row, so the compiler can vectorize each). An element is read as
+ * kernels/digest.py int_view reads it: the bits as the integer of its width (1 byte unsigned,
+ * wider ones sign-extended). */
+#define KV_LOOPS(W, T, U)                                                                        \
+    /* sum of element e * coef(j + e), coef(j) = (j * MUL + ADD) | 1; *jm: j * MUL + ADD */     \
+    static uint64_t digest_row##W(const uint8_t *p_, int64_t m, uint64_t *jm_, uint64_t sum) { \
+        const T *p = (const T *)p_;                                                             \
+        uint64_t jm = *jm_;                                                                     \
+        for (int64_t e = 0; e < m; e++, jm += DIGEST_MUL) sum += (uint64_t)(int64_t)p[e] * (jm | 1); \
+        *jm_ = jm;                                                                              \
+        return sum;                                                                             \
+    }                                                                                           \
+    /* 1 when every element's bits are v */                                                    \
+    static int all_bits##W(const uint8_t *p_, int64_t m, uint64_t v) {                         \
+        const U *p = (const U *)p_;                                                             \
+        U want = (U)v;                                                                          \
+        int ok = 1;                                                                             \
+        for (int64_t e = 0; e < m; e++) ok &= p[e] == want;                                     \
+        return ok;                                                                              \
+    }                                                                                           \
+    static void fill_bits##W(uint8_t *p_, int64_t m, uint64_t v) {                             \
+        U *p = (U *)p_;                                                                         \
+        for (int64_t e = 0; e < m; e++) p[e] = (U)v;                                            \
+    }
+KV_LOOPS(1, uint8_t, uint8_t)
+KV_LOOPS(2, int16_t, uint16_t)
+KV_LOOPS(4, int32_t, uint32_t)
+KV_LOOPS(8, int64_t, uint64_t)
+
+static uint64_t digest_row(Native *n, const uint8_t *p, int64_t m, uint64_t *jm, uint64_t sum) {
+    switch (n->kv_esize) {
+    case 1: return digest_row1(p, m, jm, sum);
+    case 2: return digest_row2(p, m, jm, sum);
+    case 4: return digest_row4(p, m, jm, sum);
+    default: return digest_row8(p, m, jm, sum);
     }
 }
 
-/* The element's raw bits (unsigned, its width). */
-static inline uint64_t kv_bits(const uint8_t *p, int64_t i, int esize) {
-    switch (esize) {
-    case 1: return p[i];
-    case 2: return ((const uint16_t *)p)[i];
-    case 4: return ((const uint32_t *)p)[i];
-    default: return ((const uint64_t *)p)[i];
+static int all_bits(Native *n, const uint8_t *p, int64_t m, uint64_t v) {
+    switch (n->kv_esize) {
+    case 1: return all_bits1(p, m, v);
+    case 2: return all_bits2(p, m, v);
+    case 4: return all_bits4(p, m, v);
+    default: return all_bits8(p, m, v);
+    }
+}
+
+static void fill_bits(Native *n, uint8_t *p, int64_t m, uint64_t v) {
+    switch (n->kv_esize) {
+    case 1: fill_bits1(p, m, v); break;
+    case 2: fill_bits2(p, m, v); break;
+    case 4: fill_bits4(p, m, v); break;
+    default: fill_bits8(p, m, v); break;
     }
 }
 
@@ -127,11 +163,8 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     int64_t m = n->kv_slot_bytes / n->kv_esize;
     size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
     for (int64_t i = 0; i < k; i++)
-        for (int64_t r = 0; r < n->kv_rows; r++) {
-            const uint8_t *p = kv_row(n, r, ids[i]) + guard;
-            for (int64_t e = 0; e < m; e++)
-                if (kv_bits(p, e, n->kv_esize) != n->canary) return FALLBACK;
-        }
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            if (!all_bits(n, kv_row(n, r, ids[i]) + guard, m, n->canary)) return FALLBACK;
     return OK;
 }
 
@@ -146,15 +179,7 @@ static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     }
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     for (int64_t i = 0; i < k; i++)
-        for (int64_t r = 0; r < n->kv_rows; r++) {
-            uint8_t *p = kv_row(n, r, ids[i]);
-            for (int64_t e = 0; e < m; e++) switch (n->kv_esize) {
-                case 1: p[e] = (uint8_t)n->nan_bits; break;
-                case 2: ((uint16_t *)p)[e] = (uint16_t)n->nan_bits; break;
-                case 4: ((uint32_t *)p)[e] = (uint32_t)n->nan_bits; break;
-                default: ((uint64_t *)p)[e] = n->nan_bits; break;
-                }
-        }
+        for (int64_t r = 0; r < n->kv_rows; r++) fill_bits(n, kv_row(n, r, ids[i]), m, n->nan_bits);
     return OK;
 }
 
@@ -188,11 +213,8 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (n->kv == NULL) return kv_handback_check(n, "poison_broken", mine, nm);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     for (int64_t i = 0; i < nm; i++)
-        for (int64_t r = 0; r < n->kv_rows; r++) {
-            const uint8_t *p = kv_row(n, r, mine[i]);
-            for (int64_t e = 0; e < m; e++)
-                if (kv_bits(p, e, n->kv_esize) != n->nan_bits) return FALLBACK;
-        }
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            if (!all_bits(n, kv_row(n, r, mine[i]), m, n->nan_bits)) return FALLBACK;
     return OK;
 }
 
@@ -227,11 +249,7 @@ static int digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
     for (int64_t i = 0; i < k; i++) {
         /* element j of kv[:, :, b, :block_size] flattened: coef(j) = (j * MUL + ADD) | 1 */
         uint64_t sum = 0, jm = DIGEST_ADD;
-        for (int64_t r = 0; r < n->kv_rows; r++) {
-            const uint8_t *p = kv_row(n, r, ids[i]);
-            for (int64_t e = 0; e < m; e++, jm += DIGEST_MUL)
-                sum += (uint64_t)kv_elem(p, e, n->kv_esize) * (jm | 1);
-        }
+        for (int64_t r = 0; r < n->kv_rows; r++) sum = digest_row(n, kv_row(n, r, ids[i]), m, &jm, sum);
         out[i] = digest_fmix(sum);
     }
     return OK;
@@ -305,14 +323,8 @@ static PyObject *N_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs)
         int64_t used = num - i * n->bs < n->bs ? num - i * n->bs : n->bs;
         for (int64_t s = 0; s < used; s++) {
             int all = 1;
-            for (int64_t r = 0; r < n->kv_rows && all; r++) {
-                const uint8_t *p = kv_row(n, r, b) + (size_t)s * n->kv_slot_bytes;
-                for (int64_t e = 0; e < m; e++)
-                    if (kv_bits(p, e, n->kv_esize) != n->nan_bits) {
-                        all = 0;
-                        break;
-                    }
-            }
+            for (int64_t r = 0; r < n->kv_rows && all; r++)
+                all = all_bits(n, kv_row(n, r, b) + (size_t)s * n->kv_slot_bytes, m, n->nan_bits);
             blank += all;
             checked++;
         }
