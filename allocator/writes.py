@@ -21,7 +21,7 @@ blocks. Whatever it finds sends the operation to the Python path here, which rep
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -123,7 +123,8 @@ class WriteProbes:
             return
         pool = self.pool
         table = list(seq.block_table)
-        if self._kv_core() is not None and not pool._native.unwritten(table, len(seq.tokens) - 1):
+        core = self._kv_core()
+        if core is not None and not core.unwritten(table, len(seq.tokens) - 1):
             return  # the core's pass over the bytes: nothing to report
         for blk, first, last, slots in integrity.unwritten_slots(
             pool.kv, table, len(seq.tokens) - 1, pool.block_size
@@ -133,7 +134,7 @@ class WriteProbes:
             )
             self.probes.block_finding(FindingKind.KV_NEVER_WRITTEN, blk, msg)
 
-    def _kv_core(self) -> object | None:
+    def _kv_core(self) -> Any | None:
         """The handle's C core when it reads the KV data itself (a CPU pool), else None."""
         core = self.pool._native
         if core is not self._core:
