@@ -21,13 +21,20 @@ blocks. Whatever it finds sends the operation to the Python path here, which rep
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvscope.allocator import integrity
+from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import SeqState
+
+# The C core's canary checks of guarded releases, on a CUDA pool (or KVSCOPE_NATIVE_KV=deferred):
+# launched, not waited for; their answers are read once this many are pending, at the next
+# guarded free, and by pool.verify(). A write past a block's end is reported that much later.
+CANARY_READ_EVERY = 32
 
 if TYPE_CHECKING:
     from kvscope.allocator.findings import Finding
@@ -45,6 +52,11 @@ class WriteProbes:
         # The C core `finished` last asked, and whether it reads the KV data itself.
         self._core: object = None
         self._core_reads_kv = False
+        # Deferred canary checks: (flags on the device, blocks, their records at the release).
+        self.defer_canaries = probes.pool.kv.device.type == "cuda" or (
+            os.environ.get("KVSCOPE_NATIVE_KV") == "deferred"
+        )
+        self._canaries: list[tuple[Any, list[int], np.ndarray]] = []
         self.digest = probes.flags.digest
         self.guard = probes.flags.guard and integrity.can_poison(probes.pool.kv)
         self.stale = probes.flags.leaks
@@ -119,6 +131,8 @@ class WriteProbes:
         its last was written into its own blocks (an engine may end a request before feeding
         back its last sampled token). Token slots still poisoned, from the pool's creation or
         the block's last free, mean the writes went elsewhere."""
+        if len(self._canaries) >= CANARY_READ_EVERY:
+            self.read_canaries()
         if not self.guard or not seq.block_table:
             return
         pool = self.pool
@@ -152,10 +166,16 @@ class WriteProbes:
         - "poison_broken": True if one of them no longer holds all its poison;
         - "digests": their digests (kernels/digest.py block_digests).
 
-        The checks read their answer back from the GPU (a synchronization per check).
+        The checks read their answer back from the GPU (a synchronization per check), but for
+        the canaries' where they are deferred (`read_canaries`).
         """
         pool = self.pool
         kv, bs = pool.kv, pool.block_size
+        if op == "canary" and self.defer_canaries:
+            from kvscope.kernels.guard import guard_flags
+
+            self._canaries.append((guard_flags(kv, ids), ids, pool.view.blocks[ids].copy()))
+            return False
         if op == "canary":
             return bool(integrity.broken_canaries(kv, np.asarray(ids, np.int64)))
         if op == "poison":
@@ -222,10 +242,37 @@ class WriteProbes:
 
     # -- canaries ------------------------------------------------------------------------------
 
+    def read_canaries(self) -> None:
+        """The deferred canary checks' answers (one read from the GPU): each block whose guard
+        slot was overwritten when its request released it is reported as the Python path's
+        release does (with its record as it was then) and its canary restored."""
+        pending, self._canaries = self._canaries, []
+        if not pending:
+            return
+        import torch
+
+        from kvscope.kernels import fill_guard
+
+        flags = torch.cat([f for f, _, _ in pending]).cpu().tolist()
+        recs = np.concatenate([r for _, _, r in pending])
+        bad = [i for i, f in enumerate(flags) if f]
+        if not bad:
+            return
+        ids = [b for _, blocks, _ in pending for b in blocks]
+        fill_guard(self.pool.kv, blocks=[ids[i] for i in bad])
+        probes = self.probes
+        for i in bad:
+            if probes.recorder is not None:
+                probes.recorder.record(EventOp.GUARD_VIOLATION, [ids[i]])
+            probes.block_finding(
+                FindingKind.GUARD_VIOLATION, ids[i], integrity.CANARY_MESSAGE, rec=recs[i]
+            )
+
     def scan_canaries(self) -> list[Finding]:
         """Guard mode: every block's guard slot (pool.verify()); findings reported."""
         if not self.probes.flags.guard:
             return []
+        self.read_canaries()
         probes = self.probes
         out = []
         for blk in integrity.broken_canaries(self.pool.kv):

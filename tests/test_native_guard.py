@@ -360,3 +360,61 @@ def test_the_cores_digest_is_the_kernels(pool_name, monkeypatch, dtype, bs, laye
     finally:
         pool.close()
         pool.unlink()
+
+
+# -- the canary checks a CUDA pool defers ----------------------------------------------------
+
+
+def test_guard_flags_agree_with_the_scan(pool_name, monkeypatch):
+    from kvscope.kernels.guard import guard_flags, guard_scan
+
+    # GIVEN a guarded CPU pool with three guard slots written over
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = _pool(pool_name, True, "bfloat16")
+    try:
+        pool.kv[0, 1, 5, BS, 1, 2] = 1.0
+        pool.kv[1, 0, 9, BS, 0, 0] = 2.0
+        pool.kv[1, 1, 40, BS] = 0.0
+        ids = [3, 5, 9, 40, 47]
+        # WHEN the flags are taken THEN they mark exactly the blocks the scan finds
+        flags = guard_flags(pool.kv, ids).tolist()
+        assert [b for b, f in zip(ids, flags) if f] == guard_scan(pool.kv, ids) == [5, 9, 40]
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()
+
+
+def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypatch):
+    from kvscope.allocator import writes
+
+    # GIVEN the C core handing the K/V work back with its canary checks deferred (a CUDA pool's
+    # way), and the Python path; each with a write past the end of a request's block
+    fast, slow = _pair(pool_name, monkeypatch)
+    monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred")
+    deferred = _pool(f"{pool_name}-d", True, "float32")
+    pools = (deferred, slow)
+    try:
+        assert deferred.probe.writes.defer_canaries
+        for pool in pools:
+            pool.free(_written(pool, "warm-up", [1, 2, 3]))
+            _past_end(pool)
+        # WHEN the request is released THEN the core ran it and nothing is reported yet, while
+        # the Python path reported at once
+        assert deferred._native.stats()["native_ops"] >= 2
+        assert _findings(deferred) == [] and _findings(slow) != []
+        # WHEN the pool is verified THEN the same finding comes, and the canary is whole again
+        deferred.verify()
+        assert _findings(deferred) == _findings(slow)
+        assert deferred.verify() == [] and len(deferred.probe.writes._canaries) == 0
+        # WHEN the checks are read at every guarded free THEN a later one is found at the next
+        monkeypatch.setattr(writes, "CANARY_READ_EVERY", 1)
+        for pool in pools:
+            _past_end(pool)
+            pool.free(_written(pool, "next", [5, 6, 7]))
+        assert _findings(deferred) == _findings(slow) and len(_findings(slow)) == 2
+    finally:
+        for pool in (fast, deferred, slow):
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
