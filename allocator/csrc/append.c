@@ -223,7 +223,8 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
         U8(r + BF_PREFIX_HASH) = key;
         U8(r + BF_PARENT_HASH) = parent;
         seal(n, b);
-        done[published++] = (int32_t)b;
+        if (published < CHUNK) done[published] = (int32_t)b; /* (all of them with the digest) */
+        published++;
     }
     if (stamp_digests(n, done, published)) goto abort;
     txn_commit(n);
