@@ -34,6 +34,7 @@
 #include "csrc/eviction.c"
 #include "csrc/sequences.c"
 #include "csrc/probes.c"
+#include "csrc/kvdata.c"
 #include "csrc/allocate.c"
 #include "csrc/append.c"
 #include "csrc/entry.c"

@@ -4,10 +4,20 @@ The core does the common case of allocate, free/abort, a one-token append, mark_
 fork on the same bytes, journal and locks as the Python methods; anything else it hands back (it
 returns None with nothing changed) and the Python method runs. A handle uses it when the
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
-`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: no probe but the light
-ones the core runs itself (events, ownership, leaks, magic: `PoolProbes.native_bits`), no guard
-quarantine, no lock hooks (lockdep, watchdog), no call-site recorder other than the probe's, no
-armed fault or crash point. docs/FORMAT.md, "The native core".
+`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: every probe `kvscope run`
+switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or
+sampled, the digest: `PoolProbes.native_bits`); a pool with a quarantine count
+(`KVSCOPE_QUARANTINE`), a lock hook other than lockdep's (the watchdog), a call-site recorder
+other than the probe's, or an armed fault or crash point keeps its handle on Python.
+docs/FORMAT.md, "The native core".
+
+Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests: csrc/kvdata.c)
+the core does on the bytes of a CPU pool's data file, mapped in this process. A CUDA pool's data
+it cannot reach: there it hands each operation's blocks back to Python at once
+(`WriteProbes.native_kv`: one kernel launch), whose checks wait for the GPU's answer but for the
+canary checks of guarded releases, which are read in batches (`writes.CANARY_READ_EVERY`).
+`KVSCOPE_NATIVE_KV=python` makes a CPU pool's core hand back too, `=deferred` with the canary
+checks deferred as on a GPU (the CPU test suite covers both paths with them).
 """
 
 from __future__ import annotations
@@ -116,6 +126,10 @@ def checked(module: Any) -> Any:
 
 _native = checked(_native)
 
+# KVSCOPE_NATIVE_KV=python: the core hands block-data work back to Python on a CPU pool too;
+# =deferred: and the canary checks are deferred, as on a CUDA pool (writes.CANARY_READ_EVERY).
+KV_HANDBACK_ENV = "KVSCOPE_NATIVE_KV"
+
 
 _warned = False
 
@@ -133,6 +147,47 @@ def _warn_not_built() -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def kv_layout(pool: KVPool) -> dict[str, Any]:
+    """Where the core finds the KV data `[layers, 2, blocks, slots, heads, dim]` (csrc/kvdata.c):
+    its address in this process (0: hand the work back), strides in bytes, the canary and
+    poison bits of its element size."""
+    import torch  # (the pool has imported it)
+
+    kv = pool.kv
+    esize = kv.element_size()
+    layers, _, _, spb, heads, dim = kv.shape
+    direct = (
+        kv.device.type == "cpu"
+        and kv.is_contiguous()
+        and os.environ.get(KV_HANDBACK_ENV, "") not in ("python", "deferred")
+    )
+    canary = nan = 0
+    if spb > pool.block_size:
+        from kvscope.kernels.guard import CANARY_BITS
+
+        canary = CANARY_BITS.get(esize, 0)
+    poison = kv.dtype.is_floating_point
+    if poison:
+        # integrity.poison_bits, without the kernels' import
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[esize]
+        bits = torch.full((1,), float("nan"), dtype=kv.dtype).view(width)
+        nan = int(bits[0]) & ((1 << (8 * esize)) - 1)
+    return {
+        "kv_ptr": kv.data_ptr() if direct else 0,
+        "kv_tensor": kv if direct else None,
+        "kv_rows": layers * 2,
+        "kv_row_stride": kv.stride(1) * esize,
+        "kv_block_stride": kv.stride(2) * esize,
+        "kv_slot_bytes": heads * dim * esize,
+        "kv_spb": spb,
+        "kv_esize": esize,
+        "canary": canary,
+        "nan_bits": nan,
+        "poison_ok": int(poison),
+        "off_kv_digest": pool.view.blocks.dtype.fields["kv_digest"][1],
+    }
 
 
 def core_for(pool: KVPool) -> Any | None:
@@ -216,5 +271,7 @@ def core_for(pool: KVPool) -> Any | None:
         ),
         "kvscope_dirs": KVSCOPE_DIRS,
         "coefs": _COEFS_LIST[: view.layout.block_size],
+        # Guard mode and the digest on the KV data.
+        **kv_layout(pool),
     }
     return _native.Native(pool._mf.mm, pool._mf.fd, layout)

@@ -39,7 +39,7 @@ LOCKS_HELD = array("q", [0])
 # Bits of the C core's probe word (allocator/csrc/core.h P_*): the probes it runs itself.
 NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
 NATIVE_LOCKDEP = 32
-NATIVE_GUARD_SAMPLED = 64
+NATIVE_GUARD_SAMPLED, NATIVE_GUARD, NATIVE_DIGEST = 64, 128, 256
 GUARD_SAMPLE_ENV = "KVSCOPE_GUARD_SAMPLE"
 
 
@@ -109,14 +109,15 @@ class PoolProbes:
 
     def native_bits(self) -> int:
         """The probes as the C core's probe word (P_* of allocator/csrc/core.h), or -1 when one
-        of them needs the Python path (guard, digest)."""
+        of them needs the Python path (guard mode with a quarantine count)."""
         f = self.flags
-        sampled = f.guard and self.pool.guard_sample > 1 and not self.pool.store.quarantine
-        if f.digest or (f.guard and not sampled):
+        if f.guard and self.pool.store.quarantine:
             return -1
+        sampled = f.guard and self.pool.guard_sample > 1
         bits = NATIVE_EVENTS * f.events + NATIVE_LEAKS * f.leaks + NATIVE_MAGIC * f.magic
-        # Sampled guard: the core runs every allocation but the guarded ones (Python's).
-        bits |= NATIVE_GUARD_SAMPLED * sampled
+        # Guard mode: every release guarded, or (sampled) those of the requests it samples.
+        bits |= NATIVE_GUARD_SAMPLED * sampled | NATIVE_GUARD * (f.guard and not sampled)
+        bits |= NATIVE_DIGEST * f.digest
         if self.sites is not None:
             bits |= NATIVE_SITES if self.sites.depth == 1 else NATIVE_SITES_EACH
         return bits

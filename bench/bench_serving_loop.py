@@ -7,8 +7,9 @@ Each step, every running sequence (64 of them) appends one token; a sequence who
 complete is published (mark_computed) and freed, and a new request takes its place, 70% of them
 behind one of 8 shared 32-token system prompts (prefix hits). Every configuration runs the same
 seeded requests on a fresh pool (block size 16, 4096 blocks; one core pinned, GC off), in
-interleaved rounds; the median of --repeat rounds is shown with its ratio to the probes-off C
-core. Probes are switched by the KVSCOPE_* variables `kvscope run` sets (bench_probes.make).
+interleaved rounds, each measurement at least --min-s of runs (this process's CPU time: other
+work on the machine delays a run but does not count); the median of --repeat rounds is shown
+with its ratio to the probes-off C core. Probes are switched by the KVSCOPE_* variables `kvscope run` sets (bench_probes.make).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ RUNNING = 64
 SYSTEMS = 8
 
 
-def serve(pool: KVPool, steps: int, seed: int) -> float:
-    """Pool operations per second over `steps` decode steps."""
+def serve(pool: KVPool, steps: int, seed: int) -> tuple[float, int]:
+    """Pool operations per second over `steps` decode steps, and how many operations."""
     rng = random.Random(seed)
     systems = [[rng.randrange(32000) for _ in range(32)] for _ in range(SYSTEMS)]
     n = 0
@@ -46,7 +47,7 @@ def serve(pool: KVPool, steps: int, seed: int) -> float:
 
     running = [admit() for _ in range(RUNNING)]
     ops = RUNNING
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(steps):
         for i, (seq, left) in enumerate(running):
             pool.append(seq, [rng.randrange(32000)])
@@ -58,10 +59,10 @@ def serve(pool: KVPool, steps: int, seed: int) -> float:
             pool.free(seq)
             running[i] = admit()
             ops += 3
-    dt = time.perf_counter() - t
+    dt = time.process_time() - t
     for seq, _ in running:
         pool.free(seq)
-    return ops / dt
+    return ops / dt, ops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--min-s", type=float, default=0.5, help="timed seconds per measurement")
     args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -86,13 +88,24 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeat):
         # Interleaved rounds, a fresh pool each: every configuration sees the same machine.
         for name, env in configs.items():
-            pool = make(env)
-            try:
-                steps = args.steps if "off (" in name or "light" in name else args.steps // 10
-                rates[name].append(serve(pool, steps, seed=r))
-            finally:
-                pool.close()
-                pool.unlink()
+            # (the Python path, some 10x slower, runs a tenth of the steps)
+            steps = args.steps // 10 if "Python path" in name else args.steps
+            # Runs of `steps` (seeds r, r + repeat, ...) for at least --min-s: the C core does
+            # 300 steps in a few tens of ms, too short to time on a shared machine.
+            ops = 0.0
+            spent = 0.0
+            seed = r
+            while spent == 0 or spent < args.min_s:
+                pool = make(env)
+                try:
+                    rate, n = serve(pool, steps, seed=seed)
+                finally:
+                    pool.close()
+                    pool.unlink()
+                ops += n
+                spent += n / rate
+                seed += args.repeat
+            rates[name].append(ops / spent)
     fast = statistics.median(rates["every probe off (the C core)"])
     print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
     print("| configuration | pool ops/s | vs the C core |")

@@ -1,4 +1,5 @@
-"""Guard slots: the canary, `fill_guard` to write it and `guard_scan` to check it in one pass.
+"""Guard slots: the canary, `fill_guard` to write it and `guard_scan` to check it in one pass
+(`guard_flags`: the same check, its answer left on the device).
 
 In guard mode `slots_per_block = block_size + 1` and the last slot of every block, in every
 layer, K and V, holds the canary: every element's bits equal `CANARY_BITS[element_size]`, read
@@ -79,16 +80,40 @@ def guard_scan(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None =
     if not backend.use_triton(kv_cache):
         ids = None if blocks is None else _block_ids(blocks, torch.device("cpu"))
         return reference.guard_scan_ref(kv_cache, canary, int_dtype, ids)
+    ids = None if blocks is None else _block_ids(blocks, kv_cache.device)
+    bad = _scan_triton(kv_cache, ids)
+    hits = bad.nonzero(as_tuple=True)[0]
+    found = hits if ids is None else ids[hits]
+    return sorted(found.tolist())
+
+
+def guard_flags(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int]) -> torch.Tensor:
+    """int32 [len(blocks)] on the cache's device, nonzero where the block's guard slot no longer
+    holds the canary; launched, not waited for (read it when the answer is needed)."""
+    ids = _block_ids(blocks, kv_cache.device)
+    if ids.numel() == 0:
+        return torch.zeros(0, dtype=torch.int32, device=kv_cache.device)
+    if not backend.use_triton(kv_cache):
+        ints = kv_cache.view(canary_dtype(kv_cache.dtype))
+        guard = ints[:, :, ids, -1]  # [L, 2, n, H, D]
+        bad = (guard != canary_value(kv_cache.dtype)).flatten(3).any(-1).any(0).any(0)
+        return bad.to(torch.int32)
+    return _scan_triton(kv_cache, ids)
+
+
+def _scan_triton(kv_cache: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """The scan kernel's flags, one per block of `ids` (all blocks when None)."""
+    int_dtype = canary_dtype(kv_cache.dtype)
+    canary = canary_value(kv_cache.dtype)
     assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
     layers, _, num_blocks, slots, heads, head_dim = kv_cache.shape
     assert kv_cache.stride(4) == head_dim and kv_cache.stride(5) == 1
     assert kv_cache.stride(0) == 2 * kv_cache.stride(1), "layer and K/V dims must merge"
     ints = kv_cache.view(int_dtype)
-    ids = None if blocks is None else _block_ids(blocks, kv_cache.device)
     count = num_blocks if ids is None else ids.numel()
-    if count == 0:
-        return []
     bad = torch.empty(count, dtype=torch.int32, device=kv_cache.device)
+    if count == 0:
+        return bad
     elems = heads * head_dim
     if int_dtype == torch.int16 and canary >= 1 << 15:
         canary -= 1 << 16
@@ -99,6 +124,4 @@ def guard_scan(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None =
         ELEM_TILE=min(1024, triton.next_power_of_2(elems)), HAS_BLOCKS=ids is not None,
         num_warps=4,
     )  # fmt: skip
-    hits = bad.nonzero(as_tuple=True)[0]
-    found = hits if ids is None else ids[hits]
-    return sorted(found.tolist())
+    return bad

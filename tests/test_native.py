@@ -210,11 +210,17 @@ def test_a_missing_core_is_said_once(pool_name, monkeypatch):
         pool.unlink()
 
 
-# Switched off by KVSCOPE_NATIVE=0; every operation sent to Python by a probe the core does not
-# run (digest: the probes the core runs itself are tests/test_native_probes.py's).
-@pytest.mark.parametrize("var,value", [("KVSCOPE_NATIVE", "0"), ("KVSCOPE_DIGEST", "1")])
-def test_the_python_path_alone(pool_name, monkeypatch, var, value):
-    monkeypatch.setenv(var, value)
+# Switched off by KVSCOPE_NATIVE=0; every operation sent to Python by what the core does not run
+# (guard mode with a quarantine count; the probes the core runs itself are
+# tests/test_native_probes.py's and tests/test_native_guard.py's).
+@pytest.mark.parametrize(
+    "env",
+    [{"KVSCOPE_NATIVE": "0"}, {"KVSCOPE_GUARD": "1", "KVSCOPE_QUARANTINE": "4"}],
+    ids=["native-off", "guard-quarantine"],
+)
+def test_the_python_path_alone(pool_name, monkeypatch, env):
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
     pool = _pool(pool_name, True)
     try:
         assert pool._native is None or pool.probe.native_bits() < 0

@@ -87,11 +87,14 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         U8(r + BF_ACCESS_NS) = now;
         seal(n, table[j]);
     }
+    /* digest: the hits are as published (writes.verify_published, "a prefix hit") */
+    if (digests_intact(n, table, hits)) goto abort;
     int64_t k = nblocks - hits;
     if (take(n, k, table + hits) || unmapped(n, table + hits, k) ||
-        unpoisoned(n, table + hits, k))
+        poison_intact(n, table + hits, k))
         goto abort;
     if (stamp(n, table + hits, k, request, site, now)) goto abort;
+    unpoison(n, table + hits, k);
     if (write_blocks(n, slot, 0, table, nblocks)) goto abort;
     fill(n, table, hits * bs, toks + hits * bs, ntok - hits * bs);
     /* seqops._set_hashes: keys of the new full blocks (unindexed), then seal. */
@@ -136,7 +139,8 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
     goto out;
 abort:
     txn_abort(n);
-    result = fallback(n);
+    /* (an error of a handback to Python: raised) */
+    result = PyErr_Occurred() ? NULL : fallback(n);
 out:
     if (mutex) drop_mutex(n);
     if (toks != small) PyMem_Free(toks);
@@ -147,7 +151,7 @@ out:
 
 /* A sequence's release (table: its block ids; final: FINISHED or ABORTED) -> the blocks it
  * leaked (leaked_blocks: a list, empty without the leaks probe), or None (the Python path). */
-static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final) {
+static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final, int guard) {
     int32_t ids[CHUNK], zero[CHUNK];
     Py_ssize_t k;
     /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
@@ -183,11 +187,15 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
         uint8_t *r = blk(n, ids[i]);
         private_ += r[BF_INDEXED] != 1 && I4(r + BF_REFCOUNT) <= 1;
     }
-    if ((int64_t)local_count(n) + private_ > n->local_max) locks |= lock_bit(n->lock_free);
+    /* Guard mode: freed blocks go to the ring (quarantine) */
+    if (guard || (int64_t)local_count(n) + private_ > n->local_max)
+        locks |= lock_bit(n->lock_free);
     if (txn_begin(n, locks)) {
         result = fallback(n);
         goto out;
     }
+    /* digest: the published blocks released are as published (writes.verify_published) */
+    if (digests_intact(n, ids, k)) goto abort;
     uint64_t now = wall_ns();
     int64_t nz = 0;
     /* BlockStore.drop: blocks already free are left untouched (a double free). */
@@ -206,12 +214,17 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
         }
         seal(n, ids[i]);
     }
-    /* BlockStore.give_back */
-    int64_t fit;
-    if (local_push(n, zero, nz, &fit)) goto abort;
-    if (fit < nz) {
-        if (!holds(n, n->lock_free)) goto abort;
-        if (ring_push(n, zero + fit, nz - fit)) goto abort;
+    if (guard) {
+        /* release.py: the canaries of the blocks freed, then quarantine (the ring's tail) */
+        if (canaries_intact(n, zero, nz) || ring_push_quarantined(n, zero, nz)) goto abort;
+    } else {
+        /* BlockStore.give_back */
+        int64_t fit;
+        if (local_push(n, zero, nz, &fit)) goto abort;
+        if (fit < nz) {
+            if (!holds(n, n->lock_free)) goto abort;
+            if (ring_push(n, zero + fit, nz - fit)) goto abort;
+        }
     }
     /* probing.held_after_release: read inside the transaction (once it commits, what it
      * freed is anyone's) */
@@ -226,6 +239,9 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     if (jsave_head(n, slot)) goto abort;
     s[SF_STATE] = S_EMPTY;
     U4(s + SF_NUM_BLOCKS) = 0;
+    /* Poisoned only if the release commits, before its locks are let go (the Txn's
+     * before_commit). */
+    if (guard && poison_blocks(n, zero, nz)) goto abort;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)k);
     ev_record(n, final == 4 ? E_ABORT : E_FREE, ids, k, request, 0);
@@ -235,7 +251,7 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     goto out;
 abort:
     txn_abort(n);
-    result = fallback(n);
+    result = PyErr_Occurred() ? NULL : fallback(n);
 out:
     Py_XDECREF(leaked);
     drop_mutex(n);

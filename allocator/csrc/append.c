@@ -122,13 +122,14 @@ static PyObject *core_append1(Native *n, PyObject *pool, PyObject *seq, int64_t 
         uint8_t *s = seqrec(n, slot);
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
-        if (take(n, 1, &b) || unmapped(n, &b, 1) || unpoisoned(n, &b, 1) ||
+        if (take(n, 1, &b) || unmapped(n, &b, 1) || poison_intact(n, &b, 1) ||
             stamp(n, &b, 1, request, site, wall_ns()) ||
             write_blocks(n, slot, nb, &b, 1)) {
             txn_abort(n);
-            result = fallback(n);
+            result = PyErr_Occurred() ? NULL : fallback(n);
             goto out;
         }
+        unpoison(n, &b, 1);
         I4(blk(n, b) + BF_TOKENS) = (int32_t)tok;
         U4(blk(n, b) + BF_NUM_TOKENS) = 1;
         U8(s + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
@@ -198,6 +199,8 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
         goto out;
     }
     long published = 0;
+    int32_t done[CHUNK]; /* (digest) the blocks published */
+    if ((n->probes & P_DIGEST) && upto - pub > CHUNK) goto abort;
     for (Py_ssize_t j = pub; j < upto; j++) {
         long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
         if (b < 0 || b >= n->nb) {
@@ -220,8 +223,10 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
         U8(r + BF_PREFIX_HASH) = key;
         U8(r + BF_PARENT_HASH) = parent;
         seal(n, b);
+        if (published < CHUNK) done[published] = (int32_t)b; /* (all of them with the digest) */
         published++;
     }
+    if (stamp_digests(n, done, published)) goto abort;
     txn_commit(n);
     PyObject *u = PyLong_FromSsize_t(upto);
     if (u == NULL) goto out;
@@ -232,7 +237,7 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
     goto out;
 abort:
     txn_abort(n);
-    result = fallback(n);
+    result = PyErr_Occurred() ? NULL : fallback(n);
 out:
     if (mutex) drop_mutex(n);
     Py_XDECREF(tokens);

@@ -34,20 +34,22 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     return OK;
 }
 
-/* RingOps._push_raw + ring_push's record reset (state FREE). Free lock held. */
-static int ring_push(Native *n, const int32_t *ids, int64_t k) {
+/* RingOps.ring_push: the records reset (state FREE, or QUARANTINED in guard mode: then with
+ * the ring's allocation count), then _push_raw. Free lock held. */
+static int ring_push_state(Native *n, const int32_t *ids, int64_t k, uint8_t state) {
     if (k == 0) return OK;
     for (int64_t i = 0; i < k; i++)
         if (jsave_block(n, ids[i])) return FALLBACK;
+    uint8_t *h = ringh(n);
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
-        r[BF_STATE] = B_FREE;
+        r[BF_STATE] = state;
         I4(r + BF_REFCOUNT) = 0;
         r[BF_INDEXED] = 0;
         I4(r + BF_OWNER_CLIENT) = -1;
         seal(n, ids[i]);
+        if (state == B_QUARANTINED) U8(r + BF_FREED_AT) = U8(h + RING_ALLOCS);
     }
-    uint8_t *h = ringh(n);
     uint64_t tail = U8(h + RING_TAIL);
     if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
     uint64_t first = tail % (uint64_t)n->nb;
@@ -60,6 +62,10 @@ static int ring_push(Native *n, const int32_t *ids, int64_t k) {
     U8(h + RING_TAIL) = tail + (uint64_t)k;
     U4(h + RING_COUNT) += (uint32_t)k;
     return OK;
+}
+
+static inline int ring_push(Native *n, const int32_t *ids, int64_t k) {
+    return ring_push_state(n, ids, k, B_FREE);
 }
 
 /* BlockStore.local_push: park blocks as LOCAL; *rest = how many (from the end) did not fit. */

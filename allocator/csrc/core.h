@@ -31,7 +31,9 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_MAGIC 8
 #define P_SITES_EACH 16 /* ownership with stacks: the handle's site_of at every allocation */
 #define P_LOCKDEP 32    /* lockdep instruments the handle's locks, and nothing else does */
-#define P_GUARD_SAMPLED 64 /* sampled guard mode: guarded sequences and poisoned blocks: Python */
+#define P_GUARD_SAMPLED 64 /* sampled guard mode: the releases of the sequences it guards */
+#define P_GUARD 128    /* guard mode in full: every release guarded (kvdata.c) */
+#define P_DIGEST 256   /* digests of published blocks (kvdata.c) */
 /* The entry points, as bits of faults.FAULT_OPS (native.py) */
 enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK = 16 };
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
@@ -175,11 +177,21 @@ typedef struct {
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the probe last found them */
     int64_t hdr_len;
     int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
+    /* The KV data (kvdata.c): its bytes when this process maps them (a CPU pool), else NULL
+     * (block-data work is handed back to Python); [layers, 2, blocks, slots, heads, dim]. */
+    uint8_t *kv;
+    PyObject *kv_obj;    /* the tensor (keeps the mapping alive), or None */
+    int64_t kv_rows;     /* layers x 2 */
+    int64_t kv_row_stride, kv_block_stride, kv_slot_bytes, kv_spb, kv_esize; /* bytes; slots */
+    uint64_t canary;     /* kernels/guard.py CANARY_BITS of the element size */
+    uint64_t nan_bits;   /* integrity.poison_bits */
+    int64_t poison_ok;   /* integrity.can_poison: a floating-point cache */
+    int64_t off_kv_digest; /* the block record's kv_digest (its last field) */
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_often,
-    *s_native_leaked, *s_lockdep_learn, *s_conservation;
+    *s_native_leaked, *s_lockdep_learn, *s_conservation, *s_writes;
 
 /* -- records --------------------------------------------------------------------------------- */
 
@@ -237,4 +249,5 @@ static void lru_reset(Native *n);
 static void drop_pending_scan(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static int lockdep_ok(Native *n, uint64_t mask);
+static int digests_intact(Native *n, const int32_t *ids, int64_t k);
 static void maybe_live_add(Native *n, int64_t slot);

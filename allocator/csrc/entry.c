@@ -134,13 +134,19 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Clear();
         return fallback(n);
     }
-    int g = guarded(n, slot);
-    if (g) return g < 0 ? NULL : fallback(n);
+    int guard = guard_release(n, slot);
+    if (guard < 0) return NULL;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
-    PyObject *done = core_release(n, table, slot, final);
+    PyObject *done = core_release(n, table, slot, final, guard);
     Py_DECREF(table);
     if (done == NULL || done == Py_None) return done;
+    /* release.py _end: sampled guard mode forgets the slot */
+    if (guard && (n->probes & P_GUARD_SAMPLED)) {
+        PyObject *key = PyLong_FromLongLong(slot);
+        if (key == NULL || PySet_Discard(n->guarded, key) < 0) PyErr_Clear();
+        Py_XDECREF(key);
+    }
     /* done: the blocks the release left held that nothing maps (the leaks probe's), reported
      * once the handle has forgotten the sequence (probing.after_release) */
     PyObject *leaked = done;

@@ -60,7 +60,16 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"event_capacity", &n->ev_cap, U64},
         {"max_clients", &n->max_clients, I64}, {"client_record_size", &n->client_size, I64},
         {"header_check_bytes", &n->hdr_len, I64},
+        {"kv_rows", &n->kv_rows, I64},        {"kv_row_stride", &n->kv_row_stride, I64},
+        {"kv_block_stride", &n->kv_block_stride, I64},
+        {"kv_slot_bytes", &n->kv_slot_bytes, I64}, {"kv_spb", &n->kv_spb, I64},
+        {"kv_esize", &n->kv_esize, I64},      {"canary", &n->canary, U64},
+        {"nan_bits", &n->nan_bits, U64},      {"poison_ok", &n->poison_ok, I64},
+        {"off_kv_digest", &n->off_kv_digest, I64},
     };
+    int64_t kv_ptr;
+    if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
+    n->kv = (uint8_t *)(uintptr_t)kv_ptr;
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) {
         int64_t v;
         if (get_size(d, ints[i].key, &v)) return -1;
@@ -77,15 +86,19 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "geometry outside the native core's limits");
         return -1;
     }
+    if (n->kv_esize != 1 && n->kv_esize != 2 && n->kv_esize != 4 && n->kv_esize != 8) {
+        PyErr_SetString(PyExc_ValueError, "KV elements of 1, 2, 4 or 8 bytes");
+        return -1;
+    }
     /* Python objects the core shares with the handle (new references). */
     PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->seqs, &n->faults_armed, &n->crash_mod,
                          &n->store,     &n->evict_mod, &n->kv_dirs, &n->fault_ops,
-                         &n->guarded};
+                         &n->guarded,   &n->kv_obj};
     const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
                            "seq_fields", "seqs", "faults_armed", "crash_module",
                            "store",      "eviction_module", "kvscope_dirs", "fault_ops",
-                           "guarded"};
+                           "guarded",    "kv_tensor"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -181,6 +194,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->kv_dirs);
     Py_XDECREF(n->fault_ops);
     Py_XDECREF(n->guarded);
+    Py_XDECREF(n->kv_obj);
     PyMem_Free(n->checked);
     PyMem_Free(n->refs);
     PyMem_Free(n->maybe_live);
@@ -210,13 +224,16 @@ static PyObject *N_close(Native *n, PyObject *unused) {
         PyBuffer_Release(&n->buf);
         n->seg = NULL;
     }
+    n->kv = NULL;
+    Py_CLEAR(n->kv_obj);
     Py_RETURN_NONE;
 }
 
 static PyObject *N_stats(Native *n, PyObject *unused) {
-    return Py_BuildValue("{sKsKsK}", "native_ops", (unsigned long long)n->native_ops,
+    return Py_BuildValue("{sKsKsKsO}", "native_ops", (unsigned long long)n->native_ops,
                          "fallbacks", (unsigned long long)n->fallbacks, "evictions",
-                         (unsigned long long)n->native_evictions);
+                         (unsigned long long)n->native_evictions, "kv_direct",
+                         n->kv ? Py_True : Py_False);
 }
 
 static PyObject *N_set_crash_at(Native *n, PyObject *arg) {
@@ -237,6 +254,10 @@ static PyMethodDef N_methods[] = {
     {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
      "fork(pool, seq, request_id) -> Sequence | None"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
+    {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
+     "unwritten(table, num_tokens) -> bool: poisoned slots among written ones (CPU data)"},
+    {"digests", (PyCFunction)N_digests, METH_O,
+     "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
     {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and fallbacks"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
@@ -277,6 +298,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_native_leaked = PyUnicode_InternFromString("native_leaked");
     s_lockdep_learn = PyUnicode_InternFromString("_lockdep_learn");
     s_conservation = PyUnicode_InternFromString("conservation");
+    s_writes = PyUnicode_InternFromString("writes");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;

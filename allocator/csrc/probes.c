@@ -281,28 +281,6 @@ static int maybe_live_sync(Native *n) {
     return 0;
 }
 
-/* Sampled guard mode: blocks about to be handed out were never poisoned in quarantine (the
- * Python path verifies and clears the poison: writes.before_reuse). OK, or FALLBACK. */
-static int unpoisoned(Native *n, const int32_t *ids, int64_t k) {
-    if (!(n->probes & P_GUARD_SAMPLED)) return OK;
-    for (int64_t i = 0; i < k; i++) {
-        uint8_t *r = blk(n, ids[i]);
-        if (r[BF_POISONED] || r[BF_STATE] == B_QUARANTINED) return FALLBACK;
-    }
-    return OK;
-}
-
-/* Sampled guard mode: the sequence in `slot` is one it guards (its release: Python). 1, 0,
- * or -1 with an exception set. */
-static int guarded(Native *n, int64_t slot) {
-    if (!(n->probes & P_GUARD_SAMPLED) || PySet_GET_SIZE(n->guarded) == 0) return 0;
-    PyObject *key = PyLong_FromLongLong(slot);
-    if (key == NULL) return -1;
-    int in = PySet_Contains(n->guarded, key);
-    Py_DECREF(key);
-    return in;
-}
-
 /* writes._check_unmapped: no live sequence (of any process) maps a block about to be handed
  * out. OK, or FALLBACK (Python reports the stale table). */
 static int unmapped(Native *n, const int32_t *ids, int64_t k) {

@@ -1,0 +1,361 @@
+/* Guard mode and the digest probe on the KV data (writes.py, probing.py, integrity.py and
+ * kernels/guard.py, kernels/digest.py are the reference): the canary of a freed block's guard
+ * slot, the NaN poison of its token slots, the poison checked before a block is reused, a
+ * request's unwritten slots at its finish, and the digest of a published block.
+ *
+ * Where the data is this process's memory (a CPU pool: the shared data file, mapped) the core
+ * reads and writes its bytes itself. Where it is not (a CUDA pool), or when native.py asks for
+ * it (KVSCOPE_NATIVE_KV=python), each of these is one call back into Python per operation,
+ * with every block of the operation at once (writes.WriteProbes.native_kv: one kernel launch).
+ *
+ * A problem the core finds here it does not report: the operation is undone and handed to the
+ * Python path (FALLBACK), which finds and reports the same thing with the same words, as for
+ * the magic probe. Part of _native.c. */
+
+/* kernels/digest.py DIGEST_MUL, DIGEST_ADD */
+#define DIGEST_MUL 0x5851F42D4C957F2Dull
+#define DIGEST_ADD 0x14057B7EF767814Full
+/* integrity.GENERATION_MASK: the low half of a kv_digest word is the generation */
+#define GEN_MASK 0xFFFFFFFFull
+
+/* kernels/digest.py fmix64 (MurmurHash3's finalizer; unlike the chain's, 0 stays 0). */
+static inline uint64_t digest_fmix(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    return h ^ (h >> 33);
+}
+
+/* Row r (layer * 2 + K/V) of block b: its first byte. [layers, 2, blocks, slots, heads, dim] */
+static inline uint8_t *kv_row(Native *n, int64_t r, int64_t b) {
+    return n->kv + (size_t)r * n->kv_row_stride + (size_t)b * n->kv_block_stride;
+}
+
+/* The loops over a row's elements, one per element width (the width is the cache's dtype's:
+ * chosen once per row, so the compiler can vectorize each). An element is read as
+ * kernels/digest.py int_view reads it: the bits as the integer of its width (1 byte unsigned,
+ * wider ones sign-extended). */
+#define KV_LOOPS(W, T, U)                                                                        \
+    /* sum of element e * coef(j + e), coef(j) = (j * MUL + ADD) | 1; *jm: j * MUL + ADD */     \
+    static uint64_t digest_row##W(const uint8_t *p_, int64_t m, uint64_t *jm_, uint64_t sum) { \
+        const T *p = (const T *)p_;                                                             \
+        uint64_t jm = *jm_;                                                                     \
+        for (int64_t e = 0; e < m; e++, jm += DIGEST_MUL) sum += (uint64_t)(int64_t)p[e] * (jm | 1); \
+        *jm_ = jm;                                                                              \
+        return sum;                                                                             \
+    }                                                                                           \
+    /* 1 when every element's bits are v */                                                    \
+    static int all_bits##W(const uint8_t *p_, int64_t m, uint64_t v) {                         \
+        const U *p = (const U *)p_;                                                             \
+        U want = (U)v;                                                                          \
+        int ok = 1;                                                                             \
+        for (int64_t e = 0; e < m; e++) ok &= p[e] == want;                                     \
+        return ok;                                                                              \
+    }                                                                                           \
+    static void fill_bits##W(uint8_t *p_, int64_t m, uint64_t v) {                             \
+        U *p = (U *)p_;                                                                         \
+        for (int64_t e = 0; e < m; e++) p[e] = (U)v;                                            \
+    }
+KV_LOOPS(1, uint8_t, uint8_t)
+KV_LOOPS(2, int16_t, uint16_t)
+KV_LOOPS(4, int32_t, uint32_t)
+KV_LOOPS(8, int64_t, uint64_t)
+
+static uint64_t digest_row(Native *n, const uint8_t *p, int64_t m, uint64_t *jm, uint64_t sum) {
+    switch (n->kv_esize) {
+    case 1: return digest_row1(p, m, jm, sum);
+    case 2: return digest_row2(p, m, jm, sum);
+    case 4: return digest_row4(p, m, jm, sum);
+    default: return digest_row8(p, m, jm, sum);
+    }
+}
+
+static int all_bits(Native *n, const uint8_t *p, int64_t m, uint64_t v) {
+    switch (n->kv_esize) {
+    case 1: return all_bits1(p, m, v);
+    case 2: return all_bits2(p, m, v);
+    case 4: return all_bits4(p, m, v);
+    default: return all_bits8(p, m, v);
+    }
+}
+
+static void fill_bits(Native *n, uint8_t *p, int64_t m, uint64_t v) {
+    switch (n->kv_esize) {
+    case 1: fill_bits1(p, m, v); break;
+    case 2: fill_bits2(p, m, v); break;
+    case 4: fill_bits4(p, m, v); break;
+    default: fill_bits8(p, m, v); break;
+    }
+}
+
+/* -- the handback (data the core cannot reach) ------------------------------------------------ */
+
+/* Hold the op mutex while Python runs inside a transaction: a kernel launch may release the
+ * GIL, and no other thread may start an operation on the mapping meanwhile. OK or FALLBACK. */
+static int hold_mutex(Native *n) {
+    if (n->mutex_held) return OK;
+    PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
+    int ok = r == Py_True;
+    Py_XDECREF(r);
+    if (!ok) {
+        PyErr_Clear();
+        return FALLBACK;
+    }
+    n->mutex_held = 1;
+    *n->busy += 1;
+    return OK;
+}
+
+/* writes.WriteProbes.native_kv(op, ids) for the blocks ids[0..k): a new reference (None when
+ * the handle has no probe any more); NULL with an exception set, or NULL without one when
+ * another thread holds the op mutex (the operation falls back). */
+static PyObject *kv_handback(Native *n, const char *op, const int32_t *ids, int64_t k) {
+    if (hold_mutex(n) != OK) return NULL;
+    PyObject *probe = PyObject_GetAttr(n->pool, s_probe), *writes = NULL, *list = NULL;
+    PyObject *out = NULL;
+    if (probe == NULL) return NULL;
+    if (probe == Py_None) {
+        Py_DECREF(probe);
+        return Py_NewRef(Py_None);
+    }
+    writes = PyObject_GetAttr(probe, s_writes);
+    list = PyList_New(k);
+    if (writes && list) {
+        for (int64_t i = 0; i < k; i++) PyList_SET_ITEM(list, i, PyLong_FromLong(ids[i]));
+        out = PyObject_CallMethod(writes, "native_kv", "sO", op, list);
+    }
+    Py_DECREF(probe);
+    Py_XDECREF(writes);
+    Py_XDECREF(list);
+    return out;
+}
+
+/* A handback whose answer is a truth value, as OK (false), FALLBACK (true, or no mutex) or
+ * ERROR. */
+static int kv_handback_check(Native *n, const char *op, const int32_t *ids, int64_t k) {
+    PyObject *r = kv_handback(n, op, ids, k);
+    if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
+    int v = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return v < 0 ? ERROR : v ? FALLBACK : OK;
+}
+
+/* -- guard mode -------------------------------------------------------------------------------- */
+
+/* The release of the sequence in `slot` is guarded: guard mode in full, or the sequences
+ * sampled guard mode guards (KVPool._guards). 1, 0, or -1 with an exception set. */
+static int guard_release(Native *n, int64_t slot) {
+    if (n->probes & P_GUARD) return 1;
+    if (!(n->probes & P_GUARD_SAMPLED) || PySet_GET_SIZE(n->guarded) == 0) return 0;
+    PyObject *key = PyLong_FromLongLong(slot);
+    if (key == NULL) return -1;
+    int in = PySet_Contains(n->guarded, key);
+    Py_DECREF(key);
+    return in;
+}
+
+/* Freed blocks' guard slots still hold the canary (probing.scan_guard). OK, FALLBACK when
+ * one does not (the Python path scans again, restores it and reports), ERROR. */
+static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0) return OK;
+    if (n->kv == NULL) return kv_handback_check(n, "canary", ids, k);
+    int64_t m = n->kv_slot_bytes / n->kv_esize;
+    size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            if (!all_bits(n, kv_row(n, r, ids[i]) + guard, m, n->canary)) return FALLBACK;
+    return OK;
+}
+
+/* NaN into the token slots of freed blocks (probing.poison), just before the release commits
+ * (under its locks: once they are released the blocks are anyone's). OK, FALLBACK, ERROR. */
+static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0 || !n->poison_ok) return OK;
+    if (n->kv == NULL) {
+        PyObject *r = kv_handback(n, "poison", ids, k);
+        Py_XDECREF(r);
+        return r ? OK : PyErr_Occurred() ? ERROR : FALLBACK;
+    }
+    int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t r = 0; r < n->kv_rows; r++) fill_bits(n, kv_row(n, r, ids[i]), m, n->nan_bits);
+    return OK;
+}
+
+/* RingOps.ring_push(ids, QUARANTINED) and WriteProbes.quarantined: guarded freed blocks go to
+ * the ring's tail (never the local cache), marked poisoned; the free lock is held. */
+static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0) return OK;
+    if (ring_push_state(n, ids, k, B_QUARANTINED)) return FALLBACK;
+    if (!n->poison_ok) return OK;
+    /* (the records were saved by the push) */
+    for (int64_t i = 0; i < k; i++) {
+        blk(n, ids[i])[BF_POISONED] = 1;
+        seal(n, ids[i]);
+    }
+    return OK;
+}
+
+/* Guard mode, blocks about to be handed out (writes.before_reuse): a poisoned one must still
+ * hold its poison. OK, FALLBACK when one does not (a write after free: the Python path
+ * reports it), ERROR. */
+static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return OK;
+    int32_t mine[CHUNK];
+    int64_t nm = 0;
+    for (int64_t i = 0; i < k; i++)
+        if (blk(n, ids[i])[BF_POISONED] == 1) {
+            if (nm == CHUNK) return FALLBACK;
+            mine[nm++] = ids[i];
+        }
+    if (nm == 0) return OK;
+    if (n->kv == NULL) return kv_handback_check(n, "poison_broken", mine, nm);
+    int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
+    for (int64_t i = 0; i < nm; i++)
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            if (!all_bits(n, kv_row(n, r, mine[i]), m, n->nan_bits)) return FALLBACK;
+    return OK;
+}
+
+/* writes.reused: blocks just stamped (records saved) are no longer poisoned. */
+static void unpoison(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_POISONED] == 1) {
+            r[BF_POISONED] = 0;
+            seal(n, ids[i]);
+        }
+    }
+}
+
+/* -- digests ----------------------------------------------------------------------------------- */
+
+/* kernels/digest.py block_digests of blocks ids[0..k) into out. OK, FALLBACK, ERROR. */
+static int digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
+    if (k == 0) return OK;
+    if (n->kv == NULL) {
+        PyObject *r = kv_handback(n, "digests", ids, k);
+        if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
+        int ok = PyList_Check(r) && PyList_GET_SIZE(r) == k;
+        for (int64_t i = 0; ok && i < k; i++)
+            out[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(r, i));
+        Py_DECREF(r);
+        if (!ok) PyErr_SetString(PyExc_TypeError, "native_kv('digests') must give one per block");
+        return ok && !PyErr_Occurred() ? OK : ERROR;
+    }
+    int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
+    for (int64_t i = 0; i < k; i++) {
+        /* element j of kv[:, :, b, :block_size] flattened: coef(j) = (j * MUL + ADD) | 1 */
+        uint64_t sum = 0, jm = DIGEST_ADD;
+        for (int64_t r = 0; r < n->kv_rows; r++) sum = digest_row(n, kv_row(n, r, ids[i]), m, &jm, sum);
+        out[i] = digest_fmix(sum);
+    }
+    return OK;
+}
+
+/* writes.published (integrity.stamp_digests): the digest of each block just published, over
+ * its generation, into its record (saved by the publish). OK, FALLBACK, ERROR. */
+static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & P_DIGEST) || k == 0) return OK;
+    uint64_t d[CHUNK];
+    int rc = digests(n, ids, k, d);
+    if (rc != OK) return rc;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        U8(r + n->off_kv_digest) = ((d[i] >> 32) << 32) | (uint64_t)U4(r + BF_GENERATION);
+    }
+    return OK;
+}
+
+/* writes.verify_published: the published blocks among ids (indexed, with a digest of their
+ * generation) still match it. OK, FALLBACK when one does not (the Python path reports
+ * `published_block_modified`), ERROR. */
+static int digests_intact(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & P_DIGEST) || k == 0) return OK;
+    int32_t pub[CHUNK + EVICT_BATCH];
+    uint64_t want[CHUNK + EVICT_BATCH], got[CHUNK + EVICT_BATCH];
+    int64_t np_ = 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        uint64_t w = U8(r + n->off_kv_digest);
+        if (r[BF_INDEXED] != 1 || w == 0 || (w & GEN_MASK) != U4(r + BF_GENERATION)) continue;
+        if (np_ == CHUNK + EVICT_BATCH) return FALLBACK;
+        pub[np_] = ids[i];
+        want[np_++] = w;
+    }
+    if (np_ == 0) return OK;
+    int rc = digests(n, pub, np_, got);
+    if (rc != OK) return rc;
+    for (int64_t i = 0; i < np_; i++)
+        if (got[i] >> 32 != want[i] >> 32) return FALLBACK;
+    return OK;
+}
+
+/* -- a request's unwritten slots (writes.finished) --------------------------------------------- */
+
+/* unwritten(table, num_tokens) -> bool: whether integrity.unwritten_slots would find token
+ * slots of positions [0, num_tokens) that still hold the poison in every layer, K and V, while
+ * others were written (writes.finished then runs it for the findings). CPU data only. */
+static PyObject *N_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "unwritten(table: list, num_tokens: int)");
+        return NULL;
+    }
+    if (n->kv == NULL || n->seg == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "unwritten() needs KV data in this process");
+        return NULL;
+    }
+    int64_t num = PyLong_AsLongLong(args[1]);
+    if (num == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t len = PyList_GET_SIZE(args[0]);
+    if (len == 0 || num <= 0 || !n->poison_ok) Py_RETURN_FALSE;
+    int64_t nblk = (num + n->bs - 1) / n->bs;
+    if (nblk > len) nblk = len;
+    int64_t m = n->kv_slot_bytes / n->kv_esize, blank = 0, checked = 0;
+    for (int64_t i = 0; i < nblk; i++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(args[0], i));
+        if (b < 0 || b >= n->nb) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "block id out of range");
+            return NULL;
+        }
+        int64_t used = num - i * n->bs < n->bs ? num - i * n->bs : n->bs;
+        for (int64_t s = 0; s < used; s++) {
+            int all = 1;
+            for (int64_t r = 0; r < n->kv_rows && all; r++)
+                all = all_bits(n, kv_row(n, r, b) + (size_t)s * n->kv_slot_bytes, m, n->nan_bits);
+            blank += all;
+            checked++;
+        }
+    }
+    return PyBool_FromLong(blank > 0 && blank < checked);
+}
+
+/* digests(ids) -> list[int]: kernels/digest.py block_digests computed by the core (tests). */
+static PyObject *N_digests(Native *n, PyObject *arg) {
+    if (!PyList_Check(arg) || PyList_GET_SIZE(arg) > CHUNK) {
+        PyErr_SetString(PyExc_TypeError, "digests(ids: list of at most CHUNK block ids)");
+        return NULL;
+    }
+    if (n->kv == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "digests() needs KV data in this process");
+        return NULL;
+    }
+    int32_t ids[CHUNK];
+    uint64_t d[CHUNK];
+    Py_ssize_t k = PyList_GET_SIZE(arg);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(arg, i));
+        if (b < 0 || b >= n->nb) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "block id out of range");
+            return NULL;
+        }
+        ids[i] = (int32_t)b;
+    }
+    if (digests(n, ids, k, d)) return NULL;
+    PyObject *out = PyList_New(k);
+    for (Py_ssize_t i = 0; out && i < k; i++)
+        PyList_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(d[i]));
+    return out;
+}

@@ -1,0 +1,420 @@
+"""Guard mode (in full and sampled) and the digest probe in the C core, against the Python path:
+the same operations, with K/V written as an engine would and hostile writes planted now and then
+(past a block's end, into a freed block, into a published block, a write skipped), leave the same
+segment bytes, the same K/V bytes, the same events and the same findings; and the core runs them
+(guard and digest no longer send a handle to Python), on a CPU pool's bytes and through the
+handback a CUDA pool uses (KVSCOPE_NATIVE_KV=python)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from kvscope.allocator import KVPool, PoolConfig, eviction
+from kvscope.allocator.layout import BlockState
+from kvscope.kernels import block_digests
+from kvscope.kernels.digest import int_view
+from kvscope.probes import lockdep
+from tests.test_native import _fields, _script, _state
+from tests.test_native_probes import _probe_state
+
+LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
+# The slot mapping's guard slot: the last of each block.
+BS = 4
+
+
+def _pool(name: str, use_native: bool, dtype: str, layers: int = 2) -> KVPool:
+    pool = KVPool.create(
+        name,
+        PoolConfig(
+            num_blocks=48,
+            block_size=BS,
+            num_layers=layers,
+            num_kv_heads=2,
+            head_dim=3,
+            dtype=dtype,
+            local_cache_size=3,
+            num_shards=2,
+            max_clients=4,
+            max_seqs=64,
+            event_capacity=256,
+        ),
+    )
+    if not use_native:
+        pool._native = None
+    lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+    return pool
+
+
+def _write(pool: KVPool, seq, first: int, skip: int = -1) -> None:
+    """The engine's K/V writes for positions [first, len(tokens)) of seq (but `skip`)."""
+    for pos in range(first, len(seq.tokens)):
+        if pos != skip:
+            blk = seq.block_table[pos // BS]
+            pool.kv[:, :, blk, pos % BS] = float(seq.tokens[pos] % 7 + 1) + pos / 64
+
+
+def _plant(pool: KVPool, live: list, kind: str, rng: random.Random) -> None:
+    """One hostile K/V write (the same on both pools: their bytes agree)."""
+    b = pool.view.blocks
+    ids = np.arange(len(b))
+    if kind == "past_end" and live:
+        seq = live[rng.randrange(len(live))]
+        blk = seq.block_table[rng.randrange(len(seq.block_table))]
+        pool.kv[0, 1, blk, BS, 0, 1] = 3.0  # the guard slot
+    elif kind == "after_free":
+        freed = ids[b["poisoned"] == 1]
+        if len(freed):
+            pool.kv[1, 0, int(freed[rng.randrange(len(freed))]), 1, 1, 0] = 5.0
+    elif kind == "published":
+        pub = ids[b["indexed"] == 1]
+        if len(pub):
+            pool.kv[0, 0, int(pub[rng.randrange(len(pub))]), 0, 0, 2] = -2.0
+
+
+def _apply(pool: KVPool, live: list, op: tuple, skip: bool) -> object:
+    """tests/test_native.py's _apply, writing K/V as an engine does (copies first)."""
+    from kvscope.allocator import PoolExhausted
+
+    kind, arg, extra = op
+    try:
+        if kind == "allocate":
+            seq = pool.allocate(arg, extra)
+            live.append(seq)
+            _write(pool, seq, seq.num_cached_tokens)
+            return seq.block_table
+        if not live:
+            return None
+        seq = live[int(arg * len(live))]
+        if kind == "append":
+            first = len(seq.tokens)
+            copies = pool.append(seq, extra)
+            for src, dst in copies:
+                pool.kv[:, :, dst, :BS] = pool.kv[:, :, src, :BS]
+            _write(pool, seq, first, skip=first if skip else -1)
+            return copies
+        if kind == "publish":
+            return pool.mark_computed(seq, seq.num_tokens)
+        if kind == "fork":
+            live.append(pool.fork(seq, extra))
+            return live[-1].block_table
+        live.remove(seq)
+        (pool.free if kind == "free" else pool.abort)(seq)
+        return None
+    except PoolExhausted as e:
+        return ("exhausted", e.needed)
+
+
+# The time a block was freed, in a use_after_free message, is each pool's own.
+_WHEN = re.compile(r"at \d{4}-\d\d-\d\d [\d:.]+")
+
+
+def _findings(pool: KVPool) -> list[tuple]:
+    return [(f.kind, f.block, _WHEN.sub("at T", f.message), f.request) for f in pool.findings()]
+
+
+def _same_kv(a: KVPool, b: KVPool, step: str) -> None:
+    assert torch.equal(int_view(a.kv), int_view(b.kv)), f"after {step}: K/V bytes differ"
+
+
+def _same_all(a: KVPool, b: KVPool, step: str) -> None:
+    """Segment, K/V, events, sites, findings (their times aside) and lock order agree
+    (test_native_probes._same_all's rules)."""
+    sa, sb = _state(a), _state(b)
+    for key in sa:
+        assert np.array_equal(sa[key], sb[key]), f"after {step}: {key} differs (C vs Python)"
+    _same_kv(a, b, step)
+    assert _findings(a) == _findings(b), f"after {step}: findings differ"
+    pa, pb = _probe_state(a), _probe_state(b)
+    del pa["findings"], pb["findings"]
+    assert pb.pop("lock_order") <= pa.pop("lock_order"), f"after {step}: an edge is missing"
+    for key in pa:
+        assert np.array_equal(pa[key], pb[key]), f"after {step}: {key} differ"
+
+
+def _run(pool_name, monkeypatch, *, sample: int, handback: bool, dtype: str, steps: int, seed: int):
+    for p in LIGHT:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1")
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    monkeypatch.setenv("KVSCOPE_DIGEST", "1")
+    monkeypatch.setenv("KVSCOPE_GUARD_SAMPLE", str(sample))
+    if handback:
+        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "python")
+    monkeypatch.setattr(eviction, "LRU_KEEP", 8)
+    fast = _pool(pool_name, True, dtype)
+    slow = _pool(f"{pool_name}-py", False, dtype)
+    assert fast._native is not None and fast._native.stats()["kv_direct"] == (not handback)
+    live_fast: list = []
+    live_slow: list = []
+    rng = random.Random(seed)
+    try:
+        for i, op in enumerate(_script(random.Random(seed), steps, churn=seed % 2 == 1)):
+            r = rng.random()
+            if r < 0.06:
+                kind = ("past_end", "after_free", "published")[int(r / 0.02)]
+                state = rng.getstate()
+                _plant(fast, live_fast, kind, rng)
+                rng.setstate(state)
+                _plant(slow, live_slow, kind, rng)
+            skip = rng.random() < 0.02
+            got_fast = _apply(fast, live_fast, op, skip)
+            got_slow = _apply(slow, live_slow, op, skip)
+            assert got_fast == got_slow, f"step {i} {op[0]}"
+            assert [_fields(s) for s in live_fast] == [_fields(s) for s in live_slow]
+            _same_all(fast, slow, f"step {i} {op}")
+        kinds = {f[0] for f in _findings(fast)}
+        return fast._native.stats(), kinds
+    finally:
+        for p in (fast, slow):
+            lockdep.LOCKDEP.uninstrument(p)
+            p.close()
+            p.unlink()
+
+
+@pytest.mark.parametrize(
+    "sample,handback,dtype",
+    [
+        (0, False, "float32"),
+        (0, False, "float16"),
+        (0, True, "bfloat16"),
+        (3, False, "bfloat16"),
+        (3, True, "float32"),
+    ],
+    ids=["guard-cpu-fp32", "guard-cpu-fp16", "guard-handback-bf16", "sampled3-cpu-bf16",
+         "sampled3-handback-fp32"],
+)  # fmt: skip
+def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
+    pool_name, monkeypatch, sample, handback, dtype
+):
+    # GIVEN two pools with every probe `kvscope run` switches on (guard in full or sampled,
+    # digest), one on the C core and one on the Python path
+    # WHEN the same operations run on both, K/V written, hostile writes planted now and then
+    stats, kinds = _run(
+        pool_name, monkeypatch, sample=sample, handback=handback, dtype=dtype, steps=300, seed=3
+    )
+    # THEN segment bytes, K/V bytes, events and findings agreed after every step (in _run); the
+    # plants were found (a write past a block's end: when its release is guarded); and the core
+    # ran most operations
+    assert {"use_after_free", "published_block_modified"} <= kinds, kinds
+    assert sample or "guard_violation" in kinds, kinds
+    assert stats["native_ops"] > 150, stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 4])
+@pytest.mark.parametrize("handback", [False, True], ids=["cpu", "handback"])
+def test_more_seeds(pool_name, monkeypatch, seed, handback):
+    stats, _ = _run(
+        pool_name, monkeypatch, sample=0, handback=handback, dtype="float16", steps=250, seed=seed
+    )
+    assert stats["native_ops"] > 100, stats
+
+
+# -- each finding, planted once --------------------------------------------------------------
+
+
+def _pair(pool_name: str, monkeypatch, handback: bool = False) -> tuple[KVPool, KVPool]:
+    for p in LIGHT:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "0")
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    monkeypatch.setenv("KVSCOPE_DIGEST", "1")
+    if handback:
+        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "python")
+    return _pool(pool_name, True, "float32"), _pool(f"{pool_name}-py", False, "float32")
+
+
+def _both(pools: tuple[KVPool, KVPool], scenario) -> list[list[tuple]]:
+    out = []
+    try:
+        for pool in pools:
+            scenario(pool)
+            out.append(_findings(pool))
+    finally:
+        for pool in pools:
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
+    return out
+
+
+def _written(pool: KVPool, rid: str, tokens: list[int]):
+    seq = pool.allocate(rid, tokens)
+    _write(pool, seq, 0)
+    return seq
+
+
+def _past_end(pool: KVPool) -> None:
+    seq = _written(pool, "a", list(range(7)))
+    pool.kv[1, 0, seq.block_table[0], BS] = 1.0  # the first block's guard slot
+    pool.free(seq)
+
+
+def _after_free(pool: KVPool) -> None:
+    seq = _written(pool, "a", list(range(8)))
+    freed = list(seq.block_table)
+    pool.free(seq)
+    pool.kv[0, 1, freed[1], 2] = 9.0  # written after its release
+    # the ring hands freed blocks out again in order: take them all
+    for i in range(12):
+        _written(pool, f"b{i}", [100 + i] * 15)
+
+
+def _published(pool: KVPool) -> None:
+    seq = _written(pool, "a", list(range(9)))
+    pool.mark_computed(seq, 9)
+    pool.kv[0, 0, seq.block_table[0], 1] = 4.0  # a published block, written again
+    _written(pool, "b", list(range(9)))  # its prefix hit verifies it
+
+
+def _skipped(pool: KVPool) -> None:
+    seq = pool.allocate("a", list(range(6)))
+    _write(pool, seq, 0, skip=2)
+    pool.append(seq, [6])
+    _write(pool, seq, 6)
+    pool.free(seq)
+
+
+@pytest.mark.parametrize(
+    "scenario,kind",
+    [
+        (_past_end, "guard_violation"),
+        (_after_free, "use_after_free"),
+        (_published, "published_block_modified"),
+        (_skipped, "kv_never_written"),
+    ],
+    ids=["past-end", "after-free", "published", "skipped"],
+)
+@pytest.mark.parametrize("handback", [False, True], ids=["cpu", "handback"])
+def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenario, kind, handback):
+    # GIVEN guard mode and the digest, WHEN the same bad write happens on the C core and on the
+    # Python path
+    fast, slow = _both(_pair(pool_name, monkeypatch, handback), scenario)
+    # THEN both report it, with the same kind, block, message and request
+    assert kind in [f[0] for f in fast], fast
+    assert fast == slow
+
+
+def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
+    # GIVEN guard mode and the digest on the C core
+    fast, slow = _pair(pool_name, monkeypatch)
+    try:
+        for pool in (fast, slow):
+            # (the first allocation fills the handle's slot reserve: the Python path)
+            pool.free(_written(pool, "warm-up", [1, 2, 3]))
+        ops = fast._native.stats()["native_ops"]
+        for pool in (fast, slow):
+            # WHEN a request is allocated, written, published and freed
+            seq = _written(pool, "a", list(range(9)))
+            private = seq.block_table[-1]
+            pool.mark_computed(seq, 9)
+            pool.free(seq)
+        # THEN the core ran all three operations; its private block was quarantined and
+        # poisoned just as on the Python path
+        assert fast._native.stats()["native_ops"] == ops + 3
+        b = fast.view.blocks
+        assert b["state"][private] == BlockState.QUARANTINED and b["poisoned"][private] == 1
+        assert torch.isnan(fast.kv[:, :, private, :BS]).all()
+        _same_all(fast, slow, "the request")
+        assert fast.findings() == []
+    finally:
+        for pool in (fast, slow):
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
+
+
+# -- the digest, computed by the core ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("bs,layers,heads,dim", [(1, 1, 1, 1), (4, 2, 2, 3), (16, 3, 1, 7)])
+def test_the_cores_digest_is_the_kernels(pool_name, monkeypatch, dtype, bs, layers, heads, dim):
+    # GIVEN a CPU pool of random K/V bits (NaNs, negative and odd values included)
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = KVPool.create(
+        pool_name,
+        PoolConfig(
+            num_blocks=9,
+            max_seqs=8,
+            max_blocks_per_seq=8,
+            block_size=bs,
+            num_layers=layers,
+            num_kv_heads=heads,
+            head_dim=dim,
+            dtype=dtype,
+        ),
+    )
+    try:
+        bits = int_view(pool.kv)
+        gen = torch.Generator().manual_seed(bs * 100 + layers)
+        hi = 256 if bits.dtype == torch.uint8 else 1 << (8 * bits.element_size() - 1)
+        lo = 0 if bits.dtype == torch.uint8 else -hi
+        bits.copy_(torch.randint(lo, hi, bits.shape, generator=gen).to(bits.dtype))
+        ids = [0, 8, 3, 3, 5]
+        # WHEN the core and kernels/digest.py digest the same blocks THEN they agree bit for bit
+        assert pool._native.digests(ids) == block_digests(pool.kv, ids, bs)
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+# -- the canary checks a CUDA pool defers ----------------------------------------------------
+
+
+def test_guard_flags_agree_with_the_scan(pool_name, monkeypatch):
+    from kvscope.kernels.guard import guard_flags, guard_scan
+
+    # GIVEN a guarded CPU pool with three guard slots written over
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = _pool(pool_name, True, "bfloat16")
+    try:
+        pool.kv[0, 1, 5, BS, 1, 2] = 1.0
+        pool.kv[1, 0, 9, BS, 0, 0] = 2.0
+        pool.kv[1, 1, 40, BS] = 0.0
+        ids = [3, 5, 9, 40, 47]
+        # WHEN the flags are taken THEN they mark exactly the blocks the scan finds
+        flags = guard_flags(pool.kv, ids).tolist()
+        assert [b for b, f in zip(ids, flags) if f] == guard_scan(pool.kv, ids) == [5, 9, 40]
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()
+
+
+def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypatch):
+    from kvscope.allocator import writes
+
+    # GIVEN the C core handing the K/V work back with its canary checks deferred (a CUDA pool's
+    # way), and the Python path; each with a write past the end of a request's block
+    fast, slow = _pair(pool_name, monkeypatch)
+    monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred")
+    deferred = _pool(f"{pool_name}-d", True, "float32")
+    pools = (deferred, slow)
+    try:
+        assert deferred.probe.writes.defer_canaries
+        for pool in pools:
+            pool.free(_written(pool, "warm-up", [1, 2, 3]))
+            _past_end(pool)
+        # WHEN the request is released THEN the core ran it and nothing is reported yet, while
+        # the Python path reported at once
+        assert deferred._native.stats()["native_ops"] >= 2
+        assert _findings(deferred) == [] and _findings(slow) != []
+        # WHEN the pool is verified THEN the same finding comes, and the canary is whole again
+        deferred.verify()
+        assert _findings(deferred) == _findings(slow)
+        assert deferred.verify() == [] and len(deferred.probe.writes._canaries) == 0
+        # WHEN the checks are read at every guarded free THEN a later one is found at the next
+        monkeypatch.setattr(writes, "CANARY_READ_EVERY", 1)
+        for pool in pools:
+            _past_end(pool)
+            pool.free(_written(pool, "next", [5, 6, 7]))
+        assert _findings(deferred) == _findings(slow) and len(_findings(slow)) == 2
+    finally:
+        for pool in (fast, deferred, slow):
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
