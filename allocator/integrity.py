@@ -207,6 +207,17 @@ def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) ->
     return same.permute(2, 3, 0, 1, 4, 5).reshape(len(idx), block_size, -1)
 
 
+def poison(kv: KV, ids: np.ndarray | list[int], block_size: int) -> None:
+    """Fill the token slots of blocks `ids` with the poison (NaN), in every layer, K and V."""
+    kv = cpu_bits(kv)
+    if len(ids) == 0 or not can_poison(kv):
+        return
+    if isinstance(kv, KVBits):
+        kv.bits[:, :, np.asarray(ids, np.int64), :block_size] = kvbits.NAN_BITS[kv.dtype]
+    else:
+        kv[:, :, [int(x) for x in ids], :block_size] = float("nan")
+
+
 def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
     """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
     kv = cpu_bits(kv)

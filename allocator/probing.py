@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvscope.allocator import integrity
 from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import (
@@ -376,9 +377,9 @@ class PoolProbes:
 
     def scan_guard(self, ids) -> list[int]:
         """Blocks among ids whose guard slot changed (their canary is restored)."""
-        from kvscope.kernels import fill_guard, guard_scan
+        from kvscope.kernels import fill_guard
 
-        bad = guard_scan(self.pool.kv, blocks=[int(x) for x in ids])
+        bad = integrity.broken_canaries(self.pool.kv, np.asarray(ids, np.int64))
         if bad:
             fill_guard(self.pool.kv, blocks=list(bad))
         return list(bad)
@@ -399,9 +400,7 @@ class PoolProbes:
         (at commit: blocks the same operation handed out again are left alone)."""
         b = self.pool.view.blocks
         ids = [int(x) for x in ids if b["state"][x] != BlockState.ALLOCATED]
-        if ids and self.pool.kv.dtype.is_floating_point:
-            bs = self.pool.block_size
-            self.pool.kv[:, :, ids, :bs] = float("nan")
+        integrity.poison(self.pool.kv, ids, self.pool.block_size)
 
 
 def _field_at(offset: int) -> str:

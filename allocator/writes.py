@@ -179,7 +179,7 @@ class WriteProbes:
         if op == "canary":
             return bool(integrity.broken_canaries(kv, np.asarray(ids, np.int64)))
         if op == "poison":
-            kv[:, :, ids, :bs] = float("nan")
+            integrity.poison(kv, ids, bs)
             return None
         if op == "poison_broken":
             return bool(integrity.poison_broken(kv, np.asarray(ids, np.int64), bs))

@@ -123,5 +123,6 @@ def block_digests(
     if backend.use_triton(kv_cache):
         raw = _raw_triton(kv_cache, ids, block_size)
     else:
-        raw = block_digests_ref_raw(kv_cache, ids, block_size)
+        with backend.serial_cpu(kv_cache):
+            raw = block_digests_ref_raw(kv_cache, ids, block_size)
     return [fmix64(r) for r in raw]

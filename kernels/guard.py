@@ -43,10 +43,11 @@ def fill_guard(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None =
     assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
     ints = kv_cache.view(canary_dtype(kv_cache.dtype))
     value = canary_value(kv_cache.dtype)
-    if blocks is None:
-        ints[:, :, :, -1] = value
-    else:
-        ints[:, :, _block_ids(blocks, kv_cache.device), -1] = value
+    with backend.serial_cpu(kv_cache):
+        if blocks is None:
+            ints[:, :, :, -1] = value
+        else:
+            ints[:, :, _block_ids(blocks, kv_cache.device), -1] = value
 
 
 @triton.jit
@@ -79,7 +80,8 @@ def guard_scan(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None =
     canary = canary_value(kv_cache.dtype)
     if not backend.use_triton(kv_cache):
         ids = None if blocks is None else _block_ids(blocks, torch.device("cpu"))
-        return reference.guard_scan_ref(kv_cache, canary, int_dtype, ids)
+        with backend.serial_cpu(kv_cache):
+            return reference.guard_scan_ref(kv_cache, canary, int_dtype, ids)
     ids = None if blocks is None else _block_ids(blocks, kv_cache.device)
     bad = _scan_triton(kv_cache, ids)
     hits = bad.nonzero(as_tuple=True)[0]
@@ -95,9 +97,10 @@ def guard_flags(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int]) -> tor
         return torch.zeros(0, dtype=torch.int32, device=kv_cache.device)
     if not backend.use_triton(kv_cache):
         ints = kv_cache.view(canary_dtype(kv_cache.dtype))
-        guard = ints[:, :, ids, -1]  # [L, 2, n, H, D]
-        bad = (guard != canary_value(kv_cache.dtype)).flatten(3).any(-1).any(0).any(0)
-        return bad.to(torch.int32)
+        with backend.serial_cpu(kv_cache):
+            guard = ints[:, :, ids, -1]  # [L, 2, n, H, D]
+            bad = (guard != canary_value(kv_cache.dtype)).flatten(3).any(-1).any(0).any(0)
+            return bad.to(torch.int32)
     return _scan_triton(kv_cache, ids)
 
 
