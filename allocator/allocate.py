@@ -81,7 +81,7 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
         pool.view.seqs["num_tokens"][slot] = min(len(tokens), first * bs)
         pool._count(t, "prefix_queries", max_hits)
         pool._count(t, "prefix_hits", len(hits))
-        return Sequence(
+        seq = Sequence(
             request_id=str(request_id),
             tokens=tokens[: first * bs],
             block_table=table,
@@ -92,6 +92,8 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
             chain=chain[:first],
             num_published=len(hits),
         )
+        pool._track(t, seq)
+        return seq
 
     if not split:
         locks = claim_locks | take_locks(pool, min(n_blocks, CHUNK))
@@ -106,7 +108,6 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
             if isinstance(e, PoolExhausted):
                 raise exhausted(pool, e.needed) from None
             raise
-    pool._seqs[seq.slot] = seq
     if len(seq.tokens) < len(tokens):
         try:
             pool.append(seq, tokens[len(seq.tokens) :])

@@ -36,7 +36,7 @@ def fork(pool: KVPool, seq: Sequence, request_id: object) -> Sequence:
         if pool.probe is not None:
             pool.probe.event(t, EventOp.FORK, ids, rb, arg=seq.seq_id)
         pool._count(t, "num_forks")
-        return Sequence(
+        child = Sequence(
             request_id=str(request_id),
             tokens=list(seq.tokens),
             block_table=list(seq.block_table),
@@ -47,7 +47,7 @@ def fork(pool: KVPool, seq: Sequence, request_id: object) -> Sequence:
             chain=list(seq.chain),
             num_published=seq.num_published,
         )
+        pool._track(t, child)
+        return child
 
-    child = pool._run(locks, op)
-    pool._seqs[child.slot] = child
-    return child
+    return pool._run(locks, op)

@@ -238,6 +238,22 @@ class KVPool:
                 lambda: self.counters[field].__setitem__(0, self.counters[field][0] + n)
             )
 
+    def _track(self, t: Txn, seq: Sequence, slot: int | None = None) -> None:
+        """Enter seq in this handle's live sequences (at `slot`, else its own) when t commits:
+        under the mutex, before another thread can take or scan the slot."""
+        at = seq.slot if slot is None else slot
+        t.after_commit.append(lambda: self._seqs.__setitem__(at, seq))
+
+    def _untrack(self, t: Txn, slot: int) -> None:
+        """Drop `slot` from this handle's live (and sampled-guard) sequences when t commits:
+        after the commit the slot is anyone's, and a later allocation's entry must stay."""
+
+        def drop() -> None:
+            self._seqs.pop(slot, None)
+            self._guarded.discard(slot)
+
+        t.after_commit.append(drop)
+
     def _site(self) -> int:
         return self.site_of() if self.site_of is not None else -1
 

@@ -38,13 +38,16 @@ def resume(pool: KVPool, seq: Sequence) -> int:
     # Move the fresh sequence's slot into place of the old one.
     old_slot = seq.slot
     locks = set() if pool.seqtab.can_release_locally(old_slot) else {pool.SEQS}
-    pool._run(locks, lambda t: pool.seqtab.release(t, old_slot))
-    pool._seqs.pop(old_slot, None)
-    pool._seqs.pop(fresh.slot, None)
+
+    def move(t: Txn) -> None:
+        pool.seqtab.release(t, old_slot)
+        pool._untrack(t, old_slot)
+        pool._track(t, seq, fresh.slot)
+
+    pool._run(locks, move)
     seq.slot, seq.seq_id, seq.block_table = fresh.slot, fresh.seq_id, fresh.block_table
     seq.chain, seq.num_published = fresh.chain, fresh.num_published
     seq.num_cached_tokens, seq.state = fresh.num_cached_tokens, "running"
-    pool._seqs[seq.slot] = seq
     return seq.num_cached_tokens
 
 
@@ -55,7 +58,7 @@ def preempt_one(pool: KVPool, t: Txn, exclude: int) -> bool:
     states = pool.view.seqs["state"]
     waiting = [
         s
-        for s in pool._seqs.values()
+        for s in list(pool._seqs.values())
         if states[s.slot] == SeqState.WAITING and s.block_table and s.slot != exclude
     ]
     if not waiting:

@@ -327,7 +327,7 @@ class PoolProbes:
         segment: what the C core counts too)."""
         seqs = self.pool.view.seqs
         refs: Counter[int] = Counter()
-        for slot in self.pool._seqs:
+        for slot in list(self.pool._seqs):
             refs.update(seqs["table"][slot, : int(seqs["num_blocks"][slot])].tolist())
         return refs
 

@@ -123,12 +123,11 @@ def end(pool: KVPool, seq: Sequence, final: SeqState) -> None:
             double.append(faults.opportunity("double-free"))
         if len(freed) and double[0]:
             _release_again(pool, t, int(freed[-1]), seq.request_id)
+        pool._untrack(t, seq.slot)
         # Read inside the transaction: once it commits, what it freed is anyone's.
         return [] if probe is None else probe.held_after_release(table)
 
     held = pool._run(locks, op)
-    pool._guarded.discard(seq.slot)
-    pool._seqs.pop(seq.slot, None)
     seq.block_table = []
     seq.state = final.name.lower()
     seq.slot = -1

@@ -8,6 +8,8 @@ import dataclasses
 import os
 import random
 import signal
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -313,9 +315,6 @@ def test_threads_of_one_process_mix_both_paths(make_pool):
 
     # WHEN they run at once (switching threads every 10 µs: Python-path operations are
     # interrupted halfway, while the C core runs)
-    import sys
-    import threading
-
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
@@ -331,6 +330,65 @@ def test_threads_of_one_process_mix_both_paths(make_pool):
     assert pool.check() == []
     assert pool.stats()["num_allocated"] == 0
     assert pool._native.stats()["native_ops"] > 0
+
+
+def test_a_thread_preempting_while_others_allocate_and_free(make_pool):
+    # GIVEN 300 idle sequences, two threads allocating and freeing one-block sequences (the C
+    # core, which enters and drops them from the handle's live sequences) and a third that
+    # fills the pool with waiting sequences, so each of its takes preempts (the Python path,
+    # scanning the live sequences under the mutex)
+    pool = make_pool(400, block_size=BS, max_clients=4, max_seqs=512)
+    idle = [pool.allocate(f"idle{i}", [i]) for i in range(300)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                pool.free(pool.allocate(f"c{seed}", [rng.randrange(9)]))
+        except PoolExhausted:
+            pass
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    def hog() -> None:
+        rng = random.Random(0)
+        try:
+            for i in range(100):
+                live = []
+                try:
+                    while len(live) < 60:
+                        s = pool.allocate(f"h{i}", [rng.randrange(99) for _ in range(9)])
+                        pool.set_state(s, "waiting")
+                        live.append(s)
+                except PoolExhausted:
+                    pass
+                for s in live:
+                    pool.free(s)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            stop.set()
+
+    # WHEN they run at once, switching threads every microsecond
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)]
+        threads.append(threading.Thread(target=hog))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    # THEN no operation failed, the handle knows exactly its live sequences, and the pool is
+    # consistent
+    assert errors == []
+    assert sorted(pool._seqs) == sorted(s.slot for s in idle)
+    assert pool.check() == []
+    assert pool.stats()["num_allocated"] == len(idle)
 
 
 def test_an_operation_that_waits_for_another_process_gives_the_mutex_back(make_pool):
