@@ -14,7 +14,9 @@ A forked child inherits references to its parent's open file descriptions (its d
 mappings): a parent killed while holding a lock would leave it held for as long as a child
 lives. So the child re-opens every segment it has mapped, right after the fork, and maps the new
 open over the same addresses (`_reopen_in_child`): its pages, numpy views and descriptor numbers
-stay valid, and it no longer holds a reference to its parent's open.
+stay valid, and it no longer holds a reference to its parent's open. The re-open runs when the
+child first runs after the fork: a parent killed before that (a child not yet scheduled on a
+loaded machine) leaves its lock held until the child runs and re-opens, then it drops.
 """
 
 from __future__ import annotations

@@ -113,14 +113,18 @@ def test_a_forked_child_does_not_keep_its_dead_parents_lock(make_pool):
     pool = make_pool(32)
     child_r, child_w = os.pipe()
     held_r, held_w = os.pipe()
+    ready_r, ready_w = os.pipe()
 
     def parent() -> int:
         p = KVPool.attach(pool.name)
         kid = os.fork()
         if kid == 0:
-            # The child keeps every inherited descriptor and mapping until told to go.
+            # The child keeps every inherited descriptor and mapping until told to go; it
+            # says when it runs (its re-open runs as it first runs, after the fork).
+            os.write(ready_w, b"1")
             os.read(child_r, 1)
             os._exit(0)
+        os.read(ready_r, 1)
         os.write(held_w, kid.to_bytes(4, "little"))
         p.locks.acquire(p.FREE)
         os.write(held_w, b"1")
