@@ -218,6 +218,12 @@ def poison(kv: KV, ids: np.ndarray | list[int], block_size: int) -> None:
         kv[:, :, [int(x) for x in ids], :block_size] = float("nan")
 
 
+def unpoisoned_counts(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> torch.Tensor:
+    """int64 [len(ids)] on the cache's device: how many elements of each block's token slots no
+    longer hold the poison (launched, not waited for on a GPU)."""
+    return (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1)
+
+
 def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
     """Blocks of `ids` whose token slots no longer all hold the poison: (block, elements)."""
     kv = cpu_bits(kv)
@@ -226,7 +232,7 @@ def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, i
     if isinstance(kv, KVBits):
         counts = (~kvbits.poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
     else:
-        counts = (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1).tolist()
+        counts = unpoisoned_counts(kv, ids, block_size).tolist()
     return [(int(b), int(c)) for b, c in zip(np.asarray(ids).tolist(), counts) if c]
 
 
@@ -247,9 +253,23 @@ def unwritten_slots(
         return []
     n = min(len(table), -(-num_tokens // block_size))
     if isinstance(kv, KVBits):
-        blank = kvbits.poisoned(kv, table[:n], block_size).all(2)
+        blank = np.asarray(kvbits.poisoned(kv, table[:n], block_size).all(2))
     else:
-        blank = _poisoned(kv, table[:n], block_size).all(2).cpu().numpy()
+        blank = blank_slots(kv, table[:n], block_size).cpu().numpy()
+    return unwritten_in(blank, table, num_tokens, block_size)
+
+
+def blank_slots(kv: torch.Tensor, ids: list[int], block_size: int) -> torch.Tensor:
+    """bool [len(ids), block_size] on the cache's device: the token slots that hold the poison in
+    every layer, K and V (launched, not waited for on a GPU)."""
+    return _poisoned(kv, ids, block_size).all(2)
+
+
+def unwritten_in(
+    blank: np.ndarray, table: list[int], num_tokens: int, block_size: int
+) -> list[tuple[int, int, int, int]]:
+    """unwritten_slots from the blank slots of the table's first blocks (`blank_slots`)."""
+    n = len(blank)
     used = np.minimum(block_size, num_tokens - np.arange(n) * block_size)
     checked = np.arange(block_size)[None, :] < used[:, None]
     if blank[checked].all():

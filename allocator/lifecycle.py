@@ -168,6 +168,8 @@ def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
     if pool._closed:
         return
     pool._check_process()
+    if pool.probe is not None:
+        pool.probe.writes.settle(wait=True)
     if hook is not None:
         hook(pool)
     with pool._mutex:

@@ -14,10 +14,10 @@ docs/FORMAT.md, "The native core".
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests: csrc/kvdata.c)
 the core does on the bytes of a CPU pool's data file, mapped in this process. A CUDA pool's data
 it cannot reach: there it hands each operation's blocks back to Python at once
-(`WriteProbes.native_kv`: one kernel launch), whose checks wait for the GPU's answer but for the
-canary checks of guarded releases, which are read in batches (`writes.CANARY_READ_EVERY`).
-`KVSCOPE_NATIVE_KV=python` makes a CPU pool's core hand back too, `=deferred` with the canary
-checks deferred as on a GPU (the CPU test suite covers both paths with them).
+(`WriteProbes.native_kv`: one kernel launch), whose answers are read later, when the GPU has them
+(allocator/devicechecks.py: no operation waits for the GPU). `KVSCOPE_NATIVE_KV=python` makes a
+CPU pool's core hand back too, each check waiting for its answer, `=deferred` with the answers
+read later as on a GPU (the CPU test suite covers both ways).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def checked(module: Any) -> Any:
 _native = checked(_native)
 
 # KVSCOPE_NATIVE_KV=python: the core hands block-data work back to Python on a CPU pool too;
-# =deferred: and the canary checks are deferred, as on a CUDA pool (writes.CANARY_READ_EVERY).
+# =deferred: and the answers are read later, as on a CUDA pool (devicechecks.py).
 KV_HANDBACK_ENV = "KVSCOPE_NATIVE_KV"
 
 

@@ -273,6 +273,8 @@ class KVPool:
 
     def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
+        if self.probe is not None:
+            self.probe.writes.settle()
         guarded = self._guard_every > 1 and self._sample_guard()
         seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
         if seq is None:
@@ -308,14 +310,18 @@ class KVPool:
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
-        if self.probe is not None and isinstance(seq, Sequence) and seq.slot >= 0:
-            if self._guards(seq.slot):  # (in sampled guard mode, the sampled requests)
+        if self.probe is not None:
+            self.probe.writes.settle()
+            if isinstance(seq, Sequence) and seq.slot >= 0 and self._guards(seq.slot):
+                # (in sampled guard mode, the sampled requests)
                 self.probe.writes.finished(seq)
         if self._native is None or self._native.end(self, seq, _FINISHED) is None:
             release.end(self, seq, SeqState.FINISHED)
 
     def abort(self, seq: Sequence) -> None:
         """Release a sequence whose request did not finish."""
+        if self.probe is not None:
+            self.probe.writes.settle()
         if self._native is None or self._native.end(self, seq, _ABORTED) is None:
             release.end(self, seq, SeqState.ABORTED)
 
@@ -351,6 +357,8 @@ class KVPool:
     def check(self) -> list:
         """Full consistency check; returns findings (empty when healthy)."""
         self._check_process()
+        if self.probe is not None:
+            self.probe.writes.settle(wait=True)
         snap = snapshot(self.view)
         # The KV data too: published blocks' digests, freed blocks' poison, guard canaries.
         return check_view(snap) + check_kv(snap, self.kv, again=lambda: snapshot(self.view))

@@ -202,6 +202,7 @@ class PoolProbes:
     def verify(self) -> list[Finding]:
         """Header magic, version and checksum against the bytes seen at attach (cheap); with
         the leaks probe, block conservation too; in guard mode, every block's canary."""
+        self.writes.settle(wait=True)
         return self._once(lambda: self._verify() + self.writes.scan_canaries())
 
     def _once(self, fn) -> list[Finding]:

@@ -16,7 +16,9 @@ inside the operation.
 
 The C core runs the same checks itself (allocator/csrc/kvdata.c): on a CPU pool's bytes, or, for
 data it cannot reach (a CUDA pool), through `native_kv`, one call per operation for all of its
-blocks. Whatever it finds sends the operation to the Python path here, which reports it.
+blocks. Whatever it finds sends the operation to the Python path here, which reports it. On a
+CUDA pool those checks are launched and their answers read later (devicechecks.py), so that no
+operation waits for the GPU.
 """
 
 from __future__ import annotations
@@ -27,14 +29,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvscope.allocator import integrity
-from kvscope.allocator.events import EventOp
+from kvscope.allocator.devicechecks import DeviceChecks
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import SeqState
-
-# The C core's canary checks of guarded releases, on a CUDA pool (or KVSCOPE_NATIVE_KV=deferred):
-# launched, not waited for; their answers are read once this many are pending, at the next
-# guarded free, and by pool.verify(). A write past a block's end is reported that much later.
-CANARY_READ_EVERY = 32
 
 if TYPE_CHECKING:
     from kvscope.allocator.findings import Finding
@@ -52,11 +49,14 @@ class WriteProbes:
         # The C core `finished` last asked, and whether it reads the KV data itself.
         self._core: object = None
         self._core_reads_kv = False
-        # Deferred canary checks: (flags on the device, blocks, their records at the release).
-        self.defer_canaries = probes.pool.kv.device.type == "cuda" or (
-            os.environ.get("KVSCOPE_NATIVE_KV") == "deferred"
-        )
-        self._canaries: list[tuple[Any, list[int], np.ndarray]] = []
+        # The C core's checks of the K/V, answered later (a CUDA pool; a CPU pool's core reads
+        # the bytes itself, or, under KVSCOPE_NATIVE_KV=deferred, as a CUDA pool's does).
+        self.later: DeviceChecks | None = None
+        if (
+            probes.pool.kv.device.type == "cuda"
+            or os.environ.get("KVSCOPE_NATIVE_KV") == "deferred"
+        ):
+            self.later = DeviceChecks(probes)
         self.digest = probes.flags.digest
         self.guard = probes.flags.guard and integrity.can_poison(probes.pool.kv)
         self.stale = probes.flags.leaks
@@ -131,12 +131,13 @@ class WriteProbes:
         its last was written into its own blocks (an engine may end a request before feeding
         back its last sampled token). Token slots still poisoned, from the pool's creation or
         the block's last free, mean the writes went elsewhere."""
-        if len(self._canaries) >= CANARY_READ_EVERY:
-            self.read_canaries()
         if not self.guard or not seq.block_table:
             return
         pool = self.pool
         table = list(seq.block_table)
+        if self.later is not None:
+            self.later.unwritten(table, len(seq.tokens) - 1, seq.request_id)
+            return
         core = self._kv_core()
         if core is not None and not core.unwritten(table, len(seq.tokens) - 1):
             return  # the core's pass over the bytes: nothing to report
@@ -158,33 +159,46 @@ class WriteProbes:
 
     def native_kv(self, op: str, ids: list[int]) -> object:
         """The C core's work on the KV data of blocks `ids` where it cannot reach the data (a
-        CUDA pool, or KVSCOPE_NATIVE_KV=python): one call, and on a GPU one kernel launch, per
-        operation (allocator/csrc/kvdata.c). `op`:
+        CUDA pool, KVSCOPE_NATIVE_KV=python or =deferred): one call, and on a GPU one kernel
+        launch, per operation (allocator/csrc/kvdata.c). `op`:
 
         - "canary": True if a guard slot of `ids` lost its canary (read only);
         - "poison": NaN into their token slots;
         - "poison_broken": True if one of them no longer holds all its poison;
-        - "digests": their digests (kernels/digest.py block_digests).
+        - "stamp": their digests (kernels/digest.py block_digests), for their records;
+        - "verify:<when>": True if one of them no longer matches its record's digest.
 
-        The checks read their answer back from the GPU (a synchronization per check), but for
-        the canaries' where they are deferred (`read_canaries`).
+        With `later` (a CUDA pool) the checks are launched and answer False, and "stamp" None:
+        devicechecks.py reads the answers once the GPU has them, reports what they show and
+        writes the digests into the records. Without it each check waits for its answer.
         """
         pool = self.pool
         kv, bs = pool.kv, pool.block_size
-        if op == "canary" and self.defer_canaries:
-            from kvscope.kernels.guard import guard_flags
-
-            self._canaries.append((guard_flags(kv, ids), ids, pool.view.blocks[ids].copy()))
-            return False
-        if op == "canary":
-            return bool(integrity.broken_canaries(kv, np.asarray(ids, np.int64)))
+        later = self.later
         if op == "poison":
             integrity.poison(kv, ids, bs)
             return None
+        if later is not None:
+            if op == "canary":
+                later.canaries(ids)
+            elif op == "poison_broken":
+                later.poison(ids)
+            elif op == "stamp":
+                later.stamp(ids)
+                return None
+            else:
+                assert op.startswith("verify:"), op
+                later.verify(ids, op[7:])
+            return False
+        if op == "canary":
+            return bool(integrity.broken_canaries(kv, np.asarray(ids, np.int64)))
         if op == "poison_broken":
             return bool(integrity.poison_broken(kv, np.asarray(ids, np.int64), bs))
-        assert op == "digests", op
-        return integrity.digests_of(kv, np.asarray(ids, np.int64), bs)
+        if op == "stamp":
+            return integrity.digests_of(kv, np.asarray(ids, np.int64), bs)
+        assert op.startswith("verify:"), op
+        ids_ = np.asarray(ids, np.int64)
+        return bool(integrity.modified(pool.view.blocks, kv, ids_, bs))
 
     def _check_poison(self, t: Txn, ids: np.ndarray) -> None:
         pool = self.pool
@@ -242,37 +256,16 @@ class WriteProbes:
 
     # -- canaries ------------------------------------------------------------------------------
 
-    def read_canaries(self) -> None:
-        """The deferred canary checks' answers (one read from the GPU): each block whose guard
-        slot was overwritten when its request released it is reported as the Python path's
-        release does (with its record as it was then) and its canary restored."""
-        pending, self._canaries = self._canaries, []
-        if not pending:
-            return
-        import torch
-
-        from kvscope.kernels import fill_guard
-
-        flags = torch.cat([f for f, _, _ in pending]).cpu().tolist()
-        recs = np.concatenate([r for _, _, r in pending])
-        bad = [i for i, f in enumerate(flags) if f]
-        if not bad:
-            return
-        ids = [b for _, blocks, _ in pending for b in blocks]
-        fill_guard(self.pool.kv, blocks=[ids[i] for i in bad])
-        probes = self.probes
-        for i in bad:
-            if probes.recorder is not None:
-                probes.recorder.record(EventOp.GUARD_VIOLATION, [ids[i]])
-            probes.block_finding(
-                FindingKind.GUARD_VIOLATION, ids[i], integrity.CANARY_MESSAGE, rec=recs[i]
-            )
+    def settle(self, wait: bool = False) -> None:
+        """The answers of the checks launched on the GPU that are in (all, with `wait`)."""
+        if self.later is not None:
+            self.later.settle(wait)
 
     def scan_canaries(self) -> list[Finding]:
         """Guard mode: every block's guard slot (pool.verify()); findings reported."""
         if not self.probes.flags.guard:
             return []
-        self.read_canaries()
+        self.settle(wait=True)
         probes = self.probes
         out = []
         for blk in integrity.broken_canaries(self.pool.kv):

@@ -71,7 +71,7 @@ def _block_digest_kernel(
     tl.store(out_ptr + pid * num_rows + row, tl.sum(acc, 0))
 
 
-def _raw_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> list[int]:
+def _raw_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> torch.Tensor:
     layers, _, _, slots, heads, head_dim = kv_cache.shape
     assert kv_cache.stride(3) == heads * head_dim and kv_cache.stride(4) == head_dim
     assert kv_cache.stride(5) == 1 and kv_cache.stride(0) == 2 * kv_cache.stride(1)
@@ -85,7 +85,7 @@ def _raw_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> l
         TILE=min(2048, triton.next_power_of_2(elems)), num_warps=4,
     )  # fmt: skip
     # int64 sums wrap like the kernel's: the same value as one sum over the whole block.
-    return partial.sum(1).tolist()
+    return partial.sum(1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -110,19 +110,25 @@ def block_digests_ref_raw(kv_cache: torch.Tensor, ids: torch.Tensor, block_size:
     return out
 
 
+def raw_digests(
+    kv_cache: torch.Tensor, blocks: torch.Tensor | list[int], block_size: int
+) -> torch.Tensor:
+    """The raw sums (int64 [len(blocks)] on the cache's device) whose `fmix64` are the blocks'
+    digests; on a GPU launched, not waited for (read them when the answer is needed)."""
+    assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
+    assert 0 < block_size <= kv_cache.shape[3]
+    ids = torch.as_tensor(blocks, dtype=torch.long).reshape(-1).to(kv_cache.device)
+    if ids.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64, device=kv_cache.device)
+    if backend.use_triton(kv_cache):
+        return _raw_triton(kv_cache, ids, block_size)
+    with backend.serial_cpu(kv_cache):
+        return torch.tensor(block_digests_ref_raw(kv_cache, ids, block_size), dtype=torch.int64)
+
+
 def block_digests(
     kv_cache: torch.Tensor, blocks: torch.Tensor | list[int], block_size: int
 ) -> list[int]:
     """Digest (u64, as Python ints) of each block in `blocks` of the pool tensor
     `[layers, 2, num_blocks, slots, kv_heads, head_dim]`, over its first `block_size` slots."""
-    assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
-    assert 0 < block_size <= kv_cache.shape[3]
-    ids = torch.as_tensor(blocks, dtype=torch.long).reshape(-1).to(kv_cache.device)
-    if ids.numel() == 0:
-        return []
-    if backend.use_triton(kv_cache):
-        raw = _raw_triton(kv_cache, ids, block_size)
-    else:
-        with backend.serial_cpu(kv_cache):
-            raw = block_digests_ref_raw(kv_cache, ids, block_size)
-    return [fmix64(r) for r in raw]
+    return [fmix64(r) for r in raw_digests(kv_cache, blocks, block_size).tolist()]

@@ -217,22 +217,27 @@ def test_more_seeds(pool_name, monkeypatch, seed, handback):
 # -- each finding, planted once --------------------------------------------------------------
 
 
-def _pair(pool_name: str, monkeypatch, handback: bool = False) -> tuple[KVPool, KVPool]:
+def _pair(pool_name: str, monkeypatch, handback: bool | str = False) -> tuple[KVPool, KVPool]:
+    """The C core (on the bytes; handing back, each check waiting for its answer: True; or with
+    the answers read later: "deferred") and the Python path."""
     for p in LIGHT:
         monkeypatch.setenv(f"KVSCOPE_{p}", "0")
     monkeypatch.setenv("KVSCOPE_GUARD", "1")
     monkeypatch.setenv("KVSCOPE_DIGEST", "1")
     if handback:
-        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "python")
+        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred" if handback == "deferred" else "python")
     return _pool(pool_name, True, "float32"), _pool(f"{pool_name}-py", False, "float32")
 
 
-def _both(pools: tuple[KVPool, KVPool], scenario) -> list[list[tuple]]:
+def _both(pools: tuple[KVPool, KVPool], scenario, settle: bool = False) -> list[list[tuple]]:
     out = []
     try:
         for pool in pools:
             scenario(pool)
-            out.append(_findings(pool))
+            if settle:
+                # the answers read later are in by the next verify (and in another order)
+                pool.verify()
+            out.append(sorted(_findings(pool)) if settle else _findings(pool))
     finally:
         for pool in pools:
             lockdep.LOCKDEP.uninstrument(pool)
@@ -288,14 +293,61 @@ def _skipped(pool: KVPool) -> None:
     ],
     ids=["past-end", "after-free", "published", "skipped"],
 )
-@pytest.mark.parametrize("handback", [False, True], ids=["cpu", "handback"])
+@pytest.mark.parametrize("handback", [False, True, "deferred"], ids=["cpu", "handback", "deferred"])
 def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenario, kind, handback):
-    # GIVEN guard mode and the digest, WHEN the same bad write happens on the C core and on the
-    # Python path
-    fast, slow = _both(_pair(pool_name, monkeypatch, handback), scenario)
+    # GIVEN guard mode and the digest, WHEN the same bad write happens on the C core (on the
+    # bytes, handing back, or handing back with the answers read later: a CUDA pool's way) and
+    # on the Python path
+    pair = _pair(pool_name, monkeypatch, handback)
+    fast, slow = _both(pair, scenario, settle=handback == "deferred")
     # THEN both report it, with the same kind, block, message and request
     assert kind in [f[0] for f in fast], fast
     assert fast == slow
+
+
+def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name, monkeypatch):
+    # GIVEN the C core with its answers read later (a CUDA pool's way), and the Python path
+    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+    try:
+        for pool in (fast, slow):
+            pool.free(_written(pool, "warm-up", [1, 2, 3]))
+        ops = fast._native.stats()["native_ops"]
+        seqs = []
+        for pool in (fast, slow):
+            # WHEN a request is written and published
+            seq = _written(pool, "a", list(range(9)))
+            pool.mark_computed(seq, 9)
+            seqs.append(seq)
+        # THEN the core ran it without the digests, which the next operation writes into the
+        # records: the same words as the Python path's
+        assert fast._native.stats()["native_ops"] == ops + 2
+        published = seqs[0].block_table[:2]
+        assert (fast.view.blocks["kv_digest"][published] == 0).all()
+        assert len(fast.probe.writes.later.pending) == 1
+        for pool, seq in zip((fast, slow), seqs):
+            pool.free(seq)
+        assert (fast.view.blocks["kv_digest"][published] != 0).all()
+        assert np.array_equal(
+            fast.view.blocks["kv_digest"][published], slow.view.blocks["kv_digest"][published]
+        )
+        # WHEN a block is published, and evicted before its digest's answer is read (a GPU still
+        # busy: the answers held back)
+        seq = _written(fast, "b", [50 + i for i in range(5)])
+        monkeypatch.setattr(fast.probe.writes.later, "settling", True)
+        fast.mark_computed(seq, 5)
+        blk = seq.block_table[0]
+        fast.free(seq)
+        assert fast.evict(48) >= 1 and fast.view.blocks["indexed"][blk] == 0
+        monkeypatch.setattr(fast.probe.writes.later, "settling", False)
+        fast.verify()
+        # THEN the late digest is not written into the record of what the block is now
+        assert fast.view.blocks["kv_digest"][blk] == 0
+        assert fast.check() == [] and fast.findings() == []
+    finally:
+        for pool in (fast, slow):
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
 
 
 def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
@@ -386,16 +438,14 @@ def test_guard_flags_agree_with_the_scan(pool_name, monkeypatch):
 
 
 def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypatch):
-    from kvscope.allocator import writes
-
-    # GIVEN the C core handing the K/V work back with its canary checks deferred (a CUDA pool's
+    # GIVEN the C core handing the K/V work back with its answers read later (a CUDA pool's
     # way), and the Python path; each with a write past the end of a request's block
     fast, slow = _pair(pool_name, monkeypatch)
     monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred")
     deferred = _pool(f"{pool_name}-d", True, "float32")
     pools = (deferred, slow)
     try:
-        assert deferred.probe.writes.defer_canaries
+        assert deferred.probe.writes.later is not None
         for pool in pools:
             pool.free(_written(pool, "warm-up", [1, 2, 3]))
             _past_end(pool)
@@ -406,9 +456,9 @@ def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypat
         # WHEN the pool is verified THEN the same finding comes, and the canary is whole again
         deferred.verify()
         assert _findings(deferred) == _findings(slow)
-        assert deferred.verify() == [] and len(deferred.probe.writes._canaries) == 0
-        # WHEN the checks are read at every guarded free THEN a later one is found at the next
-        monkeypatch.setattr(writes, "CANARY_READ_EVERY", 1)
+        assert deferred.verify() == [] and len(deferred.probe.writes.later.pending) == 0
+        # WHEN another request writes past its end and is freed THEN its answer is read at the
+        # next free (or abort), before that one's own operation
         for pool in pools:
             _past_end(pool)
             pool.free(_written(pool, "next", [5, 6, 7]))

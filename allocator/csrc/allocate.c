@@ -88,7 +88,7 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         seal(n, table[j]);
     }
     /* digest: the hits are as published (writes.verify_published, "a prefix hit") */
-    if (digests_intact(n, table, hits)) goto abort;
+    if (digests_intact(n, table, hits, "a prefix hit")) goto abort;
     int64_t k = nblocks - hits;
     if (take(n, k, table + hits) || unmapped(n, table + hits, k) ||
         poison_intact(n, table + hits, k))
@@ -195,7 +195,7 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
         goto out;
     }
     /* digest: the published blocks released are as published (writes.verify_published) */
-    if (digests_intact(n, ids, k)) goto abort;
+    if (digests_intact(n, ids, k, "its release")) goto abort;
     uint64_t now = wall_ns();
     int64_t nz = 0;
     /* BlockStore.drop: blocks already free are left untouched (a double free). */

@@ -249,5 +249,5 @@ static void lru_reset(Native *n);
 static void drop_pending_scan(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static int lockdep_ok(Native *n, uint64_t mask);
-static int digests_intact(Native *n, const int32_t *ids, int64_t k);
+static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
 static void maybe_live_add(Native *n, int64_t slot);

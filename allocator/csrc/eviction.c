@@ -240,7 +240,7 @@ static int evict_into(Native *n, int64_t k, int32_t *out) {
     for (int64_t i = 0; i < nc; i++)
         if (jsave_block(n, cand[i])) return FALLBACK;
     /* digest: what is evicted is as published (writes.evicting) */
-    int rc = digests_intact(n, cand, nc);
+    int rc = digests_intact(n, cand, nc, "its eviction");
     if (rc != OK) return rc;
     for (int64_t i = 0; i < nc; i++) {
         uint8_t *r = blk(n, cand[i]);

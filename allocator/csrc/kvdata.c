@@ -232,19 +232,9 @@ static void unpoison(Native *n, const int32_t *ids, int64_t k) {
 
 /* -- digests ----------------------------------------------------------------------------------- */
 
-/* kernels/digest.py block_digests of blocks ids[0..k) into out. OK, FALLBACK, ERROR. */
-static int digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
-    if (k == 0) return OK;
-    if (n->kv == NULL) {
-        PyObject *r = kv_handback(n, "digests", ids, k);
-        if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
-        int ok = PyList_Check(r) && PyList_GET_SIZE(r) == k;
-        for (int64_t i = 0; ok && i < k; i++)
-            out[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(r, i));
-        Py_DECREF(r);
-        if (!ok) PyErr_SetString(PyExc_TypeError, "native_kv('digests') must give one per block");
-        return ok && !PyErr_Occurred() ? OK : ERROR;
-    }
+/* kernels/digest.py block_digests of blocks ids[0..k) into out (the core's own pass over CPU
+ * bytes). */
+static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     for (int64_t i = 0; i < k; i++) {
         /* element j of kv[:, :, b, :block_size] flattened: coef(j) = (j * MUL + ADD) | 1 */
@@ -252,16 +242,31 @@ static int digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
         for (int64_t r = 0; r < n->kv_rows; r++) sum = digest_row(n, kv_row(n, r, ids[i]), m, &jm, sum);
         out[i] = digest_fmix(sum);
     }
-    return OK;
 }
 
 /* writes.published (integrity.stamp_digests): the digest of each block just published, over
- * its generation, into its record (saved by the publish). OK, FALLBACK, ERROR. */
+ * its generation, into its record (saved by the publish). Handed back, the answer is the
+ * digests, or None when they are taken later (allocator/devicechecks.py writes them into the
+ * records: a CUDA pool). OK, FALLBACK, ERROR. */
 static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     uint64_t d[CHUNK];
-    int rc = digests(n, ids, k, d);
-    if (rc != OK) return rc;
+    if (n->kv == NULL) {
+        PyObject *r = kv_handback(n, "stamp", ids, k);
+        if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
+        if (r == Py_None) {
+            Py_DECREF(r);
+            return OK;
+        }
+        int ok = PyList_Check(r) && PyList_GET_SIZE(r) == k;
+        for (int64_t i = 0; ok && i < k; i++)
+            d[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(r, i));
+        Py_DECREF(r);
+        if (!ok) PyErr_SetString(PyExc_TypeError, "native_kv('stamp') must give one per block");
+        if (!ok || PyErr_Occurred()) return ERROR;
+    } else {
+        digests(n, ids, k, d);
+    }
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         U8(r + n->off_kv_digest) = ((d[i] >> 32) << 32) | (uint64_t)U4(r + BF_GENERATION);
@@ -270,9 +275,11 @@ static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
 }
 
 /* writes.verify_published: the published blocks among ids (indexed, with a digest of their
- * generation) still match it. OK, FALLBACK when one does not (the Python path reports
+ * generation) still match it; `when` names the moment in a finding ("a prefix hit"). Handed
+ * back as "verify:<when>": true when one does not match (the answer may come later:
+ * devicechecks.py). OK, FALLBACK when one does not (the Python path reports
  * `published_block_modified`), ERROR. */
-static int digests_intact(Native *n, const int32_t *ids, int64_t k) {
+static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     int32_t pub[CHUNK + EVICT_BATCH];
     uint64_t want[CHUNK + EVICT_BATCH], got[CHUNK + EVICT_BATCH];
@@ -286,8 +293,12 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k) {
         want[np_++] = w;
     }
     if (np_ == 0) return OK;
-    int rc = digests(n, pub, np_, got);
-    if (rc != OK) return rc;
+    if (n->kv == NULL) {
+        char op[64];
+        snprintf(op, sizeof op, "verify:%s", when);
+        return kv_handback_check(n, op, pub, np_);
+    }
+    digests(n, pub, np_, got);
     for (int64_t i = 0; i < np_; i++)
         if (got[i] >> 32 != want[i] >> 32) return FALLBACK;
     return OK;
@@ -353,7 +364,7 @@ static PyObject *N_digests(Native *n, PyObject *arg) {
         }
         ids[i] = (int32_t)b;
     }
-    if (digests(n, ids, k, d)) return NULL;
+    digests(n, ids, k, d);
     PyObject *out = PyList_New(k);
     for (Py_ssize_t i = 0; out && i < k; i++)
         PyList_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(d[i]));
