@@ -1,6 +1,6 @@
 /* kvscope.allocator._native: the pool's hot operations in C, on the same segment bytes.
  *
- * The Python allocator (seqops.py, append.py, release.py, blocks.py, ...) is the reference and
+ * The Python allocator (allocate.py, append.py, release.py, blocks.py, ...) is the reference and
  * does everything; this module does the common case of allocate (with LRU eviction),
  * free/abort, a one-token append, mark_computed and fork, with the same writes, the same
  * journal, the same locks and the same checksums, so check(), recovery, dumps and the TUI

@@ -49,6 +49,28 @@ class DeviceChecks:
         # digests answered, to be written into their records: (blocks, generations, digests)
         self._stamps: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
         self.settling = False
+        if self.cuda:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Launch each check once on block 0 (read only) as the handle opens: a kernel's first
+        launch in a process loads it (Triton's, from its cache: a tenth of a second or more),
+        which would otherwise stall the first operation that needs it, mid-serving."""
+        import torch
+
+        from kvscope.kernels.digest import raw_digests
+        from kvscope.kernels.guard import guard_flags
+
+        kv, bs, flags = self.pool.kv, self.pool.block_size, self.probes.flags
+        torch.empty(1, pin_memory=True)
+        if flags.digest:
+            raw_digests(kv, [0], bs)
+        if flags.guard and integrity.has_guard(self.pool.view):
+            guard_flags(kv, [0])
+        if flags.guard and integrity.can_poison(kv):
+            integrity.unpoisoned_counts(kv, np.zeros(1, np.int64), bs)
+            integrity.blank_slots(kv, [0], bs)
+        torch.cuda.synchronize(kv.device)
 
     def _later(self, answer: torch.Tensor, then: Callable[[np.ndarray], None]) -> None:
         """Copy `answer` to the host without waiting; `then(host array)` once it is there."""

@@ -5,7 +5,7 @@ the output tokens/s of each, and the ratio (docs/BENCHMARKS.md, "Probes and the 
     python bench/bench_serve_run.py --device cpu --quick --repeat 1          # smoke test
 
 The model and workload are bench_serve.py's (a random-weight ~110M-parameter Llama; `--quick`:
-its tiny model); one 8-request warm-up first, so that Triton's compilation is not counted.
+its tiny model); one 8-request warm-up of each first, so that Triton's compilation is not counted.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
             "plain": cmd,
             "kvscope run": [sys.executable, "-m", "kvscope", "run", "--dump-dir", tmp, *cmd[1:]],
         }
-        i = cmd.index("--requests") + 1
-        subprocess.run([*cmd[:i], "8", *cmd[i + 1 :]], capture_output=True, check=True)
+        for c in runs.values():  # Triton's compilations (the probes' kernels too) into its cache
+            i = c.index("--requests") + 1
+            subprocess.run([*c[:i], "8", *c[i + 1 :]], capture_output=True, check=True)
         out: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.repeat):
             for name, c in runs.items():

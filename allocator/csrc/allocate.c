@@ -1,4 +1,4 @@
-/* allocate and free/abort (seqops.py allocate, release.py _end): the core of a sequence's
+/* allocate and free/abort (allocate.py allocate, release.py end): the core of a sequence's
  * start and end. Part of _native.c. */
 
 /* -- allocate --------------------------------------------------------------------------------- */
@@ -64,7 +64,7 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
     }
     uint64_t now = wall_ns();
     if (write_claim(n, slot, seq_id, request, now)) goto abort;
-    /* The longest verified prefix hit (seqops._match). */
+    /* The longest verified prefix hit (allocate._match). */
     int64_t hits = 0;
     uint64_t parent = 0;
     for (int64_t j = 0; may_hit && j < max_hits; j++) {
@@ -97,7 +97,7 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
     unpoison(n, table + hits, k);
     if (write_blocks(n, slot, 0, table, nblocks)) goto abort;
     fill(n, table, hits * bs, toks + hits * bs, ntok - hits * bs);
-    /* seqops._set_hashes: keys of the new full blocks (unindexed), then seal. */
+    /* allocate._set_hashes: keys of the new full blocks (unindexed), then seal. */
     for (int64_t j = hits; j < nblocks; j++) {
         uint8_t *r = blk(n, table[j]);
         if (j < nfull) {

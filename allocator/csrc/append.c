@@ -1,10 +1,10 @@
-/* A one-token append (append.py) and mark_computed (seqops.py): growing a sequence and
+/* A one-token append (append.py) and mark_computed (publish.py): growing a sequence and
  * publishing its full blocks. Part of _native.c. */
 
 /* -- append ----------------------------------------------------------------------------------- */
 
 
-/* AppendOps._extend_chain: hash blocks that became full; record keys of unshared ones. */
+/* append._extend_chain: hash blocks that became full; record keys of unshared ones. */
 static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *chain) {
     Py_ssize_t full = PyList_GET_SIZE(tokens) / n->bs;
     int32_t tk[4096]; /* a block's tokens (block_size <= 4096: N_init) */

@@ -1,5 +1,5 @@
 /* Taking and returning blocks: the local cache, the free ring, stamps (blocks.py, ring.py,
- * reserve.py _take). Part of _native.c. */
+ * reserve.py take). Part of _native.c. */
 
 /* -- blocks ----------------------------------------------------------------------------------- */
 
@@ -18,7 +18,7 @@ static int local_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     return OK;
 }
 
-/* RingOps.ring_pop (no quarantine: pools with one stay on the Python path). Free lock held. */
+/* ring.pop (no quarantine: pools with one stay on the Python path). Free lock held. */
 static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     uint8_t *h = ringh(n);
     uint32_t cnt = U4(h + RING_COUNT);
@@ -34,7 +34,7 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     return OK;
 }
 
-/* RingOps.ring_push: the records reset (state FREE, or QUARANTINED in guard mode: then with
+/* ring.push: the records reset (state FREE, or QUARANTINED in guard mode: then with
  * the ring's allocation count), then _push_raw. Free lock held. */
 static int ring_push_state(Native *n, const int32_t *ids, int64_t k, uint8_t state) {
     if (k == 0) return OK;
@@ -111,7 +111,7 @@ static int refill(Native *n) {
     return local_push(n, ids, got, &fit);
 }
 
-/* ReserveOps._take without preemption: the local cache, the ring, LRU eviction; FALLBACK when
+/* reserve.take without preemption: the local cache, the ring, LRU eviction; FALLBACK when
  * they are short (Python preempts or raises PoolExhausted). The locks each step needs must
  * be held already (`take_locks` plans them). */
 static int take(Native *n, int64_t k, int32_t *out) {
@@ -127,7 +127,7 @@ static int take(Native *n, int64_t k, int32_t *out) {
     return OK;
 }
 
-/* ReserveOps._take_locks: the locks `take(k)` will need, judged from the local cache and the
+/* reserve.take_locks: the locks `take(k)` will need, judged from the local cache and the
  * ring's count (a hint: if it was wrong, `take` falls back). */
 static uint64_t take_locks(Native *n, int64_t k) {
     n->dry_valid = 0; /* a plan is for one operation only */

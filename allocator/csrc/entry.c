@@ -141,7 +141,7 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *done = core_release(n, table, slot, final, guard);
     Py_DECREF(table);
     if (done == NULL || done == Py_None) return done;
-    /* release.py _end: sampled guard mode forgets the slot */
+    /* release.py end: sampled guard mode forgets the slot */
     if (guard && (n->probes & P_GUARD_SAMPLED)) {
         PyObject *key = PyLong_FromLongLong(slot);
         if (key == NULL || PySet_Discard(n->guarded, key) < 0) PyErr_Clear();
@@ -242,7 +242,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     ev_record(n, E_FORK, ids, k, request, PyLong_AsLongLong(f[F_SEQ_ID]));
     if (PyErr_Occurred()) goto out;
     if (finish_claim(n, seq_id)) goto out;
-    /* seqops.fork's Sequence: copies of the parent's lists, its cached and published counts. */
+    /* fork.fork's Sequence: copies of the parent's lists, its cached and published counts. */
     table = PyList_GetSlice(f[F_BLOCK_TABLE], 0, k);
     tokens = PyList_GetSlice(f[F_TOKENS], 0, PyList_GET_SIZE(f[F_TOKENS]));
     chain = PyList_GetSlice(f[F_CHAIN], 0, PyList_GET_SIZE(f[F_CHAIN]));

@@ -222,7 +222,7 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     return OK;
 }
 
-/* ReserveOps._take's eviction step: `k` blocks into out from the LRU cached ones; up to
+/* reserve.take's eviction step: `k` blocks into out from the LRU cached ones; up to
  * EVICT_BATCH more go to the free ring (the free lock and the candidates' shard locks held). */
 static int evict_into(Native *n, int64_t k, int32_t *out) {
     if (!holds(n, n->lock_free)) return FALLBACK;

@@ -183,7 +183,7 @@ static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* RingOps.ring_push(ids, QUARANTINED) and WriteProbes.quarantined: guarded freed blocks go to
+/* ring.push(ids, QUARANTINED) and WriteProbes.quarantined: guarded freed blocks go to
  * the ring's tail (never the local cache), marked poisoned; the free lock is held. */
 static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;

@@ -87,7 +87,7 @@ static inline uint64_t chain_next(Native *n, uint64_t prev, const int32_t *toks)
     return prev * CHAIN_P + c;
 }
 
-/* Keys of a sequence's chain values j and j-1 (seqops._key). */
+/* Keys of a sequence's chain values j and j-1 (publish.chain_key). */
 static int seq_keys(Native *n, PyObject *chain, Py_ssize_t j, uint64_t *key, uint64_t *parent) {
     uint64_t mask = (uint64_t)(n->num_shards - 1);
     uint64_t first = fmix64(PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(chain, 0)));

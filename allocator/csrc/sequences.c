@@ -159,7 +159,7 @@ static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *i
     return OK;
 }
 
-/* ReserveOps._fill: token ids at positions [first, first + k) of the table's blocks. */
+/* reserve.fill: token ids at positions [first, first + k) of the table's blocks. */
 static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *toks, int64_t k) {
     int64_t pos = first, i = 0;
     while (i < k) {
