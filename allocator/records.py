@@ -26,7 +26,7 @@ EVICT_BATCH = 32
 
 
 class BlockState(enum.IntEnum):
-    """Lifecycle state of a physical block (DESIGN.md "Block lifecycle")."""
+    """Lifecycle state of a physical block (docs/FORMAT.md, "Block headers": its `state` byte)."""
 
     FREE = 0
     ALLOCATED = 1
