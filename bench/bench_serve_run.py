@@ -2,6 +2,7 @@
 the output tokens/s of each, and the ratio (docs/BENCHMARKS.md, "Probes and the undo journal").
 
     python bench/bench_serve_run.py --device cuda --requests 128 --repeat 3   # on the H200
+    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 3 --cuda-graphs
     python bench/bench_serve_run.py --device cpu --quick --repeat 1          # smoke test
 
 The model and workload are bench_serve.py's (a random-weight ~110M-parameter Llama; `--quick`:
@@ -29,11 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the tiny model")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cuda-graphs", action="store_true", help="serve.py --cuda-graphs, both runs")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         bench_serve.write_model(tmp, args.quick)
-        cmd = bench_serve.serve_command(tmp, args.device, [], args.quick, str(args.requests))
+        extra = ["--cuda-graphs"] if args.cuda_graphs else []
+        cmd = bench_serve.serve_command(tmp, args.device, extra, args.quick, str(args.requests))
         runs = {
             "plain": cmd,
             "kvscope run": [sys.executable, "-m", "kvscope", "run", "--dump-dir", tmp, *cmd[1:]],

@@ -27,10 +27,11 @@ LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
 BS = 4
 
 
-def _pool(name: str, use_native: bool, dtype: str, layers: int = 2) -> KVPool:
+def _pool(name: str, use_native: bool, dtype: str, layers: int = 2, device: str = "cpu") -> KVPool:
     pool = KVPool.create(
         name,
         PoolConfig(
+            device=device,
             num_blocks=48,
             block_size=BS,
             num_layers=layers,
@@ -217,7 +218,9 @@ def test_more_seeds(pool_name, monkeypatch, seed, handback):
 # -- each finding, planted once --------------------------------------------------------------
 
 
-def _pair(pool_name: str, monkeypatch, handback: bool | str = False) -> tuple[KVPool, KVPool]:
+def _pair(
+    pool_name: str, monkeypatch, handback: bool | str = False, device: str = "cpu"
+) -> tuple[KVPool, KVPool]:
     """The C core (on the bytes; handing back, each check waiting for its answer: True; or with
     the answers read later: "deferred") and the Python path."""
     for p in LIGHT:
@@ -226,7 +229,10 @@ def _pair(pool_name: str, monkeypatch, handback: bool | str = False) -> tuple[KV
     monkeypatch.setenv("KVSCOPE_DIGEST", "1")
     if handback:
         monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred" if handback == "deferred" else "python")
-    return _pool(pool_name, True, "float32"), _pool(f"{pool_name}-py", False, "float32")
+    return (
+        _pool(pool_name, True, "float32", device=device),
+        _pool(f"{pool_name}-py", False, "float32", device=device),
+    )
 
 
 def _both(pools: tuple[KVPool, KVPool], scenario, settle: bool = False) -> list[list[tuple]]:
@@ -271,6 +277,10 @@ def _after_free(pool: KVPool) -> None:
 def _published(pool: KVPool) -> None:
     seq = _written(pool, "a", list(range(9)))
     pool.mark_computed(seq, 9)
+    if pool.kv.is_cuda:
+        # the step done on the GPU (an engine's token readback waits for it): the digests of
+        # what it published are in by the next operation
+        torch.cuda.synchronize()
     pool.kv[0, 0, seq.block_table[0], 1] = 4.0  # a published block, written again
     _written(pool, "b", list(range(9)))  # its prefix hit verifies it
 
@@ -301,6 +311,28 @@ def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenar
     pair = _pair(pool_name, monkeypatch, handback)
     fast, slow = _both(pair, scenario, settle=handback == "deferred")
     # THEN both report it, with the same kind, block, message and request
+    assert kind in [f[0] for f in fast], fast
+    assert fast == slow
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "scenario,kind",
+    [
+        (_past_end, "guard_violation"),
+        (_after_free, "use_after_free"),
+        (_published, "published_block_modified"),
+        (_skipped, "kv_never_written"),
+    ],
+    ids=["past-end", "after-free", "published", "skipped"],
+)
+def test_each_planted_write_is_found_on_a_cuda_pool(pool_name, monkeypatch, scenario, kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    # GIVEN guard mode and the digest on a CUDA pool: the C core, its checks answered later,
+    # and the Python path
+    fast, slow = _both(_pair(pool_name, monkeypatch, device="cuda"), scenario, settle=True)
+    # THEN both report the bad write, the same way
     assert kind in [f[0] for f in fast], fast
     assert fast == slow
 

@@ -346,7 +346,7 @@ def test_guard_mode_kernels_turn_a_freed_block_read_into_a_finding(
     # WHEN the step runs through the kernels
     batch = Batch([chunk], pool, "cpu")
     model(batch.tokens, batch.positions, batch.attend)
-    engine._report_violations(batch)
+    engine._report_violations(batch, batch.violations())
     # THEN the kernels skipped the read and the pool holds a use_after_free finding for it,
     # naming the request whose table still maps the block (not the block's last owner, "o")
     found = {(f.kind, f.block, f.request, f.owner_pid) for f in pool.findings()}

@@ -7,17 +7,21 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from server.batch import Batch  # noqa: E402
 from server.checkpoint import tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
 from server.graphs import StepGraphs, token_buckets  # noqa: E402
 from server.model import LlamaModel, generate_reference  # noqa: E402
-from server.workload import WorkloadSpec, generate_workload  # noqa: E402
+from server.scheduler import Chunk  # noqa: E402
+from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
 
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 
@@ -31,7 +35,7 @@ def pools() -> Iterator[list[KVPool]]:
         pool.unlink()
 
 
-def make_pool(model: LlamaModel, num_blocks: int) -> KVPool:
+def make_pool(model: LlamaModel, num_blocks: int, guard: bool = False) -> KVPool:
     cfg = model.config
     config = PoolConfig(
         num_blocks=num_blocks,
@@ -41,6 +45,7 @@ def make_pool(model: LlamaModel, num_blocks: int) -> KVPool:
         head_dim=cfg.head_dim,
         dtype=model.lm_head.weight.dtype,
         device=str(model.lm_head.weight.device),
+        guard=guard,
     )
     return KVPool.create(f"test-graphs-{os.getpid()}-{uuid.uuid4().hex[:8]}", config)
 
@@ -108,12 +113,99 @@ def test_a_batch_wider_than_the_graphs_runs_eagerly(pools: list) -> None:
     assert through_graphs == serve(model, eager_pool, None, long)
 
 
+def test_guarded_static_buffer_steps_equal_eager_steps(pools: list) -> None:
+    # GIVEN a guard-mode pool holding two sequences and step graphs over it
+    torch.set_num_threads(1)
+    model = tiny_model(0)
+    pool = make_pool(model, 32, guard=True)
+    pools.append(pool)
+    graphs = StepGraphs(model, pool, max_seqs=4, max_len=40, max_tokens=64, max_chunk=16)
+    a = SimpleNamespace(seq=pool.allocate("a", list(range(12))), name="a")
+    b = SimpleNamespace(seq=pool.allocate("b", list(range(50, 59))), name="b")
+    chunk = Chunk(b, 0, 8)  # type: ignore[arg-type]
+    ahead = Batch([chunk], pool, "cpu")  # b's first 8 tokens' K/V, for its decode to read
+    model(ahead.tokens, ahead.positions, ahead.attend)
+    steps = [[Chunk(a, 0, 12), Chunk(b, 8, 1)], [Chunk(a, 11, 1), Chunk(b, 8, 1)]]  # type: ignore[arg-type]
+    for chunks in steps:
+        # WHEN a mixed step, then a decode step, runs eagerly and through the static buffers
+        eager_batch, graph_batch = Batch(chunks, pool, "cpu"), Batch(chunks, pool, "cpu")
+        eager = model(eager_batch.tokens, eager_batch.positions, eager_batch.attend)
+        hidden = graphs.forward(graph_batch)
+        # THEN the guarded graph path ran it, checking against its own static buffers (the
+        # pool's block states), and both give the same hidden states and no violation
+        assert hidden is not None and graph_batch.guard is graphs.guard
+        assert torch.equal(graphs.guard["block_state"], pool.block_state())
+        torch.testing.assert_close(hidden, eager)
+        assert eager_batch.violations() == graph_batch.violations() == []
+    assert graphs.num_forwards == 2 and graphs.num_mixed == 1
+
+
+def serve_with_a_stale_block(
+    model: LlamaModel, pool: KVPool, graphs: StepGraphs | None
+) -> tuple[list, list[int]]:
+    """One request whose block table names a free block for one prompt chunk (a step that
+    samples nothing) and one decode step; every finding the engine reported (the pool keeps
+    one per kind and block), and how many it had reported after each step."""
+    reported: list[tuple] = []
+    keep = pool.probe.report
+
+    def report(f: Any, rec: Any = None) -> bool:
+        reported.append((f.kind, f.message, f.block, f.request))
+        return keep(f, rec)
+
+    pool.probe.report = report  # type: ignore[method-assign]
+    engine = Engine(model, pool, max_num_seqs=4, prefill_chunk=8, graphs=graphs)
+    engine.add(Request("r0", list(range(1, 21)), max_tokens=4))
+    engine.step()  # prompt tokens 0..8
+    seq = engine.states["r0"].streams[0].seq
+    free = torch.nonzero(pool.block_state() == 0).flatten().tolist()
+    stale, good = free[-1], seq.block_table[0]
+    # planted for prompt tokens 8..16 (nothing sampled), then for the first decode step; the
+    # steps between (prompt tokens 16..20, the second decode) read the right block
+    counts = [len(reported)]
+    for _ in range(2):
+        seq.block_table[0] = stale
+        engine.step()
+        counts.append(len(reported))
+        seq.block_table[0] = good
+        engine.step()
+        counts.append(len(reported))
+    engine.run([])  # the last decode
+    return reported, counts
+
+
+def test_guarded_graph_steps_report_each_violation_once(pools: list) -> None:
+    # GIVEN the tiny model and a guard-mode pool served eagerly and one through step graphs
+    torch.set_num_threads(1)
+    model = tiny_model(0)
+    eager_pool, graph_pool = make_pool(model, 32, guard=True), make_pool(model, 32, guard=True)
+    pools += [eager_pool, graph_pool]
+    graphs = StepGraphs(model, graph_pool, max_seqs=4, max_len=40, max_tokens=64, max_chunk=8)
+    # WHEN a request's block table names a free block during a step that samples nothing and
+    # during one that samples
+    eager, _ = serve_with_a_stale_block(model, eager_pool, None)
+    through_graphs, counts = serve_with_a_stale_block(model, graph_pool, graphs)
+    # THEN every step went through the static buffers, and each read of the free block (one
+    # per layer and step) is one use_after_free finding naming the request, as the eager
+    # steps report it
+    assert graphs.num_forwards == 6 and graphs.num_mixed == 3
+    stale = [f for f in through_graphs if f[0] == "use_after_free"]
+    layers = model.config.num_layers
+    assert len(through_graphs) == len(stale) == 2 * layers
+    assert {(f[2], f[3]) for f in stale} == {(stale[0][2], "r0")}
+    assert sorted(through_graphs) == sorted(eager)
+    # AND a step's findings are in by the end of the next step, or of its own when it samples
+    assert counts[2] == layers and counts[3] == 2 * layers
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list) -> None:
-    # GIVEN the tiny model in fp16 on the GPU, with step graphs captured for 4 sequences
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
+def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list, guard: bool) -> None:
+    # GIVEN the tiny model in fp16 on the GPU, with step graphs captured for 4 sequences (on a
+    # guard-mode pool or not)
     model = tiny_model(0).to(device="cuda", dtype=torch.float16).fuse()
-    eager_pool, graph_pool = make_pool(model, 96), make_pool(model, 96)
+    eager_pool, graph_pool = make_pool(model, 96, guard), make_pool(model, 96, guard)
     pools += [eager_pool, graph_pool]
     graphs = StepGraphs(model, graph_pool, max_seqs=4, max_len=40, max_tokens=256, max_chunk=8)
     # WHEN both engines serve the same requests
@@ -122,6 +214,7 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list) -> None:
     # THEN the replays, decode and mixed steps alike, produced the eager engine's tokens
     assert graphs.num_replays == graphs.num_forwards > 10 and graphs.num_mixed > 5
     assert through_graphs == eager
+    assert graph_pool.findings() == eager_pool.findings() == []
 
 
 def test_the_step_timer_sums_each_phase_between_its_boundaries() -> None:

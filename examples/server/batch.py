@@ -7,6 +7,11 @@ with `store_kv`, then `paged_prefill` attends the chunks over their cached prefi
 The step's inputs are built on the host as numpy arrays (`host_*`, `host_tables`). The eager
 forward copies them to the device when it first reads them; the CUDA graphs of a step
 (graphs.StepGraphs) copy them into their static buffers instead, in one transfer.
+
+Guard mode (a pool with `config.guard`): the kernels check every block-table entry and slot
+against the pool's block states and record violations in an error buffer instead of reading or
+writing out of bounds. A step the graphs run uses their static buffers; an eager step makes its
+own on first use.
 """
 
 from __future__ import annotations
@@ -23,22 +28,21 @@ from kvscope import kernels
 from .scheduler import Chunk
 
 
+def guarded(cache: Any) -> bool:
+    """Whether the kernels run in guard mode on `cache` (a guard-mode pool)."""
+    return bool(getattr(cache.config, "guard", False)) and hasattr(cache, "block_state")
+
+
 class Batch:
     """Token ids, positions, slots and block tables of one step (host arrays, device tensors)."""
 
     def __init__(self, chunks: list[Chunk], cache: Any, device: torch.device | str) -> None:
         assert chunks
+        self.cache = cache
         self.kv = cache.kv
         self.device = torch.device(device)
         self.block_size = cache.config.block_size
-        # Guard mode: the kernels check every block-table entry and slot against the pool's
-        # block states and record violations here instead of reading or writing out of bounds.
-        self.guard: dict[str, Tensor] = {}
-        if getattr(cache.config, "guard", False) and hasattr(cache, "block_state"):
-            self.guard = {
-                "block_state": cache.block_state().to(device),
-                "errors": kernels.new_error_buffer(device=device),
-            }
+        self.guarded = guarded(cache)
         prefills = [c for c in chunks if c.length > 1]
         decodes = [c for c in chunks if c.length == 1]
         self.chunks = prefills + decodes
@@ -55,12 +59,16 @@ class Batch:
         self.host_positions = np.empty(self.num_tokens, dtype=np.int64)
         self.host_slots = np.empty(self.num_tokens, dtype=np.int64)
         slots_per_block = cache.slots_per_block
+        # each chunk's block table as this step read it (a finding names the request that
+        # maps the block, also once the request has finished and dropped its table)
+        self.tables: list[np.ndarray] = []
         row = 0
         for chunk in self.chunks:
             seq = chunk.stream.seq
             end = row + chunk.length
             pos = np.arange(chunk.start, chunk.start + chunk.length, dtype=np.int64)
             table = np.asarray(seq.block_table, dtype=np.int64)
+            self.tables.append(table)
             self.host_tokens[row:end] = seq.tokens[chunk.start : chunk.start + chunk.length]
             self.host_positions[row:end] = pos
             self.host_slots[row:end] = (
@@ -75,6 +83,17 @@ class Batch:
             used = -(-(chunk.start + chunk.length) // self.block_size)
             tables[i, :used] = chunk.stream.seq.block_table[:used]
         return tables
+
+    @cached_property
+    def guard(self) -> dict[str, Tensor]:
+        """Guard mode: the kernels' `block_state` and `errors` arguments ({} when off). A step
+        the graphs run is given theirs instead (StepGraphs.forward)."""
+        if not self.guarded:
+            return {}
+        return {
+            "block_state": self.cache.block_state().to(self.device),
+            "errors": kernels.new_error_buffer(device=self.device),
+        }
 
     def _to_device(self, array: np.ndarray) -> Tensor:
         return torch.from_numpy(array).to(self.device)
@@ -156,7 +175,8 @@ class Batch:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def violations(self) -> list[dict[str, Any]]:
-        """What the kernels' guard-mode checks recorded during this step (empty when off)."""
+        """What the kernels' guard-mode checks recorded during this step (empty when off); reads
+        the error buffer back at once (the engine copies it behind the step instead)."""
         if not self.guard:
             return []
         return kernels.decode_errors(self.guard["errors"])

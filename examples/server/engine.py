@@ -53,6 +53,42 @@ def sample(logits: Tensor, temperature: float, generator: torch.Generator | None
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class ErrorCopy:
+    """Guard mode: a step's error buffer copied to the host behind its forward.
+
+    The copy is queued right after the forward's launch and waited for once the step's sampled
+    tokens are read back, which waits for the forward anyway: reading it at once would stop the
+    host until the GPU is done, so none of the step's host work would overlap the forward.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.pin = device.type == "cuda"
+        self.copied = torch.cuda.Event() if self.pin else None
+        self.host: Tensor | None = None
+        # the step whose copy is under way (None: nothing to report)
+        self.batch: Batch | None = None
+
+    def start(self, batch: Batch) -> None:
+        """Queue the copy of the error buffer `batch`'s kernels write (the last one taken)."""
+        assert self.batch is None, "the last step's violations were not taken"
+        errors = batch.guard["errors"]
+        if self.host is None or self.host.shape != errors.shape:
+            self.host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=self.pin)
+        self.host.copy_(errors, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.batch = batch
+
+    def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
+        """The step whose copy is under way and its violations (once copied), or None."""
+        batch, self.batch = self.batch, None
+        if batch is None or self.host is None:
+            return None
+        if self.copied is not None:
+            self.copied.synchronize()
+        return batch, kernels.decode_errors(self.host)
+
+
 class StepClock:
     """Virtual seconds: `step_s` per engine step, jumping over idle gaps to the next arrival.
 
@@ -119,6 +155,8 @@ class Engine:
         self.on_finish: Callable[[RequestResult], None] = lambda _result: None
         # where each step's time went: host seconds per phase, the GPU's time per step
         self.timer = StepTimer(self.device)
+        # guard mode: the last step's recorded violations on their way to the host
+        self.errors = ErrorCopy(self.device)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -165,6 +203,7 @@ class Engine:
                     self.clock.sleep(wait)
                 else:
                     time.sleep(min(0.05, wait))
+        self._take_violations()
         return self.results
 
     def step(self) -> int:
@@ -187,7 +226,9 @@ class Engine:
         if hidden is None:
             hidden = self.model(batch.tokens, batch.positions, batch.attend)
         t3 = time.perf_counter()
-        self._report_violations(batch)
+        if batch.guarded:
+            self._take_violations()  # the last step's, when it sampled nothing
+            self.errors.start(batch)
         for chunk in batch.chunks:
             stream = chunk.stream
             stream.num_computed += chunk.length
@@ -212,6 +253,7 @@ class Engine:
                 self.timer.gpu_ended(events)
                 picks = list(logits.cpu())
             t5 = time.perf_counter()
+            self._take_violations()
             for (stream, _), pick in zip(done, picks, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
@@ -222,10 +264,16 @@ class Engine:
         self.timer.add((t0, t1, t2, t3, t4, t5, t6, t7))
         return batch.num_tokens
 
-    def _report_violations(self, batch: Batch) -> None:
+    def _take_violations(self) -> None:
+        """Report what the kernels of the step whose error buffer is being copied recorded."""
+        taken = self.errors.take()
+        if taken is not None:
+            self._report_violations(*taken)
+
+    def _report_violations(self, batch: Batch, violations: list[dict[str, Any]]) -> None:
         """Guard mode: each out-of-bounds or freed-block access the kernels skipped is a finding."""
         probe = getattr(self.cache, "probe", None)
-        for v in batch.violations():
+        for v in violations:
             blk = int(v["physical_block"])
             kind = (
                 FindingKind.USE_AFTER_FREE
@@ -240,9 +288,8 @@ class Engine:
                 continue
             # Named after the request of this batch whose block table holds the block (the
             # one using it), not after the block's last owner.
-            user = next(
-                (c.stream.name for c in batch.chunks if blk in c.stream.seq.block_table), None
-            )
+            tables = zip(batch.chunks, batch.tables, strict=True)
+            user = next((c.stream.name for c, table in tables if blk in table), None)
             block = blk if 0 <= blk < self.cache.config.num_blocks else None
             probe.report(Finding(kind, message, block=block, owner_pid=os.getpid(), request=user))
 

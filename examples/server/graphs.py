@@ -5,7 +5,7 @@ sequences the GPU finishes each one faster than Python issues the next, so the s
 as its launches. A CUDA graph replays all of them from one call.
 
     graphs = StepGraphs(model, cache, max_seqs=12, max_len=1152, max_tokens=4096, max_chunk=2048)
-    hidden = graphs.forward(batch)   # None: a step that fits no graph (or guard mode): eager
+    hidden = graphs.forward(batch)   # None: a step that fits no graph: eager
 
 Two families of graphs over the same static input buffers:
 - decode steps (every chunk one token): one graph per batch size 1..max_seqs, attention
@@ -20,6 +20,12 @@ the host into one page-locked buffer per dtype and copied to the static buffers 
 each. Block tables are padded with -1 to `max_len`'s width (no kernel reads an entry past a
 sequence's length). On the CPU nothing is captured: the same static-buffer forwards run
 eagerly, so the tests check the buffers' bookkeeping against the ordinary path.
+
+Guard mode (batch.guarded) is captured too: every graph checks against one static block-state
+buffer and records into one static error buffer. A step copies the pool's block states into
+the first through a page-locked buffer with its other inputs and zeroes the second's count on
+the device before its replay; the engine copies the error buffer back behind the step (a host
+read right after the launch would wait for the whole forward).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ import torch
 from torch import Tensor
 
 from kvscope import kernels
+from kvscope.allocator import BlockState
 
-from .batch import Batch
+from .batch import Batch, guarded
 from .model import LlamaModel
 
 
@@ -77,6 +84,17 @@ class StepGraphs:
         self.dev64 = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
         self.dev32 = torch.zeros(self.n32, dtype=torch.int32, device=self.device)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        # guard mode: the block states (1: ALLOCATED) and the error buffer every graph reads
+        self.cache = cache
+        self.guard: dict[str, Tensor] = {}
+        num_states = cache.config.num_blocks if guarded(cache) else 0
+        self.host8 = torch.zeros(num_states, dtype=torch.uint8, pin_memory=pin)
+        self.np8 = self.host8.numpy()
+        if num_states:
+            self.guard = {
+                "block_state": torch.zeros(num_states, dtype=torch.uint8, device=self.device),
+                "errors": kernels.new_error_buffer(device=self.device),
+            }
         self.np64[2] = -1  # slot -1: store nothing (the captures' own forwards write no block)
         self.np32[self.max_seqs * self.width :] = 0
         # the last transfer from the page-locked buffers: wait for it before writing them again
@@ -105,7 +123,7 @@ class StepGraphs:
     def forward(self, batch: Batch) -> Tensor | None:
         """Hidden states [tokens, hidden] of `batch`, or None when no graph fits it."""
         n = len(batch.chunks)
-        if batch.guard or n > self.max_seqs or max(batch.seq_lens) > self.width * self.block_size:
+        if n > self.max_seqs or max(batch.seq_lens) > self.width * self.block_size:
             return None
         if batch.num_prefill_tokens == 0:
             key = ("decode", n)
@@ -117,6 +135,10 @@ class StepGraphs:
             self.num_mixed += 1
         self._write(batch)
         self._load()
+        if self.guard:
+            # ordered after the last step's copy of the buffer to the host, before this forward
+            self.guard["errors"][:1].zero_()
+            batch.guard = self.guard
         self.num_forwards += 1
         if key in self.graphs:
             graph, out = self.graphs[key]
@@ -145,10 +167,18 @@ class StepGraphs:
         starts[0] = 0
         starts[1 : n + 1] = np.cumsum([c.length for c in batch.chunks])
         starts[n + 1 :] = t
+        if self.guard:
+            self._write_states()
+
+    def _write_states(self) -> None:
+        """The pool's block states as `cache.block_state()` has them, without its upload."""
+        np.equal(self.cache.view.blocks["state"], BlockState.ALLOCATED, out=self.np8.view(bool))
 
     def _load(self) -> None:
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
+        if self.guard:
+            self.guard["block_state"].copy_(self.host8, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
@@ -163,18 +193,19 @@ class StepGraphs:
         tables, lens, starts = self._tables(), self._lens(), self._starts()
         max_seq_len = self.width * bs
         max_query_len = min(size, self.max_chunk)
+        guard = self.guard  # {} when off
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
-            kernels.store_kv(k, v, k_cache, v_cache, slots, block_size=bs)
+            kernels.store_kv(k, v, k_cache, v_cache, slots, block_size=bs, **guard)
             if kind == "decode":
                 return kernels.paged_decode(
                     q, k_cache, v_cache, tables[:size], lens[:size],
-                    block_size=bs, max_seq_len=max_seq_len,
+                    block_size=bs, max_seq_len=max_seq_len, **guard,
                 )  # fmt: skip
             return kernels.paged_prefill(
                 q, k_cache, v_cache, tables, lens, starts,
-                block_size=bs, max_query_len=max_query_len,
+                block_size=bs, max_query_len=max_query_len, **guard,
             )  # fmt: skip
 
         return attend

@@ -148,7 +148,7 @@ def make_engine(
 ) -> Engine:
     """An engine with the run's batching limits (and its step graphs, captured here)."""
     graphs = None
-    if config.cuda_graphs and not config.guard:
+    if config.cuda_graphs:
         assert max_len > 0, "step graphs need the longest sequence's length"
         graphs = StepGraphs(
             model,
