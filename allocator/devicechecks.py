@@ -27,6 +27,7 @@ import numpy as np
 from kvscope.allocator import integrity
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import FindingKind
+from kvscope.allocator.layout import CHUNK
 
 if TYPE_CHECKING:
     import torch
@@ -207,7 +208,7 @@ class DeviceChecks:
         )
         pool = self.pool
 
-        def write(t: Any) -> None:
+        def write(t: Any, ids: np.ndarray, gens: np.ndarray, words: np.ndarray) -> None:
             b = pool.view.blocks
             ok = (b["generation"][ids] == gens) & (b["indexed"][ids] == 1)
             ok &= ~integrity.has_digest(b, ids)
@@ -220,7 +221,11 @@ class DeviceChecks:
             b["kv_digest"][ids[sel]] = words[sel]
             pool.store.seal(ids[sel])
 
-        pool._run(pool.store.shard_locks_for(ids), write)
+        # A transaction per CHUNK blocks: the undo journal holds one operation's records.
+        for i in range(0, len(ids), CHUNK):
+            part = slice(i, i + CHUNK)
+            locks = pool.store.shard_locks_for(ids[part])
+            pool._run(locks, lambda t, p=part: write(t, ids[p], gens[p], words[p]))
 
 
 def _digests(raw: np.ndarray) -> list[int]:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.allocator import KVPool, PoolConfig, eviction
+from kvscope.allocator import KVPool, PoolConfig, devicechecks, eviction, integrity
 from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import int_view
@@ -375,6 +375,26 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         # THEN the late digest is not written into the record of what the block is now
         assert fast.view.blocks["kv_digest"][blk] == 0
         assert fast.check() == [] and fast.findings() == []
+        # WHEN more digests wait than one transaction's journal holds (a burst of prompts)
+        many = []
+        monkeypatch.setattr(fast.probe.writes.later, "settling", True)
+        for i in range(6):
+            s = _written(fast, f"c{i}", [200 + i] * 17)
+            fast.mark_computed(s, 16)
+            many += s.block_table[:4]
+            fast.free(s)
+        monkeypatch.setattr(fast.probe.writes.later, "settling", False)
+        monkeypatch.setattr(devicechecks, "CHUNK", 3)
+        saved: list[int] = []
+        save = fast.store.save
+        monkeypatch.setattr(
+            fast.store, "save", lambda t, ids: (saved.append(len(ids)), save(t, ids))
+        )
+        fast.verify()
+        # THEN they are written a chunk at a time, every one
+        assert saved and max(saved) <= 3
+        assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
+        assert fast.check() == []
     finally:
         for pool in (fast, slow):
             lockdep.LOCKDEP.uninstrument(pool)
