@@ -18,6 +18,7 @@ after the GPU produced its answer, not inside the operation that launched the ch
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -225,7 +226,9 @@ class DeviceChecks:
         for i in range(0, len(ids), CHUNK):
             part = slice(i, i + CHUNK)
             locks = pool.store.shard_locks_for(ids[part])
-            pool._run(locks, lambda t, p=part: write(t, ids[p], gens[p], words[p]))
+            pool._run(
+                locks, functools.partial(write, ids=ids[part], gens=gens[part], words=words[part])
+            )
 
 
 def _digests(raw: np.ndarray) -> list[int]:
