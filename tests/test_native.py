@@ -5,6 +5,7 @@ must stay in Python does."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import signal
@@ -281,6 +282,20 @@ def test_client_record_layout_matches_the_core():
     ]
 
 
+def _run_threads(targets: list, switch_s: float) -> None:
+    """Run each target in a thread of its own, all at once, switching threads every switch_s."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s)
+    try:
+        threads = [threading.Thread(target=f) for f in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_threads_of_one_process_mix_both_paths(make_pool):
     # GIVEN one handle used by four threads: single-token appends and allocations take the C
     # core, multi-token appends, forks' copy-on-write and evictions that scan take Python
@@ -315,16 +330,7 @@ def test_threads_of_one_process_mix_both_paths(make_pool):
 
     # WHEN they run at once (switching threads every 10 µs: Python-path operations are
     # interrupted halfway, while the C core runs)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    _run_threads([functools.partial(work, k) for k in range(4)], switch_s=1e-5)
     # THEN nothing failed and the pool is consistent, with no block lost
     assert errors == []
     assert pool.check() == []
@@ -372,17 +378,7 @@ def test_a_thread_preempting_while_others_allocate_and_free(make_pool):
             stop.set()
 
     # WHEN they run at once, switching threads every microsecond
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)]
-        threads.append(threading.Thread(target=hog))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    _run_threads([functools.partial(churn, 0), functools.partial(churn, 1), hog], switch_s=1e-6)
     # THEN no operation failed, the handle knows exactly its live sequences, and the pool is
     # consistent
     assert errors == []

@@ -293,16 +293,17 @@ def _skipped(pool: KVPool) -> None:
     pool.free(seq)
 
 
-@pytest.mark.parametrize(
-    "scenario,kind",
-    [
-        (_past_end, "guard_violation"),
-        (_after_free, "use_after_free"),
-        (_published, "published_block_modified"),
-        (_skipped, "kv_never_written"),
-    ],
-    ids=["past-end", "after-free", "published", "skipped"],
-)
+# each bad write and the finding kind it must produce
+PLANTS = [
+    (_past_end, "guard_violation"),
+    (_after_free, "use_after_free"),
+    (_published, "published_block_modified"),
+    (_skipped, "kv_never_written"),
+]
+PLANT_IDS = ["past-end", "after-free", "published", "skipped"]
+
+
+@pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
 @pytest.mark.parametrize("handback", [False, True, "deferred"], ids=["cpu", "handback", "deferred"])
 def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenario, kind, handback):
     # GIVEN guard mode and the digest, WHEN the same bad write happens on the C core (on the
@@ -316,16 +317,7 @@ def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenar
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "scenario,kind",
-    [
-        (_past_end, "guard_violation"),
-        (_after_free, "use_after_free"),
-        (_published, "published_block_modified"),
-        (_skipped, "kv_never_written"),
-    ],
-    ids=["past-end", "after-free", "published", "skipped"],
-)
+@pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
 def test_each_planted_write_is_found_on_a_cuda_pool(pool_name, monkeypatch, scenario, kind):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
