@@ -45,6 +45,8 @@ def test_a_clean_run_reports_nothing(tmp_path, config, run):
     findings = [ln for ln in out.stderr.splitlines() if ln.startswith("kvscope: pool")]
     assert out.returncode == 0 and not findings, out.stderr[-4000:]
     assert not glob.glob(str(tmp_path / "kvscope-*.kvd"))
+    # ... and says so, in one line
+    assert out.stderr.splitlines()[-1].endswith("no finding, no leak; nothing to dump"), out.stderr
     summary = json.loads(out.stdout)
     assert summary["failed"] == 0 and summary["extra"]["cache_findings"] == 0
     assert summary["extra"]["cache_stats"]["num_evictions"] > 0

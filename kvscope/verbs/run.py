@@ -318,6 +318,8 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
                 _echo(f"kvscope: wrote {path} (kvscope analyze {path})")
             else:
                 _echo(f"kvscope: no dump of pool {w.name!r} was written (above)")
+    else:
+        _echo(f"kvscope run: {what}; {_clean_verdict(sup, found)}")
     unfired = _report_unfired(sup)
     if outcome.failed:
         return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0)
@@ -329,6 +331,17 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
         _echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
         return EXIT_FAIL_ON
     return 0
+
+
+def _clean_verdict(sup: Supervisor, found: list) -> str:
+    """The one line of a run with nothing to dump: which pools were watched, and what came."""
+    if not sup.pools:
+        return "it opened no pool"
+    names = ", ".join(repr(w.name) for w in sup.pools.values())
+    pools = f"pool{'s' if len(sup.pools) > 1 else ''} {names}"
+    if found:
+        return f"{pools}: no error, no leak, {len(found)} warning(s) above; nothing to dump"
+    return f"{pools}: no finding, no leak; nothing to dump"
 
 
 def _as_run_sees_it(report: dict[str, Any], fail_on: str) -> None:
