@@ -6,9 +6,9 @@ returns None with nothing changed) and the Python method runs. A handle uses it 
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
 `KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: every probe `kvscope run`
 switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or
-sampled, the digest: `PoolProbes.native_bits`); a pool with a quarantine count
-(`KVSCOPE_QUARANTINE`), a lock hook other than lockdep's (the watchdog), a call-site recorder
-other than the probe's, or an armed fault or crash point keeps its handle on Python.
+sampled, with a quarantine count or not, the digest: `PoolProbes.native_bits`); a lock hook
+other than lockdep's (the watchdog), a call-site recorder other than the probe's, or an armed
+fault or crash point keeps its handle on Python.
 docs/FORMAT.md, "The native core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests: csrc/kvdata.c)
@@ -195,7 +195,7 @@ def core_for(pool: KVPool) -> Any | None:
     if _native is None:
         _warn_not_built()
         return None
-    if not available() or pool.store.quarantine:
+    if not available():
         return None
     if len(pool.locks.names) > 64 or pool.store.local_cap > 64:
         return None  # the core holds locks in a 64-bit mask and refills the cache 64 at most
@@ -217,6 +217,7 @@ def core_for(pool: KVPool) -> Any | None:
         "local_cap": store.local_cap,
         "local_max": store.local_max,
         "slot_batch": pool.seqtab.batch,
+        "quarantine": pool.store.quarantine,
         "off_blocks": off["blocks"],
         "off_ring": off["ring"],
         "off_index": off["index"],

@@ -109,11 +109,8 @@ class PoolProbes:
         self.writes = WriteProbes(self)
 
     def native_bits(self) -> int:
-        """The probes as the C core's probe word (P_* of allocator/csrc/core.h), or -1 when one
-        of them needs the Python path (guard mode with a quarantine count)."""
+        """The probes as the C core's probe word (P_* of allocator/csrc/core.h)."""
         f = self.flags
-        if f.guard and self.pool.store.quarantine:
-            return -1
         sampled = f.guard and self.pool.guard_sample > 1
         bits = NATIVE_EVENTS * f.events + NATIVE_LEAKS * f.leaks + NATIVE_MAGIC * f.magic
         # Guard mode: every release guarded, or (sampled) those of the requests it samples.

@@ -137,12 +137,23 @@ def _same_all(a: KVPool, b: KVPool, step: str) -> None:
         assert np.array_equal(pa[key], pb[key]), f"after {step}: {key} differ"
 
 
-def _run(pool_name, monkeypatch, *, sample: int, handback: bool, dtype: str, steps: int, seed: int):
+def _run(
+    pool_name,
+    monkeypatch,
+    *,
+    sample: int,
+    handback: bool,
+    dtype: str,
+    steps: int,
+    seed: int,
+    quarantine: int = 0,
+):
     for p in LIGHT:
         monkeypatch.setenv(f"KVSCOPE_{p}", "1")
     monkeypatch.setenv("KVSCOPE_GUARD", "1")
     monkeypatch.setenv("KVSCOPE_DIGEST", "1")
     monkeypatch.setenv("KVSCOPE_GUARD_SAMPLE", str(sample))
+    monkeypatch.setenv("KVSCOPE_QUARANTINE", str(quarantine))
     if handback:
         monkeypatch.setenv("KVSCOPE_NATIVE_KV", "python")
     monkeypatch.setattr(eviction, "LRU_KEEP", 8)
@@ -177,25 +188,34 @@ def _run(pool_name, monkeypatch, *, sample: int, handback: bool, dtype: str, ste
 
 
 @pytest.mark.parametrize(
-    "sample,handback,dtype",
+    "sample,handback,dtype,quarantine",
     [
-        (0, False, "float32"),
-        (0, False, "float16"),
-        (0, True, "bfloat16"),
-        (3, False, "bfloat16"),
-        (3, True, "float32"),
+        (0, False, "float32", 0),
+        (0, False, "float16", 0),
+        (0, True, "bfloat16", 0),
+        (3, False, "bfloat16", 0),
+        (3, True, "float32", 0),
+        (0, False, "float32", 6),
+        (0, True, "float16", 6),
     ],
     ids=["guard-cpu-fp32", "guard-cpu-fp16", "guard-handback-bf16", "sampled3-cpu-bf16",
-         "sampled3-handback-fp32"],
+         "sampled3-handback-fp32", "quarantine6-cpu-fp32", "quarantine6-handback-fp16"],
 )  # fmt: skip
 def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
-    pool_name, monkeypatch, sample, handback, dtype
+    pool_name, monkeypatch, sample, handback, dtype, quarantine
 ):
     # GIVEN two pools with every probe `kvscope run` switches on (guard in full or sampled,
-    # digest), one on the C core and one on the Python path
+    # digest; with a quarantine count or not), one on the C core and one on the Python path
     # WHEN the same operations run on both, K/V written, hostile writes planted now and then
     stats, kinds = _run(
-        pool_name, monkeypatch, sample=sample, handback=handback, dtype=dtype, steps=300, seed=3
+        pool_name,
+        monkeypatch,
+        sample=sample,
+        handback=handback,
+        dtype=dtype,
+        steps=300,
+        seed=3,
+        quarantine=quarantine,
     )
     # THEN segment bytes, K/V bytes, events and findings agreed after every step (in _run); the
     # plants were found (a write past a block's end: when its release is guarded); and the core

@@ -18,7 +18,72 @@ static int local_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     return OK;
 }
 
-/* ring.pop (no quarantine: pools with one stay on the Python path). Free lock held. */
+/* ring._push_raw: ids at the ring's tail (journaled; records unchanged). Free lock held. */
+static int ring_append(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0) return OK;
+    uint8_t *h = ringh(n);
+    uint64_t tail = U8(h + RING_TAIL);
+    if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
+    uint64_t first = tail % (uint64_t)n->nb;
+    uint64_t n1 = (uint64_t)k < (uint64_t)n->nb - first ? (uint64_t)k : (uint64_t)n->nb - first;
+    if (jsave(n, n->off_ring + RING_IDS + 4 * first, (uint32_t)(4 * n1))) return FALLBACK;
+    if (n1 < (uint64_t)k && jsave(n, n->off_ring + RING_IDS, (uint32_t)(4 * ((uint64_t)k - n1))))
+        return FALLBACK;
+    int32_t *ring = (int32_t *)(h + RING_IDS);
+    for (int64_t i = 0; i < k; i++) ring[(tail + (uint64_t)i) % (uint64_t)n->nb] = ids[i];
+    U8(h + RING_TAIL) = tail + (uint64_t)k;
+    U4(h + RING_COUNT) += (uint32_t)k;
+    return OK;
+}
+
+/* A block freed in guard mode fewer than `quarantine` allocations ago (ring.py). */
+static inline int young(Native *n, int32_t b, uint64_t allocs) {
+    uint8_t *r = blk(n, b);
+    return r[BF_STATE] == B_QUARANTINED &&
+           (int64_t)allocs - (int64_t)U8(r + BF_FREED_AT) < n->quarantine;
+}
+
+/* ring._release_quarantine: of the ids[0..k) just popped, send the young ones back to the
+ * tail and take older free blocks from behind the head instead (at most one lap of the ring);
+ * when only young ones are left, they are used anyway. The ring header is journaled. */
+static int release_quarantine(Native *n, int32_t *ids, int64_t k) {
+    uint8_t *h = ringh(n);
+    uint64_t allocs = U8(h + RING_ALLOCS);
+    int any = 0;
+    for (int64_t i = 0; i < k && !any; i++) any = young(n, ids[i], allocs);
+    if (!any) return OK;
+    uint32_t rest = U4(h + RING_COUNT);
+    /* keep and extra hold at most k each, back the young of both: k + rest */
+    int32_t *keep = malloc(sizeof(int32_t) * (size_t)(3 * k + rest));
+    if (keep == NULL) return FALLBACK;
+    int32_t *extra = keep + k, *back = extra + k;
+    int64_t nk = 0, ne = 0, nb = 0;
+    for (int64_t i = 0; i < k; i++) {
+        if (young(n, ids[i], allocs)) back[nb++] = ids[i];
+        else keep[nk++] = ids[i];
+    }
+    int32_t *ring = (int32_t *)(h + RING_IDS);
+    for (uint32_t it = 0; it < rest && nk + ne < k; it++) {
+        /* ring.pop_raw of one */
+        uint64_t head = U8(h + RING_HEAD);
+        int32_t b = ring[head % (uint64_t)n->nb];
+        U8(h + RING_HEAD) = head + 1;
+        U4(h + RING_COUNT) -= 1;
+        if (young(n, b, allocs)) back[nb++] = b;
+        else extra[ne++] = b;
+    }
+    int64_t g = 0;
+    for (int64_t i = 0; i < nk; i++) ids[g++] = keep[i];
+    for (int64_t i = 0; i < ne; i++) ids[g++] = extra[i];
+    int64_t used = 0;
+    while (g < k) ids[g++] = back[used++];
+    int rc = ring_append(n, back + used, nb - used);
+    free(keep);
+    return rc;
+}
+
+/* ring.pop: up to k ids from the head, with the quarantine rule of a pool that has a
+ * quarantine count. Free lock held. */
 static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     uint8_t *h = ringh(n);
     uint32_t cnt = U4(h + RING_COUNT);
@@ -29,6 +94,7 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
     U8(h + RING_HEAD) = head + (uint64_t)k;
     U4(h + RING_COUNT) = cnt - (uint32_t)k;
+    if (n->quarantine > 0 && k > 0 && release_quarantine(n, out, k)) return FALLBACK;
     U8(h + RING_ALLOCS) += (uint64_t)k;
     *got = k;
     return OK;
@@ -50,18 +116,7 @@ static int ring_push_state(Native *n, const int32_t *ids, int64_t k, uint8_t sta
         seal(n, ids[i]);
         if (state == B_QUARANTINED) U8(r + BF_FREED_AT) = U8(h + RING_ALLOCS);
     }
-    uint64_t tail = U8(h + RING_TAIL);
-    if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
-    uint64_t first = tail % (uint64_t)n->nb;
-    uint64_t n1 = (uint64_t)k < (uint64_t)n->nb - first ? (uint64_t)k : (uint64_t)n->nb - first;
-    if (jsave(n, n->off_ring + RING_IDS + 4 * first, (uint32_t)(4 * n1))) return FALLBACK;
-    if (n1 < (uint64_t)k && jsave(n, n->off_ring + RING_IDS, (uint32_t)(4 * ((uint64_t)k - n1))))
-        return FALLBACK;
-    int32_t *ring = (int32_t *)(h + RING_IDS);
-    for (int64_t i = 0; i < k; i++) ring[(tail + (uint64_t)i) % (uint64_t)n->nb] = ids[i];
-    U8(h + RING_TAIL) = tail + (uint64_t)k;
-    U4(h + RING_COUNT) += (uint32_t)k;
-    return OK;
+    return ring_append(n, ids, k);
 }
 
 static inline int ring_push(Native *n, const int32_t *ids, int64_t k) {

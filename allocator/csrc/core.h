@@ -102,6 +102,7 @@ typedef struct {
     int32_t pid;
     uint64_t start;
     int64_t local_cap, local_max, slot_batch;
+    int64_t quarantine; /* the pool's quarantine count (ring.py): 0 for none */
     PyObject *reserve; /* SeqTable.reserve: this process's reserved slots (a list, shared) */
     PyObject *ids;     /* SeqTable.ids: [next_id, end_id] (a list, shared) */
     PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */

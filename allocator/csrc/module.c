@@ -44,6 +44,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"index_width", &n->index_w, I64},    {"num_shards", &n->num_shards, I64},
         {"local_cap", &n->local_cap, I64},    {"local_max", &n->local_max, I64},
         {"slot_batch", &n->slot_batch, I64},  {"uid", &n->uid, I64},
+        {"quarantine", &n->quarantine, I64},
         {"off_blocks", &n->off_blocks, SIZE}, {"off_ring", &n->off_ring, SIZE},
         {"off_index", &n->off_index, SIZE},   {"off_seqs", &n->off_seqs, SIZE},
         {"off_locks", &n->off_locks, SIZE},   {"c_seq", &n->c_seq, SIZE},
