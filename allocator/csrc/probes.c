@@ -205,44 +205,6 @@ static int leak_scratch(Native *n) {
     return n->refs != NULL;
 }
 
-/* Count, in n->refs, the blocks of `slot`'s table (the segment's copy). */
-static void count_table(Native *n, int64_t slot, int sign) {
-    uint8_t *s = seqrec(n, slot);
-    uint32_t nb = U4(s + SF_NUM_BLOCKS);
-    if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
-    int32_t *t = (int32_t *)(s + SF_TABLE);
-    for (uint32_t j = 0; j < nb; j++)
-        if (t[j] >= 0 && t[j] < n->nb) n->refs[t[j]] += sign;
-}
-
-/* n->refs += (or -=) every live sequence of this handle's table. */
-static int count_handle_tables(Native *n, int sign, int64_t skip_slot) {
-    Py_ssize_t pos = 0;
-    PyObject *key, *val;
-    while (PyDict_Next(n->seqs, &pos, &key, &val)) {
-        int64_t slot = PyLong_AsLongLong(key);
-        if (slot == -1 && PyErr_Occurred()) return ERROR;
-        if (slot >= 0 && slot < n->max_seqs && slot != skip_slot) count_table(n, slot, sign);
-    }
-    return OK;
-}
-
-/* before_release: each unindexed ALLOCATED block of the table has as many references as
- * this handle's sequences map it. OK, FALLBACK on a mismatch (Python reports it), ERROR. */
-static int refcounts_match(Native *n, const int32_t *ids, int64_t k) {
-    if (!(n->probes & P_LEAKS) || k == 0) return OK;
-    if (!leak_scratch(n)) return FALLBACK;
-    if (count_handle_tables(n, 1, -1)) return ERROR;
-    int bad = 0;
-    for (int64_t i = 0; i < k; i++) {
-        uint8_t *r = blk(n, ids[i]);
-        if (r[BF_INDEXED] || r[BF_STATE] != B_ALLOCATED) continue;
-        if (I4(r + BF_REFCOUNT) != n->refs[ids[i]]) bad = 1;
-    }
-    count_handle_tables(n, -1, -1);
-    return bad ? FALLBACK : OK;
-}
-
 static void maybe_live_add(Native *n, int64_t slot) {
     if (n->maybe_valid && !n->in_maybe[slot]) {
         n->in_maybe[slot] = 1;
@@ -279,6 +241,49 @@ static int maybe_live_sync(Native *n) {
         }
     n->maybe_valid = 1;
     return 0;
+}
+
+/* Count, in n->refs, the blocks of `slot`'s table (the segment's copy). */
+static void count_table(Native *n, int64_t slot, int sign) {
+    uint8_t *s = seqrec(n, slot);
+    uint32_t nb = U4(s + SF_NUM_BLOCKS);
+    if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
+    int32_t *t = (int32_t *)(s + SF_TABLE);
+    for (uint32_t j = 0; j < nb; j++)
+        if (t[j] >= 0 && t[j] < n->nb) n->refs[t[j]] += sign;
+}
+
+/* n->refs += (or -=) every live sequence of this handle's table (the handle's live sequences,
+ * KVPool._seqs, are the live slots of its client: read from the segment, not the dict). */
+static int count_handle_tables(Native *n, int sign, int64_t skip_slot) {
+    if (maybe_live_sync(n)) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    for (int64_t m = 0; m < n->n_maybe; m++) {
+        int64_t slot = n->maybe_live[m];
+        uint8_t *q = seqrec(n, slot);
+        if (q[SF_STATE] == S_EMPTY || I4(q + SF_OWNER_CLIENT) != n->client || slot == skip_slot)
+            continue;
+        count_table(n, slot, sign);
+    }
+    return OK;
+}
+
+/* before_release: each unindexed ALLOCATED block of the table has as many references as
+ * this handle's sequences map it. OK, FALLBACK on a mismatch (Python reports it), ERROR. */
+static int refcounts_match(Native *n, const int32_t *ids, int64_t k) {
+    if (!(n->probes & P_LEAKS) || k == 0) return OK;
+    if (!leak_scratch(n)) return FALLBACK;
+    if (count_handle_tables(n, 1, -1)) return ERROR;
+    int bad = 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_INDEXED] || r[BF_STATE] != B_ALLOCATED) continue;
+        if (I4(r + BF_REFCOUNT) != n->refs[ids[i]]) bad = 1;
+    }
+    count_handle_tables(n, -1, -1);
+    return bad ? FALLBACK : OK;
 }
 
 /* writes._check_unmapped: no live sequence (of any process) maps a block about to be handed
