@@ -198,6 +198,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->kv_obj);
     PyMem_Free(n->checked);
     PyMem_Free(n->refs);
+    PyMem_Free(n->refs_stamp);
     PyMem_Free(n->maybe_live);
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);

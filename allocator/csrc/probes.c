@@ -185,8 +185,13 @@ static int conserved(Native *n) {
  * a copy taken after the probe's first check; a difference, or counts that do not agree, go
  * to the probe, which checks again and reports. OK, or ERROR with an exception set. */
 static int verify_often(Native *n, PyObject *pool) {
-    uint64_t now = mono_ns();
-    if (now - n->last_verify_ns < VERIFY_EVERY_NS) return OK;
+    /* Every operation reads the clock: the coarse one, with its resolution taken off the
+     * interval, so that the check still runs once VERIFY_EVERY_NS have passed (and at
+     * worst a resolution sooner). */
+    if (n->coarse_slack == 0) n->coarse_slack = coarse_slack_ns();
+    int coarse = n->coarse_slack != UINT64_MAX;
+    uint64_t now = coarse ? mono_coarse_ns() : mono_ns();
+    if (now - n->last_verify_ns < VERIFY_EVERY_NS - (coarse ? n->coarse_slack : 0)) return OK;
     n->last_verify_ns = now;
     if (n->hdr_copy == NULL || memcmp(n->hdr_copy, n->seg, n->hdr_len) != 0) {
         if (call_probe(pool, s_verify_often)) return ERROR;
@@ -200,9 +205,31 @@ static int verify_often(Native *n, PyObject *pool) {
 
 /* -- leaks (probing.py before_release / after_release, writes.py _check_unmapped) ------------- */
 
+/* The scratch counts per block, new for one check: a count is valid only where its stamp is
+ * this check's, so no pass is needed to clear them afterwards. 0, or -1 without memory. */
 static int leak_scratch(Native *n) {
-    if (n->refs == NULL) n->refs = PyMem_Calloc((size_t)n->nb, sizeof(int32_t));
-    return n->refs != NULL;
+    if (n->refs == NULL) {
+        n->refs = PyMem_Calloc((size_t)n->nb, sizeof(int32_t));
+        n->refs_stamp = PyMem_Calloc((size_t)n->nb, sizeof(uint32_t));
+        if (n->refs == NULL || n->refs_stamp == NULL) return 0;
+    }
+    if (++n->refs_epoch == 0) {
+        memset(n->refs_stamp, 0, (size_t)n->nb * sizeof(uint32_t));
+        n->refs_epoch = 1;
+    }
+    return 1;
+}
+
+static inline void ref_add(Native *n, int32_t b) {
+    if (n->refs_stamp[b] != n->refs_epoch) {
+        n->refs_stamp[b] = n->refs_epoch;
+        n->refs[b] = 0;
+    }
+    n->refs[b] += 1;
+}
+
+static inline int32_t ref_get(Native *n, int32_t b) {
+    return n->refs_stamp[b] == n->refs_epoch ? n->refs[b] : 0;
 }
 
 static void maybe_live_add(Native *n, int64_t slot) {
@@ -243,19 +270,19 @@ static int maybe_live_sync(Native *n) {
     return 0;
 }
 
-/* Count, in n->refs, the blocks of `slot`'s table (the segment's copy). */
-static void count_table(Native *n, int64_t slot, int sign) {
+/* Count, in the scratch counts, the blocks of `slot`'s table (the segment's copy). */
+static void count_table(Native *n, int64_t slot) {
     uint8_t *s = seqrec(n, slot);
     uint32_t nb = U4(s + SF_NUM_BLOCKS);
     if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
     int32_t *t = (int32_t *)(s + SF_TABLE);
     for (uint32_t j = 0; j < nb; j++)
-        if (t[j] >= 0 && t[j] < n->nb) n->refs[t[j]] += sign;
+        if (t[j] >= 0 && t[j] < n->nb) ref_add(n, t[j]);
 }
 
-/* n->refs += (or -=) every live sequence of this handle's table (the handle's live sequences,
+/* Count every live sequence of this handle's table (the handle's live sequences,
  * KVPool._seqs, are the live slots of its client: read from the segment, not the dict). */
-static int count_handle_tables(Native *n, int sign, int64_t skip_slot) {
+static int count_handle_tables(Native *n, int64_t skip_slot) {
     if (maybe_live_sync(n)) {
         PyErr_NoMemory();
         return ERROR;
@@ -265,7 +292,7 @@ static int count_handle_tables(Native *n, int sign, int64_t skip_slot) {
         uint8_t *q = seqrec(n, slot);
         if (q[SF_STATE] == S_EMPTY || I4(q + SF_OWNER_CLIENT) != n->client || slot == skip_slot)
             continue;
-        count_table(n, slot, sign);
+        count_table(n, slot);
     }
     return OK;
 }
@@ -275,14 +302,13 @@ static int count_handle_tables(Native *n, int sign, int64_t skip_slot) {
 static int refcounts_match(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
     if (!leak_scratch(n)) return FALLBACK;
-    if (count_handle_tables(n, 1, -1)) return ERROR;
+    if (count_handle_tables(n, -1)) return ERROR;
     int bad = 0;
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         if (r[BF_INDEXED] || r[BF_STATE] != B_ALLOCATED) continue;
-        if (I4(r + BF_REFCOUNT) != n->refs[ids[i]]) bad = 1;
+        if (I4(r + BF_REFCOUNT) != ref_get(n, ids[i])) bad = 1;
     }
-    count_handle_tables(n, -1, -1);
     return bad ? FALLBACK : OK;
 }
 
@@ -290,22 +316,33 @@ static int refcounts_match(Native *n, const int32_t *ids, int64_t k) {
  * out. OK, or FALLBACK (Python reports the stale table). */
 static int unmapped(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
-    if (!leak_scratch(n) || maybe_live_sync(n)) return FALLBACK;
-    for (int64_t i = 0; i < k; i++) n->refs[ids[i]] = 1;
+    if (maybe_live_sync(n)) return FALLBACK;
+    /* One block (a decode step's new block, the common case): a plain compare over each table,
+     * which the compiler vectorizes; more: a mark per block in the scratch counts. */
+    int32_t one = k == 1 ? ids[0] : -1;
+    if (k > 1) {
+        if (!leak_scratch(n)) return FALLBACK;
+        for (int64_t i = 0; i < k; i++) ref_add(n, ids[i]);
+    }
     int hit = 0;
     for (int64_t m = 0; m < n->n_maybe && !hit; m++) {
         uint8_t *q = seqrec(n, n->maybe_live[m]);
         if (q[SF_STATE] == S_EMPTY) continue;
         uint32_t nb = U4(q + SF_NUM_BLOCKS);
         if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
-        int32_t *t = (int32_t *)(q + SF_TABLE);
+        const int32_t *t = (const int32_t *)(q + SF_TABLE);
+        if (k == 1) {
+            int found = 0;
+            for (uint32_t j = 0; j < nb; j++) found |= t[j] == one;
+            hit = found;
+            continue;
+        }
         for (uint32_t j = 0; j < nb; j++)
-            if (t[j] >= 0 && t[j] < n->nb && n->refs[t[j]]) {
+            if (t[j] >= 0 && t[j] < n->nb && ref_get(n, t[j])) {
                 hit = 1;
                 break;
             }
     }
-    for (int64_t i = 0; i < k; i++) n->refs[ids[i]] = 0;
     return hit ? FALLBACK : OK;
 }
 
@@ -323,14 +360,14 @@ static PyObject *leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t
               I4(r + BF_OWNER_CLIENT) == n->client;
     }
     if (!any) return out;
-    if (!leak_scratch(n) || count_handle_tables(n, 1, slot)) {
+    if (!leak_scratch(n) || count_handle_tables(n, slot)) {
         Py_DECREF(out);
         return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         if (r[BF_STATE] != B_ALLOCATED || r[BF_INDEXED] || I4(r + BF_REFCOUNT) <= 0 ||
-            I4(r + BF_OWNER_CLIENT) != n->client || n->refs[ids[i]])
+            I4(r + BF_OWNER_CLIENT) != n->client || ref_get(n, ids[i]))
             continue;
         int dup = 0;
         for (int64_t j = 0; j < i; j++) dup |= ids[j] == ids[i];
@@ -341,7 +378,6 @@ static PyObject *leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t
             break;
         }
     }
-    count_handle_tables(n, -1, slot);
     return out;
 }
 
