@@ -134,6 +134,14 @@ class DeviceChecks:
 
     def settle(self, wait: bool = False) -> None:
         """Act on the answers that are in (every answer, waiting for them, with `wait`)."""
+        if not self.pending or self.settling:
+            return
+        # Under the handle's op mutex, as the checks were queued (inside the core's operations):
+        # two threads never take the same answer, nor one half-queued.
+        with self.pool._mutex:
+            self._settle(wait)
+
+    def _settle(self, wait: bool) -> None:
         if self.settling:
             return
         self.settling = True

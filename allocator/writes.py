@@ -136,7 +136,8 @@ class WriteProbes:
         pool = self.pool
         table = list(seq.block_table)
         if self.later is not None:
-            self.later.unwritten(table, len(seq.tokens) - 1, seq.request_id)
+            with pool._mutex:  # (queued as the core queues its checks)
+                self.later.unwritten(table, len(seq.tokens) - 1, seq.request_id)
             return
         core = self._kv_core()
         if core is not None and not core.unwritten(table, len(seq.tokens) - 1):
