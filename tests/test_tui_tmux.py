@@ -17,12 +17,45 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is no
 # The terminal's size comes from tmux: never from COLUMNS / LINES that something in the test
 # session may have exported (shutil.get_terminal_size, and so Textual, prefers them).
 _ENV = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+# A tmux server of this test process's own: a command in a session gets the environment of the
+# server, and a server another test suite started (with its own KVSCOPE_SHM_DIR) would run
+# `kvscope top` against that suite's pools.
+_SERVER = ["tmux", "-L", f"kvscope-test-{os.getpid()}"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_server():
+    yield
+    subprocess.run([*_SERVER, "kill-server"], capture_output=True)
 
 
 def _tmux(*args: str) -> str:
     return subprocess.run(
-        ["tmux", *args], capture_output=True, text=True, check=False, env=_ENV
+        [*_SERVER, *args], capture_output=True, text=True, check=False, env=_ENV
     ).stdout
+
+
+def _tmux_rc(*args: str) -> int:
+    return subprocess.run([*_SERVER, *args], capture_output=True, env=_ENV).returncode
+
+
+def _new_session(session: str, width: int, height: int, command: str) -> None:
+    subprocess.run(
+        [
+            *_SERVER,
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            command,
+        ],
+        check=True,
+        env=_ENV,
+    )
 
 
 def _top_command(name: str) -> str:
@@ -37,31 +70,11 @@ def test_kvscope_top_in_tmux_shows_the_live_pool(make_pool):
     pool = make_pool(256)
     pool.allocate("tmux-request", list(range(12)))
     session = f"kvscope-top-{uuid.uuid4().hex[:8]}"
-    subprocess.run(
-        [
-            "tmux",
-            "new-session",
-            "-d",
-            "-s",
-            session,
-            "-x",
-            "160",
-            "-y",
-            "48",
-            _top_command(pool.name),
-        ],
-        check=True,
-        env=_ENV,
-    )
+    _new_session(session, 160, 48, _top_command(pool.name))
     try:
-        # WHEN kvscope top runs in a 160x48 terminal
-        screen = ""
-        for _ in range(100):
-            time.sleep(0.2)
-            screen = _tmux("capture-pane", "-p", "-t", session)
-            # Panels render on their own frames: wait for all of them.
-            if all(x in screen for x in ("tmux-request", "healthy", "blocks (256)", pool.name)):
-                break
+        # WHEN kvscope top runs in a 160x48 terminal (panels render on their own frames: wait
+        # for all of them)
+        screen = _wait_for(session, "tmux-request", "healthy", "blocks (256)", pool.name)
         # THEN the screen shows the pool, its health, the block map and the request
         assert pool.name in screen
         assert "healthy" in screen
@@ -69,25 +82,16 @@ def test_kvscope_top_in_tmux_shows_the_live_pool(make_pool):
         assert "tmux-request" in screen
         # AND a request the pool's user adds shows up live
         pool.allocate("late-request", list(range(4)))
-        for _ in range(50):
-            time.sleep(0.2)
-            screen = _tmux("capture-pane", "-p", "-t", session)
-            if "late-request" in screen:
-                break
+        screen = _wait_for(session, "late-request")
         assert "late-request" in screen
         # AND q quits
         _tmux("send-keys", "-t", session, "q")
-        for _ in range(50):
+        deadline = time.monotonic() + PATIENCE_S
+        while not _tmux_rc("has-session", "-t", session) and time.monotonic() < deadline:
             time.sleep(0.1)
-            if subprocess.run(
-                ["tmux", "has-session", "-t", session], capture_output=True
-            ).returncode:
-                break
-        assert subprocess.run(
-            ["tmux", "has-session", "-t", session], capture_output=True
-        ).returncode
+        assert _tmux_rc("has-session", "-t", session)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        _tmux("kill-session", "-t", session)
 
 
 LIVE_SCRIPT = """
@@ -139,11 +143,7 @@ def test_run_live_keeps_the_script_output_and_shows_its_exit(tmp_path, pool_name
     command = (
         f"cd {tmp_path} && {kvscope} run --live {script} {pool_name} {go}; echo EXIT=$?; sleep 60"
     )
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "36", command],
-        check=True,
-        env=_ENV,
-    )
+    _new_session(session, 120, 36, command)
     try:
         # THEN the TUI shows the pool, the script's output so far and that it runs
         screen = _wait_for(session, "req-live", "hello from the script", "script running")
@@ -161,7 +161,7 @@ def test_run_live_keeps_the_script_output_and_shows_its_exit(tmp_path, pool_name
         for line in ("hello from the script", "a warning on stderr", "done serving", "EXIT=3"):
             assert line in after
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        _tmux("kill-session", "-t", session)
 
 
 @pytest.mark.slow
@@ -173,17 +173,13 @@ def test_run_live_ends_when_its_terminal_hangs_up(tmp_path, pool_name):
     kvscope = shutil.which("kvscope", path=str(__import__("pathlib").Path(sys.executable).parent))
     session = f"kvscope-hup-{uuid.uuid4().hex[:8]}"
     command = f"cd {tmp_path} && {kvscope} run --live --stop-grace 1 {script} {pool_name} {go}"
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "36", command],
-        check=True,
-        env=_ENV,
-    )
+    _new_session(session, 120, 36, command)
     try:
         screen = _wait_for(session, "req-live", "script running")
         assert "script running" in screen
     finally:
         # WHEN the terminal goes away (the session is killed: SIGHUP)
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        _tmux("kill-session", "-t", session)
     # THEN kvscope closes its TUI, stops the script and exits: nothing of the run is left
     deadline = time.monotonic() + PATIENCE_S
     while _runs(str(script)) and time.monotonic() < deadline:
