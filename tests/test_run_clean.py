@@ -52,3 +52,21 @@ def test_a_clean_run_reports_nothing(tmp_path, config, run):
     summary = json.loads(out.stdout)
     assert summary["failed"] == 0 and summary["extra"]["cache_findings"] == 0
     assert summary["extra"]["cache_stats"]["num_evictions"] > 0
+
+
+def test_a_script_that_opens_no_pool_is_told_so(tmp_path):
+    # GIVEN a script that never opens a pool
+    script = tmp_path / "nopool.py"
+    script.write_text('print("hi")\n')
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    # WHEN it runs under kvscope run
+    out = subprocess.run(
+        [kvscope, "run", "--dump-dir", str(tmp_path), str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # THEN it exits 0, and the last line says the run watched nothing
+    assert out.returncode == 0 and out.stdout == "hi\n", out.stderr
+    assert out.stderr.splitlines()[-1].endswith("exited normally; it opened no pool")
