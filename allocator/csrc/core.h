@@ -49,25 +49,19 @@ static const uint64_t KSUM[5] = {0x9E3779B97F4A7C15ull, 0xC2B2AE3D27D4EB4Full, 0
                                  0x27D4EB2F165667C5ull, 0xFF51AFD7ED558CCDull};
 static const uint64_t CHAIN_P = 0x100000001B3ull;
 
-static inline uint64_t wall_ns(void) {
+static inline uint64_t clock_ns(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
+    clock_gettime(clock, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static inline uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
+static inline uint64_t wall_ns(void) { return clock_ns(CLOCK_REALTIME); }
+
+static inline uint64_t mono_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
 
 /* The coarse monotonic clock (the kernel's tick: a few ms; a seventh of mono_ns's cost on a TSC
  * machine, 3 ns against 20) for the magic probe's check cadence, read at every operation. */
-static inline uint64_t mono_coarse_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
+static inline uint64_t mono_coarse_ns(void) { return clock_ns(CLOCK_MONOTONIC_COARSE); }
 
 /* How much less than the time passed a difference of two coarse readings can be: its
  * resolution (or UINT64_MAX when the coarse clock is not usable for a 10 ms cadence). */
