@@ -91,22 +91,6 @@ static void fill_bits(Native *n, uint8_t *p, int64_t m, uint64_t v) {
 
 /* -- the handback (data the core cannot reach) ------------------------------------------------ */
 
-/* Hold the op mutex while Python runs inside a transaction: a kernel launch may release the
- * GIL, and no other thread may start an operation on the mapping meanwhile. OK or FALLBACK. */
-static int hold_mutex(Native *n) {
-    if (n->mutex_held) return OK;
-    PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
-    int ok = r == Py_True;
-    Py_XDECREF(r);
-    if (!ok) {
-        PyErr_Clear();
-        return FALLBACK;
-    }
-    n->mutex_held = 1;
-    *n->busy += 1;
-    return OK;
-}
-
 /* writes.WriteProbes.native_kv(op, ids) for the blocks ids[0..k): a new reference (None when
  * the handle has no probe any more); NULL with an exception set, or NULL without one when
  * another thread holds the op mutex (the operation falls back). */

@@ -18,6 +18,24 @@ static int lock_fcntl(Native *n, int i, short type, int wait) {
     Py_END_ALLOW_THREADS return r;
 }
 
+/* Hold the handle's op mutex (without waiting for it) while the core lets go of the GIL: to
+ * wait for a lock, or for Python to run inside a transaction (kvdata.c's handback, whose kernel
+ * launch may release it): no other thread may start an operation on the mapping meanwhile.
+ * OK or FALLBACK. */
+static int hold_mutex(Native *n) {
+    if (n->mutex_held) return OK;
+    PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
+    int ok = r == Py_True;
+    Py_XDECREF(r);
+    if (!ok) {
+        PyErr_Clear();
+        return FALLBACK;
+    }
+    n->mutex_held = 1;
+    *n->busy += 1;
+    return OK;
+}
+
 /* Take lock i as LockTable.acquire does; FALLBACK (not taken) when its record names a dead
  * holder or the wait fails: the Python path then recovers or reports. The core takes locks in
  * the documented order only, so its waits cannot close a cycle; it publishes them (waits.py)
@@ -30,17 +48,7 @@ static int lock_take(Native *n, int i) {
         contended = 1;
         /* Waiting releases the GIL: hold the op mutex meanwhile, so that no other thread of
          * this process starts an operation on the mapping (fcntl locks do not exclude it). */
-        if (!n->mutex_held) {
-            PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
-            int ok = r == Py_True;
-            Py_XDECREF(r);
-            if (!ok) {
-                PyErr_Clear();
-                return FALLBACK;
-            }
-            n->mutex_held = 1;
-            *n->busy += 1;
-        }
+        if (hold_mutex(n) != OK) return FALLBACK;
         U8(n->seg + n->c_wait) = (uint64_t)(i + 1) | ((uint64_t)(i + 1) << 32);
         int r = lock_fcntl(n, i, F_WRLCK, 1);
         U8(n->seg + n->c_wait) = 0;
