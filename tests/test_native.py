@@ -113,17 +113,25 @@ def _script(rng: random.Random, steps: int, churn: bool = False):
             yield ("abort", rng.random(), None)
 
 
-def _apply(pool: KVPool, live: list, op: tuple) -> object:
+def _apply(pool: KVPool, live: list, op: tuple, written=None) -> object:
+    """One scripted operation; `written(seq, first, copies)` writes K/V as an engine does after
+    an allocation (copies None) and an append."""
     kind, arg, extra = op
     try:
         if kind == "allocate":
             live.append(pool.allocate(arg, extra))
+            if written is not None:
+                written(live[-1], live[-1].num_cached_tokens, None)
             return live[-1].block_table
         if not live:
             return None
         seq = live[int(arg * len(live))]
         if kind == "append":
-            return pool.append(seq, extra)
+            first = len(seq.tokens)
+            copies = pool.append(seq, extra)
+            if written is not None:
+                written(seq, first, copies)
+            return copies
         if kind == "publish":
             return pool.mark_computed(seq, seq.num_tokens)
         if kind == "fork":

@@ -19,6 +19,7 @@ from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import int_view
 from kvscope.probes import lockdep
+from tests.test_native import _apply as _native_apply
 from tests.test_native import _fields, _script, _state
 from tests.test_native_probes import _probe_state
 
@@ -78,36 +79,15 @@ def _plant(pool: KVPool, live: list, kind: str, rng: random.Random) -> None:
 
 
 def _apply(pool: KVPool, live: list, op: tuple, skip: bool) -> object:
-    """tests/test_native.py's _apply, writing K/V as an engine does (copies first)."""
-    from kvscope.allocator import PoolExhausted
+    """tests/test_native.py's _apply, writing K/V as an engine does (copies first; with `skip`,
+    an append's first new position is not written)."""
 
-    kind, arg, extra = op
-    try:
-        if kind == "allocate":
-            seq = pool.allocate(arg, extra)
-            live.append(seq)
-            _write(pool, seq, seq.num_cached_tokens)
-            return seq.block_table
-        if not live:
-            return None
-        seq = live[int(arg * len(live))]
-        if kind == "append":
-            first = len(seq.tokens)
-            copies = pool.append(seq, extra)
-            for src, dst in copies:
-                pool.kv[:, :, dst, :BS] = pool.kv[:, :, src, :BS]
-            _write(pool, seq, first, skip=first if skip else -1)
-            return copies
-        if kind == "publish":
-            return pool.mark_computed(seq, seq.num_tokens)
-        if kind == "fork":
-            live.append(pool.fork(seq, extra))
-            return live[-1].block_table
-        live.remove(seq)
-        (pool.free if kind == "free" else pool.abort)(seq)
-        return None
-    except PoolExhausted as e:
-        return ("exhausted", e.needed)
+    def written(seq, first: int, copies: list | None) -> None:
+        for src, dst in copies or []:
+            pool.kv[:, :, dst, :BS] = pool.kv[:, :, src, :BS]
+        _write(pool, seq, first, skip=first if skip and copies is not None else -1)
+
+    return _native_apply(pool, live, op, written)
 
 
 # The time a block was freed, in a use_after_free message, is each pool's own.
