@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvscope.allocator import integrity
-from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import CHUNK
 
@@ -162,17 +161,12 @@ class DeviceChecks:
     def _canaries_read(self, flags: np.ndarray, ids: list[int], recs: np.ndarray) -> None:
         from kvscope.kernels import fill_guard
 
-        bad = np.flatnonzero(flags).tolist()
-        if not bad:
+        bad = np.flatnonzero(flags)
+        if not len(bad):
             return
-        fill_guard(self.pool.kv, blocks=[ids[i] for i in bad])
-        probes = self.probes
-        for i in bad:
-            if probes.recorder is not None:
-                probes.recorder.record(EventOp.GUARD_VIOLATION, [ids[i]])
-            probes.block_finding(
-                FindingKind.GUARD_VIOLATION, ids[i], integrity.CANARY_MESSAGE, rec=recs[i]
-            )
+        blocks = [ids[i] for i in bad.tolist()]
+        fill_guard(self.pool.kv, blocks=blocks)
+        self.probes.report_guard(blocks, recs[bad])
 
     def _poison_read(self, counts: np.ndarray, ids: list[int], recs: np.ndarray) -> None:
         for i in np.flatnonzero(counts).tolist():
@@ -187,24 +181,14 @@ class DeviceChecks:
 
     def _verify_read(self, got: list[int], ids: list[int], recs: np.ndarray, when: str) -> None:
         pool = self.pool
-        for i, d in enumerate(got):
-            want = int(recs[i]["kv_digest"])
-            if d >> 32 != want >> 32:
-                msg = integrity.modified_message(
-                    when, d >> 32, want >> 32, pool.kv, pool.block_size
-                )
-                self.probes.block_finding(
-                    FindingKind.PUBLISHED_BLOCK_MODIFIED, ids[i], msg, rec=recs[i]
-                )
+        for blk, found, want in integrity.changed(ids, got, recs["kv_digest"].tolist()):
+            msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size)
+            rec = recs[ids.index(blk)]
+            self.probes.block_finding(FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg, rec=rec)
 
     def _unwritten_read(self, blank: np.ndarray, table: list[int], num: int, request: str) -> None:
-        for blk, first, last, slots in integrity.unwritten_in(
-            blank, table, num, self.pool.block_size
-        ):
-            msg = integrity.UNWRITTEN_MESSAGE.format(
-                request=request, slots=slots, first=first, last=last
-            )
-            self.probes.block_finding(FindingKind.KV_NEVER_WRITTEN, blk, msg)
+        found = integrity.unwritten_in(blank, table, num, self.pool.block_size)
+        self.probes.writes.report_unwritten(found, request)
 
     def _write_stamps(self) -> None:
         """The digests answered into their records, where the block is still published in the

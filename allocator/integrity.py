@@ -115,11 +115,15 @@ def modified(
     ids = ids[has_digest(blocks, ids)]
     if len(ids) == 0:
         return []
-    found = digests_of(kv, ids, block_size)
-    want = blocks["kv_digest"][ids].tolist()
+    return changed(ids.tolist(), digests_of(kv, ids, block_size), blocks["kv_digest"][ids].tolist())
+
+
+def changed(ids: list[int], found: list[int], words: list[int]) -> list[tuple[int, int, int]]:
+    """The blocks whose digest (`found`) differs from their record's `kv_digest` word: (block,
+    high half found, high half recorded)."""
     return [
         (int(b), d >> 32, int(w) >> 32)
-        for b, d, w in zip(ids.tolist(), found, want)
+        for b, d, w in zip(ids, found, words)
         if d >> 32 != int(w) >> 32
     ]
 

@@ -382,16 +382,14 @@ class PoolProbes:
             fill_guard(self.pool.kv, blocks=list(bad))
         return list(bad)
 
-    def report_guard(self, bad: list[int]) -> None:
-        """Report guard violations found by scan_guard."""
-        for blk in bad:
+    def report_guard(self, bad: list[int], recs: np.ndarray | None = None) -> None:
+        """Report guard violations found by scan_guard (with the blocks' records as the release
+        saw them, `recs`, when they are reported later: devicechecks.py)."""
+        for i, blk in enumerate(bad):
             if self.recorder is not None:
                 self.recorder.record(EventOp.GUARD_VIOLATION, [blk])
-            self.block_finding(
-                FindingKind.GUARD_VIOLATION,
-                blk,
-                "the guard slot after the block's last token was overwritten: a KV write ran past the end of the block",
-            )
+            rec = None if recs is None else recs[i]
+            self.block_finding(FindingKind.GUARD_VIOLATION, blk, integrity.CANARY_MESSAGE, rec=rec)
 
     def poison(self, ids: list[int]) -> None:
         """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention

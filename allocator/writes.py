@@ -142,11 +142,14 @@ class WriteProbes:
         core = self._kv_core()
         if core is not None and not core.unwritten(table, len(seq.tokens) - 1):
             return  # the core's pass over the bytes: nothing to report
-        for blk, first, last, slots in integrity.unwritten_slots(
-            pool.kv, table, len(seq.tokens) - 1, pool.block_size
-        ):
+        found = integrity.unwritten_slots(pool.kv, table, len(seq.tokens) - 1, pool.block_size)
+        self.report_unwritten(found, seq.request_id)
+
+    def report_unwritten(self, found: list[tuple[int, int, int, int]], request: str) -> None:
+        """`kv_never_written` for each (block, first, last position, slots) of a request."""
+        for blk, first, last, slots in found:
             msg = integrity.UNWRITTEN_MESSAGE.format(
-                request=seq.request_id, slots=slots, first=first, last=last
+                request=request, slots=slots, first=first, last=last
             )
             self.probes.block_finding(FindingKind.KV_NEVER_WRITTEN, blk, msg)
 
