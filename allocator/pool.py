@@ -382,9 +382,13 @@ class KVPool:
             self.probe = PoolProbes(self, ProbeFlags(magic=True))
         return self.probe.verify()
 
-    def block_state(self) -> torch.Tensor:
+    def block_state(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 [num_blocks] on the pool's device, 1 where a block is ALLOCATED (for the
-        kernels' guard-mode checks)."""
+        kernels' guard-mode checks); with `out` (a CPU uint8 tensor of that size, page-locked
+        for an asynchronous copy), written there instead, with no upload."""
+        if out is not None:
+            np.equal(self.view.blocks["state"], BlockState.ALLOCATED, out=out.numpy().view(bool))
+            return out
         st = (self.view.blocks["state"] == BlockState.ALLOCATED).astype(np.uint8)
         return torch.from_numpy(st).to(self.kv.device)
 

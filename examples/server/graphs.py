@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from kvscope import kernels
-from kvscope.allocator import BlockState
 
 from .batch import Batch, guarded
 from .model import LlamaModel
@@ -89,7 +88,6 @@ class StepGraphs:
         self.guard: dict[str, Tensor] = {}
         num_states = cache.config.num_blocks if guarded(cache) else 0
         self.host8 = torch.zeros(num_states, dtype=torch.uint8, pin_memory=pin)
-        self.np8 = self.host8.numpy()
         if num_states:
             self.guard = {
                 "block_state": torch.zeros(num_states, dtype=torch.uint8, device=self.device),
@@ -168,11 +166,7 @@ class StepGraphs:
         starts[1 : n + 1] = np.cumsum([c.length for c in batch.chunks])
         starts[n + 1 :] = t
         if self.guard:
-            self._write_states()
-
-    def _write_states(self) -> None:
-        """The pool's block states as `cache.block_state()` has them, without its upload."""
-        np.equal(self.cache.view.blocks["state"], BlockState.ALLOCATED, out=self.np8.view(bool))
+            self.cache.block_state(out=self.host8)
 
     def _load(self) -> None:
         self.dev64.copy_(self.host64, non_blocking=True)
