@@ -24,7 +24,7 @@ from torch import Tensor
 from kvscope import kernels
 from kvscope.allocator import Finding, FindingKind
 
-from .batch import Batch
+from .batch import Batch, ErrorCopy
 from .graphs import StepGraphs
 from .model import LlamaModel
 from .report import RequestResult, StepSample
@@ -51,42 +51,6 @@ def sample(logits: Tensor, temperature: float, generator: torch.Generator | None
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class ErrorCopy:
-    """Guard mode: a step's error buffer copied to the host behind its forward.
-
-    The copy is queued right after the forward's launch and waited for once the step's sampled
-    tokens are read back, which waits for the forward anyway: reading it at once would stop the
-    host until the GPU is done, so none of the step's host work would overlap the forward.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.pin = device.type == "cuda"
-        self.copied = torch.cuda.Event() if self.pin else None
-        self.host: Tensor | None = None
-        # the step whose copy is under way (None: nothing to report)
-        self.batch: Batch | None = None
-
-    def start(self, batch: Batch) -> None:
-        """Queue the copy of the error buffer `batch`'s kernels write (the last one taken)."""
-        assert self.batch is None, "the last step's violations were not taken"
-        errors = batch.guard["errors"]
-        if self.host is None or self.host.shape != errors.shape:
-            self.host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=self.pin)
-        self.host.copy_(errors, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-        self.batch = batch
-
-    def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
-        """The step whose copy is under way and its violations (once copied), or None."""
-        batch, self.batch = self.batch, None
-        if batch is None or self.host is None:
-            return None
-        if self.copied is not None:
-            self.copied.synchronize()
-        return batch, kernels.decode_errors(self.host)
 
 
 class StepClock:
