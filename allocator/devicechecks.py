@@ -126,6 +126,8 @@ class DeviceChecks:
         """A finished request's token slots still poisoned (kv_never_written)."""
         bs = self.pool.block_size
         n = min(len(table), -(-num_tokens // bs))
+        if n <= 0:
+            return  # (a one-token request: no position whose K/V had to be written)
         blank = integrity.blank_slots(self.pool.kv, table[:n], bs)
         self._later(blank, lambda b: self._unwritten_read(b, table, num_tokens, request))
 

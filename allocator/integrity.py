@@ -201,13 +201,12 @@ def can_poison(kv: KV) -> bool:
 def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor:
     """Which elements of the token slots of blocks `ids` hold the poison: bool, [block, slot,
     the slot's elements in every layer, K and V] (kvbits.poisoned for bits)."""
-    import torch
-
+    from kvscope.kernels.backend import block_ids
     from kvscope.kernels.digest import int_view
 
-    idx = torch.as_tensor(np.asarray(ids, np.int64), device=kv.device)
+    idx = block_ids(np.asarray(ids, np.int64), kv.device)
     bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
-    same = bits == poison_bits(kv.dtype).to(kv.device)
+    same = bits == int(poison_bits(kv.dtype))
     return same.permute(2, 3, 0, 1, 4, 5).reshape(len(idx), block_size, -1)
 
 
@@ -219,7 +218,12 @@ def poison(kv: KV, ids: np.ndarray | list[int], block_size: int) -> None:
     if isinstance(kv, KVBits):
         kv.bits[:, :, np.asarray(ids, np.int64), :block_size] = kvbits.NAN_BITS[kv.dtype]
     else:
-        kv[:, :, [int(x) for x in ids], :block_size] = float("nan")
+        from kvscope.kernels.backend import block_ids
+
+        # index_fill_ on the token slots' view: an assignment through an index tensor uploads
+        # its NaN from the host, which waits for the GPU
+        idx = block_ids(np.asarray(ids, np.int64), kv.device)
+        kv[:, :, :, :block_size].index_fill_(2, idx, float("nan"))
 
 
 def unpoisoned_counts(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> torch.Tensor:

@@ -389,8 +389,10 @@ class KVPool:
         if out is not None:
             np.equal(self.view.blocks["state"], BlockState.ALLOCATED, out=out.numpy().view(bool))
             return out
+        from kvscope.kernels.backend import upload
+
         st = (self.view.blocks["state"] == BlockState.ALLOCATED).astype(np.uint8)
-        return torch.from_numpy(st).to(self.kv.device)
+        return upload(torch.from_numpy(st), self.kv.device)
 
     def dead_owners(self) -> list[dict[str, Any]]:
         """Processes that died while attached, with the blocks and sequences they left."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -65,6 +66,26 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor copied to `device` without the host waiting for the GPU.
+
+    A CUDA copy from pageable memory waits for the stream to reach it, i.e. for every kernel
+    queued before it (a step's whole forward); from page-locked memory it is queued like a
+    kernel. torch's page-locked allocator keeps the staging memory until the copy has run.
+    """
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def block_ids(blocks: torch.Tensor | list[int] | Any, device: torch.device) -> torch.Tensor:
+    """Block ids (a list, numpy array or tensor) as a flat int64 tensor on `device`, uploaded
+    without the host waiting (`upload`)."""
+    if isinstance(blocks, torch.Tensor) and blocks.device.type != "cpu":
+        return blocks.reshape(-1).to(device=device, dtype=torch.long)
+    return upload(torch.as_tensor(blocks, dtype=torch.long).reshape(-1), device)
 
 
 @contextlib.contextmanager

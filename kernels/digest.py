@@ -117,7 +117,7 @@ def raw_digests(
     digests; on a GPU launched, not waited for (read them when the answer is needed)."""
     assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
     assert 0 < block_size <= kv_cache.shape[3]
-    ids = torch.as_tensor(blocks, dtype=torch.long).reshape(-1).to(kv_cache.device)
+    ids = backend.block_ids(blocks, kv_cache.device)
     if ids.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=kv_cache.device)
     if backend.use_triton(kv_cache):

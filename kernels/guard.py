@@ -34,10 +34,6 @@ def canary_value(dtype: torch.dtype) -> int:
     return CANARY_BITS[torch.empty((), dtype=dtype).element_size()]
 
 
-def _block_ids(blocks: torch.Tensor | list[int] | None, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(blocks, dtype=torch.long).reshape(-1).to(device)
-
-
 def fill_guard(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None = None) -> None:
     """Write the canary into the last slot of the given blocks (all blocks when None)."""
     assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
@@ -47,7 +43,9 @@ def fill_guard(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None =
         if blocks is None:
             ints[:, :, :, -1] = value
         else:
-            ints[:, :, _block_ids(blocks, kv_cache.device), -1] = value
+            # index_fill_ on the guard slots' view: an assignment through an index tensor
+            # uploads the value from the host, which waits for the GPU
+            ints[:, :, :, -1].index_fill_(2, backend.block_ids(blocks, kv_cache.device), value)
 
 
 @triton.jit
@@ -79,10 +77,10 @@ def guard_scan(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None =
     int_dtype = canary_dtype(kv_cache.dtype)
     canary = canary_value(kv_cache.dtype)
     if not backend.use_triton(kv_cache):
-        ids = None if blocks is None else _block_ids(blocks, torch.device("cpu"))
+        ids = None if blocks is None else backend.block_ids(blocks, torch.device("cpu"))
         with backend.serial_cpu(kv_cache):
             return reference.guard_scan_ref(kv_cache, canary, int_dtype, ids)
-    ids = None if blocks is None else _block_ids(blocks, kv_cache.device)
+    ids = None if blocks is None else backend.block_ids(blocks, kv_cache.device)
     bad = _scan_triton(kv_cache, ids)
     hits = bad.nonzero(as_tuple=True)[0]
     found = hits if ids is None else ids[hits]
@@ -92,7 +90,7 @@ def guard_scan(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None =
 def guard_flags(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int]) -> torch.Tensor:
     """int32 [len(blocks)] on the cache's device, nonzero where the block's guard slot no longer
     holds the canary; launched, not waited for (read it when the answer is needed)."""
-    ids = _block_ids(blocks, kv_cache.device)
+    ids = backend.block_ids(blocks, kv_cache.device)
     if ids.numel() == 0:
         return torch.zeros(0, dtype=torch.int32, device=kv_cache.device)
     if not backend.use_triton(kv_cache):

@@ -1,12 +1,16 @@
-"""A CUDA pool: the KV tensor is shared with another process through a CUDA IPC handle."""
+"""A CUDA pool: the KV tensor is shared with another process through a CUDA IPC handle, and the
+probes' checks of its K/V never make the host wait for the GPU."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+
+from kvscope.allocator import integrity
 
 
 @pytest.mark.gpu
@@ -33,4 +37,64 @@ p.close()
     # THEN the creator sees the other process's write
     assert float(pool.kv[:, 1, blk].float().mean()) == 3.0
     pool.free(seq)
+    assert pool.check() == []
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu-deferred"])
+def test_guard_and_digest_checks_never_make_the_host_wait_for_the_gpu(
+    make_pool, monkeypatch, device
+):
+    # GIVEN a CUDA pool with guard mode and the digest on, in the C core (or a CPU pool whose
+    # core hands its checks back and reads their answers later, as it does on a CUDA pool)
+    for probe, on in (("GUARD", "1"), ("DIGEST", "1")):
+        monkeypatch.setenv(f"KVSCOPE_{probe}", on)
+    if device == "cpu-deferred":
+        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred")
+    cuda = device == "cuda"
+    # (a table with a slot reserve: the C core runs allocations and frees)
+    pool = make_pool(
+        64,
+        device="cuda" if cuda else "cpu",
+        dtype="float16",
+        block_size=16,
+        head_dim=64,
+        max_seqs=256,
+    )
+    assert pool._native is not None
+
+    def write(seq) -> None:
+        for blk in seq.block_table:  # an int index: no upload
+            pool.kv[:, :, blk, :16] = 1.0
+
+    # WHEN a request's life runs through every operation that launches a check (poison checks at
+    # allocation, digests at publication, their verification at a prefix hit, the finish check,
+    # canary scans and poison at release), with torch raising on any call that waits for the GPU
+    pool.free(pool.allocate("warm-up", [1]))  # (the first claim fills the reserve)
+    fallbacks = pool._native.stats()["fallbacks"]
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        a = pool.allocate("a", list(range(40)))
+        write(a)
+        pool.mark_computed(a, 32)
+        published = np.asarray(a.block_table[:2])
+        b = pool.allocate("b", list(range(32)) + [7, 7])
+        write(b)
+        pool.append(b, [8])
+        pool.free(a)
+        pool.free(b)
+        c = pool.allocate("c", list(range(100, 140)))
+        write(c)
+        pool.free(c)
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    # THEN the C core ran every operation, nothing waited, and once the answers are in they show
+    # no finding: the checks ran on the right blocks (b's prefix hit found a's two published
+    # blocks, with their digests)
+    assert pool._native.stats()["fallbacks"] == fallbacks
+    pool.verify()
+    assert b.num_cached_tokens == 32
+    assert integrity.has_digest(pool.view.blocks, published).all()
+    assert pool.findings() == []
     assert pool.check() == []

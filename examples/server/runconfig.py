@@ -126,6 +126,8 @@ def create_pool(config: RunConfig, max_n: int = 1) -> Any:
     from kvscope.allocator import KVPool, PoolConfig, PoolError
 
     model = model_config(config)
+    # the workers, the supervisor and a few attached tools (kvscope top, analyze)
+    max_clients = max(8, 2 * config.workers + 2)
     pool_config = PoolConfig(
         num_blocks=config.num_blocks,
         block_size=config.block_size,
@@ -134,7 +136,11 @@ def create_pool(config: RunConfig, max_n: int = 1) -> Any:
         head_dim=model.head_dim,
         dtype=resolve_dtype(config),
         device=config.device,
-        max_seqs=max(64, 2 * config.workers * config.max_num_seqs * max_n),
+        # A process keeps a reserve of sequence slots only when max_seqs >= 4 x max_clients
+        # (docs/POOL.md); without one, every allocation and free takes the sequence table's
+        # lock on the Python path instead of the C core. 16 slots at a time per process here.
+        max_clients=max_clients,
+        max_seqs=max(2 * config.workers * config.max_num_seqs * max_n, 4 * max_clients * 16),
         guard=config.guard,
     )
     try:
