@@ -206,6 +206,32 @@ class SeqTable:
             self.next_id = self._take_ids(t, SEQ_ID_BATCH)
             self.end_id = self.next_id + SEQ_ID_BATCH
 
+    def refill_due(self) -> bool:
+        """True when the next claim would take the seqs lock to refill the reserve."""
+        return self.batch > 0 and not self.can_claim_locally()
+
+    def trim_due(self) -> bool:
+        """True when the next release would find the reserve full (and take the seqs lock)."""
+        return self.batch > 0 and len(self.reserve) >= 2 * self.batch
+
+    def refill(self, t: Txn, pid: int, start: int) -> None:
+        """Refill the reserve (slots and ids) in a transaction of its own (caller: seqs lock),
+        so that the claim that needed it runs without the lock (and in the C core)."""
+        before = (list(self.reserve), self.next_id, self.end_id)
+        t.after_rollback.append(lambda: self._restore(*before))
+        self._refill(t, pid, start)
+
+    def trim(self, t: Txn) -> None:
+        """Give a batch of the reserve's slots back to the table (caller: seqs lock), so that
+        the release that found it full keeps its slot without the lock (and in the C core)."""
+        before = list(self.reserve)
+        t.after_rollback.append(lambda: self.reserve.__setitem__(slice(None), before))
+        back = self.reserve[: self.batch]  # the highest: claims pop the lowest from the end
+        for s in back:
+            self.save_head(t, s)
+        self.reserved[np.asarray(back, np.int64)] = 0
+        del self.reserve[: self.batch]
+
     def release(self, t: Txn, slot: int) -> None:
         """Give a slot back: to this process's reserve, or (seqs lock) to the table."""
         self.save_head(t, slot)

@@ -7,6 +7,7 @@ import os
 import signal
 
 import numpy as np
+import pytest
 
 from kvscope.allocator import KVPool, SeqState
 from kvscope.allocator.sequence import slot_batch
@@ -44,6 +45,25 @@ def test_reserved_slots_serve_allocate_and_free_without_the_seqs_lock(make_pool)
         pool.free(pool.fork(s, f"f{i}"))
         pool.free(s)
     assert _seqs_acquires(pool) == before
+    assert pool.check() == []
+
+
+def test_the_c_core_runs_every_allocation_and_free_as_the_reserve_empties_and_fills(make_pool):
+    # GIVEN a pool with per-process reserves of 2 slots (at most 4), run by the C core
+    pool = make_pool(64, **CONFIG)
+    if pool._native is None:
+        pytest.skip("the C core is not built")
+    # WHEN more sequences are live at once than a reserve holds, then all are freed, twice
+    for _ in range(2):
+        live = [pool.allocate(f"r{i}", [i, 1, 2]) for i in range(7)]
+        live.append(pool.fork(live[0], "f"))
+        for s in live:
+            pool.free(s)
+    # THEN each refill and each give-back ran as a transaction of its own under the seqs
+    # lock, and every allocation, fork and free ran in the core: none fell back
+    assert pool._native.stats()["fallbacks"] == 0
+    assert len(_reserved(pool, pool.client)) <= 4
+    assert pool.stats()["num_sequences"] == 0
     assert pool.check() == []
 
 
