@@ -88,16 +88,21 @@ static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t *k, uint
 /* OK when no Python-path operation of another thread is half done on this mapping. */
 static int take_mutex(Native *n) { return *n->busy ? FALLBACK : OK; }
 
-/* End of a call: give back the op mutex if waiting for a lock made it take it. */
+/* End of a call: give back the op mutex if waiting for a lock (or a handback) made it take
+ * it. An exception already raised (a handback's) is kept across the call to release(): a call
+ * made with one pending fails, and clearing that failure would lose it. */
 static void drop_mutex(Native *n) {
     if (!n->mutex_held) return;
     n->mutex_held = 0;
     *n->busy -= 1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_release);
     if (r == NULL)
         PyErr_Clear();
     else
         Py_DECREF(r);
+    PyErr_Restore(type, value, tb);
 }
 
 static PyObject *fallback(Native *n) {
