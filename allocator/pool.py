@@ -231,20 +231,6 @@ class KVPool:
         """Run fn in a transaction, escalating locks and recovering dead holders as needed."""
         return runner.run(self, locks, fn)
 
-    def _refill_reserve(self) -> None:
-        """Before a claim: refill the slot reserve in a transaction of its own when it is empty
-        (the C core claims only from the reserve)."""
-        if self.seqtab.refill_due():
-            self._check_process()
-            self._run({self.SEQS}, lambda t: self.seqtab.refill(t, self.pid, self.start))
-
-    def _trim_reserve(self) -> None:
-        """Before a release: give slots back when the reserve is full (the C core releases
-        only into the reserve)."""
-        if self.seqtab.trim_due():
-            self._check_process()
-            self._run({self.SEQS}, self.seqtab.trim)
-
     def _count(self, t: Txn, field: str, n: int = 1) -> None:
         """Add to a counter when (and only if) the transaction commits."""
         if n:
@@ -290,7 +276,7 @@ class KVPool:
         if self.probe is not None:
             self.probe.writes.settle()
         guarded = self._guard_every > 1 and self._sample_guard()
-        self._refill_reserve()
+        runner.reserve_ready(self, claiming=True)
         seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
         if seq is None:
             seq = allocate.allocate(self, request_id, tokens)
@@ -317,7 +303,7 @@ class KVPool:
 
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
         """A new sequence sharing every block of seq (refcounts +1)."""
-        self._refill_reserve()
+        runner.reserve_ready(self, claiming=True)
         if self._native is not None:
             child = self._native.fork(self, seq, request_id)
             if child is not None:
@@ -331,7 +317,7 @@ class KVPool:
             if isinstance(seq, Sequence) and seq.slot >= 0 and self._guards(seq.slot):
                 # (in sampled guard mode, the sampled requests)
                 self.probe.writes.finished(seq)
-        self._trim_reserve()
+        runner.reserve_ready(self, claiming=False)
         if self._native is None or self._native.end(self, seq, _FINISHED) is None:
             release.end(self, seq, SeqState.FINISHED)
 
@@ -339,7 +325,7 @@ class KVPool:
         """Release a sequence whose request did not finish."""
         if self.probe is not None:
             self.probe.writes.settle()
-        self._trim_reserve()
+        runner.reserve_ready(self, claiming=False)
         if self._native is None or self._native.end(self, seq, _ABORTED) is None:
             release.end(self, seq, SeqState.ABORTED)
 

@@ -44,3 +44,15 @@ def run(pool: KVPool, locks: set[int], fn: Callable[[Txn], T]) -> T:
                     recover_dead_holders(pool.locks, pool.view, pool.client, pool.report)
         finally:
             busy[0] -= 1
+
+
+def reserve_ready(pool: KVPool, claiming: bool) -> None:
+    """Before an operation that claims a sequence slot (`claiming`) or releases one: refill the
+    process's slot reserve when it is empty, or give a batch of it back when it is full, in a
+    transaction of its own under the seqs lock, so that the operation itself needs neither (the
+    C core claims and releases slots only through the reserve)."""
+    tab = pool.seqtab
+    if claiming and tab.refill_due():
+        run(pool, {pool.SEQS}, lambda t: tab.refill(t, pool.pid, pool.start))
+    elif not claiming and tab.trim_due():
+        run(pool, {pool.SEQS}, tab.trim)
