@@ -53,7 +53,7 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
     split = max_hits > 0
 
     def claim(t: Txn) -> tuple[int, int, list[int]]:
-        slot, seq_id = pool.seqtab.claim(t, rb, pool.pid, pool.start, pool.client)
+        slot, seq_id = pool.seqtab.claim(t, rb, pool.pid, pool.start, pool.client, site)
         hits = _match(pool, t, keys, tokens, max_hits)
         if split:
             pool.seqtab.write_blocks(t, slot, 0, hits)

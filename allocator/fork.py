@@ -24,9 +24,10 @@ def fork(pool: KVPool, seq: Sequence, request_id: object) -> Sequence:
     if not pool.seqtab.can_claim_locally():
         locks.add(pool.SEQS)
     rb = request_bytes(request_id)
+    site = pool._site()
 
     def op(t: Txn) -> Sequence:
-        slot, seq_id = pool.seqtab.claim(t, rb, pool.pid, pool.start, pool.client)
+        slot, seq_id = pool.seqtab.claim(t, rb, pool.pid, pool.start, pool.client, site)
         if len(ids):
             pool.store.save(t, ids)
             pool.view.blocks["refcount"][ids] += 1

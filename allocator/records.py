@@ -102,7 +102,8 @@ def seq_fields(max_blocks_per_seq: int) -> list[Field]:
         ("state", "u1"),
         # 1: the slot belongs to owner_client's reserve (EMPTY until that process uses it).
         ("reserved", "u1"),
-        ("pad", "u1", (2,)),
+        # The call that created the sequence (allocate, fork): its site id + 1; 0 not recorded.
+        ("site", "<u2"),
         ("owner_pid", "<i4"),
         ("owner_client", "<i4"),
         ("num_blocks", "<u4"),
@@ -233,7 +234,7 @@ def c_offset_names() -> dict[str, tuple[str, str]]:
     return out
 
 
-_ITEM = {"u1": 1, "<u4": 4, "<i4": 4, "<u8": 8, "<i8": 8}
+_ITEM = {"u1": 1, "<u2": 2, "<u4": 4, "<i4": 4, "<u8": 8, "<i8": 8}
 
 
 def _itemsize(f: Field) -> int:

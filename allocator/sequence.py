@@ -138,8 +138,11 @@ class SeqTable:
             and self.owner_client[slot] == self.client
         )
 
-    def claim(self, t: Txn, request: bytes, pid: int, start: int, client: int) -> tuple[int, int]:
-        """Take an empty slot for a new sequence; return (slot, seq_id)."""
+    def claim(
+        self, t: Txn, request: bytes, pid: int, start: int, client: int, site: int = -1
+    ) -> tuple[int, int]:
+        """Take an empty slot for a new sequence created at `site` (-1: not recorded); return
+        (slot, seq_id)."""
         if not self.batch:
             t.need(self.lock)
             (slot,) = self._empty_slots(1)
@@ -158,6 +161,7 @@ class SeqTable:
         rec["owner_pid"], rec["owner_client"], rec["owner_start"] = pid, client, start
         rec["request"], rec["seq_id"], rec["created_ns"] = request, seq_id, now_ns()
         rec["num_tokens"], rec["num_blocks"] = 0, 0
+        rec["site"] = site + 1 if site >= 0 else 0
         self.state[slot] = SeqState.RUNNING
         crash_point("seqs.after_claim")
         return slot, seq_id

@@ -108,17 +108,32 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
     held = 0
     for seq in seqs:
         held += len(seq.block_table)
+        # Named after the call that created the sequence (its allocate, or the fork of a sample
+        # sharing its parent's blocks): the block it is shown by may be another request's.
+        site = creation_site(pool.view, seq.slot)
+        made = f" (created at {site})" if site else ""
         pool.report(
             Finding(
                 FindingKind.LEAK_FINISHED,
-                f"request {seq.request_id!r} still held {len(seq.block_table)} block(s) when"
-                f" {when}: free or abort every sequence when its request ends",
+                f"request {seq.request_id!r}{made} still held {len(seq.block_table)} block(s)"
+                f" when {when}: free or abort every sequence when its request ends",
                 block=own_block(pool, seq),
                 owner_pid=os.getpid(),
                 request=str(seq.request_id)[:32],
             )
         )
     return seqs, held
+
+
+def creation_site(view: Any, slot: int) -> str | None:
+    """The frame that created the sequence in `slot` (allocate or fork), when sites are
+    recorded (`file:line` of the first frame of a stack)."""
+    from kvscope.allocator.sites import site_frames
+
+    recorded = int(view.seqs["site"][slot])
+    frames = site_frames(view, recorded - 1) if recorded else []
+    # "file:line function": the file and line (the message's room is 200 bytes)
+    return frames[0].rsplit(" ", 1)[0] if frames else None
 
 
 def own_block(pool: Any, seq: Any) -> int:

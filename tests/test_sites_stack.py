@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
+import pytest
+
 from kvscope.allocator.sites import site_frames, site_text, stack_depth
+from kvscope.child import report_held
 from kvscope.cli import main
 
 
@@ -82,3 +86,26 @@ def test_analyze_shows_the_stack_of_a_finding(make_pool, monkeypatch, tmp_path, 
     main(["analyze", str(dump)])
     out = capsys.readouterr().out
     assert "allocated at" in out and "called from" in out and "_from_b" in out
+
+
+@pytest.mark.parametrize("path", ["core", "python"])
+def test_a_leaked_sample_is_named_after_the_fork_that_created_it(make_pool, monkeypatch, path):
+    # GIVEN ownership on (sites recorded), on the C core or the Python path
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    monkeypatch.delenv("KVSCOPE_STACK_DEPTH", raising=False)
+    pool = make_pool(32, max_seqs=256)
+    if path == "python":
+        pool._native = None
+    # WHEN a request forks a sample that is never freed (it holds only its parent's blocks)
+    parent = _helper(pool, "parent")
+    fork_line = inspect.currentframe().f_lineno + 1
+    sample = pool.fork(parent, "sample")
+    pool.free(parent)
+    # THEN the leak is named after the fork's line, where the leaked sequence was created,
+    # though the block it is shown by was allocated by the parent's allocate
+    assert int(pool.view.seqs["site"][sample.slot]) > 0
+    report_held(pool, "the pool was closed")
+    (leak,) = [f for f in pool.findings() if f.kind == "leak_finished"]
+    assert f"test_sites_stack.py:{fork_line})" in leak.message
+    assert leak.request == "sample"
+    pool.free(sample)

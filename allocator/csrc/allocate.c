@@ -63,7 +63,7 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         goto out;
     }
     uint64_t now = wall_ns();
-    if (write_claim(n, slot, seq_id, request, now)) goto abort;
+    if (write_claim(n, slot, seq_id, request, now, site)) goto abort;
     /* The longest verified prefix hit (allocate._match). */
     int64_t hits = 0;
     uint64_t parent = 0;

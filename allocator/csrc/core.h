@@ -88,6 +88,7 @@ static inline uint64_t family_key(uint64_t key, uint64_t first, uint64_t mask) {
 }
 
 #define U8(p) (*(uint64_t *)(p))
+#define U2(p) (*(uint16_t *)(p))
 #define U4(p) (*(uint32_t *)(p))
 #define I4(p) (*(int32_t *)(p))
 

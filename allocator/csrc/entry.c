@@ -202,6 +202,8 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Clear();
         return fallback(n);
     }
+    int32_t site = site_now(n, args[0]);
+    if (site == -2) return NULL;
     PyObject *f[10];
     for (int i = 0; i < 10; i++) f[i] = NULL;
     int32_t ids[CHUNK];
@@ -228,7 +230,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         seq = fallback(n);
         goto out;
     }
-    if (write_claim(n, slot, seq_id, request, wall_ns())) goto abort;
+    if (write_claim(n, slot, seq_id, request, wall_ns(), site)) goto abort;
     for (Py_ssize_t i = 0; i < k; i++)
         if (jsave_block(n, ids[i])) goto abort;
     for (Py_ssize_t i = 0; i < k; i++) {

@@ -134,9 +134,10 @@ static int finish_claim(Native *n, uint64_t seq_id) {
 
 /* SeqTable.claim's record writes (the slot is reserved by this client). */
 static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *request,
-                       uint64_t now) {
+                       uint64_t now, int32_t site) {
     uint8_t *s = seqrec(n, slot);
     if (jsave_head(n, slot)) return FALLBACK;
+    U2(s + SF_SITE) = (uint16_t)(site < 0 ? 0 : site + 1);
     I4(s + SF_OWNER_PID) = n->pid;
     I4(s + SF_OWNER_CLIENT) = n->client;
     U8(s + SF_OWNER_START) = n->start;
