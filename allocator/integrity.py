@@ -198,16 +198,15 @@ def can_poison(kv: KV) -> bool:
     return kv.dtype.is_floating_point
 
 
-def _poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor:
-    """Which elements of the token slots of blocks `ids` hold the poison: bool, [block, slot,
-    the slot's elements in every layer, K and V] (kvbits.poisoned for bits)."""
+def _not_poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor:
+    """Which elements of the token slots of blocks `ids` no longer hold the poison: bool
+    [L, 2, len(ids), block_size, H, D] (kvbits.poisoned for bits). Few launches: on a GPU each
+    costs the host several microseconds, and a check runs in every allocation and release."""
     from kvscope.kernels.backend import block_ids
     from kvscope.kernels.digest import int_view
 
     idx = block_ids(np.asarray(ids, np.int64), kv.device)
-    bits = int_view(kv)[:, :, idx, :block_size]  # [L, 2, n, bs, H, D]
-    same = bits == int(poison_bits(kv.dtype))
-    return same.permute(2, 3, 0, 1, 4, 5).reshape(len(idx), block_size, -1)
+    return int_view(kv)[:, :, idx, :block_size] != int(poison_bits(kv.dtype))
 
 
 def poison(kv: KV, ids: np.ndarray | list[int], block_size: int) -> None:
@@ -229,7 +228,7 @@ def poison(kv: KV, ids: np.ndarray | list[int], block_size: int) -> None:
 def unpoisoned_counts(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> torch.Tensor:
     """int64 [len(ids)] on the cache's device: how many elements of each block's token slots no
     longer hold the poison (launched, not waited for on a GPU)."""
-    return (~_poisoned(kv, ids, block_size)).reshape(len(ids), -1).sum(1)
+    return _not_poisoned(kv, ids, block_size).sum((0, 1, 3, 4, 5))
 
 
 def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, int]]:
@@ -270,7 +269,7 @@ def unwritten_slots(
 def blank_slots(kv: torch.Tensor, ids: list[int], block_size: int) -> torch.Tensor:
     """bool [len(ids), block_size] on the cache's device: the token slots that hold the poison in
     every layer, K and V (launched, not waited for on a GPU)."""
-    return _poisoned(kv, ids, block_size).all(2)
+    return _not_poisoned(kv, ids, block_size).sum((0, 1, 4, 5)) == 0
 
 
 def unwritten_in(

@@ -104,7 +104,7 @@ def blank_block(kv: KVBits, fill: int) -> KVBits:
 
 def poisoned(kv: KVBits, ids: np.ndarray | list[int], block_size: int) -> np.ndarray:
     """Which elements of the token slots of blocks `ids` hold the poison: bool, [block, slot,
-    the slot's elements in every layer, K and V] (integrity._poisoned's shape)."""
+    the slot's elements in every layer, K and V]."""
     idx = np.asarray(ids, np.int64)
     same = kv.bits[:, :, idx, :block_size] == NAN_BITS[kv.dtype]  # [L, 2, n, bs, H, D]
     return same.transpose(2, 3, 0, 1, 4, 5).reshape(len(idx), block_size, -1)
