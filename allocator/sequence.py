@@ -230,7 +230,7 @@ class SeqTable:
         the release that found it full keeps its slot without the lock (and in the C core)."""
         before = list(self.reserve)
         t.after_rollback.append(lambda: self.reserve.__setitem__(slice(None), before))
-        back = self.reserve[: self.batch]  # the highest: claims pop the lowest from the end
+        back = self.reserve[: self.batch]  # those claims would take last (they pop the end)
         for s in back:
             self.save_head(t, s)
         self.reserved[np.asarray(back, np.int64)] = 0
