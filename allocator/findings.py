@@ -59,6 +59,9 @@ class Finding:
     severity: str = ""
     events: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # The block's allocation site id as the finding saw it (-1: none); recorded with it, so a
+    # report names it after the block is handed out again. Not part of the JSON.
+    site_id: int = -1
 
     def __post_init__(self) -> None:
         kind = FindingKind(self.kind)
@@ -69,6 +72,7 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict with the keys of docs/CLI.md's report (plus `extra` when non-empty)."""
         d = asdict(self)
+        d.pop("site_id")
         if not d["extra"]:
             d.pop("extra")
         return d
@@ -103,6 +107,7 @@ def write_finding(view, t, f: Finding) -> None:
     r["severity"] = 1 if f.severity == ERROR else 2
     r["block"] = -1 if f.block is None else f.block
     r["owner_pid"] = f.owner_pid or 0
+    r["site"] = f.site_id + 1 if f.site_id >= 0 else 0
     r["request"] = (f.request or "").encode()[:32]
     r["message"] = f.message.encode()[:200]
     h["findings_head"] = head + 1
@@ -127,6 +132,7 @@ def read_findings(view) -> list[Finding]:
                 request=bytes(r["request"]).decode(errors="replace") or None,
                 severity=ERROR if int(r["severity"]) == 1 else WARNING,
                 extra={"time_ns": int(r["time_ns"])},
+                site_id=int(r["site"]) - 1,
             )
         )
     return out

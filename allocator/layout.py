@@ -193,7 +193,9 @@ FINDING_DTYPE = np.dtype(
         ("pad", "u1", (3,)),
         ("block", "<i4"),
         ("owner_pid", "<i4"),
-        ("pad2", "<u4"),
+        # The allocation site of the block as the finding saw it, site id + 1 (0: none): the
+        # block may have been handed out again since (a write after free found at its reuse).
+        ("site", "<u4"),
         ("request", f"S{REQUEST_BYTES}"),
         ("message", "S200"),
     ]

@@ -143,6 +143,8 @@ class PoolProbes:
             site = site_text(view, site_id)
             if site:
                 f.extra.setdefault("site", site)
+                if f.site_id < 0:
+                    f.site_id = site_id
         if self.recorder is not None:
             self.recorder.record(
                 EventOp.FINDING,

@@ -297,6 +297,15 @@ def analyze_view(
             if "stack" in detail:
                 d["stack"] = detail["stack"]
             d["alloc_ns"] = detail["alloc_ns"]
+            if f.site_id >= 0 and f.site_id != int(view.blocks[f.block]["site"]):
+                # The block was handed out again since the finding (a write after free found
+                # at its reuse): name the allocation it saw, whose time the record no longer has.
+                frames = site_frames(view, f.site_id)
+                d["site"] = " <- ".join(frames) or None
+                d.pop("stack", None)
+                if len(frames) > 1:
+                    d["stack"] = frames
+                d.pop("alloc_ns")
             d["events"] = events.get(f.block, [])
             bad = first_bad_event(d["events"], detail["generation"])
             if bad is not None:

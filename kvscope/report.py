@@ -170,12 +170,13 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     con.print(
         f"  [{style}]{f['kind']}[/{style}] {escape(' '.join(where))}{src}: {escape(f['message'])}"
     )
+    at = f" ({_when(f['alloc_ns'])})" if f.get("alloc_ns") else ""
     if f.get("stack"):
-        con.print(escape(f"      allocated at {f['stack'][0]} ({_when(f.get('alloc_ns', 0))})"))
+        con.print(escape(f"      allocated at {f['stack'][0]}{at}"))
         for frame in f["stack"][1:]:
             con.print(escape(f"        called from {frame}"))
     elif f.get("site"):
-        con.print(escape(f"      allocated at {f['site']} ({_when(f.get('alloc_ns', 0))})"))
+        con.print(escape(f"      allocated at {f['site']}{at}"))
     elif f.get("alloc_ns"):
         con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
     if f.get("events"):

@@ -1,13 +1,17 @@
-"""KVSCOPE_STACK_DEPTH: allocation sites as stacks, interned once per distinct stack."""
+"""Allocation sites: stacks (KVSCOPE_STACK_DEPTH), interned once per distinct stack; the site a
+sequence was created at; the allocation a finding saw, after its block is handed out again."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 
 import pytest
 
+from kvscope.allocator import PoolExhausted
 from kvscope.allocator.sites import site_frames, site_text, stack_depth
+from kvscope.analysis import analyze_view
 from kvscope.child import report_held
 from kvscope.cli import main
 
@@ -109,3 +113,35 @@ def test_a_leaked_sample_is_named_after_the_fork_that_created_it(make_pool, monk
     assert f"test_sites_stack.py:{fork_line})" in leak.message
     assert leak.request == "sample"
     pool.free(sample)
+
+
+@pytest.mark.parametrize("path", ["core", "python"])
+def test_a_write_after_free_names_the_allocation_of_the_request_that_freed_it(
+    make_pool, monkeypatch, path
+):
+    # GIVEN guard mode and ownership on a small pool, on the C core or the Python path
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    monkeypatch.delenv("KVSCOPE_STACK_DEPTH", raising=False)
+    pool = make_pool(16, max_seqs=256)
+    if path == "python":
+        pool._native = None
+    # WHEN a request's block is written after its free, and the block is then handed out again
+    # to other requests, allocated on another line
+    first_line = inspect.currentframe().f_lineno + 1
+    victim = pool.allocate("victim", list(range(4)))
+    blk = victim.block_table[0]
+    pool.free(victim)
+    pool.kv[0, 0, blk, 1] = 7.0
+    later = []
+    with contextlib.suppress(PoolExhausted):  # every block, in the ring's order
+        for i in range(17):
+            later.append(pool.allocate(f"next{i}", [i] * 4))
+    assert any(blk in s.block_table for s in later)
+    # THEN the analysis names the victim's allocation, though the block's record now holds
+    # the new owner's
+    rep = analyze_view(pool.view)
+    (uaf,) = [f for f in rep["findings"] if f["kind"] == "use_after_free"]
+    assert uaf["block"] == blk and uaf["request"] == "victim"
+    assert f"test_sites_stack.py:{first_line} " in uaf["site"]
+    assert "alloc_ns" not in uaf
