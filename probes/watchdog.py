@@ -25,17 +25,24 @@ from typing import Any
 
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.sites import KVSCOPE_DIRS
 from kvscope.probes.lockdep import LockDep, SegmentGraph
 
 STACK_FRAMES = 10
 
 
 def thread_stack(ident: int | None) -> list[str]:
-    """The innermost STACK_FRAMES frames of a thread of this process, one `file:line fn` each."""
+    """The innermost STACK_FRAMES frames of a thread of this process, one `file:line fn` each,
+    up to the program's own call into kvscope: a holder that waits in a traced lock's acquire
+    or runs a pool operation is shown at the line of the program that did it."""
     frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
         return []
-    frames = traceback.extract_stack(frame)[-STACK_FRAMES:]
+    frames = traceback.extract_stack(frame)
+    inner = len(frames)
+    while inner > 0 and frames[inner - 1].filename.startswith(KVSCOPE_DIRS):
+        inner -= 1
+    frames = frames[: inner or len(frames)][-STACK_FRAMES:]
     return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames]
 
 

@@ -299,6 +299,36 @@ def test_the_watchdog_times_traced_user_locks():
     assert any("test_the_watchdog_times_traced_user_locks" in s for s in f.extra["stack"])
 
 
+def test_a_holder_waiting_in_a_traced_acquire_is_shown_at_the_programs_line():
+    # GIVEN two traced locks, a watchdog, and the second lock held by this thread
+    seen: list = []
+    lockdep = LockDep(on_finding=seen.append)
+    lockdep.enabled = True
+    a, b = TracedLock("a", lockdep=lockdep), TracedLock("b", lockdep=lockdep)
+    dog = Watchdog(threshold_s=0.1, interval_s=0.02, lockdep=lockdep).start()
+    b.acquire()
+
+    def holder() -> None:
+        with a:
+            with b:
+                pass
+
+    # WHEN another thread holds the first lock while it waits for the second
+    t = threading.Thread(target=holder)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not any("'user:a'" in f.message for f in seen) and time.monotonic() < deadline:
+        time.sleep(0.01)  # (until the watchdog has reported the hold, however loaded the host)
+    b.release()
+    t.join()
+    dog.stop()
+    # THEN the long hold of the first names where the holder is in this program (the line
+    # waiting for the second), not kvscope's acquire
+    (f,) = [f for f in seen if "'user:a'" in f.message]
+    assert f"now at test_lockdep.py:{holder.__code__.co_firstlineno + 2} holder" in f.message
+    assert not any(frame.startswith("lockdep.py:") for frame in f.extra["stack"])
+
+
 def test_a_dead_holder_is_recovered_under_lockdep_without_a_false_cycle(make_pool):
     # GIVEN a process killed while it held the free-ring lock, and lockdep plus a watchdog here
     pool = make_pool(32)
