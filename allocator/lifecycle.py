@@ -16,7 +16,7 @@ from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.header import config_from_header, init_segment, seal_header
 from kvscope.allocator.layout import COUNTER_FIELDS, ClientState, Layout, SegmentView
-from kvscope.allocator.probing import GUARD_SAMPLE_ENV, env_flag
+from kvscope.allocator.probeflags import GUARD_SAMPLE_ENV, env_flag
 from kvscope.allocator.process import now_ns
 from kvscope.allocator.segment import (
     check_name,

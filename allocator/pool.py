@@ -36,7 +36,8 @@ from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, LockTable, mark_hook
-from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ProbeFlags, guard_sample_from_env
+from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
+from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes
 from kvscope.allocator.process import my_identity
 from kvscope.allocator.recovery import dead_owners
 from kvscope.allocator.sequence import SeqTable, Sequence

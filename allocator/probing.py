@@ -5,11 +5,9 @@ check; `kvscope run` turns them on through KVSCOPE_* variables (docs/PROBES.md).
 
 from __future__ import annotations
 
-import os
 import time
 from array import array
 from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,12 +15,8 @@ import numpy as np
 from kvscope.allocator import integrity
 from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
 from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.layout import (
-    HEADER_CHECKSUM_BYTES,
-    BlockState,
-    Flag,
-    header_checksum,
-)
+from kvscope.allocator.layout import HEADER_CHECKSUM_BYTES, BlockState, header_checksum
+from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.sites import SiteTable, caller_site, site_text
 from kvscope.allocator.writes import WriteProbes
 
@@ -41,53 +35,6 @@ LOCKS_HELD = array("q", [0])
 NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
 NATIVE_LOCKDEP = 32
 NATIVE_GUARD_SAMPLED, NATIVE_GUARD, NATIVE_DIGEST = 64, 128, 256
-GUARD_SAMPLE_ENV = "KVSCOPE_GUARD_SAMPLE"
-
-
-def guard_sample_from_env(environ=os.environ) -> int:
-    """KVSCOPE_GUARD_SAMPLE=N: guard mode guards one allocation in N (0 when unset or not a
-    number)."""
-    try:
-        return max(0, int(environ.get(GUARD_SAMPLE_ENV, "0") or 0))
-    except ValueError:
-        return 0
-
-
-def env_flag(name: str, environ=os.environ) -> bool:
-    """A probe switch: KVSCOPE_<NAME>=1/0; unset means on under `kvscope run`, off otherwise."""
-    value = environ.get(f"KVSCOPE_{name}")
-    if value is None:
-        return bool(environ.get("KVSCOPE_RUN_DIR"))
-    return value not in ("0", "", "false", "no", "off")
-
-
-@dataclass
-class ProbeFlags:
-    """Which probes a process runs on a pool."""
-
-    events: bool = False
-    ownership: bool = False
-    guard: bool = False
-    leaks: bool = False
-    magic: bool = False
-    digest: bool = False
-
-    @classmethod
-    def from_env(cls, header_flags: int, environ=os.environ) -> ProbeFlags:
-        """Probes switched on by the environment or recorded in the pool's header."""
-        return cls(
-            events=env_flag("EVENTS", environ) or bool(header_flags & Flag.EVENTS),
-            ownership=env_flag("OWNERSHIP", environ),
-            guard=bool(header_flags & Flag.GUARD),
-            leaks=env_flag("LEAKS", environ),
-            magic=env_flag("MAGIC", environ),
-            digest=env_flag("DIGEST", environ),
-        )
-
-    def any(self) -> bool:
-        return (
-            self.events or self.ownership or self.guard or self.leaks or self.magic or self.digest
-        )
 
 
 class PoolProbes:

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvscope.allocator.events import OP_NAMES, EventOp
 from kvscope.allocator.faults import FAULTS
-from kvscope.allocator.probing import env_flag
+from kvscope.allocator.probeflags import env_flag
 from kvscope.probes.process_exit import at_exit
 
 __all__ = ["FAULTS", "OP_NAMES", "EventOp", "install_from_env"]

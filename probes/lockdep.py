@@ -27,7 +27,8 @@ from typing import Any
 
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.locks import DeadHolder
-from kvscope.allocator.probing import LOCKS_HELD, NATIVE_LOCKDEP, env_flag
+from kvscope.allocator.probeflags import env_flag
+from kvscope.allocator.probing import LOCKS_HELD, NATIVE_LOCKDEP
 from kvscope.probes.lockgraph import (  # noqa: F401
     CLASS_BYTES,
     MESSAGE_BYTES,

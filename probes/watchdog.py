@@ -38,7 +38,7 @@ def thread_stack(ident: int | None) -> list[str]:
     frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
         return []
-    frames = traceback.extract_stack(frame)
+    frames = list(traceback.extract_stack(frame))
     inner = len(frames)
     while inner > 0 and frames[inner - 1].filename.startswith(KVSCOPE_DIRS):
         inner -= 1
