@@ -30,7 +30,8 @@ from bench_startup import kvscope_command, medians
 import kvscope
 from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.check import check_view
-from kvscope.allocator.dumpfile import read_dump, write_dump
+from kvscope.allocator.dumpfile import write_dump
+from kvscope.allocator.dumpread import read_dump
 from kvscope.allocator.layout import DUMP_HEADER_DTYPE
 from kvscope.analysis import analyze_view
 from kvscope.report import console, print_json, render

@@ -54,7 +54,7 @@ def _skipped(why: str) -> KVData:
 
 def for_dump(path: str, view: SegmentView, dump_header: np.void | None) -> KVData | None:
     """The KV data a dump carries (None when no data check applies to its pool)."""
-    from kvscope.allocator.dumpfile import read_dump_data
+    from kvscope.allocator.dumpread import read_dump_data
 
     if dump_header is None or not has_data_checks(view):
         return None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvscope.allocator.dumpfile import alive_for, read_dump
+from kvscope.allocator.dumpread import alive_for, read_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import SegmentView

@@ -129,7 +129,7 @@ def test_walker_reads_real_imports():
     graph = module_graph()
     # THEN known edges are there: a verb imports the analysis, the TUI the dump reader
     assert "kvscope.analysis" in graph["kvscope.verbs.analyze"]
-    assert "kvscope.allocator.dumpfile" in graph["kvscope.tui.source"]
+    assert "kvscope.allocator.dumpread" in graph["kvscope.tui.source"]
 
 
 def test_no_cycle_between_packages():

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvscope.allocator.dumpfile import read_dump
+from kvscope.allocator.dumpread import read_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import (
     DUMP_TORN,
