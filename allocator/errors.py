@@ -14,7 +14,15 @@ class PoolExhausted(PoolError):
 
     exit_code = 1
 
-    def __init__(self, needed: int, free: int, cached: int, held: int, holders: dict[str, int]):
+    def __init__(
+        self,
+        needed: int,
+        free: int,
+        cached: int,
+        held: int,
+        holders: dict[str, int],
+        elsewhere: dict[int, int] | None = None,
+    ):
         self.needed, self.free, self.cached, self.held, self.holders = (
             needed,
             free,
@@ -22,11 +30,24 @@ class PoolExhausted(PoolError):
             held,
             holders,
         )
+        # free blocks in other processes' local caches, by pid (this process cannot take them)
+        self.elsewhere = elsewhere or {}
         top = ", ".join(f"{r}={n}" for r, n in sorted(holders.items(), key=lambda x: -x[1])[:5])
+        away = sum(self.elsewhere.values())
+        pids = ", ".join(
+            f"pid {p}: {n}" for p, n in sorted(self.elsewhere.items(), key=lambda x: -x[1])[:5]
+        )
         super().__init__(
-            f"pool exhausted: {needed} blocks needed, {free} free, {cached} cached, {held} held"
+            f"pool exhausted: {needed} blocks needed, {free} free"
+            + (f" ({away} of them in other processes' local caches, {pids})" if away else "")
+            + f", {cached} cached, {held} held"
             + (f" (by {top})" if top else "")
             + "; free finished requests, mark idle ones waiting, or create a larger pool"
+            + (
+                " (or a smaller local_cache_size: each process keeps up to twice it)"
+                if away
+                else ""
+            )
         )
 
 

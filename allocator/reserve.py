@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvscope.allocator.errors import PoolExhausted
-from kvscope.allocator.layout import EVICT_BATCH, BlockState, SeqState
+from kvscope.allocator.layout import EVICT_BATCH, BlockState, ClientState, SeqState
 from kvscope.allocator.preempt import preempt_one
 from kvscope.allocator.txn import Txn
 
@@ -83,12 +83,21 @@ def exhausted(pool: KVPool, needed: int) -> PoolExhausted:
     for s in live.tolist():
         r = seqs["request"][s].decode(errors="replace")
         holders[r] = holders.get(r, 0) + int(seqs["num_blocks"][s])
+    # Free blocks this process cannot take: other processes' local caches (private, no lock).
+    cl = pool.view.clients
+    elsewhere: dict[int, int] = {}
+    attached = (cl["state"] == ClientState.ATTACHED) & (cl["local_count"] > 0)
+    for c in np.flatnonzero(attached).tolist():
+        if c != pool.client:
+            pid = int(cl["pid"][c])
+            elsewhere[pid] = elsewhere.get(pid, 0) + int(cl["local_count"][c])
     return PoolExhausted(
         needed=needed,
-        free=int(st[BlockState.FREE] + st[BlockState.LOCAL]),
+        free=int(st[BlockState.FREE] + st[BlockState.LOCAL] + st[BlockState.QUARANTINED]),
         cached=int(st[BlockState.CACHED]),
         held=int(st[BlockState.ALLOCATED]),
         holders=holders,
+        elsewhere=elsewhere,
     )
 
 

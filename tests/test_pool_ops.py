@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from kvscope.allocator import BlockState, KVPool, PoolError, PoolExhausted
+from tests.forking import fork_child, wait_child
 
 
 def test_allocate_reserves_ceil_blocks_and_check_is_clean(make_pool):
@@ -193,6 +196,42 @@ def test_exhausted_names_holders_and_leaves_pool_unchanged(make_pool):
     assert pool.stats()["num_sequences"] == 1
     assert pool.check() == []
     pool.free(a)
+
+
+def test_exhausted_says_which_free_blocks_sit_in_other_processes_local_caches(make_pool):
+    # GIVEN a pool of 16 blocks and another process that allocated and freed 8 of them and
+    # keeps its handle open (its freed blocks stay in its local cache)
+    pool = make_pool(16, local_cache_size=4)
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+
+    def side() -> int:
+        p = KVPool.attach(pool.name)
+        for s in [p.allocate(f"side{i}", [i] * 4) for i in range(8)]:
+            p.free(s)
+        os.write(ready_w, b"x")
+        os.read(done_r, 1)
+        p.close()
+        return 0
+
+    pid = fork_child(side, 60)
+    os.read(ready_r, 1)
+    try:
+        # WHEN this process asks for every block
+        with pytest.raises(PoolExhausted) as e:
+            pool.allocate("big", list(range(64)))
+    finally:
+        os.write(done_w, b"x")
+        assert wait_child(pid) == 0
+    # THEN all 16 count as free, and the error says how many of them the other process keeps
+    held_there = e.value.elsewhere[pid]
+    assert e.value.free == 16 and 0 < held_there <= 8
+    assert (
+        f"({held_there} of them in other processes' local caches, pid {pid}: {held_there})"
+        in str(e.value)
+    )
+    assert "local_cache_size" in str(e.value)
+    assert pool.check() == []
 
 
 def test_a_prefix_hit_that_runs_out_of_blocks_gives_its_hits_back(make_pool):
