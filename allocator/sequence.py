@@ -148,8 +148,7 @@ class SeqTable:
             (slot,) = self._empty_slots(1)
             seq_id = self._take_ids(t, 1)
         else:
-            before = (list(self.reserve), self.next_id, self.end_id)
-            t.after_rollback.append(lambda: self._restore(*before))
+            self._restore_on_rollback(t)
             if not self.can_claim_locally():
                 t.need(self.lock)
                 self._refill(t, pid, start)
@@ -166,9 +165,16 @@ class SeqTable:
         crash_point("seqs.after_claim")
         return slot, seq_id
 
-    def _restore(self, reserve: list[int], next_id: int, end_id: int) -> None:
-        self.reserve[:] = reserve
-        self.ids[:] = [next_id, end_id]
+    def _restore_on_rollback(self, t: Txn) -> None:
+        """Put the reserve and the id range back as they are now if `t` rolls back (both are
+        lists the C core shares: changed in place)."""
+        reserve, ids = list(self.reserve), list(self.ids)
+
+        def restore() -> None:
+            self.reserve[:] = reserve
+            self.ids[:] = ids
+
+        t.after_rollback.append(restore)
 
     def _empty_slots(self, k: int) -> list[int]:
         """Up to k EMPTY slots no process reserves, from the rotating hint (caller: seqs lock)."""
@@ -221,15 +227,13 @@ class SeqTable:
     def refill(self, t: Txn, pid: int, start: int) -> None:
         """Refill the reserve (slots and ids) in a transaction of its own (caller: seqs lock),
         so that the claim that needed it runs without the lock (and in the C core)."""
-        before = (list(self.reserve), self.next_id, self.end_id)
-        t.after_rollback.append(lambda: self._restore(*before))
+        self._restore_on_rollback(t)
         self._refill(t, pid, start)
 
     def trim(self, t: Txn) -> None:
         """Give a batch of the reserve's slots back to the table (caller: seqs lock), so that
         the release that found it full keeps its slot without the lock (and in the C core)."""
-        before = list(self.reserve)
-        t.after_rollback.append(lambda: self.reserve.__setitem__(slice(None), before))
+        self._restore_on_rollback(t)
         back = self.reserve[: self.batch]  # those claims would take last (they pop the end)
         for s in back:
             self.save_head(t, s)
