@@ -220,9 +220,19 @@ def first_bad_event(events: list[dict[str, Any]], generation: int) -> dict[str, 
     return None
 
 
+def _site_keys(view: SegmentView, site_id: int) -> dict[str, Any]:
+    """A site id as a finding's or a block's `site` (its frames joined, None when not recorded)
+    and, for a stack of several frames, `stack`."""
+    frames = site_frames(view, site_id)
+    keys: dict[str, Any] = {"site": " <- ".join(frames) or None}
+    if len(frames) > 1:
+        keys["stack"] = frames
+    return keys
+
+
 def _block_detail(view: SegmentView, blk: int) -> dict[str, Any]:
     b = view.blocks[blk]
-    frames = site_frames(view, int(b["site"]))
+    site = _site_keys(view, int(b["site"]))
     st = int(b["state"])
     detail = {
         "state": BlockState(st).name.lower() if st < len(BlockState) else f"invalid({st})",
@@ -230,14 +240,14 @@ def _block_detail(view: SegmentView, blk: int) -> dict[str, Any]:
         "generation": int(b["generation"]),
         "owner_pid": int(b["owner_pid"]) or None,
         "request": _s(b["request"]) or None,
-        "site": " <- ".join(frames) or None,
+        "site": site["site"],
         "alloc_ns": int(b["alloc_ns"]),
         "access_ns": int(b["access_ns"]),
         "num_tokens": int(b["num_tokens"]),
         "prefix_hash": f"{int(b['prefix_hash']):#018x}",
     }
-    if len(frames) > 1:
-        detail["stack"] = frames
+    if "stack" in site:
+        detail["stack"] = site["stack"]
     return detail
 
 
@@ -293,19 +303,12 @@ def analyze_view(
         d.update(d.pop("extra", {}))
         if f.block is not None and 0 <= f.block < view.layout.num_blocks:
             detail = _block_detail(view, f.block)
-            d["site"] = detail["site"]
-            if "stack" in detail:
-                d["stack"] = detail["stack"]
-            d["alloc_ns"] = detail["alloc_ns"]
-            if f.site_id >= 0 and f.site_id != int(view.blocks[f.block]["site"]):
+            if 0 <= f.site_id != int(view.blocks[f.block]["site"]):
                 # The block was handed out again since the finding (a write after free found
                 # at its reuse): name the allocation it saw, whose time the record no longer has.
-                frames = site_frames(view, f.site_id)
-                d["site"] = " <- ".join(frames) or None
-                d.pop("stack", None)
-                if len(frames) > 1:
-                    d["stack"] = frames
-                d.pop("alloc_ns")
+                d.update(_site_keys(view, f.site_id))
+            else:
+                d.update({k: detail[k] for k in ("site", "stack", "alloc_ns") if k in detail})
             d["events"] = events.get(f.block, [])
             bad = first_bad_event(d["events"], detail["generation"])
             if bad is not None:
