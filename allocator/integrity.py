@@ -200,8 +200,9 @@ def can_poison(kv: KV) -> bool:
 
 def _not_poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int) -> torch.Tensor:
     """Which elements of the token slots of blocks `ids` no longer hold the poison: bool
-    [L, 2, len(ids), block_size, H, D] (kvbits.poisoned for bits). Few launches: on a GPU each
-    costs the host several microseconds, and a check runs in every allocation and release."""
+    [L, 2, len(ids), block_size, H, D] (kvbits.poisoned answers the opposite for bits, by block
+    and slot). Few launches: on a GPU each costs the host several microseconds, and a check runs
+    in every allocation and release."""
     from kvscope.kernels.backend import block_ids
     from kvscope.kernels.digest import int_view
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 BACKEND_ENV = "KVSCOPE_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
@@ -80,7 +83,9 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def block_ids(blocks: torch.Tensor | list[int] | Any, device: torch.device) -> torch.Tensor:
+def block_ids(
+    blocks: torch.Tensor | Sequence[int] | np.ndarray, device: torch.device
+) -> torch.Tensor:
     """Block ids (a list, numpy array or tensor) as a flat int64 tensor on `device`, uploaded
     without the host waiting (`upload`)."""
     if isinstance(blocks, torch.Tensor) and blocks.device.type != "cpu":
