@@ -57,6 +57,25 @@ def write_model(directory: str, quick: bool) -> None:
     save_model(tiny_model(seed=0, config=cfg), Path(directory))
 
 
+def run_arguments(doc: str | None, repeat: int) -> argparse.ArgumentParser:
+    """The arguments of the benchmarks that serve this workload plainly and under `kvscope run`
+    (bench_serve_run.py, bench_serve_probes.py)."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="the tiny model")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=repeat)
+    return ap
+
+
+def with_requests(cmd: list[str], n: int) -> list[str]:
+    """A serve command line with `--requests n` instead (a short warm-up run of it)."""
+    i = cmd.index("--requests") + 1
+    return [*cmd[:i], str(n), *cmd[i + 1 :]]
+
+
 def serve_command(
     model: str | None, device: str, extra: list[str], quick: bool, n: str = ""
 ) -> list[str]:

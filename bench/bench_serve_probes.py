@@ -10,7 +10,6 @@ The model and workload are bench_serve.py's; one 8-request warm-up of each varia
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -56,13 +55,7 @@ def _timed_serve(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="the tiny model")
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap = bench_serve.run_arguments(__doc__, repeat=2)
     ap.add_argument("--time-checks", action="store_true", help="one more run, handbacks timed")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             me = os.path.abspath(__file__)
             variants["kvscope run, checks timed"] = (run + [me, _TIMED] + cmd[1:], {})
         for c, env in variants.values():
-            i = c.index("--requests") + 1
-            warm = [*c[:i], "8", *c[i + 1 :]]
+            warm = bench_serve.with_requests(c, 8)
             subprocess.run(warm, capture_output=True, check=True, env={**os.environ, **env})
         for _ in range(args.repeat):
             for name, (c, env) in variants.items():

@@ -11,7 +11,6 @@ its tiny model); one 8-request warm-up of each first, so that Triton's compilati
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,13 +22,7 @@ import bench_serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="the tiny model")
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap = bench_serve.run_arguments(__doc__, repeat=3)
     ap.add_argument("--cuda-graphs", action="store_true", help="serve.py --cuda-graphs, both runs")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
@@ -42,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             "kvscope run": [sys.executable, "-m", "kvscope", "run", "--dump-dir", tmp, *cmd[1:]],
         }
         for c in runs.values():  # Triton's compilations (the probes' kernels too) into its cache
-            i = c.index("--requests") + 1
-            subprocess.run([*c[:i], "8", *c[i + 1 :]], capture_output=True, check=True)
+            subprocess.run(bench_serve.with_requests(c, 8), capture_output=True, check=True)
         out: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.repeat):
             for name, c in runs.items():
