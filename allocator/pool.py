@@ -391,13 +391,13 @@ class KVPool:
         """uint8 [num_blocks] on the pool's device, 1 where a block is ALLOCATED (for the
         kernels' guard-mode checks); with `out` (a CPU uint8 tensor of that size, page-locked
         for an asynchronous copy), written there instead, with no upload."""
+        host = torch.empty(len(self.view.blocks), dtype=torch.uint8) if out is None else out
+        np.equal(self.view.blocks["state"], BlockState.ALLOCATED, out=host.numpy().view(bool))
         if out is not None:
-            np.equal(self.view.blocks["state"], BlockState.ALLOCATED, out=out.numpy().view(bool))
             return out
         from kvscope.kernels.backend import upload
 
-        st = (self.view.blocks["state"] == BlockState.ALLOCATED).astype(np.uint8)
-        return upload(torch.from_numpy(st), self.kv.device)
+        return upload(host, self.kv.device)
 
     def dead_owners(self) -> list[dict[str, Any]]:
         """Processes that died while attached, with the blocks and sequences they left."""
