@@ -3,13 +3,17 @@ GPU: the C core's handbacks (writes.WriteProbes.native_kv) on a CUDA pool, and o
 under `KVSCOPE_NATIVE_KV=deferred` (the tests' way to run this code without a GPU).
 
 A check is launched on the current stream, where it runs after every write enqueued before it
-and before every write enqueued after it, so it sees the K/V as the operation did. Its small
-answer (flags, counts, digests) is copied to page-locked host memory without waiting and an
-event is recorded. `settle()` takes the answers whose event has completed, oldest first, and acts
-on them: a finding, reported with the block's record as the operation saw it, or a digest
-written into the record of the block it was taken of (in a transaction of its own under the
-block's shard lock, only while the block is still published in the same generation: until then
-the block has no digest and is not verified). `settle(wait=True)` waits for every answer.
+and before every write enqueued after it, so it sees the K/V as the operation did. Where Triton
+runs (a CUDA pool), a check is one launch of kernels/checks.py: its block ids are written into
+`ring`, a page-locked int64 buffer the kernel reads directly, and it writes its answer (flags,
+counts, digests) there too; the checks launched between two `settle`s share one event recorded
+after them. (Elsewhere, and for a check too large for the ring, torch ops compute the answer
+and copy it back, each with its event.) `settle()` takes the answers the GPU is past, oldest
+first, and acts on them: a finding, reported with the block's record as the operation saw it,
+or a digest written into the record of the block it was taken of (in a transaction of its own
+under the block's shard lock, only while the block is still published in the same generation:
+until then the block has no digest and is not verified). `settle(wait=True)` waits for every
+answer.
 
 `settle` runs between operations only: at a request's allocation, free or abort, and, waiting,
 at `pool.verify()`, `pool.check()` and close. A finding is therefore reported at the first of those
@@ -34,102 +38,244 @@ if TYPE_CHECKING:
 
     from kvscope.allocator.probing import PoolProbes
 
-# Answers waiting past this many: settle() waits for the oldest (a program that never frees).
+# Answers waiting past this many: the oldest is waited for (a program that never frees).
 MAX_PENDING = 4096
+# int64 words of the buffer the checks' block ids and answers go through (kernels/checks.py):
+# 512 KiB of page-locked memory per handle. A check that needs more than a quarter of it (a
+# release of a sequence of thousands of blocks) takes the torch ops instead.
+RING_WORDS = 1 << 16
+
+
+class _Answer:
+    """One launched check: where its answer is, whether the GPU is past it, what to do with it."""
+
+    __slots__ = ("answer", "done", "event", "span", "then")
+
+    def __init__(self, answer: Any, done: bool, then: Callable[[np.ndarray], None] | None):
+        # a host tensor (torch ops), a (start, stop) slice of the ring, or the answer read out
+        self.answer = answer
+        self.done = done
+        self.event: Any = None  # a CUDA event recorded after the check (shared by a batch)
+        self.span: tuple[int, int] | None = None  # the ring words it holds until done
+        self.then = then
 
 
 class DeviceChecks:
     """The checks of one pool handle whose answers are still on the GPU (or not yet read)."""
 
     def __init__(self, probes: PoolProbes):
+        from kvscope.kernels import backend
+
         self.probes = probes
         self.pool = probes.pool
         self.cuda = self.pool.kv.device.type == "cuda"
-        # (answer on the host, its event or None when ready, what to do with it)
-        self.pending: deque[tuple[torch.Tensor, Any, Callable[[np.ndarray], None]]] = deque()
+        self.pending: deque[_Answer] = deque()
+        # launched since the last event was recorded, on `_open_stream` (CUDA)
+        self._open: list[_Answer] = []
+        self._open_stream: Any = None
         # digests answered, to be written into their records: (blocks, generations, digests)
         self._stamps: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
         self.settling = False
+        # the ring: ids in, answers out, through kernels/checks.py (where Triton runs)
+        self.ring: torch.Tensor | None = None
+        self._ring_np: np.ndarray | None = None
+        self._head = 0
+        if backend.use_triton(self.pool.kv):
+            import torch
+
+            ring = torch.zeros(RING_WORDS, dtype=torch.int64)
+            self.ring = ring.pin_memory() if self.cuda else ring
+            self._ring_np = self.ring.numpy()
         if self.cuda:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Launch each check once on block 0 (read only) as the handle opens: a kernel's first
-        launch in a process loads it (Triton's, from its cache: a tenth of a second or more),
-        which would otherwise stall the first operation that needs it, mid-serving."""
+        """Compile (or load) each check as the handle opens: a kernel's first launch in a
+        process loads it (Triton's, from its cache: a tenth of a second or more), which would
+        otherwise stall the first operation that needs it, mid-serving."""
         import torch
 
-        from kvscope.kernels.digest import raw_digests
-        from kvscope.kernels.guard import guard_flags
+        from kvscope.kernels import checks
 
         kv, bs, flags = self.pool.kv, self.pool.block_size, self.probes.flags
-        torch.empty(1, pin_memory=True)
-        if flags.digest:
-            raw_digests(kv, [0], bs)
+        modes = [checks.DIGEST] if flags.digest else []
         if flags.guard and integrity.has_guard(self.pool.view):
-            guard_flags(kv, [0])
+            modes.append(checks.CANARY)
         if flags.guard and integrity.can_poison(kv):
-            integrity.unpoisoned_counts(kv, np.zeros(1, np.int64), bs)
-            integrity.blank_slots(kv, [0], bs)
+            modes += [checks.COUNTS, checks.POISON]
+        if self.ring is not None:
+            for mode in modes:
+                checks.check_blocks(kv, self.ring, 0, 1, 1, mode, bs, warmup=True)
         torch.cuda.synchronize(kv.device)
 
-    def _later(self, answer: torch.Tensor, then: Callable[[np.ndarray], None]) -> None:
-        """Copy `answer` to the host without waiting; `then(host array)` once it is there."""
-        if not self.cuda:
-            self.pending.append((answer, None, then))
-        else:
+    # -- launching ---------------------------------------------------------------------------------
+
+    def _launch(self, mode: int, ids: list[int], then: Callable[[np.ndarray], None] | None) -> bool:
+        """Check `mode` (kernels/checks.py) of blocks `ids` through the ring, `then(answer)` once
+        it is in; False where the ring cannot take it (no Triton, or too many blocks)."""
+        from kvscope.kernels import checks
+
+        n = len(ids)
+        words = checks.answer_words(mode, n, self.pool.block_size)
+        if self.ring is None or n + words > RING_WORDS // 4:
+            return False
+        at = self._take(n + words)
+        assert self._ring_np is not None
+        self._ring_np[at : at + n] = ids
+        checks.check_blocks(self.pool.kv, self.ring, at, n, at + n, mode, self.pool.block_size)
+        entry = _Answer((at + n, at + n + words), not self.cuda, then)
+        entry.span = (at, self._head)
+        self._queue(entry)
+        return True
+
+    def _take(self, words: int) -> int:
+        """The first ring word of `words` free ones (a multiple of two: every slice starts
+        16-byte aligned), waiting for the oldest checks holding the ring where it is full."""
+        words += words & 1
+        while True:
+            tail = next((e.span[0] for e in self.pending if e.span is not None), None)
+            head = self._head
+            start = None
+            if tail is None:
+                start = 0
+            elif head > tail:  # in use: [tail, head)
+                if head + words <= RING_WORDS:
+                    start = head
+                elif words < tail:
+                    start = 0
+            elif head + words < tail:  # in use: [tail, end) and [0, head)
+                start = head
+            if start is not None:
+                self._head = start + words
+                return start
+            self._finish(next(e for e in self.pending if e.span is not None))
+
+    def _queue(self, entry: _Answer) -> None:
+        if self.cuda and not entry.done:
             import torch
 
-            host = torch.empty(answer.shape, dtype=answer.dtype, pin_memory=True)
-            host.copy_(answer, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.pending.append((host, event, then))
+            stream = torch.cuda.current_stream(self.pool.kv.device)
+            if self._open and stream != self._open_stream:
+                self._cover()
+            self._open.append(entry)
+            self._open_stream = stream
+        self.pending.append(entry)
         if len(self.pending) > MAX_PENDING:
-            host, event, then = self.pending.popleft()
-            if event is not None:
-                event.synchronize()
-            self.pending.appendleft((host, None, then))
+            self._finish(self.pending[0])
+
+    def _cover(self) -> None:
+        """One event after the checks launched since the last one (each check's own event
+        would cost the host as much as its launch)."""
+        if not self._open:
+            return
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._open_stream)
+        for entry in self._open:
+            entry.event = event
+        self._open.clear()
+
+    def _finish(self, entry: _Answer) -> None:
+        """Wait for one check's answer and take it out of the ring."""
+        if not entry.done:
+            if entry.event is None:
+                self._cover()
+            entry.event.synchronize()
+            entry.done = True
+        entry.answer = self._read(entry)
+        entry.span = None
+
+    def _read(self, entry: _Answer) -> np.ndarray:
+        answer = entry.answer
+        if isinstance(answer, tuple):
+            assert self._ring_np is not None
+            return self._ring_np[answer[0] : answer[1]].copy()
+        if isinstance(answer, np.ndarray):
+            return answer
+        return answer.numpy()
+
+    def _later(self, answer: torch.Tensor, then: Callable[[np.ndarray], None]) -> None:
+        """Copy `answer` (the torch ops' way) to the host without waiting; `then(host array)`
+        once it is there."""
+        if not self.cuda:
+            self._queue(_Answer(answer, True, then))
+            return
+        import torch
+
+        host = torch.empty(answer.shape, dtype=answer.dtype, pin_memory=True)
+        host.copy_(answer, non_blocking=True)
+        self._queue(_Answer(host, False, then))
 
     # -- the checks --------------------------------------------------------------------------------
 
     def canaries(self, ids: list[int]) -> None:
         """Released blocks' guard slots (kernels/guard.py guard_flags)."""
+        from kvscope.kernels import checks
         from kvscope.kernels.guard import guard_flags
 
         recs = self.pool.view.blocks[ids].copy()
-        self._later(guard_flags(self.pool.kv, ids), lambda f: self._canaries_read(f, ids, recs))
+
+        def then(flags: np.ndarray) -> None:
+            self._canaries_read(flags, ids, recs)
+
+        if not self._launch(checks.CANARY, ids, then):
+            self._later(guard_flags(self.pool.kv, ids), then)
 
     def poison(self, ids: list[int]) -> None:
         """Blocks about to be handed out again: their poison must be intact (use_after_free)."""
+        from kvscope.kernels import checks
+
         recs = self.pool.view.blocks[ids].copy()
-        counts = integrity.unpoisoned_counts(self.pool.kv, np.asarray(ids), self.pool.block_size)
-        self._later(counts, lambda c: self._poison_read(c, ids, recs))
+        bs = self.pool.block_size
+
+        def then(counts: np.ndarray) -> None:
+            self._poison_read(counts, ids, recs)
+
+        def per_block(slots: np.ndarray) -> None:
+            then(slots.reshape(len(ids), bs).sum(1))
+
+        if not self._launch(checks.COUNTS, ids, per_block):
+            self._later(integrity.unpoisoned_counts(self.pool.kv, np.asarray(ids), bs), then)
+
+    def fill(self, ids: list[int]) -> None:
+        """Poison (NaN) into released blocks' token slots (integrity.poison)."""
+        from kvscope.kernels import checks
+
+        if not self._launch(checks.POISON, ids, None):
+            integrity.poison(self.pool.kv, ids, self.pool.block_size)
 
     def stamp(self, ids: list[int]) -> None:
         """Blocks just published: their digests, for their records."""
-        from kvscope.kernels.digest import raw_digests
-
         gens = self.pool.view.blocks["generation"][ids].copy()
-        raw = raw_digests(self.pool.kv, ids, self.pool.block_size)
-        self._later(raw, lambda r: self._stamps.append((np.asarray(ids), gens, _digests(r))))
+        self._digest(ids, lambda r: self._stamps.append((np.asarray(ids), gens, _digests(r))))
 
     def verify(self, ids: list[int], when: str) -> None:
         """Published blocks (with a digest of their generation): unchanged since."""
+        recs = self.pool.view.blocks[ids].copy()
+        self._digest(ids, lambda r: self._verify_read(_digests(r), ids, recs, when))
+
+    def _digest(self, ids: list[int], then: Callable[[np.ndarray], None]) -> None:
+        from kvscope.kernels import checks
         from kvscope.kernels.digest import raw_digests
 
-        recs = self.pool.view.blocks[ids].copy()
-        raw = raw_digests(self.pool.kv, ids, self.pool.block_size)
-        self._later(raw, lambda r: self._verify_read(_digests(r), ids, recs, when))
+        if not self._launch(checks.DIGEST, ids, then):
+            self._later(raw_digests(self.pool.kv, ids, self.pool.block_size), then)
 
     def unwritten(self, table: list[int], num_tokens: int, request: str) -> None:
         """A finished request's token slots still poisoned (kv_never_written)."""
+        from kvscope.kernels import checks
+
         bs = self.pool.block_size
         n = min(len(table), -(-num_tokens // bs))
         if n <= 0:
             return  # (a one-token request: no position whose K/V had to be written)
-        blank = integrity.blank_slots(self.pool.kv, table[:n], bs)
-        self._later(blank, lambda b: self._unwritten_read(b, table, num_tokens, request))
+
+        def then(blank: np.ndarray) -> None:
+            self._unwritten_read(blank, table, num_tokens, request)
+
+        if not self._launch(checks.COUNTS, table[:n], lambda c: then(c.reshape(n, bs) == 0)):
+            self._later(integrity.blank_slots(self.pool.kv, table[:n], bs), then)
 
     # -- their answers -----------------------------------------------------------------------------
 
@@ -147,14 +293,18 @@ class DeviceChecks:
             return
         self.settling = True
         try:
+            self._cover()
             while self.pending:
-                host, event, then = self.pending[0]
-                if event is not None:
-                    if not wait and not event.query():
+                entry = self.pending[0]
+                if not entry.done:
+                    if not wait and not entry.event.query():
                         break
-                    event.synchronize()
+                    entry.event.synchronize()
+                    entry.done = True
+                answer = self._read(entry)
                 self.pending.popleft()
-                then(host.numpy())
+                if entry.then is not None:
+                    entry.then(answer)
             if self._stamps:
                 self._write_stamps()
         finally:

@@ -180,7 +180,10 @@ class WriteProbes:
         kv, bs = pool.kv, pool.block_size
         later = self.later
         if op == "poison":
-            integrity.poison(kv, ids, bs)
+            if later is not None:
+                later.fill(ids)
+            else:
+                integrity.poison(kv, ids, bs)
             return None
         if later is not None:
             if op == "canary":

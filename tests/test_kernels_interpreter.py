@@ -21,6 +21,8 @@ FILES = [
     "test_kernels_guard.py",
     "test_kernels_backend.py",
     "test_kernels_digest.py",
+    "test_kernels_checks.py",
+    "test_native_guard.py",
 ]
 
 

@@ -19,6 +19,7 @@ from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import int_view
 from kvscope.probes import lockdep
+from tests.kernels_cases import INTERPRETING
 from tests.test_native import _apply as _native_apply
 from tests.test_native import _fields, _script, _state
 from tests.test_native_probes import _probe_state
@@ -314,6 +315,59 @@ def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenar
     # THEN both report it, with the same kind, block, message and request
     assert kind in [f[0] for f in fast], fast
     assert fast == slow
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in a TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("ring_words", [devicechecks.RING_WORDS, 40], ids=["ring", "small-ring"])
+@pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
+def test_each_planted_write_is_found_through_the_check_kernel_interp(
+    pool_name, monkeypatch, scenario, kind, ring_words
+):
+    # GIVEN the checks answered later as on a CUDA pool, through kernels/checks.py and its ring
+    # (the Triton interpreter standing in for the GPU); a small ring wraps around, waits for
+    # its oldest answers and sends larger checks to the torch ops
+    monkeypatch.setenv("KVSCOPE_KERNELS", "triton")
+    monkeypatch.setattr(devicechecks, "RING_WORDS", ring_words)
+    pair = _pair(pool_name, monkeypatch, "deferred")
+    assert pair[0].probe.writes.later.ring is not None
+    # WHEN the same bad write happens on the C core and on the Python path
+    fast, slow = _both(pair, scenario, settle=True)
+    # THEN both report it the same way
+    assert kind in [f[0] for f in fast], fast
+    assert fast == slow
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in a TRITON_INTERPRET=1 subprocess")
+def test_a_full_ring_waits_for_its_oldest_answers_and_mixes_none_up_interp(pool_name, monkeypatch):
+    # GIVEN a handle whose ring holds 40 words (a digest of one block takes two: its id and
+    # its answer) and 30 digests of different blocks launched without a settle
+    monkeypatch.setenv("KVSCOPE_KERNELS", "triton")
+    monkeypatch.setattr(devicechecks, "RING_WORDS", 40)
+    pool, other = _pair(pool_name, monkeypatch, "deferred")
+    finished = []
+    finish = devicechecks.DeviceChecks._finish
+    monkeypatch.setattr(
+        devicechecks.DeviceChecks, "_finish", lambda s, e: (finished.append(e), finish(s, e))
+    )
+    try:
+        for blk in range(6):
+            pool.kv[:, :, blk, :BS] = float(blk + 1)
+        later = pool.probe.writes.later
+        got: list[tuple[int, list[int]]] = []
+        for i in range(30):
+            blk = i % 6
+            later._digest([blk], lambda raw, blk=blk: got.append((blk, devicechecks._digests(raw))))
+        # WHEN they are settled
+        later.settle(wait=True)
+        # THEN the ring wrapped, waited for its oldest answers, and each answer is its block's
+        assert finished and len(got) == 30 and not later.pending
+        want = {blk: block_digests(pool.kv, [blk], BS) for blk in range(6)}
+        assert [d for _, d in got] == [want[blk] for blk, _ in got]
+        assert [blk for blk, _ in got] == [i % 6 for i in range(30)]
+    finally:
+        for p in (pool, other):
+            p.close()
+            p.unlink()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,156 @@
+"""One kernel for the probes' per-block checks of a pool's K/V, with its block ids read from, and
+its answers written to, one int64 buffer `ring` (on a GPU: page-locked host memory, which the
+kernel reaches directly), so that a check costs the host one launch and nothing else.
+
+A check of a few blocks runs in every allocation, publication and release of a probed CUDA
+pool. Done with torch ops, each took the host ~130 us (measured on an H200: the ids' upload,
+a gather, a compare, a sum, the answer's copy back and its event, each a launch): most of what
+`kvscope run` cost a serving loop. Here the ids are written into `ring` with numpy and the
+answer is read from it once the GPU is past the launch (allocator/devicechecks.py).
+
+`mode` (each one program per block, over the block's token slots `[0, block_size)` in every
+layer, K and V, read as integers of the element's width):
+
+- DIGEST: the raw digest (kernels/digest.py: sum of bits x coefficient, wrapping int64);
+- COUNTS: per token slot, how many of its elements no longer hold the poison (`block_size`
+  words per block);
+- CANARY: 1 if the block's guard slot (the last slot) lost its canary (kernels/guard.py);
+- POISON: fill the token slots with the poison (no answer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .digest import DIGEST_ADD, DIGEST_MUL, int_view
+from .guard import canary_value
+
+DIGEST, COUNTS, CANARY, POISON = 0, 1, 2, 3
+# answer words per block of each mode (COUNTS: times block_size)
+ANSWER_WORDS = {DIGEST: 1, COUNTS: 1, CANARY: 1, POISON: 0}
+
+
+def answer_words(mode: int, num_blocks: int, block_size: int) -> int:
+    """How many int64 words the answer of a check of `num_blocks` blocks takes."""
+    if mode == COUNTS:
+        return num_blocks * block_size
+    return num_blocks * ANSWER_WORDS[mode]
+
+
+@triton.jit(do_not_specialize=["ids_at", "out_at"])
+def _check_kernel(
+    kv_ptr, ring_ptr, ids_at, out_at, num_rows, stride_row, stride_n, guard_offset,
+    MODE: tl.constexpr, BS: tl.constexpr, HD: tl.constexpr,
+    BS_TILE: tl.constexpr, HD_TILE: tl.constexpr,
+    POISON_BITS: tl.constexpr, CANARY_BITS: tl.constexpr, MUL: tl.constexpr, ADD: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    blk = tl.load(ring_ptr + ids_at + pid).to(tl.int64)
+    base = kv_ptr + blk * stride_n
+    e = tl.arange(0, HD_TILE)
+    # rows (layer x K/V) are walked by pointer increments: a row index times the row stride
+    # overflows int32 in a large pool
+    if MODE == 2:  # CANARY: the guard slot of every row
+        bad = tl.zeros([HD_TILE], tl.int32)
+        row = base + guard_offset
+        for _ in range(0, num_rows):
+            for h0 in range(0, HD, HD_TILE):
+                m = (h0 + e) < HD
+                bits = tl.load(row + h0 + e, mask=m, other=CANARY_BITS)
+                bad = bad | (bits != CANARY_BITS).to(tl.int32)
+            row += stride_row
+        tl.store(ring_ptr + out_at + pid, tl.max(bad, 0).to(tl.int64))
+    else:
+        s = tl.arange(0, BS_TILE)
+        digest = tl.zeros([BS_TILE, HD_TILE], tl.int64)
+        for s0 in range(0, BS, BS_TILE):
+            slots = s0 + s
+            counts = tl.zeros([BS_TILE], tl.int64)
+            row = base
+            first = tl.full([], 0, tl.int64)  # the row's first element in the digest's order
+            for _ in range(0, num_rows):
+                for h0 in range(0, HD, HD_TILE):
+                    cols = h0 + e
+                    m = (slots[:, None] < BS) & (cols[None, :] < HD)
+                    offs = slots[:, None] * HD + cols[None, :]
+                    if MODE == 3:  # POISON
+                        fill = tl.full([BS_TILE, HD_TILE], POISON_BITS, kv_ptr.dtype.element_ty)
+                        tl.store(row + offs, fill, mask=m)
+                    else:
+                        bits = tl.load(row + offs, mask=m, other=POISON_BITS)
+                        if MODE == 0:  # DIGEST
+                            coef = ((first + offs) * MUL + ADD) | 1
+                            digest += tl.where(m, bits.to(tl.int64) * coef, 0)
+                        else:  # COUNTS
+                            counts += tl.sum((bits != POISON_BITS).to(tl.int64), 1)
+                row += stride_row
+                first += BS * HD
+            if MODE == 1:
+                tl.store(ring_ptr + out_at + pid * BS + slots, counts, mask=slots < BS)
+        if MODE == 0:
+            tl.store(ring_ptr + out_at + pid, tl.sum(tl.sum(digest, 1), 0))
+
+
+def _signed(bits: int, width: int) -> int:
+    """`bits` as the signed integer of `width` bytes that a kernel loads (int16/int32 views)."""
+    if width > 1 and bits >= 1 << (8 * width - 1):
+        return bits - (1 << (8 * width))
+    return bits
+
+
+def poison_bits(dtype: torch.dtype) -> int:
+    """The poison (NaN) of `dtype` as the integer of its width that the kernel compares."""
+    return int(int_view(torch.full((1,), float("nan"), dtype=dtype))[0])
+
+
+def check_blocks(
+    kv_cache: torch.Tensor,
+    ring: torch.Tensor,
+    ids_at: int,
+    num_blocks: int,
+    out_at: int,
+    mode: int,
+    block_size: int,
+    warmup: bool = False,
+) -> None:
+    """Launch the check `mode` of the `num_blocks` blocks whose ids are `ring[ids_at:]`, its
+    answer into `ring[out_at:]` (answer_words). Not waited for; `warmup` compiles it only."""
+    assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
+    layers, _, _, slots, heads, head_dim = kv_cache.shape
+    assert kv_cache.stride(3) == heads * head_dim and kv_cache.stride(4) == head_dim
+    assert kv_cache.stride(5) == 1 and kv_cache.stride(0) == 2 * kv_cache.stride(1)
+    assert 0 < block_size <= slots and ring.dtype == torch.int64
+    bits = int_view(kv_cache)
+    width = kv_cache.element_size()
+    hd = heads * head_dim
+    bs_tile = min(triton.next_power_of_2(block_size), 64)
+    hd_tile = min(triton.next_power_of_2(hd), max(16, 4096 // bs_tile))
+    args = (bits, ring, ids_at, out_at, layers * 2, bits.stride(1), bits.stride(2),
+            (slots - 1) * bits.stride(3))  # fmt: skip
+    meta = dict(
+        MODE=mode, BS=block_size, HD=hd, BS_TILE=bs_tile, HD_TILE=hd_tile,
+        POISON_BITS=_signed(poison_bits(kv_cache.dtype), width) if kv_cache.is_floating_point()
+        else 0,
+        CANARY_BITS=_signed(canary_value(kv_cache.dtype), width) if width <= 4 else 0,
+        MUL=DIGEST_MUL, ADD=DIGEST_ADD, num_warps=4,
+    )  # fmt: skip
+    if warmup:
+        _check_kernel.warmup(*args, grid=(max(1, num_blocks),), **meta)
+    elif num_blocks:
+        _check_kernel[(num_blocks,)](*args, **meta)
+
+
+def run_check(kv_cache: torch.Tensor, ids: list[int], mode: int, block_size: int) -> torch.Tensor:
+    """The answer of check `mode` of blocks `ids` (int64, waited for): the kernel through a
+    buffer of its own, for tests and one-off use."""
+    n = len(ids)
+    ring = torch.zeros(n + answer_words(mode, n, block_size), dtype=torch.int64)
+    ring[:n] = torch.as_tensor(ids, dtype=torch.int64)
+    if kv_cache.is_cuda:
+        ring = ring.pin_memory()
+    check_blocks(kv_cache, ring, 0, n, n, mode, block_size)
+    if kv_cache.is_cuda:
+        torch.cuda.current_stream(kv_cache.device).synchronize()
+    return ring[n:].clone()

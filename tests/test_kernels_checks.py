@@ -1,0 +1,75 @@
+"""The probes' block-check kernel (kernels/checks.py) answers as the torch ops it replaces, bit
+for bit: digests, poison counts per slot, canary flags, and the poison it writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvscope.allocator import integrity
+from kvscope.kernels import checks, fill_guard
+from kvscope.kernels.digest import int_view, raw_digests
+from kvscope.kernels.guard import guard_flags
+from tests.kernels_cases import TRITON_TARGETS, use_torch, use_triton_on
+
+CASES = [
+    pytest.param(2, 8, 2, 16, torch.float32, 9, id="L2-bs8-H2x16-fp32-guard"),
+    pytest.param(1, 16, 4, 64, torch.float16, 17, id="L1-bs16-H4x64-fp16-guard"),
+    pytest.param(3, 5, 1, 8, torch.bfloat16, 5, id="L3-bs5-H1x8-bf16"),
+    pytest.param(1, 80, 1, 4, torch.float16, 81, id="L1-bs80-H1x4-fp16-guard"),
+]
+
+
+def pool(layers, block_size, heads, dim, dtype, slots, device, num_blocks=7):
+    """A random pool tensor [layers, 2, blocks, slots, heads, dim], canaries in place."""
+    kv = torch.randn(layers, 2, num_blocks, slots, heads, dim).to(dtype).to(device)
+    if slots > block_size:
+        fill_guard(kv)
+    return kv
+
+
+@pytest.mark.parametrize("layers,block_size,heads,dim,dtype,slots", CASES)
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+def test_each_check_answers_as_the_torch_ops(
+    monkeypatch, target, layers, block_size, heads, dim, dtype, slots
+):
+    # GIVEN a pool whose blocks 3 and 5 are poisoned, then written into: one element of block
+    # 5's slot 2 in the last layer's V, and (guard mode) the guard slot of block 0
+    kv = pool(layers, block_size, heads, dim, dtype, slots, target)
+    use_triton_on(monkeypatch, target)
+    checks.run_check(kv, [3, 5], checks.POISON, block_size)
+    kv[layers - 1, 1, 5, 2, heads - 1, dim - 1] = 1.0
+    if slots > block_size:
+        kv[0, 1, 0, block_size, 0, dim - 1] = 0.0
+    ids = [5, 0, 3, 3]
+    # WHEN each check runs through the kernel, and as the torch ops on the same bytes
+    digest = checks.run_check(kv, ids, checks.DIGEST, block_size)
+    counts = checks.run_check(kv, ids, checks.COUNTS, block_size).reshape(len(ids), block_size)
+    flags = checks.run_check(kv, ids, checks.CANARY, block_size) if slots > block_size else None
+    use_torch(monkeypatch)
+    cpu = kv.cpu()
+    # THEN they agree
+    assert digest.tolist() == raw_digests(cpu, ids, block_size).tolist()
+    unpoisoned = integrity.unpoisoned_counts(cpu, np.asarray(ids), block_size)
+    assert counts.sum(1).tolist() == unpoisoned.tolist()
+    assert (counts == 0).tolist() == integrity.blank_slots(cpu, ids, block_size).tolist()
+    assert counts[0].tolist() == [1 if s == 2 else 0 for s in range(block_size)]
+    if flags is not None:
+        assert flags.tolist() == guard_flags(cpu, ids).tolist() == [0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("layers,block_size,heads,dim,dtype,slots", CASES)
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
+    monkeypatch, target, layers, block_size, heads, dim, dtype, slots
+):
+    kv = pool(layers, block_size, heads, dim, dtype, slots, target)
+    want = kv.cpu().clone()
+    use_torch(monkeypatch)
+    integrity.poison(want, [1, 4], block_size)
+    # WHEN blocks 1 and 4 are poisoned by the kernel
+    use_triton_on(monkeypatch, target)
+    checks.run_check(kv, [1, 4], checks.POISON, block_size)
+    # THEN every bit equals the torch poison's: token slots NaN, guard slots and others untouched
+    assert torch.equal(int_view(kv.cpu()), int_view(want))
