@@ -73,19 +73,24 @@ class DeviceChecks:
         # launched since the last event was recorded, on `_open_stream` (CUDA)
         self._open: list[_Answer] = []
         self._open_stream: Any = None
+        self._open_raw = 0
         # digests answered, to be written into their records: (blocks, generations, digests)
         self._stamps: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
         self.settling = False
         # the ring: ids in, answers out, through kernels/checks.py (where Triton runs)
         self.ring: torch.Tensor | None = None
         self._ring_np: np.ndarray | None = None
+        self._checks: Any = None
         self._head = 0
         if backend.use_triton(self.pool.kv):
             import torch
 
+            from kvscope.kernels.checks import Checks
+
             ring = torch.zeros(RING_WORDS, dtype=torch.int64)
             self.ring = ring.pin_memory() if self.cuda else ring
             self._ring_np = self.ring.numpy()
+            self._checks = Checks(self.pool.kv, self.ring, self.pool.block_size)
         if self.cuda:
             self._warm_up()
 
@@ -97,15 +102,14 @@ class DeviceChecks:
 
         from kvscope.kernels import checks
 
-        kv, bs, flags = self.pool.kv, self.pool.block_size, self.probes.flags
+        kv, flags = self.pool.kv, self.probes.flags
         modes = [checks.DIGEST] if flags.digest else []
         if flags.guard and integrity.has_guard(self.pool.view):
             modes.append(checks.CANARY)
         if flags.guard and integrity.can_poison(kv):
             modes += [checks.COUNTS, checks.POISON]
-        if self.ring is not None:
-            for mode in modes:
-                checks.check_blocks(kv, self.ring, 0, 1, 1, mode, bs, warmup=True)
+        if self._checks is not None:
+            self._checks.warm_up(modes)
         torch.cuda.synchronize(kv.device)
 
     # -- launching ---------------------------------------------------------------------------------
@@ -122,7 +126,7 @@ class DeviceChecks:
         at = self._take(n + words)
         assert self._ring_np is not None
         self._ring_np[at : at + n] = ids
-        checks.check_blocks(self.pool.kv, self.ring, at, n, at + n, mode, self.pool.block_size)
+        self._checks.launch(mode, at, n, at + n)
         entry = _Answer((at + n, at + n + words), not self.cuda, then)
         entry.span = (at, self._head)
         self._queue(entry)
@@ -154,11 +158,15 @@ class DeviceChecks:
         if self.cuda and not entry.done:
             import torch
 
-            stream = torch.cuda.current_stream(self.pool.kv.device)
-            if self._open and stream != self._open_stream:
+            # the stream the check went to (the raw handle, as Triton takes it: a Stream
+            # object costs the host several microseconds), its object once per batch
+            stream = torch._C._cuda_getCurrentRawStream(self.pool.kv.device.index)
+            if self._open and stream != self._open_raw:
                 self._cover()
+            if not self._open:
+                self._open_stream = torch.cuda.current_stream(self.pool.kv.device)
+                self._open_raw = stream
             self._open.append(entry)
-            self._open_stream = stream
         self.pending.append(entry)
         if len(self.pending) > MAX_PENDING:
             self._finish(self.pending[0])

@@ -11,7 +11,7 @@ from kvscope.allocator import integrity
 from kvscope.kernels import checks, fill_guard
 from kvscope.kernels.digest import int_view, raw_digests
 from kvscope.kernels.guard import guard_flags
-from tests.kernels_cases import TRITON_TARGETS, use_torch, use_triton_on
+from tests.kernels_cases import HAS_CUDA, TRITON_TARGETS, use_torch, use_triton_on
 
 CASES = [
     pytest.param(2, 8, 2, 16, torch.float32, 9, id="L2-bs8-H2x16-fp32-guard"),
@@ -73,3 +73,24 @@ def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
     checks.run_check(kv, [1, 4], checks.POISON, block_size)
     # THEN every bit equals the torch poison's: token slots NaN, guard slots and others untouched
     assert torch.equal(int_view(kv.cpu()), int_view(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_on_a_gpu_each_check_launches_through_its_compiled_kernel_with_the_same_answer():
+    # GIVEN a CUDA pool and a page-locked ring, the kernel compiled for three modes
+    kv = pool(2, 8, 2, 16, torch.float16, 9, "cuda")
+    ring = torch.zeros(64, dtype=torch.int64).pin_memory()
+    fast = checks.Checks(kv, ring, 8)
+    fast.warm_up([checks.DIGEST, checks.COUNTS, checks.CANARY])
+    # THEN its launches skip Triton's JIT launcher
+    assert set(fast._compiled) >= {checks.DIGEST, checks.COUNTS, checks.CANARY}
+    # AND answer as the JIT's launches do
+    ids = [5, 0, 3]
+    ring[:3] = torch.tensor(ids)
+    for mode, at in ((checks.DIGEST, 4), (checks.COUNTS, 8), (checks.CANARY, 40)):
+        fast.launch(mode, 0, len(ids), at)
+    torch.cuda.synchronize()
+    assert ring[4:7].tolist() == checks.run_check(kv, ids, checks.DIGEST, 8).tolist()
+    assert ring[8:32].tolist() == checks.run_check(kv, ids, checks.COUNTS, 8).tolist()
+    assert ring[40:43].tolist() == checks.run_check(kv, ids, checks.CANARY, 8).tolist()
