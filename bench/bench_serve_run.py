@@ -1,12 +1,14 @@
 """examples/serve.py plainly and under `kvscope run` (every probe it switches on), interleaved:
 the output tokens/s of each, and the ratio (docs/BENCHMARKS.md, "Probes and the undo journal").
 
-    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 3   # on the H200
-    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 3 --cuda-graphs
+    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 6   # on the H200
+    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 6 --cuda-graphs
     python bench/bench_serve_run.py --device cpu --quick --repeat 1          # smoke test
 
 The model and workload are bench_serve.py's (a random-weight ~110M-parameter Llama; `--quick`:
 its tiny model); one 8-request warm-up of each first, so that Triton's compilation is not counted.
+The pairs alternate their order; with runs of a few seconds on a shared host a single pair's
+ratio moves by a fifth, so the median of six or more pairs is the figure to read.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         for c in runs.values():  # Triton's compilations (the probes' kernels too) into its cache
             subprocess.run(bench_serve.with_requests(c, 8), capture_output=True, check=True)
         out: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(args.repeat):
-            for name, c in runs.items():
+        for rep in range(args.repeat):
+            # each pair in the other order than the last (ABBA): drift on a shared host
+            # favours neither
+            for name in list(runs)[:: 1 if rep % 2 == 0 else -1]:
+                c = runs[name]
                 done = subprocess.run(c, capture_output=True, text=True)
                 if done.returncode != 0:
                     print(f"{name}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -48,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: sorted(v)[len(v) // 2] for k, v in out.items()}
     print(f"median: plain {med['plain']:.1f}, kvscope run {med['kvscope run']:.1f} output tokens/s"
           f" ({med['kvscope run'] / med['plain']:.2f}x)")  # fmt: skip
+    pairs = [r / p for p, r in zip(out["plain"], out["kvscope run"])]
+    print(
+        "each pair: " + " ".join(f"{x:.2f}x" for x in pairs)
+        + f" (spread {min(pairs):.2f}-{max(pairs):.2f}x: a run's noise, on a shared host)"
+    )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

@@ -1,0 +1,123 @@
+"""What a CUDA pool's operations cost the host, probes off and with every probe `kvscope run`
+switches on, and what each of the probes' checks of the K/V costs alone (docs/BENCHMARKS.md,
+"Probes and the undo journal").
+
+    python bench/bench_pool_cuda.py          # on a CUDA machine, about 15 s
+
+The GPU is kept busy while the host works (a sleep kernel queued before each call, the stream
+drained every 8 calls), as in a serving loop, where an operation runs while the step's forward
+is still on the GPU: a check that made the host wait would show as the sleep's length. Each
+figure is the median host time of one call over 200-300 calls (the first fifth left out).
+Geometry: bench_serve.py's model (8 layers, 4 KV heads of 64, fp16), 16-token blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+PROBES = ("DIGEST", "MAGIC", "OWNERSHIP", "LEAKS", "EVENTS")
+
+
+def busy(torch, fn: Callable[[int], object], n: int = 300, every: int = 8) -> float:
+    """Median host microseconds of fn(i) with the GPU busy."""
+    times = []
+    for i in range(n):
+        torch.cuda._sleep(60000)
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+        if i % every == every - 1:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(times[n // 5 :]) * 1e6
+
+
+def make(name: str, probes: bool):
+    from kvscope.allocator import KVPool, PoolConfig
+
+    for p in PROBES:
+        os.environ[f"KVSCOPE_{p}"] = "1" if probes else "0"
+    cfg = PoolConfig(
+        num_blocks=1024,
+        block_size=16,
+        num_layers=8,
+        num_kv_heads=4,
+        head_dim=64,
+        dtype="float16",
+        device="cuda",
+        guard=probes,
+        max_clients=8,
+        max_seqs=256,
+        quarantine=64 if probes else 0,
+        events=probes,
+        lockdep=probes,
+    )
+    return KVPool.create(name, cfg)
+
+
+def operations(torch, pool, tag: str) -> dict[str, float]:
+    """allocate (a 40-token prompt: 3 blocks), mark_computed (2 full blocks published), an
+    append of 9 tokens (a fourth block; several tokens at once: the Python path, as the C core
+    appends one token at a time), free (4 blocks); one sequence per call."""
+    seqs = {}
+
+    def allocate(i):
+        seqs[i] = pool.allocate(f"{tag}{i}", list(range(40)))
+
+    def publish(i):
+        pool.mark_computed(seqs[i], 40)
+
+    def append(i):
+        pool.append(seqs[i], list(range(9)))
+
+    def free(i):
+        pool.free(seqs.pop(i))
+
+    steps = (("allocate", allocate), ("mark_computed", publish), ("append", append), ("free", free))
+    return {name: busy(torch, fn, n=200) for name, fn in steps}
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_pool_cuda: needs a CUDA device")
+    torch.cuda.init()
+    plain = make(f"bench-cuda-plain-{os.getpid()}", False)
+    probed = make(f"bench-cuda-probed-{os.getpid()}", True)
+    try:
+        later = probed.probe.writes.later
+        assert later is not None, "a CUDA pool's checks are answered later"
+        for rnd in range(2):  # the first round warms up
+            a = operations(torch, plain, f"p{rnd}-")
+            b = operations(torch, probed, f"q{rnd}-")
+        print(f"{'operation':16s} {'probes off':>11s} {'kvscope run':>12s}   (host us, median)")
+        for k in a:
+            print(f"{k:16s} {a[k]:11.1f} {b[k]:12.1f}")
+        checks = [
+            ("digest 1 block (publish)", lambda i: later.stamp([5])),
+            ("digest 2 blocks (verify)", lambda i: later.verify([5, 6], "a check")),
+            ("poison check 1 block", lambda i: later.poison([5])),
+            ("canaries 4 blocks", lambda i: later.canaries([5, 6, 7, 8])),
+            ("never-written 3 blocks", lambda i: later.unwritten([5, 6, 7], 40, "r")),
+            ("poison fill 4 blocks", lambda i: later.fill([5, 6, 7, 8])),
+        ]
+        fast = later._checks is not None and bool(later._checks._compiled)
+        print(f"\n{'check':28s} host us (median), {'compiled' if fast else 'JIT'} launches")
+        for name, fn in checks:
+            print(f"{name:28s} {busy(torch, fn):8.1f}")
+            later.settle(wait=True)
+    finally:
+        for pool in (plain, probed):
+            pool.close()
+            pool.unlink()
+
+
+if __name__ == "__main__":
+    main()
