@@ -32,6 +32,17 @@ TRITON_TARGETS = [
 ]
 
 
+def random_pool(layers, block_size, heads, dim, dtype, slots, device, num_blocks=7):
+    """A random pool tensor [layers, 2, blocks, slots, heads, dim], canaries in its guard slots
+    when it has them (slots > block_size)."""
+    from kvscope.kernels import fill_guard
+
+    kv = torch.randn(layers, 2, num_blocks, slots, heads, dim).to(dtype).to(device)
+    if slots > block_size:
+        fill_guard(kv)
+    return kv
+
+
 def use_triton_on(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
     """Force the Triton backend for the rest of the test."""
     monkeypatch.setenv("KVSCOPE_KERNELS", "triton")

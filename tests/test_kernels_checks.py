@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvscope.allocator import integrity
-from kvscope.kernels import checks, fill_guard
+from kvscope.kernels import checks
 from kvscope.kernels.digest import int_view, raw_digests
 from kvscope.kernels.guard import guard_flags
-from tests.kernels_cases import HAS_CUDA, TRITON_TARGETS, use_torch, use_triton_on
+from tests.kernels_cases import HAS_CUDA, TRITON_TARGETS, random_pool, use_torch, use_triton_on
 
 CASES = [
     pytest.param(2, 8, 2, 16, torch.float32, 9, id="L2-bs8-H2x16-fp32-guard"),
@@ -21,14 +21,6 @@ CASES = [
 ]
 
 
-def pool(layers, block_size, heads, dim, dtype, slots, device, num_blocks=7):
-    """A random pool tensor [layers, 2, blocks, slots, heads, dim], canaries in place."""
-    kv = torch.randn(layers, 2, num_blocks, slots, heads, dim).to(dtype).to(device)
-    if slots > block_size:
-        fill_guard(kv)
-    return kv
-
-
 @pytest.mark.parametrize("layers,block_size,heads,dim,dtype,slots", CASES)
 @pytest.mark.parametrize("target", TRITON_TARGETS)
 def test_each_check_answers_as_the_torch_ops(
@@ -36,7 +28,7 @@ def test_each_check_answers_as_the_torch_ops(
 ):
     # GIVEN a pool whose blocks 3 and 5 are poisoned, then written into: one element of block
     # 5's slot 2 in the last layer's V, and (guard mode) the guard slot of block 0
-    kv = pool(layers, block_size, heads, dim, dtype, slots, target)
+    kv = random_pool(layers, block_size, heads, dim, dtype, slots, target)
     use_triton_on(monkeypatch, target)
     checks.run_check(kv, [3, 5], checks.POISON, block_size)
     kv[layers - 1, 1, 5, 2, heads - 1, dim - 1] = 1.0
@@ -64,7 +56,7 @@ def test_each_check_answers_as_the_torch_ops(
 def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
     monkeypatch, target, layers, block_size, heads, dim, dtype, slots
 ):
-    kv = pool(layers, block_size, heads, dim, dtype, slots, target)
+    kv = random_pool(layers, block_size, heads, dim, dtype, slots, target)
     want = kv.cpu().clone()
     use_torch(monkeypatch)
     integrity.poison(want, [1, 4], block_size)
@@ -79,7 +71,7 @@ def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_on_a_gpu_each_check_launches_through_its_compiled_kernel_with_the_same_answer():
     # GIVEN a CUDA pool and a page-locked ring, the kernel compiled for three modes
-    kv = pool(2, 8, 2, 16, torch.float16, 9, "cuda")
+    kv = random_pool(2, 8, 2, 16, torch.float16, 9, "cuda")
     ring = torch.zeros(64, dtype=torch.int64).pin_memory()
     fast = checks.Checks(kv, ring, 8)
     fast.warm_up([checks.DIGEST, checks.COUNTS, checks.CANARY])

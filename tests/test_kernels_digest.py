@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.kernels import block_digests, fill_guard
+from kvscope.kernels import block_digests
 from kvscope.kernels.digest import int_view
-from tests.kernels_cases import TRITON_TARGETS, use_torch, use_triton_on
+from tests.kernels_cases import TRITON_TARGETS, random_pool, use_torch, use_triton_on
 
 BACKENDS = [pytest.param("torch", id="torch"), *TRITON_TARGETS]
 CASES = [
@@ -16,14 +16,6 @@ CASES = [
     pytest.param(1, 16, 4, 64, torch.float16, 16, id="L1-bs16-H4x64-fp16"),
     pytest.param(3, 5, 1, 8, torch.bfloat16, 6, id="L3-bs5-H1x8-bf16-guard"),
 ]
-
-
-def pool(layers, block_size, heads, dim, dtype, slots, device, num_blocks=7):
-    """A random pool tensor [layers, 2, blocks, slots, heads, dim]."""
-    kv = torch.randn(layers, 2, num_blocks, slots, heads, dim).to(dtype).to(device)
-    if slots > block_size:
-        fill_guard(kv)
-    return kv
 
 
 @pytest.mark.parametrize("layers,block_size,heads,dim,dtype,slots", CASES)
@@ -38,7 +30,7 @@ def test_digest_matches_the_reference(
     else:
         use_triton_on(monkeypatch, backend)
         device = backend
-    kv = pool(layers, block_size, heads, dim, dtype, slots, device)
+    kv = random_pool(layers, block_size, heads, dim, dtype, slots, device)
     ids = [5, 0, 3, 3]
     # WHEN digested on this backend and on the reference
     got = block_digests(kv, ids, block_size)
@@ -53,7 +45,7 @@ def test_one_changed_element_changes_the_digest_but_the_guard_slot_does_not(
     monkeypatch, layers, block_size, heads, dim, dtype, slots
 ):
     use_torch(monkeypatch)
-    kv = pool(layers, block_size, heads, dim, dtype, slots, "cpu")
+    kv = random_pool(layers, block_size, heads, dim, dtype, slots, "cpu")
     before = block_digests(kv, [2], block_size)
     bits = int_view(kv)
     # WHEN one element of a token slot changes (its lowest bit), THEN the digest changes
