@@ -18,6 +18,7 @@ CASES = [
     pytest.param(1, 16, 4, 64, torch.float16, 17, id="L1-bs16-H4x64-fp16-guard"),
     pytest.param(3, 5, 1, 8, torch.bfloat16, 5, id="L3-bs5-H1x8-bf16"),
     pytest.param(1, 80, 1, 4, torch.float16, 81, id="L1-bs80-H1x4-fp16-guard"),
+    pytest.param(2, 4, 2, 8, torch.float8_e4m3fn, 5, id="L2-bs4-H2x8-fp8-guard"),
 ]
 
 
