@@ -48,8 +48,12 @@ def _timed_serve(argv: list[str]) -> None:
 
     for name in ("native_kv", "finished"):
         setattr(writes.WriteProbes, name, timed(name, getattr(writes.WriteProbes, name)))
-    report = {k: {"calls": int(v[0]), "seconds": round(v[1], 3)} for k, v in stats.items()}
-    atexit.register(lambda: print("CHECKS", json.dumps(report), file=sys.stderr))
+
+    def report() -> None:  # at exit: the totals of the whole run
+        totals = {k: {"calls": int(v[0]), "seconds": round(v[1], 3)} for k, v in stats.items()}
+        print("CHECKS", json.dumps(totals), file=sys.stderr)
+
+    atexit.register(report)
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 
