@@ -182,15 +182,6 @@ def poison_message(rec: np.void, count: int) -> str:
     )
 
 
-def poison_bits(dtype: torch.dtype) -> torch.Tensor:
-    """The bits a poisoned element holds (NaN of `dtype` as its integer of the same width)."""
-    import torch
-
-    from kvscope.kernels.digest import int_view
-
-    return int_view(torch.full((1,), float("nan"), dtype=dtype))[0]
-
-
 def can_poison(kv: KV) -> bool:
     """Freed blocks are poisoned only in floating-point caches."""
     if isinstance(kv, KVBits):
@@ -204,10 +195,11 @@ def _not_poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int
     and slot). Few launches: on a GPU each costs the host several microseconds, and a check runs
     in every allocation and release."""
     from kvscope.kernels.backend import block_ids
+    from kvscope.kernels.checks import poison_bits
     from kvscope.kernels.digest import int_view
 
     idx = block_ids(np.asarray(ids, np.int64), kv.device)
-    return int_view(kv)[:, :, idx, :block_size] != int(poison_bits(kv.dtype))
+    return int_view(kv)[:, :, idx, :block_size] != poison_bits(kv.dtype)
 
 
 def poison(kv: KV, ids: np.ndarray | list[int], block_size: int) -> None:

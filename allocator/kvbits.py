@@ -3,7 +3,7 @@
 `kvscope check` and `kvscope analyze` check the data of a CPU pool's data file or of a dump
 written with `--with-data`; both are bytes on disk, mapped read-only. Reading them through
 numpy keeps torch (seconds to import) out of the reading verbs. The arithmetic is the kernels'
-own (kernels/digest.py, kernels/guard.py, integrity.poison_bits), restated here because the
+own (kernels/digest.py, kernels/guard.py, kernels/checks.py poison_bits), restated here because the
 allocator must not import the kernels' torch; tests/test_kvbits.py proves both give the same
 digests, the same poison and canary bits, and the same findings.
 """

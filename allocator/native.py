@@ -170,7 +170,7 @@ def kv_layout(pool: KVPool) -> dict[str, Any]:
         canary = CANARY_BITS.get(esize, 0)
     poison = kv.dtype.is_floating_point
     if poison:
-        # integrity.poison_bits, without the kernels' import
+        # kernels.checks.poison_bits, without the kernels' import
         width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[esize]
         bits = torch.full((1,), float("nan"), dtype=kv.dtype).view(width)
         nan = int(bits[0]) & ((1 << (8 * esize)) - 1)

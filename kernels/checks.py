@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .digest import DIGEST_ADD, DIGEST_MUL, int_view
-from .guard import canary_value
+from .guard import canary_loaded
 
 DIGEST, COUNTS, CANARY, POISON = 0, 1, 2, 3
 # answer words per block of each mode (COUNTS: times block_size)
@@ -95,15 +95,9 @@ def _check_kernel(
             tl.store(ring_ptr + out_at + pid, tl.sum(tl.sum(digest, 1), 0))
 
 
-def _signed(bits: int, width: int) -> int:
-    """`bits` as the signed integer of `width` bytes that a kernel loads (int16/int32 views)."""
-    if width > 1 and bits >= 1 << (8 * width - 1):
-        return bits - (1 << (8 * width))
-    return bits
-
-
 def poison_bits(dtype: torch.dtype) -> int:
-    """The poison (NaN) of `dtype` as the integer of its width that the kernel compares."""
+    """The bits a poisoned element holds: NaN of `dtype` as the integer of its width (`int_view`:
+    signed for 2, 4 and 8 bytes), as the kernels load and compare it."""
     return int(int_view(torch.full((1,), float("nan"), dtype=dtype))[0])
 
 
@@ -135,8 +129,8 @@ class Checks:
                 HD=hd,
                 BS_TILE=bs_tile,
                 HD_TILE=min(triton.next_power_of_2(hd), max(16, 4096 // bs_tile)),
-                POISON_BITS=_signed(poison_bits(kv_cache.dtype), width) if floating else 0,
-                CANARY_BITS=_signed(canary_value(kv_cache.dtype), width) if width <= 4 else 0,
+                POISON_BITS=poison_bits(kv_cache.dtype) if floating else 0,
+                CANARY_BITS=canary_loaded(kv_cache.dtype) if width <= 4 else 0,
                 MUL=DIGEST_MUL,
                 ADD=DIGEST_ADD,
             )

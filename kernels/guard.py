@@ -34,6 +34,16 @@ def canary_value(dtype: torch.dtype) -> int:
     return CANARY_BITS[torch.empty((), dtype=dtype).element_size()]
 
 
+def canary_loaded(dtype: torch.dtype) -> int:
+    """The canary as a kernel reading the guard slots through `canary_dtype` loads it (int16
+    and int32 are signed: a constant at or above the sign bit must be given as negative)."""
+    width = torch.empty((), dtype=dtype).element_size()
+    value = CANARY_BITS[width]
+    if width > 1 and value >= 1 << (8 * width - 1):
+        value -= 1 << (8 * width)
+    return value
+
+
 def fill_guard(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int] | None = None) -> None:
     """Write the canary into the last slot of the given blocks (all blocks when None)."""
     assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
@@ -105,7 +115,6 @@ def guard_flags(kv_cache: torch.Tensor, blocks: torch.Tensor | list[int]) -> tor
 def _scan_triton(kv_cache: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     """The scan kernel's flags, one per block of `ids` (all blocks when None)."""
     int_dtype = canary_dtype(kv_cache.dtype)
-    canary = canary_value(kv_cache.dtype)
     assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
     layers, _, num_blocks, slots, heads, head_dim = kv_cache.shape
     assert kv_cache.stride(4) == head_dim and kv_cache.stride(5) == 1
@@ -116,12 +125,10 @@ def _scan_triton(kv_cache: torch.Tensor, ids: torch.Tensor | None) -> torch.Tens
     if count == 0:
         return bad
     elems = heads * head_dim
-    if int_dtype == torch.int16 and canary >= 1 << 15:
-        canary -= 1 << 16
     _guard_scan_kernel[(count,)](
         ints, ids if ids is not None else bad, bad, layers * 2,
         ints.stride(1), ints.stride(2), (slots - 1) * ints.stride(3),
-        CANARY=canary, ELEMS=elems, LK_TILE=min(16, triton.next_power_of_2(layers * 2)),
+        CANARY=canary_loaded(kv_cache.dtype), ELEMS=elems, LK_TILE=min(16, triton.next_power_of_2(layers * 2)),
         ELEM_TILE=min(1024, triton.next_power_of_2(elems)), HAS_BLOCKS=ids is not None,
         num_warps=4,
     )  # fmt: skip

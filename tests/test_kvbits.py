@@ -14,6 +14,7 @@ from kvscope.allocator.segment import data_path
 from kvscope.allocator.snapshot import snapshot
 from kvscope.kernels import CANARY_BITS, block_digests
 from kvscope.kernels import digest as kernel_digest
+from kvscope.kernels.checks import poison_bits
 from kvscope.kernels.digest import int_view
 
 
@@ -26,7 +27,7 @@ def test_the_constants_are_the_kernels():
         kernel_digest.DIGEST_ADD,
     )
     for name, width in ELEMENT_BYTES.items():
-        nan = int(integrity.poison_bits(getattr(torch, name))) & ((1 << (8 * width)) - 1)
+        nan = poison_bits(getattr(torch, name)) & ((1 << (8 * width)) - 1)
         assert kvbits.NAN_BITS[name] == nan, name
         assert np.dtype(kvbits.INT_DTYPES[width]).itemsize == width
     assert all(kvbits.fmix64(x) == kernel_digest.fmix64(x) for x in (0, 1, -1, 2**63, 12345))
