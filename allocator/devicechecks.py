@@ -123,18 +123,20 @@ class DeviceChecks:
         words = checks.answer_words(mode, n, self.pool.block_size)
         if self.ring is None or n + words > RING_WORDS // 4:
             return False
-        at = self._take(n + words)
+        span = self._take(n + words)
+        at = span[0]
         assert self._ring_np is not None
         self._ring_np[at : at + n] = ids
         self._checks.launch(mode, at, n, at + n)
         entry = _Answer((at + n, at + n + words), not self.cuda, then)
-        entry.span = (at, self._head)
+        entry.span = span
         self._queue(entry)
         return True
 
-    def _take(self, words: int) -> int:
-        """The first ring word of `words` free ones (a multiple of two: every slice starts
-        16-byte aligned), waiting for the oldest checks holding the ring where it is full."""
+    def _take(self, words: int) -> tuple[int, int]:
+        """A slice of the ring of `words` free words (rounded up to a multiple of two: every
+        slice starts 16-byte aligned), waiting for the oldest checks holding the ring where it
+        is full."""
         words += words & 1
         while True:
             tail = next((e.span[0] for e in self.pending if e.span is not None), None)
@@ -151,7 +153,7 @@ class DeviceChecks:
                 start = head
             if start is not None:
                 self._head = start + words
-                return start
+                return start, self._head
             self._finish(next(e for e in self.pending if e.span is not None))
 
     def _queue(self, entry: _Answer) -> None:
