@@ -137,7 +137,9 @@ class Stopper:
             time.sleep(seconds)
             return
         info = signal.sigtimedwait(STOP_SIGNALS, seconds)
-        if info is not None:
+        # A wait that a ptrace attach cut short (`py-spy record --subprocesses -- kvscope run`)
+        # can come back with a siginfo the kernel never filled: not a signal, so not a stop.
+        if info is not None and info.si_signo in STOP_SIGNALS:
             self.on_signal(info.si_signo, from_terminal=info.si_code == SI_KERNEL)
 
     def _on_handler(self, signum: int, frame: object) -> None:

@@ -238,3 +238,27 @@ def test_a_stop_signal_after_the_script_ended_still_asks_the_tui_to_close():
     stopper.on_signal(signal.SIGHUP, from_terminal=True)
     assert stopper.stop_requested.is_set()
     assert not stopper.stopping
+
+
+def test_a_wait_that_returns_an_unfilled_siginfo_is_not_a_stop(monkeypatch):
+    # GIVEN a stopper collecting signals, watching a live script, whose wait comes back with a
+    # siginfo the kernel never filled (seen when a profiler's ptrace attach cut the wait short)
+    class Unfilled:
+        si_signo = -195724224
+        si_code = 0
+
+    lines: list[str] = []
+    stopper = Stopper(lines.append, grace_s=1.0)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with stopper.collecting():
+            stopper.watch(proc)
+            monkeypatch.setattr(signal, "sigtimedwait", lambda sigs, timeout: Unfilled())
+            # WHEN it sleeps THEN it neither raises nor stops the script
+            stopper.sleep(0.01)
+        assert not stopper.stop_requested.is_set()
+        assert not stopper.stopping and lines == []
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -276,7 +276,7 @@ class Engine:
             for index in range(1, stream.request.n):
                 child = self._new_stream(stream.request, index)
                 state.streams.append(child)
-                running = stream in self.scheduler.running
+                running = self.scheduler.is_running(stream)
                 if running and self.scheduler.fork(stream, child):
                     emitting.append(child)
                 else:
@@ -299,7 +299,7 @@ class Engine:
             self._finish(state, stream)
         elif len(stream.output) == stream.request.cancel_after:
             self._cancel(state)
-        elif stream in self.scheduler.running:
+        elif self.scheduler.is_running(stream):
             self.scheduler.append(stream, token)
         else:
             stream.pending_token = token

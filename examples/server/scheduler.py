@@ -21,7 +21,9 @@ from .workload import Request
 CopyFn = Callable[[list[tuple[int, int]]], None]
 
 
-@dataclass
+# eq=False: a stream is itself, not its fields (a field-by-field __eq__ made each `in` over the
+# running list compare requests and outputs: a third of the example server's host time).
+@dataclass(eq=False)
 class Stream:
     """One output stream: its pool sequence, how much of it has K/V, what it generated."""
 
@@ -36,6 +38,8 @@ class Stream:
     # prompt tokens found in the pool's prefix index at the first admission (-1: not admitted)
     num_hit_tokens: int = -1
     output: list[int] = field(default_factory=list)
+    # in the scheduler's running list (kept by the scheduler: a list search per step was O(n^2))
+    running: bool = False
 
     @property
     def name(self) -> str:
@@ -88,6 +92,23 @@ class Scheduler:
         assert stream.seq is None
         self.waiting.append(stream)
 
+    def is_running(self, stream: Stream) -> bool:
+        """Whether `stream` is in the running list (not waiting, set aside or finished)."""
+        return stream.running
+
+    def _run(self, stream: Stream, at: int | None = None) -> None:
+        """Put `stream` in the running list (at the end, or at index `at`)."""
+        if at is None:
+            self.running.append(stream)
+        else:
+            self.running.insert(at, stream)
+        stream.running = True
+
+    def _stop(self, stream: Stream) -> None:
+        """Take `stream` out of the running list."""
+        self.running.remove(stream)
+        stream.running = False
+
     def has_work(self) -> bool:
         """Whether any stream waits or runs."""
         return bool(self.waiting or self.running)
@@ -109,7 +130,7 @@ class Scheduler:
                 break
             available -= need
             self.waiting.popleft()
-            self.running.append(stream)
+            self._run(stream)
             admitted.append(stream)
         return admitted
 
@@ -129,7 +150,7 @@ class Scheduler:
 
     def set_aside(self, stream: Stream) -> None:
         """Stop running `stream`: the pool may now take its blocks (it preempts waiting ones)."""
-        self.running.remove(stream)
+        self._stop(stream)
         self.cache.set_state(stream.seq, "waiting")
         self.waiting.appendleft(stream)
         self.num_set_aside += 1
@@ -171,13 +192,13 @@ class Scheduler:
                 self.set_aside(victim)
                 continue
             child.num_computed = child.num_published = parent.num_computed
-            self.running.insert(self.running.index(parent) + 1, child)
+            self._run(child, at=self.running.index(parent) + 1)
             return True
 
     def finish(self, stream: Stream) -> None:
         """Free a stream that generated all its tokens (running, or set aside this step)."""
-        if stream in self.running:
-            self.running.remove(stream)
+        if stream.running:
+            self._stop(stream)
         else:
             self.waiting.remove(stream)
         if stream.seq.state == "preempted":
@@ -188,8 +209,8 @@ class Scheduler:
     def abort(self, stream: Stream) -> None:
         """Drop a stream that will not finish (cancelled, or cannot be served), returning its
         blocks and its sequence slot; a stream already finished is left alone."""
-        if stream in self.running:
-            self.running.remove(stream)
+        if stream.running:
+            self._stop(stream)
         elif stream in self.waiting:
             self.waiting.remove(stream)
         if stream.seq is not None and stream.seq.state not in ("finished", "aborted"):
