@@ -74,8 +74,9 @@ class DeviceChecks:
         self._open: list[_Answer] = []
         self._open_stream: Any = None
         self._open_raw = 0
-        # digests answered, to be written into their records: (blocks, generations, digests)
-        self._stamps: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
+        # digests answered, to be written into their records: (block, generation, the
+        # record's kv_digest word)
+        self._stamps: list[tuple[int, int, int]] = []
         self.settling = False
         # the ring: ids in, answers out, through kernels/checks.py (where Triton runs)
         self.ring: torch.Tensor | None = None
@@ -257,8 +258,13 @@ class DeviceChecks:
 
     def stamp(self, ids: list[int]) -> None:
         """Blocks just published: their digests, for their records."""
-        gens = self.pool.view.blocks["generation"][ids].copy()
-        self._digest(ids, lambda r: self._stamps.append((np.asarray(ids), gens, _digests(r))))
+        gens = self.pool.view.blocks["generation"][ids].tolist()
+
+        def then(raw: np.ndarray) -> None:
+            for blk, gen, digest in zip(ids, gens, _digests(raw)):
+                self._stamps.append((blk, gen, integrity.tagged(digest, gen)))
+
+        self._digest(ids, then)
 
     def verify(self, ids: list[int], when: str) -> None:
         """Published blocks (with a digest of their generation): unchanged since."""
@@ -356,20 +362,19 @@ class DeviceChecks:
         """The digests answered into their records, where the block is still published in the
         generation it was digested in and has no digest of it yet."""
         stamps, self._stamps = self._stamps, []
-        ids = np.concatenate([s[0] for s in stamps]).astype(np.int64)
-        gens = np.concatenate([s[1] for s in stamps])
-        words = np.asarray(
-            [integrity.tagged(d, int(g)) for s in stamps for d, g in zip(s[2], s[1])], np.uint64
-        )
+        # one stamp per (block, generation): a block digested twice in one generation keeps
+        # its first digest (Python's dict, not np.unique: a few dozen entries a settle)
+        first: dict[tuple[int, int], int] = {}
+        for key_and_word in stamps:
+            first.setdefault(key_and_word[:2], key_and_word[2])
+        items = list(first.items())
         pool = self.pool
+        b = pool.view.blocks
 
         def write(t: Any, ids: np.ndarray, gens: np.ndarray, words: np.ndarray) -> None:
-            b = pool.view.blocks
             ok = (b["generation"][ids] == gens) & (b["indexed"][ids] == 1)
             ok &= ~integrity.has_digest(b, ids)
             sel = np.flatnonzero(ok)
-            # a block digested twice in one generation: its first digest only
-            sel = sel[np.unique(ids[sel], return_index=True)[1]]
             if len(sel) == 0:
                 return
             pool.store.save(t, ids[sel])
@@ -377,12 +382,13 @@ class DeviceChecks:
             pool.store.seal(ids[sel])
 
         # A transaction per CHUNK blocks: the undo journal holds one operation's records.
-        for i in range(0, len(ids), CHUNK):
-            part = slice(i, i + CHUNK)
-            locks = pool.store.shard_locks_for(ids[part])
-            pool._run(
-                locks, functools.partial(write, ids=ids[part], gens=gens[part], words=words[part])
-            )
+        for i in range(0, len(items), CHUNK):
+            part = items[i : i + CHUNK]
+            ids = np.array([k[0] for k, _ in part], np.int64)
+            gens = np.array([k[1] for k, _ in part], b.dtype["generation"])
+            words = np.array([w for _, w in part], np.uint64)
+            locks = pool.store.shard_locks_for(ids)
+            pool._run(locks, functools.partial(write, ids=ids, gens=gens, words=words))
 
 
 def _digests(raw: np.ndarray) -> list[int]:

@@ -60,9 +60,13 @@ def decode_errors(errors: torch.Tensor) -> list[dict[str, object]]:
     `slot` is the offset inside the block for `store_kv` violations and -1 for attention reads;
     for `store_kv` and `copy_blocks` `sequence` is the token or pair index, `logical_block` -1.
     """
-    host = errors.detach().to("cpu")
-    count = min(int(host[0]), error_capacity(host))
-    rows = host[HEADER_FIELDS : HEADER_FIELDS + count * ERROR_FIELDS].view(count, ERROR_FIELDS)
+    # numpy on the host copy: this runs after every guarded step, where a tensor index and a
+    # slice of an empty buffer cost the host several times what the read itself does
+    host = errors.detach().cpu().numpy()
+    count = min(int(host[0]), (host.size - HEADER_FIELDS) // ERROR_FIELDS)
+    if count <= 0:
+        return []
+    rows = host[HEADER_FIELDS : HEADER_FIELDS + count * ERROR_FIELDS].reshape(count, ERROR_FIELDS)
     records = []
     for seq, logical, physical, slot, kind in rows.tolist():
         records.append(
