@@ -30,9 +30,10 @@ FAULTS = (
 )
 DEFAULT_AT = 3
 # The pool operations each fault can strike (bits: allocate 1, free/abort 2, append 4,
-# mark_computed 8, fork 16): the C core hands those to the Python path while the fault is armed
-# and keeps the others (docs/FORMAT.md, "The native core").
-ALLOCATE, END, APPEND, MARK_COMPUTED, FORK = 1, 2, 4, 8, 16
+# mark_computed 8, fork 16, the writing of digests answered later 32: devicechecks.py): the C
+# core hands those to the Python path while the fault is armed and keeps the others
+# (docs/FORMAT.md, "The native core").
+ALLOCATE, END, APPEND, MARK_COMPUTED, FORK, DIGESTS = 1, 2, 4, 8, 16, 32
 FAULT_OPS: dict[str, int] = {
     "double-free": END,
     "leak": END,
@@ -43,7 +44,7 @@ FAULT_OPS: dict[str, int] = {
     "block-scribble": APPEND,
     "refcount-skew": ALLOCATE,
     # any transaction with more than one lock
-    "lock-inversion": ALLOCATE | END | APPEND | MARK_COMPUTED | FORK,
+    "lock-inversion": ALLOCATE | END | APPEND | MARK_COMPUTED | FORK | DIGESTS,
 }
 
 # fault -> opportunities left before it fires; empty when nothing is armed (the common case).

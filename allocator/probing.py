@@ -139,11 +139,21 @@ class PoolProbes:
 
     def verify_often(self) -> None:
         """The header (and conservation) from inside operations, at most every VERIFY_EVERY_S
-        (a step's cadence)."""
+        (a step's cadence). Where the handle has the C core, the core's own check on the core's
+        clock (the one its operations keep: one check per interval, whichever path asks), which
+        hands a difference to `verify_due`."""
+        core = self.pool._native
+        if core is not None and core.verify_often(self.pool) is not None:
+            return
         now = time.monotonic()
         if now - self.last_verify >= VERIFY_EVERY_S:
-            self.last_verify = now
-            self._once(self._verify)
+            self.verify_due()
+
+    def verify_due(self) -> None:
+        """The header (and conservation) now: the interval is over, or the C core's check
+        found the header's bytes changed (it checks again and reports here)."""
+        self.last_verify = time.monotonic()
+        self._once(self._verify)
 
     def verify(self) -> list[Finding]:
         """Header magic, version and checksum against the bytes seen at attach (cheap); with

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in runs.values():  # Triton's compilations (the probes' kernels too) into its cache
             subprocess.run(bench_serve.with_requests(c, 8), capture_output=True, check=True)
         out: dict[str, list[float]] = {k: [] for k in runs}
+        # the engine thread's host ms per step and phase (serve.py's extra.step_phase_ms)
+        phases: dict[str, list[dict[str, float]]] = {k: [] for k in runs}
         for rep in range(args.repeat):
             # each pair in the other order than the last (ABBA): drift on a shared host
             # favours neither
@@ -48,20 +51,33 @@ def main(argv: list[str] | None = None) -> int:
                 if done.returncode != 0:
                     print(f"{name}: exit {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
                     return 1
-                out[name].append(json.loads(done.stdout)["output_tokens_per_s"])
+                summary = json.loads(done.stdout)
+                out[name].append(summary["output_tokens_per_s"])
+                phases[name].append(summary.get("extra", {}).get("step_phase_ms", {}))
                 print(f"{name}: {out[name][-1]:.1f} output tokens/s", flush=True)
-    med = {k: sorted(v)[len(v) // 2] for k, v in out.items()}
+    med = {k: _median(v) for k, v in out.items()}
     print(f"median: plain {med['plain']:.1f}, kvscope run {med['kvscope run']:.1f} output tokens/s"
           f" ({med['kvscope run'] / med['plain']:.2f}x)")  # fmt: skip
     pairs = [r / p for p, r in zip(out["plain"], out["kvscope run"])]
     print(
         "each pair: " + " ".join(f"{x:.2f}x" for x in pairs)
-        + f" (spread {min(pairs):.2f}-{max(pairs):.2f}x: a run's noise, on a shared host)"
+        + f" (median {_median(pairs):.2f}x; spread {min(pairs):.2f}-{max(pairs):.2f}x: a run's"
+        " noise, on a shared host)"
     )  # fmt: skip
+    names = sorted({p for runs_ in phases.values() for r in runs_ for p in r})
+    if names:
+        print("host ms per step, medians: phase  plain  kvscope run  difference")
+        for p in names:
+            a, b = (_median([r.get(p, 0.0) for r in phases[k]]) for k in runs)
+            print(f"  {p:<10} {a:7.3f} {b:7.3f} {b - a:+7.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f)
+            json.dump({"output_tokens_per_s": out, "step_phase_ms": phases}, f)
     return 0
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 if __name__ == "__main__":

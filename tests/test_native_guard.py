@@ -383,6 +383,27 @@ def test_each_planted_write_is_found_on_a_cuda_pool(pool_name, monkeypatch, scen
     assert fast == slow
 
 
+class _CountedDigests:
+    """A handle's C core whose write_digests calls are counted (or handed back)."""
+
+    def __init__(self, core):
+        self.core = core
+        self.sizes: list[int] = []
+        self.written = 0
+        self.hand_back = False
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def write_digests(self, pool, ids, gens, words):
+        if self.hand_back:
+            return None
+        self.sizes.append(len(ids))
+        done = self.core.write_digests(pool, ids, gens, words)
+        self.written += done or 0
+        return done
+
+
 def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name, monkeypatch):
     # GIVEN the C core with its answers read later (a CUDA pool's way), and the Python path
     fast, slow = _pair(pool_name, monkeypatch, "deferred")
@@ -431,13 +452,30 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
             fast.free(s)
         monkeypatch.setattr(fast.probe.writes.later, "settling", False)
         monkeypatch.setattr(devicechecks, "CHUNK", 3)
+        core = _CountedDigests(fast._native)
+        monkeypatch.setattr(fast, "_native", core)
+        fast.verify()
+        # THEN the core writes them a chunk at a time, every one
+        assert core.sizes and max(core.sizes) <= 3 and core.written == len(set(many))
+        assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
+        assert fast.check() == []
+        # WHEN the same burst comes where the core hands the writing back
+        many = []
+        monkeypatch.setattr(fast.probe.writes.later, "settling", True)
+        for i in range(6):
+            s = _written(fast, f"d{i}", [300 + i] * 17)
+            fast.mark_computed(s, 16)
+            many += s.block_table[:4]
+            fast.free(s)
+        monkeypatch.setattr(fast.probe.writes.later, "settling", False)
+        core.hand_back = True
         saved: list[int] = []
         save = fast.store.save
         monkeypatch.setattr(
             fast.store, "save", lambda t, ids: (saved.append(len(ids)), save(t, ids))
         )
         fast.verify()
-        # THEN they are written a chunk at a time, every one
+        # THEN the Python path writes them, a chunk at a time too
         assert saved and max(saved) <= 3
         assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
         assert fast.check() == []

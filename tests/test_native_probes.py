@@ -239,6 +239,41 @@ def test_the_core_reverifies_the_header_and_the_free_counts(pool_name, monkeypat
         pool.unlink()
 
 
+def test_the_python_path_asks_the_core_to_verify_on_one_clock(pool_name, monkeypatch):
+    # GIVEN the C core with magic and leaks on, past its first periodic check, and the probe's
+    # own (Python) verification counted
+    import time
+
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("MAGIC", "LEAKS") else "0")
+    pool = _pool(pool_name, True, *DEFAULT)
+    try:
+        pool.free(pool.allocate("a", [1, 2, 3]))
+        runs: list[int] = []
+        verify = pool.probe._verify
+        monkeypatch.setattr(pool.probe, "_verify", lambda: (runs.append(1), verify())[1])
+        # WHEN the Python path asks for the periodic check (stats()), past the interval, again
+        # and again, on a clean pool
+        for _ in range(3):
+            time.sleep(0.011)
+            pool.stats()
+        # THEN the core's check ran each time, and found nothing to hand to the Python path
+        assert runs == []
+        # WHEN the header is scribbled over and, past the core's interval, stats() is asked for
+        # just after the Python path's own clock was reset
+        pool.view.raw[8] ^= 0xFF
+        time.sleep(0.011)
+        pool.probe.last_verify = time.monotonic()
+        pool.stats()
+        # THEN the core's check hands the difference over, and the probe reports it at once
+        assert runs == [1]
+        assert [f.kind for f in pool.findings()][-1] == "header_corrupt"
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()
+
+
 @pytest.mark.parametrize("taken", [1, 3], ids=["one-block", "three-blocks"])
 def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
     pool_name, monkeypatch, taken

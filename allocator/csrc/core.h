@@ -35,7 +35,7 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_GUARD 128    /* guard mode in full: every release guarded (kvdata.c) */
 #define P_DIGEST 256   /* digests of published blocks (kvdata.c) */
 /* The entry points, as bits of faults.FAULT_OPS (native.py) */
-enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK = 16 };
+enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK = 16, OP_DIGESTS = 32 };
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
@@ -206,7 +206,7 @@ typedef struct {
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
-    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_often,
+    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_due,
     *s_native_leaked, *s_lockdep_learn, *s_conservation, *s_writes;
 
 /* -- records --------------------------------------------------------------------------------- */

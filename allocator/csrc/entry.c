@@ -191,6 +191,85 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
     return core_publish(n, args[1], args[2]);
 }
 
+/* write_digests(pool, ids, generations, words) -> int | None: digests answered after their
+ * publication (allocator/devicechecks.py, a CUDA pool) into the records of the blocks still
+ * published in the generation each was taken in and with no digest of it yet, under the
+ * blocks' shard locks; how many were written. DeviceChecks._write_stamps is the reference
+ * (and runs where this returns None). At most CHUNK blocks, each (block, generation) once. */
+static PyObject *N_write_digests(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) return fallback(n);
+    PyObject *ids = args[1], *gens = args[2], *words = args[3];
+    if (!PyList_CheckExact(ids) || !PyList_CheckExact(gens) || !PyList_CheckExact(words))
+        return fallback(n);
+    Py_ssize_t k = PyList_GET_SIZE(ids);
+    if (k > CHUNK || PyList_GET_SIZE(gens) != k || PyList_GET_SIZE(words) != k) return fallback(n);
+    GATE(n, args[0], OP_DIGESTS);
+    int32_t b[CHUNK];
+    uint32_t g[CHUNK];
+    uint64_t w[CHUNK], locks = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long v = PyLong_AsLong(PyList_GET_ITEM(ids, i));
+        unsigned long long gv = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(gens, i));
+        w[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(words, i));
+        if (PyErr_Occurred() || v < 0 || v >= n->nb || gv > GEN_MASK) {
+            PyErr_Clear();
+            return fallback(n);
+        }
+        b[i] = (int32_t)v;
+        g[i] = (uint32_t)gv;
+        /* BlockStore.shard_locks_for: a block published in a generation keeps its key */
+        if (blk(n, v)[BF_INDEXED] == 1) locks |= block_shard_lock(n, v);
+    }
+    if (locks == 0) return PyLong_FromLong(0); /* none still published */
+    int rc = take_mutex(n);
+    if (rc != OK) return rc == ERROR ? NULL : fallback(n);
+    PyObject *result = NULL;
+    if (txn_begin(n, locks)) {
+        result = fallback(n);
+        goto out;
+    }
+    long written = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, b[i]);
+        uint32_t gen = U4(r + BF_GENERATION);
+        uint64_t cur = U8(r + n->off_kv_digest);
+        if (gen != g[i] || r[BF_INDEXED] != 1) continue;
+        if (cur != 0 && (cur & GEN_MASK) == gen) continue; /* integrity.has_digest */
+        if (jsave_block(n, b[i])) {
+            txn_abort(n);
+            result = PyErr_Occurred() ? NULL : fallback(n);
+            goto out;
+        }
+        U8(r + n->off_kv_digest) = w[i];
+        seal(n, b[i]);
+        written++;
+    }
+    txn_commit(n);
+    n->native_ops++;
+    result = PyLong_FromLong(written);
+out:
+    drop_mutex(n);
+    return result;
+}
+
+/* verify_often(pool) -> True | None: probing.verify_often asked from the Python path (stats(),
+ * a transaction of its own), on this core's clock: the gate runs it. None where the core
+ * would not run an operation now (the Python path checks on its own clock then). */
+static PyObject *N_verify_often(Native *n, PyObject *pool) {
+    /* It may come from inside an operation's gate (the probe's verify_due runs Python that asks
+     * again): what that gate worked out for its operation stays as it was. */
+    int banned = n->txn_banned, probes = n->probes;
+    PyObject *was = n->pool;
+    int g = gate(n, pool, 0);
+    int magic = n->probes & P_MAGIC;
+    n->txn_banned = banned;
+    n->probes = probes;
+    n->pool = was;
+    if (g == ERROR) return NULL;
+    if (g != OK || !magic) Py_RETURN_NONE;
+    Py_RETURN_TRUE;
+}
+
 /* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block. */
 static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyUnicode_CheckExact(args[2])) return fallback(n);

@@ -255,6 +255,10 @@ static PyMethodDef N_methods[] = {
      "mark_computed(pool, seq, num_tokens) -> int | None"},
     {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
      "fork(pool, seq, request_id) -> Sequence | None"},
+    {"write_digests", (PyCFunction)(void (*)(void))N_write_digests, METH_FASTCALL,
+     "write_digests(pool, ids, generations, words) -> int | None: devicechecks' stamps"},
+    {"verify_often", (PyCFunction)N_verify_often, METH_O,
+     "verify_often(pool) -> True | None: the magic probe's periodic check, on the core's clock"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
     {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
      "unwritten(table, num_tokens) -> bool: poisoned slots among written ones (CPU data)"},
@@ -296,7 +300,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_lru_cached = PyUnicode_InternFromString("_lru_cached");
     s_site_of = PyUnicode_InternFromString("_site_of");
     s_probe = PyUnicode_InternFromString("_probe");
-    s_verify_often = PyUnicode_InternFromString("verify_often");
+    s_verify_due = PyUnicode_InternFromString("verify_due");
     s_native_leaked = PyUnicode_InternFromString("native_leaked");
     s_lockdep_learn = PyUnicode_InternFromString("_lockdep_learn");
     s_conservation = PyUnicode_InternFromString("conservation");

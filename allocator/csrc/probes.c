@@ -181,9 +181,11 @@ static int conserved(Native *n) {
 }
 
 /* probing.verify_often: the header (and, with the leaks probe, conservation) at most every
- * VERIFY_EVERY_S. The header's checked bytes (up to and with its checksum) are compared with
- * a copy taken after the probe's first check; a difference, or counts that do not agree, go
- * to the probe, which checks again and reports. OK, or ERROR with an exception set. */
+ * VERIFY_EVERY_S, on one clock for the handle (the Python path asks here too: N_verify_often).
+ * The header's checked bytes (up to and with its checksum) are compared with a copy taken
+ * after the probe's first check; a difference, or counts that do not agree, go to the probe
+ * (verify_due, conservation), which checks again and reports. OK, or ERROR with an exception
+ * set. */
 static int verify_often(Native *n, PyObject *pool) {
     /* Every operation reads the clock: the coarse one, with its resolution taken off the
      * interval, so that the check still runs once VERIFY_EVERY_NS have passed (and at
@@ -194,7 +196,7 @@ static int verify_often(Native *n, PyObject *pool) {
     if (now - n->last_verify_ns < VERIFY_EVERY_NS - (coarse ? n->coarse_slack : 0)) return OK;
     n->last_verify_ns = now;
     if (n->hdr_copy == NULL || memcmp(n->hdr_copy, n->seg, n->hdr_len) != 0) {
-        if (call_probe(pool, s_verify_often)) return ERROR;
+        if (call_probe(pool, s_verify_due)) return ERROR;
         if (n->hdr_copy == NULL && (n->hdr_copy = PyMem_Malloc(n->hdr_len)) != NULL)
             memcpy(n->hdr_copy, n->seg, n->hdr_len);
         return OK;
