@@ -269,6 +269,8 @@ def unwritten_in(
     blank: np.ndarray, table: list[int], num_tokens: int, block_size: int
 ) -> list[tuple[int, int, int, int]]:
     """unwritten_slots from the blank slots of the table's first blocks (`blank_slots`)."""
+    if not blank.any():
+        return []  # (every request that wrote its K/V: at each finish, so no per-block pass)
     n = len(blank)
     used = np.minimum(block_size, num_tokens - np.arange(n) * block_size)
     checked = np.arange(block_size)[None, :] < used[:, None]
