@@ -128,11 +128,19 @@ class DeviceChecks:
         at = span[0]
         assert self._ring_np is not None
         self._ring_np[at : at + n] = ids
-        self._checks.launch(mode, at, n, at + n)
+        stream = self._raw_stream() if self.cuda else None
+        self._checks.launch(mode, at, n, at + n, stream)
         entry = _Answer((at + n, at + n + words), not self.cuda, then)
         entry.span = span
-        self._queue(entry)
+        self._queue(entry, stream)
         return True
+
+    def _raw_stream(self) -> int:
+        """The current stream's raw handle, as Triton takes it (a Stream object costs the host
+        several microseconds)."""
+        import torch
+
+        return torch._C._cuda_getCurrentRawStream(self.pool.kv.device.index)
 
     def _take(self, words: int) -> tuple[int, int]:
         """A slice of the ring of `words` free words (rounded up to a multiple of two: every
@@ -157,13 +165,13 @@ class DeviceChecks:
                 return start, self._head
             self._finish(next(e for e in self.pending if e.span is not None))
 
-    def _queue(self, entry: _Answer) -> None:
+    def _queue(self, entry: _Answer, stream: int | None = None) -> None:
         if self.cuda and not entry.done:
             import torch
 
-            # the stream the check went to (the raw handle, as Triton takes it: a Stream
-            # object costs the host several microseconds), its object once per batch
-            stream = torch._C._cuda_getCurrentRawStream(self.pool.kv.device.index)
+            # the stream the check went to (its raw handle), its object once per batch
+            if stream is None:
+                stream = self._raw_stream()
             if self._open and stream != self._open_raw:
                 self._cover()
             if not self._open:

@@ -20,6 +20,7 @@ layer, K and V, read as integers of the element's width):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,11 +138,24 @@ class Checks:
             for mode in (DIGEST, COUNTS, CANARY, POISON)
         }
         self._compiled: dict[int, Any] = {}
+        # mode -> launch(num_blocks, raw stream, ids_at, out_at) straight through Triton's
+        # launcher (`_direct`), where it gave the JIT's answer at warm-up
+        self._direct: dict[int, Callable[[int, int, int, int], None]] = {}
+        self._device = kv_cache.device
 
-    def launch(self, mode: int, ids_at: int, num_blocks: int, out_at: int) -> None:
+    def launch(
+        self, mode: int, ids_at: int, num_blocks: int, out_at: int, stream: int | None = None
+    ) -> None:
         """Check `mode` of the blocks whose ids are `ring[ids_at:]`, the answer into
-        `ring[out_at:]` (answer_words); launched, not waited for."""
+        `ring[out_at:]` (answer_words); launched, not waited for, on the current stream
+        (`stream`: its raw handle, where the caller has it)."""
         if not num_blocks:
+            return
+        direct = self._direct.get(mode)
+        if direct is not None:
+            if stream is None:
+                stream = torch._C._cuda_getCurrentRawStream(self._device.index)
+            direct(num_blocks, stream, ids_at, out_at)
             return
         compiled = self._compiled.get(mode)
         if compiled is not None:
@@ -158,11 +172,13 @@ class Checks:
 
         Triton's JIT launcher works out each call's specialization from its arguments again
         (a launch cost the H200 machine's host 25 us through it, 13 us without); here they
-        are the same every call, so the compiled kernel is called directly. Its
-        calling convention (the constants after the arguments) is Triton's, not a documented
-        one: a digest of block 0 taken both ways must agree, or every launch stays with the
-        JIT.
+        are the same every call, so the compiled kernel is called directly, and, where that
+        agrees too, straight through its launcher (`_direct`). Their calling conventions (the
+        constants after the arguments, the launcher's leading arguments) are Triton's, not
+        documented ones: a digest of block 0 taken each way must agree with the JIT's, or
+        the launches stay with the last way that did.
         """
+        self._compiled, self._direct = {}, {}
         compiled = {}
         for mode in sorted({*modes, DIGEST}):  # (the digest for the comparison below)
             compiled[mode] = _check_kernel.warmup(
@@ -171,19 +187,59 @@ class Checks:
         if not self.ring.is_pinned():
             return
         ring = self.ring
-        keep = ring[:3].clone()
-        ring[:3] = torch.tensor([0, -1, -1])  # block 0's id, and its digest taken both ways
+        keep = ring[:4].clone()
+        ring[:4] = torch.tensor([0, -1, -1, -1])  # block 0's id, and its digest taken 3 ways
         self.launch(DIGEST, 0, 1, 1)
+        direct: dict[int, Callable[[int, int, int, int], None]] = {}
         try:
             digest = compiled[DIGEST]
             digest[(1, 1, 1)](*self._head, 0, 2, *self._tail, *self._consts[DIGEST].values())
+            try:
+                direct = {mode: self._launcher(c, mode) for mode, c in compiled.items()}
+                stream = torch._C._cuda_getCurrentRawStream(self._device.index)
+                direct[DIGEST](1, stream, 0, 3)
+            except (TypeError, ValueError, RuntimeError, AttributeError):
+                direct = {}
             torch.cuda.synchronize()
-            same = int(ring[1]) == int(ring[2]) != -1
+            jit, via_compiled, via_direct = (int(x) for x in ring[1:4])
+            same = via_compiled == jit != -1
+            direct = direct if same and via_direct == jit else {}
         except (TypeError, ValueError, RuntimeError, AttributeError):
             same = False
         finally:
-            ring[:3] = keep
+            ring[:4] = keep
         self._compiled = compiled if same else {}
+        self._direct = direct
+
+    def _launcher(self, compiled: Any, mode: int) -> Callable[[int, int, int, int], None]:
+        """A launch of `compiled` straight through Triton's launcher, the pointers as integers:
+        what `compiled[grid](...)` does per call is left out (a new closure, the current
+        device's stream looked up, launch metadata built for the launch hooks, and, per
+        tensor, its data pointer asked for and checked with the driver). A profiler's launch
+        hooks (Triton's `knobs.runtime.launch_enter_hook`) do not see these launches."""
+        compiled._init_handles()
+        run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
+        head = tuple(t.data_ptr() for t in self._head)
+        tail = (*self._tail, *self._consts[mode].values())
+
+        def launch(num_blocks: int, stream: int, ids_at: int, out_at: int) -> None:
+            run(
+                num_blocks,
+                1,
+                1,
+                stream,
+                function,
+                meta,
+                None,
+                None,
+                None,
+                *head,
+                ids_at,
+                out_at,
+                *tail,
+            )
+
+        return launch
 
 
 def run_check(kv_cache: torch.Tensor, ids: list[int], mode: int, block_size: int) -> torch.Tensor:

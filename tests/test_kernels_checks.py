@@ -76,8 +76,9 @@ def test_on_a_gpu_each_check_launches_through_its_compiled_kernel_with_the_same_
     ring = torch.zeros(64, dtype=torch.int64).pin_memory()
     fast = checks.Checks(kv, ring, 8)
     fast.warm_up([checks.DIGEST, checks.COUNTS, checks.CANARY])
-    # THEN its launches skip Triton's JIT launcher
+    # THEN its launches skip Triton's JIT launcher, and its runner: straight to its launcher
     assert set(fast._compiled) >= {checks.DIGEST, checks.COUNTS, checks.CANARY}
+    assert set(fast._direct) == set(fast._compiled)
     # AND answer as the JIT's launches do
     ids = [5, 0, 3]
     ring[:3] = torch.tensor(ids)
