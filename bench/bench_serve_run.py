@@ -1,8 +1,8 @@
 """examples/serve.py plainly and under `kvscope run` (every probe it switches on), interleaved:
 the output tokens/s of each, and the ratio (docs/BENCHMARKS.md, "Probes and the undo journal").
 
-    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 6   # on the H200
-    python bench/bench_serve_run.py --device cuda --requests 128 --repeat 6 --cuda-graphs
+    python bench/bench_serve_run.py --device cuda --requests 256 --repeat 6   # on the H200
+    python bench/bench_serve_run.py --device cuda --requests 256 --repeat 6 --cuda-graphs
     python bench/bench_serve_run.py --device cpu --quick --repeat 1          # smoke test
 
 The model and workload are bench_serve.py's (a random-weight ~110M-parameter Llama; `--quick`:
