@@ -383,6 +383,20 @@ def test_each_planted_write_is_found_on_a_cuda_pool(pool_name, monkeypatch, scen
     assert fast == slow
 
 
+def _burst_held_back(pool, monkeypatch, tag: str, token: int) -> list[int]:
+    """Six prompts of four full blocks each published and freed while the digests' answers are
+    held back (a GPU still busy); the blocks."""
+    many: list[int] = []
+    monkeypatch.setattr(pool.probe.writes.later, "settling", True)
+    for i in range(6):
+        s = _written(pool, f"{tag}{i}", [token + i] * 17)
+        pool.mark_computed(s, 16)
+        many += s.block_table[:4]
+        pool.free(s)
+    monkeypatch.setattr(pool.probe.writes.later, "settling", False)
+    return many
+
+
 class _CountedDigests:
     """A handle's C core whose write_digests calls are counted (or handed back)."""
 
@@ -443,14 +457,7 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         assert fast.view.blocks["kv_digest"][blk] == 0
         assert fast.check() == [] and fast.findings() == []
         # WHEN more digests wait than one transaction's journal holds (a burst of prompts)
-        many = []
-        monkeypatch.setattr(fast.probe.writes.later, "settling", True)
-        for i in range(6):
-            s = _written(fast, f"c{i}", [200 + i] * 17)
-            fast.mark_computed(s, 16)
-            many += s.block_table[:4]
-            fast.free(s)
-        monkeypatch.setattr(fast.probe.writes.later, "settling", False)
+        many = _burst_held_back(fast, monkeypatch, "c", 200)
         monkeypatch.setattr(devicechecks, "CHUNK", 3)
         core = _CountedDigests(fast._native)
         monkeypatch.setattr(fast, "_native", core)
@@ -460,14 +467,7 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
         assert fast.check() == []
         # WHEN the same burst comes where the core hands the writing back
-        many = []
-        monkeypatch.setattr(fast.probe.writes.later, "settling", True)
-        for i in range(6):
-            s = _written(fast, f"d{i}", [300 + i] * 17)
-            fast.mark_computed(s, 16)
-            many += s.block_table[:4]
-            fast.free(s)
-        monkeypatch.setattr(fast.probe.writes.later, "settling", False)
+        many = _burst_held_back(fast, monkeypatch, "d", 300)
         core.hand_back = True
         saved: list[int] = []
         save = fast.store.save

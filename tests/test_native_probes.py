@@ -207,15 +207,21 @@ def test_probe_findings_come_from_either_path(pool_name, monkeypatch):
         pool.unlink()
 
 
+def _magic_and_leaks(pool_name: str, monkeypatch) -> KVPool:
+    """A pool on the C core with the magic and leaks probes on, past its first periodic check."""
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("MAGIC", "LEAKS") else "0")
+    pool = _pool(pool_name, True, *DEFAULT)
+    pool.free(pool.allocate("a", [1, 2, 3]))
+    return pool
+
+
 def test_the_core_reverifies_the_header_and_the_free_counts(pool_name, monkeypatch):
     # GIVEN the C core with magic and leaks on, past its first periodic check
     import time
 
-    for p in PROBES:
-        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("MAGIC", "LEAKS") else "0")
-    pool = _pool(pool_name, True, *DEFAULT)
+    pool = _magic_and_leaks(pool_name, monkeypatch)
     try:
-        pool.free(pool.allocate("a", [1, 2, 3]))
         time.sleep(0.011)
         pool.free(pool.allocate("b", [1, 2, 3]))
         assert pool.findings() == []
@@ -244,11 +250,8 @@ def test_the_python_path_asks_the_core_to_verify_on_one_clock(pool_name, monkeyp
     # own (Python) verification counted
     import time
 
-    for p in PROBES:
-        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("MAGIC", "LEAKS") else "0")
-    pool = _pool(pool_name, True, *DEFAULT)
+    pool = _magic_and_leaks(pool_name, monkeypatch)
     try:
-        pool.free(pool.allocate("a", [1, 2, 3]))
         runs: list[int] = []
         verify = pool.probe._verify
         monkeypatch.setattr(pool.probe, "_verify", lambda: (runs.append(1), verify())[1])
