@@ -15,8 +15,9 @@ under the block's shard lock, only while the block is still published in the sam
 until then the block has no digest and is not verified). `settle(wait=True)` waits for every
 answer.
 
-`settle` runs between operations only: at a request's allocation, free or abort, and, waiting,
-at `pool.verify()`, `pool.check()` and close. A finding is therefore reported at the first of those
+`settle` runs between operations only: at a request's allocation, free or abort, at the end of
+an append or publication where more than MAX_PENDING answers wait, and, waiting, at
+`pool.verify()`, `pool.check()` and close. A finding is therefore reported at the first of those
 after the GPU produced its answer, not inside the operation that launched the check.
 """
 
@@ -38,7 +39,9 @@ if TYPE_CHECKING:
 
     from kvscope.allocator.probing import PoolProbes
 
-# Answers waiting past this many: the oldest is waited for (a program that never frees).
+# Answers waiting past this many are taken at the end of the operation that queued the last
+# (pool.append, mark_computed: a program that publishes but never allocates or frees would pile
+# them up), the oldest waited for where the GPU is that far behind.
 MAX_PENDING = 4096
 # int64 words of the buffer the checks' block ids and answers go through (kernels/checks.py):
 # 512 KiB of page-locked memory per handle. A check that needs more than a quarter of it (a
@@ -78,6 +81,8 @@ class DeviceChecks:
         # record's kv_digest word)
         self._stamps: list[tuple[int, int, int]] = []
         self.settling = False
+        # more than MAX_PENDING answers wait (settle_overdue, between operations)
+        self.overdue = False
         # the ring: ids in, answers out, through kernels/checks.py (where Triton runs)
         self.ring: torch.Tensor | None = None
         self._ring_np: np.ndarray | None = None
@@ -180,7 +185,7 @@ class DeviceChecks:
             self._open.append(entry)
         self.pending.append(entry)
         if len(self.pending) > MAX_PENDING:
-            self._finish(self.pending[0])
+            self.overdue = True
 
     def _cover(self) -> None:
         """One event after the checks launched since the last one (each check's own event
@@ -303,16 +308,23 @@ class DeviceChecks:
 
     # -- their answers -----------------------------------------------------------------------------
 
-    def settle(self, wait: bool = False) -> None:
-        """Act on the answers that are in (every answer, waiting for them, with `wait`)."""
+    def settle(self, wait: bool = False, most: int | None = None) -> None:
+        """Act on the answers that are in (every answer, waiting for them, with `wait`; the
+        oldest, waiting for them, until no more than `most` are left)."""
         if not self.pending or self.settling:
             return
         # Under the handle's op mutex, as the checks were queued (inside the core's operations):
         # two threads never take the same answer, nor one half-queued.
         with self.pool._mutex:
-            self._settle(wait)
+            self._settle(wait, most)
 
-    def _settle(self, wait: bool) -> None:
+    def settle_overdue(self) -> None:
+        """Between operations, where more than MAX_PENDING answers wait: `settle`, waiting for
+        the oldest where the GPU is still that far behind."""
+        self.overdue = False
+        self.settle(most=MAX_PENDING)
+
+    def _settle(self, wait: bool, most: int | None = None) -> None:
         if self.settling:
             return
         self.settling = True
@@ -321,7 +333,8 @@ class DeviceChecks:
             while self.pending:
                 entry = self.pending[0]
                 if not entry.done:
-                    if not wait and not entry.event.query():
+                    behind = most is not None and len(self.pending) > most
+                    if not wait and not behind and not entry.event.query():
                         break
                     entry.event.synchronize()
                     entry.done = True

@@ -288,19 +288,28 @@ class KVPool:
 
     def append(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
         """Append tokens; returns the copy-on-write (src, dst) block copies to perform first."""
-        if self._native is not None:
-            done = self._native.append(self, seq, tokens)
-            if done is not None:
-                return done
-        return append.append(self, seq, tokens)
+        done = None if self._native is None else self._native.append(self, seq, tokens)
+        if done is None:
+            done = append.append(self, seq, tokens)
+        if self.probe is not None:
+            self._settle_overdue()
+        return done
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
-        if self._native is not None:
-            done = self._native.mark_computed(self, seq, num_tokens)
-            if done is not None:
-                return done
-        return publish.mark_computed(self, seq, num_tokens)
+        done = None if self._native is None else self._native.mark_computed(self, seq, num_tokens)
+        if done is None:
+            done = publish.mark_computed(self, seq, num_tokens)
+        if self.probe is not None:
+            self._settle_overdue()
+        return done
+
+    def _settle_overdue(self) -> None:
+        """The answers of a CUDA pool's checks, where more have piled up than devicechecks
+        keeps (a program that publishes and appends but never allocates or frees)."""
+        later = self.probe.writes.later if self.probe is not None else None
+        if later is not None and later.overdue:
+            later.settle_overdue()
 
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
         """A new sequence sharing every block of seq (refcounts +1)."""

@@ -486,6 +486,35 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
             pool.unlink()
 
 
+def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeypatch):
+    # GIVEN the C core with its answers read later, and room for three answers waiting
+    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+    monkeypatch.setattr(devicechecks, "MAX_PENDING", 3)
+    try:
+        later = fast.probe.writes.later
+        seq = _written(fast, "long", list(range(9)))
+        # WHEN one request grows and publishes block after block, with no allocation or free
+        most = 0
+        for i in range(9, 9 + 12 * BS):
+            fast.append(seq, [i])
+            _write(fast, seq, i)
+            fast.mark_computed(seq, i + 1)
+            most = max(most, len(later.pending))
+        # THEN the answers are taken as they pile up: never more than one past the bound, and
+        # every published block but those whose answers still wait has its digest, with no free
+        published = seq.block_table[: (len(seq.tokens)) // BS]
+        assert most <= 4 and len(published) >= 12
+        have = integrity.has_digest(fast.view.blocks, np.asarray(published))
+        assert have[:-4].all() and (~have).sum() <= len(later.pending)
+        fast.free(seq)
+        assert fast.check() == [] and fast.findings() == []
+    finally:
+        for pool in (fast, slow):
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
+
+
 def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
     # GIVEN guard mode and the digest on the C core
     fast, slow = _pair(pool_name, monkeypatch)
