@@ -81,8 +81,6 @@ class DeviceChecks:
         # record's kv_digest word)
         self._stamps: list[tuple[int, int, int]] = []
         self.settling = False
-        # more than MAX_PENDING answers wait (settle_overdue, between operations)
-        self.overdue = False
         # the ring: ids in, answers out, through kernels/checks.py (where Triton runs)
         self.ring: torch.Tensor | None = None
         self._ring_np: np.ndarray | None = None
@@ -185,7 +183,7 @@ class DeviceChecks:
             self._open.append(entry)
         self.pending.append(entry)
         if len(self.pending) > MAX_PENDING:
-            self.overdue = True
+            self.pool._checks_overdue = True  # (one attribute the pool's append reads)
 
     def _cover(self) -> None:
         """One event after the checks launched since the last one (each check's own event
@@ -321,7 +319,6 @@ class DeviceChecks:
     def settle_overdue(self) -> None:
         """Between operations, where more than MAX_PENDING answers wait: `settle`, waiting for
         the oldest where the GPU is still that far behind."""
-        self.overdue = False
         self.settle(most=MAX_PENDING)
 
     def _settle(self, wait: bool, most: int | None = None) -> None:

@@ -73,6 +73,8 @@ class KVPool:
         self.view = view
         self.kv = kv
         self.created = created
+        # set by a CUDA pool's checks where too many answers wait (devicechecks.MAX_PENDING)
+        self._checks_overdue = False
         self.config = config_from_header(view.h)
         self.block_size = self.config.block_size
         self.slots_per_block = self.config.slots_per_block
@@ -291,7 +293,7 @@ class KVPool:
         done = None if self._native is None else self._native.append(self, seq, tokens)
         if done is None:
             done = append.append(self, seq, tokens)
-        if self.probe is not None:
+        if self._checks_overdue:
             self._settle_overdue()
         return done
 
@@ -300,15 +302,16 @@ class KVPool:
         done = None if self._native is None else self._native.mark_computed(self, seq, num_tokens)
         if done is None:
             done = publish.mark_computed(self, seq, num_tokens)
-        if self.probe is not None:
+        if self._checks_overdue:
             self._settle_overdue()
         return done
 
     def _settle_overdue(self) -> None:
         """The answers of a CUDA pool's checks, where more have piled up than devicechecks
         keeps (a program that publishes and appends but never allocates or frees)."""
+        self._checks_overdue = False
         later = self.probe.writes.later if self.probe is not None else None
-        if later is not None and later.overdue:
+        if later is not None:
             later.settle_overdue()
 
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
