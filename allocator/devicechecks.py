@@ -10,8 +10,8 @@ counts, digests) there too; the checks launched between two `settle`s share one 
 after them. (Elsewhere, and for a check too large for the ring, torch ops compute the answer
 and copy it back, each with its event.) `settle()` takes the answers the GPU is past, oldest
 first, and acts on them: a finding, reported with the block's record as the operation saw it,
-or a digest written into the record of the block it was taken of (in a transaction of its own
-under the block's shard lock, only while the block is still published in the same generation:
+or a digest written into the record of the block it was taken of (stamps.py: in a transaction
+of its own under the block's shard lock, only while the block is still published in the same generation:
 until then the block has no digest and is not verified). `settle(wait=True)` waits for every
 answer.
 
@@ -23,7 +23,6 @@ after the GPU produced its answer, not inside the operation that launched the ch
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ import numpy as np
 
 from kvscope.allocator import integrity
 from kvscope.allocator.findings import FindingKind
-from kvscope.allocator.layout import CHUNK
+from kvscope.allocator.stamps import write_stamps
 
 if TYPE_CHECKING:
     import torch
@@ -131,19 +130,12 @@ class DeviceChecks:
         at = span[0]
         assert self._ring_np is not None
         self._ring_np[at : at + n] = ids
-        stream = self._raw_stream() if self.cuda else None
+        stream = checks.raw_stream(self.pool.kv.device) if self.cuda else None
         self._checks.launch(mode, at, n, at + n, stream)
         entry = _Answer((at + n, at + n + words), not self.cuda, then)
         entry.span = span
         self._queue(entry, stream)
         return True
-
-    def _raw_stream(self) -> int:
-        """The current stream's raw handle, as Triton takes it (a Stream object costs the host
-        several microseconds)."""
-        import torch
-
-        return torch._C._cuda_getCurrentRawStream(self.pool.kv.device.index)
 
     def _take(self, words: int) -> tuple[int, int]:
         """A slice of the ring of `words` free words (rounded up to a multiple of two: every
@@ -172,9 +164,11 @@ class DeviceChecks:
         if self.cuda and not entry.done:
             import torch
 
+            from kvscope.kernels.checks import raw_stream
+
             # the stream the check went to (its raw handle), its object once per batch
             if stream is None:
-                stream = self._raw_stream()
+                stream = raw_stream(self.pool.kv.device)
             if self._open and stream != self._open_raw:
                 self._cover()
             if not self._open:
@@ -340,7 +334,8 @@ class DeviceChecks:
                 if entry.then is not None:
                     entry.then(answer)
             if self._stamps:
-                self._write_stamps()
+                stamps, self._stamps = self._stamps, []
+                write_stamps(self.pool, stamps)
         finally:
             self.settling = False
 
@@ -375,48 +370,6 @@ class DeviceChecks:
     def _unwritten_read(self, blank: np.ndarray, table: list[int], num: int, request: str) -> None:
         found = integrity.unwritten_in(blank, table, num, self.pool.block_size)
         self.probes.writes.report_unwritten(found, request)
-
-    def _write_stamps(self) -> None:
-        """The digests answered into their records, where the block is still published in the
-        generation it was digested in and has no digest of it yet."""
-        stamps, self._stamps = self._stamps, []
-        # one stamp per (block, generation): a block digested twice in one generation keeps
-        # its first digest (Python's dict, not np.unique: a few dozen entries a settle)
-        first: dict[tuple[int, int], int] = {}
-        for key_and_word in stamps:
-            first.setdefault(key_and_word[:2], key_and_word[2])
-        items = list(first.items())
-        pool = self.pool
-        b = pool.view.blocks
-
-        def write(t: Any, ids: np.ndarray, gens: np.ndarray, words: np.ndarray) -> None:
-            ok = (b["generation"][ids] == gens) & (b["indexed"][ids] == 1)
-            ok &= ~integrity.has_digest(b, ids)
-            sel = np.flatnonzero(ok)
-            if len(sel) == 0:
-                return
-            pool.store.save(t, ids[sel])
-            b["kv_digest"][ids[sel]] = words[sel]
-            pool.store.seal(ids[sel])
-
-        # A transaction per CHUNK blocks: the undo journal holds one operation's records. The
-        # C core's where it runs (the same writes, in a tenth of the host's time), else this.
-        for i in range(0, len(items), CHUNK):
-            part = items[i : i + CHUNK]
-            id_list = [k[0] for k, _ in part]
-            gen_list = [k[1] for k, _ in part]
-            word_list = [w for _, w in part]
-            core = pool._native
-            if (
-                core is not None
-                and core.write_digests(pool, id_list, gen_list, word_list) is not None
-            ):
-                continue
-            ids = np.array(id_list, np.int64)
-            gens = np.array(gen_list, b.dtype["generation"])
-            words = np.array(word_list, np.uint64)
-            locks = pool.store.shard_locks_for(ids)
-            pool._run(locks, functools.partial(write, ids=ids, gens=gens, words=words))
 
 
 def _digests(raw: np.ndarray) -> list[int]:

@@ -96,6 +96,12 @@ def _check_kernel(
             tl.store(ring_ptr + out_at + pid, tl.sum(tl.sum(digest, 1), 0))
 
 
+def raw_stream(device: torch.device) -> int:
+    """The current stream's raw handle on `device`, as Triton's launcher takes it (a Stream
+    object costs the host several microseconds a call)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
 def poison_bits(dtype: torch.dtype) -> int:
     """The bits a poisoned element holds: NaN of `dtype` as the integer of its width (`int_view`:
     signed for 2, 4 and 8 bytes), as the kernels load and compare it."""
@@ -153,9 +159,9 @@ class Checks:
             return
         direct = self._direct.get(mode)
         if direct is not None:
-            if stream is None:
-                stream = torch._C._cuda_getCurrentRawStream(self._device.index)
-            direct(num_blocks, stream, ids_at, out_at)
+            direct(
+                num_blocks, raw_stream(self._device) if stream is None else stream, ids_at, out_at
+            )
             return
         compiled = self._compiled.get(mode)
         if compiled is not None:
@@ -196,8 +202,7 @@ class Checks:
             digest[(1, 1, 1)](*self._head, 0, 2, *self._tail, *self._consts[DIGEST].values())
             try:
                 direct = {mode: self._launcher(c, mode) for mode, c in compiled.items()}
-                stream = torch._C._cuda_getCurrentRawStream(self._device.index)
-                direct[DIGEST](1, stream, 0, 3)
+                direct[DIGEST](1, raw_stream(self._device), 0, 3)
             except (TypeError, ValueError, RuntimeError, AttributeError):
                 direct = {}
             torch.cuda.synchronize()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.allocator import KVPool, PoolConfig, devicechecks, eviction, integrity
+from kvscope.allocator import KVPool, PoolConfig, devicechecks, eviction, integrity, stamps
 from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import int_view
@@ -458,7 +458,7 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         assert fast.check() == [] and fast.findings() == []
         # WHEN more digests wait than one transaction's journal holds (a burst of prompts)
         many = _burst_held_back(fast, monkeypatch, "c", 200)
-        monkeypatch.setattr(devicechecks, "CHUNK", 3)
+        monkeypatch.setattr(stamps, "CHUNK", 3)
         core = _CountedDigests(fast._native)
         monkeypatch.setattr(fast, "_native", core)
         fast.verify()

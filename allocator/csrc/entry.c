@@ -194,7 +194,7 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
 /* write_digests(pool, ids, generations, words) -> int | None: digests answered after their
  * publication (allocator/devicechecks.py, a CUDA pool) into the records of the blocks still
  * published in the generation each was taken in and with no digest of it yet, under the
- * blocks' shard locks; how many were written. DeviceChecks._write_stamps is the reference
+ * blocks' shard locks; how many were written. allocator/stamps.py write_stamps is the reference
  * (and runs where this returns None). At most CHUNK blocks, each (block, generation) once. */
 static PyObject *N_write_digests(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) return fallback(n);
