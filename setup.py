@@ -22,6 +22,8 @@ setup(
             # its parts (one translation unit: _native.c includes them)
             depends=[str(p) for p in Path("allocator/csrc").glob("*")] + [str(RECORDS)],
             extra_compile_args=["-O2", "-std=gnu11"],
+            # devchecks.c looks libcuda's entry points up at run time (dlopen)
+            libraries=["dl"],
             optional=True,
         ),
         # `kvscope run` reading a pool file the script truncates (kvscope/csrc/sigbus.c)

@@ -35,6 +35,7 @@
 #include "csrc/sequences.c"
 #include "csrc/probes.c"
 #include "csrc/kvdata.c"
+#include "csrc/devchecks.c"
 #include "csrc/allocate.c"
 #include "csrc/append.c"
 #include "csrc/entry.c"

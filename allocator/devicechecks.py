@@ -2,6 +2,13 @@
 GPU: the C core's handbacks (writes.WriteProbes.native_kv) on a CUDA pool, and on a CPU pool
 under `KVSCOPE_NATIVE_KV=deferred` (the tests' way to run this code without a GPU).
 
+Where the handle runs on the C core, the core launches the checks of its own operations itself
+(csrc/devchecks.c: no call into Python per check) through the kernel this module compiled and
+checked, with its own ring and queue, and `settle` takes their answers from it
+(`device_take`); this module's queue is the reference, and takes what the core does not: a
+request's unwritten slots (writes.finished), a check the core's queue or ring has no room for,
+every check where the core's launch did not give Triton's answer.
+
 A check is launched on the current stream, where it runs after every write enqueued before it
 and before every write enqueued after it, so it sees the K/V as the operation did. Where Triton
 runs (a CUDA pool), a check is one launch of kernels/checks.py: its block ids are written into
@@ -23,6 +30,7 @@ after the GPU produced its answer, not inside the operation that launched the ch
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,6 +54,11 @@ MAX_PENDING = 4096
 # 512 KiB of page-locked memory per handle. A check that needs more than a quarter of it (a
 # release of a sequence of thousands of blocks) takes the torch ops instead.
 RING_WORDS = 1 << 16
+# the C core's own ring (csrc/devchecks.c), which also keeps the records a finding reports:
+# 2 MiB of page-locked memory per handle
+CORE_RING_WORDS = 1 << 18
+# whether a handle's C core launches its checks itself (tests set False for this module's queue)
+CORE_CHECKS = True
 
 
 class _Answer:
@@ -94,8 +107,13 @@ class DeviceChecks:
             self.ring = ring.pin_memory() if self.cuda else ring
             self._ring_np = self.ring.numpy()
             self._checks = Checks(self.pool.kv, self.ring, self.pool.block_size)
+        # the C core this handle's checks are configured in (csrc/devchecks.c), or None
+        self.core: Any = None
+        self._core_ring: torch.Tensor | None = None
         if self.cuda:
             self._warm_up()
+        if getattr(self.pool, "_native", None) is not None:
+            self.configure_core()  # (a probe set on a handle already open)
 
     def _warm_up(self) -> None:
         """Compile (or load) each check as the handle opens: a kernel's first launch in a
@@ -114,6 +132,64 @@ class DeviceChecks:
         if self._checks is not None:
             self._checks.warm_up(modes)
         torch.cuda.synchronize(kv.device)
+
+    def configure_core(self) -> None:
+        """Hand the launches to the handle's C core where it can make them: on a GPU, where a
+        digest it launched agrees with Triton's (kernels/checks.py `native_launch`); on a CPU
+        pool (KVSCOPE_NATIVE_KV=deferred), with its own loops over the bytes."""
+        import torch
+
+        core = self.pool._native
+        if not CORE_CHECKS or core is None or self.core is not None:
+            return
+        ring = torch.zeros(CORE_RING_WORDS, dtype=torch.int64)
+        config: dict[str, Any] = {"max_pending": MAX_PENDING, "ring_words": CORE_RING_WORDS}
+        if self.cuda:
+            ring = ring.pin_memory()
+            launch = None if self._checks is None else self._checks.native_launch(ring)
+            if launch is None:
+                return
+            from kvscope.kernels.checks import raw_stream
+
+            device = self.pool.kv.device
+            config.update(launch, cuda=True, device=device.index)
+            config["stream"] = functools.partial(raw_stream, device)
+        elif self._checks is not None or not self.pool.kv.is_contiguous():
+            return  # (a CPU pool through the check kernel: the interpreter's way, in Python)
+        else:
+            config.update(cuda=False, kv=self.pool.kv, kv_ptr=self.pool.kv.data_ptr())
+        config.update(ring=ring, ring_ptr=ring.data_ptr())
+        with self.pool._mutex:
+            core.device_checks(config)
+            if self.cuda:
+                from kvscope.kernels.checks import DIGEST
+
+                try:
+                    same = core.device_test(DIGEST, 0) == self._checks.block0_digest
+                except RuntimeError:
+                    same = False
+                if not same:
+                    core.device_checks(None)
+                    return
+        self.core, self._core_ring = core, ring
+
+    @property
+    def launched_by_core(self) -> int:
+        """How many checks the C core launched itself (csrc/devchecks.c)."""
+        return self._core_stat("launched")
+
+    @property
+    def core_broken(self) -> int:
+        """The CUresult of the core's first failed driver call (0: none)."""
+        return self._core_stat("broken")
+
+    def _core_stat(self, key: str) -> int:
+        stats = self.core.device_stats() if self.core is not None else None
+        return stats[key] if stats else 0
+
+    def waiting(self) -> int:
+        """How many checks' answers have not been acted on (this module's and the core's)."""
+        return len(self.pending) + self._core_stat("waiting")
 
     # -- launching ---------------------------------------------------------------------------------
 
@@ -303,7 +379,7 @@ class DeviceChecks:
     def settle(self, wait: bool = False, most: int | None = None) -> None:
         """Act on the answers that are in (every answer, waiting for them, with `wait`; the
         oldest, waiting for them, until no more than `most` are left)."""
-        if not self.pending or self.settling:
+        if self.settling or (not self.pending and self.core is None):
             return
         # Under the handle's op mutex, as the checks were queued (inside the core's operations):
         # two threads never take the same answer, nor one half-queued.
@@ -320,6 +396,8 @@ class DeviceChecks:
             return
         self.settling = True
         try:
+            if self.core is not None:
+                self._take_core(wait, most)
             self._cover()
             while self.pending:
                 entry = self.pending[0]
@@ -338,6 +416,25 @@ class DeviceChecks:
                 write_stamps(self.pool, stamps)
         finally:
             self.settling = False
+
+    def _take_core(self, wait: bool, most: int | None) -> None:
+        """The answers of the core's own checks (csrc/devchecks.c): its digests for the records,
+        and what it found, reported as this module's queue reports it."""
+        taken = self.core.device_take(wait, -1 if most is None else most)
+        if taken is None:
+            return
+        stamps, found = taken
+        self._stamps += stamps
+        dtype = self.pool.view.blocks.dtype
+        for kind, when, ids, answer, raw in found:
+            recs = np.frombuffer(raw, dtype=dtype).copy()
+            if kind == "verify":
+                self._verify_read(answer, ids, recs, when)
+            elif kind == "poison":
+                self._poison_read(np.asarray(answer), ids, recs)
+            else:
+                assert kind == "canary", kind
+                self._canaries_read(np.asarray(answer), ids, recs)
 
     def _canaries_read(self, flags: np.ndarray, ids: list[int], recs: np.ndarray) -> None:
         from kvscope.kernels import fill_guard

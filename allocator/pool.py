@@ -121,6 +121,8 @@ class KVPool:
             self.site_of = self.probe.sites.site
         # The C core for the common case of the hot operations (native.py), or None.
         self._native = native.core_for(self)
+        if self.probe is not None and self.probe.writes.later is not None:
+            self.probe.writes.later.configure_core()  # (the core launches its checks itself)
         for hook in OPEN_HOOKS:
             hook(self)
 

@@ -148,6 +148,9 @@ class Checks:
         # launcher (`_direct`), where it gave the JIT's answer at warm-up
         self._direct: dict[int, Callable[[int, int, int, int], None]] = {}
         self._device = kv_cache.device
+        # block 0's raw digest through the JIT at warm-up (what a launch made elsewhere must
+        # give: devicechecks' C core), or None
+        self.block0_digest: int | None = None
 
     def launch(
         self, mode: int, ids_at: int, num_blocks: int, out_at: int, stream: int | None = None
@@ -207,6 +210,7 @@ class Checks:
                 direct = {}
             torch.cuda.synchronize()
             jit, via_compiled, via_direct = (int(x) for x in ring[1:4])
+            self.block0_digest = jit
             same = via_compiled == jit != -1
             direct = direct if same and via_direct == jit else {}
         except (TypeError, ValueError, RuntimeError, AttributeError):
@@ -245,6 +249,101 @@ class Checks:
             )
 
         return launch
+
+    def native_launch(self, ring: torch.Tensor) -> dict[str, Any] | None:
+        """What a launch of the compiled modes from C needs (allocator/csrc/devchecks.c:
+        cuLaunchKernel), with `ring` for this one's: per mode (DIGEST, COUNTS, CANARY, POISON)
+        the function handle, threads and shared memory; the kernel's parameters in its order
+        (sizes, values), and which two take the ids' and the answer's ring offsets. None where
+        the compiled kernels are not all there and plain (one CTA, no scratch memory, no
+        cooperative or dependent launch), or a parameter is of a type not known here.
+
+        A kernel's parameters are its arguments less its constants (constexprs, and what Triton
+        specialized away), in order, then Triton's hidden scratch pointers (passed as null by
+        the C core): Triton's conventions, not documented ones, so devicechecks compares a
+        digest launched that way with block0_digest before it uses them."""
+        modes = (DIGEST, COUNTS, CANARY, POISON)
+        if not self._direct or not ring.is_pinned():
+            return None
+        values = {
+            "kv_ptr": self._head[0].data_ptr(),
+            "ring_ptr": ring.data_ptr(),
+            "ids_at": 0,
+            "out_at": 0,
+            **dict(zip(("num_rows", "stride_row", "stride_n", "guard_offset"), self._tail)),
+        }
+        spec = None
+        out: dict[str, Any] = {"functions": [], "threads": [], "shared": []}
+        for mode in modes:
+            compiled = self._compiled.get(mode)
+            if compiled is None:  # (a mode the handle's probes never check: no handle, 0)
+                for key in out:
+                    out[key].append(0)
+                continue
+            try:
+                compiled._init_handles()
+                meta = compiled.metadata
+                plain = getattr(meta, "num_ctas", 1) == 1 and not any(
+                    getattr(meta, name, 0)
+                    for name in (
+                        "global_scratch_size",
+                        "profile_scratch_size",
+                        "launch_cooperative_grid",
+                        "launch_pdl",
+                    )
+                )
+                plain &= tuple(getattr(meta, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) == (1, 1, 1)
+                params = _parameters(compiled)
+            except (AttributeError, TypeError, ValueError, KeyError):
+                return None
+            if not plain or params is None or (spec is not None and params != spec):
+                return None
+            spec = params
+            out["functions"].append(int(compiled.function))
+            out["threads"].append(int(meta.num_warps) * 32)
+            out["shared"].append(int(meta.shared))
+        if spec is None:
+            return None
+        names = [name for name, _ in spec]
+        if not {"ids_at", "out_at"} <= set(names) or not set(names) <= set(values):
+            return None
+        return {
+            "functions": tuple(out["functions"]),
+            "threads": tuple(out["threads"]),
+            "shared": tuple(out["shared"]),
+            "param_sizes": tuple(size for _, size in spec),
+            "param_values": tuple(values[name] for name in names),
+            "ids_param": names.index("ids_at"),
+            "out_param": names.index("out_at"),
+        }
+
+
+# the bytes of a kernel parameter of each Triton type the check kernel's can have
+_PARAM_BYTES = {"i32": 4, "u32": 4, "i64": 8, "u64": 8}
+
+
+def _parameters(compiled: Any) -> list[tuple[str, int]] | None:
+    """(name, bytes) of each parameter of a compiled check kernel, in order: its arguments less
+    the constants (Triton's ASTSource signature and constants); None for a type not known."""
+    src = compiled.src
+    names = list(src.fn.arg_names)
+
+    def name_of(key: Any) -> str:
+        if isinstance(key, tuple):
+            key = key[0]
+        return names[key] if isinstance(key, int) else key
+
+    constants = {name_of(k) for k in getattr(src, "constants", {})}
+    out = []
+    for key, ty in src.signature.items():
+        name = name_of(key)
+        if ty == "constexpr" or name in constants:
+            continue
+        size = 8 if ty.startswith("*") else _PARAM_BYTES.get(ty)
+        if size is None:
+            return None
+        out.append((name, size))
+    return out
 
 
 def run_check(kv_cache: torch.Tensor, ids: list[int], mode: int, block_size: int) -> torch.Tensor:

@@ -220,10 +220,16 @@ def test_more_seeds(pool_name, monkeypatch, seed, handback):
 
 
 def _pair(
-    pool_name: str, monkeypatch, handback: bool | str = False, device: str = "cpu"
+    pool_name: str,
+    monkeypatch,
+    handback: bool | str = False,
+    device: str = "cpu",
+    core_checks: bool = True,
 ) -> tuple[KVPool, KVPool]:
     """The C core (on the bytes; handing back, each check waiting for its answer: True; or with
-    the answers read later: "deferred") and the Python path."""
+    the answers read later: "deferred", through the core's own queue of checks, or with
+    `core_checks` False devicechecks' queue) and the Python path."""
+    monkeypatch.setattr(devicechecks, "CORE_CHECKS", core_checks)
     for p in LIGHT:
         monkeypatch.setenv(f"KVSCOPE_{p}", "0")
     monkeypatch.setenv("KVSCOPE_GUARD", "1")
@@ -304,13 +310,30 @@ PLANTS = [
 PLANT_IDS = ["past-end", "after-free", "published", "skipped"]
 
 
+# how the C core reaches the K/V: on the bytes; handing back, each check waiting for its answer;
+# or with the answers read later (a CUDA pool's way), through the core's own queue of checks,
+# through devicechecks' queue, or through a core ring too small for most checks (which then
+# hand back to devicechecks)
+WAYS = {
+    "cpu": (False, True, 0),
+    "handback": (True, True, 0),
+    "deferred": ("deferred", True, 0),
+    "deferred-python-queue": ("deferred", False, 0),
+    "deferred-small-core-ring": ("deferred", True, 40),
+}
+
+
 @pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
-@pytest.mark.parametrize("handback", [False, True, "deferred"], ids=["cpu", "handback", "deferred"])
-def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenario, kind, handback):
-    # GIVEN guard mode and the digest, WHEN the same bad write happens on the C core (on the
-    # bytes, handing back, or handing back with the answers read later: a CUDA pool's way) and
-    # on the Python path
-    pair = _pair(pool_name, monkeypatch, handback)
+@pytest.mark.parametrize("way", list(WAYS))
+def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenario, kind, way):
+    # GIVEN guard mode and the digest, WHEN the same bad write happens on the C core (each way
+    # it reaches the K/V) and on the Python path
+    handback, core_checks, core_ring = WAYS[way]
+    if core_ring:
+        monkeypatch.setattr(devicechecks, "CORE_RING_WORDS", core_ring)
+    pair = _pair(pool_name, monkeypatch, handback, core_checks=core_checks)
+    if handback == "deferred":
+        assert (pair[0].probe.writes.later.core is not None) == core_checks
     fast, slow = _both(pair, scenario, settle=handback == "deferred")
     # THEN both report it, with the same kind, block, message and request
     assert kind in [f[0] for f in fast], fast
@@ -371,13 +394,29 @@ def test_a_full_ring_waits_for_its_oldest_answers_and_mixes_none_up_interp(pool_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("core_checks", [True, False], ids=["core-launches", "python-launches"])
 @pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
-def test_each_planted_write_is_found_on_a_cuda_pool(pool_name, monkeypatch, scenario, kind):
+def test_each_planted_write_is_found_on_a_cuda_pool(
+    pool_name, monkeypatch, scenario, kind, core_checks
+):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    # GIVEN guard mode and the digest on a CUDA pool: the C core, its checks answered later,
-    # and the Python path
-    fast, slow = _both(_pair(pool_name, monkeypatch, device="cuda"), scenario, settle=True)
+    # GIVEN guard mode and the digest on a CUDA pool: the C core, its checks answered later
+    # (launched by the core itself, or by devicechecks), and the Python path
+    pair = _pair(pool_name, monkeypatch, device="cuda", core_checks=core_checks)
+    later = pair[0].probe.writes.later
+    assert (later.core is not None) == core_checks
+    core: dict[str, int] = {}
+
+    def run(pool: KVPool) -> None:
+        scenario(pool)
+        if pool is pair[0]:
+            core.update(launched=later.launched_by_core, broken=later.core_broken)
+
+    fast, slow = _both(pair, run, settle=True)
+    if core_checks:
+        # (the core launched the checks of its operations: none failed)
+        assert core["launched"] > 0 and core["broken"] == 0, core
     # THEN both report the bad write, the same way
     assert kind in [f[0] for f in fast], fast
     assert fast == slow
@@ -418,9 +457,13 @@ class _CountedDigests:
         return done
 
 
-def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name, monkeypatch):
-    # GIVEN the C core with its answers read later (a CUDA pool's way), and the Python path
-    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+@pytest.mark.parametrize("core_checks", [True, False], ids=["core-queue", "python-queue"])
+def test_deferred_digests_reach_the_records_of_blocks_still_published(
+    pool_name, monkeypatch, core_checks
+):
+    # GIVEN the C core with its answers read later (a CUDA pool's way: in the core's own queue
+    # of checks, or devicechecks'), and the Python path
+    fast, slow = _pair(pool_name, monkeypatch, "deferred", core_checks=core_checks)
     try:
         for pool in (fast, slow):
             pool.free(_written(pool, "warm-up", [1, 2, 3]))
@@ -436,7 +479,7 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         assert fast._native.stats()["native_ops"] == ops + 2
         published = seqs[0].block_table[:2]
         assert (fast.view.blocks["kv_digest"][published] == 0).all()
-        assert len(fast.probe.writes.later.pending) == 1
+        assert fast.probe.writes.later.waiting() == 1
         for pool, seq in zip((fast, slow), seqs):
             pool.free(seq)
         assert (fast.view.blocks["kv_digest"][published] != 0).all()
@@ -486,10 +529,12 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
             pool.unlink()
 
 
-def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeypatch):
-    # GIVEN the C core with its answers read later, and room for three answers waiting
-    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+@pytest.mark.parametrize("core_checks", [True, False], ids=["core-queue", "python-queue"])
+def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeypatch, core_checks):
+    # GIVEN the C core with its answers read later (in its own queue, or devicechecks'), and
+    # room for three answers waiting
     monkeypatch.setattr(devicechecks, "MAX_PENDING", 3)
+    fast, slow = _pair(pool_name, monkeypatch, "deferred", core_checks=core_checks)
     try:
         later = fast.probe.writes.later
         seq = _written(fast, "long", list(range(9)))
@@ -499,13 +544,13 @@ def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeyp
             fast.append(seq, [i])
             _write(fast, seq, i)
             fast.mark_computed(seq, i + 1)
-            most = max(most, len(later.pending))
+            most = max(most, later.waiting())
         # THEN the answers are taken as they pile up: never more than one past the bound, and
         # every published block but those whose answers still wait has its digest, with no free
         published = seq.block_table[: (len(seq.tokens)) // BS]
         assert most <= 4 and len(published) >= 12
         have = integrity.has_digest(fast.view.blocks, np.asarray(published))
-        assert have[:-4].all() and (~have).sum() <= len(later.pending)
+        assert have[:-4].all() and (~have).sum() <= later.waiting()
         fast.free(seq)
         assert fast.check() == [] and fast.findings() == []
     finally:
@@ -621,7 +666,7 @@ def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypat
         # WHEN the pool is verified THEN the same finding comes, and the canary is whole again
         deferred.verify()
         assert _findings(deferred) == _findings(slow)
-        assert deferred.verify() == [] and len(deferred.probe.writes.later.pending) == 0
+        assert deferred.verify() == [] and deferred.probe.writes.later.waiting() == 0
         # WHEN another request writes past its end and is freed THEN its answer is read at the
         # next free (or abort), before that one's own operation
         for pool in pools:

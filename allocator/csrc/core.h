@@ -203,6 +203,7 @@ typedef struct {
     uint64_t nan_bits;   /* integrity.poison_bits */
     int64_t poison_ok;   /* integrity.can_poison: a floating-point cache */
     int64_t off_kv_digest; /* the block record's kv_digest (its last field) */
+    struct DevChecks *dev; /* the checks the core launches itself (devchecks.c), or NULL */
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
@@ -266,4 +267,7 @@ static void drop_pending_scan(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
+static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when);
+/* devchecks.c: what a check is for (devicechecks.py's method of each name) */
+enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4 };
 static void maybe_live_add(Native *n, int64_t slot);

@@ -196,6 +196,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->fault_ops);
     Py_XDECREF(n->guarded);
     Py_XDECREF(n->kv_obj);
+    dev_free(n->dev);
     PyMem_Free(n->checked);
     PyMem_Free(n->refs);
     PyMem_Free(n->refs_stamp);
@@ -228,6 +229,8 @@ static PyObject *N_close(Native *n, PyObject *unused) {
     }
     n->kv = NULL;
     Py_CLEAR(n->kv_obj);
+    dev_free(n->dev);
+    n->dev = NULL;
     Py_RETURN_NONE;
 }
 
@@ -265,6 +268,14 @@ static PyMethodDef N_methods[] = {
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
     {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and fallbacks"},
+    {"device_checks", (PyCFunction)N_device_checks, METH_O,
+     "device_checks(config | None): the core launches a CUDA pool's checks itself"},
+    {"device_take", (PyCFunction)(void (*)(void))N_device_take, METH_FASTCALL,
+     "device_take(wait, most) -> (stamps, found) | None: the checks' answers that are in"},
+    {"device_test", (PyCFunction)(void (*)(void))N_device_test, METH_FASTCALL,
+     "device_test(mode, block) -> int: one check launched here and waited for"},
+    {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
+     "the core's own checks: waiting, launched, broken (a CUresult) | None"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

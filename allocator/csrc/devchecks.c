@@ -1,0 +1,619 @@
+/* The checks of K/V the core cannot reach (a CUDA pool), launched by the core itself and read
+ * back later, with no call into Python per check (allocator/devicechecks.py is the reference
+ * and the fallback; docs/FORMAT.md "The native core").
+ *
+ * Python's handback costs the host 13-25 us a check (a call into Python, its bookkeeping, the
+ * launch through Triton's launcher); a serving step makes a dozen or more (a digest for each
+ * block published, a poison check for each block handed out). Here a check is: its block ids
+ * and the records it needs later written into a ring of page-locked memory the kernel reads,
+ * one cuLaunchKernel of kernels/checks.py's compiled kernel (its handle, launch geometry and
+ * parameters worked out once by devicechecks.py, which compares a launch made here with
+ * Triton's own before it hands them over), and an entry in a queue.
+ *
+ * `device_take` (devicechecks.DeviceChecks.settle, between operations) reads the answers the
+ * GPU is past, oldest first: a digest of a block just published becomes the kv_digest word
+ * stamps.py writes into its record; an answer that shows a problem (a published block
+ * changed, a freed block written, a guard slot overwritten) goes back to Python with the
+ * records as the operation saw them, to be reported exactly as the Python queue reports it.
+ *
+ * libcuda is not linked: its entry points are looked up in the process (torch loaded it) when
+ * the checks are configured, and a pool without them keeps Python's handback. On a CPU pool
+ * (KVSCOPE_NATIVE_KV=deferred: the tests' way to run this queue without a GPU) the "launch"
+ * computes the same answer at once with the loops of kvdata.c. Part of _native.c. */
+
+#include <dlfcn.h>
+
+/* The driver API, as far as used here (cuda.h is not needed to build: the types are opaque). */
+typedef int CUres;
+typedef void *CUhandle;
+#define CU_NOT_READY 600
+#define CU_EVENT_DISABLE_TIMING 2
+
+typedef struct {
+    CUres (*launch)(CUhandle f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                    unsigned bz, unsigned shared, CUhandle stream, void **params, void **extra);
+    CUres (*ev_create)(CUhandle *ev, unsigned flags);
+    CUres (*ev_record)(CUhandle ev, CUhandle stream);
+    CUres (*ev_query)(CUhandle ev);
+    CUres (*ev_sync)(CUhandle ev);
+    CUres (*ev_destroy)(CUhandle ev);
+    CUres (*stream_sync)(CUhandle stream);
+    CUres (*ctx_get)(CUhandle *ctx);
+    CUres (*ctx_set)(CUhandle ctx);
+    CUres (*primary_retain)(CUhandle *ctx, int device);
+} CuApi;
+
+/* kernels/checks.py modes */
+enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, N_MODES = 4 };
+/* (DK_*, what a check is for: core.h) */
+static const int DK_MODE[5] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY, M_POISON};
+static const char *DK_NAME[5] = {"stamp", "verify", "poison", "canary", "fill"};
+
+#define DEV_ENTRIES 8192 /* checks waiting at most (then Python's handback takes them) */
+#define DEV_PARAMS 16
+
+typedef struct {
+    uint8_t kind, done;
+    int32_t n;        /* blocks */
+    int32_t ev;       /* the event recorded after it (-1: none yet) */
+    int64_t at, end;  /* its ring words: ids [at, at+n), the answer, then what it keeps */
+    const char *when; /* verify: the moment, in a finding's words (a string literal) */
+} DevEntry;
+
+typedef struct DevChecks {
+    CuApi cu;
+    int cuda;                    /* 0: a CPU pool's bytes, answered at once */
+    int64_t *ring;               /* page-locked (CUDA) words: ids in, answers out */
+    int64_t ring_words, head;
+    PyObject *ring_obj, *kv_obj; /* kept alive while the core may use them */
+    uint8_t *cpu_kv;             /* a CPU pool: its bytes */
+    PyObject *stream_fn;         /* () -> the current stream's raw handle */
+    CUhandle fn[N_MODES];
+    unsigned threads[N_MODES], shared[N_MODES];
+    int nparams, ids_param, out_param, device;
+    uint64_t pval[DEV_PARAMS];
+    int64_t max_pending;         /* past this many waiting, pool._checks_overdue is set */
+    DevEntry q[DEV_ENTRIES];
+    int64_t q_tail, q_count, open_from; /* entries [open_from, tail + count) have no event */
+    CUhandle open_stream;
+    CUhandle ev[DEV_ENTRIES];
+    int32_t ev_free[DEV_ENTRIES];
+    int64_t n_ev_free;
+    CUres broken;                /* the first failed driver call (then every check hands back) */
+    uint64_t launched;
+} DevChecks;
+
+static inline DevEntry *dev_at(DevChecks *d, int64_t i) {
+    return &d->q[(d->q_tail + i) % DEV_ENTRIES];
+}
+
+/* Words a block's record takes in the ring. */
+static inline int64_t rec_words(Native *n) { return (n->rec + 7) / 8; }
+
+/* The answer's words (kernels/checks.py answer_words) and what the entry keeps after it. */
+static int64_t dev_answer_words(Native *n, int kind, int64_t k) {
+    int mode = DK_MODE[kind];
+    return mode == M_COUNTS ? k * n->bs : mode == M_POISON ? 0 : k;
+}
+static int64_t dev_keep_words(Native *n, int kind, int64_t k) {
+    if (kind == DK_STAMP) return k; /* the generations */
+    if (kind == DK_FILL) return 0;
+    return k * rec_words(n); /* the records as the operation saw them */
+}
+
+/* A span of `words` ring words (rounded up to two: 16-byte aligned), or -1 when the ring has
+ * no room (the check hands back: an operation never waits here). */
+static int64_t dev_take_words(DevChecks *d, int64_t words) {
+    words += words & 1;
+    int64_t tail = d->q_count ? dev_at(d, 0)->at : -1, head = d->head, start = -1;
+    if (tail < 0) {
+        start = words <= d->ring_words ? 0 : -1;
+    } else if (head > tail) { /* in use: [tail, head) */
+        if (head + words <= d->ring_words) start = head;
+        else if (words < tail) start = 0;
+    } else if (head + words < tail) { /* in use: [tail, end) and [0, head) */
+        start = head;
+    }
+    if (start >= 0) d->head = start + words;
+    return start;
+}
+
+/* -- a CPU pool: the answer at once (kvdata.c's loops, the kernel's meaning) ------------------ */
+
+static void dev_cpu_answer(Native *n, DevChecks *d, int mode, const int32_t *ids, int64_t k,
+                           int64_t *out) {
+    int64_t slot_m = n->kv_slot_bytes / n->kv_esize, m = n->bs * slot_m;
+    size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *base = d->cpu_kv + (size_t)ids[i] * n->kv_block_stride;
+        if (mode == M_DIGEST) {
+            uint64_t sum = 0, jm = DIGEST_ADD;
+            for (int64_t r = 0; r < n->kv_rows; r++)
+                sum = digest_row(n, base + (size_t)r * n->kv_row_stride, m, &jm, sum);
+            out[i] = (int64_t)sum; /* raw, as the kernel's: fmix64 when taken */
+        } else if (mode == M_COUNTS) {
+            for (int64_t s = 0; s < n->bs; s++) {
+                int64_t c = 0;
+                for (int64_t r = 0; r < n->kv_rows; r++)
+                    c += count_not(n, base + (size_t)r * n->kv_row_stride + s * n->kv_slot_bytes,
+                                   slot_m, n->nan_bits);
+                out[i * n->bs + s] = c;
+            }
+        } else if (mode == M_CANARY) {
+            int bad = 0;
+            for (int64_t r = 0; r < n->kv_rows && !bad; r++)
+                bad = !all_bits(n, base + (size_t)r * n->kv_row_stride + guard, slot_m, n->canary);
+            out[i] = bad;
+        } else {
+            for (int64_t r = 0; r < n->kv_rows; r++)
+                fill_bits(n, base + (size_t)r * n->kv_row_stride, m, n->nan_bits);
+        }
+    }
+}
+
+/* The device's primary context current on this thread, as Triton's launcher makes it (a
+ * thread that has not used CUDA yet has none). OK, or FALLBACK with `broken` set. */
+static int dev_context(DevChecks *d) {
+    CUhandle ctx = NULL;
+    CUres rc = d->cu.ctx_get(&ctx);
+    if (rc == 0 && ctx == NULL) {
+        rc = d->cu.primary_retain(&ctx, d->device);
+        if (rc == 0) rc = d->cu.ctx_set(ctx);
+    }
+    if (rc != 0) d->broken = rc;
+    return rc == 0 ? OK : FALLBACK;
+}
+
+/* -- events ------------------------------------------------------------------------------------ */
+
+/* One event after the checks launched since the last (on the stream they went to). */
+static int dev_cover(DevChecks *d) {
+    int64_t end = d->q_count;
+    if (d->broken) return FALLBACK;
+    if (!d->cuda || d->open_from >= end) {
+        d->open_from = end;
+        return OK;
+    }
+    if (d->n_ev_free == 0) return FALLBACK; /* (cannot be: an entry holds at most one event) */
+    int32_t e = d->ev_free[--d->n_ev_free];
+    CUres rc = 0;
+    if (d->ev[e] == NULL) rc = d->cu.ev_create(&d->ev[e], CU_EVENT_DISABLE_TIMING);
+    if (rc == 0) rc = d->cu.ev_record(d->ev[e], d->open_stream);
+    if (rc != 0) {
+        d->ev_free[d->n_ev_free++] = e;
+        d->broken = rc;
+        return FALLBACK;
+    }
+    for (int64_t i = d->open_from; i < end; i++) dev_at(d, i)->ev = e;
+    d->open_from = end;
+    return OK;
+}
+
+/* -- launching --------------------------------------------------------------------------------- */
+
+/* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's): queued,
+ * OK; or FALLBACK: not here (no checks configured, the queue or ring full, a driver error),
+ * and the caller hands it back to Python as before. Never an exception. */
+static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when) {
+    DevChecks *d = n->dev;
+    if (d == NULL || d->broken) return FALLBACK;
+    if (k == 0) return OK;
+    if (d->cuda && (d->fn[DK_MODE[kind]] == NULL || dev_context(d) != OK)) return FALLBACK;
+    if (d->q_count >= DEV_ENTRIES - 1 || hold_mutex(n) != OK) return FALLBACK;
+    int64_t ans = dev_answer_words(n, kind, k), keep = dev_keep_words(n, kind, k);
+    int64_t at = dev_take_words(d, k + ans + keep);
+    if (at < 0) return FALLBACK;
+    int64_t *w = d->ring + at;
+    for (int64_t i = 0; i < k; i++) w[i] = ids[i];
+    int64_t *kept = w + k + ans;
+    if (kind == DK_STAMP) {
+        for (int64_t i = 0; i < k; i++) kept[i] = U4(blk(n, ids[i]) + BF_GENERATION);
+    } else if (kind != DK_FILL) {
+        for (int64_t i = 0; i < k; i++)
+            memcpy((uint8_t *)kept + (size_t)(i * rec_words(n) * 8), blk(n, ids[i]), (size_t)n->rec);
+    }
+    int mode = DK_MODE[kind];
+    int done = 1;
+    if (d->cuda) {
+        PyObject *s = PyObject_CallNoArgs(d->stream_fn);
+        CUhandle stream = s ? PyLong_AsVoidPtr(s) : NULL;
+        Py_XDECREF(s);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            d->head = at; /* (nothing queued: the span is free again) */
+            return FALLBACK;
+        }
+        if (d->open_from < d->q_count && stream != d->open_stream && dev_cover(d) != OK) {
+            d->head = at;
+            return FALLBACK;
+        }
+        d->open_stream = stream;
+        uint64_t pv[DEV_PARAMS + 2];
+        void *params[DEV_PARAMS + 2];
+        memcpy(pv, d->pval, sizeof d->pval);
+        pv[d->ids_param] = (uint64_t)at;
+        pv[d->out_param] = (uint64_t)(at + k);
+        for (int i = 0; i < d->nparams; i++) params[i] = &pv[i];
+        /* Triton's hidden scratch pointers (global, profile: none of this kernel's), where the
+         * compiled kernel has them; a kernel without reads no more than its own. */
+        pv[d->nparams] = pv[d->nparams + 1] = 0;
+        params[d->nparams] = &pv[d->nparams];
+        params[d->nparams + 1] = &pv[d->nparams + 1];
+        CUres rc = d->cu.launch(d->fn[mode], (unsigned)k, 1, 1, d->threads[mode], 1, 1,
+                                d->shared[mode], stream, params, NULL);
+        if (rc != 0) {
+            d->broken = rc;
+            d->head = at;
+            return FALLBACK;
+        }
+        done = 0;
+    } else {
+        dev_cpu_answer(n, d, mode, ids, k, w + k);
+    }
+    DevEntry *e = dev_at(d, d->q_count++);
+    e->kind = (uint8_t)kind;
+    e->done = (uint8_t)done;
+    e->n = (int32_t)k;
+    e->ev = -1;
+    e->at = at;
+    e->end = at + k + ans + keep;
+    e->when = when;
+    d->launched++;
+    if (d->q_count > d->max_pending && n->pool != NULL)
+        /* (one attribute pool.append and mark_computed read: they take the answers) */
+        if (PyObject_SetAttrString(n->pool, "_checks_overdue", Py_True) != 0) PyErr_Clear();
+    return OK;
+}
+
+/* -- reading the answers ----------------------------------------------------------------------- */
+
+static PyObject *id_list(const int64_t *w, int64_t k) {
+    PyObject *l = PyList_New(k);
+    for (int64_t i = 0; l && i < k; i++) {
+        PyObject *v = PyLong_FromLongLong(w[i]);
+        if (v == NULL) {
+            Py_CLEAR(l);
+            break;
+        }
+        PyList_SET_ITEM(l, i, v);
+    }
+    return l;
+}
+
+/* The entry's answer as stamps (a digest for a record) or a finding for Python to report:
+ * (kind, when, ids, answer, records). 0, or -1 with an exception set. */
+static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObject *found) {
+    int64_t k = e->n;
+    const int64_t *a = w + k;
+    int64_t ans = dev_answer_words(n, e->kind, k);
+    const int64_t *kept = w + k + ans;
+    if (e->kind == DK_FILL) return 0;
+    if (e->kind == DK_STAMP) {
+        for (int64_t i = 0; i < k; i++) {
+            uint64_t dg = digest_fmix((uint64_t)a[i]);
+            uint64_t word = ((dg >> 32) << 32) | ((uint64_t)kept[i] & GEN_MASK);
+            PyObject *t = Py_BuildValue("(LLK)", (long long)w[i], (long long)kept[i],
+                                        (unsigned long long)word);
+            if (t == NULL || PyList_Append(stamps, t) != 0) {
+                Py_XDECREF(t);
+                return -1;
+            }
+            Py_DECREF(t);
+        }
+        return 0;
+    }
+    /* the answer per block: a digest, a count of slots' unpoisoned elements, a flag */
+    int64_t per[CHUNK + EVICT_BATCH];
+    int bad = 0;
+    if (k > CHUNK + EVICT_BATCH) return 0; /* (cannot be: the core's checks are that small) */
+    for (int64_t i = 0; i < k; i++) {
+        if (e->kind == DK_VERIFY) {
+            uint64_t got = digest_fmix((uint64_t)a[i]);
+            uint64_t want = U8((const uint8_t *)kept + (size_t)(i * rec_words(n) * 8) + n->off_kv_digest);
+            per[i] = (int64_t)got;
+            bad |= (got >> 32) != (want >> 32);
+        } else if (e->kind == DK_POISON) {
+            int64_t c = 0;
+            for (int64_t s = 0; s < n->bs; s++) c += a[i * n->bs + s];
+            per[i] = c;
+            bad |= c != 0;
+        } else {
+            per[i] = a[i];
+            bad |= a[i] != 0;
+        }
+    }
+    if (!bad) return 0;
+    PyObject *ids = id_list(w, k), *answer = NULL, *recs = NULL, *t = NULL;
+    if (ids) {
+        answer = PyList_New(k);
+        for (int64_t i = 0; answer && i < k; i++) {
+            PyObject *v = e->kind == DK_VERIFY ? PyLong_FromUnsignedLongLong((uint64_t)per[i])
+                                               : PyLong_FromLongLong(per[i]);
+            if (v == NULL) {
+                Py_CLEAR(answer);
+                break;
+            }
+            PyList_SET_ITEM(answer, i, v);
+        }
+    }
+    if (answer) {
+        recs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(k * n->rec));
+        for (int64_t i = 0; recs && i < k; i++)
+            memcpy(PyBytes_AS_STRING(recs) + i * n->rec,
+                   (const uint8_t *)kept + (size_t)(i * rec_words(n) * 8), (size_t)n->rec);
+    }
+    if (recs)
+        t = Py_BuildValue("(szOOO)", DK_NAME[e->kind], e->when, ids, answer, recs);
+    int rc = t != NULL && PyList_Append(found, t) == 0 ? 0 : -1;
+    Py_XDECREF(ids);
+    Py_XDECREF(answer);
+    Py_XDECREF(recs);
+    Py_XDECREF(t);
+    return rc;
+}
+
+/* device_take(wait, most) -> (stamps, found) | None: the answers the GPU is past, oldest first
+ * (every one, waiting, with `wait`; the oldest, waiting, until no more than `most` are left,
+ * where most >= 0). None when none waits. Under the handle's op mutex (devicechecks.settle). */
+static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "device_take(wait: bool, most: int)");
+        return NULL;
+    }
+    DevChecks *d = n->dev;
+    if (d == NULL || d->q_count == 0) Py_RETURN_NONE;
+    int wait = PyObject_IsTrue(args[0]);
+    long long most = PyLong_AsLongLong(args[1]);
+    if (wait < 0 || (most == -1 && PyErr_Occurred())) return NULL;
+    PyObject *stamps = PyList_New(0), *found = PyList_New(0);
+    if (stamps == NULL || found == NULL) goto fail;
+    if (d->cuda && !d->broken) dev_context(d);
+    dev_cover(d); /* (a failure leaves the open ones to be waited for below, stream by stream) */
+    while (d->q_count) {
+        DevEntry *e = dev_at(d, 0);
+        if (!e->done && !d->broken) {
+            int behind = most >= 0 && d->q_count > most;
+            if (e->ev < 0) {
+                /* not covered (a driver error): wait for its stream */
+                CUres rc;
+                Py_BEGIN_ALLOW_THREADS
+                rc = d->cu.stream_sync(d->open_stream);
+                Py_END_ALLOW_THREADS
+                if (rc != 0) d->broken = rc;
+            } else {
+                CUhandle ev = d->ev[e->ev];
+                CUres rc = d->cu.ev_query(ev);
+                if (rc == CU_NOT_READY) {
+                    if (!wait && !behind) break;
+                    Py_BEGIN_ALLOW_THREADS
+                    rc = d->cu.ev_sync(ev);
+                    Py_END_ALLOW_THREADS
+                }
+                if (rc != 0 && rc != CU_NOT_READY) d->broken = rc;
+            }
+            /* the event's other checks are done too */
+            for (int64_t i = 0; i < d->q_count && dev_at(d, i)->ev == e->ev; i++) dev_at(d, i)->done = 1;
+            e->done = 1;
+        }
+        /* (after a driver error the answers are not the GPU's: dropped, and every later check
+         * hands back to Python, which meets the same error) */
+        int rc = d->broken ? 0 : dev_read(n, e, d->ring + e->at, stamps, found);
+        int32_t ev = e->ev;
+        d->q_tail = (d->q_tail + 1) % DEV_ENTRIES;
+        d->q_count--;
+        d->open_from = d->open_from > 0 ? d->open_from - 1 : 0;
+        if (ev >= 0 && (d->q_count == 0 || dev_at(d, 0)->ev != ev)) d->ev_free[d->n_ev_free++] = ev;
+        if (d->q_count == 0) d->head = 0;
+        if (rc != 0) goto fail;
+    }
+    PyObject *out = PyTuple_Pack(2, stamps, found);
+    Py_DECREF(stamps);
+    Py_DECREF(found);
+    return out;
+fail:
+    Py_XDECREF(stamps);
+    Py_XDECREF(found);
+    return NULL;
+}
+
+/* -- configuration ----------------------------------------------------------------------------- */
+
+static void dev_free(DevChecks *d) {
+    if (d == NULL) return;
+    for (int64_t i = 0; i < DEV_ENTRIES; i++)
+        if (d->ev[i] != NULL && d->cu.ev_destroy) d->cu.ev_destroy(d->ev[i]);
+    Py_XDECREF(d->ring_obj);
+    Py_XDECREF(d->kv_obj);
+    Py_XDECREF(d->stream_fn);
+    PyMem_Free(d);
+}
+
+static int dev_int(PyObject *cfg, const char *key, long long *out) {
+    PyObject *v = PyDict_GetItemString(cfg, key);
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "device_checks: no %s", key);
+        return -1;
+    }
+    *out = PyLong_AsLongLong(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* A tuple of N_MODES (or nparams) ints of cfg[key] into out. */
+static int dev_ints(PyObject *cfg, const char *key, Py_ssize_t len, long long *out) {
+    PyObject *v = PyDict_GetItemString(cfg, key);
+    if (v == NULL || !PyTuple_Check(v) || PyTuple_GET_SIZE(v) != len) {
+        PyErr_Format(PyExc_ValueError, "device_checks: %s must be a tuple of %zd", key, len);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        out[i] = (long long)PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(v, i));
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static int dev_driver(CuApi *cu) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (lib == NULL) return -1;
+    cu->launch = (CUres(*)(CUhandle, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, CUhandle, void **, void **))dlsym(lib, "cuLaunchKernel");
+    cu->ev_create = (CUres(*)(CUhandle *, unsigned))dlsym(lib, "cuEventCreate");
+    cu->ev_record = (CUres(*)(CUhandle, CUhandle))dlsym(lib, "cuEventRecord");
+    cu->ev_query = (CUres(*)(CUhandle))dlsym(lib, "cuEventQuery");
+    cu->ev_sync = (CUres(*)(CUhandle))dlsym(lib, "cuEventSynchronize");
+    cu->ev_destroy = (CUres(*)(CUhandle))dlsym(lib, "cuEventDestroy_v2");
+    cu->stream_sync = (CUres(*)(CUhandle))dlsym(lib, "cuStreamSynchronize");
+    cu->ctx_get = (CUres(*)(CUhandle *))dlsym(lib, "cuCtxGetCurrent");
+    cu->ctx_set = (CUres(*)(CUhandle))dlsym(lib, "cuCtxSetCurrent");
+    cu->primary_retain = (CUres(*)(CUhandle *, int))dlsym(lib, "cuDevicePrimaryCtxRetain");
+    return cu->launch && cu->ev_create && cu->ev_record && cu->ev_query && cu->ev_sync &&
+                   cu->ev_destroy && cu->stream_sync && cu->ctx_get && cu->ctx_set &&
+                   cu->primary_retain
+               ? 0
+               : -1;
+}
+
+/* device_checks(config | None): the core launches the checks itself from now on (None: no
+ * more; refused while checks wait). config (devicechecks.DeviceChecks._core_config): ring
+ * (a page-locked int64 tensor), ring_ptr, ring_words, max_pending; on a GPU: cuda=True,
+ * stream (a callable), functions, threads, shared (one per kernels/checks.py mode),
+ * param_sizes, param_values (the kernel's parameters, in its order), ids_param, out_param;
+ * on a CPU pool: cuda=False, kv (the tensor), kv_ptr. */
+static PyObject *N_device_checks(Native *n, PyObject *cfg) {
+    if (n->dev != NULL && n->dev->q_count) {
+        PyErr_SetString(PyExc_RuntimeError, "device_checks: checks still wait (device_take first)");
+        return NULL;
+    }
+    dev_free(n->dev);
+    n->dev = NULL;
+    if (cfg == Py_None) Py_RETURN_NONE;
+    if (!PyDict_Check(cfg)) {
+        PyErr_SetString(PyExc_TypeError, "device_checks(config: dict | None)");
+        return NULL;
+    }
+    DevChecks *d = PyMem_Calloc(1, sizeof *d);
+    if (d == NULL) return PyErr_NoMemory();
+    long long v, cuda, words, ptr;
+    if (dev_int(cfg, "cuda", &cuda) || dev_int(cfg, "ring_ptr", &ptr) ||
+        dev_int(cfg, "ring_words", &words) || dev_int(cfg, "max_pending", &v))
+        goto fail;
+    d->cuda = (int)cuda;
+    d->ring = (int64_t *)(intptr_t)ptr;
+    d->ring_words = words;
+    d->max_pending = v;
+    d->ring_obj = Py_XNewRef(PyDict_GetItemString(cfg, "ring"));
+    for (int64_t i = 0; i < DEV_ENTRIES; i++) d->ev_free[i] = (int32_t)(DEV_ENTRIES - 1 - i);
+    d->n_ev_free = DEV_ENTRIES;
+    if (d->cuda) {
+        long long fn[N_MODES], th[N_MODES], sh[N_MODES], np_, ip, op, dev;
+        if (dev_driver(&d->cu) != 0) {
+            PyErr_SetString(PyExc_RuntimeError, "device_checks: libcuda's entry points not found");
+            goto fail;
+        }
+        d->stream_fn = Py_XNewRef(PyDict_GetItemString(cfg, "stream"));
+        PyObject *sizes = PyDict_GetItemString(cfg, "param_sizes");
+        if (d->stream_fn == NULL || sizes == NULL || !PyTuple_Check(sizes)) {
+            PyErr_SetString(PyExc_ValueError, "device_checks: stream and param_sizes needed");
+            goto fail;
+        }
+        np_ = PyTuple_GET_SIZE(sizes);
+        if (np_ < 1 || np_ > DEV_PARAMS) {
+            PyErr_SetString(PyExc_ValueError, "device_checks: too many kernel parameters");
+            goto fail;
+        }
+        long long ps[DEV_PARAMS], pv[DEV_PARAMS];
+        if (dev_ints(cfg, "functions", N_MODES, fn) || dev_ints(cfg, "threads", N_MODES, th) ||
+            dev_ints(cfg, "shared", N_MODES, sh) || dev_ints(cfg, "param_sizes", np_, ps) ||
+            dev_ints(cfg, "param_values", np_, pv) || dev_int(cfg, "ids_param", &ip) ||
+            dev_int(cfg, "out_param", &op) || dev_int(cfg, "device", &dev))
+            goto fail;
+        if (ip < 0 || ip >= np_ || op < 0 || op >= np_) {
+            PyErr_SetString(PyExc_ValueError, "device_checks: ids_param, out_param out of range");
+            goto fail;
+        }
+        for (int i = 0; i < N_MODES; i++) {
+            d->fn[i] = (CUhandle)(intptr_t)fn[i];
+            d->threads[i] = (unsigned)th[i];
+            d->shared[i] = (unsigned)sh[i];
+        }
+        d->nparams = (int)np_;
+        d->ids_param = (int)ip;
+        d->out_param = (int)op;
+        d->device = (int)dev;
+        for (int i = 0; i < d->nparams; i++) {
+            /* (each value as 8 bytes: the driver copies as many as the kernel's parameter
+             * takes, from its first, little-endian, byte) */
+            if (ps[i] != 4 && ps[i] != 8) {
+                PyErr_SetString(PyExc_ValueError, "device_checks: parameters of 4 or 8 bytes");
+                goto fail;
+            }
+            d->pval[i] = (uint64_t)pv[i];
+        }
+    } else {
+        if (dev_int(cfg, "kv_ptr", &ptr)) goto fail;
+        d->cpu_kv = (uint8_t *)(intptr_t)ptr;
+        d->kv_obj = Py_XNewRef(PyDict_GetItemString(cfg, "kv"));
+    }
+    n->dev = d;
+    Py_RETURN_NONE;
+fail:
+    dev_free(d);
+    return NULL;
+}
+
+/* device_test(mode, block) -> int: one check of `block` launched here and waited for (the
+ * configuration's test: devicechecks compares it with Triton's own launch); its first answer
+ * word. Only while no check waits. */
+static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    DevChecks *d = n->dev;
+    int mode;
+    int32_t b;
+    if (nargs != 2 || (mode = (int)PyLong_AsLong(args[0])) < 0 || mode >= N_MODES ||
+        (b = (int32_t)PyLong_AsLong(args[1])) < 0 || b >= n->nb) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "device_test(mode, block)");
+        return NULL;
+    }
+    if (d == NULL || d->q_count) {
+        PyErr_SetString(PyExc_RuntimeError, "device_test: no checks configured, or some wait");
+        return NULL;
+    }
+    int kind = mode == M_DIGEST ? DK_VERIFY : mode == M_COUNTS ? DK_POISON
+               : mode == M_CANARY ? DK_CANARY : DK_FILL;
+    PyObject *pool = n->pool;
+    n->pool = NULL;
+    int mh = n->mutex_held;
+    n->mutex_held = 1; /* (the caller holds the op mutex) */
+    int rc = dev_check(n, kind, &b, 1, "a test");
+    n->mutex_held = mh;
+    n->pool = pool;
+    if (rc != OK) {
+        PyErr_Format(PyExc_RuntimeError, "device_test: the launch failed (CUresult %d)", d->broken);
+        return NULL;
+    }
+    DevEntry *e = dev_at(d, 0);
+    if (d->cuda) {
+        CUres r;
+        Py_BEGIN_ALLOW_THREADS
+        r = d->cu.stream_sync(d->open_stream);
+        Py_END_ALLOW_THREADS
+        if (r != 0) d->broken = r;
+    }
+    int64_t word = d->ring[e->at + 1];
+    d->q_count = 0;
+    d->q_tail = 0;
+    d->open_from = 0;
+    d->head = 0;
+    if (d->broken) {
+        PyErr_Format(PyExc_RuntimeError, "device_test: CUresult %d", d->broken);
+        return NULL;
+    }
+    return PyLong_FromLongLong(word);
+}
+
+static PyObject *N_device_stats(Native *n, PyObject *unused) {
+    DevChecks *d = n->dev;
+    if (d == NULL) Py_RETURN_NONE;
+    return Py_BuildValue("{sLsKsi}", "waiting", (long long)d->q_count, "launched",
+                         (unsigned long long)d->launched, "broken", d->broken);
+}
