@@ -173,6 +173,13 @@ class DeviceChecks:
                     return
         self.core, self._core_ring = core, ring
 
+    def _live_core(self) -> Any:
+        """The core the checks are configured in, while the handle still runs on it (a handle
+        sent to the Python path for good has none: its checks are this module's)."""
+        if self.core is not None and self.pool._native is None:
+            self.core = None
+        return self.core
+
     @property
     def launched_by_core(self) -> int:
         """How many checks the C core launched itself (csrc/devchecks.c)."""
@@ -367,6 +374,9 @@ class DeviceChecks:
         n = min(len(table), -(-num_tokens // bs))
         if n <= 0:
             return  # (a one-token request: no position whose K/V had to be written)
+        core = self._live_core()
+        if core is not None and core.device_unwritten(table[:n], num_tokens, request):
+            return  # (queued by the core, read with its other checks)
 
         def then(blank: np.ndarray) -> None:
             self._unwritten_read(blank, table, num_tokens, request)
@@ -396,7 +406,7 @@ class DeviceChecks:
             return
         self.settling = True
         try:
-            if self.core is not None:
+            if self._live_core() is not None:
                 self._take_core(wait, most)
             self._cover()
             while self.pending:
@@ -426,7 +436,12 @@ class DeviceChecks:
         stamps, found = taken
         self._stamps += stamps
         dtype = self.pool.view.blocks.dtype
+        bs = self.pool.block_size
         for kind, when, ids, answer, raw in found:
+            if kind == "unwritten":  # (when: the request; raw: its positions to be written)
+                blank = np.asarray(answer).reshape(len(ids), bs) == 0
+                self._unwritten_read(blank, ids, raw, when)
+                continue
             recs = np.frombuffer(raw, dtype=dtype).copy()
             if kind == "verify":
                 self._verify_read(answer, ids, recs, when)

@@ -355,7 +355,11 @@ class PoolProbes:
         (at commit: blocks the same operation handed out again are left alone)."""
         b = self.pool.view.blocks
         ids = [int(x) for x in ids if b["state"][x] != BlockState.ALLOCATED]
-        integrity.poison(self.pool.kv, ids, self.pool.block_size)
+        later = self.writes.later
+        if later is not None and ids:
+            later.fill(ids)  # (a CUDA pool: the check kernel's fill, as the core's releases)
+        else:
+            integrity.poison(self.pool.kv, ids, self.pool.block_size)
 
 
 def _field_at(offset: int) -> str:

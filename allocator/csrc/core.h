@@ -267,7 +267,8 @@ static void drop_pending_scan(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
-static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when);
+static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
+                     int64_t extra, PyObject *tag);
 /* devchecks.c: what a check is for (devicechecks.py's method of each name) */
-enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4 };
+enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4, DK_UNWRITTEN = 5 };
 static void maybe_live_add(Native *n, int64_t slot);

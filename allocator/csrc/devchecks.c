@@ -46,8 +46,8 @@ typedef struct {
 /* kernels/checks.py modes */
 enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, N_MODES = 4 };
 /* (DK_*, what a check is for: core.h) */
-static const int DK_MODE[5] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY, M_POISON};
-static const char *DK_NAME[5] = {"stamp", "verify", "poison", "canary", "fill"};
+static const int DK_MODE[6] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY, M_POISON, M_COUNTS};
+static const char *DK_NAME[6] = {"stamp", "verify", "poison", "canary", "fill", "unwritten"};
 
 #define DEV_ENTRIES 8192 /* checks waiting at most (then Python's handback takes them) */
 #define DEV_PARAMS 16
@@ -58,6 +58,8 @@ typedef struct {
     int32_t ev;       /* the event recorded after it (-1: none yet) */
     int64_t at, end;  /* its ring words: ids [at, at+n), the answer, then what it keeps */
     const char *when; /* verify: the moment, in a finding's words (a string literal) */
+    int64_t extra;    /* unwritten: the request's positions whose K/V must be written */
+    PyObject *tag;    /* unwritten: its request id (a reference), else NULL */
 } DevEntry;
 
 typedef struct DevChecks {
@@ -97,7 +99,7 @@ static int64_t dev_answer_words(Native *n, int kind, int64_t k) {
 }
 static int64_t dev_keep_words(Native *n, int kind, int64_t k) {
     if (kind == DK_STAMP) return k; /* the generations */
-    if (kind == DK_FILL) return 0;
+    if (kind == DK_FILL || kind == DK_UNWRITTEN) return 0;
     return k * rec_words(n); /* the records as the operation saw them */
 }
 
@@ -194,7 +196,8 @@ static int dev_cover(DevChecks *d) {
 /* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's): queued,
  * OK; or FALLBACK: not here (no checks configured, the queue or ring full, a driver error),
  * and the caller hands it back to Python as before. Never an exception. */
-static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when) {
+static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
+                     int64_t extra, PyObject *tag) {
     DevChecks *d = n->dev;
     if (d == NULL || d->broken) return FALLBACK;
     if (k == 0) return OK;
@@ -208,7 +211,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     int64_t *kept = w + k + ans;
     if (kind == DK_STAMP) {
         for (int64_t i = 0; i < k; i++) kept[i] = U4(blk(n, ids[i]) + BF_GENERATION);
-    } else if (kind != DK_FILL) {
+    } else if (kind != DK_FILL && kind != DK_UNWRITTEN) {
         for (int64_t i = 0; i < k; i++)
             memcpy((uint8_t *)kept + (size_t)(i * rec_words(n) * 8), blk(n, ids[i]), (size_t)n->rec);
     }
@@ -258,6 +261,8 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     e->at = at;
     e->end = at + k + ans + keep;
     e->when = when;
+    e->extra = extra;
+    e->tag = Py_XNewRef(tag);
     d->launched++;
     if (d->q_count > d->max_pending && n->pool != NULL)
         /* (one attribute pool.append and mark_computed read: they take the answers) */
@@ -288,6 +293,22 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObje
     int64_t ans = dev_answer_words(n, e->kind, k);
     const int64_t *kept = w + k + ans;
     if (e->kind == DK_FILL) return 0;
+    if (e->kind == DK_UNWRITTEN) {
+        /* integrity.unwritten_in: a slot of the first `extra` positions still poisoned, while
+         * not all of them are (a program that writes no K/V at all) */
+        int64_t blank = 0, checked = 0;
+        for (int64_t p = 0; p < e->extra && p < k * n->bs; p++, checked++) blank += a[p] == 0;
+        if (blank == 0 || blank == checked) return 0;
+        PyObject *ids = id_list(w, k), *answer = ids ? id_list(a, k * n->bs) : NULL;
+        PyObject *t = answer ? Py_BuildValue("(sOOOL)", DK_NAME[e->kind], e->tag, ids, answer,
+                                             (long long)e->extra)
+                             : NULL;
+        int rc = t != NULL && PyList_Append(found, t) == 0 ? 0 : -1;
+        Py_XDECREF(ids);
+        Py_XDECREF(answer);
+        Py_XDECREF(t);
+        return rc;
+    }
     if (e->kind == DK_STAMP) {
         for (int64_t i = 0; i < k; i++) {
             uint64_t dg = digest_fmix((uint64_t)a[i]);
@@ -399,6 +420,7 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
          * hands back to Python, which meets the same error) */
         int rc = d->broken ? 0 : dev_read(n, e, d->ring + e->at, stamps, found);
         int32_t ev = e->ev;
+        Py_CLEAR(e->tag);
         d->q_tail = (d->q_tail + 1) % DEV_ENTRIES;
         d->q_count--;
         d->open_from = d->open_from > 0 ? d->open_from - 1 : 0;
@@ -420,6 +442,12 @@ fail:
 
 static void dev_free(DevChecks *d) {
     if (d == NULL) return;
+    if (d->cuda && !d->broken && d->q_count && dev_cover(d) == OK) {
+        /* (checks launched since the last settle: the GPU is past them before their ring goes) */
+        int32_t ev = dev_at(d, d->q_count - 1)->ev;
+        if (ev >= 0) d->cu.ev_sync(d->ev[ev]);
+    }
+    for (int64_t i = 0; i < d->q_count; i++) Py_CLEAR(dev_at(d, i)->tag);
     for (int64_t i = 0; i < DEV_ENTRIES; i++)
         if (d->ev[i] != NULL && d->cu.ev_destroy) d->cu.ev_destroy(d->ev[i]);
     Py_XDECREF(d->ring_obj);
@@ -584,7 +612,7 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
     n->pool = NULL;
     int mh = n->mutex_held;
     n->mutex_held = 1; /* (the caller holds the op mutex) */
-    int rc = dev_check(n, kind, &b, 1, "a test");
+    int rc = dev_check(n, kind, &b, 1, "a test", 0, NULL);
     n->mutex_held = mh;
     n->pool = pool;
     if (rc != OK) {
@@ -609,6 +637,37 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     return PyLong_FromLongLong(word);
+}
+
+/* device_unwritten(table, num_tokens, request) -> bool: writes.finished's check of a request's
+ * unwritten slots (its first blocks' per-slot counts of unpoisoned elements) queued here,
+ * True; False where it is not (devicechecks' queue takes it). Under the handle's op mutex. */
+static PyObject *N_device_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "device_unwritten(table: list, num_tokens, request)");
+        return NULL;
+    }
+    long long num = PyLong_AsLongLong(args[1]);
+    if (num == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(args[0]);
+    if (n->dev == NULL || n->seg == NULL || k > CHUNK) Py_RETURN_FALSE;
+    int32_t ids[CHUNK];
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(args[0], i));
+        if (b < 0 || b >= n->nb) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        ids[i] = (int32_t)b;
+    }
+    PyObject *pool = n->pool;
+    int mh = n->mutex_held;
+    n->pool = NULL;    /* (no operation's: the bound on waiting checks is the next one's) */
+    n->mutex_held = 1; /* (the caller holds the op mutex) */
+    int rc = dev_check(n, DK_UNWRITTEN, ids, k, NULL, num, args[2]);
+    n->mutex_held = mh;
+    n->pool = pool;
+    return PyBool_FromLong(rc == OK);
 }
 
 static PyObject *N_device_stats(Native *n, PyObject *unused) {

@@ -161,7 +161,7 @@ static int guard_release(Native *n, int64_t slot) {
 static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     if (n->kv == NULL)
-        return dev_check(n, DK_CANARY, ids, k, NULL) == OK ? OK
+        return dev_check(n, DK_CANARY, ids, k, NULL, 0, NULL) == OK ? OK
                                                            : kv_handback_check(n, "canary", ids, k);
     int64_t m = n->kv_slot_bytes / n->kv_esize;
     size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
@@ -176,7 +176,7 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !n->poison_ok) return OK;
     if (n->kv == NULL) {
-        if (dev_check(n, DK_FILL, ids, k, NULL) == OK) return OK;
+        if (dev_check(n, DK_FILL, ids, k, NULL, 0, NULL) == OK) return OK;
         PyObject *r = kv_handback(n, "poison", ids, k);
         Py_XDECREF(r);
         return r ? OK : PyErr_Occurred() ? ERROR : FALLBACK;
@@ -215,7 +215,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
         }
     if (nm == 0) return OK;
     if (n->kv == NULL)
-        return dev_check(n, DK_POISON, mine, nm, NULL) == OK
+        return dev_check(n, DK_POISON, mine, nm, NULL, 0, NULL) == OK
                    ? OK
                    : kv_handback_check(n, "poison_broken", mine, nm);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
@@ -259,7 +259,7 @@ static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     uint64_t d[CHUNK];
     if (n->kv == NULL) {
-        if (dev_check(n, DK_STAMP, ids, k, NULL) == OK) return OK;
+        if (dev_check(n, DK_STAMP, ids, k, NULL, 0, NULL) == OK) return OK;
         PyObject *r = kv_handback(n, "stamp", ids, k);
         if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
         if (r == Py_None) {
@@ -302,7 +302,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
     }
     if (np_ == 0) return OK;
     if (n->kv == NULL) {
-        if (dev_check(n, DK_VERIFY, pub, np_, when) == OK) return OK;
+        if (dev_check(n, DK_VERIFY, pub, np_, when, 0, NULL) == OK) return OK;
         char op[64];
         snprintf(op, sizeof op, "verify:%s", when);
         return kv_handback_check(n, op, pub, np_);
