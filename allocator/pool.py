@@ -406,7 +406,8 @@ class KVPool:
         kernels' guard-mode checks); with `out` (a CPU uint8 tensor of that size, page-locked
         for an asynchronous copy), written there instead, with no upload."""
         host = torch.empty(len(self.view.blocks), dtype=torch.uint8) if out is None else out
-        np.equal(self.view.blocks["state"], BlockState.ALLOCATED, out=host.numpy().view(bool))
+        # (the state as a plain int: numpy compares an IntEnum member at twice the cost)
+        np.equal(self.view.blocks["state"], int(BlockState.ALLOCATED), out=host.numpy().view(bool))
         if out is not None:
             return out
         from kvscope.kernels.backend import upload

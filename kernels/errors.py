@@ -62,7 +62,7 @@ def decode_errors(errors: torch.Tensor) -> list[dict[str, object]]:
     """
     # numpy on the host copy: this runs after every guarded step, where a tensor index and a
     # slice of an empty buffer cost the host several times what the read itself does
-    host = errors.detach().cpu().numpy()
+    host = errors.numpy() if errors.device.type == "cpu" else errors.detach().cpu().numpy()
     count = min(int(host[0]), (host.size - HEADER_FIELDS) // ERROR_FIELDS)
     if count <= 0:
         return []

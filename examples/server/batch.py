@@ -193,6 +193,9 @@ class ErrorCopy:
     def __init__(self, device: torch.device) -> None:
         self.pin = device.type == "cuda"
         self.copied = torch.cuda.Event() if self.pin else None
+        # the stream the steps run on (the current one: asking for it at every step costs the
+        # host a Stream object's making)
+        self.stream = torch.cuda.current_stream(device) if self.pin else None
         self.host: Tensor | None = None
         # the step whose copy is under way (None: nothing to report)
         self.batch: Batch | None = None
@@ -205,7 +208,7 @@ class ErrorCopy:
             self.host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=self.pin)
         self.host.copy_(errors, non_blocking=True)
         if self.copied is not None:
-            self.copied.record()
+            self.copied.record(self.stream)
         self.batch = batch
 
     def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
