@@ -13,11 +13,13 @@ docs/FORMAT.md, "The native core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests: csrc/kvdata.c)
 the core does on the bytes of a CPU pool's data file, mapped in this process. A CUDA pool's data
-it cannot reach: there it hands each operation's blocks back to Python at once
-(`WriteProbes.native_kv`: one kernel launch), whose answers are read later, when the GPU has them
-(allocator/devicechecks.py: no operation waits for the GPU). `KVSCOPE_NATIVE_KV=python` makes a
-CPU pool's core hand back too, each check waiting for its answer, `=deferred` with the answers
-read later as on a GPU (the CPU test suite covers both ways).
+it cannot reach: there it launches each operation's checks itself (csrc/devchecks.c: one
+`cuLaunchKernel` of the check kernel, configured by allocator/devicechecks.py), whose answers are
+read later, when the GPU has them (no operation waits for the GPU); where it cannot, it hands the
+blocks back to Python (`WriteProbes.native_kv`: one launch through Triton's).
+`KVSCOPE_NATIVE_KV=python` makes a CPU pool's core hand back too, each check waiting for its
+answer, `=deferred` with the answers read later as on a GPU, through the core's own queue (the
+CPU test suite covers each way).
 """
 
 from __future__ import annotations

@@ -163,8 +163,9 @@ class WriteProbes:
 
     def native_kv(self, op: str, ids: list[int]) -> object:
         """The C core's work on the KV data of blocks `ids` where it cannot reach the data (a
-        CUDA pool, KVSCOPE_NATIVE_KV=python or =deferred): one call, and on a GPU one kernel
-        launch, per operation (allocator/csrc/kvdata.c). `op`:
+        CUDA pool, KVSCOPE_NATIVE_KV=python or =deferred) and does not launch the check itself
+        (csrc/devchecks.c: no configured queue, or no room in it): one call, and on a GPU one
+        kernel launch, per operation (allocator/csrc/kvdata.c). `op`:
 
         - "canary": True if a guard slot of `ids` lost its canary (read only);
         - "poison": NaN into their token slots;
