@@ -678,3 +678,57 @@ def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypat
             lockdep.LOCKDEP.uninstrument(pool)
             pool.close()
             pool.unlink()
+
+
+def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch):
+    # GIVEN a handle whose C core queues its checks of the K/V itself (answered later)
+    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+    try:
+        later = fast.probe.writes.later
+        core = later.core
+        assert core is not None and core.device_stats()["waiting"] == 0
+        # WHEN nothing waits THEN there is nothing to take
+        assert core.device_take(True, -1) is None
+        # WHEN a request is published and its digests wait
+        seq = _written(fast, "a", list(range(9)))
+        monkeypatch.setattr(later, "settling", True)
+        fast.mark_computed(seq, 9)
+        assert later.waiting() == 1 and core.device_stats()["launched"] >= 1
+        # THEN the core refuses to be configured again while they wait
+        with pytest.raises(RuntimeError, match="still wait"):
+            core.device_checks(None)
+        # AND their answers are two digests, one per published block, with the generations
+        # of the blocks' records
+        stamps, found = core.device_take(True, -1)
+        b = fast.view.blocks
+        assert [s[:2] for s in stamps] == [
+            (blk, int(b["generation"][blk])) for blk in seq.block_table[:2]
+        ]
+        assert found == [] and later.waiting() == 0
+        # (a configuration that is not one leaves the last in place)
+        with pytest.raises(TypeError):
+            core.device_checks(3)
+        with pytest.raises(KeyError):
+            core.device_checks({"cuda": False})
+        assert core.device_stats() is not None
+        # AND they are the kernel's digests (kernels/digest.py), tagged with the generation
+        want = block_digests(fast.kv, seq.block_table[:2], BS)
+        assert [s[2] for s in stamps] == [
+            integrity.tagged(d, int(b["generation"][blk]))
+            for d, blk in zip(want, seq.block_table[:2])
+        ]
+        monkeypatch.setattr(later, "settling", False)
+        # WHEN the core's checks are switched off THEN the handle's checks hand back again
+        core.device_checks(None)
+        assert core.device_stats() is None
+        assert core.device_unwritten(list(seq.block_table), 9, "a") is False
+        fast.free(seq)
+        # (devicechecks' own queue took the finish check and the release's verification)
+        assert later.waiting() == len(later.pending) == 2
+        fast.verify()
+        assert fast.findings() == []
+    finally:
+        for pool in (fast, slow):
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()

@@ -382,7 +382,8 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     DevChecks *d = n->dev;
-    if (d == NULL || d->q_count == 0) Py_RETURN_NONE;
+    /* (in a forked child the parent's queue and its GPU handles are not this process's) */
+    if (d == NULL || d->q_count == 0 || n->fork_gen != fork_gen) Py_RETURN_NONE;
     int wait = PyObject_IsTrue(args[0]);
     long long most = PyLong_AsLongLong(args[1]);
     if (wait < 0 || (most == -1 && PyErr_Occurred())) return NULL;
@@ -513,12 +514,14 @@ static PyObject *N_device_checks(Native *n, PyObject *cfg) {
         PyErr_SetString(PyExc_RuntimeError, "device_checks: checks still wait (device_take first)");
         return NULL;
     }
-    dev_free(n->dev);
-    n->dev = NULL;
-    if (cfg == Py_None) Py_RETURN_NONE;
-    if (!PyDict_Check(cfg)) {
+    if (cfg != Py_None && !PyDict_Check(cfg)) {
         PyErr_SetString(PyExc_TypeError, "device_checks(config: dict | None)");
         return NULL;
+    }
+    if (cfg == Py_None) {
+        dev_free(n->dev);
+        n->dev = NULL;
+        Py_RETURN_NONE;
     }
     DevChecks *d = PyMem_Calloc(1, sizeof *d);
     if (d == NULL) return PyErr_NoMemory();
@@ -583,6 +586,7 @@ static PyObject *N_device_checks(Native *n, PyObject *cfg) {
         d->cpu_kv = (uint8_t *)(intptr_t)ptr;
         d->kv_obj = Py_XNewRef(PyDict_GetItemString(cfg, "kv"));
     }
+    dev_free(n->dev); /* (a configuration replaces the last only once it is whole) */
     n->dev = d;
     Py_RETURN_NONE;
 fail:
@@ -650,7 +654,7 @@ static PyObject *N_device_unwritten(Native *n, PyObject *const *args, Py_ssize_t
     long long num = PyLong_AsLongLong(args[1]);
     if (num == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t k = PyList_GET_SIZE(args[0]);
-    if (n->dev == NULL || n->seg == NULL || k > CHUNK) Py_RETURN_FALSE;
+    if (n->dev == NULL || n->seg == NULL || k > CHUNK || n->fork_gen != fork_gen) Py_RETURN_FALSE;
     int32_t ids[CHUNK];
     for (Py_ssize_t i = 0; i < k; i++) {
         long b = PyLong_AsLong(PyList_GET_ITEM(args[0], i));
