@@ -162,10 +162,7 @@ def _run(
         kinds = {f[0] for f in _findings(fast)}
         return fast._native.stats(), kinds
     finally:
-        for p in (fast, slow):
-            lockdep.LOCKDEP.uninstrument(p)
-            p.close()
-            p.unlink()
+        _close(fast, slow)
 
 
 @pytest.mark.parametrize(
@@ -242,6 +239,11 @@ def _pair(
     )
 
 
+def _close(*pools: KVPool) -> None:
+    for pool in pools:
+        _close(pool)
+
+
 def _both(pools: tuple[KVPool, KVPool], scenario, settle: bool = False) -> list[list[tuple]]:
     out = []
     try:
@@ -252,10 +254,7 @@ def _both(pools: tuple[KVPool, KVPool], scenario, settle: bool = False) -> list[
                 pool.verify()
             out.append(sorted(_findings(pool)) if settle else _findings(pool))
     finally:
-        for pool in pools:
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+        _close(*pools)
     return out
 
 
@@ -523,10 +522,7 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(
         assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
         assert fast.check() == []
     finally:
-        for pool in (fast, slow):
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+        _close(fast, slow)
 
 
 @pytest.mark.parametrize("core_checks", [True, False], ids=["core-queue", "python-queue"])
@@ -554,10 +550,7 @@ def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeyp
         fast.free(seq)
         assert fast.check() == [] and fast.findings() == []
     finally:
-        for pool in (fast, slow):
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+        _close(fast, slow)
 
 
 def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
@@ -583,10 +576,7 @@ def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
         _same_all(fast, slow, "the request")
         assert fast.findings() == []
     finally:
-        for pool in (fast, slow):
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+        _close(fast, slow)
 
 
 # -- the digest, computed by the core ---------------------------------------------------------
@@ -642,9 +632,7 @@ def test_guard_flags_agree_with_the_scan(pool_name, monkeypatch):
         flags = guard_flags(pool.kv, ids).tolist()
         assert [b for b, f in zip(ids, flags) if f] == guard_scan(pool.kv, ids) == [5, 9, 40]
     finally:
-        lockdep.LOCKDEP.uninstrument(pool)
-        pool.close()
-        pool.unlink()
+        _close(pool)
 
 
 def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypatch):
@@ -674,10 +662,7 @@ def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypat
             pool.free(_written(pool, "next", [5, 6, 7]))
         assert _findings(deferred) == _findings(slow) and len(_findings(slow)) == 2
     finally:
-        for pool in (fast, deferred, slow):
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+        _close(fast, deferred, slow)
 
 
 def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch):
@@ -728,7 +713,4 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
         fast.verify()
         assert fast.findings() == []
     finally:
-        for pool in (fast, slow):
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+        _close(fast, slow)
