@@ -241,7 +241,9 @@ def _pair(
 
 def _close(*pools: KVPool) -> None:
     for pool in pools:
-        _close(pool)
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()
 
 
 def _both(pools: tuple[KVPool, KVPool], scenario, settle: bool = False) -> list[list[tuple]]:
