@@ -160,6 +160,12 @@ class DeviceChecks:
             config.update(cuda=False, kv=self.pool.kv, kv_ptr=self.pool.kv.data_ptr())
         config.update(ring=ring, ring_ptr=ring.data_ptr())
         with self.pool._mutex:
+            if core.device_stats() is not None:
+                # a probe set again on the handle: the checks the last one's queue still holds
+                # are answered and reported here first (the core takes one configuration)
+                self.core = core
+                self._settle(wait=True)
+                self.core = None
             core.device_checks(config)
             if self.cuda:
                 from kvscope.kernels.checks import DIGEST

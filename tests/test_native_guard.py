@@ -716,3 +716,27 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
         assert fast.findings() == []
     finally:
         _close(fast, slow)
+
+
+def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkeypatch):
+    # GIVEN a handle whose C core queues its checks, with a published request's digests
+    # still waiting in the core's queue
+    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+    try:
+        seq = _written(fast, "a", list(range(9)))
+        monkeypatch.setattr(fast.probe.writes.later, "settling", True)
+        fast.mark_computed(seq, 9)
+        assert fast._native.device_stats()["waiting"] == 1
+        # WHEN the probes are set on the handle again (a new PoolProbes)
+        from kvscope.allocator.probing import PoolProbes
+
+        fast.probe = PoolProbes(fast, fast.probe.flags)
+        # THEN the new probe took the waiting answers (the digests are in the records) and
+        # configured the core's queue for itself, which goes on working
+        later = fast.probe.writes.later
+        assert later.core is fast._native and later.waiting() == 0
+        assert integrity.has_digest(fast.view.blocks, np.asarray(seq.block_table[:2])).all()
+        fast.free(seq)
+        assert fast.verify() == [] and fast.check() == []
+    finally:
+        _close(fast, slow)
