@@ -30,14 +30,13 @@ after the GPU produced its answer, not inside the operation that launched the ch
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvscope.allocator import integrity
+from kvscope.allocator import corechecks, integrity
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.stamps import write_stamps
 
@@ -54,10 +53,8 @@ MAX_PENDING = 4096
 # 512 KiB of page-locked memory per handle. A check that needs more than a quarter of it (a
 # release of a sequence of thousands of blocks) takes the torch ops instead.
 RING_WORDS = 1 << 16
-# the C core's own ring (csrc/devchecks.c), which also keeps the records a finding reports:
-# 2 MiB of page-locked memory per handle
-CORE_RING_WORDS = 1 << 18
-# whether a handle's C core launches its checks itself (tests set False for this module's queue)
+# whether a handle's C core launches its checks itself (corechecks.py; tests set False for this
+# module's queue)
 CORE_CHECKS = True
 
 
@@ -134,50 +131,9 @@ class DeviceChecks:
         torch.cuda.synchronize(kv.device)
 
     def configure_core(self) -> None:
-        """Hand the launches to the handle's C core where it can make them: on a GPU, where a
-        digest it launched agrees with Triton's (kernels/checks.py `native_launch`); on a CPU
-        pool (KVSCOPE_NATIVE_KV=deferred), with its own loops over the bytes."""
-        import torch
-
-        core = self.pool._native
-        if not CORE_CHECKS or core is None or self.core is not None:
-            return
-        ring = torch.zeros(CORE_RING_WORDS, dtype=torch.int64)
-        config: dict[str, Any] = {"max_pending": MAX_PENDING, "ring_words": CORE_RING_WORDS}
-        if self.cuda:
-            ring = ring.pin_memory()
-            launch = None if self._checks is None else self._checks.native_launch(ring)
-            if launch is None:
-                return
-            from kvscope.kernels.checks import raw_stream
-
-            device = self.pool.kv.device
-            config.update(launch, cuda=True, device=device.index)
-            config["stream"] = functools.partial(raw_stream, device)
-        elif self._checks is not None or not self.pool.kv.is_contiguous():
-            return  # (a CPU pool through the check kernel: the interpreter's way, in Python)
-        else:
-            config.update(cuda=False, kv=self.pool.kv, kv_ptr=self.pool.kv.data_ptr())
-        config.update(ring=ring, ring_ptr=ring.data_ptr())
-        with self.pool._mutex:
-            if core.device_stats() is not None:
-                # a probe set again on the handle: the checks the last one's queue still holds
-                # are answered and reported here first (the core takes one configuration)
-                self.core = core
-                self._settle(wait=True)
-                self.core = None
-            core.device_checks(config)
-            if self.cuda:
-                from kvscope.kernels.checks import DIGEST
-
-                try:
-                    same = core.device_test(DIGEST, 0) == self._checks.block0_digest
-                except RuntimeError:
-                    same = False
-                if not same:
-                    core.device_checks(None)
-                    return
-        self.core, self._core_ring = core, ring
+        """Hand the launches to the handle's C core where it can make them (corechecks.py)."""
+        if CORE_CHECKS and self.core is None and self.pool._native is not None:
+            corechecks.configure(self)
 
     def _live_core(self) -> Any:
         """The core the checks are configured in, while the handle still runs on it (a handle
@@ -413,7 +369,7 @@ class DeviceChecks:
         self.settling = True
         try:
             if self._live_core() is not None:
-                self._take_core(wait, most)
+                corechecks.take(self, wait, most)
             self._cover()
             while self.pending:
                 entry = self.pending[0]
@@ -432,30 +388,6 @@ class DeviceChecks:
                 write_stamps(self.pool, stamps)
         finally:
             self.settling = False
-
-    def _take_core(self, wait: bool, most: int | None) -> None:
-        """The answers of the core's own checks (csrc/devchecks.c): its digests for the records,
-        and what it found, reported as this module's queue reports it."""
-        taken = self.core.device_take(wait, -1 if most is None else most)
-        if taken is None:
-            return
-        stamps, found = taken
-        self._stamps += stamps
-        dtype = self.pool.view.blocks.dtype
-        bs = self.pool.block_size
-        for kind, when, ids, answer, raw in found:
-            if kind == "unwritten":  # (when: the request; raw: its positions to be written)
-                blank = np.asarray(answer).reshape(len(ids), bs) == 0
-                self._unwritten_read(blank, ids, raw, when)
-                continue
-            recs = np.frombuffer(raw, dtype=dtype).copy()
-            if kind == "verify":
-                self._verify_read(answer, ids, recs, when)
-            elif kind == "poison":
-                self._poison_read(np.asarray(answer), ids, recs)
-            else:
-                assert kind == "canary", kind
-                self._canaries_read(np.asarray(answer), ids, recs)
 
     def _canaries_read(self, flags: np.ndarray, ids: list[int], recs: np.ndarray) -> None:
         from kvscope.kernels import fill_guard

@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.allocator import KVPool, PoolConfig, devicechecks, eviction, integrity, stamps
+from kvscope.allocator import (
+    KVPool,
+    PoolConfig,
+    corechecks,
+    devicechecks,
+    eviction,
+    integrity,
+    stamps,
+)
 from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import int_view
@@ -331,7 +339,7 @@ def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenar
     # it reaches the K/V) and on the Python path
     handback, core_checks, core_ring = WAYS[way]
     if core_ring:
-        monkeypatch.setattr(devicechecks, "CORE_RING_WORDS", core_ring)
+        monkeypatch.setattr(corechecks, "CORE_RING_WORDS", core_ring)
     pair = _pair(pool_name, monkeypatch, handback, core_checks=core_checks)
     if handback == "deferred":
         assert (pair[0].probe.writes.later.core is not None) == core_checks
