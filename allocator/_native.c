@@ -39,4 +39,5 @@
 #include "csrc/append.c"
 #include "csrc/entry.c"
 #include "csrc/devchecks.c"
+#include "csrc/devconfig.c"
 #include "csrc/module.c"
