@@ -37,7 +37,9 @@ LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
 BS = 4
 
 
-def _pool(name: str, use_native: bool, dtype: str, layers: int = 2, device: str = "cpu") -> KVPool:
+def _pool(
+    name: str, use_native: bool, dtype: str, layers: int = 2, device: str = "cpu", events: int = 256
+) -> KVPool:
     pool = KVPool.create(
         name,
         PoolConfig(
@@ -52,7 +54,7 @@ def _pool(name: str, use_native: bool, dtype: str, layers: int = 2, device: str 
             num_shards=2,
             max_clients=4,
             max_seqs=64,
-            event_capacity=256,
+            event_capacity=events,
         ),
     )
     if not use_native:
@@ -111,9 +113,10 @@ def _same_kv(a: KVPool, b: KVPool, step: str) -> None:
     assert torch.equal(int_view(a.kv), int_view(b.kv)), f"after {step}: K/V bytes differ"
 
 
-def _same_all(a: KVPool, b: KVPool, step: str) -> None:
+def _same_all(a: KVPool, b: KVPool, step: str, events_in_order: bool = True) -> None:
     """Segment, K/V, events, sites, findings (their times aside) and lock order agree
-    (test_native_probes._same_all's rules)."""
+    (test_native_probes._same_all's rules; with events_in_order False the events as a set: a
+    finding answered later is recorded after the operation that launched its check)."""
     sa, sb = _state(a), _state(b)
     for key in sa:
         assert np.array_equal(sa[key], sb[key]), f"after {step}: {key} differs (C vs Python)"
@@ -122,6 +125,12 @@ def _same_all(a: KVPool, b: KVPool, step: str) -> None:
     pa, pb = _probe_state(a), _probe_state(b)
     del pa["findings"], pb["findings"]
     assert pb.pop("lock_order") <= pa.pop("lock_order"), f"after {step}: an edge is missing"
+    if not events_in_order:
+        rec = a.view.events.dtype.itemsize
+        pa["events"], pb["events"] = (
+            sorted(bytes(e[i : i + rec]) for i in range(0, len(e), rec))
+            for e in (pa["events"], pb["events"])
+        )
     for key in pa:
         assert np.array_equal(pa[key], pb[key]), f"after {step}: {key} differ"
 
@@ -131,7 +140,7 @@ def _run(
     monkeypatch,
     *,
     sample: int,
-    handback: bool,
+    handback: bool | str,
     dtype: str,
     steps: int,
     seed: int,
@@ -144,10 +153,12 @@ def _run(
     monkeypatch.setenv("KVSCOPE_GUARD_SAMPLE", str(sample))
     monkeypatch.setenv("KVSCOPE_QUARANTINE", str(quarantine))
     if handback:
-        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "python")
+        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred" if handback == "deferred" else "python")
     monkeypatch.setattr(eviction, "LRU_KEEP", 8)
-    fast = _pool(pool_name, True, dtype)
-    slow = _pool(f"{pool_name}-py", False, dtype)
+    # (answered later, the events are compared as a set: a ring that never wraps)
+    events = 4096 if handback == "deferred" else 256
+    fast = _pool(pool_name, True, dtype, events=events)
+    slow = _pool(f"{pool_name}-py", False, dtype, events=events)
     assert fast._native is not None and fast._native.stats()["kv_direct"] == (not handback)
     live_fast: list = []
     live_slow: list = []
@@ -166,7 +177,11 @@ def _run(
             got_slow = _apply(slow, live_slow, op, skip)
             assert got_fast == got_slow, f"step {i} {op[0]}"
             assert [_fields(s) for s in live_fast] == [_fields(s) for s in live_slow]
-            _same_all(fast, slow, f"step {i} {op}")
+            if handback == "deferred":
+                # (the answers read later are in, on both, before they are compared)
+                fast.verify()
+                slow.verify()
+            _same_all(fast, slow, f"step {i} {op}", events_in_order=handback != "deferred")
         kinds = {f[0] for f in _findings(fast)}
         return fast._native.stats(), kinds
     finally:
@@ -183,9 +198,13 @@ def _run(
         (3, True, "float32", 0),
         (0, False, "float32", 6),
         (0, True, "float16", 6),
+        (0, "deferred", "float16", 0),
+        (3, "deferred", "bfloat16", 0),
+        (0, "deferred", "float32", 6),
     ],
     ids=["guard-cpu-fp32", "guard-cpu-fp16", "guard-handback-bf16", "sampled3-cpu-bf16",
-         "sampled3-handback-fp32", "quarantine6-cpu-fp32", "quarantine6-handback-fp16"],
+         "sampled3-handback-fp32", "quarantine6-cpu-fp32", "quarantine6-handback-fp16",
+         "guard-deferred-fp16", "sampled3-deferred-bf16", "quarantine6-deferred-fp32"],
 )  # fmt: skip
 def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
     pool_name, monkeypatch, sample, handback, dtype, quarantine
@@ -213,7 +232,9 @@ def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 4])
-@pytest.mark.parametrize("handback", [False, True], ids=["cpu", "handback"])
+@pytest.mark.parametrize(
+    "handback", [False, True, "deferred"], ids=["cpu", "handback", "deferred"]
+)
 def test_more_seeds(pool_name, monkeypatch, seed, handback):
     stats, _ = _run(
         pool_name, monkeypatch, sample=0, handback=handback, dtype="float16", steps=250, seed=seed

@@ -149,9 +149,10 @@ out:
 
 /* -- free ------------------------------------------------------------------------------------- */
 
-/* A sequence's release (table: its block ids; final: FINISHED or ABORTED) -> the blocks it
- * leaked (leaked_blocks: a list, empty without the leaks probe), or None (the Python path). */
-static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final, int guard) {
+/* A sequence's release (table: its block ids; final: FINISHED or ABORTED; when: the moment, in
+ * a published_block_modified finding's words) -> the blocks it leaked (leaked_blocks: a list, empty without the leaks probe), or None (the Python path). */
+static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final, int guard,
+                              const char *when) {
     int32_t ids[CHUNK], zero[CHUNK];
     Py_ssize_t k;
     /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
@@ -195,7 +196,7 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
         goto out;
     }
     /* digest: the published blocks released are as published (writes.verify_published) */
-    if (digests_intact(n, ids, k, "its release")) goto abort;
+    if (digests_intact(n, ids, k, when)) goto abort;
     uint64_t now = wall_ns();
     int64_t nz = 0;
     /* BlockStore.drop: blocks already free are left untouched (a double free). */

@@ -57,9 +57,9 @@ typedef struct {
     int32_t n;        /* blocks */
     int32_t ev;       /* the event recorded after it (-1: none yet) */
     int64_t at, end;  /* its ring words: ids [at, at+n), the answer, then what it keeps */
-    const char *when; /* verify: the moment, in a finding's words (a string literal) */
     int64_t extra;    /* unwritten: the request's positions whose K/V must be written */
-    PyObject *tag;    /* unwritten: its request id (a reference), else NULL */
+    PyObject *tag;    /* a reference: verify's moment, in a finding's words (a str); unwritten's
+                       * request id; else NULL */
 } DevEntry;
 
 typedef struct DevChecks {
@@ -203,9 +203,18 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     if (k == 0) return OK;
     if (d->cuda && (d->fn[DK_MODE[kind]] == NULL || dev_context(d) != OK)) return FALLBACK;
     if (d->q_count >= DEV_ENTRIES - 1 || hold_mutex(n) != OK) return FALLBACK;
+    /* (verify's moment is copied: the caller's may be a buffer of its own) */
+    PyObject *own = kind == DK_VERIFY && when != NULL ? PyUnicode_FromString(when) : NULL;
+    if (kind == DK_VERIFY && when != NULL && own == NULL) {
+        PyErr_Clear();
+        return FALLBACK;
+    }
     int64_t ans = dev_answer_words(n, kind, k), keep = dev_keep_words(n, kind, k);
     int64_t at = dev_take_words(d, k + ans + keep);
-    if (at < 0) return FALLBACK;
+    if (at < 0) {
+        Py_XDECREF(own);
+        return FALLBACK;
+    }
     int64_t *w = d->ring + at;
     for (int64_t i = 0; i < k; i++) w[i] = ids[i];
     int64_t *kept = w + k + ans;
@@ -224,10 +233,12 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
         if (PyErr_Occurred()) {
             PyErr_Clear();
             d->head = at; /* (nothing queued: the span is free again) */
+            Py_XDECREF(own);
             return FALLBACK;
         }
         if (d->open_from < d->q_count && stream != d->open_stream && dev_cover(d) != OK) {
             d->head = at;
+            Py_XDECREF(own);
             return FALLBACK;
         }
         d->open_stream = stream;
@@ -247,6 +258,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
         if (rc != 0) {
             d->broken = rc;
             d->head = at;
+            Py_XDECREF(own);
             return FALLBACK;
         }
         done = 0;
@@ -260,9 +272,8 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     e->ev = -1;
     e->at = at;
     e->end = at + k + ans + keep;
-    e->when = when;
     e->extra = extra;
-    e->tag = Py_XNewRef(tag);
+    e->tag = own != NULL ? own : Py_XNewRef(tag);
     d->launched++;
     if (d->q_count > d->max_pending && n->pool != NULL)
         /* (one attribute pool.append and mark_computed read: they take the answers) */
@@ -364,7 +375,8 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObje
                    (const uint8_t *)kept + (size_t)(i * rec_words(n) * 8), (size_t)n->rec);
     }
     if (recs)
-        t = Py_BuildValue("(szOOO)", DK_NAME[e->kind], e->when, ids, answer, recs);
+        t = Py_BuildValue("(sOOOO)", DK_NAME[e->kind], e->tag ? e->tag : Py_None, ids, answer,
+                          recs);
     int rc = t != NULL && PyList_Append(found, t) == 0 ? 0 : -1;
     Py_XDECREF(ids);
     Py_XDECREF(answer);

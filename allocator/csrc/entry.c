@@ -138,7 +138,25 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (guard < 0) return NULL;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
-    PyObject *done = core_release(n, table, slot, final, guard);
+    /* release.py: f"its release by request {seq.request_id!r}" (a digest's finding's words) */
+    PyObject *when = NULL;
+    if (n->probes & P_DIGEST) {
+        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
+        when = rid ? PyUnicode_FromFormat("its release by request %R", rid) : NULL;
+        Py_XDECREF(rid);
+        if (when == NULL) {
+            Py_DECREF(table);
+            return NULL;
+        }
+    }
+    const char *w = when ? PyUnicode_AsUTF8(when) : "its release";
+    if (w == NULL) {
+        Py_XDECREF(when);
+        Py_DECREF(table);
+        return NULL;
+    }
+    PyObject *done = core_release(n, table, slot, final, guard, w);
+    Py_XDECREF(when);
     Py_DECREF(table);
     if (done == NULL || done == Py_None) return done;
     /* release.py end: sampled guard mode forgets the slot */

@@ -303,7 +303,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
     if (np_ == 0) return OK;
     if (n->kv == NULL) {
         if (dev_check(n, DK_VERIFY, pub, np_, when, 0, NULL) == OK) return OK;
-        char op[64];
+        char op[1024];
         snprintf(op, sizeof op, "verify:%s", when);
         return kv_handback_check(n, op, pub, np_);
     }
