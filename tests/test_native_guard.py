@@ -232,9 +232,7 @@ def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 4])
-@pytest.mark.parametrize(
-    "handback", [False, True, "deferred"], ids=["cpu", "handback", "deferred"]
-)
+@pytest.mark.parametrize("handback", [False, True, "deferred"], ids=["cpu", "handback", "deferred"])
 def test_more_seeds(pool_name, monkeypatch, seed, handback):
     stats, _ = _run(
         pool_name, monkeypatch, sample=0, handback=handback, dtype="float16", steps=250, seed=seed
