@@ -60,14 +60,16 @@ def make(name: str, probes: bool):
     return KVPool.create(name, cfg)
 
 
-def operations(torch, pool, tag: str) -> dict[str, float]:
+def operations(torch, pool, tag: str, base: int) -> dict[str, float]:
     """allocate (a 40-token prompt: 3 blocks), mark_computed (2 full blocks published), an
     append of 9 tokens (a fourth block; several tokens at once: the Python path, as the C core
-    appends one token at a time), free (4 blocks); one sequence per call."""
+    appends one token at a time), free (4 blocks); one sequence per call, each its own prompt
+    (a prompt already published would make the publication a no-op), numbered from `base`."""
     seqs = {}
 
     def allocate(i):
-        seqs[i] = pool.allocate(f"{tag}{i}", list(range(40)))
+        first = (base + i) * 64
+        seqs[i] = pool.allocate(f"{tag}{i}", list(range(first, first + 40)))
 
     def publish(i):
         pool.mark_computed(seqs[i], 40)
@@ -95,8 +97,8 @@ def main() -> None:
         later = probed.probe.writes.later
         assert later is not None, "a CUDA pool's checks are answered later"
         for rnd in range(2):  # the first round warms up
-            a = operations(torch, plain, f"p{rnd}-")
-            b = operations(torch, probed, f"q{rnd}-")
+            a = operations(torch, plain, f"p{rnd}-", 1000 * rnd)
+            b = operations(torch, probed, f"q{rnd}-", 1000 * rnd)
         print(f"{'operation':16s} {'probes off':>11s} {'kvscope run':>12s}   (host us, median)")
         for k in a:
             print(f"{k:16s} {a[k]:11.1f} {b[k]:12.1f}")
