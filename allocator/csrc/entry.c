@@ -138,9 +138,10 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (guard < 0) return NULL;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
-    /* release.py: f"its release by request {seq.request_id!r}" (a digest's finding's words) */
+    /* release.py: f"its release by request {seq.request_id!r}" (a digest's finding's words,
+     * where the core's verification is answered later: on the bytes, a change falls back) */
     PyObject *when = NULL;
-    if (n->probes & P_DIGEST) {
+    if ((n->probes & P_DIGEST) && n->kv == NULL) {
         PyObject *rid = sfield(n, seq, F_REQUEST_ID);
         when = rid ? PyUnicode_FromFormat("its release by request %R", rid) : NULL;
         Py_XDECREF(rid);
