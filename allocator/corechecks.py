@@ -24,19 +24,18 @@ if TYPE_CHECKING:
 CORE_RING_WORDS = 1 << 18
 
 
-def configure(later: DeviceChecks) -> None:
+def configure(later: DeviceChecks, max_pending: int) -> None:
     """Configure the queue of `later`'s handle's C core for it (later.core: the core, once it
-    launches the checks itself), where the core can make the launches."""
+    launches the checks itself), where the core can make the launches; past `max_pending`
+    checks waiting, the pool's next append or publication takes their answers."""
     import torch
-
-    from kvscope.allocator import devicechecks
 
     pool = later.pool
     core = pool._native
     assert core is not None, "configured once the handle's core is there"
     ring = torch.zeros(CORE_RING_WORDS, dtype=torch.int64)
     config: dict[str, Any] = {
-        "max_pending": devicechecks.MAX_PENDING,
+        "max_pending": max_pending,
         "ring_words": CORE_RING_WORDS,
     }
     if later.cuda:

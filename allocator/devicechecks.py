@@ -133,7 +133,7 @@ class DeviceChecks:
     def configure_core(self) -> None:
         """Hand the launches to the handle's C core where it can make them (corechecks.py)."""
         if CORE_CHECKS and self.core is None and self.pool._native is not None:
-            corechecks.configure(self)
+            corechecks.configure(self, MAX_PENDING)
 
     def _live_core(self) -> Any:
         """The core the checks are configured in, while the handle still runs on it (a handle
