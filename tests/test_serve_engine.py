@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from server import violations  # noqa: E402
 from server.batch import Batch  # noqa: E402
 from server.checkpoint import load_model, save_model, tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
@@ -335,7 +336,6 @@ def test_guard_mode_kernels_turn_a_freed_block_read_into_a_finding(
     # GIVEN a guard-mode pool and a stream whose block table still names a block after its free
     pool = make_pool(model, 16, guard=True)
     pools.append(pool)
-    engine = Engine(model, pool)
     seq = pool.allocate("r", list(range(20)))
     other = pool.allocate("o", list(range(100, 120)))
     stale = other.block_table[0]
@@ -346,7 +346,7 @@ def test_guard_mode_kernels_turn_a_freed_block_read_into_a_finding(
     # WHEN the step runs through the kernels
     batch = Batch([chunk], pool, "cpu")
     model(batch.tokens, batch.positions, batch.attend)
-    engine._report_violations(batch, batch.violations())
+    violations.report(pool, batch, batch.violations())
     # THEN the kernels skipped the read and the pool holds a use_after_free finding for it,
     # naming the request whose table still maps the block (not the block's last owner, "o")
     found = {(f.kind, f.block, f.request, f.owner_pid) for f in pool.findings()}

@@ -11,7 +11,7 @@ forward copies them to the device when it first reads them; the CUDA graphs of a
 Guard mode (a pool with `config.guard`): the kernels check every block-table entry and slot
 against the pool's block states and record violations in an error buffer instead of reading or
 writing out of bounds. A step the graphs run uses their static buffers; an eager step makes its
-own on first use; `ErrorCopy` brings a step's error buffer to the host behind the step.
+own on first use; violations.ErrorCopy brings a step's error buffer to the host behind the step.
 """
 
 from __future__ import annotations
@@ -180,42 +180,3 @@ class Batch:
         if not self.guard:
             return []
         return kernels.decode_errors(self.guard["errors"])
-
-
-class ErrorCopy:
-    """Guard mode: a step's error buffer copied to the host behind its forward.
-
-    The copy is queued right after the forward's launch and waited for once the step's sampled
-    tokens are read back, which waits for the forward anyway: reading it at once would stop the
-    host until the GPU is done, so none of the step's host work would overlap the forward.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.pin = device.type == "cuda"
-        self.copied = torch.cuda.Event() if self.pin else None
-        # the stream the steps run on (the current one: asking for it at every step costs the
-        # host a Stream object's making)
-        self.stream = torch.cuda.current_stream(device) if self.pin else None
-        self.host: Tensor | None = None
-        # the step whose copy is under way (None: nothing to report)
-        self.batch: Batch | None = None
-
-    def start(self, batch: Batch) -> None:
-        """Queue the copy of the error buffer `batch`'s kernels write (the last one taken)."""
-        assert self.batch is None, "the last step's violations were not taken"
-        errors = batch.guard["errors"]
-        if self.host is None or self.host.shape != errors.shape:
-            self.host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=self.pin)
-        self.host.copy_(errors, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record(self.stream)
-        self.batch = batch
-
-    def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
-        """The step whose copy is under way and its violations (once copied), or None."""
-        batch, self.batch = self.batch, None
-        if batch is None or self.host is None:
-            return None
-        if self.copied is not None:
-            self.copied.synchronize()
-        return batch, kernels.decode_errors(self.host)

@@ -10,7 +10,6 @@ token (and forks `n - 1` siblings that share its blocks until they write: copy-o
 
 from __future__ import annotations
 
-import os
 import time
 import zlib
 from collections import deque
@@ -22,9 +21,9 @@ import torch
 from torch import Tensor
 
 from kvscope import kernels
-from kvscope.allocator import Finding, FindingKind
 
-from .batch import Batch, ErrorCopy
+from . import violations
+from .batch import Batch
 from .graphs import StepGraphs
 from .model import LlamaModel
 from .report import RequestResult, StepSample
@@ -120,7 +119,7 @@ class Engine:
         # where each step's time went: host seconds per phase, the GPU's time per step
         self.timer = StepTimer(self.device)
         # guard mode: the last step's recorded violations on their way to the host
-        self.errors = ErrorCopy(self.device)
+        self.errors = violations.ErrorCopy(self.device)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -232,30 +231,7 @@ class Engine:
         """Report what the kernels of the step whose error buffer is being copied recorded."""
         taken = self.errors.take()
         if taken is not None:
-            self._report_violations(*taken)
-
-    def _report_violations(self, batch: Batch, violations: list[dict[str, Any]]) -> None:
-        """Guard mode: each out-of-bounds or freed-block access the kernels skipped is a finding."""
-        probe = getattr(self.cache, "probe", None)
-        for v in violations:
-            blk = int(v["physical_block"])
-            kind = (
-                FindingKind.USE_AFTER_FREE
-                if v["kind"] == "not_allocated"
-                else FindingKind.OUT_OF_BOUNDS
-            )
-            message = (
-                f"a kernel was asked to touch block {blk} ({v['kind']}, logical block "
-                f"{v['logical_block']}, slot {v['slot']}); the access was skipped"
-            )
-            if probe is None:
-                continue
-            # Named after the request of this batch whose block table holds the block (the
-            # one using it), not after the block's last owner.
-            tables = zip(batch.chunks, batch.tables, strict=True)
-            user = next((c.stream.name for c, table in tables if blk in table), None)
-            block = blk if 0 <= blk < self.cache.config.num_blocks else None
-            probe.report(Finding(kind, message, block=block, owner_pid=os.getpid(), request=user))
+            violations.report(self.cache, *taken)
 
     def _publish(self, stream: Stream) -> None:
         """Tell the pool which full blocks now hold computed K/V, so others can reuse them."""

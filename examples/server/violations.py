@@ -1,0 +1,79 @@
+"""Guard mode's kernel violations in the example server: a step's error buffer brought to the
+host behind the step (`ErrorCopy`), and each access the kernels skipped reported as a finding
+(`report`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvscope import kernels
+from kvscope.allocator import Finding, FindingKind
+
+from .batch import Batch
+
+
+class ErrorCopy:
+    """Guard mode: a step's error buffer copied to the host behind its forward.
+
+    The copy is queued right after the forward's launch and waited for once the step's sampled
+    tokens are read back, which waits for the forward anyway: reading it at once would stop the
+    host until the GPU is done, so none of the step's host work would overlap the forward.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.pin = device.type == "cuda"
+        self.copied = torch.cuda.Event() if self.pin else None
+        # the stream the steps run on (the current one: asking for it at every step costs the
+        # host a Stream object's making)
+        self.stream = torch.cuda.current_stream(device) if self.pin else None
+        self.host: Tensor | None = None
+        # the step whose copy is under way (None: nothing to report)
+        self.batch: Batch | None = None
+
+    def start(self, batch: Batch) -> None:
+        """Queue the copy of the error buffer `batch`'s kernels write (the last one taken)."""
+        assert self.batch is None, "the last step's violations were not taken"
+        errors = batch.guard["errors"]
+        if self.host is None or self.host.shape != errors.shape:
+            self.host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=self.pin)
+        self.host.copy_(errors, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record(self.stream)
+        self.batch = batch
+
+    def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
+        """The step whose copy is under way and its violations (once copied), or None."""
+        batch, self.batch = self.batch, None
+        if batch is None or self.host is None:
+            return None
+        if self.copied is not None:
+            self.copied.synchronize()
+        return batch, kernels.decode_errors(self.host)
+
+
+def report(cache: Any, batch: Batch, violations: list[dict[str, Any]]) -> None:
+    """Guard mode: each out-of-bounds or freed-block access the kernels skipped is a finding."""
+    probe = getattr(cache, "probe", None)
+    if probe is None:
+        return  # (a pool without probes: nowhere to report)
+    for v in violations:
+        blk = int(v["physical_block"])
+        kind = (
+            FindingKind.USE_AFTER_FREE
+            if v["kind"] == "not_allocated"
+            else FindingKind.OUT_OF_BOUNDS
+        )
+        message = (
+            f"a kernel was asked to touch block {blk} ({v['kind']}, logical block "
+            f"{v['logical_block']}, slot {v['slot']}); the access was skipped"
+        )
+        # Named after the request of this batch whose block table holds the block (the
+        # one using it), not after the block's last owner.
+        tables = zip(batch.chunks, batch.tables, strict=True)
+        user = next((c.stream.name for c, table in tables if blk in table), None)
+        block = blk if 0 <= blk < cache.config.num_blocks else None
+        probe.report(Finding(kind, message, block=block, owner_pid=os.getpid(), request=user))
