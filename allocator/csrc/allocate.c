@@ -150,7 +150,8 @@ out:
 /* -- free ------------------------------------------------------------------------------------- */
 
 /* A sequence's release (table: its block ids; final: FINISHED or ABORTED; when: the moment, in
- * a published_block_modified finding's words) -> the blocks it leaked (leaked_blocks: a list, empty without the leaks probe), or None (the Python path). */
+ * a published_block_modified finding's words) -> the blocks it leaked (leaked_blocks: a list,
+ * empty without the leaks probe), or None (the Python path). */
 static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final, int guard,
                               const char *when) {
     int32_t ids[CHUNK], zero[CHUNK];

@@ -5,8 +5,10 @@
  *
  * Where the data is this process's memory (a CPU pool: the shared data file, mapped) the core
  * reads and writes its bytes itself. Where it is not (a CUDA pool), or when native.py asks for
- * it (KVSCOPE_NATIVE_KV=python), each of these is one call back into Python per operation,
- * with every block of the operation at once (writes.WriteProbes.native_kv: one kernel launch).
+ * it (KVSCOPE_NATIVE_KV=python or =deferred), each of these is one check of every block of the
+ * operation at once (`kv_handback`): launched by the core itself where its checks are
+ * configured (devchecks.c), else one call back into Python (writes.WriteProbes.native_kv: one
+ * kernel launch).
  *
  * A problem the core finds here it does not report: the operation is undone and handed to the
  * Python path (FALLBACK), which finds and reports the same thing with the same words, as for
@@ -108,10 +110,18 @@ static void fill_bits(Native *n, uint8_t *p, int64_t m, uint64_t v) {
 
 /* -- the handback (data the core cannot reach) ------------------------------------------------ */
 
-/* writes.WriteProbes.native_kv(op, ids) for the blocks ids[0..k): a new reference (None when
- * the handle has no probe any more); NULL with an exception set, or NULL without one when
- * another thread holds the op mutex (the operation falls back). */
-static PyObject *kv_handback(Native *n, const char *op, const int32_t *ids, int64_t k) {
+/* writes.WriteProbes.native_kv's op for each kind of work handed back (DK_*, core.h; a
+ * verification's is "verify:<when>") */
+static const char *HANDBACK_OP[] = {"stamp", "verify", "poison_broken", "canary", "poison"};
+
+/* The work of kind `kind` (DK_*) on the blocks ids[0..k) whose data the core cannot reach (a
+ * verification's moment `when`): queued in the core's own checks, answered later (devchecks.c;
+ * None, as from a handback whose answer comes later), or else writes.WriteProbes.native_kv(op,
+ * ids): a new reference (None when the handle has no probe any more); NULL with an exception
+ * set, or NULL without one when another thread holds the op mutex (the operation falls back). */
+static PyObject *kv_handback(Native *n, int kind, const int32_t *ids, int64_t k,
+                             const char *when) {
+    if (dev_check(n, kind, ids, k, when, 0, NULL) == OK) return Py_NewRef(Py_None);
     if (hold_mutex(n) != OK) return NULL;
     PyObject *probe = PyObject_GetAttr(n->pool, s_probe), *writes = NULL, *list = NULL;
     PyObject *out = NULL;
@@ -120,6 +130,9 @@ static PyObject *kv_handback(Native *n, const char *op, const int32_t *ids, int6
         Py_DECREF(probe);
         return Py_NewRef(Py_None);
     }
+    char op[1024];
+    snprintf(op, sizeof op, kind == DK_VERIFY ? "verify:%s" : "%s",
+             kind == DK_VERIFY ? when : HANDBACK_OP[kind]);
     writes = PyObject_GetAttr(probe, s_writes);
     list = PyList_New(k);
     if (writes && list) {
@@ -132,10 +145,11 @@ static PyObject *kv_handback(Native *n, const char *op, const int32_t *ids, int6
     return out;
 }
 
-/* A handback whose answer is a truth value, as OK (false), FALLBACK (true, or no mutex) or
- * ERROR. */
-static int kv_handback_check(Native *n, const char *op, const int32_t *ids, int64_t k) {
-    PyObject *r = kv_handback(n, op, ids, k);
+/* A handback whose answer is a truth value, as OK (false, or later), FALLBACK (true, or no
+ * mutex) or ERROR. */
+static int kv_handback_check(Native *n, int kind, const int32_t *ids, int64_t k,
+                             const char *when) {
+    PyObject *r = kv_handback(n, kind, ids, k, when);
     if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
     int v = PyObject_IsTrue(r);
     Py_DECREF(r);
@@ -160,9 +174,7 @@ static int guard_release(Native *n, int64_t slot) {
  * one does not (the Python path scans again, restores it and reports), ERROR. */
 static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
-    if (n->kv == NULL)
-        return dev_check(n, DK_CANARY, ids, k, NULL, 0, NULL) == OK ? OK
-                                                           : kv_handback_check(n, "canary", ids, k);
+    if (n->kv == NULL) return kv_handback_check(n, DK_CANARY, ids, k, NULL);
     int64_t m = n->kv_slot_bytes / n->kv_esize;
     size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
     for (int64_t i = 0; i < k; i++)
@@ -176,8 +188,7 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !n->poison_ok) return OK;
     if (n->kv == NULL) {
-        if (dev_check(n, DK_FILL, ids, k, NULL, 0, NULL) == OK) return OK;
-        PyObject *r = kv_handback(n, "poison", ids, k);
+        PyObject *r = kv_handback(n, DK_FILL, ids, k, NULL);
         Py_XDECREF(r);
         return r ? OK : PyErr_Occurred() ? ERROR : FALLBACK;
     }
@@ -214,10 +225,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
             mine[nm++] = ids[i];
         }
     if (nm == 0) return OK;
-    if (n->kv == NULL)
-        return dev_check(n, DK_POISON, mine, nm, NULL, 0, NULL) == OK
-                   ? OK
-                   : kv_handback_check(n, "poison_broken", mine, nm);
+    if (n->kv == NULL) return kv_handback_check(n, DK_POISON, mine, nm, NULL);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     for (int64_t i = 0; i < nm; i++)
         for (int64_t r = 0; r < n->kv_rows; r++)
@@ -259,8 +267,7 @@ static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     uint64_t d[CHUNK];
     if (n->kv == NULL) {
-        if (dev_check(n, DK_STAMP, ids, k, NULL, 0, NULL) == OK) return OK;
-        PyObject *r = kv_handback(n, "stamp", ids, k);
+        PyObject *r = kv_handback(n, DK_STAMP, ids, k, NULL);
         if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
         if (r == Py_None) {
             Py_DECREF(r);
@@ -301,12 +308,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
         want[np_++] = w;
     }
     if (np_ == 0) return OK;
-    if (n->kv == NULL) {
-        if (dev_check(n, DK_VERIFY, pub, np_, when, 0, NULL) == OK) return OK;
-        char op[1024];
-        snprintf(op, sizeof op, "verify:%s", when);
-        return kv_handback_check(n, op, pub, np_);
-    }
+    if (n->kv == NULL) return kv_handback_check(n, DK_VERIFY, pub, np_, when);
     digests(n, pub, np_, got);
     for (int64_t i = 0; i < np_; i++)
         if (got[i] >> 32 != want[i] >> 32) return FALLBACK;
