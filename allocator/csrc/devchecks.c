@@ -92,6 +92,11 @@ static inline DevEntry *dev_at(DevChecks *d, int64_t i) {
 /* Words a block's record takes in the ring. */
 static inline int64_t rec_words(Native *n) { return (n->rec + 7) / 8; }
 
+/* Block i's record, as the operation saw it, among the words a check keeps. */
+static inline uint8_t *kept_rec(Native *n, const int64_t *kept, int64_t i) {
+    return (uint8_t *)kept + (size_t)(i * rec_words(n) * 8);
+}
+
 /* The answer's words (kernels/checks.py answer_words) and what the entry keeps after it. */
 static int64_t dev_answer_words(Native *n, int kind, int64_t k) {
     int mode = DK_MODE[kind];
@@ -222,7 +227,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
         for (int64_t i = 0; i < k; i++) kept[i] = U4(blk(n, ids[i]) + BF_GENERATION);
     } else if (kind != DK_FILL && kind != DK_UNWRITTEN) {
         for (int64_t i = 0; i < k; i++)
-            memcpy((uint8_t *)kept + (size_t)(i * rec_words(n) * 8), blk(n, ids[i]), (size_t)n->rec);
+            memcpy(kept_rec(n, kept, i), blk(n, ids[i]), (size_t)n->rec);
     }
     int mode = DK_MODE[kind];
     int done = 1;
@@ -341,7 +346,7 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObje
     for (int64_t i = 0; i < k; i++) {
         if (e->kind == DK_VERIFY) {
             uint64_t got = digest_fmix((uint64_t)a[i]);
-            uint64_t want = U8((const uint8_t *)kept + (size_t)(i * rec_words(n) * 8) + n->off_kv_digest);
+            uint64_t want = U8(kept_rec(n, kept, i) + n->off_kv_digest);
             per[i] = (int64_t)got;
             bad |= (got >> 32) != (want >> 32);
         } else if (e->kind == DK_POISON) {
@@ -371,8 +376,7 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObje
     if (answer) {
         recs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(k * n->rec));
         for (int64_t i = 0; recs && i < k; i++)
-            memcpy(PyBytes_AS_STRING(recs) + i * n->rec,
-                   (const uint8_t *)kept + (size_t)(i * rec_words(n) * 8), (size_t)n->rec);
+            memcpy(PyBytes_AS_STRING(recs) + i * n->rec, kept_rec(n, kept, i), (size_t)n->rec);
     }
     if (recs)
         t = Py_BuildValue("(sOOOO)", DK_NAME[e->kind], e->tag ? e->tag : Py_None, ids, answer,
@@ -426,7 +430,8 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
                 if (rc != 0 && rc != CU_NOT_READY) d->broken = rc;
             }
             /* the event's other checks are done too */
-            for (int64_t i = 0; i < d->q_count && dev_at(d, i)->ev == e->ev; i++) dev_at(d, i)->done = 1;
+            for (int64_t i = 0; i < d->q_count && dev_at(d, i)->ev == e->ev; i++)
+                dev_at(d, i)->done = 1;
             e->done = 1;
         }
         /* (after a driver error the answers are not the GPU's: dropped, and every later check
