@@ -71,7 +71,7 @@ def configure(later: DeviceChecks, max_pending: int) -> None:
             if not same:
                 core.device_checks(None)
                 return
-    later.core, later._core_ring = core, ring
+    later.core = core  # (which keeps the ring: its configuration holds it)
 
 
 def take(later: DeviceChecks, wait: bool, most: int | None) -> None:

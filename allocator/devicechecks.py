@@ -106,7 +106,6 @@ class DeviceChecks:
             self._checks = Checks(self.pool.kv, self.ring, self.pool.block_size)
         # the C core this handle's checks are configured in (csrc/devchecks.c), or None
         self.core: Any = None
-        self._core_ring: torch.Tensor | None = None
         if self.cuda:
             self._warm_up()
         if getattr(self.pool, "_native", None) is not None:
@@ -142,23 +141,10 @@ class DeviceChecks:
             self.core = None
         return self.core
 
-    @property
-    def launched_by_core(self) -> int:
-        """How many checks the C core launched itself (csrc/devchecks.c)."""
-        return self._core_stat("launched")
-
-    @property
-    def core_broken(self) -> int:
-        """The CUresult of the core's first failed driver call (0: none)."""
-        return self._core_stat("broken")
-
-    def _core_stat(self, key: str) -> int:
-        stats = self.core.device_stats() if self.core is not None else None
-        return stats[key] if stats else 0
-
     def waiting(self) -> int:
         """How many checks' answers have not been acted on (this module's and the core's)."""
-        return len(self.pending) + self._core_stat("waiting")
+        stats = self.core.device_stats() if self.core is not None else None
+        return len(self.pending) + (stats["waiting"] if stats else 0)
 
     # -- launching ---------------------------------------------------------------------------------
 

@@ -438,8 +438,8 @@ def test_each_planted_write_is_found_on_a_cuda_pool(
 
     def run(pool: KVPool) -> None:
         scenario(pool)
-        if pool is pair[0]:
-            core.update(launched=later.launched_by_core, broken=later.core_broken)
+        if pool is pair[0] and later.core is not None:
+            core.update(later.core.device_stats())
 
     fast, slow = _both(pair, run, settle=True)
     if core_checks:
