@@ -108,8 +108,9 @@ class DeviceChecks:
         self.core: Any = None
         if self.cuda:
             self._warm_up()
-        if getattr(self.pool, "_native", None) is not None:
-            self.configure_core()  # (a probe set on a handle already open)
+        if CORE_CHECKS and self.pool._native is not None:
+            # the core launches the checks of its own operations itself where it can
+            corechecks.configure(self, MAX_PENDING)
 
     def _warm_up(self) -> None:
         """Compile (or load) each check as the handle opens: a kernel's first launch in a
@@ -128,11 +129,6 @@ class DeviceChecks:
         if self._checks is not None:
             self._checks.warm_up(modes)
         torch.cuda.synchronize(kv.device)
-
-    def configure_core(self) -> None:
-        """Hand the launches to the handle's C core where it can make them (corechecks.py)."""
-        if CORE_CHECKS and self.core is None and self.pool._native is not None:
-            corechecks.configure(self, MAX_PENDING)
 
     def _live_core(self) -> Any:
         """The core the checks are configured in, while the handle still runs on it (a handle

@@ -115,14 +115,13 @@ class KVPool:
         # Probe hooks: None when off (one attribute check per operation).
         self.site_of = None
         self.on_finding: Callable[[Any], None] | None = None
+        # The C core for the common case of the hot operations (native.py), or None: before the
+        # probes, which configure their checks in it (devicechecks.py).
+        self._native = native.core_for(self)
         flags = ProbeFlags.from_env(int(view.h["flags"]))
         self.probe = PoolProbes(self, flags) if flags.any() else None
         if self.probe is not None and self.probe.sites is not None:
             self.site_of = self.probe.sites.site
-        # The C core for the common case of the hot operations (native.py), or None.
-        self._native = native.core_for(self)
-        if self.probe is not None and self.probe.writes.later is not None:
-            self.probe.writes.later.configure_core()  # (the core launches its checks itself)
         for hook in OPEN_HOOKS:
             hook(self)
 
