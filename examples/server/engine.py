@@ -252,8 +252,7 @@ class Engine:
             for index in range(1, stream.request.n):
                 child = self._new_stream(stream.request, index)
                 state.streams.append(child)
-                running = self.scheduler.is_running(stream)
-                if running and self.scheduler.fork(stream, child):
+                if stream.running and self.scheduler.fork(stream, child):
                     emitting.append(child)
                 else:
                     # no room to fork: the child starts over as a request of its own
@@ -275,7 +274,7 @@ class Engine:
             self._finish(state, stream)
         elif len(stream.output) == stream.request.cancel_after:
             self._cancel(state)
-        elif self.scheduler.is_running(stream):
+        elif stream.running:
             self.scheduler.append(stream, token)
         else:
             stream.pending_token = token

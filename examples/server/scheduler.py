@@ -92,10 +92,6 @@ class Scheduler:
         assert stream.seq is None
         self.waiting.append(stream)
 
-    def is_running(self, stream: Stream) -> bool:
-        """Whether `stream` is in the running list (not waiting, set aside or finished)."""
-        return stream.running
-
     def _run(self, stream: Stream, at: int | None = None) -> None:
         """Put `stream` in the running list (at the end, or at index `at`)."""
         if at is None:
