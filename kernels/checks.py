@@ -254,9 +254,10 @@ class Checks:
         """What a launch of the compiled modes from C needs (allocator/csrc/devchecks.c:
         cuLaunchKernel), with `ring` for this one's: per mode (DIGEST, COUNTS, CANARY, POISON)
         the function handle, threads and shared memory; the kernel's parameters in its order
-        (sizes, values), and which two take the ids' and the answer's ring offsets. None where
-        the compiled kernels are not all there and plain (one CTA, no scratch memory, no
-        cooperative or dependent launch), or a parameter is of a type not known here.
+        (sizes, values), and which two take the ids' and the answer's ring offsets (a mode not
+        compiled: handle 0, which the core never launches). None where no mode is compiled, a
+        compiled one is not plain (one CTA, no scratch memory, no cooperative or dependent
+        launch), or a parameter is of a type not known here.
 
         A kernel's parameters are its arguments less its constants (constexprs, and what Triton
         specialized away), in order, then Triton's hidden scratch pointers (passed as null by
