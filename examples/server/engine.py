@@ -25,6 +25,7 @@ from kvscope import kernels
 from . import violations
 from .batch import Batch
 from .graphs import StepGraphs
+from .hostcopy import HostCopy
 from .model import LlamaModel
 from .report import RequestResult, StepSample
 from .scheduler import Scheduler, Stream
@@ -120,6 +121,8 @@ class Engine:
         self.timer = StepTimer(self.device)
         # guard mode: the last step's recorded violations on their way to the host
         self.errors = violations.ErrorCopy(self.device)
+        # each step's picked tokens (or logits) on their way to the host
+        self.picks = HostCopy(self.device)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -193,31 +196,23 @@ class Engine:
             self._take_violations()  # the last step's, when it sampled nothing
             self.errors.start(batch)
         for chunk in batch.chunks:
-            stream = chunk.stream
-            stream.num_computed += chunk.length
-            self._publish(stream)
+            chunk.stream.num_computed += chunk.length
         done = [
             (c.stream, row)
             for c, row in zip(batch.chunks, batch.last_rows, strict=True)
             if c.stream.num_pending == 0
         ]
+        # the token pick is queued before the publications: what the pool queues on the
+        # stream for them (a probed CUDA pool's digests) runs after it, not before the tokens
+        picks = self._pick(done, hidden, events)
+        for chunk in batch.chunks:
+            self._publish(chunk.stream)
         t4 = t5 = time.perf_counter()
-        if not done:
-            self.timer.gpu_ended(events)
         if done:
-            rows = torch.tensor([row for _, row in done]).to(self.device, non_blocking=True)
-            logits = self.model.logits(hidden[rows])
-            if all(stream.request.temperature <= 0 for stream, _ in done):
-                # greedy: only the chosen ids cross to the host, not [rows, vocab] floats
-                chosen = logits.argmax(-1)
-                self.timer.gpu_ended(events)
-                picks: list[Any] = chosen.tolist()
-            else:
-                self.timer.gpu_ended(events)
-                picks = list(logits.cpu())
+            chosen = picks()
             t5 = time.perf_counter()
             self._take_violations()
-            for (stream, _), pick in zip(done, picks, strict=True):
+            for (stream, _), pick in zip(done, chosen, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
                     self._complete(stream, pick)
@@ -226,6 +221,29 @@ class Engine:
         t7 = time.perf_counter()
         self.timer.add((t0, t1, t2, t3, t4, t5, t6, t7))
         return batch.num_tokens
+
+    def _pick(
+        self, done: list[tuple[Stream, int]], hidden: Tensor, events: Any
+    ) -> Callable[[], list[Any]]:
+        """Queue the logits of the rows that finished their pending tokens and their copy to
+        the host; what reads them (waiting for the copy): the greedy tokens chosen on the
+        device (only ids cross to the host, not [rows, vocab] floats), else each row's logits."""
+        if not done:
+            self.timer.gpu_ended(events)
+            return list
+        rows = torch.tensor([row for _, row in done]).to(self.device, non_blocking=True)
+        logits = self.model.logits(hidden[rows])
+        greedy = all(stream.request.temperature <= 0 for stream, _ in done)
+        if greedy:
+            logits = logits.argmax(-1)
+        self.timer.gpu_ended(events)
+        host = self.picks.start(logits)
+
+        def read() -> list[Any]:
+            self.picks.wait()
+            return host.tolist() if greedy else list(host)
+
+        return read
 
     def _take_violations(self) -> None:
         """Report what the kernels of the step whose error buffer is being copied recorded."""

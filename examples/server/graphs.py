@@ -22,10 +22,10 @@ sequence's length). On the CPU nothing is captured: the same static-buffer forwa
 eagerly, so the tests check the buffers' bookkeeping against the ordinary path.
 
 Guard mode (batch.guarded) is captured too: every graph checks against one static block-state
-buffer and records into one static error buffer. A step copies the pool's block states into
-the first through a page-locked buffer with its other inputs and zeroes the second's count on
-the device before its replay; the engine copies the error buffer back behind the step (a host
-read right after the launch would wait for the whole forward).
+buffer and records into one static error buffer. A step's pool block states travel in its int32
+transfer (after the tables, lengths and starts); each forward zeroes the error count first (in
+the graph: no launch of its own); the engine copies the error buffer back behind the step (a
+host read right after the launch would wait for the whole forward).
 """
 
 from __future__ import annotations
@@ -75,22 +75,24 @@ class StepGraphs:
         self.max_chunk = max_chunk or max_tokens
         self.device = model.lm_head.weight.device
         rows = max([max_seqs, *self.buckets])
-        # int64: tokens, positions, slots; int32: tables, lens, chunk starts
+        # guard mode: the block states (1: ALLOCATED), one byte each, after the int32 inputs
+        num_states = cache.config.num_blocks if guarded(cache) else 0
+        # int64: tokens, positions, slots; int32: tables, lens, chunk starts (and block states)
         self.n32 = max_seqs * self.width + max_seqs + max_seqs + 1
+        size32 = self.n32 + -(-num_states // 4)
         pin = self.device.type == "cuda"
         self.host64 = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(self.n32, dtype=torch.int32, pin_memory=pin)
+        self.host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
-        self.dev32 = torch.zeros(self.n32, dtype=torch.int32, device=self.device)
+        self.dev32 = torch.zeros(size32, dtype=torch.int32, device=self.device)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        # guard mode: the block states (1: ALLOCATED) and the error buffer every graph reads
+        # guard mode: the block states and the error buffer every graph reads
         self.cache = cache
         self.guard: dict[str, Tensor] = {}
-        num_states = cache.config.num_blocks if guarded(cache) else 0
-        self.host8 = torch.zeros(num_states, dtype=torch.uint8, pin_memory=pin)
+        self.host8 = self.host32[self.n32 :].view(torch.uint8)[:num_states]
         if num_states:
             self.guard = {
-                "block_state": torch.zeros(num_states, dtype=torch.uint8, device=self.device),
+                "block_state": self.dev32[self.n32 :].view(torch.uint8)[:num_states],
                 "errors": kernels.new_error_buffer(device=self.device),
             }
         self.np64[2] = -1  # slot -1: store nothing (the captures' own forwards write no block)
@@ -116,7 +118,7 @@ class StepGraphs:
         return self.dev32[first : first + self.max_seqs]
 
     def _starts(self) -> Tensor:
-        return self.dev32[self.max_seqs * self.width + self.max_seqs :]
+        return self.dev32[self.max_seqs * self.width + self.max_seqs : self.n32]
 
     def forward(self, batch: Batch) -> Tensor | None:
         """Hidden states [tokens, hidden] of `batch`, or None when no graph fits it."""
@@ -134,8 +136,6 @@ class StepGraphs:
         self._write(batch)
         self._load()
         if self.guard:
-            # ordered after the last step's copy of the buffer to the host, before this forward
-            self.guard["errors"][:1].zero_()
             batch.guard = self.guard
         self.num_forwards += 1
         if key in self.graphs:
@@ -161,7 +161,7 @@ class StepGraphs:
         lens = self.np32[first : first + self.max_seqs]
         lens[:] = 0
         lens[:n] = batch.seq_lens
-        starts = self.np32[first + self.max_seqs :]
+        starts = self.np32[first + self.max_seqs : self.n32]
         starts[0] = 0
         starts[1 : n + 1] = np.cumsum([c.length for c in batch.chunks])
         starts[n + 1 :] = t
@@ -170,15 +170,17 @@ class StepGraphs:
 
     def _load(self) -> None:
         self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        if self.guard:
-            self.guard["block_state"].copy_(self.host8, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)  # (and guard mode's block states)
         if self.copied is not None:
             self.copied.record()
 
     def _forward(self, kind: str, size: int) -> Tensor:
         """The model over the first `size` rows of the static buffers."""
         tokens, positions = self.dev64[0, :size], self.dev64[1, :size]
+        if self.guard:
+            # the error count zeroed in the forward (captured with it: no launch of its own),
+            # after the last step's copy of the buffer to the host
+            self.guard["errors"][:1].zero_()
         return self.model(tokens, positions, self._attend(kind, size))
 
     def _attend(self, kind: str, size: int) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:

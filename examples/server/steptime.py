@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 # A step's phases, in order: admit and plan; pack the batch; issue the forward (or replay its
-# graph); publish computed blocks to the pool while the GPU runs; wait for the sampled tokens;
-# sample, append and finish in the pool; record the cache's fill for the report.
+# graph); queue the token pick and its copy to the host, then publish computed blocks to the pool
+# while the GPU runs; wait for the sampled tokens; sample, append and finish in the pool; record
+# the cache's fill for the report.
 PHASES = ("schedule", "batch", "launch", "publish", "wait", "pool", "record")
 
 

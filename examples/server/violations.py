@@ -14,6 +14,7 @@ from kvscope import kernels
 from kvscope.allocator import Finding, FindingKind
 
 from .batch import Batch
+from .hostcopy import HostCopy
 
 
 class ErrorCopy:
@@ -25,11 +26,7 @@ class ErrorCopy:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.pin = device.type == "cuda"
-        self.copied = torch.cuda.Event() if self.pin else None
-        # the stream the steps run on (the current one: asking for it at every step costs the
-        # host a Stream object's making)
-        self.stream = torch.cuda.current_stream(device) if self.pin else None
+        self.copy = HostCopy(device)
         self.host: Tensor | None = None
         # the step whose copy is under way (None: nothing to report)
         self.batch: Batch | None = None
@@ -37,12 +34,7 @@ class ErrorCopy:
     def start(self, batch: Batch) -> None:
         """Queue the copy of the error buffer `batch`'s kernels write (the last one taken)."""
         assert self.batch is None, "the last step's violations were not taken"
-        errors = batch.guard["errors"]
-        if self.host is None or self.host.shape != errors.shape:
-            self.host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=self.pin)
-        self.host.copy_(errors, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record(self.stream)
+        self.host = self.copy.start(batch.guard["errors"])
         self.batch = batch
 
     def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
@@ -50,8 +42,7 @@ class ErrorCopy:
         batch, self.batch = self.batch, None
         if batch is None or self.host is None:
             return None
-        if self.copied is not None:
-            self.copied.synchronize()
+        self.copy.wait()
         return batch, kernels.decode_errors(self.host)
 
 
