@@ -76,6 +76,9 @@ class WriteProbes:
         """Blocks `mark_computed` just published (records journaled): record their digests."""
         if self.digest and ids:
             pool = self.pool
+            if self.later is not None:
+                self.later.stamp([int(x) for x in ids])  # (into the records once answered)
+                return
             integrity.stamp_digests(
                 pool.view.blocks, pool.kv, np.asarray(ids, np.int64), pool.block_size
             )
@@ -87,6 +90,12 @@ class WriteProbes:
         pool = self.pool
         ids = np.asarray(ids, np.int64)
         ids = ids[pool.view.blocks["indexed"][ids] == 1]
+        if self.later is not None:
+            # answered later, reported with the records as they are now (as the core's are)
+            mine = ids[integrity.has_digest(pool.view.blocks, ids)]
+            if len(mine):
+                self.later.verify(mine.tolist(), when)
+            return
         for blk, found, want in integrity.modified(pool.view.blocks, pool.kv, ids, pool.block_size):
             msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size)
             self._later(t, FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg)
@@ -216,6 +225,9 @@ class WriteProbes:
         if fresh:
             mine = mine[~np.isin(mine, list(fresh))]
         if len(mine) == 0:
+            return
+        if self.later is not None:
+            self.later.poison(mine.tolist())  # (answered later, as the core's checks are)
             return
         for blk, count in integrity.poison_broken(pool.kv, mine, pool.block_size):
             rec = b[blk]
