@@ -76,9 +76,10 @@ def configure(later: DeviceChecks, max_pending: int) -> None:
 
 def take(later: DeviceChecks, wait: bool, most: int | None) -> None:
     """The answers of the core's checks that are in (`device_take`, devicechecks.settle's
-    `wait` and `most`): its digests, for `later` to write into the records, and what it found,
-    reported as devicechecks' own queue reports it."""
-    taken = later.core.device_take(wait, -1 if most is None else most)
+    `wait` and `most`): its digests, written into the records by the core (those it does not
+    write now left for `later` to write), and what it found, reported as devicechecks' own
+    queue reports it."""
+    taken = later.core.device_take(wait, -1 if most is None else most, later.pool)
     if taken is None:
         return
     stamps, found = taken

@@ -271,7 +271,8 @@ static PyMethodDef N_methods[] = {
     {"device_checks", (PyCFunction)N_device_checks, METH_O,
      "device_checks(config | None): the core launches a CUDA pool's checks itself"},
     {"device_take", (PyCFunction)(void (*)(void))N_device_take, METH_FASTCALL,
-     "device_take(wait, most) -> (stamps, found) | None: the checks' answers that are in"},
+     "device_take(wait, most[, pool]) -> (stamps, found) | None: the checks' answers that are "
+     "in (with the pool, its digests written into the records)"},
     {"device_unwritten", (PyCFunction)(void (*)(void))N_device_unwritten, METH_FASTCALL,
      "device_unwritten(table, num_tokens, request) -> bool: a finished request's check queued"},
     {"device_test", (PyCFunction)(void (*)(void))N_device_test, METH_FASTCALL,
