@@ -231,8 +231,7 @@ class Engine:
         if not done:
             self.timer.gpu_ended(events)
             return list
-        rows = torch.tensor([row for _, row in done]).to(self.device, non_blocking=True)
-        logits = self.model.logits(hidden[rows])
+        logits = self.model.logits(hidden[self.picks.upload([row for _, row in done])])
         greedy = all(stream.request.temperature <= 0 for stream, _ in done)
         if greedy:
             logits = logits.argmax(-1)

@@ -1,10 +1,12 @@
 """A device tensor brought to the host behind the work queued so far on the step's stream, and
-waited for later (`HostCopy`): the host goes on with its own work while the GPU gets there.
+waited for later (`HostCopy`): the host goes on with its own work while the GPU gets there; and
+a step's few host integers sent to the device without waiting for the GPU (`upload`).
 
     copy = HostCopy(device)
-    host = copy.start(tokens)   # queued (into a buffer kept between steps: page-locked on CUDA)
-    ...                         # the host's own work; what it queues on the stream comes after
-    copy.wait()                 # host now holds the values
+    rows = copy.upload([3, 7, 9])   # on the device, queued (the host does not wait)
+    host = copy.start(tokens)       # queued (into a buffer kept between steps: page-locked on CUDA)
+    ...                             # the host's own work; what it queues on the stream comes after
+    copy.wait()                     # host now holds the values
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class HostCopy:
         # page-locked buffers by dtype, grown as needed (a new one each step would cost the
         # host an allocation of pinned memory)
         self.buffers: dict[torch.dtype, Tensor] = {}
+        # upload's page-locked staging and its device buffer
+        self.staged: Tensor | None = None
+        self.uploaded: Tensor | None = None
 
     def start(self, tensor: Tensor) -> Tensor:
         """Queue the copy of `tensor` to the host; the host tensor it goes to."""
@@ -43,6 +48,24 @@ class HostCopy:
         if self.copied is not None:
             self.copied.record(self.stream)
         return host
+
+    def upload(self, values: list[int]) -> Tensor:
+        """`values` as an int64 tensor on the device, its copy queued on the stream. From a
+        page-locked buffer, written again at the next upload: the caller waits for work queued
+        after this copy (its `start`'s) before that. (A tensor made from a list is pageable
+        memory: its copy waits for everything queued before it, the step's whole forward.)"""
+        if not self.cuda:
+            return torch.tensor(values, dtype=torch.int64)
+        n = len(values)
+        if self.staged is None or self.staged.numel() < n:
+            size = max(n, 64, 2 * (self.staged.numel() if self.staged is not None else 0))
+            self.staged = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self.uploaded = torch.empty(size, dtype=torch.int64, device=self.stream.device)
+        assert self.uploaded is not None
+        self.staged.numpy()[:n] = values
+        out = self.uploaded[:n]
+        out.copy_(self.staged[:n], non_blocking=True)
+        return out
 
     def wait(self) -> None:
         """Until the last copy started is on the host."""
