@@ -49,6 +49,8 @@ T = TypeVar("T")
 
 # The C core's end() takes the final state as a plain int.
 _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
+# (the state as a plain int: numpy compares an IntEnum member at twice the cost)
+_ALLOCATED = int(BlockState.ALLOCATED)
 
 # This process's pid, refreshed in a forked child (os.getpid() is a system call per operation).
 _PID = [os.getpid()]
@@ -400,13 +402,16 @@ class KVPool:
             self.probe = PoolProbes(self, ProbeFlags(magic=True))
         return self.probe.verify()
 
-    def block_state(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def block_state(self, out: Any = None) -> Any:
         """uint8 [num_blocks] on the pool's device, 1 where a block is ALLOCATED (for the
         kernels' guard-mode checks); with `out` (a CPU uint8 tensor of that size, page-locked
-        for an asynchronous copy), written there instead, with no upload."""
+        for an asynchronous copy, or a numpy uint8 view of one: what a caller asking at every
+        step keeps), written there instead, with no upload."""
+        if isinstance(out, np.ndarray):
+            np.equal(self.view.blocks["state"], _ALLOCATED, out=out.view(bool))
+            return out
         host = torch.empty(len(self.view.blocks), dtype=torch.uint8) if out is None else out
-        # (the state as a plain int: numpy compares an IntEnum member at twice the cost)
-        np.equal(self.view.blocks["state"], int(BlockState.ALLOCATED), out=host.numpy().view(bool))
+        np.equal(self.view.blocks["state"], _ALLOCATED, out=host.numpy().view(bool))
         if out is not None:
             return out
         from kvscope.kernels.backend import upload

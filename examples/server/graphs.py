@@ -90,6 +90,7 @@ class StepGraphs:
         self.cache = cache
         self.guard: dict[str, Tensor] = {}
         self.host8 = self.host32[self.n32 :].view(torch.uint8)[:num_states]
+        self.np8 = self.host8.numpy()
         if num_states:
             self.guard = {
                 "block_state": self.dev32[self.n32 :].view(torch.uint8)[:num_states],
@@ -166,7 +167,7 @@ class StepGraphs:
         starts[1 : n + 1] = np.cumsum([c.length for c in batch.chunks])
         starts[n + 1 :] = t
         if self.guard:
-            self.cache.block_state(out=self.host8)
+            self.cache.block_state(out=self.np8)
 
     def _load(self) -> None:
         self.dev64.copy_(self.host64, non_blocking=True)

@@ -30,20 +30,27 @@ class HostCopy:
         # page-locked buffers by dtype, grown as needed (a new one each step would cost the
         # host an allocation of pinned memory)
         self.buffers: dict[torch.dtype, Tensor] = {}
+        # their views by (dtype, shape), made once (a slice and a view cost the host more
+        # than the copy's own call)
+        self.views: dict[tuple[torch.dtype, torch.Size], Tensor] = {}
         # upload's page-locked staging and its device buffer
         self.staged: Tensor | None = None
         self.uploaded: Tensor | None = None
 
     def start(self, tensor: Tensor) -> Tensor:
         """Queue the copy of `tensor` to the host; the host tensor it goes to."""
-        n = tensor.numel()
-        flat = self.buffers.get(tensor.dtype)
-        if flat is None or flat.numel() < n:
-            size = max(n, 2 * flat.numel() if flat is not None else 64)
-            flat = self.buffers[tensor.dtype] = torch.empty(
-                size, dtype=tensor.dtype, pin_memory=self.cuda
-            )
-        host = flat[:n].view(tensor.shape)
+        key = (tensor.dtype, tensor.shape)
+        host = self.views.get(key)
+        if host is None:
+            n = tensor.numel()
+            flat = self.buffers.get(tensor.dtype)
+            if flat is None or flat.numel() < n:
+                size = max(n, 2 * flat.numel() if flat is not None else 64)
+                flat = self.buffers[tensor.dtype] = torch.empty(
+                    size, dtype=tensor.dtype, pin_memory=self.cuda
+                )
+                self.views = {k: v for k, v in self.views.items() if k[0] != tensor.dtype}
+            host = self.views[key] = flat[:n].view(tensor.shape)
         host.copy_(tensor, non_blocking=self.cuda)
         if self.copied is not None:
             self.copied.record(self.stream)
