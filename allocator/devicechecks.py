@@ -395,8 +395,8 @@ class DeviceChecks:
     def _verify_read(self, got: list[int], ids: list[int], recs: np.ndarray, when: str) -> None:
         pool = self.pool
         for blk, found, want in integrity.changed(ids, got, recs["kv_digest"].tolist()):
-            msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size)
             rec = recs[ids.index(blk)]
+            msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size, rec)
             self.probes.block_finding(FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg, rec=rec)
 
     def _unwritten_read(self, blank: np.ndarray, table: list[int], num: int, request: str) -> None:

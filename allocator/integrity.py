@@ -43,9 +43,11 @@ GENERATION_MASK = 0xFFFF_FFFF
 # Findings per kind from one whole-pool pass (check.py's MAX_PER_KIND).
 MAX_PER_KIND = 50
 
+# (a finding's message holds 200 bytes: it names who published the block and where to look for
+# who wrote into it, and leaves the digests out)
 MODIFIED_MESSAGE = (
-    "K/V changed since the block was published (seen at {when}; digest {found:#010x}, "
-    "published {want:#010x}): a write into a prefix block requests share"
+    "K/V changed since {published} (seen at {when}): written by its publisher or by a request "
+    "that mapped it since (its prefix_hit events)"
 )
 POISON_MESSAGE = (
     "written after it was freed: pid {pid} request {request!r} freed it at {when}, and "
@@ -155,12 +157,18 @@ def _blank_digests(kv: KV, block_size: int) -> dict[int, str]:
     return _BLANK[key]
 
 
-def modified_message(when: str, found: int, want: int, kv: KV, block_size: int) -> str:
-    """The `published_block_modified` message; says so when the digest was taken of a block
-    nothing had been written into (published before its K/V was written)."""
+def modified_message(
+    when: str, found: int, want: int, kv: KV, block_size: int, rec: np.void
+) -> str:
+    """The `published_block_modified` message, naming the request that published the block
+    (its record's, `rec`: a finding's request is the block's record's, which is not who wrote);
+    says so when the digest was taken of a block nothing had been written into (published
+    before its K/V was written)."""
     blank = _blank_digests(kv, block_size).get(want)
     if blank is None:
-        return MODIFIED_MESSAGE.format(when=when, found=found, want=want)
+        publisher = bytes(rec["request"]).decode(errors="replace")
+        published = f"request {publisher!r} published it" if publisher else "its publication"
+        return MODIFIED_MESSAGE.format(published=published, when=when)
     return (
         f"published before its K/V was written: mark_computed digested an all-{blank} block, "
         f"and its K/V changed since (seen at {when}; digest now {found:#010x})"
@@ -357,7 +365,7 @@ def check_kv(
     out: list[Finding] = []
     for blk, found, want in changed[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):
-            msg = modified_message("a check", found, want, kv, bs)
+            msg = modified_message("a check", found, want, kv, bs, b[blk])
             out.append(_finding(view, FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg))
     for blk, count in written[:MAX_PER_KIND]:
         if _unchanged(view, later, blk):

@@ -97,7 +97,8 @@ class WriteProbes:
                 self.later.verify(mine.tolist(), when)
             return
         for blk, found, want in integrity.modified(pool.view.blocks, pool.kv, ids, pool.block_size):
-            msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size)
+            rec = pool.view.blocks[blk]
+            msg = integrity.modified_message(when, found, want, pool.kv, pool.block_size, rec)
             self._later(t, FindingKind.PUBLISHED_BLOCK_MODIFIED, blk, msg)
 
     def evicting(self, t: Txn, ids: np.ndarray) -> None:

@@ -73,6 +73,9 @@ def test_a_write_into_a_published_block_is_found(make_pool, probes, when, seen):
     assert [f.kind for f in found] == ["published_block_modified"], found
     assert (found[0].block, found[0].owner_pid, found[0].request) == (blk, pool.pid, "owner")
     assert found[0].severity == "error" and seen in found[0].message
+    # AND its message says the request was the block's publisher, not who wrote
+    assert "since request 'owner' published it" in found[0].message
+    assert found[0].message.endswith("a request that mapped it since (its prefix_hit events)")
 
 
 def test_a_block_published_before_its_kv_was_written_is_named_so(make_pool, probes):
