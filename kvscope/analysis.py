@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvscope.allocator.check import check_header, check_view
-from kvscope.allocator.findings import ERROR, Finding, read_findings
+from kvscope.allocator.findings import ERROR, Finding, FindingKind, read_findings
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.layout import (
     DUMP_REDACTED,
@@ -183,6 +183,31 @@ def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[st
     return out
 
 
+def mapped_since_published(view: SegmentView, blk: int, until_ns: int) -> list[str] | None:
+    """A `published_block_modified` finding's suspects: the requests the flight recorder saw
+    mapping block `blk` through a prefix hit or a fork in the generation the finding saw it in
+    (its `finding` event's, the newest at or before `until_ns`), before the finding, oldest
+    first. With the block's publisher they are every request whose block table held it while
+    it was published. None when the ring no longer holds the finding's event."""
+    from kvscope.allocator.events import EventOp
+
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["block"] == blk) & (ev["time_ns"] <= until_ns)]
+    ev = ev[np.argsort(ev["time_ns"], kind="stable")]
+    seen = ev[ev["op"] == EventOp.FINDING]
+    if not len(seen):
+        return None
+    generation, at = int(seen["generation"][-1]), int(seen["time_ns"][-1])
+    takes = (ev["op"] == EventOp.PREFIX_HIT) | (ev["op"] == EventOp.FORK)
+    mine = ev[takes & (ev["generation"] == generation) & (ev["time_ns"] <= at)]
+    out: list[str] = []
+    for raw in mine["request"]:
+        r = _s(raw)
+        if r and r not in out:
+            out.append(r)
+    return out
+
+
 # How an event changes the number of references to its block (None: to an unknown number).
 _TAKES = {"alloc": 1, "allocate": 1, "prefix_hit": 1, "fork": 1}
 _DROPS = {"free": 1, "release": 1, "abort": 1, "cow": 1}
@@ -313,6 +338,11 @@ def analyze_view(
             bad = first_bad_event(d["events"], detail["generation"])
             if bad is not None:
                 d["first_bad_event"] = bad
+            if f.kind == FindingKind.PUBLISHED_BLOCK_MODIFIED:
+                until = int(d.get("time_ns") or np.iinfo(np.int64).max)
+                mapped = mapped_since_published(view, f.block, until)
+                if mapped is not None:
+                    d["mapped_since_published"] = mapped
         out_findings.append(d)
     out_findings.sort(key=lambda d: (d["severity"] != ERROR, d["kind"]))
     report: dict[str, Any] = {

@@ -183,6 +183,13 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         con.print("      last events:")
         for e in f["events"]:
             con.print("        " + escape(_event_line(e)))
+    if f.get("mapped_since_published"):
+        names = ", ".join(repr(r) for r in f["mapped_since_published"])
+        con.print(
+            escape(
+                f"      mapped since its publication by {names} (the writer: one of them, or its publisher)"
+            )
+        )
     if f.get("first_bad_event"):
         con.print(
             "      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"]))

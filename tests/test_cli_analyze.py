@@ -214,3 +214,37 @@ def test_shared_blocks_released_by_each_holder_are_no_bad_event(make_pool, monke
     assert analysis.first_bad_event(events, int(pool.view.blocks["generation"][blk])) is None
     twice = [*events, dict(events[-1], time_ns=events[-1]["time_ns"] + 1)]
     assert analysis.first_bad_event(twice, int(pool.view.blocks["generation"][blk])) == twice[-1]
+
+
+def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
+    capsys, make_pool, monkeypatch
+):
+    # GIVEN a prompt block published by "owner", hit by "a" and "b" (and forked by "b"), one of
+    # which writes into it; it is found at b's release
+    for name in ("EVENTS", "DIGEST"):
+        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
+    pool = make_pool(32)
+    seq = pool.allocate("owner", list(range(9)))
+    pool.kv[:, :, seq.block_table[0], :4] = 1.0
+    pool.mark_computed(seq, 9)
+    a = pool.allocate("a", list(range(8)) + [70])
+    b = pool.allocate("b", list(range(8)) + [80])
+    kid = pool.fork(b, "b.1")
+    blk = seq.block_table[0]
+    assert a.block_table[0] == b.block_table[0] == blk
+    pool.kv[0, 0, blk, 1] = 2.0  # (someone's write into the shared block)
+    pool.free(kid)
+    pool.free(b)
+    late = pool.allocate("late", list(range(8)) + [90])  # (after the finding: no suspect)
+    # WHEN analyzed
+    code, rep = analyze_json(capsys, pool.name)
+    # THEN the finding lists who mapped the block in that generation before it was found, and
+    # its message names the publisher as such
+    f = next(f for f in rep["findings"] if f["kind"] == "published_block_modified")
+    assert f["block"] == blk and f["request"] == "owner"
+    assert f["mapped_since_published"] == ["a", "b", "b.1"]
+    assert "since request 'owner' published it" in f["message"]
+    assert main(["analyze", pool.name]) == 1
+    assert "mapped since its publication by 'a', 'b', 'b.1'" in capsys.readouterr().out
+    for s in (late, a, seq):
+        pool.free(s)
