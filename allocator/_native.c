@@ -39,5 +39,6 @@
 #include "csrc/append.c"
 #include "csrc/entry.c"
 #include "csrc/devchecks.c"
+#include "csrc/devanswers.c"
 #include "csrc/devconfig.c"
 #include "csrc/module.c"
