@@ -240,6 +240,13 @@ def _finding(f: dict[str, Any]) -> str:
         ("request", f.get("request")),
         ("allocated", _when(f["alloc_ns"]) if f.get("alloc_ns") else None),
         ("source", f.get("source")),
+        (
+            "mapped since its publication by",
+            ", ".join(map(repr, f["mapped_since_published"]))
+            + " (the writer: one of them, or its publisher)"
+            if f.get("mapped_since_published")
+            else None,
+        ),
     ]
     bad = f.get("first_bad_event")
     return (

@@ -217,7 +217,7 @@ def test_shared_blocks_released_by_each_holder_are_no_bad_event(make_pool, monke
 
 
 def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
-    capsys, make_pool, monkeypatch
+    capsys, make_pool, monkeypatch, tmp_path
 ):
     # GIVEN a prompt block published by "owner", hit by "a" and "b" (and forked by "b"), one of
     # which writes into it; it is found at b's release
@@ -246,5 +246,9 @@ def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
     assert "since request 'owner' published it" in f["message"]
     assert main(["analyze", pool.name]) == 1
     assert "mapped since its publication by 'a', 'b', 'b.1'" in capsys.readouterr().out
+    # AND the HTML report names them too
+    assert main(["report", pool.name, "-o", str(tmp_path / "r.html")]) == 0
+    html = (tmp_path / "r.html").read_text()
+    assert "mapped since its publication by</th><td>&#x27;a&#x27;, &#x27;b&#x27;" in html
     for s in (late, a, seq):
         pool.free(s)
