@@ -19,27 +19,30 @@ static PyObject *id_list(const int64_t *w, int64_t k) {
     return l;
 }
 
-/* Digests taken, on their way into the records (device_take with the pool): written a
- * transaction per CHUNK of them, not one per check. */
+/* Digests taken, on their way into the records: with the pool (device_take's), written a
+ * transaction per CHUNK of them, not one per check; without, listed for the caller. */
 typedef struct {
-    PyObject *pool;
+    PyObject *pool; /* NULL: none written here */
     Py_ssize_t k;
     int32_t b[CHUNK];
     uint32_t g[CHUNK];
     uint64_t w[CHUNK];
 } StampBuf;
 
-/* The digests in `sb` into their records; those the core does not write now go to `stamps`
- * as (block, generation, word) for devicechecks to write (stamps.py). 0, or -1 with an
- * exception set. */
+/* The digests in `sb` into their records; those the core does not write now (or, without
+ * the pool, every one) go to `stamps` as (block, generation, word) for devicechecks to write
+ * (stamps.py). 0, or -1 with an exception set. */
 static int stamps_flush(Native *n, StampBuf *sb, PyObject *stamps) {
     if (sb->k == 0) return 0;
     Py_ssize_t k = sb->k;
     sb->k = 0;
-    PyObject *r = write_digest_words(n, sb->pool, sb->b, sb->g, sb->w, k);
-    if (r == NULL) return -1;
-    int done = r != Py_None;
-    Py_DECREF(r);
+    int done = 0;
+    if (sb->pool != NULL) {
+        PyObject *r = write_digest_words(n, sb->pool, sb->b, sb->g, sb->w, k);
+        if (r == NULL) return -1;
+        done = r != Py_None;
+        Py_DECREF(r);
+    }
     for (Py_ssize_t i = 0; !done && i < k; i++) {
         PyObject *t = Py_BuildValue("(lkK)", (long)sb->b[i], (unsigned long)sb->g[i],
                                     (unsigned long long)sb->w[i]);
@@ -52,9 +55,8 @@ static int stamps_flush(Native *n, StampBuf *sb, PyObject *stamps) {
     return 0;
 }
 
-/* The entry's answer as stamps (a digest for a record: written through `sb` where there is
- * one, else into `stamps`) or a finding for Python to report: (kind, when, ids, answer,
- * records). 0, or -1 with an exception set. */
+/* The entry's answer as stamps (a digest for a record, through `sb`) or a finding for Python
+ * to report: (kind, when, ids, answer, records). 0, or -1 with an exception set. */
 static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObject *found,
                     StampBuf *sb) {
     int64_t k = e->n;
@@ -81,21 +83,10 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObje
     if (e->kind == DK_STAMP) {
         for (int64_t i = 0; i < k; i++) {
             uint64_t dg = digest_fmix((uint64_t)a[i]);
-            uint64_t word = ((dg >> 32) << 32) | ((uint64_t)kept[i] & GEN_MASK);
-            if (sb != NULL) {
-                sb->b[sb->k] = (int32_t)w[i];
-                sb->g[sb->k] = (uint32_t)(kept[i] & GEN_MASK);
-                sb->w[sb->k++] = word;
-                if (sb->k == CHUNK && stamps_flush(n, sb, stamps) != 0) return -1;
-                continue;
-            }
-            PyObject *t = Py_BuildValue("(LLK)", (long long)w[i], (long long)kept[i],
-                                        (unsigned long long)word);
-            if (t == NULL || PyList_Append(stamps, t) != 0) {
-                Py_XDECREF(t);
-                return -1;
-            }
-            Py_DECREF(t);
+            sb->b[sb->k] = (int32_t)w[i];
+            sb->g[sb->k] = (uint32_t)(kept[i] & GEN_MASK);
+            sb->w[sb->k++] = ((dg >> 32) << 32) | ((uint64_t)kept[i] & GEN_MASK);
+            if (sb->k == CHUNK && stamps_flush(n, sb, stamps) != 0) return -1;
         }
         return 0;
     }
@@ -159,12 +150,9 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "device_take(wait: bool, most: int[, pool])");
         return NULL;
     }
-    StampBuf sbuf, *sb = NULL;
-    if (nargs == 3 && args[2] != Py_None) {
-        sbuf.pool = args[2];
-        sbuf.k = 0;
-        sb = &sbuf;
-    }
+    StampBuf sb;
+    sb.pool = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
+    sb.k = 0;
     DevChecks *d = n->dev;
     /* (in a forked child the parent's queue and its GPU handles are not this process's) */
     if (d == NULL || d->q_count == 0 || n->fork_gen != fork_gen) Py_RETURN_NONE;
@@ -204,7 +192,7 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
         }
         /* (after a driver error the answers are not the GPU's: dropped, and every later check
          * hands back to Python, which meets the same error) */
-        int rc = d->broken ? 0 : dev_read(n, e, d->ring + e->at, stamps, found, sb);
+        int rc = d->broken ? 0 : dev_read(n, e, d->ring + e->at, stamps, found, &sb);
         int32_t ev = e->ev;
         Py_CLEAR(e->tag);
         d->q_tail = (d->q_tail + 1) % DEV_ENTRIES;
@@ -214,7 +202,7 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
         if (d->q_count == 0) d->head = 0;
         if (rc != 0) goto fail;
     }
-    if (sb != NULL && stamps_flush(n, sb, stamps) != 0) goto fail;
+    if (stamps_flush(n, &sb, stamps) != 0) goto fail;
     PyObject *out = PyTuple_Pack(2, stamps, found);
     Py_DECREF(stamps);
     Py_DECREF(found);
