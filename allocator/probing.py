@@ -332,17 +332,23 @@ class PoolProbes:
 
     # -- guard mode -----------------------------------------------------------------------------
 
-    def scan_guard(self, ids) -> list[int]:
-        """Blocks among ids whose guard slot changed (their canary is restored)."""
+    def check_guard(self, t: Txn, ids: np.ndarray) -> None:
+        """The guard slots of blocks a release frees: one that changed is reported (and its
+        canary restored) when the release commits; on a CUDA pool the check is answered later
+        (devicechecks.py), as the C core's releases are."""
+        later = self.writes.later
+        if later is not None:
+            later.canaries([int(x) for x in ids])
+            return
         from kvscope.kernels import fill_guard
 
-        bad = integrity.broken_canaries(self.pool.kv, np.asarray(ids, np.int64))
+        bad = list(integrity.broken_canaries(self.pool.kv, np.asarray(ids, np.int64)))
         if bad:
-            fill_guard(self.pool.kv, blocks=list(bad))
-        return list(bad)
+            fill_guard(self.pool.kv, blocks=bad)
+            t.after_commit.append(lambda: self.report_guard(bad))
 
     def report_guard(self, bad: list[int], recs: np.ndarray | None = None) -> None:
-        """Report guard violations found by scan_guard (with the blocks' records as the release
+        """Report guard violations found by check_guard (with the blocks' records as the release
         saw them, `recs`, when they are reported later: devicechecks.py)."""
         for i, blk in enumerate(bad):
             if self.recorder is not None:

@@ -64,12 +64,7 @@ def release_blocks(
             )
     if len(zero):
         if probe is not None and probe.flags.guard and pool._guards(seq.slot):
-            later = probe.writes.later
-            if later is not None:
-                later.canaries(zero.tolist())  # (answered later, as the core's releases)
-            else:
-                bad_guard = probe.scan_guard(zero)
-                t.after_commit.append(lambda: probe.report_guard(bad_guard))
+            probe.check_guard(t, zero)
             # Poison only if the release commits: a rolled-back preemption keeps its KV.
             t.before_commit.append(lambda zero=zero: probe.poison(zero))  # type: ignore[misc]
             # Quarantine: freed blocks go to the tail of the FIFO ring, never the local cache.

@@ -170,7 +170,7 @@ static int guard_release(Native *n, int64_t slot) {
     return in;
 }
 
-/* Freed blocks' guard slots still hold the canary (probing.scan_guard). OK, FALLBACK when
+/* Freed blocks' guard slots still hold the canary (probing.check_guard). OK, FALLBACK when
  * one does not (the Python path scans again, restores it and reports), ERROR. */
 static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
