@@ -155,15 +155,21 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     }
 
 
+def _recorded(view: SegmentView, blocks: list[int]) -> np.ndarray:
+    """Every event of the flight recorder (all clients' rings) that touched one of blocks,
+    oldest first."""
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & np.isin(ev["block"], np.asarray(blocks, np.int32))]
+    return ev[np.argsort(ev["time_ns"], kind="stable")]
+
+
 def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[str, Any]]]:
     """The last events of the flight recorder that touched each of blocks, oldest first."""
     if not blocks:
         return {}
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & np.isin(ev["block"], np.asarray(blocks, np.int32))]
+    ev = _recorded(view, blocks)
     if not len(ev):
         return {}
-    ev = ev[np.argsort(ev["time_ns"], kind="stable")]
     names = op_names()
     out: dict[int, list[dict[str, Any]]] = {}
     for blk in np.unique(ev["block"]).tolist():
@@ -191,9 +197,8 @@ def mapped_since_published(view: SegmentView, blk: int, until_ns: int) -> list[s
     it was published. None when the ring no longer holds the finding's event."""
     from kvscope.allocator.events import EventOp
 
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & (ev["block"] == blk) & (ev["time_ns"] <= until_ns)]
-    ev = ev[np.argsort(ev["time_ns"], kind="stable")]
+    ev = _recorded(view, [blk])
+    ev = ev[ev["time_ns"] <= until_ns]
     seen = ev[ev["op"] == EventOp.FINDING]
     if not len(seen):
         return None
