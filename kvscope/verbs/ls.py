@@ -19,7 +19,7 @@ from kvscope.allocator.layout import ClientState
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import list_names, segment_path
 from kvscope.allocator.stats import pool_stats
-from kvscope.analysis import pool_info
+from kvscope.poolsummary import pool_info
 from kvscope.report import JSON_SCHEMA, console
 from kvscope.target import add_trust_owner, read_live
 

@@ -1,0 +1,137 @@
+"""What `analyze` says of a pool before its findings: its name, geometry, device, probes and
+origin (`pool_info`), and its blocks, sequences and processes counted (`summary`), as the
+`pool` and `summary` keys of docs/CLI.md's JSON object (kvscope/analysis.py builds the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvscope.allocator.layout import (
+    DUMP_REDACTED,
+    DUMP_TORN,
+    DUMP_WITH_DATA,
+    BlockState,
+    ClientState,
+    Flag,
+    SegmentView,
+    SeqState,
+)
+from kvscope.allocator.stats import pool_stats
+
+# (pid, start time) -> whether that process is alive
+Alive = Callable[[int, int], bool]
+
+
+def field_text(raw: bytes | np.bytes_) -> str:
+    """A record's fixed-width text field as a str."""
+    return bytes(raw).decode(errors="replace")
+
+
+def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str, Any]:
+    """Name, geometry, device, probe flags and origin of the pool a view shows."""
+    h = view.h
+    lay = view.layout
+    flags = int(h["flags"])
+    info: dict[str, Any] = {
+        "name": field_text(h["name"]),
+        "geometry": {
+            "num_blocks": lay.num_blocks,
+            "block_size": lay.block_size,
+            "slots_per_block": int(h["slots_per_block"]),
+            "num_layers": int(h["num_layers"]),
+            "num_kv_heads": int(h["num_kv_heads"]),
+            "head_dim": int(h["head_dim"]),
+            "dtype": field_text(h["dtype"]),
+            "max_seqs": lay.max_seqs,
+            "max_blocks_per_seq": lay.max_blocks_per_seq,
+        },
+        "device": field_text(h["device"]),
+        # bytes of the pool's KV tensor (all blocks, every layer, K and V)
+        "data_bytes": int(h["data_bytes"]),
+        "flags": {
+            "guard": bool(flags & Flag.GUARD),
+            "events": bool(flags & Flag.EVENTS),
+            "lockdep": bool(flags & Flag.LOCKDEP),
+        },
+        "creator_pid": int(h["creator_pid"]),
+        "created_ns": int(h["created_ns"]),
+        # False when the copy was taken while a live writer was mid-operation (no quiet moment
+        # came): its findings may show a half-done operation that a consistent copy would not.
+        "consistent": not getattr(view, "torn", False)
+        and not (dump_header is not None and int(dump_header["flags"]) & DUMP_TORN),
+    }
+    if dump_header is not None:
+        df = int(dump_header["flags"])
+        info["dump"] = {
+            "pid": int(dump_header["pid"]),
+            "host": field_text(dump_header["host"]),
+            "reason": field_text(dump_header["reason"]),
+            "created_ns": int(dump_header["created_ns"]),
+            "with_data": bool(df & DUMP_WITH_DATA),
+            "redacted": bool(df & DUMP_REDACTED),
+            "torn": bool(df & DUMP_TORN),
+        }
+    return info
+
+
+def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
+    """Blocks by state and by owner, sequences by state, processes alive and dead."""
+    b = view.blocks
+    # One strided pass over the records; every use after reads a contiguous copy.
+    state = np.ascontiguousarray(b["state"])
+    counts = np.bincount(state, minlength=len(BlockState))
+    by_state = {s.name.lower(): int(counts[s]) for s in BlockState}
+    other = int(counts[len(BlockState) :].sum())
+    if other:
+        by_state["invalid"] = other
+    clients = view.clients
+    attached = np.flatnonzero(clients["state"] == ClientState.ATTACHED)
+    pid_alive = {
+        int(clients["pid"][c]): alive(int(clients["pid"][c]), int(clients["start"][c]))
+        for c in attached.tolist()
+    }
+    held = (state == BlockState.ALLOCATED) | (state == BlockState.LOCAL)
+    pids, num = np.unique(b["owner_pid"][held], return_counts=True)
+    seqs = view.seqs
+    live = seqs["state"] != SeqState.EMPTY
+    seq_pids, seq_num = np.unique(seqs["owner_pid"][live], return_counts=True)
+    requests = dict(zip(seq_pids.tolist(), seq_num.tolist()))
+    by_owner = [
+        {
+            "pid": pid,
+            "alive": pid_alive.get(pid),
+            "blocks": n,
+            "requests": int(requests.get(pid, 0)),
+        }
+        for pid, n in sorted(zip(pids.tolist(), num.tolist()), key=lambda x: -x[1])
+    ]
+    seq_states = np.bincount(seqs["state"], minlength=len(SeqState))
+    stats = pool_stats(view)
+    return {
+        "blocks_by_state": by_state,
+        "blocks_by_owner": by_owner,
+        "sequences_by_state": {
+            s.name.lower(): int(seq_states[s]) for s in SeqState if s != SeqState.EMPTY
+        },
+        "processes": {
+            "alive": sorted(p for p, a in pid_alive.items() if a),
+            "dead": sorted(p for p, a in pid_alive.items() if not a),
+        },
+        "utilization": stats["utilization"],
+        "prefix_hit_rate": stats["prefix_hit_rate"],
+        "counters": {
+            k: stats[k]
+            for k in (
+                "num_allocs",
+                "num_frees",
+                "num_cow",
+                "num_evictions",
+                "num_preemptions",
+                "num_forks",
+            )
+        },
+    }
