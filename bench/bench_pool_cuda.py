@@ -1,6 +1,6 @@
 """What a CUDA pool's operations cost the host, probes off and with every probe `kvscope run`
 switches on, and what each of the probes' checks of the K/V costs alone (docs/BENCHMARKS.md,
-"Probes and the undo journal").
+"Probes on a CUDA pool").
 
     python bench/bench_pool_cuda.py          # on a CUDA machine, about 15 s
 

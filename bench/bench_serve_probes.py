@@ -1,7 +1,8 @@
 """Where `kvscope run`'s cost goes in examples/serve.py: plainly, under `kvscope run`, and under
 `kvscope run` with guard mode, the digest probe or both switched off, interleaved; with
 `--time-checks` one more run times the C core's handbacks of K/V work to Python
-(`WriteProbes.native_kv`, by op) and the finish checks (docs/BENCHMARKS.md, "Probes").
+(`WriteProbes.native_kv`, by op) and the finish checks (docs/BENCHMARKS.md, "Probes on a CUDA
+pool").
 
     python bench/bench_serve_probes.py --device cuda --requests 128 --repeat 2 --time-checks
 

@@ -1,5 +1,5 @@
 """examples/serve.py plainly and under `kvscope run` (every probe it switches on), interleaved:
-the output tokens/s of each, and the ratio (docs/BENCHMARKS.md, "Probes and the undo journal").
+the output tokens/s of each, and the ratio (docs/BENCHMARKS.md, "serve.py under kvscope run").
 
     python bench/bench_serve_run.py --device cuda --requests 256 --repeat 6   # on the H200
     python bench/bench_serve_run.py --device cuda --requests 256 --repeat 6 --cuda-graphs

@@ -1,7 +1,7 @@
 """Where examples/serve.py makes the host wait for the GPU, plainly and under `kvscope run`: each
 run under torch's sync debug mode ("warn"), every warning counted by the code site that caused
 it (the last four frames of kvscope's and the example's own code), the sites printed by count
-(docs/BENCHMARKS.md, "Probes and the undo journal").
+(docs/BENCHMARKS.md, "Probes on a CUDA pool").
 
     python bench/bench_serve_syncs.py --requests 64 --cuda-graphs      # on a CUDA machine
 
