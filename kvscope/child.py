@@ -28,7 +28,6 @@ import threading
 from typing import Any
 
 from kvscope.allocator import faults
-from kvscope.allocator import pool as pool_module
 from kvscope.allocator.findings import LEAK_KINDS, Finding, FindingKind
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.probes.process_exit import at_exit
@@ -249,6 +248,10 @@ def install() -> None:
         if _installed:
             return
         _installed = True
+    # Imported here, not at the top: the supervisor reads this module's run-directory names
+    # and must not pay for the pool's import of torch.
+    from kvscope.allocator import pool as pool_module
+
     pool_module.OPEN_HOOKS.append(on_open)
     pool_module.CLOSE_HOOK = on_close
     pool_module.UNLINK_HOOK = on_unlink
