@@ -38,6 +38,7 @@ import numpy as np
 
 from kvscope.allocator import corechecks, integrity
 from kvscope.allocator.findings import FindingKind
+from kvscope.allocator.prefix import fmix64
 from kvscope.allocator.stamps import write_stamps
 
 if TYPE_CHECKING:
@@ -405,6 +406,4 @@ class DeviceChecks:
 
 
 def _digests(raw: np.ndarray) -> list[int]:
-    from kvscope.kernels.digest import fmix64
-
-    return [fmix64(int(r)) for r in raw.tolist()]
+    return fmix64(np.asarray(raw, np.int64)).tolist()

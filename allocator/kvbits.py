@@ -4,7 +4,7 @@
 written with `--with-data`; both are bytes on disk, mapped read-only. Reading them through
 numpy keeps torch (seconds to import) out of the reading verbs. The arithmetic is the kernels'
 own (kernels/digest.py, kernels/guard.py, kernels/checks.py poison_bits), restated here because the
-allocator must not import the kernels' torch; tests/test_kvbits.py proves both give the same
+allocator must not import the kernels' torch (the digests' finalizer is allocator/prefix.py's); tests/test_kvbits.py proves both give the same
 digests, the same poison and canary bits, and the same findings.
 """
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from kvscope.allocator.geometry import ELEMENT_BYTES
 from kvscope.allocator.layout import SegmentView
+from kvscope.allocator.prefix import fmix64
 
 # Each element is read as the integer of its width (kernels/digest.py's int_view).
 INT_DTYPES: dict[int, type[np.integer]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -27,7 +28,6 @@ NAN_BITS = {"float32": 0x7FC0_0000, "float16": 0x7E00, "bfloat16": 0x7FC0, "floa
 # kernels/digest.py's coefficients: coef(i) = (i * DIGEST_MUL + DIGEST_ADD) | 1 (mod 2^64).
 DIGEST_MUL = 0x5851_F42D_4C95_7F2D
 DIGEST_ADD = 0x1405_7B7E_F767_814F
-_MASK64 = (1 << 64) - 1
 # Elements digested at once (blocks are taken in chunks of about this size).
 _CHUNK_ELEMS = 1 << 22
 
@@ -63,16 +63,6 @@ def kv_bits(view: SegmentView, data: np.ndarray | bytes | bytearray) -> KVBits:
     return KVBits(raw[:need].view(INT_DTYPES[width]).reshape(shape), dtype)
 
 
-def fmix64(h: int) -> int:
-    """MurmurHash3's 64-bit finalizer (kernels/digest.py's), on a Python int."""
-    h &= _MASK64
-    h ^= h >> 33
-    h = (h * 0xFF51_AFD7_ED55_8CCD) & _MASK64
-    h ^= h >> 33
-    h = (h * 0xC4CE_B9FE_1A85_EC53) & _MASK64
-    return h ^ (h >> 33)
-
-
 def block_digests(kv: KVBits, ids: np.ndarray, block_size: int) -> list[int]:
     """Digest (u64) of each block of `ids` over its first `block_size` slots: kernels/digest.py's
     `block_digests`, in wrapping int64 arithmetic as there."""
@@ -81,14 +71,14 @@ def block_digests(kv: KVBits, ids: np.ndarray, block_size: int) -> list[int]:
     per_block = layers * 2 * block_size * heads * head_dim
     coef = (np.arange(per_block, dtype=np.int64) * DIGEST_MUL + DIGEST_ADD) | 1
     step = max(1, _CHUNK_ELEMS // per_block)
-    out: list[int] = []
+    out: list[np.ndarray] = []
     with np.errstate(over="ignore"):
         for k in range(0, len(ids), step):
             part = ids[k : k + step]
             # [L, 2, n, bs, H, D] -> [n, L * 2 * bs * H * D]: the kernel's element order.
             x = kv.bits[:, :, part, :block_size].transpose(2, 0, 1, 3, 4, 5).reshape(len(part), -1)
-            out += (x.astype(np.int64) * coef).sum(1, dtype=np.int64).tolist()
-    return [fmix64(r) for r in out]
+            out.append((x.astype(np.int64) * coef).sum(1, dtype=np.int64))
+    return fmix64(np.concatenate(out)).tolist() if out else []
 
 
 def can_poison(kv: KVBits) -> bool:

@@ -4,9 +4,15 @@ The hash of block j chains its parent's: H_j = H_{j-1} * P + c_j (mod 2^64), whe
 random-coefficient polynomial of the block's tokens, so all of a prompt's block hashes come
 from one vectorised cumulative sum. The stored and indexed key is fmix64(H_j), never 0. Equal
 keys name equal prefixes unless two collide, which the stored token ids and parent key catch.
+
+`fmix64` is the pool's one 64-bit finalizer in Python (the block digests' too: kvbits.py,
+integrity.py); the C core's is `fmix64` in csrc/core.h and the kernels' the Triton `fmix64` in
+kernels/digest.py, equal bit for bit (tests/test_hash_finalizer.py).
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 import numpy as np
 
@@ -19,14 +25,31 @@ _MAX_COEFS = 1024
 _COEFS = np.random.default_rng(0x4B5653).integers(0, 2**63, size=_MAX_COEFS, dtype=np.uint64) | 1
 
 
-def _fmix(h: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        h = h ^ (h >> np.uint64(33))
-        h = h * np.uint64(0xFF51AFD7ED558CCD)
-        h = h ^ (h >> np.uint64(33))
-        h = h * np.uint64(0xC4CEB9FE1A85EC53)
-        h = h ^ (h >> np.uint64(33))
-    return np.where(h == 0, np.uint64(1), h)
+H = TypeVar("H", int, np.ndarray)
+
+
+def fmix64(h: H) -> H:
+    """MurmurHash3's 64-bit finalizer, never 0: a Python int (any, taken mod 2^64) or an array
+    (elementwise, as uint64).
+
+    The finalizer is a bijection that maps 0 to 0; 0 is reserved for "none" (an empty index
+    slot, a block with no digest), so 0 maps to 1 instead (as does one other input).
+    """
+    if isinstance(h, np.ndarray):
+        # (uint64 arrays wrap silently; a 0-d one's scalars would warn)
+        with np.errstate(over="ignore"):
+            return _murmur_fmix(h.astype(np.uint64, copy=False))
+    return _murmur_fmix(h)
+
+
+def _murmur_fmix(h: H) -> H:
+    h = h & MASK64
+    h = h ^ (h >> 33)
+    h = (h * 0xFF51_AFD7_ED55_8CCD) & MASK64
+    h = h ^ (h >> 33)
+    h = (h * 0xC4CE_B9FE_1A85_EC53) & MASK64
+    h = h ^ (h >> 33)
+    return h | (h == 0)
 
 
 def chain_hashes(tokens: np.ndarray, block_size: int, start: int = 0) -> np.ndarray:
@@ -65,7 +88,7 @@ _COEFS_LIST = [int(x) for x in _COEFS]
 
 def keys_of(chain: np.ndarray) -> np.ndarray:
     """Index keys (never 0) of chain values."""
-    return _fmix(chain.astype(np.uint64))
+    return fmix64(chain)
 
 
 def family_keys(keys: np.ndarray, shard_mask: int) -> np.ndarray:
@@ -90,13 +113,7 @@ def family_key(key: int, first: int, shard_mask: int) -> int:
 
 def key_of(chain: int) -> int:
     """Index key of one chain value (scalar twin of `keys_of`)."""
-    h = chain & MASK64
-    h ^= h >> 33
-    h = (h * 0xFF51AFD7ED558CCD) & MASK64
-    h ^= h >> 33
-    h = (h * 0xC4CEB9FE1A85EC53) & MASK64
-    h ^= h >> 33
-    return h or 1
+    return fmix64(chain)
 
 
 class PrefixIndex:

@@ -11,6 +11,11 @@ with `i` the element's index in `kv[:, :, b, :block_size]` flattened. Every coef
 so changing any one element always changes the sum; `block_digests` returns `fmix64(raw)`.
 Wrapping int64 arithmetic gives the same bits in torch and in Triton, so the CUDA kernel and the
 CPU reference agree exactly (tests/test_kernels_digest.py).
+
+`fmix64` is MurmurHash3's 64-bit finalizer with 0 reserved for "none" (0 maps to 1): the Triton
+one here, the allocator's (allocator/prefix.py fmix64, numpy) and the C core's (csrc/core.h)
+agree bit for bit (tests/test_hash_finalizer.py); `fmix64_reference` is the Triton one's torch
+reference, for the torch backend (the kernels import nothing of the allocator).
 """
 
 from __future__ import annotations
@@ -37,14 +42,27 @@ def int_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(_INT_DTYPES[kv_cache.element_size()])
 
 
-def fmix64(h: int) -> int:
-    """MurmurHash3's 64-bit finalizer on a Python int (two's complement int64 in, u64 out)."""
-    h &= _MASK64
+@triton.jit
+def fmix64(h):
+    """MurmurHash3's 64-bit finalizer on uint64, never 0 (0 maps to 1)."""
     h ^= h >> 33
-    h = (h * 0xFF51_AFD7_ED55_8CCD) & _MASK64
+    h *= 0xFF51_AFD7_ED55_8CCD
     h ^= h >> 33
-    h = (h * 0xC4CE_B9FE_1A85_EC53) & _MASK64
-    return h ^ (h >> 33)
+    h *= 0xC4CE_B9FE_1A85_EC53
+    h ^= h >> 33
+    return tl.where(h == 0, 1, h).to(tl.uint64)
+
+
+def fmix64_reference(h: torch.Tensor) -> torch.Tensor:
+    """`fmix64` in torch ops on int64 tensors (the u64 bits, two's complement)."""
+    low31 = (1 << 31) - 1
+    # torch's >> on int64 is arithmetic: keep the 31 bits a logical shift by 33 leaves
+    h = h ^ ((h >> 33) & low31)
+    h = h * (0xFF51_AFD7_ED55_8CCD - (1 << 64))
+    h = h ^ ((h >> 33) & low31)
+    h = h * (0xC4CE_B9FE_1A85_EC53 - (1 << 64))
+    h = h ^ ((h >> 33) & low31)
+    return torch.where(h == 0, 1, h)
 
 
 @triton.jit
@@ -71,7 +89,26 @@ def _block_digest_kernel(
     tl.store(out_ptr + pid * num_rows + row, tl.sum(acc, 0))
 
 
-def _raw_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> torch.Tensor:
+@triton.jit
+def _finish_kernel(partial_ptr, out_ptr, ROWS: tl.constexpr, ROWS_TILE: tl.constexpr):
+    # One program per block: its rows' partial sums added up (wrapping) and finalized.
+    pid = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, ROWS_TILE)
+    part = tl.load(partial_ptr + pid * ROWS + r, mask=r < ROWS, other=0)
+    raw = tl.sum(part, 0).to(tl.uint64, bitcast=True)
+    tl.store(out_ptr + pid, fmix64(raw).to(tl.int64, bitcast=True))
+
+
+def _finish_triton(partial: torch.Tensor) -> torch.Tensor:
+    """`fmix64` of each row's wrapping sum of the int64 `partial` [blocks, rows], on its device."""
+    n, rows = partial.shape
+    out = torch.empty(n, dtype=torch.int64, device=partial.device)
+    if n:
+        _finish_kernel[(n,)](partial, out, ROWS=rows, ROWS_TILE=triton.next_power_of_2(rows))
+    return out
+
+
+def _partials_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> torch.Tensor:
     layers, _, _, slots, heads, head_dim = kv_cache.shape
     assert kv_cache.stride(3) == heads * head_dim and kv_cache.stride(4) == head_dim
     assert kv_cache.stride(5) == 1 and kv_cache.stride(0) == 2 * kv_cache.stride(1)
@@ -84,8 +121,7 @@ def _raw_triton(kv_cache: torch.Tensor, ids: torch.Tensor, block_size: int) -> t
         ELEMS=elems, MUL=DIGEST_MUL, ADD=DIGEST_ADD,
         TILE=min(2048, triton.next_power_of_2(elems)), num_warps=4,
     )  # fmt: skip
-    # int64 sums wrap like the kernel's: the same value as one sum over the whole block.
-    return partial.sum(1)
+    return partial
 
 
 @functools.lru_cache(maxsize=8)
@@ -121,7 +157,8 @@ def raw_digests(
     if ids.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=kv_cache.device)
     if backend.use_triton(kv_cache):
-        return _raw_triton(kv_cache, ids, block_size)
+        # int64 sums wrap like the kernel's: the same value as one sum over the whole block.
+        return _partials_triton(kv_cache, ids, block_size).sum(1)
     with backend.serial_cpu(kv_cache):
         return torch.tensor(block_digests_ref_raw(kv_cache, ids, block_size), dtype=torch.int64)
 
@@ -131,4 +168,11 @@ def block_digests(
 ) -> list[int]:
     """Digest (u64, as Python ints) of each block in `blocks` of the pool tensor
     `[layers, 2, num_blocks, slots, kv_heads, head_dim]`, over its first `block_size` slots."""
-    return [fmix64(r) for r in raw_digests(kv_cache, blocks, block_size).tolist()]
+    assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, "[layers, 2, blocks, slots, heads, dim]"
+    assert 0 < block_size <= kv_cache.shape[3]
+    ids = backend.block_ids(blocks, kv_cache.device)
+    if ids.numel() and backend.use_triton(kv_cache):
+        digests = _finish_triton(_partials_triton(kv_cache, ids, block_size))
+    else:
+        digests = fmix64_reference(raw_digests(kv_cache, ids, block_size))
+    return [d & _MASK64 for d in digests.tolist()]

@@ -30,7 +30,6 @@ def test_the_constants_are_the_kernels():
         nan = poison_bits(getattr(torch, name)) & ((1 << (8 * width)) - 1)
         assert kvbits.NAN_BITS[name] == nan, name
         assert np.dtype(kvbits.INT_DTYPES[width]).itemsize == width
-    assert all(kvbits.fmix64(x) == kernel_digest.fmix64(x) for x in (0, 1, -1, 2**63, 12345))
 
 
 def random_cache(dtype: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

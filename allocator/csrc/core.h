@@ -72,6 +72,9 @@ static inline uint64_t coarse_slack_ns(void) {
     return res < VERIFY_EVERY_NS / 2 ? res : UINT64_MAX;
 }
 
+/* MurmurHash3's 64-bit finalizer, never 0 (0 is "none": an empty index slot, no digest): the
+ * prefix index's keys and the block digests (allocator/prefix.py fmix64; kernels/digest.py's
+ * Triton fmix64; equal bit for bit, tests/test_hash_finalizer.py). */
 static inline uint64_t fmix64(uint64_t h) {
     h ^= h >> 33;
     h *= 0xFF51AFD7ED558CCDull;

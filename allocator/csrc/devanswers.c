@@ -82,7 +82,7 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObje
     }
     if (e->kind == DK_STAMP) {
         for (int64_t i = 0; i < k; i++) {
-            uint64_t dg = digest_fmix((uint64_t)a[i]);
+            uint64_t dg = fmix64((uint64_t)a[i]);
             sb->b[sb->k] = (int32_t)w[i];
             sb->g[sb->k] = (uint32_t)(kept[i] & GEN_MASK);
             sb->w[sb->k++] = ((dg >> 32) << 32) | ((uint64_t)kept[i] & GEN_MASK);
@@ -96,7 +96,7 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObje
     if (k > CHUNK + EVICT_BATCH) return 0; /* (cannot be: the core's checks are that small) */
     for (int64_t i = 0; i < k; i++) {
         if (e->kind == DK_VERIFY) {
-            uint64_t got = digest_fmix((uint64_t)a[i]);
+            uint64_t got = fmix64((uint64_t)a[i]);
             uint64_t want = U8(kept_rec(n, kept, i) + n->off_kv_digest);
             per[i] = (int64_t)got;
             bad |= (got >> 32) != (want >> 32);

@@ -20,15 +20,6 @@
 /* integrity.GENERATION_MASK: the low half of a kv_digest word is the generation */
 #define GEN_MASK 0xFFFFFFFFull
 
-/* kernels/digest.py fmix64 (MurmurHash3's finalizer; unlike the chain's, 0 stays 0). */
-static inline uint64_t digest_fmix(uint64_t h) {
-    h ^= h >> 33;
-    h *= 0xFF51AFD7ED558CCDull;
-    h ^= h >> 33;
-    h *= 0xC4CEB9FE1A85EC53ull;
-    return h ^ (h >> 33);
-}
-
 /* Row r (layer * 2 + K/V) of block b: its first byte. [layers, 2, blocks, slots, heads, dim] */
 static inline uint8_t *kv_row(Native *n, int64_t r, int64_t b) {
     return n->kv + (size_t)r * n->kv_row_stride + (size_t)b * n->kv_block_stride;
@@ -255,7 +246,7 @@ static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
         /* element j of kv[:, :, b, :block_size] flattened: coef(j) = (j * MUL + ADD) | 1 */
         uint64_t sum = 0, jm = DIGEST_ADD;
         for (int64_t r = 0; r < n->kv_rows; r++) sum = digest_row(n, kv_row(n, r, ids[i]), m, &jm, sum);
-        out[i] = digest_fmix(sum);
+        out[i] = fmix64(sum);
     }
 }
 

@@ -294,9 +294,20 @@ static PyTypeObject NativeType = {
     .tp_methods = N_methods,
 };
 
+/* fmix64(h) -> int: core.h's finalizer of h mod 2^64 (tests/test_hash_finalizer.py). */
+static PyObject *M_fmix64(PyObject *mod, PyObject *arg) {
+    uint64_t h = PyLong_AsUnsignedLongLongMask(arg);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(fmix64(h));
+}
+
+static PyMethodDef module_methods[] = {
+    {"fmix64", (PyCFunction)M_fmix64, METH_O, "fmix64(h) -> int: the core's hash finalizer"},
+    {NULL}};
+
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native",
                                     "The pool's hot operations in C (see allocator/native.py).",
-                                    -1, NULL};
+                                    -1, module_methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&NativeType) < 0) return NULL;
