@@ -151,7 +151,7 @@ def write_dump(
     parts = [dh.tobytes(), seg, data]
     if target == STDOUT:
         return _write_stdout(parts)
-    return _write_private(target, parts)
+    return write_atomic(target, parts)
 
 
 def _read_data(view: SegmentView, name: str | None, owner: int, trust_owner: bool) -> bytes:
@@ -190,10 +190,11 @@ def _read_data(view: SegmentView, name: str | None, owner: int, trust_owner: boo
     return kv.contiguous().cpu().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()
 
 
-def check_target(path: str) -> None:
-    """A dump goes to a new or regular file (or "-", standard output): writing it next to a
-    device, FIFO or directory and renaming it over that would replace the node itself."""
-    if path == STDOUT:
+def check_target(path: str, what: str = "a dump", stdout: bool = True) -> None:
+    """A dump (or `what` else kvscope writes whole: a report, a trace) goes to a new or regular
+    file (or, with `stdout`, "-": standard output): writing it next to a device, FIFO or
+    directory and renaming it over that would replace the node itself."""
+    if path == STDOUT and stdout:
         if sys.stdout.isatty():
             raise PoolError(
                 "standard output is a terminal; send the dump to a file or a pipe (-o - > pool.kvd)"
@@ -207,7 +208,8 @@ def check_target(path: str) -> None:
         raise PoolError(f"cannot write {path}: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise PoolError(
-            f"cannot write {path}: it is not a regular file (a dump replaces the file it is written to); use a file path, or - for standard output"
+            f"cannot write {path}: it is not a regular file ({what} replaces the file it is"
+            " written to); use a file path" + (", or - for standard output" if stdout else "")
         )
 
 
@@ -226,9 +228,13 @@ def _write_stdout(parts: list[bytes | bytearray | memoryview]) -> str:
     return STDOUT
 
 
-def _write_private(path: str, parts: list[bytes | bytearray | memoryview]) -> str:
-    """Write parts to path atomically, readable by its owner only (mode 0600); a failed write
-    (a full disk, say) leaves no file behind and is one PoolError."""
+def write_atomic(
+    path: str, parts: list[bytes | bytearray | memoryview], mode: int | None = 0o600
+) -> str:
+    """Write parts to path atomically (a temporary file in its directory renamed into place),
+    with `mode` (default 0600: readable by its owner only; None: as the umask gives a new
+    file); a failed write (a full disk, say) leaves no file behind and is one PoolError.
+    Every file kvscope writes whole (dumps, reports, traces) is written by this."""
     directory = os.path.dirname(os.path.abspath(path))
     try:
         import tempfile
@@ -241,7 +247,7 @@ def _write_private(path: str, parts: list[bytes | bytearray | memoryview]) -> st
     except OSError as e:
         raise PoolError(f"cannot write {path}: {e.strerror}") from None
     try:
-        os.fchmod(fd, 0o600)
+        os.fchmod(fd, _file_mode(mode))
         with os.fdopen(fd, "wb") as f:
             for p in parts:
                 f.write(p)
@@ -253,6 +259,14 @@ def _write_private(path: str, parts: list[bytes | bytearray | memoryview]) -> st
         _remove(tmp)
         raise
     return path
+
+
+def _file_mode(mode: int | None) -> int:
+    if mode is not None:
+        return mode
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _remove(path: str) -> None:

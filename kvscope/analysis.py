@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvscope.allocator.check import check_header, check_view
-from kvscope.allocator.findings import ERROR, Finding, FindingKind, read_findings
-from kvscope.allocator.integrity import check_kv
+from kvscope.allocator.findings import ERROR, Finding, FindingKind
+from kvscope.allocator.findingset import Origin, pool_findings
 from kvscope.allocator.layout import (
     BlockState,
     SegmentView,
@@ -24,11 +23,7 @@ from kvscope.poolsummary import Alive, pool_info, summary
 from kvscope.poolsummary import field_text as _s
 
 if TYPE_CHECKING:
-    # kvread reads a pool's data through kvscope.target, which analyzes with this module.
-    from kvscope.kvread import KVData
-
-# Events shown per finding, newest last.
-EVENTS_PER_FINDING = 8
+    from kvscope.allocator.kvread import KVData
 
 
 def op_names() -> dict[int, str]:
@@ -48,7 +43,7 @@ def _recorded(view: SegmentView, blocks: list[int]) -> np.ndarray:
 
 
 def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[str, Any]]]:
-    """The last events of the flight recorder that touched each of blocks, oldest first."""
+    """Every event the flight recorder still holds that touched each of blocks, oldest first."""
     if not blocks:
         return {}
     ev = _recorded(view, blocks)
@@ -57,7 +52,7 @@ def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[st
     names = op_names()
     out: dict[int, list[dict[str, Any]]] = {}
     for blk in np.unique(ev["block"]).tolist():
-        mine = ev[ev["block"] == blk][-EVENTS_PER_FINDING:]
+        mine = ev[ev["block"] == blk]
         out[blk] = [
             {
                 "time_ns": int(e["time_ns"]),
@@ -166,27 +161,24 @@ def _block_detail(view: SegmentView, blk: int) -> dict[str, Any]:
 
 
 def collect_findings(view: SegmentView, alive: Alive, kv: KVData | None = None) -> list[Finding]:
-    """Findings recorded in the segment's ring (as they happened), then the full check's (and
-    with `kv`, the pool's KV data, the data checks of allocator/integrity.py)."""
-    head = check_header(view)
-    if head:
-        # Nothing else in a segment whose header is corrupt can be trusted, the ring included.
-        for f in head:
-            f.extra["source"] = "check"
-        return head
-    try:
-        recorded = read_findings(view)
-    except ValueError:
-        # A scribbled ring: the full check below still reports what the blocks show.
-        recorded = []
-    for f in recorded:
-        f.extra["source"] = "recorded"
-    checked = check_view(view, alive=alive)
-    if kv is not None and kv.bits is not None:
-        checked += check_kv(view, kv.bits, again=kv.again)
-    for f in checked:
-        f.extra["source"] = "check"
-    return recorded + checked
+    """Every finding of a copy read from nowhere else (with `kv`, its KV data's checks too):
+    `kvscope.allocator.findingset.pool_findings`, the one assembly every reader uses."""
+    return pool_findings(view, Origin(alive=alive, data=kv)).findings
+
+
+def moment(d: dict[str, Any]) -> int | None:
+    """When a finding (of `analyze_view`) went wrong: its first bad event's time, or the time
+    it was recorded, whichever is earlier; None when neither is known (a check's finding
+    whose block's events show nothing wrong)."""
+    times = [t for t in ((d.get("first_bad_event") or {}).get("time_ns"), d.get("time_ns")) if t]
+    return min(times) if times else None
+
+
+def _order(d: dict[str, Any]) -> tuple[bool, bool, int, str]:
+    """Errors first; in each severity, the finding whose first bad event came first, first;
+    findings with no known moment after those, by kind."""
+    at = moment(d)
+    return (d["severity"] != ERROR, at is None, at or 0, d["kind"])
 
 
 def analyze_view(
@@ -200,7 +192,9 @@ def analyze_view(
     kv: KVData | None = None,
 ) -> dict[str, Any]:
     """The report of docs/CLI.md for one view, optionally narrowed to one block or one request."""
-    found = collect_findings(view, alive, kv) if findings is None else findings
+    found = (
+        pool_findings(view, Origin(alive=alive, data=kv)).findings if findings is None else findings
+    )
     header_ok = not any(f.kind == "header_corrupt" for f in found)
     if block is not None:
         found = [f for f in found if f.block == block]
@@ -233,7 +227,7 @@ def analyze_view(
                 if mapped is not None:
                     d["mapped_since_published"] = mapped
         out_findings.append(d)
-    out_findings.sort(key=lambda d: (d["severity"] != ERROR, d["kind"]))
+    out_findings.sort(key=_order)
     report: dict[str, Any] = {
         "pool": pool_info(view, dump_header),
         "healthy": not any(d["severity"] == ERROR for d in out_findings),

@@ -5,7 +5,9 @@ directory (kvscope/child.py). The supervisor maps each one read-only and, every 
 prints the findings new in its findings ring and checks its header, so a finding shows up while
 the script runs. It also samples each pool's counters into a bounded time series
 (kvscope.history), which `kvscope run` writes beside the dump. The pool lives in /dev/shm:
-after the child exits, however it exits (SIGKILL included), the supervisor still reads it whole.
+after the child exits, however it exits (SIGKILL included), the supervisor still reads it whole. A process of the run that dies while attached to a pool
+(a worker killed with `kill -9`) is said the first poll that sees it gone, with the blocks it
+left held (`leak_dead_owner`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,19 @@ import numpy as np
 from kvscope.allocator.check import check_header
 from kvscope.allocator.dumpfile import layout_of_prefix
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import ERROR, LEAK_KINDS, WARNING, Finding, read_findings
-from kvscope.allocator.layout import ClientState, Layout, SegmentView
+from kvscope.allocator.findings import (
+    ERROR,
+    LEAK_KINDS,
+    WARNING,
+    Finding,
+    FindingKind,
+    read_findings,
+)
+from kvscope.allocator.findingset import Origin, pool_findings
+from kvscope.allocator.layout import BlockState, ClientState, Layout, SegmentView
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.segment import data_path, segment_path
 from kvscope.allocator.snapshot import snapshot
-from kvscope.analysis import collect_findings
 from kvscope.child import pool_key
 from kvscope.history import History
 from kvscope.stopper import Stopper
@@ -61,6 +71,8 @@ class Watched:
     cut_reported: bool = False
     unlinked_to: str | None = None
     history: History | None = None
+    # Processes seen dead while still attached (each said once).
+    dead_seen: set[int] = field(default_factory=set)
 
     def check_size(self) -> bool:
         """True while the file is still as long as the mapping (reading a page the file lost
@@ -197,9 +209,54 @@ class Supervisor:
                 shown = replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING)
                 self.echo(f"kvscope: pool {w.name!r}: {shown.line()}")
                 new.append(f)
+            for death in self._deaths(w):
+                if isinstance(death, str):
+                    self.echo(f"kvscope: pool {w.name!r}: {death}")
+                    continue
+                shown = replace(death, severity=ERROR if fails(death, self.fail_on) else WARNING)
+                self.echo(f"kvscope: pool {w.name!r}: {shown.line()}")
+                new.append(death)
             self._sample(w)
         self.live_findings += new
         return new
+
+    def _deaths(self, w: Watched) -> list[Finding | str]:
+        """Processes of the run newly seen dead while attached to the pool: a `leak_dead_owner`
+        finding for one that left blocks held, a line for one that held none. The script
+        itself is left out: how it ended is the run's verdict."""
+        if w.header_reported or not self._whole(w):
+            return []
+        c = w.view.clients.copy()
+        if not self._whole(w):
+            return []
+        out: list[Finding | str] = []
+        script = self.proc.pid if self.proc is not None else -1
+        for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist():
+            pid = int(c["pid"][i])
+            if pid in w.dead_seen or pid == script or is_alive(pid, int(c["start"][i])):
+                continue
+            w.dead_seen.add(pid)
+            b = w.view.blocks
+            mine = b["owner_pid"] == pid
+            held = np.flatnonzero(mine & (b["state"] == BlockState.ALLOCATED))
+            cached = int((mine & (b["state"] == BlockState.LOCAL)).sum())
+            if not self._whole(w):
+                return out
+            if not len(held) and not cached:
+                out.append(f"pid {pid} died while attached to the pool, holding no block")
+                continue
+            local = f" and {cached} free in its local cache" if cached else ""
+            out.append(
+                Finding(
+                    FindingKind.LEAK_DEAD_OWNER,
+                    f"pid {pid} died while attached to the pool, holding {len(held)} block(s)"
+                    f"{local}: they stay held until a survivor calls pool.reclaim_dead() or"
+                    " `kvscope check --repair` runs",
+                    block=int(held[0]) if len(held) else None,
+                    owner_pid=pid,
+                )
+            )
+        return out
 
     def _sample(self, w: Watched, *, now: bool = False) -> None:
         """Add to the pool's time series when a sample is due (`now`: always)."""
@@ -347,7 +404,27 @@ class Supervisor:
         whole()
         snap = snapshot(w.view)
         whole()  # a cut while the copy was taken: it read zero pages
-        return snap, collect_findings(snap, is_alive)
+        # As every reader assembles them (the KV data's checks and its file's findings too),
+        # from where the pool's files are now (renamed aside when the script unlinked it).
+        where = (w.unlinked_to or w.path) + ".data"
+        origin = Origin.live(w.name, data_file=where, again=lambda: snapshot(w.view))
+        return snap, pool_findings(snap, origin).findings
+
+    def remove_pool(self, w: Watched) -> bool:
+        """Unlink the pool's files when its name still names the segment the run watched (not
+        one created again under that name since); True when removed."""
+        path = segment_path(w.name)
+        try:
+            if w.fd < 0 or os.stat(path).st_ino != os.fstat(w.fd).st_ino:
+                return False
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        try:
+            os.unlink(data_path(w.name))
+        except FileNotFoundError:
+            pass
+        return True
 
     def cleanup(self) -> None:
         """Remove the files of pools the child unlinked (renamed aside until now)."""

@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import stat
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.allocator.dumpread import alive_for, read_dump
+from kvscope.allocator import kvread
+from kvscope.allocator.dumpread import read_dump
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.findingset import Alive, Origin, PoolFindings, pool_findings
 from kvscope.allocator.layout import SegmentView
-from kvscope.allocator.process import is_alive
-from kvscope.allocator.segment import (
-    TRUST_ENV,
-    check_name,
-    data_path,
-    open_existing,
-    release,
-    segment_path,
-    view_of,
-)
-from kvscope.allocator.snapshot import snapshot
-from kvscope.analysis import Alive, collect_findings
-
-if TYPE_CHECKING:
-    # kvread reads a live pool again through this module.
-    from kvscope.kvread import KVData
+from kvscope.allocator.segment import TRUST_ENV, check_name
 
 
 @dataclass
@@ -38,43 +22,17 @@ class Target:
 
     view: SegmentView
     dump_header: np.void | None
-    alive: Alive
+    origin: Origin
     title: str
-    # Findings about the files around a live segment (its KV data file), not in the segment.
-    extra: list[Finding] = field(default_factory=list)
 
-    def findings(self, kv: KVData | None = None) -> list[Finding] | None:
-        """Every finding (with `kv`, the data checks' too), when there is more than the
-        segment's own (else None: the analysis collects those itself)."""
-        return collect_findings(self.view, self.alive, kv) + self.extra if self.extra else None
+    @property
+    def alive(self) -> Alive:
+        return self.origin.alive
 
-
-def data_file_findings(name: str, view: SegmentView) -> list[Finding]:
-    """A CPU pool's KV data file that is missing, not a regular file, or shorter than its
-    geometry: every process that touches the missing part dies of SIGBUS."""
-    h = view.h
-    if bytes(h["device"]).decode(errors="replace") != "cpu":
-        return []
-    need, path = int(h["data_bytes"]), data_path(name)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        problem = "is missing"
-    else:
-        if not stat.S_ISREG(st.st_mode):
-            problem = "is not a regular file"
-        elif st.st_size < need:
-            problem = f"holds {st.st_size} bytes but the pool's geometry needs {need}"
-        else:
-            return []
-    return [
-        Finding(
-            FindingKind.OUT_OF_BOUNDS,
-            f"the pool's KV data file {path} {problem}: a process that reads or writes the"
-            " missing part of the KV tensor dies of SIGBUS, and no process can attach",
-            extra={"path": path, "data_bytes": need},
-        )
-    ]
+    def findings(self) -> PoolFindings:
+        """Every finding about the pool (kvscope.allocator.findingset, as every reader reads
+        them), and the KV data its data checks read."""
+        return pool_findings(self.view, self.origin)
 
 
 def add_trust_owner(parser: argparse.ArgumentParser) -> None:
@@ -88,12 +46,7 @@ def add_trust_owner(parser: argparse.ArgumentParser) -> None:
 
 def read_live(name: str, trust_owner: bool = False) -> SegmentView:
     """A seqlock-consistent copy of the live pool `name` (takes no lock, writes nothing)."""
-    check_name(name)
-    mf = open_existing(segment_path(name), name, trust_owner)
-    try:
-        return snapshot(view_of(mf))
-    finally:
-        release(mf)
+    return kvread.read_live(check_name(name), trust_owner)
 
 
 def looks_like_path(target: str) -> bool:
@@ -105,7 +58,7 @@ def open_target(target: str, trust_owner: bool = False) -> Target:
     """A dump file when target names one, else the live pool of that name."""
     if looks_like_path(target):
         view, dh = read_dump(target)
-        return Target(view, dh, alive_for(dh), f"dump {target} of pool")
+        return Target(view, dh, Origin.of_dump(target, dh), f"dump {target} of pool")
     try:
         check_name(target)
     except PoolError:
@@ -114,6 +67,6 @@ def open_target(target: str, trust_owner: bool = False) -> Target:
 
 
 def live_target(name: str, trust_owner: bool = False) -> Target:
-    """The live pool `name`: a consistent copy, with what is wrong with its data file."""
+    """The live pool `name`: a consistent copy, its findings read with its data file."""
     view = read_live(name, trust_owner)
-    return Target(view, None, is_alive, "live pool", data_file_findings(name, view))
+    return Target(view, None, Origin.live(name, trust_owner), "live pool")

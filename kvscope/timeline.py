@@ -27,11 +27,11 @@ recorder's window"`). Lock holds are not recorded per acquisition; only what the
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import numpy as np
 
+from kvscope.allocator.dumpfile import check_target, write_atomic
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import SegmentView, lock_names
@@ -363,11 +363,10 @@ def build_trace(
 
 
 def write_trace(trace: dict[str, Any], path: str) -> None:
-    """Write a trace as JSON (atomically: a temporary file renamed into place)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    """Write a trace as JSON to a new or regular file, atomically (`write_atomic`, as dumps
+    are written); one PoolError, and nothing left behind, when it cannot be."""
+    check_target(path, "a trace", stdout=False)
+    write_atomic(path, [json.dumps(trace, separators=(",", ":")).encode()], mode=None)
 
 
 def trace_path(dump_path: str) -> str:

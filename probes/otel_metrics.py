@@ -179,6 +179,8 @@ class _Reader:
         self.block_bytes = int(h["data_bytes"]) // max(1, int(h["num_blocks"]))
         self.findings_seen = 0
         self.kind_counts: dict[tuple[str, str], int] = {}
+        # The findings emitted, by kvscope.allocator.findingset.finding_key.
+        self.emitted: set[tuple[str, int | None, int | None]] = set()
 
     def stale(self) -> bool:
         try:
@@ -268,11 +270,31 @@ class PoolCollector:
             key = (OVERFLOW_KIND, "warning")
             r.kind_counts[key] = r.kind_counts.get(key, 0) + lost
         for f in read_findings(r.view)[-(new - lost) :]:
-            key = (f.kind, f.severity)
-            r.kind_counts[key] = r.kind_counts.get(key, 0) + 1
-            if self.logger is not None:
-                emit_finding_log(self.logger, f, r.attrs)
+            self._emit(r, f)
         r.findings_seen = head
+
+    def _emit(self, r: _Reader, f: Any) -> None:
+        from kvscope.allocator.findingset import finding_key
+
+        key = (f.kind, f.severity)
+        r.kind_counts[key] = r.kind_counts.get(key, 0) + 1
+        r.emitted.add(finding_key(f))
+        if self.logger is not None:
+            emit_finding_log(self.logger, f, r.attrs)
+
+    def _last_findings(self, r: _Reader) -> None:
+        """At the end: the pool's findings as every reader assembles them (the whole-pool
+        check, the KV data's checks, its data file), those the ring did not already give."""
+        from kvscope.allocator.findingset import Origin, finding_key, pool_findings
+        from kvscope.allocator.snapshot import snapshot
+
+        try:
+            found = pool_findings(snapshot(r.view), Origin.live(r.name)).findings
+        except (ValueError, IndexError, OSError):
+            return  # a segment being rewritten or removed meanwhile
+        for f in found:
+            if finding_key(f) not in r.emitted:
+                self._emit(r, f)
 
     def _callback(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
@@ -284,9 +306,13 @@ class PoolCollector:
         return observe
 
     def close(self) -> None:
-        """Read the segments one last time (emitting late findings) and unmap them."""
+        """Read the segments one last time (emitting late findings and those only the whole
+        assembly finds) and unmap them."""
         self.refresh()
         with self._mutex:
+            if not self._closed and os.getpid() == self.pid:
+                for r in self._readers.values():
+                    self._last_findings(r)
             self._closed = True
             for r in self._readers.values():
                 r.close()

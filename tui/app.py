@@ -16,10 +16,10 @@ from textual.reactive import reactive
 from textual.widgets import Footer
 from textual.worker import get_current_worker
 
-from kvscope.allocator.check import check_view
 from kvscope.allocator.dumpfile import write_dump
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import Finding, read_findings
+from kvscope.allocator.findings import Finding
+from kvscope.allocator.findingset import Origin, checked_findings, merge, recorded_findings
 from kvscope.allocator.layout import (
     SegmentView,
 )
@@ -111,6 +111,16 @@ class TopApp(App[int]):
         self._check_now = False
         self._ring_head = -1
         self._ring: list[Finding] = []
+        # Where the findings come from besides the segment (its KV data, its dump header), as
+        # every reader assembles them (kvscope.allocator.findingset).
+        dump = getattr(source, "path", None) if hasattr(source, "dump_header") else None
+        self._origin = (
+            Origin.live(source.name, getattr(source, "trust_owner", False))
+            if source.live
+            else Origin.of_dump(dump, source.dump_header)  # type: ignore[attr-defined]
+            if dump
+            else Origin()
+        )
 
     def compose(self) -> ComposeResult:
         yield PoolHeader(id="header")
@@ -152,11 +162,8 @@ class TopApp(App[int]):
         copy_ms = (time.perf_counter() - t0) * 1e3
         head = int(view.h["findings_head"])
         if head != self._ring_head:
-            self._ring_head, self._ring = head, read_findings(view)
-        seen = {(f.kind, f.block, f.message) for f in self._ring}
-        findings = self._ring + [
-            f for f in self.checked if (f.kind, f.block, f.message) not in seen
-        ]
+            self._ring_head, self._ring = head, recorded_findings(view)
+        findings = merge(self._ring, self.checked)
         return Frame(
             view=view,
             stats=pool_stats(view),
@@ -170,7 +177,8 @@ class TopApp(App[int]):
 
     def _check(self, view: SegmentView) -> float:
         t0 = time.perf_counter()
-        self.checked = check_view(view) if not getattr(view, "torn", False) else self.checked
+        if not getattr(view, "torn", False):
+            self.checked = checked_findings(view, self._origin).findings
         cost = time.perf_counter() - t0
         self.post_message(CheckDone(self.checked, cost))
         return cost
@@ -213,12 +221,8 @@ class TopApp(App[int]):
         self.num_checks += 1
         if self.frame is not None and not self.source.live:
             self.frame = Frame(
-                **{**self.frame.__dict__, "findings": self._merged(self.frame.findings)}
+                **{**self.frame.__dict__, "findings": merge(self._ring, self.checked)}
             )
-
-    def _merged(self, ring: list[Finding]) -> list[Finding]:
-        seen = {(f.kind, f.block, f.message) for f in ring}
-        return ring + [f for f in self.checked if (f.kind, f.block, f.message) not in seen]
 
     def watch_frame(self, frame: Frame | None) -> None:
         try:

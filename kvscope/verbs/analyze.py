@@ -11,7 +11,6 @@ import argparse
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.capacity import capacity_answer
 from kvscope.history import history_for
-from kvscope.kvread import for_target
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, open_target
 
@@ -32,15 +31,15 @@ class AnalyzeCommand:
     @staticmethod
     def run(args: argparse.Namespace) -> int:
         t = open_target(args.target, args.trust_owner)
-        kv = for_target(args.target, t.view, t.dump_header)
+        got = t.findings()
         report = analyze_view(
             t.view,
             alive=t.alive,
             dump_header=t.dump_header,
             block=args.block,
             request=args.request,
-            findings=t.findings(kv),
-            kv=kv,
+            findings=got.findings,
+            kv=got.kv,
         )
         if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
             report["capacity"] = capacity_answer(t.view, history_for(args.target))

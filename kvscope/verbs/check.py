@@ -16,7 +16,6 @@ from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import UsageError
-from kvscope.kvread import for_live
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, live_target, read_live
 
@@ -100,8 +99,8 @@ class CheckCommand:
             done = repair(args.name, args.trust_owner)
             print(describe_repair(done), file=sys.stderr)
         t = live_target(args.name, args.trust_owner)
-        kv = for_live(args.name, t.view)
-        report = analyze_view(t.view, alive=t.alive, findings=t.findings(kv), kv=kv)
+        got = t.findings()
+        report = analyze_view(t.view, alive=t.alive, findings=got.findings, kv=got.kv)
         if done is not None:
             report["repair"] = done
         if args.json:

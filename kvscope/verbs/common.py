@@ -1,12 +1,12 @@
-"""What `report` and `timeline` share: their NAME|FILE and --history arguments, when the view
-they show was taken, and the one-line error for an output file that cannot be written."""
+"""What `report` and `timeline` share: their NAME|FILE and --history arguments, and when the
+view they show was taken. (Both write their file as a dump is written: allocator/dumpfile.py's
+`check_target` and `write_atomic`.)"""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from kvscope.errors import UsageError
 from kvscope.target import Target
 
 
@@ -27,8 +27,3 @@ def taken_ns(t: Target, target: str) -> int:
     if os.path.isfile(target):
         return int(os.stat(target).st_mtime_ns)
     return 0
-
-
-def output_error(path: str, e: OSError) -> UsageError:
-    """The one-line error for an output file that cannot be written."""
-    return UsageError(f"cannot write {path}: {e.strerror or e}")

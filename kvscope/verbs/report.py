@@ -14,12 +14,13 @@ import argparse
 import os
 import sys
 
+from kvscope.allocator.dumpfile import check_target, write_atomic
 from kvscope.analysis import analyze_view
 from kvscope.capacity import capacity_answer
 from kvscope.history import history_for
 from kvscope.htmlreport import build_report
 from kvscope.target import open_target
-from kvscope.verbs.common import add_target_and_history, output_error
+from kvscope.verbs.common import add_target_and_history
 
 
 class ReportCommand:
@@ -32,9 +33,14 @@ class ReportCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        # Refused before the work: a device, FIFO or directory is never replaced.
+        check_target(args.output, "a report", stdout=False)
         t = open_target(args.target)
         history = history_for(args.target, args.history)
-        analysis = analyze_view(t.view, alive=t.alive, dump_header=t.dump_header)
+        got = t.findings()
+        analysis = analyze_view(
+            t.view, alive=t.alive, dump_header=t.dump_header, findings=got.findings, kv=got.kv
+        )
         if analysis["summary"]:
             capacity = capacity_answer(t.view, history)
         else:
@@ -46,13 +52,7 @@ class ReportCommand:
         page = build_report(
             t.view, analysis=analysis, history=history, capacity=capacity, source=args.target
         )
-        tmp = f"{args.output}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                f.write(page)
-            os.replace(tmp, args.output)
-        except OSError as e:
-            raise output_error(args.output, e) from None
+        write_atomic(args.output, [page.encode()], mode=None)
         size = os.path.getsize(args.output)
         print(
             f"kvscope: wrote {os.path.abspath(args.output)} ({size / 1024:.0f} KiB,"

@@ -6,9 +6,14 @@ leak at exit, every pool the script used is dumped to --dump-dir as kvscope-<poo
 and the analysis is printed.
 
 Exit code: the script's when it failed (128+N when killed by signal N); otherwise 2 when a dump
-could not be written; otherwise 66 when --fail-on matched (error: a finding of severity error
-other than a leak; leak: that, or any leaked block); otherwise 0. The printed analysis shows
-each finding with the severity --fail-on gives it, so its headline agrees with that code.
+could not be written; otherwise 66 when --fail-on matched (leak, the default: a finding of
+severity error, or any leaked block, a dead owner's included, as LeakSanitizer fails a run on
+a leak; error: a finding of severity error other than a leak; never: nothing); otherwise 0. The
+printed analysis shows each finding with the severity --fail-on gives it, so its headline
+agrees with that code.
+
+Once a pool is dumped, its files are removed from /dev/shm when no live process holds it any
+more (--keep-pool keeps them); the verdict says which.
 
 SIGINT, SIGTERM and SIGHUP sent to kvscope are forwarded to the script; if it still runs
 --stop-grace seconds later (or at a second signal) it is killed with SIGKILL (kvscope/stopper.py).
@@ -119,8 +124,16 @@ class RunCommand:
         parser.add_argument(
             "--fail-on",
             choices=FAIL_ON,
-            default="error",
-            help="exit 66 when the script succeeded but this happened (default: error)",
+            default="leak",
+            help="exit 66 when the script succeeded but this happened: leak (default), a finding"
+            " of severity error or a leaked block, a dead owner's included; error, a finding of"
+            " severity error other than a leak; never",
+        )
+        parser.add_argument(
+            "--keep-pool",
+            action="store_true",
+            help="keep a dumped pool's files in /dev/shm (default: removed once dumped, when no"
+            " live process holds it)",
         )
         parser.add_argument(
             "--stop-grace",
@@ -180,9 +193,10 @@ class RunCommand:
                 outcome = sup.wait()
                 if log is not None:
                     log.close()
-            code = _finish(sup, outcome, dump_dir, args.fail_on)
+            code, dumped = _finish(sup, outcome, dump_dir, args.fail_on)
             if args.timeline:
                 _write_timelines(sup, dump_dir)
+            _settle_pools(sup, dumped, keep=args.keep_pool)
             return code
         finally:
             if tel is not None:
@@ -263,14 +277,17 @@ def _write_timelines(sup: Supervisor, dump_dir: str) -> None:
             write_trace(trace, trace_path(base))
             if w.history is not None and w.history.count:
                 w.history.write(history_path(base))
-        except OSError as e:
-            _echo(f"kvscope: could not write the timeline of pool {w.name!r}: {e.strerror or e}")
+        except (OSError, PoolError) as e:
+            why = getattr(e, "strerror", None) or e
+            _echo(f"kvscope: could not write the timeline of pool {w.name!r}: {why}")
             continue
         _echo(f"kvscope: wrote {trace_path(base)} (open it in Perfetto or chrome://tracing)")
 
 
-def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> int:
-    """Dump and analyze when something went wrong; the exit code.
+def _finish(
+    sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str
+) -> tuple[int, list[Watched]]:
+    """Dump and analyze when something went wrong; the exit code and the pools dumped.
 
     The printed analysis gives each finding the severity --fail-on gives it (error when it
     fails the run, warning when not), so its headline and the exit code agree; the dump keeps
@@ -279,6 +296,7 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
     """
     pid = sup.pid
     finals = []
+    dumped: list[Watched] = []
     dump_failed = False
     for w in sup.pools.values():
         try:
@@ -315,6 +333,7 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
             con.print()
             render(report, con, title=f"kvscope run: {what}; pool")
             if path:
+                dumped.append(w)
                 _echo(f"kvscope: wrote {path} (kvscope analyze {path})")
             else:
                 _echo(f"kvscope: no dump of pool {w.name!r} was written (above)")
@@ -322,15 +341,39 @@ def _finish(sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str) -> i
         _echo(f"kvscope run: {what}; {_clean_verdict(sup, found)}")
     unfired = _report_unfired(sup)
     if outcome.failed:
-        return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0)
+        return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0), dumped
     if dump_failed:
-        return EXIT_USAGE
+        return EXIT_USAGE, dumped
     if unfired:
-        return EXIT_FINDINGS
+        return EXIT_FINDINGS, dumped
     if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
         _echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
-        return EXIT_FAIL_ON
-    return 0
+        return EXIT_FAIL_ON, dumped
+    return 0, dumped
+
+
+def _settle_pools(sup: Supervisor, dumped: list[Watched], *, keep: bool) -> None:
+    """Remove the files of each dumped pool no live process holds any more (the dump has what
+    they held), unless --keep-pool; say what became of each."""
+    holders: dict[str, list[int]] = {}
+    for w, pid in sup.still_attached():
+        holders.setdefault(w.key, []).append(pid)
+    for w in dumped:
+        if w.unlinked_to:
+            continue  # the script unlinked it: its files go with the run (Supervisor.cleanup)
+        if keep:
+            _echo(
+                f"kvscope: kept pool {w.name!r} (--keep-pool); `kvscope check {w.name} --repair"
+                " --unlink` removes it"
+            )
+        elif w.key in holders:
+            pids = ", ".join(map(str, holders[w.key]))
+            _echo(f"kvscope: kept pool {w.name!r}: pid {pids} still holds it")
+        elif sup.remove_pool(w):
+            _echo(
+                f"kvscope: removed pool {w.name!r} from /dev/shm (its dump holds it;"
+                " --keep-pool keeps it)"
+            )
 
 
 def _clean_verdict(sup: Supervisor, found: list) -> str:

@@ -14,11 +14,11 @@ import os
 import sys
 import time
 
-from kvscope.analysis import collect_findings
+from kvscope.allocator.dumpfile import check_target
 from kvscope.history import history_for
 from kvscope.target import open_target
 from kvscope.timeline import build_trace, write_trace
-from kvscope.verbs.common import add_target_and_history, output_error, taken_ns
+from kvscope.verbs.common import add_target_and_history, taken_ns
 
 
 class TimelineCommand:
@@ -33,9 +33,12 @@ class TimelineCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        if args.output != "-":
+            # Refused before the work: a device, FIFO or directory is never replaced.
+            check_target(args.output, "a trace", stdout=False)
         t = open_target(args.target)
         history = history_for(args.target, args.history)
-        findings = collect_findings(t.view, t.alive)
+        findings = t.findings().findings
         trace = build_trace(
             t.view,
             history=history,
@@ -49,10 +52,7 @@ class TimelineCommand:
             json.dump(trace, sys.stdout, separators=(",", ":"))
             sys.stdout.write("\n")
         else:
-            try:
-                write_trace(trace, args.output)
-            except OSError as e:
-                raise output_error(args.output, e) from None
+            write_trace(trace, args.output)
         od = trace["otherData"]
         what = f"{od['num_requests']} request slice(s), {len(findings)} finding(s)"
         what += f", {od['history_samples']} history sample(s)"

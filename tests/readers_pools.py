@@ -1,0 +1,100 @@
+"""Pools and dumps for tests/test_readers_agree.py: each injectable fault, a K/V change only the
+offline check sees, a truncated data file and a healthy pool, built in this process (a fork
+for the fault that kills its process)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+
+from kvscope.allocator import KVPool, PoolConfig, faults
+from kvscope.allocator.faults import FAULTS
+from kvscope.allocator.segment import data_path, segment_path
+from kvscope.probes import lockdep
+
+PROBES = ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST")
+SCENARIOS = (*FAULTS, "kv-changed", "data-truncated", "healthy")
+
+
+def _config(**kw) -> PoolConfig:
+    return PoolConfig(num_blocks=48, block_size=4, head_dim=8, num_layers=1, dtype="float32", **kw)
+
+
+def _work(pool: KVPool) -> None:
+    """Four requests: a prompt, one-token appends (blocks fill and new ones are taken), a free."""
+    seqs = [pool.allocate(f"req-{i}", list(range(i, i + 9))) for i in range(4)]
+    for k in range(6):
+        for s in seqs:
+            pool.append(s, [k])
+    for s in seqs:
+        pool.free(s)
+
+
+def _published(pool: KVPool) -> int:
+    """A request whose first two blocks hold K/V and are published, still held; its second."""
+    seq = pool.allocate("owner", list(range(9)))
+    gen = torch.Generator().manual_seed(0)
+    shape = pool.kv[:, :, seq.block_table, : pool.block_size].shape
+    pool.kv[:, :, seq.block_table, : pool.block_size] = torch.randn(shape, generator=gen)
+    assert pool.mark_computed(seq, 8) == 2
+    return seq.block_table[1]
+
+
+def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
+    """Make the pool of `scenario`; its name, the handle this process keeps (None when none
+    is kept) and its header's first bytes while intact."""
+    name = f"{prefix}-{scenario}"
+    guard = scenario in ("oob-write",)
+    pool = KVPool.create(name, _config(guard=guard))
+    intact = bytes(pool.view.raw[:256])
+    if scenario == "lock-inversion":
+        lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+    try:
+        if scenario == "kill-holding-lock":
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    child = KVPool.attach(name)
+                    faults.configure("kill-holding-lock:1")
+                    _work(child)
+                finally:
+                    os._exit(3)
+            os.waitpid(pid, 0)
+        elif scenario in FAULTS:
+            faults.configure(f"{scenario}:1")
+            _work(pool)
+            if scenario == "header-scribble":
+                pool.verify()
+        elif scenario == "kv-changed":
+            blk = _published(pool)
+            # Written around every operation of the pool: only a check of the data sees it.
+            pool.kv[0, 0, blk, 0, 0, 0] += 1.0
+        elif scenario == "data-truncated":
+            _work(pool)
+            pool.close()
+            os.truncate(data_path(name), 4096)
+            return name, None, intact
+        else:
+            _work(pool)
+    finally:
+        faults.configure(None)
+        if scenario == "lock-inversion" and lockdep.LOCKDEP is not None:
+            lockdep.LOCKDEP.uninstrument(pool)
+    return name, pool, intact
+
+
+def prefix() -> str:
+    return f"agree-{uuid.uuid4().hex[:8]}"
+
+
+def remove(name: str, pool: KVPool | None) -> None:
+    if pool is not None:
+        try:
+            pool.close()
+        except Exception:  # noqa: BLE001 - a scribbled pool may not close cleanly
+            pass
+    for p in (segment_path(name), data_path(name)):
+        if os.path.lexists(p):
+            os.unlink(p)
