@@ -251,12 +251,13 @@ def _finding(f: dict[str, Any]) -> str:
     bad = f.get("first_bad_event")
     return (
         f'<div class="finding {esc(f["severity"])}"><b>{esc(f["kind"])}</b> ({esc(f["severity"])}):'
-        f" {esc(f['message'])}{_table(rows)}"
+        f" {esc(f['message'])}"
+        + (f"<b>first bad event</b>{_event_rows([bad])}" if bad else "")
+        + f"{_table(rows)}"
         f"<b>allocated by</b>{stack_html}{_event_rows(alloc)}"
         f"<b>freed by</b>{_event_rows(freed)}"
-        + (f"<b>first bad event</b>{_event_rows([bad])}" if bad else "")
-        + f"<details><summary>every recorded event of block {blocks[0] if blocks else '-'}"
-        f"</summary>{_event_rows(events)}</details></div>"
+        f"<details><summary>every recorded event of block {blocks[0] if blocks else '-'}"
+        f" ({len(events)})</summary>{_event_rows(events)}</details></div>"
     )
 
 

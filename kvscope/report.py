@@ -45,6 +45,10 @@ def _event_line(e: dict[str, Any]) -> str:
     )
 
 
+# A finding's events shown in the text (newest last); `--json` and the HTML report list every
+# event the flight recorder holds.
+EVENTS_SHOWN = 8
+
 # The version of every `--json` output's shape (docs/CLI.md): +1 when a key changes meaning or
 # goes away; new keys do not change it.
 JSON_SCHEMA = 1
@@ -170,6 +174,10 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     con.print(
         f"  [{style}]{f['kind']}[/{style}] {escape(' '.join(where))}{src}: {escape(f['message'])}"
     )
+    if f.get("first_bad_event"):
+        con.print(
+            "      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"]))
+        )
     at = f" ({_when(f['alloc_ns'])})" if f.get("alloc_ns") else ""
     if f.get("stack"):
         con.print(escape(f"      allocated at {f['stack'][0]}{at}"))
@@ -179,9 +187,16 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         con.print(escape(f"      allocated at {f['site']}{at}"))
     elif f.get("alloc_ns"):
         con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
-    if f.get("events"):
-        con.print("      last events:")
-        for e in f["events"]:
+    events = f.get("events") or []
+    if events:
+        shown = events[-EVENTS_SHOWN:]
+        con.print(
+            "      last events:"
+            if len(shown) == len(events)
+            else f"      last {len(shown)} of its {len(events)} recorded events (--json lists"
+            " every one):"
+        )
+        for e in shown:
             con.print("        " + escape(_event_line(e)))
     if f.get("mapped_since_published"):
         names = ", ".join(repr(r) for r in f["mapped_since_published"])
@@ -189,10 +204,6 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
             escape(
                 f"      mapped since its publication by {names} (the writer: one of them, or its publisher)"
             )
-        )
-    if f.get("first_bad_event"):
-        con.print(
-            "      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"]))
         )
 
 

@@ -252,3 +252,44 @@ def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
     assert "mapped since its publication by</th><td>&#x27;a&#x27;, &#x27;b&#x27;" in html
     for s in (late, a, seq):
         pool.free(s)
+
+
+def test_findings_come_in_the_order_things_went_wrong_with_every_event(
+    capsys, make_pool, probes, tmp_path
+):
+    # GIVEN a small pool whose block 0 went round many times, then a leak (leak_finished,
+    # recorded first), then a double free (recorded after it)
+    from kvscope.allocator import faults
+
+    pool = make_pool(4)
+    for i in range(12):
+        pool.free(pool.allocate(f"warm-{i}", [1, 2, 3]))
+    faults.configure("leak:1")
+    pool.free(pool.allocate("first", [1, 2, 3]))
+    faults.configure("double-free:1")
+    second = pool.allocate("second", [4, 5, 6])
+    pool.free(second)
+    faults.configure(None)
+    # WHEN analyzed
+    code, rep = analyze_json(capsys, pool.name)
+    # THEN the finding that went wrong first comes first (not the kinds' alphabetical order)
+    kinds = [f["kind"] for f in rep["findings"]]
+    assert kinds.index("leak_finished") < kinds.index("double_free"), kinds
+    times = [analysis.moment(f) for f in rep["findings"]]
+    known = [t for t in times if t is not None]
+    assert known == sorted(known) and times[: len(known)] == known
+    # AND a finding lists every event the recorder holds of its block, not the last 8
+    leak = next(f for f in rep["findings"] if f["kind"] == "leak_finished")
+    ev = pool.view.events.reshape(-1)
+    held = int(((ev["time_ns"] != 0) & (ev["block"] == leak["block"])).sum())
+    assert len(leak["events"]) == held > 8
+    # AND the text shows the last 8 and says how many there are
+    assert main(["analyze", pool.name]) == 1
+    assert f"last 8 of its {held} recorded events (--json lists every one)" in (
+        capsys.readouterr().out
+    )
+    # AND the HTML report lists them all, in the same order of findings
+    assert main(["report", pool.name, "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert f"every recorded event of block {leak['block']} ({held})" in page
+    assert page.index("<b>leak_finished</b>") < page.index("<b>double_free</b>")

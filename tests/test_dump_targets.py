@@ -115,3 +115,58 @@ def test_run_onto_a_full_disk_still_prints_the_analysis(tmp_path, pool_name, tin
     assert "health:" in done.stderr and "leak_finished" in done.stderr
     assert os.listdir(tiny_disk) == []
     assert done.returncode == (status or 2)
+
+
+@pytest.mark.parametrize("verb", ["report", "timeline"])
+def test_report_and_timeline_refuse_a_device_a_fifo_and_a_directory(
+    capsys, make_pool, tmp_path, verb
+):
+    # GIVEN a pool WHEN its report or trace is written onto a device, a FIFO or a directory
+    pool = make_pool(16)
+    os.mkfifo(tmp_path / "fifo")
+    for target in ("/dev/full", "/dev/null", str(tmp_path / "fifo"), str(tmp_path)):
+        assert main([verb, pool.name, "-o", target]) == 2
+        # THEN one line says why, and nothing is written or replaced
+        assert "not a regular file" in one_line_error(capsys)
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["fifo"]
+
+
+@pytest.mark.parametrize("verb", ["report", "timeline"])
+def test_report_and_timeline_onto_a_full_disk_leave_nothing(capsys, make_pool, tiny_disk, verb):
+    # GIVEN a pool, and a disk with a few hundred bytes left
+    pool = make_pool(64)
+    pool.allocate("req-1", list(range(9)))
+    filler = tiny_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"x" * 512):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    # WHEN the report or trace is written there
+    assert main([verb, pool.name, "-o", str(tiny_disk / "out")]) == 2
+    # THEN one line names the cause, and no file, partial or temporary, is left
+    assert "No space left on device" in one_line_error(capsys)
+    assert os.listdir(tiny_disk) == ["filler"]
+
+
+@pytest.mark.parametrize("verb", ["report", "timeline"])
+def test_report_and_timeline_replace_a_regular_file(capsys, make_pool, tmp_path, verb):
+    # GIVEN an existing file WHEN a report or trace is written over it
+    pool = make_pool(16)
+    out = tmp_path / "out"
+    out.write_text("old")
+    assert main([verb, pool.name, "-o", str(out)]) == 0
+    # THEN it holds the new content, readable as files the umask allows, and nothing else
+    assert out.read_text() != "old"
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~_umask()
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
