@@ -75,8 +75,11 @@ def test_clean_script_runs_with_its_args_and_leaves_nothing(capfd, tmp_path, poo
 
 def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
     # GIVEN a script that exits without freeing its sequence
-    # WHEN run with the default --fail-on error
-    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "leak"), pool_name])
+    # WHEN run with --fail-on error (leaks fail a run by default: tests/test_run_verdict.py)
+    code = main(
+        ["run", "--fail-on", "error", "--dump-dir", str(tmp_path), script(tmp_path, "leak"),
+         pool_name]
+    )  # fmt: skip
     err = capfd.readouterr().err
     # THEN it succeeds, but the leak is printed as it is found and a dump names the request;
     # the printed verdict agrees with the exit code: the leak is a warning under this --fail-on
