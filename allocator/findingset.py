@@ -129,14 +129,23 @@ def finding_key(f: Finding) -> tuple[str, int | None, int | None]:
 def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
     """The one de-duplication rule. The ring's findings are kept, each (they carry the moment
     it happened); a checked finding that repeats one of them (`finding_key`), or an earlier
-    checked one, is dropped. A corrupt header leaves only the header's findings: nothing else
-    in the segment, its ring included, can be trusted."""
+    checked one, is dropped, and so is a `leak_dead_owner` about a request whose process
+    reported it as `leak_finished` at its exit (one cause: the process ended holding it). A
+    corrupt header leaves only the header's findings: nothing else in the segment, its ring
+    included, can be trusted."""
     if any(f.kind == FindingKind.HEADER_CORRUPT for f in checked):
         return [f for f in checked if f.kind == FindingKind.HEADER_CORRUPT]
     seen = {finding_key(f) for f in recorded}
+    finished = {
+        (f.owner_pid, f.request)
+        for f in recorded
+        if f.kind == FindingKind.LEAK_FINISHED and f.request
+    }
     out = list(recorded)
     for f in checked:
         key = finding_key(f)
+        if f.kind == FindingKind.LEAK_DEAD_OWNER and (f.owner_pid, f.request) in finished:
+            continue
         if key not in seen:
             seen.add(key)
             out.append(f)

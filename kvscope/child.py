@@ -29,7 +29,9 @@ from typing import Any
 
 from kvscope.allocator import faults
 from kvscope.allocator.findings import LEAK_KINDS, Finding, FindingKind
+from kvscope.allocator.probeflags import env_flag
 from kvscope.allocator.segment import data_path, segment_path
+from kvscope.probes.leaks import creation_site, summary
 from kvscope.probes.process_exit import at_exit
 
 RUN_DIR_ENV = "KVSCOPE_RUN_DIR"
@@ -102,7 +104,8 @@ def on_unlink(pool: Any) -> None:
 
 
 def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
-    """Report each sequence of this process that still holds blocks as leak_finished."""
+    """Report each sequence of this process that still holds blocks as leak_finished, and
+    print the LEAK SUMMARY of the same sequences (with the leaks probe on)."""
     seqs = [s for s in list(pool._seqs.values()) if s.block_table]
     held = 0
     for seq in seqs:
@@ -121,18 +124,10 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
                 request=str(seq.request_id)[:32],
             )
         )
+    text = summary(pool, seqs, "at exit" if when == "the process exited" else f"when {when}")
+    if text is not None and env_flag("LEAKS"):
+        print(text, file=sys.stderr, flush=True)
     return seqs, held
-
-
-def creation_site(view: Any, slot: int) -> str | None:
-    """The frame that created the sequence in `slot` (allocate or fork), when sites are
-    recorded (`file:line` of the first frame of a stack)."""
-    from kvscope.allocator.sites import site_frames
-
-    recorded = int(view.seqs["site"][slot])
-    frames = site_frames(view, recorded - 1) if recorded else []
-    # "file:line function": the file and line (the message's room is 200 bytes)
-    return frames[0].rsplit(" ", 1)[0] if frames else None
 
 
 def own_block(pool: Any, seq: Any) -> int:

@@ -2,8 +2,8 @@
 
 Each probe is off by default in the library and has its own KVSCOPE_* switch (docs/PROBES.md):
 magic, ownership, guard, leaks and events live in the allocator's hooks (allocator/probing.py);
-lockdep and the watchdog, fault injection, the leak summary at exit and the OpenTelemetry
-exporters live here. `install_from_env()` is what `kvscope run` calls in every process of the
+lockdep and the watchdog, fault injection, the leak summary (printed by the exit check,
+kvscope/child.py) and the OpenTelemetry exporters live here. `install_from_env()` is what `kvscope run` calls in every process of the
 run (kvscope/child.py).
 """
 
@@ -15,25 +15,13 @@ from typing import Any
 
 from kvscope.allocator.events import OP_NAMES, EventOp
 from kvscope.allocator.faults import FAULTS
-from kvscope.allocator.probeflags import env_flag
-from kvscope.probes.process_exit import at_exit
 
 __all__ = ["FAULTS", "OP_NAMES", "EventOp", "install_from_env"]
 
-_opened: list[Any] = []
-
-
 def _on_open(pool: Any, env: Mapping[str, str]) -> None:
-    _opened.append(pool)
     from kvscope.probes import lockdep
 
     lockdep.install(pool, env)
-
-
-def _at_exit() -> None:
-    from kvscope.probes.leaks import print_summaries
-
-    print_summaries(_opened)
 
 
 def install_from_env(environ: Mapping[str, str] | None = None) -> None:
@@ -43,8 +31,6 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> None:
 
     env = os.environ if environ is None else environ
     pool_module.OPEN_HOOKS.append(lambda pool: _on_open(pool, env))
-    if env_flag("LEAKS", env):
-        at_exit(_at_exit)
     from kvscope.probes.otel_exporters import install_from_env as otel_install
 
     otel_install(env)

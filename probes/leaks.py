@@ -1,62 +1,55 @@
-"""LeakSanitizer-style summary at process exit: blocks still held, by allocation site."""
+"""LeakSanitizer-style summary of the requests a process still holds when it exits or closes a pool.
+
+The summary counts exactly what the exit check reports as `leak_finished` (kvscope/child.py): the
+sequences of this process that still hold blocks, grouped by the call that created them, with
+the distinct blocks they hold. So the summary and the findings name the same requests and blocks.
+"""
 
 from __future__ import annotations
 
-import os
-import sys
-from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from kvscope.allocator.layout import BlockState
-from kvscope.allocator.sites import site_text
+
+def creation_site(view: Any, slot: int, *, function: bool = False) -> str | None:
+    """The frame that created the sequence in `slot` (allocate or fork), when sites are
+    recorded: `file:line`, or `file:line function` with `function`."""
+    from kvscope.allocator.sites import site_frames
+
+    recorded = int(view.seqs["site"][slot])
+    frames = site_frames(view, recorded - 1) if recorded else []
+    if not frames:
+        return None
+    return frames[0] if function else frames[0].rsplit(" ", 1)[0]
 
 
-def held_by_me(pool: Any) -> np.ndarray:
-    """Blocks this process allocated that are still ALLOCATED and unindexed."""
-    b = pool.view.blocks
-    return np.flatnonzero(
-        (b["owner_pid"] == pool.pid) & (b["state"] == BlockState.ALLOCATED) & (b["indexed"] == 0)
-    )
-
-
-def summary(pool: Any) -> str | None:
-    """The exit summary of one pool, or None when this process holds nothing in it."""
-    ids = held_by_me(pool)
-    if len(ids) == 0:
+def summary(pool: Any, seqs: list[Any], when: str) -> str | None:
+    """The summary of one pool's leaked sequences `seqs` (None when there is none); `when`
+    says at what moment they were found (`at exit`, `when the pool was closed`)."""
+    if not seqs:
         return None
     b = pool.view.blocks
-    sites: Counter[str] = Counter()
-    requests: dict[str, set[str]] = {}
-    for blk in ids.tolist():
-        where = (
-            site_text(pool.view, int(b["site"][blk]))
-            or "(allocation site not recorded: KVSCOPE_OWNERSHIP=1)"
-        )
-        sites[where] += 1
-        requests.setdefault(where, set()).add(bytes(b["request"][blk]).decode(errors="replace"))
+
+    def blocks_of(group: list[Any]) -> np.ndarray:
+        return np.unique(np.concatenate([np.asarray(s.block_table, np.int64) for s in group]))
+
+    ids = blocks_of(seqs)
     tokens = int(b["num_tokens"][ids].sum())
-    reqs = {bytes(r).decode(errors="replace") for r in b["request"][ids]}
+    by_site: dict[str, list[Any]] = {}
+    for s in seqs:
+        where = (
+            creation_site(pool.view, s.slot, function=True)
+            or "(creation site not recorded: KVSCOPE_OWNERSHIP=1)"
+        )
+        by_site.setdefault(where, []).append(s)
     lines = [
-        f"==kvscope== LEAK SUMMARY: pool {pool.name!r}: {len(ids)} blocks ({tokens} tokens of KV) "
-        f"in {len(reqs)} request(s) still held by pid {pool.pid} at exit"
+        f"==kvscope== LEAK SUMMARY: pool {pool.name!r}: {len(ids)} blocks ({tokens} tokens of KV)"
+        f" in {len(seqs)} request(s) still held by pid {pool.pid} {when}"
     ]
-    for where, n in sites.most_common():
+    for where, group in sorted(by_site.items(), key=lambda kv: -len(kv[1])):
         lines.append(
-            f"==kvscope==   {n} block(s) allocated at {where} ({len(requests[where])} request(s))"
+            f"==kvscope==   {len(blocks_of(group))} block(s) held by {len(group)} request(s)"
+            f" created at {where}"
         )
     return "\n".join(lines)
-
-
-def print_summaries(pools: list[Any], file=sys.stderr) -> int:
-    """Print the summary of every open pool; return the number of leaked blocks."""
-    total = 0
-    for pool in pools:
-        if getattr(pool, "_closed", True) or pool.pid != os.getpid():
-            continue
-        text = summary(pool)
-        if text:
-            total += len(held_by_me(pool))
-            print(text, file=file, flush=True)
-    return total

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.cli import main
 from kvscope.errors import EXIT_FAIL_ON
@@ -53,6 +55,22 @@ if __name__ == "__main__":
     with open(go) as f:  # blocks until the test has read kvscope's line about the worker
         f.read()
     pool.close()
+"""
+
+
+# argv: pool name, how the script ends (raise: an uncaught exception; close: closes its pool
+# first). Three requests, one of them a fork sharing its parent's blocks.
+CRASH = """
+import sys
+from kvscope.allocator import KVPool, PoolConfig
+pool = KVPool.create(sys.argv[1], PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32"))
+a = pool.allocate("req-a", list(range(9)))
+b = pool.allocate("req-b", list(range(100, 106)))
+c = pool.fork(a, "req-c")
+if sys.argv[2] == "close":
+    pool.close()
+    sys.exit(0)
+raise RuntimeError("the model exploded")
 """
 
 
@@ -137,3 +155,25 @@ def test_a_worker_killed_mid_run_is_reported_while_the_script_still_runs(tmp_pat
     # and the dead owner fails the run by default, though the script itself succeeded
     assert code == EXIT_FAIL_ON, rest
     assert len(glob.glob(str(tmp_path / "kvscope-*.kvd"))) == 1
+
+
+@pytest.mark.parametrize("end", ["raise", "close"])
+def test_after_a_crash_each_request_is_one_line_and_the_summary_agrees(
+    capfd, tmp_path, pool_name, end
+):
+    # GIVEN a script that ends holding three requests (one a fork of another), by raising or
+    # by closing its pool first
+    crash = write(tmp_path, "crash.py", CRASH)
+    # WHEN it runs under kvscope
+    main(["run", "--dump-dir", str(tmp_path), crash, pool_name, end])
+    err = capfd.readouterr().err
+    # THEN the analysis lists each request once, as leak_finished (not also as a dead owner's)
+    analysis = err[err.index("kvscope run: child pid") :]
+    listed = re.findall(r"^  (\w+) block.* request '(req-\w)'", analysis, re.M)
+    assert sorted(listed) == [("leak_finished", f"req-{r}") for r in "abc"], analysis
+    # and the LEAK SUMMARY counts the same requests and their distinct blocks: 3 of req-a
+    # (shared with its fork req-c) and 2 of req-b
+    (line,) = [x for x in err.splitlines() if "LEAK SUMMARY" in x]
+    when = "at exit" if end == "raise" else "when the pool was closed"
+    assert "5 blocks (15 tokens of KV) in 3 request(s) still held by pid" in line, line
+    assert line.endswith(when)
