@@ -105,6 +105,7 @@ def write_finding(view, t, f: Finding) -> None:
     r["time_ns"] = now_ns()
     r["kind"] = f.kind.encode()
     r["severity"] = 1 if f.severity == ERROR else 2
+    r["repaired"] = 0
     r["block"] = -1 if f.block is None else f.block
     r["owner_pid"] = f.owner_pid or 0
     r["site"] = f.site_id + 1 if f.site_id >= 0 else 0
@@ -114,7 +115,7 @@ def write_finding(view, t, f: Finding) -> None:
 
 
 def read_findings(view) -> list[Finding]:
-    """Findings in the segment's ring, oldest first."""
+    """Findings in the segment's ring, oldest first (a repaired one with `extra["repaired"]`)."""
     from kvscope.allocator.layout import FINDINGS_CAPACITY
 
     head = int(view.h["findings_head"])
@@ -131,8 +132,43 @@ def read_findings(view) -> list[Finding]:
                 owner_pid=int(r["owner_pid"]) or None,
                 request=bytes(r["request"]).decode(errors="replace") or None,
                 severity=ERROR if int(r["severity"]) == 1 else WARNING,
-                extra={"time_ns": int(r["time_ns"])},
+                extra={"time_ns": int(r["time_ns"])}
+                | ({"repaired": True} if r["repaired"] else {}),
                 site_id=int(r["site"]) - 1,
             )
         )
     return out
+
+
+# What a repair answers about a dead process: its leaks and the locks it died holding.
+REPAIRABLE_KINDS = LEAK_KINDS | {FindingKind.LOCK_DEAD_HOLDER}
+
+
+def mark_repaired(view, t, pids: set[int]) -> list[Finding]:
+    """Mark the ring's findings of REPAIRABLE_KINDS about the processes `pids` as repaired
+    (caller holds the findings lock, `t` journals it); the findings marked."""
+    from kvscope.allocator.layout import FINDINGS_CAPACITY
+
+    head = int(view.header["findings_head"][0])
+    at = view.findings.dtype.fields["repaired"][1]
+    size = view.findings.dtype.itemsize
+    marked = []
+    for k in range(max(0, head - FINDINGS_CAPACITY), head):
+        i = k % FINDINGS_CAPACITY
+        r = view.findings[i]
+        kind = bytes(r["kind"]).decode(errors="replace")
+        if r["repaired"] or int(r["owner_pid"]) not in pids or kind not in REPAIRABLE_KINDS:
+            continue
+        t.journal.save(view.offsets["findings"] + i * size + at, 1)
+        view.findings["repaired"][i] = 1
+        block = int(r["block"])
+        marked.append(
+            Finding(
+                kind=kind,
+                message=bytes(r["message"]).decode(errors="replace"),
+                block=None if block < 0 else block,
+                owner_pid=int(r["owner_pid"]),
+                request=bytes(r["request"]).decode(errors="replace") or None,
+            )
+        )
+    return marked

@@ -161,6 +161,8 @@ def recorded_findings(view: SegmentView) -> list[Finding]:
         recorded = read_findings(view)
     except ValueError:
         return []
+    # What `kvscope check --repair` answered (recovery.clear_repaired) is no longer a finding.
+    recorded = [f for f in recorded if not f.extra.pop("repaired", False)]
     for f in recorded:
         f.extra["source"] = "recorded"
     return recorded

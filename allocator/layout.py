@@ -190,7 +190,9 @@ FINDING_DTYPE = np.dtype(
         ("time_ns", "<u8"),
         ("kind", "S24"),
         ("severity", "u1"),
-        ("pad", "u1", (3,)),
+        # 1 once `kvscope check --repair` answered it (recovery.clear_repaired); readers skip it.
+        ("repaired", "u1"),
+        ("pad", "u1", (2,)),
         ("block", "<i4"),
         ("owner_pid", "<i4"),
         # The allocation site of the block as the finding saw it, site id + 1 (0: none): the

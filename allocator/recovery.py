@@ -20,7 +20,7 @@ import numpy as np
 
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.check import table_refs
-from kvscope.allocator.findings import Finding, FindingKind, write_finding
+from kvscope.allocator.findings import Finding, FindingKind, mark_repaired, write_finding
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import (
     CHUNK,
@@ -304,6 +304,16 @@ def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None = None) -> dict
         for pid, r in rolled.items():
             done.append({**r, "pid": pid, "sequences": 0, "blocks": 0, "detached": False})
     return totals
+
+
+def clear_repaired(pool: KVPool, pids: set[int]) -> list[Finding]:
+    """After a repair returned what the dead processes `pids` held: mark the recorded findings
+    about their leaks and the locks they died holding as repaired, so that a repaired pool
+    reads healthy (readers leave them out: allocator/findingset.py); the findings marked."""
+    if not pids:
+        return []
+    fl = pool.locks.index("findings")
+    return pool._run({fl}, lambda t: mark_repaired(pool.view, t, pids))
 
 
 class _Unseen:

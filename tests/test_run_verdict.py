@@ -177,3 +177,22 @@ def test_after_a_crash_each_request_is_one_line_and_the_summary_agrees(
     when = "at exit" if end == "raise" else "when the pool was closed"
     assert "5 blocks (15 tokens of KV) in 3 request(s) still held by pid" in line, line
     assert line.endswith(when)
+
+
+def test_check_repair_clears_what_it_repaired_so_the_pool_reads_healthy(capfd, tmp_path, pool_name):
+    # GIVEN the pool a crashed script left behind (kept), whose ring recorded its leaks
+    crash = write(tmp_path, "crash.py", CRASH)
+    main(["run", "--keep-pool", "--dump-dir", str(tmp_path), crash, pool_name, "raise"])
+    capfd.readouterr()
+    assert main(["check", pool_name]) == 1
+    capfd.readouterr()
+    # WHEN it is repaired
+    code = main(["check", pool_name, "--repair"])
+    out, err = capfd.readouterr()
+    # THEN the repair returns the dead process's blocks, says which findings it cleared, and
+    # the pool reads healthy, then and afterwards
+    assert code == 0, err
+    assert "reclaimed 5 blocks and 3 sequences from 1 dead process(es)" in err
+    assert "cleared the recorded findings it repaired (3 leak_finished)" in err
+    assert "health: OK - no findings" in out
+    assert main(["check", pool_name]) == 0

@@ -1,7 +1,9 @@
 """Check a live pool: the same analysis as `analyze`, read without locking the pool.
 
 `--repair` attaches to the pool, rolls back the journals of processes that died mid-operation
-and returns the blocks of dead owners to the free ring, then says what it did and checks again.
+and returns the blocks of dead owners to the free ring, marks the recorded findings it answered
+(those processes' leaks and the locks they died holding) as repaired, then says what it did and
+checks again.
 Exit code 0 when healthy (after repair), 1 when a finding of severity error remains.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections import Counter
 from typing import Any
 
 from kvscope.allocator.ranges import repair_blocker
@@ -27,11 +30,13 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     did (an attach to a full client table reclaims one dead process first). A dead process's
     journal that cannot be trusted is skipped and said to be (`Journal.problem`)."""
     from kvscope.allocator import KVPool
+    from kvscope.allocator.recovery import clear_repaired
 
     pool = KVPool.attach(name, trust_owner)
     done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
         pool.reclaim_dead(done)
+        cleared = clear_repaired(pool, {d["pid"] for d in done})
     finally:
         pool.close()
     return {
@@ -44,6 +49,7 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
         "processes": sum(d["detached"] for d in done),
         "sequences": sum(d["sequences"] for d in done),
         "blocks": sum(d["blocks"] for d in done),
+        "findings_cleared": [f.to_dict() for f in cleared],
     }
 
 
@@ -63,6 +69,10 @@ def describe_repair(done: dict[str, Any]) -> str:
             f"reclaimed {done['blocks']} blocks and {done['sequences']} sequences"
             f" from {done['processes']} dead process(es) (pid {pids})"
         )
+    if done.get("findings_cleared"):
+        kinds = Counter(f["kind"] for f in done["findings_cleared"])
+        listed = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        parts.append(f"cleared the recorded findings it repaired ({listed})")
     return "repair: " + ("; ".join(parts) if parts else "nothing to repair")
 
 
