@@ -251,7 +251,9 @@ def install() -> None:
     pool_module.CLOSE_HOOK = on_close
     pool_module.UNLINK_HOOK = on_unlink
     faults.ON_FIRE.append(_fault_fired)
-    at_exit(_at_exit)
     from kvscope.probes import install_from_env
 
     install_from_env()
+    # After the probes: exit handlers run last registered first, so the exit check runs before
+    # the exporters' final flush, which then carries what it found.
+    at_exit(_at_exit)

@@ -410,6 +410,14 @@ class Supervisor:
         origin = Origin.live(w.name, data_file=where, again=lambda: snapshot(w.view))
         return snap, pool_findings(snap, origin).findings
 
+    def segment_of(self, name: str) -> str:
+        """Where the segment file of the run's pool `name` is now (renamed aside when the
+        script unlinked it; the last one opened under that name)."""
+        for w in reversed(list(self.pools.values())):
+            if w.name == name:
+                return w.unlinked_to or w.path
+        return segment_path(name)
+
     def remove_pool(self, w: Watched) -> bool:
         """Unlink the pool's files when its name still names the segment the run watched (not
         one created again under that name since); True when removed."""

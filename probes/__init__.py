@@ -18,6 +18,7 @@ from kvscope.allocator.faults import FAULTS
 
 __all__ = ["FAULTS", "OP_NAMES", "EventOp", "install_from_env"]
 
+
 def _on_open(pool: Any, env: Mapping[str, str]) -> None:
     from kvscope.probes import lockdep
 

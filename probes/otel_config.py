@@ -11,6 +11,7 @@ exports anywhere it was not told to.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 from collections.abc import Mapping
@@ -101,6 +102,38 @@ def describe(environ: Mapping[str, str], prometheus: bool) -> str:
                 shown.append(n)
         parts.append(f"{signal} -> {', '.join(shown)}")
     return "kvscope: OpenTelemetry " + "; ".join(parts)
+
+
+# The modules each exporter needs beyond the SDK (`pip install 'kvscope[otel]'`); the console
+# exporters come with the SDK.
+EXPORTER_MODULES = {
+    "prometheus": ("opentelemetry.exporter.prometheus", "prometheus_client"),
+    "http/protobuf": ("opentelemetry.exporter.otlp.proto.http",),
+    "grpc": ("opentelemetry.exporter.otlp.proto.grpc",),
+}
+INSTALL_OTEL = "pip install 'kvscope[otel]'"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_installed(environ: Mapping[str, str]) -> None:
+    """OtelConfigError naming what to install when an exporter the settings name is missing."""
+    for signal in EXPORTERS:
+        for n in exporter_names(environ, signal):
+            if n == "console":
+                continue
+            need = n if n == "prometheus" else otlp_target(environ, signal)[0]
+            if not all(_installed(m) for m in EXPORTER_MODULES[need]):
+                what = "prometheus" if n == "prometheus" else f"otlp ({need})"
+                raise OtelConfigError(
+                    f"the {what} exporter for {signal} is not installed: {INSTALL_OTEL}"
+                    " (the console exporter needs nothing more)"
+                )
 
 
 def configured(environ: Mapping[str, str]) -> bool:

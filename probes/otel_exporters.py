@@ -23,6 +23,7 @@ from typing import Any
 from kvscope.probes.otel_config import (
     COLLECT_ENV,
     OtelConfigError,
+    check_installed,
     configured,
     describe,
     exporter_names,
@@ -39,10 +40,20 @@ class Telemetry:
     tracer_provider: Any = None
     logger_provider: Any = None
     prometheus_port: int | None = None
+    # Run before the last export (the collector's last read of the pools).
+    finals: list[Callable[[], None]] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
+    stopped: bool = False
 
     def shutdown(self) -> None:
-        """Export what is pending, stop the collector and instrumentation, stop the exporters."""
+        """Export what is pending, stop the collector and instrumentation, stop the exporters
+        (once: the exit handler finds it done when its owner already called it)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for final in self.finals:
+            final()
+        self.finals.clear()
         if self.meter_provider is not None:
             # While the collector still reads the pools: the last export carries their values.
             self.meter_provider.force_flush()
@@ -156,6 +167,7 @@ def build_telemetry(
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    check_installed(environ)
     resource = resource_from_env(environ, extra)
     tel = Telemetry()
     metric_names = [
@@ -164,15 +176,19 @@ def build_telemetry(
     span_names, log_names = exporter_names(environ, "traces"), exporter_names(environ, "logs")
     try:
         tel.meter_provider = MeterProvider(
-            resource=resource, metric_readers=_metric_readers(environ, metric_names, tel)
+            resource=resource,
+            metric_readers=_metric_readers(environ, metric_names, tel),
+            # Telemetry.shutdown flushes them, at the moment its owner says (after the exit
+            # check in a process of `kvscope run`).
+            shutdown_on_exit=False,
         )
     except BaseException:
         tel.shutdown()
         raise
-    tel.tracer_provider = TracerProvider(resource=resource)
+    tel.tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     for n in span_names:
         tel.tracer_provider.add_span_processor(BatchSpanProcessor(_exporter(environ, "traces", n)))
-    tel.logger_provider = LoggerProvider(resource=resource)
+    tel.logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
     for n in log_names:
         tel.logger_provider.add_log_record_processor(
             BatchLogRecordProcessor(_exporter(environ, "logs", n))
@@ -184,37 +200,51 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> Telemetry | No
     """Child side of `kvscope run`: instrument every pool this process opens; None when off.
 
     The pool collector runs here only with KVSCOPE_OTEL_COLLECT=1 (the supervisor collects).
+    Everything is flushed when the process exits, multiprocessing workers included, after the
+    exit checks registered before this call (kvscope/child.py installs the probes first).
     """
     env = os.environ if environ is None else environ
     if not configured(env):
         return None  # (before the import: a run without exporters needs no OTel SDK)
     from kvscope.probes.otel import KVPoolInstrumentor
+    from kvscope.probes.process_exit import at_exit
 
     collect = env.get(COLLECT_ENV) == "1"
     tel = build_telemetry(env, prometheus=collect)
     inst = KVPoolInstrumentor()
     inst.instrument(tel.meter_provider, tel.tracer_provider, tel.logger_provider, collect=collect)
+    if inst.collector is not None:
+        tel.finals.append(inst.collector.finish)
     tel.closers.append(inst.uninstrument)
+    at_exit(tel.shutdown)
     return tel
 
 
 def start_collector(
-    pool_names: Callable[[], Iterable[str]], environ: Mapping[str, str] | None = None
+    pool_names: Callable[[], Iterable[str]],
+    environ: Mapping[str, str] | None = None,
+    path_of: Callable[[str], str] | None = None,
 ) -> Telemetry | None:
-    """Supervisor side: pool metrics of `pool_names()`, GPU metrics and the Prometheus endpoint."""
+    """Supervisor side: pool metrics of `pool_names()` (their segment files: `path_of`), GPU
+    metrics and the Prometheus endpoint. `shutdown()` reads the pools a last time (late
+    findings, the whole-pool check's) and exports everything, whatever the interval."""
     env = os.environ if environ is None else environ
     if not configured(env):
         return None  # (before the imports: a run without exporters needs no OTel SDK)
+    check_installed(env)
     from kvscope.probes.nvml import GpuMetrics
     from kvscope.probes.otel_metrics import PoolCollector
 
     gpus = GpuMetrics()
     tel = build_telemetry(env, prometheus=True, extra=gpus.resource_attributes())
     meter = tel.meter_provider.get_meter("kvscope.probes.otel")
-    collector = PoolCollector(
-        meter, pool_names, logger=tel.logger_provider.get_logger("kvscope.probes.otel")
-    )
+    logger = tel.logger_provider.get_logger("kvscope.probes.otel")
+    if path_of is None:
+        collector = PoolCollector(meter, pool_names, logger=logger)
+    else:
+        collector = PoolCollector(meter, pool_names, logger=logger, path_of=path_of)
     gpus.register(meter)
+    tel.finals.append(collector.finish)
     tel.closers += [gpus.close, collector.close]
     shown = (
         {**env, "OTEL_EXPORTER_PROMETHEUS_PORT": str(tel.prometheus_port)}

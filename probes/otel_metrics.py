@@ -168,9 +168,9 @@ def pool_attributes(name: str, device: str) -> dict[str, Any]:
 class _Reader:
     """One mapped segment, reopened when its file is replaced and dropped when it is gone."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, path: str):
         self.name = name
-        self.path = segment_path(name)
+        self.path = path
         self.ino = os.stat(self.path).st_ino
         self.mf: MappedFile = open_existing(self.path, name)
         self.view: SegmentView = view_of(self.mf)
@@ -202,8 +202,14 @@ class PoolCollector:
         pool_names: Callable[[], Iterable[str]],
         logger: Any = None,
         max_age_s: float = 0.1,
+        path_of: Callable[[str], str] = segment_path,
     ):
+        """Args:
+        path_of: the segment file of a pool by name (`kvscope run`: where the script's
+            unlink renamed it, so that the last export still reads it).
+        """
         self.pool_names = pool_names
+        self.path_of = path_of
         self.logger = logger
         self.max_age_s = max_age_s
         # Callbacks of a forked child (inherited provider) report nothing: the parent collects.
@@ -213,6 +219,7 @@ class PoolCollector:
         self._stats: list[tuple[_Reader, dict[str, Any]]] = []
         self._read_at = 0.0
         self._closed = False
+        self._finished = False
         for spec in POOL_METRICS:
             make = (
                 meter.create_observable_counter
@@ -249,11 +256,12 @@ class PoolCollector:
     def _sync_readers(self) -> None:
         names = set(self.pool_names())
         for name in list(self._readers):
-            if name not in names or self._readers[name].stale():
+            r = self._readers[name]
+            if name not in names or r.path != self.path_of(name) or r.stale():
                 self._readers.pop(name).close()
         for name in names - set(self._readers):
             try:
-                self._readers[name] = _Reader(name)
+                self._readers[name] = _Reader(name, self.path_of(name))
             except Exception:  # noqa: BLE001 - a pool that vanished or is not valid yet
                 continue
 
@@ -289,7 +297,8 @@ class PoolCollector:
         from kvscope.allocator.snapshot import snapshot
 
         try:
-            found = pool_findings(snapshot(r.view), Origin.live(r.name)).findings
+            origin = Origin.live(r.name, data_file=r.path + ".data")
+            found = pool_findings(snapshot(r.view), origin).findings
         except (ValueError, IndexError, OSError):
             return  # a segment being rewritten or removed meanwhile
         for f in found:
@@ -305,14 +314,23 @@ class PoolCollector:
 
         return observe
 
-    def close(self) -> None:
-        """Read the segments one last time (emitting late findings and those only the whole
-        assembly finds) and unmap them."""
+    def finish(self) -> None:
+        """Read the segments one last time, emitting late findings and those only the whole
+        assembly finds: before the last export, so that it carries them (once)."""
         self.refresh()
         with self._mutex:
-            if not self._closed and os.getpid() == self.pid:
-                for r in self._readers.values():
-                    self._last_findings(r)
+            if self._finished or self._closed or os.getpid() != self.pid:
+                return
+            self._finished = True
+            for r in self._readers.values():
+                self._last_findings(r)
+        # The findings just emitted, in the counts the last export reads.
+        self._read_at = 0.0
+
+    def close(self) -> None:
+        """finish() if not done, and unmap the segments."""
+        self.finish()
+        with self._mutex:
             self._closed = True
             for r in self._readers.values():
                 r.close()

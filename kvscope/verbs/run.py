@@ -182,7 +182,9 @@ class RunCommand:
                 try:
                     # The supervisor collects pool metrics once for every process of the run.
                     tel = start_collector(
-                        lambda: [w.name for w in list(sup.pools.values())], otel_env
+                        lambda: [w.name for w in list(sup.pools.values())],
+                        otel_env,
+                        path_of=sup.segment_of,
                     )
                 except OtelConfigError as e:
                     raise UsageError(str(e)) from None
@@ -196,6 +198,9 @@ class RunCommand:
             code, dumped = _finish(sup, outcome, dump_dir, args.fail_on)
             if args.timeline:
                 _write_timelines(sup, dump_dir)
+            if tel is not None:
+                # The last export, while the pools' files are still there to be read.
+                tel.shutdown()
             _settle_pools(sup, dumped, keep=args.keep_pool)
             return code
         finally:
