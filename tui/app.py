@@ -178,7 +178,10 @@ class TopApp(App[int]):
     def _check(self, view: SegmentView) -> float:
         t0 = time.perf_counter()
         if not getattr(view, "torn", False):
-            self.checked = checked_findings(view, self._origin).findings
+            try:
+                self.checked = checked_findings(view, self._origin).findings
+            except PoolError:
+                pass  # the pool went away while its KV data was checked: the next frame says so
         cost = time.perf_counter() - t0
         self.post_message(CheckDone(self.checked, cost))
         return cost
