@@ -3,8 +3,14 @@
     python bench/bench_serve.py --device cuda          # on the H200 (docs/BENCHMARKS.md)
     python bench/bench_serve.py --device cpu --quick   # smoke test
     python bench/bench_serve.py --mixes --device cuda  # the prefix-sharing report's table
+    python bench/bench_serve.py --mixes --score --short --baseline hf --table --device cuda
+    python bench/bench_serve.py --mixes --memory --baseline hf --table --device cuda
 
-(`--mixes`: bench/serve_mixes.py.)
+(`--mixes`: bench/serve_mixes.py; `--baseline hf`: bench/bench_serve_hf.py.) `--mixes` alone
+serves each case on a fresh 8 GiB pool; with a request shape (`--score`, `--short`,
+`--shape`), `--baseline hf`, `--memory`, `--clients`, `--repeat` or `--table` every case runs
+on one pool (1024 blocks, or with `--memory` the KV budget an A100 40GB leaves beside the
+weights) whose cached blocks are evicted between cases, and the step graphs are captured once.
 
 A random-weight Llama checkpoint (~110M parameters) is written to a temporary directory; the
 same seeded workload (256 requests arriving at once, 70% behind one of 10 shared 256-token
@@ -150,7 +156,31 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="--mixes: no table; profile N requests of the top-10 mix instead",
     )
+    r = ap.add_argument_group("--mixes: the report's regime (one pool for every case)")
+    r.add_argument(
+        "--shape", default="", help="request shapes, comma-separated: generate, short, score"
+    )
+    r.add_argument("--score", action="store_true", help="scoring requests (loglikelihood)")
+    r.add_argument("--short", action="store_true", help="short generations (1-4 tokens)")
+    r.add_argument("--baseline", choices=["hf"], help="also serve with Hugging Face Transformers")
+    r.add_argument(
+        "--memory",
+        action="store_true",
+        help="the KV budget of an A100 40GB beside the weights, clients 12,16,24,32",
+    )
+    r.add_argument("--mix", default="", help="mixes, comma-separated (default all three)")
+    r.add_argument("--clients", default="", help="client counts, comma-separated (default 12)")
+    r.add_argument("--num-blocks", type=int, default=0, help="the pool's blocks (overrides)")
+    r.add_argument("--repeat", type=int, default=1, help="serve every case this many times")
+    r.add_argument("--table", action="store_true", help="print the report's table (Markdown)")
+    r.add_argument("--hf-requests", type=int, default=24, help="requests Transformers serves")
+    r.add_argument("--check", type=int, default=4, help="requests compared with Transformers")
     args = ap.parse_args(argv)
+    if args.mixes and (
+        args.shape or args.score or args.short or args.baseline or args.memory
+        or args.clients or args.mix or args.repeat > 1 or args.table or args.num_blocks
+    ):  # fmt: skip
+        return _report(args)
     if args.mixes:
         return _mixes(args)
     cases = {
@@ -226,6 +256,57 @@ def _mixes(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    """`--mixes` in the report's regime: request shapes, Transformers beside, the memory
+    regime, the report's table."""
+    import serve_mixes
+
+    shapes = [x for x in args.shape.split(",") if x]
+    shapes += [x for x, on in (("short", args.short), ("score", args.score)) if on]
+    shapes = [x for x in serve_mixes.SHAPES if x in shapes] or ["generate"]
+    if args.clients:
+        clients = [int(x) for x in args.clients.split(",")]
+    else:
+        clients = list(serve_mixes.MEMORY_CLIENTS) if args.memory else [serve_mixes.CLIENTS]
+    model = serve_mixes.build_model(args.device, args.quick)
+    num_blocks = args.num_blocks or (
+        serve_mixes.a100_blocks(model) if args.memory else serve_mixes.DEFAULT_BLOCKS
+    )
+    hf = None
+    if args.baseline == "hf":
+        from bench_serve_hf import HFBaseline
+
+        hf = HFBaseline(model)
+    results = serve_mixes.run_report(
+        model, args.device, shapes=shapes, clients=clients, num_blocks=num_blocks,
+        num_requests=args.requests, repeat=args.repeat, graphs=args.cuda_graphs != "off",
+        hf=hf, hf_requests=args.hf_requests, check=args.check,
+        mixes=tuple(x for x in serve_mixes.MIXES if x in args.mix.split(",")) or serve_mixes.MIXES,
+    )  # fmt: skip
+    results["machine"] = _machine(args)
+    if args.table:
+        print(serve_mixes.render_report(results), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _machine(args: argparse.Namespace) -> dict[str, str]:
+    """Where and when a `--mixes` run ran."""
+    import datetime
+    import platform
+
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "model": "tiny" if args.quick else "llama2-7b shape, random fp16",
+    }
 
 
 if __name__ == "__main__":

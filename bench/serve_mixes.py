@@ -14,7 +14,9 @@ The mixes (every prompt a token list; the same seed gives the same requests):
 - top-10: 65% of requests repeat one of 10 whole 128-token prompts verbatim, the rest are
   drawn as in "uniform" (mean 128);
 - long: one of 10 shared 128-token system prompts, then 768-1024 own tokens (mean 1024).
-Outputs are 16-48 tokens (mean 32), greedy, the same in every case.
+Outputs are 16-48 tokens (mean 32), greedy, the same in every case. Two more request shapes
+have the same prompts (as lm-eval-harness sends them): "short", 1-4 output tokens, and "score",
+a continuation of 1-8 tokens whose log-likelihoods are returned (one forward, no decoding).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import cProfile
 import gc
 import io
+import os
 import pstats
 import random
 import time
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 from server.checkpoint import LLAMA2_7B, random_model, tiny_model
 from server.model import LlamaModel, ModelConfig
+from server.report import RequestResult, StepSample
 from server.runconfig import RunConfig
 from server.runner import run
 from server.workload import Request
@@ -38,6 +42,10 @@ from server.workload import Request
 CLIENTS = 12
 BLOCK_SIZE = 16
 MIXES = ("uniform", "top-10", "long")
+# request shapes: outputs of 16-48 tokens; of 1-4 ("short"); a continuation scored ("score")
+SHAPES = ("generate", "short", "score")
+SHORT_OUTPUT = (1, 4)
+CONTINUATION = (1, 8)
 # --quick: multi-head attention like Llama-2-7B's, at a size the CPU serves in seconds
 QUICK = ModelConfig(
     vocab_size=512,
@@ -50,9 +58,17 @@ QUICK = ModelConfig(
 )
 
 
-def mix_requests(mix: str, num_requests: int, vocab_size: int, seed: int = 0) -> list[Request]:
-    """The seeded requests of one mix (see the module docstring)."""
+def mix_requests(
+    mix: str, num_requests: int, vocab_size: int, seed: int = 0, shape: str = "generate"
+) -> list[Request]:
+    """The seeded requests of one mix (see the module docstring) in one request shape: every
+    shape has the same prompts; "generate" 16-48 output tokens, "short" 1-4, "score" a
+    continuation of 1-8 tokens scored for log-likelihoods (nothing generated)."""
+    assert shape in SHAPES, shape
     rng = random.Random(f"{mix}:{seed}")
+    # the other shapes' lengths from rngs of their own: the prompts stay the same
+    short_rng = random.Random(f"{mix}:{seed}:short")
+    score_rng = random.Random(f"{mix}:{seed}:score")
     system_len = 128 if mix == "long" else 64
     own = (768, 1024) if mix == "long" else (32, 96)
 
@@ -67,7 +83,15 @@ def mix_requests(mix: str, num_requests: int, vocab_size: int, seed: int = 0) ->
             prompt = list(whole[rng.randrange(10)])
         else:
             prompt = systems[rng.randrange(10)] + tokens(rng.randint(*own))
-        requests.append(Request(f"r{i}", prompt, max_tokens=rng.randint(16, 48)))
+        max_tokens = rng.randint(16, 48)
+        if shape == "short":
+            max_tokens = short_rng.randint(*SHORT_OUTPUT)
+        if shape == "score":
+            n = score_rng.randint(*CONTINUATION)
+            continuation = [score_rng.randrange(vocab_size) for _ in range(n)]
+            requests.append(Request(f"r{i}", prompt, 0, continuation=continuation))
+        else:
+            requests.append(Request(f"r{i}", prompt, max_tokens=max_tokens))
     return requests
 
 
@@ -237,4 +261,370 @@ def render(results: dict[str, Any]) -> str:
         qps = on["requests_per_s"] / off["requests_per_s"] - 1
         mem = on["peak_kv_blocks"] / max(off["peak_kv_blocks"], 1) - 1
         lines.append(f"| {mix} | {'on' if g else 'off'} | {qps:+.0%} | {mem:+.0%} |")
+    return "\n".join(lines)
+
+
+# The memory regime: an A100 40GB beside the model's fp16 weights. Its KV budget is sized as
+# vLLM sizes its cache: 90% of the GPU's memory (gpu_memory_utilization 0.9), less the weights,
+# less a reserve for the forward's activations.
+A100_BYTES = 40 * 2**30
+GPU_MEMORY_UTILIZATION = 0.9
+ACTIVATION_RESERVE = 2**30
+# the pool of the other cases: 1024 blocks (8 GiB of Llama-2-7B's KV), never short
+DEFAULT_BLOCKS = 1024
+MEMORY_CLIENTS = (12, 16, 24, 32)
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes of the model's weights (fused views counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def a100_blocks(model: LlamaModel) -> int:
+    """Pool blocks in the KV budget an A100 40GB leaves beside `model`'s weights."""
+    budget = GPU_MEMORY_UTILIZATION * A100_BYTES - weight_bytes(model) - ACTIVATION_RESERVE
+    return int(budget // kv_block_bytes(model))
+
+
+class SharedPool:
+    """One pool and one set of step graphs serving many cases in turn: between cases every
+    cached block is evicted, so each case starts on an empty pool (as a fresh one) and the
+    graphs are captured once (max_seqs: the most clients of any case)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        device: str,
+        num_blocks: int,
+        max_clients: int,
+        max_len: int,
+        graphs: bool,
+    ) -> None:
+        from server.graphs import StepGraphs
+        from server.runconfig import create_pool
+
+        self.model = model
+        self.device = device
+        self.config = RunConfig(
+            model_shape=model.config,
+            device=device,
+            dtype="float32" if device == "cpu" else "float16",
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=max_clients,
+            max_num_batched_tokens=4096,
+            prefill_chunk=2048,
+            pool_name=f"mixes-{os.getpid()}",
+        )
+        self.pool = create_pool(self.config)
+        self.graphs = (
+            StepGraphs(model, self.pool, max_clients, max_len, max_tokens=4096, max_chunk=2048)
+            if graphs and device == "cuda"
+            else None
+        )
+
+    def serve(
+        self, requests: list[Request], clients: int, sharing: bool
+    ) -> tuple[dict[str, Any], list[RequestResult]]:
+        """Serve `requests` with at most `clients` at once; the summary (with the case's
+        memory over time) and every request's result."""
+        from server.engine import Engine
+        from server.report import summarize
+        from server.runconfig import engine_extra
+
+        engine = Engine(
+            self.model,
+            self.pool,
+            max_num_seqs=clients,
+            max_num_batched_tokens=4096,
+            prefill_chunk=2048,
+            prefix_cache=sharing,
+            graphs=self.graphs,
+        )
+        began = time.monotonic()
+        results = engine.run(requests, start_s=began)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        duration_s = time.monotonic() - began
+        summary = summarize(
+            results, engine.samples, duration_s, engine.scheduler.num_preemptions,
+            extra=engine_extra(engine),
+        )  # fmt: skip
+        # (in batches: one eviction's undo journal holds about a hundred blocks)
+        while self.pool.evict(64):
+            pass
+        stats = self.pool.stats()
+        assert stats["num_cached"] == 0 and not any(r.error for r in results), stats
+        out = asdict(summary)
+        out["requests_per_s"] = round(summary.requests / duration_s, 2)
+        out["peak_kv_bytes"] = summary.peak_kv_blocks * kv_block_bytes(self.model)
+        out["running"] = running_over_time(engine.samples)
+        return out, results
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.unlink()
+
+
+def running_over_time(samples: list[StepSample], points: int = 40) -> dict[str, Any]:
+    """Streams running over a case: the time-weighted mean, the peak, and (t_s, running) at
+    `points` evenly spaced moments (the last sample at or before each)."""
+    if not samples:
+        return {"mean": 0.0, "peak": 0, "series": []}
+    weight = sum(s.dt_s for s in samples) or 1.0
+    mean = sum(s.num_running_requests * s.dt_s for s in samples) / weight
+    end = samples[-1].t_s
+    series, i = [], 0
+    for k in range(points):
+        t = end * (k + 1) / points
+        while i + 1 < len(samples) and samples[i + 1].t_s <= t:
+            i += 1
+        series.append((round(t, 3), samples[i].num_running_requests))
+    peak = max(s.num_running_requests for s in samples)
+    return {"mean": round(mean, 2), "peak": peak, "series": series}
+
+
+def requests_of(mix: str, shape: str, n: int, model: LlamaModel, seed: int = 0) -> list[Request]:
+    """A case's requests: half as many on the long mix (its prompts are 8x longer)."""
+    return mix_requests(mix, n // 2 if mix == "long" else n, model.config.vocab_size, seed, shape)
+
+
+def run_report(
+    model: LlamaModel,
+    device: str,
+    *,
+    shapes: list[str],
+    clients: list[int],
+    num_blocks: int,
+    num_requests: int,
+    repeat: int,
+    graphs: bool,
+    hf: Any = None,
+    hf_requests: int = 24,
+    check: int = 4,
+    mixes: tuple[str, ...] = MIXES,
+) -> dict[str, Any]:
+    """Every mix in every shape and client count, sharing on and off, `repeat` times, on one
+    pool (SharedPool); with `hf` (bench_serve_hf.HFBaseline) Transformers serves the same
+    requests too (its first `hf_requests`), and its outputs are compared with the engine's on
+    the first `check` requests."""
+    max_len = max(
+        r.num_tokens + r.max_tokens
+        for mix in mixes
+        for shape in shapes
+        for r in requests_of(mix, shape, num_requests, model)
+    )
+    shared = SharedPool(model, device, num_blocks, max(clients), max_len, graphs)
+    cases: list[dict[str, Any]] = []
+    try:
+        # warm-up (Triton's compilation, cuBLAS's choices), not counted
+        for mix in mixes:
+            for shape in shapes:
+                shared.serve(requests_of(mix, shape, 2 * CLIENTS, model, seed=1), CLIENTS, True)
+        for rep in range(repeat):
+            for mix in mixes:
+                for shape in shapes:
+                    requests = requests_of(mix, shape, num_requests, model)
+                    for n in clients:
+                        for sharing in (True, False):
+                            out, results = shared.serve(requests, n, sharing)
+                            case = {
+                                "engine": "kvscope", "mix": mix, "shape": shape,
+                                "clients": n, "sharing": sharing, "repeat": rep, **out,
+                            }  # fmt: skip
+                            cases.append(case)
+                            print(case_line(case), flush=True)
+                            if hf is not None and rep == 0 and sharing and n == clients[0]:
+                                ours = {r.request_id: r for r in results}
+                                cases += hf_cases(
+                                    hf, requests[:hf_requests], mix, shape, n, ours, check
+                                )
+                    if hf is not None and rep == 0:
+                        for n in clients[1:]:
+                            got = hf.serve_batches(requests[:hf_requests], n)
+                            cases.append(hf_case(got, mix, shape, n, "batches"))
+                            print(case_line(cases[-1]), flush=True)
+    finally:
+        shared.close()
+    return {
+        "block_bytes": kv_block_bytes(model),
+        "num_blocks": num_blocks,
+        "kv_budget_bytes": num_blocks * kv_block_bytes(model),
+        "weight_bytes": weight_bytes(model),
+        "cases": cases,
+    }
+
+
+def hf_cases(
+    hf: Any,
+    requests: list[Request],
+    mix: str,
+    shape: str,
+    clients: int,
+    ours: dict[str, RequestResult],
+    check: int,
+) -> list[dict[str, Any]]:
+    """Transformers both ways (a thread per client; padded batches), each compared with the
+    engine's results on the first `check` requests."""
+    out = []
+    for how in ("threads", "batches"):
+        if how == "threads":
+            got = hf.serve_threads(requests, clients)
+        else:
+            got = hf.serve_batches(requests, clients)
+        case = hf_case(got, mix, shape, clients, how)
+        case["check"] = hf.compare(requests[:check], ours, got["results"])
+        out.append(case)
+        print(case_line(case), flush=True)
+    return out
+
+
+def hf_case(got: dict[str, Any], mix: str, shape: str, clients: int, how: str) -> dict[str, Any]:
+    """One Transformers run as a case of the table."""
+    summary = {k: v for k, v in got.items() if k != "results"}
+    return {
+        "engine": f"hf-{how}", "mix": mix, "shape": shape, "clients": clients,
+        "sharing": False, "repeat": 0, **summary,
+    }  # fmt: skip
+
+
+def case_line(c: dict[str, Any]) -> str:
+    """One case as a progress line."""
+    return (
+        f"{c['engine']:12} {c['mix']:8} {c['shape']:8} clients={c['clients']:<3} "
+        f"sharing={c['sharing']!s:5} {c['requests_per_s']:8.2f} req/s "
+        f"TTFT p95 {c['ttft_admitted_p95_ms']:8.1f} ms peak KV {size(c['peak_kv_bytes'])} "
+        f"running {c.get('running', {}).get('peak', '-')} "
+        f"preemptions {c.get('preemptions', 0)}" + (f" check {c['check']}" if "check" in c else "")
+    )
+
+
+# The prefix-sharing report's figures: requests/s with sharing against without, and the KV
+# memory of the top-10 mix (14.2 GB -> 9.8 GB for 12 streams on an A100 40GB)
+REPORT = {"uniform": ("+72%", ""), "top-10": ("+87%", "-31%"), "long": ("+12%", "")}
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    """The median of repeats, and their range when there are several."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (
+        (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+    )  # fmt: skip
+    text = fmt.format(median)
+    if len(ordered) > 1:
+        text += f" ({fmt.format(ordered[0])}-{fmt.format(ordered[-1])})"
+    return text
+
+
+def size(num_bytes: float) -> str:
+    """Bytes as GiB (MiB below a tenth of one: the tiny model's pool)."""
+    if num_bytes >= 0.1 * 2**30:
+        return f"{num_bytes / 2**30:.2f} GiB"
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def render_report(results: dict[str, Any]) -> str:
+    """The table as the report prints it (baseline QPS, shared QPS, KV memory, TTFT p95 per mix
+    and request shape; medians of the repeats, their range in brackets), then the memory
+    regime's table when more than one client count ran."""
+    cases = results["cases"]
+    clients = sorted({c["clients"] for c in cases})
+    shapes = [s for s in SHAPES if any(c["shape"] == s for c in cases)]
+
+    def pick(engine: str, mix: str, shape: str, n: int, sharing: bool | None = None) -> list:
+        return [
+            c
+            for c in cases
+            if c["engine"] == engine and c["mix"] == mix and c["shape"] == shape
+            and c["clients"] == n and (sharing is None or c["sharing"] == sharing)
+        ]  # fmt: skip
+
+    def qps(cs: list) -> list[float]:
+        return [c["requests_per_s"] for c in cs]
+
+    n0 = clients[0]
+    lines = [
+        f"{n0} clients. requests/s; KV: peak bytes the running requests' blocks held; "
+        "TTFT p95 from admission. Medians of the repeats, (min-max).",
+        "",
+        "| mix | request shape | HF, a thread per client | HF, padded batches | kvscope, sharing "
+        "off | kvscope, sharing on | sharing on vs off | report | sharing on vs HF | "
+        "KV off -> on | report: KV | TTFT p95 off / on (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mix in MIXES:
+        for shape in shapes:
+            on, off = pick("kvscope", mix, shape, n0, True), pick("kvscope", mix, shape, n0, False)
+            if not on or not off:
+                continue
+            threads, batches = (
+                pick("hf-threads", mix, shape, n0),
+                pick("hf-batches", mix, shape, n0),
+            )
+            gain = _median(qps(on)) / _median(qps(off)) - 1
+            best_hf = max(qps(threads) + qps(batches), default=0.0)
+            vs_hf = f"{_median(qps(on)) / best_hf:.1f}x" if best_hf else "-"
+            kv_off = _median([c["peak_kv_bytes"] for c in off])
+            kv_on = _median([c["peak_kv_bytes"] for c in on])
+            lines.append(
+                f"| {mix} | {shape} | {spread(qps(threads), '{:.2f}')} | "
+                f"{spread(qps(batches), '{:.2f}')} | {spread(qps(off))} | {spread(qps(on))} | "
+                f"{gain:+.0%} | {REPORT[mix][0]} | {vs_hf} | {size(kv_off)} -> {size(kv_on)} "
+                f"({kv_on / max(kv_off, 1e-12) - 1:+.0%}) | {REPORT[mix][1] or '-'} | "
+                f"{spread([c['ttft_admitted_p95_ms'] for c in off])} / "
+                f"{spread([c['ttft_admitted_p95_ms'] for c in on])} |"
+            )
+    if len(clients) > 1:
+        lines += [
+            "",
+            f"Memory regime: a KV budget of {results['num_blocks']} blocks "
+            f"({size(results['kv_budget_bytes'])}). "
+            "kvscope off / on; HF: padded batches of the clients, its peak memory above the "
+            "weights, measured on CUDA, in the JSON).",
+            "",
+            "| mix | request shape | clients | requests/s off / on | HF requests/s | peak KV "
+            "off / on | HF peak KV | running streams peak (mean) off / on | preemptions off / "
+            "on | TTFT p95 ms off / on |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for mix in MIXES:
+            for shape in shapes:
+                for n in clients:
+                    on, off = (
+                        pick("kvscope", mix, shape, n, True),
+                        pick("kvscope", mix, shape, n, False),
+                    )
+                    if not on or not off:
+                        continue
+                    hf = pick("hf-batches", mix, shape, n)
+
+                    def run_(cs: list) -> str:
+                        c = cs[0]["running"]
+                        return f"{c['peak']} ({c['mean']:.1f})"
+
+                    lines.append(
+                        f"| {mix} | {shape} | {n} | {spread(qps(off))} / {spread(qps(on))} | "
+                        f"{spread(qps(hf), '{:.2f}')} | "
+                        f"{size(_median([c['peak_kv_bytes'] for c in off]))} / "
+                        f"{size(_median([c['peak_kv_bytes'] for c in on]))} | "
+                        + (size(hf[0]["peak_kv_bytes"]) if hf else "-")
+                        + f" | {run_(off)} / {run_(on)} | "
+                        f"{max(c['preemptions'] for c in off)} / {max(c['preemptions'] for c in on)} | "
+                        f"{spread([c['ttft_admitted_p95_ms'] for c in off])} / "
+                        f"{spread([c['ttft_admitted_p95_ms'] for c in on])} |"
+                    )
     return "\n".join(lines)

@@ -6,6 +6,15 @@
 Each step runs prompt chunks and decodes together through the model; attention reads and
 writes the pool's KV tensor through `kvscope.kernels`. A finished prompt samples its first
 token (and forks `n - 1` siblings that share its blocks until they write: copy-on-write).
+
+Two kinds of request (`workload.Request`):
+- generation: the prompt, then `max_tokens` sampled tokens (`RequestResult.outputs`);
+- scoring (`continuation` set, as lm-eval-harness's loglikelihood requests): the prompt and the
+  continuation are computed as one prompt, in the same steps as everything else, and each
+  continuation token's log-probability given the tokens before it is gathered from the logits
+  of the position before it (`RequestResult.logprobs`, and `is_greedy`: every continuation
+  token was the argmax). Nothing is sampled; the request is done when its last token is.
+  Its prefix hits stop before the prompt's last token, so every scored position is computed.
 """
 
 from __future__ import annotations
@@ -123,6 +132,8 @@ class Engine:
         self.errors = violations.ErrorCopy(self.device)
         # each step's picked tokens (or logits) on their way to the host
         self.picks = HostCopy(self.device)
+        # each step's scored positions (scoring requests) on their way to the host
+        self.scores = HostCopy(self.device)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -195,29 +206,39 @@ class Engine:
         if batch.guarded:
             self._take_violations()  # the last step's, when it sampled nothing
             self.errors.start(batch)
+        scores = self._score(batch, hidden)
         for chunk in batch.chunks:
             chunk.stream.num_computed += chunk.length
-        done = [
+        finished = [
             (c.stream, row)
             for c, row in zip(batch.chunks, batch.last_rows, strict=True)
             if c.stream.num_pending == 0
         ]
+        done = [(s, row) for s, row in finished if not s.request.is_scoring]
+        scored = [s for s, _ in finished if s.request.is_scoring]
         # the token pick is queued before the publications: what the pool queues on the
         # stream for them (a probed CUDA pool's digests) runs after it, not before the tokens
         picks = self._pick(done, hidden, events)
         for chunk in batch.chunks:
             self._publish(chunk.stream)
         t4 = t5 = time.perf_counter()
-        if done:
+        if done or scores is not None:
             chosen = picks()
+            if scores is not None:
+                scores()
             t5 = time.perf_counter()
             self._take_violations()
             for (stream, _), pick in zip(done, chosen, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
                     self._complete(stream, pick)
+        # what the finished scoring streams held in this step: counted in its cache sample
+        held = [(s.request.request_id, list(s.seq.block_table), s.seq.num_tokens) for s in scored]
+        # (a last chunk of only the continuation's last token scores nothing: no logits read)
+        for stream in scored:
+            self._scored(stream)
         t6 = time.perf_counter()
-        self._sample_cache(began, batch.num_tokens)
+        self._sample_cache(began, batch.num_tokens, held)
         t7 = time.perf_counter()
         self.timer.add((t0, t1, t2, t3, t4, t5, t6, t7))
         return batch.num_tokens
@@ -243,6 +264,62 @@ class Engine:
             return host.tolist() if greedy else list(host)
 
         return read
+
+    def _score(self, batch: Batch, hidden: Tensor) -> Callable[[], None] | None:
+        """Queue the log-probabilities of the scoring requests' continuation tokens computed in
+        this step (from the logits of the position before each) and their copy to the host;
+        what writes them into their streams once copied (None: nothing scored this step)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        # (stream, first continuation index, count) for each chunk that scores something
+        spans: list[tuple[Stream, int, int]] = []
+        row = 0
+        for chunk in batch.chunks:
+            request = chunk.stream.request
+            if request.is_scoring:
+                # position p's logits score token p + 1: positions [P - 1, P + C - 1)
+                first_pos = len(request.prompt) - 1
+                begin = max(chunk.start, first_pos)
+                end = min(chunk.start + chunk.length, request.num_tokens - 1)
+                if begin < end:
+                    rows.extend(range(row + begin - chunk.start, row + end - chunk.start))
+                    targets.extend(request.continuation[begin - first_pos : end - first_pos])
+                    spans.append((chunk.stream, begin - first_pos, end - begin))
+            row += chunk.length
+        if not rows:
+            return None
+        n = len(rows)
+        index = self.scores.upload(rows + targets)
+        logits = self.model.logits(hidden[index[:n]])
+        target = index[n:]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
+        greedy = (logits.argmax(-1) == target).float()
+        host = self.scores.start(torch.stack([logprobs, greedy]))
+
+        def read() -> None:
+            self.scores.wait()
+            values, flags = host.tolist()
+            at = 0
+            for stream, first, count in spans:
+                if not stream.logprobs:
+                    size = len(stream.request.continuation)
+                    stream.logprobs, stream.greedy = [0.0] * size, [False] * size
+                stream.logprobs[first : first + count] = values[at : at + count]
+                stream.greedy[first : first + count] = [f > 0.5 for f in flags[at : at + count]]
+                at += count
+
+        return read
+
+    def _scored(self, stream: Stream) -> None:
+        """A scoring stream computed its last token: its scores are the request's result."""
+        state = self.states.get(stream.request.request_id)
+        if state is None:
+            return
+        assert len(stream.logprobs) == len(stream.request.continuation)
+        state.result.logprobs = list(stream.logprobs)
+        state.result.is_greedy = all(stream.greedy)
+        state.result.first_token_s = self.now()
+        self._finish(state, stream)
 
     def _take_violations(self) -> None:
         """Report what the kernels of the step whose error buffer is being copied recorded."""
@@ -349,13 +426,13 @@ class Engine:
     def _too_large(self, request: Request) -> str:
         """Why a request can never be served by this cache ('' when it can)."""
         config = self.cache.config
-        length = len(request.prompt) + request.max_tokens
+        length = request.num_tokens + request.max_tokens
         if isinstance(self.cache, StaticCache):
             if length > self.cache.max_len:
                 return f"prompt + max_tokens = {length} exceeds the static max_len {self.cache.max_len}"
             blocks = self.cache.blocks_per_seq * request.n
         else:
-            blocks = -(-len(request.prompt) // config.block_size)
+            blocks = -(-request.num_tokens // config.block_size)
             blocks += request.n * -(-request.max_tokens // config.block_size) + request.n
         if blocks > config.num_blocks:
             return f"needs up to {blocks} blocks, the pool has {config.num_blocks}"
@@ -369,20 +446,27 @@ class Engine:
             generator = torch.Generator().manual_seed(zlib.crc32(key))
         return Stream(request, index, generator)
 
-    def _sample_cache(self, began: float, num_tokens: int) -> None:
+    def _sample_cache(
+        self, began: float, num_tokens: int, finished: list[tuple[str, list[int], int]]
+    ) -> None:
         """Record how many tokens the cache stores in how many reserved slots.
 
         A block shared by several sequences counts once, as full as its fullest user: only a
         sequence's last blocks are partly filled, so the full ones are gathered a slice at a time.
+        `finished`: (request id, block table, tokens) of the scoring requests this step finished,
+        counted as held and running in it (a scoring request lives one step or a few).
         """
         block_size = self.cache.config.block_size
         full: set[int] = set()
         tails: dict[int, int] = {}
-        for stream in list(self.scheduler.running) + list(self.scheduler.waiting):
-            seq = stream.seq
-            if seq is None or not seq.block_table:
+        tables = [
+            (stream.seq.block_table, stream.seq.num_tokens)
+            for stream in list(self.scheduler.running) + list(self.scheduler.waiting)
+            if stream.seq is not None
+        ]
+        for table, num_tokens_seq in tables + [(table, n) for _, table, n in finished]:
+            if not table:
                 continue
-            table, num_tokens_seq = seq.block_table, seq.num_tokens
             num_full = min(num_tokens_seq // block_size, len(table))
             full.update(table[:num_full])
             for i in range(num_full, len(table)):
@@ -392,7 +476,9 @@ class Engine:
         end = self.now()
         num_blocks = len(full) + len(partial)
         stored, reserved = len(full) * block_size + sum(partial.values()), num_blocks * block_size
-        running = len({s.request.request_id for s in self.scheduler.running})
+        running = len(
+            {s.request.request_id for s in self.scheduler.running} | {f[0] for f in finished}
+        )
         sample = StepSample(
             end, end - began, stored, reserved, num_tokens, running, self.worker, num_blocks
         )

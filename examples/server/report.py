@@ -13,6 +13,8 @@ Definitions (also in `--json`):
   shared by several sequences counts once; cached blocks no table maps are not held).
 - time to first token from admission: first token minus the step that admitted the request,
   leaving out the time it queued (what a closed-loop client of a full server sees on top).
+  For a scoring request, its scores take the first token's place.
+- scored tokens: continuation tokens of scoring requests whose log-likelihoods were returned.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class RequestResult:
     error: str = ""
     cancelled: bool = False
     worker: int = 0
+    # a scoring request: each continuation token's log-probability given the tokens before it,
+    # and whether greedy decoding would have produced the whole continuation
+    logprobs: list[float] = field(default_factory=list)
+    is_greedy: bool = False
 
     @property
     def num_output_tokens(self) -> int:
@@ -86,6 +92,7 @@ class Summary:
     peak_kv_blocks: int = 0
     ttft_admitted_p50_ms: float = 0.0
     ttft_admitted_p95_ms: float = 0.0
+    scored_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -164,6 +171,7 @@ def summarize(
         peak_kv_blocks=peak_over_workers(samples, "held_blocks"),
         ttft_admitted_p50_ms=round(percentile(admitted, 50), 1),
         ttft_admitted_p95_ms=round(percentile(admitted, 95), 1),
+        scored_tokens=sum(len(r.logprobs) for r in done),
         extra=extra or {},
     )
 

@@ -40,6 +40,10 @@ class Stream:
     output: list[int] = field(default_factory=list)
     # in the scheduler's running list (kept by the scheduler: a list search per step was O(n^2))
     running: bool = False
+    # a scoring request: each continuation token's log-probability and whether it was the
+    # argmax, filled in as the steps compute the positions before them
+    logprobs: list[float] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -227,8 +231,8 @@ class Scheduler:
     def _blocks_needed(self, stream: Stream) -> int:
         """Blocks admitting `stream` takes at most (ignoring prefix hits)."""
         block_size = self.cache.config.block_size
-        if stream.seq is None:
-            return -(-len(stream.request.prompt) // block_size)
+        if stream.seq is None or stream.request.is_scoring and stream.seq.state == "preempted":
+            return -(-stream.request.num_tokens // block_size)
         if stream.seq.state == "preempted":
             return -(-(stream.seq.num_tokens + 1) // block_size)
         return 1 if stream.pending_token != -1 else 0
@@ -236,10 +240,25 @@ class Scheduler:
     def _reserve(self, stream: Stream) -> None:
         """Get blocks for a stream: a new sequence, a resumed one, or one set aside intact."""
         cache = self.cache
+        if stream.seq is not None and stream.request.is_scoring and stream.seq.state == "preempted":
+            # A scoring stream starts over: resuming matches its whole sequence in the prefix
+            # index, and a hit past its prompt would skip positions whose logits it scores.
+            cache.abort(stream.seq)
+            stream.seq = None
+            self.num_preemptions += 1
         if stream.seq is None:
-            stream.seq = cache.allocate(stream.name, stream.request.prompt)
-            stream.num_computed = stream.num_published = stream.seq.num_cached_tokens
-            stream.num_hit_tokens = stream.seq.num_cached_tokens
+            seq = cache.allocate(stream.name, stream.request.prompt)
+            # prefix hits stop before the prompt's last token: every scored position is computed
+            if stream.request.continuation:
+                try:
+                    self.copy_blocks(cache.append(seq, stream.request.continuation))
+                except PoolExhausted:
+                    cache.abort(seq)
+                    raise
+            stream.seq = seq
+            stream.num_computed = stream.num_published = seq.num_cached_tokens
+            if stream.num_hit_tokens < 0:
+                stream.num_hit_tokens = seq.num_cached_tokens
         elif stream.seq.state == "preempted":
             stream.num_computed = stream.num_published = cache.resume(stream.seq)
             self.num_preemptions += 1

@@ -9,13 +9,19 @@ A JSONL file holds one request per line:
 
 `cancel_after` > 0: the client cancels the request once it has that many output tokens (the
 server then aborts it in the pool).
+
+A scoring request (lm-eval-harness's loglikelihood) gives a continuation instead of
+`max_tokens`: `"continuation": "text" | "continuation_tokens": [3, 4]`. The server computes the
+prompt and the continuation in one pass and returns each continuation token's log-probability
+given what precedes it, and whether greedy decoding would have produced the continuation
+(`RequestResult.logprobs`, `is_greedy`); it generates nothing.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,11 @@ from .errors import ServeError
 
 @dataclass
 class Request:
-    """One request: a prompt of token ids, how many tokens to generate, when it arrives."""
+    """One request: a prompt of token ids, how many tokens to generate, when it arrives.
+
+    A scoring request has a `continuation` and `max_tokens == 0`: the continuation's tokens are
+    scored (log-likelihoods, one forward over prompt + continuation), nothing is generated.
+    """
 
     request_id: str
     prompt: list[int]
@@ -34,9 +44,25 @@ class Request:
     temperature: float = 0.0
     prefix_id: int = -1
     cancel_after: int = 0
+    # scoring request: the tokens to score after the prompt (empty: a generation request)
+    continuation: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        assert self.prompt and self.max_tokens >= 1 and self.n >= 1 and self.cancel_after >= 0
+        assert self.prompt and self.n >= 1 and self.cancel_after >= 0
+        if self.continuation:
+            assert self.max_tokens == 0 and self.n == 1, "a scoring request generates nothing"
+        else:
+            assert self.max_tokens >= 1
+
+    @property
+    def is_scoring(self) -> bool:
+        """Whether the request scores a continuation instead of generating."""
+        return bool(self.continuation)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and continuation tokens: what the request's sequence starts with."""
+        return len(self.prompt) + len(self.continuation)
 
 
 @dataclass
@@ -136,6 +162,8 @@ def write_jsonl(requests: list[Request], path: Path) -> None:
                 "temperature": r.temperature,
                 "cancel_after": r.cancel_after,
             }
+            if r.continuation:
+                record["continuation_tokens"] = r.continuation
             f.write(json.dumps(record) + "\n")
 
 
@@ -154,13 +182,21 @@ def _request_from(record: dict[str, Any], default_id: str, vocab_size: int, wher
         raise ServeError(f"{where}: needs 'prompt' (a string) or 'prompt_tokens' (a list)")
     if not prompt:
         raise ServeError(f"{where}: empty prompt")
-    fields = {"max_tokens": (16, 1), "n": (1, 1), "cancel_after": (0, 0)}
+    continuation = _continuation(record, vocab_size, where)
+    # a scoring request generates nothing: max_tokens 0 (and only 0)
+    fields = {
+        "max_tokens": (0, 0) if continuation else (16, 1),
+        "n": (1, 1),
+        "cancel_after": (0, 0),
+    }
     values: dict[str, Any] = {}
     for name, (default, least) in fields.items():
         value = record.get(name, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ServeError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
         values[name] = value
+    if continuation and (values["max_tokens"] or values["n"] != 1):
+        raise ServeError(f"{where}: a scoring request (continuation) takes no max_tokens and n=1")
     for name in ("arrival_s", "temperature"):
         value = record.get(name, 0.0)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
@@ -174,4 +210,29 @@ def _request_from(record: dict[str, Any], default_id: str, vocab_size: int, wher
         n=values["n"],
         temperature=values["temperature"],
         cancel_after=values["cancel_after"],
+        continuation=continuation,
     )
+
+
+def _continuation(record: dict[str, Any], vocab_size: int, where: str) -> list[int]:
+    """A scoring request's continuation tokens ([] for a generation request)."""
+    if "continuation_tokens" in record:
+        tokens = record["continuation_tokens"]
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                for t in tokens
+            )
+        ):
+            raise ServeError(
+                f"{where}: continuation_tokens must be a non-empty list of ints in [0, {vocab_size})"
+            )
+        return tokens
+    if "continuation" in record:
+        text = record["continuation"]
+        if not isinstance(text, str) or not text:
+            raise ServeError(f"{where}: continuation must be a non-empty string")
+        return [b % vocab_size for b in text.encode()]
+    return []
