@@ -90,11 +90,12 @@ def prefix() -> str:
 
 
 def remove(name: str, pool: KVPool | None) -> None:
-    if pool is not None:
-        try:
+    try:
+        if pool is not None:
             pool.close()
-        except Exception:  # noqa: BLE001 - a scribbled pool may not close cleanly
-            pass
-    for p in (segment_path(name), data_path(name)):
-        if os.path.lexists(p):
-            os.unlink(p)
+    except Exception:  # noqa: BLE001 - a scribbled pool may not close cleanly
+        pass
+    finally:
+        for p in (segment_path(name), data_path(name)):
+            if os.path.lexists(p):
+                os.unlink(p)
