@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeat", type=int, default=1, help="serve every case this many times")
     r.add_argument("--table", action="store_true", help="print the report's table (Markdown)")
     r.add_argument("--hf-requests", type=int, default=24, help="requests Transformers serves")
+    r.add_argument(
+        "--hf-ways", default="threads,batches", help="Transformers' ways: threads, batches"
+    )
     r.add_argument("--check", type=int, default=4, help="requests compared with Transformers")
     args = ap.parse_args(argv)
     if args.mixes and (
@@ -284,6 +287,7 @@ def _report(args: argparse.Namespace) -> int:
         num_requests=args.requests, repeat=args.repeat, graphs=args.cuda_graphs != "off",
         hf=hf, hf_requests=args.hf_requests, check=args.check,
         mixes=tuple(x for x in serve_mixes.MIXES if x in args.mix.split(",")) or serve_mixes.MIXES,
+        hf_ways=tuple(args.hf_ways.split(",")),
     )  # fmt: skip
     results["machine"] = _machine(args)
     if args.table:

@@ -409,6 +409,7 @@ def run_report(
     hf_requests: int = 24,
     check: int = 4,
     mixes: tuple[str, ...] = MIXES,
+    hf_ways: tuple[str, ...] = ("threads", "batches"),
 ) -> dict[str, Any]:
     """Every mix in every shape and client count, sharing on and off, `repeat` times, on one
     pool (SharedPool); with `hf` (bench_serve_hf.HFBaseline) Transformers serves the same
@@ -443,7 +444,7 @@ def run_report(
                             if hf is not None and rep == 0 and sharing and n == clients[0]:
                                 ours = {r.request_id: r for r in results}
                                 cases += hf_cases(
-                                    hf, requests[:hf_requests], mix, shape, n, ours, check
+                                    hf, requests[:hf_requests], mix, shape, n, ours, check, hf_ways
                                 )
                     if hf is not None and rep == 0:
                         for n in clients[1:]:
@@ -469,11 +470,12 @@ def hf_cases(
     clients: int,
     ours: dict[str, RequestResult],
     check: int,
+    ways: tuple[str, ...] = ("threads", "batches"),
 ) -> list[dict[str, Any]]:
     """Transformers both ways (a thread per client; padded batches), each compared with the
     engine's results on the first `check` requests."""
     out = []
-    for how in ("threads", "batches"):
+    for how in ways:
         if how == "threads":
             got = hf.serve_threads(requests, clients)
         else:
