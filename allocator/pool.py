@@ -9,6 +9,7 @@ import os
 import threading
 from array import array
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from typing import Any, TypeVar
 
 import numpy as np
@@ -51,6 +52,26 @@ T = TypeVar("T")
 _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 # (the state as a plain int: numpy compares an IntEnum member at twice the cost)
 _ALLOCATED = int(BlockState.ALLOCATED)
+
+# What `allocate` and `append` take as tokens (as_token_list makes it the list the core reads).
+Tokens = Sequence_[int] | np.ndarray | torch.Tensor
+
+
+def as_token_list(tokens: Tokens) -> list[int]:
+    """Tokens that are not a list as a list of ints, normalized once here so that every input
+    type takes the same core call: a numpy or torch array through tolist() (one-dimensional),
+    any other sequence through list(). (A list goes to the core as it is; the core takes its ints, and numpy or
+    torch integer scalars in it, through their __index__.)"""
+    kind = type(tokens)
+    if kind is tuple:
+        return list(tokens)
+    if kind is np.ndarray or kind is torch.Tensor:
+        if tokens.ndim != 1:  # type: ignore[union-attr]
+            shape = tuple(tokens.shape)  # type: ignore[union-attr]
+            raise PoolError(f"tokens must be one-dimensional, got an array of shape {shape}")
+        return tokens.tolist()  # type: ignore[union-attr]
+    return list(tokens)
+
 
 # This process's pid, refreshed in a forked child (os.getpid() is a system call per operation).
 _PID = [os.getpid()]
@@ -277,8 +298,15 @@ class KVPool:
 
     # -- sequences (the C core first where it has the operation, then the Python path) ---------
 
-    def allocate(self, request_id: object, tokens: list[int]) -> Sequence:
-        """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
+    def allocate(self, request_id: object, tokens: Tokens) -> Sequence:
+        """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence.
+
+        `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
+        `request_id`: any object, kept as its str()."""
+        if type(tokens) is not list:
+            tokens = as_token_list(tokens)
+        if type(request_id) is not str:
+            request_id = str(request_id)
         if self.probe is not None:
             self.probe.writes.settle()
         guarded = self._guard_every > 1 and self._sample_guard()
@@ -291,8 +319,11 @@ class KVPool:
             self._guarded.add(seq.slot)
         return seq
 
-    def append(self, seq: Sequence, tokens: list[int]) -> list[tuple[int, int]]:
-        """Append tokens; returns the copy-on-write (src, dst) block copies to perform first."""
+    def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
+        """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
+        copies to perform first."""
+        if type(tokens) is not list:
+            tokens = as_token_list(tokens)
         done = None if self._native is None else self._native.append(self, seq, tokens)
         if done is None:
             done = append.append(self, seq, tokens)
@@ -318,7 +349,10 @@ class KVPool:
             later.settle_overdue()
 
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
-        """A new sequence sharing every block of seq (refcounts +1)."""
+        """A new sequence sharing every block of seq (refcounts +1); `request_id` as in
+        `allocate`."""
+        if type(request_id) is not str:
+            request_id = str(request_id)
         runner.reserve_ready(self, claiming=True)
         if self._native is not None:
             child = self._native.fork(self, seq, request_id)

@@ -82,6 +82,20 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
     return seq;
 }
 
+/* A copy of a list of ints (and integer scalars: numpy's, torch's) as plain ints: the tokens
+ * a Sequence keeps. */
+static PyObject *int_list(PyObject *list) {
+    PyObject *out = PyList_GetSlice(list, 0, PyList_GET_SIZE(list));
+    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(out); i++) {
+        PyObject *o = PyList_GET_ITEM(out, i);
+        if (PyLong_CheckExact(o)) continue;
+        PyObject *v = PyNumber_Index(o);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SetItem(out, i, v);
+    }
+    return out;
+}
+
 #define GATE(n, pool, op)                                                                    \
     do {                                                                                     \
         int g_ = gate(n, pool, op);                                                          \
@@ -105,7 +119,7 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
     if (got == NULL || got == Py_None) return got;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
-    PyObject *tokens = PyList_GetSlice(args[1], 0, PyList_GET_SIZE(args[1]));
+    PyObject *tokens = int_list(args[1]);
     PyObject *uid = PyLong_FromLongLong(n->uid);
     PyObject *cached =
         PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);

@@ -46,7 +46,22 @@ static int append_new(PyObject *list, PyObject *item) {
 static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = PyList_GET_ITEM(list, start + i);
-        if (!PyLong_CheckExact(o)) return FALLBACK;
+        if (!PyLong_CheckExact(o)) {
+            /* a numpy or torch integer in a list: its __index__, as int() would take it */
+            PyObject *v = PyNumber_Index(o);
+            if (v == NULL) {
+                PyErr_Clear();
+                return FALLBACK;
+            }
+            long x = PyLong_AsLong(v);
+            Py_DECREF(v);
+            if ((x == -1 && PyErr_Occurred()) || x < INT32_MIN || x > INT32_MAX) {
+                PyErr_Clear();
+                return FALLBACK;
+            }
+            out[i] = (int32_t)x;
+            continue;
+        }
 #if PY_VERSION_HEX < 0x030C0000
         /* Up to 3.11 an int below 2**30 is one 30-bit digit with the sign in ob_size. */
         Py_ssize_t size = Py_SIZE(o);

@@ -1,0 +1,84 @@
+"""What allocate, append and fork take: any sequence of ints, numpy or torch integer arrays,
+any request id, each normalized once by the binding and run by the same core call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvscope.allocator import PoolError
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+INPUTS = [
+    pytest.param(list(PROMPT), id="list"),
+    pytest.param(tuple(PROMPT), id="tuple"),
+    pytest.param(range(5, 11), id="range"),
+    pytest.param(np.asarray(PROMPT, np.int64), id="numpy-int64"),
+    pytest.param(np.asarray(PROMPT, np.int32), id="numpy-int32"),
+    pytest.param(torch.tensor(PROMPT), id="torch-int64"),
+    pytest.param([np.int64(t) for t in PROMPT], id="list-of-numpy-ints"),
+]
+
+
+@pytest.mark.parametrize("tokens", INPUTS)
+def test_every_token_input_gives_the_same_sequence_through_the_core(make_pool, tokens):
+    # GIVEN a pool run by the C core
+    pool = make_pool(512, block_size=4)
+    if pool._native is None:
+        pytest.skip("the C core is not built")
+    before = pool._native.stats()["fallbacks"]
+    # WHEN a prompt is allocated, appended to and forked with that input type
+    seq = pool.allocate("r1", tokens)
+    pool.append(seq, tokens[:1])
+    child = pool.fork(seq, "r2")
+    # THEN the sequence holds plain ints, as a list would have given
+    assert seq.tokens == PROMPT + [5]
+    assert all(type(t) is int for t in seq.tokens)
+    assert child.tokens == seq.tokens
+    # AND the core ran every call: no input type took another path
+    assert pool._native.stats()["fallbacks"] == before
+    pool.free(child)
+    pool.free(seq)
+    assert pool.check() == []
+
+
+@pytest.mark.parametrize(
+    "request_id", [7, 7.5, ("a", 1), "r7"], ids=["int", "float", "tuple", "str"]
+)
+def test_any_request_id_is_kept_as_its_str_through_the_core(make_pool, request_id):
+    # GIVEN a pool run by the C core
+    pool = make_pool(512, block_size=4)
+    if pool._native is None:
+        pytest.skip("the C core is not built")
+    before = pool._native.stats()["fallbacks"]
+    # WHEN a request id of any type allocates and forks
+    seq = pool.allocate(request_id, PROMPT)
+    child = pool.fork(seq, request_id)
+    # THEN the sequences carry its str, in the segment too, and the core ran both calls
+    assert seq.request_id == child.request_id == str(request_id)
+    assert str(request_id).encode() in {bytes(r).rstrip(b"\0") for r in pool.view.seqs["request"]}
+    assert pool._native.stats()["fallbacks"] == before
+    pool.free(child)
+    pool.free(seq)
+
+
+def test_a_non_integer_prompt_is_refused_with_a_pool_error(make_pool):
+    # GIVEN a pool
+    pool = make_pool(512, block_size=4)
+    # WHEN a prompt holds something that is not an integer
+    # THEN allocate refuses it, and nothing is left allocated
+    with pytest.raises((ValueError, TypeError)):
+        pool.allocate("r1", ["a", "b"])
+    assert pool.stats()["num_sequences"] == 0
+
+
+def test_a_two_dimensional_array_is_refused_with_a_pool_error(make_pool):
+    # GIVEN a pool
+    pool = make_pool(32)
+    # WHEN a prompt is a 2-D array
+    # THEN allocate says so, and nothing is left allocated
+    with pytest.raises(PoolError, match="one-dimensional"):
+        pool.allocate("r1", np.ones((2, 3), np.int64))
+    assert pool.stats()["num_sequences"] == 0
