@@ -222,8 +222,9 @@ class Supervisor:
 
     def _deaths(self, w: Watched) -> list[Finding | str]:
         """Processes of the run newly seen dead while attached to the pool: a `leak_dead_owner`
-        finding for one that left blocks held, a line for one that held none. The script
-        itself is left out: how it ended is the run's verdict."""
+        finding for one that left blocks held, a line for one that held none. Left out: the
+        script (how it ended is the run's verdict) and a process whose exit check ran (it
+        ended normally, and the check reported what it still held)."""
         if w.header_reported or not self._whole(w):
             return []
         c = w.view.clients.copy()
@@ -236,6 +237,8 @@ class Supervisor:
             if pid in w.dead_seen or pid == script or is_alive(pid, int(c["start"][i])):
                 continue
             w.dead_seen.add(pid)
+            if os.path.exists(self._p(f"exit.{pid}")):
+                continue
             b = w.view.blocks
             mine = b["owner_pid"] == pid
             held = np.flatnonzero(mine & (b["state"] == BlockState.ALLOCATED))
