@@ -28,6 +28,17 @@ class FindingKind(str, enum.Enum):
     LOCK_DEAD_HOLDER = "lock_dead_holder"
     LOCK_ORDER_CYCLE = "lock_order_cycle"
     LOCK_HELD_TOO_LONG = "lock_held_too_long"
+    # An engine's KV-event stream (kvscope events check, docs/EVENTS.md).
+    KV_EVENT_GAP = "kv_event_gap"
+    KV_EVENT_SEQ_RESET = "kv_event_seq_reset"
+    KV_EVENT_REORDER = "kv_event_reorder"
+    KV_EVENT_MALFORMED = "kv_event_malformed"
+    KV_EVENT_REMOVE_UNSTORED = "kv_event_remove_unstored"
+    KV_EVENT_STORE_CONFLICT = "kv_event_store_conflict"
+    KV_EVENT_UNKNOWN_PARENT = "kv_event_unknown_parent"
+    KV_EVENT_AFTER_CLEAR = "kv_event_after_clear"
+    KV_EVENT_TOKEN_COUNT = "kv_event_token_count"
+    KV_EVENT_PARTIAL_REAPPEARED = "kv_event_partial_reappeared"
 
 
 ERROR, WARNING = "error", "warning"
@@ -43,6 +54,7 @@ SEVERITY.update(
         FindingKind.LEAK_DEAD_OWNER: WARNING,
         FindingKind.LOCK_HELD_TOO_LONG: WARNING,
         FindingKind.LOCK_DEAD_HOLDER: WARNING,
+        FindingKind.KV_EVENT_SEQ_RESET: WARNING,
     }
 )
 

@@ -67,6 +67,11 @@ VERBS: dict[str, tuple[str, str, str]] = {
         "Write a self-contained HTML report of a pool or a dump:"
         " `kvscope report NAME|FILE -o report.html`.",
     ),
+    "events": (
+        "events",
+        "EventsCommand",
+        "Record or check an engine's KV-event stream: `kvscope events record|check ...`.",
+    ),
 }
 
 

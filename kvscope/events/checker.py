@@ -1,0 +1,578 @@
+"""The invariants of a KV-event stream (`kvscope events check`, docs/EVENTS.md "Checks").
+
+A `StreamChecker` is fed the records of a recorded stream in order and keeps, per publisher
+(endpoint, topic, data-parallel rank), the sequence numbers it has seen and, per (medium,
+group) of that publisher, the multiset of block hashes stored now: a hash counts once per
+`BlockStored` that named it and loses one per `BlockRemoved`, since an engine stores a hash
+once per physical copy and removes it once per copy. What breaks an invariant becomes a
+`Finding` in kvscope's vocabulary (the `kv_event_*` kinds of allocator/findings.py) naming the
+batch (the record's index in the file), its seq, the hash and the events that led to it.
+
+A publisher whose stream was not seen from its seq 0 or from an `AllBlocksCleared` (the
+recording joined late, a batch was lost) has blocks the checker never saw stored: a removal or
+a parent it does not know is then counted as unverifiable, not reported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from kvscope.allocator.findings import ERROR, Finding, FindingKind
+from kvscope.events.streamfile import NOTE, REPLAYED, StreamFile
+from kvscope.events.wire import (
+    CLEARED,
+    KIND_NAMES,
+    REMOVED,
+    STORED,
+    WireError,
+    decode_payload,
+    hash_text,
+    split_message,
+)
+
+# At most this many findings of one kind are kept whole (each is counted).
+MAX_FINDINGS_PER_KIND = 200
+
+# Cache-spec kinds whose stored chains skip blocks (a sliding window's dropped blocks, a
+# Mamba group's masked ones): their parents and token counts are not checked.
+_CHAINED_SPECS = (None, "full_attention")
+
+
+class _Cache:
+    """One (medium, group) of one publisher: the multiset of hashes stored now."""
+
+    __slots__ = ("copies", "stored", "removed_at", "cleared", "full_size", "retired", "superseded")
+
+    def __init__(self) -> None:
+        # hash -> live copies
+        self.copies: dict[Any, int] = {}
+        # hash -> (parent, block_size, token_ids, start, seq, batch) of its oldest live copy
+        self.stored: dict[Any, tuple[Any, ...]] = {}
+        # hash -> (seq, batch) of the removal of its last copy
+        self.removed_at: dict[Any, tuple[int, int]] = {}
+        # hash -> (seq, batch) of the AllBlocksCleared that dropped it
+        self.cleared: dict[Any, tuple[int, int]] = {}
+        # the largest block_size stored: a smaller one is a partial block
+        self.full_size = 0
+        # parent -> [(partial hash, its tokens, seq, batch)] of partial blocks removed
+        self.retired: dict[Any, list[tuple[Any, tuple[int, ...], int, int]]] = {}
+        # partial hash -> (full hash that superseded it, seq, batch)
+        self.superseded: dict[Any, tuple[Any, int, int]] = {}
+
+
+class _Publisher:
+    """One publisher's sequence and accounting, and its caches since its last restart."""
+
+    def __init__(self, endpoint: str, topic: bytes, rank: int | None):
+        self.endpoint = endpoint
+        self.topic = topic
+        self.rank = rank
+        self.next_seq: int | None = None
+        self.first_seq: int | None = None
+        self.last_ts = 0.0
+        self.first_ts = 0.0
+        # Every block stored since the checker's first view of it was seen stored.
+        self.complete = False
+        self.incomplete_because = ""
+        self.caches: dict[tuple[Any, Any], _Cache] = {}
+        self.counts = dict.fromkeys(
+            (
+                "batches",
+                "events",
+                "stored",
+                "removed",
+                "cleared",
+                "gaps",
+                "missing_batches",
+                "resets",
+                "reordered",
+                "replayed",
+                "unverifiable",
+            ),
+            0,
+        )
+        # block copies stored now, and the most there were after any event
+        self.live = 0
+        self.peak_stored = 0
+
+    def name(self) -> str:
+        topic = f" topic {self.topic.decode(errors='replace')!r}" if self.topic else ""
+        rank = "" if self.rank is None else f" rank {self.rank}"
+        return f"{self.endpoint}{topic}{rank}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "topic": self.topic.decode(errors="replace"),
+            "rank": self.rank,
+            "first_seq": self.first_seq,
+            "last_seq": None if self.next_seq is None else self.next_seq - 1,
+            "first_ts": self.first_ts,
+            "last_ts": self.last_ts,
+            **self.counts,
+            "blocks_stored": self.live,
+            "peak_blocks_stored": self.peak_stored,
+            "complete": self.complete,
+            "incomplete_because": self.incomplete_because or None,
+        }
+
+
+def _event(
+    kind: int, seq: int, batch: int, h: Any = None, parent: Any = None, what: str = ""
+) -> dict[str, Any]:
+    e: dict[str, Any] = {"batch": batch, "seq": seq, "type": KIND_NAMES[kind]}
+    if h is not None:
+        e["hash"] = hash_text(h)
+    if parent is not None:
+        e["parent"] = hash_text(parent)
+    if what:
+        e["what"] = what
+    return e
+
+
+class StreamChecker:
+    """Checks a stream's records fed in order; `report()` gives the result."""
+
+    def __init__(self, endpoints: list[str] | None = None):
+        self._endpoints = endpoints or []
+        self.publishers: dict[tuple[int, bytes, int | None], _Publisher] = {}
+        self.findings: list[Finding] = []
+        self.finding_counts: dict[str, int] = {}
+        self.num_records = 0
+        self.num_malformed = 0
+        self.num_events = 0
+        self.notes: list[dict[str, Any]] = []
+        self._last_topic: dict[int, bytes] = {}
+
+    # --- findings ------------------------------------------------------------------------
+
+    def _report(
+        self,
+        kind: FindingKind,
+        message: str,
+        pub: _Publisher | None,
+        seq: int | None,
+        batch: int,
+        h: Any = None,
+        events: list[dict[str, Any]] | None = None,
+        cache_key: tuple[Any, Any] | None = None,
+    ) -> None:
+        n = self.finding_counts.get(kind.value, 0)
+        self.finding_counts[kind.value] = n + 1
+        if n >= MAX_FINDINGS_PER_KIND:
+            return
+        extra: dict[str, Any] = {"batch": batch, "seq": seq}
+        if pub is not None:
+            extra["publisher"] = pub.name()
+            extra["rank"] = pub.rank
+        if h is not None:
+            extra["hash"] = hash_text(h)
+        if cache_key is not None:
+            extra["medium"], extra["group"] = cache_key
+        where = f"batch {batch}" + ("" if seq is None else f" (seq {seq})")
+        who = f" from {pub.name()}" if pub is not None else ""
+        self.findings.append(
+            Finding(
+                kind=kind,
+                message=f"{where}{who}: {message}",
+                events=events or [],
+                extra=extra,
+            )
+        )
+
+    # --- feeding -------------------------------------------------------------------------
+
+    def _endpoint(self, i: int) -> str:
+        return self._endpoints[i] if 0 <= i < len(self._endpoints) else f"endpoint {i}"
+
+    def feed_file(self, stream: StreamFile) -> None:
+        """Every record of a recorded stream, in order."""
+        self._endpoints = stream.endpoints
+        for recv_ns, source, endpoint, frames in stream.records():
+            self.feed(recv_ns, source, endpoint, frames)
+
+    def feed_all(self, records: Iterable[tuple[int, int, int, list[bytes]]]) -> None:
+        """Records (recv_ns, source, endpoint, frames) in order."""
+        for recv_ns, source, endpoint, frames in records:
+            self.feed(recv_ns, source, endpoint, frames)
+
+    def feed(self, recv_ns: int, source: int, endpoint: int, frames: list[Any]) -> None:
+        """One record: a published or replayed message, or a recorder's note."""
+        batch = self.num_records
+        self.num_records += 1
+        if source == NOTE:
+            try:
+                self.notes.append({"batch": batch, **json.loads(bytes(frames[0]))})
+            except (ValueError, IndexError, TypeError):
+                pass
+            return
+        try:
+            topic, seq, payload = split_message(frames)
+            if len(frames) == 2:
+                # a replay reply of vLLM <= 0.25 names no topic: the endpoint's last one
+                topic = self._last_topic.get(endpoint, b"")
+            else:
+                self._last_topic[endpoint] = topic
+            ts, rank, events = decode_payload(payload)
+        except WireError as e:
+            self.num_malformed += 1
+            self._report(
+                FindingKind.KV_EVENT_MALFORMED,
+                f"a message from {self._endpoint(endpoint)} that is no KV-event batch: {e}",
+                None,
+                None,
+                batch,
+            )
+            return
+        key = (endpoint, topic, rank)
+        pub = self.publishers.get(key)
+        if pub is None:
+            pub = self.publishers[key] = _Publisher(self._endpoint(endpoint), topic, rank)
+        if source == REPLAYED:
+            pub.counts["replayed"] += 1
+        if not self._sequence(pub, seq, ts, batch):
+            return
+        pub.counts["batches"] += 1
+        pub.counts["events"] += len(events)
+        self.num_events += len(events)
+        self._apply(pub, seq, batch, events)
+
+    def _sequence(self, pub: _Publisher, seq: int, ts: float, batch: int) -> bool:
+        """Account for `seq`; False for a batch that must not be applied (reordered)."""
+        nxt = pub.next_seq
+        if nxt is None:
+            pub.first_seq = seq
+            pub.first_ts = ts
+            pub.complete = seq == 0
+            if seq:
+                pub.incomplete_because = f"the stream was recorded from seq {seq}, not 0"
+        elif seq > nxt:
+            missing = seq - nxt
+            pub.counts["gaps"] += 1
+            pub.counts["missing_batches"] += missing
+            pub.complete = False
+            pub.incomplete_because = f"batches {nxt}..{seq - 1} were lost"
+            self._report(
+                FindingKind.KV_EVENT_GAP,
+                f"seq jumped from {nxt - 1} to {seq}: {missing} batch(es) lost"
+                " (a subscriber's index now misses their stores and removals)",
+                pub,
+                seq,
+                batch,
+            )
+        elif seq < nxt:
+            if seq == 0 or ts > pub.last_ts:
+                pub.counts["resets"] += 1
+                self._report(
+                    FindingKind.KV_EVENT_SEQ_RESET,
+                    f"seq went back from {nxt - 1} to {seq} with a later timestamp: the"
+                    " publisher restarted (its prefix cache starts empty; a subscriber must"
+                    " drop what it indexed from it)",
+                    pub,
+                    seq,
+                    batch,
+                )
+                pub.caches = {}
+                pub.live = 0
+                pub.complete = seq == 0
+                pub.incomplete_because = (
+                    "" if seq == 0 else f"after a restart the stream resumed at seq {seq}"
+                )
+            else:
+                pub.counts["reordered"] += 1
+                self._report(
+                    FindingKind.KV_EVENT_REORDER,
+                    f"seq {seq} arrived after seq {nxt - 1} with an earlier timestamp"
+                    " (reordered or repeated; not applied)",
+                    pub,
+                    seq,
+                    batch,
+                )
+                return False
+        pub.next_seq = seq + 1
+        pub.last_ts = ts
+        return True
+
+    def _apply(self, pub: _Publisher, seq: int, batch: int, events: list[tuple[Any, ...]]):
+        caches = pub.caches
+        counts = pub.counts
+        live = pub.live
+        for ev in events:
+            kind = ev[0]
+            if kind == STORED:
+                _, hashes, parent, tokens, bs, medium, group, spec = ev
+                ck = (medium, group)
+                cache = caches.get(ck)
+                if cache is None:
+                    cache = caches[ck] = _Cache()
+                counts["stored"] += len(hashes)
+                copies = cache.copies
+                if bs > cache.full_size:
+                    cache.full_size = bs
+                chained = spec in _CHAINED_SPECS
+                if tokens and bs:
+                    n = len(tokens)
+                    want = bs * len(hashes)
+                    if n != want if chained else (n < want or n % bs):
+                        self._report(
+                            FindingKind.KV_EVENT_TOKEN_COUNT,
+                            f"BlockStored of {len(hashes)} block(s) of block_size {bs} carries"
+                            f" {n} token ids ({want} expected)",
+                            pub,
+                            seq,
+                            batch,
+                            hashes[0] if hashes else None,
+                            [_event(STORED, seq, batch, hashes[0] if hashes else None, parent)],
+                            ck,
+                        )
+                if parent is not None and parent not in copies:
+                    self._unknown_parent(pub, cache, ck, seq, batch, parent, hashes, chained)
+                prev = parent
+                start = 0
+                for h in hashes:
+                    c = copies.get(h)
+                    live += 1
+                    if c is None:
+                        copies[h] = 1
+                        cache.stored[h] = (prev, bs, tokens, start, seq, batch)
+                        if cache.cleared and h in cache.cleared:
+                            del cache.cleared[h]
+                        if cache.superseded and h in cache.superseded:
+                            self._partial_again(pub, cache, ck, seq, batch, h)
+                    else:
+                        copies[h] = c + 1
+                        self._stored_again(pub, cache, ck, seq, batch, h, prev, bs, tokens, start)
+                    if cache.retired and prev in cache.retired:
+                        self._supersede(cache, prev, h, tokens, start, bs, seq, batch)
+                    prev = h
+                    start += bs
+            elif kind == REMOVED:
+                hashes = ev[1]
+                ck = (ev[5], ev[6])
+                cache = caches.get(ck)
+                if cache is None:
+                    cache = caches[ck] = _Cache()
+                counts["removed"] += len(hashes)
+                copies = cache.copies
+                for h in hashes:
+                    c = copies.get(h)
+                    if c is None:
+                        self._removed_unstored(pub, cache, ck, seq, batch, h)
+                    elif c == 1:
+                        live -= 1
+                        del copies[h]
+                        info = cache.stored.pop(h)
+                        cache.removed_at[h] = (seq, batch)
+                        if info[1] < cache.full_size and info[2]:
+                            # a partial block retired: a full block with its parent may
+                            # supersede it
+                            toks = tuple(info[2][info[3] : info[3] + info[1]])
+                            cache.retired.setdefault(info[0], []).append((h, toks, seq, batch))
+                    else:
+                        live -= 1
+                        copies[h] = c - 1
+            else:
+                counts["cleared"] += 1
+                live = 0
+                for cache in caches.values():
+                    cache.cleared = dict.fromkeys(cache.copies, (seq, batch))
+                    cache.copies.clear()
+                    cache.stored.clear()
+                    cache.retired.clear()
+                    cache.superseded.clear()
+                pub.complete = True
+                pub.incomplete_because = ""
+            if live > pub.peak_stored:
+                pub.peak_stored = live
+        pub.live = live
+
+    # --- the invariants, where one may be broken -----------------------------------------
+
+    def _unknown_parent(self, pub, cache, ck, seq, batch, parent, hashes, chained) -> None:
+        if parent in cache.cleared:
+            cseq, cbatch = cache.cleared[parent]
+            self._report(
+                FindingKind.KV_EVENT_AFTER_CLEAR,
+                f"BlockStored names parent {hash_text(parent)}, dropped by the"
+                f" AllBlocksCleared of batch {cbatch} (seq {cseq}) and not stored since",
+                pub,
+                seq,
+                batch,
+                parent,
+                [
+                    _event(CLEARED, cseq, cbatch),
+                    _event(STORED, seq, batch, hashes[0] if hashes else None, parent),
+                ],
+                ck,
+            )
+        elif pub.complete and chained:
+            events = []
+            if parent in cache.removed_at:
+                rseq, rbatch = cache.removed_at[parent]
+                events.append(_event(REMOVED, rseq, rbatch, parent, what="its last copy removed"))
+            events.append(_event(STORED, seq, batch, hashes[0] if hashes else None, parent))
+            gone = " (its last copy was removed before)" if len(events) > 1 else ""
+            self._report(
+                FindingKind.KV_EVENT_UNKNOWN_PARENT,
+                f"BlockStored names parent {hash_text(parent)}, which is not stored{gone}:"
+                " a subscriber cannot attach the chain",
+                pub,
+                seq,
+                batch,
+                parent,
+                events,
+                ck,
+            )
+        else:
+            pub.counts["unverifiable"] += 1
+
+    def _removed_unstored(self, pub, cache, ck, seq, batch, h) -> None:
+        if h in cache.cleared:
+            cseq, cbatch = cache.cleared[h]
+            self._report(
+                FindingKind.KV_EVENT_AFTER_CLEAR,
+                f"BlockRemoved of {hash_text(h)}, dropped by the AllBlocksCleared of batch"
+                f" {cbatch} (seq {cseq}) and not stored since",
+                pub,
+                seq,
+                batch,
+                h,
+                [_event(CLEARED, cseq, cbatch), _event(REMOVED, seq, batch, h)],
+                ck,
+            )
+        elif pub.complete:
+            events = []
+            if h in cache.removed_at:
+                rseq, rbatch = cache.removed_at[h]
+                events.append(_event(REMOVED, rseq, rbatch, h, what="its last copy removed"))
+            events.append(_event(REMOVED, seq, batch, h))
+            what = "removed again after its last copy" if len(events) > 1 else "never stored"
+            self._report(
+                FindingKind.KV_EVENT_REMOVE_UNSTORED,
+                f"BlockRemoved of {hash_text(h)}, {what}",
+                pub,
+                seq,
+                batch,
+                h,
+                events,
+                ck,
+            )
+        else:
+            pub.counts["unverifiable"] += 1
+
+    def _stored_again(self, pub, cache, ck, seq, batch, h, parent, bs, tokens, start) -> None:
+        # Another copy, or a prefix hit re-reported ("full" report mode): the same block.
+        # A copy whose tokens or parent differ is a hash committed over other contents.
+        info = cache.stored[h]
+        old_parent, old_bs, old_tokens, old_start, old_seq, old_batch = info
+        diff = ""
+        if parent is not None and old_parent is not None and parent != old_parent:
+            diff = f"parent {hash_text(parent)}, stored before with parent {hash_text(old_parent)}"
+        elif tokens and old_tokens and bs == old_bs:
+            if tokens[start : start + bs] != old_tokens[old_start : old_start + old_bs]:
+                diff = "other token ids than the copy stored before"
+        elif bs != old_bs and tokens and old_tokens:
+            diff = f"block_size {bs}, stored before with block_size {old_bs}"
+        if diff:
+            self._report(
+                FindingKind.KV_EVENT_STORE_CONFLICT,
+                f"BlockStored of {hash_text(h)} while stored, with {diff}",
+                pub,
+                seq,
+                batch,
+                h,
+                [
+                    _event(STORED, old_seq, old_batch, h, old_parent, "stored"),
+                    _event(STORED, seq, batch, h, parent, "stored again"),
+                ],
+                ck,
+            )
+
+    def _supersede(self, cache, parent, h, tokens, start, bs, seq, batch) -> None:
+        # A full block stored under the parent of a retired partial block, whose tokens begin
+        # with the partial's: the partial hash is superseded by it.
+        if not tokens:
+            return
+        block = tuple(tokens[start : start + bs])
+        keep = []
+        for p, ptoks, _pseq, _pbatch in cache.retired[parent]:
+            if len(ptoks) < len(block) and block[: len(ptoks)] == ptoks:
+                cache.superseded[p] = (h, seq, batch)
+            else:
+                keep.append((p, ptoks, _pseq, _pbatch))
+        if keep:
+            cache.retired[parent] = keep
+        else:
+            del cache.retired[parent]
+
+    def _partial_again(self, pub, cache, ck, seq, batch, h) -> None:
+        full, fseq, fbatch = cache.superseded[h]
+        if not cache.copies.get(full):
+            del cache.superseded[h]
+            return
+        events = []
+        if h in cache.removed_at:
+            rseq, rbatch = cache.removed_at[h]
+            events.append(_event(REMOVED, rseq, rbatch, h, what="partial block retired"))
+        events.append(_event(STORED, fseq, fbatch, full, what="full block superseding it"))
+        events.append(_event(STORED, seq, batch, h, what="partial hash stored again"))
+        self._report(
+            FindingKind.KV_EVENT_PARTIAL_REAPPEARED,
+            f"partial block hash {hash_text(h)} stored again after the full block"
+            f" {hash_text(full)} (batch {fbatch}, seq {fseq}) superseded it, which is still"
+            " stored",
+            pub,
+            seq,
+            batch,
+            h,
+            events,
+            ck,
+        )
+
+    # --- the result ----------------------------------------------------------------------
+
+    def report(self, source: str = "", truncated: bool = False) -> dict[str, Any]:
+        """The object `events check --json` prints (docs/CLI.md)."""
+        pubs = [p.to_dict() for p in self.publishers.values()]
+        total = {k: sum(p[k] for p in pubs) for k in ("batches", "stored", "removed", "cleared")}
+        summary: dict[str, Any] = {
+            "records": self.num_records,
+            "publishers": len(pubs),
+            "events": self.num_events,
+            **total,
+            **{
+                k: sum(p[k] for p in pubs)
+                for k in (
+                    "gaps",
+                    "missing_batches",
+                    "resets",
+                    "reordered",
+                    "replayed",
+                    "unverifiable",
+                )
+            },
+            "malformed": self.num_malformed,
+            "truncated": truncated,
+            "findings_by_kind": dict(sorted(self.finding_counts.items())),
+        }
+        return {
+            "source": source,
+            "healthy": not any(f.severity == ERROR for f in self.findings),
+            "summary": summary,
+            "publishers": pubs,
+            "notes": self.notes,
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def check_file(path: str) -> dict[str, Any]:
+    """The check of a recorded stream, as `events check --json` prints it."""
+    stream = StreamFile(path)
+    try:
+        checker = StreamChecker()
+        checker.feed_file(stream)
+        return checker.report(source=path, truncated=stream.truncated)
+    finally:
+        stream.close()
