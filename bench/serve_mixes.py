@@ -595,8 +595,9 @@ def render_report(results: dict[str, Any]) -> str:
             "",
             f"Memory regime: a KV budget of {results['num_blocks']} blocks "
             f"({size(results['kv_budget_bytes'])}). "
-            "kvscope off / on; HF: padded batches of the clients, its peak memory above the "
-            "weights, measured on CUDA, in the JSON).",
+            "kvscope off / on; HF: padded batches of the clients, its KV the padded caches' "
+            "bytes (its peak allocation above the weights, on CUDA: `peak_memory_above_weights` "
+            "in the JSON).",
             "",
             "| mix | request shape | clients | requests/s off / on | HF requests/s | peak KV "
             "off / on | HF peak KV | running streams peak (mean) off / on | preemptions off / "
