@@ -1,7 +1,8 @@
 """The child side of `kvscope run`: set the probes up, run the target as `__main__`.
 
 `python -m kvscope.bootstrap script.py [args]` or `python -m kvscope.bootstrap -m module [args]`,
-with `KVSCOPE_RUN_DIR` naming the supervisor's run directory. The hooks (kvscope/child.py) record
+with `KVSCOPE_RUN_DIR` naming the supervisor's run directory; `launch()` starts it, and is all
+the parent imports of this module (the hooks are imported by `main`, in the child). The hooks (kvscope/child.py) record
 the pools every process of the run opens; the bootstrap adds `exception`: the uncaught exception
 that ended the script, as JSON.
 """
@@ -12,14 +13,29 @@ import importlib.util
 import json
 import os
 import runpy
+import subprocess
 import sys
 import traceback
+from typing import Any
 
-from kvscope.child import install, run_dir
+from kvscope.stopper import Stopper
+
+
+def launch(
+    target: list[str], env: dict[str, str], stopper: Stopper, **popen_kw: Any
+) -> subprocess.Popen[bytes]:
+    """Start `python -m kvscope.bootstrap <target>` with `env`, stopped and signalled by
+    `stopper` (popen_kw: its pipes); the child."""
+    cmd = [sys.executable, "-m", "kvscope.bootstrap", *target]
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=stopper.child_setup(), **popen_kw)
+    stopper.watch(proc)
+    return proc
 
 
 def _record_exception(e: BaseException) -> None:
     """Write the exception that ended the script to the run directory, for the dump's reason."""
+    from kvscope.child import run_dir
+
     out = run_dir()
     if out is None:
         return
@@ -45,6 +61,9 @@ def main(argv: list[str]) -> int:
         script, args = argv[0], argv[1:]
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
+    # Here, not at the top: the parent imports this module for `launch` alone.
+    from kvscope.child import install
+
     install()
     try:
         if argv[0] == "-m":

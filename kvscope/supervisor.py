@@ -17,7 +17,6 @@ import mmap
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -41,6 +40,7 @@ from kvscope.allocator.layout import BlockState, ClientState, Layout, SegmentVie
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.allocator.snapshot import snapshot
+from kvscope.bootstrap import launch
 from kvscope.child import pool_key
 from kvscope.history import History
 from kvscope.stopper import Stopper
@@ -167,7 +167,11 @@ class Supervisor:
         interval_s: float = 0.05,
         fail_on: str = "error",
         stopper: Stopper | None = None,
+        proc: subprocess.Popen[bytes] | None = None,
     ):
+        """Args:
+        proc: the child, when already started (`kvscope.bootstrap.launch`); else `start()`.
+        """
         self.target = target
         self.run_dir = run_dir
         self.env = env
@@ -180,7 +184,7 @@ class Supervisor:
         # Pools whose file was already too short when found (said once each).
         self._short: set[str] = set()
         self.live_findings: list[Finding] = []
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = proc
 
     @property
     def pid(self) -> int:
@@ -189,11 +193,7 @@ class Supervisor:
 
     def start(self, **popen_kw: Any) -> None:
         """Start the child: `python -m kvscope.bootstrap <target>` (popen_kw: its pipes)."""
-        cmd = [sys.executable, "-m", "kvscope.bootstrap", *self.target]
-        self.proc = subprocess.Popen(
-            cmd, env=self.env, preexec_fn=self.stopper.child_setup(), **popen_kw
-        )
-        self.stopper.watch(self.proc)
+        self.proc = launch(self.target, self.env, self.stopper, **popen_kw)
 
     def signal_child(self, signum: int) -> None:
         """Forward a signal to the child while it runs."""
@@ -227,12 +227,14 @@ class Supervisor:
         ended normally, and the check reported what it still held)."""
         if w.header_reported or not self._whole(w):
             return []
-        c = w.view.clients.copy()
+        # Read in place (every poll: no copy of the table); each value is read whole.
+        c = w.view.clients
+        attached = np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
         if not self._whole(w):
             return []
         out: list[Finding | str] = []
         script = self.proc.pid if self.proc is not None else -1
-        for i in np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist():
+        for i in attached:
             pid = int(c["pid"][i])
             if pid in w.dead_seen or pid == script or is_alive(pid, int(c["start"][i])):
                 continue

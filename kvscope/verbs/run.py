@@ -29,24 +29,20 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvscope.allocator.dumpfile import dump_name, write_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.faults import FAULTS
-from kvscope.allocator.findings import ERROR, WARNING
-from kvscope.allocator.layout import SegmentView
-from kvscope.allocator.process import is_alive
-from kvscope.analysis import analyze_view
-from kvscope.capacity import capacity_answer
-from kvscope.errors import EXIT_FAIL_ON, EXIT_FINDINGS, EXIT_USAGE, UsageError
-from kvscope.history import history_path
-from kvscope.report import console, render
+from kvscope.bootstrap import launch
+from kvscope.errors import UsageError
 from kvscope.scriptlog import ScriptLog
 from kvscope.stopper import DEFAULT_GRACE_S, Stopper
-from kvscope.supervisor import Outcome, Supervisor, Watched, fails, is_error, is_leak
-from kvscope.timeline import build_trace, trace_path, write_trace
 from kvscope.verbs.top import load_run_top
+
+# The supervisor and the verdict (numpy, the checks, the report) are imported once the script
+# has started, so that their import overlaps its start-up (docs/CLI.md, "Start-up").
+if TYPE_CHECKING:
+    from kvscope.supervisor import Supervisor
 
 FAIL_ON = ("never", "error", "leak")
 
@@ -166,64 +162,63 @@ class RunCommand:
         from kvscope.probes.otel_exporters import start_collector
 
         otel_env = {**os.environ, **otel_env_from_args(args)}
-        sup = Supervisor(
-            target,
-            run_dir=run_dir,
-            env=child_env(otel_env, run_dir, args),
-            echo=_echo,
-            fail_on=args.fail_on,
-            stopper=Stopper(_echo, args.stop_grace),
-        )
+        env = child_env(otel_env, run_dir, args)
+        stopper = Stopper(_echo, args.stop_grace)
+        sup: Supervisor | None = None
         tel = None
         try:
             # Stop signals are collected from here on (kvscope/stopper.py), before the
             # collector starts threads that would otherwise take them.
-            with sup.stopper.collecting():
+            with stopper.collecting():
                 try:
+                    # Before the script starts: an exporter that cannot work stops the run here.
                     # The supervisor collects pool metrics once for every process of the run.
                     tel = start_collector(
-                        lambda: [w.name for w in list(sup.pools.values())],
+                        lambda: [] if sup is None else [w.name for w in list(sup.pools.values())],
                         otel_env,
-                        path_of=sup.segment_of,
+                        path_of=lambda name: "" if sup is None else sup.segment_of(name),
                     )
                 except OtelConfigError as e:
                     raise UsageError(str(e)) from None
-                log = _start(sup, live=run_top is not None)
+                pipes: dict[str, Any] = {}
                 if run_top is not None:
-                    with sup.stopper.handled():
+                    # --live: the output goes to the TUI's panel, line by line (kvscope.scriptlog).
+                    env["PYTHONUNBUFFERED"] = "1"
+                    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+                proc = launch(target, env, stopper, **pipes)
+                from kvscope.supervisor import Supervisor
+
+                sup = Supervisor(
+                    target, run_dir=run_dir, env=env, echo=_echo, fail_on=args.fail_on,
+                    stopper=stopper, proc=proc,
+                )  # fmt: skip
+                from kvscope import verdict
+
+                log = ScriptLog(proc, run_dir) if run_top is not None else None
+                if run_top is not None:
+                    with stopper.handled():
                         _live(sup, run_top, args.hz, log)
                 outcome = sup.wait()
                 if log is not None:
                     log.close()
-            code, dumped = _finish(sup, outcome, dump_dir, args.fail_on)
+            code, dumped = verdict.finish(sup, outcome, dump_dir, args.fail_on)
             if args.timeline:
-                _write_timelines(sup, dump_dir)
+                verdict.write_timelines(sup, dump_dir)
             if tel is not None:
                 # The last export, while the pools' files are still there to be read.
                 tel.shutdown()
-            _settle_pools(sup, dumped, keep=args.keep_pool)
+            verdict.settle_pools(sup, dumped, keep=args.keep_pool)
             return code
         finally:
             if tel is not None:
                 tel.shutdown()
-            sup.cleanup()
+            if sup is not None:
+                sup.cleanup()
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _echo(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-def _start(sup: Supervisor, *, live: bool) -> ScriptLog | None:
-    """Start the child; under --live its output goes to pipes and is kept (kvscope.scriptlog)."""
-    if not live:
-        sup.start()
-        return None
-    # Line by line into the log panel rather than in 8 KiB blocks.
-    sup.env["PYTHONUNBUFFERED"] = "1"
-    sup.start(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert sup.proc is not None
-    return ScriptLog(sup.proc, sup.run_dir)
 
 
 def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None) -> None:
@@ -258,184 +253,3 @@ def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None
     sup.echo = _echo
     for line in held:
         _echo(line)
-
-
-def _beside_dump(w: Watched, snap: SegmentView, path: str, report: dict[str, Any]) -> None:
-    """The pool's history beside its dump, and the capacity answer in the printed analysis."""
-    if w.history is not None and w.history.count:
-        try:
-            w.history.write(history_path(path))
-        except OSError as e:
-            _echo(f"kvscope: could not write the history beside {path}: {e.strerror or e}")
-    report["capacity"] = capacity_answer(snap, w.history)
-
-
-def _write_timelines(sup: Supervisor, dump_dir: str) -> None:
-    """--timeline: each pool's flight recorder and history as a Chrome trace in dump_dir, and
-    the history itself (for `kvscope report NAME --history FILE` on a pool the script kept)."""
-    used: set[str] = set()
-    for w in sup.pools.values():
-        snap, found = sup.final_findings(w)
-        base = _unique(os.path.join(dump_dir, dump_name(w.name, sup.pid)), used)
-        trace = build_trace(snap, history=w.history, findings=found, end_ns=time.time_ns())
-        try:
-            write_trace(trace, trace_path(base))
-            if w.history is not None and w.history.count:
-                w.history.write(history_path(base))
-        except (OSError, PoolError) as e:
-            why = getattr(e, "strerror", None) or e
-            _echo(f"kvscope: could not write the timeline of pool {w.name!r}: {why}")
-            continue
-        _echo(f"kvscope: wrote {trace_path(base)} (open it in Perfetto or chrome://tracing)")
-
-
-def _finish(
-    sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str
-) -> tuple[int, list[Watched]]:
-    """Dump and analyze when something went wrong; the exit code and the pools dumped.
-
-    The printed analysis gives each finding the severity --fail-on gives it (error when it
-    fails the run, warning when not), so its headline and the exit code agree; the dump keeps
-    the findings' own severities. A dump that cannot be written (a full disk) is one line, the
-    analysis is still printed, and the exit code is the script's when it failed, else 2.
-    """
-    pid = sup.pid
-    finals = []
-    dumped: list[Watched] = []
-    dump_failed = False
-    for w in sup.pools.values():
-        try:
-            finals.append((w, *sup.final_findings(w)))
-        except PoolError as e:
-            _echo(f"kvscope: error: {e}")
-            dump_failed = True
-    found = sup.live_findings + [f for _, _, fs in finals for f in fs]
-    # (the exit check's other findings are errors or warnings of their own kinds, not leaks)
-    leaked_at_exit = any(v.get("blocks") or v.get("leaks") for v in outcome.exit_checks.values())
-    leaked = leaked_at_exit or any(is_leak(f) for f in found)
-    errored = any(is_error(f) for f in found)
-    what = outcome.describe(pid)
-    if outcome.failed or errored or leaked:
-        notes = [what] + (["findings of severity error"] if errored else [])
-        notes += ["blocks leaked"] if leaked else []
-        reason = "; ".join(notes)
-        if not finals and not dump_failed:
-            _echo(f"kvscope: {what}; it opened no pool, so there is nothing to dump")
-        used: set[str] = set()
-        for w, snap, fs in finals:
-            path = _unique(os.path.join(dump_dir, dump_name(w.name, pid)), used)
-            try:
-                write_dump(snap, path, reason=reason, pid=pid, header_prefix=w.header_prefix)
-            except PoolError as e:
-                _echo(f"kvscope: error: {e}")
-                dump_failed, path = True, ""
-            report = analyze_view(snap, alive=is_alive, findings=fs)
-            _as_run_sees_it(report, fail_on)
-            if path:
-                report["pool"]["dump"] = _dump_info(path, pid, reason)
-                _beside_dump(w, snap, path, report)
-            con = console(sys.stderr)
-            con.print()
-            render(report, con, title=f"kvscope run: {what}; pool")
-            if path:
-                dumped.append(w)
-                _echo(f"kvscope: wrote {path} (kvscope analyze {path})")
-            else:
-                _echo(f"kvscope: no dump of pool {w.name!r} was written (above)")
-    else:
-        _echo(f"kvscope run: {what}; {_clean_verdict(sup, found)}")
-    unfired = _report_unfired(sup)
-    if outcome.failed:
-        return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0), dumped
-    if dump_failed:
-        return EXIT_USAGE, dumped
-    if unfired:
-        return EXIT_FINDINGS, dumped
-    if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
-        _echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
-        return EXIT_FAIL_ON, dumped
-    return 0, dumped
-
-
-def _settle_pools(sup: Supervisor, dumped: list[Watched], *, keep: bool) -> None:
-    """Remove the files of each dumped pool no live process holds any more (the dump has what
-    they held), unless --keep-pool; say what became of each."""
-    holders: dict[str, list[int]] = {}
-    for w, pid in sup.still_attached():
-        holders.setdefault(w.key, []).append(pid)
-    for w in dumped:
-        if w.unlinked_to:
-            continue  # the script unlinked it: its files go with the run (Supervisor.cleanup)
-        if keep:
-            _echo(
-                f"kvscope: kept pool {w.name!r} (--keep-pool); `kvscope check {w.name} --repair"
-                " --unlink` removes it"
-            )
-        elif w.key in holders:
-            pids = ", ".join(map(str, holders[w.key]))
-            _echo(f"kvscope: kept pool {w.name!r}: pid {pids} still holds it")
-        elif sup.remove_pool(w):
-            _echo(
-                f"kvscope: removed pool {w.name!r} from /dev/shm (its dump holds it;"
-                " --keep-pool keeps it)"
-            )
-
-
-def _clean_verdict(sup: Supervisor, found: list) -> str:
-    """The one line of a run with nothing to dump: which pools were watched, and what came."""
-    if not sup.pools:
-        return "it opened no pool"
-    names = ", ".join(repr(w.name) for w in sup.pools.values())
-    pools = f"pool{'s' if len(sup.pools) > 1 else ''} {names}"
-    if found:
-        return f"{pools}: no error, no leak, {len(found)} warning(s) above; nothing to dump"
-    return f"{pools}: no finding, no leak; nothing to dump"
-
-
-def _as_run_sees_it(report: dict[str, Any], fail_on: str) -> None:
-    """Give each finding of the report the severity --fail-on gives it, and say so."""
-    for d in report["findings"]:
-        severity = ERROR if fails(d, fail_on) else WARNING
-        if severity != d["severity"]:
-            d["message"] += f" ({severity} under --fail-on {fail_on})"
-            d["severity"] = severity
-    report["healthy"] = not any(d["severity"] == ERROR for d in report["findings"])
-
-
-def _report_unfired(sup: Supervisor) -> bool:
-    """Faults armed for the run that no process injected (kvscope/child.py records them): say
-    so; True when there is one (the run proved nothing about them)."""
-    from kvscope.child import unfired_faults
-
-    unfired = unfired_faults(sup.run_dir)
-    for name in unfired:
-        _echo(
-            f"kvscope: fault {name!r} was armed but never fired: no operation of the script "
-            "gave it an opportunity it could act on"
-        )
-    return bool(unfired)
-
-
-def _unique(path: str, used: set[str]) -> str:
-    base, ext = os.path.splitext(path)
-    k = 1
-    while path in used:
-        k += 1
-        path = f"{base}-{k}{ext}"
-    used.add(path)
-    return path
-
-
-def _dump_info(path: str, pid: int, reason: str) -> dict[str, Any]:
-    import socket
-
-    return {
-        "path": path,
-        "pid": pid,
-        "host": socket.gethostname(),
-        "reason": reason,
-        "created_ns": time.time_ns(),
-        "with_data": False,
-        "redacted": False,
-        "torn": False,
-    }
