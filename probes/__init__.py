@@ -13,10 +13,19 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvscope.allocator.events import OP_NAMES, EventOp
 from kvscope.allocator.faults import FAULTS
 
 __all__ = ["FAULTS", "OP_NAMES", "EventOp", "install_from_env"]
+
+
+def __getattr__(name: str) -> Any:
+    # OP_NAMES and EventOp on first use: `kvscope run` imports this package for its flags
+    # (probes/otel_config.py) before the script starts, and the events module brings numpy.
+    if name in ("OP_NAMES", "EventOp"):
+        from kvscope.allocator import events
+
+        return getattr(events, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _on_open(pool: Any, env: Mapping[str, str]) -> None:
