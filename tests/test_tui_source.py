@@ -44,3 +44,46 @@ def test_live_source_refuses_a_symlink(make_pool, pool_name):
             LiveSource(link)
     finally:
         os.unlink(segment_path(link))
+
+
+def test_live_source_copies_what_each_event_ring_gained(make_pool):
+    # GIVEN a live pool that records events, read once into each of the two buffers
+    pool = make_pool(32, events=True)
+    source = LiveSource(pool.name)
+    try:
+        source.read()
+        source.read()
+        # WHEN the pool records more than a ring's worth of events (the ring wraps), then a
+        # few more, and the TUI reads after each (into one buffer, then the other)
+        for i in range(pool.view.events.shape[1]):
+            pool.free(pool.allocate(f"req-{i}", [i]))
+        first = source.read()
+        # THEN every copy holds the rings exactly as the pool does at its moment
+        assert (first.events == pool.view.events).all()
+        seq = pool.allocate("late", list(range(8)))
+        second = source.read()
+        third = source.read()
+        assert (second.events == pool.view.events).all()
+        assert (third.events == pool.view.events).all()
+        assert (third.events["time_ns"] != 0).any()
+        pool.free(seq)
+    finally:
+        source.close()
+
+
+def test_live_source_copies_the_shown_records_with_the_sequences(make_pool):
+    # GIVEN a live pool with a sequence
+    pool = make_pool(32)
+    seq = pool.allocate("req-a", list(range(10)))
+    source = LiveSource(pool.name)
+    try:
+        # WHEN the TUI reads it with that sequence's slot and a block selected
+        slot = int(source.read().seqs["seq_id"].tolist().index(seq.seq_id))
+        view = source.read(block=31, slot=slot)
+        # THEN the sequence's block records and the selected block's are the pool's
+        table = view.seqs["table"][slot][: int(view.seqs["num_blocks"][slot])]
+        for b in [*table.tolist(), 31]:
+            assert view.blocks[b].tobytes() == pool.view.blocks[b].tobytes()
+        assert not view.torn
+    finally:
+        source.close()

@@ -158,7 +158,8 @@ class TopApp(App[int]):
     def take_frame(self) -> Frame:
         """Read one snapshot and derive what every panel shares (runs in the worker)."""
         t0 = time.perf_counter()
-        view = self.source.read()
+        # (the block panel and the block table show these records field by field)
+        view = self.source.read(self.selected_block, self.selected_seq)
         copy_ms = (time.perf_counter() - t0) * 1e3
         head = int(view.h["findings_head"])
         if head != self._ring_head:
@@ -218,7 +219,10 @@ class TopApp(App[int]):
     def on_frame_ready(self, message: FrameReady) -> None:
         self.num_frames += 1
         self.frame = message.frame
-        self._consumed.set()
+        # The worker copies the next frame once this one is on screen, so the copy and the
+        # panels' work do not take turns at the GIL: a copy kept waiting for it outlasts the
+        # pool's quiet moments and is tried again.
+        self.call_after_refresh(self._consumed.set)
 
     def on_check_done(self, message: CheckDone) -> None:
         self.num_checks += 1

@@ -3,7 +3,7 @@
 Both kinds yield `SegmentView`s, so every widget reads a live pool and a dump the same way.
 
     source = open_source("demo")          # a pool name, or a path to a dump
-    view = source.read()                  # a consistent copy of what the TUI displays
+    view = source.read(block, slot)       # a copy of what the TUI displays
     full = source.read_full()             # a consistent copy of everything (for check_view)
 """
 
@@ -34,11 +34,10 @@ from kvscope.allocator.segment import (
 )
 from kvscope.allocator.snapshot import Seqlock, copy_segment
 
-# Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), and the
-# prefix index, the free ring's body and the client journals are not copied at all.
-SHOWN_SECTIONS = ("blocks", "sites", "locks", "events", "lockgraph", "findings")
-# Block records are copied in pieces of about this many bytes, each under the seqlock.
-CHUNK_BYTES = 256 * 1024
+# Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), `events`
+# ring by ring (only what each ring gained), and the prefix index, the free ring's body and the
+# client journals are not copied at all.
+SHOWN_SECTIONS = ("blocks", "sites", "locks", "lockgraph", "findings")
 # A whole-segment copy (for check_view) gives up after this many tries; the check then waits.
 FULL_TRIES = 3
 
@@ -50,8 +49,9 @@ class Source(Protocol):
     live: bool
     view: SegmentView
 
-    def read(self) -> SegmentView:
-        """A consistent copy of the sections the panels show."""
+    def read(self, block: int = -1, slot: int = -1) -> SegmentView:
+        """A copy of the sections the panels show; the record of `block` and of the blocks in
+        the block table of sequence `slot` consistent with the small sections."""
         ...
 
     def read_full(self) -> SegmentView:
@@ -80,9 +80,9 @@ def _section_bounds(view: SegmentView, name: str) -> tuple[int, int]:
 class Snapshotter:
     """Consistent copies of a mapped segment into buffers it reuses (no allocation per tick).
 
-    `read()` copies only what the panels show; `read_full()` copies everything. Both check the
-    seqlock around the whole copy, so the result is consistent across sections, and take no lock.
-    A view returned by `read()` stays valid until `read()` has been called twice more (two
+    `read()` copies only what the panels show, `read_full()` everything; neither takes a lock.
+    `read_full()` checks the seqlock around the whole copy, so it is consistent across sections;
+    `read()` around all but the block records (see there). A view returned by `read()` stays valid until `read()` has been called twice more (two
     buffers alternate); the TUI consumes each frame before it asks for the next.
     """
 
@@ -94,6 +94,9 @@ class Snapshotter:
         self._bufs = [np.zeros(end, np.uint8) for _ in range(2)]
         self._views = [SegmentView(b, view.layout) for b in self._bufs]
         self._live_rows: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(2)]
+        # Per buffer, each client's (attach time, event head) its event ring was copied at:
+        # only rings that changed since are copied again, and of those only the new events.
+        self._ring_at = [np.full((len(view.clients), 2), -1, np.int64) for _ in range(2)]
         self._turn = 0
         self._full: np.ndarray | None = None
         self._blocks = _section_bounds(view, "blocks")
@@ -113,16 +116,21 @@ class Snapshotter:
         one reader); False if there was none in `tries` attempts."""
         return self._seqlock.copy_between(copy, self.tries, undo_into=dst)
 
-    def read(self) -> SegmentView:
-        """What the panels show, copied piece by piece, each piece under the seqlock.
+    def read(self, block: int = -1, slot: int = -1) -> SegmentView:
+        """What the panels show: the block records in one plain copy, then the small sections
+        and the records the panels detail in one piece under the seqlock.
 
-        The block records are copied in chunks of CHUNK_BYTES (a busy pool changes its counters
-        thousands of times a second, so one 10 ms copy of a 100k-block section would almost
-        never see them still); every record is whole and consistent, and the frame as a whole
-        spans the few milliseconds of the copy. The small sections (header, ring header, locks,
-        client records, events, sites, lock graph, findings, live sequence rows) are copied
-        together in one consistent piece. `torn` is set when some piece never found a quiet
-        moment in `tries` attempts (its last copy is kept).
+        The block records (17 MB on a 100k-block pool) are copied without waiting for a quiet
+        moment: a busy pool changes its counters thousands of times a second, so a copy that
+        long would keep being tried again. Each record is copied once, as it is at that
+        instant; one caught in the middle of an operation can show, for one frame, its new
+        state beside its old refcount, which the block map and the counts take as it comes.
+        The small sections (header, ring header, locks, client records, the events each ring
+        gained since this buffer last copied it, sites, lock graph, findings, live sequence
+        rows) and the records of `block` and of the blocks in sequence `slot`'s table (what
+        the block panel and the block table show field by field) are then copied together in
+        one consistent piece. `torn` is set when that piece never found a quiet moment in
+        `tries` attempts (its last copy is kept).
         """
         i = self._turn
         self._turn ^= 1
@@ -139,15 +147,10 @@ class Snapshotter:
         dst_rows = dst[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
         b0, b1 = self._blocks
         rec = view.blocks.dtype.itemsize
-        step = max(1, CHUNK_BYTES // rec) * rec
-        ok = True
-        for a in range(b0, b1, step):
-            b = min(b1, a + step)
-
-            def chunk(a: int = a, b: int = b) -> None:
-                dst[a:b] = src[a:b]
-
-            ok &= self._consistent(chunk, dst)
+        nblocks = (b1 - b0) // rec
+        src_recs = src[b0:b1].reshape(nblocks, rec)
+        dst_recs = dst[b0:b1].reshape(nblocks, rec)
+        dst[b0:b1] = src[b0:b1]
 
         def small() -> None:
             for a, b in self._bounds:
@@ -155,6 +158,7 @@ class Snapshotter:
             dst[c0 : c0 + csize * nclients].reshape(nclients, csize)[:, :chead] = src[
                 c0 : c0 + csize * nclients
             ].reshape(nclients, csize)[:, :chead]
+            self._copy_events(i)
             # Forget rows this buffer held last time, then copy the live ones.
             mine.seqs["state"][self._live_rows[i]] = SeqState.EMPTY
             live = np.flatnonzero(view.seqs["state"] != SeqState.EMPTY)
@@ -164,11 +168,37 @@ class Snapshotter:
             width = min(width, ssize)
             dst_rows[live, :width] = src_rows[live, :width]
             self._live_rows[i] = live
+            shown = [block]
+            if 0 <= slot < nseqs and mine.seqs["state"][slot] != SeqState.EMPTY:
+                table = mine.seqs["table"][slot]
+                shown += table[: min(len(table), int(mine.seqs["num_blocks"][slot]))].tolist()
+            ids = np.unique(np.asarray(shown, np.int64))
+            ids = ids[(ids >= 0) & (ids < nblocks)]
+            dst_recs[ids] = src_recs[ids]
 
-        ok &= self._consistent(small, dst)
+        ok = self._consistent(small, dst)
         mine.torn = not ok  # type: ignore[attr-defined]
         mine.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
         return mine
+
+    def _copy_events(self, i: int) -> None:
+        """Copy into buffer i the events each client's ring gained since buffer i last copied
+        it (the whole ring when its client attached again or it wrapped past that point)."""
+        clients, events, mine = self.view.clients, self.view.events, self._views[i].events
+        cap = events.shape[1]
+        at = np.stack(
+            [clients["attached_ns"].astype(np.int64), clients["event_head"].astype(np.int64)],
+            axis=1,
+        )
+        held = self._ring_at[i]
+        for c in np.flatnonzero((at != held).any(axis=1)).tolist():
+            (attached, head), (was_attached, was_head) = at[c].tolist(), held[c].tolist()
+            if attached == was_attached and 0 <= head - was_head < cap:
+                pos = np.arange(was_head, head) % cap
+                mine[c, pos] = events[c, pos]
+            else:
+                mine[c] = events[c]
+        held[:] = at
 
     def read_full(self) -> SegmentView:
         """Every byte of the segment (what check_view needs); reuses one buffer."""
@@ -203,8 +233,8 @@ class LiveSource:
         self.view = SegmentView(self._mm, layout)
         self._snap = Snapshotter(self.view)
 
-    def read(self) -> SegmentView:
-        return self._snap.read()
+    def read(self, block: int = -1, slot: int = -1) -> SegmentView:
+        return self._snap.read(block, slot)
 
     def read_full(self) -> SegmentView:
         return self._snap.read_full()
@@ -228,7 +258,7 @@ class ViewSource:
         if not hasattr(view, "torn"):
             view.torn = False  # type: ignore[attr-defined]
 
-    def read(self) -> SegmentView:
+    def read(self, block: int = -1, slot: int = -1) -> SegmentView:
         return self.view
 
     def read_full(self) -> SegmentView:

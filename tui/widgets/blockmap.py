@@ -15,6 +15,7 @@ from textual.widget import Widget
 from kvscope.allocator.layout import BlockState
 from kvscope.tui.frame import Frame
 from kvscope.tui.messages import BlockChosen
+from kvscope.tui.widgets import retitle
 
 # Colour per state, darkest to brightest for refcount 0-1, 2, 3, 4+.
 STATE_COLOURS = {
@@ -33,36 +34,32 @@ MARKED_BG = "red3"
 def cell_codes(
     state: np.ndarray, refcount: np.ndarray, marked: np.ndarray, group: int, num_cells: int
 ) -> np.ndarray:
-    """One small integer per cell: state | shade << 3 | fill << 5 | marked << 8 (vectorised)."""
+    """One small integer per cell: state | shade << 3 | fill << 5 | marked << 8 (vectorised:
+    one bincount of (cell, state) pairs and one max per cell, whatever the number of states)."""
     n = len(state)
-    padded = num_cells * group
-    st = np.full(padded, NUM_STATES, np.int64)
-    st[:n] = state
-    st[:n] = np.minimum(st[:n], NUM_STATES - 1)
-    rc = np.zeros(padded, np.int64)
-    rc[:n] = refcount
-    mk = np.zeros(padded, bool)
-    mk[:n] = marked
-    st2 = st.reshape(num_cells, group)
-    counts = np.zeros((num_cells, NUM_STATES + 1), np.int64)
-    for s in range(NUM_STATES + 1):
-        counts[:, s] = (st2 == s).sum(axis=1)
-    used = counts[:, 1:NUM_STATES].sum(axis=1)
-    real = group - counts[:, NUM_STATES]
+    # Cells past the last block are blank; only cells holding blocks are counted.
+    num_real = min(num_cells, -(-n // group))
+    st = np.minimum(state, NUM_STATES - 1).astype(np.intp)
+    cell = np.arange(n, dtype=np.intp) // group
+    counts = np.bincount(cell * NUM_STATES + st, minlength=num_real * NUM_STATES)
+    counts = counts[: num_real * NUM_STATES].reshape(num_real, NUM_STATES)
+    real = np.minimum(group, n - np.arange(num_real) * group)
+    used = real - counts[:, BlockState.FREE]
     # Colour: the most common state other than free, when any block of the cell is in use.
-    busy = 1 + np.argmax(counts[:, 1:NUM_STATES], axis=1)
+    busy = 1 + np.argmax(counts[:, 1:], axis=1)
     colour = np.where(used > 0, busy, BlockState.FREE)
-    shade = np.clip(rc.reshape(num_cells, group).max(axis=1) - 1, 0, 3)
+    rc = np.maximum.reduceat(np.asarray(refcount, np.int64), np.arange(num_real) * group)
+    shade = np.clip(rc - 1, 0, 3)
     if group == 1:
         fill = np.where(used > 0, 4, 0)
     else:
-        frac = np.divide(used, np.maximum(real, 1))
+        frac = used / real
         fill = np.where(used > 0, 1 + np.minimum(3, (frac * 4).astype(np.int64)), 0)
         fill = np.minimum(fill, 4)
-    mark = mk.reshape(num_cells, group).any(axis=1)
-    code = colour | shade << 3 | fill << 5 | mark.astype(np.int64) << 8
-    # Cells past the last block are blank.
-    code[real <= 0] = -1
+    mark = np.zeros(num_real, np.int64)
+    mark[np.unique(np.flatnonzero(marked) // group)] = 1
+    code = np.full(num_cells, -1, np.int64)
+    code[:num_real] = colour | shade << 3 | fill << 5 | mark << 8
     return code
 
 
@@ -117,7 +114,7 @@ class BlockMap(Widget, can_focus=True):
         else:
             self._strips.clear()
         self._codes, self.group = codes, group
-        self.border_title = f"blocks ({n:,}" + (f", 1 cell = {group} blocks)" if group > 1 else ")")
+        retitle(self, f"blocks ({n:,}" + (f", 1 cell = {group} blocks)" if group > 1 else ")"))
         for y in changed:
             self._strips.pop(y, None)
             self.refresh(Region(0, y, w, 1))

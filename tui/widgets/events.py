@@ -7,6 +7,7 @@ from textual.reactive import reactive
 
 from kvscope.tui.frame import Frame, clock, last_events, op_name, request_of
 from kvscope.tui.messages import BlockChosen
+from kvscope.tui.widgets import retitle
 from kvscope.tui.widgets.rows import Row, RowsView
 
 TAIL = 200
@@ -55,7 +56,7 @@ class EventTail(RowsView):
                 None,
             )
 
-        self.border_title = f"events ({len(ev)}, newest first)" if len(ev) else "events"
+        retitle(self, f"events ({len(ev)}, newest first)" if len(ev) else "events")
         self.set_rows(len(ev), row_of)
         if keep and len(ev):
             self.cursor = min(len(ev) - 1, self.cursor + arrived)

@@ -7,6 +7,7 @@ from textual.reactive import reactive
 from kvscope.allocator.findings import Finding
 from kvscope.tui.frame import Frame
 from kvscope.tui.messages import BlockChosen
+from kvscope.tui.widgets import retitle
 from kvscope.tui.widgets.rows import Row, RowsView
 
 
@@ -31,8 +32,9 @@ class FindingsPanel(RowsView):
             return
         self.findings = list(found)
         errors = sum(f.severity == "error" for f in found)
-        self.border_title = (
-            f"findings ({errors} errors, {len(found) - errors} warnings)" if found else "findings"
+        retitle(
+            self,
+            f"findings ({errors} errors, {len(found) - errors} warnings)" if found else "findings",
         )
 
         def row_of(i: int) -> Row:

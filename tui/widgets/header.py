@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual.reactive import reactive
 from textual.strip import Strip
@@ -30,6 +31,7 @@ class PoolHeader(Widget):
         super().__init__(id=id)
         self._text = ""
         self._lines: list[Strip] = []
+        self._style = Style()
 
     def watch_frame(self) -> None:
         self._show()
@@ -88,10 +90,12 @@ class PoolHeader(Widget):
             self._text = t.plain
             segments = t.render(self.app.console)
             self._lines = [Strip(line) for line in Segment.split_lines(segments)]
+            # (the widget's style, worked out through its ancestors, once per change)
+            self._style = self.rich_style
             self.refresh()
 
     def render_line(self, y: int) -> Strip:
         width = self.content_size.width
         if y < len(self._lines):
-            return self._lines[y].crop_extend(0, width, self.rich_style)
-        return Strip.blank(width, self.rich_style)
+            return self._lines[y].crop_extend(0, width, self._style)
+        return Strip.blank(width, self._style)

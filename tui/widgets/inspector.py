@@ -13,6 +13,7 @@ from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import site_frames
 from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
+from kvscope.tui.widgets import retitle
 
 NUM_EVENTS = 6
 
@@ -119,7 +120,7 @@ class BlockInspector(VerticalScroll, can_focus=True):
         frame, b = self.frame, self.selected_block
         if frame is None:
             return
-        self.border_title = f"block {b}" if b >= 0 else "block"
+        retitle(self, f"block {b}" if b >= 0 else "block")
         text = describe_block(frame, b)
         key = (b, text.plain)
         if key != self._shown and self.is_mounted:

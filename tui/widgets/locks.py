@@ -7,7 +7,12 @@ import time
 from textual.reactive import reactive
 
 from kvscope.tui.frame import Frame
+from kvscope.tui.widgets import retitle
 from kvscope.tui.widgets.rows import Row, RowsView
+
+# A live pool's lock counters move with every operation: the panel shows them twice a second,
+# as fast as they can be read, and repaints less often than the panels that follow the cursor.
+EVERY_NS = 500_000_000
 
 
 def _us(ns: float) -> str:
@@ -32,10 +37,12 @@ class LocksPanel(RowsView):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.border_title = "locks"
+        self._taken_ns = -EVERY_NS
 
     def watch_frame(self, frame: Frame | None) -> None:
-        if frame is None:
+        if frame is None or (frame.live and frame.taken_ns - self._taken_ns < EVERY_NS):
             return
+        self._taken_ns = frame.taken_ns
         locks = frame.view.locks
         used = int(frame.view.h["lockgraph_used"])
         edges = frame.view.lockgraph[: min(used, len(frame.view.lockgraph))]
@@ -68,5 +75,5 @@ class LocksPanel(RowsView):
             src, dst = (bytes(e[k]).decode(errors="replace") for k in ("src", "dst"))
             site = bytes(e["site"]).decode(errors="replace")
             rows.append(((f"{src}->{dst}", f"pid {int(e['pid'])}", site), "cyan"))
-        self.border_title = f"locks ({len(locks)}, {len(edges)} order edges)"
+        retitle(self, f"locks ({len(locks)}, {len(edges)} order edges)")
         self.set_rows(len(rows), rows.__getitem__)

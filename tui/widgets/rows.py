@@ -50,6 +50,9 @@ class RowsView(ScrollView, can_focus=True):
         self.num_rows = 0
         self._row_of: Callable[[int], Row] = lambda i: ((), None)
         self._strips: dict[int, Strip] = {}
+        # The widget's own style (from CSS, through every ancestor: costly to work out), once
+        # per repaint rather than once per line.
+        self._base_style: Style | None = None
         self.empty_text = ""
         self._shown: list[Row] = []
         self._shown_rows = -1
@@ -65,7 +68,7 @@ class RowsView(ScrollView, can_focus=True):
         if shown == self._shown and num_rows == self._shown_rows:
             return
         self._shown, self._shown_rows = shown, num_rows
-        self._strips.clear()
+        self._forget()
         self._update_virtual_size()
         if self.cursor >= num_rows:
             self.cursor = max(0, num_rows - 1)
@@ -90,8 +93,20 @@ class RowsView(ScrollView, can_focus=True):
         if self.virtual_size.height != height:
             self.virtual_size = Size(self.size.width, height)
 
-    def on_resize(self, event: events.Resize) -> None:
+    def _forget(self) -> None:
+        """Drop the formatted lines (and the style they were drawn with)."""
         self._strips.clear()
+        self._base_style = None
+
+    @property
+    def base_style(self) -> Style:
+        """The widget's Rich style, worked out once per repaint."""
+        if self._base_style is None:
+            self._base_style = self.rich_style
+        return self._base_style
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._forget()
         self._shown_rows = -1
         self._update_virtual_size()
 
@@ -102,7 +117,7 @@ class RowsView(ScrollView, can_focus=True):
             return Strip(
                 [
                     Segment(
-                        self._cells(head, width), self.rich_style + Style(bold=True, underline=True)
+                        self._cells(head, width), self.base_style + Style(bold=True, underline=True)
                     )
                 ]
             )
@@ -110,12 +125,12 @@ class RowsView(ScrollView, can_focus=True):
         if i >= self.num_rows:
             if i == 0 and self.empty_text:
                 return Strip([Segment(self.empty_text[:width].ljust(width), Style(dim=True))])
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, self.base_style)
         key = i * 2 + (i == self.cursor)
         strip = self._strips.get(key)
         if strip is None or strip.cell_length != width:
             cells, style = self._row_of(i)
-            rs = self.rich_style + Style.parse(style) if style else self.rich_style
+            rs = self.base_style + Style.parse(style) if style else self.base_style
             if i == self.cursor and self.has_focus:
                 rs = rs + Style(reverse=True)
             elif i == self.cursor:
@@ -140,11 +155,11 @@ class RowsView(ScrollView, can_focus=True):
         self.refresh()
 
     def on_focus(self) -> None:
-        self._strips.clear()
+        self._forget()
         self.refresh()
 
     def on_blur(self) -> None:
-        self._strips.clear()
+        self._forget()
         self.refresh()
 
     def action_cursor(self, delta: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvscope.tui.widgets import retitle
 from kvscope.tui.widgets.rows import Row, RowsView
 
 
@@ -47,7 +48,7 @@ class ScriptPanel(RowsView):
         status = self.script.status()
         if status != self._status:
             self._status = status
-            self.border_title = f"script pid {self.script.pid}: {status}"
+            retitle(self, f"script pid {self.script.pid}: {status}")
         version = self.script.version
         if version == self._version:
             return

@@ -6,6 +6,7 @@ from textual.reactive import reactive
 
 from kvscope.tui.frame import SEQ_STATE_NAMES, STATE_NAMES, Frame, cow_positions, request_of
 from kvscope.tui.messages import BlockChosen, SequenceChosen
+from kvscope.tui.widgets import retitle
 from kvscope.tui.widgets.rows import Row, RowsView
 
 SEQ_STYLES = {
@@ -52,7 +53,7 @@ class SequenceList(RowsView):
                 SEQ_STYLES.get(state),
             )
 
-        self.border_title = f"sequences ({len(self.slots)})"
+        retitle(self, f"sequences ({len(self.slots)})")
         self.set_rows(len(self.slots), row_of)
         self._place_cursor()
 
@@ -103,7 +104,7 @@ class BlockTableView(RowsView):
         frame, slot = self.frame, self.selected_seq
         if frame is None or slot < 0 or int(frame.view.seqs["state"][slot]) == 0:
             self.table = []
-            self.border_title = "block table"
+            retitle(self, "block table")
             self.set_rows(0, lambda i: ((), None))
             return
         table = frame.block_table(slot)
@@ -111,7 +112,7 @@ class BlockTableView(RowsView):
         blocks = frame.view.blocks
         cows = cow_positions(frame, slot)
         n = frame.num_blocks
-        self.border_title = f"block table of {request_of(frame.view.seqs[slot])!r}"
+        retitle(self, f"block table of {request_of(frame.view.seqs[slot])!r}")
 
         def row_of(i: int) -> Row:
             b = self.table[i]

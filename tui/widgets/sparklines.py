@@ -14,6 +14,9 @@ from textual.widget import Widget
 from kvscope.tui.frame import Frame
 
 HISTORY = 240
+# On a live pool a sample every half second (two minutes of history): the panel repaints
+# whole with each sample, and more often shows nothing a reader could follow.
+EVERY_NS = 500_000_000
 BARS = " ▁▂▃▄▅▆▇█"
 TITLES = ("utilization", "free blocks", "allocs/s", "prefix hits")
 COLOURS = ("green3", "dodger_blue1", "yellow3", "magenta")
@@ -47,6 +50,8 @@ class Trends(Widget):
 
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
+            return
+        if frame.live and self._last is not None and frame.taken_ns - self._last[1] < EVERY_NS:
             return
         st = frame.stats
         allocs, now = st["num_allocs"], frame.taken_ns
