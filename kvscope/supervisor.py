@@ -73,12 +73,17 @@ class Watched:
     history: History | None = None
     # Processes seen dead while still attached (each said once).
     dead_seen: set[int] = field(default_factory=set)
+    # The mapping's length (the layout's end), checked against the file several times a poll.
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        self.size = self.layout.offsets()["end"]
 
     def check_size(self) -> bool:
         """True while the file is still as long as the mapping (reading a page the file lost
         would kill this process with SIGBUS); remembers the size it shrank to."""
         size = os.fstat(self.fd).st_size
-        if size < self.layout.offsets()["end"]:
+        if size < self.size:
             self.truncated_to = size
         return self.truncated_to is None
 
