@@ -163,8 +163,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--run-only", action="store_true", help="only the kvscope run rows")
     args = p.parse_args()
-    for folder in {os.path.dirname(kvscope.__file__), os.path.dirname(kvscope.allocator.__file__)}:
-        compileall.compile_dir(folder, quiet=1)
+    # Every folder of the package (kvscope.probes and kvscope.kernels live in their own).
+    root = os.path.dirname(os.path.dirname(kvscope.__file__))
+    for folder in ("kvscope", "allocator", "probes", "kernels", "tui"):
+        compileall.compile_dir(os.path.join(root, folder), quiet=1)
     print(f"load average {os.getloadavg()[0]:.1f}")
     bench_run(args.repeat)
     print(f"load average {os.getloadavg()[0]:.1f}")
