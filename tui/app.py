@@ -25,9 +25,16 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
+from kvscope.tui.detail import FindingScreen
 from kvscope.tui.frame import Frame
 from kvscope.tui.help import GotoScreen, HelpScreen
-from kvscope.tui.messages import BlockChosen, CheckDone, FrameReady, SequenceChosen
+from kvscope.tui.messages import (
+    BlockChosen,
+    CheckDone,
+    FindingChosen,
+    FrameReady,
+    SequenceChosen,
+)
 from kvscope.tui.source import Source, open_source
 from kvscope.tui.widgets.blockmap import BlockMap
 from kvscope.tui.widgets.events import EventTail
@@ -288,6 +295,10 @@ class TopApp(App[int]):
 
     def on_block_chosen(self, message: BlockChosen) -> None:
         self.selected_block = message.block
+
+    def on_finding_chosen(self, message: FindingChosen) -> None:
+        if self.frame is not None:
+            self.push_screen(FindingScreen(self.frame, message.finding))
 
     def on_sequence_chosen(self, message: SequenceChosen) -> None:
         self.selected_seq = message.slot

@@ -18,6 +18,7 @@ PANEL_KEYS = [
     ("pgup / pgdn", "a page up or down in a table or the block panel"),
     ("home / end", "top or bottom of the block panel"),
     ("enter / click", "inspect the block or show the sequence under the cursor"),
+    ("enter (findings)", "the finding whole: message, blocks, owner, site, history; escape"),
 ]
 
 

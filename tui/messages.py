@@ -33,6 +33,13 @@ class BlockChosen(Message):
 
 
 @dataclass
+class FindingChosen(Message):
+    """A panel asks to show a finding whole (the detail view)."""
+
+    finding: Finding
+
+
+@dataclass
 class SequenceChosen(Message):
     """A panel asks to show a sequence (its slot in the sequence table)."""
 

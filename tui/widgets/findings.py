@@ -6,15 +6,16 @@ from textual.reactive import reactive
 
 from kvscope.allocator.findings import Finding
 from kvscope.tui.frame import Frame
-from kvscope.tui.messages import BlockChosen
+from kvscope.tui.messages import BlockChosen, FindingChosen
 from kvscope.tui.widgets import retitle
 from kvscope.tui.widgets.rows import Row, RowsView
 
 
 class FindingsPanel(RowsView):
-    """Every finding, errors in red; enter on one with a block inspects that block."""
+    """Every finding, errors in red; enter on one opens it whole (the detail view) and inspects
+    its block. The message follows the kind in the widest column; a cut one ends in `…`."""
 
-    COLUMNS = [("sev", 4), ("kind", 20), ("block", 7), ("pid", 7), ("message", 0)]
+    COLUMNS = [("sev", 4), ("block", 6), ("finding", 0)]
 
     frame: reactive[Frame | None] = reactive(None, repaint=False)
 
@@ -41,13 +42,7 @@ class FindingsPanel(RowsView):
             f = self.findings[i]
             sev = "ERR" if f.severity == "error" else "warn"
             return (
-                (
-                    sev,
-                    f.kind,
-                    "" if f.block is None else str(f.block),
-                    str(f.owner_pid or ""),
-                    f.message,
-                ),
+                (sev, "" if f.block is None else str(f.block), f"{f.kind}: {f.message}"),
                 "bold red" if f.severity == "error" else "yellow",
             )
 
@@ -58,3 +53,4 @@ class FindingsPanel(RowsView):
         f = self.findings[event.index]
         if f.block is not None:
             self.post_message(BlockChosen(f.block))
+        self.post_message(FindingChosen(f))

@@ -16,6 +16,15 @@ from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, r
 from kvscope.tui.widgets import retitle
 
 NUM_EVENTS = 6
+NUM_TOKENS = 8
+
+
+def token_list(rec: np.void, limit: int | None = None) -> str:
+    """A block's tokens as a list, the first `limit` of them and how many more when cut."""
+    n = min(int(rec["num_tokens"]), len(rec["tokens"]))
+    shown = n if limit is None else min(n, limit)
+    text = str(np.asarray(rec["tokens"])[:shown].tolist())
+    return text[:-1] + f", … ({n - shown} more)]" if shown < n else text
 
 
 def describe_block(frame: Frame, b: int) -> Text:
@@ -59,10 +68,7 @@ def describe_block(frame: Frame, b: int) -> Text:
     line("site", frames[0] if frames else (f"site {site}" if site >= 0 else "-"))
     for caller in frames[1:]:
         line("called from", caller)
-    line(
-        "tokens",
-        f"{int(rec['num_tokens'])}: {np.asarray(rec['tokens'])[: min(8, int(rec['num_tokens']))].tolist()}",
-    )
+    line("tokens", f"{int(rec['num_tokens'])}: {token_list(rec, NUM_TOKENS)}")
     line("prefix hash", f"{int(rec['prefix_hash']):#018x}")
     line("parent hash", f"{int(rec['parent_hash']):#018x}")
     ok = int(block_checksums(view.blocks, np.array([b]))[0]) == int(rec["checksum"])
@@ -83,7 +89,9 @@ def describe_block(frame: Frame, b: int) -> Text:
     )
     line("used by", names + (f" +{len(users) - 4}" if len(users) > 4 else "") if users else "-")
     events = last_events(view, NUM_EVENTS, block=b)
-    out.append("last events\n", style="bold underline")
+    num_events = int(((view.events["block"] == b) & (view.events["time_ns"] != 0)).sum())
+    cut = f" (the last {len(events)} of {num_events})" if num_events > len(events) else ""
+    out.append(f"last events{cut}\n", style="bold underline")
     if len(events) == 0:
         out.append("  none recorded\n", style="dim")
     for e in events:

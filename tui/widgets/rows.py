@@ -81,7 +81,8 @@ class RowsView(ScrollView, can_focus=True):
             text = cells[k] if k < len(cells) else ""
             if k == len(self.COLUMNS) - 1:
                 w = max(0, width - used)
-            out.append(text[:w].ljust(w) if w else "")
+            # A cut cell ends in an ellipsis, so a reader knows there is more.
+            out.append((text if len(text) <= w else text[: w - 1] + "…").ljust(w) if w else "")
             used += w + 1
         return " ".join(out)[:width].ljust(width)
 
