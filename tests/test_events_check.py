@@ -15,7 +15,7 @@ import pytest
 from kvscope.cli import main
 from kvscope.events.checker import check_file
 from kvscope.events.streamfile import PUBLISHED, StreamFile, StreamWriter
-from kvscope.events.wire import Encoder, decode_payload, split_message
+from kvscope.events.wire import Encoder, as_tuple, decode_payload, split_message
 
 BS = 16
 ENCODINGS = [
@@ -314,10 +314,12 @@ def test_decoding_both_encodings_gives_the_same_events():
         s = Stream(maps, "int")
         s.batch(s.stored([1, 2]), s.removed([1]), s.enc.cleared())
         topic, seq, payload = split_message(s.messages[0])
-        out.append(decode_payload(payload))
+        ts, rank, events = decode_payload(payload)
+        out.append((ts, rank, [as_tuple(e) for e in events]))
     # THEN the decoded batches are equal
     assert out[0] == out[1]
     assert [e[0] for e in out[0][2]] == [0, 1, 2]
+    assert out[0][2][0][3] == s.tokens(1) + s.tokens(2)
 
 
 def test_the_file_keeps_every_frame(tmp_path):

@@ -166,7 +166,7 @@ def test_vllms_own_stream_is_recorded_whole_and_checks_clean(vllm_dir, tmp_path,
     payload = first[3][2]
     from kvscope.events.wire import decode_payload
 
-    assert all(type(h) is kind for e in decode_payload(payload)[2] for h in e[1])
+    assert all(type(h) is kind for e in decode_payload(payload)[2] for h in e.block_hashes)
     if full:
         assert s["stored"] > pub["blocks_stored"] + s["removed"] - 1
 

@@ -29,7 +29,9 @@ from kvscope.events.wire import (
     WireError,
     decode_payload,
     hash_text,
+    num_tokens,
     split_message,
+    tokens,
 )
 
 # At most this many findings of one kind are kept whole (each is counted).
@@ -295,15 +297,19 @@ class StreamChecker:
         pub.last_ts = ts
         return True
 
-    def _apply(self, pub: _Publisher, seq: int, batch: int, events: list[tuple[Any, ...]]):
+    def _apply(self, pub: _Publisher, seq: int, batch: int, events: list[Any]) -> None:
         caches = pub.caches
         counts = pub.counts
         live = pub.live
         for ev in events:
-            kind = ev[0]
+            kind = ev.KIND
             if kind == STORED:
-                _, hashes, parent, tokens, bs, medium, group, spec = ev
-                ck = (medium, group)
+                hashes = ev.block_hashes
+                parent = ev.parent_block_hash
+                toks = ev.token_ids
+                bs = ev.block_size
+                spec = ev.kv_cache_spec_kind
+                ck = (ev.medium, ev.group_idx)
                 cache = caches.get(ck)
                 if cache is None:
                     cache = caches[ck] = _Cache()
@@ -312,8 +318,10 @@ class StreamChecker:
                 if bs > cache.full_size:
                     cache.full_size = bs
                 chained = spec in _CHAINED_SPECS
-                if tokens and bs:
-                    n = len(tokens)
+                # the token count from the list's msgpack header (a fixarray: up to 15)
+                b0 = memoryview(toks)[0]
+                n = b0 - 0x90 if 0x90 < b0 <= 0x9F else num_tokens(toks) if b0 != 0x90 else 0
+                if n and bs:
                     want = bs * len(hashes)
                     if n != want if chained else (n < want or n % bs):
                         self._report(
@@ -336,21 +344,21 @@ class StreamChecker:
                     live += 1
                     if c is None:
                         copies[h] = 1
-                        cache.stored[h] = (prev, bs, tokens, start, seq, batch)
+                        cache.stored[h] = (prev, bs, toks, start, seq, batch)
                         if cache.cleared and h in cache.cleared:
                             del cache.cleared[h]
                         if cache.superseded and h in cache.superseded:
                             self._partial_again(pub, cache, ck, seq, batch, h)
                     else:
                         copies[h] = c + 1
-                        self._stored_again(pub, cache, ck, seq, batch, h, prev, bs, tokens, start)
+                        self._stored_again(pub, cache, ck, seq, batch, h, prev, bs, toks, start)
                     if cache.retired and prev in cache.retired:
-                        self._supersede(cache, prev, h, tokens, start, bs, seq, batch)
+                        self._supersede(cache, prev, h, toks, start, bs, seq, batch)
                     prev = h
                     start += bs
             elif kind == REMOVED:
-                hashes = ev[1]
-                ck = (ev[5], ev[6])
+                hashes = ev.block_hashes
+                ck = (ev.medium, ev.group_idx)
                 cache = caches.get(ck)
                 if cache is None:
                     cache = caches[ck] = _Cache()
@@ -365,11 +373,11 @@ class StreamChecker:
                         del copies[h]
                         info = cache.stored.pop(h)
                         cache.removed_at[h] = (seq, batch)
-                        if info[1] < cache.full_size and info[2]:
+                        if info[1] < cache.full_size and num_tokens(info[2]) > 0:
                             # a partial block retired: a full block with its parent may
                             # supersede it
-                            toks = tuple(info[2][info[3] : info[3] + info[1]])
-                            cache.retired.setdefault(info[0], []).append((h, toks, seq, batch))
+                            ptoks = tuple(tokens(info[2])[info[3] : info[3] + info[1]])
+                            cache.retired.setdefault(info[0], []).append((h, ptoks, seq, batch))
                     else:
                         live -= 1
                         copies[h] = c - 1
@@ -462,7 +470,7 @@ class StreamChecker:
         else:
             pub.counts["unverifiable"] += 1
 
-    def _stored_again(self, pub, cache, ck, seq, batch, h, parent, bs, tokens, start) -> None:
+    def _stored_again(self, pub, cache, ck, seq, batch, h, parent, bs, toks, start) -> None:
         # Another copy, or a prefix hit re-reported ("full" report mode): the same block.
         # A copy whose tokens or parent differ is a hash committed over other contents.
         info = cache.stored[h]
@@ -470,10 +478,10 @@ class StreamChecker:
         diff = ""
         if parent is not None and old_parent is not None and parent != old_parent:
             diff = f"parent {hash_text(parent)}, stored before with parent {hash_text(old_parent)}"
-        elif tokens and old_tokens and bs == old_bs:
-            if tokens[start : start + bs] != old_tokens[old_start : old_start + old_bs]:
+        elif bs == old_bs and num_tokens(toks) > 0 and num_tokens(old_tokens) > 0:
+            if tokens(toks)[start : start + bs] != tokens(old_tokens)[old_start : old_start + bs]:
                 diff = "other token ids than the copy stored before"
-        elif bs != old_bs and tokens and old_tokens:
+        elif bs != old_bs and num_tokens(toks) > 0 and num_tokens(old_tokens) > 0:
             diff = f"block_size {bs}, stored before with block_size {old_bs}"
         if diff:
             self._report(
@@ -490,12 +498,12 @@ class StreamChecker:
                 ck,
             )
 
-    def _supersede(self, cache, parent, h, tokens, start, bs, seq, batch) -> None:
+    def _supersede(self, cache, parent, h, toks, start, bs, seq, batch) -> None:
         # A full block stored under the parent of a retired partial block, whose tokens begin
         # with the partial's: the partial hash is superseded by it.
-        if not tokens:
+        if num_tokens(toks) <= 0:
             return
-        block = tuple(tokens[start : start + bs])
+        block = tuple(tokens(toks)[start : start + bs])
         keep = []
         for p, ptoks, _pseq, _pbatch in cache.retired[parent]:
             if len(ptoks) < len(block) and block[: len(ptoks)] == ptoks:

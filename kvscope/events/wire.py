@@ -3,9 +3,7 @@
 One decoder reads every version docs/EVENTS.md lists: vLLM 0.9 to 0.33 and SGLang, the
 positional-array events of vLLM up to 0.23 (and SGLang up to 0.5.22) and the tagged maps
 (`{"type": "BlockStored", ...}`) after them, block hashes as ints (unsigned from vLLM, signed
-from SGLang) or raw digests (bytes). An event decodes to a plain tuple, read by index:
-
-    (kind, block_hashes, parent_block_hash, token_ids, block_size, medium, group_idx, spec_kind)
+from SGLang) or raw digests (bytes). Decoding is msgspec's, into the structs below.
 
 One encoder writes the same formats, for kvscope's own publisher (publisher.py) and for tests
 that build streams with planted faults.
@@ -15,27 +13,122 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
+import msgspec
 
-# An event's kind, the first item of its decoded tuple.
+# An event's kind (its class's KIND).
 STORED, REMOVED, CLEARED = 0, 1, 2
 KIND_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
-_KIND_OF_TAG = {name: i for i, name in enumerate(KIND_NAMES)}
-
-# The indices of a decoded event.
-KIND, HASHES, PARENT, TOKENS, BLOCK_SIZE, MEDIUM, GROUP, SPEC_KIND = range(8)
 
 # A replay socket's end-of-replay marker: seq -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-Event = tuple[Any, ...]
 Hash = int | bytes
+_NO_TOKENS = msgspec.Raw(b"\x90")
 
 
 class WireError(ValueError):
     """A frame or payload that is not a KV-event message of any known version."""
+
+
+# The events, decoded by msgspec. Both encodings give the attributes the checker reads:
+# block_hashes, parent_block_hash, token_ids (the msgpack bytes of the list, decoded only where
+# a check compares tokens: tokens()), block_size, medium, group_idx, kv_cache_spec_kind. Fields
+# a version does not send take their default; fields this reader does not name are skipped.
+
+
+class _Event(msgspec.Struct, gc=False):
+    KIND: ClassVar[int] = -1
+
+
+class MapStored(_Event, tag="BlockStored", tag_field="type", gc=False):
+    """BlockStored as a tagged map (vLLM >= 0.24, SGLang >= 0.5.23)."""
+
+    KIND: ClassVar[int] = STORED
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None = None
+    token_ids: msgspec.Raw = _NO_TOKENS
+    block_size: int = 0
+    medium: Any = None
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+
+
+class MapRemoved(_Event, tag="BlockRemoved", tag_field="type", gc=False):
+    """BlockRemoved as a tagged map."""
+
+    KIND: ClassVar[int] = REMOVED
+    block_hashes: list[Hash]
+    medium: Any = None
+    group_idx: Any = None
+
+
+class MapCleared(_Event, tag="AllBlocksCleared", tag_field="type", gc=False):
+    """AllBlocksCleared as a tagged map."""
+
+    KIND: ClassVar[int] = CLEARED
+
+
+class ArrayStored(_Event, tag="BlockStored", array_like=True, gc=False):
+    """BlockStored as a positional array (vLLM <= 0.23; SGLang <= 0.5.22 agrees up to medium).
+
+    [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium (0.10.2),
+    lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]; trailing defaults left out.
+    """
+
+    KIND: ClassVar[int] = STORED
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: Any = None
+    medium: Any = None
+    lora_name: Any = None
+    extra_keys: msgspec.Raw = _NO_TOKENS
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+
+
+class ArrayRemoved(_Event, tag="BlockRemoved", array_like=True, gc=False):
+    """BlockRemoved as a positional array: [tag, block_hashes, medium, group_idx]."""
+
+    KIND: ClassVar[int] = REMOVED
+    block_hashes: list[Hash]
+    medium: Any = None
+    group_idx: Any = None
+
+
+class ArrayCleared(_Event, tag="AllBlocksCleared", array_like=True, gc=False):
+    """AllBlocksCleared as a positional array: [tag]."""
+
+    KIND: ClassVar[int] = CLEARED
+
+
+MapEvent = MapStored | MapRemoved | MapCleared
+ArrayEvent = ArrayStored | ArrayRemoved | ArrayCleared
+Event = Any  # one of the six classes above
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[MapEvent]
+    data_parallel_rank: Any = None
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ArrayEvent]
+    data_parallel_rank: Any = None
+
+
+_BATCH_DECODERS: list[Any] = [
+    msgspec.msgpack.Decoder(_MapBatch),
+    msgspec.msgpack.Decoder(_ArrayBatch),
+]
+_MAP_EVENT = msgspec.msgpack.Decoder(MapEvent)
+_ARRAY_EVENT = msgspec.msgpack.Decoder(ArrayEvent)
 
 
 def decode_seq(seq: bytes) -> int:
@@ -58,92 +151,86 @@ def split_message(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
     raise WireError(f"message of {len(frames)} frames (3 expected: topic, seq, payload)")
 
 
-def _check_hashes(hashes: Any) -> list[Hash]:
-    if type(hashes) is not list:
-        raise WireError(f"block_hashes is {type(hashes).__name__}, not a list")
-    for h in hashes:
-        if type(h) is not int and type(h) is not bytes:
-            raise WireError(f"a block hash of type {type(h).__name__}")
-    return hashes
-
-
-def _event_from_map(e: dict[Any, Any]) -> Event:
-    kind = _KIND_OF_TAG.get(e.get("type"))  # type: ignore[arg-type]
-    if kind is None:
-        raise WireError(f"unknown event type {e.get('type')!r}")
-    if kind == CLEARED:
-        return (CLEARED, (), None, (), 0, None, None, None)
-    hashes = _check_hashes(e.get("block_hashes"))
-    group = e.get("group_idx")
-    if kind == REMOVED:
-        return (REMOVED, hashes, None, (), 0, e.get("medium"), group, None)
-    return (
-        STORED,
-        hashes,
-        e.get("parent_block_hash"),
-        e.get("token_ids") or (),
-        e.get("block_size") or 0,
-        e.get("medium"),
-        group,
-        e.get("kv_cache_spec_kind"),
-    )
-
-
-def _event_from_array(e: list[Any]) -> Event:
-    # vLLM up to 0.23 (array_like structs): BlockStored [tag, block_hashes, parent_block_hash,
-    # token_ids, block_size, lora_id, medium (0.10.2), lora_name, extra_keys, group_idx,
-    # kv_cache_spec_kind, kv_cache_spec_sliding_window]; BlockRemoved [tag, block_hashes,
-    # medium, group_idx]; trailing fields at their default left out. SGLang's arrays agree up
-    # to medium and carry other fields after it: only an int at vLLM's index is a group.
-    kind = _KIND_OF_TAG.get(e[0]) if e and type(e[0]) is str else None
-    if kind is None:
-        raise WireError(f"unknown event tag {e[0] if e else None!r}")
-    n = len(e)
-    if kind == CLEARED:
-        return (CLEARED, (), None, (), 0, None, None, None)
-    if n < 2:
-        raise WireError(f"{KIND_NAMES[kind]} of {n} fields")
-    hashes = _check_hashes(e[1])
-    if kind == REMOVED:
-        group = e[3] if n > 3 and type(e[3]) is int else None
-        return (REMOVED, hashes, None, (), 0, e[2] if n > 2 else None, group, None)
-    if n < 5:
-        raise WireError(f"BlockStored of {n} fields (5 at least)")
-    group = e[9] if n > 9 and type(e[9]) is int else None
-    spec = e[10] if n > 10 and type(e[10]) is str else None
-    return (STORED, hashes, e[2], e[3] or (), e[4] or 0, e[6] if n > 6 else None, group, spec)
-
-
-def decode_event(e: Any) -> Event:
-    """One event of a batch, either encoding, as a decoded tuple."""
-    if type(e) is dict:
-        return _event_from_map(e)
-    if type(e) is list:
-        return _event_from_array(e)
-    raise WireError(f"an event of type {type(e).__name__}")
-
-
-def decode_payload(payload: bytes) -> tuple[float, int | None, list[Event]]:
-    """(ts, data-parallel rank or None, events) of a batch's msgpack payload.
-
-    The batch is positional in every version: [ts, events] (vLLM 0.9.0, SGLang), then
-    [ts, events, data_parallel_rank] (the rank left out while it is None).
-    """
+def _decode_mixed(payload: bytes) -> tuple[float, Any, list[Event]]:
+    # The slow path: a batch neither decoder takes whole (events of both encodings, a batch as
+    # a map), one event at a time; or the error that says what is wrong with it.
     try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several types for bytes that are not msgpack
         raise WireError(f"payload is not msgpack ({e})") from None
-    if type(batch) is dict:  # a map-encoded batch (no known producer writes one)
+    if type(batch) is dict:
         batch = [batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")]
     if type(batch) is not list or len(batch) < 2 or type(batch[1]) is not list:
         raise WireError("payload is not a batch [ts, events, rank?]")
     ts = batch[0]
     if type(ts) is not float and type(ts) is not int:
         raise WireError(f"batch timestamp of type {type(ts).__name__}")
-    rank = batch[2] if len(batch) > 2 else None
-    if rank is not None and type(rank) is not int:
-        rank = None
-    return float(ts), rank, [decode_event(e) for e in batch[1]]
+    events = []
+    for item in batch[1]:
+        dec: Any = _MAP_EVENT if type(item) is dict else _ARRAY_EVENT
+        try:
+            events.append(dec.decode(msgpack.packb(item, use_bin_type=True)))
+        except msgspec.ValidationError as err:
+            raise WireError(f"an event that is no KV event ({err})") from None
+    return float(ts), batch[2] if len(batch) > 2 else None, events
+
+
+def decode_payload(payload: bytes) -> tuple[float, int | None, list[Event]]:
+    """(ts, data-parallel rank or None, events) of a batch's msgpack payload.
+
+    The batch is positional in every version: [ts, events] (vLLM 0.9.0, older SGLang), then
+    [ts, events, data_parallel_rank] (the rank left out while it is None).
+    """
+    for i, dec in enumerate(_BATCH_DECODERS):
+        try:
+            b = dec.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        if i:  # the other encoding first next time: a stream keeps to one
+            _BATCH_DECODERS.reverse()
+        rank = b.data_parallel_rank
+        return b.ts, rank if type(rank) is int else None, b.events
+    ts, rank, events = _decode_mixed(payload)
+    return ts, rank if type(rank) is int else None, events
+
+
+def num_tokens(raw: msgspec.Raw) -> int:
+    """The length of an encoded token_ids list from its msgpack header; -1 if not a list."""
+    m = memoryview(raw)
+    if not m:
+        return 0
+    b = m[0]
+    if 0x90 <= b <= 0x9F:
+        return b - 0x90
+    if b == 0xDC:
+        return int.from_bytes(m[1:3], "big")
+    if b == 0xDD:
+        return int.from_bytes(m[1:5], "big")
+    return 0 if b == 0xC0 else -1
+
+
+def tokens(raw: msgspec.Raw) -> list[int]:
+    """An encoded token_ids list, decoded."""
+    out = msgspec.msgpack.decode(raw)
+    return out if type(out) is list else []
+
+
+def as_tuple(ev: Event) -> tuple[Any, ...]:
+    """An event as (kind, hashes, parent, token_ids, block_size, medium, group, spec kind)."""
+    if ev.KIND == CLEARED:
+        return (CLEARED, [], None, [], 0, None, None, None)
+    if ev.KIND == REMOVED:
+        return (REMOVED, ev.block_hashes, None, [], 0, ev.medium, ev.group_idx, None)
+    return (
+        STORED,
+        ev.block_hashes,
+        ev.parent_block_hash,
+        tokens(ev.token_ids),
+        ev.block_size,
+        ev.medium,
+        ev.group_idx,
+        ev.kv_cache_spec_kind,
+    )
 
 
 def peek_batch(payload: bytes) -> tuple[int, int | None]:
