@@ -244,6 +244,8 @@ def core_for(pool: KVPool) -> Any | None:
         "client": client,
         "lock_free": pool.FREE,
         "lock_shard0": pool.SHARDS[0],
+        "lock_seqs": pool.SEQS,
+        "off_next_seq_id": view.header.dtype.fields["next_seq_id"][1],
         "num_locks": len(pool.locks.names),
         "pid": pool.pid,
         "start": pool.start,

@@ -144,8 +144,9 @@ class SeqTable:
         """Take an empty slot for a new sequence created at `site` (-1: not recorded); return
         (slot, seq_id)."""
         if not self.batch:
+            # (the lowest empty slot, as the C core takes it: no hint the two would share)
             t.need(self.lock)
-            (slot,) = self._empty_slots(1)
+            (slot,) = self._empty_slots(1, hint=0)
             seq_id = self._take_ids(t, 1)
         else:
             self._restore_on_rollback(t)
@@ -176,8 +177,11 @@ class SeqTable:
 
         t.after_rollback.append(restore)
 
-    def _empty_slots(self, k: int) -> list[int]:
-        """Up to k EMPTY slots no process reserves, from the rotating hint (caller: seqs lock)."""
+    def _empty_slots(self, k: int, hint: int | None = None) -> list[int]:
+        """Up to k EMPTY slots no process reserves, from `hint` or else the rotating one
+        (caller: seqs lock)."""
+        if hint is not None:
+            self._hint = hint
         n = len(self.state)
         free = (self.state == SeqState.EMPTY) & (self.reserved == 0)
         found = np.flatnonzero(free[self._hint :])[:k] + self._hint

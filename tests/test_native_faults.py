@@ -38,8 +38,12 @@ def probed(monkeypatch, pool_name):
 
 
 def _work(pool: KVPool) -> list:
-    """Four requests: a prompt, one-token appends (blocks fill and new ones are taken), a free."""
-    seqs = [pool.allocate(f"req-{i}", list(range(i, i + 9))) for i in range(4)]
+    """Four requests behind one published first block (the later three hit it, so an
+    allocation takes the seqs and index locks together), one-token appends (blocks fill and
+    new ones are taken), a free."""
+    seqs = [pool.allocate("req-0", [0, 1, 2, 3, 0, 5, 6, 7, 8])]
+    pool.mark_computed(seqs[0], 4)
+    seqs += [pool.allocate(f"req-{i}", [0, 1, 2, 3, i, 5, 6, 7, 8]) for i in range(1, 4)]
     for k in range(6):
         for s in seqs:
             pool.append(s, [k])

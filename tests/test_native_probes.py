@@ -69,8 +69,11 @@ def _same_all(a: KVPool, b: KVPool, step: str) -> None:
     pa, pb = _probe_state(a), _probe_state(b)
     # The core takes some locks together that the Python path takes in two transactions (an
     # allocation's index shard and free lock): its lock-order graph has every edge of the
-    # Python path's, and may have more.
-    assert pb.pop("lock_order") <= pa.pop("lock_order"), f"after {step}: an edge is missing"
+    # Python path's, and may have more; except that the Python path takes a prompt's index
+    # shards before it knows the prompt can hit (the core looks first, and takes none for a
+    # prompt whose first block is not indexed): an edge into an index shard may be its alone.
+    missing = pb.pop("lock_order") - pa.pop("lock_order")
+    assert all(dst.startswith(b"index") for _, dst in missing), f"after {step}: {missing} missing"
     for key in pa:
         if isinstance(pa[key], np.ndarray):
             assert np.array_equal(pa[key], pb[key]), f"after {step}: {key} differ"

@@ -43,14 +43,13 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         goto out;
     }
     mutex = 1;
-    int64_t slot;
-    uint64_t seq_id;
-    rc = peek_claim(n, &slot, &seq_id);
+    Claim claim;
+    uint64_t locks = 0;
+    rc = claim_plan(n, &claim, &locks);
     if (rc != OK) {
         result = rc == ERROR ? NULL : fallback(n);
         goto out;
     }
-    uint64_t locks = 0;
     /* A prompt can only hit if its first block is indexed: a first look without the lock
      * spares the shard lock to prompts that cannot hit. (A key inserted meanwhile is a hit
      * missed, as if this allocation came first; a lookup never trusts a block without the
@@ -63,6 +62,9 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
         goto out;
     }
     uint64_t now = wall_ns();
+    if (claim_take(n, &claim)) goto abort;
+    int64_t slot = claim.slot;
+    uint64_t seq_id = claim.seq_id;
     if (write_claim(n, slot, seq_id, request, now, site)) goto abort;
     /* The longest verified prefix hit (allocate._match). */
     int64_t hits = 0;
@@ -114,7 +116,7 @@ static PyObject *core_allocate(Native *n, PyObject *list, const char *request, i
     ev_record(n, E_PREFIX_HIT, table, hits, request, 0);
     ev_record(n, E_ALLOCATE, table + hits, k, request, (int64_t)seq_id);
     if (hits < max_hits) ev_record(n, E_PREFIX_MISS, NULL, 0, request, max_hits - hits);
-    if (finish_claim(n, seq_id)) goto out;
+    if (claim_done(n, &claim)) goto out;
     PyObject *tab = PyList_New(nblocks), *ch = PyList_New(nfull);
     if (!tab || !ch) {
         Py_XDECREF(tab);
@@ -177,13 +179,12 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     int rc = take_mutex(n);
     if (rc != OK) return rc == ERROR ? NULL : fallback(n);
     PyObject *result = NULL;
-    /* SeqTable.can_release_locally, else the seqs lock: Python. */
+    /* SeqTable.can_release_locally: the slot goes back to this process's reserve; else to the
+     * table, under the seqs lock. */
     uint8_t *s = seqrec(n, slot);
-    if (PyList_GET_SIZE(n->reserve) >= 2 * n->slot_batch || s[SF_RESERVED] != 1 ||
-        I4(s + SF_OWNER_CLIENT) != n->client) {
-        result = fallback(n);
-        goto out;
-    }
+    int to_table = PyList_GET_SIZE(n->reserve) >= 2 * n->slot_batch || s[SF_RESERVED] != 1 ||
+                   I4(s + SF_OWNER_CLIENT) != n->client;
+    if (to_table) locks |= lock_bit(n->lock_seqs);
     int64_t private_ = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
@@ -237,8 +238,9 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     }
     if (write_blocks(n, slot, 0, NULL, 0)) goto abort;
     s[SF_STATE] = (uint8_t)final;
-    /* SeqTable.release into the reserve. */
+    /* SeqTable.release */
     if (jsave_head(n, slot)) goto abort;
+    if (to_table) s[SF_RESERVED] = 0;
     s[SF_STATE] = S_EMPTY;
     U4(s + SF_NUM_BLOCKS) = 0;
     /* Poisoned only if the release commits, before its locks are let go (the Txn's
@@ -247,7 +249,7 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     txn_commit(n);
     count(n, C_FREES, (uint64_t)k);
     ev_record(n, final == 4 ? E_ABORT : E_FREE, ids, k, request, 0);
-    if (append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
+    if (!to_table && append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
     n->native_ops++;
     result = Py_NewRef(leaked);
     goto out;

@@ -113,10 +113,13 @@ typedef struct {
     size_t c_seq, c_local_count, c_local, c_jcount, c_jused, c_journal, c_jdata, c_counters;
     size_t c_wait; /* where this process publishes the locks it waits for (waits.py) */
     uint32_t j_entries, j_bytes;
-    int client, lock_free, lock_shard0, num_locks;
+    int client, lock_free, lock_shard0, lock_seqs, num_locks;
     int32_t pid;
     uint64_t start;
     int64_t local_cap, local_max, slot_batch;
+    /* A pool too small for slot reserves (slot_batch 0): claims take the lowest empty slot of
+     * the table under the seqs lock, and the header's next sequence id (at this offset). */
+    size_t off_next_seq_id;
     int64_t quarantine; /* the pool's quarantine count (ring.py): 0 for none */
     PyObject *reserve; /* SeqTable.reserve: this process's reserved slots (a list, shared) */
     PyObject *ids;     /* SeqTable.ids: [next_id, end_id] (a list, shared) */

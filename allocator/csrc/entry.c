@@ -343,8 +343,9 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     }
     int64_t slot;
     uint64_t seq_id;
+    Claim claim;
     int rc = take_mutex(n);
-    if (rc == OK) rc = peek_claim(n, &slot, &seq_id);
+    if (rc == OK) rc = claim_plan(n, &claim, &locks);
     if (rc != OK) {
         seq = rc == ERROR ? NULL : fallback(n);
         goto out;
@@ -353,6 +354,9 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         seq = fallback(n);
         goto out;
     }
+    if (claim_take(n, &claim)) goto abort;
+    slot = claim.slot;
+    seq_id = claim.seq_id;
     if (write_claim(n, slot, seq_id, request, wall_ns(), site)) goto abort;
     for (Py_ssize_t i = 0; i < k; i++)
         if (jsave_block(n, ids[i])) goto abort;
@@ -366,7 +370,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     count(n, C_FORKS, 1);
     ev_record(n, E_FORK, ids, k, request, PyLong_AsLongLong(f[F_SEQ_ID]));
     if (PyErr_Occurred()) goto out;
-    if (finish_claim(n, seq_id)) goto out;
+    if (claim_done(n, &claim)) goto out;
     /* fork.fork's Sequence: copies of the parent's lists, its cached and published counts. */
     table = PyList_GetSlice(f[F_BLOCK_TABLE], 0, k);
     tokens = PyList_GetSlice(f[F_TOKENS], 0, PyList_GET_SIZE(f[F_TOKENS]));

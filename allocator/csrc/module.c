@@ -54,6 +54,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"c_counters", &n->c_counters, SIZE}, {"c_wait", &n->c_wait, SIZE},
         {"client", &n->client, INT},
         {"lock_free", &n->lock_free, INT},    {"lock_shard0", &n->lock_shard0, INT},
+        {"lock_seqs", &n->lock_seqs, INT},    {"off_next_seq_id", &n->off_next_seq_id, SIZE},
         {"num_locks", &n->num_locks, INT},    {"pid", &n->pid, I32},
         {"journal_entries", &n->j_entries, U32}, {"journal_bytes", &n->j_bytes, U32},
         {"start", &n->start, U64},

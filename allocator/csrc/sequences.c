@@ -125,24 +125,59 @@ static PyObject *fallback(Native *n) {
     Py_RETURN_NONE;
 }
 
-/* The reserve's next slot and id, or FALLBACK when it must be refilled (seqs lock: Python). */
-static int peek_claim(Native *n, int64_t *slot, uint64_t *seq_id) {
+/* A sequence slot being claimed (SeqTable.claim): from this process's reserve, or, on a pool
+ * too small for reserves, from the table under the seqs lock (`direct`). */
+typedef struct {
+    int64_t slot;
+    uint64_t seq_id;
+    int direct;
+} Claim;
+
+/* Before the transaction: the reserve's next slot and id; on a pool without reserves, the seqs
+ * lock to add to the transaction's (*locks). FALLBACK when the reserve must be refilled
+ * (runner.reserve_ready does that before the call: a reserve emptied meanwhile). */
+static int claim_plan(Native *n, Claim *c, uint64_t *locks) {
+    c->direct = n->slot_batch == 0;
+    if (c->direct) {
+        *locks |= lock_bit(n->lock_seqs);
+        return OK;
+    }
     Py_ssize_t r = PyList_GET_SIZE(n->reserve);
     if (r == 0) return FALLBACK;
     uint64_t next = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(n->ids, 0));
     uint64_t end = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(n->ids, 1));
     if (PyErr_Occurred()) return ERROR;
     if (next >= end) return FALLBACK;
-    *slot = PyLong_AsLongLong(PyList_GET_ITEM(n->reserve, r - 1));
-    *seq_id = next;
+    c->slot = PyLong_AsLongLong(PyList_GET_ITEM(n->reserve, r - 1));
+    c->seq_id = next;
     return OK;
 }
 
-/* After commit: the claimed slot and id leave the reserve. */
-static int finish_claim(Native *n, uint64_t seq_id) {
+/* Inside the transaction, a direct claim: the lowest EMPTY slot no process reserves
+ * (SeqTable.claim without a reserve), and the header's next sequence id (_take_ids). FALLBACK
+ * when the table is full (the Python path raises its error). */
+static int claim_take(Native *n, Claim *c) {
+    if (!c->direct) return OK;
+    int64_t found = -1;
+    for (int64_t s = 0; s < n->max_seqs && found < 0; s++) {
+        uint8_t *r = seqrec(n, s);
+        if (r[SF_STATE] == S_EMPTY && r[SF_RESERVED] == 0) found = s;
+    }
+    if (found < 0) return FALLBACK;
+    if (jsave(n, n->off_next_seq_id, 8)) return FALLBACK;
+    uint64_t id = U8(n->seg + n->off_next_seq_id) + 1;
+    U8(n->seg + n->off_next_seq_id) = id;
+    c->slot = found;
+    c->seq_id = id;
+    return OK;
+}
+
+/* After commit: a claim from the reserve takes its slot and id out of it. */
+static int claim_done(Native *n, const Claim *c) {
+    if (c->direct) return OK;
     Py_ssize_t r = PyList_GET_SIZE(n->reserve);
     if (PyList_SetSlice(n->reserve, r - 1, r, NULL)) return ERROR;
-    PyObject *v = PyLong_FromUnsignedLongLong(seq_id + 1);
+    PyObject *v = PyLong_FromUnsignedLongLong(c->seq_id + 1);
     if (v == NULL) return ERROR;
     return PyList_SetItem(n->ids, 0, v);
 }
