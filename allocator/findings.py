@@ -22,6 +22,8 @@ class FindingKind(str, enum.Enum):
     PUBLISHED_BLOCK_MODIFIED = "published_block_modified"
     # A finished request's block still holds the poison where its tokens' K/V belongs.
     KV_NEVER_WRITTEN = "kv_never_written"
+    # A store wrote K/V into a block the writing request does not map (probes/stores.py).
+    UNMAPPED_WRITE = "unmapped_write"
     LEAK_DEAD_OWNER = "leak_dead_owner"
     LEAK_FINISHED = "leak_finished"
     LEAK_ORPHAN = "leak_orphan"

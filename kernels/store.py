@@ -6,6 +6,8 @@ token writes all its heads; fp8 caches store value / scale.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -79,8 +81,14 @@ def store_kv(
     block_size: int | None = None,
     block_state: torch.Tensor | None = None,
     errors: torch.Tensor | None = None,
+    writers: Any = None,
 ) -> None:
-    """Write key/value [tokens, kv_heads, head_dim] into the caches at `slot_mapping` [tokens]."""
+    """Write key/value [tokens, kv_heads, head_dim] into the caches at `slot_mapping` [tokens].
+
+    `writers` (a `kvscope.probes.stores.Writers`: the requests whose positions these tokens
+    are) has the pool's probes check where the store lands, once per slot mapping."""
+    if writers is not None:
+        writers.check(slot_mapping)
     if not backend.use_triton(key):
         reference.store_kv_ref(
             key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,

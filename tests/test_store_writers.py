@@ -1,0 +1,170 @@
+"""The writer named at the store (probes/stores.py): a `store_kv` given its `Writers` reports a
+write into a published block, a freed block or a block the writer does not map, naming the
+writing request and the line that called the store; a correct store is no finding."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kvscope.allocator import KVPool, PoolConfig
+from kvscope.allocator.sites import site_text
+from kvscope.kernels import store_kv
+from kvscope.probes.stores import Writers, settle_writes
+
+BS = 4
+PROMPT = list(range(100, 110))  # two full blocks and a partial one
+
+
+def store(pool: KVPool, slots, writers: Writers | None) -> int:
+    """Every layer's store of one step (K = V = ones); the line of the store_kv call."""
+    mapping = torch.as_tensor(slots, dtype=torch.int64, device=pool.kv.device)
+    kv = torch.ones(len(slots), pool.config.num_kv_heads, pool.config.head_dim).to(pool.kv)
+    for layer in range(pool.config.num_layers):
+        store_kv(kv, kv, pool.kv[layer, 0], pool.kv[layer, 1], mapping, block_size=BS, writers=writers)  # fmt: skip
+    return STORE_LINE
+
+
+STORE_LINE = inspect.getsourcelines(store)[1] + 5
+
+
+def prefill(pool: KVPool, rid: str, start: int | None = None):
+    """Admit a request, store its uncached positions (from `start` when given), publish."""
+    seq = pool.allocate(rid, PROMPT)
+    first = seq.num_cached_tokens if start is None else start
+    end = len(seq.tokens)
+    store(pool, pool.slot_mapping(seq, first, end), Writers(pool, [(seq, first, end)]))
+    pool.mark_computed(seq, end)
+    return seq
+
+
+def found(pool: KVPool) -> list:
+    return [f for f in pool.findings() if f.kind != "leak_finished"]
+
+
+@pytest.fixture
+def pool(make_pool, probes):
+    return make_pool(32, num_layers=2)
+
+
+def test_a_request_that_hit_the_prefix_and_stores_its_whole_prompt_is_named(pool):
+    # GIVEN a request that computed and published the shared prefix
+    first = prefill(pool, "publisher")
+    # WHEN a second request hits it, then stores its whole prompt (the cached blocks too)
+    second = prefill(pool, "hitter", start=0)
+    # THEN one finding per shared block, named by the writer and the store's line
+    shared = first.block_table[:2]
+    assert second.block_table[:2] == shared
+    (a, b) = found(pool)
+    assert {a.block, b.block} == set(shared)
+    for f in (a, b):
+        assert f.kind == "published_block_modified" and f.request == "hitter"
+        assert f"test_store_writers.py:{STORE_LINE} store" in site_text(pool.view, f.site_id)
+        assert f"test_store_writers.py:{STORE_LINE} " in f.message
+        assert "published by request 'publisher'" in f.message
+
+
+def test_the_same_requests_storing_only_what_they_computed_are_no_finding(pool):
+    # GIVEN the same two requests WHEN each stores only its uncached positions, then decodes
+    first = prefill(pool, "publisher")
+    second = prefill(pool, "hitter")
+    for seq in (first, second):
+        pool.append(seq, [7])
+        n = len(seq.tokens)
+        store(pool, pool.slot_mapping(seq, n - 1, n), Writers(pool, [(seq, n - 1, n)]))
+    # THEN nothing is reported, and the pool's own check agrees
+    assert found(pool) == [] and pool.check() == []
+
+
+def test_a_slot_in_a_block_of_another_request_is_an_unmapped_write(pool):
+    # GIVEN two requests with their own partial last blocks
+    first = prefill(pool, "a")
+    other = pool.allocate("b", [1, 2, 3])
+    # WHEN a's next position is stored into b's block (a slot worked out wrongly)
+    pool.append(first, [7])
+    n = len(first.tokens)
+    wrong = other.block_table[0] * pool.slots_per_block + 3
+    line = store(pool, [wrong], Writers(pool, [(first, n - 1, n)]))
+    # THEN the writer, not b, is named, at the store's line
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request) == ("unmapped_write", other.block_table[0], "a")
+    assert f"test_store_writers.py:{line} " in f.message and "request 'b'" in f.message
+
+
+def test_a_write_through_a_table_kept_after_free_is_a_use_after_free_of_the_writer(pool):
+    # GIVEN a request that was freed, its table kept by the engine
+    seq = pool.allocate("gone", [1, 2, 3])
+    blk = seq.block_table[0]
+    slot = blk * pool.slots_per_block + 3
+    pool.free(seq)
+    # WHEN a late token is stored through the kept table
+    store(pool, [slot], Writers(pool, [(seq, 3, 4)]))
+    # THEN the write is named by its writer
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request) == ("use_after_free", blk, "gone")
+    assert "the block is free" in f.message
+
+
+def test_one_check_per_step_not_per_layer(pool, monkeypatch):
+    # GIVEN a request's store over both layers with one Writers
+    seq = pool.allocate("r", PROMPT)
+    checked = []
+    from kvscope.probes import stores
+
+    real = stores._PoolChecks.check
+    monkeypatch.setattr(stores._PoolChecks, "check", lambda *a: checked.append(real(*a)))
+    # WHEN it is stored
+    store(pool, pool.slot_mapping(seq, 0, 10), Writers(pool, [(seq, 0, 10)]))
+    # THEN the slots were checked once
+    assert len(checked) == 1
+
+
+def test_without_the_probes_the_writers_cost_one_attribute_test(make_pool, monkeypatch):
+    # GIVEN a pool without probes
+    for name in ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST", "RUN_DIR"):
+        monkeypatch.delenv(f"KVSCOPE_{name}", raising=False)
+    pool = make_pool(32)
+    assert pool.probe is None
+    first = prefill(pool, "publisher")
+    # WHEN the whole-prompt store happens THEN no finding is recorded at the store
+    prefill(pool, "hitter", start=0)
+    assert pool.findings() == [] and first.block_table
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_pool_the_writer_is_named_and_no_store_waits(pool_name, probes):
+    # GIVEN a CUDA pool with the probes
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pool = KVPool.create(
+        pool_name,
+        PoolConfig(num_blocks=32, block_size=BS, num_layers=2, num_kv_heads=2, head_dim=16,
+                   dtype="float16", device="cuda"),
+    )  # fmt: skip
+    try:
+        first = prefill(pool, "publisher")
+        other = pool.allocate("b", [1, 2, 3])
+        # WHEN, under torch's sync debug mode, one request stores its whole prompt and another
+        # stores a token into b's block through a device slot mapping
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            prefill(pool, "hitter", start=0)
+            pool.append(first, [7])
+            n = len(first.tokens)
+            wrong = other.block_table[0] * pool.slots_per_block + 3
+            store(pool, [wrong], Writers(pool, [(first, n - 1, n)]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        settle_writes(pool, wait=True)
+        got = {(f.kind, f.block, f.request) for f in found(pool)}
+        # THEN the published blocks name the hitter at once, the slot check names the writer
+        assert got == {
+            ("published_block_modified", first.block_table[0], "hitter"),
+            ("published_block_modified", first.block_table[1], "hitter"),
+            ("unmapped_write", other.block_table[0], "publisher"),
+        }
+    finally:
+        pool.close()
+        pool.unlink()
