@@ -48,11 +48,11 @@ def main() -> None:
 
     pub = kv_events.ZmqEventPublisher(
         0,
-        endpoint=f"tcp://*:{args.pub_port}",
+        endpoint="inproc://replaced-below",
         replay_endpoint=f"tcp://*:{args.replay_port}",
     )
-    # When a subscriber's subscription has arrived: vLLM's PUB socket swapped for an XPUB on the
-    # same address and high-water mark, which sends the same frames and also receives the
+    # When a subscriber's subscription has arrived: vLLM's PUB socket swapped for an XPUB with
+    # its high-water mark on the TCP port, which sends the same frames and also receives the
     # subscriptions (a subscription that has not arrived yet loses what is sent before it).
     assert pub._pub is not None
     pub._pub.close(linger=0)
