@@ -35,7 +35,7 @@ import torch
 
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.records import BlockState
-from kvscope.allocator.sites import caller_site, site_text
+from kvscope.allocator.sites import caller_site
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
@@ -79,7 +79,7 @@ class _Written:
     """What one store wrote, as the host knew it at the store: the writers' names and block
     tables, the expected slot of each token, the line that called the store."""
 
-    def __init__(self, writers: Writers, spb: int, bs: int, site: tuple[int, str]):
+    def __init__(self, writers: Writers, spb: int, bs: int, site: str):
         self.names = [str(seq.request_id) for seq, _, _ in writers.spans]
         self.tables = [np.asarray(seq.block_table, np.int64) for seq, _, _ in writers.spans]
         self.ends = np.cumsum([end - start for _, start, end in writers.spans], dtype=np.int64)
@@ -112,7 +112,7 @@ class _PoolChecks:
             self.settle()
         bs, spb = int(pool.block_size), int(pool.slots_per_block)
         if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu":
-            written = _Written(writers, spb, bs, self._site())
+            written = _Written(writers, spb, bs, caller_site())
             for i, blk in self._positions(written):
                 self._report(written, i, blk, mapped=True)
             host = torch.empty(slot_mapping.shape, dtype=torch.int64, pin_memory=True)
@@ -125,11 +125,11 @@ class _PoolChecks:
             slots = slot_mapping.numpy()
         else:
             slots = np.asarray(slot_mapping)
-        written = _Written(writers, spb, bs, (-1, ""))
+        written = _Written(writers, spb, bs, "")
         found = self._positions(written)
         if not found and np.array_equal(slots, written.expected):
             return  # (the common case: nothing found, the site never looked up)
-        written.site = self._site()
+        written.site = caller_site()
         for i, blk in found:
             self._report(written, i, blk, mapped=True)
         self._slots(written, slots.astype(np.int64, copy=False))
@@ -143,16 +143,6 @@ class _PoolChecks:
             done.synchronize()
             self.pending.pop(0)
             self._slots(written, host.numpy())
-
-    def _site(self) -> tuple[int, str]:
-        """The line that called the store: its site id (ownership probe) and its text."""
-        probe = self.pool.probe
-        assert probe is not None
-        sites = probe.sites
-        if sites is None:
-            return -1, caller_site()
-        sid = sites.site()
-        return sid, site_text(self.pool.view, sid) or caller_site()
 
     def _positions(self, written: _Written) -> list[tuple[int, int]]:
         """(writer, block) of each block holding written positions that the prefix index
@@ -191,10 +181,10 @@ class _PoolChecks:
         rec = self.pool.view.blocks[blk].copy()
         state, owner = int(rec["state"]), bytes(rec["request"]).decode(errors="replace")
         pid = int(rec["owner_pid"])
-        who, (sid, site) = written.names[i][:32], written.site
+        who, site = written.names[i][:32], written.site
         me = os.getpid()
         head = f"request {who!r} stored K/V into block {blk} at {site}"
-        extra = {"site": site, "block_request": owner, "block_pid": pid}
+        extra = {"write_site": site, "block_request": owner, "block_pid": pid}
         if state not in (BlockState.ALLOCATED, BlockState.CACHED):
             message = f"{head}: the block is free (last held by request {owner!r}, pid {pid})"
             f = Finding(FindingKind.USE_AFTER_FREE, message, blk, me, who, extra=extra)
@@ -206,7 +196,6 @@ class _PoolChecks:
             f = Finding(FindingKind.UNMAPPED_WRITE, message, blk, me, who, extra=extra)
         else:
             return  # (its own block at another position: not one of the checked kinds)
-        f.site_id = sid
         probe = self.pool.probe
         assert probe is not None
         probe.report(f, rec=rec)

@@ -93,16 +93,32 @@ def test_a_refused_double_free_is_a_finding_at_the_second_free(tmp_path):
 
 
 @pytest.mark.slow
-def test_prefill_written_as_if_contiguous_is_found_in_the_prefix_blocks_it_hit(tmp_path):
+def test_prefill_written_as_if_contiguous_is_named_at_the_store_into_the_prefix_blocks(tmp_path):
     code, err, facts, findings = run_engine(tmp_path, "contiguous")
     assert code != 0 and facts["strays"]
     hit = of_kind(findings, "published_block_modified")
     assert hit, [f["kind"] for f in findings]
     for f in hit:
-        # The damaged block is one the bad writes landed in, named by the request that
-        # computed and published it, at its allocate line.
-        assert facts["strays"][str(f["block"])] == f["request"]
+        # The damaged block is one the bad writes landed in, named by the request whose store
+        # wrote there, at the store's line; its site is still where the block was allocated.
+        assert facts["stray_writers"][str(f["block"])] == f["request"]
+        assert at(site_line("store")).search(f["message"]), f
+        assert f"published by request '{facts['strays'][str(f['block'])]}'" in f["message"]
         assert at(site_line("admit")).search(f["site"] + " ")
+
+
+@pytest.mark.slow
+def test_a_request_that_stores_the_prefix_it_hit_is_named_at_its_store(tmp_path):
+    code, err, facts, findings = run_engine(tmp_path, "whole-prompt")
+    assert code != 0
+    hit = of_kind(findings, "published_block_modified")
+    # Every request after the first hit the 10 blocks of the system prompt and wrote them: the
+    # first to do so, r1, is named for each, at the store's line, not the publisher r0.
+    assert len({f["block"] for f in hit}) == len(hit) == 10, [f["kind"] for f in findings]
+    for f in hit:
+        assert f["request"] == "r1" and at(site_line("store")).search(f["message"]), f
+        assert "published by request 'r0'" in f["message"]
+    assert {f["kind"] for f in findings} == {"published_block_modified"}
 
 
 @pytest.mark.slow

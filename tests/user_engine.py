@@ -3,11 +3,12 @@ on request (tests/test_user_engine.py runs it under `kvscope run`).
 
 Every request starts with the same 40-token system prompt; a request may ask for two samples
 (fork); a client may disconnect (abort); a second process, started with spawn, serves requests
-of its own. K/V is written with `kvscope.kernels.store_kv` and copy-on-write copies are made
-with `kvscope.kernels.copy_blocks`.
+of its own. K/V is written with `kvscope.kernels.store_kv`, told the request it writes for
+(`kvscope.probes.stores.Writers`), except the late write of the stale-table bug, which goes
+around it; copy-on-write copies are made with `kvscope.kernels.copy_blocks`.
 
     python tests/user_engine.py POOL BUG      BUG: none, exception, worker, double-free,
-                                                   contiguous, stale-table
+                                                   contiguous, stale-table, whole-prompt
 
 It prints one JSON line of facts the test checks kvscope's findings against: the line of each
 `# SITE:` marker is found by the test in this file's text.
@@ -23,6 +24,7 @@ import torch
 
 from kvscope.allocator import KVPool, PoolConfig, PoolError
 from kvscope.kernels import copy_blocks, store_kv
+from kvscope.probes.stores import Writers
 
 BLOCK_SIZE, HEADS, DIM, LAYERS = 4, 2, 8, 2
 SYSTEM = list(range(1000, 1040))  # the 40-token system prompt every request starts with
@@ -53,13 +55,19 @@ class Engine:
         self.allocated_by: dict[int, str] = {}
         # Blocks the contiguous-prefill bug wrote into that were not the request's own.
         self.strays: dict[int, str] = {}
+        # The request whose store landed in each of those blocks first.
+        self.stray_writers: dict[int, str] = {}
 
-    def write(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
+    def write(self, tokens: list[int], positions: list[int], slots: list[int], seq=None) -> None:
+        """Store the K/V of tokens at positions into slots, for `seq` (None: told no one)."""
         k = kv_of(tokens, positions)
         mapping = torch.tensor(slots, dtype=torch.int64)
+        writers = (
+            None if seq is None else Writers(self.pool, [(seq, positions[0], positions[-1] + 1)])
+        )
         for layer in range(LAYERS):
             kc, vc = self.pool.kv[layer, 0], self.pool.kv[layer, 1]
-            store_kv(k, -k, kc, vc, mapping, block_size=BLOCK_SIZE)
+            store_kv(k, -k, kc, vc, mapping, block_size=BLOCK_SIZE, writers=writers)  # SITE:store
 
     def admit(self, rid: str, prompt: list[int]):
         seq = self.pool.allocate(rid, prompt)  # SITE:admit
@@ -70,6 +78,9 @@ class Engine:
 
     def prefill(self, seq) -> None:
         start, end = seq.num_cached_tokens, len(seq.tokens)
+        if self.bug == "whole-prompt":
+            # The bug: the whole prompt stored, the cached prefix blocks it hit included.
+            start = 0
         positions = list(range(start, end))
         if self.bug == "contiguous":
             # The bug: the sequence's blocks taken to be contiguous from its first one.
@@ -80,9 +91,10 @@ class Engine:
                 blk = s // spb
                 if blk not in mine and blk in self.allocated_by:
                     self.strays.setdefault(blk, self.allocated_by[blk])
+                    self.stray_writers.setdefault(blk, seq.request_id)
         else:
             slots = self.pool.slot_mapping(seq, start, end)
-        self.write(seq.tokens[start:end], positions, slots)
+        self.write(seq.tokens[start:end], positions, slots, seq)
         self.pool.mark_computed(seq, end)
 
     def decode(self, seq, token: int) -> None:
@@ -93,7 +105,7 @@ class Engine:
         for blk in seq.block_table:
             self.allocated_by.setdefault(blk, seq.request_id)
         n = len(seq.tokens)
-        self.write([token], [n - 1], self.pool.slot_mapping(seq, n - 1, n))
+        self.write([token], [n - 1], self.pool.slot_mapping(seq, n - 1, n), seq)
 
 
 def serve(engine: Engine, rid: str, suffix: list[int], n: int = 1, cancel: bool = False):
@@ -119,7 +131,8 @@ def serve(engine: Engine, rid: str, suffix: list[int], n: int = 1, cancel: bool 
         except PoolError:
             pass
     if bug == "stale-table" and rid == "r2":
-        # A late token of the finished request, written through the table kept from before.
+        # A late token of the finished request, written through the table kept from before,
+        # by a store told no writer (around the store check).
         pos = len(seq.tokens)
         slot = table[pos // BLOCK_SIZE] * pool.slots_per_block + pos % BLOCK_SIZE
         engine.write([99], [pos], [slot])
@@ -152,7 +165,8 @@ def main(name: str, bug: str) -> int:
         proc = mp.get_context("spawn").Process(target=worker, args=(name,))
         proc.start()
         proc.join()
-    print(json.dumps({"strays": engine.strays, "failed": failed}), flush=True)
+    facts = {"strays": engine.strays, "stray_writers": engine.stray_writers, "failed": failed}
+    print(json.dumps(facts), flush=True)
     pool.close()
     pool.unlink()
     return 0
