@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 # A position outside the writer's block table: no slot of it is expected.
 _NOWHERE = -2
+_ALLOCATED, _CACHED = int(BlockState.ALLOCATED), int(BlockState.CACHED)
 
 
 class Writers:
@@ -51,8 +52,7 @@ class Writers:
 
     def __init__(self, pool: KVPool | Any, spans: Iterable[tuple[Sequence, int, int]]):
         self.pool = pool
-        self.spans = [(seq, int(start), int(end)) for seq, start, end in spans]
-        self.num_tokens = sum(end - start for _, start, end in self.spans)
+        self.spans = spans if isinstance(spans, list) else list(spans)
         # (id, version) of the slot mapping last checked: one check per mapping, not per layer
         self._checked: tuple[int, int] | None = None
 
@@ -76,27 +76,53 @@ def settle_writes(pool: KVPool | Any, wait: bool = False) -> None:
 
 
 class _Written:
-    """What one store wrote, as the host knew it at the store: the writers' names and block
-    tables, the expected slot of each token, the line that called the store."""
+    """What one store wrote, as the host knew it at the store: the writers and their block
+    tables (copied when the answer comes later), the expected slot of each token, the line that
+    called the store."""
 
-    def __init__(self, writers: Writers, spb: int, bs: int, site: str):
-        self.names = [str(seq.request_id) for seq, _, _ in writers.spans]
-        self.tables = [np.asarray(seq.block_table, np.int64) for seq, _, _ in writers.spans]
-        self.ends = np.cumsum([end - start for _, start, end in writers.spans], dtype=np.int64)
-        expected = []
-        for (_, start, end), table in zip(writers.spans, self.tables, strict=True):
-            pos = np.arange(start, end, dtype=np.int64)
-            logical = pos // bs
-            inside = logical < len(table)
-            slots = np.full(len(pos), _NOWHERE, np.int64)
-            slots[inside] = table[logical[inside]] * spb + pos[inside] % bs
-            expected.append(slots)
-        self.expected = np.concatenate(expected) if expected else np.zeros(0, np.int64)
+    def __init__(self, writers: Writers, spb: int, bs: int, site: str, keep: bool = False):
+        spans = writers.spans
+        self.spans = spans
+        self.tables = [list(seq.block_table) for seq, _, _ in spans] if keep else None
         self.site = site
+        try:
+            # Every span's slots in one comprehension: a step of many single tokens costs no
+            # call per request (a position past its table raises and takes the long way).
+            self.expected = np.array(
+                [
+                    seq.block_table[p // bs] * spb + p % bs
+                    for seq, start, end in spans
+                    for p in range(start, end)
+                ],
+                np.int64,
+            )
+        except IndexError:
+            self.expected = self._outside(spb, bs)
+
+    def _outside(self, spb: int, bs: int) -> np.ndarray:
+        """The expected slots when some position lies past its writer's table (none for it)."""
+        out = []
+        for seq, start, end in self.spans:
+            table = seq.block_table
+            out += [
+                table[p // bs] * spb + p % bs if p // bs < len(table) else _NOWHERE
+                for p in range(start, end)
+            ]
+        return np.array(out, np.int64)
 
     def writer(self, token: int) -> int:
         """The index of the span that token `token` of the store belongs to."""
-        return int(np.searchsorted(self.ends, token, side="right"))
+        ends = np.cumsum([end - start for _, start, end in self.spans])
+        return int(np.searchsorted(ends, token, side="right"))
+
+    def name(self, i: int) -> str:
+        """Writer i's request id."""
+        return str(self.spans[i][0].request_id)
+
+    def maps(self, i: int, blk: int) -> bool:
+        """Whether writer i's block table (as the store saw it) holds block blk."""
+        table = self.spans[i][0].block_table if self.tables is None else self.tables[i]
+        return blk in table
 
 
 class _PoolChecks:
@@ -112,7 +138,7 @@ class _PoolChecks:
             self.settle()
         bs, spb = int(pool.block_size), int(pool.slots_per_block)
         if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu":
-            written = _Written(writers, spb, bs, caller_site())
+            written = _Written(writers, spb, bs, caller_site(), keep=True)
             for i, blk in self._positions(written):
                 self._report(written, i, blk, mapped=True)
             host = torch.empty(slot_mapping.shape, dtype=torch.int64, pin_memory=True)
@@ -148,15 +174,16 @@ class _PoolChecks:
         """(writer, block) of each block holding written positions that the prefix index
         holds or that is not allocated."""
         recs, spb = self.pool.view.blocks, int(self.pool.slots_per_block)
-        found = []
-        lo = 0
-        for i, hi in enumerate(written.ends.tolist()):
-            mine = written.expected[lo:hi]
-            lo = hi
-            ids = np.unique(mine[mine >= 0] // spb)
-            hit = ids[(recs["state"][ids] != BlockState.ALLOCATED) | (recs["indexed"][ids] == 1)]
-            found += [(i, blk) for blk in hit.tolist()]
-        return found
+        expected = written.expected
+        inside = expected >= 0
+        ids = np.where(inside, expected // spb, 0)
+        bad = inside & ((recs["state"][ids] != _ALLOCATED) | (recs["indexed"][ids] == 1))
+        if not bad.any():
+            return []
+        found: dict[tuple[int, int], None] = {}
+        for token in np.flatnonzero(bad).tolist():
+            found[(written.writer(token), int(ids[token]))] = None
+        return list(found)
 
     def _slots(self, written: _Written, slots: np.ndarray) -> None:
         """Tokens whose slot is not their position's: where each one landed."""
@@ -174,18 +201,18 @@ class _PoolChecks:
             if (i, blk) in seen:
                 continue
             seen.add((i, blk))
-            self._report(written, i, blk, mapped=bool((written.tables[i] == blk).any()))
+            self._report(written, i, blk, mapped=written.maps(i, blk))
 
     def _report(self, written: _Written, i: int, blk: int, mapped: bool) -> None:
         """A finding about request i of the store writing into block blk."""
         rec = self.pool.view.blocks[blk].copy()
         state, owner = int(rec["state"]), bytes(rec["request"]).decode(errors="replace")
         pid = int(rec["owner_pid"])
-        who, site = written.names[i][:32], written.site
+        who, site = written.name(i)[:32], written.site
         me = os.getpid()
         head = f"request {who!r} stored K/V into block {blk} at {site}"
         extra = {"write_site": site, "block_request": owner, "block_pid": pid}
-        if state not in (BlockState.ALLOCATED, BlockState.CACHED):
+        if state not in (_ALLOCATED, _CACHED):
             message = f"{head}: the block is free (last held by request {owner!r}, pid {pid})"
             f = Finding(FindingKind.USE_AFTER_FREE, message, blk, me, who, extra=extra)
         elif rec["indexed"] == 1:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from kvscope import kernels
+from kvscope.probes.stores import Writers
 
 from .scheduler import Chunk
 
@@ -75,6 +76,14 @@ class Batch:
                 table[pos // self.block_size] * slots_per_block + pos % self.block_size
             )
             row = end
+
+    def check_writes(self) -> None:
+        """Under the pool's probes, where this step's K/V goes, checked once on the host before
+        the forward stores it (eager or graphs): a slot in a published, freed or unmapped block
+        is a finding naming the chunk's request (probes/stores.py)."""
+        if getattr(self.cache, "probe", None) is not None:
+            spans = [(c.stream.seq, c.start, c.start + c.length) for c in self.chunks]
+            Writers(self.cache, spans).check(self.host_slots)
 
     def host_tables(self, rows: list[Chunk], width: int) -> np.ndarray:
         """Block tables [len(rows), width] of some chunks' sequences, -1 past each one's end."""

@@ -197,6 +197,7 @@ class Engine:
             return 0
         t1 = time.perf_counter()
         batch = Batch(chunks, self.cache, self.device)
+        batch.check_writes()
         t2 = time.perf_counter()
         events = self.timer.gpu_began(mixed=batch.num_prefill_tokens > 0)
         hidden = self.graphs.forward(batch) if self.graphs is not None else None

@@ -1,0 +1,74 @@
+"""The example engine's store check (examples/server/batch.py `check_writes`): under the probes a
+step that would store into the prefix blocks its request hit names that request at the check's
+line, and a served workload with shared prefixes, forks and preemption has no finding."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from server.batch import Batch  # noqa: E402
+from server.checkpoint import tiny_model  # noqa: E402
+from server.engine import Engine  # noqa: E402
+from server.workload import WorkloadSpec, generate_workload  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def probed_pool(make_pool, model, num_blocks: int):
+    c = model.config
+    pool = make_pool(
+        num_blocks, block_size=8, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, dtype=model.lm_head.weight.dtype, max_seqs=64,
+    )  # fmt: skip
+    assert pool.probe is not None
+    return pool
+
+
+def test_a_step_storing_the_prefix_its_request_hit_names_the_request(make_pool, probes):
+    # GIVEN a probed pool where request "first" published a 16-token prefix
+    model = tiny_model(0)
+    pool = probed_pool(make_pool, model, 32)
+    prompt = list(range(1, 21))
+    first = pool.allocate("first", prompt)
+    pool.mark_computed(first, 20)
+    hitter = pool.allocate("hitter", prompt)
+    assert hitter.num_cached_tokens == 16
+    # WHEN the engine's step would compute the hitter's whole prompt (start 0, not 16)
+    stream = type("S", (), {"seq": hitter, "name": "hitter"})()
+    chunk = type("C", (), {"stream": stream, "start": 0, "length": 20})()
+    Batch([chunk], pool, "cpu").check_writes()
+    # THEN each shared block is a finding naming the hitter, at the check's line in batch.py
+    line = inspect.getsource(Batch).splitlines()
+    at = next(i for i, text in enumerate(line) if "Writers(self.cache, spans)" in text)
+    where = f"batch.py:{inspect.getsourcelines(Batch)[1] + at} check_writes"
+    found = [f for f in pool.findings() if f.kind == "published_block_modified"]
+    assert sorted(f.block for f in found) == sorted(first.block_table[:2])
+    assert all(f.request == "hitter" and where in f.message for f in found), found
+
+
+@pytest.mark.slow
+def test_a_served_workload_with_the_store_check_has_no_finding(make_pool, probes, one_thread):
+    # GIVEN a probed pool too small for the workload: prefix hits, evictions, preemption, forks
+    model = tiny_model(0)
+    pool = probed_pool(make_pool, model, 24)
+    spec = WorkloadSpec(num_requests=40, rate=0, seed=1, prompt_len=(8, 40), output_len=(2, 8))
+    requests = generate_workload(spec, vocab_size=256)
+    # WHEN served (every step's stores checked)
+    results = Engine(model, pool).run(requests)
+    # THEN every request is served and nothing is reported
+    assert not [r.error for r in results if r.error]
+    assert pool.stats()["prefix_hits"] > 0
+    assert [f for f in pool.findings()] == [] and pool.check() == []
