@@ -156,6 +156,7 @@ DIE_HOLDING = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_check_repair_reclaims_a_dead_owners_blocks(capsys, make_pool):
     # GIVEN a process that died holding blocks of the pool
     pool = make_pool(32)
@@ -174,6 +175,7 @@ def test_check_repair_reclaims_a_dead_owners_blocks(capsys, make_pool):
     assert pool.stats()["num_allocated"] == 0
 
 
+@pytest.mark.slow
 def test_check_unlink_removes_an_unused_pool(capsys, pool_name):
     subprocess.run(
         [

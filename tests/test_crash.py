@@ -92,6 +92,7 @@ def _survive_and_reclaim(pool: KVPool) -> None:
 
 # 64 slots and 32 possible processes: every claim takes the seqs lock; with 8, each process
 # keeps a reserve of slots (allocator/sequence.py) that crashes must not lose either.
+@pytest.mark.slow
 @pytest.mark.parametrize("max_clients", [32, 8], ids=["table", "slot-reserve"])
 def test_every_crash_point_loses_no_block(make_pool, capsys, max_clients):
     pool = make_pool(

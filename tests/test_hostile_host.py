@@ -202,6 +202,7 @@ def test_a_truncated_data_file_is_refused_at_attach_and_reported_by_analyze(caps
     assert "holds 100 bytes" in f["message"] and f["severity"] == "error"
 
 
+@pytest.mark.slow
 def test_a_pool_file_truncated_under_a_running_script_is_not_read_by_the_supervisor(tmp_path, pool_name):  # fmt: skip
     # GIVEN a script that cuts its own pool's segment short while kvscope run watches it
     script = tmp_path / "shrink.py"

@@ -27,6 +27,7 @@ FILES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="the interp cases already run in this process")
 def test_triton_kernels_under_the_cpu_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}

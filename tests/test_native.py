@@ -339,6 +339,7 @@ def test_threads_of_one_process_mix_both_paths(make_pool):
     assert pool._native.stats()["native_ops"] > 0
 
 
+@pytest.mark.slow
 def test_a_thread_preempting_while_others_allocate_and_free(make_pool):
     # GIVEN 300 idle sequences, two threads allocating and freeing one-block sequences (the C
     # core, which enters and drops them from the handle's live sequences) and a third that

@@ -189,6 +189,7 @@ def _run(
         _close(fast, slow)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sample,handback,dtype,quarantine",
     [

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvscope.allocator.events import events_for_block, recent_events
 from kvscope.allocator.sites import site_text
 
@@ -64,6 +66,7 @@ kept = [serve_one(i) for i in range(3)]  # never freed
 """
 
 
+@pytest.mark.slow
 def test_exit_summary_names_leaked_blocks_by_allocation_site(tmp_path, pool_name):
     # GIVEN a script that leaves three requests' blocks allocated at exit
     script = tmp_path / "leaky.py"

@@ -54,6 +54,7 @@ def test_a_clean_run_reports_nothing(tmp_path, config, run):
     assert summary["extra"]["cache_stats"]["num_evictions"] > 0
 
 
+@pytest.mark.slow
 def test_a_script_that_opens_no_pool_is_told_so(tmp_path):
     # GIVEN a script that never opens a pool
     script = tmp_path / "nopool.py"

@@ -50,6 +50,7 @@ pool.unlink()
 """
 
 
+@pytest.mark.slow
 def test_a_fault_that_never_fired_fails_the_run(capfd, tmp_path, pool_name):
     # GIVEN a script that ends two requests, and double-free armed for the third
     script = tmp_path / "two.py"

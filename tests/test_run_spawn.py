@@ -83,6 +83,7 @@ def dumped_findings(tmp_path, kind: str) -> tuple[dict, list[dict]]:
     return rep, [f for f in rep["findings"] if f["kind"] == kind]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_a_workers_leak_is_reported_with_its_pid(capfd, tmp_path, pool_name, workers, method):
     # GIVEN a worker that creates its own pool and exits holding one request's blocks
@@ -107,6 +108,7 @@ def test_a_workers_leak_is_reported_with_its_pid(capfd, tmp_path, pool_name, wor
 FAULTS = {"double-free": "double_free", "lock-inversion": "lock_order_cycle"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("method", METHODS)
 def test_a_fault_injected_in_a_worker_is_found(capfd, tmp_path, pool_name, workers, method, fault):
@@ -127,6 +129,7 @@ def test_a_fault_injected_in_a_worker_is_found(capfd, tmp_path, pool_name, worke
     assert found and {f["owner_pid"] for f in found} == {pid}
 
 
+@pytest.mark.slow
 def test_installed_command_reaches_a_spawned_worker(tmp_path, pool_name, workers):
     # GIVEN the installed `kvscope` command and a spawned worker that leaks
     exe = shutil.which("kvscope") or os.path.join(os.path.dirname(sys.executable), "kvscope")
@@ -143,6 +146,7 @@ def test_installed_command_reaches_a_spawned_worker(tmp_path, pool_name, workers
     assert "Warning" not in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_processes_outside_a_run_get_no_hooks(tmp_path):
     # GIVEN a Python process that imports the pool with no run directory, a stale one, a live one
     probe = "import kvscope.allocator.pool as p; print(len(p.OPEN_HOOKS), p.UNLINK_HOOK is None)"

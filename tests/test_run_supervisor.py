@@ -61,6 +61,7 @@ def analysis_of(path: str) -> dict:
     return analyze_view(view, alive=alive_for(dh), dump_header=dh)
 
 
+@pytest.mark.slow
 def test_clean_script_runs_with_its_args_and_leaves_nothing(capfd, tmp_path, pool_name):
     code = main(
         ["run", "--dump-dir", str(tmp_path), script(tmp_path, "clean"), pool_name, "x", "--y"]
@@ -73,6 +74,7 @@ def test_clean_script_runs_with_its_args_and_leaves_nothing(capfd, tmp_path, poo
     assert not glob.glob(segment_path(pool_name) + "*")
 
 
+@pytest.mark.slow
 def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
     # GIVEN a script that exits without freeing its sequence
     # WHEN run with --fail-on error (leaks fail a run by default: tests/test_run_verdict.py)
@@ -95,6 +97,7 @@ def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
     assert "blocks leaked" in rep["pool"]["dump"]["reason"]
 
 
+@pytest.mark.slow
 def test_closing_a_pool_with_a_live_sequence_is_a_leak(capfd, tmp_path, pool_name):
     # GIVEN a script that closes its pool without freeing its sequence (close frees nothing)
     code = main(
@@ -107,6 +110,7 @@ def test_closing_a_pool_with_a_live_sequence_is_a_leak(capfd, tmp_path, pool_nam
     assert "leak_finished" in err and "req-1" in err and "when the pool was closed" in err
 
 
+@pytest.mark.slow
 def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
     code = main(
         [
@@ -124,6 +128,7 @@ def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
     assert "--fail-on leak matched" in err and "health: UNHEALTHY" in err
 
 
+@pytest.mark.slow
 def test_fail_on_never_ignores_a_leak(capfd, tmp_path, pool_name):
     code = main(
         [
@@ -140,6 +145,7 @@ def test_fail_on_never_ignores_a_leak(capfd, tmp_path, pool_name):
     assert len(dumps(tmp_path)) == 1
 
 
+@pytest.mark.slow
 def test_sigkilled_child_leaves_a_dump_naming_the_dead_owner(capfd, tmp_path, pool_name):
     # GIVEN a script killed with SIGKILL while it holds blocks
     code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "sigkill"), pool_name])
@@ -159,6 +165,7 @@ def test_sigkilled_child_leaves_a_dump_naming_the_dead_owner(capfd, tmp_path, po
     assert rep["summary"]["blocks_by_owner"][0]["alive"] is False
 
 
+@pytest.mark.slow
 def test_uncaught_exception_leaves_a_dump_naming_it(capfd, tmp_path, pool_name):
     code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "exception"), pool_name])
     err = capfd.readouterr().err
@@ -171,6 +178,7 @@ def test_uncaught_exception_leaves_a_dump_naming_it(capfd, tmp_path, pool_name):
     assert any(f["kind"] == "leak_finished" and f["request"] == "req-1" for f in rep["findings"])
 
 
+@pytest.mark.slow
 def test_double_free_is_rejected_and_reported(capfd, tmp_path, pool_name):
     code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "double_free"), pool_name])
     err = capfd.readouterr().err
@@ -178,6 +186,7 @@ def test_double_free_is_rejected_and_reported(capfd, tmp_path, pool_name):
     assert "already finished" in err and "raised PoolError" in err
 
 
+@pytest.mark.slow
 def test_header_scribble_is_found_while_running_and_analyzed(capfd, tmp_path, pool_name):
     # GIVEN a script that overwrites its pool's header magic and exits 0
     code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "scribble"), pool_name])
@@ -190,6 +199,7 @@ def test_header_scribble_is_found_while_running_and_analyzed(capfd, tmp_path, po
     assert "header_corrupt" in capfd.readouterr().out
 
 
+@pytest.mark.slow
 def test_installed_command_runs_a_module_and_fails_on_leak(tmp_path, pool_name):
     # GIVEN a module (run with -m) that leaks, and the installed `kvscope` command
     (tmp_path / "leaky_mod.py").write_text(PRELUDE + SCRIPTS["leak"])
@@ -209,6 +219,7 @@ def test_installed_command_runs_a_module_and_fails_on_leak(tmp_path, pool_name):
     assert any(f["kind"] == "leak_finished" for f in json.loads(r.stdout)["findings"])
 
 
+@pytest.mark.slow
 def test_installed_command_reports_a_sigkill(tmp_path, pool_name):
     exe = shutil.which("kvscope") or os.path.join(os.path.dirname(os.sys.executable), "kvscope")
     r = subprocess.run(
@@ -222,6 +233,7 @@ def test_installed_command_reports_a_sigkill(tmp_path, pool_name):
     assert len(dumps(tmp_path)) == 1
 
 
+@pytest.mark.slow
 def test_missing_module_is_exit_2(capfd, tmp_path):
     code = main(["run", "--dump-dir", str(tmp_path), "-m", "no_such_module_xyz"])
     assert code == 2
@@ -233,6 +245,7 @@ def _cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_live_shows_the_first_pool_in_the_tui(capfd, tmp_path, pool_name, monkeypatch):
     # GIVEN a TUI that records what it was asked to show
     import kvscope.verbs.run as run_verb
@@ -249,6 +262,7 @@ def test_live_shows_the_first_pool_in_the_tui(capfd, tmp_path, pool_name, monkey
     assert shown == [(pool_name, 4.0)]
 
 
+@pytest.mark.slow
 def test_a_finding_only_the_exit_check_sees_is_no_leak(capfd, tmp_path, pool_name):
     # GIVEN a script that writes into a published, cached block after its last operation
     code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "late_write"), pool_name])

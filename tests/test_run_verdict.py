@@ -80,6 +80,7 @@ def write(tmp_path, name: str, text: str) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_leak_fails_the_run_by_default_and_fail_on_error_lets_it_pass(
     capfd, tmp_path, pool_name, monkeypatch
 ):
@@ -117,6 +118,7 @@ def test_a_leak_fails_the_run_by_default_and_fail_on_error_lets_it_pass(
     assert os.path.exists(segment_path(pool_name))
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_run_is_reported_while_the_script_still_runs(tmp_path, pool_name):
     # GIVEN a script whose worker is killed with SIGKILL holding a block; the script then waits
     # on a FIFO that this test opens only once kvscope has named the dead worker
@@ -157,6 +159,7 @@ def test_a_worker_killed_mid_run_is_reported_while_the_script_still_runs(tmp_pat
     assert len(glob.glob(str(tmp_path / "kvscope-*.kvd"))) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end", ["raise", "close"])
 def test_after_a_crash_each_request_is_one_line_and_the_summary_agrees(
     capfd, tmp_path, pool_name, end
@@ -179,6 +182,7 @@ def test_after_a_crash_each_request_is_one_line_and_the_summary_agrees(
     assert line.endswith(when)
 
 
+@pytest.mark.slow
 def test_check_repair_clears_what_it_repaired_so_the_pool_reads_healthy(capfd, tmp_path, pool_name):
     # GIVEN the pool a crashed script left behind (kept), whose ring recorded its leaks
     crash = write(tmp_path, "crash.py", CRASH)

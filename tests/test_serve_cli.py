@@ -212,6 +212,7 @@ def test_the_other_workers_keep_serving_after_one_is_killed(
     assert "worker 1" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_serve_py_runs_as_a_script() -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "serve.py"), *SMALL, "--workers", "2", "--json"],

@@ -159,6 +159,7 @@ def test_forked_samples_survive_preemption(model: LlamaModel, pools: list) -> No
     assert_pool_clean(pool)
 
 
+@pytest.mark.slow
 def test_a_long_run_recycles_cached_prefix_blocks(model: LlamaModel, pools: list) -> None:
     # GIVEN many more requests than the pool has blocks: published prefix blocks must be
     # evicted from the prefix index over and over
@@ -249,6 +250,7 @@ def test_static_baseline_greedy_equals_full_recomputation(model: LlamaModel) -> 
     assert cache.stats()["num_free"] == geometry.num_blocks and cache.check() == []
 
 
+@pytest.mark.slow
 def test_paged_greedy_equals_transformers_llama(tmp_path: Path, pools: list) -> None:
     """Same weights, same greedy tokens as Hugging Face's LlamaForCausalLM (optional extra)."""
     transformers = pytest.importorskip("transformers")

@@ -25,6 +25,7 @@ def dump_app(make_pool):
     return TopApp(ViewSource(frozen_view(pool), name="tui-test"))
 
 
+@pytest.mark.slow
 @sync
 async def test_tab_reaches_every_panel(dump_app):
     # GIVEN top on a dump at 80x24
