@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=list(CLOCKS), default="wall")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
+    # (the CPU store's reference on a busy 2-core machine: one thread, less noise)
+    torch.set_num_threads(1)
     config = PoolConfig(
         num_blocks=4096, block_size=16, num_layers=a.layers, num_kv_heads=2, head_dim=64,
         dtype="float16", device=a.device, max_seqs=256,
