@@ -58,9 +58,6 @@ def detail_app(make_pool, utc):
     times[order] = 1_700_000_000_000_000_000 + np.arange(len(order)) * 1_000_000
     ev["time_ns"][used] = times
     ev["pid"][used] = FROZEN_PID
-    # Which prefix-index lock shard a run takes varies: the lock counters are not shown here.
-    view.locks["num_acquires"][:] = 0
-    view.locks["num_contended"][:] = 0
     return TopApp(ViewSource(view, name="tui-snapshot"))
 
 
