@@ -15,6 +15,7 @@ import sys
 import time
 
 from kvscope.allocator.dumpfile import check_target
+from kvscope.events.streamfile import is_stream_file
 from kvscope.history import history_for
 from kvscope.target import open_target
 from kvscope.timeline import build_trace, write_trace
@@ -36,6 +37,11 @@ class TimelineCommand:
         if args.output != "-":
             # Refused before the work: a device, FIFO or directory is never replaced.
             check_target(args.output, "a trace", stdout=False)
+        if is_stream_file(args.target):
+            # a recorded KV-event stream (kvscope events record): its own trace
+            from kvscope.events.timeline import timeline_verb
+
+            return timeline_verb(args.target, args.output, args.history)
         t = open_target(args.target)
         history = history_for(args.target, args.history)
         findings = t.findings().findings

@@ -1,0 +1,146 @@
+"""`kvscope timeline` and `kvscope report` of a recorded KV-event stream.
+
+Streams are built with kvscope's own encoder (the helpers of tests/test_events_check.py): a
+clean one with every legitimate oddity, and ones with planted faults. The trace is checked
+against the Trace Event Format as a pool's is (tests/test_timeline.py's check_trace).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvscope.cli import main
+from kvscope.events.wire import hash_text
+from tests.test_events_check import Stream, legit
+from tests.test_timeline import check_trace
+
+
+def clean(tmp_path, maps: bool = True, hashes: str = "int") -> tuple[Stream, str]:
+    s = Stream(maps, hashes)
+    legit(s)
+    return s, s.write(tmp_path / "clean.kvev")
+
+
+def faulty(tmp_path) -> tuple[Stream, str]:
+    """A clean stream, then a removal of a hash never stored and a lost batch."""
+    s = Stream(True, "int")
+    legit(s)
+    s.batch(s.stored([1]), s.stored([2], parent=1))
+    s.batch(s.removed([9]))
+    s.batch(s.stored([3], parent=2))  # lost below
+    s.batch(s.stored([4], parent=2))
+    del s.messages[-2]
+    return s, s.write(tmp_path / "faulty.kvev")
+
+
+def timeline(path: str, out) -> tuple[int, dict]:
+    rc = main(["timeline", path, "-o", str(out)])
+    return rc, json.loads(out.read_text()) if rc == 0 else {}
+
+
+def by_track(trace: dict) -> dict[tuple[int, int], str]:
+    names = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "M" and e["name"] in ("process_name", "thread_name"):
+            names[(e["pid"], e["tid"])] = e["args"]["name"]
+    return names
+
+
+@pytest.mark.parametrize("maps,hashes", [(True, "int"), (False, "bytes")])
+def test_a_clean_stream_gives_its_tracks(tmp_path, maps, hashes, capsys):
+    # GIVEN a clean stream (copies, a prefix hit re-reported, a clear, stores after it)
+    s, path = clean(tmp_path, maps, hashes)
+    # WHEN drawn as a trace
+    rc, trace = timeline(path, tmp_path / "t.json")
+    # THEN exit 0, a valid trace with the publisher, its counters and a slice per stay
+    assert rc == 0
+    events = check_trace(trace)
+    names = by_track(trace)
+    assert any(n == "publisher tcp://127.0.0.1:5557 rank 0" for n in names.values())
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert counters == {"cache", "stores", "totals"}
+    blocks = [e for e in events if e["ph"] == "X" and e["cat"] == "block"]
+    # hashes 1, 2, 3, 4, 5 before the clear; 1, 2, 6 after it
+    assert len(blocks) == 8
+    ends = sorted(e["args"]["end"] for e in blocks)
+    assert ends.count("AllBlocksCleared") == 3 and ends.count("removed") == 5
+    h1 = next(e for e in blocks if e["args"]["hash"] == hash_text(s.h(1)))
+    # 1 stored again twice before the clear (a second copy, the re-reported hit)
+    assert h1["args"]["stored_again"] == 2 and h1["args"]["max_copies"] == 3
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["AllBlocksCleared"]
+    last = [e for e in events if e["ph"] == "C" and e["name"] == "cache"][-1]
+    assert last["args"] == {"block copies": 0, "hashes": 0}
+    od = trace["otherData"]
+    assert od["healthy"] is True and od["findings"] == 0 and od["batches"] == 9
+    assert "1 publisher(s), 9 batch(es), 8 block slice(s), 0 finding(s)" in capsys.readouterr().err
+
+
+def test_planted_faults_are_instants_at_their_batch(tmp_path):
+    # GIVEN a stream with a removal of a hash never stored and a lost batch
+    s, path = faulty(tmp_path)
+    # WHEN drawn
+    rc, trace = timeline(path, tmp_path / "t.json")
+    # THEN exit 0 (as a pool's timeline), both findings on the publisher at their batch's time
+    assert rc == 0
+    events = check_trace(trace)
+    found = [e for e in events if e["ph"] == "i" and e["cat"] == "finding"]
+    assert sorted(e["name"] for e in found) == ["kv_event_gap", "kv_event_remove_unstored"]
+    pub_pid = next(pid for (pid, _), n in by_track(trace).items() if n.startswith("publisher "))
+    for e in found:
+        assert e["pid"] == pub_pid and e["s"] == "p" and e["args"]["severity"] == "error"
+    gap = next(e for e in found if e["name"] == "kv_event_gap")
+    # seen at the batch after the lost one (ts 1012): the 12th record, ts 1013
+    assert gap["args"]["batch"] == 11 and gap["ts"] == (1013 - 1001) * 1e6
+    assert trace["otherData"]["healthy"] is False
+    assert trace["otherData"]["findings_by_kind"] == {
+        "kv_event_gap": 1,
+        "kv_event_remove_unstored": 1,
+    }
+
+
+def test_a_restart_closes_the_publishers_blocks(tmp_path):
+    s = Stream(True, "int")
+    s.batch(s.stored([1]))
+    s.batch(s.stored([2], parent=1))
+    s.batch(s.stored([1]), seq=0)
+    rc, trace = timeline(s.write(tmp_path / "s.kvev"), tmp_path / "t.json")
+    events = check_trace(trace)
+    blocks = sorted(
+        (e["args"]["stored_batch"], e["args"]["end"])
+        for e in events
+        if e["ph"] == "X" and e["cat"] == "block"
+    )
+    assert blocks == [
+        (0, "publisher restarted"),
+        (1, "publisher restarted"),
+        (2, "still stored at the end of the stream"),
+    ]
+    assert {e["name"] for e in events if e["ph"] == "i"} == {
+        "publisher restarted",
+        "kv_event_seq_reset",
+    }
+
+
+def test_timeline_to_stdout_and_refusals(tmp_path, capsys):
+    _, path = clean(tmp_path)
+    assert main(["timeline", path, "-o", "-"]) == 0
+    trace = json.loads(capsys.readouterr().out)
+    check_trace(trace)
+    # a pool's --history makes no sense for a stream: one line, exit 2
+    assert main(["timeline", path, "-o", str(tmp_path / "t.json"), "--history", "h"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error:") and err.count("\n") == 1
+    # a directory as output is refused before anything is read
+    assert main(["timeline", path, "-o", str(tmp_path)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+
+
+def test_a_truncated_stream_file_draws_what_it_holds(tmp_path):
+    _, path = clean(tmp_path)
+    with open(path, "r+b") as f:
+        f.truncate(f.seek(0, 2) - 3)
+    rc, trace = timeline(path, tmp_path / "t.json")
+    assert rc == 0 and trace["otherData"]["batches"] == 8
+    check_trace(trace)
