@@ -144,3 +144,62 @@ def test_a_truncated_stream_file_draws_what_it_holds(tmp_path):
     rc, trace = timeline(path, tmp_path / "t.json")
     assert rc == 0 and trace["otherData"]["batches"] == 8
     check_trace(trace)
+
+
+def report(path: str, out) -> tuple[int, str]:
+    rc = main(["report", path, "-o", str(out)])
+    return rc, out.read_text() if rc == 0 else ""
+
+
+SECTIONS = [
+    "<h2>Stream</h2>",
+    "<h2>Publishers</h2>",
+    "<h2>Over time</h2>",
+    "<h2>Stores and removals per hash</h2>",
+    "<h2>Prefix tree</h2>",
+    "<h2>Findings",
+]
+
+
+def test_a_clean_stream_report_has_its_sections(tmp_path, capsys):
+    # GIVEN a clean stream WHEN reported
+    s, path = clean(tmp_path)
+    rc, page = report(path, tmp_path / "r.html")
+    # THEN exit 0, every section in order, healthy, no finding, nothing fetched or run
+    assert rc == 0
+    at = [page.index(h) for h in SECTIONS]
+    assert at == sorted(at)
+    assert "HEALTHY, no findings" in page and "<h2>Findings</h2><p class=ok>none</p>" in page
+    assert "<script" not in page and "http" not in page.replace("http://", "")
+    assert page.count("<svg") >= 4  # three charts over time and the stays histogram
+    # the prefix tree: 1 -> 2 -> {3 -> 4, 5}, and 6 under 2 after the clear; one root
+    assert "6 hash(es) ever stored, 1 root(s)" in page
+    # hash 1 was stored 4 times in 2 stays (before and after the clear)
+    row = page[page.index(hash_text(s.h(1))[:16]) :]
+    assert row.split("<td class=n>")[1:3] == ["4</td>", "2</td>"]
+    assert "9 batch(es), 0 finding(s)" in capsys.readouterr().err
+
+
+def test_a_faulty_stream_report_lists_its_findings(tmp_path):
+    s, path = faulty(tmp_path)
+    rc, page = report(path, tmp_path / "r.html")
+    # exit 0 as for a pool's report; the findings with their events
+    assert rc == 0
+    assert "UNHEALTHY: 2 finding(s)" in page and "<h2>Findings (2)</h2>" in page
+    assert "<b>kv_event_gap</b>" in page and "<b>kv_event_remove_unstored</b>" in page
+    assert f"BlockRemoved of {hash_text(s.h(9))}, never stored" in page
+    assert "gaps (batches lost)</td><td>1 (1)" in page
+
+
+def test_report_refusals(tmp_path, capsys):
+    _, path = clean(tmp_path)
+    assert main(["report", path, "-o", str(tmp_path)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    assert main(["report", path, "-o", str(tmp_path / "r.html"), "--history", "h"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error:") and err.count("\n") == 1
+    assert not (tmp_path / "r.html").exists()
+    # a file with no stream magic is not taken for a stream: the pool path refuses it
+    bad = tmp_path / "x.kvev"
+    bad.write_bytes(b"KVSEVTS0 not quite")
+    assert main(["report", str(bad), "-o", str(tmp_path / "r.html")]) == 2

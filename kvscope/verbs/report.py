@@ -17,6 +17,7 @@ import sys
 from kvscope.allocator.dumpfile import check_target, write_atomic
 from kvscope.analysis import analyze_view
 from kvscope.capacity import capacity_answer
+from kvscope.events.streamfile import is_stream_file
 from kvscope.history import history_for
 from kvscope.htmlreport import build_report
 from kvscope.target import open_target
@@ -35,6 +36,11 @@ class ReportCommand:
     def run(args: argparse.Namespace) -> int:
         # Refused before the work: a device, FIFO or directory is never replaced.
         check_target(args.output, "a report", stdout=False)
+        if is_stream_file(args.target):
+            # a recorded KV-event stream (kvscope events record): its own report
+            from kvscope.events.report import report_verb
+
+            return report_verb(args.target, args.output, args.history)
         t = open_target(args.target)
         history = history_for(args.target, args.history)
         got = t.findings()
