@@ -7,7 +7,10 @@ against the Trace Event Format as a pool's is (tests/test_timeline.py's check_tr
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import time
 
 import pytest
 
@@ -203,3 +206,95 @@ def test_report_refusals(tmp_path, capsys):
     bad = tmp_path / "x.kvev"
     bad.write_bytes(b"KVSEVTS0 not quite")
     assert main(["report", str(bad), "-o", str(tmp_path / "r.html")]) == 2
+
+
+# --- kvscope top --events: the live view, driven with Textual's Pilot ------------------------
+
+
+def sync(fn):
+    """Run an async Pilot test with asyncio.run (no pytest plugin needed)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+def text(app, selector: str) -> str:
+    return str(app.query_one(selector).render())
+
+
+def rows(app, selector: str) -> list[list[str]]:
+    table = app.query_one(selector)
+    return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
+
+
+@sync
+async def test_top_events_replays_a_file(tmp_path):
+    # GIVEN the faulty stream, replayed 4 records per refresh
+    from kvscope.tui.events_app import EventsApp, FileFeed
+
+    s, path = faulty(tmp_path)
+    app = EventsApp(FileFeed(path, per_tick=4), hz=0.01)
+    async with app.run_test(size=(140, 40)) as pilot:
+        # WHEN refreshed until the file is replayed whole (the first refresh was at mount)
+        while not app.feed.done:
+            app.tick()
+        await pilot.pause()
+        # THEN the cache, the publisher's accounting, the tree and both findings
+        assert text(app, "#summary").startswith("UNHEALTHY (replayed whole): 1 publisher(s)")
+        assert "2 finding(s)" in text(app, "#summary")
+        ((pub, now, peak, hashes, *_rest, gaps, restarts),) = rows(app, "#publishers")
+        assert pub == "tcp://127.0.0.1:5557 rank 0" and (now, peak, gaps) == ("3", "9", "1")
+        assert hashes == "3" and restarts == "0"
+        assert "ever stored" in text(app, "#tree")
+        kinds = [r[1] for r in rows(app, "#findings")]
+        assert kinds == ["kv_event_remove_unstored", "kv_event_gap"]
+        await pilot.press("q")
+
+
+@sync
+async def test_top_events_follows_a_live_publisher(tmp_path):
+    # GIVEN a local publisher of our own encoder (XPUB: it sees the subscription arrive)
+    import zmq
+
+    from kvscope.tui.events_app import EventsApp, ZmqFeed
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        s = Stream(True, "int")
+        legit(s)
+        s.batch(s.removed([9]))
+        app = EventsApp(ZmqFeed([f"tcp://127.0.0.1:{port}"]), hz=0.01)
+        async with app.run_test(size=(140, 40)) as pilot:
+            assert pub.poll(10_000), "the view never subscribed"
+            pub.recv()  # the subscription
+            for m in s.messages:
+                pub.send_multipart(m)
+            # WHEN refreshed until every batch arrived (a condition, not a duration)
+            deadline = time.monotonic() + 10
+            while app.walk.num_records < len(s.messages) and time.monotonic() < deadline:
+                app.tick()
+                await asyncio.sleep(0.01)
+            app.tick()
+            await pilot.pause()
+            # THEN the clean part shows no finding, the planted removal one
+            assert app.walk.num_records == len(s.messages)
+            assert text(app, "#summary").startswith("UNHEALTHY: 1 publisher(s)")
+            assert [r[1] for r in rows(app, "#findings")] == ["kv_event_remove_unstored"]
+            await pilot.press("q")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_top_events_refusals(tmp_path, capsys):
+    _, path = clean(tmp_path)
+    assert main(["top", "demo", "--events", path]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["top"]) == 2
+    assert "--events" in capsys.readouterr().err
+    assert main(["top", "--events", path, "tcp://127.0.0.1:1"]) == 2
+    assert "not both" in capsys.readouterr().err
