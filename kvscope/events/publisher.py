@@ -1,0 +1,334 @@
+"""kvscope as a KV-event publisher: a pool's prefix index as vLLM's current KV-event stream.
+
+A router that speaks vLLM's protocol (NVIDIA Dynamo, llm-d, `kvscope events record`) can index
+a kvscope-backed engine: `KVEventPublisher` reads the pool's segment and publishes, in vLLM's
+current wire format (docs/EVENTS.md: three frames `[topic, seq, payload]`, tagged-map events,
+int hashes), a `BlockStored` for every block that entered the prefix index (its index key as
+the block hash, its parent's key, its tokens from the block record) and a `BlockRemoved` for
+every block that left it (evicted, reclaimed), one batch per poll that saw a change.
+
+    pub = KVEventPublisher(pool, "tcp://*:5557")
+    pub.start()          # a thread polls the segment; or call pub.poll() once per engine step
+    ...
+    report = pub.close() # the last poll, the socket closed; with check=True, the stream's check
+
+The publisher reads block records, not the pool's code paths: the C core's operations and
+every process attached to the pool are seen alike, and one publisher beside the pool's
+creator covers all its workers. It samples: a block published and evicted between two polls
+is never announced (a router never learns of it, which is harmless), so a poll per engine
+step is the closest view. With `check=True` the stream it publishes is fed, in process, to the
+same checker as `kvscope events check`, and `verify()` compares the hashes that stream holds
+stored with the keys in the pool's prefix index: any difference is a `kv_event_index_mismatch`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvscope.allocator.checksums import block_checksums
+from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.errors import UsageError
+from kvscope.events.checker import StreamChecker
+from kvscope.events.streamfile import PUBLISHED
+from kvscope.events.wire import Encoder, hash_text
+
+# Where the publisher's socket drops batches for a slow subscriber (vLLM's default hwm).
+SEND_HWM = 100_000
+# How long close() lets queued batches leave.
+LINGER_MS = 1000
+# At most this many hashes of each side are named in a mismatch finding.
+MAX_NAMED = 20
+
+
+class KVEventPublisher:
+    """Publishes a pool's prefix-index lifecycle as vLLM's KV-event stream (docs/EVENTS.md).
+
+    Args:
+        pool: a `KVPool` (its `view` and `block_size` are read; nothing is written).
+        endpoint: where to publish, as vLLM's `--kv-events-config` endpoint: `tcp://*:5557`,
+            `ipc://` and `inproc://` bind (subscribers connect); a TCP address naming a host
+            connects to a subscriber that binds it.
+        topic: the topic frame of every message (vLLM's default is empty).
+        rank: the data-parallel rank put in every batch.
+        medium: the `medium` of every event (vLLM names its device cache "GPU").
+        check: feed the published stream to a `StreamChecker` in process (`verify()`).
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        endpoint: str,
+        topic: str = "",
+        rank: int = 0,
+        medium: str = "GPU",
+        check: bool = False,
+    ):
+        self.view = pool.view
+        self.block_size = int(pool.block_size)
+        self.endpoint = endpoint
+        self.topic = topic.encode()
+        self.rank = rank
+        self.medium = medium
+        self._encoder = Encoder(maps=True, with_rank=True, with_medium=True)
+        self._ctx = zmq.Context()
+        # XPUB: a PUB to its subscribers, and it hears their subscriptions (wait_subscriber).
+        self._sock = self._ctx.socket(zmq.XPUB)
+        self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        try:
+            self._sock.bind(endpoint) if publisher_binds(endpoint) else self._sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            self._ctx.destroy(linger=0)
+            raise UsageError(f"cannot publish KV events on {endpoint}: {e}") from None
+        num_blocks = len(self.view.blocks)
+        # block -> the index key it was announced under (0: not announced)
+        self._announced = np.zeros(num_blocks, np.uint64)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_stored = 0
+        self.num_removed = 0
+        # blocks whose record was caught mid-change (checksum not yet sealed): retried next poll
+        self.num_deferred = 0
+        self.checker = StreamChecker([endpoint]) if check else None
+        self._closed = False
+
+    # --- subscribers -----------------------------------------------------------------------
+
+    def wait_subscriber(self, timeout_s: float = 5.0) -> bool:
+        """Wait until a subscriber's subscription arrives; False after `timeout_s` without one."""
+        if self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            self._drain_subscriptions()
+            return True
+        return False
+
+    def _drain_subscriptions(self) -> None:
+        while self._sock.poll(0, zmq.POLLIN):
+            self._sock.recv()
+
+    # --- publishing ------------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Compare the pool's indexed blocks with what was announced; publish the difference as
+        one batch (none when nothing changed). Returns the number of events published."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int:
+        b = self.view.blocks
+        indexed = b["indexed"] == 1
+        now = np.where(indexed, b["prefix_hash"], np.uint64(0))
+        changed = np.flatnonzero(now != self._announced)
+        if len(changed) == 0:
+            return 0
+        # A record is read whole only once its writer sealed it: a block whose checksum does
+        # not match its identity words is mid-change, and waits for the next poll.
+        sealed = block_checksums(b, changed) == b["checksum"][changed]
+        self.num_deferred += int((~sealed).sum())
+        changed = changed[sealed]
+        if len(changed) == 0:
+            return 0
+        old = self._announced[changed]
+        new = now[changed]
+        gone = old[old != 0]
+        came = changed[new != 0]
+        events: list[Any] = []
+        if len(gone):
+            events.append(self._encoder.removed(gone.tolist(), self.medium))
+        events += self._stores(came)
+        self._announced[changed] = new
+        self.num_removed += len(gone)
+        self.num_stored += len(came)
+        self._send(events)
+        return len(events)
+
+    def _stores(self, blocks: np.ndarray) -> list[Any]:
+        """BlockStored events for newly indexed blocks: chains, parents before children."""
+        if len(blocks) == 0:
+            return []
+        b = self.view.blocks
+        keys = b["prefix_hash"][blocks].tolist()
+        parents = b["parent_hash"][blocks].tolist()
+        toks = b["tokens"][blocks].tolist()
+        key_to_row = {k: i for i, k in enumerate(keys)}
+        children: dict[int, list[int]] = {}
+        roots: list[int] = []
+        for i, p in enumerate(parents):
+            if p in key_to_row and key_to_row[p] != i:
+                children.setdefault(key_to_row[p], []).append(i)
+            else:
+                roots.append(i)
+        # One BlockStored per run of a chain; a branch's other children start runs of their
+        # own, after the run that stores their parent.
+        events: list[Any] = []
+        stack = roots[::-1]
+        seen: set[int] = set()
+        while stack:
+            i = stack.pop()
+            run = [i]
+            seen.add(i)
+            kids = children.get(i, [])
+            while kids:
+                stack.extend(k for k in kids[:0:-1] if k not in seen)
+                i = kids[0]
+                if i in seen:
+                    break
+                run.append(i)
+                seen.add(i)
+                kids = children.get(i, [])
+            parent = parents[run[0]]
+            events.append(
+                self._encoder.stored(
+                    [keys[r] for r in run],
+                    parent if parent else None,
+                    [t for r in run for t in toks[r]],
+                    self.block_size,
+                    self.medium,
+                )
+            )
+        return events
+
+    def _send(self, events: list[Any]) -> None:
+        payload = self._encoder.payload(events, rank=self.rank)
+        frames = self._encoder.message(self._seq, payload, self.topic)
+        self._seq += 1
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # at the high-water mark the batch is dropped, as vLLM's PUB socket drops it
+        if self.checker is not None:
+            self.checker.feed(time.time_ns(), PUBLISHED, 0, frames)
+
+    def clear(self) -> None:
+        """Publish `AllBlocksCleared` and start announcing the pool's index afresh."""
+        with self._lock:
+            self._announced[:] = 0
+            self._send([self._encoder.cleared()])
+
+    # --- the thread ------------------------------------------------------------------------
+
+    def start(self, interval_s: float = 0.005) -> None:
+        """Poll every `interval_s` on a daemon thread until `stop()`."""
+        assert self._thread is None, "the publisher's thread is already running"
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._loop, args=(interval_s,), name="kvscope-kv-events", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.poll()
+            self._drain_subscriptions()
+
+    def stop(self) -> None:
+        """Stop the thread (if running) after its current poll."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    # --- the check -------------------------------------------------------------------------
+
+    def stored_hashes(self) -> set[int]:
+        """The hashes the published stream holds stored now (the checker's live multiset)."""
+        assert self.checker is not None, "stored_hashes needs check=True"
+        out: set[int] = set()
+        for pub in self.checker.publishers.values():
+            for cache in pub.caches.values():
+                out.update(h for h, n in cache.copies.items() if n > 0)
+        return out
+
+    def index_keys(self) -> set[int]:
+        """The keys in the pool's prefix index now (its hash table, not the block records)."""
+        keys = self.view.index["hash"]
+        return set(keys[keys != 0].tolist())
+
+    def verify(self) -> list[Finding]:
+        """Poll a last time, then compare the stream's stored hashes with the pool's index.
+
+        Call it when no process changes the pool (the end of a run): the index read is not
+        locked. A difference becomes a `kv_event_index_mismatch` finding, also kept in the
+        checker's findings (its report)."""
+        assert self.checker is not None, "verify needs check=True"
+        self.poll()
+        stream, index = self.stored_hashes(), self.index_keys()
+        extra_in_stream = sorted(stream - index)
+        missing = sorted(index - stream)
+        if not extra_in_stream and not missing:
+            return []
+        parts = []
+        if extra_in_stream:
+            parts.append(
+                f"{len(extra_in_stream)} hash(es) the stream holds stored are not in the pool's"
+                f" prefix index ({_named(extra_in_stream)})"
+            )
+        if missing:
+            parts.append(
+                f"{len(missing)} key(s) of the pool's prefix index were never published or were"
+                f" removed from the stream ({_named(missing)})"
+            )
+        finding = Finding(
+            kind=FindingKind.KV_EVENT_INDEX_MISMATCH,
+            message=(
+                f"the KV-event stream published on {self.endpoint} (seq 0 to {self._seq - 1})"
+                f" disagrees with the pool's prefix index: " + "; ".join(parts)
+            ),
+            extra={
+                "publisher": self.endpoint,
+                "last_seq": self._seq - 1,
+                "stream_not_indexed": [hash_text(h) for h in extra_in_stream[:MAX_NAMED]],
+                "indexed_not_stream": [hash_text(h) for h in missing[:MAX_NAMED]],
+            },
+        )
+        self.checker.findings.append(finding)
+        kind = FindingKind.KV_EVENT_INDEX_MISMATCH.value
+        self.checker.finding_counts[kind] = self.checker.finding_counts.get(kind, 0) + 1
+        return [finding]
+
+    def report(self) -> dict[str, Any]:
+        """The check of the published stream, as `kvscope events check --json` prints it."""
+        assert self.checker is not None, "report needs check=True"
+        out = self.checker.report(source=self.endpoint)
+        out["publisher"] = self.stats()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Batches, blocks stored and removed, records deferred to a later poll."""
+        return {
+            "endpoint": self.endpoint,
+            "batches": self._seq,
+            "stored": self.num_stored,
+            "removed": self.num_removed,
+            "deferred": self.num_deferred,
+        }
+
+    def close(self) -> None:
+        """Stop the thread, publish what changed since the last poll, close the socket."""
+        if self._closed:
+            return
+        self.stop()
+        self.poll()
+        self._closed = True
+        self._ctx.destroy(linger=LINGER_MS)
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """Whether a publisher binds `endpoint` (vLLM's rule in `ZmqEventPublisher`)."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
+def _named(hashes: list[int]) -> str:
+    more = f", and {len(hashes) - MAX_NAMED} more" if len(hashes) > MAX_NAMED else ""
+    return ", ".join(hash_text(h) for h in hashes[:MAX_NAMED]) + more
