@@ -19,14 +19,19 @@ PROMPT = list(range(100, 110))  # two full blocks and a partial one
 
 def store(pool: KVPool, slots, writers: Writers | None) -> int:
     """Every layer's store of one step (K = V = ones); the line of the store_kv call."""
-    mapping = torch.as_tensor(slots, dtype=torch.int64, device=pool.kv.device)
-    kv = torch.ones(len(slots), pool.config.num_kv_heads, pool.config.head_dim).to(pool.kv)
+    # (on a CUDA pool: from page-locked memory, as an engine uploads it; no copy that waits)
+    host = torch.tensor(slots, dtype=torch.int64)
+    if pool.kv.is_cuda:
+        host = host.pin_memory()
+    mapping = host.to(pool.kv.device, non_blocking=True)
+    kv = torch.ones(len(slots), pool.config.num_kv_heads, pool.config.head_dim,
+                    dtype=pool.kv.dtype, device=pool.kv.device)  # fmt: skip
     for layer in range(pool.config.num_layers):
         store_kv(kv, kv, pool.kv[layer, 0], pool.kv[layer, 1], mapping, block_size=BS, writers=writers)  # fmt: skip
     return STORE_LINE
 
 
-STORE_LINE = inspect.getsourcelines(store)[1] + 5
+STORE_LINE = inspect.getsourcelines(store)[1] + 10
 
 
 def prefill(pool: KVPool, rid: str, start: int | None = None):
