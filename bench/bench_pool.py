@@ -3,6 +3,7 @@ v1 BlockPool, the same workloads in the same run.
 
     python bench/bench_pool.py --nano-vllm DIR --vllm DIR   # all three, 10-20 minutes
     python bench/bench_pool.py --quick                      # kvscope alone, small: a smoke test
+    python bench/bench_pool.py --procs --repeat 5           # 1 and 4 processes in turn, 5 rounds
 
 The peers are not part of kvscope; each is installed for the run and driven through its own
 methods (bench/peer_nanovllm.py and bench/peer_vllm.py say how, and which calls stand for
@@ -205,6 +206,50 @@ def measure(
     return {name: statistics.median(runs[name]) if name in runs else None for name in makers}
 
 
+def procs_rounds(nseq: int, rounds: int) -> int:
+    """The sequence workload in one process (pinned to one core, as in the table) and in 4
+    processes sharing a pool, taken in turn; medians and the spread of the per-round ratios."""
+    prompts = workload(nseq, 1)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    gc.collect()
+    gc.disable()
+    one_rates, multi_rates, ratios = [], [], []
+    for r in range(rounds + 1):
+        if cores:
+            os.sched_setaffinity(0, {cores[0]})
+        contender = KvscopePool(new_pool(NUM_BLOCKS))
+        try:
+            one = contender.seqs(prompts, DECODE, RUNNING)
+        finally:
+            contender.close()
+        if cores:
+            os.sched_setaffinity(0, set(cores))
+        multi = seqs_multi(4, prompts, NUM_BLOCKS)
+        load = os.getloadavg()[0]
+        what = "warm-up" if r == 0 else f"round {r}"
+        print(
+            f"{what}: 1 process {one:,.0f}, 4 processes {multi:,.0f} seqs/s, "
+            f"{multi / one:.2f}x (load average {load:.2f})",
+            file=sys.stderr,
+        )
+        if r:
+            one_rates.append(one)
+            multi_rates.append(multi)
+            ratios.append(multi / one)
+    print(f"| sequence workload ({nseq:,} seqs) | seqs/s, median of {rounds} | range |")
+    print("|---|---:|---:|")
+    for label, rates in (
+        ("1 process", one_rates),
+        (f"4 processes on {len(cores) or os.cpu_count()} cores", multi_rates),
+    ):
+        print(
+            f"| {label} | {statistics.median(rates):,.0f} | {min(rates):,.0f}-{max(rates):,.0f} |"
+        )
+    med = statistics.median(ratios)
+    print(f"| 4 processes / 1 | {med:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x |")
+    return 0
+
+
 def fmt(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:,.0f}"
 
@@ -218,7 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", type=int, default=10_000, help="sequences in the sequence workload")
     ap.add_argument("--nano-vllm", metavar="DIR", help="a nano-vllm checkout to measure beside")
     ap.add_argument("--vllm", metavar="DIR", help="a pip --target folder holding vllm")
+    ap.add_argument(
+        "--procs",
+        action="store_true",
+        help="kvscope's sequence workload alone: one process and 4 processes taken in turn, "
+        "--repeat rounds (each round's pair, ratio and load average on stderr)",
+    )
     args = ap.parse_args(argv)
+    if args.procs:
+        return procs_rounds(args.seqs, args.repeat)
     scale = 0.1 if args.quick else 1.0
     reps = 1 if args.quick else args.repeat
     nseq = max(200, int(args.seqs * scale))
