@@ -156,8 +156,11 @@ def workload(num_seqs: int, seed: int) -> list[list[int]]:
     return out
 
 
-def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> float:
-    """Aggregate sequences/s of num_procs processes sharing one pool (wall clock, all running)."""
+def seqs_multi(
+    num_procs: int, prompts: list[list[int]], num_blocks: int, cpu: list[float] | None = None
+) -> float:
+    """Aggregate sequences/s of num_procs processes sharing one pool (wall clock, all running);
+    the CPU seconds (user + system) the processes used is appended to `cpu` when given."""
     pool = new_pool(num_blocks)
     r, w = os.pipe()
     pids = []
@@ -176,9 +179,13 @@ def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> flo
     time.sleep(0.2)
     t = time.perf_counter()
     os.write(w, b"x" * num_procs)
+    used = 0.0
     for p in pids:
-        os.waitpid(p, 0)
+        ru = os.wait4(p, 0)[2]
+        used += ru.ru_utime + ru.ru_stime
     rate = share * num_procs / (time.perf_counter() - t)
+    if cpu is not None:
+        cpu.append(used)
     pool.close()
     pool.unlink()
     return rate
@@ -208,31 +215,38 @@ def measure(
 
 def procs_rounds(nseq: int, rounds: int) -> int:
     """The sequence workload in one process (pinned to one core, as in the table) and in 4
-    processes sharing a pool, taken in turn; medians and the spread of the per-round ratios."""
+    processes sharing a pool, taken in turn; medians and the spread of the per-round ratios, and
+    the CPU seconds each used (which a loaded machine's share of the cores does not change)."""
     prompts = workload(nseq, 1)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     gc.collect()
     gc.disable()
-    one_rates, multi_rates, ratios = [], [], []
+    one_rates, multi_rates, ratios, one_cpu, multi_cpu = [], [], [], [], []
     for r in range(rounds + 1):
         if cores:
             os.sched_setaffinity(0, {cores[0]})
         contender = KvscopePool(new_pool(NUM_BLOCKS))
         try:
+            c0 = time.process_time()
             one = contender.seqs(prompts, DECODE, RUNNING)
+            one_cpu.append(time.process_time() - c0)
         finally:
             contender.close()
         if cores:
             os.sched_setaffinity(0, set(cores))
-        multi = seqs_multi(4, prompts, NUM_BLOCKS)
+        multi = seqs_multi(4, prompts, NUM_BLOCKS, multi_cpu)
         load = os.getloadavg()[0]
         what = "warm-up" if r == 0 else f"round {r}"
         print(
             f"{what}: 1 process {one:,.0f}, 4 processes {multi:,.0f} seqs/s, "
-            f"{multi / one:.2f}x (load average {load:.2f})",
+            f"{multi / one:.2f}x; CPU {one_cpu[-1]:.2f} s, {multi_cpu[-1]:.2f} s "
+            f"(load average {load:.2f})",
             file=sys.stderr,
         )
-        if r:
+        if r == 0:
+            one_cpu.pop()
+            multi_cpu.pop()
+        else:
             one_rates.append(one)
             multi_rates.append(multi)
             ratios.append(multi / one)
@@ -247,6 +261,11 @@ def procs_rounds(nseq: int, rounds: int) -> int:
         )
     med = statistics.median(ratios)
     print(f"| 4 processes / 1 | {med:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x |")
+    cpu = [m / o for m, o in zip(multi_cpu, one_cpu)]
+    print(
+        f"| CPU seconds, 4 processes / 1 | {statistics.median(cpu):.2f}x | "
+        f"{min(cpu):.2f}-{max(cpu):.2f}x |"
+    )
     return 0
 
 
