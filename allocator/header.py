@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.allocator import mutex
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.geometry import SECTION_FIELDS
 from kvscope.allocator.layout import (
@@ -86,8 +87,10 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
     view.ring_header["head"], view.ring_header["tail"], view.ring_header["count"] = 0, n, n
     view.index["block"] = -1
     view.seqs["table"] = -1
+    base = view.locks.__array_interface__["data"][0]
     for i, lname in enumerate(lock_names(cfg.num_shards)):
         view.locks["name"][i] = lname.encode()
+        mutex.init(base + i * view.locks.itemsize)
 
 
 def seal_header(view: SegmentView) -> None:

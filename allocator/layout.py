@@ -46,7 +46,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
 )
 
 POOL_MAGIC = 0x4B56_5343_4F50_4531
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ALIGN = 64
 NO_BLOCK = -1
 

@@ -1,7 +1,8 @@
-"""Pool locks: a thread lock plus an OFD byte-range lock on the segment file, per lock record.
+"""Pool locks: a thread lock plus the process-shared robust mutex in each lock record (mutex.py).
 
-The kernel drops a dead process's OFD locks (ofd.py), so a lock is never stuck; the lock record
-still names the dead holder, which tells the next taker to run recovery before it proceeds. Each
+A free lock is taken without a system call. When a holder dies the kernel marks its mutex, so a
+lock is never stuck; the lock record still names the dead holder, which tells the next taker to
+run recovery before it proceeds. Each
 record also carries a sequence counter, odd while held: together these are the seqlock that
 lock-free readers check. A process publishes the locks it waits for (waits.py), so that a
 lock-order inversion between processes raises LockDeadlock instead of hanging.
@@ -15,7 +16,7 @@ import time
 from array import array
 from collections.abc import Callable
 
-from kvscope.allocator import ofd
+from kvscope.allocator import mutex, ofd
 from kvscope.allocator.errors import LockDeadlock
 from kvscope.allocator.layout import CLIENT_DTYPE, LOCK_DTYPE, SegmentView, lock_names
 from kvscope.allocator.segment import MappedFile
@@ -77,6 +78,9 @@ class LockTable:
     ):
         self.hooks = hooks if hooks is not None else array("q", [0])
         self.fd = mf.fd
+        # Lock i's mutex is at mutex_at + i * stride in this process's mapping.
+        self.stride = LOCK_DTYPE.itemsize
+        self.mutex_at = view.locks.__array_interface__["data"][0] + _F["mutex"][1]
         self.names = lock_names(view.layout.num_shards)
         self.base = view.offsets["locks"]
         locks = view.locks
@@ -95,8 +99,8 @@ class LockTable:
         # scalar access costs several times more); the readers see the same bytes.
         self.mv = memoryview(mf.mm)
         if not hasattr(mf, "tlocks"):
-            # One thread lock per pool lock per process: the threads of a process share its open
-            # of the segment, and OFD locks do not exclude each other within one open.
+            # One thread lock per pool lock per process: a thread waits for another thread of
+            # its process here, not on the mutex (whose waits the C core publishes).
             mf.tlocks = [threading.Lock() for _ in self.names]  # type: ignore[attr-defined]
         self.tlocks: list[threading.Lock] = mf.tlocks  # type: ignore[attr-defined]
         self.pid, self.start, self.client = pid, start, client
@@ -147,7 +151,7 @@ class LockTable:
         dead = _I4.unpack_from(mv, rec + _HOLDER)[0]
         if dead:
             if not recovering:
-                ofd.unlock(self.fd, rec, 1)
+                mutex.unlock(self.mutex_at + i * self.stride)
                 self.tlocks[i].release()
                 if self.on_release is not None:
                     self.on_release(i)
@@ -158,21 +162,30 @@ class LockTable:
         self._mark_held(i, threading.get_native_id(), t0, time.perf_counter_ns(), contended)
 
     def _take(self, first: int, last: int) -> bool:
-        """Lock the bytes of records first..last (the kernel grants a range all at once); True
-        when another process held some of them and this one waited."""
-        start = self.base + first * LOCK_DTYPE.itemsize
-        length = (last - first) * LOCK_DTYPE.itemsize + 1
-        if ofd.lock(self.fd, start, length, wait=False):
+        """Take the mutexes of locks first..last in order; True when another process held one
+        of them and this thread waited."""
+        at, stride = self.mutex_at, self.stride
+        i = first
+        while i <= last and mutex.try_lock(at + i * stride):
+            i += 1
+        if i > last:
             return False
         mv = self.mv
         _U8.pack_into(mv, self.wait_at, wait_word(first, last))
+        taken = [i]  # the first lock of the run not yet taken (updated as the wait goes on)
         try:
             tid = threading.get_native_id()
             if not self._holds_above(first, tid):
                 # In the documented order: this wait cannot close a cycle.
-                ofd.lock(self.fd, start, length, wait=True)
+                while taken[0] <= last:
+                    mutex.lock(at + taken[0] * stride)
+                    taken[0] += 1
             else:
-                self._wait_watching(first, last, start, length, tid)
+                self._wait_watching(first, last, taken, tid)
+        except BaseException:
+            for j in reversed(range(first, taken[0])):
+                mutex.unlock(at + j * stride)
+            raise
         finally:
             _U8.pack_into(mv, self.wait_at, 0)
         return True
@@ -182,10 +195,16 @@ class LockTable:
         pids, tids = self.holder_pid[i + 1 :], self.holder_tid[i + 1 :]
         return bool(((pids == self.pid) & (tids == tid)).any())
 
-    def _wait_watching(self, first: int, last: int, start: int, length: int, tid: int) -> None:
-        """Wait in slices for a lock taken out of order, raising LockDeadlock on a wait cycle."""
+    def _wait_watching(self, first: int, last: int, taken: list[int], tid: int) -> None:
+        """Wait in slices for locks taken out of order (taken[0]..last, advancing taken[0] as
+        each is taken), raising LockDeadlock on a wait cycle."""
+        at, stride = self.mutex_at, self.stride
         pause = WAIT_SLICE_S
         while True:
+            while taken[0] <= last and mutex.try_lock(at + taken[0] * stride):
+                taken[0] += 1
+            if taken[0] > last:
+                return
             cycle = find_cycle(self.view, self.pid, tid, range(first, last + 1))
             if cycle is not None:
                 what = (
@@ -198,8 +217,6 @@ class LockTable:
                     "which this thread holds): two processes take pool locks in opposite orders"
                 )
             time.sleep(pause)
-            if ofd.lock(self.fd, start, length, wait=False):
-                return
             pause = min(2 * pause, WAIT_SLICE_MAX_S)
 
     def _mark_held(self, i: int, tid: int, t0: int, t1: int, contended: bool) -> None:
@@ -216,8 +233,8 @@ class LockTable:
             self.wait_ns[i] += t1 - t0
 
     def acquire_run(self, run: list[int]) -> bool:
-        """Take consecutive locks run[0]..run[-1] with one lock over their bytes (one wait
-        for all of them when another process holds some); False (nothing taken) when a lock
+        """Take consecutive locks run[0]..run[-1] (one published wait for all of them when
+        another process holds some); False (nothing taken) when a lock
         probe watches each acquisition: the caller then takes them one by one with `acquire`."""
         if self.on_acquire is not None:
             return False
@@ -225,8 +242,6 @@ class LockTable:
         t0 = time.perf_counter_ns()
         for i in run:
             tl[i].acquire()
-        first = self.base + run[0] * LOCK_DTYPE.itemsize
-        length = (run[-1] - run[0]) * LOCK_DTYPE.itemsize + 1
         try:
             contended = self._take(run[0], run[-1])
         except BaseException:
@@ -237,7 +252,8 @@ class LockTable:
         for i in run:
             dead = _I4.unpack_from(mv, self.base + i * LOCK_DTYPE.itemsize + _HOLDER)[0]
             if dead:
-                ofd.unlock(self.fd, first, length)
+                for j in reversed(run):
+                    mutex.unlock(self.mutex_at + j * self.stride)
                 for j in reversed(run):
                     tl[j].release()
                 raise DeadHolder(i, dead)
@@ -248,7 +264,7 @@ class LockTable:
         return True
 
     def release_run(self, run: list[int]) -> None:
-        """Release consecutive held locks, last first, with one unlock over their bytes."""
+        """Release consecutive held locks, last first."""
         if len(run) == 1 or self.on_release is not None:
             for i in reversed(run):
                 self.release(i)
@@ -262,9 +278,7 @@ class LockTable:
             _U8X2.pack_into(mv, rec + _HOLD, hold + held, max(longest, held))
             _U8.pack_into(mv, rec + _SEQ, _U8.unpack_from(mv, rec + _SEQ)[0] + 1)
             _I4.pack_into(mv, rec + _HOLDER, 0)
-        first = self.base + run[0] * LOCK_DTYPE.itemsize
-        length = (run[-1] - run[0]) * LOCK_DTYPE.itemsize + 1
-        ofd.unlock(self.fd, first, length)
+            mutex.unlock(self.mutex_at + i * self.stride)
         for i in reversed(run):
             self.tlocks[i].release()
 
@@ -278,7 +292,7 @@ class LockTable:
         # Counter even first, then clear the holder (see acquire).
         _U8.pack_into(mv, rec + _SEQ, _U8.unpack_from(mv, rec + _SEQ)[0] + 1)
         _I4.pack_into(mv, rec + _HOLDER, 0)
-        ofd.unlock(self.fd, rec, 1)
+        mutex.unlock(self.mutex_at + i * self.stride)
         self.tlocks[i].release()
         if self.on_release is not None:
             self.on_release(i)

@@ -1,14 +1,14 @@
 """Open-file-description locks on the segment file, and keeping them out of forked children.
 
-The pool's locks are Linux OFD locks (`F_OFD_SETLK`, `F_OFD_SETLKW`) on bytes of the segment
-file, not POSIX record locks (`lockf`, `F_SETLK`). A POSIX lock belongs to the process, and the
-kernel drops every one of them when the process closes *any* descriptor of the file: a handle
-closed (or garbage-collected) in the middle of another handle's operation would hand its locks
-to other processes, who would then roll back a live operation as if its process had died. An
-OFD lock belongs to one `open()` of the file (the open file description, shared by its `dup`s
-and by mappings made from it) and is dropped when the last reference to it goes: when its
-process dies or closes that one open, never at a stray close. The two kinds conflict with each
-other, so every lock on a segment (the C core's too) is an OFD lock.
+The client-registration lock (attach, detach: lifecycle.py) is a Linux OFD lock (`F_OFD_SETLK`,
+`F_OFD_SETLKW`) on the first byte of the client table, not a POSIX record lock (`lockf`,
+`F_SETLK`). A POSIX lock belongs to the process, and the kernel drops every one of them when the
+process closes *any* descriptor of the file: a handle closed (or garbage-collected) in the
+middle of another handle's attach would hand its lock to other processes. An OFD lock belongs to
+one `open()` of the file (the open file description, shared by its `dup`s and by mappings made
+from it) and is dropped when the last reference to it goes: when its process dies or closes
+that one open, never at a stray close. (The pool's own locks are the robust mutexes in the lock
+records: mutex.py.)
 
 A forked child inherits references to its parent's open file descriptions (its descriptors and
 mappings): a parent killed while holding a lock would leave it held for as long as a child

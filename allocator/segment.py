@@ -81,9 +81,9 @@ class MappedFile:
     uid: int = -1
 
 
-# A process opens each segment once, shared by every pool handle it opens: the pool's OFD locks
-# belong to that open (allocator/ofd.py), and the locks of two opens in one process would
-# exclude each other.
+# A process opens each segment once, shared by every pool handle it opens: the client-registration
+# OFD lock belongs to that open (allocator/ofd.py), and the locks of two opens in one process
+# would exclude each other; the handles share the pool locks' thread locks through it too.
 _OPEN: dict[str, MappedFile] = {}
 # path -> (device, inode) of each file this process created: a failed create removes only those.
 _CREATED: dict[str, tuple[int, int]] = {}

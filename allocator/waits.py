@@ -1,7 +1,7 @@
-"""Published lock waits and the wait-for cycles they show (deadlock detection for OFD locks).
+"""Published lock waits and the wait-for cycles they show (deadlock detection for pool locks).
 
-The kernel detects deadlocks between POSIX record locks (EDEADLK) but not between the OFD locks
-the pool uses (ofd.py). So a process about to wait for pool locks publishes which ones in its
+Nothing detects a deadlock between processes waiting on each other's pool lock mutexes
+(mutex.py). So a process about to wait for pool locks publishes which ones in its
 client record (`op`, docs/FORMAT.md section 8), and clears it once it has them. Taking locks in
 the one documented order can never close a cycle, so only a thread that waits for a lock below
 one it holds (a lock-order inversion) has to look: it waits in slices, and between slices

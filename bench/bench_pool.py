@@ -3,6 +3,7 @@ v1 BlockPool, the same workloads in the same run.
 
     python bench/bench_pool.py --nano-vllm DIR --vllm DIR   # all three, 10-20 minutes
     python bench/bench_pool.py --quick                      # kvscope alone, small: a smoke test
+    python bench/bench_pool.py --procs --repeat 5           # 1 and 4 processes in turn, 5 rounds
 
 The peers are not part of kvscope; each is installed for the run and driven through its own
 methods (bench/peer_nanovllm.py and bench/peer_vllm.py say how, and which calls stand for
@@ -155,8 +156,11 @@ def workload(num_seqs: int, seed: int) -> list[list[int]]:
     return out
 
 
-def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> float:
-    """Aggregate sequences/s of num_procs processes sharing one pool (wall clock, all running)."""
+def seqs_multi(
+    num_procs: int, prompts: list[list[int]], num_blocks: int, cpu: list[float] | None = None
+) -> float:
+    """Aggregate sequences/s of num_procs processes sharing one pool (wall clock, all running);
+    the CPU seconds (user + system) the processes used is appended to `cpu` when given."""
     pool = new_pool(num_blocks)
     r, w = os.pipe()
     pids = []
@@ -175,9 +179,13 @@ def seqs_multi(num_procs: int, prompts: list[list[int]], num_blocks: int) -> flo
     time.sleep(0.2)
     t = time.perf_counter()
     os.write(w, b"x" * num_procs)
+    used = 0.0
     for p in pids:
-        os.waitpid(p, 0)
+        ru = os.wait4(p, 0)[2]
+        used += ru.ru_utime + ru.ru_stime
     rate = share * num_procs / (time.perf_counter() - t)
+    if cpu is not None:
+        cpu.append(used)
     pool.close()
     pool.unlink()
     return rate
@@ -205,6 +213,62 @@ def measure(
     return {name: statistics.median(runs[name]) if name in runs else None for name in makers}
 
 
+def procs_rounds(nseq: int, rounds: int) -> int:
+    """The sequence workload in one process (pinned to one core, as in the table) and in 4
+    processes sharing a pool, taken in turn; medians and the spread of the per-round ratios, and
+    the CPU seconds each used (which a loaded machine's share of the cores does not change)."""
+    prompts = workload(nseq, 1)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    gc.collect()
+    gc.disable()
+    one_rates, multi_rates, ratios, one_cpu, multi_cpu = [], [], [], [], []
+    for r in range(rounds + 1):
+        if cores:
+            os.sched_setaffinity(0, {cores[0]})
+        contender = KvscopePool(new_pool(NUM_BLOCKS))
+        try:
+            c0 = time.process_time()
+            one = contender.seqs(prompts, DECODE, RUNNING)
+            one_cpu.append(time.process_time() - c0)
+        finally:
+            contender.close()
+        if cores:
+            os.sched_setaffinity(0, set(cores))
+        multi = seqs_multi(4, prompts, NUM_BLOCKS, multi_cpu)
+        load = os.getloadavg()[0]
+        what = "warm-up" if r == 0 else f"round {r}"
+        print(
+            f"{what}: 1 process {one:,.0f}, 4 processes {multi:,.0f} seqs/s, "
+            f"{multi / one:.2f}x; CPU {one_cpu[-1]:.2f} s, {multi_cpu[-1]:.2f} s "
+            f"(load average {load:.2f})",
+            file=sys.stderr,
+        )
+        if r == 0:
+            one_cpu.pop()
+            multi_cpu.pop()
+        else:
+            one_rates.append(one)
+            multi_rates.append(multi)
+            ratios.append(multi / one)
+    print(f"| sequence workload ({nseq:,} seqs) | seqs/s, median of {rounds} | range |")
+    print("|---|---:|---:|")
+    for label, rates in (
+        ("1 process", one_rates),
+        (f"4 processes on {len(cores) or os.cpu_count()} cores", multi_rates),
+    ):
+        print(
+            f"| {label} | {statistics.median(rates):,.0f} | {min(rates):,.0f}-{max(rates):,.0f} |"
+        )
+    med = statistics.median(ratios)
+    print(f"| 4 processes / 1 | {med:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x |")
+    cpu = [m / o for m, o in zip(multi_cpu, one_cpu)]
+    print(
+        f"| CPU seconds, 4 processes / 1 | {statistics.median(cpu):.2f}x | "
+        f"{min(cpu):.2f}-{max(cpu):.2f}x |"
+    )
+    return 0
+
+
 def fmt(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:,.0f}"
 
@@ -218,7 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", type=int, default=10_000, help="sequences in the sequence workload")
     ap.add_argument("--nano-vllm", metavar="DIR", help="a nano-vllm checkout to measure beside")
     ap.add_argument("--vllm", metavar="DIR", help="a pip --target folder holding vllm")
+    ap.add_argument(
+        "--procs",
+        action="store_true",
+        help="kvscope's sequence workload alone: one process and 4 processes taken in turn, "
+        "--repeat rounds (each round's pair, ratio and load average on stderr)",
+    )
     args = ap.parse_args(argv)
+    if args.procs:
+        return procs_rounds(args.seqs, args.repeat)
     scale = 0.1 if args.quick else 1.0
     reps = 1 if args.quick else args.repeat
     nseq = max(200, int(args.seqs * scale))

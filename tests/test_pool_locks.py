@@ -1,16 +1,16 @@
 """The pool's locks belong to the operation: no stray close, garbage collection or forked child
-changes who holds them (allocator/ofd.py)."""
+changes who holds them (allocator/mutex.py, allocator/ofd.py)."""
 
 from __future__ import annotations
 
 import gc
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
-from kvscope.allocator import KVPool, ofd
-from kvscope.allocator.layout import LOCK_DTYPE
+from kvscope.allocator import KVPool, mutex
 from tests.forking import fork_child
 from tests.forking import wait_child as _wait
 
@@ -22,16 +22,19 @@ def _fork(fn: Callable[[], int]) -> int:
 
 
 def _lock_is_free(pool: KVPool, lock: int) -> bool:
-    """True when a fresh open of the segment can take `lock` now (taken and dropped again)."""
-    fd = os.open(pool._mf.path, os.O_RDWR)
-    try:
-        at = pool.view.offsets["locks"] + lock * LOCK_DTYPE.itemsize
-        if not ofd.lock(fd, at, 1, wait=False):
-            return False
-        ofd.unlock(fd, at, 1)
-        return True
-    finally:
-        os.close(fd)
+    """True when another thread can take `lock` now (taken and dropped again)."""
+    at = pool.locks.mutex_at + lock * pool.locks.stride
+    free: list[bool] = []
+
+    def probe() -> None:
+        free.append(mutex.try_lock(at))
+        if free[0]:
+            mutex.unlock(at)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return free[0]
 
 
 def _segment_fds(path: str) -> int:

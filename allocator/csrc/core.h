@@ -128,7 +128,7 @@ typedef struct {
     Py_buffer busy_buf;
     int64_t *hooks;    /* KVPool._hooks: probe hooks set on the handle (0: none) */
     Py_buffer hooks_buf;
-    int mutex_held;    /* this call took the mutex to wait for an fcntl lock */
+    int mutex_held;    /* this call took the mutex to wait for a pool lock */
     PyObject *seq_type;     /* allocator.sequence.Sequence */
     PyObject *seq_fields;   /* its dataclass field names, in order (a tuple of 10) */
     Py_ssize_t seq_off[10]; /* their __slots__ offsets in an instance */

@@ -2,20 +2,18 @@
 
 /* -- locks ------------------------------------------------------------------------------------ */
 
-/* An OFD lock (allocator/ofd.py: it belongs to this open of the segment, so no stray close of
- * another descriptor drops it) on the one byte of lock i's record. */
-static int lock_fcntl(Native *n, int i, short type, int wait) {
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = type;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = (off_t)(n->off_locks + (size_t)i * LOCK_SIZE);
-    fl.l_len = 1;
-    fl.l_pid = 0;
-    int r;
-    if (!wait) return fcntl(n->fd, F_OFD_SETLK, &fl);
-    Py_BEGIN_ALLOW_THREADS r = fcntl(n->fd, F_OFD_SETLKW, &fl);
-    Py_END_ALLOW_THREADS return r;
+/* Lock i's mutex: the process-shared robust pthread mutex at the start of its record (created
+ * by header.py through allocator/mutex.py, which the Python path takes it through). */
+_Static_assert(sizeof(pthread_mutex_t) <= LOCK_MUTEX_BYTES, "the lock record's mutex bytes");
+static inline pthread_mutex_t *lock_mutex(Native *n, int i) {
+    return (pthread_mutex_t *)(n->seg + n->off_locks + (size_t)i * LOCK_SIZE + LF_MUTEX);
+}
+
+/* A pthread_mutex_*lock answer: 0 taken (a dead holder's mutex made consistent: the record
+ * still names it), EBUSY, or another error. */
+static inline int mutex_taken(pthread_mutex_t *m, int rc) {
+    if (rc == EOWNERDEAD) return pthread_mutex_consistent(m);
+    return rc;
 }
 
 /* Hold the handle's op mutex (without waiting for it) while the core lets go of the GIL: to
@@ -43,20 +41,22 @@ static int hold_mutex(Native *n) {
 static int lock_take(Native *n, int i) {
     uint64_t t0 = mono_ns();
     int contended = 0;
-    if (lock_fcntl(n, i, F_WRLCK, 0) != 0) {
-        if (errno != EAGAIN && errno != EACCES) return FALLBACK;
+    pthread_mutex_t *m = lock_mutex(n, i);
+    int rc = mutex_taken(m, pthread_mutex_trylock(m));
+    if (rc != 0) {
+        if (rc != EBUSY) return FALLBACK;
         contended = 1;
         /* Waiting releases the GIL: hold the op mutex meanwhile, so that no other thread of
-         * this process starts an operation on the mapping (fcntl locks do not exclude it). */
+         * this process starts an operation on the mapping. */
         if (hold_mutex(n) != OK) return FALLBACK;
         U8(n->seg + n->c_wait) = (uint64_t)(i + 1) | ((uint64_t)(i + 1) << 32);
-        int r = lock_fcntl(n, i, F_WRLCK, 1);
-        U8(n->seg + n->c_wait) = 0;
-        if (r != 0) return FALLBACK;
+        Py_BEGIN_ALLOW_THREADS rc = mutex_taken(m, pthread_mutex_lock(m));
+        Py_END_ALLOW_THREADS U8(n->seg + n->c_wait) = 0;
+        if (rc != 0) return FALLBACK;
     }
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
     if (I4(r + LF_HOLDER_PID)) {
-        lock_fcntl(n, i, F_UNLCK, 0);
+        pthread_mutex_unlock(m);
         return FALLBACK;
     }
     uint64_t t1 = mono_ns();
@@ -64,7 +64,8 @@ static int lock_take(Native *n, int i) {
     I4(r + LF_HOLDER_PID) = n->pid;
     I4(r + LF_HOLDER_CLIENT) = n->client;
     U8(r + LF_HOLDER_START) = n->start;
-    U8(r + LF_HOLDER_TID) = (uint64_t)syscall(SYS_gettid);
+    /* the thread id glibc keeps in the mutex it holds (what gettid(2) would say) */
+    U8(r + LF_HOLDER_TID) = (uint64_t)(uint32_t)m->__data.__owner;
     U8(r + LF_ACQUIRED) = t1;
     uint64_t seq = U8(r + LF_SEQ);
     U8(r + LF_SEQ) = seq + (seq % 2 == 0 ? 1 : 2);
@@ -85,7 +86,7 @@ static void lock_drop(Native *n, int i) {
     /* Counter even first, then clear the holder. */
     U8(r + LF_SEQ) += 1;
     I4(r + LF_HOLDER_PID) = 0;
-    lock_fcntl(n, i, F_UNLCK, 0);
+    pthread_mutex_unlock(lock_mutex(n, i));
     n->held &= ~lock_bit(i);
 }
 
