@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="arrivals on the wall clock, or on virtual time advancing per engine step "
         "(the same schedule on every machine)",
     )  # fmt: skip
+    c.add_argument(
+        "--kv-events", default="", metavar="ENDPOINT",
+        help="publish the pool's prefix index as vLLM's KV-event stream (tcp://*:5557)",
+    )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
     o.add_argument("--outputs", type=Path, help="write every request's tokens here (JSONL)")
@@ -125,6 +129,10 @@ def _serve(args: argparse.Namespace) -> int:
             raise ServeError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.model is not None and not args.model.is_dir():
         raise ServeError(f"--model {args.model}: not a directory")
+    if args.kv_events and args.ranks > 1:
+        raise ServeError("--kv-events publishes one pool: it does not combine with --ranks")
+    if args.kv_events and args.baseline != "paged":
+        raise ServeError("--kv-events needs the paged pool (--baseline paged)")
     if args.ranks > 1 and args.workers > 1:
         raise ServeError("--ranks and --workers do not combine: each rank is one engine")
     if not -1 <= args.fault_rank < args.ranks:
@@ -163,6 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
         cuda_graphs=args.cuda_graphs,
         ranks=args.ranks,
         fault_rank=args.fault_rank,
+        kv_events=args.kv_events,
     )
     vocab_size = _vocab_size(args.model)
     if args.jsonl is not None:

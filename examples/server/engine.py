@@ -126,6 +126,8 @@ class Engine:
         self.results: list[RequestResult] = []
         self.samples: list[StepSample] = []
         self.on_finish: Callable[[RequestResult], None] = lambda _result: None
+        # called after every step (runconfig.start_kv_events: the KV-event publisher's poll)
+        self.on_step: Callable[[], object] = lambda: None
         # where each step's time went: host seconds per phase, the GPU's time per step
         self.timer = StepTimer(self.device)
         # guard mode: the last step's recorded violations on their way to the host
@@ -172,6 +174,7 @@ class Engine:
                 self.add(pending.popleft())
             if self.scheduler.has_work():
                 self.step()
+                self.on_step()
                 if isinstance(self.clock, StepClock):
                     self.clock.tick()
             elif pending:

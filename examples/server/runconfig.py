@@ -55,6 +55,8 @@ class RunConfig:
     ranks: int = 1
     # with ranks > 1: the rank where `kvscope run --inject` faults fire (-1: every rank)
     fault_rank: int = -1
+    # publish the pool's prefix index as vLLM's KV-event stream here (`tcp://*:5557`; "": off)
+    kv_events: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def num_threads(self) -> int:
@@ -206,6 +208,35 @@ def engine_extra(engine: Engine) -> dict[str, Any]:
         out["static_forwards"] = engine.graphs.num_forwards
         out["mixed_step_forwards"] = engine.graphs.num_mixed
     return out
+
+
+def start_kv_events(config: RunConfig, cache: Any, thread: bool = False) -> Any:
+    """The pool's KV-event publisher (kvscope/events/publisher.py), or None without
+    --kv-events; under `kvscope run` its stream is checked against the pool as it runs. With
+    `thread` it polls on its own thread (a pool of worker processes), else the caller polls it
+    once per engine step."""
+    if not config.kv_events or config.baseline != "paged":
+        return None
+    from kvscope.child import run_dir
+    from kvscope.errors import UsageError
+    from kvscope.events.publisher import KVEventPublisher
+
+    try:
+        pub = KVEventPublisher(cache, config.kv_events, check=run_dir() is not None)
+    except UsageError as exc:
+        raise ServeError(f"--kv-events {config.kv_events}: {exc}") from exc
+    if thread:
+        pub.start()
+    return pub
+
+
+def stop_kv_events(pub: Any, cache: Any) -> dict[str, Any]:
+    """Close the publisher (its check's findings into the pool); its counts for the summary."""
+    if pub is None:
+        return {}
+    from kvscope.events.publisher import finish
+
+    return {"kv_events": finish(pub, cache)}
 
 
 def release_cache(config: RunConfig, cache: Any) -> None:

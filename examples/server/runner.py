@@ -22,7 +22,9 @@ from .runconfig import (
     make_engine,
     rank_devices,
     release_cache,
+    start_kv_events,
     start_time,
+    stop_kv_events,
 )
 from .worker import Outcome, WorkerReport, run_workers
 from .workload import Request
@@ -88,15 +90,21 @@ def _run_here(
         cache: Any = build_cache(config, max_len)
     else:
         cache = create_pool(config, max(r.n for r in requests))
+    publisher = start_kv_events(config, cache)
     try:
         engine = make_engine(config, model, cache, worker=0, max_len=max_len)
         if on_finish is not None:
             engine.on_finish = lambda _result: on_finish(1)
+        if publisher is not None:
+            engine.on_step = publisher.poll
         start = time.monotonic()
         engine.run(requests, start_s=start_time(config, start))
         duration_s = time.monotonic() - start
-        extra = cache_extra(cache) | engine_extra(engine)
+        extra = cache_extra(cache) | engine_extra(engine) | stop_kv_events(publisher, cache)
+        publisher = None
     finally:
+        if publisher is not None:
+            publisher.close()
         release_cache(config, cache)
     report = WorkerReport(engine.results, engine.samples, engine.scheduler.num_preemptions)
     return [report], duration_s, extra

@@ -32,7 +32,9 @@ from .runconfig import (
     create_pool,
     make_engine,
     release_cache,
+    start_kv_events,
     start_time,
+    stop_kv_events,
 )
 from .workload import Request
 
@@ -60,6 +62,7 @@ def run_workers(
     """N worker processes; the paged ones share one pool created here."""
     max_n = max(r.n for r in requests)
     pool = create_pool(config, max_n) if config.baseline == "paged" else None
+    publisher = None
     ctx: Any = mp.get_context("fork" if config.device == "cpu" else "spawn")
     go, start_value = ctx.Event(), ctx.Value("d", 0.0)
     shares = [requests[i :: config.workers] for i in range(config.workers)]
@@ -80,6 +83,8 @@ def run_workers(
     try:
         for proc in procs:
             proc.start()
+        # after the fork: the publisher's thread and socket stay in this process
+        publisher = start_kv_events(config, pool, thread=True)
         for _, write in conns.values():
             write.close()
         live = {read: i for read, (i, _) in conns.items()}
@@ -92,10 +97,14 @@ def run_workers(
         for proc in procs:
             proc.join()
         extra = cache_extra(pool) if pool is not None else {}
+        extra |= stop_kv_events(publisher, pool)
+        publisher = None
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
+        if publisher is not None:
+            publisher.close()
         if pool is not None:
             release_cache(config, pool)
     died = [

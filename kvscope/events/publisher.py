@@ -31,7 +31,7 @@ import numpy as np
 import zmq
 
 from kvscope.allocator.checksums import block_checksums
-from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.errors import UsageError
 from kvscope.events.checker import StreamChecker
 from kvscope.events.streamfile import PUBLISHED
@@ -138,10 +138,13 @@ class KVEventPublisher:
         new = now[changed]
         gone = old[old != 0]
         came = changed[new != 0]
-        events: list[Any] = []
+        # Stores before removals: what changed between two polls is not ordered, and a block
+        # published under a parent that was evicted after it must not name a parent the
+        # stream already removed. A key that moved to another block is stored once more, then
+        # removed once: a second copy for a moment, as vLLM stores one per physical copy.
+        events = self._stores(came)
         if len(gone):
             events.append(self._encoder.removed(gone.tolist(), self.medium))
-        events += self._stores(came)
         self._announced[changed] = new
         self.num_removed += len(gone)
         self.num_stored += len(came)
@@ -317,6 +320,22 @@ class KVEventPublisher:
         self.poll()
         self._closed = True
         self._ctx.destroy(linger=LINGER_MS)
+
+
+def finish(pub: KVEventPublisher, pool: Any) -> dict[str, Any]:
+    """Close a pool's publisher; with its check on, verify the stream against the pool's index
+    first and record every error finding of the check in the pool's findings ring (where
+    `kvscope run` reads it). Returns the publisher's stats and the findings by kind."""
+    if pub.checker is not None:
+        pub.verify()
+    pub.close()
+    out = pub.stats()
+    if pub.checker is not None:
+        found = [f for f in pub.checker.findings if f.severity == ERROR]
+        for f in found:
+            pool.report(f)
+        out["findings_by_kind"] = dict(sorted(pub.checker.finding_counts.items()))
+    return out
 
 
 def publisher_binds(endpoint: str) -> bool:
