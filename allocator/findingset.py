@@ -128,8 +128,8 @@ def finding_key(f: Finding) -> tuple[str, int | None, int | None]:
 
 def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
     """The one de-duplication rule. The ring's findings are kept, each (they carry the moment
-    it happened); a checked finding that repeats one of them (`finding_key`), or an earlier
-    checked one, is dropped, and so is a `leak_dead_owner` about a request whose process
+    it happened); a checked finding that repeats one of them (`finding_key`), or says what an
+    earlier checked one said, is dropped, and so is a `leak_dead_owner` about a request whose process
     reported it as `leak_finished` at its exit (one cause: the process ended holding it). A
     corrupt header leaves only the header's findings: nothing else in the segment, its ring
     included, can be trusted."""
@@ -142,13 +142,17 @@ def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
         if f.kind == FindingKind.LEAK_FINISHED and f.request
     }
     out = list(recorded)
+    # Checked findings repeat each other only when they say the same thing: two locks one
+    # stopped process holds are two findings about no block.
+    said: set[tuple] = set()
     for f in checked:
-        key = finding_key(f)
         if f.kind == FindingKind.LEAK_DEAD_OWNER and (f.owner_pid, f.request) in finished:
             continue
-        if key not in seen:
-            seen.add(key)
-            out.append(f)
+        same = (finding_key(f), f.request, f.extra.get("lock"), f.message)
+        if finding_key(f) in seen or same in said:
+            continue
+        said.add(same)
+        out.append(f)
     return out
 
 

@@ -13,6 +13,7 @@ from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.probes import lockdep
+from tests.test_native_faults import work as _work
 
 PROBES = ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST")
 SCENARIOS = (*FAULTS, "kv-changed", "data-truncated", "healthy")
@@ -20,16 +21,6 @@ SCENARIOS = (*FAULTS, "kv-changed", "data-truncated", "healthy")
 
 def _config(**kw) -> PoolConfig:
     return PoolConfig(num_blocks=48, block_size=4, head_dim=8, num_layers=1, dtype="float32", **kw)
-
-
-def _work(pool: KVPool) -> None:
-    """Four requests: a prompt, one-token appends (blocks fill and new ones are taken), a free."""
-    seqs = [pool.allocate(f"req-{i}", list(range(i, i + 9))) for i in range(4)]
-    for k in range(6):
-        for s in seqs:
-            pool.append(s, [k])
-    for s in seqs:
-        pool.free(s)
 
 
 def _published(pool: KVPool) -> int:

@@ -37,7 +37,7 @@ def probed(monkeypatch, pool_name):
     pool.unlink()
 
 
-def _work(pool: KVPool) -> list:
+def work(pool: KVPool) -> list:
     """Four requests behind one published first block (the later three hit it, so an
     allocation takes the seqs and index locks together), one-token appends (blocks fill and
     new ones are taken), a free."""
@@ -76,7 +76,7 @@ def test_a_fault_fires_and_acts_while_the_core_runs_the_rest(probed, fault):
     faults.configure(f"{fault}:1")
     before = pool._native.stats()["native_ops"]
     # WHEN requests run
-    _work(pool)
+    work(pool)
     if fault == "header-scribble":
         pool.verify()
     # THEN the fault fired, its damage is found, and the operations it could not strike ran
@@ -114,7 +114,7 @@ def test_kill_holding_lock_leaves_a_dead_holder(probed):
         try:
             child = KVPool.attach(pool.name)
             faults.configure("kill-holding-lock:1")
-            _work(child)
+            work(child)
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)

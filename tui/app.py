@@ -248,10 +248,14 @@ class TopApp(App[int]):
             panel.frame = frame
 
     def watch_selected_block(self, block: int) -> None:
+        if not self.is_running:
+            return  # (read before the app runs: a frame taken by a caller of its own)
         self.query_one(BlockMap).selected_block = block
         self.query_one(BlockInspector).selected_block = block
 
     def watch_selected_seq(self, slot: int) -> None:
+        if not self.is_running:
+            return
         self.query_one(SequenceList).selected_seq = slot
         self.query_one(BlockTableView).selected_seq = slot
 
