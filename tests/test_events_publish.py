@@ -8,6 +8,10 @@ socket before anything is published, so no message is lost to a late join.
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
 import msgpack
 import pytest
 import zmq
@@ -239,3 +243,27 @@ def test_thread_publishes_everything_by_close(make_pool, tmp_path):
     finally:
         sub.close()
         pub.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2], ids=["engine", "workers"])
+def test_serve_under_kvscope_run_publishes_and_checks(tmp_path, workers):
+    # GIVEN the example server publishing its pool under `kvscope run` (its check on)
+    serve = Path(__file__).resolve().parents[1] / "examples" / "serve.py"
+    cmd = [
+        "kvscope", "run", str(serve), "--workers", str(workers), "--requests", "12",
+        "--rate", "0", "--prompt-len", "20:40", "--output-len", "4:8", "--num-prefixes", "2",
+        "--prefix-share", "0.8", "--num-blocks", "48", "--block-size", "4", "--no-progress",
+        "--kv-events", f"ipc://{tmp_path}/serve-events", "--json",
+    ]  # fmt: skip
+    # WHEN it serves a workload that fills and evicts the cache
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # THEN the run is clean, the stream was checked, and it holds what the pool caches
+    assert done.returncode == 0, done.stderr
+    extra = json.loads(done.stdout)["extra"]
+    events = extra["kv_events"]
+    assert events["findings_by_kind"] == {}
+    # (a block published and evicted between two polls is never announced: removals are at
+    # most the evictions)
+    assert 0 < events["removed"] <= extra["cache_stats"]["num_evictions"]
+    assert events["stored"] - events["removed"] == extra["cache_stats"]["num_cached"]
