@@ -233,7 +233,7 @@ def rows(app, selector: str) -> list[list[str]]:
 @sync
 async def test_top_events_replays_a_file(tmp_path):
     # GIVEN the faulty stream, replayed 4 records per refresh
-    from kvscope.tui.events_app import EventsApp, FileFeed
+    from kvscope.events.top import EventsApp, FileFeed
 
     s, path = faulty(tmp_path)
     app = EventsApp(FileFeed(path, per_tick=4), hz=0.01)
@@ -259,7 +259,7 @@ async def test_top_events_follows_a_live_publisher(tmp_path):
     # GIVEN a local publisher of our own encoder (XPUB: it sees the subscription arrive)
     import zmq
 
-    from kvscope.tui.events_app import EventsApp, ZmqFeed
+    from kvscope.events.top import EventsApp, ZmqFeed
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)

@@ -17,8 +17,9 @@ def load_run_top():
 
 
 class TopCommand:
-    """Show a live pool or a dump in the terminal UI: `kvscope top NAME|FILE [--hz N]`, or an
-    engine's prefix cache from its KV-event stream: `kvscope top --events ENDPOINT...`."""
+    """Show a live pool or a dump in the terminal UI: `kvscope top NAME|FILE [--hz N]`.
+
+    Or an engine's prefix cache from its KV-event stream: `kvscope top --events ENDPOINT...`."""
 
     @staticmethod
     def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +42,7 @@ class TopCommand:
             if args.target is not None:
                 raise UsageError("top takes a pool (NAME|FILE) or --events, not both")
             try:
-                from kvscope.tui.events_app import run_events_top
+                from kvscope.events.top import run_events_top
             except ImportError as e:
                 raise UsageError(f"the TUI is not available in this install ({e})") from None
             return run_events_top(args.events, hz=args.hz)
