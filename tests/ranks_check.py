@@ -38,7 +38,7 @@ def leak_on_rank_one(device: str, tmp: Path) -> dict[str, Any]:
     base = f"ranks-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     names = [f"{base}-rank0", f"{base}-rank1"]
     run = kvscope(
-        "run", "--inject", "leak", str(SERVE), "--device", device, "--ranks", "2",
+        "run", "--keep-pool", "--inject", "leak", str(SERVE), "--device", device, "--ranks", "2",
         "--fault-rank", "1", "--requests", "16", "--output-len", "4:12", "--rate", "0",
         "--no-progress", "--pool-name", base, "--keep-pool",
         cwd=tmp,

@@ -255,7 +255,9 @@ class PoolMachine(RuleBasedStateMachine):
         for s in waiting:
             for b in s.table:
                 mine[b] = mine.get(b, 0) + 1
-        private = sum(1 for b, n in mine.items() if m.refs[b] == n)
+        # (a block the allocation hits keeps its reference: preempting its other holders does
+        # not free it)
+        private = sum(1 for b, n in mine.items() if m.refs[b] == n and b not in hits)
         return free + len(m.cached() - set(hits)) + private >= need
 
     def _allocate(self, handle: int, tokens: list[int]):
