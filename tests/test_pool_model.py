@@ -36,7 +36,7 @@ from hypothesis.stateful import (
 )
 
 from kvscope.allocator import KVPool, PoolConfig, PoolExhausted
-from kvscope.allocator.layout import BlockState
+from kvscope.allocator.layout import COUNTER_FIELDS, BlockState
 from kvscope.allocator.segment import data_path, segment_path
 
 # name -> PoolConfig fields: small enough to exhaust; a pool with a slot reserve (max_seqs >=
@@ -57,16 +57,7 @@ PROBE_SETS = {
     "guard": (LIGHT, {"guard": True, "quarantine": 3}),
     "guard-sampled": ({**LIGHT, "KVSCOPE_GUARD_SAMPLE": "2"}, {"guard": True, "quarantine": 2}),
 }
-COUNTERS = (
-    "num_allocs",
-    "num_frees",
-    "num_cow",
-    "num_evictions",
-    "num_preemptions",
-    "prefix_queries",
-    "prefix_hits",
-    "num_forks",
-)
+COUNTERS = COUNTER_FIELDS
 NO_DATA = {int(BlockState.FREE), int(BlockState.LOCAL), int(BlockState.QUARANTINED)}
 
 

@@ -47,6 +47,23 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "://[::]" in endpoint
 
 
+def subscribe(ctx: zmq.Context, endpoints: list[str], topic: str) -> list[zmq.Socket]:
+    """One SUB socket per endpoint (a wildcard one bound, the others connected), with no receive
+    limit: the subscriber's own queue never drops (the publisher's high-water mark may). A
+    UsageError naming the endpoint it could not subscribe to; the caller destroys `ctx`."""
+    subs: list[zmq.Socket] = []
+    for ep in endpoints:
+        s = ctx.socket(zmq.SUB)
+        try:
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            s.bind(ep) if binds(ep) else s.connect(ep)
+        except zmq.ZMQError as e:
+            raise UsageError(f"cannot subscribe to {ep}: {e}") from None
+        subs.append(s)
+    return subs
+
+
 class Recorder:
     """Records the messages of one or more publishers into a recorded-stream file.
 
@@ -70,18 +87,11 @@ class Recorder:
         self.endpoints = endpoints
         self.replay = list(replay or [])
         self._ctx = zmq.Context()
-        self._subs: list[zmq.Socket] = []
         try:
-            for ep in endpoints:
-                s = self._ctx.socket(zmq.SUB)
-                # Unlimited: the recorder's own queue never drops (the publisher's HWM may).
-                s.setsockopt(zmq.RCVHWM, 0)
-                s.setsockopt(zmq.SUBSCRIBE, topic.encode())
-                s.bind(ep) if binds(ep) else s.connect(ep)
-                self._subs.append(s)
-        except zmq.ZMQError as e:
+            self._subs = subscribe(self._ctx, endpoints, topic)
+        except UsageError:
             self.close()
-            raise UsageError(f"cannot subscribe to {ep}: {e}") from None
+            raise
         try:
             self.writer = StreamWriter(
                 output, {"endpoints": endpoints, "replay": self.replay, "topic": topic}

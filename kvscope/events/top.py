@@ -57,24 +57,18 @@ class ZmqFeed:
         import zmq
 
         from kvscope.errors import UsageError
-        from kvscope.events.recorder import binds
+        from kvscope.events.recorder import subscribe
 
         self.endpoints = endpoints
         self.name = " ".join(endpoints)
         self.done = False
         self._zmq = zmq
         self._ctx = zmq.Context()
-        self._subs = []
         try:
-            for ep in endpoints:
-                s = self._ctx.socket(zmq.SUB)
-                s.setsockopt(zmq.RCVHWM, 0)
-                s.setsockopt(zmq.SUBSCRIBE, topic.encode())
-                s.bind(ep) if binds(ep) else s.connect(ep)
-                self._subs.append(s)
-        except zmq.ZMQError as e:
+            self._subs = subscribe(self._ctx, endpoints, topic)
+        except UsageError:
             self._ctx.destroy(linger=0)
-            raise UsageError(f"cannot subscribe to {ep}: {e}") from None
+            raise
 
     def poll(self) -> list[tuple[int, int, int, list[Any]]]:
         out: list[tuple[int, int, int, list[Any]]] = []
