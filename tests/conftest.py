@@ -18,6 +18,16 @@ def _cleanup(name: str) -> None:
             os.unlink(p)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (the example engine's tiny matmuls on 2 busy
+    cores run ~50x slower with 2 OpenMP threads than with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def pool_name():
     """A fresh pool name; its files are removed after the test."""

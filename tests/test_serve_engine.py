@@ -31,13 +31,7 @@ from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 BLOCK_SIZE = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls on 2 busy cores run ~50x slower with 2 OpenMP threads than with 1."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,7 @@ from server.workload import Request, read_jsonl  # noqa: E402
 
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

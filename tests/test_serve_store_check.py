@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -17,14 +16,6 @@ from server.batch import Batch  # noqa: E402
 from server.checkpoint import tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
 from server.workload import WorkloadSpec, generate_workload  # noqa: E402
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def probed_pool(make_pool, model, num_blocks: int):
@@ -60,7 +51,7 @@ def test_a_step_storing_the_prefix_its_request_hit_names_the_request(make_pool, 
 
 
 @pytest.mark.slow
-def test_a_served_workload_with_the_store_check_has_no_finding(make_pool, probes, one_thread):
+def test_a_served_workload_with_the_store_check_has_no_finding(make_pool, probes, one_torch_thread):
     # GIVEN a probed pool too small for the workload: prefix hits, evictions, preemption, forks
     model = tiny_model(0)
     pool = probed_pool(make_pool, model, 24)
