@@ -157,6 +157,11 @@ def _blank_digests(kv: KV, block_size: int) -> dict[int, str]:
     return _BLANK[key]
 
 
+# How a `published_block_modified` message begins when the block was published blank (readers
+# key on it: kvscope/analysis.py names the requests that read the block before it was written).
+UNWRITTEN_AT_PUBLISH = "published before its K/V was written"
+
+
 def modified_message(
     when: str, found: int, want: int, kv: KV, block_size: int, rec: np.void
 ) -> str:
@@ -170,7 +175,7 @@ def modified_message(
         published = f"request {publisher!r} published it" if publisher else "its publication"
         return MODIFIED_MESSAGE.format(published=published, when=when)
     return (
-        f"published before its K/V was written: mark_computed digested an all-{blank} block, "
+        f"{UNWRITTEN_AT_PUBLISH}: mark_computed digested an all-{blank} block, "
         f"and its K/V changed since (seen at {when}; digest now {found:#010x})"
     )
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.allocator.findingset import Origin, pool_findings
+from kvscope.allocator.integrity import UNWRITTEN_AT_PUBLISH
 from kvscope.allocator.layout import (
     BlockState,
     SegmentView,
@@ -68,12 +69,14 @@ def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[st
     return out
 
 
-def mapped_since_published(view: SegmentView, blk: int, until_ns: int) -> list[str] | None:
+def mapped_since_published(
+    view: SegmentView, blk: int, until_ns: int, ops: tuple[str, ...] = ("PREFIX_HIT", "FORK")
+) -> list[str] | None:
     """A `published_block_modified` finding's suspects: the requests the flight recorder saw
-    mapping block `blk` through a prefix hit or a fork in the generation the finding saw it in
-    (its `finding` event's, the newest at or before `until_ns`), before the finding, oldest
-    first. With the block's publisher they are every request whose block table held it while
-    it was published. None when the ring no longer holds the finding's event."""
+    mapping block `blk` through a prefix hit or a fork (`ops`) in the generation the finding
+    saw it in (its `finding` event's, the newest at or before `until_ns`), before the finding,
+    oldest first. With the block's publisher they are every request whose block table held it
+    while it was published. None when the ring no longer holds the finding's event."""
     from kvscope.allocator.events import EventOp
 
     ev = _recorded(view, [blk])
@@ -82,7 +85,7 @@ def mapped_since_published(view: SegmentView, blk: int, until_ns: int) -> list[s
     if not len(seen):
         return None
     generation, at = int(seen["generation"][-1]), int(seen["time_ns"][-1])
-    takes = (ev["op"] == EventOp.PREFIX_HIT) | (ev["op"] == EventOp.FORK)
+    takes = np.isin(ev["op"], [int(EventOp[op]) for op in ops])
     mine = ev[takes & (ev["generation"] == generation) & (ev["time_ns"] <= at)]
     out: list[str] = []
     for raw in mine["request"]:
@@ -90,6 +93,24 @@ def mapped_since_published(view: SegmentView, blk: int, until_ns: int) -> list[s
         if r and r not in out:
             out.append(r)
     return out
+
+
+def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int) -> None:
+    """A block published before its K/V was written (its digest at publication is a blank
+    block's): every prefix hit that verified it before the finding found it still blank, so
+    those requests read K/V nobody had written (`read_unwritten`), the first of them is the
+    first bad event, and the writer is its publisher, after publishing."""
+    readers = mapped_since_published(view, blk, until, ops=("PREFIX_HIT",))
+    if not readers:
+        return
+    d["read_unwritten"] = readers
+    hits = [
+        e
+        for e in d["events"]
+        if e["op"] == "prefix_hit" and e["request"] in readers and e["time_ns"] <= until
+    ]
+    if hits:
+        d["first_bad_event"] = hits[0]
 
 
 # How an event changes the number of references to its block (None: to an unknown number).
@@ -223,9 +244,12 @@ def analyze_view(
                 d["first_bad_event"] = bad
             if f.kind == FindingKind.PUBLISHED_BLOCK_MODIFIED:
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
-                mapped = mapped_since_published(view, f.block, until)
-                if mapped is not None:
-                    d["mapped_since_published"] = mapped
+                if f.message.startswith(UNWRITTEN_AT_PUBLISH):
+                    _published_blank(d, view, f.block, until)
+                else:
+                    mapped = mapped_since_published(view, f.block, until)
+                    if mapped is not None:
+                        d["mapped_since_published"] = mapped
         out_findings.append(d)
     out_findings.sort(key=_order)
     report: dict[str, Any] = {

@@ -241,6 +241,12 @@ def _finding(f: dict[str, Any]) -> str:
         ("allocated", _when(f["alloc_ns"]) if f.get("alloc_ns") else None),
         ("source", f.get("source")),
         (
+            "read before its K/V was written by",
+            ", ".join(map(repr, f["read_unwritten"])) + " (their prefix hits found it still blank)"
+            if f.get("read_unwritten")
+            else None,
+        ),
+        (
             "mapped since its publication by",
             ", ".join(map(repr, f["mapped_since_published"]))
             + " (the writer: one of them, or its publisher)"

@@ -198,6 +198,16 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         )
         for e in shown:
             con.print("        " + escape(_event_line(e)))
+    if f.get("read_unwritten"):
+        names = ", ".join(repr(r) for r in f["read_unwritten"])
+        who = f" {f['request']!r}" if f.get("request") else ""
+        con.print(
+            escape(
+                f"      read before its K/V was written by {names} (their prefix hits found it"
+                f" still blank); its publisher{who} wrote it after mark_computed: publish"
+                " positions only once their K/V is written"
+            )
+        )
     if f.get("mapped_since_published"):
         names = ", ".join(repr(r) for r in f["mapped_since_published"])
         con.print(

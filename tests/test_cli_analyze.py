@@ -256,6 +256,48 @@ def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
         pool.free(s)
 
 
+def test_a_block_published_before_its_kv_names_who_read_it_unwritten(
+    capsys, make_pool, monkeypatch, tmp_path
+):
+    # GIVEN an engine that publishes a prompt before writing its K/V (mark_computed at the
+    # first chunk of a chunked prefill): "reader" hits the blank block, then the publisher
+    # writes it, and "late"'s hit finds the change
+    for name in ("EVENTS", "DIGEST"):
+        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
+    pool = make_pool(32)
+    seq = pool.allocate("early", list(range(9)))
+    pool.mark_computed(seq, 8)
+    reader = pool.allocate("reader", list(range(8)) + [70])
+    blk = seq.block_table[0]
+    assert reader.block_table[0] == blk
+    pool.kv[:, :, blk] = 1.0  # (the publisher's late write)
+    late = pool.allocate("late", list(range(8)) + [90])
+    # WHEN analyzed
+    code, rep = analyze_json(capsys, pool.name)
+    # THEN the finding names the request that read it unwritten, whose hit is the first bad
+    # event, and the publisher as the writer (no list of suspects)
+    f = next(f for f in rep["findings"] if f["kind"] == "published_block_modified")
+    assert f["block"] == blk and f["request"] == "early"
+    assert f["message"].startswith("published before its K/V was written")
+    assert f["read_unwritten"] == ["reader"]
+    assert (f["first_bad_event"]["op"], f["first_bad_event"]["request"]) == (
+        "prefix_hit",
+        "reader",
+    )
+    assert "mapped_since_published" not in f
+    assert main(["analyze", pool.name]) == 1
+    out = capsys.readouterr().out
+    assert "read before its K/V was written by 'reader'" in out
+    assert "its publisher 'early' wrote it after mark_computed" in out
+    assert main(["report", pool.name, "-o", str(tmp_path / "r.html")]) == 0
+    assert (
+        "read before its K/V was written by</th><td>&#x27;reader"
+        in (tmp_path / "r.html").read_text()
+    )
+    for s in (late, reader, seq):
+        pool.free(s)
+
+
 def test_findings_come_in_the_order_things_went_wrong_with_every_event(
     capsys, make_pool, probes, tmp_path
 ):
