@@ -25,6 +25,24 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+# The ZMQ transports a KV-event endpoint may name (vLLM's `KVEventsConfig.endpoint`).
+KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_kv_events(endpoint: Any, what: str = "PoolConfig.kv_events") -> None:
+    """A PoolError (naming `what`) unless `endpoint` is "" or a ZMQ endpoint a KV-event
+    publisher can use."""
+    if endpoint == "":
+        return
+    if not isinstance(endpoint, str) or not endpoint.startswith(KV_EVENTS_SCHEMES):
+        raise PoolError(
+            f"{what} must be a ZMQ endpoint such as 'tcp://*:5557',"
+            f" 'ipc:///tmp/kv-events' or 'inproc://name' (or '' for none), got {endpoint!r}"
+        )
+    if endpoint.startswith("tcp://") and not endpoint.rpartition(":")[2].isdigit():
+        raise PoolError(f"{what} {endpoint!r} names no port (tcp://*:5557)")
+
+
 @dataclass
 class PoolConfig:
     """Geometry and options of a pool; everything but `num_blocks` has a default."""
@@ -52,6 +70,9 @@ class PoolConfig:
     # handle of a process). docs/PROBES.md.
     guard_sample: int = 0
     group: str | None = None
+    # Publish the pool's prefix index as vLLM's KV-event stream on this ZMQ endpoint
+    # ("tcp://*:5557"; "": off) from create to close (docs/EVENTS.md, "kvscope as a publisher").
+    kv_events: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved(self) -> PoolConfig:
@@ -87,6 +108,7 @@ class PoolConfig:
             )
         if c.num_shards <= 0 or c.num_shards & (c.num_shards - 1):
             raise PoolError(f"PoolConfig.num_shards must be a power of two, got {c.num_shards}")
+        check_kv_events(c.kv_events)
         return c
 
     @property

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvscope.allocator import kvdata, ofd, recovery
-from kvscope.allocator.config import PoolConfig
+from kvscope.allocator.config import PoolConfig, check_kv_events
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.header import config_from_header, init_segment, seal_header
 from kvscope.allocator.layout import COUNTER_FIELDS, ClientState, Layout, SegmentView
@@ -86,12 +86,20 @@ def create(cls: type[KVPool], name: str, config: PoolConfig) -> KVPool:
     pool = cls(name, mf, view, kv, created=True)
     if cfg.guard_sample > 1 and not os.environ.get(GUARD_SAMPLE_ENV):
         pool.guard_sample = cfg.guard_sample
+    if cfg.kv_events:
+        try:
+            _start_kv_events(pool, cfg.kv_events)
+        except PoolError:
+            pool.close()
+            pool.unlink()
+            raise
     return pool
 
 
-def attach(cls: type[KVPool], name: str, trust_owner: bool = False) -> KVPool:
+def attach(cls: type[KVPool], name: str, trust_owner: bool = False, kv_events: str = "") -> KVPool:
     """An existing pool by name (`KVPool.attach`; another user's only with `trust_owner`)."""
     check_name(name)
+    check_kv_events(kv_events, what="KVPool.attach's kv_events")
     mf = open_existing(segment_path(name), name, trust_owner)
     try:
         view = view_of(mf)
@@ -104,7 +112,22 @@ def attach(cls: type[KVPool], name: str, trust_owner: bool = False) -> KVPool:
     except BaseException:
         release(mf)
         raise
-    return cls(name, mf, view, kv, created=False)
+    pool = cls(name, mf, view, kv, created=False)
+    if kv_events:
+        try:
+            _start_kv_events(pool, kv_events)
+        except PoolError:
+            pool.close()
+            raise
+    return pool
+
+
+def _start_kv_events(pool: KVPool, endpoint: str) -> None:
+    """Start the pool's KV-event publisher (docs/EVENTS.md); `close` stops it."""
+    # (imported here: zmq and the stream checker load only in a process whose pool publishes)
+    from kvscope.events.publisher import start_for_pool
+
+    pool.kv_events = start_for_pool(pool, endpoint)
 
 
 def register_client(pool: KVPool) -> int:
@@ -170,6 +193,10 @@ def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
     pool._check_process()
     if pool.probe is not None:
         pool.probe.writes.settle(wait=True)
+    if pool.kv_events is not None:
+        # its last batch, and its check's findings before the hook reads the pool
+        publisher, pool.kv_events = pool.kv_events, None
+        publisher.close_with(pool)
     if hook is not None:
         hook(pool)
     with pool._mutex:

@@ -119,6 +119,8 @@ class KVPool:
         # the C core (native.py) runs only while it is 0.
         self._busy: array = mf.__dict__.setdefault("op_busy", array("q", [0]))
         self._closed = False
+        # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
+        self.kv_events: Any = None
         # Dead processes an attach to a full client table reclaimed (recovery.py).
         self.reclaimed_at_attach: list[dict[str, Any]] = []
         self.client = self._register_client()
@@ -209,9 +211,10 @@ class KVPool:
         return lifecycle.create(cls, name, config)
 
     @classmethod
-    def attach(cls, name: str, trust_owner: bool = False) -> KVPool:
-        """Attach to an existing pool by name (another user's only with `trust_owner`)."""
-        return lifecycle.attach(cls, name, trust_owner)
+    def attach(cls, name: str, trust_owner: bool = False, kv_events: str = "") -> KVPool:
+        """Attach to an existing pool by name (another user's only with `trust_owner`); with
+        `kv_events`, publish its prefix index there until `close` (PoolConfig.kv_events)."""
+        return lifecycle.attach(cls, name, trust_owner, kv_events)
 
     def _register_client(self) -> int:
         return lifecycle.register_client(self)

@@ -103,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     c.add_argument(
         "--kv-events", default="", metavar="ENDPOINT",
-        help="publish the pool's prefix index as vLLM's KV-event stream (tcp://*:5557)",
+        help="publish the pool's prefix index as vLLM's KV-event stream (tcp://*:5557); "
+        "with --ranks, rank r on the port plus r",
+    )  # fmt: skip
+    c.add_argument(
+        "--kv-events-replay", default="", metavar="ENDPOINT",
+        help="with --kv-events: the replay socket that resends buffered batches (tcp://*:5558)",
     )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -129,8 +134,14 @@ def _serve(args: argparse.Namespace) -> int:
             raise ServeError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.model is not None and not args.model.is_dir():
         raise ServeError(f"--model {args.model}: not a directory")
-    if args.kv_events and args.ranks > 1:
-        raise ServeError("--kv-events publishes one pool: it does not combine with --ranks")
+    if args.kv_events_replay and not args.kv_events:
+        raise ServeError("--kv-events-replay needs --kv-events")
+    for flag, endpoint in (
+        ("kv-events", args.kv_events),
+        ("kv-events-replay", args.kv_events_replay),
+    ):
+        if endpoint:
+            _check_endpoint(flag, endpoint, args.ranks)
     if args.kv_events and args.baseline != "paged":
         raise ServeError("--kv-events needs the paged pool (--baseline paged)")
     if args.ranks > 1 and args.workers > 1:
@@ -172,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         ranks=args.ranks,
         fault_rank=args.fault_rank,
         kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
     )
     vocab_size = _vocab_size(args.model)
     if args.jsonl is not None:
@@ -210,6 +222,19 @@ def _serve(args: argparse.Namespace) -> int:
             for name in names:
                 print(f"pool kept: kvscope top {name}")
     return 0
+
+
+def _check_endpoint(flag: str, endpoint: str, ranks: int) -> None:
+    """A ServeError unless every rank can publish on its offset of `endpoint`."""
+    from kvscope.allocator.config import check_kv_events
+    from kvscope.allocator.errors import PoolError
+    from kvscope.events.publisher import offset_endpoint
+
+    try:
+        check_kv_events(endpoint, what=f"--{flag}")
+        offset_endpoint(endpoint, ranks - 1)
+    except PoolError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def _vocab_size(model: Path | None) -> int:

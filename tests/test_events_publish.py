@@ -16,10 +16,20 @@ import msgpack
 import pytest
 import zmq
 
+from kvscope.allocator import KVPool, PoolConfig, PoolError
 from kvscope.cli import main
-from kvscope.events.publisher import KVEventPublisher
+from kvscope.events.publisher import KVEventPublisher, offset_endpoint
+from kvscope.events.recorder import Recorder
 from kvscope.events.streamfile import PUBLISHED, StreamWriter
-from kvscope.events.wire import CLEARED, REMOVED, STORED, as_tuple, decode_payload, split_message
+from kvscope.events.wire import (
+    CLEARED,
+    END_SEQ,
+    REMOVED,
+    STORED,
+    as_tuple,
+    decode_payload,
+    split_message,
+)
 
 BS = 4
 RECV_TIMEOUT_MS = 5000
@@ -28,7 +38,8 @@ RECV_TIMEOUT_MS = 5000
 class Subscriber:
     """A plain ZMQ SUB socket and the messages it received, in order."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, rank: int = 0):
+        self.rank = rank
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -44,7 +55,7 @@ class Subscriber:
             self.messages.append(frames)
             _topic, seq, payload = split_message(frames)
             _ts, rank, events = decode_payload(payload)
-            assert rank == 0
+            assert rank == self.rank
             out.append((seq, [as_tuple(e) for e in events]))
         return out
 
@@ -246,24 +257,222 @@ def test_thread_publishes_everything_by_close(make_pool, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [1, 2], ids=["engine", "workers"])
-def test_serve_under_kvscope_run_publishes_and_checks(tmp_path, workers):
-    # GIVEN the example server publishing its pool under `kvscope run` (its check on)
+@pytest.mark.parametrize(
+    "flags", [[], ["--workers", "2"], ["--ranks", "2"]], ids=["engine", "workers", "ranks"]
+)
+def test_serve_under_kvscope_run_publishes_and_checks(tmp_path, flags):
+    # GIVEN the example server publishing its pool(s) under `kvscope run` (its check on)
     serve = Path(__file__).resolve().parents[1] / "examples" / "serve.py"
+    endpoint = f"ipc://{tmp_path}/serve-events"
     cmd = [
-        "kvscope", "run", str(serve), "--workers", str(workers), "--requests", "12",
+        "kvscope", "run", str(serve), *flags, "--requests", "12",
         "--rate", "0", "--prompt-len", "20:40", "--output-len", "4:8", "--num-prefixes", "2",
         "--prefix-share", "0.8", "--num-blocks", "48", "--block-size", "4", "--no-progress",
-        "--kv-events", f"ipc://{tmp_path}/serve-events", "--json",
+        "--kv-events", endpoint, "--kv-events-replay", f"ipc://{tmp_path}/serve-replay",
+        "--json",
     ]  # fmt: skip
     # WHEN it serves a workload that fills and evicts the cache
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    # THEN the run is clean, the stream was checked, and it holds what the pool caches
+    # THEN the run is clean, each pool's stream was checked, and it holds what the pool caches
     assert done.returncode == 0, done.stderr
     extra = json.loads(done.stdout)["extra"]
-    events = extra["kv_events"]
-    assert events["findings_by_kind"] == {}
-    # (a block published and evicted between two polls is never announced: removals are at
-    # most the evictions)
-    assert 0 < events["removed"] <= extra["cache_stats"]["num_evictions"]
-    assert events["stored"] - events["removed"] == extra["cache_stats"]["num_cached"]
+    # (with --ranks: one pool, publisher and check per rank, rank r on the endpoint's offset r)
+    pools = extra["ranks"] if "--ranks" in flags else [extra]
+    assert len(pools) == (2 if "--ranks" in flags else 1)
+    for rank, one in enumerate(pools):
+        events = one["kv_events"]
+        assert events["rank"] == rank
+        assert events["endpoint"] == (endpoint if rank == 0 else f"{endpoint}_dp{rank}")
+        assert events["findings_by_kind"] == {}
+        # (a block published and evicted between two polls is never announced: removals
+        # are at most the evictions)
+        assert 0 < events["removed"] <= one["cache_stats"]["num_evictions"]
+        assert events["stored"] - events["removed"] == one["cache_stats"]["num_cached"]
+
+
+def _all_stored(batches: list[tuple[int, list[tuple]]]) -> set[int]:
+    """The hashes a stream leaves stored (one copy each here)."""
+    held: set[int] = set()
+    for _seq, events in batches:
+        for ev in events:
+            if ev[0] == STORED:
+                held.update(ev[1])
+            elif ev[0] == REMOVED:
+                held.difference_update(ev[1])
+            else:
+                held.clear()
+    return held
+
+
+def test_pool_option_publishes_from_create_to_close(make_pool, tmp_path):
+    # GIVEN a pool created with the kv_events option and a subscriber of its stream
+    endpoint = f"ipc://{tmp_path}/kv-option"
+    pool = make_pool(32, block_size=BS, kv_events=endpoint)
+    pub = pool.kv_events
+    assert isinstance(pub, KVEventPublisher) and pub.endpoint == endpoint
+    sub = Subscriber(endpoint)
+    try:
+        assert pub.wait_subscriber(timeout_s=5.0)
+        # WHEN requests publish blocks and one prompt's blocks are evicted, then the pool closes
+        a = pool.allocate("a", list(range(12)))
+        pool.mark_computed(a, 12)
+        pool.free(a)
+        assert pool.evict(32) == 3
+        c = pool.allocate("c", list(range(50, 58)))
+        pool.mark_computed(c, 8)
+        kept = {int(pool.view.blocks["prefix_hash"][x]) for x in c.block_table}
+        pool.close()
+        # THEN the publisher stopped with the pool, after a last poll: the stream (however
+        # many batches its thread made) leaves stored exactly what the pool kept indexed
+        assert pool.kv_events is None and pub._closed
+        n = pub.stats()["batches"]
+        got = sub.take(n)
+        assert [seq for seq, _ in got] == list(range(n))
+        assert _all_stored(got) == kept
+        assert main(["events", "check", sub.save(str(tmp_path / "o.kvev"), endpoint)]) == 0
+    finally:
+        sub.close()
+
+
+@pytest.mark.parametrize(
+    "endpoint, says",
+    [
+        ("5557", "must be a ZMQ endpoint"),
+        ("http://localhost:5557", "must be a ZMQ endpoint"),
+        ("tcp://*", "names no port"),
+    ],
+    ids=["port-only", "http", "no-port"],
+)
+def test_pool_option_bad_endpoint_is_one_pool_error(pool_name, endpoint, says):
+    # WHEN a pool is created with an endpoint no publisher can use
+    with pytest.raises(PoolError) as err:
+        KVPool.create(pool_name, PoolConfig(num_blocks=8, block_size=BS, kv_events=endpoint))
+    # THEN one line says what is wrong and what an endpoint looks like, and no pool is left
+    assert says in str(err.value) and "\n" not in str(err.value)
+    assert "PoolConfig.kv_events" in str(err.value)
+    with pytest.raises(PoolError):
+        KVPool.attach(pool_name)
+
+
+def test_pool_option_address_in_use_leaves_no_pool(pool_name):
+    # GIVEN a TCP port another socket holds
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.PUB)
+    try:
+        holder.bind("tcp://*:*")
+        port = holder.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2]
+        # WHEN a pool is created to publish on it
+        config = PoolConfig(num_blocks=8, block_size=BS, kv_events=f"tcp://*:{port}")
+        with pytest.raises(PoolError) as err:
+            KVPool.create(pool_name, config)
+    finally:
+        ctx.destroy(linger=0)
+    # THEN it fails with a PoolError naming the endpoint, and the pool's files are gone
+    assert f"tcp://*:{port}" in str(err.value)
+    with pytest.raises(PoolError):
+        KVPool.attach(pool_name)
+
+
+def test_each_rank_publishes_on_its_offset_endpoint_and_checks_per_rank(
+    make_pool, tmp_path, capsys
+):
+    # GIVEN two data-parallel ranks, each its own pool and publisher on one configured endpoint
+    endpoint = f"ipc://{tmp_path}/kv-dp"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    pools = [make_pool(32, block_size=BS) for _ in range(2)]
+    pubs = [KVEventPublisher(p, endpoint, rank=r, check=True) for r, p in enumerate(pools)]
+    assert [p.endpoint for p in pubs] == [endpoint, f"{endpoint}_dp1"]
+    subs = [Subscriber(p.endpoint, rank=r) for r, p in enumerate(pubs)]
+    try:
+        for pub in pubs:
+            assert pub.wait_subscriber(timeout_s=5.0)
+        # WHEN each rank caches its own prompt (the same tokens on both)
+        for pool, pub in zip(pools, pubs, strict=True):
+            s = pool.allocate("s", list(range(8)))
+            pool.mark_computed(s, 8)
+            pub.poll()
+        # THEN each rank's batch arrives on its own endpoint with its rank (Subscriber asserts)
+        got = [sub.take(1) for sub in subs]
+        assert got[0][0][1] == got[1][0][1]
+        for pub in pubs:
+            assert pub.verify() == []
+        # AND a recording of both is checked per publisher: one per rank, each clean
+        path = str(tmp_path / "dp.kvev")
+        w = StreamWriter(path, {"endpoints": [p.endpoint for p in pubs], "replay": [], "topic": ""})
+        for i, sub in enumerate(subs):
+            w.write(i + 1, PUBLISHED, i, sub.messages[0])
+        w.close()
+        assert main(["events", "check", path, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        ranks = sorted(p["rank"] for p in report["publishers"])
+        assert ranks == [0, 1] and report["findings"] == []
+    finally:
+        for sub in subs:
+            sub.close()
+        for pub in pubs:
+            pub.close()
+
+
+def test_a_lost_batch_is_filled_from_the_replay_socket(make_pool, tmp_path, capsys):
+    # GIVEN a publisher with a replay socket, and a plain subscriber of its stream
+    pool = make_pool(32, block_size=BS)
+    endpoint, replay = f"ipc://{tmp_path}/kv-pub", f"ipc://{tmp_path}/kv-replay"
+    pub = KVEventPublisher(pool, endpoint, check=True, replay_endpoint=replay)
+    sub = Subscriber(endpoint)
+    recorders: list[Recorder] = []
+    try:
+        assert pub.wait_subscriber(timeout_s=5.0)
+        # three batches: a prompt stored; a second prompt stored; the second one evicted
+        a = pool.allocate("a", list(range(8)))
+        pool.mark_computed(a, 8)
+        assert pub.poll() == 1
+        b = pool.allocate("b", list(range(40, 48)))
+        pool.mark_computed(b, 8)
+        assert pub.poll() == 1
+        pool.free(b)
+        assert pool.evict(2) == 2
+        assert pub.poll() == 1
+        sub.take(3)
+        # the replay socket answers as vLLM's (>= 0.26): [topic, seq, payload] from the start
+        # seq asked for, then the end marker
+        dealer = sub.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        dealer.connect(replay)
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        # (poll answers the requests that arrived: poll until this one has)
+        while not dealer.poll(10):
+            pub.poll()
+        replies = [dealer.recv_multipart() for _ in range(3)]
+        assert replies[0] == [b""] + sub.messages[1]
+        assert replies[1] == [b""] + sub.messages[2]
+        assert replies[2] == [b"", b"", END_SEQ, b""]
+        dealer.close(linger=0)
+        # WHEN a recorder is relayed every batch but the second (lost on purpose), once with
+        # the replay socket and once without; the publisher's thread answers replays
+        pub.start(interval_s=0.001)
+        paths = [str(tmp_path / "filled.kvev"), str(tmp_path / "lost.kvev")]
+        for path, rep in zip(paths, [[replay], None], strict=True):
+            rec = Recorder([endpoint], path, replay=rep)
+            recorders.append(rec)
+            for frames in (sub.messages[0], sub.messages[2]):
+                rec.on_message(0, frames, 1)
+            rec.close()
+        pub.stop()
+    finally:
+        for rec in recorders:
+            rec.close()
+        sub.close()
+        pub.close()
+    # THEN with the replay socket the gap is filled and the recording checks clean
+    filled, lost = (r.stats for r in recorders)
+    assert (filled.gaps, filled.missing, filled.filled) == (1, 1, 1)
+    assert pub.stats()["replays"] == 2
+    assert main(["events", "check", paths[0]]) == 0
+    capsys.readouterr()
+    # AND without it the lost batch is a gap the check reports
+    assert (lost.gaps, lost.filled) == (1, 0)
+    assert main(["events", "check", paths[1], "--json"]) == 1
+    kinds = json.loads(capsys.readouterr().out)["summary"]["findings_by_kind"]
+    assert kinds == {"kv_event_gap": 1}

@@ -5,6 +5,8 @@
 Rank i is a process serving every N-th request on `devices[i]` from its own pool, named
 `<pool_name>-rank<i>`, whose header records that device (`kvscope ls` and `analyze` show it).
 Nothing is shared between ranks: a prefix one rank computed is not found by another. With
+`kv_events`, each rank publishes its pool's KV events as a vLLM data-parallel rank does: on the
+endpoint's port plus its rank, its rank in every batch. With
 `fault_rank`, the faults `kvscope run --inject` armed fire in that rank only (the others disarm
 them), so a finding can be traced to the one pool and device it came from.
 """
@@ -31,6 +33,8 @@ from .runconfig import (
     engine_extra,
     make_engine,
     release_cache,
+    start_kv_events,
+    stop_kv_events,
 )
 from .worker import Outcome, WorkerReport
 from .workload import Request
@@ -119,13 +123,20 @@ def rank_main(
             cache: Any = build_cache(config, max_len)
         else:
             cache = create_pool(config, max(r.n for r in requests) if requests else 1)
+        publisher = start_kv_events(config, cache, rank=rank)
         try:
             engine = make_engine(config, model, cache, rank, max_len)
+            if publisher is not None:
+                engine.on_step = publisher.poll
             start = time.monotonic()
             engine.run(requests, start_s=start if config.clock == "wall" else None)
             duration_s = time.monotonic() - start
             extra |= cache_extra(cache) | engine_extra(engine)
+            extra |= stop_kv_events(publisher, cache)
+            publisher = None
         finally:
+            if publisher is not None:
+                publisher.close()
             release_cache(config, cache)
         results: list[RequestResult] = engine.results
         report = WorkerReport(results, engine.samples, engine.scheduler.num_preemptions)

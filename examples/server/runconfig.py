@@ -55,8 +55,11 @@ class RunConfig:
     ranks: int = 1
     # with ranks > 1: the rank where `kvscope run --inject` faults fire (-1: every rank)
     fault_rank: int = -1
-    # publish the pool's prefix index as vLLM's KV-event stream here (`tcp://*:5557`; "": off)
+    # publish the pool's prefix index as vLLM's KV-event stream here (`tcp://*:5557`; "": off);
+    # with ranks, rank r on the port plus r (publisher.offset_endpoint)
     kv_events: str = ""
+    # the publisher's replay (ROUTER) endpoint, offset by rank as kv_events ("": none)
+    kv_events_replay: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def num_threads(self) -> int:
@@ -210,11 +213,12 @@ def engine_extra(engine: Engine) -> dict[str, Any]:
     return out
 
 
-def start_kv_events(config: RunConfig, cache: Any, thread: bool = False) -> Any:
+def start_kv_events(config: RunConfig, cache: Any, thread: bool = False, rank: int = 0) -> Any:
     """The pool's KV-event publisher (kvscope/events/publisher.py), or None without
     --kv-events; under `kvscope run` its stream is checked against the pool as it runs. With
     `thread` it polls on its own thread (a pool of worker processes), else the caller polls it
-    once per engine step."""
+    once per engine step. Data-parallel rank `rank` publishes on its offset endpoint with its
+    rank in every batch, as a vLLM rank does."""
     if not config.kv_events or config.baseline != "paged":
         return None
     from kvscope.child import run_dir
@@ -222,7 +226,13 @@ def start_kv_events(config: RunConfig, cache: Any, thread: bool = False) -> Any:
     from kvscope.events.publisher import KVEventPublisher
 
     try:
-        pub = KVEventPublisher(cache, config.kv_events, check=run_dir() is not None)
+        pub = KVEventPublisher(
+            cache,
+            config.kv_events,
+            rank=rank,
+            check=run_dir() is not None,
+            replay_endpoint=config.kv_events_replay or None,
+        )
     except UsageError as exc:
         raise ServeError(f"--kv-events {config.kv_events}: {exc}") from exc
     if thread:

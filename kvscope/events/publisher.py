@@ -25,20 +25,26 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
 import zmq
 
 from kvscope.allocator.checksums import block_checksums
+from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
+from kvscope.allocator.layout import ClientState
+from kvscope.child import run_dir
 from kvscope.errors import UsageError
 from kvscope.events.checker import StreamChecker
 from kvscope.events.streamfile import PUBLISHED
-from kvscope.events.wire import Encoder, hash_text
+from kvscope.events.wire import END_SEQ, Encoder, hash_text
 
 # Where the publisher's socket drops batches for a slow subscriber (vLLM's default hwm).
 SEND_HWM = 100_000
+# Batches kept for the replay socket (vLLM's default `buffer_steps`).
+BUFFER_STEPS = 10_000
 # How long close() lets queued batches leave.
 LINGER_MS = 1000
 # At most this many hashes of each side are named in a mismatch finding.
@@ -52,11 +58,14 @@ class KVEventPublisher:
         pool: a `KVPool` (its `view` and `block_size` are read; nothing is written).
         endpoint: where to publish, as vLLM's `--kv-events-config` endpoint: `tcp://*:5557`,
             `ipc://` and `inproc://` bind (subscribers connect); a TCP address naming a host
-            connects to a subscriber that binds it.
+            connects to a subscriber that binds it. Offset by `rank` (`offset_endpoint`).
         topic: the topic frame of every message (vLLM's default is empty).
         rank: the data-parallel rank put in every batch.
         medium: the `medium` of every event (vLLM names its device cache "GPU").
         check: feed the published stream to a `StreamChecker` in process (`verify()`).
+        replay_endpoint: bind a ROUTER here (offset by `rank`) that answers a start seq with
+            the buffered batches from it, then the end marker, as vLLM's replay socket.
+        buffer_steps: the batches kept for replay.
     """
 
     def __init__(
@@ -67,10 +76,14 @@ class KVEventPublisher:
         rank: int = 0,
         medium: str = "GPU",
         check: bool = False,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = BUFFER_STEPS,
     ):
         self.view = pool.view
         self.block_size = int(pool.block_size)
+        endpoint = offset_endpoint(endpoint, rank)
         self.endpoint = endpoint
+        self.replay_endpoint = offset_endpoint(replay_endpoint, rank) if replay_endpoint else None
         self.topic = topic.encode()
         self.rank = rank
         self.medium = medium
@@ -85,6 +98,21 @@ class KVEventPublisher:
         except zmq.ZMQError as e:
             self._ctx.destroy(linger=0)
             raise UsageError(f"cannot publish KV events on {endpoint}: {e}") from None
+        # The replay ROUTER (always bound, as vLLM's) and the batches it can send again.
+        self._replay: zmq.Socket | None = None
+        self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=buffer_steps)
+        if self.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            # room for a whole replay and its end marker (vLLM's replay hwm)
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            try:
+                self._replay.bind(self.replay_endpoint)
+            except zmq.ZMQError as e:
+                self._ctx.destroy(linger=0)
+                raise UsageError(
+                    f"cannot serve KV-event replay on {self.replay_endpoint}: {e}"
+                ) from None
+        self.num_replays = 0
         num_blocks = len(self.view.blocks)
         # block -> the index key it was announced under (0: not announced)
         self._announced = np.zeros(num_blocks, np.uint64)
@@ -96,29 +124,44 @@ class KVEventPublisher:
         self.num_removed = 0
         # blocks whose record was caught mid-change (checksum not yet sealed): retried next poll
         self.num_deferred = 0
+        # subscriptions the XPUB socket received
+        self.num_subscriptions = 0
         self.checker = StreamChecker([endpoint]) if check else None
         self._closed = False
 
     # --- subscribers -----------------------------------------------------------------------
 
-    def wait_subscriber(self, timeout_s: float = 5.0) -> bool:
-        """Wait until a subscriber's subscription arrives; False after `timeout_s` without one."""
-        if self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            self._drain_subscriptions()
-            return True
-        return False
+    def wait_subscriber(self, timeout_s: float = 5.0, count: int = 1) -> bool:
+        """Wait until `count` subscriptions have arrived since the publisher started; False
+        after `timeout_s` without them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # (the socket is used under the lock: the thread polls and drains it too)
+            with self._lock:
+                self._drain_subscriptions()
+                if self.num_subscriptions >= count:
+                    return True
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    return False
+                self._sock.poll(int(min(left_s, 0.05) * 1000), zmq.POLLIN)
 
     def _drain_subscriptions(self) -> None:
         while self._sock.poll(0, zmq.POLLIN):
-            self._sock.recv()
+            # XPUB: b"\x01" + topic subscribes, b"\x00" + topic unsubscribes
+            if self._sock.recv()[:1] == b"\x01":
+                self.num_subscriptions += 1
 
     # --- publishing ------------------------------------------------------------------------
 
     def poll(self) -> int:
         """Compare the pool's indexed blocks with what was announced; publish the difference as
-        one batch (none when nothing changed). Returns the number of events published."""
+        one batch (none when nothing changed), and answer waiting replay requests. Returns the
+        number of events published."""
         with self._lock:
-            return self._poll()
+            n = self._poll()
+            self._serve_replay()
+            return n
 
     def _poll(self) -> int:
         b = self.view.blocks
@@ -205,8 +248,30 @@ class KVEventPublisher:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # at the high-water mark the batch is dropped, as vLLM's PUB socket drops it
+        # kept for replay whether or not it left (vLLM buffers after its send, too)
+        if self._replay is not None:
+            self._buffer.append((frames[1], payload))
         if self.checker is not None:
             self.checker.feed(time.time_ns(), PUBLISHED, 0, frames)
+
+    def _serve_replay(self) -> None:
+        """Answer each waiting replay request `[client, b"", start seq]`: every buffered batch
+        from that seq as `[topic, seq, payload]`, then the end marker `[b"", -1, b""]` (vLLM's
+        replies from 0.26 on; the ROUTER adds the client's envelope)."""
+        sock = self._replay
+        if sock is None:
+            return
+        while sock.poll(0, zmq.POLLIN):
+            request = sock.recv_multipart()
+            if len(request) != 3 or len(request[2]) != 8:
+                continue  # not a replay request (vLLM logs and ignores it)
+            client, _, start = request
+            first = int.from_bytes(start, "big")
+            for seq, payload in self._buffer:
+                if int.from_bytes(seq, "big") >= first:
+                    sock.send_multipart([client, b"", self.topic, seq, payload])
+            sock.send_multipart([client, b"", b"", END_SEQ, b""])
+            self.num_replays += 1
 
     def clear(self) -> None:
         """Publish `AllBlocksCleared` and start announcing the pool's index afresh."""
@@ -227,8 +292,10 @@ class KVEventPublisher:
 
     def _loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            self.poll()
-            self._drain_subscriptions()
+            with self._lock:
+                self._poll()
+                self._drain_subscriptions()
+                self._serve_replay()
 
     def stop(self) -> None:
         """Stop the thread (if running) after its current poll."""
@@ -306,11 +373,20 @@ class KVEventPublisher:
         """Batches, blocks stored and removed, records deferred to a later poll."""
         return {
             "endpoint": self.endpoint,
+            "rank": self.rank,
             "batches": self._seq,
             "stored": self.num_stored,
             "removed": self.num_removed,
             "deferred": self.num_deferred,
+            "replays": self.num_replays,
         }
+
+    def close_with(self, pool: Any) -> None:
+        """Close as `pool` closes (the publisher of `PoolConfig.kv_events`; lifecycle.py): the
+        stream is compared with the pool's index only when this handle is the last attached
+        one (while other processes change the pool the two may differ for a moment)."""
+        alone = int((pool.view.clients["state"] == ClientState.ATTACHED).sum()) <= 1
+        finish(self, pool, verify=alone)
 
     def close(self) -> None:
         """Stop the thread, publish what changed since the last poll, close the socket."""
@@ -322,11 +398,12 @@ class KVEventPublisher:
         self._ctx.destroy(linger=LINGER_MS)
 
 
-def finish(pub: KVEventPublisher, pool: Any) -> dict[str, Any]:
+def finish(pub: KVEventPublisher, pool: Any, verify: bool = True) -> dict[str, Any]:
     """Close a pool's publisher; with its check on, verify the stream against the pool's index
-    first and record every error finding of the check in the pool's findings ring (where
-    `kvscope run` reads it). Returns the publisher's stats and the findings by kind."""
-    if pub.checker is not None:
+    first (unless `verify` is False) and record every error finding of the check in the pool's
+    findings ring (where `kvscope run` reads it). Returns the publisher's stats and the findings
+    by kind."""
+    if pub.checker is not None and verify:
         pub.verify()
     pub.close()
     out = pub.stats()
@@ -336,6 +413,33 @@ def finish(pub: KVEventPublisher, pool: Any) -> dict[str, Any]:
             pool.report(f)
         out["findings_by_kind"] = dict(sorted(pub.checker.finding_counts.items()))
     return out
+
+
+def start_for_pool(pool: Any, endpoint: str) -> KVEventPublisher:
+    """The publisher of `PoolConfig(kv_events=...)` (or `KVPool.attach(..., kv_events=...)`):
+    polling on its thread from the pool's create to its close, its stream checked under
+    `kvscope run`. A PoolError when the endpoint cannot be bound or connected."""
+    try:
+        pub = KVEventPublisher(pool, endpoint, check=run_dir() is not None)
+    except UsageError as exc:
+        raise PoolError(f"PoolConfig.kv_events: {exc}") from None
+    pub.start()
+    return pub
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """Data-parallel rank `rank`'s endpoint, as vLLM's `ZmqEventPublisher.offset_endpoint_port`:
+    a TCP port plus the rank (port 0 stays 0), `_dp<rank>` after an inproc:// name; rank 0's
+    is the endpoint itself. kvscope also takes ipc:// (vLLM refuses it with ranks): `_dp<rank>`
+    after the path."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit():
+        raise UsageError(f"cannot offset {endpoint!r} by rank {rank}: no tcp port")
+    return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
 
 
 def publisher_binds(endpoint: str) -> bool:

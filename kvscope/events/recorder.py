@@ -151,9 +151,12 @@ class Recorder:
                 frames = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._on_message(i, frames, time.time_ns())
+            self.on_message(i, frames, time.time_ns())
 
-    def _on_message(self, i: int, frames: list[bytes], recv_ns: int) -> None:
+    def on_message(self, i: int, frames: list[bytes], recv_ns: int) -> None:
+        """Record one message of endpoint i as received at `recv_ns` (`run` calls it for every
+        message; a relay of its own may call it instead): follow its seq, fill a gap from the
+        replay socket, write it."""
         stats = self.stats
         stats.messages += 1
         if len(frames) == 3 and len(frames[1]) == 8:
