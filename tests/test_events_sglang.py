@@ -101,9 +101,9 @@ def test_sglangs_own_stream_is_recorded_whole_and_checks_clean(sglang_dir, tmp_p
     # batch of it lost on the way to the recorder
     out = tmp_path / "sglang.kvev"
     batches, events, gaps, filled = record_sglang(sglang_dir, out)
-    # THEN the recorder saw the gap and filled it (and the batches before it joined) from
+    # THEN the recorder saw the gap and filled it (and any heartbeat before it joined) from
     # SGLang's replay socket: every batch is in the file, once
-    assert gaps == 1 and filled >= 2
+    assert gaps == 1 and filled >= 1
     f = StreamFile(str(out))
     try:
         seqs, hashes, raw_events = [], [], []
