@@ -7,10 +7,15 @@ int hashes), a `BlockStored` for every block that entered the prefix index (its 
 the block hash, its parent's key, its tokens from the block record) and a `BlockRemoved` for
 every block that left it (evicted, reclaimed), one batch per poll that saw a change.
 
-    pub = KVEventPublisher(pool, "tcp://*:5557")
+    pub = KVEventPublisher(pool, "tcp://*:5557", replay_endpoint="tcp://*:5558")
     pub.start()          # a thread polls the segment; or call pub.poll() once per engine step
     ...
-    report = pub.close() # the last poll, the socket closed; with check=True, the stream's check
+    pub.close()          # the last poll, the sockets closed
+
+`PoolConfig(kv_events="tcp://*:5557")` makes one for a pool from its create to its close
+(`start_for_pool`, `close_with`). With `rank=r` it publishes on the endpoint offset as vLLM's
+data-parallel rank r does (`offset_endpoint`); with `replay_endpoint` a ROUTER answers replay
+requests from the last `buffer_steps` batches in vLLM's reply shape.
 
 The publisher reads block records, not the pool's code paths: the C core's operations and
 every process attached to the pool are seen alike, and one publisher beside the pool's
