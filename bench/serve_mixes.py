@@ -24,10 +24,12 @@ from __future__ import annotations
 import cProfile
 import gc
 import io
+import math
 import os
 import pstats
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -273,6 +275,36 @@ ACTIVATION_RESERVE = 2**30
 # the pool of the other cases: 1024 blocks (8 GiB of Llama-2-7B's KV), never short
 DEFAULT_BLOCKS = 1024
 MEMORY_CLIENTS = (12, 16, 24, 32)
+# The report's memory regime, kept as a fraction: 12 streams held 14.2 GB of KV without sharing
+# on a GPU whose KV budget ran 9 of them at once (9.8 GB with sharing ran 16). The mixes'
+# requests are far shorter than the report's, so the literal A100 budget holds hundreds of them
+# and never binds; `--memory` (report) gives each mix and request shape the budget that holds
+# REPORT_FIT of its requests without sharing (report_blocks).
+REPORT_STREAMS = 12
+REPORT_FIT = 9
+
+
+def request_blocks(request: Request) -> int:
+    """Blocks a request's sequence holds at its end when nothing is shared: prompt and
+    continuation, and every generated token but the last (its K/V is never computed)."""
+    return -(-(request.num_tokens + max(request.max_tokens - 1, 0)) // BLOCK_SIZE)
+
+
+def report_blocks(requests: list[Request], fit: int = REPORT_FIT) -> int:
+    """The report's budget for `requests`: `fit` of them at their end without sharing, each with
+    the block of headroom the scheduler keeps free per running stream (its watermark), so that
+    about `fit` run at once without sharing; rounded up to an even count (a pool's sequence
+    records need one)."""
+    mean = sum(request_blocks(r) for r in requests) / len(requests)
+    blocks = math.ceil(fit * (mean + 1))
+    return blocks + blocks % 2
+
+
+def streams_fit(num_blocks: int, requests: list[Request]) -> float:
+    """How many of `requests` a budget holds at their end without sharing (mean request,
+    with its block of headroom)."""
+    mean = sum(request_blocks(r) for r in requests) / len(requests)
+    return round(num_blocks / (mean + 1), 1)
 
 
 def weight_bytes(model: LlamaModel) -> int:
@@ -320,7 +352,7 @@ class SharedPool:
             max_num_seqs=max_clients,
             max_num_batched_tokens=4096,
             prefill_chunk=2048,
-            pool_name=f"mixes-{os.getpid()}",
+            pool_name=f"mixes-{os.getpid()}-{num_blocks}",
         )
         self.pool = create_pool(self.config)
         self.graphs = (
@@ -330,10 +362,15 @@ class SharedPool:
         )
 
     def serve(
-        self, requests: list[Request], clients: int, sharing: bool
+        self,
+        requests: list[Request],
+        clients: int,
+        sharing: bool,
+        clock: Callable[[], float] = time.monotonic,
     ) -> tuple[dict[str, Any], list[RequestResult]]:
         """Serve `requests` with at most `clients` at once; the summary (with the case's
-        memory over time) and every request's result."""
+        memory over time) and every request's result. (`clock`: the engine's; the tests give
+        a server.engine.StepClock, which makes a run the same on every machine.)"""
         from server.engine import Engine
         from server.report import summarize
         from server.runconfig import engine_extra
@@ -346,12 +383,13 @@ class SharedPool:
             prefill_chunk=2048,
             prefix_cache=sharing,
             graphs=self.graphs,
+            clock=clock,
         )
-        began = time.monotonic()
+        began = clock()
         results = engine.run(requests, start_s=began)
         if self.device == "cuda":
             torch.cuda.synchronize()
-        duration_s = time.monotonic() - began
+        duration_s = clock() - began
         summary = summarize(
             results, engine.samples, duration_s, engine.scheduler.num_preemptions,
             extra=engine_extra(engine),
@@ -364,7 +402,11 @@ class SharedPool:
         out = asdict(summary)
         out["requests_per_s"] = round(summary.requests / duration_s, 2)
         out["peak_kv_bytes"] = summary.peak_kv_blocks * kv_block_bytes(self.model)
+        out["kv"] = kv_over_time(engine.samples, kv_block_bytes(self.model))
         out["running"] = running_over_time(engine.samples)
+        # streams set aside while the pool was full (preemptions: those whose blocks were taken)
+        out["set_aside"] = engine.scheduler.num_set_aside
+        out["num_blocks"] = self.config.num_blocks
         return out, results
 
     def close(self) -> None:
@@ -372,13 +414,44 @@ class SharedPool:
         self.pool.unlink()
 
 
+def step_weights(samples: list[StepSample]) -> list[float]:
+    """Each step's share of a run: its duration's (on a virtual clock whose steps take no
+    time, server.engine.StepClock, every step the same)."""
+    total = sum(s.dt_s for s in samples)
+    if total <= 0:
+        return [1.0 / len(samples)] * len(samples)
+    return [s.dt_s / total for s in samples]
+
+
+def kv_over_time(samples: list[StepSample], block_bytes: int) -> dict[str, Any]:
+    """The K/V the running (and waiting) streams held over a case, from the engine's samples:
+    `peak_bytes` the most at any step (the cold start included: the first requests find
+    nothing cached), `mean_bytes` the time-weighted mean (a block several streams map counts
+    once), `mapped_bytes` the mean of the same streams' blocks counted once per stream (what
+    they would hold if none were shared), `saved` = 1 - mean / mapped (what sharing saved at a
+    time), `maps_per_block` = mapped / mean (how many streams map a held block, on average).
+    Time-weighted: each step by its duration (step_weights)."""
+    if not samples:
+        return {"peak_bytes": 0, "mean_bytes": 0, "mapped_bytes": 0, "saved": 0.0}
+    weights = step_weights(samples)
+    held = sum(s.held_blocks * w for s, w in zip(samples, weights, strict=True))
+    mapped = sum(s.mapped_blocks * w for s, w in zip(samples, weights, strict=True))
+    return {
+        "peak_bytes": max(s.held_blocks for s in samples) * block_bytes,
+        "mean_bytes": round(held * block_bytes),
+        "mapped_bytes": round(mapped * block_bytes),
+        "saved": round(1 - held / mapped, 3) if mapped else 0.0,
+        "maps_per_block": round(mapped / held, 3) if held else 0.0,
+    }
+
+
 def running_over_time(samples: list[StepSample], points: int = 40) -> dict[str, Any]:
     """Streams running over a case: the time-weighted mean, the peak, and (t_s, running) at
     `points` evenly spaced moments (the last sample at or before each)."""
     if not samples:
         return {"mean": 0.0, "peak": 0, "series": []}
-    weight = sum(s.dt_s for s in samples) or 1.0
-    mean = sum(s.num_running_requests * s.dt_s for s in samples) / weight
+    weights = step_weights(samples)
+    mean = sum(s.num_running_requests * w for s, w in zip(samples, weights, strict=True))
     end = samples[-1].t_s
     series, i = [], 0
     for k in range(points):
@@ -410,53 +483,103 @@ def run_report(
     check: int = 4,
     mixes: tuple[str, ...] = MIXES,
     hf_ways: tuple[str, ...] = ("threads", "batches"),
+    budget: str = "fixed",
+    clock: Callable[[], Callable[[], float]] | None = None,
 ) -> dict[str, Any]:
-    """Every mix in every shape and client count, sharing on and off, `repeat` times, on one
-    pool (SharedPool); with `hf` (bench_serve_hf.HFBaseline) Transformers serves the same
-    requests too (its first `hf_requests`), and its outputs are compared with the engine's on
-    the first `check` requests."""
-    max_len = max(
-        r.num_tokens + r.max_tokens
+    """Every mix in every shape and client count, sharing on and off, `repeat` times; with `hf`
+    (bench_serve_hf.HFBaseline) Transformers serves the same requests too (its first
+    `hf_requests`), and its outputs are compared with the engine's on the first `check`
+    requests.
+
+    `budget`: "fixed", every case on one pool of `num_blocks` (SharedPool); "report", each mix
+    and shape on a pool of its own of report_blocks(its requests) blocks (the report's regime:
+    about REPORT_FIT of its requests fit without sharing), Transformers in padded batches of at
+    most that many. `clock`: a fresh engine clock per case (the tests' StepClock)."""
+    assert budget in ("fixed", "report"), budget
+    groups = {
+        (mix, shape): requests_of(mix, shape, num_requests, model)
         for mix in mixes
         for shape in shapes
-        for r in requests_of(mix, shape, num_requests, model)
-    )
-    shared = SharedPool(model, device, num_blocks, max(clients), max_len, graphs)
+    }
+    max_len = max(r.num_tokens + r.max_tokens for rs in groups.values() for r in rs)
+    blocks = {
+        key: report_blocks(rs) if budget == "report" else num_blocks for key, rs in groups.items()
+    }
+    a100 = a100_blocks(model)
+    budgets = [
+        {
+            "mix": mix, "shape": shape, "num_blocks": n, "kv_budget_bytes": n * kv_block_bytes(model),
+            "request_blocks_mean": round(sum(map(request_blocks, rs)) / len(rs), 2),
+            "fit_without_sharing": streams_fit(n, rs), "a100_fit_without_sharing": streams_fit(a100, rs),
+        }
+        for (mix, shape), rs in groups.items()
+        for n in [blocks[mix, shape]]
+    ]  # fmt: skip
+    for b in budgets:
+        print(
+            f"budget {b['mix']:8} {b['shape']:8} {b['num_blocks']} blocks "
+            f"({size(b['kv_budget_bytes'])}): {b['fit_without_sharing']} of its requests without "
+            f"sharing (mean {b['request_blocks_mean']} blocks each); the A100 40GB budget, "
+            f"{a100} blocks: {b['a100_fit_without_sharing']}",
+            flush=True,
+        )
+    pools: dict[int, SharedPool] = {}
     cases: list[dict[str, Any]] = []
+
+    def hf_width(mix: str, shape: str, n: int) -> int:
+        """Transformers' streams at once: the clients, or in the report's budget the streams it
+        holds without sharing (its caches are not paged: nothing to share, nothing to preempt)."""
+        if budget == "fixed":
+            return n
+        fit = next(b for b in budgets if (b["mix"], b["shape"]) == (mix, shape))
+        return min(n, int(fit["fit_without_sharing"]))
+
     try:
-        # warm-up (Triton's compilation, cuBLAS's choices), not counted
-        for mix in mixes:
-            for shape in shapes:
-                shared.serve(requests_of(mix, shape, 2 * CLIENTS, model, seed=1), CLIENTS, True)
+        for n in sorted(set(blocks.values())):
+            pools[n] = SharedPool(model, device, n, max(clients), max_len, graphs)
+        # warm-up (Triton's compilation, cuBLAS's choices, each pool's first use), not counted
+        for (mix, shape), n in blocks.items():
+            warm = requests_of(mix, shape, 2 * CLIENTS, model, seed=1)
+            pools[n].serve(warm, CLIENTS, True, *([clock()] if clock else []))
         for rep in range(repeat):
-            for mix in mixes:
-                for shape in shapes:
-                    requests = requests_of(mix, shape, num_requests, model)
-                    for n in clients:
-                        for sharing in (True, False):
-                            out, results = shared.serve(requests, n, sharing)
-                            case = {
-                                "engine": "kvscope", "mix": mix, "shape": shape,
-                                "clients": n, "sharing": sharing, "repeat": rep, **out,
-                            }  # fmt: skip
-                            cases.append(case)
-                            print(case_line(case), flush=True)
-                            if hf is not None and rep == 0 and sharing and n == clients[0]:
-                                ours = {r.request_id: r for r in results}
-                                cases += hf_cases(
-                                    hf, requests[:hf_requests], mix, shape, n, ours, check, hf_ways
-                                )
-                    if hf is not None and rep == 0:
-                        for n in clients[1:]:
-                            got = hf.serve_batches(requests[:hf_requests], n)
-                            cases.append(hf_case(got, mix, shape, n, "batches"))
-                            print(case_line(cases[-1]), flush=True)
+            for (mix, shape), requests in groups.items():
+                shared = pools[blocks[mix, shape]]
+                for n in clients:
+                    for sharing in (True, False):
+                        out, results = shared.serve(
+                            requests, n, sharing, *([clock()] if clock else [])
+                        )
+                        case = {
+                            "engine": "kvscope", "mix": mix, "shape": shape,
+                            "clients": n, "sharing": sharing, "repeat": rep, **out,
+                        }  # fmt: skip
+                        cases.append(case)
+                        print(case_line(case), flush=True)
+                        if hf is not None and rep == 0 and sharing and n == clients[0]:
+                            ours = {r.request_id: r for r in results}
+                            cases += hf_cases(
+                                hf, requests[:hf_requests], mix, shape, n, ours, check, hf_ways,
+                                width=hf_width(mix, shape, n),
+                            )  # fmt: skip
+                if hf is not None and rep == 0:
+                    for n in clients[1:]:
+                        width = hf_width(mix, shape, n)
+                        got = hf.serve_batches(requests[:hf_requests], width)
+                        cases.append(hf_case(got, mix, shape, n, "batches"))
+                        cases[-1]["batch"] = width
+                        print(case_line(cases[-1]), flush=True)
     finally:
-        shared.close()
+        for shared in pools.values():
+            shared.close()
     return {
         "block_bytes": kv_block_bytes(model),
-        "num_blocks": num_blocks,
-        "kv_budget_bytes": num_blocks * kv_block_bytes(model),
+        "budget": budget,
+        "num_blocks": num_blocks if budget == "fixed" else max(blocks.values()),
+        "kv_budget_bytes": (num_blocks if budget == "fixed" else max(blocks.values()))
+        * kv_block_bytes(model),
+        "budgets": budgets,
+        "a100_blocks": a100,
+        "a100_kv_budget_bytes": a100 * kv_block_bytes(model),
         "weight_bytes": weight_bytes(model),
         "cases": cases,
     }
@@ -471,16 +594,19 @@ def hf_cases(
     ours: dict[str, RequestResult],
     check: int,
     ways: tuple[str, ...] = ("threads", "batches"),
+    width: int = 0,
 ) -> list[dict[str, Any]]:
     """Transformers both ways (a thread per client; padded batches), each compared with the
-    engine's results on the first `check` requests."""
+    engine's results on the first `check` requests; `width` streams at once (0: `clients`)."""
     out = []
+    width = width or clients
     for how in ways:
         if how == "threads":
-            got = hf.serve_threads(requests, clients)
+            got = hf.serve_threads(requests, width)
         else:
-            got = hf.serve_batches(requests, clients)
+            got = hf.serve_batches(requests, width)
         case = hf_case(got, mix, shape, clients, how)
+        case["batch"] = width
         case["check"] = hf.compare(requests[:check], ours, got["results"])
         out.append(case)
         print(case_line(case), flush=True)
@@ -498,12 +624,25 @@ def hf_case(got: dict[str, Any], mix: str, shape: str, clients: int, how: str) -
 
 def case_line(c: dict[str, Any]) -> str:
     """One case as a progress line."""
+    kv = c.get("kv")
+    held = (
+        f"KV held peak {size(kv['peak_bytes'])} mean {size(kv['mean_bytes'])} "
+        f"unshared {size(kv['mapped_bytes'])} saved {kv['saved']:.0%} "
+        if kv
+        else f"peak KV {size(c['peak_kv_bytes'])} "
+    )
+    running = c.get("running")
     return (
         f"{c['engine']:12} {c['mix']:8} {c['shape']:8} clients={c['clients']:<3} "
         f"sharing={c['sharing']!s:5} {c['requests_per_s']:8.2f} req/s "
-        f"TTFT p95 {c['ttft_admitted_p95_ms']:8.1f} ms peak KV {size(c['peak_kv_bytes'])} "
-        f"running {c.get('running', {}).get('peak', '-')} "
-        f"preemptions {c.get('preemptions', 0)}" + (f" check {c['check']}" if "check" in c else "")
+        f"TTFT p95 {c['ttft_admitted_p95_ms']:8.1f} ms "
+        + held
+        + (f"running peak {running['peak']} mean {running['mean']:.2f} " if running else "")
+        + f"preemptions {c.get('preemptions', 0)}"
+        + (f" set aside {c['set_aside']}" if "set_aside" in c else "")
+        + (f" budget {c['num_blocks']} blocks" if "num_blocks" in c else "")
+        + (f" batch {c['batch']}" if "batch" in c else "")
+        + (f" check {c['check']}" if "check" in c else "")
     )
 
 
@@ -542,7 +681,7 @@ def _median(values: list[float]) -> float:
 def render_report(results: dict[str, Any]) -> str:
     """The table as the report prints it (baseline QPS, shared QPS, KV memory, TTFT p95 per mix
     and request shape; medians of the repeats, their range in brackets), then the memory
-    regime's table when more than one client count ran."""
+    regime's table when more than one client count ran or the report's budget was used."""
     cases = results["cases"]
     clients = sorted({c["clients"] for c in cases})
     shapes = [s for s in SHAPES if any(c["shape"] == s for c in cases)]
@@ -558,15 +697,25 @@ def render_report(results: dict[str, Any]) -> str:
     def qps(cs: list) -> list[float]:
         return [c["requests_per_s"] for c in cs]
 
+    def kv(cs: list, key: str) -> float:
+        return _median([c["kv"][key] for c in cs])
+
+    def change(off: float, on: float) -> str:
+        return f"{size(off)} -> {size(on)} ({on / max(off, 1e-12) - 1:+.0%})"
+
     n0 = clients[0]
     lines = [
-        f"{n0} clients. requests/s; KV: peak bytes the running requests' blocks held; "
-        "TTFT p95 from admission. Medians of the repeats, (min-max).",
+        f"{n0} clients. requests/s. KV held: the blocks the streams' tables hold (a block "
+        "several streams map counts once), the time-weighted mean over the run and its peak "
+        "(the cold start included: the first requests find nothing cached); streams per held "
+        "block: how many streams map a held block on average, sharing on (1.00: nothing held "
+        "at once by two). TTFT p95 from admission. Medians of the repeats, (min-max).",
         "",
         "| mix | request shape | HF, a thread per client | HF, padded batches | kvscope, sharing "
         "off | kvscope, sharing on | sharing on vs off | report | sharing on vs HF | "
-        "KV off -> on | report: KV | TTFT p95 off / on (ms) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "KV held, mean, off -> on | KV held, peak, off -> on | report: KV | streams per held "
+        "block | TTFT p95 off / on (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mix in MIXES:
         for shape in shapes:
@@ -580,54 +729,87 @@ def render_report(results: dict[str, Any]) -> str:
             gain = _median(qps(on)) / _median(qps(off)) - 1
             best_hf = max(qps(threads) + qps(batches), default=0.0)
             vs_hf = f"{_median(qps(on)) / best_hf:.1f}x" if best_hf else "-"
-            kv_off = _median([c["peak_kv_bytes"] for c in off])
-            kv_on = _median([c["peak_kv_bytes"] for c in on])
             lines.append(
                 f"| {mix} | {shape} | {spread(qps(threads), '{:.2f}')} | "
                 f"{spread(qps(batches), '{:.2f}')} | {spread(qps(off))} | {spread(qps(on))} | "
-                f"{gain:+.0%} | {REPORT[mix][0]} | {vs_hf} | {size(kv_off)} -> {size(kv_on)} "
-                f"({kv_on / max(kv_off, 1e-12) - 1:+.0%}) | {REPORT[mix][1] or '-'} | "
+                f"{gain:+.0%} | {REPORT[mix][0]} | {vs_hf} | "
+                f"{change(kv(off, 'mean_bytes'), kv(on, 'mean_bytes'))} | "
+                f"{change(kv(off, 'peak_bytes'), kv(on, 'peak_bytes'))} | "
+                f"{REPORT[mix][1] or '-'} | {kv(on, 'maps_per_block'):.2f} | "
                 f"{spread([c['ttft_admitted_p95_ms'] for c in off])} / "
                 f"{spread([c['ttft_admitted_p95_ms'] for c in on])} |"
             )
-    if len(clients) > 1:
+    report_budget = results.get("budget") == "report"
+    if len(clients) == 1 and not report_budget:
+        return "\n".join(lines)
+    a100 = f"{results['a100_blocks']} blocks ({size(results['a100_kv_budget_bytes'])})"
+    if report_budget:
+        lines += [
+            "",
+            f"Memory regime (the report's): each mix and request shape on a KV budget that "
+            f"holds {REPORT_FIT} of its requests without sharing, as the report's budget held "
+            f"{REPORT_FIT} of its {REPORT_STREAMS} streams (blocks: {REPORT_FIT} x (the mean "
+            "request's blocks at its end + the block of headroom the scheduler keeps per "
+            f"running stream)). The literal budget an A100 40GB leaves beside the weights, {a100}, "
+            "holds the streams in the budget column's brackets: it never binds.",
+        ]
+    else:
         lines += [
             "",
             f"Memory regime: a KV budget of {results['num_blocks']} blocks "
-            f"({size(results['kv_budget_bytes'])}). "
-            "kvscope off / on; HF: padded batches of the clients, its KV the padded caches' "
-            "bytes (its peak allocation above the weights, on CUDA: `peak_memory_above_weights` "
-            "in the JSON).",
-            "",
-            "| mix | request shape | clients | requests/s off / on | HF requests/s | peak KV "
-            "off / on | HF peak KV | running streams peak (mean) off / on | preemptions off / "
-            "on | TTFT p95 ms off / on |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"({size(results['kv_budget_bytes'])}); an A100 40GB's, beside the weights: {a100}.",
         ]
-        for mix in MIXES:
-            for shape in shapes:
-                for n in clients:
-                    on, off = (
-                        pick("kvscope", mix, shape, n, True),
-                        pick("kvscope", mix, shape, n, False),
-                    )
-                    if not on or not off:
-                        continue
-                    hf = pick("hf-batches", mix, shape, n)
+    lines += [
+        "kvscope off / on. Running streams: the engine's count after each step, peak (time-"
+        "weighted mean). Preemptions: streams whose blocks were taken (set aside: stopped "
+        "while the pool was full). HF: padded batches of the clients (in the report's budget "
+        "at most the streams it holds without sharing: `batch` in the JSON), its KV the padded "
+        "caches' bytes (on CUDA its peak allocation above the weights: "
+        "`peak_memory_above_weights`).",
+        "",
+        "| mix | request shape | clients | budget (streams it holds; A100's) | requests/s "
+        "off / on | HF requests/s | KV held peak off / on | KV held mean off / on | HF peak "
+        "KV | running streams peak (mean) off / on | preemptions (set aside) off / on | "
+        "TTFT p95 ms off / on |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    budgets = {(b["mix"], b["shape"]): b for b in results.get("budgets", [])}
+    for mix in MIXES:
+        for shape in shapes:
+            for n in clients:
+                on, off = (
+                    pick("kvscope", mix, shape, n, True),
+                    pick("kvscope", mix, shape, n, False),
+                )
+                if not on or not off:
+                    continue
+                hf = pick("hf-batches", mix, shape, n)
+                b = budgets.get((mix, shape))
+                fits = (
+                    f"{b['num_blocks']} ({b['fit_without_sharing']:.1f}; "
+                    f"{b['a100_fit_without_sharing']:.0f})"
+                    if b
+                    else str(results["num_blocks"])
+                )
 
-                    def run_(cs: list) -> str:
-                        c = cs[0]["running"]
-                        return f"{c['peak']} ({c['mean']:.1f})"
+                def run_(cs: list) -> str:
+                    peak = max(c["running"]["peak"] for c in cs)
+                    return f"{peak} ({_median([c['running']['mean'] for c in cs]):.1f})"
 
-                    lines.append(
-                        f"| {mix} | {shape} | {n} | {spread(qps(off))} / {spread(qps(on))} | "
-                        f"{spread(qps(hf), '{:.2f}')} | "
-                        f"{size(_median([c['peak_kv_bytes'] for c in off]))} / "
-                        f"{size(_median([c['peak_kv_bytes'] for c in on]))} | "
-                        + (size(hf[0]["peak_kv_bytes"]) if hf else "-")
-                        + f" | {run_(off)} / {run_(on)} | "
-                        f"{max(c['preemptions'] for c in off)} / {max(c['preemptions'] for c in on)} | "
-                        f"{spread([c['ttft_admitted_p95_ms'] for c in off])} / "
-                        f"{spread([c['ttft_admitted_p95_ms'] for c in on])} |"
+                def pre(cs: list) -> str:
+                    return (
+                        f"{max(c['preemptions'] for c in cs)} "
+                        f"({max(c.get('set_aside', 0) for c in cs)})"
                     )
+
+                lines.append(
+                    f"| {mix} | {shape} | {n} | {fits} | {spread(qps(off))} / {spread(qps(on))} | "
+                    f"{spread(qps(hf), '{:.2f}')} | "
+                    f"{size(kv(off, 'peak_bytes'))} / {size(kv(on, 'peak_bytes'))} | "
+                    f"{size(kv(off, 'mean_bytes'))} / {size(kv(on, 'mean_bytes'))} | "
+                    + (size(hf[0]["peak_kv_bytes"]) if hf else "-")
+                    + f" | {run_(off)} / {run_(on)} | {pre(off)} / {pre(on)} | "
+                    f"{spread([c['ttft_admitted_p95_ms'] for c in off])} / "
+                    f"{spread([c['ttft_admitted_p95_ms'] for c in on])} |"
+                )
     return "\n".join(lines)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import serve_mixes  # noqa: E402
 from server.checkpoint import tiny_model  # noqa: E402
-from server.engine import Engine  # noqa: E402
+from server.engine import Engine, StepClock  # noqa: E402
 from server.errors import ServeError  # noqa: E402
 from server.model import LlamaModel, forward_reference, generate_reference  # noqa: E402
 from server.workload import Request, read_jsonl  # noqa: E402
@@ -141,17 +141,21 @@ def test_the_memory_accounting_and_the_report_table(quick: LlamaModel) -> None:
     block_bytes = serve_mixes.kv_block_bytes(quick)
     results = serve_mixes.run_report(
         quick, "cpu", shapes=["short", "score"], clients=[2, 6], num_blocks=num_blocks,
-        num_requests=12, repeat=1, graphs=False, mixes=("uniform",),
+        num_requests=12, repeat=1, graphs=False, mixes=("uniform",), clock=StepClock,
     )  # fmt: skip
     cases = results["cases"]
     assert len(cases) == 2 * 2 * 2
     for c in cases:
         # THEN peak KV bytes are the peak blocks' bytes, within the pool
-        assert c["peak_kv_bytes"] == c["peak_kv_blocks"] * block_bytes > 0
+        assert c["peak_kv_bytes"] == c["peak_kv_blocks"] * block_bytes == c["kv"]["peak_bytes"] > 0
         assert c["peak_kv_blocks"] <= num_blocks and c["requests"] == 12 and c["failed"] == 0
+        assert 0 < c["kv"]["mean_bytes"] <= c["kv"]["mapped_bytes"] and c["num_blocks"] == 40
         assert 1 <= c["running"]["peak"] <= c["clients"]
         if c["shape"] == "score":
             assert c["scored_tokens"] > 0 and c["output_tokens"] == 0
+        if not c["sharing"]:
+            # (nothing shared: every held block is one stream's)
+            assert c["kv"]["mean_bytes"] == c["kv"]["mapped_bytes"] and c["kv"]["saved"] == 0
     # AND the memory held back the 6 clients: fewer ran at once than there were clients
     six = [c for c in cases if c["clients"] == 6 and c["shape"] == "short"]
     assert all(c["running"]["peak"] < 6 for c in six)
@@ -159,3 +163,63 @@ def test_the_memory_accounting_and_the_report_table(quick: LlamaModel) -> None:
     table = serve_mixes.render_report(results)
     assert "| uniform | short |" in table and "| uniform | score |" in table
     assert "+72%" in table and "Memory regime: a KV budget of 40 blocks" in table
+
+
+def test_a_block_several_streams_map_is_held_once(quick: LlamaModel) -> None:
+    # GIVEN a scoring request on a 3-block prompt, then three more on the same prompt at once
+    # (each with its own 4-token continuation: a 4th block)
+    prompt = [(5 * i) % 500 for i in range(3 * serve_mixes.BLOCK_SIZE)]
+    requests = [Request("w", prompt, 0, continuation=[1, 2, 3, 4])]
+    requests += [
+        Request(f"r{i}", prompt, 0, arrival_s=1.0, continuation=[i, 7, 8, 9]) for i in range(3)
+    ]
+    block_bytes = serve_mixes.kv_block_bytes(quick)
+    shared = serve_mixes.SharedPool(quick, "cpu", 64, 3, 100, graphs=False)
+    try:
+        # WHEN the engine serves them with sharing on, then off
+        on, _ = shared.serve(requests, 3, sharing=True, clock=StepClock())
+        off, _ = shared.serve(requests, 3, sharing=False, clock=StepClock())
+    finally:
+        shared.close()
+    # THEN with sharing the three hold the first request's first 2 blocks once, and their own
+    # last prompt block (a prefix hit stops before the prompt's last token) and continuation
+    # block: 2 + 3 x 2 = 8 blocks where they map 12; the first request's step held its 4
+    assert on["kv"]["peak_bytes"] == 8 * block_bytes
+    assert on["kv"]["mean_bytes"] == (4 + 8) / 2 * block_bytes
+    assert on["kv"]["mapped_bytes"] == (4 + 12) / 2 * block_bytes
+    assert on["kv"]["saved"] == 0.25 and on["kv"]["maps_per_block"] == pytest.approx(4 / 3, 1e-3)
+    assert on["running"] == {"mean": 2.0, "peak": 3, "series": on["running"]["series"]}
+    # AND without sharing each holds its 4 blocks
+    assert off["kv"]["peak_bytes"] == 12 * block_bytes and off["kv"]["saved"] == 0
+
+
+def test_the_reports_budget_holds_nine_requests_without_sharing(quick: LlamaModel) -> None:
+    # GIVEN requests of 2 blocks (20 + 12 generated tokens but the last: 32) and 3 (40 scored)
+    requests = [Request("g", [1] * 20, 13), Request("s", [1] * 39, 0, continuation=[2])]
+    assert [serve_mixes.request_blocks(r) for r in requests] == [2, 3]
+    # THEN the budget is 9 x (their mean + a block of headroom), rounded up to even
+    assert serve_mixes.report_blocks(requests) == 32  # 9 x 3.5 = 31.5
+    assert serve_mixes.report_blocks(requests[:1]) == 28  # 9 x 3 = 27
+    assert serve_mixes.streams_fit(32, requests) == pytest.approx(9.1, abs=0.05)
+    # WHEN the top-10 mix's scoring requests are served on the budget of their own (the
+    # report's regime) by 12 and 16 clients
+    results = serve_mixes.run_report(
+        quick, "cpu", shapes=["score"], clients=[12, 16], num_blocks=0, num_requests=24,
+        repeat=1, graphs=False, mixes=("top-10",), budget="report", clock=StepClock,
+    )  # fmt: skip
+    mixed = serve_mixes.requests_of("top-10", "score", 24, quick)
+    budget = serve_mixes.report_blocks(mixed)
+    assert results["budgets"][0]["num_blocks"] == budget and results["budget"] == "report"
+    assert len(results["cases"]) == 4
+    for c in results["cases"]:
+        # THEN the budget binds: at most ~9 of the clients' requests run at once, sharing or not
+        assert c["num_blocks"] == budget and c["requests"] == 24 and c["failed"] == 0
+        assert c["kv"]["peak_bytes"] <= budget * serve_mixes.kv_block_bytes(quick)
+        assert 8 <= c["running"]["peak"] <= 10 < c["clients"]
+        # AND a scoring stream is never set aside (it never grows), so none is preempted
+        assert c["preemptions"] == c["set_aside"] == 0
+    # AND the table names the budget, what it holds, and the A100's
+    table = serve_mixes.render_report(results)
+    assert "Memory regime (the report's)" in table
+    assert f"| top-10 | score | 16 | {budget} (" in table
+    assert f"{results['a100_blocks']} blocks" in table

@@ -483,7 +483,8 @@ class Engine:
         running = len(
             {s.request.request_id for s in self.scheduler.running} | {f[0] for f in finished}
         )
+        mapped = sum(len(table) for table, _ in tables) + sum(len(t) for _, t, _ in finished)
         sample = StepSample(
-            end, end - began, stored, reserved, num_tokens, running, self.worker, num_blocks
+            end, end - began, stored, reserved, num_tokens, running, self.worker, num_blocks, mapped
         )
         self.samples.append(sample)

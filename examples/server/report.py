@@ -66,6 +66,8 @@ class StepSample:
     worker: int = 0
     # distinct blocks in the running and waiting sequences' tables
     held_blocks: int = 0
+    # the same tables' blocks counted once per table: what they would hold if none were shared
+    mapped_blocks: int = 0
 
 
 @dataclass
