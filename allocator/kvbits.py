@@ -2,10 +2,12 @@
 
 `kvscope check` and `kvscope analyze` check the data of a CPU pool's data file or of a dump
 written with `--with-data`; both are bytes on disk, mapped read-only. Reading them through
-numpy keeps torch (seconds to import) out of the reading verbs. The arithmetic is the kernels'
-own (kernels/digest.py, kernels/guard.py, kernels/checks.py poison_bits), restated here because the
-allocator must not import the kernels' torch (the digests' finalizer is allocator/prefix.py's); tests/test_kvbits.py proves both give the same
-digests, the same poison and canary bits, and the same findings.
+numpy keeps torch (seconds to import) out of the reading verbs. The canary's bits are
+kernels/canary.py's (a module that imports nothing); the rest of the arithmetic is the kernels'
+own (kernels/digest.py, kernels/checks.py poison_bits), restated here because the allocator
+must not import the kernels' torch (the digests' finalizer is allocator/prefix.py's);
+tests/test_kvbits.py proves both give the same digests, the same poison and canary bits, and
+the same findings.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ import numpy as np
 from kvscope.allocator.geometry import ELEMENT_BYTES
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.prefix import fmix64
+from kvscope.kernels.canary import CANARY_BITS
 
 # Each element is read as the integer of its width (kernels/digest.py's int_view).
 INT_DTYPES: dict[int, type[np.integer]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-# The guard slot's canary by element width (kernels/guard.py's CANARY_BITS).
-CANARY_BITS = {1: 0x7F, 2: 0x7FA5, 4: 0x7FA5_7FA5}
 # The bits of NaN in each KV dtype, as torch writes it (`torch.full(..., nan)`): the poison a
 # freed block's token slots hold in guard mode.
 NAN_BITS = {"float32": 0x7FC0_0000, "float16": 0x7E00, "bfloat16": 0x7FC0, "float8_e4m3fn": 0x7F}

@@ -167,7 +167,7 @@ def kv_layout(pool: KVPool) -> dict[str, Any]:
     )
     canary = nan = 0
     if spb > pool.block_size:
-        from kvscope.kernels.guard import CANARY_BITS
+        from kvscope.kernels.canary import CANARY_BITS
 
         canary = CANARY_BITS.get(esize, 0)
     poison = kv.dtype.is_floating_point
