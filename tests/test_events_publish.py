@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -476,3 +477,38 @@ def test_a_lost_batch_is_filled_from_the_replay_socket(make_pool, tmp_path, caps
     assert main(["events", "check", paths[1], "--json"]) == 1
     kinds = json.loads(capsys.readouterr().out)["summary"]["findings_by_kind"]
     assert kinds == {"kv_event_gap": 1}
+
+
+def test_a_block_published_and_evicted_between_two_polls_is_not_announced(wired):
+    pool, pub, sub, _endpoint = wired
+    # GIVEN a prompt published and announced
+    a = pool.allocate("a", list(range(8)))
+    pool.mark_computed(a, 8)
+    assert pub.poll() == 1
+    sub.take(1)
+    # WHEN a second prompt is published and evicted before the next poll
+    b = pool.allocate("b", list(range(40, 48)))
+    pool.mark_computed(b, 8)
+    pool.free(b)
+    assert pool.evict(2) == 2
+    # THEN the publisher, which samples the block records, announces neither its store nor
+    # its removal (docs/EVENTS.md says what the core would have to record for it to), and
+    # the stream still holds exactly what the pool's index holds
+    assert pub.poll() == 0
+    assert sub.nothing_pending()
+    assert pub.stats()["stored"] == 2 and pub.stats()["removed"] == 0
+    assert pub.verify() == []
+
+
+def test_serve_refuses_an_endpoint_no_rank_can_publish_on(capsys):
+    # WHEN the example server is given a KV-event endpoint with no port
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from serve import main as serve_main
+
+    code = serve_main(["--ranks", "2", "--kv-events", "tcp://*", "--no-progress"])
+    # THEN it says so in one line and exits 2, before serving anything
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err == "serve.py: error: --kv-events 'tcp://*' names no port (tcp://*:5557)\n"
