@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="--mixes: no table; profile N requests of the top-10 mix instead",
     )
-    r = ap.add_argument_group("--mixes: the report's regime (one pool for every case)")
+    r = ap.add_argument_group(
+        "--mixes: the report's regime (one pool for every case; --memory: one per mix and shape)"
+    )
     r.add_argument(
         "--shape", default="", help="request shapes, comma-separated: generate, short, score"
     )
