@@ -124,10 +124,19 @@ def attach(cls: type[KVPool], name: str, trust_owner: bool = False, kv_events: s
 
 def _start_kv_events(pool: KVPool, endpoint: str) -> None:
     """Start the pool's KV-event publisher (docs/EVENTS.md); `close` stops it."""
-    # (imported here: zmq and the stream checker load only in a process whose pool publishes)
-    from kvscope.events.publisher import start_for_pool
+    # The publisher is the harness's (kvscope/events/publisher.py, a floor above the pool): the
+    # pool finds it through the package's entry point `kvscope.pool`/`kv_events`
+    # (pyproject.toml), as pytest finds its plugins, so the allocator imports nothing above it;
+    # zmq and the stream checker load only in a process whose pool publishes.
+    from importlib.metadata import entry_points
 
-    pool.kv_events = start_for_pool(pool, endpoint)
+    found = list(entry_points(group="kvscope.pool", name="kv_events"))
+    if not found:
+        raise PoolError(
+            "PoolConfig.kv_events: kvscope's KV-event publisher is not registered in this "
+            "environment (reinstall kvscope: pip install -e .)"
+        )
+    pool.kv_events = found[0].load()(pool, endpoint)
 
 
 def register_client(pool: KVPool) -> int:
