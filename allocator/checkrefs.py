@@ -4,6 +4,7 @@ sequence slots reserved by processes."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,18 +112,29 @@ def check_refcounts(
     allocated = state == BlockState.ALLOCATED
     rc = r.cols.refcount
     alive_refs = refs - dead.refs
-    dead_leak = (dead.refs > 0) | (
-        dead.owned & (allocated | (state == BlockState.LOCAL)) & (alive_refs == 0)
-    )
+    dead_leak = (dead.refs > 0) | (dead.owned & allocated & (alive_refs == 0))
+    # A dead process's local cache (free blocks it kept for its next allocations) goes back
+    # with the rest of what it held: one cause, said in the message of its held blocks. It is
+    # listed on its own only for a process that held nothing else.
+    local = dead.owned & (state == BlockState.LOCAL) & (alive_refs == 0) & ~dead_leak
+    owner = r.cols.owner_client
+    holding = np.union1d(seqs["owner_client"][dead.of_dead], owner[dead_leak & dead.owned])
+    folded = local & np.isin(owner, holding)
+    dead_leak |= local & ~folded
+    pids = r.view.clients["pid"]
+    cached = Counter(int(pids[c]) for c in owner[folded].tolist())
     of_dead = mapper(seqs, dead.of_dead, dead.entries)
-    r.blocks(
-        FindingKind.LEAK_DEAD_OWNER,
-        np.flatnonzero(dead_leak & ~corrupt),
-        lambda x: (
-            f"block is held by pid {of_dead(x)[0] or int(b['owner_pid'][x])}, which died; reclaim it with `kvscope check --repair` or pool.reclaim_dead()"
-        ),
-        of_dead,
-    )
+
+    def held_by(x: int) -> str:
+        pid = of_dead(x)[0] or int(b["owner_pid"][x])
+        if local[x]:
+            what = f"block is free in the local cache of pid {pid}, which died"
+        else:
+            also = f", with {cached[pid]} more free in its local cache" if cached[pid] else ""
+            what = f"block is held by pid {pid}, which died{also}"
+        return f"{what}; reclaim it with `kvscope check --repair` or pool.reclaim_dead()"
+
+    r.blocks(FindingKind.LEAK_DEAD_OWNER, np.flatnonzero(dead_leak & ~corrupt), held_by, of_dead)
     orphan = allocated & (refs == 0) & (rc > 0) & ~dead.owned & ~corrupt
     r.blocks(
         FindingKind.LEAK_ORPHAN,

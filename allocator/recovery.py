@@ -20,7 +20,13 @@ import numpy as np
 
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.check import table_refs
-from kvscope.allocator.findings import Finding, FindingKind, mark_repaired, write_finding
+from kvscope.allocator.findings import (
+    Finding,
+    FindingKind,
+    mark_repaired,
+    read_findings,
+    write_finding,
+)
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import (
     CHUNK,
@@ -285,6 +291,7 @@ def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None = None) -> dict
     rolled: dict[int, dict[str, Any]] = {}
     for r in recover_dead_holders(pool.locks, pool.view, pool.client, pool.report):
         rolled[r["pid"]] = r
+    said = _said_at_exit(pool.view)
     for d in find_dead(pool.view, pool.client):
         got = reclaim_client(
             pool.view, lambda fn: pool._run(pool.ALL, fn), pool.store, pool.seqtab, d
@@ -294,6 +301,8 @@ def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None = None) -> dict
         totals["processes"] += 1
         totals["sequences"] += got["sequences"]
         totals["blocks"] += got["blocks"]
+        if (got["blocks"] or got["sequences"]) and d.pid not in said:
+            pool.report(_reclaimed_finding(d.pid, pool.pid, got))
         if d.pid in rolled:
             r = rolled.pop(d.pid)
             got["entries"] += r["entries"]
@@ -304,6 +313,27 @@ def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None = None) -> dict
         for pid, r in rolled.items():
             done.append({**r, "pid": pid, "sequences": 0, "blocks": 0, "detached": False})
     return totals
+
+
+def _said_at_exit(view: SegmentView) -> set[int]:
+    """Processes whose own exit (or pool close) recorded what they still held (leak_finished):
+    reclaiming it afterwards is the same cause, not a second finding."""
+    return {
+        f.owner_pid
+        for f in read_findings(view)
+        if f.kind == FindingKind.LEAK_FINISHED and f.owner_pid is not None
+    }
+
+
+def _reclaimed_finding(pid: int, me: int, got: dict[str, Any]) -> Finding:
+    """What a survivor's reclaim writes into the findings ring: the dead process and what it
+    held (the supervisor of a run says a dead worker once, from whichever it sees first)."""
+    return Finding(
+        FindingKind.LEAK_DEAD_OWNER,
+        f"pid {pid} died attached to the pool holding {got['sequences']} sequence(s) and"
+        f" {got['blocks']} block(s); pid {me} reclaimed them (pool.reclaim_dead())",
+        owner_pid=pid,
+    )
 
 
 def clear_repaired(pool: KVPool, pids: set[int]) -> list[Finding]:

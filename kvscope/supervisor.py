@@ -7,7 +7,8 @@ the script runs. It also samples each pool's counters into a bounded time series
 (kvscope.history), which `kvscope run` writes beside the dump. The pool lives in /dev/shm:
 after the child exits, however it exits (SIGKILL included), the supervisor still reads it whole. A process of the run that dies while attached to a pool
 (a worker killed with `kill -9`) is said the first poll that sees it gone, with the blocks it
-left held (`leak_dead_owner`).
+left held (`leak_dead_owner`), or once a survivor's `pool.reclaim_dead()` has recorded it:
+one line either way.
 """
 
 from __future__ import annotations
@@ -211,6 +212,12 @@ class Supervisor:
         new: list[Finding] = []
         for w in self.pools.values():
             for f in self._new_findings(w):
+                if f.kind == FindingKind.LEAK_DEAD_OWNER and f.owner_pid:
+                    # A survivor's reclaim of a dead process (allocator/recovery.py): said
+                    # once, whether this poll or an earlier one (`_deaths`) saw it first.
+                    if f.owner_pid in w.dead_seen:
+                        continue
+                    w.dead_seen.add(f.owner_pid)
                 shown = replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING)
                 self.echo(f"kvscope: pool {w.name!r}: {shown.line()}")
                 new.append(f)

@@ -1,0 +1,146 @@
+"""A worker killed with SIGKILL is one cause: the whole-pool check reports each request it held
+once, with its local cache counted in, not listed as a second leak; a survivor's
+`pool.reclaim_dead()` records it in the findings ring once, and `kvscope run`'s supervisor
+says it once, whichever of the two saw it first."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kvscope.allocator import KVPool
+from kvscope.allocator.findings import FindingKind, read_findings
+from kvscope.allocator.findingset import Origin, pool_findings
+from kvscope.allocator.layout import BlockState
+from kvscope.allocator.segment import segment_path
+from kvscope.allocator.snapshot import snapshot
+from kvscope.child import pool_key
+from kvscope.supervisor import Supervisor
+from tests.forking import fork_child, wait_child
+
+DEAD = FindingKind.LEAK_DEAD_OWNER.value
+
+
+def killed_worker(name: str, requests: list[tuple[str, int]], free: bool = False) -> int:
+    """Fork a worker that attaches to pool `name`, allocates each (request, tokens) and, with
+    `free`, frees them again; kill it with SIGKILL once it is done; its pid."""
+    r, w = os.pipe()
+
+    def work() -> int:
+        os.close(r)
+        pool = KVPool.attach(name)
+        for request, tokens in requests:
+            seq = pool.allocate(request, list(range(tokens)))
+            if free:
+                pool.free(seq)
+        os.write(w, b"x")
+        signal.pause()
+        return 0
+
+    pid = fork_child(work, alarm_s=60)
+    os.close(w)
+    assert os.read(r, 1) == b"x"
+    os.close(r)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_child(pid) == -signal.SIGKILL
+    return pid
+
+
+def cached_by(pool: KVPool, pid: int) -> int:
+    """Free blocks in the local cache of pid."""
+    b = pool.view.blocks
+    return int(((b["owner_pid"] == pid) & (b["state"] == BlockState.LOCAL)).sum())
+
+
+def test_a_dead_workers_local_cache_is_not_a_second_leak(make_pool):
+    # GIVEN a worker killed holding two requests, with free blocks left in its local cache
+    pool = make_pool(64)
+    pid = killed_worker(pool.name, [("w-1", 9), ("w-2", 5)])
+    cached = cached_by(pool, pid)
+    assert cached > 0
+    # WHEN the whole pool is checked
+    dead = [f for f in pool.check() if f.kind == DEAD]
+    # THEN every finding about the worker names one of its requests: its local cache is no
+    # finding of its own, but each finding's message counts it
+    assert {f.owner_pid for f in dead} == {pid}
+    assert {f.request for f in dead} == {"w-1", "w-2"}
+    assert all(f"with {cached} more free in its local cache" in f.message for f in dead)
+    b = pool.view.blocks
+    assert all(int(b["state"][f.block]) == BlockState.ALLOCATED for f in dead)
+
+
+def test_a_dead_worker_holding_only_its_local_cache_is_still_reported(make_pool):
+    # GIVEN a worker that freed what it allocated (the blocks went to its local cache), killed
+    pool = make_pool(64)
+    pid = killed_worker(pool.name, [("w-1", 9)], free=True)
+    cached = cached_by(pool, pid)
+    assert cached > 0
+    # WHEN the whole pool is checked
+    dead = [f for f in pool.check() if f.kind == DEAD]
+    # THEN the cache it left is reported (nothing else names the dead worker), block by block
+    b = pool.view.blocks
+    local = (b["owner_pid"] == pid) & (b["state"] == BlockState.LOCAL)
+    assert sorted(f.block for f in dead) == local.nonzero()[0].tolist()
+    assert all(f"free in the local cache of pid {pid}, which died" in f.message for f in dead)
+
+
+def test_a_survivors_reclaim_is_recorded_once(make_pool):
+    # GIVEN a worker killed holding two requests
+    pool = make_pool(64)
+    pid = killed_worker(pool.name, [("w-1", 9), ("w-2", 5)])
+    held = int((pool.view.blocks["owner_pid"] == pid).sum())
+    # WHEN a survivor reclaims, twice
+    got = pool.reclaim_dead()
+    again = pool.reclaim_dead()
+    # THEN the findings ring holds one leak_dead_owner naming the dead pid and what came back
+    assert got["processes"] == 1 and again["processes"] == 0
+    recorded = [f for f in read_findings(pool.view) if f.kind == DEAD]
+    assert len(recorded) == 1
+    (f,) = recorded
+    assert f.owner_pid == pid
+    assert (
+        f"pid {pid} died attached to the pool holding 2 sequence(s) and {got['blocks']} block(s)"
+        in f.message
+    )
+    assert f"pid {os.getpid()} reclaimed them" in f.message
+    assert got["blocks"] == held
+    # AND every reader's assembly shows that one line about the dead worker, the check adding
+    # none (what it held is back)
+    found = pool_findings(snapshot(pool.view), Origin.live(pool.name)).findings
+    assert [(x.kind, x.owner_pid) for x in found if x.owner_pid == pid] == [(DEAD, pid)]
+
+
+def write_run_dir(run_dir, pool: KVPool) -> None:
+    """What kvscope/child.py records when a process of a run opens `pool`."""
+    created = int(pool.view.h["created_ns"])
+    with open(os.path.join(run_dir, "hdr." + pool_key(pool.name, created)), "wb") as f:
+        f.write(pool.view.raw[:256].tobytes())
+    with open(os.path.join(run_dir, "pools"), "w") as f:
+        f.write(f"{pool.name}\t{created}\t{segment_path(pool.name)}\n")
+
+
+@pytest.mark.parametrize("first", ["supervisor", "survivor"])
+def test_the_supervisor_says_a_dead_worker_once(make_pool, tmp_path, first):
+    # GIVEN a pool of a run whose worker was killed holding a request, and a supervisor
+    # following it (its polls made by hand, in the order the case names)
+    pool = make_pool(64)
+    write_run_dir(str(tmp_path), pool)
+    said: list[str] = []
+    sup = Supervisor(["script.py"], run_dir=str(tmp_path), env={}, echo=said.append)
+    sup.poll()
+    pid = killed_worker(pool.name, [("w-1", 9)])
+    # WHEN the supervisor polls before the survivor reclaims, or after it
+    if first == "supervisor":
+        sup.poll()
+        pool.reclaim_dead()
+    else:
+        pool.reclaim_dead()
+    sup.poll()
+    sup.poll()
+    sup.cleanup()
+    # THEN one line names the dead worker
+    about = [line for line in said if f"pid {pid}" in line]
+    assert len(about) == 1, said
+    assert f"{DEAD}" in about[0]
