@@ -9,11 +9,16 @@ import numpy as np
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, ClientState, SegmentView, SeqState
 
 
-def pool_stats(view: SegmentView) -> dict[str, Any]:
-    """Block counts by state, occupancy and counters summed over every process."""
+def pool_stats(view: SegmentView, blocks: Any = None) -> dict[str, Any]:
+    """Block counts by state, occupancy and counters summed over every process.
+
+    `blocks`: the records' state, refcount and num_tokens when the caller holds them apart
+    (the TUI copies those columns of a live pool, not its records); `view.blocks` otherwise.
+    """
     h = view.h
+    b = view.blocks if blocks is None else blocks
     # One strided pass over the records; every use after reads a contiguous copy.
-    state = np.ascontiguousarray(view.blocks["state"])
+    state = np.ascontiguousarray(b["state"])
     st = np.bincount(state, minlength=len(BlockState))
     n = int(h["num_blocks"])
     clients = view.clients
@@ -30,8 +35,8 @@ def pool_stats(view: SegmentView) -> dict[str, Any]:
         "num_sequences": int(live_seqs.sum()),
         "num_clients": int(live.sum()),
         "ring_count": int(view.ring_header["count"][0]),
-        "refcount_peak": int(view.blocks["refcount"].max()) if n else 0,
-        "tokens_stored": int(view.blocks["num_tokens"][state == BlockState.ALLOCATED].sum()),
+        "refcount_peak": int(b["refcount"].max()) if n else 0,
+        "tokens_stored": int(b["num_tokens"][state == BlockState.ALLOCATED].sum()),
     }
     for f in COUNTER_FIELDS:
         out[f] = int(h[f]) + int(clients[f][live].sum())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from textual import work
@@ -26,7 +27,7 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
 from kvscope.tui.detail import FindingScreen
-from kvscope.tui.frame import Frame
+from kvscope.tui.frame import Frame, block_columns
 from kvscope.tui.help import GotoScreen, HelpScreen
 from kvscope.tui.messages import (
     BlockChosen,
@@ -172,9 +173,9 @@ class TopApp(App[int]):
         if head != self._ring_head:
             self._ring_head, self._ring = head, recorded_findings(view)
         findings = merge(self._ring, self.checked)
-        return Frame(
-            view=view,
-            stats=pool_stats(view),
+        return Frame.of(
+            view,
+            stats=pool_stats(view, getattr(view, "columns", None)),
             findings=findings,
             taken_ns=time.time_ns() if self.source.live else getattr(self.source, "taken_ns", 0),
             copy_ms=copy_ms,
@@ -250,12 +251,16 @@ class TopApp(App[int]):
     def watch_selected_block(self, block: int) -> None:
         if not self.is_running:
             return  # (read before the app runs: a frame taken by a caller of its own)
+        # A live frame holds the records of the blocks shown when it was taken: the next one,
+        # with this block's, is taken now rather than at the next tick.
+        self._wake.set()
         self.query_one(BlockMap).selected_block = block
         self.query_one(BlockInspector).selected_block = block
 
     def watch_selected_seq(self, slot: int) -> None:
         if not self.is_running:
             return
+        self._wake.set()
         self.query_one(SequenceList).selected_seq = slot
         self.query_one(BlockTableView).selected_seq = slot
 
@@ -301,8 +306,16 @@ class TopApp(App[int]):
         self.selected_block = message.block
 
     def on_finding_chosen(self, message: FindingChosen) -> None:
-        if self.frame is not None:
-            self.push_screen(FindingScreen(self.frame, message.finding))
+        frame = self.frame
+        if frame is None:
+            return
+        block = message.finding.block
+        if block is not None and not frame.has_records([block]):
+            # The live frame holds the records of the blocks on show: the finding's block is
+            # read in a fresh consistent copy of the pool.
+            view = snapshot(self.source.view)
+            frame = replace(frame, view=view, columns=block_columns(view), records=None)
+        self.push_screen(FindingScreen(frame, message.finding))
 
     def on_sequence_chosen(self, message: SequenceChosen) -> None:
         self.selected_seq = message.slot

@@ -12,6 +12,9 @@ from kvscope.allocator.findings import Finding
 from kvscope.allocator.layout import BlockState, SegmentView, SeqState
 
 STATE_NAMES = {s.value: s.name.lower() for s in BlockState}
+# The block-record fields the block map, the block table and the counts read for every block,
+# each copied contiguous (a field read in place strides over the whole 192-byte records).
+BLOCK_COLUMNS = ("state", "refcount", "num_tokens")
 SEQ_STATE_NAMES = {s.value: s.name.lower() for s in SeqState}
 
 
@@ -30,9 +33,19 @@ def _event_op_names() -> dict[int, str]:
 EVENT_OP_NAMES = _event_op_names()
 
 
+def block_columns(view: SegmentView) -> dict[str, np.ndarray]:
+    """BLOCK_COLUMNS of every block of `view`, each contiguous."""
+    return {name: np.ascontiguousarray(view.blocks[name]) for name in BLOCK_COLUMNS}
+
+
 @dataclass
 class Frame:
-    """A snapshot of the pool plus what every panel derives from it once."""
+    """A snapshot of the pool plus what every panel derives from it once.
+
+    `columns` holds BLOCK_COLUMNS of every block; `view.blocks` holds the whole records of
+    `records` only (None: of every block), the ones the block panel and the block table
+    detail (a live pool's other records are not copied).
+    """
 
     view: SegmentView
     stats: dict[str, Any]
@@ -42,6 +55,27 @@ class Frame:
     torn: bool
     live: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, np.ndarray] = field(default_factory=dict)
+    records: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, view: SegmentView, **kw: Any) -> Frame:
+        """A frame of `view` as a source returned it (its columns and records)."""
+        columns = getattr(view, "columns", None)
+        return cls(
+            view=view,
+            columns=block_columns(view) if columns is None else columns,
+            records=getattr(view, "records", None),
+            **kw,
+        )
+
+    def has_records(self, ids: Any) -> bool:
+        """Whether the whole records of blocks `ids` are in this frame."""
+        if self.records is None:
+            return True
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < self.num_blocks)]
+        return bool(np.isin(ids, self.records).all())
 
     @property
     def num_blocks(self) -> int:
@@ -102,34 +136,43 @@ def op_name(op: int) -> str:
     return EVENT_OP_NAMES.get(op, f"op{op}")
 
 
+def cow_candidates(seqs: np.ndarray, slot: int) -> list[tuple[int, int, int]]:
+    """(logical block, its physical block, the sibling's physical block) where a live sibling
+    that shares every earlier block of sequence `slot` diverges from it: the records
+    `cow_positions` compares."""
+    s = seqs[slot]
+    mine = np.asarray(s["table"][: int(s["num_blocks"])])
+    k = len(mine)
+    if k == 0:
+        return []
+    live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
+    live = live[(live != slot) & (seqs["num_blocks"][live] > 0)]
+    if len(live) == 0:
+        return []
+    tables = seqs["table"][live, :k]
+    lens = seqs["num_blocks"][live].astype(np.int64)
+    # The first logical block where each sibling differs from this sequence.
+    same = tables == mine[None, :]
+    pos = np.where(same.all(axis=1), k, np.argmin(same, axis=1))
+    hit = (pos > 0) & (pos < k) & (pos < lens)
+    return [
+        (int(p), int(mine[p]), int(tables[j, p]))
+        for j, p in zip(np.flatnonzero(hit).tolist(), pos[hit].tolist())
+    ]
+
+
 def cow_positions(frame: Frame, slot: int) -> set[int]:
     """Logical blocks of `slot` that look like copy-on-write copies.
 
     A copy is a private block where this sequence diverges from a sibling that shares every
     earlier block, and whose first token equals the sibling's block at that position.
     """
-    seqs = frame.view.seqs
-    mine = frame.block_table(slot)
-    if len(mine) == 0:
-        return set()
-    live = frame.live_slots()
-    live = live[(live != slot) & (seqs["num_blocks"][live] > 0)]
-    if len(live) == 0:
-        return set()
-    k = len(mine)
-    tables = seqs["table"][live, :k]
-    lens = seqs["num_blocks"][live].astype(np.int64)
-    # The first logical block where each sibling differs from this sequence.
-    same = tables == mine[None, :]
-    pos = np.where(same.all(axis=1), k, np.argmin(same, axis=1))
     blocks = frame.view.blocks
+    n = frame.num_blocks
     out: set[int] = set()
-    for j, p in zip(
-        np.flatnonzero((pos > 0) & (pos < k) & (pos < lens)),
-        pos[(pos > 0) & (pos < k) & (pos < lens)],
-    ):
-        p = int(p)
-        mine_b, theirs = int(mine[p]), int(tables[j, p])
+    for p, mine_b, theirs in cow_candidates(frame.view.seqs, slot):
+        if not (0 <= mine_b < n and 0 <= theirs < n):
+            continue
         if (
             int(blocks["refcount"][mine_b]) == 1
             and blocks["num_tokens"][mine_b]

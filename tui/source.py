@@ -4,6 +4,7 @@ Both kinds yield `SegmentView`s, so every widget reads a live pool and a dump th
 
     source = open_source("demo")          # a pool name, or a path to a dump
     view = source.read(block, slot)       # a copy of what the TUI displays
+    view.columns["state"]                 # every block's state (and refcount, num_tokens)
     full = source.read_full()             # a consistent copy of everything (for check_view)
 """
 
@@ -33,10 +34,12 @@ from kvscope.allocator.segment import (
     validate_bytes,
 )
 from kvscope.allocator.snapshot import Seqlock, copy_segment
+from kvscope.tui.frame import BLOCK_COLUMNS, block_columns, cow_candidates
 
-# Sections the panels show, copied whole; `seqs` is copied row by row (live rows only), `events`
-# ring by ring (only what each ring gained), and the prefix index, the free ring's body and the
-# client journals are not copied at all.
+# Sections the panels show, copied whole; `blocks` column by column (BLOCK_COLUMNS, and the
+# records the panels detail), `seqs` row by row (live rows only), `events` ring by ring (only
+# what each ring gained), and the prefix index, the free ring's body and the client journals
+# are not copied at all.
 SHOWN_SECTIONS = ("blocks", "sites", "locks", "lockgraph", "findings")
 # A whole-segment copy (for check_view) gives up after this many tries; the check then waits.
 FULL_TRIES = 3
@@ -50,8 +53,10 @@ class Source(Protocol):
     view: SegmentView
 
     def read(self, block: int = -1, slot: int = -1) -> SegmentView:
-        """A copy of the sections the panels show; the record of `block` and of the blocks in
-        the block table of sequence `slot` consistent with the small sections."""
+        """A copy of the sections the panels show: `columns` (BLOCK_COLUMNS of every block, each
+        contiguous), and the whole records of `block` and of the blocks sequence `slot`'s block
+        table shows (their ids `records`, None when every record is there) consistent with
+        the small sections."""
         ...
 
     def read_full(self) -> SegmentView:
@@ -80,7 +85,9 @@ def _section_bounds(view: SegmentView, name: str) -> tuple[int, int]:
 class Snapshotter:
     """Consistent copies of a mapped segment into buffers it reuses (no allocation per tick).
 
-    `read()` copies only what the panels show, `read_full()` everything; neither takes a lock.
+    `read()` copies only what the panels show (of the block records, the columns the map and
+    the counts draw, and the records the panels detail), `read_full()` everything; neither
+    takes a lock.
     `read_full()` checks the seqlock around the whole copy, so it is consistent across sections;
     `read()` around all but the block records (see there). A view returned by `read()` stays valid until `read()` has been called twice more (two
     buffers alternate); the TUI consumes each frame before it asks for the next.
@@ -94,6 +101,11 @@ class Snapshotter:
         self._bufs = [np.zeros(end, np.uint8) for _ in range(2)]
         self._views = [SegmentView(b, view.layout) for b in self._bufs]
         self._live_rows: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(2)]
+        nblocks = len(view.blocks)
+        self._columns = [
+            {name: np.zeros(nblocks, view.blocks.dtype[name]) for name in BLOCK_COLUMNS}
+            for _ in range(2)
+        ]
         # Per buffer, each client's (attach time, event head) its event ring was copied at:
         # only rings that changed since are copied again, and of those only the new events.
         self._ring_at = [np.full((len(view.clients), 2), -1, np.int64) for _ in range(2)]
@@ -117,20 +129,24 @@ class Snapshotter:
         return self._seqlock.copy_between(copy, self.tries, undo_into=dst)
 
     def read(self, block: int = -1, slot: int = -1) -> SegmentView:
-        """What the panels show: the block records in one plain copy, then the small sections
-        and the records the panels detail in one piece under the seqlock.
+        """What the panels show: the block columns the map and the counts draw in one plain
+        copy, then the small sections and the records the panels detail in one piece under
+        the seqlock.
 
-        The block records (17 MB on a 100k-block pool) are copied without waiting for a quiet
-        moment: a busy pool changes its counters thousands of times a second, so a copy that
-        long would keep being tried again. Each record is copied once, as it is at that
-        instant; one caught in the middle of an operation can show, for one frame, its new
-        state beside its old refcount, which the block map and the counts take as it comes.
-        The small sections (header, ring header, locks, client records, the events each ring
-        gained since this buffer last copied it, sites, lock graph, findings, live sequence
-        rows) and the records of `block` and of the blocks in sequence `slot`'s table (what
-        the block panel and the block table show field by field) are then copied together in
-        one consistent piece. `torn` is set when that piece never found a quiet moment in
-        `tries` attempts (its last copy is kept).
+        Of the block records (17 MB on a 100k-block pool) only the columns in BLOCK_COLUMNS
+        are copied, contiguous, into `view.columns`, without waiting for a quiet moment: a
+        busy pool changes its counters thousands of times a second, so a copy that long would
+        keep being tried again. Each is copied as it is at that instant; a record caught in
+        the middle of an operation can show, for one frame, its new state beside its old
+        refcount, which the block map and the counts take as it comes. The small sections
+        (header, ring header, locks, client records, the events each ring gained since this
+        buffer last copied it, sites, lock graph, findings, live sequence rows) and the whole
+        records of `block`, of the blocks in sequence `slot`'s table and of the blocks its
+        siblings diverge from it at (`cow_candidates`: what the block panel and the block
+        table show field by field) are then copied together in one consistent piece; their
+        ids are `view.records` (the other records in `view.blocks` are not copied: stale).
+        `torn` is set when that piece never found a quiet moment in `tries` attempts (its
+        last copy is kept).
         """
         i = self._turn
         self._turn ^= 1
@@ -150,7 +166,9 @@ class Snapshotter:
         nblocks = (b1 - b0) // rec
         src_recs = src[b0:b1].reshape(nblocks, rec)
         dst_recs = dst[b0:b1].reshape(nblocks, rec)
-        dst[b0:b1] = src[b0:b1]
+        columns = self._columns[i]
+        for name in BLOCK_COLUMNS:
+            np.copyto(columns[name], view.blocks[name])
 
         def small() -> None:
             for a, b in self._bounds:
@@ -172,11 +190,14 @@ class Snapshotter:
             if 0 <= slot < nseqs and mine.seqs["state"][slot] != SeqState.EMPTY:
                 table = mine.seqs["table"][slot]
                 shown += table[: min(len(table), int(mine.seqs["num_blocks"][slot]))].tolist()
+                shown += [theirs for _, _, theirs in cow_candidates(mine.seqs, slot)]
             ids = np.unique(np.asarray(shown, np.int64))
             ids = ids[(ids >= 0) & (ids < nblocks)]
             dst_recs[ids] = src_recs[ids]
+            mine.records = ids  # type: ignore[attr-defined]
 
         ok = self._consistent(small, dst)
+        mine.columns = columns  # type: ignore[attr-defined]
         mine.torn = not ok  # type: ignore[attr-defined]
         mine.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
         return mine
@@ -257,6 +278,9 @@ class ViewSource:
         self.name = name or bytes(view.h["name"]).decode(errors="replace")
         if not hasattr(view, "torn"):
             view.torn = False  # type: ignore[attr-defined]
+        # Every record is there; the columns are read out once.
+        view.records = None  # type: ignore[attr-defined]
+        view.columns = block_columns(view)  # type: ignore[attr-defined]
 
     def read(self, block: int = -1, slot: int = -1) -> SegmentView:
         return self.view

@@ -97,13 +97,13 @@ class BlockMap(Widget, can_focus=True):
         frame = self.frame
         if frame is None:
             return
-        view = frame.view
         n = frame.num_blocks
         w, h, group = self._geometry(n)
         marked = np.zeros(n, bool)
         ids = [f.block for f in frame.findings if f.block is not None and 0 <= f.block < n]
         marked[ids] = True
-        codes = cell_codes(view.blocks["state"], view.blocks["refcount"], marked, group, w * h)
+        cols = frame.columns
+        codes = cell_codes(cols["state"], cols["refcount"], marked, group, w * h)
         sel = self.selected_block
         if 0 <= sel < n:
             codes[sel // group] |= 1 << 9

@@ -126,7 +126,8 @@ class BlockInspector(VerticalScroll, can_focus=True):
 
     def _show(self) -> None:
         frame, b = self.frame, self.selected_block
-        if frame is None:
+        if frame is None or not frame.has_records([b]):
+            # A block chosen since this frame was taken: its record comes with the next.
             return
         retitle(self, f"block {b}" if b >= 0 else "block")
         text = describe_block(frame, b)

@@ -9,7 +9,7 @@ from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.message import Message
 from textual.reactive import reactive
 from textual.scroll_view import ScrollView
@@ -54,25 +54,46 @@ class RowsView(ScrollView, can_focus=True):
         # per repaint rather than once per line.
         self._base_style: Style | None = None
         self.empty_text = ""
+        # The rows on screen at the last set_rows, from row `_shown_top`, of `_shown_rows`.
         self._shown: list[Row] = []
+        self._shown_top = 0
         self._shown_rows = -1
+        self._shown_rows_known = False
+        # The content width and scroll offset, worked out once per repaint (render_lines).
+        self._width = 0
+        self._top = 0
 
     def set_rows(self, num_rows: int, row_of: Callable[[int], Row]) -> None:
         """Show `num_rows` rows, row i formatted on demand by `row_of(i)`."""
         self.num_rows = num_rows
         self._row_of = row_of
-        # Refresh only when what is on screen changed (most frames of a large pool change
-        # rows that are scrolled away).
+        if num_rows != self._shown_rows:
+            self._shown_rows = num_rows
+            self._update_virtual_size()
+            if self.cursor >= num_rows:
+                self.cursor = max(0, num_rows - 1)
+        # Repaint only the lines whose row changed (most frames of a large pool change rows
+        # that are scrolled away, or none): Textual's cost is per line repainted.
         top = int(self.scroll_offset.y)
         shown = [row_of(i) for i in range(top, min(num_rows, top + self.size.height))]
-        if shown == self._shown and num_rows == self._shown_rows:
+        if top != self._shown_top or not self._shown_rows_known:
+            self._shown, self._shown_top, self._shown_rows_known = shown, top, True
+            self._forget()
+            self.refresh()
             return
-        self._shown, self._shown_rows = shown, num_rows
-        self._forget()
-        self._update_virtual_size()
-        if self.cursor >= num_rows:
-            self.cursor = max(0, num_rows - 1)
-        self.refresh()
+        old = self._shown
+        if shown == old:
+            return
+        self._shown = shown
+        width = self.size.width
+        for k in range(max(len(old), len(shown))):
+            if k < len(old) and k < len(shown) and old[k] == shown[k]:
+                continue
+            i = top + k
+            self._strips.pop(2 * i, None)
+            self._strips.pop(2 * i + 1, None)
+            # (line 0 is the column header; with no rows, line 1 says so)
+            self.refresh(Region(0, k + 1, width, 1))
 
     def _cells(self, cells: tuple[str, ...], width: int) -> str:
         out = []
@@ -108,11 +129,18 @@ class RowsView(ScrollView, can_focus=True):
 
     def on_resize(self, event: events.Resize) -> None:
         self._forget()
-        self._shown_rows = -1
+        self._shown_rows_known = False
         self._update_virtual_size()
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # (the width and offset are properties that walk the layout: once per repaint, not
+        # once per line)
+        self._width = self.scrollable_content_region.width
+        self._top = int(self.scroll_offset.y)
+        return super().render_lines(crop)
+
     def render_line(self, y: int) -> Strip:
-        width = self.scrollable_content_region.width
+        width = self._width
         if y == 0:
             head = tuple(label for label, _ in self.COLUMNS)
             return Strip(
@@ -122,7 +150,7 @@ class RowsView(ScrollView, can_focus=True):
                     )
                 ]
             )
-        i = int(self.scroll_offset.y) + y - 1
+        i = self._top + y - 1
         if i >= self.num_rows:
             if i == 0 and self.empty_text:
                 return Strip([Segment(self.empty_text[:width].ljust(width), Style(dim=True))])
@@ -141,7 +169,7 @@ class RowsView(ScrollView, can_focus=True):
         return strip
 
     def watch_scroll_y(self, old: float, new: float) -> None:
-        self._shown_rows = -1
+        self._shown_rows_known = False
         super().watch_scroll_y(old, new)
 
     def watch_cursor(self, old: int, new: int) -> None:

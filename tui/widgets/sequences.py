@@ -108,8 +108,11 @@ class BlockTableView(RowsView):
             self.set_rows(0, lambda i: ((), None))
             return
         table = frame.block_table(slot)
+        if not frame.has_records(table):
+            # A sequence chosen since this frame was taken: its records come with the next.
+            return
         self.table = table.tolist()
-        blocks = frame.view.blocks
+        cols = frame.columns
         cows = cow_positions(frame, slot)
         n = frame.num_blocks
         retitle(self, f"block table of {request_of(frame.view.seqs[slot])!r}")
@@ -118,17 +121,17 @@ class BlockTableView(RowsView):
             b = self.table[i]
             if not 0 <= b < n:
                 return ((str(i), str(b), "", "", "", "BAD ID"), "bold red")
-            ref = int(blocks["refcount"][b])
+            ref = int(cols["refcount"][b])
             mark, style = "", None
             if i in cows:
                 mark, style = "cow copy", "magenta"
             elif ref > 1:
                 mark, style = f"shared x{ref}", "cyan"
-            state = STATE_NAMES.get(int(blocks["state"][b]), "?")
+            state = STATE_NAMES.get(int(cols["state"][b]), "?")
             if state != "allocated":
                 mark, style = f"{state}!", "bold red"
             return (
-                (str(i), str(b), str(ref), state, str(int(blocks["num_tokens"][b])), mark),
+                (str(i), str(b), str(ref), state, str(int(cols["num_tokens"][b])), mark),
                 style,
             )
 
