@@ -189,10 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         "--hf-ways", default="threads,batches", help="Transformers' ways: threads, batches"
     )
     r.add_argument("--check", type=int, default=4, help="requests compared with Transformers")
+    r.add_argument(
+        "--step-clock",
+        action="store_true",
+        help="the engine on a virtual clock (server.engine.StepClock, 5 ms a step): the same "
+        "figures on every machine; the means weigh every step the same, requests/s and TTFT "
+        "are in virtual seconds",
+    )
     args = ap.parse_args(argv)
     if args.mixes and (
         args.shape or args.score or args.short or args.baseline or args.memory
         or args.clients or args.mix or args.repeat > 1 or args.table or args.num_blocks
+        or args.step_clock
     ):  # fmt: skip
         return _report(args)
     if args.mixes:
@@ -289,6 +297,11 @@ def _report(args: argparse.Namespace) -> int:
         serve_mixes.a100_blocks(model) if args.memory == "a100" else serve_mixes.DEFAULT_BLOCKS
     )
     budget = "report" if args.memory == "report" and not args.num_blocks else "fixed"
+    clock = None
+    if args.step_clock:
+        from server.engine import StepClock
+
+        clock = StepClock
     hf = None
     if args.baseline == "hf":
         from bench_serve_hf import HFBaseline
@@ -299,7 +312,7 @@ def _report(args: argparse.Namespace) -> int:
         num_requests=args.requests, repeat=args.repeat, graphs=args.cuda_graphs != "off",
         hf=hf, hf_requests=args.hf_requests, check=args.check,
         mixes=tuple(x for x in serve_mixes.MIXES if x in args.mix.split(",")) or serve_mixes.MIXES,
-        hf_ways=tuple(args.hf_ways.split(",")), budget=budget,
+        hf_ways=tuple(args.hf_ways.split(",")), budget=budget, clock=clock,
     )  # fmt: skip
     results["machine"] = _machine(args)
     if args.table:
