@@ -113,6 +113,8 @@ def seq_fields(max_blocks_per_seq: int) -> list[Field]:
         ("num_tokens", "<u8"),
         ("created_ns", "<u8"),
         ("table", "<i4", (max_blocks_per_seq,)),
+        # (records start 8-byte aligned: the core and sequence.py read num_tokens as a u8 word)
+        *([("table_pad", "u1", (4,))] if max_blocks_per_seq % 2 else []),
     ]
 
 

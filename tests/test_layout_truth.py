@@ -119,3 +119,20 @@ def test_python_path_has_one_chunk_and_one_evict_batch():
             text = path.read_text()
             assert "\nCHUNK = " not in text and "\nEVICT_BATCH = " not in text, path.name
     assert runpy.run_path(str(ROOT / "allocator/records.py"))["CHUNK"] == layout.CHUNK
+
+
+@pytest.mark.parametrize("num_blocks, max_blocks_per_seq", [(81, 0), (7, 0), (64, 5)])
+def test_an_odd_table_length_makes_a_working_pool(make_pool, num_blocks, max_blocks_per_seq):
+    # GIVEN a geometry whose block tables hold an odd number of entries (the defaults give a
+    # pool of 81 blocks 81 of them), whose sequence records numpy packs to 4 bytes past a word
+    pool = make_pool(num_blocks, max_blocks_per_seq=max_blocks_per_seq)
+    # THEN every record starts on an 8-byte word (the core reads num_tokens as one)
+    assert pool.view.seqs.dtype.itemsize % 8 == 0 and pool.view.offsets["seqs"] % 8 == 0
+    # AND the pool works: allocate, publish, hit, free, and the whole check is clean
+    seq = pool.allocate("a", list(range(13)))
+    pool.mark_computed(seq, 12)
+    hit = pool.allocate("b", list(range(12)) + [99])
+    assert hit.num_cached_tokens == 12
+    pool.free(hit)
+    pool.free(seq)
+    assert pool.check() == []
