@@ -33,6 +33,7 @@
 #include "csrc/prefix.c"
 #include "csrc/eviction.c"
 #include "csrc/sequences.c"
+#include "csrc/tokens.c"
 #include "csrc/probes.c"
 #include "csrc/kvdata.c"
 #include "csrc/allocate.c"

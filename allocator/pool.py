@@ -53,15 +53,14 @@ _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 # (the state as a plain int: numpy compares an IntEnum member at twice the cost)
 _ALLOCATED = int(BlockState.ALLOCATED)
 
-# What `allocate` and `append` take as tokens (as_token_list makes it the list the core reads).
+# What `allocate` and `append` take as tokens: the C core reads each kind itself
+# (csrc/tokens.c); as_token_list makes the list the Python path reads.
 Tokens = Sequence_[int] | np.ndarray | torch.Tensor
 
 
 def as_token_list(tokens: Tokens) -> list[int]:
-    """Tokens that are not a list as a list of ints, normalized once here so that every input
-    type takes the same core call: a numpy or torch array through tolist() (one-dimensional),
-    any other sequence through list(). (A list goes to the core as it is; the core takes its ints, and numpy or
-    torch integer scalars in it, through their __index__.)"""
+    """Tokens as a list of ints for the Python path: a numpy or torch array through tolist()
+    (one-dimensional), any other sequence through list()."""
     kind = type(tokens)
     if kind is tuple:
         return list(tokens)
@@ -305,18 +304,14 @@ class KVPool:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence.
 
         `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
-        `request_id`: any object, kept as its str()."""
-        if type(tokens) is not list:
-            tokens = as_token_list(tokens)
-        if type(request_id) is not str:
-            request_id = str(request_id)
+        `request_id`: any object, kept as its str() (docs/POOL.md)."""
         if self.probe is not None:
             self.probe.writes.settle()
         guarded = self._guard_every > 1 and self._sample_guard()
         runner.reserve_ready(self, claiming=True)
         seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
         if seq is None:
-            seq = allocate.allocate(self, request_id, tokens)
+            seq = allocate.allocate(self, str(request_id), as_token_list(tokens))
         if guarded:
             # Sampled guard mode: this one is guarded (its release runs on the Python path).
             self._guarded.add(seq.slot)
@@ -325,11 +320,9 @@ class KVPool:
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
         """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
         copies to perform first."""
-        if type(tokens) is not list:
-            tokens = as_token_list(tokens)
         done = None if self._native is None else self._native.append(self, seq, tokens)
         if done is None:
-            done = append.append(self, seq, tokens)
+            done = append.append(self, seq, as_token_list(tokens))
         if self._checks_overdue:
             self._settle_overdue()
         return done
@@ -354,14 +347,12 @@ class KVPool:
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
         """A new sequence sharing every block of seq (refcounts +1); `request_id` as in
         `allocate`."""
-        if type(request_id) is not str:
-            request_id = str(request_id)
         runner.reserve_ready(self, claiming=True)
         if self._native is not None:
             child = self._native.fork(self, seq, request_id)
             if child is not None:
                 return child
-        return fork.fork(self, seq, request_id)
+        return fork.fork(self, seq, str(request_id))
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""

@@ -5,8 +5,8 @@ an int id, on one pool, interleaved round by round.
     python bench/bench_inputs.py [--pairs 20000] [--repeat 5] [--clock wall|cpu]
 
 Prints pairs/s per input (median of the rounds) and each one's ratio to the list + str row, with
-the spread of the per-round ratios. Every input is normalized once by the binding (pool.py), so
-each row runs the same core call. `--clock cpu` times the process's CPU time instead of the
+the spread of the per-round ratios. The C core reads every input itself (allocator/csrc/tokens.c),
+so each row runs the same core call. `--clock cpu` times the process's CPU time instead of the
 wall clock: on a shared, loaded machine the ratios then measure this process's own work.
 """
 

@@ -1,5 +1,5 @@
 """What allocate, append and fork take: any sequence of ints, numpy or torch integer arrays,
-any request id, each normalized once by the binding and run by the same core call."""
+any request id, each read by the C core itself (csrc/tokens.c) and run by the same core call."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ INPUTS = [
     pytest.param(range(5, 11), id="range"),
     pytest.param(np.asarray(PROMPT, np.int64), id="numpy-int64"),
     pytest.param(np.asarray(PROMPT, np.int32), id="numpy-int32"),
+    pytest.param(np.asarray(PROMPT, ">u2"), id="numpy-uint16-big-endian"),
+    pytest.param(np.repeat(PROMPT, 2)[::2], id="numpy-strided"),
     pytest.param(torch.tensor(PROMPT), id="torch-int64"),
+    pytest.param(torch.tensor(PROMPT, dtype=torch.int32), id="torch-int32"),
+    pytest.param(torch.tensor([0, *PROMPT])[1:], id="torch-offset-view"),
+    pytest.param(torch.tensor(PROMPT).repeat_interleave(2)[::2], id="torch-strided"),
     pytest.param([np.int64(t) for t in PROMPT], id="list-of-numpy-ints"),
 ]
 
@@ -82,3 +87,72 @@ def test_a_two_dimensional_array_is_refused_with_a_pool_error(make_pool):
     with pytest.raises(PoolError, match="one-dimensional"):
         pool.allocate("r1", np.ones((2, 3), np.int64))
     assert pool.stats()["num_sequences"] == 0
+
+
+@pytest.mark.parametrize(
+    "tokens, dtype",
+    [
+        pytest.param(np.asarray(PROMPT, np.float64), "float64", id="numpy-float64"),
+        pytest.param(
+            torch.tensor(PROMPT, dtype=torch.float32), "torch.float32", id="torch-float32"
+        ),
+        pytest.param(torch.tensor(PROMPT, dtype=torch.bfloat16), "torch.bfloat16", id="torch-bf16"),
+    ],
+)
+def test_a_float_array_is_refused_with_a_pool_error_naming_its_dtype(make_pool, tokens, dtype):
+    # GIVEN a pool
+    pool = make_pool(32)
+    # WHEN a prompt is a float array
+    # THEN allocate says which dtype it got, and nothing is left allocated
+    with pytest.raises(PoolError, match=f"must be integers, got an array of dtype {dtype}$"):
+        pool.allocate("r1", tokens)
+    assert pool.stats()["num_sequences"] == 0
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        pytest.param(torch.ones((2, 3), dtype=torch.long), id="torch-2d"),
+        pytest.param(np.int64(5), id="numpy-scalar"),
+    ],
+)
+def test_an_array_of_another_shape_is_refused_with_a_pool_error(make_pool, tokens):
+    # GIVEN a pool
+    pool = make_pool(32)
+    # WHEN a prompt is a 2-D tensor or a 0-D array
+    # THEN allocate says it must be one-dimensional
+    with pytest.raises(PoolError, match="one-dimensional"):
+        pool.allocate("r1", tokens)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        pytest.param([1, 2**31], id="list"),
+        pytest.param(np.asarray([1, 2**31], np.int64), id="numpy-int64"),
+        pytest.param(np.asarray([1, 2**63], np.uint64), id="numpy-uint64"),
+        pytest.param(torch.tensor([1, -(2**31) - 1]), id="torch-int64"),
+    ],
+)
+def test_a_token_outside_int32_is_refused_with_a_pool_error(make_pool, tokens):
+    # GIVEN a pool and a sequence
+    pool = make_pool(32)
+    seq = pool.allocate("r0", [1])
+    # WHEN a prompt or an append holds a token the records cannot store
+    # THEN both say which token, and nothing changed
+    with pytest.raises(PoolError, match="at position 1 is outside the int32 range"):
+        pool.allocate("r1", tokens)
+    with pytest.raises(PoolError, match="at position 1 is outside the int32 range"):
+        pool.append(seq, tokens)
+    assert seq.tokens == [1]
+    assert pool.stats()["num_sequences"] == 1
+
+
+def test_negative_tokens_are_kept_as_given(make_pool):
+    # GIVEN a pool
+    pool = make_pool(32)
+    # WHEN a prompt holds negative ids and the int32 extremes, in a numpy array
+    seq = pool.allocate("r1", np.asarray([-1, -(2**31), 2**31 - 1], np.int64))
+    # THEN the sequence and the records hold them as given
+    assert seq.tokens == [-1, -(2**31), 2**31 - 1]
+    assert pool.view.blocks["tokens"][seq.block_table[0]][:3].tolist() == seq.tokens

@@ -3,30 +3,19 @@
 
 /* -- allocate --------------------------------------------------------------------------------- */
 
-/* A prompt's allocation (tokens: a list of ints; request: 32 bytes) -> (slot, seq_id,
+/* A prompt's allocation (toks: its ntok tokens; request: 32 bytes) -> (slot, seq_id,
  * table: list[int], chain: list[int], hits), or None (the Python path). */
-static PyObject *core_allocate(Native *n, PyObject *list, const char *request, int32_t site) {
-    if (!PyList_CheckExact(list)) return fallback(n);
-    Py_ssize_t ntok = PyList_GET_SIZE(list);
+static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
+                               const char *request, int32_t site) {
     int64_t bs = n->bs;
     int64_t nblocks = (ntok + bs - 1) / bs;
     if (ntok == 0 || nblocks > CHUNK || nblocks > n->max_bps) return fallback(n);
     int32_t table[CHUNK];
-    /* nblocks <= CHUNK: the chain and keys fit on the stack; tokens do unless blocks are big. */
+    /* nblocks <= CHUNK: the chain and keys fit on the stack. */
     uint64_t chain[CHUNK + 1], keys[CHUNK + 1];
-    int32_t small[2048];
-    int32_t *toks = ntok <= 2048 ? small : PyMem_Malloc(sizeof(int32_t) * (size_t)ntok);
     int64_t nfull = ntok / bs;
     PyObject *result = NULL;
     int mutex = 0;
-    if (!toks) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    if (tokens_of(list, 0, toks, ntok)) {
-        result = fallback(n);
-        goto out;
-    }
     /* Chain values and keys of the full blocks (prefix.chain_hashes / family_keys). */
     uint64_t mask = (uint64_t)(n->num_shards - 1);
     for (int64_t j = 0; j < nfull; j++) {
@@ -145,7 +134,6 @@ abort:
     result = PyErr_Occurred() ? NULL : fallback(n);
 out:
     if (mutex) drop_mutex(n);
-    if (toks != small) PyMem_Free(toks);
     return result;
 }
 

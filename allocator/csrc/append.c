@@ -49,13 +49,7 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
  * copy-on-write, ...): into the last block when it has room, else into a new block (a
  * transaction). */
 static PyObject *core_append1(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
-                              PyObject *tok_in) {
-    long tok = PyLong_AsLong(tok_in);
-    if (tok == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return fallback(n);
-    }
-    if (tok < INT32_MIN || tok > INT32_MAX) return fallback(n);
+                              int32_t tok) {
     PyObject *tokens = sfield(n, seq, F_TOKENS);
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     PyObject *chain = sfield(n, seq, F_CHAIN);
@@ -84,8 +78,8 @@ static PyObject *core_append1(Native *n, PyObject *pool, PyObject *seq, int64_t 
             }
         }
     }
-    /* The token as the sequence keeps it: an int as given (append.py stores int(t)). */
-    tok_o = PyLong_CheckExact(tok_in) ? Py_NewRef(tok_in) : PyLong_FromLong(tok);
+    /* The token as the sequence keeps it: an int. */
+    tok_o = PyLong_FromLong(tok);
     if (tok_o == NULL) goto out;
     if (off) {
         long last = PyLong_AsLong(PyList_GET_ITEM(table, nb - 1));

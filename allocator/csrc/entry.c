@@ -82,20 +82,6 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
     return seq;
 }
 
-/* A copy of a list of ints (and integer scalars: numpy's, torch's) as plain ints: the tokens
- * a Sequence keeps. */
-static PyObject *int_list(PyObject *list) {
-    PyObject *out = PyList_GetSlice(list, 0, PyList_GET_SIZE(list));
-    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(out); i++) {
-        PyObject *o = PyList_GET_ITEM(out, i);
-        if (PyLong_CheckExact(o)) continue;
-        PyObject *v = PyNumber_Index(o);
-        if (v == NULL) Py_CLEAR(out);
-        else PyList_SetItem(out, i, v);
-    }
-    return out;
-}
-
 #define GATE(n, pool, op)                                                                    \
     do {                                                                                     \
         int g_ = gate(n, pool, op);                                                          \
@@ -103,29 +89,33 @@ static PyObject *int_list(PyObject *list) {
         if (g_ != OK) return fallback(n);                                                    \
     } while (0)
 
-/* allocate(pool, tokens, request_id) -> Sequence | None */
-static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyUnicode_CheckExact(args[2]) || !PyList_CheckExact(args[1]))
-        return fallback(n);
-    GATE(n, args[0], OP_ALLOCATE);
+/* N_append once its tokens are read. */
+static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tokens *t) {
+    if (t->n != 1) return fallback(n);
+    GATE(n, pool, OP_APPEND);
+    int64_t slot = own_slot(n, seq);
+    if (slot < 0) return fallback(n);
+    return core_append1(n, pool, seq, slot, t->v[0]);
+}
+
+/* N_allocate once its arguments are read: the tokens, the request id as a str. */
+static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObject *rid) {
+    GATE(n, pool, OP_ALLOCATE);
     char request[REQUEST_BYTES];
-    if (request_of(args[2], request)) {
-        PyErr_Clear();
-        return fallback(n);
-    }
-    int32_t site = site_now(n, args[0]);
+    if (request_of(rid, request)) return NULL;
+    int32_t site = site_now(n, pool);
     if (site == -2) return NULL;
-    PyObject *got = core_allocate(n, args[1], request, site);
+    PyObject *got = core_allocate(n, t->v, t->n, request, site);
     if (got == NULL || got == Py_None) return got;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
-    PyObject *tokens = int_list(args[1]);
+    PyObject *tokens = tokens_list(t);
     PyObject *uid = PyLong_FromLongLong(n->uid);
     PyObject *cached =
         PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);
     PyObject *seq = NULL;
     if (tokens && uid && cached) {
-        PyObject *a[10] = {args[2],        tokens, PyTuple_GET_ITEM(got, 2), PyTuple_GET_ITEM(got, 0),
+        PyObject *a[10] = {rid,        tokens, PyTuple_GET_ITEM(got, 2), PyTuple_GET_ITEM(got, 0),
                            PyTuple_GET_ITEM(got, 1), uid, cached, s_running,
                            PyTuple_GET_ITEM(got, 3), PyTuple_GET_ITEM(got, 4)};
         seq = new_sequence(n, a, PyTuple_GET_ITEM(got, 0));
@@ -134,6 +124,28 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
     Py_XDECREF(uid);
     Py_XDECREF(cached);
     Py_DECREF(got);
+    return seq;
+}
+
+/* allocate(pool, tokens, request_id) -> Sequence | None: tokens as tokens.c reads them, any
+ * request id (its str). */
+static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "allocate(pool, tokens, request_id)");
+        return NULL;
+    }
+    Tokens t;
+    if (tokens_read(args[1], &t, 1)) {
+        tokens_done(&t);
+        return NULL;
+    }
+    PyObject *rid = NULL, *seq = NULL;
+    if (t.n == 0)
+        pool_error("allocate needs at least one token");
+    else if ((rid = request_str(args[2])) != NULL)
+        seq = allocate_read(n, args[0], &t, rid);
+    Py_XDECREF(rid);
+    tokens_done(&t);
     return seq;
 }
 
@@ -206,14 +218,17 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_TRUE;
 }
 
-/* append(pool, seq, tokens) -> [] | None: one token. */
+/* append(pool, seq, tokens) -> [] | None: one token (tokens as tokens.c reads them). */
 static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_CheckExact(args[2]) || PyList_GET_SIZE(args[2]) != 1)
-        return fallback(n);
-    GATE(n, args[0], OP_APPEND);
-    int64_t slot = own_slot(n, args[1]);
-    if (slot < 0) return fallback(n);
-    return core_append1(n, args[0], args[1], slot, PyList_GET_ITEM(args[2], 0));
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "append(pool, seq, tokens)");
+        return NULL;
+    }
+    Tokens t;
+    PyObject *out = NULL;
+    if (tokens_read(args[2], &t, 0) == OK) out = append_read(n, args[0], args[1], &t);
+    tokens_done(&t);
+    return out;
 }
 
 /* mark_computed(pool, seq, num_tokens) -> int | None */
@@ -314,17 +329,28 @@ static PyObject *N_verify_often(Native *n, PyObject *pool) {
     Py_RETURN_TRUE;
 }
 
-/* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block. */
+/* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block; any
+ * request id (its str). */
+static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid);
+
 static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyUnicode_CheckExact(args[2])) return fallback(n);
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fork(pool, seq, request_id)");
+        return NULL;
+    }
+    PyObject *rid = request_str(args[2]);
+    if (rid == NULL) return NULL;
+    PyObject *seq = fork_read(n, args, rid);
+    Py_DECREF(rid);
+    return seq;
+}
+
+static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     GATE(n, args[0], OP_FORK);
     PyObject *src = args[1];
     if (own_slot(n, src) < 0) return fallback(n);
     char request[REQUEST_BYTES];
-    if (request_of(args[2], request)) {
-        PyErr_Clear();
-        return fallback(n);
-    }
+    if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n, args[0]);
     if (site == -2) return NULL;
     PyObject *f[10];
@@ -378,7 +404,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     slot_o = PyLong_FromLongLong(slot);
     id_o = PyLong_FromUnsignedLongLong(seq_id);
     if (!table || !tokens || !chain || !slot_o || !id_o) goto out;
-    PyObject *a[10] = {args[2], tokens,    table,     slot_o, id_o,
+    PyObject *a[10] = {rid, tokens,    table,     slot_o, id_o,
                        f[F_POOL_UID], f[F_CACHED], s_running, chain, f[F_PUBLISHED]};
     seq = new_sequence(n, a, slot_o);
     if (seq) n->native_ops++;

@@ -1,0 +1,362 @@
+/* What a caller passes to allocate, append and fork, read once by the core: the tokens as
+ * int32s (the records' type) and the request id as a str. Part of _native.c.
+ *
+ * Tokens: a list or tuple of ints (or of integer scalars: their __index__), a one-dimensional
+ * integer array through the buffer protocol (numpy, array.array, memoryview) or through
+ * DLPack's C exchange API (a torch tensor: `type(t).__dlpack_c_exchange_api__`, no copy, no
+ * Python call), any other sequence through its items. A tensor on a device the core cannot
+ * read is read through its tolist(). docs/POOL.md lists what is refused and how. */
+
+/* -- DLPack's C exchange API (dlpack.h, v1.x: the stable part the core uses) -------------- */
+
+typedef struct {
+    int32_t device_type; /* kDLCPU = 1, kDLCUDAHost = 3 (both host memory) */
+    int32_t device_id;
+} DLDevice_;
+
+typedef struct {
+    uint8_t code; /* kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6 */
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType_;
+
+typedef struct {
+    void *data;
+    DLDevice_ device;
+    int32_t ndim;
+    DLDataType_ dtype;
+    int64_t *shape;
+    int64_t *strides; /* in elements; NULL: compact row-major */
+    uint64_t byte_offset;
+} DLTensor_;
+
+typedef struct DLApiHeader_ {
+    struct {
+        uint32_t major, minor;
+    } version;
+    struct DLApiHeader_ *prev_api;
+} DLApiHeader_;
+
+typedef struct {
+    DLApiHeader_ header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor_ *out);
+    void *current_work_stream;
+} DLExchangeAPI_;
+
+/* The types met (beyond list, tuple and buffers) with their exchange API, or NULL for a type
+ * without one (read as a sequence): torch.Tensor, its subclasses, a user's sequence type. */
+#define DL_TYPES 8
+static PyTypeObject *dl_types[DL_TYPES];
+static const DLExchangeAPI_ *dl_apis[DL_TYPES];
+
+/* The exchange API of obj's type, or NULL (none, or not a version the core reads). */
+static const DLExchangeAPI_ *dl_api_of(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    for (int i = 0; i < DL_TYPES && dl_types[i]; i++)
+        if (dl_types[i] == tp) return dl_apis[i];
+    const DLExchangeAPI_ *api = NULL;
+    PyObject *cap = PyObject_GetAttrString((PyObject *)tp, "__dlpack_c_exchange_api__");
+    if (cap != NULL) {
+        api = PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+        Py_DECREF(cap);
+    }
+    PyErr_Clear();
+    if (api != NULL &&
+        (api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL))
+        api = NULL;
+    for (int i = 0; i < DL_TYPES; i++)
+        if (dl_types[i] == NULL) {
+            dl_types[i] = (PyTypeObject *)Py_NewRef(tp);
+            dl_apis[i] = api;
+            break;
+        }
+    return api;
+}
+
+/* -- the tokens ----------------------------------------------------------------------------- */
+
+#define TOKENS_SMALL 512
+
+typedef struct {
+    int32_t *v; /* the tokens: `small` or a PyMem block */
+    Py_ssize_t n;
+    /* Where the caller asked for it and every token is an int: a list of them of the core's
+     * own (new reference), or the caller's tuple; else NULL. */
+    PyObject *items;
+    int32_t small[TOKENS_SMALL];
+} Tokens;
+
+static void tokens_done(Tokens *t) {
+    if (t->v != t->small) PyMem_Free(t->v);
+    t->v = t->small;
+    Py_CLEAR(t->items);
+}
+
+static int tokens_room(Tokens *t, Py_ssize_t n) {
+    t->n = n;
+    if (n <= TOKENS_SMALL) return OK;
+    t->v = PyMem_Malloc(sizeof(int32_t) * (size_t)n);
+    if (t->v == NULL) {
+        t->v = t->small;
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    return OK;
+}
+
+static PyObject *pool_error_type(void) {
+    PyObject *mod = PyImport_ImportModule("kvscope.allocator.errors");
+    if (mod == NULL) return NULL;
+    PyObject *cls = PyObject_GetAttrString(mod, "PoolError");
+    Py_DECREF(mod);
+    return cls;
+}
+
+/* Raise PoolError(message): ERROR. */
+static int pool_error(const char *fmt, ...) {
+    PyObject *cls = pool_error_type();
+    if (cls == NULL) return ERROR;
+    va_list va;
+    va_start(va, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, va);
+    va_end(va);
+    if (msg != NULL) PyErr_SetObject(cls, msg);
+    Py_XDECREF(msg);
+    Py_DECREF(cls);
+    return ERROR;
+}
+
+static int token_range_error(long long v, Py_ssize_t i) {
+    return pool_error("token %lld at position %zd is outside the int32 range the pool stores", v,
+                      i);
+}
+
+static int token_big_error(PyObject *o, Py_ssize_t i) {
+    PyErr_Clear();
+    return pool_error("token %R at position %zd is outside the int32 range the pool stores", o, i);
+}
+
+/* Item i of a list or tuple as an int32 into *out; *exact stays 1 while every item is an int.
+ * An item that is not an integer: the TypeError of its __index__. */
+static inline int token_item(PyObject *o, Py_ssize_t i, int32_t *out, int *exact) {
+    PyObject *v = NULL;
+    if (!PyLong_CheckExact(o)) {
+        /* a numpy or torch integer scalar, a bool: its __index__, as operator.index takes it */
+        *exact = 0;
+        v = PyNumber_Index(o);
+        if (v == NULL) return ERROR;
+        o = v;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    /* Up to 3.11 an int below 2**30 is one 30-bit digit with the sign in ob_size. */
+    Py_ssize_t size = Py_SIZE(o);
+    if (size >= -1 && size <= 1) {
+        *out = (int32_t)(size * (long)((PyLongObject *)o)->ob_digit[0]);
+        Py_XDECREF(v);
+        return OK;
+    }
+#endif
+    long long x = PyLong_AsLongLong(o);
+    int rc = OK;
+    if (x == -1 && PyErr_Occurred())
+        rc = token_big_error(o, i);
+    else if (x < INT32_MIN || x > INT32_MAX)
+        rc = token_range_error(x, i);
+    else
+        *out = (int32_t)x;
+    Py_XDECREF(v);
+    return rc;
+}
+
+/* The items of a list or tuple; `want`: keep them in t->items (a list of the caller's is
+ * copied first: Python code the operation runs could change it); `own`: seq is a list made
+ * here. */
+static int tokens_of_items(PyObject *seq, Tokens *t, int want, int own) {
+    PyObject *keep;
+    if (want && !own && PyList_CheckExact(seq))
+        keep = PyList_GetSlice(seq, 0, PyList_GET_SIZE(seq));
+    else
+        keep = Py_NewRef(seq);
+    if (keep == NULL) return ERROR;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keep);
+    PyObject **items = PySequence_Fast_ITEMS(keep);
+    int exact = 1, rc = tokens_room(t, n);
+    for (Py_ssize_t i = 0; rc == OK && i < n; i++) rc = token_item(items[i], i, t->v + i, &exact);
+    if (rc == OK && want && exact)
+        t->items = keep;
+    else
+        Py_DECREF(keep);
+    return rc;
+}
+
+/* The array's dtype as numpy or torch names it (its `dtype`), else the buffer's format. */
+static int dtype_error(PyObject *obj, const char *format) {
+    PyObject *dt = PyObject_GetAttrString(obj, "dtype");
+    if (dt == NULL) {
+        PyErr_Clear();
+        return pool_error("tokens must be integers, got an array of format %s", format);
+    }
+    int rc = pool_error("tokens must be integers, got an array of dtype %S", dt);
+    Py_DECREF(dt);
+    return rc;
+}
+
+static int shape_error(int ndim, const Py_ssize_t *shape, const int64_t *shape64) {
+    PyObject *s = PyTuple_New(ndim);
+    for (int i = 0; s && i < ndim; i++) {
+        PyObject *d = PyLong_FromLongLong(shape ? (long long)shape[i] : (long long)shape64[i]);
+        if (d == NULL) Py_CLEAR(s);
+        else PyTuple_SET_ITEM(s, i, d);
+    }
+    if (s == NULL) return ERROR;
+    int rc = pool_error("tokens must be one-dimensional, got an array of shape %R", s);
+    Py_DECREF(s);
+    return rc;
+}
+
+/* The low `size` bytes of x in the other byte order. */
+static inline uint64_t swapped(uint64_t x, int size) {
+    return __builtin_bswap64(x) >> (64 - 8 * size);
+}
+
+/* n integers of `size` bytes, signed or not, in this machine's byte order or the other
+ * (`swap`), `stride` bytes apart from p, into t->v. */
+static int tokens_of_memory(Tokens *t, const char *p, Py_ssize_t n, Py_ssize_t stride, int size,
+                            int is_signed, int swap) {
+    if (tokens_room(t, n)) return ERROR;
+    for (Py_ssize_t i = 0; i < n; i++, p += stride) {
+        /* (little-endian: the low bytes first; the byte-order swap below fixes the rest) */
+        uint64_t u = 0;
+        memcpy(&u, p, (size_t)size);
+#if !PY_LITTLE_ENDIAN
+        u >>= 64 - 8 * size;
+#endif
+        if (swap) u = swapped(u, size);
+        long long x;
+        if (!is_signed) {
+            if (u > (uint64_t)INT32_MAX)
+                return pool_error("token %llu at position %zd is outside the int32 range the "
+                                  "pool stores",
+                                  (unsigned long long)u, i);
+            x = (long long)u;
+        } else {
+            /* sign-extend from `size` bytes */
+            int shift = 64 - 8 * size;
+            x = (long long)(int64_t)(u << shift) >> shift;
+        }
+        if (x < INT32_MIN || x > INT32_MAX) return token_range_error(x, i);
+        t->v[i] = (int32_t)x;
+    }
+    return OK;
+}
+
+/* A buffer's one-letter integer format ("q", "<i", ">H", "?"...): 1 signed, 0 unsigned, plus
+ * 2 when its bytes are in the other byte order; -1 for anything else (floats, structs). */
+static int int_format(const char *f) {
+    if (f == NULL) return 0; /* unsigned bytes */
+    int swap = 0;
+    if (*f == '@' || *f == '=') f++;
+    else if (*f == '<' || *f == '>' || *f == '!') swap = (*f++ == '<') != PY_LITTLE_ENDIAN;
+    if (f[0] == 0 || f[1] != 0) return -1;
+    if (strchr("bhilqn", f[0])) return 1 | swap << 1;
+    if (strchr("BHILQN?", f[0])) return 0 | swap << 1;
+    return -1;
+}
+
+static int tokens_of_buffer(PyObject *obj, Tokens *t) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) < 0) return ERROR;
+    int rc;
+    int sign = int_format(view.format);
+    if (view.ndim != 1)
+        rc = shape_error(view.ndim, view.shape, NULL);
+    else if (sign < 0 || (view.itemsize != 1 && view.itemsize != 2 && view.itemsize != 4 &&
+                          view.itemsize != 8))
+        rc = dtype_error(obj, view.format ? view.format : "B");
+    else
+        rc = tokens_of_memory(t, view.buf, view.shape[0],
+                              view.strides ? view.strides[0] : view.itemsize, (int)view.itemsize,
+                              sign & 1, sign >> 1);
+    PyBuffer_Release(&view);
+    return rc;
+}
+
+/* A tensor through DLPack: OK, ERROR, or FALLBACK when its memory is not the host's (the
+ * caller reads its tolist()). */
+static int tokens_of_dlpack(PyObject *obj, const DLExchangeAPI_ *api, Tokens *t) {
+    DLTensor_ dl;
+    if (api->dltensor_from_py_object_no_sync(obj, &dl)) return ERROR;
+    if (dl.ndim != 1) return shape_error(dl.ndim, NULL, dl.shape);
+    int code = dl.dtype.code, bits = dl.dtype.bits;
+    if (dl.dtype.lanes != 1 || !(code == 0 || code == 1 || code == 6) ||
+        !(bits == 8 || bits == 16 || bits == 32 || bits == 64))
+        return dtype_error(obj, "?");
+    if (dl.device.device_type != 1 && dl.device.device_type != 3) return FALLBACK;
+    int64_t stride = dl.strides ? dl.strides[0] : 1;
+    return tokens_of_memory(t, (const char *)dl.data + dl.byte_offset, (Py_ssize_t)dl.shape[0],
+                            (Py_ssize_t)(stride * (bits / 8)), bits / 8, code == 0, 0);
+}
+
+/* Any other sequence (a range, a tensor's tolist()...) through its items. */
+static int tokens_of_sequence(PyObject *obj, Tokens *t, int want) {
+    PyObject *seq = PySequence_Fast(obj, "tokens must be a sequence of ints or a one-dimensional "
+                                         "integer array");
+    if (seq == NULL) return ERROR;
+    int rc = tokens_of_items(seq, t, want, seq != obj);
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* The caller's tokens into t (t->v, t->n; with `want_items`, t->items where the Sequence may
+ * keep them): OK, or ERROR with PoolError (a 2-D or non-integer array, a token outside int32)
+ * or the TypeError of an item that is not an integer. tokens_done(t) after, either way. */
+static int tokens_read(PyObject *obj, Tokens *t, int want_items) {
+    t->v = t->small;
+    t->n = 0;
+    t->items = NULL;
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj))
+        return tokens_of_items(obj, t, want_items, 0);
+    if (PyObject_CheckBuffer(obj)) return tokens_of_buffer(obj, t);
+    const DLExchangeAPI_ *api = dl_api_of(obj);
+    if (api == NULL) return tokens_of_sequence(obj, t, want_items);
+    int rc = tokens_of_dlpack(obj, api, t);
+    if (rc != FALLBACK) return rc;
+    PyObject *list = PyObject_CallMethod(obj, "tolist", NULL);
+    if (list == NULL) return ERROR;
+    rc = tokens_of_sequence(list, t, want_items);
+    Py_DECREF(list);
+    return rc;
+}
+
+/* The tokens as a list of ints (what a Sequence keeps; a new reference, at most once per
+ * read): the kept items, else ints made from the values. */
+static PyObject *tokens_list(const Tokens *t) {
+    if (t->items != NULL && PyList_CheckExact(t->items)) return Py_NewRef(t->items);
+    PyObject *out = PyList_New(t->n);
+    if (out == NULL) return NULL;
+    if (t->items != NULL) {
+        PyObject **items = PySequence_Fast_ITEMS(t->items);
+        for (Py_ssize_t i = 0; i < t->n; i++) PyList_SET_ITEM(out, i, Py_NewRef(items[i]));
+        return out;
+    }
+    for (Py_ssize_t i = 0; i < t->n; i++) {
+        PyObject *v = PyLong_FromLong(t->v[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* -- the request id ------------------------------------------------------------------------- */
+
+/* The request id as the Sequence keeps it (a new reference): a str as it is, anything else
+ * its str(). */
+static PyObject *request_str(PyObject *rid) {
+    return PyUnicode_CheckExact(rid) ? Py_NewRef(rid) : PyObject_Str(rid);
+}
