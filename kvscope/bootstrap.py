@@ -9,16 +9,15 @@ that ended the script, as JSON.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import runpy
 import subprocess
 import sys
-import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvscope.stopper import Stopper
+# What only the child needs (running the target, recording how it ended) is imported there:
+# every module the parent imports before `launch` delays the script's first line.
+if TYPE_CHECKING:
+    from kvscope.stopper import Stopper
 
 
 def launch(
@@ -34,6 +33,9 @@ def launch(
 
 def _record_exception(e: BaseException) -> None:
     """Write the exception that ended the script to the run directory, for the dump's reason."""
+    import json
+    import traceback
+
     from kvscope.child import run_dir
 
     out = run_dir()
@@ -48,6 +50,9 @@ def _record_exception(e: BaseException) -> None:
 
 def main(argv: list[str]) -> int:
     """Run `script.py args` or `-m module args` as __main__ with the hooks installed."""
+    import importlib.util
+    import runpy
+
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         print("kvscope: error: bootstrap needs a script or -m module", file=sys.stderr)
         return 2
@@ -81,6 +86,8 @@ def main(argv: list[str]) -> int:
 
 def _print_user_traceback(e: BaseException) -> None:
     """The traceback as `python script.py` would print it: without the bootstrap's frames."""
+    import runpy
+
     tb = e.__traceback__
     while tb is not None and (
         tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)

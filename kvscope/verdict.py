@@ -135,6 +135,8 @@ def finish(
 def settle_pools(sup: Supervisor, dumped: list[Watched], *, keep: bool) -> None:
     """Remove the files of each dumped pool no live process holds any more (the dump has what
     they held), unless --keep-pool; say what became of each."""
+    if not dumped:
+        return
     holders: dict[str, list[int]] = {}
     for w, pid in sup.still_attached():
         holders.setdefault(w.key, []).append(pid)

@@ -158,8 +158,7 @@ class RunCommand:
         dump_dir = check_dump_dir(args.dump_dir)
         run_dir = tempfile.mkdtemp(prefix="kvscope-run-")
         target = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        from kvscope.probes.otel_config import OtelConfigError, otel_env_from_args
-        from kvscope.probes.otel_exporters import start_collector
+        from kvscope.probes.otel_config import OtelConfigError, configured, otel_env_from_args
 
         otel_env = {**os.environ, **otel_env_from_args(args)}
         env = child_env(otel_env, run_dir, args)
@@ -173,11 +172,18 @@ class RunCommand:
                 try:
                     # Before the script starts: an exporter that cannot work stops the run here.
                     # The supervisor collects pool metrics once for every process of the run.
-                    tel = start_collector(
-                        lambda: [] if sup is None else [w.name for w in list(sup.pools.values())],
-                        otel_env,
-                        path_of=lambda name: "" if sup is None else sup.segment_of(name),
-                    )
+                    # (The exporters' module only when one is asked for: before the script
+                    # starts, every import delays its first line.)
+                    if configured(otel_env):
+                        from kvscope.probes.otel_exporters import start_collector
+
+                        tel = start_collector(
+                            lambda: (
+                                [] if sup is None else [w.name for w in list(sup.pools.values())]
+                            ),
+                            otel_env,
+                            path_of=lambda name: "" if sup is None else sup.segment_of(name),
+                        )
                 except OtelConfigError as e:
                     raise UsageError(str(e)) from None
                 pipes: dict[str, Any] = {}
