@@ -146,7 +146,9 @@ def cow_candidates(seqs: np.ndarray, slot: int) -> list[tuple[int, int, int]]:
     if k == 0:
         return []
     live = np.flatnonzero(seqs["state"] != SeqState.EMPTY)
+    # Only a sibling that shares the first block can diverge after it.
     live = live[(live != slot) & (seqs["num_blocks"][live] > 0)]
+    live = live[seqs["table"][live, 0] == mine[0]]
     if len(live) == 0:
         return []
     tables = seqs["table"][live, :k]

@@ -39,8 +39,9 @@ from kvscope.tui.frame import BLOCK_COLUMNS, block_columns, cow_candidates
 # Sections the panels show, copied whole; `blocks` column by column (BLOCK_COLUMNS, and the
 # records the panels detail), `seqs` row by row (live rows only), `events` ring by ring (only
 # what each ring gained), and the prefix index, the free ring's body and the client journals
-# are not copied at all.
+# are not copied at all. PLAIN_SECTIONS are copied outside the consistent piece (see read).
 SHOWN_SECTIONS = ("blocks", "sites", "locks", "lockgraph", "findings")
+PLAIN_SECTIONS = ("sites", "lockgraph")
 # A whole-segment copy (for check_view) gives up after this many tries; the check then waits.
 FULL_TRIES = 3
 
@@ -112,7 +113,14 @@ class Snapshotter:
         self._turn = 0
         self._full: np.ndarray | None = None
         self._blocks = _section_bounds(view, "blocks")
-        self._bounds = [_section_bounds(view, s) for s in SHOWN_SECTIONS if s != "blocks"]
+        # Copied as they are (site texts and the lock graph only grow), and in the consistent
+        # piece (see read).
+        self._plain = [_section_bounds(view, s) for s in PLAIN_SECTIONS]
+        self._bounds = [
+            _section_bounds(view, s)
+            for s in SHOWN_SECTIONS
+            if s != "blocks" and s not in PLAIN_SECTIONS
+        ]
         self._bounds.append((0, HEADER_DTYPE.itemsize))
         ring = view.offsets["ring"]
         self._bounds.append((ring, ring + RING_HEADER_DTYPE.itemsize))
@@ -134,19 +142,20 @@ class Snapshotter:
         the seqlock.
 
         Of the block records (17 MB on a 100k-block pool) only the columns in BLOCK_COLUMNS
-        are copied, contiguous, into `view.columns`, without waiting for a quiet moment: a
-        busy pool changes its counters thousands of times a second, so a copy that long would
-        keep being tried again. Each is copied as it is at that instant; a record caught in
-        the middle of an operation can show, for one frame, its new state beside its old
-        refcount, which the block map and the counts take as it comes. The small sections
-        (header, ring header, locks, client records, the events each ring gained since this
-        buffer last copied it, sites, lock graph, findings, live sequence rows) and the whole
-        records of `block`, of the blocks in sequence `slot`'s table and of the blocks its
-        siblings diverge from it at (`cow_candidates`: what the block panel and the block
-        table show field by field) are then copied together in one consistent piece; their
-        ids are `view.records` (the other records in `view.blocks` are not copied: stale).
-        `torn` is set when that piece never found a quiet moment in `tries` attempts (its
-        last copy is kept).
+        are copied, contiguous, into `view.columns`; those, the live sequence rows, the site
+        texts and the lock graph are copied without waiting for a quiet moment: a busy pool
+        changes its counters every few microseconds, so a copy that long would keep being
+        tried again. Each record and row is copied as it is at that instant; one caught in the
+        middle of an operation can show, for one frame, its new state beside its old refcount
+        (a row its new token count beside its old block count), which the map, the list and
+        the counts take as it comes. The small sections (header, ring header, locks, client
+        records, the events each ring gained since this buffer last copied it, findings), the
+        row of sequence `slot` and the whole records of `block`, of the blocks in `slot`'s
+        table and of the blocks its siblings diverge from it at (`cow_candidates`: what the
+        block panel and the block table show field by field) are then copied together in one
+        consistent piece; those records' ids are `view.records` (the other records in
+        `view.blocks` are not copied: stale). `torn` is set when that piece never found a
+        quiet moment in `tries` attempts (its last copy is kept).
         """
         i = self._turn
         self._turn ^= 1
@@ -159,8 +168,6 @@ class Snapshotter:
         sdt = view.seqs.dtype
         s0, ssize, shead = view.offsets["seqs"], sdt.itemsize, _field_offset(sdt, "table")
         nseqs = len(view.seqs)
-        src_rows = src[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
-        dst_rows = dst[s0 : s0 + ssize * nseqs].reshape(nseqs, ssize)
         b0, b1 = self._blocks
         rec = view.blocks.dtype.itemsize
         nblocks = (b1 - b0) // rec
@@ -169,6 +176,25 @@ class Snapshotter:
         columns = self._columns[i]
         for name in BLOCK_COLUMNS:
             np.copyto(columns[name], view.blocks[name])
+        for a, b in self._plain:
+            dst[a:b] = src[a:b]
+        # Forget rows this buffer held last time, then copy the live ones.
+        mine.seqs["state"][self._live_rows[i]] = SeqState.EMPTY
+        live = np.flatnonzero(view.seqs["state"] != SeqState.EMPTY)
+        width = shead
+        if len(live):
+            width += 4 * int(view.seqs["num_blocks"][live].max(initial=0))
+        width = min(width, ssize)
+        # Each live row's first `width` bytes as one item: a gather of whole items is one copy
+        # per row (indexing rows and a slice of bytes copies byte by byte).
+        rows = np.dtype(f"V{width}")
+        np.ndarray((nseqs,), rows, dst, s0, (ssize,))[live] = np.ndarray(
+            (nseqs,), rows, src, s0, (ssize,)
+        )[live]
+        self._live_rows[i] = live
+        chosen = 0 <= slot < nseqs
+        siblings = cow_candidates(mine.seqs, slot) if chosen else []
+        row = slice(s0 + slot * ssize, s0 + (slot + 1) * ssize)
 
         def small() -> None:
             for a, b in self._bounds:
@@ -177,20 +203,13 @@ class Snapshotter:
                 c0 : c0 + csize * nclients
             ].reshape(nclients, csize)[:, :chead]
             self._copy_events(i)
-            # Forget rows this buffer held last time, then copy the live ones.
-            mine.seqs["state"][self._live_rows[i]] = SeqState.EMPTY
-            live = np.flatnonzero(view.seqs["state"] != SeqState.EMPTY)
-            width = shead
-            if len(live):
-                width += 4 * int(view.seqs["num_blocks"][live].max(initial=0))
-            width = min(width, ssize)
-            dst_rows[live, :width] = src_rows[live, :width]
-            self._live_rows[i] = live
             shown = [block]
-            if 0 <= slot < nseqs and mine.seqs["state"][slot] != SeqState.EMPTY:
-                table = mine.seqs["table"][slot]
-                shown += table[: min(len(table), int(mine.seqs["num_blocks"][slot]))].tolist()
-                shown += [theirs for _, _, theirs in cow_candidates(mine.seqs, slot)]
+            if chosen:
+                dst[row] = src[row]
+                if mine.seqs["state"][slot] != SeqState.EMPTY:
+                    table = mine.seqs["table"][slot]
+                    shown += table[: min(len(table), int(mine.seqs["num_blocks"][slot]))].tolist()
+                    shown += [theirs for _, _, theirs in siblings]
             ids = np.unique(np.asarray(shown, np.int64))
             ids = ids[(ids >= 0) & (ids < nblocks)]
             dst_recs[ids] = src_recs[ids]

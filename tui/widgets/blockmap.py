@@ -35,20 +35,27 @@ def cell_codes(
     state: np.ndarray, refcount: np.ndarray, marked: np.ndarray, group: int, num_cells: int
 ) -> np.ndarray:
     """One small integer per cell: state | shade << 3 | fill << 5 | marked << 8 (vectorised:
-    one bincount of (cell, state) pairs and one max per cell, whatever the number of states)."""
+    the blocks as a (cell, group) array, one pass per state and one max per cell)."""
     n = len(state)
     # Cells past the last block are blank; only cells holding blocks are counted.
     num_real = min(num_cells, -(-n // group))
-    st = np.minimum(state, NUM_STATES - 1).astype(np.intp)
-    cell = np.arange(n, dtype=np.intp) // group
-    counts = np.bincount(cell * NUM_STATES + st, minlength=num_real * NUM_STATES)
-    counts = counts[: num_real * NUM_STATES].reshape(num_real, NUM_STATES)
+    size = num_real * group
+    k = min(n, size)
+    # The last cell's missing blocks count as no state at all.
+    st = np.full(size, NUM_STATES, np.uint8)
+    np.minimum(state[:k], NUM_STATES - 1, out=st[:k])
+    st = st.reshape(num_real, group)
+    counts = np.empty((num_real, NUM_STATES), np.int64)
+    for s in range(NUM_STATES):
+        counts[:, s] = (st == s).sum(axis=1, dtype=np.int64)
     real = np.minimum(group, n - np.arange(num_real) * group)
     used = real - counts[:, BlockState.FREE]
     # Colour: the most common state other than free, when any block of the cell is in use.
     busy = 1 + np.argmax(counts[:, 1:], axis=1)
     colour = np.where(used > 0, busy, BlockState.FREE)
-    rc = np.maximum.reduceat(np.asarray(refcount, np.int64), np.arange(num_real) * group)
+    rc = np.zeros(size, np.int64)
+    rc[:k] = refcount[:k]
+    rc = rc.reshape(num_real, group).max(axis=1)
     shade = np.clip(rc - 1, 0, 3)
     if group == 1:
         fill = np.where(used > 0, 4, 0)
@@ -57,7 +64,8 @@ def cell_codes(
         fill = np.where(used > 0, 1 + np.minimum(3, (frac * 4).astype(np.int64)), 0)
         fill = np.minimum(fill, 4)
     mark = np.zeros(num_real, np.int64)
-    mark[np.unique(np.flatnonzero(marked) // group)] = 1
+    cells = np.unique(np.flatnonzero(marked[:k]) // group)
+    mark[cells] = 1
     code = np.full(num_cells, -1, np.int64)
     code[:num_real] = colour | shade << 3 | fill << 5 | mark << 8
     return code
