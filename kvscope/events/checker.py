@@ -16,6 +16,7 @@ a parent it does not know is then counted as unverifiable, not reported.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +35,9 @@ from kvscope.events.wire import (
     tokens,
 )
 
+# A msgpack array's header when it holds 16 to 65535 items: 0xdc, then the count.
+_ARRAY16 = struct.Struct(">BH").unpack_from
+
 # At most this many findings of one kind are kept whole (each is counted).
 MAX_FINDINGS_PER_KIND = 200
 
@@ -50,8 +54,10 @@ class _Cache:
     def __init__(self) -> None:
         # hash -> live copies
         self.copies: dict[Any, int] = {}
-        # hash -> (parent, block_size, token_ids, start, seq, batch) of its oldest live copy
-        self.stored: dict[Any, tuple[Any, ...]] = {}
+        # hash -> the BlockStored of its oldest live copy, one tuple per event shared by its
+        # hashes: (parent, block_size, token_ids, block_hashes, seq, batch); _block() finds
+        # the hash's own parent and tokens in it
+        self.stored: dict[Any, tuple[Any, int, Any, list[Any], int, int]] = {}
         # hash -> (seq, batch) of the removal of its last copy
         self.removed_at: dict[Any, tuple[int, int]] = {}
         # hash -> (seq, batch) of the AllBlocksCleared that dropped it
@@ -62,6 +68,21 @@ class _Cache:
         self.retired: dict[Any, list[tuple[Any, tuple[int, ...], int, int]]] = {}
         # partial hash -> (full hash that superseded it, seq, batch)
         self.superseded: dict[Any, tuple[Any, int, int]] = {}
+
+    def clear(self, at: tuple[int, int]) -> None:
+        """AllBlocksCleared at (seq, batch): every stored hash dropped, remembered as cleared."""
+        self.cleared = dict.fromkeys(self.copies, at)
+        self.copies.clear()
+        self.stored.clear()
+        self.retired.clear()
+        self.superseded.clear()
+
+
+def _block(info: tuple[Any, int, Any, list[Any], int, int], h: Any) -> tuple[Any, ...]:
+    """(parent, block_size, token_ids, first token, seq, batch) of block `h` of a BlockStored."""
+    parent, bs, toks, hashes, seq, batch = info
+    i = hashes.index(h)
+    return hashes[i - 1] if i else parent, bs, toks, i * bs, seq, batch
 
 
 class _Publisher:
@@ -98,6 +119,13 @@ class _Publisher:
         # block copies stored now, and the most there were after any event
         self.live = 0
         self.peak_stored = 0
+
+    def cache(self, ck: tuple[Any, Any]) -> _Cache:
+        """The cache of (medium, group) `ck`, made empty on its first event."""
+        cache = self.caches.get(ck)
+        if cache is None:
+            cache = self.caches[ck] = _Cache()
+        return cache
 
     def name(self) -> str:
         topic = f" topic {self.topic.decode(errors='replace')!r}" if self.topic else ""
@@ -298,105 +326,161 @@ class StreamChecker:
         return True
 
     def _apply(self, pub: _Publisher, seq: int, batch: int, events: list[Any]) -> None:
-        caches = pub.caches
+        """A batch's events, in order, on the publisher's caches.
+
+        The common case stays on a fast path: a BlockStored goes hash by hash while no check
+        can fire (a hash not stored, not cleared, not a superseded partial block, whose parent
+        is no retired partial block's: one copy of it); at the first hash where one might,
+        `_store_checked` takes over and checks the rest. A BlockRemoved of a stored hash
+        takes a copy away; one of a hash not stored goes to `_removed_unstored`. The token
+        count and the parent are checked on every BlockStored.
+        """
         counts = pub.counts
         live = pub.live
+        peak = pub.peak_stored
+        at = (seq, batch)
+        num_stored = num_removed = 0
+        # the cache of the event before (a batch's events keep to one (medium, group)), and
+        # its dicts
+        cache: Any = None
+        medium: Any = None
+        group: Any = None
         for ev in events:
             kind = ev.KIND
-            if kind == STORED:
-                hashes = ev.block_hashes
-                parent = ev.parent_block_hash
-                toks = ev.token_ids
-                bs = ev.block_size
-                spec = ev.kv_cache_spec_kind
-                ck = (ev.medium, ev.group_idx)
-                cache = caches.get(ck)
-                if cache is None:
-                    cache = caches[ck] = _Cache()
-                counts["stored"] += len(hashes)
-                copies = cache.copies
-                if bs > cache.full_size:
-                    cache.full_size = bs
-                chained = spec in _CHAINED_SPECS
-                # the token count from the list's msgpack header (a fixarray: up to 15)
-                b0 = memoryview(toks)[0]
-                n = b0 - 0x90 if 0x90 < b0 <= 0x9F else num_tokens(toks) if b0 != 0x90 else 0
-                if n and bs:
-                    want = bs * len(hashes)
-                    if n != want if chained else (n < want or n % bs):
-                        self._report(
-                            FindingKind.KV_EVENT_TOKEN_COUNT,
-                            f"BlockStored of {len(hashes)} block(s) of block_size {bs} carries"
-                            f" {n} token ids ({want} expected)",
-                            pub,
-                            seq,
-                            batch,
-                            hashes[0] if hashes else None,
-                            [_event(STORED, seq, batch, hashes[0] if hashes else None, parent)],
-                            ck,
-                        )
-                if parent is not None and parent not in copies:
-                    self._unknown_parent(pub, cache, ck, seq, batch, parent, hashes, chained)
-                prev = parent
-                start = 0
-                for h in hashes:
-                    c = copies.get(h)
-                    live += 1
-                    if c is None:
-                        copies[h] = 1
-                        cache.stored[h] = (prev, bs, toks, start, seq, batch)
-                        if cache.cleared and h in cache.cleared:
-                            del cache.cleared[h]
-                        if cache.superseded and h in cache.superseded:
-                            self._partial_again(pub, cache, ck, seq, batch, h)
-                    else:
-                        copies[h] = c + 1
-                        self._stored_again(pub, cache, ck, seq, batch, h, prev, bs, toks, start)
-                    if cache.retired and prev in cache.retired:
-                        self._supersede(cache, prev, h, toks, start, bs, seq, batch)
-                    prev = h
-                    start += bs
-            elif kind == REMOVED:
-                hashes = ev.block_hashes
-                ck = (ev.medium, ev.group_idx)
-                cache = caches.get(ck)
-                if cache is None:
-                    cache = caches[ck] = _Cache()
-                counts["removed"] += len(hashes)
-                copies = cache.copies
-                for h in hashes:
-                    c = copies.get(h)
-                    if c is None:
-                        self._removed_unstored(pub, cache, ck, seq, batch, h)
-                    elif c == 1:
-                        live -= 1
-                        del copies[h]
-                        info = cache.stored.pop(h)
-                        cache.removed_at[h] = (seq, batch)
-                        if info[1] < cache.full_size and num_tokens(info[2]) > 0:
-                            # a partial block retired: a full block with its parent may
-                            # supersede it
-                            ptoks = tuple(tokens(info[2])[info[3] : info[3] + info[1]])
-                            cache.retired.setdefault(info[0], []).append((h, ptoks, seq, batch))
-                    else:
-                        live -= 1
-                        copies[h] = c - 1
-            else:
+            if kind == CLEARED:
                 counts["cleared"] += 1
                 live = 0
-                for cache in caches.values():
-                    cache.cleared = dict.fromkeys(cache.copies, (seq, batch))
-                    cache.copies.clear()
-                    cache.stored.clear()
-                    cache.retired.clear()
-                    cache.superseded.clear()
+                for c in pub.caches.values():
+                    c.clear(at)
                 pub.complete = True
                 pub.incomplete_because = ""
-            if live > pub.peak_stored:
-                pub.peak_stored = live
+                cache = None
+                continue
+            if cache is None or ev.medium != medium or ev.group_idx != group:
+                medium = ev.medium
+                group = ev.group_idx
+                ck = (medium, group)
+                cache = pub.cache(ck)
+                copies = cache.copies
+                stored = cache.stored
+                removed_at = cache.removed_at
+                cleared = cache.cleared
+                retired = cache.retired
+                superseded = cache.superseded
+                full_size = cache.full_size
+            hashes = ev.block_hashes
+            if kind == STORED:
+                parent = ev.parent_block_hash
+                bs = ev.block_size
+                toks = ev.token_ids
+                num = len(hashes)
+                num_stored += num
+                live += num
+                if live > peak:
+                    peak = live
+                if bs > full_size:
+                    full_size = cache.full_size = bs
+                # the token count, from the list's msgpack header: 0xdc and a 16-bit count
+                # for 16 to 65535 tokens
+                head, n = _ARRAY16(toks) if len(toks) > 2 else (0, 0)
+                if head != 0xDC:
+                    n = num_tokens(toks)
+                if n != bs * num and n and bs:
+                    self._token_count(pub, ck, seq, batch, ev, n)
+                if parent is not None and parent not in copies:
+                    chained = ev.kv_cache_spec_kind in _CHAINED_SPECS
+                    self._unknown_parent(pub, cache, ck, seq, batch, parent, hashes, chained)
+                info = (parent, bs, toks, hashes, seq, batch)
+                special = cleared or superseded or retired
+                for i, h in enumerate(hashes):
+                    if h in copies or special and self._may_fire(cache, info, i):
+                        self._store_checked(pub, cache, ck, info, i)
+                        break
+                    copies[h] = 1
+                    stored[h] = info
+            else:
+                num_removed += len(hashes)
+                for h in hashes:
+                    c = copies.pop(h, 0)
+                    if c == 1:
+                        # its last copy
+                        live -= 1
+                        removed_at[h] = at
+                        info = stored.pop(h)
+                        if info[1] < full_size:
+                            self._retire(cache, h, info, seq, batch)
+                    elif c:
+                        live -= 1
+                        copies[h] = c - 1
+                    else:
+                        self._removed_unstored(pub, cache, ck, seq, batch, h)
+        counts["stored"] += num_stored
+        counts["removed"] += num_removed
         pub.live = live
+        pub.peak_stored = peak
+
+    @staticmethod
+    def _may_fire(cache: _Cache, info: tuple[Any, ...], i: int) -> bool:
+        # Hash i of a BlockStored, not stored: a check may fire on it if it was cleared, if it
+        # is a superseded partial block, or if its parent is a retired partial block's.
+        parent, _, _, hashes, _, _ = info
+        prev = hashes[i - 1] if i else parent
+        return hashes[i] in cache.cleared or hashes[i] in cache.superseded or prev in cache.retired
+
+    def _store_checked(self, pub, cache, ck, info, first) -> None:
+        """A BlockStored's hashes from the one at `first` on, each checked: stored again, a
+        superseded partial block stored again, a full block superseding a retired partial
+        one; a cleared hash stored again is no longer cleared."""
+        parent, bs, toks, hashes, seq, batch = info
+        copies = cache.copies
+        prev = hashes[first - 1] if first else parent
+        start = first * bs
+        for h in hashes[first:]:
+            c = copies.get(h)
+            if c is None:
+                copies[h] = 1
+                cache.stored[h] = info
+                if h in cache.cleared:
+                    del cache.cleared[h]
+                if h in cache.superseded:
+                    self._partial_again(pub, cache, ck, seq, batch, h)
+            else:
+                copies[h] = c + 1
+                self._stored_again(pub, cache, ck, seq, batch, h, prev, bs, toks, start)
+            if prev in cache.retired:
+                self._supersede(cache, prev, h, toks, start, bs, seq, batch)
+            prev = h
+            start += bs
+
+    def _retire(self, cache: _Cache, h: Any, info: tuple[Any, ...], seq: int, batch: int) -> None:
+        # The last copy of a partial block removed: a full block with its parent may
+        # supersede it.
+        parent, bs, toks, start, _, _ = _block(info, h)  # type: ignore[arg-type]
+        if num_tokens(toks) > 0:
+            ptoks = tuple(tokens(toks)[start : start + bs])
+            cache.retired.setdefault(parent, []).append((h, ptoks, seq, batch))
 
     # --- the invariants, where one may be broken -----------------------------------------
+
+    def _token_count(self, pub, ck, seq, batch, ev, n) -> None:
+        # `n` token ids, not block_size for each hash; a group whose chains skip blocks only
+        # has to cover its hashes with whole blocks
+        hashes = ev.block_hashes
+        bs = ev.block_size
+        want = bs * len(hashes)
+        if n != want if ev.kv_cache_spec_kind in _CHAINED_SPECS else (n < want or n % bs):
+            h = hashes[0] if hashes else None
+            self._report(
+                FindingKind.KV_EVENT_TOKEN_COUNT,
+                f"BlockStored of {len(hashes)} block(s) of block_size {bs} carries"
+                f" {n} token ids ({want} expected)",
+                pub,
+                seq,
+                batch,
+                h,
+                [_event(STORED, seq, batch, h, ev.parent_block_hash)],
+                ck,
+            )
 
     def _unknown_parent(self, pub, cache, ck, seq, batch, parent, hashes, chained) -> None:
         if parent in cache.cleared:
@@ -473,8 +557,7 @@ class StreamChecker:
     def _stored_again(self, pub, cache, ck, seq, batch, h, parent, bs, toks, start) -> None:
         # Another copy, or a prefix hit re-reported ("full" report mode): the same block.
         # A copy whose tokens or parent differ is a hash committed over other contents.
-        info = cache.stored[h]
-        old_parent, old_bs, old_tokens, old_start, old_seq, old_batch = info
+        old_parent, old_bs, old_tokens, old_start, old_seq, old_batch = _block(cache.stored[h], h)
         diff = ""
         if parent is not None and old_parent is not None and parent != old_parent:
             diff = f"parent {hash_text(parent)}, stored before with parent {hash_text(old_parent)}"
