@@ -245,10 +245,19 @@ class BlockStore:
         """Return blocks to the ring tail as FREE (QUARANTINED in guard mode)."""
         ring.push(self, t, ids, state)
 
-    def evict(self, t: Txn, k: int, extra: int = 0) -> np.ndarray:
+    def evict(
+        self,
+        t: Txn,
+        k: int,
+        extra: int = 0,
+        keep: tuple[int, int] = (0, 0),
+        to_ring: int | None = None,
+        partial: bool = False,
+    ) -> np.ndarray:
         """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),
-        least recently used first; return them (not yet reset)."""
-        return eviction.evict(self, t, k, extra)
+        least recently used first, as many as the undo journal holds (eviction.evict); return
+        them (not yet reset)."""
+        return eviction.evict(self, t, k, extra, keep, to_ring, partial)
 
     # -- the local cache (owner only) --------------------------------------------------------
 

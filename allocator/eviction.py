@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvscope.allocator.crash import crash_point
-from kvscope.allocator.layout import BlockState, block_dtype
+from kvscope.allocator.journal import JournalFull
+from kvscope.allocator.layout import RING_HEADER_DTYPE, BlockState, block_dtype
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
@@ -26,16 +27,37 @@ LRU_KEEP = 4096
 
 
 def evict_to_ring(pool: KVPool, num_blocks: int) -> int:
-    """Evict up to num_blocks CACHED blocks (LRU first) to the free ring; return how many."""
+    """Evict up to num_blocks CACHED blocks (LRU first) to the free ring; return how many.
 
-    def op(t: Txn) -> int:
-        ids = pool.store.evict(t, num_blocks)
-        if len(ids):
-            pool.store.ring_push(t, ids)
-            pool._count(t, "num_evictions", len(ids))
-        return len(ids)
+    Each transaction evicts as many as its undo journal holds (with their return to the
+    ring), and commits; the next one goes on."""
+    store = pool.store
+    done = 0
+    while done < num_blocks:
+        left = num_blocks - done
 
-    return pool._run({pool.FREE, *pool.SHARDS}, op)
+        def op(t: Txn, left: int = left) -> int:
+            # The ring push: its header, up to two ranges of ring slots, each block's record.
+            keep = (3, RING_HEADER_DTYPE.itemsize + 4 * min(left, store.num_blocks))
+            ids = store.evict(t, left, keep=keep, to_ring=0, partial=True)
+            if len(ids):
+                store.ring_push(t, ids)
+                pool._count(t, "num_evictions", len(ids))
+            return len(ids)
+
+        n = pool._run({pool.FREE, *pool.SHARDS}, op)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def evict_ahead(pool: KVPool, e: JournalFull) -> None:
+    """An operation ran out of undo journal while evicting `e.evicting` blocks (and was rolled
+    back): evict them now, in transactions of their own (`evict_to_ring`), so that running it
+    again takes them from the free ring. Raises `e` when none could be evicted."""
+    if e.evicting <= 0 or evict_to_ring(pool, e.evicting) == 0:
+        raise e
 
 
 def oldest(ids: np.ndarray, ns: np.ndarray, keep: int) -> np.ndarray:
@@ -51,33 +73,84 @@ def oldest(ids: np.ndarray, ns: np.ndarray, keep: int) -> np.ndarray:
     return ids[np.lexsort((ids, ns))]
 
 
-def evict(store: BlockStore, t: Txn, k: int, extra: int = 0) -> np.ndarray:
+def evict(
+    store: BlockStore,
+    t: Txn,
+    k: int,
+    extra: int = 0,
+    keep: tuple[int, int] = (0, 0),
+    to_ring: int | None = None,
+    partial: bool = False,
+) -> np.ndarray:
     """Unindex up to k CACHED blocks (plus up to `extra`, at most a quarter of the rest),
-    least recently used first; return them (not yet reset)."""
+    least recently used first; return them (not yet reset).
+
+    Journal-bounded: each block is evicted only if the journal still has room for it, for
+    `keep` (entries, bytes) that the operation writes afterwards, and for the return to the
+    free ring of it and the blocks before it from position `to_ring` on (None: no block goes
+    to the ring). The extra blocks stop where the room ends; so do the first k when `partial`,
+    and otherwise a block of the first k that does not fit raises `JournalFull`, naming the k
+    blocks to evict ahead (runner.py).
+    """
     t.need(*store.shard_locks)
     if k <= 0:
         return np.zeros(0, np.int64)
-    cand = _lru_take(store, t, k, extra)
-    if cand is None:
-        cand = _lru_scan(store, t, k, extra)
+    taken = _lru_take(store, t, k, extra)
+    cand, pending = _lru_scan(store, t, k, extra) if taken is None else taken
     if len(cand) == 0:
         return np.zeros(0, np.int64)
-    store.save(t, cand)
-    if store.evict_hook is not None:
-        store.evict_hook(t, cand)
+    j = t.journal
+    need = min(k, len(cand))
+    j.evicting += need
+    index, rec = store.index, store.record_size
+    keep_entries, keep_bytes = keep
+    done: list[int] = []
     for b in cand.tolist():
-        removed = store.index.remove(int(store.prefix_hash[b]), b, t.journal)
-        assert removed, f"cached block {b} missing from the prefix index"
-    store.indexed[cand] = 0
-    store.refcount[cand] = 0
+        r = index.plan_remove(int(store.prefix_hash[b]), b)
+        assert r is not None, f"cached block {b} missing from the prefix index"
+        # Its record, then its index removal: the range of index slots it writes (at most
+        # two entries), or when that does not fit, each slot it writes.
+        entries, nbytes = 1 + keep_entries, rec + keep_bytes
+        if to_ring is not None and len(done) + 1 > to_ring:
+            # Each block pushed to the ring journals its record again.
+            pushed = len(done) + 1 - to_ring
+            entries, nbytes = entries + pushed, nbytes + pushed * rec
+        by_slot = not j.fits(entries + r.entries, nbytes + r.nbytes)
+        if by_slot and not j.fits(entries + len(r.slots), nbytes + r.slot_bytes):
+            if len(done) >= need or partial:
+                break
+            raise JournalFull(
+                f"operation too large for the undo journal (evicting {need} blocks)", j.evicting
+            )
+        store.save(t, np.array([b]))
+        index.apply_remove(r, j, by_slot)
+        done.append(b)
+    _lru_keep(store, t, pending, len(done))
+    if not done:
+        return np.zeros(0, np.int64)
+    ids = np.asarray(done, np.int64)
+    if store.evict_hook is not None:
+        store.evict_hook(t, ids)
+    store.indexed[ids] = 0
+    store.refcount[ids] = 0
     # In flight to the caller (stamped or pushed to the ring before the commit).
-    store.state[cand] = BlockState.LOCAL
-    store.blocks["owner_client"][cand] = store.client
+    store.state[ids] = BlockState.LOCAL
+    store.blocks["owner_client"][ids] = store.client
     crash_point("blocks.after_evict")
-    return cand.astype(np.int64)
+    return ids
 
 
-def _lru_scan(store: BlockStore, t: Txn, k: int, extra: int) -> np.ndarray:
+class _Pending:
+    """What a candidate choice leaves for the commit: the candidates remembered after those
+    evicted (a scan), or how far the remembered list advances (`_lru_take`)."""
+
+    def __init__(self, later: np.ndarray | None = None, positions: list[int] | None = None):
+        self.later = later
+        self.positions = positions
+        self.num_cached = 0
+
+
+def _lru_scan(store: BlockStore, t: Txn, k: int, extra: int) -> tuple[np.ndarray, _Pending]:
     """The k (+extra) least recently used CACHED blocks, oldest first, from a pool scan.
 
     A large cache also keeps the next LRU_KEEP oldest as later candidates (from commit on):
@@ -86,16 +159,31 @@ def _lru_scan(store: BlockStore, t: Txn, k: int, extra: int) -> np.ndarray:
     """
     cand = np.flatnonzero(store.state == BlockState.CACHED)
     if len(cand) == 0:
-        return cand
+        return cand, _Pending()
     num_cached = len(cand)
     k += min(extra, max(0, num_cached - k) // 4)
     keep = k + LRU_KEEP if num_cached > 2 * LRU_KEEP + k else k
     cand = oldest(cand, store.access_ns[cand], keep)
-    if keep > k:
-        later = cand[k:]
-        lru = (later.tolist(), store.access_ns[later].tolist(), num_cached - k)
+    pending = _Pending(later=cand if keep > k else None)
+    pending.num_cached = num_cached
+    return cand[:k], pending
+
+
+def _lru_keep(store: BlockStore, t: Txn, pending: _Pending, evicted: int) -> None:
+    """At commit, remember the candidates left after the `evicted` first ones."""
+    if pending.later is not None:
+        later = pending.later[evicted:]
+        lru = (later.tolist(), store.access_ns[later].tolist(), pending.num_cached - evicted)
         t.after_commit.append(lambda: _lru_reset(store, *lru))
-    return cand[:k]
+    elif pending.positions is not None and evicted:
+        ids, pos = store._lru_ids, pending.positions[evicted - 1] + 1
+
+        def advance(pos: int = pos, n: int = evicted) -> None:
+            if store._lru_ids is ids:
+                store._lru_pos = max(store._lru_pos, pos)
+                store._lru_cached = max(0, store._lru_cached - n)
+
+        t.after_commit.append(advance)
 
 
 def _lru_reset(store: BlockStore, ids: list[int], stamps: list[int], num_cached: int) -> None:
@@ -103,7 +191,7 @@ def _lru_reset(store: BlockStore, ids: list[int], stamps: list[int], num_cached:
     store._lru_cached = num_cached
 
 
-def _lru_take(store: BlockStore, t: Txn, k: int, extra: int) -> np.ndarray | None:
+def _lru_take(store: BlockStore, t: Txn, k: int, extra: int) -> tuple[np.ndarray, _Pending] | None:
     """The next k (+extra) remembered candidates still CACHED and untouched since the scan;
     None when fewer than k are left (the caller scans)."""
     ids, stamps, pos = store._lru_ids, store._lru_ns, store._lru_pos
@@ -111,20 +199,15 @@ def _lru_take(store: BlockStore, t: Txn, k: int, extra: int) -> np.ndarray | Non
     cached = int(BlockState.CACHED)
     want = k + min(extra, max(0, store._lru_cached - k) // 4)
     got: list[int] = []
+    at: list[int] = []
     while pos < len(ids) and len(got) < want:
         b = ids[pos]
         rec = base + b * size
         if mv[rec + _STATE] == cached and _U8.unpack_from(mv, rec + _ACCESS_NS)[0] == stamps[pos]:
             got.append(b)
+            at.append(pos)
         pos += 1
     if len(got) < k:
         store._lru_ids, store._lru_ns, store._lru_pos = [], [], 0
         return None
-
-    def advance(pos: int = pos, n: int = len(got)) -> None:
-        if store._lru_ids is ids:
-            store._lru_pos = max(store._lru_pos, pos)
-            store._lru_cached = max(0, store._lru_cached - n)
-
-    t.after_commit.append(advance)
-    return np.asarray(got, np.int64)
+    return np.asarray(got, np.int64), _Pending(positions=at)

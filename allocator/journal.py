@@ -30,6 +30,19 @@ assert _ENTRY.size == JOURNAL_ENTRY_DTYPE.itemsize
 HEADER_SEALED_BYTES = HEADER_CHECKSUM_BYTES + 8
 
 
+class JournalFull(PoolError):
+    """An operation's writes outgrow the undo journal (it is rolled back).
+
+    `evicting`: the cached blocks the operation was evicting when it ran out of room. The
+    runner (runner.py) then evicts that many in transactions of their own, sized to the
+    journal, and runs the operation again; with none, the error stands.
+    """
+
+    def __init__(self, message: str, evicting: int = 0):
+        super().__init__(message)
+        self.evicting = evicting
+
+
 class Journal:
     """The undo journal of one client record."""
 
@@ -47,6 +60,8 @@ class Journal:
         self.count = int(self._count_field[0])
         self.used = int(self._used_field[0])
         self.op = 0
+        # Cached blocks the open operation evicts (eviction.py), for `JournalFull`.
+        self.evicting = 0
         # Why the last rollback was refused (see `problem`), or None.
         self.skipped: str | None = None
         # The one-range save is the hot path: plain byte copies and struct stores on the
@@ -59,11 +74,16 @@ class Journal:
         self.count_at = base + fields["journal_count"][1]
         self.used_at = base + fields["journal_used"][1]
 
+    def fits(self, n_entries: int, n_bytes: int) -> bool:
+        """True if `n_entries` more entries holding `n_bytes` more bytes fit."""
+        return self.count + n_entries <= JOURNAL_ENTRIES and self.used + n_bytes <= JOURNAL_BYTES
+
     def _room(self, n_entries: int, n_bytes: int) -> None:
         if self.count + n_entries > JOURNAL_ENTRIES or self.used + n_bytes > JOURNAL_BYTES:
-            raise PoolError(
+            raise JournalFull(
                 f"operation too large for the undo journal ({self.count + n_entries} entries, "
-                f"{self.used + n_bytes} bytes); use smaller batches"
+                f"{self.used + n_bytes} bytes); use smaller batches",
+                self.evicting,
             )
 
     def save(self, offset: int, length: int) -> None:
@@ -109,6 +129,7 @@ class Journal:
             self._count_field[0] = 0
             self._used_field[0] = 0
         self.count = self.used = 0
+        self.evicting = 0
 
     def problem(self) -> str | None:
         """Why this journal cannot be rolled back safely (a count past its capacity, an entry
@@ -155,4 +176,5 @@ class Journal:
         self._count_field[0] = 0
         self._used_field[0] = 0
         self.count = self.used = 0
+        self.evicting = 0
         return n

@@ -12,7 +12,7 @@ kernels/digest.py, equal bit for bit (tests/test_hash_finalizer.py).
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -172,22 +172,23 @@ class PrefixIndex:
             i = (i + 1) % w
         return False
 
-    def remove(self, key: int, block: int, journal) -> bool:
-        """Remove key (if it maps to block) with backward-shift deletion; False if absent."""
+    def plan_remove(self, key: int, block: int) -> Removal | None:
+        """What removing key (if it maps to block) writes, with backward-shift deletion: its
+        slot, the later entries of its probe run pulled back into the hole (at most one lap),
+        and the slot left empty; None if absent. Nothing is written."""
         base, i = self._start(key)
-        keys, blocks, w = self.keys, self.blocks, self.width
+        w = self.width
         q, bi = self.q, self.i
-        size = INDEX_DTYPE.itemsize
         for _ in range(w):
             k = q[2 * (base + i)]
             if k == 0:
-                return False
+                return None
             if k == key and bi[4 * (base + i) + 2] == block:
                 break
             i = (i + 1) % w
         else:
-            return False
-        # Backward shift: pull later entries of the probe run into the hole (at most one lap).
+            return None
+        moves: list[tuple[int, int]] = []
         hole = i
         j = (i + 1) % w
         for _ in range(w - 1):
@@ -197,12 +198,76 @@ class PrefixIndex:
             home = (kj >> 16) % w
             # Move entry j into the hole if its home is not in the cyclic range (hole, j].
             if (j - home) % w >= (j - hole) % w:
-                journal.save(self.base + (base + hole) * size, size)
-                keys[base + hole] = kj
-                blocks[base + hole] = blocks[base + j]
+                moves.append((hole, j))
                 hole = j
             j = (j + 1) % w
-        journal.save(self.base + (base + hole) * size, size)
-        keys[base + hole] = 0
-        blocks[base + hole] = -1
+        # The slots written are [i, hole] (cyclic within the shard): journaled as one range,
+        # two when it wraps, whatever the number of moves.
+        size = INDEX_DTYPE.itemsize
+        if hole >= i:
+            spans = [(self.base + (base + i) * size, (hole - i + 1) * size)]
+        else:
+            spans = [
+                (self.base + (base + i) * size, (w - i) * size),
+                (self.base + base * size, (hole + 1) * size),
+            ]
+        return Removal(base, moves, hole, spans)
+
+    def apply_remove(self, r: Removal, journal, by_slot: bool = False) -> None:
+        """Carry out a planned removal (the index unchanged since `plan_remove`), journaling
+        the range of slots it writes, or (`by_slot`) each slot it writes on its own."""
+        size = INDEX_DTYPE.itemsize
+        if by_slot:
+            for hole in r.slots:
+                journal.save(self.base + (r.base + hole) * size, size)
+        else:
+            for off, length in r.spans:
+                journal.save(off, length)
+        keys, blocks, base = self.keys, self.blocks, r.base
+        for hole, j in r.moves:
+            keys[base + hole] = keys[base + j]
+            blocks[base + hole] = blocks[base + j]
+        keys[base + r.last] = 0
+        blocks[base + r.last] = -1
+
+    def remove(self, key: int, block: int, journal) -> bool:
+        """Remove key (if it maps to block) with backward-shift deletion; False if absent.
+
+        Journals at most two ranges of index slots however many entries shift back (each
+        written slot on its own when those are fewer bytes)."""
+        r = self.plan_remove(key, block)
+        if r is None:
+            return False
+        self.apply_remove(r, journal, by_slot=r.slot_bytes < r.nbytes)
         return True
+
+
+class Removal(NamedTuple):
+    """A planned index removal (`PrefixIndex.plan_remove`)."""
+
+    # The shard's first slot; (hole, j) entries moved back, in order; the slot left empty;
+    # the (segment offset, length) ranges it writes.
+    base: int
+    moves: list[tuple[int, int]]
+    last: int
+    spans: list[tuple[int, int]]
+
+    @property
+    def entries(self) -> int:
+        """Journal entries the removal saves."""
+        return len(self.spans)
+
+    @property
+    def nbytes(self) -> int:
+        """Journal bytes the removal saves as ranges."""
+        return sum(length for _, length in self.spans)
+
+    @property
+    def slots(self) -> list[int]:
+        """The slots it writes (shard-relative): each hole filled, then the one left empty."""
+        return [hole for hole, _ in self.moves] + [self.last]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Journal bytes the removal saves slot by slot (one entry per slot written)."""
+        return (len(self.moves) + 1) * INDEX_DTYPE.itemsize

@@ -16,6 +16,12 @@ from kvscope.allocator.txn import Txn
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
 
+# Journal room (entries, bytes) an eviction inside `take` leaves, besides the stamp of the
+# blocks taken, for the rest of the operation: the ring's header and slots, the sequence's
+# head and table, an event (a bound for the common case: more raises JournalFull, and the
+# operation runs again after evicting ahead).
+TAKE_SLACK = (16, 8192)
+
 
 def take(
     pool: KVPool, t: Txn, n: int, request: bytes, exclude: int = -1, site: int = -1
@@ -33,8 +39,14 @@ def take(
         # Eviction needs every shard; preemption only touches this process's own slots.
         t.need(pool.FREE, *pool.SHARDS)
         # Evict a batch: finding the LRU blocks scans the whole pool, so amortize it; the
-        # extra evicted blocks go to the free ring.
-        evicted = pool.store.evict(t, short, extra=EVICT_BATCH)
+        # extra evicted blocks go to the free ring. The eviction keeps journal room for what
+        # follows (the stamp of the n blocks, the extra ones' return to the ring, the
+        # caller's sequence writes): the extra blocks stop where the room ends, and when the
+        # `short` needed do not fit, the operation is rolled back and run again after they
+        # are evicted ahead (eviction.evict_ahead, runner.py).
+        rec = pool.store.record_size
+        keep = (n + TAKE_SLACK[0], n * rec + TAKE_SLACK[1])
+        evicted = pool.store.evict(t, short, extra=EVICT_BATCH, keep=keep, to_ring=short)
         got.append(evicted[:short])
         pool.store.ring_push(t, evicted[short:])
         short -= len(got[-1])
@@ -42,7 +54,11 @@ def take(
         # Preempted blocks land in the local cache, the ring, or stay cached (indexed).
         while short > 0 and preempt_one(pool, t, exclude):
             for source in (pool.store.local_pop, pool.store.ring_pop, pool.store.evict):
-                more = source(t, short)
+                more = (
+                    pool.store.evict(t, short, keep=keep)
+                    if source == pool.store.evict
+                    else source(t, short)
+                )
                 got.append(more)
                 short -= len(more)
                 if source == pool.store.evict:

@@ -1,13 +1,15 @@
 """The operation runner: every Python-path operation of a pool is a function run in a
 transaction (txn.py) under this handle's mutex, retried with more locks when it asks for them
-(`Escalate`) and after recovering a lock whose holder died (`DeadHolder`). `KVPool._run`."""
+(`Escalate`), after recovering a lock whose holder died (`DeadHolder`), and after evicting
+ahead the blocks whose eviction outgrew its undo journal (`JournalFull`). `KVPool._run`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from kvscope.allocator import faults
+from kvscope.allocator import eviction, faults
+from kvscope.allocator.journal import JournalFull
 from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.recovery import recover_dead_holders
 from kvscope.allocator.txn import Escalate, Txn
@@ -40,6 +42,9 @@ def run(pool: KVPool, locks: set[int], fn: Callable[[Txn], T]) -> T:
                         return fn(t)
                 except Escalate as e:
                     locks = e.locks
+                except JournalFull as e:
+                    # Rolled back: evict its blocks ahead (own transactions), then run it again.
+                    eviction.evict_ahead(pool, e)
                 except DeadHolder:
                     recover_dead_holders(pool.locks, pool.view, pool.client, pool.report)
         finally:
