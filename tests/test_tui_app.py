@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from textual.geometry import Region
 
 from kvscope.allocator import KVPool, PoolError
 from kvscope.allocator.findings import Finding
@@ -303,3 +304,104 @@ def test_top_reads_a_gpu_only_for_a_live_pool_on_one(make_pool):
     reader = gpu_reader(source)
     assert reader is not None and reader.device == "cuda:1"
     reader.close()
+
+
+@sync
+async def test_a_live_pool_shows_the_chosen_sequence_and_block_whole(make_pool):
+    # GIVEN top on a live pool (whose frames copy whole only the records on show)
+    pool = make_pool(64)
+    populate(pool)
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, app)
+        # WHEN a request is chosen
+        await pilot.press("r", *"req-b", "enter")
+        table = app.query_one(BlockTableView)
+        for _ in range(40):
+            await pilot.pause(0.05)
+            if table.num_rows == 3:
+                break
+        # THEN its block table marks the shared blocks and the copy-on-write copy, and the
+        # block panel shows its first block's record as the pool holds it
+        marks = [table._row_of(i)[0][5] for i in range(table.num_rows)]
+        assert marks == ["shared x2", "shared x2", "cow copy"]
+        b = table.table[0]
+        inspector = app.query_one(BlockInspector)
+        for _ in range(40):
+            await pilot.pause(0.05)
+            if inspector._shown[0] == b:
+                break
+        assert f"generation {int(pool.view.blocks[b]['generation'])}" in inspector._shown[1]
+        assert "refcount 2" in inspector._shown[1]
+
+
+def _screen_lines(widget) -> list[str]:
+    """The widget's lines as the compositor gets them (its styles cache included)."""
+    size = widget.outer_size
+    strips = widget.render_lines(Region(0, 0, size.width, size.height))
+    return ["".join(seg.text for seg in strip) for strip in strips]
+
+
+@sync
+async def test_a_row_that_changes_is_repainted(make_pool):
+    # GIVEN top on a live pool, its sequence list on screen
+    pool = make_pool(64)
+    pool.allocate("first", list(range(8)))
+    seq = pool.allocate("second", list(range(8)))
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, app)
+        seqs = app.query_one(SequenceList)
+        (line,) = [x for x in _screen_lines(seqs) if "second" in x]
+        assert " 8 " in line
+        # WHEN one sequence grows
+        pool.append(seq, list(range(8, 13)))
+        for _ in range(40):
+            await pilot.pause(0.05)
+            (line,) = [x for x in _screen_lines(seqs) if "second" in x]
+            if " 13 " in line:
+                break
+        # THEN its line shows the new token count, and the other line is unchanged
+        assert " 13 " in line
+        (other,) = [x for x in _screen_lines(seqs) if "first" in x]
+        assert " 8 " in other
+
+
+def _cell_codes_by_cell(state, refcount, marked, group, num_cells):
+    """cell_codes one cell at a time (what the vectorised one must equal)."""
+    out = []
+    n = len(state)
+    for c in range(num_cells):
+        blocks = range(c * group, min(n, (c + 1) * group))
+        if not len(blocks):
+            out.append(-1)
+            continue
+        st = [min(int(state[b]), 4) for b in blocks]
+        used = sum(s != 0 for s in st)
+        counts = [st.count(s) for s in range(5)]
+        colour = 1 + int(np.argmax(counts[1:])) if used else 0
+        shade = min(max(max(int(refcount[b]) for b in blocks) - 1, 0), 3)
+        if not used:
+            fill = 0
+        elif group == 1:
+            fill = 4
+        else:
+            fill = min(4, 1 + min(3, int(used / len(blocks) * 4)))
+        mark = int(any(marked[b] for b in blocks))
+        out.append(colour | shade << 3 | fill << 5 | mark << 8)
+    return out
+
+
+@pytest.mark.parametrize(
+    "n,group,cells", [(1000, 7, 150), (999, 10, 100), (64, 1, 80), (50, 3, 17)]
+)
+def test_block_map_cells_count_each_cell_s_blocks(n, group, cells):
+    # GIVEN random block states, refcounts and findings
+    rng = np.random.default_rng(n)
+    state = rng.integers(0, 6, n).astype(np.uint8)
+    state[rng.random(n) < 0.5] = 0
+    refcount = rng.integers(0, 6, n).astype(np.int32)
+    marked = rng.random(n) < 0.01
+    # WHEN the map's cells are worked out THEN each is what its own blocks say
+    codes = cell_codes(state, refcount, marked, group, cells)
+    assert codes.tolist() == _cell_codes_by_cell(state, refcount, marked, group, cells)

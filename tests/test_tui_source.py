@@ -8,7 +8,15 @@ import pytest
 
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.segment import segment_path
+from kvscope.tui.frame import (
+    BLOCK_COLUMNS,
+    Frame,
+    cow_candidates,
+    cow_positions,
+    request_of,
+)
 from kvscope.tui.source import LiveSource
+from tests.test_tui_app import populate
 
 
 def test_live_source_maps_a_pool_read_only(make_pool):
@@ -85,5 +93,47 @@ def test_live_source_copies_the_shown_records_with_the_sequences(make_pool):
         for b in [*table.tolist(), 31]:
             assert view.blocks[b].tobytes() == pool.view.blocks[b].tobytes()
         assert not view.torn
+    finally:
+        source.close()
+
+
+def test_live_source_copies_the_block_columns_and_only_the_records_on_show(make_pool):
+    # GIVEN a live pool with sequences
+    pool = make_pool(64)
+    populate(pool)
+    source = LiveSource(pool.name)
+    try:
+        # WHEN the TUI reads it with block 7 on show
+        view = source.read(block=7)
+        # THEN every block's state, refcount and token count is the pool's, and of the whole
+        # records only block 7's is there (and says so)
+        for name in BLOCK_COLUMNS:
+            assert (view.columns[name] == pool.view.blocks[name]).all()
+        assert view.records.tolist() == [7]
+        assert view.blocks[7].tobytes() == pool.view.blocks[7].tobytes()
+        frame = Frame.of(view, stats={}, findings=[], taken_ns=0, copy_ms=0, torn=False, live=True)
+        assert frame.has_records([7]) and not frame.has_records([8])
+    finally:
+        source.close()
+
+
+def test_live_source_copies_the_records_a_copy_on_write_mark_compares(make_pool):
+    # GIVEN a live pool where req-b was forked from req-a and wrote into a copy of its last block
+    pool = make_pool(64)
+    populate(pool)
+    source = LiveSource(pool.name)
+    try:
+        seqs = source.read().seqs
+        slot = next(
+            s for s in range(len(seqs)) if request_of(seqs[s]) == "req-b" and seqs["state"][s]
+        )
+        # WHEN the TUI reads it with req-b's sequence on show
+        view = source.read(slot=slot)
+        frame = Frame.of(view, stats={}, findings=[], taken_ns=0, copy_ms=0, torn=False, live=True)
+        # THEN its table's records and the sibling's block it diverges from are there, and its
+        # last block is marked a copy-on-write copy
+        assert frame.has_records(frame.block_table(slot))
+        assert frame.has_records([theirs for _, _, theirs in cow_candidates(view.seqs, slot)])
+        assert cow_positions(frame, slot) == {2}
     finally:
         source.close()

@@ -42,9 +42,9 @@ def cell_codes(
     size = num_real * group
     k = min(n, size)
     # The last cell's missing blocks count as no state at all.
-    st = np.full(size, NUM_STATES, np.uint8)
-    np.minimum(state[:k], NUM_STATES - 1, out=st[:k])
-    st = st.reshape(num_real, group)
+    flat = np.full(size, NUM_STATES, np.uint8)
+    np.minimum(state[:k], NUM_STATES - 1, out=flat[:k])
+    st = flat.reshape(num_real, group)
     counts = np.empty((num_real, NUM_STATES), np.int64)
     for s in range(NUM_STATES):
         counts[:, s] = (st == s).sum(axis=1, dtype=np.int64)
