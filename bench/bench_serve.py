@@ -165,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         "--shape", default="", help="request shapes, comma-separated: generate, short, score"
     )
     r.add_argument("--score", action="store_true", help="scoring requests (loglikelihood)")
+    r.add_argument(
+        "--choices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the score shape as lm-eval-harness's multiple-choice tasks send it (2-5 choices; "
+        "e.g. 4): each question is one prompt scored against N continuations, N requests "
+        "side by side in the queue; --requests, --clients and requests/s count requests "
+        "(choices), so 12 clients run 3 questions of 4 at once (default 1: one continuation "
+        "per prompt)",
+    )
     r.add_argument("--short", action="store_true", help="short generations (1-4 tokens)")
     r.add_argument("--baseline", choices=["hf"], help="also serve with Hugging Face Transformers")
     r.add_argument(
@@ -197,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         "are in virtual seconds",
     )
     args = ap.parse_args(argv)
+    if args.choices < 1:
+        ap.error("--choices must be 1 or more")
     if args.mixes and (
         args.shape or args.score or args.short or args.baseline or args.memory
         or args.clients or args.mix or args.repeat > 1 or args.table or args.num_blocks
-        or args.step_clock
+        or args.step_clock or args.choices > 1
     ):  # fmt: skip
         return _report(args)
     if args.mixes:
@@ -288,6 +301,9 @@ def _report(args: argparse.Namespace) -> int:
     shapes = [x for x in args.shape.split(",") if x]
     shapes += [x for x, on in (("short", args.short), ("score", args.score)) if on]
     shapes = [x for x in serve_mixes.SHAPES if x in shapes] or ["generate"]
+    if args.choices > 1 and "score" not in shapes:
+        print("bench_serve.py: error: --choices needs the score shape (--score)", file=sys.stderr)
+        return 2
     if args.clients:
         clients = [int(x) for x in args.clients.split(",")]
     else:
@@ -313,6 +329,7 @@ def _report(args: argparse.Namespace) -> int:
         hf=hf, hf_requests=args.hf_requests, check=args.check,
         mixes=tuple(x for x in serve_mixes.MIXES if x in args.mix.split(",")) or serve_mixes.MIXES,
         hf_ways=tuple(args.hf_ways.split(",")), budget=budget, clock=clock,
+        choices=args.choices,
     )  # fmt: skip
     results["machine"] = _machine(args)
     if args.table:

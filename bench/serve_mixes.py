@@ -61,12 +61,24 @@ QUICK = ModelConfig(
 
 
 def mix_requests(
-    mix: str, num_requests: int, vocab_size: int, seed: int = 0, shape: str = "generate"
+    mix: str,
+    num_requests: int,
+    vocab_size: int,
+    seed: int = 0,
+    shape: str = "generate",
+    choices: int = 1,
 ) -> list[Request]:
     """The seeded requests of one mix (see the module docstring) in one request shape: every
     shape has the same prompts; "generate" 16-48 output tokens, "short" 1-4, "score" a
-    continuation of 1-8 tokens scored for log-likelihoods (nothing generated)."""
+    continuation of 1-8 tokens scored for log-likelihoods (nothing generated).
+
+    `choices` (score only): each question is one prompt (its context) scored against `choices`
+    different continuations, `choices` requests next to each other in the list (`r7.0` ..
+    `r7.3`), as lm-eval-harness's multiple-choice tasks send one loglikelihood request per
+    answer with the same context; `num_requests` counts requests (num_requests // choices
+    questions, the first questions' prompts those of choices=1)."""
     assert shape in SHAPES, shape
+    assert choices >= 1 and (choices == 1 or shape == "score"), (shape, choices)
     rng = random.Random(f"{mix}:{seed}")
     # the other shapes' lengths from rngs of their own: the prompts stay the same
     short_rng = random.Random(f"{mix}:{seed}:short")
@@ -80,7 +92,7 @@ def mix_requests(
     systems = [tokens(system_len) for _ in range(10)]
     whole = [tokens(128) for _ in range(10)]
     requests = []
-    for i in range(num_requests):
+    for i in range(max(num_requests // choices, 1)):
         if mix == "top-10" and rng.random() < 0.65:
             prompt = list(whole[rng.randrange(10)])
         else:
@@ -89,9 +101,11 @@ def mix_requests(
         if shape == "short":
             max_tokens = short_rng.randint(*SHORT_OUTPUT)
         if shape == "score":
-            n = score_rng.randint(*CONTINUATION)
-            continuation = [score_rng.randrange(vocab_size) for _ in range(n)]
-            requests.append(Request(f"r{i}", prompt, 0, continuation=continuation))
+            for j in range(choices):
+                n = score_rng.randint(*CONTINUATION)
+                continuation = [score_rng.randrange(vocab_size) for _ in range(n)]
+                rid = f"r{i}" if choices == 1 else f"r{i}.{j}"
+                requests.append(Request(rid, list(prompt), 0, continuation=continuation))
         else:
             requests.append(Request(f"r{i}", prompt, max_tokens=max_tokens))
     return requests
@@ -463,9 +477,14 @@ def running_over_time(samples: list[StepSample], points: int = 40) -> dict[str, 
     return {"mean": round(mean, 2), "peak": peak, "series": series}
 
 
-def requests_of(mix: str, shape: str, n: int, model: LlamaModel, seed: int = 0) -> list[Request]:
-    """A case's requests: half as many on the long mix (its prompts are 8x longer)."""
-    return mix_requests(mix, n // 2 if mix == "long" else n, model.config.vocab_size, seed, shape)
+def requests_of(
+    mix: str, shape: str, n: int, model: LlamaModel, seed: int = 0, choices: int = 1
+) -> list[Request]:
+    """A case's requests: half as many on the long mix (its prompts are 8x longer); the score
+    shape's questions with `choices` continuations each (the other shapes ignore it)."""
+    n = n // 2 if mix == "long" else n
+    choices = choices if shape == "score" else 1
+    return mix_requests(mix, n, model.config.vocab_size, seed, shape, choices)
 
 
 def run_report(
@@ -485,6 +504,7 @@ def run_report(
     hf_ways: tuple[str, ...] = ("threads", "batches"),
     budget: str = "fixed",
     clock: Callable[[], Callable[[], float]] | None = None,
+    choices: int = 1,
 ) -> dict[str, Any]:
     """Every mix in every shape and client count, sharing on and off, `repeat` times; with `hf`
     (bench_serve_hf.HFBaseline) Transformers serves the same requests too (its first
@@ -494,10 +514,12 @@ def run_report(
     `budget`: "fixed", every case on one pool of `num_blocks` (SharedPool); "report", each mix
     and shape on a pool of its own of report_blocks(its requests) blocks (the report's regime:
     about REPORT_FIT of its requests fit without sharing), Transformers in padded batches of at
-    most that many. `clock`: a fresh engine clock per case (the tests' StepClock)."""
+    most that many. `clock`: a fresh engine clock per case (the tests' StepClock). `choices`:
+    the score shape's continuations per question (mix_requests); requests/s counts requests,
+    one per choice, and the report's budget holds REPORT_FIT requests (choices), not questions."""
     assert budget in ("fixed", "report"), budget
     groups = {
-        (mix, shape): requests_of(mix, shape, num_requests, model)
+        (mix, shape): requests_of(mix, shape, num_requests, model, choices=choices)
         for mix in mixes
         for shape in shapes
     }
@@ -539,7 +561,7 @@ def run_report(
             pools[n] = SharedPool(model, device, n, max(clients), max_len, graphs)
         # warm-up (Triton's compilation, cuBLAS's choices, each pool's first use), not counted
         for (mix, shape), n in blocks.items():
-            warm = requests_of(mix, shape, 2 * CLIENTS, model, seed=1)
+            warm = requests_of(mix, shape, 2 * CLIENTS, model, seed=1, choices=choices)
             pools[n].serve(warm, CLIENTS, True, *([clock()] if clock else []))
         for rep in range(repeat):
             for (mix, shape), requests in groups.items():
@@ -553,6 +575,8 @@ def run_report(
                             "engine": "kvscope", "mix": mix, "shape": shape,
                             "clients": n, "sharing": sharing, "repeat": rep, **out,
                         }  # fmt: skip
+                        if shape == "score" and choices > 1:
+                            case["choices"] = choices
                         cases.append(case)
                         print(case_line(case), flush=True)
                         if hf is not None and rep == 0 and sharing and n == clients[0]:
@@ -581,6 +605,7 @@ def run_report(
         "a100_blocks": a100,
         "a100_kv_budget_bytes": a100 * kv_block_bytes(model),
         "weight_bytes": weight_bytes(model),
+        "choices": choices,
         "cases": cases,
     }
 
@@ -634,7 +659,8 @@ def case_line(c: dict[str, Any]) -> str:
     running = c.get("running")
     return (
         f"{c['engine']:12} {c['mix']:8} {c['shape']:8} clients={c['clients']:<3} "
-        f"sharing={c['sharing']!s:5} {c['requests_per_s']:8.2f} req/s "
+        + (f"choices={c['choices']} " if "choices" in c else "")
+        + f"sharing={c['sharing']!s:5} {c['requests_per_s']:8.2f} req/s "
         f"TTFT p95 {c['ttft_admitted_p95_ms']:8.1f} ms "
         + held
         + (f"running peak {running['peak']} mean {running['mean']:.2f} " if running else "")
@@ -704,12 +730,26 @@ def render_report(results: dict[str, Any]) -> str:
         return f"{size(off)} -> {size(on)} ({on / max(off, 1e-12) - 1:+.0%})"
 
     n0 = clients[0]
+    choices = results.get("choices", 1)
+
+    def label(shape: str) -> str:
+        return f"{shape} ({choices} choices)" if shape == "score" and choices > 1 else shape
+
     lines = [
         f"{n0} clients. requests/s. KV held: the blocks the streams' tables hold (a block "
         "several streams map counts once), the time-weighted mean over the run and its peak "
         "(the cold start included: the first requests find nothing cached); streams per held "
         "block: how many streams map a held block on average, sharing on (1.00: nothing held "
         "at once by two). TTFT p95 from admission. Medians of the repeats, (min-max).",
+        *(
+            [
+                f"score ({choices} choices): a question is one prompt scored against {choices} "
+                f"continuations, {choices} requests side by side in the queue (lm-eval-harness's "
+                "multiple-choice tasks); clients and requests/s count requests (choices)."
+            ]
+            if choices > 1
+            else []
+        ),
         "",
         "| mix | request shape | HF, a thread per client | HF, padded batches | kvscope, sharing "
         "off | kvscope, sharing on | sharing on vs off | report | sharing on vs HF | "
@@ -730,7 +770,7 @@ def render_report(results: dict[str, Any]) -> str:
             best_hf = max(qps(threads) + qps(batches), default=0.0)
             vs_hf = f"{_median(qps(on)) / best_hf:.1f}x" if best_hf else "-"
             lines.append(
-                f"| {mix} | {shape} | {spread(qps(threads), '{:.2f}')} | "
+                f"| {mix} | {label(shape)} | {spread(qps(threads), '{:.2f}')} | "
                 f"{spread(qps(batches), '{:.2f}')} | {spread(qps(off))} | {spread(qps(on))} | "
                 f"{gain:+.0%} | {REPORT[mix][0]} | {vs_hf} | "
                 f"{change(kv(off, 'mean_bytes'), kv(on, 'mean_bytes'))} | "
@@ -803,7 +843,7 @@ def render_report(results: dict[str, Any]) -> str:
                     )
 
                 lines.append(
-                    f"| {mix} | {shape} | {n} | {fits} | {spread(qps(off))} / {spread(qps(on))} | "
+                    f"| {mix} | {label(shape)} | {n} | {fits} | {spread(qps(off))} / {spread(qps(on))} | "
                     f"{spread(qps(hf), '{:.2f}')} | "
                     f"{size(kv(off, 'peak_bytes'))} / {size(kv(on, 'peak_bytes'))} | "
                     f"{size(kv(off, 'mean_bytes'))} / {size(kv(on, 'mean_bytes'))} | "

@@ -211,15 +211,85 @@ def test_the_reports_budget_holds_nine_requests_without_sharing(quick: LlamaMode
     budget = serve_mixes.report_blocks(mixed)
     assert results["budgets"][0]["num_blocks"] == budget and results["budget"] == "report"
     assert len(results["cases"]) == 4
+    peaks = {}
     for c in results["cases"]:
-        # THEN the budget binds: at most ~9 of the clients' requests run at once, sharing or not
+        # THEN the budget binds: at most ~9 of the clients' requests run at once without
+        # sharing; with it, prefix hits on blocks running streams hold leave room for more
         assert c["num_blocks"] == budget and c["requests"] == 24 and c["failed"] == 0
         assert c["kv"]["peak_bytes"] <= budget * serve_mixes.kv_block_bytes(quick)
-        assert 8 <= c["running"]["peak"] <= 10 < c["clients"]
+        peaks[c["clients"], c["sharing"]] = c["running"]["peak"]
+        if not c["sharing"]:
+            assert 8 <= c["running"]["peak"] <= 10 < c["clients"]
         # AND a scoring stream is never set aside (it never grows), so none is preempted
         assert c["preemptions"] == c["set_aside"] == 0
+    assert all(peaks[n, False] <= peaks[n, True] <= n for n in (12, 16))
     # AND the table names the budget, what it holds, and the A100's
     table = serve_mixes.render_report(results)
     assert "Memory regime (the report's)" in table
     assert f"| top-10 | score | 16 | {budget} (" in table
     assert f"{results['a100_blocks']} blocks" in table
+
+
+def test_the_choices_shape_scores_one_context_against_n_continuations() -> None:
+    # GIVEN the top-10 mix's scoring requests with one continuation, and with 4 per question
+    one = serve_mixes.mix_requests("top-10", 8, 512, shape="score")
+    four = serve_mixes.mix_requests("top-10", 8, 512, shape="score", choices=4)
+    # THEN 8 requests are 2 questions of 4 choices side by side, each question one context
+    # (the first prompts of the one-continuation shape) against 4 different continuations
+    assert [r.request_id for r in four] == [f"r{i}.{j}" for i in range(2) for j in range(4)]
+    for i in range(2):
+        question = four[4 * i : 4 * i + 4]
+        assert all(r.prompt == one[i].prompt for r in question)
+        assert len({tuple(r.continuation) for r in question}) == 4
+    # AND one continuation is the shape as before; the other shapes take no choices
+    assert [r.request_id for r in one] == [f"r{i}" for i in range(8)]
+    with pytest.raises(AssertionError):
+        serve_mixes.mix_requests("top-10", 8, 512, shape="short", choices=4)
+
+
+def test_a_questions_choices_share_its_cached_context_and_fit_more_at_once(
+    quick: LlamaModel,
+) -> None:
+    # GIVEN a scoring request on a 5-block context (80 tokens), then a question on the same
+    # context: 4 choices of 2 tokens (6 blocks each), on a pool of 20 blocks
+    bs = serve_mixes.BLOCK_SIZE
+    context = [(3 * i) % 500 for i in range(5 * bs)]
+    requests = [Request("w", context, 0, continuation=[1, 2])]
+    requests += [
+        Request(f"q.{j}", context, 0, arrival_s=1.0, continuation=[j, 9]) for j in range(4)
+    ]
+    block_bytes = serve_mixes.kv_block_bytes(quick)
+    shared = serve_mixes.SharedPool(quick, "cpu", 20, 4, 100, graphs=False)
+    try:
+        # WHEN the engine serves them with sharing on, then off
+        on, _ = shared.serve(requests, 4, sharing=True, clock=StepClock())
+        off, _ = shared.serve(requests, 4, sharing=False, clock=StepClock())
+    finally:
+        shared.close()
+    # THEN with sharing the 4 choices run at once: each hits the context's first 4 blocks (a
+    # hit stops before the prompt's last token), which the first takes from the cache and the
+    # others map, so admission counts 2 new blocks for each after the first; they hold
+    # 4 + 4 x 2 = 12 blocks where they map 24
+    assert on["running"]["peak"] == 4
+    assert on["kv"]["peak_bytes"] == 12 * block_bytes
+    assert on["kv"]["mapped_bytes"] > on["kv"]["mean_bytes"]
+    # AND without sharing 6 blocks each leave room for 2 at once (each with a block of
+    # headroom), every held block one stream's
+    assert off["running"]["peak"] == 2
+    assert off["kv"]["peak_bytes"] == 12 * block_bytes and off["kv"]["saved"] == 0
+
+
+def test_choices_admitted_together_on_a_new_context_each_compute_it(quick: LlamaModel) -> None:
+    # GIVEN a question whose context nothing has computed yet: 4 choices arriving together
+    bs = serve_mixes.BLOCK_SIZE
+    context = [(3 * i) % 500 for i in range(5 * bs)]
+    requests = [Request(f"q.{j}", context, 0, continuation=[j, 9]) for j in range(4)]
+    shared = serve_mixes.SharedPool(quick, "cpu", 64, 4, 100, graphs=False)
+    try:
+        on, results = shared.serve(requests, 4, sharing=True, clock=StepClock())
+    finally:
+        shared.close()
+    # THEN all 4 run in one step and none hits another's blocks: the pool publishes a block
+    # once its K/V is written (mark_computed), after the step that computes it
+    assert on["running"]["peak"] == 4 and all(r.num_hit_tokens == 0 for r in results)
+    assert on["kv"]["saved"] == 0

@@ -117,6 +117,8 @@ class Scheduler:
         """Move waiting streams into the pool, oldest first, until the pool or the batch is full."""
         admitted: list[Stream] = []
         available = self._available() if self.watermark > 0 and self.waiting else 0
+        # blocks the running streams' tables hold (built at the first prefix hit)
+        held: set[int] | None = None
         while self.waiting:
             stream = self.waiting[0]
             # a new request will fork into n streams once its prompt is done: count them now
@@ -124,10 +126,22 @@ class Scheduler:
             need = self._blocks_needed(stream)
             if self.running and not self._has_room(width, need, available):
                 break
+            fresh = stream.seq is None or stream.seq.state == "preempted"
             try:
                 self._reserve(stream)
             except PoolExhausted:
                 break
+            # A prefix hit on a block a running stream holds takes nothing from the pool (one
+            # on a cached block takes it, as a new block would): what sharing saves is left
+            # for the next admission. `need` itself stays the whole count: hits are known only
+            # once the prompt is allocated.
+            num_hits = stream.num_computed // self.cache.config.block_size if fresh else 0
+            if num_hits and self.watermark > 0:
+                if held is None:
+                    held = {b for s in self.running for b in s.seq.block_table}
+                need -= sum(b in held for b in stream.seq.block_table[:num_hits])
+            if held is not None:
+                held.update(stream.seq.block_table)
             available -= need
             self.waiting.popleft()
             self._run(stream)
@@ -229,7 +243,8 @@ class Scheduler:
         return stats["num_free"] + stats.get("num_local", 0) + stats.get("num_cached", 0)
 
     def _blocks_needed(self, stream: Stream) -> int:
-        """Blocks admitting `stream` takes at most (ignoring prefix hits)."""
+        """Blocks admitting `stream` takes at most (ignoring prefix hits: admit counts those
+        on blocks running streams hold once the stream is allocated)."""
         block_size = self.cache.config.block_size
         if stream.seq is None or stream.request.is_scoring and stream.seq.state == "preempted":
             return -(-stream.request.num_tokens // block_size)
