@@ -5,6 +5,7 @@
     python bench/bench_serve.py --mixes --device cuda  # the prefix-sharing report's table
     python bench/bench_serve.py --mixes --score --short --baseline hf --table --device cuda
     python bench/bench_serve.py --mixes --memory --baseline hf --table --device cuda
+    python bench/bench_serve.py --mixes --score --choices 4 --table --device cuda
 
 (`--mixes`: bench/serve_mixes.py; `--baseline hf`: bench/bench_serve_hf.py.) `--mixes` alone
 serves each case on a fresh 8 GiB pool; with a request shape (`--score`, `--short`,
@@ -12,7 +13,9 @@ serves each case on a fresh 8 GiB pool; with a request shape (`--score`, `--shor
 on one pool (1024 blocks; `--memory a100`: the KV budget an A100 40GB leaves beside the
 weights) whose cached blocks are evicted between cases, and the step graphs are captured once;
 `--memory` (report) gives each mix and request shape a pool of its own, of the budget that
-holds 9 of its requests without sharing (the report's 9 of 12 streams).
+holds 9 of its requests without sharing (the report's 9 of 12 streams). `--choices N`: the score
+shape as lm-eval-harness's multiple-choice tasks send it, each question one prompt scored
+against N continuations (N requests; requests/s, `--requests` and `--clients` count requests).
 
 A random-weight Llama checkpoint (~110M parameters) is written to a temporary directory; the
 same seeded workload (256 requests arriving at once, 70% behind one of 10 shared 256-token

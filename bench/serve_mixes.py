@@ -16,7 +16,10 @@ The mixes (every prompt a token list; the same seed gives the same requests):
 - long: one of 10 shared 128-token system prompts, then 768-1024 own tokens (mean 1024).
 Outputs are 16-48 tokens (mean 32), greedy, the same in every case. Two more request shapes
 have the same prompts (as lm-eval-harness sends them): "short", 1-4 output tokens, and "score",
-a continuation of 1-8 tokens whose log-likelihoods are returned (one forward, no decoding).
+a continuation of 1-8 tokens whose log-likelihoods are returned (one forward, no decoding);
+with `choices` N > 1 (`--choices`), a score question is one prompt scored against N
+continuations, N requests side by side, as lm-eval-harness's multiple-choice tasks send them
+(requests/s counts requests, one per choice).
 """
 
 from __future__ import annotations
