@@ -16,8 +16,10 @@ prints CLOCK_MONOTONIC (host-wide) as its first and its last line; the bench rea
 command started, when the run's verdict line came (stderr) and when it exited. Per pair: the
 overhead (run wall - plain wall); how much later the script's first line came (after its
 imports) than in the plain run; how much longer its last line to the exit took (the exit check,
-the supervisor's last read and the verdict); the verdict to the exit; the CPU seconds added.
-Prints the median and the range of each over the pairs.
+the supervisor's last read and the verdict); the verdict to the exit; the CPU seconds added,
+by all processes and by the script's own (to its last line: its imports, the hooks and the
+probes, the part of the overhead that the machine's load does not change). Prints the median
+and the range of each over the pairs.
 
 Python's bytecode of kvscope is compiled first (`compileall`, what `pip install` does): with
 PYTHONDONTWRITEBYTECODE set and no cache, every run would compile kvscope's sources again.
@@ -77,6 +79,8 @@ def medians(argv: list[str], repeat: int) -> tuple[float, float, float]:
 
 # argv: a pool name. Its first and last lines are CLOCK_MONOTONIC, which every process shares;
 # the first comes after the pool's import (torch), which `kvscope run` makes before the script.
+# Then the CPU seconds its process used so far (the probes' share of it does not depend on what
+# else loads the machine).
 SHORT_SCRIPT = """
 import sys, time
 from kvscope.allocator import KVPool, PoolConfig
@@ -88,6 +92,7 @@ pool.free(seq)
 pool.close()
 pool.unlink()
 print("last", time.monotonic(), flush=True)
+print("cpu", time.process_time(), flush=True)
 """
 
 
@@ -115,6 +120,8 @@ def time_script(argv: list[str]) -> dict[str, float]:
         word, _, value = line.partition(" ")
         if word in ("first", "last"):
             seen[word] = float(value) - t0
+        elif word == "cpu":
+            seen[word + "_script"] = float(value)
     code = p.wait()
     seen["exit"] = time.monotonic() - t0
     reader.join()
@@ -138,6 +145,7 @@ def bench_run(repeat: int) -> None:
             "end: its last line to the exit, longer by": [],
             "(the verdict to the exit)": [],
             "CPU added (all processes)": [],
+            "CPU added in the script's process (to its last line)": [],
         }
         for _ in range(repeat):
             name = f"bench-run-{uuid.uuid4().hex[:8]}"
@@ -152,6 +160,9 @@ def bench_run(repeat: int) -> None:
             )
             rows["(the verdict to the exit)"].append(run["exit"] - run["verdict"])
             rows["CPU added (all processes)"].append(run["cpu"] - plain["cpu"])
+            rows["CPU added in the script's process (to its last line)"].append(
+                run["cpu_script"] - plain["cpu_script"]
+            )
     print(f"\nkvscope run of a short script, {repeat} interleaved pairs")
     print("| | median (s) | min (s) | max (s) |\n|---|---:|---:|---:|")
     for label, xs in rows.items():
