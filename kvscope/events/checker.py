@@ -46,6 +46,11 @@ MAX_FINDINGS_PER_KIND = 200
 _CHAINED_SPECS = (None, "full_attention")
 
 
+# A BlockStored as the cache keeps it, one tuple shared by its hashes:
+# (parent, block_size, token_ids, block_hashes, seq, batch)
+_Stored = tuple[Any, int, Any, list[Any], int, int]
+
+
 class _Cache:
     """One (medium, group) of one publisher: the multiset of hashes stored now."""
 
@@ -54,10 +59,9 @@ class _Cache:
     def __init__(self) -> None:
         # hash -> live copies
         self.copies: dict[Any, int] = {}
-        # hash -> the BlockStored of its oldest live copy, one tuple per event shared by its
-        # hashes: (parent, block_size, token_ids, block_hashes, seq, batch); _block() finds
-        # the hash's own parent and tokens in it
-        self.stored: dict[Any, tuple[Any, int, Any, list[Any], int, int]] = {}
+        # hash -> the BlockStored of its oldest live copy (_block() finds the hash's own
+        # parent and tokens in it)
+        self.stored: dict[Any, _Stored] = {}
         # hash -> (seq, batch) of the removal of its last copy
         self.removed_at: dict[Any, tuple[int, int]] = {}
         # hash -> (seq, batch) of the AllBlocksCleared that dropped it
@@ -78,7 +82,7 @@ class _Cache:
         self.superseded.clear()
 
 
-def _block(info: tuple[Any, int, Any, list[Any], int, int], h: Any) -> tuple[Any, ...]:
+def _block(info: _Stored, h: Any) -> tuple[Any, ...]:
     """(parent, block_size, token_ids, first token, seq, batch) of block `h` of a BlockStored."""
     parent, bs, toks, hashes, seq, batch = info
     i = hashes.index(h)
@@ -420,7 +424,7 @@ class StreamChecker:
         pub.peak_stored = peak
 
     @staticmethod
-    def _may_fire(cache: _Cache, info: tuple[Any, ...], i: int) -> bool:
+    def _may_fire(cache: _Cache, info: _Stored, i: int) -> bool:
         # Hash i of a BlockStored, not stored: a check may fire on it if it was cleared, if it
         # is a superseded partial block, or if its parent is a retired partial block's.
         parent, _, _, hashes, _, _ = info
@@ -452,10 +456,10 @@ class StreamChecker:
             prev = h
             start += bs
 
-    def _retire(self, cache: _Cache, h: Any, info: tuple[Any, ...], seq: int, batch: int) -> None:
+    def _retire(self, cache: _Cache, h: Any, info: _Stored, seq: int, batch: int) -> None:
         # The last copy of a partial block removed: a full block with its parent may
         # supersede it.
-        parent, bs, toks, start, _, _ = _block(info, h)  # type: ignore[arg-type]
+        parent, bs, toks, start, _, _ = _block(info, h)
         if num_tokens(toks) > 0:
             ptoks = tuple(tokens(toks)[start : start + bs])
             cache.retired.setdefault(parent, []).append((h, ptoks, seq, batch))
