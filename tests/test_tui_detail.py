@@ -13,8 +13,8 @@ from rich.console import Console
 from kvscope.allocator.findings import Finding
 from kvscope.tui.app import TopApp
 from kvscope.tui.detail import FindingScreen, describe_finding
-from kvscope.tui.frame import Frame
-from kvscope.tui.source import ViewSource
+from kvscope.tui.frame import Frame, request_of
+from kvscope.tui.source import LiveSource, ViewSource
 from kvscope.tui.widgets.findings import FindingsPanel
 from kvscope.tui.widgets.inspector import describe_block
 from tests.test_tui_app import FROZEN_PID, frozen_view, populate, settle, sync
@@ -140,3 +140,24 @@ def test_top_finding_detail(snap_compare, detail_app, size):
         await open_detail(pilot, detail_app)
 
     assert snap_compare(detail_app, terminal_size=size, run_before=run_before)
+
+
+@sync
+async def test_the_detail_of_a_live_pool_reads_the_finding_s_block_whole(make_pool):
+    # GIVEN top on a live pool (whose frames copy whole only the records on show) and a
+    # finding about block 3, which is not on show
+    pool = make_pool(64)
+    populate(pool)
+    pool.report(Finding("published_block_modified", LONG, block=3, request="req-c"))
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(160, 48)) as pilot:
+        # WHEN enter is pressed on that finding
+        await open_detail(pilot, app)
+        # THEN the detail view shows block 3's record as the pool holds it
+        assert isinstance(app.screen, FindingScreen)
+        text = " ".join(plain(app.screen.text).split())
+        rec = pool.view.blocks[3]
+        assert (
+            f"block 3: allocated, refcount {int(rec['refcount'])}, generation "
+            f"{int(rec['generation'])}, request {request_of(rec)}" in text
+        )

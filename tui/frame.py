@@ -58,13 +58,16 @@ class Frame:
     columns: dict[str, np.ndarray] = field(default_factory=dict)
     records: np.ndarray | None = None
 
+    def __post_init__(self) -> None:
+        if not self.columns:
+            self.columns = block_columns(self.view)
+
     @classmethod
     def of(cls, view: SegmentView, **kw: Any) -> Frame:
         """A frame of `view` as a source returned it (its columns and records)."""
-        columns = getattr(view, "columns", None)
         return cls(
             view=view,
-            columns=block_columns(view) if columns is None else columns,
+            columns=getattr(view, "columns", {}),
             records=getattr(view, "records", None),
             **kw,
         )
