@@ -104,17 +104,24 @@ def evict(
     j.evicting += need
     index, rec = store.index, store.record_size
     keep_entries, keep_bytes = keep
+    ring_from = len(cand) if to_ring is None else to_ring
+    # The records of every candidate in one save when they fit with their return to the ring
+    # (the common case; a candidate left out leaves its saved record unchanged).
+    pushes = max(0, len(cand) - ring_from)
+    batch = j.fits(len(cand) + pushes + keep_entries, (len(cand) + pushes) * rec + keep_bytes)
+    if batch:
+        store.save(t, cand)
+    own = 0 if batch else 1
     done: list[int] = []
-    for b in cand.tolist():
-        r = index.plan_remove(int(store.prefix_hash[b]), b)
+    for b, key in zip(cand.tolist(), store.prefix_hash[cand].tolist()):
+        r = index.plan_remove(key, b)
         assert r is not None, f"cached block {b} missing from the prefix index"
-        # Its record, then its index removal: the range of index slots it writes (at most
-        # two entries), or when that does not fit, each slot it writes.
-        entries, nbytes = 1 + keep_entries, rec + keep_bytes
-        if to_ring is not None and len(done) + 1 > to_ring:
-            # Each block pushed to the ring journals its record again.
-            pushed = len(done) + 1 - to_ring
-            entries, nbytes = entries + pushed, nbytes + pushed * rec
+        # Its record (unless saved above), the records of the blocks so far that go to the
+        # ring, what the operation keeps; then its index removal: the range of slots it
+        # writes (one or two entries), or when that does not fit, each slot it writes.
+        pushed = max(0, len(done) + 1 - ring_from)
+        entries = own + pushed + keep_entries
+        nbytes = (own + pushed) * rec + keep_bytes
         by_slot = not j.fits(entries + r.entries, nbytes + r.nbytes)
         if by_slot and not j.fits(entries + len(r.slots), nbytes + r.slot_bytes):
             if len(done) >= need or partial:
@@ -122,7 +129,8 @@ def evict(
             raise JournalFull(
                 f"operation too large for the undo journal (evicting {need} blocks)", j.evicting
             )
-        store.save(t, np.array([b]))
+        if not batch:
+            store.save(t, np.array([b]))
         index.apply_remove(r, j, by_slot)
         done.append(b)
     _lru_keep(store, t, pending, len(done))

@@ -223,12 +223,12 @@ class PrefixIndex:
         else:
             for off, length in r.spans:
                 journal.save(off, length)
-        keys, blocks, base = self.keys, self.blocks, r.base
+        q, bi, base = self.q, self.i, r.base
         for hole, j in r.moves:
-            keys[base + hole] = keys[base + j]
-            blocks[base + hole] = blocks[base + j]
-        keys[base + r.last] = 0
-        blocks[base + r.last] = -1
+            q[2 * (base + hole)] = q[2 * (base + j)]
+            bi[4 * (base + hole) + 2] = bi[4 * (base + j) + 2]
+        q[2 * (base + r.last)] = 0
+        bi[4 * (base + r.last) + 2] = -1
 
     def remove(self, key: int, block: int, journal) -> bool:
         """Remove key (if it maps to block) with backward-shift deletion; False if absent.
