@@ -169,3 +169,70 @@ def test_a_kill_while_evicting_ahead_loses_no_block(make_pool, monkeypatch, poin
     assert st["num_cached"] == 128 and st["num_free"] + st["num_local"] == 0
     seq = pool.allocate("big", [5] * (128 * bs))
     assert len(seq.block_table) == 128 and pool.check() == []
+
+
+def _counting_saves(kill_at: int) -> list[int]:
+    """Count this process's journal saves (one entry or a batch of records each); SIGKILL at
+    save number `kill_at`, before it is written (0: never)."""
+    from kvscope.allocator.journal import Journal
+
+    n = [0]
+    for name in ("save", "save_records"):
+        real = getattr(Journal, name)
+
+        def counted(self, *a, _real=real):
+            n[0] += 1
+            if n[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _real(self, *a)
+
+        setattr(Journal, name, counted)
+    return n
+
+
+def _save_child(name: str, kill_at: int, bs: int) -> None:
+    try:
+        _counting_saves(kill_at)
+        KVPool.attach(name).allocate("big", [5] * (128 * bs))
+        code = 3
+    except BaseException:
+        traceback.print_exc()
+        code = 4
+    os._exit(code)
+
+
+@pytest.mark.slow
+def test_a_kill_at_any_journal_save_of_an_allocation_evicting_ahead_loses_no_block(
+    make_pool, monkeypatch
+):
+    # GIVEN the allocation that evicts a full shard ahead (block size 48), and how many
+    # journal saves it makes: the evict-ahead transaction's, then the allocation's
+    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+    bs = 48
+    probe = _full_shard_pool(make_pool, bs)
+    from kvscope.allocator.journal import Journal
+
+    for name in ("save", "save_records"):
+        monkeypatch.setattr(Journal, name, getattr(Journal, name))
+    saves = _counting_saves(0)
+    probe.allocate("big", [5] * (128 * bs))
+    monkeypatch.undo()
+    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+    total = saves[0]
+    assert total > 128
+    # WHEN another process is killed at one of them (spread over the whole allocation)
+    for kill_at in sorted({1, 2, 3, total - 1, total, *range(1, total, total // 6)}):
+        pool = _full_shard_pool(make_pool, bs)
+        pid = os.fork()
+        if pid == 0:
+            _save_child(pool.name, kill_at, bs)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, kill_at
+        # THEN reclaiming it leaves a consistent pool that lost no block: each block cached,
+        # evicted to the free ring (a committed evict-ahead), or nothing changed
+        pool.reclaim_dead()
+        assert pool.check() == [], kill_at
+        st = pool.stats()
+        assert st["num_allocated"] == sum(len(s.block_table) for s in pool._seqs.values())
+        assert st["num_free"] + st["num_local"] + st["num_cached"] + st["num_allocated"] == 256
+        assert st["num_cached"] in (0, 128), (kill_at, st["num_cached"])
