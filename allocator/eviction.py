@@ -101,7 +101,9 @@ def evict(
         return np.zeros(0, np.int64)
     j = t.journal
     need = min(k, len(cand))
-    j.evicting += need
+    if not partial:
+        # (a partial eviction sizes itself: an overflow after it is not evicted ahead)
+        j.evicting += need
     index, rec = store.index, store.record_size
     keep_entries, keep_bytes = keep
     ring_from = len(cand) if to_ring is None else to_ring
