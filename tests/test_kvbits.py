@@ -12,16 +12,22 @@ from kvscope.allocator.geometry import ELEMENT_BYTES
 from kvscope.allocator.kvbits import KVBits, kv_bits
 from kvscope.allocator.segment import data_path
 from kvscope.allocator.snapshot import snapshot
-from kvscope.kernels import CANARY_BITS, block_digests
+from kvscope.kernels import block_digests
 from kvscope.kernels import digest as kernel_digest
+from kvscope.kernels.canary import canary_signed
 from kvscope.kernels.checks import poison_bits
 from kvscope.kernels.digest import int_view
 
 
 def test_the_constants_are_the_kernels():
-    # GIVEN the kernels' canaries and digest coefficients, and torch's NaN of each KV dtype
-    # WHEN compared with kvbits's own copies THEN they are the same bits
-    assert kvbits.CANARY_BITS == CANARY_BITS
+    # GIVEN the canaries (one table, kernels/canary.py), the kernels' digest coefficients, and
+    # torch's NaN of each KV dtype
+    # WHEN compared with kvbits's own copies THEN they are the same bits, and each canary is a
+    # NaN of every KV dtype of its width (an attention read of a guard slot poisons its output)
+    for name, width in ELEMENT_BYTES.items():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[width]
+        bits = torch.tensor([canary_signed(width)], dtype=ints).view(getattr(torch, name))
+        assert torch.isnan(bits.float()).all(), name
     assert (kvbits.DIGEST_MUL, kvbits.DIGEST_ADD) == (
         kernel_digest.DIGEST_MUL,
         kernel_digest.DIGEST_ADD,
