@@ -323,6 +323,10 @@ class KVPool:
         done = None if self._native is None else self._native.append(self, seq, tokens)
         if done is None:
             done = append.append(self, seq, as_token_list(tokens))
+        elif type(done) is tuple:
+            # the core appended the first `k` tokens; the rest needs the Python path
+            copies, k = done
+            done = copies + append.append(self, seq, as_token_list(tokens)[k:])
         if self._checks_overdue:
             self._settle_overdue()
         return done

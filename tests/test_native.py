@@ -167,9 +167,10 @@ def test_same_operations_leave_the_same_bytes(pool_name, seed, churn, monkeypatc
             assert [_fields(s) for s in live_fast] == [_fields(s) for s in live_slow]
             _same(fast, slow, f"step {i} {op}")
         assert fast.check() == [] and slow.check() == []
-        # and both paths ran, interleaved: the C core the common case, Python the rest
+        # and the C core ran them (multi-token appends and copy-on-write too; Python only
+        # what it hands back: an exhausted pool)
         done = fast._native.stats()
-        assert done["native_ops"] > 200 and done["fallbacks"] > 0, done
+        assert done["native_ops"] > 200, done
         # eviction among them when the cache fills with prefixes
         assert done["evictions"] > 0 or not churn, done
     finally:

@@ -1,4 +1,4 @@
-/* A one-token append (append.py) and mark_computed (publish.py): growing a sequence and
+/* Appends, with copy-on-write (append.py), and mark_computed (publish.py): growing a sequence and
  * publishing its full blocks. Part of _native.c. */
 
 /* -- append ----------------------------------------------------------------------------------- */
@@ -45,104 +45,169 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
     return OK;
 }
 
-/* One token appended to seq (in `slot`) -> [] (no copies), or None (the Python path:
- * copy-on-write, ...): into the last block when it has room, else into a new block (a
- * transaction). */
-static PyObject *core_append1(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
-                              int32_t tok) {
-    PyObject *tokens = sfield(n, seq, F_TOKENS);
-    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
-    PyObject *chain = sfield(n, seq, F_CHAIN);
-    PyObject *result = NULL, *tok_o = NULL;
-    int mutex = 0;
-    if (!tokens || !table || !chain) goto out;
-    if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(chain)) {
-        result = fallback(n);
-        goto out;
-    }
-    Py_ssize_t n_old = PyList_GET_SIZE(tokens), nb = PyList_GET_SIZE(table);
-    int64_t bs = n->bs, off = n_old % bs;
-    if (nb == 0 || nb != (n_old + bs - 1) / bs) {
-        result = fallback(n);
-        goto out;
-    }
-    /* magic: a block this append fills gets its prefix key (extend_chain), on a record that
-     * must still match its checksum (append.py _set_keys; else the Python path reports). */
-    if ((n->probes & P_MAGIC) && (n_old + 1) % bs == 0) {
-        for (Py_ssize_t j = PyList_GET_SIZE(chain); j < (n_old + 1) / bs && j < nb; j++) {
-            long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
-            if (b < 0 || b >= n->nb || U8(blk(n, b) + BF_CHECKSUM) != checksum(n, b)) {
-                PyErr_Clear();
-                result = fallback(n);
-                goto out;
-            }
-        }
-    }
-    /* The token as the sequence keeps it: an int. */
-    tok_o = PyLong_FromLong(tok);
-    if (tok_o == NULL) goto out;
-    if (off) {
-        long last = PyLong_AsLong(PyList_GET_ITEM(table, nb - 1));
-        if (last < 0 || last >= n->nb) {
+/* reserve.take for an append: k fresh blocks stamped for its sequence (the local cache, the
+ * ring, eviction), with the probes' checks of blocks handed out. OK, FALLBACK (preemption, a
+ * probe's finding: the Python path), or FALLBACK with an exception set (a handback's). */
+static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, int32_t site,
+                      uint64_t now) {
+    if (take(n, k, out) || unmapped(n, out, k) || poison_intact(n, out, k) ||
+        stamp(n, out, k, request, site, now))
+        return FALLBACK;
+    unpoison(n, out, k);
+    return OK;
+}
+
+/* SeqTable.set_blocks: table entry `pos` of `slot` replaced (copy-on-write). */
+static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
+    size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)pos;
+    if (jsave(n, off, 4)) return FALLBACK;
+    I4(n->seg + off) = b;
+    return OK;
+}
+
+/* A block's record still matches its checksum (magic: a block an append fills gets its prefix
+ * key, append.py _set_keys; else the Python path reports it). */
+static int fill_sealed(Native *n, PyObject *table, PyObject *chain, Py_ssize_t nb, int64_t n_new) {
+    if (!(n->probes & P_MAGIC)) return OK;
+    for (Py_ssize_t j = PyList_GET_SIZE(chain); j < n_new / n->bs && j < nb; j++) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
+        if (b < 0 || b >= n->nb || U8(blk(n, b) + BF_CHECKSUM) != checksum(n, b)) {
             PyErr_Clear();
-            result = fallback(n);
-            goto out;
+            return FALLBACK;
         }
-        uint8_t *r = blk(n, last);
-        if (I4(r + BF_REFCOUNT) > 1) { /* copy-on-write */
-            result = fallback(n);
-            goto out;
+    }
+    return OK;
+}
+
+/* append._append_chunk: k tokens (at most CHUNK blocks' worth) appended to seq (in `slot`; its
+ * lists tokens, table, chain): into the last block when it has room and is the sequence's
+ * own (unjournaled: the decode step), else in a transaction that copies a shared last block
+ * first (copy-on-write: its (src, dst) appended to `copies`) and takes new blocks. OK,
+ * FALLBACK with nothing changed, ERROR. */
+static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
+                        PyObject *lists[3], const int32_t *toks, int64_t k, PyObject *copies) {
+    PyObject *tokens = lists[0], *table = lists[1], *chain = lists[2];
+    int64_t bs = n->bs;
+    Py_ssize_t n_old = PyList_GET_SIZE(tokens), nb = PyList_GET_SIZE(table);
+    if (nb != (n_old + bs - 1) / bs) return FALLBACK;
+    int64_t n_new = n_old + k, off = n_old % bs;
+    int64_t need = (n_new + bs - 1) / bs - nb;
+    int32_t last = -1;
+    if (nb) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(table, nb - 1));
+        if (b < 0 || b >= n->nb) {
+            PyErr_Clear();
+            return FALLBACK;
         }
-        /* The decode step: unjournaled, as append.py's fast path (docs/FORMAT.md, crash rule 5). */
-        I4(r + BF_TOKENS + 4 * off) = (int32_t)tok;
-        U4(r + BF_NUM_TOKENS) = (uint32_t)(off + 1);
-        if (PyList_Append(tokens, tok_o)) goto out;
-        U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
+        last = (int32_t)b;
+    }
+    int cow = off != 0 && last >= 0 && I4(blk(n, last) + BF_REFCOUNT) > 1;
+    if (need > CHUNK || fill_sealed(n, table, chain, nb, n_new)) return FALLBACK;
+    /* The blocks written, from the one holding position n_old: the last block (or its copy)
+     * when it has room, then the new ones. */
+    int32_t ids[CHUNK + 1];
+    int32_t *fresh = ids + (off != 0);
+    ids[0] = last;
+    uint8_t *s = seqrec(n, slot);
+    if (need <= 0 && !cow) {
+        fill(n, ids, off, toks, k);
+        U8(s + SF_NUM_TOKENS) = (uint64_t)n_new;
     } else {
         int32_t site = site_now(n, pool);
-        if (site == -2) goto out;
+        if (site == -2) return ERROR;
         int rc = take_mutex(n);
-        if (rc != OK) {
-            result = rc == ERROR ? NULL : fallback(n);
-            goto out;
-        }
-        mutex = 1;
-        uint64_t locks = take_locks(n, 1);
-        if (txn_begin(n, locks)) {
-            result = fallback(n);
-            goto out;
-        }
-        int32_t b;
-        uint8_t *s = seqrec(n, slot);
+        if (rc != OK) return rc;
+        uint64_t locks = take_locks(n, (need > 0 ? need : 0) + cow);
+        /* an indexed block is changed under its shard's lock */
+        if (cow && blk(n, last)[BF_INDEXED] == 1) locks |= block_shard_lock(n, last);
+        if (txn_begin(n, locks)) return FALLBACK;
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
-        if (take(n, 1, &b) || unmapped(n, &b, 1) || poison_intact(n, &b, 1) ||
-            stamp(n, &b, 1, request, site, wall_ns()) ||
-            write_blocks(n, slot, nb, &b, 1)) {
-            txn_abort(n);
-            result = PyErr_Occurred() ? NULL : fallback(n);
+        uint64_t now = wall_ns();
+        if (cow) {
+            int32_t dst;
+            if (take_fresh(n, 1, &dst, request, site, now)) goto abort;
+            uint8_t *src_r = blk(n, last), *dst_r = blk(n, dst);
+            memcpy(dst_r + BF_TOKENS, src_r + BF_TOKENS, 4 * (size_t)bs);
+            U4(dst_r + BF_NUM_TOKENS) = U4(src_r + BF_NUM_TOKENS);
+            /* BlockStore.drop: the source stays shared (refcount > 1) */
+            if (jsave_block(n, last)) goto abort;
+            I4(src_r + BF_REFCOUNT) -= 1;
+            U8(src_r + BF_ACCESS_NS) = now;
+            seal(n, last);
+            if (set_block(n, slot, nb - 1, dst)) goto abort;
+            seal(n, dst);
+            ids[0] = dst;
+        }
+        if (need > 0) {
+            if (take_fresh(n, need, fresh, request, site, now) ||
+                write_blocks(n, slot, nb, fresh, need))
+                goto abort;
+        } else if (jsave_head(n, slot)) {
+            goto abort;
+        }
+        fill(n, ids, off, toks, k);
+        U8(s + SF_NUM_TOKENS) = (uint64_t)n_new;
+        txn_commit(n);
+        int64_t seq_id = (int64_t)U8(s + SF_SEQ_ID);
+        count(n, C_ALLOCS, (uint64_t)((need > 0 ? need : 0) + cow));
+        if (cow) {
+            count(n, C_COW, 1);
+            ev_record(n, E_ALLOCATE, ids, 1, request, seq_id);
+            ev_record(n, E_COW, &last, 1, request, ids[0]);
+        }
+        if (need > 0) ev_record(n, E_ALLOCATE, fresh, need, request, seq_id);
+        /* The Python side: the table as the segment's, the copy to make. */
+        if (cow) {
+            PyObject *pair = Py_BuildValue("(ii)", (int)last, (int)ids[0]);
+            if (PyList_SetItem(table, nb - 1, PyLong_FromLong(ids[0])) ||
+                append_new(copies, pair))
+                return ERROR;
+        }
+        for (int64_t i = 0; i < need; i++)
+            if (append_new(table, PyLong_FromLong(fresh[i]))) return ERROR;
+    }
+    if (ints_extend(tokens, toks, k)) return ERROR;
+    if (n_new / bs > PyList_GET_SIZE(chain) && extend_chain(n, tokens, table, chain))
+        return ERROR;
+    return OK;
+abort:
+    txn_abort(n);
+    return PyErr_Occurred() ? ERROR : FALLBACK;
+}
+
+/* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies; None (the Python
+ * path) with nothing changed; or, where a chunk after the first needs the Python path, a
+ * tuple (the copies so far, how many tokens are in). Chunks of CHUNK blocks' worth, each a
+ * transaction of its own, as append.py's. */
+static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
+                             const int32_t *toks, int64_t k) {
+    PyObject *lists[3] = {sfield(n, seq, F_TOKENS), sfield(n, seq, F_BLOCK_TABLE),
+                          sfield(n, seq, F_CHAIN)};
+    PyObject *copies = PyList_New(0), *result = NULL;
+    if (!lists[0] || !lists[1] || !lists[2] || !copies) goto out;
+    if (!PyList_CheckExact(lists[0]) || !PyList_CheckExact(lists[1]) ||
+        !PyList_CheckExact(lists[2])) {
+        result = fallback(n);
+        goto out;
+    }
+    int64_t step = k <= n->bs ? k : CHUNK * n->bs, done = 0;
+    while (done < k) {
+        int64_t part = k - done < step ? k - done : step;
+        int rc = append_chunk(n, pool, seq, slot, lists, toks + done, part, copies);
+        drop_mutex(n);
+        if (rc == ERROR) goto out;
+        if (rc == FALLBACK) {
+            result = done ? Py_BuildValue("(On)", copies, (Py_ssize_t)done) : fallback(n);
             goto out;
         }
-        unpoison(n, &b, 1);
-        I4(blk(n, b) + BF_TOKENS) = (int32_t)tok;
-        U4(blk(n, b) + BF_NUM_TOKENS) = 1;
-        U8(s + SF_NUM_TOKENS) = (uint64_t)(n_old + 1);
-        txn_commit(n);
-        count(n, C_ALLOCS, 1);
-        ev_record(n, E_ALLOCATE, &b, 1, request, (int64_t)U8(s + SF_SEQ_ID));
-        if (append_new(table, PyLong_FromLong(b))) goto out;
-        if (PyList_Append(tokens, tok_o)) goto out;
+        done += part;
     }
-    if ((n_old + 1) / bs > PyList_GET_SIZE(chain) && extend_chain(n, tokens, table, chain))
-        goto out;
     n->native_ops++;
-    result = PyList_New(0);
+    result = Py_NewRef(copies);
 out:
-    if (mutex) drop_mutex(n);
-    Py_XDECREF(tok_o);
-    Py_XDECREF(tokens);
-    Py_XDECREF(table);
-    Py_XDECREF(chain);
+    for (int i = 0; i < 3; i++) Py_XDECREF(lists[i]);
+    Py_XDECREF(copies);
     return result;
 }
 

@@ -91,11 +91,11 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
 
 /* N_append once its tokens are read. */
 static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tokens *t) {
-    if (t->n != 1) return fallback(n);
     GATE(n, pool, OP_APPEND);
     int64_t slot = own_slot(n, seq);
     if (slot < 0) return fallback(n);
-    return core_append1(n, pool, seq, slot, t->v[0]);
+    if (t->n == 0) return PyList_New(0);
+    return core_append(n, pool, seq, slot, t->v, t->n);
 }
 
 /* N_allocate once its arguments are read: the tokens, the request id as a str. */
@@ -218,7 +218,8 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_TRUE;
 }
 
-/* append(pool, seq, tokens) -> [] | None: one token (tokens as tokens.c reads them). */
+/* append(pool, seq, tokens) -> copies | None | (copies, appended): tokens as tokens.c reads
+ * them (core_append). */
 static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "append(pool, seq, tokens)");

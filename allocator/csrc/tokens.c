@@ -353,6 +353,25 @@ static PyObject *tokens_list(const Tokens *t) {
     return out;
 }
 
+/* Append ints of the values v[0..k) to `list` (a sequence's own). */
+static int ints_extend(PyObject *list, const int32_t *v, Py_ssize_t k) {
+    if (k == 1) return append_new(list, PyLong_FromLong(v[0]));
+    PyObject *more = PyList_New(k);
+    if (more == NULL) return ERROR;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *x = PyLong_FromLong(v[i]);
+        if (x == NULL) {
+            Py_DECREF(more);
+            return ERROR;
+        }
+        PyList_SET_ITEM(more, i, x);
+    }
+    Py_ssize_t end = PyList_GET_SIZE(list);
+    int rc = PyList_SetSlice(list, end, end, more);
+    Py_DECREF(more);
+    return rc ? ERROR : OK;
+}
+
 /* -- the request id ------------------------------------------------------------------------- */
 
 /* The request id as the Sequence keeps it (a new reference): a str as it is, anything else
