@@ -1,7 +1,7 @@
 """The pool's C core (allocator/_native.c): which handles use it, and its view of the segment.
 
-The core does the common case of allocate, free/abort, a one-token append, mark_computed and
-fork on the same bytes, journal and locks as the Python methods; anything else it hands back (it
+The core does the common case of allocate, free/abort, append (copy-on-write too), mark_computed
+and fork on the same bytes, journal and locks as the Python methods; anything else it hands back (it
 returns None with nothing changed) and the Python method runs. A handle uses it when the
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
 `KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: every probe `kvscope run`

@@ -197,13 +197,42 @@ def test_paths_that_stay_in_python(make_pool):
         assert pool._native.stats()["native_ops"] == n + 2  # the allocation only
     finally:
         faults.configure(None)
-    # Copy-on-write: the C core hands it back.
+    # Copy-on-write of a shared last block: in the core too.
     child = pool.fork(s, "b")
+    n = pool._native.stats()["native_ops"]
     copies = pool.append(child, [8])
     assert len(copies) == 1 and copies[0][0] == s.block_table[-1]
+    assert pool._native.stats()["native_ops"] == n + 1
     pool.free(child)
     pool.free(s)
     assert pool.check() == []
+
+
+def test_a_long_append_the_core_cannot_finish_is_finished_by_python(pool_name):
+    # GIVEN two pools, C core and Python, each with a sequence, and too few blocks for a long
+    # append: its first chunk (128 blocks) fits, the second does not
+    fast = _pool(pool_name, True, num_blocks=160)
+    slow = _pool(f"{pool_name}-py", False, num_blocks=160)
+    try:
+        seqs = [pool.allocate("a", [1]) for pool in (fast, slow)]
+        more = list(range(2, 702))
+        # WHEN the long append runs on both (chunks of 128 blocks' worth of tokens, as append.py)
+        # THEN both append the first chunk and then say the pool is exhausted, leaving the
+        # same sequence and the same bytes
+        before = fast._native.stats()["fallbacks"]
+        for pool, seq in zip((fast, slow), seqs):
+            with pytest.raises(PoolExhausted):
+                pool.append(seq, more)
+        # (the core ran the first chunk and handed back the rest)
+        assert fast._native.stats()["fallbacks"] == before + 1
+        assert seqs[0].tokens == seqs[1].tokens == [1] + more[: 128 * BS]
+        assert seqs[0].block_table == seqs[1].block_table
+        _same(fast, slow, "the long append")
+        assert fast.check() == [] and slow.check() == []
+    finally:
+        for pool in (fast, slow):
+            pool.close()
+            pool.unlink()
 
 
 def test_a_missing_core_is_said_once(pool_name, monkeypatch):

@@ -198,6 +198,7 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
         drop_mutex(n);
         if (rc == ERROR) goto out;
         if (rc == FALLBACK) {
+            if (done) n->fallbacks++; /* (a handback too: of the rest) */
             result = done ? Py_BuildValue("(On)", copies, (Py_ssize_t)done) : fallback(n);
             goto out;
         }
