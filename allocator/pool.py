@@ -322,14 +322,17 @@ class KVPool:
         copies to perform first."""
         done = None if self._native is None else self._native.append(self, seq, tokens)
         if done is None:
-            done = append.append(self, seq, as_token_list(tokens))
-        elif type(done) is tuple:
-            # the core appended the first `k` tokens; the rest needs the Python path
-            copies, k = done
-            done = copies + append.append(self, seq, as_token_list(tokens)[k:])
+            done = self._append_rest(seq, tokens)
         if self._checks_overdue:
             self._settle_overdue()
         return done
+
+    def _append_rest(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
+        """The Python path's append of what the core handed back: every token, or those after
+        the chunks it appended (a long append that ran short of blocks)."""
+        done = None if self._native is None else self._native.append_done()
+        copies, k = ([], 0) if done is None else done
+        return copies + append.append(self, seq, as_token_list(tokens)[k:])
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""

@@ -176,10 +176,10 @@ abort:
     return PyErr_Occurred() ? ERROR : FALLBACK;
 }
 
-/* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies; None (the Python
- * path) with nothing changed; or, where a chunk after the first needs the Python path, a
- * tuple (the copies so far, how many tokens are in). Chunks of CHUNK blocks' worth, each a
- * transaction of its own, as append.py's. */
+/* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies, or None (the
+ * Python path) with nothing changed or, where a chunk after the first needs the Python path,
+ * with the first chunks appended (append_done() says how many tokens, and their copies).
+ * Chunks of CHUNK blocks' worth, each a transaction of its own, as append.py's. */
 static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
                              const int32_t *toks, int64_t k) {
     PyObject *lists[3] = {sfield(n, seq, F_TOKENS), sfield(n, seq, F_BLOCK_TABLE),
@@ -198,8 +198,10 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
         drop_mutex(n);
         if (rc == ERROR) goto out;
         if (rc == FALLBACK) {
-            if (done) n->fallbacks++; /* (a handback too: of the rest) */
-            result = done ? Py_BuildValue("(On)", copies, (Py_ssize_t)done) : fallback(n);
+            Py_CLEAR(n->append_partial);
+            if (done && !(n->append_partial = Py_BuildValue("(On)", copies, (Py_ssize_t)done)))
+                goto out;
+            result = fallback(n);
             goto out;
         }
         done += part;

@@ -158,6 +158,9 @@ typedef struct {
     uint64_t held; /* bit i: lock i */
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
     uint64_t native_ops, fallbacks, native_evictions;
+    /* An append handed back after its first chunks ran: (copies, tokens appended), for
+     * append_done(); NULL otherwise. */
+    PyObject *append_partial;
     /* probes (probes.c) */
     int64_t *probe_bits; /* KVPool._probe_bits: P_* of the handle's probe (read at every call) */
     Py_buffer probe_bits_buf;

@@ -218,8 +218,7 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_TRUE;
 }
 
-/* append(pool, seq, tokens) -> copies | None | (copies, appended): tokens as tokens.c reads
- * them (core_append). */
+/* append(pool, seq, tokens) -> copies | None: tokens as tokens.c reads them (core_append). */
 static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "append(pool, seq, tokens)");
@@ -230,6 +229,14 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (tokens_read(args[2], &t, 0) == OK) out = append_read(n, args[0], args[1], &t);
     tokens_done(&t);
     return out;
+}
+
+/* append_done() -> (copies, tokens) | None: what the last append the core handed back had
+ * appended already (core_append), once. */
+static PyObject *N_append_done(Native *n, PyObject *unused) {
+    PyObject *out = n->append_partial;
+    n->append_partial = NULL;
+    return out ? out : Py_NewRef(Py_None);
 }
 
 /* mark_computed(pool, seq, num_tokens) -> int | None */

@@ -216,6 +216,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->store);
     Py_XDECREF(n->pend_lru);
     Py_XDECREF(n->evict_mod);
+    Py_XDECREF(n->append_partial);
     drop_pending_scan(n);
     PyMem_Free(n->scan_buf);
     PyMem_Free(n->coefs);
@@ -254,7 +255,9 @@ static PyMethodDef N_methods[] = {
     {"end", (PyCFunction)(void (*)(void))N_end, METH_FASTCALL,
      "end(pool, seq, final_state) -> True | None: free or abort"},
     {"append", (PyCFunction)(void (*)(void))N_append, METH_FASTCALL,
-     "append(pool, seq, tokens) -> [] | None: one token"},
+     "append(pool, seq, tokens) -> copies | None (see append_done)"},
+    {"append_done", (PyCFunction)N_append_done, METH_NOARGS,
+     "append_done() -> (copies, tokens) | None: what a handed-back append had appended"},
     {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
      "mark_computed(pool, seq, num_tokens) -> int | None"},
     {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
