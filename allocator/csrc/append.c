@@ -110,7 +110,13 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
     ids[0] = last;
     uint8_t *s = seqrec(n, slot);
     if (need <= 0 && !cow) {
-        fill(n, ids, off, toks, k);
+        if (k == 1) { /* the decode step: one token, one count */
+            uint8_t *r = blk(n, last);
+            I4(r + BF_TOKENS + 4 * off) = toks[0];
+            U4(r + BF_NUM_TOKENS) = (uint32_t)(off + 1);
+        } else {
+            fill(n, ids, off, toks, k);
+        }
         U8(s + SF_NUM_TOKENS) = (uint64_t)n_new;
     } else {
         int32_t site = site_now(n, pool);
