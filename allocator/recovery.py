@@ -317,10 +317,15 @@ def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None = None) -> dict
 
 def _said_at_exit(view: SegmentView) -> set[int]:
     """Processes whose own exit (or pool close) recorded what they still held (leak_finished):
-    reclaiming it afterwards is the same cause, not a second finding."""
+    reclaiming it afterwards is the same cause, not a second finding. Nothing when the ring is
+    scribbled over (a record of no known kind): it says nothing then."""
+    try:
+        recorded = read_findings(view)
+    except ValueError:
+        return set()
     return {
         f.owner_pid
-        for f in read_findings(view)
+        for f in recorded
         if f.kind == FindingKind.LEAK_FINISHED and f.owner_pid is not None
     }
 
