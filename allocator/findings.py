@@ -156,6 +156,15 @@ def read_findings(view) -> list[Finding]:
     return out
 
 
+def readable_findings(view) -> list[Finding]:
+    """`read_findings`, or nothing when the ring is scribbled over (a record of no known kind):
+    what every reader of a possibly hostile segment calls."""
+    try:
+        return read_findings(view)
+    except ValueError:
+        return []
+
+
 # What a repair answers about a dead process: its leaks and the locks it died holding.
 REPAIRABLE_KINDS = LEAK_KINDS | {FindingKind.LOCK_DEAD_HOLDER}
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.allocator.check import check_header, check_view
-from kvscope.allocator.findings import Finding, FindingKind, read_findings
+from kvscope.allocator.findings import Finding, FindingKind, readable_findings
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.kvread import KVData, for_dump, for_live
 from kvscope.allocator.layout import SegmentView
@@ -161,10 +161,7 @@ def recorded_findings(view: SegmentView) -> list[Finding]:
     or the ring is scribbled over: the check reports what the blocks show)."""
     if check_header(view):
         return []
-    try:
-        recorded = read_findings(view)
-    except ValueError:
-        return []
+    recorded = readable_findings(view)
     # What `kvscope check --repair` answered (recovery.clear_repaired) is no longer a finding.
     recorded = [f for f in recorded if not f.extra.pop("repaired", False)]
     for f in recorded:

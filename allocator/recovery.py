@@ -24,7 +24,7 @@ from kvscope.allocator.findings import (
     Finding,
     FindingKind,
     mark_repaired,
-    read_findings,
+    readable_findings,
     write_finding,
 )
 from kvscope.allocator.journal import Journal
@@ -319,13 +319,9 @@ def _said_at_exit(view: SegmentView) -> set[int]:
     """Processes whose own exit (or pool close) recorded what they still held (leak_finished):
     reclaiming it afterwards is the same cause, not a second finding. Nothing when the ring is
     scribbled over (a record of no known kind): it says nothing then."""
-    try:
-        recorded = read_findings(view)
-    except ValueError:
-        return set()
     return {
         f.owner_pid
-        for f in recorded
+        for f in readable_findings(view)
         if f.kind == FindingKind.LEAK_FINISHED and f.owner_pid is not None
     }
 
