@@ -189,13 +189,26 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
     events = f.get("events") or []
     if events:
-        shown = events[-EVENTS_SHOWN:]
-        con.print(
-            "      last events:"
-            if len(shown) == len(events)
-            else f"      last {len(shown)} of its {len(events)} recorded events (--json lists"
-            " every one):"
-        )
+        # The events that led to the finding: those up to the moment it was recorded (a
+        # block's later life, other requests' hits and frees, says nothing of what went wrong)
+        at = f.get("time_ns")
+        upto = sum(1 for e in events if e["time_ns"] <= at) if at else len(events)
+        if not upto or len(events) <= EVENTS_SHOWN:
+            upto = len(events)
+        shown = events[max(0, upto - EVENTS_SHOWN) : upto]
+        later = len(events) - upto
+        if len(shown) == len(events):
+            con.print("      last events:")
+        elif later:
+            con.print(
+                f"      the {len(shown)} events up to the finding, of its {len(events)} recorded"
+                f" ({later} after it; --json lists every one):"
+            )
+        else:
+            con.print(
+                f"      last {len(shown)} of its {len(events)} recorded events (--json lists"
+                " every one):"
+            )
         for e in shown:
             con.print("        " + escape(_event_line(e)))
     if f.get("read_unwritten"):

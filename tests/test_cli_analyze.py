@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -254,6 +255,34 @@ def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
     assert "mapped since its publication by</th><td>&#x27;a&#x27;, &#x27;b&#x27;" in html
     for s in (late, a, seq):
         pool.free(s)
+
+
+def test_the_text_shows_the_events_that_led_to_a_finding_not_the_blocks_later_life(
+    capsys, make_pool, monkeypatch
+):
+    # GIVEN a published block hit by "a", written into, found at the next prefix hit, then hit
+    # and released by many more requests (more than the text shows)
+    for name in ("EVENTS", "DIGEST"):
+        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
+    pool = make_pool(32)
+    seq = pool.allocate("owner", list(range(9)))
+    pool.kv[:, :, seq.block_table[0], :4] = 1.0
+    pool.mark_computed(seq, 9)
+    a = pool.allocate("a", list(range(8)) + [60])
+    pool.kv[0, 0, seq.block_table[0], 1] = 2.0  # ("a"'s write into the block it hit)
+    pool.free(pool.allocate("finder", list(range(8)) + [70]))
+    for i in range(12):
+        pool.free(pool.allocate(f"later-{i}", list(range(8)) + [80 + i]))
+    # WHEN analyzed as text
+    assert main(["analyze", pool.name]) == 1
+    text = capsys.readouterr().out
+    # THEN the finding's events end at the hit that found it and say how many came after
+    lines = text[text.index("published_block_modified") :].splitlines()
+    part = "\n".join([lines[0], *itertools.takewhile(lambda ln: ln.startswith("    "), lines[1:])])
+    assert "events up to the finding, of its" in part and "after it; --json lists" in part
+    assert "prefix_hit  gen 1  arg 0 request 'a'" in part and "later-" not in part
+    pool.free(a)
+    pool.free(seq)
 
 
 def test_a_block_published_before_its_kv_names_who_read_it_unwritten(
