@@ -54,7 +54,7 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
 
     def claim(t: Txn) -> tuple[int, int, list[int]]:
         slot, seq_id = pool.seqtab.claim(t, rb, pool.pid, pool.start, pool.client, site)
-        hits = _match(pool, t, keys, tokens, max_hits)
+        hits = _match(pool, t, keys, tokens, max_hits, rb)
         if split:
             pool.seqtab.write_blocks(t, slot, 0, hits)
             pool.view.seqs["num_tokens"][slot] = len(hits) * bs
@@ -136,8 +136,10 @@ def _unclaim(pool: KVPool, slot: int, hits: list[int]) -> None:
     pool._run(locks, op)
 
 
-def _match(pool: KVPool, t: Txn, keys: list[int], tokens: list[int], max_hits: int) -> list[int]:
-    """Longest verified prefix hit: take a reference on each hit block."""
+def _match(
+    pool: KVPool, t: Txn, keys: list[int], tokens: list[int], max_hits: int, request: bytes
+) -> list[int]:
+    """Longest verified prefix hit for `request`: take a reference on each hit block."""
     if max_hits <= 0:
         return []
     index = pool.store.index
@@ -165,7 +167,9 @@ def _match(pool: KVPool, t: Txn, keys: list[int], tokens: list[int], max_hits: i
         pool.store.seal(ids)
         crash_point("prefix.after_hit")
         if pool.probe is not None:
-            pool.probe.writes.verify_published(t, ids, "a prefix hit")
+            # (the request's first 32 bytes, as the segment and the core have them)
+            seen = f"a prefix hit by request '{request.decode(errors='replace')}'"
+            pool.probe.writes.verify_published(t, ids, seen)
     return hits
 
 

@@ -47,7 +47,7 @@ def test_an_untouched_published_block_is_no_finding(make_pool, probes):
 @pytest.mark.parametrize(
     "when,seen",
     [
-        ("prefix hit", "seen at a prefix hit"),
+        ("prefix hit", "seen at a prefix hit by request 'hit'"),
         ("release", "seen at its release by request 'owner'"),
         ("eviction", "seen at its eviction"),
         ("check", "seen at a check"),

@@ -78,8 +78,11 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
         U8(r + BF_ACCESS_NS) = now;
         seal(n, table[j]);
     }
-    /* digest: the hits are as published (writes.verify_published, "a prefix hit") */
-    if (digests_intact(n, table, hits, "a prefix hit")) goto abort;
+    /* digest: the hits are as published (writes.verify_published, "a prefix hit by request
+     * '...'": the request whose hit saw the change) */
+    char seen[64];
+    snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'", (int)strnlen(request, 32), request);
+    if (digests_intact(n, table, hits, seen)) goto abort;
     int64_t k = nblocks - hits;
     if (take(n, k, table + hits) || unmapped(n, table + hits, k) ||
         poison_intact(n, table + hits, k))
