@@ -33,5 +33,12 @@ setup(
             extra_compile_args=["-O2", "-std=gnu11"],
             optional=True,
         ),
+        # `kvscope events check`'s fast path (kvscope/csrc/kvevents.c)
+        Extension(
+            "kvscope._kvevents",
+            ["kvscope/csrc/kvevents.c"],
+            extra_compile_args=["-O2", "-std=gnu11"],
+            optional=True,
+        ),
     ]
 )

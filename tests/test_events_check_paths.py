@@ -7,16 +7,28 @@ the path change inside one event or one batch: a hash stored again after new one
 hash, two caches interleaved, a clear between events, a partial block retired and superseded
 within a batch. The walk behind `timeline` and `report` feeds the checker one event at a time,
 so its report must equal the checker's on any stream, which random streams check.
+
+Where kvscope._kvevents is built, the checker reads each payload and applies the events no
+check fires on in C, up to the first event where one may (kvscope/csrc/kvevents.c); random
+streams of both encodings and both hash kinds, full of planted faults and of values the C
+reader leaves to msgspec, give the same report and the same caches with it and without it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
+from typing import Any
 
+import msgpack
+import pytest
+
+from kvscope.events import checker as checker_module
 from kvscope.events.checker import StreamChecker
 from kvscope.events.streamfile import PUBLISHED
 from kvscope.events.walk import StreamWalk
-from kvscope.events.wire import Encoder
+from kvscope.events.wire import Encoder, WireError, decode_payload, tokens
 from tests.test_events_check import BS, Stream, check
 
 
@@ -138,12 +150,21 @@ def test_a_partial_block_superseded_within_one_batch(tmp_path):
     ]
 
 
-def random_stream(rng: random.Random) -> list[tuple[int, int, int, list[bytes]]]:
+def random_stream(
+    rng: random.Random, hashes: str = "int"
+) -> list[tuple[int, int, int, list[bytes]]]:
     """A short stream of random batches, faults of every kind likely among them."""
     enc = Encoder(maps=rng.random() < 0.5)
     records = []
     seqs = [0, 0]
-    names = list(range(1, rng.randrange(4, 24)))
+    names: list[Any] = list(range(1, rng.randrange(4, 24)))
+    if hashes == "bytes":
+        names = [hashlib.sha256(str(n).encode()).digest() for n in names]
+    elif hashes == "signed":
+        # SGLang's: the first 64 bits, signed
+        names = [
+            struct.unpack(">q", hashlib.sha256(str(n).encode()).digest()[:8])[0] for n in names
+        ]
     for i in range(rng.randrange(1, 30)):
         rank = rng.randrange(2)
         events = []
@@ -151,23 +172,40 @@ def random_stream(rng: random.Random) -> list[tuple[int, int, int, list[bytes]]]
             medium, group = rng.choice(["GPU", "GPU", "CPU"]), rng.choice([0, 0, 1])
             r = rng.random()
             if r < 0.5:
-                hashes = [rng.choice(names) for _ in range(rng.randrange(4))]
+                hs = [rng.choice(names) for _ in range(rng.randrange(4))]
                 bs = rng.choice([16, 16, 8])
                 parent = rng.choice([None, None, *names[:6]])
-                toks = [rng.randrange(2) * 1000 + h * 10 + j for h in hashes for j in range(bs)]
+                # a block's tokens depend on its parent and its place: a partial block (8)
+                # begins like the full block (16) at the same place, and is superseded by it
+                bases = [rng.randrange(2) * 1000 for _ in hs]
+                toks = [b + j for b in bases for j in range(bs)]
                 if rng.random() < 0.1:
                     toks = toks[:-1]
-                events.append(enc.stored(hashes, parent, toks, bs, medium, group))
+                events.append(enc.stored(hs, parent, toks, bs, medium, group))
             elif r < 0.93:
-                hashes = [rng.choice(names) for _ in range(rng.randrange(3))]
-                events.append(enc.removed(hashes, medium, group))
+                hs = [rng.choice(names) for _ in range(rng.randrange(3))]
+                events.append(enc.removed(hs, medium, group))
             else:
                 events.append(enc.cleared())
+        if rng.random() < 0.1:
+            # a partial block retired, superseded by its full block, and stored again
+            medium, group = rng.choice(["GPU", "CPU"]), rng.choice([0, 1])
+            x, p, f = rng.sample(names, 3)
+            events += [
+                enc.stored([x], None, list(range(16)), 16, medium, group),
+                enc.stored([p], x, list(range(8)), 8, medium, group),
+                enc.removed([p], medium, group),
+                enc.stored([f], x, list(range(16)), 16, medium, group),
+                enc.stored([p], x, list(range(8)), 8, medium, group),
+            ]
         seq = seqs[rank] + (rng.random() < 0.05) - 2 * (rng.random() < 0.05)
         seq = 0 if seq < 0 or rng.random() < 0.03 else seq
         seqs[rank] = seq + 1
         payload = enc.payload(events, rank=rank, ts=i - 50 * (rng.random() < 0.03))
         records.append((i, PUBLISHED, 0, enc.message(seq, payload)))
+        if rng.random() < 0.05:
+            # delivered twice: not applied again
+            records.append((i, PUBLISHED, 0, enc.message(seq, payload)))
     return records
 
 
@@ -192,3 +230,187 @@ def test_the_walk_one_event_at_a_time_agrees_with_the_checker_on_random_streams(
         "kv_event_gap",
         "kv_event_seq_reset",
     }
+
+
+# Values the C reader leaves to msgspec (the batch goes the checker's Python way), or must read
+# as msgspec does: each replaces one event's field, or is added to an event or a batch.
+ODD_VALUES: list[Any] = [
+    None,
+    1.5,
+    True,
+    "GPU",
+    "gp\u00fc",
+    b"\x01",
+    [1, 2],
+    {"a": 1},
+    msgpack.ExtType(5, b"ab"),
+    2**64 - 1,
+    -(2**63),
+    7,
+]
+
+
+def odd_stream(rng: random.Random) -> list[tuple[int, int, int, list[bytes]]]:
+    """A random stream whose events carry odd values: other types where the checker reads a
+    field, unknown fields, trailing items, events that are no KV event, payloads cut short."""
+    records = random_stream(rng, rng.choice(["int", "bytes", "signed"]))
+    out = []
+    for recv_ns, source, endpoint, (topic, seq, payload) in records:
+        batch = msgpack.unpackb(payload, strict_map_key=False)
+        for ev in batch[1]:
+            if rng.random() < 0.15:
+                value = rng.choice(ODD_VALUES)
+                if type(ev) is dict:
+                    key = rng.choice(
+                        ["medium", "group_idx", "block_size", "parent_block_hash", "lora_id", "x"]
+                    )
+                    ev[key] = value
+                elif len(ev) > 2:
+                    i = rng.randrange(2, len(ev) + 1)
+                    if i < len(ev):
+                        ev[i] = value
+                    else:
+                        ev.append(value)
+        if rng.random() < 0.05:
+            batch.append(rng.choice(ODD_VALUES))
+        if rng.random() < 0.03:
+            batch[1].append(rng.choice([["BlockGone", [1]], {"type": "BlockStored"}, 5]))
+        data = msgpack.packb(batch, use_bin_type=True)
+        if rng.random() < 0.03:
+            data = data[: rng.randrange(len(data))]
+        out.append((recv_ns, source, endpoint, [topic, seq, data]))
+    return out
+
+
+def caches(checker: StreamChecker) -> dict:
+    """Every cache's state, in a form that compares: copies in their order, the rest by key."""
+    out = {}
+    for key, pub in checker.publishers.items():
+        for ck, c in pub.caches.items():
+            stored = {
+                h: (info[0], info[1], tokens(info[2]), list(info[3]), info[4], info[5])
+                for h, info in c.stored.items()
+            }
+            out[key, ck] = (
+                list(c.copies.items()),
+                stored,
+                c.removed_at,
+                c.cleared,
+                c.full_size,
+                c.retired,
+                c.superseded,
+            )
+    return out
+
+
+class CountingNative:
+    """The C fast path, counting the events it applied and the batches it left in part."""
+
+    def __init__(self, native: Any):
+        self.native = native
+        self.applied = 0
+        self.left = 0
+        self.declined = 0
+
+    def scan(self, payload: bytes) -> Any:
+        head = self.native.scan(payload)
+        self.declined += head is None
+        self._num = None if head is None else head[2]
+        return head
+
+    def apply(self, *args: Any) -> Any:
+        out = self.native.apply(*args)
+        self.applied += out[0]
+        self.left += out[0] < self._num
+        return out
+
+
+native_only = pytest.mark.skipif(
+    checker_module._kvevents is None, reason="kvscope._kvevents is not built (no C compiler)"
+)
+
+
+@native_only
+@pytest.mark.parametrize("hashes", ["int", "bytes", "signed"])
+def test_the_c_fast_path_agrees_with_the_python_checker_on_random_streams(hashes):
+    # GIVEN random streams full of faults, in both encodings (random_stream picks one)
+    counting = CountingNative(checker_module._kvevents)
+    found: set[str] = set()
+    for n in range(100):
+        records = random_stream(random.Random(n), hashes)
+        # WHEN checked with the C fast path and without it (the walk, event by event, agrees
+        # with the latter: the test above)
+        fast = StreamChecker(["e"])
+        fast.native = counting
+        slow = StreamChecker(["e"])
+        slow.native = None
+        fast.feed_all(records)
+        slow.feed_all(records)
+        # THEN the reports are equal, and so are the caches they leave
+        assert fast.report() == slow.report(), f"stream {n}"
+        assert caches(fast) == caches(slow), f"stream {n}"
+        found.update(fast.finding_counts)
+    # and the C path did apply events, and left batches to the checker where a check fired
+    assert counting.applied > 200 and counting.left > 50, vars(counting)
+    assert found >= {
+        "kv_event_remove_unstored",
+        "kv_event_store_conflict",
+        "kv_event_unknown_parent",
+        "kv_event_after_clear",
+        "kv_event_token_count",
+        "kv_event_gap",
+        "kv_event_seq_reset",
+        "kv_event_reorder",
+        "kv_event_partial_reappeared",
+    }, sorted(found)
+
+
+@native_only
+def test_the_c_fast_path_agrees_on_odd_values_and_malformed_payloads():
+    # GIVEN random streams whose events carry values of other types, unknown fields, trailing
+    # items, events that are none, payloads cut short
+    counting = CountingNative(checker_module._kvevents)
+    for n in range(200):
+        records = odd_stream(random.Random(n))
+        # WHEN checked with the C fast path and without it
+        fast = StreamChecker(["e"])
+        fast.native = counting
+        slow = StreamChecker(["e"])
+        slow.native = None
+        fast.feed_all(records)
+        slow.feed_all(records)
+        # THEN the same report (malformed batches among the findings), the same caches
+        assert fast.report() == slow.report(), f"stream {n}"
+        assert caches(fast) == caches(slow), f"stream {n}"
+    assert counting.declined > 100 and counting.applied > 300, vars(counting)
+
+
+@native_only
+def test_the_c_reader_takes_only_payloads_msgspec_reads_the_same():
+    # GIVEN payloads of random events, then the same with bytes flipped, cut or appended
+    native = checker_module._kvevents
+    rng = random.Random(7)
+    payloads = [r[3][2] for n in range(60) for r in odd_stream(random.Random(n))]
+    taken = 0
+    for n in range(3000):
+        data = bytearray(rng.choice(payloads))
+        for _ in range(rng.randrange(3)):
+            if data and rng.random() < 0.7:
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            else:
+                data += bytes([rng.randrange(256)])
+        data = bytes(data)
+        # WHEN the C reader scans one
+        head = native.scan(data)
+        if head is None:
+            continue
+        taken += 1
+        # THEN msgspec reads it too, to the same timestamp, rank and number of events
+        try:
+            ts, rank, events = decode_payload(data)
+        except WireError as e:
+            raise AssertionError(f"payload {n}: scan took what msgspec rejects: {e}") from None
+        assert (ts, rank, len(events)) == (head[0], head[1], head[2]) or (
+            ts != ts and head[0] != head[0]
+        ), f"payload {n}"
+    assert taken > 500

@@ -87,6 +87,9 @@ class Series:
 class StreamWalk(StreamChecker):
     """The checker, keeping each hash's lives, the prefix tree and the caches over time."""
 
+    # every event through `_apply`, which the walk watches
+    native = None
+
     def __init__(self, endpoints: list[str] | None = None):
         super().__init__(endpoints)
         self.lives: list[Life] = []

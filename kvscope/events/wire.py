@@ -37,6 +37,8 @@ class WireError(ValueError):
 # block_hashes, parent_block_hash, token_ids (the msgpack bytes of the list, decoded only where
 # a check compares tokens: tokens()), block_size, medium, group_idx, kv_cache_spec_kind. Fields
 # a version does not send take their default; fields this reader does not name are skipped.
+# medium and group_idx key the checker's caches: text and an int (or none) in every version;
+# anything else makes the batch malformed. kvscope/csrc/kvevents.c reads the same types.
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -51,8 +53,8 @@ class MapStored(_Event, tag="BlockStored", tag_field="type", gc=False):
     parent_block_hash: Hash | None = None
     token_ids: msgspec.Raw = _NO_TOKENS
     block_size: int = 0
-    medium: Any = None
-    group_idx: Any = None
+    medium: str | None = None
+    group_idx: int | None = None
     kv_cache_spec_kind: Any = None
 
 
@@ -61,8 +63,8 @@ class MapRemoved(_Event, tag="BlockRemoved", tag_field="type", gc=False):
 
     KIND: ClassVar[int] = REMOVED
     block_hashes: list[Hash]
-    medium: Any = None
-    group_idx: Any = None
+    medium: str | None = None
+    group_idx: int | None = None
 
 
 class MapCleared(_Event, tag="AllBlocksCleared", tag_field="type", gc=False):
@@ -84,10 +86,10 @@ class ArrayStored(_Event, tag="BlockStored", array_like=True, gc=False):
     token_ids: msgspec.Raw
     block_size: int
     lora_id: Any = None
-    medium: Any = None
+    medium: str | None = None
     lora_name: Any = None
     extra_keys: msgspec.Raw = _NO_TOKENS
-    group_idx: Any = None
+    group_idx: int | None = None
     kv_cache_spec_kind: Any = None
 
 
@@ -96,8 +98,8 @@ class ArrayRemoved(_Event, tag="BlockRemoved", array_like=True, gc=False):
 
     KIND: ClassVar[int] = REMOVED
     block_hashes: list[Hash]
-    medium: Any = None
-    group_idx: Any = None
+    medium: str | None = None
+    group_idx: int | None = None
 
 
 class ArrayCleared(_Event, tag="AllBlocksCleared", array_like=True, gc=False):
@@ -194,7 +196,7 @@ def decode_payload(payload: bytes) -> tuple[float, int | None, list[Event]]:
     return ts, rank if type(rank) is int else None, events
 
 
-def num_tokens(raw: msgspec.Raw) -> int:
+def num_tokens(raw: msgspec.Raw | bytes) -> int:
     """The length of an encoded token_ids list from its msgpack header; -1 if not a list."""
     m = memoryview(raw)
     if not m:
@@ -209,7 +211,7 @@ def num_tokens(raw: msgspec.Raw) -> int:
     return 0 if b == 0xC0 else -1
 
 
-def tokens(raw: msgspec.Raw) -> list[int]:
+def tokens(raw: msgspec.Raw | bytes) -> list[int]:
     """An encoded token_ids list, decoded."""
     out = msgspec.msgpack.decode(raw)
     return out if type(out) is list else []
