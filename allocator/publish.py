@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvscope.allocator.events import EventOp
 from kvscope.allocator.prefix import PrefixIndex, family_key, family_keys, key_of, keys_of
-from kvscope.allocator.sequence import Sequence
+from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ def mark_computed(pool: KVPool, seq: Sequence, num_tokens: int) -> int:
                 done.append(blk)
         if pool.probe is not None:
             pool.probe.writes.published(t, done)
+            if done:
+                pool.probe.event(t, EventOp.PUBLISH, done, request_bytes(seq.request_id))
         return len(done)
 
     n = pool._run(locks, op)

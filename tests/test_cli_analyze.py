@@ -212,7 +212,15 @@ def test_shared_blocks_released_by_each_holder_are_no_bad_event(make_pool, monke
     assert again.block_table[0] == blk
     pool.free(again)
     events = analysis.block_events(pool.view, [blk])[blk]
-    assert [e["op"] for e in events] == ["allocate", "fork", "free", "free", "prefix_hit", "free"]
+    assert [e["op"] for e in events] == [
+        "allocate",
+        "publish",
+        "fork",
+        "free",
+        "free",
+        "prefix_hit",
+        "free",
+    ]
     # THEN no event is a bad one; WHEN the last release is repeated THEN that one is
     assert analysis.first_bad_event(events, int(pool.view.blocks["generation"][blk])) is None
     twice = [*events, dict(events[-1], time_ns=events[-1]["time_ns"] + 1)]

@@ -224,7 +224,7 @@ out:
 
 /* seq's full blocks of positions [0, num_tokens) published -> how many, or None (the Python
  * path). */
-static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
+static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in, int64_t slot) {
     Py_ssize_t upto_tokens = PyLong_AsSsize_t(upto_in);
     if (upto_tokens == -1 && PyErr_Occurred()) {
         PyErr_Clear();
@@ -267,8 +267,8 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
         goto out;
     }
     long published = 0;
-    int32_t done[CHUNK]; /* (digest) the blocks published */
-    if ((n->probes & P_DIGEST) && upto - pub > CHUNK) goto abort;
+    int32_t done[CHUNK]; /* (digest, events) the blocks published */
+    if ((n->probes & (P_DIGEST | P_EVENTS)) && upto - pub > CHUNK) goto abort;
     for (Py_ssize_t j = pub; j < upto; j++) {
         long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
         if (b < 0 || b >= n->nb) {
@@ -295,6 +295,8 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in) {
         published++;
     }
     if (stamp_digests(n, done, published)) goto abort;
+    if (published)
+        ev_record(n, E_PUBLISH, done, published, (const char *)(seqrec(n, slot) + SF_REQUEST), 0);
     txn_commit(n);
     PyObject *u = PyLong_FromSsize_t(upto);
     if (u == NULL) goto out;

@@ -39,7 +39,7 @@ enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
-enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7, E_ABORT = 10 };
+enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7, E_ABORT = 10, E_PUBLISH = 13 };
 /* probing.VERIFY_EVERY_S */
 #define VERIFY_EVERY_NS 10000000ull
 /* Entries of the core's site cache (a power of two). */

@@ -243,8 +243,9 @@ static PyObject *N_append_done(Native *n, PyObject *unused) {
 static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
     GATE(n, args[0], OP_MARK_COMPUTED);
-    if (own_slot(n, args[1]) < 0) return fallback(n);
-    return core_publish(n, args[1], args[2]);
+    int64_t slot = own_slot(n, args[1]);
+    if (slot < 0) return fallback(n);
+    return core_publish(n, args[1], args[2], slot);
 }
 
 /* Digests answered after their publication (a CUDA pool's, read by devicechecks.py or by the
