@@ -279,17 +279,58 @@ def test_a_questions_choices_share_its_cached_context_and_fit_more_at_once(
     assert off["kv"]["peak_bytes"] == 12 * block_bytes and off["kv"]["saved"] == 0
 
 
-def test_choices_admitted_together_on_a_new_context_each_compute_it(quick: LlamaModel) -> None:
-    # GIVEN a question whose context nothing has computed yet: 4 choices arriving together
+def test_choices_arriving_together_on_a_new_context_compute_it_once(quick: LlamaModel) -> None:
+    # GIVEN a question whose context nothing has computed yet (5 blocks): 4 choices of 2 tokens
+    # arriving together
     bs = serve_mixes.BLOCK_SIZE
     context = [(3 * i) % 500 for i in range(5 * bs)]
     requests = [Request(f"q.{j}", context, 0, continuation=[j, 9]) for j in range(4)]
+    block_bytes = serve_mixes.kv_block_bytes(quick)
     shared = serve_mixes.SharedPool(quick, "cpu", 64, 4, 100, graphs=False)
     try:
+        # WHEN the engine serves them with sharing on, then off
         on, results = shared.serve(requests, 4, sharing=True, clock=StepClock())
+        off, _ = shared.serve(requests, 4, sharing=False, clock=StepClock())
     finally:
         shared.close()
-    # THEN all 4 run in one step and none hits another's blocks: the pool publishes a block
-    # once its K/V is written (mark_computed), after the step that computes it
-    assert on["running"]["peak"] == 4 and all(r.num_hit_tokens == 0 for r in results)
-    assert on["kv"]["saved"] == 0
+    # THEN the first computes the context while the other 3 wait for it (deferred: the pool
+    # publishes a block once its K/V is written), then they hit its first 4 blocks (a hit stops
+    # before the prompt's last token): 6 blocks held in the first step, 4 + 3 x 2 in the second
+    hits = {r.request_id: r.num_hit_tokens for r in results}
+    assert hits == {"q.0": 0, "q.1": 4 * bs, "q.2": 4 * bs, "q.3": 4 * bs}
+    assert on["extra"]["deferred"] == 3 and off["extra"]["deferred"] == 0
+    assert on["kv"]["peak_bytes"] == 10 * block_bytes
+    assert on["kv"]["mean_bytes"] == (6 + 10) / 2 * block_bytes
+    # AND a deferred choice's wait is in its time to first token: one step of the step clock
+    ttft = sorted(r.first_token_s - r.admitted_s for r in results)
+    assert ttft == pytest.approx([0.0, 0.005, 0.005, 0.005])
+    # AND without sharing all 4 run in the first step, each holding its 6 blocks
+    assert off["running"]["peak"] == 4 and off["kv"]["peak_bytes"] == 24 * block_bytes
+
+
+def test_deferred_choices_keep_their_seats_and_fit_more_in_a_budget(quick: LlamaModel) -> None:
+    # GIVEN 4 questions on new 5-block contexts, 4 choices of 2 tokens each (6 blocks a
+    # choice), 8 clients, on a pool of 36 blocks: 5 choices at once without sharing (each with
+    # its block of headroom)
+    bs = serve_mixes.BLOCK_SIZE
+    requests = []
+    for q in range(4):
+        context = [(7 * q + 3 * i) % 500 for i in range(5 * bs)]
+        requests += [Request(f"q{q}.{j}", context, 0, continuation=[j, 9]) for j in range(4)]
+    shared = serve_mixes.SharedPool(quick, "cpu", 36, 8, 100, graphs=False)
+    try:
+        # WHEN the engine serves them with sharing on, then off
+        on, results = shared.serve(requests, 8, sharing=True, clock=StepClock())
+        off, _ = shared.serve(requests, 8, sharing=False, clock=StepClock())
+    finally:
+        shared.close()
+    # THEN with sharing each question's first choice computes its context while its other 3
+    # wait, keeping their seats (2 questions in the first step: 8 seats); in the second those
+    # 6 take 6 blocks for the first of each question and 2 for each after (its hits on blocks
+    # the first holds take nothing), which leaves room for the next question's first choice
+    # and one of its choices' seats: 7 at once
+    assert on["running"]["peak"] == 7 and on["extra"]["deferred"] == 10
+    assert sorted(r.num_hit_tokens for r in results) == [0] * 4 + [4 * bs] * 12
+    assert on["kv"]["mean_bytes"] < off["kv"]["mean_bytes"]
+    # AND without sharing at most 5 run at once
+    assert off["running"]["peak"] == 5

@@ -119,9 +119,12 @@ class Engine:
         self.start_s = clock()
         # the static layout reserves everything at admission: no headroom to keep
         watermark = 0.0 if isinstance(cache, StaticCache) else 1.0
+        # a new stream waits for the prefix a running one computes (only where blocks are published)
+        defer = prefix_cache and not isinstance(cache, StaticCache)
         self.scheduler = Scheduler(
-            cache, self.copy_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk, watermark
-        )
+            cache, self.copy_blocks, max_num_seqs, max_num_batched_tokens, prefill_chunk,
+            watermark, defer,
+        )  # fmt: skip
         self.states: dict[str, RequestState] = {}
         self.results: list[RequestResult] = []
         self.samples: list[StepSample] = []
@@ -190,7 +193,10 @@ class Engine:
         """Admit, run one batch through the model, sample and append; returns tokens computed."""
         began = self.now()
         t0 = time.perf_counter()
-        for stream in self.scheduler.admit():
+        admitted = self.scheduler.admit()
+        # a deferred stream is counted from the step that deferred it: its wait for the
+        # prefix it will hit is part of its time to first token
+        for stream in admitted + self.scheduler.deferred:
             result = self.states[stream.request.request_id].result
             if result.admitted_s < 0:
                 result.admitted_s = began

@@ -196,11 +196,14 @@ def cache_extra(cache: Any) -> dict[str, Any]:
 
 
 def engine_extra(engine: Engine) -> dict[str, Any]:
-    """Where a step's time went in the engine's thread: mean milliseconds per step and phase."""
+    """Where a step's time went in the engine's thread (mean milliseconds per step and phase),
+    and the streams the scheduler deferred."""
     timer = engine.timer
     steps = max(timer.num_steps, 1)
     phases = {k: round(v * 1000.0 / steps, 3) for k, v in timer.phase_s.items()}
     out: dict[str, Any] = {"engine_steps": timer.num_steps, "step_phase_ms": phases}
+    # streams that waited for a prefix a running stream was computing (server/scheduler.py)
+    out["deferred"] = engine.scheduler.num_deferred
     gpu = timer.gpu_seconds()
     if gpu:
         out["gpu_s"] = round(sum(seconds for _, seconds in gpu.values()), 4)

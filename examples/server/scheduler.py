@@ -3,6 +3,19 @@
 A stream is one sampled output of a request (a request with `n > 1` has n streams, forked
 from the first when its prompt is done). A running stream always has at least one token whose
 K/V is not computed yet: the prompt's remainder, or the token sampled last step.
+
+A new stream whose prompt begins with a block a running stream is computing (the same chain of
+block-sized token prefixes, not published yet) is deferred: the pool publishes a block at
+`mark_computed`, once its K/V is written (at the end of the step that computes it), so a stream
+allocated in that step would compute a copy of its own. The deferred stream keeps its place at
+the head of the queue and its seat in the batch (later streams are admitted into the seats
+left), and is admitted in the step after the blocks are published, hitting them. Requests that
+arrive together on one new context (the choices of a multiple-choice question, the first
+requests behind a system prompt) compute it once; each deferred one starts a step later (one
+step a computing chunk, as long as the context's prefill takes). Admission also counts, before
+allocating, the hits a new stream will have on blocks running streams hold published: they
+take nothing from the pool. Deferral is on where the engine publishes blocks (`defer`: prefix
+sharing on).
 """
 
 from __future__ import annotations
@@ -19,6 +32,18 @@ from kvscope.allocator import PoolExhausted
 from .workload import Request
 
 CopyFn = Callable[[list[tuple[int, int]]], None]
+
+
+def block_keys(tokens: list[int], block_size: int) -> list[int]:
+    """One key per full block of `tokens`, each chained on the one before it: two keys are
+    equal when the tokens from position 0 to the block's end are (as the pool's prefix index
+    matches blocks; a hash collision would only defer a stream needlessly or misjudge room)."""
+    keys: list[int] = []
+    key = 0
+    for end in range(block_size, len(tokens) + 1, block_size):
+        key = hash((key, *tokens[end - block_size : end]))
+        keys.append(key)
+    return keys
 
 
 # eq=False: a stream is itself, not its fields (a field-by-field __eq__ made each `in` over the
@@ -44,6 +69,11 @@ class Stream:
     # argmax, filled in as the steps compute the positions before them
     logprobs: list[float] = field(default_factory=list)
     greedy: list[bool] = field(default_factory=list)
+    # the request's full blocks (prompt, then continuation) as chained keys, one a block:
+    # the same key, the same tokens from position 0 to the block's end (block_keys)
+    keys: list[int] | None = None
+    # deferred at least once, waiting for a running stream to publish its prefix
+    deferred: bool = False
 
     @property
     def name(self) -> str:
@@ -77,6 +107,7 @@ class Scheduler:
         max_num_batched_tokens: int = 256,
         prefill_chunk: int = 64,
         watermark: float = 1.0,
+        defer: bool = False,
     ) -> None:
         assert max_num_seqs >= 1 and prefill_chunk >= 1
         self.cache = cache
@@ -90,6 +121,11 @@ class Scheduler:
         self.running: list[Stream] = []
         self.num_preemptions = 0
         self.num_set_aside = 0
+        # defer a new stream whose prefix a running stream is computing (module docstring)
+        self.defer = defer
+        # streams deferred at least once; those the last admit() deferred
+        self.num_deferred = 0
+        self.deferred: list[Stream] = []
 
     def add(self, stream: Stream) -> None:
         """Queue a new stream behind those already waiting."""
@@ -114,17 +150,39 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def admit(self) -> list[Stream]:
-        """Move waiting streams into the pool, oldest first, until the pool or the batch is full."""
+        """Move waiting streams into the pool, oldest first, until the pool or the batch is
+        full; a new stream whose prefix a running stream is computing is deferred (it stays
+        waiting, keeping its seat: `deferred`) and the streams behind it are considered."""
         admitted: list[Stream] = []
+        self.deferred = []
         available = self._available() if self.watermark > 0 and self.waiting else 0
         # blocks the running streams' tables hold (built at the first prefix hit)
         held: set[int] | None = None
-        while self.waiting:
-            stream = self.waiting[0]
+        # block key -> whether a running stream holds it published (True) or computes it
+        prefixes = self._running_prefixes() if self.defer and self.waiting else None
+        # the queue position looked at, and the seats the streams deferred so far keep
+        i = 0
+        reserved = 0
+        while i < len(self.waiting):
+            stream = self.waiting[i]
             # a new request will fork into n streams once its prompt is done: count them now
             width = stream.request.n if stream.seq is None and stream.index == 0 else 1
+            if self.running and len(self.running) + reserved + width > self.max_num_seqs:
+                break
             need = self._blocks_needed(stream)
-            if self.running and not self._has_room(width, need, available):
+            num_held = 0
+            if prefixes is not None and stream.seq is None:
+                computing, num_held = self._match(stream, prefixes)
+                if computing:
+                    if not stream.deferred:
+                        stream.deferred = True
+                        self.num_deferred += 1
+                    self.deferred.append(stream)
+                    reserved += width
+                    i += 1
+                    continue
+            # (its hits on blocks running streams hold and have published take nothing)
+            if self.running and not self._has_room(width + reserved, need - num_held, available):
                 break
             fresh = stream.seq is None or stream.seq.state == "preempted"
             try:
@@ -133,7 +191,8 @@ class Scheduler:
                 break
             # A prefix hit on a block a running stream holds takes nothing from the pool (one
             # on a cached block takes it, as a new block would): what sharing saves is left
-            # for the next admission. `need` itself stays the whole count: hits are known only
+            # for the next admission. The room check above counted the hits on the blocks
+            # running streams publish (known from their keys); the exact count is known only
             # once the prompt is allocated.
             num_hits = stream.num_computed // self.cache.config.block_size if fresh else 0
             if num_hits and self.watermark > 0:
@@ -143,9 +202,11 @@ class Scheduler:
             if held is not None:
                 held.update(stream.seq.block_table)
             available -= need
-            self.waiting.popleft()
+            del self.waiting[i]
             self._run(stream)
             admitted.append(stream)
+            if prefixes is not None:
+                self._add_prefixes(stream, prefixes)
         return admitted
 
     def plan(self) -> list[Chunk]:
@@ -229,6 +290,50 @@ class Scheduler:
             self.waiting.remove(stream)
         if stream.seq is not None and stream.seq.state not in ("finished", "aborted"):
             self.cache.abort(stream.seq)
+
+    def _keys(self, stream: Stream) -> list[int]:
+        """The stream's request's full blocks as chained keys (computed once)."""
+        if stream.keys is None:
+            request = stream.request
+            stream.keys = block_keys(
+                request.prompt + request.continuation, self.cache.config.block_size
+            )
+        return stream.keys
+
+    def _running_prefixes(self) -> dict[int, bool]:
+        """The running streams' full prompt blocks by key: True where one holds it published
+        (a new stream's hit on it takes nothing from the pool), False where one is computing
+        it and none has published it."""
+        prefixes: dict[int, bool] = {}
+        for stream in self.running:
+            self._add_prefixes(stream, prefixes)
+        return prefixes
+
+    def _add_prefixes(self, stream: Stream, prefixes: dict[int, bool]) -> None:
+        """Add a running stream's full prompt blocks to `prefixes` (_running_prefixes)."""
+        keys = self._keys(stream)
+        num_published = stream.num_published // self.cache.config.block_size
+        for k, key in enumerate(keys):
+            if k < num_published:
+                prefixes[key] = True
+            else:
+                prefixes.setdefault(key, False)
+
+    def _match(self, stream: Stream, prefixes: dict[int, bool]) -> tuple[bool, int]:
+        """Whether a new stream's prompt begins with a block a running stream is computing
+        (it would compute a copy of its own: defer it), and how many of its leading blocks
+        running streams hold published (its hits on them take nothing from the pool)."""
+        # a prefix hit stops before the prompt's last token (pool.allocate)
+        num_hittable = (len(stream.request.prompt) - 1) // self.cache.config.block_size
+        num_held = 0
+        for key in self._keys(stream)[:num_hittable]:
+            published = prefixes.get(key)
+            if published is None:
+                break
+            if not published:
+                return True, num_held
+            num_held += 1
+        return False, num_held
 
     def _has_room(self, width: int, need: int, available: int) -> bool:
         """Whether `width` more streams fit the batch and leave `watermark` blocks per stream."""
