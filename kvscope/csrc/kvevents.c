@@ -733,67 +733,104 @@ static PyObject *pop(PyObject *dict, PyObject *key) {
 #endif
 }
 
-static int remove_blocks(const Event *e, Cache *c, PyObject *at, Tally *t, Val *vals,
-                         PyObject **objs, PyObject **infos, long long *counts) {
+/* Per hash of an event: its Val, its object, the copies and the stored entry taken out. */
+typedef struct {
+    Val *vals;
+    PyObject **objs, **copies, **infos;
+    size_t cap;
+} Scratch;
+
+static int grow(Scratch *x, size_t n) {
+    if (n <= x->cap)
+        return 0;
+    x->cap = n * 2;
+    PyMem_Free(x->vals);
+    PyMem_Free(x->objs);
+    PyMem_Free(x->copies);
+    PyMem_Free(x->infos);
+    x->vals = PyMem_Malloc(x->cap * sizeof(Val));
+    x->objs = PyMem_Malloc(x->cap * sizeof(PyObject *));
+    x->copies = PyMem_Malloc(x->cap * sizeof(PyObject *));
+    x->infos = PyMem_Malloc(x->cap * sizeof(PyObject *));
+    if (x->vals && x->objs && x->copies && x->infos)
+        return 0;
+    PyErr_NoMemory();
+    return -1;
+}
+
+static void release(Scratch *x) {
+    PyMem_Free(x->vals);
+    PyMem_Free(x->objs);
+    PyMem_Free(x->copies);
+    PyMem_Free(x->infos);
+}
+
+/* A BlockRemoved: as the checker does, each hash's copies popped, the last copy's stored
+ * entry popped and its removal remembered, more copies put back one less (at the end of the
+ * dict's order). Where the checker must see the event (a hash not stored, the last copy of a
+ * partial block, a hash twice), what was popped is put back first: the checker then pops
+ * every hash of the event again, so where they were put back does not matter, and `stored`
+ * is only ever looked up. */
+static int remove_blocks(const Event *e, Cache *c, PyObject *at, Tally *t, Scratch *x) {
     Py_ssize_t num = (Py_ssize_t)e->num_hashes, made = 0;
     Reader r = {e->hashes, e->hashes_end};
     int ok = 1;
-    /* each a stored hash; its last copy not a partial block (the checker retires those) */
     for (; ok == 1 && made < num; made++) {
-        infos[made] = NULL;
-        PyObject *h = objs[made] = hash_object(&r, &vals[made]);
+        x->infos[made] = x->copies[made] = NULL;
+        PyObject *h = x->objs[made] = hash_object(&r, &x->vals[made]);
         if (h == NULL) {
             ok = -1;
             break;
         }
-        /* the same hash twice in one event: the checker's (the second may find no copy) */
         for (Py_ssize_t j = 0; j < made; j++)
-            if (same_hash(&vals[made], &vals[j]))
+            if (same_hash(&x->vals[made], &x->vals[j]))
                 ok = 0;
-        PyObject *c_obj = PyDict_GetItemWithError(c->copies, h);
-        long long copies = counts[made] = c_obj == NULL ? 0 : PyLong_AsLongLong(c_obj);
+        PyObject *copies = x->copies[made] = pop(c->copies, h);
+        if (copies == NULL) {
+            ok = PyErr_Occurred() ? -1 : 0;
+            continue;
+        }
+        int overflow = 0;
+        long long n = PyLong_AsLongLongAndOverflow(copies, &overflow);
         if (PyErr_Occurred())
             ok = -1;
-        else if (copies < 1)
+        else if (overflow || n < 1)
             ok = 0;
-        else if (copies == 1) {
-            /* taken out now (one lookup less), put back if the event is left to the checker:
-             * `stored` is only ever looked up, its order is nobody's */
-            PyObject *info = pop(c->stored, h);
-            infos[made] = info;
+        else if (n == 1) {
+            PyObject *info = x->infos[made] = pop(c->stored, h);
             if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 2)
                 ok = PyErr_Occurred() ? -1 : 0;
             else {
-                int overflow = 0;
                 long long bs = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(info, 1), &overflow);
                 ok = PyErr_Occurred() ? -1 : !overflow && bs >= c->full_size;
             }
         }
     }
-    if (ok != 1)
-        for (Py_ssize_t i = 0; i < made; i++)
-            if (infos[i] != NULL && PyDict_SetItem(c->stored, objs[i], infos[i]))
+    for (Py_ssize_t i = 0; i < made; i++) {
+        PyObject *h = x->objs[i], *copies = x->copies[i];
+        if (ok != 1) {
+            if ((copies != NULL && PyDict_SetItem(c->copies, h, copies)) ||
+                (x->infos[i] != NULL && PyDict_SetItem(c->stored, h, x->infos[i])))
                 ok = -1;
-    /* a copy less each, the entry moved to the end as the checker's pop and set move it */
-    for (Py_ssize_t i = 0; ok == 1 && i < num; i++) {
-        PyObject *h = objs[i];
-        if (PyDict_DelItem(c->copies, h))
-            ok = -1;
-        else if (counts[i] > 1) {
-            PyObject *less = PyLong_FromLongLong(counts[i] - 1);
+        } else if (x->infos[i] != NULL) {
+            if (PyDict_SetItem(c->removed_at, h, at))
+                ok = -1;
+        } else {
+            PyObject *less = PyLong_FromLongLong(PyLong_AsLongLong(copies) - 1);
             if (less == NULL || PyDict_SetItem(c->copies, h, less))
                 ok = -1;
             Py_XDECREF(less);
-        } else if (PyDict_SetItem(c->removed_at, h, at))
-            ok = -1;
-        t->live--;
+        }
     }
     for (Py_ssize_t i = 0; i < made; i++) {
-        Py_XDECREF(objs[i]);
-        Py_XDECREF(infos[i]);
+        Py_XDECREF(x->objs[i]);
+        Py_XDECREF(x->copies[i]);
+        Py_XDECREF(x->infos[i]);
     }
-    if (ok == 1)
+    if (ok == 1) {
         t->num_removed += num;
+        t->live -= num;
+    }
     return ok;
 }
 
@@ -822,11 +859,7 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     Tally t = {live, peak, 0, 0};
     Cache c = {NULL, NULL, NULL, NULL, 0, 0};
     PyObject *at = PyTuple_Pack(2, seq, batch);
-    /* per hash of an event: its Val, its object, its copies */
-    Val *vals = NULL;
-    PyObject **objs = NULL, **infos = NULL;
-    long long *counts = NULL;
-    size_t vals_cap = 0;
+    Scratch x = {NULL, NULL, NULL, NULL, 0};
     int err = at == NULL;
     uint64_t done = 0;
     const Event *prev = NULL;
@@ -845,24 +878,12 @@ static PyObject *apply(PyObject *self, PyObject *args) {
             }
         }
         prev = e;
-        if (e->num_hashes > vals_cap) {
-            vals_cap = e->num_hashes * 2;
-            PyMem_Free(vals);
-            PyMem_Free(objs);
-            PyMem_Free(infos);
-            PyMem_Free(counts);
-            vals = PyMem_Malloc(vals_cap * sizeof(Val));
-            objs = PyMem_Malloc(vals_cap * sizeof(PyObject *));
-            infos = PyMem_Malloc(vals_cap * sizeof(PyObject *));
-            counts = PyMem_Malloc(vals_cap * sizeof(long long));
-            if (!vals || !objs || !infos || !counts) {
-                PyErr_NoMemory();
-                err = 1;
-                break;
-            }
+        if (grow(&x, e->num_hashes)) {
+            err = 1;
+            break;
         }
-        int ok = e->kind == STORED ? store(e, &c, seq, batch, &t, vals)
-                                   : remove_blocks(e, &c, at, &t, vals, objs, infos, counts);
+        int ok = e->kind == STORED ? store(e, &c, seq, batch, &t, x.vals)
+                                   : remove_blocks(e, &c, at, &t, &x);
         if (ok <= 0) {
             err = ok < 0;
             break;
@@ -870,10 +891,7 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     }
     drop(&c);
     Py_XDECREF(at);
-    PyMem_Free(vals);
-    PyMem_Free(objs);
-    PyMem_Free(infos);
-    PyMem_Free(counts);
+    release(&x);
     PyBuffer_Release(&buf);
     if (err)
         return NULL;
