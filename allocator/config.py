@@ -29,11 +29,28 @@ def dtype_name(dtype: Any) -> str:
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
-def check_kv_events(endpoint: Any, what: str = "PoolConfig.kv_events") -> None:
-    """A PoolError (naming `what`) unless `endpoint` is "" or a ZMQ endpoint a KV-event
-    publisher can use."""
-    if endpoint == "":
-        return
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where a pool publishes its KV events, as one of vLLM's data-parallel ranks does
+    (`PoolConfig(kv_events=KVEventsConfig(...))`; a plain endpoint string is
+    `KVEventsConfig(endpoint)`). docs/EVENTS.md, "kvscope as a publisher".
+
+    Args:
+        endpoint: the PUB endpoint (`tcp://*:5557`, `ipc://PATH`, `inproc://NAME`).
+        replay_endpoint: the ROUTER that resends buffered batches from a seq ("": none), as
+            vLLM's `replay_endpoint`; it binds.
+        rank: the data-parallel rank in every batch; both endpoints are offset by it as vLLM
+            offsets them (a TCP port plus the rank, `_dp<rank>` after an ipc/inproc name).
+        topic: the topic frame of every message (vLLM's default: none).
+    """
+
+    endpoint: str
+    replay_endpoint: str = ""
+    rank: int = 0
+    topic: str = ""
+
+
+def _check_endpoint(endpoint: Any, what: str) -> None:
     if not isinstance(endpoint, str) or not endpoint.startswith(KV_EVENTS_SCHEMES):
         raise PoolError(
             f"{what} must be a ZMQ endpoint such as 'tcp://*:5557',"
@@ -41,6 +58,25 @@ def check_kv_events(endpoint: Any, what: str = "PoolConfig.kv_events") -> None:
         )
     if endpoint.startswith("tcp://") and not endpoint.rpartition(":")[2].isdigit():
         raise PoolError(f"{what} {endpoint!r} names no port (tcp://*:5557)")
+
+
+def check_kv_events(option: Any, what: str = "PoolConfig.kv_events") -> None:
+    """A PoolError (naming `what`) unless `option` is "", a ZMQ endpoint a KV-event publisher
+    can use, or a `KVEventsConfig` of such endpoints, a rank >= 0 and a text topic."""
+    if option == "":
+        return
+    if not isinstance(option, KVEventsConfig):
+        _check_endpoint(option, what)
+        return
+    _check_endpoint(option.endpoint, f"{what}.endpoint")
+    if option.replay_endpoint != "":
+        _check_endpoint(option.replay_endpoint, f"{what}.replay_endpoint")
+        if option.replay_endpoint == option.endpoint:
+            raise PoolError(f"{what}.replay_endpoint must differ from its endpoint")
+    if type(option.rank) is not int or option.rank < 0:
+        raise PoolError(f"{what}.rank must be a data-parallel rank >= 0, got {option.rank!r}")
+    if not isinstance(option.topic, str):
+        raise PoolError(f"{what}.topic must be text, got {option.topic!r}")
 
 
 @dataclass
@@ -71,8 +107,9 @@ class PoolConfig:
     guard_sample: int = 0
     group: str | None = None
     # Publish the pool's prefix index as vLLM's KV-event stream on this ZMQ endpoint
-    # ("tcp://*:5557"; "": off) from create to close (docs/EVENTS.md, "kvscope as a publisher").
-    kv_events: str = ""
+    # ("tcp://*:5557"; "": off), or as a KVEventsConfig (a replay socket, a data-parallel
+    # rank, a topic), from create to close (docs/EVENTS.md, "kvscope as a publisher").
+    kv_events: str | KVEventsConfig = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved(self) -> PoolConfig:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvscope.allocator import kvdata, ofd, recovery
-from kvscope.allocator.config import PoolConfig, check_kv_events
+from kvscope.allocator.config import KVEventsConfig, PoolConfig, check_kv_events
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.header import config_from_header, init_segment, seal_header
 from kvscope.allocator.layout import COUNTER_FIELDS, ClientState, Layout, SegmentView
@@ -122,7 +122,7 @@ def attach(cls: type[KVPool], name: str, trust_owner: bool = False, kv_events: s
     return pool
 
 
-def _start_kv_events(pool: KVPool, endpoint: str) -> None:
+def _start_kv_events(pool: KVPool, endpoint: str | KVEventsConfig) -> None:
     """Start the pool's KV-event publisher (docs/EVENTS.md); `close` stops it."""
     # The publisher is the harness's (kvscope/events/publisher.py, a floor above the pool): the
     # pool finds it through the package's entry point `kvscope.pool`/`kv_events`

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from kvscope.allocator import KVPool, PoolConfig, PoolError
+from kvscope.allocator.config import KVEventsConfig
 from kvscope.cli import main
 from kvscope.events.publisher import KVEventPublisher, offset_endpoint
 from kvscope.events.recorder import Recorder
@@ -370,6 +371,70 @@ def test_pool_option_address_in_use_leaves_no_pool(pool_name):
         ctx.destroy(linger=0)
     # THEN it fails with a PoolError naming the endpoint, and the pool's files are gone
     assert f"tcp://*:{port}" in str(err.value)
+    with pytest.raises(PoolError):
+        KVPool.attach(pool_name)
+
+
+def test_pool_option_publishes_with_its_rank_and_answers_replay(make_pool, tmp_path):
+    # GIVEN a pool whose kv_events option names a replay socket and data-parallel rank 1
+    endpoint, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/kv-replay"
+    option = KVEventsConfig(endpoint, replay_endpoint=replay, rank=1, topic="kv")
+    pool = make_pool(32, block_size=BS, kv_events=option)
+    pub = pool.kv_events
+    # THEN it publishes on rank 1's endpoints, offset as vLLM offsets them
+    assert pub.endpoint == offset_endpoint(endpoint, 1) == f"{endpoint}_dp1"
+    assert pub.replay_endpoint == f"{replay}_dp1"
+    sub = Subscriber(pub.endpoint, rank=1)
+    dealer = sub.ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        assert pub.wait_subscriber(timeout_s=5.0)
+        # WHEN a prompt is stored, then evicted (each published by a poll made here, if its
+        # thread did not publish it first), then a router asks the replay socket for everything
+        a = pool.allocate("a", list(range(12)))
+        pool.mark_computed(a, 12)
+        pub.poll()
+        pool.free(a)
+        assert pool.evict(32) == 3
+        pub.poll()
+        n = pub.stats()["batches"]
+        got = sub.take(n)  # (each batch's rank is 1: Subscriber.take asserts it)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replies = [dealer.recv_multipart() for _ in range(n + 1)]
+    finally:
+        dealer.close(linger=0)
+        sub.close()
+    # THEN every batch carries rank 1 and the topic, the stream stored and removed the prompt,
+    # and the replay socket (served by the pool's publisher thread) resent every batch, then
+    # the end marker
+    assert [seq for seq, _ in got] == list(range(n))
+    assert {m[0] for m in sub.messages} == {b"kv"}
+    assert _all_stored(got) == set()
+    assert sum(len(ev[1]) for _, evs in got for ev in evs if ev[0] == STORED) == 3
+    assert replies[:n] == [[b""] + m for m in sub.messages]
+    assert replies[n] == [b"", b"", END_SEQ, b""]
+    pool.close()
+    # (its thread, joined by close, counted the replay after sending the end marker)
+    assert pub._closed and pub.stats()["replays"] == 1 and pub.stats()["rank"] == 1
+
+
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        (KVEventsConfig("5557"), "PoolConfig.kv_events.endpoint must be a ZMQ endpoint"),
+        (KVEventsConfig("tcp://*:5557", replay_endpoint="tcp://*"), "names no port"),
+        (KVEventsConfig("tcp://*:5557", replay_endpoint="tcp://*:5557"), "must differ"),
+        (KVEventsConfig("tcp://*:5557", rank=-1), "rank must be a data-parallel rank"),
+    ],
+    ids=["endpoint", "replay-no-port", "replay-same", "rank"],
+)
+def test_pool_option_bad_config_is_one_pool_error(pool_name, option, says):
+    # WHEN a pool is created with a KVEventsConfig no publisher can use
+    with pytest.raises(PoolError) as err:
+        KVPool.create(pool_name, PoolConfig(num_blocks=8, block_size=BS, kv_events=option))
+    # THEN one line says what is wrong, and no pool is left
+    assert says in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(PoolError):
         KVPool.attach(pool_name)
 

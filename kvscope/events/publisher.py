@@ -13,9 +13,10 @@ every block that left it (evicted, reclaimed), one batch per poll that saw a cha
     pub.close()          # the last poll, the sockets closed
 
 `PoolConfig(kv_events="tcp://*:5557")` makes one for a pool from its create to its close
-(`start_for_pool`, `close_with`). With `rank=r` it publishes on the endpoint offset as vLLM's
-data-parallel rank r does (`offset_endpoint`); with `replay_endpoint` a ROUTER answers replay
-requests from the last `buffer_steps` batches in vLLM's reply shape.
+(`start_for_pool`, `close_with`); `PoolConfig(kv_events=KVEventsConfig(endpoint,
+replay_endpoint=..., rank=...))` gives it the options below. With `rank=r` it publishes on the
+endpoint offset as vLLM's data-parallel rank r does (`offset_endpoint`); with `replay_endpoint`
+a ROUTER answers replay requests from the last `buffer_steps` batches in vLLM's reply shape.
 
 The publisher reads block records, not the pool's code paths: the C core's operations and
 every process attached to the pool are seen alike, and one publisher beside the pool's
@@ -37,6 +38,7 @@ import numpy as np
 import zmq
 
 from kvscope.allocator.checksums import block_checksums
+from kvscope.allocator.config import KVEventsConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.allocator.layout import ClientState
@@ -426,12 +428,21 @@ def finish(pub: KVEventPublisher, pool: Any, verify: bool = True) -> dict[str, A
     return out
 
 
-def start_for_pool(pool: Any, endpoint: str) -> KVEventPublisher:
-    """The publisher of `PoolConfig(kv_events=...)` (or `KVPool.attach(..., kv_events=...)`):
-    polling on its thread from the pool's create to its close, its stream checked under
-    `kvscope run`. A PoolError when the endpoint cannot be bound or connected."""
+def start_for_pool(pool: Any, option: str | KVEventsConfig) -> KVEventPublisher:
+    """The publisher of `PoolConfig(kv_events=...)` (or `KVPool.attach(..., kv_events=...)`),
+    an endpoint or a `KVEventsConfig` (replay socket, data-parallel rank, topic): polling on
+    its thread from the pool's create to its close, its stream checked under `kvscope run`. A
+    PoolError when an endpoint cannot be bound or connected."""
+    spec = option if isinstance(option, KVEventsConfig) else KVEventsConfig(option)
     try:
-        pub = KVEventPublisher(pool, endpoint, check=run_dir() is not None)
+        pub = KVEventPublisher(
+            pool,
+            spec.endpoint,
+            topic=spec.topic,
+            rank=spec.rank,
+            check=run_dir() is not None,
+            replay_endpoint=spec.replay_endpoint or None,
+        )
     except UsageError as exc:
         raise PoolError(f"PoolConfig.kv_events: {exc}") from None
     pub.start()
