@@ -834,37 +834,19 @@ static int remove_blocks(const Event *e, Cache *c, PyObject *at, Tally *t, Scrat
     return ok;
 }
 
-static PyObject *args_payload(PyObject *args) { return PyTuple_GET_ITEM(args, 0); }
 
-static PyObject *apply(PyObject *self, PyObject *args) {
-    Py_buffer buf;
-    PyObject *caches, *seq, *batch;
-    long long live, peak;
-    if (!PyArg_ParseTuple(args, "y*O!OOLL", &buf, &PyDict_Type, &caches, &seq, &batch, &live,
-                          &peak))
-        return NULL;
-    Batch b = last;
-    int bad = 0;
-    if (args_payload(args) != events_of) {
-        Py_CLEAR(events_of);
-        bad = read_batch(buf.buf, buf.len, &b);
-    }
-    if (bad) {
-        PyBuffer_Release(&buf);
-        if (PyErr_Occurred())
-            return NULL;
-        /* not read here: all of it the checker's */
-        return Py_BuildValue("(iLLii)", 0, live, peak, 0, 0);
-    }
-    Tally t = {live, peak, 0, 0};
+/* The first num events of `events` applied to `caches`, up to the first a check may fire on
+ * (*done: how many were applied); -1 with an exception set. */
+static int apply_events(uint64_t num, PyObject *caches, PyObject *seq, PyObject *batch,
+                        Tally *t, uint64_t *done) {
     Cache c = {NULL, NULL, NULL, NULL, 0, 0};
     PyObject *at = PyTuple_Pack(2, seq, batch);
     Scratch x = {NULL, NULL, NULL, NULL, 0};
     int err = at == NULL;
-    uint64_t done = 0;
     const Event *prev = NULL;
-    for (; !err && done < b.num_events; done++) {
-        const Event *e = &events[done];
+    uint64_t i = 0;
+    for (; !err && i < num; i++) {
+        const Event *e = &events[i];
         if (e->kind == CLEARED)
             break;
         if (prev == NULL || c.obj == NULL || e->medium_len != prev->medium_len ||
@@ -882,8 +864,8 @@ static PyObject *apply(PyObject *self, PyObject *args) {
             err = 1;
             break;
         }
-        int ok = e->kind == STORED ? store(e, &c, seq, batch, &t, x.vals)
-                                   : remove_blocks(e, &c, at, &t, &x);
+        int ok = e->kind == STORED ? store(e, &c, seq, batch, t, x.vals)
+                                   : remove_blocks(e, &c, at, t, &x);
         if (ok <= 0) {
             err = ok < 0;
             break;
@@ -892,17 +874,273 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     drop(&c);
     Py_XDECREF(at);
     release(&x);
+    *done = i;
+    return err ? -1 : 0;
+}
+
+static PyObject *args_payload(PyObject *args) { return PyTuple_GET_ITEM(args, 0); }
+
+static PyObject *apply(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    PyObject *caches, *seq, *batch;
+    long long live, peak;
+    if (!PyArg_ParseTuple(args, "y*O!OOLL", &buf, &PyDict_Type, &caches, &seq, &batch, &live,
+                          &peak))
+        return NULL;
+    Batch b = last;
+    int bad = 0;
+    if (args_payload(args) != events_of) {
+        Py_CLEAR(events_of);
+        bad = read_batch(buf.buf, buf.len, &b);
+    }
     PyBuffer_Release(&buf);
-    if (err)
+    if (bad) {
+        if (PyErr_Occurred())
+            return NULL;
+        /* not read here: all of it the checker's */
+        return Py_BuildValue("(iLLii)", 0, live, peak, 0, 0);
+    }
+    Tally t = {live, peak, 0, 0};
+    uint64_t done;
+    if (apply_events(b.num_events, caches, seq, batch, &t, &done))
         return NULL;
     return Py_BuildValue("(KLLLL)", (unsigned long long)done, t.live, t.peak, t.num_stored,
                          t.num_removed);
+}
+
+/* --- a recorded stream's records (kvscope/events/streamfile.py), read here ---------------- */
+
+static PyObject *s_publishers, *s_last_topic, *s_feed, *s_apply_rest, *s_num_records,
+    *s_num_events, *s_next_seq, *s_last_ts, *s_counts, *s_caches, *s_live, *s_peak_stored,
+    *s_batches, *s_events, *s_stored_count, *s_removed_count;
+
+static inline uint64_t le(const uint8_t *p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* attr += by (an int attribute of obj, or an int in a dict when obj is a dict) */
+static int add_to(PyObject *obj, PyObject *name, long long by) {
+    int dict = PyDict_CheckExact(obj);
+    PyObject *old = dict ? Py_XNewRef(PyDict_GetItemWithError(obj, name))
+                         : PyObject_GetAttr(obj, name);
+    if (old == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, name);
+        return -1;
+    }
+    PyObject *n = PyLong_FromLongLong(by), *sum = n ? PyNumber_Add(old, n) : NULL;
+    Py_DECREF(old);
+    Py_XDECREF(n);
+    if (sum == NULL)
+        return -1;
+    int err = dict ? PyDict_SetItem(obj, name, sum) : PyObject_SetAttr(obj, name, sum);
+    Py_DECREF(sum);
+    return err;
+}
+
+static int set_ll(PyObject *obj, PyObject *name, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    int err = o == NULL || PyObject_SetAttr(obj, name, o);
+    Py_XDECREF(o);
+    return err ? -1 : 0;
+}
+
+static int get_ll(PyObject *obj, PyObject *name, long long *out) {
+    PyObject *o = PyObject_GetAttr(obj, name);
+    if (o == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(o);
+    Py_DECREF(o);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* A published batch whose publisher is known and whose seq is its next, applied as the
+ * checker's feed() applies it: 1 done, 0 not such a batch (feed() takes it), -1 error. */
+static int feed_one(PyObject *checker, PyObject *publishers, PyObject *last_topic,
+                    int endpoint, const uint8_t *topic, uint32_t topic_len, uint64_t seq,
+                    const uint8_t *payload, uint32_t payload_len) {
+    Batch b;
+    Py_CLEAR(events_of);
+    if (read_batch(payload, payload_len, &b))
+        return PyErr_Occurred() ? -1 : 0;
+    if (seq > (uint64_t)LLONG_MAX - 1)
+        return 0;
+    PyObject *ep = PyLong_FromLong(endpoint);
+    PyObject *top = PyBytes_FromStringAndSize((const char *)topic, topic_len);
+    PyObject *rank = b.rank.t == UINT || b.rank.t == NEG ? int_of(&b.rank) : Py_NewRef(Py_None);
+    PyObject *key = ep && top && rank ? PyTuple_Pack(3, ep, top, rank) : NULL;
+    Py_XDECREF(rank);
+    PyObject *pub = key ? PyDict_GetItemWithError(publishers, key) : NULL;
+    Py_XDECREF(key);
+    int ok = pub != NULL;
+    long long next = -1;
+    if (ok) {
+        PyObject *n = PyObject_GetAttr(pub, s_next_seq);
+        ok = n != NULL && PyLong_CheckExact(n) && (next = PyLong_AsLongLong(n)) == (long long)seq;
+        Py_XDECREF(n);
+    }
+    if (!ok || PyErr_Occurred()) {
+        Py_XDECREF(ep);
+        Py_XDECREF(top);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_INCREF(pub);
+    /* feed(): the record's index is its batch; the endpoint's last topic; _sequence() */
+    long long batch_ll = 0;
+    PyObject *seq_obj = PyLong_FromUnsignedLongLong(seq), *batch = NULL, *caches = NULL,
+             *counts = NULL, *ts = PyFloat_FromDouble(b.ts);
+    int err = seq_obj == NULL || ts == NULL || get_ll(checker, s_num_records, &batch_ll) ||
+              set_ll(checker, s_num_records, batch_ll + 1) ||
+              PyDict_SetItem(last_topic, ep, top) || set_ll(pub, s_next_seq, (long long)seq + 1) ||
+              PyObject_SetAttr(pub, s_last_ts, ts);
+    if (!err) {
+        batch = PyLong_FromLongLong(batch_ll);
+        counts = PyObject_GetAttr(pub, s_counts);
+        caches = PyObject_GetAttr(pub, s_caches);
+        err = batch == NULL || counts == NULL || caches == NULL || !PyDict_CheckExact(caches) ||
+              !PyDict_CheckExact(counts);
+        if (err && !PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "a publisher whose counts or caches are no dict");
+    }
+    Tally t = {0, 0, 0, 0};
+    uint64_t done = 0;
+    err = err || add_to(counts, s_batches, 1) || add_to(counts, s_events, (long long)b.num_events) ||
+          add_to(checker, s_num_events, (long long)b.num_events) ||
+          get_ll(pub, s_live, &t.live) || get_ll(pub, s_peak_stored, &t.peak) ||
+          apply_events(b.num_events, caches, seq_obj, batch, &t, &done) ||
+          set_ll(pub, s_live, t.live) || set_ll(pub, s_peak_stored, t.peak) ||
+          add_to(counts, s_stored_count, t.num_stored) ||
+          add_to(counts, s_removed_count, t.num_removed);
+    if (!err && done < b.num_events) {
+        /* the rest of the batch, where a check may fire: the checker's */
+        PyObject *p = PyBytes_FromStringAndSize((const char *)payload, payload_len);
+        PyObject *from = PyLong_FromUnsignedLongLong(done);
+        PyObject *r = p && from ? PyObject_CallMethodObjArgs(checker, s_apply_rest, pub, seq_obj,
+                                                             batch, p, from, NULL)
+                                : NULL;
+        Py_XDECREF(p);
+        Py_XDECREF(from);
+        err = r == NULL;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(ep);
+    Py_XDECREF(top);
+    Py_XDECREF(seq_obj);
+    Py_XDECREF(ts);
+    Py_XDECREF(batch);
+    Py_XDECREF(counts);
+    Py_XDECREF(caches);
+    Py_DECREF(pub);
+    return err ? -1 : 1;
+}
+
+#define RECORD_HEAD 12 /* u64 recv_ns, u8 source, u8 endpoint, u16 frames */
+#define MAX_FRAMES 8
+
+static PyObject *feed_records(PyObject *self, PyObject *args) {
+    PyObject *checker, *mapping;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "OOn", &checker, &mapping, &pos))
+        return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(mapping, &buf, PyBUF_SIMPLE))
+        return NULL;
+    const uint8_t *data = buf.buf;
+    Py_ssize_t end = buf.len;
+    PyObject *publishers = PyObject_GetAttr(checker, s_publishers);
+    PyObject *last_topic = PyObject_GetAttr(checker, s_last_topic);
+    int err = publishers == NULL || last_topic == NULL, truncated = 0;
+    if (!err && (!PyDict_CheckExact(publishers) || !PyDict_CheckExact(last_topic))) {
+        PyErr_SetString(PyExc_TypeError, "a checker whose publishers or topics are no dict");
+        err = 1;
+    }
+    while (!err && pos < end) {
+        if (end - pos < RECORD_HEAD) {
+            truncated = 1;
+            break;
+        }
+        const uint8_t *r = data + pos;
+        uint64_t recv_ns = le(r, 8);
+        int source = r[8], endpoint = r[9];
+        int nframes = (int)le(r + 10, 2);
+        Py_ssize_t p = pos + RECORD_HEAD;
+        Py_ssize_t at[MAX_FRAMES];
+        uint32_t len[MAX_FRAMES];
+        for (int i = 0; i < nframes; i++) {
+            if (end - p < 4) {
+                truncated = 1;
+                break;
+            }
+            uint32_t n = (uint32_t)le(data + p, 4);
+            p += 4;
+            if ((uint64_t)(end - p) < n) {
+                truncated = 1;
+                break;
+            }
+            if (i < MAX_FRAMES) {
+                at[i] = p;
+                len[i] = n;
+            }
+            p += n;
+        }
+        if (truncated)
+            break;
+        int done = 0;
+        if (source == 0 && nframes == 3 && len[1] == 8)
+            done = feed_one(checker, publishers, last_topic, endpoint, data + at[0], len[0],
+                            be(data + at[1], 8), data + at[2], len[2]);
+        if (done < 0) {
+            err = 1;
+            break;
+        }
+        if (!done) {
+            /* any other record: the checker's feed(), with the frames as records() gives them */
+            PyObject *frames = PyList_New(0);
+            Py_ssize_t q = pos + RECORD_HEAD;
+            for (int i = 0; frames && i < nframes; i++) {
+                uint32_t n = (uint32_t)le(data + q, 4);
+                PyObject *f = PyBytes_FromStringAndSize((const char *)data + q + 4, n);
+                if (f == NULL || PyList_Append(frames, f))
+                    Py_CLEAR(frames);
+                Py_XDECREF(f);
+                q += 4 + n;
+            }
+            PyObject *ns = PyLong_FromUnsignedLongLong(recv_ns), *src = PyLong_FromLong(source),
+                     *ep = PyLong_FromLong(endpoint);
+            PyObject *out = frames && ns && src && ep
+                                ? PyObject_CallMethodObjArgs(checker, s_feed, ns, src, ep, frames,
+                                                             NULL)
+                                : NULL;
+            Py_XDECREF(frames);
+            Py_XDECREF(ns);
+            Py_XDECREF(src);
+            Py_XDECREF(ep);
+            if (out == NULL) {
+                err = 1;
+                break;
+            }
+            Py_DECREF(out);
+        }
+        pos = p;
+    }
+    Py_XDECREF(publishers);
+    Py_XDECREF(last_topic);
+    PyBuffer_Release(&buf);
+    if (err)
+        return NULL;
+    return Py_BuildValue("(nO)", pos, truncated ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_O,
      "scan(payload) -> (ts, rank or None, number of events), or None for a payload left to "
      "msgspec"},
+    {"feed_records", feed_records, METH_VARARGS,
+     "feed_records(checker, mapping, pos) -> (end, truncated): the records of a recorded "
+     "stream from pos on, each a published batch applied here or given to checker.feed()"},
     {"apply", apply, METH_VARARGS,
      "apply(payload, caches, seq, batch, live, peak) -> (events applied, live, peak, stored, "
      "removed): the batch's events up to the first where a check may fire"},
@@ -923,5 +1161,16 @@ PyMODINIT_FUNC PyInit__kvevents(void) {
     if (!s_copies || !s_stored || !s_removed_at || !s_full_size || !s_special[0] ||
         !s_special[1] || !s_special[2])
         return NULL;
+    PyObject **names[] = {&s_publishers, &s_last_topic, &s_feed,       &s_apply_rest,
+                          &s_num_records, &s_num_events, &s_next_seq,  &s_last_ts,
+                          &s_counts,     &s_caches,     &s_live,       &s_peak_stored,
+                          &s_batches,    &s_events,     &s_stored_count, &s_removed_count};
+    const char *texts[] = {"publishers", "_last_topic", "feed",    "_apply_rest",
+                           "num_records", "num_events", "next_seq", "last_ts",
+                           "counts",     "caches",     "live",     "peak_stored",
+                           "batches",    "events",     "stored",   "removed"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL)
+            return NULL;
     return PyModule_Create(&moddef);
 }

@@ -239,8 +239,19 @@ class StreamChecker:
     def feed_file(self, stream: StreamFile) -> None:
         """Every record of a recorded stream, in order."""
         self._endpoints = stream.endpoints
-        for recv_ns, source, endpoint, frames in stream.records():
-            self.feed(recv_ns, source, endpoint, frames)
+        if self.native is None:
+            for recv_ns, source, endpoint, frames in stream.records():
+                self.feed(recv_ns, source, endpoint, frames)
+            return
+        # The compiled path reads the records itself: a published batch of a publisher seen
+        # before, with its next seq, is applied as feed() would apply it (_apply_rest for
+        # what it leaves); any other record goes to feed().
+        _, truncated = self.native.feed_records(self, *stream.mapping())
+        stream.truncated = stream.truncated or truncated
+
+    def _apply_rest(self, pub: _Publisher, seq: int, batch: int, payload: bytes, done: int):
+        """The events of a batch from index `done` on, which the compiled path left."""
+        self._apply(pub, seq, batch, decode_payload(payload)[2][done:])
 
     def feed_all(self, records: Iterable[tuple[int, int, int, list[bytes]]]) -> None:
         """Records (recv_ns, source, endpoint, frames) in order."""

@@ -129,6 +129,10 @@ class StreamFile:
                 pos += n
             yield recv_ns, source, endpoint, frames
 
+    def mapping(self) -> tuple[Any, int]:
+        """The mapped file and the offset of its first record (for a reader of its own)."""
+        return self._buf, self._first
+
     def endpoint(self, i: int) -> str:
         """The endpoint a record came from, by its index."""
         return self.endpoints[i] if 0 <= i < len(self.endpoints) else f"endpoint {i}"
