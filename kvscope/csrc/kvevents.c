@@ -70,7 +70,7 @@ static inline int bytes(Reader *r, Val *v, int t, uint64_t n) {
     return 0;
 }
 
-static int head(Reader *r, Val *v) {
+static inline __attribute__((always_inline)) int head(Reader *r, Val *v) {
     uint64_t n;
     if (r->p >= r->end)
         return -1;
@@ -613,21 +613,25 @@ static int find_cache(PyObject *caches, const Event *e, Cache *c) {
 }
 
 /* The hashes of e as Python objects, into a new list. */
+/* The hashes of e as Python objects, into a new tuple. It holds only ints or bytes, so the
+ * cyclic collector is told to leave it (as it would itself at its first pass): freeing it later
+ * then touches no neighbour in the collector's lists. */
 static PyObject *hash_objects(const Event *e, Val *vals) {
-    PyObject *list = PyList_New((Py_ssize_t)e->num_hashes);
-    if (list == NULL)
+    PyObject *tuple = PyTuple_New((Py_ssize_t)e->num_hashes);
+    if (tuple == NULL)
         return NULL;
     Reader r = {e->hashes, e->hashes_end};
     for (uint64_t i = 0; i < e->num_hashes; i++) {
         head(&r, &vals[i]); /* read whole before: cannot fail */
         PyObject *h = value_of(&vals[i]);
         if (h == NULL) {
-            Py_DECREF(list);
+            Py_DECREF(tuple);
             return NULL;
         }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, h);
+        PyTuple_SET_ITEM(tuple, (Py_ssize_t)i, h);
     }
-    return list;
+    PyObject_GC_UnTrack(tuple);
+    return tuple;
 }
 
 typedef struct {
@@ -662,7 +666,7 @@ static int store(const Event *e, Cache *c, PyObject *seq, PyObject *batch, Tally
     Py_ssize_t i = 0;
     int ok = 1;
     for (; i < num; i++) {
-        PyObject *h = PyList_GET_ITEM(hashes, i);
+        PyObject *h = PyTuple_GET_ITEM(hashes, i);
         Py_ssize_t size = PyDict_GET_SIZE(c->copies);
         /* one lookup: the dict grows only where the hash was not there */
         if (PyDict_SetDefault(c->copies, h, one) == NULL || PyDict_GET_SIZE(c->copies) == size) {
@@ -676,10 +680,13 @@ static int store(const Event *e, Cache *c, PyObject *seq, PyObject *batch, Tally
         PyObject *size = PyLong_FromLongLong(bs);
         if (toks && size)
             info = PyTuple_Pack(6, parent, size, toks, hashes, seq, batch);
+        /* (ints, bytes, None and the untracked tuple of hashes: nothing to collect) */
+        if (info != NULL)
+            PyObject_GC_UnTrack(info);
         Py_XDECREF(toks);
         Py_XDECREF(size);
         for (Py_ssize_t j = 0; info && j < num; j++)
-            if (PyDict_SetItem(c->stored, PyList_GET_ITEM(hashes, j), info))
+            if (PyDict_SetItem(c->stored, PyTuple_GET_ITEM(hashes, j), info))
                 Py_CLEAR(info);
         if (info == NULL)
             ok = -1;
@@ -687,7 +694,7 @@ static int store(const Event *e, Cache *c, PyObject *seq, PyObject *batch, Tally
     if (ok == 0) {
         /* a hash already stored (before, or earlier in this event): undone, the checker's */
         for (Py_ssize_t j = 0; j < i; j++)
-            PyDict_DelItem(c->copies, PyList_GET_ITEM(hashes, j));
+            PyDict_DelItem(c->copies, PyTuple_GET_ITEM(hashes, j));
     }
     Py_XDECREF(info);
     Py_DECREF(one);
