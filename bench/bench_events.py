@@ -1,6 +1,6 @@
 """`kvscope events check` throughput, and `events record` against vLLM's own publisher.
 
-    python bench/bench_events.py check [--events N] [--runs R]
+    python bench/bench_events.py check [--events N] [--runs R] [--pure]
     python bench/bench_events.py record --vllm DIR [--rate 100000] [--seconds 5] [--batch 50]
 
 check: a recorded stream of N events (default 1,000,000) shaped like vLLM's block pool's
@@ -8,7 +8,9 @@ check: a recorded stream of N events (default 1,000,000) shaped like vLLM's bloc
 blocks under shared prefixes, evictions one block per BlockRemoved, a second copy now and then;
 written once, then checked R times end to end (read, decode, check): events/s per run, by the
 wall clock and per second of the process's CPU time (what a loaded machine does not change
-much), with the load average.
+much), with the load average. The check reads the file with the compiled path
+(kvscope/csrc/kvevents.c) where it is built, and says so; `--pure` measures the checker
+without it (msgspec and Python for every event).
 
 record: tests/vllm_events_driver.py publishes `--rate` events/s in batches of `--batch`
 through vLLM's ZmqEventPublisher (installed as bench/peer_vllm.py says) for `--seconds`;
@@ -62,8 +64,12 @@ def write_stream(path: str, num_events: int) -> int:
     return written
 
 
-def bench_check(num_events: int, runs: int) -> None:
-    from kvscope.events.checker import check_file
+def bench_check(num_events: int, runs: int, pure: bool) -> None:
+    from kvscope.events.checker import StreamChecker, check_file
+
+    if pure:
+        StreamChecker.native = None
+    print(f"checker: {'compiled path' if StreamChecker.native is not None else 'pure Python'}")
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "bench.kvev")
@@ -119,6 +125,7 @@ def main() -> None:
     c = sub.add_parser("check")
     c.add_argument("--events", type=int, default=1_000_000)
     c.add_argument("--runs", type=int, default=5)
+    c.add_argument("--pure", action="store_true", help="without the compiled path")
     r = sub.add_parser("record")
     r.add_argument("--vllm", required=True, help="folder vLLM is installed in")
     r.add_argument("--rate", type=float, default=100_000)
@@ -126,7 +133,7 @@ def main() -> None:
     r.add_argument("--batch", type=int, default=50)
     args = ap.parse_args()
     if args.what == "check":
-        bench_check(args.events, args.runs)
+        bench_check(args.events, args.runs, args.pure)
     else:
         bench_record(args.vllm, args.rate, args.seconds, args.batch)
 
