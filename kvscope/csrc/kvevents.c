@@ -612,7 +612,6 @@ static int find_cache(PyObject *caches, const Event *e, Cache *c) {
     return 1;
 }
 
-/* The hashes of e as Python objects, into a new list. */
 /* The hashes of e as Python objects, into a new tuple. It holds only ints or bytes, so the
  * cyclic collector is told to leave it (as it would itself at its first pass): freeing it later
  * then touches no neighbour in the collector's lists. */
