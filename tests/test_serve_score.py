@@ -334,3 +334,32 @@ def test_deferred_choices_keep_their_seats_and_fit_more_in_a_budget(quick: Llama
     assert on["kv"]["mean_bytes"] < off["kv"]["mean_bytes"]
     # AND without sharing at most 5 run at once
     assert off["running"]["peak"] == 5
+
+
+def test_a_request_waits_for_a_prefix_only_while_a_step_computes_it(pool: KVPool) -> None:
+    # GIVEN a 4-block context (block size 8) in two requests arriving together, steps of 16
+    # prompt tokens: the first computes the context's blocks two at a time
+    model = tiny_model(0)
+    context = [(5 * i) % 256 for i in range(32)]
+    pair = [Request("a", context + [1], max_tokens=2), Request("c", context + [2], max_tokens=2)]
+    engine = Engine(model, pool, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk=16)
+    results = {r.request_id: r for r in engine.run(pair)}
+    # THEN the second waits two steps, one for each pair of blocks, then hits all 4 (a hit stops
+    # before the prompt's last token); the outputs are those of recomputation
+    assert results["c"].num_hit_tokens == 32 and engine.scheduler.num_deferred == 1
+    for request in pair:
+        result = results[request.request_id]
+        assert result.outputs[0] == generate_reference(model, request.prompt, 2)
+    # WHEN a 2-block request before them takes the first step's whole token budget
+    before = Request("b", [(3 * i) % 256 for i in range(16)], max_tokens=2)
+    pair = [Request(f"{r.request_id}2", r.prompt, max_tokens=2) for r in pair]
+    engine = Engine(model, pool, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk=16)
+    # (the context is evicted: both find nothing cached)
+    while pool.evict(64):
+        pass
+    results = {r.request_id: r for r in engine.run([before, *pair])}
+    # THEN nothing computes the context in that step, so the second is not deferred (it would
+    # wait more than a step): it is admitted and computes a copy of its own
+    assert results["c2"].num_hit_tokens == 0 and engine.scheduler.num_deferred == 0
+    assert results["c2"].outputs[0] == generate_reference(model, pair[1].prompt, 2)
+    assert pool.check() == []

@@ -4,18 +4,19 @@ A stream is one sampled output of a request (a request with `n > 1` has n stream
 from the first when its prompt is done). A running stream always has at least one token whose
 K/V is not computed yet: the prompt's remainder, or the token sampled last step.
 
-A new stream whose prompt begins with a block a running stream is computing (the same chain of
-block-sized token prefixes, not published yet) is deferred: the pool publishes a block at
+A new stream whose prompt begins with blocks a running stream computes in the coming step (the
+same chain of block-sized token prefixes) is deferred: the pool publishes a block at
 `mark_computed`, once its K/V is written (at the end of the step that computes it), so a stream
 allocated in that step would compute a copy of its own. The deferred stream keeps its place at
 the head of the queue and its seat in the batch (later streams are admitted into the seats
-left), and is admitted in the step after the blocks are published, hitting them. Requests that
-arrive together on one new context (the choices of a multiple-choice question, the first
-requests behind a system prompt) compute it once; each deferred one starts a step later (one
-step a computing chunk, as long as the context's prefill takes). Admission also counts, before
-allocating, the hits a new stream will have on blocks running streams hold published: they
-take nothing from the pool. Deferral is on where the engine publishes blocks (`defer`: prefix
-sharing on).
+left), and is admitted in the next step, hitting the blocks. Requests that arrive together on
+one new context (the choices of a multiple-choice question, the first requests behind a new
+system prompt) compute it once; each one deferred starts a step later (another step for each
+further chunk of a context longer than a step computes). A stream whose shared blocks are not
+computed in the coming step (the stream computing them waits for room in the step's token
+budget) is not deferred: it would wait more than a step. Admission also counts, before
+allocating, a new stream's hits on blocks running streams hold published: they take nothing
+from the pool. Deferral is on where the engine publishes blocks (`defer`: prefix sharing on).
 """
 
 from __future__ import annotations
@@ -85,6 +86,59 @@ class Stream:
     def num_pending(self) -> int:
         """Tokens reserved in the pool whose K/V is still to be computed."""
         return self.seq.num_tokens - self.num_computed
+
+
+# What a running stream's full block is to a new stream whose prompt has the same prefix
+HELD = 0  # published, in a running stream's table: a hit on it takes nothing from the pool
+NEXT = 1  # computed in the coming step, published at its end
+LATER = 2  # computed in a step after that
+
+
+class RunningPrefixes:
+    """The running streams' full blocks by key (HELD, NEXT, LATER), for admission, and the
+    prompt tokens left in the coming step's budget: which blocks the step computes is planned
+    as `Scheduler.plan` does (decodes, then prompt chunks in running order)."""
+
+    def __init__(self, block_size: int, budget: int, prefill_chunk: int) -> None:
+        self.block_size = block_size
+        self.budget = budget
+        self.prefill_chunk = prefill_chunk
+        self.state: dict[int, int] = {}
+
+    def keys(self, stream: Stream) -> list[int]:
+        """The stream's request's full blocks as chained keys (computed once)."""
+        if stream.keys is None:
+            request = stream.request
+            stream.keys = block_keys(request.prompt + request.continuation, self.block_size)
+        return stream.keys
+
+    def add(self, stream: Stream) -> None:
+        """A running stream's blocks, its prompt chunk taken from the budget (decodes are
+        counted before any stream is added)."""
+        pending = stream.seq.num_tokens - stream.num_computed
+        length = min(pending, self.prefill_chunk, self.budget) if pending > 1 else 0
+        self.budget -= max(length, 0)
+        num_published = stream.num_published // self.block_size
+        num_next = (stream.num_computed + max(length, 0)) // self.block_size
+        for k, key in enumerate(self.keys(stream)):
+            state = HELD if k < num_published else NEXT if k < num_next else LATER
+            self.state[key] = min(state, self.state.get(key, LATER))
+
+    def match(self, stream: Stream) -> tuple[bool, int]:
+        """Whether to defer a new stream (the first of its prompt's blocks a running stream
+        is computing is computed in the coming step: one step's wait makes it a hit), and how
+        many of its leading blocks running streams hold published."""
+        # a prefix hit stops before the prompt's last token (pool.allocate)
+        num_hittable = (len(stream.request.prompt) - 1) // self.block_size
+        num_held = 0
+        for key in self.keys(stream)[:num_hittable]:
+            state = self.state.get(key)
+            if state is None:
+                break
+            if state != HELD:
+                return state == NEXT, num_held
+            num_held += 1
+        return False, num_held
 
 
 @dataclass
@@ -158,7 +212,7 @@ class Scheduler:
         available = self._available() if self.watermark > 0 and self.waiting else 0
         # blocks the running streams' tables hold (built at the first prefix hit)
         held: set[int] | None = None
-        # block key -> whether a running stream holds it published (True) or computes it
+        # the running streams' blocks (published, or computed in this step or later)
         prefixes = self._running_prefixes() if self.defer and self.waiting else None
         # the queue position looked at, and the seats the streams deferred so far keep
         i = 0
@@ -172,8 +226,8 @@ class Scheduler:
             need = self._blocks_needed(stream)
             num_held = 0
             if prefixes is not None and stream.seq is None:
-                computing, num_held = self._match(stream, prefixes)
-                if computing:
+                defer, num_held = prefixes.match(stream)
+                if defer:
                     if not stream.deferred:
                         stream.deferred = True
                         self.num_deferred += 1
@@ -181,7 +235,7 @@ class Scheduler:
                     reserved += width
                     i += 1
                     continue
-            # (its hits on blocks running streams hold and have published take nothing)
+            # (its hits on blocks running streams hold published take nothing from the pool)
             if self.running and not self._has_room(width + reserved, need - num_held, available):
                 break
             fresh = stream.seq is None or stream.seq.state == "preempted"
@@ -206,8 +260,20 @@ class Scheduler:
             self._run(stream)
             admitted.append(stream)
             if prefixes is not None:
-                self._add_prefixes(stream, prefixes)
+                prefixes.add(stream)
         return admitted
+
+    def _running_prefixes(self) -> RunningPrefixes:
+        """The running streams' blocks as a new stream finds them (RunningPrefixes)."""
+        num_decodes = sum(s.num_pending == 1 for s in self.running)
+        prefixes = RunningPrefixes(
+            self.cache.config.block_size,
+            self.max_num_batched_tokens - num_decodes,
+            self.prefill_chunk,
+        )
+        for stream in self.running:
+            prefixes.add(stream)
+        return prefixes
 
     def plan(self) -> list[Chunk]:
         """This step's work: every decode, then prompt chunks within the token budget."""
@@ -290,50 +356,6 @@ class Scheduler:
             self.waiting.remove(stream)
         if stream.seq is not None and stream.seq.state not in ("finished", "aborted"):
             self.cache.abort(stream.seq)
-
-    def _keys(self, stream: Stream) -> list[int]:
-        """The stream's request's full blocks as chained keys (computed once)."""
-        if stream.keys is None:
-            request = stream.request
-            stream.keys = block_keys(
-                request.prompt + request.continuation, self.cache.config.block_size
-            )
-        return stream.keys
-
-    def _running_prefixes(self) -> dict[int, bool]:
-        """The running streams' full prompt blocks by key: True where one holds it published
-        (a new stream's hit on it takes nothing from the pool), False where one is computing
-        it and none has published it."""
-        prefixes: dict[int, bool] = {}
-        for stream in self.running:
-            self._add_prefixes(stream, prefixes)
-        return prefixes
-
-    def _add_prefixes(self, stream: Stream, prefixes: dict[int, bool]) -> None:
-        """Add a running stream's full prompt blocks to `prefixes` (_running_prefixes)."""
-        keys = self._keys(stream)
-        num_published = stream.num_published // self.cache.config.block_size
-        for k, key in enumerate(keys):
-            if k < num_published:
-                prefixes[key] = True
-            else:
-                prefixes.setdefault(key, False)
-
-    def _match(self, stream: Stream, prefixes: dict[int, bool]) -> tuple[bool, int]:
-        """Whether a new stream's prompt begins with a block a running stream is computing
-        (it would compute a copy of its own: defer it), and how many of its leading blocks
-        running streams hold published (its hits on them take nothing from the pool)."""
-        # a prefix hit stops before the prompt's last token (pool.allocate)
-        num_hittable = (len(stream.request.prompt) - 1) // self.cache.config.block_size
-        num_held = 0
-        for key in self._keys(stream)[:num_hittable]:
-            published = prefixes.get(key)
-            if published is None:
-                break
-            if not published:
-                return True, num_held
-            num_held += 1
-        return False, num_held
 
     def _has_room(self, width: int, need: int, available: int) -> bool:
         """Whether `width` more streams fit the batch and leave `watermark` blocks per stream."""
