@@ -332,7 +332,7 @@ def caches(checker: StreamChecker) -> dict:
             out[key, ck] = (
                 list(c.copies.items()),
                 stored,
-                c.removed_at,
+                c.removed_at.as_dict(),
                 c.cleared,
                 c.full_size,
                 c.retired,

@@ -557,7 +557,7 @@ static void drop(Cache *c) {
     c->obj = NULL;
 }
 
-static PyObject *s_copies, *s_stored, *s_removed_at, *s_full_size, *s_special[3];
+static PyObject *s_copies, *s_stored, *s_removed_at, *s_log, *s_full_size, *s_special[3];
 
 /* The cache of event e in `caches` ((medium, group) -> _Cache); 0 when it has none yet. */
 static int find_cache(PyObject *caches, const Event *e, Cache *c) {
@@ -579,12 +579,16 @@ static int find_cache(PyObject *caches, const Event *e, Cache *c) {
         return PyErr_Occurred() ? -1 : 0;
     c->copies = PyObject_GetAttr(obj, s_copies);
     c->stored = PyObject_GetAttr(obj, s_stored);
-    c->removed_at = PyObject_GetAttr(obj, s_removed_at);
+    /* the log of last copies removed (checker._Removals.log): hash, then (seq, batch) */
+    PyObject *removals = PyObject_GetAttr(obj, s_removed_at);
+    c->removed_at = removals ? PyObject_GetAttr(removals, s_log) : NULL;
+    Py_XDECREF(removals);
     if (!c->copies || !c->stored || !c->removed_at || !PyDict_Check(c->copies) ||
-        !PyDict_Check(c->stored) || !PyDict_Check(c->removed_at)) {
+        !PyDict_Check(c->stored) || !PyList_CheckExact(c->removed_at)) {
         drop(c);
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "a cache whose copies, stored, removed_at are no dicts");
+            PyErr_SetString(PyExc_TypeError, "a cache whose copies, stored, removed_at.log are "
+                                             "not the checker's");
         return -1;
     }
     c->special = 0;
@@ -822,7 +826,7 @@ static int remove_blocks(const Event *e, Cache *c, PyObject *at, Tally *t, Scrat
                 (x->infos[i] != NULL && PyDict_SetItem(c->stored, h, x->infos[i])))
                 ok = -1;
         } else if (x->infos[i] != NULL) {
-            if (PyDict_SetItem(c->removed_at, h, at))
+            if (PyList_Append(c->removed_at, h) || PyList_Append(c->removed_at, at))
                 ok = -1;
         } else {
             PyObject *less = PyLong_FromLongLong(PyLong_AsLongLong(copies) - 1);
@@ -1163,11 +1167,12 @@ PyMODINIT_FUNC PyInit__kvevents(void) {
     s_copies = PyUnicode_InternFromString("copies");
     s_stored = PyUnicode_InternFromString("stored");
     s_removed_at = PyUnicode_InternFromString("removed_at");
+    s_log = PyUnicode_InternFromString("log");
     s_full_size = PyUnicode_InternFromString("full_size");
     s_special[0] = PyUnicode_InternFromString("cleared");
     s_special[1] = PyUnicode_InternFromString("superseded");
     s_special[2] = PyUnicode_InternFromString("retired");
-    if (!s_copies || !s_stored || !s_removed_at || !s_full_size || !s_special[0] ||
+    if (!s_copies || !s_stored || !s_removed_at || !s_log || !s_full_size || !s_special[0] ||
         !s_special[1] || !s_special[2])
         return NULL;
     PyObject **names[] = {&s_publishers, &s_last_topic, &s_feed,       &s_apply_rest,

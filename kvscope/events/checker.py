@@ -62,6 +62,43 @@ _CHAINED_SPECS = (None, "full_attention")
 _Stored = tuple[Any, int, Any, list[Any], int, int]
 
 
+class _Removals:
+    """hash -> (seq, batch) of the removal of its last copy, for the findings that name it.
+
+    Every removal of a last copy is appended to `log` (hash, then (seq, batch)); the log is
+    indexed only when a hash is looked up, which only a check about to fire does. A healthy
+    stream is never looked up: a dict of every hash ever removed, growing for the whole
+    stream, cost a quarter of a check's time.
+    """
+
+    __slots__ = ("log", "index")
+
+    def __init__(self) -> None:
+        self.log: list[Any] = []
+        self.index: dict[Any, tuple[int, int]] = {}
+
+    def _indexed(self) -> dict[Any, tuple[int, int]]:
+        log = self.log
+        if log:
+            # the later removal of a hash replaces the earlier
+            self.index.update(zip(log[0::2], log[1::2]))
+            log.clear()
+        return self.index
+
+    def __setitem__(self, h: Any, at: tuple[int, int]) -> None:
+        self.log += (h, at)
+
+    def __contains__(self, h: Any) -> bool:
+        return h in self._indexed()
+
+    def __getitem__(self, h: Any) -> tuple[int, int]:
+        return self._indexed()[h]
+
+    def as_dict(self) -> dict[Any, tuple[int, int]]:
+        """Every hash removed, with its last removal."""
+        return self._indexed()
+
+
 class _Cache:
     """One (medium, group) of one publisher: the multiset of hashes stored now."""
 
@@ -74,7 +111,7 @@ class _Cache:
         # parent and tokens in it)
         self.stored: dict[Any, _Stored] = {}
         # hash -> (seq, batch) of the removal of its last copy
-        self.removed_at: dict[Any, tuple[int, int]] = {}
+        self.removed_at = _Removals()
         # hash -> (seq, batch) of the AllBlocksCleared that dropped it
         self.cleared: dict[Any, tuple[int, int]] = {}
         # the largest block_size stored: a smaller one is a partial block
@@ -409,7 +446,7 @@ class StreamChecker:
                 cache = pub.cache(ck)
                 copies = cache.copies
                 stored = cache.stored
-                removed_at = cache.removed_at
+                removed_log = cache.removed_at.log
                 cleared = cache.cleared
                 retired = cache.retired
                 superseded = cache.superseded
@@ -451,7 +488,8 @@ class StreamChecker:
                     if c == 1:
                         # its last copy
                         live -= 1
-                        removed_at[h] = at
+                        removed_log.append(h)
+                        removed_log.append(at)
                         info = stored.pop(h)
                         if info[1] < full_size:
                             self._retire(cache, h, info, seq, batch)
