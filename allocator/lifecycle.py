@@ -96,7 +96,9 @@ def create(cls: type[KVPool], name: str, config: PoolConfig) -> KVPool:
     return pool
 
 
-def attach(cls: type[KVPool], name: str, trust_owner: bool = False, kv_events: str = "") -> KVPool:
+def attach(
+    cls: type[KVPool], name: str, trust_owner: bool = False, kv_events: str | KVEventsConfig = ""
+) -> KVPool:
     """An existing pool by name (`KVPool.attach`; another user's only with `trust_owner`)."""
     check_name(name)
     check_kv_events(kv_events, what="KVPool.attach's kv_events")

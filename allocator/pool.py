@@ -29,7 +29,7 @@ from kvscope.allocator import (
 )
 from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.check import check_view
-from kvscope.allocator.config import PoolConfig
+from kvscope.allocator.config import KVEventsConfig, PoolConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import read_findings, write_finding
 from kvscope.allocator.header import config_from_header
@@ -210,7 +210,9 @@ class KVPool:
         return lifecycle.create(cls, name, config)
 
     @classmethod
-    def attach(cls, name: str, trust_owner: bool = False, kv_events: str = "") -> KVPool:
+    def attach(
+        cls, name: str, trust_owner: bool = False, kv_events: str | KVEventsConfig = ""
+    ) -> KVPool:
         """Attach to an existing pool by name (another user's only with `trust_owner`); with
         `kv_events`, publish its prefix index there until `close` (PoolConfig.kv_events)."""
         return lifecycle.attach(cls, name, trust_owner, kv_events)

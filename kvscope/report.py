@@ -191,8 +191,8 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     if events:
         # The events that led to the finding: those up to the moment it was recorded (a
         # block's later life, other requests' hits and frees, says nothing of what went wrong)
-        at = f.get("time_ns")
-        upto = sum(1 for e in events if e["time_ns"] <= at) if at else len(events)
+        found = f.get("time_ns")
+        upto = sum(1 for e in events if e["time_ns"] <= found) if found else len(events)
         if not upto or len(events) <= EVENTS_SHOWN:
             upto = len(events)
         shown = events[max(0, upto - EVENTS_SHOWN) : upto]
