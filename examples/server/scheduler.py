@@ -95,15 +95,18 @@ LATER = 2  # computed in a step after that
 
 
 class RunningPrefixes:
-    """The running streams' full blocks by key (HELD, NEXT, LATER), for admission, and the
-    prompt tokens left in the coming step's budget: which blocks the step computes is planned
-    as `Scheduler.plan` does (decodes, then prompt chunks in running order)."""
+    """The running streams' full blocks as a new stream finds them (HELD, NEXT, LATER), for
+    admission, and the prompt tokens left in the coming step's budget: which blocks the step
+    computes is planned as `Scheduler.plan` does (decodes, then prompt chunks in running
+    order). Streams are grouped by their first block's key, so a new stream is compared only
+    with those that share its first block."""
 
     def __init__(self, block_size: int, budget: int, prefill_chunk: int) -> None:
         self.block_size = block_size
         self.budget = budget
         self.prefill_chunk = prefill_chunk
-        self.state: dict[int, int] = {}
+        # first block's key -> (keys, blocks published, blocks published after the coming step)
+        self.by_first: dict[int, list[tuple[list[int], int, int]]] = {}
 
     def keys(self, stream: Stream) -> list[int]:
         """The stream's request's full blocks as chained keys (computed once)."""
@@ -113,16 +116,16 @@ class RunningPrefixes:
         return stream.keys
 
     def add(self, stream: Stream) -> None:
-        """A running stream's blocks, its prompt chunk taken from the budget (decodes are
-        counted before any stream is added)."""
+        """A running stream, its prompt chunk taken from the budget (decodes are counted
+        before any stream is added)."""
         pending = stream.seq.num_tokens - stream.num_computed
-        length = min(pending, self.prefill_chunk, self.budget) if pending > 1 else 0
-        self.budget -= max(length, 0)
-        num_published = stream.num_published // self.block_size
-        num_next = (stream.num_computed + max(length, 0)) // self.block_size
-        for k, key in enumerate(self.keys(stream)):
-            state = HELD if k < num_published else NEXT if k < num_next else LATER
-            self.state[key] = min(state, self.state.get(key, LATER))
+        length = max(min(pending, self.prefill_chunk, self.budget), 0) if pending > 1 else 0
+        self.budget -= length
+        keys = self.keys(stream)
+        if keys:
+            num_published = stream.num_published // self.block_size
+            num_next = (stream.num_computed + length) // self.block_size
+            self.by_first.setdefault(keys[0], []).append((keys, num_published, num_next))
 
     def match(self, stream: Stream) -> tuple[bool, int]:
         """Whether to defer a new stream (the first of its prompt's blocks a running stream
@@ -130,10 +133,18 @@ class RunningPrefixes:
         many of its leading blocks running streams hold published."""
         # a prefix hit stops before the prompt's last token (pool.allocate)
         num_hittable = (len(stream.request.prompt) - 1) // self.block_size
+        keys = self.keys(stream)[:num_hittable]
+        group = self.by_first.get(keys[0], []) if keys else []
         num_held = 0
-        for key in self.keys(stream)[:num_hittable]:
-            state = self.state.get(key)
-            if state is None:
+        for k, key in enumerate(keys):
+            # the best any running stream with this block offers (chained keys: the same
+            # block's key, the same prefix)
+            state = -1
+            for theirs, num_published, num_next in group:
+                if k < len(theirs) and theirs[k] == key:
+                    mine = HELD if k < num_published else NEXT if k < num_next else LATER
+                    state = mine if state < 0 else min(state, mine)
+            if state < 0:
                 break
             if state != HELD:
                 return state == NEXT, num_held
