@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the engine on a virtual clock (server.engine.StepClock, 5 ms a step): the same "
         "figures on every machine; the means weigh every step the same, requests/s and TTFT "
-        "are in virtual seconds",
+        "are in virtual seconds (requests per step: a step that computes a few tokens counts "
+        "as much as one that computes thousands)",
     )
     args = ap.parse_args(argv)
     if args.choices < 1:
