@@ -39,6 +39,7 @@
 #include "csrc/allocate.c"
 #include "csrc/append.c"
 #include "csrc/entry.c"
+#include "csrc/preempt.c"
 #include "csrc/devchecks.c"
 #include "csrc/devanswers.c"
 #include "csrc/devconfig.c"

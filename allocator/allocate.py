@@ -51,10 +51,12 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
     # processes wait for those locks only while the hits are taken; a failure in the
     # second undoes the first.
     split = max_hits > 0
+    # The hits' last-use times before the claim: a failed allocation puts them back.
+    was: list[np.ndarray] = []
 
     def claim(t: Txn) -> tuple[int, int, list[int]]:
         slot, seq_id = pool.seqtab.claim(t, rb, pool.pid, pool.start, pool.client, site)
-        hits = _match(pool, t, keys, tokens, max_hits, rb)
+        hits = _match(pool, t, keys, tokens, max_hits, rb, was)
         if split:
             pool.seqtab.write_blocks(t, slot, 0, hits)
             pool.view.seqs["num_tokens"][slot] = len(hits) * bs
@@ -104,7 +106,7 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
         try:
             seq = pool._run(take_locks(pool, more), lambda t: grow(t, slot, seq_id, hits))
         except BaseException as e:
-            _unclaim(pool, slot, hits)
+            _unclaim(pool, slot, hits, was[-1] if was else None)
             if isinstance(e, PoolExhausted):
                 raise exhausted(pool, e.needed) from None
             raise
@@ -117,8 +119,9 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
     return seq
 
 
-def _unclaim(pool: KVPool, slot: int, hits: list[int]) -> None:
-    """Undo the first half of a split allocation: drop its hits, give its slot back."""
+def _unclaim(pool: KVPool, slot: int, hits: list[int], access_ns: np.ndarray | None) -> None:
+    """Undo the first half of a split allocation: drop its hits (their last-use times as
+    they were, `access_ns`), give its slot back."""
     ids = np.asarray(hits, np.int64)
     locks = pool.store.shard_locks_for(ids)
     if not pool.seqtab.can_release_locally(slot):
@@ -126,6 +129,8 @@ def _unclaim(pool: KVPool, slot: int, hits: list[int]) -> None:
 
     def op(t: Txn) -> None:
         zero, _ = pool.store.drop(t, ids)
+        if access_ns is not None:
+            pool.view.blocks["access_ns"][ids] = access_ns  # (saved by the drop)
         if len(zero):
             # Not reached while the hits stay indexed (an unreferenced one is CACHED).
             t.need(pool.FREE)
@@ -137,9 +142,17 @@ def _unclaim(pool: KVPool, slot: int, hits: list[int]) -> None:
 
 
 def _match(
-    pool: KVPool, t: Txn, keys: list[int], tokens: list[int], max_hits: int, request: bytes
+    pool: KVPool,
+    t: Txn,
+    keys: list[int],
+    tokens: list[int],
+    max_hits: int,
+    request: bytes,
+    was: list,
 ) -> list[int]:
-    """Longest verified prefix hit for `request`: take a reference on each hit block."""
+    """Longest verified prefix hit for `request`: take a reference on each hit block (their
+    last-use times before it into `was`)."""
+    was.clear()
     if max_hits <= 0:
         return []
     index = pool.store.index
@@ -161,6 +174,7 @@ def _match(
     if hits:
         ids = np.asarray(hits, np.int64)
         pool.store.save(t, ids)
+        was[:] = [b["access_ns"][ids].copy()]
         b["refcount"][ids] += 1
         b["state"][ids] = BlockState.ALLOCATED
         b["access_ns"][ids] = now_ns()

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvscope.allocator import crash, eviction, faults, records
+from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
@@ -42,6 +43,7 @@ from kvscope.allocator.layout import (
     JOURNAL_ENTRY_DTYPE,
     LOCK_DTYPE,
     RING_HEADER_DTYPE,
+    ClientState,
     block_dtype,
     seq_dtype,
 )
@@ -127,6 +129,10 @@ def checked(module: Any) -> Any:
 
 
 _native = checked(_native)
+if _native is not None:
+    # The exception classes the core raises (a full pool's PoolExhausted, a bad input's
+    # PoolError), handed over once.
+    _native.register_errors(PoolError, PoolExhausted)
 
 # KVSCOPE_NATIVE_KV=python: the core hands block-data work back to Python on a CPU pool too;
 # =deferred: and the answers are read later, as on a CUDA pool (devicechecks.py).
@@ -239,6 +245,12 @@ def core_for(pool: KVPool) -> Any | None:
         "event_capacity": view.layout.event_capacity,
         "max_clients": view.layout.max_clients,
         "client_record_size": CLIENT_DTYPE.itemsize,
+        # every client's record (a full pool's PoolExhausted names other processes' caches)
+        "off_clients": off["clients"],
+        "cf_state": cf["state"][1],
+        "cf_pid": cf["pid"][1],
+        "cf_local_count": cf["local_count"][1],
+        "client_attached": int(ClientState.ATTACHED),
         # magic: the header's bytes up to and with its checksum
         "header_check_bytes": HEADER_CHECKSUM_BYTES + 8,
         "client": client,

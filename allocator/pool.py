@@ -384,7 +384,8 @@ class KVPool:
 
     def set_state(self, seq: Sequence, state: str) -> None:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""
-        preempt.set_state(self, seq, state)
+        if self._native is None or self._native.set_state(self, seq, state) is None:
+            preempt.set_state(self, seq, state)
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""

@@ -84,7 +84,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'", (int)strnlen(request, 32), request);
     if (digests_intact(n, table, hits, seen)) goto abort;
     int64_t k = nblocks - hits;
-    if (take(n, k, table + hits) || unmapped(n, table + hits, k) ||
+    if (take(n, k, table + hits, -1) || unmapped(n, table + hits, k) ||
         poison_intact(n, table + hits, k))
         goto abort;
     if (stamp(n, table + hits, k, request, site, now)) goto abort;
@@ -102,6 +102,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     }
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok;
     txn_commit(n);
+    if (preempted(n, 0, n->n_pre)) goto out;
     count(n, C_ALLOCS, (uint64_t)k);
     count(n, C_QUERIES, (uint64_t)(max_hits > 0 ? max_hits : 0));
     count(n, C_HITS, (uint64_t)hits);

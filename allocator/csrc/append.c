@@ -45,12 +45,13 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
     return OK;
 }
 
-/* reserve.take for an append: k fresh blocks stamped for its sequence (the local cache, the
- * ring, eviction), with the probes' checks of blocks handed out. OK, FALLBACK (preemption, a
- * probe's finding: the Python path), or FALLBACK with an exception set (a handback's). */
+/* reserve.take for an append to the sequence in `slot`: k fresh blocks stamped for it (the
+ * local cache, the ring, eviction, preemption of another), with the probes' checks of blocks
+ * handed out. OK, FALLBACK (a probe's finding: the Python path; nothing left: PoolExhausted at
+ * the rollback), or FALLBACK with an exception set (a handback's). */
 static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, int32_t site,
-                      uint64_t now) {
-    if (take(n, k, out) || unmapped(n, out, k) || poison_intact(n, out, k) ||
+                      uint64_t now, int64_t slot) {
+    if (take(n, k, out, slot) || unmapped(n, out, k) || poison_intact(n, out, k) ||
         stamp(n, out, k, request, site, now))
         return FALLBACK;
     unpoison(n, out, k);
@@ -130,9 +131,10 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
         uint64_t now = wall_ns();
+        int64_t pre_cow = 0; /* sequences the copy's take preempted (events in take order) */
         if (cow) {
             int32_t dst;
-            if (take_fresh(n, 1, &dst, request, site, now)) goto abort;
+            if (take_fresh(n, 1, &dst, request, site, now, slot)) goto abort;
             uint8_t *src_r = blk(n, last), *dst_r = blk(n, dst);
             memcpy(dst_r + BF_TOKENS, src_r + BF_TOKENS, 4 * (size_t)bs);
             U4(dst_r + BF_NUM_TOKENS) = U4(src_r + BF_NUM_TOKENS);
@@ -144,9 +146,10 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
             if (set_block(n, slot, nb - 1, dst)) goto abort;
             seal(n, dst);
             ids[0] = dst;
+            pre_cow = n->n_pre;
         }
         if (need > 0) {
-            if (take_fresh(n, need, fresh, request, site, now) ||
+            if (take_fresh(n, need, fresh, request, site, now, slot) ||
                 write_blocks(n, slot, nb, fresh, need))
                 goto abort;
         } else if (jsave_head(n, slot)) {
@@ -157,11 +160,14 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         txn_commit(n);
         int64_t seq_id = (int64_t)U8(s + SF_SEQ_ID);
         count(n, C_ALLOCS, (uint64_t)((need > 0 ? need : 0) + cow));
+        int64_t pre = n->n_pre;
+        if (preempted(n, 0, pre_cow)) return ERROR;
         if (cow) {
             count(n, C_COW, 1);
             ev_record(n, E_ALLOCATE, ids, 1, request, seq_id);
             ev_record(n, E_COW, &last, 1, request, ids[0]);
         }
+        if (preempted(n, pre_cow, pre)) return ERROR;
         if (need > 0) ev_record(n, E_ALLOCATE, fresh, need, request, seq_id);
         /* The Python side: the table as the segment's, the copy to make. */
         if (cow) {

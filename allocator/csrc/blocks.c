@@ -166,18 +166,42 @@ static int refill(Native *n) {
     return local_push(n, ids, got, &fit);
 }
 
-/* reserve.take without preemption: the local cache, the ring, LRU eviction; FALLBACK when
- * they are short (Python preempts or raises PoolExhausted). The locks each step needs must
- * be held already (`take_locks` plans them). */
-static int take(Native *n, int64_t k, int32_t *out) {
+/* reserve.take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
+ * to the ring), then this handle's oldest waiting sequences, preempted one at a time (not
+ * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
+ * eviction again. When they are all short, FALLBACK with `exhausted_need` set: the
+ * transaction's rollback raises PoolExhausted (preempt.c). The locks each step needs must be
+ * held already (`take_locks` plans them; FALLBACK when they are not: the Python path). */
+static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     int64_t got, more;
     if (local_pop(n, k, out, &got)) return FALLBACK;
-    if (got < k) {
-        if (!holds(n, n->lock_free)) return FALLBACK;
-        if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
+    if (got == k) return OK;
+    if (!holds(n, n->lock_free)) return FALLBACK;
+    if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
+    got += more;
+    if (got == k) return refill(n);
+    int rc = evict_into(n, k - got, EVICT_BATCH, out + got, &more);
+    if (rc != OK) return rc;
+    got += more;
+    while (got < k) {
+        int found;
+        if ((rc = preempt_one(n, exclude, &found)) != OK) return rc;
+        if (!found) break;
+        /* what it freed: into the local cache, the ring, or still cached (indexed) */
+        if (local_pop(n, k - got, out + got, &more)) return FALLBACK;
         got += more;
-        if (got == k) return refill(n);
-        return evict_into(n, k - got, out + got);
+        if (got < k) {
+            if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
+            got += more;
+        }
+        if (got < k) {
+            if ((rc = evict_into(n, k - got, 0, out + got, &more)) != OK) return rc;
+            got += more;
+        }
+    }
+    if (got < k) {
+        n->exhausted_need = k;
+        return FALLBACK;
     }
     return OK;
 }
@@ -192,11 +216,14 @@ static uint64_t take_locks(Native *n, int64_t k) {
     int64_t short_ = k - local - (int64_t)U4(ringh(n) + RING_COUNT);
     if (short_ <= 0) return locks;
     /* Eviction: the shards of the blocks it will take, found now without the locks (the same
-     * choice it makes under them when no other process changed the pool meanwhile). */
+     * choice it makes under them when no other process changed the pool meanwhile); every
+     * shard when the cache is short too (preemption releases indexed blocks of any shard). */
     int32_t cand[CHUNK + EVICT_BATCH];
     int64_t nc = 0;
-    if (short_ <= CHUNK && (!lru_take(n, short_, EVICT_BATCH, cand, &nc, 1) ||
-                            !lru_scan(n, short_, EVICT_BATCH, cand, &nc, 1))) {
+    if (short_ <= CHUNK &&
+        (!lru_take(n, short_, EVICT_BATCH, cand, &nc, 1) ||
+         !lru_scan(n, short_, EVICT_BATCH, cand, &nc, 1)) &&
+        nc >= short_) {
         for (int64_t i = 0; i < nc; i++) locks |= block_shard_lock(n, cand[i]);
         return locks;
     }

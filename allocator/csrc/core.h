@@ -39,7 +39,8 @@ enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
-enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7, E_ABORT = 10, E_PUBLISH = 13 };
+enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7,
+       E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13 };
 /* probing.VERIFY_EVERY_S */
 #define VERIFY_EVERY_NS 10000000ull
 /* Entries of the core's site cache (a power of two). */
@@ -197,6 +198,16 @@ typedef struct {
     uint64_t *seen_seq;
     int maybe_valid;
     int64_t max_clients, client_size;
+    /* every client's record: the clients section, and the offsets in a record of its state,
+     * pid and local-cache count (a full pool's PoolExhausted names other processes' caches) */
+    size_t off_clients, cf_state, cf_pid, cf_local_count;
+    int64_t client_attached;
+    /* preempt.c: the slots this transaction preempted (their Sequences change at commit), and
+     * the blocks a take still needed when nothing was left (PoolExhausted after the rollback;
+     * 0: none) */
+    int64_t *pre_slots;
+    int64_t n_pre, cap_pre;
+    int64_t exhausted_need;
     PyObject *fault_ops; /* fault name -> OP_* bits of the operations it can strike */
     PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the probe last found them */
@@ -216,6 +227,7 @@ typedef struct {
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
+    *s_waiting, *s_preempted,
     *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_due,
     *s_native_leaked, *s_lockdep_learn, *s_conservation, *s_writes;
 
@@ -265,7 +277,9 @@ static inline void count(Native *n, int field, uint64_t k) {
 /* Defined in a later part (the parts are one translation unit: see _native.c). */
 static PyObject *field(PyObject *obj, PyObject *name);
 static PyObject *fallback(Native *n);
-static int evict_into(Native *n, int64_t k, int32_t *out);
+static int evict_into(Native *n, int64_t k, int64_t extra, int32_t *out, int64_t *got);
+static int preempt_one(Native *n, int64_t exclude, int *found);
+static int preempted(Native *n, int64_t from, int64_t to);
 static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry);
 static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
@@ -281,3 +295,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
 /* devchecks.c: what a check is for (devicechecks.py's method of each name) */
 enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4, DK_UNWRITTEN = 5 };
 static void maybe_live_add(Native *n, int64_t slot);
+static void raise_exhausted(Native *n, int64_t needed);
+/* The exception classes the core raises (allocator/errors.py), handed to it once by
+ * native.py through register_errors(); NULL until then. */
+static PyObject *PoolErrorType, *PoolExhaustedType;

@@ -97,9 +97,15 @@ static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     *ncand = got;
     rc = OK;
     if (dry) goto out;
-    Py_XSETREF(n->pend_lru, Py_NewRef(ids));
-    n->pend_pos = pos;
-    n->pend_taken = got;
+    if (n->pend_lru == ids) {
+        /* a second eviction of this transaction (after a preemption): both advance */
+        n->pend_pos = pos > n->pend_pos ? pos : n->pend_pos;
+        n->pend_taken += got;
+    } else {
+        Py_XSETREF(n->pend_lru, Py_NewRef(ids));
+        n->pend_pos = pos;
+        n->pend_taken = got;
+    }
 out:
     if (PyErr_Occurred()) PyErr_Clear();
     Py_XDECREF(ids);
@@ -185,7 +191,12 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
             uint8_t *r = blk(n, b);
             if (r[BF_STATE] == B_CACHED) a[m].ns = U8(r + BF_ACCESS_NS), a[m++].id = (int32_t)b;
         }
-        if (m == 0) return FALLBACK;
+        if (m == 0) {
+            /* nothing cached: a plan takes every shard; a take goes on to preemption */
+            n->dry_valid = 0;
+            *ncand = 0;
+            return dry ? FALLBACK : OK;
+        }
         int64_t spare = m - k > 0 ? (m - k) / 4 : 0;
         k += extra < spare ? extra : spare;
         keep = m > 2 * lru_keep + k ? k + lru_keep : k;
@@ -222,16 +233,18 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     return OK;
 }
 
-/* reserve.take's eviction step: `k` blocks into out from the LRU cached ones; up to
- * EVICT_BATCH more go to the free ring (the free lock and the candidates' shard locks held). */
-static int evict_into(Native *n, int64_t k, int32_t *out) {
+/* reserve.take's eviction step: up to `k` blocks into out (*got of them: fewer when fewer are
+ * cached) from the LRU cached ones; up to `extra` more go to the free ring (the free lock and
+ * the candidates' shard locks held). */
+static int evict_into(Native *n, int64_t k, int64_t extra, int32_t *out, int64_t *got) {
+    *got = 0;
     if (!holds(n, n->lock_free)) return FALLBACK;
     int32_t cand[CHUNK + EVICT_BATCH];
-    int64_t nc;
+    int64_t nc = 0;
     if (k > CHUNK) return FALLBACK;
-    if (lru_take(n, k, EVICT_BATCH, cand, &nc, 0) && lru_scan(n, k, EVICT_BATCH, cand, &nc, 0))
+    if (lru_take(n, k, extra, cand, &nc, 0) && lru_scan(n, k, extra, cand, &nc, 0))
         return FALLBACK;
-    if (nc < k) return FALLBACK; /* preemption or PoolExhausted: the Python path */
+    if (nc == 0) return OK;
     /* Only the candidates' shards are locked (`take_locks` found them before the locks:
      * another process may have changed the pool since; then the Python path, every shard). */
     for (int64_t i = 0; i < nc; i++)
@@ -255,8 +268,10 @@ static int evict_into(Native *n, int64_t k, int32_t *out) {
         r[BF_STATE] = B_LOCAL; /* in flight to the caller: stamped or pushed to the ring */
         I4(r + BF_OWNER_CLIENT) = n->client;
     }
-    memcpy(out, cand, 4 * (size_t)k);
-    if (ring_push(n, cand + k, nc - k)) return FALLBACK;
+    int64_t mine = nc < k ? nc : k;
+    memcpy(out, cand, 4 * (size_t)mine);
+    if (ring_push(n, cand + mine, nc - mine)) return FALLBACK;
     n->pend_evicted += nc;
+    *got = mine;
     return OK;
 }

@@ -105,6 +105,8 @@ static inline void client_seq_bump(Native *n) {
 
 /* Begin: seq odd, then every lock of `mask` in ascending order. */
 static int txn_begin(Native *n, uint64_t mask) {
+    n->n_pre = 0;
+    n->exhausted_need = 0;
     if (n->txn_banned) {
         n->dry_valid = 0;
         return FALLBACK;
@@ -159,6 +161,8 @@ static void txn_commit(Native *n) {
     }
 }
 
+/* Roll back and let go; a take that found nothing left raises PoolExhausted now, with the
+ * pool as it was (preempt.c). */
 static void txn_abort(Native *n) {
     n->dry_valid = 0;
     jrollback(n);
@@ -167,4 +171,7 @@ static void txn_abort(Native *n) {
     n->pend_evicted = 0;
     Py_CLEAR(n->pend_lru);
     drop_pending_scan(n);
+    n->n_pre = 0;
+    if (n->exhausted_need > 0 && !PyErr_Occurred()) raise_exhausted(n, n->exhausted_need);
+    n->exhausted_need = 0;
 }

@@ -68,6 +68,9 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"kv_esize", &n->kv_esize, I64},      {"canary", &n->canary, U64},
         {"nan_bits", &n->nan_bits, U64},      {"poison_ok", &n->poison_ok, I64},
         {"off_kv_digest", &n->off_kv_digest, I64},
+        {"off_clients", &n->off_clients, SIZE}, {"cf_state", &n->cf_state, SIZE},
+        {"cf_pid", &n->cf_pid, SIZE},         {"cf_local_count", &n->cf_local_count, SIZE},
+        {"client_attached", &n->client_attached, I64},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
@@ -205,6 +208,7 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);
     PyMem_Free(n->seen_seq);
+    PyMem_Free(n->pre_slots);
     Py_XDECREF(n->reserve);
     Py_XDECREF(n->ids);
     Py_XDECREF(n->mutex);
@@ -283,6 +287,8 @@ static PyMethodDef N_methods[] = {
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
      "the core's own checks: waiting, launched, broken (a CUresult) | None"},
+    {"set_state", (PyCFunction)(void (*)(void))N_set_state, METH_FASTCALL,
+     "set_state(pool, seq, state) -> True | None: mark a sequence running or waiting"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};
@@ -305,8 +311,26 @@ static PyObject *M_fmix64(PyObject *mod, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(fmix64(h));
 }
 
+/* register_errors(PoolError, PoolExhausted): the exception classes the core raises
+ * (allocator/errors.py), handed over once by native.py. */
+static PyObject *M_register_errors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[0], (PyTypeObject *)PyExc_Exception) ||
+        !PyType_IsSubtype((PyTypeObject *)args[1], (PyTypeObject *)args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "register_errors(PoolError, PoolExhausted): exception classes, the second "
+                        "a subclass of the first");
+        return NULL;
+    }
+    Py_XSETREF(PoolErrorType, Py_NewRef(args[0]));
+    Py_XSETREF(PoolExhaustedType, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"fmix64", (PyCFunction)M_fmix64, METH_O, "fmix64(h) -> int: the core's hash finalizer"},
+    {"register_errors", (PyCFunction)(void (*)(void))M_register_errors, METH_FASTCALL,
+     "register_errors(PoolError, PoolExhausted): the exception classes the core raises"},
     {NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native",
@@ -323,6 +347,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_running = PyUnicode_InternFromString("running");
     s_finished = PyUnicode_InternFromString("finished");
     s_aborted = PyUnicode_InternFromString("aborted");
+    s_waiting = PyUnicode_InternFromString("waiting");
+    s_preempted = PyUnicode_InternFromString("preempted");
     s_lru_ids = PyUnicode_InternFromString("_lru_ids");
     s_lru_ns = PyUnicode_InternFromString("_lru_ns");
     s_lru_pos = PyUnicode_InternFromString("_lru_pos");

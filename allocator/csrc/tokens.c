@@ -107,12 +107,14 @@ static int tokens_room(Tokens *t, Py_ssize_t n) {
     return OK;
 }
 
+/* PoolError, as register_errors() handed it to the core (a new reference), or NULL with an
+ * exception set. */
 static PyObject *pool_error_type(void) {
-    PyObject *mod = PyImport_ImportModule("kvscope.allocator.errors");
-    if (mod == NULL) return NULL;
-    PyObject *cls = PyObject_GetAttrString(mod, "PoolError");
-    Py_DECREF(mod);
-    return cls;
+    if (PoolErrorType == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "kvscope: _native.register_errors() was not called");
+        return NULL;
+    }
+    return Py_NewRef(PoolErrorType);
 }
 
 /* Raise PoolError(message): ERROR. */

@@ -1,0 +1,261 @@
+/* Preemption and a full pool: a take short of blocks after the ring and eviction frees this
+ * handle's oldest waiting sequence (preempt.py preempt_one is the Python path's), and when
+ * nothing is left raises PoolExhausted (reserve.py exhausted); set_state. Part of _native.c. */
+
+/* -- the victim -------------------------------------------------------------------------------- */
+
+/* The handle's live sequence (its registry: slot -> Sequence, handed to the core at init)
+ * whose record is WAITING, with blocks, not in `exclude` (the slot being grown), with the
+ * smallest seq id: its slot (*seq borrowed), -1 for none, -2 with an exception set. */
+static int64_t oldest_waiting(Native *n, int64_t exclude, PyObject **seq) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *s;
+    int64_t best = -1;
+    uint64_t best_id = 0;
+    while (PyDict_Next(n->seqs, &pos, &key, &s)) {
+        int64_t slot = PyLong_AsLongLong(key);
+        if (slot == -1 && PyErr_Occurred()) return -2;
+        /* the record's state, not the Sequence's: it is rolled back with the transaction */
+        if (slot < 0 || slot >= n->max_seqs || slot == exclude ||
+            seqrec(n, slot)[SF_STATE] != S_WAITING || U4(seqrec(n, slot) + SF_NUM_BLOCKS) == 0)
+            continue;
+        PyObject *id_o = sfield(n, s, F_SEQ_ID);
+        if (id_o == NULL) return -2;
+        uint64_t id = PyLong_AsUnsignedLongLong(id_o);
+        Py_DECREF(id_o);
+        if (PyErr_Occurred()) return -2;
+        if (best < 0 || id < best_id) {
+            best = slot;
+            best_id = id;
+            *seq = s;
+        }
+    }
+    return best;
+}
+
+/* -- preemption ------------------------------------------------------------------------------- */
+
+/* Preempt the handle's oldest waiting sequence (not `exclude`) inside the open transaction:
+ * its blocks released as release.py release_blocks releases a table (a reference less; an
+ * indexed block left unreferenced stays cached; the others to the local cache, the overflow
+ * to the ring), its record PREEMPTED with no blocks; its Sequence, events and counters at
+ * commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (the Python path runs the
+ * operation: guard mode guards the sequence, a probe's finding, a table over CHUNK blocks,
+ * a lock not held, the journal full), ERROR. */
+static int preempt_one(Native *n, int64_t exclude, int *found) {
+    PyObject *seq = NULL;
+    *found = 0;
+    int64_t slot = oldest_waiting(n, exclude, &seq);
+    if (slot == -2) return ERROR;
+    if (slot < 0) return OK;
+    *found = 1;
+    /* guard mode checks, poisons and quarantines a guarded release: the Python path */
+    int guard = guard_release(n, slot);
+    if (guard != 0) return guard < 0 ? ERROR : FALLBACK;
+    int32_t ids[CHUNK], zero[CHUNK];
+    Py_ssize_t k;
+    uint64_t shards;
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    if (table == NULL) return ERROR;
+    int rc = table_of(n, table, ids, &k, &shards);
+    Py_DECREF(table);
+    if (rc != OK || (n->held & shards) != shards || !holds(n, n->lock_free)) return FALLBACK;
+    /* Under a probe, a block already free is a double free and a record that does not match
+     * its checksum a scribble: the Python path reports them. */
+    if (n->probes) {
+        for (Py_ssize_t i = 0; i < k; i++) {
+            uint8_t *r = blk(n, ids[i]);
+            if (r[BF_STATE] != B_ALLOCATED || I4(r + BF_REFCOUNT) <= 0) return FALLBACK;
+        }
+        if (!all_sealed(n, ids, k)) return FALLBACK;
+    }
+    /* digest: the published blocks released are as published (writes.verify_published) */
+    if (n->probes & P_DIGEST) {
+        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
+        PyObject *when = rid ? PyUnicode_FromFormat("its release by request %R", rid) : NULL;
+        Py_XDECREF(rid);
+        const char *w = when ? PyUnicode_AsUTF8(when) : NULL;
+        rc = w ? digests_intact(n, ids, k, w) : ERROR;
+        Py_XDECREF(when);
+        if (rc != OK) return rc;
+    }
+    /* BlockStore.drop, then give_back */
+    uint64_t now = wall_ns();
+    int64_t nz = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        int32_t rcnt = I4(r + BF_REFCOUNT);
+        if (r[BF_STATE] != B_ALLOCATED || rcnt <= 0) continue;
+        if (jsave_block(n, ids[i])) return FALLBACK;
+        I4(r + BF_REFCOUNT) = rcnt - 1;
+        U8(r + BF_ACCESS_NS) = now;
+        if (rcnt == 1) {
+            if (r[BF_INDEXED] == 1)
+                r[BF_STATE] = B_CACHED;
+            else
+                zero[nz++] = ids[i];
+        }
+        seal(n, ids[i]);
+    }
+    int64_t fit;
+    if (local_push(n, zero, nz, &fit) || ring_push(n, zero + fit, nz - fit)) return FALLBACK;
+    if (write_blocks(n, slot, 0, NULL, 0)) return FALLBACK;
+    seqrec(n, slot)[SF_STATE] = S_PREEMPTED;
+    if (n->n_pre == n->cap_pre) {
+        int64_t cap = n->cap_pre ? 2 * n->cap_pre : 8;
+        int64_t *p = PyMem_Realloc(n->pre_slots, sizeof(int64_t) * (size_t)cap);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return ERROR;
+        }
+        n->pre_slots = p;
+        n->cap_pre = cap;
+    }
+    n->pre_slots[n->n_pre++] = slot;
+    return OK;
+}
+
+/* After the commit: the sequences preempted[from..to) of this transaction, in order: their
+ * events (PREEMPT, then FREE, of their tables), counters, and Sequences (no blocks, state
+ * "preempted", nothing published). OK, or ERROR with an exception set. */
+static int preempted(Native *n, int64_t from, int64_t to) {
+    int rc = OK;
+    for (int64_t i = from; i < to && rc == OK; i++) {
+        int64_t slot = n->pre_slots[i];
+        PyObject *key = PyLong_FromLongLong(slot);
+        PyObject *seq = key ? PyDict_GetItemWithError(n->seqs, key) : NULL;
+        Py_XDECREF(key);
+        if (seq == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_SystemError, "preempted slot %lld has no Sequence",
+                             (long long)slot);
+            return ERROR;
+        }
+        PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+        int32_t ids[CHUNK];
+        Py_ssize_t k = 0;
+        uint64_t shards;
+        if (table == NULL || table_of(n, table, ids, &k, &shards) != OK) {
+            Py_XDECREF(table);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "a preempted table changed");
+            return ERROR;
+        }
+        Py_DECREF(table);
+        const char *request = (const char *)seqrec(n, slot) + SF_REQUEST;
+        ev_record(n, E_PREEMPT, ids, k, request, 0);
+        ev_record(n, E_FREE, ids, k, request, 0);
+        count(n, C_FREES, (uint64_t)k);
+        count(n, C_PREEMPTIONS, 1);
+        PyObject *empty = PyList_New(0), *zero = PyLong_FromLong(0);
+        if (empty && zero) {
+            sset(n, seq, F_BLOCK_TABLE, empty);
+            sset(n, seq, F_STATE, s_preempted);
+            sset(n, seq, F_PUBLISHED, zero);
+        } else {
+            rc = ERROR;
+        }
+        Py_XDECREF(empty);
+        Py_XDECREF(zero);
+    }
+    return rc;
+}
+
+/* -- a full pool (reserve.py exhausted) -------------------------------------------------------- */
+
+/* PoolExhausted for a take of `needed` blocks, read from the pool as the rollback left it:
+ * blocks free (the ring, quarantined, any process's local cache), cached and held; the blocks
+ * each live request holds; other attached processes' local caches by pid. */
+static void raise_exhausted(Native *n, int64_t needed) {
+    if (PoolExhaustedType == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "kvscope: _native.register_errors() was not called");
+        return;
+    }
+    int64_t st[B_QUARANTINED + 1] = {0};
+    for (int64_t b = 0; b < n->nb; b++) {
+        uint8_t s = blk(n, b)[BF_STATE];
+        if (s <= B_QUARANTINED) st[s]++;
+    }
+    PyObject *holders = PyDict_New(), *elsewhere = PyDict_New(), *kw = NULL, *args = NULL;
+    PyObject *err = NULL;
+    if (!holders || !elsewhere) goto out;
+    for (int64_t s = 0; s < n->max_seqs; s++) {
+        uint8_t *r = seqrec(n, s);
+        if (r[SF_STATE] == S_EMPTY) continue;
+        /* the request as numpy reads the field: trailing NULs dropped, then UTF-8 (replace) */
+        Py_ssize_t len = REQUEST_BYTES;
+        while (len > 0 && r[SF_REQUEST + len - 1] == 0) len--;
+        PyObject *rq = PyUnicode_DecodeUTF8((const char *)r + SF_REQUEST, len, "replace");
+        if (rq == NULL) goto out;
+        PyObject *had = PyDict_GetItemWithError(holders, rq);
+        long long sum = (had ? PyLong_AsLongLong(had) : 0) + (long long)U4(r + SF_NUM_BLOCKS);
+        PyObject *v = PyErr_Occurred() ? NULL : PyLong_FromLongLong(sum);
+        int bad = v == NULL || PyDict_SetItem(holders, rq, v) < 0;
+        Py_DECREF(rq);
+        Py_XDECREF(v);
+        if (bad) goto out;
+    }
+    for (int64_t c = 0; c < n->max_clients; c++) {
+        uint8_t *cr = n->seg + n->off_clients + (size_t)c * (size_t)n->client_size;
+        uint32_t local = U4(cr + n->cf_local_count);
+        if (c == n->client || cr[n->cf_state] != n->client_attached || local == 0) continue;
+        PyObject *pid = PyLong_FromLong(I4(cr + n->cf_pid));
+        if (pid == NULL) goto out;
+        PyObject *had = PyDict_GetItemWithError(elsewhere, pid);
+        long long sum = (had ? PyLong_AsLongLong(had) : 0) + (long long)local;
+        PyObject *v = PyErr_Occurred() ? NULL : PyLong_FromLongLong(sum);
+        int bad = v == NULL || PyDict_SetItem(elsewhere, pid, v) < 0;
+        Py_DECREF(pid);
+        Py_XDECREF(v);
+        if (bad) goto out;
+    }
+    kw = Py_BuildValue("{sLsLsLsLsOsO}", "needed", (long long)needed, "free",
+                       (long long)(st[B_FREE] + st[B_LOCAL] + st[B_QUARANTINED]), "cached",
+                       (long long)st[B_CACHED], "held", (long long)st[B_ALLOCATED], "holders",
+                       holders, "elsewhere", elsewhere);
+    args = PyTuple_New(0);
+    if (kw && args) err = PyObject_Call(PoolExhaustedType, args, kw);
+    if (err) PyErr_SetObject(PoolExhaustedType, err);
+out:
+    Py_XDECREF(holders);
+    Py_XDECREF(elsewhere);
+    Py_XDECREF(kw);
+    Py_XDECREF(args);
+    Py_XDECREF(err);
+}
+
+/* -- set_state (preempt.py set_state) ---------------------------------------------------------- */
+
+/* set_state(pool, seq, state) -> True | None: a live sequence of this handle marked running or
+ * waiting (its record's state: one byte, no transaction); PoolError for another state or a
+ * preempted sequence; None (the Python path: its errors) for anything else. */
+static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_state(pool, seq, state)");
+        return NULL;
+    }
+    GATE(n, args[0], 0);
+    int64_t slot = own_slot(n, args[1]);
+    if (slot < 0 || PoolErrorType == NULL) return fallback(n);
+    PyObject *state = args[2], *name = NULL;
+    if (PyUnicode_Check(state)) {
+        if (PyUnicode_CompareWithASCIIString(state, "running") == 0) name = s_running;
+        else if (PyUnicode_CompareWithASCIIString(state, "waiting") == 0) name = s_waiting;
+    }
+    if (name == NULL) {
+        PyErr_Format(PoolErrorType, "set_state takes 'running' or 'waiting', got %R", state);
+        return NULL;
+    }
+    PyObject *cur = sfield(n, args[1], F_STATE);
+    if (cur == NULL) return NULL;
+    int pre = PyUnicode_Check(cur) && PyUnicode_CompareWithASCIIString(cur, "preempted") == 0;
+    Py_DECREF(cur);
+    if (pre) {
+        PyErr_SetString(PoolErrorType,
+                        "a preempted sequence must be resumed with pool.resume(seq) first");
+        return NULL;
+    }
+    seqrec(n, slot)[SF_STATE] = name == s_running ? S_RUNNING : S_WAITING;
+    sset(n, args[1], F_STATE, name);
+    n->native_ops++;
+    Py_RETURN_TRUE;
+}
