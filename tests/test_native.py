@@ -15,8 +15,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, eviction, faults, native
-from kvscope.allocator.layout import CLIENT_DTYPE
+from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, eviction, faults, native, reserve
+from kvscope.allocator.errors import PoolError
+from kvscope.allocator.layout import CLIENT_DTYPE, SeqState
 from tests.test_crash import _survive_and_reclaim, _work
 
 BS = 4
@@ -278,6 +279,50 @@ def test_a_long_append_that_runs_out_after_a_chunk_ends_as_in_python(pool_name):
             pool.unlink()
 
 
+def test_the_core_preempts_and_says_the_pool_is_full_itself(make_pool):
+    # GIVEN a pool of 8 blocks with three sequences of 2, the two oldest marked waiting
+    pool = make_pool(8, block_size=BS, local_cache_size=0, max_clients=4, max_seqs=64)
+    old, young, run = (
+        pool.allocate(r, list(range(i, i + 8))) for i, r in ((0, "o"), (8, "y"), (16, "r"))
+    )
+    before = pool._native.stats()
+    pool.set_state(young, "waiting")
+    pool.set_state(old, "waiting")
+    assert pool.view.seqs["state"][old.slot] == SeqState.WAITING and old.state == "waiting"
+    table = list(young.block_table)
+    # WHEN a prompt needs 3 blocks (2 are free)
+    new = pool.allocate("new", list(range(100, 112)))
+    # THEN the core preempted the oldest waiting one, and only it: nothing handed back
+    assert (old.state, old.block_table, old.num_published) == ("preempted", [], 0)
+    assert pool.view.seqs["state"][old.slot] == SeqState.PREEMPTED
+    assert young.state == "waiting" and young.block_table == table
+    assert pool.stats()["num_preemptions"] == 1
+    done = pool._native.stats()
+    assert done["fallbacks"] == before["fallbacks"], done
+    assert done["native_ops"] == before["native_ops"] + 3  # set_state twice, allocate
+    # WHEN a prompt needs 4 (1 free, 2 more by preempting `young`: still short)
+    with pytest.raises(PoolExhausted) as e:
+        pool.allocate("big", list(range(200, 216)))
+    # THEN the core raised PoolExhausted as reserve.exhausted says it, with the pool as it was
+    want = reserve.exhausted(pool, 4)
+    got = e.value
+    assert (got.needed, got.free, got.cached, got.held) == (4, 1, 0, 7)
+    assert (got.holders, got.elsewhere, str(got)) == (want.holders, want.elsewhere, str(want))
+    assert young.state == "waiting" and young.block_table == table
+    assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    # and set_state's errors come from the core too
+    with pytest.raises(PoolError, match="must be resumed"):
+        pool.set_state(old, "running")
+    with pytest.raises(PoolError, match="'running' or 'waiting', got 'paused'"):
+        pool.set_state(run, "paused")
+    assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    pool.free(new)
+    assert pool.resume(old) == 0 and old.state == "running" and len(old.block_table) == 2
+    for s in (old, young, run):
+        pool.free(s)
+    assert pool.check() == []
+
+
 def test_a_missing_core_is_said_once(pool_name, monkeypatch):
     # GIVEN an install without the C core (no compiler)
     monkeypatch.setattr(native, "_native", None)
@@ -344,6 +389,64 @@ def test_a_kill_at_any_journal_save_of_a_native_operation_loses_nothing(make_poo
         (dead,) = [i for i in range(len(c)) if c["pid"][i] == pid and c["state"][i] == 1]
         assert c["seq"][dead] % 2 == 1, (n, int(c["seq"][dead]), int(c["journal_count"][dead]))
         _survive_and_reclaim(pool)
+
+
+def _preempting_child(name: str, kill_at: int, want: int) -> None:
+    """Fill the pool with waiting sequences (half of each published), then, with a kill armed
+    at journal save `kill_at`, allocate `want` blocks: the core's take preempts them."""
+    code = 0
+    try:
+        pool = KVPool.attach(name)
+        for i in range(11):  # 44 of the 48 blocks
+            s = pool.allocate(f"w{i}", [i] * 8 + [100 + i] * 8)
+            pool.mark_computed(s, 8)
+            pool.set_state(s, "waiting")
+        pool.allocate("hold", list(range(16)))  # the last 4
+        before = pool._native.stats()["fallbacks"]
+        pool._native.set_crash_at(kill_at)
+        try:
+            pool.allocate("big", list(range(200, 200 + want * BS)))
+            ended = pool.stats()["num_preemptions"] >= 3
+        except PoolExhausted:
+            ended = want > 44  # (its preemptions rolled back)
+        # (not killed: every save passed; the core did it all, nothing handed back)
+        code = 3 if ended and pool._native.stats()["fallbacks"] == before else 5
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 4
+    os._exit(code)
+
+
+@pytest.mark.parametrize(
+    "want", [10, pytest.param(47, marks=pytest.mark.slow)], ids=["preempts", "then-exhausted"]
+)
+def test_a_kill_at_any_journal_save_of_a_preempting_take_loses_nothing(make_pool, want):
+    # GIVEN a full pool whose sequences are waiting (the NUM_BLOCKS of tests/test_crash.py)
+    pool = make_pool(48, block_size=BS, local_cache_size=2, num_shards=2, max_clients=8)
+    kills = 0
+    # WHEN a process allocating blocks that only preemption can give (10: three of them;
+    # 47: all eleven, and still short) is killed at its first, second, ... journal save
+    for n in range(1, 2000):
+        if n > 40 and n % 9:
+            continue  # (every save of the first three preemptions, then every ninth)
+        pid = os.fork()
+        if pid == 0:
+            _preempting_child(pool.name, n, want)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFEXITED(status):
+            assert os.WEXITSTATUS(status) == 3, f"save {n}: exit {os.WEXITSTATUS(status)}"
+            break  # past its last save
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        kills += 1
+        # THEN it died inside the operation (its client seq odd), and recovery and a reclaim
+        # lose nothing
+        c = pool.view.clients
+        (dead,) = [i for i in range(len(c)) if c["pid"][i] == pid and c["state"][i] == 1]
+        assert c["seq"][dead] % 2 == 1, (n, int(c["seq"][dead]))
+        _survive_and_reclaim(pool)
+    assert kills > 30, kills
 
 
 def test_client_record_layout_matches_the_core():

@@ -189,6 +189,9 @@ class PoolMachine(RuleBasedStateMachine):
         ok = [s for s in self.model.seqs if not states or s.state in states]
         return ok[i % len(ok)] if ok else None
 
+    def _preempts(self) -> int:
+        return int(self.pool.stats()["num_preemptions"])
+
     def _before(self) -> tuple[np.ndarray, np.ndarray]:
         """The pool's block states and last-use times before an operation (for eviction)."""
         b = self.pool.view.blocks
@@ -223,6 +226,16 @@ class PoolMachine(RuleBasedStateMachine):
             assert len(older) == len(evicted) or len(older) == len(order)
         m.index = {k: b for k, b in m.index.items() if b not in evicted}
         m.counters["num_evictions"] += len(evicted)
+
+    def _handbacks(self, pool: KVPool) -> int:
+        """The operations the C core has handed back to the Python path (0 without a core)."""
+        return 0 if pool._native is None else pool._native.stats()["fallbacks"]
+
+    def _in_core(self, pool: KVPool, handbacks: int, preempted: bool) -> None:
+        """A take that preempted or found the pool full ran in the C core (nothing handed
+        back), but where guard mode may guard the victim's release (the Python path's)."""
+        if preempted and not self.probe_set[1].get("guard"):
+            assert self._handbacks(pool) == handbacks, "the core handed back a preempting take"
 
     def _fresh_ok(self, fresh: list[int]) -> None:
         """Blocks handed out new held no data (or were cached and just evicted)."""
@@ -259,11 +272,14 @@ class PoolMachine(RuleBasedStateMachine):
         need = -(-len(tokens) // self.bs) - len(hits)
         before = self._before()
         self.n += 1
+        handbacks, preempts = self._handbacks(pool), self._preempts()
         try:
             seq = pool.allocate(f"r{self.n}", tokens)
         except PoolExhausted:
             assert not self._can_take(handle, need, hits), "exhausted while blocks could be taken"
+            self._in_core(pool, handbacks, True)
             return None
+        self._in_core(pool, handbacks, self._preempts() > preempts)
         # THEN the hit is the longest published prefix, the rest is fresh
         assert seq.block_table[: len(hits)] == hits and seq.num_cached_tokens == len(hits) * self.bs
         assert len(seq.block_table) == len(hits) + need and seq.tokens == tokens
@@ -328,6 +344,7 @@ class PoolMachine(RuleBasedStateMachine):
         cow = n0 % bs != 0 and m.refs[s.table[-1]] > 1
         need = -(-(n0 + len(tokens)) // bs) - len(s.table) + cow
         before = self._before()
+        handbacks, preempts = self._handbacks(pool), self._preempts()
         try:
             copies = pool.append(s.seq, tokens)
         except PoolExhausted:
@@ -335,7 +352,9 @@ class PoolMachine(RuleBasedStateMachine):
                 "exhausted while blocks could be taken"
             )
             assert s.seq.tokens == s.tokens
+            self._in_core(pool, handbacks, True)
             return
+        self._in_core(pool, handbacks, self._preempts() > preempts)
         # THEN a shared partial last block is copied first, and new blocks follow
         table = s.seq.block_table
         assert len(copies) == cow and len(table) == len(s.table) + need - cow
