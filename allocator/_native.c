@@ -1,13 +1,13 @@
 /* kvscope.allocator._native: the pool's hot operations in C, on the same segment bytes.
  *
  * The Python allocator (allocate.py, append.py, release.py, blocks.py, ...) is the reference and
- * does everything; this module does the common case of allocate (with LRU eviction),
- * free/abort, append (with copy-on-write), mark_computed and fork, with the same writes, the same
+ * does everything; this module does the common case of allocate (with LRU eviction, preemption
+ * and PoolExhausted), free/abort, append (with copy-on-write), mark_computed, fork, set_state and resume, with the same writes, the same
  * journal, the same locks and the same checksums, so check(), recovery, dumps and the TUI
  * cannot tell which path wrote a record (tests/test_native.py compares the two byte for byte).
  *
  * Whatever is not the common case is left to Python: every entry point returns None, with
- * nothing changed, when it meets one (a slot reserve to refill, preemption, a
+ * nothing changed, when it meets one (a slot reserve to refill, a
  * lock whose record names a dead holder, a journal too small, a prompt longer than one
  * chunk...), and the Python method then runs its own path. Probes, armed faults and crash
  * points keep every call on the Python path (`gate`).

@@ -99,7 +99,10 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
 
     if not split:
         locks = claim_locks | take_locks(pool, min(n_blocks, CHUNK))
-        seq = pool._run(locks, lambda t: grow(t, *claim(t)))
+        try:
+            seq = pool._run(locks, lambda t: grow(t, *claim(t)))
+        except PoolExhausted as e:
+            raise exhausted(pool, e.needed) from None  # (the counts with the operation undone)
     else:
         slot, seq_id, hits = pool._run(claim_locks, claim)
         more = min(n_blocks, len(hits) + CHUNK) - len(hits)

@@ -10,11 +10,12 @@ import numpy as np
 
 from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
+from kvscope.allocator.errors import PoolExhausted
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import CHUNK
 from kvscope.allocator.prefix import chain_one
 from kvscope.allocator.publish import chain_key
-from kvscope.allocator.reserve import fill, take, take_locks
+from kvscope.allocator.reserve import exhausted, fill, take, take_locks
 from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
@@ -78,7 +79,12 @@ def _append_chunk(pool: KVPool, seq: Sequence, tokens: list[int]) -> list[tuple[
             src = table[-1]
             b["tokens"][dst] = b["tokens"][src]
             b["num_tokens"][dst] = b["num_tokens"][src]
-            pool.store.drop(t, np.array([src]))  # src stays shared: refcount > 1
+            # src stays shared (refcount > 1), unless taking dst preempted its other holders:
+            # then it has no reference left, and is cached (published) or given back
+            zero, _ = pool.store.drop(t, np.array([src]))
+            if len(zero):
+                t.need(pool.FREE)
+                pool.store.give_back(t, zero)
             pool.seqtab.set_blocks(t, seq.slot, len(table) - 1, dst)
             pool.store.seal(np.array([dst]))
             table[-1] = dst
@@ -97,7 +103,10 @@ def _append_chunk(pool: KVPool, seq: Sequence, tokens: list[int]) -> list[tuple[
         pool.view.seqs["num_tokens"][seq.slot] = n_new
         return table, copies
 
-    table, copies = pool._run(locks, op)
+    try:
+        table, copies = pool._run(locks, op)
+    except PoolExhausted as e:
+        raise exhausted(pool, e.needed) from None  # (the counts with the operation undone)
     seq.block_table = table
     seq.tokens.extend(tokens)
     _extend_chain(pool, seq)

@@ -1,8 +1,10 @@
 """The pool's C core (allocator/_native.c): which handles use it, and its view of the segment.
 
-The core does the common case of allocate, free/abort, append (copy-on-write too), mark_computed
-and fork on the same bytes, journal and locks as the Python methods; anything else it hands back (it
-returns None with nothing changed) and the Python method runs. A handle uses it when the
+The core does the common case of allocate, free/abort, append (copy-on-write too), mark_computed,
+fork, set_state and resume on the same bytes, journal and locks as the Python methods, preempting this
+handle's oldest waiting sequence when a take is short and raising PoolExhausted (the class handed
+over once: `register_errors`) when nothing is left; anything else it hands back (it returns None
+with nothing changed) and the Python method runs. A handle uses it when the
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
 `KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: every probe `kvscope run`
 switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or

@@ -389,6 +389,19 @@ class KVPool:
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
+        if self._native is not None and isinstance(seq, Sequence) and seq.state == "preempted":
+            # (allocate's own steps first: the probes' answers, the guard sample, the reserve)
+            if self.probe is not None:
+                self.probe.writes.settle()
+            tick = self._guard_tick
+            guarded = self._guard_every > 1 and self._sample_guard()
+            runner.reserve_ready(self, claiming=True)
+            cached = self._native.resume(self, seq)
+            if cached is not None:
+                if guarded:
+                    self._guarded.add(seq.slot)
+                return cached
+            self._guard_tick = tick  # (the Python path's allocate samples it)
         return preempt.resume(self, seq)
 
     def evict(self, num_blocks: int) -> int:

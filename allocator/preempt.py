@@ -1,6 +1,9 @@
 """Preemption: a sequence is running or waiting (`set_state`); when the pool is full, taking
 blocks frees this process's oldest waiting one (reserve.py), and `resume` re-reserves it. The
-`KVPool.set_state` and `KVPool.resume` of pool.py, and `preempt_one` for reserve.py."""
+Python path of `KVPool.set_state`, `KVPool.resume` and of preemption (`preempt_one`, for
+reserve.py's take): the C core does them itself (csrc/preempt.c) and hands back only what it
+does not run (a waiting sequence guard mode guards; a handle on the Python
+path: an armed fault or crash point, KVSCOPE_NATIVE=0)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Taking blocks for a sequence: the local cache, the free ring, eviction, preemption
-(preempt.py); and writing token ids into them. Used by allocate.py and append.py."""
+(preempt.py); and writing token ids into them. Used by allocate.py and append.py (the Python path:
+the C core's take is csrc/blocks.c `take`, its preemption and PoolExhausted csrc/preempt.c)."""
 
 from __future__ import annotations
 

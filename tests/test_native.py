@@ -279,7 +279,7 @@ def test_a_long_append_that_runs_out_after_a_chunk_ends_as_in_python(pool_name):
             pool.unlink()
 
 
-def test_the_core_preempts_and_says_the_pool_is_full_itself(make_pool):
+def test_the_core_preempts_says_the_pool_is_full_and_resumes_itself(make_pool):
     # GIVEN a pool of 8 blocks with three sequences of 2, the two oldest marked waiting
     pool = make_pool(8, block_size=BS, local_cache_size=0, max_clients=4, max_seqs=64)
     old, young, run = (
@@ -316,11 +316,45 @@ def test_the_core_preempts_and_says_the_pool_is_full_itself(make_pool):
     with pytest.raises(PoolError, match="'running' or 'waiting', got 'paused'"):
         pool.set_state(run, "paused")
     assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    # and a resume is one core call: allocated again in a new slot, the old one released
     pool.free(new)
+    ops, slot = pool._native.stats()["native_ops"], old.slot
     assert pool.resume(old) == 0 and old.state == "running" and len(old.block_table) == 2
+    assert pool._native.stats()["native_ops"] == ops + 1
+    assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    assert pool._seqs[old.slot] is old and (slot == old.slot or slot not in pool._seqs)
+    assert pool.view.seqs["state"][old.slot] == SeqState.RUNNING
     for s in (old, young, run):
         pool.free(s)
     assert pool.check() == []
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+def test_a_copy_whose_take_preempts_the_blocks_other_holder_gives_the_block_back(make_pool, core):
+    # GIVEN a full pool of 4 blocks: a waiting sequence and its fork share a partial last
+    # block, and another waiting sequence holds the other 2
+    pool = make_pool(4, block_size=BS, local_cache_size=0, max_clients=4, max_seqs=64)
+    if not core:
+        pool._native = None
+    a = pool.allocate("a", [1, 2, 3, 4, 5, 6])
+    b = pool.fork(a, "b")
+    other = pool.allocate("other", list(range(100, 108)))
+    pool.set_state(a, "waiting")
+    pool.set_state(other, "waiting")
+    src = b.block_table[1]
+    handbacks = pool._native.stats()["fallbacks"] if core else 0
+    # WHEN the fork appends into the shared block (copy-on-write: one block, found only by
+    # preempting both waiting sequences; the first frees nothing but the block's share)
+    copies = pool.append(b, [7])
+    # THEN the copy's source, left with no reference, is given back (not held by nobody)
+    assert copies[0][0] == src and a.state == other.state == "preempted"
+    assert pool.view.blocks["refcount"][src] == 0 and pool.view.blocks["state"][src] != 1
+    assert pool.stats()["num_allocated"] == 2 and pool.check() == []
+    if core:
+        assert pool._native.stats()["fallbacks"] == handbacks
+    for s in (a, b, other):
+        pool.free(s)
+    assert pool.check() == [] and pool.stats()["num_allocated"] == 0
 
 
 def test_a_missing_core_is_said_once(pool_name, monkeypatch):
@@ -393,20 +427,25 @@ def test_a_kill_at_any_journal_save_of_a_native_operation_loses_nothing(make_poo
 
 def _preempting_child(name: str, kill_at: int, want: int) -> None:
     """Fill the pool with waiting sequences (half of each published), then, with a kill armed
-    at journal save `kill_at`, allocate `want` blocks: the core's take preempts them."""
+    at journal save `kill_at`, allocate `want` blocks: the core's take preempts them; free
+    them and resume the preempted sequences."""
     code = 0
     try:
         pool = KVPool.attach(name)
+        waiting = []
         for i in range(11):  # 44 of the 48 blocks
-            s = pool.allocate(f"w{i}", [i] * 8 + [100 + i] * 8)
-            pool.mark_computed(s, 8)
-            pool.set_state(s, "waiting")
+            waiting.append(pool.allocate(f"w{i}", [i] * 8 + [100 + i] * 8))
+            pool.mark_computed(waiting[-1], 8)
+            pool.set_state(waiting[-1], "waiting")
         pool.allocate("hold", list(range(16)))  # the last 4
         before = pool._native.stats()["fallbacks"]
         pool._native.set_crash_at(kill_at)
         try:
-            pool.allocate("big", list(range(200, 200 + want * BS)))
+            pool.free(pool.allocate("big", list(range(200, 200 + want * BS))))
             ended = pool.stats()["num_preemptions"] >= 3
+            for s in [s for s in waiting if s.state == "preempted"][:2]:  # (in 10 blocks)
+                pool.resume(s)  # (its published half hits, unless it was evicted)
+                assert s.state == "running" and len(s.block_table) == 4
         except PoolExhausted:
             ended = want > 44  # (its preemptions rolled back)
         # (not killed: every save passed; the core did it all, nothing handed back)
@@ -426,11 +465,12 @@ def test_a_kill_at_any_journal_save_of_a_preempting_take_loses_nothing(make_pool
     # GIVEN a full pool whose sequences are waiting (the NUM_BLOCKS of tests/test_crash.py)
     pool = make_pool(48, block_size=BS, local_cache_size=2, num_shards=2, max_clients=8)
     kills = 0
-    # WHEN a process allocating blocks that only preemption can give (10: three of them;
-    # 47: all eleven, and still short) is killed at its first, second, ... journal save
+    # WHEN a process allocating blocks that only preemption can give (10: three of them, then
+    # resumed; 47: all eleven, and still short) is killed at its first, second, ... journal
+    # save
     for n in range(1, 2000):
-        if n > 40 and n % 9:
-            continue  # (every save of the first three preemptions, then every ninth)
+        if n > 30 and n % 13:
+            continue  # (every save of the first two preemptions, then every 13th)
         pid = os.fork()
         if pid == 0:
             _preempting_child(pool.name, n, want)

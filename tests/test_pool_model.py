@@ -363,11 +363,13 @@ class PoolMachine(RuleBasedStateMachine):
             pool.kv[:, :, copies[0][1]] = pool.kv[:, :, copies[0][0]]
         self._settle(s.handle, before, [], s)
         fresh = table[len(s.table) - cow :]
-        self._fresh_ok(fresh)
         if cow:
+            # (before the fresh blocks are checked: a copy's source whose other holders the
+            # take preempted is free, and the same take may hand it out again)
             m.drop([s.table[-1]])
             m.counters["num_frees"] -= 1
             m.counters["num_cow"] += 1
+        self._fresh_ok(fresh)
         m.take(fresh)
         m.counters["num_allocs"] += need
         s.tokens += tokens

@@ -4,9 +4,11 @@
 /* -- allocate --------------------------------------------------------------------------------- */
 
 /* A prompt's allocation (toks: its ntok tokens; request: 32 bytes) -> (slot, seq_id,
- * table: list[int], chain: list[int], hits), or None (the Python path). */
+ * table: list[int], chain: list[int], hits), or None (the Python path). `old` >= 0: a resume,
+ * whose preempted sequence's slot is released in the same transaction (SeqTable.release: to
+ * this process's reserve, or to the table under the seqs lock). */
 static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
-                               const char *request, int32_t site) {
+                               const char *request, int32_t site, int64_t old) {
     int64_t bs = n->bs;
     int64_t nblocks = (ntok + bs - 1) / bs;
     if (ntok == 0 || nblocks > CHUNK || nblocks > n->max_bps) return fallback(n);
@@ -43,6 +45,15 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
      * spares the shard lock to prompts that cannot hit. (A key inserted meanwhile is a hit
      * missed, as if this allocation came first; a lookup never trusts a block without the
      * lock and the stored tokens.) */
+    /* SeqTable.can_release_locally, once the claim has taken its slot from the reserve */
+    int old_to_table = 0;
+    if (old >= 0) {
+        uint8_t *o = seqrec(n, old);
+        Py_ssize_t left = PyList_GET_SIZE(n->reserve) - (claim.direct ? 0 : 1);
+        old_to_table = left >= 2 * n->slot_batch || o[SF_RESERVED] != 1 ||
+                       I4(o + SF_OWNER_CLIENT) != n->client;
+        if (old_to_table) locks |= lock_bit(n->lock_seqs);
+    }
     int may_hit = max_hits > 0 && index_lookup(n, keys[0]) >= 0;
     if (may_hit) locks |= shard_lock(n, keys[0]);
     locks |= take_locks(n, nblocks);
@@ -55,6 +66,15 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     int64_t slot = claim.slot;
     uint64_t seq_id = claim.seq_id;
     if (write_claim(n, slot, seq_id, request, now, site)) goto abort;
+    if (old >= 0) {
+        /* SeqTable.release of the resumed sequence's old slot (after the claim: a direct claim
+         * takes the lowest empty slot, which this must not be) */
+        uint8_t *o = seqrec(n, old);
+        if (jsave_head(n, old)) goto abort;
+        if (old_to_table) o[SF_RESERVED] = 0;
+        o[SF_STATE] = S_EMPTY;
+        U4(o + SF_NUM_BLOCKS) = 0;
+    }
     /* The longest verified prefix hit (allocate._match). */
     int64_t hits = 0;
     uint64_t parent = 0;
@@ -110,6 +130,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     ev_record(n, E_ALLOCATE, table + hits, k, request, (int64_t)seq_id);
     if (hits < max_hits) ev_record(n, E_PREFIX_MISS, NULL, 0, request, max_hits - hits);
     if (claim_done(n, &claim)) goto out;
+    if (old >= 0 && !old_to_table && append_new(n->reserve, PyLong_FromLongLong(old))) goto out;
     PyObject *tab = PyList_New(nblocks), *ch = PyList_New(nfull);
     if (!tab || !ch) {
         Py_XDECREF(tab);

@@ -138,11 +138,19 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
             uint8_t *src_r = blk(n, last), *dst_r = blk(n, dst);
             memcpy(dst_r + BF_TOKENS, src_r + BF_TOKENS, 4 * (size_t)bs);
             U4(dst_r + BF_NUM_TOKENS) = U4(src_r + BF_NUM_TOKENS);
-            /* BlockStore.drop: the source stays shared (refcount > 1) */
+            /* BlockStore.drop: the source stays shared (refcount > 1), unless taking dst
+             * preempted its other holders: then it has no reference left, and is cached
+             * (published) or given back (BlockStore.give_back) */
             if (jsave_block(n, last)) goto abort;
-            I4(src_r + BF_REFCOUNT) -= 1;
+            int freed = (I4(src_r + BF_REFCOUNT) -= 1) == 0;
             U8(src_r + BF_ACCESS_NS) = now;
+            if (freed && src_r[BF_INDEXED] == 1) src_r[BF_STATE] = B_CACHED;
             seal(n, last);
+            if (freed && src_r[BF_INDEXED] != 1) {
+                int64_t fit;
+                if (local_push(n, &last, 1, &fit)) goto abort;
+                if (fit == 0 && (!holds(n, n->lock_free) || ring_push(n, &last, 1))) goto abort;
+            }
             if (set_block(n, slot, nb - 1, dst)) goto abort;
             seal(n, dst);
             ids[0] = dst;

@@ -105,7 +105,7 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n, pool);
     if (site == -2) return NULL;
-    PyObject *got = core_allocate(n, t->v, t->n, request, site);
+    PyObject *got = core_allocate(n, t->v, t->n, request, site, -1);
     if (got == NULL || got == Py_None) return got;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */

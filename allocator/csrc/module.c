@@ -289,6 +289,8 @@ static PyMethodDef N_methods[] = {
      "the core's own checks: waiting, launched, broken (a CUresult) | None"},
     {"set_state", (PyCFunction)(void (*)(void))N_set_state, METH_FASTCALL,
      "set_state(pool, seq, state) -> True | None: mark a sequence running or waiting"},
+    {"resume", (PyCFunction)(void (*)(void))N_resume, METH_FASTCALL,
+     "resume(pool, seq) -> cached tokens | None: re-allocate a preempted sequence"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

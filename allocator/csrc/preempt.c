@@ -259,3 +259,81 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
     n->native_ops++;
     Py_RETURN_TRUE;
 }
+
+/* -- resume (preempt.py resume) ---------------------------------------------------------------- */
+
+/* resume(pool, seq) -> cached tokens | None: a preempted sequence of this handle allocated again
+ * for its tokens (prefix hits included) in a new slot, its old slot released in the same
+ * transaction (the Python path: an allocate, then a transaction that moves it); the Sequence
+ * takes the new slot, id, table and chain, its hits as cached and published, state "running".
+ * None (the Python path: its errors too) for anything else. */
+static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "resume(pool, seq)");
+        return NULL;
+    }
+    GATE(n, args[0], OP_ALLOCATE);
+    PyObject *seq = args[1];
+    int64_t old = own_slot(n, seq);
+    if (old < 0) return fallback(n);
+    PyObject *state = sfield(n, seq, F_STATE), *tokens = sfield(n, seq, F_TOKENS);
+    PyObject *rid = sfield(n, seq, F_REQUEST_ID), *got = NULL, *result = NULL;
+    int32_t *toks = NULL;
+    if (!state || !tokens || !rid) goto out;
+    Py_ssize_t ntok = PyList_CheckExact(tokens) ? PyList_GET_SIZE(tokens) : 0;
+    if (!PyUnicode_Check(state) || PyUnicode_CompareWithASCIIString(state, "preempted") != 0 ||
+        !PyUnicode_Check(rid) || ntok == 0 || ntok > (Py_ssize_t)CHUNK * n->bs) {
+        result = fallback(n);
+        goto out;
+    }
+    toks = PyMem_Malloc(sizeof(int32_t) * (size_t)ntok);
+    if (toks == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (tokens_of(tokens, 0, toks, ntok) != OK) {
+        result = fallback(n);
+        goto out;
+    }
+    char request[REQUEST_BYTES];
+    if (request_of(rid, request)) goto out;
+    int32_t site = site_now(n, args[0]);
+    if (site == -2) goto out;
+    got = core_allocate(n, toks, ntok, request, site, old);
+    if (got == NULL || got == Py_None) {
+        result = Py_XNewRef(got);
+        goto out;
+    }
+    /* (slot, seq_id, table, chain, hits): the Sequence moves into the new slot */
+    PyObject *slot = PyTuple_GET_ITEM(got, 0), *hits = PyTuple_GET_ITEM(got, 4);
+    PyObject *cached = PyLong_FromLongLong(PyLong_AsLongLong(hits) * n->bs);
+    PyObject *old_key = PyLong_FromLongLong(old);
+    if (cached == NULL || old_key == NULL) {
+        Py_XDECREF(cached);
+        Py_XDECREF(old_key);
+        goto out;
+    }
+    sset(n, seq, F_SLOT, slot);
+    sset(n, seq, F_SEQ_ID, PyTuple_GET_ITEM(got, 1));
+    sset(n, seq, F_BLOCK_TABLE, PyTuple_GET_ITEM(got, 2));
+    sset(n, seq, F_CHAIN, PyTuple_GET_ITEM(got, 3));
+    sset(n, seq, F_PUBLISHED, hits);
+    sset(n, seq, F_CACHED, cached);
+    sset(n, seq, F_STATE, s_running);
+    /* the handle's live (and sampled-guard) sequences: the old slot is anyone's now */
+    if (PyDict_DelItem(n->seqs, old_key) < 0) PyErr_Clear();
+    if (PySet_Discard(n->guarded, old_key) < 0) PyErr_Clear();
+    Py_DECREF(old_key);
+    if (PyDict_SetItem(n->seqs, slot, seq) < 0) {
+        Py_DECREF(cached);
+        goto out;
+    }
+    result = cached;
+out:
+    PyMem_Free(toks);
+    Py_XDECREF(state);
+    Py_XDECREF(tokens);
+    Py_XDECREF(rid);
+    Py_XDECREF(got);
+    return result;
+}
