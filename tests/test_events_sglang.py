@@ -23,6 +23,7 @@ import pytest
 from kvscope.cli import main
 from kvscope.events.streamfile import NOTE, StreamFile
 from kvscope.events.wire import STORED, as_tuple, decode_payload, split_message
+from tests.peers import installed_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_VERSION = "0.5.23"
@@ -39,38 +40,26 @@ PYDANTIC_DEPS = [
 pytestmark = pytest.mark.slow
 
 
-def _importable(folder: str) -> str | None:
-    """None when SGLang's kv_events imports from `folder` (as the driver loads it), else why."""
-    probe = (
-        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); "
-        f"import sglang_events_driver as d; d.load_kv_events({folder!r})"
-    )
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
-
-
 @pytest.fixture(scope="module")
 def sglang_dir() -> str:
+    deps = list(IMPORT_DEPS)
+    try:
+        import pydantic  # noqa: F401
+    except ImportError:
+        deps += PYDANTIC_DEPS
     folder = os.environ.get("KVSCOPE_SGLANG_DIR", DEFAULT_DIR)
-    if not os.path.isdir(os.path.join(folder, "sglang")):
-        deps = list(IMPORT_DEPS)
-        try:
-            import pydantic  # noqa: F401
-        except ImportError:
-            deps += PYDANTIC_DEPS
-        r = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", folder]
-            + [f"sglang=={SGLANG_VERSION}", *deps],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot install SGLang {SGLANG_VERSION}: {r.stderr.strip()[-300:]}")
-    why = _importable(folder)
-    if why is not None:
-        pytest.skip(f"SGLang's kv_events in {folder} does not import here: {why}")
-    return folder
+    # (loaded as the driver loads it: SGLang's package __init__s are not run)
+    probe = (
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r}); "
+        f"import sglang_events_driver as d; d.load_kv_events({folder!r})"
+    )
+    return installed_peer(
+        f"SGLang {SGLANG_VERSION}",
+        folder,
+        [f"sglang=={SGLANG_VERSION}", *deps],
+        probe,
+        marker="sglang",
+    )
 
 
 def record_sglang(sglang_dir: str, out: Path, fault: str = "") -> tuple[int, int, int, int]:

@@ -23,6 +23,7 @@ import pytest
 from kvscope.errors import UsageError
 from kvscope.events.checker import check_file
 from kvscope.events.streamfile import NOTE, REPLAYED, StreamFile
+from tests.peers import installed_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VERSION = "0.33.0"
@@ -30,35 +31,15 @@ DEFAULT_DIR = "/tmp/kvscope-vllm-peer"
 pytestmark = pytest.mark.slow
 
 
-def _importable(folder: str) -> str | None:
-    """None when vLLM's kv_events imports from `folder`, else why not."""
-    probe = "import vllm.distributed.kv_events, vllm.v1.core.block_pool"
-    r = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {folder!r}); {probe}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
-
-
 @pytest.fixture(scope="module")
 def vllm_dir() -> str:
-    folder = os.environ.get("KVSCOPE_VLLM_DIR", DEFAULT_DIR)
-    if not os.path.isdir(os.path.join(folder, "vllm")):
-        r = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", folder]
-            + [f"vllm=={VLLM_VERSION}", "-r", str(ROOT / "bench" / "vllm_import_deps.txt")],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot install vLLM {VLLM_VERSION}: {r.stderr.strip()[-300:]}")
-    why = _importable(folder)
-    if why is not None:
-        pytest.skip(f"vLLM in {folder} does not import here: {why}")
-    return folder
+    return installed_peer(
+        f"vLLM {VLLM_VERSION}",
+        os.environ.get("KVSCOPE_VLLM_DIR", DEFAULT_DIR),
+        [f"vllm=={VLLM_VERSION}", "-r", str(ROOT / "bench" / "vllm_import_deps.txt")],
+        "import vllm.distributed.kv_events, vllm.v1.core.block_pool",
+        marker="vllm",
+    )
 
 
 def _free_port() -> int:
