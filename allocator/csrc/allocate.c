@@ -212,24 +212,8 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     }
     /* digest: the published blocks released are as published (writes.verify_published) */
     if (digests_intact(n, ids, k, when)) goto abort;
-    uint64_t now = wall_ns();
     int64_t nz = 0;
-    /* BlockStore.drop: blocks already free are left untouched (a double free). */
-    for (Py_ssize_t i = 0; i < k; i++) {
-        uint8_t *r = blk(n, ids[i]);
-        int32_t rcnt = I4(r + BF_REFCOUNT);
-        if (r[BF_STATE] != B_ALLOCATED || rcnt <= 0) continue;
-        if (jsave_block(n, ids[i])) goto abort;
-        I4(r + BF_REFCOUNT) = rcnt - 1;
-        U8(r + BF_ACCESS_NS) = now;
-        if (rcnt == 1) {
-            if (r[BF_INDEXED] == 1)
-                r[BF_STATE] = B_CACHED;
-            else
-                zero[nz++] = ids[i];
-        }
-        seal(n, ids[i]);
-    }
+    if (drop_refs(n, ids, k, wall_ns(), zero, &nz)) goto abort;
     if (guard) {
         /* release.py: the canaries of the blocks freed, then quarantine (the ring's tail) */
         if (canaries_intact(n, zero, nz) || ring_push_quarantined(n, zero, nz)) goto abort;

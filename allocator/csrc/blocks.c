@@ -257,3 +257,28 @@ static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, 
     }
     return OK;
 }
+
+/* BlockStore.drop: one reference less on each of ids[0..k) still ALLOCATED with a positive
+ * refcount (a block already free is left untouched: a double free), its last use `now`; the
+ * blocks left with no reference and not indexed into zero[*nz] (an indexed one stays CACHED).
+ * FALLBACK when the journal has no room. */
+static int drop_refs(Native *n, const int32_t *ids, int64_t k, uint64_t now, int32_t *zero,
+                     int64_t *nz) {
+    *nz = 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        int32_t rcnt = I4(r + BF_REFCOUNT);
+        if (r[BF_STATE] != B_ALLOCATED || rcnt <= 0) continue;
+        if (jsave_block(n, ids[i])) return FALLBACK;
+        I4(r + BF_REFCOUNT) = rcnt - 1;
+        U8(r + BF_ACCESS_NS) = now;
+        if (rcnt == 1) {
+            if (r[BF_INDEXED] == 1)
+                r[BF_STATE] = B_CACHED;
+            else
+                zero[(*nz)++] = ids[i];
+        }
+        seal(n, ids[i]);
+    }
+    return OK;
+}

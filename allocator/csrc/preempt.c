@@ -80,23 +80,8 @@ static int preempt_one(Native *n, int64_t exclude, int *found) {
         if (rc != OK) return rc;
     }
     /* BlockStore.drop, then give_back */
-    uint64_t now = wall_ns();
     int64_t nz = 0;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        uint8_t *r = blk(n, ids[i]);
-        int32_t rcnt = I4(r + BF_REFCOUNT);
-        if (r[BF_STATE] != B_ALLOCATED || rcnt <= 0) continue;
-        if (jsave_block(n, ids[i])) return FALLBACK;
-        I4(r + BF_REFCOUNT) = rcnt - 1;
-        U8(r + BF_ACCESS_NS) = now;
-        if (rcnt == 1) {
-            if (r[BF_INDEXED] == 1)
-                r[BF_STATE] = B_CACHED;
-            else
-                zero[nz++] = ids[i];
-        }
-        seal(n, ids[i]);
-    }
+    if (drop_refs(n, ids, k, wall_ns(), zero, &nz)) return FALLBACK;
     int64_t fit;
     if (local_push(n, zero, nz, &fit) || ring_push(n, zero + fit, nz - fit)) return FALLBACK;
     if (write_blocks(n, slot, 0, NULL, 0)) return FALLBACK;
