@@ -32,7 +32,12 @@ class PoolExhausted(PoolError):
         )
         # free blocks in other processes' local caches, by pid (this process cannot take them)
         self.elsewhere = elsewhere or {}
-        top = ", ".join(f"{r}={n}" for r, n in sorted(holders.items(), key=lambda x: -x[1])[:5])
+        biggest = sorted(holders.items(), key=lambda x: -x[1])
+        top = ", ".join(f"{r}={n}" for r, n in biggest[:5])
+        if len(biggest) > 5:
+            more = len(biggest) - 5
+            top += f" and {more} more request{'s' if more > 1 else ''} holding"
+            top += f" {sum(n for _, n in biggest[5:])}"
         away = sum(self.elsewhere.values())
         pids = ", ".join(
             f"pid {p}: {n}" for p, n in sorted(self.elsewhere.items(), key=lambda x: -x[1])[:5]

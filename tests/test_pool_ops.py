@@ -198,6 +198,19 @@ def test_exhausted_names_holders_and_leaves_pool_unchanged(make_pool):
     pool.free(a)
 
 
+def test_exhausted_counts_the_holders_it_does_not_name(make_pool):
+    # GIVEN a pool held by 7 requests (the message names the 5 biggest)
+    pool = make_pool(16, local_cache_size=0)
+    held = [pool.allocate(f"r{i}", list(range(i * 100, i * 100 + 8))) for i in range(7)]
+    # WHEN an allocation finds it full THEN the 2 left out are counted with what they hold
+    with pytest.raises(PoolExhausted) as e:
+        pool.allocate("b", list(range(5000, 5012)))
+    assert len(e.value.holders) == 7
+    assert "and 2 more requests holding 4" in str(e.value)
+    for s in held:
+        pool.free(s)
+
+
 def test_exhausted_says_which_free_blocks_sit_in_other_processes_local_caches(make_pool):
     # GIVEN a pool of 16 blocks and another process that allocated and freed 8 of them and
     # keeps its handle open (its freed blocks stay in its local cache)
