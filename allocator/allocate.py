@@ -51,12 +51,13 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
     # processes wait for those locks only while the hits are taken; a failure in the
     # second undoes the first.
     split = max_hits > 0
-    # The hits' last-use times before the claim: a failed allocation puts them back.
-    was: list[np.ndarray] = []
+    # The hits' last-use times before the claim took them: a failed allocation puts them back.
+    hits_ns: np.ndarray | None = None
 
     def claim(t: Txn) -> tuple[int, int, list[int]]:
+        nonlocal hits_ns
         slot, seq_id = pool.seqtab.claim(t, rb, pool.pid, pool.start, pool.client, site)
-        hits = _match(pool, t, keys, tokens, max_hits, rb, was)
+        hits, hits_ns = _match(pool, t, keys, tokens, max_hits, rb)
         if split:
             pool.seqtab.write_blocks(t, slot, 0, hits)
             pool.view.seqs["num_tokens"][slot] = len(hits) * bs
@@ -99,17 +100,14 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
 
     if not split:
         locks = claim_locks | take_locks(pool, min(n_blocks, CHUNK))
-        try:
-            seq = pool._run(locks, lambda t: grow(t, *claim(t)))
-        except PoolExhausted as e:
-            raise exhausted(pool, e.needed) from None  # (the counts with the operation undone)
+        seq = pool._run(locks, lambda t: grow(t, *claim(t)))
     else:
         slot, seq_id, hits = pool._run(claim_locks, claim)
         more = min(n_blocks, len(hits) + CHUNK) - len(hits)
         try:
             seq = pool._run(take_locks(pool, more), lambda t: grow(t, slot, seq_id, hits))
         except BaseException as e:
-            _unclaim(pool, slot, hits, was[-1] if was else None)
+            _unclaim(pool, slot, hits, hits_ns)
             if isinstance(e, PoolExhausted):
                 raise exhausted(pool, e.needed) from None
             raise
@@ -151,13 +149,11 @@ def _match(
     tokens: list[int],
     max_hits: int,
     request: bytes,
-    was: list,
-) -> list[int]:
-    """Longest verified prefix hit for `request`: take a reference on each hit block (their
-    last-use times before it into `was`)."""
-    was.clear()
+) -> tuple[list[int], np.ndarray | None]:
+    """Longest verified prefix hit for `request`: take a reference on each hit block; the hits,
+    and their last-use times before it (None without a hit)."""
     if max_hits <= 0:
-        return []
+        return [], None
     index = pool.store.index
     b = pool.view.blocks
     bs = pool.block_size
@@ -174,20 +170,21 @@ def _match(
             break
         hits.append(blk)
         parent = key
-    if hits:
-        ids = np.asarray(hits, np.int64)
-        pool.store.save(t, ids)
-        was[:] = [b["access_ns"][ids].copy()]
-        b["refcount"][ids] += 1
-        b["state"][ids] = BlockState.ALLOCATED
-        b["access_ns"][ids] = now_ns()
-        pool.store.seal(ids)
-        crash_point("prefix.after_hit")
-        if pool.probe is not None:
-            # (the request's first 32 bytes, as the segment and the core have them)
-            seen = f"a prefix hit by request '{request.decode(errors='replace')}'"
-            pool.probe.writes.verify_published(t, ids, seen)
-    return hits
+    if not hits:
+        return hits, None
+    ids = np.asarray(hits, np.int64)
+    pool.store.save(t, ids)
+    before = b["access_ns"][ids].copy()
+    b["refcount"][ids] += 1
+    b["state"][ids] = BlockState.ALLOCATED
+    b["access_ns"][ids] = now_ns()
+    pool.store.seal(ids)
+    crash_point("prefix.after_hit")
+    if pool.probe is not None:
+        # (the request's first 32 bytes, as the segment and the core have them)
+        seen = f"a prefix hit by request '{request.decode(errors='replace')}'"
+        pool.probe.writes.verify_published(t, ids, seen)
+    return hits, before
 
 
 def _set_hashes(

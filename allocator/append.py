@@ -10,12 +10,11 @@ import numpy as np
 
 from kvscope.allocator import faults
 from kvscope.allocator.crash import crash_point
-from kvscope.allocator.errors import PoolExhausted
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import CHUNK
 from kvscope.allocator.prefix import chain_one
 from kvscope.allocator.publish import chain_key
-from kvscope.allocator.reserve import exhausted, fill, take, take_locks
+from kvscope.allocator.reserve import fill, take, take_locks
 from kvscope.allocator.sequence import Sequence, request_bytes
 from kvscope.allocator.txn import Txn
 
@@ -103,10 +102,7 @@ def _append_chunk(pool: KVPool, seq: Sequence, tokens: list[int]) -> list[tuple[
         pool.view.seqs["num_tokens"][seq.slot] = n_new
         return table, copies
 
-    try:
-        table, copies = pool._run(locks, op)
-    except PoolExhausted as e:
-        raise exhausted(pool, e.needed) from None  # (the counts with the operation undone)
+    table, copies = pool._run(locks, op)
     seq.block_table = table
     seq.tokens.extend(tokens)
     _extend_chain(pool, seq)

@@ -1,7 +1,8 @@
 """The operation runner: every Python-path operation of a pool is a function run in a
 transaction (txn.py) under this handle's mutex, retried with more locks when it asks for them
 (`Escalate`), after recovering a lock whose holder died (`DeadHolder`), and after evicting
-ahead the blocks whose eviction outgrew its undo journal (`JournalFull`). `KVPool._run`."""
+ahead the blocks whose eviction outgrew its undo journal (`JournalFull`); a full pool's
+`PoolExhausted` leaves it with the counts of the pool as the rollback left it. `KVPool._run`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from kvscope.allocator import eviction, faults
+from kvscope.allocator.errors import PoolExhausted
 from kvscope.allocator.journal import JournalFull
 from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.recovery import recover_dead_holders
+from kvscope.allocator.reserve import exhausted
 from kvscope.allocator.txn import Escalate, Txn
 
 if TYPE_CHECKING:
@@ -47,6 +50,9 @@ def run(pool: KVPool, locks: set[int], fn: Callable[[Txn], T]) -> T:
                     eviction.evict_ahead(pool, e)
                 except DeadHolder:
                     recover_dead_holders(pool.locks, pool.view, pool.client, pool.report)
+                except PoolExhausted as e:
+                    # Rolled back: what is free, cached and held with the operation undone
+                    raise exhausted(pool, e.needed) from None
         finally:
             busy[0] -= 1
 
