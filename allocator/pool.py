@@ -307,10 +307,7 @@ class KVPool:
 
         `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
         `request_id`: any object, kept as its str() (docs/POOL.md)."""
-        if self.probe is not None:
-            self.probe.writes.settle()
-        guarded = self._guard_every > 1 and self._sample_guard()
-        runner.reserve_ready(self, claiming=True)
+        guarded = self._before_claim()
         seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
         if seq is None:
             seq = allocate.allocate(self, str(request_id), as_token_list(tokens))
@@ -318,6 +315,16 @@ class KVPool:
             # Sampled guard mode: this one is guarded (its release runs on the Python path).
             self._guarded.add(seq.slot)
         return seq
+
+    def _before_claim(self) -> bool:
+        """What comes before a new sequence is claimed (allocate, the core's resume): the
+        probes' answers settled, the guard sample drawn (True: this one is guarded), this
+        process's slot reserve refilled."""
+        if self.probe is not None:
+            self.probe.writes.settle()
+        guarded = self._guard_every > 1 and self._sample_guard()
+        runner.reserve_ready(self, claiming=True)
+        return guarded
 
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
         """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
@@ -390,12 +397,8 @@ class KVPool:
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
         if self._native is not None and isinstance(seq, Sequence) and seq.state == "preempted":
-            # (allocate's own steps first: the probes' answers, the guard sample, the reserve)
-            if self.probe is not None:
-                self.probe.writes.settle()
             tick = self._guard_tick
-            guarded = self._guard_every > 1 and self._sample_guard()
-            runner.reserve_ready(self, claiming=True)
+            guarded = self._before_claim()
             cached = self._native.resume(self, seq)
             if cached is not None:
                 if guarded:
