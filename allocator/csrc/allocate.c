@@ -164,6 +164,17 @@ out:
 
 /* -- free ------------------------------------------------------------------------------------- */
 
+/* Under a probe, a table about to be released: every block ALLOCATED with a reference (one
+ * already free is a double free) and matching its checksum (else a record something else
+ * wrote); 0 where not (the Python path reports it). */
+static int table_intact(Native *n, const int32_t *ids, Py_ssize_t k) {
+    for (Py_ssize_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_STATE] != B_ALLOCATED || I4(r + BF_REFCOUNT) <= 0) return 0;
+    }
+    return all_sealed(n, ids, k);
+}
+
 /* A sequence's release (table: its block ids; final: FINISHED or ABORTED; when: the moment, in
  * a published_block_modified finding's words) -> the blocks it leaked (leaked_blocks: a list,
  * empty without the leaks probe), or None (the Python path). */
@@ -175,14 +186,10 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     uint64_t locks;
     if (slot < 0 || slot >= n->max_seqs || table_of(n, list, ids, &k, &locks))
         return fallback(n);
-    /* Under a probe, a block already free is a double free the Python path reports; magic:
-     * a record something else wrote; leaks: refcounts the handle's tables do not explain. */
+    /* Under a probe, leaks: refcounts the handle's tables do not explain (the Python path
+     * reports them, and what table_intact finds). */
     if (n->probes) {
-        for (Py_ssize_t i = 0; i < k; i++) {
-            uint8_t *r = blk(n, ids[i]);
-            if (r[BF_STATE] != B_ALLOCATED || I4(r + BF_REFCOUNT) <= 0) return fallback(n);
-        }
-        if (!all_sealed(n, ids, k)) return fallback(n);
+        if (!table_intact(n, ids, k)) return fallback(n);
         int m = refcounts_match(n, ids, k);
         if (m != OK) return m == ERROR ? NULL : fallback(n);
     }

@@ -149,6 +149,20 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
     return seq;
 }
 
+/* The moment a release verifies its published blocks, in a published_block_modified finding's
+ * words (release.py: f"its release by request {seq.request_id!r}"), with *hold the string that
+ * keeps them (a new reference, or NULL). The request is named only where the core's verification
+ * is answered later (a CUDA pool): on the bytes, a change falls back and the Python path words
+ * it. NULL with an exception set. */
+static const char *release_words(Native *n, PyObject *seq, PyObject **hold) {
+    *hold = NULL;
+    if (!(n->probes & P_DIGEST) || n->kv != NULL) return "its release";
+    PyObject *rid = sfield(n, seq, F_REQUEST_ID);
+    *hold = rid ? PyUnicode_FromFormat("its release by request %R", rid) : NULL;
+    Py_XDECREF(rid);
+    return *hold ? PyUnicode_AsUTF8(*hold) : NULL;
+}
+
 /* end(pool, seq, final_state) -> True | None: free (FINISHED) or abort (ABORTED). */
 static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
@@ -164,19 +178,8 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (guard < 0) return NULL;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
-    /* release.py: f"its release by request {seq.request_id!r}" (a digest's finding's words,
-     * where the core's verification is answered later: on the bytes, a change falls back) */
-    PyObject *when = NULL;
-    if ((n->probes & P_DIGEST) && n->kv == NULL) {
-        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
-        when = rid ? PyUnicode_FromFormat("its release by request %R", rid) : NULL;
-        Py_XDECREF(rid);
-        if (when == NULL) {
-            Py_DECREF(table);
-            return NULL;
-        }
-    }
-    const char *w = when ? PyUnicode_AsUTF8(when) : "its release";
+    PyObject *when;
+    const char *w = release_words(n, seq, &when);
     if (w == NULL) {
         Py_XDECREF(when);
         Py_DECREF(table);

@@ -60,25 +60,13 @@ static int preempt_one(Native *n, int64_t exclude, int *found) {
     int rc = table_of(n, table, ids, &k, &shards);
     Py_DECREF(table);
     if (rc != OK || (n->held & shards) != shards || !holds(n, n->lock_free)) return FALLBACK;
-    /* Under a probe, a block already free is a double free and a record that does not match
-     * its checksum a scribble: the Python path reports them. */
-    if (n->probes) {
-        for (Py_ssize_t i = 0; i < k; i++) {
-            uint8_t *r = blk(n, ids[i]);
-            if (r[BF_STATE] != B_ALLOCATED || I4(r + BF_REFCOUNT) <= 0) return FALLBACK;
-        }
-        if (!all_sealed(n, ids, k)) return FALLBACK;
-    }
+    if (n->probes && !table_intact(n, ids, k)) return FALLBACK;
     /* digest: the published blocks released are as published (writes.verify_published) */
-    if (n->probes & P_DIGEST) {
-        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
-        PyObject *when = rid ? PyUnicode_FromFormat("its release by request %R", rid) : NULL;
-        Py_XDECREF(rid);
-        const char *w = when ? PyUnicode_AsUTF8(when) : NULL;
-        rc = w ? digests_intact(n, ids, k, w) : ERROR;
-        Py_XDECREF(when);
-        if (rc != OK) return rc;
-    }
+    PyObject *when;
+    const char *w = release_words(n, seq, &when);
+    rc = w ? digests_intact(n, ids, k, w) : ERROR;
+    Py_XDECREF(when);
+    if (rc != OK) return rc;
     /* BlockStore.drop, then give_back */
     int64_t nz = 0;
     if (drop_refs(n, ids, k, wall_ns(), zero, &nz)) return FALLBACK;
