@@ -227,17 +227,24 @@ def test_shared_blocks_released_by_each_holder_are_no_bad_event(make_pool, monke
     assert analysis.first_bad_event(twice, int(pool.view.blocks["generation"][blk])) == twice[-1]
 
 
-def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
-    capsys, make_pool, monkeypatch, tmp_path
-):
-    # GIVEN a prompt block published by "owner", hit by "a" and "b" (and forked by "b"), one of
-    # which writes into it; it is found at b's release
+def published_by_owner(make_pool, monkeypatch):
+    """A 32-block pool with the events and digest probes, and "owner"'s prompt of 9 tokens, its
+    first block's K/V written and published: (pool, owner's sequence)."""
     for name in ("EVENTS", "DIGEST"):
         monkeypatch.setenv(f"KVSCOPE_{name}", "1")
     pool = make_pool(32)
     seq = pool.allocate("owner", list(range(9)))
     pool.kv[:, :, seq.block_table[0], :4] = 1.0
     pool.mark_computed(seq, 9)
+    return pool, seq
+
+
+def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
+    capsys, make_pool, monkeypatch, tmp_path
+):
+    # GIVEN a prompt block published by "owner", hit by "a" and "b" (and forked by "b"), one of
+    # which writes into it; it is found at b's release
+    pool, seq = published_by_owner(make_pool, monkeypatch)
     a = pool.allocate("a", list(range(8)) + [70])
     b = pool.allocate("b", list(range(8)) + [80])
     kid = pool.fork(b, "b.1")
@@ -270,12 +277,7 @@ def test_the_text_shows_the_events_that_led_to_a_finding_not_the_blocks_later_li
 ):
     # GIVEN a published block hit by "a", written into, found at the next prefix hit, then hit
     # and released by many more requests (more than the text shows)
-    for name in ("EVENTS", "DIGEST"):
-        monkeypatch.setenv(f"KVSCOPE_{name}", "1")
-    pool = make_pool(32)
-    seq = pool.allocate("owner", list(range(9)))
-    pool.kv[:, :, seq.block_table[0], :4] = 1.0
-    pool.mark_computed(seq, 9)
+    pool, seq = published_by_owner(make_pool, monkeypatch)
     a = pool.allocate("a", list(range(8)) + [60])
     pool.kv[0, 0, seq.block_table[0], 1] = 2.0  # ("a"'s write into the block it hit)
     pool.free(pool.allocate("finder", list(range(8)) + [70]))
