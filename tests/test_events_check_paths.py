@@ -374,6 +374,20 @@ native_only = pytest.mark.skipif(
 )
 
 
+def check_both_ways(records, native, what: str) -> StreamChecker:
+    """Check records with the C fast path (`native`) and without it; assert the two leave the
+    same report and the same caches; the checker that used the fast path."""
+    fast = StreamChecker(["e"])
+    fast.native = native
+    slow = StreamChecker(["e"])
+    slow.native = None
+    fast.feed_all(records)
+    slow.feed_all(records)
+    assert fast.report() == slow.report(), what
+    assert caches(fast) == caches(slow), what
+    return fast
+
+
 @native_only
 @pytest.mark.parametrize("hashes", ["int", "bytes", "signed"])
 def test_the_c_fast_path_agrees_with_the_python_checker_on_random_streams(hashes):
@@ -383,16 +397,8 @@ def test_the_c_fast_path_agrees_with_the_python_checker_on_random_streams(hashes
     for n in range(100):
         records = random_stream(random.Random(n), hashes)
         # WHEN checked with the C fast path and without it (the walk, event by event, agrees
-        # with the latter: the test above)
-        fast = StreamChecker(["e"])
-        fast.native = counting
-        slow = StreamChecker(["e"])
-        slow.native = None
-        fast.feed_all(records)
-        slow.feed_all(records)
-        # THEN the reports are equal, and so are the caches they leave
-        assert fast.report() == slow.report(), f"stream {n}"
-        assert caches(fast) == caches(slow), f"stream {n}"
+        # with the latter: the test above), THEN the reports and caches are equal
+        fast = check_both_ways(records, counting, f"stream {n}")
         found.update(fast.finding_counts)
     # and the C path did apply events, and left batches to the checker where a check fired
     assert counting.applied > 200 and counting.left > 50, vars(counting)
@@ -416,16 +422,9 @@ def test_the_c_fast_path_agrees_on_odd_values_and_malformed_payloads():
     counting = CountingNative(checker_module._kvevents)
     for n in range(200):
         records = odd_stream(random.Random(n))
-        # WHEN checked with the C fast path and without it
-        fast = StreamChecker(["e"])
-        fast.native = counting
-        slow = StreamChecker(["e"])
-        slow.native = None
-        fast.feed_all(records)
-        slow.feed_all(records)
-        # THEN the same report (malformed batches among the findings), the same caches
-        assert fast.report() == slow.report(), f"stream {n}"
-        assert caches(fast) == caches(slow), f"stream {n}"
+        # WHEN checked with the C fast path and without it THEN the same report (malformed
+        # batches among the findings), the same caches
+        check_both_ways(records, counting, f"stream {n}")
     assert counting.declined > 100 and counting.applied > 100, vars(counting)
 
 
