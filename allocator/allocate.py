@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 
 def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
-    """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence."""
+    """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence, which
+    holds the hits and at most CHUNK new blocks (KVPool.allocate appends the rest)."""
     # (a function of its own, apart from the C core's dispatch: its closures' cells cost every
     # call)
     pool._check_process()
@@ -110,12 +111,6 @@ def allocate(pool: KVPool, request_id: object, tokens: list[int]) -> Sequence:
             _unclaim(pool, slot, hits, hits_ns)
             if isinstance(e, PoolExhausted):
                 raise exhausted(pool, e.needed) from None
-            raise
-    if len(seq.tokens) < len(tokens):
-        try:
-            pool.append(seq, tokens[len(seq.tokens) :])
-        except BaseException:
-            pool.abort(seq)
             raise
     return seq
 

@@ -35,7 +35,7 @@ from kvscope.allocator.findings import read_findings, write_finding
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.journal import Journal
-from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
+from kvscope.allocator.layout import CHUNK, COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, LockTable, mark_hook
 from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
 from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes
@@ -310,7 +310,16 @@ class KVPool:
         guarded = self._before_claim()
         seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
         if seq is None:
-            seq = allocate.allocate(self, str(request_id), as_token_list(tokens))
+            tokens = as_token_list(tokens)
+            seq = allocate.allocate(self, str(request_id), tokens)
+        if len(seq.tokens) < len(tokens):
+            # A prompt of more than CHUNK new blocks: the rest is appended, a transaction per
+            # CHUNK blocks' worth (the journal's bound), and the request aborted if it fails.
+            try:
+                self.append(seq, tokens[len(seq.tokens) :])
+            except BaseException:
+                self.abort(seq)
+                raise
         if guarded:
             # Sampled guard mode: this one is guarded (its release runs on the Python path).
             self._guarded.add(seq.slot)
@@ -345,6 +354,19 @@ class KVPool:
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
+        if (
+            isinstance(num_tokens, int)
+            and num_tokens // self.block_size - seq.num_published > CHUNK
+        ):
+            # More than CHUNK blocks: a transaction per CHUNK of them (the undo journal's bound).
+            bs, pub = self.block_size, seq.num_published
+            full = min(num_tokens, len(seq.tokens)) // bs
+            steps = [b * bs for b in range(pub + CHUNK, full, CHUNK)] + [num_tokens]
+            return sum(self._publish(seq, upto) for upto in steps)
+        return self._publish(seq, num_tokens)
+
+    def _publish(self, seq: Sequence, num_tokens: int) -> int:
+        """mark_computed of at most CHUNK blocks: the core's, or the Python path's."""
         done = None if self._native is None else self._native.mark_computed(self, seq, num_tokens)
         if done is None:
             done = publish.mark_computed(self, seq, num_tokens)

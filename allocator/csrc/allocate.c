@@ -6,16 +6,32 @@
 /* A prompt's allocation (toks: its ntok tokens; request: 32 bytes) -> (slot, seq_id,
  * table: list[int], chain: list[int], hits), or None (the Python path). `old` >= 0: a resume,
  * whose preempted sequence's slot is released in the same transaction (SeqTable.release: to
- * this process's reserve, or to the table under the seqs lock). */
+ * this process's reserve, or to the table under the seqs lock). A prompt of more than CHUNK
+ * new blocks gets its hits and the first CHUNK new blocks here (the table and chain say how
+ * far); KVPool.allocate appends the rest, in transactions of CHUNK blocks' worth, as every
+ * long append runs. */
 static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
                                const char *request, int32_t site, int64_t old) {
     int64_t bs = n->bs;
     int64_t nblocks = (ntok + bs - 1) / bs;
-    if (ntok == 0 || nblocks > CHUNK || nblocks > n->max_bps) return fallback(n);
-    int32_t table[CHUNK];
-    /* nblocks <= CHUNK: the chain and keys fit on the stack. */
-    uint64_t chain[CHUNK + 1], keys[CHUNK + 1];
+    if (ntok == 0 || nblocks > n->max_bps) return fallback(n);
     int64_t nfull = ntok / bs;
+    /* the table, chain values and keys: on the stack up to CHUNK blocks */
+    int32_t table_s[CHUNK];
+    uint64_t chain_s[CHUNK + 1], keys_s[CHUNK + 1];
+    int32_t *table = table_s;
+    uint64_t *chain = chain_s, *keys = keys_s;
+    if (nblocks > CHUNK) {
+        table = PyMem_Malloc(sizeof(int32_t) * (size_t)nblocks);
+        chain = PyMem_Malloc(sizeof(uint64_t) * (size_t)(nfull + 1));
+        keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)(nfull + 1));
+        if (!table || !chain || !keys) {
+            PyMem_Free(table);
+            PyMem_Free(chain);
+            PyMem_Free(keys);
+            return PyErr_NoMemory();
+        }
+    }
     PyObject *result = NULL;
     int mutex = 0;
     /* Chain values and keys of the full blocks (prefix.chain_hashes / family_keys). */
@@ -56,7 +72,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     }
     int may_hit = max_hits > 0 && index_lookup(n, keys[0]) >= 0;
     if (may_hit) locks |= shard_lock(n, keys[0]);
-    locks |= take_locks(n, nblocks);
+    locks |= take_locks(n, nblocks < CHUNK ? nblocks : CHUNK);
     if (txn_begin(n, locks)) {
         result = fallback(n);
         goto out;
@@ -103,24 +119,28 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     char seen[64];
     snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'", (int)strnlen(request, 32), request);
     if (digests_intact(n, table, hits, seen)) goto abort;
-    int64_t k = nblocks - hits;
+    /* this transaction's blocks: the hits and at most CHUNK new ones */
+    int64_t first = nblocks - hits > CHUNK ? hits + CHUNK : nblocks;
+    Py_ssize_t ntok_first = first * bs < ntok ? first * bs : ntok;
+    int64_t nfull_first = nfull < first ? nfull : first;
+    int64_t k = first - hits;
     if (take(n, k, table + hits, -1) || unmapped(n, table + hits, k) ||
         poison_intact(n, table + hits, k))
         goto abort;
     if (stamp(n, table + hits, k, request, site, now)) goto abort;
     unpoison(n, table + hits, k);
-    if (write_blocks(n, slot, 0, table, nblocks)) goto abort;
-    fill(n, table, hits * bs, toks + hits * bs, ntok - hits * bs);
+    if (write_blocks(n, slot, 0, table, first)) goto abort;
+    fill(n, table, hits * bs, toks + hits * bs, ntok_first - hits * bs);
     /* allocate._set_hashes: keys of the new full blocks (unindexed), then seal. */
-    for (int64_t j = hits; j < nblocks; j++) {
+    for (int64_t j = hits; j < first; j++) {
         uint8_t *r = blk(n, table[j]);
-        if (j < nfull) {
+        if (j < nfull_first) {
             U8(r + BF_PREFIX_HASH) = keys[j];
             U8(r + BF_PARENT_HASH) = j ? keys[j - 1] : 0;
         }
         seal(n, table[j]);
     }
-    U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok;
+    U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
     txn_commit(n);
     if (preempted(n, 0, n->n_pre)) goto out;
     count(n, C_ALLOCS, (uint64_t)k);
@@ -131,14 +151,14 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     if (hits < max_hits) ev_record(n, E_PREFIX_MISS, NULL, 0, request, max_hits - hits);
     if (claim_done(n, &claim)) goto out;
     if (old >= 0 && !old_to_table && append_new(n->reserve, PyLong_FromLongLong(old))) goto out;
-    PyObject *tab = PyList_New(nblocks), *ch = PyList_New(nfull);
+    PyObject *tab = PyList_New(first), *ch = PyList_New(nfull_first);
     if (!tab || !ch) {
         Py_XDECREF(tab);
         Py_XDECREF(ch);
         goto out;
     }
-    for (int64_t j = 0; j < nblocks; j++) PyList_SET_ITEM(tab, j, PyLong_FromLong(table[j]));
-    for (int64_t j = 0; j < nfull; j++)
+    for (int64_t j = 0; j < first; j++) PyList_SET_ITEM(tab, j, PyLong_FromLong(table[j]));
+    for (int64_t j = 0; j < nfull_first; j++)
         PyList_SET_ITEM(ch, j, PyLong_FromUnsignedLongLong(chain[j]));
     n->native_ops++;
     result = PyTuple_New(5);
@@ -159,6 +179,11 @@ abort:
     result = PyErr_Occurred() ? NULL : fallback(n);
 out:
     if (mutex) drop_mutex(n);
+    if (table != table_s) {
+        PyMem_Free(table);
+        PyMem_Free(chain);
+        PyMem_Free(keys);
+    }
     return result;
 }
 
@@ -175,30 +200,95 @@ static int table_intact(Native *n, const int32_t *ids, Py_ssize_t k) {
     return all_sealed(n, ids, k);
 }
 
-/* A sequence's release (table: its block ids; final: FINISHED or ABORTED; when: the moment, in
- * a published_block_modified finding's words) -> the blocks it leaked (leaked_blocks: a list,
- * empty without the leaks probe), or None (the Python path). */
-static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long final, int guard,
-                              const char *when) {
-    int32_t ids[CHUNK], zero[CHUNK];
-    Py_ssize_t k;
+/* The free-ring half of a release: the blocks it freed (zero, nz) to the local cache, the
+ * overflow to the ring (BlockStore.give_back); in guard mode checked and quarantined (the
+ * ring's tail; poisoned by the caller just before its commit). OK or FALLBACK. */
+static int give_back_freed(Native *n, const int32_t *zero, int64_t nz, int guard) {
+    if (guard) return canaries_intact(n, zero, nz) || ring_push_quarantined(n, zero, nz);
+    int64_t fit;
+    if (local_push(n, zero, nz, &fit)) return FALLBACK;
+    if (fit == nz) return OK;
+    return !holds(n, n->lock_free) || ring_push(n, zero + fit, nz - fit);
+}
+
+/* One transaction of a long release (release._release_tail): the references of ids[keep, k)
+ * dropped, what they freed given back, the sequence's table cut at keep. OK, FALLBACK
+ * (nothing changed), ERROR with an exception set. */
+static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize_t k,
+                        int64_t slot, long final, int guard, const char *when,
+                        const char *request) {
+    const int32_t *part = ids + keep;
+    int64_t m = k - keep, nz = 0;
+    int32_t zero[CHUNK];
+    uint64_t locks = lock_bit(n->lock_free);
+    for (int64_t i = 0; i < m; i++)
+        if (blk(n, part[i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, part[i]);
+    if (txn_begin(n, locks)) return FALLBACK;
+    if (digests_intact(n, part, m, when) || drop_refs(n, part, m, wall_ns(), zero, &nz) ||
+        give_back_freed(n, zero, nz, guard) || write_blocks(n, slot, keep, NULL, 0) ||
+        (guard && poison_blocks(n, zero, nz))) {
+        txn_abort(n);
+        return PyErr_Occurred() ? ERROR : FALLBACK;
+    }
+    txn_commit(n);
+    count(n, C_FREES, (uint64_t)m);
+    ev_record(n, final == 4 ? E_ABORT : E_FREE, part, m, request, 0);
+    return OK;
+}
+
+/* A sequence's release (seq, table: its block ids; final: FINISHED or ABORTED; when: the
+ * moment, in a published_block_modified finding's words) -> the blocks it leaked
+ * (leaked_blocks: a list, empty without the leaks probe), or None (the Python path). A table
+ * of more than CHUNK blocks is released from its tail, CHUNK blocks a transaction (the
+ * journal's bound, as release.end), the Sequence's table cut after each. */
+static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t slot,
+                              long final, int guard, const char *when) {
+    int32_t ids_s[CHUNK], zero[CHUNK];
+    int32_t *ids = ids_s;
+    Py_ssize_t k, total = PyList_CheckExact(list) ? PyList_GET_SIZE(list) : 0;
+    if (slot < 0 || slot >= n->max_seqs || total > n->max_bps) return fallback(n);
+    if (total > CHUNK && (ids = PyMem_Malloc(sizeof(int32_t) * (size_t)total)) == NULL)
+        return PyErr_NoMemory();
+    PyObject *leaked = NULL, *result = NULL;
     /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
     uint64_t locks;
-    if (slot < 0 || slot >= n->max_seqs || table_of(n, list, ids, &k, &locks))
-        return fallback(n);
+    if (table_of(n, list, ids, total, &k, &locks)) {
+        result = fallback(n);
+        goto done;
+    }
     /* Under a probe, leaks: refcounts the handle's tables do not explain (the Python path
      * reports them, and what table_intact finds). */
     if (n->probes) {
-        if (!table_intact(n, ids, k)) return fallback(n);
-        int m = refcounts_match(n, ids, k);
-        if (m != OK) return m == ERROR ? NULL : fallback(n);
+        int m = table_intact(n, ids, k) ? refcounts_match(n, ids, k) : FALLBACK;
+        if (m != OK) {
+            result = m == ERROR ? NULL : fallback(n);
+            goto done;
+        }
     }
-    PyObject *leaked = NULL;
     char request[REQUEST_BYTES];
     memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
     int rc = take_mutex(n);
-    if (rc != OK) return rc == ERROR ? NULL : fallback(n);
-    PyObject *result = NULL;
+    if (rc != OK) {
+        result = rc == ERROR ? NULL : fallback(n);
+        goto done;
+    }
+    while (k > CHUNK) {
+        Py_ssize_t keep = k - CHUNK;
+        rc = release_tail(n, ids, keep, k, slot, final, guard, when, request);
+        PyObject *cut = rc == OK ? PyList_GetSlice(list, 0, keep) : NULL;
+        if (cut == NULL) {
+            result = rc == FALLBACK ? fallback(n) : NULL;
+            goto out;
+        }
+        sset(n, seq, F_BLOCK_TABLE, cut);
+        Py_DECREF(cut);
+        k = keep;
+    }
+    if (k < total) { /* the shards of what is left */
+        locks = 0;
+        for (Py_ssize_t i = 0; i < k; i++)
+            if (blk(n, ids[i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, ids[i]);
+    }
     /* SeqTable.can_release_locally: the slot goes back to this process's reserve; else to the
      * table, under the seqs lock. */
     uint8_t *s = seqrec(n, slot);
@@ -221,18 +311,7 @@ static PyObject *core_release(Native *n, PyObject *list, int64_t slot, long fina
     if (digests_intact(n, ids, k, when)) goto abort;
     int64_t nz = 0;
     if (drop_refs(n, ids, k, wall_ns(), zero, &nz)) goto abort;
-    if (guard) {
-        /* release.py: the canaries of the blocks freed, then quarantine (the ring's tail) */
-        if (canaries_intact(n, zero, nz) || ring_push_quarantined(n, zero, nz)) goto abort;
-    } else {
-        /* BlockStore.give_back */
-        int64_t fit;
-        if (local_push(n, zero, nz, &fit)) goto abort;
-        if (fit < nz) {
-            if (!holds(n, n->lock_free)) goto abort;
-            if (ring_push(n, zero + fit, nz - fit)) goto abort;
-        }
-    }
+    if (give_back_freed(n, zero, nz, guard)) goto abort;
     /* probing.held_after_release: read inside the transaction (once it commits, what it
      * freed is anyone's) */
     leaked = leaked_blocks(n, ids, k, slot);
@@ -263,5 +342,7 @@ abort:
 out:
     Py_XDECREF(leaked);
     drop_mutex(n);
+done:
+    if (ids != ids_s) PyMem_Free(ids);
     return result;
 }

@@ -110,6 +110,9 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
     PyObject *tokens = tokens_list(t);
+    /* a long prompt: the tokens its first transaction holds (KVPool.allocate appends the rest) */
+    Py_ssize_t held = PyList_GET_SIZE(PyTuple_GET_ITEM(got, 2)) * n->bs;
+    if (tokens && held < t->n) Py_SETREF(tokens, PyList_GetSlice(tokens, 0, held));
     PyObject *uid = PyLong_FromLongLong(n->uid);
     PyObject *cached =
         PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);
@@ -185,7 +188,7 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         Py_DECREF(table);
         return NULL;
     }
-    PyObject *done = core_release(n, table, slot, final, guard, w);
+    PyObject *done = core_release(n, seq, table, slot, final, guard, w);
     Py_XDECREF(when);
     Py_DECREF(table);
     if (done == NULL || done == Py_None) return done;
@@ -367,15 +370,21 @@ static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     if (site == -2) return NULL;
     PyObject *f[10];
     for (int i = 0; i < 10; i++) f[i] = NULL;
-    int32_t ids[CHUNK];
+    int32_t ids_s[CHUNK], *ids = ids_s; /* (on the heap for a table of more) */
     PyObject *seq = NULL, *table = NULL, *tokens = NULL, *chain = NULL, *slot_o = NULL,
              *id_o = NULL;
     for (int i = 0; i < 10; i++)
         if ((f[i] = sfield(n, src, i)) == NULL) goto out;
-    Py_ssize_t k;
+    Py_ssize_t k, len = PyList_Check(f[F_BLOCK_TABLE]) ? PyList_GET_SIZE(f[F_BLOCK_TABLE]) : 0;
+    if (len > CHUNK && len <= n->max_bps &&
+        (ids = PyMem_Malloc(sizeof(int32_t) * (size_t)len)) == NULL) {
+        ids = ids_s;
+        PyErr_NoMemory();
+        goto out;
+    }
     uint64_t locks; /* the shards of its indexed blocks */
     if (!PyList_CheckExact(f[F_TOKENS]) || !PyList_CheckExact(f[F_CHAIN]) ||
-        table_of(n, f[F_BLOCK_TABLE], ids, &k, &locks)) {
+        table_of(n, f[F_BLOCK_TABLE], ids, ids == ids_s ? CHUNK : len, &k, &locks)) {
         seq = fallback(n);
         goto out;
     }
@@ -426,6 +435,7 @@ abort:
     seq = fallback(n);
 out:
     drop_mutex(n); /* if waiting for a lock made the core take it */
+    if (ids != ids_s) PyMem_Free(ids);
     for (int i = 0; i < 10; i++) Py_XDECREF(f[i]);
     Py_XDECREF(table);
     Py_XDECREF(tokens);

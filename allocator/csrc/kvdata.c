@@ -287,22 +287,28 @@ static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
  * `published_block_modified`), ERROR. */
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
-    int32_t pub[CHUNK + EVICT_BATCH];
-    uint64_t want[CHUNK + EVICT_BATCH], got[CHUNK + EVICT_BATCH];
-    int64_t np_ = 0;
-    for (int64_t i = 0; i < k; i++) {
-        uint8_t *r = blk(n, ids[i]);
-        uint64_t w = U8(r + n->off_kv_digest);
-        if (r[BF_INDEXED] != 1 || w == 0 || (w & GEN_MASK) != U4(r + BF_GENERATION)) continue;
-        if (np_ == CHUNK + EVICT_BATCH) return FALLBACK;
-        pub[np_] = ids[i];
-        want[np_++] = w;
+    enum { BATCH = CHUNK + EVICT_BATCH };
+    int32_t pub[BATCH];
+    uint64_t want[BATCH], got[BATCH];
+    for (int64_t i = 0; i < k;) {
+        int64_t np_ = 0;
+        for (; i < k && np_ < BATCH; i++) {
+            uint8_t *r = blk(n, ids[i]);
+            uint64_t w = U8(r + n->off_kv_digest);
+            if (r[BF_INDEXED] != 1 || w == 0 || (w & GEN_MASK) != U4(r + BF_GENERATION)) continue;
+            pub[np_] = ids[i];
+            want[np_++] = w;
+        }
+        if (np_ == 0) continue;
+        if (n->kv == NULL) {
+            int rc = kv_handback_check(n, DK_VERIFY, pub, np_, when);
+            if (rc != OK) return rc;
+            continue;
+        }
+        digests(n, pub, np_, got);
+        for (int64_t j = 0; j < np_; j++)
+            if (got[j] >> 32 != want[j] >> 32) return FALLBACK;
     }
-    if (np_ == 0) return OK;
-    if (n->kv == NULL) return kv_handback_check(n, DK_VERIFY, pub, np_, when);
-    digests(n, pub, np_, got);
-    for (int64_t i = 0; i < np_; i++)
-        if (got[i] >> 32 != want[i] >> 32) return FALLBACK;
     return OK;
 }
 

@@ -57,7 +57,7 @@ static int preempt_one(Native *n, int64_t exclude, int *found) {
     uint64_t shards;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return ERROR;
-    int rc = table_of(n, table, ids, &k, &shards);
+    int rc = table_of(n, table, ids, CHUNK, &k, &shards);
     Py_DECREF(table);
     if (rc != OK || (n->held & shards) != shards || !holds(n, n->lock_free)) return FALLBACK;
     if (n->probes && !table_intact(n, ids, k)) return FALLBACK;
@@ -108,7 +108,7 @@ static int preempted(Native *n, int64_t from, int64_t to) {
         int32_t ids[CHUNK];
         Py_ssize_t k = 0;
         uint64_t shards;
-        if (table == NULL || table_of(n, table, ids, &k, &shards) != OK) {
+        if (table == NULL || table_of(n, table, ids, CHUNK, &k, &shards) != OK) {
             Py_XDECREF(table);
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "a preempted table changed");
             return ERROR;

@@ -82,10 +82,11 @@ static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t 
 }
 
 
-/* A block table (a list of at most CHUNK block ids) into ids; the lock bits of the index
+/* A block table (a list of at most cap block ids) into ids; the lock bits of the index
  * shards of its indexed blocks into *shards. FALLBACK on anything else. */
-static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t *k, uint64_t *shards) {
-    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > CHUNK) return FALLBACK;
+static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_ssize_t *k,
+                    uint64_t *shards) {
+    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > cap) return FALLBACK;
     *k = PyList_GET_SIZE(list);
     *shards = 0;
     for (Py_ssize_t i = 0; i < *k; i++) {

@@ -1,0 +1,121 @@
+"""Sequences of more than CHUNK blocks (the most one transaction journals) run in the C core:
+an allocation takes its hits and the first CHUNK new blocks in one transaction and appends the
+rest, CHUNK blocks' worth a transaction; a release gives its table back from the tail, CHUNK
+blocks a transaction; a fork and a publish of a long table are one transaction each, as on the
+Python path. Nothing of it goes to the Python path, with or without the probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscope.allocator import PoolExhausted, allocate, release
+from kvscope.allocator.layout import CHUNK
+
+BS = 2
+
+
+def _no_python_path(monkeypatch) -> None:
+    """The Python path's allocate and release fail the test if they run."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the operation went to the Python path")
+
+    monkeypatch.setattr(allocate, "allocate", refuse)
+    monkeypatch.setattr(release, "end", refuse)
+
+
+def _write_kv(pool, seq) -> None:
+    """The engine's K/V writes of every position (guard mode checks them at the free)."""
+    for b in seq.block_table:
+        pool.kv[:, :, b, :BS] = 1.0
+
+
+def _prompt(first: int, blocks: int) -> list[int]:
+    return [first] + list(range(1000, 1000 + blocks * BS - 2))
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
+@pytest.mark.parametrize("probed", [False, True], ids=["bare", "probes"])
+def test_a_long_sequence_runs_in_the_core(make_pool, monkeypatch, guard, probed):
+    if probed:
+        for name in ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST"):
+            monkeypatch.setenv(f"KVSCOPE_{name}", "1")
+    blocks = 2 * CHUNK + 30
+    pool = make_pool(3 * blocks + 16, block_size=BS, guard=guard, max_seqs=64, max_clients=4)
+    pool.free(pool.allocate("warm", [1, 2, 3]))  # (the first claim fills the slot reserve)
+    _no_python_path(monkeypatch)
+    before = pool._native.stats()
+    stats0 = pool.stats()
+    # GIVEN a prompt of more than two CHUNKs of blocks
+    toks = _prompt(7, blocks)
+    # WHEN it is allocated, published, forked, hit by a second request, appended and freed
+    a = pool.allocate("long-a", toks)
+    # THEN the sequence holds every token and block, in the order of its prompt
+    assert a.tokens == toks and len(a.block_table) == blocks and a.num_cached_tokens == 0
+    assert pool.slot_mapping(a, len(toks) - 1, len(toks)) == [
+        a.block_table[-1] * pool.slots_per_block + (len(toks) - 1) % BS
+    ]
+    _write_kv(pool, a)
+    assert pool.mark_computed(a, len(toks)) == blocks - 1  # (every full block)
+    child = pool.fork(a, "long-a-fork")
+    assert child.block_table == a.block_table
+    b = pool.allocate("long-b", toks)  # every full block is a hit
+    assert (
+        b.num_cached_tokens == (blocks - 1) * BS
+        and b.block_table[: blocks - 1] == a.block_table[: blocks - 1]
+    )
+    _write_kv(pool, b)
+    pool.append(a, list(range(3 * BS)))
+    _write_kv(pool, a)
+    for s in (child, a, b):
+        pool.free(s)
+    after = pool._native.stats()
+    # AND the core ran each operation itself, the pool is consistent and every block is back
+    assert after["fallbacks"] == before["fallbacks"], after
+    assert after["native_ops"] - before["native_ops"] >= 8
+    assert pool.check() == []
+    got = pool.stats()
+    assert got["num_sequences"] == 0 and got["num_allocated"] == 0
+    assert (
+        got["num_free"] + got["num_cached"] + got["num_local"] + got["num_quarantined"]
+        == (stats0["num_blocks"])
+    )
+    assert got["num_frees"] - stats0["num_frees"] == 3 * blocks + 3 - 1 + 1  # (a grew 2 blocks)
+    assert not [f for f in pool.findings() if f.severity == "error"]
+
+
+def test_a_long_prompt_that_runs_short_leaves_the_pool_as_it_was(make_pool, monkeypatch):
+    # GIVEN a pool with room for the first CHUNK new blocks of a prompt but not the rest
+    pool = make_pool(
+        CHUNK + 20, block_size=BS, max_seqs=64, max_clients=4, max_blocks_per_seq=CHUNK + 64
+    )
+    pool.free(pool.allocate("warm", [1, 2, 3]))
+    keep = pool.allocate("other", [5, 6, 7])
+    _no_python_path(monkeypatch)
+    before = pool.stats()
+    # WHEN a prompt of CHUNK + 40 blocks is allocated
+    with pytest.raises(PoolExhausted):
+        pool.allocate("too-long", _prompt(9, CHUNK + 40))
+    # THEN the part allocated is released again: the blocks and sequences are as they were
+    got = pool.stats()
+    assert got["num_sequences"] == before["num_sequences"] == 1
+    assert got["num_allocated"] == before["num_allocated"]
+    assert pool.check() == []
+    # AND the pool still serves
+    pool.free(keep)
+    pool.free(pool.allocate("after", _prompt(3, CHUNK + 5)))
+    assert pool.check() == [] and pool.stats()["num_allocated"] == 0
+
+
+def test_the_python_path_publishes_a_long_sequence_in_chunks_too(make_pool):
+    # GIVEN a handle on the Python path (KVSCOPE_NATIVE=0) and a prompt of more than two CHUNKs
+    pool = make_pool(3 * CHUNK, block_size=BS, max_seqs=64, max_clients=4, num_shards=2)
+    pool._native = None
+    toks = _prompt(4, 2 * CHUNK + 30)
+    seq = pool.allocate("long", toks)
+    # WHEN every full block is published at once
+    got = pool.mark_computed(seq, len(toks))
+    # THEN each is (a transaction per CHUNK of them: one would outgrow the undo journal)
+    assert got == len(toks) // BS == seq.num_published
+    pool.free(seq)
+    assert pool.check() == [] and pool.stats()["num_cached"] == got
