@@ -119,3 +119,24 @@ def test_the_python_path_publishes_a_long_sequence_in_chunks_too(make_pool):
     assert got == len(toks) // BS == seq.num_published
     pool.free(seq)
     assert pool.check() == [] and pool.stats()["num_cached"] == got
+
+
+def test_a_long_waiting_sequence_is_preempted_in_the_core(make_pool, monkeypatch):
+    # GIVEN a waiting sequence of more than CHUNK blocks and a pool with no other room
+    pool = make_pool(
+        2 * CHUNK, block_size=BS, max_seqs=64, max_clients=4, max_blocks_per_seq=2 * CHUNK
+    )
+    pool.free(pool.allocate("warm", [1, 2, 3]))
+    wait = pool.allocate("wait", _prompt(5, CHUNK + 60))
+    pool.set_state(wait, "waiting")
+    _no_python_path(monkeypatch)
+    before = pool._native.stats()
+    # WHEN a request needs more blocks than are left (and its blocks and the preemption's fit
+    # one transaction's undo journal)
+    got = pool.allocate("new", _prompt(6, CHUNK - 20))
+    # THEN the core preempts the long sequence to make room, and nothing goes to Python
+    assert wait.state == "preempted" and wait.block_table == []
+    assert len(got.block_table) == CHUNK - 20
+    assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    assert pool.stats()["num_preemptions"] == 1 and pool.check() == []
+    pool.free(got)

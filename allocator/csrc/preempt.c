@@ -35,36 +35,15 @@ static int64_t oldest_waiting(Native *n, int64_t exclude, PyObject **seq) {
 
 /* -- preemption ------------------------------------------------------------------------------- */
 
-/* Preempt the handle's oldest waiting sequence (not `exclude`) inside the open transaction:
- * its blocks released as release.py release_blocks releases a table (a reference less; an
- * indexed block left unreferenced stays cached; the others to the local cache, the overflow
- * to the ring), its record PREEMPTED with no blocks; its Sequence, events and counters at
- * commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (the Python path runs the
- * operation: guard mode guards the sequence, a probe's finding, a table over CHUNK blocks,
- * a lock not held, the journal full), ERROR. */
-static int preempt_one(Native *n, int64_t exclude, int *found) {
-    PyObject *seq = NULL;
-    *found = 0;
-    int64_t slot = oldest_waiting(n, exclude, &seq);
-    if (slot == -2) return ERROR;
-    if (slot < 0) return OK;
-    *found = 1;
-    /* guard mode checks, poisons and quarantines a guarded release: the Python path */
-    int guard = guard_release(n, slot);
-    if (guard != 0) return guard < 0 ? ERROR : FALLBACK;
-    int32_t ids[CHUNK], zero[CHUNK];
-    Py_ssize_t k;
-    uint64_t shards;
-    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
-    if (table == NULL) return ERROR;
-    int rc = table_of(n, table, ids, CHUNK, &k, &shards);
-    Py_DECREF(table);
-    if (rc != OK || (n->held & shards) != shards || !holds(n, n->lock_free)) return FALLBACK;
+/* preempt_one's release of the victim's table (ids, zero: room for its k blocks each). */
+static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *ids,
+                         Py_ssize_t k, uint64_t shards, int32_t *zero) {
+    if ((n->held & shards) != shards || !holds(n, n->lock_free)) return FALLBACK;
     if (n->probes && !table_intact(n, ids, k)) return FALLBACK;
     /* digest: the published blocks released are as published (writes.verify_published) */
     PyObject *when;
     const char *w = release_words(n, seq, &when);
-    rc = w ? digests_intact(n, ids, k, w) : ERROR;
+    int rc = w ? digests_intact(n, ids, k, w) : ERROR;
     Py_XDECREF(when);
     if (rc != OK) return rc;
     /* BlockStore.drop, then give_back */
@@ -88,6 +67,45 @@ static int preempt_one(Native *n, int64_t exclude, int *found) {
     return OK;
 }
 
+/* Preempt the handle's oldest waiting sequence (not `exclude`) inside the open transaction:
+ * its blocks released as release.py release_blocks releases a table (a reference less; an
+ * indexed block left unreferenced stays cached; the others to the local cache, the overflow
+ * to the ring), its record PREEMPTED with no blocks; its Sequence, events and counters at
+ * commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (the Python path runs the
+ * operation: guard mode guards the sequence, a probe's finding, a lock not held, the journal
+ * full), ERROR. */
+static int preempt_one(Native *n, int64_t exclude, int *found) {
+    PyObject *seq = NULL;
+    *found = 0;
+    int64_t slot = oldest_waiting(n, exclude, &seq);
+    if (slot == -2) return ERROR;
+    if (slot < 0) return OK;
+    *found = 1;
+    /* guard mode checks, poisons and quarantines a guarded release: the Python path */
+    int guard = guard_release(n, slot);
+    if (guard != 0) return guard < 0 ? ERROR : FALLBACK;
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    if (table == NULL) return ERROR;
+    /* its ids and the ones it frees: on the stack up to CHUNK blocks */
+    int32_t ids_s[2 * CHUNK], *ids = ids_s;
+    Py_ssize_t cap = CHUNK, len = PyList_Check(table) ? PyList_GET_SIZE(table) : 0;
+    if (len > CHUNK && len <= n->max_bps) {
+        if ((ids = PyMem_Malloc(2 * sizeof(int32_t) * (size_t)len)) == NULL) {
+            Py_DECREF(table);
+            PyErr_NoMemory();
+            return ERROR;
+        }
+        cap = len;
+    }
+    Py_ssize_t k;
+    uint64_t shards;
+    int rc = table_of(n, table, ids, cap, &k, &shards);
+    Py_DECREF(table);
+    if (rc == OK) rc = preempt_table(n, seq, slot, ids, k, shards, ids + cap);
+    if (ids != ids_s) PyMem_Free(ids);
+    return rc;
+}
+
 /* After the commit: the sequences preempted[from..to) of this transaction, in order: their
  * events (PREEMPT, then FREE, of their tables), counters, and Sequences (no blocks, state
  * "preempted", nothing published). OK, or ERROR with an exception set. */
@@ -105,10 +123,16 @@ static int preempted(Native *n, int64_t from, int64_t to) {
             return ERROR;
         }
         PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
-        int32_t ids[CHUNK];
-        Py_ssize_t k = 0;
+        int32_t ids_s[CHUNK], *ids = ids_s; /* (on the heap for a table of more) */
+        Py_ssize_t k = 0, len = table && PyList_Check(table) ? PyList_GET_SIZE(table) : 0;
         uint64_t shards;
-        if (table == NULL || table_of(n, table, ids, CHUNK, &k, &shards) != OK) {
+        if (len > CHUNK && (ids = PyMem_Malloc(sizeof(int32_t) * (size_t)len)) == NULL) {
+            Py_XDECREF(table);
+            PyErr_NoMemory();
+            return ERROR;
+        }
+        if (table == NULL || table_of(n, table, ids, ids == ids_s ? CHUNK : len, &k, &shards)) {
+            if (ids != ids_s) PyMem_Free(ids);
             Py_XDECREF(table);
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "a preempted table changed");
             return ERROR;
@@ -119,6 +143,7 @@ static int preempted(Native *n, int64_t from, int64_t to) {
         ev_record(n, E_FREE, ids, k, request, 0);
         count(n, C_FREES, (uint64_t)k);
         count(n, C_PREEMPTIONS, 1);
+        if (ids != ids_s) PyMem_Free(ids);
         PyObject *empty = PyList_New(0), *zero = PyLong_FromLong(0);
         if (empty && zero) {
             sset(n, seq, F_BLOCK_TABLE, empty);
