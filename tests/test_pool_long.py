@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope.allocator import PoolExhausted, allocate, release
+from kvscope.allocator.events import recent_events
 from kvscope.allocator.layout import CHUNK
 
 BS = 2
@@ -140,3 +141,57 @@ def test_a_long_waiting_sequence_is_preempted_in_the_core(make_pool, monkeypatch
     assert pool._native.stats()["fallbacks"] == before["fallbacks"]
     assert pool.stats()["num_preemptions"] == 1 and pool.check() == []
     pool.free(got)
+
+
+def _waiting(pool, blocks: int, bs: int = 16):
+    seq = pool.allocate("wait", [5] + list(range(1000, 1000 + blocks * bs - 2)))
+    pool.set_state(seq, "waiting")
+    return seq
+
+
+@pytest.mark.parametrize("op", ["allocate", "append"])
+def test_a_waiting_sequence_too_long_for_the_journal_is_preempted_ahead(make_pool, monkeypatch, op):
+    # GIVEN a waiting sequence of 300 blocks of 16 tokens (its release alone, inside another
+    # operation, would outgrow that operation's undo journal) and no other room
+    pool = make_pool(
+        330, block_size=16, max_seqs=64, max_clients=4, events=True, event_capacity=2048
+    )
+    pool.free(pool.allocate("warm", [1, 2, 3]))
+    run = pool.allocate("run", list(range(16 * 10)))
+    wait = _waiting(pool, 300)
+    _no_python_path(monkeypatch)
+    before = pool._native.stats()
+    # WHEN an allocation or an append needs 40 blocks
+    if op == "allocate":
+        got = pool.allocate("new", list(range(500, 500 + 16 * 40)))
+        assert len(got.block_table) == 40
+    else:
+        pool.append(run, list(range(16 * 40)))
+        assert len(run.block_table) == 50
+    # THEN the waiting sequence is preempted first, in transactions of its own, and the
+    # operation runs again and succeeds, in the core
+    assert wait.state == "preempted" and wait.block_table == []
+    assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    st = pool.stats()
+    assert st["num_preemptions"] == 1 and pool.check() == []
+    # AND every block it held was released once, recorded as preempted and freed
+    ev = [e for e in recent_events(pool.view, 2048) if e["request"] == "wait"]
+    preempted = [e["block"] for e in ev if e["op"] == "preempt"]
+    freed = [e["block"] for e in ev if e["op"] == "free"]
+    assert sorted(preempted) == sorted(freed) == sorted(set(preempted))
+    assert len(preempted) == 300
+
+
+def test_a_preemption_ahead_stays_when_the_operation_still_fails(make_pool, monkeypatch):
+    # GIVEN a waiting sequence of 300 blocks of 16 tokens in a pool with 20 other blocks
+    pool = make_pool(320, block_size=16, max_seqs=64, max_clients=4, max_blocks_per_seq=400)
+    pool.free(pool.allocate("warm", [1, 2, 3]))
+    wait = _waiting(pool, 300)
+    _no_python_path(monkeypatch)
+    # WHEN an allocation needs more than the whole pool
+    with pytest.raises(PoolExhausted):
+        pool.allocate("huge", list(range(16 * 330)))
+    # THEN it fails, and the sequence preempted ahead of it stays preempted (as blocks evicted
+    # ahead stay evicted: docs/POOL.md); the pool is consistent and holds nothing of "huge"
+    assert wait.state == "preempted" and pool.stats()["num_allocated"] == 0
+    assert pool.check() == []

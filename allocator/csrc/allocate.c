@@ -33,7 +33,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
         }
     }
     PyObject *result = NULL;
-    int mutex = 0;
+    int mutex = 0, again = 0;
     /* Chain values and keys of the full blocks (prefix.chain_hashes / family_keys). */
     uint64_t mask = (uint64_t)(n->num_shards - 1);
     for (int64_t j = 0; j < nfull; j++) {
@@ -176,7 +176,14 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
 abort:
     txn_abort(n);
     /* (an error of a handback to Python: raised) */
-    result = PyErr_Occurred() ? NULL : fallback(n);
+    if (n->ahead && !PyErr_Occurred()) {
+        /* a waiting sequence too long to preempt inside it: preempted ahead, then again */
+        rc = preempt_ahead(n);
+        again = rc == OK;
+        result = rc == ERROR ? NULL : again ? NULL : fallback(n);
+    } else {
+        result = PyErr_Occurred() ? NULL : fallback(n);
+    }
 out:
     if (mutex) drop_mutex(n);
     if (table != table_s) {
@@ -184,7 +191,7 @@ out:
         PyMem_Free(chain);
         PyMem_Free(keys);
     }
-    return result;
+    return again ? core_allocate(n, toks, ntok, request, site, old) : result;
 }
 
 /* -- free ------------------------------------------------------------------------------------- */
@@ -211,9 +218,9 @@ static int give_back_freed(Native *n, const int32_t *zero, int64_t nz, int guard
     return !holds(n, n->lock_free) || ring_push(n, zero + fit, nz - fit);
 }
 
-/* One transaction of a long release (release._release_tail): the references of ids[keep, k)
- * dropped, what they freed given back, the sequence's table cut at keep. OK, FALLBACK
- * (nothing changed), ERROR with an exception set. */
+/* One transaction of a long release (release._release_tail) or preemption (final: the state it
+ * ends in): the references of ids[keep, k) dropped, what they freed given back, the
+ * sequence's table cut at keep. OK, FALLBACK (nothing changed), ERROR with an exception set. */
 static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize_t k,
                         int64_t slot, long final, int guard, const char *when,
                         const char *request) {
@@ -232,6 +239,7 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
     }
     txn_commit(n);
     count(n, C_FREES, (uint64_t)m);
+    if (final == S_PREEMPTED) ev_record(n, E_PREEMPT, part, m, request, 0);
     ev_record(n, final == 4 ? E_ABORT : E_FREE, part, m, request, 0);
     return OK;
 }

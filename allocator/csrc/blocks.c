@@ -185,7 +185,7 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     got += more;
     while (got < k) {
         int found;
-        if ((rc = preempt_one(n, exclude, &found)) != OK) return rc;
+        if ((rc = preempt_one(n, exclude, k - got, &found)) != OK) return rc;
         if (!found) break;
         /* what it freed: into the local cache, the ring, or still cached (indexed) */
         if (local_pop(n, k - got, out + got, &more)) return FALLBACK;

@@ -162,6 +162,10 @@ typedef struct {
     /* An append handed back after its first chunks ran: (copies, tokens appended), for
      * append_done(); NULL otherwise. */
     PyObject *append_partial;
+    /* A waiting sequence (its slot + 1, else 0) whose preemption would outgrow the open
+     * operation's journal: the operation rolls back, preempts it ahead in transactions of its
+     * own and runs again (preempt.c preempt_ahead). */
+    int64_t ahead;
     /* probes (probes.c) */
     int64_t *probe_bits; /* KVPool._probe_bits: P_* of the handle's probe (read at every call) */
     Py_buffer probe_bits_buf;
@@ -278,8 +282,9 @@ static inline void count(Native *n, int field, uint64_t k) {
 static PyObject *field(PyObject *obj, PyObject *name);
 static PyObject *fallback(Native *n);
 static int evict_into(Native *n, int64_t k, int64_t extra, int32_t *out, int64_t *got);
-static int preempt_one(Native *n, int64_t exclude, int *found);
+static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found);
 static int preempted(Native *n, int64_t from, int64_t to);
+static int preempt_ahead(Native *n);
 static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry);
 static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,

@@ -74,7 +74,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
  * commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (the Python path runs the
  * operation: guard mode guards the sequence, a probe's finding, a lock not held, the journal
  * full), ERROR. */
-static int preempt_one(Native *n, int64_t exclude, int *found) {
+static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found) {
     PyObject *seq = NULL;
     *found = 0;
     int64_t slot = oldest_waiting(n, exclude, &seq);
@@ -86,6 +86,17 @@ static int preempt_one(Native *n, int64_t exclude, int *found) {
     if (guard != 0) return guard < 0 ? ERROR : FALLBACK;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return ERROR;
+    /* Its release and the take's blocks still to come (each block's record saved about twice:
+     * its reference or stamp, then the cache or ring it leaves or joins) must fit the journal's
+     * room, with margin; else it is preempted ahead (preempt_ahead). */
+    int64_t saves = 2 * ((PyList_Check(table) ? PyList_GET_SIZE(table) : 0) + short_by);
+    int64_t room = (int64_t)n->j_entries - (int64_t)n->jcount - 32;
+    int64_t bytes = (int64_t)n->j_bytes - (int64_t)n->jused - 4096;
+    if (saves > room || saves * ((int64_t)n->rec + 8) > bytes) {
+        Py_DECREF(table);
+        n->ahead = slot + 1;
+        return FALLBACK;
+    }
     /* its ids and the ones it frees: on the stack up to CHUNK blocks */
     int32_t ids_s[2 * CHUNK], *ids = ids_s;
     Py_ssize_t cap = CHUNK, len = PyList_Check(table) ? PyList_GET_SIZE(table) : 0;
@@ -155,6 +166,67 @@ static int preempted(Native *n, int64_t from, int64_t to) {
         Py_XDECREF(empty);
         Py_XDECREF(zero);
     }
+    return rc;
+}
+
+/* The preemption preempt_one left for after the operation's rollback (n->ahead): the waiting
+ * sequence's table released from its tail, CHUNK blocks a transaction (release_tail, as a
+ * long free), then the rest with its record PREEMPTED, as preempt_one does inside an
+ * operation, in a transaction of its own. The operation then runs again; if it still fails,
+ * the sequence stays preempted. OK, FALLBACK (nothing more changed), ERROR. */
+static int preempt_ahead(Native *n) {
+    int64_t slot = n->ahead - 1;
+    n->ahead = 0;
+    PyObject *key = PyLong_FromLongLong(slot);
+    PyObject *seq = key ? PyDict_GetItemWithError(n->seqs, key) : NULL;
+    Py_XDECREF(key);
+    if (seq == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
+    Py_INCREF(seq);
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE), *when = NULL;
+    Py_ssize_t k, len = table && PyList_Check(table) ? PyList_GET_SIZE(table) : 0;
+    int32_t *ids = len > 0 && len <= n->max_bps ? PyMem_Malloc(2 * sizeof(int32_t) * (size_t)len)
+                                                : NULL;
+    const char *w = ids ? release_words(n, seq, &when) : NULL;
+    uint64_t shards;
+    int rc = ERROR;
+    if (ids == NULL || w == NULL) {
+        if (!PyErr_Occurred()) rc = FALLBACK;
+        goto out;
+    }
+    if ((rc = table_of(n, table, ids, len, &k, &shards)) != OK) goto out;
+    char request[REQUEST_BYTES];
+    memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
+    while (k > CHUNK) {
+        Py_ssize_t keep = k - CHUNK;
+        if ((rc = release_tail(n, ids, keep, k, slot, S_PREEMPTED, 0, w, request)) != OK) goto out;
+        PyObject *cut = PyList_GetSlice(table, 0, keep);
+        if (cut == NULL) {
+            rc = ERROR;
+            goto out;
+        }
+        sset(n, seq, F_BLOCK_TABLE, cut);
+        Py_DECREF(cut);
+        k = keep;
+    }
+    shards = 0;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (blk(n, ids[i])[BF_INDEXED] == 1) shards |= block_shard_lock(n, ids[i]);
+    if (txn_begin(n, shards | lock_bit(n->lock_free))) {
+        rc = FALLBACK;
+        goto out;
+    }
+    rc = preempt_table(n, seq, slot, ids, k, shards, ids + len);
+    if (rc != OK) {
+        txn_abort(n);
+        goto out;
+    }
+    txn_commit(n);
+    rc = preempted(n, 0, n->n_pre);
+out:
+    PyMem_Free(ids);
+    Py_XDECREF(when);
+    Py_XDECREF(table);
+    Py_DECREF(seq);
     return rc;
 }
 
