@@ -108,11 +108,6 @@ class BlockStore:
         self.free_lock = free_lock
         self.shard_locks = shard_locks
         self.index = PrefixIndex(view)
-        # Remembered eviction candidates, oldest first, with their access times at the scan.
-        self._lru_ids: list[int] = []
-        self._lru_ns: list[int] = []
-        self._lru_pos = 0
-        self._lru_cached = 0
         # Probe hooks (probing.py, writes.py), None when off: `verify_hook(t, ids)` checks
         # records before they are changed; `evict_hook(t, ids)` sees blocks being evicted.
         self.verify_hook: Callable[[Txn | None, np.ndarray], None] | None = None

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 # The header bytes the checksum covers: every field before `checksum` (layout.HEADER_DTYPE).
-HEADER_CHECKSUM_BYTES = 292
+HEADER_CHECKSUM_BYTES = 300
 # A block record's identity: its first four u64 words (layout.block_dtype).
 IDENTITY_WORDS = 4
 

@@ -1,29 +1,22 @@
-"""Eviction: unindexing the least recently used CACHED blocks (every index shard lock), with
-candidates remembered from one pool scan (in the store's `_lru_*` fields, which the C core reads
-and writes too). `KVPool.evict` (pool.py) and `BlockStore.evict` (blocks.py) call these."""
+"""Eviction: unindexing the least recently used CACHED blocks (every index shard lock), chosen
+by a scan of the block records. `KVPool.evict` (pool.py) and `BlockStore.evict` (blocks.py)
+call these. (The C core chooses the same blocks, from the segment's LRU list when it holds
+them: csrc/eviction.c.)"""
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.journal import JournalFull
-from kvscope.allocator.layout import RING_HEADER_DTYPE, BlockState, block_dtype
+from kvscope.allocator.layout import RING_HEADER_DTYPE, BlockState
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
     from kvscope.allocator.blocks import BlockStore
     from kvscope.allocator.pool import KVPool
-
-_F = block_dtype(16).fields
-_STATE, _ACCESS_NS = _F["state"][1], _F["access_ns"][1]
-_U8 = struct.Struct("<Q")
-
-# Eviction candidates remembered from one pool scan (only when the cache holds over twice as many).
-LRU_KEEP = 4096
 
 
 def evict_to_ring(pool: KVPool, num_blocks: int) -> int:
@@ -95,8 +88,7 @@ def evict(
     t.need(*store.shard_locks)
     if k <= 0:
         return np.zeros(0, np.int64)
-    taken = _lru_take(store, t, k, extra)
-    cand, pending = _lru_scan(store, t, k, extra) if taken is None else taken
+    cand = _lru_scan(store, k, extra)
     if len(cand) == 0:
         return np.zeros(0, np.int64)
     j = t.journal
@@ -135,7 +127,6 @@ def evict(
             store.save(t, np.array([b]))
         index.apply_remove(r, j, by_slot)
         done.append(b)
-    _lru_keep(store, t, pending, len(done))
     if not done:
         return np.zeros(0, np.int64)
     ids = np.asarray(done, np.int64)
@@ -150,74 +141,11 @@ def evict(
     return ids
 
 
-class _Pending:
-    """What a candidate choice leaves for the commit: the candidates remembered after those
-    evicted (a scan), or how far the remembered list advances (`_lru_take`)."""
-
-    def __init__(self, later: np.ndarray | None = None, positions: list[int] | None = None):
-        self.later = later
-        self.positions = positions
-        self.num_cached = 0
-
-
-def _lru_scan(store: BlockStore, t: Txn, k: int, extra: int) -> tuple[np.ndarray, _Pending]:
-    """The k (+extra) least recently used CACHED blocks, oldest first, from a pool scan.
-
-    A large cache also keeps the next LRU_KEEP oldest as later candidates (from commit on):
-    blocks cached after the scan are newer than all of them, so while they last they are
-    still the oldest, and eviction needs no scan.
-    """
+def _lru_scan(store: BlockStore, k: int, extra: int) -> np.ndarray:
+    """The k (+extra, at most a quarter of the rest) least recently used CACHED blocks, oldest
+    first."""
     cand = np.flatnonzero(store.state == BlockState.CACHED)
     if len(cand) == 0:
-        return cand, _Pending()
-    num_cached = len(cand)
-    k += min(extra, max(0, num_cached - k) // 4)
-    keep = k + LRU_KEEP if num_cached > 2 * LRU_KEEP + k else k
-    cand = oldest(cand, store.access_ns[cand], keep)
-    pending = _Pending(later=cand if keep > k else None)
-    pending.num_cached = num_cached
-    return cand[:k], pending
-
-
-def _lru_keep(store: BlockStore, t: Txn, pending: _Pending, evicted: int) -> None:
-    """At commit, remember the candidates left after the `evicted` first ones."""
-    if pending.later is not None:
-        later = pending.later[evicted:]
-        lru = (later.tolist(), store.access_ns[later].tolist(), pending.num_cached - evicted)
-        t.after_commit.append(lambda: _lru_reset(store, *lru))
-    elif pending.positions is not None and evicted:
-        ids, pos = store._lru_ids, pending.positions[evicted - 1] + 1
-
-        def advance(pos: int = pos, n: int = evicted) -> None:
-            if store._lru_ids is ids:
-                store._lru_pos = max(store._lru_pos, pos)
-                store._lru_cached = max(0, store._lru_cached - n)
-
-        t.after_commit.append(advance)
-
-
-def _lru_reset(store: BlockStore, ids: list[int], stamps: list[int], num_cached: int) -> None:
-    store._lru_ids, store._lru_ns, store._lru_pos = ids, stamps, 0
-    store._lru_cached = num_cached
-
-
-def _lru_take(store: BlockStore, t: Txn, k: int, extra: int) -> tuple[np.ndarray, _Pending] | None:
-    """The next k (+extra) remembered candidates still CACHED and untouched since the scan;
-    None when fewer than k are left (the caller scans)."""
-    ids, stamps, pos = store._lru_ids, store._lru_ns, store._lru_pos
-    mv, base, size = store.mv, store.base, store.record_size
-    cached = int(BlockState.CACHED)
-    want = k + min(extra, max(0, store._lru_cached - k) // 4)
-    got: list[int] = []
-    at: list[int] = []
-    while pos < len(ids) and len(got) < want:
-        b = ids[pos]
-        rec = base + b * size
-        if mv[rec + _STATE] == cached and _U8.unpack_from(mv, rec + _ACCESS_NS)[0] == stamps[pos]:
-            got.append(b)
-            at.append(pos)
-        pos += 1
-    if len(got) < k:
-        store._lru_ids, store._lru_ns, store._lru_pos = [], [], 0
-        return None
-    return np.asarray(got, np.int64), _Pending(positions=at)
+        return cand
+    k += min(extra, max(0, len(cand) - k) // 4)
+    return oldest(cand, store.access_ns[cand], k)

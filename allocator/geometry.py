@@ -51,6 +51,7 @@ SECTION_FIELDS = (
     ("off_events", "events"),
     ("off_lockgraph", "lockgraph"),
     ("off_findings", "findings"),
+    ("off_lru", "lru"),
     ("segment_size", "end"),
 )
 

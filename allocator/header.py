@@ -70,6 +70,7 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
         off_events=off["events"],
         off_lockgraph=off["lockgraph"],
         off_findings=off["findings"],
+        off_lru=off["lru"],
         segment_size=off["end"],
         data_bytes=cfg.data_bytes,
     )

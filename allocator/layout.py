@@ -37,6 +37,9 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     JOURNAL_ENTRY_FIELDS,
     LOCAL_CACHE_MAX,
     LOCK_FIELDS,
+    LRU_ENTRY_FIELDS,
+    LRU_HEADER_FIELDS,
+    LRU_KEEP,
     REQUEST_BYTES,
     RING_HEADER_FIELDS,
     BlockState,
@@ -46,7 +49,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
 )
 
 POOL_MAGIC = 0x4B56_5343_4F50_4531
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ALIGN = 64
 NO_BLOCK = -1
 
@@ -107,6 +110,7 @@ HEADER_IMMUTABLE = [
     ("off_events", "<u8"),
     ("off_lockgraph", "<u8"),
     ("off_findings", "<u8"),
+    ("off_lru", "<u8"),
     ("segment_size", "<u8"),
     ("data_bytes", "<u8"),
 ]
@@ -144,6 +148,8 @@ def block_dtype(block_size: int) -> np.dtype:
 
 RING_HEADER_DTYPE = np.dtype(RING_HEADER_FIELDS)
 INDEX_DTYPE = np.dtype(INDEX_FIELDS)
+LRU_HEADER_DTYPE = np.dtype(LRU_HEADER_FIELDS)
+LRU_ENTRY_DTYPE = np.dtype(LRU_ENTRY_FIELDS)
 
 
 def seq_dtype(max_blocks_per_seq: int) -> np.dtype:
@@ -259,6 +265,7 @@ class Layout:
             ("events", EVENT_DTYPE.itemsize * self.event_capacity * self.max_clients),
             ("lockgraph", LOCKGRAPH_DTYPE.itemsize * LOCKGRAPH_CAPACITY),
             ("findings", FINDING_DTYPE.itemsize * FINDINGS_CAPACITY),
+            ("lru", LRU_HEADER_DTYPE.itemsize + LRU_ENTRY_DTYPE.itemsize * LRU_KEEP),
         ]
         out: dict[str, int] = {}
         pos = 0
@@ -312,6 +319,10 @@ class SegmentView:
         ).reshape(layout.max_clients, layout.event_capacity)
         self.lockgraph = np.frombuffer(buf, LOCKGRAPH_DTYPE, LOCKGRAPH_CAPACITY, off["lockgraph"])
         self.findings = np.frombuffer(buf, FINDING_DTYPE, FINDINGS_CAPACITY, off["findings"])
+        self.lru_header = np.frombuffer(buf, LRU_HEADER_DTYPE, 1, off["lru"])
+        self.lru = np.frombuffer(
+            buf, LRU_ENTRY_DTYPE, LRU_KEEP, off["lru"] + LRU_HEADER_DTYPE.itemsize
+        )
 
     @property
     def h(self) -> np.void:

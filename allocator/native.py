@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvscope.allocator import crash, eviction, faults, records
+from kvscope.allocator import crash, faults, records
 from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
@@ -44,6 +44,8 @@ from kvscope.allocator.layout import (
     JOURNAL_ENTRIES,
     JOURNAL_ENTRY_DTYPE,
     LOCK_DTYPE,
+    LRU_ENTRY_DTYPE,
+    LRU_HEADER_DTYPE,
     RING_HEADER_DTYPE,
     ClientState,
     block_dtype,
@@ -84,6 +86,8 @@ def expected_layout() -> dict[str, int]:
         "index": INDEX_DTYPE,
         "journal_entry": JOURNAL_ENTRY_DTYPE,
         "event": EVENT_DTYPE,
+        "lru_header": LRU_HEADER_DTYPE,
+        "lru_entry": LRU_ENTRY_DTYPE,
     }
     out = records.c_values()
     for name, (record, field) in records.c_offset_names().items():
@@ -233,6 +237,7 @@ def core_for(pool: KVPool) -> Any | None:
         "off_index": off["index"],
         "off_seqs": off["seqs"],
         "off_locks": off["locks"],
+        "off_lru": off["lru"],
         "c_seq": cbase + cf["seq"][1],
         "c_local_count": cbase + cf["local_count"][1],
         "c_local": cbase + cf["local"][1],
@@ -274,8 +279,6 @@ def core_for(pool: KVPool) -> Any | None:
         "fault_ops": faults.FAULT_OPS,
         "guarded": pool._guarded,
         "crash_module": crash,
-        "store": pool.store,
-        "eviction_module": eviction,
         # Shared with the Python path, changed in place by both.
         "reserve": pool.seqtab.reserve,
         "ids": pool.seqtab.ids,

@@ -23,6 +23,9 @@ CHUNK = 128
 # Extra blocks evicted when the free ring runs dry (one pool scan per batch; at most a quarter
 # of the cached blocks, so a small cache keeps its LRU order).
 EVICT_BATCH = 32
+# Eviction candidates one pool scan remembers for the next evictions, in the segment's LRU
+# list (every process takes from it; only when the cache holds over twice as many).
+LRU_KEEP = 4096
 
 
 class BlockState(enum.IntEnum):
@@ -146,6 +149,20 @@ RING_HEADER_FIELDS: list[Field] = [
     ("allocs", "<u8"),
 ]
 INDEX_FIELDS: list[Field] = [("hash", "<u8"), ("block", "<i4"), ("pad", "<u4")]
+# The shared LRU list (written by the C core under the free lock): its header, then LRU_KEEP
+# entries, the oldest cached blocks one scan found, oldest first.
+LRU_HEADER_FIELDS: list[Field] = [
+    # entries the scan left (0: none remembered), and the next one to look at
+    ("count", "<u4"),
+    ("pos", "<u4"),
+    # cached blocks the scan saw, less those evicted from the list since
+    ("cached", "<u8"),
+    # pool scans that refilled the list, and evictions served from it without a scan
+    ("scans", "<u8"),
+    ("takes", "<u8"),
+]
+# An entry holds while its block is CACHED with the access time the scan saw.
+LRU_ENTRY_FIELDS: list[Field] = [("block", "<i4"), ("pad", "<u4"), ("access_ns", "<u8")]
 # One flight-recorder event (each client has a ring of them).
 EVENT_FIELDS: list[Field] = [
     ("time_ns", "<u8"),
@@ -176,6 +193,8 @@ C_RECORDS = {
     "RING_": ("ring_header", "allocs"),
     "JE_": ("journal_entry", "op"),
     "EV_": ("event", "request"),
+    "LRU_": ("lru_header", "takes"),
+    "LE_": ("lru_entry", "access_ns"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
@@ -194,6 +213,8 @@ C_SIZES = {
     "INDEX_ENTRY": "index",
     "JENTRY": "journal_entry",
     "EV_SIZE": "event",
+    "LRU_ENTRIES": "lru_header",  # the list's entries follow its header
+    "LRU_ENTRY": "lru_entry",
 }
 
 
@@ -207,6 +228,8 @@ def record_fields(record: str) -> list[Field]:
         "index": lambda: INDEX_FIELDS,
         "journal_entry": lambda: JOURNAL_ENTRY_FIELDS,
         "event": lambda: EVENT_FIELDS,
+        "lru_header": lambda: LRU_HEADER_FIELDS,
+        "lru_entry": lambda: LRU_ENTRY_FIELDS,
     }[record]()
 
 
@@ -222,6 +245,7 @@ def c_values() -> dict[str, int]:
         "LOCAL_CACHE_MAX": LOCAL_CACHE_MAX,
         "CHUNK": CHUNK,
         "EVICT_BATCH": EVICT_BATCH,
+        "LRU_KEEP": LRU_KEEP,
         "NUM_COUNTERS": len(COUNTER_FIELDS),
         "LOCK_MUTEX_BYTES": LOCK_MUTEX_BYTES,
     }

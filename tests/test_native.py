@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, eviction, faults, native, reserve
+from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, faults, native, reserve
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import CLIENT_DTYPE, SeqState
 from tests.test_crash import _survive_and_reclaim, _work
@@ -185,11 +185,8 @@ def _apply(pool: KVPool, live: list, op: tuple, written=None) -> object:
     + [(7, False, True), (9, True, True)],
 )
 def test_same_operations_leave_the_same_bytes(pool_name, seed, churn, waits, monkeypatch):
-    # GIVEN two pools of one geometry, one using the C core and one pure Python; eviction
-    # remembers LRU candidates only in large caches: remember 8 here, so that the C core's
-    # eviction (it takes remembered candidates; Python scans) runs too
+    # GIVEN two pools of one geometry, one using the C core and one pure Python
     # (with waiting sequences, a pool of 20 blocks: full often enough to preempt)
-    monkeypatch.setattr(eviction, "LRU_KEEP", 8)
     fast = _pool(pool_name, True, 20 if waits else 48)
     slow = _pool(f"{pool_name}-py", False, 20 if waits else 48)
     live_fast: list = []

@@ -19,7 +19,6 @@ from kvscope.allocator import (
     PoolConfig,
     corechecks,
     devicechecks,
-    eviction,
     faults,
     integrity,
     stamps,
@@ -155,7 +154,6 @@ def _run(
     monkeypatch.setenv("KVSCOPE_QUARANTINE", str(quarantine))
     if handback:
         monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred" if handback == "deferred" else "python")
-    monkeypatch.setattr(eviction, "LRU_KEEP", 8)
     # (answered later, the events are compared as a set: a ring that never wraps)
     events = 4096 if handback == "deferred" else 256
     fast = _pool(pool_name, True, dtype, events=events)

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolConfig, eviction
+from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import read_findings
 from kvscope.allocator.layout import BlockState
@@ -117,7 +117,6 @@ def _run(
 ) -> dict[str, int]:
     for p in PROBES:
         monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in probes else "0")
-    monkeypatch.setattr(eviction, "LRU_KEEP", 8)
     # (with waiting sequences, a pool of 20 blocks: full often enough to preempt)
     blocks = 20 if waits else 0
     fast = _pool(pool_name, True, *geometry, blocks)

@@ -137,21 +137,19 @@ typedef struct {
     PyObject *faults_armed; /* faults.ARMED */
     PyObject *crash_mod;    /* allocator.crash (its _target is read at every call) */
     int64_t uid;            /* KVPool._uid */
-    PyObject *store;        /* KVPool.store: its remembered LRU candidates (eviction.py) */
-    /* Done at commit: evictions to count, the LRU candidates' advance (eviction._lru_take). */
+    size_t off_lru; /* the segment's LRU list (eviction.c), shared by every process */
+    /* Done at commit, under the free lock: evictions to count; how far this transaction's
+     * takes advanced the LRU list (pend_takes of them, pend_taken candidates); a scan's
+     * candidates for the list, or pend_scan_n < 0; the scans done. */
     int64_t pend_evicted;
-    PyObject *pend_lru; /* the candidate list consumed from, or NULL */
-    /* A scan's remembered candidates (eviction._lru_reset at commit), or pend_scan_n < 0. */
+    int64_t pend_take_pos, pend_taken, pend_takes, pend_scans;
     int32_t *pend_scan_ids;
     uint64_t *pend_scan_ns;
     int64_t pend_scan_n, pend_scan_cached;
-    PyObject *evict_mod; /* allocator.eviction (its LRU_KEEP is read at every scan) */
     /* Scratch for scans (num_blocks entries), and what the last dry scan found there. */
     Aged *scan_buf;
     int dry_valid;
-    int64_t dry_k, dry_extra, dry_lru_keep, dry_m, dry_keep, dry_added;
-    Py_ssize_t pend_pos;
-    int64_t pend_taken;
+    int64_t dry_k, dry_extra, dry_m, dry_keep, dry_added;
     int fork_gen;
     uint64_t *coefs;   /* prefix._COEFS[:bs] */
     /* the open transaction */
@@ -232,7 +230,7 @@ typedef struct {
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_waiting, *s_preempted,
-    *s_lru_ids, *s_lru_ns, *s_lru_pos, *s_lru_cached, *s_site_of, *s_probe, *s_verify_due,
+    *s_site_of, *s_probe, *s_verify_due,
     *s_native_leaked, *s_lockdep_learn, *s_conservation, *s_writes;
 
 /* -- records --------------------------------------------------------------------------------- */
@@ -289,9 +287,8 @@ static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
                     int dry);
 static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry);
-static void lru_advance(Native *n);
-static void lru_reset(Native *n);
-static void drop_pending_scan(Native *n);
+static void lru_commit(Native *n);
+static void lru_drop_pending(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);

@@ -3,118 +3,90 @@
 
 /* -- eviction (eviction.py) -------------------------------------------------------------------- */
 
-/* Set the store's remembered-candidate fields (eviction.py; NULL: leave that one). */
-static void set_lru(Native *n, PyObject *ids, PyObject *ns, PyObject *pos, PyObject *cached) {
-    PyObject *names[4] = {s_lru_ids, s_lru_ns, s_lru_pos, s_lru_cached};
-    PyObject *values[4] = {ids, ns, pos, cached};
-    for (int i = 0; i < 4; i++)
-        if (values[i] && PyObject_SetAttr(n->store, names[i], values[i])) PyErr_Clear();
+/* The LRU list (docs/FORMAT.md, "LRU list"): one per pool, in the segment, shared by every
+ * process. Written only under the free lock (which every eviction holds); read without it by
+ * a plan (take_locks), which only guesses: every entry is checked against its block record
+ * when taken, so a stale or torn one is passed over. */
+static inline uint8_t *lru_head(Native *n) { return n->seg + n->off_lru; }
+static inline uint8_t *lru_entry(Native *n, int64_t i) {
+    return n->seg + n->off_lru + LRU_ENTRIES + i * LRU_ENTRY;
 }
 
-/* eviction._lru_take's `advance`, after commit: the consumed candidates are gone. */
-static void lru_advance(Native *n) {
-    PyObject *ids = field(n->store, s_lru_ids);
-    PyObject *pos = field(n->store, s_lru_pos);
-    PyObject *cached = field(n->store, s_lru_cached);
-    if (ids && pos && cached && ids == n->pend_lru) {
-        Py_ssize_t p = PyLong_AsSsize_t(pos);
-        int64_t c = PyLong_AsLongLong(cached) - n->pend_taken;
-        PyObject *np = PyLong_FromSsize_t(p > n->pend_pos ? p : n->pend_pos);
-        PyObject *nc = PyLong_FromLongLong(c > 0 ? c : 0);
-        if (np && nc) set_lru(n, NULL, NULL, np, nc);
-        Py_XDECREF(np);
-        Py_XDECREF(nc);
-    }
-    Py_XDECREF(ids);
-    Py_XDECREF(pos);
-    Py_XDECREF(cached);
-    if (PyErr_Occurred()) PyErr_Clear();
-}
-
-/* eviction._lru_reset, after commit: a scan's later candidates become the remembered ones. */
-static void lru_reset(Native *n) {
-    int64_t m = n->pend_scan_n;
-    PyObject *ids = PyList_New(m), *ns = PyList_New(m);
-    PyObject *zero = PyLong_FromLong(0), *cached = PyLong_FromLongLong(n->pend_scan_cached);
-    if (ids && ns && zero && cached) {
-        for (int64_t i = 0; i < m; i++) {
-            PyList_SET_ITEM(ids, i, PyLong_FromLong(n->pend_scan_ids[i]));
-            PyList_SET_ITEM(ns, i, PyLong_FromUnsignedLongLong(n->pend_scan_ns[i]));
-        }
-        set_lru(n, ids, ns, zero, cached);
-    }
-    Py_XDECREF(ids);
-    Py_XDECREF(ns);
-    Py_XDECREF(zero);
-    Py_XDECREF(cached);
-    if (PyErr_Occurred()) PyErr_Clear();
-}
-
-static void drop_pending_scan(Native *n) {
+static void lru_drop_pending(Native *n) {
     PyMem_Free(n->pend_scan_ids);
     PyMem_Free(n->pend_scan_ns);
     n->pend_scan_ids = NULL;
     n->pend_scan_ns = NULL;
     n->pend_scan_n = -1;
+    n->pend_take_pos = n->pend_taken = n->pend_takes = n->pend_scans = 0;
 }
 
-/* eviction._lru_take: the next k (+ extra) remembered candidates still CACHED and untouched
- * since the scan; FALLBACK when fewer than k are left (Python scans the pool). */
+/* At commit, the free lock still held: a scan's later candidates become the list (entries
+ * first, its count last: a crash in between leaves an empty list); otherwise the takes
+ * advance it. Then the counters. */
+static void lru_commit(Native *n) {
+    if (n->pend_scan_n < 0 && !n->pend_takes && !n->pend_scans) return; /* (no eviction) */
+    uint8_t *h = lru_head(n);
+    if (n->pend_scan_n >= 0) {
+        __atomic_store_n((uint32_t *)(h + LRU_COUNT), 0, __ATOMIC_RELEASE);
+        for (int64_t j = 0; j < n->pend_scan_n; j++) {
+            uint8_t *e = lru_entry(n, j);
+            I4(e + LE_BLOCK) = n->pend_scan_ids[j];
+            U8(e + LE_ACCESS_NS) = n->pend_scan_ns[j];
+        }
+        U4(h + LRU_POS) = 0;
+        U8(h + LRU_CACHED) = (uint64_t)n->pend_scan_cached;
+        __atomic_store_n((uint32_t *)(h + LRU_COUNT), (uint32_t)n->pend_scan_n, __ATOMIC_RELEASE);
+    } else if (n->pend_takes) {
+        if ((int64_t)U4(h + LRU_POS) < n->pend_take_pos)
+            U4(h + LRU_POS) = (uint32_t)n->pend_take_pos;
+        uint64_t c = U8(h + LRU_CACHED);
+        U8(h + LRU_CACHED) = c > (uint64_t)n->pend_taken ? c - (uint64_t)n->pend_taken : 0;
+    }
+    U8(h + LRU_SCANS) += (uint64_t)n->pend_scans;
+    U8(h + LRU_TAKES) += (uint64_t)n->pend_takes;
+    lru_drop_pending(n);
+}
+
+/* The next k (+ extra) listed candidates still CACHED and untouched since the scan;
+ * FALLBACK when fewer than k are left (the caller scans). */
 static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry) {
-    PyObject *ids = field(n->store, s_lru_ids), *stamps = field(n->store, s_lru_ns);
-    PyObject *pos_o = field(n->store, s_lru_pos), *cached_o = field(n->store, s_lru_cached);
-    int rc = FALLBACK;
-    if (!ids || !stamps || !pos_o || !cached_o || !PyList_CheckExact(ids) ||
-        !PyList_CheckExact(stamps) || PyList_GET_SIZE(stamps) != PyList_GET_SIZE(ids))
-        goto out;
-    Py_ssize_t pos = PyLong_AsSsize_t(pos_o);
-    int64_t cached = PyLong_AsLongLong(cached_o);
-    if (PyErr_Occurred()) goto out;
+    uint8_t *h = lru_head(n);
+    int64_t len = __atomic_load_n((uint32_t *)(h + LRU_COUNT), __ATOMIC_ACQUIRE);
+    int64_t pos = __atomic_load_n((uint32_t *)(h + LRU_POS), __ATOMIC_RELAXED);
+    int64_t cached = (int64_t)__atomic_load_n((uint64_t *)(h + LRU_CACHED), __ATOMIC_RELAXED);
+    if (len > LRU_KEEP) len = LRU_KEEP; /* (a damaged count: the list's own entries only) */
+    if (!dry && n->pend_takes) {
+        /* a second eviction of this transaction (after a preemption): on from the first */
+        pos = pos > n->pend_take_pos ? pos : n->pend_take_pos;
+        cached -= n->pend_taken;
+    }
     int64_t spare = cached - k > 0 ? (cached - k) / 4 : 0;
     int64_t want = k + (extra < spare ? extra : spare), got = 0;
-    Py_ssize_t len = PyList_GET_SIZE(ids);
     while (pos < len && got < want) {
-        long b = PyLong_AsLong(PyList_GET_ITEM(ids, pos));
-        uint64_t st = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(stamps, pos));
-        if (PyErr_Occurred()) goto out;
+        uint8_t *e = lru_entry(n, pos);
+        int64_t b = I4(e + LE_BLOCK);
         if (b >= 0 && b < n->nb) {
             uint8_t *r = blk(n, b);
-            if (r[BF_STATE] == B_CACHED && U8(r + BF_ACCESS_NS) == st) cand[got++] = (int32_t)b;
+            if (r[BF_STATE] == B_CACHED && U8(r + BF_ACCESS_NS) == U8(e + LE_ACCESS_NS))
+                cand[got++] = (int32_t)b;
         }
         pos++;
     }
-    if (got < k && dry) goto out;
     if (got < k) {
-        /* eviction._lru_take: forget the exhausted candidates (at once, not at commit). */
-        PyObject *e1 = PyList_New(0), *e2 = PyList_New(0), *z = PyLong_FromLong(0);
-        if (e1 && e2 && z) set_lru(n, e1, e2, z, NULL);
-        Py_XDECREF(e1);
-        Py_XDECREF(e2);
-        Py_XDECREF(z);
-        goto out;
+        /* forget the exhausted candidates (at once: the free lock is held) */
+        if (!dry && len) __atomic_store_n((uint32_t *)(h + LRU_COUNT), 0, __ATOMIC_RELEASE);
+        return FALLBACK;
     }
     *ncand = got;
-    rc = OK;
-    if (dry) goto out;
-    if (n->pend_lru == ids) {
-        /* a second eviction of this transaction (after a preemption): both advance */
-        n->pend_pos = pos > n->pend_pos ? pos : n->pend_pos;
+    if (!dry) {
+        n->pend_take_pos = pos;
         n->pend_taken += got;
-    } else {
-        Py_XSETREF(n->pend_lru, Py_NewRef(ids));
-        n->pend_pos = pos;
-        n->pend_taken = got;
+        n->pend_takes++;
     }
-out:
-    if (PyErr_Occurred()) PyErr_Clear();
-    Py_XDECREF(ids);
-    Py_XDECREF(stamps);
-    Py_XDECREF(pos_o);
-    Py_XDECREF(cached_o);
-    return rc;
+    return OK;
 }
-
 
 static inline int aged_lt(const Aged *a, const Aged *b) {
     return a->ns < b->ns || (a->ns == b->ns && a->id < b->id);
@@ -161,24 +133,19 @@ static int dry_still_oldest(Native *n) {
     return 1;
 }
 
-/* eviction._lru_scan: the k (+ extra) least recently used CACHED blocks into cand, oldest
- * first; a large cache also remembers the next LRU_KEEP oldest (set at commit).
+/* The k (+ extra) least recently used CACHED blocks into cand, oldest first, from a scan of
+ * the block records; a large cache also gives the LRU list the next LRU_KEEP oldest (at
+ * commit): blocks cached after the scan are newer than all of them, so while they last they
+ * are still the oldest, and eviction needs no scan.
  * A dry run (planning the locks, before they are taken) leaves its result for the real run of
  * the same operation, which keeps it when it still holds. */
 static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry) {
-    PyObject *keep_o = PyObject_GetAttrString(n->evict_mod, "LRU_KEEP");
-    int64_t lru_keep = keep_o ? PyLong_AsLongLong(keep_o) : -1;
-    Py_XDECREF(keep_o);
-    if (lru_keep < 0 || PyErr_Occurred()) {
-        PyErr_Clear();
-        return FALLBACK;
-    }
     if (n->scan_buf == NULL && (n->scan_buf = PyMem_Malloc(sizeof(Aged) * (size_t)n->nb)) == NULL)
         return FALLBACK;
     Aged *a = n->scan_buf;
     int64_t m, keep, k_in = k;
-    if (!dry && n->dry_valid && n->dry_k == k && n->dry_extra == extra && n->dry_lru_keep == lru_keep &&
+    if (!dry && n->dry_valid && n->dry_k == k && n->dry_extra == extra &&
         dry_still_oldest(n)) {
         /* The scan that planned this operation's locks, still true under them. */
         m = n->dry_m;
@@ -199,14 +166,14 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         }
         int64_t spare = m - k > 0 ? (m - k) / 4 : 0;
         k += extra < spare ? extra : spare;
-        keep = m > 2 * lru_keep + k ? k + lru_keep : k;
+        keep = m > 2 * LRU_KEEP + k ? k + LRU_KEEP : k;
         if (keep > m) keep = m;
         if (m > keep) select_oldest(a, m, keep);
         qsort(a, (size_t)keep, sizeof(Aged), aged_cmp);
     }
     if (dry) {
         n->dry_valid = 1;
-        n->dry_k = k_in, n->dry_extra = extra, n->dry_lru_keep = lru_keep;
+        n->dry_k = k_in, n->dry_extra = extra;
         n->dry_m = m, n->dry_keep = keep, n->dry_added = k - k_in;
     } else {
         n->dry_valid = 0;
@@ -214,13 +181,15 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     int64_t take_n = k < keep ? k : keep;
     for (int64_t j = 0; j < take_n; j++) cand[j] = a[j].id;
     *ncand = take_n;
+    if (!dry) n->pend_scans++;
     if (keep > k && !dry) {
-        drop_pending_scan(n);
+        PyMem_Free(n->pend_scan_ids);
+        PyMem_Free(n->pend_scan_ns);
         int64_t later = keep - k;
         n->pend_scan_ids = PyMem_Malloc(sizeof(int32_t) * (size_t)later);
         n->pend_scan_ns = PyMem_Malloc(sizeof(uint64_t) * (size_t)later);
         if (!n->pend_scan_ids || !n->pend_scan_ns) {
-            drop_pending_scan(n);
+            lru_drop_pending(n);
             return FALLBACK;
         }
         for (int64_t j = 0; j < later; j++) {

@@ -146,19 +146,12 @@ static int txn_begin(Native *n, uint64_t mask) {
 static void txn_commit(Native *n) {
     n->dry_valid = 0;
     jcommit(n);
+    lru_commit(n); /* (under the free lock, still held) */
     release_all(n);
     client_seq_bump(n);
     count(n, C_EVICTIONS, (uint64_t)n->pend_evicted);
     n->native_evictions += (uint64_t)n->pend_evicted;
     n->pend_evicted = 0;
-    if (n->pend_lru) {
-        lru_advance(n);
-        Py_CLEAR(n->pend_lru);
-    }
-    if (n->pend_scan_n >= 0) {
-        lru_reset(n);
-        drop_pending_scan(n);
-    }
 }
 
 /* Roll back and let go; a take that found nothing left raises PoolExhausted now, with the
@@ -169,8 +162,7 @@ static void txn_abort(Native *n) {
     release_all(n);
     client_seq_bump(n);
     n->pend_evicted = 0;
-    Py_CLEAR(n->pend_lru);
-    drop_pending_scan(n);
+    lru_drop_pending(n);
     n->n_pre = 0;
     if (n->exhausted_need > 0 && !PyErr_Occurred()) raise_exhausted(n, n->exhausted_need);
     n->exhausted_need = 0;

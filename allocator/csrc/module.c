@@ -47,7 +47,8 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"quarantine", &n->quarantine, I64},
         {"off_blocks", &n->off_blocks, SIZE}, {"off_ring", &n->off_ring, SIZE},
         {"off_index", &n->off_index, SIZE},   {"off_seqs", &n->off_seqs, SIZE},
-        {"off_locks", &n->off_locks, SIZE},   {"c_seq", &n->c_seq, SIZE},
+        {"off_locks", &n->off_locks, SIZE},   {"off_lru", &n->off_lru, SIZE},
+        {"c_seq", &n->c_seq, SIZE},
         {"c_local_count", &n->c_local_count, SIZE}, {"c_local", &n->c_local, SIZE},
         {"c_jcount", &n->c_jcount, SIZE},     {"c_jused", &n->c_jused, SIZE},
         {"c_journal", &n->c_journal, SIZE},   {"c_jdata", &n->c_jdata, SIZE},
@@ -98,11 +99,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     /* Python objects the core shares with the handle (new references). */
     PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->seqs, &n->faults_armed, &n->crash_mod,
-                         &n->store,     &n->evict_mod, &n->kv_dirs, &n->fault_ops,
+                         &n->kv_dirs,   &n->fault_ops,
                          &n->guarded,   &n->kv_obj};
     const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
                            "seq_fields", "seqs", "faults_armed", "crash_module",
-                           "store",      "eviction_module", "kvscope_dirs", "fault_ops",
+                           "kvscope_dirs", "fault_ops",
                            "guarded",    "kv_tensor"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
@@ -217,11 +218,8 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->seqs);
     Py_XDECREF(n->faults_armed);
     Py_XDECREF(n->crash_mod);
-    Py_XDECREF(n->store);
-    Py_XDECREF(n->pend_lru);
-    Py_XDECREF(n->evict_mod);
     Py_XDECREF(n->append_partial);
-    drop_pending_scan(n);
+    lru_drop_pending(n);
     PyMem_Free(n->scan_buf);
     PyMem_Free(n->coefs);
     Py_TYPE(n)->tp_free((PyObject *)n);
@@ -351,10 +349,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_aborted = PyUnicode_InternFromString("aborted");
     s_waiting = PyUnicode_InternFromString("waiting");
     s_preempted = PyUnicode_InternFromString("preempted");
-    s_lru_ids = PyUnicode_InternFromString("_lru_ids");
-    s_lru_ns = PyUnicode_InternFromString("_lru_ns");
-    s_lru_pos = PyUnicode_InternFromString("_lru_pos");
-    s_lru_cached = PyUnicode_InternFromString("_lru_cached");
     s_site_of = PyUnicode_InternFromString("_site_of");
     s_probe = PyUnicode_InternFromString("_probe");
     s_verify_due = PyUnicode_InternFromString("verify_due");
