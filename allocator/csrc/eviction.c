@@ -1,4 +1,4 @@
-/* LRU eviction of cached blocks (eviction.py): remembered candidates, the scan, unindexing.
+/* LRU eviction of cached blocks (eviction.py): the segment's LRU list, the scan, unindexing.
  * Part of _native.c. */
 
 /* -- eviction (eviction.py) -------------------------------------------------------------------- */
