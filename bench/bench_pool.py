@@ -157,10 +157,16 @@ def workload(num_seqs: int, seed: int) -> list[list[int]]:
 
 
 def seqs_multi(
-    num_procs: int, prompts: list[list[int]], num_blocks: int, cpu: list[float] | None = None
+    num_procs: int,
+    prompts: list[list[int]],
+    num_blocks: int,
+    cpu: list[float] | None = None,
+    lru: list[tuple[int, int]] | None = None,
 ) -> float:
     """Aggregate sequences/s of num_procs processes sharing one pool (wall clock, all running);
-    the CPU seconds (user + system) the processes used is appended to `cpu` when given."""
+    the CPU seconds (user + system) the processes used is appended to `cpu` when given, and the
+    pool's LRU-list counters (evictions that scanned the block records, evictions served from
+    the list) to `lru`."""
     pool = new_pool(num_blocks)
     r, w = os.pipe()
     pids = []
@@ -186,6 +192,9 @@ def seqs_multi(
     rate = share * num_procs / (time.perf_counter() - t)
     if cpu is not None:
         cpu.append(used)
+    if lru is not None:
+        h = pool.view.lru_header[0]
+        lru.append((int(h["scans"]), int(h["takes"])))
     pool.close()
     pool.unlink()
     return rate
@@ -234,13 +243,15 @@ def procs_rounds(nseq: int, rounds: int) -> int:
             contender.close()
         if cores:
             os.sched_setaffinity(0, set(cores))
-        multi = seqs_multi(4, prompts, NUM_BLOCKS, multi_cpu)
+        lru: list[tuple[int, int]] = []
+        multi = seqs_multi(4, prompts, NUM_BLOCKS, multi_cpu, lru)
         load = os.getloadavg()[0]
         what = "warm-up" if r == 0 else f"round {r}"
         print(
             f"{what}: 1 process {one:,.0f}, 4 processes {multi:,.0f} seqs/s, "
             f"{multi / one:.2f}x; CPU {one_cpu[-1]:.2f} s, {multi_cpu[-1]:.2f} s "
-            f"(load average {load:.2f})",
+            f"(load average {load:.2f}); 4 processes' evictions: {lru[0][0]} scans, "
+            f"{lru[0][1]} from the shared LRU list",
             file=sys.stderr,
         )
         if r == 0:
