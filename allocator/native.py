@@ -44,6 +44,8 @@ from kvscope.allocator.layout import (
     JOURNAL_ENTRIES,
     JOURNAL_ENTRY_DTYPE,
     LOCK_DTYPE,
+    LOCKGRAPH_CAPACITY,
+    LOCKGRAPH_DTYPE,
     LRU_ENTRY_DTYPE,
     LRU_HEADER_DTYPE,
     RING_HEADER_DTYPE,
@@ -204,6 +206,20 @@ def kv_layout(pool: KVPool) -> dict[str, Any]:
     }
 
 
+def probe_layout(pool: KVPool) -> dict[str, Any]:
+    """Where the core writes what its probes find (csrc/probes.c): the lock-order graph."""
+    lg = LOCKGRAPH_DTYPE.fields
+    return {
+        "off_lockgraph": pool.view.offsets["lockgraph"],
+        "lockgraph_used_at": pool.view.header.dtype.fields["lockgraph_used"][1],
+        "lockgraph_record_size": LOCKGRAPH_DTYPE.itemsize,
+        "lockgraph_capacity": LOCKGRAPH_CAPACITY,
+        **{f"lg_{name}": lg[name][1] for name in ("src", "dst", "pid", "site")},
+        "lg_site_bytes": lg["site"][0].itemsize,
+        "lock_findings": pool.locks.index("findings"),
+    }
+
+
 def core_for(pool: KVPool) -> Any | None:
     """The C core for one handle, or None (pure Python for this handle)."""
     if _native is None:
@@ -295,5 +311,6 @@ def core_for(pool: KVPool) -> Any | None:
         "coefs": _COEFS_LIST[: view.layout.block_size],
         # Guard mode and the digest on the KV data.
         **kv_layout(pool),
+        **probe_layout(pool),
     }
     return _native.Native(pool._mf.mm, pool._mf.fd, layout)

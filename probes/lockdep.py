@@ -135,19 +135,9 @@ class LockDep:
         self._hooks[id(pool)] = (on_acquire, on_release, prev_acquire, prev_release, live)
         self.enabled = True
         if prev_acquire is None and prev_release is None:
-            # The pool's C core runs these hooks itself: it hands over an order edge it has not
-            # seen yet (taking lock j while holding i), learned here as `before` would.
-            def learn(i: int, j: int) -> bool:
-                ci, cj = classes[i], classes[j]
-                if ci is None or cj is None or ci == cj or (ci, cj) in graph.known:
-                    return True
-                st = self.state()
-                if st.busy:
-                    return False
-                self._learn(st, [(graph, Held(keys[i], ci, graph))], cj)
-                return (ci, cj) in graph.known
-
-            pool._lockdep_learn = learn
+            # The pool's C core runs these hooks itself while no thread holds a traced lock: it
+            # writes the order edges it takes into the segment's graph, where `_learn` finds
+            # them (csrc/probes.c lockdep_ok).
             pool._probe_bits[0] |= NATIVE_LOCKDEP
         return True
 
@@ -159,7 +149,6 @@ class LockDep:
         on_acquire, on_release, prev_acquire, prev_release, live = entry
         live[0] = False
         pool._probe_bits[0] &= ~NATIVE_LOCKDEP
-        pool.__dict__.pop("_lockdep_learn", None)
         lt = pool.locks
         if lt.on_acquire is on_acquire and lt.on_release is on_release:
             lt.on_acquire, lt.on_release = prev_acquire, prev_release

@@ -196,6 +196,80 @@ def test_the_documented_order_is_not_a_cycle(make_pool):
     assert edges and all(order.index(a) < order.index(b) for a, b in edges)
 
 
+def _core_edges(pool: KVPool) -> dict[tuple[str, str], tuple[int, str]]:
+    """The segment graph's edges: (src, dst) -> (pid, site)."""
+    g = pool.view.lockgraph[: int(pool.view.h["lockgraph_used"])]
+    return {
+        (bytes(e["src"]).decode(), bytes(e["dst"]).decode()): (
+            int(e["pid"]),
+            bytes(e["site"]).decode(),
+        )
+        for e in g
+    }
+
+
+def _hit_prefix(pool: KVPool) -> None:
+    """An allocation that hits a published prefix: on a pool too small for slot reserves, the
+    core takes the sequence-table lock and the prompt's index shard together."""
+    seq = pool.allocate("first", list(range(8)))
+    pool.mark_computed(seq, 8)
+    pool.allocate("second", list(range(8)) + [99])
+
+
+def _index_then_seqs(pool: KVPool) -> None:
+    """The Python side out of the documented order: an index shard, then the sequence table."""
+    pool.locks.acquire(pool.SHARDS[0])
+    pool.locks.acquire(pool.SEQS)
+    pool.locks.release(pool.SEQS)
+    pool.locks.release(pool.SHARDS[0])
+
+
+def test_an_edge_the_core_takes_is_written_into_the_segment_graph(make_pool):
+    # GIVEN a pool on the C core under lockdep
+    pool = make_pool(32)
+    assert pool._native is not None
+    LockDep().instrument(pool)
+    # WHEN an allocation hits a published prefix
+    before = pool._native.stats()
+    _hit_prefix(pool)
+    # THEN the core ran every operation, and its edge seqs -> index is in the segment's graph,
+    # with this process and the line of this file that called the pool
+    after = pool._native.stats()
+    assert after["fallbacks"] == before["fallbacks"]
+    assert after["native_ops"] == before["native_ops"] + 3
+    pid, site = _core_edges(pool)[("seqs", "index")]
+    assert pid == os.getpid() and site.startswith("test_lockdep.py:") and "_hit_prefix" in site
+    assert _cycles(pool) == []
+
+
+def test_an_inversion_through_an_edge_the_core_took_is_a_cycle(make_pool):
+    # GIVEN the core's edge seqs -> index in the segment graph
+    pool = make_pool(32)
+    LockDep().instrument(pool)
+    fallbacks = pool._native.stats()["fallbacks"]
+    _hit_prefix(pool)
+    assert pool._native.stats()["fallbacks"] == fallbacks and _cycles(pool) == []
+    # WHEN the Python side takes an index shard, then the sequence-table lock
+    _index_then_seqs(pool)
+    # THEN lockdep reports the cycle, naming the core's edge with its pid and site
+    (f,) = _cycles(pool)
+    assert f"pid {os.getpid()} takes index -> seqs at test_lockdep.py:" in f.message
+    assert "took seqs -> index at test_lockdep.py:" in f.message and "_hit_prefix" in f.message
+
+
+def test_an_edge_of_the_core_that_would_close_a_cycle_is_reported(make_pool):
+    # GIVEN a Python-side edge index -> seqs in the segment graph
+    pool = make_pool(32)
+    LockDep().instrument(pool)
+    _index_then_seqs(pool)
+    assert _cycles(pool) == []
+    # WHEN an allocation hits a published prefix (the core's order: seqs -> index)
+    _hit_prefix(pool)
+    # THEN the cycle it closes is reported
+    (f,) = _cycles(pool)
+    assert "takes seqs -> index" in f.message and "took index -> seqs" in f.message
+
+
 def test_user_locks_and_pool_locks_form_cycles_too(make_pool):
     # GIVEN a traced user lock and a pool, both under lockdep
     pool = make_pool(32)

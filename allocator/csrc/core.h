@@ -191,6 +191,11 @@ typedef struct {
     uint64_t same_class[MAX_LOCKS]; /* locks of lock i's class (the index shards are one) */
     uint64_t known_into[MAX_LOCKS]; /* bit i of [j]: the order edge class(i) -> class(j) is known */
     int lockdep_was_on;
+    /* the lock-order graph (FORMAT.md section 10: probes.c probes_init), under lock_findings */
+    size_t off_lockgraph, lg_used_at, lg_size, lg_src, lg_dst, lg_pid, lg_site, lg_site_bytes;
+    int64_t lg_cap;
+    int lock_findings;
+    char lock_cls[MAX_LOCKS][16]; /* each lock's class as the graph stores it (S16) */
     PyObject *pool; /* the call's pool (borrowed, for the duration of one call) */
     /* leaks: the slots that may hold a live sequence (a superset, kept while no client but
      * this core ran a transaction since the last full scan: every client's seq as seen) */
@@ -231,7 +236,7 @@ typedef struct {
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_waiting, *s_preempted,
     *s_site_of, *s_probe, *s_verify_due,
-    *s_native_leaked, *s_lockdep_learn, *s_conservation, *s_writes;
+    *s_native_leaked, *s_conservation, *s_writes;
 
 /* -- records --------------------------------------------------------------------------------- */
 

@@ -187,7 +187,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         n->seq_off[i] = ((PyMemberDescrObject *)desc)->d_member->offset;
     }
     n->fork_gen = fork_gen;
-    return 0;
+    return probes_init(n, d);
 }
 
 static void N_dealloc(Native *n) {
@@ -353,7 +353,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_probe = PyUnicode_InternFromString("_probe");
     s_verify_due = PyUnicode_InternFromString("verify_due");
     s_native_leaked = PyUnicode_InternFromString("native_leaked");
-    s_lockdep_learn = PyUnicode_InternFromString("_lockdep_learn");
     s_conservation = PyUnicode_InternFromString("conservation");
     s_writes = PyUnicode_InternFromString("writes");
     pthread_atfork(NULL, NULL, atfork_child);

@@ -398,12 +398,159 @@ static int report_leaked(Native *n, PyObject *pool, PyObject *leaked, PyObject *
 
 /* -- lockdep (probes/lockdep.py LockDep.before) ---------------------------------------------- */
 
+/* Where the segment's lock-order graph lies and how its records read (native.py
+ * probe_layout, from layout.py's LOCKGRAPH_DTYPE), and each lock's class as the graph stores
+ * it. 0, or -1 with an exception set. */
+static int probes_init(Native *n, PyObject *d) {
+    struct {
+        const char *key;
+        size_t *dst;
+    } at[] = {{"off_lockgraph", &n->off_lockgraph}, {"lockgraph_used_at", &n->lg_used_at},
+              {"lockgraph_record_size", &n->lg_size}, {"lg_src", &n->lg_src},
+              {"lg_dst", &n->lg_dst},               {"lg_pid", &n->lg_pid},
+              {"lg_site", &n->lg_site},             {"lg_site_bytes", &n->lg_site_bytes}};
+    for (size_t i = 0; i < sizeof at / sizeof *at; i++) {
+        PyObject *v = PyDict_GetItemString(d, at[i].key);
+        if (v == NULL) {
+            PyErr_Format(PyExc_KeyError, "native core needs %s", at[i].key);
+            return -1;
+        }
+        *at[i].dst = (size_t)PyLong_AsSsize_t(v);
+    }
+    PyObject *cap = PyDict_GetItemString(d, "lockgraph_capacity");
+    PyObject *fl = PyDict_GetItemString(d, "lock_findings");
+    PyObject *classes = PyDict_GetItemString(d, "lock_classes");
+    if (cap == NULL || fl == NULL || classes == NULL) {
+        PyErr_SetString(PyExc_KeyError, "native core needs lockgraph_capacity and lock_findings");
+        return -1;
+    }
+    n->lg_cap = PyLong_AsLongLong(cap);
+    n->lock_findings = (int)PyLong_AsLong(fl);
+    if (PyErr_Occurred()) return -1;
+    memset(n->lock_cls, 0, sizeof n->lock_cls);
+    for (int i = 0; i < n->num_locks; i++) {
+        PyObject *c = PyTuple_GET_ITEM(classes, i);
+        if (c == Py_None) continue;
+        Py_ssize_t len;
+        const char *text = PyUnicode_AsUTF8AndSize(c, &len);
+        if (text == NULL) return -1;
+        memcpy(n->lock_cls[i], text, (size_t)(len < 16 ? len : 16));
+    }
+    return 0;
+}
+
+static inline uint8_t *lg_edge(Native *n, int64_t e) {
+    return n->seg + n->off_lockgraph + (size_t)e * n->lg_size;
+}
+
+/* Whether the graph's first `used` edges hold a chain from class `from` to class `to`
+ * (lockgraph.find_path; classes as 16 stored bytes). */
+static int lg_path(Native *n, int64_t used, const char *from, const char *to) {
+    int32_t queue[used > 0 ? used : 1];
+    uint8_t seen[used > 0 ? used : 1];
+    memset(seen, 0, sizeof seen);
+    int64_t qn = 0;
+    for (int64_t e = 0; e < used; e++)
+        if (memcmp(lg_edge(n, e) + n->lg_src, from, 16) == 0) {
+            seen[e] = 1;
+            queue[qn++] = (int32_t)e;
+        }
+    for (int64_t h = 0; h < qn; h++) {
+        const uint8_t *via = lg_edge(n, queue[h]) + n->lg_dst;
+        if (memcmp(via, to, 16) == 0) return 1;
+        for (int64_t f = 0; f < used; f++)
+            if (!seen[f] && memcmp(lg_edge(n, f) + n->lg_src, via, 16) == 0) {
+                seen[f] = 1;
+                queue[qn++] = (int32_t)f;
+            }
+    }
+    return 0;
+}
+
+/* lockgraph.call_site: `file:line function` of the innermost frame outside kvscope (and the
+ * contextlib/threading glue), into out (NUL-padded, cap bytes); "?" when every frame is ours. */
+static void caller_text(Native *n, char *out, size_t cap) {
+    memset(out, 0, cap);
+    PyFrameObject *f = PyEval_GetFrame();
+    Py_XINCREF(f);
+    while (f != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        int outside = code_outside(n, code);
+        const char *file = PyUnicode_AsUTF8(code->co_filename);
+        if (outside < 0 || file == NULL) {
+            PyErr_Clear();
+            outside = 0;
+        }
+        size_t len = file ? strlen(file) : 0;
+        int glue = len >= 12 && (strcmp(file + len - 12, "/contextlib.py") == 0 ||
+                                 strcmp(file + len - 12, "/threading.py") == 0);
+        if (outside && !glue) {
+            const char *base = strrchr(file, '/');
+            const char *name = PyUnicode_AsUTF8(code->co_name);
+            char text[512];
+            snprintf(text, sizeof text, "%s:%d %s", base ? base + 1 : file,
+                     PyFrame_GetLineNumber(f), name ? name : "?");
+            PyErr_Clear();
+            memcpy(out, text, strlen(text) < cap ? strlen(text) : cap);
+            Py_DECREF(code);
+            Py_DECREF(f);
+            return;
+        }
+        Py_DECREF(code);
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    out[0] = '?';
+}
+
+/* Add the order edge class(i) -> class(j) to the segment's graph under the findings lock, as
+ * LockDep._learn does (record first, then the count: a death in between leaves an unused
+ * record; a full graph takes no more). OK when the graph has it now; FALLBACK when the lock is
+ * not to be had, or when the graph already holds a chain class(j) -> ... -> class(i): the
+ * Python path then takes the locks under lockdep's hooks, which adds the edge and reports the
+ * lock_order_cycle it closes. */
+static int lg_learn(Native *n, int i, int j) {
+    if (lock_take(n, n->lock_findings) != OK) return FALLBACK;
+    int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
+    if (used > n->lg_cap) used = n->lg_cap;
+    int rc = OK;
+    for (int64_t e = 0; e < used; e++) {
+        uint8_t *r = lg_edge(n, e);
+        if (memcmp(r + n->lg_src, n->lock_cls[i], 16) == 0 &&
+            memcmp(r + n->lg_dst, n->lock_cls[j], 16) == 0)
+            goto done;
+    }
+    if (lg_path(n, used, n->lock_cls[j], n->lock_cls[i])) {
+        rc = FALLBACK;
+        goto done;
+    }
+    if (used < n->lg_cap) {
+        uint8_t *r = lg_edge(n, used);
+        memset(r, 0, n->lg_size);
+        memcpy(r + n->lg_src, n->lock_cls[i], 16);
+        memcpy(r + n->lg_dst, n->lock_cls[j], 16);
+        I4(r + n->lg_pid) = n->pid;
+        caller_text(n, (char *)r + n->lg_site, n->lg_site_bytes);
+        U4(n->seg + n->lg_used_at) = (uint32_t)used + 1;
+    }
+done:
+    lock_drop(n, n->lock_findings);
+    return rc;
+}
+
 /* A transaction takes the locks of `mask` in ascending order, with no other traced lock held
  * (the gate): each pair (i < j) of traced locks of different classes is an order edge
- * class(i) -> class(j). OK when lockdep knows every one: a bit matrix here, the probe's
- * `_lockdep_learn` called once per edge the core has not seen (it adds a new edge to the
- * graph and reports a cycle it closes, as `LockDep.before`); FALLBACK when it could not learn
- * it (the Python path then takes the locks under its hooks), ERROR with an exception set. */
+ * class(i) -> class(j). OK when the segment's graph holds every one (a bit matrix here of
+ * those seen; lg_learn for the others), FALLBACK when one is left to the Python path.
+ *
+ * The core's edges alone never form a cycle: they run from a lower lock index to a higher
+ * one, and the traced pool classes follow the lock index (seqs, index shards, free; sites
+ * and findings are not traced), so a cycle needs an edge back from a later class to an
+ * earlier one. Only a Python-side acquisition makes such an edge (a user lock held across
+ * an operation, `pool.locks.acquire` out of the order): the one that closes a cycle through
+ * the core's edges finds them in the segment (lockdep.py reads them) and reports it, and an
+ * edge of the core's that would close one is left to the Python path (lg_learn). */
 static int lockdep_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
     for (uint64_t m = mask; m; m &= m - 1) {
@@ -411,12 +558,7 @@ static int lockdep_ok(Native *n, uint64_t mask) {
         uint64_t need = mask & (lock_bit(j) - 1) & ~n->same_class[j] & ~n->known_into[j];
         for (; need; need &= need - 1) {
             int i = __builtin_ctzll(need);
-            PyObject *r = PyObject_CallMethod(n->pool, "_lockdep_learn", "ii", i, j);
-            if (r == NULL) return ERROR;
-            int known = PyObject_IsTrue(r);
-            Py_DECREF(r);
-            if (known < 0) return ERROR;
-            if (!known) return FALLBACK;
+            if (lg_learn(n, i, j) != OK) return FALLBACK;
             n->known_into[j] |= lock_bit(i);
         }
     }
