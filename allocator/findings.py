@@ -135,25 +135,25 @@ def read_findings(view) -> list[Finding]:
     from kvscope.allocator.layout import FINDINGS_CAPACITY
 
     head = int(view.h["findings_head"])
-    first = max(0, head - FINDINGS_CAPACITY)
-    out = []
-    for k in range(first, head):
-        r = view.findings[k % FINDINGS_CAPACITY]
-        block = int(r["block"])
-        out.append(
-            Finding(
-                kind=bytes(r["kind"]).decode(),
-                message=bytes(r["message"]).decode(errors="replace"),
-                block=None if block < 0 else block,
-                owner_pid=int(r["owner_pid"]) or None,
-                request=bytes(r["request"]).decode(errors="replace") or None,
-                severity=ERROR if int(r["severity"]) == 1 else WARNING,
-                extra={"time_ns": int(r["time_ns"])}
-                | ({"repaired": True} if r["repaired"] else {}),
-                site_id=int(r["site"]) - 1,
-            )
-        )
-    return out
+    return [finding_at(view, k) for k in range(max(0, head - FINDINGS_CAPACITY), head)]
+
+
+def finding_at(view, k: int) -> Finding:
+    """The finding at position k of the ring (its k-th since the pool was created)."""
+    from kvscope.allocator.layout import FINDINGS_CAPACITY
+
+    r = view.findings[k % FINDINGS_CAPACITY]
+    block = int(r["block"])
+    return Finding(
+        kind=bytes(r["kind"]).decode(),
+        message=bytes(r["message"]).decode(errors="replace"),
+        block=None if block < 0 else block,
+        owner_pid=int(r["owner_pid"]) or None,
+        request=bytes(r["request"]).decode(errors="replace") or None,
+        severity=ERROR if int(r["severity"]) == 1 else WARNING,
+        extra={"time_ns": int(r["time_ns"])} | ({"repaired": True} if r["repaired"] else {}),
+        site_id=int(r["site"]) - 1,
+    )
 
 
 def readable_findings(view) -> list[Finding]:

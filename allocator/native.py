@@ -34,10 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvscope.allocator import crash, faults, records
 from kvscope.allocator.errors import PoolError, PoolExhausted
+from kvscope.allocator.findings import ERROR, SEVERITY
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
     EVENT_DTYPE,
+    FINDING_DTYPE,
+    FINDINGS_CAPACITY,
     HEADER_CHECKSUM_BYTES,
     INDEX_DTYPE,
     JOURNAL_BYTES,
@@ -207,17 +210,32 @@ def kv_layout(pool: KVPool) -> dict[str, Any]:
 
 
 def probe_layout(pool: KVPool) -> dict[str, Any]:
-    """Where the core writes what its probes find (csrc/probes.c): the lock-order graph."""
-    lg = LOCKGRAPH_DTYPE.fields
+    """Where the core writes what its probes find (csrc/probes.c): the lock-order graph, and
+    the findings ring with each kind's severity (1 error, 2 warning) and the list the core
+    leaves the ring positions of its findings in (`KVPool._found`)."""
+    lg, fd = LOCKGRAPH_DTYPE.fields, FINDING_DTYPE.fields
+    h = pool.view.header.dtype.fields
     return {
         "off_lockgraph": pool.view.offsets["lockgraph"],
-        "lockgraph_used_at": pool.view.header.dtype.fields["lockgraph_used"][1],
+        "lockgraph_used_at": h["lockgraph_used"][1],
         "lockgraph_record_size": LOCKGRAPH_DTYPE.itemsize,
         "lockgraph_capacity": LOCKGRAPH_CAPACITY,
         **{f"lg_{name}": lg[name][1] for name in ("src", "dst", "pid", "site")},
         "lg_site_bytes": lg["site"][0].itemsize,
         "lock_findings": pool.locks.index("findings"),
+        "off_findings": pool.view.offsets["findings"],
+        "findings_head_at": h["findings_head"][1],
+        "finding_record_size": FINDING_DTYPE.itemsize,
+        "findings_capacity": FINDINGS_CAPACITY,
+        **{f"fd_{name}": fd[name][1] for name in FINDING_FIELDS},
+        "fd_kind_bytes": fd["kind"][0].itemsize,
+        "fd_message_bytes": fd["message"][0].itemsize,
+        "finding_severity": {k.value: 1 if s == ERROR else 2 for k, s in SEVERITY.items()},
+        "found": pool._found,
     }
+
+
+FINDING_FIELDS = ("time_ns", "kind", "severity", "block", "owner_pid", "site", "request", "message")
 
 
 def core_for(pool: KVPool) -> Any | None:

@@ -38,7 +38,7 @@ from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import CHUNK, COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, LockTable, mark_hook
 from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
-from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes
+from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ring_findings
 from kvscope.allocator.process import my_identity
 from kvscope.allocator.recovery import dead_owners
 from kvscope.allocator.sequence import SeqTable, Sequence
@@ -113,6 +113,8 @@ class KVPool:
         self._guarded: set[int] = set()
         # The light probes the C core runs itself for this handle (PoolProbes.native_bits).
         self._probe_bits = array("q", [0])
+        # Ring positions of the findings the C core wrote in its last call (_hand_findings).
+        self._found: list[int] = []
         self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
         # How many Python-path operations are inside that mutex (0 or 1, or more when nested):
         # the C core (native.py) runs only while it is 0.
@@ -402,6 +404,8 @@ class KVPool:
         runner.reserve_ready(self, claiming=False)
         if self._native is None or self._native.end(self, seq, _FINISHED) is None:
             release.end(self, seq, SeqState.FINISHED)
+        if self._found:
+            self._hand_findings()
 
     def abort(self, seq: Sequence) -> None:
         """Release a sequence whose request did not finish."""
@@ -410,6 +414,8 @@ class KVPool:
         runner.reserve_ready(self, claiming=False)
         if self._native is None or self._native.end(self, seq, _ABORTED) is None:
             release.end(self, seq, SeqState.ABORTED)
+        if self._found:
+            self._hand_findings()
 
     def set_state(self, seq: Sequence, state: str) -> None:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""
@@ -465,6 +471,15 @@ class KVPool:
         self._run({fl}, lambda t: write_finding(self.view, t, finding))
         if self.on_finding is not None:
             self.on_finding(finding)
+
+    def _hand_findings(self) -> None:
+        """Hand what the C core reported in its last call to `on_finding`, read back from the
+        findings ring as every reader reads it (the core writes findings, calls no Python)."""
+        found = self._found[:]
+        self._found.clear()
+        if self.on_finding is not None:
+            for f in ring_findings(self.view, found):
+                self.on_finding(f)
 
     def findings(self) -> list:
         """Findings recorded in the segment by any process, oldest first."""

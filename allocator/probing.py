@@ -14,8 +14,13 @@ import numpy as np
 
 from kvscope.allocator import integrity
 from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
-from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.layout import HEADER_CHECKSUM_BYTES, BlockState, header_checksum
+from kvscope.allocator.findings import Finding, FindingKind, finding_at
+from kvscope.allocator.layout import (
+    FINDINGS_CAPACITY,
+    HEADER_CHECKSUM_BYTES,
+    BlockState,
+    header_checksum,
+)
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.sites import SiteTable, caller_site, site_text
 from kvscope.allocator.writes import WriteProbes
@@ -78,11 +83,18 @@ class PoolProbes:
 
     def report(self, f: Finding, rec: np.void | None = None) -> bool:
         """Report a finding once per (kind, block), with the block's last events and the
-        allocation site of `rec` (the block's record as the finding saw it; default: now)."""
+        allocation site of `rec` (the block's record as the finding saw it; default: now).
+
+        The kinds the C core reports itself are counted once in the core, whichever path
+        finds them (its `first_report`)."""
         key = (f.kind, -1 if f.block is None else f.block, f.request if f.block is None else "")
-        if key in self.reported:
+        core = self.pool._native
+        first = None if core is None else core.first_report(f.kind, key[1])
+        if first is None:
+            first = key not in self.reported
+            self.reported.add(key)
+        if not first:
             return False
-        self.reported.add(key)
         view = self.pool.view
         if f.block is not None and 0 <= f.block < len(view.blocks):
             f.events = f.events or events_for_block(view, f.block, 8)
@@ -288,14 +300,6 @@ class PoolProbes:
             refs.update(seqs["table"][slot, : int(seqs["num_blocks"][slot])].tolist())
         return refs
 
-    def native_leaked(self, leaked: list[tuple[int, bytes]], request: str) -> None:
-        """after_release for the C core: blocks it found held and unmapped, with the bytes of
-        their records as seen inside the release."""
-        dt = self.pool.view.blocks.dtype
-        self.after_release(
-            [(blk, np.frombuffer(raw, dt)[0].copy()) for blk, raw in leaked], request
-        )
-
     def held_after_release(self, ids: list[int]) -> list[tuple[int, np.void]]:
         """Inside a release's transaction, after its drops: the blocks of `ids` this process
         still holds (its own, unindexed, referenced), with their records as they are now.
@@ -366,6 +370,26 @@ class PoolProbes:
             later.fill(ids)  # (a CUDA pool: the check kernel's fill, as the core's releases)
         else:
             integrity.poison(self.pool.kv, ids, self.pool.block_size)
+
+
+def ring_findings(view, positions: list[int]) -> list[Finding]:
+    """The findings at these positions of the segment's ring (those the C core wrote in a
+    call: KVPool._found) as a reader sees them: with their block's allocation site and its
+    last events before the finding; one overwritten since is left out."""
+    head = int(view.h["findings_head"])
+    out = []
+    for k in positions:
+        if head - k > FINDINGS_CAPACITY:
+            continue
+        f = finding_at(view, k)
+        if f.block is not None:
+            at = f.extra.pop("time_ns")
+            f.events = [e for e in events_for_block(view, f.block, 9) if e["time_ns"] < at][-8:]
+            site = site_text(view, f.site_id) if f.site_id >= 0 else None
+            if site:
+                f.extra["site"] = site
+        out.append(f)
+    return out
 
 
 def _field_at(offset: int) -> str:

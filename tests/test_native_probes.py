@@ -332,3 +332,66 @@ def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
             pool.close()
             pool.unlink()
     assert found[0] == found[1] == [("use_after_free", freed[-1], "holder")]
+
+
+def _leak_at_release(pool: KVPool) -> int:
+    """A request whose table in the segment maps its block twice, with the refcount to match,
+    while the handle's Sequence lists it once: its release leaves the block held, unmapped."""
+    a = pool.allocate("a", [1, 2, 3])
+    x = a.block_table[0]
+    pool.view.seqs["table"][a.slot, 1] = x
+    pool.view.seqs["num_blocks"][a.slot] = 2
+    pool.view.blocks["refcount"][x] = 2
+    pool.store.seal(np.array([x]))
+    pool.free(a)
+    return x
+
+
+def test_a_leak_at_a_release_is_written_by_the_core_as_the_python_path_reports_it(
+    pool_name, monkeypatch
+):
+    # GIVEN the leaks probe (with sites and events), on the C core and on the Python path, and
+    # a callback for findings
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "0" if p in ("MAGIC", "LOCKDEP") else "1")
+    got = []
+    for native in (True, False):
+        pool = _pool(f"{pool_name}-{int(native)}", native, *DEFAULT)
+        seen: list = []
+        pool.on_finding = seen.append
+        try:
+            ops = pool._native.stats()["native_ops"] if native else 0
+            # WHEN a request ends leaving its block held and unmapped
+            x = _leak_at_release(pool)
+            if native:
+                # (the core released it and reported the leak itself)
+                assert pool._native.stats()["native_ops"] == ops + 2
+            # THEN one leak_finished names the block, its request and owner, in the ring and
+            # to the callback, with the allocation site and the block's events
+            (f,) = pool.findings()
+            assert (f.kind, f.block, f.request, f.owner_pid) == (
+                "leak_finished",
+                x,
+                "a",
+                os.getpid(),
+            )
+            assert f.message == (
+                "request 'a' ended but its block is still allocated (refcount 1) and no "
+                "sequence maps it"
+            )
+            (cb,) = seen
+            assert (cb.kind, cb.block, cb.message) == (f.kind, f.block, f.message)
+            assert "test_native_probes.py" in cb.extra["site"]
+            got.append((cb.extra["site"], [e["op"] for e in cb.events], f.site_id >= 0))
+            # and the flight recorder has the finding after the free
+            ev = pool.view.events[pool.client]
+            ops_seen = [int(o) for o in ev["op"][ev["time_ns"] > 0]]
+            assert ops_seen[-2:] == [EventOp.FREE, EventOp.FINDING]
+            # WHEN either path finds the same leak again THEN it is not reported twice
+            assert pool.probe.block_finding("leak_finished", x, "again") is None
+            assert len(pool.findings()) == 1 and len(seen) == 1
+        finally:
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
+    assert got[0] == got[1] and got[0][1] == ["allocate", "free"]

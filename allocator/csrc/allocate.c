@@ -245,8 +245,8 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
 }
 
 /* A sequence's release (seq, table: its block ids; final: FINISHED or ABORTED; when: the
- * moment, in a published_block_modified finding's words) -> the blocks it leaked
- * (leaked_blocks: a list, empty without the leaks probe), or None (the Python path). A table
+ * moment, in a published_block_modified finding's words) -> True, with the blocks it leaked
+ * in n->leak (leaked_blocks: none without the leaks probe), or None (the Python path). A table
  * of more than CHUNK blocks is released from its tail, CHUNK blocks a transaction (the
  * journal's bound, as release.end), the Sequence's table cut after each. */
 static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t slot,
@@ -257,7 +257,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     if (slot < 0 || slot >= n->max_seqs || total > n->max_bps) return fallback(n);
     if (total > CHUNK && (ids = PyMem_Malloc(sizeof(int32_t) * (size_t)total)) == NULL)
         return PyErr_NoMemory();
-    PyObject *leaked = NULL, *result = NULL;
+    PyObject *result = NULL;
     /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
     uint64_t locks;
     if (table_of(n, list, ids, total, &k, &locks)) {
@@ -322,8 +322,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     if (give_back_freed(n, zero, nz, guard)) goto abort;
     /* probing.held_after_release: read inside the transaction (once it commits, what it
      * freed is anyone's) */
-    leaked = leaked_blocks(n, ids, k, slot);
-    if (leaked == NULL) {
+    if (leaked_blocks(n, ids, k, slot) < 0) {
         txn_abort(n);
         goto out;
     }
@@ -342,13 +341,12 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     ev_record(n, final == 4 ? E_ABORT : E_FREE, ids, k, request, 0);
     if (!to_table && append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
     n->native_ops++;
-    result = Py_NewRef(leaked);
+    result = Py_NewRef(Py_True);
     goto out;
 abort:
     txn_abort(n);
     result = PyErr_Occurred() ? NULL : fallback(n);
 out:
-    Py_XDECREF(leaked);
     drop_mutex(n);
 done:
     if (ids != ids_s) PyMem_Free(ids);

@@ -40,7 +40,7 @@ enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
 enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7,
-       E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13 };
+       E_FINDING = 9, E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13 };
 /* probing.VERIFY_EVERY_S */
 #define VERIFY_EVERY_NS 10000000ull
 /* Entries of the core's site cache (a power of two). */
@@ -101,6 +101,15 @@ typedef struct {
     uint64_t ns;
     int32_t id;
 } Aged;
+
+/* The finding kinds the core reports itself (probes.c FK_NAMES: findings.FindingKind). */
+enum { FK_LEAK_FINISHED, FK_COUNT };
+
+/* A block as a finding saw it: what the findings ring records of it (and a leak's refcount). */
+typedef struct {
+    int32_t block, owner_pid, site, refcount;
+    char request[REQUEST_BYTES];
+} Seen;
 
 typedef struct {
     PyObject_HEAD
@@ -196,6 +205,15 @@ typedef struct {
     int64_t lg_cap;
     int lock_findings;
     char lock_cls[MAX_LOCKS][16]; /* each lock's class as the graph stores it (S16) */
+    /* the findings ring (FORMAT.md section 11: probes.c probes_init), under lock_findings */
+    size_t off_findings, fd_head_at, fd_size, fd_time, fd_kind, fd_severity, fd_block, fd_owner,
+        fd_site, fd_request, fd_message, fd_kind_bytes, fd_message_bytes;
+    int64_t fd_cap;
+    uint8_t fk_severity[FK_COUNT]; /* each kind's severity byte (1 error, 2 warning) */
+    uint8_t *reported; /* [FK_COUNT][nb + 1]: reported once per (kind, block; nb: none) */
+    PyObject *found;   /* KVPool._found: ring positions of findings written in this call */
+    Seen *leak;        /* the blocks a release leaked (leaked_blocks), CHUNK at most */
+    int64_t n_leak;
     PyObject *pool; /* the call's pool (borrowed, for the duration of one call) */
     /* leaks: the slots that may hold a live sequence (a superset, kept while no client but
      * this core ran a transaction since the last full scan: every client's seq as seen) */
@@ -236,7 +254,7 @@ typedef struct {
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_waiting, *s_preempted,
     *s_site_of, *s_probe, *s_verify_due,
-    *s_native_leaked, *s_conservation, *s_writes;
+    *s_conservation, *s_writes;
 
 /* -- records --------------------------------------------------------------------------------- */
 

@@ -198,9 +198,7 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         if (key == NULL || PySet_Discard(n->guarded, key) < 0) PyErr_Clear();
         Py_XDECREF(key);
     }
-    /* done: the blocks the release left held that nothing maps (the leaks probe's), reported
-     * once the handle has forgotten the sequence (probing.after_release) */
-    PyObject *leaked = done;
+    Py_DECREF(done);
     /* The Python side of a release: the handle forgets the sequence. */
     PyObject *key = PyLong_FromLongLong(slot), *empty = PyList_New(0);
     PyObject *minus = PyLong_FromLong(-1);
@@ -216,10 +214,11 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_XDECREF(minus);
     if (!bad) {
         PyObject *rid = sfield(n, seq, F_REQUEST_ID);
-        bad = rid == NULL || report_leaked(n, args[0], leaked, rid) != OK;
+        /* the blocks the release left held that nothing maps (the leaks probe's), reported
+         * once the handle has forgotten the sequence (probing.after_release) */
+        bad = rid == NULL || report_leaked(n, rid) != OK;
         Py_XDECREF(rid);
     }
-    Py_DECREF(leaked);
     if (bad) return NULL;
     Py_RETURN_TRUE;
 }

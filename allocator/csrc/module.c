@@ -205,6 +205,9 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->checked);
     PyMem_Free(n->refs);
     PyMem_Free(n->refs_stamp);
+    PyMem_Free(n->reported);
+    PyMem_Free(n->leak);
+    Py_XDECREF(n->found);
     PyMem_Free(n->maybe_live);
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);
@@ -268,6 +271,8 @@ static PyMethodDef N_methods[] = {
      "write_digests(pool, ids, generations, words) -> int | None: devicechecks' stamps"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
      "verify_often(pool) -> True | None: the magic probe's periodic check, on the core's clock"},
+    {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
+     "first_report(kind, block) -> bool | None: a finding the core reports, once per block"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
     {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
      "unwritten(table, num_tokens) -> bool: poisoned slots among written ones (CPU data)"},
@@ -352,7 +357,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_site_of = PyUnicode_InternFromString("_site_of");
     s_probe = PyUnicode_InternFromString("_probe");
     s_verify_due = PyUnicode_InternFromString("verify_due");
-    s_native_leaked = PyUnicode_InternFromString("native_leaked");
     s_conservation = PyUnicode_InternFromString("conservation");
     s_writes = PyUnicode_InternFromString("writes");
     pthread_atfork(NULL, NULL, atfork_child);

@@ -1,8 +1,9 @@
 /* The light probes, run by the core itself (probing.py, events.py, sites.py, writes.py are
- * the reference): flight-recorder events, allocation sites, leak accounting, record checksums.
- * What the core finds it never reports itself: a finding sends the operation (undone) to the
- * Python path, which finds and reports the same thing, or, after a commit, is handed to a
- * Python callback of the probe. Part of _native.c. */
+ * the reference): flight-recorder events, allocation sites, leak accounting, record checksums,
+ * the lock-order graph. A finding of a kind of FK_NAMES the core writes into the segment's
+ * findings ring itself (finding_report), where the binding reads it back for `on_finding`;
+ * any other sends the operation (undone) to the Python path, which finds and reports the same
+ * thing, or, after a commit, is handed to a Python callback of the probe. Part of _native.c. */
 
 /* -- the flight recorder (events.py EventRecorder.record) ------------------------------------ */
 
@@ -130,6 +131,93 @@ static int32_t site_now(Native *n, PyObject *pool) {
     long sid = PyLong_AsLong(got);
     Py_DECREF(got);
     return sid == -1 && PyErr_Occurred() ? -2 : (int32_t)sid;
+}
+
+/* -- findings (probing.py PoolProbes.report, findings.py write_finding) ------------------- */
+
+/* The kinds of FK_* (core.h), as findings.FindingKind names them. */
+static const char *const FK_NAMES[FK_COUNT] = {"leak_finished"};
+
+/* Block b as a finding sees it now (the record's owner, allocation site and request). */
+static void seen_of(Native *n, int32_t b, Seen *s) {
+    uint8_t *r = blk(n, b);
+    s->block = b;
+    s->owner_pid = I4(r + BF_OWNER_PID);
+    s->site = I4(r + BF_SITE);
+    s->refcount = I4(r + BF_REFCOUNT);
+    memcpy(s->request, r + BF_REQUEST, REQUEST_BYTES);
+}
+
+/* Report a finding of kind fk about s->block (-1: none) as PoolProbes.report does, once per
+ * (kind, block) for the handle: appended to the segment's findings ring under the findings
+ * lock (record first, then the head, as write_finding without a journal: a death in between
+ * leaves nothing half written), a FINDING event in the flight recorder, and its ring position
+ * appended to KVPool._found, from which the binding hands it to `on_finding` after the call
+ * (with the site text and the block's events, read then: findings.finding_at). The message is
+ * composed here, from what only the finding's moment knows (a request id, a refcount), so
+ * every reader of the ring reads the same text. OK, or ERROR with an exception set. A findings
+ * lock whose record names a dead holder is left to the next operation of the Python path to
+ * recover: the finding is dropped, and not marked reported. */
+static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
+    int64_t key = s->block >= 0 && s->block < n->nb ? s->block : n->nb;
+    if (n->reported == NULL &&
+        (n->reported = PyMem_Calloc((size_t)FK_COUNT * (size_t)(n->nb + 1), 1)) == NULL) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    uint8_t *done = n->reported + (size_t)fk * (size_t)(n->nb + 1) + (size_t)key;
+    if (*done) return OK;
+    Py_ssize_t len;
+    const char *text = PyUnicode_AsUTF8AndSize(message, &len);
+    if (text == NULL) return ERROR;
+    int mh = n->mutex_held;
+    if (lock_take(n, n->lock_findings) != OK) {
+        if (!mh) drop_mutex(n);
+        return OK;
+    }
+    uint64_t head = U8(n->seg + n->fd_head_at);
+    uint8_t *r = n->seg + n->off_findings + (size_t)(head % (uint64_t)n->fd_cap) * n->fd_size;
+    memset(r, 0, n->fd_size);
+    U8(r + n->fd_time) = wall_ns();
+    size_t kl = strlen(FK_NAMES[fk]);
+    memcpy(r + n->fd_kind, FK_NAMES[fk], kl < n->fd_kind_bytes ? kl : n->fd_kind_bytes);
+    r[n->fd_severity] = n->fk_severity[fk];
+    I4(r + n->fd_block) = s->block;
+    I4(r + n->fd_owner) = s->owner_pid;
+    U4(r + n->fd_site) = s->site >= 0 ? (uint32_t)s->site + 1 : 0;
+    memcpy(r + n->fd_request, s->request, REQUEST_BYTES);
+    memcpy(r + n->fd_message, text,
+           (size_t)len < n->fd_message_bytes ? (size_t)len : n->fd_message_bytes);
+    U8(n->seg + n->fd_head_at) = head + 1;
+    lock_drop(n, n->lock_findings);
+    if (!mh) drop_mutex(n);
+    *done = 1;
+    ev_record(n, E_FINDING, &s->block, 1, s->request, 0);
+    return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
+}
+
+/* first_report(kind, block) -> True | False | None: whether a finding of `kind` about `block`
+ * (-1: none) is the handle's first (and it is now reported), for PoolProbes.report on the
+ * Python path; None for a kind the core does not report itself (the probe keeps those). */
+static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    const char *kind;
+    long block;
+    if (nargs != 2 || (kind = PyUnicode_AsUTF8(args[0])) == NULL ||
+        ((block = PyLong_AsLong(args[1])) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "first_report(kind, block)");
+        return NULL;
+    }
+    int fk = 0;
+    while (fk < FK_COUNT && strcmp(FK_NAMES[fk], kind) != 0) fk++;
+    if (fk == FK_COUNT) Py_RETURN_NONE;
+    if (n->reported == NULL &&
+        (n->reported = PyMem_Calloc((size_t)FK_COUNT * (size_t)(n->nb + 1), 1)) == NULL)
+        return PyErr_NoMemory();
+    int64_t key = block >= 0 && block < n->nb ? block : n->nb;
+    uint8_t *done = n->reported + (size_t)fk * (size_t)(n->nb + 1) + (size_t)key;
+    int first = !*done;
+    *done = 1;
+    return PyBool_FromLong(first);
 }
 
 /* -- magic: record checksums (probing.py check_records) --------------------------------------- */
@@ -349,24 +437,29 @@ static int unmapped(Native *n, const int32_t *ids, int64_t k) {
 }
 
 /* held_after_release, inside the release's transaction after its drops: the blocks of the
- * table this process still holds that no other sequence of this handle maps (leaked), with
- * their records as they are now: a list of (block, record bytes), empty when none; NULL with
- * an exception set. */
-static PyObject *leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t slot) {
-    PyObject *out = PyList_New(0);
-    if (out == NULL || !(n->probes & P_LEAKS)) return out;
+ * table this process still holds that no other sequence of this handle maps (leaked), as they
+ * are now, into n->leak (read inside the release: once it commits, a block it freed is
+ * anyone's and would look held by its next owner). Their number, or -1 with an exception set. */
+static int64_t leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t slot) {
+    n->n_leak = 0;
+    if (!(n->probes & P_LEAKS)) return 0;
     int any = 0;
     for (int64_t i = 0; i < k && !any; i++) {
         uint8_t *r = blk(n, ids[i]);
         any = r[BF_STATE] == B_ALLOCATED && !r[BF_INDEXED] && I4(r + BF_REFCOUNT) > 0 &&
               I4(r + BF_OWNER_CLIENT) == n->client;
     }
-    if (!any) return out;
-    if (!leak_scratch(n) || count_handle_tables(n, slot)) {
-        Py_DECREF(out);
-        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    if (!any) return 0;
+    if (n->leak == NULL && (n->leak = PyMem_Calloc(CHUNK, sizeof(Seen))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    for (int64_t i = 0; i < k; i++) {
+    if (!leak_scratch(n)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (count_handle_tables(n, slot)) return -1;
+    for (int64_t i = 0; i < k && n->n_leak < CHUNK; i++) {
         uint8_t *r = blk(n, ids[i]);
         if (r[BF_STATE] != B_ALLOCATED || r[BF_INDEXED] || I4(r + BF_REFCOUNT) <= 0 ||
             I4(r + BF_OWNER_CLIENT) != n->client || ref_get(n, ids[i]))
@@ -374,33 +467,38 @@ static PyObject *leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t
         int dup = 0;
         for (int64_t j = 0; j < i; j++) dup |= ids[j] == ids[i];
         if (dup) continue;
-        PyObject *item = Py_BuildValue("(iy#)", ids[i], (const char *)r, (Py_ssize_t)n->rec);
-        if (append_new(out, item)) {
-            Py_CLEAR(out);
-            break;
-        }
+        Seen *s = &n->leak[n->n_leak++];
+        seen_of(n, ids[i], s);
+        s->refcount = I4(r + BF_REFCOUNT);
     }
-    return out;
+    return n->n_leak;
 }
 
-/* after_release: hand leaked blocks (leaked_blocks) to the probe, which reports them. */
-static int report_leaked(Native *n, PyObject *pool, PyObject *leaked, PyObject *request) {
-    if (leaked == NULL || PyList_GET_SIZE(leaked) == 0) return OK;
-    PyObject *probe = PyObject_GetAttr(pool, s_probe);
-    if (probe == NULL) return ERROR;
-    PyObject *r = probe == Py_None ? Py_NewRef(Py_None)
-                                   : PyObject_CallMethodObjArgs(probe, s_native_leaked, leaked,
-                                                                request, NULL);
-    Py_DECREF(probe);
-    Py_XDECREF(r);
-    return r ? OK : ERROR;
+/* after_release: a leak_finished finding for each block leaked_blocks found, once the handle
+ * has forgotten the sequence (the message names its request id, `request`). OK or ERROR. */
+static int report_leaked(Native *n, PyObject *request) {
+    for (int64_t i = 0; i < n->n_leak; i++) {
+        Seen *s = &n->leak[i];
+        PyObject *msg = PyUnicode_FromFormat(
+            "request %R ended but its block is still allocated (refcount %d) and no sequence "
+            "maps it",
+            request, s->refcount);
+        if (msg == NULL || finding_report(n, FK_LEAK_FINISHED, s, msg)) {
+            Py_XDECREF(msg);
+            return ERROR;
+        }
+        Py_DECREF(msg);
+    }
+    n->n_leak = 0;
+    return OK;
 }
 
 /* -- lockdep (probes/lockdep.py LockDep.before) ---------------------------------------------- */
 
-/* Where the segment's lock-order graph lies and how its records read (native.py
- * probe_layout, from layout.py's LOCKGRAPH_DTYPE), and each lock's class as the graph stores
- * it. 0, or -1 with an exception set. */
+/* Where the segment's lock-order graph and findings ring lie and how their records read
+ * (native.py probe_layout, from layout.py's LOCKGRAPH_DTYPE and FINDING_DTYPE), each lock's
+ * class as the graph stores it, the findings' severities and KVPool._found. 0, or -1 with an
+ * exception set. */
 static int probes_init(Native *n, PyObject *d) {
     struct {
         const char *key;
@@ -416,6 +514,45 @@ static int probes_init(Native *n, PyObject *d) {
             return -1;
         }
         *at[i].dst = (size_t)PyLong_AsSsize_t(v);
+    }
+    struct {
+        const char *key;
+        size_t *dst;
+    } fd[] = {{"off_findings", &n->off_findings}, {"findings_head_at", &n->fd_head_at},
+              {"finding_record_size", &n->fd_size}, {"fd_time_ns", &n->fd_time},
+              {"fd_kind", &n->fd_kind},             {"fd_severity", &n->fd_severity},
+              {"fd_block", &n->fd_block},           {"fd_owner_pid", &n->fd_owner},
+              {"fd_site", &n->fd_site},             {"fd_request", &n->fd_request},
+              {"fd_message", &n->fd_message},       {"fd_kind_bytes", &n->fd_kind_bytes},
+              {"fd_message_bytes", &n->fd_message_bytes}};
+    for (size_t i = 0; i < sizeof fd / sizeof *fd; i++) {
+        PyObject *v = PyDict_GetItemString(d, fd[i].key);
+        if (v == NULL) {
+            PyErr_Format(PyExc_KeyError, "native core needs %s", fd[i].key);
+            return -1;
+        }
+        *fd[i].dst = (size_t)PyLong_AsSsize_t(v);
+    }
+    /* Each kind of FK_NAMES, and its severity, from findings.py (a kind it lacks: an error). */
+    PyObject *sev = PyDict_GetItemString(d, "finding_severity");
+    PyObject *fcap = PyDict_GetItemString(d, "findings_capacity");
+    n->found = PyDict_GetItemString(d, "found");
+    if (sev == NULL || !PyDict_Check(sev) || fcap == NULL || n->found == NULL ||
+        !PyList_Check(n->found)) {
+        n->found = NULL;
+        PyErr_SetString(PyExc_KeyError,
+                        "native core needs finding_severity (a dict), findings_capacity, found");
+        return -1;
+    }
+    Py_INCREF(n->found);
+    n->fd_cap = PyLong_AsLongLong(fcap);
+    for (int k = 0; k < FK_COUNT; k++) {
+        PyObject *v = PyDict_GetItemString(sev, FK_NAMES[k]);
+        if (v == NULL) {
+            PyErr_Format(PyExc_KeyError, "findings.py has no kind %s", FK_NAMES[k]);
+            return -1;
+        }
+        n->fk_severity[k] = (uint8_t)PyLong_AsLong(v);
     }
     PyObject *cap = PyDict_GetItemString(d, "lockgraph_capacity");
     PyObject *fl = PyDict_GetItemString(d, "lock_findings");
