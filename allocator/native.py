@@ -215,6 +215,7 @@ def probe_layout(pool: KVPool) -> dict[str, Any]:
     leaves the ring positions of its findings in (`KVPool._found`)."""
     lg, fd = LOCKGRAPH_DTYPE.fields, FINDING_DTYPE.fields
     h = pool.view.header.dtype.fields
+    assert h is not None
     return {
         "off_lockgraph": pool.view.offsets["lockgraph"],
         "lockgraph_used_at": h["lockgraph_used"][1],
@@ -232,6 +233,8 @@ def probe_layout(pool: KVPool) -> dict[str, Any]:
         "fd_message_bytes": fd["message"][0].itemsize,
         "finding_severity": {k.value: 1 if s == ERROR else 2 for k, s in SEVERITY.items()},
         "found": pool._found,
+        # magic: the header's fields, for the byte a header_corrupt finding names
+        "header_fields": tuple((name, off, dt.itemsize) for name, (dt, off, *_) in h.items()),
     }
 
 

@@ -314,6 +314,8 @@ class KVPool:
         if seq is None:
             tokens = as_token_list(tokens)
             seq = allocate.allocate(self, str(request_id), tokens)
+        if self._found:
+            self._hand_findings()
         if len(seq.tokens) < len(tokens):
             # A prompt of more than CHUNK new blocks: the rest is appended, a transaction per
             # CHUNK blocks' worth (the journal's bound), and the request aborted if it fails.
@@ -343,6 +345,8 @@ class KVPool:
         done = None if self._native is None else self._native.append(self, seq, tokens)
         if done is None:
             done = self._append_rest(seq, tokens)
+        if self._found:
+            self._hand_findings()
         if self._checks_overdue:
             self._settle_overdue()
         return done
@@ -372,6 +376,8 @@ class KVPool:
         done = None if self._native is None else self._native.mark_computed(self, seq, num_tokens)
         if done is None:
             done = publish.mark_computed(self, seq, num_tokens)
+        if self._found:
+            self._hand_findings()
         if self._checks_overdue:
             self._settle_overdue()
         return done
@@ -390,6 +396,8 @@ class KVPool:
         runner.reserve_ready(self, claiming=True)
         if self._native is not None:
             child = self._native.fork(self, seq, request_id)
+            if self._found:
+                self._hand_findings()
             if child is not None:
                 return child
         return fork.fork(self, seq, str(request_id))
@@ -421,6 +429,8 @@ class KVPool:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""
         if self._native is None or self._native.set_state(self, seq, state) is None:
             preempt.set_state(self, seq, state)
+        if self._found:
+            self._hand_findings()
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
@@ -428,6 +438,8 @@ class KVPool:
             tick = self._guard_tick
             guarded = self._before_claim()
             cached = self._native.resume(self, seq)
+            if self._found:
+                self._hand_findings()
             if cached is not None:
                 if guarded:
                     self._guarded.add(seq.slot)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvscope.allocator import integrity
-from kvscope.allocator.events import EventOp, EventRecorder, events_for_block
+from kvscope.allocator.events import EventOp, EventRecorder, events_for_block, recent_events
 from kvscope.allocator.findings import Finding, FindingKind, finding_at
 from kvscope.allocator.layout import (
     FINDINGS_CAPACITY,
@@ -152,18 +152,19 @@ class PoolProbes:
     def verify_often(self) -> None:
         """The header (and conservation) from inside operations, at most every VERIFY_EVERY_S
         (a step's cadence). Where the handle has the C core, the core's own check on the core's
-        clock (the one its operations keep: one check per interval, whichever path asks), which
-        hands a difference to `verify_due`."""
+        clock (the one its operations keep: one check per interval, whichever path asks),
+        which reports what it finds itself."""
         core = self.pool._native
         if core is not None and core.verify_often(self.pool) is not None:
+            if self.pool._found:
+                self.pool._hand_findings()
             return
         now = time.monotonic()
         if now - self.last_verify >= VERIFY_EVERY_S:
             self.verify_due()
 
     def verify_due(self) -> None:
-        """The header (and conservation) now: the interval is over, or the C core's check
-        found the header's bytes changed (it checks again and reports here)."""
+        """The header (and conservation) now: the interval is over."""
         self.last_verify = time.monotonic()
         self._once(self._verify)
 
@@ -232,8 +233,6 @@ class PoolProbes:
             extra={"offset": diff, "field": field, "found": found, "expected": want},
         )
         if self.recorder is not None:
-            from kvscope.allocator.events import recent_events
-
             f.events = recent_events(view, 8)
         self.report(f)
         return [f]
@@ -374,22 +373,37 @@ class PoolProbes:
 
 def ring_findings(view, positions: list[int]) -> list[Finding]:
     """The findings at these positions of the segment's ring (those the C core wrote in a
-    call: KVPool._found) as a reader sees them: with their block's allocation site and its
-    last events before the finding; one overwritten since is left out."""
+    call: KVPool._found) as the probe reports its own: with the block's allocation site and
+    its last events before the finding (a header_corrupt: the pool's last events); one
+    overwritten since is left out."""
     head = int(view.h["findings_head"])
     out = []
     for k in positions:
         if head - k > FINDINGS_CAPACITY:
             continue
         f = finding_at(view, k)
-        if f.block is not None:
-            at = f.extra.pop("time_ns")
-            f.events = [e for e in events_for_block(view, f.block, 9) if e["time_ns"] < at][-8:]
+        at = f.extra.pop("time_ns")
+        if f.kind == FindingKind.HEADER_CORRUPT:
+            f.events = _events_before(view, at)
+        elif f.block is not None:
+            f.events = _events_before(view, at, f.block)
             site = site_text(view, f.site_id) if f.site_id >= 0 else None
             if site:
                 f.extra["site"] = site
         out.append(f)
     return out
+
+
+def _events_before(view, at_ns: int, block: int | None = None) -> list[dict]:
+    """The last 8 events before at_ns (of one block, or of the pool): what a probe reporting
+    at that moment lists."""
+    ev = view.events.reshape(-1)
+    later = ev["time_ns"] >= at_ns
+    if block is None:
+        return [e for e in recent_events(view, 8 + int(later.sum())) if e["time_ns"] < at_ns][-8:]
+    later &= ev["block"] == block
+    got = events_for_block(view, block, 8 + int(later.sum()))
+    return [e for e in got if e["time_ns"] < at_ns][-8:]
 
 
 def _field_at(offset: int) -> str:

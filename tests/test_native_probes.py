@@ -269,11 +269,13 @@ def test_the_core_reverifies_the_header_and_the_free_counts(pool_name, monkeypat
 
 
 def test_the_python_path_asks_the_core_to_verify_on_one_clock(pool_name, monkeypatch):
-    # GIVEN the C core with magic and leaks on, past its first periodic check, and the probe's
-    # own (Python) verification counted
+    # GIVEN the C core with magic and leaks on, past its first periodic check, the probe's own
+    # (Python) verification counted, and a callback for findings
     import time
 
     pool = _magic_and_leaks(pool_name, monkeypatch)
+    seen: list = []
+    pool.on_finding = seen.append
     try:
         runs: list[int] = []
         verify = pool.probe._verify
@@ -283,17 +285,25 @@ def test_the_python_path_asks_the_core_to_verify_on_one_clock(pool_name, monkeyp
         for _ in range(3):
             time.sleep(0.011)
             pool.stats()
-        # THEN the core's check ran each time, and found nothing to hand to the Python path
-        assert runs == []
+        # THEN the core's check ran each time, and found nothing
+        assert runs == [] and pool.findings() == []
         # WHEN the header is scribbled over and, past the core's interval, stats() is asked for
         # just after the Python path's own clock was reset
+        was = int(pool.view.raw[8])
         pool.view.raw[8] ^= 0xFF
         time.sleep(0.011)
         pool.probe.last_verify = time.monotonic()
         pool.stats()
-        # THEN the core's check hands the difference over, and the probe reports it at once
-        assert runs == [1]
-        assert [f.kind for f in pool.findings()][-1] == "header_corrupt"
+        # THEN the core's check reports it at once, itself, naming the byte and its field, in
+        # the ring and to the callback
+        assert runs == []
+        f = pool.findings()[-1]
+        assert f.kind == "header_corrupt" and f.block is None
+        assert f.message.startswith(
+            f"segment header changed at byte 8 (version): found {was ^ 0xFF:02x}"
+        )
+        assert f", expected {was:02x}" in f.message
+        assert [(g.kind, g.message) for g in seen] == [(f.kind, f.message)]
     finally:
         lockdep.LOCKDEP.uninstrument(pool)
         pool.close()

@@ -103,7 +103,7 @@ typedef struct {
 } Aged;
 
 /* The finding kinds the core reports itself (probes.c FK_NAMES: findings.FindingKind). */
-enum { FK_LEAK_FINISHED, FK_COUNT };
+enum { FK_LEAK_FINISHED, FK_FREE_LIST_CORRUPT, FK_HEADER_CORRUPT, FK_COUNT };
 
 /* A block as a finding saw it: what the findings ring records of it (and a leak's refcount). */
 typedef struct {
@@ -235,7 +235,8 @@ typedef struct {
     int64_t exhausted_need;
     PyObject *fault_ops; /* fault name -> OP_* bits of the operations it can strike */
     PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
-    uint8_t *hdr_copy;   /* magic: the header's checked bytes as the probe last found them */
+    uint8_t *hdr_copy;   /* magic: the header's checked bytes as the handle attached */
+    PyObject *hdr_fields; /* magic: the header's (name, offset, size) fields, in order */
     int64_t hdr_len;
     int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
     /* The KV data (kvdata.c): its bytes when this process maps them (a CPU pool), else NULL
@@ -253,8 +254,7 @@ typedef struct {
 
 static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
     *s_waiting, *s_preempted,
-    *s_site_of, *s_probe, *s_verify_due,
-    *s_conservation, *s_writes;
+    *s_site_of, *s_probe, *s_writes;
 
 /* -- records --------------------------------------------------------------------------------- */
 

@@ -208,6 +208,7 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->reported);
     PyMem_Free(n->leak);
     Py_XDECREF(n->found);
+    Py_XDECREF(n->hdr_fields);
     PyMem_Free(n->maybe_live);
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);
@@ -356,8 +357,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_preempted = PyUnicode_InternFromString("preempted");
     s_site_of = PyUnicode_InternFromString("_site_of");
     s_probe = PyUnicode_InternFromString("_probe");
-    s_verify_due = PyUnicode_InternFromString("verify_due");
-    s_conservation = PyUnicode_InternFromString("conservation");
     s_writes = PyUnicode_InternFromString("writes");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);

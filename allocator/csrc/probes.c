@@ -136,7 +136,8 @@ static int32_t site_now(Native *n, PyObject *pool) {
 /* -- findings (probing.py PoolProbes.report, findings.py write_finding) ------------------- */
 
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
-static const char *const FK_NAMES[FK_COUNT] = {"leak_finished"};
+static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corrupt",
+                                                "header_corrupt"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
@@ -242,38 +243,79 @@ static int all_sealed(Native *n, const int32_t *ids, int64_t k) {
     return 1;
 }
 
-/* The probe's method `name` (no arguments): OK, or ERROR with an exception set. */
-static int call_probe(PyObject *pool, PyObject *name) {
-    PyObject *probe = PyObject_GetAttr(pool, s_probe);
-    if (probe == NULL) return ERROR;
-    PyObject *r = probe == Py_None ? Py_NewRef(Py_None) : PyObject_CallMethodNoArgs(probe, name);
-    Py_DECREF(probe);
-    Py_XDECREF(r);
-    return r ? OK : ERROR;
-}
-
 /* probing.conservation, counted here under the free lock: the ring holds exactly the free
- * (and quarantined) blocks, this client's local cache exactly its LOCAL blocks. 1 when they
- * agree (or the lock is not to be had now: the next check counts), 0 when not. */
-static int conserved(Native *n) {
-    if (txn_begin(n, lock_bit(n->lock_free)) != OK) return 1;
+ * (and quarantined) blocks, this client's local cache exactly its LOCAL blocks; a
+ * free_list_corrupt finding (the first difference) when not. Nothing when the lock is not to
+ * be had now (the next check counts). OK, or ERROR with an exception set. */
+static int conservation(Native *n) {
+    if (txn_begin(n, lock_bit(n->lock_free)) != OK) return OK;
     int64_t free_ = 0, mine = 0;
     for (int64_t b = 0; b < n->nb; b++) {
         uint8_t *r = blk(n, b);
         free_ += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
         mine += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
     }
-    int ok = free_ == (int64_t)U4(ringh(n) + RING_COUNT) && mine == (int64_t)local_count(n);
+    int64_t ring = (int64_t)U4(ringh(n) + RING_COUNT), local = (int64_t)local_count(n);
     txn_commit(n);
-    return ok;
+    PyObject *msg = NULL;
+    if (free_ != ring)
+        msg = PyUnicode_FromFormat("%lld blocks are free but the free ring holds %lld: blocks "
+                                   "were lost or freed twice",
+                                   (long long)free_, (long long)ring);
+    else if (mine != local)
+        msg = PyUnicode_FromFormat("this process has %lld LOCAL blocks but its local cache "
+                                   "lists %lld",
+                                   (long long)mine, (long long)local);
+    else
+        return OK;
+    Seen none = {.block = -1, .site = -1};
+    int rc = msg ? finding_report(n, FK_FREE_LIST_CORRUPT, &none, msg) : ERROR;
+    Py_XDECREF(msg);
+    return rc;
+}
+
+/* probing._verify: the header's checked bytes (up to and with its checksum) changed since
+ * this handle attached: a header_corrupt finding naming the first byte that differs, its
+ * field, and 8 bytes found and expected from there (byte -1, "?", when only the checksum
+ * differs). OK, or ERROR with an exception set. */
+static int header_changed(Native *n) {
+    int64_t body = n->hdr_len - 8, diff = -1;
+    for (int64_t i = 0; i < body && diff < 0; i++)
+        if (n->seg[i] != n->hdr_copy[i]) diff = i;
+    char found[17] = "?", want[17] = "?";
+    const char *field = "?";
+    if (diff >= 0) {
+        int64_t end = diff + 8 < body ? diff + 8 : body;
+        for (int64_t i = diff; i < end; i++) {
+            snprintf(found + 2 * (i - diff), 3, "%02x", n->seg[i]);
+            snprintf(want + 2 * (i - diff), 3, "%02x", n->hdr_copy[i]);
+        }
+        for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(n->hdr_fields); f++) {
+            PyObject *t = PyTuple_GET_ITEM(n->hdr_fields, f);
+            long off = PyLong_AsLong(PyTuple_GET_ITEM(t, 1));
+            long size = PyLong_AsLong(PyTuple_GET_ITEM(t, 2));
+            if (off <= diff && diff < off + size) {
+                field = PyUnicode_AsUTF8(PyTuple_GET_ITEM(t, 0));
+                break;
+            }
+        }
+        if (field == NULL || PyErr_Occurred()) return ERROR;
+    }
+    PyObject *msg = PyUnicode_FromFormat(
+        "segment header changed at byte %lld (%s): found %s, expected %s; something outside "
+        "the allocator wrote into the pool's metadata",
+        (long long)diff, field, found, want);
+    if (msg == NULL) return ERROR;
+    Seen none = {.block = -1, .site = -1};
+    int rc = finding_report(n, FK_HEADER_CORRUPT, &none, msg);
+    Py_DECREF(msg);
+    return rc;
 }
 
 /* probing.verify_often: the header (and, with the leaks probe, conservation) at most every
  * VERIFY_EVERY_S, on one clock for the handle (the Python path asks here too: N_verify_often).
- * The header's checked bytes (up to and with its checksum) are compared with a copy taken
- * after the probe's first check; a difference, or counts that do not agree, go to the probe
- * (verify_due, conservation), which checks again and reports. OK, or ERROR with an exception
- * set. */
+ * The header's checked bytes are compared with the copy taken when the handle attached
+ * (probes_init). OK, or ERROR with an exception set. */
 static int verify_often(Native *n, PyObject *pool) {
     /* Every operation reads the clock: the coarse one, with its resolution taken off the
      * interval, so that the check still runs once VERIFY_EVERY_NS have passed (and at
@@ -283,14 +325,8 @@ static int verify_often(Native *n, PyObject *pool) {
     uint64_t now = coarse ? mono_coarse_ns() : mono_ns();
     if (now - n->last_verify_ns < VERIFY_EVERY_NS - (coarse ? n->coarse_slack : 0)) return OK;
     n->last_verify_ns = now;
-    if (n->hdr_copy == NULL || memcmp(n->hdr_copy, n->seg, n->hdr_len) != 0) {
-        if (call_probe(pool, s_verify_due)) return ERROR;
-        if (n->hdr_copy == NULL && (n->hdr_copy = PyMem_Malloc(n->hdr_len)) != NULL)
-            memcpy(n->hdr_copy, n->seg, n->hdr_len);
-        return OK;
-    }
-    if ((n->probes & P_LEAKS) && !conserved(n)) return call_probe(pool, s_conservation);
-    return OK;
+    if (memcmp(n->hdr_copy, n->seg, n->hdr_len) != 0) return header_changed(n);
+    return n->probes & P_LEAKS ? conservation(n) : OK;
 }
 
 /* -- leaks (probing.py before_release / after_release, writes.py _check_unmapped) ------------- */
@@ -554,6 +590,19 @@ static int probes_init(Native *n, PyObject *d) {
         }
         n->fk_severity[k] = (uint8_t)PyLong_AsLong(v);
     }
+    /* magic: the header's checked bytes as this handle attached, and its fields */
+    n->hdr_fields = PyDict_GetItemString(d, "header_fields");
+    if (n->hdr_fields == NULL || !PyTuple_Check(n->hdr_fields) || n->hdr_len < 8) {
+        n->hdr_fields = NULL;
+        PyErr_SetString(PyExc_KeyError, "native core needs header_fields (a tuple)");
+        return -1;
+    }
+    Py_INCREF(n->hdr_fields);
+    if ((n->hdr_copy = PyMem_Malloc((size_t)n->hdr_len)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(n->hdr_copy, n->seg, (size_t)n->hdr_len);
     PyObject *cap = PyDict_GetItemString(d, "lockgraph_capacity");
     PyObject *fl = PyDict_GetItemString(d, "lock_findings");
     PyObject *classes = PyDict_GetItemString(d, "lock_classes");
