@@ -405,3 +405,56 @@ def test_a_leak_at_a_release_is_written_by_the_core_as_the_python_path_reports_i
             pool.close()
             pool.unlink()
     assert got[0] == got[1] and got[0][1] == ["allocate", "free"]
+
+
+def test_a_refcount_taken_twice_is_reported_by_the_core_and_the_release_goes_on(
+    pool_name, monkeypatch
+):
+    # GIVEN the leaks probe on the C core and on the Python path, and a request whose block's
+    # refcount was taken twice (resealed: no magic finding)
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("LEAKS", "EVENTS") else "0")
+    got = []
+    for native in (True, False):
+        pool = _pool(f"{pool_name}-{int(native)}", native, *DEFAULT)
+        seen: list = []
+        pool.on_finding = seen.append
+        try:
+            a = pool.allocate("a", [1, 2, 3])
+            x = a.block_table[0]
+            pool.view.blocks["refcount"][x] = 2
+            pool.store.seal(np.array([x]))
+            ops = pool._native.stats()["native_ops"] if native else 0
+            # WHEN the request ends
+            pool.free(a)
+            if native:
+                # (the core released it, reporting what it found)
+                assert pool._native.stats()["native_ops"] == ops + 1
+            # THEN the refcount is reported before the release, and the block it left held
+            # after it, in the ring and to the callback
+            found = [(f.kind, f.block, f.request, f.message) for f in pool.findings()]
+            assert found == [
+                (
+                    "refcount_mismatch",
+                    x,
+                    "a",
+                    "refcount is 2 but 1 sequence(s) of this process map the block (at the end "
+                    "of request 'a')",
+                ),
+                (
+                    "leak_finished",
+                    x,
+                    "a",
+                    "request 'a' ended but its block is still allocated (refcount 1) and no "
+                    "sequence maps it",
+                ),
+            ]
+            assert [(f.kind, f.block, f.message) for f in seen] == [
+                (k, b, m) for k, b, _, m in found
+            ]
+            got.append([[e["op"] for e in f.events] for f in seen])
+        finally:
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
+    assert got[0] == got[1]

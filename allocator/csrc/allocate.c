@@ -245,12 +245,13 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
 }
 
 /* A sequence's release (seq, table: its block ids; final: FINISHED or ABORTED; when: the
- * moment, in a published_block_modified finding's words) -> True, with the blocks it leaked
+ * moment, in a published_block_modified finding's words; rid: its request id, in a
+ * refcount_mismatch finding's) -> True, with the blocks it leaked
  * in n->leak (leaked_blocks: none without the leaks probe), or None (the Python path). A table
  * of more than CHUNK blocks is released from its tail, CHUNK blocks a transaction (the
  * journal's bound, as release.end), the Sequence's table cut after each. */
 static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t slot,
-                              long final, int guard, const char *when) {
+                              long final, int guard, const char *when, PyObject *rid) {
     int32_t ids_s[CHUNK], zero[CHUNK];
     int32_t *ids = ids_s;
     Py_ssize_t k, total = PyList_CheckExact(list) ? PyList_GET_SIZE(list) : 0;
@@ -264,14 +265,14 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
         result = fallback(n);
         goto done;
     }
-    /* Under a probe, leaks: refcounts the handle's tables do not explain (the Python path
-     * reports them, and what table_intact finds). */
+    /* Under a probe, what table_intact finds the Python path reports; leaks: refcounts the
+     * handle's tables do not explain, reported here. */
     if (n->probes) {
-        int m = table_intact(n, ids, k) ? refcounts_match(n, ids, k) : FALLBACK;
-        if (m != OK) {
-            result = m == ERROR ? NULL : fallback(n);
+        if (!table_intact(n, ids, k)) {
+            result = fallback(n);
             goto done;
         }
+        if (refcounts_match(n, ids, k, rid)) goto done;
     }
     char request[REQUEST_BYTES];
     memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);

@@ -103,7 +103,7 @@ typedef struct {
 } Aged;
 
 /* The finding kinds the core reports itself (probes.c FK_NAMES: findings.FindingKind). */
-enum { FK_LEAK_FINISHED, FK_FREE_LIST_CORRUPT, FK_HEADER_CORRUPT, FK_COUNT };
+enum { FK_LEAK_FINISHED, FK_FREE_LIST_CORRUPT, FK_HEADER_CORRUPT, FK_REFCOUNT_MISMATCH, FK_COUNT };
 
 /* A block as a finding saw it: what the findings ring records of it (and a leak's refcount). */
 typedef struct {

@@ -188,10 +188,14 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         Py_DECREF(table);
         return NULL;
     }
-    PyObject *done = core_release(n, seq, table, slot, final, guard, w);
+    PyObject *rid = sfield(n, seq, F_REQUEST_ID);
+    PyObject *done = rid ? core_release(n, seq, table, slot, final, guard, w, rid) : NULL;
     Py_XDECREF(when);
     Py_DECREF(table);
-    if (done == NULL || done == Py_None) return done;
+    if (done == NULL || done == Py_None) {
+        Py_XDECREF(rid);
+        return done;
+    }
     /* release.py end: sampled guard mode forgets the slot */
     if (guard && (n->probes & P_GUARD_SAMPLED)) {
         PyObject *key = PyLong_FromLongLong(slot);
@@ -212,13 +216,10 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_XDECREF(key);
     Py_XDECREF(empty);
     Py_XDECREF(minus);
-    if (!bad) {
-        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
-        /* the blocks the release left held that nothing maps (the leaks probe's), reported
-         * once the handle has forgotten the sequence (probing.after_release) */
-        bad = rid == NULL || report_leaked(n, rid) != OK;
-        Py_XDECREF(rid);
-    }
+    /* the blocks the release left held that nothing maps (the leaks probe's), reported
+     * once the handle has forgotten the sequence (probing.after_release) */
+    bad = bad || report_leaked(n, rid) != OK;
+    Py_DECREF(rid);
     if (bad) return NULL;
     Py_RETURN_TRUE;
 }

@@ -137,7 +137,7 @@ static int32_t site_now(Native *n, PyObject *pool) {
 
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
 static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corrupt",
-                                                "header_corrupt"};
+                                                "header_corrupt", "refcount_mismatch"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
@@ -424,18 +424,31 @@ static int count_handle_tables(Native *n, int64_t skip_slot) {
 }
 
 /* before_release: each unindexed ALLOCATED block of the table has as many references as
- * this handle's sequences map it. OK, FALLBACK on a mismatch (Python reports it), ERROR. */
-static int refcounts_match(Native *n, const int32_t *ids, int64_t k) {
+ * this handle's sequences map it; a refcount_mismatch finding for each that has not, as the
+ * record is now (the request id `rid` named in its message), and the release goes on. OK, or
+ * ERROR with an exception set. */
+static int refcounts_match(Native *n, const int32_t *ids, int64_t k, PyObject *rid) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
-    if (!leak_scratch(n)) return FALLBACK;
+    if (!leak_scratch(n)) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
     if (count_handle_tables(n, -1)) return ERROR;
-    int bad = 0;
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
-        if (r[BF_INDEXED] || r[BF_STATE] != B_ALLOCATED) continue;
-        if (I4(r + BF_REFCOUNT) != ref_get(n, ids[i])) bad = 1;
+        int32_t rc = I4(r + BF_REFCOUNT), refs = ref_get(n, ids[i]);
+        if (r[BF_INDEXED] || r[BF_STATE] != B_ALLOCATED || rc == refs) continue;
+        Seen s;
+        seen_of(n, ids[i], &s);
+        PyObject *msg = PyUnicode_FromFormat(
+            "refcount is %d but %d sequence(s) of this process map the block (at the end of "
+            "request %R)",
+            rc, refs, rid);
+        int bad = msg == NULL || finding_report(n, FK_REFCOUNT_MISMATCH, &s, msg);
+        Py_XDECREF(msg);
+        if (bad) return ERROR;
     }
-    return bad ? FALLBACK : OK;
+    return OK;
 }
 
 /* writes._check_unmapped: no live sequence (of any process) maps a block about to be handed
