@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolConfig
+from kvscope.allocator import KVPool, PoolConfig, integrity
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import read_findings
 from kvscope.allocator.layout import BlockState
@@ -321,6 +321,8 @@ def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
     found = []
     for native in (True, False):
         pool = _pool(f"{pool_name}-{int(native)}", native, 4, 4, 2, 4)
+        seen: list = []
+        pool.on_finding = seen.append
         try:
             holder = pool.allocate("holder", [1, 2, 3])
             gone = pool.allocate("gone", list(range(10, 10 + 4 * taken - 1)))
@@ -333,15 +335,28 @@ def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
             ops = pool._native.stats()["native_ops"] if native else 0
             pool.allocate("taker", list(range(50, 50 + 4 * taken - 1)))
             # THEN the block is reported as handed out while still mapped, naming the holder
-            found.append([(f.kind, f.block, f.request) for f in pool.findings()])
+            found.append([(f.kind, f.block, f.request, f.message) for f in pool.findings()])
+            assert [(f.kind, f.block, f.message) for f in seen] == [
+                (k, b, m) for k, b, _, m in found[-1]
+            ]
             if native:
-                # (the core found it and left the operation to the Python path, which reported)
-                assert pool._native.stats()["native_ops"] == ops
+                # (the core found it, reported it and handed the block out itself)
+                assert pool._native.stats()["native_ops"] == ops + 1
         finally:
             lockdep.LOCKDEP.uninstrument(pool)
             pool.close()
             pool.unlink()
-    assert found[0] == found[1] == [("use_after_free", freed[-1], "holder")]
+    assert found[0] == found[1]
+    assert found[0] == [
+        (
+            "use_after_free",
+            freed[-1],
+            "holder",
+            "block is being handed to request 'taker' but request 'holder' of pid "
+            f"{os.getpid()} still maps it: it was freed while that request's block table was "
+            "in use",
+        )
+    ]
 
 
 def _leak_at_release(pool: KVPool) -> int:
@@ -458,3 +473,39 @@ def test_a_refcount_taken_twice_is_reported_by_the_core_and_the_release_goes_on(
             pool.close()
             pool.unlink()
     assert got[0] == got[1]
+
+
+def test_a_write_after_free_is_reported_by_the_core_as_it_hands_the_block_out(
+    pool_name, monkeypatch
+):
+    # GIVEN guard mode on the C core (a CPU pool: it reads the K/V bytes itself), and a block
+    # written after its release, in quarantine
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "0")
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = _pool(pool_name, True, 4, 4, 2, 4, blocks=16)
+    seen: list = []
+    pool.on_finding = seen.append
+    try:
+        a = pool.allocate("a", list(range(8)))
+        x = a.block_table[1]
+        pool.free(a)
+        pool.kv[0, 1, x, 2, 0, :3] = 9.0
+        rec = pool.view.blocks[x].copy()
+        ops = pool._native.stats()
+        # WHEN requests take every block, that one too
+        for i in range(16):
+            pool.allocate(f"b{i}", [100 + i] * 3)
+        # THEN the core handed them all out itself, and reported the block once, naming who
+        # freed it and when, and how much of its poison was overwritten
+        after = pool._native.stats()
+        assert after["native_ops"] == ops["native_ops"] + 16
+        assert after["fallbacks"] == ops["fallbacks"]
+        (f,) = [f for f in pool.findings() if f.kind == "use_after_free"]
+        assert (f.block, f.request, f.owner_pid) == (x, "a", os.getpid())
+        assert f.message == integrity.poison_message(rec, 3)
+        assert [(g.kind, g.block, g.message) for g in seen] == [(f.kind, x, f.message)]
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()

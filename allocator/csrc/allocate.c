@@ -77,6 +77,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
         result = fallback(n);
         goto out;
     }
+    findings_hold(n);
     uint64_t now = wall_ns();
     if (claim_take(n, &claim)) goto abort;
     int64_t slot = claim.slot;
@@ -124,8 +125,8 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     Py_ssize_t ntok_first = first * bs < ntok ? first * bs : ntok;
     int64_t nfull_first = nfull < first ? nfull : first;
     int64_t k = first - hits;
-    if (take(n, k, table + hits, -1) || unmapped(n, table + hits, k) ||
-        poison_intact(n, table + hits, k))
+    if (take(n, k, table + hits, -1) || poison_intact(n, table + hits, k) ||
+        unmapped(n, table + hits, k, request))
         goto abort;
     if (stamp(n, table + hits, k, request, site, now)) goto abort;
     unpoison(n, table + hits, k);
@@ -143,6 +144,8 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
     txn_commit(n);
     if (preempted(n, 0, n->n_pre)) goto out;
+    /* (what the take found comes after the preemptions' events, as reserve.take's) */
+    findings_first(n, n->n_pend);
     count(n, C_ALLOCS, (uint64_t)k);
     count(n, C_QUERIES, (uint64_t)(max_hits > 0 ? max_hits : 0));
     count(n, C_HITS, (uint64_t)hits);

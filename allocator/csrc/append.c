@@ -47,11 +47,12 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
 
 /* reserve.take for an append to the sequence in `slot`: k fresh blocks stamped for it (the
  * local cache, the ring, eviction, preemption of another), with the probes' checks of blocks
- * handed out. OK, FALLBACK (a probe's finding: the Python path; nothing left: PoolExhausted at
- * the rollback), or FALLBACK with an exception set (a handback's). */
+ * handed out (what they find is reported at the commit). OK, FALLBACK (a handed-back check's
+ * finding: the Python path; nothing left: PoolExhausted at the rollback), or FALLBACK with an
+ * exception set. */
 static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, int32_t site,
                       uint64_t now, int64_t slot) {
-    if (take(n, k, out, slot) || unmapped(n, out, k) || poison_intact(n, out, k) ||
+    if (take(n, k, out, slot) || poison_intact(n, out, k) || unmapped(n, out, k, request) ||
         stamp(n, out, k, request, site, now))
         return FALLBACK;
     unpoison(n, out, k);
@@ -132,6 +133,8 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
         uint64_t now = wall_ns();
         int64_t pre_cow = 0; /* sequences the copy's take preempted (events in take order) */
+        int64_t found_cow = 0; /* findings of the copy's take (reported before its events) */
+        findings_hold(n);
         if (cow) {
             int32_t dst;
             if (take_fresh(n, 1, &dst, request, site, now, slot)) goto abort;
@@ -155,6 +158,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
             seal(n, dst);
             ids[0] = dst;
             pre_cow = n->n_pre;
+            found_cow = n->n_pend;
         }
         if (need > 0) {
             if (take_fresh(n, need, fresh, request, site, now, slot) ||
@@ -170,12 +174,14 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         count(n, C_ALLOCS, (uint64_t)((need > 0 ? need : 0) + cow));
         int64_t pre = n->n_pre;
         if (preempted(n, 0, pre_cow)) return ERROR;
+        findings_first(n, found_cow);
         if (cow) {
             count(n, C_COW, 1);
             ev_record(n, E_ALLOCATE, ids, 1, request, seq_id);
             ev_record(n, E_COW, &last, 1, request, ids[0]);
         }
         if (preempted(n, pre_cow, pre)) return ERROR;
+        findings_first(n, n->n_pend);
         if (need > 0) ev_record(n, E_ALLOCATE, fresh, need, request, seq_id);
         /* The Python side: the table as the segment's, the copy to make. */
         if (cow) {

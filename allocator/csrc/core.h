@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -103,13 +104,27 @@ typedef struct {
 } Aged;
 
 /* The finding kinds the core reports itself (probes.c FK_NAMES: findings.FindingKind). */
-enum { FK_LEAK_FINISHED, FK_FREE_LIST_CORRUPT, FK_HEADER_CORRUPT, FK_REFCOUNT_MISMATCH, FK_COUNT };
+enum {
+    FK_LEAK_FINISHED,
+    FK_FREE_LIST_CORRUPT,
+    FK_HEADER_CORRUPT,
+    FK_REFCOUNT_MISMATCH,
+    FK_USE_AFTER_FREE,
+    FK_COUNT
+};
 
 /* A block as a finding saw it: what the findings ring records of it (and a leak's refcount). */
 typedef struct {
     int32_t block, owner_pid, site, refcount;
     char request[REQUEST_BYTES];
 } Seen;
+
+/* A finding seen inside a transaction, reported when it commits (probes.c finding_later). */
+typedef struct {
+    int fk;
+    Seen seen;
+    PyObject *message;
+} Pending;
 
 typedef struct {
     PyObject_HEAD
@@ -213,6 +228,9 @@ typedef struct {
     uint8_t *reported; /* [FK_COUNT][nb + 1]: reported once per (kind, block; nb: none) */
     PyObject *found;   /* KVPool._found: ring positions of findings written in this call */
     Seen *leak;        /* the blocks a release leaked (leaked_blocks), CHUNK at most */
+    Pending *pend;     /* findings of the open transaction, reported at its commit */
+    int64_t n_pend;
+    int pend_hold;     /* the operation reports them itself, among its events (findings_hold) */
     int64_t n_leak;
     PyObject *pool; /* the call's pool (borrowed, for the duration of one call) */
     /* leaks: the slots that may hold a live sequence (a superset, kept while no client but
@@ -313,6 +331,9 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 static void lru_commit(Native *n);
 static void lru_drop_pending(Native *n);
 static int record_sealed(Native *n, int64_t b);
+static void findings_flush(Native *n);
+static void findings_first(Native *n, int64_t upto);
+static void findings_drop(Native *n);
 static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,

@@ -203,9 +203,37 @@ static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
+/* integrity.poison_message: a write after free into block b, whose record still names who
+ * freed it and when (its last access, local time to the millisecond as datetime prints a
+ * float timestamp), and `count` elements of its poison overwritten. */
+static PyObject *poison_message(Native *n, int32_t b, int64_t count) {
+    uint8_t *r = blk(n, b);
+    double ip, frac = modf((double)U8(r + BF_ACCESS_NS) / 1e9, &ip);
+    long us = lrint(frac * 1e6);
+    if (us >= 1000000) {
+        us -= 1000000;
+        ip += 1.0;
+    }
+    time_t sec = (time_t)ip;
+    struct tm tm;
+    char when[64];
+    localtime_r(&sec, &tm);
+    size_t w = strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
+    snprintf(when + w, sizeof when - w, ".%03ld", us / 1000);
+    PyObject *request = request_text((const char *)r + BF_REQUEST);
+    if (request == NULL) return NULL;
+    PyObject *msg = PyUnicode_FromFormat(
+        "written after it was freed: pid %d request %R freed it at %s, and %lld element(s) of "
+        "its poison (NaN) were overwritten in quarantine",
+        I4(r + BF_OWNER_PID), request, when, (long long)count);
+    Py_DECREF(request);
+    return msg;
+}
+
 /* Guard mode, blocks about to be handed out (writes.before_reuse): a poisoned one must still
- * hold its poison. OK, FALLBACK when one does not (a write after free: the Python path
- * reports it), ERROR. */
+ * hold its poison; one that does not (a write after free) is a use_after_free finding, with
+ * its record as it is now, reported when the operation commits. OK, FALLBACK (the data handed
+ * back found one: the Python path reports it), ERROR. */
 static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return OK;
     int32_t mine[CHUNK];
@@ -218,9 +246,16 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (nm == 0) return OK;
     if (n->kv == NULL) return kv_handback_check(n, DK_POISON, mine, nm, NULL);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
-    for (int64_t i = 0; i < nm; i++)
+    for (int64_t i = 0; i < nm; i++) {
+        int64_t count = 0;
         for (int64_t r = 0; r < n->kv_rows; r++)
-            if (!all_bits(n, kv_row(n, r, mine[i]), m, n->nan_bits)) return FALLBACK;
+            count += count_not(n, kv_row(n, r, mine[i]), m, n->nan_bits);
+        if (count == 0) continue;
+        Seen s;
+        seen_of(n, mine[i], &s);
+        if (finding_later(n, FK_USE_AFTER_FREE, &s, poison_message(n, mine[i], count)))
+            return ERROR;
+    }
     return OK;
 }
 

@@ -107,6 +107,11 @@ static inline void client_seq_bump(Native *n) {
 static int txn_begin(Native *n, uint64_t mask) {
     n->n_pre = 0;
     n->exhausted_need = 0;
+    /* (an operation that failed after its commit left findings: they stand, as it does) */
+    if (n->n_pend) {
+        n->pend_hold = 0;
+        findings_flush(n);
+    }
     if (n->txn_banned) {
         n->dry_valid = 0;
         return FALLBACK;
@@ -152,6 +157,7 @@ static void txn_commit(Native *n) {
     count(n, C_EVICTIONS, (uint64_t)n->pend_evicted);
     n->native_evictions += (uint64_t)n->pend_evicted;
     n->pend_evicted = 0;
+    findings_flush(n);
 }
 
 /* Roll back and let go; a take that found nothing left raises PoolExhausted now, with the
@@ -164,6 +170,7 @@ static void txn_abort(Native *n) {
     n->pend_evicted = 0;
     lru_drop_pending(n);
     n->n_pre = 0;
+    findings_drop(n);
     if (n->exhausted_need > 0 && !PyErr_Occurred()) raise_exhausted(n, n->exhausted_need);
     n->exhausted_need = 0;
 }

@@ -207,6 +207,8 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->refs_stamp);
     PyMem_Free(n->reported);
     PyMem_Free(n->leak);
+    findings_drop(n);
+    PyMem_Free(n->pend);
     Py_XDECREF(n->found);
     Py_XDECREF(n->hdr_fields);
     PyMem_Free(n->maybe_live);

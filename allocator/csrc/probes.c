@@ -137,7 +137,8 @@ static int32_t site_now(Native *n, PyObject *pool) {
 
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
 static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corrupt",
-                                                "header_corrupt", "refcount_mismatch"};
+                                                "header_corrupt", "refcount_mismatch",
+                                                "use_after_free"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
@@ -195,6 +196,59 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     *done = 1;
     ev_record(n, E_FINDING, &s->block, 1, s->request, 0);
     return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
+}
+
+/* A finding seen inside the open transaction (message: a new reference, taken over),
+ * reported when it commits (findings_flush: a write after free found in a block being handed
+ * out, reported whether or not the operation goes on to hand it out) and dropped if it rolls
+ * back (the operation is then done again, or refused, and finds it again). OK, or ERROR with
+ * an exception set. */
+static int finding_later(Native *n, int fk, const Seen *s, PyObject *message) {
+    if (message == NULL) return ERROR;
+    if (n->pend == NULL && (n->pend = PyMem_Calloc(2 * CHUNK, sizeof(Pending))) == NULL) {
+        Py_DECREF(message);
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    if (n->n_pend == 2 * CHUNK) {
+        /* (more than a transaction hands out: one per block at most) */
+        Py_DECREF(message);
+        return OK;
+    }
+    Pending *p = &n->pend[n->n_pend++];
+    p->fk = fk;
+    p->seen = *s;
+    p->message = message;
+    return OK;
+}
+
+/* Report the first `upto` findings waiting (after a commit, its locks let go), and keep the
+ * others. A failure to report: an exception written as unraisable (the operation stands). */
+static void findings_first(Native *n, int64_t upto) {
+    if (upto > n->n_pend) upto = n->n_pend;
+    for (int64_t i = 0; i < upto; i++) {
+        Pending *p = &n->pend[i];
+        if (finding_report(n, p->fk, &p->seen, p->message)) PyErr_WriteUnraisable(n->pool);
+        Py_CLEAR(p->message);
+    }
+    if (upto > 0) memmove(n->pend, n->pend + upto, (size_t)(n->n_pend - upto) * sizeof(Pending));
+    n->n_pend -= upto;
+    if (n->n_pend == 0) n->pend_hold = 0;
+}
+
+/* At a commit: what the transaction found, unless its operation holds them to report each
+ * where its FINDING event falls among the operation's events in the Python path's order
+ * (findings_hold; findings_first after the events that come before). */
+static void findings_flush(Native *n) {
+    if (!n->pend_hold) findings_first(n, n->n_pend);
+}
+
+static void findings_hold(Native *n) { n->pend_hold = 1; }
+
+static void findings_drop(Native *n) {
+    for (int64_t i = 0; i < n->n_pend; i++) Py_CLEAR(n->pend[i].message);
+    n->n_pend = 0;
+    n->pend_hold = 0;
 }
 
 /* first_report(kind, block) -> True | False | None: whether a finding of `kind` about `block`
@@ -451,16 +505,68 @@ static int refcounts_match(Native *n, const int32_t *ids, int64_t k, PyObject *r
     return OK;
 }
 
+/* A str of up to REQUEST_BYTES bytes of a record (undecodable bytes replaced). */
+static PyObject *request_text(const char *b) {
+    return PyUnicode_DecodeUTF8(b, (Py_ssize_t)strnlen(b, REQUEST_BYTES), "replace");
+}
+
+/* writes._stale_finding for each block of ids a live table maps, the first time it is found,
+ * in the order of the tables (by slot) and their entries. OK, or ERROR. */
+static int stale_findings(Native *n, const int32_t *ids, int64_t k, const char *request) {
+    PyObject *taker = request_text(request);
+    if (taker == NULL) return ERROR;
+    int32_t done[CHUNK];
+    int64_t nd = 0;
+    int rc = OK;
+    for (int64_t slot = 0; slot < n->max_seqs && rc == OK; slot++) {
+        uint8_t *q = seqrec(n, slot);
+        if (q[SF_STATE] == S_EMPTY) continue;
+        uint32_t nb = U4(q + SF_NUM_BLOCKS);
+        if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
+        const int32_t *t = (const int32_t *)(q + SF_TABLE);
+        for (uint32_t j = 0; j < nb && rc == OK; j++) {
+            int mine = 0, seen = 0;
+            for (int64_t i = 0; i < k; i++) mine |= ids[i] == t[j];
+            for (int64_t i = 0; i < nd; i++) seen |= done[i] == t[j];
+            if (!mine || seen || nd == CHUNK) continue;
+            done[nd++] = t[j];
+            Seen s;
+            seen_of(n, t[j], &s);
+            s.owner_pid = I4(q + SF_OWNER_PID);
+            memcpy(s.request, q + SF_REQUEST, REQUEST_BYTES);
+            PyObject *holder = request_text(s.request);
+            PyObject *msg = holder ? PyUnicode_FromFormat(
+                                         "block is being handed to request %R but request %R of "
+                                         "pid %d still maps it: it was freed while that "
+                                         "request's block table was in use",
+                                         taker, holder, s.owner_pid)
+                                   : NULL;
+            Py_XDECREF(holder);
+            rc = finding_later(n, FK_USE_AFTER_FREE, &s, msg);
+        }
+    }
+    Py_DECREF(taker);
+    return rc;
+}
+
 /* writes._check_unmapped: no live sequence (of any process) maps a block about to be handed
- * out. OK, or FALLBACK (Python reports the stale table). */
-static int unmapped(Native *n, const int32_t *ids, int64_t k) {
+ * out to `request`. A block one does map is a use_after_free finding, naming the sequence
+ * (its request and pid: the first that maps it, by slot) and the block's allocation site,
+ * reported when the operation commits (stale_findings). OK, or ERROR with an exception set. */
+static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *request) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
-    if (maybe_live_sync(n)) return FALLBACK;
+    if (maybe_live_sync(n)) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
     /* One block (a decode step's new block, the common case): a plain compare over each table,
      * which the compiler vectorizes; more: a mark per block in the scratch counts. */
     int32_t one = k == 1 ? ids[0] : -1;
     if (k > 1) {
-        if (!leak_scratch(n)) return FALLBACK;
+        if (!leak_scratch(n)) {
+            PyErr_NoMemory();
+            return ERROR;
+        }
         for (int64_t i = 0; i < k; i++) ref_add(n, ids[i]);
     }
     int hit = 0;
@@ -482,7 +588,7 @@ static int unmapped(Native *n, const int32_t *ids, int64_t k) {
                 break;
             }
     }
-    return hit ? FALLBACK : OK;
+    return hit ? stale_findings(n, ids, k, request) : OK;
 }
 
 /* held_after_release, inside the release's transaction after its drops: the blocks of the
