@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvscope.allocator import crash, faults, records
+from kvscope.allocator import crash, faults, integrity, records
 from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.findings import ERROR, SEVERITY
 from kvscope.allocator.layout import (
@@ -233,6 +233,8 @@ def probe_layout(pool: KVPool) -> dict[str, Any]:
         "fd_message_bytes": fd["message"][0].itemsize,
         "finding_severity": {k.value: 1 if s == ERROR else 2 for k, s in SEVERITY.items()},
         "found": pool._found,
+        "canary_message": integrity.CANARY_MESSAGE,
+        "poison_message": integrity.POISON_MESSAGE,
         # magic: the header's fields, for the byte a header_corrupt finding names
         "header_fields": tuple((name, off, dt.itemsize) for name, (dt, off, *_) in h.items()),
     }

@@ -290,9 +290,7 @@ class WriteProbes:
         probes = self.probes
         out = []
         for blk in integrity.broken_canaries(self.pool.kv):
-            before = len(probes.reported)
-            probes.block_finding(FindingKind.GUARD_VIOLATION, blk, integrity.CANARY_MESSAGE)
-            if len(probes.reported) > before:
+            if probes.block_finding(FindingKind.GUARD_VIOLATION, blk, integrity.CANARY_MESSAGE):
                 out.append(blk)
         from kvscope.allocator.findings import Finding
 

@@ -509,3 +509,46 @@ def test_a_write_after_free_is_reported_by_the_core_as_it_hands_the_block_out(
         lockdep.LOCKDEP.uninstrument(pool)
         pool.close()
         pool.unlink()
+
+
+def test_a_write_past_a_block_is_reported_by_the_core_at_its_release(pool_name, monkeypatch):
+    # GIVEN guard mode on the C core (a CPU pool), and a request that wrote into its first
+    # block's guard slot
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p == "EVENTS" else "0")
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = _pool(pool_name, True, 4, 4, 2, 4, blocks=16)
+    seen: list = []
+    pool.on_finding = seen.append
+    try:
+        a = pool.allocate("a", list(range(7)))
+        x = a.block_table[0]
+        pool.kv[0, 1, x, -1, 0, 0] = 1.0
+        ops = pool._native.stats()
+        # WHEN the request ends
+        pool.free(a)
+        # THEN the core released it itself, put the canary back and reported the block once,
+        # with a guard_violation event, then the finding, then the release's frees
+        after = pool._native.stats()
+        assert after["native_ops"] == ops["native_ops"] + 1
+        assert integrity.broken_canaries(pool.kv) == []
+        (f,) = pool.findings()
+        assert (f.kind, f.block, f.request, f.message) == (
+            "guard_violation",
+            x,
+            "a",
+            integrity.CANARY_MESSAGE,
+        )
+        assert [(g.kind, g.block) for g in seen] == [("guard_violation", x)]
+        ev = pool.view.events[pool.client]
+        ops_seen = [int(o) for o in ev["op"][ev["time_ns"] > 0]]
+        assert ops_seen[-4:] == [
+            EventOp.GUARD_VIOLATION,
+            EventOp.FINDING,
+            EventOp.FREE,
+            EventOp.FREE,
+        ]
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()

@@ -41,7 +41,7 @@ enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
 enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7,
-       E_FINDING = 9, E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13 };
+       E_GUARD_VIOLATION = 8, E_FINDING = 9, E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13 };
 /* probing.VERIFY_EVERY_S */
 #define VERIFY_EVERY_NS 10000000ull
 /* Entries of the core's site cache (a power of two). */
@@ -110,6 +110,7 @@ enum {
     FK_HEADER_CORRUPT,
     FK_REFCOUNT_MISMATCH,
     FK_USE_AFTER_FREE,
+    FK_GUARD_VIOLATION,
     FK_COUNT
 };
 
@@ -124,6 +125,8 @@ typedef struct {
     int fk;
     Seen seen;
     PyObject *message;
+    int event;      /* an event recorded first, whether or not the finding is new (0: none) */
+    int seen_later; /* the block's record is read when it is reported, not when it was seen */
 } Pending;
 
 typedef struct {
@@ -255,6 +258,7 @@ typedef struct {
     PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the handle attached */
     PyObject *hdr_fields; /* magic: the header's (name, offset, size) fields, in order */
+    PyObject *msg_canary, *msg_poison; /* integrity.CANARY_MESSAGE, POISON_MESSAGE */
     int64_t hdr_len;
     int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
     /* The KV data (kvdata.c): its bytes when this process maps them (a CPU pool), else NULL

@@ -161,16 +161,27 @@ static int guard_release(Native *n, int64_t slot) {
     return in;
 }
 
-/* Freed blocks' guard slots still hold the canary (probing.check_guard). OK, FALLBACK when
- * one does not (the Python path scans again, restores it and reports), ERROR. */
+/* Freed blocks' guard slots still hold the canary (probing.check_guard); one that does not
+ * gets it back, and a guard_violation finding, reported when the release commits with the
+ * block's record as it is then (and a GUARD_VIOLATION event first). OK, FALLBACK (the data
+ * handed back found one: the Python path reports it), ERROR. */
 static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     if (n->kv == NULL) return kv_handback_check(n, DK_CANARY, ids, k, NULL);
     int64_t m = n->kv_slot_bytes / n->kv_esize;
     size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
-    for (int64_t i = 0; i < k; i++)
+    for (int64_t i = 0; i < k; i++) {
+        int broken = 0;
         for (int64_t r = 0; r < n->kv_rows; r++)
-            if (!all_bits(n, kv_row(n, r, ids[i]) + guard, m, n->canary)) return FALLBACK;
+            broken |= !all_bits(n, kv_row(n, r, ids[i]) + guard, m, n->canary);
+        if (!broken) continue;
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            fill_bits(n, kv_row(n, r, ids[i]) + guard, m, n->canary);
+        Seen s = {.block = ids[i]};
+        if (finding_later(n, FK_GUARD_VIOLATION, &s, Py_NewRef(n->msg_canary))) return ERROR;
+        n->pend[n->n_pend - 1].event = E_GUARD_VIOLATION;
+        n->pend[n->n_pend - 1].seen_later = 1;
+    }
     return OK;
 }
 
@@ -205,7 +216,8 @@ static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
 
 /* integrity.poison_message: a write after free into block b, whose record still names who
  * freed it and when (its last access, local time to the millisecond as datetime prints a
- * float timestamp), and `count` elements of its poison overwritten. */
+ * float timestamp), and `count` elements of its poison overwritten (integrity.POISON_MESSAGE,
+ * formatted). */
 static PyObject *poison_message(Native *n, int32_t b, int64_t count) {
     uint8_t *r = blk(n, b);
     double ip, frac = modf((double)U8(r + BF_ACCESS_NS) / 1e9, &ip);
@@ -221,12 +233,16 @@ static PyObject *poison_message(Native *n, int32_t b, int64_t count) {
     size_t w = strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
     snprintf(when + w, sizeof when - w, ".%03ld", us / 1000);
     PyObject *request = request_text((const char *)r + BF_REQUEST);
-    if (request == NULL) return NULL;
-    PyObject *msg = PyUnicode_FromFormat(
-        "written after it was freed: pid %d request %R freed it at %s, and %lld element(s) of "
-        "its poison (NaN) were overwritten in quarantine",
-        I4(r + BF_OWNER_PID), request, when, (long long)count);
-    Py_DECREF(request);
+    PyObject *fmt = PyObject_GetAttrString(n->msg_poison, "format"), *args = PyTuple_New(0);
+    PyObject *kw = request ? Py_BuildValue("{s:i,s:O,s:s,s:L}", "pid", I4(r + BF_OWNER_PID),
+                                           "request", request, "when", when, "slots",
+                                           (long long)count)
+                           : NULL;
+    PyObject *msg = fmt && args && kw ? PyObject_Call(fmt, args, kw) : NULL;
+    Py_XDECREF(request);
+    Py_XDECREF(fmt);
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
     return msg;
 }
 

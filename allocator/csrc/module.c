@@ -211,6 +211,8 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->pend);
     Py_XDECREF(n->found);
     Py_XDECREF(n->hdr_fields);
+    Py_XDECREF(n->msg_canary);
+    Py_XDECREF(n->msg_poison);
     PyMem_Free(n->maybe_live);
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);

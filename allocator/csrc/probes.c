@@ -138,7 +138,7 @@ static int32_t site_now(Native *n, PyObject *pool) {
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
 static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corrupt",
                                                 "header_corrupt", "refcount_mismatch",
-                                                "use_after_free"};
+                                                "use_after_free", "guard_violation"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
@@ -219,6 +219,8 @@ static int finding_later(Native *n, int fk, const Seen *s, PyObject *message) {
     p->fk = fk;
     p->seen = *s;
     p->message = message;
+    p->event = 0;
+    p->seen_later = 0;
     return OK;
 }
 
@@ -228,6 +230,9 @@ static void findings_first(Native *n, int64_t upto) {
     if (upto > n->n_pend) upto = n->n_pend;
     for (int64_t i = 0; i < upto; i++) {
         Pending *p = &n->pend[i];
+        static const char no_request[REQUEST_BYTES];
+        if (p->event) ev_record(n, p->event, &p->seen.block, 1, no_request, 0);
+        if (p->seen_later) seen_of(n, p->seen.block, &p->seen);
         if (finding_report(n, p->fk, &p->seen, p->message)) PyErr_WriteUnraisable(n->pool);
         Py_CLEAR(p->message);
     }
@@ -717,6 +722,15 @@ static int probes_init(Native *n, PyObject *d) {
         return -1;
     }
     Py_INCREF(n->hdr_fields);
+    n->msg_canary = PyDict_GetItemString(d, "canary_message");
+    n->msg_poison = PyDict_GetItemString(d, "poison_message");
+    if (n->msg_canary == NULL || n->msg_poison == NULL) {
+        n->msg_canary = n->msg_poison = NULL;
+        PyErr_SetString(PyExc_KeyError, "native core needs canary_message and poison_message");
+        return -1;
+    }
+    Py_INCREF(n->msg_canary);
+    Py_INCREF(n->msg_poison);
     if ((n->hdr_copy = PyMem_Malloc((size_t)n->hdr_len)) == NULL) {
         PyErr_NoMemory();
         return -1;
