@@ -268,8 +268,9 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
         result = fallback(n);
         goto done;
     }
-    /* Under a probe, what table_intact finds the Python path reports; leaks: refcounts the
-     * handle's tables do not explain, reported here. */
+    /* Under a probe, what table_intact finds the Python path reports (a block released twice,
+     * a record that fails its checksum); leaks: refcounts the handle's tables do not explain,
+     * reported here. */
     if (n->probes) {
         if (!table_intact(n, ids, k)) {
             result = fallback(n);

@@ -330,8 +330,8 @@ static PyObject *N_write_digests(Native *n, PyObject *const *args, Py_ssize_t na
  * a transaction of its own), on this core's clock: the gate runs it. None where the core
  * would not run an operation now (the Python path checks on its own clock then). */
 static PyObject *N_verify_often(Native *n, PyObject *pool) {
-    /* It may come from inside an operation's gate (the probe's verify_due runs Python that asks
-     * again): what that gate worked out for its operation stays as it was. */
+    /* It may come from inside an operation's gate (Python the gate runs may ask again): what
+     * that gate worked out for its operation stays as it was. */
     int banned = n->txn_banned, probes = n->probes;
     PyObject *was = n->pool;
     int g = gate(n, pool, 0);
