@@ -160,6 +160,11 @@ def _blank_digests(kv: KV, block_size: int) -> dict[int, str]:
 # How a `published_block_modified` message begins when the block was published blank (readers
 # key on it: kvscope/analysis.py names the requests that read the block before it was written).
 UNWRITTEN_AT_PUBLISH = "published before its K/V was written"
+# A digest taken of a block nothing had been written into ({blank}: "zero", "NaN (poison)").
+BLANK_MODIFIED_MESSAGE = (
+    UNWRITTEN_AT_PUBLISH + ": mark_computed digested an all-{blank} block, and its K/V changed "
+    "since (seen at {when}; digest now {found:#010x})"
+)
 
 
 def modified_message(
@@ -174,10 +179,7 @@ def modified_message(
         publisher = bytes(rec["request"]).decode(errors="replace")
         published = f"request {publisher!r} published it" if publisher else "its publication"
         return MODIFIED_MESSAGE.format(published=published, when=when)
-    return (
-        f"{UNWRITTEN_AT_PUBLISH}: mark_computed digested an all-{blank} block, "
-        f"and its K/V changed since (seen at {when}; digest now {found:#010x})"
-    )
+    return BLANK_MODIFIED_MESSAGE.format(blank=blank, when=when, found=found)
 
 
 # -- poison ----------------------------------------------------------------------------------

@@ -235,6 +235,8 @@ def probe_layout(pool: KVPool) -> dict[str, Any]:
         "found": pool._found,
         "canary_message": integrity.CANARY_MESSAGE,
         "poison_message": integrity.POISON_MESSAGE,
+        "modified_message": integrity.MODIFIED_MESSAGE,
+        "blank_modified_message": integrity.BLANK_MODIFIED_MESSAGE,
         # magic: the header's fields, for the byte a header_corrupt finding names
         "header_fields": tuple((name, off, dt.itemsize) for name, (dt, off, *_) in h.items()),
     }

@@ -395,15 +395,20 @@ def ring_findings(view, positions: list[int]) -> list[Finding]:
 
 
 def _events_before(view, at_ns: int, block: int | None = None) -> list[dict]:
-    """The last 8 events before at_ns (of one block, or of the pool): what a probe reporting
-    at that moment lists."""
+    """The last 8 events before a finding the C core wrote at at_ns (of one block, or of the
+    pool), its own FINDING event, recorded just before it, left out: what the probe lists when
+    it reports."""
     ev = view.events.reshape(-1)
     later = ev["time_ns"] >= at_ns
     if block is None:
-        return [e for e in recent_events(view, 8 + int(later.sum())) if e["time_ns"] < at_ns][-8:]
-    later &= ev["block"] == block
-    got = events_for_block(view, block, 8 + int(later.sum()))
-    return [e for e in got if e["time_ns"] < at_ns][-8:]
+        got = recent_events(view, 9 + int(later.sum()))
+    else:
+        later &= ev["block"] == block
+        got = events_for_block(view, block, 9 + int(later.sum()))
+    got = [e for e in got if e["time_ns"] < at_ns]
+    if got and got[-1]["op"] == "finding":
+        got.pop()
+    return got[-8:]
 
 
 def _field_at(offset: int) -> str:

@@ -552,3 +552,47 @@ def test_a_write_past_a_block_is_reported_by_the_core_at_its_release(pool_name, 
         lockdep.LOCKDEP.uninstrument(pool)
         pool.close()
         pool.unlink()
+
+
+@pytest.mark.parametrize("written", [True, False], ids=["written", "published-blank"])
+def test_a_published_block_written_again_is_reported_by_the_core_at_a_prefix_hit(
+    pool_name, monkeypatch, written
+):
+    # GIVEN the digest probe on the C core (a CPU pool), a published block, and a write into
+    # it after its publication
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "0")
+    monkeypatch.setenv("KVSCOPE_DIGEST", "1")
+    pool = _pool(pool_name, True, 4, 4, 2, 4, blocks=16)
+    seen: list = []
+    pool.on_finding = seen.append
+    try:
+        a = pool.allocate("a", list(range(9)))
+        x = a.block_table[0]
+        if written:
+            pool.kv[:, :, x, :4] = 1.0
+        pool.mark_computed(a, 8)
+        pool.kv[0, 0, x, 1, 0, 0] = 4.0
+        ops = pool._native.stats()
+        # WHEN another request hits the prefix
+        pool.allocate("b", list(range(9)))
+        # THEN the core ran the allocation and reported the block once, naming the request
+        # that published it and the moment, or that it was published before its K/V was written
+        after = pool._native.stats()
+        assert after["native_ops"] == ops["native_ops"] + 1
+        assert after["fallbacks"] == ops["fallbacks"]
+        (f,) = pool.findings()
+        assert (f.kind, f.block, f.request) == ("published_block_modified", x, "a")
+        if written:
+            assert f.message.startswith(
+                "K/V changed since request 'a' published it (seen at a prefix hit by request 'b')"
+            )
+        else:
+            assert f.message.startswith(
+                f"{integrity.UNWRITTEN_AT_PUBLISH}: mark_computed digested an all-zero block"
+            )
+        assert [(g.kind, g.message) for g in seen] == [(f.kind, f.message)]
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()

@@ -143,8 +143,10 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     }
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
     txn_commit(n);
+    /* (what was found before a preemption comes before its events, the rest after them, as
+     * in reserve.take) */
+    findings_before(n, n->n_pend, 0);
     if (preempted(n, 0, n->n_pre)) goto out;
-    /* (what the take found comes after the preemptions' events, as reserve.take's) */
     findings_first(n, n->n_pend);
     count(n, C_ALLOCS, (uint64_t)k);
     count(n, C_QUERIES, (uint64_t)(max_hits > 0 ? max_hits : 0));

@@ -173,6 +173,11 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         int64_t seq_id = (int64_t)U8(s + SF_SEQ_ID);
         count(n, C_ALLOCS, (uint64_t)((need > 0 ? need : 0) + cow));
         int64_t pre = n->n_pre;
+        /* (what a take found before a preemption comes before its events, the rest after
+         * them, as in reserve.take; the copy's before its events) */
+        int64_t waiting = n->n_pend;
+        findings_before(n, found_cow, 0);
+        found_cow -= waiting - n->n_pend;
         if (preempted(n, 0, pre_cow)) return ERROR;
         findings_first(n, found_cow);
         if (cow) {
@@ -180,6 +185,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
             ev_record(n, E_ALLOCATE, ids, 1, request, seq_id);
             ev_record(n, E_COW, &last, 1, request, ids[0]);
         }
+        findings_before(n, n->n_pend, pre_cow);
         if (preempted(n, pre_cow, pre)) return ERROR;
         findings_first(n, n->n_pend);
         if (need > 0) ev_record(n, E_ALLOCATE, fresh, need, request, seq_id);

@@ -111,6 +111,7 @@ enum {
     FK_REFCOUNT_MISMATCH,
     FK_USE_AFTER_FREE,
     FK_GUARD_VIOLATION,
+    FK_PUBLISHED_BLOCK_MODIFIED,
     FK_COUNT
 };
 
@@ -127,6 +128,7 @@ typedef struct {
     PyObject *message;
     int event;      /* an event recorded first, whether or not the finding is new (0: none) */
     int seen_later; /* the block's record is read when it is reported, not when it was seen */
+    int64_t pre;    /* the sequences the transaction had preempted when it was seen */
 } Pending;
 
 typedef struct {
@@ -259,6 +261,9 @@ typedef struct {
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the handle attached */
     PyObject *hdr_fields; /* magic: the header's (name, offset, size) fields, in order */
     PyObject *msg_canary, *msg_poison; /* integrity.CANARY_MESSAGE, POISON_MESSAGE */
+    PyObject *msg_modified, *msg_blank; /* integrity.MODIFIED_MESSAGE, BLANK_MODIFIED_MESSAGE */
+    uint64_t blank_zero, blank_nan; /* high halves of a never-written block's digests (0: not yet) */
+    int blank_known;
     int64_t hdr_len;
     int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
     /* The KV data (kvdata.c): its bytes when this process maps them (a CPU pool), else NULL
@@ -337,6 +342,7 @@ static void lru_drop_pending(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static void findings_flush(Native *n);
 static void findings_first(Native *n, int64_t upto);
+static void findings_before(Native *n, int64_t upto, int64_t pre);
 static void findings_drop(Native *n);
 static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);

@@ -154,12 +154,10 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
 
 /* The moment a release verifies its published blocks, in a published_block_modified finding's
  * words (release.py: f"its release by request {seq.request_id!r}"), with *hold the string that
- * keeps them (a new reference, or NULL). The request is named only where the core's verification
- * is answered later (a CUDA pool): on the bytes, a change falls back and the Python path words
- * it. NULL with an exception set. */
+ * keeps them (a new reference, or NULL). NULL with an exception set. */
 static const char *release_words(Native *n, PyObject *seq, PyObject **hold) {
     *hold = NULL;
-    if (!(n->probes & P_DIGEST) || n->kv != NULL) return "its release";
+    if (!(n->probes & P_DIGEST)) return "its release";
     PyObject *rid = sfield(n, seq, F_REQUEST_ID);
     *hold = rid ? PyUnicode_FromFormat("its release by request %R", rid) : NULL;
     Py_XDECREF(rid);

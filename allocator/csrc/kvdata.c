@@ -331,11 +331,60 @@ static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
+/* The high half of the digest of a block whose every element's bits are v (integrity.
+ * _blank_digests: a block as created, zero, or as poisoned, NaN); 0 without memory. */
+static uint64_t blank_digest(Native *n, uint64_t v) {
+    int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
+    uint8_t *row = PyMem_Malloc((size_t)(n->bs * n->kv_slot_bytes));
+    if (row == NULL) return 0;
+    fill_bits(n, row, m, v);
+    uint64_t sum = 0, jm = DIGEST_ADD;
+    for (int64_t r = 0; r < n->kv_rows; r++) sum = digest_row(n, row, m, &jm, sum);
+    PyMem_Free(row);
+    return fmix64(sum) >> 32;
+}
+
+/* integrity.modified_message: block b's K/V no longer matches the digest its record holds
+ * (high halves `found` and `want`), seen at `when`: naming the request that published it (its
+ * record's), or saying the digest was taken of a block nothing had been written into. */
+static PyObject *modified_message(Native *n, int32_t b, const char *when, uint64_t found,
+                                  uint64_t want) {
+    if (!n->blank_known) {
+        n->blank_zero = blank_digest(n, 0);
+        n->blank_nan = n->poison_ok ? blank_digest(n, n->nan_bits) : UINT64_MAX;
+        n->blank_known = 1;
+    }
+    const char *blank = want == n->blank_nan ? "NaN (poison)" : want == n->blank_zero ? "zero" : NULL;
+    PyObject *fmt = PyObject_GetAttrString(blank ? n->msg_blank : n->msg_modified, "format");
+    PyObject *args = PyTuple_New(0), *kw = NULL;
+    if (blank) {
+        kw = Py_BuildValue("{s:s,s:s,s:K}", "blank", blank, "when", when, "found",
+                           (unsigned long long)found);
+    } else {
+        PyObject *publisher = request_text((const char *)blk(n, b) + BF_REQUEST);
+        PyObject *published =
+            publisher == NULL ? NULL
+            : PyUnicode_GET_LENGTH(publisher) ? PyUnicode_FromFormat("request %R published it",
+                                                                     publisher)
+                                              : PyUnicode_FromString("its publication");
+        kw = published ? Py_BuildValue("{s:O,s:s}", "published", published, "when", when) : NULL;
+        Py_XDECREF(publisher);
+        Py_XDECREF(published);
+    }
+    PyObject *msg = fmt && args && kw ? PyObject_Call(fmt, args, kw) : NULL;
+    Py_XDECREF(fmt);
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    return msg;
+}
+
 /* writes.verify_published: the published blocks among ids (indexed, with a digest of their
- * generation) still match it; `when` names the moment in a finding ("a prefix hit"). Handed
- * back as "verify:<when>": true when one does not match (the answer may come later:
- * devicechecks.py). OK, FALLBACK when one does not (the Python path reports
- * `published_block_modified`), ERROR. */
+ * generation) still match it; `when` names the moment in a finding ("a prefix hit"). One that
+ * does not is a published_block_modified finding, with its record as it is now, reported when
+ * the operation commits (which goes on, as the Python path's does). Handed back as
+ * "verify:<when>": true when one does not match (the answer may come later:
+ * devicechecks.py). OK, FALLBACK (a handed-back check found one: the Python path reports it),
+ * ERROR. */
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     enum { BATCH = CHUNK + EVICT_BATCH };
@@ -357,8 +406,13 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
             continue;
         }
         digests(n, pub, np_, got);
-        for (int64_t j = 0; j < np_; j++)
-            if (got[j] >> 32 != want[j] >> 32) return FALLBACK;
+        for (int64_t j = 0; j < np_; j++) {
+            if (got[j] >> 32 == want[j] >> 32) continue;
+            Seen s;
+            seen_of(n, pub[j], &s);
+            PyObject *msg = modified_message(n, pub[j], when, got[j] >> 32, want[j] >> 32);
+            if (finding_later(n, FK_PUBLISHED_BLOCK_MODIFIED, &s, msg)) return ERROR;
+        }
     }
     return OK;
 }

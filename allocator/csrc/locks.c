@@ -108,10 +108,8 @@ static int txn_begin(Native *n, uint64_t mask) {
     n->n_pre = 0;
     n->exhausted_need = 0;
     /* (an operation that failed after its commit left findings: they stand, as it does) */
-    if (n->n_pend) {
-        n->pend_hold = 0;
-        findings_flush(n);
-    }
+    n->pend_hold = 0;
+    if (n->n_pend) findings_flush(n);
     if (n->txn_banned) {
         n->dry_valid = 0;
         return FALLBACK;

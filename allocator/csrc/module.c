@@ -213,6 +213,8 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->hdr_fields);
     Py_XDECREF(n->msg_canary);
     Py_XDECREF(n->msg_poison);
+    Py_XDECREF(n->msg_modified);
+    Py_XDECREF(n->msg_blank);
     PyMem_Free(n->maybe_live);
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);

@@ -138,7 +138,8 @@ static int32_t site_now(Native *n, PyObject *pool) {
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
 static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corrupt",
                                                 "header_corrupt", "refcount_mismatch",
-                                                "use_after_free", "guard_violation"};
+                                                "use_after_free", "guard_violation",
+                                                "published_block_modified"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
@@ -151,9 +152,10 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
 }
 
 /* Report a finding of kind fk about s->block (-1: none) as PoolProbes.report does, once per
- * (kind, block) for the handle: appended to the segment's findings ring under the findings
- * lock (record first, then the head, as write_finding without a journal: a death in between
- * leaves nothing half written), a FINDING event in the flight recorder, and its ring position
+ * (kind, block) for the handle: a FINDING event in the flight recorder, then the finding
+ * appended to the segment's findings ring under the findings lock (record first, then the
+ * head, as write_finding without a journal: a death in between leaves nothing half written),
+ * and its ring position
  * appended to KVPool._found, from which the binding hands it to `on_finding` after the call
  * (with the site text and the block's events, read then: findings.finding_at). The message is
  * composed here, from what only the finding's moment knows (a request id, a refcount), so
@@ -172,6 +174,9 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     Py_ssize_t len;
     const char *text = PyUnicode_AsUTF8AndSize(message, &len);
     if (text == NULL) return ERROR;
+    /* The FINDING event first, as the probe records it: a reader finds it at or before the
+     * finding's time (analysis.py's suspects). */
+    ev_record(n, E_FINDING, &s->block, 1, s->request, 0);
     int mh = n->mutex_held;
     if (lock_take(n, n->lock_findings) != OK) {
         if (!mh) drop_mutex(n);
@@ -194,7 +199,6 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     lock_drop(n, n->lock_findings);
     if (!mh) drop_mutex(n);
     *done = 1;
-    ev_record(n, E_FINDING, &s->block, 1, s->request, 0);
     return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
 }
 
@@ -221,6 +225,7 @@ static int finding_later(Native *n, int fk, const Seen *s, PyObject *message) {
     p->message = message;
     p->event = 0;
     p->seen_later = 0;
+    p->pre = n->n_pre;
     return OK;
 }
 
@@ -249,6 +254,15 @@ static void findings_flush(Native *n) {
 }
 
 static void findings_hold(Native *n) { n->pend_hold = 1; }
+
+/* Report, of the first `upto` findings waiting, those seen before the transaction's
+ * preemption number `pre` (the events of a preemption come after what was found before it,
+ * as in the Python path's take). */
+static void findings_before(Native *n, int64_t upto, int64_t pre) {
+    int64_t k = 0;
+    while (k < upto && k < n->n_pend && n->pend[k].pre <= pre) k++;
+    findings_first(n, k);
+}
 
 static void findings_drop(Native *n) {
     for (int64_t i = 0; i < n->n_pend; i++) Py_CLEAR(n->pend[i].message);
@@ -731,6 +745,15 @@ static int probes_init(Native *n, PyObject *d) {
     }
     Py_INCREF(n->msg_canary);
     Py_INCREF(n->msg_poison);
+    n->msg_modified = PyDict_GetItemString(d, "modified_message");
+    n->msg_blank = PyDict_GetItemString(d, "blank_modified_message");
+    if (n->msg_modified == NULL || n->msg_blank == NULL) {
+        n->msg_modified = n->msg_blank = NULL;
+        PyErr_SetString(PyExc_KeyError, "native core needs the modified_message templates");
+        return -1;
+    }
+    Py_INCREF(n->msg_modified);
+    Py_INCREF(n->msg_blank);
     if ((n->hdr_copy = PyMem_Malloc((size_t)n->hdr_len)) == NULL) {
         PyErr_NoMemory();
         return -1;
