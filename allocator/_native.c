@@ -9,8 +9,8 @@
  * Whatever is not the common case is left to Python: every entry point returns None, with
  * nothing changed, when it meets one (a slot reserve to refill, a
  * lock whose record names a dead holder, a journal too small, a prompt longer than one
- * chunk...), and the Python method then runs its own path. Probes, armed faults and crash
- * points keep every call on the Python path (`gate`).
+ * chunk...), and the Python method then runs its own path. Armed faults and crash points
+ * strike the core's operations themselves (csrc/faults.c).
  *
  * Transactions follow docs/FORMAT.md: the client's seq goes odd, locks are taken in the one
  * order (ascending lock index), the old bytes of every shared write are saved in the client's
@@ -27,6 +27,7 @@
 /* The parts, one noun each, compiled as this one translation unit (every function stays
  * static and inlinable): */
 #include "csrc/core.h"
+#include "csrc/faults.c"
 #include "csrc/journal.c"
 #include "csrc/locks.c"
 #include "csrc/blocks.c"

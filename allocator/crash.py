@@ -1,7 +1,8 @@
 """Named crash points: `KVSCOPE_CRASH_AT=<point>[:<n>]` exits abruptly the n-th time a point is hit.
 
 Used by the crash-consistency tests (and by users testing their own recovery). The process dies
-with SIGKILL: no cleanup, no atexit, exactly like an OOM kill.
+with SIGKILL: no cleanup, no atexit, exactly like an OOM kill. The C core hits the same points
+in its own operations (csrc/faults.c) and counts on the same counter, `ARMED`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from array import array
 
 # Every point, in the order an operation reaches them; tests iterate over this list.
 CRASH_POINTS: list[str] = []
@@ -37,21 +39,20 @@ _register(
     "txn.before_commit",
 )
 
-# The armed point (the C core reads `_target` to keep off while one is armed: native.py).
-_target: str | None = None
-_count = 0
+# [the armed point's place in CRASH_POINTS plus one (0: none), hits left before it fires]: one
+# count for the whole process, which the C core (handed it once: native.py) counts down in place.
+ARMED = array("q", [0, 0])
 
 
 def configure(spec: str | None) -> None:
     """Arm a crash point from a `<point>[:<n>]` spec (None disarms)."""
-    global _target, _count
     if not spec:
-        _target, _count = None, 0
+        ARMED[0], ARMED[1] = 0, 0
         return
     name, _, n = spec.partition(":")
     if name not in CRASH_POINTS:
         raise ValueError(f"unknown crash point {name!r}; known: {', '.join(CRASH_POINTS)}")
-    _target, _count = name, int(n or 1)
+    ARMED[0], ARMED[1] = CRASH_POINTS.index(name) + 1, int(n or 1)
 
 
 def _from_env() -> None:
@@ -63,11 +64,11 @@ def _from_env() -> None:
 
 def crash_point(name: str) -> None:
     """Die here if this point is armed and its count is reached."""
-    global _count
-    if _target is None or name != _target:
+    at = ARMED[0]
+    if at == 0 or CRASH_POINTS[at - 1] != name:
         return
-    _count -= 1
-    if _count <= 0:
+    ARMED[1] -= 1
+    if ARMED[1] <= 0:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -9,6 +9,9 @@ it stays true until the site has acted and called `fired(name)`, so a site that 
 time (a double free needs a block that was really freed) acts at the next one it can. Only
 `fired` announces the fault: a fault that says it was injected was injected. Faults still armed
 when a process exits are listed by `unfired()` (`kvscope run` reports them).
+
+The C core's operations have the same sites (csrc/faults.c): they count down `ARMED` itself and
+call `fired`, so the n-th opportunity is counted across the core and the Python path.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvscope.allocator.pool import KVPool
 
 FAULTS = (
     "double-free",
@@ -29,23 +36,6 @@ FAULTS = (
     "lock-inversion",
 )
 DEFAULT_AT = 3
-# The pool operations each fault can strike (bits: allocate 1, free/abort 2, append 4,
-# mark_computed 8, fork 16, the writing of digests answered later 32: devicechecks.py): the C
-# core hands those to the Python path while the fault is armed and keeps the others
-# (docs/FORMAT.md, "The native core").
-ALLOCATE, END, APPEND, MARK_COMPUTED, FORK, DIGESTS = 1, 2, 4, 8, 16, 32
-FAULT_OPS: dict[str, int] = {
-    "double-free": END,
-    "leak": END,
-    "use-after-free": END,
-    "kill-holding-lock": END,
-    "oob-write": APPEND,
-    "header-scribble": APPEND,
-    "block-scribble": APPEND,
-    "refcount-skew": ALLOCATE,
-    # any transaction with more than one lock
-    "lock-inversion": ALLOCATE | END | APPEND | MARK_COMPUTED | FORK | DIGESTS,
-}
 
 # fault -> opportunities left before it fires; empty when nothing is armed (the common case).
 ARMED: dict[str, int] = {}
@@ -102,6 +92,15 @@ def fire(name: str) -> bool:
         return False
     fired(name)
     return True
+
+
+def write_past(pool: KVPool, block: int) -> None:
+    """oob-write's act: 1.0 into the slot one past the block's last token (its guard slot, or
+    the next block's slot 0), in every layer, K and V."""
+    kv = pool.kv
+    # [layers, 2, blocks * slots, heads, dim]
+    flat = kv.view(kv.shape[0], 2, -1, *kv.shape[4:])
+    flat[:, :, block * pool.slots_per_block + pool.block_size] = 1.0
 
 
 def unfired() -> list[str]:

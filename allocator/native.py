@@ -8,10 +8,10 @@ with nothing changed) and the Python method runs. A handle uses it when the
 extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
 `KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: every probe `kvscope run`
 switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or
-sampled, with a quarantine count or not, the digest: `PoolProbes.native_bits`); a lock hook
-other than lockdep's (the watchdog), a call-site recorder other than the probe's, or an armed
-fault or crash point keeps its handle on Python.
-docs/FORMAT.md, "The native core".
+sampled, with a quarantine count or not, the digest: `PoolProbes.native_bits`), and so do the
+injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py keep); a
+lock hook other than lockdep's (the watchdog) or a call-site recorder other than the probe's
+keeps its handle on Python. docs/FORMAT.md, "The native core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests: csrc/kvdata.c)
 the core does on the bytes of a CPU pool's data file, mapped in this process. A CUDA pool's data
@@ -32,9 +32,11 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvscope.allocator import crash, faults, integrity, records
 from kvscope.allocator.errors import PoolError, PoolExhausted
-from kvscope.allocator.findings import ERROR, SEVERITY
+from kvscope.allocator.findings import ERROR, SEVERITY, FindingKind
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
@@ -245,6 +247,22 @@ def probe_layout(pool: KVPool) -> dict[str, Any]:
 FINDING_FIELDS = ("time_ns", "kind", "severity", "block", "owner_pid", "site", "request", "message")
 
 
+def report_double_free(pool: KVPool, block: int, raw: bytes, request: bytes) -> None:
+    """The double-free fault the core injected, to the probe (release.py _release_again's
+    finding): `raw`, the block's record as the release left it."""
+    probe = pool.probe
+    if probe is None:
+        return
+    rec = np.frombuffer(raw, pool.view.blocks.dtype)[0].copy()
+    probe.block_finding(
+        FindingKind.DOUBLE_FREE,
+        block,
+        f"block released a second time after request {request.decode(errors='replace')!r} "
+        "ended: it is already free",
+        rec=rec,
+    )
+
+
 def core_for(pool: KVPool) -> Any | None:
     """The C core for one handle, or None (pure Python for this handle)."""
     if _native is None:
@@ -312,16 +330,22 @@ def core_for(pool: KVPool) -> Any | None:
         "journal_entries": JOURNAL_ENTRIES,
         "journal_bytes": JOURNAL_BYTES,
         "uid": pool._uid,
-        # Read at every call (the gate in _native.c): hooks and faults can come at any time.
+        # Read at every call (the gate in _native.c): hooks can come at any time.
         "seq_type": Sequence,
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
         "seqs": pool._seqs,
-        "faults_armed": faults.ARMED,
-        "fault_ops": faults.FAULT_OPS,
         "guarded": pool._guarded,
-        "crash_module": crash,
         # Shared with the Python path, changed in place by both.
         "reserve": pool.seqtab.reserve,
+        # The faults and crash points (csrc/faults.c): armed and counted down by both paths.
+        "faults_armed": faults.ARMED,
+        "fault_names": faults.FAULTS,
+        "fault_fired": faults.fired,
+        "write_past": faults.write_past,
+        "double_free_found": report_double_free,
+        "crash_armed": crash.ARMED,
+        "crash_points": tuple(crash.CRASH_POINTS),
+        "off_num_blocks": view.header.dtype.fields["num_blocks"][1],
         "ids": pool.seqtab.ids,
         "mutex": pool._mutex,
         "busy": pool._busy,

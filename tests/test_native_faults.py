@@ -1,12 +1,14 @@
-"""The 9 injectable faults and the crash points with the C core on: an armed fault or crash point
-hands the operations it could strike to the Python path (where the fault sites are), the handle
-keeps its C core for the others, and a fault that says it fired has acted."""
+"""The 9 injectable faults and the crash points with the C core on: each strikes the operation
+it strikes inside the core (which hands nothing back to the Python path for it), and a fault
+that says it fired has acted."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -37,26 +39,39 @@ def probed(monkeypatch, pool_name):
     pool.unlink()
 
 
-def work(pool: KVPool) -> list:
+def work(pool: KVPool) -> list[Callable[[], object]]:
     """Four requests behind one published first block (the later three hit it, so an
     allocation takes the seqs and index locks together), one-token appends (blocks fill and
-    new ones are taken), a free."""
-    seqs = [pool.allocate("req-0", [0, 1, 2, 3, 0, 5, 6, 7, 8])]
-    pool.mark_computed(seqs[0], 4)
-    seqs += [pool.allocate(f"req-{i}", [0, 1, 2, 3, i, 5, 6, 7, 8]) for i in range(1, 4)]
+    new ones are taken), a free: one call per pool operation, in order."""
+    seqs: list = []
+    ops: list[Callable[[], object]] = [
+        lambda: seqs.append(pool.allocate("req-0", [0, 1, 2, 3, 0, 5, 6, 7, 8])),
+        lambda: pool.mark_computed(seqs[0], 4),
+    ]
+    for i in range(1, 4):
+        ops.append(lambda i=i: seqs.append(pool.allocate(f"req-{i}", [0, 1, 2, 3, i, 5, 6, 7, 8])))
     for k in range(6):
-        for s in seqs:
-            pool.append(s, [k])
-    for s in seqs:
-        pool.free(s)
-    return seqs
+        ops += [lambda j=j, k=k: pool.append(seqs[j], [k]) for j in range(4)]
+    ops += [lambda j=j: pool.free(seqs[j]) for j in range(4)]
+    return ops
+
+
+def striking_op(pool: KVPool, ops: list[Callable[[], object]]) -> tuple[int, int]:
+    """Run ops in order: (the index of the one during which a fault fired, how many calls the
+    core handed back to the Python path during it)."""
+    for i, op in enumerate(ops):
+        fired, handed = len(faults.FIRED), pool._native.stats()["fallbacks"]
+        op()
+        if len(faults.FIRED) > fired:
+            return i, pool._native.stats()["fallbacks"] - handed
+    return -1, 0
 
 
 def _kinds(pool: KVPool) -> set[str]:
     return {f.kind for f in pool.findings()} | {f.kind for f in pool.check()}
 
 
-# fault -> what shows it acted (a finding kind, or a check on the pool)
+# fault -> what shows it acted (a finding kind)
 ACTED = {
     "double-free": "double_free",
     "leak": "leak_finished",
@@ -69,57 +84,93 @@ ACTED = {
 
 
 @pytest.mark.parametrize("fault", sorted(ACTED))
-def test_a_fault_fires_and_acts_while_the_core_runs_the_rest(probed, fault):
+def test_a_fault_fires_in_the_core_and_acts(probed, fault):
     # GIVEN a pool on its C core with the light probes, and one fault armed for its first
     # opportunity
     pool = probed
     faults.configure(f"{fault}:1")
-    before = pool._native.stats()["native_ops"]
     # WHEN requests run
-    work(pool)
+    ops = work(pool)
+    at, handed_back = striking_op(pool, ops)
+    for op in ops[at + 1 :]:
+        op()
     if fault == "header-scribble":
         pool.verify()
-    # THEN the fault fired, its damage is found, and the operations it could not strike ran
-    # in the C core meanwhile
-    assert fault in faults.FIRED and fault not in faults.ARMED
+    # THEN the fault fired during an operation the core ran without handing anything back,
+    # and its damage is found
+    assert at >= 0 and fault in faults.FIRED and fault not in faults.ARMED
+    assert handed_back == 0
     assert ACTED[fault] in _kinds(pool), _kinds(pool)
-    assert pool._native.stats()["native_ops"] > before
 
 
-def test_oob_write_writes_past_the_block(probed):
-    # GIVEN the C core on and oob-write armed (found by guard mode, which keeps a pool in
-    # Python: here the write itself is checked)
+def test_a_fault_strikes_at_its_nth_opportunity_counted_in_the_core(probed):
+    # GIVEN leak armed for its third opportunity (a release of a block only its request holds)
+    pool = probed
+    faults.configure("leak:3")
+    seqs = [pool.allocate(f"r{i}", [i, 9, 9, 9, i]) for i in range(3)]
+    # WHEN three requests end, in the core
+    for s in seqs[:2]:
+        pool.free(s)
+    assert faults.ARMED == {"leak": 1} and "leak" not in faults.FIRED[-1:]
+    handed = pool._native.stats()["fallbacks"]
+    pool.free(seqs[2])
+    # THEN it fired at the third, which the core ran, and that request's block stayed held
+    assert faults.FIRED[-1] == "leak" and not faults.ARMED
+    assert pool._native.stats()["fallbacks"] == handed
+    assert pool.stats()["num_allocated"] == 1
+
+
+def test_oob_write_writes_past_the_block_in_the_core(probed):
+    # GIVEN the C core on and oob-write armed for the first append
     pool = probed
     faults.configure("oob-write:1")
     seq = pool.allocate("r", list(range(9)))
-    before = pool._native.stats()["native_ops"]
-    for k in range(4):
-        pool.append(seq, [k])
-    # THEN it fired on the append that took a new block, and wrote one slot past it
-    assert "oob-write" in faults.FIRED
-    blk = seq.block_table[-1]
+    last = seq.block_table[-1]
+    handed = pool._native.stats()["fallbacks"]
+    # WHEN one token is appended into the last block's room
+    pool.append(seq, [1])
+    # THEN the core ran it, fired, and wrote one slot past that block
+    assert faults.FIRED[-1] == "oob-write" and not faults.ARMED
+    assert pool._native.stats()["fallbacks"] == handed
     flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
-    assert bool((flat[:, :, blk * pool.slots_per_block + pool.block_size] == 1.0).all())
-    # and the appends into the last block's room stayed in the core
-    assert pool._native.stats()["native_ops"] > before
+    assert bool((flat[:, :, last * pool.slots_per_block + pool.block_size] == 1.0).all())
     pool.free(seq)
 
 
-def test_kill_holding_lock_leaves_a_dead_holder(probed):
+def _child_fallbacks_at_fire(pool: KVPool, w: int) -> None:
+    """In a child: write the core's handed-back count before the release, and again when the
+    fault fires (then the process dies)."""
+    code = 3
+    try:
+        child = KVPool.attach(pool.name)
+        seq = child.allocate("held", [0, 1, 2, 3, 4])
+        child.mark_computed(seq, 4)  # an indexed block: its release takes a shard lock
+        faults.ON_FIRE.append(
+            lambda name: os.write(w, f"{child._native.stats()['fallbacks']}\n".encode())
+        )
+        os.write(w, f"{child._native.stats()['fallbacks']}\n".encode())
+        faults.configure("kill-holding-lock:1")
+        child.free(seq)
+    finally:
+        os._exit(code)
+
+
+def test_kill_holding_lock_dies_in_the_core_leaving_a_dead_holder(probed):
     # GIVEN a child process whose pool handle runs on the C core, kill-holding-lock armed
     pool = probed
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        code = 3
-        try:
-            child = KVPool.attach(pool.name)
-            faults.configure("kill-holding-lock:1")
-            work(child)
-        finally:
-            os._exit(code)
+        os.close(r)
+        _child_fallbacks_at_fire(pool, w)
+    os.close(w)
     _, status = os.waitpid(pid, 0)
-    # THEN it died by SIGKILL holding a pool lock, which the analyzer names
+    with os.fdopen(r) as f:
+        before, at_fire = f.read().split()
+    # THEN it died by SIGKILL holding a pool lock, in a release the core ran (nothing handed
+    # back between the call and the fault), and the analyzer names the dead holder
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert before == at_fire
     kinds = {f.kind for f in collect_findings(pool.view, is_alive, None)}
     assert "lock_dead_holder" in kinds, kinds
     # and recovery takes every block back
@@ -127,15 +178,34 @@ def test_kill_holding_lock_leaves_a_dead_holder(probed):
     assert pool.check() == [] and pool.stats()["num_allocated"] == 0
 
 
+def _python_path_hits(w: int, point: str) -> None:
+    """Make the Python path of this process write to `w` each time it hits `point`."""
+
+    def hit(name: str, python_hit: Callable[[str], None] = crash.crash_point) -> None:
+        if name == point:
+            os.write(w, f"{name}\n".encode())
+        python_hit(name)
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("kvscope.allocator.") and (
+            getattr(mod, "crash_point", None) is crash.crash_point
+        ):
+            mod.crash_point = hit  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("point", CRASH_POINTS)
-def test_a_crash_point_fires_with_the_core_on(make_pool, point):
-    # GIVEN a child on the C core with a crash point armed
-    pool = make_pool(48, block_size=4, max_clients=8)
+def test_a_crash_point_fires_in_the_core(make_pool, point):
+    # GIVEN a child on the C core with a crash point armed, whose Python path says when it
+    # hits it (32 clients: no slot reserve, whose refills are the Python path's)
+    pool = make_pool(48, block_size=4, max_clients=32)
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(r)
             child = KVPool.attach(pool.name)
             assert child._native is not None
+            _python_path_hits(w, point)
             crash.configure(f"{point}:1")
             rng = random.Random(1)
             live: list = []
@@ -150,10 +220,14 @@ def test_a_crash_point_fires_with_the_core_on(make_pool, point):
                     live.append(child.fork(live[rng.randrange(len(live))], f"f{i}"))
                 else:
                     child.free(live.pop(rng.randrange(len(live))))
-            child.evict(4)
         finally:
             os._exit(3)
+    os.close(w)
     _, status = os.waitpid(pid, 0)
-    # THEN it was killed at the point, and recovery loses nothing
+    with os.fdopen(r) as f:
+        python_hits = f.read().split()
+    # THEN it was killed at the point, by the core (the Python path hit none), and recovery
+    # loses nothing
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
+    assert python_hits == [], python_hits
     _survive_and_reclaim(pool)

@@ -91,6 +91,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
         if (old_to_table) o[SF_RESERVED] = 0;
         o[SF_STATE] = S_EMPTY;
         U4(o + SF_NUM_BLOCKS) = 0;
+        crash_point(n, CP_AFTER_RELEASE);
     }
     /* The longest verified prefix hit (allocate._match). */
     int64_t hits = 0;
@@ -115,6 +116,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
         U8(r + BF_ACCESS_NS) = now;
         seal(n, table[j]);
     }
+    if (hits) crash_point(n, CP_AFTER_HIT);
     /* digest: the hits are as published (writes.verify_published, "a prefix hit by request
      * '...'": the request whose hit saw the change) */
     char seen[64];
@@ -129,6 +131,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
         unmapped(n, table + hits, k, request))
         goto abort;
     if (stamp(n, table + hits, k, request, site, now)) goto abort;
+    int skewed = faults_armed(n) && refcount_skew(n, table + hits, k);
     unpoison(n, table + hits, k);
     if (write_blocks(n, slot, 0, table, first)) goto abort;
     fill(n, table, hits * bs, toks + hits * bs, ntok_first - hits * bs);
@@ -146,6 +149,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     /* (what was found before a preemption comes before its events, the rest after them, as
      * in reserve.take) */
     findings_before(n, n->n_pend, 0);
+    if (skewed) fault_fired(n, FT_REFCOUNT_SKEW);
     if (preempted(n, 0, n->n_pre)) goto out;
     findings_first(n, n->n_pend);
     count(n, C_ALLOCS, (uint64_t)k);
@@ -263,7 +267,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     if (slot < 0 || slot >= n->max_seqs || total > n->max_bps) return fallback(n);
     if (total > CHUNK && (ids = PyMem_Malloc(sizeof(int32_t) * (size_t)total)) == NULL)
         return PyErr_NoMemory();
-    PyObject *result = NULL;
+    PyObject *result = NULL, *twice_rec = NULL;
     /* Locks: the shards of indexed blocks; free when the private ones overflow the cache. */
     uint64_t locks;
     if (table_of(n, list, ids, total, &k, &locks)) {
@@ -304,12 +308,21 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
         for (Py_ssize_t i = 0; i < k; i++)
             if (blk(n, ids[i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, ids[i]);
     }
+    /* The faults that strike when a request ends, on what a long table's tail left (as
+     * release.end): the blocks it drops are ids without the one `leak` keeps (drop[0..nd));
+     * `use-after-free` keeps the table live (stale). */
+    int64_t skip = -1, nd = 0;
+    int stale = 0;
+    if (faults_armed(n)) end_faults(n, ids, k, &skip, &stale);
+    int32_t drop[CHUNK];
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (i != skip) drop[nd++] = ids[i];
     /* SeqTable.can_release_locally: the slot goes back to this process's reserve; else to the
      * table, under the seqs lock. */
     uint8_t *s = seqrec(n, slot);
     int to_table = PyList_GET_SIZE(n->reserve) >= 2 * n->slot_batch || s[SF_RESERVED] != 1 ||
                    I4(s + SF_OWNER_CLIENT) != n->client;
-    if (to_table) locks |= lock_bit(n->lock_seqs);
+    if (to_table && !stale) locks |= lock_bit(n->lock_seqs);
     int64_t private_ = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
@@ -318,14 +331,16 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     /* Guard mode: freed blocks go to the ring (quarantine) */
     if (guard || (int64_t)local_count(n) + private_ > n->local_max)
         locks |= lock_bit(n->lock_free);
+    if (faults_armed(n)) kill_fault(n, locks);
     if (txn_begin(n, locks)) {
         result = fallback(n);
         goto out;
     }
     /* digest: the published blocks released are as published (writes.verify_published) */
-    if (digests_intact(n, ids, k, when)) goto abort;
+    if (digests_intact(n, drop, nd, when)) goto abort;
     int64_t nz = 0;
-    if (drop_refs(n, ids, k, wall_ns(), zero, &nz)) goto abort;
+    uint64_t now = wall_ns();
+    if (drop_refs(n, drop, nd, now, zero, &nz)) goto abort;
     if (give_back_freed(n, zero, nz, guard)) goto abort;
     /* probing.held_after_release: read inside the transaction (once it commits, what it
      * freed is anyone's) */
@@ -333,20 +348,40 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
         txn_abort(n);
         goto out;
     }
-    if (write_blocks(n, slot, 0, NULL, 0)) goto abort;
-    s[SF_STATE] = (uint8_t)final;
-    /* SeqTable.release */
-    if (jsave_head(n, slot)) goto abort;
-    if (to_table) s[SF_RESERVED] = 0;
-    s[SF_STATE] = S_EMPTY;
-    U4(s + SF_NUM_BLOCKS) = 0;
+    if (!stale) {
+        if (write_blocks(n, slot, 0, NULL, 0)) goto abort;
+        s[SF_STATE] = (uint8_t)final;
+        /* SeqTable.release */
+        if (jsave_head(n, slot)) goto abort;
+        if (to_table) s[SF_RESERVED] = 0;
+        s[SF_STATE] = S_EMPTY;
+        U4(s + SF_NUM_BLOCKS) = 0;
+        crash_point(n, CP_AFTER_RELEASE);
+    }
+    /* `double-free` (release.py _release_again): the last block this release freed, released
+     * again in the same transaction (a block already free: the drop leaves it as it is) */
+    int32_t twice = -1;
+    if (nz && fault_opportunity(n, FT_DOUBLE_FREE)) {
+        int32_t none;
+        int64_t again;
+        twice = zero[nz - 1];
+        if (drop_refs(n, &twice, 1, now, &none, &again)) goto abort;
+        twice_rec = PyBytes_FromStringAndSize((const char *)blk(n, twice), n->rec);
+        if (twice_rec == NULL) {
+            txn_abort(n);
+            goto out;
+        }
+    }
     /* Poisoned only if the release commits, before its locks are let go (the Txn's
      * before_commit). */
     if (guard && poison_blocks(n, zero, nz)) goto abort;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)k);
-    ev_record(n, final == 4 ? E_ABORT : E_FREE, ids, k, request, 0);
-    if (!to_table && append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
+    ev_record(n, final == 4 ? E_ABORT : E_FREE, drop, nd, request, 0);
+    if (skip >= 0) fault_fired(n, FT_LEAK);
+    if (stale) fault_fired(n, FT_USE_AFTER_FREE);
+    if (twice >= 0) double_free_fired(n, twice, twice_rec, request);
+    if (!to_table && !stale && append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
     n->native_ops++;
     result = Py_NewRef(Py_True);
     goto out;
@@ -354,6 +389,7 @@ abort:
     txn_abort(n);
     result = PyErr_Occurred() ? NULL : fallback(n);
 out:
+    Py_XDECREF(twice_rec);
     drop_mutex(n);
 done:
     if (ids != ids_s) PyMem_Free(ids);

@@ -39,6 +39,7 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
             U8(r + BF_PREFIX_HASH) = w[0];
             U8(r + BF_CHECKSUM) = w[1];
 #endif
+            crash_point(n, CP_AFTER_PREFIX_KEY);
             U8(r + BF_PARENT_HASH) = parent;
         }
     }
@@ -241,6 +242,7 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
         }
         done += part;
     }
+    if (append_faults(n, pool, lists[1])) goto out;
     n->native_ops++;
     result = Py_NewRef(copies);
 out:

@@ -15,6 +15,7 @@ static int local_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     if (jsave(n, n->c_local_count, 4)) return FALLBACK;
     memcpy(out, local_arr(n) + (c - k), 4 * (size_t)k);
     U4(n->seg + n->c_local_count) = (uint32_t)(c - k);
+    crash_point(n, CP_AFTER_LOCAL_POP);
     return OK;
 }
 
@@ -97,6 +98,7 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     if (n->quarantine > 0 && k > 0 && release_quarantine(n, out, k)) return FALLBACK;
     U8(h + RING_ALLOCS) += (uint64_t)k;
     *got = k;
+    crash_point(n, CP_AFTER_RING_POP);
     return OK;
 }
 
@@ -116,7 +118,10 @@ static int ring_push_state(Native *n, const int32_t *ids, int64_t k, uint8_t sta
         seal(n, ids[i]);
         if (state == B_QUARANTINED) U8(r + BF_FREED_AT) = U8(h + RING_ALLOCS);
     }
-    return ring_append(n, ids, k);
+    crash_point(n, CP_AFTER_RELEASE_RECORDS);
+    if (ring_append(n, ids, k)) return FALLBACK;
+    crash_point(n, CP_AFTER_RING_PUSH);
+    return OK;
 }
 
 static inline int ring_push(Native *n, const int32_t *ids, int64_t k) {
@@ -255,6 +260,7 @@ static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, 
         U8(r + BF_PARENT_HASH) = 0;
         seal(n, ids[i]);
     }
+    if (k) crash_point(n, CP_AFTER_RECORDS);
     return OK;
 }
 

@@ -35,8 +35,6 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_GUARD_SAMPLED 64 /* sampled guard mode: the releases of the sequences it guards */
 #define P_GUARD 128    /* guard mode in full: every release guarded (kvdata.c) */
 #define P_DIGEST 256   /* digests of published blocks (kvdata.c) */
-/* The entry points, as bits of faults.FAULT_OPS (native.py) */
-enum { OP_ALLOCATE = 1, OP_END = 2, OP_APPEND = 4, OP_MARK_COMPUTED = 8, OP_FORK = 16, OP_DIGESTS = 32 };
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
@@ -163,8 +161,13 @@ typedef struct {
     PyObject *seq_fields;   /* its dataclass field names, in order (a tuple of 10) */
     Py_ssize_t seq_off[10]; /* their __slots__ offsets in an instance */
     PyObject *seqs;         /* KVPool._seqs: slot -> Sequence */
-    PyObject *faults_armed; /* faults.ARMED */
-    PyObject *crash_mod;    /* allocator.crash (its _target is read at every call) */
+    PyObject *faults_armed; /* faults.ARMED: fault -> opportunities left (faults.c) */
+    PyObject *fault_fired;  /* faults.fired */
+    PyObject *write_past;   /* faults.write_past: oob-write's write into the KV data */
+    PyObject *double_free_found; /* native.report_double_free: the double-free fault's finding */
+    int64_t *crash;         /* crash.ARMED: [armed point + 1, hits left] (faults.c) */
+    Py_buffer crash_buf;
+    size_t off_num_blocks;  /* the header's num_blocks (header-scribble's bytes) */
     int64_t uid;            /* KVPool._uid */
     size_t off_lru; /* the segment's LRU list (eviction.c), shared by every process */
     /* Done at commit, under the free lock: evictions to count; how far this transaction's
@@ -256,7 +259,6 @@ typedef struct {
     int64_t *pre_slots;
     int64_t n_pre, cap_pre;
     int64_t exhausted_need;
-    PyObject *fault_ops; /* fault name -> OP_* bits of the operations it can strike */
     PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the handle attached */
     PyObject *hdr_fields; /* magic: the header's (name, offset, size) fields, in order */
@@ -265,7 +267,6 @@ typedef struct {
     uint64_t blank_zero, blank_nan; /* high halves of a never-written block's digests (0: not yet) */
     int blank_known;
     int64_t hdr_len;
-    int txn_banned;      /* this call may not begin a transaction (an armed fault, crash point) */
     /* The KV data (kvdata.c): its bytes when this process maps them (a CPU pool), else NULL
      * (block-data work is handed back to Python); [layers, 2, blocks, slots, heads, dim]. */
     uint8_t *kv;
@@ -279,7 +280,7 @@ typedef struct {
     struct DevChecks *dev; /* the checks the core launches itself (devchecks.c), or NULL */
 } Native;
 
-static PyObject *s_acquire, *s_release, *s_target, *s_running, *s_finished, *s_aborted,
+static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
     *s_waiting, *s_preempted,
     *s_site_of, *s_probe, *s_writes;
 

@@ -7,13 +7,13 @@ static int fork_gen = 0; /* bumped in a forked child: a handle made before the f
 static void atfork_child(void) { fork_gen++; }
 
 /* OK when this call may take the C path: the handle is open and this process's, no operation
- * of the Python path is half done, no fault or crash point is armed, no probe the core does
- * not run itself (probes.c), no foreign call-site recorder, no lock hook (each is read at
- * every call: they can come at any time). FALLBACK otherwise, ERROR with an exception set. */
-static int gate(Native *n, PyObject *pool, int op) {
+ * of the Python path is half done, no probe the core does not run itself (probes.c), no
+ * foreign call-site recorder, no lock hook (each is read at every call: they can come at any
+ * time). FALLBACK otherwise, ERROR with an exception set. Armed faults and crash points strike
+ * the core's operations themselves (faults.c). */
+static int gate(Native *n, PyObject *pool) {
     /* (another thread's operation may be waiting for a lock in the core: leave its state) */
     if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
-    n->txn_banned = 0;
     n->probes = (int)*n->probe_bits;
     /* Lock hooks: lockdep's own the core runs while no thread holds a traced lock (else the
      * held-lock stacks are Python's: an edge from a user lock). */
@@ -26,27 +26,6 @@ static int gate(Native *n, PyObject *pool, int op) {
         n->lockdep_was_on = 1;
     }
     n->pool = pool;
-    /* An armed fault or crash point strikes inside a transaction of the Python path: an
-     * operation it could strike falls back when it needs one (txn_begin); what needs none
-     * (a token into the last block) stays here. */
-    if (PyDict_GET_SIZE(n->faults_armed)) {
-        Py_ssize_t pos = 0;
-        PyObject *name, *left;
-        while (PyDict_Next(n->faults_armed, &pos, &name, &left)) {
-            PyObject *mask = PyDict_GetItemWithError(n->fault_ops, name);
-            if (mask == NULL && PyErr_Occurred()) return ERROR;
-            if (mask == NULL || (PyLong_AsLong(mask) & op)) n->txn_banned = 1;
-        }
-    }
-    PyObject *t = PyDict_GetItemWithError(PyModule_GetDict(n->crash_mod), s_target);
-    if (t == NULL && PyErr_Occurred()) return ERROR;
-    if (t != Py_None) {
-        /* seqs.after_prefix_key: a block filled by an append gets its key outside any
-         * transaction */
-        int eq = PyUnicode_Check(t) ? PyUnicode_CompareWithASCIIString(t, "seqs.after_prefix_key") == 0 : 0;
-        if (eq && op == OP_APPEND) return FALLBACK;
-        n->txn_banned = 1;
-    }
     /* KVPool._check_process: the magic probe re-verifies the header now and then. */
     if ((n->probes & P_MAGIC) && verify_often(n, pool)) return ERROR;
     return *n->busy ? FALLBACK : OK;
@@ -82,16 +61,16 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
     return seq;
 }
 
-#define GATE(n, pool, op)                                                                    \
+#define GATE(n, pool)                                                                        \
     do {                                                                                     \
-        int g_ = gate(n, pool, op);                                                          \
+        int g_ = gate(n, pool);                                                              \
         if (g_ == ERROR) return NULL;                                                        \
         if (g_ != OK) return fallback(n);                                                    \
     } while (0)
 
 /* N_append once its tokens are read. */
 static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tokens *t) {
-    GATE(n, pool, OP_APPEND);
+    GATE(n, pool);
     int64_t slot = own_slot(n, seq);
     if (slot < 0) return fallback(n);
     if (t->n == 0) return PyList_New(0);
@@ -100,7 +79,7 @@ static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tok
 
 /* N_allocate once its arguments are read: the tokens, the request id as a str. */
 static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObject *rid) {
-    GATE(n, pool, OP_ALLOCATE);
+    GATE(n, pool);
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n, pool);
@@ -167,7 +146,7 @@ static const char *release_words(Native *n, PyObject *seq, PyObject **hold) {
 /* end(pool, seq, final_state) -> True | None: free (FINISHED) or abort (ABORTED). */
 static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
-    GATE(n, args[0], OP_END);
+    GATE(n, args[0]);
     PyObject *seq = args[1];
     int64_t slot = own_slot(n, seq);
     long final = PyLong_AsLong(args[2]);
@@ -246,7 +225,7 @@ static PyObject *N_append_done(Native *n, PyObject *unused) {
 /* mark_computed(pool, seq, num_tokens) -> int | None */
 static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return fallback(n);
-    GATE(n, args[0], OP_MARK_COMPUTED);
+    GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0) return fallback(n);
     return core_publish(n, args[1], args[2], slot);
@@ -260,7 +239,7 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
  * a block twice keeps its first digest. */
 static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
                                     const uint32_t *g, const uint64_t *w, Py_ssize_t k) {
-    GATE(n, pool, OP_DIGESTS);
+    GATE(n, pool);
     uint64_t locks = 0;
     for (Py_ssize_t i = 0; i < k; i++)
         /* BlockStore.shard_locks_for: a block published in a generation keeps its key */
@@ -330,11 +309,10 @@ static PyObject *N_write_digests(Native *n, PyObject *const *args, Py_ssize_t na
 static PyObject *N_verify_often(Native *n, PyObject *pool) {
     /* It may come from inside an operation's gate (Python the gate runs may ask again): what
      * that gate worked out for its operation stays as it was. */
-    int banned = n->txn_banned, probes = n->probes;
+    int probes = n->probes;
     PyObject *was = n->pool;
-    int g = gate(n, pool, 0);
+    int g = gate(n, pool);
     int magic = n->probes & P_MAGIC;
-    n->txn_banned = banned;
     n->probes = probes;
     n->pool = was;
     if (g == ERROR) return NULL;
@@ -359,7 +337,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
-    GATE(n, args[0], OP_FORK);
+    GATE(n, args[0]);
     PyObject *src = args[1];
     if (own_slot(n, src) < 0) return fallback(n);
     char request[REQUEST_BYTES];

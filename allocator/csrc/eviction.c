@@ -237,6 +237,7 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int32_t *out, int64_t
         r[BF_STATE] = B_LOCAL; /* in flight to the caller: stamped or pushed to the ring */
         I4(r + BF_OWNER_CLIENT) = n->client;
     }
+    crash_point(n, CP_AFTER_EVICT);
     int64_t mine = nc < k ? nc : k;
     memcpy(out, cand, 4 * (size_t)mine);
     if (ring_push(n, cand + mine, nc - mine)) return FALLBACK;

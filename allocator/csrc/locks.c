@@ -103,19 +103,17 @@ static inline void client_seq_bump(Native *n) {
     if (n->maybe_valid && n->seen_seq[n->client] == old) n->seen_seq[n->client] = old + 1;
 }
 
-/* Begin: seq odd, then every lock of `mask` in ascending order. */
+/* Begin: seq odd, then every lock of `mask` in ascending order (in descending order at the
+ * lock-inversion fault's opportunity, announced once they are taken). */
 static int txn_begin(Native *n, uint64_t mask) {
     n->n_pre = 0;
     n->exhausted_need = 0;
     /* (an operation that failed after its commit left findings: they stand, as it does) */
     n->pend_hold = 0;
     if (n->n_pend) findings_flush(n);
-    if (n->txn_banned) {
-        n->dry_valid = 0;
-        return FALLBACK;
-    }
+    int invert = faults_armed(n) && lock_inversion(n, mask);
     if (n->probes & P_LOCKDEP) {
-        int rc = lockdep_ok(n, mask);
+        int rc = invert ? lockdep_inverted_ok(n, mask) : lockdep_ok(n, mask);
         if (rc != OK) {
             /* An edge lockdep could not learn now: the Python path takes the locks (an error
              * there too: it raises it) */
@@ -134,7 +132,8 @@ static int txn_begin(Native *n, uint64_t mask) {
         n->dry_valid = 0;
         return FALLBACK;
     }
-    for (int i = 0; i < n->num_locks; i++) {
+    for (int k = 0; k < n->num_locks; k++) {
+        int i = invert ? n->num_locks - 1 - k : k;
         if (!(mask & lock_bit(i))) continue;
         if (lock_take(n, i) != OK) {
             release_all(n);
@@ -143,11 +142,14 @@ static int txn_begin(Native *n, uint64_t mask) {
             return FALLBACK;
         }
     }
+    if (invert) fault_fired(n, FT_LOCK_INVERSION);
+    if (mask) crash_point(n, CP_AFTER_LOCKS);
     return OK;
 }
 
 static void txn_commit(Native *n) {
     n->dry_valid = 0;
+    crash_point(n, CP_BEFORE_COMMIT);
     jcommit(n);
     lru_commit(n); /* (under the free lock, still held) */
     release_all(n);

@@ -72,6 +72,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"off_clients", &n->off_clients, SIZE}, {"cf_state", &n->cf_state, SIZE},
         {"cf_pid", &n->cf_pid, SIZE},         {"cf_local_count", &n->cf_local_count, SIZE},
         {"client_attached", &n->client_attached, I64},
+        {"off_num_blocks", &n->off_num_blocks, SIZE},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
@@ -98,13 +99,13 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     }
     /* Python objects the core shares with the handle (new references). */
     PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
-                         &n->seq_fields, &n->seqs, &n->faults_armed, &n->crash_mod,
-                         &n->kv_dirs,   &n->fault_ops,
-                         &n->guarded,   &n->kv_obj};
+                         &n->seq_fields, &n->seqs, &n->faults_armed, &n->fault_fired,
+                         &n->kv_dirs,   &n->write_past,
+                         &n->guarded,   &n->kv_obj, &n->double_free_found};
     const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
-                           "seq_fields", "seqs", "faults_armed", "crash_module",
-                           "kvscope_dirs", "fault_ops",
-                           "guarded",    "kv_tensor"};
+                           "seq_fields", "seqs", "faults_armed", "fault_fired",
+                           "kvscope_dirs", "write_past",
+                           "guarded",    "kv_tensor", "double_free_found"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -123,10 +124,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "seq_type must be a class of 10 fields");
         return -1;
     }
-    if (!PyDict_Check(n->seqs) || !PyDict_Check(n->faults_armed)) {
-        PyErr_SetString(PyExc_TypeError, "seqs and faults_armed must be dicts");
+    if (!PyDict_Check(n->seqs)) {
+        PyErr_SetString(PyExc_TypeError, "seqs must be a dict");
         return -1;
     }
+    if (faults_init(n, d)) return -1;
     PyObject *busy = PyDict_GetItemString(d, "busy"), *hooks = PyDict_GetItemString(d, "hooks");
     PyObject *coefs = PyDict_GetItemString(d, "coefs");
     if (!busy || !hooks || !coefs || !PyList_Check(coefs)) {
@@ -194,11 +196,14 @@ static void N_dealloc(Native *n) {
     if (n->seg) PyBuffer_Release(&n->buf);
     if (n->busy) PyBuffer_Release(&n->busy_buf);
     if (n->hooks) PyBuffer_Release(&n->hooks_buf);
+    if (n->crash) PyBuffer_Release(&n->crash_buf);
     if (n->probe_bits) PyBuffer_Release(&n->probe_bits_buf);
     if (n->locks_held) PyBuffer_Release(&n->locks_held_buf);
     site_cache_clear(n);
     Py_XDECREF(n->kv_dirs);
-    Py_XDECREF(n->fault_ops);
+    Py_XDECREF(n->fault_fired);
+    Py_XDECREF(n->write_past);
+    Py_XDECREF(n->double_free_found);
     Py_XDECREF(n->guarded);
     Py_XDECREF(n->kv_obj);
     dev_free(n->dev);
@@ -227,7 +232,6 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->seq_fields);
     Py_XDECREF(n->seqs);
     Py_XDECREF(n->faults_armed);
-    Py_XDECREF(n->crash_mod);
     Py_XDECREF(n->append_partial);
     lru_drop_pending(n);
     PyMem_Free(n->scan_buf);
@@ -355,7 +359,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (m == NULL) return NULL;
     s_acquire = PyUnicode_InternFromString("acquire");
     s_release = PyUnicode_InternFromString("release");
-    s_target = PyUnicode_InternFromString("_target");
     s_running = PyUnicode_InternFromString("running");
     s_finished = PyUnicode_InternFromString("finished");
     s_aborted = PyUnicode_InternFromString("aborted");

@@ -303,7 +303,7 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "set_state(pool, seq, state)");
         return NULL;
     }
-    GATE(n, args[0], 0);
+    GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0 || PoolErrorType == NULL) return fallback(n);
     PyObject *state = args[2], *name = NULL;
@@ -342,7 +342,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "resume(pool, seq)");
         return NULL;
     }
-    GATE(n, args[0], OP_ALLOCATE);
+    GATE(n, args[0]);
     PyObject *seq = args[1];
     int64_t old = own_slot(n, seq);
     if (old < 0) return fallback(n);

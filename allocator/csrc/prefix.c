@@ -37,6 +37,7 @@ static int index_insert(Native *n, uint64_t key, int32_t block, int *inserted) {
             I4(e + 8) = block;
             U8(e) = key;
             *inserted = 1;
+            crash_point(n, CP_AFTER_INSERT);
             return OK;
         }
         i = (i + 1) % w;

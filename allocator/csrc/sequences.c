@@ -199,6 +199,7 @@ static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *req
     U4(s + SF_NUM_BLOCKS) = 0;
     s[SF_STATE] = S_RUNNING;
     maybe_live_add(n, slot);
+    crash_point(n, CP_AFTER_CLAIM);
     return OK;
 }
 
@@ -213,6 +214,7 @@ static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *i
         memcpy(s + SF_TABLE + 4 * start, ids, 4 * (size_t)k);
     }
     U4(s + SF_NUM_BLOCKS) = (uint32_t)(start + k);
+    crash_point(n, CP_AFTER_TABLE);
     return OK;
 }
 

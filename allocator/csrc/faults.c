@@ -1,0 +1,231 @@
+/* The crash points (crash.py) and the injectable faults (faults.py), struck by the core's own
+ * operations at the moments the Python path's strike: one counter for each, shared with
+ * Python, so that the n-th hit or opportunity is counted across both paths. Part of _native.c. */
+
+/* -- crash points ----------------------------------------------------------------------------- */
+
+/* crash.CRASH_POINTS, in its order (N_init checks that the two lists agree). */
+enum { CP_AFTER_LOCKS, CP_AFTER_LOCAL_POP, CP_AFTER_RING_POP, CP_AFTER_EVICT, CP_AFTER_RECORDS,
+       CP_AFTER_RELEASE_RECORDS, CP_AFTER_RING_PUSH, CP_AFTER_CLAIM, CP_AFTER_TABLE,
+       CP_AFTER_RELEASE, CP_AFTER_PREFIX_KEY, CP_AFTER_HIT, CP_AFTER_INSERT, CP_BEFORE_COMMIT,
+       NUM_CRASH_POINTS };
+static const char *const CRASH_NAMES[NUM_CRASH_POINTS] = {
+    "txn.after_locks",         "blocks.after_local_pop", "blocks.after_ring_pop",
+    "blocks.after_evict",      "blocks.after_records",   "blocks.after_release_records",
+    "blocks.after_ring_push",  "seqs.after_claim",       "seqs.after_table",
+    "seqs.after_release",      "seqs.after_prefix_key",  "prefix.after_hit",
+    "prefix.after_insert",     "txn.before_commit"};
+
+/* crash.crash_point: SIGKILL at the armed point's n-th hit. crash.ARMED is [the armed point's
+ * place + 1 (0: none), hits left], counted down here and by the Python path alike. */
+static inline void crash_point(Native *n, int point) {
+    int64_t *armed = n->crash;
+    if (__builtin_expect(armed[0] == point + 1, 0) && --armed[1] <= 0) kill(getpid(), SIGKILL);
+}
+
+/* crash.configure(f"{point}:{hits}") */
+static inline void crash_arm(Native *n, int point, int64_t hits) {
+    n->crash[0] = point + 1;
+    n->crash[1] = hits;
+}
+
+/* -- faults ----------------------------------------------------------------------------------- */
+
+/* faults.FAULTS, in its order (N_init checks that the two lists agree). */
+enum { FT_DOUBLE_FREE, FT_LEAK, FT_OOB_WRITE, FT_HEADER_SCRIBBLE, FT_BLOCK_SCRIBBLE,
+       FT_USE_AFTER_FREE, FT_REFCOUNT_SKEW, FT_KILL_HOLDING_LOCK, FT_LOCK_INVERSION,
+       NUM_FAULTS };
+static const char *const FAULT_NAMES[NUM_FAULTS] = {
+    "double-free",    "leak",          "oob-write",         "header-scribble", "block-scribble",
+    "use-after-free", "refcount-skew", "kill-holding-lock", "lock-inversion"};
+static PyObject *fault_str[NUM_FAULTS]; /* the names, interned once */
+
+/* Any fault armed (faults.ARMED not empty): the one test an operation makes when none is. */
+static inline int faults_armed(Native *n) { return PyDict_GET_SIZE(n->faults_armed) != 0; }
+
+/* faults.opportunity, on faults.ARMED itself: 1 at the armed fault's n-th opportunity and at
+ * every later one until it has fired, 0 otherwise. */
+static int fault_opportunity(Native *n, int f) {
+    if (!faults_armed(n)) return 0;
+    PyObject *left = PyDict_GetItemWithError(n->faults_armed, fault_str[f]);
+    long v = left ? PyLong_AsLong(left) : 0;
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (v != 1) {
+        PyObject *less = v > 1 ? PyLong_FromLong(v - 1) : NULL;
+        if (less && PyDict_SetItem(n->faults_armed, fault_str[f], less)) PyErr_Clear();
+        Py_XDECREF(less);
+        return 0;
+    }
+    return 1;
+}
+
+/* faults.fired: the core has injected fault f; faults.py disarms it and announces it (its
+ * stderr line, FIRED, the ON_FIRE hooks: `kvscope run` records it). A hook's error is reported
+ * as unraisable: the operation it follows is done. */
+static void fault_fired(Native *n, int f) {
+    PyObject *r = PyObject_CallOneArg(n->fault_fired, fault_str[f]);
+    if (r == NULL) PyErr_WriteUnraisable(n->fault_fired);
+    Py_XDECREF(r);
+}
+
+/* faults.fire: the opportunity and the announcement in one, for acts that cannot fail. */
+static int fault_fire(Native *n, int f) {
+    if (!fault_opportunity(n, f)) return 0;
+    fault_fired(n, f);
+    return 1;
+}
+
+/* The faults that strike when a request ends (release.py _end_faults), decided before its
+ * transaction: `leak` keeps one block only this request holds (*skip: its place in ids, else
+ * -1), `use-after-free` frees the blocks but leaves the table live and mapped (*stale). Each
+ * waits for a request it can act on. Announced once the release has committed. */
+static void end_faults(Native *n, const int32_t *ids, int64_t k, int64_t *skip, int *stale) {
+    *skip = -1;
+    *stale = 0;
+    int64_t last_private = -1;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_INDEXED] == 0 && I4(r + BF_REFCOUNT) == 1) last_private = i;
+    }
+    if (last_private < 0) return;
+    if (fault_opportunity(n, FT_LEAK))
+        *skip = last_private;
+    else if (fault_opportunity(n, FT_USE_AFTER_FREE))
+        *stale = 1;
+}
+
+/* `kill-holding-lock` (release.py _kill_fault): a release that takes locks dies (SIGKILL)
+ * right after taking them. */
+static void kill_fault(Native *n, uint64_t locks) {
+    if (locks && fault_opportunity(n, FT_KILL_HOLDING_LOCK)) {
+        crash_arm(n, CP_AFTER_LOCKS, 1);
+        fault_fired(n, FT_KILL_HOLDING_LOCK);
+    }
+}
+
+/* `double-free`, announced after its release committed: the block it released a second time
+ * (release.py _release_again; nothing in the segment changes: the block is already free), with
+ * its record as the release left it, to the probe's finding (native.report_double_free). */
+static void double_free_fired(Native *n, int32_t b, PyObject *rec, const char *request) {
+    fault_fired(n, FT_DOUBLE_FREE);
+    PyObject *r = PyObject_CallFunction(n->double_free_found, "OiOy#", n->pool, (int)b, rec,
+                                        request, (Py_ssize_t)strnlen(request, REQUEST_BYTES));
+    if (r == NULL) PyErr_WriteUnraisable(n->double_free_found);
+    Py_XDECREF(r);
+}
+
+/* The faults that strike while a sequence grows (append.py _append_faults), once its append
+ * is done: a KV write one slot past its last block (faults.write_past: the data is a tensor
+ * the core may not map), the header's num_blocks and its first block's refcount scribbled over
+ * (raw bytes, not through the allocator: their checksums no longer match). */
+static int append_faults(Native *n, PyObject *pool, PyObject *table) {
+    if (!faults_armed(n)) return OK;
+    Py_ssize_t nb = PyList_GET_SIZE(table);
+    if (nb == 0) return OK;
+    if (fault_fire(n, FT_OOB_WRITE)) {
+        PyObject *r = PyObject_CallFunctionObjArgs(n->write_past, pool,
+                                                   PyList_GET_ITEM(table, nb - 1), NULL);
+        if (r == NULL) return ERROR;
+        Py_DECREF(r);
+    }
+    if (fault_fire(n, FT_HEADER_SCRIBBLE))
+        memcpy(n->seg + n->off_num_blocks, "\xde\xad\xbe\xef", 4);
+    if (fault_fire(n, FT_BLOCK_SCRIBBLE)) {
+        long b = PyLong_AsLong(PyList_GET_ITEM(table, 0));
+        if (b < 0 || b >= n->nb) return PyErr_Occurred() ? ERROR : OK;
+        I4(blk(n, b) + BF_REFCOUNT) = 0x5A5A5A5A;
+    }
+    return OK;
+}
+
+/* `refcount-skew` (allocate.py), inside an allocation's transaction after its new blocks
+ * ids[0..k) were stamped: the first one's reference taken twice (its record journaled by the
+ * stamp). 1 when it acted (announced once the allocation committed). */
+static int refcount_skew(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0 || !fault_opportunity(n, FT_REFCOUNT_SKEW)) return 0;
+    I4(blk(n, ids[0]) + BF_REFCOUNT) += 1;
+    seal(n, ids[0]);
+    return 1;
+}
+
+/* `lock-inversion` (runner.py): a transaction of more than one lock takes them in the reverse
+ * of the documented order. 1 at its opportunity. */
+static int lock_inversion(Native *n, uint64_t mask) {
+    return (mask & (mask - 1)) && fault_opportunity(n, FT_LOCK_INVERSION);
+}
+
+/* lockdep's view of an inverted transaction (probes.c lockdep_ok with the order reversed): each
+ * pair of traced locks of different classes taken high index first is the order edge
+ * class(high) -> class(low), learned through the probe's `_lockdep_learn` (which reports the
+ * cycle it closes). OK, FALLBACK (not learned now), ERROR. */
+static int lockdep_inverted_ok(Native *n, uint64_t mask) {
+    mask &= n->traced;
+    for (uint64_t m = mask; m; m &= m - 1) {
+        int j = __builtin_ctzll(m);
+        uint64_t above = mask & ~((lock_bit(j) << 1) - 1) & ~n->same_class[j];
+        for (; above; above &= above - 1) {
+            int i = 63 - __builtin_clzll(above);
+            if (n->known_into[j] & lock_bit(i)) continue;
+            PyObject *r = PyObject_CallMethod(n->pool, "_lockdep_learn", "ii", i, j);
+            if (r == NULL) return ERROR;
+            int known = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (known < 0) return ERROR;
+            if (!known) return FALLBACK;
+            n->known_into[j] |= lock_bit(i);
+        }
+    }
+    return OK;
+}
+
+/* -- the handle's share ----------------------------------------------------------------------- */
+
+/* A tuple of str equal, in order, to names[0..k). */
+static int names_agree(PyObject *t, const char *const *names, Py_ssize_t k) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != k) return 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *s = PyTuple_GET_ITEM(t, i);
+        if (!PyUnicode_Check(s) || PyUnicode_CompareWithASCIIString(s, names[i]) != 0) return 0;
+    }
+    return 1;
+}
+
+/* N_init's part: crash.ARMED (a writable array of 2 int64), faults.ARMED (a dict), the callables
+ * faults.fired, faults.write_past and native.report_double_free, the two name lists as
+ * crash.py and faults.py have them. 0, or -1 with an exception set. */
+static int faults_init(Native *n, PyObject *d) {
+    PyObject *crash = PyDict_GetItemString(d, "crash_armed");
+    PyObject *points = PyDict_GetItemString(d, "crash_points");
+    PyObject *names = PyDict_GetItemString(d, "fault_names");
+    if (!crash || !points || !names || !PyDict_Check(n->faults_armed)) {
+        PyErr_SetString(PyExc_KeyError,
+                        "native core needs crash_armed, crash_points, fault_names, faults_armed");
+        return -1;
+    }
+    if (!names_agree(points, CRASH_NAMES, NUM_CRASH_POINTS) ||
+        !names_agree(names, FAULT_NAMES, NUM_FAULTS)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "the core's crash points or faults are not crash.py's and faults.py's: "
+                        "rebuild it (pip install -e .)");
+        return -1;
+    }
+    if (PyObject_GetBuffer(crash, &n->crash_buf, PyBUF_WRITABLE) < 0) return -1;
+    if (n->crash_buf.len < 16) {
+        PyBuffer_Release(&n->crash_buf);
+        PyErr_SetString(PyExc_ValueError, "crash_armed: two int64 words");
+        return -1;
+    }
+    n->crash = n->crash_buf.buf;
+    if (!PyCallable_Check(n->fault_fired) || !PyCallable_Check(n->write_past) ||
+        !PyCallable_Check(n->double_free_found)) {
+        PyErr_SetString(PyExc_TypeError, "fault_fired, write_past, double_free_found: callables");
+        return -1;
+    }
+    for (int f = 0; f < NUM_FAULTS; f++)
+        if (fault_str[f] == NULL && (fault_str[f] = PyUnicode_InternFromString(FAULT_NAMES[f])) == NULL)
+            return -1;
+    return 0;
+}
