@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -16,7 +15,7 @@ from kvscope.allocator import KVPool, PoolConfig, crash, faults
 from kvscope.allocator.crash import CRASH_POINTS
 from kvscope.analysis import collect_findings, is_alive
 from kvscope.probes import lockdep
-from tests.test_crash import _survive_and_reclaim
+from tests.test_crash import _survive_and_reclaim, python_path_hits
 
 LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC")
 
@@ -178,21 +177,6 @@ def test_kill_holding_lock_dies_in_the_core_leaving_a_dead_holder(probed):
     assert pool.check() == [] and pool.stats()["num_allocated"] == 0
 
 
-def _python_path_hits(w: int, point: str) -> None:
-    """Make the Python path of this process write to `w` each time it hits `point`."""
-
-    def hit(name: str, python_hit: Callable[[str], None] = crash.crash_point) -> None:
-        if name == point:
-            os.write(w, f"{name}\n".encode())
-        python_hit(name)
-
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("kvscope.allocator.") and (
-            getattr(mod, "crash_point", None) is crash.crash_point
-        ):
-            mod.crash_point = hit  # type: ignore[attr-defined]
-
-
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_a_crash_point_fires_in_the_core(make_pool, point):
     # GIVEN a child on the C core with a crash point armed, whose Python path says when it
@@ -205,7 +189,7 @@ def test_a_crash_point_fires_in_the_core(make_pool, point):
             os.close(r)
             child = KVPool.attach(pool.name)
             assert child._native is not None
-            _python_path_hits(w, point)
+            python_path_hits(w, point)
             crash.configure(f"{point}:1")
             rng = random.Random(1)
             live: list = []
@@ -226,8 +210,8 @@ def test_a_crash_point_fires_in_the_core(make_pool, point):
     _, status = os.waitpid(pid, 0)
     with os.fdopen(r) as f:
         python_hits = f.read().split()
-    # THEN it was killed at the point, by the core (the Python path hit none), and recovery
-    # loses nothing
+    # THEN it was killed at the point, by the core (the Python path never hit it), and
+    # recovery loses nothing
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
     assert python_hits == [], python_hits
     _survive_and_reclaim(pool)
