@@ -119,6 +119,29 @@ def test_a_fault_strikes_at_its_nth_opportunity_counted_in_the_core(probed):
     assert pool.stats()["num_allocated"] == 1
 
 
+def test_a_faults_count_is_one_across_the_python_path_and_the_core(make_pool):
+    # GIVEN leak armed for its second opportunity, a request whose table is longer than the
+    # core takes (its release runs on the Python path) and a short one
+    pool = make_pool(160, block_size=4)
+    long, short = pool.allocate("long", [1] * 4 * 130), pool.allocate("short", [2] * 5)
+    faults.configure("leak:2")
+    try:
+        # WHEN the Python path ends the long request (the first opportunity), then the core the
+        # short one
+        handed = pool._native.stats()["fallbacks"]
+        pool.free(long)
+        assert pool._native.stats()["fallbacks"] == handed + 1
+        assert faults.ARMED == {"leak": 1}
+        handed += 1
+        pool.free(short)
+        # THEN the core's release was the second opportunity: it fired there
+        assert faults.FIRED[-1] == "leak" and not faults.ARMED
+        assert pool._native.stats()["fallbacks"] == handed
+        assert pool.stats()["num_allocated"] == 1
+    finally:
+        faults.configure(None)
+
+
 def test_oob_write_writes_past_the_block_in_the_core(probed):
     # GIVEN the C core on and oob-write armed for the first append
     pool = probed
@@ -214,4 +237,30 @@ def test_a_crash_point_fires_in_the_core(make_pool, point):
     # recovery loses nothing
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
     assert python_hits == [], python_hits
+    _survive_and_reclaim(pool)
+
+
+def test_a_crash_points_count_is_one_across_the_python_path_and_the_core(make_pool):
+    # GIVEN a child with txn.after_locks armed for its second hit, on a pool with slot reserves
+    # (the first allocation's refill of the reserve is a transaction of the Python path)
+    pool = make_pool(48, block_size=4, max_clients=8)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            child = KVPool.attach(pool.name)
+            python_path_hits(w, "txn.after_locks")
+            crash.configure("txn.after_locks:2")
+            child.allocate("a", [1, 2, 3, 4, 5])
+        finally:
+            os._exit(3)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        python_hits = f.read().split()
+    # THEN the refill hit it first (two hits left), and the core's allocation, the second hit,
+    # killed the process
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert python_hits == ["2"]
     _survive_and_reclaim(pool)

@@ -241,8 +241,9 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
             goto out;
         }
         done += part;
+        /* (each chunk is an opportunity, as each of append.py's) */
+        if (append_faults(n, pool, lists[1])) goto out;
     }
-    if (append_faults(n, pool, lists[1])) goto out;
     n->native_ops++;
     result = Py_NewRef(copies);
 out:
