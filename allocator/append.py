@@ -114,10 +114,7 @@ def _append_chunk(pool: KVPool, seq: Sequence, tokens: list[int]) -> list[tuple[
 def _append_faults(pool: KVPool, seq: Sequence) -> None:
     """Faults that strike while a sequence grows: a KV write past its block, scribbles."""
     if faults.fire("oob-write"):
-        blk = seq.block_table[-1]
-        # One slot past the block's last token: the guard slot, or the next block's slot 0.
-        flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
-        flat[:, :, blk * pool.slots_per_block + pool.block_size] = 1.0
+        faults.write_past(pool, seq.block_table[-1])
     if faults.fire("header-scribble"):
         fields = pool.view.header.dtype.fields
         assert fields is not None  # a structured dtype

@@ -95,8 +95,8 @@ def fire(name: str) -> bool:
 
 
 def write_past(pool: KVPool, block: int) -> None:
-    """oob-write's act: 1.0 into the slot one past the block's last token (its guard slot, or
-    the next block's slot 0), in every layer, K and V."""
+    """oob-write's act (the C core's and the Python path's): 1.0 into the slot one past the
+    block's last token (its guard slot, or the next block's slot 0), in every layer, K and V."""
     kv = pool.kv
     # [layers, 2, blocks * slots, heads, dim]
     flat = kv.view(kv.shape[0], 2, -1, *kv.shape[4:])

@@ -119,6 +119,50 @@ def test_a_fault_strikes_at_its_nth_opportunity_counted_in_the_core(probed):
     assert pool.stats()["num_allocated"] == 1
 
 
+def _fired_at(monkeypatch, name: str, native: bool, spec: str) -> int:
+    """The index of the operation of `work` during which the armed fault fired, on a pool with
+    the light probes and lockdep, with its C core or without."""
+    monkeypatch.setenv("KVSCOPE_NATIVE", "1" if native else "0")
+    for p in LIGHT:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1")
+    pool = KVPool.create(
+        name, PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32")
+    )
+    try:
+        assert (pool._native is not None) == native
+        lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+        faults.configure(spec)
+        return striking_op_index(work(pool))
+    finally:
+        faults.configure(None)
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()
+
+
+def striking_op_index(ops: list[Callable[[], object]]) -> int:
+    """Run ops in order up to the one during which a fault fires: its index (-1: none)."""
+    for i, op in enumerate(ops):
+        fired = len(faults.FIRED)
+        op()
+        if len(faults.FIRED) > fired:
+            return i
+    return -1
+
+
+# (lock-inversion's opportunities are transactions, which the two paths cut differently: an
+# allocation with a prefix hit is two on the Python path, one in the core)
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("fault", sorted(set(ACTED) - {"lock-inversion"} | {"oob-write"}))
+def test_a_fault_strikes_the_operation_the_python_path_would(monkeypatch, pool_name, fault, n):
+    # GIVEN the same requests on a pool with its C core and one without, a fault armed for
+    # its n-th opportunity
+    # WHEN they run / THEN it fires during the same operation on both
+    core = _fired_at(monkeypatch, pool_name, True, f"{fault}:{n}")
+    python = _fired_at(monkeypatch, f"{pool_name}-py", False, f"{fault}:{n}")
+    assert core == python >= 0
+
+
 def test_a_faults_count_is_one_across_the_python_path_and_the_core(make_pool):
     # GIVEN leak armed for its second opportunity, a request whose table is longer than the
     # core takes (its release runs on the Python path) and a short one
@@ -143,19 +187,23 @@ def test_a_faults_count_is_one_across_the_python_path_and_the_core(make_pool):
 
 
 def test_oob_write_writes_past_the_block_in_the_core(probed):
-    # GIVEN the C core on and oob-write armed for the first append
+    # GIVEN the C core on and oob-write armed for the first append that runs a transaction
     pool = probed
     faults.configure("oob-write:1")
     seq = pool.allocate("r", list(range(9)))
-    last = seq.block_table[-1]
     handed = pool._native.stats()["fallbacks"]
-    # WHEN one token is appended into the last block's room
-    pool.append(seq, [1])
-    # THEN the core ran it, fired, and wrote one slot past that block
+    # WHEN tokens are appended one at a time: three into the last block's room, then one that
+    # takes a new block
+    for k in range(3):
+        pool.append(seq, [k])
+    assert faults.ARMED == {"oob-write": 1}
+    pool.append(seq, [3])
+    # THEN the core ran them all, and fired on the fourth, writing one slot past its new block
     assert faults.FIRED[-1] == "oob-write" and not faults.ARMED
     assert pool._native.stats()["fallbacks"] == handed
+    blk = seq.block_table[-1]
     flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
-    assert bool((flat[:, :, last * pool.slots_per_block + pool.block_size] == 1.0).all())
+    assert bool((flat[:, :, blk * pool.slots_per_block + pool.block_size] == 1.0).all())
     pool.free(seq)
 
 

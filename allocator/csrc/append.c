@@ -112,7 +112,8 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
     int32_t *fresh = ids + (off != 0);
     ids[0] = last;
     uint8_t *s = seqrec(n, slot);
-    if (need <= 0 && !cow) {
+    int txn = !(need <= 0 && !cow);
+    if (!txn) {
         if (k == 1) { /* the decode step: one token, one count */
             uint8_t *r = blk(n, last);
             I4(r + BF_TOKENS + 4 * off) = toks[0];
@@ -203,6 +204,8 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
     if (ints_extend(tokens, toks, k)) return ERROR;
     if (n_new / bs > PyList_GET_SIZE(chain) && extend_chain(n, tokens, table, chain))
         return ERROR;
+    /* a chunk that ran a transaction is an opportunity for the append faults (append.py) */
+    if (txn && append_faults(n, pool, table)) return ERROR;
     return OK;
 abort:
     txn_abort(n);
@@ -241,8 +244,6 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
             goto out;
         }
         done += part;
-        /* (each chunk is an opportunity, as each of append.py's) */
-        if (append_faults(n, pool, lists[1])) goto out;
     }
     n->native_ops++;
     result = Py_NewRef(copies);

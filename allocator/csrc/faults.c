@@ -118,7 +118,7 @@ static void double_free_fired(Native *n, int32_t b, PyObject *rec, const char *r
 }
 
 /* The faults that strike while a sequence grows (append.py _append_faults), once a chunk of
- * its append is done: a KV write one slot past its last block (faults.write_past: the data is a tensor
+ * its append that ran a transaction (a new block, a copy) is done: a KV write one slot past its last block (faults.write_past: the data is a tensor
  * the core may not map), the header's num_blocks and its first block's refcount scribbled over
  * (raw bytes, not through the allocator: their checksums no longer match). */
 static int append_faults(Native *n, PyObject *pool, PyObject *table) {
