@@ -102,6 +102,20 @@ def test_a_fault_fires_in_the_core_and_acts(probed, fault):
     assert ACTED[fault] in _kinds(pool), _kinds(pool)
 
 
+def test_lock_inversion_takes_the_locks_in_reverse_in_the_core(make_pool):
+    # GIVEN a pool on its C core (no lockdep), lock-inversion armed for its first opportunity
+    pool = make_pool(64, block_size=4)
+    faults.configure("lock-inversion:1")
+    try:
+        # WHEN requests run
+        at, handed_back = striking_op(pool, work(pool))
+        # THEN it fired in an operation the core ran (its transaction of several locks)
+        assert at >= 0 and faults.FIRED[-1] == "lock-inversion" and not faults.ARMED
+        assert handed_back == 0
+    finally:
+        faults.configure(None)
+
+
 def test_a_fault_strikes_at_its_nth_opportunity_counted_in_the_core(probed):
     # GIVEN leak armed for its third opportunity (a release of a block only its request holds)
     pool = probed

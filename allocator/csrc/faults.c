@@ -159,22 +159,18 @@ static int lock_inversion(Native *n, uint64_t mask) {
 
 /* lockdep's view of an inverted transaction (probes.c lockdep_ok with the order reversed): each
  * pair of traced locks of different classes taken high index first is the order edge
- * class(high) -> class(low), learned through the probe's `_lockdep_learn` (which reports the
- * cycle it closes). OK, FALLBACK (not learned now), ERROR. */
+ * class(high) -> class(low), learned into the segment's lock graph (probes.c lg_learn). OK,
+ * FALLBACK (an edge that closes a cycle: the Python path takes the locks and reports it). */
+static int lg_learn(Native *n, int i, int j);
 static int lockdep_inverted_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
     for (uint64_t m = mask; m; m &= m - 1) {
         int j = __builtin_ctzll(m);
         uint64_t above = mask & ~((lock_bit(j) << 1) - 1) & ~n->same_class[j];
         for (; above; above &= above - 1) {
-            int i = 63 - __builtin_clzll(above);
+            int i = __builtin_ctzll(above);
             if (n->known_into[j] & lock_bit(i)) continue;
-            PyObject *r = PyObject_CallMethod(n->pool, "_lockdep_learn", "ii", i, j);
-            if (r == NULL) return ERROR;
-            int known = PyObject_IsTrue(r);
-            Py_DECREF(r);
-            if (known < 0) return ERROR;
-            if (!known) return FALLBACK;
+            if (lg_learn(n, i, j) != OK) return FALLBACK;
             n->known_into[j] |= lock_bit(i);
         }
     }
