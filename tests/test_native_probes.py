@@ -310,6 +310,21 @@ def test_the_python_path_asks_the_core_to_verify_on_one_clock(pool_name, monkeyp
         pool.unlink()
 
 
+def _each_path(pool_name: str, *geometry):
+    """A pool on the C core, then one on the Python path, each with a findings callback:
+    (on the core, the pool, the findings handed to it); closed and removed after its turn."""
+    for native in (True, False):
+        pool = _pool(f"{pool_name}-{int(native)}", native, *geometry)
+        seen: list = []
+        pool.on_finding = seen.append
+        try:
+            yield native, pool, seen
+        finally:
+            lockdep.LOCKDEP.uninstrument(pool)
+            pool.close()
+            pool.unlink()
+
+
 @pytest.mark.parametrize("taken", [1, 3], ids=["one-block", "three-blocks"])
 def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
     pool_name, monkeypatch, taken
@@ -319,33 +334,25 @@ def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
     for p in PROBES:
         monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p == "LEAKS" else "0")
     found = []
-    for native in (True, False):
-        pool = _pool(f"{pool_name}-{int(native)}", native, 4, 4, 2, 4)
-        seen: list = []
-        pool.on_finding = seen.append
-        try:
-            holder = pool.allocate("holder", [1, 2, 3])
-            gone = pool.allocate("gone", list(range(10, 10 + 4 * taken - 1)))
-            freed = list(gone.block_table)
-            pool.free(gone)
-            seqs = pool.view.seqs
-            seqs["table"][holder.slot, 1] = freed[-1]
-            seqs["num_blocks"][holder.slot] = 2
-            # WHEN a request takes blocks again (the freed ones come first, from the cache)
-            ops = pool._native.stats()["native_ops"] if native else 0
-            pool.allocate("taker", list(range(50, 50 + 4 * taken - 1)))
-            # THEN the block is reported as handed out while still mapped, naming the holder
-            found.append([(f.kind, f.block, f.request, f.message) for f in pool.findings()])
-            assert [(f.kind, f.block, f.message) for f in seen] == [
-                (k, b, m) for k, b, _, m in found[-1]
-            ]
-            if native:
-                # (the core found it, reported it and handed the block out itself)
-                assert pool._native.stats()["native_ops"] == ops + 1
-        finally:
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+    for native, pool, seen in _each_path(pool_name, 4, 4, 2, 4):
+        holder = pool.allocate("holder", [1, 2, 3])
+        gone = pool.allocate("gone", list(range(10, 10 + 4 * taken - 1)))
+        freed = list(gone.block_table)
+        pool.free(gone)
+        seqs = pool.view.seqs
+        seqs["table"][holder.slot, 1] = freed[-1]
+        seqs["num_blocks"][holder.slot] = 2
+        # WHEN a request takes blocks again (the freed ones come first, from the cache)
+        ops = pool._native.stats()["native_ops"] if native else 0
+        pool.allocate("taker", list(range(50, 50 + 4 * taken - 1)))
+        # THEN the block is reported as handed out while still mapped, naming the holder
+        found.append([(f.kind, f.block, f.request, f.message) for f in pool.findings()])
+        assert [(f.kind, f.block, f.message) for f in seen] == [
+            (k, b, m) for k, b, _, m in found[-1]
+        ]
+        if native:
+            # (the core found it, reported it and handed the block out itself)
+            assert pool._native.stats()["native_ops"] == ops + 1
     assert found[0] == found[1]
     assert found[0] == [
         (
@@ -380,45 +387,37 @@ def test_a_leak_at_a_release_is_written_by_the_core_as_the_python_path_reports_i
     for p in PROBES:
         monkeypatch.setenv(f"KVSCOPE_{p}", "0" if p in ("MAGIC", "LOCKDEP") else "1")
     got = []
-    for native in (True, False):
-        pool = _pool(f"{pool_name}-{int(native)}", native, *DEFAULT)
-        seen: list = []
-        pool.on_finding = seen.append
-        try:
-            ops = pool._native.stats()["native_ops"] if native else 0
-            # WHEN a request ends leaving its block held and unmapped
-            x = _leak_at_release(pool)
-            if native:
-                # (the core released it and reported the leak itself)
-                assert pool._native.stats()["native_ops"] == ops + 2
-            # THEN one leak_finished names the block, its request and owner, in the ring and
-            # to the callback, with the allocation site and the block's events
-            (f,) = pool.findings()
-            assert (f.kind, f.block, f.request, f.owner_pid) == (
-                "leak_finished",
-                x,
-                "a",
-                os.getpid(),
-            )
-            assert f.message == (
-                "request 'a' ended but its block is still allocated (refcount 1) and no "
-                "sequence maps it"
-            )
-            (cb,) = seen
-            assert (cb.kind, cb.block, cb.message) == (f.kind, f.block, f.message)
-            assert "test_native_probes.py" in cb.extra["site"]
-            got.append((cb.extra["site"], [e["op"] for e in cb.events], f.site_id >= 0))
-            # and the flight recorder has the finding after the free
-            ev = pool.view.events[pool.client]
-            ops_seen = [int(o) for o in ev["op"][ev["time_ns"] > 0]]
-            assert ops_seen[-2:] == [EventOp.FREE, EventOp.FINDING]
-            # WHEN either path finds the same leak again THEN it is not reported twice
-            assert pool.probe.block_finding("leak_finished", x, "again") is None
-            assert len(pool.findings()) == 1 and len(seen) == 1
-        finally:
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+    for native, pool, seen in _each_path(pool_name, *DEFAULT):
+        ops = pool._native.stats()["native_ops"] if native else 0
+        # WHEN a request ends leaving its block held and unmapped
+        x = _leak_at_release(pool)
+        if native:
+            # (the core released it and reported the leak itself)
+            assert pool._native.stats()["native_ops"] == ops + 2
+        # THEN one leak_finished names the block, its request and owner, in the ring and
+        # to the callback, with the allocation site and the block's events
+        (f,) = pool.findings()
+        assert (f.kind, f.block, f.request, f.owner_pid) == (
+            "leak_finished",
+            x,
+            "a",
+            os.getpid(),
+        )
+        assert f.message == (
+            "request 'a' ended but its block is still allocated (refcount 1) and no "
+            "sequence maps it"
+        )
+        (cb,) = seen
+        assert (cb.kind, cb.block, cb.message) == (f.kind, f.block, f.message)
+        assert "test_native_probes.py" in cb.extra["site"]
+        got.append((cb.extra["site"], [e["op"] for e in cb.events], f.site_id >= 0))
+        # and the flight recorder has the finding after the free
+        ev = pool.view.events[pool.client]
+        ops_seen = [int(o) for o in ev["op"][ev["time_ns"] > 0]]
+        assert ops_seen[-2:] == [EventOp.FREE, EventOp.FINDING]
+        # WHEN either path finds the same leak again THEN it is not reported twice
+        assert pool.probe.block_finding("leak_finished", x, "again") is None
+        assert len(pool.findings()) == 1 and len(seen) == 1
     assert got[0] == got[1] and got[0][1] == ["allocate", "free"]
 
 
@@ -430,48 +429,38 @@ def test_a_refcount_taken_twice_is_reported_by_the_core_and_the_release_goes_on(
     for p in PROBES:
         monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p in ("LEAKS", "EVENTS") else "0")
     got = []
-    for native in (True, False):
-        pool = _pool(f"{pool_name}-{int(native)}", native, *DEFAULT)
-        seen: list = []
-        pool.on_finding = seen.append
-        try:
-            a = pool.allocate("a", [1, 2, 3])
-            x = a.block_table[0]
-            pool.view.blocks["refcount"][x] = 2
-            pool.store.seal(np.array([x]))
-            ops = pool._native.stats()["native_ops"] if native else 0
-            # WHEN the request ends
-            pool.free(a)
-            if native:
-                # (the core released it, reporting what it found)
-                assert pool._native.stats()["native_ops"] == ops + 1
-            # THEN the refcount is reported before the release, and the block it left held
-            # after it, in the ring and to the callback
-            found = [(f.kind, f.block, f.request, f.message) for f in pool.findings()]
-            assert found == [
-                (
-                    "refcount_mismatch",
-                    x,
-                    "a",
-                    "refcount is 2 but 1 sequence(s) of this process map the block (at the end "
-                    "of request 'a')",
-                ),
-                (
-                    "leak_finished",
-                    x,
-                    "a",
-                    "request 'a' ended but its block is still allocated (refcount 1) and no "
-                    "sequence maps it",
-                ),
-            ]
-            assert [(f.kind, f.block, f.message) for f in seen] == [
-                (k, b, m) for k, b, _, m in found
-            ]
-            got.append([[e["op"] for e in f.events] for f in seen])
-        finally:
-            lockdep.LOCKDEP.uninstrument(pool)
-            pool.close()
-            pool.unlink()
+    for native, pool, seen in _each_path(pool_name, *DEFAULT):
+        a = pool.allocate("a", [1, 2, 3])
+        x = a.block_table[0]
+        pool.view.blocks["refcount"][x] = 2
+        pool.store.seal(np.array([x]))
+        ops = pool._native.stats()["native_ops"] if native else 0
+        # WHEN the request ends
+        pool.free(a)
+        if native:
+            # (the core released it, reporting what it found)
+            assert pool._native.stats()["native_ops"] == ops + 1
+        # THEN the refcount is reported before the release, and the block it left held
+        # after it, in the ring and to the callback
+        found = [(f.kind, f.block, f.request, f.message) for f in pool.findings()]
+        assert found == [
+            (
+                "refcount_mismatch",
+                x,
+                "a",
+                "refcount is 2 but 1 sequence(s) of this process map the block (at the end "
+                "of request 'a')",
+            ),
+            (
+                "leak_finished",
+                x,
+                "a",
+                "request 'a' ended but its block is still allocated (refcount 1) and no "
+                "sequence maps it",
+            ),
+        ]
+        assert [(f.kind, f.block, f.message) for f in seen] == [(k, b, m) for k, b, _, m in found]
+        got.append([[e["op"] for e in f.events] for f in seen])
     assert got[0] == got[1]
 
 
