@@ -262,11 +262,10 @@ def test_kill_holding_lock_dies_in_the_core_leaving_a_dead_holder(probed):
     assert pool.check() == [] and pool.stats()["num_allocated"] == 0
 
 
-@pytest.mark.parametrize("point", CRASH_POINTS)
-def test_a_crash_point_fires_in_the_core(make_pool, point):
-    # GIVEN a child on the C core with a crash point armed, whose Python path says when it
-    # hits it (32 clients: no slot reserve, whose refills are the Python path's)
-    pool = make_pool(48, block_size=4, max_clients=32)
+def killed_in_child(pool: KVPool, spec: str, body: Callable[[KVPool], object]):
+    """Run `body` in a forked child on the C core, attached to `pool`, with the crash point
+    `spec` ("point:n") armed: its exit status and the hits its Python path reported
+    (python_path_hits: how many were left at each)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -274,27 +273,39 @@ def test_a_crash_point_fires_in_the_core(make_pool, point):
             os.close(r)
             child = KVPool.attach(pool.name)
             assert child._native is not None
-            python_path_hits(w, point)
-            crash.configure(f"{point}:1")
-            rng = random.Random(1)
-            live: list = []
-            for i in range(300):
-                if not live or rng.random() < 0.3:
-                    s = child.allocate(f"c{i}", [rng.randrange(5) for _ in range(9)])
-                    child.mark_computed(s, s.num_tokens)
-                    live.append(s)
-                elif rng.random() < 0.6:
-                    child.append(live[rng.randrange(len(live))], [rng.randrange(5)])
-                elif rng.random() < 0.5 and len(live) < 6:
-                    live.append(child.fork(live[rng.randrange(len(live))], f"f{i}"))
-                else:
-                    child.free(live.pop(rng.randrange(len(live))))
+            python_path_hits(w, spec.partition(":")[0])
+            crash.configure(spec)
+            body(child)
         finally:
             os._exit(3)
     os.close(w)
     _, status = os.waitpid(pid, 0)
     with os.fdopen(r) as f:
-        python_hits = f.read().split()
+        return status, f.read().split()
+
+
+def _random_work(child: KVPool) -> None:
+    rng = random.Random(1)
+    live: list = []
+    for i in range(300):
+        if not live or rng.random() < 0.3:
+            s = child.allocate(f"c{i}", [rng.randrange(5) for _ in range(9)])
+            child.mark_computed(s, s.num_tokens)
+            live.append(s)
+        elif rng.random() < 0.6:
+            child.append(live[rng.randrange(len(live))], [rng.randrange(5)])
+        elif rng.random() < 0.5 and len(live) < 6:
+            live.append(child.fork(live[rng.randrange(len(live))], f"f{i}"))
+        else:
+            child.free(live.pop(rng.randrange(len(live))))
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_a_crash_point_fires_in_the_core(make_pool, point):
+    # GIVEN a child on the C core with a crash point armed, whose Python path says when it
+    # hits it (32 clients: no slot reserve, whose refills are the Python path's)
+    pool = make_pool(48, block_size=4, max_clients=32)
+    status, python_hits = killed_in_child(pool, f"{point}:1", _random_work)
     # THEN it was killed at the point, by the core (the Python path never hit it), and
     # recovery loses nothing
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
@@ -306,21 +317,9 @@ def test_a_crash_points_count_is_one_across_the_python_path_and_the_core(make_po
     # GIVEN a child with txn.after_locks armed for its second hit, on a pool with slot reserves
     # (the first allocation's refill of the reserve is a transaction of the Python path)
     pool = make_pool(48, block_size=4, max_clients=8)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            child = KVPool.attach(pool.name)
-            python_path_hits(w, "txn.after_locks")
-            crash.configure("txn.after_locks:2")
-            child.allocate("a", [1, 2, 3, 4, 5])
-        finally:
-            os._exit(3)
-    os.close(w)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(r) as f:
-        python_hits = f.read().split()
+    status, python_hits = killed_in_child(
+        pool, "txn.after_locks:2", lambda child: child.allocate("a", [1, 2, 3, 4, 5])
+    )
     # THEN the refill hit it first (two hits left), and the core's allocation, the second hit,
     # killed the process
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
