@@ -49,8 +49,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
     /* BlockStore.drop, then give_back */
     int64_t nz = 0;
     if (drop_refs(n, ids, k, wall_ns(), zero, &nz)) return FALLBACK;
-    int64_t fit;
-    if (local_push(n, zero, nz, &fit) || ring_push(n, zero + fit, nz - fit)) return FALLBACK;
+    if (give_back_freed(n, zero, nz, 0)) return FALLBACK;
     if (write_blocks(n, slot, 0, NULL, 0)) return FALLBACK;
     seqrec(n, slot)[SF_STATE] = S_PREEMPTED;
     if (n->n_pre == n->cap_pre) {
