@@ -1,5 +1,5 @@
-"""The pool's C core (allocator/_native.c): optional, the pure-Python allocator does everything
-without it (slower; docs/FORMAT.md "The native core")."""
+"""The pool's C core (allocator/_native.c): required, the pool's operations run in it
+(docs/FORMAT.md "The native core"); kvscope._sigbus and kvscope._kvevents are optional."""
 
 import runpy
 from pathlib import Path
@@ -24,7 +24,6 @@ setup(
             extra_compile_args=["-O2", "-std=gnu11"],
             # devchecks.c looks libcuda's entry points up at run time (dlopen)
             libraries=["dl"],
-            optional=True,
         ),
         # `kvscope run` reading a pool file the script truncates (kvscope/csrc/sigbus.c)
         Extension(

@@ -143,8 +143,10 @@ class PoolConfig:
             raise PoolError(
                 f"PoolConfig.local_cache_size must be in [0, 64], got {c.local_cache_size}"
             )
-        if c.num_shards <= 0 or c.num_shards & (c.num_shards - 1):
-            raise PoolError(f"PoolConfig.num_shards must be a power of two, got {c.num_shards}")
+        if c.num_shards <= 0 or c.num_shards & (c.num_shards - 1) or c.num_shards > 32:
+            raise PoolError(
+                f"PoolConfig.num_shards must be a power of two up to 32, got {c.num_shards}"
+            )
         check_kv_events(c.kv_events)
         return c
 

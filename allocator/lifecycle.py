@@ -222,9 +222,8 @@ def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
         ):
             pass
         pool._closed = True
-    if pool._native is not None:
-        pool._native.close()
-        pool._native = None
+    pool._core.close()
+    pool._native = None
     pool.view = None  # type: ignore[assignment]
     release(pool._mf)
 

@@ -4,9 +4,9 @@ The core does the common case of allocate, free/abort, append (copy-on-write too
 fork, set_state and resume on the same bytes, journal and locks as the Python methods, preempting this
 handle's oldest waiting sequence when a take is short and raising PoolExhausted (the class handed
 over once: `register_errors`) when nothing is left; anything else it hands back (it returns None
-with nothing changed) and the Python method runs. A handle uses it when the
-extension was built (`pip install` compiles it; without a C compiler the pool is pure Python),
-`KVSCOPE_NATIVE` is not `0`, and nothing needs the Python path's hooks: every probe `kvscope run`
+with nothing changed) and the Python method runs. Every handle has one
+(`pip install` compiles it; a missing or stale build fails the import in one line); the hot
+operations use it unless `KVSCOPE_NATIVE` is `0` or something needs the Python path's hooks: every probe `kvscope run`
 switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or
 sampled, with a quarantine count or not, the digest: `PoolProbes.native_bits`), and so do the
 injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py keep); a
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -69,13 +68,16 @@ if TYPE_CHECKING:
 
 try:
     from kvscope.allocator import _native
-except ImportError:  # built without a C compiler: the pure-Python pool
-    _native = None  # type: ignore[assignment]
+except ImportError:
+    raise ImportError(
+        "kvscope: the pool's C core (kvscope.allocator._native) is not built; reinstall with "
+        "a C compiler and Python headers: pip install -e ."
+    ) from None
 
 
 def available() -> bool:
-    """True when the C core was built and is not switched off (KVSCOPE_NATIVE=0)."""
-    return _native is not None and os.environ.get("KVSCOPE_NATIVE", "1") != "0"
+    """True unless the hot operations are switched to the Python path (KVSCOPE_NATIVE=0)."""
+    return os.environ.get("KVSCOPE_NATIVE", "1") != "0"
 
 
 class LayoutMismatch(ImportError):
@@ -116,7 +118,7 @@ def check_layout(built: Mapping[str, int]) -> None:
         shown = "; ".join(diff[:3]) + (f" (and {len(diff) - 3} more)" if len(diff) > 3 else "")
         raise LayoutMismatch(
             "kvscope: the pool's C core (kvscope.allocator._native) was built for another "
-            f"segment layout ({shown}); rebuild it: pip install -e . (or KVSCOPE_NATIVE=0)"
+            f"segment layout ({shown}); rebuild it: pip install -e ."
         )
 
 
@@ -127,47 +129,14 @@ assert all(_CF[f][1] == _CF[COUNTER_FIELDS[0]][1] + 8 * i for i, f in enumerate(
 )
 
 
-def checked(module: Any) -> Any:
-    """The built core if it has today's layout; None if not but KVSCOPE_NATIVE=0 (the core is
-    off anyway, so a stale build must not stop the Python path); LayoutMismatch otherwise."""
-    if module is None:
-        return None
-    try:
-        check_layout(getattr(module, "LAYOUT", {}))
-    except LayoutMismatch:
-        if os.environ.get("KVSCOPE_NATIVE", "1") == "0":
-            return None
-        raise
-    return module
-
-
-_native = checked(_native)
-if _native is not None:
-    # The exception classes the core raises (a full pool's PoolExhausted, a bad input's
-    # PoolError), handed over once.
-    _native.register_errors(PoolError, PoolExhausted)
+check_layout(getattr(_native, "LAYOUT", {}))
+# The exception classes the core raises (a full pool's PoolExhausted, a bad input's PoolError),
+# handed over once.
+_native.register_errors(PoolError, PoolExhausted)
 
 # KVSCOPE_NATIVE_KV=python: the core hands block-data work back to Python on a CPU pool too;
 # =deferred: and the answers are read later, as on a CUDA pool (devicechecks.py).
 KV_HANDBACK_ENV = "KVSCOPE_NATIVE_KV"
-
-
-_warned = False
-
-
-def _warn_not_built() -> None:
-    """Say once per process that the pool runs without its C core (unless asked to)."""
-    global _warned
-    if _warned or os.environ.get("KVSCOPE_NATIVE", "1") == "0":
-        return
-    _warned = True
-    warnings.warn(
-        "kvscope: the pool's C core (kvscope.allocator._native) is not built, so pools run on "
-        "the slower Python path; reinstall with a C compiler and Python headers "
-        "(KVSCOPE_NATIVE=0 silences this)",
-        RuntimeWarning,
-        stacklevel=4,
-    )
 
 
 def kv_layout(pool: KVPool) -> dict[str, Any]:
@@ -263,15 +232,17 @@ def report_double_free(pool: KVPool, block: int, raw: bytes, request: bytes) -> 
     )
 
 
-def core_for(pool: KVPool) -> Any | None:
-    """The C core for one handle, or None (pure Python for this handle)."""
-    if _native is None:
-        _warn_not_built()
-        return None
-    if not available():
-        return None
-    if len(pool.locks.names) > 64 or pool.store.local_cap > 64:
-        return None  # the core holds locks in a 64-bit mask and refills the cache 64 at most
+# The core holds its locks in a 64-bit mask: seqs, free, sites, findings and the index shards.
+MAX_SHARDS = 32
+
+
+def core_for(pool: KVPool) -> Any:
+    """The C core for one handle (every handle has one)."""
+    if len(pool.locks.names) > 64:
+        raise PoolError(
+            f"pool {pool.name!r} has {pool.view.layout.num_shards} index shards; the core "
+            f"takes at most {MAX_SHARDS}"
+        )
     view = pool.view
     off = view.offsets
     client = pool.client

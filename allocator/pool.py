@@ -141,9 +141,11 @@ class KVPool:
         # Probe hooks: None when off (one attribute check per operation).
         self.site_of = None
         self.on_finding: Callable[[Any], None] | None = None
-        # The C core for the common case of the hot operations (native.py), or None: before the
-        # probes, which configure their checks in it (devicechecks.py).
-        self._native = native.core_for(self)
+        # The C core (native.py): before the probes, which configure their checks in it
+        # (devicechecks.py). `_native` is the same core for the hot operations, None while
+        # KVSCOPE_NATIVE=0 sends them to the Python path; `_core` runs the rest either way.
+        self._core = native.core_for(self)
+        self._native = self._core if native.available() else None
         flags = ProbeFlags.from_env(int(view.h["flags"]))
         self.probe = PoolProbes(self, flags) if flags.any() else None
         if self.probe is not None and self.probe.sites is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import runpy
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -51,19 +50,29 @@ def test_a_core_built_for_another_layout_raises(change):
     assert isinstance(err.value, ImportError)
 
 
-def test_a_stale_core_is_dropped_when_switched_off(monkeypatch):
-    # GIVEN a core built for another layout
-    stale = types.SimpleNamespace(LAYOUT={**native.expected_layout(), "SF_TABLE": 72})
-    # WHEN it is loaded with the core switched on / THEN the import fails, saying why
-    monkeypatch.setenv("KVSCOPE_NATIVE", "1")
-    with pytest.raises(native.LayoutMismatch, match="SF_TABLE: built 72, layout 80"):
-        native.checked(stale)
-    # AND with KVSCOPE_NATIVE=0 (the way out the message names) the pool runs in Python
-    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
-    assert native.checked(stale) is None
-    # AND a core with today's layout loads either way
-    good = types.SimpleNamespace(LAYOUT=native.expected_layout())
-    assert native.checked(good) is good
+def test_a_missing_core_is_one_line_at_import_saying_how_to_rebuild():
+    # GIVEN a Python that cannot find the built core (a finder that refuses it)
+    code = (
+        "import sys, importlib.abc\n"
+        "class Refuse(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'kvscope.allocator._native':\n"
+        "            raise ImportError('no such module')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "try:\n"
+        "    from kvscope.allocator import KVPool\n"
+        "except ImportError as e:\n"
+        "    print('ERR', e)\n"
+        "else:\n"
+        "    print('IMPORTED')\n"
+    )
+    # WHEN the pool is imported
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # THEN the import fails with one line that says how to rebuild (no pure-Python pool)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ERR kvscope: the pool's C core"), out.stdout
+    assert "pip install -e ." in lines[0]
 
 
 def test_the_generator_packs_as_numpy_does():

@@ -353,22 +353,6 @@ def test_a_copy_whose_take_preempts_the_blocks_other_holder_gives_the_block_back
     assert pool.check() == [] and pool.stats()["num_allocated"] == 0
 
 
-def test_a_missing_core_is_said_once(pool_name, monkeypatch):
-    # GIVEN an install without the C core (no compiler)
-    monkeypatch.setattr(native, "_native", None)
-    monkeypatch.setattr(native, "_warned", False)
-    # WHEN pools are made THEN one RuntimeWarning says so, and the pool works in Python
-    with pytest.warns(RuntimeWarning, match="C core"):
-        pool = _pool(pool_name, True)
-    try:
-        assert pool._native is None
-        pool.free(pool.allocate("a", [1, 2, 3]))
-        assert native._warned
-    finally:
-        pool.close()
-        pool.unlink()
-
-
 # Switched off by KVSCOPE_NATIVE=0 (the probes the core runs itself, a guard pool's quarantine
 # count included, are tests/test_native_probes.py's and tests/test_native_guard.py's).
 def test_the_python_path_alone(pool_name, monkeypatch):
