@@ -205,7 +205,7 @@ class DeviceChecks:
             self._open.append(entry)
         self.pending.append(entry)
         if len(self.pending) > MAX_PENDING:
-            self.pool._checks_overdue = True  # (one attribute the pool's append reads)
+            self.pool._overdue[0] = 1  # (the word the pool's append reads)
 
     def _cover(self) -> None:
         """One event after the checks launched since the last one (each check's own event

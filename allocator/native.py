@@ -320,6 +320,7 @@ def core_for(pool: KVPool) -> Any:
         "ids": pool.seqtab.ids,
         "mutex": pool._mutex,
         "busy": pool._busy,
+        "overdue": pool._overdue,
         "hooks": pool._hooks,
         # The light probes the core runs itself (probing.PoolProbes.native_bits).
         "probe_bits": pool._probe_bits,

@@ -95,8 +95,8 @@ class KVPool:
         self.view = view
         self.kv = kv
         self.created = created
-        # set by a CUDA pool's checks where too many answers wait (devicechecks.MAX_PENDING)
-        self._checks_overdue = False
+        # set (to 1) by a CUDA pool's checks where too many answers wait (devicechecks.MAX_PENDING)
+        self._overdue = array("q", [0])
         self.config = config_from_header(view.h)
         self.block_size = self.config.block_size
         self.slots_per_block = self.config.slots_per_block
@@ -349,7 +349,7 @@ class KVPool:
             done = self._append_rest(seq, tokens)
         if self._found:
             self._hand_findings()
-        if self._checks_overdue:
+        if self._overdue[0]:
             self._settle_overdue()
         return done
 
@@ -380,14 +380,14 @@ class KVPool:
             done = publish.mark_computed(self, seq, num_tokens)
         if self._found:
             self._hand_findings()
-        if self._checks_overdue:
+        if self._overdue[0]:
             self._settle_overdue()
         return done
 
     def _settle_overdue(self) -> None:
         """The answers of a CUDA pool's checks, where more have piled up than devicechecks
         keeps (a program that publishes and appends but never allocates or frees)."""
-        self._checks_overdue = False
+        self._overdue[0] = 0
         later = self.probe.writes.later if self.probe is not None else None
         if later is not None:
             later.settle_overdue()

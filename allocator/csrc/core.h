@@ -154,6 +154,8 @@ typedef struct {
     PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */
     int64_t *busy;     /* the mapping's count of Python-path operations under that mutex */
     Py_buffer busy_buf;
+    int64_t *overdue; /* set where more check answers wait than kept (KVPool._overdue) */
+    Py_buffer overdue_buf;
     int64_t *hooks;    /* KVPool._hooks: probe hooks set on the handle (0: none) */
     Py_buffer hooks_buf;
     int mutex_held;    /* this call took the mutex to wait for a pool lock */

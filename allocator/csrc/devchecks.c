@@ -70,7 +70,7 @@ typedef struct DevChecks {
     unsigned threads[N_MODES], shared[N_MODES];
     int nparams, ids_param, out_param, device;
     uint64_t pval[DEV_PARAMS];
-    int64_t max_pending;         /* past this many waiting, pool._checks_overdue is set */
+    int64_t max_pending;         /* past this many waiting, the overdue word is set */
     DevEntry q[DEV_ENTRIES];
     int64_t q_tail, q_count, open_from; /* entries [open_from, tail + count) have no event */
     CUhandle open_stream;
@@ -276,9 +276,8 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     e->extra = extra;
     e->tag = own != NULL ? own : Py_XNewRef(tag);
     d->launched++;
-    if (d->q_count > d->max_pending && n->pool != NULL)
-        /* (one attribute pool.append and mark_computed read: they take the answers) */
-        if (PyObject_SetAttrString(n->pool, "_checks_overdue", Py_True) != 0) PyErr_Clear();
+    /* (the word pool.append and mark_computed read: they take the answers) */
+    if (d->q_count > d->max_pending) *n->overdue = 1;
     return OK;
 }
 

@@ -136,6 +136,12 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (word_of(busy, &n->busy_buf, &n->busy)) return -1;
+    PyObject *overdue = PyDict_GetItemString(d, "overdue");
+    if (!overdue) {
+        PyErr_SetString(PyExc_KeyError, "native core needs overdue");
+        return -1;
+    }
+    if (word_of(overdue, &n->overdue_buf, &n->overdue)) return -1;
     if (word_of(hooks, &n->hooks_buf, &n->hooks)) return -1;
     PyObject *pbits = PyDict_GetItemString(d, "probe_bits");
     if (!pbits || !PyTuple_Check(n->kv_dirs)) {
@@ -195,6 +201,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
 static void N_dealloc(Native *n) {
     if (n->seg) PyBuffer_Release(&n->buf);
     if (n->busy) PyBuffer_Release(&n->busy_buf);
+    if (n->overdue) PyBuffer_Release(&n->overdue_buf);
     if (n->hooks) PyBuffer_Release(&n->hooks_buf);
     if (n->crash) PyBuffer_Release(&n->crash_buf);
     if (n->probe_bits) PyBuffer_Release(&n->probe_bits_buf);
