@@ -67,12 +67,14 @@ if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
 
 try:
-    from kvscope.allocator import _native
+    from kvscope.allocator import _native as _built
 except ImportError:
     raise ImportError(
         "kvscope: the pool's C core (kvscope.allocator._native) is not built; reinstall with "
         "a C compiler and Python headers: pip install -e ."
     ) from None
+# (a compiled module: typed as Any for mypy, which has no stub of it)
+_native: Any = _built
 
 
 def available() -> bool:
