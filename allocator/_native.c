@@ -36,6 +36,7 @@
 #include "csrc/sequences.c"
 #include "csrc/tokens.c"
 #include "csrc/probes.c"
+#include "csrc/recovery.c"
 #include "csrc/kvdata.c"
 #include "csrc/allocate.c"
 #include "csrc/append.c"

@@ -169,31 +169,22 @@ def readable_findings(view) -> list[Finding]:
 REPAIRABLE_KINDS = LEAK_KINDS | {FindingKind.LOCK_DEAD_HOLDER}
 
 
-def mark_repaired(view, t, pids: set[int]) -> list[Finding]:
-    """Mark the ring's findings of REPAIRABLE_KINDS about the processes `pids` as repaired
-    (caller holds the findings lock, `t` journals it); the findings marked."""
+def repaired_findings(view, positions: list[int]) -> list[Finding]:
+    """The findings at these ring positions, as a repair reports those it marked repaired
+    (the core marks them: csrc/recovery.c mark_repaired)."""
     from kvscope.allocator.layout import FINDINGS_CAPACITY
 
-    head = int(view.header["findings_head"][0])
-    at = view.findings.dtype.fields["repaired"][1]
-    size = view.findings.dtype.itemsize
-    marked = []
-    for k in range(max(0, head - FINDINGS_CAPACITY), head):
-        i = k % FINDINGS_CAPACITY
-        r = view.findings[i]
-        kind = bytes(r["kind"]).decode(errors="replace")
-        if r["repaired"] or int(r["owner_pid"]) not in pids or kind not in REPAIRABLE_KINDS:
-            continue
-        t.journal.save(view.offsets["findings"] + i * size + at, 1)
-        view.findings["repaired"][i] = 1
+    out = []
+    for k in positions:
+        r = view.findings[k % FINDINGS_CAPACITY]
         block = int(r["block"])
-        marked.append(
+        out.append(
             Finding(
-                kind=kind,
+                kind=bytes(r["kind"]).decode(errors="replace"),
                 message=bytes(r["message"]).decode(errors="replace"),
                 block=None if block < 0 else block,
                 owner_pid=int(r["owner_pid"]),
                 request=bytes(r["request"]).decode(errors="replace") or None,
             )
         )
-    return marked
+    return out

@@ -1,5 +1,6 @@
 """A pool's life: create, attach, this process's client record, close, unlink, and reclaiming
-what dead processes left. The `KVPool` methods of the same names (pool.py) call these."""
+what dead processes left. The `KVPool` methods of the same names (pool.py) call these; close
+and reclaiming are the C core's (csrc/recovery.c)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 from kvscope.allocator import kvdata, ofd, recovery
 from kvscope.allocator.config import KVEventsConfig, PoolConfig, check_kv_events
 from kvscope.allocator.errors import PoolError
+from kvscope.allocator.findings import REPAIRABLE_KINDS, Finding, repaired_findings
 from kvscope.allocator.header import config_from_header, init_segment, seal_header
 from kvscope.allocator.layout import COUNTER_FIELDS, ClientState, Layout, SegmentView
 from kvscope.allocator.probeflags import GUARD_SAMPLE_ENV, env_flag
@@ -29,7 +31,6 @@ from kvscope.allocator.segment import (
     shm_free_bytes,
     view_of,
 )
-from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
@@ -142,8 +143,9 @@ def _start_kv_events(pool: KVPool, endpoint: str | KVEventsConfig) -> None:
 
 
 def register_client(pool: KVPool) -> int:
-    """Claim a client record: a never-used one first (dead ones stay for analysis), then a
-    detached one; in a full table, one reclaimed from a dead process (recovery.py)."""
+    """Claim a client record and bind the handle to it (`KVPool._bind`): a never-used one
+    first (dead ones stay for analysis), then a detached one; in a full table, one reclaimed
+    from a dead process (`_reclaim_for_attach`)."""
     c = pool.view.clients
     with _file_lock(pool):
         states = c["state"]
@@ -152,10 +154,9 @@ def register_client(pool: KVPool) -> int:
             empty = np.flatnonzero(states == ClientState.DETACHED)
         if len(empty):
             i = int(empty[0])
+            pool._bind(i)
         else:
-            got = recovery.reclaim_for_attach(
-                pool._mf, pool.view, pool.pid, pool.start, pool.reclaimed_at_attach
-            )
+            got = _reclaim_for_attach(pool)
             if got is None:
                 raise PoolError(
                     f"pool {pool.name!r} has {len(states)} attached processes, all alive "
@@ -181,6 +182,30 @@ def register_client(pool: KVPool) -> int:
             rec[f] = 0
         c["state"][i] = ClientState.ATTACHED
     return i
+
+
+def _reclaim_for_attach(pool: KVPool) -> int | None:
+    """Free a client record for a process attaching to a full client table: the index of a
+    dead client's record, reclaimed and detached, with the handle bound to it; None when
+    every attached process is alive. The caller holds the registration lock, so no other
+    attach takes the record meanwhile.
+
+    The attacher has no record of its own to journal a reclaim in, so it borrows the dead
+    one's: the handle binds to that record (its lock table, journal and core name it) and its
+    core reclaims the record's dead owner there (csrc/recovery.c reclaim_for_attach: the same
+    steps as any reclaim; the record's journal holds only its dead owner's entries, which the
+    first step rolls back). The handle then claims the record it is already bound to: no
+    second kind of core, nothing bound twice on success."""
+    for d in recovery.find_dead(pool.view):
+        pool._bind(d.client)
+        got = pool._core.reclaim_for_attach(d.pid, d.start, d.generation)
+        if got is not None:
+            pool.reclaimed_at_attach.append({"pid": d.pid, **got, "detached": True})
+            return d.client
+        if int(pool.view.clients["state"][d.client]) == ClientState.DETACHED:
+            # Another reclaimer finished it; no other attach can take it while we register.
+            return d.client
+    return None
 
 
 @contextlib.contextmanager
@@ -211,28 +236,14 @@ def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
     if hook is not None:
         hook(pool)
     with pool._mutex:
-        if pool.journal.count:
-            pool.journal.rollback()
-        pool._run({pool.FREE}, pool._flush_local)
-        pool.seqtab.reserve.clear()
-        # The same journaled fold as reclaiming a dead process, under the lock that guards
-        # the header's counters (the seqs lock), a chunk of reserved slots at a time.
-        while not pool._run(
-            {pool.SEQS}, lambda t: recovery.detach_client(pool.view, t, pool.client)
-        ):
-            pass
+        # The core's: an interrupted operation's journal rolled back, the local cache and the
+        # slot reserve returned, the counters folded into the header, the record detached.
+        pool._core.detach()
         pool._closed = True
     pool._core.close()
     pool._native = None
     pool.view = None  # type: ignore[assignment]
     release(pool._mf)
-
-
-def flush_local(pool: KVPool, t: Txn) -> None:
-    """Return this process's local cache to the free ring."""
-    ids = pool.store.local_pop(t, len(pool.store.local))
-    if len(ids):
-        pool.store.ring_push(t, ids)
 
 
 def unlink(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
@@ -248,11 +259,26 @@ def unlink(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
 
 
 def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None) -> dict[str, int]:
-    """`KVPool.reclaim_dead`: recovery.reclaim_dead as one of this handle's operations."""
+    """`KVPool.reclaim_dead`: the core's (csrc/recovery.c), with the processes whose own exit
+    already recorded what they held (their reclaim writes no second finding)."""
     pool._check_process()
     with pool._mutex:
-        pool._busy[0] += 1
-        try:
-            return recovery.reclaim_dead(pool, done)
-        finally:
-            pool._busy[0] -= 1
+        totals, got = pool._core.reclaim_dead(recovery.said_at_exit(pool.view))
+    if done is not None:
+        done.extend(got)
+    if pool._found:
+        pool._hand_findings()
+    return totals
+
+
+def clear_repaired(pool: KVPool, pids: set[int]) -> list[Finding]:
+    """After a repair returned what the dead processes `pids` held: mark the recorded findings
+    about their leaks and the locks they died holding as repaired (the core's transaction), so
+    that a repaired pool reads healthy (readers leave them out: allocator/findingset.py); the
+    findings marked."""
+    if not pids:
+        return []
+    pool._check_process()
+    with pool._mutex:
+        marked = pool._core.mark_repaired(pids, tuple(k.value for k in REPAIRABLE_KINDS))
+    return repaired_findings(pool.view, marked)

@@ -127,14 +127,9 @@ class LockTable:
         """Index of a lock by name."""
         return self.names.index(name)
 
-    def acquire(
-        self,
-        i: int,
-        *,
-        recovering: bool = False,
-        on_dead: Callable[[int, int, int], None] | None = None,
-    ) -> None:
-        """Take lock i; raise DeadHolder (lock released again) if a dead process left it held."""
+    def acquire(self, i: int) -> None:
+        """Take lock i; raise DeadHolder (lock released again) if a dead process left it held
+        (the runner has the C core recover it: csrc/recovery.c)."""
         if self.on_acquire is not None:
             self.on_acquire(i)
         t0 = time.perf_counter_ns()
@@ -150,15 +145,11 @@ class LockTable:
         rec = self.base + i * LOCK_DTYPE.itemsize
         dead = _I4.unpack_from(mv, rec + _HOLDER)[0]
         if dead:
-            if not recovering:
-                mutex.unlock(self.mutex_at + i * self.stride)
-                self.tlocks[i].release()
-                if self.on_release is not None:
-                    self.on_release(i)
-                raise DeadHolder(i, dead)
-            if on_dead is not None:
-                on_dead(i, dead, int(self.holder_client[i]))
-            self.clear_dead(i)
+            mutex.unlock(self.mutex_at + i * self.stride)
+            self.tlocks[i].release()
+            if self.on_release is not None:
+                self.on_release(i)
+            raise DeadHolder(i, dead)
         self._mark_held(i, threading.get_native_id(), t0, time.perf_counter_ns(), contended)
 
     def _take(self, first: int, last: int) -> bool:
@@ -296,9 +287,3 @@ class LockTable:
         self.tlocks[i].release()
         if self.on_release is not None:
             self.on_release(i)
-
-    def clear_dead(self, i: int) -> None:
-        """Forget a dead holder of lock i (called during recovery while holding it)."""
-        self.holder_pid[i] = 0
-        if self.seq[i] % 2:
-            self.seq[i] += 1

@@ -289,7 +289,14 @@ def core_for(pool: KVPool) -> Any:
         "cf_state": cf["state"][1],
         "cf_pid": cf["pid"][1],
         "cf_local_count": cf["local_count"][1],
+        # recovery (csrc/recovery.c): a record's identity, the header's counters, a finding's
+        # repaired byte
+        "cf_start": cf["start"][1],
+        "cf_attached_ns": cf["attached_ns"][1],
+        "off_hdr_counters": view.header.dtype.fields[COUNTER_FIELDS[0]][1],
+        "fd_repaired": FINDING_DTYPE.fields["repaired"][1],
         "client_attached": int(ClientState.ATTACHED),
+        "client_detached": int(ClientState.DETACHED),
         # magic: the header's bytes up to and with its checksum
         "header_check_bytes": HEADER_CHECKSUM_BYTES + 8,
         "client": client,

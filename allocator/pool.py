@@ -122,30 +122,15 @@ class KVPool:
         self._closed = False
         # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
         self.kv_events: Any = None
-        # Dead processes an attach to a full client table reclaimed (recovery.py).
-        self.reclaimed_at_attach: list[dict[str, Any]] = []
-        self.client = self._register_client()
-        self._client_seq = ClientSeq(view, self.client)
-        self.counters = {f: view.clients[f][self.client : self.client + 1] for f in COUNTER_FIELDS}
-        self.journal = Journal(view, self.client)
-        self.locks = LockTable(mf, view, self.pid, self.start, self.client, self._hooks)
-        n_shards = view.layout.num_shards
-        self.SEQS = self.locks.index("seqs")
-        self.SHARDS = [self.locks.index(f"index.{i}") for i in range(n_shards)]
-        self.FREE = self.locks.index("free")
-        self.ALL = set(range(len(self.locks.names)))
-        self.store = BlockStore(view, self.client, self.FREE, self.SHARDS)
-        self.seqtab = SeqTable(view, self.SEQS, self.client)
         self._seqs: dict[int, Sequence] = {}
         self._uid = id(self)
         # Probe hooks: None when off (one attribute check per operation).
         self.site_of = None
         self.on_finding: Callable[[Any], None] | None = None
-        # The C core (native.py): before the probes, which configure their checks in it
-        # (devicechecks.py). `_native` is the same core for the hot operations, None while
-        # KVSCOPE_NATIVE=0 sends them to the Python path; `_core` runs the rest either way.
-        self._core = native.core_for(self)
-        self._native = self._core if native.available() else None
+        # Dead processes an attach to a full client table reclaimed (lifecycle.py).
+        self.reclaimed_at_attach: list[dict[str, Any]] = []
+        # (binds this handle to its client record: _bind)
+        lifecycle.register_client(self)
         flags = ProbeFlags.from_env(int(view.h["flags"]))
         self.probe = PoolProbes(self, flags) if flags.any() else None
         if self.probe is not None and self.probe.sites is not None:
@@ -221,15 +206,39 @@ class KVPool:
         `kv_events`, publish its prefix index there until `close` (PoolConfig.kv_events)."""
         return lifecycle.attach(cls, name, trust_owner, kv_events)
 
-    def _register_client(self) -> int:
-        return lifecycle.register_client(self)
+    def _bind(self, client: int) -> None:
+        """Bind this handle's parts that name its client record: its counter, journal, lock
+        table, block store, sequence table and C core (lifecycle.register_client; an attach to
+        a full client table binds a dead process's record first, to reclaim it)."""
+        view = self.view
+        self.client = client
+        self._client_seq = ClientSeq(view, client)
+        self.counters = {f: view.clients[f][client : client + 1] for f in COUNTER_FIELDS}
+        self.journal = Journal(view, client)
+        self.locks = LockTable(self._mf, view, self.pid, self.start, client, self._hooks)
+        n_shards = view.layout.num_shards
+        self.SEQS = self.locks.index("seqs")
+        self.SHARDS = [self.locks.index(f"index.{i}") for i in range(n_shards)]
+        self.FREE = self.locks.index("free")
+        self.ALL = set(range(len(self.locks.names)))
+        self.store = BlockStore(view, client, self.FREE, self.SHARDS)
+        self.seqtab = SeqTable(view, self.SEQS, client)
+        # The C core (native.py): before the probes, which configure their checks in it
+        # (devicechecks.py). `_native` is the same core for the hot operations, None while
+        # KVSCOPE_NATIVE=0 sends them to the Python path; `_core` runs the rest either way
+        # (recovery, close: csrc/recovery.c).
+        self._core = native.core_for(self)
+        self._native = self._core if native.available() else None
 
     def close(self) -> None:
         """Detach: return this process's local cache and slot reserve, release the mapping."""
         lifecycle.close(self, CLOSE_HOOK)
 
-    def _flush_local(self, t: Txn) -> None:
-        lifecycle.flush_local(self, t)
+    def _flush_local(self) -> None:
+        """Return this process's local cache to the free ring (the core's transaction)."""
+        self._check_process()
+        with self._mutex:
+            self._core.flush_local()
 
     def unlink(self) -> None:
         """Remove the pool's files; processes still attached keep their mappings until they close."""
@@ -245,7 +254,7 @@ class KVPool:
         """Return dead processes' blocks to the pool; shared blocks lose only their references.
 
         Safe while other processes reclaim too. `done`, when given, gets one entry per process
-        this call acted on (recovery.reclaim_dead)."""
+        this call acted on (lifecycle.reclaim_dead)."""
         return lifecycle.reclaim_dead(self, done)
 
     def _check_process(self) -> None:

@@ -385,6 +385,9 @@ def ring_findings(view, positions: list[int]) -> list[Finding]:
         at = f.extra.pop("time_ns")
         if f.kind == FindingKind.HEADER_CORRUPT:
             f.events = _events_before(view, at)
+        elif f.kind == FindingKind.LOCK_DEAD_HOLDER:
+            # the lock, as its message names it (csrc/recovery.c)
+            f.extra["lock"] = f.message.partition("pool lock '")[2].partition("'")[0]
         elif f.block is not None:
             f.events = _events_before(view, at, f.block)
             site = site_text(view, f.site_id) if f.site_id >= 0 else None

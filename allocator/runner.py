@@ -1,6 +1,6 @@
 """The operation runner: every Python-path operation of a pool is a function run in a
 transaction (txn.py) under this handle's mutex, retried with more locks when it asks for them
-(`Escalate`), after recovering a lock whose holder died (`DeadHolder`), and after evicting
+(`Escalate`), after the core recovered a lock whose holder died (`DeadHolder`), and after evicting
 ahead the blocks whose eviction outgrew its undo journal (`JournalFull`); a full pool's
 `PoolExhausted` leaves it with the counts of the pool as the rollback left it. `KVPool._run`."""
 
@@ -13,7 +13,6 @@ from kvscope.allocator import eviction, faults
 from kvscope.allocator.errors import PoolExhausted
 from kvscope.allocator.journal import JournalFull
 from kvscope.allocator.locks import DeadHolder
-from kvscope.allocator.recovery import recover_dead_holders
 from kvscope.allocator.reserve import exhausted
 from kvscope.allocator.txn import Escalate, Txn
 
@@ -49,7 +48,10 @@ def run(pool: KVPool, locks: set[int], fn: Callable[[Txn], T]) -> T:
                     # Rolled back: evict its blocks ahead (own transactions), then run it again.
                     eviction.evict_ahead(pool, e)
                 except DeadHolder:
-                    recover_dead_holders(pool.locks, pool.view, pool.client, pool.report)
+                    # The core recovers it (csrc/recovery.c: every lock, the dead clients'
+                    # journals rolled back, a lock_dead_holder finding handed on by the
+                    # operation's _hand_findings), then the transaction runs again.
+                    pool._core.recover()
                 except PoolExhausted as e:
                     # Rolled back: what is free, cached and held with the operation undone
                     raise exhausted(pool, e.needed) from None

@@ -183,7 +183,7 @@ def check_at_exit() -> dict[str, Any]:
             continue
         seqs, held = report_held(pool, "the process exited")
         # The local cache is not a leak: hand it back before looking for orphans.
-        pool._run({pool.FREE}, pool._flush_local)
+        pool._flush_local()
         mine = report_checked(pool)
         orphans = sum(1 for f in mine if f.kind == FindingKind.LEAK_ORPHAN)
         leaks = sum(1 for f in mine if f.kind in LEAK_KINDS)

@@ -118,9 +118,9 @@ def test_setup_writes_the_header_from_records_without_numpy(tmp_path):
 def test_python_path_has_one_chunk_and_one_evict_batch():
     # GIVEN the modules that chunk work and evict in batches
     # WHEN their constants are looked up / THEN each is records.py's, not a copy
-    from kvscope.allocator import allocate, append, recovery, release, reserve
+    from kvscope.allocator import allocate, append, release, reserve
 
-    for mod in (allocate, append, recovery, release):
+    for mod in (allocate, append, release):
         assert mod.CHUNK == records.CHUNK
     assert reserve.EVICT_BATCH == records.EVICT_BATCH
     for path in ROOT.glob("allocator/*.py"):

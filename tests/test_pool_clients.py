@@ -141,7 +141,7 @@ def test_concurrent_reclaimers_repair_and_attaches_never_touch_a_live_process(ma
 
 
 def test_a_stale_dead_client_is_not_reclaimed_once_a_live_process_reuses_its_record(make_pool):
-    from kvscope.allocator.recovery import find_dead, reclaim_client
+    from kvscope.allocator.recovery import find_dead
 
     # GIVEN a process killed holding sequences, seen dead by this reclaimer
     pool = make_pool(NUM_BLOCKS, block_size=BS, max_clients=3)
@@ -170,9 +170,7 @@ def test_a_stale_dead_client_is_not_reclaimed_once_a_live_process_reuses_its_rec
     pid = _fork(reuser)
     assert int.from_bytes(os.read(r, 4), "little") == stale.client
     # WHEN this reclaimer acts on its stale list
-    got = reclaim_client(
-        pool.view, lambda fn: pool._run(pool.ALL, fn), pool.store, pool.seqtab, stale
-    )
+    got = pool._core.reclaim_client(stale.client, stale.pid, stale.start, stale.generation)
     totals = pool.reclaim_dead()
     os.write(go_w, b"1")
     # THEN it does nothing: the live process's sequences are intact

@@ -110,6 +110,8 @@ enum {
     FK_USE_AFTER_FREE,
     FK_GUARD_VIOLATION,
     FK_PUBLISHED_BLOCK_MODIFIED,
+    FK_LOCK_DEAD_HOLDER, /* recovery.c */
+    FK_LEAK_DEAD_OWNER,
     FK_COUNT
 };
 
@@ -255,6 +257,12 @@ typedef struct {
      * pid and local-cache count (a full pool's PoolExhausted names other processes' caches) */
     size_t off_clients, cf_state, cf_pid, cf_local_count;
     int64_t client_attached;
+    /* recovery.c: a client record's start and attach generation, the header's counters and
+     * a finding's repaired byte; `borrowed`: this handle's record is a dead process's, being
+     * reclaimed for an attach (its counter is not bumped: reclaim_for_attach) */
+    size_t cf_start, cf_attached_ns, off_hdr_counters, fd_repaired;
+    int borrowed;
+    int64_t client_detached;
     /* preempt.c: the slots this transaction preempted (their Sequences change at commit), and
      * the blocks a take still needed when nothing was left (PoolExhausted after the rollback;
      * 0: none) */

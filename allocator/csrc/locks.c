@@ -34,11 +34,21 @@ static int hold_mutex(Native *n) {
     return OK;
 }
 
-/* Take lock i as LockTable.acquire does; FALLBACK (not taken) when its record names a dead
- * holder or the wait fails: the Python path then recovers or reports. The core takes locks in
- * the documented order only, so its waits cannot close a cycle; it publishes them (waits.py)
- * for a Python-path waiter that takes locks out of order to see one. */
-static int lock_take(Native *n, int i) {
+/* lock_take's answer when lock i's record names a holder that died holding it (the mutex is
+ * let go again): the caller recovers (recovery.c recover_holders) and takes it again. */
+#define HOLDER_DEAD 2
+
+/* A dead holder lock_take_as met and cleared: its pid and client record (pid 0: none). */
+typedef struct {
+    int32_t pid, client;
+} Holder;
+
+/* Take lock i as LockTable.acquire does; HOLDER_DEAD (not taken) when its record names a dead
+ * holder and `dead` is NULL, else the holder is written to *dead and forgotten (the caller
+ * stops the world to recover: recovery.c); FALLBACK when the wait fails. The core takes locks
+ * in the documented order only, so its waits cannot close a cycle; it publishes them
+ * (waits.py) for a Python-path waiter that takes locks out of order to see one. */
+static int lock_take_as(Native *n, int i, Holder *dead) {
     uint64_t t0 = mono_ns();
     int contended = 0;
     pthread_mutex_t *m = lock_mutex(n, i);
@@ -55,9 +65,17 @@ static int lock_take(Native *n, int i) {
         if (rc != 0) return FALLBACK;
     }
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
+    /* A live holder clears the record before it unlocks, and the kernel unlocks at exit: a
+     * holder named in a record whose mutex we now hold is dead. */
     if (I4(r + LF_HOLDER_PID)) {
-        pthread_mutex_unlock(m);
-        return FALLBACK;
+        if (dead == NULL) {
+            pthread_mutex_unlock(m);
+            return HOLDER_DEAD;
+        }
+        dead->pid = I4(r + LF_HOLDER_PID);
+        dead->client = I4(r + LF_HOLDER_CLIENT);
+        I4(r + LF_HOLDER_PID) = 0;
+        if (U8(r + LF_SEQ) % 2) U8(r + LF_SEQ) += 1;
     }
     uint64_t t1 = mono_ns();
     /* Holder first, then make the counter odd: a death in between leaves a named dead holder. */
@@ -78,6 +96,19 @@ static int lock_take(Native *n, int i) {
     return OK;
 }
 
+static inline int lock_take(Native *n, int i) { return lock_take_as(n, i, NULL); }
+
+static int recover_holders(Native *n, PyObject *recovered);
+
+/* Take lock i while holding no other: a dead holder is recovered and the take retried. OK,
+ * FALLBACK, ERROR with an exception set. */
+static int lock_take_alone(Native *n, int i) {
+    int rc;
+    while ((rc = lock_take(n, i)) == HOLDER_DEAD)
+        if ((rc = recover_holders(n, NULL)) != OK) return rc;
+    return rc;
+}
+
 static void lock_drop(Native *n, int i) {
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
     uint64_t held = mono_ns() - U8(r + LF_ACQUIRED);
@@ -96,6 +127,8 @@ static void release_all(Native *n) {
 }
 
 static inline void client_seq_bump(Native *n) {
+    /* (a record borrowed to reclaim its dead owner: recovery.c reclaim_for_attach) */
+    if (n->borrowed) return;
     uint64_t *p = (uint64_t *)(n->seg + n->c_seq), old = *p;
     __atomic_store_n(p, old + 1, __ATOMIC_RELEASE);
     /* the leaks probe's live-slot cache follows this core's own transactions (one of the
@@ -135,12 +168,22 @@ static int txn_begin(Native *n, uint64_t mask) {
     for (int k = 0; k < n->num_locks; k++) {
         int i = invert ? n->num_locks - 1 - k : k;
         if (!(mask & lock_bit(i))) continue;
-        if (lock_take(n, i) != OK) {
-            release_all(n);
-            client_seq_bump(n);
-            n->dry_valid = 0;
-            return FALLBACK;
+        int rc = lock_take(n, i);
+        if (rc == OK) continue;
+        release_all(n);
+        client_seq_bump(n);
+        /* A lock a dead process held: recover (every lock, in order), then begin again. */
+        if (rc == HOLDER_DEAD) {
+            if (recover_holders(n, NULL) == OK) {
+                client_seq_bump(n);
+                k = -1;
+                continue;
+            }
+            /* (the Python path meets the holder again and raises what stopped it) */
+            PyErr_Clear();
         }
+        n->dry_valid = 0;
+        return FALLBACK;
     }
     if (invert) fault_fired(n, FT_LOCK_INVERSION);
     if (mask) crash_point(n, CP_AFTER_LOCKS);

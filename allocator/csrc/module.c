@@ -73,6 +73,10 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"cf_pid", &n->cf_pid, SIZE},         {"cf_local_count", &n->cf_local_count, SIZE},
         {"client_attached", &n->client_attached, I64},
         {"off_num_blocks", &n->off_num_blocks, SIZE},
+        {"cf_start", &n->cf_start, SIZE},     {"cf_attached_ns", &n->cf_attached_ns, SIZE},
+        {"off_hdr_counters", &n->off_hdr_counters, SIZE},
+        {"fd_repaired", &n->fd_repaired, SIZE},
+        {"client_detached", &n->client_detached, I64},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
@@ -312,6 +316,20 @@ static PyMethodDef N_methods[] = {
      "set_state(pool, seq, state) -> True | None: mark a sequence running or waiting"},
     {"resume", (PyCFunction)(void (*)(void))N_resume, METH_FASTCALL,
      "resume(pool, seq) -> cached tokens | None: re-allocate a preempted sequence"},
+    {"recover", (PyCFunction)N_recover, METH_NOARGS,
+     "recover() -> [{pid, entries, skipped}]: locks dead processes held, their journals rolled back"},
+    {"reclaim_dead", (PyCFunction)N_reclaim_dead, METH_O,
+     "reclaim_dead(said_pids) -> (totals, done): every dead client's blocks returned"},
+    {"reclaim_client", (PyCFunction)(void (*)(void))N_reclaim_client, METH_FASTCALL,
+     "reclaim_client(client, pid, start, generation) -> dict | None: one dead client"},
+    {"reclaim_for_attach", (PyCFunction)(void (*)(void))N_reclaim_for_attach, METH_FASTCALL,
+     "reclaim_for_attach(pid, start, generation) -> dict | None: this handle's borrowed record"},
+    {"flush_local", (PyCFunction)N_flush_local, METH_NOARGS,
+     "flush_local(): this process's local cache to the free ring"},
+    {"detach", (PyCFunction)N_detach, METH_NOARGS,
+     "detach(): close's work (local cache, slot reserve, counters, record detached)"},
+    {"mark_repaired", (PyCFunction)(void (*)(void))N_mark_repaired, METH_FASTCALL,
+     "mark_repaired(pids, kinds) -> [ring position]: findings a repair answered"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

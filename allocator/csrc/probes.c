@@ -139,7 +139,8 @@ static int32_t site_now(Native *n, PyObject *pool) {
 static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corrupt",
                                                 "header_corrupt", "refcount_mismatch",
                                                 "use_after_free", "guard_violation",
-                                                "published_block_modified"};
+                                                "published_block_modified", "lock_dead_holder",
+                                                "leak_dead_owner"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
@@ -151,17 +152,37 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
     memcpy(s->request, r + BF_REQUEST, REQUEST_BYTES);
 }
 
+/* Append a finding of kind fk about s->block (-1: none), its message text[0..len), to the
+ * segment's findings ring, and its ring position to KVPool._found, from which the binding
+ * hands it to `on_finding` after the call (with the site text and the block's events, read
+ * then: findings.finding_at). The caller holds the findings lock; the record is written
+ * first, then the head, as write_finding without a journal: a death in between leaves
+ * nothing half written. OK, or ERROR with an exception set. */
+static int finding_write(Native *n, int fk, const Seen *s, const char *text, Py_ssize_t len) {
+    uint64_t head = U8(n->seg + n->fd_head_at);
+    uint8_t *r = n->seg + n->off_findings + (size_t)(head % (uint64_t)n->fd_cap) * n->fd_size;
+    memset(r, 0, n->fd_size);
+    U8(r + n->fd_time) = wall_ns();
+    size_t kl = strlen(FK_NAMES[fk]);
+    memcpy(r + n->fd_kind, FK_NAMES[fk], kl < n->fd_kind_bytes ? kl : n->fd_kind_bytes);
+    r[n->fd_severity] = n->fk_severity[fk];
+    I4(r + n->fd_block) = s->block;
+    I4(r + n->fd_owner) = s->owner_pid;
+    U4(r + n->fd_site) = s->site >= 0 ? (uint32_t)s->site + 1 : 0;
+    memcpy(r + n->fd_request, s->request, REQUEST_BYTES);
+    memcpy(r + n->fd_message, text,
+           (size_t)len < n->fd_message_bytes ? (size_t)len : n->fd_message_bytes);
+    U8(n->seg + n->fd_head_at) = head + 1;
+    return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
+}
+
 /* Report a finding of kind fk about s->block (-1: none) as PoolProbes.report does, once per
  * (kind, block) for the handle: a FINDING event in the flight recorder, then the finding
- * appended to the segment's findings ring under the findings lock (record first, then the
- * head, as write_finding without a journal: a death in between leaves nothing half written),
- * and its ring position
- * appended to KVPool._found, from which the binding hands it to `on_finding` after the call
- * (with the site text and the block's events, read then: findings.finding_at). The message is
- * composed here, from what only the finding's moment knows (a request id, a refcount), so
- * every reader of the ring reads the same text. OK, or ERROR with an exception set. A findings
- * lock whose record names a dead holder is left to the next operation of the Python path to
- * recover: the finding is dropped, and not marked reported. */
+ * written into the segment's findings ring under the findings lock (finding_write). The
+ * message is composed here, from what only the finding's moment knows (a request id, a
+ * refcount), so every reader of the ring reads the same text. OK, or ERROR with an exception
+ * set. A findings lock whose record names a dead holder is recovered first (recovery.c) where
+ * no other lock is held; else the finding is dropped, and not marked reported. */
 static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     int64_t key = s->block >= 0 && s->block < n->nb ? s->block : n->nb;
     if (n->reported == NULL &&
@@ -178,28 +199,17 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
      * finding's time (analysis.py's suspects). */
     ev_record(n, E_FINDING, &s->block, 1, s->request, 0);
     int mh = n->mutex_held;
-    if (lock_take(n, n->lock_findings) != OK) {
+    int rc = n->held ? lock_take(n, n->lock_findings) : lock_take_alone(n, n->lock_findings);
+    if (rc != OK) {
         if (!mh) drop_mutex(n);
+        if (rc == ERROR) return ERROR;
         return OK;
     }
-    uint64_t head = U8(n->seg + n->fd_head_at);
-    uint8_t *r = n->seg + n->off_findings + (size_t)(head % (uint64_t)n->fd_cap) * n->fd_size;
-    memset(r, 0, n->fd_size);
-    U8(r + n->fd_time) = wall_ns();
-    size_t kl = strlen(FK_NAMES[fk]);
-    memcpy(r + n->fd_kind, FK_NAMES[fk], kl < n->fd_kind_bytes ? kl : n->fd_kind_bytes);
-    r[n->fd_severity] = n->fk_severity[fk];
-    I4(r + n->fd_block) = s->block;
-    I4(r + n->fd_owner) = s->owner_pid;
-    U4(r + n->fd_site) = s->site >= 0 ? (uint32_t)s->site + 1 : 0;
-    memcpy(r + n->fd_request, s->request, REQUEST_BYTES);
-    memcpy(r + n->fd_message, text,
-           (size_t)len < n->fd_message_bytes ? (size_t)len : n->fd_message_bytes);
-    U8(n->seg + n->fd_head_at) = head + 1;
+    rc = finding_write(n, fk, s, text, len);
     lock_drop(n, n->lock_findings);
     if (!mh) drop_mutex(n);
     *done = 1;
-    return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
+    return rc;
 }
 
 /* A finding seen inside the open transaction (message: a new reference, taken over),
@@ -853,7 +863,11 @@ static void caller_text(Native *n, char *out, size_t cap) {
  * Python path then takes the locks under lockdep's hooks, which adds the edge and reports the
  * lock_order_cycle it closes. */
 static int lg_learn(Native *n, int i, int j) {
-    if (lock_take(n, n->lock_findings) != OK) return FALLBACK;
+    int took = n->held ? lock_take(n, n->lock_findings) : lock_take_alone(n, n->lock_findings);
+    if (took != OK) {
+        PyErr_Clear();
+        return FALLBACK;
+    }
     int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
     if (used > n->lg_cap) used = n->lg_cap;
     int rc = OK;

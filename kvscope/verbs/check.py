@@ -28,9 +28,9 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
 
     Safe beside other processes that reclaim at the same time: it reports what this repair
     did (an attach to a full client table reclaims one dead process first). A dead process's
-    journal that cannot be trusted is skipped and said to be (`Journal.problem`)."""
+    journal that cannot be trusted is skipped and said to be (csrc/recovery.c journal_problem)."""
     from kvscope.allocator import KVPool
-    from kvscope.allocator.recovery import clear_repaired
+    from kvscope.allocator.lifecycle import clear_repaired
 
     pool = KVPool.attach(name, trust_owner)
     done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)

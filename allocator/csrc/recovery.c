@@ -1,0 +1,741 @@
+/* Crash recovery: dead lock holders, undo journals of dead processes, reclaiming what a dead
+ * process held, and detaching a client (close). Part of _native.c.
+ *
+ * Any number of processes may recover and reclaim at once (survivors calling reclaim_dead(),
+ * `kvscope check --repair`, an attach that finds the client table full). The list of dead
+ * clients is taken without locks, so it can be stale by the time a reclaimer acts on it:
+ * another reclaimer may have reclaimed a record, and a new process attached into it. So every
+ * step of a reclaim runs under every pool lock and first re-verifies that the record still
+ * belongs to the same dead process (still_dead: state, pid, start time, attach generation, and
+ * the process gone); a step that finds otherwise writes nothing, and the reclaim of that
+ * client ends. */
+
+/* -- client records ---------------------------------------------------------------------------- */
+
+static inline uint8_t *crec(Native *n, int64_t c) {
+    return n->seg + n->off_clients + (size_t)c * (size_t)n->client_size;
+}
+
+/* The offset in a client record of a field this handle knows by its absolute offset in its
+ * own record (c_jcount, c_local, ...). */
+static inline size_t cfield(Native *n, size_t own_at) {
+    return own_at - (n->off_clients + (size_t)n->client * (size_t)n->client_size);
+}
+
+/* process.is_alive: the process of this pid and start time still runs (a zombie is dead). */
+static int proc_alive(int32_t pid, uint64_t start) {
+    if (pid <= 0) return 0;
+    char path[40], buf[2048];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t k = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (k <= 0) return 0;
+    buf[k] = 0;
+    /* The command name may hold spaces and parentheses: the fields start after the last ')'. */
+    char *p = strrchr(buf, ')');
+    if (p == NULL || p[1] == 0 || p[2] == 0) return 0;
+    p += 2;
+    if (*p == 'Z') return 0;
+    if (start == 0) return 1;
+    for (int i = 0; i < 19; i++) { /* the start time: field 22, the 20th after the state */
+        p = strchr(p, ' ');
+        if (p == NULL) return 0;
+        p++;
+    }
+    return strtoull(p, NULL, 10) == start;
+}
+
+/* A dead client as found (recovery.find_dead): its record and the identity of the dead
+ * process attached in it then. */
+typedef struct {
+    int64_t client;
+    int32_t pid;
+    uint64_t start, generation; /* generation: the record's attached_ns */
+} DeadRec;
+
+static int dead_now(Native *n, int64_t c) {
+    uint8_t *r = crec(n, c);
+    return r[n->cf_state] == n->client_attached &&
+           !proc_alive(I4(r + n->cf_pid), U8(r + n->cf_start));
+}
+
+/* The record still holds this same process, attached, and it is gone. */
+static int still_dead(Native *n, const DeadRec *d) {
+    uint8_t *r = crec(n, d->client);
+    return r[n->cf_state] == n->client_attached && I4(r + n->cf_pid) == d->pid &&
+           U8(r + n->cf_start) == d->start && U8(r + n->cf_attached_ns) == d->generation &&
+           !proc_alive(d->pid, d->start);
+}
+
+static DeadRec dead_rec(Native *n, int64_t c) {
+    uint8_t *r = crec(n, c);
+    DeadRec d = {c, I4(r + n->cf_pid), U8(r + n->cf_start), U8(r + n->cf_attached_ns)};
+    return d;
+}
+
+/* -- undo journals ------------------------------------------------------------------------------ */
+
+/* Journal.problem: why client c's journal cannot be rolled back safely (a count past its
+ * capacity, an entry outside the segment or over the sealed header, saved bytes past its
+ * data), a new str; NULL when it can (or with an exception set). */
+static PyObject *journal_problem(Native *n, int64_t c, int *error) {
+    uint8_t *r = crec(n, c);
+    uint32_t cnt = U4(r + cfield(n, n->c_jcount)), used = U4(r + cfield(n, n->c_jused));
+    PyObject *why = NULL;
+    *error = 0;
+    if (cnt > n->j_entries)
+        why = PyUnicode_FromFormat("it claims %u entries, it holds at most %u", cnt, n->j_entries);
+    else if (used > n->j_bytes)
+        why = PyUnicode_FromFormat("it claims %u saved bytes, it holds at most %u", used,
+                                   n->j_bytes);
+    else {
+        uint64_t size = (uint64_t)n->buf.len;
+        for (uint32_t i = 0; i < cnt && why == NULL; i++) {
+            uint8_t *e = r + cfield(n, n->c_journal) + (size_t)i * JENTRY;
+            uint64_t off = U8(e + JE_OFFSET), len = U4(e + JE_LENGTH), d = U4(e + JE_DATA_OFF);
+            if (off > size || len > size - off) {
+                /* (the end in Python's arithmetic: past 2**64 too) */
+                PyObject *a = PyLong_FromUnsignedLongLong(off), *b = PyLong_FromUnsignedLongLong(len);
+                PyObject *end = a && b ? PyNumber_Add(a, b) : NULL;
+                if (end)
+                    why = PyUnicode_FromFormat(
+                        "entry %u restores bytes [%llu, %S) outside the %llu-byte segment", i,
+                        (unsigned long long)off, end, (unsigned long long)size);
+                Py_XDECREF(a);
+                Py_XDECREF(b);
+                Py_XDECREF(end);
+                if (why == NULL) break;
+            } else if (off < (uint64_t)n->hdr_len)
+                why = PyUnicode_FromFormat("entry %u restores bytes at %llu, inside the sealed header",
+                                           i, (unsigned long long)off);
+            else if (d + len > used)
+                why = PyUnicode_FromFormat(
+                    "entry %u's saved bytes [%llu, %llu) run past the journal's %u bytes", i,
+                    (unsigned long long)d, (unsigned long long)(d + len), used);
+        }
+    }
+    if (why == NULL && PyErr_Occurred()) *error = 1;
+    return why;
+}
+
+/* Journal.rollback of client c's journal: every saved range restored, newest first, unless
+ * journal_problem rejects it (*why: the reason, a new str; its writes then stand, and a check
+ * reports what they left); either way the journal is cleared. The entries restored, or -1
+ * with an exception set. */
+static int64_t journal_rollback(Native *n, int64_t c, PyObject **why) {
+    int error;
+    *why = journal_problem(n, c, &error);
+    if (error) return -1;
+    uint8_t *r = crec(n, c);
+    uint32_t cnt = *why ? 0 : U4(r + cfield(n, n->c_jcount));
+    uint8_t *ents = r + cfield(n, n->c_journal), *data = r + cfield(n, n->c_jdata);
+    for (int64_t i = (int64_t)cnt - 1; i >= 0; i--) {
+        uint8_t *e = ents + (size_t)i * JENTRY;
+        memmove(n->seg + U8(e + JE_OFFSET), data + U4(e + JE_DATA_OFF), U4(e + JE_LENGTH));
+    }
+    __atomic_store_n((uint32_t *)(r + cfield(n, n->c_jcount)), 0, __ATOMIC_RELEASE);
+    U4(r + cfield(n, n->c_jused)) = 0;
+    if (c == n->client) n->jcount = n->jused = 0;
+    return cnt;
+}
+
+/* -- dead lock holders -------------------------------------------------------------------------- */
+
+/* Every lock, in order (the world stopped): a dead holder met is forgotten and written to
+ * dead[i] (pid 0: none). OK, or the failed take's answer with nothing held. */
+static int stop_world(Native *n, Holder *dead) {
+    for (int i = 0; i < n->num_locks; i++) dead[i].pid = 0;
+    for (int i = 0; i < n->num_locks; i++) {
+        int rc = lock_take_as(n, i, &dead[i]);
+        if (rc != OK) {
+            release_all(n);
+            return rc;
+        }
+    }
+    return OK;
+}
+
+/* The name of pool lock i (layout.lock_names). */
+static void lock_name(Native *n, int i, char *out, size_t cap) {
+    if (i == n->lock_seqs)
+        snprintf(out, cap, "seqs");
+    else if (i >= n->lock_shard0 && i < n->lock_shard0 + n->num_shards)
+        snprintf(out, cap, "index.%d", i - n->lock_shard0);
+    else if (i == n->lock_free)
+        snprintf(out, cap, "free");
+    else if (i == n->lock_findings)
+        snprintf(out, cap, "findings");
+    else
+        snprintf(out, cap, "sites");
+}
+
+/* With the world stopped, after stop_world met the dead holders `dead`: roll back the journal
+ * of every dead client (those named as holders while their record still shows them, and every
+ * attached record whose process is gone), this handle's own aside (unless its record is
+ * borrowed: then the journal is its dead owner's), and write a `lock_dead_holder` finding per
+ * lock a dead process held. `recovered`, when not NULL, gets {pid, entries, skipped} per
+ * journal rolled back. OK or ERROR. */
+static int recover_stopped(Native *n, const Holder *dead, PyObject *recovered) {
+    int64_t me = n->borrowed ? -1 : n->client;
+    uint8_t *roll = PyMem_Calloc((size_t)n->max_clients, 1);
+    if (roll == NULL) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    for (int i = 0; i < n->num_locks; i++) {
+        int64_t c = dead[i].client;
+        /* (only while the record still shows the dead holder: attached, its pid) */
+        if (dead[i].pid && c >= 0 && c < n->max_clients && I4(crec(n, c) + n->cf_pid) == dead[i].pid &&
+            crec(n, c)[n->cf_state] == n->client_attached)
+            roll[c] = 1;
+    }
+    for (int64_t c = 0; c < n->max_clients; c++)
+        if (!roll[c] && dead_now(n, c)) roll[c] = 1;
+    int rc = OK;
+    for (int64_t c = 0; c < n->max_clients && rc == OK; c++) {
+        if (!roll[c] || c == me || U4(crec(n, c) + cfield(n, n->c_jcount)) == 0) continue;
+        PyObject *why;
+        int64_t k = journal_rollback(n, c, &why);
+        if (k < 0) {
+            rc = ERROR;
+            break;
+        }
+        if (recovered != NULL &&
+            append_new(recovered, Py_BuildValue("{sisLsN}", "pid", (int)I4(crec(n, c) + n->cf_pid),
+                                                "entries", (long long)k, "skipped",
+                                                why ? why : Py_NewRef(Py_None))))
+            rc = ERROR;
+        else if (recovered == NULL)
+            Py_XDECREF(why);
+    }
+    PyMem_Free(roll);
+    for (int i = 0; i < n->num_locks && rc == OK; i++) {
+        if (!dead[i].pid) continue;
+        char name[32], text[160];
+        lock_name(n, i, name, sizeof name);
+        int len = snprintf(text, sizeof text,
+                           "pid %d died holding pool lock '%s'; its unfinished operation was "
+                           "rolled back",
+                           (int)dead[i].pid, name);
+        Seen s = {.block = -1, .owner_pid = dead[i].pid, .site = -1};
+        rc = finding_write(n, FK_LOCK_DEAD_HOLDER, &s, text, len);
+    }
+    return rc;
+}
+
+/* Recover the locks dead processes held: stop the world, recover_stopped, let go. OK,
+ * FALLBACK (a lock could not be taken now), ERROR with an exception set. */
+static int recover_holders(Native *n, PyObject *recovered) {
+    Holder dead[MAX_LOCKS];
+    int rc = stop_world(n, dead);
+    if (rc != OK) return rc;
+    rc = recover_stopped(n, dead, recovered);
+    release_all(n);
+    return rc;
+}
+
+/* -- reclaiming a dead client, step by step ------------------------------------------------------ */
+
+/* A step found its record no longer the dead process's: it wrote nothing. */
+#define GONE 3
+
+typedef int (*StepFn)(Native *n, const DeadRec *d, int64_t *out);
+
+/* One step of a reclaim: fn in a transaction of its own under every lock (a dead holder met
+ * on the way is recovered first), once the record still holds the dead process `d`. OK,
+ * GONE, FALLBACK (a lock not to be had, a step outgrowing the journal), ERROR. */
+static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, int64_t *out) {
+    Holder dead[MAX_LOCKS];
+    client_seq_bump(n);
+    int rc = stop_world(n, dead);
+    if (rc != OK) {
+        client_seq_bump(n);
+        return rc;
+    }
+    int met = 0;
+    for (int i = 0; i < n->num_locks; i++) met |= dead[i].pid != 0;
+    if (met) rc = recover_stopped(n, dead, NULL);
+    if (rc == OK && !still_dead(n, d)) rc = GONE;
+    if (rc == OK) {
+        /* (a borrowed record's journal is its dead owner's until the first step) */
+        n->jcount = U4(n->seg + n->c_jcount);
+        n->jused = U4(n->seg + n->c_jused);
+        rc = fn(n, d, out);
+        if (rc == OK)
+            jcommit(n);
+        else
+            jrollback(n);
+    }
+    n->jcount = n->jused = 0;
+    release_all(n);
+    client_seq_bump(n);
+    return rc;
+}
+
+/* Blocks a step drops or frees, a transaction's worth: each record is saved twice (its
+ * drop, its reset into the ring), within the undo journal's bytes. */
+static int64_t step_blocks(Native *n, int64_t most, int saves) {
+    int64_t fit = ((int64_t)n->j_bytes - 16384) / (saves * n->rec);
+    return fit < 1 ? 1 : fit < most ? fit : most;
+}
+
+/* Step: roll back the dead client's journal. out[0] entries, out[1] the reason it was
+ * skipped (a new str) or 0. */
+static int step_rollback(Native *n, const DeadRec *d, int64_t *out) {
+    out[0] = 0;
+    out[1] = 0;
+    if (U4(crec(n, d->client) + cfield(n, n->c_jcount)) == 0) return OK;
+    PyObject *why;
+    out[0] = journal_rollback(n, d->client, &why);
+    out[1] = (int64_t)(intptr_t)why;
+    return out[0] < 0 ? ERROR : OK;
+}
+
+/* Step: drop the last blocks of sequence slot out[0] (a transaction's worth), releasing the
+ * slot after the last. out[1]: blocks freed (-1: the slot is no longer that process's);
+ * out[2]: released. */
+static int step_drop_tail(Native *n, const DeadRec *d, int64_t *out) {
+    int64_t slot = out[0];
+    uint8_t *s = seqrec(n, slot);
+    if (s[SF_STATE] == S_EMPTY || I4(s + SF_OWNER_CLIENT) != d->client ||
+        I4(s + SF_OWNER_PID) != d->pid) {
+        out[1] = -1;
+        out[2] = 1;
+        return OK;
+    }
+    int64_t k = U4(s + SF_NUM_BLOCKS), chunk = step_blocks(n, CHUNK, 2);
+    if (k > n->max_bps) k = n->max_bps;
+    int64_t keep = k > chunk ? k - chunk : 0, m = 0, nz = 0;
+    int32_t ids[CHUNK], zero[CHUNK];
+    const int32_t *table = (const int32_t *)(s + SF_TABLE);
+    for (int64_t i = keep; i < k; i++) /* (an id outside the pool is no block to drop) */
+        if (table[i] >= 0 && table[i] < n->nb) ids[m++] = table[i];
+    if (drop_refs(n, ids, m, wall_ns(), zero, &nz) || ring_push(n, zero, nz) ||
+        write_blocks(n, slot, keep, NULL, 0))
+        return FALLBACK;
+    if (keep == 0) { /* SeqTable.release of a slot no reserve of ours holds */
+        if (jsave_head(n, slot)) return FALLBACK;
+        s[SF_RESERVED] = 0;
+        s[SF_STATE] = S_EMPTY;
+        U4(s + SF_NUM_BLOCKS) = 0;
+    }
+    out[1] = nz;
+    out[2] = keep == 0;
+    return OK;
+}
+
+/* Step: return a transaction's worth of the dead client's cached and stray private blocks
+ * (LOCAL, or ALLOCATED and unpublished, owned by it) that no live sequence maps, lowest ids
+ * first; once fewer are left, its local cache is emptied. out[0]: how many; out[1]: the most
+ * a step returns. */
+static int step_free_owned(Native *n, const DeadRec *d, int64_t *out) {
+    int64_t most = step_blocks(n, 2 * CHUNK, 1);
+    out[1] = most;
+    uint8_t *r = crec(n, d->client);
+    uint8_t *pick = PyMem_Calloc((size_t)n->nb, 2);
+    int32_t *ids = PyMem_Malloc(sizeof(int32_t) * (size_t)most);
+    if (pick == NULL || ids == NULL) {
+        PyMem_Free(pick);
+        PyMem_Free(ids);
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    uint8_t *mapped = pick + n->nb;
+    uint32_t lc = U4(r + n->cf_local_count);
+    const int32_t *loc = (const int32_t *)(r + cfield(n, n->c_local));
+    for (uint32_t i = 0; i < lc && i < LOCAL_CACHE_MAX; i++)
+        if (loc[i] >= 0 && loc[i] < n->nb) pick[loc[i]] = 1;
+    for (int64_t b = 0; b < n->nb; b++) {
+        uint8_t *br = blk(n, b);
+        if (I4(br + BF_OWNER_CLIENT) == d->client &&
+            (br[BF_STATE] == B_LOCAL || (br[BF_STATE] == B_ALLOCATED && br[BF_INDEXED] == 0)))
+            pick[b] = 1;
+    }
+    /* (ids of dead owners that a live sequence still maps stay) */
+    for (int64_t sl = 0; sl < n->max_seqs; sl++) {
+        uint8_t *s = seqrec(n, sl);
+        if (s[SF_STATE] == S_EMPTY) continue;
+        int64_t k = U4(s + SF_NUM_BLOCKS);
+        const int32_t *t = (const int32_t *)(s + SF_TABLE);
+        for (int64_t i = 0; i < k && i < n->max_bps; i++)
+            if (t[i] >= 0 && t[i] < n->nb) mapped[t[i]] = 1;
+    }
+    int64_t m = 0;
+    for (int64_t b = 0; b < n->nb && m < most; b++)
+        if (pick[b] && !mapped[b]) ids[m++] = (int32_t)b;
+    PyMem_Free(pick);
+    int rc = ring_push(n, ids, m);
+    PyMem_Free(ids);
+    if (rc) return FALLBACK;
+    if (m < most) {
+        /* the record's head up to and with its local cache's count */
+        if (jsave(n, (size_t)(r - n->seg), (uint32_t)cfield(n, n->c_local))) return FALLBACK;
+        U4(r + n->cf_local_count) = 0;
+    }
+    out[0] = m;
+    return OK;
+}
+
+/* Return up to CHUNK of client c's reserved sequence slots; once none is left, fold its
+ * counters into the header and mark its record detached (*done 1). The caller holds the seqs
+ * lock, which guards both. `dead`: its process died (its counter is evened: a process that
+ * died inside an operation left it odd, and no snapshot may wait for a writer that will never
+ * finish). OK or FALLBACK. */
+static int detach_chunk(Native *n, int64_t c, int dead, int64_t *done) {
+    *done = 0;
+    int64_t k = 0;
+    for (int64_t s = 0; s < n->max_seqs; s++) {
+        uint8_t *r = seqrec(n, s);
+        if (r[SF_RESERVED] != 1 || I4(r + SF_OWNER_CLIENT) != c) continue;
+        if (k == CHUNK) return OK; /* more: the caller calls again */
+        if (jsave_head(n, s)) return FALLBACK;
+        r[SF_RESERVED] = 0;
+        k++;
+    }
+    uint8_t *r = crec(n, c);
+    for (int f = 0; f < NUM_COUNTERS; f++) {
+        size_t at = n->off_hdr_counters + 8 * (size_t)f;
+        if (jsave(n, at, 8)) return FALLBACK;
+        U8(n->seg + at) += U8(r + cfield(n, n->c_counters) + 8 * (size_t)f);
+    }
+    size_t rec_at = (size_t)(r - n->seg);
+    if (jsave(n, rec_at + n->cf_state, 1)) return FALLBACK;
+    if (dead) {
+        size_t seq_at = rec_at + cfield(n, n->c_seq);
+        if (jsave(n, seq_at, 8)) return FALLBACK;
+        U8(n->seg + seq_at) += U8(n->seg + seq_at) % 2;
+    }
+    r[n->cf_state] = (uint8_t)n->client_detached;
+    *done = 1;
+    return OK;
+}
+
+static int step_detach(Native *n, const DeadRec *d, int64_t *out) {
+    return detach_chunk(n, d->client, 1, out);
+}
+
+/* Reclaim dead client d: its journal rolled back, its sequences' blocks dropped and slots
+ * released, its cached and stray blocks and reserved slots returned, its record detached,
+ * each step its own transaction. What was done ({sequences, blocks, entries, skipped}), None
+ * when another reclaimer took over the record, NULL with an exception set. */
+static PyObject *reclaim_one(Native *n, const DeadRec *d) {
+    int64_t rb[2], seqs = 0, blocks = 0, out[3];
+    int rc = reclaim_step(n, d, step_rollback, rb);
+    PyObject *skipped = rc == OK && rb[1] ? (PyObject *)(intptr_t)rb[1] : NULL;
+    /* the slots it holds (a hint, read without locks: each step checks its slot again) */
+    int64_t *live = NULL, nlive = 0;
+    if (rc == OK && (live = PyMem_Malloc(sizeof(int64_t) * (size_t)(n->max_seqs + 1))) == NULL) {
+        PyErr_NoMemory();
+        rc = ERROR;
+    }
+    for (int64_t s = 0; rc == OK && s < n->max_seqs; s++)
+        if (seqrec(n, s)[SF_STATE] != S_EMPTY && I4(seqrec(n, s) + SF_OWNER_CLIENT) == d->client)
+            live[nlive++] = s;
+    for (int64_t i = 0; rc == OK && i < nlive; i++) {
+        out[2] = 0;
+        while (rc == OK && !out[2]) {
+            out[0] = live[i];
+            rc = reclaim_step(n, d, step_drop_tail, out);
+            if (rc == OK && out[1] > 0) blocks += out[1];
+        }
+        if (rc == OK) seqs += out[1] >= 0;
+    }
+    PyMem_Free(live);
+    while (rc == OK) {
+        rc = reclaim_step(n, d, step_free_owned, out);
+        if (rc != OK) break;
+        blocks += out[0];
+        if (out[0] < out[1]) break;
+    }
+    for (out[0] = 0; rc == OK && !out[0];) rc = reclaim_step(n, d, step_detach, out);
+    if (rc == GONE || rc != OK) {
+        Py_XDECREF(skipped);
+        if (rc == GONE) Py_RETURN_NONE;
+        if (rc == FALLBACK && !PyErr_Occurred())
+            PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
+                            "reclaim: a pool lock could not be taken, or a step outgrew the "
+                            "undo journal");
+        return NULL;
+    }
+    return Py_BuildValue("{sLsLsLsN}", "sequences", (long long)seqs, "blocks", (long long)blocks,
+                         "entries", (long long)rb[0], "skipped",
+                         skipped ? skipped : Py_NewRef(Py_None));
+}
+
+/* -- entry points ------------------------------------------------------------------------------- */
+
+/* The recovery entry points run whatever the handle's probes (no events, checks or hooks of
+ * theirs: the Python path ran none either), on a handle that is open. */
+static int recovery_enter(Native *n) {
+    if (n->seg == NULL) {
+        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError, "the pool is closed");
+        return ERROR;
+    }
+    n->probes = 0;
+    return OK;
+}
+
+/* The findings' answer of a call: NULL (and the mutex let go) on an exception. */
+static PyObject *recovery_leave(Native *n, PyObject *result) {
+    drop_mutex(n);
+    return result;
+}
+
+static int lock_answer(int rc) {
+    if (rc == FALLBACK && !PyErr_Occurred())
+        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
+                        "recovery: a pool lock could not be taken, or a step outgrew the undo "
+                        "journal");
+    return rc;
+}
+
+/* recover() -> [{pid, entries, skipped}]: recover the locks dead processes held and roll back
+ * dead clients' journals (the Python path's answer to a lock it found held by a dead process:
+ * runner.py). */
+static PyObject *N_recover(Native *n, PyObject *unused) {
+    if (recovery_enter(n)) return NULL;
+    PyObject *out = PyList_New(0);
+    if (out && lock_answer(recover_holders(n, out)) != OK) Py_CLEAR(out);
+    return recovery_leave(n, out);
+}
+
+/* reclaim_dead(said) -> (totals, done): return every dead client's blocks (recovery.py
+ * reclaim_dead's totals {processes, sequences, blocks}); `done`: one entry per dead process
+ * this call acted on: pid, sequences, blocks, journal entries rolled back (`skipped`: why its
+ * journal could not be trusted and was not), and whether this call reclaimed it (`detached`)
+ * or another reclaimer finished it. A process reclaimed with something held gets a
+ * `leak_dead_owner` finding unless it is among `said` (pids whose own exit recorded what they
+ * held: the same cause). */
+static PyObject *N_reclaim_dead(Native *n, PyObject *said) {
+    if (recovery_enter(n)) return NULL;
+    PyObject *rolled = PyDict_New(), *recovered = PyList_New(0), *done = PyList_New(0);
+    long long tp = 0, ts = 0, tb = 0;
+    PyObject *result = NULL;
+    int64_t nd = 0;
+    DeadRec *dead = PyMem_Malloc(sizeof(DeadRec) * (size_t)(n->max_clients + 1));
+    if (!rolled || !recovered || !done || !dead) goto out;
+    /* Stop the world once: dead holders' and every dead client's journals rolled back. */
+    if (lock_answer(recover_holders(n, recovered)) != OK) goto out;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(recovered); i++) {
+        PyObject *r = PyList_GET_ITEM(recovered, i);
+        if (PyDict_SetItem(rolled, PyDict_GetItemString(r, "pid"), r)) goto out;
+    }
+    for (int64_t c = 0; c < n->max_clients; c++)
+        if (c != n->client && dead_now(n, c)) dead[nd++] = dead_rec(n, c);
+    for (int64_t i = 0; i < nd; i++) {
+        PyObject *got = reclaim_one(n, &dead[i]);
+        if (got == NULL) goto out;
+        if (got == Py_None) {
+            Py_DECREF(got);
+            continue;
+        }
+        long long s = PyLong_AsLongLong(PyDict_GetItemString(got, "sequences"));
+        long long b = PyLong_AsLongLong(PyDict_GetItemString(got, "blocks"));
+        tp++, ts += s, tb += b;
+        PyObject *pid = PyLong_FromLong(dead[i].pid);
+        int is_said = pid ? PySequence_Contains(said, pid) : -1;
+        PyObject *r = pid && is_said >= 0 ? PyDict_GetItemWithError(rolled, pid) : NULL;
+        int bad = is_said < 0 || PyErr_Occurred();
+        if (!bad && (b || s) && !is_said) {
+            /* (the supervisor of a run says a dead worker once, from whichever it sees first) */
+            char text[256];
+            int len = snprintf(text, sizeof text,
+                               "pid %d died attached to the pool holding %lld sequence(s) and "
+                               "%lld block(s); pid %d reclaimed them (pool.reclaim_dead())",
+                               (int)dead[i].pid, s, b, (int)n->pid);
+            Seen none = {.block = -1, .owner_pid = dead[i].pid, .site = -1};
+            bad = lock_answer(lock_take_alone(n, n->lock_findings)) != OK;
+            if (!bad) {
+                bad = finding_write(n, FK_LEAK_DEAD_OWNER, &none, text, len) != OK;
+                lock_drop(n, n->lock_findings);
+            }
+        }
+        if (!bad && r != NULL) {
+            /* its journal, rolled back when the world stopped, counts here */
+            long long e = PyLong_AsLongLong(PyDict_GetItemString(got, "entries")) +
+                          PyLong_AsLongLong(PyDict_GetItemString(r, "entries"));
+            PyObject *sk = PyDict_GetItemString(got, "skipped"), *eo = PyLong_FromLongLong(e);
+            bad = eo == NULL || PyDict_SetItemString(got, "entries", eo) < 0;
+            Py_XDECREF(eo);
+            if (!bad && sk == Py_None)
+                bad = PyDict_SetItemString(got, "skipped", PyDict_GetItemString(r, "skipped"));
+            if (!bad) bad = PyDict_DelItem(rolled, pid) < 0;
+        }
+        PyObject *entry = NULL;
+        if (!bad) {
+            entry = Py_BuildValue("{sO}", "pid", pid);
+            bad = entry == NULL || PyDict_Update(entry, got) ||
+                  PyDict_SetItemString(entry, "detached", Py_True) || PyList_Append(done, entry);
+        }
+        Py_XDECREF(entry);
+        Py_XDECREF(pid);
+        Py_DECREF(got);
+        if (bad) goto out;
+    }
+    /* the dead processes whose journals another reclaimer's detach left to this call */
+    PyObject *key, *r;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(rolled, &pos, &key, &r)) {
+        PyObject *entry = Py_BuildValue("{sOsOsOsisisO}", "pid", key, "entries",
+                                        PyDict_GetItemString(r, "entries"), "skipped",
+                                        PyDict_GetItemString(r, "skipped"), "sequences", 0,
+                                        "blocks", 0, "detached", Py_False);
+        int bad = entry == NULL || PyList_Append(done, entry);
+        Py_XDECREF(entry);
+        if (bad) goto out;
+    }
+    result = Py_BuildValue("({sLsLsL}O)", "processes", tp, "sequences", ts, "blocks", tb, done);
+out:
+    PyMem_Free(dead);
+    Py_XDECREF(rolled);
+    Py_XDECREF(recovered);
+    Py_XDECREF(done);
+    return recovery_leave(n, result);
+}
+
+/* Read (client, pid, start, generation) into d. 0, or -1 with an exception set. */
+static int dead_arg(Native *n, PyObject *const *args, Py_ssize_t nargs, int64_t client,
+                    DeadRec *d) {
+    int at = client < 0 ? 1 : 0;
+    if (nargs != 3 + at) {
+        PyErr_SetString(PyExc_TypeError, "expected (client,) pid, start, generation");
+        return -1;
+    }
+    d->client = at ? PyLong_AsLongLong(args[0]) : client;
+    d->pid = (int32_t)PyLong_AsLong(args[at]);
+    d->start = PyLong_AsUnsignedLongLong(args[at + 1]);
+    d->generation = PyLong_AsUnsignedLongLong(args[at + 2]);
+    if (PyErr_Occurred()) return -1;
+    if (d->client < 0 || d->client >= n->max_clients) {
+        PyErr_SetString(PyExc_ValueError, "no such client record");
+        return -1;
+    }
+    return 0;
+}
+
+/* reclaim_client(client, pid, start, generation) -> dict | None: reclaim_one of the dead
+ * process that record `client` held as found (recovery.DeadClient); None when another
+ * reclaimer took the record over. */
+static PyObject *N_reclaim_client(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    DeadRec d;
+    if (recovery_enter(n) || dead_arg(n, args, nargs, -1, &d)) return NULL;
+    return recovery_leave(n, reclaim_one(n, &d));
+}
+
+/* reclaim_for_attach(pid, start, generation) -> dict | None: reclaim the dead process that
+ * this handle's own record still holds, for a process attaching to a full client table
+ * (lifecycle.register_client): the handle borrows the record, its transactions journaled in it
+ * and its counter left as its dead owner left it (the attach evens it), and a lock found held
+ * by a dead process rolls that record's journal back with the others'. */
+static PyObject *N_reclaim_for_attach(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    DeadRec d;
+    if (recovery_enter(n) || dead_arg(n, args, nargs, n->client, &d)) return NULL;
+    n->borrowed = 1;
+    PyObject *got = reclaim_one(n, &d);
+    n->borrowed = 0;
+    return recovery_leave(n, got);
+}
+
+/* This handle's local cache, all of it, to the free ring in a transaction under the free
+ * lock. OK or ERROR. */
+static int flush_local(Native *n) {
+    int rc = lock_answer(txn_begin(n, lock_bit(n->lock_free)));
+    if (rc != OK) return ERROR;
+    int32_t ids[LOCAL_CACHE_MAX];
+    int64_t got;
+    if (local_pop(n, LOCAL_CACHE_MAX, ids, &got) || ring_push(n, ids, got)) {
+        txn_abort(n);
+        lock_answer(FALLBACK);
+        return ERROR;
+    }
+    txn_commit(n);
+    return OK;
+}
+
+/* flush_local(): flush_local (at a process's exit, kvscope/child.py, before it looks for
+ * orphans; and at close). */
+static PyObject *N_flush_local(Native *n, PyObject *unused) {
+    if (recovery_enter(n)) return NULL;
+    return recovery_leave(n, flush_local(n) == OK ? Py_NewRef(Py_None) : NULL);
+}
+
+/* detach(): this handle's close: its own journal rolled back (an operation interrupted
+ * without its rollback), its local cache flushed, its slot reserve returned a CHUNK at a time
+ * and its counters folded into the header (detach_chunk, under the seqs lock), its record
+ * marked detached. */
+static PyObject *N_detach(Native *n, PyObject *unused) {
+    if (recovery_enter(n)) return NULL;
+    PyObject *why = NULL;
+    if (U4(n->seg + n->c_jcount) && journal_rollback(n, n->client, &why) < 0)
+        return recovery_leave(n, NULL);
+    Py_XDECREF(why);
+    int rc = flush_local(n);
+    if (rc == OK && PyList_SetSlice(n->reserve, 0, PyList_GET_SIZE(n->reserve), NULL)) rc = ERROR;
+    for (int64_t done = 0; rc == OK && !done;) {
+        if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_seqs)))) != OK) break;
+        if (detach_chunk(n, n->client, 0, &done)) {
+            txn_abort(n);
+            rc = lock_answer(FALLBACK);
+        } else
+            txn_commit(n);
+    }
+    return recovery_leave(n, rc == OK ? Py_NewRef(Py_None) : NULL);
+}
+
+/* mark_repaired(pids, kinds) -> [ring position]: mark the ring's findings of `kinds` about
+ * the processes `pids` as repaired (recovery.clear_repaired: after a repair returned what they
+ * held), under the findings lock, journaled; the positions marked. */
+static PyObject *N_mark_repaired(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "mark_repaired(pids, kinds: tuple)");
+        return NULL;
+    }
+    if (recovery_enter(n)) return NULL;
+    PyObject *pids = args[0], *kinds = args[1], *marked = PyList_New(0);
+    int rc = marked ? lock_answer(txn_begin(n, lock_bit(n->lock_findings))) : ERROR;
+    if (rc != OK) {
+        Py_XDECREF(marked);
+        return recovery_leave(n, NULL);
+    }
+    uint64_t head = U8(n->seg + n->fd_head_at), cap = (uint64_t)n->fd_cap;
+    for (uint64_t k = head > cap ? head - cap : 0; k < head && rc == OK; k++) {
+        uint8_t *r = n->seg + n->off_findings + (size_t)(k % cap) * n->fd_size;
+        if (r[n->fd_repaired]) continue;
+        PyObject *pid = PyLong_FromLong(I4(r + n->fd_owner));
+        int in = pid ? PySequence_Contains(pids, pid) : -1;
+        Py_XDECREF(pid);
+        if (in < 0) rc = ERROR;
+        if (in <= 0) continue;
+        const char *kind = (const char *)r + n->fd_kind;
+        size_t kl = strnlen(kind, n->fd_kind_bytes);
+        int known = 0;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(kinds) && !known; j++) {
+            Py_ssize_t len;
+            const char *want = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(kinds, j), &len);
+            if (want == NULL) {
+                rc = ERROR;
+                break;
+            }
+            known = (size_t)len == kl && memcmp(want, kind, kl) == 0;
+        }
+        if (!known || rc != OK) continue;
+        if (n->jcount + 1 > n->j_entries) { /* (a journal's worth a transaction) */
+            txn_commit(n);
+            if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_findings)))) != OK) break;
+        }
+        if (jsave(n, (size_t)(r - n->seg) + n->fd_repaired, 1))
+            rc = lock_answer(FALLBACK);
+        else if (append_new(marked, PyLong_FromUnsignedLongLong(k)))
+            rc = ERROR;
+        else
+            r[n->fd_repaired] = 1;
+    }
+    if (rc == OK)
+        txn_commit(n);
+    else if (n->held)
+        txn_abort(n);
+    if (rc != OK) Py_CLEAR(marked);
+    return recovery_leave(n, marked);
+}
