@@ -1,0 +1,131 @@
+"""Crash recovery is the C core's (allocator/csrc/recovery.c) whichever path the hot operations
+take: a lock a dead process held is recovered, its unfinished operation rolled back and said
+once, and a dead process's long sequences are reclaimed a transaction at a time."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from kvscope.allocator import KVPool
+from kvscope.allocator.layout import BlockState, ClientState
+from tests.forking import fork_child, wait_child
+
+CHILD_ALARM_S = 30
+
+
+def _die_inside_an_operation(name: str) -> int:
+    """Attach, hold a sequence, then take the free lock and half-write the free ring's count
+    (journaled first, as an operation does) and die there."""
+    p = KVPool.attach(name)
+    p.allocate("dead-req", list(range(10)))
+    p.locks.acquire(p.FREE)
+    at = p.view.offsets["ring"] + p.view.ring_header.dtype.fields["count"][1]
+    p.journal.save(at, 4)
+    p.view.ring_header["count"] = 0
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["core", "python-path"])
+def test_a_dead_holder_is_recovered_by_the_core_on_either_path(make_pool, monkeypatch, native):
+    # GIVEN a handle whose hot operations run in the core, or on the Python path
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+    pool = make_pool(64)
+    assert (pool._native is None) == (native == "0")
+    seen = []
+    pool.on_finding = seen.append
+    # ... and a process that died holding the free lock in the middle of an operation
+    pid = fork_child(lambda: _die_inside_an_operation(pool.name), CHILD_ALARM_S)
+    assert wait_child(pid) == -signal.SIGKILL
+    assert int(pool.view.ring_header["count"][0]) == 0
+    # WHEN this handle allocates (it meets the dead holder)
+    seq = pool.allocate("after", [1, 2, 3, 4, 5])
+    # THEN the dead process's write was rolled back, and the lock said to have been held by it,
+    # in the findings ring and to the callback, once
+    assert int(pool.view.locks["holder_pid"][pool.FREE]) == 0
+    said = [f for f in pool.findings() if f.kind == "lock_dead_holder"]
+    assert len(said) == 1 and said[0].owner_pid == pid
+    assert said[0].message == (
+        f"pid {pid} died holding pool lock 'free'; its unfinished operation was rolled back"
+    )
+    assert [(f.kind, f.extra) for f in seen] == [("lock_dead_holder", {"lock": "free"})]
+    # AND once the dead process is reclaimed nothing is lost
+    pool.free(seq)
+    totals = pool.reclaim_dead()
+    assert totals["processes"] == 1 and totals["sequences"] == 1
+    assert pool.check() == []
+    st = pool.stats()
+    assert st["num_allocated"] == 0
+    assert st["num_free"] + st["num_local"] + st["num_cached"] == 64
+
+
+def test_a_dead_process_with_sequences_of_hundreds_of_blocks_is_reclaimed(make_pool):
+    # GIVEN a prefix of 200 blocks this process published and still holds
+    pool = make_pool(1024, block_size=4, max_blocks_per_seq=512)
+    prefix = list(range(800))
+    mine = pool.allocate("mine", prefix)
+    pool.mark_computed(mine, len(prefix))
+    r, w = os.pipe()
+
+    def holder() -> int:
+        p = KVPool.attach(pool.name)
+        # 400 blocks: the 200 shared with the prefix (a hit) and 200 of its own, and a fork
+        # sharing all 400
+        seq = p.allocate("long", prefix + list(range(5000, 5800)))
+        p.fork(seq, "long-fork")
+        os.write(w, b"1")
+        signal.pause()
+        return 0
+
+    pid = fork_child(holder, CHILD_ALARM_S)
+    os.read(r, 1)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_child(pid) == -signal.SIGKILL
+    assert int((pool.view.blocks["state"] == BlockState.ALLOCATED).sum()) == 400
+    c = pool.view.clients
+    (dead,) = np.flatnonzero(c["pid"] == pid).tolist()
+    cached = int(c["local_count"][dead])
+    # WHEN a survivor reclaims it (more than a transaction's worth of blocks per sequence)
+    done: list[dict] = []
+    totals = pool.reclaim_dead(done)
+    # THEN both sequences are released, its 200 blocks and its local cache freed, the shared
+    # prefix keeps only this process's reference, and the dead process's record is detached
+    assert totals == {"processes": 1, "sequences": 2, "blocks": 200 + cached}
+    (d,) = done
+    assert d["pid"] == pid and d["detached"] and d["sequences"] == 2
+    rc = pool.view.blocks["refcount"][np.asarray(mine.block_table)]
+    assert (rc == 1).all()
+    assert np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist() == [pool.client]
+    assert [f.kind for f in pool.findings()] == ["leak_dead_owner"]
+    assert pool.check() == []
+    pool.free(mine)
+    st = pool.stats()
+    assert st["num_allocated"] == 0
+    assert st["num_free"] + st["num_local"] + st["num_cached"] == 1024
+
+
+def test_close_returns_the_cache_and_reserve_and_detaches_under_KVSCOPE_NATIVE_0(
+    make_pool, monkeypatch
+):
+    # GIVEN a handle on the Python path with a local cache and a slot reserve
+    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+    pool = make_pool(64, max_seqs=64, max_clients=2)
+    other = KVPool.attach(pool.name)
+    other.free(other.allocate("r", [1, 2, 3]))
+    assert int(other.view.clients["local_count"][other.client]) > 0
+    allocs = int(pool.view.clients["num_allocs"][other.client])
+    # WHEN it closes (the core's detach)
+    other.close()
+    # THEN its record is detached, its counters folded into the header, nothing cached or
+    # reserved is left behind
+    c, seqs = pool.view.clients, pool.view.seqs
+    assert c["state"][other.client] == ClientState.DETACHED
+    assert allocs == 1 and int(pool.view.header["num_allocs"][0]) == allocs
+    assert int(c["local_count"][other.client]) == 0
+    assert not (pool.view.blocks["state"] == BlockState.LOCAL).any()
+    assert not ((seqs["reserved"] == 1) & (seqs["owner_client"] == other.client)).any()
+    assert pool.check() == []
