@@ -5,11 +5,13 @@
  * and PoolExhausted), free/abort, append (with copy-on-write), mark_computed, fork, set_state and resume, with the same writes, the same
  * journal, the same locks and the same checksums, so check(), recovery, dumps and the TUI
  * cannot tell which path wrote a record (tests/test_native.py compares the two byte for byte).
+ * Crash recovery, reclaiming dead processes and close are this module's only (csrc/recovery.c),
+ * for every handle; a lock whose record names a dead holder it recovers itself wherever it
+ * meets one.
  *
  * Whatever is not the common case is left to Python: every entry point returns None, with
- * nothing changed, when it meets one (a slot reserve to refill, a
- * lock whose record names a dead holder, a journal too small, a prompt longer than one
- * chunk...), and the Python method then runs its own path. Armed faults and crash points
+ * nothing changed, when it meets one (a slot reserve to refill, a journal too small, a prompt
+ * longer than one chunk...), and the Python method then runs its own path. Armed faults and crash points
  * strike the core's operations themselves (csrc/faults.c).
  *
  * Transactions follow docs/FORMAT.md: the client's seq goes odd, locks are taken in the one

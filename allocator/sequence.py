@@ -74,7 +74,7 @@ class SeqTable:
     A process claims slots in batches under the seqs lock into its **reserve** (slots marked
     `reserved` with its client index, still EMPTY); a sequence then takes a reserved slot, and a
     freed one goes back to the reserve, without the lock. Recovery returns a dead process's
-    reserve (recovery.py, `detach_client`).
+    reserve (csrc/recovery.c, `detach_chunk`).
     """
 
     def __init__(self, view: SegmentView, lock: int, client: int):
