@@ -129,3 +129,48 @@ def test_close_returns_the_cache_and_reserve_and_detaches_under_KVSCOPE_NATIVE_0
     assert not (pool.view.blocks["state"] == BlockState.LOCAL).any()
     assert not ((seqs["reserved"] == 1) & (seqs["owner_client"] == other.client)).any()
     assert pool.check() == []
+
+
+def _hold_and_die(name: str) -> None:
+    """Fork a process that takes sequences (one shared with a fork, one published), and kill
+    it once it holds them."""
+    r, w = os.pipe()
+
+    def holder() -> int:
+        p = KVPool.attach(name)
+        for i in range(3):
+            seq = p.allocate(f"held-{i}", list(range(100 * i, 100 * i + 30)))
+            p.mark_computed(seq, 16)
+        p.fork(seq, "held-fork")
+        os.write(w, b"1")
+        signal.pause()
+        return 0
+
+    pid = fork_child(holder, CHILD_ALARM_S)
+    os.read(r, 1)
+    os.close(r)
+    os.close(w)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_child(pid) == -signal.SIGKILL
+
+
+def test_a_reclaimer_killed_at_any_journal_save_loses_nothing(make_pool):
+    # GIVEN a pool, and for each trial a process killed holding sequences
+    pool = make_pool(256, max_clients=8)
+    for n in (1, 2, 3, 5, 8, 13, 21, 34, 55):
+        _hold_and_die(pool.name)
+
+        # WHEN a reclaimer is killed at its n-th journal save (inside the core's reclaim)
+        def reclaimer(n: int = n) -> int:
+            p = KVPool.attach(pool.name)
+            p._core.set_crash_at(n)
+            p.reclaim_dead()
+            return 0
+
+        assert wait_child(fork_child(reclaimer, CHILD_ALARM_S)) == -signal.SIGKILL
+        # THEN the next reclaim (here) rolls the reclaimer's step back and finishes the job
+        pool.reclaim_dead()
+        assert pool.check() == []
+        st = pool.stats()
+        assert st["num_allocated"] == 0
+        assert st["num_free"] + st["num_local"] + st["num_cached"] == 256
