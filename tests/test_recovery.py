@@ -174,3 +174,30 @@ def test_a_reclaimer_killed_at_any_journal_save_loses_nothing(make_pool):
         st = pool.stats()
         assert st["num_allocated"] == 0
         assert st["num_free"] + st["num_local"] + st["num_cached"] == 256
+
+
+@pytest.mark.parametrize("hits", [1, 2, 4])
+def test_an_attach_killed_while_it_reclaims_a_borrowed_record_loses_nothing(make_pool, hits):
+    from kvscope.allocator import crash
+
+    # GIVEN a client table full of this process and one killed holding sequences
+    pool = make_pool(256, max_clients=2)
+    _hold_and_die(pool.name)
+    assert (pool.view.clients["state"] == ClientState.ATTACHED).all()
+
+    # WHEN a process attaching is killed inside its reclaim of the dead one's record (at the
+    # hits-th table write of its steps: the record's journal holds its unfinished step)
+    def attacher() -> int:
+        crash.configure(f"seqs.after_table:{hits}")
+        KVPool.attach(pool.name)
+        return 0
+
+    assert wait_child(fork_child(attacher, CHILD_ALARM_S)) == -signal.SIGKILL
+    # THEN a survivor's reclaim rolls that step back and reclaims the record's dead owner
+    assert pool.reclaim_dead()["processes"] == 1
+    assert pool.check() == []
+    st = pool.stats()
+    assert st["num_allocated"] == 0
+    assert st["num_free"] + st["num_local"] + st["num_cached"] == 256
+    # AND the next attach takes the record
+    KVPool.attach(pool.name).close()
