@@ -154,7 +154,6 @@ def register_client(pool: KVPool) -> int:
             empty = np.flatnonzero(states == ClientState.DETACHED)
         if len(empty):
             i = int(empty[0])
-            pool._bind(i)
         else:
             got = _reclaim_for_attach(pool)
             if got is None:
@@ -181,6 +180,8 @@ def register_client(pool: KVPool) -> int:
         for f in COUNTER_FIELDS:
             rec[f] = 0
         c["state"][i] = ClientState.ATTACHED
+        # Bound once the record is this process's (its journal empty, as the parts read it).
+        pool._bind(i)
     return i
 
 
@@ -194,8 +195,8 @@ def _reclaim_for_attach(pool: KVPool) -> int | None:
     one's: the handle binds to that record (its lock table, journal and core name it) and its
     core reclaims the record's dead owner there (csrc/recovery.c reclaim_for_attach: the same
     steps as any reclaim; the record's journal holds only its dead owner's entries, which the
-    first step rolls back). The handle then claims the record it is already bound to: no
-    second kind of core, nothing bound twice on success."""
+    first step rolls back). The handle then claims the record and binds to it again, as a
+    process of its own: no second kind of core."""
     for d in recovery.find_dead(pool.view):
         pool._bind(d.client)
         got = pool._core.reclaim_for_attach(d.pid, d.start, d.generation)
