@@ -199,7 +199,8 @@ def _reclaim_for_attach(pool: KVPool) -> int | None:
     process of its own: no second kind of core."""
     for d in recovery.find_dead(pool.view):
         pool._bind(d.client)
-        got = pool._core.reclaim_for_attach(d.pid, d.start, d.generation)
+        with pool._mutex:  # (the mapping's op mutex, which another handle here may hold)
+            got = pool._core.reclaim_for_attach(d.pid, d.start, d.generation)
         if got is not None:
             pool.reclaimed_at_attach.append({"pid": d.pid, **got, "detached": True})
             return d.client

@@ -241,12 +241,13 @@ static int recover_holders(Native *n, PyObject *recovered) {
 /* A step found its record no longer the dead process's: it wrote nothing. */
 #define GONE 3
 
-typedef int (*StepFn)(Native *n, const DeadRec *d, int64_t *out);
+/* A step: fn(n, d, arg) writes its answer into *arg (each step's own struct). */
+typedef int (*StepFn)(Native *n, const DeadRec *d, void *arg);
 
 /* One step of a reclaim: fn in a transaction of its own under every lock (a dead holder met
  * on the way is recovered first), once the record still holds the dead process `d`. OK,
  * GONE, FALLBACK (a lock not to be had, a step outgrowing the journal), ERROR. */
-static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, int64_t *out) {
+static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, void *arg) {
     Holder dead[MAX_LOCKS];
     client_seq_bump(n);
     int rc = stop_world(n, dead);
@@ -262,7 +263,7 @@ static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, int64_t *out) {
         /* (a borrowed record's journal is its dead owner's until the first step) */
         n->jcount = U4(n->seg + n->c_jcount);
         n->jused = U4(n->seg + n->c_jused);
-        rc = fn(n, d, out);
+        rc = fn(n, d, arg);
         if (rc == OK)
             jcommit(n);
         else
@@ -281,28 +282,36 @@ static int64_t step_blocks(Native *n, int64_t most, int saves) {
     return fit < 1 ? 1 : fit < most ? fit : most;
 }
 
-/* Step: roll back the dead client's journal. out[0] entries, out[1] the reason it was
- * skipped (a new str) or 0. */
-static int step_rollback(Native *n, const DeadRec *d, int64_t *out) {
-    out[0] = 0;
-    out[1] = 0;
+/* Step: roll back the dead client's journal: the entries restored, and why it was skipped
+ * (Journal.problem's words, a new str) or NULL. */
+typedef struct {
+    int64_t entries;
+    PyObject *skipped;
+} Rolled;
+
+static int step_rollback(Native *n, const DeadRec *d, void *arg) {
+    Rolled *out = arg;
     if (U4(crec(n, d->client) + cfield(n, n->c_jcount)) == 0) return OK;
-    PyObject *why;
-    out[0] = journal_rollback(n, d->client, &why);
-    out[1] = (int64_t)(intptr_t)why;
-    return out[0] < 0 ? ERROR : OK;
+    out->entries = journal_rollback(n, d->client, &out->skipped);
+    return out->entries < 0 ? ERROR : OK;
 }
 
-/* Step: drop the last blocks of sequence slot out[0] (a transaction's worth), releasing the
- * slot after the last. out[1]: blocks freed (-1: the slot is no longer that process's);
- * out[2]: released. */
-static int step_drop_tail(Native *n, const DeadRec *d, int64_t *out) {
-    int64_t slot = out[0];
+/* Step: drop the last blocks of sequence `slot` (a transaction's worth), releasing the slot
+ * after the last: the blocks freed (-1: the slot is no longer that process's), and whether
+ * the slot is released (or was not its to release). */
+typedef struct {
+    int64_t slot, freed;
+    int released;
+} Tail;
+
+static int step_drop_tail(Native *n, const DeadRec *d, void *arg) {
+    Tail *out = arg;
+    int64_t slot = out->slot;
     uint8_t *s = seqrec(n, slot);
     if (s[SF_STATE] == S_EMPTY || I4(s + SF_OWNER_CLIENT) != d->client ||
         I4(s + SF_OWNER_PID) != d->pid) {
-        out[1] = -1;
-        out[2] = 1;
+        out->freed = -1;
+        out->released = 1;
         return OK;
     }
     int64_t k = U4(s + SF_NUM_BLOCKS), chunk = step_blocks(n, CHUNK, 2);
@@ -321,18 +330,21 @@ static int step_drop_tail(Native *n, const DeadRec *d, int64_t *out) {
         s[SF_STATE] = S_EMPTY;
         U4(s + SF_NUM_BLOCKS) = 0;
     }
-    out[1] = nz;
-    out[2] = keep == 0;
+    out->freed = nz;
+    out->released = keep == 0;
     return OK;
 }
 
-/* Step: return a transaction's worth of the dead client's cached and stray private blocks
- * (LOCAL, or ALLOCATED and unpublished, owned by it) that no live sequence maps, lowest ids
- * first; once fewer are left, its local cache is emptied. out[0]: how many; out[1]: the most
- * a step returns. */
-static int step_free_owned(Native *n, const DeadRec *d, int64_t *out) {
-    int64_t most = step_blocks(n, 2 * CHUNK, 1);
-    out[1] = most;
+/* Step: return a transaction's worth (`most`) of the dead client's cached and stray private
+ * blocks (LOCAL, or ALLOCATED and unpublished, owned by it) that no live sequence maps, lowest
+ * ids first (`freed` of them); once fewer are left, its local cache is emptied. */
+typedef struct {
+    int64_t freed, most;
+} Owned;
+
+static int step_free_owned(Native *n, const DeadRec *d, void *arg) {
+    Owned *out = arg;
+    int64_t most = out->most = step_blocks(n, 2 * CHUNK, 1);
     uint8_t *r = crec(n, d->client);
     uint8_t *pick = PyMem_Calloc((size_t)n->nb, 2);
     int32_t *ids = PyMem_Malloc(sizeof(int32_t) * (size_t)most);
@@ -374,7 +386,7 @@ static int step_free_owned(Native *n, const DeadRec *d, int64_t *out) {
         if (jsave(n, (size_t)(r - n->seg), (uint32_t)cfield(n, n->c_local))) return FALLBACK;
         U4(r + n->cf_local_count) = 0;
     }
-    out[0] = m;
+    out->freed = m;
     return OK;
 }
 
@@ -412,8 +424,8 @@ static int detach_chunk(Native *n, int64_t c, int dead, int64_t *done) {
     return OK;
 }
 
-static int step_detach(Native *n, const DeadRec *d, int64_t *out) {
-    return detach_chunk(n, d->client, 1, out);
+static int step_detach(Native *n, const DeadRec *d, void *done) {
+    return detach_chunk(n, d->client, 1, done);
 }
 
 /* Reclaim dead client d: its journal rolled back, its sequences' blocks dropped and slots
@@ -421,9 +433,9 @@ static int step_detach(Native *n, const DeadRec *d, int64_t *out) {
  * each step its own transaction. What was done ({sequences, blocks, entries, skipped}), None
  * when another reclaimer took over the record, NULL with an exception set. */
 static PyObject *reclaim_one(Native *n, const DeadRec *d) {
-    int64_t rb[2], seqs = 0, blocks = 0, out[3];
-    int rc = reclaim_step(n, d, step_rollback, rb);
-    PyObject *skipped = rc == OK && rb[1] ? (PyObject *)(intptr_t)rb[1] : NULL;
+    int64_t seqs = 0, blocks = 0, done = 0;
+    Rolled rolled = {0, NULL};
+    int rc = reclaim_step(n, d, step_rollback, &rolled);
     /* the slots it holds (a hint, read without locks: each step checks its slot again) */
     int64_t *live = NULL, nlive = 0;
     if (rc == OK && (live = PyMem_Malloc(sizeof(int64_t) * (size_t)(n->max_seqs + 1))) == NULL) {
@@ -434,24 +446,22 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
         if (seqrec(n, s)[SF_STATE] != S_EMPTY && I4(seqrec(n, s) + SF_OWNER_CLIENT) == d->client)
             live[nlive++] = s;
     for (int64_t i = 0; rc == OK && i < nlive; i++) {
-        out[2] = 0;
-        while (rc == OK && !out[2]) {
-            out[0] = live[i];
-            rc = reclaim_step(n, d, step_drop_tail, out);
-            if (rc == OK && out[1] > 0) blocks += out[1];
+        Tail tail = {live[i], 0, 0};
+        while (rc == OK && !tail.released) {
+            rc = reclaim_step(n, d, step_drop_tail, &tail);
+            if (rc == OK && tail.freed > 0) blocks += tail.freed;
         }
-        if (rc == OK) seqs += out[1] >= 0;
+        if (rc == OK) seqs += tail.freed >= 0;
     }
     PyMem_Free(live);
-    while (rc == OK) {
-        rc = reclaim_step(n, d, step_free_owned, out);
-        if (rc != OK) break;
-        blocks += out[0];
-        if (out[0] < out[1]) break;
+    /* (until a step returns fewer than it may) */
+    for (Owned owned = {0, 0}; rc == OK && owned.freed == owned.most;) {
+        rc = reclaim_step(n, d, step_free_owned, &owned);
+        if (rc == OK) blocks += owned.freed;
     }
-    for (out[0] = 0; rc == OK && !out[0];) rc = reclaim_step(n, d, step_detach, out);
-    if (rc == GONE || rc != OK) {
-        Py_XDECREF(skipped);
+    while (rc == OK && !done) rc = reclaim_step(n, d, step_detach, &done);
+    if (rc != OK) {
+        Py_XDECREF(rolled.skipped);
         if (rc == GONE) Py_RETURN_NONE;
         if (rc == FALLBACK && !PyErr_Occurred())
             PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
@@ -460,8 +470,8 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
         return NULL;
     }
     return Py_BuildValue("{sLsLsLsN}", "sequences", (long long)seqs, "blocks", (long long)blocks,
-                         "entries", (long long)rb[0], "skipped",
-                         skipped ? skipped : Py_NewRef(Py_None));
+                         "entries", (long long)rolled.entries, "skipped",
+                         rolled.skipped ? rolled.skipped : Py_NewRef(Py_None));
 }
 
 /* -- entry points ------------------------------------------------------------------------------- */
