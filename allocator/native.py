@@ -13,15 +13,12 @@ injectable faults and crash points (csrc/faults.c, on the counts faults.py and c
 lock hook other than lockdep's (the watchdog) or a call-site recorder other than the probe's
 keeps its handle on Python. docs/FORMAT.md, "The native core".
 
-Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests: csrc/kvdata.c)
-the core does on the bytes of a CPU pool's data file, mapped in this process. A CUDA pool's data
-it cannot reach: there it launches each operation's checks itself (csrc/devchecks.c: one
-`cuLaunchKernel` of the check kernel, configured by allocator/devicechecks.py), whose answers are
-read later, when the GPU has them (no operation waits for the GPU); where it cannot, it hands the
-blocks back to Python (`WriteProbes.native_kv`: one launch through Triton's).
-`KVSCOPE_NATIVE_KV=python` makes a CPU pool's core hand back too, each check waiting for its
-answer, `=deferred` with the answers read later as on a GPU, through the core's own queue (the
-CPU test suite covers each way).
+Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests, a finished
+request's unwritten slots: csrc/kvdata.c) the core does on the bytes of a CPU pool's data file,
+mapped in this process. A CUDA pool's data it cannot reach: there it launches each operation's
+checks itself (csrc/devchecks.c: one `cuLaunchKernel` of the check kernel, configured by
+allocator/devicechecks.py), and reads and applies their answers later, when the GPU has them
+(csrc/devanswers.c: no operation waits for the GPU). Nothing of it calls back into Python.
 """
 
 from __future__ import annotations
@@ -136,25 +133,20 @@ check_layout(getattr(_native, "LAYOUT", {}))
 # handed over once.
 _native.register_errors(PoolError, PoolExhausted)
 
-# KVSCOPE_NATIVE_KV=python: the core hands block-data work back to Python on a CPU pool too;
-# =deferred: and the answers are read later, as on a CUDA pool (devicechecks.py).
-KV_HANDBACK_ENV = "KVSCOPE_NATIVE_KV"
-
 
 def kv_layout(pool: KVPool) -> dict[str, Any]:
     """Where the core finds the KV data `[layers, 2, blocks, slots, heads, dim]` (csrc/kvdata.c):
-    its address in this process (0: hand the work back), strides in bytes, the canary and
+    its address in this process (0: its checks are queued, csrc/devchecks.c: a CUDA pool, or a
+    CPU pool under the tests' devicechecks.DEFERRED_ON_CPU), strides in bytes, the canary and
     poison bits of its element size."""
     import torch  # (the pool has imported it)
+
+    from kvscope.allocator import devicechecks
 
     kv = pool.kv
     esize = kv.element_size()
     layers, _, _, spb, heads, dim = kv.shape
-    direct = (
-        kv.device.type == "cpu"
-        and kv.is_contiguous()
-        and os.environ.get(KV_HANDBACK_ENV, "") not in ("python", "deferred")
-    )
+    direct = kv.device.type == "cpu" and kv.is_contiguous() and not devicechecks.DEFERRED_ON_CPU
     canary = nan = 0
     if spb > pool.block_size:
         from kvscope.kernels.canary import CANARY_BITS
@@ -179,6 +171,7 @@ def kv_layout(pool: KVPool) -> dict[str, Any]:
         "nan_bits": nan,
         "poison_ok": int(poison),
         "off_kv_digest": pool.view.blocks.dtype.fields["kv_digest"][1],
+        "unwritten_message": integrity.UNWRITTEN_MESSAGE,
     }
 
 

@@ -88,7 +88,7 @@ class PoolProbes:
         The kinds the C core reports itself are counted once in the core, whichever path
         finds them (its `first_report`)."""
         key = (f.kind, -1 if f.block is None else f.block, f.request if f.block is None else "")
-        core = self.pool._native
+        core = self.pool._core
         first = None if core is None else core.first_report(f.kind, key[1])
         if first is None:
             first = key not in self.reported

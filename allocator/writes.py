@@ -14,22 +14,20 @@ The checks themselves are integrity.py's; here they are wired to the moments a b
 hands. Findings are reported when the operation commits, with the block's record as it was seen
 inside the operation.
 
-The C core runs the same checks itself (allocator/csrc/kvdata.c): on a CPU pool's bytes, or, for
-data it cannot reach (a CUDA pool), through `native_kv`, one call per operation for all of its
-blocks. Whatever it finds sends the operation to the Python path here, which reports it. On a
-CUDA pool those checks are launched and their answers read later (devicechecks.py), so that no
-operation waits for the GPU.
+The C core runs the same checks in its own operations (allocator/csrc/kvdata.c) and reports
+what they find itself: on a CPU pool's bytes, or, for data it cannot reach (a CUDA pool),
+through its own queue of checks, launched and answered later (devicechecks.py), so that no
+operation waits for the GPU. The Python path's operations queue theirs there too (`later`); a
+finished request's unwritten slots are the core's check on either path (`finished`).
 """
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvscope.allocator import integrity
-from kvscope.allocator.devicechecks import DeviceChecks
+from kvscope.allocator import devicechecks, integrity
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import SeqState
 
@@ -46,17 +44,9 @@ class WriteProbes:
     def __init__(self, probes: PoolProbes):
         self.probes = probes
         self.pool = probes.pool
-        # The C core `finished` last asked, and whether it reads the KV data itself.
-        self._core: object = None
-        self._core_reads_kv = False
-        # The C core's checks of the K/V, answered later (a CUDA pool; a CPU pool's core reads
-        # the bytes itself, or, under KVSCOPE_NATIVE_KV=deferred, as a CUDA pool's does).
-        self.later: DeviceChecks | None = None
-        if (
-            probes.pool.kv.device.type == "cuda"
-            or os.environ.get("KVSCOPE_NATIVE_KV") == "deferred"
-        ):
-            self.later = DeviceChecks(probes)
+        # The C core's queue of checks of the K/V, answered later (a CUDA pool; a CPU pool's
+        # core reads the bytes itself).
+        self.later = devicechecks.for_probes(probes)
         self.digest = probes.flags.digest
         self.guard = probes.flags.guard and integrity.can_poison(probes.pool.kv)
         self.stale = probes.flags.leaks
@@ -140,83 +130,13 @@ class WriteProbes:
         """Guard mode, a request that finished (not aborted): the K/V of every position but
         its last was written into its own blocks (an engine may end a request before feeding
         back its last sampled token). Token slots still poisoned, from the pool's creation or
-        the block's last free, mean the writes went elsewhere."""
+        the block's last free, mean the writes went elsewhere: `kv_never_written`, reported by
+        the core (now on a CPU pool, at the next settle on a CUDA pool)."""
         if not self.guard or not seq.block_table:
             return
         pool = self.pool
-        table = list(seq.block_table)
-        if self.later is not None:
-            with pool._mutex:  # (queued as the core queues its checks)
-                self.later.unwritten(table, len(seq.tokens) - 1, seq.request_id)
-            return
-        core = self._kv_core()
-        if core is not None and not core.unwritten(table, len(seq.tokens) - 1):
-            return  # the core's pass over the bytes: nothing to report
-        found = integrity.unwritten_slots(pool.kv, table, len(seq.tokens) - 1, pool.block_size)
-        self.report_unwritten(found, seq.request_id)
-
-    def report_unwritten(self, found: list[tuple[int, int, int, int]], request: str) -> None:
-        """`kv_never_written` for each (block, first, last position, slots) of a request."""
-        for blk, first, last, slots in found:
-            msg = integrity.UNWRITTEN_MESSAGE.format(
-                request=request, slots=slots, first=first, last=last
-            )
-            self.probes.block_finding(FindingKind.KV_NEVER_WRITTEN, blk, msg)
-
-    def _kv_core(self) -> Any | None:
-        """The handle's C core when it reads the KV data itself (a CPU pool), else None."""
-        core = self.pool._native
-        if core is not self._core:
-            self._core = core
-            self._core_reads_kv = core is not None and core.stats()["kv_direct"]
-        return core if self._core_reads_kv else None
-
-    def native_kv(self, op: str, ids: list[int]) -> object:
-        """The C core's work on the KV data of blocks `ids` where it cannot reach the data (a
-        CUDA pool, KVSCOPE_NATIVE_KV=python or =deferred) and does not launch the check itself
-        (csrc/devchecks.c: no configured queue, or no room in it): one call, and on a GPU one
-        kernel launch, per operation (allocator/csrc/kvdata.c). `op`:
-
-        - "canary": True if a guard slot of `ids` lost its canary (read only);
-        - "poison": NaN into their token slots;
-        - "poison_broken": True if one of them no longer holds all its poison;
-        - "stamp": their digests (kernels/digest.py block_digests), for their records;
-        - "verify:<when>": True if one of them no longer matches its record's digest.
-
-        With `later` (a CUDA pool) the checks are launched and answer False, and "stamp" None:
-        devicechecks.py reads the answers once the GPU has them, reports what they show and
-        writes the digests into the records. Without it each check waits for its answer.
-        """
-        pool = self.pool
-        kv, bs = pool.kv, pool.block_size
-        later = self.later
-        if op == "poison":
-            if later is not None:
-                later.fill(ids)
-            else:
-                integrity.poison(kv, ids, bs)
-            return None
-        if later is not None:
-            if op == "canary":
-                later.canaries(ids)
-            elif op == "poison_broken":
-                later.poison(ids)
-            elif op == "stamp":
-                later.stamp(ids)
-                return None
-            else:
-                assert op.startswith("verify:"), op
-                later.verify(ids, op[7:])
-            return False
-        if op == "canary":
-            return bool(integrity.broken_canaries(kv, np.asarray(ids, np.int64)))
-        if op == "poison_broken":
-            return bool(integrity.poison_broken(kv, np.asarray(ids, np.int64), bs))
-        if op == "stamp":
-            return integrity.digests_of(kv, np.asarray(ids, np.int64), bs)
-        assert op.startswith("verify:"), op
-        ids_ = np.asarray(ids, np.int64)
-        return bool(integrity.modified(pool.view.blocks, kv, ids_, bs))
+        with pool._mutex:  # (queued as the core queues its checks)
+            pool._core.unwritten(list(seq.block_table), len(seq.tokens) - 1, str(seq.request_id))
 
     def _check_poison(self, t: Txn, ids: np.ndarray) -> None:
         pool = self.pool

@@ -3,7 +3,8 @@ the same operations, with K/V written as an engine would and hostile writes plan
 (past a block's end, into a freed block, into a published block, a write skipped), leave the same
 segment bytes, the same K/V bytes, the same events and the same findings; and the core runs them
 (guard and digest no longer send a handle to Python), on a CPU pool's bytes and through the
-handback a CUDA pool uses (KVSCOPE_NATIVE_KV=python)."""
+core's own queue of checks a CUDA pool uses (its answers read later and applied by the core: on a
+CPU pool through the tests' seam devicechecks.DEFERRED_ON_CPU)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.allocator import (
-    KVPool,
-    PoolConfig,
-    corechecks,
-    devicechecks,
-    integrity,
-    stamps,
-)
+from kvscope.allocator import KVPool, PoolConfig, devicechecks, integrity
 from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import int_view
 from kvscope.probes import lockdep
-from tests.kernels_cases import INTERPRETING
 from tests.test_native import _apply as _native_apply
 from tests.test_native import _live_fields, _script, _state
 from tests.test_native_probes import _probe_state
@@ -139,7 +132,7 @@ def _run(
     monkeypatch,
     *,
     sample: int,
-    handback: bool | str,
+    deferred: bool,
     dtype: str,
     steps: int,
     seed: int,
@@ -151,13 +144,12 @@ def _run(
     monkeypatch.setenv("KVSCOPE_DIGEST", "1")
     monkeypatch.setenv("KVSCOPE_GUARD_SAMPLE", str(sample))
     monkeypatch.setenv("KVSCOPE_QUARANTINE", str(quarantine))
-    if handback:
-        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred" if handback == "deferred" else "python")
+    monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", deferred)
     # (answered later, the events are compared as a set: a ring that never wraps)
-    events = 4096 if handback == "deferred" else 256
+    events = 4096 if deferred else 256
     fast = _pool(pool_name, True, dtype, events=events)
     slow = _pool(f"{pool_name}-py", False, dtype, events=events)
-    assert fast._native is not None and fast._native.stats()["kv_direct"] == (not handback)
+    assert fast._native is not None and fast._native.stats()["kv_direct"] == (not deferred)
     live_fast: list = []
     live_slow: list = []
     rng = random.Random(seed)
@@ -175,11 +167,11 @@ def _run(
             got_slow = _apply(slow, live_slow, op, skip)
             assert got_fast == got_slow, f"step {i} {op[0]}"
             assert _live_fields(live_fast) == _live_fields(live_slow)
-            if handback == "deferred":
+            if deferred:
                 # (the answers read later are in, on both, before they are compared)
                 fast.verify()
                 slow.verify()
-            _same_all(fast, slow, f"step {i} {op}", events_in_order=handback != "deferred")
+            _same_all(fast, slow, f"step {i} {op}", events_in_order=not deferred)
         kinds = {f[0] for f in _findings(fast)}
         return fast._native.stats(), kinds
     finally:
@@ -188,25 +180,25 @@ def _run(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sample,handback,dtype,quarantine",
+    "sample,deferred,dtype,quarantine",
     [
         (0, False, "float32", 0),
         (0, False, "float16", 0),
-        (0, True, "bfloat16", 0),
         (3, False, "bfloat16", 0),
-        (3, True, "float32", 0),
         (0, False, "float32", 6),
+        (0, True, "float16", 0),
+        (0, True, "bfloat16", 0),
+        (3, True, "bfloat16", 0),
+        (3, True, "float32", 0),
+        (0, True, "float32", 6),
         (0, True, "float16", 6),
-        (0, "deferred", "float16", 0),
-        (3, "deferred", "bfloat16", 0),
-        (0, "deferred", "float32", 6),
     ],
-    ids=["guard-cpu-fp32", "guard-cpu-fp16", "guard-handback-bf16", "sampled3-cpu-bf16",
-         "sampled3-handback-fp32", "quarantine6-cpu-fp32", "quarantine6-handback-fp16",
-         "guard-deferred-fp16", "sampled3-deferred-bf16", "quarantine6-deferred-fp32"],
+    ids=["guard-cpu-fp32", "guard-cpu-fp16", "sampled3-cpu-bf16", "quarantine6-cpu-fp32",
+         "guard-deferred-fp16", "guard-deferred-bf16", "sampled3-deferred-bf16",
+         "sampled3-deferred-fp32", "quarantine6-deferred-fp32", "quarantine6-deferred-fp16"],
 )  # fmt: skip
 def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
-    pool_name, monkeypatch, sample, handback, dtype, quarantine
+    pool_name, monkeypatch, sample, deferred, dtype, quarantine
 ):
     # GIVEN two pools with every probe `kvscope run` switches on (guard in full or sampled,
     # digest; with a quarantine count or not), one on the C core and one on the Python path
@@ -215,7 +207,7 @@ def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
         pool_name,
         monkeypatch,
         sample=sample,
-        handback=handback,
+        deferred=deferred,
         dtype=dtype,
         steps=300,
         # (a script that releases, unpublished, a block planted past its end: guard mode
@@ -233,10 +225,10 @@ def test_guard_and_digest_leave_the_same_bytes_events_and_findings(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 4])
-@pytest.mark.parametrize("handback", [False, True, "deferred"], ids=["cpu", "handback", "deferred"])
-def test_more_seeds(pool_name, monkeypatch, seed, handback):
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "deferred"])
+def test_more_seeds(pool_name, monkeypatch, seed, deferred):
     stats, _ = _run(
-        pool_name, monkeypatch, sample=0, handback=handback, dtype="float16", steps=250, seed=seed
+        pool_name, monkeypatch, sample=0, deferred=deferred, dtype="float16", steps=250, seed=seed
     )
     assert stats["native_ops"] > 100, stats
 
@@ -245,22 +237,15 @@ def test_more_seeds(pool_name, monkeypatch, seed, handback):
 
 
 def _pair(
-    pool_name: str,
-    monkeypatch,
-    handback: bool | str = False,
-    device: str = "cpu",
-    core_checks: bool = True,
+    pool_name: str, monkeypatch, deferred: bool = False, device: str = "cpu"
 ) -> tuple[KVPool, KVPool]:
-    """The C core (on the bytes; handing back, each check waiting for its answer: True; or with
-    the answers read later: "deferred", through the core's own queue of checks, or with
-    `core_checks` False devicechecks' queue) and the Python path."""
-    monkeypatch.setattr(devicechecks, "CORE_CHECKS", core_checks)
+    """The C core (on the bytes; or with `deferred`, through its own queue of checks, answered
+    later as a CUDA pool's are) and the Python path."""
+    monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", deferred)
     for p in LIGHT:
         monkeypatch.setenv(f"KVSCOPE_{p}", "0")
     monkeypatch.setenv("KVSCOPE_GUARD", "1")
     monkeypatch.setenv("KVSCOPE_DIGEST", "1")
-    if handback:
-        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred" if handback == "deferred" else "python")
     return (
         _pool(pool_name, True, "float32", device=device),
         _pool(f"{pool_name}-py", False, "float32", device=device),
@@ -339,17 +324,11 @@ PLANTS = [
 PLANT_IDS = ["past-end", "after-free", "published", "skipped"]
 
 
-# how the C core reaches the K/V: on the bytes; handing back, each check waiting for its answer;
-# or with the answers read later (a CUDA pool's way), through the core's own queue of checks,
-# through devicechecks' queue, or through a core ring too small for most checks (which then
-# hand back to devicechecks)
-WAYS = {
-    "cpu": (False, True, 0),
-    "handback": (True, True, 0),
-    "deferred": ("deferred", True, 0),
-    "deferred-python-queue": ("deferred", False, 0),
-    "deferred-small-core-ring": ("deferred", True, 40),
-}
+# how the C core reaches the K/V: on the bytes; or with the answers read later (a CUDA pool's
+# way), through its own queue of checks, with a ring of the default size or one small enough to
+# fill (the oldest answers are then read first, inside the operation, and applied at the next
+# settle)
+WAYS = {"cpu": (False, 0), "deferred": (True, 0), "deferred-small-ring": (True, 160)}
 
 
 @pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
@@ -357,95 +336,69 @@ WAYS = {
 def test_each_planted_write_is_found_the_same_way(pool_name, monkeypatch, scenario, kind, way):
     # GIVEN guard mode and the digest, WHEN the same bad write happens on the C core (each way
     # it reaches the K/V) and on the Python path
-    handback, core_checks, core_ring = WAYS[way]
-    if core_ring:
-        monkeypatch.setattr(corechecks, "CORE_RING_WORDS", core_ring)
-    pair = _pair(pool_name, monkeypatch, handback, core_checks=core_checks)
-    if handback == "deferred":
-        assert (pair[0].probe.writes.later.core is not None) == core_checks
-    fast, slow = _both(pair, scenario, settle=handback == "deferred")
+    deferred, ring = WAYS[way]
+    if ring:
+        monkeypatch.setattr(devicechecks, "RING_WORDS", ring)
+    pair = _pair(pool_name, monkeypatch, deferred)
+    if deferred:
+        assert pair[0].probe.writes.later is not None
+        assert pair[0]._native.device_stats() is not None
+    fast, slow = _both(pair, scenario, settle=deferred)
     # THEN both report it, with the same kind, block, message and request
     assert kind in [f[0] for f in fast], fast
     assert fast == slow
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in a TRITON_INTERPRET=1 subprocess")
-@pytest.mark.parametrize("ring_words", [devicechecks.RING_WORDS, 40], ids=["ring", "small-ring"])
-@pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
-def test_each_planted_write_is_found_through_the_check_kernel_interp(
-    pool_name, monkeypatch, scenario, kind, ring_words
-):
-    # GIVEN the checks answered later as on a CUDA pool, through kernels/checks.py and its ring
-    # (the Triton interpreter standing in for the GPU); a small ring wraps around, waits for
-    # its oldest answers and sends larger checks to the torch ops
-    monkeypatch.setenv("KVSCOPE_KERNELS", "triton")
-    monkeypatch.setattr(devicechecks, "RING_WORDS", ring_words)
-    pair = _pair(pool_name, monkeypatch, "deferred")
-    assert pair[0].probe.writes.later.ring is not None
-    # WHEN the same bad write happens on the C core and on the Python path
-    fast, slow = _both(pair, scenario, settle=True)
-    # THEN both report it the same way
-    assert kind in [f[0] for f in fast], fast
-    assert fast == slow
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="runs in a TRITON_INTERPRET=1 subprocess")
-def test_a_full_ring_waits_for_its_oldest_answers_and_mixes_none_up_interp(pool_name, monkeypatch):
-    # GIVEN a handle whose ring holds 40 words (a digest of one block takes two: its id and
-    # its answer) and 30 digests of different blocks launched without a settle
-    monkeypatch.setenv("KVSCOPE_KERNELS", "triton")
+def test_a_full_ring_reads_its_oldest_answers_first_and_mixes_none_up(pool_name, monkeypatch):
+    # GIVEN the core's queue with a ring of 40 words (a digest of one block takes three: its
+    # id, its answer and its generation) and its answers held back (no settle)
     monkeypatch.setattr(devicechecks, "RING_WORDS", 40)
-    pool, other = _pair(pool_name, monkeypatch, "deferred")
-    finished = []
-    finish = devicechecks.DeviceChecks._finish
-    monkeypatch.setattr(
-        devicechecks.DeviceChecks, "_finish", lambda s, e: (finished.append(e), finish(s, e))
-    )
+    pool, other = _pair(pool_name, monkeypatch, True)
     try:
-        for blk in range(6):
-            pool.kv[:, :, blk, :BS] = float(blk + 1)
         later = pool.probe.writes.later
-        got: list[tuple[int, list[int]]] = []
-        for i in range(30):
-            blk = i % 6
-            later._digest([blk], lambda raw, blk=blk: got.append((blk, devicechecks._digests(raw))))
-        # WHEN they are settled
+        monkeypatch.setattr(later, "settling", True)
+        seqs = []
+        for i in range(12):
+            # WHEN twelve requests publish a block each (more than the ring holds)
+            seq = _written(pool, f"r{i}", [7 * i + j for j in range(BS + 1)])
+            pool.mark_computed(seq, BS)
+            seqs.append(seq)
+        published = [s.block_table[0] for s in seqs]
+        # THEN the oldest answers were read to make room, none applied inside an operation
+        assert not integrity.has_digest(pool.view.blocks, np.asarray(published)).any()
+        stats = pool._native.device_stats()
+        assert stats["launched"] == 12 and stats["unapplied"] > 0 and stats["waiting"] < 12
+        # WHEN the answers are settled THEN each block's record holds its own digest
+        monkeypatch.setattr(later, "settling", False)
         later.settle(wait=True)
-        # THEN the ring wrapped, waited for its oldest answers, and each answer is its block's
-        assert finished and len(got) == 30 and not later.pending
-        want = {blk: block_digests(pool.kv, [blk], BS) for blk in range(6)}
-        assert [d for _, d in got] == [want[blk] for blk, _ in got]
-        assert [blk for blk, _ in got] == [i % 6 for i in range(30)]
+        b = pool.view.blocks
+        want = block_digests(pool.kv, published, BS)
+        assert b["kv_digest"][published].tolist() == [
+            integrity.tagged(d, int(b["generation"][blk])) for d, blk in zip(want, published)
+        ]
+        assert later.waiting() == 0 and pool.check() == [] and pool.findings() == []
     finally:
-        for p in (pool, other):
-            p.close()
-            p.unlink()
+        _close(pool, other)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("core_checks", [True, False], ids=["core-launches", "python-launches"])
 @pytest.mark.parametrize("scenario,kind", PLANTS, ids=PLANT_IDS)
-def test_each_planted_write_is_found_on_a_cuda_pool(
-    pool_name, monkeypatch, scenario, kind, core_checks
-):
+def test_each_planted_write_is_found_on_a_cuda_pool(pool_name, monkeypatch, scenario, kind):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    # GIVEN guard mode and the digest on a CUDA pool: the C core, its checks answered later
-    # (launched by the core itself, or by devicechecks), and the Python path
-    pair = _pair(pool_name, monkeypatch, device="cuda", core_checks=core_checks)
-    later = pair[0].probe.writes.later
-    assert (later.core is not None) == core_checks
+    # GIVEN guard mode and the digest on a CUDA pool: the C core, its checks launched by itself
+    # and answered later, and the Python path (whose checks go into the same queue)
+    pair = _pair(pool_name, monkeypatch, device="cuda")
     core: dict[str, int] = {}
 
     def run(pool: KVPool) -> None:
         scenario(pool)
-        if pool is pair[0] and later.core is not None:
-            core.update(later.core.device_stats())
+        if pool is pair[0]:
+            core.update(pool._native.device_stats())
 
     fast, slow = _both(pair, run, settle=True)
-    if core_checks:
-        # (the core launched the checks of its operations: none failed)
-        assert core["launched"] > 0 and core["broken"] == 0, core
+    # (the core launched the checks of its operations: none failed)
+    assert core["launched"] > 0 and core["broken"] == 0, core
     # THEN both report the bad write, the same way
     assert kind in [f[0] for f in fast], fast
     assert fast == slow
@@ -465,34 +418,10 @@ def _burst_held_back(pool, monkeypatch, tag: str, token: int) -> list[int]:
     return many
 
 
-class _CountedDigests:
-    """A handle's C core whose write_digests calls are counted (or handed back)."""
-
-    def __init__(self, core):
-        self.core = core
-        self.sizes: list[int] = []
-        self.written = 0
-        self.hand_back = False
-
-    def __getattr__(self, name):
-        return getattr(self.core, name)
-
-    def write_digests(self, pool, ids, gens, words):
-        if self.hand_back:
-            return None
-        self.sizes.append(len(ids))
-        done = self.core.write_digests(pool, ids, gens, words)
-        self.written += done or 0
-        return done
-
-
-@pytest.mark.parametrize("core_checks", [True, False], ids=["core-queue", "python-queue"])
-def test_deferred_digests_reach_the_records_of_blocks_still_published(
-    pool_name, monkeypatch, core_checks
-):
+def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name, monkeypatch):
     # GIVEN the C core with its answers read later (a CUDA pool's way: in the core's own queue
-    # of checks, or devicechecks'), and the Python path
-    fast, slow = _pair(pool_name, monkeypatch, "deferred", core_checks=core_checks)
+    # of checks), and the Python path (whose checks go into its core's queue too)
+    fast, slow = _pair(pool_name, monkeypatch, True)
     try:
         for pool in (fast, slow):
             pool.free(_written(pool, "warm-up", [1, 2, 3]))
@@ -530,46 +459,32 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(
         assert fast.check() == [] and fast.findings() == []
         # WHEN more digests wait than one transaction's journal holds (a burst of prompts)
         many = _burst_held_back(fast, monkeypatch, "c", 200)
-        monkeypatch.setattr(stamps, "CHUNK", 3)
-        core = _CountedDigests(fast._native)
-        monkeypatch.setattr(fast, "_native", core)
         fast.verify()
-        if core_checks:
-            # THEN the core's queue writes them itself as it takes their answers, every one
-            # (none through write_digests)
-            assert core.sizes == []
-        else:
-            # THEN the core writes them a chunk at a time, every one
-            assert core.sizes and max(core.sizes) <= 3 and core.written == len(set(many))
+        # THEN the core writes every one
         assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
         assert fast.check() == []
-        # WHEN the same burst comes where the core hands the writing back (its queue's too:
-        # while a call-site recorder other than the ownership probe's is set)
+        # WHEN the same burst comes while the core cannot write the records (a lock hook other
+        # than lockdep's is set on the handle: its operations are the Python path's)
         many = _burst_held_back(fast, monkeypatch, "d", 300)
-        core.hand_back = True
-        sites = fast.site_of
-        fast.site_of = lambda: -1
-        saved: list[int] = []
-        save = fast.store.save
-        monkeypatch.setattr(
-            fast.store, "save", lambda t, ids: (saved.append(len(ids)), save(t, ids))
-        )
+        hooks = int(fast._hooks[0])
+        fast._hooks[0] = hooks | 1
         fast.verify()
-        fast.site_of = sites
-        # THEN the Python path writes them, a chunk at a time too
-        assert saved and max(saved) <= 3
+        # THEN the digests wait, read, for the next settle where it can
+        assert not integrity.has_digest(fast.view.blocks, np.asarray(many)).any()
+        assert fast._native.device_stats()["unapplied"] == len(many)
+        fast._hooks[0] = hooks
+        fast.verify()
         assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
-        assert fast.check() == []
+        assert fast.probe.writes.later.waiting() == 0 and fast.check() == []
     finally:
         _close(fast, slow)
 
 
-@pytest.mark.parametrize("core_checks", [True, False], ids=["core-queue", "python-queue"])
-def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeypatch, core_checks):
-    # GIVEN the C core with its answers read later (in its own queue, or devicechecks'), and
-    # room for three answers waiting
+def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeypatch):
+    # GIVEN the C core with its answers read later (in its own queue), and room for three
+    # answers waiting
     monkeypatch.setattr(devicechecks, "MAX_PENDING", 3)
-    fast, slow = _pair(pool_name, monkeypatch, "deferred", core_checks=core_checks)
+    fast, slow = _pair(pool_name, monkeypatch, True)
     try:
         later = fast.probe.writes.later
         seq = _written(fast, "long", list(range(9)))
@@ -675,10 +590,10 @@ def test_guard_flags_agree_with_the_scan(pool_name, monkeypatch):
 
 
 def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypatch):
-    # GIVEN the C core handing the K/V work back with its answers read later (a CUDA pool's
-    # way), and the Python path; each with a write past the end of a request's block
+    # GIVEN the C core with its answers read later (a CUDA pool's way), and the Python path;
+    # each with a write past the end of a request's block
     fast, slow = _pair(pool_name, monkeypatch)
-    monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred")
+    monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", True)
     deferred = _pool(f"{pool_name}-d", True, "float32")
     pools = (deferred, slow)
     try:
@@ -706,13 +621,13 @@ def test_a_deferred_canary_check_reports_as_the_python_path(pool_name, monkeypat
 
 def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch):
     # GIVEN a handle whose C core queues its checks of the K/V itself (answered later)
-    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+    fast, slow = _pair(pool_name, monkeypatch, True)
     try:
         later = fast.probe.writes.later
-        core = later.core
-        assert core is not None and core.device_stats()["waiting"] == 0
+        core = fast._native
+        assert core.device_stats()["waiting"] == 0
         # WHEN nothing waits THEN there is nothing to take
-        assert core.device_take(True, -1) is None
+        assert core.device_take(fast, True, -1) is None
         # WHEN a request is published and its digests wait
         seq = _written(fast, "a", list(range(9)))
         monkeypatch.setattr(later, "settling", True)
@@ -721,48 +636,39 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
         # THEN the core refuses to be configured again while they wait
         with pytest.raises(RuntimeError, match="still wait"):
             core.device_checks(None)
-        # AND their answers are two digests, one per published block, with the generations
-        # of the blocks' records
-        stamps, found = core.device_take(True, -1)
+        # WHEN they are taken THEN the core writes them into the records itself: the kernel's
+        # digests (kernels/digest.py), tagged with the generation, and nothing is returned
         b = fast.view.blocks
-        assert [s[:2] for s in stamps] == [
-            (blk, int(b["generation"][blk])) for blk in seq.block_table[:2]
+        published = seq.block_table[:2]
+        assert not integrity.has_digest(b, np.asarray(published)).any()
+        assert core.device_take(fast, True, -1) is None
+        assert b["kv_digest"][published].tolist() == [
+            integrity.tagged(d, int(b["generation"][blk]))
+            for d, blk in zip(block_digests(fast.kv, published, BS), published)
         ]
-        assert found == [] and later.waiting() == 0
+        assert later.waiting() == 0
         # (a configuration that is not one leaves the last in place)
         with pytest.raises(TypeError):
             core.device_checks(3)
         with pytest.raises(KeyError):
             core.device_checks({"cuda": False})
         assert core.device_stats() is not None
-        # AND they are the kernel's digests (kernels/digest.py), tagged with the generation
-        want = block_digests(fast.kv, seq.block_table[:2], BS)
-        assert [s[2] for s in stamps] == [
-            integrity.tagged(d, int(b["generation"][blk]))
-            for d, blk in zip(want, seq.block_table[:2])
-        ]
-        # AND given the pool, the core writes the digests into the records itself (none left
-        # for devicechecks to write), as stamps.write_stamps would
-        other = _written(fast, "b", list(range(20, 29)))
-        fast.mark_computed(other, 9)
-        published = other.block_table[:2]
-        assert not integrity.has_digest(b, np.asarray(published)).any()
-        stamps, found = core.device_take(True, -1, fast)
-        assert stamps == [] and found == []
-        assert b["kv_digest"][published].tolist() == [
-            integrity.tagged(d, int(b["generation"][blk]))
-            for d, blk in zip(block_digests(fast.kv, published, BS), published)
-        ]
         monkeypatch.setattr(later, "settling", False)
-        # WHEN the core's checks are switched off THEN the handle's checks hand back again
+        # WHEN the Python path queues a check of its own THEN the core's queue takes it
+        with fast._mutex:
+            core.device_queue("verify", published, "a test")
+            with pytest.raises(ValueError, match="no check"):
+                core.device_queue("unwritten", published, None)
+        assert later.waiting() == 1
+        fast.verify()
+        assert later.waiting() == 0 and fast.findings() == []
+        # WHEN the core's checks are switched off THEN an operation that needs one says so
+        # (nothing is handed to Python), and leaves the pool as it was
         core.device_checks(None)
         assert core.device_stats() is None
-        assert core.device_unwritten(list(seq.block_table), 9, "a") is False
-        fast.free(seq)
-        # (devicechecks' own queue took the finish check and the release's verification)
-        assert later.waiting() == len(later.pending) == 2
-        fast.verify()
-        assert fast.findings() == []
+        with pytest.raises(RuntimeError, match="not configured"):
+            fast.free(seq)
+        assert fast.check() == []
     finally:
         _close(fast, slow)
 
@@ -770,7 +676,7 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
 def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkeypatch):
     # GIVEN a handle whose C core queues its checks, with a published request's digests
     # still waiting in the core's queue
-    fast, slow = _pair(pool_name, monkeypatch, "deferred")
+    fast, slow = _pair(pool_name, monkeypatch, True)
     try:
         seq = _written(fast, "a", list(range(9)))
         monkeypatch.setattr(fast.probe.writes.later, "settling", True)
@@ -784,6 +690,7 @@ def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkey
         # configured the core's queue for itself, which goes on working
         later = fast.probe.writes.later
         assert later.core is fast._native and later.waiting() == 0
+        assert fast._native.device_stats() is not None
         assert integrity.has_digest(fast.view.blocks, np.asarray(seq.block_table[:2])).all()
         fast.free(seq)
         assert fast.verify() == [] and fast.check() == []

@@ -112,6 +112,7 @@ enum {
     FK_PUBLISHED_BLOCK_MODIFIED,
     FK_LOCK_DEAD_HOLDER, /* recovery.c */
     FK_LEAK_DEAD_OWNER,
+    FK_KV_NEVER_WRITTEN,
     FK_COUNT
 };
 
@@ -274,11 +275,12 @@ typedef struct {
     PyObject *hdr_fields; /* magic: the header's (name, offset, size) fields, in order */
     PyObject *msg_canary, *msg_poison; /* integrity.CANARY_MESSAGE, POISON_MESSAGE */
     PyObject *msg_modified, *msg_blank; /* integrity.MODIFIED_MESSAGE, BLANK_MODIFIED_MESSAGE */
+    PyObject *msg_unwritten; /* integrity.UNWRITTEN_MESSAGE */
     uint64_t blank_zero, blank_nan; /* high halves of a never-written block's digests (0: not yet) */
     int blank_known;
     int64_t hdr_len;
     /* The KV data (kvdata.c): its bytes when this process maps them (a CPU pool), else NULL
-     * (block-data work is handed back to Python); [layers, 2, blocks, slots, heads, dim]. */
+     * (its checks are queued: devchecks.c); [layers, 2, blocks, slots, heads, dim]. */
     uint8_t *kv;
     PyObject *kv_obj;    /* the tensor (keeps the mapping alive), or None */
     int64_t kv_rows;     /* layers x 2 */
@@ -292,7 +294,7 @@ typedef struct {
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
     *s_waiting, *s_preempted,
-    *s_site_of, *s_probe, *s_writes;
+    *s_site_of;
 
 /* -- records --------------------------------------------------------------------------------- */
 

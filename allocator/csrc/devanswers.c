@@ -1,215 +1,285 @@
-/* The answers of the checks devchecks.c launched, read back once the GPU is past them
- * (`device_take`, from devicechecks.DeviceChecks.settle between operations), oldest first: a
- * digest of a block just published becomes the kv_digest word of its record, written here a
- * transaction per CHUNK (write_digest_words, entry.c); an answer that shows a problem (a
- * published block changed, a freed block written, a guard slot overwritten, a finished
- * request's slots never written) goes back to Python with the records as the operation saw
- * them, to be reported exactly as devicechecks' own queue reports it. Part of _native.c. */
+/* The answers of the checks devchecks.c launched, read back once the GPU is past them and
+ * applied by the core (`device_take`, from devicechecks.DeviceChecks.settle between
+ * operations), oldest first: a digest of a block just published becomes the kv_digest word of
+ * its record (write_digest_words, entry.c: a transaction per CHUNK, only while the block is
+ * still published in the generation it was taken in, under its shard lock); an answer that
+ * shows a problem (a published block changed, a freed block written, a guard slot overwritten,
+ * a finished request's slots never written) is a finding the core writes into the findings
+ * ring (finding_report), with the block's record as the operation saw it, where the binding
+ * reads it back for `on_finding` (KVPool._found). Part of _native.c. */
 
-static PyObject *id_list(const int64_t *w, int64_t k) {
-    PyObject *l = PyList_New(k);
-    for (int64_t i = 0; l && i < k; i++) {
-        PyObject *v = PyLong_FromLongLong(w[i]);
-        if (v == NULL) {
-            Py_CLEAR(l);
-            break;
-        }
-        PyList_SET_ITEM(l, i, v);
-    }
-    return l;
-}
+/* -- the answers read, waiting to be applied ---------------------------------------------------- */
 
-/* Digests taken, on their way into the records: with the pool (device_take's), written a
- * transaction per CHUNK of them, not one per check; without, listed for the caller. */
-typedef struct {
-    PyObject *pool; /* NULL: none written here */
-    Py_ssize_t k;
-    int32_t b[CHUNK];
-    uint32_t g[CHUNK];
-    uint64_t w[CHUNK];
-} StampBuf;
-
-/* The digests in `sb` into their records; those the core does not write now (or, without
- * the pool, every one) go to `stamps` as (block, generation, word) for devicechecks to write
- * (stamps.py). 0, or -1 with an exception set. */
-static int stamps_flush(Native *n, StampBuf *sb, PyObject *stamps) {
-    if (sb->k == 0) return 0;
-    Py_ssize_t k = sb->k;
-    sb->k = 0;
-    int done = 0;
-    if (sb->pool != NULL) {
-        PyObject *r = write_digest_words(n, sb->pool, sb->b, sb->g, sb->w, k);
-        if (r == NULL) return -1;
-        done = r != Py_None;
-        Py_DECREF(r);
+static int dev_grow(void **arr, int64_t *cap, int64_t need, size_t size) {
+    if (need <= *cap) return 0;
+    int64_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *p = PyMem_Realloc(*arr, (size_t)c * size);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    for (Py_ssize_t i = 0; !done && i < k; i++) {
-        PyObject *t = Py_BuildValue("(lkK)", (long)sb->b[i], (unsigned long)sb->g[i],
-                                    (unsigned long long)sb->w[i]);
-        if (t == NULL || PyList_Append(stamps, t) != 0) {
-            Py_XDECREF(t);
-            return -1;
-        }
-        Py_DECREF(t);
-    }
+    *arr = p;
+    *cap = c;
     return 0;
 }
 
-/* The entry's answer as stamps (a digest for a record, through `sb`) or a finding for Python
- * to report: (kind, when, ids, answer, records). 0, or -1 with an exception set. */
-static int dev_read(Native *n, DevEntry *e, int64_t *w, PyObject *stamps, PyObject *found,
-                    StampBuf *sb) {
+/* A finding an answer shows (message: a new reference, taken over), reported when the answers
+ * are applied: with the block's record `rec` as the operation saw it, or as it is then (NULL).
+ * 0, or -1 with an exception set. */
+static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObject *message) {
+    DevChecks *d = n->dev;
+    if (message == NULL) return -1;
+    if (dev_grow((void **)&d->found, &d->cap_found, d->n_found + 1, sizeof(Pending))) {
+        Py_DECREF(message);
+        return -1;
+    }
+    Pending *p = &d->found[d->n_found++];
+    memset(p, 0, sizeof *p);
+    p->fk = fk;
+    p->message = message;
+    p->seen.block = b;
+    p->seen_later = rec == NULL;
+    if (rec != NULL) {
+        /* (seen_of, of the record as it was) */
+        p->seen.owner_pid = I4(rec + BF_OWNER_PID);
+        p->seen.site = I4(rec + BF_SITE);
+        p->seen.refcount = I4(rec + BF_REFCOUNT);
+        memcpy(p->seen.request, rec + BF_REQUEST, REQUEST_BYTES);
+    }
+    /* a guard violation's event comes first, as the release's own (canaries_intact) */
+    p->event = fk == FK_GUARD_VIOLATION ? E_GUARD_VIOLATION : 0;
+    return 0;
+}
+
+/* Entry e's answer (its ring words at w) read into the stamps and findings to apply. 0, or -1
+ * with an exception set. */
+static int dev_read(Native *n, DevEntry *e, int64_t *w) {
+    DevChecks *d = n->dev;
     int64_t k = e->n;
     const int64_t *a = w + k;
     int64_t ans = dev_answer_words(n, e->kind, k);
     const int64_t *kept = w + k + ans;
     if (e->kind == DK_FILL) return 0;
     if (e->kind == DK_UNWRITTEN) {
-        /* integrity.unwritten_in: a slot of the first `extra` positions still poisoned, while
-         * not all of them are (a program that writes no K/V at all) */
-        int64_t blank = 0, checked = 0;
-        for (int64_t p = 0; p < e->extra && p < k * n->bs; p++, checked++) blank += a[p] == 0;
-        if (blank == 0 || blank == checked) return 0;
-        PyObject *ids = id_list(w, k), *answer = ids ? id_list(a, k * n->bs) : NULL;
-        PyObject *t = answer ? Py_BuildValue("(sOOOL)", DK_NAME[e->kind], e->tag, ids, answer,
-                                             (long long)e->extra)
-                             : NULL;
-        int rc = t != NULL && PyList_Append(found, t) == 0 ? 0 : -1;
-        Py_XDECREF(ids);
-        Py_XDECREF(answer);
-        Py_XDECREF(t);
-        return rc;
+        /* a slot still poisoned in every row: none of its elements unpoisoned */
+        uint8_t *blank = PyMem_Malloc((size_t)(k * n->bs));
+        if (blank == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        int32_t *ids = PyMem_Malloc((size_t)k * sizeof *ids);
+        if (ids == NULL) {
+            PyMem_Free(blank);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (int64_t i = 0; i < k * n->bs; i++) blank[i] = a[i] == 0;
+        for (int64_t i = 0; i < k; i++) ids[i] = (int32_t)w[i];
+        int rc = unwritten_report(n, ids, k, e->extra, blank, e->tag, 1);
+        PyMem_Free(blank);
+        PyMem_Free(ids);
+        return rc == OK ? 0 : -1;
     }
     if (e->kind == DK_STAMP) {
+        if (dev_grow((void **)&d->stamps, &d->cap_stamps, d->n_stamps + k, sizeof(Stamp)))
+            return -1;
         for (int64_t i = 0; i < k; i++) {
             uint64_t dg = fmix64((uint64_t)a[i]);
-            sb->b[sb->k] = (int32_t)w[i];
-            sb->g[sb->k] = (uint32_t)(kept[i] & GEN_MASK);
-            sb->w[sb->k++] = ((dg >> 32) << 32) | ((uint64_t)kept[i] & GEN_MASK);
-            if (sb->k == CHUNK && stamps_flush(n, sb, stamps) != 0) return -1;
+            Stamp *s = &d->stamps[d->n_stamps++];
+            s->b = (int32_t)w[i];
+            s->g = (uint32_t)(kept[i] & GEN_MASK);
+            s->w = ((dg >> 32) << 32) | ((uint64_t)kept[i] & GEN_MASK);
         }
         return 0;
     }
-    /* the answer per block: a digest, a count of slots' unpoisoned elements, a flag */
-    int64_t per[CHUNK + EVICT_BATCH];
-    int bad = 0;
-    if (k > CHUNK + EVICT_BATCH) return 0; /* (cannot be: the core's checks are that small) */
     for (int64_t i = 0; i < k; i++) {
+        const uint8_t *rec = kept_rec(n, kept, i);
+        int32_t b = (int32_t)w[i];
         if (e->kind == DK_VERIFY) {
-            uint64_t got = fmix64((uint64_t)a[i]);
-            uint64_t want = U8(kept_rec(n, kept, i) + n->off_kv_digest);
-            per[i] = (int64_t)got;
-            bad |= (got >> 32) != (want >> 32);
+            uint64_t got = fmix64((uint64_t)a[i]) >> 32, want = U8(rec + n->off_kv_digest) >> 32;
+            if (got == want) continue;
+            const char *when = e->tag != NULL ? PyUnicode_AsUTF8(e->tag) : "a check";
+            if (when == NULL) return -1;
+            if (dev_found_add(n, FK_PUBLISHED_BLOCK_MODIFIED, b, rec,
+                              modified_message(n, rec, when, got, want)))
+                return -1;
         } else if (e->kind == DK_POISON) {
             int64_t c = 0;
             for (int64_t s = 0; s < n->bs; s++) c += a[i * n->bs + s];
-            per[i] = c;
-            bad |= c != 0;
-        } else {
-            per[i] = a[i];
-            bad |= a[i] != 0;
+            if (c && dev_found_add(n, FK_USE_AFTER_FREE, b, rec, poison_message(n, rec, c)))
+                return -1;
+        } else if (a[i] != 0) { /* DK_CANARY */
+            if (dev_found_add(n, FK_GUARD_VIOLATION, b, rec, Py_NewRef(n->msg_canary))) return -1;
         }
     }
-    if (!bad) return 0;
-    PyObject *ids = id_list(w, k), *answer = NULL, *recs = NULL, *t = NULL;
-    if (ids) {
-        answer = PyList_New(k);
-        for (int64_t i = 0; answer && i < k; i++) {
-            PyObject *v = e->kind == DK_VERIFY ? PyLong_FromUnsignedLongLong((uint64_t)per[i])
-                                               : PyLong_FromLongLong(per[i]);
-            if (v == NULL) {
-                Py_CLEAR(answer);
-                break;
-            }
-            PyList_SET_ITEM(answer, i, v);
+    return 0;
+}
+
+/* Whether the GPU is past the oldest check (with `wait`, once it is: waited for). After a
+ * driver error (`broken`) every check counts as done: its answer is not read. */
+static int dev_ready(DevChecks *d, int wait) {
+    DevEntry *e = dev_at(d, 0);
+    if (e->done || d->broken) return 1;
+    CUres rc;
+    if (e->ev < 0) {
+        /* not covered (a driver error on the way): wait for its stream */
+        Py_BEGIN_ALLOW_THREADS
+        rc = d->cu.stream_sync(d->open_stream);
+        Py_END_ALLOW_THREADS
+    } else {
+        CUhandle ev = d->ev[e->ev];
+        rc = d->cu.ev_query(ev);
+        if (rc == CU_NOT_READY) {
+            if (!wait) return 0;
+            Py_BEGIN_ALLOW_THREADS
+            rc = d->cu.ev_sync(ev);
+            Py_END_ALLOW_THREADS
         }
     }
-    if (answer) {
-        recs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(k * n->rec));
-        for (int64_t i = 0; recs && i < k; i++)
-            memcpy(PyBytes_AS_STRING(recs) + i * n->rec, kept_rec(n, kept, i), (size_t)n->rec);
-    }
-    if (recs)
-        t = Py_BuildValue("(sOOOO)", DK_NAME[e->kind], e->tag ? e->tag : Py_None, ids, answer,
-                          recs);
-    int rc = t != NULL && PyList_Append(found, t) == 0 ? 0 : -1;
-    Py_XDECREF(ids);
-    Py_XDECREF(answer);
-    Py_XDECREF(recs);
-    Py_XDECREF(t);
+    if (rc != 0) d->broken = rc;
+    /* the event's other checks are done too */
+    for (int64_t i = 0; i < d->q_count && dev_at(d, i)->ev == e->ev; i++)
+        dev_at(d, i)->done = 1;
+    e->done = 1;
+    return 1;
+}
+
+/* The oldest check (done) read into what is to be applied, and dropped from the queue. 0, or
+ * -1 with an exception set (the check is dropped either way). */
+static int dev_pop(Native *n) {
+    DevChecks *d = n->dev;
+    DevEntry *e = dev_at(d, 0);
+    int rc = d->broken ? 0 : dev_read(n, e, d->ring + e->at);
+    int32_t ev = e->ev;
+    Py_CLEAR(e->tag);
+    d->q_tail = (d->q_tail + 1) % DEV_ENTRIES;
+    d->q_count--;
+    d->open_from = d->open_from > 0 ? d->open_from - 1 : 0;
+    if (ev >= 0 && (d->q_count == 0 || dev_at(d, 0)->ev != ev)) d->ev_free[d->n_ev_free++] = ev;
+    if (d->q_count == 0) d->head = 0;
     return rc;
 }
 
-/* device_take(wait, most[, pool]) -> (stamps, found) | None: the answers the GPU is past,
- * oldest first (every one, waiting, with `wait`; the oldest, waiting, until no more than `most`
- * are left, where most >= 0). None when none waits. With the pool its digests are written into
- * the records here (write_digest_words: no list of them through Python) and `stamps` holds
- * only those the core did not write. Under the handle's op mutex (devicechecks.settle). */
-static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 && nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "device_take(wait: bool, most: int[, pool])");
-        return NULL;
-    }
-    StampBuf sb;
-    sb.pool = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
-    sb.k = 0;
+/* dev_check's way out of a full queue or ring: the oldest check waited for and read (applied
+ * at the next settle). OK, or ERROR with an exception set. */
+static int dev_take_oldest(Native *n) {
     DevChecks *d = n->dev;
-    /* (in a forked child the parent's queue and its GPU handles are not this process's) */
-    if (d == NULL || d->q_count == 0 || n->fork_gen != fork_gen) Py_RETURN_NONE;
-    int wait = PyObject_IsTrue(args[0]);
-    long long most = PyLong_AsLongLong(args[1]);
-    if (wait < 0 || (most == -1 && PyErr_Occurred())) return NULL;
-    PyObject *stamps = PyList_New(0), *found = PyList_New(0);
-    if (stamps == NULL || found == NULL) goto fail;
-    if (d->cuda && !d->broken) dev_context(d);
-    dev_cover(d); /* (a failure leaves the open ones to be waited for below, stream by stream) */
-    while (d->q_count) {
-        DevEntry *e = dev_at(d, 0);
-        if (!e->done && !d->broken) {
-            int behind = most >= 0 && d->q_count > most;
-            if (e->ev < 0) {
-                /* not covered (a driver error): wait for its stream */
-                CUres rc;
-                Py_BEGIN_ALLOW_THREADS
-                rc = d->cu.stream_sync(d->open_stream);
-                Py_END_ALLOW_THREADS
-                if (rc != 0) d->broken = rc;
-            } else {
-                CUhandle ev = d->ev[e->ev];
-                CUres rc = d->cu.ev_query(ev);
-                if (rc == CU_NOT_READY) {
-                    if (!wait && !behind) break;
-                    Py_BEGIN_ALLOW_THREADS
-                    rc = d->cu.ev_sync(ev);
-                    Py_END_ALLOW_THREADS
-                }
-                if (rc != 0 && rc != CU_NOT_READY) d->broken = rc;
-            }
-            /* the event's other checks are done too */
-            for (int64_t i = 0; i < d->q_count && dev_at(d, i)->ev == e->ev; i++)
-                dev_at(d, i)->done = 1;
-            e->done = 1;
-        }
-        /* (after a driver error the answers are not the GPU's: dropped, and every later check
-         * hands back to Python, which meets the same error) */
-        int rc = d->broken ? 0 : dev_read(n, e, d->ring + e->at, stamps, found, &sb);
-        int32_t ev = e->ev;
-        Py_CLEAR(e->tag);
-        d->q_tail = (d->q_tail + 1) % DEV_ENTRIES;
-        d->q_count--;
-        d->open_from = d->open_from > 0 ? d->open_from - 1 : 0;
-        if (ev >= 0 && (d->q_count == 0 || dev_at(d, 0)->ev != ev)) d->ev_free[d->n_ev_free++] = ev;
-        if (d->q_count == 0) d->head = 0;
-        if (rc != 0) goto fail;
-    }
-    if (stamps_flush(n, &sb, stamps) != 0) goto fail;
-    PyObject *out = PyTuple_Pack(2, stamps, found);
-    Py_DECREF(stamps);
-    Py_DECREF(found);
-    return out;
-fail:
-    Py_XDECREF(stamps);
-    Py_XDECREF(found);
-    return NULL;
+    if (d->q_count == 0) return OK;
+    dev_cover(d);
+    dev_ready(d, 1);
+    return dev_pop(n) ? ERROR : OK;
 }
 
+/* -- applying them ------------------------------------------------------------------------------- */
+
+/* Block b's guard slot given its canary back, in every row (a guard violation reported: the
+ * next one is a new write). OK, or what dev_off says. */
+static int canary_back(Native *n, int32_t b) {
+    DevChecks *d = n->dev;
+    size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
+    int64_t m = n->kv_slot_bytes / n->kv_esize;
+    if (!d->cuda) {
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            fill_bits(n, d->cpu_kv + (size_t)r * n->kv_row_stride + (size_t)b * n->kv_block_stride +
+                             guard,
+                      m, n->canary);
+        return OK;
+    }
+    if (d->broken) return OK;
+    PyObject *s = PyObject_CallNoArgs(d->stream_fn);
+    CUhandle stream = s ? PyLong_AsVoidPtr(s) : NULL;
+    Py_XDECREF(s);
+    if (PyErr_Occurred()) return ERROR;
+    /* the slot of each row (layer x K/V): `m` elements, rows kv_row_stride bytes apart */
+    uint64_t dst = d->kv_dev + (uint64_t)b * (uint64_t)n->kv_block_stride + guard;
+    size_t pitch = (size_t)n->kv_row_stride, rows = (size_t)n->kv_rows;
+    uint64_t c = n->canary;
+    CUres rc = 0;
+    switch (n->kv_esize) {
+    case 1: rc = d->cu.memset8(dst, pitch, (unsigned char)c, (size_t)m, rows, stream); break;
+    case 2: rc = d->cu.memset16(dst, pitch, (unsigned short)c, (size_t)m, rows, stream); break;
+    case 4: rc = d->cu.memset32(dst, pitch, (unsigned int)c, (size_t)m, rows, stream); break;
+    default:
+        /* (8-byte elements have no canary of their own: kernels/canary.py) */
+        if ((c >> 32) == (c & 0xFFFFFFFFull))
+            rc = d->cu.memset32(dst, pitch, (unsigned int)c, (size_t)(2 * m), rows, stream);
+        break;
+    }
+    if (rc != 0) d->broken = rc;
+    return dev_off(n);
+}
+
+/* What the answers read showed, applied: the digests into their records (those the core
+ * cannot write now kept for the next settle), then the findings into the ring. 0, or -1 with
+ * an exception set. */
+static int dev_apply(Native *n, PyObject *pool) {
+    DevChecks *d = n->dev;
+    int64_t done = 0;
+    while (done < d->n_stamps) {
+        int32_t b[CHUNK];
+        uint32_t g[CHUNK];
+        uint64_t w[CHUNK];
+        int64_t k = d->n_stamps - done < CHUNK ? d->n_stamps - done : CHUNK;
+        for (int64_t i = 0; i < k; i++) {
+            b[i] = d->stamps[done + i].b;
+            g[i] = d->stamps[done + i].g;
+            w[i] = d->stamps[done + i].w;
+        }
+        PyObject *r = write_digest_words(n, pool, b, g, w, k);
+        if (r == NULL) break;
+        int later = r == Py_None;
+        Py_DECREF(r);
+        if (later) break;
+        done += k;
+    }
+    if (d->n_stamps - done > STAMPS_KEPT) done = d->n_stamps - STAMPS_KEPT;
+    memmove(d->stamps, d->stamps + done, (size_t)(d->n_stamps - done) * sizeof(Stamp));
+    d->n_stamps -= done;
+    if (PyErr_Occurred()) return -1;
+    n->probes = (int)*n->probe_bits;
+    n->pool = pool;
+    int64_t i = 0;
+    int rc = 0;
+    for (; i < d->n_found && rc == 0; i++) {
+        Pending *p = &d->found[i];
+        static const char no_request[REQUEST_BYTES];
+        if (p->fk == FK_GUARD_VIOLATION && canary_back(n, p->seen.block) != OK) rc = -1;
+        if (p->event) ev_record(n, p->event, &p->seen.block, 1, no_request, 0);
+        if (p->seen_later) seen_of(n, p->seen.block, &p->seen);
+        if (rc == 0 && finding_report(n, p->fk, &p->seen, p->message) != OK) rc = -1;
+        Py_CLEAR(p->message);
+    }
+    for (int64_t j = i; j < d->n_found; j++) Py_CLEAR(d->found[j].message);
+    d->n_found = 0;
+    return rc;
+}
+
+/* device_take(pool, wait, most): the answers the GPU is past, oldest first (every one,
+ * waiting, with `wait`; the oldest, waiting, until no more than `most` are left, where
+ * most >= 0), applied here with what an earlier full queue read: digests into the records,
+ * findings into the ring (their positions appended to KVPool._found). Under the handle's op
+ * mutex (devicechecks.settle). */
+static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "device_take(pool, wait: bool, most: int)");
+        return NULL;
+    }
+    DevChecks *d = n->dev;
+    /* (in a forked child the parent's queue and its GPU handles are not this process's) */
+    if (d == NULL || n->seg == NULL || n->fork_gen != fork_gen) Py_RETURN_NONE;
+    int wait = PyObject_IsTrue(args[1]);
+    long long most = PyLong_AsLongLong(args[2]);
+    if (wait < 0 || (most == -1 && PyErr_Occurred())) return NULL;
+    int rc = 0;
+    if (d->q_count) {
+        if (d->cuda && !d->broken) dev_context(d);
+        dev_cover(d); /* (a failure leaves the open ones to be waited for, stream by stream) */
+        while (d->q_count && rc == 0 && dev_ready(d, wait || (most >= 0 && d->q_count > most)))
+            rc = dev_pop(n);
+    }
+    if (rc == 0 && dev_off(n) != OK) rc = -1;
+    if (rc == 0 && (d->n_stamps || d->n_found)) rc = dev_apply(n, args[0]);
+    if (rc != 0) return NULL;
+    Py_RETURN_NONE;
+}

@@ -1,21 +1,23 @@
 /* The checks of K/V the core cannot reach (a CUDA pool), launched by the core itself and read
- * back later, with no call into Python per check (allocator/devicechecks.py is the reference
- * and the fallback; docs/FORMAT.md "The native core").
+ * back later, with no call into Python per check (docs/FORMAT.md "The core").
  *
- * Python's handback costs the host 13-25 us a check (a call into Python, its bookkeeping, the
- * launch through Triton's launcher); a serving step makes a dozen or more (a digest for each
- * block published, a poison check for each block handed out). Here a check is: its block ids
- * and the records it needs later written into a ring of page-locked memory the kernel reads,
- * one cuLaunchKernel of kernels/checks.py's compiled kernel (its handle, launch geometry and
- * parameters worked out once by corechecks.py, which compares a launch made here with
- * Triton's own before it hands them over), and an entry in a queue.
+ * A serving step makes a dozen or more checks (a digest for each block published, a poison
+ * check for each block handed out). Here a check is: its block ids and the records it needs
+ * later written into a ring of page-locked memory the kernel reads, one cuLaunchKernel of
+ * kernels/checks.py's compiled kernel (its handle, launch geometry and parameters worked out
+ * once by allocator/devicechecks.py, which compares a launch made here with Triton's own
+ * before it hands them over), and an entry in a queue.
  *
- * Their answers are read back by `device_take` (devanswers.c), between operations.
+ * Their answers are read back and applied by the core between operations (`device_take`,
+ * devanswers.c). Where the queue or the ring is full, the oldest answers are waited for and
+ * read first (applied at the next settle): a check is never dropped, and never handed to
+ * Python. A driver error turns the checks off for the handle, said once (a RuntimeWarning
+ * naming the call and its CUresult; device_stats()["broken"]).
  *
  * libcuda is not linked: its entry points are looked up in the process (torch loaded it) when
- * the checks are configured, and a pool without them keeps Python's handback. On a CPU pool
- * (KVSCOPE_NATIVE_KV=deferred: the tests' way to run this queue without a GPU) the "launch"
- * computes the same answer at once with the loops of kvdata.c. Part of _native.c. */
+ * the checks are configured. On a CPU pool (a test seam: devicechecks.DEFERRED_ON_CPU, the
+ * tests' way to run this queue without a GPU) the "launch" computes the same answer at once
+ * with the loops of kvdata.c. Part of _native.c. */
 
 #include <dlfcn.h>
 
@@ -37,6 +39,11 @@ typedef struct {
     CUres (*ctx_get)(CUhandle *ctx);
     CUres (*ctx_set)(CUhandle ctx);
     CUres (*primary_retain)(CUhandle *ctx, int device);
+    /* (dst, pitch, value, width, height, stream): a broken canary put back */
+    CUres (*memset8)(uint64_t dst, size_t pitch, unsigned char v, size_t w, size_t h, CUhandle s);
+    CUres (*memset16)(uint64_t dst, size_t pitch, unsigned short v, size_t w, size_t h,
+                      CUhandle s);
+    CUres (*memset32)(uint64_t dst, size_t pitch, unsigned int v, size_t w, size_t h, CUhandle s);
 } CuApi;
 
 /* kernels/checks.py modes */
@@ -45,7 +52,11 @@ enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, N_MODES = 4 };
 static const int DK_MODE[6] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY, M_POISON, M_COUNTS};
 static const char *DK_NAME[6] = {"stamp", "verify", "poison", "canary", "fill", "unwritten"};
 
-#define DEV_ENTRIES 8192 /* checks waiting at most (then Python's handback takes them) */
+#define DEV_ENTRIES 8192 /* checks waiting at most (then the oldest are taken first) */
+/* Digests answered whose records the core could not write yet (a Python-path operation half
+ * done, a lock hook other than lockdep's): kept for the next settle, at most this many (then
+ * the oldest are dropped, and their blocks go unverified). */
+#define STAMPS_KEPT 65536
 #define DEV_PARAMS 16
 
 typedef struct {
@@ -58,6 +69,13 @@ typedef struct {
                        * request id; else NULL */
 } DevEntry;
 
+/* A digest answered, on its way into its block's record (write_digest_words). */
+typedef struct {
+    int32_t b;
+    uint32_t g; /* the generation it was taken in */
+    uint64_t w; /* the record's kv_digest word */
+} Stamp;
+
 typedef struct DevChecks {
     CuApi cu;
     int cuda;                    /* 0: a CPU pool's bytes, answered at once */
@@ -65,6 +83,7 @@ typedef struct DevChecks {
     int64_t ring_words, head;
     PyObject *ring_obj, *kv_obj; /* kept alive while the core may use them */
     uint8_t *cpu_kv;             /* a CPU pool: its bytes */
+    uint64_t kv_dev;             /* a CUDA pool: its K/V's device address (canaries put back) */
     PyObject *stream_fn;         /* () -> the current stream's raw handle */
     CUhandle fn[N_MODES];
     unsigned threads[N_MODES], shared[N_MODES];
@@ -77,9 +96,18 @@ typedef struct DevChecks {
     CUhandle ev[DEV_ENTRIES];
     int32_t ev_free[DEV_ENTRIES];
     int64_t n_ev_free;
-    CUres broken;                /* the first failed driver call (then every check hands back) */
+    CUres broken;                /* the first failed driver call (then the checks are off) */
+    int said;                    /* the warning that they are off was given */
     uint64_t launched;
+    /* answers read and not yet applied (devanswers.c dev_apply): digests for the records,
+     * findings for the ring (a broken canary's with it put back first) */
+    Stamp *stamps;
+    int64_t n_stamps, cap_stamps;
+    Pending *found;
+    int64_t n_found, cap_found;
 } DevChecks;
+
+static int dev_take_oldest(Native *n); /* devanswers.c */
 
 static inline DevEntry *dev_at(DevChecks *d, int64_t i) {
     return &d->q[(d->q_tail + i) % DEV_ENTRIES];
@@ -104,8 +132,8 @@ static int64_t dev_keep_words(Native *n, int kind, int64_t k) {
     return k * rec_words(n); /* the records as the operation saw them */
 }
 
-/* A span of `words` ring words (rounded up to two: 16-byte aligned), or -1 when the ring has
- * no room (the check hands back: an operation never waits here). */
+/* A span of `words` ring words (rounded up to two: 16-byte aligned), or -1 while the ring has
+ * no room (the oldest checks are taken first: dev_check). */
 static int64_t dev_take_words(DevChecks *d, int64_t words) {
     words += words & 1;
     int64_t tail = d->q_count ? dev_at(d, 0)->at : -1, head = d->head, start = -1;
@@ -167,6 +195,22 @@ static int dev_context(DevChecks *d) {
     return rc == 0 ? OK : FALLBACK;
 }
 
+/* Once the driver failed (`broken`): said once, as a RuntimeWarning (the checks are off for
+ * the handle from then on: no answer after the failure is the GPU's). OK, or ERROR where the
+ * warning is made an exception (-W error). */
+static int dev_off(Native *n) {
+    DevChecks *d = n->dev;
+    if (d == NULL || !d->broken || d->said) return OK;
+    d->said = 1;
+    return PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                            "kvscope: a CUDA driver call of the pool's K/V checks failed "
+                            "(CUresult %d): guard mode and the digest probe check no more of "
+                            "this handle's blocks",
+                            d->broken) < 0
+               ? ERROR
+               : OK;
+}
+
 /* -- events ------------------------------------------------------------------------------------ */
 
 /* One event after the checks launched since the last (on the stream they went to). */
@@ -194,27 +238,54 @@ static int dev_cover(DevChecks *d) {
 
 /* -- launching --------------------------------------------------------------------------------- */
 
-/* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's): queued,
- * OK; or FALLBACK: not here (no checks configured, the queue or ring full, a driver error),
- * and the caller hands it back to Python as before. Never an exception. */
+/* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's), queued:
+ * OK (also once the driver failed: the checks are off, dev_off); FALLBACK where another thread
+ * holds the op mutex (the operation goes to the Python path); ERROR with an exception set (no
+ * checks configured, a check larger than the ring, the warning of dev_off made an error).
+ * Where the queue or the ring is full the oldest checks are waited for and read first. */
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag) {
     DevChecks *d = n->dev;
-    if (d == NULL || d->broken) return FALLBACK;
     if (k == 0) return OK;
-    if (d->cuda && (d->fn[DK_MODE[kind]] == NULL || dev_context(d) != OK)) return FALLBACK;
-    if (d->q_count >= DEV_ENTRIES - 1 || hold_mutex(n) != OK) return FALLBACK;
+    if (d == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "kvscope: the pool's K/V checks are not configured (guard mode and the "
+                        "digest probe on a pool whose K/V this process does not map: "
+                        "allocator/devicechecks.py)");
+        return ERROR;
+    }
+    int mode = DK_MODE[kind];
+    if (d->cuda && d->fn[mode] == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "kvscope: the check kernel's mode for %s checks was not compiled",
+                     DK_NAME[kind]);
+        return ERROR;
+    }
+    if (d->broken) return OK;
+    if (d->cuda && dev_context(d) != OK) return dev_off(n);
+    if (hold_mutex(n) != OK) return FALLBACK;
+    int64_t ans = dev_answer_words(n, kind, k), keep = dev_keep_words(n, kind, k);
+    int64_t words = k + ans + keep;
+    if (words + (words & 1) > d->ring_words) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "kvscope: a check of %lld blocks takes %lld words, more than the K/V "
+                     "checks' ring holds (%lld)",
+                     (long long)k, (long long)words, (long long)d->ring_words);
+        return ERROR;
+    }
+    int64_t at = -1;
+    while (d->q_count >= DEV_ENTRIES - 1 || (at = dev_take_words(d, words)) < 0) {
+        if (dev_take_oldest(n) != OK) return ERROR;
+        if (d->broken) return dev_off(n);
+        /* (what it read is applied at the next settle, which the pool's append and
+         * mark_computed call where this word is set) */
+        *n->overdue = 1;
+    }
     /* (verify's moment is copied: the caller's may be a buffer of its own) */
     PyObject *own = kind == DK_VERIFY && when != NULL ? PyUnicode_FromString(when) : NULL;
     if (kind == DK_VERIFY && when != NULL && own == NULL) {
-        PyErr_Clear();
-        return FALLBACK;
-    }
-    int64_t ans = dev_answer_words(n, kind, k), keep = dev_keep_words(n, kind, k);
-    int64_t at = dev_take_words(d, k + ans + keep);
-    if (at < 0) {
-        Py_XDECREF(own);
-        return FALLBACK;
+        d->head = at;
+        return ERROR;
     }
     int64_t *w = d->ring + at;
     for (int64_t i = 0; i < k; i++) w[i] = ids[i];
@@ -225,22 +296,20 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
         for (int64_t i = 0; i < k; i++)
             memcpy(kept_rec(n, kept, i), blk(n, ids[i]), (size_t)n->rec);
     }
-    int mode = DK_MODE[kind];
     int done = 1;
     if (d->cuda) {
         PyObject *s = PyObject_CallNoArgs(d->stream_fn);
         CUhandle stream = s ? PyLong_AsVoidPtr(s) : NULL;
         Py_XDECREF(s);
         if (PyErr_Occurred()) {
-            PyErr_Clear();
             d->head = at; /* (nothing queued: the span is free again) */
             Py_XDECREF(own);
-            return FALLBACK;
+            return ERROR;
         }
         if (d->open_from < d->q_count && stream != d->open_stream && dev_cover(d) != OK) {
             d->head = at;
             Py_XDECREF(own);
-            return FALLBACK;
+            return dev_off(n);
         }
         d->open_stream = stream;
         uint64_t pv[DEV_PARAMS + 2];
@@ -260,7 +329,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
             d->broken = rc;
             d->head = at;
             Py_XDECREF(own);
-            return FALLBACK;
+            return dev_off(n);
         }
         done = 0;
     } else {
@@ -272,7 +341,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     e->n = (int32_t)k;
     e->ev = -1;
     e->at = at;
-    e->end = at + k + ans + keep;
+    e->end = at + words;
     e->extra = extra;
     e->tag = own != NULL ? own : Py_XNewRef(tag);
     d->launched++;
@@ -281,33 +350,44 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     return OK;
 }
 
-/* device_unwritten(table, num_tokens, request) -> bool: writes.finished's check of a request's
- * unwritten slots (its first blocks' per-slot counts of unpoisoned elements) queued here,
- * True; False where it is not (devicechecks' queue takes it). Under the handle's op mutex. */
-static PyObject *N_device_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "device_unwritten(table: list, num_tokens, request)");
+/* device_queue(kind, ids, when): a check of the Python path's operations (writes.py,
+ * probing.py on a pool whose K/V the core does not map) queued as the core's own are: kind one
+ * of "stamp", "verify", "poison", "canary", "fill"; `when` a verification's moment (else
+ * None). Under the handle's op mutex (the caller holds it). */
+static PyObject *N_device_queue(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    const char *name;
+    if (nargs != 3 || (name = PyUnicode_AsUTF8(args[0])) == NULL || !PyList_Check(args[1]) ||
+        (args[2] != Py_None && !PyUnicode_Check(args[2]))) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "device_queue(kind: str, ids: list, when: str | None)");
         return NULL;
     }
-    long long num = PyLong_AsLongLong(args[1]);
-    if (num == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t k = PyList_GET_SIZE(args[0]);
-    if (n->dev == NULL || n->seg == NULL || k > CHUNK || n->fork_gen != fork_gen) Py_RETURN_FALSE;
-    int32_t ids[CHUNK];
+    int kind = 0;
+    while (kind < DK_UNWRITTEN && strcmp(DK_NAME[kind], name) != 0) kind++;
+    if (kind == DK_UNWRITTEN) {
+        PyErr_Format(PyExc_ValueError, "device_queue: no check %s", name);
+        return NULL;
+    }
+    const char *when = args[2] == Py_None ? NULL : PyUnicode_AsUTF8(args[2]);
+    if (args[2] != Py_None && when == NULL) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(args[1]);
+    int32_t *ids = PyMem_Malloc((size_t)(k ? k : 1) * sizeof *ids);
+    if (ids == NULL) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < k; i++) {
-        long b = PyLong_AsLong(PyList_GET_ITEM(args[0], i));
+        long b = PyLong_AsLong(PyList_GET_ITEM(args[1], i));
         if (b < 0 || b >= n->nb) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "block id out of range");
+            PyMem_Free(ids);
+            return NULL;
         }
         ids[i] = (int32_t)b;
     }
-    PyObject *pool = n->pool;
     int mh = n->mutex_held;
-    n->pool = NULL;    /* (no operation's: the bound on waiting checks is the next one's) */
     n->mutex_held = 1; /* (the caller holds the op mutex) */
-    int rc = dev_check(n, DK_UNWRITTEN, ids, k, NULL, num, args[2]);
+    int rc = n->seg == NULL || n->fork_gen != fork_gen ? OK
+                                                       : dev_check(n, kind, ids, k, when, 0, NULL);
     n->mutex_held = mh;
-    n->pool = pool;
-    return PyBool_FromLong(rc == OK);
+    PyMem_Free(ids);
+    if (rc != OK) return NULL;
+    Py_RETURN_NONE;
 }

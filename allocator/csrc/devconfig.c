@@ -1,6 +1,7 @@
 /* The configuration of the core's own checks of a CUDA pool's K/V (devchecks.c): libcuda's entry
- * points looked up, the check kernel's handles and parameters taken from allocator/corechecks.py,
- * the launch test corechecks compares with Triton's, the queue's counts. Part of _native.c. */
+ * points looked up, the check kernel's handles and parameters taken from
+ * allocator/devicechecks.py, the launch test it compares with Triton's, the queue's counts.
+ * Part of _native.c. */
 
 static void dev_free(DevChecks *d) {
     if (d == NULL) return;
@@ -10,6 +11,9 @@ static void dev_free(DevChecks *d) {
         if (ev >= 0) d->cu.ev_sync(d->ev[ev]);
     }
     for (int64_t i = 0; i < d->q_count; i++) Py_CLEAR(dev_at(d, i)->tag);
+    for (int64_t i = 0; i < d->n_found; i++) Py_CLEAR(d->found[i].message);
+    PyMem_Free(d->found);
+    PyMem_Free(d->stamps);
     for (int64_t i = 0; i < DEV_ENTRIES; i++)
         if (d->ev[i] != NULL && d->cu.ev_destroy) d->cu.ev_destroy(d->ev[i]);
     Py_XDECREF(d->ring_obj);
@@ -57,21 +61,28 @@ static int dev_driver(CuApi *cu) {
     cu->ctx_get = (CUres(*)(CUhandle *))dlsym(lib, "cuCtxGetCurrent");
     cu->ctx_set = (CUres(*)(CUhandle))dlsym(lib, "cuCtxSetCurrent");
     cu->primary_retain = (CUres(*)(CUhandle *, int))dlsym(lib, "cuDevicePrimaryCtxRetain");
+    cu->memset8 = (CUres(*)(uint64_t, size_t, unsigned char, size_t, size_t, CUhandle))dlsym(
+        lib, "cuMemsetD2D8Async");
+    cu->memset16 = (CUres(*)(uint64_t, size_t, unsigned short, size_t, size_t, CUhandle))dlsym(
+        lib, "cuMemsetD2D16Async");
+    cu->memset32 = (CUres(*)(uint64_t, size_t, unsigned int, size_t, size_t, CUhandle))dlsym(
+        lib, "cuMemsetD2D32Async");
     return cu->launch && cu->ev_create && cu->ev_record && cu->ev_query && cu->ev_sync &&
                    cu->ev_destroy && cu->stream_sync && cu->ctx_get && cu->ctx_set &&
-                   cu->primary_retain
+                   cu->primary_retain && cu->memset8 && cu->memset16 && cu->memset32
                ? 0
                : -1;
 }
 
 /* device_checks(config | None): the core launches the checks itself from now on (None: no
- * more; refused while checks wait). config (allocator/corechecks.py configure): ring
- * (a page-locked int64 tensor), ring_ptr, ring_words, max_pending; on a GPU: cuda=True,
- * stream (a callable), functions, threads, shared (one per kernels/checks.py mode),
- * param_sizes, param_values (the kernel's parameters, in its order), ids_param, out_param;
- * on a CPU pool: cuda=False, kv (the tensor), kv_ptr. */
+ * more; refused while checks wait, or answers wait to be applied). config (allocator/
+ * devicechecks.py configure): ring (a page-locked int64 tensor), ring_ptr, ring_words,
+ * max_pending, kv (the tensor), kv_ptr; on a GPU: cuda=True, device, stream (a callable),
+ * functions, threads, shared (one per kernels/checks.py mode), param_sizes, param_values (the
+ * kernel's parameters, in its order), ids_param, out_param; on a CPU pool: cuda=False.
+ * Digests answered and not yet written go over to the new configuration. */
 static PyObject *N_device_checks(Native *n, PyObject *cfg) {
-    if (n->dev != NULL && n->dev->q_count) {
+    if (n->dev != NULL && (n->dev->q_count || n->dev->n_found)) {
         PyErr_SetString(PyExc_RuntimeError, "device_checks: checks still wait (device_take first)");
         return NULL;
     }
@@ -95,6 +106,9 @@ static PyObject *N_device_checks(Native *n, PyObject *cfg) {
     d->ring_words = words;
     d->max_pending = v;
     d->ring_obj = Py_XNewRef(PyDict_GetItemString(cfg, "ring"));
+    d->kv_obj = Py_XNewRef(PyDict_GetItemString(cfg, "kv"));
+    if (dev_int(cfg, "kv_ptr", &ptr)) goto fail;
+    d->kv_dev = (uint64_t)ptr;
     for (int64_t i = 0; i < DEV_ENTRIES; i++) d->ev_free[i] = (int32_t)(DEV_ENTRIES - 1 - i);
     d->n_ev_free = DEV_ENTRIES;
     if (d->cuda) {
@@ -143,11 +157,17 @@ static PyObject *N_device_checks(Native *n, PyObject *cfg) {
             d->pval[i] = (uint64_t)pv[i];
         }
     } else {
-        if (dev_int(cfg, "kv_ptr", &ptr)) goto fail;
-        d->cpu_kv = (uint8_t *)(intptr_t)ptr;
-        d->kv_obj = Py_XNewRef(PyDict_GetItemString(cfg, "kv"));
+        d->cpu_kv = (uint8_t *)(uintptr_t)d->kv_dev;
     }
-    dev_free(n->dev); /* (a configuration replaces the last only once it is whole) */
+    if (n->dev != NULL) {
+        /* (a configuration replaces the last only once it is whole) */
+        d->stamps = n->dev->stamps;
+        d->n_stamps = n->dev->n_stamps;
+        d->cap_stamps = n->dev->cap_stamps;
+        n->dev->stamps = NULL;
+        n->dev->n_stamps = n->dev->cap_stamps = 0;
+    }
+    dev_free(n->dev);
     n->dev = d;
     Py_RETURN_NONE;
 fail:
@@ -167,10 +187,11 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "device_test(mode, block)");
         return NULL;
     }
-    if (d == NULL || d->q_count) {
+    if (d == NULL || d->q_count || d->n_found) {
         PyErr_SetString(PyExc_RuntimeError, "device_test: no checks configured, or some wait");
         return NULL;
     }
+    d->said = 1; /* (a failure is this call's error, not a warning) */
     int kind = mode == M_DIGEST ? DK_VERIFY : mode == M_COUNTS ? DK_POISON
                : mode == M_CANARY ? DK_CANARY : DK_FILL;
     PyObject *pool = n->pool;
@@ -180,7 +201,8 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
     int rc = dev_check(n, kind, &b, 1, "a test", 0, NULL);
     n->mutex_held = mh;
     n->pool = pool;
-    if (rc != OK) {
+    if (rc != OK) return NULL;
+    if (d->broken || d->q_count != 1) {
         PyErr_Format(PyExc_RuntimeError, "device_test: the launch failed (CUresult %d)", d->broken);
         return NULL;
     }
@@ -193,6 +215,8 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
         if (r != 0) d->broken = r;
     }
     int64_t word = d->ring[e->at + 1];
+    Py_CLEAR(e->tag);
+    if (e->ev >= 0) d->ev_free[d->n_ev_free++] = e->ev;
     d->q_count = 0;
     d->q_tail = 0;
     d->open_from = 0;
@@ -207,6 +231,7 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
 static PyObject *N_device_stats(Native *n, PyObject *unused) {
     DevChecks *d = n->dev;
     if (d == NULL) Py_RETURN_NONE;
-    return Py_BuildValue("{sLsKsi}", "waiting", (long long)d->q_count, "launched",
+    return Py_BuildValue("{sLsLsKsi}", "waiting", (long long)d->q_count, "unapplied",
+                         (long long)(d->n_stamps + d->n_found), "launched",
                          (unsigned long long)d->launched, "broken", d->broken);
 }

@@ -231,11 +231,11 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
     return core_publish(n, args[1], args[2], slot);
 }
 
-/* Digests answered after their publication (a CUDA pool's, read by devicechecks.py or by the
- * core's own queue, devchecks.c) into the records of blocks b[0..k) still published in the
+/* Digests answered after their publication (a CUDA pool's, read by the core's own queue:
+ * devchecks.c, devanswers.c) into the records of blocks b[0..k) still published in the
  * generation g[i] each was taken in and with no digest of it yet (word w[i]), under the
  * blocks' shard locks: how many were written, None where the core does not run it now (the
- * caller writes them the Python path's way), NULL with an exception set. At most CHUNK blocks;
+ * caller keeps them for its next try), NULL with an exception set. At most CHUNK blocks;
  * a block twice keeps its first digest. */
 static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
                                     const uint32_t *g, const uint64_t *w, Py_ssize_t k) {
@@ -274,33 +274,6 @@ static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
 out:
     drop_mutex(n);
     return result;
-}
-
-/* write_digests(pool, ids, generations, words) -> int | None: write_digest_words for
- * devicechecks' own queue (allocator/stamps.py write_stamps is the reference, and runs where
- * this returns None). */
-static PyObject *N_write_digests(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) return fallback(n);
-    PyObject *ids = args[1], *gens = args[2], *words = args[3];
-    if (!PyList_CheckExact(ids) || !PyList_CheckExact(gens) || !PyList_CheckExact(words))
-        return fallback(n);
-    Py_ssize_t k = PyList_GET_SIZE(ids);
-    if (k > CHUNK || PyList_GET_SIZE(gens) != k || PyList_GET_SIZE(words) != k) return fallback(n);
-    int32_t b[CHUNK];
-    uint32_t g[CHUNK];
-    uint64_t w[CHUNK];
-    for (Py_ssize_t i = 0; i < k; i++) {
-        long v = PyLong_AsLong(PyList_GET_ITEM(ids, i));
-        unsigned long long gv = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(gens, i));
-        w[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(words, i));
-        if (PyErr_Occurred() || v < 0 || v >= n->nb || gv > GEN_MASK) {
-            PyErr_Clear();
-            return fallback(n);
-        }
-        b[i] = (int32_t)v;
-        g[i] = (uint32_t)gv;
-    }
-    return write_digest_words(n, args[0], b, g, w, k);
 }
 
 /* verify_often(pool) -> True | None: probing.verify_often asked from the Python path (stats(),

@@ -1,18 +1,15 @@
-/* Guard mode and the digest probe on the KV data (writes.py, probing.py, integrity.py and
- * kernels/guard.py, kernels/digest.py are the reference): the canary of a freed block's guard
- * slot, the NaN poison of its token slots, the poison checked before a block is reused, a
- * request's unwritten slots at its finish, and the digest of a published block.
+/* Guard mode and the digest probe on the KV data (integrity.py, kernels/guard.py and
+ * kernels/digest.py define what is checked): the canary of a freed block's guard slot, the NaN
+ * poison of its token slots, the poison checked before a block is reused, a request's unwritten
+ * slots at its finish, and the digest of a published block.
  *
  * Where the data is this process's memory (a CPU pool: the shared data file, mapped) the core
- * reads and writes its bytes itself. Where it is not (a CUDA pool), or when native.py asks for
- * it (KVSCOPE_NATIVE_KV=python or =deferred), each of these is one check of every block of the
- * operation at once (`kv_handback`): launched by the core itself where its checks are
- * configured (devchecks.c), else one call back into Python (writes.WriteProbes.native_kv: one
- * kernel launch).
- *
- * A problem the core finds here it does not report: the operation is undone and handed to the
- * Python path (FALLBACK), which finds and reports the same thing with the same words, as for
- * the magic probe. Part of _native.c. */
+ * reads and writes its bytes itself, and a problem found is a finding the operation reports
+ * when it commits (finding_later). Where it is not (a CUDA pool), each of these is one check of
+ * every block of the operation at once, queued in the core's own checks (`kv_later`,
+ * devchecks.c: one launch of the check kernel), whose answers the core reads and applies at
+ * the next settle (devanswers.c): digests into the records, findings into the findings ring.
+ * Nothing here calls into Python. Part of _native.c. */
 
 /* kernels/digest.py DIGEST_MUL, DIGEST_ADD */
 #define DIGEST_MUL 0x5851F42D4C957F2Dull
@@ -99,52 +96,15 @@ static void fill_bits(Native *n, uint8_t *p, int64_t m, uint64_t v) {
     }
 }
 
-/* -- the handback (data the core cannot reach) ------------------------------------------------ */
+static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObject *message);
 
-/* writes.WriteProbes.native_kv's op for each kind of work handed back (DK_*, core.h; a
- * verification's is "verify:<when>") */
-static const char *HANDBACK_OP[] = {"stamp", "verify", "poison_broken", "canary", "poison"};
+/* -- data the core cannot reach (a CUDA pool) ------------------------------------------------ */
 
-/* The work of kind `kind` (DK_*) on the blocks ids[0..k) whose data the core cannot reach (a
- * verification's moment `when`): queued in the core's own checks, answered later (devchecks.c;
- * None, as from a handback whose answer comes later), or else writes.WriteProbes.native_kv(op,
- * ids): a new reference (None when the handle has no probe any more); NULL with an exception
- * set, or NULL without one when another thread holds the op mutex (the operation falls back). */
-static PyObject *kv_handback(Native *n, int kind, const int32_t *ids, int64_t k,
-                             const char *when) {
-    if (dev_check(n, kind, ids, k, when, 0, NULL) == OK) return Py_NewRef(Py_None);
-    if (hold_mutex(n) != OK) return NULL;
-    PyObject *probe = PyObject_GetAttr(n->pool, s_probe), *writes = NULL, *list = NULL;
-    PyObject *out = NULL;
-    if (probe == NULL) return NULL;
-    if (probe == Py_None) {
-        Py_DECREF(probe);
-        return Py_NewRef(Py_None);
-    }
-    char op[1024];
-    snprintf(op, sizeof op, kind == DK_VERIFY ? "verify:%s" : "%s",
-             kind == DK_VERIFY ? when : HANDBACK_OP[kind]);
-    writes = PyObject_GetAttr(probe, s_writes);
-    list = PyList_New(k);
-    if (writes && list) {
-        for (int64_t i = 0; i < k; i++) PyList_SET_ITEM(list, i, PyLong_FromLong(ids[i]));
-        out = PyObject_CallMethod(writes, "native_kv", "sO", op, list);
-    }
-    Py_DECREF(probe);
-    Py_XDECREF(writes);
-    Py_XDECREF(list);
-    return out;
-}
-
-/* A handback whose answer is a truth value, as OK (false, or later), FALLBACK (true, or no
- * mutex) or ERROR. */
-static int kv_handback_check(Native *n, int kind, const int32_t *ids, int64_t k,
-                             const char *when) {
-    PyObject *r = kv_handback(n, kind, ids, k, when);
-    if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
-    int v = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    return v < 0 ? ERROR : v ? FALLBACK : OK;
+/* The work of kind `kind` (DK_*, core.h) on blocks ids[0..k) of a pool whose data this process
+ * does not map: queued in the core's own checks (devchecks.c), answered and applied at the
+ * next settle. OK, FALLBACK (another thread holds the op mutex), ERROR. */
+static int kv_later(Native *n, int kind, const int32_t *ids, int64_t k, const char *when) {
+    return dev_check(n, kind, ids, k, when, 0, NULL);
 }
 
 /* -- guard mode -------------------------------------------------------------------------------- */
@@ -163,11 +123,11 @@ static int guard_release(Native *n, int64_t slot) {
 
 /* Freed blocks' guard slots still hold the canary (probing.check_guard); one that does not
  * gets it back, and a guard_violation finding, reported when the release commits with the
- * block's record as it is then (and a GUARD_VIOLATION event first). OK, FALLBACK (the data
- * handed back found one: the Python path reports it), ERROR. */
+ * block's record as it is then (and a GUARD_VIOLATION event first). OK, FALLBACK (a CUDA
+ * pool's queue: another thread holds the op mutex), ERROR. */
 static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
-    if (n->kv == NULL) return kv_handback_check(n, DK_CANARY, ids, k, NULL);
+    if (n->kv == NULL) return kv_later(n, DK_CANARY, ids, k, NULL);
     int64_t m = n->kv_slot_bytes / n->kv_esize;
     size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
     for (int64_t i = 0; i < k; i++) {
@@ -189,11 +149,7 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
  * (under its locks: once they are released the blocks are anyone's). OK, FALLBACK, ERROR. */
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !n->poison_ok) return OK;
-    if (n->kv == NULL) {
-        PyObject *r = kv_handback(n, DK_FILL, ids, k, NULL);
-        Py_XDECREF(r);
-        return r ? OK : PyErr_Occurred() ? ERROR : FALLBACK;
-    }
+    if (n->kv == NULL) return kv_later(n, DK_FILL, ids, k, NULL);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     for (int64_t i = 0; i < k; i++)
         for (int64_t r = 0; r < n->kv_rows; r++) fill_bits(n, kv_row(n, r, ids[i]), m, n->nan_bits);
@@ -214,12 +170,11 @@ static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* integrity.poison_message: a write after free into block b, whose record still names who
- * freed it and when (its last access, local time to the millisecond as datetime prints a
+/* integrity.poison_message: a write after free into a block whose record `r` (as the check
+ * saw it) still names who freed it and when (its last access, local time to the millisecond as datetime prints a
  * float timestamp), and `count` elements of its poison overwritten (integrity.POISON_MESSAGE,
  * formatted). */
-static PyObject *poison_message(Native *n, int32_t b, int64_t count) {
-    uint8_t *r = blk(n, b);
+static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
     double ip, frac = modf((double)U8(r + BF_ACCESS_NS) / 1e9, &ip);
     long us = lrint(frac * 1e6);
     if (us >= 1000000) {
@@ -248,8 +203,9 @@ static PyObject *poison_message(Native *n, int32_t b, int64_t count) {
 
 /* Guard mode, blocks about to be handed out (writes.before_reuse): a poisoned one must still
  * hold its poison; one that does not (a write after free) is a use_after_free finding, with
- * its record as it is now, reported when the operation commits. OK, FALLBACK (the data handed
- * back found one: the Python path reports it), ERROR. */
+ * its record as it is now, reported when the operation commits (a CUDA pool's: at the settle
+ * that reads the answer, with the record as the operation saw it). OK, FALLBACK (more than
+ * CHUNK poisoned, or a CUDA pool's queue not to be had now), ERROR. */
 static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return OK;
     int32_t mine[CHUNK];
@@ -260,7 +216,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
             mine[nm++] = ids[i];
         }
     if (nm == 0) return OK;
-    if (n->kv == NULL) return kv_handback_check(n, DK_POISON, mine, nm, NULL);
+    if (n->kv == NULL) return kv_later(n, DK_POISON, mine, nm, NULL);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     for (int64_t i = 0; i < nm; i++) {
         int64_t count = 0;
@@ -269,7 +225,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
         if (count == 0) continue;
         Seen s;
         seen_of(n, mine[i], &s);
-        if (finding_later(n, FK_USE_AFTER_FREE, &s, poison_message(n, mine[i], count)))
+        if (finding_later(n, FK_USE_AFTER_FREE, &s, poison_message(n, blk(n, mine[i]), count)))
             return ERROR;
     }
     return OK;
@@ -302,28 +258,13 @@ static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
 }
 
 /* writes.published (integrity.stamp_digests): the digest of each block just published, over
- * its generation, into its record (saved by the publish). Handed back, the answer is the
- * digests, or None when they are taken later (allocator/devicechecks.py writes them into the
- * records: a CUDA pool). OK, FALLBACK, ERROR. */
+ * its generation, into its record (saved by the publish). A CUDA pool's are taken later and
+ * written by the settle that reads them (devanswers.c). OK, FALLBACK, ERROR. */
 static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
+    if (n->kv == NULL) return kv_later(n, DK_STAMP, ids, k, NULL);
     uint64_t d[CHUNK];
-    if (n->kv == NULL) {
-        PyObject *r = kv_handback(n, DK_STAMP, ids, k, NULL);
-        if (r == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
-        if (r == Py_None) {
-            Py_DECREF(r);
-            return OK;
-        }
-        int ok = PyList_Check(r) && PyList_GET_SIZE(r) == k;
-        for (int64_t i = 0; ok && i < k; i++)
-            d[i] = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(r, i));
-        Py_DECREF(r);
-        if (!ok) PyErr_SetString(PyExc_TypeError, "native_kv('stamp') must give one per block");
-        if (!ok || PyErr_Occurred()) return ERROR;
-    } else {
-        digests(n, ids, k, d);
-    }
+    digests(n, ids, k, d);
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         U8(r + n->off_kv_digest) = ((d[i] >> 32) << 32) | (uint64_t)U4(r + BF_GENERATION);
@@ -344,11 +285,11 @@ static uint64_t blank_digest(Native *n, uint64_t v) {
     return fmix64(sum) >> 32;
 }
 
-/* integrity.modified_message: block b's K/V no longer matches the digest its record holds
+/* integrity.modified_message: a block's K/V no longer matches the digest its record `rec` holds
  * (high halves `found` and `want`), seen at `when`: naming the request that published it (its
  * record's), or saying the digest was taken of a block nothing had been written into. */
-static PyObject *modified_message(Native *n, int32_t b, const char *when, uint64_t found,
-                                  uint64_t want) {
+static PyObject *modified_message(Native *n, const uint8_t *rec, const char *when,
+                                  uint64_t found, uint64_t want) {
     if (!n->blank_known) {
         n->blank_zero = blank_digest(n, 0);
         n->blank_nan = n->poison_ok ? blank_digest(n, n->nan_bits) : UINT64_MAX;
@@ -361,7 +302,7 @@ static PyObject *modified_message(Native *n, int32_t b, const char *when, uint64
         kw = Py_BuildValue("{s:s,s:s,s:K}", "blank", blank, "when", when, "found",
                            (unsigned long long)found);
     } else {
-        PyObject *publisher = request_text((const char *)blk(n, b) + BF_REQUEST);
+        PyObject *publisher = request_text((const char *)rec + BF_REQUEST);
         PyObject *published =
             publisher == NULL ? NULL
             : PyUnicode_GET_LENGTH(publisher) ? PyUnicode_FromFormat("request %R published it",
@@ -381,10 +322,8 @@ static PyObject *modified_message(Native *n, int32_t b, const char *when, uint64
 /* writes.verify_published: the published blocks among ids (indexed, with a digest of their
  * generation) still match it; `when` names the moment in a finding ("a prefix hit"). One that
  * does not is a published_block_modified finding, with its record as it is now, reported when
- * the operation commits (which goes on, as the Python path's does). Handed back as
- * "verify:<when>": true when one does not match (the answer may come later:
- * devicechecks.py). OK, FALLBACK (a handed-back check found one: the Python path reports it),
- * ERROR. */
+ * the operation commits (which goes on, as the Python path's does); a CUDA pool's at the
+ * settle that reads the answer, with the record as the operation saw it. OK, FALLBACK, ERROR. */
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     enum { BATCH = CHUNK + EVICT_BATCH };
@@ -401,7 +340,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
         }
         if (np_ == 0) continue;
         if (n->kv == NULL) {
-            int rc = kv_handback_check(n, DK_VERIFY, pub, np_, when);
+            int rc = kv_later(n, DK_VERIFY, pub, np_, when);
             if (rc != OK) return rc;
             continue;
         }
@@ -410,7 +349,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
             if (got[j] >> 32 == want[j] >> 32) continue;
             Seen s;
             seen_of(n, pub[j], &s);
-            PyObject *msg = modified_message(n, pub[j], when, got[j] >> 32, want[j] >> 32);
+            PyObject *msg = modified_message(n, blk(n, pub[j]), when, got[j] >> 32, want[j] >> 32);
             if (finding_later(n, FK_PUBLISHED_BLOCK_MODIFIED, &s, msg)) return ERROR;
         }
     }
@@ -419,41 +358,114 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
 
 /* -- a request's unwritten slots (writes.finished) --------------------------------------------- */
 
-/* unwritten(table, num_tokens) -> bool: whether integrity.unwritten_slots would find token
- * slots of positions [0, num_tokens) that still hold the poison in every layer, K and V, while
- * others were written (writes.finished then runs it for the findings). CPU data only. */
+/* integrity.unwritten_in: blank[i * bs + s] is 1 where token slot s of ids[i] still holds the
+ * poison in every layer, K and V. Unless none of the slots of positions [0, num) is blank, or
+ * every one is (a program that writes no K/V at all), each block with blank ones among them is
+ * a kv_never_written finding about `request` (a str), with the block's record as it is when
+ * reported: now, or, `later`, when the answers of a CUDA pool's checks are applied
+ * (devanswers.c). OK, or ERROR with an exception set. */
+static int unwritten_report(Native *n, const int32_t *ids, int64_t k, int64_t num,
+                            const uint8_t *blank, PyObject *request, int later) {
+    int64_t nblk = (num + n->bs - 1) / n->bs, nblank = 0, checked = 0;
+    if (nblk > k) nblk = k;
+    for (int64_t p = 0; p < num && p < nblk * n->bs; p++, checked++) nblank += blank[p];
+    if (nblank == 0 || nblank == checked) return OK;
+    for (int64_t i = 0; i < nblk; i++) {
+        int64_t used = num - i * n->bs < n->bs ? num - i * n->bs : n->bs, first = -1, last = 0;
+        int64_t slots = 0;
+        for (int64_t s = 0; s < used; s++)
+            if (blank[i * n->bs + s]) {
+                if (first < 0) first = i * n->bs + s;
+                last = i * n->bs + s;
+                slots++;
+            }
+        if (slots == 0) continue;
+        PyObject *fmt = PyObject_GetAttrString(n->msg_unwritten, "format");
+        PyObject *args = PyTuple_New(0);
+        PyObject *kw = Py_BuildValue("{s:O,s:L,s:L,s:L}", "request", request, "slots",
+                                     (long long)slots, "first", (long long)first, "last",
+                                     (long long)last);
+        PyObject *msg = fmt && args && kw ? PyObject_Call(fmt, args, kw) : NULL;
+        Py_XDECREF(fmt);
+        Py_XDECREF(args);
+        Py_XDECREF(kw);
+        if (msg == NULL) return ERROR;
+        if (later) {
+            if (dev_found_add(n, FK_KV_NEVER_WRITTEN, ids[i], NULL, msg)) return ERROR;
+            continue;
+        }
+        Seen seen;
+        seen_of(n, ids[i], &seen);
+        int rc = finding_report(n, FK_KV_NEVER_WRITTEN, &seen, msg);
+        Py_DECREF(msg);
+        if (rc != OK) return rc;
+    }
+    return OK;
+}
+
+/* unwritten(table, num_tokens, request): guard mode's check of a finished request (writes.
+ * finished): the K/V of its positions [0, num_tokens) was written into its blocks. A CPU
+ * pool's bytes are read here and what is found reported now; a CUDA pool's check is queued
+ * (devchecks.c) and reported at the settle that reads its answer. Under the handle's op mutex
+ * (the caller holds it). */
 static PyObject *N_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "unwritten(table: list, num_tokens: int)");
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyUnicode_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "unwritten(table: list, num_tokens: int, request: str)");
         return NULL;
     }
-    if (n->kv == NULL || n->seg == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "unwritten() needs KV data in this process");
+    if (n->seg == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "unwritten(): the handle is closed");
         return NULL;
     }
     int64_t num = PyLong_AsLongLong(args[1]);
     if (num == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t len = PyList_GET_SIZE(args[0]);
-    if (len == 0 || num <= 0 || !n->poison_ok) Py_RETURN_FALSE;
-    int64_t nblk = (num + n->bs - 1) / n->bs;
+    int64_t nblk = num <= 0 ? 0 : (num + n->bs - 1) / n->bs;
     if (nblk > len) nblk = len;
-    int64_t m = n->kv_slot_bytes / n->kv_esize, blank = 0, checked = 0;
-    for (int64_t i = 0; i < nblk; i++) {
+    if (nblk == 0 || !n->poison_ok) Py_RETURN_NONE;
+    int32_t *ids = PyMem_Malloc((size_t)nblk * sizeof *ids);
+    uint8_t *blank = n->kv != NULL ? PyMem_Calloc((size_t)(nblk * n->bs), 1) : NULL;
+    if (ids == NULL || (n->kv != NULL && blank == NULL)) {
+        PyMem_Free(ids);
+        PyMem_Free(blank);
+        return PyErr_NoMemory();
+    }
+    int rc = OK;
+    for (int64_t i = 0; i < nblk && rc == OK; i++) {
         long b = PyLong_AsLong(PyList_GET_ITEM(args[0], i));
         if (b < 0 || b >= n->nb) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "block id out of range");
-            return NULL;
+            rc = ERROR;
         }
-        int64_t used = num - i * n->bs < n->bs ? num - i * n->bs : n->bs;
-        for (int64_t s = 0; s < used; s++) {
-            int all = 1;
-            for (int64_t r = 0; r < n->kv_rows && all; r++)
-                all = all_bits(n, kv_row(n, r, b) + (size_t)s * n->kv_slot_bytes, m, n->nan_bits);
-            blank += all;
-            checked++;
-        }
+        ids[i] = (int32_t)b;
     }
-    return PyBool_FromLong(blank > 0 && blank < checked);
+    int mh = n->mutex_held;
+    PyObject *pool = n->pool;
+    n->mutex_held = 1; /* (the caller holds the op mutex) */
+    n->pool = NULL;    /* (no operation's) */
+    n->probes = (int)*n->probe_bits;
+    if (rc == OK && n->kv == NULL) {
+        rc = dev_check(n, DK_UNWRITTEN, ids, nblk, NULL, num, args[2]);
+    } else if (rc == OK) {
+        int64_t m = n->kv_slot_bytes / n->kv_esize;
+        for (int64_t i = 0; i < nblk; i++)
+            for (int64_t s = 0; s < n->bs; s++) {
+                int all = 1;
+                for (int64_t r = 0; r < n->kv_rows && all; r++)
+                    all = all_bits(n, kv_row(n, r, ids[i]) + (size_t)s * n->kv_slot_bytes, m,
+                                   n->nan_bits);
+                blank[i * n->bs + s] = (uint8_t)all;
+            }
+        rc = unwritten_report(n, ids, nblk, num, blank, args[2], 0);
+    }
+    n->mutex_held = mh;
+    n->pool = pool;
+    PyMem_Free(ids);
+    PyMem_Free(blank);
+    if (rc == FALLBACK && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "unwritten(): the op mutex is not held");
+    if (rc != OK) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* digests(ids) -> list[int]: kernels/digest.py block_digests computed by the core (tests). */

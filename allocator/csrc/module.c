@@ -105,11 +105,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->seqs, &n->faults_armed, &n->fault_fired,
                          &n->kv_dirs,   &n->write_past,
-                         &n->guarded,   &n->kv_obj, &n->double_free_found};
+                         &n->guarded,   &n->kv_obj, &n->double_free_found, &n->msg_unwritten};
     const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
                            "seq_fields", "seqs", "faults_armed", "fault_fired",
                            "kvscope_dirs", "write_past",
-                           "guarded",    "kv_tensor", "double_free_found"};
+                           "guarded",    "kv_tensor", "double_free_found", "unwritten_message"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -231,6 +231,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->msg_poison);
     Py_XDECREF(n->msg_modified);
     Py_XDECREF(n->msg_blank);
+    Py_XDECREF(n->msg_unwritten);
     PyMem_Free(n->maybe_live);
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);
@@ -289,25 +290,23 @@ static PyMethodDef N_methods[] = {
      "mark_computed(pool, seq, num_tokens) -> int | None"},
     {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
      "fork(pool, seq, request_id) -> Sequence | None"},
-    {"write_digests", (PyCFunction)(void (*)(void))N_write_digests, METH_FASTCALL,
-     "write_digests(pool, ids, generations, words) -> int | None: devicechecks' stamps"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
      "verify_often(pool) -> True | None: the magic probe's periodic check, on the core's clock"},
     {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
      "first_report(kind, block) -> bool | None: a finding the core reports, once per block"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
     {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
-     "unwritten(table, num_tokens) -> bool: poisoned slots among written ones (CPU data)"},
+     "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
     {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and fallbacks"},
     {"device_checks", (PyCFunction)N_device_checks, METH_O,
      "device_checks(config | None): the core launches a CUDA pool's checks itself"},
     {"device_take", (PyCFunction)(void (*)(void))N_device_take, METH_FASTCALL,
-     "device_take(wait, most[, pool]) -> (stamps, found) | None: the checks' answers that are "
-     "in (with the pool, its digests written into the records)"},
-    {"device_unwritten", (PyCFunction)(void (*)(void))N_device_unwritten, METH_FASTCALL,
-     "device_unwritten(table, num_tokens, request) -> bool: a finished request's check queued"},
+     "device_take(pool, wait, most) -> int: the checks' answers that are in, applied (digests "
+     "into the records, findings into the ring); how many wait still"},
+    {"device_queue", (PyCFunction)(void (*)(void))N_device_queue, METH_FASTCALL,
+     "device_queue(kind, ids, when): a Python-path operation's check, queued as the core's"},
     {"device_test", (PyCFunction)(void (*)(void))N_device_test, METH_FASTCALL,
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
@@ -390,8 +389,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_waiting = PyUnicode_InternFromString("waiting");
     s_preempted = PyUnicode_InternFromString("preempted");
     s_site_of = PyUnicode_InternFromString("_site_of");
-    s_probe = PyUnicode_InternFromString("_probe");
-    s_writes = PyUnicode_InternFromString("writes");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;

@@ -140,7 +140,7 @@ static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corru
                                                 "header_corrupt", "refcount_mismatch",
                                                 "use_after_free", "guard_violation",
                                                 "published_block_modified", "lock_dead_holder",
-                                                "leak_dead_owner"};
+                                                "leak_dead_owner", "kv_never_written"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
