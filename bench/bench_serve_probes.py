@@ -1,8 +1,7 @@
 """Where `kvscope run`'s cost goes in examples/serve.py: plainly, under `kvscope run`, and under
 `kvscope run` with guard mode, the digest probe or both switched off, interleaved; with
-`--time-checks` one more run times the C core's handbacks of K/V work to Python
-(`WriteProbes.native_kv`, by op) and the finish checks (docs/BENCHMARKS.md, "Probes on a CUDA
-pool").
+`--time-checks` one more run times the finish checks (`WriteProbes.finished`; the C core's
+own checks call no Python: docs/BENCHMARKS.md, "Probes on a CUDA pool").
 
     python bench/bench_serve_probes.py --device cuda --requests 128 --repeat 2 --time-checks
 
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serve  # noqa: E402
 
 # Run as `kvscope run bench_serve_probes.py --timed-serve serve.py ...`: serve.py with the
-# handbacks timed, the totals printed to stderr at exit.
+# finish checks timed, the totals printed to stderr at exit.
 _TIMED = "--timed-serve"
 
 
@@ -41,13 +40,13 @@ def _timed_serve(argv: list[str]) -> None:
             try:
                 return fn(*a, **k)
             finally:
-                s = stats[f"native_kv:{a[1]}" if name == "native_kv" else name]
+                s = stats[name]
                 s[0] += 1
                 s[1] += time.perf_counter() - t
 
         return call
 
-    for name in ("native_kv", "finished"):
+    for name in ("finished",):
         setattr(writes.WriteProbes, name, timed(name, getattr(writes.WriteProbes, name)))
 
     def report() -> None:  # at exit: the totals of the whole run
@@ -61,7 +60,7 @@ def _timed_serve(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = bench_serve.run_arguments(__doc__, repeat=2)
-    ap.add_argument("--time-checks", action="store_true", help="one more run, handbacks timed")
+    ap.add_argument("--time-checks", action="store_true", help="one more run, finish checks timed")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         bench_serve.write_model(tmp, args.quick)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.allocator import integrity
+from kvscope.allocator import devicechecks, integrity
 
 
 @pytest.mark.gpu
@@ -45,11 +45,11 @@ def test_guard_and_digest_checks_never_make_the_host_wait_for_the_gpu(
     make_pool, monkeypatch, device
 ):
     # GIVEN a CUDA pool with guard mode and the digest on, in the C core (or a CPU pool whose
-    # core hands its checks back and reads their answers later, as it does on a CUDA pool)
+    # core queues its checks and reads their answers later, as it does on a CUDA pool)
     for probe, on in (("GUARD", "1"), ("DIGEST", "1")):
         monkeypatch.setenv(f"KVSCOPE_{probe}", on)
     if device == "cpu-deferred":
-        monkeypatch.setenv("KVSCOPE_NATIVE_KV", "deferred")
+        monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", True)
     cuda = device == "cuda"
     # (a table with a slot reserve: the C core runs allocations and frees)
     pool = make_pool(
