@@ -126,14 +126,14 @@ class DeviceChecks:
         that needs it, mid-serving."""
         import torch
 
-        from kvscope.kernels import backend, checks
-
-        kv, flags = self.pool.kv, self.probes.flags
-        if not backend.use_triton(kv):
+        try:
+            from kvscope.kernels import checks
+        except ImportError as e:
             raise RuntimeError(
                 "kvscope: guard mode and the digest probe on a CUDA pool need Triton (the "
-                "check kernel the C core launches): pip install triton"
-            )
+                f"check kernel the C core launches): {e}"
+            ) from e
+        kv, flags = self.pool.kv, self.probes.flags
         kernel = checks.Checks(kv, ring, self.pool.block_size)
         modes = [checks.DIGEST] if flags.digest else []
         if flags.guard:

@@ -191,20 +191,23 @@ static int canary_back(Native *n, int32_t b) {
     CUhandle stream = s ? PyLong_AsVoidPtr(s) : NULL;
     Py_XDECREF(s);
     if (PyErr_Occurred()) return ERROR;
-    /* the slot of each row (layer x K/V): `m` elements, rows kv_row_stride bytes apart */
-    uint64_t dst = d->kv_dev + (uint64_t)b * (uint64_t)n->kv_block_stride + guard;
-    size_t pitch = (size_t)n->kv_row_stride, rows = (size_t)n->kv_rows;
+    /* the slot of each row (layer x K/V): `m` elements; one memset a row (rows are far apart:
+     * a whole layer's K or V) */
     uint64_t c = n->canary;
     CUres rc = 0;
-    switch (n->kv_esize) {
-    case 1: rc = d->cu.memset8(dst, pitch, (unsigned char)c, (size_t)m, rows, stream); break;
-    case 2: rc = d->cu.memset16(dst, pitch, (unsigned short)c, (size_t)m, rows, stream); break;
-    case 4: rc = d->cu.memset32(dst, pitch, (unsigned int)c, (size_t)m, rows, stream); break;
-    default:
-        /* (8-byte elements have no canary of their own: kernels/canary.py) */
-        if ((c >> 32) == (c & 0xFFFFFFFFull))
-            rc = d->cu.memset32(dst, pitch, (unsigned int)c, (size_t)(2 * m), rows, stream);
-        break;
+    for (int64_t r = 0; r < n->kv_rows && rc == 0; r++) {
+        uint64_t dst = d->kv_dev + (uint64_t)r * (uint64_t)n->kv_row_stride +
+                       (uint64_t)b * (uint64_t)n->kv_block_stride + guard;
+        switch (n->kv_esize) {
+        case 1: rc = d->cu.memset8(dst, (unsigned char)c, (size_t)m, stream); break;
+        case 2: rc = d->cu.memset16(dst, (unsigned short)c, (size_t)m, stream); break;
+        case 4: rc = d->cu.memset32(dst, (unsigned int)c, (size_t)m, stream); break;
+        default:
+            /* (8-byte elements: a canary of two equal halves, as kernels/canary.py's 0) */
+            if ((c >> 32) == (c & 0xFFFFFFFFull))
+                rc = d->cu.memset32(dst, (unsigned int)c, (size_t)(2 * m), stream);
+            break;
+        }
     }
     if (rc != 0) d->broken = rc;
     return dev_off(n);

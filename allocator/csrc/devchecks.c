@@ -39,11 +39,10 @@ typedef struct {
     CUres (*ctx_get)(CUhandle *ctx);
     CUres (*ctx_set)(CUhandle ctx);
     CUres (*primary_retain)(CUhandle *ctx, int device);
-    /* (dst, pitch, value, width, height, stream): a broken canary put back */
-    CUres (*memset8)(uint64_t dst, size_t pitch, unsigned char v, size_t w, size_t h, CUhandle s);
-    CUres (*memset16)(uint64_t dst, size_t pitch, unsigned short v, size_t w, size_t h,
-                      CUhandle s);
-    CUres (*memset32)(uint64_t dst, size_t pitch, unsigned int v, size_t w, size_t h, CUhandle s);
+    /* (dst, value, elements, stream): a broken canary put back */
+    CUres (*memset8)(uint64_t dst, unsigned char v, size_t n, CUhandle s);
+    CUres (*memset16)(uint64_t dst, unsigned short v, size_t n, CUhandle s);
+    CUres (*memset32)(uint64_t dst, unsigned int v, size_t n, CUhandle s);
 } CuApi;
 
 /* kernels/checks.py modes */

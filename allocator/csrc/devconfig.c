@@ -61,12 +61,11 @@ static int dev_driver(CuApi *cu) {
     cu->ctx_get = (CUres(*)(CUhandle *))dlsym(lib, "cuCtxGetCurrent");
     cu->ctx_set = (CUres(*)(CUhandle))dlsym(lib, "cuCtxSetCurrent");
     cu->primary_retain = (CUres(*)(CUhandle *, int))dlsym(lib, "cuDevicePrimaryCtxRetain");
-    cu->memset8 = (CUres(*)(uint64_t, size_t, unsigned char, size_t, size_t, CUhandle))dlsym(
-        lib, "cuMemsetD2D8Async");
-    cu->memset16 = (CUres(*)(uint64_t, size_t, unsigned short, size_t, size_t, CUhandle))dlsym(
-        lib, "cuMemsetD2D16Async");
-    cu->memset32 = (CUres(*)(uint64_t, size_t, unsigned int, size_t, size_t, CUhandle))dlsym(
-        lib, "cuMemsetD2D32Async");
+    cu->memset8 = (CUres(*)(uint64_t, unsigned char, size_t, CUhandle))dlsym(lib, "cuMemsetD8Async");
+    cu->memset16 =
+        (CUres(*)(uint64_t, unsigned short, size_t, CUhandle))dlsym(lib, "cuMemsetD16Async");
+    cu->memset32 =
+        (CUres(*)(uint64_t, unsigned int, size_t, CUhandle))dlsym(lib, "cuMemsetD32Async");
     return cu->launch && cu->ev_create && cu->ev_record && cu->ev_query && cu->ev_sync &&
                    cu->ev_destroy && cu->stream_sync && cu->ctx_get && cu->ctx_set &&
                    cu->primary_retain && cu->memset8 && cu->memset16 && cu->memset32
