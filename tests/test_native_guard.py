@@ -358,6 +358,7 @@ def test_a_full_ring_reads_its_oldest_answers_first_and_mixes_none_up(pool_name,
         later = pool.probe.writes.later
         monkeypatch.setattr(later, "settling", True)
         seqs = []
+        fallbacks = pool._native.stats()["fallbacks"]
         for i in range(12):
             # WHEN twelve requests publish a block each (more than the ring holds)
             seq = _written(pool, f"r{i}", [7 * i + j for j in range(BS + 1)])
@@ -368,6 +369,8 @@ def test_a_full_ring_reads_its_oldest_answers_first_and_mixes_none_up(pool_name,
         assert not integrity.has_digest(pool.view.blocks, np.asarray(published)).any()
         stats = pool._native.device_stats()
         assert stats["launched"] == 12 and stats["unapplied"] > 0 and stats["waiting"] < 12
+        # (and the core ran every publication: nothing was handed to Python)
+        assert pool._native.stats()["fallbacks"] == fallbacks
         # WHEN the answers are settled THEN each block's record holds its own digest
         monkeypatch.setattr(later, "settling", False)
         later.settle(wait=True)
@@ -529,6 +532,39 @@ def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
         assert torch.isnan(fast.kv[:, :, private, :BS]).all()
         _same_all(fast, slow, "the request")
         assert fast.findings() == []
+    finally:
+        _close(fast, slow)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "deferred"])
+def test_the_cores_never_written_check_is_integritys(pool_name, monkeypatch, deferred):
+    # GIVEN guard mode on the C core (on the bytes, or through its queue) and a request of three
+    # blocks whose K/V is written but for a few positions, in two of its blocks
+    fast, slow = _pair(pool_name, monkeypatch, deferred)
+    try:
+        seq = fast.allocate("a", list(range(11)))
+        skipped = {1, 2, 6}
+        for pos in range(11):
+            if pos not in skipped:
+                blk = seq.block_table[pos // BS]
+                fast.kv[:, :, blk, pos % BS] = 1.0
+        table = list(seq.block_table)
+        want = integrity.unwritten_slots(fast.kv, table, 10, BS)
+        # WHEN it finishes
+        fast.free(seq)
+        fast.verify()
+        # THEN the core reports what integrity.unwritten_slots finds: each block, its first and
+        # last unwritten position and how many, naming the request
+        got = [f for f in fast.findings() if f.kind == "kv_never_written"]
+        assert [(blk, first, last, n) for blk, first, last, n in want] == [
+            (table[0], 1, 2, 2),
+            (table[1], 6, 6, 1),
+        ]
+        assert [(f.block, f.request) for f in got] == [(blk, "a") for blk, *_ in want]
+        for f, (_, first, last, n) in zip(got, want):
+            assert f.message == integrity.UNWRITTEN_MESSAGE.format(
+                request="a", slots=n, first=first, last=last
+            )
     finally:
         _close(fast, slow)
 
