@@ -190,6 +190,7 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_RuntimeError, "device_test: no checks configured, or some wait");
         return NULL;
     }
+    int said = d->said;
     d->said = 1; /* (a failure is this call's error, not a warning) */
     int kind = mode == M_DIGEST ? DK_VERIFY : mode == M_COUNTS ? DK_POISON
                : mode == M_CANARY ? DK_CANARY : DK_FILL;
@@ -200,6 +201,7 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
     int rc = dev_check(n, kind, &b, 1, "a test", 0, NULL);
     n->mutex_held = mh;
     n->pool = pool;
+    if (!d->broken) d->said = said;
     if (rc != OK) return NULL;
     if (d->broken || d->q_count != 1) {
         PyErr_Format(PyExc_RuntimeError, "device_test: the launch failed (CUresult %d)", d->broken);
