@@ -1,9 +1,11 @@
 """Every finding kind is produced by the library, and its producers name it with `FindingKind`
-(allocator/findings.py). Read from the source with `ast`."""
+(allocator/findings.py). Read from the source with `ast`, and from the C core's table of the
+kinds it writes itself (allocator/csrc/probes.c FK_NAMES)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from kvscope.allocator.findings import SEVERITY, FindingKind
@@ -34,9 +36,17 @@ def kinds_passed() -> list[tuple[str, FindingKind, bool]]:
     return out
 
 
+def kinds_of_the_core() -> set[FindingKind]:
+    """The kinds the C core writes into the findings ring itself (FK_NAMES)."""
+    text = (ROOT / "allocator" / "csrc" / "probes.c").read_text()
+    table = re.search(r"FK_NAMES\[FK_COUNT\] = \{(.*?)\};", text, re.S)
+    assert table, "probes.c has no FK_NAMES table"
+    return {VALUES[name] for name in re.findall(r'"([a-z_]+)"', table.group(1))}
+
+
 def test_every_kind_is_produced_by_the_library():
-    # GIVEN the findings vocabulary WHEN the library's calls are read
-    produced = {kind for _, kind, _ in kinds_passed()}
+    # GIVEN the findings vocabulary WHEN the library's calls and the core's table are read
+    produced = {kind for _, kind, _ in kinds_passed()} | kinds_of_the_core()
     # THEN each kind is passed to some producer, and each has a severity
     assert set(FindingKind) - produced == set()
     assert set(SEVERITY) == set(FindingKind)
