@@ -185,6 +185,8 @@ class BlockStore:
     def publish(self, t: Txn, b: int, key: int, parent: int) -> None:
         """Mark block b indexed under `key` (its entry is already in the index; shard lock)."""
         rec = self.base + b * self.record_size
+        if self.verify_hook is not None:
+            self.verify_hook(t, np.array([b]))
         t.journal.save(rec, self.record_size)
         self.mv[rec + _INDEXED] = 1
         self.set_hashes(b, key, parent)

@@ -11,7 +11,10 @@ switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mo
 sampled, with a quarantine count or not, the digest: `PoolProbes.native_bits`), and so do the
 injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py keep); a
 lock hook other than lockdep's (the watchdog) or a call-site recorder other than the probe's
-keeps its handle on Python. docs/FORMAT.md, "The native core".
+keeps its handle on Python. The findings ring and the site table have no other writer, on
+every handle (KVSCOPE_NATIVE=0 too): KVPool.report and sites.py write through the core's
+`report` and `intern_site`, and the findings the core detects it writes itself.
+docs/FORMAT.md, "The native core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests, a finished
 request's unwritten slots: csrc/kvdata.c) the core does on the bytes of a CPU pool's data file,
@@ -28,11 +31,10 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from kvscope.allocator import crash, faults, integrity, records
 from kvscope.allocator.errors import PoolError, PoolExhausted
-from kvscope.allocator.findings import ERROR, SEVERITY, FindingKind
+from kvscope.allocator.findings import ERROR, SEVERITY
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
     COUNTER_FIELDS,
@@ -49,7 +51,9 @@ from kvscope.allocator.layout import (
     LOCKGRAPH_DTYPE,
     LRU_ENTRY_DTYPE,
     LRU_HEADER_DTYPE,
+    NUM_SITES,
     RING_HEADER_DTYPE,
+    SITE_DTYPE,
     ClientState,
     block_dtype,
     seq_dtype,
@@ -176,9 +180,10 @@ def kv_layout(pool: KVPool) -> dict[str, Any]:
 
 
 def probe_layout(pool: KVPool) -> dict[str, Any]:
-    """Where the core writes what its probes find (csrc/probes.c): the lock-order graph, and
-    the findings ring with each kind's severity (1 error, 2 warning) and the list the core
-    leaves the ring positions of its findings in (`KVPool._found`)."""
+    """Where the core writes what its probes find and what Python reports (csrc/probes.c): the
+    lock-order graph, the findings ring with each kind's severity (1 error, 2 warning) and the
+    list the core leaves the ring positions of its findings in (`KVPool._found`), and the site
+    table."""
     lg, fd = LOCKGRAPH_DTYPE.fields, FINDING_DTYPE.fields
     h = pool.view.header.dtype.fields
     assert h is not None
@@ -197,6 +202,12 @@ def probe_layout(pool: KVPool) -> dict[str, Any]:
         **{f"fd_{name}": fd[name][1] for name in FINDING_FIELDS},
         "fd_kind_bytes": fd["kind"][0].itemsize,
         "fd_message_bytes": fd["message"][0].itemsize,
+        "lock_sites": pool.locks.index("sites"),
+        "off_sites": pool.view.offsets["sites"],
+        "site_record_size": SITE_DTYPE.itemsize,
+        "site_text_bytes": SITE_DTYPE.fields["text"][0].itemsize,
+        "num_sites": NUM_SITES,
+        "sites_used_at": h["num_sites_used"][1],
         "finding_severity": {k.value: 1 if s == ERROR else 2 for k, s in SEVERITY.items()},
         "found": pool._found,
         "canary_message": integrity.CANARY_MESSAGE,
@@ -209,22 +220,6 @@ def probe_layout(pool: KVPool) -> dict[str, Any]:
 
 
 FINDING_FIELDS = ("time_ns", "kind", "severity", "block", "owner_pid", "site", "request", "message")
-
-
-def report_double_free(pool: KVPool, block: int, raw: bytes, request: bytes) -> None:
-    """The double-free fault the core injected, to the probe (release.py _release_again's
-    finding): `raw`, the block's record as the release left it."""
-    probe = pool.probe
-    if probe is None:
-        return
-    rec = np.frombuffer(raw, pool.view.blocks.dtype)[0].copy()
-    probe.block_finding(
-        FindingKind.DOUBLE_FREE,
-        block,
-        f"block released a second time after request {request.decode(errors='replace')!r} "
-        "ended: it is already free",
-        rec=rec,
-    )
 
 
 # The core holds its locks in a 64-bit mask: seqs, free, sites, findings and the index shards.
@@ -315,7 +310,6 @@ def core_for(pool: KVPool) -> Any:
         "fault_names": faults.FAULTS,
         "fault_fired": faults.fired,
         "write_past": faults.write_past,
-        "double_free_found": report_double_free,
         "crash_armed": crash.ARMED,
         "crash_points": tuple(crash.CRASH_POINTS),
         "off_num_blocks": view.header.dtype.fields["num_blocks"][1],

@@ -31,7 +31,7 @@ from kvscope.allocator.blocks import BlockStore
 from kvscope.allocator.check import check_view
 from kvscope.allocator.config import KVEventsConfig, PoolConfig
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import read_findings, write_finding
+from kvscope.allocator.findings import ERROR, read_findings
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.journal import Journal
@@ -490,10 +490,29 @@ class KVPool:
 
     def report(self, finding) -> None:
         """Record a finding in the segment's findings ring (and hand it to the probe callback)."""
-        fl = self.locks.index("findings")
-        self._run({fl}, lambda t: write_finding(self.view, t, finding))
+        self._check_process()
+        self.record(finding)
         if self.on_finding is not None:
             self.on_finding(finding)
+
+    def record(self, finding) -> None:
+        """Write a finding into the segment's findings ring, as it is: the C core writes it,
+        under the findings lock (taken there, or held already by this thread: lockdep's graph).
+        Where the core cannot take the lock now (a dead holder, or a wait it may not make), a
+        transaction of the runner takes it, recovering a dead holder, and the core writes under
+        it."""
+        f = finding
+        args = (
+            f.kind,
+            1 if f.severity == ERROR else 2,
+            -1 if f.block is None else f.block,
+            f.owner_pid or 0,
+            f.site_id,
+            f.request or "",
+            f.message,
+        )
+        if self._core.report(*args) is None:
+            self._run({self.locks.index("findings")}, lambda t: self._core.report(*args))
 
     def _hand_findings(self) -> None:
         """Hand what the C core reported in its last call to `on_finding`, read back from the

@@ -86,10 +86,10 @@ class PoolProbes:
         allocation site of `rec` (the block's record as the finding saw it; default: now).
 
         The kinds the C core reports itself are counted once in the core, whichever path
-        finds them (its `first_report`)."""
+        finds them (its `first_report`); the finding is written into the ring by the core
+        (`KVPool.report`)."""
         key = (f.kind, -1 if f.block is None else f.block, f.request if f.block is None else "")
-        core = self.pool._core
-        first = None if core is None else core.first_report(f.kind, key[1])
+        first = self.pool._core.first_report(f.kind, key[1])
         if first is None:
             first = key not in self.reported
             self.reported.add(key)

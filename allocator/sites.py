@@ -12,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from kvscope.allocator.layout import NUM_SITES
+from kvscope.allocator.layout import SITE_DTYPE
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -27,6 +27,7 @@ _SKIP = ("<frozen runpy>", "<frozen importlib", "/runpy.py")
 STACK_PREFIX = b"stack: "
 # Frame ids of up to 4 digits: a stack entry of 16 frames fits the site text (120 bytes).
 MAX_STACK_DEPTH = 16
+SITE_TEXT_BYTES = SITE_DTYPE["text"].itemsize
 
 
 def stack_depth(environ: dict[str, str] | None = None) -> int:
@@ -131,27 +132,15 @@ class SiteTable:
         return stack if stack >= 0 else ids[0]
 
     def _intern(self, text: str) -> int:
-        view = self.pool.view
-        raw = text.encode()[:120]
-
-        def op(t) -> int:
-            h = view.header
-            used = int(h["num_sites_used"][0])
-            texts = view.sites["text"][:used]
-            found = (texts == raw).nonzero()[0]
-            if len(found):
-                return int(found[0])
-            if used >= NUM_SITES:
-                return -1
-            t.journal.save(
-                view.offsets["sites"] + used * view.sites.dtype.itemsize, view.sites.dtype.itemsize
-            )
-            t.journal.save(h.dtype.fields["num_sites_used"][1], 4)
-            view.sites["text"][used] = raw
-            h["num_sites_used"] = used + 1
-            return used
-
-        return self.pool._run({self.lock}, op)
+        """The site table's id of `text`, added when new (-1: the table is full): the C core
+        writes it, under the sites lock (taken in a transaction of the runner when the core
+        cannot take it now: a dead holder, a wait it may not make)."""
+        raw = text.encode()[:SITE_TEXT_BYTES]
+        core = self.pool._core
+        sid = core.intern_site(raw)
+        if sid is None:
+            sid = self.pool._run({self.lock}, lambda t: core.intern_site(raw))
+        return sid
 
 
 def _raw(view, site: int) -> bytes | None:

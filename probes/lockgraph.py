@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import kvscope.allocator
-from kvscope.allocator.findings import Finding, FindingKind, write_finding
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
 from kvscope.allocator.locks import UNTRACED, lock_class  # noqa: F401 - lockdep imports them here
 
@@ -177,8 +177,9 @@ class SegmentGraph:
         return True
 
     def write(self, f: Finding) -> None:
-        """Append a finding to the segment's ring (caller holds `locked`)."""
-        write_finding(self.pool.view, None, f)
+        """Append a finding to the segment's ring (caller holds `locked`; the pool's C core
+        writes it under that lock)."""
+        self.pool.record(f)
 
     def notify(self, f: Finding) -> None:
         """Hand a finding to the pool's probe callback."""

@@ -328,9 +328,10 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in, int64
         published++;
     }
     if (stamp_digests(n, done, published)) goto abort;
+    txn_commit(n);
+    /* (after what the commit reports: a record the magic probe found scribbled over) */
     if (published)
         ev_record(n, E_PUBLISH, done, published, (const char *)(seqrec(n, slot) + SF_REQUEST), 0);
-    txn_commit(n);
     PyObject *u = PyLong_FromSsize_t(upto);
     if (u == NULL) goto out;
     sset(n, seq, F_PUBLISHED, u);

@@ -113,6 +113,9 @@ enum {
     FK_LOCK_DEAD_HOLDER, /* recovery.c */
     FK_LEAK_DEAD_OWNER,
     FK_KV_NEVER_WRITTEN,
+    FK_DOUBLE_FREE,
+    FK_BLOCK_HEADER_CORRUPT,
+    FK_LOCK_ORDER_CYCLE,
     FK_COUNT
 };
 
@@ -169,7 +172,6 @@ typedef struct {
     PyObject *faults_armed; /* faults.ARMED: fault -> opportunities left (faults.c) */
     PyObject *fault_fired;  /* faults.fired */
     PyObject *write_past;   /* faults.write_past: oob-write's write into the KV data */
-    PyObject *double_free_found; /* native.report_double_free: the double-free fault's finding */
     int64_t *crash;         /* crash.ARMED: [armed point + 1, hits left] (faults.c) */
     Py_buffer crash_buf;
     size_t off_num_blocks;  /* the header's num_blocks (header-scribble's bytes) */
@@ -238,6 +240,10 @@ typedef struct {
         fd_site, fd_request, fd_message, fd_kind_bytes, fd_message_bytes;
     int64_t fd_cap;
     uint8_t fk_severity[FK_COUNT]; /* each kind's severity byte (1 error, 2 warning) */
+    /* the site table (FORMAT.md: probes.c probes_init), under lock_sites */
+    size_t off_sites, site_size, site_text_bytes, sites_used_at;
+    int64_t num_sites;
+    int lock_sites;
     uint8_t *reported; /* [FK_COUNT][nb + 1]: reported once per (kind, block; nb: none) */
     PyObject *found;   /* KVPool._found: ring positions of findings written in this call */
     Seen *leak;        /* the blocks a release leaked (leaked_blocks), CHUNK at most */
@@ -353,6 +359,9 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 static void lru_commit(Native *n);
 static void lru_drop_pending(Native *n);
 static int record_sealed(Native *n, int64_t b);
+static int finding_report(Native *n, int fk, const Seen *s, PyObject *message);
+static int fork_gen; /* entry.c: bumped in a forked child */
+static PyObject *request_text(const char *b);
 static void findings_flush(Native *n);
 static void findings_first(Native *n, int64_t upto);
 static void findings_before(Native *n, int64_t upto, int64_t pre);

@@ -107,14 +107,24 @@ static void kill_fault(Native *n, uint64_t locks) {
 }
 
 /* `double-free`, announced after its release committed: the block it released a second time
- * (release.py _release_again; nothing in the segment changes: the block is already free), with
- * its record as the release left it, to the probe's finding (native.report_double_free). */
+ * (release.py _release_again; nothing in the segment changes: the block is already free), and,
+ * under a probe, its double_free finding, written by the core (probes.c finding_report) with
+ * the block's record as the release left it (`rec`, its bytes) and the ending request. */
 static void double_free_fired(Native *n, int32_t b, PyObject *rec, const char *request) {
     fault_fired(n, FT_DOUBLE_FREE);
-    PyObject *r = PyObject_CallFunction(n->double_free_found, "OiOy#", n->pool, (int)b, rec,
-                                        request, (Py_ssize_t)strnlen(request, REQUEST_BYTES));
-    if (r == NULL) PyErr_WriteUnraisable(n->double_free_found);
-    Py_XDECREF(r);
+    if (!(n->probes & ~P_LOCKDEP)) return;
+    const uint8_t *r = (const uint8_t *)PyBytes_AS_STRING(rec);
+    Seen s = {.block = b, .owner_pid = I4(r + BF_OWNER_PID), .site = I4(r + BF_SITE),
+              .refcount = I4(r + BF_REFCOUNT)};
+    memcpy(s.request, r + BF_REQUEST, REQUEST_BYTES);
+    PyObject *req = request_text(request);
+    PyObject *msg = req ? PyUnicode_FromFormat("block released a second time after request %R "
+                                               "ended: it is already free",
+                                               req)
+                        : NULL;
+    Py_XDECREF(req);
+    if (msg == NULL || finding_report(n, FK_DOUBLE_FREE, &s, msg)) PyErr_WriteUnraisable(n->pool);
+    Py_XDECREF(msg);
 }
 
 /* The faults that strike while a sequence grows (append.py _append_faults), once a chunk of
@@ -159,8 +169,9 @@ static int lock_inversion(Native *n, uint64_t mask) {
 
 /* lockdep's view of an inverted transaction (probes.c lockdep_ok with the order reversed): each
  * pair of traced locks of different classes taken high index first is the order edge
- * class(high) -> class(low), learned into the segment's lock graph (probes.c lg_learn). OK,
- * FALLBACK (an edge that closes a cycle: the Python path takes the locks and reports it). */
+ * class(high) -> class(low), learned into the segment's lock graph (probes.c lg_learn, which
+ * reports the lock_order_cycle such an edge closes). OK, or FALLBACK when the findings lock is
+ * not to be had now. */
 static int lg_learn(Native *n, int i, int j);
 static int lockdep_inverted_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
@@ -190,8 +201,8 @@ static int names_agree(PyObject *t, const char *const *names, Py_ssize_t k) {
 }
 
 /* N_init's part: crash.ARMED (a writable array of 2 int64), faults.ARMED (a dict), the callables
- * faults.fired, faults.write_past and native.report_double_free, the two name lists as
- * crash.py and faults.py have them. 0, or -1 with an exception set. */
+ * faults.fired and faults.write_past, the two name lists as crash.py and faults.py have them.
+ * 0, or -1 with an exception set. */
 static int faults_init(Native *n, PyObject *d) {
     PyObject *crash = PyDict_GetItemString(d, "crash_armed");
     PyObject *points = PyDict_GetItemString(d, "crash_points");
@@ -215,9 +226,8 @@ static int faults_init(Native *n, PyObject *d) {
         return -1;
     }
     n->crash = n->crash_buf.buf;
-    if (!PyCallable_Check(n->fault_fired) || !PyCallable_Check(n->write_past) ||
-        !PyCallable_Check(n->double_free_found)) {
-        PyErr_SetString(PyExc_TypeError, "fault_fired, write_past, double_free_found: callables");
+    if (!PyCallable_Check(n->fault_fired) || !PyCallable_Check(n->write_past)) {
+        PyErr_SetString(PyExc_TypeError, "fault_fired, write_past: callables");
         return -1;
     }
     for (int f = 0; f < NUM_FAULTS; f++)

@@ -21,8 +21,8 @@ static int jsave(Native *n, size_t off, uint32_t len) {
 }
 
 static inline int jsave_block(Native *n, int64_t b) {
-    /* magic: never build on a record something else wrote (Python reports it) */
-    if ((n->probes & P_MAGIC) && !record_sealed(n, b)) return FALLBACK;
+    /* magic: a record something else wrote is reported before it is changed and resealed */
+    if ((n->probes & P_MAGIC) && record_sealed(n, b)) return ERROR;
     return jsave(n, n->off_blocks + b * n->rec, (uint32_t)n->rec);
 }
 

@@ -105,11 +105,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->seqs, &n->faults_armed, &n->fault_fired,
                          &n->kv_dirs,   &n->write_past,
-                         &n->guarded,   &n->kv_obj, &n->double_free_found, &n->msg_unwritten};
+                         &n->guarded,   &n->kv_obj, &n->msg_unwritten};
     const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
                            "seq_fields", "seqs", "faults_armed", "fault_fired",
                            "kvscope_dirs", "write_past",
-                           "guarded",    "kv_tensor", "double_free_found", "unwritten_message"};
+                           "guarded",    "kv_tensor", "unwritten_message"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -214,7 +214,6 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->kv_dirs);
     Py_XDECREF(n->fault_fired);
     Py_XDECREF(n->write_past);
-    Py_XDECREF(n->double_free_found);
     Py_XDECREF(n->guarded);
     Py_XDECREF(n->kv_obj);
     dev_free(n->dev);
@@ -294,6 +293,12 @@ static PyMethodDef N_methods[] = {
      "verify_often(pool) -> True | None: the magic probe's periodic check, on the core's clock"},
     {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
      "first_report(kind, block) -> bool | None: a finding the core reports, once per block"},
+    {"report", (PyCFunction)(void (*)(void))N_report, METH_FASTCALL,
+     "report(kind, severity, block, owner_pid, site, request, message) -> int | None: a finding "
+     "written into the segment's findings ring (its position; None: the lock not to be had)"},
+    {"intern_site", (PyCFunction)N_intern_site, METH_O,
+     "intern_site(text: bytes) -> int | None: the site table's id of a text, added when new "
+     "(-1: the table is full; None: the lock not to be had)"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
     {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},

@@ -1,9 +1,9 @@
 /* The light probes, run by the core itself (probing.py, events.py, sites.py, writes.py are
  * the reference): flight-recorder events, allocation sites, leak accounting, record checksums,
- * the lock-order graph. A finding of a kind of FK_NAMES the core writes into the segment's
- * findings ring itself (finding_report), where the binding reads it back for `on_finding`;
- * any other sends the operation (undone) to the Python path, which finds and reports the same
- * thing, or, after a commit, is handed to a Python callback of the probe. Part of _native.c. */
+ * the lock-order graph. A finding the core detects it writes into the segment's findings ring
+ * itself (finding_report), where the binding reads it back for `on_finding`. The ring and the
+ * site table have no other writer: KVPool.report and sites.py write through N_report and
+ * N_intern_site. Part of _native.c. */
 
 /* -- the flight recorder (events.py EventRecorder.record) ------------------------------------ */
 
@@ -136,11 +136,11 @@ static int32_t site_now(Native *n, PyObject *pool) {
 /* -- findings (probing.py PoolProbes.report, findings.py write_finding) ------------------- */
 
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
-static const char *const FK_NAMES[FK_COUNT] = {"leak_finished", "free_list_corrupt",
-                                                "header_corrupt", "refcount_mismatch",
-                                                "use_after_free", "guard_violation",
-                                                "published_block_modified", "lock_dead_holder",
-                                                "leak_dead_owner", "kv_never_written"};
+static const char *const FK_NAMES[FK_COUNT] = {
+    "leak_finished",   "free_list_corrupt", "header_corrupt",       "refcount_mismatch",
+    "use_after_free",  "guard_violation",   "published_block_modified", "lock_dead_holder",
+    "leak_dead_owner", "kv_never_written",  "double_free", "block_header_corrupt",
+    "lock_order_cycle"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
@@ -152,37 +152,71 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
     memcpy(s->request, r + BF_REQUEST, REQUEST_BYTES);
 }
 
-/* Append a finding of kind fk about s->block (-1: none), its message text[0..len), to the
- * segment's findings ring, and its ring position to KVPool._found, from which the binding
- * hands it to `on_finding` after the call (with the site text and the block's events, read
- * then: findings.finding_at). The caller holds the findings lock; the record is written
- * first, then the head, as write_finding without a journal: a death in between leaves
- * nothing half written. OK, or ERROR with an exception set. */
-static int finding_write(Native *n, int fk, const Seen *s, const char *text, Py_ssize_t len) {
+/* Lock i, a leaf of the lock order (sites, findings), for one write: OK when taken here
+ * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of the core,
+ * or a Python caller under it: lockdep's graph, a Python-path transaction: its record names
+ * this process and thread), FALLBACK when it is not to be had now (its record names a dead
+ * holder while the core holds other locks, or a wait the core may not make), ERROR with an
+ * exception set. A dead holder met while holding no other lock is recovered first
+ * (recovery.c). *mh: whether the op mutex was held before. */
+enum { HELD = 2 };
+static int leaf_take(Native *n, int i, int *mh) {
+    *mh = n->mutex_held;
+    if (holds(n, i)) return HELD;
+    uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
+    if (I4(r + LF_HOLDER_PID) == n->pid && U8(r + LF_HOLDER_START) == n->start &&
+        U8(r + LF_HOLDER_TID) == (uint64_t)syscall(SYS_gettid))
+        return HELD;
+    int rc = n->held ? lock_take(n, i) : lock_take_alone(n, i);
+    if (rc != OK && !*mh) drop_mutex(n);
+    return rc == OK || rc == ERROR ? rc : FALLBACK;
+}
+
+static void leaf_drop(Native *n, int i, int taken, int mh) {
+    if (taken != OK) return;
+    lock_drop(n, i);
+    if (!mh) drop_mutex(n);
+}
+
+/* Append a finding to the segment's findings ring (the caller holds the findings lock): the
+ * record first, then the head (a death in between leaves nothing half written, so no journal);
+ * the kind as text (up to its field's bytes), s->block (-1: none), s->owner_pid (0: none),
+ * s->site (-1: none; stored + 1), s->request, the message's first bytes. Its position. */
+static uint64_t ring_put(Native *n, const char *kind, uint8_t severity, const Seen *s,
+                         const char *text, size_t len) {
     uint64_t head = U8(n->seg + n->fd_head_at);
     uint8_t *r = n->seg + n->off_findings + (size_t)(head % (uint64_t)n->fd_cap) * n->fd_size;
     memset(r, 0, n->fd_size);
     U8(r + n->fd_time) = wall_ns();
-    size_t kl = strlen(FK_NAMES[fk]);
-    memcpy(r + n->fd_kind, FK_NAMES[fk], kl < n->fd_kind_bytes ? kl : n->fd_kind_bytes);
-    r[n->fd_severity] = n->fk_severity[fk];
+    size_t kl = strlen(kind);
+    memcpy(r + n->fd_kind, kind, kl < n->fd_kind_bytes ? kl : n->fd_kind_bytes);
+    r[n->fd_severity] = severity;
     I4(r + n->fd_block) = s->block;
     I4(r + n->fd_owner) = s->owner_pid;
     U4(r + n->fd_site) = s->site >= 0 ? (uint32_t)s->site + 1 : 0;
     memcpy(r + n->fd_request, s->request, REQUEST_BYTES);
-    memcpy(r + n->fd_message, text,
-           (size_t)len < n->fd_message_bytes ? (size_t)len : n->fd_message_bytes);
+    memcpy(r + n->fd_message, text, len < n->fd_message_bytes ? len : n->fd_message_bytes);
     U8(n->seg + n->fd_head_at) = head + 1;
+    return head;
+}
+
+/* A finding of kind fk written into the ring (the caller holds the findings lock) and its
+ * position appended to KVPool._found, for the binding to hand to `on_finding` after the call
+ * (recovery.c's findings). OK, or ERROR with an exception set. */
+static int finding_write(Native *n, int fk, const Seen *s, const char *text, Py_ssize_t len) {
+    uint64_t head = ring_put(n, FK_NAMES[fk], n->fk_severity[fk], s, text, (size_t)len);
     return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
 }
 
 /* Report a finding of kind fk about s->block (-1: none) as PoolProbes.report does, once per
  * (kind, block) for the handle: a FINDING event in the flight recorder, then the finding
- * written into the segment's findings ring under the findings lock (finding_write). The
- * message is composed here, from what only the finding's moment knows (a request id, a
- * refcount), so every reader of the ring reads the same text. OK, or ERROR with an exception
- * set. A findings lock whose record names a dead holder is recovered first (recovery.c) where
- * no other lock is held; else the finding is dropped, and not marked reported. */
+ * written under the findings lock (finding_write), from where the binding hands it to
+ * `on_finding` after the call (with the site text and the block's events, read then:
+ * findings.finding_at). The message is composed here, from what only the finding's moment
+ * knows (a request id, a refcount), so every reader of the ring reads the same text. OK, or
+ * ERROR with an exception set. A findings lock whose record names a dead holder is recovered
+ * first (recovery.c) where no other lock is held; else the finding is dropped, and not marked
+ * reported. */
 static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     int64_t key = s->block >= 0 && s->block < n->nb ? s->block : n->nb;
     if (n->reported == NULL &&
@@ -198,18 +232,93 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     /* The FINDING event first, as the probe records it: a reader finds it at or before the
      * finding's time (analysis.py's suspects). */
     ev_record(n, E_FINDING, &s->block, 1, s->request, 0);
-    int mh = n->mutex_held;
-    int rc = n->held ? lock_take(n, n->lock_findings) : lock_take_alone(n, n->lock_findings);
-    if (rc != OK) {
-        if (!mh) drop_mutex(n);
-        if (rc == ERROR) return ERROR;
-        return OK;
-    }
-    rc = finding_write(n, fk, s, text, len);
-    lock_drop(n, n->lock_findings);
-    if (!mh) drop_mutex(n);
+    int mh, taken = leaf_take(n, n->lock_findings, &mh);
+    if (taken != OK && taken != HELD) return taken == ERROR ? ERROR : OK;
+    int rc = finding_write(n, fk, s, text, len);
+    leaf_drop(n, n->lock_findings, taken, mh);
     *done = 1;
     return rc;
+}
+
+/* An argument of N_report: a str's UTF-8 bytes (NULL with an exception set). */
+static const char *utf8_arg(PyObject *o, Py_ssize_t *len) {
+    if (!PyUnicode_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "report: kind, request and message are str");
+        return NULL;
+    }
+    return PyUnicode_AsUTF8AndSize(o, len);
+}
+
+/* report(kind, severity, block, owner_pid, site, request, message) -> int | None: KVPool.report's
+ * write: a finding someone else composed (severity 1 error, 2 warning; block -1, owner_pid 0,
+ * site -1: none) appended to the findings ring as it is, with no event and not counted among
+ * the handle's reported ones; the request and message cut to their fields' bytes. Its ring
+ * position, or None when the findings lock is not to be had now (KVPool.report then takes it in
+ * a transaction of the runner, which recovers a dead holder, and asks again under it). */
+static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "report(kind, severity, block, owner_pid, site, request, message)");
+        return NULL;
+    }
+    if (n->seg == NULL || n->fork_gen != fork_gen) {
+        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_ValueError,
+                        "this pool handle is closed, or was opened by another process");
+        return NULL;
+    }
+    Py_ssize_t kl, rl, ml;
+    const char *kind = utf8_arg(args[0], &kl), *req = utf8_arg(args[5], &rl),
+               *text = utf8_arg(args[6], &ml);
+    long sev = PyLong_AsLong(args[1]), block = PyLong_AsLong(args[2]),
+         owner = PyLong_AsLong(args[3]), site = PyLong_AsLong(args[4]);
+    if (kind == NULL || req == NULL || text == NULL || PyErr_Occurred()) return NULL;
+    char name[64] = {0};
+    memcpy(name, kind, (size_t)kl < sizeof name - 1 ? (size_t)kl : sizeof name - 1);
+    Seen s = {.block = (int32_t)block, .owner_pid = (int32_t)owner, .site = (int32_t)site};
+    memset(s.request, 0, REQUEST_BYTES);
+    memcpy(s.request, req, (size_t)rl < REQUEST_BYTES ? (size_t)rl : REQUEST_BYTES);
+    int mh, taken = leaf_take(n, n->lock_findings, &mh);
+    if (taken == ERROR) return NULL;
+    if (taken == FALLBACK) Py_RETURN_NONE;
+    uint64_t head = ring_put(n, name, (uint8_t)sev, &s, text, (size_t)ml);
+    leaf_drop(n, n->lock_findings, taken, mh);
+    return PyLong_FromUnsignedLongLong(head);
+}
+
+/* intern_site(text) -> int | None: sites.py SiteTable's write: the id of the site table's entry
+ * holding `text` (bytes, cut to the field's), appended when there is none (the entry first,
+ * then the count: a death in between leaves an unused entry); -1 when the table is full; None
+ * when the sites lock is not to be had now (sites.py then takes it in a transaction of the
+ * runner and asks again under it). */
+static PyObject *N_intern_site(Native *n, PyObject *arg) {
+    char *raw;
+    Py_ssize_t len;
+    if (PyBytes_AsStringAndSize(arg, &raw, &len) < 0) return NULL;
+    if (n->seg == NULL || n->fork_gen != fork_gen) {
+        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_ValueError,
+                        "this pool handle is closed, or was opened by another process");
+        return NULL;
+    }
+    size_t tl = (size_t)len < n->site_text_bytes ? (size_t)len : n->site_text_bytes;
+    int mh, taken = leaf_take(n, n->lock_sites, &mh);
+    if (taken == ERROR) return NULL;
+    if (taken == FALLBACK) Py_RETURN_NONE;
+    int64_t used = (int64_t)U4(n->seg + n->sites_used_at), id = -1;
+    if (used > n->num_sites) used = n->num_sites;
+    for (int64_t i = 0; i < used && id < 0; i++) {
+        const uint8_t *t = n->seg + n->off_sites + (size_t)i * n->site_size;
+        /* (a stored text is NUL-padded: equal bytes, then nothing) */
+        if (memcmp(t, raw, tl) == 0 && (tl == n->site_text_bytes || t[tl] == 0)) id = i;
+    }
+    if (id < 0 && used < n->num_sites) {
+        uint8_t *t = n->seg + n->off_sites + (size_t)used * n->site_size;
+        memset(t, 0, n->site_text_bytes);
+        memcpy(t, raw, tl);
+        U4(n->seg + n->sites_used_at) = (uint32_t)used + 1;
+        id = used;
+    }
+    leaf_drop(n, n->lock_sites, taken, mh);
+    return PyLong_FromLongLong(id);
 }
 
 /* A finding seen inside the open transaction (message: a new reference, taken over),
@@ -282,7 +391,9 @@ static void findings_drop(Native *n) {
 
 /* first_report(kind, block) -> True | False | None: whether a finding of `kind` about `block`
  * (-1: none) is the handle's first (and it is now reported), for PoolProbes.report on the
- * Python path; None for a kind the core does not report itself (the probe keeps those). */
+ * Python path; None for a kind the core does not count (the probe keeps those): one it does not
+ * report, a lock_order_cycle (each cycle is its own), a double_free about no block (a refused
+ * second free, counted by request). */
 static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     const char *kind;
     long block;
@@ -293,7 +404,8 @@ static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nar
     }
     int fk = 0;
     while (fk < FK_COUNT && strcmp(FK_NAMES[fk], kind) != 0) fk++;
-    if (fk == FK_COUNT) Py_RETURN_NONE;
+    if (fk == FK_COUNT || fk == FK_LOCK_ORDER_CYCLE || (fk == FK_DOUBLE_FREE && block < 0))
+        Py_RETURN_NONE;
     if (n->reported == NULL &&
         (n->reported = PyMem_Calloc((size_t)FK_COUNT * (size_t)(n->nb + 1), 1)) == NULL)
         return PyErr_NoMemory();
@@ -306,19 +418,29 @@ static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nar
 
 /* -- magic: record checksums (probing.py check_records) --------------------------------------- */
 
-/* Block b's record, about to be saved and changed, still matches its checksum (checked once
- * per transaction: an operation may change a record in steps and save it again). */
+/* Block b's record, about to be saved and changed, is checked against its checksum (once per
+ * transaction: an operation may change a record in steps and save it again). One that does
+ * not match (something outside the allocator wrote it) is a block_header_corrupt finding, as
+ * the record reads now, reported when the transaction commits (probing.check_records); the
+ * operation goes on and reseals it. OK, or ERROR with an exception set. */
 static int record_sealed(Native *n, int64_t b) {
-    if (n->checked == NULL) {
-        n->checked = PyMem_Calloc((size_t)n->nb, sizeof(uint32_t));
-        if (n->checked == NULL) return 0; /* no memory: let the Python path check */
+    if (n->checked == NULL && (n->checked = PyMem_Calloc((size_t)n->nb, sizeof(uint32_t))) == NULL) {
+        PyErr_NoMemory();
+        return ERROR;
     }
-    if (n->checked[b] == n->txn_stamp) return 1;
+    if (n->checked[b] == n->txn_stamp) return OK;
     n->checked[b] = n->txn_stamp;
-    return U8(blk(n, b) + BF_CHECKSUM) == checksum(n, b);
+    if (U8(blk(n, b) + BF_CHECKSUM) == checksum(n, b)) return OK;
+    Seen s;
+    seen_of(n, b, &s);
+    return finding_later(n, FK_BLOCK_HEADER_CORRUPT, &s,
+                         PyUnicode_FromString("block record checksum mismatch when the allocator "
+                                              "was about to change it: its header was "
+                                              "overwritten outside the allocator"));
 }
 
-/* Every record of ids sealed (else the Python path runs the operation and reports). */
+/* Every record of ids sealed (a release's table: else the Python path releases it, leaving the
+ * record alone, and reports it). */
 static int all_sealed(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_MAGIC)) return 1;
     for (int64_t i = 0; i < k; i++)
@@ -708,7 +830,9 @@ static int probes_init(Native *n, PyObject *d) {
               {"fd_block", &n->fd_block},           {"fd_owner_pid", &n->fd_owner},
               {"fd_site", &n->fd_site},             {"fd_request", &n->fd_request},
               {"fd_message", &n->fd_message},       {"fd_kind_bytes", &n->fd_kind_bytes},
-              {"fd_message_bytes", &n->fd_message_bytes}};
+              {"fd_message_bytes", &n->fd_message_bytes}, {"off_sites", &n->off_sites},
+              {"site_record_size", &n->site_size},  {"site_text_bytes", &n->site_text_bytes},
+              {"sites_used_at", &n->sites_used_at}};
     for (size_t i = 0; i < sizeof fd / sizeof *fd; i++) {
         PyObject *v = PyDict_GetItemString(d, fd[i].key);
         if (v == NULL) {
@@ -771,13 +895,18 @@ static int probes_init(Native *n, PyObject *d) {
     memcpy(n->hdr_copy, n->seg, (size_t)n->hdr_len);
     PyObject *cap = PyDict_GetItemString(d, "lockgraph_capacity");
     PyObject *fl = PyDict_GetItemString(d, "lock_findings");
+    PyObject *sl = PyDict_GetItemString(d, "lock_sites");
+    PyObject *ns = PyDict_GetItemString(d, "num_sites");
     PyObject *classes = PyDict_GetItemString(d, "lock_classes");
-    if (cap == NULL || fl == NULL || classes == NULL) {
-        PyErr_SetString(PyExc_KeyError, "native core needs lockgraph_capacity and lock_findings");
+    if (cap == NULL || fl == NULL || sl == NULL || ns == NULL || classes == NULL) {
+        PyErr_SetString(PyExc_KeyError, "native core needs lockgraph_capacity, lock_findings, "
+                                        "lock_sites and num_sites");
         return -1;
     }
     n->lg_cap = PyLong_AsLongLong(cap);
     n->lock_findings = (int)PyLong_AsLong(fl);
+    n->lock_sites = (int)PyLong_AsLong(sl);
+    n->num_sites = PyLong_AsLongLong(ns);
     if (PyErr_Occurred()) return -1;
     memset(n->lock_cls, 0, sizeof n->lock_cls);
     for (int i = 0; i < n->num_locks; i++) {
@@ -795,28 +924,83 @@ static inline uint8_t *lg_edge(Native *n, int64_t e) {
     return n->seg + n->off_lockgraph + (size_t)e * n->lg_size;
 }
 
-/* Whether the graph's first `used` edges hold a chain from class `from` to class `to`
- * (lockgraph.find_path; classes as 16 stored bytes). */
-static int lg_path(Native *n, int64_t used, const char *from, const char *to) {
-    int32_t queue[used > 0 ? used : 1];
-    uint8_t seen[used > 0 ? used : 1];
-    memset(seen, 0, sizeof seen);
-    int64_t qn = 0;
-    for (int64_t e = 0; e < used; e++)
-        if (memcmp(lg_edge(n, e) + n->lg_src, from, 16) == 0) {
-            seen[e] = 1;
-            queue[qn++] = (int32_t)e;
-        }
-    for (int64_t h = 0; h < qn; h++) {
-        const uint8_t *via = lg_edge(n, queue[h]) + n->lg_dst;
-        if (memcmp(via, to, 16) == 0) return 1;
-        for (int64_t f = 0; f < used; f++)
-            if (!seen[f] && memcmp(lg_edge(n, f) + n->lg_src, via, 16) == 0) {
-                seen[f] = 1;
-                queue[qn++] = (int32_t)f;
+/* lockgraph.find_path over the graph's first `used` edges: the shortest chain of edges from
+ * class `from` to class `to` (16 stored bytes each), found as find_path finds it (breadth first
+ * over classes, each class's edges in the graph's order), into path (edge numbers, `from`'s
+ * first); its length, 0 when there is none. */
+static int64_t lg_chain(Native *n, int64_t used, const char *from, const char *to, int32_t *path) {
+    int64_t cap = used + 1, nn = 1;
+    const uint8_t *node[cap];
+    int32_t came[cap];  /* the edge that reached node k (-1: `from`) */
+    int64_t parent[cap];
+    node[0] = (const uint8_t *)from;
+    came[0] = -1;
+    parent[0] = -1;
+    for (int64_t k = 0; k < nn; k++) {
+        if (memcmp(node[k], to, 16) == 0) {
+            int64_t len = 0;
+            for (int64_t at = k; came[at] >= 0; at = parent[at]) path[len++] = came[at];
+            for (int64_t a = 0, b = len - 1; a < b; a++, b--) {
+                int32_t t = path[a];
+                path[a] = path[b];
+                path[b] = t;
             }
+            return len;
+        }
+        for (int64_t e = 0; e < used; e++) {
+            const uint8_t *r = lg_edge(n, e);
+            if (memcmp(r + n->lg_src, node[k], 16) != 0) continue;
+            int seen = 0;
+            for (int64_t m = 0; m < nn && !seen; m++) seen = memcmp(node[m], r + n->lg_dst, 16) == 0;
+            if (seen || nn == cap) continue;
+            node[nn] = r + n->lg_dst;
+            came[nn] = (int32_t)e;
+            parent[nn++] = k;
+        }
     }
     return 0;
+}
+
+/* Append `pid P takes|took SRC -> DST at SITE` to the text at *at (of cap bytes; what does not
+ * fit is cut). */
+static void lg_say(char *out, size_t cap, size_t *at, const char *sep, int32_t pid, const char *verb,
+                   const char *src, const char *dst, const char *site, size_t site_bytes) {
+    if (*at >= cap) return;
+    int w = snprintf(out + *at, cap - *at, "%spid %d %s %.*s -> %.*s at %.*s", sep, pid, verb,
+                     (int)strnlen(src, 16), src, (int)strnlen(dst, 16), dst,
+                     (int)strnlen(site, site_bytes), site);
+    *at = w < 0 ? cap : *at + (size_t)w < cap ? *at + (size_t)w : cap;
+}
+
+/* The lock_order_cycle finding (lockgraph.cycle_finding) of the edge class(i) -> class(j) this
+ * process takes at `site`, which closes the chain `path` (np edges of the graph, class(j)
+ * first), written into the findings ring (the caller holds the findings lock) and its position
+ * appended to KVPool._found. OK, or ERROR with an exception set. */
+static int lg_cycle(Native *n, int i, int j, const char *site, const int32_t *path, int64_t np) {
+    /* the message field's bytes and a tail: what a longer text is cut to anyway */
+    char text[512];
+    size_t at = 0, cap = n->fd_message_bytes + 1 < sizeof text ? n->fd_message_bytes + 1 : sizeof text;
+    lg_say(text, sizeof text, &at, "", n->pid, "takes", n->lock_cls[i], n->lock_cls[j], site,
+           n->lg_site_bytes);
+    for (int64_t k = 0; k < np; k++) {
+        const uint8_t *e = lg_edge(n, path[k]);
+        lg_say(text, sizeof text, &at, "; ", I4(e + n->lg_pid), "took",
+               (const char *)e + n->lg_src, (const char *)e + n->lg_dst,
+               (const char *)e + n->lg_site, n->lg_site_bytes);
+    }
+    char tail[80];
+    int tl = snprintf(tail, sizeof tail, ": %s when they overlap",
+                      np == 1 ? "opposite orders deadlock" : "these orders form a cycle that deadlocks");
+    /* the tail only where the whole text fits the field with it */
+    if (at + (size_t)tl < cap) {
+        memcpy(text + at, tail, (size_t)tl);
+        at += (size_t)tl;
+    }
+    Seen s = {.block = -1, .owner_pid = n->pid, .site = -1};
+    memset(s.request, 0, REQUEST_BYTES);
+    uint64_t head = ring_put(n, FK_NAMES[FK_LOCK_ORDER_CYCLE], n->fk_severity[FK_LOCK_ORDER_CYCLE],
+                             &s, text, at < sizeof text ? at : sizeof text);
+    return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
 }
 
 /* lockgraph.call_site: `file:line function` of the innermost frame outside kvscope (and the
@@ -858,10 +1042,10 @@ static void caller_text(Native *n, char *out, size_t cap) {
 
 /* Add the order edge class(i) -> class(j) to the segment's graph under the findings lock, as
  * LockDep._learn does (record first, then the count: a death in between leaves an unused
- * record; a full graph takes no more). OK when the graph has it now; FALLBACK when the lock is
- * not to be had, or when the graph already holds a chain class(j) -> ... -> class(i): the
- * Python path then takes the locks under lockdep's hooks, which adds the edge and reports the
- * lock_order_cycle it closes. */
+ * record; a full graph takes no more), and when the graph already holds a chain class(j) ->
+ * ... -> class(i), report the lock_order_cycle it closes (lg_cycle) and go on, as lockdep does
+ * before the thread waits. OK when the graph has the edge now (or is full), FALLBACK when the
+ * findings lock is not to be had, ERROR with an exception set. */
 static int lg_learn(Native *n, int i, int j) {
     int took = n->held ? lock_take(n, n->lock_findings) : lock_take_alone(n, n->lock_findings);
     if (took != OK) {
@@ -870,27 +1054,30 @@ static int lg_learn(Native *n, int i, int j) {
     }
     int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
     if (used > n->lg_cap) used = n->lg_cap;
-    int rc = OK;
     for (int64_t e = 0; e < used; e++) {
         uint8_t *r = lg_edge(n, e);
         if (memcmp(r + n->lg_src, n->lock_cls[i], 16) == 0 &&
-            memcmp(r + n->lg_dst, n->lock_cls[j], 16) == 0)
-            goto done;
+            memcmp(r + n->lg_dst, n->lock_cls[j], 16) == 0) {
+            lock_drop(n, n->lock_findings);
+            return OK;
+        }
     }
-    if (lg_path(n, used, n->lock_cls[j], n->lock_cls[i])) {
-        rc = FALLBACK;
-        goto done;
-    }
+    int rc = OK;
+    char site[256];
+    size_t sb = n->lg_site_bytes < sizeof site ? n->lg_site_bytes : sizeof site;
+    caller_text(n, site, sb);
+    int32_t path[used > 0 ? used : 1];
+    int64_t np = lg_chain(n, used, n->lock_cls[j], n->lock_cls[i], path);
     if (used < n->lg_cap) {
         uint8_t *r = lg_edge(n, used);
         memset(r, 0, n->lg_size);
         memcpy(r + n->lg_src, n->lock_cls[i], 16);
         memcpy(r + n->lg_dst, n->lock_cls[j], 16);
         I4(r + n->lg_pid) = n->pid;
-        caller_text(n, (char *)r + n->lg_site, n->lg_site_bytes);
+        memcpy(r + n->lg_site, site, sb);
         U4(n->seg + n->lg_used_at) = (uint32_t)used + 1;
     }
-done:
+    if (np > 0) rc = lg_cycle(n, i, j, site, path, np);
     lock_drop(n, n->lock_findings);
     return rc;
 }
@@ -898,15 +1085,15 @@ done:
 /* A transaction takes the locks of `mask` in ascending order, with no other traced lock held
  * (the gate): each pair (i < j) of traced locks of different classes is an order edge
  * class(i) -> class(j). OK when the segment's graph holds every one (a bit matrix here of
- * those seen; lg_learn for the others), FALLBACK when one is left to the Python path.
+ * those seen; lg_learn for the others), FALLBACK when the findings lock is not to be had.
  *
  * The core's edges alone never form a cycle: they run from a lower lock index to a higher
  * one, and the traced pool classes follow the lock index (seqs, index shards, free; sites
  * and findings are not traced), so a cycle needs an edge back from a later class to an
- * earlier one. Only a Python-side acquisition makes such an edge (a user lock held across
- * an operation, `pool.locks.acquire` out of the order): the one that closes a cycle through
- * the core's edges finds them in the segment (lockdep.py reads them) and reports it, and an
- * edge of the core's that would close one is left to the Python path (lg_learn). */
+ * earlier one. Only a Python-side acquisition (a user lock held across an operation,
+ * `pool.locks.acquire` out of the order) or the lock-inversion fault makes such an edge: the
+ * Python side's finds the core's edges in the segment (lockdep.py reads them) and reports the
+ * cycle it closes; an edge of the core's that closes one the core reports itself (lg_learn). */
 static int lockdep_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
     for (uint64_t m = mask; m; m &= m - 1) {
