@@ -31,7 +31,6 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-
 from kvscope.allocator import crash, faults, integrity, records
 from kvscope.allocator.errors import PoolError, PoolExhausted
 from kvscope.allocator.findings import ERROR, SEVERITY
