@@ -102,11 +102,9 @@ class Finding:
 
 
 def write_finding(view, t, f: Finding) -> None:
-    """Append a finding to the segment's findings ring (caller holds the findings lock).
-
-    t None: no undo journal (a probe holding the findings lock raw); the record is written
-    before the head moves, so a crash in between leaves nothing to undo.
-    """
+    """Append a finding to the segment's findings ring (caller holds the findings lock, `t`
+    journals it): the writer of recovery's reclaim at attach, which runs before the attaching
+    handle has a C core; a pool handle writes through its core (`KVPool.report`)."""
     from kvscope.allocator.layout import FINDINGS_CAPACITY
     from kvscope.allocator.process import now_ns
 
@@ -114,9 +112,8 @@ def write_finding(view, t, f: Finding) -> None:
     head = int(h["findings_head"][0])
     i = head % FINDINGS_CAPACITY
     rec_size = view.findings.dtype.itemsize
-    if t is not None:
-        t.journal.save(view.offsets["findings"] + i * rec_size, rec_size)
-        t.journal.save(h.dtype.fields["findings_head"][1], 8)
+    t.journal.save(view.offsets["findings"] + i * rec_size, rec_size)
+    t.journal.save(h.dtype.fields["findings_head"][1], 8)
     r = view.findings[i : i + 1]
     r["time_ns"] = now_ns()
     r["kind"] = f.kind.encode()
