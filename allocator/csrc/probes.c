@@ -160,16 +160,29 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
  * exception set. A dead holder met while holding no other lock is recovered first
  * (recovery.c). *mh: whether the op mutex was held before. */
 enum { HELD = 2 };
+static int leaf_held(Native *n, int i) {
+    if (holds(n, i)) return 1;
+    uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
+    return I4(r + LF_HOLDER_PID) == n->pid && U8(r + LF_HOLDER_START) == n->start &&
+           U8(r + LF_HOLDER_TID) == (uint64_t)syscall(SYS_gettid);
+}
+
 static int leaf_take(Native *n, int i, int *mh) {
     *mh = n->mutex_held;
-    if (holds(n, i)) return HELD;
-    uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
-    if (I4(r + LF_HOLDER_PID) == n->pid && U8(r + LF_HOLDER_START) == n->start &&
-        U8(r + LF_HOLDER_TID) == (uint64_t)syscall(SYS_gettid))
-        return HELD;
+    if (leaf_held(n, i)) return HELD;
     int rc = n->held ? lock_take(n, i) : lock_take_alone(n, i);
     if (rc != OK && !*mh) drop_mutex(n);
     return rc == OK || rc == ERROR ? rc : FALLBACK;
+}
+
+/* leaf_take for a Python caller (N_report, N_intern_site), which may come while an operation of
+ * the core is inside a transaction or waiting for a lock, on another thread (the op mutex is
+ * held then: the lock bookkeeping it shares is that operation's): FALLBACK then, and the
+ * caller waits for the op mutex in a transaction of the runner and asks again. */
+static int leaf_take_py(Native *n, int i, int *mh) {
+    *mh = n->mutex_held;
+    if (leaf_held(n, i)) return HELD;
+    return n->mutex_held ? FALLBACK : leaf_take(n, i, mh);
 }
 
 static void leaf_drop(Native *n, int i, int taken, int mh) {
@@ -253,8 +266,9 @@ static const char *utf8_arg(PyObject *o, Py_ssize_t *len) {
  * write: a finding someone else composed (severity 1 error, 2 warning; block -1, owner_pid 0,
  * site -1: none) appended to the findings ring as it is, with no event and not counted among
  * the handle's reported ones; the request and message cut to their fields' bytes. Its ring
- * position, or None when the findings lock is not to be had now (KVPool.report then takes it in
- * a transaction of the runner, which recovers a dead holder, and asks again under it). */
+ * position, or None when the findings lock is not to be had now (leaf_take_py: KVPool.report
+ * then takes it in a transaction of the runner, which recovers a dead holder, and asks again
+ * under it). */
 static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
@@ -277,7 +291,7 @@ static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Seen s = {.block = (int32_t)block, .owner_pid = (int32_t)owner, .site = (int32_t)site};
     memset(s.request, 0, REQUEST_BYTES);
     memcpy(s.request, req, (size_t)rl < REQUEST_BYTES ? (size_t)rl : REQUEST_BYTES);
-    int mh, taken = leaf_take(n, n->lock_findings, &mh);
+    int mh, taken = leaf_take_py(n, n->lock_findings, &mh);
     if (taken == ERROR) return NULL;
     if (taken == FALLBACK) Py_RETURN_NONE;
     uint64_t head = ring_put(n, name, (uint8_t)sev, &s, text, (size_t)ml);
@@ -288,8 +302,8 @@ static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 /* intern_site(text) -> int | None: sites.py SiteTable's write: the id of the site table's entry
  * holding `text` (bytes, cut to the field's), appended when there is none (the entry first,
  * then the count: a death in between leaves an unused entry); -1 when the table is full; None
- * when the sites lock is not to be had now (sites.py then takes it in a transaction of the
- * runner and asks again under it). */
+ * when the sites lock is not to be had now (leaf_take_py: sites.py then takes it in a
+ * transaction of the runner and asks again under it). */
 static PyObject *N_intern_site(Native *n, PyObject *arg) {
     char *raw;
     Py_ssize_t len;
@@ -300,7 +314,7 @@ static PyObject *N_intern_site(Native *n, PyObject *arg) {
         return NULL;
     }
     size_t tl = (size_t)len < n->site_text_bytes ? (size_t)len : n->site_text_bytes;
-    int mh, taken = leaf_take(n, n->lock_sites, &mh);
+    int mh, taken = leaf_take_py(n, n->lock_sites, &mh);
     if (taken == ERROR) return NULL;
     if (taken == FALLBACK) Py_RETURN_NONE;
     int64_t used = (int64_t)U4(n->seg + n->sites_used_at), id = -1;
