@@ -1,9 +1,12 @@
 /* The light probes, run by the core itself (probing.py, events.py, sites.py, writes.py are
  * the reference): flight-recorder events, allocation sites, leak accounting, record checksums,
  * the lock-order graph. A finding the core detects it writes into the segment's findings ring
- * itself (finding_report), where the binding reads it back for `on_finding`. The ring and the
- * site table have no other writer: KVPool.report and sites.py write through N_report and
- * N_intern_site. Part of _native.c. */
+ * itself (finding_report), where the binding reads it back for `on_finding`; what it still
+ * hands back (a release's table holding a freed block or a scribbled record: allocate.c
+ * table_intact; a block an append fills whose record is scribbled: append.c fill_sealed; a
+ * handed-back K/V check that answers true) the Python path reports through KVPool.report. The
+ * ring and the site table have no other writer: KVPool.report and sites.py write through
+ * N_report and N_intern_site. Part of _native.c. */
 
 /* -- the flight recorder (events.py EventRecorder.record) ------------------------------------ */
 
