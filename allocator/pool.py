@@ -498,9 +498,9 @@ class KVPool:
     def record(self, finding) -> None:
         """Write a finding into the segment's findings ring, as it is: the C core writes it,
         under the findings lock (taken there, or held already by this thread: lockdep's graph).
-        Where the core cannot take the lock now (a dead holder, or a wait it may not make), a
-        transaction of the runner takes it, recovering a dead holder, and the core writes under
-        it."""
+        Where the core does not take the lock now (a dead holder; an operation of the core
+        holding the op mutex), a transaction of the runner takes it, recovering a dead holder,
+        and the core writes under it."""
         f = finding
         args = (
             f.kind,

@@ -134,7 +134,7 @@ class SiteTable:
     def _intern(self, text: str) -> int:
         """The site table's id of `text`, added when new (-1: the table is full): the C core
         writes it, under the sites lock (taken in a transaction of the runner when the core
-        cannot take it now: a dead holder, a wait it may not make)."""
+        does not take it now: a dead holder; an operation of the core holding the op mutex)."""
         raw = text.encode()[:SITE_TEXT_BYTES]
         core = self.pool._core
         sid = core.intern_site(raw)

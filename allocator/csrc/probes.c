@@ -441,7 +441,8 @@ static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nar
  * the record reads now, reported when the transaction commits (probing.check_records); the
  * operation goes on and reseals it. OK, or ERROR with an exception set. */
 static int record_sealed(Native *n, int64_t b) {
-    if (n->checked == NULL && (n->checked = PyMem_Calloc((size_t)n->nb, sizeof(uint32_t))) == NULL) {
+    if (n->checked == NULL &&
+        (n->checked = PyMem_Calloc((size_t)n->nb, sizeof(uint32_t))) == NULL) {
         PyErr_NoMemory();
         return ERROR;
     }
@@ -968,7 +969,8 @@ static int64_t lg_chain(Native *n, int64_t used, const char *from, const char *t
             const uint8_t *r = lg_edge(n, e);
             if (memcmp(r + n->lg_src, node[k], 16) != 0) continue;
             int seen = 0;
-            for (int64_t m = 0; m < nn && !seen; m++) seen = memcmp(node[m], r + n->lg_dst, 16) == 0;
+            for (int64_t m = 0; m < nn && !seen; m++)
+                seen = memcmp(node[m], r + n->lg_dst, 16) == 0;
             if (seen || nn == cap) continue;
             node[nn] = r + n->lg_dst;
             came[nn] = (int32_t)e;
@@ -980,8 +982,9 @@ static int64_t lg_chain(Native *n, int64_t used, const char *from, const char *t
 
 /* Append `pid P takes|took SRC -> DST at SITE` to the text at *at (of cap bytes; what does not
  * fit is cut). */
-static void lg_say(char *out, size_t cap, size_t *at, const char *sep, int32_t pid, const char *verb,
-                   const char *src, const char *dst, const char *site, size_t site_bytes) {
+static void lg_say(char *out, size_t cap, size_t *at, const char *sep, int32_t pid,
+                   const char *verb, const char *src, const char *dst, const char *site,
+                   size_t site_bytes) {
     if (*at >= cap) return;
     int w = snprintf(out + *at, cap - *at, "%spid %d %s %.*s -> %.*s at %.*s", sep, pid, verb,
                      (int)strnlen(src, 16), src, (int)strnlen(dst, 16), dst,
@@ -994,9 +997,9 @@ static void lg_say(char *out, size_t cap, size_t *at, const char *sep, int32_t p
  * first), written into the findings ring (the caller holds the findings lock) and its position
  * appended to KVPool._found. OK, or ERROR with an exception set. */
 static int lg_cycle(Native *n, int i, int j, const char *site, const int32_t *path, int64_t np) {
-    /* the message field's bytes and a tail: what a longer text is cut to anyway */
+    /* (cut at 512 bytes: the ring keeps the first 200) */
     char text[512];
-    size_t at = 0, cap = n->fd_message_bytes + 1 < sizeof text ? n->fd_message_bytes + 1 : sizeof text;
+    size_t at = 0, field = n->fd_message_bytes < sizeof text ? n->fd_message_bytes : sizeof text;
     lg_say(text, sizeof text, &at, "", n->pid, "takes", n->lock_cls[i], n->lock_cls[j], site,
            n->lg_site_bytes);
     for (int64_t k = 0; k < np; k++) {
@@ -1007,16 +1010,18 @@ static int lg_cycle(Native *n, int i, int j, const char *site, const int32_t *pa
     }
     char tail[80];
     int tl = snprintf(tail, sizeof tail, ": %s when they overlap",
-                      np == 1 ? "opposite orders deadlock" : "these orders form a cycle that deadlocks");
+                      np == 1 ? "opposite orders deadlock"
+                              : "these orders form a cycle that deadlocks");
     /* the tail only where the whole text fits the field with it */
-    if (at + (size_t)tl < cap) {
+    if (at + (size_t)tl <= field) {
         memcpy(text + at, tail, (size_t)tl);
         at += (size_t)tl;
     }
     Seen s = {.block = -1, .owner_pid = n->pid, .site = -1};
     memset(s.request, 0, REQUEST_BYTES);
-    uint64_t head = ring_put(n, FK_NAMES[FK_LOCK_ORDER_CYCLE], n->fk_severity[FK_LOCK_ORDER_CYCLE],
-                             &s, text, at < sizeof text ? at : sizeof text);
+    int fk = FK_LOCK_ORDER_CYCLE;
+    uint64_t head = ring_put(n, FK_NAMES[fk], n->fk_severity[fk], &s, text,
+                             at < sizeof text ? at : sizeof text);
     return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
 }
 
