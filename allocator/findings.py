@@ -101,32 +101,6 @@ class Finding:
         return f"{self.severity}: {self.kind}{where}{who}{req}: {self.message}"
 
 
-def write_finding(view, t, f: Finding) -> None:
-    """Append a finding to the segment's findings ring (caller holds the findings lock, `t`
-    journals it): the writer of recovery's reclaim at attach, which runs before the attaching
-    handle has a C core; a pool handle writes through its core (`KVPool.report`)."""
-    from kvscope.allocator.layout import FINDINGS_CAPACITY
-    from kvscope.allocator.process import now_ns
-
-    h = view.header
-    head = int(h["findings_head"][0])
-    i = head % FINDINGS_CAPACITY
-    rec_size = view.findings.dtype.itemsize
-    t.journal.save(view.offsets["findings"] + i * rec_size, rec_size)
-    t.journal.save(h.dtype.fields["findings_head"][1], 8)
-    r = view.findings[i : i + 1]
-    r["time_ns"] = now_ns()
-    r["kind"] = f.kind.encode()
-    r["severity"] = 1 if f.severity == ERROR else 2
-    r["repaired"] = 0
-    r["block"] = -1 if f.block is None else f.block
-    r["owner_pid"] = f.owner_pid or 0
-    r["site"] = f.site_id + 1 if f.site_id >= 0 else 0
-    r["request"] = (f.request or "").encode()[:32]
-    r["message"] = f.message.encode()[:200]
-    h["findings_head"] = head + 1
-
-
 def read_findings(view) -> list[Finding]:
     """Findings in the segment's ring, oldest first (a repaired one with `extra["repaired"]`)."""
     from kvscope.allocator.layout import FINDINGS_CAPACITY

@@ -136,7 +136,7 @@ static int32_t site_now(Native *n, PyObject *pool) {
     return sid == -1 && PyErr_Occurred() ? -2 : (int32_t)sid;
 }
 
-/* -- findings (probing.py PoolProbes.report, findings.py write_finding) ------------------- */
+/* -- findings (probing.py PoolProbes.report reads them back) ------------------------------- */
 
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
 static const char *const FK_NAMES[FK_COUNT] = {
