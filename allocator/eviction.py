@@ -1,7 +1,10 @@
-"""Eviction: unindexing the least recently used CACHED blocks (every index shard lock), chosen
-by a scan of the block records. `KVPool.evict` (pool.py) and `BlockStore.evict` (blocks.py)
-call these. (The C core chooses the same blocks, from the segment's LRU list when it holds
-them: csrc/eviction.c.)"""
+"""Eviction inside a Python-path take (reserve.py, through `BlockStore.evict`): unindexing the
+least recently used CACHED blocks (every index shard lock), chosen by a scan of the block
+records, in the operation's own transaction (which the C core cannot join: this stays while
+KVSCOPE_NATIVE=0 runs allocate and append in Python). Every other eviction is the C core's
+(csrc/eviction.c): `KVPool.evict`, and the evicting ahead of an operation whose eviction
+outgrew its undo journal (`evict_ahead`). The core chooses the same blocks, from the
+segment's LRU list when it holds them."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import numpy as np
 
 from kvscope.allocator.crash import crash_point
 from kvscope.allocator.journal import JournalFull
-from kvscope.allocator.layout import RING_HEADER_DTYPE, BlockState
+from kvscope.allocator.layout import BlockState
 from kvscope.allocator.txn import Txn
 
 if TYPE_CHECKING:
@@ -19,37 +22,12 @@ if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
 
 
-def evict_to_ring(pool: KVPool, num_blocks: int) -> int:
-    """Evict up to num_blocks CACHED blocks (LRU first) to the free ring; return how many.
-
-    Each transaction evicts as many as its undo journal holds (with their return to the
-    ring), and commits; the next one goes on."""
-    store = pool.store
-    done = 0
-    while done < num_blocks:
-        left = num_blocks - done
-
-        def op(t: Txn, left: int = left) -> int:
-            # The ring push: its header, up to two ranges of ring slots, each block's record.
-            keep = (3, RING_HEADER_DTYPE.itemsize + 4 * min(left, store.num_blocks))
-            ids = store.evict(t, left, keep=keep, to_ring=0, partial=True)
-            if len(ids):
-                store.ring_push(t, ids)
-                pool._count(t, "num_evictions", len(ids))
-            return len(ids)
-
-        n = pool._run({pool.FREE, *pool.SHARDS}, op)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
 def evict_ahead(pool: KVPool, e: JournalFull) -> None:
-    """An operation ran out of undo journal while evicting `e.evicting` blocks (and was rolled
-    back): evict them now, in transactions of their own (`evict_to_ring`), so that running it
-    again takes them from the free ring. Raises `e` when none could be evicted."""
-    if e.evicting <= 0 or evict_to_ring(pool, e.evicting) == 0:
+    """A Python-path operation ran out of undo journal while evicting `e.evicting` blocks (and
+    was rolled back): the C core evicts them now, in transactions of its own (`KVPool.evict`),
+    so that running it again takes them from the free ring. Raises `e` when none could be
+    evicted."""
+    if e.evicting <= 0 or pool.evict(e.evicting) == 0:
         raise e
 
 

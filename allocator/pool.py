@@ -1,7 +1,8 @@
 """KVPool: the shared paged KV pool. Every public operation is a method here; its work is in the
 module it calls: lifecycle.py (create, attach, close, unlink, reclaim_dead), allocate.py,
 append.py, publish.py (mark_computed), fork.py, release.py (free, abort), preempt.py (set_state,
-resume), eviction.py (evict). Where the C core (native.py) has the operation, it runs first."""
+resume); `evict` is the C core's alone (csrc/eviction.c). Where the C core (native.py) has the
+operation, it runs first."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import torch
 from kvscope.allocator import (
     allocate,
     append,
-    eviction,
     fork,
     lifecycle,
     native,
@@ -460,7 +460,14 @@ class KVPool:
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to num_blocks CACHED blocks (LRU first) to the free ring; return how many."""
-        return eviction.evict_to_ring(self, num_blocks)
+        self._check_process()
+        with self._mutex:
+            done = self._core.evict(self, num_blocks)
+            if done is None:
+                # None evicted: a lock whose holder died (its transaction recovers it), again
+                self._run({self.FREE, *self.SHARDS}, lambda t: None)
+                done = self._core.evict(self, num_blocks) or 0
+        return done
 
     def block_table(self, seq: Sequence) -> list[int]:
         """Physical block ids of seq, logical order."""

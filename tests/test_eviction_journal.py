@@ -1,6 +1,7 @@
 """Eviction never outgrows the undo journal: an allocation that must evict more cached blocks
 than one transaction's journal holds (512 entries) evicts them ahead, in transactions of their
-own, and succeeds; so does `pool.evict(n)` for any n."""
+own (the C core's, for the Python path too), and succeeds; so does `pool.evict(n)` for any n
+(the C core's alone)."""
 
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def test_evict_takes_more_blocks_than_one_journal_holds(make_pool):
 # bytes each) outgrow its 96 KiB, so they are evicted ahead.
 @pytest.mark.parametrize(("bs", "take", "ahead"), [(4, 100, []), (4, 128, []), (48, 128, [128])])
 def test_evicting_ahead_keeps_least_recently_used_order(make_pool, monkeypatch, bs, take, ahead):
-    # GIVEN the full shard of cached blocks, least recently used first
+    # GIVEN the full shard of cached blocks, least recently used first (the Python path: the
+    # core evicts ahead for it)
     monkeypatch.setenv("KVSCOPE_NATIVE", "0")
     seen: list[int] = []
     real = eviction.evict_ahead
@@ -130,6 +132,57 @@ def test_evicting_ahead_keeps_least_recently_used_order(make_pool, monkeypatch, 
     assert sorted(left) == sorted(order[gone:])
     assert set(seq.block_table) <= set(order[:gone])
     assert pool.check() == []
+
+
+@pytest.mark.parametrize(("bs", "take"), [(4, 100), (4, 128), (48, 128)])
+def test_the_core_evicts_ahead_itself_in_least_recently_used_order(make_pool, bs, take):
+    # GIVEN the full shard of cached blocks, least recently used first, on the C core
+    pool = _full_shard_pool(make_pool, bs)
+    b = pool.view.blocks
+    cached = np.flatnonzero(b["state"] == BlockState.CACHED)
+    order = cached[np.lexsort((cached, b["access_ns"][cached]))].tolist()
+    before = pool._core.stats()
+    # WHEN an allocation takes `take` of them (block size 48: their eviction and stamp outgrow
+    # the journal)
+    seq = pool.allocate("big", [5] * (take * bs))
+    # THEN the core did it all, nothing handed to the Python path: the oldest went, the
+    # newest are still cached, the sequence got the oldest
+    after = pool._core.stats()
+    assert after["fallbacks"] == before["fallbacks"]
+    gone = pool.stats()["num_evictions"]
+    assert gone >= take and after["evictions"] - before["evictions"] == gone
+    left = np.flatnonzero(b["state"] == BlockState.CACHED).tolist()
+    assert sorted(left) == sorted(order[gone:])
+    assert set(seq.block_table) <= set(order[:gone])
+    assert pool.check() == []
+
+
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python", "core"])
+def test_evict_of_more_than_a_chunk_runs_in_the_core_in_lru_order(make_pool, monkeypatch, native):
+    # GIVEN 300 cached blocks (more than CHUNK, 128), with their least recently used order
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+    pool = make_pool(512, block_size=BS)
+    for i in range(15):
+        s = pool.allocate(f"p{i}", [1000 * i + j for j in range(20 * BS)])
+        pool.mark_computed(s, s.num_tokens)
+        pool.free(s)
+    b = pool.view.blocks
+    cached = np.flatnonzero(b["state"] == BlockState.CACHED)
+    order = cached[np.lexsort((cached, b["access_ns"][cached]))].tolist()
+    assert len(order) == 300
+    ops = pool._core.stats()["native_ops"]
+    # WHEN 250 of them are evicted
+    assert pool.evict(250) == 250
+    # THEN one call into the core evicted the 250 oldest (whichever path runs the rest), the
+    # newest 50 stay cached, the counters say so and the pool is consistent
+    assert pool._core.stats()["native_ops"] == ops + 1
+    left = np.flatnonzero(b["state"] == BlockState.CACHED).tolist()
+    assert sorted(left) == sorted(order[250:])
+    st = pool.stats()
+    assert st["num_evictions"] == 250 and st["num_cached"] == 50
+    assert pool.check() == []
+    # AND asking for more than is cached evicts what is left
+    assert pool.evict(1000) == 50 and pool.evict(1) == 0
 
 
 def _crash_child(name: str, point: str, bs: int) -> None:
@@ -190,10 +243,14 @@ def _counting_saves(kill_at: int) -> list[int]:
     return n
 
 
-def _save_child(name: str, kill_at: int, bs: int) -> None:
+def _save_child(name: str, kill_at: int, bs: int, saves: str) -> None:
     try:
-        _counting_saves(kill_at)
-        KVPool.attach(name).allocate("big", [5] * (128 * bs))
+        pool = KVPool.attach(name)
+        if saves == "python":
+            _counting_saves(kill_at)
+        else:
+            pool._core.set_crash_at(kill_at)
+        pool.allocate("big", [5] * (128 * bs))
         code = 3
     except BaseException:
         traceback.print_exc()
@@ -201,33 +258,50 @@ def _save_child(name: str, kill_at: int, bs: int) -> None:
     os._exit(code)
 
 
+# Where the kills fall: the Python path's own saves (its rolled-back first attempt, then its
+# allocation), the C core's under the Python path (the evicting ahead), and the C core's
+# running it all.
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("native", "saves"), [("0", "python"), ("0", "core"), ("1", "core")], ids=str
+)
 def test_a_kill_at_any_journal_save_of_an_allocation_evicting_ahead_loses_no_block(
-    make_pool, monkeypatch
+    make_pool, monkeypatch, native, saves
 ):
     # GIVEN the allocation that evicts a full shard ahead (block size 48), and how many
-    # journal saves it makes: the evict-ahead transaction's, then the allocation's
-    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+    # journal saves the Python path makes for it
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
     bs = 48
-    probe = _full_shard_pool(make_pool, bs)
-    from kvscope.allocator.journal import Journal
+    if saves == "python":
+        probe = _full_shard_pool(make_pool, bs)
+        from kvscope.allocator.journal import Journal
 
-    for name in ("save", "save_records"):
-        monkeypatch.setattr(Journal, name, getattr(Journal, name))
-    saves = _counting_saves(0)
-    probe.allocate("big", [5] * (128 * bs))
-    monkeypatch.undo()
-    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
-    total = saves[0]
-    assert total > 128
+        for name in ("save", "save_records"):
+            monkeypatch.setattr(Journal, name, getattr(Journal, name))
+        counted = _counting_saves(0)
+        probe.allocate("big", [5] * (128 * bs))
+        monkeypatch.undo()
+        monkeypatch.setenv("KVSCOPE_NATIVE", native)
+        total = counted[0]
+        assert total > 10
+        kills = sorted({1, 2, 3, total - 1, total, *range(1, total, max(1, total // 6))})
+    else:
+        # (the core's: the evicting ahead, 128 blocks of a full shard, makes several hundred)
+        kills = [1, 2, 3, 50, 150, 300, 450, 600, 750, 900, 1200, 1600]
     # WHEN another process is killed at one of them (spread over the whole allocation)
-    for kill_at in sorted({1, 2, 3, total - 1, total, *range(1, total, total // 6)}):
+    killed = 0
+    for kill_at in kills:
         pool = _full_shard_pool(make_pool, bs)
         pid = os.fork()
         if pid == 0:
-            _save_child(pool.name, kill_at, bs)
+            _save_child(pool.name, kill_at, bs, saves)
         _, status = os.waitpid(pid, 0)
+        if saves == "core" and os.WIFEXITED(status):
+            # (past the core's last save: it finished)
+            assert os.WEXITSTATUS(status) == 3, kill_at
+            continue
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, kill_at
+        killed += 1
         # THEN reclaiming it leaves a consistent pool that lost no block: each block cached,
         # evicted to the free ring (a committed evict-ahead), or nothing changed
         pool.reclaim_dead()
@@ -235,4 +309,5 @@ def test_a_kill_at_any_journal_save_of_an_allocation_evicting_ahead_loses_no_blo
         st = pool.stats()
         assert st["num_allocated"] == sum(len(s.block_table) for s in pool._seqs.values())
         assert st["num_free"] + st["num_local"] + st["num_cached"] + st["num_allocated"] == 256
-        assert st["num_cached"] in (0, 128), (kill_at, st["num_cached"])
+        assert st["num_free"] + st["num_local"] + st["num_cached"] == 128, kill_at
+    assert killed >= 6

@@ -185,13 +185,14 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
 abort:
     txn_abort(n);
     /* (an error of a handback to Python: raised) */
-    if (n->ahead && !PyErr_Occurred()) {
-        /* a waiting sequence too long to preempt inside it: preempted ahead, then again */
-        rc = preempt_ahead(n);
+    if (!PyErr_Occurred()) {
+        /* a preemption or an eviction too large for its journal: done ahead, then again */
+        rc = run_ahead(n);
         again = rc == OK;
         result = rc == ERROR ? NULL : again ? NULL : fallback(n);
     } else {
-        result = PyErr_Occurred() ? NULL : fallback(n);
+        n->ahead = n->evicting = n->jfull = 0;
+        result = NULL;
     }
 out:
     if (mutex) drop_mutex(n);

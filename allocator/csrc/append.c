@@ -231,9 +231,8 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
     while (done < k) {
         int64_t part = k - done < step ? k - done : step;
         int rc = append_chunk(n, pool, seq, slot, lists, toks + done, part, copies);
-        /* a waiting sequence too long to preempt inside it: preempted ahead, then again */
-        if (rc == FALLBACK && n->ahead && !PyErr_Occurred() && (rc = preempt_ahead(n)) == OK)
-            continue;
+        /* a preemption or an eviction too large for its journal: done ahead, then again */
+        if (rc == FALLBACK && !PyErr_Occurred() && (rc = run_ahead(n)) == OK) continue;
         drop_mutex(n);
         if (rc == ERROR) goto out;
         if (rc == FALLBACK) {

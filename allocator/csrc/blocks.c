@@ -175,17 +175,21 @@ static int refill(Native *n) {
  * to the ring), then this handle's oldest waiting sequences, preempted one at a time (not
  * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
  * eviction again. When they are all short, FALLBACK with `exhausted_need` set: the
- * transaction's rollback raises PoolExhausted (preempt.c). The locks each step needs must be
- * held already (`take_locks` plans them; FALLBACK when they are not: the Python path). */
+ * transaction's rollback raises PoolExhausted (preempt.c); when the eviction outgrows the
+ * journal, FALLBACK with `jfull` set: the operation's rollback evicts ahead (run_ahead). The
+ * locks each step needs must be held already (`take_locks` plans them; FALLBACK when they are
+ * not: the Python path). */
 static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     int64_t got, more;
+    n->evicting = 0; /* (what an earlier operation left, if anything, is not this one's) */
+    n->jfull = 0;
     if (local_pop(n, k, out, &got)) return FALLBACK;
     if (got == k) return OK;
     if (!holds(n, n->lock_free)) return FALLBACK;
     if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
     got += more;
     if (got == k) return refill(n);
-    int rc = evict_into(n, k - got, EVICT_BATCH, out + got, &more);
+    int rc = evict_into(n, k - got, EVICT_BATCH, k - got, out + got, &more, k);
     if (rc != OK) return rc;
     got += more;
     while (got < k) {
@@ -200,7 +204,7 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
             got += more;
         }
         if (got < k) {
-            if ((rc = evict_into(n, k - got, 0, out + got, &more)) != OK) return rc;
+            if ((rc = evict_into(n, k - got, 0, k - got, out + got, &more, k)) != OK) return rc;
             got += more;
         }
     }

@@ -189,6 +189,14 @@ typedef struct {
     Aged *scan_buf;
     int dry_valid;
     int64_t dry_k, dry_extra, dry_m, dry_keep, dry_added;
+    /* An eviction that stopped short of its candidates (the journal's room): the LRU list is
+     * forgotten at commit (the next eviction scans). */
+    int pend_forget;
+    /* The open operation's take: the blocks its eviction is to hand it, and whether a journal
+     * save was refused (jsave): both together, after its rollback, are evicted ahead in
+     * transactions of their own and the operation runs again (eviction.c run_ahead). */
+    int64_t evicting;
+    int jfull;
     int fork_gen;
     uint64_t *coefs;   /* prefix._COEFS[:bs] */
     /* the open transaction */
@@ -348,7 +356,11 @@ static inline void count(Native *n, int field, uint64_t k) {
 /* Defined in a later part (the parts are one translation unit: see _native.c). */
 static PyObject *field(PyObject *obj, PyObject *name);
 static PyObject *fallback(Native *n);
-static int evict_into(Native *n, int64_t k, int64_t extra, int32_t *out, int64_t *got);
+static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
+                      int64_t *got, int64_t later);
+static int run_ahead(Native *n);
+static int verify_often(Native *n, PyObject *pool);
+static void drop_mutex(Native *n);
 static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found);
 static int preempted(Native *n, int64_t from, int64_t to);
 static int preempt_ahead(Native *n);

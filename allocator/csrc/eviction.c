@@ -19,15 +19,19 @@ static void lru_drop_pending(Native *n) {
     n->pend_scan_ns = NULL;
     n->pend_scan_n = -1;
     n->pend_take_pos = n->pend_taken = n->pend_takes = n->pend_scans = 0;
+    n->pend_forget = 0;
 }
 
 /* At commit, the free lock still held: a scan's later candidates become the list (entries
  * first, its count last: a crash in between leaves an empty list); otherwise the takes
- * advance it. Then the counters. */
+ * advance it; an eviction that stopped short of its candidates empties it. Then the
+ * counters. */
 static void lru_commit(Native *n) {
     if (n->pend_scan_n < 0 && !n->pend_takes && !n->pend_scans) return; /* (no eviction) */
     uint8_t *h = lru_head(n);
-    if (n->pend_scan_n >= 0) {
+    if (n->pend_forget) {
+        __atomic_store_n((uint32_t *)(h + LRU_COUNT), 0, __ATOMIC_RELEASE);
+    } else if (n->pend_scan_n >= 0) {
         __atomic_store_n((uint32_t *)(h + LRU_COUNT), 0, __ATOMIC_RELEASE);
         for (int64_t j = 0; j < n->pend_scan_n; j++) {
             uint8_t *e = lru_entry(n, j);
@@ -202,35 +206,96 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     return OK;
 }
 
-/* reserve.take's eviction step: up to `k` blocks into out (*got of them: fewer when fewer are
- * cached) from the LRU cached ones; up to `extra` more go to the free ring (the free lock and
- * the candidates' shard locks held). */
-static int evict_into(Native *n, int64_t k, int64_t extra, int32_t *out, int64_t *got) {
+/* Room in the open transaction's journal for `entries` more saves of `bytes` in all. */
+static inline int jroom(Native *n, int64_t entries, int64_t bytes) {
+    return (int64_t)n->jcount + entries <= (int64_t)n->j_entries &&
+           (int64_t)n->jused + bytes <= (int64_t)n->j_bytes;
+}
+
+/* The journal saves index_remove(key, block) will make (one per entry it shifts back, and
+ * the hole it leaves), 0 when the block is not indexed under key: a dry run of it. */
+static int64_t index_remove_saves(Native *n, uint64_t key, int32_t block) {
+    int64_t base, w = n->index_w, i = probe_start(n, key, &base), s;
+    for (s = 0; s < w; s++) {
+        uint8_t *e = idx_entry(n, base + i);
+        if (U8(e) == 0) return 0;
+        if (U8(e) == key && I4(e + 8) == block) break;
+        i = (i + 1) % w;
+    }
+    if (s == w) return 0;
+    int64_t hole = i, j = (i + 1) % w, saves = 1;
+    for (s = 0; s < w - 1; s++) {
+        uint64_t kj = U8(idx_entry(n, base + j));
+        if (kj == 0) break;
+        int64_t home = (int64_t)((kj >> 16) % (uint64_t)w);
+        if (((j - home) % w + w) % w >= ((j - hole) % w + w) % w) saves++, hole = j;
+        j = (j + 1) % w;
+    }
+    return saves;
+}
+
+/* Journal room an eviction inside a take leaves for the rest of the operation besides the
+ * stamp of the blocks taken: the sequence's head and table, the ring's header (reserve.py
+ * TAKE_SLACK). */
+#define TAKE_SLACK_ENTRIES 16
+#define TAKE_SLACK_BYTES 8192
+
+/* Eviction (BlockStore.evict): up to k (+ extra) least recently used CACHED blocks unindexed,
+ * the first `mine` of them (at most k) into out (*got of them: fewer when fewer are cached),
+ * the others to the free ring. The free lock and the candidates' shard locks held.
+ * Journal-bounded: a block is evicted only while the journal has room for it, for the return
+ * to the ring of the blocks before it that go there, and for the `later` block records (and
+ * TAKE_SLACK) the operation writes after it. The blocks for the ring stop where the room
+ * ends; one of the first `mine` that does not fit leaves FALLBACK with `jfull` set: the
+ * operation rolls back and evicts them ahead (run_ahead). */
+static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
+                      int64_t *got, int64_t later) {
     *got = 0;
     if (!holds(n, n->lock_free)) return FALLBACK;
+    if (k > CHUNK) {
+        /* more than one transaction's candidates: all of them ahead */
+        n->evicting += mine;
+        n->jfull = 1;
+        return FALLBACK;
+    }
     int32_t cand[CHUNK + EVICT_BATCH];
     int64_t nc = 0;
-    if (k > CHUNK) return FALLBACK;
     if (lru_take(n, k, extra, cand, &nc, 0) && lru_scan(n, k, extra, cand, &nc, 0))
         return FALLBACK;
     if (nc == 0) return OK;
+    if (mine > nc) mine = nc;
+    n->evicting += mine;
     /* Only the candidates' shards are locked (`take_locks` found them before the locks:
      * another process may have changed the pool since; then the Python path, every shard). */
     for (int64_t i = 0; i < nc; i++)
         if (!(n->held & block_shard_lock(n, cand[i]))) return FALLBACK;
-    /* BlockStore.evict */
-    for (int64_t i = 0; i < nc; i++)
-        if (jsave_block(n, cand[i])) return FALLBACK;
     /* digest: what is evicted is as published (writes.evicting) */
     int rc = digests_intact(n, cand, nc, "its eviction");
     if (rc != OK) return rc;
-    for (int64_t i = 0; i < nc; i++) {
-        uint8_t *r = blk(n, cand[i]);
+    int64_t done = 0;
+    for (; done < nc; done++) {
+        int32_t b = cand[done];
+        uint64_t key = U8(blk(n, b) + BF_PREFIX_HASH);
+        int64_t saves = index_remove_saves(n, key, b);
+        if (saves == 0) return FALLBACK; /* a cached block the index lacks: the Python path */
+        int64_t ring = done + 1 > mine ? done + 1 - mine : 0;
+        int64_t entries = 1 + saves + (ring ? ring + 3 : 0) + later + TAKE_SLACK_ENTRIES;
+        int64_t bytes = n->rec + saves * INDEX_ENTRY +
+                        (ring ? ring * (n->rec + 4) + RING_IDS : 0) + later * n->rec +
+                        TAKE_SLACK_BYTES;
+        if (!jroom(n, entries, bytes)) {
+            if (done < mine) {
+                n->jfull = 1;
+                return FALLBACK;
+            }
+            n->pend_forget = 1; /* the rest stay cached, older than the list's next entries */
+            break;
+        }
         int removed;
-        if (index_remove(n, U8(r + BF_PREFIX_HASH), cand[i], &removed) || !removed)
-            return FALLBACK;
+        if (jsave_block(n, b) || index_remove(n, key, b, &removed) || !removed) return FALLBACK;
     }
-    for (int64_t i = 0; i < nc; i++) {
+    if (done == 0) return OK;
+    for (int64_t i = 0; i < done; i++) {
         uint8_t *r = blk(n, cand[i]);
         r[BF_INDEXED] = 0;
         I4(r + BF_REFCOUNT) = 0;
@@ -238,10 +303,98 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int32_t *out, int64_t
         I4(r + BF_OWNER_CLIENT) = n->client;
     }
     crash_point(n, CP_AFTER_EVICT);
-    int64_t mine = nc < k ? nc : k;
-    memcpy(out, cand, 4 * (size_t)mine);
-    if (ring_push(n, cand + mine, nc - mine)) return FALLBACK;
-    n->pend_evicted += nc;
+    if (mine) memcpy(out, cand, 4 * (size_t)mine);
+    if (ring_push(n, cand + mine, done - mine)) return FALLBACK;
+    n->pend_evicted += done;
     *got = mine;
     return OK;
+}
+
+/* KVPool.evict's work: up to `num` least recently used CACHED blocks to the free ring, in
+ * transactions of at most CHUNK blocks, each evicting as many as its journal holds and
+ * committing (*done: how many in all). Each takes the free lock and the shards of the blocks
+ * a look without the locks chose, or every shard when that look is out of date under them.
+ * OK (fewer when fewer are cached), FALLBACK when a transaction could not begin or run (a
+ * lock whose holder died, a journal left open, a record that fails its checks) with
+ * *done evicted before it, ERROR with an exception set. */
+static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
+    *done = 0;
+    int every = 0;
+    while (*done < num) {
+        int64_t want = num - *done < CHUNK ? num - *done : CHUNK;
+        uint64_t locks = lock_bit(n->lock_free);
+        int32_t cand[CHUNK + EVICT_BATCH];
+        int64_t nc = 0;
+        n->dry_valid = 0;
+        if (!every && (!lru_take(n, want, 0, cand, &nc, 1) || !lru_scan(n, want, 0, cand, &nc, 1))) {
+            if (nc == 0) return OK; /* nothing cached */
+            for (int64_t i = 0; i < nc; i++) locks |= block_shard_lock(n, cand[i]);
+        } else {
+            for (int64_t s = 0; s < n->num_shards; s++) locks |= lock_bit(n->lock_shard0 + (int)s);
+        }
+        if (txn_begin(n, locks)) return FALLBACK;
+        n->evicting = 0;
+        n->jfull = 0;
+        int64_t got;
+        int rc = evict_into(n, want, 0, 0, NULL, &got, 0);
+        if (rc != OK) {
+            txn_abort(n);
+            if (rc == ERROR || PyErr_Occurred()) return ERROR;
+            if (every) return FALLBACK;
+            every = 1; /* the pool changed since the look: again under every shard */
+            continue;
+        }
+        int64_t evicted = n->pend_evicted;
+        txn_commit(n);
+        if (evicted == 0) return OK;
+        *done += evicted;
+        every = 0;
+    }
+    return OK;
+}
+
+/* After an operation's rollback, what it left to do ahead in transactions of its own: the
+ * waiting sequence whose preemption would have outgrown its journal (preempt_ahead), or the
+ * blocks its take was evicting when the journal ran out (to the free ring, where running it
+ * again takes them: eviction.py's evict_ahead is the Python path's). OK: run the operation
+ * again; FALLBACK: nothing was done ahead; ERROR. */
+static int run_ahead(Native *n) {
+    int64_t evict = n->jfull ? n->evicting : 0, done;
+    n->jfull = 0;
+    n->evicting = 0;
+    if (n->ahead) return preempt_ahead(n);
+    if (evict <= 0) return FALLBACK;
+    int rc = evict_to_ring(n, evict, &done);
+    return rc == ERROR ? ERROR : done > 0 ? OK : FALLBACK;
+}
+
+/* evict(pool, num_blocks) -> int | None: KVPool.evict, the only implementation (any probe or
+ * hook: called with the handle's op mutex held, so no other thread's operation is half done,
+ * and run whatever hooks the handle has, which see none of its locks). How many were evicted;
+ * None when none could be because a transaction could not begin (KVPool.evict recovers a dead
+ * holder's lock and asks again). */
+static PyObject *N_evict(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "evict(pool, num_blocks)");
+        return NULL;
+    }
+    int64_t num = PyLong_AsLongLong(args[1]);
+    if (num == -1 && PyErr_Occurred()) return NULL;
+    if (n->seg == NULL) return fallback(n);
+    /* the gate's probe settings, without its refusals (entry.c gate) */
+    n->probes = (int)*n->probe_bits;
+    if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
+    else if (!n->lockdep_was_on) {
+        memset(n->known_into, 0, sizeof n->known_into);
+        n->lockdep_was_on = 1;
+    }
+    n->pool = args[0];
+    if ((n->probes & P_MAGIC) && verify_often(n, args[0])) return NULL;
+    int64_t done = 0;
+    int rc = num > 0 ? evict_to_ring(n, num, &done) : OK;
+    drop_mutex(n);
+    if (rc == ERROR) return NULL;
+    if (rc == FALLBACK && done == 0) return fallback(n);
+    n->native_ops++;
+    return PyLong_FromLongLong(done);
 }

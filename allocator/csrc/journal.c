@@ -4,7 +4,10 @@
 /* -- the journal ------------------------------------------------------------------------------ */
 
 static int jsave(Native *n, size_t off, uint32_t len) {
-    if (n->jcount + 1 > n->j_entries || n->jused + len > n->j_bytes) return FALLBACK;
+    if (n->jcount + 1 > n->j_entries || n->jused + len > n->j_bytes) {
+        n->jfull = 1; /* (an eviction in the operation is evicted ahead: eviction.c run_ahead) */
+        return FALLBACK;
+    }
     if (n->crash_at > 0 && --n->crash_at == 0) kill(getpid(), SIGKILL);
     uint8_t *e = n->seg + n->c_journal + (size_t)n->jcount * JENTRY;
     U8(e + JE_OFFSET) = off;

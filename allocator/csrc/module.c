@@ -334,6 +334,8 @@ static PyMethodDef N_methods[] = {
      "detach(): close's work (local cache, slot reserve, counters, record detached)"},
     {"mark_repaired", (PyCFunction)(void (*)(void))N_mark_repaired, METH_FASTCALL,
      "mark_repaired(pids, kinds) -> [ring position]: findings a repair answered"},
+    {"evict", (PyCFunction)(void (*)(void))N_evict, METH_FASTCALL,
+     "evict(pool, num_blocks) -> int | None: LRU cached blocks to the free ring"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};
