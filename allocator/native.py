@@ -60,7 +60,7 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.locks import UNTRACED, lock_class
 from kvscope.allocator.prefix import _COEFS_LIST
 from kvscope.allocator.probing import LOCKS_HELD
-from kvscope.allocator.sequence import Sequence
+from kvscope.allocator.sequence import SEQ_ID_BATCH, Sequence
 from kvscope.allocator.sites import KVSCOPE_DIRS
 
 if TYPE_CHECKING:
@@ -250,6 +250,7 @@ def core_for(pool: KVPool) -> Any:
         "local_cap": store.local_cap,
         "local_max": store.local_max,
         "slot_batch": pool.seqtab.batch,
+        "seq_id_batch": SEQ_ID_BATCH,
         "quarantine": pool.store.quarantine,
         "off_blocks": off["blocks"],
         "off_ring": off["ring"],
@@ -302,8 +303,6 @@ def core_for(pool: KVPool) -> Any:
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
         "seqs": pool._seqs,
         "guarded": pool._guarded,
-        # Shared with the Python path, changed in place by both.
-        "reserve": pool.seqtab.reserve,
         # The faults and crash points (csrc/faults.c): armed and counted down by both paths.
         "faults_armed": faults.ARMED,
         "fault_names": faults.FAULTS,
@@ -312,7 +311,6 @@ def core_for(pool: KVPool) -> Any:
         "crash_armed": crash.ARMED,
         "crash_points": tuple(crash.CRASH_POINTS),
         "off_num_blocks": view.header.dtype.fields["num_blocks"][1],
-        "ids": pool.seqtab.ids,
         "mutex": pool._mutex,
         "busy": pool._busy,
         "overdue": pool._overdue,

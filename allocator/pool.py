@@ -228,6 +228,7 @@ class KVPool:
         # KVSCOPE_NATIVE=0 sends them to the Python path; `_core` runs the rest either way
         # (recovery, close: csrc/recovery.c).
         self._core = native.core_for(self)
+        self.seqtab.core = self._core  # (the slot reserve is the core's)
         self._native = self._core if native.available() else None
 
     def close(self) -> None:
@@ -347,8 +348,22 @@ class KVPool:
         if self.probe is not None:
             self.probe.writes.settle()
         guarded = self._guard_every > 1 and self._sample_guard()
-        runner.reserve_ready(self, claiming=True)
+        self._reserve_ready(claiming=True)
         return guarded
+
+    def _reserve_ready(self, claiming: bool) -> None:
+        """Before an operation that claims a sequence slot (`claiming`) or releases one: the
+        core refills this process's slot reserve when it is empty, or gives a batch of it back
+        when it is full, in a transaction of its own under the seqs lock, so that the operation
+        itself needs neither (csrc/sequences.c)."""
+        if not self._core.reserve_ready(self, claiming):
+            self._recover_locks({self.SEQS})
+            self._core.reserve_ready(self, claiming)
+
+    def _recover_locks(self, locks: set[int]) -> None:
+        """Where the core could not begin a transaction of its own (a lock whose holder died):
+        the runner's transaction on those locks recovers them."""
+        self._run(locks, lambda t: None)
 
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
         """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
@@ -404,7 +419,7 @@ class KVPool:
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
         """A new sequence sharing every block of seq (refcounts +1); `request_id` as in
         `allocate`."""
-        runner.reserve_ready(self, claiming=True)
+        self._reserve_ready(claiming=True)
         if self._native is not None:
             child = self._native.fork(self, seq, request_id)
             if self._found:
@@ -420,7 +435,7 @@ class KVPool:
             if isinstance(seq, Sequence) and seq.slot >= 0 and self._guards(seq.slot):
                 # (in sampled guard mode, the sampled requests)
                 self.probe.writes.finished(seq)
-        runner.reserve_ready(self, claiming=False)
+        self._reserve_ready(claiming=False)
         if self._native is None or self._native.end(self, seq, _FINISHED) is None:
             release.end(self, seq, SeqState.FINISHED)
         if self._found:
@@ -430,7 +445,7 @@ class KVPool:
         """Release a sequence whose request did not finish."""
         if self.probe is not None:
             self.probe.writes.settle()
-        runner.reserve_ready(self, claiming=False)
+        self._reserve_ready(claiming=False)
         if self._native is None or self._native.end(self, seq, _ABORTED) is None:
             release.end(self, seq, SeqState.ABORTED)
         if self._found:
@@ -464,8 +479,7 @@ class KVPool:
         with self._mutex:
             done = self._core.evict(self, num_blocks)
             if done is None:
-                # None evicted: a lock whose holder died (its transaction recovers it), again
-                self._run({self.FREE, *self.SHARDS}, lambda t: None)
+                self._recover_locks({self.FREE, *self.SHARDS})
                 done = self._core.evict(self, num_blocks) or 0
         return done
 

@@ -1,7 +1,7 @@
 """The operation runner: every Python-path operation of a pool is a function run in a
 transaction (txn.py) under this handle's mutex, retried with more locks when it asks for them
-(`Escalate`), after the core recovered a lock whose holder died (`DeadHolder`), and after evicting
-ahead the blocks whose eviction outgrew its undo journal (`JournalFull`); a full pool's
+(`Escalate`), after the core recovered a lock whose holder died (`DeadHolder`), and after the C
+core evicted ahead the blocks whose eviction outgrew its undo journal (`JournalFull`); a full pool's
 `PoolExhausted` leaves it with the counts of the pool as the rollback left it. `KVPool._run`."""
 
 from __future__ import annotations
@@ -57,15 +57,3 @@ def run(pool: KVPool, locks: set[int], fn: Callable[[Txn], T]) -> T:
                     raise exhausted(pool, e.needed) from None
         finally:
             busy[0] -= 1
-
-
-def reserve_ready(pool: KVPool, claiming: bool) -> None:
-    """Before an operation that claims a sequence slot (`claiming`) or releases one: refill the
-    process's slot reserve when it is empty, or give a batch of it back when it is full, in a
-    transaction of its own under the seqs lock, so that the operation itself needs neither (the
-    C core claims and releases slots only through the reserve)."""
-    tab = pool.seqtab
-    if claiming and tab.refill_due():
-        run(pool, {pool.SEQS}, lambda t: tab.refill(t, pool.pid, pool.start))
-    elif not claiming and tab.trim_due():
-        run(pool, {pool.SEQS}, tab.trim)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -73,8 +74,10 @@ class SeqTable:
 
     A process claims slots in batches under the seqs lock into its **reserve** (slots marked
     `reserved` with its client index, still EMPTY); a sequence then takes a reserved slot, and a
-    freed one goes back to the reserve, without the lock. Recovery returns a dead process's
-    reserve (csrc/recovery.c, `detach_chunk`).
+    freed one goes back to the reserve, without the lock. The C core owns the reserve
+    (csrc/sequences.c: its refill and trim, `reserve_ready`, before each operation that claims
+    or releases a slot); this table's `core`, set by the pool, claims and releases through it.
+    Recovery returns a dead process's reserve (csrc/recovery.c, `detach_chunk`).
     """
 
     def __init__(self, view: SegmentView, lock: int, client: int):
@@ -92,13 +95,9 @@ class SeqTable:
         self.max_blocks = view.layout.max_blocks_per_seq
         self.lock = lock
         self.client = client
-        self._hint = 0
         self.batch = slot_batch(view.layout.max_seqs, view.layout.max_clients)
-        # This process's reserve (EMPTY slots marked reserved by it) and its range of ids
-        # [next_id, end_id). The C core (native.py) holds these same two lists: they are
-        # changed in place, never replaced.
-        self.reserve: list[int] = []
-        self.ids: list[int] = [0, 0]
+        # The C core holding this process's reserve (KVPool sets it), or None: no reserve.
+        self.core: Any = None
         # num_tokens (u8) of slot s is word `num_tokens_at8 + s * rec8` of a flat uint64 view.
         end = view.offsets["end"]
         self.u64 = memoryview(view.buf)[:end].cast("Q")
@@ -107,33 +106,28 @@ class SeqTable:
         self.num_tokens_at8 = (self.base + view.seqs.dtype.fields["num_tokens"][1]) // 8
 
     @property
-    def next_id(self) -> int:
-        return self.ids[0]
-
-    @next_id.setter
-    def next_id(self, v: int) -> None:
-        self.ids[0] = v
-
-    @property
-    def end_id(self) -> int:
-        return self.ids[1]
-
-    @end_id.setter
-    def end_id(self, v: int) -> None:
-        self.ids[1] = v
+    def reserve(self) -> list[int]:
+        """This process's reserved slots as the core holds them (a copy; claims pop the end)."""
+        return [] if self.core is None else list(self.core.reserve_state()[0])
 
     def save_head(self, t: Txn, slot: int) -> None:
         """Journal the slot's fixed fields."""
         t.journal.save(self.base + slot * self.size, self.head_size)
 
     def can_claim_locally(self) -> bool:
-        """True when the next claim needs no seqs lock (a reserved slot and an id are at hand)."""
-        return bool(self.reserve) and self.next_id < self.end_id
+        """True when the next claim needs no seqs lock (a reserved slot and an id are at hand):
+        a hint for planning locks."""
+        if self.core is None or not self.batch:
+            return False
+        slots, next_id, end_id = self.core.reserve_state()
+        return bool(slots) and next_id < end_id
 
     def can_release_locally(self, slot: int) -> bool:
-        """True when releasing `slot` puts it back in this process's reserve (no seqs lock)."""
+        """True when releasing `slot` puts it back in this process's reserve (no seqs lock): a
+        hint for planning locks (the core's reserve_release decides)."""
         return (
-            len(self.reserve) < 2 * self.batch
+            self.core is not None
+            and len(self.core.reserve_state()[0]) < 2 * self.batch
             and self.reserved[slot] == 1
             and self.owner_client[slot] == self.client
         )
@@ -143,19 +137,18 @@ class SeqTable:
     ) -> tuple[int, int]:
         """Take an empty slot for a new sequence created at `site` (-1: not recorded); return
         (slot, seq_id)."""
-        if not self.batch:
-            # (the lowest empty slot, as the C core takes it: no hint the two would share)
+        got = None
+        if self.core is not None and self.batch:
+            self._restore_on_rollback(t)
+            got = self.core.reserve_claim()
+        if got is None:
+            # No reserve (a small table), or an empty one (the table had no slot for it when it
+            # was refilled): the lowest empty slot under the seqs lock, as the C core takes it.
             t.need(self.lock)
-            (slot,) = self._empty_slots(1, hint=0)
+            slot = self._lowest_empty_slot()
             seq_id = self._take_ids(t, 1)
         else:
-            self._restore_on_rollback(t)
-            if not self.can_claim_locally():
-                t.need(self.lock)
-                self._refill(t, pid, start)
-            slot = self.reserve.pop()
-            seq_id = self.next_id
-            self.next_id += 1
+            slot, seq_id = got
         self.save_head(t, slot)
         rec = self.seqs[slot : slot + 1]
         rec["owner_pid"], rec["owner_client"], rec["owner_start"] = pid, client, start
@@ -167,33 +160,20 @@ class SeqTable:
         return slot, seq_id
 
     def _restore_on_rollback(self, t: Txn) -> None:
-        """Put the reserve and the id range back as they are now if `t` rolls back (both are
-        lists the C core shares: changed in place)."""
-        reserve, ids = list(self.reserve), list(self.ids)
+        """Put the core's reserve back as it is now if `t` rolls back."""
+        core, state = self.core, self.core.reserve_state()
+        t.after_rollback.append(lambda: core.reserve_restore(state))
 
-        def restore() -> None:
-            self.reserve[:] = reserve
-            self.ids[:] = ids
-
-        t.after_rollback.append(restore)
-
-    def _empty_slots(self, k: int, hint: int | None = None) -> list[int]:
-        """Up to k EMPTY slots no process reserves, from `hint` or else the rotating one
-        (caller: seqs lock)."""
-        if hint is not None:
-            self._hint = hint
-        n = len(self.state)
-        free = (self.state == SeqState.EMPTY) & (self.reserved == 0)
-        found = np.flatnonzero(free[self._hint :])[:k] + self._hint
-        if len(found) < k:
-            found = np.concatenate([found, np.flatnonzero(free[: self._hint])[: k - len(found)]])
-        if not len(found):
+    def _lowest_empty_slot(self) -> int:
+        """The lowest EMPTY slot no process reserves (caller: seqs lock)."""
+        free = np.flatnonzero((self.state == SeqState.EMPTY) & (self.reserved == 0))
+        if not len(free):
+            n = len(self.state)
             held = int(((self.state == SeqState.EMPTY) & (self.reserved == 1)).sum())
             raise PoolError(
                 f"sequence table full: {n - held} live sequences and {held} empty slots reserved by attached processes (PoolConfig.max_seqs is {n}); free finished ones or create the pool with a larger max_seqs"
             )
-        self._hint = (int(found[-1]) + 1) % n
-        return found.tolist()
+        return int(free[0])
 
     def _take_ids(self, t: Txn, k: int) -> int:
         """Advance the header's sequence-id counter by k; return the first id (seqs lock)."""
@@ -203,54 +183,14 @@ class SeqTable:
         h["next_seq_id"] = first + k - 1
         return first
 
-    def _refill(self, t: Txn, pid: int, start: int) -> None:
-        """Reserve a batch of slots and ids for this process (caller: seqs lock)."""
-        if not self.reserve:
-            slots = self._empty_slots(self.batch)
-            for s in slots:
-                self.save_head(t, s)
-            rows = np.asarray(slots, np.int64)
-            self.reserved[rows] = 1
-            self.owner_client[rows] = self.client
-            self.seqs["owner_pid"][rows] = pid
-            self.seqs["owner_start"][rows] = start
-            # Popped from the end: the lowest slot first.
-            self.reserve[:] = slots[::-1]
-        if self.next_id >= self.end_id:
-            self.next_id = self._take_ids(t, SEQ_ID_BATCH)
-            self.end_id = self.next_id + SEQ_ID_BATCH
-
-    def refill_due(self) -> bool:
-        """True when the next claim would take the seqs lock to refill the reserve."""
-        return self.batch > 0 and not self.can_claim_locally()
-
-    def trim_due(self) -> bool:
-        """True when the next release would find the reserve full (and take the seqs lock)."""
-        return self.batch > 0 and len(self.reserve) >= 2 * self.batch
-
-    def refill(self, t: Txn, pid: int, start: int) -> None:
-        """Refill the reserve (slots and ids) in a transaction of its own (caller: seqs lock),
-        so that the claim that needed it runs without the lock (and in the C core)."""
-        self._restore_on_rollback(t)
-        self._refill(t, pid, start)
-
-    def trim(self, t: Txn) -> None:
-        """Give a batch of the reserve's slots back to the table (caller: seqs lock), so that
-        the release that found it full keeps its slot without the lock (and in the C core)."""
-        self._restore_on_rollback(t)
-        back = self.reserve[: self.batch]  # those claims would take last (they pop the end)
-        for s in back:
-            self.save_head(t, s)
-        self.reserved[np.asarray(back, np.int64)] = 0
-        del self.reserve[: self.batch]
-
     def release(self, t: Txn, slot: int) -> None:
         """Give a slot back: to this process's reserve, or (seqs lock) to the table."""
         self.save_head(t, slot)
-        if self.can_release_locally(slot):
-            self.reserve.append(slot)
-            t.after_rollback.append(lambda: self.reserve.remove(slot))
-        else:
+        kept = False
+        if self.core is not None and self.batch:
+            self._restore_on_rollback(t)
+            kept = self.core.reserve_release(slot)
+        if not kept:
             t.need(self.lock)
             self.reserved[slot] = 0
         self.state[slot] = SeqState.EMPTY

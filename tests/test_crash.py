@@ -93,11 +93,17 @@ def _child(name: str, point: str | None, seed: int, steps: int, w: int = -1) -> 
 
 
 def _survive_and_reclaim(pool: KVPool) -> None:
-    """Survivor keeps serving; check shows only dead-owner leaks; reclaim restores every block."""
+    """Survivor keeps serving; check shows only dead-owner leaks (and the seqs lock, held by a
+    process killed in its slot reserve's refill or trim, which a survivor with a reserve of its
+    own may not take before it reclaims); reclaim restores every block."""
     rng = random.Random(1)
     _work(pool, rng, 20)
     findings = pool.check()
-    kinds = {f.kind for f in findings}
+    kinds = {
+        f.kind
+        for f in findings
+        if not (f.kind == "lock_dead_holder" and f.extra.get("lock") == "seqs")
+    }
     assert kinds <= {"leak_dead_owner"}, [f.line() for f in findings]
     pool.reclaim_dead()
     assert pool.check() == []

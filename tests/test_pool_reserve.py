@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, SeqState
+from kvscope.allocator import KVPool, PoolExhausted, SeqState
 from kvscope.allocator.sequence import slot_batch
 
 # max_seqs // (4 * max_clients) = 2 slots per batch, at most 4 in a reserve.
@@ -28,8 +28,13 @@ def _seqs_acquires(pool: KVPool) -> int:
     return int(pool.view.locks["num_acquires"][pool.SEQS])
 
 
-def test_reserved_slots_serve_allocate_and_free_without_the_seqs_lock(make_pool):
-    # GIVEN a pool whose table is large enough for per-process reserves
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python", "core"])
+def test_reserved_slots_serve_allocate_and_free_without_the_seqs_lock(
+    make_pool, monkeypatch, native
+):
+    # GIVEN a pool whose table is large enough for per-process reserves (the core's reserve,
+    # which the Python path claims from too)
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
     pool = make_pool(64, **CONFIG)
     assert slot_batch(64, 8) == 2
     # WHEN a first sequence is allocated and freed
@@ -67,8 +72,10 @@ def test_the_c_core_runs_every_allocation_and_free_as_the_reserve_empties_and_fi
     assert pool.check() == []
 
 
-def test_sequence_ids_stay_unique_and_increasing_across_refills(make_pool):
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python", "core"])
+def test_sequence_ids_stay_unique_and_increasing_across_refills(make_pool, monkeypatch, native):
     # GIVEN a pool with reserves of 2 slots
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
     pool = make_pool(64, **CONFIG)
     # WHEN more sequences live at once than a reserve holds
     live = [pool.allocate(f"s{i}", [i]) for i in range(9)]
@@ -80,6 +87,49 @@ def test_sequence_ids_stay_unique_and_increasing_across_refills(make_pool):
         pool.free(s)
     # AND the reserve keeps at most twice a batch; the rest went back to the table
     assert len(_reserved(pool, pool.client)) == 4
+    assert pool.check() == []
+
+
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python", "core"])
+def test_the_reserve_is_the_cores_and_the_segment_agrees(make_pool, monkeypatch, native):
+    # GIVEN a pool with reserves, run by the core or by the Python path
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+    pool = make_pool(64, **CONFIG)
+    # WHEN sequences come and go, more at once than a reserve holds
+    live = [pool.allocate(f"s{i}", [i, 1]) for i in range(5)]
+    for s in live[:3]:
+        pool.free(s)
+    live.append(pool.fork(live[3], "f"))
+    # THEN the reserve the core holds is what the table marks reserved by this process
+    assert sorted(pool.seqtab.reserve) == _reserved(pool, pool.client)
+    assert 0 < len(pool.seqtab.reserve) <= 4
+    for s in live[3:]:
+        pool.free(s)
+    assert sorted(pool.seqtab.reserve) == _reserved(pool, pool.client)
+    assert pool.check() == []
+
+
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python", "core"])
+def test_a_rolled_back_claim_leaves_the_reserve_and_the_ids_as_they_were(
+    make_pool, monkeypatch, native
+):
+    # GIVEN a full pool (8 blocks held) whose reserve holds slots
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+    pool = make_pool(8, **CONFIG)
+    held = pool.allocate("held", list(range(32)))
+    reserve = pool.seqtab.reserve
+    assert reserve
+    # WHEN an allocation claims a slot, then finds no block (rolled back)
+    with pytest.raises(PoolExhausted):
+        pool.allocate("more", [1, 2, 3])
+    # THEN the reserve is as it was, and the next sequence gets the id the failed one had taken
+    assert pool.seqtab.reserve == reserve
+    slot = held.slot
+    pool.free(held)
+    assert pool.seqtab.reserve == [*reserve, slot]
+    s = pool.allocate("next", [1, 2, 3])
+    assert s.slot == slot and s.seq_id == held.seq_id + 1
+    pool.free(s)
     assert pool.check() == []
 
 

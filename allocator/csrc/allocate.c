@@ -64,10 +64,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     /* SeqTable.can_release_locally, once the claim has taken its slot from the reserve */
     int old_to_table = 0;
     if (old >= 0) {
-        uint8_t *o = seqrec(n, old);
-        Py_ssize_t left = PyList_GET_SIZE(n->reserve) - (claim.direct ? 0 : 1);
-        old_to_table = left >= 2 * n->slot_batch || o[SF_RESERVED] != 1 ||
-                       I4(o + SF_OWNER_CLIENT) != n->client;
+        old_to_table = !reserve_keeps(n, old, claim.direct ? 0 : 1);
         if (old_to_table) locks |= lock_bit(n->lock_seqs);
     }
     int may_hit = max_hits > 0 && index_lookup(n, keys[0]) >= 0;
@@ -159,7 +156,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
     ev_record(n, E_ALLOCATE, table + hits, k, request, (int64_t)seq_id);
     if (hits < max_hits) ev_record(n, E_PREFIX_MISS, NULL, 0, request, max_hits - hits);
     if (claim_done(n, &claim)) goto out;
-    if (old >= 0 && !old_to_table && append_new(n->reserve, PyLong_FromLongLong(old))) goto out;
+    if (old >= 0 && !old_to_table) n->res[n->res_n++] = (int32_t)old;
     PyObject *tab = PyList_New(first), *ch = PyList_New(nfull_first);
     if (!tab || !ch) {
         Py_XDECREF(tab);
@@ -321,8 +318,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     /* SeqTable.can_release_locally: the slot goes back to this process's reserve; else to the
      * table, under the seqs lock. */
     uint8_t *s = seqrec(n, slot);
-    int to_table = PyList_GET_SIZE(n->reserve) >= 2 * n->slot_batch || s[SF_RESERVED] != 1 ||
-                   I4(s + SF_OWNER_CLIENT) != n->client;
+    int to_table = !reserve_keeps(n, slot, 0);
     if (to_table && !stale) locks |= lock_bit(n->lock_seqs);
     int64_t private_ = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -382,7 +378,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     if (skip >= 0) fault_fired(n, FT_LEAK);
     if (stale) fault_fired(n, FT_USE_AFTER_FREE);
     if (twice >= 0) double_free_fired(n, twice, twice_rec, request);
-    if (!to_table && !stale && append_new(n->reserve, PyLong_FromLongLong(slot))) goto out;
+    if (!to_table && !stale) n->res[n->res_n++] = (int32_t)slot;
     n->native_ops++;
     result = Py_NewRef(Py_True);
     goto out;

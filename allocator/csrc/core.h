@@ -155,8 +155,12 @@ typedef struct {
      * the table under the seqs lock, and the header's next sequence id (at this offset). */
     size_t off_next_seq_id;
     int64_t quarantine; /* the pool's quarantine count (ring.py): 0 for none */
-    PyObject *reserve; /* SeqTable.reserve: this process's reserved slots (a list, shared) */
-    PyObject *ids;     /* SeqTable.ids: [next_id, end_id] (a list, shared) */
+    /* This process's slot reserve (sequences.c): EMPTY slots the table marks reserved by this
+     * client (res[0..res_n), claimed from the end; room for 2 x slot_batch), its range of
+     * sequence ids [id_next, id_end), where a refill looks for slots first (res_hint). */
+    int32_t *res;
+    int64_t res_n, res_hint, seq_id_batch;
+    uint64_t id_next, id_end;
     PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */
     int64_t *busy;     /* the mapping's count of Python-path operations under that mutex */
     Py_buffer busy_buf;
@@ -360,6 +364,7 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
                       int64_t *got, int64_t later);
 static int run_ahead(Native *n);
 static int verify_often(Native *n, PyObject *pool);
+static int ungated(Native *n, PyObject *pool);
 static void drop_mutex(Native *n);
 static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found);
 static int preempted(Native *n, int64_t from, int64_t to);

@@ -368,6 +368,20 @@ static int run_ahead(Native *n) {
     return rc == ERROR ? ERROR : done > 0 ? OK : FALLBACK;
 }
 
+/* What the gate (entry.c) sets up for a call, without its refusals, for the work only the
+ * core does (evict, the slot reserve), which runs whatever the handle's hooks: this call's
+ * probes, lockdep's edges known, the magic probe's periodic check. OK, or ERROR. */
+static int ungated(Native *n, PyObject *pool) {
+    n->probes = (int)*n->probe_bits;
+    if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
+    else if (!n->lockdep_was_on) {
+        memset(n->known_into, 0, sizeof n->known_into);
+        n->lockdep_was_on = 1;
+    }
+    n->pool = pool;
+    return (n->probes & P_MAGIC) && verify_often(n, pool) ? ERROR : OK;
+}
+
 /* evict(pool, num_blocks) -> int | None: KVPool.evict, the only implementation (any probe or
  * hook: called with the handle's op mutex held, so no other thread's operation is half done,
  * and run whatever hooks the handle has, which see none of its locks). How many were evicted;
@@ -381,15 +395,7 @@ static PyObject *N_evict(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     int64_t num = PyLong_AsLongLong(args[1]);
     if (num == -1 && PyErr_Occurred()) return NULL;
     if (n->seg == NULL) return fallback(n);
-    /* the gate's probe settings, without its refusals (entry.c gate) */
-    n->probes = (int)*n->probe_bits;
-    if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
-    else if (!n->lockdep_was_on) {
-        memset(n->known_into, 0, sizeof n->known_into);
-        n->lockdep_was_on = 1;
-    }
-    n->pool = args[0];
-    if ((n->probes & P_MAGIC) && verify_often(n, args[0])) return NULL;
+    if (ungated(n, args[0])) return NULL;
     int64_t done = 0;
     int rc = num > 0 ? evict_to_ring(n, num, &done) : OK;
     drop_mutex(n);

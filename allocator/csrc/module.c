@@ -44,6 +44,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"index_width", &n->index_w, I64},    {"num_shards", &n->num_shards, I64},
         {"local_cap", &n->local_cap, I64},    {"local_max", &n->local_max, I64},
         {"slot_batch", &n->slot_batch, I64},  {"uid", &n->uid, I64},
+        {"seq_id_batch", &n->seq_id_batch, I64},
         {"quarantine", &n->quarantine, I64},
         {"off_blocks", &n->off_blocks, SIZE}, {"off_ring", &n->off_ring, SIZE},
         {"off_index", &n->off_index, SIZE},   {"off_seqs", &n->off_seqs, SIZE},
@@ -102,11 +103,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         return -1;
     }
     /* Python objects the core shares with the handle (new references). */
-    PyObject **objs[] = {&n->reserve,   &n->ids,   &n->mutex,     &n->seq_type,
+    PyObject **objs[] = {&n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->seqs, &n->faults_armed, &n->fault_fired,
                          &n->kv_dirs,   &n->write_past,
                          &n->guarded,   &n->kv_obj, &n->msg_unwritten};
-    const char *names[] = {"reserve",    "ids",  "mutex",        "seq_type",
+    const char *names[] = {"mutex",        "seq_type",
                            "seq_fields", "seqs", "faults_armed", "fault_fired",
                            "kvscope_dirs", "write_past",
                            "guarded",    "kv_tensor", "unwritten_message"};
@@ -118,9 +119,10 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         }
         *objs[i] = Py_NewRef(o);
     }
-    if (!PyList_CheckExact(n->reserve) || !PyList_CheckExact(n->ids) ||
-        PyList_GET_SIZE(n->ids) != 2) {
-        PyErr_SetString(PyExc_TypeError, "reserve and ids must be lists (ids: [next, end])");
+    /* the slot reserve (sequences.c): at most twice a batch */
+    if (n->slot_batch < 0 || n->slot_batch > CHUNK ||
+        (n->res = PyMem_Malloc(sizeof(int32_t) * (size_t)(2 * n->slot_batch + 1))) == NULL) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
         return -1;
     }
     if (!PyTuple_Check(n->seq_fields) || PyTuple_GET_SIZE(n->seq_fields) != 10 ||
@@ -236,8 +238,7 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->in_maybe);
     PyMem_Free(n->seen_seq);
     PyMem_Free(n->pre_slots);
-    Py_XDECREF(n->reserve);
-    Py_XDECREF(n->ids);
+    PyMem_Free(n->res);
     Py_XDECREF(n->mutex);
     Py_XDECREF(n->seq_type);
     Py_XDECREF(n->seq_fields);
@@ -336,6 +337,16 @@ static PyMethodDef N_methods[] = {
      "mark_repaired(pids, kinds) -> [ring position]: findings a repair answered"},
     {"evict", (PyCFunction)(void (*)(void))N_evict, METH_FASTCALL,
      "evict(pool, num_blocks) -> int | None: LRU cached blocks to the free ring"},
+    {"reserve_ready", (PyCFunction)(void (*)(void))N_reserve_ready, METH_FASTCALL,
+     "reserve_ready(pool, claiming) -> bool: the slot reserve refilled or trimmed when due"},
+    {"reserve_claim", (PyCFunction)N_reserve_claim, METH_NOARGS,
+     "reserve_claim() -> (slot, seq_id) | None: a slot and id from the reserve"},
+    {"reserve_release", (PyCFunction)N_reserve_release, METH_O,
+     "reserve_release(slot) -> bool: the slot back to the reserve when it keeps it"},
+    {"reserve_state", (PyCFunction)N_reserve_state, METH_NOARGS,
+     "reserve_state() -> (slots, next_id, end_id)"},
+    {"reserve_restore", (PyCFunction)N_reserve_restore, METH_O,
+     "reserve_restore(state): the reserve as reserve_state() read it"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

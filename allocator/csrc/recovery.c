@@ -682,7 +682,7 @@ static PyObject *N_detach(Native *n, PyObject *unused) {
         return recovery_leave(n, NULL);
     Py_XDECREF(why);
     int rc = flush_local(n);
-    if (rc == OK && PyList_SetSlice(n->reserve, 0, PyList_GET_SIZE(n->reserve), NULL)) rc = ERROR;
+    if (rc == OK) n->res_n = 0; /* (its slots go back to the table below) */
     for (int64_t done = 0; rc == OK && !done;) {
         if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_seqs)))) != OK) break;
         if (detach_chunk(n, n->client, 0, &done)) {

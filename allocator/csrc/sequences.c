@@ -126,31 +126,188 @@ static PyObject *fallback(Native *n) {
     Py_RETURN_NONE;
 }
 
+/* -- the slot reserve ---------------------------------------------------------------------- */
+
+/* This process's reserve of sequence slots (SeqTable's docstring): the core owns it (n->res,
+ * n->id_next/id_end); the Python path claims and releases through reserve_claim and
+ * reserve_release. reserve_ready refills it when empty and gives a batch back when full, each
+ * in a transaction of its own under the seqs lock, before an operation that claims or releases
+ * a slot, so that the operation itself needs neither. */
+
+/* SeqTable.can_release_locally: a slot released (after `taking` more are claimed from the
+ * reserve) goes back to the reserve, not to the table. */
+static inline int reserve_keeps(Native *n, int64_t slot, int64_t taking) {
+    uint8_t *s = seqrec(n, slot);
+    return n->res_n - taking < 2 * n->slot_batch && s[SF_RESERVED] == 1 &&
+           I4(s + SF_OWNER_CLIENT) == n->client;
+}
+
+/* Whether the next claim (`claiming`) would find the reserve empty or out of ids, or the next
+ * release would find it full. */
+static inline int reserve_due(Native *n, int claiming) {
+    if (n->slot_batch == 0) return 0;
+    if (claiming) return n->res_n == 0 || n->id_next >= n->id_end;
+    return n->res_n >= 2 * n->slot_batch;
+}
+
+/* The refill's journaled writes (SeqTable._refill, seqs lock held): a batch of EMPTY slots no
+ * process reserves, cyclically from res_hint, marked reserved by this process, into got[]
+ * (*ngot: none when the table has none: the claim then takes the table's own way and reports
+ * a full one), and, when the ids are out, the header's next SEQ_ID_BATCH ids (*first). */
+static int reserve_fill(Native *n, int32_t *got, int64_t *ngot, uint64_t *first) {
+    *ngot = 0;
+    *first = 0;
+    if (n->res_n == 0) {
+        for (int64_t i = 0; i < n->max_seqs && *ngot < n->slot_batch; i++) {
+            int64_t s = (n->res_hint + i) % n->max_seqs;
+            uint8_t *r = seqrec(n, s);
+            if (r[SF_STATE] == S_EMPTY && r[SF_RESERVED] == 0) got[(*ngot)++] = (int32_t)s;
+        }
+        for (int64_t i = 0; i < *ngot; i++) {
+            uint8_t *r = seqrec(n, got[i]);
+            if (jsave_head(n, got[i])) return FALLBACK;
+            r[SF_RESERVED] = 1;
+            I4(r + SF_OWNER_CLIENT) = n->client;
+            I4(r + SF_OWNER_PID) = n->pid;
+            U8(r + SF_OWNER_START) = n->start;
+        }
+        if (*ngot == 0) return OK;
+    }
+    if (n->id_next >= n->id_end) {
+        if (jsave(n, n->off_next_seq_id, 8)) return FALLBACK;
+        *first = U8(n->seg + n->off_next_seq_id) + 1;
+        U8(n->seg + n->off_next_seq_id) = *first + (uint64_t)n->seq_id_batch - 1;
+    }
+    return OK;
+}
+
+/* The trim's journaled writes (SeqTable.trim, seqs lock held): the batch claims would take
+ * last (the reserve's start) back to the table. */
+static int reserve_trim(Native *n) {
+    for (int64_t i = 0; i < n->slot_batch; i++) {
+        if (jsave_head(n, n->res[i])) return FALLBACK;
+        seqrec(n, n->res[i])[SF_RESERVED] = 0;
+    }
+    return OK;
+}
+
+/* reserve_ready(pool, claiming) -> bool: the reserve refilled (claiming) or trimmed (not) when
+ * due, in a transaction of its own under the seqs lock and the handle's op mutex (waited for:
+ * another thread's operation first), whatever hooks the handle has. False when a transaction
+ * was due and could not begin or run (a lock whose holder died: KVPool recovers it). */
+static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "reserve_ready(pool, claiming)");
+        return NULL;
+    }
+    int claiming = PyObject_IsTrue(args[1]);
+    if (claiming < 0) return NULL;
+    if (n->seg == NULL || !reserve_due(n, claiming)) Py_RETURN_TRUE;
+    if (!n->mutex_held) {
+        PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+        n->mutex_held = 1;
+        *n->busy += 1;
+    }
+    int rc = OK;
+    int32_t got[2 * CHUNK];
+    int64_t ngot = 0;
+    uint64_t first = 0;
+    if (!reserve_due(n, claiming) || ungated(n, args[0])) goto out; /* (done meanwhile) */
+    rc = txn_begin(n, lock_bit(n->lock_seqs));
+    if (rc != OK) goto out;
+    rc = claiming ? reserve_fill(n, got, &ngot, &first) : reserve_trim(n);
+    if (rc != OK) {
+        txn_abort(n);
+        goto out;
+    }
+    txn_commit(n);
+    if (claiming) {
+        /* popped from the end: the lowest slot first */
+        for (int64_t i = 0; i < ngot; i++) n->res[i] = got[ngot - 1 - i];
+        if (ngot) n->res_n = ngot, n->res_hint = (got[ngot - 1] + 1) % n->max_seqs;
+        if (first) n->id_next = first, n->id_end = first + (uint64_t)n->seq_id_batch;
+    } else {
+        n->res_n -= n->slot_batch;
+        memmove(n->res, n->res + n->slot_batch, sizeof(int32_t) * (size_t)n->res_n);
+    }
+out:
+    drop_mutex(n);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(rc == OK);
+}
+
+/* reserve_claim() -> (slot, seq_id) | None: the Python path's claim from the reserve (None:
+ * empty or out of ids; the claim takes the table's own way). */
+static PyObject *N_reserve_claim(Native *n, PyObject *unused) {
+    if (n->res_n == 0 || n->id_next >= n->id_end) Py_RETURN_NONE;
+    n->res_n--;
+    return Py_BuildValue("(iK)", n->res[n->res_n], (unsigned long long)n->id_next++);
+}
+
+/* reserve_release(slot) -> bool: the Python path's release of a slot: True when it went back
+ * to the reserve; False when the reserve does not keep it (the caller gives it to the table,
+ * under the seqs lock). */
+static PyObject *N_reserve_release(Native *n, PyObject *arg) {
+    long long slot = PyLong_AsLongLong(arg);
+    if (slot == -1 && PyErr_Occurred()) return NULL;
+    if (n->seg == NULL || slot < 0 || slot >= n->max_seqs || !reserve_keeps(n, slot, 0))
+        Py_RETURN_FALSE;
+    n->res[n->res_n++] = (int32_t)slot;
+    Py_RETURN_TRUE;
+}
+
+/* reserve_state() -> (slots, next_id, end_id): the reserve as it is (a read: the Python path
+ * puts it back with reserve_restore when its transaction rolls back). */
+static PyObject *N_reserve_state(Native *n, PyObject *unused) {
+    PyObject *slots = PyTuple_New(n->res_n);
+    if (slots == NULL) return NULL;
+    for (int64_t i = 0; i < n->res_n; i++) PyTuple_SET_ITEM(slots, i, PyLong_FromLong(n->res[i]));
+    return Py_BuildValue("(NKK)", slots, (unsigned long long)n->id_next,
+                         (unsigned long long)n->id_end);
+}
+
+/* reserve_restore(state): the reserve as reserve_state() read it. */
+static PyObject *N_reserve_restore(Native *n, PyObject *arg) {
+    PyObject *slots;
+    unsigned long long next, end;
+    if (!PyArg_ParseTuple(arg, "O!KK", &PyTuple_Type, &slots, &next, &end)) return NULL;
+    Py_ssize_t k = PyTuple_GET_SIZE(slots);
+    if (k > 2 * n->slot_batch) {
+        PyErr_SetString(PyExc_ValueError, "more slots than a reserve holds");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long v = PyLong_AsLong(PyTuple_GET_ITEM(slots, i));
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        n->res[i] = (int32_t)v;
+    }
+    n->res_n = k;
+    n->id_next = next;
+    n->id_end = end;
+    Py_RETURN_NONE;
+}
+
 /* A sequence slot being claimed (SeqTable.claim): from this process's reserve, or, on a pool
- * too small for reserves, from the table under the seqs lock (`direct`). */
+ * too small for reserves or when its reserve is empty (the table had no slot for it), the
+ * lowest empty slot of the table under the seqs lock (`direct`). */
 typedef struct {
     int64_t slot;
     uint64_t seq_id;
     int direct;
 } Claim;
 
-/* Before the transaction: the reserve's next slot and id; on a pool without reserves, the seqs
- * lock to add to the transaction's (*locks). FALLBACK when the reserve must be refilled
- * (runner.reserve_ready does that before the call: a reserve emptied meanwhile). */
+/* Before the transaction: the reserve's next slot and id; for a direct claim, the seqs lock to
+ * add to the transaction's (*locks). */
 static int claim_plan(Native *n, Claim *c, uint64_t *locks) {
-    c->direct = n->slot_batch == 0;
+    c->direct = n->slot_batch == 0 || n->res_n == 0 || n->id_next >= n->id_end;
     if (c->direct) {
         *locks |= lock_bit(n->lock_seqs);
         return OK;
     }
-    Py_ssize_t r = PyList_GET_SIZE(n->reserve);
-    if (r == 0) return FALLBACK;
-    uint64_t next = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(n->ids, 0));
-    uint64_t end = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(n->ids, 1));
-    if (PyErr_Occurred()) return ERROR;
-    if (next >= end) return FALLBACK;
-    c->slot = PyLong_AsLongLong(PyList_GET_ITEM(n->reserve, r - 1));
-    c->seq_id = next;
+    c->slot = n->res[n->res_n - 1];
+    c->seq_id = n->id_next;
     return OK;
 }
 
@@ -176,11 +333,9 @@ static int claim_take(Native *n, Claim *c) {
 /* After commit: a claim from the reserve takes its slot and id out of it. */
 static int claim_done(Native *n, const Claim *c) {
     if (c->direct) return OK;
-    Py_ssize_t r = PyList_GET_SIZE(n->reserve);
-    if (PyList_SetSlice(n->reserve, r - 1, r, NULL)) return ERROR;
-    PyObject *v = PyLong_FromUnsignedLongLong(c->seq_id + 1);
-    if (v == NULL) return ERROR;
-    return PyList_SetItem(n->ids, 0, v);
+    n->res_n--;
+    n->id_next++;
+    return OK;
 }
 
 /* SeqTable.claim's record writes (the slot is reserved by this client). */
