@@ -203,13 +203,19 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     int claiming = PyObject_IsTrue(args[1]);
     if (claiming < 0) return NULL;
     if (n->seg == NULL || !reserve_due(n, claiming)) Py_RETURN_TRUE;
-    if (!n->mutex_held) {
-        PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
+    /* (another thread's operation waiting for a lock in the core holds it: this waits) */
+    PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    if (n->mutex_held || *n->busy) {
+        /* this thread's already, inside an operation (whose locks it may hold): not now */
+        r = PyObject_CallMethodNoArgs(n->mutex, s_release);
         if (r == NULL) return NULL;
         Py_DECREF(r);
-        n->mutex_held = 1;
-        *n->busy += 1;
+        Py_RETURN_FALSE;
     }
+    n->mutex_held = 1;
+    *n->busy += 1;
     int rc = OK;
     int32_t got[2 * CHUNK];
     int64_t ngot = 0;
