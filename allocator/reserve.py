@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 # Journal room (entries, bytes) an eviction inside `take` leaves, besides the stamp of the
 # blocks taken, for the rest of the operation: the ring's header and slots, the sequence's
 # head and table, an event (a bound for the common case: more raises JournalFull, and the
-# operation runs again after evicting ahead).
+# operation runs again after the C core evicted ahead; the core's take keeps the same room:
+# csrc/eviction.c TAKE_SLACK).
 TAKE_SLACK = (16, 8192)
 
 
@@ -44,7 +45,7 @@ def take(
         # follows (the stamp of the n blocks, the extra ones' return to the ring, the
         # caller's sequence writes): the extra blocks stop where the room ends, and when the
         # `short` needed do not fit, the operation is rolled back and run again after they
-        # are evicted ahead (eviction.evict_ahead, runner.py).
+        # are evicted ahead by the C core (eviction.evict_ahead, runner.py).
         rec = pool.store.record_size
         keep = (n + TAKE_SLACK[0], n * rec + TAKE_SLACK[1])
         evicted = pool.store.evict(t, short, extra=EVICT_BATCH, keep=keep, to_ring=short)
