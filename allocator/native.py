@@ -4,7 +4,9 @@ The core does the common case of allocate, free/abort, append (copy-on-write too
 fork, set_state and resume on the same bytes, journal and locks as the Python methods, preempting this
 handle's oldest waiting sequence when a take is short and raising PoolExhausted (the class handed
 over once: `register_errors`) when nothing is left; anything else it hands back (it returns None
-with nothing changed) and the Python method runs. Every handle has one
+with nothing changed) and the Python method runs. `evict` and the slot reserve (its refill and
+trim before an operation, its claims and releases, the Python path's too) are the core's alone.
+Every handle has one
 (`pip install` compiles it; a missing or stale build fails the import in one line); the hot
 operations use it unless `KVSCOPE_NATIVE` is `0` or something needs the Python path's hooks: every probe `kvscope run`
 switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or

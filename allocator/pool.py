@@ -481,6 +481,8 @@ class KVPool:
             if done is None:
                 self._recover_locks({self.FREE, *self.SHARDS})
                 done = self._core.evict(self, num_blocks) or 0
+        if self._found:
+            self._hand_findings()
         return done
 
     def block_table(self, seq: Sequence) -> list[int]:
