@@ -78,6 +78,21 @@ def test_a_write_into_a_published_block_is_found(make_pool, probes, when, seen):
     assert found[0].message.endswith("a request that mapped it since (its prefix_hit events)")
 
 
+def test_a_write_found_at_an_eviction_reaches_on_finding(make_pool, probes):
+    # GIVEN a cached published block whose K/V something overwrote, and a findings callback
+    pool = make_pool(16)
+    seq, blk = published(pool)
+    pool.free(seq)
+    pool.kv[0, 1, blk, 2, 0, 3] += 1.0
+    seen: list = []
+    pool.on_finding = seen.append
+    # WHEN it is evicted (by the C core, which writes the finding into the ring)
+    assert pool.evict(16) == 2
+    # THEN the callback got it, as the ring has it
+    assert [(f.kind, f.block) for f in seen] == [("published_block_modified", blk)]
+    assert [(f.kind, f.block) for f in modified(pool)] == [("published_block_modified", blk)]
+
+
 def test_a_block_published_before_its_kv_was_written_is_named_so(make_pool, probes):
     # GIVEN a prompt published right after allocate, its K/V written afterwards (an engine
     # that calls mark_computed before prefill)
