@@ -269,9 +269,6 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
      * another process may have changed the pool since; then the Python path, every shard). */
     for (int64_t i = 0; i < nc; i++)
         if (!(n->held & block_shard_lock(n, cand[i]))) return FALLBACK;
-    /* digest: what is evicted is as published (writes.evicting) */
-    int rc = digests_intact(n, cand, nc, "its eviction");
-    if (rc != OK) return rc;
     int64_t done = 0;
     for (; done < nc; done++) {
         int32_t b = cand[done];
@@ -295,6 +292,9 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
         if (jsave_block(n, b) || index_remove(n, key, b, &removed) || !removed) return FALLBACK;
     }
     if (done == 0) return OK;
+    /* digest: what is evicted is as published (writes.evicting; its record still says so) */
+    int rc = digests_intact(n, cand, done, "its eviction");
+    if (rc != OK) return rc;
     for (int64_t i = 0; i < done; i++) {
         uint8_t *r = blk(n, cand[i]);
         r[BF_INDEXED] = 0;
