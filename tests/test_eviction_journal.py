@@ -64,8 +64,8 @@ def test_an_allocation_evicting_a_full_shard_succeeds(make_pool, monkeypatch, na
     # (each of those evictions journals its record and its index removal: one transaction
     # evicting all 128 and stamping 128 needs more than the journal's 512 entries)
     assert JOURNAL_ENTRIES == 512
-    # WHEN one allocation needs all 128 of them (the C core hands it to Python when its own
-    # journal runs out)
+    # WHEN one allocation needs all 128 of them (evicted ahead, in transactions of their own,
+    # when the journal runs out)
     seq = pool.allocate("big", [5] * (128 * bs))
     # THEN it gets them, the index holds none of them, and the pool is consistent
     assert len(seq.block_table) == 128
