@@ -135,8 +135,11 @@ def test_evicting_ahead_keeps_least_recently_used_order(make_pool, monkeypatch, 
 
 
 @pytest.mark.parametrize(("bs", "take"), [(4, 100), (4, 128), (48, 128)])
-def test_the_core_evicts_ahead_itself_in_least_recently_used_order(make_pool, bs, take):
+def test_the_core_evicts_ahead_itself_in_least_recently_used_order(
+    make_pool, monkeypatch, bs, take
+):
     # GIVEN the full shard of cached blocks, least recently used first, on the C core
+    monkeypatch.setenv("KVSCOPE_NATIVE", "1")
     pool = _full_shard_pool(make_pool, bs)
     b = pool.view.blocks
     cached = np.flatnonzero(b["state"] == BlockState.CACHED)
