@@ -361,8 +361,9 @@ class KVPool:
             self._core.reserve_ready(self, claiming)
 
     def _recover_locks(self, locks: set[int]) -> None:
-        """Where the core could not begin a transaction of its own (a lock whose holder died):
-        the runner's transaction on those locks recovers them."""
+        """Where the core could not begin a transaction of its own (an order edge lockdep has
+        the Python path learn, a journal left open, a dead holder it could not recover): the
+        runner's transaction on those locks, which deals with it or raises."""
         self._run(locks, lambda t: None)
 
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:

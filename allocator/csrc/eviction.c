@@ -315,8 +315,8 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
  * committing (*done: how many in all). Each takes the free lock and the shards of the blocks
  * a look without the locks chose, or every shard when that look is out of date under them.
  * OK (fewer when fewer are cached), FALLBACK when a transaction could not begin or run (a
- * lock whose holder died, a journal left open, a record that fails its checks) with
- * *done evicted before it, ERROR with an exception set. */
+ * lock order lockdep has the Python path learn, a journal left open, a record that fails its
+ * checks) with *done evicted before it, ERROR with an exception set. */
 static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
     *done = 0;
     int every = 0;
@@ -385,8 +385,8 @@ static int ungated(Native *n, PyObject *pool) {
 /* evict(pool, num_blocks) -> int | None: KVPool.evict, the only implementation (any probe or
  * hook: called with the handle's op mutex held, so no other thread's operation is half done,
  * and run whatever hooks the handle has, which see none of its locks). How many were evicted;
- * None when none could be because a transaction could not begin (KVPool.evict recovers a dead
- * holder's lock and asks again). */
+ * None when none could be because a transaction could not begin (KVPool.evict has the
+ * runner's transaction on its locks deal with what stopped it, and asks again). */
 static PyObject *N_evict(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "evict(pool, num_blocks)");

@@ -194,7 +194,8 @@ static int reserve_trim(Native *n) {
 /* reserve_ready(pool, claiming) -> bool: the reserve refilled (claiming) or trimmed (not) when
  * due, in a transaction of its own under the seqs lock and the handle's op mutex (waited for:
  * another thread's operation first), whatever hooks the handle has. False when a transaction
- * was due and could not begin or run (a lock whose holder died: KVPool recovers it). */
+ * was due and could not begin or run (KVPool._recover_locks: the runner's transaction on the
+ * seqs lock deals with what stopped it). */
 static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "reserve_ready(pool, claiming)");
