@@ -61,7 +61,6 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.locks import UNTRACED, lock_class
 from kvscope.allocator.prefix import _COEFS_LIST
-from kvscope.allocator.probing import LOCKS_HELD
 from kvscope.allocator.sequence import SEQ_ID_BATCH, Sequence
 from kvscope.allocator.sites import KVSCOPE_DIRS
 
@@ -319,7 +318,6 @@ def core_for(pool: KVPool) -> Any:
         "hooks": pool._hooks,
         # The light probes the core runs itself (probing.PoolProbes.native_bits).
         "probe_bits": pool._probe_bits,
-        "locks_held": LOCKS_HELD,
         "lock_classes": tuple(
             None if name in UNTRACED else lock_class(name) for name in pool.locks.names
         ),

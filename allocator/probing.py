@@ -6,7 +6,6 @@ check; `kvscope run` turns them on through KVSCOPE_* variables (docs/PROBES.md).
 from __future__ import annotations
 
 import time
-from array import array
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -33,9 +32,6 @@ if TYPE_CHECKING:
 
 # With the magic probe on, operations re-verify the header at most this often.
 VERIFY_EVERY_S = 0.01
-# Entries on lockdep's held-lock stacks, all threads (probes/lockdep.py keeps it): the C core
-# runs lockdep itself only while it is 0 (no edge from a lock the core does not see).
-LOCKS_HELD = array("q", [0])
 # Bits of the C core's probe word (allocator/csrc/core.h P_*): the probes it runs itself.
 NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
 NATIVE_LOCKDEP = 32

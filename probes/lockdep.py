@@ -25,10 +25,11 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvscope.allocator import _native
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.probeflags import env_flag
-from kvscope.allocator.probing import LOCKS_HELD, NATIVE_LOCKDEP
+from kvscope.allocator.probing import NATIVE_LOCKDEP
 from kvscope.probes.lockgraph import (  # noqa: F401
     CLASS_BYTES,
     MESSAGE_BYTES,
@@ -99,7 +100,6 @@ class LockDep:
         if st is not None:
             st.native_id = threading.get_native_id()
         self.threads = weakref.WeakValueDictionary({st.ident: st} if st is not None else {})
-        LOCKS_HELD[0] = len(st.stack) if st is not None else 0
 
     def _local_report(self, f: Finding) -> None:
         if self.on_finding is not None:
@@ -135,9 +135,10 @@ class LockDep:
         self._hooks[id(pool)] = (on_acquire, on_release, prev_acquire, prev_release, live)
         self.enabled = True
         if prev_acquire is None and prev_release is None:
-            # The pool's C core runs these hooks itself while no thread holds a traced lock: it
-            # writes the order edges it takes into the segment's graph, where `_learn` finds
-            # them (csrc/probes.c lockdep_ok).
+            # The pool's C core runs these hooks itself (they stay for the Python path's
+            # operations): it writes the order edges it takes, from the traced user locks the
+            # thread holds too, into the segment's graph, where `_learn` finds them
+            # (csrc/probes.c lockdep_ok).
             pool._probe_bits[0] |= NATIVE_LOCKDEP
         return True
 
@@ -200,10 +201,8 @@ class LockDep:
             self._learn(st, new, cls)
         if again is not None:
             stack.remove(again)
-            LOCKS_HELD[0] -= 1
         h = Held(key, cls, graph, table, index)
         stack.append(h)
-        LOCKS_HELD[0] += 1
         return h
 
     def after_release(self, key: object) -> None:
@@ -212,7 +211,6 @@ class LockDep:
         for j in range(len(stack) - 1, -1, -1):
             if stack[j].key is key:
                 del stack[j]
-                LOCKS_HELD[0] -= 1
                 return
 
     def _learn(self, st: ThreadState, new: list[tuple[Any, Held]], cls: str) -> None:
@@ -224,7 +222,6 @@ class LockDep:
             for g, h in new:
                 if h.stale():
                     st.stack.remove(h)
-                    LOCKS_HELD[0] -= 1
                     continue
                 if not g.usable():
                     continue
@@ -250,7 +247,10 @@ class LockDep:
 
 
 class TracedLock:
-    """A drop-in for threading.Lock whose acquisitions feed lockdep (class "user:NAME")."""
+    """A drop-in for threading.Lock whose acquisitions feed lockdep (class "user:NAME").
+
+    The pool's C core keeps the traced locks each thread holds too (told after each take and
+    release): its transactions add the edges from them to the pool's locks themselves."""
 
     def __init__(self, name: str, pool: Any | None = None, lockdep: LockDep | None = None):
         self.name = name
@@ -258,23 +258,32 @@ class TracedLock:
         self.pool = pool
         self._lock = threading.Lock()
         self._lockdep = lockdep if lockdep is not None else LOCKDEP
+        # The graph key the core was told of while the lock is held (None: not told).
+        self._core_graph: int | None = None
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """Take the lock, as threading.Lock.acquire."""
         ld = self._lockdep
         if not ld.enabled:
             return self._lock.acquire(blocking, timeout)
-        h = ld.before(self.cls, self, ld.graph_for(self.pool))
+        graph = ld.graph_for(self.pool)
+        h = ld.before(self.cls, self, graph)
         if self._lock.acquire(blocking, timeout):
             if h is not None:
                 h.t_ns = time.perf_counter_ns()
+            self._core_graph = graph.core_key
+            _native.traced_lock_taken(self.cls, graph.core_key)
             return True
         ld.after_release(self)
         return False
 
     def release(self) -> None:
         """Release the lock."""
+        # (read while still held: the next holder sets its own)
+        told, self._core_graph = self._core_graph, None
         self._lock.release()
+        if told is not None:
+            _native.traced_lock_released(self.cls, told)
         if self._lockdep.enabled:
             self._lockdep.after_release(self)
 

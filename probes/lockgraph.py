@@ -97,6 +97,9 @@ class LocalGraph:
     """A lock-order graph in this process only (user locks with no pool to share one through)."""
 
     shared = False
+    # The pool's C core records the edges from a user lock of this graph into whichever pool's
+    # graph the thread then takes locks of (lockdep.py before, for the Python path).
+    core_key = 0
 
     def __init__(self, notify: Callable[[Finding], None]):
         self._edges: list[Edge] = []
@@ -133,6 +136,9 @@ class SegmentGraph:
 
     def __init__(self, pool: Any):
         self.pool = pool
+        # The pool handle as the C core knows it (KVPool's uid: its id): a user lock of this
+        # graph is ordered against that handle's locks only.
+        self.core_key = id(pool)
         self.table = pool.locks
         self.findings_lock = pool.locks.index("findings")
         self.known: set[tuple[str, str]] = set()

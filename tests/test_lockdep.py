@@ -8,7 +8,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvscope.allocator import KVPool, LockDeadlock
+import pytest
+
+from kvscope.allocator import KVPool, LockDeadlock, _native, allocate, release
 from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
 from tests.forking import fork_child
@@ -296,6 +298,123 @@ def test_user_locks_and_pool_locks_form_cycles_too(make_pool):
     (f,) = _cycles(pool)
     assert "takes seqs -> user:cache at test_lockdep.py:" in f.message
     assert "took user:cache -> seqs" in f.message and "cache_then_pool" in f.message
+
+
+def _in_thread(fn: Callable[[], object]) -> object:
+    """fn's result in a thread of its own (what it raised, raised here)."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((fn(), None))
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            out.append((None, e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    ((got, err),) = out
+    if err is not None:
+        raise err
+    return got
+
+
+def _no_python_path(monkeypatch) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("the operation went to the Python path")
+
+    monkeypatch.setattr(allocate, "allocate", refuse)
+    monkeypatch.setattr(release, "end", refuse)
+
+
+def test_a_pool_operation_under_a_traced_user_lock_runs_in_the_core(make_pool, monkeypatch):
+    # GIVEN a pool under lockdep, a traced user lock of it, and no Python path to hand to
+    pool = make_pool(32)
+    lockdep = LockDep()
+    lockdep.instrument(pool)
+    cache = TracedLock("cache", pool, lockdep=lockdep)
+    _no_python_path(monkeypatch)
+    ops = pool._core.stats()["native_ops"]
+
+    # WHEN a thread allocates and frees while it holds the user lock
+    def cache_then_pool() -> list:
+        with cache:
+            held = _native.traced_locks_held()
+            pool.free(pool.allocate("a", [1, 2, 3]))
+        return [held, _native.traced_locks_held()]
+
+    held, after = _in_thread(cache_then_pool)
+    # THEN the core ran both operations, knowing the held lock (and forgetting it after), and
+    # its edge user:cache -> seqs is in the segment's graph with the line that called the pool
+    assert held == [("user:cache", id(pool))] and after == []
+    assert pool._core.stats()["native_ops"] == ops + 2
+    edges = _core_edges(pool)
+    pid, site = edges[("user:cache", "seqs")]
+    assert pid == os.getpid() and site.startswith("test_lockdep.py:") and "cache_then_pool" in site
+    assert {b for a, b in edges if a == "user:cache"} <= {"seqs", "index", "free"}
+    assert _cycles(pool) == []
+
+
+def test_a_user_lock_of_another_pool_is_not_ordered_against_this_ones(make_pool, monkeypatch):
+    # GIVEN two pools under lockdep and a traced user lock recording into the second's graph
+    pool, other = make_pool(32), make_pool(32)
+    lockdep = LockDep()
+    lockdep.instrument(pool)
+    lockdep.instrument(other)
+    theirs = TracedLock("theirs", other, lockdep=lockdep)
+    _no_python_path(monkeypatch)
+
+    # WHEN a thread holding it allocates from both pools
+    def both() -> None:
+        with theirs:
+            pool.allocate("a", [1, 2, 3])
+            other.allocate("b", [1, 2, 3])
+
+    _in_thread(both)
+    # THEN only the second pool's graph has an edge from it
+    assert not any(a == "user:theirs" for a, b in _core_edges(pool))
+    assert ("user:theirs", "seqs") in _core_edges(other)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_traced_lock_whose_edge_closes_a_cycle_is_reported_once(make_pool, monkeypatch, native):
+    # GIVEN a pool on the core (or on the Python path) under lockdep whose graph holds
+    # seqs -> user:cache, and a traced lock "cache"
+    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+    pool = make_pool(32)
+    lockdep = LockDep()
+    lockdep.instrument(pool)
+    seen: list = []
+    pool.on_finding = seen.append
+    cache = TracedLock("cache", pool, lockdep=lockdep)
+
+    def pool_then_cache() -> None:
+        pool.locks.acquire(pool.SEQS)
+        with cache:
+            pass
+        pool.locks.release(pool.SEQS)
+
+    def cache_then_pool() -> None:
+        with cache:
+            pool.free(pool.allocate("a", [1, 2, 3]))
+
+    _in_thread(pool_then_cache)
+    ops = pool._core.stats()["native_ops"]
+    # WHEN a thread allocates and frees under the traced lock (the order that closes it)
+    _in_thread(cache_then_pool)
+    # THEN one lock_order_cycle names both chains, in the ring and to on_finding, in the same
+    # words from the core as from the Python path
+    assert pool._core.stats()["native_ops"] == ops + (2 if native == "1" else 0)
+    (f,) = _cycles(pool)
+    line = cache_then_pool.__code__.co_firstlineno + 2
+    took = pool_then_cache.__code__.co_firstlineno + 2
+    pid = os.getpid()
+    assert f.message == (
+        f"pid {pid} takes user:cache -> seqs at test_lockdep.py:{line} cache_then_pool; "
+        f"pid {pid} took seqs -> user:cache at test_lockdep.py:{took} pool_then_cache: "
+        "opposite orders deadlock when they overlap"
+    )
+    assert [(g.kind, g.message) for g in seen] == [(f.kind, f.message)]
 
 
 def test_traced_locks_without_a_pool_report_through_the_callback():

@@ -35,6 +35,8 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_GUARD_SAMPLED 64 /* sampled guard mode: the releases of the sequences it guards */
 #define P_GUARD 128    /* guard mode in full: every release guarded (kvdata.c) */
 #define P_DIGEST 256   /* digests of published blocks (kvdata.c) */
+/* User lock classes whose edges into the pool's classes a handle remembers (probes.c). */
+#define USER_KNOWN_MAX 32
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
@@ -236,12 +238,15 @@ typedef struct {
     uint64_t last_verify_ns;
     uint64_t coarse_slack; /* verify_often's clock: 0 not yet asked (coarse_slack_ns) */
     /* lockdep (probes.c lockdep_ok) */
-    int64_t *locks_held; /* probing.LOCKS_HELD: entries on lockdep's held-lock stacks */
-    Py_buffer locks_held_buf;
     uint64_t traced;              /* locks lockdep traces (not sites, findings) */
     uint64_t same_class[MAX_LOCKS]; /* locks of lock i's class (the index shards are one) */
     uint64_t known_into[MAX_LOCKS]; /* bit i of [j]: the order edge class(i) -> class(j) is known */
     int lockdep_was_on;
+    /* the edges traced user class -> pool lock class known (probes.c lockdep_user_into): bit
+     * j of uk_into[k] for class uk_cls[k] */
+    char uk_cls[USER_KNOWN_MAX][16];
+    uint64_t uk_into[USER_KNOWN_MAX];
+    int uk_used;
     /* the lock-order graph (FORMAT.md section 10: probes.c probes_init), under lock_findings */
     size_t off_lockgraph, lg_used_at, lg_size, lg_src, lg_dst, lg_pid, lg_site, lg_site_bytes;
     int64_t lg_cap;

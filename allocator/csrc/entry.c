@@ -15,14 +15,16 @@ static int gate(Native *n, PyObject *pool) {
     /* (another thread's operation may be waiting for a lock in the core: leave its state) */
     if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
     n->probes = (int)*n->probe_bits;
-    /* Lock hooks: lockdep's own the core runs while no thread holds a traced lock (else the
-     * held-lock stacks are Python's: an edge from a user lock). */
+    /* Lock hooks: lockdep's own the core runs itself, the traced user locks this thread holds
+     * included (probes.c lockdep_ok). Another lock hook (one a program sets on pool.locks) still
+     * sends the operation to the Python path, which calls it, for as long as that path exists. */
     if (*n->hooks & ~(int64_t)HOOK_LOCKS_BIT) return FALLBACK;
-    if (*n->hooks && (!(n->probes & P_LOCKDEP) || *n->locks_held)) return FALLBACK;
+    if (*n->hooks && !(n->probes & P_LOCKDEP)) return FALLBACK;
     if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
     else if (!n->lockdep_was_on) {
         /* (re)instrumented: the edges it knows are asked for again */
         memset(n->known_into, 0, sizeof n->known_into);
+        n->uk_used = 0;
         n->lockdep_was_on = 1;
     }
     n->pool = pool;

@@ -155,13 +155,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (word_of(pbits, &n->probe_bits_buf, &n->probe_bits)) return -1;
-    PyObject *held = PyDict_GetItemString(d, "locks_held");
     PyObject *classes = PyDict_GetItemString(d, "lock_classes");
-    if (!held || !classes || !PyTuple_Check(classes) || PyTuple_GET_SIZE(classes) != n->num_locks) {
-        PyErr_SetString(PyExc_KeyError, "native core needs locks_held and lock_classes (a tuple)");
+    if (!classes || !PyTuple_Check(classes) || PyTuple_GET_SIZE(classes) != n->num_locks) {
+        PyErr_SetString(PyExc_KeyError, "native core needs lock_classes (a tuple)");
         return -1;
     }
-    if (word_of(held, &n->locks_held_buf, &n->locks_held)) return -1;
     for (int i = 0; i < n->num_locks; i++) {
         PyObject *ci = PyTuple_GET_ITEM(classes, i);
         if (ci == Py_None) continue;
@@ -211,7 +209,6 @@ static void N_dealloc(Native *n) {
     if (n->hooks) PyBuffer_Release(&n->hooks_buf);
     if (n->crash) PyBuffer_Release(&n->crash_buf);
     if (n->probe_bits) PyBuffer_Release(&n->probe_bits_buf);
-    if (n->locks_held) PyBuffer_Release(&n->locks_held_buf);
     site_cache_clear(n);
     Py_XDECREF(n->kv_dirs);
     Py_XDECREF(n->fault_fired);
@@ -385,10 +382,66 @@ static PyObject *M_register_errors(PyObject *mod, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* A traced user lock's class and graph (M_traced_lock_*): the class as the graph stores it
+ * (its first 16 bytes of UTF-8, NUL-padded), the graph a pool handle's uid or 0. */
+static int traced_lock_args(PyObject *const *args, Py_ssize_t nargs, char cls[16],
+                            int64_t *graph) {
+    if (nargs != 2 || !PyUnicode_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "(cls: str, graph: int)");
+        return ERROR;
+    }
+    Py_ssize_t len;
+    const char *text = PyUnicode_AsUTF8AndSize(args[0], &len);
+    if (text == NULL) return ERROR;
+    memset(cls, 0, 16);
+    memcpy(cls, text, (size_t)(len < 16 ? len : 16));
+    *graph = PyLong_AsLongLong(args[1]);
+    return PyErr_Occurred() ? ERROR : OK;
+}
+
+/* traced_lock_taken(cls, graph): this thread holds a traced user lock now (probes.c
+ * user_held_push): the core's transactions order their locks after it. */
+static PyObject *M_traced_lock_taken(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    char cls[16];
+    int64_t graph;
+    if (traced_lock_args(args, nargs, cls, &graph) != OK) return NULL;
+    user_held_push(cls, graph);
+    Py_RETURN_NONE;
+}
+
+/* traced_lock_released(cls, graph): this thread let go of one (probes.c user_held_pop). */
+static PyObject *M_traced_lock_released(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    char cls[16];
+    int64_t graph;
+    if (traced_lock_args(args, nargs, cls, &graph) != OK) return NULL;
+    user_held_pop(cls, graph);
+    Py_RETURN_NONE;
+}
+
+/* traced_locks_held() -> [(cls, graph)]: this thread's traced user locks, oldest first, as the
+ * core keeps them (the ones past its limit left out). */
+static PyObject *M_traced_locks_held(PyObject *mod, PyObject *unused) {
+    PyObject *out = PyList_New(user_kept);
+    for (int k = 0; out != NULL && k < user_kept; k++) {
+        PyObject *t = Py_BuildValue("(s#L)", user_held[k].cls,
+                                    (Py_ssize_t)strnlen(user_held[k].cls, 16),
+                                    (long long)user_held[k].graph);
+        if (t == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, k, t);
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"fmix64", (PyCFunction)M_fmix64, METH_O, "fmix64(h) -> int: the core's hash finalizer"},
     {"register_errors", (PyCFunction)(void (*)(void))M_register_errors, METH_FASTCALL,
      "register_errors(PoolError, PoolExhausted): the exception classes the core raises"},
+    {"traced_lock_taken", (PyCFunction)(void (*)(void))M_traced_lock_taken, METH_FASTCALL,
+     "traced_lock_taken(cls, graph): this thread took a traced user lock (lockdep.TracedLock)"},
+    {"traced_lock_released", (PyCFunction)(void (*)(void))M_traced_lock_released, METH_FASTCALL,
+     "traced_lock_released(cls, graph): this thread let go of one"},
+    {"traced_locks_held", (PyCFunction)M_traced_locks_held, METH_NOARGS,
+     "traced_locks_held() -> [(cls, graph)]: this thread's traced user locks, as the core sees"},
     {NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native",

@@ -992,16 +992,16 @@ static void lg_say(char *out, size_t cap, size_t *at, const char *sep, int32_t p
     *at = w < 0 ? cap : *at + (size_t)w < cap ? *at + (size_t)w : cap;
 }
 
-/* The lock_order_cycle finding (lockgraph.cycle_finding) of the edge class(i) -> class(j) this
- * process takes at `site`, which closes the chain `path` (np edges of the graph, class(j)
- * first), written into the findings ring (the caller holds the findings lock) and its position
- * appended to KVPool._found. OK, or ERROR with an exception set. */
-static int lg_cycle(Native *n, int i, int j, const char *site, const int32_t *path, int64_t np) {
+/* The lock_order_cycle finding (lockgraph.cycle_finding) of the edge src -> dst (classes, 16
+ * stored bytes each) this process takes at `site`, which closes the chain `path` (np edges of
+ * the graph, dst first), written into the findings ring (the caller holds the findings lock)
+ * and its position appended to KVPool._found. OK, or ERROR with an exception set. */
+static int lg_cycle(Native *n, const char *src, const char *dst, const char *site,
+                    const int32_t *path, int64_t np) {
     /* (cut at 512 bytes: the ring keeps the first 200) */
     char text[512];
     size_t at = 0, field = n->fd_message_bytes < sizeof text ? n->fd_message_bytes : sizeof text;
-    lg_say(text, sizeof text, &at, "", n->pid, "takes", n->lock_cls[i], n->lock_cls[j], site,
-           n->lg_site_bytes);
+    lg_say(text, sizeof text, &at, "", n->pid, "takes", src, dst, site, n->lg_site_bytes);
     for (int64_t k = 0; k < np; k++) {
         const uint8_t *e = lg_edge(n, path[k]);
         lg_say(text, sizeof text, &at, "; ", I4(e + n->lg_pid), "took",
@@ -1062,13 +1062,13 @@ static void caller_text(Native *n, char *out, size_t cap) {
     out[0] = '?';
 }
 
-/* Add the order edge class(i) -> class(j) to the segment's graph under the findings lock, as
- * LockDep._learn does (record first, then the count: a death in between leaves an unused
- * record; a full graph takes no more), and when the graph already holds a chain class(j) ->
- * ... -> class(i), report the lock_order_cycle it closes (lg_cycle) and go on, as lockdep does
- * before the thread waits. OK when the graph has the edge now (or is full), FALLBACK when the
- * findings lock is not to be had, ERROR with an exception set. */
-static int lg_learn(Native *n, int i, int j) {
+/* Add the order edge src -> dst (classes, 16 stored bytes each) to the segment's graph under
+ * the findings lock, as LockDep._learn does (record first, then the count: a death in between
+ * leaves an unused record; a full graph takes no more), and when the graph already holds a
+ * chain dst -> ... -> src, report the lock_order_cycle it closes (lg_cycle) and go on, as
+ * lockdep does before the thread waits. OK when the graph has the edge now (or is full),
+ * FALLBACK when the findings lock is not to be had, ERROR with an exception set. */
+static int lg_learn_classes(Native *n, const char *src, const char *dst) {
     int took = n->held ? lock_take(n, n->lock_findings) : lock_take_alone(n, n->lock_findings);
     if (took != OK) {
         PyErr_Clear();
@@ -1078,8 +1078,7 @@ static int lg_learn(Native *n, int i, int j) {
     if (used > n->lg_cap) used = n->lg_cap;
     for (int64_t e = 0; e < used; e++) {
         uint8_t *r = lg_edge(n, e);
-        if (memcmp(r + n->lg_src, n->lock_cls[i], 16) == 0 &&
-            memcmp(r + n->lg_dst, n->lock_cls[j], 16) == 0) {
+        if (memcmp(r + n->lg_src, src, 16) == 0 && memcmp(r + n->lg_dst, dst, 16) == 0) {
             lock_drop(n, n->lock_findings);
             return OK;
         }
@@ -1089,37 +1088,106 @@ static int lg_learn(Native *n, int i, int j) {
     size_t sb = n->lg_site_bytes < sizeof site ? n->lg_site_bytes : sizeof site;
     caller_text(n, site, sb);
     int32_t path[used > 0 ? used : 1];
-    int64_t np = lg_chain(n, used, n->lock_cls[j], n->lock_cls[i], path);
+    int64_t np = lg_chain(n, used, dst, src, path);
     if (used < n->lg_cap) {
         uint8_t *r = lg_edge(n, used);
         memset(r, 0, n->lg_size);
-        memcpy(r + n->lg_src, n->lock_cls[i], 16);
-        memcpy(r + n->lg_dst, n->lock_cls[j], 16);
+        memcpy(r + n->lg_src, src, 16);
+        memcpy(r + n->lg_dst, dst, 16);
         I4(r + n->lg_pid) = n->pid;
         memcpy(r + n->lg_site, site, sb);
         U4(n->seg + n->lg_used_at) = (uint32_t)used + 1;
     }
-    if (np > 0) rc = lg_cycle(n, i, j, site, path, np);
+    if (np > 0) rc = lg_cycle(n, src, dst, site, path, np);
     lock_drop(n, n->lock_findings);
     return rc;
 }
 
-/* A transaction takes the locks of `mask` in ascending order, with no other traced lock held
- * (the gate): each pair (i < j) of traced locks of different classes is an order edge
- * class(i) -> class(j). OK when the segment's graph holds every one (a bit matrix here of
- * those seen; lg_learn for the others), FALLBACK when the findings lock is not to be had.
+/* The order edge class(i) -> class(j) of two pool locks (lg_learn_classes). */
+static int lg_learn(Native *n, int i, int j) {
+    return lg_learn_classes(n, n->lock_cls[i], n->lock_cls[j]);
+}
+
+/* -- traced user locks (probes/lockdep.py TracedLock) ----------------------------------------- */
+
+/* The traced user locks this thread holds, oldest first: each one's class as the graph stores
+ * it (S16) and the graph its edges go to (the uid of the pool handle whose graph it records
+ * into; 0: the process's own, lockgraph.LocalGraph). TracedLock pushes one after it takes the
+ * lock and pops it after it lets go (module.c M_traced_lock_*); Python threads are OS threads,
+ * so one stack per thread serves every handle of the process. Past USER_HELD_MAX (nesting no
+ * program does) the deeper ones are only counted, and give no edges. */
+#define USER_HELD_MAX 32
+typedef struct {
+    char cls[16];
+    int64_t graph;
+} UserHeld;
+static _Thread_local UserHeld user_held[USER_HELD_MAX];
+static _Thread_local int user_kept, user_over;
+
+static void user_held_push(const char cls[16], int64_t graph) {
+    if (user_kept == USER_HELD_MAX) {
+        user_over++;
+        return;
+    }
+    memcpy(user_held[user_kept].cls, cls, 16);
+    user_held[user_kept++].graph = graph;
+}
+
+/* Forget the newest entry of this class and graph (one past USER_HELD_MAX if none is kept). */
+static void user_held_pop(const char cls[16], int64_t graph) {
+    for (int k = user_kept - 1; k >= 0; k--)
+        if (user_held[k].graph == graph && memcmp(user_held[k].cls, cls, 16) == 0) {
+            memmove(user_held + k, user_held + k + 1, sizeof *user_held * (size_t)(user_kept - 1 - k));
+            user_kept--;
+            return;
+        }
+    if (user_over > 0) user_over--;
+}
+
+/* The edges held user class -> class(j) of a lock this handle's transaction is about to take,
+ * as LockDep.before makes them for the Python path: from each user lock whose graph is this
+ * pool's or the process's own (a lock recording into another pool's graph is not ordered
+ * against this pool's locks), each learned once per handle (n->uk_*: a full table asks the
+ * segment each time). OK, or FALLBACK when the findings lock is not to be had. */
+static int lockdep_user_into(Native *n, int j) {
+    for (int k = 0; k < user_kept; k++) {
+        const UserHeld *u = &user_held[k];
+        if (u->graph != 0 && u->graph != n->uid) continue;
+        int at = 0;
+        while (at < n->uk_used && memcmp(n->uk_cls[at], u->cls, 16) != 0) at++;
+        if (at < n->uk_used && (n->uk_into[at] & lock_bit(j))) continue;
+        if (lg_learn_classes(n, u->cls, n->lock_cls[j]) != OK) return FALLBACK;
+        if (at == n->uk_used) {
+            if (at == USER_KNOWN_MAX) continue;
+            memcpy(n->uk_cls[at], u->cls, 16);
+            n->uk_into[at] = 0;
+            n->uk_used++;
+        }
+        n->uk_into[at] |= n->same_class[j];
+    }
+    return OK;
+}
+
+/* A transaction takes the locks of `mask` in ascending order: each pair (i < j) of traced
+ * locks of different classes is an order edge class(i) -> class(j), and each traced user lock
+ * this thread holds an edge into class(j) (lockdep_user_into), made for each j in turn, the
+ * user locks' first, as the Python path's hooks make them. OK when the segment's graph holds
+ * every one (a bit matrix here of those seen; lg_learn for the others), FALLBACK when the
+ * findings lock is not to be had.
  *
- * The core's edges alone never form a cycle: they run from a lower lock index to a higher
- * one, and the traced pool classes follow the lock index (seqs, index shards, free; sites
- * and findings are not traced), so a cycle needs an edge back from a later class to an
- * earlier one. Only a Python-side acquisition (a user lock held across an operation,
- * `pool.locks.acquire` out of the order) or the lock-inversion fault makes such an edge: the
- * Python side's finds the core's edges in the segment (lockdep.py reads them) and reports the
- * cycle it closes; an edge of the core's that closes one the core reports itself (lg_learn). */
+ * The core's pool-lock edges alone never form a cycle: they run from a lower lock index to a
+ * higher one, and the traced pool classes follow the lock index (seqs, index shards, free;
+ * sites and findings are not traced), so a cycle needs an edge back from a later class to an
+ * earlier one, or through a user lock. A Python-side acquisition (a pool lock taken under a
+ * user lock, `pool.locks.acquire` out of the order) finds the core's edges in the segment
+ * (lockdep.py reads them) and reports the cycle it closes; an edge of the core's that closes
+ * one (a user lock held across an operation, an edge of the lock-inversion fault) the core
+ * reports itself (lg_learn_classes), before it waits for the lock. */
 static int lockdep_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
     for (uint64_t m = mask; m; m &= m - 1) {
         int j = __builtin_ctzll(m);
+        if (user_kept && lockdep_user_into(n, j) != OK) return FALLBACK;
         uint64_t need = mask & (lock_bit(j) - 1) & ~n->same_class[j] & ~n->known_into[j];
         for (; need; need &= need - 1) {
             int i = __builtin_ctzll(need);
