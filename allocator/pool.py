@@ -185,7 +185,9 @@ class KVPool:
         self._mark_site()
 
     def _mark_site(self) -> None:
-        """The C core records sites itself only for the ownership probe's site table."""
+        """The C core records sites itself (their text composed and interned by the core) only
+        for the ownership probe's site table; a recorder of the caller's own keeps the handle's
+        operations on the Python path for now (HOOK_SITE)."""
         fn = getattr(self, "_site_of", None)
         probe = getattr(self, "_probe", None)
         ours = probe is not None and probe.sites is not None and fn == probe.sites.site

@@ -36,6 +36,7 @@ VERIFY_EVERY_S = 0.01
 NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
 NATIVE_LOCKDEP = 32
 NATIVE_GUARD_SAMPLED, NATIVE_GUARD, NATIVE_DIGEST = 64, 128, 256
+NATIVE_SITE_DEPTH_SHIFT = 16  # the frames per site, from this bit up
 
 
 class PoolProbes:
@@ -66,6 +67,7 @@ class PoolProbes:
         bits |= NATIVE_DIGEST * f.digest
         if self.sites is not None:
             bits |= NATIVE_SITES if self.sites.depth == 1 else NATIVE_SITES_EACH
+            bits |= self.sites.depth << NATIVE_SITE_DEPTH_SHIFT
         return bits
 
     # -- flight recorder -----------------------------------------------------------------------

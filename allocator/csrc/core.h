@@ -30,13 +30,17 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_SITES 2      /* ownership, one frame: sites cached by (code object, instruction) */
 #define P_LEAKS 4
 #define P_MAGIC 8
-#define P_SITES_EACH 16 /* ownership with stacks: the handle's site_of at every allocation */
+#define P_SITES_EACH 16 /* ownership with stacks: each frame cached, the stack interned */
 #define P_LOCKDEP 32    /* lockdep instruments the handle's locks, and nothing else does */
 #define P_GUARD_SAMPLED 64 /* sampled guard mode: the releases of the sequences it guards */
 #define P_GUARD 128    /* guard mode in full: every release guarded (kvdata.c) */
 #define P_DIGEST 256   /* digests of published blocks (kvdata.c) */
 /* User lock classes whose edges into the pool's classes a handle remembers (probes.c). */
 #define USER_KNOWN_MAX 32
+/* Bits from here up: the frames per site with stacks (sites.stack_depth; P_SITES_EACH) */
+#define P_SITE_DEPTH_SHIFT 16
+/* sites.MAX_STACK_DEPTH */
+#define MAX_STACK_DEPTH 16
 /* LockTable's hook bit (locks.py HOOK_LOCKS) */
 #define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
@@ -316,8 +320,7 @@ typedef struct {
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
-    *s_waiting, *s_preempted,
-    *s_site_of;
+    *s_waiting, *s_preempted;
 
 /* -- records --------------------------------------------------------------------------------- */
 

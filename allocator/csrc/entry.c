@@ -85,7 +85,8 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n, pool);
-    if (site == -2) return NULL;
+    if (site == SITE_ERROR) return NULL;
+    if (site == SITE_LATER) return fallback(n);
     PyObject *got = core_allocate(n, t->v, t->n, request, site, -1);
     if (got == NULL || got == Py_None) return got;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
@@ -318,7 +319,8 @@ static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n, args[0]);
-    if (site == -2) return NULL;
+    if (site == SITE_ERROR) return NULL;
+    if (site == SITE_LATER) return fallback(n);
     PyObject *f[10];
     for (int i = 0; i < 10; i++) f[i] = NULL;
     int32_t ids_s[CHUNK], *ids = ids_s; /* (on the heap for a table of more) */

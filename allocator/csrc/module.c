@@ -459,7 +459,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_aborted = PyUnicode_InternFromString("aborted");
     s_waiting = PyUnicode_InternFromString("waiting");
     s_preempted = PyUnicode_InternFromString("preempted");
-    s_site_of = PyUnicode_InternFromString("_site_of");
     pthread_atfork(NULL, NULL, atfork_child);
     Py_INCREF(&NativeType);
     if (PyModule_AddObject(m, "Native", (PyObject *)&NativeType) < 0) return NULL;

@@ -53,7 +53,12 @@ static void site_cache_clear(Native *n) {
     n->site_used = n->out_used = 0;
 }
 
-/* Whether a code object lies outside kvscope's own folders (cached per code object). */
+/* sites._SKIP: the bootstrap that started the script (a file name ending so is no site) */
+static const char *const SITE_SKIP[] = {"<frozen runpy>", "<frozen importlib", "/runpy.py"};
+
+/* Whether a code object lies outside kvscope's own folders: 0 inside, 1 outside (sites._outside),
+ * 2 outside them but a bootstrap frame (sites._SKIP); -1 with an exception set. Cached per code
+ * object. */
 static int code_outside(Native *n, PyCodeObject *code) {
     size_t i = ptr_hash(code, 0) & (SITE_CACHE - 1);
     while (n->out_code[i]) {
@@ -68,6 +73,13 @@ static int code_outside(Native *n, PyCodeObject *code) {
         if (hit < 0) return -1;
         if (hit) out = 0;
     }
+    for (size_t k = 0; out == 1 && k < sizeof SITE_SKIP / sizeof *SITE_SKIP; k++) {
+        PyObject *tail = PyUnicode_FromString(SITE_SKIP[k]);
+        Py_ssize_t hit = tail ? PyUnicode_Tailmatch(name, tail, 0, PY_SSIZE_T_MAX, 1) : -1;
+        Py_XDECREF(tail);
+        if (hit < 0) return -1;
+        if (hit) out = 2;
+    }
     if (n->out_used * 4 >= SITE_CACHE * 3) {
         site_cache_clear(n);
         return code_outside(n, code);
@@ -78,62 +90,194 @@ static int code_outside(Native *n, PyCodeObject *code) {
     return out;
 }
 
-/* The site id of the operation being run: the first frame outside kvscope, looked up by its
- * code object and instruction in a table of the core's own; only a site not seen yet calls
- * the handle's `site_of` (which interns it in the segment). -1 when sites are off; -2 with an
- * exception set. */
-static int32_t site_now(Native *n, PyObject *pool) {
-    if (!(n->probes & (P_SITES | P_SITES_EACH))) return -1;
-    if (n->probes & P_SITES) {
-        PyFrameObject *f = PyEval_GetFrame();
-        Py_XINCREF(f);
-        PyCodeObject *code = NULL;
-        int lasti = 0, out = 0;
-        while (f != NULL) {
-            code = PyFrame_GetCode(f);
-            out = code_outside(n, code);
-            if (out != 0) {
-                lasti = PyFrame_GetLasti(f);
-                Py_DECREF(f);
-                break;
-            }
-            Py_DECREF(code);
-            PyFrameObject *back = PyFrame_GetBack(f);
-            Py_DECREF(f);
-            f = back;
-        }
-        if (f == NULL) return -1; /* every frame is kvscope's */
-        Py_DECREF(code); /* the caches hold their own references */
-        if (out < 0) return -2;
-        size_t i = ptr_hash(code, lasti) & (SITE_CACHE - 1);
-        while (n->site_code[i]) {
-            if (n->site_code[i] == (PyObject *)code && n->site_lasti[i] == lasti)
-                return n->site_id[i];
-            i = (i + 1) & (SITE_CACHE - 1);
-        }
-        int32_t sid = -1;
-        PyObject *fn = PyObject_GetAttr(pool, s_site_of);
-        PyObject *got = fn && fn != Py_None ? PyObject_CallNoArgs(fn) : NULL;
-        Py_XDECREF(fn);
-        if (got == NULL) return PyErr_Occurred() ? -2 : -1;
-        sid = (int32_t)PyLong_AsLong(got);
-        Py_DECREF(got);
-        if (sid == -1 && PyErr_Occurred()) return -2;
-        if (n->site_used * 4 >= SITE_CACHE * 3) return sid; /* full: cleared at the next miss */
-        n->site_code[i] = Py_NewRef((PyObject *)code);
-        n->site_lasti[i] = lasti;
-        n->site_id[i] = sid;
-        n->site_used++;
-        return sid;
+/* The site table's id of text[0, len) (cut to the field's bytes), appended when there is none
+ * (the entry first, then the count: a death in between leaves an unused entry): -1 when the
+ * table is full. The caller holds the sites lock. */
+static int64_t site_find_or_add(Native *n, const char *raw, size_t len) {
+    size_t tl = len < n->site_text_bytes ? len : n->site_text_bytes;
+    int64_t used = (int64_t)U4(n->seg + n->sites_used_at), id = -1;
+    if (used > n->num_sites) used = n->num_sites;
+    for (int64_t i = 0; i < used && id < 0; i++) {
+        const uint8_t *t = n->seg + n->off_sites + (size_t)i * n->site_size;
+        /* (a stored text is NUL-padded: equal bytes, then nothing) */
+        if (memcmp(t, raw, tl) == 0 && (tl == n->site_text_bytes || t[tl] == 0)) id = i;
     }
-    /* Stacks (KVSCOPE_STACK_DEPTH > 1): the handle's site_of at every allocation. */
-    PyObject *fn = PyObject_GetAttr(pool, s_site_of);
-    PyObject *got = fn && fn != Py_None ? PyObject_CallNoArgs(fn) : NULL;
-    Py_XDECREF(fn);
-    if (got == NULL) return PyErr_Occurred() ? -2 : -1;
-    long sid = PyLong_AsLong(got);
-    Py_DECREF(got);
-    return sid == -1 && PyErr_Occurred() ? -2 : (int32_t)sid;
+    if (id < 0 && used < n->num_sites) {
+        uint8_t *t = n->seg + n->off_sites + (size_t)used * n->site_size;
+        memset(t, 0, n->site_text_bytes);
+        memcpy(t, raw, tl);
+        U4(n->seg + n->sites_used_at) = (uint32_t)used + 1;
+        id = used;
+    }
+    return id;
+}
+
+enum { SITE_ERROR = -2, SITE_LATER = -3 };
+static int leaf_take(Native *n, int i, int *mh);
+static void leaf_drop(Native *n, int i, int taken, int mh);
+
+/* site_find_or_add for the core, before its operation takes the op mutex: SITE_LATER when the
+ * sites lock is not to be had now (leaf_take: the operation goes to the Python path, whose
+ * SiteTable takes it in a transaction of the runner), SITE_ERROR with an exception set. */
+static int64_t site_intern(Native *n, PyObject *text) {
+    Py_ssize_t len;
+    const char *raw = PyUnicode_AsUTF8AndSize(text, &len);
+    if (raw == NULL) return SITE_ERROR;
+    int mh, taken = leaf_take(n, n->lock_sites, &mh);
+    if (taken == ERROR) return SITE_ERROR;
+    if (taken == FALLBACK) return SITE_LATER;
+    int64_t id = site_find_or_add(n, raw, (size_t)len);
+    leaf_drop(n, n->lock_sites, taken, mh);
+    return id;
+}
+
+/* sites.frame_text: `file:line function`, the file relative to the working directory when
+ * under it. A new reference, or NULL with an exception set. */
+static PyObject *frame_text(PyFrameObject *f) {
+    PyCodeObject *code = PyFrame_GetCode(f);
+    PyObject *name = code->co_filename, *shown = NULL, *out = NULL;
+    char cwd[4096];
+    if (getcwd(cwd, sizeof cwd - 1) != NULL) {
+        strcat(cwd, "/");
+        PyObject *prefix = PyUnicode_DecodeFSDefault(cwd);
+        Py_ssize_t hit =
+            prefix ? PyUnicode_Tailmatch(name, prefix, 0, PY_SSIZE_T_MAX, -1) : -1;
+        if (hit > 0)
+            shown = PyUnicode_Substring(name, PyUnicode_GET_LENGTH(prefix), PY_SSIZE_T_MAX);
+        else if (hit == 0)
+            shown = Py_NewRef(name);
+        Py_XDECREF(prefix);
+    } else {
+        shown = Py_NewRef(name);
+    }
+    if (shown != NULL)
+        out = PyUnicode_FromFormat("%U:%d %U", shown, PyFrame_GetLineNumber(f), code->co_name);
+    Py_XDECREF(shown);
+    Py_DECREF(code);
+    return out;
+}
+
+/* The site id of one frame's text (sites.caller_site from frame f: the first frame from f
+ * outward that is outside kvscope and no bootstrap frame; `<kvscope>` when none), through the
+ * core's cache by (code object, instruction). f: borrowed. */
+static int64_t frame_site(Native *n, PyFrameObject *f) {
+    PyCodeObject *code = PyFrame_GetCode(f);
+    int lasti = PyFrame_GetLasti(f);
+    Py_DECREF(code); /* (alive while f is: the cache keeps its own reference) */
+    size_t i = ptr_hash(code, lasti) & (SITE_CACHE - 1);
+    while (n->site_code[i]) {
+        if (n->site_code[i] == (PyObject *)code && n->site_lasti[i] == lasti)
+            return n->site_id[i];
+        i = (i + 1) & (SITE_CACHE - 1);
+    }
+    PyFrameObject *g = (PyFrameObject *)Py_NewRef(f);
+    PyObject *text = NULL;
+    while (g != NULL && text == NULL) {
+        PyCodeObject *c = PyFrame_GetCode(g);
+        int out = code_outside(n, c);
+        Py_DECREF(c);
+        if (out < 0) {
+            Py_DECREF(g);
+            return SITE_ERROR;
+        }
+        if (out == 1) {
+            text = frame_text(g);
+            Py_DECREF(g);
+            if (text == NULL) return SITE_ERROR;
+            break;
+        }
+        PyFrameObject *back = PyFrame_GetBack(g);
+        Py_DECREF(g);
+        g = back;
+    }
+    if (text == NULL && (text = PyUnicode_FromString("<kvscope>")) == NULL) return SITE_ERROR;
+    int64_t sid = site_intern(n, text);
+    Py_DECREF(text);
+    if (sid < -1) return sid;
+    if (n->site_used * 4 >= SITE_CACHE * 3) return sid; /* full: cleared at the next miss */
+    n->site_code[i] = Py_NewRef((PyObject *)code);
+    n->site_lasti[i] = lasti;
+    n->site_id[i] = (int32_t)sid;
+    n->site_used++;
+    return sid;
+}
+
+/* sites.SiteTable._stack: the stack from f (borrowed) outward, up to `depth` frames outside
+ * kvscope, up to the first frame of kvscope or of the bootstrap after them; each frame its own
+ * entry, the stack one more (`stack: ID ID ...`); one frame, or a full table: the allocation
+ * frame's id. */
+static int64_t stack_site(Native *n, PyFrameObject *f, int depth) {
+    int64_t ids[MAX_STACK_DEPTH];
+    int k = 0;
+    PyFrameObject *g = (PyFrameObject *)Py_NewRef(f);
+    while (g != NULL && k < depth) {
+        PyCodeObject *c = PyFrame_GetCode(g);
+        int out = code_outside(n, c);
+        Py_DECREF(c);
+        int64_t id = 0;
+        if (out == 1) id = frame_site(n, g);
+        if (out < 0 || id < -1) {
+            Py_DECREF(g);
+            return out < 0 ? SITE_ERROR : id;
+        }
+        if (out == 1)
+            ids[k++] = id;
+        else if (k > 0) {
+            Py_DECREF(g);
+            g = NULL;
+            break;
+        }
+        PyFrameObject *back = PyFrame_GetBack(g);
+        Py_DECREF(g);
+        g = back;
+    }
+    Py_XDECREF(g);
+    if (k == 0) return -1;
+    int64_t low = ids[0];
+    for (int j = 1; j < k; j++) low = ids[j] < low ? ids[j] : low;
+    if (k == 1 || low < 0) return ids[0];
+    char buf[8 + MAX_STACK_DEPTH * 21];
+    size_t at = (size_t)snprintf(buf, sizeof buf, "stack:");
+    for (int j = 0; j < k; j++)
+        at += (size_t)snprintf(buf + at, sizeof buf - at, " %lld", (long long)ids[j]);
+    PyObject *text = PyUnicode_FromStringAndSize(buf, (Py_ssize_t)at);
+    if (text == NULL) return SITE_ERROR;
+    int64_t stack = site_intern(n, text);
+    Py_DECREF(text);
+    if (stack < -1) return stack;
+    return stack >= 0 ? stack : ids[0];
+}
+
+/* The site id of the operation being run: from the first frame outside kvscope's folders, its
+ * text composed and interned by the core (sites.py's text: SiteTable.site at depth 1, _stack at
+ * KVSCOPE_STACK_DEPTH > 1, the depth in the probe word), each frame's id cached by its code
+ * object and instruction. -1 when sites are off (or every frame is kvscope's); SITE_ERROR (-2)
+ * with an exception set; SITE_LATER (-3) when the sites lock is not to be had now (the caller
+ * hands the operation to the Python path). A call-site recorder other than the probe's keeps
+ * the handle on Python (HOOK_SITE: the gate), so this is the probe's site table's alone. */
+static int32_t site_now(Native *n, PyObject *pool) {
+    (void)pool;
+    if (!(n->probes & (P_SITES | P_SITES_EACH))) return -1;
+    PyFrameObject *f = PyEval_GetFrame();
+    Py_XINCREF(f);
+    while (f != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        int out = code_outside(n, code);
+        Py_DECREF(code);
+        if (out < 0) {
+            Py_DECREF(f);
+            return SITE_ERROR;
+        }
+        if (out != 0) break;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    if (f == NULL) return -1; /* every frame is kvscope's */
+    int depth = (n->probes >> P_SITE_DEPTH_SHIFT) & 0x1f;
+    int64_t sid = (n->probes & P_SITES) || depth <= 1 ? frame_site(n, f) : stack_site(n, f, depth);
+    Py_DECREF(f);
+    return (int32_t)sid;
 }
 
 /* -- findings (probing.py PoolProbes.report reads them back) ------------------------------- */
@@ -316,24 +460,10 @@ static PyObject *N_intern_site(Native *n, PyObject *arg) {
                         "this pool handle is closed, or was opened by another process");
         return NULL;
     }
-    size_t tl = (size_t)len < n->site_text_bytes ? (size_t)len : n->site_text_bytes;
     int mh, taken = leaf_take_py(n, n->lock_sites, &mh);
     if (taken == ERROR) return NULL;
     if (taken == FALLBACK) Py_RETURN_NONE;
-    int64_t used = (int64_t)U4(n->seg + n->sites_used_at), id = -1;
-    if (used > n->num_sites) used = n->num_sites;
-    for (int64_t i = 0; i < used && id < 0; i++) {
-        const uint8_t *t = n->seg + n->off_sites + (size_t)i * n->site_size;
-        /* (a stored text is NUL-padded: equal bytes, then nothing) */
-        if (memcmp(t, raw, tl) == 0 && (tl == n->site_text_bytes || t[tl] == 0)) id = i;
-    }
-    if (id < 0 && used < n->num_sites) {
-        uint8_t *t = n->seg + n->off_sites + (size_t)used * n->site_size;
-        memset(t, 0, n->site_text_bytes);
-        memcpy(t, raw, tl);
-        U4(n->seg + n->sites_used_at) = (uint32_t)used + 1;
-        id = used;
-    }
+    int64_t id = site_find_or_add(n, raw, (size_t)len);
     leaf_drop(n, n->lock_sites, taken, mh);
     return PyLong_FromLongLong(id);
 }
