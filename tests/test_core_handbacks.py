@@ -1,11 +1,17 @@
-"""What the C core once handed to the Python path it now does itself: a call site's text,
-composed and interned by the core (no call of the handle's `site_of`)."""
+"""What the C core once handed to the Python path it now does itself, with no Python-path call: a
+call site's text, composed and interned by the core (no call of the handle's `site_of`); a
+release or preemption whose table holds a block already free or a scribbled record, reported
+once by the core."""
 
 from __future__ import annotations
 
 import sys
 
-from kvscope.allocator import KVPool, sites
+import numpy as np
+
+from kvscope.allocator import KVPool, preempt, probing, release, sites
+from kvscope.allocator.events import EventOp
+from kvscope.allocator.layout import BlockState
 from kvscope.allocator.sites import site_frames
 
 
@@ -63,3 +69,92 @@ def test_the_core_composes_a_stack_as_sites_py_does(make_pool, monkeypatch):
     assert int(pool.view.h["num_sites_used"]) == 3
     raw = bytes(pool.view.sites["text"][_site_of_block(pool, a)]).rstrip(b"\0")
     assert raw == b"stack: 0 1"
+
+
+# -- a release whose table holds a block already free, or a scribbled record ------------------
+
+
+def _only_the_core(pool: KVPool, monkeypatch) -> int:
+    """Refuse the Python path's release and preemption, and its finding writer; the core's
+    hand-back count now."""
+    _refuse(monkeypatch, release, "end")
+    _refuse(monkeypatch, release, "release_blocks")
+    _refuse(monkeypatch, preempt, "preempt_one")
+    _refuse(monkeypatch, probing.PoolProbes, "block_finding")
+    _refuse(monkeypatch, pool, "_run")
+    return pool._native.stats()["fallbacks"]
+
+
+def _kinds(pool: KVPool) -> list[str]:
+    return [f.kind for f in pool.findings()]
+
+
+def _ops_of(pool: KVPool, blk: int) -> list[int]:
+    ev = pool.view.events[pool.client]
+    ev = ev[ev["time_ns"] > 0]
+    ev = ev[np.argsort(ev["time_ns"], kind="stable")]
+    return [int(o) for o in ev["op"][ev["block"] == blk]]
+
+
+def test_a_block_already_free_in_a_released_table_is_reported_by_the_core(make_pool, monkeypatch):
+    # GIVEN the flight recorder on, and a sequence one of whose blocks reads as free already
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(16)
+    seq = pool.allocate("twice", list(range(6)))
+    blk = seq.block_table[0]
+    pool.view.blocks["refcount"][blk] = 0
+    handed = _only_the_core(pool, monkeypatch)
+    # WHEN it is freed
+    pool.free(seq)
+    # THEN the core released it, with one double_free about that block, in the Python path's
+    # words, its FINDING event before the release's FREE
+    assert pool._native.stats()["fallbacks"] == handed and seq.state == "finished"
+    (f,) = pool.findings()
+    assert (f.kind, f.block, f.request) == ("double_free", blk, "twice")
+    assert f.message == "block released by request 'twice' but it was already free"
+    assert _ops_of(pool, blk)[-2:] == [int(EventOp.FINDING), int(EventOp.FREE)]
+
+
+def test_a_scribbled_record_in_a_released_table_is_reported_by_the_core(make_pool, monkeypatch):
+    # GIVEN the magic probe on, and a sequence one of whose records was overwritten
+    monkeypatch.setenv("KVSCOPE_MAGIC", "1")
+    pool = make_pool(16)
+    seq = pool.allocate("scrib", list(range(6)))
+    blk, other = seq.block_table
+    pool.view.blocks["owner_pid"][blk] ^= 1
+    handed = _only_the_core(pool, monkeypatch)
+    # WHEN it is aborted
+    pool.abort(seq)
+    # THEN the core released it, the scribbled record reported once and left as it is
+    # (still held), the other block freed
+    assert pool._native.stats()["fallbacks"] == handed and seq.state == "aborted"
+    (f,) = pool.findings()
+    assert (f.kind, f.block) == ("block_header_corrupt", blk)
+    assert f.message == (
+        "block record checksum mismatch when its request released it: its header was "
+        "overwritten outside the allocator"
+    )
+    b = pool.view.blocks
+    assert int(b["refcount"][blk]) == 1 and int(b["state"][blk]) == int(BlockState.ALLOCATED)
+    assert int(b["refcount"][other]) == 0
+
+
+def test_a_preempted_table_with_a_block_already_free_is_reported_by_the_core(
+    make_pool, monkeypatch
+):
+    # GIVEN a waiting sequence one of whose blocks reads as free already, in a small pool
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(8)
+    old = pool.allocate("old", list(range(12)))
+    blk = old.block_table[1]
+    pool.view.blocks["refcount"][blk] = 0
+    pool.set_state(old, "waiting")
+    handed = _only_the_core(pool, monkeypatch)
+    # WHEN an allocation needs its blocks
+    new = pool.allocate("new", list(range(100, 124)))
+    # THEN the core preempted it, with one double_free about that block
+    assert pool._native.stats()["fallbacks"] == handed
+    assert old.state == "preempted" and len(new.block_table) == 6
+    (f,) = pool.findings()
+    assert (f.kind, f.block, f.request) == ("double_free", blk, "old")
+    assert f.message == "block released by request 'old' but it was already free"

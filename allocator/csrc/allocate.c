@@ -203,15 +203,47 @@ out:
 
 /* -- free ------------------------------------------------------------------------------------- */
 
-/* Under a probe, a table about to be released: every block ALLOCATED with a reference (one
- * already free is a double free) and matching its checksum (else a record something else
- * wrote); 0 where not (the Python path reports it). */
-static int table_intact(Native *n, const int32_t *ids, Py_ssize_t k) {
-    for (Py_ssize_t i = 0; i < k; i++) {
-        uint8_t *r = blk(n, ids[i]);
-        if (r[BF_STATE] != B_ALLOCATED || I4(r + BF_REFCOUNT) <= 0) return 0;
+/* release.release_blocks under the magic probe, inside the release's transaction: of ids[0, k),
+ * a record failing its checksum (something outside the allocator wrote it) is left as it is,
+ * and a block_header_corrupt finding (the record as it reads when reported); the others go to
+ * kept (in order, *nk of them). Reported at the commit. OK, or ERROR with an exception set. */
+static int unsealed_left(Native *n, const int32_t *ids, int64_t k, int32_t *kept, int64_t *nk) {
+    int64_t got = 0;
+    for (int64_t i = 0; i < k; i++) {
+        if (!(n->probes & P_MAGIC) || U8(blk(n, ids[i]) + BF_CHECKSUM) == checksum(n, ids[i])) {
+            kept[got++] = ids[i];
+            continue;
+        }
+        Seen s;
+        seen_of(n, ids[i], &s);
+        PyObject *msg = PyUnicode_FromString(
+            "block record checksum mismatch when its request released it: its header was "
+            "overwritten outside the allocator");
+        int64_t before = n->n_pend;
+        if (finding_later(n, FK_BLOCK_HEADER_CORRUPT, &s, msg)) return ERROR;
+        if (n->n_pend > before) n->pend[n->n_pend - 1].seen_later = 1;
     }
-    return all_sealed(n, ids, k);
+    *nk = got;
+    return OK;
+}
+
+/* release.release_blocks under a probe, inside the transaction, before the drop: a block of
+ * ids[0, k) already free (not ALLOCATED with a reference: the drop leaves it as it is) is a
+ * double_free finding about request `rid`, its record as it is now. Reported at the commit.
+ * OK, or ERROR with an exception set. */
+static int already_free(Native *n, const int32_t *ids, int64_t k, PyObject *rid) {
+    if (!n->probes) return OK;
+    for (int64_t i = 0; i < k; i++) {
+        uint8_t *r = blk(n, ids[i]);
+        if (r[BF_STATE] == B_ALLOCATED && I4(r + BF_REFCOUNT) > 0) continue;
+        Seen s;
+        seen_of(n, ids[i], &s);
+        if (finding_later(n, FK_DOUBLE_FREE, &s,
+                          PyUnicode_FromFormat(
+                              "block released by request %R but it was already free", rid)))
+            return ERROR;
+    }
+    return OK;
 }
 
 /* The free-ring half of a release: the blocks it freed (zero, nz) to the local cache, the
@@ -226,19 +258,21 @@ static int give_back_freed(Native *n, const int32_t *zero, int64_t nz, int guard
 }
 
 /* One transaction of a long release (release._release_tail) or preemption (final: the state it
- * ends in): the references of ids[keep, k) dropped, what they freed given back, the
- * sequence's table cut at keep. OK, FALLBACK (nothing changed), ERROR with an exception set. */
+ * ends in): the references of ids[keep, k) dropped (a scribbled record left, a block already
+ * free reported: unsealed_left, already_free), what they freed given back, the sequence's
+ * table cut at keep. OK, FALLBACK (nothing changed), ERROR with an exception set. */
 static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize_t k,
                         int64_t slot, long final, int guard, const char *when,
-                        const char *request) {
-    const int32_t *part = ids + keep;
+                        const char *request, PyObject *rid) {
+    int32_t part[CHUNK];
     int64_t m = k - keep, nz = 0;
     int32_t zero[CHUNK];
     uint64_t locks = lock_bit(n->lock_free);
     for (int64_t i = 0; i < m; i++)
-        if (blk(n, part[i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, part[i]);
+        if (blk(n, ids[keep + i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, ids[keep + i]);
     if (txn_begin(n, locks)) return FALLBACK;
-    if (digests_intact(n, part, m, when) || drop_refs(n, part, m, wall_ns(), zero, &nz) ||
+    if (unsealed_left(n, ids + keep, k - keep, part, &m) || digests_intact(n, part, m, when) ||
+        already_free(n, part, m, rid) || drop_refs(n, part, m, wall_ns(), zero, &nz) ||
         give_back_freed(n, zero, nz, guard) || write_blocks(n, slot, keep, NULL, 0) ||
         (guard && poison_blocks(n, zero, nz))) {
         txn_abort(n);
@@ -246,7 +280,7 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
     }
     txn_commit(n);
     count(n, C_FREES, (uint64_t)m);
-    if (final == S_PREEMPTED) ev_record(n, E_PREEMPT, part, m, request, 0);
+    if (final == S_PREEMPTED) ev_record(n, E_PREEMPT, ids + keep, k - keep, request, 0);
     ev_record(n, final == 4 ? E_ABORT : E_FREE, part, m, request, 0);
     return OK;
 }
@@ -272,16 +306,8 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
         result = fallback(n);
         goto done;
     }
-    /* Under a probe, what table_intact finds the Python path reports (a block released twice,
-     * a record that fails its checksum); leaks: refcounts the handle's tables do not explain,
-     * reported here. */
-    if (n->probes) {
-        if (!table_intact(n, ids, k)) {
-            result = fallback(n);
-            goto done;
-        }
-        if (refcounts_match(n, ids, k, rid)) goto done;
-    }
+    /* leaks: refcounts the handle's tables do not explain, reported before the release */
+    if (n->probes && refcounts_match(n, ids, k, rid)) goto done;
     char request[REQUEST_BYTES];
     memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
     int rc = take_mutex(n);
@@ -291,7 +317,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     }
     while (k > CHUNK) {
         Py_ssize_t keep = k - CHUNK;
-        rc = release_tail(n, ids, keep, k, slot, final, guard, when, request);
+        rc = release_tail(n, ids, keep, k, slot, final, guard, when, request, rid);
         PyObject *cut = rc == OK ? PyList_GetSlice(list, 0, keep) : NULL;
         if (cut == NULL) {
             result = rc == FALLBACK ? fallback(n) : NULL;
@@ -309,12 +335,10 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     /* The faults that strike when a request ends, on what a long table's tail left (as
      * release.end): the blocks it drops are ids without the one `leak` keeps (drop[0..nd));
      * `use-after-free` keeps the table live (stale). */
-    int64_t skip = -1, nd = 0;
+    int64_t skip = -1, nd = 0, nkept = 0;
     int stale = 0;
     if (faults_armed(n)) end_faults(n, ids, k, &skip, &stale);
-    int32_t drop[CHUNK];
-    for (Py_ssize_t i = 0; i < k; i++)
-        if (i != skip) drop[nd++] = ids[i];
+    int32_t drop[CHUNK], kept[CHUNK];
     /* SeqTable.can_release_locally: the slot goes back to this process's reserve; else to the
      * table, under the seqs lock. */
     uint8_t *s = seqrec(n, slot);
@@ -333,8 +357,13 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
         result = fallback(n);
         goto out;
     }
+    /* magic: a scribbled record is reported and left as it is (release.release_blocks) */
+    if (unsealed_left(n, ids, k, kept, &nkept)) goto abort;
+    for (int64_t i = 0; i < nkept; i++)
+        if (skip < 0 || kept[i] != ids[skip]) drop[nd++] = kept[i];
     /* digest: the published blocks released are as published (writes.verify_published) */
     if (digests_intact(n, drop, nd, when)) goto abort;
+    if (already_free(n, drop, nd, rid)) goto abort;
     int64_t nz = 0;
     uint64_t now = wall_ns();
     if (drop_refs(n, drop, nd, now, zero, &nz)) goto abort;
@@ -373,7 +402,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
      * before_commit). */
     if (guard && poison_blocks(n, zero, nz)) goto abort;
     txn_commit(n);
-    count(n, C_FREES, (uint64_t)k);
+    count(n, C_FREES, (uint64_t)nkept);
     ev_record(n, final == 4 ? E_ABORT : E_FREE, drop, nd, request, 0);
     if (skip >= 0) fault_fired(n, FT_LEAK);
     if (stale) fault_fired(n, FT_USE_AFTER_FREE);

@@ -39,16 +39,23 @@ static int64_t oldest_waiting(Native *n, int64_t exclude, PyObject **seq) {
 static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *ids,
                          Py_ssize_t k, uint64_t shards, int32_t *zero) {
     if ((n->held & shards) != shards || !holds(n, n->lock_free)) return FALLBACK;
-    if (n->probes && !table_intact(n, ids, k)) return FALLBACK;
-    /* digest: the published blocks released are as published (writes.verify_published) */
-    PyObject *when;
-    const char *w = release_words(n, seq, &when);
-    int rc = w ? digests_intact(n, ids, k, w) : ERROR;
+    /* magic: a scribbled record is reported and left as it is (release.release_blocks; in
+     * place: ids is this call's copy of the table) */
+    int32_t *drop = (int32_t *)ids;
+    int64_t nd;
+    if (unsealed_left(n, ids, k, drop, &nd)) return ERROR;
+    /* digest: the published blocks released are as published (writes.verify_published); a
+     * block already free is a double free */
+    PyObject *when, *rid = sfield(n, seq, F_REQUEST_ID);
+    const char *w = rid ? release_words(n, seq, &when) : NULL;
+    int rc = w ? digests_intact(n, drop, nd, w) : ERROR;
+    if (rc == OK) rc = already_free(n, drop, nd, rid);
     Py_XDECREF(when);
+    Py_XDECREF(rid);
     if (rc != OK) return rc;
     /* BlockStore.drop, then give_back */
     int64_t nz = 0;
-    if (drop_refs(n, ids, k, wall_ns(), zero, &nz)) return FALLBACK;
+    if (drop_refs(n, drop, nd, wall_ns(), zero, &nz)) return FALLBACK;
     if (give_back_freed(n, zero, nz, 0)) return FALLBACK;
     if (write_blocks(n, slot, 0, NULL, 0)) return FALLBACK;
     seqrec(n, slot)[SF_STATE] = S_PREEMPTED;
@@ -71,7 +78,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
  * indexed block left unreferenced stays cached; the others to the local cache, the overflow
  * to the ring), its record PREEMPTED with no blocks; its Sequence, events and counters at
  * commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (the Python path runs the
- * operation: guard mode guards the sequence, a probe's finding, a lock not held, the journal
+ * operation: guard mode guards the sequence, a lock not held, the journal
  * full), ERROR. */
 static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found) {
     PyObject *seq = NULL;
@@ -181,11 +188,12 @@ static int preempt_ahead(Native *n) {
     Py_XDECREF(key);
     if (seq == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
     Py_INCREF(seq);
-    PyObject *table = sfield(n, seq, F_BLOCK_TABLE), *when = NULL;
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE), *when = NULL,
+             *rid = sfield(n, seq, F_REQUEST_ID);
     Py_ssize_t k, len = table && PyList_Check(table) ? PyList_GET_SIZE(table) : 0;
     int32_t *ids = len > 0 && len <= n->max_bps ? PyMem_Malloc(2 * sizeof(int32_t) * (size_t)len)
                                                 : NULL;
-    const char *w = ids ? release_words(n, seq, &when) : NULL;
+    const char *w = ids && rid ? release_words(n, seq, &when) : NULL;
     uint64_t shards;
     int rc = ERROR;
     if (ids == NULL || w == NULL) {
@@ -197,7 +205,8 @@ static int preempt_ahead(Native *n) {
     memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
     while (k > CHUNK) {
         Py_ssize_t keep = k - CHUNK;
-        if ((rc = release_tail(n, ids, keep, k, slot, S_PREEMPTED, 0, w, request)) != OK) goto out;
+        rc = release_tail(n, ids, keep, k, slot, S_PREEMPTED, 0, w, request, rid);
+        if (rc != OK) goto out;
         PyObject *cut = PyList_GetSlice(table, 0, keep);
         if (cut == NULL) {
             rc = ERROR;
@@ -224,6 +233,7 @@ static int preempt_ahead(Native *n) {
 out:
     PyMem_Free(ids);
     Py_XDECREF(when);
+    Py_XDECREF(rid);
     Py_XDECREF(table);
     Py_DECREF(seq);
     return rc;
