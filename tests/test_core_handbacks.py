@@ -1,15 +1,16 @@
 """What the C core once handed to the Python path it now does itself, with no Python-path call: a
 call site's text, composed and interned by the core (no call of the handle's `site_of`); a
-release or preemption whose table holds a block already free or a scribbled record, reported
-once by the core."""
+release or preemption whose table holds a block already free or a scribbled record, and an
+append filling a block whose record is scribbled, each reported once by the core."""
 
 from __future__ import annotations
 
 import sys
 
 import numpy as np
+import pytest
 
-from kvscope.allocator import KVPool, preempt, probing, release, sites
+from kvscope.allocator import KVPool, append, preempt, probing, release, sites
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.sites import site_frames
@@ -158,3 +159,34 @@ def test_a_preempted_table_with_a_block_already_free_is_reported_by_the_core(
     (f,) = pool.findings()
     assert (f.kind, f.block, f.request) == ("double_free", blk, "old")
     assert f.message == "block released by request 'old' but it was already free"
+
+
+# -- an append filling a block whose record is scribbled ---------------------------------------
+
+
+@pytest.mark.parametrize("more", [2, 6], ids=["decode step", "new block"])
+def test_an_append_filling_a_scribbled_block_is_reported_by_the_core(make_pool, monkeypatch, more):
+    # GIVEN the magic probe and the flight recorder on, and a sequence whose last, part-filled
+    # block's record was overwritten; the Python path's append refused
+    monkeypatch.setenv("KVSCOPE_MAGIC", "1")
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(16)
+    seq = pool.allocate("grow", list(range(6)))
+    blk = seq.block_table[1]
+    pool.view.blocks["owner_pid"][blk] ^= 1
+    _refuse(monkeypatch, append, "append")
+    _refuse(monkeypatch, append, "_set_keys")
+    _refuse(monkeypatch, probing.PoolProbes, "check_records")
+    handed = pool._native.stats()["fallbacks"]
+    # WHEN tokens are appended that fill it (the append's own block events first)
+    pool.append(seq, list(range(100, 100 + more)))
+    # THEN the core ran it, and reported the record once, as it was before it was resealed
+    assert pool._native.stats()["fallbacks"] == handed and len(seq.tokens) == 6 + more
+    (f,) = pool.findings()
+    assert (f.kind, f.block) == ("block_header_corrupt", blk)
+    assert f.owner_pid == pool.pid ^ 1
+    assert "about to change it" in f.message
+    assert _ops_of(pool, blk)[-1] == int(EventOp.FINDING)
+    # AND the record is sealed again: nothing more is found when it is released
+    pool.free(seq)
+    assert _kinds(pool) == ["block_header_corrupt"]

@@ -23,6 +23,19 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
         if (b == -1 && PyErr_Occurred()) return ERROR;
         uint8_t *r = blk(n, b);
         if (r[BF_INDEXED] == 0 && I4(r + BF_REFCOUNT) == 1) {
+            /* magic: a record something outside the allocator wrote is reported before it is
+             * resealed over (the store's verify_hook, probing.check_records outside a
+             * transaction: at once, the record as it was) */
+            if ((n->probes & P_MAGIC) && U8(r + BF_CHECKSUM) != checksum(n, b)) {
+                Seen s;
+                seen_of(n, (int32_t)b, &s);
+                PyObject *msg = PyUnicode_FromString(
+                    "block record checksum mismatch when the allocator was about to change it: "
+                    "its header was overwritten outside the allocator");
+                int bad = msg == NULL || finding_report(n, FK_BLOCK_HEADER_CORRUPT, &s, msg);
+                Py_XDECREF(msg);
+                if (bad) return ERROR;
+            }
             uint64_t key, parent;
             if (seq_keys(n, chain, j, &key, &parent)) return ERROR;
             /* Key and checksum in one 16-byte store (append.py _set_keys: a kill leaves the
@@ -68,20 +81,6 @@ static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
     return OK;
 }
 
-/* A block's record still matches its checksum (magic: a block an append fills gets its prefix
- * key, append.py _set_keys; else the Python path reports it). */
-static int fill_sealed(Native *n, PyObject *table, PyObject *chain, Py_ssize_t nb, int64_t n_new) {
-    if (!(n->probes & P_MAGIC)) return OK;
-    for (Py_ssize_t j = PyList_GET_SIZE(chain); j < n_new / n->bs && j < nb; j++) {
-        long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
-        if (b < 0 || b >= n->nb || U8(blk(n, b) + BF_CHECKSUM) != checksum(n, b)) {
-            PyErr_Clear();
-            return FALLBACK;
-        }
-    }
-    return OK;
-}
-
 /* append._append_chunk: k tokens (at most CHUNK blocks' worth) appended to seq (in `slot`; its
  * lists tokens, table, chain): into the last block when it has room and is the sequence's
  * own (unjournaled: the decode step), else in a transaction that copies a shared last block
@@ -105,7 +104,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         last = (int32_t)b;
     }
     int cow = off != 0 && last >= 0 && I4(blk(n, last) + BF_REFCOUNT) > 1;
-    if (need > CHUNK || fill_sealed(n, table, chain, nb, n_new)) return FALLBACK;
+    if (need > CHUNK) return FALLBACK;
     /* The blocks written, from the one holding position n_old: the last block (or its copy)
      * when it has room, then the new ones. */
     int32_t ids[CHUNK + 1];
