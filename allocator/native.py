@@ -302,8 +302,6 @@ def core_for(pool: KVPool) -> Any:
         # Read at every call (the gate in _native.c): hooks can come at any time.
         "seq_type": Sequence,
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
-        "seqs": pool._seqs,
-        "guarded": pool._guarded,
         # The faults and crash points (csrc/faults.c): armed and counted down by both paths.
         "faults_armed": faults.ARMED,
         "fault_names": faults.FAULTS,

@@ -106,11 +106,11 @@ class KVPool:
         # Probe hooks set on this handle (bits of HOOK_*): the C core (native.py) runs only
         # while none is; `probe`, `site_of` and the lock table's hooks keep it up to date.
         self._hooks = array("q", [0])
-        # Sampled guard mode (guard_sample): the allocation counter, and the slots of the
-        # sequences it guards (their releases guard, poison and quarantine; others do not).
+        # Sampled guard mode (guard_sample): the allocation counter; the slots of the
+        # sequences it guards (their releases guard, poison and quarantine; others do not) are
+        # the core's (`_core.guard`, `_core.guarded`).
         self._guard_every = guard_sample_from_env()
         self._guard_tick = 0
-        self._guarded: set[int] = set()
         # The light probes the C core runs itself for this handle (PoolProbes.native_bits).
         self._probe_bits = array("q", [0])
         # Ring positions of the findings the C core wrote in its last call (_hand_findings).
@@ -122,7 +122,6 @@ class KVPool:
         self._closed = False
         # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
         self.kv_events: Any = None
-        self._seqs: dict[int, Sequence] = {}
         self._uid = id(self)
         # Probe hooks: None when off (one attribute check per operation).
         self.site_of = None
@@ -172,7 +171,7 @@ class KVPool:
 
     def _guards(self, slot: int) -> bool:
         """Whether guard mode guards the release of the sequence in `slot`."""
-        return self._guard_every <= 1 or slot in self._guarded
+        return self._guard_every <= 1 or self._core.guarded(slot)
 
     @property
     def site_of(self) -> Callable[[], int] | None:
@@ -286,20 +285,20 @@ class KVPool:
             )
 
     def _track(self, t: Txn, seq: Sequence, slot: int | None = None) -> None:
-        """Enter seq in this handle's live sequences (at `slot`, else its own) when t commits:
-        under the mutex, before another thread can take or scan the slot."""
+        """Enter seq in this handle's live sequences (the core's registry; at `slot`, else its
+        own) when t commits: under the mutex, before another thread can take or scan the slot."""
         at = seq.slot if slot is None else slot
-        t.after_commit.append(lambda: self._seqs.__setitem__(at, seq))
+        t.after_commit.append(lambda: self._core.track(at, seq))
 
     def _untrack(self, t: Txn, slot: int) -> None:
         """Drop `slot` from this handle's live (and sampled-guard) sequences when t commits:
         after the commit the slot is anyone's, and a later allocation's entry must stay."""
+        t.after_commit.append(lambda: self._core.untrack(slot))
 
-        def drop() -> None:
-            self._seqs.pop(slot, None)
-            self._guarded.discard(slot)
-
-        t.after_commit.append(drop)
+    def live(self) -> dict[int, Sequence]:
+        """This handle's live sequences by slot, in the order they were entered (a copy of the
+        C core's registry)."""
+        return self._core.live()
 
     def _site(self) -> int:
         return self.site_of() if self.site_of is not None else -1
@@ -340,7 +339,7 @@ class KVPool:
                 raise
         if guarded:
             # Sampled guard mode: this one is guarded (its release runs on the Python path).
-            self._guarded.add(seq.slot)
+            self._core.guard(seq.slot)
         return seq
 
     def _before_claim(self) -> bool:
@@ -471,7 +470,7 @@ class KVPool:
                 self._hand_findings()
             if cached is not None:
                 if guarded:
-                    self._guarded.add(seq.slot)
+                    self._core.guard(seq.slot)
                 return cached
             self._guard_tick = tick  # (the Python path's allocate samples it)
         return preempt.resume(self, seq)

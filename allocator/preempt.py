@@ -61,7 +61,7 @@ def preempt_one(pool: KVPool, t: Txn, exclude: int) -> bool:
     states = pool.view.seqs["state"]
     waiting = [
         s
-        for s in list(pool._seqs.values())
+        for s in pool.live().values()
         if states[s.slot] == SeqState.WAITING and s.block_table and s.slot != exclude
     ]
     if not waiting:

@@ -293,7 +293,7 @@ class PoolProbes:
         segment: what the C core counts too)."""
         seqs = self.pool.view.seqs
         refs: Counter[int] = Counter()
-        for slot in list(self.pool._seqs):
+        for slot in self.pool.live():
             refs.update(seqs["table"][slot, : int(seqs["num_blocks"][slot])].tolist())
         return refs
 

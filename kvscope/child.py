@@ -106,7 +106,7 @@ def on_unlink(pool: Any) -> None:
 def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
     """Report each sequence of this process that still holds blocks as leak_finished, and
     print the LEAK SUMMARY of the same sequences (with the leaks probe on)."""
-    seqs = [s for s in list(pool._seqs.values()) if s.block_table]
+    seqs = [s for s in pool.live().values() if s.block_table]
     held = 0
     for seq in seqs:
         held += len(seq.block_table)

@@ -190,3 +190,43 @@ def test_an_append_filling_a_scribbled_block_is_reported_by_the_core(make_pool, 
     # AND the record is sealed again: nothing more is found when it is released
     pool.free(seq)
     assert _kinds(pool) == ["block_header_corrupt"]
+
+
+# -- the live-sequence registry and the sampled-guard slots are the core's ----------------------
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["core", "python path"])
+def test_the_live_sequences_are_the_cores_registry(make_pool, native):
+    # GIVEN a handle, its operations on the core or on the Python path
+    pool = make_pool(32)
+    if not native:
+        pool._native = None
+    # WHEN sequences are allocated, forked, preempted and resumed, and freed
+    a = pool.allocate("a", list(range(6)))
+    b = pool.fork(a, "b")
+    c = pool.allocate("c", list(range(50, 59)))
+    assert pool.live() == {a.slot: a, b.slot: b, c.slot: c}
+    pool.free(b)
+    # THEN the core's registry names the live ones by slot, in the order they came, each the
+    # caller's own object, whichever path ran
+    live = pool.live()
+    assert list(live) == [a.slot, c.slot] and live[a.slot] is a and live[c.slot] is c
+    # AND a copy: changing it changes nothing
+    live.clear()
+    assert len(pool.live()) == 2 and not hasattr(pool, "_seqs")
+    pool.free(a)
+    pool.abort(c)
+    assert pool.live() == {}
+
+
+def test_the_slots_sampled_guard_mode_guards_are_the_cores(make_pool):
+    # GIVEN sampled guard mode, one allocation in 2
+    pool = make_pool(32, guard_sample=2)
+    # WHEN four sequences are allocated
+    seqs = [pool.allocate(f"r{i}", [i] * 5) for i in range(4)]
+    # THEN the first and the third are guarded, in the core's set; a release forgets its slot
+    assert [pool._core.guarded(s.slot) for s in seqs] == [True, False, True, False]
+    slot = seqs[0].slot
+    pool.free(seqs[0])
+    assert not pool._core.guarded(slot)
+    assert pool._guards(seqs[2].slot) and not pool._guards(seqs[1].slot)

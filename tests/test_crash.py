@@ -110,11 +110,11 @@ def _survive_and_reclaim(pool: KVPool) -> None:
     seqs = pool.view.seqs
     assert set(seqs["owner_client"][seqs["reserved"] == 1].tolist()) <= {pool.client}
     st = pool.stats()
-    live_blocks = {b for s in pool._seqs.values() for b in s.block_table}
+    live_blocks = {b for s in pool.live().values() for b in s.block_table}
     owned = np.flatnonzero(pool.view.blocks["state"] == BlockState.ALLOCATED)
     assert set(owned.tolist()) == live_blocks
     assert st["num_free"] + st["num_local"] + st["num_cached"] + st["num_allocated"] == NUM_BLOCKS
-    for s in list(pool._seqs.values()):
+    for s in pool.live().values():
         pool.free(s)
     assert pool.check() == []
 

@@ -310,7 +310,7 @@ def test_a_kill_at_any_journal_save_of_an_allocation_evicting_ahead_loses_no_blo
         pool.reclaim_dead()
         assert pool.check() == [], kill_at
         st = pool.stats()
-        assert st["num_allocated"] == sum(len(s.block_table) for s in pool._seqs.values())
+        assert st["num_allocated"] == sum(len(s.block_table) for s in pool.live().values())
         assert st["num_free"] + st["num_local"] + st["num_cached"] + st["num_allocated"] == 256
         assert st["num_free"] + st["num_local"] + st["num_cached"] == 128, kill_at
     assert killed >= 6

@@ -318,7 +318,8 @@ def test_the_core_preempts_says_the_pool_is_full_and_resumes_itself(make_pool):
     assert pool.resume(old) == 0 and old.state == "running" and len(old.block_table) == 2
     assert pool._native.stats()["native_ops"] == ops + 1
     assert pool._native.stats()["fallbacks"] == before["fallbacks"]
-    assert pool._seqs[old.slot] is old and (slot == old.slot or slot not in pool._seqs)
+    live = pool.live()
+    assert live[old.slot] is old and (slot == old.slot or slot not in live)
     assert pool.view.seqs["state"][old.slot] == SeqState.RUNNING
     for s in (old, young, run):
         pool.free(s)
@@ -580,7 +581,7 @@ def test_a_thread_preempting_while_others_allocate_and_free(make_pool):
     # THEN no operation failed, the handle knows exactly its live sequences, and the pool is
     # consistent
     assert errors == []
-    assert sorted(pool._seqs) == sorted(s.slot for s in idle)
+    assert sorted(pool.live()) == sorted(s.slot for s in idle)
     assert pool.check() == []
     assert pool.stats()["num_allocated"] == len(idle)
 

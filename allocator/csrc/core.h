@@ -178,7 +178,7 @@ typedef struct {
     PyObject *seq_type;     /* allocator.sequence.Sequence */
     PyObject *seq_fields;   /* its dataclass field names, in order (a tuple of 10) */
     Py_ssize_t seq_off[10]; /* their __slots__ offsets in an instance */
-    PyObject *seqs;         /* KVPool._seqs: slot -> Sequence */
+    PyObject *seqs;         /* the handle's live sequences: slot -> Sequence (the core's own) */
     PyObject *faults_armed; /* faults.ARMED: fault -> opportunities left (faults.c) */
     PyObject *fault_fired;  /* faults.fired */
     PyObject *write_past;   /* faults.write_past: oob-write's write into the KV data */
@@ -297,7 +297,7 @@ typedef struct {
     int64_t *pre_slots;
     int64_t n_pre, cap_pre;
     int64_t exhausted_need;
-    PyObject *guarded;   /* KVPool._guarded: slots of the sequences sampled guard mode guards */
+    PyObject *guarded;   /* slots of the sequences sampled guard mode guards (the core's own) */
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the handle attached */
     PyObject *hdr_fields; /* magic: the header's (name, offset, size) fields, in order */
     PyObject *msg_canary, *msg_poison; /* integrity.CANARY_MESSAGE, POISON_MESSAGE */

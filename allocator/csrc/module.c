@@ -104,13 +104,13 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     }
     /* Python objects the core shares with the handle (new references). */
     PyObject **objs[] = {&n->mutex,     &n->seq_type,
-                         &n->seq_fields, &n->seqs, &n->faults_armed, &n->fault_fired,
+                         &n->seq_fields, &n->faults_armed, &n->fault_fired,
                          &n->kv_dirs,   &n->write_past,
-                         &n->guarded,   &n->kv_obj, &n->msg_unwritten};
+                         &n->kv_obj, &n->msg_unwritten};
     const char *names[] = {"mutex",        "seq_type",
-                           "seq_fields", "seqs", "faults_armed", "fault_fired",
+                           "seq_fields", "faults_armed", "fault_fired",
                            "kvscope_dirs", "write_past",
-                           "guarded",    "kv_tensor", "unwritten_message"};
+                           "kv_tensor", "unwritten_message"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -130,10 +130,10 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "seq_type must be a class of 10 fields");
         return -1;
     }
-    if (!PyDict_Check(n->seqs)) {
-        PyErr_SetString(PyExc_TypeError, "seqs must be a dict");
-        return -1;
-    }
+    /* the handle's live sequences and guarded slots: the core's own (sequences.c) */
+    Py_XSETREF(n->seqs, PyDict_New());
+    Py_XSETREF(n->guarded, PySet_New(NULL));
+    if (n->seqs == NULL || n->guarded == NULL) return -1;
     if (faults_init(n, d)) return -1;
     PyObject *busy = PyDict_GetItemString(d, "busy"), *hooks = PyDict_GetItemString(d, "hooks");
     PyObject *coefs = PyDict_GetItemString(d, "coefs");
@@ -294,6 +294,16 @@ static PyMethodDef N_methods[] = {
     {"report", (PyCFunction)(void (*)(void))N_report, METH_FASTCALL,
      "report(kind, severity, block, owner_pid, site, request, message) -> int | None: a finding "
      "written into the segment's findings ring (its position; None: the lock not to be had)"},
+    {"live", (PyCFunction)N_live, METH_NOARGS,
+     "live() -> {slot: Sequence}: the handle's live sequences (a copy)"},
+    {"track", (PyCFunction)(void (*)(void))N_track, METH_FASTCALL,
+     "track(slot, seq): seq entered as the handle's live sequence in slot"},
+    {"untrack", (PyCFunction)N_untrack, METH_O,
+     "untrack(slot): the slot's live sequence and its guard forgotten"},
+    {"guard", (PyCFunction)N_guard, METH_O,
+     "guard(slot): sampled guard mode guards that slot's release"},
+    {"guarded", (PyCFunction)N_guarded, METH_O,
+     "guarded(slot) -> bool: whether sampled guard mode guards that slot's release"},
     {"intern_site", (PyCFunction)N_intern_site, METH_O,
      "intern_site(text: bytes) -> int | None: the site table's id of a text, added when new "
      "(-1: the table is full; None: the lock not to be had)"},

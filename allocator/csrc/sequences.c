@@ -402,3 +402,58 @@ static int request_of(PyObject *rid, char *out) {
     memcpy(out, u, len < REQUEST_BYTES ? (size_t)len : REQUEST_BYTES);
     return OK;
 }
+
+/* -- the handle's live sequences (its registry) and the slots sampled guard mode guards ------- */
+
+/* A slot argument: its int, or -1 with an exception set. */
+static int64_t slot_arg(Native *n, PyObject *o) {
+    int64_t slot = PyLong_AsLongLong(o);
+    if (slot == -1 && PyErr_Occurred()) return -1;
+    if (slot < 0 || slot >= n->max_seqs) {
+        PyErr_Format(PyExc_ValueError, "slot %lld out of range", (long long)slot);
+        return -1;
+    }
+    return slot;
+}
+
+/* live() -> {slot: Sequence}: a copy of the handle's live sequences, in the order they were
+ * entered (the leaks probe, close, preemption's Python path read it). */
+static PyObject *N_live(Native *n, PyObject *unused) {
+    (void)unused;
+    return PyDict_Copy(n->seqs);
+}
+
+/* track(slot, seq): seq entered as the handle's live sequence in `slot` (the Python path's
+ * KVPool._track, at its commit). */
+static PyObject *N_track(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "track(slot, seq)");
+        return NULL;
+    }
+    if (slot_arg(n, args[0]) < 0 || PyDict_SetItem(n->seqs, args[0], args[1])) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* untrack(slot): the slot's live sequence, and its guard, forgotten (KVPool._untrack). */
+static PyObject *N_untrack(Native *n, PyObject *slot) {
+    if (slot_arg(n, slot) < 0) return NULL;
+    if (PyDict_DelItem(n->seqs, slot) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) return NULL;
+        PyErr_Clear();
+    }
+    if (PySet_Discard(n->guarded, slot) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* guard(slot): sampled guard mode guards the release of the sequence in `slot`. */
+static PyObject *N_guard(Native *n, PyObject *slot) {
+    if (slot_arg(n, slot) < 0 || PySet_Add(n->guarded, slot)) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* guarded(slot) -> bool: whether sampled guard mode guards that slot's release. */
+static PyObject *N_guarded(Native *n, PyObject *slot) {
+    if (slot_arg(n, slot) < 0) return NULL;
+    int in = PySet_Contains(n->guarded, slot);
+    return in < 0 ? NULL : PyBool_FromLong(in);
+}
