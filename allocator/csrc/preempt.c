@@ -4,7 +4,7 @@
 
 /* -- the victim -------------------------------------------------------------------------------- */
 
-/* The handle's live sequence (its registry: slot -> Sequence, handed to the core at init)
+/* The handle's live sequence (the core's registry: slot -> Sequence, sequences.c)
  * whose record is WAITING, with blocks, not in `exclude` (the slot being grown), with the
  * smallest seq id: its slot (*seq borrowed), -1 for none, -2 with an exception set. */
 static int64_t oldest_waiting(Native *n, int64_t exclude, PyObject **seq) {

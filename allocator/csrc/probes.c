@@ -1,12 +1,13 @@
 /* The light probes, run by the core itself (probing.py, events.py, sites.py, writes.py are
  * the reference): flight-recorder events, allocation sites, leak accounting, record checksums,
  * the lock-order graph. A finding the core detects it writes into the segment's findings ring
- * itself (finding_report), where the binding reads it back for `on_finding`; what it still
- * hands back (a release's table holding a freed block or a scribbled record: allocate.c
- * table_intact; a block an append fills whose record is scribbled: append.c fill_sealed; a
- * handed-back K/V check that answers true) the Python path reports through KVPool.report. The
- * ring and the site table have no other writer: KVPool.report and sites.py write through
- * N_report and N_intern_site. Part of _native.c. */
+ * itself (finding_report), where the binding reads it back for `on_finding` (a release's table
+ * holding a freed block or a scribbled record: allocate.c unsealed_left, already_free; a block
+ * an append fills whose record is scribbled: append.c extend_chain); what it still hands back
+ * (a handed-back K/V check that answers true) the Python path reports through KVPool.report.
+ * The ring and the site table have no other writer: KVPool.report and sites.py write through
+ * N_report and N_intern_site, and the core interns the sites it composes (site_now). Part of
+ * _native.c. */
 
 /* -- the flight recorder (events.py EventRecorder.record) ------------------------------------ */
 
@@ -759,8 +760,8 @@ static void count_table(Native *n, int64_t slot) {
         if (t[j] >= 0 && t[j] < n->nb) ref_add(n, t[j]);
 }
 
-/* Count every live sequence of this handle's table (the handle's live sequences,
- * KVPool._seqs, are the live slots of its client: read from the segment, not the dict). */
+/* Count every live sequence of this handle's table (the handle's live sequences, the core's
+ * registry, are the live slots of its client: read from the segment, not the registry). */
 static int count_handle_tables(Native *n, int64_t skip_slot) {
     if (maybe_live_sync(n)) {
         PyErr_NoMemory();
