@@ -12,7 +12,7 @@ import pytest
 
 from kvscope.allocator import KVPool, append, preempt, probing, release, sites
 from kvscope.allocator.events import EventOp
-from kvscope.allocator.layout import BlockState
+from kvscope.allocator.layout import CHUNK, BlockState
 from kvscope.allocator.sites import site_frames
 
 
@@ -230,3 +230,24 @@ def test_the_slots_sampled_guard_mode_guards_are_the_cores(make_pool):
     pool.free(seqs[0])
     assert not pool._core.guarded(slot)
     assert pool._guards(seqs[2].slot) and not pool._guards(seqs[1].slot)
+
+
+def test_a_long_release_reports_what_its_tail_holds(make_pool, monkeypatch):
+    # GIVEN the magic probe on, and a sequence of more than CHUNK blocks: one record in the tail
+    # its first transaction releases scribbled, one block there already free
+    monkeypatch.setenv("KVSCOPE_MAGIC", "1")
+    pool = make_pool(CHUNK + 40)
+    seq = pool.allocate("long", list(range(4 * (CHUNK + 10))))
+    table = list(seq.block_table)
+    scribbled, freed = table[-1], table[-2]
+    pool.view.blocks["owner_pid"][scribbled] ^= 1
+    pool.view.blocks["refcount"][freed] = 0
+    pool.store.seal(np.array([freed]))
+    handed = _only_the_core(pool, monkeypatch)
+    # WHEN it is freed
+    pool.free(seq)
+    # THEN the core released it, each reported once, the scribbled record left held
+    assert pool._native.stats()["fallbacks"] == handed and seq.state == "finished"
+    got = sorted((f.kind, f.block) for f in pool.findings())
+    assert got == [("block_header_corrupt", scribbled), ("double_free", freed)]
+    assert int(pool.view.blocks["refcount"][scribbled]) == 1
