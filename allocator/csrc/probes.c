@@ -588,15 +588,6 @@ static int record_sealed(Native *n, int64_t b) {
                                               "overwritten outside the allocator"));
 }
 
-/* Every record of ids sealed (a release's table: else the Python path releases it, leaving the
- * record alone, and reports it). */
-static int all_sealed(Native *n, const int32_t *ids, int64_t k) {
-    if (!(n->probes & P_MAGIC)) return 1;
-    for (int64_t i = 0; i < k; i++)
-        if (U8(blk(n, ids[i]) + BF_CHECKSUM) != checksum(n, ids[i])) return 0;
-    return 1;
-}
-
 /* probing.conservation, counted here under the free lock: the ring holds exactly the free
  * (and quarantined) blocks, this client's local cache exactly its LOCAL blocks; a
  * free_list_corrupt finding (the first difference) when not. Nothing when the lock is not to
