@@ -46,7 +46,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
     if (unsealed_left(n, ids, k, drop, &nd)) return ERROR;
     /* digest: the published blocks released are as published (writes.verify_published); a
      * block already free is a double free */
-    PyObject *when, *rid = sfield(n, seq, F_REQUEST_ID);
+    PyObject *when = NULL, *rid = sfield(n, seq, F_REQUEST_ID);
     const char *w = rid ? release_words(n, seq, &when) : NULL;
     int rc = w ? digests_intact(n, drop, nd, w) : ERROR;
     if (rc == OK) rc = already_free(n, drop, nd, rid);

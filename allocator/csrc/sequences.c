@@ -3,20 +3,6 @@
 
 /* -- argument helpers ------------------------------------------------------------------------- */
 
-/* obj.__dict__[name] as a new reference, else the generic lookup. */
-static PyObject *field(PyObject *obj, PyObject *name) {
-    PyObject *d = PyObject_GenericGetDict(obj, NULL);
-    if (d != NULL) {
-        PyObject *v = PyDict_GetItemWithError(d, name);
-        Py_DECREF(d);
-        if (v != NULL) return Py_NewRef(v);
-        if (PyErr_Occurred()) return NULL;
-    } else {
-        PyErr_Clear();
-    }
-    return PyObject_GetAttr(obj, name);
-}
-
 /* Field i of a Sequence (F_* below; its type is checked by own_slot or made here): the
  * dataclass has __slots__, read and written at their offsets. */
 enum { F_REQUEST_ID, F_TOKENS, F_BLOCK_TABLE, F_SLOT, F_SEQ_ID, F_POOL_UID, F_CACHED, F_STATE,
