@@ -366,7 +366,6 @@ static inline void count(Native *n, int field, uint64_t k) {
 }
 
 /* Defined in a later part (the parts are one translation unit: see _native.c). */
-static PyObject *field(PyObject *obj, PyObject *name);
 static PyObject *fallback(Native *n);
 static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
                       int64_t *got, int64_t later);
