@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -69,22 +70,13 @@ def test_a_dead_process_with_sequences_of_hundreds_of_blocks_is_reclaimed(make_p
     prefix = list(range(800))
     mine = pool.allocate("mine", prefix)
     pool.mark_computed(mine, len(prefix))
-    r, w = os.pipe()
 
-    def holder() -> int:
-        p = KVPool.attach(pool.name)
+    def hold(p: KVPool) -> None:
         # 400 blocks: the 200 shared with the prefix (a hit) and 200 of its own, and a fork
         # sharing all 400
-        seq = p.allocate("long", prefix + list(range(5000, 5800)))
-        p.fork(seq, "long-fork")
-        os.write(w, b"1")
-        signal.pause()
-        return 0
+        p.fork(p.allocate("long", prefix + list(range(5000, 5800))), "long-fork")
 
-    pid = fork_child(holder, CHILD_ALARM_S)
-    os.read(r, 1)
-    os.kill(pid, signal.SIGKILL)
-    assert wait_child(pid) == -signal.SIGKILL
+    pid = _killed_holding(pool.name, hold)
     assert int((pool.view.blocks["state"] == BlockState.ALLOCATED).sum()) == 400
     c = pool.view.clients
     (dead,) = np.flatnonzero(c["pid"] == pid).tolist()
@@ -131,17 +123,13 @@ def test_close_returns_the_cache_and_reserve_and_detaches_under_KVSCOPE_NATIVE_0
     assert pool.check() == []
 
 
-def _hold_and_die(name: str) -> None:
-    """Fork a process that takes sequences (one shared with a fork, one published), and kill
-    it once it holds them."""
+def _killed_holding(name: str, hold: Callable[[KVPool], None]) -> int:
+    """Fork a process that attaches to `name` and runs `hold` on its handle, and SIGKILL it once
+    it has: its pid."""
     r, w = os.pipe()
 
     def holder() -> int:
-        p = KVPool.attach(name)
-        for i in range(3):
-            seq = p.allocate(f"held-{i}", list(range(100 * i, 100 * i + 30)))
-            p.mark_computed(seq, 16)
-        p.fork(seq, "held-fork")
+        hold(KVPool.attach(name))
         os.write(w, b"1")
         signal.pause()
         return 0
@@ -152,6 +140,19 @@ def _hold_and_die(name: str) -> None:
     os.close(w)
     os.kill(pid, signal.SIGKILL)
     assert wait_child(pid) == -signal.SIGKILL
+    return pid
+
+
+def _hold_and_die(name: str) -> None:
+    """Kill a process once it holds sequences (one shared with a fork, one published)."""
+
+    def hold(p: KVPool) -> None:
+        for i in range(3):
+            seq = p.allocate(f"held-{i}", list(range(100 * i, 100 * i + 30)))
+            p.mark_computed(seq, 16)
+        p.fork(seq, "held-fork")
+
+    _killed_holding(name, hold)
 
 
 def test_a_reclaimer_killed_at_any_journal_save_loses_nothing(make_pool):
