@@ -338,7 +338,8 @@ class KVPool:
                 self.abort(seq)
                 raise
         if guarded:
-            # Sampled guard mode: this one is guarded (its release runs on the Python path).
+            # Sampled guard mode: this one is guarded (its release guards, poisons and
+            # quarantines its blocks).
             self._core.guard(seq.slot)
         return seq
 
