@@ -24,6 +24,9 @@ from kvscope.tui.widgets.findings import FindingsPanel
 from kvscope.tui.widgets.inspector import BlockInspector
 from kvscope.tui.widgets.sequences import BlockTableView, SequenceList
 
+# Each runs the Textual app (a pilot): the slow layer, as README says.
+pytestmark = pytest.mark.slow
+
 
 def sync(fn):
     """Run an async Pilot test with asyncio.run (no pytest plugin needed)."""

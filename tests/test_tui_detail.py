@@ -19,6 +19,9 @@ from kvscope.tui.widgets.findings import FindingsPanel
 from kvscope.tui.widgets.inspector import describe_block
 from tests.test_tui_app import FROZEN_PID, frozen_view, populate, settle, sync
 
+# Each runs the Textual app (a pilot): the slow layer, as README says.
+pytestmark = pytest.mark.slow
+
 # Longer than the findings panel is wide at any size, shorter than the ring's 200 bytes.
 LONG = (
     "block 3 was published by request 'req-a' and its K/V changed after publication; the "

@@ -15,6 +15,9 @@ from kvscope.tui.widgets.inspector import BlockInspector
 from kvscope.tui.widgets.script import ScriptPanel
 from tests.test_tui_app import frozen_view, populate, settle, sync
 
+# Each runs the Textual app (a pilot): the slow layer, as README says.
+pytestmark = pytest.mark.slow
+
 PANELS = {"blockmap", "sequences", "blocktable", "inspector", "events", "findings", "locks"}
 
 
@@ -25,7 +28,6 @@ def dump_app(make_pool):
     return TopApp(ViewSource(frozen_view(pool), name="tui-test"))
 
 
-@pytest.mark.slow
 @sync
 async def test_tab_reaches_every_panel(dump_app):
     # GIVEN top on a dump at 80x24

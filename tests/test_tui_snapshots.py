@@ -8,6 +8,9 @@ from kvscope.tui.app import TopApp
 from kvscope.tui.source import ViewSource
 from tests.test_tui_app import frozen_view, populate, settle
 
+# Each runs the Textual app (a pilot): the slow layer, as README says.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("pytest_textual_snapshot")
 
 

@@ -11,7 +11,10 @@ import uuid
 
 import pytest
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+    pytest.mark.slow,
+]
 
 
 # The terminal's size comes from tmux: never from COLUMNS / LINES that something in the test
@@ -132,7 +135,6 @@ def _runs(marker: str) -> bool:
     return bool(out.strip())
 
 
-@pytest.mark.slow
 def test_run_live_keeps_the_script_output_and_shows_its_exit(tmp_path, pool_name):
     # GIVEN a script under `kvscope run --live` in a 120x36 terminal, waiting for a file
     script = tmp_path / "live.py"
@@ -164,7 +166,6 @@ def test_run_live_keeps_the_script_output_and_shows_its_exit(tmp_path, pool_name
         _tmux("kill-session", "-t", session)
 
 
-@pytest.mark.slow
 def test_run_live_ends_when_its_terminal_hangs_up(tmp_path, pool_name):
     # GIVEN a script under `kvscope run --live` whose TUI is on the screen
     script = tmp_path / "live.py"
