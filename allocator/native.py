@@ -61,7 +61,7 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.locks import UNTRACED, lock_class
 from kvscope.allocator.prefix import _COEFS_LIST
-from kvscope.allocator.sequence import SEQ_ID_BATCH, Sequence
+from kvscope.allocator.sequence import SEQ_ID_BATCH, Sequence, slot_batch
 from kvscope.allocator.sites import KVSCOPE_DIRS
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ def core_for(pool: KVPool) -> Any:
         "num_shards": store.index.num_shards,
         "local_cap": store.local_cap,
         "local_max": store.local_max,
-        "slot_batch": pool.seqtab.batch,
+        "slot_batch": slot_batch(view.layout.max_seqs, view.layout.max_clients),
         "seq_id_batch": SEQ_ID_BATCH,
         "quarantine": pool.store.quarantine,
         "off_blocks": off["blocks"],

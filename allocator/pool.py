@@ -223,13 +223,13 @@ class KVPool:
         self.FREE = self.locks.index("free")
         self.ALL = set(range(len(self.locks.names)))
         self.store = BlockStore(view, client, self.FREE, self.SHARDS)
-        self.seqtab = SeqTable(view, self.SEQS, client)
         # The C core (native.py): before the probes, which configure their checks in it
         # (devicechecks.py). `_native` is the same core for the hot operations, None while
         # KVSCOPE_NATIVE=0 sends them to the Python path; `_core` runs the rest either way
         # (recovery, close: csrc/recovery.c).
         self._core = native.core_for(self)
-        self.seqtab.core = self._core  # (the slot reserve is the core's)
+        # (the slot reserve is the core's: the table claims and releases through it)
+        self.seqtab = SeqTable(view, self.SEQS, client, self._core)
         self._native = self._core if native.available() else None
 
     def close(self) -> None:

@@ -76,11 +76,11 @@ class SeqTable:
     `reserved` with its client index, still EMPTY); a sequence then takes a reserved slot, and a
     freed one goes back to the reserve, without the lock. The C core owns the reserve
     (csrc/sequences.c: its refill and trim, `reserve_ready`, before each operation that claims
-    or releases a slot); this table's `core`, set by the pool, claims and releases through it.
+    or releases a slot); this table's `core`, the pool handle's, claims and releases through it.
     Recovery returns a dead process's reserve (csrc/recovery.c, `detach_chunk`).
     """
 
-    def __init__(self, view: SegmentView, lock: int, client: int):
+    def __init__(self, view: SegmentView, lock: int, client: int, core: Any):
         self.view = view
         self.seqs = view.seqs
         self.state = view.seqs["state"]
@@ -96,8 +96,8 @@ class SeqTable:
         self.lock = lock
         self.client = client
         self.batch = slot_batch(view.layout.max_seqs, view.layout.max_clients)
-        # The C core holding this process's reserve (KVPool sets it), or None: no reserve.
-        self.core: Any = None
+        # The C core holding this process's reserve (the pool handle's).
+        self.core = core
         # num_tokens (u8) of slot s is word `num_tokens_at8 + s * rec8` of a flat uint64 view.
         end = view.offsets["end"]
         self.u64 = memoryview(view.buf)[:end].cast("Q")
@@ -108,7 +108,7 @@ class SeqTable:
     @property
     def reserve(self) -> list[int]:
         """This process's reserved slots as the core holds them (a copy; claims pop the end)."""
-        return [] if self.core is None else list(self.core.reserve_state()[0])
+        return list(self.core.reserve_state()[0])
 
     def save_head(self, t: Txn, slot: int) -> None:
         """Journal the slot's fixed fields."""
@@ -117,7 +117,7 @@ class SeqTable:
     def can_claim_locally(self) -> bool:
         """True when the next claim needs no seqs lock (a reserved slot and an id are at hand):
         a hint for planning locks."""
-        if self.core is None or not self.batch:
+        if not self.batch:
             return False
         slots, next_id, end_id = self.core.reserve_state()
         return bool(slots) and next_id < end_id
@@ -126,8 +126,7 @@ class SeqTable:
         """True when releasing `slot` puts it back in this process's reserve (no seqs lock): a
         hint for planning locks (the core's reserve_release decides)."""
         return (
-            self.core is not None
-            and len(self.core.reserve_state()[0]) < 2 * self.batch
+            len(self.core.reserve_state()[0]) < 2 * self.batch
             and self.reserved[slot] == 1
             and self.owner_client[slot] == self.client
         )
@@ -138,7 +137,7 @@ class SeqTable:
         """Take an empty slot for a new sequence created at `site` (-1: not recorded); return
         (slot, seq_id)."""
         got = None
-        if self.core is not None and self.batch:
+        if self.batch:
             self._restore_on_rollback(t)
             got = self.core.reserve_claim()
         if got is None:
@@ -187,7 +186,7 @@ class SeqTable:
         """Give a slot back: to this process's reserve, or (seqs lock) to the table."""
         self.save_head(t, slot)
         kept = False
-        if self.core is not None and self.batch:
+        if self.batch:
             self._restore_on_rollback(t)
             kept = self.core.reserve_release(slot)
         if not kept:
