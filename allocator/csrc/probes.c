@@ -401,6 +401,15 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     return rc;
 }
 
+/* N_report's and N_intern_site's check of the handle: 1 (PoolError set) when it is closed or
+ * was opened by another process (a forked parent's). */
+static int py_caller_unusable(Native *n) {
+    if (n->seg != NULL && n->fork_gen == fork_gen) return 0;
+    PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_ValueError,
+                    "this pool handle is closed, or was opened by another process");
+    return 1;
+}
+
 /* An argument of N_report: a str's UTF-8 bytes (NULL with an exception set). */
 static const char *utf8_arg(PyObject *o, Py_ssize_t *len) {
     if (!PyUnicode_Check(o)) {
@@ -423,11 +432,7 @@ static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
                         "report(kind, severity, block, owner_pid, site, request, message)");
         return NULL;
     }
-    if (n->seg == NULL || n->fork_gen != fork_gen) {
-        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_ValueError,
-                        "this pool handle is closed, or was opened by another process");
-        return NULL;
-    }
+    if (py_caller_unusable(n)) return NULL;
     Py_ssize_t kl, rl, ml;
     const char *kind = utf8_arg(args[0], &kl), *req = utf8_arg(args[5], &rl),
                *text = utf8_arg(args[6], &ml);
@@ -456,11 +461,7 @@ static PyObject *N_intern_site(Native *n, PyObject *arg) {
     char *raw;
     Py_ssize_t len;
     if (PyBytes_AsStringAndSize(arg, &raw, &len) < 0) return NULL;
-    if (n->seg == NULL || n->fork_gen != fork_gen) {
-        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_ValueError,
-                        "this pool handle is closed, or was opened by another process");
-        return NULL;
-    }
+    if (py_caller_unusable(n)) return NULL;
     int mh, taken = leaf_take_py(n, n->lock_sites, &mh);
     if (taken == ERROR) return NULL;
     if (taken == FALLBACK) Py_RETURN_NONE;
