@@ -122,7 +122,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         }
         U8(s + SF_NUM_TOKENS) = (uint64_t)n_new;
     } else {
-        int32_t site = site_now(n, pool);
+        int32_t site = site_now(n);
         if (site == SITE_ERROR) return ERROR;
         if (site == SITE_LATER) return FALLBACK;
         int rc = take_mutex(n);

@@ -84,7 +84,7 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     GATE(n, pool);
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
-    int32_t site = site_now(n, pool);
+    int32_t site = site_now(n);
     if (site == SITE_ERROR) return NULL;
     if (site == SITE_LATER) return fallback(n);
     PyObject *got = core_allocate(n, t->v, t->n, request, site, -1);
@@ -318,7 +318,7 @@ static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     if (own_slot(n, src) < 0) return fallback(n);
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
-    int32_t site = site_now(n, args[0]);
+    int32_t site = site_now(n);
     if (site == SITE_ERROR) return NULL;
     if (site == SITE_LATER) return fallback(n);
     PyObject *f[10];

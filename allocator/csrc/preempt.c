@@ -376,7 +376,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     }
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) goto out;
-    int32_t site = site_now(n, args[0]);
+    int32_t site = site_now(n);
     if (site == SITE_ERROR) goto out;
     if (site == SITE_LATER) {
         result = fallback(n);

@@ -158,6 +158,28 @@ static PyObject *frame_text(PyFrameObject *f) {
     return out;
 }
 
+/* The first frame outward from f (taken over: a new reference or NULL) whose code lies outside
+ * kvscope's folders (code_outside 1; a bootstrap frame too, 2, with `bootstrap`): a new
+ * reference, or NULL when there is none, or NULL with *err set and an exception on an error. */
+static PyFrameObject *frame_outward(Native *n, PyFrameObject *f, int bootstrap, int *err) {
+    *err = 0;
+    while (f != NULL) {
+        PyCodeObject *c = PyFrame_GetCode(f);
+        int out = code_outside(n, c);
+        Py_DECREF(c);
+        if (out < 0) {
+            Py_DECREF(f);
+            *err = 1;
+            return NULL;
+        }
+        if (out == 1 || (bootstrap && out == 2)) return f;
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    return NULL;
+}
+
 /* The site id of one frame's text (sites.caller_site from frame f: the first frame from f
  * outward that is outside kvscope and no bootstrap frame; `<kvscope>` when none), through the
  * core's cache by (code object, instruction). f: borrowed. */
@@ -171,27 +193,12 @@ static int64_t frame_site(Native *n, PyFrameObject *f) {
             return n->site_id[i];
         i = (i + 1) & (SITE_CACHE - 1);
     }
-    PyFrameObject *g = (PyFrameObject *)Py_NewRef(f);
-    PyObject *text = NULL;
-    while (g != NULL && text == NULL) {
-        PyCodeObject *c = PyFrame_GetCode(g);
-        int out = code_outside(n, c);
-        Py_DECREF(c);
-        if (out < 0) {
-            Py_DECREF(g);
-            return SITE_ERROR;
-        }
-        if (out == 1) {
-            text = frame_text(g);
-            Py_DECREF(g);
-            if (text == NULL) return SITE_ERROR;
-            break;
-        }
-        PyFrameObject *back = PyFrame_GetBack(g);
-        Py_DECREF(g);
-        g = back;
-    }
-    if (text == NULL && (text = PyUnicode_FromString("<kvscope>")) == NULL) return SITE_ERROR;
+    int err;
+    PyFrameObject *g = frame_outward(n, (PyFrameObject *)Py_NewRef(f), 0, &err);
+    if (err) return SITE_ERROR;
+    PyObject *text = g != NULL ? frame_text(g) : PyUnicode_FromString("<kvscope>");
+    Py_XDECREF(g);
+    if (text == NULL) return SITE_ERROR;
     int64_t sid = site_intern(n, text);
     Py_DECREF(text);
     if (sid < -1) return sid;
@@ -256,24 +263,11 @@ static int64_t stack_site(Native *n, PyFrameObject *f, int depth) {
  * with an exception set; SITE_LATER (-3) when the sites lock is not to be had now (the caller
  * hands the operation to the Python path). A call-site recorder other than the probe's keeps
  * the handle on Python (HOOK_SITE: the gate), so this is the probe's site table's alone. */
-static int32_t site_now(Native *n, PyObject *pool) {
-    (void)pool;
+static int32_t site_now(Native *n) {
     if (!(n->probes & (P_SITES | P_SITES_EACH))) return -1;
-    PyFrameObject *f = PyEval_GetFrame();
-    Py_XINCREF(f);
-    while (f != NULL) {
-        PyCodeObject *code = PyFrame_GetCode(f);
-        int out = code_outside(n, code);
-        Py_DECREF(code);
-        if (out < 0) {
-            Py_DECREF(f);
-            return SITE_ERROR;
-        }
-        if (out != 0) break;
-        PyFrameObject *back = PyFrame_GetBack(f);
-        Py_DECREF(f);
-        f = back;
-    }
+    int err;
+    PyFrameObject *f = frame_outward(n, (PyFrameObject *)Py_XNewRef(PyEval_GetFrame()), 1, &err);
+    if (err) return SITE_ERROR;
     if (f == NULL) return -1; /* every frame is kvscope's */
     int depth = (n->probes >> P_SITE_DEPTH_SHIFT) & 0x1f;
     int64_t sid = (n->probes & P_SITES) || depth <= 1 ? frame_site(n, f) : stack_site(n, f, depth);
