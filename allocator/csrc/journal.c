@@ -34,16 +34,20 @@ static inline int jsave_head(Native *n, int64_t slot) {
     return jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE);
 }
 
-static void jrollback(Native *n) {
-    for (int64_t i = (int64_t)n->jcount - 1; i >= 0; i--) {
-        uint8_t *e = n->seg + n->c_journal + (size_t)i * JENTRY;
-        memcpy(n->seg + U8(e + JE_OFFSET), n->seg + n->c_jdata + U4(e + JE_DATA_OFF),
-               U4(e + JE_LENGTH));
+/* Restore the first cnt entries of a journal, newest first, and empty it: this handle's own
+ * (delta 0), or the one `delta` bytes past it (another client's record: recovery.c). */
+static void jundo(Native *n, ptrdiff_t delta, uint32_t cnt) {
+    for (int64_t i = (int64_t)cnt - 1; i >= 0; i--) {
+        uint8_t *e = n->seg + n->c_journal + delta + (size_t)i * JENTRY;
+        memmove(n->seg + U8(e + JE_OFFSET), n->seg + n->c_jdata + delta + U4(e + JE_DATA_OFF),
+                U4(e + JE_LENGTH));
     }
-    __atomic_store_n((uint32_t *)(n->seg + n->c_jcount), 0, __ATOMIC_RELEASE);
-    U4(n->seg + n->c_jused) = 0;
-    n->jcount = n->jused = 0;
+    __atomic_store_n((uint32_t *)(n->seg + n->c_jcount + delta), 0, __ATOMIC_RELEASE);
+    U4(n->seg + n->c_jused + delta) = 0;
+    if (delta == 0) n->jcount = n->jused = 0;
 }
+
+static void jrollback(Native *n) { jundo(n, 0, n->jcount); }
 
 static void jcommit(Native *n) {
     if (n->jcount || n->jused) {

@@ -128,16 +128,8 @@ static int64_t journal_rollback(Native *n, int64_t c, PyObject **why) {
     int error;
     *why = journal_problem(n, c, &error);
     if (error) return -1;
-    uint8_t *r = crec(n, c);
-    uint32_t cnt = *why ? 0 : U4(r + cfield(n, n->c_jcount));
-    uint8_t *ents = r + cfield(n, n->c_journal), *data = r + cfield(n, n->c_jdata);
-    for (int64_t i = (int64_t)cnt - 1; i >= 0; i--) {
-        uint8_t *e = ents + (size_t)i * JENTRY;
-        memmove(n->seg + U8(e + JE_OFFSET), data + U4(e + JE_DATA_OFF), U4(e + JE_LENGTH));
-    }
-    __atomic_store_n((uint32_t *)(r + cfield(n, n->c_jcount)), 0, __ATOMIC_RELEASE);
-    U4(r + cfield(n, n->c_jused)) = 0;
-    if (c == n->client) n->jcount = n->jused = 0;
+    uint32_t cnt = *why ? 0 : U4(crec(n, c) + cfield(n, n->c_jcount));
+    jundo(n, (ptrdiff_t)(c - n->client) * (ptrdiff_t)n->client_size, cnt);
     return cnt;
 }
 
