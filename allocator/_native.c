@@ -9,9 +9,10 @@
  * for every handle; a lock whose record names a dead holder it recovers itself wherever it
  * meets one.
  *
- * Whatever is not the common case is left to Python: every entry point returns None, with
- * nothing changed, when it meets one (a slot reserve to refill, a journal too small, a prompt
- * longer than one chunk...), and the Python method then runs its own path. Armed faults and crash points
+ * The errors a caller can cause (a closed handle, a forked parent's, a sequence that is not a
+ * live one of the handle, a bad argument) it raises itself, in the Python path's words (entry.c).
+ * Whatever else is not the common case is left to Python: every entry point returns None, with
+ * nothing changed, when it meets one, and the Python method then runs its own path. Armed faults and crash points
  * strike the core's operations themselves (csrc/faults.c).
  *
  * Transactions follow docs/FORMAT.md: the client's seq goes odd, locks are taken in the one

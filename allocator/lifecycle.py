@@ -243,7 +243,6 @@ def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
         pool._core.detach()
         pool._closed = True
     pool._core.close()
-    pool._native = None
     pool.view = None  # type: ignore[assignment]
     release(pool._mf)
 

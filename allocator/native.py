@@ -3,7 +3,9 @@
 The core does the common case of allocate, free/abort, append (copy-on-write too), mark_computed,
 fork, set_state and resume on the same bytes, journal and locks as the Python methods, preempting this
 handle's oldest waiting sequence when a take is short and raising PoolExhausted (the class handed
-over once: `register_errors`) when nothing is left; anything else it hands back (it returns None
+over once: `register_errors`) when nothing is left, and PoolError (TypeError for a non-integer)
+for what a caller gets wrong (a closed or a forked parent's handle, a sequence that is not this
+handle's live one, a bad argument: docs/FORMAT.md); anything else it hands back (it returns None
 with nothing changed) and the Python method runs. `evict` and the slot reserve (its refill and
 trim before an operation, its claims and releases, the Python path's too) are the core's alone.
 Every handle has one
@@ -299,6 +301,8 @@ def core_for(pool: KVPool) -> Any:
         "journal_entries": JOURNAL_ENTRIES,
         "journal_bytes": JOURNAL_BYTES,
         "uid": pool._uid,
+        # (the handle's errors name the pool)
+        "name": pool.name,
         # Read at every call (the gate in _native.c): hooks can come at any time.
         "seq_type": Sequence,
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),

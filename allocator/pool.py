@@ -391,6 +391,7 @@ class KVPool:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
         if (
             isinstance(num_tokens, int)
+            and isinstance(seq, Sequence)
             and num_tokens // self.block_size - seq.num_published > CHUNK
         ):
             # More than CHUNK blocks: a transaction per CHUNK of them (the undo journal's bound).
@@ -435,24 +436,32 @@ class KVPool:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
         if self.probe is not None:
             self.probe.writes.settle()
-            if isinstance(seq, Sequence) and seq.slot >= 0 and self._guards(seq.slot):
+            if (
+                isinstance(seq, Sequence)
+                and seq.pool_uid == self._uid
+                and seq.slot >= 0
+                and self._guards(seq.slot)
+            ):
                 # (in sampled guard mode, the sampled requests)
                 self.probe.writes.finished(seq)
-        self._reserve_ready(claiming=False)
-        if self._native is None or self._native.end(self, seq, _FINISHED) is None:
-            release.end(self, seq, SeqState.FINISHED)
-        if self._found:
-            self._hand_findings()
+        self._end(seq, _FINISHED)
 
     def abort(self, seq: Sequence) -> None:
         """Release a sequence whose request did not finish."""
         if self.probe is not None:
             self.probe.writes.settle()
+        self._end(seq, _ABORTED)
+
+    def _end(self, seq: Sequence, final: int) -> None:
+        """free or abort: the core's release (or the Python path's). What the core reported
+        reaches `on_finding` even where it refuses the release (a second free's double_free)."""
         self._reserve_ready(claiming=False)
-        if self._native is None or self._native.end(self, seq, _ABORTED) is None:
-            release.end(self, seq, SeqState.ABORTED)
-        if self._found:
-            self._hand_findings()
+        try:
+            if self._native is None or self._native.end(self, seq, final) is None:
+                release.end(self, seq, SeqState(final))
+        finally:
+            if self._found:
+                self._hand_findings()
 
     def set_state(self, seq: Sequence, state: str) -> None:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""
@@ -463,18 +472,19 @@ class KVPool:
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
-        if self._native is not None and isinstance(seq, Sequence) and seq.state == "preempted":
-            tick = self._guard_tick
-            guarded = self._before_claim()
-            cached = self._native.resume(self, seq)
-            if self._found:
-                self._hand_findings()
-            if cached is not None:
-                if guarded:
-                    self._core.guard(seq.slot)
-                return cached
+        if self._native is None:
+            return preempt.resume(self, seq)
+        tick = self._guard_tick
+        guarded = self._before_claim()
+        cached = self._native.resume(self, seq)
+        if self._found:
+            self._hand_findings()
+        if cached is None:
             self._guard_tick = tick  # (the Python path's allocate samples it)
-        return preempt.resume(self, seq)
+            return preempt.resume(self, seq)
+        if guarded:
+            self._core.guard(seq.slot)
+        return cached
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to num_blocks CACHED blocks (LRU first) to the free ring; return how many."""

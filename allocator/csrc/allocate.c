@@ -4,7 +4,8 @@
 /* -- allocate --------------------------------------------------------------------------------- */
 
 /* A prompt's allocation (toks: its ntok tokens; request: 32 bytes) -> (slot, seq_id,
- * table: list[int], chain: list[int], hits), or None (the Python path). `old` >= 0: a resume,
+ * table: list[int], chain: list[int], hits), or None (the Python path); PoolError for no tokens
+ * or more blocks than max_blocks_per_seq (allocate.py's words). `old` >= 0: a resume,
  * whose preempted sequence's slot is released in the same transaction (SeqTable.release: to
  * this process's reserve, or to the table under the seqs lock). A prompt of more than CHUNK
  * new blocks gets its hits and the first CHUNK new blocks here (the table and chain say how
@@ -14,7 +15,15 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
                                const char *request, int32_t site, int64_t old) {
     int64_t bs = n->bs;
     int64_t nblocks = (ntok + bs - 1) / bs;
-    if (ntok == 0 || nblocks > n->max_bps) return fallback(n);
+    if (ntok == 0 || nblocks > n->max_bps) {
+        if (ntok == 0)
+            pool_error("allocate needs at least one token");
+        else
+            pool_error("a prompt of %zd tokens needs %lld blocks; PoolConfig.max_blocks_per_seq "
+                       "is %lld",
+                       ntok, (long long)nblocks, (long long)n->max_bps);
+        return NULL;
+    }
     int64_t nfull = ntok / bs;
     /* the table, chain values and keys: on the stack up to CHUNK blocks */
     int32_t table_s[CHUNK];

@@ -186,6 +186,10 @@ typedef struct {
     Py_buffer crash_buf;
     size_t off_num_blocks;  /* the header's num_blocks (header-scribble's bytes) */
     int64_t uid;            /* KVPool._uid */
+    PyObject *name;         /* KVPool.name (a str: the handle's errors name the pool) */
+    /* the requests whose refused second free or abort was reported (entry.c double_end: a
+     * double_free about no block is reported once per request) */
+    PyObject *ended_twice;
     size_t off_lru; /* the segment's LRU list (eviction.c), shared by every process */
     /* Done at commit, under the free lock: evictions to count; how far this transaction's
      * takes advanced the LRU list (pend_takes of them, pend_taken candidates); a scan's
@@ -385,6 +389,7 @@ static void lru_drop_pending(Native *n);
 static int record_sealed(Native *n, int64_t b);
 static int finding_report(Native *n, int fk, const Seen *s, PyObject *message);
 static int fork_gen; /* entry.c: bumped in a forked child */
+static int unusable(Native *n);
 static PyObject *request_text(const char *b);
 static void findings_flush(Native *n);
 static void findings_first(Native *n, int64_t upto);

@@ -6,14 +6,26 @@
 static int fork_gen = 0; /* bumped in a forked child: a handle made before the fork is not ours */
 static void atfork_child(void) { fork_gen++; }
 
-/* OK when this call may take the C path: the handle is open and this process's, no operation
- * of the Python path is half done, no probe the core does not run itself (probes.c), no
- * foreign call-site recorder, no lock hook (each is read at every call: they can come at any
- * time). FALLBACK otherwise, ERROR with an exception set. Armed faults and crash points strike
- * the core's operations themselves (faults.c). */
+/* KVPool._check_process: ERROR with PoolError when the handle is closed, or is a forked
+ * child's copy of its parent's (opened by another process); OK otherwise. */
+static int unusable(Native *n) {
+    if (n->seg == NULL) return pool_error("pool %R is closed", n->name);
+    if (n->fork_gen != fork_gen)
+        return pool_error("this handle on pool %R was opened by pid %d; in a forked child call "
+                          "KVPool.attach(name) instead",
+                          n->name, (int)n->pid);
+    return OK;
+}
+
+/* OK when this call may take the C path: no operation of the Python path is half done, no
+ * probe the core does not run itself (probes.c), no foreign call-site recorder, no lock hook
+ * (each is read at every call: they can come at any time). FALLBACK otherwise, ERROR with an
+ * exception set: a closed handle or another process's (unusable). Armed faults and crash
+ * points strike the core's operations themselves (faults.c). */
 static int gate(Native *n, PyObject *pool) {
+    if (unusable(n)) return ERROR;
     /* (another thread's operation may be waiting for a lock in the core: leave its state) */
-    if (n->seg == NULL || *n->busy || n->fork_gen != fork_gen) return FALLBACK;
+    if (*n->busy) return FALLBACK;
     n->probes = (int)*n->probe_bits;
     /* Lock hooks: lockdep's own the core runs itself, the traced user locks this thread holds
      * included (probes.c lockdep_ok). Another lock hook (one a program sets on pool.locks) still
@@ -33,22 +45,95 @@ static int gate(Native *n, PyObject *pool) {
     return *n->busy ? FALLBACK : OK;
 }
 
-/* KVPool._own: a live Sequence of this handle; its slot, or -1 (the Python path decides). */
+/* own_slot's answer for a sequence already freed or aborted (its slot -1). */
+enum { OWN_ENDED = -2 };
+
+/* own_slot's refusal of a Sequence (not `mine`: another handle's; `ended`: its slot is -1):
+ * PoolError in the Python path's words; -1, or OWN_ENDED. */
+static int64_t own_refused(Native *n, PyObject *seq, int mine, int ended) {
+    PyObject *rid = sfield(n, seq, F_REQUEST_ID), *state = NULL;
+    if (rid == NULL) return -1;
+    if (!mine)
+        pool_error("sequence %R belongs to another pool handle, not to pool %R", rid, n->name);
+    else if (ended && (state = sfield(n, seq, F_STATE)) != NULL)
+        pool_error("sequence %R was already %S", rid, state);
+    else if (!ended)
+        /* (the handle's registry holds each live one at its slot: a copy of one, or one made
+         * by hand, would write another sequence's records) */
+        pool_error("sequence %R is not a live sequence of this handle on pool %R (a copy of "
+                   "one, or made outside the pool)",
+                   rid, n->name);
+    Py_DECREF(rid);
+    Py_XDECREF(state);
+    return mine && ended ? OWN_ENDED : -1;
+}
+
+/* KVPool._own: the slot of a live Sequence of this handle (the one in its registry, not a
+ * copy); else -1, or OWN_ENDED for one already ended, with PoolError set (own_refused; an
+ * AttributeError for a Sequence missing a field). */
 static int64_t own_slot(Native *n, PyObject *seq) {
-    if (Py_TYPE(seq) != (PyTypeObject *)n->seq_type) return -1;
-    PyObject *uid = sfield(n, seq, F_POOL_UID);
-    PyObject *slot = sfield(n, seq, F_SLOT);
-    int64_t out = -1;
-    if (uid && slot && PyLong_CheckExact(uid) && PyLong_CheckExact(slot) &&
-        PyLong_AsLongLong(uid) == n->uid)
-        out = PyLong_AsLongLong(slot);
-    Py_XDECREF(uid);
-    Py_XDECREF(slot);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
+    PyTypeObject *tp = Py_TYPE(seq);
+    if (tp != (PyTypeObject *)n->seq_type && !PyType_IsSubtype(tp, (PyTypeObject *)n->seq_type)) {
+        const char *name = strrchr(tp->tp_name, '.'); /* type(seq).__name__ */
+        pool_error("expected a Sequence, got %s", name ? name + 1 : tp->tp_name);
         return -1;
     }
-    return out >= 0 && out < n->max_seqs ? out : -1;
+    PyObject *uid = sfield(n, seq, F_POOL_UID), *slot = uid ? sfield(n, seq, F_SLOT) : NULL;
+    if (slot == NULL) {
+        Py_XDECREF(uid);
+        return -1;
+    }
+    int over = 0, is_int = PyLong_Check(slot);
+    int mine = PyLong_Check(uid) && PyLong_AsLongLongAndOverflow(uid, &over) == n->uid && !over;
+    int64_t at = is_int ? PyLong_AsLongLongAndOverflow(slot, &over) : 0;
+    int live = mine && is_int && !over && at >= 0 && at < n->max_seqs &&
+               PyDict_GetItemWithError(n->seqs, slot) == seq;
+    Py_DECREF(uid);
+    Py_DECREF(slot);
+    if (live) return at;
+    if (PyErr_Occurred()) return -1;
+    return own_refused(n, seq, mine, is_int && !over && at < 0);
+}
+
+/* release.py _own_for_release: under a probe, a second free or abort of a sequence of this
+ * handle (already finished or aborted: own_slot's OWN_ENDED, its PoolError set and kept) is a
+ * double_free finding about no block, once per request (probing.double_end's words), before
+ * the pool refuses it. A failure to report it is written as unraisable. */
+static void double_end(Native *n, PyObject *seq) {
+    if (!(n->probes & ~P_LOCKDEP)) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *state = sfield(n, seq, F_STATE), *rid = sfield(n, seq, F_REQUEST_ID);
+    PyObject *text = NULL, *key = NULL, *site = NULL, *msg = NULL;
+    int ended = state && PyUnicode_Check(state) &&
+                (PyUnicode_CompareWithASCIIString(state, "finished") == 0 ||
+                 PyUnicode_CompareWithASCIIString(state, "aborted") == 0);
+    /* (the request as the finding keeps it: its first 32 characters) */
+    int fresh = ended && rid && (text = PyObject_Str(rid)) != NULL &&
+                (key = PyUnicode_Substring(text, 0, REQUEST_BYTES)) != NULL &&
+                PySet_Contains(n->ended_twice, key) == 0 && PySet_Add(n->ended_twice, key) == 0;
+    if (fresh) {
+        int err;
+        PyFrameObject *f =
+            frame_outward(n, (PyFrameObject *)Py_XNewRef(PyEval_GetFrame()), 0, &err);
+        site = err ? NULL : f ? frame_text(f) : PyUnicode_FromString("<kvscope>");
+        Py_XDECREF(f);
+        if (site)
+            msg = PyUnicode_FromFormat("request %R was already %S and is released again at "
+                                       "%U: the pool refused it (PoolError), but the caller "
+                                       "frees twice",
+                                       rid, state, site);
+        Seen s = {.block = -1, .owner_pid = n->pid, .site = -1};
+        if (msg && request_of(key, s.request) == OK) finding_report(n, FK_DOUBLE_FREE, &s, msg);
+    }
+    if (PyErr_Occurred()) PyErr_WriteUnraisable(n->pool);
+    Py_XDECREF(state);
+    Py_XDECREF(rid);
+    Py_XDECREF(text);
+    Py_XDECREF(key);
+    Py_XDECREF(site);
+    Py_XDECREF(msg);
+    PyErr_Restore(type, value, tb);
 }
 
 /* A new Sequence with these 10 field values (the dataclass's order: its __init__ only assigns
@@ -74,7 +159,7 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
 static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tokens *t) {
     GATE(n, pool);
     int64_t slot = own_slot(n, seq);
-    if (slot < 0) return fallback(n);
+    if (slot < 0) return NULL;
     if (t->n == 0) return PyList_New(0);
     return core_append(n, pool, seq, slot, t->v, t->n);
 }
@@ -119,6 +204,7 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "allocate(pool, tokens, request_id)");
         return NULL;
     }
+    if (unusable(n)) return NULL; /* (before its arguments, as KVPool._check_process) */
     Tokens t;
     if (tokens_read(args[1], &t, 1)) {
         tokens_done(&t);
@@ -146,17 +232,19 @@ static const char *release_words(Native *n, PyObject *seq, PyObject **hold) {
     return *hold ? PyUnicode_AsUTF8(*hold) : NULL;
 }
 
-/* end(pool, seq, final_state) -> True | None: free (FINISHED) or abort (ABORTED). */
+/* end(pool, seq, final_state) -> True | None: free (FINISHED, 3) or abort (ABORTED, 4). */
 static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) return fallback(n);
+    long final = nargs == 3 ? PyLong_AsLong(args[2]) : 0;
+    if (final != 3 && final != 4) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "end(pool, seq, final_state: 3 or 4)");
+        return NULL;
+    }
     GATE(n, args[0]);
     PyObject *seq = args[1];
     int64_t slot = own_slot(n, seq);
-    long final = PyLong_AsLong(args[2]);
-    if (slot < 0 || (final != 3 && final != 4)) {
-        PyErr_Clear();
-        return fallback(n);
-    }
+    if (slot == OWN_ENDED) double_end(n, seq);
+    if (slot < 0) return NULL;
     int guard = guard_release(n, slot);
     if (guard < 0) return NULL;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
@@ -210,6 +298,7 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "append(pool, seq, tokens)");
         return NULL;
     }
+    if (unusable(n)) return NULL; /* (before its arguments, as KVPool._check_process) */
     Tokens t;
     PyObject *out = NULL;
     if (tokens_read(args[2], &t, 0) == OK) out = append_read(n, args[0], args[1], &t);
@@ -225,13 +314,26 @@ static PyObject *N_append_done(Native *n, PyObject *unused) {
     return out ? out : Py_NewRef(Py_None);
 }
 
-/* mark_computed(pool, seq, num_tokens) -> int | None */
+/* mark_computed(pool, seq, num_tokens) -> int | None: num_tokens any integer (its
+ * __index__; TypeError otherwise), as publish.py takes it: one past the tokens publishes
+ * every full block, a negative one none. */
 static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) return fallback(n);
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "mark_computed(pool, seq, num_tokens)");
+        return NULL;
+    }
     GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
-    if (slot < 0) return fallback(n);
-    return core_publish(n, args[1], args[2], slot);
+    if (slot < 0) return NULL;
+    PyObject *upto = PyNumber_Index(args[2]);
+    if (upto == NULL) return NULL;
+    int over;
+    PyLong_AsLongLongAndOverflow(upto, &over);
+    if (over) /* (past any list: every full block, or none) */
+        Py_SETREF(upto, PyLong_FromSsize_t(over > 0 ? PY_SSIZE_T_MAX : -1));
+    PyObject *done = upto ? core_publish(n, args[1], upto, slot) : NULL;
+    Py_XDECREF(upto);
+    return done;
 }
 
 /* Digests answered after their publication (a CUDA pool's, read by the core's own queue:
@@ -305,6 +407,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "fork(pool, seq, request_id)");
         return NULL;
     }
+    if (unusable(n)) return NULL; /* (before its arguments, as KVPool._check_process) */
     PyObject *rid = request_str(args[2]);
     if (rid == NULL) return NULL;
     PyObject *seq = fork_read(n, args, rid);
@@ -315,7 +418,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     GATE(n, args[0]);
     PyObject *src = args[1];
-    if (own_slot(n, src) < 0) return fallback(n);
+    if (own_slot(n, src) < 0) return NULL;
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n);

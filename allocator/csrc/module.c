@@ -106,11 +106,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     PyObject **objs[] = {&n->mutex,     &n->seq_type,
                          &n->seq_fields, &n->faults_armed, &n->fault_fired,
                          &n->kv_dirs,   &n->write_past,
-                         &n->kv_obj, &n->msg_unwritten};
+                         &n->kv_obj, &n->msg_unwritten, &n->name};
     const char *names[] = {"mutex",        "seq_type",
                            "seq_fields", "faults_armed", "fault_fired",
                            "kvscope_dirs", "write_past",
-                           "kv_tensor", "unwritten_message"};
+                           "kv_tensor", "unwritten_message", "name"};
     for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) {
         PyObject *o = PyDict_GetItemString(d, names[i]);
         if (o == NULL) {
@@ -133,7 +133,8 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     /* the handle's live sequences and guarded slots: the core's own (sequences.c) */
     Py_XSETREF(n->seqs, PyDict_New());
     Py_XSETREF(n->guarded, PySet_New(NULL));
-    if (n->seqs == NULL || n->guarded == NULL) return -1;
+    Py_XSETREF(n->ended_twice, PySet_New(NULL));
+    if (n->seqs == NULL || n->guarded == NULL || n->ended_twice == NULL) return -1;
     if (faults_init(n, d)) return -1;
     PyObject *busy = PyDict_GetItemString(d, "busy"), *hooks = PyDict_GetItemString(d, "hooks");
     PyObject *coefs = PyDict_GetItemString(d, "coefs");
@@ -214,6 +215,8 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->fault_fired);
     Py_XDECREF(n->write_past);
     Py_XDECREF(n->guarded);
+    Py_XDECREF(n->ended_twice);
+    Py_XDECREF(n->name);
     Py_XDECREF(n->kv_obj);
     dev_free(n->dev);
     PyMem_Free(n->checked);

@@ -305,8 +305,9 @@ out:
 /* -- set_state (preempt.py set_state) ---------------------------------------------------------- */
 
 /* set_state(pool, seq, state) -> True | None: a live sequence of this handle marked running or
- * waiting (its record's state: one byte, no transaction); PoolError for another state or a
- * preempted sequence; None (the Python path: its errors) for anything else. */
+ * waiting (its record's state: one byte, no transaction); PoolError for another state, a
+ * preempted sequence or one that is not a live sequence of this handle (own_slot); None
+ * where the gate sends it to the Python path. */
 static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "set_state(pool, seq, state)");
@@ -314,14 +315,14 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
     }
     GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
-    if (slot < 0 || PoolErrorType == NULL) return fallback(n);
+    if (slot < 0) return NULL;
     PyObject *state = args[2], *name = NULL;
     if (PyUnicode_Check(state)) {
         if (PyUnicode_CompareWithASCIIString(state, "running") == 0) name = s_running;
         else if (PyUnicode_CompareWithASCIIString(state, "waiting") == 0) name = s_waiting;
     }
     if (name == NULL) {
-        PyErr_Format(PoolErrorType, "set_state takes 'running' or 'waiting', got %R", state);
+        pool_error("set_state takes 'running' or 'waiting', got %R", state);
         return NULL;
     }
     PyObject *cur = sfield(n, args[1], F_STATE);
@@ -329,8 +330,7 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
     int pre = PyUnicode_Check(cur) && PyUnicode_CompareWithASCIIString(cur, "preempted") == 0;
     Py_DECREF(cur);
     if (pre) {
-        PyErr_SetString(PoolErrorType,
-                        "a preempted sequence must be resumed with pool.resume(seq) first");
+        pool_error("a preempted sequence must be resumed with pool.resume(seq) first");
         return NULL;
     }
     seqrec(n, slot)[SF_STATE] = name == s_running ? S_RUNNING : S_WAITING;
@@ -345,7 +345,8 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
  * for its tokens (prefix hits included) in a new slot, its old slot released in the same
  * transaction (the Python path: an allocate, then a transaction that moves it); the Sequence
  * takes the new slot, id, table and chain, its hits as cached and published, state "running".
- * None (the Python path: its errors too) for anything else. */
+ * PoolError for a sequence that is not preempted or not a live one of this handle (own_slot);
+ * None (the Python path) for anything else. */
 static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "resume(pool, seq)");
@@ -354,14 +355,17 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     GATE(n, args[0]);
     PyObject *seq = args[1];
     int64_t old = own_slot(n, seq);
-    if (old < 0) return fallback(n);
+    if (old < 0) return NULL;
     PyObject *state = sfield(n, seq, F_STATE), *tokens = sfield(n, seq, F_TOKENS);
     PyObject *rid = sfield(n, seq, F_REQUEST_ID), *got = NULL, *result = NULL;
     int32_t *toks = NULL;
     if (!state || !tokens || !rid) goto out;
+    if (!PyUnicode_Check(state) || PyUnicode_CompareWithASCIIString(state, "preempted") != 0) {
+        pool_error("resume needs a preempted sequence, this one is %S", state);
+        goto out;
+    }
     Py_ssize_t ntok = PyList_CheckExact(tokens) ? PyList_GET_SIZE(tokens) : 0;
-    if (!PyUnicode_Check(state) || PyUnicode_CompareWithASCIIString(state, "preempted") != 0 ||
-        !PyUnicode_Check(rid) || ntok == 0 || ntok > (Py_ssize_t)CHUNK * n->bs) {
+    if (!PyUnicode_Check(rid) || ntok == 0 || ntok > (Py_ssize_t)CHUNK * n->bs) {
         result = fallback(n);
         goto out;
     }

@@ -181,7 +181,8 @@ static int reserve_trim(Native *n) {
  * due, in a transaction of its own under the seqs lock and the handle's op mutex (waited for:
  * another thread's operation first), whatever hooks the handle has. False when a transaction
  * was due and could not begin or run (KVPool._recover_locks: the runner's transaction on the
- * seqs lock deals with what stopped it). */
+ * seqs lock deals with what stopped it). PoolError on a closed handle or another process's
+ * (entry.c unusable): the operation it comes before is refused. */
 static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "reserve_ready(pool, claiming)");
@@ -189,7 +190,8 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     }
     int claiming = PyObject_IsTrue(args[1]);
     if (claiming < 0) return NULL;
-    if (n->seg == NULL || !reserve_due(n, claiming)) Py_RETURN_TRUE;
+    if (unusable(n)) return NULL;
+    if (!reserve_due(n, claiming)) Py_RETURN_TRUE;
     /* (another thread's operation waiting for a lock in the core holds it: this waits) */
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
     if (r == NULL) return NULL;
