@@ -322,6 +322,9 @@ class KVPool:
 
         `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
         `request_id`: any object, kept as its str() (docs/POOL.md)."""
+        if not hasattr(tokens, "__len__"):
+            # (an iterator, read once here: the rest of a long prompt is read from it again)
+            tokens = list(tokens)
         guarded = self._before_claim()
         seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
         if seq is None:

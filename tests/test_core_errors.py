@@ -169,6 +169,20 @@ def test_an_empty_prompt_is_refused(pool, tokens):
     assert pool.stats()["num_sequences"] == 0
 
 
+@pytest.mark.parametrize("length", [6, 4 * 300 + 2], ids=["short", "long"])
+def test_a_prompt_from_an_iterator_is_read_once(make_pool, core_only, length):
+    # GIVEN a pool, and a prompt that comes from a generator (one longer than one
+    # transaction's 128 blocks too: its rest is appended after the first)
+    pool = make_pool(400, max_blocks_per_seq=512)
+    before = pool._core.stats()["fallbacks"]
+    # WHEN it is allocated, THEN the sequence holds every token, and nothing is left over
+    seq = pool.allocate("gen", (t for t in range(length)))
+    assert seq.tokens == list(range(length))
+    assert pool._core.stats()["fallbacks"] == before
+    pool.free(seq)
+    assert pool.stats()["num_sequences"] == 0 and pool.check() == []
+
+
 def test_a_prompt_past_max_blocks_per_seq_is_refused(make_pool, core_only):
     # GIVEN a pool whose sequences hold at most 4 blocks of 4 tokens
     pool = make_pool(32, max_blocks_per_seq=4)
@@ -182,6 +196,27 @@ def test_a_prompt_past_max_blocks_per_seq_is_refused(make_pool, core_only):
     assert pool.stats()["num_sequences"] == 0 and pool.stats()["num_allocated"] == 0
     # (16 tokens fit)
     pool.free(pool.allocate("fits", list(range(16))))
+    assert pool.check() == []
+
+
+def test_an_append_past_max_blocks_per_seq_is_refused(make_pool, core_only):
+    # GIVEN a pool whose sequences hold at most 4 blocks of 4 tokens, and one of 3 blocks
+    pool = make_pool(32, max_blocks_per_seq=4)
+    seq = pool.allocate("r", list(range(10)))
+    stats = pool.stats()
+    # WHEN an append needs a 5th block, THEN the core says so before appending anything
+    for more in (7, 7 + 4 * 200):  # (one chunk, or several)
+        refused(
+            pool,
+            lambda: pool.append(seq, list(range(more))),  # noqa: B023
+            PoolError,
+            f"sequence needs {-(-(10 + more) // 4)} blocks but PoolConfig.max_blocks_per_seq is 4",
+        )
+    assert (seq.num_tokens, seq.num_blocks) == (10, 3) and pool.stats() == stats
+    # (up to the 4th block's last token fits)
+    pool.append(seq, list(range(6)))
+    assert seq.num_blocks == 4
+    pool.free(seq)
     assert pool.check() == []
 
 

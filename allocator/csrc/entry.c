@@ -161,6 +161,17 @@ static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tok
     int64_t slot = own_slot(n, seq);
     if (slot < 0) return NULL;
     if (t->n == 0) return PyList_New(0);
+    /* SeqTable.write_blocks' refusal of more than max_blocks_per_seq blocks, before anything
+     * is appended */
+    PyObject *had = sfield(n, seq, F_TOKENS);
+    if (had == NULL) return NULL;
+    int64_t need = ((PyList_Check(had) ? PyList_GET_SIZE(had) : 0) + t->n + n->bs - 1) / n->bs;
+    Py_DECREF(had);
+    if (need > n->max_bps) {
+        pool_error("sequence needs %lld blocks but PoolConfig.max_blocks_per_seq is %lld",
+                   (long long)need, (long long)n->max_bps);
+        return NULL;
+    }
     return core_append(n, pool, seq, slot, t->v, t->n);
 }
 
