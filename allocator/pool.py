@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Sequence_
 from typing import Any, TypeVar
 
@@ -322,8 +322,8 @@ class KVPool:
 
         `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
         `request_id`: any object, kept as its str() (docs/POOL.md)."""
-        if not hasattr(tokens, "__len__"):
-            # (an iterator, read once here: the rest of a long prompt is read from it again)
+        if type(tokens) is not list and isinstance(tokens, Iterator):
+            # (read once here: the rest of a long prompt is read from it again)
             tokens = list(tokens)
         guarded = self._before_claim()
         seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
