@@ -249,13 +249,16 @@ def test_paths_that_stay_in_python(make_pool):
 
 
 def test_a_long_append_that_runs_out_after_a_chunk_ends_as_in_python(pool_name):
-    # GIVEN two pools, C core and Python, each with a sequence, and too few blocks for a long
-    # append: its first chunk (128 blocks) fits, the second does not
+    # GIVEN two pools, C core and Python, each with a sequence, another holding 20 blocks, and
+    # too few blocks for a long append (within max_blocks_per_seq): its first chunk (128
+    # blocks) fits, the second does not
     fast = _pool(pool_name, True, num_blocks=160)
     slow = _pool(f"{pool_name}-py", False, num_blocks=160)
     try:
+        for pool in (fast, slow):
+            pool.allocate("other", list(range(500, 500 + 20 * BS)))
         seqs = [pool.allocate("a", [1]) for pool in (fast, slow)]
-        more = list(range(2, 702))
+        more = list(range(2, 602))
         # WHEN the long append runs on both (chunks of 128 blocks' worth of tokens, as append.py)
         # THEN both append the first chunk and then say the pool is exhausted, leaving the
         # same sequence and the same bytes

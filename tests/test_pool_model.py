@@ -35,7 +35,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvscope.allocator import KVPool, PoolConfig, PoolExhausted
+from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState
 from kvscope.allocator.segment import data_path, segment_path
 
@@ -151,6 +151,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.handles: list[KVPool | None] = [KVPool.create(self.name, self.config), None]
         self.bs = self.config.block_size
         self.num_blocks = self.config.num_blocks
+        self.max_bps = self.handles[0].view.layout.max_blocks_per_seq
         self.model = Model(self.bs)
         self.n = 0
         n = 2 * self.bs + 1
@@ -343,8 +344,16 @@ class PoolMachine(RuleBasedStateMachine):
         n0 = len(s.tokens)
         cow = n0 % bs != 0 and m.refs[s.table[-1]] > 1
         need = -(-(n0 + len(tokens)) // bs) - len(s.table) + cow
-        before = self._before()
         handbacks, preempts = self._handbacks(pool), self._preempts()
+        if pool._native is not None and -(-(n0 + len(tokens)) // bs) > self.max_bps:
+            # THEN the core refuses to grow a sequence past max_blocks_per_seq, before
+            # appending anything
+            with pytest.raises(PoolError, match="PoolConfig.max_blocks_per_seq is"):
+                pool.append(s.seq, tokens)
+            assert s.seq.tokens == s.tokens and s.seq.block_table == s.table
+            assert self._handbacks(pool) == handbacks
+            return
+        before = self._before()
         try:
             copies = pool.append(s.seq, tokens)
         except PoolExhausted:
