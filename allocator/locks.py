@@ -13,8 +13,6 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from array import array
-from collections.abc import Callable
 
 from kvscope.allocator import mutex, ofd
 from kvscope.allocator.errors import LockDeadlock
@@ -32,14 +30,12 @@ assert _F["max_hold_ns"][1] == _HOLD + 8
 _U8 = struct.Struct("<Q")
 _I4 = struct.Struct("<i")
 _U8X2 = struct.Struct("<QQ")
+# holder_pid and holder_tid of a lock record (from holder_pid)
+_PID_TID = struct.Struct("<i12xQ")
 # A lock taken out of order is waited for in slices (growing to the max), looking for a wait
 # cycle between slices.
 WAIT_SLICE_S, WAIT_SLICE_MAX_S = 0.001, 0.05
 
-
-# Bits of a handle's hooks word (KVPool._hooks): which probe hooks are set. The C core
-# (allocator/native.py) runs only while the word is 0.
-HOOK_PROBE, HOOK_SITE, HOOK_LOCKS = 1, 2, 4
 
 # Locks lockdep does not order (leaves, taken alone), and the lock class of a pool lock name
 # (the index shards collapse to "index"): the C core and probes/lockdep.py both need them.
@@ -49,11 +45,6 @@ UNTRACED = frozenset({"sites", "findings"})
 def lock_class(name: str) -> str:
     """The lock class of a pool lock name: the index shards collapse to "index"."""
     return "index" if name.startswith("index.") else name
-
-
-def mark_hook(word: array, bit: int, on: bool) -> None:
-    """Set or clear one bit of a hooks word."""
-    word[0] = word[0] | bit if on else word[0] & ~bit
 
 
 class DeadHolder(Exception):
@@ -74,9 +65,7 @@ class LockTable:
         pid: int,
         start: int,
         client: int,
-        hooks: array | None = None,
     ):
-        self.hooks = hooks if hooks is not None else array("q", [0])
         self.fd = mf.fd
         # Lock i's mutex is at mutex_at + i * stride in this process's mapping.
         self.stride = LOCK_DTYPE.itemsize
@@ -108,38 +97,26 @@ class LockTable:
         # Where this process publishes the locks it waits for (waits.py).
         self.wait_at = view.offsets["clients"] + client * CLIENT_DTYPE.itemsize + WAIT_AT
         ofd.track(mf)
-        # Probe hooks (lockdep, watchdog): None when off, so the cost is one attribute check.
-        # on_release(i) also follows a failed acquisition announced by on_acquire(i).
-        self.on_acquire = None
-        self.on_release: Callable[[int], None] | None = None
-
-    @property
-    def on_acquire(self) -> Callable[[int], None] | None:
-        """Probe hook called before each acquisition (lockdep, the watchdog), or None."""
-        return self._on_acquire
-
-    @on_acquire.setter
-    def on_acquire(self, value: Callable[[int], None] | None) -> None:
-        self._on_acquire = value
-        mark_hook(self.hooks, HOOK_LOCKS, value is not None)
 
     def index(self, name: str) -> int:
         """Index of a lock by name."""
         return self.names.index(name)
 
+    def held_by(self, tid: int) -> set[int]:
+        """The locks whose records name this process's thread `tid` as their holder (whoever
+        took them: the C core or `acquire`)."""
+        mv, at, size, me = self.mv, self.base + _HOLDER, LOCK_DTYPE.itemsize, (self.pid, tid)
+        return {i for i in range(len(self.names)) if _PID_TID.unpack_from(mv, at + i * size) == me}
+
     def acquire(self, i: int) -> None:
         """Take lock i; raise DeadHolder (lock released again) if a dead process left it held
         (the runner has the C core recover it: csrc/recovery.c)."""
-        if self.on_acquire is not None:
-            self.on_acquire(i)
         t0 = time.perf_counter_ns()
         self.tlocks[i].acquire()
         try:
             contended = self._take(i, i)
         except BaseException:
             self.tlocks[i].release()
-            if self.on_release is not None:
-                self.on_release(i)
             raise
         mv = self.mv
         rec = self.base + i * LOCK_DTYPE.itemsize
@@ -147,8 +124,6 @@ class LockTable:
         if dead:
             mutex.unlock(self.mutex_at + i * self.stride)
             self.tlocks[i].release()
-            if self.on_release is not None:
-                self.on_release(i)
             raise DeadHolder(i, dead)
         self._mark_held(i, threading.get_native_id(), t0, time.perf_counter_ns(), contended)
 
@@ -223,12 +198,9 @@ class LockTable:
             self.num_contended[i] += 1
             self.wait_ns[i] += t1 - t0
 
-    def acquire_run(self, run: list[int]) -> bool:
+    def acquire_run(self, run: list[int]) -> None:
         """Take consecutive locks run[0]..run[-1] (one published wait for all of them when
-        another process holds some); False (nothing taken) when a lock
-        probe watches each acquisition: the caller then takes them one by one with `acquire`."""
-        if self.on_acquire is not None:
-            return False
+        another process holds some)."""
         tl = self.tlocks
         t0 = time.perf_counter_ns()
         for i in run:
@@ -252,11 +224,10 @@ class LockTable:
         tid = threading.get_native_id()
         for i in run:
             self._mark_held(i, tid, t0, t1, contended)
-        return True
 
     def release_run(self, run: list[int]) -> None:
         """Release consecutive held locks, last first."""
-        if len(run) == 1 or self.on_release is not None:
+        if len(run) == 1:
             for i in reversed(run):
                 self.release(i)
             return
@@ -285,5 +256,3 @@ class LockTable:
         _I4.pack_into(mv, rec + _HOLDER, 0)
         mutex.unlock(self.mutex_at + i * self.stride)
         self.tlocks[i].release()
-        if self.on_release is not None:
-            self.on_release(i)

@@ -10,13 +10,14 @@ with nothing changed) and the Python method runs. `evict` and the slot reserve (
 trim before an operation, its claims and releases, the Python path's too) are the core's alone.
 Every handle has one
 (`pip install` compiles it; a missing or stale build fails the import in one line); the hot
-operations use it unless `KVSCOPE_NATIVE` is `0` or something needs the Python path's hooks: every probe `kvscope run`
-switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or
-sampled, with a quarantine count or not, the digest: `PoolProbes.native_bits`), and so do the
-injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py keep); a
-lock hook other than lockdep's (the watchdog) or a call-site recorder other than the probe's
-keeps its handle on Python. The findings ring and the site table have no other writer, on
-every handle (KVSCOPE_NATIVE=0 too): KVPool.report and sites.py write through the core's
+operations use it unless `KVSCOPE_NATIVE` is `0`: every probe runs in the core (events,
+ownership, leaks, magic, lockdep, guard mode in full or sampled, with a quarantine count or not,
+the digest: `PoolProbes.native_bits`, read from the handle's probe word at every call), and so do
+the injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py
+keep); sites are the probe's site table's, composed and interned by the core. The core waits
+for the pool locks it takes (holding the op mutex meanwhile), recovers a dead holder of one
+itself (csrc/recovery.c), and waits for another thread's operation on the handle before it
+starts one. The findings ring and the site table have no other writer, on every handle (KVSCOPE_NATIVE=0 too): KVPool.report and sites.py write through the core's
 `report` and `intern_site`, and the findings the core detects it writes itself.
 docs/FORMAT.md, "The native core".
 
@@ -303,7 +304,6 @@ def core_for(pool: KVPool) -> Any:
         "uid": pool._uid,
         # (the handle's errors name the pool)
         "name": pool.name,
-        # Read at every call (the gate in _native.c): hooks can come at any time.
         "seq_type": Sequence,
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
         # The faults and crash points (csrc/faults.c): armed and counted down by both paths.
@@ -317,7 +317,6 @@ def core_for(pool: KVPool) -> Any:
         "mutex": pool._mutex,
         "busy": pool._busy,
         "overdue": pool._overdue,
-        "hooks": pool._hooks,
         # The light probes the core runs itself (probing.PoolProbes.native_bits).
         "probe_bits": pool._probe_bits,
         "lock_classes": tuple(

@@ -36,7 +36,7 @@ from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import CHUNK, COUNTER_FIELDS, BlockState, SegmentView, SeqState
-from kvscope.allocator.locks import HOOK_PROBE, HOOK_SITE, LockTable, mark_hook
+from kvscope.allocator.locks import LockTable
 from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
 from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ring_findings
 from kvscope.allocator.process import my_identity
@@ -103,9 +103,6 @@ class KVPool:
         self.pid, self.start = my_identity()
         # One operation at a time per mapping (handles of one process on one pool share it and
         # its one open of the segment, whose OFD locks do not exclude each other).
-        # Probe hooks set on this handle (bits of HOOK_*): the C core (native.py) runs only
-        # while none is; `probe`, `site_of` and the lock table's hooks keep it up to date.
-        self._hooks = array("q", [0])
         # Sampled guard mode (guard_sample): the allocation counter; the slots of the
         # sequences it guards (their releases guard, poison and quarantine; others do not) are
         # the core's (`_core.guard`, `_core.guarded`).
@@ -123,8 +120,7 @@ class KVPool:
         # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
         self.kv_events: Any = None
         self._uid = id(self)
-        # Probe hooks: None when off (one attribute check per operation).
-        self.site_of = None
+        # Probe hook: None when off (one attribute check per operation).
         self.on_finding: Callable[[Any], None] | None = None
         # Dead processes an attach to a full client table reclaimed (lifecycle.py).
         self.reclaimed_at_attach: list[dict[str, Any]] = []
@@ -132,8 +128,6 @@ class KVPool:
         lifecycle.register_client(self)
         flags = ProbeFlags.from_env(int(view.h["flags"]))
         self.probe = PoolProbes(self, flags) if flags.any() else None
-        if self.probe is not None and self.probe.sites is not None:
-            self.site_of = self.probe.sites.site
         for hook in OPEN_HOOKS:
             hook(self)
 
@@ -147,11 +141,9 @@ class KVPool:
     @probe.setter
     def probe(self, value: PoolProbes | None) -> None:
         self._probe = value
-        # Probes the C core runs itself keep it on; any other sends operations to Python.
+        # The C core runs every probe itself, from this word (lockdep's bit is lockdep's).
         bits = 0 if value is None else value.native_bits()
-        self._probe_bits[0] = max(bits, 0) | (self._probe_bits[0] & NATIVE_LOCKDEP)
-        mark_hook(self._hooks, HOOK_PROBE, bits < 0)
-        self._mark_site()
+        self._probe_bits[0] = bits | (self._probe_bits[0] & NATIVE_LOCKDEP)
 
     @property
     def guard_sample(self) -> int:
@@ -172,25 +164,6 @@ class KVPool:
     def _guards(self, slot: int) -> bool:
         """Whether guard mode guards the release of the sequence in `slot`."""
         return self._guard_every <= 1 or self._core.guarded(slot)
-
-    @property
-    def site_of(self) -> Callable[[], int] | None:
-        """Call-site recording: returns the site index of the current operation (None: off)."""
-        return self._site_of
-
-    @site_of.setter
-    def site_of(self, value: Callable[[], int] | None) -> None:
-        self._site_of = value
-        self._mark_site()
-
-    def _mark_site(self) -> None:
-        """The C core records sites itself (their text composed and interned by the core) only
-        for the ownership probe's site table; a recorder of the caller's own keeps the handle's
-        operations on the Python path for now (HOOK_SITE)."""
-        fn = getattr(self, "_site_of", None)
-        probe = getattr(self, "_probe", None)
-        ours = probe is not None and probe.sites is not None and fn == probe.sites.site
-        mark_hook(self._hooks, HOOK_SITE, fn is not None and not ours)
 
     # -- lifecycle (lifecycle.py) -------------------------------------------------------------
 
@@ -216,7 +189,7 @@ class KVPool:
         self._client_seq = ClientSeq(view, client)
         self.counters = {f: view.clients[f][client : client + 1] for f in COUNTER_FIELDS}
         self.journal = Journal(view, client)
-        self.locks = LockTable(self._mf, view, self.pid, self.start, client, self._hooks)
+        self.locks = LockTable(self._mf, view, self.pid, self.start, client)
         n_shards = view.layout.num_shards
         self.SEQS = self.locks.index("seqs")
         self.SHARDS = [self.locks.index(f"index.{i}") for i in range(n_shards)]
@@ -301,7 +274,10 @@ class KVPool:
         return self._core.live()
 
     def _site(self) -> int:
-        return self.site_of() if self.site_of is not None else -1
+        """The current operation's allocation site in the ownership probe's site table (-1:
+        off), as the C core records it itself (csrc/probes.c site_now)."""
+        probe = self._probe
+        return probe.sites.site() if probe is not None and probe.sites is not None else -1
 
     def _own(self, seq: Sequence) -> None:
         """PoolError unless seq is a live sequence of this handle."""
@@ -360,16 +336,9 @@ class KVPool:
         """Before an operation that claims a sequence slot (`claiming`) or releases one: the
         core refills this process's slot reserve when it is empty, or gives a batch of it back
         when it is full, in a transaction of its own under the seqs lock, so that the operation
-        itself needs neither (csrc/sequences.c)."""
-        if not self._core.reserve_ready(self, claiming):
-            self._recover_locks({self.SEQS})
-            self._core.reserve_ready(self, claiming)
-
-    def _recover_locks(self, locks: set[int]) -> None:
-        """Where the core could not begin a transaction of its own (an order edge lockdep has
-        the Python path learn, a journal left open, a dead holder it could not recover): the
-        runner's transaction on those locks, which deals with it or raises."""
-        self._run(locks, lambda t: None)
+        itself needs neither (csrc/sequences.c). Where it does not (this thread is inside an
+        operation of the handle already), the claim or release takes the table's own way."""
+        self._core.reserve_ready(self, claiming)
 
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
         """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
@@ -494,9 +463,6 @@ class KVPool:
         self._check_process()
         with self._mutex:
             done = self._core.evict(self, num_blocks)
-            if done is None:
-                self._recover_locks({self.FREE, *self.SHARDS})
-                done = self._core.evict(self, num_blocks) or 0
         if self._found:
             self._hand_findings()
         return done
@@ -536,10 +502,8 @@ class KVPool:
 
     def record(self, finding) -> None:
         """Write a finding into the segment's findings ring, as it is: the C core writes it,
-        under the findings lock (taken there, or held already by this thread: lockdep's graph).
-        Where the core does not take the lock now (a dead holder; an operation of the core
-        holding the op mutex), a transaction of the runner takes it, recovering a dead holder,
-        and the core writes under it."""
+        under the findings lock (taken there, waiting and recovering a dead holder, or held
+        already by this thread: lockdep's graph, the watchdog)."""
         f = finding
         args = (
             f.kind,
@@ -550,8 +514,7 @@ class KVPool:
             f.request or "",
             f.message,
         )
-        if self._core.report(*args) is None:
-            self._run({self.locks.index("findings")}, lambda t: self._core.report(*args))
+        self._core.report(*args)
 
     def _hand_findings(self) -> None:
         """Hand what the C core reported in its last call to `on_finding`, read back from the

@@ -72,7 +72,6 @@ class SiteTable:
         self.outside: dict[int, bool] = {}
         self.codes: list[object] = []
         self.depth = stack_depth() if depth is None else depth
-        self.lock = pool.locks.index("sites")
 
     def site(self) -> int:
         """The id of the calling site (interning it on first sight)."""
@@ -133,14 +132,8 @@ class SiteTable:
 
     def _intern(self, text: str) -> int:
         """The site table's id of `text`, added when new (-1: the table is full): the C core
-        writes it, under the sites lock (taken in a transaction of the runner when the core
-        does not take it now: a dead holder; an operation of the core holding the op mutex)."""
-        raw = text.encode()[:SITE_TEXT_BYTES]
-        core = self.pool._core
-        sid = core.intern_site(raw)
-        if sid is None:
-            sid = self.pool._run({self.lock}, lambda t: core.intern_site(raw))
-        return sid
+        writes it, under the sites lock (waited for there, a dead holder of it recovered)."""
+        return self.pool._core.intern_site(text.encode()[:SITE_TEXT_BYTES])
 
 
 def _raw(view, site: int) -> bytes | None:

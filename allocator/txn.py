@@ -87,7 +87,8 @@ class Txn:
         taken: list[int] = []
         try:
             for run in self.runs:
-                if len(run) > 1 and lt.acquire_run(run):
+                if len(run) > 1:
+                    lt.acquire_run(run)
                     taken += run
                     continue
                 for i in run:

@@ -2,7 +2,7 @@
 
     from kvscope.probes.lockdep import LockDep, TracedLock
     lockdep = LockDep()
-    lockdep.instrument(pool)                # every pool lock now feeds the graph
+    lockdep.instrument(pool)                # the pool's C core traces its locks
     cache_lock = TracedLock("cache", pool)  # a user lock: lock class "user:cache"
     ...
     lockdep.uninstrument(pool)
@@ -11,8 +11,12 @@ A thread that takes lock class B while it holds A adds the edge A -> B, with the
 was first seen, to the segment's lock-order graph, which every process attached to the pool
 shares. An edge whose reverse path B -> ... -> A is already there is reported as
 `lock_order_cycle` before the thread waits for B, so two processes that take locks in opposite
-orders are named before they ever overlap. Shard locks are one class ("index"); "sites" and
-"findings" are leaves taken last and are not traced. docs/LOCKDEP.md has the details and cost.
+orders are named before they ever overlap. The pool's locks are traced by the C core, which
+takes them (csrc/probes.c lockdep_ok: the edges between them and from the traced user locks the
+thread holds); this module traces user locks (TracedLock), and the edges into them from the
+user locks and the traced pool locks the thread holds (read from the pool's lock records).
+Shard locks are one class ("index"); "sites" and "findings" are leaves taken last and are not
+traced. docs/LOCKDEP.md has the details and cost.
 """
 
 from __future__ import annotations
@@ -50,22 +54,14 @@ HOLD_ENV = "KVSCOPE_LOCK_HOLD_S"
 
 
 class Held:
-    """One lock a thread holds (or is about to take): class, graph, and when."""
+    """One traced lock a thread holds (or is about to take): class, graph, and when."""
 
-    __slots__ = ("key", "cls", "graph", "t_ns", "table", "index")
+    __slots__ = ("key", "cls", "graph", "t_ns")
 
-    def __init__(self, key: object, cls: str, graph: Any, table: Any = None, index: int = -1):
-        self.key, self.cls, self.graph, self.table, self.index = key, cls, graph, table, index
-        # Set once a traced lock is taken (pool locks keep their times in their records).
+    def __init__(self, key: object, cls: str, graph: Any):
+        self.key, self.cls, self.graph = key, cls, graph
+        # Set once the lock is taken.
         self.t_ns = 0
-
-    def stale(self) -> bool:
-        """True for a pool lock whose acquisition failed (its record names another holder)."""
-        t = self.table
-        i = self.index
-        return t is not None and (
-            int(t.holder_pid[i]) != t.pid or int(t.holder_tid[i]) != threading.get_native_id()
-        )
 
 
 class ThreadState:
@@ -91,7 +87,9 @@ class LockDep:
         self.threads: weakref.WeakValueDictionary[int, ThreadState] = weakref.WeakValueDictionary()
         self._tls = threading.local()
         self._graphs: dict[int, SegmentGraph] = {}
-        self._hooks: dict[int, tuple[Any, ...]] = {}
+        # The pools instrumented (by id): their C cores trace their locks, and the traced pool
+        # locks a thread holds give edges into the user locks it takes.
+        self._pools: set[int] = set()
         _INSTANCES.add(self)
 
     def _after_fork(self) -> None:
@@ -108,51 +106,24 @@ class LockDep:
             print(f"kvscope: {f.line()}", file=sys.stderr)
 
     def instrument(self, pool: Any) -> bool:
-        """Trace every lock of `pool` (chaining hooks already set by other probes); False if it was."""
-        if id(pool) in self._hooks:
+        """Trace every lock of `pool`; False if it was. The pool's C core traces them (its
+        probe word's lockdep bit): it writes the order edges its transactions take, from the
+        traced user locks the thread holds too, into the segment's graph, where `_learn` finds
+        them (csrc/probes.c lockdep_ok)."""
+        if id(pool) in self._pools:
             return False
-        lt = pool.locks
-        graph = self.graph_for(pool)
-        classes = [None if n in UNTRACED else lock_class(n) for n in lt.names]
-        keys = [(id(lt), i) for i in range(len(lt.names))]
-        prev_acquire, prev_release = lt.on_acquire, lt.on_release
-        live = [True]
-
-        def on_acquire(i: int) -> None:
-            if prev_acquire is not None:
-                prev_acquire(i)
-            cls = classes[i]
-            if cls is not None and live[0]:
-                self.before(cls, keys[i], graph, lt, i)
-
-        def on_release(i: int) -> None:
-            if classes[i] is not None and live[0]:
-                self.after_release(keys[i])
-            if prev_release is not None:
-                prev_release(i)
-
-        lt.on_acquire, lt.on_release = on_acquire, on_release
-        self._hooks[id(pool)] = (on_acquire, on_release, prev_acquire, prev_release, live)
+        self._pools.add(id(pool))
+        self.graph_for(pool)
         self.enabled = True
-        if prev_acquire is None and prev_release is None:
-            # The pool's C core runs these hooks itself (they stay for the Python path's
-            # operations): it writes the order edges it takes, from the traced user locks the
-            # thread holds too, into the segment's graph, where `_learn` finds them
-            # (csrc/probes.c lockdep_ok).
-            pool._probe_bits[0] |= NATIVE_LOCKDEP
+        pool._probe_bits[0] |= NATIVE_LOCKDEP
         return True
 
     def uninstrument(self, pool: Any) -> None:
-        """Stop tracing `pool`'s locks (a hook chained on top of ours keeps working)."""
-        entry = self._hooks.pop(id(pool), None)
-        if entry is None:
+        """Stop tracing `pool`'s locks."""
+        if id(pool) not in self._pools:
             return
-        on_acquire, on_release, prev_acquire, prev_release, live = entry
-        live[0] = False
+        self._pools.discard(id(pool))
         pool._probe_bits[0] &= ~NATIVE_LOCKDEP
-        lt = pool.locks
-        if lt.on_acquire is on_acquire and lt.on_release is on_release:
-            lt.on_acquire, lt.on_release = prev_acquire, prev_release
         self._graphs.pop(id(pool), None)
 
     def graph_for(self, pool: Any | None) -> LocalGraph | SegmentGraph:
@@ -172,10 +143,10 @@ class LockDep:
             self.threads[st.ident] = st
         return st
 
-    def before(
-        self, cls: str, key: object, graph: Any, table: Any = None, index: int = -1
-    ) -> Held | None:
-        """Record that this thread is about to take a lock (called before it may block)."""
+    def before(self, cls: str, key: object, graph: Any) -> Held | None:
+        """Record that this thread is about to take a traced user lock (called before it may
+        block): the edges into it from the traced locks the thread holds, user locks (its
+        stack) and pool locks of the instrumented pools (their records)."""
         st = self.state()
         if st.busy:
             return None
@@ -197,11 +168,19 @@ class LockDep:
                 g = h.graph if h.graph.shared else graph
             if (h.cls, cls) not in g.known:
                 new.append((g, h))
+        for pid in self._pools:
+            g = self._graphs.get(pid)
+            # (a pool lock is ordered against the user locks of its pool's graph or of none)
+            if g is None or (graph.shared and g is not graph) or not g.usable():
+                continue
+            for held in g.held_classes():
+                if held != cls and (held, cls) not in g.known:
+                    new.append((g, Held(None, held, g)))
         if new:
             self._learn(st, new, cls)
         if again is not None:
             stack.remove(again)
-        h = Held(key, cls, graph, table, index)
+        h = Held(key, cls, graph)
         stack.append(h)
         return h
 
@@ -220,9 +199,6 @@ class LockDep:
         st.busy = True
         try:
             for g, h in new:
-                if h.stale():
-                    st.stack.remove(h)
-                    continue
                 if not g.usable():
                     continue
                 try:

@@ -142,6 +142,10 @@ class SegmentGraph:
         self.table = pool.locks
         self.findings_lock = pool.locks.index("findings")
         self.known: set[tuple[str, str]] = set()
+        # The traced pool locks: (index, class).
+        self.traced = [
+            (i, lock_class(n)) for i, n in enumerate(self.table.names) if n not in UNTRACED
+        ]
 
     def usable(self) -> bool:
         """False once the pool is closed, or in a forked child of the process that opened it."""
@@ -155,6 +159,13 @@ class SegmentGraph:
             yield
         finally:
             self.table.release(self.findings_lock)
+
+    def held_classes(self) -> list[str]:
+        """The classes of the traced pool locks this thread holds now, whoever took them (the
+        C core, inside an operation that called Python; `pool.locks`): their records name this
+        process and thread."""
+        held = self.table.held_by(threading.get_native_id())
+        return [c for i, c in self.traced if i in held]
 
     def edges(self) -> list[Edge]:
         """Every edge in the segment, oldest first."""

@@ -170,8 +170,8 @@ class Watchdog:
         now, pid, out = time.perf_counter_ns(), os.getpid(), []
         for st in list(self.lockdep.threads.values()):
             for h in list(st.stack):
-                # Pool locks are timed from their records; t_ns is 0 while still waiting.
-                if h.table is not None or not h.t_ns or now - h.t_ns < self.threshold_ns:
+                # (t_ns is 0 while still waiting; pool locks are timed from their records)
+                if not h.t_ns or now - h.t_ns < self.threshold_ns:
                     continue
                 if not h.graph.usable():
                     continue

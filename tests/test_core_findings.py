@@ -13,7 +13,7 @@ import pytest
 from kvscope.allocator import KVPool, allocate, faults, probing, release
 from kvscope.allocator.findings import Finding
 from kvscope.probes.lockdep import LockDep
-from kvscope.probes.lockgraph import SegmentGraph, cycle_finding, find_path
+from kvscope.probes.lockgraph import Edge, SegmentGraph, call_site, cycle_finding, find_path
 from tests.forking import fork_child, wait_child
 
 
@@ -83,8 +83,7 @@ def test_report_recovers_a_dead_holder_of_the_findings_lock(make_pool, pool_name
         return 0
 
     assert wait_child(fork_child(die_holding_findings, 20)) == -signal.SIGKILL
-    # WHEN a finding is reported (the core cannot take the lock: a transaction of the runner
-    # recovers it, and the core writes under it)
+    # WHEN a finding is reported (the core recovers the lock, and writes under it)
     pool.report(Finding("leak_orphan", "after the death"))
     # THEN the dead holder and the finding are both recorded, once each
     kinds = [f.kind for f in pool.findings()]
@@ -187,14 +186,17 @@ def _hit_prefix(pool: KVPool) -> None:
 
 @pytest.mark.parametrize("repeat", range(3))
 def test_a_cycle_the_core_closes_is_written_by_the_core(make_pool, monkeypatch, repeat):
-    # GIVEN lockdep, and a Python-side edge index -> seqs in the segment's graph
+    # GIVEN lockdep, and an edge index -> seqs in the segment's graph (a hit of the core's
+    # under the lock-inversion fault)
     pool = make_pool(32)
     lockdep = LockDep()
     lockdep.instrument(pool)
-    pool.locks.acquire(pool.SHARDS[0])
-    pool.locks.acquire(pool.SEQS)
-    pool.locks.release(pool.SEQS)
-    pool.locks.release(pool.SHARDS[0])
+    pool.mark_computed(pool.allocate("published", list(range(8))), 8)
+    faults.configure("lock-inversion:1")
+    try:
+        pool.allocate("inverted", list(range(8)) + [98])
+    finally:
+        faults.configure(None)
     assert _kinds(pool, "lock_order_cycle") == []
     seen: list[Finding] = []
     pool.on_finding = seen.append
@@ -226,15 +228,15 @@ def _as_lockdep_says(pool: KVPool, src: str, dst: str) -> str:
 
 
 def test_a_longer_chain_is_named_edge_by_edge(make_pool, monkeypatch):
-    # GIVEN lockdep, and Python-side edges index -> free -> seqs in the segment's graph
+    # GIVEN lockdep, and edges index -> free -> seqs in the segment's graph (as another
+    # process's lockdep left them)
     pool = make_pool(32)
     lockdep = LockDep()
     lockdep.instrument(pool)
-    for first, then in ((pool.SHARDS[0], pool.FREE), (pool.FREE, pool.SEQS)):
-        pool.locks.acquire(first)
-        pool.locks.acquire(then)
-        pool.locks.release(then)
-        pool.locks.release(first)
+    graph = SegmentGraph(pool)
+    with graph.locked():
+        for src, dst in (("index", "free"), ("free", "seqs")):
+            graph.add(Edge(src, dst, os.getpid(), call_site()))
     assert _kinds(pool, "lock_order_cycle") == []
     _refuse(monkeypatch, LockDep, "_learn")
     # WHEN the core takes seqs -> free, then seqs -> index

@@ -316,14 +316,12 @@ def test_a_kill_at_any_journal_save_of_an_allocation_evicting_ahead_loses_no_blo
     assert killed >= 6
 
 
-def test_evict_runs_in_the_core_whatever_hooks_the_handle_has(make_pool):
-    # GIVEN cached blocks, and a call-site recorder of the caller's own (which sends the hot
-    # operations to the Python path)
+def test_evict_runs_in_the_core(make_pool):
+    # GIVEN cached blocks
     pool = make_pool(64, block_size=BS)
     s = pool.allocate("p", list(range(8 * BS)))
     pool.mark_computed(s, s.num_tokens)
     pool.free(s)
-    pool.site_of = lambda: -1
     stats = pool._core.stats()
     # WHEN they are evicted
     assert pool.evict(100) == 8

@@ -8,9 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import pytest
-
-from kvscope.allocator import KVPool, LockDeadlock, _native, allocate, release
+from kvscope.allocator import KVPool, LockDeadlock, _native, allocate, faults, release
+from kvscope.allocator.probing import NATIVE_LOCKDEP
 from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
 from tests.forking import fork_child
@@ -43,70 +42,131 @@ def _attached(name: str) -> tuple[KVPool, LockDep]:
     return pool, lockdep
 
 
-def _free_path(pool: KVPool) -> None:
-    """A free that evicts while holding the sequence-table lock: seqs, index shards, then free."""
-    seq = pool.allocate("cached", list(range(8)))
-    pool.mark_computed(seq, 8)
-    pool.free(seq)
-
-    def evict_under_seqs(t) -> None:
-        ids = pool.store.evict(t, 1)
-        if len(ids):
-            pool.store.ring_push(t, ids)
-
-    pool._run({pool.SEQS, pool.FREE, *pool.SHARDS}, evict_under_seqs)
-
-
-def _alloc_path(pool: KVPool) -> None:
-    """An allocation that holds the free-ring lock and then waits for the sequence-table lock."""
-    pool.locks.acquire(pool.FREE)
-    try:
-        pool.locks.acquire(pool.SEQS)
-        pool.locks.release(pool.SEQS)
-    finally:
-        pool.locks.release(pool.FREE)
-
-
 def _cycles(pool: KVPool) -> list:
     return [f for f in pool.findings() if f.kind == "lock_order_cycle"]
 
 
+def _published(pool: KVPool, base: int = 0) -> list[int]:
+    """A prompt of two blocks, allocated and published (its first allocation fills this
+    process's local cache, from which the hits below take their block)."""
+    prompt = list(range(base, base + 8))
+    pool.mark_computed(pool.allocate(f"first-{base}", prompt), 8)
+    return prompt
+
+
+def _hit(pool: KVPool, prompt: list[int]) -> None:
+    """An allocation that hits a published prefix: on a pool too small for slot reserves, the
+    core takes the sequence-table lock and the prompt's index shard together."""
+    pool.allocate("hit", prompt + [99])
+
+
+def _hit_prefix(pool: KVPool) -> None:
+    _hit(pool, _published(pool))
+
+
+def _inverted_hit(pool: KVPool, prompt: list[int]) -> None:
+    """A hit with the lock-inversion fault armed for it: the core takes the prompt's index
+    shard, then the sequence-table lock."""
+    faults.configure("lock-inversion:1")
+    try:
+        pool.allocate("inverted", prompt + [98])
+    finally:
+        faults.configure(None)
+    assert faults.FIRED[-1] == "lock-inversion"
+
+
 def test_opposite_orders_in_two_processes_are_reported_with_both_chains(make_pool):
-    # GIVEN a pool, a process that frees and evicts under seqs, then one taking free -> seqs
+    # GIVEN a pool, a process whose allocation hits a prefix (seqs -> index), then one whose
+    # hit takes the locks the other way round (index -> seqs)
     pool = make_pool(32)
 
-    def freer() -> int:
+    def hitter() -> int:
         p, _ = _attached(pool.name)
-        _free_path(p)
+        _hit_prefix(p)
         return 0
 
-    def allocator() -> int:
+    def inverter() -> int:
         p, _ = _attached(pool.name)
-        _alloc_path(p)
+        _inverted_hit(p, _published(p, 100))
         return 0
 
     # WHEN they run one after the other (they never overlap, so nothing deadlocks)
-    p1 = _fork(freer)
+    p1 = _fork(hitter)
     assert _wait(p1) == 0
-    p2 = _fork(allocator)
+    p2 = _fork(inverter)
     assert _wait(p2) == 0
 
     # THEN one lock_order_cycle names both chains, their pids and sites
     (f,) = _cycles(pool)
     assert f.severity == "error" and f.owner_pid == p2
-    assert f"pid {p2} takes free -> seqs at test_lockdep.py:" in f.message
-    assert f"pid {p1} took seqs -> free at test_lockdep.py:" in f.message
-    assert "_alloc_path" in f.message and "_free_path" in f.message
+    assert f"pid {p2} takes index -> seqs at test_lockdep.py:" in f.message
+    assert f"pid {p1} took seqs -> index at test_lockdep.py:" in f.message
+    assert " _inverted_hit; " in f.message and " _hit: " in f.message
     assert "deadlock" in f.message
 
 
-def _overlap(pool: KVPool) -> tuple[list, list[int]]:
-    """Run the two orders so that they would deadlock; return (cycle findings, exit codes)."""
+def test_a_cycle_is_reported_before_the_thread_waits(make_pool):
+    # GIVEN a published prompt; a process whose hit of it took index, then seqs (the
+    # lock-inversion fault), and holds them (its fault hook waits inside the core's
+    # transaction); and another about to hit it too, seqs then index
+    pool = make_pool(32)
+    prompt = list(range(8))
+    pool.mark_computed(pool.allocate("first", prompt), 8)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    held_r, held_w = os.pipe()
+    done_r, done_w = os.pipe()
+
+    def warm(p: KVPool) -> None:
+        """A first allocation: this process's local cache holds the blocks its hit takes."""
+        p.free(p.allocate(f"warm-{os.getpid()}", [1000 + os.getpid() % 1000] * 5))
+
+    def waiter() -> int:
+        p, _ = _attached(pool.name)
+        warm(p)
+        os.write(ready_w, b"1")
+        os.read(go_r, 1)
+        p.allocate("waiter", prompt + [98])
+        return 0
+
+    def holder() -> int:
+        p, _ = _attached(pool.name)
+        warm(p)
+        faults.ON_FIRE.append(lambda name: (os.write(held_w, b"1"), os.read(done_r, 1)))
+        faults.configure("lock-inversion:1")
+        p.allocate("holder", prompt + [99])
+        return 0
+
+    second = _fork(waiter)
+    os.read(ready_r, 1)
+    first = _fork(holder)
+    os.read(held_r, 1)
+    # WHEN the second asks for the locks the first holds
+    os.write(go_w, b"1")
+    end = time.monotonic() + 10
+    while not _cycles(pool) and time.monotonic() < end:
+        time.sleep(0.02)
+    found = _cycles(pool)
+    waiting = os.waitpid(second, os.WNOHANG) == (0, 0)
+    os.write(done_w, b"1")
+    codes = [_wait(first), _wait(second)]
+    # THEN the cycle was reported while it waited, and both finish once the first lets go
+    (f,) = found
+    assert waiting and codes == [0, 0]
+    assert f"pid {second} takes seqs -> index at test_lockdep.py:" in f.message
+    assert f"pid {first} took index -> seqs at test_lockdep.py:" in f.message
+
+
+def test_the_pool_breaks_the_deadlock_with_lock_deadlock(make_pool):
+    # GIVEN two processes that take pool locks in opposite orders through the lock table, so
+    # that they would deadlock (the taker out of order waits in slices and follows the
+    # published waits: allocator/waits.py)
+    pool = make_pool(32)
     free_held_r, free_held_w = os.pipe()
     seqs_held_r, seqs_held_w = os.pipe()
 
-    def freer() -> int:
-        p, _ = _attached(pool.name)
+    def seqs_then_free() -> int:
+        p = KVPool.attach(pool.name)
         os.read(free_held_r, 1)
         p.locks.acquire(p.SEQS)
         os.write(seqs_held_w, b"1")
@@ -120,12 +180,12 @@ def _overlap(pool: KVPool) -> tuple[list, list[int]]:
         p.locks.release(p.FREE)
         return 0
 
-    def allocator() -> int:
-        p, _ = _attached(pool.name)
+    def free_then_seqs() -> int:
+        p = KVPool.attach(pool.name)
         p.locks.acquire(p.FREE)
         os.write(free_held_w, b"1")
         os.read(seqs_held_r, 1)
-        # Let the other process record seqs -> free and block on free first.
+        # Let the other process block on free first.
         time.sleep(0.3)
         try:
             p.locks.acquire(p.SEQS)
@@ -136,36 +196,10 @@ def _overlap(pool: KVPool) -> tuple[list, list[int]]:
         p.locks.release(p.SEQS)
         return 0
 
-    pids = [_fork(freer), _fork(allocator)]
-    end = time.monotonic() + 10
-    while not _cycles(pool) and time.monotonic() < end:
-        time.sleep(0.02)
-    found = _cycles(pool)
-    return found, [_wait(pid, 10) for pid in pids]
-
-
-def test_a_cycle_is_reported_before_the_processes_deadlock(make_pool):
-    # GIVEN two processes: one holds seqs and waits for free, the other holds free
-    pool = make_pool(32)
-    # WHEN the second one asks for seqs (a real deadlock unless the kernel breaks it)
-    found, codes = _overlap(pool)
-    # THEN the cycle was reported while they were stuck, and no process hangs the test
-    (f,) = found
-    # Whichever process closes the cycle names it (the allocation, unless the machine is slow).
-    assert "free -> seqs at test_lockdep.py" in f.message
-    assert "seqs -> free at test_lockdep.py" in f.message
-    assert all(code in (0, DEADLOCKED, -9) for code in codes), codes
-
-
-def test_the_pool_breaks_the_deadlock_with_lock_deadlock(make_pool):
-    # GIVEN the overlapping opposite orders of the test above (the taker out of order waits in
-    # slices and follows the published waits: allocator/waits.py)
-    pool = make_pool(32)
     # WHEN they run
-    found, codes = _overlap(pool)
-    # THEN one process gets LockDeadlock, the other completes, and the cycle was named
+    codes = [_wait(pid, 10) for pid in [_fork(seqs_then_free), _fork(free_then_seqs)]]
+    # THEN one process gets LockDeadlock, the other completes
     assert sorted(codes) == [0, DEADLOCKED]
-    assert len(found) == 1
 
 
 def test_the_documented_order_is_not_a_cycle(make_pool):
@@ -183,7 +217,6 @@ def test_the_documented_order_is_not_a_cycle(make_pool):
             p.free(child)
             p.free(seq)
         p.evict(4)
-        _free_path(p)
         assert not lockdep.state().stack
         return 0
 
@@ -210,22 +243,6 @@ def _core_edges(pool: KVPool) -> dict[tuple[str, str], tuple[int, str]]:
     }
 
 
-def _hit_prefix(pool: KVPool) -> None:
-    """An allocation that hits a published prefix: on a pool too small for slot reserves, the
-    core takes the sequence-table lock and the prompt's index shard together."""
-    seq = pool.allocate("first", list(range(8)))
-    pool.mark_computed(seq, 8)
-    pool.allocate("second", list(range(8)) + [99])
-
-
-def _index_then_seqs(pool: KVPool) -> None:
-    """The Python side out of the documented order: an index shard, then the sequence table."""
-    pool.locks.acquire(pool.SHARDS[0])
-    pool.locks.acquire(pool.SEQS)
-    pool.locks.release(pool.SEQS)
-    pool.locks.release(pool.SHARDS[0])
-
-
 def test_an_edge_the_core_takes_is_written_into_the_segment_graph(make_pool):
     # GIVEN a pool on the C core under lockdep
     pool = make_pool(32)
@@ -240,7 +257,7 @@ def test_an_edge_the_core_takes_is_written_into_the_segment_graph(make_pool):
     assert after["fallbacks"] == before["fallbacks"]
     assert after["native_ops"] == before["native_ops"] + 3
     pid, site = _core_edges(pool)[("seqs", "index")]
-    assert pid == os.getpid() and site.startswith("test_lockdep.py:") and "_hit_prefix" in site
+    assert pid == os.getpid() and site.startswith("test_lockdep.py:") and site.endswith(" _hit")
     assert _cycles(pool) == []
 
 
@@ -251,22 +268,23 @@ def test_an_inversion_through_an_edge_the_core_took_is_a_cycle(make_pool):
     fallbacks = pool._native.stats()["fallbacks"]
     _hit_prefix(pool)
     assert pool._native.stats()["fallbacks"] == fallbacks and _cycles(pool) == []
-    # WHEN the Python side takes an index shard, then the sequence-table lock
-    _index_then_seqs(pool)
+    # WHEN a hit takes an index shard, then the sequence-table lock (the lock-inversion fault)
+    _inverted_hit(pool, list(range(8)))
     # THEN lockdep reports the cycle, naming the core's edge with its pid and site
     (f,) = _cycles(pool)
     assert f"pid {os.getpid()} takes index -> seqs at test_lockdep.py:" in f.message
-    assert "took seqs -> index at test_lockdep.py:" in f.message and "_hit_prefix" in f.message
+    assert "took seqs -> index at test_lockdep.py:" in f.message and " _hit: " in f.message
 
 
 def test_an_edge_of_the_core_that_would_close_a_cycle_is_reported(make_pool):
-    # GIVEN a Python-side edge index -> seqs in the segment graph
+    # GIVEN an edge index -> seqs in the segment graph (the lock-inversion fault's)
     pool = make_pool(32)
     LockDep().instrument(pool)
-    _index_then_seqs(pool)
+    prompt = _published(pool)
+    _inverted_hit(pool, prompt)
     assert _cycles(pool) == []
     # WHEN an allocation hits a published prefix (the core's order: seqs -> index)
-    _hit_prefix(pool)
+    _hit(pool, prompt)
     # THEN the cycle it closes is reported
     (f,) = _cycles(pool)
     assert "takes seqs -> index" in f.message and "took index -> seqs" in f.message
@@ -376,11 +394,8 @@ def test_a_user_lock_of_another_pool_is_not_ordered_against_this_ones(make_pool,
     assert ("user:theirs", "seqs") in _core_edges(other)
 
 
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_a_traced_lock_whose_edge_closes_a_cycle_is_reported_once(make_pool, monkeypatch, native):
-    # GIVEN a pool on the core (or on the Python path) under lockdep whose graph holds
-    # seqs -> user:cache, and a traced lock "cache"
-    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+def test_a_traced_lock_whose_edge_closes_a_cycle_is_reported_once(make_pool):
+    # GIVEN a pool under lockdep whose graph holds seqs -> user:cache, and a traced lock "cache"
     pool = make_pool(32)
     lockdep = LockDep()
     lockdep.instrument(pool)
@@ -402,9 +417,9 @@ def test_a_traced_lock_whose_edge_closes_a_cycle_is_reported_once(make_pool, mon
     ops = pool._core.stats()["native_ops"]
     # WHEN a thread allocates and frees under the traced lock (the order that closes it)
     _in_thread(cache_then_pool)
-    # THEN one lock_order_cycle names both chains, in the ring and to on_finding, in the same
-    # words from the core as from the Python path
-    assert pool._core.stats()["native_ops"] == ops + (2 if native == "1" else 0)
+    # THEN the core ran both operations, and reported one lock_order_cycle naming both chains,
+    # in the ring and to on_finding, in lockgraph.cycle_finding's words
+    assert pool._core.stats()["native_ops"] == ops + 2
     (f,) = _cycles(pool)
     line = cache_then_pool.__code__.co_firstlineno + 2
     took = pool_then_cache.__code__.co_firstlineno + 2
@@ -434,22 +449,20 @@ def test_traced_locks_without_a_pool_report_through_the_callback():
     assert lockdep.state().stack == []
 
 
-def test_lockdep_is_off_by_default_and_chains_other_hooks(make_pool, monkeypatch):
-    # GIVEN a pool and another probe's acquire hook (and the process-wide LockDep restored after)
+def test_lockdep_is_off_by_default_and_switched_by_its_variable(make_pool, monkeypatch):
+    # GIVEN a pool (and the process-wide LockDep restored after)
     monkeypatch.setattr(LOCKDEP, "enabled", LOCKDEP.enabled)
     pool = make_pool(16)
-    assert pool.locks.on_acquire is None and install(pool, {}) is None
-    assert pool.locks.on_acquire is None
-    calls: list[int] = []
-    pool.locks.on_acquire = calls.append
+    assert install(pool, {}) is None and not pool._probe_bits[0] & NATIVE_LOCKDEP
     # WHEN lockdep is switched on by its variable, used, and switched off
     lockdep = install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
-    assert lockdep is not None
+    assert lockdep is not None and pool._probe_bits[0] & NATIVE_LOCKDEP
     pool.allocate("a", [1, 2, 3])
     lockdep.uninstrument(pool)
-    # THEN the other hook saw every acquisition and is the only hook left
-    assert pool.SEQS in calls and pool.locks.on_acquire == calls.append
-    assert pool.locks.on_release is None
+    # THEN the core traced the pool's locks while it was on (its edge in the segment), and no
+    # longer does
+    assert ("seqs", "free") in _core_edges(pool)
+    assert not pool._probe_bits[0] & NATIVE_LOCKDEP
 
 
 def test_the_watchdog_reports_a_long_hold_once_with_the_holders_stack(make_pool):
@@ -459,11 +472,15 @@ def test_the_watchdog_reports_a_long_hold_once_with_the_holders_stack(make_pool)
     pool.on_finding = seen.append
     dog = Watchdog(pool, threshold_s=0.2, interval_s=0.05).start()
 
-    def hold_seqs(t) -> None:
-        time.sleep(0.6)
+    def hold_seqs() -> None:
+        pool.locks.acquire(pool.SEQS)
+        try:
+            time.sleep(0.6)
+        finally:
+            pool.locks.release(pool.SEQS)
 
     # WHEN a thread holds the sequence-table lock for 0.6 s
-    t = threading.Thread(target=lambda: pool._run({pool.SEQS}, hold_seqs))
+    t = threading.Thread(target=hold_seqs)
     t.start()
     t.join()
     dog.stop()

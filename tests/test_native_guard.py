@@ -466,16 +466,16 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         # THEN the core writes every one
         assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
         assert fast.check() == []
-        # WHEN the same burst comes while the core cannot write the records (a lock hook other
-        # than lockdep's is set on the handle: its operations are the Python path's)
+        # WHEN the same burst comes while the core cannot write the records (a Python-path
+        # operation is in progress on the mapping)
         many = _burst_held_back(fast, monkeypatch, "d", 300)
-        hooks = int(fast._hooks[0])
-        fast._hooks[0] = hooks | 1
+        busy = int(fast._busy[0])
+        fast._busy[0] = busy + 1
         fast.verify()
         # THEN the digests wait, read, for the next settle where it can
         assert not integrity.has_digest(fast.view.blocks, np.asarray(many)).any()
         assert fast._native.device_stats()["unapplied"] == len(many)
-        fast._hooks[0] = hooks
+        fast._busy[0] = busy
         fast.verify()
         assert integrity.has_digest(fast.view.blocks, np.asarray(many)).all()
         assert fast.probe.writes.later.waiting() == 0 and fast.check() == []

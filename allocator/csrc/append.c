@@ -124,7 +124,6 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
     } else {
         int32_t site = site_now(n);
         if (site == SITE_ERROR) return ERROR;
-        if (site == SITE_LATER) return FALLBACK;
         int rc = take_mutex(n);
         if (rc != OK) return rc;
         uint64_t locks = take_locks(n, (need > 0 ? need : 0) + cow);

@@ -41,8 +41,6 @@ enum { OK = 0, FALLBACK = 1, ERROR = -1 };
 #define P_SITE_DEPTH_SHIFT 16
 /* sites.MAX_STACK_DEPTH */
 #define MAX_STACK_DEPTH 16
-/* LockTable's hook bit (locks.py HOOK_LOCKS) */
-#define HOOK_LOCKS_BIT 4
 /* Event ops (events.py EventOp). */
 enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7,
        E_GUARD_VIOLATION = 8, E_FINDING = 9, E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13 };
@@ -172,9 +170,10 @@ typedef struct {
     Py_buffer busy_buf;
     int64_t *overdue; /* set where more check answers wait than kept (KVPool._overdue) */
     Py_buffer overdue_buf;
-    int64_t *hooks;    /* KVPool._hooks: probe hooks set on the handle (0: none) */
-    Py_buffer hooks_buf;
-    int mutex_held;    /* this call took the mutex to wait for a pool lock */
+    int mutex_held;    /* this call took the mutex to wait for a pool lock (locks.c hold_mutex) */
+    /* the thread of the operation in flight: the last to take a pool lock or the op mutex (read
+     * while `held` or `mutex_held` says one is: locks.c wait_others) */
+    unsigned long op_thread;
     PyObject *seq_type;     /* allocator.sequence.Sequence */
     PyObject *seq_fields;   /* its dataclass field names, in order (a tuple of 10) */
     Py_ssize_t seq_off[10]; /* their __slots__ offsets in an instance */
@@ -375,6 +374,7 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
                       int64_t *got, int64_t later);
 static int run_ahead(Native *n);
 static int verify_often(Native *n, PyObject *pool);
+static int py_caller_unusable(Native *n);
 static int ungated(Native *n, PyObject *pool);
 static void drop_mutex(Native *n);
 static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found);

@@ -17,21 +17,27 @@ static int unusable(Native *n) {
     return OK;
 }
 
-/* OK when this call may take the C path: no operation of the Python path is half done, no
- * probe the core does not run itself (probes.c), no foreign call-site recorder, no lock hook
- * (each is read at every call: they can come at any time). FALLBACK otherwise, ERROR with an
- * exception set: a closed handle or another process's (unusable). Armed faults and crash
- * points strike the core's operations themselves (faults.c). */
+/* OK when this call may take the C path: the handle is open and this process's (else ERROR
+ * with the PoolError: unusable), no operation of the Python path is half done. Another thread's
+ * operation on the handle in flight (waiting for a lock, or in Python it called) is waited for
+ * first, and the handle looked at again; one of this thread's own (a pool operation called from
+ * Python the core called) is a PoolError. The probes are the handle's probe word, read at every
+ * call (they can come at any time): the core runs every one itself (probes.c), lockdep with the
+ * traced user locks this thread holds (lockdep_ok). FALLBACK otherwise, ERROR with an exception
+ * set. Armed faults and crash points strike the core's operations themselves (faults.c). */
 static int gate(Native *n, PyObject *pool) {
     if (unusable(n)) return ERROR;
-    /* (another thread's operation may be waiting for a lock in the core: leave its state) */
     if (*n->busy) return FALLBACK;
+    if (n->mutex_held || n->held) {
+        int mine;
+        if (wait_others(n, &mine)) return ERROR;
+        if (!mine) return gate(n, pool);
+        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
+                        "a pool operation was called from inside another operation of the same "
+                        "pool handle (Python that operation called)");
+        return ERROR;
+    }
     n->probes = (int)*n->probe_bits;
-    /* Lock hooks: lockdep's own the core runs itself, the traced user locks this thread holds
-     * included (probes.c lockdep_ok). Another lock hook (one a program sets on pool.locks) still
-     * sends the operation to the Python path, which calls it, for as long as that path exists. */
-    if (*n->hooks & ~(int64_t)HOOK_LOCKS_BIT) return FALLBACK;
-    if (*n->hooks && !(n->probes & P_LOCKDEP)) return FALLBACK;
     if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
     else if (!n->lockdep_was_on) {
         /* (re)instrumented: the edges it knows are asked for again */
@@ -182,7 +188,6 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n);
     if (site == SITE_ERROR) return NULL;
-    if (site == SITE_LATER) return fallback(n);
     PyObject *got = core_allocate(n, t->v, t->n, request, site, -1);
     if (got == NULL || got == Py_None) return got;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
@@ -434,7 +439,6 @@ static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n);
     if (site == SITE_ERROR) return NULL;
-    if (site == SITE_LATER) return fallback(n);
     PyObject *f[10];
     for (int i = 0; i < 10; i++) f[i] = NULL;
     int32_t ids_s[CHUNK], *ids = ids_s; /* (on the heap for a table of more) */

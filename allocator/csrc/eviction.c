@@ -314,9 +314,8 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
  * transactions of at most CHUNK blocks, each evicting as many as its journal holds and
  * committing (*done: how many in all). Each takes the free lock and the shards of the blocks
  * a look without the locks chose, or every shard when that look is out of date under them.
- * OK (fewer when fewer are cached), FALLBACK when a transaction could not begin or run (a
- * lock order lockdep has the Python path learn, a journal left open, a record that fails its
- * checks) with *done evicted before it, ERROR with an exception set. */
+ * OK (fewer when fewer are cached), FALLBACK when a transaction could not run (a record that
+ * fails its checks) with *done evicted before it, ERROR with an exception set. */
 static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
     *done = 0;
     int every = 0;
@@ -332,7 +331,8 @@ static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
         } else {
             for (int64_t s = 0; s < n->num_shards; s++) locks |= lock_bit(n->lock_shard0 + (int)s);
         }
-        if (txn_begin(n, locks)) return FALLBACK;
+        int began = txn_begin(n, locks);
+        if (began != OK) return began;
         n->evicting = 0;
         n->jfull = 0;
         int64_t got;
@@ -369,8 +369,8 @@ static int run_ahead(Native *n) {
 }
 
 /* What the gate (entry.c) sets up for a call, without its refusals, for the work only the
- * core does (evict, the slot reserve), which runs whatever the handle's hooks: this call's
- * probes, lockdep's edges known, the magic probe's periodic check. OK, or ERROR. */
+ * core does (evict, the slot reserve): this call's probes, lockdep's edges known, the magic
+ * probe's periodic check. OK, or ERROR. */
 static int ungated(Native *n, PyObject *pool) {
     n->probes = (int)*n->probe_bits;
     if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
@@ -382,11 +382,11 @@ static int ungated(Native *n, PyObject *pool) {
     return (n->probes & P_MAGIC) && verify_often(n, pool) ? ERROR : OK;
 }
 
-/* evict(pool, num_blocks) -> int | None: KVPool.evict, the only implementation (any probe or
- * hook: called with the handle's op mutex held, so no other thread's operation is half done,
- * and run whatever hooks the handle has, which see none of its locks). How many were evicted;
- * None when none could be because a transaction could not begin (KVPool.evict has the
- * runner's transaction on its locks deal with what stopped it, and asks again). */
+/* evict(pool, num_blocks) -> int: KVPool.evict, the only implementation (called with the
+ * handle's op mutex held: another thread's operation on the handle is waited for first). How
+ * many were evicted: its transactions wait for their locks and recover dead holders
+ * (txn_begin); one that cannot run (a record that fails its checks, reported by the probes
+ * that check it) ends it with those evicted before. */
 static PyObject *N_evict(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "evict(pool, num_blocks)");
@@ -394,13 +394,19 @@ static PyObject *N_evict(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     }
     int64_t num = PyLong_AsLongLong(args[1]);
     if (num == -1 && PyErr_Occurred()) return NULL;
-    if (n->seg == NULL) return fallback(n);
-    if (ungated(n, args[0])) return NULL;
+    int mine;
+    if (py_caller_unusable(n) || wait_others(n, &mine)) return NULL;
+    if (mine) {
+        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
+                        "evict was called from inside another operation of the same pool "
+                        "handle (Python that operation called)");
+        return NULL;
+    }
+    if (py_caller_unusable(n) || ungated(n, args[0])) return NULL; /* (closed meanwhile) */
     int64_t done = 0;
     int rc = num > 0 ? evict_to_ring(n, num, &done) : OK;
     drop_mutex(n);
     if (rc == ERROR) return NULL;
-    if (rc == FALLBACK && done == 0) return fallback(n);
     n->native_ops++;
     return PyLong_FromLongLong(done);
 }

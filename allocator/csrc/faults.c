@@ -170,8 +170,7 @@ static int lock_inversion(Native *n, uint64_t mask) {
 /* lockdep's view of an inverted transaction (probes.c lockdep_ok with the order reversed): each
  * pair of traced locks of different classes taken high index first is the order edge
  * class(high) -> class(low), learned into the segment's lock graph (probes.c lg_learn, which
- * reports the lock_order_cycle such an edge closes). OK, or FALLBACK when the findings lock is
- * not to be had now. */
+ * reports the lock_order_cycle such an edge closes). OK, or ERROR with an exception set. */
 static int lg_learn(Native *n, int i, int j);
 static int lockdep_inverted_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
@@ -181,7 +180,7 @@ static int lockdep_inverted_ok(Native *n, uint64_t mask) {
         for (; above; above &= above - 1) {
             int i = __builtin_ctzll(above);
             if (n->known_into[j] & lock_bit(i)) continue;
-            if (lg_learn(n, i, j) != OK) return FALLBACK;
+            if (lg_learn(n, i, j) != OK) return ERROR;
             n->known_into[j] |= lock_bit(i);
         }
     }

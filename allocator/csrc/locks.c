@@ -16,21 +16,64 @@ static inline int mutex_taken(pthread_mutex_t *m, int rc) {
     return rc;
 }
 
-/* Hold the handle's op mutex (without waiting for it) while the core lets go of the GIL: to
- * wait for a lock, or for Python to run inside a transaction (kvdata.c's handback, whose kernel
- * launch may release it): no other thread may start an operation on the mapping meanwhile.
- * OK or FALLBACK. */
+/* hold_mutex's answer when another thread holds the op mutex and this call holds pool locks:
+ * waiting for it there could close a cycle (that thread may be waiting for one of them), so
+ * the caller lets go of its locks and asks again holding none (txn_begin, stop_world). */
+#define MUTEX_LATER 4
+
+/* Hold the handle's op mutex while the core lets go of the GIL: to wait for a lock, or for
+ * Python to run inside a transaction (devchecks.c's kernel launch): no other thread starts an
+ * operation on this handle meanwhile (the gate waits: wait_others). The mutex is the
+ * mapping's: a thread of this process holds it without the core where it runs the core's
+ * other work under it (evict, close, the K/V checks' settle, otel's span of an operation);
+ * holding no pool lock, the core waits for it (the GIL let go: RLock.acquire). OK,
+ * MUTEX_LATER (another thread holds it, and this call holds pool locks), ERROR. */
 static int hold_mutex(Native *n) {
     if (n->mutex_held) return OK;
     PyObject *r = PyObject_CallMethodObjArgs(n->mutex, s_acquire, Py_False, NULL);
-    int ok = r == Py_True;
-    Py_XDECREF(r);
-    if (!ok) {
-        PyErr_Clear();
-        return FALLBACK;
+    if (r == NULL) return ERROR;
+    int got = r == Py_True;
+    Py_DECREF(r);
+    if (!got) {
+        if (n->held) return MUTEX_LATER;
+        if ((r = PyObject_CallMethodNoArgs(n->mutex, s_acquire)) == NULL) return ERROR;
+        Py_DECREF(r);
     }
     n->mutex_held = 1;
-    *n->busy += 1;
+    n->op_thread = PyThread_get_thread_ident();
+    return OK;
+}
+
+/* Another thread's operation on this handle in flight with the GIL let go (waiting for a pool
+ * lock under the op mutex, or inside a transaction, in Python it called): wait for it to end
+ * (for the op mutex, or with the GIL let go a moment at a time). *mine: the operation in flight
+ * is this thread's own (Python it called is calling the pool): nothing is waited for. OK, or
+ * ERROR with an exception set. */
+static int wait_others(Native *n, int *mine) {
+    *mine = 0;
+    while (n->mutex_held || n->held) {
+        if (n->mutex_held) {
+            PyObject *r = PyObject_CallMethod(n->mutex, "_is_owned", NULL);
+            if (r == NULL) return ERROR;
+            *mine = r == Py_True;
+            Py_DECREF(r);
+        } else {
+            *mine = n->op_thread == PyThread_get_thread_ident();
+        }
+        if (*mine) return OK;
+        if (n->mutex_held) {
+            PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
+            if (r == NULL) return ERROR;
+            Py_DECREF(r);
+            if ((r = PyObject_CallMethodNoArgs(n->mutex, s_release)) == NULL) return ERROR;
+            Py_DECREF(r);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+            Py_END_ALLOW_THREADS
+        }
+    }
     return OK;
 }
 
@@ -43,26 +86,42 @@ typedef struct {
     int32_t pid, client;
 } Holder;
 
+static void lock_name(Native *n, int i, char *out, size_t cap);
+
+/* A pthread_mutex_*lock of lock i that failed with rc (not EBUSY): OSError with that errno,
+ * naming the lock. ERROR. */
+static int lock_failed(Native *n, int i, int rc) {
+    char name[32];
+    lock_name(n, i, name, sizeof name);
+    PyObject *args = Py_BuildValue(
+        "(iN)", rc, PyUnicode_FromFormat("pool lock '%s' could not be taken: %s", name, strerror(rc)));
+    if (args != NULL) PyErr_SetObject(PyExc_OSError, args);
+    Py_XDECREF(args);
+    return ERROR;
+}
+
 /* Take lock i as LockTable.acquire does; HOLDER_DEAD (not taken) when its record names a dead
  * holder and `dead` is NULL, else the holder is written to *dead and forgotten (the caller
- * stops the world to recover: recovery.c); FALLBACK when the wait fails. The core takes locks
- * in the documented order only, so its waits cannot close a cycle; it publishes them
- * (waits.py) for a Python-path waiter that takes locks out of order to see one. */
+ * stops the world to recover: recovery.c); MUTEX_LATER (not taken) when it must wait and
+ * another thread holds the op mutex while this call holds other locks (hold_mutex); ERROR
+ * (OSError) when the wait fails. The core takes locks in the documented order only, so its
+ * waits cannot close a cycle; it publishes them (waits.py) for a Python-path waiter that
+ * takes locks out of order to see one. */
 static int lock_take_as(Native *n, int i, Holder *dead) {
     uint64_t t0 = mono_ns();
     int contended = 0;
     pthread_mutex_t *m = lock_mutex(n, i);
     int rc = mutex_taken(m, pthread_mutex_trylock(m));
     if (rc != 0) {
-        if (rc != EBUSY) return FALLBACK;
+        if (rc != EBUSY) return lock_failed(n, i, rc);
         contended = 1;
         /* Waiting releases the GIL: hold the op mutex meanwhile, so that no other thread of
-         * this process starts an operation on the mapping. */
-        if (hold_mutex(n) != OK) return FALLBACK;
+         * this process starts an operation on the handle. */
+        if ((rc = hold_mutex(n)) != OK) return rc;
         U8(n->seg + n->c_wait) = (uint64_t)(i + 1) | ((uint64_t)(i + 1) << 32);
         Py_BEGIN_ALLOW_THREADS rc = mutex_taken(m, pthread_mutex_lock(m));
         Py_END_ALLOW_THREADS U8(n->seg + n->c_wait) = 0;
-        if (rc != 0) return FALLBACK;
+        if (rc != 0) return lock_failed(n, i, rc);
     }
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
     /* A live holder clears the record before it unlocks, and the kernel unlocks at exit: a
@@ -93,6 +152,7 @@ static int lock_take_as(Native *n, int i, Holder *dead) {
         U8(r + LF_WAIT) += t1 - t0;
     }
     n->held |= lock_bit(i);
+    n->op_thread = PyThread_get_thread_ident();
     return OK;
 }
 
@@ -100,8 +160,8 @@ static inline int lock_take(Native *n, int i) { return lock_take_as(n, i, NULL);
 
 static int recover_holders(Native *n, PyObject *recovered);
 
-/* Take lock i while holding no other: a dead holder is recovered and the take retried. OK,
- * FALLBACK, ERROR with an exception set. */
+/* Take lock i while holding no other (waiting for it, and for the op mutex): a dead holder is
+ * recovered and the take retried. OK, or ERROR with an exception set. */
 static int lock_take_alone(Native *n, int i) {
     int rc;
     while ((rc = lock_take(n, i)) == HOLDER_DEAD)
@@ -136,8 +196,17 @@ static inline void client_seq_bump(Native *n) {
     if (n->maybe_valid && n->seen_seq[n->client] == old) n->seen_seq[n->client] = old + 1;
 }
 
+static int recover_own_journal(Native *n);
+
 /* Begin: seq odd, then every lock of `mask` in ascending order (in descending order at the
- * lock-inversion fault's opportunity, announced once they are taken). */
+ * lock-inversion fault's opportunity, announced once they are taken). Lockdep's edges are
+ * learned first (probes.c lockdep_ok: the findings lock waited for, a dead holder of it
+ * recovered), and a journal this client left open is rolled back (recovery.c
+ * recover_own_journal); a lock whose record names a dead holder is recovered (every lock, in
+ * order) and the locks taken again; a wait for which another thread holds the op mutex lets
+ * go of what is taken, waits for the mutex, and takes them again. OK, FALLBACK (only a
+ * Python-path operation in progress on this handle's journal: it goes with the Python path),
+ * ERROR with an exception set (a failed wait: OSError). */
 static int txn_begin(Native *n, uint64_t mask) {
     n->n_pre = 0;
     n->exhausted_need = 0;
@@ -145,45 +214,43 @@ static int txn_begin(Native *n, uint64_t mask) {
     n->pend_hold = 0;
     if (n->n_pend) findings_flush(n);
     int invert = faults_armed(n) && lock_inversion(n, mask);
-    if (n->probes & P_LOCKDEP) {
-        int rc = invert ? lockdep_inverted_ok(n, mask) : lockdep_ok(n, mask);
-        if (rc != OK) {
-            /* An edge lockdep could not learn now: the Python path takes the locks (an error
-             * there too: it raises it) */
-            PyErr_Clear();
-            n->dry_valid = 0;
-            return FALLBACK;
-        }
+    int rc = OK;
+    if (n->probes & P_LOCKDEP) rc = invert ? lockdep_inverted_ok(n, mask) : lockdep_ok(n, mask);
+    /* The K/V checks of a pool whose data this process does not map are queued under the op
+     * mutex (devchecks.c dev_check, inside the transaction): it is taken first, holding no
+     * pool lock. */
+    if (rc == OK && n->dev != NULL) rc = hold_mutex(n);
+    if (rc == OK && (U4(n->seg + n->c_jcount) || U4(n->seg + n->c_jused))) {
+        /* A Python-path operation of this process has the journal open (busy): its own. */
+        if (*n->busy) rc = FALLBACK;
+        else
+            rc = recover_own_journal(n);
+    }
+    if (rc != OK) {
+        n->dry_valid = 0;
+        return rc;
     }
     client_seq_bump(n);
     if (++n->txn_stamp == 0) n->txn_stamp = 1; /* records the magic probe checked: none */
-    n->jcount = U4(n->seg + n->c_jcount);
-    n->jused = U4(n->seg + n->c_jused);
-    if (n->jcount || n->jused) {
-        /* Never on top of an open journal (Python left one: let it deal with it). */
-        client_seq_bump(n);
-        n->dry_valid = 0;
-        return FALLBACK;
-    }
+    n->jcount = n->jused = 0;
     for (int k = 0; k < n->num_locks; k++) {
         int i = invert ? n->num_locks - 1 - k : k;
         if (!(mask & lock_bit(i))) continue;
-        int rc = lock_take(n, i);
+        rc = lock_take(n, i);
         if (rc == OK) continue;
         release_all(n);
         client_seq_bump(n);
-        /* A lock a dead process held: recover (every lock, in order), then begin again. */
-        if (rc == HOLDER_DEAD) {
-            if (recover_holders(n, NULL) == OK) {
-                client_seq_bump(n);
-                k = -1;
-                continue;
-            }
-            /* (the Python path meets the holder again and raises what stopped it) */
-            PyErr_Clear();
+        /* A lock a dead process held: recover (every lock, in order); the op mutex another
+         * thread holds: wait for it, holding none. Then begin again. */
+        if (rc == HOLDER_DEAD) rc = recover_holders(n, NULL);
+        else if (rc == MUTEX_LATER)
+            rc = hold_mutex(n);
+        if (rc != OK) {
+            n->dry_valid = 0;
+            return ERROR;
         }
-        n->dry_valid = 0;
-        return FALLBACK;
+        client_seq_bump(n);
+        k = -1;
     }
     if (invert) fault_fired(n, FT_LOCK_INVERSION);
     if (mask) crash_point(n, CP_AFTER_LOCKS);

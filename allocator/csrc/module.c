@@ -136,10 +136,9 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     Py_XSETREF(n->ended_twice, PySet_New(NULL));
     if (n->seqs == NULL || n->guarded == NULL || n->ended_twice == NULL) return -1;
     if (faults_init(n, d)) return -1;
-    PyObject *busy = PyDict_GetItemString(d, "busy"), *hooks = PyDict_GetItemString(d, "hooks");
-    PyObject *coefs = PyDict_GetItemString(d, "coefs");
-    if (!busy || !hooks || !coefs || !PyList_Check(coefs)) {
-        PyErr_SetString(PyExc_KeyError, "native core needs busy, hooks and coefs (a list)");
+    PyObject *busy = PyDict_GetItemString(d, "busy"), *coefs = PyDict_GetItemString(d, "coefs");
+    if (!busy || !coefs || !PyList_Check(coefs)) {
+        PyErr_SetString(PyExc_KeyError, "native core needs busy and coefs (a list)");
         return -1;
     }
     if (word_of(busy, &n->busy_buf, &n->busy)) return -1;
@@ -149,7 +148,6 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (word_of(overdue, &n->overdue_buf, &n->overdue)) return -1;
-    if (word_of(hooks, &n->hooks_buf, &n->hooks)) return -1;
     PyObject *pbits = PyDict_GetItemString(d, "probe_bits");
     if (!pbits || !PyTuple_Check(n->kv_dirs)) {
         PyErr_SetString(PyExc_KeyError, "native core needs probe_bits and kvscope_dirs (a tuple)");
@@ -207,7 +205,6 @@ static void N_dealloc(Native *n) {
     if (n->seg) PyBuffer_Release(&n->buf);
     if (n->busy) PyBuffer_Release(&n->busy_buf);
     if (n->overdue) PyBuffer_Release(&n->overdue_buf);
-    if (n->hooks) PyBuffer_Release(&n->hooks_buf);
     if (n->crash) PyBuffer_Release(&n->crash_buf);
     if (n->probe_bits) PyBuffer_Release(&n->probe_bits_buf);
     site_cache_clear(n);

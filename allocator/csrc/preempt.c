@@ -382,10 +382,6 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (request_of(rid, request)) goto out;
     int32_t site = site_now(n);
     if (site == SITE_ERROR) goto out;
-    if (site == SITE_LATER) {
-        result = fallback(n);
-        goto out;
-    }
     got = core_allocate(n, toks, ntok, request, site, old);
     if (got == NULL || got == Py_None) {
         result = Py_XNewRef(got);

@@ -113,20 +113,23 @@ static int64_t site_find_or_add(Native *n, const char *raw, size_t len) {
     return id;
 }
 
-enum { SITE_ERROR = -2, SITE_LATER = -3 };
+enum { SITE_ERROR = -2 };
 static int leaf_take(Native *n, int i, int *mh);
 static void leaf_drop(Native *n, int i, int taken, int mh);
 
-/* site_find_or_add for the core, before its operation takes the op mutex: SITE_LATER when the
- * sites lock is not to be had now (leaf_take: the operation goes to the Python path, whose
- * SiteTable takes it in a transaction of the runner), SITE_ERROR with an exception set. */
+/* site_find_or_add for the core, before its operation takes any pool lock: the sites lock is
+ * waited for, and a dead holder of it recovered (leaf_take), rather than the site left out: a
+ * block's site is what its findings (a leak, a use after free) name, for as long as it is
+ * held, and the wait cannot close a cycle (this call holds no other lock; the lock is a leaf,
+ * under which nothing else is taken). Inside a transaction (where site_now never runs) a lock
+ * not to be had then gives no site (-1). SITE_ERROR with an exception set. */
 static int64_t site_intern(Native *n, PyObject *text) {
     Py_ssize_t len;
     const char *raw = PyUnicode_AsUTF8AndSize(text, &len);
     if (raw == NULL) return SITE_ERROR;
     int mh, taken = leaf_take(n, n->lock_sites, &mh);
     if (taken == ERROR) return SITE_ERROR;
-    if (taken == FALLBACK) return SITE_LATER;
+    if (taken == FALLBACK) return -1;
     int64_t id = site_find_or_add(n, raw, (size_t)len);
     leaf_drop(n, n->lock_sites, taken, mh);
     return id;
@@ -259,10 +262,10 @@ static int64_t stack_site(Native *n, PyFrameObject *f, int depth) {
 /* The site id of the operation being run: from the first frame outside kvscope's folders, its
  * text composed and interned by the core (sites.py's text: SiteTable.site at depth 1, _stack at
  * KVSCOPE_STACK_DEPTH > 1, the depth in the probe word), each frame's id cached by its code
- * object and instruction. -1 when sites are off (or every frame is kvscope's); SITE_ERROR (-2)
- * with an exception set; SITE_LATER (-3) when the sites lock is not to be had now (the caller
- * hands the operation to the Python path). A call-site recorder other than the probe's keeps
- * the handle on Python (HOOK_SITE: the gate), so this is the probe's site table's alone. */
+ * object and instruction, into the probe's site table (the only one: sites.py interns through
+ * N_intern_site). -1 when sites are off (or every frame is kvscope's); SITE_ERROR (-2) with an
+ * exception set. Called before the operation takes its locks (site_intern waits for the sites
+ * lock). */
 static int32_t site_now(Native *n) {
     if (!(n->probes & (P_SITES | P_SITES_EACH))) return -1;
     int err;
@@ -297,10 +300,10 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
 /* Lock i, a leaf of the lock order (sites, findings), for one write: OK when taken here
  * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of the core,
  * or a Python caller under it: lockdep's graph, a Python-path transaction: its record names
- * this process and thread), FALLBACK when it is not to be had now (its record names a dead
- * holder while the core holds other locks, or a wait the core may not make), ERROR with an
- * exception set. A dead holder met while holding no other lock is recovered first
- * (recovery.c). *mh: whether the op mutex was held before. */
+ * this process and thread), ERROR with an exception set. Holding no other lock, the core waits
+ * for it (and for the op mutex) and recovers a dead holder first (recovery.c); inside a
+ * transaction, FALLBACK when it is not to be had then (its record names a dead holder, or
+ * another thread holds the op mutex: hold_mutex). *mh: whether the op mutex was held before. */
 enum { HELD = 2 };
 static int leaf_held(Native *n, int i) {
     if (holds(n, i)) return 1;
@@ -317,14 +320,22 @@ static int leaf_take(Native *n, int i, int *mh) {
     return rc == OK || rc == ERROR ? rc : FALLBACK;
 }
 
-/* leaf_take for a Python caller (N_report, N_intern_site), which may come while an operation of
- * the core is inside a transaction or waiting for a lock, on another thread (the op mutex is
- * held then: the lock bookkeeping it shares is that operation's): FALLBACK then, and the
- * caller waits for the op mutex in a transaction of the runner and asks again. */
-static int leaf_take_py(Native *n, int i, int *mh) {
-    *mh = n->mutex_held;
-    if (leaf_held(n, i)) return HELD;
-    return n->mutex_held ? FALLBACK : leaf_take(n, i, mh);
+/* leaf_take for a Python caller (N_report, N_intern_site): another thread's operation on the
+ * handle in flight (its lock bookkeeping is the handle's) is waited for first (wait_others);
+ * one of this thread's own (Python it called, reporting) keeps its locks, and a leaf not to be
+ * had under them then is a PoolError naming `what`. OK, HELD, ERROR. */
+static int leaf_take_py(Native *n, int i, int *mh, const char *what) {
+    int mine;
+    if (wait_others(n, &mine)) return ERROR;
+    if (py_caller_unusable(n)) return ERROR; /* (closed meanwhile) */
+    int taken = leaf_take(n, i, mh);
+    if (taken == FALLBACK)
+        PyErr_Format(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
+                     "%s: its lock is held by a dead process, or waited for by another thread, "
+                     "while this thread is inside a transaction of the pool (a callback of its "
+                     "operation)",
+                     what);
+    return taken == FALLBACK ? ERROR : taken;
 }
 
 static void leaf_drop(Native *n, int i, int taken, int mh) {
@@ -415,13 +426,11 @@ static const char *utf8_arg(PyObject *o, Py_ssize_t *len) {
     return PyUnicode_AsUTF8AndSize(o, len);
 }
 
-/* report(kind, severity, block, owner_pid, site, request, message) -> int | None: KVPool.report's
+/* report(kind, severity, block, owner_pid, site, request, message) -> int: KVPool.report's
  * write: a finding someone else composed (severity 1 error, 2 warning; block -1, owner_pid 0,
  * site -1: none) appended to the findings ring as it is, with no event and not counted among
  * the handle's reported ones; the request and message cut to their fields' bytes. Its ring
- * position, or None when the findings lock is not to be had now (leaf_take_py: KVPool.report
- * then takes it in a transaction of the runner, which recovers a dead holder, and asks again
- * under it). */
+ * position. The findings lock is waited for, a dead holder of it recovered (leaf_take_py). */
 static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
@@ -440,27 +449,24 @@ static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Seen s = {.block = (int32_t)block, .owner_pid = (int32_t)owner, .site = (int32_t)site};
     memset(s.request, 0, REQUEST_BYTES);
     memcpy(s.request, req, (size_t)rl < REQUEST_BYTES ? (size_t)rl : REQUEST_BYTES);
-    int mh, taken = leaf_take_py(n, n->lock_findings, &mh);
+    int mh, taken = leaf_take_py(n, n->lock_findings, &mh, "report");
     if (taken == ERROR) return NULL;
-    if (taken == FALLBACK) Py_RETURN_NONE;
     uint64_t head = ring_put(n, name, (uint8_t)sev, &s, text, (size_t)ml);
     leaf_drop(n, n->lock_findings, taken, mh);
     return PyLong_FromUnsignedLongLong(head);
 }
 
-/* intern_site(text) -> int | None: sites.py SiteTable's write: the id of the site table's entry
+/* intern_site(text) -> int: sites.py SiteTable's write: the id of the site table's entry
  * holding `text` (bytes, cut to the field's), appended when there is none (the entry first,
- * then the count: a death in between leaves an unused entry); -1 when the table is full; None
- * when the sites lock is not to be had now (leaf_take_py: sites.py then takes it in a
- * transaction of the runner and asks again under it). */
+ * then the count: a death in between leaves an unused entry); -1 when the table is full. The
+ * sites lock is waited for, a dead holder of it recovered (leaf_take_py). */
 static PyObject *N_intern_site(Native *n, PyObject *arg) {
     char *raw;
     Py_ssize_t len;
     if (PyBytes_AsStringAndSize(arg, &raw, &len) < 0) return NULL;
     if (py_caller_unusable(n)) return NULL;
-    int mh, taken = leaf_take_py(n, n->lock_sites, &mh);
+    int mh, taken = leaf_take_py(n, n->lock_sites, &mh, "intern_site");
     if (taken == ERROR) return NULL;
-    if (taken == FALLBACK) Py_RETURN_NONE;
     int64_t id = site_find_or_add(n, raw, (size_t)len);
     leaf_drop(n, n->lock_sites, taken, mh);
     return PyLong_FromLongLong(id);
@@ -587,10 +593,16 @@ static int record_sealed(Native *n, int64_t b) {
 
 /* probing.conservation, counted here under the free lock: the ring holds exactly the free
  * (and quarantined) blocks, this client's local cache exactly its LOCAL blocks; a
- * free_list_corrupt finding (the first difference) when not. Nothing when the lock is not to
- * be had now (the next check counts). OK, or ERROR with an exception set. */
+ * free_list_corrupt finding (the first difference) when not. Nothing while a Python-path
+ * operation has the journal open (the next check counts). Run by the gate, before the call's
+ * operation: the op mutex a wait took is let go again. OK, or ERROR with an exception set. */
 static int conservation(Native *n) {
-    if (txn_begin(n, lock_bit(n->lock_free)) != OK) return OK;
+    int mh = n->mutex_held;
+    int rc = txn_begin(n, lock_bit(n->lock_free));
+    if (rc != OK) {
+        if (!mh) drop_mutex(n);
+        return rc == ERROR ? ERROR : OK;
+    }
     int64_t free_ = 0, mine = 0;
     for (int64_t b = 0; b < n->nb; b++) {
         uint8_t *r = blk(n, b);
@@ -599,6 +611,7 @@ static int conservation(Native *n) {
     }
     int64_t ring = (int64_t)U4(ringh(n) + RING_COUNT), local = (int64_t)local_count(n);
     txn_commit(n);
+    if (!mh) drop_mutex(n);
     PyObject *msg = NULL;
     if (free_ != ring)
         msg = PyUnicode_FromFormat("%lld blocks are free but the free ring holds %lld: blocks "
@@ -611,7 +624,7 @@ static int conservation(Native *n) {
     else
         return OK;
     Seen none = {.block = -1, .site = -1};
-    int rc = msg ? finding_report(n, FK_FREE_LIST_CORRUPT, &none, msg) : ERROR;
+    rc = msg ? finding_report(n, FK_FREE_LIST_CORRUPT, &none, msg) : ERROR;
     Py_XDECREF(msg);
     return rc;
 }
@@ -1186,13 +1199,10 @@ static void caller_text(Native *n, char *out, size_t cap) {
  * leaves an unused record; a full graph takes no more), and when the graph already holds a
  * chain dst -> ... -> src, report the lock_order_cycle it closes (lg_cycle) and go on, as
  * lockdep does before the thread waits. OK when the graph has the edge now (or is full),
- * FALLBACK when the findings lock is not to be had, ERROR with an exception set. */
+ * ERROR with an exception set. */
 static int lg_learn_classes(Native *n, const char *src, const char *dst) {
-    int took = n->held ? lock_take(n, n->lock_findings) : lock_take_alone(n, n->lock_findings);
-    if (took != OK) {
-        PyErr_Clear();
-        return FALLBACK;
-    }
+    /* (before the transaction takes its locks: this one waited for, a dead holder recovered) */
+    if (lock_take_alone(n, n->lock_findings) != OK) return ERROR;
     int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
     if (used > n->lg_cap) used = n->lg_cap;
     for (int64_t e = 0; e < used; e++) {
@@ -1264,10 +1274,10 @@ static void user_held_pop(const char cls[16], int64_t graph) {
 }
 
 /* The edges held user class -> class(j) of a lock this handle's transaction is about to take,
- * as LockDep.before makes them for the Python path: from each user lock whose graph is this
+ * as LockDep.before makes them between traced locks: from each user lock whose graph is this
  * pool's or the process's own (a lock recording into another pool's graph is not ordered
  * against this pool's locks), each learned once per handle (n->uk_*: a full table asks the
- * segment each time). OK, or FALLBACK when the findings lock is not to be had. */
+ * segment each time). OK, or ERROR with an exception set. */
 static int lockdep_user_into(Native *n, int j) {
     for (int k = 0; k < user_kept; k++) {
         const UserHeld *u = &user_held[k];
@@ -1275,7 +1285,7 @@ static int lockdep_user_into(Native *n, int j) {
         int at = 0;
         while (at < n->uk_used && memcmp(n->uk_cls[at], u->cls, 16) != 0) at++;
         if (at < n->uk_used && (n->uk_into[at] & lock_bit(j))) continue;
-        if (lg_learn_classes(n, u->cls, n->lock_cls[j]) != OK) return FALLBACK;
+        if (lg_learn_classes(n, u->cls, n->lock_cls[j]) != OK) return ERROR;
         if (at == n->uk_used) {
             if (at == USER_KNOWN_MAX) continue;
             memcpy(n->uk_cls[at], u->cls, 16);
@@ -1290,27 +1300,28 @@ static int lockdep_user_into(Native *n, int j) {
 /* A transaction takes the locks of `mask` in ascending order: each pair (i < j) of traced
  * locks of different classes is an order edge class(i) -> class(j), and each traced user lock
  * this thread holds an edge into class(j) (lockdep_user_into), made for each j in turn, the
- * user locks' first, as the Python path's hooks make them. OK when the segment's graph holds
- * every one (a bit matrix here of those seen; lg_learn for the others), FALLBACK when the
- * findings lock is not to be had.
+ * user locks' first. OK when the segment's graph holds every one (a bit matrix here of those
+ * seen; lg_learn for the others: the findings lock waited for, a dead holder of it recovered),
+ * ERROR with an exception set.
  *
  * The core's pool-lock edges alone never form a cycle: they run from a lower lock index to a
  * higher one, and the traced pool classes follow the lock index (seqs, index shards, free;
  * sites and findings are not traced), so a cycle needs an edge back from a later class to an
- * earlier one, or through a user lock. A Python-side acquisition (a pool lock taken under a
- * user lock, `pool.locks.acquire` out of the order) finds the core's edges in the segment
- * (lockdep.py reads them) and reports the cycle it closes; an edge of the core's that closes
- * one (a user lock held across an operation, an edge of the lock-inversion fault) the core
- * reports itself (lg_learn_classes), before it waits for the lock. */
+ * earlier one (the lock-inversion fault's: faults.c lockdep_inverted_ok), or through a user
+ * lock. A traced user lock taken while the thread holds pool locks (in Python an operation
+ * called; lockdep.py reads them from their records) finds the core's edges in the segment and
+ * reports the cycle its edge closes; an edge of the core's that closes one (a user lock held
+ * across an operation, an edge of the lock-inversion fault) the core reports itself
+ * (lg_learn_classes), before it waits for the lock. */
 static int lockdep_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
     for (uint64_t m = mask; m; m &= m - 1) {
         int j = __builtin_ctzll(m);
-        if (user_kept && lockdep_user_into(n, j) != OK) return FALLBACK;
+        if (user_kept && lockdep_user_into(n, j) != OK) return ERROR;
         uint64_t need = mask & (lock_bit(j) - 1) & ~n->same_class[j] & ~n->known_into[j];
         for (; need; need &= need - 1) {
             int i = __builtin_ctzll(need);
-            if (lg_learn(n, i, j) != OK) return FALLBACK;
+            if (lg_learn(n, i, j) != OK) return ERROR;
             n->known_into[j] |= lock_bit(i);
         }
     }

@@ -136,15 +136,17 @@ static int64_t journal_rollback(Native *n, int64_t c, PyObject **why) {
 /* -- dead lock holders -------------------------------------------------------------------------- */
 
 /* Every lock, in order (the world stopped): a dead holder met is forgotten and written to
- * dead[i] (pid 0: none). OK, or the failed take's answer with nothing held. */
+ * dead[i] (pid 0: none). A wait for which another thread holds the op mutex lets go of what is
+ * taken, waits for the mutex and takes them again (the dead holders met kept). OK, or ERROR
+ * with an exception set and nothing held. */
 static int stop_world(Native *n, Holder *dead) {
     for (int i = 0; i < n->num_locks; i++) dead[i].pid = 0;
     for (int i = 0; i < n->num_locks; i++) {
         int rc = lock_take_as(n, i, &dead[i]);
-        if (rc != OK) {
-            release_all(n);
-            return rc;
-        }
+        if (rc == OK) continue;
+        release_all(n);
+        if (rc != MUTEX_LATER || hold_mutex(n) != OK) return ERROR;
+        i = -1;
     }
     return OK;
 }
@@ -217,14 +219,34 @@ static int recover_stopped(Native *n, const Holder *dead, PyObject *recovered) {
     return rc;
 }
 
-/* Recover the locks dead processes held: stop the world, recover_stopped, let go. OK,
- * FALLBACK (a lock could not be taken now), ERROR with an exception set. */
+/* Recover the locks dead processes held: stop the world, recover_stopped, let go. OK, or
+ * ERROR with an exception set. */
 static int recover_holders(Native *n, PyObject *recovered) {
     Holder dead[MAX_LOCKS];
     int rc = stop_world(n, dead);
     if (rc != OK) return rc;
     rc = recover_stopped(n, dead, recovered);
     release_all(n);
+    return rc;
+}
+
+/* A journal this client left open, met by txn_begin: an operation that never finished (the
+ * core rolls back every transaction it does not commit; bytes a crash left in the record) is
+ * rolled back with the world stopped, newest first, or, where journal_problem rejects it,
+ * cleared with its writes standing (a check reports what they left); the dead holders met on
+ * the way are recovered as recover_holders does. OK, or ERROR with an exception set. */
+static int recover_own_journal(Native *n) {
+    Holder dead[MAX_LOCKS];
+    client_seq_bump(n);
+    int rc = stop_world(n, dead);
+    if (rc == OK) {
+        rc = recover_stopped(n, dead, NULL);
+        PyObject *why = NULL;
+        if (rc == OK && journal_rollback(n, n->client, &why) < 0) rc = ERROR;
+        Py_XDECREF(why);
+        release_all(n);
+    }
+    client_seq_bump(n);
     return rc;
 }
 
@@ -238,7 +260,7 @@ typedef int (*StepFn)(Native *n, const DeadRec *d, void *arg);
 
 /* One step of a reclaim: fn in a transaction of its own under every lock (a dead holder met
  * on the way is recovered first), once the record still holds the dead process `d`. OK,
- * GONE, FALLBACK (a lock not to be had, a step outgrowing the journal), ERROR. */
+ * GONE, FALLBACK (a step outgrowing the journal), ERROR. */
 static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, void *arg) {
     Holder dead[MAX_LOCKS];
     client_seq_bump(n);
@@ -457,8 +479,7 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
         if (rc == GONE) Py_RETURN_NONE;
         if (rc == FALLBACK && !PyErr_Occurred())
             PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
-                            "reclaim: a pool lock could not be taken, or a step outgrew the "
-                            "undo journal");
+                            "reclaim: a step outgrew the undo journal");
         return NULL;
     }
     return Py_BuildValue("{sLsLsLsN}", "sequences", (long long)seqs, "blocks", (long long)blocks,
@@ -488,8 +509,8 @@ static PyObject *recovery_leave(Native *n, PyObject *result) {
 static int lock_answer(int rc) {
     if (rc == FALLBACK && !PyErr_Occurred())
         PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
-                        "recovery: a pool lock could not be taken, or a step outgrew the undo "
-                        "journal");
+                        "recovery: a step outgrew the undo journal, or a Python-path operation "
+                        "has this client's journal open");
     return rc;
 }
 

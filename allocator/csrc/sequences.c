@@ -87,16 +87,15 @@ static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_
     return OK;
 }
 
-/* OK when no Python-path operation of another thread is half done on this mapping. */
+/* OK when no Python-path operation is half done on this mapping. */
 static int take_mutex(Native *n) { return *n->busy ? FALLBACK : OK; }
 
-/* End of a call: give back the op mutex if waiting for a lock (or a handback) made it take
+/* End of a call: give back the op mutex if waiting for a lock (or the K/V checks) made it take
  * it. An exception already raised (a handback's) is kept across the call to release(): a call
  * made with one pending fails, and clearing that failure would lose it. */
 static void drop_mutex(Native *n) {
     if (!n->mutex_held) return;
     n->mutex_held = 0;
-    *n->busy -= 1;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_release);
@@ -107,7 +106,10 @@ static void drop_mutex(Native *n) {
     PyErr_Restore(type, value, tb);
 }
 
+/* The call hands its operation to the Python path: None, nothing changed. Where what stopped
+ * it raised (txn_begin's ERROR: a failed wait, an error while recovering), that error instead. */
 static PyObject *fallback(Native *n) {
+    if (PyErr_Occurred()) return NULL;
     n->fallbacks++;
     Py_RETURN_NONE;
 }
@@ -178,11 +180,14 @@ static int reserve_trim(Native *n) {
 }
 
 /* reserve_ready(pool, claiming) -> bool: the reserve refilled (claiming) or trimmed (not) when
- * due, in a transaction of its own under the seqs lock and the handle's op mutex (waited for:
- * another thread's operation first), whatever hooks the handle has. False when a transaction
- * was due and could not begin or run (KVPool._recover_locks: the runner's transaction on the
- * seqs lock deals with what stopped it). PoolError on a closed handle or another process's
- * (entry.c unusable): the operation it comes before is refused. */
+ * due, in a transaction of its own under the seqs lock (waited for, a dead holder recovered:
+ * txn_begin) and the handle's op mutex (waited for: another thread's operation first). False,
+ * with nothing done, where this thread is inside an operation of the handle already (a
+ * Python-path one, or Python the core called: its locks and journal are that operation's) or
+ * the refill would outgrow the journal: the claim then takes the table's own way, under the
+ * seqs lock.
+ * PoolError on a closed handle or another process's (entry.c unusable): the operation it
+ * comes before is refused. */
 static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "reserve_ready(pool, claiming)");
@@ -196,7 +201,13 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
     if (r == NULL) return NULL;
     Py_DECREF(r);
-    if (n->mutex_held || *n->busy) {
+    int mine = 0;
+    if (!n->mutex_held && !*n->busy && wait_others(n, &mine)) {
+        r = PyObject_CallMethodNoArgs(n->mutex, s_release);
+        Py_XDECREF(r);
+        return NULL;
+    }
+    if (n->mutex_held || *n->busy || mine) {
         /* this thread's already, inside an operation (whose locks it may hold): not now */
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
         if (r == NULL) return NULL;
@@ -204,7 +215,7 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
         Py_RETURN_FALSE;
     }
     n->mutex_held = 1;
-    *n->busy += 1;
+    n->op_thread = PyThread_get_thread_ident();
     int rc = OK;
     int32_t got[2 * CHUNK];
     int64_t ngot = 0;
