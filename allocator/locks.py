@@ -30,8 +30,6 @@ assert _F["max_hold_ns"][1] == _HOLD + 8
 _U8 = struct.Struct("<Q")
 _I4 = struct.Struct("<i")
 _U8X2 = struct.Struct("<QQ")
-# holder_pid and holder_tid of a lock record (from holder_pid)
-_PID_TID = struct.Struct("<i12xQ")
 # A lock taken out of order is waited for in slices (growing to the max), looking for a wait
 # cycle between slices.
 WAIT_SLICE_S, WAIT_SLICE_MAX_S = 0.001, 0.05
@@ -101,12 +99,6 @@ class LockTable:
     def index(self, name: str) -> int:
         """Index of a lock by name."""
         return self.names.index(name)
-
-    def held_by(self, tid: int) -> set[int]:
-        """The locks whose records name this process's thread `tid` as their holder (whoever
-        took them: the C core or `acquire`)."""
-        mv, at, size, me = self.mv, self.base + _HOLDER, LOCK_DTYPE.itemsize, (self.pid, tid)
-        return {i for i in range(len(self.names)) if _PID_TID.unpack_from(mv, at + i * size) == me}
 
     def acquire(self, i: int) -> None:
         """Take lock i; raise DeadHolder (lock released again) if a dead process left it held

@@ -163,9 +163,9 @@ class SegmentGraph:
     def held_classes(self) -> list[str]:
         """The classes of the traced pool locks this thread holds now, whoever took them (the
         C core, inside an operation that called Python; `pool.locks`): their records name this
-        process and thread."""
-        held = self.table.held_by(threading.get_native_id())
-        return [c for i, c in self.traced if i in held]
+        process and thread (the core reads them: `held_here`)."""
+        held = self.pool._core.held_here()
+        return [c for i, c in self.traced if held >> i & 1] if held else []
 
     def edges(self) -> list[Edge]:
         """Every edge in the segment, oldest first."""

@@ -53,7 +53,7 @@ static const char *DK_NAME[6] = {"stamp", "verify", "poison", "canary", "fill", 
 
 #define DEV_ENTRIES 8192 /* checks waiting at most (then the oldest are taken first) */
 /* Digests answered whose records the core could not write yet (a Python-path operation half
- * done, a lock hook other than lockdep's): kept for the next settle, at most this many (then
+ * done): kept for the next settle, at most this many (then
  * the oldest are dropped, and their blocks go unverified). */
 #define STAMPS_KEPT 65536
 #define DEV_PARAMS 16

@@ -292,8 +292,8 @@ static PyMethodDef N_methods[] = {
     {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
      "first_report(kind, block) -> bool | None: a finding the core reports, once per block"},
     {"report", (PyCFunction)(void (*)(void))N_report, METH_FASTCALL,
-     "report(kind, severity, block, owner_pid, site, request, message) -> int | None: a finding "
-     "written into the segment's findings ring (its position; None: the lock not to be had)"},
+     "report(kind, severity, block, owner_pid, site, request, message) -> int: a finding "
+     "written into the segment's findings ring (its position)"},
     {"live", (PyCFunction)N_live, METH_NOARGS,
      "live() -> {slot: Sequence}: the handle's live sequences (a copy)"},
     {"track", (PyCFunction)(void (*)(void))N_track, METH_FASTCALL,
@@ -305,8 +305,10 @@ static PyMethodDef N_methods[] = {
     {"guarded", (PyCFunction)N_guarded, METH_O,
      "guarded(slot) -> bool: whether sampled guard mode guards that slot's release"},
     {"intern_site", (PyCFunction)N_intern_site, METH_O,
-     "intern_site(text: bytes) -> int | None: the site table's id of a text, added when new "
-     "(-1: the table is full; None: the lock not to be had)"},
+     "intern_site(text: bytes) -> int: the site table's id of a text, added when new "
+     "(-1: the table is full)"},
+    {"held_here", (PyCFunction)N_held_here, METH_NOARGS,
+     "held_here() -> int: the pool locks this thread holds (bit i: lock i), by their records"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
     {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
@@ -343,7 +345,7 @@ static PyMethodDef N_methods[] = {
     {"mark_repaired", (PyCFunction)(void (*)(void))N_mark_repaired, METH_FASTCALL,
      "mark_repaired(pids, kinds) -> [ring position]: findings a repair answered"},
     {"evict", (PyCFunction)(void (*)(void))N_evict, METH_FASTCALL,
-     "evict(pool, num_blocks) -> int | None: LRU cached blocks to the free ring"},
+     "evict(pool, num_blocks) -> int: LRU cached blocks to the free ring"},
     {"reserve_ready", (PyCFunction)(void (*)(void))N_reserve_ready, METH_FASTCALL,
      "reserve_ready(pool, claiming) -> bool: the slot reserve refilled or trimmed when due"},
     {"reserve_claim", (PyCFunction)N_reserve_claim, METH_NOARGS,

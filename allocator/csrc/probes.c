@@ -1239,6 +1239,22 @@ static int lg_learn(Native *n, int i, int j) {
 
 /* -- traced user locks (probes/lockdep.py TracedLock) ----------------------------------------- */
 
+/* held_here() -> int: the pool locks whose records name this thread of this process as their
+ * holder (bit i: lock i), whoever took them (this core, in an operation that called Python;
+ * the lock table): the sources of lockdep.py's edges into a traced user lock taken now. */
+static PyObject *N_held_here(Native *n, PyObject *unused) {
+    uint64_t mask = 0;
+    if (n->seg != NULL) {
+        uint64_t tid = (uint64_t)syscall(SYS_gettid);
+        for (int i = 0; i < n->num_locks; i++) {
+            const uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
+            if (I4(r + LF_HOLDER_PID) == n->pid && U8(r + LF_HOLDER_TID) == tid)
+                mask |= lock_bit(i);
+        }
+    }
+    return PyLong_FromUnsignedLongLong(mask);
+}
+
 /* The traced user locks this thread holds, oldest first: each one's class as the graph stores
  * it (S16) and the graph its edges go to (the uid of the pool handle whose graph it records
  * into; 0: the process's own, lockgraph.LocalGraph). TracedLock pushes one after it takes the
