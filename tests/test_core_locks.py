@@ -263,6 +263,27 @@ def test_report_waits_for_another_threads_operation_on_the_handle(make_pool):
     assert got[0].request_id == "first" and _fallbacks(pool) == 0
 
 
+def test_report_under_the_findings_lock_this_thread_holds_writes_at_once(make_pool):
+    # GIVEN another thread's allocation waiting for the sequence-table lock another process
+    # holds, and this thread holding the findings lock through the lock table (as lockdep's
+    # graph and the watchdog write: an operation may wait for that lock meanwhile)
+    pool = make_pool(32)
+    pid = _holding(pool, "seqs", 0.5)
+    t, got = _waiting_in_thread(pool, lambda: pool.allocate("first", [1, 2, 3]))
+    findings = pool.locks.index("findings")
+    pool.locks.acquire(findings)
+    try:
+        # WHEN it records a finding
+        pool.record(Finding("leak_orphan", "under the lock"))
+        # THEN the core wrote it under that lock at once, while the operation still waits
+        assert t.is_alive()
+    finally:
+        pool.locks.release(findings)
+    t.join()
+    assert wait_child(pid) == 0
+    assert [f.kind for f in pool.findings()] == ["leak_orphan"] and got[0].request_id == "first"
+
+
 # -- a journal left open --------------------------------------------------------------------
 
 
@@ -309,16 +330,23 @@ def test_an_operation_waits_for_another_threads_operation_on_the_handle(make_poo
 
 
 def test_a_wait_for_the_op_mutex_another_thread_holds_does_not_hand_back(make_pool):
-    # GIVEN another process holding the sequence-table lock for 0.3 s, and another thread of
-    # this one holding the handle's op mutex for 0.6 s (as `evict` or `close` hold it)
+    # GIVEN a cached block, another process holding the sequence-table lock for 0.3 s, and
+    # another thread of this one holding the handle's op mutex for 0.6 s, then evicting and
+    # allocating under it (as `evict` and otel's spans hold it)
     pool = make_pool(32)
+    cached = pool.allocate("cached", list(range(8)))
+    pool.mark_computed(cached, 8)
+    pool.free(cached)
     handed = _fallbacks(pool)
     held = threading.Event()
+    evicted: list[int] = []
 
     def hold_mutex() -> None:
         with pool._mutex:
             held.set()
             time.sleep(0.6)
+            evicted.append(pool.evict(1))
+            pool.free(pool.allocate("under", [4, 5, 6]))
 
     t = threading.Thread(target=hold_mutex)
     t.start()
@@ -327,11 +355,14 @@ def test_a_wait_for_the_op_mutex_another_thread_holds_does_not_hand_back(make_po
     t0 = time.monotonic()
     # WHEN this thread allocates (it must wait for the lock, and so for the mutex first)
     seq = pool.allocate("a", [1, 2, 3])
-    # THEN it waited for both, and the core ran it
+    # THEN it waited for both, the operations under the mutex went first (the allocation held
+    # no lock while it waited for the mutex), and the core ran them all
     assert time.monotonic() - t0 > 0.2
-    t.join()
+    t.join(10)
+    assert not t.is_alive() and evicted == [1]
     assert wait_child(pid) == 0
     assert _fallbacks(pool) == handed and seq.request_id == "a"
+    assert pool.check() == []
 
 
 def test_a_wait_that_fails_is_an_oserror_with_its_errno(make_pool):

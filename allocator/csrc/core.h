@@ -171,6 +171,7 @@ typedef struct {
     int64_t *overdue; /* set where more check answers wait than kept (KVPool._overdue) */
     Py_buffer overdue_buf;
     int mutex_held;    /* this call took the mutex to wait for a pool lock (locks.c hold_mutex) */
+    int mutex_wanted;  /* this call waits for the mutex, another thread holding it */
     /* the thread of the operation in flight: the last to take a pool lock or the op mutex (read
      * while `held` or `mutex_held` says one is: locks.c wait_others) */
     unsigned long op_thread;

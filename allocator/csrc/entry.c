@@ -28,14 +28,16 @@ static int unusable(Native *n) {
 static int gate(Native *n, PyObject *pool) {
     if (unusable(n)) return ERROR;
     if (*n->busy) return FALLBACK;
-    if (n->mutex_held || n->held) {
-        int mine;
-        if (wait_others(n, &mine)) return ERROR;
-        if (!mine) return gate(n, pool);
-        PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
-                        "a pool operation was called from inside another operation of the same "
-                        "pool handle (Python that operation called)");
-        return ERROR;
+    if (n->mutex_held || n->held || n->mutex_wanted) {
+        int mine, waited;
+        if (wait_others(n, &mine, &waited)) return ERROR;
+        if (mine) {
+            PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
+                            "a pool operation was called from inside another operation of the "
+                            "same pool handle (Python that operation called)");
+            return ERROR;
+        }
+        if (waited) return gate(n, pool); /* (the handle looked at again) */
     }
     n->probes = (int)*n->probe_bits;
     if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;

@@ -395,7 +395,7 @@ static PyObject *N_evict(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     int64_t num = PyLong_AsLongLong(args[1]);
     if (num == -1 && PyErr_Occurred()) return NULL;
     int mine;
-    if (py_caller_unusable(n) || wait_others(n, &mine)) return NULL;
+    if (py_caller_unusable(n) || wait_others(n, &mine, NULL)) return NULL;
     if (mine) {
         PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
                         "evict was called from inside another operation of the same pool "

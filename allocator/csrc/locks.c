@@ -18,7 +18,7 @@ static inline int mutex_taken(pthread_mutex_t *m, int rc) {
 
 /* hold_mutex's answer when another thread holds the op mutex and this call holds pool locks:
  * waiting for it there could close a cycle (that thread may be waiting for one of them), so
- * the caller lets go of its locks and asks again holding none (txn_begin, stop_world). */
+ * the caller lets go of its locks and asks again holding none (txn_begin). */
 #define MUTEX_LATER 4
 
 /* Hold the handle's op mutex while the core lets go of the GIL: to wait for a lock, or for
@@ -36,7 +36,12 @@ static int hold_mutex(Native *n) {
     Py_DECREF(r);
     if (!got) {
         if (n->held) return MUTEX_LATER;
-        if ((r = PyObject_CallMethodNoArgs(n->mutex, s_acquire)) == NULL) return ERROR;
+        /* (the operation is in flight meanwhile: another thread's gate waits for it) */
+        n->mutex_wanted = 1;
+        n->op_thread = PyThread_get_thread_ident();
+        r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
+        n->mutex_wanted = 0;
+        if (r == NULL) return ERROR;
         Py_DECREF(r);
     }
     n->mutex_held = 1;
@@ -44,35 +49,46 @@ static int hold_mutex(Native *n) {
     return OK;
 }
 
+/* Whether this thread holds the op mutex: 1, 0, or -1 with an exception set. */
+static int mutex_mine(Native *n) {
+    PyObject *r = PyObject_CallMethod(n->mutex, "_is_owned", NULL);
+    if (r == NULL) return -1;
+    int mine = r == Py_True;
+    Py_DECREF(r);
+    return mine;
+}
+
 /* Another thread's operation on this handle in flight with the GIL let go (waiting for a pool
- * lock under the op mutex, or inside a transaction, in Python it called): wait for it to end
- * (for the op mutex, or with the GIL let go a moment at a time). *mine: the operation in flight
- * is this thread's own (Python it called is calling the pool): nothing is waited for. OK, or
- * ERROR with an exception set. */
-static int wait_others(Native *n, int *mine) {
+ * lock under the op mutex, or inside a transaction, in Python it called, or for the op mutex):
+ * wait for it to end (for the op mutex, or with the GIL let go a moment at a time). One that
+ * waits for the op mutex holds no pool lock: where this thread holds the mutex, that one waits
+ * for this one, and this call goes first. *mine: the operation in flight is this thread's own
+ * (Python it called is calling the pool): nothing is waited for. *waited (unless NULL): this
+ * call let go of the GIL (anything may have happened to the handle meanwhile). OK, or ERROR
+ * with an exception set. */
+static int wait_others(Native *n, int *mine, int *waited) {
     *mine = 0;
-    while (n->mutex_held || n->held) {
+    if (waited) *waited = 0;
+    while (n->mutex_held || n->held || n->mutex_wanted) {
         if (n->mutex_held) {
-            PyObject *r = PyObject_CallMethod(n->mutex, "_is_owned", NULL);
-            if (r == NULL) return ERROR;
-            *mine = r == Py_True;
-            Py_DECREF(r);
-        } else {
-            *mine = n->op_thread == PyThread_get_thread_ident();
-        }
-        if (*mine) return OK;
-        if (n->mutex_held) {
+            if ((*mine = mutex_mine(n)) != 0) return *mine < 0 ? ERROR : OK;
             PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
             if (r == NULL) return ERROR;
             Py_DECREF(r);
             if ((r = PyObject_CallMethodNoArgs(n->mutex, s_release)) == NULL) return ERROR;
             Py_DECREF(r);
+        } else if (n->held && n->op_thread == PyThread_get_thread_ident()) {
+            *mine = 1;
+            return OK;
         } else {
+            int first = n->held ? 0 : mutex_mine(n);
+            if (first != 0) return first < 0 ? ERROR : OK;
             Py_BEGIN_ALLOW_THREADS
             struct timespec ts = {0, 50000};
             nanosleep(&ts, NULL);
             Py_END_ALLOW_THREADS
         }
+        if (waited) *waited = 1;
     }
     return OK;
 }

@@ -305,12 +305,14 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
  * transaction, FALLBACK when it is not to be had then (its record names a dead holder, or
  * another thread holds the op mutex: hold_mutex). *mh: whether the op mutex was held before. */
 enum { HELD = 2 };
-static int leaf_held(Native *n, int i) {
-    if (holds(n, i)) return 1;
+/* Lock i's record names this thread of this process as its holder. */
+static int record_names_me(Native *n, int i) {
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
     return I4(r + LF_HOLDER_PID) == n->pid && U8(r + LF_HOLDER_START) == n->start &&
            U8(r + LF_HOLDER_TID) == (uint64_t)syscall(SYS_gettid);
 }
+
+static int leaf_held(Native *n, int i) { return holds(n, i) || record_names_me(n, i); }
 
 static int leaf_take(Native *n, int i, int *mh) {
     *mh = n->mutex_held;
@@ -320,13 +322,17 @@ static int leaf_take(Native *n, int i, int *mh) {
     return rc == OK || rc == ERROR ? rc : FALLBACK;
 }
 
-/* leaf_take for a Python caller (N_report, N_intern_site): another thread's operation on the
- * handle in flight (its lock bookkeeping is the handle's) is waited for first (wait_others);
- * one of this thread's own (Python it called, reporting) keeps its locks, and a leaf not to be
- * had under them then is a PoolError naming `what`. OK, HELD, ERROR. */
+/* leaf_take for a Python caller (N_report, N_intern_site): HELD at once where this thread
+ * holds the lock already, by its record (lockdep's graph, the watchdog: through the lock
+ * table), whatever operation is in flight; else another thread's operation on the handle in
+ * flight (its lock bookkeeping is the handle's) is waited for first (wait_others), and one of
+ * this thread's own (Python it called, reporting) keeps its locks: a leaf not to be had under
+ * them then is a PoolError naming `what`. OK, HELD, ERROR. */
 static int leaf_take_py(Native *n, int i, int *mh, const char *what) {
+    *mh = n->mutex_held;
+    if (record_names_me(n, i)) return HELD;
     int mine;
-    if (wait_others(n, &mine)) return ERROR;
+    if (wait_others(n, &mine, NULL)) return ERROR;
     if (py_caller_unusable(n)) return ERROR; /* (closed meanwhile) */
     int taken = leaf_take(n, i, mh);
     if (taken == FALLBACK)

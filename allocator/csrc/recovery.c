@@ -136,17 +136,26 @@ static int64_t journal_rollback(Native *n, int64_t c, PyObject **why) {
 /* -- dead lock holders -------------------------------------------------------------------------- */
 
 /* Every lock, in order (the world stopped): a dead holder met is forgotten and written to
- * dead[i] (pid 0: none). A wait for which another thread holds the op mutex lets go of what is
- * taken, waits for the mutex and takes them again (the dead holders met kept). OK, or ERROR
- * with an exception set and nothing held. */
+ * dead[i] (pid 0: none). The op mutex is taken first, holding no lock (a wait for one then
+ * needs nothing more). OK, or ERROR with an exception set and nothing held: a dead holder met
+ * is named in its record again, for the next taker to recover. The caller holds no lock. */
 static int stop_world(Native *n, Holder *dead) {
     for (int i = 0; i < n->num_locks; i++) dead[i].pid = 0;
+    if (hold_mutex(n) != OK) return ERROR;
     for (int i = 0; i < n->num_locks; i++) {
-        int rc = lock_take_as(n, i, &dead[i]);
-        if (rc == OK) continue;
-        release_all(n);
-        if (rc != MUTEX_LATER || hold_mutex(n) != OK) return ERROR;
-        i = -1;
+        if (lock_take_as(n, i, &dead[i]) == OK) continue;
+        for (int j = i - 1; j >= 0; j--) {
+            if (!dead[j].pid) {
+                lock_drop(n, j);
+                continue;
+            }
+            uint8_t *r = n->seg + n->off_locks + (size_t)j * LOCK_SIZE;
+            I4(r + LF_HOLDER_PID) = dead[j].pid;
+            I4(r + LF_HOLDER_CLIENT) = dead[j].client;
+            pthread_mutex_unlock(lock_mutex(n, j));
+            n->held &= ~lock_bit(j);
+        }
+        return ERROR;
     }
     return OK;
 }
@@ -237,15 +246,14 @@ static int recover_holders(Native *n, PyObject *recovered) {
  * the way are recovered as recover_holders does. OK, or ERROR with an exception set. */
 static int recover_own_journal(Native *n) {
     Holder dead[MAX_LOCKS];
-    client_seq_bump(n);
     int rc = stop_world(n, dead);
-    if (rc == OK) {
-        rc = recover_stopped(n, dead, NULL);
-        PyObject *why = NULL;
-        if (rc == OK && journal_rollback(n, n->client, &why) < 0) rc = ERROR;
-        Py_XDECREF(why);
-        release_all(n);
-    }
+    if (rc != OK) return rc;
+    client_seq_bump(n);
+    rc = recover_stopped(n, dead, NULL);
+    PyObject *why = NULL;
+    if (rc == OK && journal_rollback(n, n->client, &why) < 0) rc = ERROR;
+    Py_XDECREF(why);
+    release_all(n);
     client_seq_bump(n);
     return rc;
 }

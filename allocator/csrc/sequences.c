@@ -201,13 +201,13 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
     if (r == NULL) return NULL;
     Py_DECREF(r);
-    int mine = 0;
-    if (!n->mutex_held && !*n->busy && wait_others(n, &mine)) {
+    int mine;
+    if (wait_others(n, &mine, NULL)) {
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
         Py_XDECREF(r);
         return NULL;
     }
-    if (n->mutex_held || *n->busy || mine) {
+    if (mine || *n->busy) {
         /* this thread's already, inside an operation (whose locks it may hold): not now */
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
         if (r == NULL) return NULL;
