@@ -5,21 +5,27 @@ the token prefix a block ends), each live sequence's tokens, table, state and ha
 counters. Rules drive `KVPool` through every public operation on two handles of one pool
 (allocate, append of one and many tokens with copy-on-write, fork, mark_computed, free, abort,
 set_state, preemption and resume, evict, attach and close); after every step the pool's tables,
-refcounts, block states, index, `stats()`, `check()` (check_view and the K/V data) and findings
-must agree with the model, and every sequence reads back the K/V written for its own tokens.
+refcounts, block states, index, `stats()`, `check()` (check_view of a snapshot, and the K/V data)
+and findings must agree with the model, and every sequence reads back the K/V written for its own
+tokens. A prompt or an append longer than a table holds is refused with a PoolError, the pool
+left as it was.
 
 Where the pool may choose (which free block, how many cached blocks an allocation evicts, which
 waiting sequence it preempts), the model reads the choice and checks that it is allowed: fresh
 blocks held no data, evicted blocks are the least recently used, preempted sequences are this
 handle's oldest waiting ones, and a pool is exhausted only when nothing it could take was left.
 
-The fast layer runs two configurations; the geometry x probe-set matrix is marked slow.
+Runs are derandomized (the same every time). The fast layer runs four configurations, each
+geometry and probe set at least once; the geometry x probe-set matrix, with more runs, is slow.
+Each configuration must reach every case the model predicts beyond a plain success (a prefix hit,
+a copy, an eviction, exhaustion, preemption, a resume, a table too short).
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,13 +45,23 @@ from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState
 from kvscope.allocator.segment import data_path, segment_path
 
-# name -> PoolConfig fields: small enough to exhaust; a pool with a slot reserve (max_seqs >=
-# 4 x max_clients: allocate and free run in the C core) and one without (the Python path).
+# name -> PoolConfig fields: small enough to exhaust, evict and preempt; a local cache of
+# free blocks or none; a slot reserve (max_seqs >= 4 x max_clients) or none; tables short enough
+# that a prompt or an append can outgrow them (max_blocks_per_seq).
 GEOMETRIES = {
-    "bs4-local2-n24": dict(num_blocks=24, block_size=4, local_cache_size=2),
-    "bs1-local0-n10": dict(num_blocks=10, block_size=1, local_cache_size=0),
-    "bs16-local4-n20-reserve": dict(
-        num_blocks=20, block_size=16, local_cache_size=4, max_seqs=64, max_clients=4
+    "bs1-n10-local0-bps9": dict(
+        num_blocks=10, block_size=1, local_cache_size=0, max_blocks_per_seq=9
+    ),
+    "bs2-n12-local1-bps5-reserve": dict(
+        num_blocks=12,
+        block_size=2,
+        local_cache_size=1,
+        max_blocks_per_seq=5,
+        max_seqs=64,
+        max_clients=4,
+    ),
+    "bs4-n16-local2-bps4": dict(
+        num_blocks=16, block_size=4, local_cache_size=2, max_blocks_per_seq=4
     ),
 }
 LIGHT = {f"KVSCOPE_{p}": "1" for p in ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST")}
@@ -136,8 +152,10 @@ class Model:
 class PoolMachine(RuleBasedStateMachine):
     """KVPool and the model, side by side, on one geometry and probe set (class attributes)."""
 
-    geometry: dict = GEOMETRIES["bs4-local2-n24"]
+    geometry: dict = GEOMETRIES["bs4-n16-local2-bps4"]
     probe_set: tuple[dict, dict] = PROBE_SETS["none"]
+    # how often each case the model predicts came up, over every run of the class
+    reached: Counter = Counter()
 
     def __init__(self):
         super().__init__()
@@ -151,7 +169,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.handles: list[KVPool | None] = [KVPool.create(self.name, self.config), None]
         self.bs = self.config.block_size
         self.num_blocks = self.config.num_blocks
-        self.max_bps = self.handles[0].view.layout.max_blocks_per_seq
+        self.max_blocks = self.pool.view.layout.max_blocks_per_seq
         self.model = Model(self.bs)
         self.n = 0
         n = 2 * self.bs + 1
@@ -190,8 +208,11 @@ class PoolMachine(RuleBasedStateMachine):
         ok = [s for s in self.model.seqs if not states or s.state in states]
         return ok[i % len(ok)] if ok else None
 
-    def _preempts(self) -> int:
-        return int(self.pool.stats()["num_preemptions"])
+    def _any(self, *states: str) -> bool:
+        return self._live(0, *states) is not None
+
+    def _reach(self, case: str, times: int = 1) -> None:
+        type(self).reached[case] += times
 
     def _before(self) -> tuple[np.ndarray, np.ndarray]:
         """The pool's block states and last-use times before an operation (for eviction)."""
@@ -215,6 +236,7 @@ class PoolMachine(RuleBasedStateMachine):
             m.drop(s.table)
             s.table, s.state, s.num_published = [], "preempted", 0
             m.counters["num_preemptions"] += 1
+            self._reach("preempted")
         indexed = self.pool.view.blocks["indexed"]
         evicted = {b for b in m.cached() if not indexed[b]}
         if evicted:
@@ -227,16 +249,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert len(older) == len(evicted) or len(older) == len(order)
         m.index = {k: b for k, b in m.index.items() if b not in evicted}
         m.counters["num_evictions"] += len(evicted)
-
-    def _handbacks(self, pool: KVPool) -> int:
-        """The operations the C core has handed back to the Python path (0 without a core)."""
-        return 0 if pool._native is None else pool._native.stats()["fallbacks"]
-
-    def _in_core(self, pool: KVPool, handbacks: int, preempted: bool) -> None:
-        """A take that preempted or found the pool full ran in the C core (nothing handed
-        back), but where guard mode may guard the victim's release (the Python path's)."""
-        if preempted and not self.probe_set[1].get("guard"):
-            assert self._handbacks(pool) == handbacks, "the core handed back a preempting take"
+        self._reach("evicted", len(evicted))
 
     def _fresh_ok(self, fresh: list[int]) -> None:
         """Blocks handed out new held no data (or were cached and just evicted)."""
@@ -273,14 +286,20 @@ class PoolMachine(RuleBasedStateMachine):
         need = -(-len(tokens) // self.bs) - len(hits)
         before = self._before()
         self.n += 1
-        handbacks, preempts = self._handbacks(pool), self._preempts()
+        too_long = -(-len(tokens) // self.bs) > self.max_blocks
         try:
             seq = pool.allocate(f"r{self.n}", tokens)
         except PoolExhausted:
+            assert not too_long, "a prompt longer than a table said the pool was full"
             assert not self._can_take(handle, need, hits), "exhausted while blocks could be taken"
-            self._in_core(pool, handbacks, True)
+            self._reach("exhausted")
             return None
-        self._in_core(pool, handbacks, self._preempts() > preempts)
+        except PoolError:
+            # (nothing changed: the invariants compare the pool with the unchanged model)
+            assert too_long, "refused a prompt that fits a table"
+            self._reach("too long")
+            return None
+        assert not too_long, "took a prompt longer than max_blocks_per_seq"
         # THEN the hit is the longest published prefix, the rest is fresh
         assert seq.block_table[: len(hits)] == hits and seq.num_cached_tokens == len(hits) * self.bs
         assert len(seq.block_table) == len(hits) + need and seq.tokens == tokens
@@ -291,6 +310,7 @@ class PoolMachine(RuleBasedStateMachine):
         m.counters["num_allocs"] += need
         m.counters["prefix_queries"] += (len(tokens) - 1) // self.bs
         m.counters["prefix_hits"] += len(hits)
+        self._reach("prefix hit", bool(hits))
         return seq, len(hits)
 
     # -- rules ---------------------------------------------------------------------------------
@@ -327,6 +347,7 @@ class PoolMachine(RuleBasedStateMachine):
                 s.state = "waiting"
                 self.handles[handle].set_state(seq, "waiting")
 
+    @precondition(lambda self: self._any("running", "waiting"))
     @rule(
         i=st.integers(0, 99),
         tokens=st.one_of(
@@ -344,26 +365,21 @@ class PoolMachine(RuleBasedStateMachine):
         n0 = len(s.tokens)
         cow = n0 % bs != 0 and m.refs[s.table[-1]] > 1
         need = -(-(n0 + len(tokens)) // bs) - len(s.table) + cow
-        handbacks, preempts = self._handbacks(pool), self._preempts()
-        if pool._native is not None and -(-(n0 + len(tokens)) // bs) > self.max_bps:
-            # THEN the core refuses to grow a sequence past max_blocks_per_seq, before
-            # appending anything
-            with pytest.raises(PoolError, match="PoolConfig.max_blocks_per_seq is"):
-                pool.append(s.seq, tokens)
-            assert s.seq.tokens == s.tokens and s.seq.block_table == s.table
-            assert self._handbacks(pool) == handbacks
-            return
         before = self._before()
+        too_long = -(-(n0 + len(tokens)) // bs) > self.max_blocks
         try:
             copies = pool.append(s.seq, tokens)
-        except PoolExhausted:
-            assert not self._can_take(s.handle, need, [], s), (
+        except PoolError as e:
+            # a table too short is refused whether or not blocks were there; otherwise only
+            # a pool with nothing left to take is full
+            assert too_long or isinstance(e, PoolExhausted), e
+            assert too_long or not self._can_take(s.handle, need, [], s), (
                 "exhausted while blocks could be taken"
             )
             assert s.seq.tokens == s.tokens
-            self._in_core(pool, handbacks, True)
+            self._reach("too long" if too_long else "exhausted")
             return
-        self._in_core(pool, handbacks, self._preempts() > preempts)
+        assert not too_long, "grew a sequence past max_blocks_per_seq"
         # THEN a shared partial last block is copied first, and new blocks follow
         table = s.seq.block_table
         assert len(copies) == cow and len(table) == len(s.table) + need - cow
@@ -378,6 +394,7 @@ class PoolMachine(RuleBasedStateMachine):
             m.drop([s.table[-1]])
             m.counters["num_frees"] -= 1
             m.counters["num_cow"] += 1
+            self._reach("copy-on-write")
         self._fresh_ok(fresh)
         m.take(fresh)
         m.counters["num_allocs"] += need
@@ -387,6 +404,7 @@ class PoolMachine(RuleBasedStateMachine):
         if publish:
             self._publish(s, len(s.tokens))
 
+    @precondition(lambda self: self._any("running", "waiting"))
     @rule(i=st.integers(0, 99), upto=st.floats(0.0, 1.0))
     def mark_computed(self, i, upto):
         s = self._live(i, "running", "waiting")
@@ -413,6 +431,7 @@ class PoolMachine(RuleBasedStateMachine):
             s.num_published = todo[-1] + 1
         assert got == want
 
+    @precondition(lambda self: self._any("running", "waiting"))
     @rule(i=st.integers(0, 99))
     def fork(self, i):
         s = self._live(i, "running", "waiting")
@@ -430,6 +449,7 @@ class PoolMachine(RuleBasedStateMachine):
             ModelSeq(child, s.handle, list(s.tokens), list(s.table), num_published=s.num_published)
         )
 
+    @precondition(lambda self: self._any())
     @rule(i=st.integers(0, 99), abort=st.booleans())
     def end(self, i, abort):
         s = self._live(i)
@@ -442,6 +462,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.model.drop(s.table)
         self.model.seqs.remove(s)
 
+    @precondition(lambda self: self._any("running", "waiting"))
     @rule(i=st.integers(0, 99), waiting=st.booleans())
     def set_state(self, i, waiting):
         s = self._live(i, "running", "waiting")
@@ -453,6 +474,7 @@ class PoolMachine(RuleBasedStateMachine):
         pool.set_state(s.seq, s.state)
         assert s.seq.state == s.state
 
+    @precondition(lambda self: self._any("preempted"))
     @rule(i=st.integers(0, 99))
     def resume(self, i):
         s = self._live(i, "preempted")
@@ -479,6 +501,7 @@ class PoolMachine(RuleBasedStateMachine):
         m.counters["prefix_queries"] += (len(s.tokens) - 1) // self.bs
         m.counters["prefix_hits"] += len(hits)
         s.table, s.state, s.num_published = list(s.seq.block_table), "running", len(hits)
+        self._reach("resumed")
         self._write_kv(s, cached)
 
     @rule(n=st.integers(1, 6))
@@ -562,28 +585,49 @@ def machine(geometry: str, probes: str) -> type[PoolMachine]:
     return type(
         f"PoolMachine[{geometry}-{probes}]",
         (PoolMachine,),
-        {"geometry": GEOMETRIES[geometry], "probe_set": PROBE_SETS[probes]},
+        {"geometry": GEOMETRIES[geometry], "probe_set": PROBE_SETS[probes], "reached": Counter()},
     )
 
 
 def bounded(examples: int, steps: int) -> settings:
+    """The same runs every time (derandomize), as many as KVSCOPE_HYPOTHESIS_EXAMPLES says."""
     return settings(
         max_examples=int(os.environ.get("KVSCOPE_HYPOTHESIS_EXAMPLES", examples)),
         stateful_step_count=steps,
         deadline=None,
+        derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
 
 
-@pytest.mark.parametrize(
-    "geometry,probes", [("bs1-local0-n10", "none"), ("bs16-local4-n20-reserve", "guard")]
-)
+# What the model predicts beyond a plain success; each run of the fast layer reaches every one
+# its block size allows (a block of one token is never partly filled: no copy-on-write).
+CASES = {"prefix hit", "copy-on-write", "evicted", "exhausted", "preempted", "resumed", "too long"}
+
+
+def run(geometry: str, probes: str, examples: int, steps: int) -> None:
+    m = machine(geometry, probes)
+    run_state_machine_as_test(m, settings=bounded(examples, steps))
+    want = CASES - ({"copy-on-write"} if GEOMETRIES[geometry]["block_size"] == 1 else set())
+    assert want <= set(m.reached), f"never reached: {sorted(want - set(m.reached))}"
+
+
+# Each geometry and each probe set at least once.
+FAST = [
+    ("bs1-n10-local0-bps9", "none"),
+    ("bs2-n12-local1-bps5-reserve", "light"),
+    ("bs4-n16-local2-bps4", "guard"),
+    ("bs1-n10-local0-bps9", "guard-sampled"),
+]
+
+
+@pytest.mark.parametrize("geometry,probes", FAST)
 def test_pool_keeps_the_model(geometry, probes):
-    run_state_machine_as_test(machine(geometry, probes), settings=bounded(10, 20))
+    run(geometry, probes, 40, 30)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("probes", list(PROBE_SETS))
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_pool_keeps_the_model_everywhere(geometry, probes):
-    run_state_machine_as_test(machine(geometry, probes), settings=bounded(20, 30))
+    run(geometry, probes, 150, 40)
