@@ -13,14 +13,14 @@ from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.probes import lockdep
-from tests.test_native_faults import work
+from tests.test_core_faults import work
 
 PROBES = ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST")
 SCENARIOS = (*FAULTS, "kv-changed", "data-truncated", "healthy")
 
 
 def _work(pool: KVPool) -> None:
-    """The fault tests' operations (tests/test_native_faults.py `work`), run in order."""
+    """The fault tests' operations (tests/test_core_faults.py `work`), run in order."""
     for op in work(pool):
         op()
 

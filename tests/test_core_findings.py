@@ -1,7 +1,7 @@
 """The findings ring and the site table have one writer, the C core: `KVPool.report` and the
-site table write through it on every handle (the hot operations on Python too), and what the
-core finds itself (a double free, a scribbled block record, a lock-order edge closing a cycle)
-it writes where it finds it, once, with no Python-path operation run."""
+site table write through it, and what the core finds itself (a double free, a scribbled block
+record, a lock-order edge closing a cycle) it writes where it finds it, once, with no
+transaction run from Python and none of the probe's Python finding writers called."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from kvscope.allocator import KVPool, allocate, faults, probing, release
+from kvscope.allocator import KVPool, faults, probing
 from kvscope.allocator.findings import Finding
 from kvscope.probes.lockdep import LockDep
 from kvscope.probes.lockgraph import Edge, SegmentGraph, call_site, cycle_finding, find_path
@@ -22,7 +22,7 @@ def _kinds(pool: KVPool, kind: str) -> list[Finding]:
 
 
 def _no_python_transaction(pool: KVPool, monkeypatch) -> None:
-    """Make any transaction of the Python path (the runner) fail the test."""
+    """Make any transaction run from Python (the handle's runner) fail the test."""
 
     def refuse(locks, fn):
         raise AssertionError("a Python-path transaction ran")
@@ -37,10 +37,9 @@ def _refuse(monkeypatch, owner: object, name: str) -> None:
     monkeypatch.setattr(owner, name, refuse)
 
 
-def test_report_writes_through_the_core_with_the_hot_operations_on_python(make_pool, monkeypatch):
-    # GIVEN a handle whose hot operations run on the Python path (KVSCOPE_NATIVE=0's handle)
+def test_report_writes_through_the_core(make_pool, monkeypatch):
+    # GIVEN a handle, and a callback for findings
     pool = make_pool(16)
-    pool._native = None
     seen: list[Finding] = []
     pool.on_finding = seen.append
     _no_python_transaction(pool, monkeypatch)
@@ -91,10 +90,10 @@ def test_report_recovers_a_dead_holder_of_the_findings_lock(make_pool, pool_name
 
 
 def test_sites_are_interned_by_the_core(make_pool, monkeypatch):
-    # GIVEN the ownership probe on a handle whose hot operations run on the Python path
+    # GIVEN the ownership probe on a handle, and no transaction run from Python allowed to
+    # take the sites lock
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     pool = make_pool(16)
-    pool._native = None
     real_run = pool._run
 
     def run_no_sites(locks, fn):
@@ -129,23 +128,21 @@ def test_a_full_site_table_takes_no_more(make_pool):
 
 
 def test_a_double_free_is_written_by_the_core(make_pool, probes, monkeypatch):
-    # GIVEN the double-free fault armed, on the core with the probes, and nothing of the Python
-    # path allowed to run
+    # GIVEN the double-free fault armed, on the core with the probes, and neither the probe's
+    # Python finding writer nor a transaction run from Python allowed to run
     pool = make_pool(16)
     seq = pool.allocate("priv", [50, 51, 52, 53, 54])
     last = seq.block_table[-1]
     faults.configure("double-free:1")
-    _refuse(monkeypatch, release, "end")
-    _refuse(monkeypatch, release, "_release_again")
     _refuse(monkeypatch, probing.PoolProbes, "block_finding")
     _no_python_transaction(pool, monkeypatch)
-    handed = pool._native.stats()["fallbacks"]
+    ops = pool._native.stats()["native_ops"]
     seen: list[Finding] = []
     pool.on_finding = seen.append
     # WHEN the request ends
     pool.free(seq)
     # THEN the core released it and wrote one double_free about its last block
-    assert pool._native.stats()["fallbacks"] == handed and faults.FIRED[-1] == "double-free"
+    assert pool._native.stats()["native_ops"] == ops + 1 and faults.FIRED[-1] == "double-free"
     (f,) = _kinds(pool, "double_free")
     assert (f.block, f.owner_pid, f.request) == (last, pool.pid, "priv")
     assert f.message == (
@@ -156,19 +153,18 @@ def test_a_double_free_is_written_by_the_core(make_pool, probes, monkeypatch):
 
 def test_a_scribbled_block_record_is_written_by_the_core(make_pool, probes, monkeypatch):
     # GIVEN a published block whose record something outside the allocator overwrote, and the
-    # Python path's allocation and record check refused
+    # probe's Python record check refused
     pool = make_pool(16)
     first = pool.allocate("first", list(range(9)))
     pool.mark_computed(first, 8)
     blk = first.block_table[0]
     pool.view.blocks["refcount"][blk] = 0x5A5A5A5A
-    _refuse(monkeypatch, allocate, "allocate")
     _refuse(monkeypatch, probing.PoolProbes, "check_records")
-    handed = pool._native.stats()["fallbacks"]
+    ops = pool._native.stats()["native_ops"]
     # WHEN a prefix hit takes a reference on it (the core reseals the record)
     second = pool.allocate("second", list(range(9)))
     # THEN the core ran it, and reported the record once, as it was before it changed it
-    assert pool._native.stats()["fallbacks"] == handed and second.num_cached_tokens == 8
+    assert pool._native.stats()["native_ops"] == ops + 1 and second.num_cached_tokens == 8
     (f,) = _kinds(pool, "block_header_corrupt")
     assert (f.block, f.owner_pid, f.request) == (blk, pool.pid, "first")
     assert "about to change it" in f.message
@@ -201,11 +197,11 @@ def test_a_cycle_the_core_closes_is_written_by_the_core(make_pool, monkeypatch, 
     seen: list[Finding] = []
     pool.on_finding = seen.append
     _refuse(monkeypatch, LockDep, "_learn")
-    handed = pool._native.stats()["fallbacks"]
+    ops = pool._native.stats()["native_ops"]
     # WHEN an allocation hits a published prefix (the core's order: seqs -> index)
     _hit_prefix(pool)
     # THEN the core ran every operation and wrote the cycle it closed, once, naming both edges
-    assert pool._native.stats()["fallbacks"] == handed
+    assert pool._native.stats()["native_ops"] == ops + 5
     (f,) = _kinds(pool, "lock_order_cycle")
     pid = os.getpid()
     assert f.message.startswith(f"pid {pid} takes seqs -> index at test_core_findings.py:")

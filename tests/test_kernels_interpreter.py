@@ -22,7 +22,7 @@ FILES = [
     "test_kernels_backend.py",
     "test_kernels_digest.py",
     "test_kernels_checks.py",
-    "test_native_guard.py",
+    "test_core_guard.py",
     "test_hash_finalizer.py",
 ]
 

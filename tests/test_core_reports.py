@@ -1,7 +1,8 @@
-"""What the C core once handed to the Python path it now does itself, with no Python-path call: a
-call site's text, composed and interned by the core (no call of the handle's `site_of`); a
-release or preemption whose table holds a block already free or a scribbled record, and an
-append filling a block whose record is scribbled, each reported once by the core."""
+"""What the C core records and reports itself: a call site's text, composed and interned by the
+core (sites.py's recorder never called); a release or preemption whose table holds a block
+already free or a scribbled record, and an append filling a block whose record is scribbled,
+each reported once (the probe's Python finding writers never called); the live sequences and
+the slots sampled guard mode guards."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, append, preempt, probing, release, sites
+from kvscope.allocator import KVPool, probing, sites
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import CHUNK, BlockState
 from kvscope.allocator.sites import site_frames
@@ -42,11 +43,11 @@ def test_the_core_composes_a_site_as_sites_py_does(make_pool, monkeypatch):
     pool = make_pool(16)
     _refuse(monkeypatch, sites.SiteTable, "site")
     _refuse(monkeypatch, sites.SiteTable, "_intern")
-    handed = pool._native.stats()["fallbacks"]
+    ops = pool._native.stats()["native_ops"]
     # WHEN a sequence is allocated twice from one line
     (a, frame), (b, _) = _alloc(pool, "a"), _alloc(pool, "b")
     # THEN the core ran both, and the site is the frame's text as sites.py composes it, once
-    assert pool._native.stats()["fallbacks"] == handed
+    assert pool._native.stats()["native_ops"] == ops + 2
     assert site_frames(pool.view, _site_of_block(pool, a)) == [sites.frame_text(frame)]
     assert _site_of_block(pool, b) == _site_of_block(pool, a)
     assert int(pool.view.h["num_sites_used"]) == 1
@@ -59,11 +60,11 @@ def test_the_core_composes_a_stack_as_sites_py_does(make_pool, monkeypatch):
     pool = make_pool(16)
     _refuse(monkeypatch, sites.SiteTable, "site")
     _refuse(monkeypatch, sites.SiteTable, "_intern")
-    handed = pool._native.stats()["fallbacks"]
+    ops = pool._native.stats()["native_ops"]
     # WHEN one stack allocates twice
     ((a, inner), outer), ((b, _), _) = _outer(pool, "a"), _outer(pool, "b")
     # THEN the core ran both: 2 frame entries and 1 stack entry, as sites.py interns them
-    assert pool._native.stats()["fallbacks"] == handed
+    assert pool._native.stats()["native_ops"] == ops + 2
     frames = site_frames(pool.view, _site_of_block(pool, a))
     assert frames == [sites.frame_text(inner), sites.frame_text(outer)]
     assert _site_of_block(pool, b) == _site_of_block(pool, a)
@@ -76,14 +77,11 @@ def test_the_core_composes_a_stack_as_sites_py_does(make_pool, monkeypatch):
 
 
 def _only_the_core(pool: KVPool, monkeypatch) -> int:
-    """Refuse the Python path's release and preemption, and its finding writer; the core's
-    hand-back count now."""
-    _refuse(monkeypatch, release, "end")
-    _refuse(monkeypatch, release, "release_blocks")
-    _refuse(monkeypatch, preempt, "preempt_one")
+    """Refuse the probe's Python finding writer and any transaction run from Python; the
+    count of the core's operations now."""
     _refuse(monkeypatch, probing.PoolProbes, "block_finding")
     _refuse(monkeypatch, pool, "_run")
-    return pool._native.stats()["fallbacks"]
+    return pool._native.stats()["native_ops"]
 
 
 def _kinds(pool: KVPool) -> list[str]:
@@ -104,12 +102,12 @@ def test_a_block_already_free_in_a_released_table_is_reported_by_the_core(make_p
     seq = pool.allocate("twice", list(range(6)))
     blk = seq.block_table[0]
     pool.view.blocks["refcount"][blk] = 0
-    handed = _only_the_core(pool, monkeypatch)
+    ops = _only_the_core(pool, monkeypatch)
     # WHEN it is freed
     pool.free(seq)
-    # THEN the core released it, with one double_free about that block, in the Python path's
+    # THEN the core released it, with one double_free about that block, in the probe's
     # words, its FINDING event before the release's FREE
-    assert pool._native.stats()["fallbacks"] == handed and seq.state == "finished"
+    assert pool._native.stats()["native_ops"] == ops + 1 and seq.state == "finished"
     (f,) = pool.findings()
     assert (f.kind, f.block, f.request) == ("double_free", blk, "twice")
     assert f.message == "block released by request 'twice' but it was already free"
@@ -123,12 +121,12 @@ def test_a_scribbled_record_in_a_released_table_is_reported_by_the_core(make_poo
     seq = pool.allocate("scrib", list(range(6)))
     blk, other = seq.block_table
     pool.view.blocks["owner_pid"][blk] ^= 1
-    handed = _only_the_core(pool, monkeypatch)
+    ops = _only_the_core(pool, monkeypatch)
     # WHEN it is aborted
     pool.abort(seq)
     # THEN the core released it, the scribbled record reported once and left as it is
     # (still held), the other block freed
-    assert pool._native.stats()["fallbacks"] == handed and seq.state == "aborted"
+    assert pool._native.stats()["native_ops"] == ops + 1 and seq.state == "aborted"
     (f,) = pool.findings()
     assert (f.kind, f.block) == ("block_header_corrupt", blk)
     assert f.message == (
@@ -150,11 +148,11 @@ def test_a_preempted_table_with_a_block_already_free_is_reported_by_the_core(
     blk = old.block_table[1]
     pool.view.blocks["refcount"][blk] = 0
     pool.set_state(old, "waiting")
-    handed = _only_the_core(pool, monkeypatch)
+    ops = _only_the_core(pool, monkeypatch)
     # WHEN an allocation needs its blocks
     new = pool.allocate("new", list(range(100, 124)))
     # THEN the core preempted it, with one double_free about that block
-    assert pool._native.stats()["fallbacks"] == handed
+    assert pool._native.stats()["native_ops"] == ops + 1
     assert old.state == "preempted" and len(new.block_table) == 6
     (f,) = pool.findings()
     assert (f.kind, f.block, f.request) == ("double_free", blk, "old")
@@ -167,21 +165,19 @@ def test_a_preempted_table_with_a_block_already_free_is_reported_by_the_core(
 @pytest.mark.parametrize("more", [2, 6], ids=["decode step", "new block"])
 def test_an_append_filling_a_scribbled_block_is_reported_by_the_core(make_pool, monkeypatch, more):
     # GIVEN the magic probe and the flight recorder on, and a sequence whose last, part-filled
-    # block's record was overwritten; the Python path's append refused
+    # block's record was overwritten; the probe's Python record check refused
     monkeypatch.setenv("KVSCOPE_MAGIC", "1")
     monkeypatch.setenv("KVSCOPE_EVENTS", "1")
     pool = make_pool(16)
     seq = pool.allocate("grow", list(range(6)))
     blk = seq.block_table[1]
     pool.view.blocks["owner_pid"][blk] ^= 1
-    _refuse(monkeypatch, append, "append")
-    _refuse(monkeypatch, append, "_set_keys")
     _refuse(monkeypatch, probing.PoolProbes, "check_records")
-    handed = pool._native.stats()["fallbacks"]
+    ops = pool._native.stats()["native_ops"]
     # WHEN tokens are appended that fill it (the append's own block events first)
     pool.append(seq, list(range(100, 100 + more)))
     # THEN the core ran it, and reported the record once, as it was before it was resealed
-    assert pool._native.stats()["fallbacks"] == handed and len(seq.tokens) == 6 + more
+    assert pool._native.stats()["native_ops"] == ops + 1 and len(seq.tokens) == 6 + more
     (f,) = pool.findings()
     assert (f.kind, f.block) == ("block_header_corrupt", blk)
     assert f.owner_pid == pool.pid ^ 1
@@ -195,12 +191,9 @@ def test_an_append_filling_a_scribbled_block_is_reported_by_the_core(make_pool, 
 # -- the live-sequence registry and the sampled-guard slots are the core's ----------------------
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["core", "python path"])
-def test_the_live_sequences_are_the_cores_registry(make_pool, native):
-    # GIVEN a handle, its operations on the core or on the Python path
+def test_the_live_sequences_are_the_cores_registry(make_pool):
+    # GIVEN a handle
     pool = make_pool(32)
-    if not native:
-        pool._native = None
     # WHEN sequences are allocated, forked, preempted and resumed, and freed
     a = pool.allocate("a", list(range(6)))
     b = pool.fork(a, "b")
@@ -208,7 +201,7 @@ def test_the_live_sequences_are_the_cores_registry(make_pool, native):
     assert pool.live() == {a.slot: a, b.slot: b, c.slot: c}
     pool.free(b)
     # THEN the core's registry names the live ones by slot, in the order they came, each the
-    # caller's own object, whichever path ran
+    # caller's own object
     live = pool.live()
     assert list(live) == [a.slot, c.slot] and live[a.slot] is a and live[c.slot] is c
     # AND a copy: changing it changes nothing
@@ -243,11 +236,11 @@ def test_a_long_release_reports_what_its_tail_holds(make_pool, monkeypatch):
     pool.view.blocks["owner_pid"][scribbled] ^= 1
     pool.view.blocks["refcount"][freed] = 0
     pool.store.seal(np.array([freed]))
-    handed = _only_the_core(pool, monkeypatch)
+    ops = _only_the_core(pool, monkeypatch)
     # WHEN it is freed
     pool.free(seq)
     # THEN the core released it, each reported once, the scribbled record left held
-    assert pool._native.stats()["fallbacks"] == handed and seq.state == "finished"
+    assert pool._native.stats()["native_ops"] == ops + 1 and seq.state == "finished"
     got = sorted((f.kind, f.block) for f in pool.findings())
     assert got == [("block_header_corrupt", scribbled), ("double_free", freed)]
     assert int(pool.view.blocks["refcount"][scribbled]) == 1
