@@ -25,7 +25,7 @@ def _no_python_transaction(pool: KVPool, monkeypatch) -> None:
     """Make any transaction run from Python (the handle's runner) fail the test."""
 
     def refuse(locks, fn):
-        raise AssertionError("a Python-path transaction ran")
+        raise AssertionError("a transaction ran from Python")
 
     monkeypatch.setattr(pool, "_run", refuse)
 

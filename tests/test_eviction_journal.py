@@ -1,7 +1,6 @@
 """Eviction never outgrows the undo journal: an allocation that must evict more cached blocks
 than one transaction's journal holds (512 entries) evicts them ahead, in transactions of their
-own (the C core's, for the Python path too), and succeeds; so does `pool.evict(n)` for any n
-(the C core's alone)."""
+own, and succeeds; so does `pool.evict(n)` for any n."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import traceback
 import numpy as np
 import pytest
 
-from kvscope.allocator import BlockState, KVPool, eviction
+from kvscope.allocator import BlockState, KVPool
 from kvscope.allocator.layout import JOURNAL_ENTRIES
 
 BS = 4
@@ -56,10 +55,8 @@ def _full_shard_pool(make_pool, bs: int = BS) -> KVPool:
 
 
 @pytest.mark.parametrize("bs", [4, 48])
-@pytest.mark.parametrize("native", ["0", "1"], ids=["python", "core"])
-def test_an_allocation_evicting_a_full_shard_succeeds(make_pool, monkeypatch, native, bs):
+def test_an_allocation_evicting_a_full_shard_succeeds(make_pool, bs):
     # GIVEN a pool with no free block and 128 cached blocks filling one index shard
-    monkeypatch.setenv("KVSCOPE_NATIVE", native)
     pool = _full_shard_pool(make_pool, bs)
     # (each of those evictions journals its record and its index removal: one transaction
     # evicting all 128 and stamping 128 needs more than the journal's 512 entries)
@@ -108,38 +105,11 @@ def test_evict_takes_more_blocks_than_one_journal_holds(make_pool):
 
 
 # Block size 4: the journal holds the evictions with the stamp (each removal journals at most
-# two ranges of index slots); block size 64: the 128 evicted records and their stamp (384
-# bytes each) outgrow its 96 KiB, so they are evicted ahead.
-@pytest.mark.parametrize(("bs", "take", "ahead"), [(4, 100, []), (4, 128, []), (48, 128, [128])])
-def test_evicting_ahead_keeps_least_recently_used_order(make_pool, monkeypatch, bs, take, ahead):
-    # GIVEN the full shard of cached blocks, least recently used first (the Python path: the
-    # core evicts ahead for it)
-    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
-    seen: list[int] = []
-    real = eviction.evict_ahead
-    monkeypatch.setattr(eviction, "evict_ahead", lambda p, e: (seen.append(e.evicting), real(p, e)))
-    pool = _full_shard_pool(make_pool, bs)
-    b = pool.view.blocks
-    cached = np.flatnonzero(b["state"] == BlockState.CACHED)
-    order = cached[np.lexsort((cached, b["access_ns"][cached]))].tolist()
-    # WHEN an allocation takes `take` of them
-    seq = pool.allocate("big", [5] * (take * bs))
-    # THEN the oldest went (evicted ahead when they outgrew the journal), the newest are still
-    # cached, and the sequence got the oldest
-    gone = pool.stats()["num_evictions"]
-    assert gone >= take and seen == ahead
-    left = np.flatnonzero(b["state"] == BlockState.CACHED).tolist()
-    assert sorted(left) == sorted(order[gone:])
-    assert set(seq.block_table) <= set(order[:gone])
-    assert pool.check() == []
-
-
+# two ranges of index slots); block size 48: the 128 evicted records and their stamp outgrow
+# it, so they are evicted ahead.
 @pytest.mark.parametrize(("bs", "take"), [(4, 100), (4, 128), (48, 128)])
-def test_the_core_evicts_ahead_itself_in_least_recently_used_order(
-    make_pool, monkeypatch, bs, take
-):
+def test_the_core_evicts_ahead_itself_in_least_recently_used_order(make_pool, bs, take):
     # GIVEN the full shard of cached blocks, least recently used first, on the C core
-    monkeypatch.setenv("KVSCOPE_NATIVE", "1")
     pool = _full_shard_pool(make_pool, bs)
     b = pool.view.blocks
     cached = np.flatnonzero(b["state"] == BlockState.CACHED)
@@ -160,10 +130,8 @@ def test_the_core_evicts_ahead_itself_in_least_recently_used_order(
     assert pool.check() == []
 
 
-@pytest.mark.parametrize("native", ["0", "1"], ids=["python", "core"])
-def test_evict_of_more_than_a_chunk_runs_in_the_core_in_lru_order(make_pool, monkeypatch, native):
+def test_evict_of_more_than_a_chunk_runs_in_the_core_in_lru_order(make_pool):
     # GIVEN 300 cached blocks (more than CHUNK, 128), with their least recently used order
-    monkeypatch.setenv("KVSCOPE_NATIVE", native)
     pool = make_pool(512, block_size=BS)
     for i in range(15):
         s = pool.allocate(f"p{i}", [1000 * i + j for j in range(20 * BS)])
@@ -176,8 +144,7 @@ def test_evict_of_more_than_a_chunk_runs_in_the_core_in_lru_order(make_pool, mon
     ops = pool._core.stats()["native_ops"]
     # WHEN 250 of them are evicted
     assert pool.evict(250) == 250
-    # THEN one call into the core evicted the 250 oldest (whichever path runs the rest), the
-    # newest 50 stay cached, the counters say so and the pool is consistent
+    # THEN one call into the core evicted the 250 oldest, the newest 50 stay cached, the counters say so and the pool is consistent
     assert pool._core.stats()["native_ops"] == ops + 1
     left = np.flatnonzero(b["state"] == BlockState.CACHED).tolist()
     assert sorted(left) == sorted(order[250:])
@@ -205,10 +172,9 @@ def _crash_child(name: str, point: str, bs: int) -> None:
 
 
 @pytest.mark.parametrize("point", ["blocks.after_evict:1", "blocks.after_ring_push:1"])
-def test_a_kill_while_evicting_ahead_loses_no_block(make_pool, monkeypatch, point):
+def test_a_kill_while_evicting_ahead_loses_no_block(make_pool, point):
     # GIVEN the full shard of cached blocks, whose eviction for one allocation outgrows the
     # journal (block size 48: the allocation evicts them ahead)
-    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
     bs = 48
     pool = _full_shard_pool(make_pool, bs)
     # WHEN another process dies inside the transaction that evicts them ahead
@@ -227,32 +193,10 @@ def test_a_kill_while_evicting_ahead_loses_no_block(make_pool, monkeypatch, poin
     assert len(seq.block_table) == 128 and pool.check() == []
 
 
-def _counting_saves(kill_at: int) -> list[int]:
-    """Count this process's journal saves (one entry or a batch of records each); SIGKILL at
-    save number `kill_at`, before it is written (0: never)."""
-    from kvscope.allocator.journal import Journal
-
-    n = [0]
-    for name in ("save", "save_records"):
-        real = getattr(Journal, name)
-
-        def counted(self, *a, _real=real):
-            n[0] += 1
-            if n[0] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return _real(self, *a)
-
-        setattr(Journal, name, counted)
-    return n
-
-
-def _save_child(name: str, kill_at: int, bs: int, saves: str) -> None:
+def _save_child(name: str, kill_at: int, bs: int) -> None:
     try:
         pool = KVPool.attach(name)
-        if saves == "python":
-            _counting_saves(kill_at)
-        else:
-            pool._core.set_crash_at(kill_at)
+        pool._core.set_crash_at(kill_at)
         pool.allocate("big", [5] * (128 * bs))
         code = 3
     except BaseException:
@@ -261,45 +205,21 @@ def _save_child(name: str, kill_at: int, bs: int, saves: str) -> None:
     os._exit(code)
 
 
-# Where the kills fall: the Python path's own saves (its rolled-back first attempt, then its
-# allocation), the C core's under the Python path (the evicting ahead), and the C core's
-# running it all.
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("native", "saves"), [("0", "python"), ("0", "core"), ("1", "core")], ids=str
-)
-def test_a_kill_at_any_journal_save_of_an_allocation_evicting_ahead_loses_no_block(
-    make_pool, monkeypatch, native, saves
-):
-    # GIVEN the allocation that evicts a full shard ahead (block size 48), and how many
-    # journal saves the Python path makes for it
-    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+def test_a_kill_at_any_journal_save_of_an_allocation_evicting_ahead_loses_no_block(make_pool):
+    # GIVEN the allocation that evicts a full shard ahead (block size 48: 128 blocks of a full
+    # shard make several hundred journal saves)
     bs = 48
-    if saves == "python":
-        probe = _full_shard_pool(make_pool, bs)
-        from kvscope.allocator.journal import Journal
-
-        for name in ("save", "save_records"):
-            monkeypatch.setattr(Journal, name, getattr(Journal, name))
-        counted = _counting_saves(0)
-        probe.allocate("big", [5] * (128 * bs))
-        monkeypatch.undo()
-        monkeypatch.setenv("KVSCOPE_NATIVE", native)
-        total = counted[0]
-        assert total > 10
-        kills = sorted({1, 2, 3, total - 1, total, *range(1, total, max(1, total // 6))})
-    else:
-        # (the core's: the evicting ahead, 128 blocks of a full shard, makes several hundred)
-        kills = [1, 2, 3, 50, 150, 300, 450, 600, 750, 900, 1200, 1600]
+    kills = [1, 2, 3, 50, 150, 300, 450, 600, 750, 900, 1200, 1600]
     # WHEN another process is killed at one of them (spread over the whole allocation)
     killed = 0
     for kill_at in kills:
         pool = _full_shard_pool(make_pool, bs)
         pid = os.fork()
         if pid == 0:
-            _save_child(pool.name, kill_at, bs, saves)
+            _save_child(pool.name, kill_at, bs)
         _, status = os.waitpid(pid, 0)
-        if saves == "core" and os.WIFEXITED(status):
+        if os.WIFEXITED(status):
             # (past the core's last save: it finished)
             assert os.WEXITSTATUS(status) == 3, kill_at
             continue

@@ -37,11 +37,9 @@ def _serve(name: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("native", ["1", "0"], ids=["core", "python"])
-def test_a_forked_worker_finishes_under_guard_and_digest(make_pool, probes, monkeypatch, native):
+def test_a_forked_worker_finishes_under_guard_and_digest(make_pool, probes):
     # GIVEN a parent that used torch's thread pool (as a model's forward pass does) and then
     # created a guarded pool with the digest probe on
-    monkeypatch.setenv("KVSCOPE_NATIVE", native)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -1,5 +1,5 @@
-"""Metrics read from the segment: the same values whether the C core or the Python path ran the
-operations (lock wait and hold included), and per-lock histograms that add up to the records."""
+"""Metrics read from the segment: pool counters and gauges, operation counts and block lifetimes,
+and per-lock histograms that add up to the lock records."""
 
 from __future__ import annotations
 
@@ -46,14 +46,12 @@ def _drive(pool: KVPool, steps: int = 300) -> None:
         pool.free(s)
 
 
-def _run(make_pool: Any, monkeypatch: Any, native: bool) -> tuple[dict, KVPool, np.ndarray]:
+def _run(make_pool: Any) -> tuple[dict, KVPool, np.ndarray]:
     """(metric values, the pool, its lock records before the run) of one instrumented run."""
-    monkeypatch.setenv("KVSCOPE_NATIVE", "1" if native else "0")
     reader = InMemoryMetricReader()
     mp = MeterProvider(metric_readers=[reader])
     inst = KVPoolInstrumentor()
     pool = make_pool(24, block_size=4, local_cache_size=0, num_shards=2)
-    assert (pool._native is not None) == native
     before = pool.view.locks.copy()
     inst.instrument(mp, pools=[pool], collect=True, pool_names=lambda: [pool.name])
     try:
@@ -72,39 +70,22 @@ def _run(make_pool: Any, monkeypatch: Any, native: bool) -> tuple[dict, KVPool, 
     return values, pool, before
 
 
-def _pool_and_op_values(values: dict) -> dict:
-    """Every series but the per-lock ones, durations as counts (two runs never take the same
-    time). The lock series count real acquisitions, and the C core takes a different number of
-    them for some operations (docs/FORMAT.md, "Differences in how, not what"): they are checked
-    against the lock records on each path instead."""
-    return {
-        k: v[0] if isinstance(v, tuple) else v
-        for k, v in values.items()
-        if "kvscope.lock.name" not in dict(k[1:])
-    }
+def test_a_run_publishes_pool_operation_and_lock_metrics(make_pool):
+    # GIVEN a seeded run on a pool
+    values, pool, _ = _run(make_pool)
+    # WHEN its metrics are collected
+    # THEN pool counters and gauges, operation counts and block lifetimes are there, and every
+    # lock's wait and hold histograms (test below: they add up), and they count what ran
+    assert len([k for k in values if "kvscope.lock.name" not in dict(k[1:])]) > 20
+    holds = [k for k in values if k[0] == "kvscope.lock.hold.duration"]
+    assert {dict(k[1:])["kvscope.lock.name"] for k in holds} >= {"seqs", "free", "index.0"}
+    cpu = ("kvscope.pool.device", "cpu")
+    assert values[("kvscope.pool.allocations", cpu)] == pool.stats()["num_allocs"] > 100
 
 
-@pytest.mark.slow
-def test_c_core_and_python_path_publish_the_same_metrics(make_pool, monkeypatch):
-    # GIVEN the same seeded run on a pool on the C core and on one on the Python path
-    native, npool, _ = _run(make_pool, monkeypatch, native=True)
-    python, ppool, _ = _run(make_pool, monkeypatch, native=False)
-    assert npool._native.stats()["native_ops"] > 100  # the core really ran them
-    # WHEN their metrics are collected
-    # THEN every pool counter and gauge, the operation counts and block lifetimes are equal
-    assert _pool_and_op_values(native) == _pool_and_op_values(python)
-    assert len(_pool_and_op_values(native)) > 20
-    # AND both publish every lock's wait and hold histograms (test below: they add up)
-    for values in (native, python):
-        holds = [k for k in values if k[0] == "kvscope.lock.hold.duration"]
-        assert {dict(k[1:])["kvscope.lock.name"] for k in holds} >= {"seqs", "free", "index.0"}
-    assert native[("kvscope.pool.allocations", ("kvscope.pool.device", "cpu"))] > 100
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["c-core", "python"])
-def test_lock_histograms_add_up_to_the_lock_records(make_pool, monkeypatch, native):
-    # GIVEN one instrumented run (the C core's acquisitions were invisible to the old wrapper)
-    values, pool, before = _run(make_pool, monkeypatch, native)
+def test_lock_histograms_add_up_to_the_lock_records(make_pool):
+    # GIVEN one instrumented run
+    values, pool, before = _run(make_pool)
     after = pool.view.locks
     # WHEN each lock's histograms are compared with what the run added to its record
     for i, name in enumerate(pool.locks.names):

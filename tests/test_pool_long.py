@@ -1,8 +1,9 @@
 """Sequences of more than CHUNK blocks (the most one transaction journals) run in the C core:
 an allocation takes its hits and the first CHUNK new blocks in one transaction and appends the
 rest, CHUNK blocks' worth a transaction; a release gives its table back from the tail, CHUNK
-blocks a transaction; a fork and a publish of a long table are one transaction each, as on the
-Python path. Nothing of it goes to the Python path, with or without the probes."""
+blocks a transaction; a publish of every full block, CHUNK blocks a transaction; a fork of a
+long table is one transaction. Nothing of it goes to the Python path, with or without the
+probes."""
 
 from __future__ import annotations
 
@@ -106,20 +107,6 @@ def test_a_long_prompt_that_runs_short_leaves_the_pool_as_it_was(make_pool, monk
     pool.free(keep)
     pool.free(pool.allocate("after", _prompt(3, CHUNK + 5)))
     assert pool.check() == [] and pool.stats()["num_allocated"] == 0
-
-
-def test_the_python_path_publishes_a_long_sequence_in_chunks_too(make_pool):
-    # GIVEN a handle on the Python path (KVSCOPE_NATIVE=0) and a prompt of more than two CHUNKs
-    pool = make_pool(3 * CHUNK, block_size=BS, max_seqs=64, max_clients=4, num_shards=2)
-    pool._native = None
-    toks = _prompt(4, 2 * CHUNK + 30)
-    seq = pool.allocate("long", toks)
-    # WHEN every full block is published at once
-    got = pool.mark_computed(seq, len(toks))
-    # THEN each is (a transaction per CHUNK of them: one would outgrow the undo journal)
-    assert got == len(toks) // BS == seq.num_published
-    pool.free(seq)
-    assert pool.check() == [] and pool.stats()["num_cached"] == got
 
 
 def test_a_long_waiting_sequence_is_preempted_in_the_core(make_pool, monkeypatch):

@@ -69,8 +69,8 @@ def _worker(name: str, seed: int, ops: int) -> int:
     return 0
 
 
-# max_clients 8 (the parent and 4 workers): each process keeps a slot reserve, so most operations take the C core's path
-# (allocator/_native.c), eviction included; 32: more of them take the Python path.
+# max_clients 8 (the parent and 4 workers): each process keeps a slot reserve; 32: none, every
+# claim of a sequence slot takes the seqs lock.
 @pytest.mark.slow
 @pytest.mark.parametrize("max_clients", [32, 8])
 def test_four_processes_share_one_pool_without_losing_a_block(make_pool, max_clients):

@@ -14,9 +14,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
 from bench_stress import stress  # noqa: E402
 
 
-# On the core only: with the Python path's operations (KVSCOPE_NATIVE=0), about one live analysis
-# in a hundred finds an error in a copy it calls consistent, a fault of that path not yet found
-# (`python bench/bench_stress.py` runs both and shows it).
 @pytest.mark.slow
 def test_workers_killers_and_concurrent_reclaimers_lose_nothing():
     # GIVEN 4 workers on one pool, one SIGKILLed every 0.2-2 s and restarted, two reclaimers

@@ -1,6 +1,6 @@
-"""Crash recovery is the C core's (allocator/csrc/recovery.c) whichever path the hot operations
-take: a lock a dead process held is recovered, its unfinished operation rolled back and said
-once, and a dead process's long sequences are reclaimed a transaction at a time."""
+"""Crash recovery is the C core's (allocator/csrc/recovery.c): a lock a dead process held is
+recovered, its unfinished operation rolled back and said once, a dead process's long sequences
+are reclaimed a transaction at a time, and close() detaches."""
 
 from __future__ import annotations
 
@@ -31,12 +31,9 @@ def _die_inside_an_operation(name: str) -> int:
     return 0
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["core", "python-path"])
-def test_a_dead_holder_is_recovered_by_the_core_on_either_path(make_pool, monkeypatch, native):
-    # GIVEN a handle whose hot operations run in the core, or on the Python path
-    monkeypatch.setenv("KVSCOPE_NATIVE", native)
+def test_a_dead_holder_is_recovered_by_the_core(make_pool):
+    # GIVEN a handle
     pool = make_pool(64)
-    assert (pool._native is None) == (native == "0")
     seen = []
     pool.on_finding = seen.append
     # ... and a process that died holding the free lock in the middle of an operation
@@ -100,11 +97,8 @@ def test_a_dead_process_with_sequences_of_hundreds_of_blocks_is_reclaimed(make_p
     assert st["num_free"] + st["num_local"] + st["num_cached"] == 1024
 
 
-def test_close_returns_the_cache_and_reserve_and_detaches_under_KVSCOPE_NATIVE_0(
-    make_pool, monkeypatch
-):
-    # GIVEN a handle on the Python path with a local cache and a slot reserve
-    monkeypatch.setenv("KVSCOPE_NATIVE", "0")
+def test_close_returns_the_cache_and_reserve_and_detaches(make_pool):
+    # GIVEN a handle with a local cache and a slot reserve
     pool = make_pool(64, max_seqs=64, max_clients=2)
     other = KVPool.attach(pool.name)
     other.free(other.allocate("r", [1, 2, 3]))

@@ -7,8 +7,6 @@ import contextlib
 import inspect
 import json
 
-import pytest
-
 from kvscope.allocator import PoolExhausted
 from kvscope.allocator.sites import site_frames, site_text, stack_depth
 from kvscope.analysis import analyze_view
@@ -92,14 +90,11 @@ def test_analyze_shows_the_stack_of_a_finding(make_pool, monkeypatch, tmp_path, 
     assert "allocated at" in out and "called from" in out and "_from_b" in out
 
 
-@pytest.mark.parametrize("path", ["core", "python"])
-def test_a_leaked_sample_is_named_after_the_fork_that_created_it(make_pool, monkeypatch, path):
-    # GIVEN ownership on (sites recorded), on the C core or the Python path
+def test_a_leaked_sample_is_named_after_the_fork_that_created_it(make_pool, monkeypatch):
+    # GIVEN ownership on (sites recorded)
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     monkeypatch.delenv("KVSCOPE_STACK_DEPTH", raising=False)
     pool = make_pool(32, max_seqs=256)
-    if path == "python":
-        pool._native = None
     # WHEN a request forks a sample that is never freed (it holds only its parent's blocks)
     parent = _helper(pool, "parent")
     fork_line = inspect.currentframe().f_lineno + 1
@@ -115,17 +110,14 @@ def test_a_leaked_sample_is_named_after_the_fork_that_created_it(make_pool, monk
     pool.free(sample)
 
 
-@pytest.mark.parametrize("path", ["core", "python"])
 def test_a_write_after_free_names_the_allocation_of_the_request_that_freed_it(
-    make_pool, monkeypatch, path
+    make_pool, monkeypatch
 ):
-    # GIVEN guard mode and ownership on a small pool, on the C core or the Python path
+    # GIVEN guard mode and ownership on a small pool
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     monkeypatch.setenv("KVSCOPE_GUARD", "1")
     monkeypatch.delenv("KVSCOPE_STACK_DEPTH", raising=False)
     pool = make_pool(16, max_seqs=256)
-    if path == "python":
-        pool._native = None
     # WHEN a request's block is written after its free, and the block is then handed out again
     # to other requests, allocated on another line
     first_line = inspect.currentframe().f_lineno + 1
