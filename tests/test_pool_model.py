@@ -632,7 +632,7 @@ FAST = [
 def test_pool_keeps_the_model():
     reached: Counter = Counter()
     for geometry, probes in FAST:
-        reached += run(geometry, probes, 40, 30)
+        reached += run(geometry, probes, 30, 30)
     assert CASES <= set(reached), f"never reached: {sorted(CASES - set(reached))}"
 
 
@@ -640,4 +640,4 @@ def test_pool_keeps_the_model():
 @pytest.mark.parametrize("probes", list(PROBE_SETS))
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_pool_keeps_the_model_everywhere(geometry, probes):
-    run(geometry, probes, 50, 40)
+    run(geometry, probes, 40, 40)
