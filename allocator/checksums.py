@@ -7,7 +7,6 @@ stated here and layout.py asserts its dtypes agree.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -63,20 +62,6 @@ def block_checksum(words: np.ndarray, block_id: int) -> int:
         + int(row[1]) * _KI[1]
         + int(row[2]) * _KI[2]
         + int(row[3]) * _KI[3]
-        + block_id * _KI[4]
-    ) & MASK64
-    h ^= h >> 29
-    h = (h * _KI[0]) & MASK64
-    return h ^ (h >> 32)
-
-
-def checksum_of_words(words: Sequence[int], block_id: int) -> int:
-    """Scalar checksum from a record's identity words already read as Python ints."""
-    h = (
-        words[0] * _KI[0]
-        + words[1] * _KI[1]
-        + words[2] * _KI[2]
-        + words[3] * _KI[3]
         + block_id * _KI[4]
     ) & MASK64
     h ^= h >> 29

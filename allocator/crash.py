@@ -1,14 +1,13 @@
 """Named crash points: `KVSCOPE_CRASH_AT=<point>[:<n>]` exits abruptly the n-th time a point is hit.
 
 Used by the crash-consistency tests (and by users testing their own recovery). The process dies
-with SIGKILL: no cleanup, no atexit, exactly like an OOM kill. The C core hits the same points
-in its own operations (csrc/faults.c) and counts on the same counter, `ARMED`.
+with SIGKILL: no cleanup, no atexit, exactly like an OOM kill. The points are in the C core's
+operations (csrc/faults.c), which counts down `ARMED` in place.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from array import array
 
@@ -60,16 +59,6 @@ def _from_env() -> None:
         configure(os.environ.get("KVSCOPE_CRASH_AT"))
     except ValueError as e:
         print(f"kvscope: KVSCOPE_CRASH_AT ignored: {e}", file=sys.stderr)
-
-
-def crash_point(name: str) -> None:
-    """Die here if this point is armed and its count is reached."""
-    at = ARMED[0]
-    if at == 0 or CRASH_POINTS[at - 1] != name:
-        return
-    ARMED[1] -= 1
-    if ARMED[1] <= 0:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 _from_env()

@@ -6,9 +6,7 @@ The core launches each check of its operations itself (one `cuLaunchKernel` of k
 compiled kernel: the function handles, launch geometry and parameters Triton gave it), writing the
 blocks' ids, and the records a finding would report, into a page-locked ring of its own. A check
 is launched on the current stream, where it runs after every write enqueued before it and before
-every write enqueued after it, so it sees the K/V as the operation did. The Python path's
-operations queue theirs in the same queue (`DeviceChecks.stamp`, `verify`, `poison`, `canaries`,
-`fill`: `device_queue`).
+every write enqueued after it, so it sees the K/V as the operation did.
 
 `settle()` has the core take the answers the GPU is past, oldest first, and apply them itself: a
 digest written into the record of the block it was taken of (in a transaction of the core under
@@ -36,7 +34,8 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvscope.allocator.probing import PoolProbes
+    from kvscope.allocator.handle import PoolHandle
+    from kvscope.allocator.probeflags import ProbeFlags
 
 # Answers waiting past this many are taken at the end of the operation that queued the last
 # (pool.append, mark_computed: a program that publishes but never allocates or frees would pile
@@ -50,16 +49,14 @@ RING_WORDS = 1 << 18
 # CPU tests run this queue without a GPU. Read when a handle's core is made (native.kv_layout)
 # and its probes set.
 DEFERRED_ON_CPU = False
-# blocks per check the Python path queues at once (a release of thousands of blocks: several)
-_PART = 1024
 
 
 class DeviceChecks:
     """The core's queue of one pool handle's checks of the K/V (a CUDA pool's)."""
 
-    def __init__(self, probes: PoolProbes):
-        self.probes = probes
-        self.pool = probes.pool
+    def __init__(self, pool: PoolHandle, flags: ProbeFlags):
+        self.pool = pool
+        self.flags = flags
         self.cuda = self.pool.kv.device.type == "cuda"
         self.core: Any = self.pool._core
         self.settling = False
@@ -133,7 +130,7 @@ class DeviceChecks:
                 "kvscope: guard mode and the digest probe on a CUDA pool need Triton (the "
                 f"check kernel the C core launches): {e}"
             ) from e
-        kv, flags = self.pool.kv, self.probes.flags
+        kv, flags = self.pool.kv, self.flags
         kernel = checks.Checks(kv, ring, self.pool.block_size)
         modes = [checks.DIGEST] if flags.digest else []
         if flags.guard:
@@ -146,33 +143,6 @@ class DeviceChecks:
         """How many checks' answers the core has not applied yet."""
         stats = self.core.device_stats()
         return 0 if stats is None else stats["waiting"] + stats["unapplied"]
-
-    # -- the Python path's checks, queued in the core's queue ---------------------------------
-
-    def _queue(self, kind: str, ids: list[int], when: str | None = None) -> None:
-        with self.pool._mutex:  # (as the core's own operations queue theirs)
-            for i in range(0, len(ids), _PART):
-                self.core.device_queue(kind, ids[i : i + _PART], when)
-
-    def canaries(self, ids: list[int]) -> None:
-        """Released blocks' guard slots (a broken one is reported, and its canary put back)."""
-        self._queue("canary", ids)
-
-    def poison(self, ids: list[int]) -> None:
-        """Blocks about to be handed out again: their poison must be intact (use_after_free)."""
-        self._queue("poison", ids)
-
-    def fill(self, ids: list[int]) -> None:
-        """Poison (NaN) into released blocks' token slots."""
-        self._queue("fill", ids)
-
-    def stamp(self, ids: list[int]) -> None:
-        """Blocks just published: their digests, into their records once answered."""
-        self._queue("stamp", ids)
-
-    def verify(self, ids: list[int], when: str) -> None:
-        """Published blocks (with a digest of their generation): unchanged since."""
-        self._queue("verify", ids, when)
 
     # -- their answers -----------------------------------------------------------------------------
 
@@ -201,16 +171,13 @@ class DeviceChecks:
             self.settling = False
 
 
-def for_probes(probes: PoolProbes) -> DeviceChecks | None:
-    """The queue of a handle whose probes check its K/V through it (guard mode or the digest
-    probe on a pool whose K/V the core does not map: a CUDA pool; a CPU pool under
+def for_pool(pool: PoolHandle, flags: ProbeFlags) -> DeviceChecks | None:
+    """The queue of a handle whose probes (`flags`) check its K/V through it (guard mode or the
+    digest probe on a pool whose K/V the core does not map: a CUDA pool; a CPU pool under
     DEFERRED_ON_CPU), configured; else None, and a queue an earlier probe set configured is
     applied and let go."""
-    pool = probes.pool
-    if (probes.flags.digest or probes.flags.guard) and (
-        pool.kv.device.type == "cuda" or DEFERRED_ON_CPU
-    ):
-        return DeviceChecks(probes)
+    if (flags.digest or flags.guard) and (pool.kv.device.type == "cuda" or DEFERRED_ON_CPU):
+        return DeviceChecks(pool, flags)
     core = pool._core
     if core.device_stats() is not None:
         with pool._mutex:

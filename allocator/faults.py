@@ -4,14 +4,12 @@ Each fault makes the allocator misbehave once, at the n-th opportunity (default 
 in the middle of real work), in a way a real bug would; the probes must then report it. Tests
 and users use them to prove their detection works. See docs/PROBES.md for what each one does.
 
-A fault site asks `opportunity(name)` where the fault could strike; from the n-th opportunity on
-it stays true until the site has acted and called `fired(name)`, so a site that cannot act this
-time (a double free needs a block that was really freed) acts at the next one it can. Only
-`fired` announces the fault: a fault that says it was injected was injected. Faults still armed
-when a process exits are listed by `unfired()` (`kvscope run` reports them).
-
-The C core's operations have the same sites (csrc/faults.c): they count down `ARMED` itself and
-call `fired`, so the n-th opportunity is counted across the core and the Python path.
+The sites are the C core's operations (csrc/faults.c): at each opportunity a site counts the
+fault's entry of `ARMED` down; from the n-th opportunity on the fault stays due until the site
+has acted and called `fired(name)`, so a site that cannot act this time (a double free needs a
+block that was really freed) acts at the next one it can. Only `fired` announces the fault: a
+fault that says it was injected was injected. Faults still armed when a process exits are
+listed by `unfired()` (`kvscope run` reports them).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvscope.allocator.pool import KVPool
+    from kvscope.allocator.handle import PoolHandle
 
 FAULTS = (
     "double-free",
@@ -65,17 +63,6 @@ def configure(spec: str | None) -> None:
     ARMED.update(parse(spec))
 
 
-def opportunity(name: str) -> bool:
-    """True at the armed fault's n-th opportunity and at every later one until it has fired."""
-    left = ARMED.get(name)
-    if left is None:
-        return False
-    if left > 1:
-        ARMED[name] = left - 1
-        return False
-    return True
-
-
 def fired(name: str) -> None:
     """The site has injected the fault: disarm it and announce it."""
     assert ARMED.get(name) == 1, f"fault {name!r} fired without its opportunity"
@@ -86,16 +73,8 @@ def fired(name: str) -> None:
         hook(name)
 
 
-def fire(name: str) -> bool:
-    """`opportunity` and `fired` in one, for sites that always act when asked (True once)."""
-    if not opportunity(name):
-        return False
-    fired(name)
-    return True
-
-
-def write_past(pool: KVPool, block: int) -> None:
-    """oob-write's act (the C core's and the Python path's): 1.0 into the slot one past the
+def write_past(pool: PoolHandle, block: int) -> None:
+    """oob-write's act (the C core calls it): 1.0 into the slot one past the
     block's last token (its guard slot, or the next block's slot 0), in every layer, K and V."""
     kv = pool.kv
     # [layers, 2, blocks * slots, heads, dim]

@@ -13,9 +13,10 @@ Three probes prove that nothing writes into a block its writer does not own:
 - **canaries** (guard mode): every block's guard slot holds the canary; `pool.verify()` and
   `check` / `analyze` scan them all, not only the blocks being freed (`guard_violation`).
 
-Functions here take a segment view's block records and the pool's KV tensor (live, or rebuilt
-from a dump's data with `kv_from_bytes`); the probes (probing.py) call them as operations run,
-`check_kv` is the whole-pool pass. The KV data is a torch tensor (a live pool's) or its bits in
+The C core runs these checks inside its operations (csrc/kvdata.c, with the messages defined
+here). Functions here take a segment view's block records and the pool's KV tensor (live, or
+rebuilt from a dump's data with `kv_from_bytes`): `check_kv` is the whole-pool pass, and
+`pool.verify()` scans the canaries. The KV data is a torch tensor (a live pool's) or its bits in
 numpy (kvbits.KVBits: a data file or a dump's data, which `check` and `analyze` read without
 torch); each function below takes either.
 """
@@ -91,15 +92,6 @@ def digests_of(kv: KV, ids: np.ndarray, block_size: int) -> list[int]:
     from kvscope.kernels import block_digests
 
     return block_digests(kv, [int(x) for x in ids], block_size)
-
-
-def stamp_digests(blocks: np.ndarray, kv: torch.Tensor, ids: np.ndarray, block_size: int) -> None:
-    """Record the digest of each block of `ids` in its record (the caller journaled them)."""
-    if len(ids) == 0:
-        return
-    digests = digests_of(kv, ids, block_size)
-    gens = blocks["generation"][ids].tolist()
-    blocks["kv_digest"][ids] = np.asarray([tagged(d, g) for d, g in zip(digests, gens)], np.uint64)
 
 
 def has_digest(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -33,10 +33,13 @@ from kvscope.allocator.segment import (
 )
 
 if TYPE_CHECKING:
-    from kvscope.allocator.pool import KVPool
+    from kvscope.allocator.handle import PoolHandle
+
+# The handle class a pool is made as (KVPool).
+P = TypeVar("P", bound="PoolHandle")
 
 
-def create(cls: type[KVPool], name: str, config: PoolConfig) -> KVPool:
+def create(cls: type[P], name: str, config: PoolConfig) -> P:
     """A new pool named `name` (`KVPool.create`); PoolError if one exists or it cannot fit."""
     check_name(name)
     cfg = config.resolved()
@@ -98,8 +101,8 @@ def create(cls: type[KVPool], name: str, config: PoolConfig) -> KVPool:
 
 
 def attach(
-    cls: type[KVPool], name: str, trust_owner: bool = False, kv_events: str | KVEventsConfig = ""
-) -> KVPool:
+    cls: type[P], name: str, trust_owner: bool = False, kv_events: str | KVEventsConfig = ""
+) -> P:
     """An existing pool by name (`KVPool.attach`; another user's only with `trust_owner`)."""
     check_name(name)
     check_kv_events(kv_events, what="KVPool.attach's kv_events")
@@ -125,7 +128,7 @@ def attach(
     return pool
 
 
-def _start_kv_events(pool: KVPool, endpoint: str | KVEventsConfig) -> None:
+def _start_kv_events(pool: PoolHandle, endpoint: str | KVEventsConfig) -> None:
     """Start the pool's KV-event publisher (docs/EVENTS.md); `close` stops it."""
     # The publisher is the harness's (kvscope/events/publisher.py, a floor above the pool): the
     # pool finds it through the package's entry point `kvscope.pool`/`kv_events`
@@ -142,7 +145,7 @@ def _start_kv_events(pool: KVPool, endpoint: str | KVEventsConfig) -> None:
     pool.kv_events = found[0].load()(pool, endpoint)
 
 
-def register_client(pool: KVPool) -> int:
+def register_client(pool: PoolHandle) -> int:
     """Claim a client record and bind the handle to it (`KVPool._bind`): a never-used one
     first (dead ones stay for analysis), then a detached one; in a full table, one reclaimed
     from a dead process (`_reclaim_for_attach`)."""
@@ -185,7 +188,7 @@ def register_client(pool: KVPool) -> int:
     return i
 
 
-def _reclaim_for_attach(pool: KVPool) -> int | None:
+def _reclaim_for_attach(pool: PoolHandle) -> int | None:
     """Free a client record for a process attaching to a full client table: the index of a
     dead client's record, reclaimed and detached, with the handle bound to it; None when
     every attached process is alive. The caller holds the registration lock, so no other
@@ -211,7 +214,7 @@ def _reclaim_for_attach(pool: KVPool) -> int | None:
 
 
 @contextlib.contextmanager
-def _file_lock(pool: KVPool) -> Iterator[None]:
+def _file_lock(pool: PoolHandle) -> Iterator[None]:
     """A short exclusive section for client registration (a byte of the clients section)."""
     tl = pool._mf.__dict__.setdefault("reg_lock", threading.Lock())
     off = pool.view.offsets["clients"]
@@ -223,7 +226,7 @@ def _file_lock(pool: KVPool) -> Iterator[None]:
             ofd.unlock(pool._mf.fd, off, 1)
 
 
-def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
+def close(pool: P, hook: Callable[[P], None] | None) -> None:
     """Detach (`KVPool.close`): `hook` sees the pool first (pool.CLOSE_HOOK), then this
     process's local cache and slot reserve go back and the mapping is released."""
     if pool._closed:
@@ -247,7 +250,7 @@ def close(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
     release(pool._mf)
 
 
-def unlink(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
+def unlink(pool: P, hook: Callable[[P], None] | None) -> None:
     """Remove the pool's files (`KVPool.unlink`), or only call `hook` (pool.UNLINK_HOOK)."""
     if hook is not None:
         hook(pool)
@@ -259,7 +262,7 @@ def unlink(pool: KVPool, hook: Callable[[KVPool], None] | None) -> None:
             pass
 
 
-def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None) -> dict[str, int]:
+def reclaim_dead(pool: PoolHandle, done: list[dict[str, Any]] | None) -> dict[str, int]:
     """`KVPool.reclaim_dead`: the core's (csrc/recovery.c), with the processes whose own exit
     already recorded what they held (their reclaim writes no second finding)."""
     pool._check_process()
@@ -272,7 +275,7 @@ def reclaim_dead(pool: KVPool, done: list[dict[str, Any]] | None) -> dict[str, i
     return totals
 
 
-def clear_repaired(pool: KVPool, pids: set[int]) -> list[Finding]:
+def clear_repaired(pool: PoolHandle, pids: set[int]) -> list[Finding]:
     """After a repair returned what the dead processes `pids` held: mark the recorded findings
     about their leaks and the locks they died holding as repaired (the core's transaction), so
     that a repaired pool reads healthy (readers leave them out: allocator/findingset.py); the

@@ -1,11 +1,14 @@
 """Pool locks: a thread lock plus the process-shared robust mutex in each lock record (mutex.py).
 
-A free lock is taken without a system call. When a holder dies the kernel marks its mutex, so a
-lock is never stuck; the lock record still names the dead holder, which tells the next taker to
-run recovery before it proceeds. Each
-record also carries a sequence counter, odd while held: together these are the seqlock that
-lock-free readers check. A process publishes the locks it waits for (waits.py), so that a
-lock-order inversion between processes raises LockDeadlock instead of hanging.
+The C core takes them for its operations (csrc/locks.c); `LockTable` is this process's table of
+them: their names and records for the readers and probes, and `acquire`/`release` for the one
+lock Python takes itself, the findings lock lockdep's graph is written under
+(probes/lockgraph.py). A free lock is taken without a system call. When a holder dies the kernel
+marks its mutex, so a lock is never stuck; the lock record still names the dead holder, which
+tells the next taker to run recovery before it proceeds. Each record also carries a sequence
+counter, odd while held: together these are the seqlock that lock-free readers check. A process
+publishes the locks it waits for (waits.py), so that a lock-order inversion between processes
+raises LockDeadlock instead of hanging.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class LockTable:
 
     def acquire(self, i: int) -> None:
         """Take lock i; raise DeadHolder (lock released again) if a dead process left it held
-        (the runner has the C core recover it: csrc/recovery.c)."""
+        (the core's next operation under it recovers it: csrc/recovery.c)."""
         t0 = time.perf_counter_ns()
         self.tlocks[i].acquire()
         try:
@@ -189,52 +192,6 @@ class LockTable:
             # A run's one wait counts for each of its locks.
             self.num_contended[i] += 1
             self.wait_ns[i] += t1 - t0
-
-    def acquire_run(self, run: list[int]) -> None:
-        """Take consecutive locks run[0]..run[-1] (one published wait for all of them when
-        another process holds some)."""
-        tl = self.tlocks
-        t0 = time.perf_counter_ns()
-        for i in run:
-            tl[i].acquire()
-        try:
-            contended = self._take(run[0], run[-1])
-        except BaseException:
-            for i in reversed(run):
-                tl[i].release()
-            raise
-        mv = self.mv
-        for i in run:
-            dead = _I4.unpack_from(mv, self.base + i * LOCK_DTYPE.itemsize + _HOLDER)[0]
-            if dead:
-                for j in reversed(run):
-                    mutex.unlock(self.mutex_at + j * self.stride)
-                for j in reversed(run):
-                    tl[j].release()
-                raise DeadHolder(i, dead)
-        t1 = time.perf_counter_ns()
-        tid = threading.get_native_id()
-        for i in run:
-            self._mark_held(i, tid, t0, t1, contended)
-
-    def release_run(self, run: list[int]) -> None:
-        """Release consecutive held locks, last first."""
-        if len(run) == 1:
-            for i in reversed(run):
-                self.release(i)
-            return
-        mv = self.mv
-        now = time.perf_counter_ns()
-        for i in reversed(run):
-            rec = self.base + i * LOCK_DTYPE.itemsize
-            held = now - _U8.unpack_from(mv, rec + _ACQUIRED)[0]
-            hold, longest = _U8X2.unpack_from(mv, rec + _HOLD)
-            _U8X2.pack_into(mv, rec + _HOLD, hold + held, max(longest, held))
-            _U8.pack_into(mv, rec + _SEQ, _U8.unpack_from(mv, rec + _SEQ)[0] + 1)
-            _I4.pack_into(mv, rec + _HOLDER, 0)
-            mutex.unlock(self.mutex_at + i * self.stride)
-        for i in reversed(run):
-            self.tlocks[i].release()
 
     def release(self, i: int) -> None:
         """Release lock i (the journal must already be committed)."""

@@ -4,8 +4,9 @@ Taking a free lock is one atomic instruction in the taker's own process, no syst
 taker that finds it held sleeps on its futex. When a holder dies, the kernel marks the mutex
 (the thread's robust list) and the next taker gets it with `EOWNERDEAD`; it is made consistent
 at once, and the lock record, which still names the dead holder, tells the taker to run
-recovery (locks.py), as before. The C core (csrc/locks.c) calls the same glibc functions on the
-same bytes; this module is the Python path's way to them (ctypes: also without the extension).
+recovery (csrc/recovery.c). The C core (csrc/locks.c) calls the same glibc functions on the
+same bytes; this module is Python's way to them (ctypes: header.py creates them, and LockTable
+takes the findings lock through it for lockdep's graph).
 The mutexes are error-checking: a thread that takes a lock it holds, or releases one it does
 not hold, gets an error instead of a deadlock or a broken lock.
 """

@@ -1,25 +1,23 @@
-"""The pool's C core (allocator/_native.c): which handles use it, and its view of the segment.
+"""The pool's C core (allocator/_native.c, csrc/): its view of the segment, made for each handle.
 
-The core does the common case of allocate, free/abort, append (copy-on-write too), mark_computed,
-fork, set_state and resume on the same bytes, journal and locks as the Python methods, preempting this
-handle's oldest waiting sequence when a take is short and raising PoolExhausted (the class handed
-over once: `register_errors`) when nothing is left, and PoolError (TypeError for a non-integer)
-for what a caller gets wrong (a closed or a forked parent's handle, a sequence that is not this
-handle's live one, a bad argument: docs/FORMAT.md); anything else it hands back (it returns None
-with nothing changed) and the Python method runs. `evict` and the slot reserve (its refill and
-trim before an operation, its claims and releases, the Python path's too) are the core's alone.
-Every handle has one
-(`pip install` compiles it; a missing or stale build fails the import in one line); the hot
-operations use it unless `KVSCOPE_NATIVE` is `0`: every probe runs in the core (events,
-ownership, leaks, magic, lockdep, guard mode in full or sampled, with a quarantine count or not,
-the digest: `PoolProbes.native_bits`, read from the handle's probe word at every call), and so do
-the injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py
-keep); sites are the probe's site table's, composed and interned by the core. The core waits
-for the pool locks it takes (holding the op mutex meanwhile), recovers a dead holder of one
-itself (csrc/recovery.c), and waits for another thread's operation on the handle before it
-starts one. The findings ring and the site table have no other writer, on every handle (KVSCOPE_NATIVE=0 too): KVPool.report and sites.py write through the core's
-`report` and `intern_site`, and the findings the core detects it writes itself.
-docs/FORMAT.md, "The native core".
+The core is the pool's only writer: allocate, free/abort, append (copy-on-write too),
+mark_computed, fork, set_state and resume, eviction, the slot reserve, recovery and close run
+in it, on the segment's bytes, journal and locks, preempting this handle's oldest waiting
+sequence when a take is short and raising PoolExhausted (the class handed over once:
+`register_errors`) when nothing is left, and PoolError (TypeError for a non-integer) for what a
+caller gets wrong (a closed or a forked parent's handle, a sequence that is not this handle's
+live one, a bad argument: docs/FORMAT.md). A case it does not handle is a bug, raised as a
+RuntimeError. `pip install` compiles it; a missing or stale build fails the import in one line.
+Every probe `kvscope run` switches on runs in the core (events, ownership, leaks, magic,
+lockdep, guard mode in full or sampled, with a quarantine count or not, the digest:
+`PoolProbes.native_bits`, read from the handle's probe word at every call), and so do the
+injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py keep);
+sites are the probe's site table's, composed and interned by the core. The core waits for the
+pool locks it takes (holding the op mutex meanwhile), recovers a dead holder of one itself
+(csrc/recovery.c), and waits for another thread's operation on the handle before it starts
+one. The findings ring and the site table have no other writer: KVPool.report and sites.py
+write through the core's `report` and `intern_site`, and the findings the core detects it
+writes itself. docs/FORMAT.md, "The native core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests, a finished
 request's unwritten slots: csrc/kvdata.c) the core does on the bytes of a CPU pool's data file,
@@ -32,7 +30,6 @@ allocator/devicechecks.py), and reads and applies their answers later, when the 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +47,7 @@ from kvscope.allocator.layout import (
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
     JOURNAL_ENTRY_DTYPE,
+    LOCAL_CACHE_MAX,
     LOCK_DTYPE,
     LOCKGRAPH_CAPACITY,
     LOCKGRAPH_DTYPE,
@@ -63,12 +61,12 @@ from kvscope.allocator.layout import (
     seq_dtype,
 )
 from kvscope.allocator.locks import UNTRACED, lock_class
-from kvscope.allocator.prefix import _COEFS_LIST
+from kvscope.allocator.prefix import COEFS
 from kvscope.allocator.sequence import SEQ_ID_BATCH, Sequence, slot_batch
 from kvscope.allocator.sites import KVSCOPE_DIRS
 
 if TYPE_CHECKING:
-    from kvscope.allocator.pool import KVPool
+    from kvscope.allocator.handle import PoolHandle
 
 try:
     from kvscope.allocator import _native as _built
@@ -79,11 +77,6 @@ except ImportError:
     ) from None
 # (a compiled module: typed as Any for mypy, which has no stub of it)
 _native: Any = _built
-
-
-def available() -> bool:
-    """True unless the hot operations are switched to the Python path (KVSCOPE_NATIVE=0)."""
-    return os.environ.get("KVSCOPE_NATIVE", "1") != "0"
 
 
 class LayoutMismatch(ImportError):
@@ -141,7 +134,7 @@ check_layout(getattr(_native, "LAYOUT", {}))
 _native.register_errors(PoolError, PoolExhausted)
 
 
-def kv_layout(pool: KVPool) -> dict[str, Any]:
+def kv_layout(pool: PoolHandle) -> dict[str, Any]:
     """Where the core finds the KV data `[layers, 2, blocks, slots, heads, dim]` (csrc/kvdata.c):
     its address in this process (0: its checks are queued, csrc/devchecks.c: a CUDA pool, or a
     CPU pool under the tests' devicechecks.DEFERRED_ON_CPU), strides in bytes, the canary and
@@ -182,7 +175,7 @@ def kv_layout(pool: KVPool) -> dict[str, Any]:
     }
 
 
-def probe_layout(pool: KVPool) -> dict[str, Any]:
+def probe_layout(pool: PoolHandle) -> dict[str, Any]:
     """Where the core writes what its probes find and what Python reports (csrc/probes.c): the
     lock-order graph, the findings ring with each kind's severity (1 error, 2 warning) and the
     list the core leaves the ring positions of its findings in (`KVPool._found`), and the site
@@ -229,7 +222,7 @@ FINDING_FIELDS = ("time_ns", "kind", "severity", "block", "owner_pid", "site", "
 MAX_SHARDS = 32
 
 
-def core_for(pool: KVPool) -> Any:
+def core_for(pool: PoolHandle) -> Any:
     """The C core for one handle (every handle has one)."""
     if len(pool.locks.names) > 64:
         raise PoolError(
@@ -241,7 +234,9 @@ def core_for(pool: KVPool) -> Any:
     client = pool.client
     cbase = off["clients"] + client * CLIENT_DTYPE.itemsize
     cf = CLIENT_DTYPE.fields
-    store = pool.store
+    num_shards = view.layout.num_shards
+    # Frees park up to twice the refill size in the local cache, within the client record.
+    local_cap = int(view.h["local_cache_size"])
     layout = {
         "num_blocks": view.layout.num_blocks,
         "block_size": view.layout.block_size,
@@ -249,13 +244,13 @@ def core_for(pool: KVPool) -> Any:
         "max_seqs": view.layout.max_seqs,
         "seq_record_size": view.seqs.dtype.itemsize,
         "max_blocks_per_seq": view.layout.max_blocks_per_seq,
-        "index_width": store.index.width,
-        "num_shards": store.index.num_shards,
-        "local_cap": store.local_cap,
-        "local_max": store.local_max,
+        "index_width": len(view.index) // num_shards,
+        "num_shards": num_shards,
+        "local_cap": local_cap,
+        "local_max": min(2 * local_cap, LOCAL_CACHE_MAX),
         "slot_batch": slot_batch(view.layout.max_seqs, view.layout.max_clients),
         "seq_id_batch": SEQ_ID_BATCH,
-        "quarantine": pool.store.quarantine,
+        "quarantine": int(view.h["quarantine"]),
         "off_blocks": off["blocks"],
         "off_ring": off["ring"],
         "off_index": off["index"],
@@ -306,7 +301,7 @@ def core_for(pool: KVPool) -> Any:
         "name": pool.name,
         "seq_type": Sequence,
         "seq_fields": tuple(f.name for f in dataclasses.fields(Sequence)),
-        # The faults and crash points (csrc/faults.c): armed and counted down by both paths.
+        # The faults and crash points (csrc/faults.c): armed here, counted down by the core.
         "faults_armed": faults.ARMED,
         "fault_names": faults.FAULTS,
         "fault_fired": faults.fired,
@@ -323,7 +318,7 @@ def core_for(pool: KVPool) -> Any:
             None if name in UNTRACED else lock_class(name) for name in pool.locks.names
         ),
         "kvscope_dirs": KVSCOPE_DIRS,
-        "coefs": _COEFS_LIST[: view.layout.block_size],
+        "coefs": COEFS[: view.layout.block_size],
         # Guard mode and the digest on the KV data.
         **kv_layout(pool),
         **probe_layout(pool),

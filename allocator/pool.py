@@ -1,8 +1,8 @@
-"""KVPool: the shared paged KV pool. Every public operation is a method here; its work is in the
-module it calls: lifecycle.py (create, attach, close, unlink, reclaim_dead), allocate.py,
-append.py, publish.py (mark_computed), fork.py, release.py (free, abort), preempt.py (set_state,
-resume); `evict` is the C core's alone (csrc/eviction.c). Where the C core (native.py) has the
-operation, it runs first."""
+"""KVPool: the shared paged KV pool, a binding of the C core (native.py, csrc/). Every public
+operation is a method here that makes one call into the core, which does the work on the
+segment: allocate, append, mark_computed, fork, free, abort, set_state, resume, evict (csrc/);
+create, attach, close, unlink and reclaim_dead are lifecycle.py's, whose writes past the
+client record are the core's too (csrc/recovery.c). The looking methods read the segment."""
 
 from __future__ import annotations
 
@@ -11,42 +11,27 @@ import threading
 from array import array
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Sequence_
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvscope.allocator import (
-    allocate,
-    append,
-    fork,
-    lifecycle,
-    native,
-    preempt,
-    publish,
-    release,
-    runner,
-)
-from kvscope.allocator.blocks import BlockStore
+from kvscope.allocator import lifecycle, native
 from kvscope.allocator.check import check_view
 from kvscope.allocator.config import KVEventsConfig, PoolConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, read_findings
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
-from kvscope.allocator.journal import Journal
 from kvscope.allocator.layout import CHUNK, COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.locks import LockTable
 from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
 from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ring_findings
 from kvscope.allocator.process import my_identity
 from kvscope.allocator.recovery import dead_owners
-from kvscope.allocator.sequence import SeqTable, Sequence
+from kvscope.allocator.sequence import Sequence
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
-from kvscope.allocator.txn import ClientSeq, Txn
-
-T = TypeVar("T")
 
 # The C core's end() takes the final state as a plain int.
 _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
@@ -54,22 +39,8 @@ _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 _ALLOCATED = int(BlockState.ALLOCATED)
 
 # What `allocate` and `append` take as tokens: the C core reads each kind itself
-# (csrc/tokens.c); as_token_list makes the list the Python path reads.
+# (csrc/tokens.c).
 Tokens = Sequence_[int] | np.ndarray | torch.Tensor
-
-
-def as_token_list(tokens: Tokens) -> list[int]:
-    """Tokens as a list of ints for the Python path: a numpy or torch array through tolist()
-    (one-dimensional), any other sequence through list()."""
-    kind = type(tokens)
-    if kind is tuple:
-        return list(tokens)
-    if kind is np.ndarray or kind is torch.Tensor:
-        if tokens.ndim != 1:  # type: ignore[union-attr]
-            shape = tuple(tokens.shape)  # type: ignore[union-attr]
-            raise PoolError(f"tokens must be one-dimensional, got an array of shape {shape}")
-        return tokens.tolist()  # type: ignore[union-attr]
-    return list(tokens)
 
 
 # This process's pid, refreshed in a forked child (os.getpid() is a system call per operation).
@@ -112,9 +83,11 @@ class KVPool:
         self._probe_bits = array("q", [0])
         # Ring positions of the findings the C core wrote in its last call (_hand_findings).
         self._found: list[int] = []
+        # One operation at a time per mapping (handles of one process on one pool share it and
+        # its one open of the segment, whose OFD locks do not exclude each other): the core
+        # takes it while an operation waits for a pool lock (csrc/locks.c), counting its
+        # holders in `_busy`.
         self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
-        # How many Python-path operations are inside that mutex (0 or 1, or more when nested):
-        # the C core (native.py) runs only while it is 0.
         self._busy: array = mf.__dict__.setdefault("op_busy", array("q", [0]))
         self._closed = False
         # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
@@ -181,29 +154,20 @@ class KVPool:
         return lifecycle.attach(cls, name, trust_owner, kv_events)
 
     def _bind(self, client: int) -> None:
-        """Bind this handle's parts that name its client record: its counter, journal, lock
-        table, block store, sequence table and C core (lifecycle.register_client; an attach to
-        a full client table binds a dead process's record first, to reclaim it)."""
+        """Bind this handle's parts that name its client record: its counters, lock table and
+        C core (lifecycle.register_client; an attach to a full client table binds a dead
+        process's record first, to reclaim it)."""
         view = self.view
         self.client = client
-        self._client_seq = ClientSeq(view, client)
         self.counters = {f: view.clients[f][client : client + 1] for f in COUNTER_FIELDS}
-        self.journal = Journal(view, client)
         self.locks = LockTable(self._mf, view, self.pid, self.start, client)
         n_shards = view.layout.num_shards
         self.SEQS = self.locks.index("seqs")
         self.SHARDS = [self.locks.index(f"index.{i}") for i in range(n_shards)]
         self.FREE = self.locks.index("free")
-        self.ALL = set(range(len(self.locks.names)))
-        self.store = BlockStore(view, client, self.FREE, self.SHARDS)
         # The C core (native.py): before the probes, which configure their checks in it
-        # (devicechecks.py). `_native` is the same core for the hot operations, None while
-        # KVSCOPE_NATIVE=0 sends them to the Python path; `_core` runs the rest either way
-        # (recovery, close: csrc/recovery.c).
+        # (devicechecks.py).
         self._core = native.core_for(self)
-        # (the slot reserve is the core's: the table claims and releases through it)
-        self.seqtab = SeqTable(view, self.SEQS, client, self._core)
-        self._native = self._core if native.available() else None
 
     def close(self) -> None:
         """Detach: return this process's local cache and slot reserve, release the mapping."""
@@ -244,40 +208,10 @@ class KVPool:
         if self.probe is not None and self.probe.flags.magic:
             self.probe.verify_often()
 
-    # -- the operation runner (runner.py) -----------------------------------------------------
-
-    def _run(self, locks: set[int], fn: Callable[[Txn], T]) -> T:
-        """Run fn in a transaction, escalating locks and recovering dead holders as needed."""
-        return runner.run(self, locks, fn)
-
-    def _count(self, t: Txn, field: str, n: int = 1) -> None:
-        """Add to a counter when (and only if) the transaction commits."""
-        if n:
-            t.after_commit.append(
-                lambda: self.counters[field].__setitem__(0, self.counters[field][0] + n)
-            )
-
-    def _track(self, t: Txn, seq: Sequence, slot: int | None = None) -> None:
-        """Enter seq in this handle's live sequences (the core's registry; at `slot`, else its
-        own) when t commits: under the mutex, before another thread can take or scan the slot."""
-        at = seq.slot if slot is None else slot
-        t.after_commit.append(lambda: self._core.track(at, seq))
-
-    def _untrack(self, t: Txn, slot: int) -> None:
-        """Drop `slot` from this handle's live (and sampled-guard) sequences when t commits:
-        after the commit the slot is anyone's, and a later allocation's entry must stay."""
-        t.after_commit.append(lambda: self._core.untrack(slot))
-
     def live(self) -> dict[int, Sequence]:
         """This handle's live sequences by slot, in the order they were entered (a copy of the
         C core's registry)."""
         return self._core.live()
-
-    def _site(self) -> int:
-        """The current operation's allocation site in the ownership probe's site table (-1:
-        off), as the C core records it itself (csrc/probes.c site_now)."""
-        probe = self._probe
-        return probe.sites.site() if probe is not None and probe.sites is not None else -1
 
     def _own(self, seq: Sequence) -> None:
         """PoolError unless seq is a live sequence of this handle."""
@@ -291,7 +225,7 @@ class KVPool:
         if seq.slot < 0:
             raise PoolError(f"sequence {seq.request_id!r} was already {seq.state}")
 
-    # -- sequences (the C core first where it has the operation, then the Python path) ---------
+    # -- sequences (each a call into the C core) -------------------------------------------------
 
     def allocate(self, request_id: object, tokens: Tokens) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence.
@@ -302,10 +236,7 @@ class KVPool:
             # (read once here: the rest of a long prompt is read from it again)
             tokens = list(tokens)
         guarded = self._before_claim()
-        seq = None if self._native is None else self._native.allocate(self, tokens, request_id)
-        if seq is None:
-            tokens = as_token_list(tokens)
-            seq = allocate.allocate(self, str(request_id), tokens)
+        seq = self._core.allocate(self, tokens, request_id)
         if self._found:
             self._hand_findings()
         if len(seq.tokens) < len(tokens):
@@ -323,7 +254,7 @@ class KVPool:
         return seq
 
     def _before_claim(self) -> bool:
-        """What comes before a new sequence is claimed (allocate, the core's resume): the
+        """What comes before a new sequence is claimed (allocate, resume): the
         probes' answers settled, the guard sample drawn (True: this one is guarded), this
         process's slot reserve refilled."""
         if self.probe is not None:
@@ -343,21 +274,12 @@ class KVPool:
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
         """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
         copies to perform first."""
-        done = None if self._native is None else self._native.append(self, seq, tokens)
-        if done is None:
-            done = self._append_rest(seq, tokens)
+        done = self._core.append(self, seq, tokens)
         if self._found:
             self._hand_findings()
         if self._overdue[0]:
             self._settle_overdue()
         return done
-
-    def _append_rest(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
-        """The Python path's append of what the core handed back: every token, or those after
-        the chunks it appended (a long append that ran short of blocks)."""
-        done = None if self._native is None else self._native.append_done()
-        copies, k = ([], 0) if done is None else done
-        return copies + append.append(self, seq, as_token_list(tokens)[k:])
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
@@ -374,10 +296,8 @@ class KVPool:
         return self._publish(seq, num_tokens)
 
     def _publish(self, seq: Sequence, num_tokens: int) -> int:
-        """mark_computed of at most CHUNK blocks: the core's, or the Python path's."""
-        done = None if self._native is None else self._native.mark_computed(self, seq, num_tokens)
-        if done is None:
-            done = publish.mark_computed(self, seq, num_tokens)
+        """mark_computed of at most CHUNK blocks (the core's)."""
+        done = self._core.mark_computed(self, seq, num_tokens)
         if self._found:
             self._hand_findings()
         if self._overdue[0]:
@@ -396,13 +316,10 @@ class KVPool:
         """A new sequence sharing every block of seq (refcounts +1); `request_id` as in
         `allocate`."""
         self._reserve_ready(claiming=True)
-        if self._native is not None:
-            child = self._native.fork(self, seq, request_id)
-            if self._found:
-                self._hand_findings()
-            if child is not None:
-                return child
-        return fork.fork(self, seq, str(request_id))
+        child = self._core.fork(self, seq, request_id)
+        if self._found:
+            self._hand_findings()
+        return child
 
     def free(self, seq: Sequence) -> None:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
@@ -425,35 +342,27 @@ class KVPool:
         self._end(seq, _ABORTED)
 
     def _end(self, seq: Sequence, final: int) -> None:
-        """free or abort: the core's release (or the Python path's). What the core reported
+        """free or abort: the core's release. What the core reported
         reaches `on_finding` even where it refuses the release (a second free's double_free)."""
         self._reserve_ready(claiming=False)
         try:
-            if self._native is None or self._native.end(self, seq, final) is None:
-                release.end(self, seq, SeqState(final))
+            self._core.end(self, seq, final)
         finally:
             if self._found:
                 self._hand_findings()
 
     def set_state(self, seq: Sequence, state: str) -> None:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""
-        if self._native is None or self._native.set_state(self, seq, state) is None:
-            preempt.set_state(self, seq, state)
+        self._core.set_state(self, seq, state)
         if self._found:
             self._hand_findings()
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
-        if self._native is None:
-            return preempt.resume(self, seq)
-        tick = self._guard_tick
         guarded = self._before_claim()
-        cached = self._native.resume(self, seq)
+        cached = self._core.resume(self, seq)
         if self._found:
             self._hand_findings()
-        if cached is None:
-            self._guard_tick = tick  # (the Python path's allocate samples it)
-            return preempt.resume(self, seq)
         if guarded:
             self._core.guard(seq.slot)
         return cached

@@ -1,12 +1,15 @@
 """The probes a pool handle runs: flight recorder, ownership sites, guard slots, leak and magic
-checks. The pool holds `probe = None` when every one is off, so each hook costs one attribute
-check; `kvscope run` turns them on through KVSCOPE_* variables (docs/PROBES.md).
+checks, the digest. The C core runs them inside its operations (`native_bits` says which) and
+writes what they find into the findings ring; this is their state on the handle and what runs
+between operations: `pool.verify()`, the findings a reader or probe reports (`report`), and the
+findings the core wrote, read back for `on_finding` (`ring_findings`). The pool holds
+`probe = None` when every one is off; `kvscope run` turns them on through KVSCOPE_* variables
+(docs/PROBES.md).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,14 +23,13 @@ from kvscope.allocator.layout import (
     BlockState,
     header_checksum,
 )
+from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.probeflags import ProbeFlags
-from kvscope.allocator.sites import SiteTable, caller_site, site_text
+from kvscope.allocator.sites import SiteTable, site_text
 from kvscope.allocator.writes import WriteProbes
 
 if TYPE_CHECKING:
-    from kvscope.allocator.pool import KVPool
-    from kvscope.allocator.sequence import Sequence
-    from kvscope.allocator.txn import Txn
+    from kvscope.allocator.handle import PoolHandle
 
 
 # With the magic probe on, operations re-verify the header at most this often.
@@ -42,7 +44,7 @@ NATIVE_SITE_DEPTH_SHIFT = 16  # the frames per site, from this bit up
 class PoolProbes:
     """Probe state of one pool handle."""
 
-    def __init__(self, pool: KVPool, flags: ProbeFlags):
+    def __init__(self, pool: PoolHandle, flags: ProbeFlags):
         self.pool = pool
         self.flags = flags
         self.recorder = EventRecorder(pool.view, pool.client, pool.pid) if flags.events else None
@@ -52,10 +54,7 @@ class PoolProbes:
         # verify() runs inside pool operations that verify() itself starts: never recurse.
         self.verifying = False
         self.last_verify = 0.0
-        if flags.magic:
-            # Every record an operation is about to change is checked first (blocks.py `save`).
-            pool.store.verify_hook = self.check_records
-        self.writes = WriteProbes(self)
+        self.writes = WriteProbes(pool, flags)
 
     def native_bits(self) -> int:
         """The probes as the C core's probe word (P_* of allocator/csrc/core.h)."""
@@ -70,21 +69,14 @@ class PoolProbes:
             bits |= self.sites.depth << NATIVE_SITE_DEPTH_SHIFT
         return bits
 
-    # -- flight recorder -----------------------------------------------------------------------
-
-    def event(self, t: Txn, op: EventOp, ids, request: bytes = b"", arg: int = 0) -> None:
-        """Record an event when the transaction commits."""
-        if self.recorder is not None:
-            rec = self.recorder
-            ids = np.array(ids, np.int64, copy=True)
-            t.after_commit.append(lambda: rec.record(op, ids, request, arg))
+    # -- findings --------------------------------------------------------------------------------
 
     def report(self, f: Finding, rec: np.void | None = None) -> bool:
         """Report a finding once per (kind, block), with the block's last events and the
         allocation site of `rec` (the block's record as the finding saw it; default: now).
 
-        The kinds the C core reports itself are counted once in the core, whichever path
-        finds them (its `first_report`); the finding is written into the ring by the core
+        The kinds the C core reports itself are counted once in the core, whoever finds them
+        (its `first_report`); the finding is written into the ring by the core
         (`KVPool.report`)."""
         key = (f.kind, -1 if f.block is None else f.block, f.request if f.block is None else "")
         first = self.pool._core.first_report(f.kind, key[1])
@@ -133,27 +125,16 @@ class PoolProbes:
         )
         return f if self.report(f, rec=r) else None
 
-    def double_end(self, seq: Sequence) -> None:
-        """A sequence already freed or aborted is released again (the pool refuses it)."""
-        self.report(
-            Finding(
-                FindingKind.DOUBLE_FREE,
-                f"request {seq.request_id!r} was already {seq.state} and is released again at "
-                f"{caller_site()}: the pool refused it (PoolError), but the caller frees twice",
-                owner_pid=self.pool.pid,
-                request=str(seq.request_id)[:32],
-            )
-        )
-
     # -- magic -----------------------------------------------------------------------------------
 
     def verify_often(self) -> None:
-        """The header (and conservation) from inside operations, at most every VERIFY_EVERY_S
-        (a step's cadence). Where the handle has the C core, the core's own check on the core's
-        clock (the one its operations keep: one check per interval, whichever path asks),
-        which reports what it finds itself."""
-        core = self.pool._native
-        if core is not None and core.verify_often(self.pool) is not None:
+        """The header (and conservation) from between operations (stats(), a block table), at
+        most every VERIFY_EVERY_S (a step's cadence): the core's own check on the core's clock
+        (the one its operations keep: one check per interval), which reports what it finds
+        itself; where the core would not run an operation now, this handle's own on its own
+        clock."""
+        core = self.pool._core
+        if core.verify_often(self.pool) is not None:
             if self.pool._found:
                 self.pool._hand_findings()
             return
@@ -170,7 +151,20 @@ class PoolProbes:
         """Header magic, version and checksum against the bytes seen at attach (cheap); with
         the leaks probe, block conservation too; in guard mode, every block's canary."""
         self.writes.settle(wait=True)
-        return self._once(lambda: self._verify() + self.writes.scan_canaries())
+        return self._once(lambda: self._verify() + self.scan_canaries())
+
+    def scan_canaries(self) -> list[Finding]:
+        """Guard mode: every block's guard slot (pool.verify()); findings reported."""
+        if not self.flags.guard:
+            return []
+        bad = [
+            blk
+            for blk in integrity.broken_canaries(self.pool.kv)
+            if self.block_finding(FindingKind.GUARD_VIOLATION, blk, integrity.CANARY_MESSAGE)
+        ]
+        return [
+            Finding(FindingKind.GUARD_VIOLATION, integrity.CANARY_MESSAGE, block=b) for b in bad
+        ]
 
     def _once(self, fn) -> list[Finding]:
         if self.verifying:
@@ -180,36 +174,6 @@ class PoolProbes:
             return fn()
         finally:
             self.verifying = False
-
-    def check_records(self, t: Txn | None, ids: np.ndarray) -> None:
-        """Before an operation changes block records: each must still match its checksum (a
-        record something outside the allocator wrote is reported, once, before it is resealed
-        over). Records already checked in this transaction are skipped: it may change one in
-        steps and save it again."""
-        todo = np.atleast_1d(ids).tolist()
-        if t is not None:
-            seen = t.__dict__.setdefault("checked_records", set())
-            todo = [b for b in todo if b not in seen]
-            seen.update(todo)
-        if not todo:
-            return
-        b = self.pool.view.blocks
-        for blk in self.pool.store.unsealed(todo):
-            rec = b[blk].copy()
-
-            def found(blk: int = blk, rec: np.void = rec) -> None:
-                self.block_finding(
-                    FindingKind.BLOCK_HEADER_CORRUPT,
-                    blk,
-                    "block record checksum mismatch when the allocator was about to change it: "
-                    "its header was overwritten outside the allocator",
-                    rec=rec,
-                )
-
-            if t is None:
-                found()
-            else:
-                t.after_commit.append(found)
 
     def _verify(self) -> list[Finding]:
         view = self.pool.view
@@ -235,23 +199,35 @@ class PoolProbes:
         self.report(f)
         return [f]
 
-    # -- leaks at request end ----------------------------------------------------------------------
+    # -- leaks -----------------------------------------------------------------------------------
 
     def conservation(self) -> list[Finding]:
         """Under the free lock: the ring holds exactly the free blocks, and this process's
-        local cache exactly its LOCAL blocks (free + cached + allocated + local == total)."""
+        local cache exactly its LOCAL blocks (free + cached + allocated + local == total), as
+        the core counts them (csrc/probes.c conservation). Nothing when a dead process left the
+        lock held (the core's next operation under it recovers it; the next check counts). The
+        local cache changes without the lock, in this process's own operations: a count one of
+        them overlapped (its client record's counter moved) compares the ring only."""
         pool = self.pool
-        b = pool.view.blocks
-
-        def count(t: Txn) -> tuple[int, int, int, int]:
+        view = pool.view
+        b = view.blocks
+        counter = view.clients["seq"][pool.client : pool.client + 1]
+        try:
+            pool.locks.acquire(pool.FREE)
+        except DeadHolder:
+            return []
+        try:
+            before = int(counter[0])
             st = np.bincount(b["state"], minlength=len(BlockState))
             mine = int(
                 ((b["state"] == BlockState.LOCAL) & (b["owner_client"] == pool.client)).sum()
             )
             free = int(st[BlockState.FREE] + st[BlockState.QUARANTINED])
-            return free, pool.store.ring_count, mine, int(pool.store.local_count[0])
-
-        free, ring, mine, local = pool._run({pool.FREE}, count)
+            ring = int(view.ring_header["count"][0])
+            local = int(view.clients["local_count"][pool.client])
+            steady = before % 2 == 0 and int(counter[0]) == before
+        finally:
+            pool.locks.release(pool.FREE)
         out = []
         if free != ring:
             out.append(
@@ -260,7 +236,7 @@ class PoolProbes:
                     f"{free} blocks are free but the free ring holds {ring}: blocks were lost or freed twice",
                 )
             )
-        if mine != local:
+        if steady and mine != local:
             out.append(
                 Finding(
                     FindingKind.FREE_LIST_CORRUPT,
@@ -270,103 +246,6 @@ class PoolProbes:
         for f in out:
             self.report(f)
         return out
-
-    def before_release(self, ids: list[int], request: str) -> None:
-        """Refcounts of this process's unindexed blocks against its own block tables."""
-        if not self.flags.leaks or not ids:
-            return
-        b = self.pool.view.blocks
-        refs = self._mapped()
-        for blk in ids:
-            if b["indexed"][blk] or b["state"][blk] != BlockState.ALLOCATED:
-                continue
-            rc = int(b["refcount"][blk])
-            if rc != refs[blk]:
-                self.block_finding(
-                    FindingKind.REFCOUNT_MISMATCH,
-                    blk,
-                    f"refcount is {rc} but {refs[blk]} sequence(s) of this process map the block (at the end of request {request!r})",
-                )
-
-    def _mapped(self) -> Counter[int]:
-        """How many of this handle's live sequences map each block (their tables in the
-        segment: what the C core counts too)."""
-        seqs = self.pool.view.seqs
-        refs: Counter[int] = Counter()
-        for slot in self.pool.live():
-            refs.update(seqs["table"][slot, : int(seqs["num_blocks"][slot])].tolist())
-        return refs
-
-    def held_after_release(self, ids: list[int]) -> list[tuple[int, np.void]]:
-        """Inside a release's transaction, after its drops: the blocks of `ids` this process
-        still holds (its own, unindexed, referenced), with their records as they are now.
-
-        Read here and not after the commit: a block the release freed can be taken by another
-        process the moment the locks are released, and would then look held by this one.
-        """
-        if not self.flags.leaks or not ids:
-            return []
-        b = self.pool.view.blocks
-        arr = np.asarray(ids, np.int64)
-        held = arr[
-            (b["state"][arr] == BlockState.ALLOCATED)
-            & (b["indexed"][arr] == 0)
-            & (b["refcount"][arr] > 0)
-            & (b["owner_client"][arr] == self.pool.client)
-        ]
-        return [(int(blk), b[int(blk)].copy()) for blk in np.unique(held).tolist()]
-
-    def after_release(self, held: list[tuple[int, np.void]], request: str) -> None:
-        """Blocks a finished request left held (`held_after_release`) that no sequence of this
-        process maps: leaked, reported with the record seen inside the release."""
-        if not held:
-            return
-        mapped = self._mapped()
-        for blk, rec in held:
-            if blk not in mapped:
-                self.block_finding(
-                    FindingKind.LEAK_FINISHED,
-                    blk,
-                    f"request {request!r} ended but its block is still allocated (refcount {int(rec['refcount'])}) and no sequence maps it",
-                    rec=rec,
-                )
-
-    # -- guard mode -----------------------------------------------------------------------------
-
-    def check_guard(self, t: Txn, ids: np.ndarray) -> None:
-        """The guard slots of blocks a release frees: one that changed is reported (and its
-        canary restored) when the release commits; on a CUDA pool the check is answered later
-        (devicechecks.py), as the C core's releases are."""
-        later = self.writes.later
-        if later is not None:
-            later.canaries([int(x) for x in ids])
-            return
-        from kvscope.kernels import fill_guard
-
-        bad = list(integrity.broken_canaries(self.pool.kv, np.asarray(ids, np.int64)))
-        if bad:
-            fill_guard(self.pool.kv, blocks=bad)
-            t.after_commit.append(lambda: self.report_guard(bad))
-
-    def report_guard(self, bad: list[int], recs: np.ndarray | None = None) -> None:
-        """Report guard violations found by check_guard (with the blocks' records as the release
-        saw them, `recs`, when they are reported later: devicechecks.py)."""
-        for i, blk in enumerate(bad):
-            if self.recorder is not None:
-                self.recorder.record(EventOp.GUARD_VIOLATION, [blk])
-            rec = None if recs is None else recs[i]
-            self.block_finding(FindingKind.GUARD_VIOLATION, blk, integrity.CANARY_MESSAGE, rec=rec)
-
-    def poison(self, ids: list[int]) -> None:
-        """Fill freed blocks' token slots with NaN so a stale read shows up as NaN attention
-        (at commit: blocks the same operation handed out again are left alone)."""
-        b = self.pool.view.blocks
-        ids = [int(x) for x in ids if b["state"][x] != BlockState.ALLOCATED]
-        later = self.writes.later
-        if later is not None and ids:
-            later.fill(ids)  # (a CUDA pool: the check kernel's fill, as the core's releases)
-        else:
-            integrity.poison(self.pool.kv, ids, self.pool.block_size)
 
 
 def ring_findings(view, positions: list[int]) -> list[Finding]:

@@ -17,7 +17,7 @@ from kvscope.allocator.layout import SITE_DTYPE
 if TYPE_CHECKING:
     from types import FrameType
 
-    from kvscope.allocator.pool import KVPool
+    from kvscope.allocator.handle import PoolHandle
 
 KVSCOPE_DIRS = _KVSCOPE_DIRS = tuple(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
@@ -65,7 +65,7 @@ def caller_site() -> str:
 class SiteTable:
     """This process's view of the segment's site table: text -> id, interned once per process."""
 
-    def __init__(self, pool: KVPool, depth: int | None = None):
+    def __init__(self, pool: PoolHandle, depth: int | None = None):
         self.pool = pool
         self.cache: dict[tuple[str, int, str], int] = {}
         self.stacks: dict[tuple[int, ...], int] = {}

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvscope.allocator.journal import Journal
+from kvscope.allocator import journal
 from kvscope.allocator.layout import ClientState, SegmentView, block_checksums, block_words
 from kvscope.allocator.process import is_alive
 
@@ -133,7 +133,7 @@ class Seqlock:
         next operation (which changes its counter, and the copy is taken again).
         """
         cl = self.view.clients
-        if Journal(self.view, c).problem() is not None:
+        if journal.problem(self.view, c) is not None:
             # Recovery will not apply a journal it cannot trust (its writes stand): nor does this.
             return
         n = min(max(int(cl["journal_count"][c]), count_before), len(cl["journal"][c]))

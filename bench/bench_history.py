@@ -5,8 +5,7 @@
 
 1. Stacks: bench_probes.py's iteration (allocate a 40-token prompt, append 8 tokens, publish,
    free) with the ownership probe at depth 1 (a site is one frame) and at depth 8, called from
-   10 frames deep so that 8 frames are there to record; beside every probe off on the same
-   Python path. One core pinned, GC off, interleaved rounds, median of --repeat.
+   10 frames deep so that 8 frames are there to record; beside every probe off. One core pinned, GC off, interleaved rounds, median of --repeat.
 2. The time series: what one sample (`kvscope.history.read_sample`) costs on pools of 4,096
    and 100,000 blocks, the share of a core that makes at the supervisor's interval, and a pool
    user's throughput (the same iteration, C core) while a second process samples its pool as
@@ -43,7 +42,7 @@ def deep(levels: int, fn, *args):
 
 def stacks(n: int, reps: int) -> None:
     configs = {
-        "every probe off, Python path": ({"_python": "1"}, "1"),
+        "every probe off": ({}, "1"),
         "ownership, 1 frame per site": ({"KVSCOPE_OWNERSHIP": "1"}, "1"),
         "ownership, KVSCOPE_STACK_DEPTH=8": ({"KVSCOPE_OWNERSHIP": "1"}, "8"),
     }
@@ -65,7 +64,7 @@ def stacks(n: int, reps: int) -> None:
             pool.close()
             pool.unlink()
     base = statistics.median(rates["ownership, 1 frame per site"])
-    off = statistics.median(rates["every probe off, Python path"])
+    off = statistics.median(rates["every probe off"])
     print(
         "| configuration | iterations/s | vs ownership at 1 frame | vs every probe off | site entries |"
     )

@@ -1,13 +1,12 @@
-"""Cost of the probes that catch writes into blocks the writer does not own (allocator/writes.py,
-allocator/integrity.py): per operation, per whole-pool pass, and per block digest.
+"""Cost of the probes that catch writes into blocks the writer does not own (the C core's
+csrc/kvdata.c, allocator/integrity.py): per operation, per whole-pool pass, and per block digest.
 
     python bench/bench_integrity.py            # ~1 minute on CPU
     python bench/bench_integrity.py --quick
     python bench/bench_integrity.py --device cuda    # the digest kernel on a GPU too
 
 1. Per operation: bench_probes.py's workload (allocate a 40-token prompt, 8 one-token appends,
-   publish, free) on the Python path, each probe with and without its new check (the check
-   switched off by replacing its hook), interleaved rounds, median.
+   publish, free) with each of these probes on, interleaved rounds, median.
 2. Whole pool: `pool.verify()` (guard: every canary) and `pool.check()` (the KV checks
    included) on a 4096-block pool.
 3. Digests: `block_digests` over a batch of blocks of a small and of a Llama-8B-like geometry.
@@ -40,34 +39,17 @@ def make(env: dict[str, str], num_blocks: int = 4096, **geometry) -> KVPool:
         os.environ[k] = env.get(k, "0")
     os.environ.pop("KVSCOPE_RUN_DIR", None)
     geo = dict(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16") | geometry
-    pool = KVPool.create(
+    return KVPool.create(
         f"bint-{uuid.uuid4().hex[:8]}", PoolConfig(num_blocks=num_blocks, block_size=16, **geo)
     )
-    pool._native = None  # the Python path, where the probes live
-    return pool
-
-
-def without(pool: KVPool, what: str) -> KVPool:
-    """The pool with one of the new checks switched off (to measure what it adds)."""
-    w = pool.probe.writes  # type: ignore[union-attr]
-    if what == "records":
-        pool.store.verify_hook = None
-    elif what == "poison":
-        w._check_poison = lambda t, ids: None  # type: ignore[method-assign]
-    elif what == "stale":
-        w._check_unmapped = lambda t, ids, request: None  # type: ignore[method-assign]
-    return pool
 
 
 def per_operation(n: int, reps: int) -> None:
     on = "1"
     configs: dict[str, Callable[[], KVPool]] = {
         "every probe off": lambda: make({}),
-        "magic, without the record checks": lambda: without(make({"KVSCOPE_MAGIC": on}), "records"),
         "magic (record checksums before every change)": lambda: make({"KVSCOPE_MAGIC": on}),
-        "leaks, without the stale-table scan": lambda: without(make({"KVSCOPE_LEAKS": on}), "stale"),
         "leaks (with the stale-table scan)": lambda: make({"KVSCOPE_LEAKS": on}),
-        "guard, without the poison check": lambda: without(make({"KVSCOPE_GUARD": on}), "poison"),
         "guard (poison verified before reuse)": lambda: make({"KVSCOPE_GUARD": on}),
         "digest (published blocks)": lambda: make({"KVSCOPE_DIGEST": on}),
         "all probes": lambda: make({k: on for k in ALL}),
@@ -85,7 +67,7 @@ def per_operation(n: int, reps: int) -> None:
             pool.close()
             pool.unlink()
     base = statistics.median(rates["every probe off"])
-    print("| configuration (Python path) | iterations/s | vs every probe off |")
+    print("| configuration | iterations/s | vs every probe off |")
     print("|---|---:|---:|")
     for name in configs:
         r = statistics.median(rates[name])

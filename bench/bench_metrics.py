@@ -8,8 +8,7 @@ on a 4096-block CPU pool. The same pool runs rounds of requests plainly and inst
 (`KVPoolInstrumentor` on that pool: the operation, lock wait/hold and block-lifetime
 histograms, a request span per sequence; an in-memory metric reader, a tracer provider without
 exporters), alternating so that load changes hit both alike; the median of each is reported,
-with the machine's load average before and after. `--python` runs the pool's Python path
-(KVSCOPE_NATIVE=0) instead of its C core.
+with the machine's load average before and after.
 """
 
 from __future__ import annotations
@@ -42,11 +41,8 @@ def requests(pool: KVPool, n: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
-    ap.add_argument("--python", action="store_true", help="the Python path (KVSCOPE_NATIVE=0)")
     args = ap.parse_args()
     rounds, n = (5, 100) if args.quick else (15, 300)
-    if args.python:
-        os.environ["KVSCOPE_NATIVE"] = "0"
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
@@ -79,13 +75,12 @@ def main() -> int:
             reader.get_metrics_data()  # the reader's periodic collection, outside the timing
     finally:
         gc.enable()
-        native = pool._native is not None
         pool.close()
         pool.unlink()
         mp.shutdown()
     a, b = statistics.median(plain), statistics.median(instrumented)
     per_op = (b - a) / OPS_PER_REQUEST
-    print(f"path: {'C core' if native else 'Python'}; {rounds} rounds of {n} requests each way")
+    print(f"{rounds} rounds of {n} requests each way")
     print(f"plain:        {a * 1e6:8.1f} us/request")
     print(f"instrumented: {b * 1e6:8.1f} us/request  ({b / a:.1f}x)")
     print(f"cost:         {per_op * 1e6:8.1f} us per operation ({OPS_PER_REQUEST} per request)")

@@ -62,9 +62,9 @@ def make(name: str, probes: bool):
 
 def operations(torch, pool, tag: str, base: int) -> dict[str, float]:
     """allocate (a 40-token prompt: 3 blocks), mark_computed (2 full blocks published), an
-    append of 9 tokens (a fourth block; several tokens at once: the Python path, as the C core
-    appends one token at a time), free (4 blocks); one sequence per call, each its own prompt
-    (a prompt already published would make the publication a no-op), numbered from `base`."""
+    append of 9 tokens (a fourth block; several tokens at once), free (4 blocks); one sequence
+    per call, each its own prompt (a prompt already published would make the publication a
+    no-op), numbered from `base`."""
     seqs = {}
 
     def allocate(i):
@@ -102,13 +102,20 @@ def main() -> None:
         print(f"{'operation':16s} {'probes off':>11s} {'kvscope run':>12s}   (host us, median)")
         for k in a:
             print(f"{k:16s} {a[k]:11.1f} {b[k]:12.1f}")
+        core = probed._core
+
+        def queue(kind: str, ids: list[int], when: str | None = None) -> None:
+            """One check of the core's queue, as an operation of the core launches it."""
+            with probed._mutex:
+                core.device_queue(kind, ids, when)
+
         checks = [
-            ("digest 1 block (publish)", lambda i: later.stamp([5])),
-            ("digest 2 blocks (verify)", lambda i: later.verify([5, 6], "a check")),
-            ("poison check 1 block", lambda i: later.poison([5])),
-            ("canaries 4 blocks", lambda i: later.canaries([5, 6, 7, 8])),
-            ("never-written 3 blocks", lambda i: probed._core.unwritten([5, 6, 7], 40, "r")),
-            ("poison fill 4 blocks", lambda i: later.fill([5, 6, 7, 8])),
+            ("digest 1 block (publish)", lambda i: queue("stamp", [5])),
+            ("digest 2 blocks (verify)", lambda i: queue("verify", [5, 6], "a check")),
+            ("poison check 1 block", lambda i: queue("poison", [5])),
+            ("canaries 4 blocks", lambda i: queue("canary", [5, 6, 7, 8])),
+            ("never-written 3 blocks", lambda i: core.unwritten([5, 6, 7], 40, "r")),
+            ("poison fill 4 blocks", lambda i: queue("fill", [5, 6, 7, 8])),
         ]
         print(f"\n{'check':28s} host us (median), launched by the C core")
         for name, fn in checks:

@@ -1,4 +1,4 @@
-"""Cost of each probe on the pool's hot operations, and of the undo journal, in one run.
+"""Cost of each probe on the pool's hot operations, in one run.
 
     python bench/bench_probes.py            # ~1 minute
     python bench/bench_probes.py --quick
@@ -16,7 +16,6 @@ import os
 import statistics
 import sys
 import time
-import timeit
 import uuid
 
 from kvscope.allocator import KVPool, PoolConfig
@@ -48,8 +47,6 @@ def make(env: dict[str, str]) -> KVPool:
             dtype="float16",
         ),
     )
-    if env.get("_python"):
-        pool._native = None  # the Python path, as with KVSCOPE_NATIVE=0
     if env.get("KVSCOPE_LOCKDEP") == "1":
         from kvscope.probes import lockdep
 
@@ -80,13 +77,6 @@ def workload(pool: KVPool, n: int, min_s: float = MIN_S) -> float:
     return done / (time.process_time() - t)
 
 
-def no_journal(pool: KVPool) -> None:
-    """The same pool with journal writes turned into no-ops (for the journaling cost only)."""
-    j = pool.journal
-    j.save = lambda offset, length: None  # type: ignore[method-assign]
-    j.save_records = lambda array, base, ids: None  # type: ignore[method-assign]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -104,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     light = {k: "1" for k in LIGHT_VARS}
     configs = {
         "every probe off (the C core)": {},
-        "every probe off, Python path (KVSCOPE_NATIVE=0)": {"_python": "1"},
-        "undo journal off, Python path (not a real mode)": {"_python": "1"},
         "magic": {"KVSCOPE_MAGIC": "1"},
         "ownership (sites)": {"KVSCOPE_OWNERSHIP": "1"},
         "events (flight recorder)": {"KVSCOPE_EVENTS": "1"},
@@ -118,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         "light probes + sampled guard 1/64": {**light, "KVSCOPE_GUARD": "1", SAMPLE_VAR: "64"},
     }
     pools = {name: make(env) for name, env in configs.items()}
-    no_journal(pools["undo journal off, Python path (not a real mode)"])
     rates: dict[str, list[float]] = {name: [] for name in configs}
     try:
         for pool in pools.values():
@@ -127,40 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             # Interleaved rounds: every configuration sees the same machine conditions.
             for name, pool in pools.items():
                 rates[name].append(workload(pool, n))
-        # The share of operations the C core ran (the rest went to the Python path).
-        native_share = {}
-        for name, pool in pools.items():
-            if pool._native is not None:
-                st = pool._native.stats()
-                native_share[name] = st["native_ops"] / max(1, st["native_ops"] + st["fallbacks"])
     finally:
         for pool in pools.values():
             pool.close()
             pool.unlink()
-    base = statistics.median(rates["every probe off, Python path (KVSCOPE_NATIVE=0)"])
     fast = statistics.median(rates["every probe off (the C core)"])
-    # The cost of the hooks themselves when off: one `is not None` check each.
-    probe = None
-    check_ns = (
-        min(
-            timeit.repeat("probe is not None", globals={"probe": probe}, number=1_000_000, repeat=5)
-        )
-        * 1e3
-    )
     print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
-    print("| configuration | iterations/s | vs the C core | in the C core |")
-    print("|---|---:|---:|---:|")
+    print("| configuration | iterations/s | vs the C core |")
+    print("|---|---:|---:|")
     for name in configs:
         r = statistics.median(rates[name])
-        share = native_share.get(name)
-        shown = "-" if share is None else f"{share:.0%}"
-        print(f"| {name} | {r:,.0f} | {r / fast:.2f}x | {shown} |")
-    hooks = 40  # upper bound of probe checks per iteration (allocate, 8 appends, publish, free)
-    per_iter_us = 1e6 / base
-    print(
-        f"\nhooks when off (Python path): {hooks} checks x {check_ns:.0f} ns = {hooks * check_ns / 1e3:.2f} us per iteration "
-        f"of {per_iter_us:.0f} us ({hooks * check_ns / 1e3 / per_iter_us:.3%})"
-    )
+        print(f"| {name} | {r:,.0f} | {r / fast:.2f}x |")
     return 0
 
 

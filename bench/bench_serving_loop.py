@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     light = {k: "1" for k in LIGHT_VARS}
     configs = {
         "every probe off (the C core)": {},
-        "every probe off, Python path (KVSCOPE_NATIVE=0)": {"_python": "1"},
         "light probes (magic, ownership, events, leaks, lockdep)": light,
         "light probes + sampled guard 1/64": {**light, "KVSCOPE_GUARD": "1", SAMPLE_VAR: "64"},
         "all probes (as under kvscope run)": {k: "1" for k in PROBE_VARS},
@@ -88,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeat):
         # Interleaved rounds, a fresh pool each: every configuration sees the same machine.
         for name, env in configs.items():
-            # (the Python path, some 10x slower, runs a tenth of the steps)
-            steps = args.steps // 10 if "Python path" in name else args.steps
+            steps = args.steps
             # Runs of `steps` (seeds r, r + repeat, ...) for at least --min-s: the C core does
             # 300 steps in a few tens of ms, too short to time on a shared machine.
             ops = 0.0

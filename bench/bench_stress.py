@@ -1,6 +1,6 @@
 """Many processes, hostile neighbours: workers on one pool, a killer, concurrent reclaimers.
 
-    python bench/bench_stress.py                  # 120 s per core (C core, then Python path)
+    python bench/bench_stress.py                  # 120 s
     python bench/bench_stress.py --seconds 20     # shorter
 
 Workers run a serving mix on one pool (shared prefixes, appends with copy-on-write, fork,
@@ -153,13 +153,12 @@ class Worker:
                     self.verify(seq)
 
 
-def _child(fn: Callable[[], None], native: bool) -> int:
+def _child(fn: Callable[[], None]) -> int:
     pid = os.fork()
     if pid:
         return pid
     code = 0
     try:
-        os.environ["KVSCOPE_NATIVE"] = "1" if native else "0"
         fn()
     except BaseException:
         traceback.print_exc()
@@ -199,9 +198,7 @@ def _analyze_live(name: str) -> tuple[float, bool, int]:
     return time.perf_counter() - t0, rep["pool"]["consistent"], errors
 
 
-def stress(
-    seconds: float, *, workers: int = 5, native: bool = True, seed: int = 0
-) -> dict[str, Any]:
+def stress(seconds: float, *, workers: int = 5, seed: int = 0) -> dict[str, Any]:
     """Run the stress for `seconds` on a fresh pool; the figures of the run."""
     rng = random.Random(seed)
     name = f"stress-{uuid.uuid4().hex[:8]}"
@@ -228,11 +225,11 @@ def stress(
         out["worker_exits"] += not os.WIFSIGNALED(status)
 
     def spawn(w: int) -> int:
-        return _child(lambda: Worker(name, rng.randrange(1 << 30), counters[w]).run(), native)
+        return _child(lambda: Worker(name, rng.randrange(1 << 30), counters[w]).run())
 
     try:
         pids = [spawn(w) for w in range(workers)]
-        helpers = [_child(lambda s=s: _reclaimer(name, s), native) for s in (1, 2)]
+        helpers = [_child(lambda s=s: _reclaimer(name, s)) for s in (1, 2)]
         end = time.monotonic() + seconds
         next_kill = time.monotonic() + rng.uniform(0.2, 2.0)
         next_repair = time.monotonic() + rng.uniform(0.5, 1.5)
@@ -250,7 +247,7 @@ def stress(
                 if repairing and os.waitpid(repairing, os.WNOHANG)[0]:
                     repairing = 0
                 if not repairing:
-                    repairing = _child(lambda: _repair(name), native)
+                    repairing = _child(lambda: _repair(name))
                     out["repairs"] += 1
                 next_repair = now + rng.uniform(0.5, 1.5)
                 out["analyses"].append(_analyze_live(name))
@@ -281,26 +278,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(
-        "| core | seconds | kills | operations | corruptions | blocks lost | workers failed "
+        "| seconds | kills | operations | corruptions | blocks lost | workers failed "
         "| live analyses (consistent) | analyze median / max s | errors in consistent analyses |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for native in (True, False):
-        r = stress(args.seconds, workers=args.workers, native=native, seed=args.seed)
-        an = r["analyses"]
-        times = sorted(s for s, _, _ in an)
-        consistent = sum(c for _, c, _ in an)
-        errors = sum(e for _, c, e in an if c)
-        corruptions = r["corruptions"] + len(r["check"])
-        print(
-            f"| {'C core' if native else 'Python (KVSCOPE_NATIVE=0)'} | {args.seconds:.0f} "
-            f"| {r['kills']} | {r['operations']:,} | {corruptions} | {r['blocks_lost']} "
-            f"| {r['worker_exits']} | {len(an)} ({consistent}) "
-            f"| {times[len(times) // 2]:.2f} / {times[-1]:.2f} | {errors} |",
-            flush=True,
-        )
-        for line in r["check"]:
-            print("   ", line)
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    r = stress(args.seconds, workers=args.workers, seed=args.seed)
+    an = r["analyses"]
+    times = sorted(s for s, _, _ in an)
+    consistent = sum(c for _, c, _ in an)
+    errors = sum(e for _, c, e in an if c)
+    corruptions = r["corruptions"] + len(r["check"])
+    print(
+        f"| {args.seconds:.0f} "
+        f"| {r['kills']} | {r['operations']:,} | {corruptions} | {r['blocks_lost']} "
+        f"| {r['worker_exits']} | {len(an)} ({consistent}) "
+        f"| {times[len(times) // 2]:.2f} / {times[-1]:.2f} | {errors} |",
+        flush=True,
+    )
+    for line in r["check"]:
+        print("   ", line)
 
 
 if __name__ == "__main__":

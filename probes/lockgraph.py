@@ -98,7 +98,7 @@ class LocalGraph:
 
     shared = False
     # The pool's C core records the edges from a user lock of this graph into whichever pool's
-    # graph the thread then takes locks of (lockdep.py before, for the Python path).
+    # graph the thread then takes locks of.
     core_key = 0
 
     def __init__(self, notify: Callable[[Finding], None]):

@@ -13,7 +13,7 @@ each records `kvscope.pool.operation.duration`; allocate/fork start a `kvscope.r
 that free/abort end, with the request's block events (otel_traces.py); a finding reported in
 this process becomes an event on its request's span. Lock wait and hold times are read from
 the segment's lock records (what each operation added to them: otel_locks.py), which the C
-core and the Python path keep alike, so they are the same whichever ran the operation. Pool
+core keeps. Pool
 gauges and counters are read from the segment by ONE collector (`collect=True`,
 otel_metrics.py); under `kvscope run` the supervisor runs it, so a pool shared by several
 processes is counted once. Setup from OTEL_* variables: otel_exporters.py. Cost:

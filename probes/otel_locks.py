@@ -2,11 +2,11 @@
 
 Every acquisition adds to its lock's record (docs/FORMAT.md, "Locks"): `num_acquires`, the
 time it waited behind another holder (`wait_ns`, contended acquisitions only) and, at release,
-the time it held the lock (`hold_ns`). The C core and the Python path write these alike, so an
-operation's share of them is the same whichever path ran it. Around each instrumented operation
-(under the mapping's op mutex, which the pool's own operations take) the records are read
-before and after; for each lock the operation took k times, k values of (added time / k) go
-into the histogram: its count and sum are exact, its buckets resolve one operation's mean.
+the time it held the lock (`hold_ns`), written by whoever takes it (the C core for every
+operation). Around each instrumented operation (under the mapping's op mutex, which the pool's
+own operations take) the records are read before and after; for each lock the operation took k
+times, k values of (added time / k) go into the histogram: its count and sum are exact, its
+buckets resolve one operation's mean.
 
     times = LockTimes(wait_hist, hold_hist)
     before = times.snapshot(pool)

@@ -370,7 +370,10 @@ static inline void count(Native *n, int field, uint64_t k) {
 }
 
 /* Defined in a later part (the parts are one translation unit: see _native.c). */
-static PyObject *fallback(Native *n);
+/* A case the core does not handle: a bug, raised as a RuntimeError naming where (sequences.c;
+ * every call site is `fallback(n)`). */
+static PyObject *fallback_at(Native *n, const char *where, int line);
+#define fallback(n) fallback_at((n), __FILE__, __LINE__)
 static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
                       int64_t *got, int64_t later);
 static int run_ahead(Native *n);

@@ -106,12 +106,15 @@ static void drop_mutex(Native *n) {
     PyErr_Restore(type, value, tb);
 }
 
-/* The call hands its operation to the Python path: None, nothing changed. Where what stopped
- * it raised (txn_begin's ERROR: a failed wait, an error while recovering), that error instead. */
-static PyObject *fallback(Native *n) {
+/* A case the core does not handle (a bug): RuntimeError naming the place (fallback(n) in
+ * core.h). An error already set (txn_begin's ERROR: a failed wait, an error while recovering)
+ * stands instead. */
+static PyObject *fallback_at(Native *n, const char *where, int line) {
     if (PyErr_Occurred()) return NULL;
     n->fallbacks++;
-    Py_RETURN_NONE;
+    PyErr_Format(PyExc_RuntimeError,
+                 "kvscope core: a case the core does not handle (a bug): at %s:%d", where, line);
+    return NULL;
 }
 
 /* -- the slot reserve ---------------------------------------------------------------------- */

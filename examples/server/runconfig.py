@@ -143,7 +143,7 @@ def create_pool(config: RunConfig, max_n: int = 1) -> Any:
         device=config.device,
         # A process keeps a reserve of sequence slots only when max_seqs >= 4 x max_clients
         # (docs/POOL.md); without one, every allocation and free takes the sequence table's
-        # lock on the Python path instead of the C core. 16 slots at a time per process here.
+        # lock. 16 slots at a time per process here.
         max_clients=max_clients,
         max_seqs=max(2 * config.workers * config.max_num_seqs * max_n, 4 * max_clients * 16),
         guard=config.guard,
