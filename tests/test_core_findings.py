@@ -42,12 +42,11 @@ def test_report_writes_through_the_core(make_pool, monkeypatch):
     pool = make_pool(16)
     seen: list[Finding] = []
     pool.on_finding = seen.append
-    _no_python_transaction(pool, monkeypatch)
     # WHEN a finding is reported
     f = Finding("double_free", "block 5 was freed twice", block=5, owner_pid=77, request="r9")
     f.site_id = 3
     pool.report(f)
-    # THEN the core wrote it as it is (no transaction of the runner), and it was handed over
+    # THEN the core wrote it as it is, and it was handed over
     (got,) = pool.findings()
     assert (got.kind, got.block, got.owner_pid, got.request, got.severity, got.site_id) == (
         "double_free",
@@ -136,13 +135,13 @@ def test_a_double_free_is_written_by_the_core(make_pool, probes, monkeypatch):
     faults.configure("double-free:1")
     _refuse(monkeypatch, probing.PoolProbes, "block_finding")
     _no_python_transaction(pool, monkeypatch)
-    ops = pool._native.stats()["native_ops"]
+    ops = pool._core.stats()["native_ops"]
     seen: list[Finding] = []
     pool.on_finding = seen.append
     # WHEN the request ends
     pool.free(seq)
     # THEN the core released it and wrote one double_free about its last block
-    assert pool._native.stats()["native_ops"] == ops + 1 and faults.FIRED[-1] == "double-free"
+    assert pool._core.stats()["native_ops"] == ops + 1 and faults.FIRED[-1] == "double-free"
     (f,) = _kinds(pool, "double_free")
     assert (f.block, f.owner_pid, f.request) == (last, pool.pid, "priv")
     assert f.message == (
@@ -160,11 +159,11 @@ def test_a_scribbled_block_record_is_written_by_the_core(make_pool, probes, monk
     blk = first.block_table[0]
     pool.view.blocks["refcount"][blk] = 0x5A5A5A5A
     _refuse(monkeypatch, probing.PoolProbes, "check_records")
-    ops = pool._native.stats()["native_ops"]
+    ops = pool._core.stats()["native_ops"]
     # WHEN a prefix hit takes a reference on it (the core reseals the record)
     second = pool.allocate("second", list(range(9)))
     # THEN the core ran it, and reported the record once, as it was before it changed it
-    assert pool._native.stats()["native_ops"] == ops + 1 and second.num_cached_tokens == 8
+    assert pool._core.stats()["native_ops"] == ops + 1 and second.num_cached_tokens == 8
     (f,) = _kinds(pool, "block_header_corrupt")
     assert (f.block, f.owner_pid, f.request) == (blk, pool.pid, "first")
     assert "about to change it" in f.message
@@ -197,11 +196,11 @@ def test_a_cycle_the_core_closes_is_written_by_the_core(make_pool, monkeypatch, 
     seen: list[Finding] = []
     pool.on_finding = seen.append
     _refuse(monkeypatch, LockDep, "_learn")
-    ops = pool._native.stats()["native_ops"]
+    ops = pool._core.stats()["native_ops"]
     # WHEN an allocation hits a published prefix (the core's order: seqs -> index)
     _hit_prefix(pool)
     # THEN the core ran every operation and wrote the cycle it closed, once, naming both edges
-    assert pool._native.stats()["native_ops"] == ops + 5
+    assert pool._core.stats()["native_ops"] == ops + 5
     (f,) = _kinds(pool, "lock_order_cycle")
     pid = os.getpid()
     assert f.message.startswith(f"pid {pid} takes seqs -> index at test_core_findings.py:")

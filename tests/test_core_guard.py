@@ -149,7 +149,7 @@ def test_hostile_writes_in_a_random_run_are_found(
     monkeypatch.setenv("KVSCOPE_QUARANTINE", str(quarantine))
     monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", deferred)
     pool = _pool(pool_name, dtype, events=4096 if deferred else 256)
-    assert pool._native.stats()["kv_direct"] == (not deferred)
+    assert pool._core.stats()["kv_direct"] == (not deferred)
     rng = random.Random(5)
     systems = [[rng.randrange(50) for _ in range(9)] for _ in range(3)]
     live: list = []
@@ -289,7 +289,7 @@ def test_each_planted_write_is_found_the_same_way_through_the_queue(
     if WAYS[way]:
         monkeypatch.setattr(devicechecks, "RING_WORDS", WAYS[way])
     pool = _probed(pool_name, monkeypatch, deferred=True)
-    assert pool.probe.writes.later is not None and pool._native.device_stats() is not None
+    assert pool.probe.writes.later is not None and pool._core.device_stats() is not None
     # WHEN the same bad write happens on both
     # THEN both report it with the same kind, block, message and request
     assert _found(pool, scenario) == direct
@@ -305,7 +305,7 @@ def test_a_full_ring_reads_its_oldest_answers_first_and_mixes_none_up(pool_name,
         later = pool.probe.writes.later
         monkeypatch.setattr(later, "settling", True)
         seqs = []
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         for i in range(12):
             # WHEN twelve requests publish a block each (more than the ring holds)
             seq = _written(pool, f"r{i}", [7 * i + j for j in range(BS + 1)])
@@ -314,10 +314,10 @@ def test_a_full_ring_reads_its_oldest_answers_first_and_mixes_none_up(pool_name,
         published = [s.block_table[0] for s in seqs]
         # THEN the oldest answers were read to make room, none applied inside an operation
         assert not integrity.has_digest(pool.view.blocks, np.asarray(published)).any()
-        stats = pool._native.device_stats()
+        stats = pool._core.device_stats()
         assert stats["launched"] == 12 and stats["unapplied"] > 0 and stats["waiting"] < 12
         # (and the core ran every allocation and publication)
-        assert pool._native.stats()["native_ops"] == ops + 24
+        assert pool._core.stats()["native_ops"] == ops + 24
         # WHEN the answers are settled THEN each block's record holds its own digest
         monkeypatch.setattr(later, "settling", False)
         later.settle(wait=True)
@@ -344,7 +344,7 @@ def test_each_planted_write_is_found_on_a_cuda_pool(pool_name, monkeypatch, scen
 
     def run(pool: KVPool) -> None:
         scenario(pool)
-        core.update(pool._native.device_stats())
+        core.update(pool._core.device_stats())
 
     # WHEN the same bad write happens on both
     found = _found(pool, run)
@@ -375,13 +375,13 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
     pool = _probed(pool_name, monkeypatch, True)
     try:
         pool.free(_written(pool, "warm-up", [1, 2, 3]))
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         # WHEN a request is written and published
         seq = _written(pool, "a", list(range(9)))
         pool.mark_computed(seq, 9)
         # THEN the core ran it without the digests, which the next operation writes into the
         # records: the kernel's digests, tagged with the generation
-        assert pool._native.stats()["native_ops"] == ops + 2
+        assert pool._core.stats()["native_ops"] == ops + 2
         published = seq.block_table[:2]
         b = pool.view.blocks
         assert (b["kv_digest"][published] == 0).all()
@@ -418,7 +418,7 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         pool.verify()
         # THEN the digests wait, read, for the next settle where it can
         assert not integrity.has_digest(pool.view.blocks, np.asarray(many)).any()
-        assert pool._native.device_stats()["unapplied"] == len(many)
+        assert pool._core.device_stats()["unapplied"] == len(many)
         pool._busy[0] = busy
         pool.verify()
         assert integrity.has_digest(pool.view.blocks, np.asarray(many)).all()
@@ -459,7 +459,7 @@ def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
     pool = _probed(pool_name, monkeypatch)
     try:
         pool.free(_written(pool, "warm-up", [1, 2, 3]))
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         # WHEN a request is allocated, written, published and freed
         seq = _written(pool, "a", list(range(9)))
         published, private = np.asarray(seq.block_table[:2]), seq.block_table[-1]
@@ -467,7 +467,7 @@ def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
         pool.free(seq)
         # THEN the core ran all three operations; its private block was quarantined and
         # poisoned, its published blocks cached with their digests, and nothing was found
-        assert pool._native.stats()["native_ops"] == ops + 3
+        assert pool._core.stats()["native_ops"] == ops + 3
         b = pool.view.blocks
         assert b["state"][private] == BlockState.QUARANTINED and b["poisoned"][private] == 1
         assert torch.isnan(pool.kv[:, :, private, :BS]).all()
@@ -540,7 +540,7 @@ def test_the_cores_digest_is_the_kernels(pool_name, monkeypatch, dtype, bs, laye
         bits.copy_(torch.randint(lo, hi, bits.shape, generator=gen).to(bits.dtype))
         ids = [0, 8, 3, 3, 5]
         # WHEN the core and kernels/digest.py digest the same blocks THEN they agree bit for bit
-        assert pool._native.digests(ids) == block_digests(pool.kv, ids, bs)
+        assert pool._core.digests(ids) == block_digests(pool.kv, ids, bs)
     finally:
         pool.close()
         pool.unlink()
@@ -580,7 +580,7 @@ def test_a_deferred_canary_check_reports_as_a_direct_one(pool_name, monkeypatch)
             _past_end(pool)
         # WHEN the request is released THEN the core ran it and nothing is reported yet, while
         # the direct check reported at once
-        assert deferred._native.stats()["native_ops"] >= 2
+        assert deferred._core.stats()["native_ops"] >= 2
         assert _findings(deferred) == [] and _findings(direct) != []
         # WHEN the pool is verified THEN the same finding comes, and the canary is whole again
         deferred.verify()
@@ -601,7 +601,7 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
     pool = _probed(pool_name, monkeypatch, True)
     try:
         later = pool.probe.writes.later
-        core = pool._native
+        core = pool._core
         assert core.device_stats()["waiting"] == 0
         # WHEN nothing waits THEN there is nothing to take
         assert core.device_take(pool, True, -1) is None
@@ -658,7 +658,7 @@ def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkey
         seq = _written(pool, "a", list(range(9)))
         monkeypatch.setattr(pool.probe.writes.later, "settling", True)
         pool.mark_computed(seq, 9)
-        assert pool._native.device_stats()["waiting"] == 1
+        assert pool._core.device_stats()["waiting"] == 1
         # WHEN the probes are set on the handle again (a new PoolProbes)
         from kvscope.allocator.probing import PoolProbes
 
@@ -666,8 +666,8 @@ def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkey
         # THEN the new probe took the waiting answers (the digests are in the records) and
         # configured the core's queue for itself, which goes on working
         later = pool.probe.writes.later
-        assert later.core is pool._native and later.waiting() == 0
-        assert pool._native.device_stats() is not None
+        assert later.core is pool._core and later.waiting() == 0
+        assert pool._core.device_stats() is not None
         assert integrity.has_digest(pool.view.blocks, np.asarray(seq.block_table[:2])).all()
         pool.free(seq)
         assert pool.verify() == [] and pool.check() == []

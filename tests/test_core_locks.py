@@ -40,7 +40,7 @@ def _kinds(pool: KVPool, kind: str) -> list[Finding]:
 
 
 def _fallbacks(pool: KVPool) -> int:
-    return pool._native.stats()["fallbacks"]
+    return pool._core.stats()["fallbacks"]
 
 
 def _killed_holding(pool: KVPool, lock: str) -> int:
@@ -127,7 +127,7 @@ def test_an_operation_under_a_traced_lock_that_closes_a_cycle_runs_in_the_core(m
         pool.locks.release(pool.SEQS)
 
     _in_thread(seqs_then_cache)
-    handed, ops = _fallbacks(pool), pool._native.stats()["native_ops"]
+    handed, ops = _fallbacks(pool), pool._core.stats()["native_ops"]
 
     # WHEN a thread allocates and frees while it holds the traced lock
     def cache_then_pool() -> None:
@@ -137,7 +137,7 @@ def test_an_operation_under_a_traced_lock_that_closes_a_cycle_runs_in_the_core(m
     _in_thread(cache_then_pool)
     # THEN the core ran both operations, and wrote the cycle its edge closed
     assert _fallbacks(pool) == handed
-    assert pool._native.stats()["native_ops"] == ops + 2
+    assert pool._core.stats()["native_ops"] == ops + 2
     (f,) = _kinds(pool, "lock_order_cycle")
     assert "takes user:cache -> seqs" in f.message and "took seqs -> user:cache" in f.message
 

@@ -24,7 +24,7 @@ BS = 4
 
 def test_the_core_is_built_and_on():
     # pip install compiles it on a machine with a C compiler (every machine of this project).
-    assert native.available(), "kvscope.allocator._native was not built (no C compiler?)"
+    assert native.available(), "kvscope.allocator._core was not built (no C compiler?)"
 
 
 def test_a_long_append_that_runs_out_after_a_chunk_keeps_that_chunk(make_pool):
@@ -50,7 +50,7 @@ def test_the_core_preempts_says_the_pool_is_full_and_resumes_itself(make_pool):
     old, young, run = (
         pool.allocate(r, list(range(i, i + 8))) for i, r in ((0, "o"), (8, "y"), (16, "r"))
     )
-    before = pool._native.stats()
+    before = pool._core.stats()
     pool.set_state(young, "waiting")
     pool.set_state(old, "waiting")
     assert pool.view.seqs["state"][old.slot] == SeqState.WAITING and old.state == "waiting"
@@ -62,7 +62,7 @@ def test_the_core_preempts_says_the_pool_is_full_and_resumes_itself(make_pool):
     assert pool.view.seqs["state"][old.slot] == SeqState.PREEMPTED
     assert young.state == "waiting" and young.block_table == table
     assert pool.stats()["num_preemptions"] == 1
-    assert pool._native.stats()["native_ops"] == before["native_ops"] + 3  # set_state x2, allocate
+    assert pool._core.stats()["native_ops"] == before["native_ops"] + 3  # set_state x2, allocate
     # WHEN a prompt needs 4 (1 free, 2 more by preempting `young`: still short)
     with pytest.raises(PoolExhausted) as e:
         pool.allocate("big", list(range(200, 216)))
@@ -82,9 +82,9 @@ def test_the_core_preempts_says_the_pool_is_full_and_resumes_itself(make_pool):
         pool.set_state(run, "paused")
     # and a resume is one core call: allocated again in a new slot, the old one released
     pool.free(new)
-    ops, slot = pool._native.stats()["native_ops"], old.slot
+    ops, slot = pool._core.stats()["native_ops"], old.slot
     assert pool.resume(old) == 0 and old.state == "running" and len(old.block_table) == 2
-    assert pool._native.stats()["native_ops"] == ops + 1
+    assert pool._core.stats()["native_ops"] == ops + 1
     live = pool.live()
     assert live[old.slot] is old and (slot == old.slot or slot not in live)
     assert pool.view.seqs["state"][old.slot] == SeqState.RUNNING
@@ -119,7 +119,7 @@ def _killed_child(name: str, kill_at: int, seed: int) -> None:
     code = 0
     try:
         pool = KVPool.attach(name)
-        pool._native.set_crash_at(kill_at)
+        pool._core.set_crash_at(kill_at)
         _work(pool, random.Random(seed), 400)
         code = 3
     except BaseException:
@@ -164,7 +164,7 @@ def _preempting_child(name: str, kill_at: int, want: int) -> None:
             pool.mark_computed(waiting[-1], 8)
             pool.set_state(waiting[-1], "waiting")
         pool.allocate("hold", list(range(16)))  # the last 4
-        pool._native.set_crash_at(kill_at)
+        pool._core.set_crash_at(kill_at)
         try:
             pool.free(pool.allocate("big", list(range(200, 200 + want * BS))))
             ended = pool.stats()["num_preemptions"] >= 3
@@ -277,7 +277,7 @@ def test_threads_of_one_process_share_a_handle(make_pool):
     assert errors == []
     assert pool.check() == []
     assert pool.stats()["num_allocated"] == 0
-    assert pool._native.stats()["native_ops"] > 0
+    assert pool._core.stats()["native_ops"] > 0
 
 
 @pytest.mark.slow
@@ -350,11 +350,11 @@ def test_an_operation_that_waits_for_another_process_gives_the_mutex_back(make_p
         os._exit(0)
     os.read(r, 1)
     # WHEN this process forks the sequence (the C core waits for the lock, GIL released)
-    before = pool._native.stats()["native_ops"]
+    before = pool._core.stats()["native_ops"]
     child = pool.fork(seq, "c")
     os.waitpid(pid, 0)
     # THEN the core did it, and the handle's op mutex and busy count are free again
-    assert pool._native.stats()["native_ops"] == before + 1
+    assert pool._core.stats()["native_ops"] == before + 1
     assert pool._busy[0] == 0
     import threading
 

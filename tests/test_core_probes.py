@@ -49,7 +49,7 @@ def test_a_scribbled_record_is_reported_once_and_left_held(pool_name, monkeypatc
     try:
         a = pool.allocate("a", [1, 2, 3, 4, 5])
         b = pool.allocate("b", [9, 9, 9])
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         first = a.block_table[0]
         pool.view.blocks["owner_pid"][first] ^= 1
         # WHEN the sequences end
@@ -57,7 +57,7 @@ def test_a_scribbled_record_is_reported_once_and_left_held(pool_name, monkeypatc
         pool.free(a)
         # THEN both ended in the C core; the scribbled record was reported once, and left
         # alone by its release (so it stays held: a leak)
-        assert pool._native.stats()["native_ops"] == ops + 2
+        assert pool._core.stats()["native_ops"] == ops + 2
         kinds = [f.kind for f in pool.findings()]
         assert kinds == ["block_header_corrupt", "leak_finished"], kinds
         # and the flight recorder has the blocks' frees, the site names this file
@@ -91,11 +91,11 @@ def test_the_core_reverifies_the_header_and_the_free_counts(pool_name, monkeypat
         # WHEN a block goes missing from the free ring, and 10 ms later an operation runs
         pool.view.ring_header["count"] -= 1
         time.sleep(0.011)
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         pool.free(pool.allocate("c", [1, 2, 3]))
         # THEN the core's count found it and the probe reported it; the operation ran in the core
         assert [f.kind for f in pool.findings()] == ["free_list_corrupt"]
-        assert pool._native.stats()["native_ops"] == ops + 2
+        assert pool._core.stats()["native_ops"] == ops + 2
         # WHEN the header is scribbled over THEN the next check reports that too
         pool.view.ring_header["count"] += 1
         pool.view.raw[8] ^= 0xFF
@@ -182,11 +182,11 @@ def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
         seqs["table"][holder.slot, 1] = freed[-1]
         seqs["num_blocks"][holder.slot] = 2
         # WHEN a request takes blocks again (the freed ones come first, from the cache)
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         pool.allocate("taker", list(range(50, 50 + 4 * taken - 1)))
         # THEN the core handed the blocks out, and reported the block as handed out while
         # still mapped, naming the holder, in the ring and to the callback
-        assert pool._native.stats()["native_ops"] == ops + 1
+        assert pool._core.stats()["native_ops"] == ops + 1
         found = [(f.kind, f.block, f.request, f.message) for f in pool.findings()]
         assert found == [
             (
@@ -222,11 +222,11 @@ def test_a_leak_at_a_release_is_reported_by_the_core(pool_name, monkeypatch):
         monkeypatch.setenv(f"KVSCOPE_{p}", "0" if p in ("MAGIC", "LOCKDEP") else "1")
     pool, seen = _watched(pool_name, *DEFAULT)
     try:
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         # WHEN a request ends leaving its block held and unmapped
         x = _leak_at_release(pool)
         # THEN the core released it and reported the leak itself
-        assert pool._native.stats()["native_ops"] == ops + 2
+        assert pool._core.stats()["native_ops"] == ops + 2
         # with one leak_finished naming the block, its request and owner, in the ring and
         # to the callback, with the allocation site and the block's events
         (f,) = pool.findings()
@@ -263,12 +263,12 @@ def test_a_refcount_taken_twice_is_reported_by_the_core_and_the_release_goes_on(
         x = a.block_table[0]
         pool.view.blocks["refcount"][x] = 2
         pool.store.seal(np.array([x]))
-        ops = pool._native.stats()["native_ops"]
+        ops = pool._core.stats()["native_ops"]
         # WHEN the request ends
         pool.free(a)
         # THEN the core released it, reporting the refcount before the release, and the block
         # it left held after it, in the ring and to the callback, each with the block's events
-        assert pool._native.stats()["native_ops"] == ops + 1
+        assert pool._core.stats()["native_ops"] == ops + 1
         found = [(f.kind, f.block, f.request, f.message) for f in pool.findings()]
         assert found == [
             (
@@ -312,13 +312,13 @@ def test_a_write_after_free_is_reported_by_the_core_as_it_hands_the_block_out(
         pool.free(a)
         pool.kv[0, 1, x, 2, 0, :3] = 9.0
         rec = pool.view.blocks[x].copy()
-        ops = pool._native.stats()
+        ops = pool._core.stats()
         # WHEN requests take every block, that one too
         for i in range(16):
             pool.allocate(f"b{i}", [100 + i] * 3)
         # THEN the core handed them all out itself, and reported the block once, naming who
         # freed it and when, and how much of its poison was overwritten
-        after = pool._native.stats()
+        after = pool._core.stats()
         assert after["native_ops"] == ops["native_ops"] + 16
         (f,) = [f for f in pool.findings() if f.kind == "use_after_free"]
         assert (f.block, f.request, f.owner_pid) == (x, "a", os.getpid())
@@ -343,12 +343,12 @@ def test_a_write_past_a_block_is_reported_by_the_core_at_its_release(pool_name, 
         a = pool.allocate("a", list(range(7)))
         x = a.block_table[0]
         pool.kv[0, 1, x, -1, 0, 0] = 1.0
-        ops = pool._native.stats()
+        ops = pool._core.stats()
         # WHEN the request ends
         pool.free(a)
         # THEN the core released it itself, put the canary back and reported the block once,
         # with a guard_violation event, then the finding, then the release's frees
-        after = pool._native.stats()
+        after = pool._core.stats()
         assert after["native_ops"] == ops["native_ops"] + 1
         assert integrity.broken_canaries(pool.kv) == []
         (f,) = pool.findings()
@@ -392,12 +392,12 @@ def test_a_published_block_written_again_is_reported_by_the_core_at_a_prefix_hit
             pool.kv[:, :, x, :4] = 1.0
         pool.mark_computed(a, 8)
         pool.kv[0, 0, x, 1, 0, 0] = 4.0
-        ops = pool._native.stats()
+        ops = pool._core.stats()
         # WHEN another request hits the prefix
         pool.allocate("b", list(range(9)))
         # THEN the core ran the allocation and reported the block once, naming the request
         # that published it and the moment, or that it was published before its K/V was written
-        after = pool._native.stats()
+        after = pool._core.stats()
         assert after["native_ops"] == ops["native_ops"] + 1
         (f,) = pool.findings()
         assert (f.kind, f.block, f.request) == ("published_block_modified", x, "a")

@@ -35,6 +35,7 @@ from kvscope.allocator.layout import (
 )
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.dumpfile import read_dump, write_dump
+from tests.journals import journal_save
 
 pytestmark = pytest.mark.slow
 
@@ -195,7 +196,7 @@ def seed_pool(tmp_path_factory):
         if pid == 0:
             child = KVPool.attach(name)
             child.allocate("fz-req-dead", [7, 8, 9, 10, 11])
-            child.journal.save(child.view.offsets["blocks"], 64)
+            journal_save(child, child.view.offsets["blocks"], 64)
             os.kill(os.getpid(), signal.SIGKILL)
         os.waitpid(pid, 0)
         out = tmp_path_factory.mktemp("fz") / "seed.kvd"

@@ -50,7 +50,7 @@ def test_one_allocation_in_n_is_guarded(pool_name):
         # THEN the first and the fifth were guarded (poisoned, quarantined), the rest not,
         # and those ran in the C core
         assert guarded == [True, False, False, False, True, False, False, False]
-        assert pool._native.stats()["native_ops"] >= 6
+        assert pool._core.stats()["native_ops"] >= 6
         assert pool.check() == []
     finally:
         pool.close()

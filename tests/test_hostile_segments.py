@@ -18,6 +18,7 @@ from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
 from kvscope.allocator.segment import segment_path
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
+from tests.journals import journal_save
 
 
 def findings(capsys, target: str, *extra: str) -> tuple[int, list[dict]]:
@@ -130,7 +131,7 @@ def test_repair_skips_a_dead_clients_journal_pointing_outside_the_segment(capsys
     if pid == 0:
         child = KVPool.attach(pool.name)
         child.allocate("req-dead", list(range(6)))
-        child.journal.save(child.view.offsets["blocks"], 8)
+        journal_save(child, child.view.offsets["blocks"], 8)
         os.kill(os.getpid(), signal.SIGKILL)
     os.waitpid(pid, 0)
     c = pool.view.clients

@@ -246,14 +246,13 @@ def _core_edges(pool: KVPool) -> dict[tuple[str, str], tuple[int, str]]:
 def test_an_edge_the_core_takes_is_written_into_the_segment_graph(make_pool):
     # GIVEN a pool on the C core under lockdep
     pool = make_pool(32)
-    assert pool._native is not None
     LockDep().instrument(pool)
     # WHEN an allocation hits a published prefix
-    before = pool._native.stats()
+    before = pool._core.stats()
     _hit_prefix(pool)
     # THEN the core ran every operation, and its edge seqs -> index is in the segment's graph,
     # with this process and the line of this file that called the pool
-    after = pool._native.stats()
+    after = pool._core.stats()
     assert after["fallbacks"] == before["fallbacks"]
     assert after["native_ops"] == before["native_ops"] + 3
     pid, site = _core_edges(pool)[("seqs", "index")]
@@ -265,9 +264,9 @@ def test_an_inversion_through_an_edge_the_core_took_is_a_cycle(make_pool):
     # GIVEN the core's edge seqs -> index in the segment graph
     pool = make_pool(32)
     LockDep().instrument(pool)
-    fallbacks = pool._native.stats()["fallbacks"]
+    fallbacks = pool._core.stats()["fallbacks"]
     _hit_prefix(pool)
-    assert pool._native.stats()["fallbacks"] == fallbacks and _cycles(pool) == []
+    assert pool._core.stats()["fallbacks"] == fallbacks and _cycles(pool) == []
     # WHEN a hit takes an index shard, then the sequence-table lock (the lock-inversion fault)
     _inverted_hit(pool, list(range(8)))
     # THEN lockdep reports the cycle, naming the core's edge with its pid and site
@@ -337,21 +336,12 @@ def _in_thread(fn: Callable[[], object]) -> object:
     return got
 
 
-def _no_python_path(monkeypatch) -> None:
-    def refuse(*args: object) -> None:
-        raise AssertionError("the operation went to the Python path")
-
-    monkeypatch.setattr(allocate, "allocate", refuse)
-    monkeypatch.setattr(release, "end", refuse)
-
-
-def test_a_pool_operation_under_a_traced_user_lock_runs_in_the_core(make_pool, monkeypatch):
-    # GIVEN a pool under lockdep, a traced user lock of it, and no Python path to hand to
+def test_a_pool_operation_under_a_traced_user_lock_runs_in_the_core(make_pool):
+    # GIVEN a pool under lockdep and a traced user lock of it
     pool = make_pool(32)
     lockdep = LockDep()
     lockdep.instrument(pool)
     cache = TracedLock("cache", pool, lockdep=lockdep)
-    _no_python_path(monkeypatch)
     ops = pool._core.stats()["native_ops"]
 
     # WHEN a thread allocates and frees while it holds the user lock
@@ -373,14 +363,13 @@ def test_a_pool_operation_under_a_traced_user_lock_runs_in_the_core(make_pool, m
     assert _cycles(pool) == []
 
 
-def test_a_user_lock_of_another_pool_is_not_ordered_against_this_ones(make_pool, monkeypatch):
+def test_a_user_lock_of_another_pool_is_not_ordered_against_this_ones(make_pool):
     # GIVEN two pools under lockdep and a traced user lock recording into the second's graph
     pool, other = make_pool(32), make_pool(32)
     lockdep = LockDep()
     lockdep.instrument(pool)
     lockdep.instrument(other)
     theirs = TracedLock("theirs", other, lockdep=lockdep)
-    _no_python_path(monkeypatch)
 
     # WHEN a thread holding it allocates from both pools
     def both() -> None:

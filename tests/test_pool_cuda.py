@@ -60,7 +60,6 @@ def test_guard_and_digest_checks_never_make_the_host_wait_for_the_gpu(
         head_dim=64,
         max_seqs=256,
     )
-    assert pool._native is not None
 
     def write(seq) -> None:
         for blk in seq.block_table:  # an int index: no upload
@@ -70,7 +69,7 @@ def test_guard_and_digest_checks_never_make_the_host_wait_for_the_gpu(
     # allocation, digests at publication, their verification at a prefix hit, the finish check,
     # canary scans and poison at release), with torch raising on any call that waits for the GPU
     pool.free(pool.allocate("warm-up", [1]))  # (the first claim fills the reserve)
-    ops = pool._native.stats()["native_ops"]
+    ops = pool._core.stats()["native_ops"]
     if cuda:
         torch.cuda.set_sync_debug_mode("error")
     try:
@@ -92,7 +91,7 @@ def test_guard_and_digest_checks_never_make_the_host_wait_for_the_gpu(
     # THEN the C core ran every operation, nothing waited, and once the answers are in they show
     # no finding: the checks ran on the right blocks (b's prefix hit found a's two published
     # blocks, with their digests)
-    assert pool._native.stats()["native_ops"] >= ops + 8
+    assert pool._core.stats()["native_ops"] >= ops + 8
     pool.verify()
     assert b.num_cached_tokens == 32
     assert integrity.has_digest(pool.view.blocks, published).all()

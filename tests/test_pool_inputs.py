@@ -31,7 +31,7 @@ INPUTS = [
 def test_every_token_input_gives_the_same_sequence_through_the_core(make_pool, tokens):
     # GIVEN a pool run by the C core
     pool = make_pool(512, block_size=4)
-    before = pool._native.stats()["native_ops"]
+    before = pool._core.stats()["native_ops"]
     # WHEN a prompt is allocated, appended to and forked with that input type
     seq = pool.allocate("r1", tokens)
     pool.append(seq, tokens[:1])
@@ -41,7 +41,7 @@ def test_every_token_input_gives_the_same_sequence_through_the_core(make_pool, t
     assert all(type(t) is int for t in seq.tokens)
     assert child.tokens == seq.tokens
     # AND the core ran every call
-    assert pool._native.stats()["native_ops"] == before + 3
+    assert pool._core.stats()["native_ops"] == before + 3
     pool.free(child)
     pool.free(seq)
     assert pool.check() == []
@@ -53,14 +53,14 @@ def test_every_token_input_gives_the_same_sequence_through_the_core(make_pool, t
 def test_any_request_id_is_kept_as_its_str_through_the_core(make_pool, request_id):
     # GIVEN a pool run by the C core
     pool = make_pool(512, block_size=4)
-    before = pool._native.stats()["native_ops"]
+    before = pool._core.stats()["native_ops"]
     # WHEN a request id of any type allocates and forks
     seq = pool.allocate(request_id, PROMPT)
     child = pool.fork(seq, request_id)
     # THEN the sequences carry its str, in the segment too, and the core ran both calls
     assert seq.request_id == child.request_id == str(request_id)
     assert str(request_id).encode() in {bytes(r).rstrip(b"\0") for r in pool.view.seqs["request"]}
-    assert pool._native.stats()["native_ops"] == before + 2
+    assert pool._core.stats()["native_ops"] == before + 2
     pool.free(child)
     pool.free(seq)
 

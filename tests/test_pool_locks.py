@@ -66,7 +66,7 @@ def test_a_collected_old_handle_does_not_release_a_live_operations_locks(make_po
         new = KVPool.attach(pool.name)
         before = _segment_fds(pool._mf.path)
 
-        def collect_inside(t) -> int:
+        def collect_inside() -> int:
             # WHEN the garbage collector closes the old mapping's descriptor mid-operation
             gc.collect()
             closed = before - _segment_fds(pool._mf.path)
@@ -74,7 +74,11 @@ def test_a_collected_old_handle_does_not_release_a_live_operations_locks(make_po
             os.read(seen_r, 1)
             return closed
 
-        closed = new._run({new.FREE}, collect_inside)
+        new.locks.acquire(new.FREE)
+        try:
+            closed = collect_inside()
+        finally:
+            new.locks.release(new.FREE)
         seq = new.allocate("after", [1, 2, 3, 4, 5])
         new.free(seq)
         new.close()
@@ -100,13 +104,17 @@ def test_closing_one_handle_leaves_another_handles_lock_held(make_pool):
     other = KVPool.attach(pool.name)
     sites = pool.locks.index("sites")
 
-    def close_other(t) -> bool:
+    def close_other() -> bool:
         # WHEN the other handle closes meanwhile
         other.close()
         return _lock_is_free(pool, sites)
 
     # THEN the operation's lock is still held
-    assert pool._run({sites}, close_other) is False
+    pool.locks.acquire(sites)
+    try:
+        assert close_other() is False
+    finally:
+        pool.locks.release(sites)
     assert _lock_is_free(pool, sites)
     assert pool.check() == []
 

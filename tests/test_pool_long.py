@@ -9,21 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.allocator import PoolExhausted, allocate, release
+from kvscope.allocator import PoolExhausted
 from kvscope.allocator.events import recent_events
 from kvscope.allocator.layout import CHUNK
 
 BS = 2
-
-
-def _no_python_path(monkeypatch) -> None:
-    """The Python path's allocate and release fail the test if they run."""
-
-    def refuse(*a, **k):
-        raise AssertionError("the operation went to the Python path")
-
-    monkeypatch.setattr(allocate, "allocate", refuse)
-    monkeypatch.setattr(release, "end", refuse)
 
 
 def _write_kv(pool, seq) -> None:
@@ -45,8 +35,7 @@ def test_a_long_sequence_runs_in_the_core(make_pool, monkeypatch, guard, probed)
     blocks = 2 * CHUNK + 30
     pool = make_pool(3 * blocks + 16, block_size=BS, guard=guard, max_seqs=64, max_clients=4)
     pool.free(pool.allocate("warm", [1, 2, 3]))  # (the first claim fills the slot reserve)
-    _no_python_path(monkeypatch)
-    before = pool._native.stats()
+    before = pool._core.stats()
     stats0 = pool.stats()
     # GIVEN a prompt of more than two CHUNKs of blocks
     toks = _prompt(7, blocks)
@@ -71,7 +60,7 @@ def test_a_long_sequence_runs_in_the_core(make_pool, monkeypatch, guard, probed)
     _write_kv(pool, a)
     for s in (child, a, b):
         pool.free(s)
-    after = pool._native.stats()
+    after = pool._core.stats()
     # AND the core ran each operation itself, the pool is consistent and every block is back
     assert after["fallbacks"] == before["fallbacks"], after
     assert after["native_ops"] - before["native_ops"] >= 8
@@ -86,14 +75,13 @@ def test_a_long_sequence_runs_in_the_core(make_pool, monkeypatch, guard, probed)
     assert not [f for f in pool.findings() if f.severity == "error"]
 
 
-def test_a_long_prompt_that_runs_short_leaves_the_pool_as_it_was(make_pool, monkeypatch):
+def test_a_long_prompt_that_runs_short_leaves_the_pool_as_it_was(make_pool):
     # GIVEN a pool with room for the first CHUNK new blocks of a prompt but not the rest
     pool = make_pool(
         CHUNK + 20, block_size=BS, max_seqs=64, max_clients=4, max_blocks_per_seq=CHUNK + 64
     )
     pool.free(pool.allocate("warm", [1, 2, 3]))
     keep = pool.allocate("other", [5, 6, 7])
-    _no_python_path(monkeypatch)
     before = pool.stats()
     # WHEN a prompt of CHUNK + 40 blocks is allocated
     with pytest.raises(PoolExhausted):
@@ -117,15 +105,14 @@ def test_a_long_waiting_sequence_is_preempted_in_the_core(make_pool, monkeypatch
     pool.free(pool.allocate("warm", [1, 2, 3]))
     wait = pool.allocate("wait", _prompt(5, CHUNK + 60))
     pool.set_state(wait, "waiting")
-    _no_python_path(monkeypatch)
-    before = pool._native.stats()
+    before = pool._core.stats()
     # WHEN a request needs more blocks than are left (and its blocks and the preemption's fit
     # one transaction's undo journal)
     got = pool.allocate("new", _prompt(6, CHUNK - 20))
-    # THEN the core preempts the long sequence to make room, and nothing goes to Python
+    # THEN the core preempts the long sequence to make room
     assert wait.state == "preempted" and wait.block_table == []
     assert len(got.block_table) == CHUNK - 20
-    assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    assert pool._core.stats()["fallbacks"] == before["fallbacks"]
     assert pool.stats()["num_preemptions"] == 1 and pool.check() == []
     pool.free(got)
 
@@ -137,7 +124,7 @@ def _waiting(pool, blocks: int, bs: int = 16):
 
 
 @pytest.mark.parametrize("op", ["allocate", "append"])
-def test_a_waiting_sequence_too_long_for_the_journal_is_preempted_ahead(make_pool, monkeypatch, op):
+def test_a_waiting_sequence_too_long_for_the_journal_is_preempted_ahead(make_pool, op):
     # GIVEN a waiting sequence of 300 blocks of 16 tokens (its release alone, inside another
     # operation, would outgrow that operation's undo journal) and no other room
     pool = make_pool(
@@ -146,8 +133,7 @@ def test_a_waiting_sequence_too_long_for_the_journal_is_preempted_ahead(make_poo
     pool.free(pool.allocate("warm", [1, 2, 3]))
     run = pool.allocate("run", list(range(16 * 10)))
     wait = _waiting(pool, 300)
-    _no_python_path(monkeypatch)
-    before = pool._native.stats()
+    before = pool._core.stats()
     # WHEN an allocation or an append needs 40 blocks
     if op == "allocate":
         got = pool.allocate("new", list(range(500, 500 + 16 * 40)))
@@ -158,7 +144,7 @@ def test_a_waiting_sequence_too_long_for_the_journal_is_preempted_ahead(make_poo
     # THEN the waiting sequence is preempted first, in transactions of its own, and the
     # operation runs again and succeeds, in the core
     assert wait.state == "preempted" and wait.block_table == []
-    assert pool._native.stats()["fallbacks"] == before["fallbacks"]
+    assert pool._core.stats()["fallbacks"] == before["fallbacks"]
     st = pool.stats()
     assert st["num_preemptions"] == 1 and pool.check() == []
     # AND every block it held was released once, recorded as preempted and freed
@@ -169,12 +155,11 @@ def test_a_waiting_sequence_too_long_for_the_journal_is_preempted_ahead(make_poo
     assert len(preempted) == 300
 
 
-def test_a_preemption_ahead_stays_when_the_operation_still_fails(make_pool, monkeypatch):
+def test_a_preemption_ahead_stays_when_the_operation_still_fails(make_pool):
     # GIVEN a waiting sequence of 300 blocks of 16 tokens in a pool with 20 other blocks
     pool = make_pool(320, block_size=16, max_seqs=64, max_clients=4, max_blocks_per_seq=400)
     pool.free(pool.allocate("warm", [1, 2, 3]))
     wait = _waiting(pool, 300)
-    _no_python_path(monkeypatch)
     # WHEN an allocation needs more than the whole pool
     with pytest.raises(PoolExhausted):
         pool.allocate("huge", list(range(16 * 330)))

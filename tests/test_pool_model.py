@@ -264,7 +264,7 @@ class PoolMachine(RuleBasedStateMachine):
         handle's local cache), cached (but not hit), or private to its waiting sequences."""
         m = self.model
         other = self.handles[1 - handle]
-        elsewhere = 0 if other is None else int(other.store.local_count[0])
+        elsewhere = 0 if other is None else int(other.view.clients["local_count"][other.client])
         free = self.num_blocks - len(m.held()) - len(m.cached()) - elsewhere
         waiting = [
             s for s in m.seqs if s.handle == handle and s.state == "waiting" and s is not exclude

@@ -351,42 +351,6 @@ def test_slot_mapping_follows_the_block_table(make_pool):
     ]
 
 
-def test_prefix_index_remove_and_lookup_in_a_full_shard():
-    # GIVEN a prefix index with one shard of 8 slots filled completely
-    import signal
-    from types import SimpleNamespace
-
-    from kvscope.allocator.layout import INDEX_DTYPE
-    from kvscope.allocator.prefix import PrefixIndex
-
-    table = np.zeros(8, INDEX_DTYPE)
-    table["block"] = -1
-    view = SimpleNamespace(index=table, offsets={"index": 0}, layout=SimpleNamespace(num_shards=1))
-    journal = SimpleNamespace(save=lambda off, n: None)
-    index = PrefixIndex(view)
-    keys = [(k << 16) | 1 for k in (3, 3, 3, 4, 5, 5, 6, 2)]
-    keys = [k + (i << 40) for i, k in enumerate(keys)]  # distinct keys, colliding homes
-    for b, k in enumerate(keys):
-        assert index.insert(k, b, journal)
-    assert not index.insert(99 << 16, 99, journal)  # full
-
-    # WHEN entries are removed one by one (a full shard has no empty slot to stop the shift)
-    def hang(*_):
-        raise AssertionError("remove() did not terminate in a full shard")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(10)
-    try:
-        for b, k in enumerate(keys):
-            assert index.remove(k, b, journal)
-            # THEN every remaining key is still found, and removed ones are gone
-            for b2, k2 in enumerate(keys):
-                assert index.lookup(k2) == (b2 if b2 > b else -1)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def test_prefix_index_survives_full_shards_and_heavy_churn(make_pool):
     # GIVEN a small pool whose prefix index is recycled many times over
     pool = make_pool(16, block_size=4, num_shards=8)

@@ -51,7 +51,7 @@ def test_reserved_slots_serve_allocate_and_free_without_the_seqs_lock(make_pool)
 def test_the_c_core_runs_every_allocation_and_free_as_the_reserve_empties_and_fills(make_pool):
     # GIVEN a pool with per-process reserves of 2 slots (at most 4)
     pool = make_pool(64, **CONFIG)
-    ops = pool._native.stats()["native_ops"]
+    ops = pool._core.stats()["native_ops"]
     # WHEN more sequences are live at once than a reserve holds, then all are freed, twice
     for _ in range(2):
         live = [pool.allocate(f"r{i}", [i, 1, 2]) for i in range(7)]
@@ -60,7 +60,7 @@ def test_the_c_core_runs_every_allocation_and_free_as_the_reserve_empties_and_fi
             pool.free(s)
     # THEN each refill and each give-back ran as a transaction of its own under the seqs
     # lock, and the core ran every allocation, fork and free
-    assert pool._native.stats()["native_ops"] == ops + 2 * (7 + 1 + 8)
+    assert pool._core.stats()["native_ops"] == ops + 2 * (7 + 1 + 8)
     assert len(_reserved(pool, pool.client)) <= 4
     assert pool.stats()["num_sequences"] == 0
     assert pool.check() == []

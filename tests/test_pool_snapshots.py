@@ -21,6 +21,7 @@ from kvscope.allocator.snapshot import snapshot
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
 from kvscope.probes.watchdog import Watchdog
+from tests.journals import journal_save
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
@@ -76,24 +77,46 @@ def test_the_stall_default_is_the_watchdogs():
     assert default == DEFAULT_LOCK_HOLD_S
 
 
+def _half_free(p: KVPool, seq) -> Callable[[], None]:
+    """What a free stopped half way leaves, as the C core's transaction writes it: the locks
+    held (seqs, the index shards, free), the client's counter odd, each block record saved in
+    the client's undo journal before its refcount drops. Returns its rollback."""
+    view, c = p.view, p.client
+    locks = [p.SEQS, *p.SHARDS, p.FREE]
+    for i in locks:
+        p.locks.acquire(i)
+    cl = view.clients
+    cl["seq"][c] += 1
+    size, base = view.blocks.dtype.itemsize, view.offsets["blocks"]
+    saved: list[tuple[int, int]] = []
+    for k, b in enumerate(seq.block_table):
+        off = base + b * size
+        journal_save(p, off, size)
+        saved.append((off, k * size))
+        view.blocks["refcount"][b] -= 1
+
+    def rollback() -> None:
+        for off, at in reversed(saved):
+            view.raw[off : off + size] = cl["journal_data"][c][at : at + size]
+        cl["journal_count"][c] = 0
+        cl["journal_used"][c] = 0
+        cl["seq"][c] += 1
+        for i in reversed(locks):
+            p.locks.release(i)
+
+    return rollback
+
+
 def _stopped_mid_free(name: str, ready_w: int) -> None:
-    """Attach, then stop inside a free holding seqs, the prompt's index shard and free, with
-    half its writes made; when continued, roll it back and free properly."""
+    """Attach, then stop inside a free holding seqs, the index shards and free, with half its
+    writes made; when continued, roll it back and free properly."""
     p = KVPool.attach(name)
     seq = p.allocate("stalled", PROMPT)
     p.mark_computed(seq, len(PROMPT))
-    locks = {p.SEQS, p.FREE, *p.store.shard_locks_for(np.asarray(seq.block_table))}
-
-    def half_free(t) -> None:
-        p.store.drop(t, np.asarray(seq.block_table))
-        os.write(ready_w, b"1")
-        os.kill(os.getpid(), signal.SIGSTOP)
-        raise InterruptedError("continued: roll back")
-
-    try:
-        p._run(locks, half_free)
-    except InterruptedError:
-        pass
+    rollback = _half_free(p, seq)
+    os.write(ready_w, b"1")
+    os.kill(os.getpid(), signal.SIGSTOP)
+    rollback()
     p.free(seq)
     p.close()
 

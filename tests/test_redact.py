@@ -13,6 +13,7 @@ from kvscope.allocator import KVPool
 from kvscope.allocator.findings import Finding
 from kvscope.cli import main
 from kvscope.dumpfile import read_dump
+from tests.journals import journal_save
 
 # Distinctive values, so that finding their bytes in the dump cannot be a coincidence.
 PROMPT = [913_000 + 37 * i for i in range(12)]
@@ -60,7 +61,7 @@ def test_redacted_dump_holds_no_token_prefix_key_or_request_id(capsys, make_pool
         seq = child.allocate(REQUESTS[3], DEAD)
         blk = seq.block_table[0]
         size = child.view.blocks.dtype.itemsize
-        child.journal.save(child.view.offsets["blocks"] + blk * size, size)
+        journal_save(child, child.view.offsets["blocks"] + blk * size, size)
         os.kill(os.getpid(), signal.SIGKILL)
     os.waitpid(pid, 0)
     keys = pool.view.blocks["prefix_hash"]
