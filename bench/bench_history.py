@@ -130,7 +130,8 @@ def sample_cost(reps: int) -> None:
             # its slot reserve outgrows the undo journal).
             per = n // 2 // 256 * 16
             seqs = [pool.allocate(f"r{i}", list(range(i * per, (i + 1) * per))) for i in range(256)]
-            view = map_readonly(segment_path(pool.name), pool.view.layout)
+            view, fd = map_readonly(segment_path(pool.name), pool.view.layout)
+            os.close(fd)
             row = np.zeros(1, sample_dtype(len(view.locks)))[0]
             times = []
             for _ in range(max(5, reps * 4)):
@@ -152,7 +153,8 @@ def _sampler(stop, active, ready, path: str) -> None:
     sampling only while `active` is set."""
     with open(path, "rb") as f:
         layout = layout_of_prefix(f.read(4096))
-    view = map_readonly(path, layout)
+    view, fd = map_readonly(path, layout)
+    os.close(fd)
     h = History.for_view(view, interval_s=HISTORY_INTERVAL_S)
     h.sample(view)
     ready.set()
