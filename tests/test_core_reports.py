@@ -1,15 +1,8 @@
-<<<<<<< HEAD:tests/test_core_reports.py
 """What the C core records and reports itself: a call site's text, composed and interned by the
 core (sites.py's recorder never called); a release or preemption whose table holds a block
 already free or a scribbled record, and an append filling a block whose record is scribbled,
 each reported once (the probe's Python finding writers never called); the live sequences and
 the slots sampled guard mode guards."""
-=======
-"""Cases the C core does itself: a call site's text, composed and interned by the core (no call
-of the handle's `site_of`); a release or preemption whose table holds a block already free or a
-scribbled record, and an append filling a block whose record is scribbled, each reported once by
-the core."""
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
 
 from __future__ import annotations
 
@@ -50,19 +43,11 @@ def test_the_core_composes_a_site_as_sites_py_does(make_pool, monkeypatch):
     pool = make_pool(16)
     _refuse(monkeypatch, sites.SiteTable, "site")
     _refuse(monkeypatch, sites.SiteTable, "_intern")
-<<<<<<< HEAD:tests/test_core_reports.py
     ops = pool._core.stats()["native_ops"]
     # WHEN a sequence is allocated twice from one line
     (a, frame), (b, _) = _alloc(pool, "a"), _alloc(pool, "b")
     # THEN the core ran both, and the site is the frame's text as sites.py composes it, once
     assert pool._core.stats()["native_ops"] == ops + 2
-=======
-    handed = pool._core.stats()["fallbacks"]
-    # WHEN a sequence is allocated twice from one line
-    (a, frame), (b, _) = _alloc(pool, "a"), _alloc(pool, "b")
-    # THEN the core ran both, and the site is the frame's text as sites.py composes it, once
-    assert pool._core.stats()["fallbacks"] == handed
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     assert site_frames(pool.view, _site_of_block(pool, a)) == [sites.frame_text(frame)]
     assert _site_of_block(pool, b) == _site_of_block(pool, a)
     assert int(pool.view.h["num_sites_used"]) == 1
@@ -75,19 +60,11 @@ def test_the_core_composes_a_stack_as_sites_py_does(make_pool, monkeypatch):
     pool = make_pool(16)
     _refuse(monkeypatch, sites.SiteTable, "site")
     _refuse(monkeypatch, sites.SiteTable, "_intern")
-<<<<<<< HEAD:tests/test_core_reports.py
     ops = pool._core.stats()["native_ops"]
     # WHEN one stack allocates twice
     ((a, inner), outer), ((b, _), _) = _outer(pool, "a"), _outer(pool, "b")
     # THEN the core ran both: 2 frame entries and 1 stack entry, as sites.py interns them
     assert pool._core.stats()["native_ops"] == ops + 2
-=======
-    handed = pool._core.stats()["fallbacks"]
-    # WHEN one stack allocates twice
-    ((a, inner), outer), ((b, _), _) = _outer(pool, "a"), _outer(pool, "b")
-    # THEN the core ran both: 2 frame entries and 1 stack entry, as sites.py interns them
-    assert pool._core.stats()["fallbacks"] == handed
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     frames = site_frames(pool.view, _site_of_block(pool, a))
     assert frames == [sites.frame_text(inner), sites.frame_text(outer)]
     assert _site_of_block(pool, b) == _site_of_block(pool, a)
@@ -100,17 +77,11 @@ def test_the_core_composes_a_stack_as_sites_py_does(make_pool, monkeypatch):
 
 
 def _only_the_core(pool: KVPool, monkeypatch) -> int:
-<<<<<<< HEAD:tests/test_core_reports.py
     """Refuse the probe's Python finding writer and any transaction run from Python; the
     count of the core's operations now."""
     _refuse(monkeypatch, probing.PoolProbes, "block_finding")
     _refuse(monkeypatch, pool, "_run")
     return pool._core.stats()["native_ops"]
-=======
-    """Refuse the handle's own finding writer; the core's hand-back count now."""
-    _refuse(monkeypatch, probing.PoolProbes, "block_finding")
-    return pool._core.stats()["fallbacks"]
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
 
 
 def _kinds(pool: KVPool) -> list[str]:
@@ -136,11 +107,7 @@ def test_a_block_already_free_in_a_released_table_is_reported_by_the_core(make_p
     pool.free(seq)
     # THEN the core released it, with one double_free about that block, in the probe's
     # words, its FINDING event before the release's FREE
-<<<<<<< HEAD:tests/test_core_reports.py
     assert pool._core.stats()["native_ops"] == ops + 1 and seq.state == "finished"
-=======
-    assert pool._core.stats()["fallbacks"] == handed and seq.state == "finished"
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     (f,) = pool.findings()
     assert (f.kind, f.block, f.request) == ("double_free", blk, "twice")
     assert f.message == "block released by request 'twice' but it was already free"
@@ -159,11 +126,7 @@ def test_a_scribbled_record_in_a_released_table_is_reported_by_the_core(make_poo
     pool.abort(seq)
     # THEN the core released it, the scribbled record reported once and left as it is
     # (still held), the other block freed
-<<<<<<< HEAD:tests/test_core_reports.py
     assert pool._core.stats()["native_ops"] == ops + 1 and seq.state == "aborted"
-=======
-    assert pool._core.stats()["fallbacks"] == handed and seq.state == "aborted"
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     (f,) = pool.findings()
     assert (f.kind, f.block) == ("block_header_corrupt", blk)
     assert f.message == (
@@ -189,11 +152,7 @@ def test_a_preempted_table_with_a_block_already_free_is_reported_by_the_core(
     # WHEN an allocation needs its blocks
     new = pool.allocate("new", list(range(100, 124)))
     # THEN the core preempted it, with one double_free about that block
-<<<<<<< HEAD:tests/test_core_reports.py
     assert pool._core.stats()["native_ops"] == ops + 1
-=======
-    assert pool._core.stats()["fallbacks"] == handed
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     assert old.state == "preempted" and len(new.block_table) == 6
     (f,) = pool.findings()
     assert (f.kind, f.block, f.request) == ("double_free", blk, "old")
@@ -206,31 +165,19 @@ def test_a_preempted_table_with_a_block_already_free_is_reported_by_the_core(
 @pytest.mark.parametrize("more", [2, 6], ids=["decode step", "new block"])
 def test_an_append_filling_a_scribbled_block_is_reported_by_the_core(make_pool, monkeypatch, more):
     # GIVEN the magic probe and the flight recorder on, and a sequence whose last, part-filled
-<<<<<<< HEAD:tests/test_core_reports.py
     # block's record was overwritten; the probe's Python record check refused
-=======
-    # block's record was overwritten
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     monkeypatch.setenv("KVSCOPE_MAGIC", "1")
     monkeypatch.setenv("KVSCOPE_EVENTS", "1")
     pool = make_pool(16)
     seq = pool.allocate("grow", list(range(6)))
     blk = seq.block_table[1]
     pool.view.blocks["owner_pid"][blk] ^= 1
-<<<<<<< HEAD:tests/test_core_reports.py
     _refuse(monkeypatch, probing.PoolProbes, "check_records")
     ops = pool._core.stats()["native_ops"]
     # WHEN tokens are appended that fill it (the append's own block events first)
     pool.append(seq, list(range(100, 100 + more)))
     # THEN the core ran it, and reported the record once, as it was before it was resealed
     assert pool._core.stats()["native_ops"] == ops + 1 and len(seq.tokens) == 6 + more
-=======
-    handed = pool._core.stats()["fallbacks"]
-    # WHEN tokens are appended that fill it (the append's own block events first)
-    pool.append(seq, list(range(100, 100 + more)))
-    # THEN the core ran it, and reported the record once, as it was before it was resealed
-    assert pool._core.stats()["fallbacks"] == handed and len(seq.tokens) == 6 + more
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     (f,) = pool.findings()
     assert (f.kind, f.block) == ("block_header_corrupt", blk)
     assert f.owner_pid == pool.pid ^ 1
@@ -288,21 +235,12 @@ def test_a_long_release_reports_what_its_tail_holds(make_pool, monkeypatch):
     scribbled, freed = table[-1], table[-2]
     pool.view.blocks["owner_pid"][scribbled] ^= 1
     pool.view.blocks["refcount"][freed] = 0
-<<<<<<< HEAD:tests/test_core_reports.py
     pool.store.seal(np.array([freed]))
     ops = _only_the_core(pool, monkeypatch)
     # WHEN it is freed
     pool.free(seq)
     # THEN the core released it, each reported once, the scribbled record left held
     assert pool._core.stats()["native_ops"] == ops + 1 and seq.state == "finished"
-=======
-    pool.view.blocks["checksum"][freed] = block_checksums(pool.view.blocks, np.array([freed]))[0]
-    handed = _only_the_core(pool, monkeypatch)
-    # WHEN it is freed
-    pool.free(seq)
-    # THEN the core released it, each reported once, the scribbled record left held
-    assert pool._core.stats()["fallbacks"] == handed and seq.state == "finished"
->>>>>>> bf626a0 (tests: no test reaches the deleted Python writer):tests/test_core_handbacks.py
     got = sorted((f.kind, f.block) for f in pool.findings())
     assert got == [("block_header_corrupt", scribbled), ("double_free", freed)]
     assert int(pool.view.blocks["refcount"][scribbled]) == 1

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvscope.allocator import KVPool, LockDeadlock, _native, allocate, faults, release
+from kvscope.allocator import KVPool, LockDeadlock, _native, faults
 from kvscope.allocator.probing import NATIVE_LOCKDEP
 from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
