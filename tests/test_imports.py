@@ -128,7 +128,7 @@ def test_walker_reads_real_imports():
     assert "kvscope.analysis" in graph["kvscope.verbs.analyze"]
     assert "kvscope.allocator.dumpread" in graph["kvscope.tui.source"]
     assert "kvscope.allocator.handle" in graph["kvscope.allocator.probing"]
-    assert "kvscope.allocator._core" in graph["kvscope.allocator.native"]
+    assert "kvscope.allocator._native" in graph["kvscope.allocator.native"]
 
 
 def test_no_cycle_between_packages():

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_built_core_has_todays_layout():
     # GIVEN the core pip built / WHEN its exported constants are compared with the dtypes
-    built = native._core.LAYOUT
+    built = native._native.LAYOUT
     # THEN every offset, size and constant the core compiled in is the layout's
     assert built == native.expected_layout()
     assert built["CHUNK"] == layout.CHUNK and built["EVICT_BATCH"] == layout.EVICT_BATCH
@@ -54,7 +54,7 @@ def test_a_missing_core_is_one_line_at_import_saying_how_to_rebuild():
         "import sys, importlib.abc\n"
         "class Refuse(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'kvscope.allocator._core':\n"
+        "        if name == 'kvscope.allocator._native':\n"
         "            raise ImportError('no such module')\n"
         "sys.meta_path.insert(0, Refuse())\n"
         "try:\n"
