@@ -1,7 +1,7 @@
 """The findings ring and the site table have one writer, the C core: `KVPool.report` and the
 site table write through it, and what the core finds itself (a double free, a scribbled block
-record, a lock-order edge closing a cycle) it writes where it finds it, once, with no
-transaction run from Python and none of the probe's Python finding writers called."""
+record, a lock-order edge closing a cycle) it writes where it finds it, once, with none of the
+probe's Python finding writers called."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from kvscope.allocator import KVPool, faults, probing
+from kvscope.allocator import KVPool, faults, probing, sites
 from kvscope.allocator.findings import Finding
 from kvscope.probes.lockdep import LockDep
 from kvscope.probes.lockgraph import Edge, SegmentGraph, call_site, cycle_finding, find_path
@@ -19,15 +19,6 @@ from tests.forking import fork_child, wait_child
 
 def _kinds(pool: KVPool, kind: str) -> list[Finding]:
     return [f for f in pool.findings() if f.kind == kind]
-
-
-def _no_python_transaction(pool: KVPool, monkeypatch) -> None:
-    """Make any transaction run from Python (the handle's runner) fail the test."""
-
-    def refuse(locks, fn):
-        raise AssertionError("a transaction ran from Python")
-
-    monkeypatch.setattr(pool, "_run", refuse)
 
 
 def _refuse(monkeypatch, owner: object, name: str) -> None:
@@ -89,17 +80,11 @@ def test_report_recovers_a_dead_holder_of_the_findings_lock(make_pool, pool_name
 
 
 def test_sites_are_interned_by_the_core(make_pool, monkeypatch):
-    # GIVEN the ownership probe on a handle, and no transaction run from Python allowed to
-    # take the sites lock
+    # GIVEN the ownership probe on a handle, and sites.py's recorder refused
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     pool = make_pool(16)
-    real_run = pool._run
-
-    def run_no_sites(locks, fn):
-        assert pool.locks.index("sites") not in locks, "a Python transaction took the sites lock"
-        return real_run(locks, fn)
-
-    monkeypatch.setattr(pool, "_run", run_no_sites)
+    _refuse(monkeypatch, sites.SiteTable, "site")
+    _refuse(monkeypatch, sites.SiteTable, "_intern")
     # WHEN two allocations at two lines, and one at the first line again
     seqs = [pool.allocate(f"r{i}", [i] * 5) for i in range(2)]
     seqs.append(pool.allocate("r2", [9] * 5))
@@ -127,14 +112,13 @@ def test_a_full_site_table_takes_no_more(make_pool):
 
 
 def test_a_double_free_is_written_by_the_core(make_pool, probes, monkeypatch):
-    # GIVEN the double-free fault armed, on the core with the probes, and neither the probe's
-    # Python finding writer nor a transaction run from Python allowed to run
+    # GIVEN the double-free fault armed, on the core with the probes, and the probe's Python
+    # finding writer refused
     pool = make_pool(16)
     seq = pool.allocate("priv", [50, 51, 52, 53, 54])
     last = seq.block_table[-1]
     faults.configure("double-free:1")
     _refuse(monkeypatch, probing.PoolProbes, "block_finding")
-    _no_python_transaction(pool, monkeypatch)
     ops = pool._core.stats()["native_ops"]
     seen: list[Finding] = []
     pool.on_finding = seen.append
@@ -152,13 +136,13 @@ def test_a_double_free_is_written_by_the_core(make_pool, probes, monkeypatch):
 
 def test_a_scribbled_block_record_is_written_by_the_core(make_pool, probes, monkeypatch):
     # GIVEN a published block whose record something outside the allocator overwrote, and the
-    # probe's Python record check refused
+    # probe's Python finding writer refused
     pool = make_pool(16)
     first = pool.allocate("first", list(range(9)))
     pool.mark_computed(first, 8)
     blk = first.block_table[0]
     pool.view.blocks["refcount"][blk] = 0x5A5A5A5A
-    _refuse(monkeypatch, probing.PoolProbes, "check_records")
+    _refuse(monkeypatch, probing.PoolProbes, "block_finding")
     ops = pool._core.stats()["native_ops"]
     # WHEN a prefix hit takes a reference on it (the core reseals the record)
     second = pool.allocate("second", list(range(9)))
