@@ -14,6 +14,7 @@ import pytest
 from kvscope.allocator import KVPool
 from kvscope.allocator.layout import BlockState, ClientState
 from tests.forking import fork_child, wait_child
+from tests.journals import journal_save
 
 CHILD_ALARM_S = 30
 
@@ -25,7 +26,7 @@ def _die_inside_an_operation(name: str) -> int:
     p.allocate("dead-req", list(range(10)))
     p.locks.acquire(p.FREE)
     at = p.view.offsets["ring"] + p.view.ring_header.dtype.fields["count"][1]
-    p.journal.save(at, 4)
+    journal_save(p, at, 4)
     p.view.ring_header["count"] = 0
     os.kill(os.getpid(), signal.SIGKILL)
     return 0
