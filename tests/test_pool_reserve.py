@@ -24,6 +24,11 @@ def _reserved(pool: KVPool, client: int | None = None) -> list[int]:
     return np.flatnonzero(mine).tolist()
 
 
+def _core_reserve(pool: KVPool) -> list[int]:
+    """The slots of this process's reserve, as the core holds them (the next claim's last)."""
+    return list(pool._core.reserve_state()[0])
+
+
 def _seqs_acquires(pool: KVPool) -> int:
     return int(pool.view.locks["num_acquires"][pool.SEQS])
 
@@ -91,11 +96,11 @@ def test_the_reserve_is_the_cores_and_the_segment_agrees(make_pool):
         pool.free(s)
     live.append(pool.fork(live[3], "f"))
     # THEN the reserve the core holds is what the table marks reserved by this process
-    assert sorted(pool.seqtab.reserve) == _reserved(pool, pool.client)
-    assert 0 < len(pool.seqtab.reserve) <= 4
+    assert sorted(_core_reserve(pool)) == _reserved(pool, pool.client)
+    assert 0 < len(_core_reserve(pool)) <= 4
     for s in live[3:]:
         pool.free(s)
-    assert sorted(pool.seqtab.reserve) == _reserved(pool, pool.client)
+    assert sorted(_core_reserve(pool)) == _reserved(pool, pool.client)
     assert pool.check() == []
 
 
@@ -103,16 +108,18 @@ def test_a_rolled_back_claim_leaves_the_reserve_and_the_ids_as_they_were(make_po
     # GIVEN a full pool (8 blocks held) whose reserve holds slots
     pool = make_pool(8, **CONFIG)
     held = pool.allocate("held", list(range(32)))
-    reserve = pool.seqtab.reserve
+    state = pool._core.reserve_state()
+    reserve = _core_reserve(pool)
     assert reserve
     # WHEN an allocation claims a slot, then finds no block (rolled back)
     with pytest.raises(PoolExhausted):
         pool.allocate("more", [1, 2, 3])
-    # THEN the reserve is as it was, and the next sequence gets the id the failed one had taken
-    assert pool.seqtab.reserve == reserve
+    # THEN the reserve and its ids are as they were, and the next sequence gets the id the
+    # failed one had taken
+    assert pool._core.reserve_state() == state
     slot = held.slot
     pool.free(held)
-    assert pool.seqtab.reserve == [*reserve, slot]
+    assert _core_reserve(pool) == [*reserve, slot]
     s = pool.allocate("next", [1, 2, 3])
     assert s.slot == slot and s.seq_id == held.seq_id + 1
     pool.free(s)
