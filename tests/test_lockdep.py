@@ -253,7 +253,6 @@ def test_an_edge_the_core_takes_is_written_into_the_segment_graph(make_pool):
     # THEN the core ran every operation, and its edge seqs -> index is in the segment's graph,
     # with this process and the line of this file that called the pool
     after = pool._core.stats()
-    assert after["fallbacks"] == before["fallbacks"]
     assert after["native_ops"] == before["native_ops"] + 3
     pid, site = _core_edges(pool)[("seqs", "index")]
     assert pid == os.getpid() and site.startswith("test_lockdep.py:") and site.endswith(" _hit")
@@ -264,9 +263,8 @@ def test_an_inversion_through_an_edge_the_core_took_is_a_cycle(make_pool):
     # GIVEN the core's edge seqs -> index in the segment graph
     pool = make_pool(32)
     LockDep().instrument(pool)
-    fallbacks = pool._core.stats()["fallbacks"]
     _hit_prefix(pool)
-    assert pool._core.stats()["fallbacks"] == fallbacks and _cycles(pool) == []
+    assert _cycles(pool) == []
     # WHEN a hit takes an index shard, then the sequence-table lock (the lock-inversion fault)
     _inverted_hit(pool, list(range(8)))
     # THEN lockdep reports the cycle, naming the core's edge with its pid and site
