@@ -43,7 +43,6 @@ class PoolHandle(Protocol):
     _mf: Any
     _mutex: threading.RLock
     _busy: array
-    _hooks: array
     _overdue: array
     _probe_bits: array
     _found: list[int]
