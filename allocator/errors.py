@@ -56,6 +56,20 @@ class PoolExhausted(PoolError):
         )
 
 
+class JournalFull(PoolError):
+    """An operation's writes outgrow the undo journal (it is rolled back).
+
+    `evicting`: the cached blocks the operation was evicting when it ran out of room. The
+    runner (runner.py) then evicts that many in transactions of their own, sized to the
+    journal, and runs the operation again; with none, the error stands. The C core raises it
+    (with none) where even its smallest transaction does not fit (csrc/journal.c).
+    """
+
+    def __init__(self, message: str, evicting: int = 0):
+        super().__init__(message)
+        self.evicting = evicting
+
+
 class LockDeadlock(PoolError):
     """Waiting for a pool lock would deadlock: a wait cycle between processes (allocator/waits.py)."""
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvscope.allocator import crash, faults, integrity, records
-from kvscope.allocator.errors import PoolError, PoolExhausted
+from kvscope.allocator.errors import JournalFull, PoolError, PoolExhausted
 from kvscope.allocator.findings import ERROR, SEVERITY
 from kvscope.allocator.layout import (
     CLIENT_DTYPE,
@@ -129,9 +129,9 @@ assert all(_CF[f][1] == _CF[COUNTER_FIELDS[0]][1] + 8 * i for i, f in enumerate(
 
 
 check_layout(getattr(_native, "LAYOUT", {}))
-# The exception classes the core raises (a full pool's PoolExhausted, a bad input's PoolError),
-# handed over once.
-_native.register_errors(PoolError, PoolExhausted)
+# The exception classes the core raises (a full pool's PoolExhausted, a bad input's PoolError,
+# an operation its journal cannot hold's JournalFull), handed over once.
+_native.register_errors(PoolError, PoolExhausted, JournalFull)
 
 
 def kv_layout(pool: PoolHandle) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, read_findings
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
-from kvscope.allocator.layout import CHUNK, COUNTER_FIELDS, BlockState, SegmentView, SeqState
+from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.locks import LockTable
 from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
 from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ring_findings
@@ -233,20 +233,14 @@ class KVPool:
         `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
         `request_id`: any object, kept as its str() (docs/POOL.md)."""
         if type(tokens) is not list and isinstance(tokens, Iterator):
-            # (read once here: the rest of a long prompt is read from it again)
+            # (read once, into a list the core reads)
             tokens = list(tokens)
         guarded = self._before_claim()
+        # (the core allocates a prompt of any length: its hits and first CHUNK new blocks in one
+        # transaction, the rest appended, a transaction per CHUNK blocks' worth)
         seq = self._core.allocate(self, tokens, request_id)
         if self._found:
             self._hand_findings()
-        if len(seq.tokens) < len(tokens):
-            # A prompt of more than CHUNK new blocks: the rest is appended, a transaction per
-            # CHUNK blocks' worth (the journal's bound), and the request aborted if it fails.
-            try:
-                self.append(seq, tokens[len(seq.tokens) :])
-            except BaseException:
-                self.abort(seq)
-                raise
         if guarded:
             # Sampled guard mode: this one is guarded (its release guards, poisons and
             # quarantines its blocks).
@@ -283,20 +277,7 @@ class KVPool:
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
-        if (
-            isinstance(num_tokens, int)
-            and isinstance(seq, Sequence)
-            and num_tokens // self.block_size - seq.num_published > CHUNK
-        ):
-            # More than CHUNK blocks: a transaction per CHUNK of them (the undo journal's bound).
-            bs, pub = self.block_size, seq.num_published
-            full = min(num_tokens, len(seq.tokens)) // bs
-            steps = [b * bs for b in range(pub + CHUNK, full, CHUNK)] + [num_tokens]
-            return sum(self._publish(seq, upto) for upto in steps)
-        return self._publish(seq, num_tokens)
-
-    def _publish(self, seq: Sequence, num_tokens: int) -> int:
-        """mark_computed of at most CHUNK blocks (the core's)."""
+        # (the core's: a transaction per CHUNK blocks, the undo journal's bound)
         done = self._core.mark_computed(self, seq, num_tokens)
         if self._found:
             self._hand_findings()

@@ -61,9 +61,9 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
 
 /* reserve.take for an append to the sequence in `slot`: k fresh blocks stamped for it (the
  * local cache, the ring, eviction, preemption of another), with the probes' checks of blocks
- * handed out (what they find is reported at the commit). OK, FALLBACK (a handed-back check's
- * finding: the Python path; nothing left: PoolExhausted at the rollback), or FALLBACK with an
- * exception set. */
+ * handed out (what they find is reported at the commit). OK, or FALLBACK (the transaction
+ * rolls back: nothing left is PoolExhausted, other reasons rolled_back's; an exception set
+ * is raised). */
 static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, int32_t site,
                       uint64_t now, int64_t slot) {
     if (take(n, k, out, slot) || poison_intact(n, out, k) || unmapped(n, out, k, request) ||
@@ -84,27 +84,26 @@ static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
 /* append._append_chunk: k tokens (at most CHUNK blocks' worth) appended to seq (in `slot`; its
  * lists tokens, table, chain): into the last block when it has room and is the sequence's
  * own (unjournaled: the decode step), else in a transaction that copies a shared last block
- * first (copy-on-write: its (src, dst) appended to `copies`) and takes new blocks. OK,
- * FALLBACK with nothing changed, ERROR. */
+ * first (copy-on-write: its (src, dst) appended to `copies`) and takes new blocks. OK;
+ * FALLBACK, nothing changed (a transaction that could not begin); what the transaction's
+ * rollback leaves (rolled_back: AGAIN, JOURNAL_SHORT); ERROR. */
 static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
                         PyObject *lists[3], const int32_t *toks, int64_t k, PyObject *copies) {
     PyObject *tokens = lists[0], *table = lists[1], *chain = lists[2];
     int64_t bs = n->bs;
     Py_ssize_t n_old = PyList_GET_SIZE(tokens), nb = PyList_GET_SIZE(table);
-    if (nb != (n_old + bs - 1) / bs) return FALLBACK;
+    if (nb != (n_old + bs - 1) / bs) return seq_changed("block table");
     int64_t n_new = n_old + k, off = n_old % bs;
     int64_t need = (n_new + bs - 1) / bs - nb;
     int32_t last = -1;
     if (nb) {
         long b = PyLong_AsLong(PyList_GET_ITEM(table, nb - 1));
-        if (b < 0 || b >= n->nb) {
-            PyErr_Clear();
-            return FALLBACK;
-        }
+        if (b < 0 || b >= n->nb) return seq_changed("block table");
         last = (int32_t)b;
     }
     int cow = off != 0 && last >= 0 && I4(blk(n, last) + BF_REFCOUNT) > 1;
-    if (need > CHUNK) return FALLBACK;
+    /* (core_append's chunks are CHUNK blocks' worth at most) */
+    if (need > CHUNK) return core_bug("an append chunk of more than CHUNK blocks");
     /* The blocks written, from the one holding position n_old: the last block (or its copy)
      * when it has room, then the new ones. */
     int32_t ids[CHUNK + 1];
@@ -126,9 +125,10 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         if (site == SITE_ERROR) return ERROR;
         int rc = take_mutex(n);
         if (rc != OK) return rc;
-        uint64_t locks = take_locks(n, (need > 0 ? need : 0) + cow);
+        uint64_t locks = take_locks(n, (need > 0 ? need : 0) + cow) | n->want_locks;
         /* an indexed block is changed under its shard's lock */
         if (cow && blk(n, last)[BF_INDEXED] == 1) locks |= block_shard_lock(n, last);
+        n->n_poison = 0;
         if (txn_begin(n, locks)) return FALLBACK;
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
@@ -153,7 +153,9 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
             if (freed && src_r[BF_INDEXED] != 1) {
                 int64_t fit;
                 if (local_push(n, &last, 1, &fit)) goto abort;
-                if (fit == 0 && (!holds(n, n->lock_free) || ring_push(n, &last, 1))) goto abort;
+                if (fit == 0 &&
+                    (need_locks(n, lock_bit(n->lock_free)) || ring_push(n, &last, 1)))
+                    goto abort;
             }
             if (set_block(n, slot, nb - 1, dst)) goto abort;
             seal(n, dst);
@@ -170,6 +172,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         }
         fill(n, ids, off, toks, k);
         U8(s + SF_NUM_TOKENS) = (uint64_t)n_new;
+        if (preempt_poison(n)) goto abort;
         txn_commit(n);
         int64_t seq_id = (int64_t)U8(s + SF_SEQ_ID);
         count(n, C_ALLOCS, (uint64_t)((need > 0 ? need : 0) + cow));
@@ -208,13 +211,17 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
     return OK;
 abort:
     txn_abort(n);
-    return PyErr_Occurred() ? ERROR : FALLBACK;
+    return rolled_back(n);
 }
 
-/* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies, or None (the
- * Python path) with nothing changed or, where a chunk after the first needs the Python path,
- * with the first chunks appended (append_done() says how many tokens, and their copies).
- * Chunks of CHUNK blocks' worth, each a transaction of its own, as append.py's. */
+/* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies, in chunks of
+ * CHUNK blocks' worth, each a transaction of its own, as append.py's (half as many where the
+ * journal cannot hold one, down to a token). Where the pool changed since a chunk's plan, a
+ * preemption or an eviction outgrew the journal, or a K/V check waits for the op mutex, the
+ * chunk runs again (rolled_back). None (the Python path) where a chunk's transaction could not
+ * begin: with nothing changed, or with the first chunks appended (append_done() says how many
+ * tokens, and their copies). An error after some chunks leaves them appended, as on the Python
+ * path. */
 static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
                              const int32_t *toks, int64_t k) {
     PyObject *lists[3] = {sfield(n, seq, F_TOKENS), sfield(n, seq, F_BLOCK_TABLE),
@@ -223,15 +230,24 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
     if (!lists[0] || !lists[1] || !lists[2] || !copies) goto out;
     if (!PyList_CheckExact(lists[0]) || !PyList_CheckExact(lists[1]) ||
         !PyList_CheckExact(lists[2])) {
-        result = fallback(n);
+        seq_changed(!PyList_CheckExact(lists[0])   ? "tokens"
+                    : !PyList_CheckExact(lists[1]) ? "block table"
+                                                   : "chain");
         goto out;
     }
     int64_t step = k <= n->bs ? k : CHUNK * n->bs, done = 0;
+    n->want_locks = 0;
     while (done < k) {
         int64_t part = k - done < step ? k - done : step;
         int rc = append_chunk(n, pool, seq, slot, lists, toks + done, part, copies);
-        /* a preemption or an eviction too large for its journal: done ahead, then again */
-        if (rc == FALLBACK && !PyErr_Occurred() && (rc = run_ahead(n)) == OK) continue;
+        if (rc == AGAIN) continue;
+        if (rc == JOURNAL_SHORT) {
+            if (part > 1) {
+                step = part / 2;
+                continue;
+            }
+            rc = journal_full(n);
+        }
         drop_mutex(n);
         if (rc == ERROR) goto out;
         if (rc == FALLBACK) {
@@ -253,64 +269,29 @@ out:
 
 /* -- mark_computed ---------------------------------------------------------------------------- */
 
-/* seq's full blocks of positions [0, num_tokens) published -> how many, or None (the Python
- * path). */
-static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in, int64_t slot) {
-    Py_ssize_t upto_tokens = PyLong_AsSsize_t(upto_in);
-    if (upto_tokens == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return fallback(n);
-    }
-    PyObject *tokens = sfield(n, seq, F_TOKENS);
-    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
-    PyObject *chain = sfield(n, seq, F_CHAIN);
-    PyObject *pub_o = sfield(n, seq, F_PUBLISHED);
-    PyObject *result = NULL;
-    int mutex = 0;
-    if (!tokens || !table || !chain || !pub_o) goto out;
-    if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(chain)) {
-        result = fallback(n);
-        goto out;
-    }
-    Py_ssize_t pub = PyLong_AsSsize_t(pub_o);
-    if (pub == -1 && PyErr_Occurred()) goto out;
-    Py_ssize_t ntok = PyList_GET_SIZE(tokens);
-    Py_ssize_t upto = (upto_tokens < ntok ? upto_tokens : ntok) / n->bs;
-    if (upto <= pub) {
-        result = PyLong_FromLong(0);
-        goto out;
-    }
-    if (upto > PyList_GET_SIZE(chain) || upto > PyList_GET_SIZE(table) || pub < 0) {
-        result = fallback(n);
-        goto out;
-    }
+/* One transaction of mark_computed (publish.py's op): seq's full blocks [pub, upto) (at most
+ * CHUNK) published, each under its key (`chain`'s: every key of a sequence lives in the shard
+ * of its first, prefix.family_keys) unless it is indexed already or shared (refcount > 1), or
+ * its key is; seq's num_published set to upto. OK with *got published; else FALLBACK (a
+ * transaction that could not begin), what the rollback leaves (rolled_back), ERROR. */
+static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *chain,
+                         Py_ssize_t pub, Py_ssize_t upto, int64_t slot, long *got) {
     uint64_t key0, unused;
-    if (seq_keys(n, chain, pub, &key0, &unused)) goto out;
-    int rc = take_mutex(n);
-    if (rc != OK) {
-        result = rc == ERROR ? NULL : fallback(n);
-        goto out;
-    }
-    mutex = 1;
-    /* Every key of a sequence lives in the shard of its first (prefix.family_keys). */
-    if (txn_begin(n, shard_lock(n, key0))) {
-        result = fallback(n);
-        goto out;
-    }
+    if (seq_keys(n, chain, pub, &key0, &unused)) return seq_changed("chain");
+    if (txn_begin(n, shard_lock(n, key0) | n->want_locks)) return FALLBACK;
     long published = 0;
     int32_t done[CHUNK]; /* (digest, events) the blocks published */
-    if ((n->probes & (P_DIGEST | P_EVENTS)) && upto - pub > CHUNK) goto abort;
     for (Py_ssize_t j = pub; j < upto; j++) {
         long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
         if (b < 0 || b >= n->nb) {
-            PyErr_Clear();
+            seq_changed("block table");
             goto abort;
         }
         uint8_t *r = blk(n, b);
         if (r[BF_INDEXED] || I4(r + BF_REFCOUNT) != 1) continue;
         uint64_t key, parent;
         if (seq_keys(n, chain, j, &key, &parent)) {
-            PyErr_Clear();
+            seq_changed("chain");
             goto abort;
         }
         int inserted;
@@ -322,8 +303,7 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in, int64
         U8(r + BF_PREFIX_HASH) = key;
         U8(r + BF_PARENT_HASH) = parent;
         seal(n, b);
-        if (published < CHUNK) done[published] = (int32_t)b; /* (all of them with the digest) */
-        published++;
+        done[published++] = (int32_t)b;
     }
     if (stamp_digests(n, done, published)) goto abort;
     txn_commit(n);
@@ -331,17 +311,74 @@ static PyObject *core_publish(Native *n, PyObject *seq, PyObject *upto_in, int64
     if (published)
         ev_record(n, E_PUBLISH, done, published, (const char *)(seqrec(n, slot) + SF_REQUEST), 0);
     PyObject *u = PyLong_FromSsize_t(upto);
-    if (u == NULL) goto out;
+    if (u == NULL) return ERROR;
     sset(n, seq, F_PUBLISHED, u);
     Py_DECREF(u);
-    n->native_ops++;
-    result = PyLong_FromLong(published);
-    goto out;
+    *got = published;
+    return OK;
 abort:
     txn_abort(n);
-    result = PyErr_Occurred() ? NULL : fallback(n);
+    return rolled_back(n);
+}
+
+/* seq's full blocks of positions [0, num_tokens) published -> how many, or None (a transaction
+ * could not begin: the Python path, which publishes what is left). A transaction per CHUNK
+ * blocks (the journal's bound: half as many where it cannot hold them), as KVPool.mark_computed
+ * on the Python path. */
+static PyObject *core_publish(Native *n, PyObject *seq, Py_ssize_t upto_tokens, int64_t slot) {
+    PyObject *tokens = sfield(n, seq, F_TOKENS);
+    PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
+    PyObject *chain = sfield(n, seq, F_CHAIN);
+    PyObject *pub_o = sfield(n, seq, F_PUBLISHED);
+    PyObject *result = NULL;
+    if (!tokens || !table || !chain || !pub_o) goto out;
+    if (!PyList_CheckExact(tokens) || !PyList_CheckExact(table) || !PyList_CheckExact(chain)) {
+        seq_changed(!PyList_CheckExact(tokens) ? "tokens"
+                    : !PyList_CheckExact(table) ? "block table"
+                                                : "chain");
+        goto out;
+    }
+    Py_ssize_t pub = PyLong_AsSsize_t(pub_o);
+    if (pub == -1 && PyErr_Occurred()) goto out;
+    Py_ssize_t ntok = PyList_GET_SIZE(tokens);
+    Py_ssize_t upto = (upto_tokens < ntok ? upto_tokens : ntok) / n->bs;
+    if (upto <= pub) {
+        result = PyLong_FromLong(0);
+        goto out;
+    }
+    if (upto > PyList_GET_SIZE(chain) || upto > PyList_GET_SIZE(table) || pub < 0) {
+        seq_changed(upto > PyList_GET_SIZE(table) ? "block table" : "chain");
+        goto out;
+    }
+    int rc = take_mutex(n);
+    if (rc != OK) {
+        result = rc == ERROR ? NULL : fallback(n);
+        goto out;
+    }
+    long total = 0;
+    Py_ssize_t step = CHUNK;
+    n->want_locks = 0;
+    while (pub < upto) {
+        Py_ssize_t end = upto - pub > step ? pub + step : upto;
+        long got = 0;
+        rc = publish_chunk(n, seq, table, chain, pub, end, slot, &got);
+        if (rc == AGAIN) continue;
+        if (rc == JOURNAL_SHORT) {
+            if (end - pub > 1) {
+                step = (end - pub) / 2;
+                continue;
+            }
+            rc = journal_full(n);
+        }
+        if (rc == FALLBACK) result = fallback(n);
+        if (rc != OK) goto out;
+        total += got;
+        pub = end;
+    }
+    n->native_ops++;
+    result = PyLong_FromLong(total);
 out:
-    if (mutex) drop_mutex(n);
+    drop_mutex(n);
     Py_XDECREF(tokens);
     Py_XDECREF(table);
     Py_XDECREF(chain);

@@ -56,7 +56,10 @@ static int release_quarantine(Native *n, int32_t *ids, int64_t k) {
     uint32_t rest = U4(h + RING_COUNT);
     /* keep and extra hold at most k each, back the young of both: k + rest */
     int32_t *keep = malloc(sizeof(int32_t) * (size_t)(3 * k + rest));
-    if (keep == NULL) return FALLBACK;
+    if (keep == NULL) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
     int32_t *extra = keep + k, *back = extra + k;
     int64_t nk = 0, ne = 0, nb = 0;
     for (int64_t i = 0; i < k; i++) {
@@ -95,7 +98,8 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
     U8(h + RING_HEAD) = head + (uint64_t)k;
     U4(h + RING_COUNT) = cnt - (uint32_t)k;
-    if (n->quarantine > 0 && k > 0 && release_quarantine(n, out, k)) return FALLBACK;
+    int rc = n->quarantine > 0 && k > 0 ? release_quarantine(n, out, k) : OK;
+    if (rc != OK) return rc;
     U8(h + RING_ALLOCS) += (uint64_t)k;
     *got = k;
     crash_point(n, CP_AFTER_RING_POP);
@@ -152,9 +156,17 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
     return OK;
 }
 
-/* BlockStore.refill: a batch of FREE blocks from the ring into the local cache. */
-static int refill(Native *n) {
+/* BlockStore.refill: a batch of FREE blocks from the ring into the local cache, as many as
+ * the journal holds beside the stamps of the `later` blocks the take hands out (each refilled
+ * block's record is saved twice: its owner, then the local cache; a batch is only a batch). */
+static int refill(Native *n, int64_t later) {
     int64_t want = n->local_cap - (int64_t)local_count(n);
+    int64_t by_bytes = ((int64_t)n->j_bytes - (int64_t)n->jused - TXN_SLACK_BYTES -
+                        later * n->rec) / (2 * n->rec + 4);
+    int64_t by_entries =
+        ((int64_t)n->j_entries - (int64_t)n->jcount - TXN_SLACK_ENTRIES - later) / 2;
+    if (want > by_bytes) want = by_bytes;
+    if (want > by_entries) want = by_entries;
     if (want < 0) want = 0;
     int32_t ids[LOCAL_CACHE_MAX];
     int64_t got;
@@ -176,19 +188,19 @@ static int refill(Native *n) {
  * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
  * eviction again. When they are all short, FALLBACK with `exhausted_need` set: the
  * transaction's rollback raises PoolExhausted (preempt.c); when the eviction outgrows the
- * journal, FALLBACK with `jfull` set: the operation's rollback evicts ahead (run_ahead). The
- * locks each step needs must be held already (`take_locks` plans them; FALLBACK when they are
- * not: the Python path). */
+ * journal, FALLBACK with `jfull` set: the operation's rollback evicts ahead (rolled_back). The
+ * locks each step needs are planned by `take_locks`; one not held (the pool changed since the
+ * plan) leaves FALLBACK: the operation runs again with it (need_locks). */
 static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     int64_t got, more;
     n->evicting = 0; /* (what an earlier operation left, if anything, is not this one's) */
     n->jfull = 0;
     if (local_pop(n, k, out, &got)) return FALLBACK;
     if (got == k) return OK;
-    if (!holds(n, n->lock_free)) return FALLBACK;
+    if (need_locks(n, lock_bit(n->lock_free))) return FALLBACK;
     if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
     got += more;
-    if (got == k) return refill(n);
+    if (got == k) return refill(n, k);
     int rc = evict_into(n, k - got, EVICT_BATCH, k - got, out + got, &more, k);
     if (rc != OK) return rc;
     got += more;
@@ -216,7 +228,7 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
 }
 
 /* reserve.take_locks: the locks `take(k)` will need, judged from the local cache and the
- * ring's count (a hint: if it was wrong, `take` falls back). */
+ * ring's count (a hint: where it was wrong, the operation runs again with more, need_locks). */
 static uint64_t take_locks(Native *n, int64_t k) {
     n->dry_valid = 0; /* a plan is for one operation only */
     int64_t local = local_count(n);

@@ -23,6 +23,10 @@
 #define MAX_LOCKS 64
 
 enum { OK = 0, FALLBACK = 1, ERROR = -1 };
+/* What an operation's step answers after its transaction rolled back (eviction.c rolled_back),
+ * besides ERROR and FALLBACK (a transaction that could not begin: the Python path): run it again
+ * as it is (AGAIN), or in smaller transactions (JOURNAL_SHORT: the journal could not hold it). */
+enum { AGAIN = 3, JOURNAL_SHORT = 4 };
 
 /* The light probes the core runs itself (probes.c): bits of the handle's probe word
  * (KVPool._probe_bits, probing.PoolProbes.native_bits). */
@@ -208,9 +212,24 @@ typedef struct {
     int pend_forget;
     /* The open operation's take: the blocks its eviction is to hand it, and whether a journal
      * save was refused (jsave): both together, after its rollback, are evicted ahead in
-     * transactions of their own and the operation runs again (eviction.c run_ahead). */
+     * transactions of their own and the operation runs again (eviction.c rolled_back). */
     int64_t evicting;
     int jfull;
+    /* The save the journal refused last (its entries and bytes with it: journal_full's words). */
+    uint32_t jfull_entries, jfull_bytes;
+    /* Locks the open operation found it needs and did not hold (Txn.need): it rolls back and runs
+     * again with them too (`want_locks`, kept until the operation ends; `escalate`: this
+     * rollback's reason). */
+    uint64_t want_locks;
+    int escalate;
+    /* A K/V check of the open transaction needed the handle's op mutex while another thread
+     * held it: after the rollback the core waits for it, holds it, and runs the operation again
+     * (eviction.c rolled_back). */
+    int need_mutex;
+    /* Guarded blocks a preemption inside the open transaction freed (quarantined), poisoned
+     * just before its commit (preempt.c preempt_poison). */
+    int32_t *poison_ids;
+    int64_t n_poison, cap_poison;
     int fork_gen;
     uint64_t *coefs;   /* prefix._COEFS[:bs] */
     /* the open transaction */
@@ -218,8 +237,8 @@ typedef struct {
     uint64_t held; /* bit i: lock i */
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
     uint64_t native_ops, fallbacks, native_evictions;
-    /* An append handed back after its first chunks ran: (copies, tokens appended), for
-     * append_done(); NULL otherwise. */
+    /* An append a transaction that could not begin (txn_begin) stopped after its first chunks
+     * ran: (copies, tokens appended), for append_done(); NULL otherwise. */
     PyObject *append_partial;
     /* A waiting sequence (its slot + 1, else 0) whose preemption would outgrow the open
      * operation's journal: the operation rolls back, preempts it ahead in transactions of its
@@ -358,6 +377,15 @@ static inline void seal(Native *n, int64_t b) { U8(blk(n, b) + BF_CHECKSUM) = ch
  * block b's prefix key (meaningful while it is indexed). */
 static inline uint64_t lock_bit(int i) { return 1ull << i; }
 static inline int holds(Native *n, int i) { return (n->held & lock_bit(i)) != 0; }
+/* A step that needs the locks of `mask` (Txn.need): OK when the open transaction holds them;
+ * else FALLBACK, and the operation, rolled back, runs again with them too (eviction.c
+ * rolled_back). */
+static inline int need_locks(Native *n, uint64_t mask) {
+    if ((n->held & mask) == mask) return OK;
+    n->want_locks |= mask;
+    n->escalate = 1;
+    return FALLBACK;
+}
 static inline uint64_t shard_lock(Native *n, uint64_t key) {
     return lock_bit(n->lock_shard0 + (int)shard_of(n, key));
 }
@@ -376,7 +404,12 @@ static PyObject *fallback_at(Native *n, const char *where, int line);
 #define fallback(n) fallback_at((n), __FILE__, __LINE__)
 static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
                       int64_t *got, int64_t later);
-static int run_ahead(Native *n);
+static int rolled_back(Native *n);
+static int mutex_wait(Native *n);
+static int preempt_poison(Native *n);
+static int journal_full(Native *n);
+static int pool_error(const char *fmt, ...);
+static int core_bug(const char *what);
 static int verify_often(Native *n, PyObject *pool);
 static int py_caller_unusable(Native *n);
 static int ungated(Native *n, PyObject *pool);
@@ -391,6 +424,8 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 static void lru_commit(Native *n);
 static void lru_drop_pending(Native *n);
 static int record_sealed(Native *n, int64_t b);
+static void seen_of(Native *n, int32_t b, Seen *s);
+static int finding_later(Native *n, int fk, const Seen *s, PyObject *message);
 static int finding_report(Native *n, int fk, const Seen *s, PyObject *message);
 static int fork_gen; /* entry.c: bumped in a forked child */
 static int unusable(Native *n);
@@ -409,4 +444,4 @@ static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
 /* The exception classes the core raises (allocator/errors.py), handed to it once by
  * native.py through register_errors(); NULL until then. */
-static PyObject *PoolErrorType, *PoolExhaustedType;
+static PyObject *PoolErrorType, *PoolExhaustedType, *JournalFullType;

@@ -238,10 +238,12 @@ static int dev_cover(DevChecks *d) {
 /* -- launching --------------------------------------------------------------------------------- */
 
 /* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's), queued:
- * OK (also once the driver failed: the checks are off, dev_off); FALLBACK where another thread
- * holds the op mutex (the operation goes to the Python path); ERROR with an exception set (no
- * checks configured, a check larger than the ring, the warning of dev_off made an error).
- * Where the queue or the ring is full the oldest checks are waited for and read first. */
+ * OK (also once the driver failed: the checks are off, dev_off); FALLBACK with `need_mutex`
+ * set where another thread holds the op mutex (the launch may let go of the GIL: the operation
+ * rolls back, waits for the mutex and runs again, eviction.c rolled_back); ERROR with an
+ * exception set (no checks configured, a check larger than the ring, the warning of dev_off
+ * made an error). Where the queue or the ring is full the oldest checks are waited for and
+ * read first. */
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag) {
     DevChecks *d = n->dev;
@@ -262,7 +264,12 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     }
     if (d->broken) return OK;
     if (d->cuda && dev_context(d) != OK) return dev_off(n);
-    if (hold_mutex(n) != OK) return FALLBACK;
+    int held = hold_mutex(n);
+    if (held == ERROR) return ERROR;
+    if (held != OK) {
+        n->need_mutex = 1;
+        return FALLBACK;
+    }
     int64_t ans = dev_answer_words(n, kind, k), keep = dev_keep_words(n, kind, k);
     int64_t words = k + ans + keep;
     if (words + (words & 1) > d->ring_words) {

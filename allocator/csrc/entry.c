@@ -183,6 +183,57 @@ static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tok
     return core_append(n, pool, seq, slot, t->v, t->n);
 }
 
+static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final);
+
+/* A sequence the operation that made it could not finish (a long prompt's or resume's rest
+ * failed) aborted, as KVPool.allocate's `except BaseException: self.abort(seq)` did: by the core
+ * (or, where a transaction could not begin, the pool's abort: the Python path). An exception
+ * pending is kept (an abort that fails raises its own, the first as its context). OK or
+ * ERROR. */
+static int abandon(Native *n, PyObject *pool, PyObject *seq, int64_t slot) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *ended = end_read(n, seq, slot, 4);
+    if (ended == Py_None) {
+        Py_DECREF(ended);
+        ended = PyObject_CallMethod(pool, "abort", "O", seq);
+    }
+    if (ended != NULL) {
+        Py_DECREF(ended);
+        PyErr_Restore(type, value, tb);
+        return OK;
+    }
+    if (type != NULL) {
+        PyObject *t2, *v2, *tb2;
+        PyErr_Fetch(&t2, &v2, &tb2);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyErr_NormalizeException(&t2, &v2, &tb2);
+        PyException_SetContext(v2, value); /* (steals value) */
+        Py_DECREF(type);
+        Py_XDECREF(tb);
+        PyErr_Restore(t2, v2, tb2);
+    }
+    return ERROR;
+}
+
+/* A long prompt's tokens after those its first transaction held (toks[0..k)) appended to its
+ * new Sequence, a transaction per CHUNK blocks' worth (core_append). On an error the sequence
+ * is aborted and the error raised. (An append a transaction that could not begin stopped
+ * leaves it shorter: KVPool.allocate appends the rest.) */
+static PyObject *allocate_rest(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
+                               const int32_t *toks, int64_t k) {
+    PyObject *copies = core_append(n, pool, seq, slot, toks, k);
+    if (copies != NULL) {
+        if (copies == Py_None) Py_CLEAR(n->append_partial); /* (the tokens are in seq) */
+        Py_DECREF(copies);
+        return seq;
+    }
+    abandon(n, pool, seq, slot);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* N_allocate once its arguments are read: the tokens, the request id as a str. */
 static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObject *rid) {
     GATE(n, pool);
@@ -195,8 +246,9 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
     PyObject *tokens = tokens_list(t);
-    /* a long prompt: the tokens its first transaction holds (KVPool.allocate appends the rest) */
+    /* a long prompt: the tokens its first transaction holds (the rest are appended below) */
     Py_ssize_t held = PyList_GET_SIZE(PyTuple_GET_ITEM(got, 2)) * n->bs;
+    int64_t slot = PyLong_AsLongLong(PyTuple_GET_ITEM(got, 0));
     if (tokens && held < t->n) Py_SETREF(tokens, PyList_GetSlice(tokens, 0, held));
     PyObject *uid = PyLong_FromLongLong(n->uid);
     PyObject *cached =
@@ -212,7 +264,8 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     Py_XDECREF(uid);
     Py_XDECREF(cached);
     Py_DECREF(got);
-    return seq;
+    if (seq == NULL || held >= t->n) return seq;
+    return allocate_rest(n, pool, seq, slot, t->v + held, t->n - held);
 }
 
 /* allocate(pool, tokens, request_id) -> Sequence | None: tokens as tokens.c reads them, any
@@ -263,6 +316,12 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     int64_t slot = own_slot(n, seq);
     if (slot == OWN_ENDED) double_end(n, seq);
     if (slot < 0) return NULL;
+    return end_read(n, seq, slot, final);
+}
+
+/* N_end once its arguments are read (the gate passed): seq, a live sequence of this handle in
+ * `slot`, released as FINISHED (3) or ABORTED (4) -> True. */
+static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final) {
     int guard = guard_release(n, slot);
     if (guard < 0) return NULL;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
@@ -325,16 +384,16 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 /* append_done() -> (copies, tokens) | None: what the last append the core handed back had
- * appended already (core_append), once. */
+ * appended already (core_append: a later chunk whose transaction could not begin), once. */
 static PyObject *N_append_done(Native *n, PyObject *unused) {
     PyObject *out = n->append_partial;
     n->append_partial = NULL;
     return out ? out : Py_NewRef(Py_None);
 }
 
-/* mark_computed(pool, seq, num_tokens) -> int | None: num_tokens any integer (its
- * __index__; TypeError otherwise), as publish.py takes it: one past the tokens publishes
- * every full block, a negative one none. */
+/* mark_computed(pool, seq, num_tokens) -> int: every full block of positions [0, num_tokens),
+ * a transaction per CHUNK of them (core_publish); num_tokens any integer (its __index__;
+ * TypeError otherwise): one past the tokens publishes every full block, a negative one none. */
 static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "mark_computed(pool, seq, num_tokens)");
@@ -343,15 +402,17 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
     GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0) return NULL;
-    PyObject *upto = PyNumber_Index(args[2]);
-    if (upto == NULL) return NULL;
+    PyObject *o = PyNumber_Index(args[2]);
+    if (o == NULL) return NULL;
     int over;
-    PyLong_AsLongLongAndOverflow(upto, &over);
-    if (over) /* (past any list: every full block, or none) */
-        Py_SETREF(upto, PyLong_FromSsize_t(over > 0 ? PY_SSIZE_T_MAX : -1));
-    PyObject *done = upto ? core_publish(n, args[1], upto, slot) : NULL;
-    Py_XDECREF(upto);
-    return done;
+    long long v = PyLong_AsLongLongAndOverflow(o, &over);
+    Py_DECREF(o);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    /* (past any list: every full block, or none) */
+    Py_ssize_t upto = over > 0 || v > PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX
+                      : over < 0 || v < 0            ? -1
+                                                     : (Py_ssize_t)v;
+    return core_publish(n, args[1], upto, slot);
 }
 
 /* Digests answered after their publication (a CUDA pool's, read by the core's own queue:
@@ -382,9 +443,23 @@ static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
         uint64_t cur = U8(r + n->off_kv_digest);
         if (gen != g[i] || r[BF_INDEXED] != 1) continue;
         if (cur != 0 && (cur & GEN_MASK) == gen) continue; /* integrity.has_digest */
-        if (jsave_block(n, b[i])) {
+        int saved = jsave_block(n, b[i]);
+        if (saved != OK && !PyErr_Occurred() && n->jcount > 0) {
+            /* the journal is full: what is written stands (each digest is a write of its
+             * own), the rest in a transaction of its own */
+            n->jfull = 0;
+            txn_commit(n);
+            if (txn_begin(n, locks)) {
+                result = fallback(n);
+                goto out;
+            }
+            i--;
+            continue;
+        }
+        if (saved != OK) {
             txn_abort(n);
-            result = PyErr_Occurred() ? NULL : fallback(n);
+            /* (an empty journal holds 96 KiB, a record 4 KiB at most) */
+            core_bug("a block record larger than the journal");
             goto out;
         }
         U8(r + n->off_kv_digest) = w[i];
@@ -455,21 +530,24 @@ static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
         PyErr_NoMemory();
         goto out;
     }
-    uint64_t locks; /* the shards of its indexed blocks */
-    if (!PyList_CheckExact(f[F_TOKENS]) || !PyList_CheckExact(f[F_CHAIN]) ||
-        table_of(n, f[F_BLOCK_TABLE], ids, ids == ids_s ? CHUNK : len, &k, &locks)) {
-        seq = fallback(n);
+    uint64_t shards; /* the shards of its indexed blocks */
+    if (!PyList_CheckExact(f[F_TOKENS]) || !PyList_CheckExact(f[F_CHAIN])) {
+        seq_changed(PyList_CheckExact(f[F_TOKENS]) ? "chain" : "tokens");
         goto out;
     }
+    if (table_of(n, f[F_BLOCK_TABLE], ids, ids == ids_s ? CHUNK : len, &k, &shards)) goto out;
     int64_t slot;
     uint64_t seq_id;
     Claim claim;
     int rc = take_mutex(n);
-    if (rc == OK) rc = claim_plan(n, &claim, &locks);
     if (rc != OK) {
         seq = rc == ERROR ? NULL : fallback(n);
         goto out;
     }
+    n->want_locks = 0;
+again:;
+    uint64_t locks = shards | n->want_locks;
+    claim_plan(n, &claim, &locks);
     if (txn_begin(n, locks)) {
         seq = fallback(n);
         goto out;
@@ -505,7 +583,11 @@ static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     goto out;
 abort:
     txn_abort(n);
-    seq = fallback(n);
+    rc = rolled_back(n);
+    if (rc == AGAIN) goto again;
+    /* one transaction, as fork.py's: a table the journal cannot hold is its JournalFull */
+    if (rc == JOURNAL_SHORT) rc = journal_full(n);
+    seq = rc == FALLBACK ? fallback(n) : NULL;
 out:
     drop_mutex(n); /* if waiting for a lock made the core take it */
     if (ids != ids_s) PyMem_Free(ids);

@@ -145,8 +145,11 @@ static int dry_still_oldest(Native *n) {
  * the same operation, which keeps it when it still holds. */
 static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry) {
-    if (n->scan_buf == NULL && (n->scan_buf = PyMem_Malloc(sizeof(Aged) * (size_t)n->nb)) == NULL)
-        return FALLBACK;
+    if (n->scan_buf == NULL && (n->scan_buf = PyMem_Malloc(sizeof(Aged) * (size_t)n->nb)) == NULL) {
+        if (dry) return FALLBACK; /* (a plan does without: every shard) */
+        PyErr_NoMemory();
+        return ERROR;
+    }
     Aged *a = n->scan_buf;
     int64_t m, keep, k_in = k;
     if (!dry && n->dry_valid && n->dry_k == k && n->dry_extra == extra &&
@@ -194,7 +197,8 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         n->pend_scan_ns = PyMem_Malloc(sizeof(uint64_t) * (size_t)later);
         if (!n->pend_scan_ids || !n->pend_scan_ns) {
             lru_drop_pending(n);
-            return FALLBACK;
+            PyErr_NoMemory();
+            return ERROR;
         }
         for (int64_t j = 0; j < later; j++) {
             n->pend_scan_ids[j] = a[k + j].id;
@@ -240,41 +244,64 @@ static int64_t index_remove_saves(Native *n, uint64_t key, int32_t block) {
 #define TAKE_SLACK_ENTRIES 16
 #define TAKE_SLACK_BYTES 8192
 
+/* Every index shard's lock. */
+static inline uint64_t every_shard(Native *n) {
+    return ((1ull << n->num_shards) - 1) << n->lock_shard0;
+}
+
+/* A CACHED block the prefix index has no entry for, met by an eviction (something outside the
+ * allocator wrote the segment: eviction.py asserts it cannot be): nothing can hit it, so it is
+ * evicted all the same, and reported (as check() counts it: refcount_mismatch) when the
+ * operation commits. OK, or ERROR. */
+static int unindexed_cached(Native *n, int32_t b) {
+    Seen s;
+    seen_of(n, b, &s);
+    return finding_later(n, FK_REFCOUNT_MISMATCH, &s,
+                         PyUnicode_FromString("CACHED block is marked indexed but the prefix "
+                                              "index has no entry for it: evicted without one"));
+}
+
 /* Eviction (BlockStore.evict): up to k (+ extra) least recently used CACHED blocks unindexed,
  * the first `mine` of them (at most k) into out (*got of them: fewer when fewer are cached),
- * the others to the free ring. The free lock and the candidates' shard locks held.
- * Journal-bounded: a block is evicted only while the journal has room for it, for the return
- * to the ring of the blocks before it that go there, and for the `later` block records (and
- * TAKE_SLACK) the operation writes after it. The blocks for the ring stop where the room
- * ends; one of the first `mine` that does not fit leaves FALLBACK with `jfull` set: the
- * operation rolls back and evicts them ahead (run_ahead). */
+ * the others to the free ring. The free lock and the candidates' shard locks held (when the
+ * pool changed since the plan chose them, FALLBACK: the operation runs again under every
+ * shard, need_locks). Journal-bounded: a block is evicted only while the journal has room for
+ * it, for the return to the ring of the blocks before it that go there, and for the `later`
+ * block records (and TAKE_SLACK) the operation writes after it. The blocks for the ring stop
+ * where the room ends; one of the first `mine` that does not fit leaves FALLBACK with `jfull`
+ * set: the operation rolls back and evicts them ahead (rolled_back). */
 static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
                       int64_t *got, int64_t later) {
     *got = 0;
-    if (!holds(n, n->lock_free)) return FALLBACK;
+    if (need_locks(n, lock_bit(n->lock_free))) return FALLBACK;
     if (k > CHUNK) {
         /* more than one transaction's candidates: all of them ahead */
         n->evicting += mine;
         n->jfull = 1;
+        n->jfull_entries = n->jcount;
+        n->jfull_bytes = n->jused;
         return FALLBACK;
     }
     int32_t cand[CHUNK + EVICT_BATCH];
     int64_t nc = 0;
-    if (lru_take(n, k, extra, cand, &nc, 0) && lru_scan(n, k, extra, cand, &nc, 0))
-        return FALLBACK;
+    if (lru_take(n, k, extra, cand, &nc, 0)) {
+        int rc = lru_scan(n, k, extra, cand, &nc, 0);
+        if (rc != OK) return rc;
+    }
     if (nc == 0) return OK;
     if (mine > nc) mine = nc;
     n->evicting += mine;
-    /* Only the candidates' shards are locked (`take_locks` found them before the locks:
-     * another process may have changed the pool since; then the Python path, every shard). */
+    /* Only the candidates' shards are locked (`take_locks` found them before the locks: another
+     * process may have changed the pool since; then the operation runs again under every
+     * shard, as the Python path's take escalates). */
     for (int64_t i = 0; i < nc; i++)
-        if (!(n->held & block_shard_lock(n, cand[i]))) return FALLBACK;
+        if (!(n->held & block_shard_lock(n, cand[i])))
+            return need_locks(n, every_shard(n) | lock_bit(n->lock_free));
     int64_t done = 0;
     for (; done < nc; done++) {
         int32_t b = cand[done];
         uint64_t key = U8(blk(n, b) + BF_PREFIX_HASH);
         int64_t saves = index_remove_saves(n, key, b);
-        if (saves == 0) return FALLBACK; /* a cached block the index lacks: the Python path */
         int64_t ring = done + 1 > mine ? done + 1 - mine : 0;
         int64_t entries = 1 + saves + (ring ? ring + 3 : 0) + later + TAKE_SLACK_ENTRIES;
         int64_t bytes = n->rec + saves * INDEX_ENTRY +
@@ -283,13 +310,19 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
         if (!jroom(n, entries, bytes)) {
             if (done < mine) {
                 n->jfull = 1;
+                n->jfull_entries = n->jcount + (uint32_t)entries;
+                n->jfull_bytes = n->jused + (uint32_t)bytes;
                 return FALLBACK;
             }
             n->pend_forget = 1; /* the rest stay cached, older than the list's next entries */
             break;
         }
-        int removed;
-        if (jsave_block(n, b) || index_remove(n, key, b, &removed) || !removed) return FALLBACK;
+        if (saves == 0 && unindexed_cached(n, b)) return ERROR;
+        if (jsave_block(n, b)) return FALLBACK;
+        int removed = 1;
+        if (saves && index_remove(n, key, b, &removed)) return FALLBACK;
+        /* (index_remove_saves found it there, under the same locks) */
+        if (!removed) return core_bug("an indexed block left the index under its shard lock");
     }
     if (done == 0) return OK;
     /* digest: what is evicted is as published (writes.evicting; its record still says so) */
@@ -313,34 +346,47 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
 /* KVPool.evict's work: up to `num` least recently used CACHED blocks to the free ring, in
  * transactions of at most CHUNK blocks, each evicting as many as its journal holds and
  * committing (*done: how many in all). Each takes the free lock and the shards of the blocks
- * a look without the locks chose, or every shard when that look is out of date under them.
- * OK (fewer when fewer are cached), FALLBACK when a transaction could not run (a record that
- * fails its checks) with *done evicted before it, ERROR with an exception set. */
+ * a look without the locks chose, or every shard when that look is out of date under them
+ * (and waits for the op mutex, holding no pool lock, where a K/V check needs it and another
+ * thread has it). OK (fewer when fewer are cached), FALLBACK when a transaction could not run
+ * (a record that fails its checks) with *done evicted before it, ERROR with an exception set. */
 static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
     *done = 0;
     int every = 0;
+    uint64_t want = n->want_locks; /* (the operation's, which these transactions leave as is) */
     while (*done < num) {
-        int64_t want = num - *done < CHUNK ? num - *done : CHUNK;
+        int64_t want_n = num - *done < CHUNK ? num - *done : CHUNK;
         uint64_t locks = lock_bit(n->lock_free);
         int32_t cand[CHUNK + EVICT_BATCH];
         int64_t nc = 0;
         n->dry_valid = 0;
-        if (!every && (!lru_take(n, want, 0, cand, &nc, 1) || !lru_scan(n, want, 0, cand, &nc, 1))) {
+        if (!every &&
+            (!lru_take(n, want_n, 0, cand, &nc, 1) || !lru_scan(n, want_n, 0, cand, &nc, 1))) {
             if (nc == 0) return OK; /* nothing cached */
             for (int64_t i = 0; i < nc; i++) locks |= block_shard_lock(n, cand[i]);
         } else {
-            for (int64_t s = 0; s < n->num_shards; s++) locks |= lock_bit(n->lock_shard0 + (int)s);
+            locks |= every_shard(n);
         }
         int began = txn_begin(n, locks);
         if (began != OK) return began;
         n->evicting = 0;
-        n->jfull = 0;
+        n->jfull = n->escalate = n->need_mutex = 0;
         int64_t got;
-        int rc = evict_into(n, want, 0, 0, NULL, &got, 0);
+        int rc = evict_into(n, want_n, 0, 0, NULL, &got, 0);
         if (rc != OK) {
             txn_abort(n);
+            int mutex = n->need_mutex;
+            n->want_locks = want;
+            n->evicting = 0;
+            n->jfull = n->escalate = n->need_mutex = 0;
             if (rc == ERROR || PyErr_Occurred()) return ERROR;
-            if (every) return FALLBACK;
+            if (mutex) {
+                if (mutex_wait(n)) return ERROR;
+                continue;
+            }
+            /* Under the free lock and every shard's, only a K/V check's mutex stops it (its
+             * journal room is checked before each block). */
+            if (every) return core_bug("an eviction under every shard lock stopped");
             every = 1; /* the pool changed since the look: again under every shard */
             continue;
         }
@@ -353,19 +399,43 @@ static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
     return OK;
 }
 
-/* After an operation's rollback, what it left to do ahead in transactions of its own: the
- * waiting sequence whose preemption would have outgrown its journal (preempt_ahead), or the
- * blocks its take was evicting when the journal ran out (to the free ring, where running it
- * again takes them: eviction.py's evict_ahead is the Python path's). OK: run the operation
- * again; FALLBACK: nothing was done ahead; ERROR. */
-static int run_ahead(Native *n) {
-    int64_t evict = n->jfull ? n->evicting : 0, done;
-    n->jfull = 0;
-    n->evicting = 0;
-    if (n->ahead) return preempt_ahead(n);
-    if (evict <= 0) return FALLBACK;
-    int rc = evict_to_ring(n, evict, &done);
-    return rc == ERROR ? ERROR : done > 0 ? OK : FALLBACK;
+/* -- after a rollback ---------------------------------------------------------------------- */
+
+/* After an operation's transaction rolled back (txn_abort), what the core does next, as the
+ * Python path's runner did (JournalFull, Escalate): ERROR with the exception set (a full pool's
+ * PoolExhausted among them); else, by what stopped it:
+ * - a waiting sequence whose preemption would have outgrown its journal is preempted ahead, in
+ *   transactions of its own (preempt_ahead);
+ * - the op mutex a K/V check needed (another thread's) is waited for, no pool lock held, and
+ *   held until the operation ends (mutex_wait);
+ * - locks a step needed and the transaction did not hold are taken too next time (need_locks);
+ * - the blocks its eviction was to hand it when the journal ran out are evicted to the free
+ *   ring ahead, in transactions of their own (evict_to_ring), where running it again takes them;
+ * and AGAIN: run it again. JOURNAL_SHORT when the journal could not hold it and nothing could
+ * be evicted ahead (the caller runs it in smaller transactions, or raises journal_full);
+ * FALLBACK when a transaction ahead could not begin (txn_begin). */
+static int rolled_back(Native *n) {
+    int64_t ahead = n->ahead, evict = n->jfull ? n->evicting : 0;
+    int jfull = n->jfull, escalate = n->escalate, mutex = n->need_mutex;
+    n->ahead = n->evicting = 0;
+    n->jfull = n->escalate = n->need_mutex = 0;
+    if (PyErr_Occurred()) return ERROR;
+    if (ahead) {
+        n->ahead = ahead;
+        int rc = preempt_ahead(n);
+        return rc == OK ? AGAIN : rc;
+    }
+    if (mutex) return mutex_wait(n) == OK ? AGAIN : ERROR;
+    if (escalate) return AGAIN;
+    if (evict > 0) {
+        int64_t done;
+        int rc = evict_to_ring(n, evict, &done);
+        if (rc != OK) return rc;
+        return done > 0 ? AGAIN : JOURNAL_SHORT;
+    }
+    if (jfull) return JOURNAL_SHORT;
+    /* Every step that stops a transaction without an exception records why (above). */
+    return core_bug("an operation rolled back with no reason recorded");
 }
 
 /* What the gate (entry.c) sets up for a call, without its refusals, for the work only the

@@ -5,7 +5,10 @@
 
 static int jsave(Native *n, size_t off, uint32_t len) {
     if (n->jcount + 1 > n->j_entries || n->jused + len > n->j_bytes) {
-        n->jfull = 1; /* (an eviction in the operation is evicted ahead: eviction.c run_ahead) */
+        /* (the operation rolls back: eviction.c rolled_back) */
+        n->jfull = 1;
+        n->jfull_entries = n->jcount + 1;
+        n->jfull_bytes = n->jused + len;
         return FALLBACK;
     }
     if (n->crash_at > 0 && --n->crash_at == 0) kill(getpid(), SIGKILL);
@@ -55,4 +58,40 @@ static void jcommit(Native *n) {
         U4(n->seg + n->c_jused) = 0;
     }
     n->jcount = n->jused = 0;
+}
+
+/* journal.py JournalFull, for an operation whose smallest transaction the journal cannot hold
+ * (the words of the save it refused last): ERROR. */
+static int journal_full(Native *n) {
+    if (JournalFullType == NULL) return pool_error("the undo journal is full");
+    PyObject *msg = PyUnicode_FromFormat("operation too large for the undo journal (%u entries, "
+                                         "%u bytes); use smaller batches",
+                                         n->jfull_entries, n->jfull_bytes);
+    PyObject *err = msg ? PyObject_CallOneArg(JournalFullType, msg) : NULL;
+    if (err) PyErr_SetObject(JournalFullType, err);
+    Py_XDECREF(msg);
+    Py_XDECREF(err);
+    return ERROR;
+}
+
+/* What cannot happen, by the core's own construction (the comment at the call says why): the
+ * operation, rolled back, raises RuntimeError. ERROR. */
+static int core_bug(const char *what) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "kvscope core: %s (a bug)", what);
+    return ERROR;
+}
+
+/* Room a transaction keeps besides its blocks' saves: the sequence's head (twice), the ring's
+ * header and slots, the local cache's count (blocks_fit). */
+#define TXN_SLACK_ENTRIES 16
+#define TXN_SLACK_BYTES 8192
+
+/* The most blocks (at most CHUNK) one transaction may change when each costs `recs` saved
+ * records, `bytes` more saved bytes and `entries` journal entries, besides TXN_SLACK: releases
+ * are sized by it, so their journal never overflows (rule 3 of the journal). */
+static int64_t blocks_fit(Native *n, int64_t recs, int64_t bytes, int64_t entries) {
+    int64_t by_bytes = ((int64_t)n->j_bytes - TXN_SLACK_BYTES) / (recs * n->rec + bytes);
+    int64_t by_entries = ((int64_t)n->j_entries - TXN_SLACK_ENTRIES) / entries;
+    int64_t k = by_bytes < by_entries ? by_bytes : by_entries;
+    return k < 1 ? 1 : k > CHUNK ? CHUNK : k;
 }

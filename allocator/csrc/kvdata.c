@@ -102,7 +102,7 @@ static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObj
 
 /* The work of kind `kind` (DK_*, core.h) on blocks ids[0..k) of a pool whose data this process
  * does not map: queued in the core's own checks (devchecks.c), answered and applied at the
- * next settle. OK, FALLBACK (another thread holds the op mutex), ERROR. */
+ * next settle. OK, FALLBACK (another thread holds the op mutex: dev_check), ERROR. */
 static int kv_later(Native *n, int kind, const int32_t *ids, int64_t k, const char *when) {
     return dev_check(n, kind, ids, k, when, 0, NULL);
 }
@@ -204,15 +204,16 @@ static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
 /* Guard mode, blocks about to be handed out (writes.before_reuse): a poisoned one must still
  * hold its poison; one that does not (a write after free) is a use_after_free finding, with
  * its record as it is now, reported when the operation commits (a CUDA pool's: at the settle
- * that reads the answer, with the record as the operation saw it). OK, FALLBACK (more than
- * CHUNK poisoned, or a CUDA pool's queue not to be had now), ERROR. */
+ * that reads the answer, with the record as the operation saw it). OK, FALLBACK (a CUDA pool's
+ * queue not to be had now), ERROR. */
 static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return OK;
     int32_t mine[CHUNK];
     int64_t nm = 0;
     for (int64_t i = 0; i < k; i++)
         if (blk(n, ids[i])[BF_POISONED] == 1) {
-            if (nm == CHUNK) return FALLBACK;
+            /* (a take hands out at most CHUNK blocks at once) */
+            if (nm == CHUNK) return core_bug("more than CHUNK blocks handed out at once");
             mine[nm++] = ids[i];
         }
     if (nm == 0) return OK;

@@ -242,6 +242,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->seqs);
     Py_XDECREF(n->faults_armed);
     Py_XDECREF(n->append_partial);
+    PyMem_Free(n->poison_ids);
     lru_drop_pending(n);
     PyMem_Free(n->scan_buf);
     PyMem_Free(n->coefs);
@@ -282,7 +283,8 @@ static PyMethodDef N_methods[] = {
     {"append", (PyCFunction)(void (*)(void))N_append, METH_FASTCALL,
      "append(pool, seq, tokens) -> copies | None (see append_done)"},
     {"append_done", (PyCFunction)N_append_done, METH_NOARGS,
-     "append_done() -> (copies, tokens) | None: what a handed-back append had appended"},
+     "append_done() -> (copies, tokens) | None: what an append whose later chunk could not "
+     "begin its transaction had appended"},
     {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
      "mark_computed(pool, seq, num_tokens) -> int | None"},
     {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
@@ -378,19 +380,22 @@ static PyObject *M_fmix64(PyObject *mod, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(fmix64(h));
 }
 
-/* register_errors(PoolError, PoolExhausted): the exception classes the core raises
- * (allocator/errors.py), handed over once by native.py. */
+/* register_errors(PoolError, PoolExhausted, JournalFull): the exception classes the core
+ * raises (allocator/errors.py), handed over once by native.py. */
 static PyObject *M_register_errors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+    if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+        !PyType_Check(args[2]) ||
         !PyType_IsSubtype((PyTypeObject *)args[0], (PyTypeObject *)PyExc_Exception) ||
-        !PyType_IsSubtype((PyTypeObject *)args[1], (PyTypeObject *)args[0])) {
+        !PyType_IsSubtype((PyTypeObject *)args[1], (PyTypeObject *)args[0]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[2], (PyTypeObject *)args[0])) {
         PyErr_SetString(PyExc_TypeError,
-                        "register_errors(PoolError, PoolExhausted): exception classes, the second "
-                        "a subclass of the first");
+                        "register_errors(PoolError, PoolExhausted, JournalFull): exception "
+                        "classes, the others subclasses of the first");
         return NULL;
     }
     Py_XSETREF(PoolErrorType, Py_NewRef(args[0]));
     Py_XSETREF(PoolExhaustedType, Py_NewRef(args[1]));
+    Py_XSETREF(JournalFullType, Py_NewRef(args[2]));
     Py_RETURN_NONE;
 }
 
@@ -447,7 +452,8 @@ static PyObject *M_traced_locks_held(PyObject *mod, PyObject *unused) {
 static PyMethodDef module_methods[] = {
     {"fmix64", (PyCFunction)M_fmix64, METH_O, "fmix64(h) -> int: the core's hash finalizer"},
     {"register_errors", (PyCFunction)(void (*)(void))M_register_errors, METH_FASTCALL,
-     "register_errors(PoolError, PoolExhausted): the exception classes the core raises"},
+     "register_errors(PoolError, PoolExhausted, JournalFull): the exception classes the core "
+     "raises"},
     {"traced_lock_taken", (PyCFunction)(void (*)(void))M_traced_lock_taken, METH_FASTCALL,
      "traced_lock_taken(cls, graph): this thread took a traced user lock (lockdep.TracedLock)"},
     {"traced_lock_released", (PyCFunction)(void (*)(void))M_traced_lock_released, METH_FASTCALL,

@@ -35,10 +35,42 @@ static int64_t oldest_waiting(Native *n, int64_t exclude, PyObject **seq) {
 
 /* -- preemption ------------------------------------------------------------------------------- */
 
-/* preempt_one's release of the victim's table (ids, zero: room for its k blocks each). */
+/* Blocks a guarded preemption freed, to be poisoned just before the open transaction commits
+ * (release.py: the Txn's before_commit). OK, or ERROR with an exception set. */
+static int poison_later(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0 || !n->poison_ok) return OK;
+    if (n->n_poison + k > n->cap_poison) {
+        int64_t cap = n->cap_poison ? n->cap_poison : CHUNK;
+        while (cap < n->n_poison + k) cap *= 2;
+        int32_t *p = PyMem_Realloc(n->poison_ids, sizeof(int32_t) * (size_t)cap);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return ERROR;
+        }
+        n->poison_ids = p;
+        n->cap_poison = cap;
+    }
+    memcpy(n->poison_ids + n->n_poison, ids, sizeof(int32_t) * (size_t)k);
+    n->n_poison += k;
+    return OK;
+}
+
+/* Just before the commit of a transaction that may have preempted (its n_poison set to 0 before
+ * it began): the blocks its guarded preemptions freed, poisoned (probing.poison). OK, FALLBACK
+ * (a CUDA pool's queue not to be had now: dev_check), ERROR. */
+static int preempt_poison(Native *n) {
+    int rc = poison_blocks(n, n->poison_ids, n->n_poison);
+    if (rc == OK) n->n_poison = 0;
+    return rc;
+}
+
+/* preempt_one's release of the victim's table (ids, zero: room for its k blocks each), as a
+ * release (guard: guard mode guards it: its freed blocks checked, quarantined and poisoned
+ * before the commit). The locks it needs: its indexed blocks' shards and the free lock (one
+ * not held: the operation runs again with it, need_locks). */
 static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *ids,
-                         Py_ssize_t k, uint64_t shards, int32_t *zero) {
-    if ((n->held & shards) != shards || !holds(n, n->lock_free)) return FALLBACK;
+                         Py_ssize_t k, uint64_t shards, int32_t *zero, int guard) {
+    if (need_locks(n, shards | lock_bit(n->lock_free))) return FALLBACK;
     /* magic: a scribbled record is reported and left as it is (release.release_blocks; in
      * place: ids is this call's copy of the table) */
     int32_t *drop = (int32_t *)ids;
@@ -56,7 +88,8 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
     /* BlockStore.drop, then give_back */
     int64_t nz = 0;
     if (drop_refs(n, drop, nd, wall_ns(), zero, &nz)) return FALLBACK;
-    if (give_back_freed(n, zero, nz, 0)) return FALLBACK;
+    if ((rc = give_back_freed(n, zero, nz, guard)) != OK) return rc;
+    if (guard && poison_later(n, zero, nz)) return ERROR;
     if (write_blocks(n, slot, 0, NULL, 0)) return FALLBACK;
     seqrec(n, slot)[SF_STATE] = S_PREEMPTED;
     if (n->n_pre == n->cap_pre) {
@@ -76,10 +109,10 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
 /* Preempt the handle's oldest waiting sequence (not `exclude`) inside the open transaction:
  * its blocks released as release.py release_blocks releases a table (a reference less; an
  * indexed block left unreferenced stays cached; the others to the local cache, the overflow
- * to the ring), its record PREEMPTED with no blocks; its Sequence, events and counters at
- * commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (the Python path runs the
- * operation: guard mode guards the sequence, a lock not held, the journal
- * full), ERROR. */
+ * to the ring, or, guarded, quarantined), its record PREEMPTED with no blocks; its Sequence,
+ * events and counters at commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (a
+ * lock not held, the journal full, or a release too large for it: preempted ahead, n->ahead;
+ * the operation rolls back and runs again: rolled_back), ERROR. */
 static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found) {
     PyObject *seq = NULL;
     *found = 0;
@@ -87,9 +120,8 @@ static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found)
     if (slot == -2) return ERROR;
     if (slot < 0) return OK;
     *found = 1;
-    /* guard mode checks, poisons and quarantines a guarded release: the Python path */
     int guard = guard_release(n, slot);
-    if (guard != 0) return guard < 0 ? ERROR : FALLBACK;
+    if (guard < 0) return ERROR;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return ERROR;
     /* Its release and the take's blocks still to come (each block's record saved about twice:
@@ -118,7 +150,7 @@ static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found)
     uint64_t shards;
     int rc = table_of(n, table, ids, cap, &k, &shards);
     Py_DECREF(table);
-    if (rc == OK) rc = preempt_table(n, seq, slot, ids, k, shards, ids + cap);
+    if (rc == OK) rc = preempt_table(n, seq, slot, ids, k, shards, ids + cap, guard);
     if (ids != ids_s) PyMem_Free(ids);
     return rc;
 }
@@ -176,56 +208,58 @@ static int preempted(Native *n, int64_t from, int64_t to) {
 }
 
 /* The preemption preempt_one left for after the operation's rollback (n->ahead): the waiting
- * sequence's table released from its tail, CHUNK blocks a transaction (release_tail, as a
- * long free), then the rest with its record PREEMPTED, as preempt_one does inside an
+ * sequence's table released from its tail, release_step blocks a transaction (release_tail,
+ * as a long free), then the rest with its record PREEMPTED, as preempt_one does inside an
  * operation, in a transaction of its own. The operation then runs again; if it still fails,
- * the sequence stays preempted. OK, FALLBACK (nothing more changed), ERROR. */
+ * the sequence stays preempted. OK, FALLBACK (a transaction could not begin), ERROR. */
 static int preempt_ahead(Native *n) {
     int64_t slot = n->ahead - 1;
     n->ahead = 0;
     PyObject *key = PyLong_FromLongLong(slot);
     PyObject *seq = key ? PyDict_GetItemWithError(n->seqs, key) : NULL;
     Py_XDECREF(key);
-    if (seq == NULL) return PyErr_Occurred() ? ERROR : FALLBACK;
+    /* (preempt_one found it in the registry, which the rollback left as it was) */
+    if (seq == NULL) return core_bug("a sequence to preempt ahead left the registry");
     Py_INCREF(seq);
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE), *when = NULL,
              *rid = sfield(n, seq, F_REQUEST_ID);
     Py_ssize_t k, len = table && PyList_Check(table) ? PyList_GET_SIZE(table) : 0;
-    int32_t *ids = len > 0 && len <= n->max_bps ? PyMem_Malloc(2 * sizeof(int32_t) * (size_t)len)
-                                                : NULL;
-    const char *w = ids && rid ? release_words(n, seq, &when) : NULL;
+    int32_t *ids = NULL;
     uint64_t shards;
-    int rc = ERROR;
-    if (ids == NULL || w == NULL) {
-        if (!PyErr_Occurred()) rc = FALLBACK;
+    int guard = guard_release(n, slot), rc = ERROR;
+    if (guard < 0 || table == NULL || rid == NULL) goto out;
+    if (len > n->max_bps) {
+        seq_changed("block table");
         goto out;
     }
-    if ((rc = table_of(n, table, ids, len, &k, &shards)) != OK) goto out;
+    if ((ids = PyMem_Malloc(2 * sizeof(int32_t) * (size_t)(len ? len : 1))) == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    const char *w = release_words(n, seq, &when);
+    if (w == NULL || table_of(n, table, ids, len, &k, &shards)) goto out;
     char request[REQUEST_BYTES];
     memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
-    while (k > CHUNK) {
-        Py_ssize_t keep = k - CHUNK;
-        rc = release_tail(n, ids, keep, k, slot, S_PREEMPTED, 0, w, request, rid);
+    for (;;) {
+        rc = release_down_to(n, seq, table, ids, &k, release_step(n), slot, S_PREEMPTED, guard,
+                             w, request, rid);
         if (rc != OK) goto out;
-        PyObject *cut = PyList_GetSlice(table, 0, keep);
-        if (cut == NULL) {
-            rc = ERROR;
+        shards = 0;
+        for (Py_ssize_t i = 0; i < k; i++)
+            if (blk(n, ids[i])[BF_INDEXED] == 1) shards |= block_shard_lock(n, ids[i]);
+        n->n_poison = 0;
+        if (txn_begin(n, shards | lock_bit(n->lock_free) | n->want_locks)) {
+            rc = FALLBACK;
             goto out;
         }
-        sset(n, seq, F_BLOCK_TABLE, cut);
-        Py_DECREF(cut);
-        k = keep;
-    }
-    shards = 0;
-    for (Py_ssize_t i = 0; i < k; i++)
-        if (blk(n, ids[i])[BF_INDEXED] == 1) shards |= block_shard_lock(n, ids[i]);
-    if (txn_begin(n, shards | lock_bit(n->lock_free))) {
-        rc = FALLBACK;
-        goto out;
-    }
-    rc = preempt_table(n, seq, slot, ids, k, shards, ids + len);
-    if (rc != OK) {
+        rc = preempt_table(n, seq, slot, ids, k, shards, ids + len, guard);
+        if (rc == OK) rc = preempt_poison(n);
+        if (rc == OK) break;
         txn_abort(n);
+        rc = rolled_back(n);
+        if (rc == AGAIN) continue;
+        /* (at most release_step blocks: sized to fit) */
+        if (rc == JOURNAL_SHORT) rc = core_bug("a preemption sized to the journal outgrew it");
         goto out;
     }
     txn_commit(n);
@@ -341,6 +375,62 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
 
 /* -- resume (preempt.py resume) ---------------------------------------------------------------- */
 
+/* A resume whose first transaction (core_allocate: `got`) did not hold every token, and so left
+ * the old slot as it was: the rest of them (toks[0..k)) appended to a new sequence in the new
+ * slot, a transaction per CHUNK blocks' worth, then the old slot released in a transaction of
+ * its own (preempt.py resume: an allocate, then the move); `got`'s table and chain become the
+ * new sequence's, which seq takes over (N_resume). On an error (or where a transaction could
+ * not begin: FALLBACK) the new sequence is aborted and seq stays preempted in its old slot.
+ * OK, FALLBACK, ERROR. */
+static int resume_rest(Native *n, PyObject *pool, PyObject *seq, int64_t old, PyObject *got,
+                       const int32_t *toks, int64_t k) {
+    PyObject *slot = PyTuple_GET_ITEM(got, 0), *table = PyTuple_GET_ITEM(got, 2);
+    int64_t s = PyLong_AsLongLong(slot);
+    PyObject *rid = sfield(n, seq, F_REQUEST_ID), *tokens = sfield(n, seq, F_TOKENS);
+    PyObject *head = tokens ? PyList_GetSlice(tokens, 0, PyList_GET_SIZE(table) * n->bs) : NULL;
+    PyObject *uid = PyLong_FromLongLong(n->uid);
+    PyObject *cached =
+        PyLong_FromLongLong(PyLong_AsLongLong(PyTuple_GET_ITEM(got, 4)) * n->bs);
+    PyObject *fresh = NULL;
+    int rc = ERROR;
+    if (rid && head && uid && cached) {
+        PyObject *a[10] = {rid,    head, table, slot, PyTuple_GET_ITEM(got, 1), uid, cached,
+                           s_running, PyTuple_GET_ITEM(got, 3), PyTuple_GET_ITEM(got, 4)};
+        fresh = new_sequence(n, a, slot);
+    }
+    Py_XDECREF(rid);
+    Py_XDECREF(tokens);
+    Py_XDECREF(head);
+    Py_XDECREF(uid);
+    Py_XDECREF(cached);
+    if (fresh == NULL) return ERROR;
+    PyObject *copies = core_append(n, pool, fresh, s, toks, k);
+    if (copies == Py_None) Py_CLEAR(n->append_partial); /* (the new sequence is aborted) */
+    rc = copies == NULL ? ERROR : copies == Py_None ? FALLBACK : OK;
+    Py_XDECREF(copies);
+    /* the move: SeqTable.release of the old slot (got's table and chain are the new
+     * sequence's lists, which the appends grew) */
+    int to_table = rc == OK && !reserve_keeps(n, old, 0);
+    if (rc == OK && txn_begin(n, to_table ? lock_bit(n->lock_seqs) : 0)) rc = FALLBACK;
+    if (rc == OK && jsave_head(n, old)) {
+        /* (the only save of a transaction of its own) */
+        txn_abort(n);
+        rc = core_bug("a slot's release outgrew the journal");
+    }
+    if (rc == OK) {
+        uint8_t *o = seqrec(n, old);
+        if (to_table) o[SF_RESERVED] = 0;
+        o[SF_STATE] = S_EMPTY;
+        U4(o + SF_NUM_BLOCKS) = 0;
+        crash_point(n, CP_AFTER_RELEASE);
+        txn_commit(n);
+        if (!to_table) n->res[n->res_n++] = (int32_t)old;
+    }
+    if (rc != OK && abandon(n, pool, fresh, s) != OK) rc = ERROR;
+    Py_DECREF(fresh);
+    return rc;
+}
+
 /* resume(pool, seq) -> cached tokens | None: a preempted sequence of this handle allocated again
  * for its tokens (prefix hits included) in a new slot, its old slot released in the same
  * transaction (the Python path: an allocate, then a transaction that moves it); the Sequence
@@ -365,7 +455,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         goto out;
     }
     Py_ssize_t ntok = PyList_CheckExact(tokens) ? PyList_GET_SIZE(tokens) : 0;
-    if (!PyUnicode_Check(rid) || ntok == 0 || ntok > (Py_ssize_t)CHUNK * n->bs) {
+    if (!PyUnicode_Check(rid) || ntok == 0) {
         result = fallback(n);
         goto out;
     }
@@ -375,7 +465,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         goto out;
     }
     if (tokens_of(tokens, 0, toks, ntok) != OK) {
-        result = fallback(n);
+        seq_changed("tokens");
         goto out;
     }
     char request[REQUEST_BYTES];
@@ -388,6 +478,15 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         goto out;
     }
     /* (slot, seq_id, table, chain, hits): the Sequence moves into the new slot */
+    Py_ssize_t held = PyList_GET_SIZE(PyTuple_GET_ITEM(got, 2)) * n->bs;
+    if (held < ntok) {
+        /* the first transaction left the old slot: the rest, then the move */
+        int rc = resume_rest(n, args[0], seq, old, got, toks + held, ntok - held);
+        if (rc != OK) {
+            result = rc == FALLBACK ? fallback(n) : NULL;
+            goto out;
+        }
+    }
     PyObject *slot = PyTuple_GET_ITEM(got, 0), *hits = PyTuple_GET_ITEM(got, 4);
     PyObject *cached = PyLong_FromLongLong(PyLong_AsLongLong(hits) * n->bs);
     PyObject *old_key = PyLong_FromLongLong(old);

@@ -68,19 +68,25 @@ static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t 
 }
 
 
+/* PoolError for a Sequence whose `what` (a list the pool keeps in it) is not as the pool left
+ * it: something outside the pool changed it. ERROR. */
+static int seq_changed(const char *what) {
+    PyErr_Clear();
+    return pool_error("a Sequence's %s was changed outside the pool; use Sequences only as the "
+                      "pool returns them",
+                      what);
+}
+
 /* A block table (a list of at most cap block ids) into ids; the lock bits of the index
- * shards of its indexed blocks into *shards. FALLBACK on anything else. */
+ * shards of its indexed blocks into *shards. ERROR (seq_changed) on anything else. */
 static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_ssize_t *k,
                     uint64_t *shards) {
-    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > cap) return FALLBACK;
+    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > cap) return seq_changed("block table");
     *k = PyList_GET_SIZE(list);
     *shards = 0;
     for (Py_ssize_t i = 0; i < *k; i++) {
         long b = PyLong_AsLong(PyList_GET_ITEM(list, i));
-        if (b < 0 || b >= n->nb) {
-            PyErr_Clear();
-            return FALLBACK;
-        }
+        if (b < 0 || b >= n->nb) return seq_changed("block table");
         ids[i] = (int32_t)b;
         if (blk(n, b)[BF_INDEXED] == 1) *shards |= block_shard_lock(n, b);
     }
@@ -104,6 +110,21 @@ static void drop_mutex(Native *n) {
     else
         Py_DECREF(r);
     PyErr_Restore(type, value, tb);
+}
+
+/* Wait for the handle's op mutex (another thread holds it), then hold it until the operation
+ * ends (drop_mutex): after a rollback, holding no pool lock, so that thread cannot be waiting
+ * for one of this one's. OK, or ERROR with an exception set. */
+static int mutex_wait(Native *n) {
+    if (n->mutex_held) return OK;
+    uint64_t want = n->want_locks; /* (another thread's operation may run meanwhile) */
+    PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
+    n->want_locks = want;
+    if (r == NULL) return ERROR;
+    Py_DECREF(r);
+    n->mutex_held = 1;
+    n->op_thread = PyThread_get_thread_ident();
+    return OK;
 }
 
 /* A case the core does not handle (a bug): RuntimeError naming the place (fallback(n) in
@@ -309,28 +330,35 @@ typedef struct {
 
 /* Before the transaction: the reserve's next slot and id; for a direct claim, the seqs lock to
  * add to the transaction's (*locks). */
-static int claim_plan(Native *n, Claim *c, uint64_t *locks) {
+static void claim_plan(Native *n, Claim *c, uint64_t *locks) {
     c->direct = n->slot_batch == 0 || n->res_n == 0 || n->id_next >= n->id_end;
     if (c->direct) {
         *locks |= lock_bit(n->lock_seqs);
-        return OK;
+        return;
     }
     c->slot = n->res[n->res_n - 1];
     c->seq_id = n->id_next;
-    return OK;
 }
 
 /* Inside the transaction, a direct claim: the lowest EMPTY slot no process reserves
- * (SeqTable.claim without a reserve), and the header's next sequence id (_take_ids). FALLBACK
- * when the table is full (the Python path raises its error). */
+ * (SeqTable.claim without a reserve), and the header's next sequence id (_take_ids). ERROR
+ * (SeqTable's PoolError) when the table is full, FALLBACK when the journal is. */
 static int claim_take(Native *n, Claim *c) {
     if (!c->direct) return OK;
-    int64_t found = -1;
+    int64_t found = -1, held = 0;
     for (int64_t s = 0; s < n->max_seqs && found < 0; s++) {
         uint8_t *r = seqrec(n, s);
         if (r[SF_STATE] == S_EMPTY && r[SF_RESERVED] == 0) found = s;
     }
-    if (found < 0) return FALLBACK;
+    if (found < 0) {
+        for (int64_t s = 0; s < n->max_seqs; s++)
+            held += seqrec(n, s)[SF_STATE] == S_EMPTY && seqrec(n, s)[SF_RESERVED] == 1;
+        return pool_error("sequence table full: %lld live sequences and %lld empty slots reserved "
+                          "by attached processes (PoolConfig.max_seqs is %lld); free finished "
+                          "ones or create the pool with a larger max_seqs",
+                          (long long)(n->max_seqs - held), (long long)held,
+                          (long long)n->max_seqs);
+    }
     if (jsave(n, n->off_next_seq_id, 8)) return FALLBACK;
     uint64_t id = U8(n->seg + n->off_next_seq_id) + 1;
     U8(n->seg + n->off_next_seq_id) = id;
@@ -367,9 +395,11 @@ static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *req
     return OK;
 }
 
-/* SeqTable.write_blocks */
+/* SeqTable.write_blocks (its PoolError past max_blocks_per_seq) */
 static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *ids, int64_t k) {
-    if (start + k > n->max_bps) return FALLBACK;
+    if (start + k > n->max_bps)
+        return pool_error("sequence needs %lld blocks but PoolConfig.max_blocks_per_seq is %lld",
+                          (long long)(start + k), (long long)n->max_bps);
     uint8_t *s = seqrec(n, slot);
     if (jsave_head(n, slot)) return FALLBACK;
     if (k) {
