@@ -93,8 +93,9 @@ static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_
     return OK;
 }
 
-/* OK when no Python-path operation is half done on this mapping. */
-static int take_mutex(Native *n) { return *n->busy ? FALLBACK : OK; }
+/* OK when no Python-path operation of another thread is half done on this mapping (none is
+ * while this call holds the op mutex itself: an operation run again after a wait). */
+static int take_mutex(Native *n) { return *n->busy && !n->mutex_held ? FALLBACK : OK; }
 
 /* End of a call: give back the op mutex if waiting for a lock (or the K/V checks) made it take
  * it. An exception already raised (a handback's) is kept across the call to release(): a call
