@@ -10,10 +10,11 @@
  * meets one.
  *
  * The errors a caller can cause (a closed handle, a forked parent's, a sequence that is not a
- * live one of the handle, a bad argument) it raises itself, in the Python path's words (entry.c).
- * Whatever else is not the common case is left to Python: every entry point returns None, with
- * nothing changed, when it meets one, and the Python method then runs its own path. Armed faults and crash points
- * strike the core's operations themselves (csrc/faults.c).
+ * live one of the handle, a bad argument) it raises itself (entry.c). Inside an operation the
+ * core deals with whatever stops a transaction itself (csrc/eviction.c rolled_back: more locks,
+ * evicting or preempting ahead, smaller transactions); a case it does not handle is a bug,
+ * raised as a RuntimeError naming its place (fallback). Armed faults and crash points strike
+ * the core's operations themselves (csrc/faults.c).
  *
  * Transactions follow docs/FORMAT.md: the client's seq goes odd, locks are taken in the one
  * order (ascending lock index), the old bytes of every shared write are saved in the client's

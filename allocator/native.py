@@ -4,20 +4,22 @@ The core is the pool's only writer: allocate, free/abort, append (copy-on-write 
 mark_computed, fork, set_state and resume, eviction, the slot reserve, recovery and close run
 in it, on the segment's bytes, journal and locks, preempting this handle's oldest waiting
 sequence when a take is short and raising PoolExhausted (the class handed over once:
-`register_errors`) when nothing is left, and PoolError (TypeError for a non-integer) for what a
-caller gets wrong (a closed or a forked parent's handle, a sequence that is not this handle's
-live one, a bad argument: docs/FORMAT.md). A case it does not handle is a bug, raised as a
-RuntimeError. `pip install` compiles it; a missing or stale build fails the import in one line.
-Every probe `kvscope run` switches on runs in the core (events, ownership, leaks, magic,
-lockdep, guard mode in full or sampled, with a quarantine count or not, the digest:
-`PoolProbes.native_bits`, read from the handle's probe word at every call), and so do the
-injectable faults and crash points (csrc/faults.c, on the counts faults.py and crash.py keep);
-sites are the probe's site table's, composed and interned by the core. The core waits for the
-pool locks it takes (holding the op mutex meanwhile), recovers a dead holder of one itself
-(csrc/recovery.c), and waits for another thread's operation on the handle before it starts
-one. The findings ring and the site table have no other writer: KVPool.report and sites.py
-write through the core's `report` and `intern_site`, and the findings the core detects it
-writes itself. docs/FORMAT.md, "The native core".
+`register_errors`, with PoolError and JournalFull) when nothing is left, and PoolError
+(TypeError for a non-integer) for what a caller gets wrong (a closed or a forked parent's
+handle, a sequence that is not this handle's live one, a bad argument: docs/FORMAT.md). What
+stops a transaction it deals with itself (more locks, evicting or preempting ahead, smaller
+transactions); a case it does not handle is a bug, raised as a RuntimeError. `pip install`
+compiles it; a missing or stale build fails the import in one line. Every probe `kvscope run`
+switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or
+sampled, with a quarantine count or not, the digest: `PoolProbes.native_bits`, read from the
+handle's probe word at every call), and so do the injectable faults and crash points
+(csrc/faults.c, on the counts faults.py and crash.py keep); sites are the probe's site
+table's, composed and interned by the core. The core waits for the pool locks it takes
+(holding the op mutex meanwhile), recovers a dead holder of one itself (csrc/recovery.c), and
+waits for another thread's operation on the handle before it starts one. The findings ring
+and the site table have no other writer: KVPool.report and sites.py write through the core's
+`report` and `intern_site`, and the findings the core detects it writes itself.
+docs/FORMAT.md, "The native core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests, a finished
 request's unwritten slots: csrc/kvdata.c) the core does on the bytes of a CPU pool's data file,

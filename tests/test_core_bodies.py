@@ -440,15 +440,17 @@ def test_guard_mode_preempts_in_the_core(make_pool, monkeypatch, layers):
     # WHEN a request needs two blocks
     seq = pool.allocate("new", [7] * (2 * bs))
     # THEN the core preempted the waiting one as guard mode releases: its freed blocks pushed
-    # to the ring's tail (the ring was empty: the request takes the first two) quarantined,
-    # their token slots poisoned
+    # to the ring's tail quarantined, their token slots poisoned at the commit; the ring was
+    # empty, so the request took the first two, which are not poisoned (as on the Python path)
     assert waiting.state == "preempted" and _handed(pool) == handed
     assert seq.block_table == table[:2]
     rest = table[2:]
     b = pool.view.blocks
     assert (b["state"][rest] == BlockState.QUARANTINED).all()
     assert (b["poisoned"][rest] == 1).all() and (b["poisoned"][table[:2]] == 0).all()
-    assert bool(torch.isnan(pool.kv[:, :, table, :bs]).all())
+    assert bool(torch.isnan(pool.kv[:, :, rest, :bs]).all())
+    assert not bool(torch.isnan(pool.kv[:, :, table[:2], :bs]).any())
+    assert pool.findings() == []
     assert pool.check() == []
     for s in (seq, *held):
         pool.free(s)

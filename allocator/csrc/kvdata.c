@@ -201,6 +201,15 @@ static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
     return msg;
 }
 
+/* Block b was quarantined by a guarded preemption of the open transaction: its poison lands at
+ * the commit (preempt.c preempt_poison), so it holds none yet (writes._check_poison's
+ * `quarantined`). */
+static int quarantined_now(Native *n, int32_t b) {
+    for (int64_t i = 0; i < n->n_poison; i++)
+        if (n->poison_ids[i] == b) return 1;
+    return 0;
+}
+
 /* Guard mode, blocks about to be handed out (writes.before_reuse): a poisoned one must still
  * hold its poison; one that does not (a write after free) is a use_after_free finding, with
  * its record as it is now, reported when the operation commits (a CUDA pool's: at the settle
@@ -211,7 +220,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     int32_t mine[CHUNK];
     int64_t nm = 0;
     for (int64_t i = 0; i < k; i++)
-        if (blk(n, ids[i])[BF_POISONED] == 1) {
+        if (blk(n, ids[i])[BF_POISONED] == 1 && !quarantined_now(n, ids[i])) {
             /* (a take hands out at most CHUNK blocks at once) */
             if (nm == CHUNK) return core_bug("more than CHUNK blocks handed out at once");
             mine[nm++] = ids[i];

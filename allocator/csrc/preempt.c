@@ -56,9 +56,14 @@ static int poison_later(Native *n, const int32_t *ids, int64_t k) {
 }
 
 /* Just before the commit of a transaction that may have preempted (its n_poison set to 0 before
- * it began): the blocks its guarded preemptions freed, poisoned (probing.poison). OK, FALLBACK
- * (a CUDA pool's queue not to be had now: dev_check), ERROR. */
+ * it began): the blocks its guarded preemptions freed, poisoned (probing.poison), but those the
+ * same transaction handed out again. OK, FALLBACK (a CUDA pool's queue not to be had now:
+ * dev_check), ERROR. */
 static int preempt_poison(Native *n) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n->n_poison; i++)
+        if (blk(n, n->poison_ids[i])[BF_STATE] != B_ALLOCATED) n->poison_ids[k++] = n->poison_ids[i];
+    n->n_poison = k;
     int rc = poison_blocks(n, n->poison_ids, n->n_poison);
     if (rc == OK) n->n_poison = 0;
     return rc;
