@@ -13,7 +13,7 @@
  * live one of the handle, a bad argument) it raises itself (entry.c). Inside an operation the
  * core deals with whatever stops a transaction itself (csrc/eviction.c rolled_back: more locks,
  * evicting or preempting ahead, smaller transactions); a case it does not handle is a bug,
- * raised as a RuntimeError naming its place (fallback). Armed faults and crash points strike
+ * raised as a RuntimeError naming its place (unhandled). Armed faults and crash points strike
  * the core's operations themselves (csrc/faults.c).
  *
  * Transactions follow docs/FORMAT.md: the client's seq goes odd, locks are taken in the one

@@ -42,7 +42,6 @@ class PoolHandle(Protocol):
     _core: Any
     _mf: Any
     _mutex: threading.RLock
-    _busy: array
     _overdue: array
     _probe_bits: array
     _found: list[int]

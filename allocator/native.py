@@ -312,7 +312,6 @@ def core_for(pool: PoolHandle) -> Any:
         "crash_points": tuple(crash.CRASH_POINTS),
         "off_num_blocks": view.header.dtype.fields["num_blocks"][1],
         "mutex": pool._mutex,
-        "busy": pool._busy,
         "overdue": pool._overdue,
         # The light probes the core runs itself (probing.PoolProbes.native_bits).
         "probe_bits": pool._probe_bits,

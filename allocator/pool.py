@@ -85,10 +85,8 @@ class KVPool:
         self._found: list[int] = []
         # One operation at a time per mapping (handles of one process on one pool share it and
         # its one open of the segment, whose OFD locks do not exclude each other): the core
-        # takes it while an operation waits for a pool lock (csrc/locks.c), counting its
-        # holders in `_busy`.
+        # takes it while an operation waits for a pool lock (csrc/locks.c).
         self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
-        self._busy: array = mf.__dict__.setdefault("op_busy", array("q", [0]))
         self._closed = False
         # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
         self.kv_events: Any = None

@@ -5,7 +5,7 @@ many transactions as the journal needs; a K/V check that needs the op mutex anot
 waits for it after the rollback; a cached block the prefix index lacks is evicted and reported;
 guard mode's preemption is the core's; a full sequence table and a sequence past
 max_blocks_per_seq are PoolErrors raised by the core. Each test checks that the core met no
-case it does not handle (`stats()["fallbacks"]`: a RuntimeError each)."""
+case it does not handle (`stats()["unhandled"]`: a RuntimeError each)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from tests.forking import fork_child, wait_child
 
 
 def _handed(pool: KVPool) -> int:
-    return pool._core.stats()["fallbacks"]
+    return pool._core.stats()["unhandled"]
 
 
 def _txns(pool: KVPool) -> int:

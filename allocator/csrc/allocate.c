@@ -22,7 +22,7 @@ typedef struct {
  * .release: to this process's reserve, or to the table under the seqs lock) when the
  * transaction holds every block. OK with *out = (slot, seq_id, table: list[int], chain:
  * list[int], hits) (NULL with an exception set where building it failed); else what the
- * rollback leaves (rolled_back: AGAIN, JOURNAL_SHORT, FALLBACK, ERROR), *hits and *k the hits
+ * rollback leaves (rolled_back: AGAIN, JOURNAL_SHORT, UNHANDLED, ERROR), *hits and *k the hits
  * and new blocks it held. */
 static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap,
                         int64_t *hits_out, int64_t *k_out, PyObject **out) {
@@ -30,8 +30,6 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     int32_t *table = p->table;
     *out = NULL;
     *hits_out = *k_out = 0;
-    int rc = take_mutex(n);
-    if (rc != OK) return rc;
     Claim claim;
     uint64_t locks = n->want_locks;
     claim_plan(n, &claim, &locks);
@@ -49,7 +47,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     if (may_hit) locks |= shard_lock(n, p->keys[0]);
     locks |= take_locks(n, p->nblocks < cap ? p->nblocks : cap);
     n->n_poison = 0;
-    if (txn_begin(n, locks)) return FALLBACK;
+    if (txn_begin(n, locks)) return UNHANDLED;
     findings_hold(n);
     uint64_t now = wall_ns();
     if (claim_take(n, &claim)) goto abort;
@@ -213,8 +211,8 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
         int rc = allocate_txn(n, &p, hit_cap, cap, &hits, &k, &result);
         if (rc == OK || rc == ERROR) break;
         if (rc == AGAIN) continue;
-        if (rc == FALLBACK) {
-            result = fallback(n);
+        if (rc == UNHANDLED) {
+            result = unhandled(n);
             break;
         }
         /* JOURNAL_SHORT: half as many new blocks (the rest are appended), down to the hits
@@ -286,18 +284,18 @@ static int already_free(Native *n, const int32_t *ids, int64_t k, PyObject *rid)
 
 /* The free-ring half of a release: the blocks it freed (zero, nz) to the local cache, the
  * overflow to the ring (BlockStore.give_back); in guard mode checked and quarantined (the
- * ring's tail; poisoned by the caller just before its commit). OK, FALLBACK (the journal, or
+ * ring's tail; poisoned by the caller just before its commit). OK, UNHANDLED (the journal, or
  * the free lock not held: need_locks), ERROR. */
 static int give_back_freed(Native *n, const int32_t *zero, int64_t nz, int guard) {
     if (guard) {
-        if (need_locks(n, lock_bit(n->lock_free))) return FALLBACK;
+        if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
         int rc = canaries_intact(n, zero, nz);
         return rc != OK ? rc : ring_push_quarantined(n, zero, nz);
     }
     int64_t fit;
-    if (local_push(n, zero, nz, &fit)) return FALLBACK;
+    if (local_push(n, zero, nz, &fit)) return UNHANDLED;
     if (fit == nz) return OK;
-    if (need_locks(n, lock_bit(n->lock_free))) return FALLBACK;
+    if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
     return ring_push(n, zero + fit, nz - fit);
 }
 
@@ -308,7 +306,7 @@ static inline int64_t release_step(Native *n) { return blocks_fit(n, 2, 8, 2); }
 /* One transaction of a long release (release._release_tail) or preemption (final: the state it
  * ends in): the references of ids[keep, k) (at most release_step) dropped (a scribbled record
  * left, a block already free reported: unsealed_left, already_free), what they freed given
- * back, the sequence's table cut at keep. OK; else FALLBACK (a transaction that could not
+ * back, the sequence's table cut at keep. OK; else UNHANDLED (a transaction that could not
  * begin) or what the rollback leaves (rolled_back). */
 static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize_t k,
                         int64_t slot, long final, int guard, const char *when,
@@ -319,7 +317,7 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
     uint64_t locks = lock_bit(n->lock_free) | n->want_locks;
     for (int64_t i = 0; i < m; i++)
         if (blk(n, ids[keep + i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, ids[keep + i]);
-    if (txn_begin(n, locks)) return FALLBACK;
+    if (txn_begin(n, locks)) return UNHANDLED;
     if (unsealed_left(n, ids + keep, k - keep, part, &m) || digests_intact(n, part, m, when) ||
         already_free(n, part, m, rid) || drop_refs(n, part, m, wall_ns(), zero, &nz) ||
         give_back_freed(n, zero, nz, guard) || write_blocks(n, slot, keep, NULL, 0) ||
@@ -336,7 +334,7 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
 
 /* A release's or preemption's table (seq's `list`, its ids) released from its tail until
  * `down_to` blocks are left, release_step blocks a transaction (release_tail), the Sequence's
- * table cut after each. OK, FALLBACK (a transaction could not begin), ERROR. */
+ * table cut after each. OK, UNHANDLED (a transaction could not begin), ERROR. */
 static int release_down_to(Native *n, PyObject *seq, PyObject *list, const int32_t *ids,
                            Py_ssize_t *k, Py_ssize_t down_to, int64_t slot, long final, int guard,
                            const char *when, const char *request, PyObject *rid) {
@@ -383,16 +381,11 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     if (n->probes && refcounts_match(n, ids, k, rid)) goto done;
     char request[REQUEST_BYTES];
     memcpy(request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
-    int rc = take_mutex(n);
-    if (rc != OK) {
-        result = rc == ERROR ? NULL : fallback(n);
-        goto done;
-    }
     n->want_locks = 0;
-    rc = release_down_to(n, seq, list, ids, &k, release_step(n), slot, final, guard, when,
-                         request, rid);
+    int rc = release_down_to(n, seq, list, ids, &k, release_step(n), slot, final, guard, when,
+                             request, rid);
     if (rc != OK) {
-        result = rc == FALLBACK ? fallback(n) : NULL;
+        result = rc == UNHANDLED ? unhandled(n) : NULL;
         goto out;
     }
     if (k < total) { /* the shards of what is left */
@@ -425,7 +418,7 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     if (faults_armed(n)) kill_fault(n, locks);
 again:
     if (txn_begin(n, locks | n->want_locks)) {
-        result = fallback(n);
+        result = unhandled(n);
         goto out;
     }
     /* magic: a scribbled record is reported and left as it is (release.release_blocks) */
@@ -485,7 +478,7 @@ abort:
     if (rc == AGAIN) goto again;
     /* (at most release_step blocks: sized to fit) */
     if (rc == JOURNAL_SHORT) core_bug("a release sized to the journal outgrew it");
-    result = rc == FALLBACK ? fallback(n) : NULL;
+    result = rc == UNHANDLED ? unhandled(n) : NULL;
 out:
     Py_XDECREF(twice_rec);
     drop_mutex(n);

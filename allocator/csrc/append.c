@@ -61,14 +61,14 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
 
 /* reserve.take for an append to the sequence in `slot`: k fresh blocks stamped for it (the
  * local cache, the ring, eviction, preemption of another), with the probes' checks of blocks
- * handed out (what they find is reported at the commit). OK, or FALLBACK (the transaction
+ * handed out (what they find is reported at the commit). OK, or UNHANDLED (the transaction
  * rolls back: nothing left is PoolExhausted, other reasons rolled_back's; an exception set
  * is raised). */
 static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, int32_t site,
                       uint64_t now, int64_t slot) {
     if (take(n, k, out, slot) || poison_intact(n, out, k) || unmapped(n, out, k, request) ||
         stamp(n, out, k, request, site, now))
-        return FALLBACK;
+        return UNHANDLED;
     unpoison(n, out, k);
     return OK;
 }
@@ -76,7 +76,7 @@ static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, i
 /* SeqTable.set_blocks: table entry `pos` of `slot` replaced (copy-on-write). */
 static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
     size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)pos;
-    if (jsave(n, off, 4)) return FALLBACK;
+    if (jsave(n, off, 4)) return UNHANDLED;
     I4(n->seg + off) = b;
     return OK;
 }
@@ -85,7 +85,7 @@ static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
  * lists tokens, table, chain): into the last block when it has room and is the sequence's
  * own (unjournaled: the decode step), else in a transaction that copies a shared last block
  * first (copy-on-write: its (src, dst) appended to `copies`) and takes new blocks. OK;
- * FALLBACK, nothing changed (a transaction that could not begin); what the transaction's
+ * UNHANDLED, nothing changed (a transaction that could not begin); what the transaction's
  * rollback leaves (rolled_back: AGAIN, JOURNAL_SHORT); ERROR. */
 static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
                         PyObject *lists[3], const int32_t *toks, int64_t k, PyObject *copies) {
@@ -123,13 +123,11 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
     } else {
         int32_t site = site_now(n);
         if (site == SITE_ERROR) return ERROR;
-        int rc = take_mutex(n);
-        if (rc != OK) return rc;
         uint64_t locks = take_locks(n, (need > 0 ? need : 0) + cow) | n->want_locks;
         /* an indexed block is changed under its shard's lock */
         if (cow && blk(n, last)[BF_INDEXED] == 1) locks |= block_shard_lock(n, last);
         n->n_poison = 0;
-        if (txn_begin(n, locks)) return FALLBACK;
+        if (txn_begin(n, locks)) return UNHANDLED;
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
         uint64_t now = wall_ns();
@@ -250,11 +248,11 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
         }
         drop_mutex(n);
         if (rc == ERROR) goto out;
-        if (rc == FALLBACK) {
+        if (rc == UNHANDLED) {
             Py_CLEAR(n->append_partial);
             if (done && !(n->append_partial = Py_BuildValue("(On)", copies, (Py_ssize_t)done)))
                 goto out;
-            result = fallback(n);
+            result = unhandled(n);
             goto out;
         }
         done += part;
@@ -272,13 +270,13 @@ out:
 /* One transaction of mark_computed (publish.py's op): seq's full blocks [pub, upto) (at most
  * CHUNK) published, each under its key (`chain`'s: every key of a sequence lives in the shard
  * of its first, prefix.family_keys) unless it is indexed already or shared (refcount > 1), or
- * its key is; seq's num_published set to upto. OK with *got published; else FALLBACK (a
+ * its key is; seq's num_published set to upto. OK with *got published; else UNHANDLED (a
  * transaction that could not begin), what the rollback leaves (rolled_back), ERROR. */
 static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *chain,
                          Py_ssize_t pub, Py_ssize_t upto, int64_t slot, long *got) {
     uint64_t key0, unused;
     if (seq_keys(n, chain, pub, &key0, &unused)) return seq_changed("chain");
-    if (txn_begin(n, shard_lock(n, key0) | n->want_locks)) return FALLBACK;
+    if (txn_begin(n, shard_lock(n, key0) | n->want_locks)) return UNHANDLED;
     long published = 0;
     int32_t done[CHUNK]; /* (digest, events) the blocks published */
     for (Py_ssize_t j = pub; j < upto; j++) {
@@ -350,13 +348,9 @@ static PyObject *core_publish(Native *n, PyObject *seq, Py_ssize_t upto_tokens, 
         seq_changed(upto > PyList_GET_SIZE(table) ? "block table" : "chain");
         goto out;
     }
-    int rc = take_mutex(n);
-    if (rc != OK) {
-        result = rc == ERROR ? NULL : fallback(n);
-        goto out;
-    }
     long total = 0;
     Py_ssize_t step = CHUNK;
+    int rc;
     n->want_locks = 0;
     while (pub < upto) {
         Py_ssize_t end = upto - pub > step ? pub + step : upto;
@@ -370,7 +364,7 @@ static PyObject *core_publish(Native *n, PyObject *seq, Py_ssize_t upto_tokens, 
             }
             rc = journal_full(n);
         }
-        if (rc == FALLBACK) result = fallback(n);
+        if (rc == UNHANDLED) result = unhandled(n);
         if (rc != OK) goto out;
         total += got;
         pub = end;

@@ -12,7 +12,7 @@ static int local_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     if (k > c) k = c;
     *got = k;
     if (k == 0) return OK;
-    if (jsave(n, n->c_local_count, 4)) return FALLBACK;
+    if (jsave(n, n->c_local_count, 4)) return UNHANDLED;
     memcpy(out, local_arr(n) + (c - k), 4 * (size_t)k);
     U4(n->seg + n->c_local_count) = (uint32_t)(c - k);
     crash_point(n, CP_AFTER_LOCAL_POP);
@@ -24,12 +24,12 @@ static int ring_append(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     uint8_t *h = ringh(n);
     uint64_t tail = U8(h + RING_TAIL);
-    if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
+    if (jsave(n, n->off_ring, RING_IDS)) return UNHANDLED;
     uint64_t first = tail % (uint64_t)n->nb;
     uint64_t n1 = (uint64_t)k < (uint64_t)n->nb - first ? (uint64_t)k : (uint64_t)n->nb - first;
-    if (jsave(n, n->off_ring + RING_IDS + 4 * first, (uint32_t)(4 * n1))) return FALLBACK;
+    if (jsave(n, n->off_ring + RING_IDS + 4 * first, (uint32_t)(4 * n1))) return UNHANDLED;
     if (n1 < (uint64_t)k && jsave(n, n->off_ring + RING_IDS, (uint32_t)(4 * ((uint64_t)k - n1))))
-        return FALLBACK;
+        return UNHANDLED;
     int32_t *ring = (int32_t *)(h + RING_IDS);
     for (int64_t i = 0; i < k; i++) ring[(tail + (uint64_t)i) % (uint64_t)n->nb] = ids[i];
     U8(h + RING_TAIL) = tail + (uint64_t)k;
@@ -95,7 +95,7 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     uint64_t head = U8(h + RING_HEAD);
     int32_t *ring = (int32_t *)(h + RING_IDS);
     for (int64_t i = 0; i < k; i++) out[i] = ring[(head + (uint64_t)i) % (uint64_t)n->nb];
-    if (jsave(n, n->off_ring, RING_IDS)) return FALLBACK;
+    if (jsave(n, n->off_ring, RING_IDS)) return UNHANDLED;
     U8(h + RING_HEAD) = head + (uint64_t)k;
     U4(h + RING_COUNT) = cnt - (uint32_t)k;
     int rc = n->quarantine > 0 && k > 0 ? release_quarantine(n, out, k) : OK;
@@ -111,7 +111,7 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
 static int ring_push_state(Native *n, const int32_t *ids, int64_t k, uint8_t state) {
     if (k == 0) return OK;
     for (int64_t i = 0; i < k; i++)
-        if (jsave_block(n, ids[i])) return FALLBACK;
+        if (jsave_block(n, ids[i])) return UNHANDLED;
     uint8_t *h = ringh(n);
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
@@ -123,7 +123,7 @@ static int ring_push_state(Native *n, const int32_t *ids, int64_t k, uint8_t sta
         if (state == B_QUARANTINED) U8(r + BF_FREED_AT) = U8(h + RING_ALLOCS);
     }
     crash_point(n, CP_AFTER_RELEASE_RECORDS);
-    if (ring_append(n, ids, k)) return FALLBACK;
+    if (ring_append(n, ids, k)) return UNHANDLED;
     crash_point(n, CP_AFTER_RING_PUSH);
     return OK;
 }
@@ -141,7 +141,7 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
     *fit_out = fit;
     if (fit == 0) return OK;
     for (int64_t i = 0; i < fit; i++)
-        if (jsave_block(n, ids[i])) return FALLBACK;
+        if (jsave_block(n, ids[i])) return UNHANDLED;
     for (int64_t i = 0; i < fit; i++) {
         uint8_t *r = blk(n, ids[i]);
         r[BF_STATE] = B_LOCAL;
@@ -149,8 +149,8 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
         r[BF_INDEXED] = 0;
         seal(n, ids[i]);
     }
-    if (jsave(n, n->c_local_count, 4)) return FALLBACK;
-    if (jsave(n, n->c_local + 4 * (size_t)c, (uint32_t)(4 * fit))) return FALLBACK;
+    if (jsave(n, n->c_local_count, 4)) return UNHANDLED;
+    if (jsave(n, n->c_local + 4 * (size_t)c, (uint32_t)(4 * fit))) return UNHANDLED;
     memcpy(local_arr(n) + c, ids, 4 * (size_t)fit);
     U4(n->seg + n->c_local_count) = c + (uint32_t)fit;
     return OK;
@@ -170,9 +170,9 @@ static int refill(Native *n, int64_t later) {
     if (want < 0) want = 0;
     int32_t ids[LOCAL_CACHE_MAX];
     int64_t got;
-    if (ring_pop(n, want, ids, &got)) return FALLBACK;
+    if (ring_pop(n, want, ids, &got)) return UNHANDLED;
     for (int64_t i = 0; i < got; i++)
-        if (jsave_block(n, ids[i])) return FALLBACK;
+        if (jsave_block(n, ids[i])) return UNHANDLED;
     for (int64_t i = 0; i < got; i++) {
         uint8_t *r = blk(n, ids[i]);
         I4(r + BF_OWNER_PID) = n->pid;
@@ -186,19 +186,19 @@ static int refill(Native *n, int64_t later) {
 /* reserve.take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
  * to the ring), then this handle's oldest waiting sequences, preempted one at a time (not
  * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
- * eviction again. When they are all short, FALLBACK with `exhausted_need` set: the
+ * eviction again. When they are all short, UNHANDLED with `exhausted_need` set: the
  * transaction's rollback raises PoolExhausted (preempt.c); when the eviction outgrows the
- * journal, FALLBACK with `jfull` set: the operation's rollback evicts ahead (rolled_back). The
+ * journal, UNHANDLED with `jfull` set: the operation's rollback evicts ahead (rolled_back). The
  * locks each step needs are planned by `take_locks`; one not held (the pool changed since the
- * plan) leaves FALLBACK: the operation runs again with it (need_locks). */
+ * plan) leaves UNHANDLED: the operation runs again with it (need_locks). */
 static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     int64_t got, more;
     n->evicting = 0; /* (what an earlier operation left, if anything, is not this one's) */
     n->jfull = 0;
-    if (local_pop(n, k, out, &got)) return FALLBACK;
+    if (local_pop(n, k, out, &got)) return UNHANDLED;
     if (got == k) return OK;
-    if (need_locks(n, lock_bit(n->lock_free))) return FALLBACK;
-    if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
+    if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
+    if (ring_pop(n, k - got, out + got, &more)) return UNHANDLED;
     got += more;
     if (got == k) return refill(n, k);
     int rc = evict_into(n, k - got, EVICT_BATCH, k - got, out + got, &more, k);
@@ -209,10 +209,10 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
         if ((rc = preempt_one(n, exclude, k - got, &found)) != OK) return rc;
         if (!found) break;
         /* what it freed: into the local cache, the ring, or still cached (indexed) */
-        if (local_pop(n, k - got, out + got, &more)) return FALLBACK;
+        if (local_pop(n, k - got, out + got, &more)) return UNHANDLED;
         got += more;
         if (got < k) {
-            if (ring_pop(n, k - got, out + got, &more)) return FALLBACK;
+            if (ring_pop(n, k - got, out + got, &more)) return UNHANDLED;
             got += more;
         }
         if (got < k) {
@@ -222,7 +222,7 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     }
     if (got < k) {
         n->exhausted_need = k;
-        return FALLBACK;
+        return UNHANDLED;
     }
     return OK;
 }
@@ -256,7 +256,7 @@ static uint64_t take_locks(Native *n, int64_t k) {
 static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, int32_t site,
                  uint64_t now) {
     for (int64_t i = 0; i < k; i++)
-        if (jsave_block(n, ids[i])) return FALLBACK;
+        if (jsave_block(n, ids[i])) return UNHANDLED;
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         U4(r) = BLOCK_MAGIC;
@@ -283,7 +283,7 @@ static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, 
 /* BlockStore.drop: one reference less on each of ids[0..k) still ALLOCATED with a positive
  * refcount (a block already free is left untouched: a double free), its last use `now`; the
  * blocks left with no reference and not indexed into zero[*nz] (an indexed one stays CACHED).
- * FALLBACK when the journal has no room. */
+ * UNHANDLED when the journal has no room. */
 static int drop_refs(Native *n, const int32_t *ids, int64_t k, uint64_t now, int32_t *zero,
                      int64_t *nz) {
     *nz = 0;
@@ -291,7 +291,7 @@ static int drop_refs(Native *n, const int32_t *ids, int64_t k, uint64_t now, int
         uint8_t *r = blk(n, ids[i]);
         int32_t rcnt = I4(r + BF_REFCOUNT);
         if (r[BF_STATE] != B_ALLOCATED || rcnt <= 0) continue;
-        if (jsave_block(n, ids[i])) return FALLBACK;
+        if (jsave_block(n, ids[i])) return UNHANDLED;
         I4(r + BF_REFCOUNT) = rcnt - 1;
         U8(r + BF_ACCESS_NS) = now;
         if (rcnt == 1) {

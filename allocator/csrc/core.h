@@ -22,9 +22,9 @@
 /* The held-lock mask is one 64-bit word. */
 #define MAX_LOCKS 64
 
-enum { OK = 0, FALLBACK = 1, ERROR = -1 };
+enum { OK = 0, UNHANDLED = 1, ERROR = -1 };
 /* What an operation's step answers after its transaction rolled back (eviction.c rolled_back),
- * besides ERROR and FALLBACK (a transaction that could not begin: the Python path): run it again
+ * besides ERROR and UNHANDLED (a case the core does not handle: a bug, unhandled()): run it again
  * as it is (AGAIN), or in smaller transactions (JOURNAL_SHORT: the journal could not hold it). */
 enum { AGAIN = 3, JOURNAL_SHORT = 4 };
 
@@ -170,8 +170,6 @@ typedef struct {
     int64_t res_n, res_hint, seq_id_batch;
     uint64_t id_next, id_end;
     PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */
-    int64_t *busy;     /* the mapping's count of Python-path operations under that mutex */
-    Py_buffer busy_buf;
     int64_t *overdue; /* set where more check answers wait than kept (KVPool._overdue) */
     Py_buffer overdue_buf;
     int mutex_held;    /* this call took the mutex to wait for a pool lock (locks.c hold_mutex) */
@@ -236,7 +234,7 @@ typedef struct {
     uint32_t jcount, jused;
     uint64_t held; /* bit i: lock i */
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
-    uint64_t native_ops, fallbacks, native_evictions;
+    uint64_t native_ops, unhandled, native_evictions;
     /* An append a transaction that could not begin (txn_begin) stopped after its first chunks
      * ran: (copies, tokens appended), for append_done(); NULL otherwise. */
     PyObject *append_partial;
@@ -378,13 +376,13 @@ static inline void seal(Native *n, int64_t b) { U8(blk(n, b) + BF_CHECKSUM) = ch
 static inline uint64_t lock_bit(int i) { return 1ull << i; }
 static inline int holds(Native *n, int i) { return (n->held & lock_bit(i)) != 0; }
 /* A step that needs the locks of `mask` (Txn.need): OK when the open transaction holds them;
- * else FALLBACK, and the operation, rolled back, runs again with them too (eviction.c
+ * else UNHANDLED, and the operation, rolled back, runs again with them too (eviction.c
  * rolled_back). */
 static inline int need_locks(Native *n, uint64_t mask) {
     if ((n->held & mask) == mask) return OK;
     n->want_locks |= mask;
     n->escalate = 1;
-    return FALLBACK;
+    return UNHANDLED;
 }
 static inline uint64_t shard_lock(Native *n, uint64_t key) {
     return lock_bit(n->lock_shard0 + (int)shard_of(n, key));
@@ -399,9 +397,9 @@ static inline void count(Native *n, int field, uint64_t k) {
 
 /* Defined in a later part (the parts are one translation unit: see _native.c). */
 /* A case the core does not handle: a bug, raised as a RuntimeError naming where (sequences.c;
- * every call site is `fallback(n)`). */
-static PyObject *fallback_at(Native *n, const char *where, int line);
-#define fallback(n) fallback_at((n), __FILE__, __LINE__)
+ * every call site is `unhandled(n)`). */
+static PyObject *unhandled_at(Native *n, const char *where, int line);
+#define unhandled(n) unhandled_at((n), __FILE__, __LINE__)
 static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
                       int64_t *got, int64_t later);
 static int rolled_back(Native *n);

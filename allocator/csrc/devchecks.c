@@ -182,7 +182,7 @@ static void dev_cpu_answer(Native *n, DevChecks *d, int mode, const int32_t *ids
 }
 
 /* The device's primary context current on this thread, as Triton's launcher makes it (a
- * thread that has not used CUDA yet has none). OK, or FALLBACK with `broken` set. */
+ * thread that has not used CUDA yet has none). OK, or UNHANDLED with `broken` set. */
 static int dev_context(DevChecks *d) {
     CUhandle ctx = NULL;
     CUres rc = d->cu.ctx_get(&ctx);
@@ -191,7 +191,7 @@ static int dev_context(DevChecks *d) {
         if (rc == 0) rc = d->cu.ctx_set(ctx);
     }
     if (rc != 0) d->broken = rc;
-    return rc == 0 ? OK : FALLBACK;
+    return rc == 0 ? OK : UNHANDLED;
 }
 
 /* Once the driver failed (`broken`): said once, as a RuntimeWarning (the checks are off for
@@ -215,12 +215,12 @@ static int dev_off(Native *n) {
 /* One event after the checks launched since the last (on the stream they went to). */
 static int dev_cover(DevChecks *d) {
     int64_t end = d->q_count;
-    if (d->broken) return FALLBACK;
+    if (d->broken) return UNHANDLED;
     if (!d->cuda || d->open_from >= end) {
         d->open_from = end;
         return OK;
     }
-    if (d->n_ev_free == 0) return FALLBACK; /* (cannot be: an entry holds at most one event) */
+    if (d->n_ev_free == 0) return UNHANDLED; /* (cannot be: an entry holds at most one event) */
     int32_t e = d->ev_free[--d->n_ev_free];
     CUres rc = 0;
     if (d->ev[e] == NULL) rc = d->cu.ev_create(&d->ev[e], CU_EVENT_DISABLE_TIMING);
@@ -228,7 +228,7 @@ static int dev_cover(DevChecks *d) {
     if (rc != 0) {
         d->ev_free[d->n_ev_free++] = e;
         d->broken = rc;
-        return FALLBACK;
+        return UNHANDLED;
     }
     for (int64_t i = d->open_from; i < end; i++) dev_at(d, i)->ev = e;
     d->open_from = end;
@@ -238,7 +238,7 @@ static int dev_cover(DevChecks *d) {
 /* -- launching --------------------------------------------------------------------------------- */
 
 /* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's), queued:
- * OK (also once the driver failed: the checks are off, dev_off); FALLBACK with `need_mutex`
+ * OK (also once the driver failed: the checks are off, dev_off); UNHANDLED with `need_mutex`
  * set where another thread holds the op mutex (the launch may let go of the GIL: the operation
  * rolls back, waits for the mutex and runs again, eviction.c rolled_back); ERROR with an
  * exception set (no checks configured, a check larger than the ring, the warning of dev_off
@@ -268,7 +268,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     if (held == ERROR) return ERROR;
     if (held != OK) {
         n->need_mutex = 1;
-        return FALLBACK;
+        return UNHANDLED;
     }
     int64_t ans = dev_answer_words(n, kind, k), keep = dev_keep_words(n, kind, k);
     int64_t words = k + ans + keep;

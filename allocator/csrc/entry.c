@@ -23,11 +23,10 @@ static int unusable(Native *n) {
  * first, and the handle looked at again; one of this thread's own (a pool operation called from
  * Python the core called) is a PoolError. The probes are the handle's probe word, read at every
  * call (they can come at any time): the core runs every one itself (probes.c), lockdep with the
- * traced user locks this thread holds (lockdep_ok). FALLBACK otherwise, ERROR with an exception
+ * traced user locks this thread holds (lockdep_ok). UNHANDLED otherwise, ERROR with an exception
  * set. Armed faults and crash points strike the core's operations themselves (faults.c). */
 static int gate(Native *n, PyObject *pool) {
     if (unusable(n)) return ERROR;
-    if (*n->busy) return FALLBACK;
     if (n->mutex_held || n->held || n->mutex_wanted) {
         int mine, waited;
         if (wait_others(n, &mine, &waited)) return ERROR;
@@ -50,7 +49,7 @@ static int gate(Native *n, PyObject *pool) {
     n->pool = pool;
     /* KVPool._check_process: the magic probe re-verifies the header now and then. */
     if ((n->probes & P_MAGIC) && verify_often(n, pool)) return ERROR;
-    return *n->busy ? FALLBACK : OK;
+    return OK;
 }
 
 /* own_slot's answer for a sequence already freed or aborted (its slot -1). */
@@ -160,7 +159,7 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
     do {                                                                                     \
         int g_ = gate(n, pool);                                                              \
         if (g_ == ERROR) return NULL;                                                        \
-        if (g_ != OK) return fallback(n);                                                    \
+        if (g_ != OK) return unhandled(n);                                                    \
     } while (0)
 
 /* N_append once its tokens are read. */
@@ -429,11 +428,9 @@ static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
         /* BlockStore.shard_locks_for: a block published in a generation keeps its key */
         if (blk(n, b[i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, b[i]);
     if (locks == 0) return PyLong_FromLong(0); /* none still published */
-    int rc = take_mutex(n);
-    if (rc != OK) return rc == ERROR ? NULL : fallback(n);
     PyObject *result = NULL;
     if (txn_begin(n, locks)) {
-        result = fallback(n);
+        result = unhandled(n);
         goto out;
     }
     long written = 0;
@@ -450,7 +447,7 @@ static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
             n->jfull = 0;
             txn_commit(n);
             if (txn_begin(n, locks)) {
-                result = fallback(n);
+                result = unhandled(n);
                 goto out;
             }
             i--;
@@ -539,17 +536,13 @@ static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     int64_t slot;
     uint64_t seq_id;
     Claim claim;
-    int rc = take_mutex(n);
-    if (rc != OK) {
-        seq = rc == ERROR ? NULL : fallback(n);
-        goto out;
-    }
+    int rc;
     n->want_locks = 0;
 again:;
     uint64_t locks = shards | n->want_locks;
     claim_plan(n, &claim, &locks);
     if (txn_begin(n, locks)) {
-        seq = fallback(n);
+        seq = unhandled(n);
         goto out;
     }
     if (claim_take(n, &claim)) goto abort;
@@ -587,7 +580,7 @@ abort:
     if (rc == AGAIN) goto again;
     /* one transaction, as fork.py's: a table the journal cannot hold is its JournalFull */
     if (rc == JOURNAL_SHORT) rc = journal_full(n);
-    seq = rc == FALLBACK ? fallback(n) : NULL;
+    seq = rc == UNHANDLED ? unhandled(n) : NULL;
 out:
     drop_mutex(n); /* if waiting for a lock made the core take it */
     if (ids != ids_s) PyMem_Free(ids);

@@ -53,7 +53,7 @@ static void lru_commit(Native *n) {
 }
 
 /* The next k (+ extra) listed candidates still CACHED and untouched since the scan;
- * FALLBACK when fewer than k are left (the caller scans). */
+ * UNHANDLED when fewer than k are left (the caller scans). */
 static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry) {
     uint8_t *h = lru_head(n);
@@ -81,7 +81,7 @@ static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
     if (got < k) {
         /* forget the exhausted candidates (at once: the free lock is held) */
         if (!dry && len) __atomic_store_n((uint32_t *)(h + LRU_COUNT), 0, __ATOMIC_RELEASE);
-        return FALLBACK;
+        return UNHANDLED;
     }
     *ncand = got;
     if (!dry) {
@@ -146,7 +146,7 @@ static int dry_still_oldest(Native *n) {
 static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry) {
     if (n->scan_buf == NULL && (n->scan_buf = PyMem_Malloc(sizeof(Aged) * (size_t)n->nb)) == NULL) {
-        if (dry) return FALLBACK; /* (a plan does without: every shard) */
+        if (dry) return UNHANDLED; /* (a plan does without: every shard) */
         PyErr_NoMemory();
         return ERROR;
     }
@@ -169,7 +169,7 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
             /* nothing cached: a plan takes every shard; a take goes on to preemption */
             n->dry_valid = 0;
             *ncand = 0;
-            return dry ? FALLBACK : OK;
+            return dry ? UNHANDLED : OK;
         }
         int64_t spare = m - k > 0 ? (m - k) / 4 : 0;
         k += extra < spare ? extra : spare;
@@ -264,23 +264,23 @@ static int unindexed_cached(Native *n, int32_t b) {
 /* Eviction (BlockStore.evict): up to k (+ extra) least recently used CACHED blocks unindexed,
  * the first `mine` of them (at most k) into out (*got of them: fewer when fewer are cached),
  * the others to the free ring. The free lock and the candidates' shard locks held (when the
- * pool changed since the plan chose them, FALLBACK: the operation runs again under every
+ * pool changed since the plan chose them, UNHANDLED: the operation runs again under every
  * shard, need_locks). Journal-bounded: a block is evicted only while the journal has room for
  * it, for the return to the ring of the blocks before it that go there, and for the `later`
  * block records (and TAKE_SLACK) the operation writes after it. The blocks for the ring stop
- * where the room ends; one of the first `mine` that does not fit leaves FALLBACK with `jfull`
+ * where the room ends; one of the first `mine` that does not fit leaves UNHANDLED with `jfull`
  * set: the operation rolls back and evicts them ahead (rolled_back). */
 static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
                       int64_t *got, int64_t later) {
     *got = 0;
-    if (need_locks(n, lock_bit(n->lock_free))) return FALLBACK;
+    if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
     if (k > CHUNK) {
         /* more than one transaction's candidates: all of them ahead */
         n->evicting += mine;
         n->jfull = 1;
         n->jfull_entries = n->jcount;
         n->jfull_bytes = n->jused;
-        return FALLBACK;
+        return UNHANDLED;
     }
     int32_t cand[CHUNK + EVICT_BATCH];
     int64_t nc = 0;
@@ -312,15 +312,15 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
                 n->jfull = 1;
                 n->jfull_entries = n->jcount + (uint32_t)entries;
                 n->jfull_bytes = n->jused + (uint32_t)bytes;
-                return FALLBACK;
+                return UNHANDLED;
             }
             n->pend_forget = 1; /* the rest stay cached, older than the list's next entries */
             break;
         }
         if (saves == 0 && unindexed_cached(n, b)) return ERROR;
-        if (jsave_block(n, b)) return FALLBACK;
+        if (jsave_block(n, b)) return UNHANDLED;
         int removed = 1;
-        if (saves && index_remove(n, key, b, &removed)) return FALLBACK;
+        if (saves && index_remove(n, key, b, &removed)) return UNHANDLED;
         /* (index_remove_saves found it there, under the same locks) */
         if (!removed) return core_bug("an indexed block left the index under its shard lock");
     }
@@ -337,7 +337,7 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
     }
     crash_point(n, CP_AFTER_EVICT);
     if (mine) memcpy(out, cand, 4 * (size_t)mine);
-    if (ring_push(n, cand + mine, done - mine)) return FALLBACK;
+    if (ring_push(n, cand + mine, done - mine)) return UNHANDLED;
     n->pend_evicted += done;
     *got = mine;
     return OK;
@@ -348,7 +348,7 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
  * committing (*done: how many in all). Each takes the free lock and the shards of the blocks
  * a look without the locks chose, or every shard when that look is out of date under them
  * (and waits for the op mutex, holding no pool lock, where a K/V check needs it and another
- * thread has it). OK (fewer when fewer are cached), FALLBACK when a transaction could not run
+ * thread has it). OK (fewer when fewer are cached), UNHANDLED when a transaction could not run
  * (a record that fails its checks) with *done evicted before it, ERROR with an exception set. */
 static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
     *done = 0;
@@ -413,7 +413,7 @@ static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
  *   ring ahead, in transactions of their own (evict_to_ring), where running it again takes them;
  * and AGAIN: run it again. JOURNAL_SHORT when the journal could not hold it and nothing could
  * be evicted ahead (the caller runs it in smaller transactions, or raises journal_full);
- * FALLBACK when a transaction ahead could not begin (txn_begin). */
+ * UNHANDLED when a transaction ahead could not begin (txn_begin). */
 static int rolled_back(Native *n) {
     int64_t ahead = n->ahead, evict = n->jfull ? n->evicting : 0;
     int jfull = n->jfull, escalate = n->escalate, mutex = n->need_mutex;

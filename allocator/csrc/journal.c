@@ -9,7 +9,7 @@ static int jsave(Native *n, size_t off, uint32_t len) {
         n->jfull = 1;
         n->jfull_entries = n->jcount + 1;
         n->jfull_bytes = n->jused + len;
-        return FALLBACK;
+        return UNHANDLED;
     }
     if (n->crash_at > 0 && --n->crash_at == 0) kill(getpid(), SIGKILL);
     uint8_t *e = n->seg + n->c_journal + (size_t)n->jcount * JENTRY;

@@ -102,7 +102,7 @@ static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObj
 
 /* The work of kind `kind` (DK_*, core.h) on blocks ids[0..k) of a pool whose data this process
  * does not map: queued in the core's own checks (devchecks.c), answered and applied at the
- * next settle. OK, FALLBACK (another thread holds the op mutex: dev_check), ERROR. */
+ * next settle. OK, UNHANDLED (another thread holds the op mutex: dev_check), ERROR. */
 static int kv_later(Native *n, int kind, const int32_t *ids, int64_t k, const char *when) {
     return dev_check(n, kind, ids, k, when, 0, NULL);
 }
@@ -123,7 +123,7 @@ static int guard_release(Native *n, int64_t slot) {
 
 /* Freed blocks' guard slots still hold the canary (probing.check_guard); one that does not
  * gets it back, and a guard_violation finding, reported when the release commits with the
- * block's record as it is then (and a GUARD_VIOLATION event first). OK, FALLBACK (a CUDA
+ * block's record as it is then (and a GUARD_VIOLATION event first). OK, UNHANDLED (a CUDA
  * pool's queue: another thread holds the op mutex), ERROR. */
 static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
@@ -146,7 +146,7 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
 }
 
 /* NaN into the token slots of freed blocks (probing.poison), just before the release commits
- * (under its locks: once they are released the blocks are anyone's). OK, FALLBACK, ERROR. */
+ * (under its locks: once they are released the blocks are anyone's). OK, UNHANDLED, ERROR. */
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !n->poison_ok) return OK;
     if (n->kv == NULL) return kv_later(n, DK_FILL, ids, k, NULL);
@@ -160,7 +160,7 @@ static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
  * the ring's tail (never the local cache), marked poisoned; the free lock is held. */
 static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
-    if (ring_push_state(n, ids, k, B_QUARANTINED)) return FALLBACK;
+    if (ring_push_state(n, ids, k, B_QUARANTINED)) return UNHANDLED;
     if (!n->poison_ok) return OK;
     /* (the records were saved by the push) */
     for (int64_t i = 0; i < k; i++) {
@@ -213,7 +213,7 @@ static int quarantined_now(Native *n, int32_t b) {
 /* Guard mode, blocks about to be handed out (writes.before_reuse): a poisoned one must still
  * hold its poison; one that does not (a write after free) is a use_after_free finding, with
  * its record as it is now, reported when the operation commits (a CUDA pool's: at the settle
- * that reads the answer, with the record as the operation saw it). OK, FALLBACK (a CUDA pool's
+ * that reads the answer, with the record as the operation saw it). OK, UNHANDLED (a CUDA pool's
  * queue not to be had now), ERROR. */
 static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return OK;
@@ -269,7 +269,7 @@ static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
 
 /* writes.published (integrity.stamp_digests): the digest of each block just published, over
  * its generation, into its record (saved by the publish). A CUDA pool's are taken later and
- * written by the settle that reads them (devanswers.c). OK, FALLBACK, ERROR. */
+ * written by the settle that reads them (devanswers.c). OK, UNHANDLED, ERROR. */
 static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     if (n->kv == NULL) return kv_later(n, DK_STAMP, ids, k, NULL);
@@ -333,7 +333,7 @@ static PyObject *modified_message(Native *n, const uint8_t *rec, const char *whe
  * generation) still match it; `when` names the moment in a finding ("a prefix hit"). One that
  * does not is a published_block_modified finding, with its record as it is now, reported when
  * the operation commits (which goes on, as the Python path's does); a CUDA pool's at the
- * settle that reads the answer, with the record as the operation saw it. OK, FALLBACK, ERROR. */
+ * settle that reads the answer, with the record as the operation saw it. OK, UNHANDLED, ERROR. */
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     enum { BATCH = CHUNK + EVICT_BATCH };
@@ -472,7 +472,7 @@ static PyObject *N_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs)
     n->pool = pool;
     PyMem_Free(ids);
     PyMem_Free(blank);
-    if (rc == FALLBACK && !PyErr_Occurred())
+    if (rc == UNHANDLED && !PyErr_Occurred())
         PyErr_SetString(PyExc_RuntimeError, "unwritten(): the op mutex is not held");
     if (rc != OK) return NULL;
     Py_RETURN_NONE;

@@ -220,7 +220,7 @@ static int recover_own_journal(Native *n);
  * recovered), and a journal this client left open is rolled back (recovery.c
  * recover_own_journal); a lock whose record names a dead holder is recovered (every lock, in
  * order) and the locks taken again; a wait for which another thread holds the op mutex lets
- * go of what is taken, waits for the mutex, and takes them again. OK, FALLBACK (only a
+ * go of what is taken, waits for the mutex, and takes them again. OK, UNHANDLED (only a
  * Python-path operation in progress on this handle's journal: it goes with the Python path),
  * ERROR with an exception set (a failed wait: OSError). */
 static int txn_begin(Native *n, uint64_t mask) {
@@ -237,10 +237,7 @@ static int txn_begin(Native *n, uint64_t mask) {
      * pool lock. */
     if (rc == OK && n->dev != NULL) rc = hold_mutex(n);
     if (rc == OK && (U4(n->seg + n->c_jcount) || U4(n->seg + n->c_jused))) {
-        /* A Python-path operation of this process has the journal open (busy): its own. */
-        if (*n->busy) rc = FALLBACK;
-        else
-            rc = recover_own_journal(n);
+        rc = recover_own_journal(n);
     }
     if (rc != OK) {
         n->dry_valid = 0;

@@ -136,12 +136,11 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     Py_XSETREF(n->ended_twice, PySet_New(NULL));
     if (n->seqs == NULL || n->guarded == NULL || n->ended_twice == NULL) return -1;
     if (faults_init(n, d)) return -1;
-    PyObject *busy = PyDict_GetItemString(d, "busy"), *coefs = PyDict_GetItemString(d, "coefs");
-    if (!busy || !coefs || !PyList_Check(coefs)) {
-        PyErr_SetString(PyExc_KeyError, "native core needs busy and coefs (a list)");
+    PyObject *coefs = PyDict_GetItemString(d, "coefs");
+    if (!coefs || !PyList_Check(coefs)) {
+        PyErr_SetString(PyExc_KeyError, "native core needs coefs (a list)");
         return -1;
     }
-    if (word_of(busy, &n->busy_buf, &n->busy)) return -1;
     PyObject *overdue = PyDict_GetItemString(d, "overdue");
     if (!overdue) {
         PyErr_SetString(PyExc_KeyError, "native core needs overdue");
@@ -203,7 +202,6 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
 
 static void N_dealloc(Native *n) {
     if (n->seg) PyBuffer_Release(&n->buf);
-    if (n->busy) PyBuffer_Release(&n->busy_buf);
     if (n->overdue) PyBuffer_Release(&n->overdue_buf);
     if (n->crash) PyBuffer_Release(&n->crash_buf);
     if (n->probe_bits) PyBuffer_Release(&n->probe_bits_buf);
@@ -264,7 +262,7 @@ static PyObject *N_close(Native *n, PyObject *unused) {
 
 static PyObject *N_stats(Native *n, PyObject *unused) {
     return Py_BuildValue("{sKsKsKsO}", "native_ops", (unsigned long long)n->native_ops,
-                         "fallbacks", (unsigned long long)n->fallbacks, "evictions",
+                         "unhandled", (unsigned long long)n->unhandled, "evictions",
                          (unsigned long long)n->native_evictions, "kv_direct",
                          n->kv ? Py_True : Py_False);
 }
@@ -316,7 +314,7 @@ static PyMethodDef N_methods[] = {
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
-    {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and fallbacks"},
+    {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and unhandled"},
     {"device_checks", (PyCFunction)N_device_checks, METH_O,
      "device_checks(config | None): the core launches a CUDA pool's checks itself"},
     {"device_take", (PyCFunction)(void (*)(void))N_device_take, METH_FASTCALL,

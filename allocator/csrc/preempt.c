@@ -57,7 +57,7 @@ static int poison_later(Native *n, const int32_t *ids, int64_t k) {
 
 /* Just before the commit of a transaction that may have preempted (its n_poison set to 0 before
  * it began): the blocks its guarded preemptions freed, poisoned (probing.poison), but those the
- * same transaction handed out again. OK, FALLBACK (a CUDA pool's queue not to be had now:
+ * same transaction handed out again. OK, UNHANDLED (a CUDA pool's queue not to be had now:
  * dev_check), ERROR. */
 static int preempt_poison(Native *n) {
     int64_t k = 0;
@@ -75,7 +75,7 @@ static int preempt_poison(Native *n) {
  * not held: the operation runs again with it, need_locks). */
 static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *ids,
                          Py_ssize_t k, uint64_t shards, int32_t *zero, int guard) {
-    if (need_locks(n, shards | lock_bit(n->lock_free))) return FALLBACK;
+    if (need_locks(n, shards | lock_bit(n->lock_free))) return UNHANDLED;
     /* magic: a scribbled record is reported and left as it is (release.release_blocks; in
      * place: ids is this call's copy of the table) */
     int32_t *drop = (int32_t *)ids;
@@ -92,10 +92,10 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
     if (rc != OK) return rc;
     /* BlockStore.drop, then give_back */
     int64_t nz = 0;
-    if (drop_refs(n, drop, nd, wall_ns(), zero, &nz)) return FALLBACK;
+    if (drop_refs(n, drop, nd, wall_ns(), zero, &nz)) return UNHANDLED;
     if ((rc = give_back_freed(n, zero, nz, guard)) != OK) return rc;
     if (guard && poison_later(n, zero, nz)) return ERROR;
-    if (write_blocks(n, slot, 0, NULL, 0)) return FALLBACK;
+    if (write_blocks(n, slot, 0, NULL, 0)) return UNHANDLED;
     seqrec(n, slot)[SF_STATE] = S_PREEMPTED;
     if (n->n_pre == n->cap_pre) {
         int64_t cap = n->cap_pre ? 2 * n->cap_pre : 8;
@@ -115,7 +115,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
  * its blocks released as release.py release_blocks releases a table (a reference less; an
  * indexed block left unreferenced stays cached; the others to the local cache, the overflow
  * to the ring, or, guarded, quarantined), its record PREEMPTED with no blocks; its Sequence,
- * events and counters at commit (`preempted`). *found = 0 when there is none. OK, FALLBACK (a
+ * events and counters at commit (`preempted`). *found = 0 when there is none. OK, UNHANDLED (a
  * lock not held, the journal full, or a release too large for it: preempted ahead, n->ahead;
  * the operation rolls back and runs again: rolled_back), ERROR. */
 static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found) {
@@ -138,7 +138,7 @@ static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found)
     if (saves > room || saves * ((int64_t)n->rec + 8) > bytes) {
         Py_DECREF(table);
         n->ahead = slot + 1;
-        return FALLBACK;
+        return UNHANDLED;
     }
     /* its ids and the ones it frees: on the stack up to CHUNK blocks */
     int32_t ids_s[2 * CHUNK], *ids = ids_s;
@@ -216,7 +216,7 @@ static int preempted(Native *n, int64_t from, int64_t to) {
  * sequence's table released from its tail, release_step blocks a transaction (release_tail,
  * as a long free), then the rest with its record PREEMPTED, as preempt_one does inside an
  * operation, in a transaction of its own. The operation then runs again; if it still fails,
- * the sequence stays preempted. OK, FALLBACK (a transaction could not begin), ERROR. */
+ * the sequence stays preempted. OK, UNHANDLED (a transaction could not begin), ERROR. */
 static int preempt_ahead(Native *n) {
     int64_t slot = n->ahead - 1;
     n->ahead = 0;
@@ -254,7 +254,7 @@ static int preempt_ahead(Native *n) {
             if (blk(n, ids[i])[BF_INDEXED] == 1) shards |= block_shard_lock(n, ids[i]);
         n->n_poison = 0;
         if (txn_begin(n, shards | lock_bit(n->lock_free) | n->want_locks)) {
-            rc = FALLBACK;
+            rc = UNHANDLED;
             goto out;
         }
         rc = preempt_table(n, seq, slot, ids, k, shards, ids + len, guard);
@@ -385,8 +385,8 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
  * slot, a transaction per CHUNK blocks' worth, then the old slot released in a transaction of
  * its own (preempt.py resume: an allocate, then the move); `got`'s table and chain become the
  * new sequence's, which seq takes over (N_resume). On an error (or where a transaction could
- * not begin: FALLBACK) the new sequence is aborted and seq stays preempted in its old slot.
- * OK, FALLBACK, ERROR. */
+ * not begin: UNHANDLED) the new sequence is aborted and seq stays preempted in its old slot.
+ * OK, UNHANDLED, ERROR. */
 static int resume_rest(Native *n, PyObject *pool, PyObject *seq, int64_t old, PyObject *got,
                        const int32_t *toks, int64_t k) {
     PyObject *slot = PyTuple_GET_ITEM(got, 0), *table = PyTuple_GET_ITEM(got, 2);
@@ -411,12 +411,12 @@ static int resume_rest(Native *n, PyObject *pool, PyObject *seq, int64_t old, Py
     if (fresh == NULL) return ERROR;
     PyObject *copies = core_append(n, pool, fresh, s, toks, k);
     if (copies == Py_None) Py_CLEAR(n->append_partial); /* (the new sequence is aborted) */
-    rc = copies == NULL ? ERROR : copies == Py_None ? FALLBACK : OK;
+    rc = copies == NULL ? ERROR : copies == Py_None ? UNHANDLED : OK;
     Py_XDECREF(copies);
     /* the move: SeqTable.release of the old slot (got's table and chain are the new
      * sequence's lists, which the appends grew) */
     int to_table = rc == OK && !reserve_keeps(n, old, 0);
-    if (rc == OK && txn_begin(n, to_table ? lock_bit(n->lock_seqs) : 0)) rc = FALLBACK;
+    if (rc == OK && txn_begin(n, to_table ? lock_bit(n->lock_seqs) : 0)) rc = UNHANDLED;
     if (rc == OK && jsave_head(n, old)) {
         /* (the only save of a transaction of its own) */
         txn_abort(n);
@@ -461,7 +461,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     }
     Py_ssize_t ntok = PyList_CheckExact(tokens) ? PyList_GET_SIZE(tokens) : 0;
     if (!PyUnicode_Check(rid) || ntok == 0) {
-        result = fallback(n);
+        result = unhandled(n);
         goto out;
     }
     toks = PyMem_Malloc(sizeof(int32_t) * (size_t)ntok);
@@ -488,7 +488,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         /* the first transaction left the old slot: the rest, then the move */
         int rc = resume_rest(n, args[0], seq, old, got, toks + held, ntok - held);
         if (rc != OK) {
-            result = rc == FALLBACK ? fallback(n) : NULL;
+            result = rc == UNHANDLED ? unhandled(n) : NULL;
             goto out;
         }
     }

@@ -23,7 +23,7 @@ static int32_t index_lookup(Native *n, uint64_t key) {
     return -1;
 }
 
-/* PrefixIndex.insert: 1 inserted, 0 present or shard full, FALLBACK journal full. */
+/* PrefixIndex.insert: 1 inserted, 0 present or shard full, UNHANDLED journal full. */
 static int index_insert(Native *n, uint64_t key, int32_t block, int *inserted) {
     int64_t base, w = n->index_w, i = probe_start(n, key, &base);
     *inserted = 0;
@@ -33,7 +33,7 @@ static int index_insert(Native *n, uint64_t key, int32_t block, int *inserted) {
         if (k == key) return OK;
         if (k == 0) {
             if (jsave(n, n->off_index + (size_t)(base + i) * INDEX_ENTRY, INDEX_ENTRY))
-                return FALLBACK;
+                return UNHANDLED;
             I4(e + 8) = block;
             U8(e) = key;
             *inserted = 1;
@@ -65,7 +65,7 @@ static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
         /* Move entry j into the hole if its home is not in the cyclic range (hole, j]. */
         if (((j - home) % w + w) % w >= ((j - hole) % w + w) % w) {
             if (jsave(n, n->off_index + (size_t)(base + hole) * INDEX_ENTRY, INDEX_ENTRY))
-                return FALLBACK;
+                return UNHANDLED;
             uint8_t *eh = idx_entry(n, base + hole);
             U8(eh) = kj;
             I4(eh + 8) = I4(ej + 8);
@@ -73,7 +73,7 @@ static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
         }
         j = (j + 1) % w;
     }
-    if (jsave(n, n->off_index + (size_t)(base + hole) * INDEX_ENTRY, INDEX_ENTRY)) return FALLBACK;
+    if (jsave(n, n->off_index + (size_t)(base + hole) * INDEX_ENTRY, INDEX_ENTRY)) return UNHANDLED;
     uint8_t *eh = idx_entry(n, base + hole);
     U8(eh) = 0;
     I4(eh + 8) = -1;

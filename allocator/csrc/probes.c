@@ -129,7 +129,7 @@ static int64_t site_intern(Native *n, PyObject *text) {
     if (raw == NULL) return SITE_ERROR;
     int mh, taken = leaf_take(n, n->lock_sites, &mh);
     if (taken == ERROR) return SITE_ERROR;
-    if (taken == FALLBACK) return -1;
+    if (taken == UNHANDLED) return -1;
     int64_t id = site_find_or_add(n, raw, (size_t)len);
     leaf_drop(n, n->lock_sites, taken, mh);
     return id;
@@ -302,7 +302,7 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
  * or a Python caller under it: lockdep's graph, a Python-path transaction: its record names
  * this process and thread), ERROR with an exception set. Holding no other lock, the core waits
  * for it (and for the op mutex) and recovers a dead holder first (recovery.c); inside a
- * transaction, FALLBACK when it is not to be had then (its record names a dead holder, or
+ * transaction, UNHANDLED when it is not to be had then (its record names a dead holder, or
  * another thread holds the op mutex: hold_mutex). *mh: whether the op mutex was held before. */
 enum { HELD = 2 };
 /* Lock i's record names this thread of this process as its holder. */
@@ -319,7 +319,7 @@ static int leaf_take(Native *n, int i, int *mh) {
     if (leaf_held(n, i)) return HELD;
     int rc = n->held ? lock_take(n, i) : lock_take_alone(n, i);
     if (rc != OK && !*mh) drop_mutex(n);
-    return rc == OK || rc == ERROR ? rc : FALLBACK;
+    return rc == OK || rc == ERROR ? rc : UNHANDLED;
 }
 
 /* leaf_take for a Python caller (N_report, N_intern_site): HELD at once where this thread
@@ -335,13 +335,13 @@ static int leaf_take_py(Native *n, int i, int *mh, const char *what) {
     if (wait_others(n, &mine, NULL)) return ERROR;
     if (py_caller_unusable(n)) return ERROR; /* (closed meanwhile) */
     int taken = leaf_take(n, i, mh);
-    if (taken == FALLBACK)
+    if (taken == UNHANDLED)
         PyErr_Format(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
                      "%s: its lock is held by a dead process, or waited for by another thread, "
                      "while this thread is inside a transaction of the pool (a callback of its "
                      "operation)",
                      what);
-    return taken == FALLBACK ? ERROR : taken;
+    return taken == UNHANDLED ? ERROR : taken;
 }
 
 static void leaf_drop(Native *n, int i, int taken, int mh) {

@@ -268,7 +268,7 @@ typedef int (*StepFn)(Native *n, const DeadRec *d, void *arg);
 
 /* One step of a reclaim: fn in a transaction of its own under every lock (a dead holder met
  * on the way is recovered first), once the record still holds the dead process `d`. OK,
- * GONE, FALLBACK (a step outgrowing the journal), ERROR. */
+ * GONE, UNHANDLED (a step outgrowing the journal), ERROR. */
 static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, void *arg) {
     Holder dead[MAX_LOCKS];
     client_seq_bump(n);
@@ -345,9 +345,9 @@ static int step_drop_tail(Native *n, const DeadRec *d, void *arg) {
         if (table[i] >= 0 && table[i] < n->nb) ids[m++] = table[i];
     if (drop_refs(n, ids, m, wall_ns(), zero, &nz) || ring_push(n, zero, nz) ||
         write_blocks(n, slot, keep, NULL, 0))
-        return FALLBACK;
+        return UNHANDLED;
     if (keep == 0) { /* SeqTable.release of a slot no reserve of ours holds */
-        if (jsave_head(n, slot)) return FALLBACK;
+        if (jsave_head(n, slot)) return UNHANDLED;
         s[SF_RESERVED] = 0;
         s[SF_STATE] = S_EMPTY;
         U4(s + SF_NUM_BLOCKS) = 0;
@@ -402,10 +402,10 @@ static int step_free_owned(Native *n, const DeadRec *d, void *arg) {
     PyMem_Free(pick);
     int rc = ring_push(n, ids, m);
     PyMem_Free(ids);
-    if (rc) return FALLBACK;
+    if (rc) return UNHANDLED;
     if (m < most) {
         /* the record's head up to and with its local cache's count */
-        if (jsave(n, (size_t)(r - n->seg), (uint32_t)cfield(n, n->c_local))) return FALLBACK;
+        if (jsave(n, (size_t)(r - n->seg), (uint32_t)cfield(n, n->c_local))) return UNHANDLED;
         U4(r + n->cf_local_count) = 0;
     }
     out->freed = m;
@@ -416,7 +416,7 @@ static int step_free_owned(Native *n, const DeadRec *d, void *arg) {
  * counters into the header and mark its record detached (*done 1). The caller holds the seqs
  * lock, which guards both. `dead`: its process died (its counter is evened: a process that
  * died inside an operation left it odd, and no snapshot may wait for a writer that will never
- * finish). OK or FALLBACK. */
+ * finish). OK or UNHANDLED. */
 static int detach_chunk(Native *n, int64_t c, int dead, int64_t *done) {
     *done = 0;
     int64_t k = 0;
@@ -424,21 +424,21 @@ static int detach_chunk(Native *n, int64_t c, int dead, int64_t *done) {
         uint8_t *r = seqrec(n, s);
         if (r[SF_RESERVED] != 1 || I4(r + SF_OWNER_CLIENT) != c) continue;
         if (k == CHUNK) return OK; /* more: the caller calls again */
-        if (jsave_head(n, s)) return FALLBACK;
+        if (jsave_head(n, s)) return UNHANDLED;
         r[SF_RESERVED] = 0;
         k++;
     }
     uint8_t *r = crec(n, c);
     for (int f = 0; f < NUM_COUNTERS; f++) {
         size_t at = n->off_hdr_counters + 8 * (size_t)f;
-        if (jsave(n, at, 8)) return FALLBACK;
+        if (jsave(n, at, 8)) return UNHANDLED;
         U8(n->seg + at) += U8(r + cfield(n, n->c_counters) + 8 * (size_t)f);
     }
     size_t rec_at = (size_t)(r - n->seg);
-    if (jsave(n, rec_at + n->cf_state, 1)) return FALLBACK;
+    if (jsave(n, rec_at + n->cf_state, 1)) return UNHANDLED;
     if (dead) {
         size_t seq_at = rec_at + cfield(n, n->c_seq);
-        if (jsave(n, seq_at, 8)) return FALLBACK;
+        if (jsave(n, seq_at, 8)) return UNHANDLED;
         U8(n->seg + seq_at) += U8(n->seg + seq_at) % 2;
     }
     r[n->cf_state] = (uint8_t)n->client_detached;
@@ -485,7 +485,7 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
     if (rc != OK) {
         Py_XDECREF(rolled.skipped);
         if (rc == GONE) Py_RETURN_NONE;
-        if (rc == FALLBACK && !PyErr_Occurred())
+        if (rc == UNHANDLED && !PyErr_Occurred())
             PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
                             "reclaim: a step outgrew the undo journal");
         return NULL;
@@ -515,7 +515,7 @@ static PyObject *recovery_leave(Native *n, PyObject *result) {
 }
 
 static int lock_answer(int rc) {
-    if (rc == FALLBACK && !PyErr_Occurred())
+    if (rc == UNHANDLED && !PyErr_Occurred())
         PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
                         "recovery: a step outgrew the undo journal, or a Python-path operation "
                         "has this client's journal open");
@@ -678,7 +678,7 @@ static int flush_local(Native *n) {
     int64_t got;
     if (local_pop(n, LOCAL_CACHE_MAX, ids, &got) || ring_push(n, ids, got)) {
         txn_abort(n);
-        lock_answer(FALLBACK);
+        lock_answer(UNHANDLED);
         return ERROR;
     }
     txn_commit(n);
@@ -708,7 +708,7 @@ static PyObject *N_detach(Native *n, PyObject *unused) {
         if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_seqs)))) != OK) break;
         if (detach_chunk(n, n->client, 0, &done)) {
             txn_abort(n);
-            rc = lock_answer(FALLBACK);
+            rc = lock_answer(UNHANDLED);
         } else
             txn_commit(n);
     }
@@ -757,7 +757,7 @@ static PyObject *N_mark_repaired(Native *n, PyObject *const *args, Py_ssize_t na
             if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_findings)))) != OK) break;
         }
         if (jsave(n, (size_t)(r - n->seg) + n->fd_repaired, 1))
-            rc = lock_answer(FALLBACK);
+            rc = lock_answer(UNHANDLED);
         else if (append_new(marked, PyLong_FromUnsignedLongLong(k)))
             rc = ERROR;
         else

@@ -28,7 +28,7 @@ static int append_new(PyObject *list, PyObject *item) {
 }
 
 /* Token ids list[start:start + n] (ints) into `out` (int32, as the records store them);
- * FALLBACK on anything else (Python raises its own error). */
+ * UNHANDLED on anything else (Python raises its own error). */
 static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = PyList_GET_ITEM(list, start + i);
@@ -37,13 +37,13 @@ static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t 
             PyObject *v = PyNumber_Index(o);
             if (v == NULL) {
                 PyErr_Clear();
-                return FALLBACK;
+                return UNHANDLED;
             }
             long x = PyLong_AsLong(v);
             Py_DECREF(v);
             if ((x == -1 && PyErr_Occurred()) || x < INT32_MIN || x > INT32_MAX) {
                 PyErr_Clear();
-                return FALLBACK;
+                return UNHANDLED;
             }
             out[i] = (int32_t)x;
             continue;
@@ -59,9 +59,9 @@ static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t 
         long v = PyLong_AsLong(o);
         if (v == -1 && PyErr_Occurred()) {
             PyErr_Clear();
-            return FALLBACK;
+            return UNHANDLED;
         }
-        if (v < INT32_MIN || v > INT32_MAX) return FALLBACK;
+        if (v < INT32_MIN || v > INT32_MAX) return UNHANDLED;
         out[i] = (int32_t)v;
     }
     return OK;
@@ -93,9 +93,6 @@ static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_
     return OK;
 }
 
-/* OK when no Python-path operation of another thread is half done on this mapping (none is
- * while this call holds the op mutex itself: an operation run again after a wait). */
-static int take_mutex(Native *n) { return *n->busy && !n->mutex_held ? FALLBACK : OK; }
 
 /* End of a call: give back the op mutex if waiting for a lock (or the K/V checks) made it take
  * it. An exception already raised (a handback's) is kept across the call to release(): a call
@@ -128,12 +125,12 @@ static int mutex_wait(Native *n) {
     return OK;
 }
 
-/* A case the core does not handle (a bug): RuntimeError naming the place (fallback(n) in
+/* A case the core does not handle (a bug): RuntimeError naming the place (unhandled(n) in
  * core.h). An error already set (txn_begin's ERROR: a failed wait, an error while recovering)
  * stands instead. */
-static PyObject *fallback_at(Native *n, const char *where, int line) {
+static PyObject *unhandled_at(Native *n, const char *where, int line) {
     if (PyErr_Occurred()) return NULL;
-    n->fallbacks++;
+    n->unhandled++;
     PyErr_Format(PyExc_RuntimeError,
                  "kvscope core: a case the core does not handle (a bug): at %s:%d", where, line);
     return NULL;
@@ -178,7 +175,7 @@ static int reserve_fill(Native *n, int32_t *got, int64_t *ngot, uint64_t *first)
         }
         for (int64_t i = 0; i < *ngot; i++) {
             uint8_t *r = seqrec(n, got[i]);
-            if (jsave_head(n, got[i])) return FALLBACK;
+            if (jsave_head(n, got[i])) return UNHANDLED;
             r[SF_RESERVED] = 1;
             I4(r + SF_OWNER_CLIENT) = n->client;
             I4(r + SF_OWNER_PID) = n->pid;
@@ -187,7 +184,7 @@ static int reserve_fill(Native *n, int32_t *got, int64_t *ngot, uint64_t *first)
         if (*ngot == 0) return OK;
     }
     if (n->id_next >= n->id_end) {
-        if (jsave(n, n->off_next_seq_id, 8)) return FALLBACK;
+        if (jsave(n, n->off_next_seq_id, 8)) return UNHANDLED;
         *first = U8(n->seg + n->off_next_seq_id) + 1;
         U8(n->seg + n->off_next_seq_id) = *first + (uint64_t)n->seq_id_batch - 1;
     }
@@ -198,7 +195,7 @@ static int reserve_fill(Native *n, int32_t *got, int64_t *ngot, uint64_t *first)
  * last (the reserve's start) back to the table. */
 static int reserve_trim(Native *n) {
     for (int64_t i = 0; i < n->slot_batch; i++) {
-        if (jsave_head(n, n->res[i])) return FALLBACK;
+        if (jsave_head(n, n->res[i])) return UNHANDLED;
         seqrec(n, n->res[i])[SF_RESERVED] = 0;
     }
     return OK;
@@ -232,7 +229,7 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
         Py_XDECREF(r);
         return NULL;
     }
-    if (mine || *n->busy) {
+    if (mine) {
         /* this thread's already, inside an operation (whose locks it may hold): not now */
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
         if (r == NULL) return NULL;
@@ -343,7 +340,7 @@ static void claim_plan(Native *n, Claim *c, uint64_t *locks) {
 
 /* Inside the transaction, a direct claim: the lowest EMPTY slot no process reserves
  * (SeqTable.claim without a reserve), and the header's next sequence id (_take_ids). ERROR
- * (SeqTable's PoolError) when the table is full, FALLBACK when the journal is. */
+ * (SeqTable's PoolError) when the table is full, UNHANDLED when the journal is. */
 static int claim_take(Native *n, Claim *c) {
     if (!c->direct) return OK;
     int64_t found = -1, held = 0;
@@ -360,7 +357,7 @@ static int claim_take(Native *n, Claim *c) {
                           (long long)(n->max_seqs - held), (long long)held,
                           (long long)n->max_seqs);
     }
-    if (jsave(n, n->off_next_seq_id, 8)) return FALLBACK;
+    if (jsave(n, n->off_next_seq_id, 8)) return UNHANDLED;
     uint64_t id = U8(n->seg + n->off_next_seq_id) + 1;
     U8(n->seg + n->off_next_seq_id) = id;
     c->slot = found;
@@ -380,7 +377,7 @@ static int claim_done(Native *n, const Claim *c) {
 static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *request,
                        uint64_t now, int32_t site) {
     uint8_t *s = seqrec(n, slot);
-    if (jsave_head(n, slot)) return FALLBACK;
+    if (jsave_head(n, slot)) return UNHANDLED;
     U2(s + SF_SITE) = (uint16_t)(site < 0 ? 0 : site + 1);
     I4(s + SF_OWNER_PID) = n->pid;
     I4(s + SF_OWNER_CLIENT) = n->client;
@@ -402,10 +399,10 @@ static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *i
         return pool_error("sequence needs %lld blocks but PoolConfig.max_blocks_per_seq is %lld",
                           (long long)(start + k), (long long)n->max_bps);
     uint8_t *s = seqrec(n, slot);
-    if (jsave_head(n, slot)) return FALLBACK;
+    if (jsave_head(n, slot)) return UNHANDLED;
     if (k) {
         size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)start;
-        if (jsave(n, off, (uint32_t)(4 * k))) return FALLBACK;
+        if (jsave(n, off, (uint32_t)(4 * k))) return UNHANDLED;
         memcpy(s + SF_TABLE + 4 * start, ids, 4 * (size_t)k);
     }
     U4(s + SF_NUM_BLOCKS) = (uint32_t)(start + k);

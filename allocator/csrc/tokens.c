@@ -286,7 +286,7 @@ static int tokens_of_buffer(PyObject *obj, Tokens *t) {
     return rc;
 }
 
-/* A tensor through DLPack: OK, ERROR, or FALLBACK when its memory is not the host's (the
+/* A tensor through DLPack: OK, ERROR, or UNHANDLED when its memory is not the host's (the
  * caller reads its tolist()). */
 static int tokens_of_dlpack(PyObject *obj, const DLExchangeAPI_ *api, Tokens *t) {
     DLTensor_ dl;
@@ -296,7 +296,7 @@ static int tokens_of_dlpack(PyObject *obj, const DLExchangeAPI_ *api, Tokens *t)
     if (dl.dtype.lanes != 1 || !(code == 0 || code == 1 || code == 6) ||
         !(bits == 8 || bits == 16 || bits == 32 || bits == 64))
         return dtype_error(obj, "?");
-    if (dl.device.device_type != 1 && dl.device.device_type != 3) return FALLBACK;
+    if (dl.device.device_type != 1 && dl.device.device_type != 3) return UNHANDLED;
     int64_t stride = dl.strides ? dl.strides[0] : 1;
     return tokens_of_memory(t, (const char *)dl.data + dl.byte_offset, (Py_ssize_t)dl.shape[0],
                             (Py_ssize_t)(stride * (bits / 8)), bits / 8, code == 0, 0);
@@ -325,7 +325,7 @@ static int tokens_read(PyObject *obj, Tokens *t, int want_items) {
     const DLExchangeAPI_ *api = dl_api_of(obj);
     if (api == NULL) return tokens_of_sequence(obj, t, want_items);
     int rc = tokens_of_dlpack(obj, api, t);
-    if (rc != FALLBACK) return rc;
+    if (rc != UNHANDLED) return rc;
     PyObject *list = PyObject_CallMethod(obj, "tolist", NULL);
     if (list == NULL) return ERROR;
     rc = tokens_of_sequence(list, t, want_items);
