@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from typing import Any
 
@@ -230,9 +230,6 @@ class KVPool:
 
         `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
         `request_id`: any object, kept as its str() (docs/POOL.md)."""
-        if type(tokens) is not list and isinstance(tokens, Iterator):
-            # (read once, into a list the core reads)
-            tokens = list(tokens)
         guarded = self._before_claim()
         # (the core allocates a prompt of any length: its hits and first CHUNK new blocks in one
         # transaction, the rest appended, a transaction per CHUNK blocks' worth)
