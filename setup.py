@@ -1,5 +1,5 @@
 """The pool's C core (allocator/_native.c): required, the pool's operations run in it
-(docs/FORMAT.md "The native core"); kvscope._sigbus and kvscope._kvevents are optional."""
+(docs/FORMAT.md "The core"); kvscope._sigbus and kvscope._kvevents are optional."""
 
 import runpy
 from pathlib import Path

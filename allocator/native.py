@@ -19,7 +19,7 @@ table's, composed and interned by the core. The core waits for the pool locks it
 waits for another thread's operation on the handle before it starts one. The findings ring
 and the site table have no other writer: KVPool.report and sites.py write through the core's
 `report` and `intern_site`, and the findings the core detects it writes itself.
-docs/FORMAT.md, "The native core".
+docs/FORMAT.md, "The core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests, a finished
 request's unwritten slots: csrc/kvdata.c) the core does on the bytes of a CPU pool's data file,

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     gc.disable()
-    # Every probe runs in the C core (docs/FORMAT.md "The native core"); ratios are against the
+    # Every probe runs in the C core (docs/FORMAT.md "The core"); ratios are against the
     # probes-off C core.
     light = {k: "1" for k in LIGHT_VARS}
     configs = {
