@@ -9,7 +9,6 @@ findings the core wrote, read back for `on_finding` (`ring_findings`). The pool 
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     from kvscope.allocator.handle import PoolHandle
 
 
-# With the magic probe on, operations re-verify the header at most this often.
-VERIFY_EVERY_S = 0.01
 # Bits of the C core's probe word (allocator/csrc/core.h P_*): the probes it runs itself.
 NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
 NATIVE_LOCKDEP = 32
@@ -53,7 +50,6 @@ class PoolProbes:
         self.reported: set[tuple[str, int, str | None]] = set()
         # verify() runs inside pool operations that verify() itself starts: never recurse.
         self.verifying = False
-        self.last_verify = 0.0
         self.writes = WriteProbes(pool, flags)
 
     def native_bits(self) -> int:
@@ -129,23 +125,12 @@ class PoolProbes:
 
     def verify_often(self) -> None:
         """The header (and conservation) from between operations (stats(), a block table), at
-        most every VERIFY_EVERY_S (a step's cadence): the core's own check on the core's clock
+        most every 10 ms (csrc/core.h VERIFY_EVERY_NS, a step's cadence): the core's own check on the core's clock
         (the one its operations keep: one check per interval), which reports what it finds
-        itself; where the core would not run an operation now, this handle's own on its own
-        clock."""
-        core = self.pool._core
-        if core.verify_often(self.pool) is not None:
-            if self.pool._found:
-                self.pool._hand_findings()
-            return
-        now = time.monotonic()
-        if now - self.last_verify >= VERIFY_EVERY_S:
-            self.verify_due()
-
-    def verify_due(self) -> None:
-        """The header (and conservation) now: the interval is over."""
-        self.last_verify = time.monotonic()
-        self._once(self._verify)
+        itself."""
+        self.pool._core.verify_often(self.pool)
+        if self.pool._found:
+            self.pool._hand_findings()
 
     def verify(self) -> list[Finding]:
         """Header magic, version and checksum against the bytes seen at attach (cheap); with

@@ -249,9 +249,6 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
         drop_mutex(n);
         if (rc == ERROR) goto out;
         if (rc == UNHANDLED) {
-            Py_CLEAR(n->append_partial);
-            if (done && !(n->append_partial = Py_BuildValue("(On)", copies, (Py_ssize_t)done)))
-                goto out;
             result = unhandled(n);
             goto out;
         }

@@ -235,9 +235,6 @@ typedef struct {
     uint64_t held; /* bit i: lock i */
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
     uint64_t native_ops, unhandled, native_evictions;
-    /* An append a transaction that could not begin (txn_begin) stopped after its first chunks
-     * ran: (copies, tokens appended), for append_done(); NULL otherwise. */
-    PyObject *append_partial;
     /* A waiting sequence (its slot + 1, else 0) whose preemption would outgrow the open
      * operation's journal: the operation rolls back, preempts it ahead in transactions of its
      * own and runs again (preempt.c preempt_ahead). */

@@ -193,10 +193,6 @@ static int abandon(Native *n, PyObject *pool, PyObject *seq, int64_t slot) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *ended = end_read(n, seq, slot, 4);
-    if (ended == Py_None) {
-        Py_DECREF(ended);
-        ended = PyObject_CallMethod(pool, "abort", "O", seq);
-    }
     if (ended != NULL) {
         Py_DECREF(ended);
         PyErr_Restore(type, value, tb);
@@ -224,7 +220,6 @@ static PyObject *allocate_rest(Native *n, PyObject *pool, PyObject *seq, int64_t
                                const int32_t *toks, int64_t k) {
     PyObject *copies = core_append(n, pool, seq, slot, toks, k);
     if (copies != NULL) {
-        if (copies == Py_None) Py_CLEAR(n->append_partial); /* (the tokens are in seq) */
         Py_DECREF(copies);
         return seq;
     }
@@ -241,7 +236,7 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     int32_t site = site_now(n);
     if (site == SITE_ERROR) return NULL;
     PyObject *got = core_allocate(n, t->v, t->n, request, site, -1);
-    if (got == NULL || got == Py_None) return got;
+    if (got == NULL) return NULL;
     /* (slot, seq_id, table, chain, hits) -> Sequence(request_id, tokens, block_table, slot,
      * seq_id, pool_uid, num_cached_tokens, state, chain, num_published) */
     PyObject *tokens = tokens_list(t);
@@ -336,9 +331,9 @@ static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final) {
     PyObject *done = rid ? core_release(n, seq, table, slot, final, guard, w, rid) : NULL;
     Py_XDECREF(when);
     Py_DECREF(table);
-    if (done == NULL || done == Py_None) {
+    if (done == NULL) {
         Py_XDECREF(rid);
-        return done;
+        return NULL;
     }
     /* release.py end: sampled guard mode forgets the slot */
     if (guard && (n->probes & P_GUARD_SAMPLED)) {
@@ -380,14 +375,6 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (tokens_read(args[2], &t, 0) == OK) out = append_read(n, args[0], args[1], &t);
     tokens_done(&t);
     return out;
-}
-
-/* append_done() -> (copies, tokens) | None: what the last append the core handed back had
- * appended already (core_append: a later chunk whose transaction could not begin), once. */
-static PyObject *N_append_done(Native *n, PyObject *unused) {
-    PyObject *out = n->append_partial;
-    n->append_partial = NULL;
-    return out ? out : Py_NewRef(Py_None);
 }
 
 /* mark_computed(pool, seq, num_tokens) -> int: every full block of positions [0, num_tokens),
@@ -471,21 +458,18 @@ out:
     return result;
 }
 
-/* verify_often(pool) -> True | None: probing.verify_often asked from the Python path (stats(),
- * a transaction of its own), on this core's clock: the gate runs it. None where the core
- * would not run an operation now (the Python path checks on its own clock then). */
+/* verify_often(pool): the magic probe's periodic check asked for between operations (stats(),
+ * a block table), on this core's clock: the gate runs it, and reports what it finds. */
 static PyObject *N_verify_often(Native *n, PyObject *pool) {
     /* It may come from inside an operation's gate (Python the gate runs may ask again): what
      * that gate worked out for its operation stays as it was. */
     int probes = n->probes;
     PyObject *was = n->pool;
     int g = gate(n, pool);
-    int magic = n->probes & P_MAGIC;
     n->probes = probes;
     n->pool = was;
-    if (g == ERROR) return NULL;
-    if (g != OK || !magic) Py_RETURN_NONE;
-    Py_RETURN_TRUE;
+    if (g != OK) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block; any

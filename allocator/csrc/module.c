@@ -239,7 +239,6 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->seq_fields);
     Py_XDECREF(n->seqs);
     Py_XDECREF(n->faults_armed);
-    Py_XDECREF(n->append_partial);
     PyMem_Free(n->poison_ids);
     lru_drop_pending(n);
     PyMem_Free(n->scan_buf);
@@ -280,15 +279,12 @@ static PyMethodDef N_methods[] = {
      "end(pool, seq, final_state) -> True | None: free or abort"},
     {"append", (PyCFunction)(void (*)(void))N_append, METH_FASTCALL,
      "append(pool, seq, tokens) -> copies | None (see append_done)"},
-    {"append_done", (PyCFunction)N_append_done, METH_NOARGS,
-     "append_done() -> (copies, tokens) | None: what an append whose later chunk could not "
-     "begin its transaction had appended"},
     {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
      "mark_computed(pool, seq, num_tokens) -> int | None"},
     {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
      "fork(pool, seq, request_id) -> Sequence | None"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
-     "verify_often(pool) -> True | None: the magic probe's periodic check, on the core's clock"},
+     "verify_often(pool): the magic probe's periodic check, on the core's clock"},
     {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
      "first_report(kind, block) -> bool | None: a finding the core reports, once per block"},
     {"report", (PyCFunction)(void (*)(void))N_report, METH_FASTCALL,
@@ -296,10 +292,6 @@ static PyMethodDef N_methods[] = {
      "written into the segment's findings ring (its position)"},
     {"live", (PyCFunction)N_live, METH_NOARGS,
      "live() -> {slot: Sequence}: the handle's live sequences (a copy)"},
-    {"track", (PyCFunction)(void (*)(void))N_track, METH_FASTCALL,
-     "track(slot, seq): seq entered as the handle's live sequence in slot"},
-    {"untrack", (PyCFunction)N_untrack, METH_O,
-     "untrack(slot): the slot's live sequence and its guard forgotten"},
     {"guard", (PyCFunction)N_guard, METH_O,
      "guard(slot): sampled guard mode guards that slot's release"},
     {"guarded", (PyCFunction)N_guarded, METH_O,
@@ -330,8 +322,6 @@ static PyMethodDef N_methods[] = {
      "set_state(pool, seq, state) -> True | None: mark a sequence running or waiting"},
     {"resume", (PyCFunction)(void (*)(void))N_resume, METH_FASTCALL,
      "resume(pool, seq) -> cached tokens | None: re-allocate a preempted sequence"},
-    {"recover", (PyCFunction)N_recover, METH_NOARGS,
-     "recover() -> [{pid, entries, skipped}]: locks dead processes held, their journals rolled back"},
     {"reclaim_dead", (PyCFunction)N_reclaim_dead, METH_O,
      "reclaim_dead(said_pids) -> (totals, done): every dead client's blocks returned"},
     {"reclaim_client", (PyCFunction)(void (*)(void))N_reclaim_client, METH_FASTCALL,
@@ -348,14 +338,8 @@ static PyMethodDef N_methods[] = {
      "evict(pool, num_blocks) -> int: LRU cached blocks to the free ring"},
     {"reserve_ready", (PyCFunction)(void (*)(void))N_reserve_ready, METH_FASTCALL,
      "reserve_ready(pool, claiming) -> bool: the slot reserve refilled or trimmed when due"},
-    {"reserve_claim", (PyCFunction)N_reserve_claim, METH_NOARGS,
-     "reserve_claim() -> (slot, seq_id) | None: a slot and id from the reserve"},
-    {"reserve_release", (PyCFunction)N_reserve_release, METH_O,
-     "reserve_release(slot) -> bool: the slot back to the reserve when it keeps it"},
     {"reserve_state", (PyCFunction)N_reserve_state, METH_NOARGS,
      "reserve_state() -> (slots, next_id, end_id)"},
-    {"reserve_restore", (PyCFunction)N_reserve_restore, METH_O,
-     "reserve_restore(state): the reserve as reserve_state() read it"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

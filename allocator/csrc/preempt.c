@@ -410,8 +410,7 @@ static int resume_rest(Native *n, PyObject *pool, PyObject *seq, int64_t old, Py
     Py_XDECREF(cached);
     if (fresh == NULL) return ERROR;
     PyObject *copies = core_append(n, pool, fresh, s, toks, k);
-    if (copies == Py_None) Py_CLEAR(n->append_partial); /* (the new sequence is aborted) */
-    rc = copies == NULL ? ERROR : copies == Py_None ? UNHANDLED : OK;
+    rc = copies == NULL ? ERROR : OK;
     Py_XDECREF(copies);
     /* the move: SeqTable.release of the old slot (got's table and chain are the new
      * sequence's lists, which the appends grew) */
@@ -478,10 +477,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     int32_t site = site_now(n);
     if (site == SITE_ERROR) goto out;
     got = core_allocate(n, toks, ntok, request, site, old);
-    if (got == NULL || got == Py_None) {
-        result = Py_XNewRef(got);
-        goto out;
-    }
+    if (got == NULL) goto out;
     /* (slot, seq_id, table, chain, hits): the Sequence moves into the new slot */
     Py_ssize_t held = PyList_GET_SIZE(PyTuple_GET_ITEM(got, 2)) * n->bs;
     if (held < ntok) {

@@ -522,16 +522,6 @@ static int lock_answer(int rc) {
     return rc;
 }
 
-/* recover() -> [{pid, entries, skipped}]: recover the locks dead processes held and roll back
- * dead clients' journals (the Python path's answer to a lock it found held by a dead process:
- * runner.py). */
-static PyObject *N_recover(Native *n, PyObject *unused) {
-    if (recovery_enter(n)) return NULL;
-    PyObject *out = PyList_New(0);
-    if (out && lock_answer(recover_holders(n, out)) != OK) Py_CLEAR(out);
-    return recovery_leave(n, out);
-}
-
 /* reclaim_dead(said) -> (totals, done): return every dead client's blocks (recovery.py
  * reclaim_dead's totals {processes, sequences, blocks}); `done`: one entry per dead process
  * this call acted on: pid, sequences, blocks, journal entries rolled back (`skipped`: why its

@@ -266,26 +266,6 @@ out:
     return PyBool_FromLong(rc == OK);
 }
 
-/* reserve_claim() -> (slot, seq_id) | None: the Python path's claim from the reserve (None:
- * empty or out of ids; the claim takes the table's own way). */
-static PyObject *N_reserve_claim(Native *n, PyObject *unused) {
-    if (n->res_n == 0 || n->id_next >= n->id_end) Py_RETURN_NONE;
-    n->res_n--;
-    return Py_BuildValue("(iK)", n->res[n->res_n], (unsigned long long)n->id_next++);
-}
-
-/* reserve_release(slot) -> bool: the Python path's release of a slot: True when it went back
- * to the reserve; False when the reserve does not keep it (the caller gives it to the table,
- * under the seqs lock). */
-static PyObject *N_reserve_release(Native *n, PyObject *arg) {
-    long long slot = PyLong_AsLongLong(arg);
-    if (slot == -1 && PyErr_Occurred()) return NULL;
-    if (n->seg == NULL || slot < 0 || slot >= n->max_seqs || !reserve_keeps(n, slot, 0))
-        Py_RETURN_FALSE;
-    n->res[n->res_n++] = (int32_t)slot;
-    Py_RETURN_TRUE;
-}
-
 /* reserve_state() -> (slots, next_id, end_id): the reserve as it is (a read: the Python path
  * puts it back with reserve_restore when its transaction rolls back). */
 static PyObject *N_reserve_state(Native *n, PyObject *unused) {
@@ -294,27 +274,6 @@ static PyObject *N_reserve_state(Native *n, PyObject *unused) {
     for (int64_t i = 0; i < n->res_n; i++) PyTuple_SET_ITEM(slots, i, PyLong_FromLong(n->res[i]));
     return Py_BuildValue("(NKK)", slots, (unsigned long long)n->id_next,
                          (unsigned long long)n->id_end);
-}
-
-/* reserve_restore(state): the reserve as reserve_state() read it. */
-static PyObject *N_reserve_restore(Native *n, PyObject *arg) {
-    PyObject *slots;
-    unsigned long long next, end;
-    if (!PyArg_ParseTuple(arg, "O!KK", &PyTuple_Type, &slots, &next, &end)) return NULL;
-    Py_ssize_t k = PyTuple_GET_SIZE(slots);
-    if (k > 2 * n->slot_batch) {
-        PyErr_SetString(PyExc_ValueError, "more slots than a reserve holds");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        long v = PyLong_AsLong(PyTuple_GET_ITEM(slots, i));
-        if (v == -1 && PyErr_Occurred()) return NULL;
-        n->res[i] = (int32_t)v;
-    }
-    n->res_n = k;
-    n->id_next = next;
-    n->id_end = end;
-    Py_RETURN_NONE;
 }
 
 /* A sequence slot being claimed (SeqTable.claim): from this process's reserve, or, on a pool
@@ -451,28 +410,6 @@ static int64_t slot_arg(Native *n, PyObject *o) {
 static PyObject *N_live(Native *n, PyObject *unused) {
     (void)unused;
     return PyDict_Copy(n->seqs);
-}
-
-/* track(slot, seq): seq entered as the handle's live sequence in `slot` (the Python path's
- * KVPool._track, at its commit). */
-static PyObject *N_track(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "track(slot, seq)");
-        return NULL;
-    }
-    if (slot_arg(n, args[0]) < 0 || PyDict_SetItem(n->seqs, args[0], args[1])) return NULL;
-    Py_RETURN_NONE;
-}
-
-/* untrack(slot): the slot's live sequence, and its guard, forgotten (KVPool._untrack). */
-static PyObject *N_untrack(Native *n, PyObject *slot) {
-    if (slot_arg(n, slot) < 0) return NULL;
-    if (PyDict_DelItem(n->seqs, slot) < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_KeyError)) return NULL;
-        PyErr_Clear();
-    }
-    if (PySet_Discard(n->guarded, slot) < 0) return NULL;
-    Py_RETURN_NONE;
 }
 
 /* guard(slot): sampled guard mode guards the release of the sequence in `slot`. */
