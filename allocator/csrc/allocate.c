@@ -147,7 +147,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     for (int64_t j = 0; j < first; j++) PyList_SET_ITEM(tab, j, PyLong_FromLong(table[j]));
     for (int64_t j = 0; j < nfull_first; j++)
         PyList_SET_ITEM(ch, j, PyLong_FromUnsignedLongLong(p->chain[j]));
-    n->native_ops++;
+    n->ops_done++;
     *out = Py_BuildValue("(LKNNL)", (long long)slot, (unsigned long long)seq_id, tab, ch,
                          (long long)hits);
     return *out ? OK : ERROR;
@@ -469,7 +469,7 @@ again:
     if (stale) fault_fired(n, FT_USE_AFTER_FREE);
     if (twice >= 0) double_free_fired(n, twice, twice_rec, request);
     if (!to_table && !stale) n->res[n->res_n++] = (int32_t)slot;
-    n->native_ops++;
+    n->ops_done++;
     result = Py_NewRef(Py_True);
     goto out;
 abort:

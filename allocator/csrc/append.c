@@ -254,7 +254,7 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
         }
         done += part;
     }
-    n->native_ops++;
+    n->ops_done++;
     result = Py_NewRef(copies);
 out:
     for (int i = 0; i < 3; i++) Py_XDECREF(lists[i]);
@@ -366,7 +366,7 @@ static PyObject *core_publish(Native *n, PyObject *seq, Py_ssize_t upto_tokens, 
         total += got;
         pub = end;
     }
-    n->native_ops++;
+    n->ops_done++;
     result = PyLong_FromLong(total);
 out:
     drop_mutex(n);

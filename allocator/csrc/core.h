@@ -234,7 +234,8 @@ typedef struct {
     uint32_t jcount, jused;
     uint64_t held; /* bit i: lock i */
     int64_t crash_at; /* tests: SIGKILL at the n-th journal save (0: off) */
-    uint64_t native_ops, unhandled, native_evictions;
+    /* stats(): operations completed, cases not handled (each a RuntimeError), blocks evicted */
+    uint64_t ops_done, unhandled, evicted;
     /* A waiting sequence (its slot + 1, else 0) whose preemption would outgrow the open
      * operation's journal: the operation rolls back, preempts it ahead in transactions of its
      * own and runs again (preempt.c preempt_ahead). */

@@ -451,7 +451,7 @@ static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
         written++;
     }
     txn_commit(n);
-    n->native_ops++;
+    n->ops_done++;
     result = PyLong_FromLong(written);
 out:
     drop_mutex(n);
@@ -556,7 +556,7 @@ again:;
     PyObject *a[10] = {rid, tokens,    table,     slot_o, id_o,
                        f[F_POOL_UID], f[F_CACHED], s_running, chain, f[F_PUBLISHED]};
     seq = new_sequence(n, a, slot_o);
-    if (seq) n->native_ops++;
+    if (seq) n->ops_done++;
     goto out;
 abort:
     txn_abort(n);

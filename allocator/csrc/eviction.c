@@ -477,6 +477,6 @@ static PyObject *N_evict(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     int rc = num > 0 ? evict_to_ring(n, num, &done) : OK;
     drop_mutex(n);
     if (rc == ERROR) return NULL;
-    n->native_ops++;
+    n->ops_done++;
     return PyLong_FromLongLong(done);
 }

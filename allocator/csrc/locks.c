@@ -278,7 +278,7 @@ static void txn_commit(Native *n) {
     release_all(n);
     client_seq_bump(n);
     count(n, C_EVICTIONS, (uint64_t)n->pend_evicted);
-    n->native_evictions += (uint64_t)n->pend_evicted;
+    n->evicted += (uint64_t)n->pend_evicted;
     n->pend_evicted = 0;
     findings_flush(n);
 }

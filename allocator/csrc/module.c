@@ -259,10 +259,11 @@ static PyObject *N_close(Native *n, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* stats(): this handle's core's counts (see the method table). */
 static PyObject *N_stats(Native *n, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsO}", "native_ops", (unsigned long long)n->native_ops,
+    return Py_BuildValue("{sKsKsKsO}", "native_ops", (unsigned long long)n->ops_done,
                          "unhandled", (unsigned long long)n->unhandled, "evictions",
-                         (unsigned long long)n->native_evictions, "kv_direct",
+                         (unsigned long long)n->evicted, "kv_direct",
                          n->kv ? Py_True : Py_False);
 }
 
@@ -274,19 +275,20 @@ static PyObject *N_set_crash_at(Native *n, PyObject *arg) {
 
 static PyMethodDef N_methods[] = {
     {"allocate", (PyCFunction)(void (*)(void))N_allocate, METH_FASTCALL,
-     "allocate(pool, tokens, request_id) -> Sequence | None (the Python path)"},
+     "allocate(pool, tokens, request_id) -> Sequence"},
     {"end", (PyCFunction)(void (*)(void))N_end, METH_FASTCALL,
-     "end(pool, seq, final_state) -> True | None: free or abort"},
+     "end(pool, seq, final_state) -> True: free or abort"},
     {"append", (PyCFunction)(void (*)(void))N_append, METH_FASTCALL,
-     "append(pool, seq, tokens) -> copies | None (see append_done)"},
+     "append(pool, seq, tokens) -> copies: the copy-on-write (src, dst) pairs"},
     {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
-     "mark_computed(pool, seq, num_tokens) -> int | None"},
+     "mark_computed(pool, seq, num_tokens) -> int: the blocks published"},
     {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
-     "fork(pool, seq, request_id) -> Sequence | None"},
+     "fork(pool, seq, request_id) -> Sequence"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
      "verify_often(pool): the magic probe's periodic check, on the core's clock"},
     {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
-     "first_report(kind, block) -> bool | None: a finding the core reports, once per block"},
+     "first_report(kind, block) -> bool | None: whether a finding the core counts is new "
+     "(once per block); None for a kind it does not count"},
     {"report", (PyCFunction)(void (*)(void))N_report, METH_FASTCALL,
      "report(kind, severity, block, owner_pid, site, request, message) -> int: a finding "
      "written into the segment's findings ring (its position)"},
@@ -306,22 +308,26 @@ static PyMethodDef N_methods[] = {
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
-    {"stats", (PyCFunction)N_stats, METH_NOARGS, "operations done natively and unhandled"},
+    {"stats", (PyCFunction)N_stats, METH_NOARGS,
+     "stats() -> {native_ops: operations this handle's core completed, unhandled: cases it "
+     "did not handle (each a RuntimeError), evictions: blocks its transactions evicted, "
+     "kv_direct: whether it maps the K/V itself (a CPU pool)}"},
     {"device_checks", (PyCFunction)N_device_checks, METH_O,
      "device_checks(config | None): the core launches a CUDA pool's checks itself"},
     {"device_take", (PyCFunction)(void (*)(void))N_device_take, METH_FASTCALL,
      "device_take(pool, wait, most) -> int: the checks' answers that are in, applied (digests "
      "into the records, findings into the ring); how many wait still"},
     {"device_queue", (PyCFunction)(void (*)(void))N_device_queue, METH_FASTCALL,
-     "device_queue(kind, ids, when): a Python-path operation's check, queued as the core's"},
+     "device_queue(kind, ids, when): a check queued as the core's operations queue theirs "
+     "(tests, benchmarks)"},
     {"device_test", (PyCFunction)(void (*)(void))N_device_test, METH_FASTCALL,
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
      "the core's own checks: waiting, launched, broken (a CUresult) | None"},
     {"set_state", (PyCFunction)(void (*)(void))N_set_state, METH_FASTCALL,
-     "set_state(pool, seq, state) -> True | None: mark a sequence running or waiting"},
+     "set_state(pool, seq, state) -> True: mark a sequence running or waiting"},
     {"resume", (PyCFunction)(void (*)(void))N_resume, METH_FASTCALL,
-     "resume(pool, seq) -> cached tokens | None: re-allocate a preempted sequence"},
+     "resume(pool, seq) -> cached tokens: re-allocate a preempted sequence"},
     {"reclaim_dead", (PyCFunction)N_reclaim_dead, METH_O,
      "reclaim_dead(said_pids) -> (totals, done): every dead client's blocks returned"},
     {"reclaim_client", (PyCFunction)(void (*)(void))N_reclaim_client, METH_FASTCALL,
@@ -339,7 +345,7 @@ static PyMethodDef N_methods[] = {
     {"reserve_ready", (PyCFunction)(void (*)(void))N_reserve_ready, METH_FASTCALL,
      "reserve_ready(pool, claiming) -> bool: the slot reserve refilled or trimmed when due"},
     {"reserve_state", (PyCFunction)N_reserve_state, METH_NOARGS,
-     "reserve_state() -> (slots, next_id, end_id)"},
+     "reserve_state() -> (slots, next_id, end_id): this process's slot reserve (tests)"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

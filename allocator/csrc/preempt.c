@@ -374,7 +374,7 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
     }
     seqrec(n, slot)[SF_STATE] = name == s_running ? S_RUNNING : S_WAITING;
     sset(n, args[1], F_STATE, name);
-    n->native_ops++;
+    n->ops_done++;
     Py_RETURN_TRUE;
 }
 
