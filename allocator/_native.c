@@ -1,13 +1,10 @@
-/* kvscope.allocator._native: the pool's hot operations in C, on the same segment bytes.
+/* kvscope.allocator._native: the pool's operations in C, on the segment's bytes; the pool's
+ * only writer.
  *
- * The Python allocator (allocate.py, append.py, release.py, blocks.py, ...) is the reference and
- * does everything; this module does the common case of allocate (with LRU eviction, preemption
- * and PoolExhausted), free/abort, append (with copy-on-write), mark_computed, fork, set_state and resume, with the same writes, the same
- * journal, the same locks and the same checksums, so check(), recovery, dumps and the TUI
- * cannot tell which path wrote a record (tests/test_native.py compares the two byte for byte).
- * Crash recovery, reclaiming dead processes and close are this module's only (csrc/recovery.c),
- * for every handle; a lock whose record names a dead holder it recovers itself wherever it
- * meets one.
+ * It runs allocate (with LRU eviction, preemption and PoolExhausted), free/abort, append (with
+ * copy-on-write), mark_computed, fork, set_state, resume and evict, the slot reserve, crash
+ * recovery, reclaiming dead processes and close (csrc/recovery.c), for every handle; a lock
+ * whose record names a dead holder it recovers itself wherever it meets one.
  *
  * The errors a caller can cause (a closed handle, a forked parent's, a sequence that is not a
  * live one of the handle, a bad argument) it raises itself (entry.c). Inside an operation the
@@ -20,13 +17,12 @@
  * order (ascending lock index), the old bytes of every shared write are saved in the client's
  * undo journal first (entry count stored last), commit stores 0 into the count, then the locks
  * are released and seq goes even. A process killed anywhere leaves a journal that recovery
- * rolls back, exactly as for the Python path.
+ * rolls back.
  *
- * Threads: the C core runs with the GIL held, so no other thread of this process runs while it
- * does; a Python-path operation of another thread may be half done, though (it holds the
- * mapping's op mutex and counts itself in `busy`): then the call returns None and the Python
- * path waits for the mutex. The GIL is released only to wait for another process's OFD
- * lock, and then the core holds the op mutex itself (taken without blocking, or it falls back).
+ * Threads: the core runs with the GIL held, so no other thread of this process runs while it
+ * does, except where it lets the GIL go: to wait for another process's OFD lock (holding the
+ * mapping's op mutex meanwhile) or in Python it calls; another thread's operation on the handle
+ * then in flight is waited for (entry.c gate).
  */
 /* The parts, one noun each, compiled as this one translation unit (every function stays
  * static and inlinable): */

@@ -1,5 +1,4 @@
-/* allocate and free/abort (allocate.py allocate, release.py end): the core of a sequence's
- * start and end. Part of _native.c. */
+/* allocate and free/abort: the core of a sequence's start and end. Part of _native.c. */
 
 /* -- allocate --------------------------------------------------------------------------------- */
 
@@ -18,8 +17,8 @@ typedef struct {
 
 /* One transaction of an allocation: the claim, the longest verified prefix hit (of at most
  * `hit_cap` blocks), and at most `cap` new blocks (at least one where nothing hits); a resume's
- * old slot released (SeqTable
- * .release: to this process's reserve, or to the table under the seqs lock) when the
+ * old slot released (to this
+ * process's reserve, or to the table under the seqs lock) when the
  * transaction holds every block. OK with *out = (slot, seq_id, table: list[int], chain:
  * list[int], hits) (NULL with an exception set where building it failed); else what the
  * rollback leaves (rolled_back: AGAIN, JOURNAL_SHORT, UNHANDLED, ERROR), *hits and *k the hits
@@ -33,7 +32,8 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     Claim claim;
     uint64_t locks = n->want_locks;
     claim_plan(n, &claim, &locks);
-    /* SeqTable.can_release_locally, once the claim has taken its slot from the reserve */
+    /* where the old slot goes (reserve_keeps), once the claim has taken its slot from the
+     * reserve */
     int old_to_table = 0;
     if (old >= 0) {
         old_to_table = !reserve_keeps(n, old, claim.direct ? 0 : 1);
@@ -54,7 +54,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     int64_t slot = claim.slot;
     uint64_t seq_id = claim.seq_id;
     if (write_claim(n, slot, seq_id, p->request, now, p->site)) goto abort;
-    /* The longest verified prefix hit (allocate._match). */
+    /* The longest verified prefix hit. */
     int64_t hits = 0;
     uint64_t parent = 0;
     for (int64_t j = 0; may_hit && j < p->max_hits && j < hit_cap; j++) {
@@ -76,8 +76,8 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     *k_out = k;
     int move = old >= 0 && first == p->nblocks;
     if (move) {
-        /* SeqTable.release of the resumed sequence's old slot (after the claim: a direct claim
-         * takes the lowest empty slot, which this must not be) */
+        /* the resumed sequence's old slot released (after the claim: a direct claim takes the
+         * lowest empty slot, which this must not be) */
         uint8_t *o = seqrec(n, old);
         if (old_to_table && need_locks(n, lock_bit(n->lock_seqs))) goto abort;
         if (jsave_head(n, old)) goto abort;
@@ -96,8 +96,8 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
         seal(n, table[j]);
     }
     if (hits) crash_point(n, CP_AFTER_HIT);
-    /* digest: the hits are as published (writes.verify_published, "a prefix hit by request
-     * '...'": the request whose hit saw the change) */
+    /* digest: the hits are as published ("a prefix hit by request '...'": the request whose
+     * hit saw the change) */
     char seen[64];
     snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'", (int)strnlen(p->request, 32),
              p->request);
@@ -112,7 +112,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     unpoison(n, table + hits, k);
     if (write_blocks(n, slot, 0, table, first)) goto abort;
     fill(n, table, hits * bs, p->toks + hits * bs, ntok_first - hits * bs);
-    /* allocate._set_hashes: keys of the new full blocks (unindexed), then seal. */
+    /* keys of the new full blocks (unindexed), then seal. */
     for (int64_t j = hits; j < first; j++) {
         uint8_t *r = blk(n, table[j]);
         if (j < nfull_first) {
@@ -124,8 +124,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
     if (preempt_poison(n)) goto abort;
     txn_commit(n);
-    /* (what was found before a preemption comes before its events, the rest after them, as
-     * in reserve.take) */
+    /* (what was found before a preemption comes before its events, the rest after them) */
     findings_before(n, n->n_pend, 0);
     if (skewed) fault_fired(n, FT_REFCOUNT_SKEW);
     if (preempted(n, 0, n->n_pre)) return ERROR;
@@ -156,15 +155,14 @@ abort:
     return rolled_back(n);
 }
 
-/* A prompt's allocation (toks: its ntok tokens; request: 32 bytes) -> (slot, seq_id,
- * table: list[int], chain: list[int], hits), or None (a transaction could not begin: the Python
- * path). `old` >= 0: a resume (allocate_txn). Its first transaction holds its hits and at most
- * CHUNK new blocks (the table and chain say how far: the caller appends the rest, a
- * transaction per CHUNK blocks' worth); fewer where the journal cannot hold them: half as many
- * new blocks, down to the hits alone (the Python path's first transaction), then half as many
- * hits (the prompt's later blocks are new ones then). Where the pool changed since the plan, a
- * preemption or an eviction outgrew the journal, or a K/V check waits for the op mutex, the
- * transaction runs again (rolled_back). */
+/* A prompt's allocation (toks: its ntok tokens; request: 32 bytes) -> (slot, seq_id, table:
+ * list[int], chain: list[int], hits); NULL with an exception set. `old` >= 0: a resume
+ * (allocate_txn). Its first transaction holds its hits and at most CHUNK new blocks (the table
+ * and chain say how far: the caller appends the rest, a transaction per CHUNK blocks' worth);
+ * fewer where the journal cannot hold them: half as many new blocks, down to the hits alone,
+ * then half as many hits (the prompt's later blocks are new ones then). Where the pool changed
+ * since the plan, a preemption or an eviction outgrew the journal, or a K/V check waits for the
+ * op mutex, the transaction runs again (rolled_back). */
 static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
                                const char *request, int32_t site, int64_t old) {
     int64_t bs = n->bs;
@@ -195,7 +193,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
             return PyErr_NoMemory();
         }
     }
-    /* Chain values and keys of the full blocks (prefix.chain_hashes / family_keys). */
+    /* Chain values and keys of the full blocks (prefix.c). */
     uint64_t mask = (uint64_t)(n->num_shards - 1);
     for (int64_t j = 0; j < nfull; j++) {
         p.chain[j] = chain_next(n, j ? p.chain[j - 1] : 0, toks + j * bs);
@@ -239,7 +237,7 @@ static PyObject *core_allocate(Native *n, const int32_t *toks, Py_ssize_t ntok,
 
 /* -- free ------------------------------------------------------------------------------------- */
 
-/* release.release_blocks under the magic probe, inside the release's transaction: of ids[0, k),
+/* A release under the magic probe, inside its transaction: of ids[0, k),
  * a record failing its checksum (something outside the allocator wrote it) is left as it is,
  * and a block_header_corrupt finding (the record as it reads when reported); the others go to
  * kept (in order, *nk of them). Reported at the commit. OK, or ERROR with an exception set. */
@@ -263,7 +261,7 @@ static int unsealed_left(Native *n, const int32_t *ids, int64_t k, int32_t *kept
     return OK;
 }
 
-/* release.release_blocks under a probe, inside the transaction, before the drop: a block of
+/* A release under a probe, inside its transaction, before the drop: a block of
  * ids[0, k) already free (not ALLOCATED with a reference: the drop leaves it as it is) is a
  * double_free finding about request `rid`, its record as it is now. Reported at the commit.
  * OK, or ERROR with an exception set. */
@@ -283,7 +281,7 @@ static int already_free(Native *n, const int32_t *ids, int64_t k, PyObject *rid)
 }
 
 /* The free-ring half of a release: the blocks it freed (zero, nz) to the local cache, the
- * overflow to the ring (BlockStore.give_back); in guard mode checked and quarantined (the
+ * overflow to the ring; in guard mode checked and quarantined (the
  * ring's tail; poisoned by the caller just before its commit). OK, UNHANDLED (the journal, or
  * the free lock not held: need_locks), ERROR. */
 static int give_back_freed(Native *n, const int32_t *zero, int64_t nz, int guard) {
@@ -303,7 +301,7 @@ static int give_back_freed(Native *n, const int32_t *zero, int64_t nz, int guard
  * block's record is saved for its reference, then for the cache or ring it joins). */
 static inline int64_t release_step(Native *n) { return blocks_fit(n, 2, 8, 2); }
 
-/* One transaction of a long release (release._release_tail) or preemption (final: the state it
+/* One transaction of a long release or preemption (final: the state it
  * ends in): the references of ids[keep, k) (at most release_step) dropped (a scribbled record
  * left, a block already free reported: unsealed_left, already_free), what they freed given
  * back, the sequence's table cut at keep. OK; else UNHANDLED (a transaction that could not
@@ -358,7 +356,7 @@ static int release_down_to(Native *n, PyObject *seq, PyObject *list, const int32
 /* A sequence's release (seq, table: its block ids; final: FINISHED or ABORTED; when: the
  * moment, in a published_block_modified finding's words; rid: its request id, in a
  * refcount_mismatch finding's) -> True, with the blocks it leaked in n->leak (leaked_blocks:
- * none without the leaks probe), or None (a transaction could not begin: the Python path). A
+ * none without the leaks probe); NULL with an exception set. A
  * table of more than release_step blocks (CHUNK, or fewer where records are large: the
  * journal's bound) is released from its tail first (release_down_to), the Sequence's table cut
  * after each transaction. */
@@ -393,8 +391,8 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
         for (Py_ssize_t i = 0; i < k; i++)
             if (blk(n, ids[i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, ids[i]);
     }
-    /* The faults that strike when a request ends, on what a long table's tail left (as
-     * release.end), decided once: the blocks it drops are ids without the one `leak` keeps
+    /* The faults that strike when a request ends, on what a long table's tail left, decided
+     * once: the blocks it drops are ids without the one `leak` keeps
      * (drop[0..nd)); `use-after-free` keeps the table live (stale); `double-free`'s
      * opportunity is the first transaction that frees a block (a rerun does not count it
      * again). */
@@ -402,8 +400,8 @@ static PyObject *core_release(Native *n, PyObject *seq, PyObject *list, int64_t 
     int stale = 0, twice_chance = -1;
     if (faults_armed(n)) end_faults(n, ids, k, &skip, &stale);
     int32_t drop[CHUNK], kept[CHUNK];
-    /* SeqTable.can_release_locally: the slot goes back to this process's reserve; else to the
-     * table, under the seqs lock. */
+    /* The slot goes back to this process's reserve where it keeps it (reserve_keeps); else to
+     * the table, under the seqs lock. */
     uint8_t *s = seqrec(n, slot);
     int to_table = !reserve_keeps(n, slot, 0);
     if (to_table && !stale) locks |= lock_bit(n->lock_seqs);
@@ -421,25 +419,25 @@ again:
         result = unhandled(n);
         goto out;
     }
-    /* magic: a scribbled record is reported and left as it is (release.release_blocks) */
+    /* magic: a scribbled record is reported and left as it is */
     int64_t nd = 0, nkept = 0;
     if (unsealed_left(n, ids, k, kept, &nkept)) goto abort;
     for (int64_t i = 0; i < nkept; i++)
         if (skip < 0 || kept[i] != ids[skip]) drop[nd++] = kept[i];
-    /* digest: the published blocks released are as published (writes.verify_published) */
+    /* digest: the published blocks released are as published */
     if (digests_intact(n, drop, nd, when)) goto abort;
     if (already_free(n, drop, nd, rid)) goto abort;
     int64_t nz = 0;
     uint64_t now = wall_ns();
     if (drop_refs(n, drop, nd, now, zero, &nz)) goto abort;
     if (give_back_freed(n, zero, nz, guard)) goto abort;
-    /* probing.held_after_release: read inside the transaction (once it commits, what it
-     * freed is anyone's) */
+    /* the leaks probe's blocks still held: read inside the transaction (once it commits, what
+     * it freed is anyone's) */
     if (leaked_blocks(n, ids, k, slot) < 0) goto abort;
     if (!stale) {
         if (write_blocks(n, slot, 0, NULL, 0)) goto abort;
         s[SF_STATE] = (uint8_t)final;
-        /* SeqTable.release */
+        /* the slot released */
         if (to_table && need_locks(n, lock_bit(n->lock_seqs))) goto abort;
         if (jsave_head(n, slot)) goto abort;
         if (to_table) s[SF_RESERVED] = 0;
@@ -447,7 +445,7 @@ again:
         U4(s + SF_NUM_BLOCKS) = 0;
         crash_point(n, CP_AFTER_RELEASE);
     }
-    /* `double-free` (release.py _release_again): the last block this release freed, released
+    /* `double-free`: the last block this release freed, released
      * again in the same transaction (a block already free: the drop leaves it as it is) */
     int32_t twice = -1;
     if (nz && twice_chance < 0) twice_chance = fault_opportunity(n, FT_DOUBLE_FREE);
@@ -459,8 +457,7 @@ again:
         Py_XSETREF(twice_rec, PyBytes_FromStringAndSize((const char *)blk(n, twice), n->rec));
         if (twice_rec == NULL) goto abort;
     }
-    /* Poisoned only if the release commits, before its locks are let go (the Txn's
-     * before_commit). */
+    /* Poisoned only if the release commits, before its locks are let go. */
     if (guard && poison_blocks(n, zero, nz)) goto abort;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)nkept);

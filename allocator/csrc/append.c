@@ -1,10 +1,10 @@
-/* Appends, with copy-on-write (append.py), and mark_computed (publish.py): growing a sequence and
- * publishing its full blocks. Part of _native.c. */
+/* Appends, with copy-on-write, and mark_computed: growing a sequence and publishing its full
+ * blocks. Part of _native.c. */
 
 /* -- append ----------------------------------------------------------------------------------- */
 
 
-/* append._extend_chain: hash blocks that became full; record keys of unshared ones. */
+/* Hash blocks that became full; record keys of unshared ones. */
 static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *chain) {
     Py_ssize_t full = PyList_GET_SIZE(tokens) / n->bs;
     int32_t tk[4096]; /* a block's tokens (block_size <= 4096: N_init) */
@@ -24,8 +24,8 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
         uint8_t *r = blk(n, b);
         if (r[BF_INDEXED] == 0 && I4(r + BF_REFCOUNT) == 1) {
             /* magic: a record something outside the allocator wrote is reported before it is
-             * resealed over (the store's verify_hook, probing.check_records outside a
-             * transaction: at once, the record as it was) */
+             * resealed over (at once, the record as
+             * it was) */
             if ((n->probes & P_MAGIC) && U8(r + BF_CHECKSUM) != checksum(n, b)) {
                 Seen s;
                 seen_of(n, (int32_t)b, &s);
@@ -38,8 +38,8 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
             }
             uint64_t key, parent;
             if (seq_keys(n, chain, j, &key, &parent)) return ERROR;
-            /* Key and checksum in one 16-byte store (append.py _set_keys: a kill leaves the
-             * record sealed either way); the parent key is outside the checksum. */
+            /* Key and checksum in one 16-byte store (a kill leaves the record sealed either
+             * way); the parent key is outside the checksum. */
             uint64_t w[2];
             uint64_t old = U8(r + BF_PREFIX_HASH);
             U8(r + BF_PREFIX_HASH) = key;
@@ -59,9 +59,9 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
     return OK;
 }
 
-/* reserve.take for an append to the sequence in `slot`: k fresh blocks stamped for it (the
- * local cache, the ring, eviction, preemption of another), with the probes' checks of blocks
- * handed out (what they find is reported at the commit). OK, or UNHANDLED (the transaction
+/* The take of an append to the sequence in `slot`: k fresh blocks stamped for it (the local
+ * cache, the ring, eviction, preemption of another), with the probes' checks of the blocks
+ * taken (what they find is reported at the commit). OK, or UNHANDLED (the transaction
  * rolls back: nothing left is PoolExhausted, other reasons rolled_back's; an exception set
  * is raised). */
 static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, int32_t site,
@@ -73,7 +73,7 @@ static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, i
     return OK;
 }
 
-/* SeqTable.set_blocks: table entry `pos` of `slot` replaced (copy-on-write). */
+/* Table entry `pos` of `slot` replaced (copy-on-write). */
 static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
     size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)pos;
     if (jsave(n, off, 4)) return UNHANDLED;
@@ -81,7 +81,7 @@ static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
     return OK;
 }
 
-/* append._append_chunk: k tokens (at most CHUNK blocks' worth) appended to seq (in `slot`; its
+/* k tokens (at most CHUNK blocks' worth) appended to seq (in `slot`; its
  * lists tokens, table, chain): into the last block when it has room and is the sequence's
  * own (unjournaled: the decode step), else in a transaction that copies a shared last block
  * first (copy-on-write: its (src, dst) appended to `copies`) and takes new blocks. OK;
@@ -140,9 +140,9 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
             uint8_t *src_r = blk(n, last), *dst_r = blk(n, dst);
             memcpy(dst_r + BF_TOKENS, src_r + BF_TOKENS, 4 * (size_t)bs);
             U4(dst_r + BF_NUM_TOKENS) = U4(src_r + BF_NUM_TOKENS);
-            /* BlockStore.drop: the source stays shared (refcount > 1), unless taking dst
+            /* The source's reference dropped: it stays shared (refcount > 1), unless taking dst
              * preempted its other holders: then it has no reference left, and is cached
-             * (published) or given back (BlockStore.give_back) */
+             * (published) or freed */
             if (jsave_block(n, last)) goto abort;
             int freed = (I4(src_r + BF_REFCOUNT) -= 1) == 0;
             U8(src_r + BF_ACCESS_NS) = now;
@@ -176,7 +176,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         count(n, C_ALLOCS, (uint64_t)((need > 0 ? need : 0) + cow));
         int64_t pre = n->n_pre;
         /* (what a take found before a preemption comes before its events, the rest after
-         * them, as in reserve.take; the copy's before its events) */
+         * them; the copy's before its events) */
         int64_t waiting = n->n_pend;
         findings_before(n, found_cow, 0);
         found_cow -= waiting - n->n_pend;
@@ -191,7 +191,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         if (preempted(n, pre_cow, pre)) return ERROR;
         findings_first(n, n->n_pend);
         if (need > 0) ev_record(n, E_ALLOCATE, fresh, need, request, seq_id);
-        /* The Python side: the table as the segment's, the copy to make. */
+        /* The Sequence: the table as the segment's, the copy to make. */
         if (cow) {
             PyObject *pair = Py_BuildValue("(ii)", (int)last, (int)ids[0]);
             if (PyList_SetItem(table, nb - 1, PyLong_FromLong(ids[0])) ||
@@ -204,7 +204,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
     if (ints_extend(tokens, toks, k)) return ERROR;
     if (n_new / bs > PyList_GET_SIZE(chain) && extend_chain(n, tokens, table, chain))
         return ERROR;
-    /* a chunk that ran a transaction is an opportunity for the append faults (append.py) */
+    /* a chunk that ran a transaction is an opportunity for the append faults (faults.c) */
     if (txn && append_faults(n, pool, table)) return ERROR;
     return OK;
 abort:
@@ -213,13 +213,11 @@ abort:
 }
 
 /* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies, in chunks of
- * CHUNK blocks' worth, each a transaction of its own, as append.py's (half as many where the
- * journal cannot hold one, down to a token). Where the pool changed since a chunk's plan, a
- * preemption or an eviction outgrew the journal, or a K/V check waits for the op mutex, the
- * chunk runs again (rolled_back). None (the Python path) where a chunk's transaction could not
- * begin: with nothing changed, or with the first chunks appended (append_done() says how many
- * tokens, and their copies). An error after some chunks leaves them appended, as on the Python
- * path. */
+ * CHUNK blocks' worth, each a transaction of its own (half as many where the journal cannot
+ * hold one, down to a token). Where the pool changed since a chunk's plan, a preemption or an
+ * eviction outgrew the journal, or a K/V check waits for the op mutex, the chunk runs again
+ * (rolled_back). An error after some chunks leaves them appended (docs/POOL.md: a long append
+ * that fails keeps its first chunks); NULL then, with the exception set. */
 static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
                              const int32_t *toks, int64_t k) {
     PyObject *lists[3] = {sfield(n, seq, F_TOKENS), sfield(n, seq, F_BLOCK_TABLE),
@@ -264,9 +262,9 @@ out:
 
 /* -- mark_computed ---------------------------------------------------------------------------- */
 
-/* One transaction of mark_computed (publish.py's op): seq's full blocks [pub, upto) (at most
+/* One transaction of mark_computed: seq's full blocks [pub, upto) (at most
  * CHUNK) published, each under its key (`chain`'s: every key of a sequence lives in the shard
- * of its first, prefix.family_keys) unless it is indexed already or shared (refcount > 1), or
+ * of its first: family_key) unless it is indexed already or shared (refcount > 1), or
  * its key is; seq's num_published set to upto. OK with *got published; else UNHANDLED (a
  * transaction that could not begin), what the rollback leaves (rolled_back), ERROR. */
 static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *chain,
@@ -292,7 +290,7 @@ static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *ch
         int inserted;
         if (index_insert(n, key, (int32_t)b, &inserted)) goto abort;
         if (!inserted) continue;
-        /* BlockStore.publish */
+        /* published */
         if (jsave_block(n, b)) goto abort;
         r[BF_INDEXED] = 1;
         U8(r + BF_PREFIX_HASH) = key;
@@ -316,10 +314,9 @@ abort:
     return rolled_back(n);
 }
 
-/* seq's full blocks of positions [0, num_tokens) published -> how many, or None (a transaction
- * could not begin: the Python path, which publishes what is left). A transaction per CHUNK
- * blocks (the journal's bound: half as many where it cannot hold them), as KVPool.mark_computed
- * on the Python path. */
+/* seq's full blocks of positions [0, num_tokens) published -> how many; NULL with an
+ * exception set (what the transactions before it published stays published). A transaction
+ * per CHUNK blocks (the journal's bound: half as many where it cannot hold them). */
 static PyObject *core_publish(Native *n, PyObject *seq, Py_ssize_t upto_tokens, int64_t slot) {
     PyObject *tokens = sfield(n, seq, F_TOKENS);
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);

@@ -1,12 +1,12 @@
-/* Taking and returning blocks: the local cache, the free ring, stamps (blocks.py, ring.py,
- * reserve.py take). Part of _native.c. */
+/* Taking and returning blocks: the local cache, the free ring, stamps, the take. Part of
+ * _native.c. */
 
 /* -- blocks ----------------------------------------------------------------------------------- */
 
 static inline uint32_t local_count(Native *n) { return U4(n->seg + n->c_local_count); }
 static inline int32_t *local_arr(Native *n) { return (int32_t *)(n->seg + n->c_local); }
 
-/* BlockStore.local_pop: up to k ids from the end of the local cache, in array order. */
+/* Up to k ids from the end of the local cache, in array order. */
 static int local_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     uint32_t c = local_count(n);
     if (k > c) k = c;
@@ -19,7 +19,7 @@ static int local_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     return OK;
 }
 
-/* ring._push_raw: ids at the ring's tail (journaled; records unchanged). Free lock held. */
+/* ids at the ring's tail (journaled; records unchanged). Free lock held. */
 static int ring_append(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     uint8_t *h = ringh(n);
@@ -37,14 +37,14 @@ static int ring_append(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* A block freed in guard mode fewer than `quarantine` allocations ago (ring.py). */
+/* A block freed in guard mode fewer than `quarantine` allocations ago. */
 static inline int young(Native *n, int32_t b, uint64_t allocs) {
     uint8_t *r = blk(n, b);
     return r[BF_STATE] == B_QUARANTINED &&
            (int64_t)allocs - (int64_t)U8(r + BF_FREED_AT) < n->quarantine;
 }
 
-/* ring._release_quarantine: of the ids[0..k) just popped, send the young ones back to the
+/* The quarantine: of the ids[0..k) just popped, send the young ones back to the
  * tail and take older free blocks from behind the head instead (at most one lap of the ring);
  * when only young ones are left, they are used anyway. The ring header is journaled. */
 static int release_quarantine(Native *n, int32_t *ids, int64_t k) {
@@ -68,7 +68,7 @@ static int release_quarantine(Native *n, int32_t *ids, int64_t k) {
     }
     int32_t *ring = (int32_t *)(h + RING_IDS);
     for (uint32_t it = 0; it < rest && nk + ne < k; it++) {
-        /* ring.pop_raw of one */
+        /* one popped from the head */
         uint64_t head = U8(h + RING_HEAD);
         int32_t b = ring[head % (uint64_t)n->nb];
         U8(h + RING_HEAD) = head + 1;
@@ -86,7 +86,7 @@ static int release_quarantine(Native *n, int32_t *ids, int64_t k) {
     return rc;
 }
 
-/* ring.pop: up to k ids from the head, with the quarantine rule of a pool that has a
+/* Up to k ids from the head, with the quarantine rule of a pool that has a
  * quarantine count. Free lock held. */
 static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     uint8_t *h = ringh(n);
@@ -106,8 +106,8 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     return OK;
 }
 
-/* ring.push: the records reset (state FREE, or QUARANTINED in guard mode: then with
- * the ring's allocation count), then _push_raw. Free lock held. */
+/* The records reset (state FREE, or QUARANTINED in guard mode: then with the ring's
+ * allocation count), then the ids at the ring's tail (ring_append). Free lock held. */
 static int ring_push_state(Native *n, const int32_t *ids, int64_t k, uint8_t state) {
     if (k == 0) return OK;
     for (int64_t i = 0; i < k; i++)
@@ -132,7 +132,7 @@ static inline int ring_push(Native *n, const int32_t *ids, int64_t k) {
     return ring_push_state(n, ids, k, B_FREE);
 }
 
-/* BlockStore.local_push: park blocks as LOCAL; *rest = how many (from the end) did not fit. */
+/* Park blocks as LOCAL; *rest = how many (from the end) did not fit. */
 static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out) {
     uint32_t c = local_count(n);
     int64_t room = n->local_max - (int64_t)c;
@@ -156,8 +156,8 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
     return OK;
 }
 
-/* BlockStore.refill: a batch of FREE blocks from the ring into the local cache, as many as
- * the journal holds beside the stamps of the `later` blocks the take hands out (each refilled
+/* A batch of FREE blocks from the ring into the local cache, as many as the journal holds
+ * beside the stamps of the `later` blocks the take gives out (each refilled
  * block's record is saved twice: its owner, then the local cache; a batch is only a batch). */
 static int refill(Native *n, int64_t later) {
     int64_t want = n->local_cap - (int64_t)local_count(n);
@@ -183,7 +183,7 @@ static int refill(Native *n, int64_t later) {
     return local_push(n, ids, got, &fit);
 }
 
-/* reserve.take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
+/* The take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
  * to the ring), then this handle's oldest waiting sequences, preempted one at a time (not
  * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
  * eviction again. When they are all short, UNHANDLED with `exhausted_need` set: the
@@ -227,7 +227,7 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     return OK;
 }
 
-/* reserve.take_locks: the locks `take(k)` will need, judged from the local cache and the
+/* The locks `take(k)` will need, judged from the local cache and the
  * ring's count (a hint: where it was wrong, the operation runs again with more, need_locks). */
 static uint64_t take_locks(Native *n, int64_t k) {
     n->dry_valid = 0; /* a plan is for one operation only */
@@ -252,7 +252,7 @@ static uint64_t take_locks(Native *n, int64_t k) {
     return locks;
 }
 
-/* BlockStore.stamp: fresh ALLOCATED blocks with refcount 1, owned by this client. */
+/* Fresh ALLOCATED blocks with refcount 1, owned by this client. */
 static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, int32_t site,
                  uint64_t now) {
     for (int64_t i = 0; i < k; i++)
@@ -280,7 +280,7 @@ static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, 
     return OK;
 }
 
-/* BlockStore.drop: one reference less on each of ids[0..k) still ALLOCATED with a positive
+/* One reference less on each of ids[0..k) still ALLOCATED with a positive
  * refcount (a block already free is left untouched: a double free), its last use `now`; the
  * blocks left with no reference and not indexed into zero[*nz] (an indexed one stays CACHED).
  * UNHANDLED when the journal has no room. */

@@ -92,7 +92,7 @@ static inline uint64_t fmix64(uint64_t h) {
     return h ? h : 1;
 }
 
-/* prefix.family_key: `key` moved into the shard of the prompt's first key. */
+/* `key` moved into the shard of the prompt's first key. */
 static inline uint64_t family_key(uint64_t key, uint64_t first, uint64_t mask) {
     uint64_t k = (key & ~mask) | (first & mask);
     return k ? k : mask + 1;
@@ -162,7 +162,7 @@ typedef struct {
     /* A pool too small for slot reserves (slot_batch 0): claims take the lowest empty slot of
      * the table under the seqs lock, and the header's next sequence id (at this offset). */
     size_t off_next_seq_id;
-    int64_t quarantine; /* the pool's quarantine count (ring.py): 0 for none */
+    int64_t quarantine; /* the pool's quarantine count (guard mode): 0 for none */
     /* This process's slot reserve (sequences.c): EMPTY slots the table marks reserved by this
      * client (res[0..res_n), claimed from the end; room for 2 x slot_batch), its range of
      * sequence ids [id_next, id_end), where a refill looks for slots first (res_hint). */
@@ -215,8 +215,8 @@ typedef struct {
     int jfull;
     /* The save the journal refused last (its entries and bytes with it: journal_full's words). */
     uint32_t jfull_entries, jfull_bytes;
-    /* Locks the open operation found it needs and did not hold (Txn.need): it rolls back and runs
-     * again with them too (`want_locks`, kept until the operation ends; `escalate`: this
+    /* Locks the open operation found it needs and did not hold (need_locks): it rolls back and
+     * runs again with them too (`want_locks`, kept until the operation ends; `escalate`: this
      * rollback's reason). */
     uint64_t want_locks;
     int escalate;
@@ -229,7 +229,7 @@ typedef struct {
     int32_t *poison_ids;
     int64_t n_poison, cap_poison;
     int fork_gen;
-    uint64_t *coefs;   /* prefix._COEFS[:bs] */
+    uint64_t *coefs;   /* prefix.COEFS[:bs] */
     /* the open transaction */
     uint32_t jcount, jused;
     uint64_t held; /* bit i: lock i */
@@ -332,7 +332,7 @@ typedef struct {
     int64_t kv_rows;     /* layers x 2 */
     int64_t kv_row_stride, kv_block_stride, kv_slot_bytes, kv_spb, kv_esize; /* bytes; slots */
     uint64_t canary;     /* kernels/guard.py CANARY_BITS of the element size */
-    uint64_t nan_bits;   /* integrity.poison_bits */
+    uint64_t nan_bits;   /* kernels/checks.py poison_bits */
     int64_t poison_ok;   /* integrity.can_poison: a floating-point cache */
     int64_t off_kv_digest; /* the block record's kv_digest (its last field) */
     struct DevChecks *dev; /* the checks the core launches itself (devchecks.c), or NULL */
@@ -357,7 +357,7 @@ static inline int64_t shard_of(Native *n, uint64_t key) {
     return (int64_t)(key & (uint64_t)(n->num_shards - 1));
 }
 
-/* checksums.checksum_of_words over the record's 4 identity words. */
+/* The record's checksum (checksums.py block_checksum) over its 4 identity words. */
 static inline uint64_t checksum(Native *n, int64_t b) {
     uint64_t *w = (uint64_t *)blk(n, b);
     uint64_t h = w[0] * KSUM[0] + w[1] * KSUM[1] + w[2] * KSUM[2] + w[3] * KSUM[3] +
@@ -373,7 +373,7 @@ static inline void seal(Native *n, int64_t b) { U8(blk(n, b) + BF_CHECKSUM) = ch
  * block b's prefix key (meaningful while it is indexed). */
 static inline uint64_t lock_bit(int i) { return 1ull << i; }
 static inline int holds(Native *n, int i) { return (n->held & lock_bit(i)) != 0; }
-/* A step that needs the locks of `mask` (Txn.need): OK when the open transaction holds them;
+/* A step that needs the locks of `mask`: OK when the open transaction holds them;
  * else UNHANDLED, and the operation, rolled back, runs again with them too (eviction.c
  * rolled_back). */
 static inline int need_locks(Native *n, uint64_t mask) {
@@ -434,7 +434,7 @@ static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag);
-/* devchecks.c: what a check is for (devicechecks.py's method of each name) */
+/* devchecks.c: what a check is for (DK_NAME) */
 enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4, DK_UNWRITTEN = 5 };
 static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);

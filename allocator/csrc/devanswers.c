@@ -213,8 +213,8 @@ static int canary_back(Native *n, int32_t b) {
     return dev_off(n);
 }
 
-/* What the answers read showed, applied: the digests into their records (those the core
- * cannot write now kept for the next settle), then the findings into the ring. 0, or -1 with
+/* What the answers read showed, applied: the digests into their records (those an error
+ * stopped kept for the next settle), then the findings into the ring. 0, or -1 with
  * an exception set. */
 static int dev_apply(Native *n, PyObject *pool) {
     DevChecks *d = n->dev;
@@ -231,9 +231,7 @@ static int dev_apply(Native *n, PyObject *pool) {
         }
         PyObject *r = write_digest_words(n, pool, b, g, w, k);
         if (r == NULL) break;
-        int later = r == Py_None;
         Py_DECREF(r);
-        if (later) break;
         done += k;
     }
     if (d->n_stamps - done > STAMPS_KEPT) done = d->n_stamps - STAMPS_KEPT;

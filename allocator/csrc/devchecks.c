@@ -10,9 +10,9 @@
  *
  * Their answers are read back and applied by the core between operations (`device_take`,
  * devanswers.c). Where the queue or the ring is full, the oldest answers are waited for and
- * read first (applied at the next settle): a check is never dropped, and never handed to
- * Python. A driver error turns the checks off for the handle, said once (a RuntimeWarning
- * naming the call and its CUresult; device_stats()["broken"]).
+ * read first (applied at the next settle): a check is never dropped. A driver error turns the
+ * checks off for the handle, said once (a RuntimeWarning naming the call and its CUresult;
+ * device_stats()["broken"]).
  *
  * libcuda is not linked: its entry points are looked up in the process (torch loaded it) when
  * the checks are configured. On a CPU pool (a test seam: devicechecks.DEFERRED_ON_CPU, the
@@ -52,9 +52,8 @@ static const int DK_MODE[6] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY, M_POISON,
 static const char *DK_NAME[6] = {"stamp", "verify", "poison", "canary", "fill", "unwritten"};
 
 #define DEV_ENTRIES 8192 /* checks waiting at most (then the oldest are taken first) */
-/* Digests answered whose records the core could not write yet (a Python-path operation half
- * done): kept for the next settle, at most this many (then
- * the oldest are dropped, and their blocks go unverified). */
+/* Digests answered whose records an error kept the core from writing: kept for the next
+ * settle, at most this many (then the oldest are dropped, and their blocks go unverified). */
 #define STAMPS_KEPT 65536
 #define DEV_PARAMS 16
 
@@ -356,10 +355,10 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     return OK;
 }
 
-/* device_queue(kind, ids, when): a check of the Python path's operations (writes.py,
- * probing.py on a pool whose K/V the core does not map) queued as the core's own are: kind one
- * of "stamp", "verify", "poison", "canary", "fill"; `when` a verification's moment (else
- * None). Under the handle's op mutex (the caller holds it). */
+/* device_queue(kind, ids, when): a check queued as the core's operations queue theirs (tests
+ * and benchmarks of the queue): kind one of "stamp", "verify", "poison", "canary", "fill";
+ * `when` a verification's moment (else None). Under the handle's op mutex (the caller holds
+ * it). */
 static PyObject *N_device_queue(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     const char *name;
     if (nargs != 3 || (name = PyUnicode_AsUTF8(args[0])) == NULL || !PyList_Check(args[1]) ||

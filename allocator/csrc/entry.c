@@ -1,4 +1,4 @@
-/* The methods Python calls: the gate, the handle's checks, building Sequences, fork.
+/* The pool's entry points: the gate, the handle's checks, building Sequences, fork.
  * Part of _native.c. */
 
 /* -- entry points: the gate, the handle's checks, the Sequence ------------------------------- */
@@ -17,14 +17,14 @@ static int unusable(Native *n) {
     return OK;
 }
 
-/* OK when this call may take the C path: the handle is open and this process's (else ERROR
- * with the PoolError: unusable), no operation of the Python path is half done. Another thread's
- * operation on the handle in flight (waiting for a lock, or in Python it called) is waited for
- * first, and the handle looked at again; one of this thread's own (a pool operation called from
- * Python the core called) is a PoolError. The probes are the handle's probe word, read at every
- * call (they can come at any time): the core runs every one itself (probes.c), lockdep with the
- * traced user locks this thread holds (lockdep_ok). UNHANDLED otherwise, ERROR with an exception
- * set. Armed faults and crash points strike the core's operations themselves (faults.c). */
+/* OK when this call may run: the handle is open and this process's (else ERROR with the
+ * PoolError: unusable). Another thread's operation on the handle in flight (waiting for a lock,
+ * or in Python it called) is waited for first, and the handle looked at again; one of this
+ * thread's own (a pool operation called from Python the core called) is a PoolError. The probes
+ * are the handle's probe word, read at every call (they can come at any time): the core runs
+ * every one itself (probes.c), lockdep with the traced user locks this thread holds
+ * (lockdep_ok). ERROR with an exception set otherwise. Armed faults and crash points strike the
+ * core's operations themselves (faults.c). */
 static int gate(Native *n, PyObject *pool) {
     if (unusable(n)) return ERROR;
     if (n->mutex_held || n->held || n->mutex_wanted) {
@@ -56,7 +56,7 @@ static int gate(Native *n, PyObject *pool) {
 enum { OWN_ENDED = -2 };
 
 /* own_slot's refusal of a Sequence (not `mine`: another handle's; `ended`: its slot is -1):
- * PoolError in the Python path's words; -1, or OWN_ENDED. */
+ * its PoolError; -1, or OWN_ENDED. */
 static int64_t own_refused(Native *n, PyObject *seq, int mine, int ended) {
     PyObject *rid = sfield(n, seq, F_REQUEST_ID), *state = NULL;
     if (rid == NULL) return -1;
@@ -102,9 +102,9 @@ static int64_t own_slot(Native *n, PyObject *seq) {
     return own_refused(n, seq, mine, is_int && !over && at < 0);
 }
 
-/* release.py _own_for_release: under a probe, a second free or abort of a sequence of this
+/* Under a probe, a second free or abort of a sequence of this
  * handle (already finished or aborted: own_slot's OWN_ENDED, its PoolError set and kept) is a
- * double_free finding about no block, once per request (probing.double_end's words), before
+ * double_free finding about no block, once per request, before
  * the pool refuses it. A failure to report it is written as unraisable. */
 static void double_end(Native *n, PyObject *seq) {
     if (!(n->probes & ~P_LOCKDEP)) return;
@@ -144,7 +144,7 @@ static void double_end(Native *n, PyObject *seq) {
 }
 
 /* A new Sequence with these 10 field values (the dataclass's order: its __init__ only assigns
- * them; tests/test_native.py compares the two), registered in the handle's live sequences
+ * them), registered in the handle's live sequences
  * under `slot`. */
 static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot) {
     PyTypeObject *tp = (PyTypeObject *)n->seq_type;
@@ -168,8 +168,8 @@ static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tok
     int64_t slot = own_slot(n, seq);
     if (slot < 0) return NULL;
     if (t->n == 0) return PyList_New(0);
-    /* SeqTable.write_blocks' refusal of more than max_blocks_per_seq blocks, before anything
-     * is appended */
+    /* more than max_blocks_per_seq blocks refused (a PoolError), before anything is
+     * appended */
     PyObject *had = sfield(n, seq, F_TOKENS);
     if (had == NULL) return NULL;
     int64_t need = ((PyList_Check(had) ? PyList_GET_SIZE(had) : 0) + t->n + n->bs - 1) / n->bs;
@@ -185,11 +185,9 @@ static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tok
 static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final);
 
 /* A sequence the operation that made it could not finish (a long prompt's or resume's rest
- * failed) aborted, as KVPool.allocate's `except BaseException: self.abort(seq)` did: by the core
- * (or, where a transaction could not begin, the pool's abort: the Python path). An exception
- * pending is kept (an abort that fails raises its own, the first as its context). OK or
- * ERROR. */
-static int abandon(Native *n, PyObject *pool, PyObject *seq, int64_t slot) {
+ * failed) aborted. An exception pending is kept (an abort that fails raises its own, the first
+ * as its context). OK or ERROR. */
+static int abandon(Native *n, PyObject *seq, int64_t slot) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *ended = end_read(n, seq, slot, 4);
@@ -223,7 +221,7 @@ static PyObject *allocate_rest(Native *n, PyObject *pool, PyObject *seq, int64_t
         Py_DECREF(copies);
         return seq;
     }
-    abandon(n, pool, seq, slot);
+    abandon(n, seq, slot);
     Py_DECREF(seq);
     return NULL;
 }
@@ -262,7 +260,7 @@ static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObj
     return allocate_rest(n, pool, seq, slot, t->v + held, t->n - held);
 }
 
-/* allocate(pool, tokens, request_id) -> Sequence | None: tokens as tokens.c reads them, any
+/* allocate(pool, tokens, request_id) -> Sequence: tokens as tokens.c reads them, any
  * request id (its str). */
 static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
@@ -286,7 +284,7 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 /* The moment a release verifies its published blocks, in a published_block_modified finding's
- * words (release.py: f"its release by request {seq.request_id!r}"), with *hold the string that
+ * words ("its release by request 'id'"), with *hold the string that
  * keeps them (a new reference, or NULL). NULL with an exception set. */
 static const char *release_words(Native *n, PyObject *seq, PyObject **hold) {
     *hold = NULL;
@@ -297,7 +295,7 @@ static const char *release_words(Native *n, PyObject *seq, PyObject **hold) {
     return *hold ? PyUnicode_AsUTF8(*hold) : NULL;
 }
 
-/* end(pool, seq, final_state) -> True | None: free (FINISHED, 3) or abort (ABORTED, 4). */
+/* end(pool, seq, final_state) -> True: free (FINISHED, 3) or abort (ABORTED, 4). */
 static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     long final = nargs == 3 ? PyLong_AsLong(args[2]) : 0;
     if (final != 3 && final != 4) {
@@ -335,14 +333,14 @@ static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final) {
         Py_XDECREF(rid);
         return NULL;
     }
-    /* release.py end: sampled guard mode forgets the slot */
+    /* sampled guard mode forgets the slot */
     if (guard && (n->probes & P_GUARD_SAMPLED)) {
         PyObject *key = PyLong_FromLongLong(slot);
         if (key == NULL || PySet_Discard(n->guarded, key) < 0) PyErr_Clear();
         Py_XDECREF(key);
     }
     Py_DECREF(done);
-    /* The Python side of a release: the handle forgets the sequence. */
+    /* The handle forgets the sequence; the Sequence is ended (empty table, slot -1). */
     PyObject *key = PyLong_FromLongLong(slot), *empty = PyList_New(0);
     PyObject *minus = PyLong_FromLong(-1);
     int bad = !key || !empty || !minus;
@@ -356,14 +354,14 @@ static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final) {
     Py_XDECREF(empty);
     Py_XDECREF(minus);
     /* the blocks the release left held that nothing maps (the leaks probe's), reported
-     * once the handle has forgotten the sequence (probing.after_release) */
+     * once the handle has forgotten the sequence */
     bad = bad || report_leaked(n, rid) != OK;
     Py_DECREF(rid);
     if (bad) return NULL;
     Py_RETURN_TRUE;
 }
 
-/* append(pool, seq, tokens) -> copies | None: tokens as tokens.c reads them (core_append). */
+/* append(pool, seq, tokens) -> copies: tokens as tokens.c reads them (core_append). */
 static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "append(pool, seq, tokens)");
@@ -404,15 +402,15 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
 /* Digests answered after their publication (a CUDA pool's, read by the core's own queue:
  * devchecks.c, devanswers.c) into the records of blocks b[0..k) still published in the
  * generation g[i] each was taken in and with no digest of it yet (word w[i]), under the
- * blocks' shard locks: how many were written, None where the core does not run it now (the
- * caller keeps them for its next try), NULL with an exception set. At most CHUNK blocks;
+ * blocks' shard locks: how many were written; NULL with an exception set (the caller keeps
+ * them for its next try). At most CHUNK blocks;
  * a block twice keeps its first digest. */
 static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
                                     const uint32_t *g, const uint64_t *w, Py_ssize_t k) {
     GATE(n, pool);
     uint64_t locks = 0;
     for (Py_ssize_t i = 0; i < k; i++)
-        /* BlockStore.shard_locks_for: a block published in a generation keeps its key */
+        /* its shard lock: a block published in a generation keeps its key */
         if (blk(n, b[i])[BF_INDEXED] == 1) locks |= block_shard_lock(n, b[i]);
     if (locks == 0) return PyLong_FromLong(0); /* none still published */
     PyObject *result = NULL;
@@ -426,7 +424,7 @@ static PyObject *write_digest_words(Native *n, PyObject *pool, const int32_t *b,
         uint32_t gen = U4(r + BF_GENERATION);
         uint64_t cur = U8(r + n->off_kv_digest);
         if (gen != g[i] || r[BF_INDEXED] != 1) continue;
-        if (cur != 0 && (cur & GEN_MASK) == gen) continue; /* integrity.has_digest */
+        if (cur != 0 && (cur & GEN_MASK) == gen) continue; /* (a digest of this generation) */
         int saved = jsave_block(n, b[i]);
         if (saved != OK && !PyErr_Occurred() && n->jcount > 0) {
             /* the journal is full: what is written stands (each digest is a write of its
@@ -461,7 +459,7 @@ out:
 /* verify_often(pool): the magic probe's periodic check asked for between operations (stats(),
  * a block table), on this core's clock: the gate runs it, and reports what it finds. */
 static PyObject *N_verify_often(Native *n, PyObject *pool) {
-    /* It may come from inside an operation's gate (Python the gate runs may ask again): what
+    /* It may come from inside an operation's gate (Python the gate calls may ask again): what
      * that gate worked out for its operation stays as it was. */
     int probes = n->probes;
     PyObject *was = n->pool;
@@ -472,7 +470,7 @@ static PyObject *N_verify_often(Native *n, PyObject *pool) {
     Py_RETURN_NONE;
 }
 
-/* fork(pool, seq, request_id) -> Sequence | None: a new sequence sharing every block; any
+/* fork(pool, seq, request_id) -> Sequence: a new sequence sharing every block; any
  * request id (its str). */
 static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid);
 
@@ -546,7 +544,7 @@ again:;
     ev_record(n, E_FORK, ids, k, request, PyLong_AsLongLong(f[F_SEQ_ID]));
     if (PyErr_Occurred()) goto out;
     if (claim_done(n, &claim)) goto out;
-    /* fork.fork's Sequence: copies of the parent's lists, its cached and published counts. */
+    /* The child Sequence: copies of the parent's lists, its cached and published counts. */
     table = PyList_GetSlice(f[F_BLOCK_TABLE], 0, k);
     tokens = PyList_GetSlice(f[F_TOKENS], 0, PyList_GET_SIZE(f[F_TOKENS]));
     chain = PyList_GetSlice(f[F_CHAIN], 0, PyList_GET_SIZE(f[F_CHAIN]));
@@ -562,7 +560,7 @@ abort:
     txn_abort(n);
     rc = rolled_back(n);
     if (rc == AGAIN) goto again;
-    /* one transaction, as fork.py's: a table the journal cannot hold is its JournalFull */
+    /* one transaction: a table the journal cannot hold is JournalFull */
     if (rc == JOURNAL_SHORT) rc = journal_full(n);
     seq = rc == UNHANDLED ? unhandled(n) : NULL;
 out:

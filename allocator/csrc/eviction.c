@@ -1,7 +1,7 @@
-/* LRU eviction of cached blocks (eviction.py): the segment's LRU list, the scan, unindexing.
+/* LRU eviction of cached blocks: the segment's LRU list, the scan, unindexing.
  * Part of _native.c. */
 
-/* -- eviction (eviction.py) -------------------------------------------------------------------- */
+/* -- eviction --------------------------------------------------------------------------------- */
 
 /* The LRU list (docs/FORMAT.md, "LRU list"): one per pool, in the segment, shared by every
  * process. Written only under the free lock (which every eviction holds); read without it by
@@ -239,8 +239,7 @@ static int64_t index_remove_saves(Native *n, uint64_t key, int32_t block) {
 }
 
 /* Journal room an eviction inside a take leaves for the rest of the operation besides the
- * stamp of the blocks taken: the sequence's head and table, the ring's header (reserve.py
- * TAKE_SLACK). */
+ * stamp of the blocks taken: the sequence's head and table, the ring's header. */
 #define TAKE_SLACK_ENTRIES 16
 #define TAKE_SLACK_BYTES 8192
 
@@ -250,7 +249,7 @@ static inline uint64_t every_shard(Native *n) {
 }
 
 /* A CACHED block the prefix index has no entry for, met by an eviction (something outside the
- * allocator wrote the segment: eviction.py asserts it cannot be): nothing can hit it, so it is
+ * allocator wrote the segment: the allocator never leaves one): nothing can hit it, so it is
  * evicted all the same, and reported (as check() counts it: refcount_mismatch) when the
  * operation commits. OK, or ERROR. */
 static int unindexed_cached(Native *n, int32_t b) {
@@ -261,7 +260,7 @@ static int unindexed_cached(Native *n, int32_t b) {
                                               "index has no entry for it: evicted without one"));
 }
 
-/* Eviction (BlockStore.evict): up to k (+ extra) least recently used CACHED blocks unindexed,
+/* Eviction: up to k (+ extra) least recently used CACHED blocks unindexed,
  * the first `mine` of them (at most k) into out (*got of them: fewer when fewer are cached),
  * the others to the free ring. The free lock and the candidates' shard locks held (when the
  * pool changed since the plan chose them, UNHANDLED: the operation runs again under every
@@ -293,7 +292,7 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
     n->evicting += mine;
     /* Only the candidates' shards are locked (`take_locks` found them before the locks: another
      * process may have changed the pool since; then the operation runs again under every
-     * shard, as the Python path's take escalates). */
+     * shard: escalate). */
     for (int64_t i = 0; i < nc; i++)
         if (!(n->held & block_shard_lock(n, cand[i])))
             return need_locks(n, every_shard(n) | lock_bit(n->lock_free));
@@ -325,7 +324,7 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
         if (!removed) return core_bug("an indexed block left the index under its shard lock");
     }
     if (done == 0) return OK;
-    /* digest: what is evicted is as published (writes.evicting; its record still says so) */
+    /* digest: what is evicted is as published (its record still says so) */
     int rc = digests_intact(n, cand, done, "its eviction");
     if (rc != OK) return rc;
     for (int64_t i = 0; i < done; i++) {
@@ -401,9 +400,8 @@ static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
 
 /* -- after a rollback ---------------------------------------------------------------------- */
 
-/* After an operation's transaction rolled back (txn_abort), what the core does next, as the
- * Python path's runner did (JournalFull, Escalate): ERROR with the exception set (a full pool's
- * PoolExhausted among them); else, by what stopped it:
+/* After an operation's transaction rolled back (txn_abort), what the core does next: ERROR
+ * with the exception set (a full pool's PoolExhausted among them); else, by what stopped it:
  * - a waiting sequence whose preemption would have outgrown its journal is preempted ahead, in
  *   transactions of its own (preempt_ahead);
  * - the op mutex a K/V check needed (another thread's) is waited for, no pool lock held, and

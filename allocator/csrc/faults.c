@@ -1,6 +1,6 @@
 /* The crash points (crash.py) and the injectable faults (faults.py), struck by the core's own
- * operations at the moments the Python path's strike: one counter for each, shared with
- * Python, so that the n-th hit or opportunity is counted across both paths. Part of _native.c. */
+ * operations: one counter for each, in arrays crash.py and faults.py share with the core (armed
+ * there, counted down here). Part of _native.c. */
 
 /* -- crash points ----------------------------------------------------------------------------- */
 
@@ -16,8 +16,8 @@ static const char *const CRASH_NAMES[NUM_CRASH_POINTS] = {
     "seqs.after_release",      "seqs.after_prefix_key",  "prefix.after_hit",
     "prefix.after_insert",     "txn.before_commit"};
 
-/* crash.crash_point: SIGKILL at the armed point's n-th hit. crash.ARMED is [the armed point's
- * place + 1 (0: none), hits left], counted down here and by the Python path alike. */
+/* SIGKILL at the armed point's n-th hit. crash.ARMED is [the armed point's place + 1 (0: none),
+ * hits left], counted down here. */
 static inline void crash_point(Native *n, int point) {
     int64_t *armed = n->crash;
     if (__builtin_expect(armed[0] == point + 1, 0) && --armed[1] <= 0) kill(getpid(), SIGKILL);
@@ -43,8 +43,8 @@ static PyObject *fault_str[NUM_FAULTS]; /* the names, interned once */
 /* Any fault armed (faults.ARMED not empty): the one test an operation makes when none is. */
 static inline int faults_armed(Native *n) { return PyDict_GET_SIZE(n->faults_armed) != 0; }
 
-/* faults.opportunity, on faults.ARMED itself: 1 at the armed fault's n-th opportunity and at
- * every later one until it has fired, 0 otherwise. */
+/* A fault's opportunity, counted on faults.ARMED itself: 1 at the armed fault's n-th
+ * opportunity and at every later one until it has fired, 0 otherwise. */
 static int fault_opportunity(Native *n, int f) {
     if (!faults_armed(n)) return 0;
     PyObject *left = PyDict_GetItemWithError(n->faults_armed, fault_str[f]);
@@ -71,14 +71,14 @@ static void fault_fired(Native *n, int f) {
     Py_XDECREF(r);
 }
 
-/* faults.fire: the opportunity and the announcement in one, for acts that cannot fail. */
+/* The opportunity and the announcement in one, for acts that cannot fail. */
 static int fault_fire(Native *n, int f) {
     if (!fault_opportunity(n, f)) return 0;
     fault_fired(n, f);
     return 1;
 }
 
-/* The faults that strike when a request ends (release.py _end_faults), decided before its
+/* The faults that strike when a request ends, decided before its
  * transaction: `leak` keeps one block only this request holds (*skip: its place in ids, else
  * -1), `use-after-free` frees the blocks but leaves the table live and mapped (*stale). Each
  * waits for a request it can act on. Announced once the release has committed. */
@@ -97,7 +97,7 @@ static void end_faults(Native *n, const int32_t *ids, int64_t k, int64_t *skip, 
         *stale = 1;
 }
 
-/* `kill-holding-lock` (release.py _kill_fault): a release that takes locks dies (SIGKILL)
+/* `kill-holding-lock`: a release that takes locks dies (SIGKILL)
  * right after taking them. */
 static void kill_fault(Native *n, uint64_t locks) {
     if (locks && fault_opportunity(n, FT_KILL_HOLDING_LOCK)) {
@@ -107,7 +107,7 @@ static void kill_fault(Native *n, uint64_t locks) {
 }
 
 /* `double-free`, announced after its release committed: the block it released a second time
- * (release.py _release_again; nothing in the segment changes: the block is already free), and,
+ * (nothing in the segment changes: the block is already free), and,
  * under a probe, its double_free finding, written by the core (probes.c finding_report) with
  * the block's record as the release left it (`rec`, its bytes) and the ending request. */
 static void double_free_fired(Native *n, int32_t b, PyObject *rec, const char *request) {
@@ -127,10 +127,11 @@ static void double_free_fired(Native *n, int32_t b, PyObject *rec, const char *r
     Py_XDECREF(msg);
 }
 
-/* The faults that strike while a sequence grows (append.py _append_faults), once a chunk of
- * its append that ran a transaction (a new block, a copy) is done: a KV write one slot past its last block (faults.write_past: the data is a tensor
- * the core may not map), the header's num_blocks and its first block's refcount scribbled over
- * (raw bytes, not through the allocator: their checksums no longer match). */
+/* The faults that strike while a sequence grows, once a chunk of its append that ran a
+ * transaction (a new block, a copy) is done: a KV write one slot past its last block
+ * (faults.write_past: the data is a tensor the core may not map), the header's num_blocks and
+ * its first block's refcount scribbled over (raw bytes, not through the allocator: their
+ * checksums no longer match). */
 static int append_faults(Native *n, PyObject *pool, PyObject *table) {
     if (!faults_armed(n)) return OK;
     Py_ssize_t nb = PyList_GET_SIZE(table);
@@ -151,7 +152,7 @@ static int append_faults(Native *n, PyObject *pool, PyObject *table) {
     return OK;
 }
 
-/* `refcount-skew` (allocate.py), inside an allocation's transaction after its new blocks
+/* `refcount-skew`, inside an allocation's transaction after its new blocks
  * ids[0..k) were stamped: the first one's reference taken twice (its record journaled by the
  * stamp). 1 when it acted (announced once the allocation committed). */
 static int refcount_skew(Native *n, const int32_t *ids, int64_t k) {
@@ -161,7 +162,7 @@ static int refcount_skew(Native *n, const int32_t *ids, int64_t k) {
     return 1;
 }
 
-/* `lock-inversion` (runner.py): a transaction of more than one lock takes them in the reverse
+/* `lock-inversion`: a transaction of more than one lock takes them in the reverse
  * of the documented order. 1 at its opportunity. */
 static int lock_inversion(Native *n, uint64_t mask) {
     return (mask & (mask - 1)) && fault_opportunity(n, FT_LOCK_INVERSION);

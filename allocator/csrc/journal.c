@@ -1,5 +1,4 @@
-/* The undo journal (journal.py): save before every write, roll back, commit. Part of
- * _native.c. */
+/* The undo journal: save before every write, roll back, commit. Part of _native.c. */
 
 /* -- the journal ------------------------------------------------------------------------------ */
 
@@ -32,7 +31,7 @@ static inline int jsave_block(Native *n, int64_t b) {
     return jsave(n, n->off_blocks + b * n->rec, (uint32_t)n->rec);
 }
 
-/* SeqTable.save_head: the slot's fixed fields (its table is saved by range). */
+/* A sequence slot's fixed fields (its table is saved by range). */
 static inline int jsave_head(Native *n, int64_t slot) {
     return jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE);
 }
@@ -60,8 +59,8 @@ static void jcommit(Native *n) {
     n->jcount = n->jused = 0;
 }
 
-/* journal.py JournalFull, for an operation whose smallest transaction the journal cannot hold
- * (the words of the save it refused last): ERROR. */
+/* JournalFull (a PoolError), for an operation whose smallest transaction the journal cannot
+ * hold (the words of the save it refused last): ERROR. */
 static int journal_full(Native *n) {
     if (JournalFullType == NULL) return pool_error("the undo journal is full");
     PyObject *msg = PyUnicode_FromFormat("operation too large for the undo journal (%u entries, "

@@ -121,7 +121,7 @@ static int guard_release(Native *n, int64_t slot) {
     return in;
 }
 
-/* Freed blocks' guard slots still hold the canary (probing.check_guard); one that does not
+/* Freed blocks' guard slots still hold the canary; one that does not
  * gets it back, and a guard_violation finding, reported when the release commits with the
  * block's record as it is then (and a GUARD_VIOLATION event first). OK, UNHANDLED (a CUDA
  * pool's queue: another thread holds the op mutex), ERROR. */
@@ -145,7 +145,7 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* NaN into the token slots of freed blocks (probing.poison), just before the release commits
+/* NaN into the token slots of freed blocks, just before the release commits
  * (under its locks: once they are released the blocks are anyone's). OK, UNHANDLED, ERROR. */
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !n->poison_ok) return OK;
@@ -156,8 +156,8 @@ static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* ring.push(ids, QUARANTINED) and WriteProbes.quarantined: guarded freed blocks go to
- * the ring's tail (never the local cache), marked poisoned; the free lock is held. */
+/* Guarded freed blocks go to the ring's tail (never the local cache), marked poisoned; the free
+ * lock is held. */
 static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     if (ring_push_state(n, ids, k, B_QUARANTINED)) return UNHANDLED;
@@ -170,10 +170,10 @@ static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* integrity.poison_message: a write after free into a block whose record `r` (as the check
- * saw it) still names who freed it and when (its last access, local time to the millisecond as datetime prints a
- * float timestamp), and `count` elements of its poison overwritten (integrity.POISON_MESSAGE,
- * formatted). */
+/* integrity.poison_message: a write after free into a block whose record `r` (as the check saw
+ * it) still names who freed it and when (its last access, local time to the millisecond as
+ * datetime prints a float timestamp), and `count` elements of its poison overwritten
+ * (integrity.POISON_MESSAGE, formatted). */
 static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
     double ip, frac = modf((double)U8(r + BF_ACCESS_NS) / 1e9, &ip);
     long us = lrint(frac * 1e6);
@@ -202,15 +202,14 @@ static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
 }
 
 /* Block b was quarantined by a guarded preemption of the open transaction: its poison lands at
- * the commit (preempt.c preempt_poison), so it holds none yet (writes._check_poison's
- * `quarantined`). */
+ * the commit (preempt.c preempt_poison), so it holds none yet. */
 static int quarantined_now(Native *n, int32_t b) {
     for (int64_t i = 0; i < n->n_poison; i++)
         if (n->poison_ids[i] == b) return 1;
     return 0;
 }
 
-/* Guard mode, blocks about to be handed out (writes.before_reuse): a poisoned one must still
+/* Guard mode, blocks about to be taken: a poisoned one must still
  * hold its poison; one that does not (a write after free) is a use_after_free finding, with
  * its record as it is now, reported when the operation commits (a CUDA pool's: at the settle
  * that reads the answer, with the record as the operation saw it). OK, UNHANDLED (a CUDA pool's
@@ -221,7 +220,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     int64_t nm = 0;
     for (int64_t i = 0; i < k; i++)
         if (blk(n, ids[i])[BF_POISONED] == 1 && !quarantined_now(n, ids[i])) {
-            /* (a take hands out at most CHUNK blocks at once) */
+            /* (a take gives out at most CHUNK blocks at once) */
             if (nm == CHUNK) return core_bug("more than CHUNK blocks handed out at once");
             mine[nm++] = ids[i];
         }
@@ -241,7 +240,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* writes.reused: blocks just stamped (records saved) are no longer poisoned. */
+/* Blocks just stamped (records saved) are no longer poisoned. */
 static void unpoison(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return;
     for (int64_t i = 0; i < k; i++) {
@@ -267,7 +266,7 @@ static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
     }
 }
 
-/* writes.published (integrity.stamp_digests): the digest of each block just published, over
+/* The digest of each block just published, over
  * its generation, into its record (saved by the publish). A CUDA pool's are taken later and
  * written by the settle that reads them (devanswers.c). OK, UNHANDLED, ERROR. */
 static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
@@ -329,10 +328,10 @@ static PyObject *modified_message(Native *n, const uint8_t *rec, const char *whe
     return msg;
 }
 
-/* writes.verify_published: the published blocks among ids (indexed, with a digest of their
+/* The published blocks among ids (indexed, with a digest of their
  * generation) still match it; `when` names the moment in a finding ("a prefix hit"). One that
  * does not is a published_block_modified finding, with its record as it is now, reported when
- * the operation commits (which goes on, as the Python path's does); a CUDA pool's at the
+ * the operation commits (which goes on); a CUDA pool's at the
  * settle that reads the answer, with the record as the operation saw it. OK, UNHANDLED, ERROR. */
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
@@ -366,7 +365,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
     return OK;
 }
 
-/* -- a request's unwritten slots (writes.finished) --------------------------------------------- */
+/* -- a request's unwritten slots -------------------------------------------------------------- */
 
 /* integrity.unwritten_in: blank[i * bs + s] is 1 where token slot s of ids[i] still holds the
  * poison in every layer, K and V. Unless none of the slots of positions [0, num) is blank, or

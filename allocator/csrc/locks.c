@@ -1,9 +1,9 @@
-/* Pool locks (locks.py) and transactions (txn.py). Part of _native.c. */
+/* Pool locks and transactions. Part of _native.c. */
 
 /* -- locks ------------------------------------------------------------------------------------ */
 
 /* Lock i's mutex: the process-shared robust pthread mutex at the start of its record (created
- * by header.py through allocator/mutex.py, which the Python path takes it through). */
+ * by header.py through allocator/mutex.py; locks.py LockTable takes it the same way). */
 _Static_assert(sizeof(pthread_mutex_t) <= LOCK_MUTEX_BYTES, "the lock record's mutex bytes");
 static inline pthread_mutex_t *lock_mutex(Native *n, int i) {
     return (pthread_mutex_t *)(n->seg + n->off_locks + (size_t)i * LOCK_SIZE + LF_MUTEX);
@@ -121,8 +121,8 @@ static int lock_failed(Native *n, int i, int rc) {
  * stops the world to recover: recovery.c); MUTEX_LATER (not taken) when it must wait and
  * another thread holds the op mutex while this call holds other locks (hold_mutex); ERROR
  * (OSError) when the wait fails. The core takes locks in the documented order only, so its
- * waits cannot close a cycle; it publishes them (waits.py) for a Python-path waiter that
- * takes locks out of order to see one. */
+ * waits cannot close a cycle; it publishes them (waits.py) for a waiter that takes locks
+ * out of order (locks.py LockTable) to see one. */
 static int lock_take_as(Native *n, int i, Holder *dead) {
     uint64_t t0 = mono_ns();
     int contended = 0;
@@ -207,8 +207,8 @@ static inline void client_seq_bump(Native *n) {
     if (n->borrowed) return;
     uint64_t *p = (uint64_t *)(n->seg + n->c_seq), old = *p;
     __atomic_store_n(p, old + 1, __ATOMIC_RELEASE);
-    /* the leaks probe's live-slot cache follows this core's own transactions (one of the
-     * Python path in between still shows as a difference: a rescan) */
+    /* the leaks probe's live-slot cache follows this core's own transactions (anything
+     * else that moved it still shows as a difference: a rescan) */
     if (n->maybe_valid && n->seen_seq[n->client] == old) n->seen_seq[n->client] = old + 1;
 }
 
@@ -220,9 +220,8 @@ static int recover_own_journal(Native *n);
  * recovered), and a journal this client left open is rolled back (recovery.c
  * recover_own_journal); a lock whose record names a dead holder is recovered (every lock, in
  * order) and the locks taken again; a wait for which another thread holds the op mutex lets
- * go of what is taken, waits for the mutex, and takes them again. OK, UNHANDLED (only a
- * Python-path operation in progress on this handle's journal: it goes with the Python path),
- * ERROR with an exception set (a failed wait: OSError). */
+ * go of what is taken, waits for the mutex, and takes them again. OK, or ERROR with an
+ * exception set (a failed wait: OSError). */
 static int txn_begin(Native *n, uint64_t mask) {
     n->n_pre = 0;
     n->exhausted_need = 0;

@@ -354,7 +354,7 @@ static PyTypeObject NativeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvscope.allocator._native.Native",
     .tp_basicsize = sizeof(Native),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The pool's hot operations on one client's view of a segment.",
+    .tp_doc = "The pool's operations on one client's view of a segment.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)N_init,
     .tp_dealloc = (destructor)N_dealloc,
@@ -451,7 +451,7 @@ static PyMethodDef module_methods[] = {
     {NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native",
-                                    "The pool's hot operations in C (see allocator/native.py).",
+                                    "The pool's operations in C, its only writer (see allocator/native.py).",
                                     -1, module_methods};
 
 PyMODINIT_FUNC PyInit__native(void) {

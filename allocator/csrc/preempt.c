@@ -1,6 +1,6 @@
 /* Preemption and a full pool: a take short of blocks after the ring and eviction frees this
- * handle's oldest waiting sequence (preempt.py preempt_one is the Python path's), and when
- * nothing is left raises PoolExhausted (reserve.py exhausted); set_state. Part of _native.c. */
+ * handle's oldest waiting sequence, and when nothing is left raises PoolExhausted; set_state,
+ * resume. Part of _native.c. */
 
 /* -- the victim -------------------------------------------------------------------------------- */
 
@@ -35,8 +35,8 @@ static int64_t oldest_waiting(Native *n, int64_t exclude, PyObject **seq) {
 
 /* -- preemption ------------------------------------------------------------------------------- */
 
-/* Blocks a guarded preemption freed, to be poisoned just before the open transaction commits
- * (release.py: the Txn's before_commit). OK, or ERROR with an exception set. */
+/* Blocks a guarded preemption freed, to be poisoned just before the open transaction commits.
+ * OK, or ERROR with an exception set. */
 static int poison_later(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !n->poison_ok) return OK;
     if (n->n_poison + k > n->cap_poison) {
@@ -56,8 +56,8 @@ static int poison_later(Native *n, const int32_t *ids, int64_t k) {
 }
 
 /* Just before the commit of a transaction that may have preempted (its n_poison set to 0 before
- * it began): the blocks its guarded preemptions freed, poisoned (probing.poison), but those the
- * same transaction handed out again. OK, UNHANDLED (a CUDA pool's queue not to be had now:
+ * it began): the blocks its guarded preemptions freed, poisoned, but those the same
+ * transaction took again. OK, UNHANDLED (a CUDA pool's queue not to be had now:
  * dev_check), ERROR. */
 static int preempt_poison(Native *n) {
     int64_t k = 0;
@@ -76,13 +76,13 @@ static int preempt_poison(Native *n) {
 static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *ids,
                          Py_ssize_t k, uint64_t shards, int32_t *zero, int guard) {
     if (need_locks(n, shards | lock_bit(n->lock_free))) return UNHANDLED;
-    /* magic: a scribbled record is reported and left as it is (release.release_blocks; in
-     * place: ids is this call's copy of the table) */
+    /* magic: a scribbled record is reported and left as it is (in place: ids is this call's
+     * copy of the table) */
     int32_t *drop = (int32_t *)ids;
     int64_t nd;
     if (unsealed_left(n, ids, k, drop, &nd)) return ERROR;
-    /* digest: the published blocks released are as published (writes.verify_published); a
-     * block already free is a double free */
+    /* digest: the published blocks released are as published; a block already free is a
+     * double free */
     PyObject *when = NULL, *rid = sfield(n, seq, F_REQUEST_ID);
     const char *w = rid ? release_words(n, seq, &when) : NULL;
     int rc = w ? digests_intact(n, drop, nd, w) : ERROR;
@@ -90,7 +90,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
     Py_XDECREF(when);
     Py_XDECREF(rid);
     if (rc != OK) return rc;
-    /* BlockStore.drop, then give_back */
+    /* the references dropped, then what they freed given back */
     int64_t nz = 0;
     if (drop_refs(n, drop, nd, wall_ns(), zero, &nz)) return UNHANDLED;
     if ((rc = give_back_freed(n, zero, nz, guard)) != OK) return rc;
@@ -112,7 +112,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
 }
 
 /* Preempt the handle's oldest waiting sequence (not `exclude`) inside the open transaction:
- * its blocks released as release.py release_blocks releases a table (a reference less; an
+ * its blocks released as a release releases a table (a reference less; an
  * indexed block left unreferenced stays cached; the others to the local cache, the overflow
  * to the ring, or, guarded, quarantined), its record PREEMPTED with no blocks; its Sequence,
  * events and counters at commit (`preempted`). *found = 0 when there is none. OK, UNHANDLED (a
@@ -278,7 +278,7 @@ out:
     return rc;
 }
 
-/* -- a full pool (reserve.py exhausted) -------------------------------------------------------- */
+/* -- a full pool ------------------------------------------------------------------------------ */
 
 /* PoolExhausted for a take of `needed` blocks, read from the pool as the rollback left it:
  * blocks free (the ring, quarantined, any process's local cache), cached and held; the blocks
@@ -341,12 +341,11 @@ out:
     Py_XDECREF(err);
 }
 
-/* -- set_state (preempt.py set_state) ---------------------------------------------------------- */
+/* -- set_state -------------------------------------------------------------------------------- */
 
-/* set_state(pool, seq, state) -> True | None: a live sequence of this handle marked running or
+/* set_state(pool, seq, state) -> True: a live sequence of this handle marked running or
  * waiting (its record's state: one byte, no transaction); PoolError for another state, a
- * preempted sequence or one that is not a live sequence of this handle (own_slot); None
- * where the gate sends it to the Python path. */
+ * preempted sequence or one that is not a live sequence of this handle (own_slot). */
 static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "set_state(pool, seq, state)");
@@ -378,15 +377,14 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
-/* -- resume (preempt.py resume) ---------------------------------------------------------------- */
+/* -- resume ----------------------------------------------------------------------------------- */
 
 /* A resume whose first transaction (core_allocate: `got`) did not hold every token, and so left
  * the old slot as it was: the rest of them (toks[0..k)) appended to a new sequence in the new
  * slot, a transaction per CHUNK blocks' worth, then the old slot released in a transaction of
- * its own (preempt.py resume: an allocate, then the move); `got`'s table and chain become the
- * new sequence's, which seq takes over (N_resume). On an error (or where a transaction could
- * not begin: UNHANDLED) the new sequence is aborted and seq stays preempted in its old slot.
- * OK, UNHANDLED, ERROR. */
+ * its own; `got`'s table and chain become the new sequence's, which seq takes over (N_resume).
+ * On an error (ERROR, or UNHANDLED where the move's transaction could not begin) the new
+ * sequence is aborted and seq stays preempted in its old slot. OK, UNHANDLED, ERROR. */
 static int resume_rest(Native *n, PyObject *pool, PyObject *seq, int64_t old, PyObject *got,
                        const int32_t *toks, int64_t k) {
     PyObject *slot = PyTuple_GET_ITEM(got, 0), *table = PyTuple_GET_ITEM(got, 2);
@@ -412,7 +410,7 @@ static int resume_rest(Native *n, PyObject *pool, PyObject *seq, int64_t old, Py
     PyObject *copies = core_append(n, pool, fresh, s, toks, k);
     rc = copies == NULL ? ERROR : OK;
     Py_XDECREF(copies);
-    /* the move: SeqTable.release of the old slot (got's table and chain are the new
+    /* the move: the old slot released (got's table and chain are the new
      * sequence's lists, which the appends grew) */
     int to_table = rc == OK && !reserve_keeps(n, old, 0);
     if (rc == OK && txn_begin(n, to_table ? lock_bit(n->lock_seqs) : 0)) rc = UNHANDLED;
@@ -430,17 +428,16 @@ static int resume_rest(Native *n, PyObject *pool, PyObject *seq, int64_t old, Py
         txn_commit(n);
         if (!to_table) n->res[n->res_n++] = (int32_t)old;
     }
-    if (rc != OK && abandon(n, pool, fresh, s) != OK) rc = ERROR;
+    if (rc != OK && abandon(n, fresh, s) != OK) rc = ERROR;
     Py_DECREF(fresh);
     return rc;
 }
 
-/* resume(pool, seq) -> cached tokens | None: a preempted sequence of this handle allocated again
- * for its tokens (prefix hits included) in a new slot, its old slot released in the same
- * transaction (the Python path: an allocate, then a transaction that moves it); the Sequence
- * takes the new slot, id, table and chain, its hits as cached and published, state "running".
- * PoolError for a sequence that is not preempted or not a live one of this handle (own_slot);
- * None (the Python path) for anything else. */
+/* resume(pool, seq) -> cached tokens: a preempted sequence of this handle allocated again for
+ * its tokens (prefix hits included) in a new slot, its old slot released in the same
+ * transaction; the Sequence takes the new slot, id, table and chain, its hits as cached and
+ * published, state "running". PoolError for a sequence that is not preempted or not a live one
+ * of this handle (own_slot). */
 static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "resume(pool, seq)");

@@ -1,5 +1,4 @@
-/* The prefix index (prefix.py): lookup, insert, remove; chain hashes and keys. Part of
- * _native.c. */
+/* The prefix index: lookup, insert, remove; chain hashes and keys. Part of _native.c. */
 
 /* -- the prefix index ------------------------------------------------------------------------- */
 
@@ -81,14 +80,14 @@ static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
     return OK;
 }
 
-/* prefix.chain_one: the chain value of one block of tokens after `prev`. */
+/* The chain value of one block of tokens after `prev`. */
 static inline uint64_t chain_next(Native *n, uint64_t prev, const int32_t *toks) {
     uint64_t c = 0;
     for (int64_t i = 0; i < n->bs; i++) c += (uint64_t)(int64_t)toks[i] * n->coefs[i];
     return prev * CHAIN_P + c;
 }
 
-/* Keys of a sequence's chain values j and j-1 (publish.chain_key). */
+/* Keys of a sequence's chain values j and j-1 (family_key). */
 static int seq_keys(Native *n, PyObject *chain, Py_ssize_t j, uint64_t *key, uint64_t *parent) {
     uint64_t mask = (uint64_t)(n->num_shards - 1);
     uint64_t first = fmix64(PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(chain, 0)));

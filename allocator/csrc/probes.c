@@ -1,15 +1,14 @@
-/* The light probes, run by the core itself (probing.py, events.py, sites.py, writes.py are
- * the reference): flight-recorder events, allocation sites, leak accounting, record checksums,
- * the lock-order graph. A finding the core detects it writes into the segment's findings ring
- * itself (finding_report), where the binding reads it back for `on_finding` (a release's table
- * holding a freed block or a scribbled record: allocate.c unsealed_left, already_free; a block
- * an append fills whose record is scribbled: append.c extend_chain); what it still hands back
- * (a handed-back K/V check that answers true) the Python path reports through KVPool.report.
- * The ring and the site table have no other writer: KVPool.report and sites.py write through
- * N_report and N_intern_site, and the core interns the sites it composes (site_now). Part of
- * _native.c. */
+/* The light probes, run by the core itself: flight-recorder events, allocation sites, leak
+ * accounting, record checksums, the lock-order graph. A finding the core detects it writes into
+ * the segment's findings ring itself (finding_report), where the binding reads it back for
+ * `on_finding` (a release's table holding a freed block or a scribbled record: allocate.c
+ * unsealed_left, already_free; a block an append fills whose record is scribbled: append.c
+ * extend_chain). The checks the handle runs between operations (probing.py PoolProbes:
+ * verify(), the canary scan) report through KVPool.report. The ring and the site table have no
+ * other writer: KVPool.report and sites.py write through N_report and N_intern_site, and the
+ * core interns the sites it composes (site_now). Part of _native.c. */
 
-/* -- the flight recorder (events.py EventRecorder.record) ------------------------------------ */
+/* -- the flight recorder ---------------------------------------------------------------------- */
 
 /* One event per block (one with block -1 when there are none), into this client's ring. */
 static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const char *request,
@@ -38,7 +37,7 @@ static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const ch
     U8(n->seg + n->c_event_head) = h + (uint64_t)k;
 }
 
-/* -- allocation sites (sites.py SiteTable.site) ---------------------------------------------- */
+/* -- allocation sites ------------------------------------------------------------------------- */
 
 static inline size_t ptr_hash(const void *p, int salt) {
     uint64_t h = (uint64_t)(uintptr_t)p * 0x9E3779B97F4A7C15ull + (uint64_t)salt * KSUM[1];
@@ -260,7 +259,7 @@ static int64_t stack_site(Native *n, PyFrameObject *f, int depth) {
 }
 
 /* The site id of the operation being run: from the first frame outside kvscope's folders, its
- * text composed and interned by the core (sites.py's text: SiteTable.site at depth 1, _stack at
+ * text composed and interned by the core (sites.py's text: a frame at depth 1, a stack at
  * KVSCOPE_STACK_DEPTH > 1, the depth in the probe word), each frame's id cached by its code
  * object and instruction, into the probe's site table (the only one: sites.py interns through
  * N_intern_site). -1 when sites are off (or every frame is kvscope's); SITE_ERROR (-2) with an
@@ -278,7 +277,7 @@ static int32_t site_now(Native *n) {
     return (int32_t)sid;
 }
 
-/* -- findings (probing.py PoolProbes.report reads them back) ------------------------------- */
+/* -- findings --------------------------------------------------------------------------------- */
 
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
 static const char *const FK_NAMES[FK_COUNT] = {
@@ -299,11 +298,11 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
 
 /* Lock i, a leaf of the lock order (sites, findings), for one write: OK when taken here
  * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of the core,
- * or a Python caller under it: lockdep's graph, a Python-path transaction: its record names
- * this process and thread), ERROR with an exception set. Holding no other lock, the core waits
- * for it (and for the op mutex) and recovers a dead holder first (recovery.c); inside a
- * transaction, UNHANDLED when it is not to be had then (its record names a dead holder, or
- * another thread holds the op mutex: hold_mutex). *mh: whether the op mutex was held before. */
+ * or a Python caller under it: lockdep's graph; its record names this process and thread),
+ * ERROR with an exception set. Holding no other lock, the core waits for it (and for the op
+ * mutex) and recovers a dead holder first (recovery.c); inside a transaction, UNHANDLED when it
+ * is not to be had then (its record names a dead holder, or another thread holds the op mutex:
+ * hold_mutex). *mh: whether the op mutex was held before. */
 enum { HELD = 2 };
 /* Lock i's record names this thread of this process as its holder. */
 static int record_names_me(Native *n, int i) {
@@ -380,7 +379,7 @@ static int finding_write(Native *n, int fk, const Seen *s, const char *text, Py_
     return append_new(n->found, PyLong_FromUnsignedLongLong(head)) ? ERROR : OK;
 }
 
-/* Report a finding of kind fk about s->block (-1: none) as PoolProbes.report does, once per
+/* Report a finding of kind fk about s->block (-1: none), once per
  * (kind, block) for the handle: a FINDING event in the flight recorder, then the finding
  * written under the findings lock (finding_write), from where the binding hands it to
  * `on_finding` after the call (with the site text and the block's events, read then:
@@ -522,9 +521,9 @@ static void findings_first(Native *n, int64_t upto) {
     if (n->n_pend == 0) n->pend_hold = 0;
 }
 
-/* At a commit: what the transaction found, unless its operation holds them to report each
- * where its FINDING event falls among the operation's events in the Python path's order
- * (findings_hold; findings_first after the events that come before). */
+/* At a commit: what the transaction found, unless its operation holds them to report each where
+ * its FINDING event falls among the operation's events (findings_hold; findings_first after the
+ * events that come before). */
 static void findings_flush(Native *n) {
     if (!n->pend_hold) findings_first(n, n->n_pend);
 }
@@ -532,8 +531,8 @@ static void findings_flush(Native *n) {
 static void findings_hold(Native *n) { n->pend_hold = 1; }
 
 /* Report, of the first `upto` findings waiting, those seen before the transaction's
- * preemption number `pre` (the events of a preemption come after what was found before it,
- * as in the Python path's take). */
+ * preemption number `pre` (the events of a preemption come after what was found before
+ * it). */
 static void findings_before(Native *n, int64_t upto, int64_t pre) {
     int64_t k = 0;
     while (k < upto && k < n->n_pend && n->pend[k].pre <= pre) k++;
@@ -547,10 +546,10 @@ static void findings_drop(Native *n) {
 }
 
 /* first_report(kind, block) -> True | False | None: whether a finding of `kind` about `block`
- * (-1: none) is the handle's first (and it is now reported), for PoolProbes.report on the
- * Python path; None for a kind the core does not count (the probe keeps those): one it does not
- * report, a lock_order_cycle (each cycle is its own), a double_free about no block (a refused
- * second free, counted by request). */
+ * (-1: none) is the handle's first (and it is now reported), for PoolProbes.report; None for a
+ * kind the core does not count (the probe keeps those): one it does not report, a
+ * lock_order_cycle (each cycle is its own), a double_free about no block (a refused second
+ * free, counted by request). */
 static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     const char *kind;
     long block;
@@ -573,12 +572,12 @@ static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(first);
 }
 
-/* -- magic: record checksums (probing.py check_records) --------------------------------------- */
+/* -- magic: record checksums ------------------------------------------------------------------ */
 
 /* Block b's record, about to be saved and changed, is checked against its checksum (once per
  * transaction: an operation may change a record in steps and save it again). One that does
  * not match (something outside the allocator wrote it) is a block_header_corrupt finding, as
- * the record reads now, reported when the transaction commits (probing.check_records); the
+ * the record reads now, reported when the transaction commits; the
  * operation goes on and reseals it. OK, or ERROR with an exception set. */
 static int record_sealed(Native *n, int64_t b) {
     if (n->checked == NULL &&
@@ -597,11 +596,11 @@ static int record_sealed(Native *n, int64_t b) {
                                               "overwritten outside the allocator"));
 }
 
-/* probing.conservation, counted here under the free lock: the ring holds exactly the free
- * (and quarantined) blocks, this client's local cache exactly its LOCAL blocks; a
- * free_list_corrupt finding (the first difference) when not. Nothing while a Python-path
- * operation has the journal open (the next check counts). Run by the gate, before the call's
- * operation: the op mutex a wait took is let go again. OK, or ERROR with an exception set. */
+/* Conservation (as probing.py conservation counts it), counted here under the free lock: the
+ * ring holds exactly the free (and quarantined) blocks, this client's local cache exactly its
+ * LOCAL blocks; a free_list_corrupt finding (the first difference) when not. Run by the gate,
+ * before the call's operation: the op mutex a wait took is let go again. OK, or ERROR with an
+ * exception set. */
 static int conservation(Native *n) {
     int mh = n->mutex_held;
     int rc = txn_begin(n, lock_bit(n->lock_free));
@@ -635,7 +634,7 @@ static int conservation(Native *n) {
     return rc;
 }
 
-/* probing._verify: the header's checked bytes (up to and with its checksum) changed since
+/* The header's checked bytes (up to and with its checksum) changed since
  * this handle attached: a header_corrupt finding naming the first byte that differs, its
  * field, and 8 bytes found and expected from there (byte -1, "?", when only the checksum
  * differs). OK, or ERROR with an exception set. */
@@ -673,8 +672,9 @@ static int header_changed(Native *n) {
     return rc;
 }
 
-/* probing.verify_often: the header (and, with the leaks probe, conservation) at most every
- * VERIFY_EVERY_S, on one clock for the handle (the Python path asks here too: N_verify_often).
+/* The magic probe's periodic check: the header (and, with the leaks probe, conservation) at
+ * most every VERIFY_EVERY_NS, on one clock for the handle (the gate's, and N_verify_often's
+ * between operations).
  * The header's checked bytes are compared with the copy taken when the handle attached
  * (probes_init). OK, or ERROR with an exception set. */
 static int verify_often(Native *n, PyObject *pool) {
@@ -690,7 +690,7 @@ static int verify_often(Native *n, PyObject *pool) {
     return n->probes & P_LEAKS ? conservation(n) : OK;
 }
 
-/* -- leaks (probing.py before_release / after_release, writes.py _check_unmapped) ------------- */
+/* -- leaks ------------------------------------------------------------------------------------ */
 
 /* The scratch counts per block, new for one check: a count is valid only where its stamp is
  * this check's, so no pass is needed to clear them afterwards. 0, or -1 without memory. */
@@ -817,7 +817,7 @@ static PyObject *request_text(const char *b) {
     return PyUnicode_DecodeUTF8(b, (Py_ssize_t)strnlen(b, REQUEST_BYTES), "replace");
 }
 
-/* writes._stale_finding for each block of ids a live table maps, the first time it is found,
+/* A use_after_free finding for each block of ids a live table maps, the first time it is found,
  * in the order of the tables (by slot) and their entries. OK, or ERROR. */
 static int stale_findings(Native *n, const int32_t *ids, int64_t k, const char *request) {
     PyObject *taker = request_text(request);
@@ -856,10 +856,10 @@ static int stale_findings(Native *n, const int32_t *ids, int64_t k, const char *
     return rc;
 }
 
-/* writes._check_unmapped: no live sequence (of any process) maps a block about to be handed
- * out to `request`. A block one does map is a use_after_free finding, naming the sequence
- * (its request and pid: the first that maps it, by slot) and the block's allocation site,
- * reported when the operation commits (stale_findings). OK, or ERROR with an exception set. */
+/* No live sequence (of any process) maps a block about to be given to `request`. A block one
+ * does map is a use_after_free finding, naming the sequence (its request and pid: the first
+ * that maps it, by slot) and the block's allocation site, reported when the operation commits
+ * (stale_findings). OK, or ERROR with an exception set. */
 static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *request) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
     if (maybe_live_sync(n)) {
@@ -955,7 +955,7 @@ static int report_leaked(Native *n, PyObject *request) {
     return OK;
 }
 
-/* -- lockdep (probes/lockdep.py LockDep.before) ---------------------------------------------- */
+/* -- lockdep (probes/lockdep.py LockDep) ------------------------------------------------------ */
 
 /* Where the segment's lock-order graph and findings ring lie and how their records read
  * (native.py probe_layout, from layout.py's LOCKGRAPH_DTYPE and FINDING_DTYPE), each lock's

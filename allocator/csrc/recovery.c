@@ -47,7 +47,7 @@ static int proc_alive(int32_t pid, uint64_t start) {
     return strtoull(p, NULL, 10) == start;
 }
 
-/* A dead client as found (recovery.find_dead): its record and the identity of the dead
+/* A dead client as found (recovery.py find_dead): its record and the identity of the dead
  * process attached in it then. */
 typedef struct {
     int64_t client;
@@ -346,7 +346,7 @@ static int step_drop_tail(Native *n, const DeadRec *d, void *arg) {
     if (drop_refs(n, ids, m, wall_ns(), zero, &nz) || ring_push(n, zero, nz) ||
         write_blocks(n, slot, keep, NULL, 0))
         return UNHANDLED;
-    if (keep == 0) { /* SeqTable.release of a slot no reserve of ours holds */
+    if (keep == 0) { /* the slot back to the table: no reserve of ours holds it */
         if (jsave_head(n, slot)) return UNHANDLED;
         s[SF_RESERVED] = 0;
         s[SF_STATE] = S_EMPTY;
@@ -498,7 +498,7 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
 /* -- entry points ------------------------------------------------------------------------------- */
 
 /* The recovery entry points run whatever the handle's probes (no events, checks or hooks of
- * theirs: the Python path ran none either), on a handle that is open. */
+ * theirs), on a handle that is open. */
 static int recovery_enter(Native *n) {
     if (n->seg == NULL) {
         PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError, "the pool is closed");
@@ -517,16 +517,15 @@ static PyObject *recovery_leave(Native *n, PyObject *result) {
 static int lock_answer(int rc) {
     if (rc == UNHANDLED && !PyErr_Occurred())
         PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
-                        "recovery: a step outgrew the undo journal, or a Python-path operation "
-                        "has this client's journal open");
+                        "recovery: a step outgrew the undo journal");
     return rc;
 }
 
-/* reclaim_dead(said) -> (totals, done): return every dead client's blocks (recovery.py
- * reclaim_dead's totals {processes, sequences, blocks}); `done`: one entry per dead process
- * this call acted on: pid, sequences, blocks, journal entries rolled back (`skipped`: why its
- * journal could not be trusted and was not), and whether this call reclaimed it (`detached`)
- * or another reclaimer finished it. A process reclaimed with something held gets a
+/* reclaim_dead(said) -> (totals, done): return every dead client's blocks
+ * (KVPool.reclaim_dead's totals {processes, sequences, blocks}); `done`: one entry per dead
+ * process this call acted on: pid, sequences, blocks, journal entries rolled back (`skipped`:
+ * why its journal could not be trusted and was not), and whether this call reclaimed it
+ * (`detached`) or another reclaimer finished it. A process reclaimed with something held gets a
  * `leak_dead_owner` finding unless it is among `said` (pids whose own exit recorded what they
  * held: the same cause). */
 static PyObject *N_reclaim_dead(Native *n, PyObject *said) {
@@ -705,9 +704,9 @@ static PyObject *N_detach(Native *n, PyObject *unused) {
     return recovery_leave(n, rc == OK ? Py_NewRef(Py_None) : NULL);
 }
 
-/* mark_repaired(pids, kinds) -> [ring position]: mark the ring's findings of `kinds` about
- * the processes `pids` as repaired (recovery.clear_repaired: after a repair returned what they
- * held), under the findings lock, journaled; the positions marked. */
+/* mark_repaired(pids, kinds) -> [ring position]: mark the ring's findings of `kinds` about the
+ * processes `pids` as repaired (after a repair returned what they held), under the findings
+ * lock, journaled; the positions marked. */
 static PyObject *N_mark_repaired(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "mark_repaired(pids, kinds: tuple)");

@@ -1,5 +1,5 @@
 /* Sequences: reading their fields and arguments, slot claims from the reserve, table
- * writes (sequence.py). Part of _native.c. */
+ * writes. Part of _native.c. */
 
 /* -- argument helpers ------------------------------------------------------------------------- */
 
@@ -28,7 +28,7 @@ static int append_new(PyObject *list, PyObject *item) {
 }
 
 /* Token ids list[start:start + n] (ints) into `out` (int32, as the records store them);
- * UNHANDLED on anything else (Python raises its own error). */
+ * UNHANDLED on anything else (the caller raises: seq_changed). */
 static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = PyList_GET_ITEM(list, start + i);
@@ -95,7 +95,7 @@ static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_
 
 
 /* End of a call: give back the op mutex if waiting for a lock (or the K/V checks) made it take
- * it. An exception already raised (a handback's) is kept across the call to release(): a call
+ * it. An exception already raised is kept across the call to release(): a call
  * made with one pending fails, and clearing that failure would lose it. */
 static void drop_mutex(Native *n) {
     if (!n->mutex_held) return;
@@ -138,13 +138,12 @@ static PyObject *unhandled_at(Native *n, const char *where, int line) {
 
 /* -- the slot reserve ---------------------------------------------------------------------- */
 
-/* This process's reserve of sequence slots (SeqTable's docstring): the core owns it (n->res,
- * n->id_next/id_end); the Python path claims and releases through reserve_claim and
- * reserve_release. reserve_ready refills it when empty and gives a batch back when full, each
- * in a transaction of its own under the seqs lock, before an operation that claims or releases
- * a slot, so that the operation itself needs neither. */
+/* This process's reserve of sequence slots (docs/FORMAT.md "Slot reserves"): the core owns it
+ * (n->res, n->id_next/id_end). reserve_ready refills it when empty and gives a batch back when
+ * full, each in a transaction of its own under the seqs lock, before an operation that claims
+ * or releases a slot, so that the operation itself needs neither. */
 
-/* SeqTable.can_release_locally: a slot released (after `taking` more are claimed from the
+/* Whether a slot released (after `taking` more are claimed from the
  * reserve) goes back to the reserve, not to the table. */
 static inline int reserve_keeps(Native *n, int64_t slot, int64_t taking) {
     uint8_t *s = seqrec(n, slot);
@@ -160,7 +159,7 @@ static inline int reserve_due(Native *n, int claiming) {
     return n->res_n >= 2 * n->slot_batch;
 }
 
-/* The refill's journaled writes (SeqTable._refill, seqs lock held): a batch of EMPTY slots no
+/* The refill's journaled writes (seqs lock held): a batch of EMPTY slots no
  * process reserves, cyclically from res_hint, marked reserved by this process, into got[]
  * (*ngot: none when the table has none: the claim then takes the table's own way and reports
  * a full one), and, when the ids are out, the header's next SEQ_ID_BATCH ids (*first). */
@@ -191,7 +190,7 @@ static int reserve_fill(Native *n, int32_t *got, int64_t *ngot, uint64_t *first)
     return OK;
 }
 
-/* The trim's journaled writes (SeqTable.trim, seqs lock held): the batch claims would take
+/* The trim's journaled writes (seqs lock held): the batch claims would take
  * last (the reserve's start) back to the table. */
 static int reserve_trim(Native *n) {
     for (int64_t i = 0; i < n->slot_batch; i++) {
@@ -204,8 +203,8 @@ static int reserve_trim(Native *n) {
 /* reserve_ready(pool, claiming) -> bool: the reserve refilled (claiming) or trimmed (not) when
  * due, in a transaction of its own under the seqs lock (waited for, a dead holder recovered:
  * txn_begin) and the handle's op mutex (waited for: another thread's operation first). False,
- * with nothing done, where this thread is inside an operation of the handle already (a
- * Python-path one, or Python the core called: its locks and journal are that operation's) or
+ * with nothing done, where this thread is inside an operation of the handle already (in
+ * Python the core called: its locks and journal are that operation's) or
  * the refill would outgrow the journal: the claim then takes the table's own way, under the
  * seqs lock.
  * PoolError on a closed handle or another process's (entry.c unusable): the operation it
@@ -266,8 +265,7 @@ out:
     return PyBool_FromLong(rc == OK);
 }
 
-/* reserve_state() -> (slots, next_id, end_id): the reserve as it is (a read: the Python path
- * puts it back with reserve_restore when its transaction rolls back). */
+/* reserve_state() -> (slots, next_id, end_id): the reserve as it is (a read, for tests). */
 static PyObject *N_reserve_state(Native *n, PyObject *unused) {
     PyObject *slots = PyTuple_New(n->res_n);
     if (slots == NULL) return NULL;
@@ -276,7 +274,7 @@ static PyObject *N_reserve_state(Native *n, PyObject *unused) {
                          (unsigned long long)n->id_end);
 }
 
-/* A sequence slot being claimed (SeqTable.claim): from this process's reserve, or, on a pool
+/* A sequence slot being claimed: from this process's reserve, or, on a pool
  * too small for reserves or when its reserve is empty (the table had no slot for it), the
  * lowest empty slot of the table under the seqs lock (`direct`). */
 typedef struct {
@@ -298,8 +296,8 @@ static void claim_plan(Native *n, Claim *c, uint64_t *locks) {
 }
 
 /* Inside the transaction, a direct claim: the lowest EMPTY slot no process reserves
- * (SeqTable.claim without a reserve), and the header's next sequence id (_take_ids). ERROR
- * (SeqTable's PoolError) when the table is full, UNHANDLED when the journal is. */
+ * (a claim without a reserve), and the header's next sequence id. ERROR (a PoolError) when
+ * the table is full, UNHANDLED when the journal is. */
 static int claim_take(Native *n, Claim *c) {
     if (!c->direct) return OK;
     int64_t found = -1, held = 0;
@@ -332,7 +330,7 @@ static int claim_done(Native *n, const Claim *c) {
     return OK;
 }
 
-/* SeqTable.claim's record writes (the slot is reserved by this client). */
+/* A claim's record writes (the slot is reserved by this client). */
 static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *request,
                        uint64_t now, int32_t site) {
     uint8_t *s = seqrec(n, slot);
@@ -352,7 +350,7 @@ static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *req
     return OK;
 }
 
-/* SeqTable.write_blocks (its PoolError past max_blocks_per_seq) */
+/* Table entries [start, start + k) of `slot` written (a PoolError past max_blocks_per_seq) */
 static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *ids, int64_t k) {
     if (start + k > n->max_bps)
         return pool_error("sequence needs %lld blocks but PoolConfig.max_blocks_per_seq is %lld",
@@ -369,7 +367,7 @@ static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *i
     return OK;
 }
 
-/* reserve.fill: token ids at positions [first, first + k) of the table's blocks. */
+/* Token ids at positions [first, first + k) of the table's blocks. */
 static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *toks, int64_t k) {
     int64_t pos = first, i = 0;
     while (i < k) {
@@ -382,7 +380,7 @@ static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *
     }
 }
 
-/* sequence.request_bytes of a str: its UTF-8, truncated to 32 bytes, zero-padded. */
+/* A request id's 32 bytes: its str's UTF-8, truncated to 32 bytes, zero-padded. */
 static int request_of(PyObject *rid, char *out) {
     Py_ssize_t len;
     const char *u = PyUnicode_AsUTF8AndSize(rid, &len);
@@ -406,7 +404,7 @@ static int64_t slot_arg(Native *n, PyObject *o) {
 }
 
 /* live() -> {slot: Sequence}: a copy of the handle's live sequences, in the order they were
- * entered (the leaks probe, close, preemption's Python path read it). */
+ * entered (the leaks probe and close read it). */
 static PyObject *N_live(Native *n, PyObject *unused) {
     (void)unused;
     return PyDict_Copy(n->seqs);
