@@ -57,17 +57,12 @@ class PoolExhausted(PoolError):
 
 
 class JournalFull(PoolError):
-    """An operation's writes outgrow the undo journal (it is rolled back).
+    """An operation's writes outgrow the undo journal (it is rolled back, nothing changed).
 
-    `evicting`: the cached blocks the operation was evicting when it ran out of room. The
-    runner (runner.py) then evicts that many in transactions of their own, sized to the
-    journal, and runs the operation again; with none, the error stands. The C core raises it
-    (with none) where even its smallest transaction does not fit (csrc/journal.c).
+    The C core raises it where even its smallest transaction does not fit (csrc/journal.c): a
+    `fork` of a table longer than one transaction's journal holds. Anything else that outgrows
+    the journal the core evicts or preempts ahead, or splits into smaller transactions.
     """
-
-    def __init__(self, message: str, evicting: int = 0):
-        super().__init__(message)
-        self.evicting = evicting
 
 
 class LockDeadlock(PoolError):

@@ -182,7 +182,7 @@ def check_at_exit() -> dict[str, Any]:
         if pool._closed or pool.pid != me:
             continue
         seqs, held = report_held(pool, "the process exited")
-        # The local cache is not a leak: hand it back before looking for orphans.
+        # The local cache is not a leak: flush it to the free ring before looking for orphans.
         pool._flush_local()
         mine = report_checked(pool)
         orphans = sum(1 for f in mine if f.kind == FindingKind.LEAK_ORPHAN)

@@ -33,7 +33,7 @@ from kvscope.allocator.waits import wait_word
 from tests.forking import fork_child, wait_child
 
 
-def _handed(pool: KVPool) -> int:
+def _unhandled(pool: KVPool) -> int:
     return pool._core.stats()["unhandled"]
 
 
@@ -105,7 +105,7 @@ def test_a_take_whose_shards_changed_before_its_locks_runs_again_under_every_sha
     os.close(go_r)
     os.close(done_w)
     assert os.read(done_r, 1) == b"r"
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     home = pool.SHARDS[s_home]
     acquires = pool.view.locks["num_acquires"][pool.SHARDS].copy()
     # WHEN a prompt hitting p's first block and needing two new blocks plans its locks (the ring
@@ -141,7 +141,7 @@ def test_a_take_whose_shards_changed_before_its_locks_runs_again_under_every_sha
     seq = got["seq"]
     assert seq.block_table[0] == p.block_table[0] and len(seq.block_table) == 3
     assert seq.num_cached_tokens == bs
-    assert _handed(pool) == handed
+    assert _unhandled(pool) == unhandled
     grown = pool.view.locks["num_acquires"][pool.SHARDS] - acquires
     assert (grown >= 1).all(), grown
     assert pool.stats()["num_evictions"] >= 2
@@ -191,7 +191,7 @@ def test_an_eviction_the_journal_cannot_hold_is_evicted_ahead_by_the_core(
     _cache(pool, 136, 100)
     _hold_free(pool)
     assert pool.stats()["num_cached"] == 136
-    handed, txns, evicted = _handed(pool), _txns(pool), pool.stats()["num_evictions"]
+    unhandled, txns, evicted = _unhandled(pool), _txns(pool), pool.stats()["num_evictions"]
     # WHEN the operation needs 128 blocks at once
     if op == "allocate":
         seq = pool.allocate("big", [5] * (128 * bs))
@@ -209,8 +209,8 @@ def test_an_eviction_the_journal_cannot_hold_is_evicted_ahead_by_the_core(
         assert target.block_table[-1 - 127] == copies[0][1] != last
         assert len(target.block_table) == 129
     # THEN the core evicted them ahead, in transactions of their own, and ran it again: more
-    # than one transaction, nothing handed back, every block evicted is accounted for
-    assert _handed(pool) == handed
+    # than one transaction, nothing unhandled, every block evicted is accounted for
+    assert _unhandled(pool) == unhandled
     assert _txns(pool) - txns >= 3
     assert pool.stats()["num_evictions"] - evicted >= 128 - 1
     assert pool.check() == []
@@ -255,7 +255,7 @@ def test_a_long_prompt_append_and_publish_are_one_call_into_the_core_each(
     pool = make_pool(3 * blocks + 16, block_size=bs, max_seqs=64, max_blocks_per_seq=600)
     pool.free(pool.allocate("warm", [1]))
     monkeypatch.setattr(KVPool, "append", lambda *a: pytest.fail("KVPool.append ran"))
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     core = pool._core = _Calls(pool._core)
     # WHEN a prompt of more than two CHUNKs of blocks is allocated
     toks = _prompt(7, blocks, bs)
@@ -281,7 +281,7 @@ def test_a_long_prompt_append_and_publish_are_one_call_into_the_core_each(
     assert a.tokens == toks + more and len(a.block_table) == -(-len(a.tokens) // bs)
     pool.free(a)
     pool.free(b)
-    assert _handed(pool) == handed
+    assert _unhandled(pool) == unhandled
     st = pool.stats()
     assert st["num_allocated"] == 0 and st["num_sequences"] == 0
     assert pool.check() == []
@@ -298,13 +298,13 @@ def test_a_long_resume_is_one_call_into_the_core(make_pool, monkeypatch):
     st = pool.stats()
     pool.free(pool.allocate("x", [4] * ((st["num_free"] + st["num_local"] + 1) * bs)))
     assert waiting.state == "preempted"
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     core = pool._core = _Calls(pool._core)
     # WHEN it is resumed
     assert pool.resume(waiting) == 0
     # THEN one call allocated every block in a new slot (the rest appended, the old slot
     # released after them), and it runs again there
-    assert core.calls["resume"] == 1 and _handed(pool) == handed
+    assert core.calls["resume"] == 1 and _unhandled(pool) == unhandled
     assert waiting.state == "running" and waiting.slot != old
     assert len(waiting.block_table) == 2 * CHUNK + 20
     assert int(pool.view.seqs["num_blocks"][waiting.slot]) == 2 * CHUNK + 20
@@ -328,12 +328,12 @@ def test_a_long_resume_that_runs_short_stays_preempted(make_pool, monkeypatch):
     pool.free(pool.allocate("x", [4] * ((st["num_free"] + st["num_local"] + 1) * bs)))
     assert waiting.state == "preempted"
     keep = pool.allocate("keep", [5] * (3 * CHUNK - CHUNK - 40) * bs)
-    handed, before = _handed(pool), pool.stats()
+    unhandled, before = _unhandled(pool), pool.stats()
     # WHEN it is resumed THEN the pool is exhausted, what was taken is given back, and the
     # sequence is still preempted in its slot, as it was
     with pytest.raises(PoolExhausted):
         pool.resume(waiting)
-    assert _handed(pool) == handed
+    assert _unhandled(pool) == unhandled
     assert waiting.state == "preempted" and waiting.slot == old and waiting.block_table == []
     assert int(pool.view.seqs["state"][old]) == SeqState.PREEMPTED
     st = pool.stats()
@@ -345,19 +345,17 @@ def test_a_long_resume_that_runs_short_stays_preempted(make_pool, monkeypatch):
     assert pool.resume(waiting) == 0 and len(waiting.block_table) == CHUNK + 60
 
 
-def test_a_table_no_transaction_can_fork_raises_journal_full_as_the_python_path(
-    make_pool, monkeypatch
-):
+def test_a_table_no_transaction_can_fork_raises_journal_full(make_pool, monkeypatch):
     # GIVEN blocks of 256 tokens, whose records (1,216 bytes) the journal holds 80 of
     bs = 256
     pool = make_pool(256, block_size=bs, max_blocks_per_seq=256)
     seq = pool.allocate("long", list(range(100 * bs)))
-    handed, before = _handed(pool), pool.stats()
+    unhandled, before = _unhandled(pool), pool.stats()
     # WHEN a sequence of 100 blocks is forked (one transaction, as fork.py's)
-    # THEN the core raises the Python path's JournalFull, with nothing changed
+    # THEN the core raises JournalFull, with nothing changed
     with pytest.raises(JournalFull, match="operation too large for the undo journal"):
         pool.fork(seq, "child")
-    assert _handed(pool) == handed and pool.stats() == before and pool.check() == []
+    assert _unhandled(pool) == unhandled and pool.stats() == before and pool.check() == []
 
 
 # -- a corrupt cached block, guard mode's preemption ----------------------------------------------
@@ -378,12 +376,12 @@ def test_a_cached_block_the_index_lacks_is_evicted_and_reported(make_pool, monke
     index["hash"][at] = 0
     index["block"][at] = -1
     _hold_free(pool)
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     # WHEN an allocation must evict it
     seq = pool.allocate("t", [4] * bs)
     # THEN the core evicts it all the same (nothing could hit it) and reports the record, as
     # check() counts it
-    assert seq.block_table == [blk] and _handed(pool) == handed
+    assert seq.block_table == [blk] and _unhandled(pool) == unhandled
     found = [f for f in read_findings(pool.view) if f.kind == "refcount_mismatch"]
     assert [f.block for f in found] == [blk]
     assert "prefix index has no entry" in found[0].message
@@ -401,13 +399,13 @@ def test_guard_mode_preempts_in_the_core(make_pool, monkeypatch, layers):
     pool.kv[:, :, table, :bs] = 1.0
     pool.set_state(waiting, "waiting")
     held = _hold_free(pool)
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     # WHEN a request needs two blocks
     seq = pool.allocate("new", [7] * (2 * bs))
     # THEN the core preempted the waiting one as guard mode releases: its freed blocks pushed
     # to the ring's tail quarantined, their token slots poisoned at the commit; the ring was
-    # empty, so the request took the first two, which are not poisoned (as on the Python path)
-    assert waiting.state == "preempted" and _handed(pool) == handed
+    # empty, so the request took the first two, which are not poisoned
+    assert waiting.state == "preempted" and _unhandled(pool) == unhandled
     assert seq.block_table == table[:2]
     rest = table[2:]
     b = pool.view.blocks
@@ -421,16 +419,16 @@ def test_guard_mode_preempts_in_the_core(make_pool, monkeypatch, layers):
         pool.free(s)
 
 
-# -- errors the Python path raised, raised by the core ---------------------------------------------
+# -- errors the core raises ------------------------------------------------------------------------
 
 
-def test_a_full_sequence_table_is_the_python_paths_pool_error(make_pool, monkeypatch):
+def test_a_full_sequence_table_is_a_pool_error(make_pool, monkeypatch):
     # GIVEN a table of 4 slots (too small for slot reserves: each claim takes the lowest empty
     # slot), all live
     pool = make_pool(64, block_size=4, max_seqs=4)
     for i in range(4):
         pool.allocate(f"s{i}", [i + 1] * 5)
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     # WHEN one more is allocated or forked THEN the core raises SeqTable's error, unchanged
     want = (
         "sequence table full: 4 live sequences and 0 empty slots reserved by attached processes "
@@ -442,13 +440,13 @@ def test_a_full_sequence_table_is_the_python_paths_pool_error(make_pool, monkeyp
     with pytest.raises(PoolError) as e:
         pool.fork(next(iter(pool.live().values())), "fork")
     assert str(e.value) == want
-    assert _handed(pool) == handed and pool.check() == []
+    assert _unhandled(pool) == unhandled and pool.check() == []
 
 
-def test_a_sequence_past_max_blocks_per_seq_is_the_python_paths_pool_error(make_pool, monkeypatch):
+def test_a_sequence_past_max_blocks_per_seq_is_a_pool_error(make_pool, monkeypatch):
     pool = make_pool(64, block_size=4, max_blocks_per_seq=6)
     seq = pool.allocate("s", [1] * 20)
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     # WHEN it grows past 6 blocks THEN the core raises SeqTable's error, the sequence unchanged
     with pytest.raises(
         PoolError, match="^sequence needs 7 blocks but PoolConfig.max_blocks_per_seq is 6$"
@@ -457,13 +455,13 @@ def test_a_sequence_past_max_blocks_per_seq_is_the_python_paths_pool_error(make_
     assert len(seq.tokens) == 20 and len(seq.block_table) == 5
     with pytest.raises(PoolError, match="a prompt of 25 tokens needs 7 blocks"):
         pool.allocate("long", [3] * 25)
-    assert _handed(pool) == handed and pool.check() == []
+    assert _unhandled(pool) == unhandled and pool.check() == []
 
 
 def test_a_sequence_changed_outside_the_pool_is_a_pool_error(make_pool, monkeypatch):
     pool = make_pool(64, block_size=4)
     seq = pool.allocate("s", [1] * 9)
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     # WHEN its block table names a block outside the pool THEN the core refuses it in one line
     seq.block_table[-1] = 10_000
     for op in (
@@ -473,7 +471,7 @@ def test_a_sequence_changed_outside_the_pool_is_a_pool_error(make_pool, monkeypa
     ):
         with pytest.raises(PoolError, match="block table was changed outside the pool"):
             op()
-    assert _handed(pool) == handed
+    assert _unhandled(pool) == unhandled
 
 
 # -- the op mutex another thread holds ------------------------------------------------------------
@@ -526,7 +524,7 @@ def test_a_check_that_needs_the_op_mutex_another_thread_holds_waits_for_it(make_
     mutex = pool._mutex
     assert mutex is made[0]
     seq = pool.allocate("s", list(range(9)))
-    handed = _handed(pool)
+    unhandled = _unhandled(pool)
     held, done = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -543,9 +541,9 @@ def test_a_check_that_needs_the_op_mutex_another_thread_holds_waits_for_it(make_
     got = pool.mark_computed(seq, 9)
     t.join()
     # THEN the core was refused the mutex, rolled back, waited for it (no pool lock held) and
-    # ran the publication again: both blocks published, nothing handed back
+    # ran the publication again: both blocks published, nothing unhandled
     assert done.is_set() and mutex.refused == 1
-    assert got == 2 and seq.num_published == 2 and _handed(pool) == handed
+    assert got == 2 and seq.num_published == 2 and _unhandled(pool) == unhandled
     pool.probe.writes.settle(wait=True)
     b = pool.view.blocks
     assert integrity.has_digest(b, np.asarray(seq.block_table[:2])).all()
@@ -565,8 +563,8 @@ def test_digests_more_than_the_journal_holds_are_written_in_several_transactions
     pool.probe.writes.later.settling = True  # (left waiting until the settle below)
     assert pool.mark_computed(seq, 120 * bs) == 120
     pool.probe.writes.later.settling = False
-    handed = _handed(pool)
-    # WHEN their answers are applied THEN every digest is written, nothing handed back
+    unhandled = _unhandled(pool)
+    # WHEN their answers are applied THEN every digest is written, nothing unhandled
     pool.probe.writes.settle(wait=True)
     assert integrity.has_digest(pool.view.blocks, np.asarray(seq.block_table)).all()
-    assert _handed(pool) == handed and pool.check() == []
+    assert _unhandled(pool) == unhandled and pool.check() == []
