@@ -58,7 +58,7 @@ class DeviceChecks:
         self.pool = pool
         self.flags = flags
         self.cuda = self.pool.kv.device.type == "cuda"
-        self.core: Any = self.pool._core
+        self.core: Any = self.pool.core
         self.settling = False
         self._configure()
 
@@ -95,7 +95,7 @@ class DeviceChecks:
         else:
             config["cuda"] = False
         config.update(ring=ring, ring_ptr=ring.data_ptr())
-        with pool._mutex:
+        with pool.op_mutex:
             if core.device_stats() is not None:
                 # probes set again on the handle: what the last queue holds is applied first
                 # (the core takes one configuration at a time)
@@ -153,10 +153,9 @@ class DeviceChecks:
             return
         # Under the handle's op mutex, as the checks were queued (inside the core's operations):
         # two threads never take the same answer, nor one half-queued.
-        with self.pool._mutex:
+        with self.pool.op_mutex:
             self._settle(wait, most)
-        if self.pool._found:
-            self.pool._hand_findings()
+        self.pool.deliver_findings()
 
     def settle_overdue(self) -> None:
         """Between operations, where more than MAX_PENDING answers wait: `settle`, waiting for
@@ -178,11 +177,10 @@ def for_pool(pool: PoolHandle, flags: ProbeFlags) -> DeviceChecks | None:
     applied and let go."""
     if (flags.digest or flags.guard) and (pool.kv.device.type == "cuda" or DEFERRED_ON_CPU):
         return DeviceChecks(pool, flags)
-    core = pool._core
+    core = pool.core
     if core.device_stats() is not None:
-        with pool._mutex:
+        with pool.op_mutex:
             core.device_take(pool, True, -1)
             core.device_checks(None)
-        if pool._found:
-            pool._hand_findings()
+        pool.deliver_findings()
     return None

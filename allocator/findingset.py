@@ -162,7 +162,7 @@ def recorded_findings(view: SegmentView) -> list[Finding]:
     if check_header(view):
         return []
     recorded = readable_findings(view)
-    # What `kvscope check --repair` answered (lifecycle.clear_repaired) is no longer a finding.
+    # What `kvscope check --repair` answered (KVPool.clear_repaired) is no longer a finding.
     recorded = [f for f in recorded if not f.extra.pop("repaired", False)]
     for f in recorded:
         f.extra["source"] = "recorded"

@@ -1,12 +1,12 @@
 """A pool handle as the modules below pool.py see it: what lifecycle.py, native.py, probing.py,
-writes.py, devicechecks.py, sites.py and faults.py use of a KVPool, as a Protocol. They take a
-handle typed by it, so that none of them imports pool.py, which imports them (no import cycle,
+writes.py, devicechecks.py, sites.py and faults.py use of a KVPool (its public members only; what
+the core shares with the handle, the handle hands to native.core_for), as a Protocol. They take
+a handle typed by it, so that none of them imports pool.py, which imports them (no import cycle,
 typing imports included: tests/test_imports.py). KVPool is the one class that has it."""
 
 from __future__ import annotations
 
 import threading
-from array import array
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -38,23 +38,19 @@ class PoolHandle(Protocol):
     probe: Any
     kv_events: Any
     reclaimed_at_attach: list[dict[str, Any]]
-    # the C core (native.core_for) and what the handle shares with it (KVPool.__init__)
-    _core: Any
-    _mf: Any
-    _mutex: threading.RLock
-    _overdue: array
-    _probe_bits: array
-    _found: list[int]
-    _uid: int
-    _closed: bool
+    # The mapping's op mutex: held by whatever calls the core outside an operation of KVPool's.
+    op_mutex: threading.RLock
 
     def __init__(self, name: str, mf: Any, view: SegmentView, kv: torch.Tensor, created: bool): ...
 
-    def _bind(self, client: int) -> None: ...
+    # the handle's C core (native.Native)
+    @property
+    def core(self) -> Any: ...
 
-    def _check_process(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
 
-    def _hand_findings(self) -> None: ...
+    def deliver_findings(self) -> None: ...
 
     def report(self, finding: Finding) -> None: ...
 

@@ -196,7 +196,7 @@ FINDING_DTYPE = np.dtype(
         ("time_ns", "<u8"),
         ("kind", "S24"),
         ("severity", "u1"),
-        # 1 once `kvscope check --repair` answered it (lifecycle.clear_repaired); readers skip it.
+        # 1 once `kvscope check --repair` answered it (KVPool.clear_repaired); readers skip it.
         ("repaired", "u1"),
         ("pad", "u1", (2,)),
         ("block", "<i4"),

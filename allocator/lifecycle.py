@@ -1,6 +1,7 @@
-"""A pool's life: create, attach, this process's client record, close, unlink, and reclaiming
-what dead processes left. The `KVPool` methods of the same names (pool.py) call these; close
-and reclaiming are the C core's (csrc/recovery.c)."""
+"""A pool's life: create, attach, this process's client record, what comes before a close,
+unlink, and reclaiming what dead processes left. The `KVPool` methods of the same names
+(pool.py) call these, through the handle's public members (allocator/handle.py PoolHandle);
+the detach and reclaiming are the C core's (csrc/recovery.c)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import numpy as np
 from kvscope.allocator import kvdata, ofd, recovery
 from kvscope.allocator.config import KVEventsConfig, PoolConfig, check_kv_events
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import REPAIRABLE_KINDS, Finding, repaired_findings
 from kvscope.allocator.header import config_from_header, init_segment, seal_header
 from kvscope.allocator.layout import COUNTER_FIELDS, ClientState, Layout, SegmentView
 from kvscope.allocator.probeflags import GUARD_SAMPLE_ENV, env_flag
@@ -145,12 +145,12 @@ def _start_kv_events(pool: PoolHandle, endpoint: str | KVEventsConfig) -> None:
     pool.kv_events = found[0].load()(pool, endpoint)
 
 
-def register_client(pool: PoolHandle) -> int:
-    """Claim a client record and bind the handle to it (`KVPool._bind`): a never-used one
-    first (dead ones stay for analysis), then a detached one; in a full table, one reclaimed
-    from a dead process (`_reclaim_for_attach`)."""
+def register_client(pool: PoolHandle, mf: Any, bind: Callable[[int], None]) -> int:
+    """Claim a client record of the pool mapped by `mf` and bind the handle to it with `bind`
+    (`KVPool._bind`): a never-used one first (dead ones stay for analysis), then a detached
+    one; in a full table, one reclaimed from a dead process (`_reclaim_for_attach`)."""
     c = pool.view.clients
-    with _file_lock(pool):
+    with _file_lock(mf, pool.view.offsets["clients"]):
         states = c["state"]
         empty = np.flatnonzero(states == ClientState.EMPTY)
         if len(empty) == 0:
@@ -158,7 +158,7 @@ def register_client(pool: PoolHandle) -> int:
         if len(empty):
             i = int(empty[0])
         else:
-            got = _reclaim_for_attach(pool)
+            got = _reclaim_for_attach(pool, bind)
             if got is None:
                 raise PoolError(
                     f"pool {pool.name!r} has {len(states)} attached processes, all alive "
@@ -184,11 +184,11 @@ def register_client(pool: PoolHandle) -> int:
             rec[f] = 0
         c["state"][i] = ClientState.ATTACHED
         # Bound once the record is this process's (its journal empty, as the parts read it).
-        pool._bind(i)
+        bind(i)
     return i
 
 
-def _reclaim_for_attach(pool: PoolHandle) -> int | None:
+def _reclaim_for_attach(pool: PoolHandle, bind: Callable[[int], None]) -> int | None:
     """Free a client record for a process attaching to a full client table: the index of a
     dead client's record, reclaimed and detached, with the handle bound to it; None when
     every attached process is alive. The caller holds the registration lock, so no other
@@ -201,9 +201,9 @@ def _reclaim_for_attach(pool: PoolHandle) -> int | None:
     first step rolls back). The handle then claims the record and binds to it again, as a
     process of its own: no second kind of core."""
     for d in recovery.find_dead(pool.view):
-        pool._bind(d.client)
-        with pool._mutex:  # (the mapping's op mutex, which another handle here may hold)
-            got = pool._core.reclaim_for_attach(d.pid, d.start, d.generation)
+        bind(d.client)
+        with pool.op_mutex:  # (the mapping's, which another handle here may hold)
+            got = pool.core.reclaim_for_attach(d.pid, d.start, d.generation)
         if got is not None:
             pool.reclaimed_at_attach.append({"pid": d.pid, **got, "detached": True})
             return d.client
@@ -214,24 +214,21 @@ def _reclaim_for_attach(pool: PoolHandle) -> int | None:
 
 
 @contextlib.contextmanager
-def _file_lock(pool: PoolHandle) -> Iterator[None]:
-    """A short exclusive section for client registration (a byte of the clients section)."""
-    tl = pool._mf.__dict__.setdefault("reg_lock", threading.Lock())
-    off = pool.view.offsets["clients"]
+def _file_lock(mf: Any, off: int) -> Iterator[None]:
+    """A short exclusive section for client registration (the byte at `off`, the clients
+    section's first, of the mapping `mf`)."""
+    tl = mf.__dict__.setdefault("reg_lock", threading.Lock())
     with tl:
-        ofd.lock(pool._mf.fd, off, 1, wait=True)
+        ofd.lock(mf.fd, off, 1, wait=True)
         try:
             yield
         finally:
-            ofd.unlock(pool._mf.fd, off, 1)
+            ofd.unlock(mf.fd, off, 1)
 
 
-def close(pool: P, hook: Callable[[P], None] | None) -> None:
-    """Detach (`KVPool.close`): `hook` sees the pool first (pool.CLOSE_HOOK), then this
-    process's local cache and slot reserve go back and the mapping is released."""
-    if pool._closed:
-        return
-    pool._check_process()
+def before_close(pool: P, hook: Callable[[P], None] | None) -> None:
+    """What `KVPool.close` does before the core detaches the handle: the probes' answers
+    settled, the KV-event publisher stopped, then `hook` sees the pool (pool.CLOSE_HOOK)."""
     if pool.probe is not None:
         pool.probe.writes.settle(wait=True)
     if pool.kv_events is not None:
@@ -240,14 +237,6 @@ def close(pool: P, hook: Callable[[P], None] | None) -> None:
         publisher.close_with(pool)
     if hook is not None:
         hook(pool)
-    with pool._mutex:
-        # The core's: an interrupted operation's journal rolled back, the local cache and the
-        # slot reserve returned, the counters folded into the header, the record detached.
-        pool._core.detach()
-        pool._closed = True
-    pool._core.close()
-    pool.view = None  # type: ignore[assignment]
-    release(pool._mf)
 
 
 def unlink(pool: P, hook: Callable[[P], None] | None) -> None:
@@ -265,24 +254,9 @@ def unlink(pool: P, hook: Callable[[P], None] | None) -> None:
 def reclaim_dead(pool: PoolHandle, done: list[dict[str, Any]] | None) -> dict[str, int]:
     """`KVPool.reclaim_dead`: the core's (csrc/recovery.c), with the processes whose own exit
     already recorded what they held (their reclaim writes no second finding)."""
-    pool._check_process()
-    with pool._mutex:
-        totals, got = pool._core.reclaim_dead(recovery.said_at_exit(pool.view))
+    with pool.op_mutex:
+        totals, got = pool.core.reclaim_dead(recovery.said_at_exit(pool.view))
     if done is not None:
         done.extend(got)
-    if pool._found:
-        pool._hand_findings()
+    pool.deliver_findings()
     return totals
-
-
-def clear_repaired(pool: PoolHandle, pids: set[int]) -> list[Finding]:
-    """After a repair returned what the dead processes `pids` held: mark the recorded findings
-    about their leaks and the locks they died holding as repaired (the core's transaction), so
-    that a repaired pool reads healthy (readers leave them out: allocator/findingset.py); the
-    findings marked."""
-    if not pids:
-        return []
-    pool._check_process()
-    with pool._mutex:
-        marked = pool._core.mark_repaired(pids, tuple(k.value for k in REPAIRABLE_KINDS))
-    return repaired_findings(pool.view, marked)

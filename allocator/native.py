@@ -179,9 +179,9 @@ def kv_layout(pool: PoolHandle) -> dict[str, Any]:
 
 def probe_layout(pool: PoolHandle) -> dict[str, Any]:
     """Where the core writes what its probes find and what Python reports (csrc/probes.c): the
-    lock-order graph, the findings ring with each kind's severity (1 error, 2 warning) and the
-    list the core leaves the ring positions of its findings in (`KVPool._found`), and the site
-    table."""
+    lock-order graph, the findings ring with each kind's severity (1 error, 2 warning), and the
+    site table (the list the core leaves its findings' ring positions in is `shared`'s:
+    core_for)."""
     lg, fd = LOCKGRAPH_DTYPE.fields, FINDING_DTYPE.fields
     h = pool.view.header.dtype.fields
     assert h is not None
@@ -207,7 +207,6 @@ def probe_layout(pool: PoolHandle) -> dict[str, Any]:
         "num_sites": NUM_SITES,
         "sites_used_at": h["num_sites_used"][1],
         "finding_severity": {k.value: 1 if s == ERROR else 2 for k, s in SEVERITY.items()},
-        "found": pool._found,
         "canary_message": integrity.CANARY_MESSAGE,
         "poison_message": integrity.POISON_MESSAGE,
         "modified_message": integrity.MODIFIED_MESSAGE,
@@ -224,8 +223,11 @@ FINDING_FIELDS = ("time_ns", "kind", "severity", "block", "owner_pid", "site", "
 MAX_SHARDS = 32
 
 
-def core_for(pool: PoolHandle) -> Any:
-    """The C core for one handle (every handle has one)."""
+def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
+    """The C core for one handle (every handle has one), on the pool's mapping `mf`. `shared`:
+    what the handle shares with it (KVPool._bind): `found` (the ring positions of the findings
+    it writes in a call), `uid`, `mutex` (the op mutex), `overdue` and `probe_bits` (the light
+    probes the core runs itself: probing.PoolProbes.native_bits)."""
     if len(pool.locks.names) > 64:
         raise PoolError(
             f"pool {pool.name!r} has {pool.view.layout.num_shards} index shards; the core "
@@ -298,7 +300,6 @@ def core_for(pool: PoolHandle) -> Any:
         "start": pool.start,
         "journal_entries": JOURNAL_ENTRIES,
         "journal_bytes": JOURNAL_BYTES,
-        "uid": pool._uid,
         # (the handle's errors name the pool)
         "name": pool.name,
         "seq_type": Sequence,
@@ -311,10 +312,7 @@ def core_for(pool: PoolHandle) -> Any:
         "crash_armed": crash.ARMED,
         "crash_points": tuple(crash.CRASH_POINTS),
         "off_num_blocks": view.header.dtype.fields["num_blocks"][1],
-        "mutex": pool._mutex,
-        "overdue": pool._overdue,
-        # The light probes the core runs itself (probing.PoolProbes.native_bits).
-        "probe_bits": pool._probe_bits,
+        **shared,
         "lock_classes": tuple(
             None if name in UNTRACED else lock_class(name) for name in pool.locks.names
         ),
@@ -324,4 +322,4 @@ def core_for(pool: PoolHandle) -> Any:
         **kv_layout(pool),
         **probe_layout(pool),
     }
-    return _native.Native(pool._mf.mm, pool._mf.fd, layout)
+    return _native.Native(mf.mm, mf.fd, layout)

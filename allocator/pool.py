@@ -1,7 +1,7 @@
 """KVPool: the shared paged KV pool, a binding of the C core (native.py, csrc/). Every public
 operation is a method here that makes one call into the core, which does the work on the
 segment: allocate, append, mark_computed, fork, free, abort, set_state, resume, evict (csrc/);
-create, attach, close, unlink and reclaim_dead are lifecycle.py's, whose writes past the
+create, attach, unlink and reclaim_dead are lifecycle.py's (close in part), whose writes past the
 client record are the core's too (csrc/recovery.c). The looking methods read the segment."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvscope.allocator import lifecycle, native
 from kvscope.allocator.check import check_view
 from kvscope.allocator.config import KVEventsConfig, PoolConfig
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import ERROR, read_findings
+from kvscope.allocator.findings import ERROR, REPAIRABLE_KINDS, read_findings, repaired_findings
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
@@ -29,6 +29,7 @@ from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
 from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ring_findings
 from kvscope.allocator.process import my_identity
 from kvscope.allocator.recovery import dead_owners
+from kvscope.allocator.segment import release
 from kvscope.allocator.sequence import Sequence
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
@@ -37,6 +38,8 @@ from kvscope.allocator.stats import pool_stats
 _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 # (the state as a plain int: numpy compares an IntEnum member at twice the cost)
 _ALLOCATED = int(BlockState.ALLOCATED)
+# The kinds of finding a repair answers, as the core's mark_repaired takes them.
+_REPAIRABLE = tuple(k.value for k in REPAIRABLE_KINDS)
 
 # What `allocate` and `append` take as tokens: the C core reads each kind itself
 # (csrc/tokens.c).
@@ -81,12 +84,14 @@ class KVPool:
         self._guard_tick = 0
         # The light probes the C core runs itself for this handle (PoolProbes.native_bits).
         self._probe_bits = array("q", [0])
-        # Ring positions of the findings the C core wrote in its last call (_hand_findings).
+        # Ring positions of the findings the C core wrote in its last call (deliver_findings).
         self._found: list[int] = []
         # One operation at a time per mapping (handles of one process on one pool share it and
         # its one open of the segment, whose OFD locks do not exclude each other): the core
-        # takes it while an operation waits for a pool lock (csrc/locks.c).
-        self._mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
+        # takes it while an operation waits for a pool lock (csrc/locks.c). Public: whatever
+        # calls the core outside an operation of its own holds it too (the probes' modules,
+        # lifecycle.py, probes/otel.py).
+        self.op_mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
         self._closed = False
         # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
         self.kv_events: Any = None
@@ -96,7 +101,7 @@ class KVPool:
         # Dead processes an attach to a full client table reclaimed (lifecycle.py).
         self.reclaimed_at_attach: list[dict[str, Any]] = []
         # (binds this handle to its client record: _bind)
-        lifecycle.register_client(self)
+        lifecycle.register_client(self, mf, self._bind)
         flags = ProbeFlags.from_env(int(view.h["flags"]))
         self.probe = PoolProbes(self, flags) if flags.any() else None
         for hook in OPEN_HOOKS:
@@ -115,6 +120,27 @@ class KVPool:
         # The C core runs every probe itself, from this word (lockdep's bit is lockdep's).
         bits = 0 if value is None else value.native_bits()
         self._probe_bits[0] = bits | (self._probe_bits[0] & NATIVE_LOCKDEP)
+
+    def trace_locks(self, on: bool) -> None:
+        """Have the C core trace this handle's locks for lockdep, or stop (lockdep's bit of
+        its probe word: probes/lockdep.py)."""
+        if on:
+            self._probe_bits[0] |= NATIVE_LOCKDEP
+        else:
+            self._probe_bits[0] &= ~NATIVE_LOCKDEP
+
+    @property
+    def core(self) -> Any:
+        """This handle's C core (native.Native). The probes' modules (probing.py,
+        devicechecks.py, writes.py, sites.py, probes/lockgraph.py) and lifecycle.py call it
+        for what is theirs: a call outside an operation holds `op_mutex`, and hands what the
+        core reported to `deliver_findings`."""
+        return self._core
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` detached this handle."""
+        return self._closed
 
     @property
     def guard_sample(self) -> int:
@@ -164,17 +190,36 @@ class KVPool:
         self.SHARDS = [self.locks.index(f"index.{i}") for i in range(n_shards)]
         self.FREE = self.locks.index("free")
         # The C core (native.py): before the probes, which configure their checks in it
-        # (devicechecks.py).
-        self._core = native.core_for(self)
+        # (devicechecks.py). It shares the handle's op mutex and these words with it.
+        shared = {
+            "found": self._found,
+            "uid": self._uid,
+            "mutex": self.op_mutex,
+            "overdue": self._overdue,
+            "probe_bits": self._probe_bits,
+        }
+        self._core = native.core_for(self, self._mf, shared)
 
     def close(self) -> None:
         """Detach: return this process's local cache and slot reserve, release the mapping."""
-        lifecycle.close(self, CLOSE_HOOK)
-
-    def _flush_local(self) -> None:
-        """Return this process's local cache to the free ring (the core's transaction)."""
+        if self._closed:
+            return
         self._check_process()
-        with self._mutex:
+        lifecycle.before_close(self, CLOSE_HOOK)
+        with self.op_mutex:
+            # The core's: an interrupted operation's journal rolled back, the local cache and the
+            # slot reserve returned, the counters folded into the header, the record detached.
+            self._core.detach()
+            self._closed = True
+        self._core.close()
+        self.view = None  # type: ignore[assignment]
+        release(self._mf)
+
+    def flush_local(self) -> None:
+        """Return this process's local cache of free blocks to the free ring (the core's
+        transaction), where the pool's other processes allocate them."""
+        self._check_process()
+        with self.op_mutex:
             self._core.flush_local()
 
     def unlink(self) -> None:
@@ -192,7 +237,20 @@ class KVPool:
 
         Safe while other processes reclaim too. `done`, when given, gets one entry per process
         this call acted on (lifecycle.reclaim_dead)."""
+        self._check_process()
         return lifecycle.reclaim_dead(self, done)
+
+    def clear_repaired(self, pids: set[int]) -> list:
+        """After a repair returned what the dead processes `pids` held: mark the recorded
+        findings about their leaks and the locks they died holding as repaired (the core's
+        transaction), so that a repaired pool reads healthy (readers leave them out:
+        allocator/findingset.py); the findings marked (`kvscope check --repair`)."""
+        if not pids:
+            return []
+        self._check_process()
+        with self.op_mutex:
+            marked = self._core.mark_repaired(pids, _REPAIRABLE)
+        return repaired_findings(self.view, marked)
 
     def _check_process(self) -> None:
         if self._closed:
@@ -235,7 +293,7 @@ class KVPool:
         # transaction, the rest appended, a transaction per CHUNK blocks' worth)
         seq = self._core.allocate(self, tokens, request_id)
         if self._found:
-            self._hand_findings()
+            self.deliver_findings()
         if guarded:
             # Sampled guard mode: this one is guarded (its release guards, poisons and
             # quarantines its blocks).
@@ -265,7 +323,7 @@ class KVPool:
         copies to perform first."""
         done = self._core.append(self, seq, tokens)
         if self._found:
-            self._hand_findings()
+            self.deliver_findings()
         if self._overdue[0]:
             self._settle_overdue()
         return done
@@ -275,7 +333,7 @@ class KVPool:
         # (the core's: a transaction per CHUNK blocks, the undo journal's bound)
         done = self._core.mark_computed(self, seq, num_tokens)
         if self._found:
-            self._hand_findings()
+            self.deliver_findings()
         if self._overdue[0]:
             self._settle_overdue()
         return done
@@ -294,7 +352,7 @@ class KVPool:
         self._reserve_ready(claiming=True)
         child = self._core.fork(self, seq, request_id)
         if self._found:
-            self._hand_findings()
+            self.deliver_findings()
         return child
 
     def free(self, seq: Sequence) -> None:
@@ -325,20 +383,20 @@ class KVPool:
             self._core.end(self, seq, final)
         finally:
             if self._found:
-                self._hand_findings()
+                self.deliver_findings()
 
     def set_state(self, seq: Sequence, state: str) -> None:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""
         self._core.set_state(self, seq, state)
         if self._found:
-            self._hand_findings()
+            self.deliver_findings()
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
         guarded = self._before_claim()
         cached = self._core.resume(self, seq)
         if self._found:
-            self._hand_findings()
+            self.deliver_findings()
         if guarded:
             self._core.guard(seq.slot)
         return cached
@@ -346,10 +404,10 @@ class KVPool:
     def evict(self, num_blocks: int) -> int:
         """Evict up to num_blocks CACHED blocks (LRU first) to the free ring; return how many."""
         self._check_process()
-        with self._mutex:
+        with self.op_mutex:
             done = self._core.evict(self, num_blocks)
         if self._found:
-            self._hand_findings()
+            self.deliver_findings()
         return done
 
     def block_table(self, seq: Sequence) -> list[int]:
@@ -401,9 +459,13 @@ class KVPool:
         )
         self._core.report(*args)
 
-    def _hand_findings(self) -> None:
+    def deliver_findings(self) -> None:
         """Hand what the C core reported in its last call to `on_finding`, read back from the
-        findings ring as every reader reads it (the core writes findings, calls no Python)."""
+        findings ring as every reader reads it (the core writes findings, calls no Python).
+        Internal, public for the modules that call `core` outside an operation of this class
+        (lifecycle.py, the probes' modules): each calls it after its call."""
+        if not self._found:
+            return
         found = self._found[:]
         self._found.clear()
         if self.on_finding is not None:

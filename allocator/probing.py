@@ -75,7 +75,7 @@ class PoolProbes:
         (its `first_report`); the finding is written into the ring by the core
         (`KVPool.report`)."""
         key = (f.kind, -1 if f.block is None else f.block, f.request if f.block is None else "")
-        first = self.pool._core.first_report(f.kind, key[1])
+        first = self.pool.core.first_report(f.kind, key[1])
         if first is None:
             first = key not in self.reported
             self.reported.add(key)
@@ -128,9 +128,8 @@ class PoolProbes:
         most every 10 ms (csrc/core.h VERIFY_EVERY_NS, a step's cadence): the core's own check on the core's clock
         (the one its operations keep: one check per interval), which reports what it finds
         itself."""
-        self.pool._core.verify_often(self.pool)
-        if self.pool._found:
-            self.pool._hand_findings()
+        self.pool.core.verify_often(self.pool)
+        self.pool.deliver_findings()
 
     def verify(self) -> list[Finding]:
         """Header magic, version and checksum against the bytes seen at attach (cheap); with

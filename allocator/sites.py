@@ -133,7 +133,7 @@ class SiteTable:
     def _intern(self, text: str) -> int:
         """The site table's id of `text`, added when new (-1: the table is full): the C core
         writes it, under the sites lock (waited for there, a dead holder of it recovered)."""
-        return self.pool._core.intern_site(text.encode()[:SITE_TEXT_BYTES])
+        return self.pool.core.intern_site(text.encode()[:SITE_TEXT_BYTES])
 
 
 def _raw(view, site: int) -> bytes | None:

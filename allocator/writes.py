@@ -43,8 +43,8 @@ class WriteProbes:
         if not self.guard or not seq.block_table:
             return
         pool = self.pool
-        with pool._mutex:  # (queued as the core queues its checks)
-            pool._core.unwritten(list(seq.block_table), len(seq.tokens) - 1, str(seq.request_id))
+        with pool.op_mutex:  # (queued as the core queues its checks)
+            pool.core.unwritten(list(seq.block_table), len(seq.tokens) - 1, str(seq.request_id))
 
     def settle(self, wait: bool = False) -> None:
         """The answers of the checks launched on the GPU that are in (all, with `wait`)."""

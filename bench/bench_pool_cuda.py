@@ -102,11 +102,11 @@ def main() -> None:
         print(f"{'operation':16s} {'probes off':>11s} {'kvscope run':>12s}   (host us, median)")
         for k in a:
             print(f"{k:16s} {a[k]:11.1f} {b[k]:12.1f}")
-        core = probed._core
+        core = probed.core
 
         def queue(kind: str, ids: list[int], when: str | None = None) -> None:
             """One check of the core's queue, as an operation of the core launches it."""
-            with probed._mutex:
+            with probed.op_mutex:
                 core.device_queue(kind, ids, when)
 
         checks = [

@@ -179,11 +179,11 @@ def check_at_exit() -> dict[str, Any]:
     out: dict[str, Any] = {}
     me = os.getpid()
     for pool in _pools:
-        if pool._closed or pool.pid != me:
+        if pool.closed or pool.pid != me:
             continue
         seqs, held = report_held(pool, "the process exited")
         # The local cache is not a leak: flush it to the free ring before looking for orphans.
-        pool._flush_local()
+        pool.flush_local()
         mine = report_checked(pool)
         orphans = sum(1 for f in mine if f.kind == FindingKind.LEAK_ORPHAN)
         leaks = sum(1 for f in mine if f.kind in LEAK_KINDS)

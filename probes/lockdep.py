@@ -33,7 +33,6 @@ from kvscope.allocator import _native
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.probeflags import env_flag
-from kvscope.allocator.probing import NATIVE_LOCKDEP
 from kvscope.probes.lockgraph import (  # noqa: F401
     CLASS_BYTES,
     MESSAGE_BYTES,
@@ -115,7 +114,7 @@ class LockDep:
         self._pools.add(id(pool))
         self.graph_for(pool)
         self.enabled = True
-        pool._probe_bits[0] |= NATIVE_LOCKDEP
+        pool.trace_locks(True)
         return True
 
     def uninstrument(self, pool: Any) -> None:
@@ -123,7 +122,7 @@ class LockDep:
         if id(pool) not in self._pools:
             return
         self._pools.discard(id(pool))
-        pool._probe_bits[0] &= ~NATIVE_LOCKDEP
+        pool.trace_locks(False)
         self._graphs.pop(id(pool), None)
 
     def graph_for(self, pool: Any | None) -> LocalGraph | SegmentGraph:

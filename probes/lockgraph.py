@@ -149,7 +149,7 @@ class SegmentGraph:
 
     def usable(self) -> bool:
         """False once the pool is closed, or in a forked child of the process that opened it."""
-        return not self.pool._closed and self.pool.pid == os.getpid()
+        return not self.pool.closed and self.pool.pid == os.getpid()
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -164,7 +164,7 @@ class SegmentGraph:
         """The classes of the traced pool locks this thread holds now, whoever took them (the
         C core, inside an operation that called Python; `pool.locks`): their records name this
         process and thread (the core reads them: `held_here`)."""
-        held = self.pool._core.held_here()
+        held = self.pool.core.held_here()
         return [c for i, c in self.traced if held >> i & 1] if held else []
 
     def edges(self) -> list[Edge]:

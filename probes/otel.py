@@ -191,7 +191,7 @@ class KVPoolInstrumentor:
             local.depth = 1
             # Under the mapping's op mutex (which the operation takes itself, reentrantly): no
             # other thread's operation adds to the lock records between the two reads.
-            with pool._mutex:
+            with pool.op_mutex:
                 before = inst._locks.snapshot(pool)
                 try:
                     return inst._call(name, original, pool, args, kw)
@@ -209,7 +209,7 @@ class KVPoolInstrumentor:
     ) -> Any:
         attrs = {POOL: pool.name, DEVICE: pool.config.device, OP: name}
         before = _blocks_before(pool, args) if name in ("free", "abort") else None
-        preempted = int(pool.counters["num_preemptions"][0]) if not pool._closed else 0
+        preempted = int(pool.counters["num_preemptions"][0]) if not pool.closed else 0
         start_ns = time.time_ns()
         t0 = time.perf_counter_ns()
         try:
@@ -225,13 +225,13 @@ class KVPoolInstrumentor:
         getattr(requests, "after_" + name, _nothing)(pool, args, result, start_ns)
         if before is not None:
             self._lifetimes(pool, *before, attrs={POOL: pool.name, DEVICE: pool.config.device})
-        if not pool._closed and int(pool.counters["num_preemptions"][0]) > preempted:
+        if not pool.closed and int(pool.counters["num_preemptions"][0]) > preempted:
             requests.mark_preempted(pool)
         return result
 
     def _lifetimes(self, pool: KVPool, ids: Any, alloc_ns: Any, attrs: dict[str, str]) -> None:
         """Record allocation-to-free time of the blocks whose last reference this free dropped."""
-        if pool._closed or not len(ids):
+        if pool.closed or not len(ids):
             return
         now = time.time_ns()
         gone = pool.view.blocks["refcount"][ids] == 0
@@ -245,7 +245,7 @@ def _blocks_before(pool: KVPool, args: tuple) -> tuple[Any, Any] | None:
 
     seq = args[0] if args else None
     table = getattr(seq, "block_table", None)
-    if not table or pool._closed:
+    if not table or pool.closed:
         return None
     ids = np.asarray(table, np.int64)
     return ids, pool.view.blocks["alloc_ns"][ids].astype(np.int64)

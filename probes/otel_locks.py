@@ -39,7 +39,7 @@ assert _FIELDS["num_acquires"][1] % 8 == 0
 def lock_bytes(pool: KVPool) -> bytes | None:
     """A copy of the pool's lock records (about 1 KiB: cheaper than any numpy step); None
     once the handle is closed."""
-    if pool._closed:
+    if pool.closed:
         return None
     return pool.view.locks.tobytes()
 

@@ -100,14 +100,14 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            if self.pool is not None and (self.pool._closed or self.pool.pid != os.getpid()):
+            if self.pool is not None and (self.pool.closed or self.pool.pid != os.getpid()):
                 return
             try:
                 for report, f in self.check():
                     report(f)
             except (AttributeError, TypeError):
                 # The pool was closed under us (its view is gone): nothing left to watch.
-                if self.pool is not None and self.pool._closed:
+                if self.pool is not None and self.pool.closed:
                     return
                 raise
 

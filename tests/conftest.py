@@ -65,7 +65,7 @@ def make_pool(pool_name):
 
     yield make
     for p in made:
-        if not p._closed and p.pid == os.getpid():
+        if not p.closed and p.pid == os.getpid():
             p.close()
         _cleanup(p.name)
 

@@ -521,7 +521,7 @@ def test_a_check_that_needs_the_op_mutex_another_thread_holds_waits_for_it(make_
     with monkeypatch.context() as m:
         m.setattr(threading, "RLock", watched)
         pool = make_pool(64, block_size=4)
-    mutex = pool._mutex
+    mutex = pool.op_mutex
     assert mutex is made[0]
     seq = pool.allocate("s", list(range(9)))
     unhandled = _unhandled(pool)

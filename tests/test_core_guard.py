@@ -619,7 +619,7 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
         assert core.device_stats() is not None
         monkeypatch.setattr(later, "settling", False)
         # WHEN a check is queued from Python THEN the core's queue takes it
-        with pool._mutex:
+        with pool.op_mutex:
             core.device_queue("verify", published, "a test")
             with pytest.raises(ValueError, match="no check"):
                 core.device_queue("unwritten", published, None)

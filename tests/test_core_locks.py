@@ -70,9 +70,9 @@ def _waiting_in_thread(pool: KVPool, fn) -> tuple[threading.Thread, list]:
     t.start()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        if not pool._mutex.acquire(blocking=False):
+        if not pool.op_mutex.acquire(blocking=False):
             return t, got
-        pool._mutex.release()
+        pool.op_mutex.release()
         time.sleep(0.005)
     raise AssertionError("the operation did not wait")
 
@@ -318,7 +318,7 @@ def test_a_wait_for_the_op_mutex_another_thread_holds_is_waited_in_the_core(make
     evicted: list[int] = []
 
     def hold_mutex() -> None:
-        with pool._mutex:
+        with pool.op_mutex:
             held.set()
             time.sleep(0.6)
             evicted.append(pool.evict(1))

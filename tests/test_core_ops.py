@@ -358,8 +358,8 @@ def test_an_operation_that_waits_for_another_process_gives_the_mutex_back(make_p
     got: list[bool] = []
 
     def try_mutex() -> None:
-        if pool._mutex.acquire(blocking=False):
-            pool._mutex.release()
+        if pool.op_mutex.acquire(blocking=False):
+            pool.op_mutex.release()
             got.append(True)
 
     t = threading.Thread(target=try_mutex)

@@ -30,13 +30,12 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     did (an attach to a full client table reclaims one dead process first). A dead process's
     journal that cannot be trusted is skipped and said to be (csrc/recovery.c journal_problem)."""
     from kvscope.allocator import KVPool
-    from kvscope.allocator.lifecycle import clear_repaired
 
     pool = KVPool.attach(name, trust_owner)
     done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
         pool.reclaim_dead(done)
-        cleared = clear_repaired(pool, {d["pid"] for d in done})
+        cleared = pool.clear_repaired({d["pid"] for d in done})
     finally:
         pool.close()
     return {
