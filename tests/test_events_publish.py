@@ -170,6 +170,31 @@ def test_one_poll_of_branching_chains_stores_parents_first(wired, tmp_path):
     assert main(["events", "check", sub.save(str(tmp_path / "b.kvev"), endpoint)]) == 0
 
 
+def test_a_child_waits_while_its_parents_record_is_mid_change(wired, tmp_path):
+    pool, pub, sub, endpoint = wired
+    b = pool.view.blocks
+    # GIVEN a prompt of three full blocks published, its first block's record mid-change when
+    # the publisher looks (its checksum not yet sealed, as another process's write leaves it)
+    a = pool.allocate("a", list(range(12)))
+    pool.mark_computed(a, 12)
+    first = a.block_table[0]
+    sealed = int(b["checksum"][first])
+    b["checksum"][first] = sealed ^ 1
+    # WHEN it polls
+    # THEN nothing is published: the first block waits for its seal, its children for it
+    assert pub.poll() == 0
+    assert pub.num_deferred == 3
+    # WHEN the record is sealed again and it polls
+    b["checksum"][first] = sealed
+    assert pub.poll() == 1
+    # THEN the chain is stored whole, parent first, and the stream is clean
+    [(_seq, [ev])] = sub.take(1)
+    assert ev[0] == STORED and ev[2] is None
+    assert ev[1] == [int(b["prefix_hash"][x]) for x in a.block_table]
+    assert pub.verify() == []
+    assert main(["events", "check", sub.save(str(tmp_path / "w.kvev"), endpoint)]) == 0
+
+
 def test_clear_then_republish_is_clean(wired, tmp_path):
     pool, pub, sub, endpoint = wired
     s = pool.allocate("s", list(range(8)))

@@ -181,7 +181,7 @@ class KVEventPublisher:
         # not match its identity words is mid-change, and waits for the next poll.
         sealed = block_checksums(b, changed) == b["checksum"][changed]
         self.num_deferred += int((~sealed).sum())
-        changed = changed[sealed]
+        changed = self._parents_first(changed[sealed], now)
         if len(changed) == 0:
             return 0
         old = self._announced[changed]
@@ -200,6 +200,31 @@ class KVEventPublisher:
         self.num_stored += len(came)
         self._send(events)
         return len(events)
+
+    def _parents_first(self, changed: np.ndarray, now: np.ndarray) -> np.ndarray:
+        """`changed` less the newly indexed blocks whose parent is indexed but neither announced
+        nor announced with them (its record mid-change, deferred above): they wait for the next
+        poll, so that no subscriber sees a child before its parent. A parent no longer indexed
+        (evicted) holds nothing back. Repeated until no block waits (a waiting parent holds its
+        own children back too)."""
+        parents = self.view.blocks["parent_hash"][changed]
+        out = set(self._announced[self._announced != 0].tolist())
+        indexed = set(now[now != 0].tolist())
+        keep = np.ones(len(changed), bool)
+        while True:
+            batch = set(now[changed[keep]].tolist())
+            wait = keep & np.fromiter(
+                (
+                    k != 0 and p != 0 and p in indexed and p not in out and p not in batch
+                    for k, p in zip(now[changed].tolist(), parents.tolist())
+                ),
+                bool,
+                len(changed),
+            )
+            if not wait.any():
+                return changed[keep]
+            self.num_deferred += int(wait.sum())
+            keep &= ~wait
 
     def _stores(self, blocks: np.ndarray) -> list[Any]:
         """BlockStored events for newly indexed blocks: chains, parents before children."""
