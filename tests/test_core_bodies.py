@@ -31,6 +31,7 @@ from kvscope.allocator.findings import read_findings
 from kvscope.allocator.layout import CHUNK, SeqState
 from kvscope.allocator.waits import wait_word
 from tests.forking import fork_child, wait_child
+from tests.test_eviction_journal import hold_free_blocks
 
 
 def _unhandled(pool: KVPool) -> int:
@@ -53,18 +54,6 @@ def _cache(pool: KVPool, blocks: int, first: int) -> None:
         s = pool.allocate(f"c{first + i}", [first + 1000 * i + j for j in range(8 * bs)])
         assert pool.mark_computed(s, 8 * bs) == 8
         pool.free(s)
-
-
-def _hold_free(pool: KVPool) -> list:
-    """Live sequences holding every free block (the local cache's too)."""
-    held = []
-    while True:
-        st = pool.stats()
-        free = st["num_free"] + st["num_local"]
-        if free == 0:
-            return held
-        n = min(free, 32)
-        held.append(pool.allocate(f"h{len(held)}", [50_000 + len(held)] * (n * pool.block_size)))
 
 
 # -- a take whose shards changed between its plan and its locks ----------------------------------
@@ -94,7 +83,7 @@ def test_a_take_whose_shards_changed_before_its_locks_runs_again_under_every_sha
         pool.free(s)
     assert len(used) == pool.view.layout.num_shards
     two = pool.allocate("two", [90_000 + j for j in range(2 * bs)])
-    _hold_free(pool)
+    hold_free_blocks(pool)
     pool.free(two)  # (no local cache: to the ring)
     st = pool.stats()
     assert st["num_free"] == 2 and st["num_local"] == 0 and st["num_cached"] == 14
@@ -189,7 +178,7 @@ def test_an_eviction_the_journal_cannot_hold_is_evicted_ahead_by_the_core(
         target = pool.allocate("s", [8] * (bs + 1))
         child = pool.fork(target, "s-child")
     _cache(pool, 136, 100)
-    _hold_free(pool)
+    hold_free_blocks(pool)
     assert pool.stats()["num_cached"] == 136
     unhandled, txns, evicted = _unhandled(pool), _txns(pool), pool.stats()["num_evictions"]
     # WHEN the operation needs 128 blocks at once
@@ -375,7 +364,7 @@ def test_a_cached_block_the_index_lacks_is_evicted_and_reported(make_pool, monke
     assert len(at) == 1 and pool.view.blocks["state"][blk] == BlockState.CACHED
     index["hash"][at] = 0
     index["block"][at] = -1
-    _hold_free(pool)
+    hold_free_blocks(pool)
     unhandled = _unhandled(pool)
     # WHEN an allocation must evict it
     seq = pool.allocate("t", [4] * bs)
@@ -398,7 +387,7 @@ def test_guard_mode_preempts_in_the_core(make_pool, monkeypatch, layers):
     table = list(waiting.block_table)
     pool.kv[:, :, table, :bs] = 1.0
     pool.set_state(waiting, "waiting")
-    held = _hold_free(pool)
+    held = hold_free_blocks(pool)
     unhandled = _unhandled(pool)
     # WHEN a request needs two blocks
     seq = pool.allocate("new", [7] * (2 * bs))

@@ -32,8 +32,9 @@ def _fill_one_shard(pool: KVPool, bs: int) -> int:
     raise AssertionError("the shard never filled")
 
 
-def _hold_free_blocks(pool: KVPool, bs: int = BS) -> list:
-    """Live sequences (first blocks of their own) holding every free block."""
+def hold_free_blocks(pool: KVPool) -> list:
+    """Live sequences (first blocks of their own) holding every free block (the local
+    cache's too)."""
     held = []
     while True:
         st = pool.stats()
@@ -41,7 +42,7 @@ def _hold_free_blocks(pool: KVPool, bs: int = BS) -> list:
         if free == 0:
             return held
         n = min(free, 32)
-        held.append(pool.allocate(f"h{len(held)}", [50_000 + len(held)] * (n * bs)))
+        held.append(pool.allocate(f"h{len(held)}", [50_000 + len(held)] * (n * pool.block_size)))
 
 
 def _full_shard_pool(make_pool, bs: int = BS) -> KVPool:
@@ -49,7 +50,7 @@ def _full_shard_pool(make_pool, bs: int = BS) -> KVPool:
     # entries each sit far from home: every removal shifts several back.
     pool = make_pool(256, block_size=bs, local_cache_size=4)
     width = _fill_one_shard(pool, bs)
-    _hold_free_blocks(pool, bs)
+    hold_free_blocks(pool)
     assert pool.stats()["num_cached"] == width == 128
     return pool
 
@@ -81,7 +82,7 @@ def test_the_same_allocation_fits_with_room_to_spare_when_the_shard_is_sparse(ma
         s = pool.allocate(f"p{i}", [1000 + 100 * i + j for j in range(8 * BS)] + [1])
         pool.mark_computed(s, s.num_tokens)
         pool.free(s)
-    _hold_free_blocks(pool)
+    hold_free_blocks(pool)
     assert pool.stats()["num_cached"] == 128
     # WHEN one allocation evicts them all, THEN it succeeds and the pool is consistent
     seq = pool.allocate("big", [5] * (128 * BS))
