@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
 from kvscope.allocator import KVPool, PoolConfig, PoolError
 from kvscope.allocator.config import KVEventsConfig
 from kvscope.cli import main
+from kvscope.allocator.checksums import block_checksums
 from kvscope.events.publisher import KVEventPublisher, offset_endpoint
 from kvscope.events.recorder import Recorder
 from kvscope.events.streamfile import PUBLISHED, StreamWriter
@@ -193,6 +195,42 @@ def test_a_child_waits_while_its_parents_record_is_mid_change(wired, tmp_path):
     assert ev[1] == [int(b["prefix_hash"][x]) for x in a.block_table]
     assert pub.verify() == []
     assert main(["events", "check", sub.save(str(tmp_path / "w.kvev"), endpoint)]) == 0
+
+
+def test_no_key_leaves_the_stream_while_a_record_is_mid_change(wired, tmp_path):
+    pool, pub, sub, endpoint = wired
+    b = pool.view.blocks
+    # GIVEN a block announced, and a child of it indexed since (its chain's second block)
+    a = pool.allocate("a", list(range(BS)))
+    pool.mark_computed(a, BS)
+    assert pub.poll() == 1
+    s = pool.allocate("s", list(range(2 * BS)))
+    pool.mark_computed(s, 2 * BS)
+    parent, child = s.block_table
+    # and, when the publisher looks, the child's record mid-change (another process's free
+    # not yet sealed) while the parent is already evicted (another shard's LRU took it first)
+    child_sum = int(b["checksum"][child])
+    b["checksum"][child] = child_sum ^ 1
+    b["indexed"][parent] = 0
+    b["checksum"][parent] = block_checksums(b, np.array([parent]))[0]
+    try:
+        # WHEN it polls
+        # THEN the parent's key stays in the stream: the child may yet be announced under it
+        assert pub.poll() == 0
+        # WHEN the child's record is sealed and it polls again
+        b["checksum"][child] = child_sum
+        assert pub.poll() == 2
+        # THEN the child is stored under its parent, and only then is the parent removed
+        [_first, (_seq, [stored, removed])] = sub.take(2)
+        key = int(b["prefix_hash"][parent])
+        assert stored[0] == STORED and stored[2] == key
+        assert removed[0] == REMOVED and removed[1] == [key]
+        assert main(["events", "check", sub.save(str(tmp_path / "m.kvev"), endpoint)]) == 0
+    finally:
+        b["indexed"][parent] = 1
+        b["checksum"][parent] = block_checksums(b, np.array([parent]))[0]
+    pub.poll()
+    assert pub.verify() == []
 
 
 def test_clear_then_republish_is_clean(wired, tmp_path):

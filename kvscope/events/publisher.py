@@ -180,8 +180,19 @@ class KVEventPublisher:
         # A record is read whole only once its writer sealed it: a block whose checksum does
         # not match its identity words is mid-change, and waits for the next poll.
         sealed = block_checksums(b, changed) == b["checksum"][changed]
-        self.num_deferred += int((~sealed).sum())
-        changed = self._parents_first(changed[sealed], now)
+        unsealed = int((~sealed).sum())
+        self.num_deferred += unsealed
+        changed = changed[sealed]
+        if unsealed:
+            # A record mid-change may be a child whose parent key it has not written yet: no
+            # key leaves the stream until every record is sealed, so that no child is
+            # announced later under a parent the stream already removed (vLLM never stores a
+            # child under an evicted parent: the request holds the whole chain). Blocks that
+            # held an announced key wait whole; only fresh stores go out now.
+            fresh = self._announced[changed] == 0
+            self.num_deferred += int((~fresh).sum())
+            changed = changed[fresh]
+        changed = self._parents_first(changed, now)
         if len(changed) == 0:
             return 0
         old = self._announced[changed]
