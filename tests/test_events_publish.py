@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from kvscope.allocator import KVPool, PoolConfig, PoolError
+from kvscope.allocator.checksums import block_checksums
 from kvscope.allocator.config import KVEventsConfig
 from kvscope.cli import main
-from kvscope.allocator.checksums import block_checksums
 from kvscope.events.publisher import KVEventPublisher, offset_endpoint
 from kvscope.events.recorder import Recorder
 from kvscope.events.streamfile import PUBLISHED, StreamWriter
