@@ -45,4 +45,5 @@
 #include "csrc/devchecks.c"
 #include "csrc/devanswers.c"
 #include "csrc/devconfig.c"
+#include "csrc/audit.c"
 #include "csrc/module.c"

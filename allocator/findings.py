@@ -30,6 +30,12 @@ class FindingKind(str, enum.Enum):
     LOCK_DEAD_HOLDER = "lock_dead_holder"
     LOCK_ORDER_CYCLE = "lock_order_cycle"
     LOCK_HELD_TOO_LONG = "lock_held_too_long"
+    # A block table a kernel will read maps a block its row's sequence does not hold there, or
+    # holds a block where the padding belongs (KVPool.audit_block_table).
+    BLOCK_TABLE_MISMATCH = "block_table_mismatch"
+    # A wait of the pool's C core that keeps the GIL (lockdep: a thread the lock's holder
+    # needs cannot run).
+    WAIT_HOLDS_GIL = "wait_holds_gil"
     # An engine's KV-event stream (kvscope events check, docs/EVENTS.md).
     KV_EVENT_GAP = "kv_event_gap"
     KV_EVENT_SEQ_RESET = "kv_event_seq_reset"

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvscope.allocator import lifecycle, native
+from kvscope.allocator.audit import host_array
 from kvscope.allocator.check import check_view
 from kvscope.allocator.config import KVEventsConfig, PoolConfig
 from kvscope.allocator.errors import PoolError
@@ -98,6 +99,8 @@ class KVPool:
         self._uid = id(self)
         # Probe hook: None when off (one attribute check per operation).
         self.on_finding: Callable[[Any], None] | None = None
+        # A CUDA pool's block-table audits in flight (allocator/audit.py), made at the first.
+        self._audits: Any = None
         # Dead processes an attach to a full client table reclaimed (lifecycle.py).
         self.reclaimed_at_attach: list[dict[str, Any]] = []
         # (binds this handle to its client record: _bind)
@@ -409,6 +412,46 @@ class KVPool:
         if self._found:
             self.deliver_findings()
         return done
+
+    def audit_block_table(
+        self,
+        table: Any,
+        rows: Sequence_[Sequence] = (),
+        lengths: Any = None,
+        padding: int = -1,
+        wait: bool = False,
+    ) -> list:
+        """Check the block table a kernel will read, the whole buffer: row i of `table` ([R, W]
+        ints) is `rows[i]`'s (live sequences of this handle), whose first ceil(lengths[i] /
+        block_size) entries (`lengths`: the tokens the kernel reads per row; None: each
+        sequence's tokens) must be its blocks in order, and every other entry (past a row's
+        length, and every row past `rows`: padding rows) must equal `padding`, which is no
+        block of the pool. What differs is one `block_table_mismatch` finding per audit, about
+        the first bad entry, reported through the core. A host table is compared by the core
+        in one call; a CUDA table by one kernel launch, its answer reported at the next audit
+        (or now, with `wait`). The findings reported by this call."""
+        self._check_process()
+        rows = list(rows)
+        if isinstance(table, torch.Tensor) and table.is_cuda:
+            if self._audits is None:
+                from kvscope.allocator.audit import DeviceAudits
+
+                self._audits = DeviceAudits(self)
+            found = self._audits.settle()
+            if table.dim() != 2:
+                raise PoolError(f"table: expected 2 dimensions, got {table.dim()}")
+            self._audits.launch(table, rows, host_array(lengths, "lengths"), padding)
+            return found + (self._audits.settle(wait=True) if wait else [])
+        before = len(self._found)
+        with self.op_mutex:
+            self._core.audit_table(
+                self, host_array(table, "table"), rows, host_array(lengths, "lengths"), padding,
+                None,
+            )  # fmt: skip
+        found = ring_findings(self.view, self._found[before:]) if self._found else []
+        if self._found:
+            self.deliver_findings()
+        return found
 
     def block_table(self, seq: Sequence) -> list[int]:
         """Physical block ids of seq, logical order."""

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 # Each public name and the module it lives in.
 _NAME_TO_MODULE = {
+    "audit_table": "audit",
+    "audit_table_ref": "reference",
     "backend_name": "backend",
     "use_triton": "backend",
     "copy_blocks": "copy",
@@ -44,6 +46,8 @@ __all__ = [
     "CANARY_BITS",
     "ERROR_FIELDS",
     "KIND_NAMES",
+    "audit_table",
+    "audit_table_ref",
     "backend_name",
     "block_digests",
     "canary_dtype",
@@ -67,6 +71,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .audit import audit_table
     from .backend import backend_name, use_triton
     from .canary import CANARY_BITS
     from .copy import copy_blocks
@@ -83,6 +88,7 @@ if TYPE_CHECKING:
     from .guard import canary_dtype, canary_value, fill_guard, guard_scan
     from .prefill import paged_prefill
     from .reference import (
+        audit_table_ref,
         copy_blocks_ref,
         guard_scan_ref,
         paged_decode_ref,

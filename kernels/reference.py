@@ -205,3 +205,16 @@ def guard_scan_ref(kv_cache: torch.Tensor, canary: int, int_dtype: torch.dtype, 
     guard = ints[:, :, ids.to(kv_cache.device), -1]  # [L, 2, n, H, D]
     bad = (guard != canary).flatten(3).any(-1).any(0).any(0)
     return sorted(ids[bad.cpu()].tolist())
+
+
+def audit_table_ref(table: torch.Tensor, expected: torch.Tensor, answer: torch.Tensor) -> None:
+    """kernels/audit.py's comparison in torch: bad entries, the first's flat index (rows *
+    width: none) and value, and the rows with any."""
+    diff = table.long() != expected.long()
+    flat = table.reshape(-1)
+    where = diff.reshape(-1).nonzero()
+    first = int(where[0]) if len(where) else diff.numel()
+    found = int(flat[first]) if len(where) else 0
+    answer[:4] = torch.tensor(
+        [int(diff.sum()), first, found, int(diff.any(dim=1).sum())], dtype=torch.int64
+    )

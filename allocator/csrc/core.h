@@ -124,6 +124,8 @@ enum {
     FK_DOUBLE_FREE,
     FK_BLOCK_HEADER_CORRUPT,
     FK_LOCK_ORDER_CYCLE,
+    FK_BLOCK_TABLE_MISMATCH, /* audit.c */
+    FK_WAIT_HOLDS_GIL,       /* locks.c: a wait of the core's that keeps the GIL */
     FK_COUNT
 };
 

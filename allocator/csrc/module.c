@@ -301,6 +301,8 @@ static PyMethodDef N_methods[] = {
     {"intern_site", (PyCFunction)N_intern_site, METH_O,
      "intern_site(text: bytes) -> int: the site table's id of a text, added when new "
      "(-1: the table is full)"},
+    {"audit_table", (PyCFunction)(void (*)(void))N_audit_table, METH_FASTCALL,
+     "audit_table(pool, table, rows, lengths, sentinel, expect) -> int: the block-table audit"},
     {"held_here", (PyCFunction)N_held_here, METH_NOARGS,
      "held_here() -> int: the pool locks this thread holds (bit i: lock i), by their records"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
