@@ -32,6 +32,8 @@ FAULTS = (
     "refcount-skew",
     "kill-holding-lock",
     "lock-inversion",
+    "stale-padding-row",
+    "gil-wait",
 )
 DEFAULT_AT = 3
 
@@ -61,6 +63,20 @@ def configure(spec: str | None) -> None:
     """Arm the faults of a spec (None or "" disarms all)."""
     ARMED.clear()
     ARMED.update(parse(spec))
+
+
+def opportunity(name: str) -> bool:
+    """A fault's opportunity at a site outside the pool's operations (the example engine's
+    padded block table: `stale-padding-row`), counted on `ARMED` as the core counts its own
+    (csrc/faults.c fault_opportunity): True at the n-th opportunity and at every later one until
+    the site has acted and called `fired`."""
+    left = ARMED.get(name)
+    if left is None:
+        return False
+    if left > 1:
+        ARMED[name] = left - 1
+        return False
+    return True
 
 
 def fired(name: str) -> None:

@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --ranks: faults armed by `kvscope run --inject` fire in this rank only",
     )  # fmt: skip
     c.add_argument(
-        "--cuda-graphs", action="store_true", help="replay engine steps as CUDA graphs (CUDA only)"
-    )
+        "--cuda-graphs", action="store_true",
+        help="replay engine steps as CUDA graphs (on the CPU: their static buffers, run eagerly)",
+    )  # fmt: skip
     c.add_argument("--threads", type=int, default=0, help="torch threads (0: 1 for tiny model)")
     c.add_argument("--pool-name", default="", help="pool name (default serve-PID)")
     c.add_argument("--keep-pool", action="store_true", help="leave the pool for kvscope top")
@@ -157,8 +158,6 @@ def _serve(args: argparse.Namespace) -> int:
             raise ServeError(
                 f"--ranks {args.ranks}: only {torch.cuda.device_count()} CUDA device(s) here"
             )
-    elif args.cuda_graphs:
-        raise ServeError("--cuda-graphs needs --device cuda")
     config = RunConfig(
         model_path=args.model,
         model_seed=args.model_seed,

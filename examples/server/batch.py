@@ -85,6 +85,15 @@ class Batch:
             spans = [(c.stream.seq, c.start, c.start + c.length) for c in self.chunks]
             Writers(self.cache, spans).check(self.host_slots)
 
+    def audit(self, table: Any, rows: list[Chunk]) -> None:
+        """Guard mode: the block table the kernels will read (a group's, or the step graphs'
+        whole static buffer, its padding rows included) against the pool's tables of the
+        chunks' sequences (KVPool.audit_block_table: a finding when they differ)."""
+        audit = getattr(self.cache, "audit_block_table", None)
+        if audit is not None:
+            seqs = [c.stream.seq for c in rows]
+            audit(table, rows=seqs, lengths=[c.start + c.length for c in rows])
+
     def host_tables(self, rows: list[Chunk], width: int) -> np.ndarray:
         """Block tables [len(rows), width] of some chunks' sequences, -1 past each one's end."""
         tables = np.full((len(rows), max(width, 1)), -1, dtype=np.int32)
@@ -139,6 +148,8 @@ class Batch:
         lens = self.seq_lens[first:end]
         width = max((-(-n // self.block_size) for n in lens), default=0)
         tables = self.host_tables(self.chunks[first:end], width)
+        if self.guarded:
+            self.audit(tables, self.chunks[first:end])
         return self._to_device(tables), self._to_device(np.asarray(lens, dtype=np.int32))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

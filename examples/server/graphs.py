@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from kvscope import kernels
+from kvscope.allocator import faults
 
 from .batch import Batch, guarded
 from .model import LlamaModel
@@ -107,6 +108,8 @@ class StepGraphs:
         self.num_forwards = 0
         self.num_replays = 0
         self.num_mixed = 0
+        # rows the last step's tables filled (stale-padding-row: what a shorter step leaves)
+        self.rows_written = 0
         if self.device.type == "cuda":
             self._capture_all()
 
@@ -138,6 +141,8 @@ class StepGraphs:
         self._load()
         if self.guard:
             batch.guard = self.guard
+            # the whole captured table, padding rows included, before any kernel reads it
+            batch.audit(self._tables(), batch.chunks)
         self.num_forwards += 1
         if key in self.graphs:
             graph, out = self.graphs[key]
@@ -157,7 +162,13 @@ class StepGraphs:
         self.np64[2, t:] = -1
         first = self.max_seqs * self.width
         tables = self.np32[:first].reshape(self.max_seqs, self.width)
-        tables[:] = -1
+        if n < self.rows_written and faults.opportunity("stale-padding-row"):
+            # the fault: the padding rows keep the earlier, larger step's block ids
+            tables[:n] = -1
+            faults.fired("stale-padding-row")
+        else:
+            tables[:] = -1
+            self.rows_written = n
         tables[:n] = batch.host_tables(batch.chunks, self.width)
         lens = self.np32[first : first + self.max_seqs]
         lens[:] = 0
