@@ -35,6 +35,7 @@ from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.probeflags import env_flag
 from kvscope.probes.lockgraph import (  # noqa: F401
     CLASS_BYTES,
+    GIL,
     MESSAGE_BYTES,
     SITE_BYTES,
     UNTRACED,
@@ -145,17 +146,35 @@ class LockDep:
     def before(self, cls: str, key: object, graph: Any) -> Held | None:
         """Record that this thread is about to take a traced user lock (called before it may
         block): the edges into it from the traced locks the thread holds, user locks (its
-        stack) and pool locks of the instrumented pools (their records)."""
+        stack) and pool locks of the instrumented pools (their records); and the edge from it
+        to the GIL (its holder runs Python, so it waits for the GIL while holding it)."""
         st = self.state()
         if st.busy:
             return None
+        new = self._edges_into(st, cls, graph, skip=key)
+        if (cls, GIL) not in graph.known:
+            new.append((graph, cls, GIL))
+        if new:
+            self._learn(st, new)
         stack = st.stack
-        new: list[tuple[Any, Held]] = []
-        again = None
         for h in stack:
             if h.key is key:
-                # Left by an acquisition that failed (or a self-deadlock): replaced below.
-                again = h
+                # Left by an acquisition that failed (or a self-deadlock): replaced here.
+                stack.remove(h)
+                break
+        h = Held(key, cls, graph)
+        stack.append(h)
+        return h
+
+    def _edges_into(
+        self, st: ThreadState, cls: str, graph: Any, skip: object = None
+    ) -> list[tuple[Any, str, str]]:
+        """The edges new to this process from each traced lock this thread holds (its stack,
+        and the pool locks of the instrumented pools, by their records) into class `cls` of
+        `graph`, each with the graph it goes to; `skip`: a lock of the stack left out."""
+        new: list[tuple[Any, str, str]] = []
+        for h in st.stack:
+            if h.key is skip and skip is not None:
                 continue
             if h.cls == cls:
                 continue
@@ -166,7 +185,7 @@ class LockDep:
             else:
                 g = h.graph if h.graph.shared else graph
             if (h.cls, cls) not in g.known:
-                new.append((g, h))
+                new.append((g, h.cls, cls))
         for pid in self._pools:
             g = self._graphs.get(pid)
             # (a pool lock is ordered against the user locks of its pool's graph or of none)
@@ -174,14 +193,47 @@ class LockDep:
                 continue
             for held in g.held_classes():
                 if held != cls and (held, cls) not in g.known:
-                    new.append((g, Held(None, held, g)))
+                    new.append((g, held, cls))
+        return new
+
+    def waits(self, cls: str, graph: Any, own: object = None) -> None:
+        """This thread is about to wait on a condition variable or event of class `cls`: each
+        traced lock it holds (but `own`, a condition's own lock, let go by the wait) gives the
+        edge held -> cls, checked for a cycle before the wait."""
+        st = self.state()
+        if st.busy:
+            return
+        new = self._edges_into(st, cls, graph, skip=own)
         if new:
-            self._learn(st, new, cls)
-        if again is not None:
-            stack.remove(again)
-        h = Held(key, cls, graph)
-        stack.append(h)
-        return h
+            self._learn(st, new)
+
+    def signals(self, cls: str, graph: Any, own: object = None) -> None:
+        """This thread sets or notifies an event or condition of class `cls`: a waiter depends
+        on what the signaller needed first, each traced lock it holds (but `own`) and the GIL
+        (it runs Python), so the edges cls -> held and cls -> gil."""
+        st = self.state()
+        if st.busy:
+            return
+        new: list[tuple[Any, str, str]] = []
+        for h in st.stack:
+            if (own is not None and h.key is own) or h.cls == cls:
+                continue
+            g = h.graph if h.graph.shared or not graph.shared else graph
+            if graph.shared and h.graph.shared and h.graph is not graph:
+                continue
+            if (cls, h.cls) not in g.known:
+                new.append((g, cls, h.cls))
+        for pid in self._pools:
+            g = self._graphs.get(pid)
+            if g is None or (graph.shared and g is not graph) or not g.usable():
+                continue
+            for held in g.held_classes():
+                if (cls, held) not in g.known:
+                    new.append((g, cls, held))
+        if (cls, GIL) not in graph.known:
+            new.append((graph, cls, GIL))
+        if new:
+            self._learn(st, new)
 
     def after_release(self, key: object) -> None:
         """Forget the newest entry for a lock this thread released."""
@@ -191,21 +243,22 @@ class LockDep:
                 del stack[j]
                 return
 
-    def _learn(self, st: ThreadState, new: list[tuple[Any, Held]], cls: str) -> None:
-        """The slow path: add edges new to this process to their graphs, reporting cycles."""
+    def _learn(self, st: ThreadState, new: list[tuple[Any, str, str]]) -> None:
+        """The slow path: add edges (graph, src, dst) new to this process to their graphs,
+        reporting the cycles they close."""
         site, pid = call_site(), os.getpid()
         found: list[tuple[Any, Finding]] = []
         st.busy = True
         try:
-            for g, h in new:
+            for g, src, dst in new:
                 if not g.usable():
                     continue
                 try:
                     with g.locked():
                         edges = g.edges()
-                        if not any(e.src == h.cls and e.dst == cls for e in edges):
-                            e = Edge(h.cls, cls, pid, site)
-                            path = find_path(edges, cls, h.cls)
+                        if not any(e.src == src and e.dst == dst for e in edges):
+                            e = Edge(src, dst, pid, site)
+                            path = find_path(edges, dst, src)
                             g.add(e)
                             if path:
                                 f = cycle_finding(e, path)
@@ -214,7 +267,7 @@ class LockDep:
                 except DeadHolder:
                     # A dead process left the findings lock held: the next operation recovers it.
                     continue
-                g.known.add((h.cls, cls))
+                g.known.add((src, dst))
             for g, f in found:
                 g.notify(f)
         finally:
@@ -271,6 +324,97 @@ class TracedLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class TracedEvent:
+    """A drop-in for threading.Event whose waits and sets feed lockdep (class "wait:NAME"):
+    waiting while holding traced lock L is the edge L -> wait:NAME; setting it while holding M
+    is wait:NAME -> M (the waiter waits for what the setter took first), and wait:NAME -> gil
+    (the setter runs Python). A thread that waits holding L for an event whose setter takes L
+    first closes the cycle, reported before it waits."""
+
+    def __init__(self, name: str, pool: Any | None = None, lockdep: LockDep | None = None):
+        self.name = name
+        self.cls = class_name(f"wait:{name}")
+        self.pool = pool
+        self._event = threading.Event()
+        self._lockdep = lockdep if lockdep is not None else LOCKDEP
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the event, as threading.Event.wait."""
+        ld = self._lockdep
+        if ld.enabled:
+            ld.waits(self.cls, ld.graph_for(self.pool))
+        return self._event.wait(timeout)
+
+    def set(self) -> None:
+        """Set the event, as threading.Event.set."""
+        ld = self._lockdep
+        if ld.enabled:
+            ld.signals(self.cls, ld.graph_for(self.pool))
+        self._event.set()
+
+    def clear(self) -> None:
+        """Clear the event."""
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        """True once set (until cleared)."""
+        return self._event.is_set()
+
+
+class TracedCondition:
+    """A drop-in for threading.Condition over a TracedLock (its own, or `lock`), whose waits and
+    notifications feed lockdep as TracedEvent's do (class "wait:NAME"; the condition's own lock,
+    let go by the wait, gives no edge)."""
+
+    def __init__(
+        self,
+        name: str,
+        lock: TracedLock | None = None,
+        pool: Any | None = None,
+        lockdep: LockDep | None = None,
+    ):
+        self.name = name
+        self.cls = class_name(f"wait:{name}")
+        self.pool = pool
+        self._lockdep = lockdep if lockdep is not None else LOCKDEP
+        self.lock = lock if lock is not None else TracedLock(name, pool, self._lockdep)
+        self._cond = threading.Condition(self.lock)  # type: ignore[arg-type]
+
+    def __enter__(self) -> bool:
+        return self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (holding the condition's lock), as threading.Condition.wait."""
+        ld = self._lockdep
+        if ld.enabled:
+            ld.waits(self.cls, ld.graph_for(self.pool), own=self.lock)
+        return self._cond.wait(timeout)
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Wait until `predicate()` is true, as threading.Condition.wait_for."""
+        ld = self._lockdep
+        if ld.enabled:
+            ld.waits(self.cls, ld.graph_for(self.pool), own=self.lock)
+        return self._cond.wait_for(predicate, timeout)
+
+    def notify(self, n: int = 1) -> None:
+        """Wake up to n waiters (holding the condition's lock)."""
+        ld = self._lockdep
+        if ld.enabled:
+            ld.signals(self.cls, ld.graph_for(self.pool), own=self.lock)
+        self._cond.notify(n)
+
+    def notify_all(self) -> None:
+        """Wake every waiter (holding the condition's lock)."""
+        ld = self._lockdep
+        if ld.enabled:
+            ld.signals(self.cls, ld.graph_for(self.pool), own=self.lock)
+        self._cond.notify_all()
 
 
 _INSTANCES: weakref.WeakSet[LockDep] = weakref.WeakSet()

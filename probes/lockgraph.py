@@ -18,6 +18,10 @@ from kvscope.allocator.layout import LOCKGRAPH_CAPACITY
 from kvscope.allocator.locks import UNTRACED, lock_class  # noqa: F401 - lockdep imports them here
 
 CLASS_BYTES, SITE_BYTES, MESSAGE_BYTES = 16, 120, 200
+# The GIL's lock class: a thread that holds lock L and runs Python waits for the GIL holding
+# L (L -> gil); a wait that keeps the GIL is gil -> what it waits for (the C core's own waits let
+# it go: csrc/probes.c gil_wait_report names one that does not).
+GIL = "gil"
 # kvscope's own folders, whose frames are not the caller's code: the harness's (the parent
 # package, loaded before any of its subpackages: nothing of it is imported here), the
 # allocator's and this one.

@@ -36,7 +36,12 @@ EXPECTED = {
     "refcount-skew": "refcount_mismatch",
     "kill-holding-lock": "lock_dead_holder",
     "lock-inversion": "lock_order_cycle",
+    "stale-padding-row": "block_table_mismatch",
+    "gil-wait": "wait_holds_gil",
 }
+# What the example server needs for a fault to have its opportunity: the padded block table of
+# the step graphs' static buffers (on the CPU they run eagerly).
+SERVE_ARGS = {"stale-padding-row": ["--cuda-graphs"]}
 
 
 TWO_REQUESTS = """
@@ -92,6 +97,7 @@ BLOCK_FAULTS = {
     "block-scribble",
     "use-after-free",
     "refcount-skew",
+    "stale-padding-row",
 }
 
 
@@ -115,6 +121,7 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
             "--clock",
             "steps",
             "--no-progress",
+            *SERVE_ARGS.get(fault, []),
         ]
     )
     err = capfd.readouterr().err
@@ -136,5 +143,10 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
         assert any(f["block"] is not None and f["owner_pid"] == pid for f in found)
     elif fault == "kill-holding-lock":
         assert any(f["owner_pid"] == pid for f in found)
-    elif fault == "lock-inversion":
+    elif fault in ("lock-inversion", "gil-wait"):
         assert f"pid {pid}" in found[0]["message"]
+    if fault in ("stale-padding-row", "gil-wait"):
+        # ... exactly one finding of its kind, and no other error
+        assert len(found) == 1, found
+        errors = [f for f in rep["findings"] if f["severity"] == "error"]
+        assert errors == found, errors

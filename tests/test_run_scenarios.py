@@ -27,6 +27,8 @@ FINDINGS = {
     "refcount_skew": ["refcount_mismatch"],
     "kill_holding_lock": ["lock_dead_holder", "leak_dead_owner"],
     "lock_inversion": ["lock_order_cycle"],
+    "stale_padding_row": ["block_table_mismatch"],
+    "gil_wait": ["wait_holds_gil"],
 }
 
 

@@ -267,6 +267,7 @@ typedef struct {
     uint64_t same_class[MAX_LOCKS]; /* locks of lock i's class (the index shards are one) */
     uint64_t known_into[MAX_LOCKS]; /* bit i of [j]: the order edge class(i) -> class(j) is known */
     int lockdep_was_on;
+    int keep_gil;        /* the gil-wait fault: this lock_take waits holding the GIL (faults.c) */
     /* the edges traced user class -> pool lock class known (probes.c lockdep_user_into): bit
      * j of uk_into[k] for class uk_cls[k] */
     char uk_cls[USER_KNOWN_MAX][16];

@@ -191,6 +191,15 @@ static int lockdep_inverted_ok(Native *n, uint64_t mask) {
     return OK;
 }
 
+/* `gil-wait`: a transaction's first lock is waited for with the GIL kept (as a binding that
+ * waits without Py_BEGIN_ALLOW_THREADS does), announced once its locks are taken. Its index
+ * at the opportunity, else -1. Lockdep reports the wait before it (probes.c gil_wait_report). */
+static int gil_wait(Native *n, uint64_t mask) {
+    if (!mask || !fault_opportunity(n, FT_GIL_WAIT)) return -1;
+    uint64_t traced = mask & n->traced;
+    return __builtin_ctzll(traced ? traced : mask);
+}
+
 /* -- the handle's share ----------------------------------------------------------------------- */
 
 /* A tuple of str equal, in order, to names[0..k). */

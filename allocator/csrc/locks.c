@@ -135,8 +135,13 @@ static int lock_take_as(Native *n, int i, Holder *dead) {
          * this process starts an operation on the handle. */
         if ((rc = hold_mutex(n)) != OK) return rc;
         U8(n->seg + n->c_wait) = (uint64_t)(i + 1) | ((uint64_t)(i + 1) << 32);
-        Py_BEGIN_ALLOW_THREADS rc = mutex_taken(m, pthread_mutex_lock(m));
-        Py_END_ALLOW_THREADS U8(n->seg + n->c_wait) = 0;
+        if (n->keep_gil) /* (the gil-wait fault: the GIL kept through the wait) */
+            rc = mutex_taken(m, pthread_mutex_lock(m));
+        else {
+            Py_BEGIN_ALLOW_THREADS rc = mutex_taken(m, pthread_mutex_lock(m));
+            Py_END_ALLOW_THREADS
+        }
+        U8(n->seg + n->c_wait) = 0;
         if (rc != 0) return lock_failed(n, i, rc);
     }
     uint8_t *r = n->seg + n->off_locks + (size_t)i * LOCK_SIZE;
@@ -213,6 +218,7 @@ static inline void client_seq_bump(Native *n) {
 }
 
 static int recover_own_journal(Native *n);
+static int gil_wait_report(Native *n, int i);
 
 /* Begin: seq odd, then every lock of `mask` in ascending order (in descending order at the
  * lock-inversion fault's opportunity, announced once they are taken). Lockdep's edges are
@@ -229,8 +235,10 @@ static int txn_begin(Native *n, uint64_t mask) {
     n->pend_hold = 0;
     if (n->n_pend) findings_flush(n);
     int invert = faults_armed(n) && lock_inversion(n, mask);
+    int gil = faults_armed(n) && !invert ? gil_wait(n, mask) : -1;
     int rc = OK;
     if (n->probes & P_LOCKDEP) rc = invert ? lockdep_inverted_ok(n, mask) : lockdep_ok(n, mask);
+    if (rc == OK && gil >= 0 && (n->probes & P_LOCKDEP)) rc = gil_wait_report(n, gil);
     /* The K/V checks of a pool whose data this process does not map are queued under the op
      * mutex (devchecks.c dev_check, inside the transaction): it is taken first, holding no
      * pool lock. */
@@ -248,7 +256,9 @@ static int txn_begin(Native *n, uint64_t mask) {
     for (int k = 0; k < n->num_locks; k++) {
         int i = invert ? n->num_locks - 1 - k : k;
         if (!(mask & lock_bit(i))) continue;
+        n->keep_gil = i == gil;
         rc = lock_take(n, i);
+        n->keep_gil = 0;
         if (rc == OK) continue;
         release_all(n);
         client_seq_bump(n);
@@ -265,6 +275,7 @@ static int txn_begin(Native *n, uint64_t mask) {
         k = -1;
     }
     if (invert) fault_fired(n, FT_LOCK_INVERSION);
+    if (gil >= 0) fault_fired(n, FT_GIL_WAIT);
     if (mask) crash_point(n, CP_AFTER_LOCKS);
     return OK;
 }

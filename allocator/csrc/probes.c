@@ -1238,6 +1238,31 @@ static int lg_learn_classes(Native *n, const char *src, const char *dst) {
     return rc;
 }
 
+/* The GIL as lockdep's graph names its class (lockgraph.GIL), 16 stored bytes. */
+static const char GIL_CLASS[16] = "gil";
+
+/* A wait of the core's for pool lock i that keeps the GIL (the gil-wait fault's; the core's own
+ * waits let it go: locks.c lock_take_as, hold_mutex, wait_others), reported before the wait:
+ * the edge gil -> class(i) learned into the segment's graph (lg_learn_classes, which reports a
+ * cycle it closes) and the wait_holds_gil finding, once per handle. OK, or ERROR with an
+ * exception set. */
+static int gil_wait_report(Native *n, int i) {
+    if (lg_learn_classes(n, GIL_CLASS, n->lock_cls[i]) != OK) return ERROR;
+    char site[257] = {0}, name[32];
+    caller_text(n, site, n->lg_site_bytes < 256 ? n->lg_site_bytes : 256);
+    lock_name(n, i, name, sizeof name);
+    PyObject *msg = PyUnicode_FromFormat(
+        "pid %d waits for pool lock '%s' at %s holding the GIL: a thread of this process that "
+        "holds the lock needs the GIL to let it go, so they deadlock",
+        (int)n->pid, name, site);
+    if (msg == NULL) return ERROR;
+    Seen s = {.block = -1, .owner_pid = n->pid, .site = -1};
+    memset(s.request, 0, REQUEST_BYTES);
+    int rc = finding_report(n, FK_WAIT_HOLDS_GIL, &s, msg);
+    Py_DECREF(msg);
+    return rc;
+}
+
 /* The order edge class(i) -> class(j) of two pool locks (lg_learn_classes). */
 static int lg_learn(Native *n, int i, int j) {
     return lg_learn_classes(n, n->lock_cls[i], n->lock_cls[j]);
