@@ -24,6 +24,7 @@ FILES = [
     "test_kernels_checks.py",
     "test_core_guard.py",
     "test_hash_finalizer.py",
+    "test_audit_kernel.py",
 ]
 
 
