@@ -218,7 +218,8 @@ def test_an_eager_guarded_step_audits_its_group_tables(make_pool, tiny, monkeypa
     monkeypatch.setattr(Batch, "host_tables", stale)
     batch = Batch([Chunk(a, 11, 1), Chunk(b, 8, 1)], pool, "cpu")
     # WHEN its decode tables are built for the forward
-    batch.decode
+    tables, _ = batch.decode
+    assert tables.shape == (2, 2)
     # THEN the audit names the entry
     (f,) = pool.findings()
     assert f.kind == KIND and "row 1 (request 'b') entry 1 is block" in f.message
