@@ -207,6 +207,15 @@ class LockDep:
         if new:
             self._learn(st, new)
 
+    def native_wait(self, cls: str, graph: Any) -> None:
+        """A wait in native code that keeps the GIL (a binding that blocks without letting it
+        go) for something of class `cls`: the edge gil -> cls, checked for a cycle (a signaller
+        of `cls` that runs Python closes one: cls -> gil). Call it where such a wait is made;
+        the pool's C core reports its own (csrc/probes.c gil_wait_report)."""
+        st = self.state()
+        if not st.busy and (GIL, cls) not in graph.known:
+            self._learn(st, [(graph, GIL, cls)])
+
     def signals(self, cls: str, graph: Any, own: object = None) -> None:
         """This thread sets or notifies an event or condition of class `cls`: a waiter depends
         on what the signaller needed first, each traced lock it holds (but `own`) and the GIL
