@@ -39,6 +39,17 @@ def _published(pool: KVPool) -> int:
     return seq.block_table[1]
 
 
+def _stale_padding(pool: KVPool) -> None:
+    """A padded block table whose padding row keeps the row of a larger step, audited."""
+    a = pool.allocate("step-a", list(range(9)))
+    b = pool.allocate("step-b", list(range(20, 29)))
+    table = torch.full((3, 4), -1, dtype=torch.int32)
+    table[0, :3] = torch.tensor(a.block_table)
+    table[1, :3] = torch.tensor(b.block_table)
+    assert pool.audit_block_table(table, rows=[a, b]) == []
+    assert len(pool.audit_block_table(table, rows=[a])) == 1
+
+
 def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
     """Make the pool of `scenario`; its name, the handle this process keeps (None when none
     is kept) and its header's first bytes while intact."""
@@ -46,7 +57,7 @@ def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
     guard = scenario in ("oob-write",)
     pool = KVPool.create(name, _config(guard=guard))
     intact = bytes(pool.view.raw[:256])
-    if scenario == "lock-inversion":
+    if scenario in ("lock-inversion", "gil-wait"):
         lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
     try:
         if scenario == "kill-holding-lock":
@@ -59,6 +70,10 @@ def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
                 finally:
                     os._exit(3)
             os.waitpid(pid, 0)
+        elif scenario == "stale-padding-row":
+            # (its opportunity is an engine's padded table: an audit of one that kept the row
+            # of an earlier, larger batch)
+            _stale_padding(pool)
         elif scenario in FAULTS:
             faults.configure(f"{scenario}:1")
             _work(pool)
@@ -77,7 +92,7 @@ def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
             _work(pool)
     finally:
         faults.configure(None)
-        if scenario == "lock-inversion" and lockdep.LOCKDEP is not None:
+        if scenario in ("lock-inversion", "gil-wait") and lockdep.LOCKDEP is not None:
             lockdep.LOCKDEP.uninstrument(pool)
     return name, pool, intact
 
