@@ -33,49 +33,81 @@ def host_array(a: Any, what: str) -> Any:
     return a if what == "lengths" else np.asarray(a, dtype=np.int64)
 
 
+# Audits of one table shape in flight at once: a slot's buffers are written again only once
+# the audit that used them RING audits before is answered (long since, behind a step each).
+RING = 4
+
+
+class _Slot:
+    """One audit's buffers: the expected table (page-locked, and on the device), the device's
+    answer and its page-locked copy, the event after them, and what the finding needs."""
+
+    def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
+        self.host = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+        self.dev = torch.empty(shape, dtype=torch.int32, device=device)
+        self.answer = torch.empty(4, dtype=torch.int64, device=device)
+        self.back = torch.empty(4, dtype=torch.int64, pin_memory=True)
+        self.done = torch.cuda.Event()
+        self.requests: list[str] = []
+        self.sentinel = -1
+        self.pending = False
+
+
 class DeviceAudits:
-    """A CUDA pool's audits in flight: the expected table's page-locked and device buffers (one
-    pair per shape), and each launch's answer on its way to the host."""
+    """A CUDA pool's audits: for each table shape a ring of buffers, and the launches whose
+    answers are on their way to the host, oldest first."""
 
     def __init__(self, pool: PoolHandle) -> None:
         self.pool = pool
-        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # (answer in page-locked memory, its event, the rows' requests, the expected table)
-        self._pending: list[tuple[torch.Tensor, Any, list[str], np.ndarray, int]] = []
+        self._rings: dict[tuple[int, int], tuple[list[_Slot], list[int]]] = {}
+        self._pending: list[_Slot] = []
 
     def launch(self, table: torch.Tensor, rows: Sequence_[Any], lengths: Any, sentinel: int):
+        """The expected table written by the core, uploaded, compared by one launch, the
+        answer's copy to the host queued behind it: nothing waited for."""
         from kvscope.kernels.audit import audit_table
 
         shape = (int(table.shape[0]), int(table.shape[1]))
-        bufs = self._buffers.get(shape)
-        if bufs is None:
-            host = torch.empty(shape, dtype=torch.int32, pin_memory=True)
-            bufs = self._buffers[shape] = (host, torch.empty_like(host, device=table.device))
-        host, dev = bufs
-        # the last upload from `host` must be done before the core writes it again
-        if self._pending:
-            self._pending[-1][1].synchronize()
+        ring = self._rings.get(shape)
+        if ring is None:
+            ring = self._rings[shape] = ([_Slot(shape, table.device) for _ in range(RING)], [0])
+        slots, turn = ring
+        slot = slots[turn[0] % RING]
+        turn[0] += 1
+        if slot.pending:
+            self.settle(upto=slot)
         with self.pool.op_mutex:
-            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, host.numpy())
-        dev.copy_(host, non_blocking=True)
-        answer = torch.empty(4, dtype=torch.int64, device=table.device)
-        audit_table(table if table.is_contiguous() else table.contiguous(), dev, answer)
-        back = torch.empty(4, dtype=torch.int64, pin_memory=True)
-        back.copy_(answer, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        requests = [str(s.request_id) for s in rows]
-        self._pending.append((back, done, requests, host.numpy().copy(), sentinel))
+            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, slot.host.numpy())
+        slot.dev.copy_(slot.host, non_blocking=True)
+        audit_table(table if table.is_contiguous() else table.contiguous(), slot.dev, slot.answer)
+        slot.back.copy_(slot.answer, non_blocking=True)
+        slot.done.record()
+        slot.requests = [str(s.request_id) for s in rows]
+        slot.sentinel = sentinel
+        slot.pending = True
+        self._pending.append(slot)
 
-    def settle(self, wait: bool = False) -> list[Finding]:
-        """Report the answers that are back (all of them with `wait`); the findings."""
+    def settle(self, wait: bool = False, upto: _Slot | None = None) -> list[Finding]:
+        """Report the answers that are back (all of them with `wait`; those up to `upto`'s,
+        waited for); the findings."""
         out = []
-        while self._pending and (wait or self._pending[0][1].query()):
-            back, done, requests, expected, sentinel = self._pending.pop(0)
-            done.synchronize()
-            bad, first, found, bad_rows = (int(x) for x in back.tolist())
+        while self._pending:
+            slot = self._pending[0]
+            if not (wait or upto is not None or slot.done.query()):
+                break
+            self._pending.pop(0)
+            slot.done.synchronize()
+            slot.pending = False
+            bad, first, found, bad_rows = (int(x) for x in slot.back.tolist())
             if bad:
-                out.append(self._finding(expected, requests, sentinel, bad, first, found, bad_rows))
+                expected = slot.host.numpy()
+                out.append(
+                    self._finding(
+                        expected, slot.requests, slot.sentinel, bad, first, found, bad_rows
+                    )
+                )
+            if slot is upto:
+                break
         for f in out:
             self.pool.report(f)
         return out

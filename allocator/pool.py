@@ -208,6 +208,9 @@ class KVPool:
         if self._closed:
             return
         self._check_process()
+        if self._audits is not None:
+            # (a CUDA pool's block-table audits whose answers are still on their way)
+            self._audits.settle(wait=True)
         lifecycle.before_close(self, CLOSE_HOOK)
         with self.op_mutex:
             # The core's: an interrupted operation's journal rolled back, the local cache and the

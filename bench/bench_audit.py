@@ -91,7 +91,7 @@ def step_audit(args: argparse.Namespace) -> None:
         dtype = torch.float16 if device == "cuda" else torch.float32
         model = tiny_model(0).to(device=device, dtype=dtype).fuse()
     cfg = model.config
-    width = -(-(args.tokens + args.steps * args.repeat * 2 + 8) // BLOCK)
+    width = -(-args.tokens // BLOCK)
     pool = KVPool.create(
         f"bench-audit-{uuid.uuid4().hex[:6]}",
         PoolConfig(
