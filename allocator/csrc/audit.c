@@ -192,6 +192,13 @@ static PyObject *N_audit_table(Native *n, PyObject *const *args, Py_ssize_t narg
             for (int64_t c = 0; c < W; c++) o[c] = c < need ? tbl[c] : (int32_t)sentinel;
             continue;
         }
+        if (t.itemsize == 4 && sentinel >= INT32_MIN && sentinel <= INT32_MAX) {
+            /* (the common table: int32 rows, each compared whole first) */
+            const int32_t *row = (const int32_t *)t.buf + r * W;
+            int same = need == 0 || memcmp(row, tbl, (size_t)need * 4) == 0;
+            for (int64_t c = need; same && c < W; c++) same = row[c] == (int32_t)sentinel;
+            if (same) continue;
+        }
         for (int64_t c = 0; c < W; c++) {
             int64_t want = c < need ? (int64_t)tbl[c] : sentinel, got = int_at(&t, r * W + c);
             if (got == want) continue;
