@@ -28,9 +28,9 @@ def _audit_kernel(
 ):  # fmt: skip
     total = rows * width
     cols = tl.arange(0, BLOCK_W)
-    bad = tl.zeros((), dtype=tl.int64)
-    bad_rows = tl.zeros((), dtype=tl.int64)
-    first = tl.zeros((), dtype=tl.int64) + total
+    bad = tl.full([], 0, tl.int64)
+    bad_rows = tl.full([], 0, tl.int64)
+    first = tl.full([], 0, tl.int64) + total
     for r0 in range(0, rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = (r[:, None] < rows) & (cols[None, :] < width)
