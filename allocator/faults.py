@@ -9,7 +9,9 @@ fault's entry of `ARMED` down; from the n-th opportunity on the fault stays due 
 has acted and called `fired(name)`, so a site that cannot act this time (a double free needs a
 block that was really freed) acts at the next one it can. Only `fired` announces the fault: a
 fault that says it was injected was injected. Faults still armed when a process exits are
-listed by `unfired()` (`kvscope run` reports them).
+listed by `unfired()` (`kvscope run` reports them). One fault strikes outside the pool, where
+the bug it plants lives: `stale-padding-row` in the example engine's padded block table
+(examples/server/graphs.py), counted by `opportunity` the same way.
 """
 
 from __future__ import annotations
