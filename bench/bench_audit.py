@@ -15,7 +15,8 @@ With `--step`: the example server's decode step through its step graphs (CUDA gr
 whole static table audited before the forward: one kernel launch on CUDA, its answer read back at
 the next step's audit), interleaved round by round. Guard mode's kernel checks stay off in both,
 so the difference is the audit alone. Prints ms per step without and with it, their medians over
-the rounds with the spread, and the audit's share of the step.
+the rounds with the spread, the audit's share of the step, and the host time of the audit call
+itself (the core's expected table, the upload, the launch and the answer's copy queued).
 """
 
 from __future__ import annotations
@@ -103,15 +104,21 @@ def step_audit(args: argparse.Namespace) -> None:
     )  # fmt: skip
     try:
         graphs = StepGraphs(model, pool, args.rows, width * BLOCK, max_tokens=0)
+
+        def prompt(i: int) -> list[int]:
+            return [(i * 7 + k) % cfg.vocab_size for k in range(args.tokens)]
+
         streams = [
-            SimpleNamespace(seq=pool.allocate(f"r{i}", list(range(i, i + args.tokens))), name=i)
-            for i in range(args.rows)
+            SimpleNamespace(seq=pool.allocate(f"r{i}", prompt(i)), name=i) for i in range(args.rows)
         ]
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         table = graphs._tables()
 
+        host_us: list[float] = []
+
         def run(audit: bool) -> float:
             sync()
+            spent = 0.0
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 chunks = [Chunk(s, s.seq.num_tokens - 1, 1) for s in streams]  # type: ignore[arg-type]
@@ -120,8 +127,12 @@ def step_audit(args: argparse.Namespace) -> None:
                 assert hidden is not None
                 if audit:
                     # (the server's call, after the step's tables are in the graphs' buffers)
+                    a0 = time.perf_counter()
                     batch.audit(table, batch.chunks)
+                    spent += time.perf_counter() - a0
             sync()
+            if audit:
+                host_us.append(spent / args.steps * 1e6)
             return (time.perf_counter() - t0) / args.steps * 1e3
 
         run(True)
@@ -141,6 +152,7 @@ def step_audit(args: argparse.Namespace) -> None:
         print(f"  ms per step, audited    {spread(audited)}")
         share = (statistics.median(audited) - statistics.median(plain)) / statistics.median(plain)
         print(f"  the audit's share of the step {share * 100:+.2f}%")
+        print(f"  the audit call's host time, us per step {spread(host_us[1:])}")
     finally:
         pool.close()
         pool.unlink()
