@@ -156,3 +156,26 @@ def test_the_cores_wait_for_a_lock_lets_the_gil_go(traced):
         faulthandler.cancel_dump_traceback_later()
     # THEN the worker was seen waiting (the GIL let go), and finished once the lock was free
     assert waited and errors == [] and _kinds(pool) == []
+
+
+def test_without_a_pool_the_gil_edges_go_to_the_process_graph():
+    # GIVEN lockdep with no pool (its findings to a callback), WHEN a thread sets an event
+    # holding L, then waits for it holding L
+    found = []
+    lockdep = LockDep(on_finding=found.append)
+    lockdep.enabled = True
+    lock = TracedLock("L", lockdep=lockdep)
+    ev = TracedEvent("ev", lockdep=lockdep)
+    with lock:
+        ev.set()
+    with lock:
+        assert ev.wait(timeout=0)
+    # THEN the process's own graph has L -> gil and the event's edges, and the cycle is found
+    edges = {(e.src, e.dst) for e in lockdep.local.edges()}
+    assert {
+        ("user:L", GIL),
+        ("wait:ev", GIL),
+        ("wait:ev", "user:L"),
+        ("user:L", "wait:ev"),
+    } <= edges
+    assert [f.kind for f in found] == ["lock_order_cycle"]
