@@ -105,12 +105,27 @@ def test_the_gil_wait_fault_is_reported_before_the_wait(traced):
     (f,) = pool.findings()
     assert f.kind == "wait_holds_gil" and f.owner_pid == pool.pid
     assert "holding the GIL" in f.message and "test_lockdep_gil.py:" in f.message
-    lock = f.message.split("pool lock '")[1].split("'")[0]
-    assert (GIL, lock.split(".")[0]) in _edges(pool)
+    lock = f.message.split("pool lock '")[1].split("'")[0].split(".")[0]  # (its class)
+    # (the cycle its edge closes with the core's own lock -> gil is this finding, not another)
+    assert {(GIL, lock), (lock, GIL)} <= _edges(pool)
     # AND the operations go on, reporting nothing more
     pool.free(seq)
     pool.free(pool.allocate("s", list(range(9))))
     assert _kinds(pool) == ["wait_holds_gil"]
+
+
+def test_the_cores_locks_precede_the_gil_and_a_native_wait_for_one_is_a_cycle(traced):
+    # GIVEN an operation of the core's under lockdep: it waits for its locks letting the GIL
+    # go, and takes the GIL back holding them
+    pool, lockdep = traced
+    pool.free(pool.allocate("r", list(range(9))))
+    edges = _edges(pool)
+    assert ("seqs", GIL) in edges and ("free", GIL) in edges and _kinds(pool) == []
+    # WHEN native code declares a wait for the seqs lock that keeps the GIL
+    lockdep.native_wait("seqs", lockdep.graph_for(pool))
+    # THEN gil -> seqs -> gil is the cycle, reported
+    (f,) = pool.findings()
+    assert f.kind == "lock_order_cycle" and "takes gil -> seqs" in f.message
 
 
 def test_the_gil_wait_fault_without_lockdep_reports_nothing(make_pool):

@@ -1206,7 +1206,14 @@ static void caller_text(Native *n, char *out, size_t cap) {
  * chain dst -> ... -> src, report the lock_order_cycle it closes (lg_cycle) and go on, as
  * lockdep does before the thread waits. OK when the graph has the edge now (or is full),
  * ERROR with an exception set. */
+static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle);
 static int lg_learn_classes(Native *n, const char *src, const char *dst) {
+    return lg_learn_edge(n, src, dst, 1);
+}
+
+/* lg_learn_classes, the cycle the edge closes reported only with `say_cycle` (a caller that
+ * reports the edge's deadlock in words of its own: gil_wait_report). */
+static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle) {
     /* (before the transaction takes its locks: this one waited for, a dead holder recovered) */
     if (lock_take_alone(n, n->lock_findings) != OK) return ERROR;
     int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
@@ -1233,7 +1240,7 @@ static int lg_learn_classes(Native *n, const char *src, const char *dst) {
         memcpy(r + n->lg_site, site, sb);
         U4(n->seg + n->lg_used_at) = (uint32_t)used + 1;
     }
-    if (np > 0) rc = lg_cycle(n, src, dst, site, path, np);
+    if (np > 0 && say_cycle) rc = lg_cycle(n, src, dst, site, path, np);
     lock_drop(n, n->lock_findings);
     return rc;
 }
@@ -1243,11 +1250,12 @@ static const char GIL_CLASS[16] = "gil";
 
 /* A wait of the core's for pool lock i that keeps the GIL (the gil-wait fault's; the core's own
  * waits let it go: locks.c lock_take_as, hold_mutex, wait_others), reported before the wait:
- * the edge gil -> class(i) learned into the segment's graph (lg_learn_classes, which reports a
- * cycle it closes) and the wait_holds_gil finding, once per handle. OK, or ERROR with an
- * exception set. */
+ * the edge gil -> class(i) learned into the segment's graph (the cycle it closes with the core's
+ * class(i) -> gil is this report, not a lock_order_cycle too) and the wait_holds_gil finding,
+ * once per handle. OK, or ERROR with an exception set. */
 static int gil_wait_report(Native *n, int i) {
-    if (lg_learn_classes(n, GIL_CLASS, n->lock_cls[i]) != OK) return ERROR;
+    /* (the cycle it closes through the core's own class(i) -> gil is this finding's) */
+    if (lg_learn_edge(n, GIL_CLASS, n->lock_cls[i], 0) != OK) return ERROR;
     char site[257] = {0}, name[32];
     caller_text(n, site, n->lg_site_bytes < 256 ? n->lg_site_bytes : 256);
     lock_name(n, i, name, sizeof name);
@@ -1347,7 +1355,9 @@ static int lockdep_user_into(Native *n, int j) {
 /* A transaction takes the locks of `mask` in ascending order: each pair (i < j) of traced
  * locks of different classes is an order edge class(i) -> class(j), and each traced user lock
  * this thread holds an edge into class(j) (lockdep_user_into), made for each j in turn, the
- * user locks' first. OK when the segment's graph holds every one (a bit matrix here of those
+ * user locks' first; and each traced class an edge class(j) -> gil (the core's wait for lock j
+ * lets the GIL go and takes it back holding the lock: only an edge out of gil, a wait that keeps
+ * it, closes a cycle through it: gil_wait_report). OK when the segment's graph holds every one (a bit matrix here of those
  * seen; lg_learn for the others: the findings lock waited for, a dead holder of it recovered),
  * ERROR with an exception set.
  *
@@ -1365,6 +1375,14 @@ static int lockdep_ok(Native *n, uint64_t mask) {
     for (uint64_t m = mask; m; m &= m - 1) {
         int j = __builtin_ctzll(m);
         if (user_kept && lockdep_user_into(n, j) != OK) return ERROR;
+        /* class(j) -> gil: a wait for lock j lets the GIL go and takes it back holding the lock
+         * (known: lock j's own bit of known_into[j], which no order edge uses) */
+        if (!(n->known_into[j] & lock_bit(j))) {
+            if (lg_learn_classes(n, n->lock_cls[j], GIL_CLASS) != OK) return ERROR;
+            n->known_into[j] |= lock_bit(j);
+            for (int k = 0; k < n->num_locks; k++)
+                if (n->same_class[j] & lock_bit(k)) n->known_into[k] |= lock_bit(k);
+        }
         uint64_t need = mask & (lock_bit(j) - 1) & ~n->same_class[j] & ~n->known_into[j];
         for (; need; need &= need - 1) {
             int i = __builtin_ctzll(need);
