@@ -441,8 +441,11 @@ class KVPool:
 
                 self._audits = DeviceAudits(self)
             found = self._audits.settle()
-            if table.dim() != 2:
-                raise PoolError(f"table: expected 2 dimensions, got {table.dim()}")
+            if table.dim() != 2 or table.dtype.is_floating_point or table.dtype == torch.bool:
+                raise PoolError(
+                    f"table: expected a 2-dimensional integer tensor, got {table.dim()} "
+                    f"dimension(s) of {table.dtype}"
+                )
             self._audits.launch(table, rows, host_array(lengths, "lengths"), padding)
             return found + (self._audits.settle(wait=True) if wait else [])
         before = len(self._found)
