@@ -355,3 +355,44 @@ def test_a_wait_that_fails_is_an_oserror_with_its_errno(make_pool):
     assert e.value.errno == errno.EDEADLK and "pool lock 'seqs'" in str(e.value)
     assert pool.live() == {} and pool.check() == []
     pool.free(pool.allocate("b", [1, 2, 3]))
+
+
+def _holding_until_told(pool: KVPool, lock: str) -> tuple[int, int]:
+    """A process that holds `lock` until a byte is written to the returned pipe end (returns
+    once it holds it): its pid, and that pipe end."""
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def hold() -> int:
+        p = KVPool.attach(pool.name)
+        p.locks.acquire(p.locks.index(lock))
+        os.write(w, b"1")
+        os.read(go_r, 1)
+        p.locks.release(p.locks.index(lock))
+        return 0
+
+    pid = fork_child(hold, CHILD_ALARM_S)
+    os.read(r, 1)
+    return pid, go_w
+
+
+def test_an_operation_that_must_wait_for_a_lock_holds_no_other_meanwhile(make_pool):
+    # GIVEN a published prompt (an allocation of it takes its index shard's lock, then the
+    # free lock for its new blocks), and another process holding the free lock
+    pool = make_pool(64, local_cache_size=1)
+    prompt = list(range(16))
+    owner = pool.allocate("owner", prompt)
+    pool.mark_computed(owner, len(prompt))
+    pid, go = _holding_until_told(pool, "free")
+    # WHEN a thread allocates the prompt and more, and waits for the free lock
+    t, got = _waiting_in_thread(pool, lambda: pool.allocate("hit", prompt + list(range(20))))
+    # THEN it waits holding no lock (the shard's is free for others meanwhile): the only lock
+    # held is the free lock, by the other process
+    holders = pool.view.locks["holder_pid"]
+    assert [(pool.locks.names[i], int(h)) for i, h in enumerate(holders) if h] == [("free", pid)]
+    # and once the free lock is let go, the allocation runs, with its hit
+    os.write(go, b"1")
+    t.join(10)
+    assert not t.is_alive() and wait_child(pid) == 0
+    assert got[0].num_cached_tokens == 16 and got[0].block_table[:4] == owner.block_table
+    assert pool.check() == []

@@ -116,21 +116,58 @@ static int lock_failed(Native *n, int i, int rc) {
     return ERROR;
 }
 
-/* Take lock i as LockTable.acquire does; HOLDER_DEAD (not taken) when its record names a dead
- * holder and `dead` is NULL, else the holder is written to *dead and forgotten (the caller
- * stops the world to recover: recovery.c); MUTEX_LATER (not taken) when it must wait and
- * another thread holds the op mutex while this call holds other locks (hold_mutex); ERROR
- * (OSError) when the wait fails. The core takes locks in the documented order only, so its
- * waits cannot close a cycle; it publishes them (waits.py) for a waiter that takes locks
- * out of order (locks.py LockTable) to see one. */
-static int lock_take_as(Native *n, int i, Holder *dead) {
+/* lock_get's answer when lock i is busy and the caller asked not to wait (nothing taken). */
+#define LOCK_BUSY 5
+
+/* How many times a taker looks again at a busy mutex before it sleeps in the kernel. The
+ * core's critical sections are a few microseconds long: a holder running on another core lets
+ * go within the spin, and the sleep and the wake-up (two system calls and a context switch each
+ * side) are spared; a holder that is not running (preempted) costs the spin, a few
+ * microseconds, and the taker sleeps as before. */
+#define LOCK_SPIN 256
+
+static inline void cpu_relax(void) {
+#if defined(__SSE2__)
+    _mm_pause();
+#else
+    __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
+/* Spin while mutex m looks held (reading glibc's lock word, which names the owner), then try it
+ * once more: pthread_mutex_trylock's answer. */
+static int mutex_spin(pthread_mutex_t *m) {
+    for (int k = 0; k < LOCK_SPIN; k++) {
+        cpu_relax();
+        if (__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) == 0) {
+            int rc = pthread_mutex_trylock(m);
+            if (rc != EBUSY) return rc;
+        }
+    }
+    return EBUSY;
+}
+
+/* Take lock i as LockTable.acquire does (a busy one after a spin: mutex_spin); HOLDER_DEAD (not
+ * taken) when its record names a dead holder and `dead` is NULL, else the holder is written to
+ * *dead and forgotten (the caller stops the world to recover: recovery.c); MUTEX_LATER (not
+ * taken) when it must wait and another thread holds the op mutex while this call holds other
+ * locks (hold_mutex); ERROR (OSError) when the wait fails. The core takes locks in the
+ * documented order only, so its waits cannot close a cycle; it publishes them (waits.py) for a
+ * waiter that takes locks out of order (locks.py LockTable) to see one. With `wait` 0 a lock
+ * still busy after the spin is not waited for: LOCK_BUSY, nothing taken (not counted: the wait
+ * for it that follows is). */
+static int lock_get(Native *n, int i, Holder *dead, int wait) {
     uint64_t t0 = mono_ns();
     int contended = 0;
     pthread_mutex_t *m = lock_mutex(n, i);
     int rc = mutex_taken(m, pthread_mutex_trylock(m));
+    if (rc == EBUSY) {
+        contended = 1;
+        rc = mutex_taken(m, mutex_spin(m));
+    }
     if (rc != 0) {
         if (rc != EBUSY) return lock_failed(n, i, rc);
-        contended = 1;
+        if (!wait) return LOCK_BUSY;
         /* Waiting releases the GIL: hold the op mutex meanwhile, so that no other thread of
          * this process starts an operation on the handle. */
         if ((rc = hold_mutex(n)) != OK) return rc;
@@ -176,6 +213,8 @@ static int lock_take_as(Native *n, int i, Holder *dead) {
     n->op_thread = PyThread_get_thread_ident();
     return OK;
 }
+
+static inline int lock_take_as(Native *n, int i, Holder *dead) { return lock_get(n, i, dead, 1); }
 
 static inline int lock_take(Native *n, int i) { return lock_take_as(n, i, NULL); }
 
@@ -255,9 +294,12 @@ static int txn_begin(Native *n, uint64_t mask) {
     n->jcount = n->jused = 0;
     for (int k = 0; k < n->num_locks; k++) {
         int i = invert ? n->num_locks - 1 - k : k;
-        if (!(mask & lock_bit(i))) continue;
+        if (!(mask & lock_bit(i)) || holds(n, i)) continue;
+        /* Holding others, a busy lock is not waited for (its wait would keep them from every
+         * process that wants them meanwhile): let go of them, wait for it alone, and take the
+         * rest again (this one kept: those below it without waiting). */
         n->keep_gil = i == gil;
-        rc = lock_take(n, i);
+        rc = lock_get(n, i, NULL, !invert && n->held ? 0 : 1);
         n->keep_gil = 0;
         if (rc == OK) continue;
         release_all(n);
@@ -267,6 +309,12 @@ static int txn_begin(Native *n, uint64_t mask) {
         if (rc == HOLDER_DEAD) rc = recover_holders(n, NULL);
         else if (rc == MUTEX_LATER)
             rc = hold_mutex(n);
+        else if (rc == LOCK_BUSY) {
+            n->keep_gil = i == gil;
+            rc = lock_take(n, i);
+            n->keep_gil = 0;
+            if (rc == HOLDER_DEAD) rc = recover_holders(n, NULL);
+        }
         if (rc != OK) {
             n->dry_valid = 0;
             return ERROR;
