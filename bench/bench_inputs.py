@@ -1,6 +1,7 @@
 """What a prompt's and a request id's type cost: allocate+free pairs of a 3-token prompt given
-as a list with a str id (the reference), a tuple, a numpy array, a torch tensor, and a list with
-an int id, on one pool, interleaved round by round.
+as a list with a str id (the reference), a tuple, a numpy array, a torch tensor, a list with an
+int id (the same one each pair, as a request's forks give it), and a list with a new int id each
+pair, on one pool, interleaved round by round.
 
     python bench/bench_inputs.py [--pairs 20000] [--repeat 5] [--clock wall|cpu]
 
@@ -35,6 +36,7 @@ def inputs() -> dict[str, tuple[object, Callable[[int], object]]]:
         "numpy int64 + str id": (np.asarray(PROMPT, np.int64), lambda i: "r"),
         "torch int64 + str id": (torch.tensor(PROMPT), lambda i: "r"),
         "list + int id": (list(PROMPT), lambda i: 7),
+        "list + new int id": (list(PROMPT), lambda i: i),
     }
 
 

@@ -19,6 +19,13 @@ INPUTS = [
     pytest.param(np.asarray(PROMPT, np.int32), id="numpy-int32"),
     pytest.param(np.asarray(PROMPT, ">u2"), id="numpy-uint16-big-endian"),
     pytest.param(np.repeat(PROMPT, 2)[::2], id="numpy-strided"),
+    pytest.param(np.asarray(PROMPT[::-1], np.int64)[::-1], id="numpy-reversed"),
+    pytest.param(np.asarray(PROMPT, ">i8"), id="numpy-int64-big-endian"),
+    pytest.param(np.asarray(PROMPT, np.int8), id="numpy-int8"),
+    pytest.param(np.asarray(PROMPT, np.uint64), id="numpy-uint64"),
+    pytest.param(
+        np.asarray(PROMPT, np.intc).view(type("Sub", (np.ndarray,), {})), id="numpy-subclass"
+    ),
     pytest.param(torch.tensor(PROMPT), id="torch-int64"),
     pytest.param(torch.tensor(PROMPT, dtype=torch.int32), id="torch-int32"),
     pytest.param(torch.tensor([0, *PROMPT])[1:], id="torch-offset-view"),
@@ -48,7 +55,19 @@ def test_every_token_input_gives_the_same_sequence_through_the_core(make_pool, t
 
 
 @pytest.mark.parametrize(
-    "request_id", [7, 7.5, ("a", 1), "r7"], ids=["int", "float", "tuple", "str"]
+    "request_id",
+    [7, -7, 0, 2**64 + 5, -(2**63), True, 7.5, ("a", 1), "r7"],
+    ids=[
+        "int",
+        "negative-int",
+        "zero",
+        "int-past-64-bits",
+        "int64-min",
+        "bool",
+        "float",
+        "tuple",
+        "str",
+    ],
 )
 def test_any_request_id_is_kept_as_its_str_through_the_core(make_pool, request_id):
     # GIVEN a pool run by the C core
@@ -63,6 +82,18 @@ def test_any_request_id_is_kept_as_its_str_through_the_core(make_pool, request_i
     assert pool._core.stats()["native_ops"] == before + 2
     pool.free(child)
     pool.free(seq)
+
+
+def test_int_request_ids_keep_their_own_str_when_given_again_and_in_between(make_pool):
+    # GIVEN a pool
+    pool = make_pool(512, block_size=4)
+    # WHEN int ids are given, some again, some whose values are far apart or close
+    ids = [7, 71, 7, 135, -57, 71, 7 + 2**40, 7]
+    seqs = [pool.allocate(i, PROMPT) for i in ids]
+    # THEN each sequence keeps its own id's str
+    assert [s.request_id for s in seqs] == [str(i) for i in ids]
+    for s in seqs:
+        pool.free(s)
 
 
 def test_a_non_integer_prompt_is_refused_with_a_pool_error(make_pool):

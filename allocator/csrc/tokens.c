@@ -286,6 +286,89 @@ static int tokens_of_buffer(PyObject *obj, Tokens *t) {
     return rc;
 }
 
+/* -- numpy's ndarray, read from its fields ------------------------------------------------ */
+
+/* The first fields of numpy's PyArrayObject_fields and PyArray_Descr (numpy/ndarraytypes.h),
+ * the same in numpy 1.x and 2.x. Reading them spares the buffer protocol's export, which numpy
+ * builds anew at every call (its format string compared with the one it keeps): about a tenth
+ * of an allocation. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+} NpArray_;
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *typeobj;
+    char kind; /* 'i' signed, 'u' unsigned, 'b' bool */
+    char type;
+    char byteorder; /* '<', '>', '=' (native), '|' (one byte) */
+    char flags;
+    int type_num; /* NPY_BOOL 0, NPY_BYTE 1 ... NPY_ULONGLONG 10 */
+} NpDescr_;
+
+/* numpy.ndarray (the exact type), once met; whether its fields read as they do here: 1 yes
+ * (checked against the buffer protocol on the first integer vector met), -1 no (its arrays go
+ * through the buffer protocol), 0 not checked yet. */
+static PyTypeObject *np_type;
+static int np_fields_ok;
+
+/* An integer vector's element as the fields say: OK with its size, signedness and byte order
+ * (1: not this machine's), or UNHANDLED (not a one-dimensional integer array). */
+static int np_int(PyObject *obj, int *size, int *is_signed, int *swap) {
+    NpArray_ *a = (NpArray_ *)obj;
+    if (a->nd != 1 || a->descr == NULL) return UNHANDLED;
+    NpDescr_ *d = (NpDescr_ *)a->descr;
+    static const signed char sizes[11] = {1, 1, 1, 2, 2, 4, 4, (signed char)sizeof(long),
+                                          (signed char)sizeof(long), 8, 8};
+    if (d->type_num < 0 || d->type_num > 10 || !(d->kind == 'i' || d->kind == 'u' || d->kind == 'b'))
+        return UNHANDLED;
+    *size = sizes[d->type_num];
+    *is_signed = d->kind == 'i';
+    *swap = d->byteorder == (PY_LITTLE_ENDIAN ? '>' : '<');
+    return OK;
+}
+
+/* Whether this one-dimensional integer array's fields agree with what the buffer protocol
+ * exports of it: 1, 0, or -1 with an exception set. */
+static int np_fields_agree(PyObject *obj, int size, int is_signed, int swap) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) < 0) return -1;
+    NpArray_ *a = (NpArray_ *)obj;
+    int sign = int_format(view.format);
+    int ok = view.buf == (void *)a->data && view.ndim == 1 && view.shape[0] == a->dimensions[0] &&
+             view.strides != NULL && view.strides[0] == a->strides[0] && view.itemsize == size &&
+             sign >= 0 && (sign & 1) == is_signed && (sign >> 1) == swap;
+    PyBuffer_Release(&view);
+    return ok;
+}
+
+/* A numpy array read from its fields: OK, ERROR, or UNHANDLED (the caller reads it through the
+ * buffer protocol: another type, a layout not checked or not as here, or an array that is not
+ * a one-dimensional integer vector, whose error the buffer path words). */
+static int tokens_of_numpy(PyObject *obj, Tokens *t) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp != np_type) {
+        if (np_type != NULL || strcmp(tp->tp_name, "numpy.ndarray") != 0) return UNHANDLED;
+        np_type = (PyTypeObject *)Py_NewRef(tp);
+    }
+    int size, is_signed, swap;
+    if (np_fields_ok < 0 || np_int(obj, &size, &is_signed, &swap) != OK) return UNHANDLED;
+    if (np_fields_ok == 0) {
+        int agree = np_fields_agree(obj, size, is_signed, swap);
+        if (agree < 0) return ERROR;
+        np_fields_ok = agree ? 1 : -1;
+        if (!agree) return UNHANDLED;
+    }
+    NpArray_ *a = (NpArray_ *)obj;
+    return tokens_of_memory(t, a->data, a->dimensions[0], a->strides[0], size, is_signed, swap);
+}
+
 /* A tensor through DLPack: OK, ERROR, or UNHANDLED when its memory is not the host's (the
  * caller reads its tolist()). */
 static int tokens_of_dlpack(PyObject *obj, const DLExchangeAPI_ *api, Tokens *t) {
@@ -321,10 +404,12 @@ static int tokens_read(PyObject *obj, Tokens *t, int want_items) {
     t->items = NULL;
     if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj))
         return tokens_of_items(obj, t, want_items, 0);
+    int rc = tokens_of_numpy(obj, t);
+    if (rc != UNHANDLED) return rc;
     if (PyObject_CheckBuffer(obj)) return tokens_of_buffer(obj, t);
     const DLExchangeAPI_ *api = dl_api_of(obj);
     if (api == NULL) return tokens_of_sequence(obj, t, want_items);
-    int rc = tokens_of_dlpack(obj, api, t);
+    rc = tokens_of_dlpack(obj, api, t);
     if (rc != UNHANDLED) return rc;
     PyObject *list = PyObject_CallMethod(obj, "tolist", NULL);
     if (list == NULL) return ERROR;
@@ -376,8 +461,41 @@ static int ints_extend(PyObject *list, const int32_t *v, Py_ssize_t k) {
 
 /* -- the request id ------------------------------------------------------------------------- */
 
+/* The str of the int ids met last, by value (a small direct-mapped cache: a request's id
+ * given again, as its forks are, costs no str), and the str of an int id made without going
+ * through int.__str__. */
+#define INT_IDS 64
+static struct {
+    long long v;
+    PyObject *s;
+} int_ids[INT_IDS];
+
+/* str(rid) of an exact int: a new reference, or NULL with an exception set. */
+static PyObject *int_id_str(PyObject *rid) {
+    int over;
+    long long v = PyLong_AsLongLongAndOverflow(rid, &over);
+    if (over || (v == -1 && PyErr_Occurred()) || v == LLONG_MIN) {
+        PyErr_Clear();
+        return PyObject_Str(rid);
+    }
+    size_t at = (size_t)v % INT_IDS;
+    if (int_ids[at].s != NULL && int_ids[at].v == v) return Py_NewRef(int_ids[at].s);
+    char buf[24], *e = buf + sizeof buf, *p = e;
+    unsigned long long u = v < 0 ? (unsigned long long)-v : (unsigned long long)v;
+    do *--p = (char)('0' + u % 10);
+    while ((u /= 10) != 0);
+    if (v < 0) *--p = '-';
+    PyObject *s = PyUnicode_New(e - p, 127);
+    if (s == NULL) return NULL;
+    memcpy(PyUnicode_DATA(s), p, (size_t)(e - p));
+    int_ids[at].v = v;
+    Py_XSETREF(int_ids[at].s, Py_NewRef(s));
+    return s;
+}
+
 /* The request id as the Sequence keeps it (a new reference): a str as it is, anything else
  * its str(). */
 static PyObject *request_str(PyObject *rid) {
-    return PyUnicode_CheckExact(rid) ? Py_NewRef(rid) : PyObject_Str(rid);
+    if (PyUnicode_CheckExact(rid)) return Py_NewRef(rid);
+    return PyLong_CheckExact(rid) ? int_id_str(rid) : PyObject_Str(rid);
 }
