@@ -97,11 +97,13 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     }
     if (hits) crash_point(n, CP_AFTER_HIT);
     /* digest: the hits are as published ("a prefix hit by request '...'": the request whose
-     * hit saw the change) */
-    char seen[64];
-    snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'", (int)strnlen(p->request, 32),
-             p->request);
-    if (digests_intact(n, table, hits, seen)) goto abort;
+     * hit saw the change; worded only where the digest probe looks) */
+    if (hits && (n->probes & P_DIGEST)) {
+        char seen[64];
+        snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'",
+                 (int)strnlen(p->request, 32), p->request);
+        if (digests_intact(n, table, hits, seen)) goto abort;
+    }
     Py_ssize_t ntok_first = first * bs < p->ntok ? first * bs : p->ntok;
     int64_t nfull_first = p->nfull < first ? p->nfull : first;
     if (take(n, k, table + hits, -1) || poison_intact(n, table + hits, k) ||
