@@ -298,7 +298,8 @@ static int txn_begin(Native *n, uint64_t mask) {
         /* Holding others, a busy lock is not waited for (its wait would keep them from every
          * process that wants them meanwhile): let go of them, wait for it alone, and take the
          * rest again the same way, keeping it (a lock is waited for only while none is held:
-         * no wait closes a cycle, whatever the order the rest are taken in). */
+         * no wait closes a cycle, whatever the order the rest are taken in). The lock-inversion
+         * fault waits holding them, as it is meant to. */
         n->keep_gil = i == gil;
         rc = lock_get(n, i, NULL, !invert && n->held ? 0 : 1);
         n->keep_gil = 0;
