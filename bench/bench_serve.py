@@ -10,8 +10,8 @@
 (`--mixes`: bench/serve_mixes.py; `--baseline hf`: bench/bench_serve_hf.py.) `--mixes` alone
 serves each case on a fresh 8 GiB pool; with a request shape (`--score`, `--short`,
 `--shape`), `--baseline hf`, `--memory`, `--clients`, `--repeat` or `--table` every case runs
-on one pool (1024 blocks; `--memory a100`: the KV budget an A100 40GB leaves beside the
-weights) whose cached blocks are evicted between cases, and the step graphs are captured once;
+on one pool (1024 blocks; `--memory a100`: the KV budget an A100 40GB leaves beside Llama-2-7B's
+fp16 weights, 2,873 blocks of 16 tokens, the same blocks for the tiny model) whose cached blocks are evicted between cases, and the step graphs are captured once;
 `--memory` (report) gives each mix and request shape a pool of its own, of the budget that
 holds 9 of its requests without sharing (the report's 9 of 12 streams). `--choices N`: the score
 shape as lm-eval-harness's multiple-choice tasks send it, each question one prompt scored
@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         "and shape on a KV budget that holds 9 of its requests without sharing, as the report's "
         "budget ran 9 of its 12 streams (9 x (the mean request's blocks at its end + 1 block "
         "of headroom)); a100: the literal budget an A100 40GB leaves beside Llama-2-7B's fp16 "
-        "weights (it holds hundreds of the mixes' requests: it never binds). The output names "
-        "both budgets",
+        "weights, 2,873 blocks of 16 tokens (22.45 GiB of its K/V; the same blocks, so the same "
+        "tokens, for another model such as --quick's); it holds hundreds of the mixes' requests: "
+        "it never binds. The output names both budgets",
     )
     r.add_argument("--mix", default="", help="mixes, comma-separated (default all three)")
     r.add_argument("--clients", default="", help="client counts, comma-separated (default 12)")
@@ -212,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         "as much as one that computes thousands)",
     )
     args = ap.parse_args(argv)
-    if args.choices < 1:
-        ap.error("--choices must be 1 or more")
+    problem = _arguments_problem(args)
+    if problem:
+        print(f"bench_serve.py: error: {problem}", file=sys.stderr)
+        return 2
     if args.mixes and (
         args.shape or args.score or args.short or args.baseline or args.memory
         or args.clients or args.mix or args.repeat > 1 or args.table or args.num_blocks
@@ -261,6 +264,55 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# the report regime's options (a run with any of them set is a report run: _report)
+REPORT_OPTIONS = (
+    "shape", "score", "short", "baseline", "memory", "clients", "mix", "table", "num_blocks",
+    "step_clock",
+)  # fmt: skip
+HF_WAYS = ("threads", "batches")
+
+
+def _arguments_problem(args: argparse.Namespace) -> str:
+    """What is wrong with the arguments, in a line ('' when nothing is)."""
+    import serve_mixes
+
+    if not args.mixes:
+        given = [name for name in (*REPORT_OPTIONS, "only_profile") if getattr(args, name)]
+        given += [
+            name
+            for name, default in (("choices", 1), ("repeat", 1), ("cuda_graphs", "off"))
+            if getattr(args, name) != default
+        ]
+        return f"--{given[0].replace('_', '-')} needs --mixes" if given else ""
+    for flag, text, known in (
+        ("--mix", args.mix, serve_mixes.MIXES),
+        ("--shape", args.shape, serve_mixes.SHAPES),
+        ("--hf-ways", args.hf_ways, HF_WAYS),
+    ):
+        unknown = [x for x in text.split(",") if x and x not in known]
+        if unknown:
+            return f"{flag}: {unknown[0]!r} is none of {', '.join(known)}"
+    if not any(args.hf_ways.split(",")):
+        return f"--hf-ways: name one or more of {', '.join(HF_WAYS)}"
+    for x in args.clients.split(",") if args.clients else []:
+        if not x.isdigit() or int(x) < 1:
+            return f"--clients: {x!r} is not a client count (1 or more)"
+    for flag, value, least in (
+        ("--requests", args.requests, 1),
+        ("--repeat", args.repeat, 1),
+        ("--choices", args.choices, 1),
+        ("--hf-requests", args.hf_requests, 1),
+        ("--check", args.check, 0),
+        ("--num-blocks", args.num_blocks, 0),
+    ):
+        if value < least:
+            return f"{flag} must be {least} or more (got {value})"
+    shapes = args.shape.split(",") + ["score"] * args.score
+    if args.choices > 1 and "score" not in shapes:
+        return "--choices needs the score shape (--score)"
+    return ""
+
+
 def _mixes(args: argparse.Namespace) -> int:
     """`--mixes`: the table, or (`--only-profile N`) where a step's time goes."""
     import datetime
@@ -305,16 +357,13 @@ def _report(args: argparse.Namespace) -> int:
     shapes = [x for x in args.shape.split(",") if x]
     shapes += [x for x, on in (("short", args.short), ("score", args.score)) if on]
     shapes = [x for x in serve_mixes.SHAPES if x in shapes] or ["generate"]
-    if args.choices > 1 and "score" not in shapes:
-        print("bench_serve.py: error: --choices needs the score shape (--score)", file=sys.stderr)
-        return 2
     if args.clients:
         clients = [int(x) for x in args.clients.split(",")]
     else:
         clients = list(serve_mixes.MEMORY_CLIENTS) if args.memory else [serve_mixes.CLIENTS]
     model = serve_mixes.build_model(args.device, args.quick)
     num_blocks = args.num_blocks or (
-        serve_mixes.a100_blocks(model) if args.memory == "a100" else serve_mixes.DEFAULT_BLOCKS
+        serve_mixes.a100_blocks() if args.memory == "a100" else serve_mixes.DEFAULT_BLOCKS
     )
     budget = "report" if args.memory == "report" and not args.num_blocks else "fixed"
     clock = None

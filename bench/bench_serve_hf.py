@@ -68,7 +68,7 @@ class HFBaseline:
             hf.tie_weights()
         # the rotary frequencies are a buffer outside the state dict: made again on the device
         with torch.device(self.device):
-            hf.model.rotary_emb = type(hf.model.rotary_emb)(config)
+            hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
         self.hf = hf.eval()
         cfg = model.config
         itemsize = model.lm_head.weight.element_size()

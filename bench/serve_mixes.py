@@ -180,9 +180,7 @@ def free_device_memory(device: str) -> None:
 
 def kv_block_bytes(model: LlamaModel) -> int:
     """Bytes of one pool block: K and V of every layer for BLOCK_SIZE tokens."""
-    cfg = model.config
-    itemsize = model.lm_head.weight.element_size()
-    return 2 * cfg.num_layers * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return config_block_bytes(model.config, model.lm_head.weight.element_size())
 
 
 def run_mixes(
@@ -283,9 +281,11 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# The memory regime: an A100 40GB beside the model's fp16 weights. Its KV budget is sized as
+# The memory regime: an A100 40GB beside Llama-2-7B's fp16 weights. Its KV budget is sized as
 # vLLM sizes its cache: 90% of the GPU's memory (gpu_memory_utilization 0.9), less the weights,
-# less a reserve for the forward's activations.
+# less a reserve for the forward's activations; in blocks of Llama-2-7B's fp16 K/V (2,873 of
+# 16 tokens, 22.45 GiB). Another model (the tiny one on the CPU) gets the same blocks, so the
+# budget holds the same tokens of every request; its bytes are that model's blocks'.
 A100_BYTES = 40 * 2**30
 GPU_MEMORY_UTILIZATION = 0.9
 ACTIVATION_RESERVE = 2**30
@@ -335,10 +335,28 @@ def weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def a100_blocks(model: LlamaModel) -> int:
-    """Pool blocks in the KV budget an A100 40GB leaves beside `model`'s weights."""
-    budget = GPU_MEMORY_UTILIZATION * A100_BYTES - weight_bytes(model) - ACTIVATION_RESERVE
-    return int(budget // kv_block_bytes(model))
+def config_weight_bytes(config: ModelConfig, itemsize: int) -> int:
+    """Bytes of a Llama model's weights from its shape (embeddings and lm_head untied, as
+    Llama-2-7B's), at `itemsize` bytes a parameter."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads
+    attention = h * q + 2 * h * kv * config.head_dim + q * h
+    layer = attention + 3 * h * config.intermediate_size + 2 * h
+    return (2 * config.vocab_size * h + config.num_layers * layer + h) * itemsize
+
+
+def config_block_bytes(config: ModelConfig, itemsize: int) -> int:
+    """Bytes of one pool block of a model of this shape: K and V of every layer, BLOCK_SIZE
+    tokens."""
+    return 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * itemsize
+
+
+def a100_blocks() -> int:
+    """Pool blocks in the KV budget an A100 40GB leaves beside Llama-2-7B's fp16 weights: the
+    budget of every model (in a model's pool, kv_block_bytes(model) each)."""
+    budget = (
+        GPU_MEMORY_UTILIZATION * A100_BYTES - config_weight_bytes(LLAMA2_7B, 2) - ACTIVATION_RESERVE
+    )
+    return int(budget // config_block_bytes(LLAMA2_7B, 2))
 
 
 class SharedPool:
@@ -530,7 +548,7 @@ def run_report(
     blocks = {
         key: report_blocks(rs) if budget == "report" else num_blocks for key, rs in groups.items()
     }
-    a100 = a100_blocks(model)
+    a100 = a100_blocks()
     budgets = [
         {
             "mix": mix, "shape": shape, "num_blocks": n, "kv_budget_bytes": n * kv_block_bytes(model),
@@ -732,6 +750,11 @@ def render_report(results: dict[str, Any]) -> str:
     def change(off: float, on: float) -> str:
         return f"{size(off)} -> {size(on)} ({on / max(off, 1e-12) - 1:+.0%})"
 
+    def checked(cs: list) -> str:
+        """Transformers' outputs equal to the engine's, per HF way ('-': none compared)."""
+        found = [c["check"] for c in cs if c.get("check", {}).get("requests")]
+        return ", ".join(f"{k['equal']}/{k['requests']}" for k in found) or "-"
+
     n0 = clients[0]
     choices = results.get("choices", 1)
 
@@ -743,7 +766,10 @@ def render_report(results: dict[str, Any]) -> str:
         "several streams map counts once), the time-weighted mean over the run and its peak "
         "(the cold start included: the first requests find nothing cached); streams per held "
         "block: how many streams map a held block on average, sharing on (1.00: nothing held "
-        "at once by two). TTFT p95 from admission. Medians of the repeats, (min-max).",
+        "at once by two). TTFT p95 from admission. Medians of the repeats, (min-max). HF "
+        "outputs equal: of the first requests compared (`--check`), those whose Transformers "
+        "outputs equal the engine's (tokens; scores: log-probabilities within 1e-3 + 1% and "
+        "the same is_greedy), a thread per client, padded batches.",
         *(
             [
                 f"score ({choices} choices): a question is one prompt scored against {choices} "
@@ -757,8 +783,8 @@ def render_report(results: dict[str, Any]) -> str:
         "| mix | request shape | HF, a thread per client | HF, padded batches | kvscope, sharing "
         "off | kvscope, sharing on | sharing on vs off | report | sharing on vs HF | "
         "KV held, mean, off -> on | KV held, peak, off -> on | report: KV | streams per held "
-        "block | TTFT p95 off / on (ms) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "block | TTFT p95 off / on (ms) | HF outputs equal |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mix in MIXES:
         for shape in shapes:
@@ -780,12 +806,16 @@ def render_report(results: dict[str, Any]) -> str:
                 f"{change(kv(off, 'peak_bytes'), kv(on, 'peak_bytes'))} | "
                 f"{REPORT[mix][1] or '-'} | {kv(on, 'maps_per_block'):.2f} | "
                 f"{spread([c['ttft_admitted_p95_ms'] for c in off])} / "
-                f"{spread([c['ttft_admitted_p95_ms'] for c in on])} |"
+                f"{spread([c['ttft_admitted_p95_ms'] for c in on])} | "
+                f"{checked(threads + batches)} |"
             )
     report_budget = results.get("budget") == "report"
     if len(clients) == 1 and not report_budget:
         return "\n".join(lines)
-    a100 = f"{results['a100_blocks']} blocks ({size(results['a100_kv_budget_bytes'])})"
+    a100 = (
+        f"{results['a100_blocks']} blocks of {BLOCK_SIZE} tokens "
+        f"({size(results['a100_kv_budget_bytes'])} of this model's K/V)"
+    )
     if report_budget:
         lines += [
             "",
@@ -793,14 +823,16 @@ def render_report(results: dict[str, Any]) -> str:
             f"holds {REPORT_FIT} of its requests without sharing, as the report's budget held "
             f"{REPORT_FIT} of its {REPORT_STREAMS} streams (blocks: {REPORT_FIT} x (the mean "
             "request's blocks at its end + the block of headroom the scheduler keeps per "
-            f"running stream)). The literal budget an A100 40GB leaves beside the weights, {a100}, "
+            f"running stream)). The literal budget an A100 40GB leaves beside Llama-2-7B's fp16 "
+            f"weights, {a100}, "
             "holds the streams in the budget column's brackets: it never binds.",
         ]
     else:
         lines += [
             "",
             f"Memory regime: a KV budget of {results['num_blocks']} blocks "
-            f"({size(results['kv_budget_bytes'])}); an A100 40GB's, beside the weights: {a100}.",
+            f"({size(results['kv_budget_bytes'])}); an A100 40GB's, beside Llama-2-7B's fp16 "
+            f"weights: {a100}.",
         ]
     lines += [
         "kvscope off / on. Running streams: the engine's count after each step, peak (time-"

@@ -112,7 +112,7 @@ def quick() -> LlamaModel:
 @pytest.mark.slow  # importing transformers takes seconds
 @pytest.mark.parametrize("shape", ["generate", "short", "score"])
 def test_transformers_serves_the_same_outputs_as_the_engine(quick: LlamaModel, shape: str) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", exc_type=ImportError)
     from bench_serve_hf import HFBaseline
 
     # GIVEN four requests of the top-10 mix, served by the engine on one pool
