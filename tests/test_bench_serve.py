@@ -98,18 +98,31 @@ def test_the_table_says_whether_transformers_outputs_are_the_engines(
 ) -> None:
     pytest.importorskip("transformers", exc_type=ImportError)
     # WHEN the report's table runs with Transformers beside, its outputs compared on 4 requests
+    # (at 12 clients both ways; at 16 in padded batches, in the memory regime's table)
     out = tmp_path / "hf.json"
     argv = ["--baseline", "hf", "--mix", "top-10", "--shape", "short,score", "--requests", "12"]
-    rc = bench_serve.main([*QUICK, *argv, "--hf-requests", "6", "--table", "--json", str(out)])
-    assert rc == 0
+    argv += ["--clients", "12,16", "--hf-requests", "6", "--table", "--json", str(out)]
+    assert bench_serve.main([*QUICK, *argv]) == 0
     table = capsys.readouterr().out
     results = json.loads(out.read_text())
     hf = [c for c in results["cases"] if c["engine"].startswith("hf-")]
-    assert sorted(c["engine"] for c in hf) == ["hf-batches", "hf-batches"] + ["hf-threads"] * 2
+    assert sorted(c["engine"] for c in hf) == ["hf-batches"] * 4 + ["hf-threads"] * 2
     for c in hf:
         # THEN Transformers served its 6 requests, 4 of them compared and equal to the engine's
-        assert c["requests"] == 6 and c["check"]["equal"] == c["check"]["requests"] == 4
+        assert c["requests"] == 6 and c["ttft_admitted_p95_ms"] > 0
+        if c["clients"] == 12:
+            assert c["check"]["equal"] == c["check"]["requests"] == 4
     # AND the table's row of each shape says so, both ways
     rows = [line for line in table.splitlines() if line.startswith("| top-10 |")]
-    assert [row.split(" | ")[1] for row in rows] == ["short", "score"]
-    assert all(row.endswith("| 4/4, 4/4 |") for row in rows)
+    assert [row.split(" | ")[1] for row in rows[:2]] == ["short", "score"]
+    assert all(row.endswith("| 4/4, 4/4 |") for row in rows[:2])
+    # AND the memory regime's rows give Transformers' TTFT p95 beside the engine's
+    memory = {tuple(row.split(" | ")[1:3]): row for row in rows[2:]}
+    assert sorted(memory) == [("score", "12"), ("score", "16"), ("short", "12"), ("short", "16")]
+    for (shape, n), row in memory.items():
+        (ttft,) = [
+            c["ttft_admitted_p95_ms"]
+            for c in hf
+            if (c["engine"], c["shape"], c["clients"]) == ("hf-batches", shape, int(n))
+        ]
+        assert row.endswith(f"| {ttft:.1f} |")
