@@ -386,7 +386,8 @@ def _report(args: argparse.Namespace) -> int:
     )  # fmt: skip
     results["machine"] = _machine(args)
     if args.table:
-        print(serve_mixes.render_report(results), flush=True)
+        summary, full = serve_mixes.render_summary(results), serve_mixes.render_report(results)
+        print(f"{summary}\n\n{full}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

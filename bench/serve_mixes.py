@@ -725,6 +725,74 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _pick(
+    cases: list[dict[str, Any]], engine: str, mix: str, shape: str, n: int, sharing: bool | None
+) -> list[dict[str, Any]]:
+    """The cases of one engine, mix, shape and client count (and sharing, unless None)."""
+    return [
+        c
+        for c in cases
+        if c["engine"] == engine and c["mix"] == mix and c["shape"] == shape
+        and c["clients"] == n and (sharing is None or c["sharing"] == sharing)
+    ]  # fmt: skip
+
+
+# the request shapes as the summary names them
+SHAPE_LABELS = {"generate": "16-48 output tokens", "short": "1-4 output tokens", "score": "score"}
+
+
+def render_summary(results: dict[str, Any]) -> str:
+    """The table as the report prints it, at the first client count: per mix and request shape
+    the baseline's requests/s (HF: the better of its ways; kvscope without sharing), the shared
+    requests/s, the K/V held over the run (time-weighted mean) without and with sharing, and
+    TTFT p95; medians of the repeats."""
+    cases = results["cases"]
+    n0 = min(c["clients"] for c in cases)
+    choices = results.get("choices", 1)
+    lines = [
+        f"As the report prints it ({n0} clients; requests/s, medians of the repeats; HF: the "
+        "better of a thread per client and padded batches; K/V: held over the run, the "
+        "time-weighted mean; TTFT p95 from admission):",
+        "",
+        "| mix | request shape | HF | kvscope, sharing off | kvscope, sharing on | sharing on "
+        "vs off | report | on vs HF | K/V held over the run, off → on | TTFT p95, HF / off / "
+        "on |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mix in MIXES:
+        for shape in SHAPES:
+            on = _pick(cases, "kvscope", mix, shape, n0, True)
+            off = _pick(cases, "kvscope", mix, shape, n0, False)
+            if not on or not off:
+                continue
+            hf = _pick(cases, "hf-threads", mix, shape, n0, None)
+            hf += _pick(cases, "hf-batches", mix, shape, n0, None)
+            best = max(hf, key=lambda c: c["requests_per_s"], default=None)
+            q_on = _median([c["requests_per_s"] for c in on])
+            q_off = _median([c["requests_per_s"] for c in off])
+            held_on = _median([c["kv"]["mean_bytes"] for c in on])
+            held_off = _median([c["kv"]["mean_bytes"] for c in off])
+            report_kv = f"; the report {REPORT[mix][1]}" if REPORT[mix][1] else ""
+            label = SHAPE_LABELS[shape] + (
+                f", {choices} choices" if shape == "score" and choices > 1 else ""
+            )
+            ttft = [
+                f"{best['ttft_admitted_p95_ms']:.0f}" if best else "-",
+                f"{_median([c['ttft_admitted_p95_ms'] for c in off]):.0f}",
+                f"{_median([c['ttft_admitted_p95_ms'] for c in on]):.0f}",
+            ]
+            lines.append(
+                f"| {mix} | {label} | "
+                + (f"{best['requests_per_s']:.1f}" if best else "-")
+                + f" | {q_off:.1f} | {q_on:.1f} | {q_on / q_off - 1:+.0%} | {REPORT[mix][0]} | "
+                + (f"{q_on / best['requests_per_s']:.1f}x" if best else "-")
+                + f" | {size(held_off)} → {size(held_on)} "
+                f"({held_on / max(held_off, 1e-12) - 1:+.0%}{report_kv}) | "
+                f"{' / '.join(ttft)} ms |"
+            )
+    return "\n".join(lines)
+
+
 def render_report(results: dict[str, Any]) -> str:
     """The table as the report prints it (baseline QPS, shared QPS, KV memory, TTFT p95 per mix
     and request shape; medians of the repeats, their range in brackets), then the memory
@@ -734,12 +802,7 @@ def render_report(results: dict[str, Any]) -> str:
     shapes = [s for s in SHAPES if any(c["shape"] == s for c in cases)]
 
     def pick(engine: str, mix: str, shape: str, n: int, sharing: bool | None = None) -> list:
-        return [
-            c
-            for c in cases
-            if c["engine"] == engine and c["mix"] == mix and c["shape"] == shape
-            and c["clients"] == n and (sharing is None or c["sharing"] == sharing)
-        ]  # fmt: skip
+        return _pick(cases, engine, mix, shape, n, sharing)
 
     def qps(cs: list) -> list[float]:
         return [c["requests_per_s"] for c in cs]

@@ -73,7 +73,9 @@ def test_the_a100_budget_is_llama_2_7bs_in_any_model() -> None:
     assert serve_mixes.a100_blocks() == int((0.9 * 40 * 2**30 - weights - 2**30) // 2**23) == 2873
 
 
-def test_the_a100_regime_runs_on_the_tiny_model(tmp_path: Path) -> None:
+def test_the_a100_regime_runs_on_the_tiny_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # WHEN the A100 memory regime runs on the tiny model (its blocks 32 KiB, not 8 MiB)
     out = tmp_path / "a100.json"
     argv = ["--memory", "a100", "--mix", "top-10", "--score", "--clients", "12,16"]
@@ -90,6 +92,21 @@ def test_the_a100_regime_runs_on_the_tiny_model(tmp_path: Path) -> None:
     for c in results["cases"]:
         assert c["num_blocks"] == 2873 and c["requests"] == 24 and c["failed"] == 0
         assert 0 < c["kv"]["peak_bytes"] <= 2873 * block_bytes and c["preemptions"] == 0
+    # AND the table as the report prints it has kvscope's figures at 12 clients (no HF ran),
+    # and the memory regime's table names the budget in this model's bytes
+    table = capsys.readouterr().out
+    off, on = (
+        next(c for c in results["cases"] if c["clients"] == 12 and c["sharing"] == sharing)
+        for sharing in (False, True)
+    )
+    held = [c["kv"]["mean_bytes"] / 2**20 for c in (off, on)]
+    assert (
+        f"| top-10 | score | - | {off['requests_per_s']:.1f} | {on['requests_per_s']:.1f} | "
+        f"{on['requests_per_s'] / off['requests_per_s'] - 1:+.0%} | +87% | - | "
+        f"{held[0]:.2f} MiB → {held[1]:.2f} MiB ({held[1] / held[0] - 1:+.0%}; the report -31%) | "
+        f"- / {off['ttft_admitted_p95_ms']:.0f} / {on['ttft_admitted_p95_ms']:.0f} ms |"
+    ) in table
+    assert "2873 blocks of 16 tokens (89.78 MiB of this model's K/V)" in table
 
 
 @pytest.mark.slow  # importing transformers takes seconds
@@ -112,12 +129,36 @@ def test_the_table_says_whether_transformers_outputs_are_the_engines(
         assert c["requests"] == 6 and c["ttft_admitted_p95_ms"] > 0
         if c["clients"] == 12:
             assert c["check"]["equal"] == c["check"]["requests"] == 4
-    # AND the table's row of each shape says so, both ways
     rows = [line for line in table.splitlines() if line.startswith("| top-10 |")]
-    assert [row.split(" | ")[1] for row in rows[:2]] == ["short", "score"]
-    assert all(row.endswith("| 4/4, 4/4 |") for row in rows[:2])
+    # AND the table as the report prints it has the better HF way as the baseline, beside
+    # kvscope without and with sharing, at 12 clients
+    for row, shape in zip(rows[:2], ["short", "score"]):
+        best = max(
+            (c for c in hf if c["shape"] == shape and c["clients"] == 12),
+            key=lambda c: c["requests_per_s"],
+        )
+        off, on = (
+            next(
+                c
+                for c in results["cases"]
+                if (c["engine"], c["shape"], c["clients"], c["sharing"])
+                == ("kvscope", shape, 12, sharing)
+            )
+            for sharing in (False, True)
+        )
+        q_hf, q_off, q_on = (c["requests_per_s"] for c in (best, off, on))
+        label = serve_mixes.SHAPE_LABELS[shape]
+        assert row.startswith(
+            f"| top-10 | {label} | {q_hf:.1f} | {q_off:.1f} | {q_on:.1f} | "
+            f"{q_on / q_off - 1:+.0%} | +87% | {q_on / q_hf:.1f}x | "
+        )
+        ttfts = " / ".join(f"{c['ttft_admitted_p95_ms']:.0f}" for c in (best, off, on))
+        assert row.endswith(f"| {ttfts} ms |")
+    # AND the full table's row of each shape says Transformers' outputs were the engine's
+    assert [row.split(" | ")[1] for row in rows[2:4]] == ["short", "score"]
+    assert all(row.endswith("| 4/4, 4/4 |") for row in rows[2:4])
     # AND the memory regime's rows give Transformers' TTFT p95 beside the engine's
-    memory = {tuple(row.split(" | ")[1:3]): row for row in rows[2:]}
+    memory = {tuple(row.split(" | ")[1:3]): row for row in rows[4:]}
     assert sorted(memory) == [("score", "12"), ("score", "16"), ("short", "12"), ("short", "16")]
     for (shape, n), row in memory.items():
         (ttft,) = [
