@@ -10,12 +10,17 @@
 (`--mixes`: bench/serve_mixes.py; `--baseline hf`: bench/bench_serve_hf.py.) `--mixes` alone
 serves each case on a fresh 8 GiB pool; with a request shape (`--score`, `--short`,
 `--shape`), `--baseline hf`, `--memory`, `--clients`, `--repeat` or `--table` every case runs
-on one pool (1024 blocks; `--memory a100`: the KV budget an A100 40GB leaves beside Llama-2-7B's
-fp16 weights, 2,873 blocks of 16 tokens, the same blocks for the tiny model) whose cached blocks are evicted between cases, and the step graphs are captured once;
-`--memory` (report) gives each mix and request shape a pool of its own, of the budget that
-holds 9 of its requests without sharing (the report's 9 of 12 streams). `--choices N`: the score
-shape as lm-eval-harness's multiple-choice tasks send it, each question one prompt scored
-against N continuations (N requests; requests/s, `--requests` and `--clients` count requests).
+on one pool (1024 blocks; `--memory a100`: the KV budget an A100 40GB leaves beside
+Llama-2-7B's fp16 weights, 2,873 blocks of 16 tokens, the same blocks for the tiny model) whose
+cached blocks are evicted between cases, and the step graphs are captured once; `--memory`
+(report) gives each mix and request shape a pool of its own, of the budget that holds 9 of its
+requests without sharing (the report's 9 of 12 streams). `--choices N`: the score shape as
+lm-eval-harness's multiple-choice tasks send it, each question one prompt scored against N
+continuations (N requests; requests/s, `--requests` and `--clients` count requests). `--table`
+prints the table as the report prints it (baseline and shared requests/s, K/V held, TTFT p95 per
+mix and request shape), then the full tables (every figure, the memory regime's). With
+`--device cpu --quick` every command runs on the tiny model on the CPU (`--step-clock`: the
+engine's figures the same on every machine).
 
 A random-weight Llama checkpoint (~110M parameters) is written to a temporary directory; the
 same seeded workload (256 requests arriving at once, 70% behind one of 10 shared 256-token
@@ -198,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--clients", default="", help="client counts, comma-separated (default 12)")
     r.add_argument("--num-blocks", type=int, default=0, help="the pool's blocks (overrides)")
     r.add_argument("--repeat", type=int, default=1, help="serve every case this many times")
-    r.add_argument("--table", action="store_true", help="print the report's table (Markdown)")
+    r.add_argument(
+        "--table",
+        action="store_true",
+        help="print the table as the report prints it (Markdown: per mix and request shape, "
+        "baseline and shared requests/s, K/V held, TTFT p95), then the full tables",
+    )
     r.add_argument("--hf-requests", type=int, default=24, help="requests Transformers serves")
     r.add_argument(
         "--hf-ways", default="threads,batches", help="Transformers' ways: threads, batches"
