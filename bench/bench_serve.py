@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="--mixes: no table; profile N requests of the top-10 mix instead",
+        help="--mixes: no table; profile N requests of one mix (--mix, default top-10) in one "
+        "request shape (--shape, --score or --short; default generate), sharing on, instead",
     )
     r = ap.add_argument_group(
         "--mixes: the report's regime (one pool for every case; --memory: one per mix and shape)"
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"bench_serve.py: error: {problem}", file=sys.stderr)
         return 2
+    if args.mixes and args.only_profile:
+        return _mixes(args)
     if args.mixes and (
         args.shape or args.score or args.short or args.baseline or args.memory
         or args.clients or args.mix or args.repeat > 1 or args.table or args.num_blocks
@@ -280,6 +283,17 @@ REPORT_OPTIONS = (
     "step_clock",
 )  # fmt: skip
 HF_WAYS = ("threads", "batches")
+# those `--only-profile` takes (one mix, one request shape)
+PROFILE_OPTIONS = ("mix", "shape", "score", "short")
+
+
+def _shapes(args: argparse.Namespace) -> list[str]:
+    """The request shapes asked for, in serve_mixes.SHAPES' order (default: generate)."""
+    import serve_mixes
+
+    shapes = [x for x in args.shape.split(",") if x]
+    shapes += [x for x, on in (("short", args.short), ("score", args.score)) if on]
+    return [x for x in serve_mixes.SHAPES if x in shapes] or ["generate"]
 
 
 def _arguments_problem(args: argparse.Namespace) -> str:
@@ -314,10 +328,20 @@ def _arguments_problem(args: argparse.Namespace) -> str:
         ("--hf-requests", args.hf_requests, 1),
         ("--check", args.check, 0),
         ("--num-blocks", args.num_blocks, 0),
+        ("--only-profile", args.only_profile, 0),
     ):
         if value < least:
             return f"{flag} must be {least} or more (got {value})"
     shapes = args.shape.split(",") + ["score"] * args.score
+    if args.only_profile:
+        others = [n for n in REPORT_OPTIONS if getattr(args, n) and n not in PROFILE_OPTIONS]
+        if others or args.choices != 1 or args.repeat != 1:
+            flag = others[0] if others else ("choices" if args.choices != 1 else "repeat")
+            return f"--only-profile takes --mix and a request shape, not --{flag.replace('_', '-')}"
+        if len([x for x in args.mix.split(",") if x]) > 1:
+            return "--only-profile: one mix (--mix)"
+        if len(_shapes(args)) > 1:
+            return "--only-profile: one request shape (--shape, --score or --short)"
     if args.choices > 1 and "score" not in shapes:
         return "--choices needs the score shape (--score)"
     return ""
@@ -343,8 +367,10 @@ def _mixes(args: argparse.Namespace) -> int:
         "model": "tiny" if args.quick else "llama2-7b shape, random fp16",
     }
     if args.only_profile:
+        mix, (shape,) = args.mix or "top-10", _shapes(args)
         results["profiles"] = [
-            serve_mixes.profile_case(model, args.device, g, args.only_profile) for g in graphs
+            serve_mixes.profile_case(model, args.device, g, args.only_profile, mix, shape)
+            for g in graphs
         ]
         for p in results["profiles"]:
             shown = {k: v for k, v in p.items() if k not in ("top_kernels", "cprofile_tottime")}
@@ -364,9 +390,7 @@ def _report(args: argparse.Namespace) -> int:
     regime, the report's table."""
     import serve_mixes
 
-    shapes = [x for x in args.shape.split(",") if x]
-    shapes += [x for x, on in (("short", args.short), ("score", args.score)) if on]
-    shapes = [x for x in serve_mixes.SHAPES if x in shapes] or ["generate"]
+    shapes = _shapes(args)
     if args.clients:
         clients = [int(x) for x in args.clients.split(",")]
     else:

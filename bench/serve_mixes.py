@@ -148,10 +148,17 @@ def case_config(
 
 
 def serve_case(
-    model: LlamaModel, mix: str, sharing: bool, graphs: bool, n: int, device: str, tag: str
+    model: LlamaModel,
+    mix: str,
+    sharing: bool,
+    graphs: bool,
+    n: int,
+    device: str,
+    tag: str,
+    shape: str = "generate",
 ) -> dict[str, Any]:
     """Serve one case; its summary as a dict, with requests/s added."""
-    requests = mix_requests(mix, n, model.config.vocab_size)
+    requests = mix_requests(mix, n, model.config.vocab_size, shape=shape)
     name = f"mix-{tag}-{mix}-{int(sharing)}{int(graphs)}"
     config = case_config(model, mix, device, sharing, graphs, name)
     summary, _ = run(config, requests, model=model)
@@ -213,20 +220,31 @@ def run_mixes(
     return {"block_bytes": kv_block_bytes(model), "cases": cases}
 
 
-def profile_case(model: LlamaModel, device: str, graphs: bool, num_requests: int) -> dict[str, Any]:
-    """Where the time of the top-10 mix (sharing on) goes: the GPU's kernels (torch.profiler;
-    the window holds the case's set-up too, graph captures included, so the kernel total is not
-    the serving's: the case's own `gpu_step_share` is), and the engine thread's hottest functions
-    (cProfile)."""
-    serve_case(model, "top-10", True, graphs, CLIENTS, device, "pwarm")
-    out: dict[str, Any] = {"cuda_graphs": graphs}
+def profile_case(
+    model: LlamaModel,
+    device: str,
+    graphs: bool,
+    num_requests: int,
+    mix: str = "top-10",
+    shape: str = "generate",
+) -> dict[str, Any]:
+    """Where the time of one mix in one request shape (sharing on) goes: the GPU's kernels
+    (torch.profiler; the window holds the case's set-up too, graph captures included, so the
+    kernel total is not the serving's: the case's own `gpu_step_share` is), and the engine
+    thread's hottest functions (cProfile)."""
+
+    def case(n: int, tag: str) -> dict[str, Any]:
+        return serve_case(model, mix, True, graphs, n, device, tag, shape)
+
+    case(CLIENTS, "pwarm")
+    out: dict[str, Any] = {"mix": mix, "shape": shape, "cuda_graphs": graphs}
     if device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             began = time.perf_counter()
-            summary = serve_case(model, "top-10", True, graphs, num_requests, device, "prof")
+            summary = case(num_requests, "prof")
             torch.cuda.synchronize()
             wall_s = time.perf_counter() - began
         events = prof.key_averages()
@@ -243,8 +261,9 @@ def profile_case(model: LlamaModel, device: str, graphs: bool, num_requests: int
         )
     profiler = cProfile.Profile()
     profiler.enable()
-    serve_case(model, "top-10", True, graphs, num_requests, device, "cprof")
+    served = case(num_requests, "cprof")
     profiler.disable()
+    out["served"] = {k: served[k] for k in ("requests", "output_tokens", "scored_tokens")}
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     out["cprofile_tottime"] = text.getvalue()

@@ -36,13 +36,22 @@ QUICK = ["--mixes", "--device", "cpu", "--quick", "--step-clock"]
         (["--repeat", "0"], "--repeat must be 1 or more (got 0)"),
         (["--check", "-1"], "--check must be 0 or more (got -1)"),
         (["--choices", "4"], "--choices needs the score shape (--score)"),
+        (["--only-profile", "4", "--mix", "top-10,long"], "--only-profile: one mix (--mix)"),
+        (
+            ["--only-profile", "4", "--score", "--short"],
+            "--only-profile: one request shape (--shape, --score or --short)",
+        ),
+        (
+            ["--only-profile", "4", "--table"],
+            "--only-profile takes --mix and a request shape, not --table",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # WHEN a --mixes run is given a bad argument
-    rc = bench_serve.main([*QUICK, *argv])
+    rc = bench_serve.main(["--mixes", "--device", "cpu", "--quick", *argv])
     # THEN it stops at once with one line that names it, and exit status 2
     err = capsys.readouterr().err
     assert rc == 2 and err == f"bench_serve.py: error: {message}\n"
@@ -107,6 +116,18 @@ def test_the_a100_regime_runs_on_the_tiny_model(
         f"- / {off['ttft_admitted_p95_ms']:.0f} / {on['ttft_admitted_p95_ms']:.0f} ms |"
     ) in table
     assert "2873 blocks of 16 tokens (89.78 MiB of this model's K/V)" in table
+
+
+def test_a_profile_of_one_mix_in_one_request_shape(tmp_path: Path) -> None:
+    # WHEN the top-10 mix's scoring requests are profiled
+    out = tmp_path / "profile.json"
+    argv = ["--only-profile", "6", "--mix", "top-10", "--score", "--json", str(out)]
+    assert bench_serve.main(["--mixes", "--device", "cpu", "--quick", *argv]) == 0
+    (profile,) = json.loads(out.read_text())["profiles"]
+    # THEN the profile served 6 of them (scored, nothing generated), its hottest functions listed
+    assert (profile["mix"], profile["shape"]) == ("top-10", "score")
+    assert profile["served"]["requests"] == 6 and profile["served"]["output_tokens"] == 0
+    assert profile["served"]["scored_tokens"] > 0 and "paged_prefill" in profile["cprofile_tottime"]
 
 
 @pytest.mark.slow  # importing transformers takes seconds
