@@ -231,10 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mixes and args.only_profile:
         return _mixes(args)
     if args.mixes and (
-        args.shape or args.score or args.short or args.baseline or args.memory
-        or args.clients or args.mix or args.repeat > 1 or args.table or args.num_blocks
-        or args.step_clock or args.choices > 1
-    ):  # fmt: skip
+        any(getattr(args, name) for name in REPORT_OPTIONS) or args.repeat > 1 or args.choices > 1
+    ):
         return _report(args)
     if args.mixes:
         return _mixes(args)
