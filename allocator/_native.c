@@ -46,4 +46,5 @@
 #include "csrc/devanswers.c"
 #include "csrc/devconfig.c"
 #include "csrc/audit.c"
+#include "csrc/oplog.c"
 #include "csrc/module.c"

@@ -110,6 +110,9 @@ class PoolConfig:
     # ("tcp://*:5557"; "": off), or as a KVEventsConfig (a replay socket, a data-parallel
     # rank, a topic), from create to close (docs/EVENTS.md, "kvscope as a publisher").
     kv_events: str | KVEventsConfig = ""
+    # Record every operation of the creating handle into this operation log ("": off;
+    # docs/REPLAY.md). KVSCOPE_RECORD_OPS=PATH records every handle of a process.
+    record_ops: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved(self) -> PoolConfig:

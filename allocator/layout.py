@@ -40,6 +40,8 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     LRU_ENTRY_FIELDS,
     LRU_HEADER_FIELDS,
     LRU_KEEP,
+    OPLOG_FIELDS,
+    OPLOG_FOUND_FIELDS,
     REQUEST_BYTES,
     RING_HEADER_FIELDS,
     BlockState,
@@ -49,7 +51,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
 )
 
 POOL_MAGIC = 0x4B56_5343_4F50_4531
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 ALIGN = 64
 NO_BLOCK = -1
 
@@ -128,6 +130,9 @@ HEADER_DTYPE = np.dtype(
         ("refcount_peak", "<u4"),
     ]
     + [(name, "<u8") for name in COUNTER_FIELDS]
+    # The operation log's global sequence number: the last one taken (docs/REPLAY.md; the C
+    # core's atomic add, by every process recording).
+    + [("op_seq_pad", "<u4"), ("op_seq", "<u8")]
 )
 assert HEADER_DTYPE.fields["checksum"][1] == HEADER_CHECKSUM_BYTES  # type: ignore[index]
 
@@ -150,6 +155,9 @@ RING_HEADER_DTYPE = np.dtype(RING_HEADER_FIELDS)
 INDEX_DTYPE = np.dtype(INDEX_FIELDS)
 LRU_HEADER_DTYPE = np.dtype(LRU_HEADER_FIELDS)
 LRU_ENTRY_DTYPE = np.dtype(LRU_ENTRY_FIELDS)
+# The operation log's records (a file, not a section of the segment: docs/REPLAY.md).
+OPLOG_DTYPE = np.dtype(OPLOG_FIELDS)
+OPLOG_FOUND_DTYPE = np.dtype(OPLOG_FOUND_FIELDS)
 
 
 def seq_dtype(max_blocks_per_seq: int) -> np.dtype:

@@ -56,6 +56,8 @@ from kvscope.allocator.layout import (
     LRU_ENTRY_DTYPE,
     LRU_HEADER_DTYPE,
     NUM_SITES,
+    OPLOG_DTYPE,
+    OPLOG_FOUND_DTYPE,
     RING_HEADER_DTYPE,
     SITE_DTYPE,
     ClientState,
@@ -98,6 +100,8 @@ def expected_layout() -> dict[str, int]:
         "event": EVENT_DTYPE,
         "lru_header": LRU_HEADER_DTYPE,
         "lru_entry": LRU_ENTRY_DTYPE,
+        "oplog": OPLOG_DTYPE,
+        "oplog_found": OPLOG_FOUND_DTYPE,
     }
     out = records.c_values()
     for name, (record, field) in records.c_offset_names().items():

@@ -26,6 +26,7 @@ from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.locks import LockTable
+from kvscope.allocator.oplog import RECORD_KEY_ENV, RECORD_OPS_ENV, pool_tag, start_text
 from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
 from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ring_findings
 from kvscope.allocator.process import my_identity
@@ -49,6 +50,16 @@ Tokens = Sequence_[int] | np.ndarray | torch.Tensor
 
 # This process's pid, refreshed in a forked child (os.getpid() is a system call per operation).
 _PID = [os.getpid()]
+
+
+def _env_key() -> int:
+    """KVSCOPE_RECORD_OPS_KEY: the redaction key of a recording (0: none, or not a number)."""
+    try:
+        return int(os.environ.get(RECORD_KEY_ENV, "0") or 0, 0) & (2**64 - 1)
+    except ValueError:
+        return 0
+
+
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
@@ -109,6 +120,10 @@ class KVPool:
         self.probe = PoolProbes(self, flags) if flags.any() else None
         for hook in OPEN_HOOKS:
             hook(self)
+        # `kvscope run --record-ops FILE`: every handle of the run records (docs/REPLAY.md).
+        self._recording = ""
+        if os.environ.get(RECORD_OPS_ENV):
+            self.record_ops(os.environ[RECORD_OPS_ENV], _env_key())
 
     # -- probe hooks -------------------------------------------------------------------------
 
@@ -269,6 +284,37 @@ class KVPool:
         # (after the checks above: the verification runs operations of its own)
         if self.probe is not None and self.probe.flags.magic:
             self.probe.verify_often()
+
+    def record_ops(self, path: str, redact_key: int = 0) -> None:
+        """Record every operation of this handle into the operation log at `path` (appended
+        to; docs/REPLAY.md), from a START record on; with `redact_key` (a non-zero integer),
+        token ids and request ids as keyed hashes. Until `close` or `stop_recording`."""
+        self._check_process()
+        path = os.fspath(path)
+        if path == self._recording:
+            return
+        text = start_text(
+            self.name,
+            self.created,
+            self.config,
+            None if self.probe is None else self.probe.flags,
+            bool(self._probe_bits[0] & NATIVE_LOCKDEP),
+            self._guard_every,
+            int(self.view.h["op_seq"]),
+            bool(redact_key),
+        )
+        tag = pool_tag(self.name, int(self.view.h["created_ns"]))
+        off = self.view.header.dtype.fields["op_seq"][1]
+        with self.op_mutex:
+            self._core.oplog_open(path, redact_key, text, off, tag)
+        self._recording = path
+
+    def stop_recording(self) -> None:
+        """Stop recording operations (record_ops)."""
+        self._check_process()
+        with self.op_mutex:
+            self._core.oplog_close()
+        self._recording = ""
 
     def live(self) -> dict[int, Sequence]:
         """This handle's live sequences by slot, in the order they were entered (a copy of the

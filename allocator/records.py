@@ -174,6 +174,76 @@ EVENT_FIELDS: list[Field] = [
     ("arg", "<i8"),
     ("request", f"S{REQUEST_BYTES}"),
 ]
+# -- the operation log (docs/REPLAY.md) ---------------------------------------------------------
+# A file of records the C core appends (csrc/oplog.c), one write(2) each, while recording is on.
+OPLOG_MAGIC = 0x504F_564B  # "KVOP"
+OPLOG_VERSION = 1
+
+
+class OpCode(enum.IntEnum):
+    """An operation log record's `op`."""
+
+    START = 1  # a handle began recording: its JSON text (geometry, probes, faults) follows
+    ALLOCATE = 2
+    APPEND = 3
+    FORK = 4
+    MARK_COMPUTED = 5
+    FREE = 6
+    ABORT = 7
+    SET_STATE = 8
+    RESUME = 9
+    EVICT = 10
+    REPORT = 11  # a finding reported between operations (KVPool.report: pool.verify(), lockdep)
+    LOST = 12  # `arg` records this handle could not write (a failed write(2)) before this one
+
+
+class OpStatus(enum.IntEnum):
+    """An operation log record's `status`: how the operation returned."""
+
+    OK = 0
+    EXHAUSTED = 1  # PoolExhausted
+    REFUSED = 2  # another PoolError (a sequence already ended, a bad argument, JournalFull)
+    ERROR = 3  # any other exception (TypeError, OSError, RuntimeError)
+
+
+# Record flags.
+OPLOG_FAULT = 1  # an injected fault fired inside the operation
+OPLOG_REDACTED = 2  # tokens and request ids are keyed hashes
+# One record: these fields, then int32 tokens[n_tokens] (START: n_tokens bytes of UTF-8 JSON),
+# int32 blocks[n_blocks], int32 copies[2 * n_copies] (src, dst), int64 preempted[n_preempted]
+# (the seq ids the operation preempted), n_found findings (OPLOG_FOUND_FIELDS), zero padding to
+# a multiple of 8 bytes. `check` is the record's hash with `check` itself 0 (csrc/oplog.c).
+OPLOG_FIELDS: list[Field] = [
+    ("magic", "<u4"),
+    ("size", "<u4"),
+    ("seq", "<u8"),
+    ("check", "<u8"),
+    ("time_ns", "<u8"),
+    ("pid", "<i4"),
+    ("tid", "<i4"),
+    ("op", "u1"),
+    ("status", "u1"),
+    ("flags", "u1"),
+    ("n_found", "u1"),
+    ("probes", "<u4"),
+    ("n_tokens", "<u4"),
+    ("n_blocks", "<u4"),
+    ("n_copies", "<u4"),
+    ("n_preempted", "<u4"),
+    # the pool's tag (allocator/oplog.py pool_tag: several pools may record into one file)
+    ("pool", "<u4"),
+    ("pad", "<u4"),
+    # the sequence operated on (allocate, fork: the new one; -1: none), fork's source
+    ("seq_id", "<i8"),
+    ("src_id", "<i8"),
+    # mark_computed's count, evict's count, set_state's state (1 running, 2 waiting), LOST's
+    ("arg", "<i8"),
+    # allocate's hit blocks, resume's cached tokens, mark_computed's and evict's count
+    ("result", "<i8"),
+    ("request", f"S{REQUEST_BYTES}"),
+]
+OPLOG_FOUND_FIELDS: list[Field] = [("block", "<i4"), ("kind", "S28")]
+
 JOURNAL_ENTRY_FIELDS: list[Field] = [
     ("offset", "<u8"),
     ("length", "<u4"),
@@ -195,6 +265,8 @@ C_RECORDS = {
     "EV_": ("event", "request"),
     "LRU_": ("lru_header", "takes"),
     "LE_": ("lru_entry", "access_ns"),
+    "OR_": ("oplog", "request"),
+    "OF_": ("oplog_found", "kind"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
@@ -215,6 +287,8 @@ C_SIZES = {
     "EV_SIZE": "event",
     "LRU_ENTRIES": "lru_header",  # the list's entries follow its header
     "LRU_ENTRY": "lru_entry",
+    "OPLOG_HEAD": "oplog",
+    "OPLOG_FOUND": "oplog_found",
 }
 
 
@@ -230,6 +304,8 @@ def record_fields(record: str) -> list[Field]:
         "event": lambda: EVENT_FIELDS,
         "lru_header": lambda: LRU_HEADER_FIELDS,
         "lru_entry": lambda: LRU_ENTRY_FIELDS,
+        "oplog": lambda: OPLOG_FIELDS,
+        "oplog_found": lambda: OPLOG_FOUND_FIELDS,
     }[record]()
 
 
@@ -248,7 +324,12 @@ def c_values() -> dict[str, int]:
         "LRU_KEEP": LRU_KEEP,
         "NUM_COUNTERS": len(COUNTER_FIELDS),
         "LOCK_MUTEX_BYTES": LOCK_MUTEX_BYTES,
+        "OPLOG_MAGIC": OPLOG_MAGIC,
+        "OPLOG_FAULT": OPLOG_FAULT,
+        "OPLOG_REDACTED": OPLOG_REDACTED,
     }
+    out.update({f"OP_{o.name}": int(o) for o in OpCode})
+    out.update({f"OS_{o.name}": int(o) for o in OpStatus})
     out.update({f"B_{s.name}": int(s) for s in BlockState})
     out.update({f"S_{s.name}": int(s) for s in SeqState})
     out.update({_counter_name(f): i for i, f in enumerate(COUNTER_FIELDS)})
@@ -308,7 +389,7 @@ def c_header() -> str:
         "#define KVSCOPE_LAYOUT_H",
     ]
     lines += [
-        f"#define {k} {v:#x}u" if k == "BLOCK_MAGIC" else f"#define {k} {v}"
+        f"#define {k} {v:#x}u" if k in ("BLOCK_MAGIC", "OPLOG_MAGIC") else f"#define {k} {v}"
         for k, v in consts.items()
     ]
     lines.append("static const struct { const char *name; long long value; } KV_LAYOUT[] = {")

@@ -339,6 +339,7 @@ typedef struct {
     int64_t poison_ok;   /* integrity.can_poison: a floating-point cache */
     int64_t off_kv_digest; /* the block record's kv_digest (its last field) */
     struct DevChecks *dev; /* the checks the core launches itself (devchecks.c), or NULL */
+    struct Oplog *oplog;   /* the operation log this handle records into (oplog.c), or NULL */
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
@@ -441,6 +442,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
 enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4, DK_UNWRITTEN = 5 };
 static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
+static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 /* The exception classes the core raises (allocator/errors.py), handed to it once by
  * native.py through register_errors(); NULL until then. */
 static PyObject *PoolErrorType, *PoolExhaustedType, *JournalFullType;

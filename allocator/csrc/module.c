@@ -201,6 +201,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
 }
 
 static void N_dealloc(Native *n) {
+    oplog_free(n);
     if (n->seg) PyBuffer_Release(&n->buf);
     if (n->overdue) PyBuffer_Release(&n->overdue_buf);
     if (n->crash) PyBuffer_Release(&n->crash_buf);
@@ -248,6 +249,7 @@ static void N_dealloc(Native *n) {
 
 /* close(): let go of the mapping (the pool is about to unmap it). */
 static PyObject *N_close(Native *n, PyObject *unused) {
+    oplog_free(n);
     if (n->seg) {
         PyBuffer_Release(&n->buf);
         n->seg = NULL;
@@ -274,22 +276,22 @@ static PyObject *N_set_crash_at(Native *n, PyObject *arg) {
 }
 
 static PyMethodDef N_methods[] = {
-    {"allocate", (PyCFunction)(void (*)(void))N_allocate, METH_FASTCALL,
+    {"allocate", (PyCFunction)(void (*)(void))R_allocate, METH_FASTCALL,
      "allocate(pool, tokens, request_id) -> Sequence"},
-    {"end", (PyCFunction)(void (*)(void))N_end, METH_FASTCALL,
+    {"end", (PyCFunction)(void (*)(void))R_end, METH_FASTCALL,
      "end(pool, seq, final_state) -> True: free or abort"},
-    {"append", (PyCFunction)(void (*)(void))N_append, METH_FASTCALL,
+    {"append", (PyCFunction)(void (*)(void))R_append, METH_FASTCALL,
      "append(pool, seq, tokens) -> copies: the copy-on-write (src, dst) pairs"},
-    {"mark_computed", (PyCFunction)(void (*)(void))N_mark_computed, METH_FASTCALL,
+    {"mark_computed", (PyCFunction)(void (*)(void))R_mark_computed, METH_FASTCALL,
      "mark_computed(pool, seq, num_tokens) -> int: the blocks published"},
-    {"fork", (PyCFunction)(void (*)(void))N_fork, METH_FASTCALL,
+    {"fork", (PyCFunction)(void (*)(void))R_fork, METH_FASTCALL,
      "fork(pool, seq, request_id) -> Sequence"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
      "verify_often(pool): the magic probe's periodic check, on the core's clock"},
     {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
      "first_report(kind, block) -> bool | None: whether a finding the core counts is new "
      "(once per block); None for a kind it does not count"},
-    {"report", (PyCFunction)(void (*)(void))N_report, METH_FASTCALL,
+    {"report", (PyCFunction)(void (*)(void))R_report, METH_FASTCALL,
      "report(kind, severity, block, owner_pid, site, request, message) -> int: a finding "
      "written into the segment's findings ring (its position)"},
     {"live", (PyCFunction)N_live, METH_NOARGS,
@@ -326,9 +328,9 @@ static PyMethodDef N_methods[] = {
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
      "the core's own checks: waiting, launched, broken (a CUresult) | None"},
-    {"set_state", (PyCFunction)(void (*)(void))N_set_state, METH_FASTCALL,
+    {"set_state", (PyCFunction)(void (*)(void))R_set_state, METH_FASTCALL,
      "set_state(pool, seq, state) -> True: mark a sequence running or waiting"},
-    {"resume", (PyCFunction)(void (*)(void))N_resume, METH_FASTCALL,
+    {"resume", (PyCFunction)(void (*)(void))R_resume, METH_FASTCALL,
      "resume(pool, seq) -> cached tokens: re-allocate a preempted sequence"},
     {"reclaim_dead", (PyCFunction)N_reclaim_dead, METH_O,
      "reclaim_dead(said_pids) -> (totals, done): every dead client's blocks returned"},
@@ -342,12 +344,16 @@ static PyMethodDef N_methods[] = {
      "detach(): close's work (local cache, slot reserve, counters, record detached)"},
     {"mark_repaired", (PyCFunction)(void (*)(void))N_mark_repaired, METH_FASTCALL,
      "mark_repaired(pids, kinds) -> [ring position]: findings a repair answered"},
-    {"evict", (PyCFunction)(void (*)(void))N_evict, METH_FASTCALL,
+    {"evict", (PyCFunction)(void (*)(void))R_evict, METH_FASTCALL,
      "evict(pool, num_blocks) -> int: LRU cached blocks to the free ring"},
     {"reserve_ready", (PyCFunction)(void (*)(void))N_reserve_ready, METH_FASTCALL,
      "reserve_ready(pool, claiming) -> bool: the slot reserve refilled or trimmed when due"},
     {"reserve_state", (PyCFunction)N_reserve_state, METH_NOARGS,
      "reserve_state() -> (slots, next_id, end_id): this process's slot reserve (tests)"},
+    {"oplog_open", (PyCFunction)(void (*)(void))N_oplog_open, METH_FASTCALL,
+     "oplog_open(path, key, start_text, off_op_seq, tag): record every operation into the log "
+     "file at path (docs/REPLAY.md)"},
+    {"oplog_close", (PyCFunction)N_oplog_close, METH_NOARGS, "stop recording operations"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

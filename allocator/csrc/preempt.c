@@ -193,6 +193,7 @@ static int preempted(Native *n, int64_t from, int64_t to) {
         }
         Py_DECREF(table);
         const char *request = (const char *)seqrec(n, slot) + SF_REQUEST;
+        if (n->oplog) oplog_preempted(n, seq);
         ev_record(n, E_PREEMPT, ids, k, request, 0);
         ev_record(n, E_FREE, ids, k, request, 0);
         count(n, C_FREES, (uint64_t)k);
