@@ -67,6 +67,12 @@ VERBS: dict[str, tuple[str, str, str]] = {
         "Write a self-contained HTML report of a pool or a dump:"
         " `kvscope report NAME|FILE -o report.html`.",
     ),
+    "replay": (
+        "replay",
+        "ReplayCommand",
+        "Re-run an operation log against a fresh pool and stop at the first divergence or"
+        " finding: `kvscope replay LOG [--until N] [--shrink] [--emit-script FILE]`.",
+    ),
     "events": (
         "events",
         "EventsCommand",

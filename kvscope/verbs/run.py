@@ -67,6 +67,18 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
     env["KVSCOPE_GUARD"] = "1" if args.guard else "0"
     env["KVSCOPE_LOCKDEP"] = "1" if args.lockdep else "0"
     env["KVSCOPE_EVENTS"] = "1"
+    record = getattr(args, "record_ops", None)
+    if record:
+        # every handle of the run records into one log (docs/REPLAY.md); --redact: token ids
+        # and request ids as keyed hashes, under a key of this run's
+        env["KVSCOPE_RECORD_OPS"] = os.path.abspath(record)
+        try:  # (a new log for this run)
+            with open(record, "wb"):
+                pass
+        except OSError as e:
+            raise UsageError(f"--record-ops {record}: {e.strerror or e}") from None
+        if getattr(args, "redact", False):
+            env["KVSCOPE_RECORD_OPS_KEY"] = str(int.from_bytes(os.urandom(8), "little") | 1)
     faults = parse_faults(args.inject)
     if faults:
         env["KVSCOPE_INJECT"] = ",".join(faults)
@@ -113,6 +125,17 @@ class RunCommand:
             action="append",
             metavar="FAULT",
             help=f"inject a fault (repeatable): {', '.join(FAULTS)}",
+        )
+        parser.add_argument(
+            "--record-ops",
+            metavar="FILE",
+            help="record every pool operation of the run into the operation log FILE "
+            "(appended to), for `kvscope replay FILE`",
+        )
+        parser.add_argument(
+            "--redact",
+            action="store_true",
+            help="with --record-ops: token ids and request ids recorded as keyed hashes",
         )
         parser.add_argument(
             "--dump-dir", default=".", metavar="DIR", help="where dumps go (default: .)"

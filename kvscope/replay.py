@@ -1,0 +1,696 @@
+"""Replay an operation log (docs/REPLAY.md): re-execute its operations against a fresh pool of
+the same geometry, probes and armed faults, in the recorded order (several processes' handles
+attached in one process), compare every result with the recorded one and stop at the first
+divergence or finding; shrink a run to a minimal one that still finds the same kind
+(delta debugging over requests, then operations) and write it as a plain Python script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted, faults
+from kvscope.allocator.findings import SEVERITY, FindingKind
+from kvscope.allocator.layout import BlockState
+from kvscope.allocator.oplog import OpLog, OplogError, OpRecord
+from kvscope.allocator.probeflags import ProbeFlags
+from kvscope.allocator.probing import PoolProbes
+from kvscope.allocator.records import OpCode, OpStatus
+
+_ALLOCATE, _APPEND, _FORK, _MARK = (
+    int(OpCode.ALLOCATE),
+    int(OpCode.APPEND),
+    int(OpCode.FORK),
+    int(OpCode.MARK_COMPUTED),
+)
+_FREE, _ABORT, _SET_STATE, _RESUME = (
+    int(OpCode.FREE),
+    int(OpCode.ABORT),
+    int(OpCode.SET_STATE),
+    int(OpCode.RESUME),
+)
+_EVICT, _REPORT, _START, _LOST = (
+    int(OpCode.EVICT),
+    int(OpCode.REPORT),
+    int(OpCode.START),
+    int(OpCode.LOST),
+)
+_OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
+_STATES = {1: "running", 2: "waiting"}
+# Faults a replay cannot run in its own process: kill-holding-lock kills it.
+UNREPLAYABLE_FAULTS = ("kill-holding-lock",)
+
+
+@dataclass(slots=True)
+class Result:
+    """What one operation gave: the fields a record compares."""
+
+    status: int = _OK
+    seq_id: int = -1
+    result: int = 0
+    blocks: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    found: list[tuple[str, int]] = field(default_factory=list)
+    fault: str = ""
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "status": OpStatus(self.status).name.lower(),
+            "seq_id": self.seq_id,
+            "result": self.result,
+            "blocks": self.blocks,
+            "copies": [list(c) for c in self.copies],
+            "preempted": self.preempted,
+            "found": [{"kind": k, "block": b} for k, b in self.found],
+        }
+        if self.fault:
+            d["fault"] = self.fault
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+def recorded_result(r: OpRecord) -> Result:
+    """A record's results, as a Result."""
+    return Result(
+        status=r.status,
+        seq_id=r.seq_id,
+        result=r.result,
+        blocks=r.blocks,
+        copies=r.copies,
+        preempted=r.preempted,
+        found=r.found,
+        fault="fault" if r.fault else "",
+    )
+
+
+def differences(r: OpRecord, got: Result) -> list[str]:
+    """The fields where a replayed operation's results differ from the recorded ones."""
+    out = []
+    if r.status != got.status:
+        out.append("status")
+    op = r.op
+    if op in (_ALLOCATE, _FORK, _RESUME) and r.status == _OK and r.seq_id != got.seq_id:
+        out.append("seq_id")
+    if op in (_ALLOCATE, _MARK, _RESUME, _EVICT) and r.result != got.result:
+        out.append("result")
+    if op != _REPORT and r.blocks != got.blocks:
+        out.append("blocks")
+    if r.copies != got.copies:
+        out.append("copies")
+    if sorted(r.preempted) != sorted(got.preempted):
+        out.append("preempted")
+    if op == _REPORT:
+        if {k for k, _ in r.found} - {k for k, _ in got.found}:
+            out.append("found")
+    elif sorted(r.found) != sorted(got.found):
+        out.append("found")
+    if r.fault != bool(got.fault):
+        out.append("fault")
+    return out
+
+
+class ReplayError(PoolError):
+    """A log that cannot be replayed (exit 2)."""
+
+
+class Session:
+    """A fresh pool rebuilt from a log's start record, with one handle per recorded process,
+    and the sequences its operations made (by (pid, recorded seq id))."""
+
+    def __init__(self, log: OpLog, name: str | None = None, arm: bool = True):
+        start = log.start.start or {}
+        self.start = start
+        if not start.get("created"):
+            raise ReplayError(
+                f"{log.path}: the log begins at operation {start.get('op_seq', '?')} of pool "
+                f"{start.get('pool')!r}, which its first recorder attached to: there is no start "
+                "state to replay from (record from the pool's creation)"
+            )
+        for f in start.get("faults") or {}:
+            if f in UNREPLAYABLE_FAULTS:
+                raise ReplayError(
+                    f"{log.path}: the recorded process armed {f!r}, which kills the process "
+                    "that runs it: not replayable"
+                )
+        cfg = dict(start.get("config") or {})
+        try:
+            self.config = PoolConfig(**cfg, device="cpu")
+        except TypeError as e:
+            raise ReplayError(f"{log.path}: the start record's geometry is not one: {e}") from None
+        self.name = name or f"kvscope-replay-{os.getpid()}-{id(self) & 0xFFFFFF:x}"
+        self.handles: dict[int, KVPool] = {}
+        self.seqs: dict[tuple[int, int], Any] = {}
+        self.found: list[tuple[str, int]] = []
+        self.preempted: set[tuple[int, int]] = set()
+        self.fired: list[str] = []
+        self._armed = dict(faults.ARMED)
+        faults.ARMED.clear()
+        if arm:
+            faults.ARMED.update(start.get("faults") or {})
+        self._hook = self.fired.append
+        faults.ON_FIRE.append(self._hook)
+        try:
+            pool = KVPool.create(self.name, self.config)
+        except BaseException:
+            self._restore()
+            raise
+        self.pool = pool
+        self._setup(pool, start)
+        self.handles[int(start.get("pid", log.start.pid))] = pool
+
+    def _setup(self, pool: KVPool, start: dict[str, Any]) -> None:
+        flags = start.get("probes")
+        pool.probe = PoolProbes(pool, ProbeFlags(**flags)) if flags else None
+        if start.get("guard_sample", 0) > 1:
+            pool.guard_sample = int(start["guard_sample"])
+        if start.get("lockdep"):
+            pool.trace_locks(True)
+        pool.on_finding = self._on_finding
+
+    def _on_finding(self, f: Any) -> None:
+        kind = f.kind.value if isinstance(f.kind, FindingKind) else str(f.kind)
+        self.found.append((kind, -1 if f.block is None else int(f.block)))
+
+    def attach(self, r: OpRecord) -> None:
+        """A START of another process: a handle of its own on the replay pool."""
+        if r.pid in self.handles:
+            return
+        h = KVPool.attach(self.name)
+        self._setup(h, r.start or {})
+        self.handles[r.pid] = h
+
+    def _restore(self) -> None:
+        faults.ARMED.clear()
+        faults.ARMED.update(self._armed)
+        with contextlib.suppress(ValueError):
+            faults.ON_FIRE.remove(self._hook)
+
+    def close(self) -> None:
+        try:
+            for h in reversed(list(self.handles.values())):
+                with contextlib.suppress(Exception):
+                    h.close()
+            with contextlib.suppress(Exception):
+                self.pool.unlink()
+        finally:
+            self._restore()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, r: OpRecord, free: bool = False) -> Result | None:
+        """Execute one record's operation on its process's handle. None where the record
+        names a process or sequence this replay does not have (`free`: a shrunk run, whose
+        operations on removed requests are skipped)."""
+        op = r.op
+        if op == _START:
+            self.attach(r)
+            return None
+        if op == _LOST:
+            return None
+        h = self.handles.get(r.pid)
+        if h is None:
+            return None
+        out = Result()
+        found = self.found
+        found.clear()
+        nfired = len(self.fired)
+        seqs = self.seqs
+        s = None
+        if op not in (_ALLOCATE, _EVICT, _REPORT):
+            s = seqs.get((r.pid, r.src_id if op in (_FORK, _RESUME) else r.seq_id))
+            if s is None:
+                return None
+        pre0 = int(h.counters["num_preemptions"][0])
+        try:
+            if op == _ALLOCATE:
+                s = h.allocate(r.request, r.tokens)
+                seqs[(r.pid, s.seq_id)] = s
+                out.seq_id = s.seq_id
+                out.result = s.num_cached_tokens
+                out.blocks = list(s.block_table)
+            elif op == _APPEND:
+                out.seq_id = s.seq_id
+                out.copies = h.append(s, r.tokens)
+                out.blocks = list(s.block_table)
+            elif op == _MARK:
+                out.seq_id = s.seq_id
+                out.result = h.mark_computed(s, r.arg)
+            elif op == _FREE or op == _ABORT:
+                out.seq_id = s.seq_id
+                out.blocks = list(s.block_table)
+                if op == _FREE:
+                    h.free(s)
+                else:
+                    h.abort(s)
+            elif op == _FORK:
+                c = h.fork(s, r.request)
+                seqs[(r.pid, c.seq_id)] = c
+                out.seq_id = c.seq_id
+                out.blocks = list(c.block_table)
+            elif op == _SET_STATE:
+                out.seq_id = s.seq_id
+                h.set_state(s, _STATES.get(r.arg, "unknown"))
+            elif op == _RESUME:
+                out.result = h.resume(s)
+                seqs[(r.pid, s.seq_id)] = s
+                out.seq_id = s.seq_id
+                out.blocks = list(s.block_table)
+            elif op == _EVICT:
+                out.result = h.evict(r.arg)
+            elif op == _REPORT:
+                # a finding reported between operations: the check that reports it, now
+                h.verify()
+        except PoolExhausted as e:
+            out.status = _EXHAUSTED
+            out.error = str(e)
+        except PoolError as e:
+            out.status = _REFUSED
+            out.error = str(e)
+        except Exception as e:  # (recorded as ERROR: a TypeError, an OSError, a bug)
+            out.status = _ERROR
+            out.error = f"{type(e).__name__}: {e}"
+        if op == _RESUME and out.status != _OK and s is not None:
+            out.seq_id = s.seq_id
+            out.blocks = list(s.block_table)
+        elif op == _APPEND and out.status != _OK and s is not None:
+            out.blocks = list(s.block_table)
+        if op == _FREE or op == _ABORT:
+            if out.status != _OK:
+                out.blocks = []
+        if int(h.counters["num_preemptions"][0]) != pre0:
+            known = self.preempted
+            for q in h.live().values():
+                if q.state == "preempted" and (r.pid, q.seq_id) not in known:
+                    known.add((r.pid, q.seq_id))
+                    out.preempted.append(q.seq_id)
+        out.found = list(found)
+        if len(self.fired) != nfired:
+            out.fault = ",".join(self.fired[nfired:])
+        return out
+
+
+@dataclass
+class Outcome:
+    """How a replay ended."""
+
+    reason: str  # "end", "until", "divergence", "finding", "missing"
+    replayed: int  # operations executed
+    total: int  # operations in the log
+    record: OpRecord | None = None
+    got: Result | None = None
+    diff: list[str] = field(default_factory=list)
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    faults: dict[int, str] = field(default_factory=dict)  # seq -> the fault that fired there
+
+    @property
+    def error_finding(self) -> bool:
+        if self.got is None:
+            return False
+        for k, _ in self.got.found:
+            try:
+                if SEVERITY[FindingKind(k)] == "error":
+                    return True
+            except ValueError:
+                return True
+        return False
+
+    @property
+    def exit_code(self) -> int:
+        if self.reason in ("divergence", "missing"):
+            return 1
+        return 1 if self.reason == "finding" and self.error_finding else 0
+
+
+def block_rows(session: Session, rec: Result | None, got: Result | None) -> list[dict[str, Any]]:
+    """The blocks an operation involves, recorded beside replayed, with the replay pool's
+    record of each now."""
+    ids: set[int] = set()
+    for res in (rec, got):
+        if res is None:
+            continue
+        ids.update(res.blocks)
+        ids.update(b for c in res.copies for b in c)
+        ids.update(b for _, b in res.found if b >= 0)
+    blocks = session.pool.view.blocks
+    rows = []
+    for b in sorted(ids):
+        if not 0 <= b < len(blocks):
+            continue
+        rec_b = blocks[b]
+        rows.append(
+            {
+                "block": b,
+                "recorded": _role(rec, b),
+                "replayed": _role(got, b),
+                "state": BlockState(int(rec_b["state"])).name.lower()
+                if int(rec_b["state"]) in iter(BlockState)
+                else int(rec_b["state"]),
+                "refcount": int(rec_b["refcount"]),
+                "request": bytes(rec_b["request"]).rstrip(b"\0").decode("utf-8", "replace"),
+            }
+        )
+    return rows
+
+
+def _role(res: Result | None, b: int) -> str:
+    if res is None:
+        return "-"
+    roles = []
+    if b in res.blocks:
+        roles.append(f"table[{res.blocks.index(b)}]")
+    for src, dst in res.copies:
+        if b == src:
+            roles.append("cow src")
+        if b == dst:
+            roles.append("cow dst")
+    roles += [k for k, fb in res.found if fb == b]
+    return ", ".join(roles) or "-"
+
+
+@contextlib.contextmanager
+def _quiet(on: bool) -> Iterator[None]:
+    """The faults' announcements (stderr) kept out of a shrink's many runs."""
+    if not on:
+        yield
+        return
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome:
+    """Replay `log` against a fresh pool and compare every result; stop at the first divergence
+    or finding (or after operation `until`)."""
+    records = log.records
+    total = sum(1 for r in records if r.op != _START)
+    done = 0
+    t0 = time.perf_counter()
+    with _quiet(quiet), Session(log) as session:
+        outcome = Outcome("end", 0, total)
+        for r in records:
+            if until is not None and r.seq > until:
+                outcome.reason = "until"
+                break
+            if r.op == _START:
+                if r is not log.start:
+                    session.attach(r)
+                continue
+            got = session.run(r)
+            if got is None:
+                if r.op == _LOST:
+                    outcome = Outcome("missing", done, total, r)
+                    break
+                outcome = Outcome("missing", done, total, r)
+                break
+            done += 1
+            if got.fault:
+                outcome.faults[r.seq] = got.fault
+            diff = differences(r, got)
+            if diff or got.found or r.found:
+                fired = outcome.faults
+                outcome = Outcome(
+                    "divergence" if diff else "finding", done, total, r, got, diff, faults=fired
+                )
+                outcome.blocks = block_rows(session, recorded_result(r), got)
+                break
+        outcome.replayed = done
+        outcome.seconds = time.perf_counter() - t0
+    return outcome
+
+
+# -- shrinking ------------------------------------------------------------------------------
+
+
+def _units(ops: list[OpRecord]) -> list[list[int]]:
+    """The log's requests as units for delta debugging: the indexes of each request's
+    operations (a fork's child and a resumed sequence belong to their request), and each
+    operation on no request as a unit of its own."""
+    family: dict[tuple[int, int], int] = {}
+    units: list[list[int]] = []
+    for i, r in enumerate(ops):
+        key = (r.pid, r.seq_id)
+        if r.op == _ALLOCATE:
+            family[key] = len(units)
+            units.append([i])
+        elif r.op in (_FORK, _RESUME) and (r.pid, r.src_id) in family:
+            u = family[(r.pid, r.src_id)]
+            family[key] = u
+            units[u].append(i)
+        elif key in family:
+            units[family[key]].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def _ddmin(items: list[Any], test: Callable[[list[Any]], bool]) -> list[Any]:
+    """Zeller's delta debugging: a 1-minimal sublist of items (in order) that passes test."""
+    n = 2
+    while len(items) >= 2:
+        size = -(-len(items) // n)
+        parts = [items[i : i + size] for i in range(0, len(items), size)]
+        for i, part in enumerate(parts):
+            if test(part):
+                items, n = part, 2
+                break
+            rest = [x for j, p in enumerate(parts) if j != i for x in p]
+            if len(parts) > 2 and test(rest):
+                items, n = rest, max(n - 1, 2)
+                break
+        else:
+            if n >= len(items):
+                break
+            n = min(len(items), 2 * n)
+    return items
+
+
+@dataclass
+class Shrunk:
+    """A minimal run: its operations, the kind it finds, the operation that finds it."""
+
+    log: OpLog
+    ops: list[OpRecord]
+    kind: str
+    fault_at: dict[int, str]  # seq -> the fault armed just before that operation
+    tests: int
+    seconds: float
+    statuses: list[int]
+
+
+class Shrinker:
+    """Delta debugging over a log's requests, then its operations, keeping a finding."""
+
+    def __init__(self, log: OpLog, outcome: Outcome):
+        if outcome.reason != "finding" or outcome.got is None or outcome.record is None:
+            raise ReplayError(
+                f"{log.path}: nothing to shrink: the replay "
+                + (
+                    "diverged from the recording before any finding"
+                    if outcome.reason in ("divergence", "missing")
+                    else "found nothing"
+                )
+            )
+        self.log = log
+        self.kind = (outcome.got.found or outcome.record.found)[0][0]
+        last = outcome.record.seq
+        self.ops = [r for r in log.records if r.op not in (_START, _LOST) and r.seq <= last]
+        self.starts = [r for r in log.records if r.op == _START and r is not log.start]
+        self.fault_at = dict(outcome.faults)
+        self.tests = 0
+        self.statuses: list[int] = []
+
+    def run(self, ops: list[OpRecord]) -> tuple[bool, list[int]]:
+        """Whether `ops` (as a free run: results not compared, operations on requests it
+        lacks skipped) finds the kind; the statuses of the operations it ran."""
+        self.tests += 1
+        statuses: list[int] = []
+        with _quiet(True), Session(self.log, arm=False) as session:
+            for r in self.starts:
+                session.attach(r)
+            for r in ops:
+                fault = self.fault_at.get(r.seq)
+                if fault:
+                    faults.ARMED.clear()
+                    faults.ARMED.update({f: 1 for f in fault.split(",")})
+                got = session.run(r, free=True)
+                if fault:
+                    faults.ARMED.clear()
+                statuses.append(-1 if got is None else got.status)
+                if got is not None and any(k == self.kind for k, _ in got.found):
+                    return True, statuses
+        return False, statuses
+
+    def test(self, ops: list[OpRecord]) -> bool:
+        return self.run(ops)[0]
+
+    def shrink(self) -> Shrunk:
+        t0 = time.perf_counter()
+        ops = self.ops
+        if not self.test(ops):
+            raise ReplayError(
+                f"{self.log.path}: the finding {self.kind!r} does not come back when the "
+                "operations are run with the fault armed at the operation where it fired: "
+                "nothing to shrink"
+            )
+        units = _units(ops)
+        kept_units = _ddmin(units, lambda us: self.test(_flatten(ops, us)))
+        ops = _flatten(ops, kept_units)
+        ops = _ddmin(ops, self.test)
+        ok, statuses = self.run(ops)
+        assert ok
+        return Shrunk(
+            self.log,
+            ops,
+            self.kind,
+            {r.seq: self.fault_at[r.seq] for r in ops if r.seq in self.fault_at},
+            self.tests,
+            time.perf_counter() - t0,
+            statuses,
+        )
+
+
+def _flatten(ops: list[OpRecord], units: list[list[int]]) -> list[OpRecord]:
+    return [ops[i] for i in sorted(i for u in units for i in u)]
+
+
+# -- the script ------------------------------------------------------------------------------
+
+_PROBE_ENV = {
+    "events": "KVSCOPE_EVENTS",
+    "ownership": "KVSCOPE_OWNERSHIP",
+    "leaks": "KVSCOPE_LEAKS",
+    "magic": "KVSCOPE_MAGIC",
+    "digest": "KVSCOPE_DIGEST",
+}
+
+
+def emit_script(shrunk: Shrunk) -> str:
+    """A plain Python script against the public pool API that runs the minimal operations and
+    exits 1 when it finds the kind (0 otherwise)."""
+    log = shrunk.log
+    start = log.start.start or {}
+    cfg = start.get("config") or {}
+    flags = start.get("probes") or {}
+    env = {v: "1" if flags.get(k) else "0" for k, v in _PROBE_ENV.items()}
+    cfg_args = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.items()))
+    lines = [
+        '"""A minimal reproduction of a kvscope finding, written by `kvscope replay --shrink',
+        f"--emit-script` from the operation log {os.path.basename(log.path)}: "
+        f"{len(shrunk.ops)} operation(s) on a fresh pool",
+        f"find {shrunk.kind!r}. Run it: python THIS.py (exit 1: found, 0: not found).",
+        '"""',
+        "",
+        "import os",
+        "import sys",
+        "",
+        "# The probes the recorded process ran (docs/PROBES.md), before kvscope is imported.",
+        f"os.environ.update({env!r})",
+        "",
+        "from kvscope.allocator import KVPool, PoolConfig, PoolError, faults  # noqa: E402",
+        "",
+        "found = []",
+        f'pool = KVPool.create(f"repro-{{os.getpid()}}", PoolConfig({cfg_args}))',
+    ]
+    handles = {int(start.get("pid", log.start.pid)): "pool"}
+    for r in log.records:
+        if r.op == _START and r is not log.start and r.pid not in handles:
+            handles[r.pid] = f"pool_{len(handles)}"
+    setup = []
+    for pid, var in handles.items():
+        if var != "pool":
+            setup.append(f"{var} = KVPool.attach(pool.name)")
+        setup.append(f"{var}.on_finding = found.append")
+    if start.get("guard_sample", 0) > 1:
+        setup.append(f"pool.guard_sample = {int(start['guard_sample'])}")
+    if start.get("lockdep"):
+        setup += [f"{v}.trace_locks(True)" for v in handles.values()]
+    lines += setup
+    lines += ["try:"]
+    names: dict[tuple[int, int], str] = {}
+    body: list[str] = []
+    for r, status in zip(shrunk.ops, shrunk.statuses + [0] * len(shrunk.ops)):
+        h = handles.get(r.pid, "pool")
+        fault = shrunk.fault_at.get(r.seq)
+        if fault:
+            spec = ",".join(f"{f}:1" for f in fault.split(","))
+            body.append("# the fault the recording injected here, at its next opportunity")
+            body.append(f"faults.configure({spec!r})")
+        call = _call(r, h, names)
+        if call is None:
+            continue
+        if status not in (_OK, -1):
+            body.append("try:")
+            body.append(f"    {call}")
+            body.append("except PoolError as e:  # the pool refused it in the recording too")
+            body.append('    print("PoolError:", e)')
+        else:
+            body.append(call)
+        if fault:
+            body.append("faults.configure(None)")
+    lines += ["    " + b for b in body] or ["    pass"]
+    lines += [
+        "finally:",
+        *[f"    {v}.close()" for v in reversed(list(handles.values()))],
+        "    pool.unlink()",
+        "kinds = sorted({f.kind.value for f in found})",
+        'print("findings:", ", ".join(kinds) or "none")',
+        f"sys.exit(1 if {shrunk.kind!r} in kinds else 0)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _call(r: OpRecord, h: str, names: dict[tuple[int, int], str]) -> str | None:
+    op = r.op
+
+    def seq(i: int) -> str:
+        return names.get((r.pid, i), f"s{i}")
+
+    if op == _ALLOCATE:
+        v = names.setdefault((r.pid, r.seq_id), f"s{len(names) + 1}")
+        return f"{v} = {h}.allocate({r.request!r}, {r.tokens!r})"
+    if op == _FORK:
+        v = names.setdefault((r.pid, r.seq_id), f"s{len(names) + 1}")
+        return f"{v} = {h}.fork({seq(r.src_id)}, {r.request!r})"
+    if op == _APPEND:
+        return f"{h}.append({seq(r.seq_id)}, {r.tokens!r})"
+    if op == _MARK:
+        return f"{h}.mark_computed({seq(r.seq_id)}, {r.arg})"
+    if op == _FREE:
+        return f"{h}.free({seq(r.seq_id)})"
+    if op == _ABORT:
+        return f"{h}.abort({seq(r.seq_id)})"
+    if op == _SET_STATE:
+        return f"{h}.set_state({seq(r.seq_id)}, {_STATES.get(r.arg, 'unknown')!r})"
+    if op == _RESUME:
+        v = seq(r.src_id)
+        names[(r.pid, r.seq_id)] = v
+        return f"{h}.resume({v})"
+    if op == _EVICT:
+        return f"{h}.evict({r.arg})"
+    if op == _REPORT:
+        return f"{h}.verify()"
+    return None
+
+
+__all__ = [
+    "OplogError",
+    "Outcome",
+    "ReplayError",
+    "Shrinker",
+    "emit_script",
+    "replay",
+]

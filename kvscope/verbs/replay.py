@@ -1,0 +1,181 @@
+"""Re-run an operation log against a fresh pool and stop at the first divergence or finding: `kvscope replay LOG [--until N] [--shrink] [--emit-script FILE]`.
+
+LOG is what `kvscope run --record-ops FILE` (or `PoolConfig(record_ops=FILE)`) recorded; a dump
+FILE.kvd is replayed from the log FILE.kvd.ops beside it. Every operation runs again, in the
+recorded order, on a fresh pool of the recorded geometry, probes and armed faults, and each
+result (status, block ids, hits, copy-on-write copies, preemptions, findings) is compared with
+the recorded one. `--shrink` reduces the run to a minimal one that still finds the same kind;
+`--emit-script FILE` writes it as a Python script (docs/REPLAY.md).
+
+Exit code 0 when the replay ran to the end (or to --until) with every result as recorded and no
+finding of severity error, 1 when it stopped at a divergence or at a finding of severity error,
+2 on unusable input (an unreadable, truncated or edited log: one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from kvscope.errors import UsageError
+
+
+class ReplayCommand:
+    """Re-run an operation log against a fresh pool and stop at the first divergence or finding: `kvscope replay LOG [--until N] [--shrink] [--emit-script FILE]`."""
+
+    @staticmethod
+    def prepare_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("target", metavar="DUMP|LOG", help="an operation log (or a dump)")
+        parser.add_argument(
+            "--until", type=int, metavar="N", help="stop after the operation numbered N"
+        )
+        parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
+        parser.add_argument("--pool", metavar="NAME", help="the pool to replay (a log of several)")
+        parser.add_argument(
+            "--shrink",
+            action="store_true",
+            help="reduce the run to a minimal one that still finds the same kind",
+        )
+        parser.add_argument(
+            "--emit-script",
+            metavar="FILE",
+            help="write the minimal run as a Python script (implies --shrink)",
+        )
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        from kvscope.allocator.oplog import OplogError, read_log
+        from kvscope.replay import Shrinker, emit_script, replay
+
+        path = args.target
+        if path.endswith(".kvd"):
+            if not os.path.exists(path + ".ops"):
+                raise UsageError(
+                    f"{path}: a dump holds no operation log; record one with `kvscope run "
+                    f"--record-ops FILE` (a dump's log is read from {path}.ops)"
+                )
+            path += ".ops"
+        if args.until is not None and args.until < 0:
+            raise UsageError("--until takes an operation number >= 0")
+        try:
+            log = read_log(path, args.pool)
+        except OplogError as e:
+            raise UsageError(str(e)) from None
+        outcome = replay(log, args.until, quiet=args.json)
+        report: dict[str, Any] = outcome_dict(log, outcome)
+        shrunk = None
+        if args.shrink or args.emit_script:
+            shrunk = Shrinker(log, outcome).shrink()
+            report["shrunk"] = {
+                "kind": shrunk.kind,
+                "operations": [r.to_dict() for r in shrunk.ops],
+                "tests": shrunk.tests,
+                "seconds": round(shrunk.seconds, 3),
+            }
+            if args.emit_script:
+                try:
+                    with open(args.emit_script, "w") as f:
+                        f.write(emit_script(shrunk))
+                except OSError as e:
+                    raise UsageError(f"{args.emit_script}: {e.strerror or e}") from None
+                report["shrunk"]["script"] = args.emit_script
+        if args.json:
+            json.dump(report, sys.stdout, indent=2, default=str)
+            sys.stdout.write("\n")
+        else:
+            render(report)
+        return outcome.exit_code
+
+
+def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
+    start = log.start.start or {}
+    d: dict[str, Any] = {
+        "log": log.path,
+        "pool": start.get("pool"),
+        "config": start.get("config"),
+        "probes": start.get("probes"),
+        "faults": start.get("faults"),
+        "processes": len({r.pid for r in log.records}),
+        "operations": outcome.total,
+        "replayed": outcome.replayed,
+        "reason": outcome.reason,
+        "seconds": round(outcome.seconds, 4),
+        "ops_per_s": round(outcome.replayed / outcome.seconds) if outcome.seconds else None,
+        "exit_code": outcome.exit_code,
+    }
+    if outcome.record is not None:
+        d["operation"] = outcome.record.to_dict()
+        from kvscope.replay import recorded_result
+
+        d["recorded"] = recorded_result(outcome.record).to_dict()
+    if outcome.got is not None:
+        d["replayed_result"] = outcome.got.to_dict()
+    d["differs"] = outcome.diff
+    d["blocks"] = outcome.blocks
+    return d
+
+
+def render(d: dict[str, Any]) -> None:
+    cfg = d.get("config") or {}
+    print(
+        f"replay {d['log']}: pool {d['pool']!r} ({cfg.get('num_blocks')}x{cfg.get('block_size')}),"
+        f" {d['operations']} operation(s) from {d['processes']} process(es)"
+    )
+    rate = f", {d['ops_per_s']:,} ops/s" if d.get("ops_per_s") else ""
+    reason = d["reason"]
+    head = {
+        "end": "every result as recorded, to the end of the log",
+        "until": "every result as recorded, up to --until",
+        "divergence": "DIVERGED from the recording",
+        "finding": "reproduced the recorded run up to a finding",
+        "missing": "stopped: the log names a process or sequence the replay does not have",
+    }[reason]
+    print(f"{head} ({d['replayed']} operation(s) replayed in {d['seconds']} s{rate})")
+    op = d.get("operation")
+    if op is not None:
+        who = f"pid {op['pid']} thread {op['tid']}"
+        target = f" request {op['request']!r}" if op.get("request") else ""
+        print(f"\noperation {op['seq']} ({who}): {op['op']}{target}")
+        if op.get("tokens"):
+            t = op["tokens"]
+            print(f"  tokens {t[:16]}{' ...' if len(t) > 16 else ''} ({len(t)})")
+        rec, got = d.get("recorded"), d.get("replayed_result")
+        if rec is not None:
+            print(f"  {'':10}  {'recorded':34}  replayed")
+            for key in ("status", "seq_id", "result", "blocks", "copies", "preempted", "found"):
+                a = _short(rec.get(key))
+                b = _short(got.get(key)) if got else "-"
+                mark = "  <- differs" if key in d["differs"] else ""
+                print(f"  {key:10}  {a:34}  {b}{mark}")
+            if got and got.get("error"):
+                print(f"  replayed error: {got['error']}")
+        if d.get("blocks"):
+            print("\nblocks involved (recorded vs replayed; the replay pool's record now)")
+            print(f"  {'block':>5}  {'recorded':18}  {'replayed':18}  state      ref  request")
+            for b in d["blocks"]:
+                print(
+                    f"  {b['block']:>5}  {b['recorded']:18}  {b['replayed']:18}  "
+                    f"{b['state']!s:9}  {b['refcount']:>3}  {b['request']}"
+                )
+    s = d.get("shrunk")
+    if s:
+        print(
+            f"\nshrunk to {len(s['operations'])} operation(s) that still find {s['kind']!r}"
+            f" ({s['tests']} runs, {s['seconds']} s)"
+        )
+        for o in s["operations"]:
+            tok = f" tokens {len(o['tokens'])}" if o.get("tokens") else ""
+            print(f"  {o['seq']:>8}  pid {o['pid']}  {o['op']:14} {o['request']!r}{tok}")
+        if s.get("script"):
+            print(f"script: {s['script']} (python {s['script']}: exit 1 when it finds it)")
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list) and v and isinstance(v[0], dict):
+        text = ", ".join(f"{x['kind']}@{x['block']}" for x in v)
+    else:
+        text = str(v)
+    return text if len(text) <= 34 else text[:31] + "..."
