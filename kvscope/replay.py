@@ -43,6 +43,10 @@ _EVICT, _REPORT, _START, _LOST = (
 )
 _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
+# Kinds the magic probe finds on its own clock (every 10 ms, in whichever operation comes then,
+# and at `pool.verify()`): a replay, faster than the recording, runs that check at the
+# operation where the recording found one (and a shrink's runs after every operation).
+CADENCED = {"header_corrupt", "free_list_corrupt"}
 # Faults a replay cannot run in its own process: kill-holding-lock kills it.
 UNREPLAYABLE_FAULTS = ("kill-holding-lock",)
 
@@ -210,10 +214,10 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, r: OpRecord, free: bool = False) -> Result | None:
+    def run(self, r: OpRecord, free: bool = False, verify: bool = False) -> Result | None:
         """Execute one record's operation on its process's handle. None where the record
-        names a process or sequence this replay does not have (`free`: a shrunk run, whose
-        operations on removed requests are skipped)."""
+        names a process or sequence this replay does not have (a shrunk run's operations on
+        the requests it removed). Sequences are found by their recorded ids."""
         op = r.op
         if op == _START:
             self.attach(r)
@@ -237,7 +241,7 @@ class Session:
         try:
             if op == _ALLOCATE:
                 s = h.allocate(r.request, r.tokens)
-                seqs[(r.pid, s.seq_id)] = s
+                seqs[(r.pid, r.seq_id)] = s
                 out.seq_id = s.seq_id
                 out.result = s.num_cached_tokens
                 out.blocks = list(s.block_table)
@@ -257,7 +261,7 @@ class Session:
                     h.abort(s)
             elif op == _FORK:
                 c = h.fork(s, r.request)
-                seqs[(r.pid, c.seq_id)] = c
+                seqs[(r.pid, r.seq_id)] = c
                 out.seq_id = c.seq_id
                 out.blocks = list(c.block_table)
             elif op == _SET_STATE:
@@ -265,7 +269,7 @@ class Session:
                 h.set_state(s, _STATES.get(r.arg, "unknown"))
             elif op == _RESUME:
                 out.result = h.resume(s)
-                seqs[(r.pid, s.seq_id)] = s
+                seqs[(r.pid, r.seq_id)] = s
                 out.seq_id = s.seq_id
                 out.blocks = list(s.block_table)
             elif op == _EVICT:
@@ -296,6 +300,9 @@ class Session:
                 if q.state == "preempted" and (r.pid, q.seq_id) not in known:
                     known.add((r.pid, q.seq_id))
                     out.preempted.append(q.seq_id)
+        if verify or (r.found and not found and any(k in CADENCED for k, _ in r.found)):
+            with contextlib.suppress(Exception):
+                h.verify()
         out.found = list(found)
         if len(self.fired) != nfired:
             out.fault = ",".join(self.fired[nfired:])
@@ -525,7 +532,7 @@ class Shrinker:
                 if fault:
                     faults.ARMED.clear()
                     faults.ARMED.update({f: 1 for f in fault.split(",")})
-                got = session.run(r, free=True)
+                got = session.run(r, free=True, verify=self.kind in CADENCED)
                 if fault:
                     faults.ARMED.clear()
                 statuses.append(-1 if got is None else got.status)
@@ -609,7 +616,7 @@ def emit_script(shrunk: Shrunk) -> str:
         if r.op == _START and r is not log.start and r.pid not in handles:
             handles[r.pid] = f"pool_{len(handles)}"
     setup = []
-    for pid, var in handles.items():
+    for var in handles.values():
         if var != "pool":
             setup.append(f"{var} = KVPool.attach(pool.name)")
         setup.append(f"{var}.on_finding = found.append")
@@ -642,10 +649,15 @@ def emit_script(shrunk: Shrunk) -> str:
             body.append("faults.configure(None)")
     lines += ["    " + b for b in body] or ["    pass"]
     lines += [
+        *(
+            ["    pool.verify()  # the magic probe's check, which runs every 10 ms on its own"]
+            if shrunk.kind in CADENCED
+            else []
+        ),
         "finally:",
         *[f"    {v}.close()" for v in reversed(list(handles.values()))],
         "    pool.unlink()",
-        "kinds = sorted({f.kind.value for f in found})",
+        'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found})',
         'print("findings:", ", ".join(kinds) or "none")',
         f"sys.exit(1 if {shrunk.kind!r} in kinds else 0)",
         "",
