@@ -1,0 +1,284 @@
+"""The operation log and `kvscope replay` (docs/REPLAY.md): record a run, replay it to the same
+finding at the same operation, shrink it, and run the emitted script to the same finding; a
+truncated or edited log is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvscope.allocator import KVPool, PoolConfig, faults
+from kvscope.allocator.oplog import OplogError, read_log
+from kvscope.allocator.probeflags import ProbeFlags
+from kvscope.allocator.probing import PoolProbes
+from kvscope.allocator.records import OpCode
+from kvscope.cli import main
+from kvscope.replay import Shrinker, emit_script, replay
+from tests.replay_work import CONFIG, work
+
+HERE = Path(__file__).parent
+# The injectable faults whose work goes through pool operations; kill-holding-lock kills the
+# process that runs it (a replay refuses it: test_a_log_that_armed_kill_holding_lock_...).
+REPLAYABLE = [f for f in faults.FAULTS if f != "kill-holding-lock"]
+FINDS = {
+    "double-free": "double_free",
+    "leak": "leak_finished",
+    "oob-write": "guard_violation",
+    "header-scribble": "header_corrupt",
+    "block-scribble": "block_header_corrupt",
+    "use-after-free": "use_after_free",
+    "refcount-skew": "refcount_mismatch",
+    "lock-inversion": "lock_order_cycle",
+}
+ALL_PROBES = ProbeFlags(
+    events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True
+)
+
+
+def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
+    """The workload on a new pool with every probe on (as under `kvscope run`) and `fault`
+    armed, recorded into `path`."""
+    faults.configure(fault)
+    pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        pool.trace_locks(True)
+        pool.record_ops(str(path))
+        try:
+            work(pool, n_ops)
+        except Exception:
+            pass  # (a fault may leave the workload unable to go on: the log has what it did)
+    finally:
+        faults.configure(None)
+        pool.close()
+        pool.unlink()
+
+
+def found_at(log) -> tuple[int, str]:
+    """The first recorded operation with a finding: its number and first kind."""
+    r = next(r for r in log.records if r.found)
+    return r.seq, r.found[0][0]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    # (a few seconds each: the fast layer runs one)
+    [f if f == "refcount-skew" else pytest.param(f, marks=pytest.mark.slow) for f in REPLAYABLE],
+)
+def test_each_fault_replays_to_its_finding_shrinks_and_the_script_finds_it(
+    fault, tmp_path, pool_name, capsys
+):
+    path = tmp_path / "run.ops"
+    record(path, pool_name, fault)
+    log = read_log(str(path))
+    seq, kind = found_at(log)
+    assert kind == FINDS[fault]
+    out = replay(log, quiet=True)
+    # the same finding at the same operation, every result before it as recorded
+    assert out.reason == "finding", (out.reason, out.diff)
+    assert out.record is not None and out.record.seq == seq
+    assert out.got is not None and (kind, out.record.found[0][1]) in out.got.found
+    assert out.exit_code == 1
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == kind
+    assert 1 <= len(shrunk.ops) <= 50
+    script = tmp_path / "repro.py"
+    script.write_text(emit_script(shrunk))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert kind in run.stdout
+
+
+def test_a_clean_run_replays_to_the_end_with_every_result_equal(tmp_path, pool_name):
+    path = tmp_path / "run.ops"
+    record(path, pool_name, None, n_ops=300)
+    log = read_log(str(path))
+    ops = [r for r in log.records if r.op != OpCode.START]
+    assert len(ops) > 300
+    assert {OpCode(r.op).name for r in ops} >= {
+        "ALLOCATE",
+        "APPEND",
+        "FORK",
+        "MARK_COMPUTED",
+        "FREE",
+        "ABORT",
+    }
+    out = replay(log)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(ops), 0)
+    # --until N stops after the operation numbered N (the START is number 1)
+    assert replay(log, until=ops[10].seq).replayed == 11
+
+
+def test_a_changed_result_is_a_divergence_at_that_operation(tmp_path, pool_name):
+    """The same workload recorded twice: the second log's records spliced with a block id
+    changed (and re-checked as the core would write it) diverge there."""
+    path = tmp_path / "run.ops"
+    record(path, pool_name, None, n_ops=60)
+    data = bytearray(path.read_bytes())
+    log = read_log(str(path))
+    victim = next(r for r in log.records if r.op == OpCode.ALLOCATE and r.blocks and r.seq > 5)
+    from kvscope.allocator.oplog import HEAD
+
+    at = victim.offset + HEAD + 4 * len(victim.tokens)
+    data[at : at + 4] = (victim.blocks[0] + 1).to_bytes(4, "little", signed=True)
+    # re-sealed: a log a buggy core would have written, not one edited by hand
+    import zlib
+
+    size = int.from_bytes(data[victim.offset + 4 : victim.offset + 8], "little")
+    rec = bytes(data[victim.offset : victim.offset + size])
+    crc = zlib.crc32(rec[:16] + b"\0" * 8 + rec[24:])
+    data[victim.offset + 16 : victim.offset + 24] = crc.to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    out = replay(read_log(str(path)))
+    assert out.reason == "divergence"
+    assert out.record is not None and out.record.seq == victim.seq
+    assert "blocks" in out.diff and out.exit_code == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "edit", "empty", "garbage", "gap"])
+def test_a_damaged_log_is_one_line_exit_2(damage, tmp_path, pool_name, capsys):
+    path = tmp_path / "run.ops"
+    record(path, pool_name, None, n_ops=40)
+    data = bytearray(path.read_bytes())
+    log = read_log(str(path))
+    r = log.records[5]
+    if damage == "truncate":
+        data = data[: len(data) - 9]
+    elif damage == "edit":
+        data[r.offset + 100] ^= 1  # a byte of its request
+    elif damage == "empty":
+        data = bytearray()
+    elif damage == "garbage":
+        data = bytearray(b"not a log at all" * 20)
+    else:  # a whole record cut out: its number is missing
+        size = int.from_bytes(data[r.offset + 4 : r.offset + 8], "little")
+        del data[r.offset : r.offset + size]
+    path.write_bytes(bytes(data))
+    with pytest.raises(OplogError):
+        read_log(str(path))
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+
+
+def test_a_log_that_armed_kill_holding_lock_is_refused(tmp_path, pool_name, capsys):
+    path = tmp_path / "run.ops"
+    faults.configure("kill-holding-lock:100000")
+    try:
+        pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+        pool.allocate("a", [1, 2, 3])
+        pool.close()
+        pool.unlink()
+    finally:
+        faults.configure(None)
+    assert main(["replay", str(path)]) == 2
+    assert "kill-holding-lock" in capsys.readouterr().err
+
+
+def test_cli_json_and_a_dump_without_a_log(tmp_path, pool_name, capsys):
+    path = tmp_path / "run.ops"
+    record(path, pool_name, "leak")
+    assert main(["replay", str(path), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["reason"] == "finding" and d["replayed_result"]["found"][0]["kind"] == "leak_finished"
+    assert d["recorded"]["blocks"] == d["replayed_result"]["blocks"]
+    assert main(["replay", str(tmp_path / "x.kvd")]) == 2
+    assert "no operation log" in capsys.readouterr().err
+
+
+def test_redacted_tokens_replay_to_the_same_finding(tmp_path, pool_name):
+    path = tmp_path / "run.ops"
+    faults.configure("refcount-skew")
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        pool.record_ops(str(path), redact_key=0x1234_5678_9ABC)
+        work(pool, 200)
+    finally:
+        faults.configure(None)
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    allocs = [r for r in log.records if r.op == OpCode.ALLOCATE]
+    assert all(r.redacted and r.request.startswith("h") for r in allocs)
+    assert not any(set(r.tokens) <= set(range(1000)) for r in allocs)
+    out = replay(log, quiet=True)
+    assert out.reason == "finding" and out.got is not None
+    assert out.got.found[0][0] == "refcount_mismatch"
+
+
+def test_recording_off_writes_nothing_and_stop_recording_stops(tmp_path, pool_name):
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    try:
+        pool.allocate("a", [1, 2, 3])
+        assert not path.exists()
+        pool.record_ops(str(path))
+        s = pool.allocate("b", [1, 2, 3])
+        pool.stop_recording()
+        pool.free(s)
+    finally:
+        pool.close()
+        pool.unlink()
+    ops = [r.op for r in read_log(str(path)).records]
+    assert ops == [OpCode.START, OpCode.ALLOCATE]
+
+
+def test_two_processes_interleave_in_one_order(tmp_path, pool_name):
+    """A second process attached to the pool records into the same log; the numbers of both
+    interleave in one order and the replay runs both handles in it."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    pool.record_ops(str(path))
+    try:
+        a = pool.allocate("a", [1, 2, 3, 4, 5])
+        pool.mark_computed(a, 5)
+        code = (
+            "import sys; from kvscope.allocator import KVPool\n"
+            f"p = KVPool.attach({pool_name!r}); p.record_ops({str(path)!r})\n"
+            "s = p.allocate('b', [1, 2, 3, 4, 9]); p.free(s); p.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+        c = pool.allocate("c", [1, 2, 3, 4, 7])
+        pool.free(c)
+        pool.free(a)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    pids = [r.pid for r in log.records]
+    assert len(set(pids)) == 2
+    assert [r.seq for r in log.records] == list(range(1, len(log.records) + 1))
+    out = replay(log)
+    assert (out.reason, out.exit_code) == ("end", 0)
+
+
+@pytest.mark.slow
+def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
+    """tests/user_engine.py's double-free bug under `kvscope run --record-ops`: replayed to its
+    finding, shrunk to the request's allocate and two frees, and the script finds it."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    name = f"user-engine-replay-{os.getpid()}"
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "ue.ops", "--dump-dir", str(tmp_path),
+         str(HERE / "user_engine.py"), name, "double-free"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = subprocess.run(
+        [kvscope, "replay", "ue.ops", "--emit-script", "repro.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "reproduced the recorded run up to a finding" in out.stdout
+    assert "shrunk to 3 operation(s) that still find 'double_free'" in out.stdout
+    run = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "double_free" in run.stdout
