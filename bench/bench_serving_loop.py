@@ -10,6 +10,9 @@ seeded requests on a fresh pool (block size 16, 4096 blocks; one core pinned, GC
 interleaved rounds, each measurement at least --min-s of runs (this process's CPU time: other
 work on the machine delays a run but does not count); the median of --repeat rounds is shown
 with its ratio to the probes-off C core. Probes are switched by the KVSCOPE_* variables `kvscope run` sets (bench_probes.make).
+The "+ recording" rows record every operation into an operation log (`kvscope run
+--record-ops`, docs/REPLAY.md) in a temporary directory (--log-dir; removed after each run), beside
+the same probes without it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -72,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--min-s", type=float, default=0.5, help="timed seconds per measurement")
+    ap.add_argument("--log-dir", default=None, help="where the recording rows write their log")
     args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -81,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         "every probe off (the C core)": {},
         "light probes (magic, ownership, events, leaks, lockdep)": light,
         "light probes + sampled guard 1/64": {**light, "KVSCOPE_GUARD": "1", SAMPLE_VAR: "64"},
+        "every probe off + recording": {"record": "1"},
         "all probes (as under kvscope run)": {k: "1" for k in PROBE_VARS},
+        "all probes + recording": {**{k: "1" for k in PROBE_VARS}, "record": "1"},
     }
+    log_dir = tempfile.mkdtemp(dir=args.log_dir)
+    log = os.path.join(log_dir, "ops.log")
     rates: dict[str, list[float]] = {name: [] for name in configs}
     for r in range(args.repeat):
         # Interleaved rounds, a fresh pool each: every configuration sees the same machine.
@@ -94,16 +103,22 @@ def main(argv: list[str] | None = None) -> int:
             spent = 0.0
             seed = r
             while spent == 0 or spent < args.min_s:
+                if env.get("record"):
+                    os.environ["KVSCOPE_RECORD_OPS"] = log
                 pool = make(env)
+                os.environ.pop("KVSCOPE_RECORD_OPS", None)
                 try:
                     rate, n = serve(pool, steps, seed=seed)
                 finally:
                     pool.close()
                     pool.unlink()
+                    if os.path.exists(log):
+                        os.unlink(log)
                 ops += n
                 spent += n / rate
                 seed += args.repeat
             rates[name].append(ops / spent)
+    os.rmdir(log_dir)
     fast = statistics.median(rates["every probe off (the C core)"])
     print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
     print("| configuration | pool ops/s | vs the C core |")
@@ -111,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in configs:
         rate = statistics.median(rates[name])
         print(f"| {name} | {rate:,.0f} | {rate / fast:.2f}x |")
+    pairs = [
+        ("every probe off (the C core)", "every probe off + recording"),
+        ("all probes (as under kvscope run)", "all probes + recording"),
+    ]
+    print("\nrecording's cost, round by round (the same round's pair):")
+    for off, on in pairs:
+        costs = [1 - b / a for a, b in zip(rates[off], rates[on])]
+        print(f"  {on}: " + ", ".join(f"{c:+.1%}" for c in costs))
     return 0
 
 
