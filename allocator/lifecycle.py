@@ -91,7 +91,7 @@ def create(cls: type[P], name: str, config: PoolConfig) -> P:
     if cfg.guard_sample > 1 and not os.environ.get(GUARD_SAMPLE_ENV):
         pool.guard_sample = cfg.guard_sample
     if cfg.record_ops:
-        pool.record_ops(cfg.record_ops)
+        pool.record_ops(cfg.record_ops)  # type: ignore[attr-defined]
     if cfg.kv_events:
         try:
             _start_kv_events(pool, cfg.kv_events)

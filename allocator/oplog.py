@@ -19,6 +19,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvscope.allocator.records import (
     OPLOG_FAULT,
     OPLOG_FIELDS,
@@ -45,9 +47,14 @@ _HEAD_STRUCT = struct.Struct(
 _NAMES = [f[0] for f in OPLOG_FIELDS]
 _I = {name: i for i, name in enumerate(_NAMES)}
 assert _HEAD_STRUCT.size == HEAD
+_HEAD_DTYPE = np.dtype(OPLOG_FIELDS)
 
 OP_NAMES = {int(o): o.name.lower() for o in OpCode}
 STATUS_NAMES = {int(s): s.name.lower() for s in OpStatus}
+
+
+# (the empty list every record without copies, preemptions or findings shares: never mutated)
+_NONE: list[Any] = []
 
 
 class OplogError(ValueError):
@@ -135,20 +142,41 @@ def _ints(buf: bytes, pos: int, n: int, code: str) -> list:
     return list(struct.unpack_from(f"<{n}{code}", buf, pos)) if n else []
 
 
+_M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
+def record_checks(words: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each record's check (csrc/oplog.c record_check), for records of `counts` 64-bit words
+    starting at word `starts` of `words` (their check words taken as 0)."""
+    w = words.copy()
+    w[starts + 2] = 0
+    rel = np.arange(len(w), dtype=np.uint64) - np.repeat(starts, counts).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h = np.add.reduceat(w * (rel * np.uint64(2) + np.uint64(1)), starts)
+        h ^= h >> _S33
+        h *= _M1
+        h ^= h >> _S33
+        h *= _M2
+        h ^= h >> _S33
+    h[h == 0] = 1
+    return h
+
+
 def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
     """Every record of a log's bytes, in file order; OplogError (one line) where a record is
     cut short, fails its check or holds what no core writes."""
     out: list[OpRecord] = []
     pos, end = 0, len(buf)
-    unpack = _HEAD_STRUCT.unpack_from
-    crc = zlib.crc32
+    offsets: list[int] = []
+    sizes: list[int] = []
+    size_at = struct.Struct("<II").unpack_from
     while pos < end:
         if end - pos < HEAD:
             raise OplogError(
                 f"{name}: truncated: {end - pos} bytes at offset {pos} are not a record"
             )
-        v = unpack(buf, pos)
-        magic, size = v[0], v[1]
+        magic, size = size_at(buf, pos)
         if magic != OPLOG_MAGIC:
             raise OplogError(f"{name}: offset {pos} is not a record (bad magic {magic:#x})")
         if size < HEAD or size % 8:
@@ -158,67 +186,106 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
                 f"{name}: truncated: the record at offset {pos} needs {size} bytes, "
                 f"{end - pos} are left"
             )
-        rec = buf[pos : pos + size]
-        check = v[_I["check"]]
-        if crc(rec[:16] + b"\0" * 8 + rec[24:]) != check:
-            raise OplogError(
-                f"{name}: record at offset {pos} (seq {v[_I['seq']]}) fails its check: "
-                "the log was edited or damaged"
-            )
-        op = v[_I["op"]]
-        nt, nb, nc, npre, nf = (
-            v[_I["n_tokens"]],
-            v[_I["n_blocks"]],
-            v[_I["n_copies"]],
-            v[_I["n_preempted"]],
-            v[_I["n_found"]],
+        offsets.append(pos)
+        sizes.append(size)
+        pos += size
+    if not offsets:
+        return out
+    words = np.frombuffer(buf, dtype="<u8")
+    starts = np.asarray(offsets, dtype=np.int64) // 8
+    checks = record_checks(words, starts, np.asarray(sizes, dtype=np.int64) // 8)
+    bad = np.flatnonzero(checks != words[starts + 2])
+    if len(bad):
+        at = offsets[int(bad[0])]
+        raise OplogError(
+            f"{name}: record at offset {at} (seq {words[at // 8 + 1]}) fails its check: "
+            "the log was edited or damaged"
         )
-        tok_bytes = nt if op == OpCode.START else 4 * nt
+    # the fixed parts, decoded at once; each record's arrays read from the buffer's int32s
+    n = len(offsets)
+    u8 = np.frombuffer(buf, dtype=np.uint8)
+    rows = u8[np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEAD)]
+    hdr = rows.reshape(-1).view(_HEAD_DTYPE)
+    col = {name: hdr[name].tolist() for name in _NAMES if name not in ("magic", "check", "pad")}
+    i32 = memoryview(buf).cast("i")  # (little-endian hosts: the core writes native words)
+    ops, nts, nbs, ncs, nps, nfs = (
+        col["op"],
+        col["n_tokens"],
+        col["n_blocks"],
+        col["n_copies"],
+        col["n_preempted"],
+        col["n_found"],
+    )
+    statuses = col["status"]
+    requests = col["request"]
+    start_op = int(OpCode.START)
+    seqs, pids, tids, flags_, probes, pools = (
+        col["seq"],
+        col["pid"],
+        col["tid"],
+        col["flags"],
+        col["probes"],
+        col["pool"],
+    )
+    seq_ids, src_ids, args_, results, times = (
+        col["seq_id"],
+        col["src_id"],
+        col["arg"],
+        col["result"],
+        col["time_ns"],
+    )
+    for k in range(n):
+        pos, size = offsets[k], sizes[k]
+        op, nt, nb, nc, npre, nf = ops[k], nts[k], nbs[k], ncs[k], nps[k], nfs[k]
+        tok_bytes = nt if op == start_op else 4 * nt
         need = HEAD + tok_bytes + 4 * nb + 8 * nc + 8 * npre + FOUND * nf
-        if op not in OP_NAMES or v[_I["status"]] not in STATUS_NAMES or need > size:
+        if op not in OP_NAMES or statuses[k] not in STATUS_NAMES or need > size:
             raise OplogError(f"{name}: record at offset {pos} holds what no core writes")
-        p = HEAD
+        w = (pos + HEAD) // 4
         r = OpRecord(
-            seq=v[_I["seq"]],
-            pid=v[_I["pid"]],
-            tid=v[_I["tid"]],
-            op=op,
-            status=v[_I["status"]],
-            flags=v[_I["flags"]],
-            probes=v[_I["probes"]],
-            pool=v[_I["pool"]],
-            seq_id=v[_I["seq_id"]],
-            src_id=v[_I["src_id"]],
-            arg=v[_I["arg"]],
-            result=v[_I["result"]],
-            request=v[_I["request"]].rstrip(b"\0").decode("utf-8", "replace"),
-            time_ns=v[_I["time_ns"]],
-            offset=pos,
+            seqs[k],
+            pids[k],
+            tids[k],
+            op,
+            statuses[k],
+            flags_[k],
+            probes[k],
+            pools[k],
+            seq_ids[k],
+            src_ids[k],
+            args_[k],
+            results[k],
+            requests[k].rstrip(b"\0").decode("utf-8", "replace"),
+            times[k],
+            [] if op == start_op else i32[w : w + nt].tolist(),
+            i32[w + tok_bytes // 4 : w + tok_bytes // 4 + nb].tolist(),
+            _NONE,
+            _NONE,
+            _NONE,
         )
-        if op == OpCode.START:
+        r.offset = pos
+        if op == start_op:
             try:
-                r.start = json.loads(rec[p : p + nt].decode())
+                r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
             except ValueError:
                 raise OplogError(f"{name}: the start record at offset {pos} is not JSON") from None
             if not isinstance(r.start, dict):
                 raise OplogError(f"{name}: the start record at offset {pos} is not an object")
-        else:
-            r.tokens = _ints(rec, p, nt, "i")
-        p += tok_bytes
-        r.blocks = _ints(rec, p, nb, "i")
-        p += 4 * nb
-        flat = _ints(rec, p, 2 * nc, "i")
-        r.copies = list(zip(flat[::2], flat[1::2]))
-        p += 8 * nc
-        r.preempted = _ints(rec, p, npre, "q")
-        p += 8 * npre
-        for _ in range(nf):
-            (block,) = struct.unpack_from("<i", rec, p)
-            kind = rec[p + 4 : p + FOUND].rstrip(b"\0").decode("ascii", "replace")
-            r.found.append((kind, block))
-            p += FOUND
+        if nc or npre or nf:
+            p = pos + HEAD + tok_bytes + 4 * nb
+            flat = _ints(buf, p, 2 * nc, "i")
+            r.copies = list(zip(flat[::2], flat[1::2]))
+            p += 8 * nc
+            r.preempted = _ints(buf, p, npre, "q")
+            p += 8 * npre
+            found = []
+            for _ in range(nf):
+                (block,) = struct.unpack_from("<i", buf, p)
+                kind = buf[p + 4 : p + FOUND].rstrip(b"\0").decode("ascii", "replace")
+                found.append((kind, block))
+                p += FOUND
+            r.found = found
         out.append(r)
-        pos += size
     return out
 
 
@@ -230,6 +297,8 @@ class OpLog:
     records: list[OpRecord]
     start: OpRecord  # the creator's START (or the first one)
     pools: int  # pools the file holds records of
+    # numbers missing between the records (first, last): lost, or a process that did not record
+    gaps: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def ops(self) -> list[OpRecord]:
@@ -265,18 +334,17 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
             raise OplogError(
                 f"{path}: log version {r.start.get('version')!r}, this kvscope reads {OPLOG_VERSION}"
             )
-    seqs = [r.seq for r in mine]
-    for a, b in zip(seqs, seqs[1:]):
-        if b == a:
-            raise OplogError(f"{path}: operation {a} is recorded twice")
-        if b != a + 1:
-            raise OplogError(
-                f"{path}: operations {a + 1}..{b - 1} are missing (records lost, or written by "
-                "a process that did not record)"
-            )
+    gaps: list[tuple[int, int]] = []
+    for a, b in zip(mine, mine[1:]):
+        if b.seq == a.seq:
+            raise OplogError(f"{path}: operation {a.seq} is recorded twice")
+        if b.seq != a.seq + 1:
+            # records a process did not get to write (killed with records not yet written), or
+            # a process that did not record: a replay stops there
+            gaps.append((a.seq + 1, b.seq - 1))
     creators = [r for r in mine if r.start and r.start.get("created")]
     first = creators[0] if creators else mine[0]
-    return OpLog(path, mine, first, len(tags))
+    return OpLog(path, mine, first, len(tags), gaps)
 
 
 def start_text(

@@ -55,7 +55,7 @@ _PID = [os.getpid()]
 def _env_key() -> int:
     """KVSCOPE_RECORD_OPS_KEY: the redaction key of a recording (0: none, or not a number)."""
     try:
-        return int(os.environ.get(RECORD_KEY_ENV, "0") or 0, 0) & (2**64 - 1)
+        return int(os.environ.get(RECORD_KEY_ENV) or "0", 0) & (2**64 - 1)
     except ValueError:
         return 0
 

@@ -7,14 +7,14 @@ Records bench_serving_loop's workload (64 running sequences, appends, publicatio
 admissions behind 8 shared prompts) into an operation log with the probes of --probes (none, or
 all as under `kvscope run`), then replays the log against a fresh pool (kvscope/replay.py),
 comparing every result; prints the log's operations, its size and the replay's rate (the median
-of --repeat replays; wall time, reading the log included). Also times one `--shrink` of a run
-with an injected leak (--shrink-ops operations, the fault at the 3rd opportunity after --late
-of them).
+of --repeat replays, reading the log included; this process's CPU time, one core pinned, GC
+off, as bench_serving_loop.py times: other work on the machine delays a run but does not count).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     env = {k: "1" for k in PROBE_VARS} if args.probes == "all" else {}
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    gc.disable()
     with tempfile.TemporaryDirectory() as d:
         log = os.path.join(d, "ops.log")
         os.environ["KVSCOPE_RECORD_OPS"] = log
@@ -52,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         size = os.path.getsize(log)
         rates = []
         for _ in range(args.repeat):
-            t = time.perf_counter()
+            t = time.process_time()
             oplog = read_log(log)
-            read_s = time.perf_counter() - t
+            read_s = time.process_time() - t
             out = replay(oplog)
-            total = time.perf_counter() - t
+            total = time.process_time() - t
             assert out.reason == "end", (out.reason, out.diff)
             rates.append(out.replayed / total)
         print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")

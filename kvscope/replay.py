@@ -51,19 +51,45 @@ CADENCED = {"header_corrupt", "free_list_corrupt"}
 UNREPLAYABLE_FAULTS = ("kill-holding-lock",)
 
 
-@dataclass(slots=True)
+_NONE: list[Any] = []  # (shared by every Result that has none: never mutated)
+
+
 class Result:
     """What one operation gave: the fields a record compares."""
 
-    status: int = _OK
-    seq_id: int = -1
-    result: int = 0
-    blocks: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
-    found: list[tuple[str, int]] = field(default_factory=list)
-    fault: str = ""
-    error: str = ""
+    __slots__ = (
+        "status",
+        "seq_id",
+        "result",
+        "blocks",
+        "copies",
+        "preempted",
+        "found",
+        "fault",
+        "error",
+    )
+
+    def __init__(
+        self,
+        status: int = _OK,
+        seq_id: int = -1,
+        result: int = 0,
+        blocks: list[int] = _NONE,
+        copies: list[tuple[int, int]] = _NONE,
+        preempted: list[int] = _NONE,
+        found: list[tuple[str, int]] = _NONE,
+        fault: str = "",
+        error: str = "",
+    ):
+        self.status = status
+        self.seq_id = seq_id
+        self.result = result
+        self.blocks = blocks
+        self.copies = copies
+        self.preempted = preempted
+        self.found = found
+        self.fault = fault
+        self.error = error
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -98,6 +124,20 @@ def recorded_result(r: OpRecord) -> Result:
 
 def differences(r: OpRecord, got: Result) -> list[str]:
     """The fields where a replayed operation's results differ from the recorded ones."""
+    if (
+        r.status == got.status
+        and r.blocks == got.blocks
+        and r.result == got.result
+        and r.seq_id == got.seq_id
+        and r.copies == got.copies
+        and not r.found
+        and not got.found
+        and not r.preempted
+        and not got.preempted
+        and not r.flags & 1
+        and not got.fault
+    ):
+        return []  # (the common case, compared at once)
     out = []
     if r.status != got.status:
         out.append("status")
@@ -232,12 +272,13 @@ class Session:
         found.clear()
         nfired = len(self.fired)
         seqs = self.seqs
-        s = None
+        s: Any = None
         if op not in (_ALLOCATE, _EVICT, _REPORT):
             s = seqs.get((r.pid, r.src_id if op in (_FORK, _RESUME) else r.seq_id))
             if s is None:
                 return None
-        pre0 = int(h.counters["num_preemptions"][0])
+        preemptions = h.counters["num_preemptions"]
+        pre0 = preemptions[0]
         try:
             if op == _ALLOCATE:
                 s = h.allocate(r.request, r.tokens)
@@ -294,16 +335,19 @@ class Session:
         if op == _FREE or op == _ABORT:
             if out.status != _OK:
                 out.blocks = []
-        if int(h.counters["num_preemptions"][0]) != pre0:
+        if preemptions[0] != pre0:
             known = self.preempted
+            pre = []
             for q in h.live().values():
                 if q.state == "preempted" and (r.pid, q.seq_id) not in known:
                     known.add((r.pid, q.seq_id))
-                    out.preempted.append(q.seq_id)
+                    pre.append(q.seq_id)
+            out.preempted = pre
         if verify or (r.found and not found and any(k in CADENCED for k, _ in r.found)):
             with contextlib.suppress(Exception):
                 h.verify()
-        out.found = list(found)
+        if found:
+            out.found = list(found)
         if len(self.fired) != nfired:
             out.fault = ",".join(self.fired[nfired:])
         return out
@@ -313,7 +357,7 @@ class Session:
 class Outcome:
     """How a replay ended."""
 
-    reason: str  # "end", "until", "divergence", "finding", "missing"
+    reason: str  # "end", "until", "divergence", "finding", "missing", "lost"
     replayed: int  # operations executed
     total: int  # operations in the log
     record: OpRecord | None = None
@@ -322,6 +366,7 @@ class Outcome:
     blocks: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     faults: dict[int, str] = field(default_factory=dict)  # seq -> the fault that fired there
+    lost: tuple[int, int] | None = None  # the numbers missing where the replay stopped
 
     @property
     def error_finding(self) -> bool:
@@ -337,7 +382,7 @@ class Outcome:
 
     @property
     def exit_code(self) -> int:
-        if self.reason in ("divergence", "missing"):
+        if self.reason in ("divergence", "missing", "lost"):
             return 1
         return 1 if self.reason == "finding" and self.error_finding else 0
 
@@ -363,14 +408,19 @@ def block_rows(session: Session, rec: Result | None, got: Result | None) -> list
                 "block": b,
                 "recorded": _role(rec, b),
                 "replayed": _role(got, b),
-                "state": BlockState(int(rec_b["state"])).name.lower()
-                if int(rec_b["state"]) in iter(BlockState)
-                else int(rec_b["state"]),
+                "state": _state_name(int(rec_b["state"])),
                 "refcount": int(rec_b["refcount"]),
                 "request": bytes(rec_b["request"]).rstrip(b"\0").decode("utf-8", "replace"),
             }
         )
     return rows
+
+
+def _state_name(state: int) -> str:
+    try:
+        return BlockState(state).name.lower()
+    except ValueError:
+        return str(state)
 
 
 def _role(res: Result | None, b: int) -> str:
@@ -407,19 +457,24 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
     t0 = time.perf_counter()
     with _quiet(quiet), Session(log) as session:
         outcome = Outcome("end", 0, total)
+        gap_after = {a - 1: (a, b) for a, b in log.gaps}
         for r in records:
             if until is not None and r.seq > until:
                 outcome.reason = "until"
                 break
+            if r.seq in gap_after or r.op == _LOST:
+                outcome = Outcome("lost", done, total, r, faults=outcome.faults)
+                a, b = gap_after.get(r.seq, (r.seq - r.arg, r.seq - 1))
+                outcome.lost = (a, b)
+                if r.op == _LOST:
+                    break
+                # (this record runs; the replay stops before the missing ones)
             if r.op == _START:
                 if r is not log.start:
                     session.attach(r)
                 continue
             got = session.run(r)
             if got is None:
-                if r.op == _LOST:
-                    outcome = Outcome("missing", done, total, r)
-                    break
                 outcome = Outcome("missing", done, total, r)
                 break
             done += 1
@@ -432,6 +487,8 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                     "divergence" if diff else "finding", done, total, r, got, diff, faults=fired
                 )
                 outcome.blocks = block_rows(session, recorded_result(r), got)
+                break
+            if outcome.reason == "lost":
                 break
         outcome.replayed = done
         outcome.seconds = time.perf_counter() - t0

@@ -443,6 +443,7 @@ enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4, D
 static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
+static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k);
 /* The exception classes the core raises (allocator/errors.py), handed to it once by
  * native.py through register_errors(); NULL until then. */
 static PyObject *PoolErrorType, *PoolExhaustedType, *JournalFullType;

@@ -273,6 +273,7 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     PyObject *rid = NULL, *seq = NULL;
+    if (n->oplog) oplog_tokens(n, t.v, t.n);
     if (t.n == 0)
         pool_error("allocate needs at least one token");
     else if ((rid = request_str(args[2])) != NULL)
@@ -369,7 +370,10 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (unusable(n)) return NULL; /* (before its arguments, as KVPool._check_process) */
     Tokens t;
     PyObject *out = NULL;
-    if (tokens_read(args[2], &t, 0) == OK) out = append_read(n, args[0], args[1], &t);
+    if (tokens_read(args[2], &t, 0) == OK) {
+        if (n->oplog) oplog_tokens(n, t.v, t.n);
+        out = append_read(n, args[0], args[1], &t);
+    }
     tokens_done(&t);
     return out;
 }

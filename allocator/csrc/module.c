@@ -354,6 +354,8 @@ static PyMethodDef N_methods[] = {
      "oplog_open(path, key, start_text, off_op_seq, tag): record every operation into the log "
      "file at path (docs/REPLAY.md)"},
     {"oplog_close", (PyCFunction)N_oplog_close, METH_NOARGS, "stop recording operations"},
+    {"oplog_flush", (PyCFunction)N_oplog_flush, METH_NOARGS,
+     "write the operation log's records composed so far"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

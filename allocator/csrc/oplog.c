@@ -9,8 +9,21 @@
 
 typedef PyObject *(*FastFn)(Native *, PyObject *const *, Py_ssize_t);
 
+/* Records are composed into `out` and written with one write(2) when it fills, when a record
+ * says something happened (a status other than ok, a finding, a fault, a START, a LOST, a
+ * report), and when recording stops: the log on disk holds every record up to the last such
+ * one, and a process killed loses at most the ordinary records since (a reader sees the gap). */
+#define OPLOG_OUT (64 * 1024)
+
 typedef struct Oplog {
     int fd;
+    int32_t owner;  /* the process that opened it (a forked child's copy never writes) */
+    uint8_t *out;   /* records not yet written, out_n bytes of them, out_recs records */
+    size_t out_n;
+    int64_t out_recs;
+    int32_t *tok;   /* the open call's tokens, as the core read them (oplog_tokens) */
+    int64_t ntok, cap_tok;
+    int have_tok;
     uint64_t key;   /* redaction: tokens and request ids written as keyed hashes (0: off) */
     size_t off_seq; /* the header's op_seq */
     uint32_t tag;   /* the pool's tag, in every record */
@@ -21,19 +34,55 @@ typedef struct Oplog {
     size_t cap;
 } Oplog;
 
-/* The record's check: CRC-32 (zlib's, as Python's zlib.crc32 computes it). */
-static uint32_t crc_table[256];
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[i] = c;
-    }
+/* The record's check (allocator/oplog.py record_check): fmix64 of the sum of its 64-bit words,
+ * word i weighted by 2i + 1, with the check itself 0. Any one word changed changes it. */
+static uint64_t record_check(const uint8_t *r, size_t size) {
+    const uint64_t *w = (const uint64_t *)r;
+    uint64_t h = 0;
+    for (size_t i = 0; i < size / 8; i++) h += w[i] * (2 * (uint64_t)i + 1);
+    return fmix64(h);
 }
-static uint32_t crc32_of(const uint8_t *p, size_t len) {
-    uint32_t c = 0xFFFFFFFFu;
-    for (size_t i = 0; i < len; i++) c = crc_table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFu;
+
+/* This thread's id (cached: gettid is a system call), fetched again in a forked child. */
+static __thread int32_t tl_tid;
+static __thread int tl_gen = -1;
+static inline int32_t thread_id(void) {
+    if (tl_gen != fork_gen) {
+        tl_tid = (int32_t)syscall(SYS_gettid);
+        tl_gen = fork_gen;
+    }
+    return tl_tid;
+}
+
+/* The open call's tokens, as N_allocate / N_append read them (their hook). */
+static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k) {
+    Oplog *L = n->oplog;
+    if (k > L->cap_tok) {
+        int32_t *t = PyMem_Realloc(L->tok, sizeof(int32_t) * (size_t)k);
+        if (t == NULL) return;
+        L->tok = t;
+        L->cap_tok = k;
+    }
+    memcpy(L->tok, v, sizeof(int32_t) * (size_t)k);
+    L->ntok = k;
+    L->have_tok = 1;
+}
+
+/* Write the records composed so far (by the process that opened the log only). */
+static void oplog_flush(Oplog *L) {
+    if (L->out_n == 0) return;
+    if (L->owner == (int32_t)getpid()) {
+        size_t done = 0;
+        while (done < L->out_n) {
+            ssize_t w = write(L->fd, L->out + done, L->out_n - done);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) break;
+            done += (size_t)w;
+        }
+        if (done < L->out_n) L->lost += (uint64_t)L->out_recs;
+    }
+    L->out_n = 0;
+    L->out_recs = 0;
 }
 
 /* A preemption of the open call: the Sequence's id, kept for the call's record. */
@@ -53,17 +102,6 @@ static void oplog_preempted(Native *n, PyObject *seq) {
     L->pre[L->n_pre++] = v;
 }
 
-static int oplog_room(Oplog *L, size_t size) {
-    if (size <= L->cap) return OK;
-    size_t cap = L->cap ? L->cap : 1024;
-    while (cap < size) cap *= 2;
-    uint8_t *b = PyMem_Realloc(L->buf, cap);
-    if (b == NULL) return ERROR;
-    L->buf = b;
-    L->cap = cap;
-    return OK;
-}
-
 static inline int32_t oplog_token(Oplog *L, int32_t t) {
     return L->key ? (int32_t)(fmix64(L->key ^ (uint64_t)(uint32_t)t) & 0x7FFFFFFF) : t;
 }
@@ -73,10 +111,11 @@ typedef struct {
     int op, status, flags;
     int64_t seq_id, src_id, arg, result;
     char request[REQUEST_BYTES];
-    const int32_t *tokens; /* (START: the JSON text's bytes, n_tokens of them) */
-    int64_t n_tokens;
-    PyObject *blocks; /* a list of ints, or NULL */
-    PyObject *copies; /* a list of (src, dst), or NULL */
+    const void *text; /* START: the JSON text, n_text bytes */
+    int64_t n_text;
+    const int32_t *blocks; /* the block ids (a sequence record's table, or a copy) */
+    int64_t n_blocks;
+    PyObject *copies;  /* a list of (src, dst), or NULL */
     Py_ssize_t found0; /* KVPool._found's length when the call began (-1: `found_at` only) */
     int64_t found_at;  /* a REPORT's ring position */
 } OpRec;
@@ -91,40 +130,71 @@ static void oplog_request(Oplog *L, const char *in, char *out) {
     snprintf(out, REQUEST_BYTES, "h%016llx", (unsigned long long)h);
 }
 
-/* Compose and write one record. Errors are never raised: a record that cannot be written is
- * counted lost, and the next one written is preceded by a LOST record saying how many. */
+/* Room for `size` more bytes in the output buffer (what is there written first); NULL where
+ * a record is larger than the buffer and no memory is left for it. */
+static uint8_t *oplog_room(Oplog *L, size_t size, uint8_t **big) {
+    *big = NULL;
+    if (L->out_n + size > OPLOG_OUT) oplog_flush(L);
+    if (size <= OPLOG_OUT) return L->out + L->out_n;
+    return *big = PyMem_Malloc(size);
+}
+
+/* Compose one record into the output buffer. Errors are never raised: a record that cannot be
+ * written is counted lost, and the next one written is preceded by a LOST record saying how
+ * many (its number taken too: readers see where). */
 static void oplog_write(Native *n, OpRec *o) {
     Oplog *L = n->oplog;
     if (n->seg == NULL) return;
-    Py_ssize_t nb = o->blocks && PyList_Check(o->blocks) ? PyList_GET_SIZE(o->blocks) : 0;
     Py_ssize_t nc = o->copies && PyList_Check(o->copies) ? PyList_GET_SIZE(o->copies) : 0;
     Py_ssize_t nf = 0;
     if (o->found0 >= 0 && n->found) nf = PyList_GET_SIZE(n->found) - o->found0;
     if (o->found0 < 0) nf = 1;
     if (nf < 0) nf = 0;
     if (nf > 255) nf = 255;
-    size_t tok_bytes = o->op == OP_START ? (size_t)o->n_tokens : 4 * (size_t)o->n_tokens;
-    size_t size = OPLOG_HEAD + tok_bytes + 4 * (size_t)nb + 8 * (size_t)nc +
+    int64_t nt = o->op == OP_START ? 0 : L->have_tok ? L->ntok : 0;
+    size_t text_bytes = o->op == OP_START ? (size_t)o->n_text : 4 * (size_t)nt;
+    size_t size = OPLOG_HEAD + text_bytes + 4 * (size_t)o->n_blocks + 8 * (size_t)nc +
                   8 * (size_t)L->n_pre + OPLOG_FOUND * (size_t)nf;
     size = (size + 7) & ~(size_t)7;
-    if (size > UINT32_MAX || oplog_room(L, size)) {
+    uint64_t *op_seq = (uint64_t *)(n->seg + L->off_seq);
+    if (L->lost) {
+        uint8_t *big, *mark = oplog_room(L, OPLOG_HEAD, &big);
+        memset(mark, 0, OPLOG_HEAD);
+        U4(mark + OR_MAGIC) = OPLOG_MAGIC;
+        U4(mark + OR_SIZE) = OPLOG_HEAD;
+        U8(mark + OR_SEQ) = __atomic_add_fetch(op_seq, 1, __ATOMIC_SEQ_CST);
+        U8(mark + OR_TIME_NS) = clock_ns(CLOCK_REALTIME_COARSE);
+        I4(mark + OR_PID) = n->pid;
+        I4(mark + OR_TID) = thread_id();
+        U4(mark + OR_POOL) = L->tag;
+        mark[OR_OP] = OP_LOST;
+        U8(mark + OR_SEQ_ID) = (uint64_t)-1;
+        U8(mark + OR_SRC_ID) = (uint64_t)-1;
+        U8(mark + OR_ARG) = L->lost;
+        U8(mark + OR_CHECK) = record_check(mark, OPLOG_HEAD);
+        L->lost = 0;
+        L->out_n += OPLOG_HEAD;
+        L->out_recs++;
+        oplog_flush(L);
+    }
+    uint8_t *big, *r = size > UINT32_MAX ? NULL : oplog_room(L, size, &big);
+    if (r == NULL) {
         L->lost++;
         return;
     }
-    uint8_t *r = L->buf;
-    memset(r, 0, size);
+    memset(r, 0, OPLOG_HEAD);
     U4(r + OR_MAGIC) = OPLOG_MAGIC;
     U4(r + OR_SIZE) = (uint32_t)size;
-    U8(r + OR_TIME_NS) = wall_ns();
+    U8(r + OR_TIME_NS) = clock_ns(CLOCK_REALTIME_COARSE);
     I4(r + OR_PID) = n->pid;
-    I4(r + OR_TID) = (int32_t)syscall(SYS_gettid);
+    I4(r + OR_TID) = thread_id();
     r[OR_OP] = (uint8_t)o->op;
     r[OR_STATUS] = (uint8_t)o->status;
     r[OR_FLAGS] = (uint8_t)(o->flags | (L->key && o->op != OP_START ? OPLOG_REDACTED : 0));
     r[OR_N_FOUND] = (uint8_t)nf;
     U4(r + OR_PROBES) = (uint32_t)*n->probe_bits;
-    U4(r + OR_N_TOKENS) = (uint32_t)o->n_tokens;
-    U4(r + OR_N_BLOCKS) = (uint32_t)nb;
+    U4(r + OR_N_TOKENS) = (uint32_t)(o->op == OP_START ? o->n_text : nt);
+    U4(r + OR_N_BLOCKS) = (uint32_t)o->n_blocks;
     U4(r + OR_N_COPIES) = (uint32_t)nc;
     U4(r + OR_N_PREEMPTED) = (uint32_t)L->n_pre;
     U4(r + OR_POOL) = L->tag;
@@ -134,85 +204,75 @@ static void oplog_write(Native *n, OpRec *o) {
     U8(r + OR_RESULT) = (uint64_t)o->result;
     oplog_request(L, o->request, (char *)r + OR_REQUEST);
     uint8_t *p = r + OPLOG_HEAD;
-    if (o->op == OP_START) {
-        memcpy(p, o->tokens, tok_bytes);
-    } else {
-        for (int64_t i = 0; i < o->n_tokens; i++) I4(p + 4 * i) = oplog_token(L, o->tokens[i]);
-    }
-    p += tok_bytes;
-    for (Py_ssize_t i = 0; i < nb; i++, p += 4)
-        I4(p) = (int32_t)PyLong_AsLong(PyList_GET_ITEM(o->blocks, i));
+    if (o->op == OP_START) memcpy(p, o->text, text_bytes);
+    else if (!L->key) memcpy(p, L->tok, text_bytes);
+    else
+        for (int64_t i = 0; i < nt; i++) I4(p + 4 * i) = oplog_token(L, L->tok[i]);
+    p += text_bytes;
+    memcpy(p, o->blocks, 4 * (size_t)o->n_blocks);
+    p += 4 * (size_t)o->n_blocks;
     for (Py_ssize_t i = 0; i < nc; i++, p += 8) {
         PyObject *pair = PyList_GET_ITEM(o->copies, i);
-        if (PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2) {
-            I4(p) = (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
-            I4(p + 4) = (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 1));
-        }
+        int ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+        I4(p) = ok ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 0)) : -1;
+        I4(p + 4) = ok ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 1)) : -1;
     }
-    for (int64_t i = 0; i < L->n_pre; i++, p += 8) U8(p) = (uint64_t)L->pre[i];
+    if (L->n_pre) memcpy(p, L->pre, 8 * (size_t)L->n_pre);
+    p += 8 * (size_t)L->n_pre;
     for (Py_ssize_t i = 0; i < nf; i++, p += OPLOG_FOUND) {
         uint64_t pos = o->found0 < 0 ? (uint64_t)o->found_at
                                      : PyLong_AsUnsignedLongLong(
                                            PyList_GET_ITEM(n->found, o->found0 + i));
-        const uint8_t *f = n->seg + n->off_findings + (size_t)(pos % (uint64_t)n->fd_cap) * n->fd_size;
+        const uint8_t *f =
+            n->seg + n->off_findings + (size_t)(pos % (uint64_t)n->fd_cap) * n->fd_size;
         I4(p + OF_BLOCK) = I4(f + n->fd_block);
         size_t kl = n->fd_kind_bytes < OPLOG_FOUND - OF_KIND ? n->fd_kind_bytes
                                                               : OPLOG_FOUND - OF_KIND;
         memcpy(p + OF_KIND, f + n->fd_kind, kl);
+        memset(p + OF_KIND + kl, 0, OPLOG_FOUND - OF_KIND - kl);
     }
+    memset(p, 0, (size_t)(r + size - p)); /* (the padding) */
     if (PyErr_Occurred()) PyErr_Clear(); /* (an int that did not fit: written as -1) */
-    uint64_t *op_seq = (uint64_t *)(n->seg + L->off_seq);
-    if (L->lost) {
-        uint8_t mark[OPLOG_HEAD];
-        memset(mark, 0, sizeof mark);
-        U4(mark + OR_MAGIC) = OPLOG_MAGIC;
-        U4(mark + OR_SIZE) = OPLOG_HEAD;
-        U8(mark + OR_SEQ) = __atomic_add_fetch(op_seq, 1, __ATOMIC_SEQ_CST);
-        U8(mark + OR_TIME_NS) = wall_ns();
-        I4(mark + OR_PID) = n->pid;
-        U4(mark + OR_POOL) = L->tag;
-        mark[OR_OP] = OP_LOST;
-        U8(mark + OR_SEQ_ID) = (uint64_t)-1;
-        U8(mark + OR_SRC_ID) = (uint64_t)-1;
-        U8(mark + OR_ARG) = L->lost;
-        U8(mark + OR_CHECK) = crc32_of(mark, OPLOG_HEAD);
-        if (write(L->fd, mark, OPLOG_HEAD) == (ssize_t)OPLOG_HEAD) L->lost = 0;
-        else {
-            L->lost++;
-            return;
-        }
-    }
     U8(r + OR_SEQ) = __atomic_add_fetch(op_seq, 1, __ATOMIC_SEQ_CST);
-    U8(r + OR_CHECK) = crc32_of(r, size);
-    ssize_t w = write(L->fd, r, size);
-    if (w != (ssize_t)size) L->lost++;
+    U8(r + OR_CHECK) = record_check(r, size);
+    if (big) {
+        oplog_flush(L);
+        ssize_t w = L->owner == (int32_t)getpid() ? write(L->fd, big, size) : (ssize_t)size;
+        if (w != (ssize_t)size) L->lost++;
+        PyMem_Free(big);
+        return;
+    }
+    L->out_n += size;
+    L->out_recs++;
+    /* something happened: on disk now */
+    if (o->status != OS_OK || nf || o->flags || o->op == OP_START || o->op == OP_REPORT)
+        oplog_flush(L);
 }
 
-static int64_t seq_id_of(Native *n, PyObject *seq) {
+/* The live slot a Sequence names (its slot field, in the table's range), else -1. */
+static int64_t slot_of(Native *n, PyObject *seq) {
     if (seq == NULL || !PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) return -1;
-    PyObject *id = sfield(n, seq, F_SEQ_ID);
-    int64_t v = id && PyLong_Check(id) ? PyLong_AsLongLong(id) : -1;
-    Py_XDECREF(id);
-    if (PyErr_Occurred()) PyErr_Clear();
-    return v;
+    PyObject *v = *(PyObject **)((char *)seq + n->seq_off[F_SLOT]);
+    int64_t s = v && PyLong_CheckExact(v) ? PyLong_AsLongLong(v) : -1;
+    if (s == -1 && PyErr_Occurred()) PyErr_Clear();
+    return s >= 0 && s < n->max_seqs ? s : -1;
 }
 
-/* A Sequence's field as a list (a new reference), or NULL (no error set). */
-static PyObject *seq_list(Native *n, PyObject *seq, int field) {
-    if (seq == NULL || !PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) return NULL;
-    PyObject *v = sfield(n, seq, field);
-    if (v == NULL) PyErr_Clear();
-    if (v && !PyList_Check(v)) Py_CLEAR(v);
-    return v;
-}
-
+/* A Sequence's integer field (-1: none). */
 static int64_t seq_int(Native *n, PyObject *seq, int field) {
     if (seq == NULL || !PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) return -1;
-    PyObject *v = sfield(n, seq, field);
+    PyObject *v = *(PyObject **)((char *)seq + n->seq_off[field]);
     int64_t x = v && PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
-    Py_XDECREF(v);
-    if (PyErr_Occurred()) PyErr_Clear();
+    if (x == -1 && PyErr_Occurred()) PyErr_Clear();
     return x;
+}
+
+/* A slot's table and seq id, from its record in the segment. */
+static void slot_table(Native *n, int64_t slot, OpRec *o) {
+    const uint8_t *s = seqrec(n, slot);
+    uint32_t k = U4(s + SF_NUM_BLOCKS);
+    o->blocks = (const int32_t *)(s + SF_TABLE);
+    o->n_blocks = k <= (uint64_t)n->max_bps ? k : 0;
 }
 
 /* The request id of an argument, as the segment keeps it (its str's first 32 bytes). */
@@ -227,62 +287,73 @@ static void oplog_rid(PyObject *rid, char *out) {
 static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, Py_ssize_t nargs) {
     Oplog *L = n->oplog;
     L->n_pre = 0;
+    L->have_tok = 0;
     OpRec o;
-    memset(&o, 0, sizeof o);
     o.op = op;
+    o.status = OS_OK;
+    o.flags = 0;
     o.seq_id = o.src_id = -1;
+    o.arg = o.result = 0;
+    o.n_blocks = 0;
+    o.blocks = NULL;
+    o.copies = NULL;
     o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     Py_ssize_t armed0 = n->faults_armed ? PyDict_Size(n->faults_armed) : 0;
     PyObject *seq = nargs >= 2 && op != OP_ALLOCATE && op != OP_EVICT ? args[1] : NULL;
-    PyObject *before = NULL; /* free, abort: the table the release drops */
-    int64_t id_before = seq_id_of(n, seq);
-    if (op == OP_FREE || op == OP_ABORT) before = seq_list(n, seq, F_BLOCK_TABLE);
-    if (seq) {
-        if (PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) {
-            PyObject *r = sfield(n, seq, F_REQUEST_ID);
-            if (r) oplog_rid(r, o.request);
-            else PyErr_Clear();
-            Py_XDECREF(r);
+    int64_t slot = slot_of(n, seq);
+    int32_t before_s[64], *before = before_s; /* free, abort: the table the release drops */
+    int64_t n_before = 0;
+    if (slot >= 0) {
+        memcpy(o.request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
+        if (op == OP_FREE || op == OP_ABORT) {
+            OpRec t;
+            slot_table(n, slot, &t);
+            if (t.n_blocks > 64) before = PyMem_Malloc(4 * (size_t)t.n_blocks);
+            if (before == NULL) before = before_s;
+            else {
+                memcpy(before, t.blocks, 4 * (size_t)t.n_blocks);
+                n_before = t.n_blocks;
+            }
+        }
+    } else {
+        memset(o.request, 0, REQUEST_BYTES);
+        if (seq && PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) {
+            PyObject *rid = *(PyObject **)((char *)seq + n->seq_off[F_REQUEST_ID]);
+            if (rid) oplog_rid(rid, o.request);
         }
     }
+    int64_t id_before = seq_int(n, seq, F_SEQ_ID);
 
     PyObject *res = fn(n, args, nargs);
 
     PyObject *et, *ev, *etb;
     PyErr_Fetch(&et, &ev, &etb);
     if (res == NULL) {
-        o.status = et == NULL                                                     ? OS_ERROR
-                   : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType) ? OS_EXHAUSTED
-                   : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType)         ? OS_REFUSED
-                                                                                             : OS_ERROR;
+        o.status = et == NULL ? OS_ERROR
+                   : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType)
+                       ? OS_EXHAUSTED
+                   : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType) ? OS_REFUSED
+                                                                                     : OS_ERROR;
     }
     if (n->faults_armed && PyDict_Size(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
-    Tokens t;
-    int have_tokens = 0;
-    PyObject *after = NULL;
+    int64_t after = -1;
     switch (op) {
     case OP_ALLOCATE:
-        oplog_rid(nargs == 3 ? args[2] : NULL, o.request);
-        have_tokens = nargs == 3 && tokens_read(args[1], &t, 0) == OK;
+        if (nargs == 3) oplog_rid(args[2], o.request);
         if (res) {
-            o.seq_id = seq_id_of(n, res);
+            after = slot_of(n, res);
             o.result = seq_int(n, res, F_CACHED);
-            after = seq_list(n, res, F_BLOCK_TABLE);
         }
         break;
     case OP_APPEND:
         o.seq_id = id_before;
-        have_tokens = nargs == 3 && tokens_read(args[2], &t, 0) == OK;
-        after = seq_list(n, seq, F_BLOCK_TABLE);
+        after = slot_of(n, seq);
         if (res && PyList_Check(res)) o.copies = res;
         break;
     case OP_FORK:
         o.src_id = id_before;
-        if (res) {
-            o.seq_id = seq_id_of(n, res);
-            after = seq_list(n, res, F_BLOCK_TABLE);
-        }
-        oplog_rid(nargs == 3 ? args[2] : NULL, o.request);
+        if (res) after = slot_of(n, res);
+        if (nargs == 3) oplog_rid(args[2], o.request);
         break;
     case OP_MARK_COMPUTED: {
         o.seq_id = id_before;
@@ -296,7 +367,10 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     case OP_FREE:
     case OP_ABORT:
         o.seq_id = id_before;
-        after = before ? Py_NewRef(before) : NULL;
+        if (res) {
+            o.blocks = before;
+            o.n_blocks = n_before;
+        }
         break;
     case OP_SET_STATE:
         o.seq_id = id_before;
@@ -307,8 +381,8 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
         break;
     case OP_RESUME:
         o.src_id = id_before;
-        o.seq_id = res ? seq_id_of(n, seq) : id_before;
-        after = seq_list(n, seq, F_BLOCK_TABLE);
+        o.seq_id = seq_int(n, seq, F_SEQ_ID);
+        after = slot_of(n, seq);
         if (res && PyLong_Check(res)) o.result = PyLong_AsLongLong(res);
         break;
     case OP_EVICT:
@@ -316,19 +390,16 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
         if (res && PyLong_Check(res)) o.result = PyLong_AsLongLong(res);
         break;
     }
-    if (PyErr_Occurred()) PyErr_Clear();
-    if (have_tokens) {
-        o.tokens = t.v;
-        o.n_tokens = t.n;
+    if (after >= 0) {
+        slot_table(n, after, &o);
+        if (op == OP_ALLOCATE || op == OP_FORK) o.seq_id = (int64_t)U8(seqrec(n, after) + SF_SEQ_ID);
     }
-    o.blocks = after;
-    oplog_write(n, &o);
-    if (have_tokens) tokens_done(&t);
     if (PyErr_Occurred()) PyErr_Clear();
-    Py_XDECREF(after);
-    Py_XDECREF(before);
+    oplog_write(n, &o);
+    if (before != before_s) PyMem_Free(before);
     PyErr_Restore(et, ev, etb);
     L->n_pre = 0;
+    L->have_tok = 0;
     return res;
 }
 
@@ -365,6 +436,7 @@ static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     o.found0 = -1;
     o.found_at = (int64_t)PyLong_AsUnsignedLongLong(res);
     n->oplog->n_pre = 0;
+    n->oplog->have_tok = 0;
     if (nargs == 7) oplog_rid(args[5], o.request);
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
@@ -375,16 +447,18 @@ static void oplog_free(Native *n) {
     Oplog *L = n->oplog;
     if (L == NULL) return;
     n->oplog = NULL;
+    oplog_flush(L);
     if (L->fd >= 0) close(L->fd);
     PyMem_Free(L->pre);
-    PyMem_Free(L->buf);
+    PyMem_Free(L->out);
+    PyMem_Free(L->tok);
     PyMem_Free(L);
 }
 
 /* oplog_open(path, key, start_text, off_op_seq, tag): start recording into the file at `path`
  * (created 0600 if missing, appended to), with a START record holding start_text (the
  * handle's geometry, probes and armed faults as JSON: allocator/oplog.py); `key` non-zero
- * redacts. A log already open is closed first. */
+ * redacts; `tag` is the pool's, in every record. A log already open is closed first. */
 static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "oplog_open(path, key, start_text, off_op_seq, tag)");
@@ -416,12 +490,15 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(path);
     oplog_free(n);
     Oplog *L = PyMem_Calloc(1, sizeof(Oplog));
-    if (L == NULL) {
+    uint8_t *out = L ? PyMem_Malloc(OPLOG_OUT) : NULL;
+    if (out == NULL) {
+        PyMem_Free(L);
         close(fd);
         return PyErr_NoMemory();
     }
-    if (crc_table[1] == 0) crc_init();
     L->fd = fd;
+    L->owner = (int32_t)getpid();
+    L->out = out;
     L->key = key;
     L->off_seq = (size_t)off;
     L->tag = tag;
@@ -430,8 +507,8 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     memset(&o, 0, sizeof o);
     o.op = OP_START;
     o.seq_id = o.src_id = -1;
-    o.tokens = (const int32_t *)text;
-    o.n_tokens = tl;
+    o.text = text;
+    o.n_text = tl;
     o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     oplog_write(n, &o);
     if (L->lost) {
@@ -443,5 +520,11 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
 
 static PyObject *N_oplog_close(Native *n, PyObject *unused) {
     oplog_free(n);
+    Py_RETURN_NONE;
+}
+
+/* oplog_flush(): write the records composed so far (tests, and a program about to exit). */
+static PyObject *N_oplog_flush(Native *n, PyObject *unused) {
+    if (n->oplog) oplog_flush(n->oplog);
     Py_RETURN_NONE;
 }

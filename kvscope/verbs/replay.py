@@ -113,6 +113,8 @@ def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
         d["recorded"] = recorded_result(outcome.record).to_dict()
     if outcome.got is not None:
         d["replayed_result"] = outcome.got.to_dict()
+    if outcome.lost is not None:
+        d["lost"] = list(outcome.lost)
     d["differs"] = outcome.diff
     d["blocks"] = outcome.blocks
     return d
@@ -132,8 +134,15 @@ def render(d: dict[str, Any]) -> None:
         "divergence": "DIVERGED from the recording",
         "finding": "reproduced the recorded run up to a finding",
         "missing": "stopped: the log names a process or sequence the replay does not have",
+        "lost": "stopped where records are missing from the log",
     }[reason]
     print(f"{head} ({d['replayed']} operation(s) replayed in {d['seconds']} s{rate})")
+    if d.get("lost"):
+        a, b = d["lost"]
+        print(
+            f"operations {a}..{b} are not in the log (a process killed before it wrote them, "
+            "a failed write, or a process that did not record)"
+        )
     op = d.get("operation")
     if op is not None:
         who = f"pid {op['pid']} thread {op['tid']}"
