@@ -6,8 +6,10 @@ client record are the core's too (csrc/recovery.c). The looking methods read the
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from array import array
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
@@ -50,6 +52,17 @@ Tokens = Sequence_[int] | np.ndarray | torch.Tensor
 
 # This process's pid, refreshed in a forked child (os.getpid() is a system call per operation).
 _PID = [os.getpid()]
+
+
+# Handles recording operations: what their cores hold still is written at exit (docs/REPLAY.md).
+_RECORDING: weakref.WeakSet[KVPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_recordings() -> None:
+    for pool in list(_RECORDING):
+        if not pool.closed and pool.pid == os.getpid():
+            pool._core.oplog_flush()
 
 
 def _env_key() -> int:
@@ -308,6 +321,7 @@ class KVPool:
         with self.op_mutex:
             self._core.oplog_open(path, redact_key, text, off, tag)
         self._recording = path
+        _RECORDING.add(self)
 
     def stop_recording(self) -> None:
         """Stop recording operations (record_ops)."""

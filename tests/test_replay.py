@@ -294,3 +294,18 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 1 and "double_free" in run.stdout
+
+
+def test_a_process_that_exits_without_close_leaves_every_record(tmp_path, pool_name):
+    """Records still in the core's buffer are written at exit (a program that never closes
+    its pool still leaves a whole log)."""
+    path = tmp_path / "run.ops"
+    code = (
+        "from kvscope.allocator import KVPool, PoolConfig\n"
+        f"p = KVPool.create({pool_name!r}, PoolConfig(num_blocks=32, block_size=4,"
+        f" record_ops={str(path)!r}))\n"
+        "s = p.allocate('a', [1, 2, 3]); p.mark_computed(s, 3); p.free(s); p.unlink()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+    ops = [r.op_name for r in read_log(str(path)).records]
+    assert ops == ["start", "allocate", "mark_computed", "free"]
