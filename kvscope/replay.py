@@ -610,7 +610,10 @@ class Shrinker:
                 "nothing to shrink"
             )
         units = _units(ops)
-        kept_units = _ddmin(units, lambda us: self.test(_flatten(ops, us)))
+        test_units = lambda us: self.test(_flatten(ops, us))  # noqa: E731
+        # a long run: first the shortest tail of requests that still finds it (a binary search,
+        # a few runs), then delta debugging over what is left
+        kept_units = _ddmin(_tail(units, test_units), test_units)
         ops = _flatten(ops, kept_units)
         ops = _ddmin(ops, self.test)
         ok, statuses = self.run(ops)
@@ -624,6 +627,19 @@ class Shrinker:
             time.perf_counter() - t0,
             statuses,
         )
+
+
+def _tail(items: list[Any], test: Callable[[list[Any]], bool]) -> list[Any]:
+    """The shortest tail of items that passes test (which all of them pass), by binary search
+    (where a longer tail fails and a shorter one passes, one of them)."""
+    lo, hi = 0, len(items) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if test(items[mid:]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return items[lo:]
 
 
 def _flatten(ops: list[OpRecord], units: list[list[int]]) -> list[OpRecord]:

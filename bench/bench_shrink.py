@@ -1,0 +1,88 @@
+"""Shrinking: how long `kvscope replay --shrink` takes on a long run, and to how many operations.
+
+    python bench/bench_shrink.py                       # every replayable fault, ~100,000 ops
+    python bench/bench_shrink.py --ops 20000 --faults leak,double-free
+
+For each fault, records tests/replay_work.py's seeded workload (requests behind six shared
+prompts; appends, publications, forks, frees, aborts) on a pool with every probe on, the fault
+armed so that it fires near the end of --ops operations, then replays the log to its finding
+and shrinks it (kvscope/replay.py), printing the operations recorded, the operation the finding
+came at, the operations left and the shrink's runs and seconds (this process's CPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import os
+import sys
+import tempfile
+import time
+import uuid
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvscope.allocator import KVPool, PoolConfig, faults  # noqa: E402
+from kvscope.allocator.oplog import read_log  # noqa: E402
+from kvscope.allocator.probeflags import ProbeFlags  # noqa: E402
+from kvscope.allocator.probing import PoolProbes  # noqa: E402
+from kvscope.replay import Shrinker, replay  # noqa: E402
+from tests.replay_work import CONFIG, work  # noqa: E402
+
+ALL = ProbeFlags(events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True)
+
+
+def record(path: str, fault: str, at: int, n_ops: int) -> None:
+    faults.configure(f"{fault}:{at}")
+    pool = KVPool.create(f"bshrink-{uuid.uuid4().hex[:8]}", PoolConfig(**CONFIG, guard=True))
+    try:
+        pool.probe = PoolProbes(pool, ALL)
+        pool.trace_locks(True)
+        pool.record_ops(path)
+        with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
+            work(pool, n_ops)
+    finally:
+        faults.configure(None)
+        pool.close()
+        pool.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--ops", type=int, default=60000, help="workload steps (about 1.7 ops each)")
+    ap.add_argument(
+        "--faults", default=",".join(f for f in faults.FAULTS if f != "kill-holding-lock")
+    )
+    args = ap.parse_args(argv)
+    gc.disable()
+    print(f"load average: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
+    print("| fault | operations recorded | finding at | shrunk to | runs | seconds |")
+    print("|---|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as d:
+        for fault in args.faults.split(","):
+            path = os.path.join(d, f"{fault}.ops")
+            # the fault's opportunities come about once per release (a quarter of the steps),
+            # lock-inversion's once per transaction of several locks (fewer)
+            at = args.ops // (40 if fault == "lock-inversion" else 5)
+            record(path, fault, at, args.ops)
+            log = read_log(path)
+            out = replay(log, quiet=True)
+            if out.reason != "finding" or out.record is None:
+                print(f"| {fault} | {len(log.records)} | ({out.reason}) | - | - | - |")
+                continue
+            t = time.process_time()
+            shrunk = Shrinker(log, out).shrink()
+            spent = time.process_time() - t
+            print(
+                f"| {fault} | {len(log.records):,} | {out.record.seq:,} | {len(shrunk.ops)} "
+                f"| {shrunk.tests} | {spent:.1f} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
