@@ -31,6 +31,7 @@ from kvscope.allocator.probing import PoolProbes  # noqa: E402
 from kvscope.replay import Shrinker, replay  # noqa: E402
 from tests.replay_work import CONFIG, work  # noqa: E402
 
+EVERY = {"oob-write": 10, "header-scribble": 10, "block-scribble": 10, "lock-inversion": 2}
 ALL = ProbeFlags(events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True)
 
 
@@ -65,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as d:
         for fault in args.faults.split(","):
             path = os.path.join(d, f"{fault}.ops")
-            # the fault's opportunities come about once per release (a quarter of the steps),
-            # lock-inversion's once per transaction of several locks (fewer)
-            at = args.ops // (40 if fault == "lock-inversion" else 5)
+            # the opportunities come about once in 4 steps (a release), once in 10 (oob-write,
+            # the scribbles), fewer for lock-inversion (a transaction of several locks):
+            # the fault armed to fire at about two thirds of the run
+            at = args.ops * 2 // 3 // EVERY.get(fault, 4)
             record(path, fault, at, args.ops)
             log = read_log(path)
             out = replay(log, quiet=True)

@@ -438,6 +438,20 @@ def _role(res: Result | None, b: int) -> str:
     return ", ".join(roles) or "-"
 
 
+def _cadenced(r: OpRecord, got: Result, early: set[tuple[str, int]]) -> None:
+    """The magic probe's own-clock findings (CADENCED) come at whichever operation its clock
+    says, in the recording and in the replay alike: one the replay found before the recording
+    did is kept aside (`early`) and counted at the operation where the recording found it."""
+    mine = [f for f in got.found if f[0] in CADENCED and f not in r.found]
+    if mine:
+        early.update(mine)
+        got.found = [f for f in got.found if f not in mine]
+    owed = [f for f in r.found if f[0] in CADENCED and f not in got.found and f in early]
+    if owed:
+        early.difference_update(owed)
+        got.found = list(got.found) + owed
+
+
 @contextlib.contextmanager
 def _quiet(on: bool) -> Iterator[None]:
     """The faults' announcements (stderr) kept out of a shrink's many runs."""
@@ -458,6 +472,7 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
     with _quiet(quiet), Session(log) as session:
         outcome = Outcome("end", 0, total)
         gap_after = {a - 1: (a, b) for a, b in log.gaps}
+        early: set[tuple[str, int]] = set()
         for r in records:
             if until is not None and r.seq > until:
                 outcome.reason = "until"
@@ -480,6 +495,8 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
             done += 1
             if got.fault:
                 outcome.faults[r.seq] = got.fault
+            if got.found or r.found:
+                _cadenced(r, got, early)
             diff = differences(r, got)
             if diff or got.found or r.found:
                 fired = outcome.faults

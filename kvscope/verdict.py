@@ -65,14 +65,16 @@ def write_timelines(sup: Supervisor, dump_dir: str) -> None:
 
 
 def finish(
-    sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str
+    sup: Supervisor, outcome: Outcome, dump_dir: str, fail_on: str, record_ops: str | None = None
 ) -> tuple[int, list[Watched]]:
     """Dump and analyze when something went wrong; the exit code and the pools dumped.
 
     The printed analysis gives each finding the severity --fail-on gives it (error when it
     fails the run, warning when not), so its headline and the exit code agree; the dump keeps
     the findings' own severities. A dump that cannot be written (a full disk) is one line, the
-    analysis is still printed, and the exit code is the script's when it failed, else 2.
+    analysis is still printed, and the exit code is the script's when it failed, else 2. With
+    `record_ops` (--record-ops), each dump gets a link to the run's operation log beside it
+    (DUMP.ops), which `kvscope replay DUMP` reads.
     """
     pid = sup.pid
     finals = []
@@ -115,6 +117,8 @@ def finish(
             if path:
                 dumped.append(w)
                 echo(f"kvscope: wrote {path} (kvscope analyze {path})")
+                if record_ops:
+                    _link_log(path, record_ops)
             else:
                 echo(f"kvscope: no dump of pool {w.name!r} was written (above)")
     else:
@@ -191,6 +195,19 @@ def _report_unfired(sup: Supervisor) -> bool:
             "gave it an opportunity it could act on"
         )
     return bool(unfired)
+
+
+def _link_log(dump: str, log: str) -> None:
+    """The run's operation log linked beside a dump (DUMP.ops: `kvscope replay DUMP`)."""
+    link = dump + ".ops"
+    try:
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(os.path.abspath(log), link)
+    except OSError as e:
+        echo(f"kvscope: could not link the operation log beside {dump}: {e.strerror or e}")
+        return
+    echo(f"kvscope: operation log {log} (kvscope replay {dump})")
 
 
 def _unique(path: str, used: set[str]) -> str:

@@ -283,8 +283,11 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
          str(HERE / "user_engine.py"), name, "double-free"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+    # the dump has the run's log beside it
+    (dump,) = [p.name for p in tmp_path.glob("kvscope-*.kvd")]
+    assert (tmp_path / (dump + ".ops")).resolve() == (tmp_path / "ue.ops").resolve()
     out = subprocess.run(
-        [kvscope, "replay", "ue.ops", "--emit-script", "repro.py"],
+        [kvscope, "replay", dump, "--emit-script", "repro.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 1, out.stderr

@@ -230,7 +230,9 @@ class RunCommand:
                 outcome = sup.wait()
                 if log is not None:
                     log.close()
-            code, dumped = verdict.finish(sup, outcome, dump_dir, args.fail_on)
+            code, dumped = verdict.finish(
+                sup, outcome, dump_dir, args.fail_on, record_ops=args.record_ops
+            )
             if args.timeline:
                 verdict.write_timelines(sup, dump_dir)
             if tel is not None:
