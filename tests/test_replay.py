@@ -312,3 +312,37 @@ def test_a_process_that_exits_without_close_leaves_every_record(tmp_path, pool_n
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
     ops = [r.op_name for r in read_log(str(path)).records]
     assert ops == ["start", "allocate", "mark_computed", "free"]
+
+
+def test_two_threads_on_one_handle_record_their_own_arguments(tmp_path, pool_name):
+    """Two threads' operations on one handle: each record holds its own thread's tokens, and
+    the log replays to the end in the order the operations returned."""
+    import threading
+
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    pool.record_ops(str(path))
+
+    def client(base: int) -> None:
+        for i in range(150):
+            s = pool.allocate(f"t{base}-{i}", [base, i % 7, base + 1, i])
+            pool.append(s, [base + 2])
+            pool.free(s)
+
+    threads = [threading.Thread(target=client, args=(b,)) for b in (100, 200)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    allocs = [r for r in log.records if r.op == OpCode.ALLOCATE]
+    assert len({r.tid for r in allocs}) == 2
+    assert all(r.tokens[0] == int(r.request[1:4]) for r in allocs)
+    appends = [r for r in log.records if r.op == OpCode.APPEND]
+    assert all(r.tokens == [int(r.request[1:4]) + 2] for r in appends)
+    out = replay(log)
+    assert (out.reason, out.exit_code) == ("end", 0)

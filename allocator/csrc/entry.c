@@ -164,6 +164,7 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
 /* N_append once its tokens are read. */
 static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tokens *t) {
     GATE(n, pool);
+    if (n->oplog) oplog_tokens(n, t->v, t->n); /* (after the gate: this call's own) */
     int64_t slot = own_slot(n, seq);
     if (slot < 0) return NULL;
     if (t->n == 0) return PyList_New(0);
@@ -228,6 +229,7 @@ static PyObject *allocate_rest(Native *n, PyObject *pool, PyObject *seq, int64_t
 /* N_allocate once its arguments are read: the tokens, the request id as a str. */
 static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObject *rid) {
     GATE(n, pool);
+    if (n->oplog) oplog_tokens(n, t->v, t->n); /* (after the gate: this call's own) */
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n);
@@ -273,7 +275,6 @@ static PyObject *N_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     PyObject *rid = NULL, *seq = NULL;
-    if (n->oplog) oplog_tokens(n, t.v, t.n);
     if (t.n == 0)
         pool_error("allocate needs at least one token");
     else if ((rid = request_str(args[2])) != NULL)
@@ -370,10 +371,7 @@ static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (unusable(n)) return NULL; /* (before its arguments, as KVPool._check_process) */
     Tokens t;
     PyObject *out = NULL;
-    if (tokens_read(args[2], &t, 0) == OK) {
-        if (n->oplog) oplog_tokens(n, t.v, t.n);
-        out = append_read(n, args[0], args[1], &t);
-    }
+    if (tokens_read(args[2], &t, 0) == OK) out = append_read(n, args[0], args[1], &t);
     tokens_done(&t);
     return out;
 }

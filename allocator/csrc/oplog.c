@@ -24,6 +24,7 @@ typedef struct Oplog {
     int32_t *tok;   /* the open call's tokens, as the core read them (oplog_tokens) */
     int64_t ntok, cap_tok;
     int have_tok;
+    int depth; /* calls in flight on this handle's thread (a call from inside one is refused) */
     uint64_t key;   /* redaction: tokens and request ids written as keyed hashes (0: off) */
     size_t off_seq; /* the header's op_seq */
     uint32_t tag;   /* the pool's tag, in every record */
@@ -118,6 +119,7 @@ typedef struct {
     PyObject *copies;  /* a list of (src, dst), or NULL */
     Py_ssize_t found0; /* KVPool._found's length when the call began (-1: `found_at` only) */
     int64_t found_at;  /* a REPORT's ring position */
+    int scratch;       /* the call's tokens and preemptions go in (an operation's record) */
 } OpRec;
 
 /* A request id's 32 bytes as the log keeps them (redacted: 'h' and 16 hex digits). */
@@ -151,10 +153,11 @@ static void oplog_write(Native *n, OpRec *o) {
     if (o->found0 < 0) nf = 1;
     if (nf < 0) nf = 0;
     if (nf > 255) nf = 255;
-    int64_t nt = o->op == OP_START ? 0 : L->have_tok ? L->ntok : 0;
+    int64_t nt = o->scratch && L->have_tok ? L->ntok : 0;
+    int64_t npre = o->scratch ? L->n_pre : 0;
     size_t text_bytes = o->op == OP_START ? (size_t)o->n_text : 4 * (size_t)nt;
     size_t size = OPLOG_HEAD + text_bytes + 4 * (size_t)o->n_blocks + 8 * (size_t)nc +
-                  8 * (size_t)L->n_pre + OPLOG_FOUND * (size_t)nf;
+                  8 * (size_t)npre + OPLOG_FOUND * (size_t)nf;
     size = (size + 7) & ~(size_t)7;
     uint64_t *op_seq = (uint64_t *)(n->seg + L->off_seq);
     if (L->lost) {
@@ -196,7 +199,7 @@ static void oplog_write(Native *n, OpRec *o) {
     U4(r + OR_N_TOKENS) = (uint32_t)(o->op == OP_START ? o->n_text : nt);
     U4(r + OR_N_BLOCKS) = (uint32_t)o->n_blocks;
     U4(r + OR_N_COPIES) = (uint32_t)nc;
-    U4(r + OR_N_PREEMPTED) = (uint32_t)L->n_pre;
+    U4(r + OR_N_PREEMPTED) = (uint32_t)npre;
     U4(r + OR_POOL) = L->tag;
     U8(r + OR_SEQ_ID) = (uint64_t)o->seq_id;
     U8(r + OR_SRC_ID) = (uint64_t)o->src_id;
@@ -217,8 +220,8 @@ static void oplog_write(Native *n, OpRec *o) {
         I4(p) = ok ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 0)) : -1;
         I4(p + 4) = ok ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 1)) : -1;
     }
-    if (L->n_pre) memcpy(p, L->pre, 8 * (size_t)L->n_pre);
-    p += 8 * (size_t)L->n_pre;
+    if (npre) memcpy(p, L->pre, 8 * (size_t)npre);
+    p += 8 * (size_t)npre;
     for (Py_ssize_t i = 0; i < nf; i++, p += OPLOG_FOUND) {
         uint64_t pos = o->found0 < 0 ? (uint64_t)o->found_at
                                      : PyLong_AsUnsignedLongLong(
@@ -286,10 +289,12 @@ static void oplog_rid(PyObject *rid, char *out) {
 /* One public operation run and recorded: `fn` called as it is, its record written after. */
 static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, Py_ssize_t nargs) {
     Oplog *L = n->oplog;
-    L->n_pre = 0;
-    L->have_tok = 0;
+    /* (the call's tokens and preemptions are set after its gate, so by this call only: another
+     * thread's operation on the handle waits there; both are cleared once its record is
+     * written) */
     OpRec o;
     o.op = op;
+    o.scratch = L->depth == 0;
     o.status = OS_OK;
     o.flags = 0;
     o.seq_id = o.src_id = -1;
@@ -324,7 +329,9 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     }
     int64_t id_before = seq_int(n, seq, F_SEQ_ID);
 
+    L->depth++;
     PyObject *res = fn(n, args, nargs);
+    L->depth--;
 
     PyObject *et, *ev, *etb;
     PyErr_Fetch(&et, &ev, &etb);
@@ -398,8 +405,10 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     oplog_write(n, &o);
     if (before != before_s) PyMem_Free(before);
     PyErr_Restore(et, ev, etb);
-    L->n_pre = 0;
-    L->have_tok = 0;
+    if (o.scratch) {
+        L->n_pre = 0;
+        L->have_tok = 0;
+    }
     return res;
 }
 
@@ -435,8 +444,6 @@ static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     o.seq_id = o.src_id = -1;
     o.found0 = -1;
     o.found_at = (int64_t)PyLong_AsUnsignedLongLong(res);
-    n->oplog->n_pre = 0;
-    n->oplog->have_tok = 0;
     if (nargs == 7) oplog_rid(args[5], o.request);
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
