@@ -31,7 +31,13 @@ from kvscope.allocator.probing import PoolProbes  # noqa: E402
 from kvscope.replay import Shrinker, replay  # noqa: E402
 from tests.replay_work import CONFIG, work  # noqa: E402
 
-EVERY = {"oob-write": 10, "header-scribble": 10, "block-scribble": 10, "lock-inversion": 2}
+EVERY = {
+    "refcount-skew": 5,
+    "oob-write": 10,
+    "header-scribble": 10,
+    "block-scribble": 10,
+    "lock-inversion": 2,
+}
 ALL = ProbeFlags(events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True)
 
 
