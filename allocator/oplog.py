@@ -217,8 +217,27 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
         col["n_found"],
     )
     statuses = col["status"]
-    requests = col["request"]
+    requests = col["request"]  # (numpy's S32 items: their trailing zeros dropped)
     start_op = int(OpCode.START)
+    # what no core writes, checked at once: an unknown op or status, arrays past the record
+    op_a = hdr["op"].astype(np.int64)
+    tok_a = np.where(op_a == start_op, 1, 4) * hdr["n_tokens"].astype(np.int64)
+    need_a = (
+        HEAD
+        + tok_a
+        + 4 * hdr["n_blocks"].astype(np.int64)
+        + 8 * hdr["n_copies"].astype(np.int64)
+        + 8 * hdr["n_preempted"].astype(np.int64)
+        + FOUND * hdr["n_found"].astype(np.int64)
+    )
+    bad_a = (
+        ~np.isin(op_a, list(OP_NAMES))
+        | ~np.isin(hdr["status"], list(STATUS_NAMES))
+        | (need_a > np.asarray(sizes, dtype=np.int64))
+    )
+    if bad_a.any():
+        at = offsets[int(np.flatnonzero(bad_a)[0])]
+        raise OplogError(f"{name}: record at offset {at} holds what no core writes")
     seqs, pids, tids, flags_, probes, pools = (
         col["seq"],
         col["pid"],
@@ -235,12 +254,9 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
         col["time_ns"],
     )
     for k in range(n):
-        pos, size = offsets[k], sizes[k]
+        pos = offsets[k]
         op, nt, nb, nc, npre, nf = ops[k], nts[k], nbs[k], ncs[k], nps[k], nfs[k]
         tok_bytes = nt if op == start_op else 4 * nt
-        need = HEAD + tok_bytes + 4 * nb + 8 * nc + 8 * npre + FOUND * nf
-        if op not in OP_NAMES or statuses[k] not in STATUS_NAMES or need > size:
-            raise OplogError(f"{name}: record at offset {pos} holds what no core writes")
         w = (pos + HEAD) // 4
         r = OpRecord(
             seqs[k],
@@ -255,7 +271,7 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
             src_ids[k],
             args_[k],
             results[k],
-            requests[k].rstrip(b"\0").decode("utf-8", "replace"),
+            requests[k].decode("utf-8", "replace"),
             times[k],
             [] if op == start_op else i32[w : w + nt].tolist(),
             i32[w + tok_bytes // 4 : w + tok_bytes // 4 + nb].tolist(),
@@ -328,21 +344,27 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
             names = sorted({str(r.start.get("pool")) for r in starts if r.start})
             raise OplogError(f"{path}: no pool {pool!r} in the log (it holds {', '.join(names)})")
         chosen = named[0]
-    mine = sorted((r for r in records if r.pool == chosen.pool), key=lambda r: r.seq)
-    for r in mine:
-        if r.start is not None and r.start.get("version") != OPLOG_VERSION:
+    mine = records if len(tags) == 1 else [r for r in records if r.pool == chosen.pool]
+    seqs = np.fromiter((r.seq for r in mine), dtype=np.int64, count=len(mine))
+    step = np.diff(seqs)
+    if len(step) and step.min() < 1:  # (records of several processes, not in order in the file)
+        order = np.argsort(seqs, kind="stable")
+        mine = [mine[i] for i in order.tolist()]
+        seqs = seqs[order]
+        step = np.diff(seqs)
+    for r in starts:
+        if r.pool == chosen.pool and (r.start or {}).get("version") != OPLOG_VERSION:
             raise OplogError(
-                f"{path}: log version {r.start.get('version')!r}, this kvscope reads {OPLOG_VERSION}"
+                f"{path}: log version {(r.start or {}).get('version')!r}, this kvscope reads "
+                f"{OPLOG_VERSION}"
             )
-    gaps: list[tuple[int, int]] = []
-    for a, b in zip(mine, mine[1:]):
-        if b.seq == a.seq:
-            raise OplogError(f"{path}: operation {a.seq} is recorded twice")
-        if b.seq != a.seq + 1:
-            # records a process did not get to write (killed with records not yet written), or
-            # a process that did not record: a replay stops there
-            gaps.append((a.seq + 1, b.seq - 1))
-    creators = [r for r in mine if r.start and r.start.get("created")]
+    twice = np.flatnonzero(step == 0)
+    if len(twice):
+        raise OplogError(f"{path}: operation {int(seqs[twice[0]])} is recorded twice")
+    # numbers missing: records a process did not get to write (killed with records not yet
+    # written), or a process that did not record; a replay stops there
+    gaps = [(int(seqs[i]) + 1, int(seqs[i + 1]) - 1) for i in np.flatnonzero(step > 1).tolist()]
+    creators = [r for r in starts if r.pool == chosen.pool and (r.start or {}).get("created")]
     first = creators[0] if creators else mine[0]
     return OpLog(path, mine, first, len(tags), gaps)
 
