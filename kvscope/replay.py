@@ -254,7 +254,7 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, r: OpRecord, free: bool = False, verify: bool = False) -> Result | None:
+    def run(self, r: OpRecord, verify: bool = False) -> Result | None:
         """Execute one record's operation on its process's handle. None where the record
         names a process or sequence this replay does not have (a shrunk run's operations on
         the requests it removed). Sequences are found by their recorded ids."""
@@ -580,7 +580,7 @@ class Shrinker:
                 f"{log.path}: nothing to shrink: the replay "
                 + (
                     "diverged from the recording before any finding"
-                    if outcome.reason in ("divergence", "missing")
+                    if outcome.reason in ("divergence", "missing", "lost")
                     else "found nothing"
                 )
             )
@@ -606,7 +606,7 @@ class Shrinker:
                 if fault:
                     faults.ARMED.clear()
                     faults.ARMED.update({f: 1 for f in fault.split(",")})
-                got = session.run(r, free=True, verify=self.kind in CADENCED)
+                got = session.run(r, verify=self.kind in CADENCED)
                 if fault:
                     faults.ARMED.clear()
                 statuses.append(-1 if got is None else got.status)
