@@ -8,6 +8,7 @@ divergence or finding; shrink a run to a minimal one that still finds the same k
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import time
@@ -617,6 +618,33 @@ class Shrinker:
     def test(self, ops: list[OpRecord]) -> bool:
         return self.run(ops)[0]
 
+    def merge_appends(self, ops: list[OpRecord]) -> list[OpRecord]:
+        """Each append merged into the sequence's append before it (its tokens added there)
+        where the run still finds the kind: a decode loop's one-token appends become a few."""
+        ops = list(ops)
+        i = 0
+        while i < len(ops):
+            r = ops[i]
+            if r.op == _APPEND and r.seq not in self.fault_at:
+                key = (r.pid, r.seq_id)
+                j = next(
+                    (
+                        j
+                        for j in range(i - 1, -1, -1)
+                        if (ops[j].pid, ops[j].seq_id) == key
+                        and ops[j].op in (_APPEND, _ALLOCATE, _FORK, _RESUME)
+                    ),
+                    None,
+                )
+                if j is not None and ops[j].op == _APPEND and ops[j].seq not in self.fault_at:
+                    into = dataclasses.replace(ops[j], tokens=ops[j].tokens + r.tokens)
+                    candidate = ops[:j] + [into] + ops[j + 1 : i] + ops[i + 1 :]
+                    if self.test(candidate):
+                        ops = candidate
+                        continue
+            i += 1
+        return ops
+
     def shrink(self) -> Shrunk:
         t0 = time.perf_counter()
         ops = self.ops
@@ -632,7 +660,9 @@ class Shrinker:
         # a few runs), then delta debugging over what is left
         kept_units = _ddmin(_tail(units, test_units), test_units)
         ops = _flatten(ops, kept_units)
-        ops = _ddmin(ops, self.test)
+        # a sequence's appends one at a time (a decode loop's) merged into fewer, then delta
+        # debugging over single operations
+        ops = _ddmin(self.merge_appends(ops), self.test)
         ok, statuses = self.run(ops)
         assert ok
         return Shrunk(

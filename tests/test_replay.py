@@ -54,6 +54,9 @@ def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
             work(pool, n_ops)
         except Exception:
             pass  # (a fault may leave the workload unable to go on: the log has what it did)
+        # the per-step check a scheduler runs (the magic probe's own runs every 10 ms: a short
+        # run may end before it comes)
+        pool.verify()
     finally:
         faults.configure(None)
         pool.close()
@@ -346,3 +349,39 @@ def test_two_threads_on_one_handle_record_their_own_arguments(tmp_path, pool_nam
     assert all(r.tokens == [int(r.request[1:4]) + 2] for r in appends)
     out = replay(log)
     assert (out.reason, out.exit_code) == ("end", 0)
+
+
+SERVE = [
+    str(HERE.parent / "examples" / "serve.py"),
+    "--requests", "48", "--num-blocks", "32", "--output-len", "64:160", "--rate", "0",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [None, "use-after-free"])
+def test_the_example_server_replays_exactly_and_shrinks(fault, tmp_path):
+    """examples/serve.py on a pool small enough to preempt, under `kvscope run --record-ops`:
+    every result replays as recorded (preemptions, PoolExhausted, resumes included); with a
+    fault, its decode loop's appends shrink to a short script that finds it."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    inject = ["--inject", fault] if fault else []
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "s.ops", *inject, *SERVE],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = read_log(str(tmp_path / "s.ops"))
+    ops = [r for r in log.records if r.op != OpCode.START]
+    out = replay(log, quiet=True)
+    if fault is None:
+        assert any(r.preempted for r in ops) and any(r.op == OpCode.RESUME for r in ops)
+        assert (out.reason, out.replayed) == ("end", len(ops))
+        return
+    assert out.reason == "finding" and out.got is not None
+    assert out.got.found[0][0] == "use_after_free"
+    shrunk = Shrinker(log, out).shrink()
+    assert len(shrunk.ops) <= 50
+    (tmp_path / "repro.py").write_text(emit_script(shrunk))
+    run = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "use_after_free" in run.stdout
