@@ -42,6 +42,7 @@
 #include "csrc/append.c"
 #include "csrc/entry.c"
 #include "csrc/preempt.c"
+#include "csrc/leases.c"
 #include "csrc/devchecks.c"
 #include "csrc/devanswers.c"
 #include "csrc/devconfig.c"

@@ -32,6 +32,9 @@ class EventOp(enum.IntEnum):
     PREEMPT = 11
     RECLAIM = 12
     PUBLISH = 13
+    # a lease taken on the block (arg: 1 read, 2 write), and its end (docs/POOL.md "Leases")
+    LEASE = 14
+    LEASE_END = 15
 
 
 OP_NAMES = {op.value: op.name.lower() for op in EventOp}

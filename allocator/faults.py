@@ -36,6 +36,8 @@ FAULTS = (
     "lock-inversion",
     "stale-padding-row",
     "gil-wait",
+    "transfer-after-free",
+    "lease-leak",
 )
 DEFAULT_AT = 3
 

@@ -36,6 +36,11 @@ class FindingKind(str, enum.Enum):
     # A wait of the pool's C core that keeps the GIL (lockdep: a thread the lock's holder
     # needs cannot run).
     WAIT_HOLDS_GIL = "wait_holds_gil"
+    # A write lease's transfer completed into a block its request no longer holds (freed,
+    # preempted or handed out since the lease was taken: docs/POOL.md "Leases").
+    TRANSFER_AFTER_FREE = "transfer_after_free"
+    # A lease held past its deadline, or still held when its holder closed the pool.
+    LEASE_LEAK = "lease_leak"
     # An engine's KV-event stream (kvscope events check, docs/EVENTS.md).
     KV_EVENT_GAP = "kv_event_gap"
     KV_EVENT_SEQ_RESET = "kv_event_seq_reset"
@@ -55,7 +60,12 @@ ERROR, WARNING = "error", "warning"
 
 # Blocks held that nothing will give back.
 LEAK_KINDS = frozenset(
-    {FindingKind.LEAK_DEAD_OWNER, FindingKind.LEAK_FINISHED, FindingKind.LEAK_ORPHAN}
+    {
+        FindingKind.LEAK_DEAD_OWNER,
+        FindingKind.LEAK_FINISHED,
+        FindingKind.LEAK_ORPHAN,
+        FindingKind.LEASE_LEAK,
+    }
 )
 
 SEVERITY: dict[FindingKind, str] = {k: ERROR for k in FindingKind}

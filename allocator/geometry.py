@@ -52,6 +52,7 @@ SECTION_FIELDS = (
     ("off_lockgraph", "lockgraph"),
     ("off_findings", "findings"),
     ("off_lru", "lru"),
+    ("off_leases", "leases"),
     ("segment_size", "end"),
 )
 

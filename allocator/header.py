@@ -71,6 +71,7 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
         off_lockgraph=off["lockgraph"],
         off_findings=off["findings"],
         off_lru=off["lru"],
+        off_leases=off["leases"],
         segment_size=off["end"],
         data_bytes=cfg.data_bytes,
     )
@@ -88,6 +89,7 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
     view.ring_header["head"], view.ring_header["tail"], view.ring_header["count"] = 0, n, n
     view.index["block"] = -1
     view.seqs["table"] = -1
+    view.lease_header["capacity"] = cfg.max_seqs
     base = view.locks.__array_interface__["data"][0]
     for i, lname in enumerate(lock_names(cfg.num_shards)):
         view.locks["name"][i] = lname.encode()

@@ -35,6 +35,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
     JOURNAL_ENTRY_FIELDS,
+    LEASE_HEADER_FIELDS,
     LOCAL_CACHE_MAX,
     LOCK_FIELDS,
     LRU_ENTRY_FIELDS,
@@ -45,8 +46,11 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     REQUEST_BYTES,
     RING_HEADER_FIELDS,
     BlockState,
+    LeaseMode,
+    LeaseState,
     SeqState,
     block_fields,
+    lease_fields,
     seq_fields,
 )
 
@@ -113,6 +117,7 @@ HEADER_IMMUTABLE = [
     ("off_lockgraph", "<u8"),
     ("off_findings", "<u8"),
     ("off_lru", "<u8"),
+    ("off_leases", "<u8"),
     ("segment_size", "<u8"),
     ("data_bytes", "<u8"),
 ]
@@ -158,6 +163,12 @@ LRU_ENTRY_DTYPE = np.dtype(LRU_ENTRY_FIELDS)
 # The operation log's records (a file, not a section of the segment: docs/REPLAY.md).
 OPLOG_DTYPE = np.dtype(OPLOG_FIELDS)
 OPLOG_FOUND_DTYPE = np.dtype(OPLOG_FOUND_FIELDS)
+LEASE_HEADER_DTYPE = np.dtype(LEASE_HEADER_FIELDS)
+
+
+def lease_dtype(max_blocks_per_seq: int) -> np.dtype:
+    """One lease record (records.lease_fields); the table holds `max_seqs` of them."""
+    return np.dtype(lease_fields(max_blocks_per_seq))
 
 
 def seq_dtype(max_blocks_per_seq: int) -> np.dtype:
@@ -222,6 +233,10 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _align8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
 def lock_names(num_shards: int) -> list[str]:
     """Every pool lock, in the one order in which they are taken (docs/FORMAT.md)."""
     return ["seqs"] + [f"index.{i}" for i in range(num_shards)] + ["free", "sites", "findings"]
@@ -259,6 +274,15 @@ class Layout:
     def seq(self) -> np.dtype:
         return seq_dtype(self.max_blocks_per_seq)
 
+    @property
+    def lease(self) -> np.dtype:
+        return lease_dtype(self.max_blocks_per_seq)
+
+    @property
+    def lease_records_at(self) -> int:
+        """Where the lease records start within the leases section (after the counts)."""
+        return _align8(LEASE_HEADER_DTYPE.itemsize + 4 * self.num_blocks)
+
     def offsets(self) -> dict[str, int]:
         """Byte offset of every section, and the total size under key 'end'."""
         sizes = [
@@ -274,6 +298,7 @@ class Layout:
             ("lockgraph", LOCKGRAPH_DTYPE.itemsize * LOCKGRAPH_CAPACITY),
             ("findings", FINDING_DTYPE.itemsize * FINDINGS_CAPACITY),
             ("lru", LRU_HEADER_DTYPE.itemsize + LRU_ENTRY_DTYPE.itemsize * LRU_KEEP),
+            ("leases", self.lease_records_at + self.lease.itemsize * self.max_seqs),
         ]
         out: dict[str, int] = {}
         pos = 0
@@ -330,6 +355,13 @@ class SegmentView:
         self.lru_header = np.frombuffer(buf, LRU_HEADER_DTYPE, 1, off["lru"])
         self.lru = np.frombuffer(
             buf, LRU_ENTRY_DTYPE, LRU_KEEP, off["lru"] + LRU_HEADER_DTYPE.itemsize
+        )
+        self.lease_header = np.frombuffer(buf, LEASE_HEADER_DTYPE, 1, off["leases"])
+        self.lease_counts = np.frombuffer(
+            buf, "<u4", layout.num_blocks, off["leases"] + LEASE_HEADER_DTYPE.itemsize
+        )
+        self.leases = np.frombuffer(
+            buf, layout.lease, layout.max_seqs, off["leases"] + layout.lease_records_at
         )
 
     @property

@@ -49,6 +49,7 @@ from kvscope.allocator.layout import (
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
     JOURNAL_ENTRY_DTYPE,
+    LEASE_HEADER_DTYPE,
     LOCAL_CACHE_MAX,
     LOCK_DTYPE,
     LOCKGRAPH_CAPACITY,
@@ -62,6 +63,7 @@ from kvscope.allocator.layout import (
     SITE_DTYPE,
     ClientState,
     block_dtype,
+    lease_dtype,
     seq_dtype,
 )
 from kvscope.allocator.locks import UNTRACED, lock_class
@@ -102,6 +104,8 @@ def expected_layout() -> dict[str, int]:
         "lru_entry": LRU_ENTRY_DTYPE,
         "oplog": OPLOG_DTYPE,
         "oplog_found": OPLOG_FOUND_DTYPE,
+        "lease_header": LEASE_HEADER_DTYPE,
+        "lease": lease_dtype(2),
     }
     out = records.c_values()
     for name, (record, field) in records.c_offset_names().items():
@@ -265,6 +269,10 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         "off_seqs": off["seqs"],
         "off_locks": off["locks"],
         "off_lru": off["lru"],
+        # leases (csrc/leases.c): the section, where its records start, a record's size
+        "off_leases": off["leases"],
+        "lease_records": view.layout.lease_records_at,
+        "lease_record_size": view.layout.lease.itemsize,
         "c_seq": cbase + cf["seq"][1],
         "c_local_count": cbase + cf["local_count"][1],
         "c_local": cbase + cf["local"][1],

@@ -243,6 +243,67 @@ OPLOG_FIELDS: list[Field] = [
     ("request", f"S{REQUEST_BYTES}"),
 ]
 OPLOG_FOUND_FIELDS: list[Field] = [("block", "<i4"), ("kind", "S28")]
+# Leases (docs/POOL.md "Leases"; FORMAT.md section 13): the section's header, then one lease
+# count per block (u4), then the lease records (one per sequence slot: `max_seqs` of them).
+LEASE_HEADER_FIELDS: list[Field] = [
+    # records in the table, leases held now, blocks freed while leased and not yet given back
+    ("capacity", "<u4"),
+    ("active", "<u4"),
+    ("quarantined", "<u4"),
+    ("pad", "<u4"),
+    # the last lease id handed out (ids start at 1)
+    ("next_id", "<u8"),
+    # leases taken, released, write leases that completed into a changed block, leaks reported,
+    # leases reclaimed from dead holders or a holder's close
+    ("taken", "<u8"),
+    ("released", "<u8"),
+    ("late", "<u8"),
+    ("leaked", "<u8"),
+    ("reclaimed", "<u8"),
+]
+
+
+class LeaseState(enum.IntEnum):
+    """State of a lease record."""
+
+    EMPTY = 0
+    HELD = 1
+    # held, and reported as a leak (past its deadline): reported once
+    LEAKED = 2
+
+
+class LeaseMode(enum.IntEnum):
+    """What a lease's transfer does with its blocks."""
+
+    READ = 1
+    WRITE = 2
+
+
+def lease_fields(max_blocks_per_seq: int) -> list[Field]:
+    """One lease: its holder, what it was taken on, and each block with its generation then."""
+    return [
+        ("state", "u1"),
+        ("mode", "u1"),
+        # 1: taken on a sequence (seq_slot, seq_id name it), 0: on a list of blocks
+        ("on_seq", "u1"),
+        ("pad", "u1"),
+        ("holder_client", "<i4"),
+        ("holder_pid", "<i4"),
+        ("num_blocks", "<u4"),
+        ("holder_start", "<u8"),
+        ("lease_id", "<u8"),
+        ("seq_id", "<u8"),
+        ("seq_slot", "<i4"),
+        ("pad2", "<u4"),
+        # wall-clock time it was taken; its deadline on CLOCK_MONOTONIC (a leak past it)
+        ("taken_ns", "<u8"),
+        ("deadline_ns", "<u8"),
+        ("holder", f"S{REQUEST_BYTES}"),
+        ("request", f"S{REQUEST_BYTES}"),
+        ("blocks", "<i4", (max_blocks_per_seq,)),
+        ("generations", "<u4", (max_blocks_per_seq,)),
+    ]
+
 
 JOURNAL_ENTRY_FIELDS: list[Field] = [
     ("offset", "<u8"),
@@ -267,6 +328,8 @@ C_RECORDS = {
     "LE_": ("lru_entry", "access_ns"),
     "OR_": ("oplog", "request"),
     "OF_": ("oplog_found", "kind"),
+    "LH_": ("lease_header", "reclaimed"),
+    "LS_": ("lease", "blocks"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
@@ -289,6 +352,7 @@ C_SIZES = {
     "LRU_ENTRY": "lru_entry",
     "OPLOG_HEAD": "oplog",
     "OPLOG_FOUND": "oplog_found",
+    "LEASE_COUNTS": "lease_header",  # the per-block lease counts follow its header
 }
 
 
@@ -306,6 +370,8 @@ def record_fields(record: str) -> list[Field]:
         "lru_entry": lambda: LRU_ENTRY_FIELDS,
         "oplog": lambda: OPLOG_FIELDS,
         "oplog_found": lambda: OPLOG_FOUND_FIELDS,
+        "lease_header": lambda: LEASE_HEADER_FIELDS,
+        "lease": lambda: lease_fields(2),
     }[record]()
 
 
@@ -332,6 +398,8 @@ def c_values() -> dict[str, int]:
     out.update({f"OS_{o.name}": int(o) for o in OpStatus})
     out.update({f"B_{s.name}": int(s) for s in BlockState})
     out.update({f"S_{s.name}": int(s) for s in SeqState})
+    out.update({f"L_{s.name}": int(s) for s in LeaseState})
+    out.update({f"LM_{s.name}": int(s) for s in LeaseMode})
     out.update({_counter_name(f): i for i, f in enumerate(COUNTER_FIELDS)})
     return out
 

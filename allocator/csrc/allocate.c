@@ -286,7 +286,10 @@ static int already_free(Native *n, const int32_t *ids, int64_t k, PyObject *rid)
  * overflow to the ring; in guard mode checked and quarantined (the
  * ring's tail; poisoned by the caller just before its commit). OK, UNHANDLED (the journal, or
  * the free lock not held: need_locks), ERROR. */
-static int give_back_freed(Native *n, const int32_t *zero, int64_t nz, int guard) {
+static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard) {
+    /* leased blocks quarantined, taken out of zero (leases.c) */
+    if (leases_divert(n, zero, nzp)) return UNHANDLED;
+    int64_t nz = *nzp;
     if (guard) {
         if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
         int rc = canaries_intact(n, zero, nz);
@@ -320,7 +323,7 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
     if (txn_begin(n, locks)) return UNHANDLED;
     if (unsealed_left(n, ids + keep, k - keep, part, &m) || digests_intact(n, part, m, when) ||
         already_free(n, part, m, rid) || drop_refs(n, part, m, wall_ns(), zero, &nz) ||
-        give_back_freed(n, zero, nz, guard) || write_blocks(n, slot, keep, NULL, 0) ||
+        give_back_freed(n, zero, &nz, guard) || write_blocks(n, slot, keep, NULL, 0) ||
         (guard && poison_blocks(n, zero, nz))) {
         txn_abort(n);
         return rolled_back(n);
@@ -432,7 +435,7 @@ again:
     int64_t nz = 0;
     uint64_t now = wall_ns();
     if (drop_refs(n, drop, nd, now, zero, &nz)) goto abort;
-    if (give_back_freed(n, zero, nz, guard)) goto abort;
+    if (give_back_freed(n, zero, &nz, guard)) goto abort;
     /* the leaks probe's blocks still held: read inside the transaction (once it commits, what
      * it freed is anyone's) */
     if (leaked_blocks(n, ids, k, slot) < 0) goto abort;

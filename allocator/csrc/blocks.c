@@ -99,6 +99,7 @@ static int ring_pop(Native *n, int64_t k, int32_t *out, int64_t *got) {
     U8(h + RING_HEAD) = head + (uint64_t)k;
     U4(h + RING_COUNT) = cnt - (uint32_t)k;
     int rc = n->quarantine > 0 && k > 0 ? release_quarantine(n, out, k) : OK;
+    if (rc == OK && k > 0 && leases_any(n)) rc = leases_pass_over(n, out, &k); /* (leases.c) */
     if (rc != OK) return rc;
     U8(h + RING_ALLOCS) += (uint64_t)k;
     *got = k;

@@ -47,7 +47,8 @@ enum { AGAIN = 3, JOURNAL_SHORT = 4 };
 #define MAX_STACK_DEPTH 16
 /* Event ops (events.py EventOp). */
 enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7,
-       E_GUARD_VIOLATION = 8, E_FINDING = 9, E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13 };
+       E_GUARD_VIOLATION = 8, E_FINDING = 9, E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13,
+       E_LEASE = 14, E_LEASE_END = 15 };
 /* probing.VERIFY_EVERY_S */
 #define VERIFY_EVERY_NS 10000000ull
 /* Entries of the core's site cache (a power of two). */
@@ -126,6 +127,8 @@ enum {
     FK_LOCK_ORDER_CYCLE,
     FK_BLOCK_TABLE_MISMATCH, /* audit.c */
     FK_WAIT_HOLDS_GIL,       /* locks.c: a wait of the core's that keeps the GIL */
+    FK_TRANSFER_AFTER_FREE, /* leases.c */
+    FK_LEASE_LEAK,
     FK_COUNT
 };
 
@@ -340,6 +343,10 @@ typedef struct {
     int64_t off_kv_digest; /* the block record's kv_digest (its last field) */
     struct DevChecks *dev; /* the checks the core launches itself (devchecks.c), or NULL */
     struct Oplog *oplog;   /* the operation log this handle records into (oplog.c), or NULL */
+    /* leases.c: the section, where its records start in it, a record's size, the next record
+     * to look at */
+    size_t off_leases, lease_records;
+    int64_t lease_rec, lease_hint;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
@@ -444,6 +451,17 @@ static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k);
+/* leases.c: any lease held in the pool; block b leased (the section's per-block count). */
+static inline int leases_any(Native *n) {
+    return __atomic_load_n((uint32_t *)(n->seg + n->off_leases + LH_ACTIVE), __ATOMIC_ACQUIRE) != 0;
+}
+static inline int leased(Native *n, int32_t b) {
+    return b >= 0 && b < n->nb && ((uint32_t *)(n->seg + n->off_leases + LEASE_COUNTS))[b] != 0;
+}
+static int leases_divert(Native *n, int32_t *zero, int64_t *nz);
+static int leases_pass_over(Native *n, int32_t *out, int64_t *k);
+static int leases_at_close(Native *n);
+static int leases_step_reclaim(Native *n, int32_t client, int32_t pid, int64_t *done);
 /* The exception classes the core raises (allocator/errors.py), handed to it once by
  * native.py through register_errors(); NULL until then. */
 static PyObject *PoolErrorType, *PoolExhaustedType, *JournalFullType;

@@ -73,7 +73,8 @@ static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         int64_t b = I4(e + LE_BLOCK);
         if (b >= 0 && b < n->nb) {
             uint8_t *r = blk(n, b);
-            if (r[BF_STATE] == B_CACHED && U8(r + BF_ACCESS_NS) == U8(e + LE_ACCESS_NS))
+            if (r[BF_STATE] == B_CACHED && U8(r + BF_ACCESS_NS) == U8(e + LE_ACCESS_NS) &&
+                !leased(n, (int32_t)b)) /* (a leased block is passed over: leases.c) */
                 cand[got++] = (int32_t)b;
         }
         pos++;
@@ -163,7 +164,8 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
         m = 0;
         for (int64_t b = 0; b < n->nb; b++) {
             uint8_t *r = blk(n, b);
-            if (r[BF_STATE] == B_CACHED) a[m].ns = U8(r + BF_ACCESS_NS), a[m++].id = (int32_t)b;
+            if (r[BF_STATE] == B_CACHED && !leased(n, (int32_t)b))
+                a[m].ns = U8(r + BF_ACCESS_NS), a[m++].id = (int32_t)b;
         }
         if (m == 0) {
             /* nothing cached: a plan takes every shard; a take goes on to preemption */

@@ -78,6 +78,8 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"off_hdr_counters", &n->off_hdr_counters, SIZE},
         {"fd_repaired", &n->fd_repaired, SIZE},
         {"client_detached", &n->client_detached, I64},
+        {"off_leases", &n->off_leases, SIZE}, {"lease_records", &n->lease_records, SIZE},
+        {"lease_record_size", &n->lease_rec, I64},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
@@ -328,6 +330,12 @@ static PyMethodDef N_methods[] = {
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
      "the core's own checks: waiting, launched, broken (a CUresult) | None"},
+    {"lease", (PyCFunction)(void (*)(void))N_lease, METH_FASTCALL,
+     "lease(pool, target, mode, holder, timeout_ns) -> (record, id): KVPool.lease"},
+    {"lease_release", (PyCFunction)(void (*)(void))N_lease_release, METH_FASTCALL,
+     "lease_release(pool, record, id) -> bool: a lease's transfer completed"},
+    {"lease_expire", (PyCFunction)(void (*)(void))N_lease_expire, METH_FASTCALL,
+     "lease_expire(pool, now_ns) -> int: leases past their deadline reported as leaks"},
     {"set_state", (PyCFunction)(void (*)(void))R_set_state, METH_FASTCALL,
      "set_state(pool, seq, state) -> True: mark a sequence running or waiting"},
     {"resume", (PyCFunction)(void (*)(void))R_resume, METH_FASTCALL,

@@ -450,6 +450,13 @@ static int step_detach(Native *n, const DeadRec *d, void *done) {
     return detach_chunk(n, d->client, 1, done);
 }
 
+/* Step: release a transaction's worth of the leases dead client d held (leases.c); *arg: how
+ * many (fewer than all when the journal's room ended: the caller steps again). */
+static int step_leases(Native *n, const DeadRec *d, void *arg) {
+    int64_t *done = arg;
+    return leases_step_reclaim(n, (int32_t)d->client, d->pid, done);
+}
+
 /* Reclaim dead client d: its journal rolled back, its sequences' blocks dropped and slots
  * released, its cached and stray blocks and reserved slots returned, its record detached,
  * each step its own transaction. What was done ({sequences, blocks, entries, skipped}), None
@@ -458,6 +465,8 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
     int64_t seqs = 0, blocks = 0, done = 0;
     Rolled rolled = {0, NULL};
     int rc = reclaim_step(n, d, step_rollback, &rolled);
+    /* its leases first, so that the blocks below go back free of them */
+    for (int64_t leases = 1; rc == OK && leases > 0;) rc = reclaim_step(n, d, step_leases, &leases);
     /* the slots it holds (a hint, read without locks: each step checks its slot again) */
     int64_t *live = NULL, nlive = 0;
     if (rc == OK && (live = PyMem_Malloc(sizeof(int64_t) * (size_t)(n->max_seqs + 1))) == NULL) {
@@ -691,7 +700,9 @@ static PyObject *N_detach(Native *n, PyObject *unused) {
     if (U4(n->seg + n->c_jcount) && journal_rollback(n, n->client, &why) < 0)
         return recovery_leave(n, NULL);
     Py_XDECREF(why);
-    int rc = flush_local(n);
+    /* the leases it still holds: leaks, released (leases.c) */
+    int rc = lock_answer(leases_at_close(n));
+    if (rc == OK) rc = flush_local(n);
     if (rc == OK) n->res_n = 0; /* (its slots go back to the table below) */
     for (int64_t done = 0; rc == OK && !done;) {
         if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_seqs)))) != OK) break;
