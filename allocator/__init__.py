@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from kvscope.allocator.errors import LockDeadlock, PoolError, PoolExhausted
     from kvscope.allocator.findings import Finding, FindingKind
     from kvscope.allocator.layout import BlockState, SeqState
+    from kvscope.allocator.lease import Lease
     from kvscope.allocator.pool import KVPool
     from kvscope.allocator.sequence import Sequence
 
@@ -32,6 +33,7 @@ _WHERE = {
     "Finding": "findings",
     "FindingKind": "findings",
     "KVPool": "pool",
+    "Lease": "lease",
     "LockDeadlock": "errors",
     "PoolConfig": "config",
     "PoolError": "errors",
@@ -46,6 +48,7 @@ __all__ = [
     "Finding",
     "FindingKind",
     "KVPool",
+    "Lease",
     "LockDeadlock",
     "PoolConfig",
     "PoolError",

@@ -26,6 +26,7 @@ from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, REPAIRABLE_KINDS, read_findings, repaired_findings
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
+from kvscope.allocator.lease import DEFAULT_TIMEOUT_S, Lease, lease_rows
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.locks import LockTable
 from kvscope.allocator.oplog import RECORD_KEY_ENV, RECORD_OPS_ENV, pool_tag, start_text
@@ -518,6 +519,52 @@ class KVPool:
         if self._found:
             self.deliver_findings()
         return found
+    # -- leases (csrc/leases.c) ------------------------------------------------------------------
+
+    def lease(
+        self,
+        seq_or_blocks: Sequence | Sequence_[int],
+        mode: str,
+        holder: object = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> Lease:
+        """Lease blocks for a transfer in flight (mode "read" or "write"): until the returned
+        Lease is released, a leased block that is freed or preempted is quarantined and never
+        handed out, and eviction passes it over. `holder` (its str; default: this thread's
+        name) names who transfers; `timeout` seconds (None: none) is its deadline for
+        `expire_leases`. docs/POOL.md "Leases"."""
+        who = threading.current_thread().name if holder is None else holder
+        if timeout is not None and not timeout > 0:
+            raise PoolError(f"lease timeout must be a positive number of seconds, got {timeout!r}")
+        ns = 0 if timeout is None else max(1, int(timeout * 1e9))
+        record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns)
+        if self._found:
+            self.deliver_findings()
+        blocks = seq_or_blocks.block_table if isinstance(seq_or_blocks, Sequence) else seq_or_blocks
+        return Lease(self, record, lease_id, mode, str(who), list(blocks))
+
+    def lease_release(self, lease: Lease) -> bool:
+        """End a lease (what `Lease.release` calls): True when this call ended it. A write
+        lease whose blocks changed owner or generation meanwhile is a transfer_after_free
+        finding."""
+        done = self._core.lease_release(self, lease.record, lease.lease_id)
+        if self._found:
+            self.deliver_findings()
+        return bool(done)
+
+    def expire_leases(self, now_ns: int | None = None) -> int:
+        """Report every lease of the pool (any process's) whose deadline has passed as a
+        lease_leak, once each; `now_ns` on time.monotonic_ns()'s clock (default: now). How many
+        it reported."""
+        found = self._core.lease_expire(self, -1 if now_ns is None else int(now_ns))
+        if self._found:
+            self.deliver_findings()
+        return int(found)
+
+    def leases(self) -> list[dict[str, Any]]:
+        """The leases held in the pool (every process's), oldest first (lease.lease_rows)."""
+        self._check_process()
+        return lease_rows(self.view)
 
     def block_table(self, seq: Sequence) -> list[int]:
         """Physical block ids of seq, logical order."""

@@ -29,6 +29,8 @@ FINDINGS = {
     "lock_inversion": ["lock_order_cycle"],
     "stale_padding_row": ["block_table_mismatch"],
     "gil_wait": ["wait_holds_gil"],
+    "transfer_after_free": ["transfer_after_free"],
+    "lease_leak": ["lease_leak"],
 }
 
 

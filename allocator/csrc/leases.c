@@ -316,14 +316,15 @@ static const char *lease_changed(Native *n, uint8_t *l, int64_t i) {
     if (b < 0 || b >= n->nb) return "outside the pool";
     uint8_t *r = blk(n, b);
     if (U4(r + BF_GENERATION) != lease_gens(n, l)[i]) return "handed out again";
+    if (l[LS_ON_SEQ]) {
+        int32_t slot = I4(l + LS_SEQ_SLOT);
+        if (slot < 0 || slot >= n->max_seqs) return "outside the sequence table";
+        uint8_t *s = seqrec(n, slot);
+        if (U8(s + SF_SEQ_ID) != U8(l + LS_SEQ_ID)) return "freed";
+        if (s[SF_STATE] == S_PREEMPTED) return "preempted";
+        if (s[SF_STATE] != S_RUNNING && s[SF_STATE] != S_WAITING) return "freed";
+    }
     if (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED) return "freed";
-    if (!l[LS_ON_SEQ]) return NULL;
-    int32_t slot = I4(l + LS_SEQ_SLOT);
-    if (slot < 0 || slot >= n->max_seqs) return "outside the sequence table";
-    uint8_t *s = seqrec(n, slot);
-    if (U8(s + SF_SEQ_ID) != U8(l + LS_SEQ_ID)) return "released with its sequence";
-    if (s[SF_STATE] == S_PREEMPTED) return "preempted with its sequence";
-    if (s[SF_STATE] != S_RUNNING && s[SF_STATE] != S_WAITING) return "released with its sequence";
     return NULL;
 }
 
@@ -369,8 +370,7 @@ static PyObject *late_message(Native *n, uint8_t *l, int64_t i, const char *why)
     if (holder && req)
         msg = PyUnicode_FromFormat(
             "write lease %llu of holder %R (pid %d) completed into block %d of request %R "
-            "after the block was %s (generation %u when leased, %u now): the transfer wrote "
-            "K/V its request no longer holds",
+            "after it was %s (generation %u, now %u)",
             (unsigned long long)U8(l + LS_LEASE_ID), holder, I4(l + LS_HOLDER_PID),
             (int)lease_ids(l)[i], req, why, lease_gens(n, l)[i],
             U4(blk(n, lease_ids(l)[i]) + BF_GENERATION));
@@ -384,8 +384,7 @@ static PyObject *leak_message(uint8_t *l, const char *how) {
     PyObject *holder = text_of(l + LS_HOLDER), *req = text_of(l + LS_REQUEST), *msg = NULL;
     if (holder && req)
         msg = PyUnicode_FromFormat(
-            "%s lease %llu of holder %R (pid %d) on %u block(s) of request %R %s: its transfer "
-            "never released it, and its freed blocks stay quarantined",
+            "%s lease %llu of holder %R (pid %d) on %u block(s) of request %R %s",
             l[LS_MODE] == LM_WRITE ? "write" : "read", (unsigned long long)U8(l + LS_LEASE_ID),
             holder, I4(l + LS_HOLDER_PID), U4(l + LS_NUM_BLOCKS), req, how);
     Py_XDECREF(holder);
@@ -512,7 +511,7 @@ static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nar
         uint8_t *l = lease_at(n, late[j]);
         double past = (double)(now - U8(l + LS_DEADLINE_NS)) / 1e9;
         char how[96];
-        snprintf(how, sizeof how, "was still held %.3f s past its deadline", past);
+        snprintf(how, sizeof how, "held %.3f s past its deadline", past);
         PyObject *msg = leak_message(l, how);
         int bad = lease_finding(n, FK_LEASE_LEAK, l, 0, msg);
         Py_XDECREF(msg);
@@ -536,7 +535,7 @@ static int leases_at_close(Native *n) {
             I4(l + LS_HOLDER_PID) != n->pid)
             continue;
         if (l[LS_STATE] == L_HELD) {
-            PyObject *msg = leak_message(l, "was still held when its holder closed the pool");
+            PyObject *msg = leak_message(l, "still held when its holder closed the pool");
             if (lease_finding(n, FK_LEASE_LEAK, l, 0, msg)) PyErr_WriteUnraisable(n->name);
             Py_XDECREF(msg);
         }
