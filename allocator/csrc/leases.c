@@ -438,8 +438,10 @@ static PyObject *N_lease_release(Native *n, PyObject *const *args, Py_ssize_t na
     memcpy(ids, lease_ids(l), sizeof(int32_t) * (size_t)k);
     int mode = l[LS_MODE];
     int rc = txn_begin(n, lock_bit(n->lock_free));
-    if (rc == OK && (rc = lease_drop(n, l)) == OK && why) {
-        if (!jsave(n, n->off_leases, LEASE_COUNTS)) U8(lease_head(n) + LH_LATE) += 1;
+    /* (lease_drop saves the section's header) */
+    if (rc == OK && (rc = lease_drop(n, l)) == OK) {
+        U8(lease_head(n) + LH_RELEASED) += 1;
+        if (why) U8(lease_head(n) + LH_LATE) += 1;
     }
     PyObject *result = NULL;
     if (rc == OK) {
