@@ -30,7 +30,13 @@ class Lease:
     __slots__ = ("pool", "record", "lease_id", "mode", "holder", "blocks", "_done", "_lock")
 
     def __init__(
-        self, pool: LeaseOwner, record: int, lease_id: int, mode: str, holder: str, blocks: list[int]
+        self,
+        pool: LeaseOwner,
+        record: int,
+        lease_id: int,
+        mode: str,
+        holder: str,
+        blocks: list[int],
     ):
         self.pool = pool
         self.record = record

@@ -26,8 +26,8 @@ from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, REPAIRABLE_KINDS, read_findings, repaired_findings
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
-from kvscope.allocator.lease import DEFAULT_TIMEOUT_S, Lease, lease_rows
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
+from kvscope.allocator.lease import DEFAULT_TIMEOUT_S, Lease, lease_rows
 from kvscope.allocator.locks import LockTable
 from kvscope.allocator.oplog import RECORD_KEY_ENV, RECORD_OPS_ENV, pool_tag, start_text
 from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env

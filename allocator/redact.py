@@ -11,8 +11,8 @@ what the original's would:
   everywhere, and the index is laid out again by the new keys (a key's slot is derived from it:
   leaving entries where they were would tell the original keys' bits); a key keeps its shard
   up to a keyed permutation, so no shard overflows;
-- request ids, wherever they occur (block records, sequence table, event rings, findings ring,
-  and inside findings' messages) become `r~` and 16 hex digits of a keyed BLAKE2b;
+- request ids, wherever they occur (block records, sequence table, event rings, lease table,
+  findings ring, and inside findings' messages) become `r~` and 16 hex digits of a keyed BLAKE2b;
 - the undo journals' saved bytes (old copies of records: tokens, request ids) are zeroed.
 
 Block checksums are resealed so that a healthy block still checks healthy and a corrupt one
@@ -104,7 +104,7 @@ def redact_view(view: SegmentView) -> None:
     red = Redactor(view.layout.num_shards)
     _tokens(view, red)
     _index(view, red)
-    for arr in (view.blocks, view.seqs, view.events, view.findings):
+    for arr in (view.blocks, view.seqs, view.events, view.findings, view.leases):
         red.requests_in(arr["request"])
     msgs = view.findings["message"]
     for i in range(len(msgs)):

@@ -167,6 +167,37 @@ def _capacity(cap: dict[str, Any]) -> str:
     )
 
 
+def _leases(analysis: dict[str, Any]) -> str:
+    """The lease section (allocator/lease.py): its counts and the leases held; nothing when the
+    pool never had one."""
+    ls = (analysis.get("summary") or {}).get("leases") or {}
+    if not ls.get("taken"):
+        return ""
+    rows = [
+        ("held now", ls["held"]),
+        ("freed blocks they quarantine", ls["quarantined"]),
+        ("taken", ls["taken"]),
+        ("released", ls["released"]),
+        ("late writes (transfer_after_free)", ls["late"]),
+        ("leaked (lease_leak)", ls["leaked"]),
+        ("reclaimed", ls["reclaimed"]),
+    ]
+    held = "".join(
+        f"<tr><td>{r['id']}</td><td>{esc(r['mode'])}</td><td>{esc(r['holder'])}</td>"
+        f"<td>{r['pid']}</td><td>{esc(r['request'])}</td>"
+        f"<td>{esc(', '.join(map(str, r['blocks'][:32])))}</td>"
+        f"<td>{'leaked' if r['leaked'] else ''}</td></tr>"
+        for r in ls.get("list") or []
+    )
+    table = (
+        "<table><tr><th>lease</th><th>mode</th><th>holder</th><th>pid</th><th>request</th>"
+        f"<th>blocks</th><th></th></tr>{held}</table>"
+        if held
+        else ""
+    )
+    return f"<h2>Leases</h2>{_table(rows)}{table}"
+
+
 def _buckets(values: np.ndarray) -> tuple[list[str], list[int]]:
     """Counts of 0, 1, 2, 3-4, 5-8, ... (powers of two)."""
     labels, counts = [], []
@@ -291,6 +322,7 @@ def build_report(
             _blocks(view, analysis),
             _over_time(history, n),
             _sharing(view, history),
+            _leases(analysis),
             _findings(analysis),
             f'<p class="sub">kvscope {esc(__version__)}, {esc(_when(_now_ns()))}.'
             " This file needs no network and runs no script.</p>",

@@ -20,8 +20,11 @@ from kvscope.allocator.layout import (
     SegmentView,
     SeqState,
 )
+from kvscope.allocator.lease import lease_rows, lease_totals
 from kvscope.allocator.stats import pool_stats
 
+# Held leases `summary` lists (its `leases.list`), oldest first.
+MAX_LEASES_LISTED = 20
 # (pid, start time) -> whether that process is alive
 Alive = Callable[[int, int], bool]
 
@@ -111,6 +114,7 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     ]
     seq_states = np.bincount(seqs["state"], minlength=len(SeqState))
     stats = pool_stats(view)
+    leases: dict[str, Any] = {**lease_totals(view), "list": lease_rows(view)[:MAX_LEASES_LISTED]}
     return {
         "blocks_by_state": by_state,
         "blocks_by_owner": by_owner,
@@ -123,6 +127,7 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
         },
         "utilization": stats["utilization"],
         "prefix_hit_rate": stats["prefix_hit_rate"],
+        "leases": leases,
         "counters": {
             k: stats[k]
             for k in (

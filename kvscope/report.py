@@ -252,6 +252,7 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
         f" sequences: "
         + (", ".join(f"{k} {v}" for k, v in s["sequences_by_state"].items() if v) or "none")
     )
+    _leases(con, s.get("leases") or {})
     if s["blocks_by_owner"]:
         from rich.table import Table
 
@@ -263,6 +264,29 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
             t.add_row(str(o["pid"]), state, str(o["blocks"]), str(o["requests"]))
         con.print("\n[bold]blocks by owner[/bold]")
         con.print(t)
+
+
+def _leases(con: Console, ls: dict[str, Any]) -> None:
+    """The lease section: held now (each with its holder, mode, request and blocks), and the
+    counts since the pool was created; nothing when no lease was ever taken."""
+    if not ls.get("taken"):
+        return
+    con.print("\n[bold]leases[/bold]")
+    con.print(
+        escape(
+            f"  held {ls['held']} (quarantining {ls['quarantined']} freed block(s)); since"
+            f" creation taken {ls['taken']}, released {ls['released']}, late writes"
+            f" {ls['late']}, leaked {ls['leaked']}, reclaimed {ls['reclaimed']}"
+        )
+    )
+    for row in ls.get("list") or []:
+        leak = ", leaked" if row["leaked"] else ""
+        con.print(
+            escape(
+                f"  {row['mode']} lease {row['id']} holder {row['holder']!r} pid {row['pid']}"
+                f" request {row['request']!r}: {_blocks(row['blocks'])}{leak}"
+            )
+        )
 
 
 def _capacity(con: Console, c: dict[str, Any]) -> None:

@@ -12,7 +12,9 @@ The JSON object format of the Trace Event Format: `{"traceEvents": [...], "other
   needed for slices never to overlap on one thread (the format wants slices to nest); a
   preemption is a nested slice until the request got its blocks back, a copy-on-write an
   instant inside its request; evictions, reclaims and guard violations are instants on its
-  `pool events` thread;
+  `pool events` thread; each lease (allocator/lease.py) a complete event from its take to its
+  release on its `leases` thread, named by its mode (`read lease`, `write lease`), with its
+  request, blocks and, while it is held, its holder;
 - each finding an instant (`"ph": "i"`) naming its blocks: the findings ring's at their time,
   on their owner's process, the full check's at the end of the trace;
 - with a history (kvscope.history): counter tracks (`"ph": "C"`) of the pool's blocks by state,
@@ -34,7 +36,8 @@ import numpy as np
 from kvscope.allocator.dumpfile import check_target, write_atomic
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import Finding
-from kvscope.allocator.layout import SegmentView, lock_names
+from kvscope.allocator.layout import LeaseMode, SegmentView, lock_names
+from kvscope.allocator.lease import lease_rows
 from kvscope.history import History
 from kvscope.lifetimes import Record, RequestSlice, assign_lanes, records, request_slices
 
@@ -203,6 +206,35 @@ def _other_events(w: TraceWriter, others: list[Record]) -> None:
         w.instant(name or names.get(r.op, f"op {r.op}"), "pool", r.pid, tid, r.time_ns, "t", args)
 
 
+LEASE_OPS = (EventOp.LEASE, EventOp.LEASE_END)
+
+
+def _lease_events(w: TraceWriter, recs: list[Record], held: list[dict[str, Any]], end_ns: int):
+    """Each lease a slice from its LEASE record to its LEASE_END (the same process, request, mode
+    and blocks, first in first out); one still open at the end runs to it, with its holder
+    from the lease table."""
+    open_: dict[tuple[Any, ...], list[Record]] = {}
+    spans: list[tuple[Record, int | None]] = []
+    for r in recs:
+        key = (r.pid, r.request, r.arg, tuple(sorted(r.blocks)))
+        if r.op == EventOp.LEASE:
+            open_.setdefault(key, []).append(r)
+        elif open_.get(key):
+            spans.append((open_[key].pop(0), r.time_ns))
+    spans += [(r, None) for rs in open_.values() for r in rs]
+    holders = {(h["pid"], h["request"], tuple(sorted(h["blocks"]))): h["holder"] for h in held}
+    for r, until in sorted(spans, key=lambda x: x[0].time_ns):
+        mode = "write" if r.arg == LeaseMode.WRITE else "read"
+        args: dict[str, Any] = {"request": r.request, "mode": mode, **_blocks_arg(r.blocks)}
+        if until is None:
+            args["end"] = "still held at the end of the trace"
+            who = holders.get((r.pid, r.request, tuple(sorted(r.blocks))))
+            if who is not None:
+                args["holder"] = who
+        tid = w.thread(r.pid, "leases")
+        w.complete(f"{mode} lease", "lease", r.pid, tid, r.time_ns, until or end_ns, args)
+
+
 def _finding_events(w: TraceWriter, findings: list[Finding], pids: set[int], end_ns: int) -> None:
     groups: dict[tuple[Any, ...], tuple[Finding, list[int], int]] = {}
     for f in findings:
@@ -340,7 +372,8 @@ def build_trace(
     for k, pid in enumerate(pids):
         w.process(pid, f"pid {pid}", 10 + k)
     _request_events(w, slices, end_ns)
-    _other_events(w, others)
+    _other_events(w, [r for r in others if r.op not in LEASE_OPS])
+    _lease_events(w, [r for r in others if r.op in LEASE_OPS], lease_rows(view), end_ns)
     if history is not None:
         _history_events(w, history, lock_names(view.layout.num_shards))
     if findings:

@@ -295,7 +295,11 @@ def test_a_bad_lease_is_one_pool_error_and_changes_nothing(make_pool, target, mo
     pool = make_pool(16)
     seq = pool.allocate("r", list(range(10)))
     free_block = next(b for b in range(16) if b not in seq.block_table)
-    arg = {"seq": seq, "free": [free_block]}.get(target, target) if isinstance(target, str) else target
+    arg = (
+        {"seq": seq, "free": [free_block]}.get(target, target)
+        if isinstance(target, str)
+        else target
+    )
     with pytest.raises(PoolError, match=error):
         pool.lease(arg, mode, holder="h")
     assert pool.leases() == [] and lease_totals(pool.view)["taken"] == 0

@@ -72,6 +72,10 @@ class PoolHeader(Widget):
             f"  used {100 * st['utilization']:.1f}%  free {st['num_free']:,}  cached {st['num_cached']:,}"
             f"  seqs {st['num_sequences']}  procs {st['num_clients']}  "
         )
+        held = int(frame.view.lease_header["active"][0])
+        if held:
+            quarantined = int(frame.view.lease_header["quarantined"][0])
+            t.append(f"leases {held} ({quarantined} quarantined)  ", style="cyan")
         t.append(self.mode, style="bold reverse" if "paused" in self.mode else "bold")
         gpu = frame.extra.get("gpu")
         if gpu:

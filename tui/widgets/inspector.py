@@ -10,6 +10,7 @@ from textual.reactive import reactive
 from textual.widgets import Static
 
 from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
+from kvscope.allocator.lease import lease_rows
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import site_frames
 from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
@@ -48,6 +49,11 @@ def describe_block(frame: Frame, b: int) -> Text:
     )
     line("state", STATE_NAMES.get(int(rec["state"]), f"? {int(rec['state'])}"))
     line("refcount", int(rec["refcount"]))
+    leases = int(frame.view.lease_counts[b])
+    if leases:
+        holders = [r for r in lease_rows(frame.view) if b in r["blocks"]]
+        who = ", ".join(f"{r['mode']} by {r['holder']!r} pid {r['pid']}" for r in holders[:3])
+        line("leased", f"{leases}: {who}", "cyan")
     line("generation", int(rec["generation"]))
     line("indexed", bool(rec["indexed"]))
     line("poisoned", bool(rec["poisoned"]))
