@@ -334,3 +334,46 @@ def test_another_processes_unpublished_block_cannot_be_leased(make_pool, pool_na
             other.lease(seq.block_table, "read", holder="h")
     finally:
         other.close()
+
+
+def _lease_then_die(name: str, kill_at: int) -> None:
+    code = 4
+    try:
+        pool = KVPool.attach(name)
+        seq = pool.allocate("doomed", list(range(10)))
+        pool._core.set_crash_at(kill_at)
+        lease = pool.lease(seq, "write", holder="h")
+        pool.free(seq)
+        lease.release()
+        other = pool.allocate("after", list(range(10)))
+        pool.lease(other.block_table, "read", holder="h").release()
+        code = 3  # (not killed: every save passed)
+    finally:
+        os._exit(code)
+
+
+@pytest.mark.slow
+def test_a_kill_at_any_journal_save_of_a_lease_loses_nothing(make_pool):
+    # GIVEN a process that takes a lease, frees its request, releases the lease and leases again
+    pool = make_pool(16)
+    for n in range(1, 200):
+        # WHEN it is killed at its n-th journal save from the lease on
+        pid = os.fork()
+        if pid == 0:
+            _lease_then_die(pool.name, n)
+        status = wait_child(pid)
+        if status == 3:
+            break
+        assert status == -signal.SIGKILL, (n, status)
+        # THEN a survivor's reclaim leaves no lease, no count, no quarantined block: every block
+        # can be allocated, and the pool checks clean
+        pool.reclaim_dead()
+        assert pool.leases() == [] and not np.any(pool.view.lease_counts), n
+        t = lease_totals(pool.view)
+        assert t["held"] == 0 and t["quarantined"] == 0, (n, t)
+        everything = pool.allocate("all", list(range(16 * 4)))
+        pool.free(everything)
+        assert [f.kind for f in pool.check()] == [], n
+    else:
+        pytest.fail("the lease work never finished")
+    assert n > 8  # (it was killed at each save before)
