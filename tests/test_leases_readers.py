@@ -82,3 +82,14 @@ def test_a_redacted_dump_hides_a_leases_request(make_pool, tmp_path, capsys):
     assert main(["dump", pool.name, "-o", str(out), "--redact"]) == 0
     assert b"req-b" not in out.read_bytes()
     held.release()
+
+
+def test_tops_snapshot_copies_the_lease_section(make_pool):
+    from kvscope.allocator.lease import lease_rows
+    from kvscope.tui.source import Snapshotter
+
+    pool, held, blocks = leased_pool(make_pool)
+    view = Snapshotter(pool.view).read()
+    assert int(view.lease_header["active"][0]) == 1
+    assert int(view.lease_counts[blocks[0]]) == 1
+    assert [r["holder"] for r in lease_rows(view)] == ["offloader"]

@@ -124,6 +124,10 @@ class Snapshotter:
         self._bounds.append((0, HEADER_DTYPE.itemsize))
         ring = view.offsets["ring"]
         self._bounds.append((ring, ring + RING_HEADER_DTYPE.itemsize))
+        # The lease section's header and per-block counts; its records only while one is held.
+        leases = view.offsets["leases"]
+        self._bounds.append((leases, leases + view.layout.lease_records_at))
+        self._lease_records = (leases + view.layout.lease_records_at, view.offsets["end"])
         self._seqlock = Seqlock(view)
 
     @property
@@ -203,6 +207,9 @@ class Snapshotter:
                 c0 : c0 + csize * nclients
             ].reshape(nclients, csize)[:, :chead]
             self._copy_events(i)
+            if view.lease_header["active"][0]:
+                a, b = self._lease_records
+                dst[a:b] = src[a:b]
             shown = [block]
             if chosen:
                 dst[row] = src[row]
