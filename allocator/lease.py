@@ -8,7 +8,6 @@ transfer releases when it completes: `lease.release()`, a `with` or `async with`
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Protocol
 
 from kvscope.allocator.layout import LeaseMode, LeaseState, SegmentView
@@ -25,9 +24,9 @@ class LeaseOwner(Protocol):
 
 
 class Lease:
-    """One lease: `release()` once its transfer completes (idempotent; thread-safe)."""
+    """One lease: `release()` once its transfer completes (idempotent)."""
 
-    __slots__ = ("pool", "record", "lease_id", "mode", "holder", "blocks", "_done", "_lock")
+    __slots__ = ("pool", "record", "lease_id", "mode", "holder", "blocks", "_done")
 
     def __init__(
         self,
@@ -45,7 +44,6 @@ class Lease:
         self.holder = holder
         self.blocks = blocks
         self._done: bool | None = None
-        self._lock = threading.Lock()
 
     @property
     def released(self) -> bool:
@@ -53,13 +51,14 @@ class Lease:
         return self._done is not None
 
     def release(self) -> bool:
-        """The transfer completed: end the lease (the core's call). True when this call ended
-        it, False when it was no longer held (its holder's close or a reclaim ended it); a
-        second call returns the first one's answer."""
-        with self._lock:
-            if self._done is None:
-                self._done = self.pool.lease_release(self)
-            return self._done
+        """The transfer completed: end the lease (the core's call, which any thread may make).
+        True when this call ended it, False when it was no longer held (released already, or
+        ended by its holder's close or a reclaim); a later call returns the first one's
+        answer."""
+        done = self._done
+        if done is None:
+            done = self._done = self.pool.lease_release(self)
+        return done
 
     def release_when(self, future: Any) -> None:
         """Release when `future` (a concurrent.futures or asyncio future) is done, whatever its

@@ -534,14 +534,19 @@ class KVPool:
         name) names who transfers; `timeout` seconds (None: none) is its deadline for
         `expire_leases`. docs/POOL.md "Leases"."""
         who = threading.current_thread().name if holder is None else holder
-        if timeout is not None and not timeout > 0:
+        if timeout is None:
+            ns = 0
+        elif timeout > 0:
+            ns = int(timeout * 1e9) or 1
+        else:
             raise PoolError(f"lease timeout must be a positive number of seconds, got {timeout!r}")
-        ns = 0 if timeout is None else max(1, int(timeout * 1e9))
         record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns)
         if self._found:
             self.deliver_findings()
         blocks = seq_or_blocks.block_table if isinstance(seq_or_blocks, Sequence) else seq_or_blocks
-        return Lease(self, record, lease_id, mode, str(who), list(blocks))
+        return Lease(
+            self, record, lease_id, mode, who if type(who) is str else str(who), list(blocks)
+        )
 
     def lease_release(self, lease: Lease) -> bool:
         """End a lease (what `Lease.release` calls): True when this call ended it. A write
