@@ -25,6 +25,28 @@ def _work(pool: KVPool) -> None:
         op()
 
 
+# The faults that strike a lease's transfer (tests/test_leases_faults.py).
+LEASE_FAULTS = ("transfer-after-free", "lease-leak")
+
+
+def _lease_work(pool: KVPool, name: str) -> None:
+    """A receive under a write lease into a waiting request (transfer-after-free preempts it),
+    then an offload under a read lease by a second handle that frees its request and closes
+    (lease-leak keeps the lease, which the close reports)."""
+    seq = pool.allocate("rx", list(range(9)))
+    pool.set_state(seq, "waiting")
+    with pool.lease(seq, "write", holder="kv-receiver"):
+        pass
+    if seq.state == "preempted":
+        pool.resume(seq)
+    pool.free(seq)
+    other = KVPool.attach(name)
+    seq = other.allocate("off", list(range(100, 109)))
+    other.lease(seq, "read", holder="offloader").release()
+    other.free(seq)
+    other.close()
+
+
 def _config(**kw) -> PoolConfig:
     return PoolConfig(num_blocks=48, block_size=4, head_dim=8, num_layers=1, dtype="float32", **kw)
 
@@ -74,6 +96,9 @@ def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
             # (its opportunity is an engine's padded table: an audit of one that kept the row
             # of an earlier, larger batch)
             _stale_padding(pool)
+        elif scenario in LEASE_FAULTS:
+            faults.configure(f"{scenario}:1")
+            _lease_work(pool, name)
         elif scenario in FAULTS:
             faults.configure(f"{scenario}:1")
             _work(pool)
