@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with --ranks, rank r on the port plus r",
     )  # fmt: skip
     c.add_argument(
+        "--offload", action="store_true",
+        help="copy each finished request's K/V to host memory on a background thread, under "
+        "read leases (its blocks are freed at once and quarantined until the copy is done)",
+    )  # fmt: skip
+    c.add_argument(
         "--kv-events-replay", default="", metavar="ENDPOINT",
         help="with --kv-events: the replay socket that resends buffered batches (tcp://*:5558)",
     )  # fmt: skip
@@ -183,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         fault_rank=args.fault_rank,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
+        offload=args.offload,
     )
     vocab_size = _vocab_size(args.model)
     if args.jsonl is not None:

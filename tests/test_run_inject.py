@@ -41,12 +41,12 @@ EXPECTED = {
     "transfer-after-free": "transfer_after_free",
     "lease-leak": "lease_leak",
 }
-# What the example server needs for a fault to have its opportunity: the padded block table of
-# the step graphs' static buffers (on the CPU they run eagerly).
-SERVE_ARGS = {"stale-padding-row": ["--cuda-graphs"]}
-# Faults that strike a lease's transfer: the example server takes no leases, their scenario
-# scripts do (tests/test_run_scenarios.py, tests/test_leases_faults.py).
-LEASE_FAULTS = {"transfer-after-free", "lease-leak"}
+# The example server's options a fault needs: stale-padding-row strikes the padded block
+# table of the step graphs' static buffers (on the CPU they run eagerly); lease-leak strikes the
+# read leases of its offload. transfer-after-free strikes a write lease, which it takes none
+# of: its scenario script does (tests/test_run_scenarios.py, tests/test_leases_faults.py).
+NEEDS = {"stale-padding-row": ["--cuda-graphs"], "lease-leak": ["--offload"]}
+NOT_IN_SERVER = {"transfer-after-free"}
 
 
 TWO_REQUESTS = """
@@ -103,11 +103,12 @@ BLOCK_FAULTS = {
     "use-after-free",
     "refcount-skew",
     "stale-padding-row",
+    "lease-leak",
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", [f for f in FAULTS if f not in LEASE_FAULTS])
+@pytest.mark.parametrize("fault", [f for f in FAULTS if f not in NOT_IN_SERVER])
 def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault):
     # GIVEN the example server, WHEN run under kvscope with one injected fault
     monkeypatch.chdir(tmp_path)
@@ -126,7 +127,7 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
             "--clock",
             "steps",
             "--no-progress",
-            *SERVE_ARGS.get(fault, []),
+            *NEEDS.get(fault, []),
         ]
     )
     err = capfd.readouterr().err
@@ -150,7 +151,7 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
         assert any(f["owner_pid"] == pid for f in found)
     elif fault in ("lock-inversion", "gil-wait"):
         assert f"pid {pid}" in found[0]["message"]
-    if fault in ("stale-padding-row", "gil-wait"):
+    if fault in ("stale-padding-row", "gil-wait", "lease-leak"):
         # ... exactly one finding of its kind, and no other error
         assert len(found) == 1, found
         errors = [f for f in rep["findings"] if f["severity"] == "error"]

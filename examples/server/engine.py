@@ -36,6 +36,7 @@ from .batch import Batch
 from .graphs import StepGraphs
 from .hostcopy import HostCopy
 from .model import LlamaModel
+from .offload import Offloader
 from .report import RequestResult, StepSample
 from .scheduler import Scheduler, Stream
 from .static import StaticCache
@@ -139,6 +140,14 @@ class Engine:
         self.picks = HostCopy(self.device)
         # each step's scored positions (scoring requests) on their way to the host
         self.scores = HostCopy(self.device)
+        # serve.py --offload: finished requests' K/V copied to the host under read leases
+        self.offloader: Offloader | None = None
+
+    def offload(self, offloader: Offloader) -> None:
+        """Copy each finishing request's blocks to host memory on `offloader`'s thread (its
+        sweep for leaked leases runs after every step; `run` waits for the copies at its end)."""
+        self.offloader = offloader
+        self.scheduler.offload = offloader.submit
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -178,6 +187,8 @@ class Engine:
             if self.scheduler.has_work():
                 self.step()
                 self.on_step()
+                if self.offloader is not None:
+                    self.offloader.sweep()
                 if isinstance(self.clock, StepClock):
                     self.clock.tick()
             elif pending:
@@ -187,6 +198,8 @@ class Engine:
                 else:
                     time.sleep(min(0.05, wait))
         self._take_violations()
+        if self.offloader is not None:
+            self.offloader.close()
         return self.results
 
     def step(self) -> int:

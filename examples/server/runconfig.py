@@ -14,6 +14,7 @@ from .engine import Engine, StepClock
 from .errors import ServeError
 from .graphs import StepGraphs
 from .model import LlamaModel, ModelConfig
+from .offload import Offloader
 from .static import StaticCache, StaticGeometry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,6 +61,8 @@ class RunConfig:
     kv_events: str = ""
     # the publisher's replay (ROUTER) endpoint, offset by rank as kv_events ("": none)
     kv_events_replay: str = ""
+    # copy finished requests' K/V to host memory under read leases (server/offload.py)
+    offload: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def num_threads(self) -> int:
@@ -169,7 +172,7 @@ def make_engine(
             max_tokens=config.max_num_batched_tokens,
             max_chunk=config.prefill_chunk,
         )
-    return Engine(
+    engine = Engine(
         model,
         cache,
         max_num_seqs=config.max_num_seqs,
@@ -182,6 +185,9 @@ def make_engine(
         clock=StepClock() if config.clock == "steps" else time.monotonic,
         graphs=graphs,
     )
+    if config.offload and config.baseline != "static":
+        engine.offload(Offloader(cache))
+    return engine
 
 
 def start_time(config: RunConfig, wall_start_s: float) -> float | None:
@@ -204,6 +210,8 @@ def engine_extra(engine: Engine) -> dict[str, Any]:
     out: dict[str, Any] = {"engine_steps": timer.num_steps, "step_phase_ms": phases}
     # streams that waited for a prefix a running stream was computing (server/scheduler.py)
     out["deferred"] = engine.scheduler.num_deferred
+    if engine.offloader is not None:
+        out["offload"] = engine.offloader.extra()
     gpu = timer.gpu_seconds()
     if gpu:
         out["gpu_s"] = round(sum(seconds for _, seconds in gpu.values()), 4)

@@ -191,6 +191,8 @@ class Scheduler:
         # streams deferred at least once; those the last admit() deferred
         self.num_deferred = 0
         self.deferred: list[Stream] = []
+        # called with a finishing stream's sequence before its free (serve.py --offload)
+        self.offload: Callable[[Any], None] | None = None
 
     def add(self, stream: Stream) -> None:
         """Queue a new stream behind those already waiting."""
@@ -356,6 +358,8 @@ class Scheduler:
         if stream.seq.state == "preempted":
             # its blocks were taken while it was set aside; it finished without needing them
             self.num_preemptions += 1
+        if self.offload is not None:
+            self.offload(stream.seq)
         self.cache.free(stream.seq)
 
     def abort(self, stream: Stream) -> None:
