@@ -543,7 +543,10 @@ class KVPool:
         record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns)
         if self._found:
             self.deliver_findings()
-        blocks = seq_or_blocks.block_table if isinstance(seq_or_blocks, Sequence) else seq_or_blocks
+        if isinstance(seq_or_blocks, Sequence):
+            blocks = list(seq_or_blocks.block_table)
+        else:
+            blocks = [int(b) for b in seq_or_blocks]
         return Lease(
             self, record, lease_id, mode, who if type(who) is str else str(who), list(blocks)
         )

@@ -305,6 +305,14 @@ def test_a_bad_lease_is_one_pool_error_and_changes_nothing(make_pool, target, mo
     assert pool.leases() == [] and lease_totals(pool.view)["taken"] == 0
 
 
+def test_block_ids_may_be_numpy_integers(make_pool):
+    pool = make_pool(16)
+    seq = pool.allocate("r", list(range(10)))
+    lease = pool.lease(np.asarray(seq.block_table, np.int64), "read", holder="h")
+    assert lease.blocks == seq.block_table and pool.leases()[0]["blocks"] == seq.block_table
+    lease.release()
+
+
 def test_a_bad_timeout_is_refused(make_pool):
     pool = make_pool(16)
     seq = pool.allocate("r", list(range(10)))
@@ -377,3 +385,19 @@ def test_a_kill_at_any_journal_save_of_a_lease_loses_nothing(make_pool):
     else:
         pytest.fail("the lease work never finished")
     assert n > 8  # (it was killed at each save before)
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
+def test_a_pool_holding_quarantined_leased_blocks_checks_clean(make_pool, guard):
+    # GIVEN a request's written K/V leased, the request freed (its blocks quarantined unpoisoned)
+    pool = make_pool(16, guard=guard)
+    seq = pool.allocate("r", list(range(12)))
+    pool.kv[:, :, seq.block_table, : pool.block_size] = 3.0
+    lease = pool.lease(seq, "read", holder="offloader")
+    mine = list(seq.block_table)
+    pool.free(seq)
+    # THEN the K/V the transfer reads is still there, and every check is clean
+    assert bool((pool.kv[:, :, mine, : pool.block_size] == 3.0).all())
+    assert pool.check() == [] and pool.verify() == []
+    lease.release()
+    assert pool.check() == []

@@ -139,9 +139,12 @@ static int lease_target(Native *n, PyObject *target, int32_t *ids, int64_t *k, i
                         (long long)n->max_bps, (long long)len);
     for (Py_ssize_t i = 0; rc == OK && i < len; i++) {
         PyObject *o = PyList_GET_ITEM(list, i);
-        long long b = PyLong_Check(o) ? PyLong_AsLongLong(o) : -1;
+        /* (an int, or any integer with __index__: a numpy or torch scalar) */
+        PyObject *v = PyLong_Check(o) ? Py_NewRef(o) : PyNumber_Index(o);
+        long long b = v ? PyLong_AsLongLong(v) : -1;
+        Py_XDECREF(v);
         if (PyErr_Occurred()) PyErr_Clear();
-        if (!PyLong_Check(o) || b < 0 || b >= n->nb) {
+        if (v == NULL || b < 0 || b >= n->nb) {
             rc = pool_error("lease: %R is not a block id of this pool (0..%lld)", o,
                             (long long)n->nb - 1);
             break;
