@@ -401,3 +401,51 @@ def test_a_pool_holding_quarantined_leased_blocks_checks_clean(make_pool, guard)
     assert pool.check() == [] and pool.verify() == []
     lease.release()
     assert pool.check() == []
+
+
+def test_a_long_sequences_leased_blocks_are_all_quarantined(make_pool):
+    # GIVEN a request of 300 blocks (released in several transactions), leased
+    pool = make_pool(400)
+    seq = pool.allocate("long", list(range(1200)))
+    mine = set(seq.block_table)
+    lease = pool.lease(seq, "read", holder="offloader")
+    # WHEN it is freed, THEN none of its blocks is handed out while the lease holds them
+    pool.free(seq)
+    assert lease_totals(pool.view)["quarantined"] == 300
+    other = pool.allocate("other", list(range(5000, 5000 + 100 * 4)))
+    assert not set(other.block_table) & mine
+    with pytest.raises(PoolExhausted):
+        pool.allocate("more", list(range(9000, 9000 + 4 * 4)))
+    lease.release()
+    assert len(pool.allocate("more", list(range(9000, 9000 + 4 * 4))).block_table) == 4
+
+
+def test_another_processes_eviction_passes_over_a_leased_block(make_pool, pool_name):
+    # GIVEN a published prompt's cached blocks, one leased by this handle
+    pool = make_pool(16)
+    a = pool.allocate("a", list(range(13)))
+    pool.mark_computed(a, 13)
+    cached = a.block_table[:3]
+    pool.free(a)
+    lease = pool.lease(cached[1:2], "read", holder="offloader")
+    pool.flush_local()  # (its last, unpublished block: for the other process to take)
+    # WHEN another process's handle needs every block there is
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            other = KVPool.attach(pool_name)
+            try:
+                other.allocate("all", list(range(100, 100 + 16 * 4)))
+            except PoolExhausted:
+                code = (
+                    3
+                    if len(other.allocate("most", list(range(200, 200 + 15 * 4))).block_table) == 15
+                    else 4
+                )
+        finally:
+            os._exit(code)
+    # THEN it gets every block but the leased one, which stays cached
+    assert wait_child(pid) == 3
+    assert states(pool, cached[1:2]) == [BlockState.CACHED]
+    lease.release()

@@ -56,16 +56,29 @@ static int jsave_counts(Native *n, const int32_t *ids, int64_t k) {
  * zero (order kept) for the caller to give back. OK or UNHANDLED. */
 static int leases_divert(Native *n, int32_t *zero, int64_t *nz) {
     if (!leases_any(n)) return OK;
-    int32_t held[CHUNK];
-    int64_t kept = 0, m = 0;
-    for (int64_t i = 0; i < *nz; i++) {
-        if (leased(n, zero[i]) && m < CHUNK) held[m++] = zero[i];
-        else zero[kept++] = zero[i];
-    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < *nz; i++) m += leased(n, zero[i]);
     if (m == 0) return OK;
     if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
-    if (ring_push_state(n, held, m, B_QUARANTINED)) return UNHANDLED;
-    if (jsave(n, n->off_leases, LEASE_COUNTS)) return UNHANDLED;
+    /* (a preemption's table may hold more than CHUNK) */
+    int32_t held_s[CHUNK], *held = held_s;
+    if (m > CHUNK && (held = PyMem_Malloc(sizeof(int32_t) * (size_t)m)) == NULL) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    int64_t kept = 0, h = 0;
+    for (int64_t i = 0; i < *nz; i++) {
+        if (leased(n, zero[i])) held[h++] = zero[i];
+        else zero[kept++] = zero[i];
+    }
+    int rc = ring_push_state(n, held, m, B_QUARANTINED) || jsave(n, n->off_leases, LEASE_COUNTS)
+                 ? UNHANDLED
+                 : OK;
+    if (held != held_s) PyMem_Free(held);
+    if (rc != OK) {
+        /* (rolled back: zero's order no longer matters, its blocks are as they were) */
+        return rc;
+    }
     U4(lease_head(n) + LH_QUARANTINED) += (uint32_t)m;
     *nz = kept;
     return OK;
