@@ -282,10 +282,13 @@ static PyObject *N_lease(Native *n, PyObject *const *args, Py_ssize_t nargs) {
                        (long long)n->max_seqs);
             goto out;
         }
-        /* (the blocks checked again under the lock: a cached one may have been evicted) */
+        /* (the blocks checked again under the lock: a cached one may have been evicted, and
+         * handed to another process since) */
         for (int64_t i = 0; i < k; i++) {
-            uint8_t s = blk(n, ids[i])[BF_STATE];
-            if (s != B_ALLOCATED && s != B_CACHED) {
+            uint8_t *r = blk(n, ids[i]);
+            if ((r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED) ||
+                (r[BF_STATE] == B_ALLOCATED && r[BF_INDEXED] == 0 &&
+                 I4(r + BF_OWNER_CLIENT) != n->client)) {
                 txn_abort(n);
                 pool_error("lease: block %d is no longer held or cached", (int)ids[i]);
                 goto out;
