@@ -168,6 +168,21 @@ def test_a_write_lease_on_a_sequence_that_was_preempted_names_the_preemption(mak
     assert f.kind == LATE and "preempted" in f.message and f.request == "w"
 
 
+def test_a_write_lease_into_a_block_its_sequence_copied_on_write_is_a_finding(make_pool):
+    # GIVEN a fork sharing its parent's partly filled last block, written under a lease
+    pool = make_pool(16)
+    parent = pool.allocate("parent", list(range(10)))
+    child = pool.fork(parent, "child")
+    lease = pool.lease(child, "write", holder="rx")
+    # WHEN the child's append copies that block before the write completes
+    assert pool.append(child, [7]) == [(parent.block_table[2], child.block_table[2])]
+    lease.release()
+    # THEN the write went into the parent's block: the child no longer maps it
+    (f,) = pool.findings()
+    assert f.kind == LATE and f.request == "child" and "copy-on-write" in f.message
+    assert f.block == parent.block_table[2]
+
+
 def test_a_write_lease_on_block_ids_checks_their_generation(make_pool):
     # GIVEN a write lease on two block ids of a request
     pool = make_pool(16)

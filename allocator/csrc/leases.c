@@ -342,6 +342,9 @@ static const char *lease_changed(Native *n, uint8_t *l, int64_t i) {
         if (U8(s + SF_SEQ_ID) != U8(l + LS_SEQ_ID)) return "freed";
         if (s[SF_STATE] == S_PREEMPTED) return "preempted";
         if (s[SF_STATE] != S_RUNNING && s[SF_STATE] != S_WAITING) return "freed";
+        /* (its table at the take was the lease's blocks: a copy-on-write replaces one) */
+        if (i >= (int64_t)U4(s + SF_NUM_BLOCKS) || ((const int32_t *)(s + SF_TABLE))[i] != b)
+            return "replaced in its sequence's table (copy-on-write)";
     }
     if (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED) return "freed";
     return NULL;
