@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from concurrent.futures import Future
 
@@ -464,3 +465,41 @@ def test_another_processes_eviction_passes_over_a_leased_block(make_pool, pool_n
     assert wait_child(pid) == 3
     assert states(pool, cached[1:2]) == [BlockState.CACHED]
     lease.release()
+
+
+def test_a_lease_that_waited_for_a_lock_gives_the_op_mutex_back(make_pool, pool_name):
+    # GIVEN another process holding the free lock until told to let go
+    pool = make_pool(16)
+    seq = pool.allocate("r", list(range(10)))
+    held, go = os.pipe(), os.pipe()
+
+    def hold() -> int:
+        p = KVPool.attach(pool_name)
+        p.locks.acquire(p.locks.index("free"))
+        os.write(held[1], b"1")
+        os.read(go[0], 1)
+        p.locks.release(p.locks.index("free"))
+        return 0
+
+    pid = fork_child(hold, 30)
+    assert os.read(held[0], 1) == b"1"
+    # WHEN a thread's lease waits for it (holding the handle's op mutex meanwhile), and gets it
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(pool.lease(seq, "read", holder="h")))
+    t.start()
+    while t.is_alive() and pool.op_mutex.acquire(blocking=False):  # (until it waits, under it)
+        pool.op_mutex.release()
+        t.join(0.001)
+    os.write(go[1], b"1")
+    t.join()
+    assert wait_child(pid) == 0
+    # THEN the mutex is free again: another thread's release runs, and so does this one's
+    assert pool.op_mutex.acquire(blocking=False)
+    pool.op_mutex.release()
+    (lease,) = got
+    other = threading.Thread(target=lease.release)
+    other.start()
+    other.join()
+    assert lease.released and pool.leases() == []
+    for fd in (*held, *go):
+        os.close(fd)

@@ -236,12 +236,11 @@ static int text32(PyObject *o, char *out) {
  * one transaction under the free lock. The transfer-after-free fault strikes here: a write
  * lease on a waiting sequence, which is then preempted at once (the scheduler's preemption in
  * the same step as the transfer it queued). */
-static PyObject *N_lease(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "lease(pool, target, mode, holder, timeout_ns)");
         return NULL;
     }
-    GATE(n, args[0]);
     int mode = 0;
     if (PyUnicode_Check(args[2])) {
         if (PyUnicode_CompareWithASCIIString(args[2], "read") == 0) mode = LM_READ;
@@ -324,6 +323,17 @@ static PyObject *N_lease(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 out:
     if (ids != ids_s) PyMem_Free(ids);
     return result;
+}
+
+/* The entry points: the gate (entry.c: another thread's operation in flight waited for, a call
+ * from inside one of this thread's refused), the body, then the op mutex given back where
+ * waiting for a lock made the core take it (drop_mutex), as every operation's end does. */
+static PyObject *N_lease(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) return N_lease_body(n, args, nargs); /* (its TypeError) */
+    GATE(n, args[0]);
+    PyObject *r = N_lease_body(n, args, nargs);
+    drop_mutex(n);
+    return r;
 }
 
 /* -- its end ----------------------------------------------------------------------------------- */
@@ -418,12 +428,11 @@ static PyObject *leak_message(uint8_t *l, const char *how) {
  * the lease is no longer held (reclaimed, or released already). A write lease into a block
  * that changed since it was taken is a transfer_after_free finding (once, about the first
  * such block). The lease-leak fault strikes here: a read lease's release never happens. */
-static PyObject *N_lease_release(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *N_lease_release_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "lease_release(pool, record, lease_id)");
         return NULL;
     }
-    GATE(n, args[0]);
     long long rec = PyLong_AsLongLong(args[1]);
     unsigned long long id = PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred()) return NULL;
@@ -488,18 +497,25 @@ static PyObject *N_lease_release(Native *n, PyObject *const *args, Py_ssize_t na
     return result;
 }
 
+static PyObject *N_lease_release(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) return N_lease_release_body(n, args, nargs); /* (its TypeError) */
+    GATE(n, args[0]);
+    PyObject *r = N_lease_release_body(n, args, nargs);
+    drop_mutex(n);
+    return r;
+}
+
 /* -- leaks -------------------------------------------------------------------------------------- */
 
 /* lease_expire(pool, now_ns) -> int: every held lease of the pool (any process's) whose
  * deadline is at or before now_ns (CLOCK_MONOTONIC; -1: now) is a lease_leak, reported once:
  * its record marked LEAKED (it stays held, its blocks quarantined, until released or its
  * holder closes). How many it reported. */
-static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *N_lease_expire_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "lease_expire(pool, now_ns)");
         return NULL;
     }
-    GATE(n, args[0]);
     long long now_in = PyLong_AsLongLong(args[1]);
     if (now_in == -1 && PyErr_Occurred()) return NULL;
     uint64_t now = now_in < 0 ? mono_ns() : (uint64_t)now_in;
@@ -546,6 +562,14 @@ static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nar
     }
     PyMem_Free(late);
     return PyLong_FromLongLong(found);
+}
+
+static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) return N_lease_expire_body(n, args, nargs); /* (its TypeError) */
+    GATE(n, args[0]);
+    PyObject *r = N_lease_expire_body(n, args, nargs);
+    drop_mutex(n);
+    return r;
 }
 
 /* The leases this handle still holds when it closes (recovery.c N_detach): each a lease_leak

@@ -20,6 +20,8 @@ from torch import Tensor
 
 # Requests whose K/V the host store keeps (the oldest are dropped past it).
 HOST_REQUESTS = 64
+# Copies queued at most (a submit past it waits for the thread).
+QUEUE_MAX = 16
 
 
 class Offloader:
@@ -31,7 +33,9 @@ class Offloader:
         self.host: OrderedDict[str, Tensor] = OrderedDict()
         self.num_offloaded = 0
         self.bytes = 0
-        self._queue: queue.Queue[Any] = queue.Queue()
+        # (bounded: a submit waits, the GIL let go, while the thread is this far behind, so the
+        # leases in flight stay few beside the lease table's max_seqs)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_MAX)
         self._thread = threading.Thread(target=self._run, name="kv-offload", daemon=True)
         self._thread.start()
 
