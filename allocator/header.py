@@ -89,7 +89,7 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
     view.ring_header["head"], view.ring_header["tail"], view.ring_header["count"] = 0, n, n
     view.index["block"] = -1
     view.seqs["table"] = -1
-    view.lease_header["capacity"] = cfg.max_seqs
+    view.lease_header["capacity"] = view.layout.lease_capacity
     base = view.locks.__array_interface__["data"][0]
     for i, lname in enumerate(lock_names(cfg.num_shards)):
         view.locks["name"][i] = lname.encode()

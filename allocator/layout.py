@@ -50,6 +50,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     LeaseState,
     SeqState,
     block_fields,
+    lease_capacity,
     lease_fields,
     seq_fields,
 )
@@ -167,7 +168,7 @@ LEASE_HEADER_DTYPE = np.dtype(LEASE_HEADER_FIELDS)
 
 
 def lease_dtype(max_blocks_per_seq: int) -> np.dtype:
-    """One lease record (records.lease_fields); the table holds `max_seqs` of them."""
+    """One lease record (records.lease_fields); the table holds `lease_capacity` of them."""
     return np.dtype(lease_fields(max_blocks_per_seq))
 
 
@@ -279,6 +280,11 @@ class Layout:
         return lease_dtype(self.max_blocks_per_seq)
 
     @property
+    def lease_capacity(self) -> int:
+        """Records of the lease table (records.lease_capacity)."""
+        return lease_capacity(self.max_seqs)
+
+    @property
     def lease_records_at(self) -> int:
         """Where the lease records start within the leases section (after the counts)."""
         return _align8(LEASE_HEADER_DTYPE.itemsize + 4 * self.num_blocks)
@@ -298,7 +304,7 @@ class Layout:
             ("lockgraph", LOCKGRAPH_DTYPE.itemsize * LOCKGRAPH_CAPACITY),
             ("findings", FINDING_DTYPE.itemsize * FINDINGS_CAPACITY),
             ("lru", LRU_HEADER_DTYPE.itemsize + LRU_ENTRY_DTYPE.itemsize * LRU_KEEP),
-            ("leases", self.lease_records_at + self.lease.itemsize * self.max_seqs),
+            ("leases", self.lease_records_at + self.lease.itemsize * self.lease_capacity),
         ]
         out: dict[str, int] = {}
         pos = 0
@@ -361,7 +367,7 @@ class SegmentView:
             buf, "<u4", layout.num_blocks, off["leases"] + LEASE_HEADER_DTYPE.itemsize
         )
         self.leases = np.frombuffer(
-            buf, layout.lease, layout.max_seqs, off["leases"] + layout.lease_records_at
+            buf, layout.lease, layout.lease_capacity, off["leases"] + layout.lease_records_at
         )
 
     @property

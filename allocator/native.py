@@ -273,6 +273,7 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         "off_leases": off["leases"],
         "lease_records": view.layout.lease_records_at,
         "lease_record_size": view.layout.lease.itemsize,
+        "lease_capacity": view.layout.lease_capacity,
         "c_seq": cbase + cf["seq"][1],
         "c_local_count": cbase + cf["local_count"][1],
         "c_local": cbase + cf["local"][1],

@@ -244,7 +244,7 @@ OPLOG_FIELDS: list[Field] = [
 ]
 OPLOG_FOUND_FIELDS: list[Field] = [("block", "<i4"), ("kind", "S28")]
 # Leases (docs/POOL.md "Leases"; FORMAT.md section 13): the section's header, then one lease
-# count per block (u4), then the lease records (one per sequence slot: `max_seqs` of them).
+# count per block (u4), then the lease records (lease_capacity of them).
 LEASE_HEADER_FIELDS: list[Field] = [
     # records in the table, leases held now, blocks freed while leased and not yet given back
     ("capacity", "<u4"),
@@ -277,6 +277,13 @@ class LeaseMode(enum.IntEnum):
 
     READ = 1
     WRITE = 2
+
+
+def lease_capacity(max_seqs: int) -> int:
+    """Lease records a pool holds: a quarter of its sequence slots, at least 64 (at most
+    `max_seqs`): transfers in flight are a fraction of the sequences, and each record holds a
+    whole block table."""
+    return min(max_seqs, max(64, max_seqs // 4))
 
 
 def lease_fields(max_blocks_per_seq: int) -> list[Field]:

@@ -336,7 +336,8 @@ def test_a_bad_timeout_is_refused(make_pool):
         pool.lease(seq, "read", holder="h", timeout=0)
 
 
-def test_the_lease_table_holds_one_lease_per_sequence_slot(make_pool):
+def test_the_lease_table_is_full_at_its_capacity(make_pool):
+    # (a quarter of max_seqs, at least 64, at most max_seqs: 4 here)
     pool = make_pool(16, max_seqs=4)
     seq = pool.allocate("r", list(range(4)))
     leases = [pool.lease(seq, "read", holder=f"h{i}") for i in range(4)]

@@ -346,7 +346,7 @@ typedef struct {
     /* leases.c: the section, where its records start in it, a record's size, the next record
      * to look at */
     size_t off_leases, lease_records;
-    int64_t lease_rec, lease_hint;
+    int64_t lease_rec, lease_hint, lease_cap;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,

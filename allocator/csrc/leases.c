@@ -180,8 +180,8 @@ static int lease_target(Native *n, PyObject *target, int32_t *ids, int64_t *k, i
 
 /* A free lease record: from the handle's hint on, one lap of the table; -1 when full. */
 static int64_t lease_free_record(Native *n) {
-    for (int64_t j = 0; j < n->max_seqs; j++) {
-        int64_t i = (n->lease_hint + j) % n->max_seqs;
+    for (int64_t j = 0; j < n->lease_cap; j++) {
+        int64_t i = (n->lease_hint + j) % n->lease_cap;
         if (lease_at(n, i)[LS_STATE] == L_EMPTY) return i;
     }
     return -1;
@@ -276,9 +276,9 @@ static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs
         rec = lease_free_record(n);
         if (rec < 0) {
             txn_abort(n);
-            pool_error("the lease table is full: %lld leases held (one per sequence slot, "
-                       "PoolConfig.max_seqs)",
-                       (long long)n->max_seqs);
+            pool_error("the lease table is full: %lld leases held (a quarter of "
+                       "PoolConfig.max_seqs, at least 64)",
+                       (long long)n->lease_cap);
             goto out;
         }
         /* (the blocks checked again under the lock: a cached one may have been evicted, and
@@ -305,7 +305,7 @@ static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs
         goto out;
     }
     txn_commit(n);
-    n->lease_hint = (rec + 1) % n->max_seqs;
+    n->lease_hint = (rec + 1) % n->lease_cap;
     n->want_locks = 0;
     ev_record(n, E_LEASE, ids, k, request, mode);
     n->ops_done++;
@@ -436,7 +436,7 @@ static PyObject *N_lease_release_body(Native *n, PyObject *const *args, Py_ssize
     long long rec = PyLong_AsLongLong(args[1]);
     unsigned long long id = PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred()) return NULL;
-    if (rec < 0 || rec >= n->max_seqs) {
+    if (rec < 0 || rec >= n->lease_cap) {
         pool_error("no lease record %lld", rec);
         return NULL;
     }
@@ -521,14 +521,14 @@ static PyObject *N_lease_expire_body(Native *n, PyObject *const *args, Py_ssize_
     uint64_t now = now_in < 0 ? mono_ns() : (uint64_t)now_in;
     int64_t found = 0;
     if (!leases_any(n)) return PyLong_FromLong(0);
-    int64_t *late = PyMem_Malloc(sizeof(int64_t) * (size_t)n->max_seqs);
+    int64_t *late = PyMem_Malloc(sizeof(int64_t) * (size_t)n->lease_cap);
     if (late == NULL) return PyErr_NoMemory();
     if (txn_begin(n, lock_bit(n->lock_free))) {
         PyMem_Free(late);
         return NULL;
     }
     int rc = OK;
-    for (int64_t i = 0; i < n->max_seqs && rc == OK; i++) {
+    for (int64_t i = 0; i < n->lease_cap && rc == OK; i++) {
         uint8_t *l = lease_at(n, i);
         if (l[LS_STATE] != L_HELD || U8(l + LS_DEADLINE_NS) > now) continue;
         if (jsave(n, (size_t)(l - n->seg), 1) || jsave(n, n->off_leases, LEASE_COUNTS)) {
@@ -577,7 +577,7 @@ static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nar
  * a transaction under the free lock. OK, or what the transaction answers. */
 static int leases_at_close(Native *n) {
     if (!leases_any(n)) return OK;
-    for (int64_t i = 0; i < n->max_seqs; i++) {
+    for (int64_t i = 0; i < n->lease_cap; i++) {
         uint8_t *l = lease_at(n, i);
         if (l[LS_STATE] == L_EMPTY || I4(l + LS_HOLDER_CLIENT) != n->client ||
             I4(l + LS_HOLDER_PID) != n->pid)
@@ -604,7 +604,7 @@ static int leases_at_close(Native *n) {
 static int leases_step_reclaim(Native *n, int32_t client, int32_t pid, int64_t *done) {
     *done = 0;
     if (!leases_any(n)) return OK;
-    for (int64_t i = 0; i < n->max_seqs; i++) {
+    for (int64_t i = 0; i < n->lease_cap; i++) {
         uint8_t *l = lease_at(n, i);
         if (l[LS_STATE] == L_EMPTY || I4(l + LS_HOLDER_CLIENT) != client ||
             I4(l + LS_HOLDER_PID) != pid)

@@ -79,7 +79,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"fd_repaired", &n->fd_repaired, SIZE},
         {"client_detached", &n->client_detached, I64},
         {"off_leases", &n->off_leases, SIZE}, {"lease_records", &n->lease_records, SIZE},
-        {"lease_record_size", &n->lease_rec, I64},
+        {"lease_record_size", &n->lease_rec, I64}, {"lease_capacity", &n->lease_cap, I64},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
