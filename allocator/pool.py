@@ -519,6 +519,7 @@ class KVPool:
         if self._found:
             self.deliver_findings()
         return found
+
     # -- leases (csrc/leases.c) ------------------------------------------------------------------
 
     def lease(

@@ -284,8 +284,8 @@ static const char *const FK_NAMES[FK_COUNT] = {
     "leak_finished",   "free_list_corrupt", "header_corrupt",       "refcount_mismatch",
     "use_after_free",  "guard_violation",   "published_block_modified", "lock_dead_holder",
     "leak_dead_owner", "kv_never_written",  "double_free", "block_header_corrupt",
-    "lock_order_cycle", "block_table_mismatch", "wait_holds_gil"};
-    "lock_order_cycle", "transfer_after_free", "lease_leak"};
+    "lock_order_cycle", "block_table_mismatch", "wait_holds_gil", "transfer_after_free",
+    "lease_leak"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
