@@ -43,6 +43,7 @@
 #include "csrc/entry.c"
 #include "csrc/preempt.c"
 #include "csrc/leases.c"
+#include "csrc/provenance.c"
 #include "csrc/devchecks.c"
 #include "csrc/devanswers.c"
 #include "csrc/devconfig.c"

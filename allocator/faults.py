@@ -38,6 +38,7 @@ FAULTS = (
     "gil-wait",
     "transfer-after-free",
     "lease-leak",
+    "foreign-slot",
 )
 DEFAULT_AT = 3
 

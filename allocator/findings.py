@@ -41,6 +41,9 @@ class FindingKind(str, enum.Enum):
     TRANSFER_AFTER_FREE = "transfer_after_free"
     # A lease held past its deadline, or still held when its holder closed the pool.
     LEASE_LEAK = "lease_leak"
+    # A slot a sequence reads (its own, or a prefix hit's) holds K/V its slot provenance says
+    # another token or position wrote (docs/POOL.md "Slot provenance").
+    FOREIGN_SLOT = "foreign_slot"
     # An engine's KV-event stream (kvscope events check, docs/EVENTS.md).
     KV_EVENT_GAP = "kv_event_gap"
     KV_EVENT_SEQ_RESET = "kv_event_seq_reset"

@@ -53,6 +53,7 @@ SECTION_FIELDS = (
     ("off_findings", "findings"),
     ("off_lru", "lru"),
     ("off_leases", "leases"),
+    ("off_provenance", "provenance"),
     ("segment_size", "end"),
 )
 

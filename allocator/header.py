@@ -72,6 +72,7 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
         off_findings=off["findings"],
         off_lru=off["lru"],
         off_leases=off["leases"],
+        off_provenance=off["provenance"],
         segment_size=off["end"],
         data_bytes=cfg.data_bytes,
     )

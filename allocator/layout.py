@@ -43,6 +43,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     LRU_KEEP,
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
+    PROVENANCE_FIELDS,
     REQUEST_BYTES,
     RING_HEADER_FIELDS,
     BlockState,
@@ -56,7 +57,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
 )
 
 POOL_MAGIC = 0x4B56_5343_4F50_4531
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 ALIGN = 64
 NO_BLOCK = -1
 
@@ -119,6 +120,7 @@ HEADER_IMMUTABLE = [
     ("off_findings", "<u8"),
     ("off_lru", "<u8"),
     ("off_leases", "<u8"),
+    ("off_provenance", "<u8"),
     ("segment_size", "<u8"),
     ("data_bytes", "<u8"),
 ]
@@ -165,6 +167,7 @@ LRU_ENTRY_DTYPE = np.dtype(LRU_ENTRY_FIELDS)
 OPLOG_DTYPE = np.dtype(OPLOG_FIELDS)
 OPLOG_FOUND_DTYPE = np.dtype(OPLOG_FOUND_FIELDS)
 LEASE_HEADER_DTYPE = np.dtype(LEASE_HEADER_FIELDS)
+PROVENANCE_DTYPE = np.dtype(PROVENANCE_FIELDS)
 
 
 def lease_dtype(max_blocks_per_seq: int) -> np.dtype:
@@ -305,6 +308,7 @@ class Layout:
             ("findings", FINDING_DTYPE.itemsize * FINDINGS_CAPACITY),
             ("lru", LRU_HEADER_DTYPE.itemsize + LRU_ENTRY_DTYPE.itemsize * LRU_KEEP),
             ("leases", self.lease_records_at + self.lease.itemsize * self.lease_capacity),
+            ("provenance", PROVENANCE_DTYPE.itemsize * self.num_blocks * self.block_size),
         ]
         out: dict[str, int] = {}
         pos = 0
@@ -369,6 +373,10 @@ class SegmentView:
         self.leases = np.frombuffer(
             buf, layout.lease, layout.lease_capacity, off["leases"] + layout.lease_records_at
         )
+        # slot provenance: [num_blocks, block_size] records (docs/POOL.md "Slot provenance")
+        self.provenance = np.frombuffer(
+            buf, PROVENANCE_DTYPE, layout.num_blocks * layout.block_size, off["provenance"]
+        ).reshape(layout.num_blocks, layout.block_size)
 
     @property
     def h(self) -> np.void:

@@ -59,6 +59,7 @@ from kvscope.allocator.layout import (
     NUM_SITES,
     OPLOG_DTYPE,
     OPLOG_FOUND_DTYPE,
+    PROVENANCE_DTYPE,
     RING_HEADER_DTYPE,
     SITE_DTYPE,
     ClientState,
@@ -106,6 +107,7 @@ def expected_layout() -> dict[str, int]:
         "oplog_found": OPLOG_FOUND_DTYPE,
         "lease_header": LEASE_HEADER_DTYPE,
         "lease": lease_dtype(2),
+        "provenance": PROVENANCE_DTYPE,
     }
     out = records.c_values()
     for name, (record, field) in records.c_offset_names().items():
@@ -273,6 +275,8 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         "off_leases": off["leases"],
         "lease_records": view.layout.lease_records_at,
         "lease_record_size": view.layout.lease.itemsize,
+        # slot provenance (csrc/provenance.c)
+        "off_provenance": off["provenance"],
         "lease_capacity": view.layout.lease_capacity,
         "c_seq": cbase + cf["seq"][1],
         "c_local_count": cbase + cf["local_count"][1],

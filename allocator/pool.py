@@ -30,7 +30,11 @@ from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, Se
 from kvscope.allocator.lease import DEFAULT_TIMEOUT_S, Lease, lease_rows
 from kvscope.allocator.locks import LockTable
 from kvscope.allocator.oplog import RECORD_KEY_ENV, RECORD_OPS_ENV, pool_tag, start_text
-from kvscope.allocator.probeflags import ProbeFlags, guard_sample_from_env
+from kvscope.allocator.probeflags import (
+    ProbeFlags,
+    guard_sample_from_env,
+    provenance_sample_from_env,
+)
 from kvscope.allocator.probing import NATIVE_LOCKDEP, PoolProbes, ring_findings
 from kvscope.allocator.process import my_identity
 from kvscope.allocator.recovery import dead_owners
@@ -108,6 +112,7 @@ class KVPool:
         # the core's (`_core.guard`, `_core.guarded`).
         self._guard_every = guard_sample_from_env()
         self._guard_tick = 0
+        self._prov_every = provenance_sample_from_env()
         # The light probes the C core runs itself for this handle (PoolProbes.native_bits).
         self._probe_bits = array("q", [0])
         # Ring positions of the findings the C core wrote in its last call (deliver_findings).
@@ -184,6 +189,18 @@ class KVPool:
         self._guard_every = every
         self.probe = self.probe  # the C core's share of the probes changes with it
 
+    @property
+    def provenance_sample(self) -> int:
+        """Slot provenance records the slots of one sequence in this many (0: off, and no
+        check at prefix hits); KVSCOPE_PROVENANCE_SAMPLE sets it at open (docs/POOL.md "Slot
+        provenance")."""
+        return self._prov_every
+
+    @provenance_sample.setter
+    def provenance_sample(self, every: int) -> None:
+        self._core.provenance(int(every))
+        self._prov_every = int(every)
+
     def _sample_guard(self) -> bool:
         """True for the allocation sampled guard mode guards (the first, then one in N)."""
         tick = self._guard_tick
@@ -231,6 +248,8 @@ class KVPool:
             "probe_bits": self._probe_bits,
         }
         self._core = native.core_for(self, self._mf, shared)
+        # slot provenance: one sequence in N recorded (KVSCOPE_PROVENANCE_SAMPLE; 0: off)
+        self._core.provenance(provenance_sample_from_env())
 
     def close(self) -> None:
         """Detach: return this process's local cache and slot reserve, release the mapping."""
@@ -515,6 +534,22 @@ class KVPool:
                 self, host_array(table, "table"), rows, host_array(lengths, "lengths"), padding,
                 None,
             )  # fmt: skip
+        found = ring_findings(self.view, self._found[before:]) if self._found else []
+        if self._found:
+            self.deliver_findings()
+        return found
+
+    def check_provenance(self, seqs: Sequence_[Sequence] | None = None) -> list:
+        """The slot-provenance sweep: each slot that `seqs` (live sequences of this handle;
+        None: all of them) read, whose provenance is recorded, must have been written for the
+        token the block holds there at the position the sequence reads it as (its own token, or
+        its prefix hit's). A slot written otherwise is a `foreign_slot` finding, once per block,
+        reported through the core. The findings reported by this call (docs/POOL.md "Slot
+        provenance")."""
+        self._check_process()
+        before = len(self._found)
+        with self.op_mutex:
+            self._core.provenance_check(self, None if seqs is None else list(seqs))
         found = ring_findings(self.view, self._found[before:]) if self._found else []
         if self._found:
             self.deliver_findings()

@@ -20,6 +20,18 @@ def guard_sample_from_env(environ=os.environ) -> int:
         return 0
 
 
+PROVENANCE_SAMPLE_ENV = "KVSCOPE_PROVENANCE_SAMPLE"
+
+
+def provenance_sample_from_env(environ=os.environ) -> int:
+    """KVSCOPE_PROVENANCE_SAMPLE=N: slot provenance records one sequence in N (0, unset or not a
+    number: off; docs/POOL.md "Slot provenance")."""
+    try:
+        return max(0, int(environ.get(PROVENANCE_SAMPLE_ENV, "0") or 0))
+    except ValueError:
+        return 0
+
+
 def env_flag(name: str, environ=os.environ) -> bool:
     """A probe switch: KVSCOPE_<NAME>=1/0; unset means on under `kvscope run`, off otherwise."""
     value = environ.get(f"KVSCOPE_{name}")

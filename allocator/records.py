@@ -312,6 +312,22 @@ def lease_fields(max_blocks_per_seq: int) -> list[Field]:
     ]
 
 
+# Slot provenance (docs/POOL.md "Slot provenance"; FORMAT.md section 14): one record per KV slot
+# a token can hold (num_blocks * block_size, block-major), written by the C core for the
+# sampled sequences' tokens as it hands their slots out (allocate, append) and read by the hit
+# check and the sweep. A record counts only while its generation is its block's generation.
+PROVENANCE_FIELDS: list[Field] = [
+    # the writing sequence's id (the sequence record's seq_id: its request while it lives)
+    ("seq_id", "<u8"),
+    # the logical position written, and the token id written there
+    ("position", "<i4"),
+    ("token", "<i4"),
+    # the block's generation when written (0: never written); stored last
+    ("generation", "<u4"),
+    # a short hash of the writing request's id (FNV-1a of its 32 bytes, folded to 32 bits)
+    ("request_hash", "<u4"),
+]
+
 JOURNAL_ENTRY_FIELDS: list[Field] = [
     ("offset", "<u8"),
     ("length", "<u4"),
@@ -337,6 +353,7 @@ C_RECORDS = {
     "OF_": ("oplog_found", "kind"),
     "LH_": ("lease_header", "reclaimed"),
     "LS_": ("lease", "blocks"),
+    "PV_": ("provenance", "request_hash"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
@@ -360,6 +377,7 @@ C_SIZES = {
     "OPLOG_HEAD": "oplog",
     "OPLOG_FOUND": "oplog_found",
     "LEASE_COUNTS": "lease_header",  # the per-block lease counts follow its header
+    "PROVENANCE": "provenance",
 }
 
 
@@ -379,6 +397,7 @@ def record_fields(record: str) -> list[Field]:
         "oplog_found": lambda: OPLOG_FOUND_FIELDS,
         "lease_header": lambda: LEASE_HEADER_FIELDS,
         "lease": lambda: lease_fields(2),
+        "provenance": lambda: PROVENANCE_FIELDS,
     }[record]()
 
 

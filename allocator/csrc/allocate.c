@@ -131,6 +131,13 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     if (skewed) fault_fired(n, FT_REFCOUNT_SKEW);
     if (preempted(n, 0, n->n_pre)) return ERROR;
     findings_first(n, n->n_pend);
+    if (n->prov_every) {
+        /* slot provenance: the new slots recorded, the hit's checked (provenance.c) */
+        if (prov_sampled(n, seq_id))
+            prov_write(n, seq_id, p->request, table, hits * bs, hits * bs, p->toks + hits * bs,
+                       ntok_first - hits * bs);
+        if (hits && prov_check_hits(n, table, hits, p->toks, p->request)) return ERROR;
+    }
     count(n, C_ALLOCS, (uint64_t)k);
     count(n, C_QUERIES, (uint64_t)(p->max_hits > 0 ? p->max_hits : 0));
     count(n, C_HITS, (uint64_t)hits);

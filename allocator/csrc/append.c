@@ -201,6 +201,8 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         for (int64_t i = 0; i < need; i++)
             if (append_new(table, PyLong_FromLong(fresh[i]))) return ERROR;
     }
+    /* slot provenance: the written slots recorded (a copy's records copied): provenance.c */
+    if (n->prov_every) prov_after_append(n, slot, ids, off, n_old, toks, k, cow ? last : -1);
     if (ints_extend(tokens, toks, k)) return ERROR;
     if (n_new / bs > PyList_GET_SIZE(chain) && extend_chain(n, tokens, table, chain))
         return ERROR;

@@ -129,6 +129,7 @@ enum {
     FK_WAIT_HOLDS_GIL,       /* locks.c: a wait of the core's that keeps the GIL */
     FK_TRANSFER_AFTER_FREE, /* leases.c */
     FK_LEASE_LEAK,
+    FK_FOREIGN_SLOT, /* provenance.c */
     FK_COUNT
 };
 
@@ -347,6 +348,10 @@ typedef struct {
      * to look at */
     size_t off_leases, lease_records;
     int64_t lease_rec, lease_hint, lease_cap;
+    /* provenance.c: the section; one sequence in this many has its slots' provenance recorded
+     * by this handle (0: none, and no check) */
+    size_t off_prov;
+    int64_t prov_every;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
@@ -459,6 +464,14 @@ static inline int leased(Native *n, int32_t b) {
     return b >= 0 && b < n->nb && ((uint32_t *)(n->seg + n->off_leases + LEASE_COUNTS))[b] != 0;
 }
 static int leases_divert(Native *n, int32_t *zero, int64_t *nz);
+/* provenance.c: a sampled sequence's slots recorded, a hit's checked, after the commit */
+static inline int prov_sampled(Native *n, uint64_t seq_id);
+static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
+                       int64_t first, int64_t pos0, const int32_t *toks, int64_t k);
+static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
+                           const char *request);
+static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64_t first,
+                              int64_t pos0, const int32_t *toks, int64_t k, int32_t cow_src);
 static int leases_pass_over(Native *n, int32_t *out, int64_t *k);
 static int leases_at_close(Native *n);
 static int leases_step_reclaim(Native *n, int32_t client, int32_t pid, int64_t *done);

@@ -34,14 +34,16 @@ static inline void crash_arm(Native *n, int point, int64_t hits) {
 /* faults.FAULTS, in its order (N_init checks that the two lists agree). */
 enum { FT_DOUBLE_FREE, FT_LEAK, FT_OOB_WRITE, FT_HEADER_SCRIBBLE, FT_BLOCK_SCRIBBLE,
        FT_USE_AFTER_FREE, FT_REFCOUNT_SKEW, FT_KILL_HOLDING_LOCK, FT_LOCK_INVERSION,
-       FT_STALE_PADDING_ROW, FT_GIL_WAIT, FT_TRANSFER_AFTER_FREE, FT_LEASE_LEAK, NUM_FAULTS };
+       FT_STALE_PADDING_ROW, FT_GIL_WAIT, FT_TRANSFER_AFTER_FREE, FT_LEASE_LEAK,
+       FT_FOREIGN_SLOT, NUM_FAULTS };
 static const char *const FAULT_NAMES[NUM_FAULTS] = {
     "double-free",    "leak",          "oob-write",         "header-scribble", "block-scribble",
     "use-after-free", "refcount-skew", "kill-holding-lock", "lock-inversion",
-    "stale-padding-row", "gil-wait", "transfer-after-free", "lease-leak"};
+    "stale-padding-row", "gil-wait", "transfer-after-free", "lease-leak",
+    "foreign-slot"};
 /* (stale-padding-row strikes outside the pool: the example engine's padded block table, on
  * faults.py `opportunity`; the core only names it; transfer-after-free and lease-leak strike in
- * leases.c) */
+ * leases.c, foreign-slot in provenance.c) */
 static PyObject *fault_str[NUM_FAULTS]; /* the names, interned once */
 
 /* Any fault armed (faults.ARMED not empty): the one test an operation makes when none is. */

@@ -79,7 +79,8 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"fd_repaired", &n->fd_repaired, SIZE},
         {"client_detached", &n->client_detached, I64},
         {"off_leases", &n->off_leases, SIZE}, {"lease_records", &n->lease_records, SIZE},
-        {"lease_record_size", &n->lease_rec, I64}, {"lease_capacity", &n->lease_cap, I64},
+        {"lease_record_size", &n->lease_rec, I64},
+        {"off_provenance", &n->off_prov, SIZE}, {"lease_capacity", &n->lease_cap, I64},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
@@ -330,6 +331,10 @@ static PyMethodDef N_methods[] = {
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
      "the core's own checks: waiting, launched, broken (a CUresult) | None"},
+    {"provenance", (PyCFunction)N_provenance, METH_O,
+     "provenance(every): record one sequence's slots in `every` (0: none) and check hits"},
+    {"provenance_check", (PyCFunction)(void (*)(void))N_provenance_check, METH_FASTCALL,
+     "provenance_check(pool, rows) -> int: the blocks with a foreign slot (rows None: all)"},
     {"lease", (PyCFunction)(void (*)(void))N_lease, METH_FASTCALL,
      "lease(pool, target, mode, holder, timeout_ns) -> (record, id): KVPool.lease"},
     {"lease_release", (PyCFunction)(void (*)(void))N_lease_release, METH_FASTCALL,

@@ -1,0 +1,220 @@
+/* Slot provenance (docs/POOL.md "Slot provenance"; FORMAT.md section 14): for the sampled
+ * sequences, the request, position and token that each of their slots was handed out to write,
+ * kept in the segment beside the block records, and the checks that a slot a sequence reads
+ * holds what its own tokens wrote, or what its prefix hit published. Part of _native.c.
+ *
+ * Written once, here, by the core's own operations: allocate and append record the slots they
+ * hand out after their transaction commits (a record is not journaled: a rollback or a crash
+ * before it leaves the older record, whose generation is not its block's, which no check
+ * trusts); a copy-on-write copies the records of the slots it copies. A record counts while its
+ * generation is its block's: a block handed out again (stamp: the generation moves on) holds no
+ * provenance until its new holder's tokens are recorded, so an unsampled sequence's slots are
+ * never checked against an earlier holder's records. Checked at a prefix hit (the hit's tokens
+ * and positions against the records of the blocks it maps: reported at the hit) and by
+ * `provenance_check` (a handle's live sequences, each slot it reads against the block record's
+ * token there and its position). */
+
+/* The record of slot `off` of block b. */
+static inline uint8_t *prov_rec(Native *n, int64_t b, int64_t off) {
+    return n->seg + n->off_prov + ((size_t)b * (size_t)n->bs + (size_t)off) * PROVENANCE;
+}
+
+/* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */
+static inline int prov_sampled(Native *n, uint64_t seq_id) {
+    return n->prov_every > 0 && seq_id % (uint64_t)n->prov_every == 0;
+}
+
+/* The request's 32 bytes as the record's short hash (FNV-1a, folded to 32 bits). */
+static uint32_t prov_request_hash(const char *request) {
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < REQUEST_BYTES; i++) h = (h ^ (uint8_t)request[i]) * 1099511628211ull;
+    return (uint32_t)(h ^ (h >> 32));
+}
+
+/* Record k slots from relative position `first` of the blocks ids[] (the table from the block
+ * that holds it) as written by seq_id, tokens toks, logical positions from `pos0`. The
+ * generation is stored last: a reader racing the write sees the record's old generation. */
+static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
+                       int64_t first, int64_t pos0, const int32_t *toks, int64_t k) {
+    uint32_t rh = prov_request_hash(request);
+    for (int64_t i = 0; i < k; i++) {
+        int64_t rel = first + i, b = ids[rel / n->bs], off = rel % n->bs;
+        uint8_t *p = prov_rec(n, b, off);
+        U4(p + PV_GENERATION) = 0;
+        U8(p + PV_SEQ_ID) = seq_id;
+        I4(p + PV_POSITION) = (int32_t)(pos0 + i);
+        I4(p + PV_TOKEN) = toks[i];
+        U4(p + PV_REQUEST_HASH) = rh;
+        __atomic_store_n((uint32_t *)(p + PV_GENERATION), U4(blk(n, b) + BF_GENERATION),
+                         __ATOMIC_RELEASE);
+    }
+}
+
+/* A copy-on-write's copy: the records of slots [0, m) of src as dst's (dst's generation). */
+static void prov_copy(Native *n, int32_t src, int32_t dst, int64_t m) {
+    uint32_t sg = U4(blk(n, src) + BF_GENERATION), dg = U4(blk(n, dst) + BF_GENERATION);
+    for (int64_t off = 0; off < m; off++) {
+        uint8_t *s = prov_rec(n, src, off), *d = prov_rec(n, dst, off);
+        U4(d + PV_GENERATION) = 0;
+        if (__atomic_load_n((uint32_t *)(s + PV_GENERATION), __ATOMIC_ACQUIRE) != sg) continue;
+        memcpy(d, s, PROVENANCE);
+        U4(d + PV_GENERATION) = 0;
+        __atomic_store_n((uint32_t *)(d + PV_GENERATION), dg, __ATOMIC_RELEASE);
+    }
+}
+
+/* The request of a live sequence whose id is seq_id (its record's 32 bytes) into out, or
+ * nothing (out[0] = 0): the writer a finding names. */
+static void prov_writer(Native *n, uint64_t seq_id, char *out) {
+    out[0] = 0;
+    for (int64_t s = 0; s < n->max_seqs; s++) {
+        const uint8_t *r = seqrec(n, s);
+        if (r[SF_STATE] != S_EMPTY && U8(r + SF_SEQ_ID) == seq_id) {
+            memcpy(out, r + SF_REQUEST, REQUEST_BYTES);
+            return;
+        }
+    }
+}
+
+/* Slots [0, m) of block b, read at logical positions pos0.. with tokens want[]: the first slot
+ * whose record (one of its block's generation) says another position or token wrote it is
+ * reported as foreign_slot (about block b, naming `reader`, the request that reads it, and
+ * `where`); 1 when one was, 0 when none, ERROR with an exception set. */
+static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *want, int64_t m,
+                            const char *reader, const char *where) {
+    uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+    for (int64_t off = 0; off < m; off++) {
+        const uint8_t *p = prov_rec(n, b, off);
+        if (__atomic_load_n((const uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) != gen) continue;
+        int32_t tok = I4(p + PV_TOKEN), pos = I4(p + PV_POSITION);
+        if (tok == want[off] && pos == pos0 + off) continue;
+        uint64_t writer = U8(p + PV_SEQ_ID);
+        char wreq[REQUEST_BYTES + 1] = {0}, rreq[REQUEST_BYTES + 1] = {0};
+        prov_writer(n, writer, wreq);
+        memcpy(rreq, reader, REQUEST_BYTES);
+        Seen s;
+        seen_of(n, b, &s);
+        memcpy(s.request, reader, REQUEST_BYTES);
+        PyObject *msg = PyUnicode_FromFormat(
+            "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
+            "holds K/V written for position %d (token %d) by sequence %llu%s%s%s",
+            where, (long long)off, (long long)b, rreq, (long long)(pos0 + off), (int)want[off],
+            (int)pos, (int)tok, (unsigned long long)writer, wreq[0] ? " (request '" : "",
+            wreq[0] ? wreq : "", wreq[0] ? "')" : "");
+        if (msg == NULL) return ERROR;
+        int rc = finding_report(n, FK_FOREIGN_SLOT, &s, msg);
+        Py_DECREF(msg);
+        return rc == OK ? 1 : ERROR;
+    }
+    return 0;
+}
+
+/* allocate's hit, after its commit: the hit's blocks table[0, hits) against the prompt's
+ * tokens and positions (a hit whose block holds other tokens than the hit's is reported at the
+ * hit). OK, or ERROR with an exception set. */
+static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
+                           const char *request) {
+    for (int64_t j = 0; j < hits; j++)
+        if (prov_check_block(n, table[j], j * n->bs, toks + j * n->bs, n->bs, request,
+                             "a prefix hit") == ERROR)
+            return ERROR;
+    return OK;
+}
+
+/* The foreign-slot fault (faults.py), at an append that recorded its token `tok` at position
+ * `pos` for seq_id (in `slot`): the same write also lands in the slot at that offset of a
+ * published block the sequence does not hold, one whose record says another token wrote it, as
+ * a late store of this request's K/V under another's key does. Acts at the first opportunity
+ * where such a block exists (the lowest-numbered). */
+static void prov_foreign_fault(Native *n, int64_t slot, uint64_t seq_id, int64_t pos, int32_t tok) {
+    if (!fault_opportunity(n, FT_FOREIGN_SLOT)) return;
+    const uint8_t *s = seqrec(n, slot);
+    const int32_t *tbl = (const int32_t *)(s + SF_TABLE);
+    int64_t held = U4(s + SF_NUM_BLOCKS), off = pos % n->bs;
+    for (int32_t b = 0; b < n->nb; b++) {
+        const uint8_t *r = blk(n, b);
+        if (r[BF_INDEXED] != 1 || (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED))
+            continue;
+        const uint8_t *p = prov_rec(n, b, off);
+        if (U4(p + PV_GENERATION) != U4(r + BF_GENERATION) || I4(p + PV_TOKEN) == tok) continue;
+        int mine = 0;
+        for (int64_t j = 0; j < held && !mine; j++) mine = tbl[j] == b;
+        if (mine) continue;
+        prov_write(n, seq_id, (const char *)(s + SF_REQUEST), &b, off, pos, &tok, 1);
+        fault_fired(n, FT_FOREIGN_SLOT);
+        return;
+    }
+}
+
+/* append's chunk, after its commit (or its decode step's write): the k tokens written from
+ * relative position `first` of ids[] (logical position pos0 on), recorded where the sequence
+ * in `slot` is sampled; a copy-on-write (cow_src >= 0) copies the records of the first
+ * `first` slots to ids[0] first. */
+static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64_t first,
+                              int64_t pos0, const int32_t *toks, int64_t k, int32_t cow_src) {
+    const uint8_t *s = seqrec(n, slot);
+    uint64_t seq_id = U8(s + SF_SEQ_ID);
+    if (cow_src >= 0) prov_copy(n, cow_src, ids[0], first);
+    if (!prov_sampled(n, seq_id)) return;
+    prov_write(n, seq_id, (const char *)(s + SF_REQUEST), ids, first, pos0, toks, k);
+    if (faults_armed(n)) prov_foreign_fault(n, slot, seq_id, pos0 + k - 1, toks[k - 1]);
+}
+
+/* provenance(every): this handle records one sequence in `every` (0: none) and checks hits. */
+static PyObject *N_provenance(Native *n, PyObject *arg) {
+    int64_t every = PyLong_AsLongLong(arg);
+    if (every == -1 && PyErr_Occurred()) return NULL;
+    if (every < 0) {
+        pool_error("provenance sample %lld: expected 0 (off) or N >= 1 (one sequence in N)",
+                   (long long)every);
+        return NULL;
+    }
+    n->prov_every = every;
+    Py_RETURN_NONE;
+}
+
+/* provenance_check(pool, rows) -> int: the sweep. Each of `rows` (this handle's live
+ * Sequences; None: all of them), each slot it reads, against the record there: a record of its
+ * block's generation must say the token the block record holds at that slot, at the position
+ * the sequence reads it as. The blocks with a foreign slot, each reported once
+ * (foreign_slot); their count. A handle's own sequences change only in its own operations,
+ * which the gate keeps out meanwhile; a block they hold keeps its generation while held. */
+static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "provenance_check(pool, rows)");
+        return NULL;
+    }
+    GATE(n, args[0]);
+    PyObject *src = args[1] == Py_None ? PyDict_Values(n->seqs) : Py_NewRef(args[1]);
+    if (src == NULL) return NULL;
+    PyObject *rows = PySequence_Fast(src, "rows: expected a sequence of Sequences");
+    Py_DECREF(src);
+    if (rows == NULL) return NULL;
+    int64_t bad = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(rows); i++) {
+        int64_t slot = own_slot(n, PySequence_Fast_GET_ITEM(rows, i));
+        if (slot < 0) {
+            Py_DECREF(rows);
+            return NULL;
+        }
+        const uint8_t *s = seqrec(n, slot);
+        const int32_t *tbl = (const int32_t *)(s + SF_TABLE);
+        int64_t ntok = (int64_t)U8(s + SF_NUM_TOKENS), held = U4(s + SF_NUM_BLOCKS);
+        char req[REQUEST_BYTES];
+        memcpy(req, s + SF_REQUEST, REQUEST_BYTES);
+        for (int64_t j = 0; j < held && j * n->bs < ntok; j++) {
+            int64_t m = ntok - j * n->bs < n->bs ? ntok - j * n->bs : n->bs;
+            int32_t b = tbl[j];
+            if (b < 0 || b >= n->nb) continue;
+            int rc = prov_check_block(n, b, j * n->bs, (const int32_t *)(blk(n, b) + BF_TOKENS),
+                                      m, req, "provenance sweep");
+            if (rc == ERROR) {
+                Py_DECREF(rows);
+                return NULL;
+            }
+            bad += rc;
+        }
+    }
+    Py_DECREF(rows);
+    return PyLong_FromLongLong(bad);
+}
