@@ -47,6 +47,19 @@ def _lease_work(pool: KVPool, name: str) -> None:
     other.close()
 
 
+def _foreign_slot(pool: KVPool) -> None:
+    """Slot provenance on: a request publishes its prompt's blocks, another's append (the
+    fault's opportunity) also writes a slot of them, and a third request's prefix hit on them
+    reports it."""
+    pool.provenance_sample = 1
+    owner = pool.allocate("owner", list(range(9)))
+    assert pool.mark_computed(owner, 8) == 2
+    writer = pool.allocate("writer", list(range(50, 55)))
+    faults.configure("foreign-slot:1")
+    pool.append(writer, [99])
+    pool.allocate("reader", list(range(9)))
+
+
 def _config(**kw) -> PoolConfig:
     return PoolConfig(num_blocks=48, block_size=4, head_dim=8, num_layers=1, dtype="float32", **kw)
 
@@ -96,6 +109,8 @@ def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
             # (its opportunity is an engine's padded table: an audit of one that kept the row
             # of an earlier, larger batch)
             _stale_padding(pool)
+        elif scenario == "foreign-slot":
+            _foreign_slot(pool)
         elif scenario in LEASE_FAULTS:
             faults.configure(f"{scenario}:1")
             _lease_work(pool, name)

@@ -40,6 +40,7 @@ EXPECTED = {
     "gil-wait": "wait_holds_gil",
     "transfer-after-free": "transfer_after_free",
     "lease-leak": "lease_leak",
+    "foreign-slot": "foreign_slot",
 }
 # The example server's options a fault needs: stale-padding-row strikes the padded block
 # table of the step graphs' static buffers (on the CPU they run eagerly); lease-leak strikes the
@@ -104,6 +105,7 @@ BLOCK_FAULTS = {
     "refcount-skew",
     "stale-padding-row",
     "lease-leak",
+    "foreign-slot",
 }
 
 
@@ -151,7 +153,7 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
         assert any(f["owner_pid"] == pid for f in found)
     elif fault in ("lock-inversion", "gil-wait"):
         assert f"pid {pid}" in found[0]["message"]
-    if fault in ("stale-padding-row", "gil-wait", "lease-leak"):
+    if fault in ("stale-padding-row", "gil-wait", "lease-leak", "foreign-slot"):
         # ... exactly one finding of its kind, and no other error
         assert len(found) == 1, found
         errors = [f for f in rep["findings"] if f["severity"] == "error"]

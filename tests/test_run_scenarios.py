@@ -31,6 +31,7 @@ FINDINGS = {
     "gil_wait": ["wait_holds_gil"],
     "transfer_after_free": ["transfer_after_free"],
     "lease_leak": ["lease_leak"],
+    "foreign_slot": ["foreign_slot"],
 }
 
 

@@ -84,6 +84,10 @@ class Batch:
         if getattr(self.cache, "probe", None) is not None:
             spans = [(c.stream.seq, c.start, c.start + c.length) for c in self.chunks]
             Writers(self.cache, spans).check(self.host_slots)
+        if self.guarded and getattr(self.cache, "provenance_sample", 0):
+            # slot provenance: each slot the step's sequences read was written for their own
+            # tokens, or their prefix hits' (KVPool.check_provenance: a foreign_slot finding)
+            self.cache.check_provenance([c.stream.seq for c in self.chunks])
 
     def audit(self, table: Any, rows: list[Chunk]) -> None:
         """Guard mode: the block table the kernels will read (a group's, or the step graphs'

@@ -67,6 +67,8 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
     env["KVSCOPE_GUARD"] = "1" if args.guard else "0"
     env["KVSCOPE_LOCKDEP"] = "1" if args.lockdep else "0"
     env["KVSCOPE_EVENTS"] = "1"
+    # slot provenance (docs/POOL.md): every sequence's slots in guard mode, unless set
+    env.setdefault("KVSCOPE_PROVENANCE_SAMPLE", "1" if args.guard else "0")
     record = getattr(args, "record_ops", None)
     if record:
         # every handle of the run records into one log (docs/REPLAY.md); --redact: token ids
