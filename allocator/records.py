@@ -326,6 +326,10 @@ PROVENANCE_FIELDS: list[Field] = [
     ("generation", "<u4"),
     # a short hash of the writing request's id (FNV-1a of its 32 bytes, folded to 32 bits)
     ("request_hash", "<u4"),
+    # a short hash of the slot's K/V (every layer, K and V) taken when its block was published,
+    # on a pool whose data the core reaches (a CPU pool); 0: none
+    ("kv_hash", "<u4"),
+    ("pad", "<u4"),
 ]
 
 JOURNAL_ENTRY_FIELDS: list[Field] = [
@@ -353,7 +357,7 @@ C_RECORDS = {
     "OF_": ("oplog_found", "kind"),
     "LH_": ("lease_header", "reclaimed"),
     "LS_": ("lease", "blocks"),
-    "PV_": ("provenance", "request_hash"),
+    "PV_": ("provenance", "kv_hash"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.allocator.errors import PoolError
@@ -36,9 +37,9 @@ def _records(pool: KVPool, block: int) -> np.ndarray:
 def test_the_layout_has_a_provenance_record_per_token_slot(pool):
     # GIVEN a pool of 48 blocks of 4 tokens (layout version 6)
     assert FORMAT_VERSION == 6
-    # THEN its provenance section holds a 24-byte record per token slot, block-major
+    # THEN its provenance section holds a 32-byte record per token slot, block-major
     assert pool.view.provenance.shape == (48, 4)
-    assert pool.view.provenance.dtype.itemsize == 24
+    assert pool.view.provenance.dtype.itemsize == 32
     assert int(pool.view.h["off_provenance"]) == pool.view.offsets["provenance"]
 
 
@@ -98,6 +99,23 @@ def test_a_hit_on_a_block_holding_another_requests_kv_is_reported_at_the_hit(poo
     # ... and the sweep of the hitting sequence reports that block no more (once per block)
     assert pool.check_provenance([b]) == []
     assert len(pool.findings()) == 1
+
+
+def test_a_published_slot_whose_kv_changed_since_is_reported_at_the_hit(pool):
+    # GIVEN a published prompt with its K/V stored (a CPU pool: each slot's hash recorded)
+    a = pool.allocate("owner", list(range(9)))
+    pool.kv[:, :, a.block_table[:2], :4] = torch.randn(
+        pool.kv[:, :, a.block_table[:2], :4].shape, generator=torch.Generator().manual_seed(0)
+    )
+    assert pool.mark_computed(a, 8) == 2
+    assert all(int(h) != 0 for h in _records(pool, a.block_table[0])["kv_hash"])
+    # WHEN something writes one slot's K/V afterwards, and another request hits the prefix
+    pool.kv[0, 1, a.block_table[0], 3] += 1.0
+    pool.allocate("hitter", list(range(9)))
+    # THEN one foreign_slot at the hit, about that slot, saying its hash changed
+    (f,) = pool.findings()
+    assert f.kind == "foreign_slot" and f.block == a.block_table[0] and f.request == "hitter"
+    assert "slot 3 of block" in f.message and "was written since its publication" in f.message
 
 
 def test_the_sweep_finds_a_slot_written_for_another_position(pool):

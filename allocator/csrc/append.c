@@ -302,6 +302,7 @@ static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *ch
     }
     if (stamp_digests(n, done, published)) goto abort;
     txn_commit(n);
+    if (n->prov_every && published) prov_published(n, done, published); /* provenance.c */
     /* (after what the commit reports: a record the magic probe found scribbled over) */
     if (published)
         ev_record(n, E_PUBLISH, done, published, (const char *)(seqrec(n, slot) + SF_REQUEST), 0);

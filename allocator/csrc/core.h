@@ -470,6 +470,7 @@ static void prov_write(Native *n, uint64_t seq_id, const char *request, const in
                        int64_t first, int64_t pos0, const int32_t *toks, int64_t k);
 static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
                            const char *request);
+static void prov_published(Native *n, const int32_t *ids, int64_t k);
 static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64_t first,
                               int64_t pos0, const int32_t *toks, int64_t k, int32_t cow_src);
 static int leases_pass_over(Native *n, int32_t *out, int64_t *k);

@@ -9,14 +9,41 @@
  * trusts); a copy-on-write copies the records of the slots it copies. A record counts while its
  * generation is its block's: a block handed out again (stamp: the generation moves on) holds no
  * provenance until its new holder's tokens are recorded, so an unsampled sequence's slots are
- * never checked against an earlier holder's records. Checked at a prefix hit (the hit's tokens
- * and positions against the records of the blocks it maps: reported at the hit) and by
- * `provenance_check` (a handle's live sequences, each slot it reads against the block record's
- * token there and its position). */
+ * never checked against an earlier holder's records. Where the core reaches the pool's data (a
+ * CPU pool), a publication also hashes each recorded slot's K/V into its record (kv_hash), once
+ * the engine has stored it (mark_computed comes after the forward that wrote it). Checked at a
+ * prefix hit (the hit's tokens and positions against the records of the blocks it maps, and
+ * each slot's K/V against its hash: reported at the hit) and by `provenance_check` (a handle's
+ * live sequences, each slot it reads against the block record's token there, its position and
+ * its hash). */
 
 /* The record of slot `off` of block b. */
 static inline uint8_t *prov_rec(Native *n, int64_t b, int64_t off) {
     return n->seg + n->off_prov + ((size_t)b * (size_t)n->bs + (size_t)off) * PROVENANCE;
+}
+
+/* The short hash of slot `off` of block b's K/V (every layer, K and V; never 0), the
+ * digest's sum (kvdata.c) over the slot's elements; a CPU pool's (n->kv) only. */
+static uint32_t prov_kv_hash(Native *n, int64_t b, int64_t off) {
+    int64_t m = n->kv_slot_bytes / n->kv_esize;
+    uint64_t sum = 0, jm = DIGEST_ADD;
+    for (int64_t r = 0; r < n->kv_rows; r++)
+        sum = digest_row(n, kv_row(n, r, b) + (size_t)off * (size_t)n->kv_slot_bytes, m, &jm, sum);
+    return (uint32_t)(fmix64(sum) >> 32) | 1u;
+}
+
+/* A publication's blocks ids[0, k), after its commit: each recorded slot's K/V hashed into its
+ * record (a CPU pool's; the records of a CUDA pool's slots keep no hash). */
+static void prov_published(Native *n, const int32_t *ids, int64_t k) {
+    if (n->kv == NULL) return;
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t gen = U4(blk(n, ids[i]) + BF_GENERATION);
+        for (int64_t off = 0; off < n->bs; off++) {
+            uint8_t *p = prov_rec(n, ids[i], off);
+            if (__atomic_load_n((uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) == gen)
+                U4(p + PV_KV_HASH) = prov_kv_hash(n, ids[i], off);
+        }
+    }
 }
 
 /* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */
@@ -45,6 +72,7 @@ static void prov_write(Native *n, uint64_t seq_id, const char *request, const in
         I4(p + PV_POSITION) = (int32_t)(pos0 + i);
         I4(p + PV_TOKEN) = toks[i];
         U4(p + PV_REQUEST_HASH) = rh;
+        U4(p + PV_KV_HASH) = 0;
         __atomic_store_n((uint32_t *)(p + PV_GENERATION), U4(blk(n, b) + BF_GENERATION),
                          __ATOMIC_RELEASE);
     }
@@ -59,6 +87,7 @@ static void prov_copy(Native *n, int32_t src, int32_t dst, int64_t m) {
         if (__atomic_load_n((uint32_t *)(s + PV_GENERATION), __ATOMIC_ACQUIRE) != sg) continue;
         memcpy(d, s, PROVENANCE);
         U4(d + PV_GENERATION) = 0;
+        U4(d + PV_KV_HASH) = 0; /* (the engine copies the K/V after the append) */
         __atomic_store_n((uint32_t *)(d + PV_GENERATION), dg, __ATOMIC_RELEASE);
     }
 }
@@ -87,7 +116,8 @@ static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *w
         const uint8_t *p = prov_rec(n, b, off);
         if (__atomic_load_n((const uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) != gen) continue;
         int32_t tok = I4(p + PV_TOKEN), pos = I4(p + PV_POSITION);
-        if (tok == want[off] && pos == pos0 + off) continue;
+        uint32_t h = U4(p + PV_KV_HASH), now = h && n->kv ? prov_kv_hash(n, b, off) : h;
+        if (tok == want[off] && pos == pos0 + off && now == h) continue;
         uint64_t writer = U8(p + PV_SEQ_ID);
         char wreq[REQUEST_BYTES + 1] = {0}, rreq[REQUEST_BYTES + 1] = {0};
         prov_writer(n, writer, wreq);
@@ -95,12 +125,22 @@ static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *w
         Seen s;
         seen_of(n, b, &s);
         memcpy(s.request, reader, REQUEST_BYTES);
-        PyObject *msg = PyUnicode_FromFormat(
-            "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
-            "holds K/V written for position %d (token %d) by sequence %llu%s%s%s",
-            where, (long long)off, (long long)b, rreq, (long long)(pos0 + off), (int)want[off],
-            (int)pos, (int)tok, (unsigned long long)writer, wreq[0] ? " (request '" : "",
-            wreq[0] ? wreq : "", wreq[0] ? "')" : "");
+        PyObject *msg;
+        if (tok == want[off] && pos == pos0 + off)
+            msg = PyUnicode_FromFormat(
+                "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
+                "was written since its publication: K/V hash %08x, recorded %08x (sequence "
+                "%llu%s%s%s)",
+                where, (long long)off, (long long)b, rreq, (long long)(pos0 + off),
+                (int)want[off], (unsigned)now, (unsigned)h, (unsigned long long)writer,
+                wreq[0] ? " (request '" : "", wreq[0] ? wreq : "", wreq[0] ? "')" : "");
+        else
+            msg = PyUnicode_FromFormat(
+                "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
+                "holds K/V written for position %d (token %d) by sequence %llu%s%s%s",
+                where, (long long)off, (long long)b, rreq, (long long)(pos0 + off),
+                (int)want[off], (int)pos, (int)tok, (unsigned long long)writer,
+                wreq[0] ? " (request '" : "", wreq[0] ? wreq : "", wreq[0] ? "')" : "");
         if (msg == NULL) return ERROR;
         int rc = finding_report(n, FK_FOREIGN_SLOT, &s, msg);
         Py_DECREF(msg);
