@@ -13,7 +13,10 @@ what the original's would:
   up to a keyed permutation, so no shard overflows;
 - request ids, wherever they occur (block records, sequence table, event rings, lease table,
   findings ring, and inside findings' messages) become `r~` and 16 hex digits of a keyed BLAKE2b;
-- the undo journals' saved bytes (old copies of records: tokens, request ids) are zeroed.
+- the undo journals' saved bytes (old copies of records: tokens, request ids) are zeroed;
+- slot provenance's token ids become the redacted token of their block's slot where they equal
+  the block's token there (a clean slot still checks clean), a keyed hash elsewhere, and its
+  request hashes are keyed too.
 
 Block checksums are resealed so that a healthy block still checks healthy and a corrupt one
 still checks corrupt. Site texts (code locations), lock names and the pool name are kept.
@@ -102,7 +105,10 @@ def redact_view(view: SegmentView) -> None:
     """Replace token ids, prefix keys and request ids in view (a private copy) with keyed
     hashes, and zero the undo journals' saved bytes."""
     red = Redactor(view.layout.num_shards)
+    prov = view.provenance
+    same = prov["token"] == view.blocks["tokens"][:, : prov.shape[1]]
     _tokens(view, red)
+    _provenance(view, red, same)
     _index(view, red)
     for arr in (view.blocks, view.seqs, view.events, view.findings, view.leases):
         red.requests_in(arr["request"])
@@ -129,6 +135,19 @@ def _tokens(view: SegmentView, red: Redactor) -> None:
     b["prefix_hash"] = red.prefix_keys(b["prefix_hash"])
     b["parent_hash"] = red.prefix_keys(b["parent_hash"])
     b["checksum"] = block_checksums(b, ids) ^ err
+
+
+def _provenance(view: SegmentView, red: Redactor, same: np.ndarray) -> None:
+    """Slot provenance's tokens and request hashes (the block tokens already redacted): a
+    record's token that was its block's token at that slot becomes the redacted one."""
+    prov = view.provenance
+    with np.errstate(over="ignore"):
+        other = _mix(prov["token"].astype(np.int64).astype(np.uint64) ^ red.k4) >> np.uint64(33)
+        rh = _mix(prov["request_hash"].astype(np.uint64) ^ red.k2) >> np.uint64(32)
+    prov["token"] = np.where(
+        same, view.blocks["tokens"][:, : prov.shape[1]], other.astype(np.int32)
+    )
+    prov["request_hash"] = rh.astype(np.uint32)
 
 
 def _index(view: SegmentView, red: Redactor) -> None:
