@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--sample", type=int, default=64, help="provenance records 1 sequence in N")
     ap.add_argument("--min-s", type=float, default=0.5, help="timed seconds per measurement")
+    ap.add_argument("--only", default="", help="the probe sets whose name contains this")
     args = ap.parse_args(argv)
     if args.sample < 1 or args.repeat < 1 or args.steps < 1:
         print("bench_provenance: --sample, --repeat and --steps must be >= 1", file=sys.stderr)
@@ -113,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         "all probes (as under kvscope run)": ({k: "1" for k in PROBE_VARS}, False),
         "light probes + sweep each step": (light, True),
     }
+    probe_sets = {k: v for k, v in probe_sets.items() if args.only in k}
+    if not probe_sets:
+        print(f"bench_provenance: no probe set matches --only {args.only!r}", file=sys.stderr)
+        return 2
     ratios: dict[str, list[float]] = {name: [] for name in probe_sets}
     rates: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in probe_sets}
     for r in range(args.repeat):
@@ -129,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in probe_sets:
         off, on = (statistics.median(v) for v in rates[name])
         print(f"| {name} | {off:,.0f} | {on:,.0f} | {statistics.median(ratios[name]):.3f}x |")
-    print("\nround by round (with / without):")
+    print("\nround by round (with / without), then the lowest and highest:")
     for name in probe_sets:
-        print(f"  {name}: " + ", ".join(f"{x:.3f}" for x in ratios[name]))
+        r = ratios[name]
+        print(f"  {name}: " + ", ".join(f"{x:.3f}" for x in r) + f" [{min(r):.3f}, {max(r):.3f}]")
     return 0
 
 

@@ -213,3 +213,21 @@ def test_without_provenance_the_fault_has_no_opportunity(pool):
     # THEN it never fired
     assert faults.ARMED == {"foreign-slot": 1}
     assert _kinds(pool) == []
+
+
+def test_another_handles_hit_checks_the_publishers_records(pool, pool_name):
+    # GIVEN a prompt published by one handle, one of whose slots another token wrote since
+    a = pool.allocate("owner", list(range(9)))
+    assert pool.mark_computed(a, 8) == 2
+    pool.view.provenance[a.block_table[0], 1]["token"] = 555
+    # WHEN a second handle (its own client record) with provenance on hits that prefix
+    other = KVPool.attach(pool_name)
+    try:
+        other.provenance_sample = 1
+        other.allocate("elsewhere", list(range(9)))
+        # THEN its hit reports the slot, naming its own request
+        (f,) = other.findings()
+        assert (f.kind, f.block, f.request) == ("foreign_slot", a.block_table[0], "elsewhere")
+    finally:
+        other.close()
+
