@@ -288,6 +288,12 @@ class Layout:
         return lease_capacity(self.max_seqs)
 
     @property
+    def provenance_records_at(self) -> int:
+        """Where the slot-provenance records start within their section (after the per-block
+        generations, 64-byte aligned)."""
+        return _align(4 * self.num_blocks)
+
+    @property
     def lease_records_at(self) -> int:
         """Where the lease records start within the leases section (after the counts)."""
         return _align8(LEASE_HEADER_DTYPE.itemsize + 4 * self.num_blocks)
@@ -308,7 +314,11 @@ class Layout:
             ("findings", FINDING_DTYPE.itemsize * FINDINGS_CAPACITY),
             ("lru", LRU_HEADER_DTYPE.itemsize + LRU_ENTRY_DTYPE.itemsize * LRU_KEEP),
             ("leases", self.lease_records_at + self.lease.itemsize * self.lease_capacity),
-            ("provenance", PROVENANCE_DTYPE.itemsize * self.num_blocks * self.block_size),
+            (
+                "provenance",
+                self.provenance_records_at
+                + PROVENANCE_DTYPE.itemsize * self.num_blocks * self.block_size,
+            ),
         ]
         out: dict[str, int] = {}
         pos = 0
@@ -373,9 +383,14 @@ class SegmentView:
         self.leases = np.frombuffer(
             buf, layout.lease, layout.lease_capacity, off["leases"] + layout.lease_records_at
         )
-        # slot provenance: [num_blocks, block_size] records (docs/POOL.md "Slot provenance")
+        # slot provenance (docs/POOL.md "Slot provenance"): each block's generation whose
+        # slots hold records (0: none), then [num_blocks, block_size] records
+        self.provenance_recorded = np.frombuffer(buf, "<u4", layout.num_blocks, off["provenance"])
         self.provenance = np.frombuffer(
-            buf, PROVENANCE_DTYPE, layout.num_blocks * layout.block_size, off["provenance"]
+            buf,
+            PROVENANCE_DTYPE,
+            layout.num_blocks * layout.block_size,
+            off["provenance"] + layout.provenance_records_at,
         ).reshape(layout.num_blocks, layout.block_size)
 
     @property

@@ -277,6 +277,7 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         "lease_record_size": view.layout.lease.itemsize,
         # slot provenance (csrc/provenance.c)
         "off_provenance": off["provenance"],
+        "provenance_records": view.layout.provenance_records_at,
         "lease_capacity": view.layout.lease_capacity,
         "c_seq": cbase + cf["seq"][1],
         "c_local_count": cbase + cf["local_count"][1],

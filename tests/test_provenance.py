@@ -41,6 +41,8 @@ def test_the_layout_has_a_provenance_record_per_token_slot(pool):
     assert pool.view.provenance.shape == (48, 4)
     assert pool.view.provenance.dtype.itemsize == 32
     assert int(pool.view.h["off_provenance"]) == pool.view.offsets["provenance"]
+    # ... after a generation per block (the one word a check reads of an unrecorded block)
+    assert pool.view.provenance_recorded.shape == (48,)
 
 
 def test_allocate_and_append_record_each_slot_with_its_position_and_token(pool):
@@ -57,6 +59,9 @@ def test_allocate_and_append_record_each_slot_with_its_position_and_token(pool):
     assert list(_records(pool, b0)["token"]) == [10, 11, 12, 13]
     assert list(_records(pool, b1)["token"]) == [14, 15, 70, 71]
     assert len(set(_records(pool, b0)["seq_id"])) == 1
+    assert [int(pool.view.provenance_recorded[b]) for b in (b0, b1)] == [
+        int(pool.view.blocks["generation"][b]) for b in (b0, b1)
+    ]
     # ... and the sweep finds nothing
     assert pool.check_provenance() == []
 
@@ -230,4 +235,3 @@ def test_another_handles_hit_checks_the_publishers_records(pool, pool_name):
         assert (f.kind, f.block, f.request) == ("foreign_slot", a.block_table[0], "elsewhere")
     finally:
         other.close()
-

@@ -350,7 +350,7 @@ typedef struct {
     int64_t lease_rec, lease_hint, lease_cap;
     /* provenance.c: the section; one sequence in this many has its slots' provenance recorded
      * by this handle (0: none, and no check) */
-    size_t off_prov;
+    size_t off_prov, prov_records; /* (the records from prov_records on, after the generations) */
     int64_t prov_every;
 } Native;
 

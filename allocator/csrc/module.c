@@ -80,7 +80,7 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"client_detached", &n->client_detached, I64},
         {"off_leases", &n->off_leases, SIZE}, {"lease_records", &n->lease_records, SIZE},
         {"lease_record_size", &n->lease_rec, I64},
-        {"off_provenance", &n->off_prov, SIZE}, {"lease_capacity", &n->lease_cap, I64},
+        {"off_provenance", &n->off_prov, SIZE}, {"provenance_records", &n->prov_records, SIZE}, {"lease_capacity", &n->lease_cap, I64},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;

@@ -19,7 +19,19 @@
 
 /* The record of slot `off` of block b. */
 static inline uint8_t *prov_rec(Native *n, int64_t b, int64_t off) {
-    return n->seg + n->off_prov + ((size_t)b * (size_t)n->bs + (size_t)off) * PROVENANCE;
+    return n->seg + n->off_prov + n->prov_records +
+           ((size_t)b * (size_t)n->bs + (size_t)off) * PROVENANCE;
+}
+
+/* Block b's generation whose slots hold records (0: none): the one word a check reads of a
+ * block none of whose slots is recorded (the section's first array). */
+static inline uint32_t *prov_recorded(Native *n, int64_t b) {
+    return (uint32_t *)(n->seg + n->off_prov) + b;
+}
+
+/* Whether any slot of block b holds a record of its generation `gen`. */
+static inline int prov_any(Native *n, int64_t b, uint32_t gen) {
+    return __atomic_load_n(prov_recorded(n, b), __ATOMIC_ACQUIRE) == gen;
 }
 
 /* The short hash of slot `off` of block b's K/V (every layer, K and V; never 0), the
@@ -38,6 +50,7 @@ static void prov_published(Native *n, const int32_t *ids, int64_t k) {
     if (n->kv == NULL) return;
     for (int64_t i = 0; i < k; i++) {
         uint32_t gen = U4(blk(n, ids[i]) + BF_GENERATION);
+        if (!prov_any(n, ids[i], gen)) continue;
         for (int64_t off = 0; off < n->bs; off++) {
             uint8_t *p = prov_rec(n, ids[i], off);
             if (__atomic_load_n((uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) == gen)
@@ -73,14 +86,16 @@ static void prov_write(Native *n, uint64_t seq_id, const char *request, const in
         I4(p + PV_TOKEN) = toks[i];
         U4(p + PV_REQUEST_HASH) = rh;
         U4(p + PV_KV_HASH) = 0;
-        __atomic_store_n((uint32_t *)(p + PV_GENERATION), U4(blk(n, b) + BF_GENERATION),
-                         __ATOMIC_RELEASE);
+        uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+        __atomic_store_n((uint32_t *)(p + PV_GENERATION), gen, __ATOMIC_RELEASE);
+        __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
     }
 }
 
 /* A copy-on-write's copy: the records of slots [0, m) of src as dst's (dst's generation). */
 static void prov_copy(Native *n, int32_t src, int32_t dst, int64_t m) {
     uint32_t sg = U4(blk(n, src) + BF_GENERATION), dg = U4(blk(n, dst) + BF_GENERATION);
+    if (!prov_any(n, src, sg)) return;
     for (int64_t off = 0; off < m; off++) {
         uint8_t *s = prov_rec(n, src, off), *d = prov_rec(n, dst, off);
         U4(d + PV_GENERATION) = 0;
@@ -89,6 +104,7 @@ static void prov_copy(Native *n, int32_t src, int32_t dst, int64_t m) {
         U4(d + PV_GENERATION) = 0;
         U4(d + PV_KV_HASH) = 0; /* (the engine copies the K/V after the append) */
         __atomic_store_n((uint32_t *)(d + PV_GENERATION), dg, __ATOMIC_RELEASE);
+        __atomic_store_n(prov_recorded(n, dst), dg, __ATOMIC_RELEASE);
     }
 }
 
@@ -112,6 +128,7 @@ static void prov_writer(Native *n, uint64_t seq_id, char *out) {
 static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *want, int64_t m,
                             const char *reader, const char *where) {
     uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+    if (!prov_any(n, b, gen)) return 0;
     for (int64_t off = 0; off < m; off++) {
         const uint8_t *p = prov_rec(n, b, off);
         if (__atomic_load_n((const uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) != gen) continue;
@@ -176,7 +193,9 @@ static void prov_foreign_fault(Native *n, int64_t slot, uint64_t seq_id, int64_t
         if (r[BF_INDEXED] != 1 || (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED))
             continue;
         const uint8_t *p = prov_rec(n, b, off);
-        if (U4(p + PV_GENERATION) != U4(r + BF_GENERATION) || I4(p + PV_TOKEN) == tok) continue;
+        if (!prov_any(n, b, U4(r + BF_GENERATION)) ||
+            U4(p + PV_GENERATION) != U4(r + BF_GENERATION) || I4(p + PV_TOKEN) == tok)
+            continue;
         int mine = 0;
         for (int64_t j = 0; j < held && !mine; j++) mine = tbl[j] == b;
         if (mine) continue;
