@@ -301,7 +301,8 @@ def lease_fields(max_blocks_per_seq: int) -> list[Field]:
         ("lease_id", "<u8"),
         ("seq_id", "<u8"),
         ("seq_slot", "<i4"),
-        ("pad2", "<u4"),
+        # where it was taken: a site id of the site table (-1: sites off), as a block's `site`
+        ("site", "<i4"),
         # wall-clock time it was taken; its deadline on CLOCK_MONOTONIC (a leak past it)
         ("taken_ns", "<u8"),
         ("deadline_ns", "<u8"),
