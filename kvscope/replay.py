@@ -18,11 +18,13 @@ from typing import Any
 
 from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted, faults
 from kvscope.allocator.findings import SEVERITY, FindingKind
+from kvscope.allocator.kvread import read_live
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.oplog import OpLog, OplogError, OpRecord
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode, OpStatus
+from kvscope.child import report_held
 
 _ALLOCATE, _APPEND, _FORK, _MARK = (
     int(OpCode.ALLOCATE),
@@ -48,6 +50,9 @@ _STATES = {1: "running", 2: "waiting"}
 # and at `pool.verify()`): a replay, faster than the recording, runs that check at the
 # operation where the recording found one (and a shrink's runs after every operation).
 CADENCED = {"header_corrupt", "free_list_corrupt"}
+# Kinds a handle reports as it closes (a sequence or a lease its process never ended): a
+# report of one is replayed as that handle's close.
+AT_CLOSE = {"leak_finished", "lease_leak"}
 # Faults a replay cannot run in its own process: kill-holding-lock kills it.
 UNREPLAYABLE_FAULTS = ("kill-holding-lock",)
 
@@ -195,6 +200,10 @@ class Session:
         self.handles: dict[int, KVPool] = {}
         self.seqs: dict[tuple[int, int], Any] = {}
         self.found: list[tuple[str, int]] = []
+        # what each process's handle reported as the replay closed it (by recorded pid)
+        self.closed: dict[int, list[tuple[str, int]]] = {}
+        # the requests whose sequences still held blocks there
+        self.held: dict[int, set[str]] = {}
         self.preempted: set[tuple[int, int]] = set()
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
@@ -316,6 +325,18 @@ class Session:
                 out.blocks = list(s.block_table)
             elif op == _EVICT:
                 out.result = h.evict(r.arg)
+            elif op == _REPORT and any(k in AT_CLOSE for k, _ in r.found):
+                # a leak the recording's handle reported as it closed: the close, replayed
+                # once (its other reports then), after the process's last operation
+                if r.pid not in self.closed:
+                    # (kvscope run's check at a close, then the close: its leases' leaks)
+                    self.held[r.pid] = {
+                        str(q.request_id) for q in h.live().values() if q.block_table
+                    }
+                    report_held(h, "the pool was closed")
+                    h.close()
+                    self.closed[r.pid] = list(found)
+                found[:] = self.closed[r.pid]
             elif op == _REPORT:
                 # a finding reported between operations: the check that reports it, now
                 h.verify()
@@ -398,7 +419,9 @@ def block_rows(session: Session, rec: Result | None, got: Result | None) -> list
         ids.update(res.blocks)
         ids.update(b for c in res.copies for b in c)
         ids.update(b for _, b in res.found if b >= 0)
-    blocks = session.pool.view.blocks
+    # (a copy of the segment once the replay closed the creator's handle: its close replayed)
+    pool = session.pool
+    blocks = read_live(session.name).blocks if pool.closed else pool.view.blocks
     rows = []
     for b in sorted(ids):
         if not 0 <= b < len(blocks):
@@ -587,6 +610,13 @@ class Shrinker:
             )
         self.log = log
         self.kind = (outcome.got.found or outcome.record.found)[0][0]
+        # a leak found at a close is kept about the same request (a fork that outlived its
+        # parent's abort, say), not any sequence the shrunk run leaves unended
+        self.leaked = (
+            outcome.record.request
+            if self.kind == "leak_finished" and outcome.record.op == _REPORT
+            else None
+        )
         last = outcome.record.seq
         self.ops = [r for r in log.records if r.op not in (_START, _LOST) and r.seq <= last]
         self.starts = [r for r in log.records if r.op == _START and r is not log.start]
@@ -612,7 +642,8 @@ class Shrinker:
                     faults.ARMED.clear()
                 statuses.append(-1 if got is None else got.status)
                 if got is not None and any(k == self.kind for k, _ in got.found):
-                    return True, statuses
+                    if self.leaked is None or self.leaked in session.held.get(r.pid, ()):
+                        return True, statuses
         return False, statuses
 
     def test(self, ops: list[OpRecord]) -> bool:
@@ -729,6 +760,7 @@ def emit_script(shrunk: Shrunk) -> str:
         "from kvscope.allocator import KVPool, PoolConfig, PoolError, faults  # noqa: E402",
         "",
         "found = []",
+        "held = set()  # requests still holding blocks where the recording's pool was closed",
         f'pool = KVPool.create(f"repro-{{os.getpid()}}", PoolConfig({cfg_args}))',
     ]
     handles = {int(start.get("pid", log.start.pid)): "pool"}
@@ -777,8 +809,9 @@ def emit_script(shrunk: Shrunk) -> str:
         "finally:",
         *[f"    {v}.close()" for v in reversed(list(handles.values()))],
         "    pool.unlink()",
-        'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found})',
-        'print("findings:", ", ".join(kinds) or "none")',
+        'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found}'
+        ' | ({"leak_finished"} if held else set()))',
+        'print("findings:", ", ".join(kinds) or "none", *(["held:", *sorted(held)] if held else []))',
         f"sys.exit(1 if {shrunk.kind!r} in kinds else 0)",
         "",
     ]
@@ -813,6 +846,9 @@ def _call(r: OpRecord, h: str, names: dict[tuple[int, int], str]) -> str | None:
         return f"{h}.resume({v})"
     if op == _EVICT:
         return f"{h}.evict({r.arg})"
+    if op == _REPORT and any(k == "leak_finished" for k, _ in r.found):
+        # (kvscope run's check at a close: a sequence still holding blocks is a leak)
+        return f"held |= {{str(s.request_id) for s in {h}.live().values() if s.block_table}}"
     if op == _REPORT:
         return f"{h}.verify()"
     return None

@@ -312,6 +312,36 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     assert run.returncode == 1 and "double_free" in run.stdout
 
 
+def test_kvscope_run_records_the_user_engines_leak_and_the_close_replays(tmp_path):
+    """tests/user_engine.py's exception bug (r2's sequences never ended) under `kvscope run
+    --record-ops`: its leak_finished, reported as the pool closed, replays as that close (the
+    same request held), shrinks about the same request, and the script finds it."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    name = f"user-engine-leak-{os.getpid()}"
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "ue.ops", "--dump-dir", str(tmp_path),
+         str(HERE / "user_engine.py"), name, "exception"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = read_log(str(tmp_path / "ue.ops"))
+    report = next(r for r in log.records if r.op == OpCode.REPORT)
+    assert report.request.startswith("r2") and report.found[0][0] == "leak_finished"
+    out = replay(log, quiet=True)
+    assert (out.reason, out.exit_code) == ("finding", 1), (out.reason, out.diff)
+    assert out.record is not None and out.record.seq == report.seq
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == "leak_finished"
+    assert {r.request for r in shrunk.ops} <= {"r2", "r2#1"} and report.request in {
+        r.request for r in shrunk.ops
+    }
+    script = tmp_path / "repro.py"
+    script.write_text(emit_script(shrunk))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1 and "leak_finished" in run.stdout and report.request in run.stdout
+
+
 def test_a_process_that_exits_without_close_leaves_every_record(tmp_path, pool_name):
     """Records still in the core's buffer are written at exit (a program that never closes
     its pool still leaves a whole log)."""
