@@ -57,6 +57,7 @@ from kvscope.allocator.layout import (
     LRU_ENTRY_DTYPE,
     LRU_HEADER_DTYPE,
     NUM_SITES,
+    OPLOG_CHUNK_DTYPE,
     OPLOG_DTYPE,
     OPLOG_FOUND_DTYPE,
     RING_HEADER_DTYPE,
@@ -106,6 +107,7 @@ def expected_layout() -> dict[str, int]:
         "oplog_found": OPLOG_FOUND_DTYPE,
         "lease_header": LEASE_HEADER_DTYPE,
         "lease": lease_dtype(2),
+        "oplog_chunk": OPLOG_CHUNK_DTYPE,
     }
     out = records.c_values()
     for name, (record, field) in records.c_offset_names().items():

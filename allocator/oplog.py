@@ -1,12 +1,13 @@
 """The operation log (docs/REPLAY.md): what a recording handle's C core appends for every
 public operation (csrc/oplog.c), and its reader.
 
-A log is a file of records (records.py OPLOG_FIELDS, then the record's arrays): a START record
+A log is a file of chunks of compact records (docs/REPLAY.md), which the core's reader expands
+to records of a fixed layout (records.py OPLOG_FIELDS, then the record's arrays): a START record
 each time a handle begins recording (its JSON: the pool's geometry, the probes, the armed
 faults, the pool's operation number then), then one record per operation with its global
 sequence number (the segment's op_seq, shared by every process recording the pool), pid,
 thread, arguments, results, status and the findings the core wrote in it. `read_log` checks
-each record (magic, size, CRC-32) and raises `OplogError` with one line for a log that is
+each chunk (magic, size, check) and raises `OplogError` with one line for a log that is
 truncated or was edited.
 """
 
@@ -305,6 +306,23 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
     return out
 
 
+def parse_log(data: bytes, name: str = "log") -> list[OpRecord]:
+    """Every record of a log file's bytes (chunks of compact records, csrc/oplog.c), expanded
+    by the core's reader (csrc/oplogread.c) and sorted by pool and number, each record's
+    `offset` its chunk's in the file; OplogError (one line) where a chunk is cut short, fails
+    its check or holds what no core writes."""
+    from kvscope.allocator.native import _native  # (the core's reader)
+
+    try:
+        expanded, chunks = _native.oplog_expand(data)
+    except ValueError as e:
+        raise OplogError(f"{name}: {e}") from None
+    records = parse(expanded, name)
+    for r, at in zip(records, np.frombuffer(chunks, dtype=np.int64).tolist()):
+        r.offset = at
+    return records
+
+
 @dataclass
 class OpLog:
     """The records of one pool in a log, in operation order."""
@@ -332,7 +350,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
         raise OplogError(f"{path}: {e.strerror or e}") from None
     if not buf:
         raise OplogError(f"{path}: empty: no operation was recorded")
-    records = parse(buf, path)
+    records = parse_log(buf, path)
     starts = [r for r in records if r.op == OpCode.START]
     if not starts:
         raise OplogError(f"{path}: no start record (not an operation log from its beginning)")

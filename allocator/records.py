@@ -175,9 +175,12 @@ EVENT_FIELDS: list[Field] = [
     ("request", f"S{REQUEST_BYTES}"),
 ]
 # -- the operation log (docs/REPLAY.md) ---------------------------------------------------------
-# A file of records the C core appends (csrc/oplog.c), one write(2) each, while recording is on.
-OPLOG_MAGIC = 0x504F_564B  # "KVOP"
-OPLOG_VERSION = 1
+# A file of chunks the C core appends (csrc/oplog.c) while recording is on: each chunk a header
+# (OPLOG_CHUNK_FIELDS) and compact records (docs/REPLAY.md); a reader expands them into records
+# of OPLOG_FIELDS (csrc/oplog.c oplog_expand).
+OPLOG_MAGIC = 0x504F_564B  # "KVOP": an expanded record
+OPLOG_CHUNK_MAGIC = 0x434F_564B  # "KVOC": a chunk of the file
+OPLOG_VERSION = 2
 
 
 class OpCode(enum.IntEnum):
@@ -312,6 +315,19 @@ def lease_fields(max_blocks_per_seq: int) -> list[Field]:
         ("generations", "<u4", (max_blocks_per_seq,)),
     ]
 
+# A chunk of the log file: this header, then `n_records` compact records, zero padding to a
+# multiple of 8 bytes. `check` is the chunk's hash with `check` itself 0 (the records' hash).
+OPLOG_CHUNK_FIELDS: list[Field] = [
+    ("magic", "<u4"),
+    ("size", "<u4"),
+    ("check", "<u8"),
+    ("seq", "<u8"),  # the first record's number (each record holds its difference from the last)
+    ("time_ns", "<u8"),  # the wall clock the records' times count from
+    ("pid", "<i4"),
+    ("pool", "<u4"),
+    ("n_records", "<u4"),
+    ("flags", "<u4"),  # OPLOG_REDACTED
+]
 
 JOURNAL_ENTRY_FIELDS: list[Field] = [
     ("offset", "<u8"),
@@ -338,6 +354,7 @@ C_RECORDS = {
     "OF_": ("oplog_found", "kind"),
     "LH_": ("lease_header", "reclaimed"),
     "LS_": ("lease", "blocks"),
+    "OC_": ("oplog_chunk", "flags"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
@@ -361,6 +378,7 @@ C_SIZES = {
     "OPLOG_HEAD": "oplog",
     "OPLOG_FOUND": "oplog_found",
     "LEASE_COUNTS": "lease_header",  # the per-block lease counts follow its header
+    "OPLOG_CHUNK": "oplog_chunk",
 }
 
 
@@ -380,6 +398,7 @@ def record_fields(record: str) -> list[Field]:
         "oplog_found": lambda: OPLOG_FOUND_FIELDS,
         "lease_header": lambda: LEASE_HEADER_FIELDS,
         "lease": lambda: lease_fields(2),
+        "oplog_chunk": lambda: OPLOG_CHUNK_FIELDS,
     }[record]()
 
 
@@ -399,6 +418,7 @@ def c_values() -> dict[str, int]:
         "NUM_COUNTERS": len(COUNTER_FIELDS),
         "LOCK_MUTEX_BYTES": LOCK_MUTEX_BYTES,
         "OPLOG_MAGIC": OPLOG_MAGIC,
+        "OPLOG_CHUNK_MAGIC": OPLOG_CHUNK_MAGIC,
         "OPLOG_FAULT": OPLOG_FAULT,
         "OPLOG_REDACTED": OPLOG_REDACTED,
     }
@@ -465,7 +485,9 @@ def c_header() -> str:
         "#define KVSCOPE_LAYOUT_H",
     ]
     lines += [
-        f"#define {k} {v:#x}u" if k in ("BLOCK_MAGIC", "OPLOG_MAGIC") else f"#define {k} {v}"
+        f"#define {k} {v:#x}u"
+        if k in ("BLOCK_MAGIC", "OPLOG_MAGIC", "OPLOG_CHUNK_MAGIC")
+        else f"#define {k} {v}"
         for k, v in consts.items()
     ]
     lines.append("static const struct { const char *name; long long value; } KV_LAYOUT[] = {")
