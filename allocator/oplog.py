@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.records import (
     OPLOG_FAULT,
     OPLOG_FIELDS,
@@ -87,6 +88,7 @@ class OpRecord:
     found: list[tuple[str, int]] = field(default_factory=list)
     start: dict[str, Any] | None = None
     offset: int = 0
+    faults: int = 0  # the injected faults that fired (bit i: faults.FAULTS[i])
 
     @property
     def op_name(self) -> str:
@@ -99,6 +101,11 @@ class OpRecord:
     @property
     def fault(self) -> bool:
         return bool(self.flags & OPLOG_FAULT)
+
+    @property
+    def fault_names(self) -> list[str]:
+        """The injected faults that fired in the operation (or since the record before)."""
+        return [f for i, f in enumerate(FAULTS) if self.faults >> i & 1]
 
     @property
     def redacted(self) -> bool:
@@ -131,6 +138,8 @@ class OpRecord:
         d["found"] = [{"kind": k, "block": b} for k, b in self.found]
         if self.fault:
             d["fault"] = True
+            if self.faults:
+                d["faults"] = self.fault_names
         return d
 
 
@@ -207,7 +216,7 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
     u8 = np.frombuffer(buf, dtype=np.uint8)
     rows = u8[np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEAD)]
     hdr = rows.reshape(-1).view(_HEAD_DTYPE)
-    col = {name: hdr[name].tolist() for name in _NAMES if name not in ("magic", "check", "pad")}
+    col = {name: hdr[name].tolist() for name in _NAMES if name not in ("magic", "check")}
     i32 = memoryview(buf).cast("i")  # (little-endian hosts: the core writes native words)
     ops, nts, nbs, ncs, nps, nfs = (
         col["op"],
@@ -247,6 +256,7 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
         col["probes"],
         col["pool"],
     )
+    fired = col["faults"]
     seq_ids, src_ids, args_, results, times = (
         col["seq_id"],
         col["src_id"],
@@ -281,6 +291,8 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
             _NONE,
         )
         r.offset = pos
+        if fired[k]:
+            r.faults = fired[k]
         if op == start_op:
             try:
                 r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())

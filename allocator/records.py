@@ -235,7 +235,8 @@ OPLOG_FIELDS: list[Field] = [
     ("n_preempted", "<u4"),
     # the pool's tag (allocator/oplog.py pool_tag: several pools may record into one file)
     ("pool", "<u4"),
-    ("pad", "<u4"),
+    # the injected faults that fired since the record before (bit i: faults.FAULTS[i])
+    ("faults", "<u4"),
     # the sequence operated on (allocate, fork: the new one; -1: none), fork's source
     ("seq_id", "<i8"),
     ("src_id", "<i8"),

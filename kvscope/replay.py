@@ -493,7 +493,10 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
     total = sum(1 for r in records if r.op != _START)
     done = 0
     t0 = time.perf_counter()
-    with _quiet(quiet), Session(log) as session:
+    # Each fault is armed just before the operation the recording says it fired in, to strike
+    # at its next opportunity: the recording's process may have had opportunities a replay does
+    # not (transactions that are no operation: a slot-reserve refill).
+    with _quiet(quiet), Session(log, arm=False) as session:
         outcome = Outcome("end", 0, total)
         gap_after = {a - 1: (a, b) for a, b in log.gaps}
         early: set[tuple[str, int]] = set()
@@ -512,7 +515,12 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 if r is not log.start:
                     session.attach(r)
                 continue
+            if r.faults:
+                faults.ARMED.clear()
+                faults.ARMED.update({f: 1 for f in r.fault_names})
             got = session.run(r)
+            if r.faults:
+                faults.ARMED.clear()
             if got is None:
                 outcome = Outcome("missing", done, total, r)
                 break

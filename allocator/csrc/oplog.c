@@ -39,9 +39,6 @@ typedef struct Oplog {
     uint64_t base_seq, prev_seq, base_time, now; /* the chunk's, the last record's */
     int32_t prev_tid;
     uint32_t prev_probes;
-    pthread_t self; /* the last thread that recorded, its fork generation and Linux tid */
-    int self_gen;
-    int32_t self_tid;
     int32_t *tok;   /* the open call's tokens, as the core read them (oplog_tokens) */
     int64_t ntok, cap_tok;
     int have_tok;
@@ -202,15 +199,7 @@ static uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op, int bits, in
      * the 63 records before it) */
     if ((L->out_recs & 63) == 0) L->now = clock_ns(CLOCK_REALTIME_COARSE);
     uint64_t now = L->now;
-    /* (the thread's id cached by its pthread_self: gettid is a system call, a TLS variable a
-     * call in a shared library) */
-    pthread_t self = pthread_self();
-    if (!pthread_equal(self, L->self) || L->self_gen != fork_gen) {
-        L->self = self;
-        L->self_gen = fork_gen;
-        L->self_tid = thread_id();
-    }
-    int32_t tid = L->self_tid;
+    int32_t tid = thread_id(); /* (not cached by pthread_self: an ended thread's is reused) */
     uint32_t probes = (uint32_t)*n->probe_bits;
     if (L->out_recs == 0) {
         L->base_seq = L->prev_seq = seq;
@@ -270,11 +259,14 @@ static void oplog_write(Native *n, OpRec *o) {
         L->lost++;
         return;
     }
-    int bits = (o->status & 3) | (o->flags & OPLOG_FAULT ? CR_FAULT : 0);
+    uint32_t fired = n->oplog_fired;
+    n->oplog_fired = 0;
+    int bits = (o->status & 3) | (o->flags & OPLOG_FAULT || fired ? CR_FAULT : 0);
     if (!o->req_live && o->request[0]) bits |= CR_REQUEST;
     if (nc || npre || nf) bits |= CR_EXTRA;
     if (o->src_id != -1 || o->arg || o->result) bits |= CR_ARGS;
     uint8_t *p = oplog_head(n, L, p0, o->op, bits, o->seq_id);
+    if (bits & CR_FAULT) p = put_u(p, fired);
     if (bits & CR_ARGS) {
         p = put_s(p, o->src_id);
         p = put_s(p, o->arg);
@@ -334,7 +326,7 @@ static void oplog_write(Native *n, OpRec *o) {
     L->out_n += (size_t)(p - p0);
     L->out_recs++;
     /* something happened: on disk now */
-    if (o->status != OS_OK || nf || o->flags || o->op == OP_START || o->op == OP_REPORT)
+    if (o->status != OS_OK || nf || (bits & CR_FAULT) || o->op == OP_START || o->op == OP_REPORT)
         oplog_flush(L);
 }
 
@@ -545,7 +537,7 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
         !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
         (n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0) != armed0 ||
-        nb1 > (uint64_t)n->max_bps || L->lost || n->seg == NULL) {
+        nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL) {
         /* (anything but a plain append: the general record) */
         OpRec o;
         memset(&o, 0, sizeof o);
@@ -684,7 +676,6 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     if (L) {
         L->out_n = OPLOG_CHUNK;
         L->cap_out = OPLOG_OUT;
-        L->self_gen = -1;
     }
     if (out == NULL) {
         PyMem_Free(L);
@@ -702,6 +693,7 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     memset(&o, 0, sizeof o);
     o.op = OP_START;
     o.seq_id = o.src_id = -1;
+    n->oplog_fired = 0; /* (faults fired before: not this log's) */
     o.text = text;
     o.n_text = tl;
     o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;

@@ -10,6 +10,7 @@ typedef struct {
     int32_t pid, tid;
     uint32_t pool, probes;
     int op, status, flags, tmode, has_req;
+    uint32_t faults;
     int64_t seq_id, src_id, arg, result;
     char request[REQUEST_BYTES];
     int64_t chunk; /* the chunk's offset in the file */
@@ -93,6 +94,10 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
     }
     r->probes = *prev_probes;
     if (get_s(&p, end, &r->seq_id) != OK) return ERROR;
+    if (bits & CR_FAULT) {
+        if (get_u(&p, end, &u) != OK) return ERROR;
+        r->faults = (uint32_t)u;
+    }
     r->src_id = -1;
     if (bits & CR_ARGS) {
         if (get_s(&p, end, &r->src_id) != OK || get_s(&p, end, &r->arg) != OK ||
@@ -369,6 +374,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         U4(w + OR_N_COPIES) = (uint32_t)r->n_cop;
         U4(w + OR_N_PREEMPTED) = (uint32_t)r->n_pre;
         U4(w + OR_POOL) = r->pool;
+        U4(w + OR_FAULTS) = r->faults;
         U8(w + OR_SEQ_ID) = (uint64_t)r->seq_id;
         U8(w + OR_SRC_ID) = (uint64_t)r->src_id;
         U8(w + OR_ARG) = (uint64_t)r->arg;
