@@ -50,6 +50,9 @@ _NAMES = [f[0] for f in OPLOG_FIELDS]
 _I = {name: i for i, name in enumerate(_NAMES)}
 assert _HEAD_STRUCT.size == HEAD
 _HEAD_DTYPE = np.dtype(OPLOG_FIELDS)
+_OFF = packed_offsets(OPLOG_FIELDS)
+_N_AT, _NF_AT = _OFF["n_tokens"], _OFF["n_found"]
+assert _OFF["faults"] - _N_AT == 20  # (n_tokens .. n_preempted, pool, faults: _complete's)
 
 OP_NAMES = {int(o): o.name.lower() for o in OpCode}
 STATUS_NAMES = {int(s): s.name.lower() for s in OpStatus}
@@ -173,49 +176,92 @@ def record_checks(words: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> 
     return h
 
 
-def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
-    """Every record of a log's bytes, in file order; OplogError (one line) where a record is
-    cut short, fails its check or holds what no core writes."""
+def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
+    """A record's START text, fired faults, copies, preemptions and findings, from its bytes
+    at `pos` (OPLOG_FIELDS' layout)."""
+    nt, nb, nc, npre, fired = struct.unpack_from("<IIIIxxxxI", buf, pos + _N_AT)
+    nf = buf[pos + _NF_AT]
+    r.faults = fired
+    if r.op == OpCode.START:
+        try:
+            r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
+        except ValueError:
+            raise OplogError(f"{name}: the start record at offset {pos} is not JSON") from None
+        if not isinstance(r.start, dict):
+            raise OplogError(f"{name}: the start record at offset {pos} is not an object")
+        return
+    if nc or npre or nf:
+        p = pos + HEAD + 4 * nt + 4 * nb
+        flat = _ints(buf, p, 2 * nc, "i")
+        r.copies = list(zip(flat[::2], flat[1::2]))
+        p += 8 * nc
+        r.preempted = _ints(buf, p, npre, "q")
+        p += 8 * npre
+        found = []
+        for _ in range(nf):
+            (block,) = struct.unpack_from("<i", buf, p)
+            kind = buf[p + 4 : p + FOUND].rstrip(b"\0").decode("ascii", "replace")
+            found.append((kind, block))
+            p += FOUND
+        r.found = found
+
+
+def parse(
+    buf: bytes,
+    name: str = "log",
+    at: list[int] | None = None,
+    lists: list | None = None,
+    heads: bytes | None = None,
+) -> list[OpRecord]:
+    """Every record of a buffer of records of OPLOG_FIELDS' layout, in its order; OplogError
+    (one line) where a record is cut short, fails its check or holds what no core writes.
+    `at`, `lists` and `heads`: the records' offsets, their tokens and tables as lists and
+    their fixed parts, where the core's reader made them (oplog_expand: checked there)."""
     out: list[OpRecord] = []
-    pos, end = 0, len(buf)
-    offsets: list[int] = []
+    offsets: list[int] = at if at is not None else []
     sizes: list[int] = []
-    size_at = struct.Struct("<II").unpack_from
-    while pos < end:
-        if end - pos < HEAD:
-            raise OplogError(
-                f"{name}: truncated: {end - pos} bytes at offset {pos} are not a record"
-            )
-        magic, size = size_at(buf, pos)
-        if magic != OPLOG_MAGIC:
-            raise OplogError(f"{name}: offset {pos} is not a record (bad magic {magic:#x})")
-        if size < HEAD or size % 8:
-            raise OplogError(f"{name}: record at offset {pos} has an impossible size {size}")
-        if pos + size > end:
-            raise OplogError(
-                f"{name}: truncated: the record at offset {pos} needs {size} bytes, "
-                f"{end - pos} are left"
-            )
-        offsets.append(pos)
-        sizes.append(size)
-        pos += size
+    if at is None:
+        pos, end = 0, len(buf)
+        size_at = struct.Struct("<II").unpack_from
+        while pos < end:
+            if end - pos < HEAD:
+                raise OplogError(
+                    f"{name}: truncated: {end - pos} bytes at offset {pos} are not a record"
+                )
+            magic, size = size_at(buf, pos)
+            if magic != OPLOG_MAGIC:
+                raise OplogError(f"{name}: offset {pos} is not a record (bad magic {magic:#x})")
+            if size < HEAD or size % 8:
+                raise OplogError(f"{name}: record at offset {pos} has an impossible size {size}")
+            if pos + size > end:
+                raise OplogError(
+                    f"{name}: truncated: the record at offset {pos} needs {size} bytes, "
+                    f"{end - pos} are left"
+                )
+            offsets.append(pos)
+            sizes.append(size)
+            pos += size
     if not offsets:
         return out
-    words = np.frombuffer(buf, dtype="<u8")
-    starts = np.asarray(offsets, dtype=np.int64) // 8
-    checks = record_checks(words, starts, np.asarray(sizes, dtype=np.int64) // 8)
-    bad = np.flatnonzero(checks != words[starts + 2])
-    if len(bad):
-        at = offsets[int(bad[0])]
-        raise OplogError(
-            f"{name}: record at offset {at} (seq {words[at // 8 + 1]}) fails its check: "
-            "the log was edited or damaged"
-        )
+    if at is None:
+        words = np.frombuffer(buf, dtype="<u8")
+        starts = np.asarray(offsets, dtype=np.int64) // 8
+        checks = record_checks(words, starts, np.asarray(sizes, dtype=np.int64) // 8)
+        bad = np.flatnonzero(checks != words[starts + 2])
+        if len(bad):
+            at0 = offsets[int(bad[0])]
+            raise OplogError(
+                f"{name}: record at offset {at0} (seq {words[at0 // 8 + 1]}) fails its check: "
+                "the log was edited or damaged"
+            )
     # the fixed parts, decoded at once; each record's arrays read from the buffer's int32s
     n = len(offsets)
-    u8 = np.frombuffer(buf, dtype=np.uint8)
-    rows = u8[np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEAD)]
-    hdr = rows.reshape(-1).view(_HEAD_DTYPE)
+    if heads is not None:
+        hdr = np.frombuffer(heads, dtype=_HEAD_DTYPE)
+    else:
+        u8 = np.frombuffer(buf, dtype=np.uint8)
+        rows = u8[np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEAD)]
+        hdr = rows.reshape(-1).view(_HEAD_DTYPE)
     col = {name: hdr[name].tolist() for name in _NAMES if name not in ("magic", "check")}
     i32 = memoryview(buf).cast("i")  # (little-endian hosts: the core writes native words)
     ops, nts, nbs, ncs, nps, nfs = (
@@ -240,14 +286,12 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
         + 8 * hdr["n_preempted"].astype(np.int64)
         + FOUND * hdr["n_found"].astype(np.int64)
     )
-    bad_a = (
-        ~np.isin(op_a, list(OP_NAMES))
-        | ~np.isin(hdr["status"], list(STATUS_NAMES))
-        | (need_a > np.asarray(sizes, dtype=np.int64))
-    )
+    bad_a = ~np.isin(op_a, list(OP_NAMES)) | ~np.isin(hdr["status"], list(STATUS_NAMES))
+    if at is None:
+        bad_a |= need_a > np.asarray(sizes, dtype=np.int64)
     if bad_a.any():
-        at = offsets[int(np.flatnonzero(bad_a)[0])]
-        raise OplogError(f"{name}: record at offset {at} holds what no core writes")
+        bad_at = offsets[int(np.flatnonzero(bad_a)[0])]
+        raise OplogError(f"{name}: record at offset {bad_at} holds what no core writes")
     seqs, pids, tids, flags_, probes, pools = (
         col["seq"],
         col["pid"],
@@ -264,6 +308,40 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
         col["result"],
         col["time_ns"],
     )
+    if lists is not None:
+        # (the core made each record's lists: the records built at once, then the few with
+        # more to them completed)
+        names = {b: b.decode("utf-8", "replace") for b in set(requests)}
+        nones = [_NONE] * n
+        out = list(
+            map(
+                OpRecord,
+                seqs,
+                pids,
+                tids,
+                ops,
+                statuses,
+                flags_,
+                probes,
+                pools,
+                seq_ids,
+                src_ids,
+                args_,
+                results,
+                [names[b] for b in requests],
+                times,
+                lists[0::2],
+                lists[1::2],
+                nones,
+                nones,
+                nones,
+            )
+        )
+        more = (op_a == start_op) | (hdr["faults"] != 0)
+        more |= (hdr["n_copies"] != 0) | (hdr["n_preempted"] != 0) | (hdr["n_found"] != 0)
+        for k in np.flatnonzero(more).tolist():
+            _complete(out[k], buf, offsets[k], name)
+        return out
     for k in range(n):
         pos = offsets[k]
         op, nt, nb, nc, npre, nf = ops[k], nts[k], nbs[k], ncs[k], nps[k], nfs[k]
@@ -284,8 +362,14 @@ def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
             results[k],
             requests[k].decode("utf-8", "replace"),
             times[k],
-            [] if op == start_op else i32[w : w + nt].tolist(),
-            i32[w + tok_bytes // 4 : w + tok_bytes // 4 + nb].tolist(),
+            lists[2 * k]
+            if lists is not None
+            else []
+            if op == start_op
+            else i32[w : w + nt].tolist(),
+            lists[2 * k + 1]
+            if lists is not None
+            else i32[w + tok_bytes // 4 : w + tok_bytes // 4 + nb].tolist(),
             _NONE,
             _NONE,
             _NONE,
@@ -326,10 +410,10 @@ def parse_log(data: bytes, name: str = "log") -> list[OpRecord]:
     from kvscope.allocator.native import _native  # (the core's reader)
 
     try:
-        expanded, chunks = _native.oplog_expand(data)
+        expanded, chunks, at, lists, heads = _native.oplog_expand(data)
     except ValueError as e:
         raise OplogError(f"{name}: {e}") from None
-    records = parse(expanded, name)
+    records = parse(expanded, name, np.frombuffer(at, dtype=np.int64).tolist(), lists, heads)
     for r, at in zip(records, np.frombuffer(chunks, dtype=np.int64).tolist()):
         r.offset = at
     return records

@@ -215,9 +215,11 @@ static PyObject *expand_error(const char *what, int64_t at) {
     return NULL;
 }
 
-/* oplog_expand(data: bytes) -> (records: bytes, chunks: bytes): the log's records in the
- * layout of OPLOG_FIELDS (with their checks), sorted by pool and number, and the file offset
- * of each one's chunk (int64s); ValueError (one line) where the data is not whole chunks a core
+/* oplog_expand(data: bytes) -> (records, chunks, offsets, lists, heads):
+ * the log's records in the layout of OPLOG_FIELDS (with their checks), sorted by pool and
+ * number, the file offset of each one's chunk and each one's offset in `records` (int64s), and
+ * each one's tokens and block table as lists (2 a record), and the records' fixed parts one
+ * after another (bytes); ValueError (one line) where the data is not whole chunks a core
  * wrote. */
 static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
     Py_buffer in;
@@ -229,7 +231,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
     DRec **order = NULL;
     SeqMap M = {0};
     size_t nr = 0, cap_r = 0;
-    PyObject *out = NULL, *offs = NULL, *res = NULL;
+    PyObject *out = NULL, *offs = NULL, *at = NULL, *lists = NULL, *heads = NULL, *res = NULL;
     int64_t pos = 0;
     while (pos < len) {
         if (len - pos < OPLOG_CHUNK) {
@@ -348,12 +350,32 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
     }
     out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
     offs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * nr));
-    if (out == NULL || offs == NULL) goto done;
+    at = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * nr));
+    lists = PyList_New((Py_ssize_t)(2 * nr));
+    heads = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(OPLOG_HEAD * nr));
+    if (out == NULL || offs == NULL || at == NULL || lists == NULL || heads == NULL) goto done;
     uint8_t *w = (uint8_t *)PyBytes_AS_STRING(out);
     memset(w, 0, total);
     for (size_t i = 0; i < nr; i++) {
         DRec *r = order[i];
         ((int64_t *)PyBytes_AS_STRING(offs))[i] = r->chunk;
+        ((int64_t *)PyBytes_AS_STRING(at))[i] = w - (uint8_t *)PyBytes_AS_STRING(out);
+        /* (each record's tokens and table as lists too: what a reader makes of them) */
+        int64_t nl[2] = {r->op == OP_START ? 0 : r->n_tok, r->n_tab};
+        int64_t from[2] = {r->tok, r->tab};
+        for (int k = 0; k < 2; k++) {
+            PyObject *l = PyList_New((Py_ssize_t)nl[k]);
+            if (l == NULL) goto done;
+            for (int64_t j = 0; j < nl[k]; j++) {
+                PyObject *v = PyLong_FromLongLong((int32_t)A.a[from[k] + j]);
+                if (v == NULL) {
+                    Py_DECREF(l);
+                    goto done;
+                }
+                PyList_SET_ITEM(l, (Py_ssize_t)j, v);
+            }
+            PyList_SET_ITEM(lists, (Py_ssize_t)(2 * i + k), l);
+        }
         size_t tb = r->op == OP_START ? (size_t)r->n_tok : 4 * (size_t)r->n_tok;
         size_t sz = (OPLOG_HEAD + tb + 4 * (size_t)r->n_tab + 8 * (size_t)r->n_cop +
                      8 * (size_t)r->n_pre + OPLOG_FOUND * (size_t)r->n_fnd + 7) &
@@ -393,15 +415,19 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
             memcpy(q + OF_KIND, data + A.a[r->fnd + 3 * j + 1], (size_t)A.a[r->fnd + 3 * j + 2]);
         }
         U8(w + OR_CHECK) = record_check(w, sz);
+        memcpy(PyBytes_AS_STRING(heads) + OPLOG_HEAD * i, w, OPLOG_HEAD);
         w += sz;
     }
-    res = PyTuple_Pack(2, out, offs);
+    res = PyTuple_Pack(5, out, offs, at, lists, heads);
     goto done;
 nomem:
     PyErr_NoMemory();
 done:
     Py_XDECREF(out);
     Py_XDECREF(offs);
+    Py_XDECREF(at);
+    Py_XDECREF(lists);
+    Py_XDECREF(heads);
     PyMem_Free(A.a);
     PyMem_Free(recs);
     PyMem_Free(order);
