@@ -308,6 +308,14 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     assert out.returncode == 1, out.stderr
     assert "reproduced the recorded run up to a finding" in out.stdout
     assert "shrunk to 3 operation(s) that still find 'double_free'" in out.stdout
+    # the timeline of the dump marks where the replay of the log beside it stopped
+    out = subprocess.run(
+        [kvscope, "timeline", dump, "-o", "t.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert trace["otherData"]["replay"]["found"] == ["double_free"]
     run = subprocess.run(
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
@@ -427,3 +435,38 @@ def test_the_example_server_replays_exactly_and_shrinks(fault, tmp_path):
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 1 and "use_after_free" in run.stdout
+
+
+def test_timeline_marks_where_the_replay_stopped(tmp_path, pool_name, capsys):
+    """`kvscope timeline POOL --ops LOG`: the log replayed, and an instant across the trace at
+    the operation the replay reproduced the finding at; a damaged log is one line, exit 2."""
+    path = tmp_path / "run.ops"
+    faults.configure("refcount-skew")
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, guard=True))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        pool.record_ops(str(path))
+        try:
+            work(pool, 400)
+        except Exception:
+            pass
+        pool.verify()
+        pool.flush_recording()
+        seq, kind = found_at(read_log(str(path)))
+        out = tmp_path / "t.json"
+        assert main(["timeline", pool_name, "-o", str(out), "--ops", str(path)]) == 0
+        trace = json.loads(out.read_text())
+        marks = [e for e in trace["traceEvents"] if e["name"].startswith("replay ")]
+        assert len(marks) == 1 and marks[0]["ph"] == "i"
+        assert marks[0]["name"].startswith(f"replay reproduced the finding at operation {seq} ")
+        assert trace["otherData"]["replay"]["found"] == [kind]
+        assert f"stopped at operation {seq} (finding)" in capsys.readouterr().err
+        bad = tmp_path / "bad.ops"
+        bad.write_bytes(path.read_bytes()[:-9])
+        assert main(["timeline", pool_name, "-o", str(out), "--ops", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    finally:
+        faults.configure(None)
+        pool.close()
+        pool.unlink()
