@@ -7,6 +7,7 @@ divergence or finding; shrink a run to a minimal one that still finds the same k
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import io
@@ -870,3 +871,87 @@ __all__ = [
     "emit_script",
     "replay",
 ]
+
+
+# -- stepping through a log ---------------------------------------------------------------------
+
+
+class Stepper:
+    """A log's pool at any of its operations (`kvscope top DUMP --at N`): `goto(n)` replays the
+    operations numbered up to n on a fresh pool (forward from where it is, or from the start
+    going back), with each recorded fault armed where it fired, and `view()` is a consistent
+    copy of that pool. Results are not compared (`kvscope replay` does)."""
+
+    def __init__(self, log: OpLog):
+        self.log = log
+        self.ops = [r for r in log.records if r.op != _START]
+        self._session: Session | None = None
+        self._next = 0  # index in log.records of the next record to run
+        self.at = 0  # the last operation run (0: none)
+        self.record: OpRecord | None = None
+
+    @property
+    def first(self) -> int:
+        return self.ops[0].seq if self.ops else 0
+
+    @property
+    def last(self) -> int:
+        return self.ops[-1].seq if self.ops else 0
+
+    def goto(self, n: int) -> None:
+        """The pool after operation `n` (clamped to the log's: 0 before the first)."""
+        n = max(0, min(n, self.last))
+        if self._session is None or n < self.at:
+            self.close()
+            self._session = Session(self.log, arm=False)
+            self._next = 0
+            self.at = 0
+            self.record = None
+        records = self.log.records
+        session = self._session
+        with _quiet(True):
+            while self._next < len(records) and records[self._next].seq <= n:
+                r = records[self._next]
+                self._next += 1
+                if r.op == _START:
+                    if r is not self.log.start:
+                        session.attach(r)
+                    continue
+                if r.faults:
+                    faults.ARMED.clear()
+                    faults.ARMED.update({f: 1 for f in r.fault_names})
+                try:
+                    session.run(r)
+                finally:
+                    if r.faults:
+                        faults.ARMED.clear()
+                self.at = r.seq
+                self.record = r
+
+    def step(self, delta: int) -> None:
+        """`delta` operations forward (or back)."""
+        i = bisect.bisect_right([r.seq for r in self.ops], self.at) - 1  # (the op at `at`)
+        j = max(-1, min(len(self.ops) - 1, i + delta))
+        self.goto(0 if j < 0 else self.ops[j].seq)
+
+    def view(self) -> Any:
+        """A consistent copy of the pool now (a SegmentView)."""
+        from kvscope.allocator.snapshot import snapshot
+
+        assert self._session is not None, "goto first"
+        return snapshot(self._session.pool.view)
+
+    def describe(self) -> str:
+        """Where it is: the operation and its request, of how many."""
+        r = self.record
+        if r is None:
+            return f"before operation {self.first} of {len(self.ops)}"
+        i = bisect.bisect_right([x.seq for x in self.ops], r.seq)
+        what = f"{r.op_name} {r.request}".strip()
+        found = f" found {','.join(k for k, _ in r.found)}" if r.found else ""
+        return f"operation {r.seq} ({i} of {len(self.ops)}): {what}{found}"
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None

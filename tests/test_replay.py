@@ -470,3 +470,60 @@ def test_timeline_marks_where_the_replay_stopped(tmp_path, pool_name, capsys):
         faults.configure(None)
         pool.close()
         pool.unlink()
+
+
+def _used(view) -> int:
+    """Blocks of a pool view that sequences hold."""
+    from kvscope.allocator.layout import BlockState
+
+    return int((view.blocks["state"] == int(BlockState.ALLOCATED)).sum())
+
+
+def test_stepping_through_a_log_gives_the_pool_at_each_operation(tmp_path, pool_name):
+    """Stepper.goto(n): the pool a replay makes up to operation n, the same going forward from
+    an earlier one or back from a later one; step() moves by operations."""
+    from kvscope.replay import Stepper
+
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    used = {}
+    try:
+        seqs = [pool.allocate(f"r{i}", list(range(i, i + 9))) for i in range(4)]
+        for s in seqs[:2]:
+            pool.free(s)
+        pool.flush_recording()
+        for r in read_log(str(path)).records[1:]:
+            used[r.seq] = None
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    stepper = Stepper(log)
+    try:
+        # each operation's pool, forward
+        for seq in used:
+            stepper.goto(seq)
+            used[seq] = _used(stepper.view())
+        first, last = min(used), max(used)
+        assert used[first] == 3 and used[first + 3] == 12 and used[last] == 6
+        # back, and by steps
+        stepper.goto(first + 1)
+        assert _used(stepper.view()) == used[first + 1]
+        stepper.step(2)
+        assert stepper.at == first + 3 and _used(stepper.view()) == used[first + 3]
+        stepper.step(-3)
+        assert stepper.at == first and stepper.record is not None
+        assert "allocate r0" in stepper.describe()
+        stepper.step(-1)
+        assert stepper.at == 0 and _used(stepper.view()) == 0
+        stepper.goto(10**9)
+        assert stepper.at == last
+    finally:
+        stepper.close()
+
+
+def test_top_at_without_a_log_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["top", str(tmp_path / "none.kvd"), "--at", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    assert main(["top", str(tmp_path / "none.kvd"), "--at", "-1"]) == 2
