@@ -171,6 +171,8 @@ LEASE_HEADER_DTYPE = np.dtype(LEASE_HEADER_FIELDS)
 def lease_dtype(max_blocks_per_seq: int) -> np.dtype:
     """One lease record (records.lease_fields); the table holds `lease_capacity` of them."""
     return np.dtype(lease_fields(max_blocks_per_seq))
+
+
 OPLOG_CHUNK_DTYPE = np.dtype(OPLOG_CHUNK_FIELDS)
 
 

@@ -316,6 +316,7 @@ def lease_fields(max_blocks_per_seq: int) -> list[Field]:
         ("generations", "<u4", (max_blocks_per_seq,)),
     ]
 
+
 # A chunk of the log file: this header, then `n_records` compact records, zero padding to a
 # multiple of 8 bytes. `check` is the chunk's hash with `check` itself 0 (the records' hash).
 OPLOG_CHUNK_FIELDS: list[Field] = [
