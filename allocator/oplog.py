@@ -27,7 +27,6 @@ from kvscope.allocator.records import (
     OPLOG_FAULT,
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
-    OPLOG_MAGIC,
     OPLOG_REDACTED,
     OPLOG_VERSION,
     OpCode,
@@ -155,27 +154,6 @@ def _ints(buf: bytes, pos: int, n: int, code: str) -> list:
     return list(struct.unpack_from(f"<{n}{code}", buf, pos)) if n else []
 
 
-_M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
-_S33 = np.uint64(33)
-
-
-def record_checks(words: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Each record's check (csrc/oplog.c record_check), for records of `counts` 64-bit words
-    starting at word `starts` of `words` (their check words taken as 0)."""
-    w = words.copy()
-    w[starts + 2] = 0
-    rel = np.arange(len(w), dtype=np.uint64) - np.repeat(starts, counts).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        h = np.add.reduceat(w * (rel * np.uint64(2) + np.uint64(1)), starts)
-        h ^= h >> _S33
-        h *= _M1
-        h ^= h >> _S33
-        h *= _M2
-        h ^= h >> _S33
-    h[h == 0] = 1
-    return h
-
-
 def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
     """A record's START text, fired faults, copies, preemptions and findings, from its bytes
     at `pos` (OPLOG_FIELDS' layout)."""
@@ -206,199 +184,54 @@ def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
         r.found = found
 
 
-def parse(
-    buf: bytes,
-    name: str = "log",
-    at: list[int] | None = None,
-    lists: list | None = None,
-    heads: bytes | None = None,
-) -> list[OpRecord]:
-    """Every record of a buffer of records of OPLOG_FIELDS' layout, in its order; OplogError
-    (one line) where a record is cut short, fails its check or holds what no core writes.
-    `at`, `lists` and `heads`: the records' offsets, their tokens and tables as lists and
-    their fixed parts, where the core's reader made them (oplog_expand: checked there)."""
-    out: list[OpRecord] = []
-    offsets: list[int] = at if at is not None else []
-    sizes: list[int] = []
-    if at is None:
-        pos, end = 0, len(buf)
-        size_at = struct.Struct("<II").unpack_from
-        while pos < end:
-            if end - pos < HEAD:
-                raise OplogError(
-                    f"{name}: truncated: {end - pos} bytes at offset {pos} are not a record"
-                )
-            magic, size = size_at(buf, pos)
-            if magic != OPLOG_MAGIC:
-                raise OplogError(f"{name}: offset {pos} is not a record (bad magic {magic:#x})")
-            if size < HEAD or size % 8:
-                raise OplogError(f"{name}: record at offset {pos} has an impossible size {size}")
-            if pos + size > end:
-                raise OplogError(
-                    f"{name}: truncated: the record at offset {pos} needs {size} bytes, "
-                    f"{end - pos} are left"
-                )
-            offsets.append(pos)
-            sizes.append(size)
-            pos += size
-    if not offsets:
-        return out
-    if at is None:
-        words = np.frombuffer(buf, dtype="<u8")
-        starts = np.asarray(offsets, dtype=np.int64) // 8
-        checks = record_checks(words, starts, np.asarray(sizes, dtype=np.int64) // 8)
-        bad = np.flatnonzero(checks != words[starts + 2])
-        if len(bad):
-            at0 = offsets[int(bad[0])]
-            raise OplogError(
-                f"{name}: record at offset {at0} (seq {words[at0 // 8 + 1]}) fails its check: "
-                "the log was edited or damaged"
-            )
-    # the fixed parts, decoded at once; each record's arrays read from the buffer's int32s
-    n = len(offsets)
-    if heads is not None:
-        hdr = np.frombuffer(heads, dtype=_HEAD_DTYPE)
-    else:
-        u8 = np.frombuffer(buf, dtype=np.uint8)
-        rows = u8[np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEAD)]
-        hdr = rows.reshape(-1).view(_HEAD_DTYPE)
+def parse(buf: bytes, name: str, at: list[int], lists: list, heads: bytes) -> list[OpRecord]:
+    """The records the core's reader expanded (oplog_expand: each chunk checked there) into
+    `buf`, records of OPLOG_FIELDS' layout at offsets `at`, with their tokens and tables as
+    `lists` and their fixed parts `heads`, in their order; OplogError (one line) where a record
+    holds what no core writes."""
+    if not at:
+        return []
+    n = len(at)
+    hdr = np.frombuffer(heads, dtype=_HEAD_DTYPE)
     col = {name: hdr[name].tolist() for name in _NAMES if name not in ("magic", "check")}
-    i32 = memoryview(buf).cast("i")  # (little-endian hosts: the core writes native words)
-    ops, nts, nbs, ncs, nps, nfs = (
-        col["op"],
-        col["n_tokens"],
-        col["n_blocks"],
-        col["n_copies"],
-        col["n_preempted"],
-        col["n_found"],
-    )
-    statuses = col["status"]
-    requests = col["request"]  # (numpy's S32 items: their trailing zeros dropped)
     start_op = int(OpCode.START)
-    # what no core writes, checked at once: an unknown op or status, arrays past the record
     op_a = hdr["op"].astype(np.int64)
-    tok_a = np.where(op_a == start_op, 1, 4) * hdr["n_tokens"].astype(np.int64)
-    need_a = (
-        HEAD
-        + tok_a
-        + 4 * hdr["n_blocks"].astype(np.int64)
-        + 8 * hdr["n_copies"].astype(np.int64)
-        + 8 * hdr["n_preempted"].astype(np.int64)
-        + FOUND * hdr["n_found"].astype(np.int64)
-    )
     bad_a = ~np.isin(op_a, list(OP_NAMES)) | ~np.isin(hdr["status"], list(STATUS_NAMES))
-    if at is None:
-        bad_a |= need_a > np.asarray(sizes, dtype=np.int64)
     if bad_a.any():
-        bad_at = offsets[int(np.flatnonzero(bad_a)[0])]
+        bad_at = at[int(np.flatnonzero(bad_a)[0])]
         raise OplogError(f"{name}: record at offset {bad_at} holds what no core writes")
-    seqs, pids, tids, flags_, probes, pools = (
-        col["seq"],
-        col["pid"],
-        col["tid"],
-        col["flags"],
-        col["probes"],
-        col["pool"],
-    )
-    fired = col["faults"]
-    seq_ids, src_ids, args_, results, times = (
-        col["seq_id"],
-        col["src_id"],
-        col["arg"],
-        col["result"],
-        col["time_ns"],
-    )
-    if lists is not None:
-        # (the core made each record's lists: the records built at once, then the few with
-        # more to them completed)
-        names = {b: b.decode("utf-8", "replace") for b in set(requests)}
-        nones = [_NONE] * n
-        out = list(
-            map(
-                OpRecord,
-                seqs,
-                pids,
-                tids,
-                ops,
-                statuses,
-                flags_,
-                probes,
-                pools,
-                seq_ids,
-                src_ids,
-                args_,
-                results,
-                [names[b] for b in requests],
-                times,
-                lists[0::2],
-                lists[1::2],
-                nones,
-                nones,
-                nones,
-            )
+    requests = col["request"]  # (numpy's S32 items: their trailing zeros dropped)
+    names = {b: b.decode("utf-8", "replace") for b in set(requests)}
+    nones = [_NONE] * n
+    # the records built at once, then the few with more to them completed from their bytes
+    out = list(
+        map(
+            OpRecord,
+            col["seq"],
+            col["pid"],
+            col["tid"],
+            col["op"],
+            col["status"],
+            col["flags"],
+            col["probes"],
+            col["pool"],
+            col["seq_id"],
+            col["src_id"],
+            col["arg"],
+            col["result"],
+            [names[b] for b in requests],
+            col["time_ns"],
+            lists[0::2],
+            lists[1::2],
+            nones,
+            nones,
+            nones,
         )
-        more = (op_a == start_op) | (hdr["faults"] != 0)
-        more |= (hdr["n_copies"] != 0) | (hdr["n_preempted"] != 0) | (hdr["n_found"] != 0)
-        for k in np.flatnonzero(more).tolist():
-            _complete(out[k], buf, offsets[k], name)
-        return out
-    for k in range(n):
-        pos = offsets[k]
-        op, nt, nb, nc, npre, nf = ops[k], nts[k], nbs[k], ncs[k], nps[k], nfs[k]
-        tok_bytes = nt if op == start_op else 4 * nt
-        w = (pos + HEAD) // 4
-        r = OpRecord(
-            seqs[k],
-            pids[k],
-            tids[k],
-            op,
-            statuses[k],
-            flags_[k],
-            probes[k],
-            pools[k],
-            seq_ids[k],
-            src_ids[k],
-            args_[k],
-            results[k],
-            requests[k].decode("utf-8", "replace"),
-            times[k],
-            lists[2 * k]
-            if lists is not None
-            else []
-            if op == start_op
-            else i32[w : w + nt].tolist(),
-            lists[2 * k + 1]
-            if lists is not None
-            else i32[w + tok_bytes // 4 : w + tok_bytes // 4 + nb].tolist(),
-            _NONE,
-            _NONE,
-            _NONE,
-        )
-        r.offset = pos
-        if fired[k]:
-            r.faults = fired[k]
-        if op == start_op:
-            try:
-                r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
-            except ValueError:
-                raise OplogError(f"{name}: the start record at offset {pos} is not JSON") from None
-            if not isinstance(r.start, dict):
-                raise OplogError(f"{name}: the start record at offset {pos} is not an object")
-        if nc or npre or nf:
-            p = pos + HEAD + tok_bytes + 4 * nb
-            flat = _ints(buf, p, 2 * nc, "i")
-            r.copies = list(zip(flat[::2], flat[1::2]))
-            p += 8 * nc
-            r.preempted = _ints(buf, p, npre, "q")
-            p += 8 * npre
-            found = []
-            for _ in range(nf):
-                (block,) = struct.unpack_from("<i", buf, p)
-                kind = buf[p + 4 : p + FOUND].rstrip(b"\0").decode("ascii", "replace")
-                found.append((kind, block))
-                p += FOUND
-            r.found = found
-        out.append(r)
+    )
+    more = (op_a == start_op) | (hdr["faults"] != 0)
+    more |= (hdr["n_copies"] != 0) | (hdr["n_preempted"] != 0) | (hdr["n_found"] != 0)
+    for k in np.flatnonzero(more).tolist():
+        _complete(out[k], buf, at[k], name)
     return out
 
 
