@@ -49,4 +49,5 @@
 #include "csrc/devconfig.c"
 #include "csrc/audit.c"
 #include "csrc/oplog.c"
+#include "csrc/oplogread.c"
 #include "csrc/module.c"

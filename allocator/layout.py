@@ -41,6 +41,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     LRU_ENTRY_FIELDS,
     LRU_HEADER_FIELDS,
     LRU_KEEP,
+    OPLOG_CHUNK_FIELDS,
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
     PROVENANCE_FIELDS,
@@ -173,6 +174,9 @@ PROVENANCE_DTYPE = np.dtype(PROVENANCE_FIELDS)
 def lease_dtype(max_blocks_per_seq: int) -> np.dtype:
     """One lease record (records.lease_fields); the table holds `lease_capacity` of them."""
     return np.dtype(lease_fields(max_blocks_per_seq))
+
+
+OPLOG_CHUNK_DTYPE = np.dtype(OPLOG_CHUNK_FIELDS)
 
 
 def seq_dtype(max_blocks_per_seq: int) -> np.dtype:

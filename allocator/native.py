@@ -57,6 +57,7 @@ from kvscope.allocator.layout import (
     LRU_ENTRY_DTYPE,
     LRU_HEADER_DTYPE,
     NUM_SITES,
+    OPLOG_CHUNK_DTYPE,
     OPLOG_DTYPE,
     OPLOG_FOUND_DTYPE,
     PROVENANCE_DTYPE,
@@ -108,6 +109,7 @@ def expected_layout() -> dict[str, int]:
         "lease_header": LEASE_HEADER_DTYPE,
         "lease": lease_dtype(2),
         "provenance": PROVENANCE_DTYPE,
+        "oplog_chunk": OPLOG_CHUNK_DTYPE,
     }
     out = records.c_values()
     for name, (record, field) in records.c_offset_names().items():

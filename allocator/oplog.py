@@ -1,12 +1,13 @@
 """The operation log (docs/REPLAY.md): what a recording handle's C core appends for every
 public operation (csrc/oplog.c), and its reader.
 
-A log is a file of records (records.py OPLOG_FIELDS, then the record's arrays): a START record
+A log is a file of chunks of compact records (docs/REPLAY.md), which the core's reader expands
+to records of a fixed layout (records.py OPLOG_FIELDS, then the record's arrays): a START record
 each time a handle begins recording (its JSON: the pool's geometry, the probes, the armed
 faults, the pool's operation number then), then one record per operation with its global
 sequence number (the segment's op_seq, shared by every process recording the pool), pid,
 thread, arguments, results, status and the findings the core wrote in it. `read_log` checks
-each record (magic, size, CRC-32) and raises `OplogError` with one line for a log that is
+each chunk (magic, size, check) and raises `OplogError` with one line for a log that is
 truncated or was edited.
 """
 
@@ -21,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.records import (
     OPLOG_FAULT,
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
-    OPLOG_MAGIC,
     OPLOG_REDACTED,
     OPLOG_VERSION,
     OpCode,
@@ -48,6 +49,9 @@ _NAMES = [f[0] for f in OPLOG_FIELDS]
 _I = {name: i for i, name in enumerate(_NAMES)}
 assert _HEAD_STRUCT.size == HEAD
 _HEAD_DTYPE = np.dtype(OPLOG_FIELDS)
+_OFF = packed_offsets(OPLOG_FIELDS)
+_N_AT, _NF_AT = _OFF["n_tokens"], _OFF["n_found"]
+assert _OFF["faults"] - _N_AT == 20  # (n_tokens .. n_preempted, pool, faults: _complete's)
 
 OP_NAMES = {int(o): o.name.lower() for o in OpCode}
 STATUS_NAMES = {int(s): s.name.lower() for s in OpStatus}
@@ -86,6 +90,7 @@ class OpRecord:
     found: list[tuple[str, int]] = field(default_factory=list)
     start: dict[str, Any] | None = None
     offset: int = 0
+    faults: int = 0  # the injected faults that fired (bit i: faults.FAULTS[i])
 
     @property
     def op_name(self) -> str:
@@ -98,6 +103,11 @@ class OpRecord:
     @property
     def fault(self) -> bool:
         return bool(self.flags & OPLOG_FAULT)
+
+    @property
+    def fault_names(self) -> list[str]:
+        """The injected faults that fired in the operation (or since the record before)."""
+        return [f for i, f in enumerate(FAULTS) if self.faults >> i & 1]
 
     @property
     def redacted(self) -> bool:
@@ -130,6 +140,8 @@ class OpRecord:
         d["found"] = [{"kind": k, "block": b} for k, b in self.found]
         if self.fault:
             d["fault"] = True
+            if self.faults:
+                d["faults"] = self.fault_names
         return d
 
 
@@ -142,167 +154,102 @@ def _ints(buf: bytes, pos: int, n: int, code: str) -> list:
     return list(struct.unpack_from(f"<{n}{code}", buf, pos)) if n else []
 
 
-_M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
-_S33 = np.uint64(33)
+def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
+    """A record's START text, fired faults, copies, preemptions and findings, from its bytes
+    at `pos` (OPLOG_FIELDS' layout)."""
+    nt, nb, nc, npre, fired = struct.unpack_from("<IIIIxxxxI", buf, pos + _N_AT)
+    nf = buf[pos + _NF_AT]
+    r.faults = fired
+    if r.op == OpCode.START:
+        try:
+            r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
+        except ValueError:
+            raise OplogError(f"{name}: the start record at offset {pos} is not JSON") from None
+        if not isinstance(r.start, dict):
+            raise OplogError(f"{name}: the start record at offset {pos} is not an object")
+        return
+    if nc or npre or nf:
+        p = pos + HEAD + 4 * nt + 4 * nb
+        flat = _ints(buf, p, 2 * nc, "i")
+        r.copies = list(zip(flat[::2], flat[1::2]))
+        p += 8 * nc
+        r.preempted = _ints(buf, p, npre, "q")
+        p += 8 * npre
+        found = []
+        for _ in range(nf):
+            (block,) = struct.unpack_from("<i", buf, p)
+            kind = buf[p + 4 : p + FOUND].rstrip(b"\0").decode("ascii", "replace")
+            found.append((kind, block))
+            p += FOUND
+        r.found = found
 
 
-def record_checks(words: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Each record's check (csrc/oplog.c record_check), for records of `counts` 64-bit words
-    starting at word `starts` of `words` (their check words taken as 0)."""
-    w = words.copy()
-    w[starts + 2] = 0
-    rel = np.arange(len(w), dtype=np.uint64) - np.repeat(starts, counts).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        h = np.add.reduceat(w * (rel * np.uint64(2) + np.uint64(1)), starts)
-        h ^= h >> _S33
-        h *= _M1
-        h ^= h >> _S33
-        h *= _M2
-        h ^= h >> _S33
-    h[h == 0] = 1
-    return h
-
-
-def parse(buf: bytes, name: str = "log") -> list[OpRecord]:
-    """Every record of a log's bytes, in file order; OplogError (one line) where a record is
-    cut short, fails its check or holds what no core writes."""
-    out: list[OpRecord] = []
-    pos, end = 0, len(buf)
-    offsets: list[int] = []
-    sizes: list[int] = []
-    size_at = struct.Struct("<II").unpack_from
-    while pos < end:
-        if end - pos < HEAD:
-            raise OplogError(
-                f"{name}: truncated: {end - pos} bytes at offset {pos} are not a record"
-            )
-        magic, size = size_at(buf, pos)
-        if magic != OPLOG_MAGIC:
-            raise OplogError(f"{name}: offset {pos} is not a record (bad magic {magic:#x})")
-        if size < HEAD or size % 8:
-            raise OplogError(f"{name}: record at offset {pos} has an impossible size {size}")
-        if pos + size > end:
-            raise OplogError(
-                f"{name}: truncated: the record at offset {pos} needs {size} bytes, "
-                f"{end - pos} are left"
-            )
-        offsets.append(pos)
-        sizes.append(size)
-        pos += size
-    if not offsets:
-        return out
-    words = np.frombuffer(buf, dtype="<u8")
-    starts = np.asarray(offsets, dtype=np.int64) // 8
-    checks = record_checks(words, starts, np.asarray(sizes, dtype=np.int64) // 8)
-    bad = np.flatnonzero(checks != words[starts + 2])
-    if len(bad):
-        at = offsets[int(bad[0])]
-        raise OplogError(
-            f"{name}: record at offset {at} (seq {words[at // 8 + 1]}) fails its check: "
-            "the log was edited or damaged"
-        )
-    # the fixed parts, decoded at once; each record's arrays read from the buffer's int32s
-    n = len(offsets)
-    u8 = np.frombuffer(buf, dtype=np.uint8)
-    rows = u8[np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(HEAD)]
-    hdr = rows.reshape(-1).view(_HEAD_DTYPE)
-    col = {name: hdr[name].tolist() for name in _NAMES if name not in ("magic", "check", "pad")}
-    i32 = memoryview(buf).cast("i")  # (little-endian hosts: the core writes native words)
-    ops, nts, nbs, ncs, nps, nfs = (
-        col["op"],
-        col["n_tokens"],
-        col["n_blocks"],
-        col["n_copies"],
-        col["n_preempted"],
-        col["n_found"],
-    )
-    statuses = col["status"]
-    requests = col["request"]  # (numpy's S32 items: their trailing zeros dropped)
+def parse(buf: bytes, name: str, at: list[int], lists: list, heads: bytes) -> list[OpRecord]:
+    """The records the core's reader expanded (oplog_expand: each chunk checked there) into
+    `buf`, records of OPLOG_FIELDS' layout at offsets `at`, with their tokens and tables as
+    `lists` and their fixed parts `heads`, in their order; OplogError (one line) where a record
+    holds what no core writes."""
+    if not at:
+        return []
+    n = len(at)
+    hdr = np.frombuffer(heads, dtype=_HEAD_DTYPE)
+    col = {name: hdr[name].tolist() for name in _NAMES if name not in ("magic", "check")}
     start_op = int(OpCode.START)
-    # what no core writes, checked at once: an unknown op or status, arrays past the record
     op_a = hdr["op"].astype(np.int64)
-    tok_a = np.where(op_a == start_op, 1, 4) * hdr["n_tokens"].astype(np.int64)
-    need_a = (
-        HEAD
-        + tok_a
-        + 4 * hdr["n_blocks"].astype(np.int64)
-        + 8 * hdr["n_copies"].astype(np.int64)
-        + 8 * hdr["n_preempted"].astype(np.int64)
-        + FOUND * hdr["n_found"].astype(np.int64)
-    )
-    bad_a = (
-        ~np.isin(op_a, list(OP_NAMES))
-        | ~np.isin(hdr["status"], list(STATUS_NAMES))
-        | (need_a > np.asarray(sizes, dtype=np.int64))
-    )
+    bad_a = ~np.isin(op_a, list(OP_NAMES)) | ~np.isin(hdr["status"], list(STATUS_NAMES))
     if bad_a.any():
-        at = offsets[int(np.flatnonzero(bad_a)[0])]
-        raise OplogError(f"{name}: record at offset {at} holds what no core writes")
-    seqs, pids, tids, flags_, probes, pools = (
-        col["seq"],
-        col["pid"],
-        col["tid"],
-        col["flags"],
-        col["probes"],
-        col["pool"],
-    )
-    seq_ids, src_ids, args_, results, times = (
-        col["seq_id"],
-        col["src_id"],
-        col["arg"],
-        col["result"],
-        col["time_ns"],
-    )
-    for k in range(n):
-        pos = offsets[k]
-        op, nt, nb, nc, npre, nf = ops[k], nts[k], nbs[k], ncs[k], nps[k], nfs[k]
-        tok_bytes = nt if op == start_op else 4 * nt
-        w = (pos + HEAD) // 4
-        r = OpRecord(
-            seqs[k],
-            pids[k],
-            tids[k],
-            op,
-            statuses[k],
-            flags_[k],
-            probes[k],
-            pools[k],
-            seq_ids[k],
-            src_ids[k],
-            args_[k],
-            results[k],
-            requests[k].decode("utf-8", "replace"),
-            times[k],
-            [] if op == start_op else i32[w : w + nt].tolist(),
-            i32[w + tok_bytes // 4 : w + tok_bytes // 4 + nb].tolist(),
-            _NONE,
-            _NONE,
-            _NONE,
+        bad_at = at[int(np.flatnonzero(bad_a)[0])]
+        raise OplogError(f"{name}: record at offset {bad_at} holds what no core writes")
+    requests = col["request"]  # (numpy's S32 items: their trailing zeros dropped)
+    names = {b: b.decode("utf-8", "replace") for b in set(requests)}
+    nones = [_NONE] * n
+    # the records built at once, then the few with more to them completed from their bytes
+    out = list(
+        map(
+            OpRecord,
+            col["seq"],
+            col["pid"],
+            col["tid"],
+            col["op"],
+            col["status"],
+            col["flags"],
+            col["probes"],
+            col["pool"],
+            col["seq_id"],
+            col["src_id"],
+            col["arg"],
+            col["result"],
+            [names[b] for b in requests],
+            col["time_ns"],
+            lists[0::2],
+            lists[1::2],
+            nones,
+            nones,
+            nones,
         )
-        r.offset = pos
-        if op == start_op:
-            try:
-                r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
-            except ValueError:
-                raise OplogError(f"{name}: the start record at offset {pos} is not JSON") from None
-            if not isinstance(r.start, dict):
-                raise OplogError(f"{name}: the start record at offset {pos} is not an object")
-        if nc or npre or nf:
-            p = pos + HEAD + tok_bytes + 4 * nb
-            flat = _ints(buf, p, 2 * nc, "i")
-            r.copies = list(zip(flat[::2], flat[1::2]))
-            p += 8 * nc
-            r.preempted = _ints(buf, p, npre, "q")
-            p += 8 * npre
-            found = []
-            for _ in range(nf):
-                (block,) = struct.unpack_from("<i", buf, p)
-                kind = buf[p + 4 : p + FOUND].rstrip(b"\0").decode("ascii", "replace")
-                found.append((kind, block))
-                p += FOUND
-            r.found = found
-        out.append(r)
+    )
+    more = (op_a == start_op) | (hdr["faults"] != 0)
+    more |= (hdr["n_copies"] != 0) | (hdr["n_preempted"] != 0) | (hdr["n_found"] != 0)
+    for k in np.flatnonzero(more).tolist():
+        _complete(out[k], buf, at[k], name)
     return out
+
+
+def parse_log(data: bytes, name: str = "log") -> list[OpRecord]:
+    """Every record of a log file's bytes (chunks of compact records, csrc/oplog.c), expanded
+    by the core's reader (csrc/oplogread.c) and sorted by pool and number, each record's
+    `offset` its chunk's in the file; OplogError (one line) where a chunk is cut short, fails
+    its check or holds what no core writes."""
+    from kvscope.allocator.native import _native  # (the core's reader)
+
+    try:
+        expanded, chunks, at, lists, heads = _native.oplog_expand(data)
+    except ValueError as e:
+        raise OplogError(f"{name}: {e}") from None
+    records = parse(expanded, name, np.frombuffer(at, dtype=np.int64).tolist(), lists, heads)
+    for r, at in zip(records, np.frombuffer(chunks, dtype=np.int64).tolist()):
+        r.offset = at
+    return records
 
 
 @dataclass
@@ -332,7 +279,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
         raise OplogError(f"{path}: {e.strerror or e}") from None
     if not buf:
         raise OplogError(f"{path}: empty: no operation was recorded")
-    records = parse(buf, path)
+    records = parse_log(buf, path)
     starts = [r for r in records if r.op == OpCode.START]
     if not starts:
         raise OplogError(f"{path}: no start record (not an operation log from its beginning)")

@@ -67,7 +67,7 @@ _RECORDING: weakref.WeakSet[KVPool] = weakref.WeakSet()
 def _flush_recordings() -> None:
     for pool in list(_RECORDING):
         if not pool.closed and pool.pid == os.getpid():
-            pool._core.oplog_flush()
+            pool.flush_recording()
 
 
 def _env_key() -> int:
@@ -342,6 +342,12 @@ class KVPool:
             self._core.oplog_open(path, redact_key, text, off, tag)
         self._recording = path
         _RECORDING.add(self)
+
+    def flush_recording(self) -> None:
+        """Write the records this handle's core holds still (record_ops) into the log now."""
+        self._check_process()
+        with self.op_mutex:
+            self._core.oplog_flush()
 
     def stop_recording(self) -> None:
         """Stop recording operations (record_ops)."""

@@ -175,9 +175,12 @@ EVENT_FIELDS: list[Field] = [
     ("request", f"S{REQUEST_BYTES}"),
 ]
 # -- the operation log (docs/REPLAY.md) ---------------------------------------------------------
-# A file of records the C core appends (csrc/oplog.c), one write(2) each, while recording is on.
-OPLOG_MAGIC = 0x504F_564B  # "KVOP"
-OPLOG_VERSION = 1
+# A file of chunks the C core appends (csrc/oplog.c) while recording is on: each chunk a header
+# (OPLOG_CHUNK_FIELDS) and compact records (docs/REPLAY.md); a reader expands them into records
+# of OPLOG_FIELDS (csrc/oplog.c oplog_expand).
+OPLOG_MAGIC = 0x504F_564B  # "KVOP": an expanded record
+OPLOG_CHUNK_MAGIC = 0x434F_564B  # "KVOC": a chunk of the file
+OPLOG_VERSION = 2
 
 
 class OpCode(enum.IntEnum):
@@ -232,7 +235,8 @@ OPLOG_FIELDS: list[Field] = [
     ("n_preempted", "<u4"),
     # the pool's tag (allocator/oplog.py pool_tag: several pools may record into one file)
     ("pool", "<u4"),
-    ("pad", "<u4"),
+    # the injected faults that fired since the record before (bit i: faults.FAULTS[i])
+    ("faults", "<u4"),
     # the sequence operated on (allocate, fork: the new one; -1: none), fork's source
     ("seq_id", "<i8"),
     ("src_id", "<i8"),
@@ -301,7 +305,8 @@ def lease_fields(max_blocks_per_seq: int) -> list[Field]:
         ("lease_id", "<u8"),
         ("seq_id", "<u8"),
         ("seq_slot", "<i4"),
-        ("pad2", "<u4"),
+        # where it was taken: a site id of the site table (-1: sites off), as a block's `site`
+        ("site", "<i4"),
         # wall-clock time it was taken; its deadline on CLOCK_MONOTONIC (a leak past it)
         ("taken_ns", "<u8"),
         ("deadline_ns", "<u8"),
@@ -311,6 +316,20 @@ def lease_fields(max_blocks_per_seq: int) -> list[Field]:
         ("generations", "<u4", (max_blocks_per_seq,)),
     ]
 
+
+# A chunk of the log file: this header, then `n_records` compact records, zero padding to a
+# multiple of 8 bytes. `check` is the chunk's hash with `check` itself 0 (the records' hash).
+OPLOG_CHUNK_FIELDS: list[Field] = [
+    ("magic", "<u4"),
+    ("size", "<u4"),
+    ("check", "<u8"),
+    ("seq", "<u8"),  # the first record's number (each record holds its difference from the last)
+    ("time_ns", "<u8"),  # the wall clock the records' times count from
+    ("pid", "<i4"),
+    ("pool", "<u4"),
+    ("n_records", "<u4"),
+    ("flags", "<u4"),  # OPLOG_REDACTED
+]
 
 # Slot provenance (docs/POOL.md "Slot provenance"; FORMAT.md section 14): one record per KV slot
 # a token can hold (num_blocks * block_size, block-major), written by the C core for the
@@ -358,6 +377,7 @@ C_RECORDS = {
     "LH_": ("lease_header", "reclaimed"),
     "LS_": ("lease", "blocks"),
     "PV_": ("provenance", "kv_hash"),
+    "OC_": ("oplog_chunk", "flags"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
@@ -382,6 +402,7 @@ C_SIZES = {
     "OPLOG_FOUND": "oplog_found",
     "LEASE_COUNTS": "lease_header",  # the per-block lease counts follow its header
     "PROVENANCE": "provenance",
+    "OPLOG_CHUNK": "oplog_chunk",
 }
 
 
@@ -402,6 +423,7 @@ def record_fields(record: str) -> list[Field]:
         "lease_header": lambda: LEASE_HEADER_FIELDS,
         "lease": lambda: lease_fields(2),
         "provenance": lambda: PROVENANCE_FIELDS,
+        "oplog_chunk": lambda: OPLOG_CHUNK_FIELDS,
     }[record]()
 
 
@@ -421,6 +443,7 @@ def c_values() -> dict[str, int]:
         "NUM_COUNTERS": len(COUNTER_FIELDS),
         "LOCK_MUTEX_BYTES": LOCK_MUTEX_BYTES,
         "OPLOG_MAGIC": OPLOG_MAGIC,
+        "OPLOG_CHUNK_MAGIC": OPLOG_CHUNK_MAGIC,
         "OPLOG_FAULT": OPLOG_FAULT,
         "OPLOG_REDACTED": OPLOG_REDACTED,
     }
@@ -487,7 +510,9 @@ def c_header() -> str:
         "#define KVSCOPE_LAYOUT_H",
     ]
     lines += [
-        f"#define {k} {v:#x}u" if k in ("BLOCK_MAGIC", "OPLOG_MAGIC") else f"#define {k} {v}"
+        f"#define {k} {v:#x}u"
+        if k in ("BLOCK_MAGIC", "OPLOG_MAGIC", "OPLOG_CHUNK_MAGIC")
+        else f"#define {k} {v}"
         for k, v in consts.items()
     ]
     lines.append("static const struct { const char *name; long long value; } KV_LAYOUT[] = {")

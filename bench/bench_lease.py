@@ -8,7 +8,7 @@ Rows, each per pair of calls:
 - `allocate+free`: `pool.free(pool.allocate(rid, prompt))`;
 - `lease+release (read)` and `(write)`: `pool.lease(seq, mode, holder=...).release()` on a live
   sequence of the same prompt;
-- `core lease+release`: the two core calls alone (`pool._core.lease` / `lease_release`), without
+- `core lease+release`: the two core calls alone (`pool.core.lease` / `lease_release`), without
   the `Lease` object's Python;
 - `lease+free+release (read)`: an allocate, a read lease, the free (its blocks quarantined) and
   the release (an offload's whole cycle), beside `allocate+free` of the same prompt.
@@ -36,7 +36,7 @@ def rows(pool: KVPool, prompt: list[int]) -> dict[str, Callable[[int], None]]:
     """name -> one round of n pairs."""
     alloc, free, lease = pool.allocate, pool.free, pool.lease
     seq = alloc("held", prompt)
-    core = pool._core
+    core = pool.core
 
     def alloc_free(n: int) -> None:
         for _ in range(n):

@@ -12,7 +12,12 @@ work on the machine delays a run but does not count); the median of --repeat rou
 with its ratio to the probes-off C core. Probes are switched by the KVSCOPE_* variables `kvscope run` sets (bench_probes.make).
 The "+ recording" rows record every operation into an operation log (`kvscope run
 --record-ops`, docs/REPLAY.md) in a temporary directory (--log-dir; removed after each run), beside
-the same probes without it.
+the same probes without it. Recording's cost is then measured in --pairs triples of adjacent runs
+(without, with, without; the same seed, --pair-steps steps each) for each of the two probe sets:
+every triple's cost (the run with recording against the mean of its two neighbours) is printed,
+with their median and spread.
+
+    python bench/bench_serving_loop.py --repeat 1 --pairs 15     # recording's cost only, mostly
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--min-s", type=float, default=0.5, help="timed seconds per measurement")
     ap.add_argument("--log-dir", default=None, help="where the recording rows write their log")
+    ap.add_argument("--pairs", type=int, default=9, help="recording's cost: triples per probe set")
+    ap.add_argument("--pair-steps", type=int, default=500, help="steps of each run of a triple")
     args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -118,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
                 spent += n / rate
                 seed += args.repeat
             rates[name].append(ops / spent)
-    os.rmdir(log_dir)
     fast = statistics.median(rates["every probe off (the C core)"])
     print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
     print("| configuration | pool ops/s | vs the C core |")
@@ -126,14 +132,37 @@ def main(argv: list[str] | None = None) -> int:
     for name in configs:
         rate = statistics.median(rates[name])
         print(f"| {name} | {rate:,.0f} | {rate / fast:.2f}x |")
-    pairs = [
-        ("every probe off (the C core)", "every probe off + recording"),
-        ("all probes (as under kvscope run)", "all probes + recording"),
-    ]
-    print("\nrecording's cost, round by round (the same round's pair):")
-    for off, on in pairs:
-        costs = [1 - b / a for a, b in zip(rates[off], rates[on])]
-        print(f"  {on}: " + ", ".join(f"{c:+.1%}" for c in costs))
+    print(
+        f"\nrecording's cost: {args.pairs} triples per probe set (without, with, without; "
+        f"{args.pair_steps} steps each), the run with it against its neighbours' mean:"
+    )
+    for label, env in (("every probe off", {}), ("all probes", {k: "1" for k in PROBE_VARS})):
+        costs = []
+        for i in range(args.pairs):
+
+            def run(record: bool, seed: int = 1000 + i, env: dict = env) -> float:
+                if record:
+                    os.environ["KVSCOPE_RECORD_OPS"] = log
+                pool = make(env)
+                os.environ.pop("KVSCOPE_RECORD_OPS", None)
+                try:
+                    rate, _ = serve(pool, args.pair_steps, seed=seed)
+                finally:
+                    pool.close()
+                    pool.unlink()
+                    if os.path.exists(log):
+                        os.unlink(log)
+                return 1 / rate
+
+            a, b, c = run(False), run(True), run(False)
+            costs.append(b / ((a + c) / 2) - 1)
+        ordered = sorted(costs)
+        print(
+            f"  {label} + recording: median {statistics.median(costs):+.1%} (from "
+            f"{ordered[0]:+.1%} to {ordered[-1]:+.1%}; middle half {ordered[len(costs) // 4]:+.1%}"
+            f" .. {ordered[(3 * len(costs)) // 4]:+.1%}): " + ", ".join(f"{x:+.1%}" for x in costs)
+        )
+    os.rmdir(log_dir)
     return 0
 
 

@@ -7,6 +7,7 @@ divergence or finding; shrink a run to a minimal one that still finds the same k
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import io
@@ -18,11 +19,13 @@ from typing import Any
 
 from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted, faults
 from kvscope.allocator.findings import SEVERITY, FindingKind
+from kvscope.allocator.kvread import read_live
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.oplog import OpLog, OplogError, OpRecord
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode, OpStatus
+from kvscope.child import report_held
 
 _ALLOCATE, _APPEND, _FORK, _MARK = (
     int(OpCode.ALLOCATE),
@@ -48,6 +51,9 @@ _STATES = {1: "running", 2: "waiting"}
 # and at `pool.verify()`): a replay, faster than the recording, runs that check at the
 # operation where the recording found one (and a shrink's runs after every operation).
 CADENCED = {"header_corrupt", "free_list_corrupt"}
+# Kinds a handle reports as it closes (a sequence or a lease its process never ended): a
+# report of one is replayed as that handle's close.
+AT_CLOSE = {"leak_finished", "lease_leak"}
 # Faults a replay cannot run in its own process: kill-holding-lock kills it.
 UNREPLAYABLE_FAULTS = ("kill-holding-lock",)
 
@@ -195,6 +201,10 @@ class Session:
         self.handles: dict[int, KVPool] = {}
         self.seqs: dict[tuple[int, int], Any] = {}
         self.found: list[tuple[str, int]] = []
+        # what each process's handle reported as the replay closed it (by recorded pid)
+        self.closed: dict[int, list[tuple[str, int]]] = {}
+        # the requests whose sequences still held blocks there
+        self.held: dict[int, set[str]] = {}
         self.preempted: set[tuple[int, int]] = set()
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
@@ -316,6 +326,18 @@ class Session:
                 out.blocks = list(s.block_table)
             elif op == _EVICT:
                 out.result = h.evict(r.arg)
+            elif op == _REPORT and any(k in AT_CLOSE for k, _ in r.found):
+                # a leak the recording's handle reported as it closed: the close, replayed
+                # once (its other reports then), after the process's last operation
+                if r.pid not in self.closed:
+                    # (kvscope run's check at a close, then the close: its leases' leaks)
+                    self.held[r.pid] = {
+                        str(q.request_id) for q in h.live().values() if q.block_table
+                    }
+                    report_held(h, "the pool was closed")
+                    h.close()
+                    self.closed[r.pid] = list(found)
+                found[:] = self.closed[r.pid]
             elif op == _REPORT:
                 # a finding reported between operations: the check that reports it, now
                 h.verify()
@@ -398,7 +420,9 @@ def block_rows(session: Session, rec: Result | None, got: Result | None) -> list
         ids.update(res.blocks)
         ids.update(b for c in res.copies for b in c)
         ids.update(b for _, b in res.found if b >= 0)
-    blocks = session.pool.view.blocks
+    # (a copy of the segment once the replay closed the creator's handle: its close replayed)
+    pool = session.pool
+    blocks = read_live(session.name).blocks if pool.closed else pool.view.blocks
     rows = []
     for b in sorted(ids):
         if not 0 <= b < len(blocks):
@@ -470,7 +494,10 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
     total = sum(1 for r in records if r.op != _START)
     done = 0
     t0 = time.perf_counter()
-    with _quiet(quiet), Session(log) as session:
+    # Each fault is armed just before the operation the recording says it fired in, to strike
+    # at its next opportunity: the recording's process may have had opportunities a replay does
+    # not (transactions that are no operation: a slot-reserve refill).
+    with _quiet(quiet), Session(log, arm=False) as session:
         outcome = Outcome("end", 0, total)
         gap_after = {a - 1: (a, b) for a, b in log.gaps}
         early: set[tuple[str, int]] = set()
@@ -489,7 +516,12 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 if r is not log.start:
                     session.attach(r)
                 continue
+            if r.faults:
+                faults.ARMED.clear()
+                faults.ARMED.update({f: 1 for f in r.fault_names})
             got = session.run(r)
+            if r.faults:
+                faults.ARMED.clear()
             if got is None:
                 outcome = Outcome("missing", done, total, r)
                 break
@@ -587,6 +619,13 @@ class Shrinker:
             )
         self.log = log
         self.kind = (outcome.got.found or outcome.record.found)[0][0]
+        # a leak found at a close is kept about the same request (a fork that outlived its
+        # parent's abort, say), not any sequence the shrunk run leaves unended
+        self.leaked = (
+            outcome.record.request
+            if self.kind == "leak_finished" and outcome.record.op == _REPORT
+            else None
+        )
         last = outcome.record.seq
         self.ops = [r for r in log.records if r.op not in (_START, _LOST) and r.seq <= last]
         self.starts = [r for r in log.records if r.op == _START and r is not log.start]
@@ -612,7 +651,8 @@ class Shrinker:
                     faults.ARMED.clear()
                 statuses.append(-1 if got is None else got.status)
                 if got is not None and any(k == self.kind for k, _ in got.found):
-                    return True, statuses
+                    if self.leaked is None or self.leaked in session.held.get(r.pid, ()):
+                        return True, statuses
         return False, statuses
 
     def test(self, ops: list[OpRecord]) -> bool:
@@ -729,6 +769,7 @@ def emit_script(shrunk: Shrunk) -> str:
         "from kvscope.allocator import KVPool, PoolConfig, PoolError, faults  # noqa: E402",
         "",
         "found = []",
+        "held = set()  # requests still holding blocks where the recording's pool was closed",
         f'pool = KVPool.create(f"repro-{{os.getpid()}}", PoolConfig({cfg_args}))',
     ]
     handles = {int(start.get("pid", log.start.pid)): "pool"}
@@ -777,8 +818,9 @@ def emit_script(shrunk: Shrunk) -> str:
         "finally:",
         *[f"    {v}.close()" for v in reversed(list(handles.values()))],
         "    pool.unlink()",
-        'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found})',
-        'print("findings:", ", ".join(kinds) or "none")',
+        'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found}'
+        ' | ({"leak_finished"} if held else set()))',
+        'print("findings:", ", ".join(kinds) or "none", *(["held:", *sorted(held)] if held else []))',
         f"sys.exit(1 if {shrunk.kind!r} in kinds else 0)",
         "",
     ]
@@ -813,6 +855,9 @@ def _call(r: OpRecord, h: str, names: dict[tuple[int, int], str]) -> str | None:
         return f"{h}.resume({v})"
     if op == _EVICT:
         return f"{h}.evict({r.arg})"
+    if op == _REPORT and any(k == "leak_finished" for k, _ in r.found):
+        # (kvscope run's check at a close: a sequence still holding blocks is a leak)
+        return f"held |= {{str(s.request_id) for s in {h}.live().values() if s.block_table}}"
     if op == _REPORT:
         return f"{h}.verify()"
     return None
@@ -826,3 +871,87 @@ __all__ = [
     "emit_script",
     "replay",
 ]
+
+
+# -- stepping through a log ---------------------------------------------------------------------
+
+
+class Stepper:
+    """A log's pool at any of its operations (`kvscope top DUMP --at N`): `goto(n)` replays the
+    operations numbered up to n on a fresh pool (forward from where it is, or from the start
+    going back), with each recorded fault armed where it fired, and `view()` is a consistent
+    copy of that pool. Results are not compared (`kvscope replay` does)."""
+
+    def __init__(self, log: OpLog):
+        self.log = log
+        self.ops = [r for r in log.records if r.op != _START]
+        self._session: Session | None = None
+        self._next = 0  # index in log.records of the next record to run
+        self.at = 0  # the last operation run (0: none)
+        self.record: OpRecord | None = None
+
+    @property
+    def first(self) -> int:
+        return self.ops[0].seq if self.ops else 0
+
+    @property
+    def last(self) -> int:
+        return self.ops[-1].seq if self.ops else 0
+
+    def goto(self, n: int) -> None:
+        """The pool after operation `n` (clamped to the log's: 0 before the first)."""
+        n = max(0, min(n, self.last))
+        if self._session is None or n < self.at:
+            self.close()
+            self._session = Session(self.log, arm=False)
+            self._next = 0
+            self.at = 0
+            self.record = None
+        records = self.log.records
+        session = self._session
+        with _quiet(True):
+            while self._next < len(records) and records[self._next].seq <= n:
+                r = records[self._next]
+                self._next += 1
+                if r.op == _START:
+                    if r is not self.log.start:
+                        session.attach(r)
+                    continue
+                if r.faults:
+                    faults.ARMED.clear()
+                    faults.ARMED.update({f: 1 for f in r.fault_names})
+                try:
+                    session.run(r)
+                finally:
+                    if r.faults:
+                        faults.ARMED.clear()
+                self.at = r.seq
+                self.record = r
+
+    def step(self, delta: int) -> None:
+        """`delta` operations forward (or back)."""
+        i = bisect.bisect_right([r.seq for r in self.ops], self.at) - 1  # (the op at `at`)
+        j = max(-1, min(len(self.ops) - 1, i + delta))
+        self.goto(0 if j < 0 else self.ops[j].seq)
+
+    def view(self) -> Any:
+        """A consistent copy of the pool now (a SegmentView)."""
+        from kvscope.allocator.snapshot import snapshot
+
+        assert self._session is not None, "goto first"
+        return snapshot(self._session.pool.view)
+
+    def describe(self) -> str:
+        """Where it is: the operation and its request, of how many."""
+        r = self.record
+        if r is None:
+            return f"before operation {self.first} of {len(self.ops)}"
+        i = bisect.bisect_right([x.seq for x in self.ops], r.seq)
+        what = f"{r.op_name} {r.request}".strip()
+        found = f" found {','.join(k for k, _ in r.found)}" if r.found else ""
+        return f"operation {r.seq} ({i} of {len(self.ops)}): {what}{found}"
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None

@@ -21,6 +21,10 @@ The JSON object format of the Trace Event Format: `{"traceEvents": [...], "other
   demand, sequences and preemptions, and per lock its share of time held and its contended
   acquisitions; a lock hold longer than the sampling interval is a slice on that lock's thread.
 
+With the pool's operation log (`kvscope run --record-ops`, docs/REPLAY.md), `mark_replay` adds
+an instant across the trace where a replay of it stopped (a divergence, the finding), at that
+operation's recorded time.
+
 The events rings keep each process's last `event_capacity` events: older requests are not in
 the trace, and a slice whose start fell out of the ring says so (`"start": "before the
 recorder's window"`). Lock holds are not recorded per acquisition; only what the samples saw is.
@@ -393,6 +397,46 @@ def build_trace(
             "history_samples": 0 if history is None else history.count,
         },
     }
+
+
+def mark_replay(trace: dict[str, Any], outcome: Any, log_path: str) -> dict[str, Any]:
+    """Mark where a replay of the pool's operation log (kvscope.replay's Outcome) stopped: an
+    instant across the trace at that operation's time, named for how it stopped (a divergence,
+    the finding, missing records), with the operation and what differed in its arguments;
+    `otherData.replay` says the same. Returns that summary."""
+    r = outcome.record
+    summary: dict[str, Any] = {
+        "log": log_path,
+        "reason": outcome.reason,
+        "replayed": outcome.replayed,
+        "operations": outcome.total,
+    }
+    if r is not None:
+        summary.update(operation=r.seq, op=r.op_name, pid=r.pid, request=r.request)
+        if outcome.diff:
+            summary["differs"] = list(outcome.diff)
+        if r.found:
+            summary["found"] = [k for k, _ in r.found]
+        what = {
+            "divergence": "replay diverged",
+            "finding": "replay reproduced the finding",
+            "lost": "replay stopped: records missing",
+            "missing": "replay stopped: a sequence it lacks",
+        }.get(outcome.reason, f"replay: {outcome.reason}")
+        origin = int(trace["otherData"]["origin_ns"])
+        trace["traceEvents"].append(
+            {
+                "name": f"{what} at operation {r.seq} ({r.op_name} {r.request})",
+                "ph": "i",
+                "s": "g",
+                "ts": round(max(0, r.time_ns - origin) / 1e3, 3),
+                "pid": r.pid,
+                "tid": r.tid,
+                "args": dict(summary),
+            }
+        )
+    trace["otherData"]["replay"] = summary
+    return summary
 
 
 def write_trace(trace: dict[str, Any], path: str) -> None:

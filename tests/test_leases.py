@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -20,6 +21,8 @@ from kvscope.allocator import KVPool, PoolError, PoolExhausted
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.lease import lease_totals
+from kvscope.allocator.probeflags import ProbeFlags
+from kvscope.allocator.probing import PoolProbes
 from tests.forking import fork_child, wait_child
 
 LATE = FindingKind.TRANSFER_AFTER_FREE.value
@@ -504,3 +507,18 @@ def test_a_lease_that_waited_for_a_lock_gives_the_op_mutex_back(make_pool, pool_
     assert lease.released and pool.leases() == []
     for fd in (*held, *go):
         os.close(fd)
+
+
+def test_a_lease_finding_names_the_line_that_took_the_lease(make_pool):
+    # GIVEN a pool under the ownership probe (allocation sites recorded, as under kvscope run)
+    pool = make_pool(16)
+    pool.probe = PoolProbes(pool, ProbeFlags(ownership=True))
+    seq = pool.allocate("r", list(range(10)))
+    line = sys._getframe().f_lineno + 1
+    lease = pool.lease(seq, "write", holder="rdma")
+    # WHEN the request is aborted under the transfer, which then completes
+    pool.abort(seq)
+    lease.release()
+    # THEN the finding names where the lease was taken, beside its holder
+    (f,) = [f for f in pool.findings() if f.kind == LATE]
+    assert f"(pid {os.getpid()}, taken at tests/test_leases.py:{line} " in f.message, f.message

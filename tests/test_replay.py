@@ -10,11 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvscope.allocator import KVPool, PoolConfig, faults
-from kvscope.allocator.oplog import HEAD, OplogError, read_log, record_checks
+from kvscope.allocator.oplog import OplogError, read_log
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode
@@ -25,14 +24,12 @@ from tests.replay_work import CONFIG, work
 HERE = Path(__file__).parent
 # The injectable faults whose work goes through pool operations; kill-holding-lock kills the
 # process that runs it (a replay refuses it: test_a_log_that_armed_kill_holding_lock_...);
-# stale-padding-row strikes in the example engine's padded table, outside the pool; gil-wait
-# counts the core's transactions, which a recording process runs more of than its operations;
-# the lease faults strike leases, which the log does not record; foreign-slot strikes slot
-# provenance, which a replay does not turn on.
+# stale-padding-row strikes outside the pool (the example engine's padded block table, which no
+# record holds); the lease faults strike leases, which the log does not record; foreign-slot
+# strikes slot provenance, which a replay does not turn on.
 NOT_REPLAYED = {
     "kill-holding-lock",
     "stale-padding-row",
-    "gil-wait",
     "transfer-after-free",
     "lease-leak",
     "foreign-slot",
@@ -47,6 +44,7 @@ FINDS = {
     "use-after-free": "use_after_free",
     "refcount-skew": "refcount_mismatch",
     "lock-inversion": "lock_order_cycle",
+    "gil-wait": "wait_holds_gil",
 }
 ALL_PROBES = ProbeFlags(
     events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True
@@ -84,7 +82,10 @@ def found_at(log) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "fault",
     # (a few seconds each: the fast layer runs one)
-    [f if f == "refcount-skew" else pytest.param(f, marks=pytest.mark.slow) for f in REPLAYABLE],
+    [
+        f if f in ("refcount-skew", "gil-wait") else pytest.param(f, marks=pytest.mark.slow)
+        for f in REPLAYABLE
+    ],
 )
 def test_each_fault_replays_to_its_finding_shrinks_and_the_script_finds_it(
     fault, tmp_path, pool_name, capsys
@@ -133,22 +134,14 @@ def test_a_clean_run_replays_to_the_end_with_every_result_equal(tmp_path, pool_n
 
 
 def test_a_changed_result_is_a_divergence_at_that_operation(tmp_path, pool_name):
-    """The same workload recorded twice: the second log's records spliced with a block id
-    changed (and re-checked as the core would write it) diverge there."""
+    """A record whose block table is not what the pool gives (as a core with a bug would have
+    recorded it) is a divergence there, naming the blocks."""
     path = tmp_path / "run.ops"
     record(path, pool_name, None, n_ops=60)
-    data = bytearray(path.read_bytes())
     log = read_log(str(path))
     victim = next(r for r in log.records if r.op == OpCode.ALLOCATE and r.blocks and r.seq > 5)
-    at = victim.offset + HEAD + 4 * len(victim.tokens)
-    data[at : at + 4] = (victim.blocks[0] + 1).to_bytes(4, "little", signed=True)
-    # re-sealed: a log a buggy core would have written, not one edited by hand
-    size = int.from_bytes(data[victim.offset + 4 : victim.offset + 8], "little")
-    words = np.frombuffer(bytes(data[victim.offset : victim.offset + size]), dtype="<u8")
-    check = record_checks(words, np.array([0]), np.array([size // 8]))[0]
-    data[victim.offset + 16 : victim.offset + 24] = int(check).to_bytes(8, "little")
-    path.write_bytes(bytes(data))
-    out = replay(read_log(str(path)))
+    victim.blocks = [victim.blocks[0] + 1, *victim.blocks[1:]]
+    out = replay(log)
     assert out.reason == "divergence"
     assert out.record is not None and out.record.seq == victim.seq
     assert "blocks" in out.diff and out.exit_code == 1
@@ -178,21 +171,35 @@ def test_a_damaged_log_is_one_line_exit_2(damage, tmp_path, pool_name, capsys):
 
 
 def test_records_missing_stop_the_replay_there(tmp_path, pool_name, capsys):
-    """A whole record cut out (as a process killed before it wrote its last records leaves
-    them missing): the replay runs to the gap and stops there, saying which are missing."""
+    """A whole chunk of records cut out (as a process killed before it wrote its last records
+    leaves them missing): the replay runs to the gap and stops there, saying which are
+    missing."""
     path = tmp_path / "run.ops"
-    record(path, pool_name, None, n_ops=40)
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    try:
+        for i in range(10):  # (a chunk a record)
+            pool.free(pool.allocate(f"r{i}", [i, i + 1, i + 2]))
+            pool.flush_recording()
+    finally:
+        pool.close()
+        pool.unlink()
     data = bytearray(path.read_bytes())
     r = read_log(str(path)).records[5]
+    assert r.op == OpCode.ALLOCATE
     size = int.from_bytes(data[r.offset + 4 : r.offset + 8], "little")
     del data[r.offset : r.offset + size]
     path.write_bytes(bytes(data))
     log = read_log(str(path))
-    assert log.gaps == [(r.seq, r.seq)]
+    assert log.gaps == [(r.seq, r.seq + 1)]
     out = replay(log)
-    assert (out.reason, out.replayed, out.lost, out.exit_code) == ("lost", 4, (r.seq, r.seq), 1)
+    assert (out.reason, out.replayed, out.lost, out.exit_code) == (
+        "lost",
+        4,
+        (r.seq, r.seq + 1),
+        1,
+    )
     assert main(["replay", str(path)]) == 1
-    assert f"operations {r.seq}..{r.seq} are not in the log" in capsys.readouterr().out
+    assert f"operations {r.seq}..{r.seq + 1} are not in the log" in capsys.readouterr().out
 
 
 def test_a_log_that_armed_kill_holding_lock_is_refused(tmp_path, pool_name, capsys):
@@ -308,10 +315,48 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     assert out.returncode == 1, out.stderr
     assert "reproduced the recorded run up to a finding" in out.stdout
     assert "shrunk to 3 operation(s) that still find 'double_free'" in out.stdout
+    # the timeline of the dump marks where the replay of the log beside it stopped
+    out = subprocess.run(
+        [kvscope, "timeline", dump, "-o", "t.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert trace["otherData"]["replay"]["found"] == ["double_free"]
     run = subprocess.run(
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 1 and "double_free" in run.stdout
+
+
+def test_kvscope_run_records_the_user_engines_leak_and_the_close_replays(tmp_path):
+    """tests/user_engine.py's exception bug (r2's sequences never ended) under `kvscope run
+    --record-ops`: its leak_finished, reported as the pool closed, replays as that close (the
+    same request held), shrinks about the same request, and the script finds it."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    name = f"user-engine-leak-{os.getpid()}"
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "ue.ops", "--dump-dir", str(tmp_path),
+         str(HERE / "user_engine.py"), name, "exception"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = read_log(str(tmp_path / "ue.ops"))
+    report = next(r for r in log.records if r.op == OpCode.REPORT)
+    assert report.request.startswith("r2") and report.found[0][0] == "leak_finished"
+    out = replay(log, quiet=True)
+    assert (out.reason, out.exit_code) == ("finding", 1), (out.reason, out.diff)
+    assert out.record is not None and out.record.seq == report.seq
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == "leak_finished"
+    assert {r.request for r in shrunk.ops} <= {"r2", "r2#1"} and report.request in {
+        r.request for r in shrunk.ops
+    }
+    script = tmp_path / "repro.py"
+    script.write_text(emit_script(shrunk))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1 and "leak_finished" in run.stdout and report.request in run.stdout
 
 
 def test_a_process_that_exits_without_close_leaves_every_record(tmp_path, pool_name):
@@ -397,3 +442,95 @@ def test_the_example_server_replays_exactly_and_shrinks(fault, tmp_path):
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 1 and "use_after_free" in run.stdout
+
+
+def test_timeline_marks_where_the_replay_stopped(tmp_path, pool_name, capsys):
+    """`kvscope timeline POOL --ops LOG`: the log replayed, and an instant across the trace at
+    the operation the replay reproduced the finding at; a damaged log is one line, exit 2."""
+    path = tmp_path / "run.ops"
+    faults.configure("refcount-skew")
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, guard=True))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        pool.record_ops(str(path))
+        try:
+            work(pool, 400)
+        except Exception:
+            pass
+        pool.verify()
+        pool.flush_recording()
+        seq, kind = found_at(read_log(str(path)))
+        out = tmp_path / "t.json"
+        assert main(["timeline", pool_name, "-o", str(out), "--ops", str(path)]) == 0
+        trace = json.loads(out.read_text())
+        marks = [e for e in trace["traceEvents"] if e["name"].startswith("replay ")]
+        assert len(marks) == 1 and marks[0]["ph"] == "i"
+        assert marks[0]["name"].startswith(f"replay reproduced the finding at operation {seq} ")
+        assert trace["otherData"]["replay"]["found"] == [kind]
+        assert f"stopped at operation {seq} (finding)" in capsys.readouterr().err
+        bad = tmp_path / "bad.ops"
+        bad.write_bytes(path.read_bytes()[:-9])
+        assert main(["timeline", pool_name, "-o", str(out), "--ops", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    finally:
+        faults.configure(None)
+        pool.close()
+        pool.unlink()
+
+
+def _used(view) -> int:
+    """Blocks of a pool view that sequences hold."""
+    from kvscope.allocator.layout import BlockState
+
+    return int((view.blocks["state"] == int(BlockState.ALLOCATED)).sum())
+
+
+def test_stepping_through_a_log_gives_the_pool_at_each_operation(tmp_path, pool_name):
+    """Stepper.goto(n): the pool a replay makes up to operation n, the same going forward from
+    an earlier one or back from a later one; step() moves by operations."""
+    from kvscope.replay import Stepper
+
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    used = {}
+    try:
+        seqs = [pool.allocate(f"r{i}", list(range(i, i + 9))) for i in range(4)]
+        for s in seqs[:2]:
+            pool.free(s)
+        pool.flush_recording()
+        for r in read_log(str(path)).records[1:]:
+            used[r.seq] = None
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    stepper = Stepper(log)
+    try:
+        # each operation's pool, forward
+        for seq in used:
+            stepper.goto(seq)
+            used[seq] = _used(stepper.view())
+        first, last = min(used), max(used)
+        assert used[first] == 3 and used[first + 3] == 12 and used[last] == 6
+        # back, and by steps
+        stepper.goto(first + 1)
+        assert _used(stepper.view()) == used[first + 1]
+        stepper.step(2)
+        assert stepper.at == first + 3 and _used(stepper.view()) == used[first + 3]
+        stepper.step(-3)
+        assert stepper.at == first and stepper.record is not None
+        assert "allocate r0" in stepper.describe()
+        stepper.step(-1)
+        assert stepper.at == 0 and _used(stepper.view()) == 0
+        stepper.goto(10**9)
+        assert stepper.at == last
+    finally:
+        stepper.close()
+
+
+def test_top_at_without_a_log_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["top", str(tmp_path / "none.kvd"), "--at", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    assert main(["top", str(tmp_path / "none.kvd"), "--at", "-1"]) == 2

@@ -408,3 +408,52 @@ def test_block_map_cells_count_each_cell_s_blocks(n, group, cells):
     # WHEN the map's cells are worked out THEN each is what its own blocks say
     codes = cell_codes(state, refcount, marked, group, cells)
     assert codes.tolist() == _cell_codes_by_cell(state, refcount, marked, group, cells)
+
+
+@sync
+async def test_top_at_steps_through_the_recorded_operations(tmp_path):
+    """`kvscope top LOG --at N`: the pool after operation N, `]` and `[` one operation forward
+    and back (the header says which), the panels following."""
+    from kvscope.allocator import PoolConfig
+    from kvscope.allocator.layout import BlockState
+    from kvscope.allocator.oplog import read_log
+    from kvscope.replay import Stepper
+    from kvscope.tui.source import ReplaySource
+
+    path = tmp_path / "run.ops"
+    name = f"tui-at-{os.getpid()}"
+    pool = KVPool.create(name, PoolConfig(num_blocks=32, block_size=4, record_ops=str(path)))
+    try:
+        a = pool.allocate("req-a", list(range(10)))  # operation 2: 3 blocks
+        pool.allocate("req-b", list(range(20, 28)))  # operation 3: 2 more
+        pool.free(a)  # operation 4
+    finally:
+        pool.close()
+        pool.unlink()
+    stepper = Stepper(read_log(str(path)))
+    stepper.goto(3)
+    app = TopApp(ReplaySource(stepper, str(path)))
+
+    def held() -> int:
+        cols = app.frame.columns
+        return int((cols["state"] == int(BlockState.ALLOCATED)).sum())
+
+    async def shown(pilot) -> None:
+        """Until the frame on screen is of the step's view (the worker's, after a key)."""
+        for _ in range(400):
+            await pilot.pause(0.02)
+            if app.frame is not None and app.frame.view is app.source.view:
+                return
+
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot, app)
+        header = app.query_one("#header")
+        assert "operation 3 (2 of 3): allocate req-b" in header.mode and held() == 5
+        await pilot.press("right_square_bracket")
+        await shown(pilot)
+        assert "operation 4 (3 of 3): free req-a" in header.mode and held() == 2
+        await pilot.press("left_square_bracket", "left_square_bracket")
+        await shown(pilot)
+        assert "operation 2 (1 of 3): allocate req-a" in header.mode and held() == 3
+        await pilot.press("q")
+    app.source.close()

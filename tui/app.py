@@ -36,7 +36,7 @@ from kvscope.tui.messages import (
     FrameReady,
     SequenceChosen,
 )
-from kvscope.tui.source import Source, open_source
+from kvscope.tui.source import ReplaySource, Source, open_source
 from kvscope.tui.widgets.blockmap import BlockMap
 from kvscope.tui.widgets.events import EventTail
 from kvscope.tui.widgets.findings import FindingsPanel
@@ -66,6 +66,10 @@ class TopApp(App[int]):
         Binding("p,space", "toggle_pause", "Pause"),
         Binding("d", "dump", "Dump"),
         Binding("c", "check", "Check"),
+        Binding("left_square_bracket", "step(-1)", "Back"),
+        Binding("right_square_bracket", "step(1)", "Forward"),
+        Binding("left_curly_bracket", "step(-100)", show=False),
+        Binding("right_curly_bracket", "step(100)", show=False),
         Binding("q", "quit", "Quit"),
     ]
     KEY_HELP = [
@@ -75,6 +79,8 @@ class TopApp(App[int]):
         ("p / space", "pause or resume the live refresh"),
         ("d", "write a dump of the pool to the current directory"),
         ("c", "run a full consistency check now"),
+        ("[ / ]", "one recorded operation back / forward (top --at)"),
+        ("{ / }", "a hundred recorded operations back / forward"),
         ("q", "quit"),
     ]
     # Actions of a live pool only: a dump does not change, is already a dump, and was checked
@@ -292,7 +298,10 @@ class TopApp(App[int]):
         ]
 
     def _show_mode(self) -> None:
-        if not self.source.live:
+        stepper = getattr(self.source, "stepper", None)
+        if stepper is not None:
+            mode = f"replay {getattr(self.source, 'path', '')} at {stepper.describe()}"
+        elif not self.source.live:
             mode = f"dump {getattr(self.source, 'path', '')}"
         elif self.paused:
             mode = "PAUSED (p resumes)"
@@ -330,12 +339,28 @@ class TopApp(App[int]):
         """On a dump, the live-only actions are neither offered (footer) nor run."""
         if action in self.LIVE_ONLY and not self.source.live:
             return False
+        if action == "step" and not hasattr(self.source, "step"):
+            return False
         return True
 
     def action_help(self) -> None:
         """Show every key binding that applies, and the block map's legend."""
         hidden = set() if self.source.live else set(self.LIVE_ONLY.values())
+        if not hasattr(self.source, "step"):
+            hidden |= {"[ / ]", "{ / }"}
         self.push_screen(HelpScreen([kh for kh in self.KEY_HELP if kh[0] not in hidden]))
+
+    def action_step(self, delta: int) -> None:
+        """Step through the recorded operations (a ReplaySource): the pool after the operation
+        `delta` from the one shown, its panels and its check redone."""
+        step = getattr(self.source, "step", None)
+        if step is None:
+            return
+        step(delta)
+        self._ring_head = -1
+        self.checked = []
+        self._show_mode()
+        self.poll()
 
     def action_toggle_pause(self) -> None:
         """Pause or resume the live refresh."""
@@ -430,13 +455,16 @@ def run_top(
     hz: float = 10.0,
     script: ScriptOutput | None = None,
     stop: threading.Event | None = None,
+    stepper: Any = None,
 ) -> int:
     """Show the TUI on a live pool (by name) or a dump (by path); returns the exit code.
 
     `script`: the output and state of the script `kvscope run --live` runs (a log panel);
-    `stop`: closes the TUI when set (a stop signal reached `kvscope run --live`).
+    `stop`: closes the TUI when set (a stop signal reached `kvscope run --live`); `stepper`: a
+    replay of the operation log `target` stepped through (kvscope.replay.Stepper, at its first
+    operation shown), with [ and ].
     """
-    source = open_source(target)
+    source: Source = ReplaySource(stepper, target) if stepper is not None else open_source(target)
     gpu = None
     try:
         gpu = gpu_reader(source)

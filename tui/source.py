@@ -14,7 +14,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -330,6 +330,40 @@ class DumpSource(ViewSource):
         torn = self.dump_header is not None and int(self.dump_header["flags"]) & DUMP_TORN
         view.torn = bool(torn)  # type: ignore[attr-defined]
         super().__init__(view, name)
+
+
+class ReplaySource(ViewSource):
+    """A pool's operation log stepped through (`kvscope top DUMP|LOG --at N`): the pool a replay
+    of the log makes up to an operation (`stepper`: kvscope.replay.Stepper, moved to the first
+    operation shown already), the same view until `step` or `goto` moves it."""
+
+    def __init__(self, stepper: Any, path: str):
+        self.stepper = stepper
+        self.path = path
+        self.dump_header = None
+        r = stepper.record
+        self.taken_ns = 0 if r is None else r.time_ns
+        super().__init__(stepper.view())
+
+    def goto(self, n: int) -> None:
+        self.stepper.goto(n)
+        self._show()
+
+    def step(self, delta: int) -> None:
+        self.stepper.step(delta)
+        self._show()
+
+    def _show(self) -> None:
+        view = self.stepper.view()
+        view.torn = False  # type: ignore[attr-defined]
+        view.records = None  # type: ignore[attr-defined]
+        view.columns = block_columns(view)  # type: ignore[attr-defined]
+        self.view = view
+        r = self.stepper.record
+        self.taken_ns = 0 if r is None else r.time_ns
+
+    def close(self) -> None:
+        self.stepper.close()
 
 
 def open_source(target: str) -> Source:

@@ -343,6 +343,7 @@ typedef struct {
     int64_t poison_ok;   /* integrity.can_poison: a floating-point cache */
     int64_t off_kv_digest; /* the block record's kv_digest (its last field) */
     struct DevChecks *dev; /* the checks the core launches itself (devchecks.c), or NULL */
+    uint32_t oplog_fired; /* faults fired since the last record (bit i: FAULT_NAMES[i]) */
     struct Oplog *oplog;   /* the operation log this handle records into (oplog.c), or NULL */
     /* leases.c: the section, where its records start in it, a record's size, the next record
      * to look at */

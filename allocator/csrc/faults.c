@@ -72,6 +72,7 @@ static int fault_opportunity(Native *n, int f) {
  * stderr line, FIRED, the ON_FIRE hooks: `kvscope run` records it). A hook's error is reported
  * as unraisable: the operation it follows is done. */
 static void fault_fired(Native *n, int f) {
+    n->oplog_fired |= 1u << f; /* (the operation log's next record says so) */
     PyObject *r = PyObject_CallOneArg(n->fault_fired, fault_str[f]);
     if (r == NULL) PyErr_WriteUnraisable(n->fault_fired);
     Py_XDECREF(r);

@@ -190,7 +190,7 @@ static int64_t lease_free_record(Native *n) {
 /* The transaction of a lease: its record, the counts of its blocks, the header. OK,
  * UNHANDLED, or ERROR (the table full: PoolError). */
 static int lease_write(Native *n, int64_t rec, const int32_t *ids, int64_t k, int mode,
-                       int64_t slot, const char *holder, const char *request,
+                       int64_t slot, const char *holder, const char *request, int32_t site,
                        uint64_t timeout_ns, uint64_t *id) {
     uint8_t *l = lease_at(n, rec), *h = lease_head(n);
     if (jsave(n, n->off_leases, LEASE_COUNTS) || jsave_lease(n, l, k) || jsave_counts(n, ids, k))
@@ -214,6 +214,7 @@ static int lease_write(Native *n, int64_t rec, const int32_t *ids, int64_t k, in
     U8(l + LS_LEASE_ID) = *id;
     U8(l + LS_SEQ_ID) = slot >= 0 ? U8(seqrec(n, slot) + SF_SEQ_ID) : 0;
     I4(l + LS_SEQ_SLOT) = (int32_t)slot;
+    I4(l + LS_SITE) = site;
     U8(l + LS_TAKEN_NS) = wall_ns();
     U8(l + LS_DEADLINE_NS) = timeout_ns ? mono_ns() + timeout_ns : UINT64_MAX;
     memcpy(l + LS_HOLDER, holder, REQUEST_BYTES);
@@ -258,6 +259,9 @@ static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs
     }
     char holder[REQUEST_BYTES], request[REQUEST_BYTES];
     if (text32(args[3], holder)) return NULL;
+    /* (before any pool lock: site_intern waits for the sites lock) */
+    int32_t site = site_now(n);
+    if (site == SITE_ERROR) return NULL;
     int32_t ids_s[CHUNK], *ids = ids_s;
     if (n->max_bps > CHUNK && (ids = PyMem_Malloc(sizeof(int32_t) * (size_t)n->max_bps)) == NULL)
         return PyErr_NoMemory();
@@ -293,7 +297,7 @@ static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs
                 goto out;
             }
         }
-        rc = lease_write(n, rec, ids, k, mode, slot, holder, request, (uint64_t)timeout, &id);
+        rc = lease_write(n, rec, ids, k, mode, slot, holder, request, site, (uint64_t)timeout, &id);
         if (rc == OK) break;
         txn_abort(n);
         rc = rolled_back(n);
@@ -396,31 +400,61 @@ static int lease_finding(Native *n, int fk, uint8_t *l, int64_t i, PyObject *mes
 
 static PyObject *text_of(const uint8_t *b) { return request_text((const char *)b); }
 
+/* The text of site id `site` in the site table (NUL-padded), or NULL for none; a stack's
+ * ("stack: ID ID ...", sites.py) is its first frame's. */
+static const char *site_text_at(Native *n, int32_t site, size_t *len) {
+    for (int hop = 0; hop < 2; hop++) {
+        if (site < 0 || site >= n->num_sites || (uint32_t)site >= U4(n->seg + n->sites_used_at))
+            return NULL;
+        const char *t = (const char *)(n->seg + n->off_sites + (size_t)site * n->site_size);
+        *len = strnlen(t, n->site_text_bytes);
+        if (*len < 7 || memcmp(t, "stack: ", 7) != 0) return t;
+        site = (int32_t)strtol(t + 7, NULL, 10);
+    }
+    return NULL;
+}
+
+/* ", taken at FILE:LINE FUNC" for lease l, or "" when its site was not recorded. */
+static PyObject *taken_at(Native *n, uint8_t *l) {
+    size_t len = 0;
+    const char *t = site_text_at(n, I4(l + LS_SITE), &len);
+    if (t == NULL) return PyUnicode_FromString("");
+    PyObject *text = PyUnicode_DecodeUTF8(t, (Py_ssize_t)len, "replace");
+    if (text == NULL) return NULL;
+    PyObject *out = PyUnicode_FromFormat(", taken at %U", text);
+    Py_DECREF(text);
+    return out;
+}
+
 /* The transfer_after_free message of write lease l's block i (why: lease_changed). */
 static PyObject *late_message(Native *n, uint8_t *l, int64_t i, const char *why) {
     PyObject *holder = text_of(l + LS_HOLDER), *req = text_of(l + LS_REQUEST), *msg = NULL;
-    if (holder && req)
+    PyObject *at = taken_at(n, l);
+    if (holder && req && at)
         msg = PyUnicode_FromFormat(
-            "write lease %llu of holder %R (pid %d) completed into block %d of request %R "
+            "write lease %llu of holder %R (pid %d%U) completed into block %d of request %R "
             "after it was %s (generation %u, now %u)",
-            (unsigned long long)U8(l + LS_LEASE_ID), holder, I4(l + LS_HOLDER_PID),
+            (unsigned long long)U8(l + LS_LEASE_ID), holder, I4(l + LS_HOLDER_PID), at,
             (int)lease_ids(l)[i], req, why, lease_gens(n, l)[i],
             U4(blk(n, lease_ids(l)[i]) + BF_GENERATION));
     Py_XDECREF(holder);
     Py_XDECREF(req);
+    Py_XDECREF(at);
     return msg;
 }
 
 /* The lease_leak message of lease l (`how`: why it is a leak). */
-static PyObject *leak_message(uint8_t *l, const char *how) {
+static PyObject *leak_message(Native *n, uint8_t *l, const char *how) {
     PyObject *holder = text_of(l + LS_HOLDER), *req = text_of(l + LS_REQUEST), *msg = NULL;
-    if (holder && req)
+    PyObject *at = taken_at(n, l);
+    if (holder && req && at)
         msg = PyUnicode_FromFormat(
-            "%s lease %llu of holder %R (pid %d) on %u block(s) of request %R %s",
+            "%s lease %llu of holder %R (pid %d%U) on %u block(s) of request %R %s",
             l[LS_MODE] == LM_WRITE ? "write" : "read", (unsigned long long)U8(l + LS_LEASE_ID),
-            holder, I4(l + LS_HOLDER_PID), U4(l + LS_NUM_BLOCKS), req, how);
+            holder, I4(l + LS_HOLDER_PID), at, U4(l + LS_NUM_BLOCKS), req, how);
     Py_XDECREF(holder);
     Py_XDECREF(req);
+    Py_XDECREF(at);
     return msg;
 }
 
@@ -552,7 +586,7 @@ static PyObject *N_lease_expire_body(Native *n, PyObject *const *args, Py_ssize_
         double past = (double)(now - U8(l + LS_DEADLINE_NS)) / 1e9;
         char how[96];
         snprintf(how, sizeof how, "held %.3f s past its deadline", past);
-        PyObject *msg = leak_message(l, how);
+        PyObject *msg = leak_message(n, l, how);
         int bad = lease_finding(n, FK_LEASE_LEAK, l, 0, msg);
         Py_XDECREF(msg);
         if (bad) {
@@ -583,7 +617,7 @@ static int leases_at_close(Native *n) {
             I4(l + LS_HOLDER_PID) != n->pid)
             continue;
         if (l[LS_STATE] == L_HELD) {
-            PyObject *msg = leak_message(l, "still held when its holder closed the pool");
+            PyObject *msg = leak_message(n, l, "still held when its holder closed the pool");
             if (lease_finding(n, FK_LEASE_LEAK, l, 0, msg)) PyErr_WriteUnraisable(n->name);
             Py_XDECREF(msg);
         }

@@ -462,6 +462,10 @@ static PyObject *M_traced_locks_held(PyObject *mod, PyObject *unused) {
 
 static PyMethodDef module_methods[] = {
     {"fmix64", (PyCFunction)M_fmix64, METH_O, "fmix64(h) -> int: the core's hash finalizer"},
+    {"oplog_expand", (PyCFunction)M_oplog_expand, METH_O,
+     "oplog_expand(data) -> (records, chunks, offsets, lists, heads): an operation log's "
+     "records in OPLOG_FIELDS' layout, in pool and number order, each one's chunk offset and "
+     "offset, its tokens and table as lists, and the fixed parts one after another"},
     {"register_errors", (PyCFunction)(void (*)(void))M_register_errors, METH_FASTCALL,
      "register_errors(PoolError, PoolExhausted, JournalFull): the exception classes the core "
      "raises"},

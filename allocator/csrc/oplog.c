@@ -1,42 +1,59 @@
 /* The operation log (docs/REPLAY.md): while a handle records (PoolConfig(record_ops=PATH),
  * KVSCOPE_RECORD_OPS=PATH: `kvscope run --record-ops`), every public operation of the core
- * appends one record to the log file, written with one write(2) on a descriptor opened
- * O_APPEND, so every process and handle recording into one file appends whole records. The
- * record's layout is records.py's OPLOG_FIELDS (OR_* in layout.h); its `seq` is the segment's
+ * appends one compact record to a chunk of the handle's, written with one write(2) on a
+ * descriptor opened O_APPEND, so every process and handle recording into one file appends whole
+ * chunks. The chunk's header is records.py's OPLOG_CHUNK_FIELDS (OC_* in layout.h), a record's
+ * bytes are docs/REPLAY.md's (oplogread.c expands them to OPLOG_FIELDS); its `seq` is the segment's
  * global operation number (the header's op_seq, an atomic add by every recording process),
  * taken when the operation returns. Off (no log), an operation costs one test of `n->oplog`.
  * Part of _native.c. */
 
 typedef PyObject *(*FastFn)(Native *, PyObject *const *, Py_ssize_t);
 
-/* Records are composed into `out` and written with one write(2) when it fills, when a record
- * says something happened (a status other than ok, a finding, a fault, a START, a LOST, a
- * report), and when recording stops: the log on disk holds every record up to the last such
- * one, and a process killed loses at most the ordinary records since (a reader sees the gap). */
+/* Records are composed into a chunk in `out` (an OPLOG_CHUNK header, then compact records:
+ * docs/REPLAY.md) and the chunk written with one write(2) when it fills, when a record says
+ * something happened (a status other than ok, a finding, a fault, a START, a LOST, a report),
+ * and when recording stops: the log on disk holds every record up to the last such one, and a
+ * process killed loses at most the ordinary records since (a reader sees the gap). */
 #define OPLOG_OUT (64 * 1024)
+
+/* A record's table: none, the whole table, or the first `keep` entries of the table the
+ * sequence's last record gave it followed by the rest (an append's). */
+enum { TM_NONE = 0, TM_NEW = 1, TM_OWN = 2 };
+/* A compact record's second byte: the status (2 bits), then these. */
+#define CR_FAULT 4
+#define CR_TID 8
+#define CR_PROBES 16
+#define CR_REQUEST 32
+#define CR_EXTRA 64 /* copies, preemptions, findings */
+#define CR_ARGS 128 /* src_id, arg, result */
+#define CR_TIME_SHIFT 20 /* record times count 2^20 ns from the chunk's */
 
 typedef struct Oplog {
     int fd;
     int32_t owner;  /* the process that opened it (a forked child's copy never writes) */
-    uint8_t *out;   /* records not yet written, out_n bytes of them, out_recs records */
-    size_t out_n;
+    uint8_t *out;   /* the chunk being composed: its header's room, then out_n - OPLOG_CHUNK
+                       bytes of out_recs records */
+    size_t out_n, cap_out;
     int64_t out_recs;
+    uint64_t base_seq, prev_seq, base_time, now; /* the chunk's, the last record's */
+    int32_t prev_tid;
+    uint32_t prev_probes;
     int32_t *tok;   /* the open call's tokens, as the core read them (oplog_tokens) */
     int64_t ntok, cap_tok;
     int have_tok;
     int depth; /* calls in flight on this handle's thread (a call from inside one is refused) */
     uint64_t key;   /* redaction: tokens and request ids written as keyed hashes (0: off) */
     size_t off_seq; /* the header's op_seq */
-    uint32_t tag;   /* the pool's tag, in every record */
+    uint32_t tag;   /* the pool's tag, in every chunk */
     uint64_t lost;  /* records a failed write lost since the last one written */
     int64_t *pre;   /* the seq ids the call in flight preempted (oplog_preempted) */
     int64_t n_pre, cap_pre;
-    uint8_t *buf; /* the record being composed */
-    size_t cap;
 } Oplog;
 
-/* The record's check (allocator/oplog.py record_check): fmix64 of the sum of its 64-bit words,
- * word i weighted by 2i + 1, with the check itself 0. Any one word changed changes it. */
+/* A chunk's check (and an expanded record's: allocator/oplog.py record_checks): fmix64 of the
+ * sum of its 64-bit words, word i weighted by 2i + 1, with the check itself 0. Any one word
+ * changed changes it. */
 static uint64_t record_check(const uint8_t *r, size_t size) {
     const uint64_t *w = (const uint64_t *)r;
     uint64_t h = 0;
@@ -69,20 +86,33 @@ static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k) {
     L->have_tok = 1;
 }
 
-/* Write the records composed so far (by the process that opened the log only). */
+/* Write the chunk composed so far (by the process that opened the log only). */
 static void oplog_flush(Oplog *L) {
-    if (L->out_n == 0) return;
+    if (L->out_recs == 0) return;
+    size_t size = (L->out_n + 7) & ~(size_t)7;
+    memset(L->out + L->out_n, 0, size - L->out_n);
+    uint8_t *c = L->out;
+    U4(c + OC_MAGIC) = OPLOG_CHUNK_MAGIC;
+    U4(c + OC_SIZE) = (uint32_t)size;
+    U8(c + OC_CHECK) = 0;
+    U8(c + OC_SEQ) = L->base_seq;
+    U8(c + OC_TIME_NS) = L->base_time;
+    I4(c + OC_PID) = L->owner;
+    U4(c + OC_POOL) = L->tag;
+    U4(c + OC_N_RECORDS) = (uint32_t)L->out_recs;
+    U4(c + OC_FLAGS) = L->key ? OPLOG_REDACTED : 0;
     if (L->owner == (int32_t)getpid()) {
+        U8(c + OC_CHECK) = record_check(c, size);
         size_t done = 0;
-        while (done < L->out_n) {
-            ssize_t w = write(L->fd, L->out + done, L->out_n - done);
+        while (done < size) {
+            ssize_t w = write(L->fd, c + done, size - done);
             if (w < 0 && errno == EINTR) continue;
             if (w <= 0) break;
             done += (size_t)w;
         }
-        if (done < L->out_n) L->lost += (uint64_t)L->out_recs;
+        if (done < size) L->lost += (uint64_t)L->out_recs;
     }
-    L->out_n = 0;
+    L->out_n = OPLOG_CHUNK;
     L->out_recs = 0;
 }
 
@@ -107,15 +137,30 @@ static inline int32_t oplog_token(Oplog *L, int32_t t) {
     return L->key ? (int32_t)(fmix64(L->key ^ (uint64_t)(uint32_t)t) & 0x7FFFFFFF) : t;
 }
 
-/* What one record holds besides its fixed fields. */
+/* LEB128 varints; signed values zigzag-encoded first. */
+static inline uint8_t *put_u(uint8_t *p, uint64_t v) {
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+static inline uint64_t zz(int64_t v) { return ((uint64_t)v << 1) ^ (uint64_t)(v >> 63); }
+static inline uint8_t *put_s(uint8_t *p, int64_t v) { return put_u(p, zz(v)); }
+
+/* What one record holds. */
 typedef struct {
     int op, status, flags;
     int64_t seq_id, src_id, arg, result;
     char request[REQUEST_BYTES];
+    int req_live; /* the request is the live sequence's own (a reader has it already) */
     const void *text; /* START: the JSON text, n_text bytes */
     int64_t n_text;
+    int tmode;             /* TM_*: how the table is written */
     const int32_t *blocks; /* the block ids (a sequence record's table, or a copy) */
     int64_t n_blocks;
+    int64_t keep; /* TM_OWN: the entries kept of the sequence's table before */
     PyObject *copies;  /* a list of (src, dst), or NULL */
     Py_ssize_t found0; /* KVPool._found's length when the call began (-1: `found_at` only) */
     int64_t found_at;  /* a REPORT's ring position */
@@ -132,22 +177,58 @@ static void oplog_request(Oplog *L, const char *in, char *out) {
     snprintf(out, REQUEST_BYTES, "h%016llx", (unsigned long long)h);
 }
 
-/* Room for `size` more bytes in the output buffer (what is there written first); NULL where
- * a record is larger than the buffer and no memory is left for it. */
-static uint8_t *oplog_room(Oplog *L, size_t size, uint8_t **big) {
-    *big = NULL;
-    if (L->out_n + size > OPLOG_OUT) oplog_flush(L);
-    if (size <= OPLOG_OUT) return L->out + L->out_n;
-    return *big = PyMem_Malloc(size);
+/* Room for a record of at most `bound` bytes after what the chunk holds (the chunk written
+ * first where it would not fit); NULL where no memory is left for it. */
+static uint8_t *oplog_room(Oplog *L, size_t bound) {
+    if (L->out_n + bound + 8 > L->cap_out) oplog_flush(L);
+    if (OPLOG_CHUNK + bound + 8 > L->cap_out) {
+        if (OPLOG_CHUNK + bound + 8 > UINT32_MAX) return NULL;
+        uint8_t *o = PyMem_Realloc(L->out, OPLOG_CHUNK + bound + 8);
+        if (o == NULL) return NULL;
+        L->out = o;
+        L->cap_out = OPLOG_CHUNK + bound + 8;
+    }
+    return L->out + L->out_n;
 }
 
-/* Compose one record into the output buffer. Errors are never raised: a record that cannot be
+/* A record's first bytes: op, status and flags, its number, time, thread and probe word
+ * where they changed, and the sequence's id. */
+static uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op, int bits, int64_t seq_id) {
+    uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
+    /* (the clock read every 64 records: a record's time is its chunk's to 2^20 ns, and within
+     * the 63 records before it) */
+    if ((L->out_recs & 63) == 0) L->now = clock_ns(CLOCK_REALTIME_COARSE);
+    uint64_t now = L->now;
+    int32_t tid = thread_id(); /* (not cached by pthread_self: an ended thread's is reused) */
+    uint32_t probes = (uint32_t)*n->probe_bits;
+    if (L->out_recs == 0) {
+        L->base_seq = L->prev_seq = seq;
+        L->base_time = now;
+        L->prev_tid = L->owner;
+        L->prev_probes = 0;
+    }
+    if (tid != L->prev_tid) bits |= CR_TID;
+    if (probes != L->prev_probes) bits |= CR_PROBES;
+    *p++ = (uint8_t)op;
+    *p++ = (uint8_t)bits;
+    p = put_u(p, seq - L->prev_seq);
+    p = put_u(p, now > L->base_time ? (now - L->base_time) >> CR_TIME_SHIFT : 0);
+    if (bits & CR_TID) p = put_u(p, (uint32_t)tid);
+    if (bits & CR_PROBES) p = put_u(p, probes);
+    p = put_s(p, seq_id);
+    L->prev_seq = seq;
+    L->prev_tid = tid;
+    L->prev_probes = probes;
+    return p;
+}
+
+/* Compose one record into the chunk. Errors are never raised: a record that cannot be
  * written is counted lost, and the next one written is preceded by a LOST record saying how
  * many (its number taken too: readers see where). */
 static void oplog_write(Native *n, OpRec *o) {
     Oplog *L = n->oplog;
     if (n->seg == NULL) return;
-    Py_ssize_t nc = o->copies && PyList_Check(o->copies) ? PyList_GET_SIZE(o->copies) : 0;
+    Py_ssize_t nc = o->copies ? PyList_GET_SIZE(o->copies) : 0;
     Py_ssize_t nf = 0;
     if (o->found0 >= 0 && n->found) nf = PyList_GET_SIZE(n->found) - o->found0;
     if (o->found0 < 0) nf = 1;
@@ -155,106 +236,105 @@ static void oplog_write(Native *n, OpRec *o) {
     if (nf > 255) nf = 255;
     int64_t nt = o->scratch && L->have_tok ? L->ntok : 0;
     int64_t npre = o->scratch ? L->n_pre : 0;
-    size_t text_bytes = o->op == OP_START ? (size_t)o->n_text : 4 * (size_t)nt;
-    size_t size = OPLOG_HEAD + text_bytes + 4 * (size_t)o->n_blocks + 8 * (size_t)nc +
-                  8 * (size_t)npre + OPLOG_FOUND * (size_t)nf;
-    size = (size + 7) & ~(size_t)7;
-    uint64_t *op_seq = (uint64_t *)(n->seg + L->off_seq);
     if (L->lost) {
-        uint8_t *big, *mark = oplog_room(L, OPLOG_HEAD, &big);
-        memset(mark, 0, OPLOG_HEAD);
-        U4(mark + OR_MAGIC) = OPLOG_MAGIC;
-        U4(mark + OR_SIZE) = OPLOG_HEAD;
-        U8(mark + OR_SEQ) = __atomic_add_fetch(op_seq, 1, __ATOMIC_SEQ_CST);
-        U8(mark + OR_TIME_NS) = clock_ns(CLOCK_REALTIME_COARSE);
-        I4(mark + OR_PID) = n->pid;
-        I4(mark + OR_TID) = thread_id();
-        U4(mark + OR_POOL) = L->tag;
-        mark[OR_OP] = OP_LOST;
-        U8(mark + OR_SEQ_ID) = (uint64_t)-1;
-        U8(mark + OR_SRC_ID) = (uint64_t)-1;
-        U8(mark + OR_ARG) = L->lost;
-        U8(mark + OR_CHECK) = record_check(mark, OPLOG_HEAD);
-        L->lost = 0;
-        L->out_n += OPLOG_HEAD;
-        L->out_recs++;
-        oplog_flush(L);
+        uint8_t *p = oplog_room(L, 64);
+        if (p != NULL) {
+            uint8_t *q = oplog_head(n, L, p, OP_LOST, CR_ARGS, -1);
+            q = put_s(q, -1);
+            q = put_s(q, (int64_t)L->lost);
+            q = put_s(q, 0);
+            *q++ = 0; /* (no tokens) */
+            *q++ = TM_NONE;
+            L->lost = 0;
+            L->out_n += (size_t)(q - p);
+            L->out_recs++;
+            oplog_flush(L);
+        }
     }
-    uint8_t *big, *r = size > UINT32_MAX ? NULL : oplog_room(L, size, &big);
-    if (r == NULL) {
+    size_t bound = 128 + REQUEST_BYTES + (o->op == OP_START ? (size_t)o->n_text : 5 * (size_t)nt) +
+                   5 * (size_t)o->n_blocks + 10 * (size_t)nc + 10 * (size_t)npre +
+                   (16 + OPLOG_FOUND) * (size_t)nf;
+    uint8_t *p0 = oplog_room(L, bound);
+    if (p0 == NULL) {
         L->lost++;
         return;
     }
-    memset(r, 0, OPLOG_HEAD);
-    U4(r + OR_MAGIC) = OPLOG_MAGIC;
-    U4(r + OR_SIZE) = (uint32_t)size;
-    U8(r + OR_TIME_NS) = clock_ns(CLOCK_REALTIME_COARSE);
-    I4(r + OR_PID) = n->pid;
-    I4(r + OR_TID) = thread_id();
-    r[OR_OP] = (uint8_t)o->op;
-    r[OR_STATUS] = (uint8_t)o->status;
-    r[OR_FLAGS] = (uint8_t)(o->flags | (L->key && o->op != OP_START ? OPLOG_REDACTED : 0));
-    r[OR_N_FOUND] = (uint8_t)nf;
-    U4(r + OR_PROBES) = (uint32_t)*n->probe_bits;
-    U4(r + OR_N_TOKENS) = (uint32_t)(o->op == OP_START ? o->n_text : nt);
-    U4(r + OR_N_BLOCKS) = (uint32_t)o->n_blocks;
-    U4(r + OR_N_COPIES) = (uint32_t)nc;
-    U4(r + OR_N_PREEMPTED) = (uint32_t)npre;
-    U4(r + OR_POOL) = L->tag;
-    U8(r + OR_SEQ_ID) = (uint64_t)o->seq_id;
-    U8(r + OR_SRC_ID) = (uint64_t)o->src_id;
-    U8(r + OR_ARG) = (uint64_t)o->arg;
-    U8(r + OR_RESULT) = (uint64_t)o->result;
-    oplog_request(L, o->request, (char *)r + OR_REQUEST);
-    uint8_t *p = r + OPLOG_HEAD;
-    if (o->op == OP_START) memcpy(p, o->text, text_bytes);
-    else if (!L->key) memcpy(p, L->tok, text_bytes);
-    else
-        for (int64_t i = 0; i < nt; i++) I4(p + 4 * i) = oplog_token(L, L->tok[i]);
-    p += text_bytes;
-    memcpy(p, o->blocks, 4 * (size_t)o->n_blocks);
-    p += 4 * (size_t)o->n_blocks;
-    for (Py_ssize_t i = 0; i < nc; i++, p += 8) {
-        PyObject *pair = PyList_GET_ITEM(o->copies, i);
-        int ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
-        I4(p) = ok ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 0)) : -1;
-        I4(p + 4) = ok ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(pair, 1)) : -1;
+    uint32_t fired = n->oplog_fired;
+    n->oplog_fired = 0;
+    int bits = (o->status & 3) | (o->flags & OPLOG_FAULT || fired ? CR_FAULT : 0);
+    if (!o->req_live && o->request[0]) bits |= CR_REQUEST;
+    if (nc || npre || nf) bits |= CR_EXTRA;
+    if (o->src_id != -1 || o->arg || o->result) bits |= CR_ARGS;
+    uint8_t *p = oplog_head(n, L, p0, o->op, bits, o->seq_id);
+    if (bits & CR_FAULT) p = put_u(p, fired);
+    if (bits & CR_ARGS) {
+        p = put_s(p, o->src_id);
+        p = put_s(p, o->arg);
+        p = put_s(p, o->result);
     }
-    if (npre) memcpy(p, L->pre, 8 * (size_t)npre);
-    p += 8 * (size_t)npre;
-    for (Py_ssize_t i = 0; i < nf; i++, p += OPLOG_FOUND) {
-        uint64_t pos = o->found0 < 0 ? (uint64_t)o->found_at
-                                     : PyLong_AsUnsignedLongLong(
-                                           PyList_GET_ITEM(n->found, o->found0 + i));
-        const uint8_t *f =
-            n->seg + n->off_findings + (size_t)(pos % (uint64_t)n->fd_cap) * n->fd_size;
-        I4(p + OF_BLOCK) = I4(f + n->fd_block);
-        size_t kl = n->fd_kind_bytes < OPLOG_FOUND - OF_KIND ? n->fd_kind_bytes
-                                                              : OPLOG_FOUND - OF_KIND;
-        memcpy(p + OF_KIND, f + n->fd_kind, kl);
-        memset(p + OF_KIND + kl, 0, OPLOG_FOUND - OF_KIND - kl);
+    if (bits & CR_REQUEST) {
+        char req[REQUEST_BYTES];
+        oplog_request(L, o->request, req);
+        size_t k = strnlen(req, REQUEST_BYTES);
+        *p++ = (uint8_t)k;
+        memcpy(p, req, k);
+        p += k;
     }
-    memset(p, 0, (size_t)(r + size - p)); /* (the padding) */
+    if (o->op == OP_START) {
+        p = put_u(p, (uint64_t)o->n_text);
+        memcpy(p, o->text, (size_t)o->n_text);
+        p += o->n_text;
+    } else {
+        p = put_u(p, (uint64_t)nt);
+        for (int64_t i = 0; i < nt; i++) p = put_s(p, oplog_token(L, L->tok[i]));
+    }
+    int tmode = o->tmode;
+    *p++ = (uint8_t)tmode;
+    if (tmode != TM_NONE) {
+        int64_t keep = tmode == TM_OWN ? o->keep : 0;
+        if (tmode == TM_OWN) p = put_u(p, (uint64_t)keep);
+        p = put_u(p, (uint64_t)(o->n_blocks - keep));
+        for (int64_t i = keep; i < o->n_blocks; i++) p = put_s(p, o->blocks[i]);
+    }
+    if (bits & CR_EXTRA) {
+        p = put_u(p, (uint64_t)nc);
+        for (Py_ssize_t i = 0; i < nc; i++) {
+            PyObject *pair = PyList_GET_ITEM(o->copies, i);
+            int ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+            p = put_s(p, ok ? PyLong_AsLong(PyTuple_GET_ITEM(pair, 0)) : -1);
+            p = put_s(p, ok ? PyLong_AsLong(PyTuple_GET_ITEM(pair, 1)) : -1);
+        }
+        p = put_u(p, (uint64_t)npre);
+        for (int64_t i = 0; i < npre; i++) p = put_s(p, L->pre[i]);
+        p = put_u(p, (uint64_t)nf);
+        for (Py_ssize_t i = 0; i < nf; i++) {
+            uint64_t pos = o->found0 < 0 ? (uint64_t)o->found_at
+                                         : PyLong_AsUnsignedLongLong(
+                                               PyList_GET_ITEM(n->found, o->found0 + i));
+            const uint8_t *f =
+                n->seg + n->off_findings + (size_t)(pos % (uint64_t)n->fd_cap) * n->fd_size;
+            p = put_s(p, I4(f + n->fd_block));
+            size_t kl = n->fd_kind_bytes < OPLOG_FOUND - OF_KIND ? n->fd_kind_bytes
+                                                                  : OPLOG_FOUND - OF_KIND;
+            kl = strnlen((const char *)f + n->fd_kind, kl);
+            *p++ = (uint8_t)kl;
+            memcpy(p, f + n->fd_kind, kl);
+            p += kl;
+        }
+    }
     if (PyErr_Occurred()) PyErr_Clear(); /* (an int that did not fit: written as -1) */
-    U8(r + OR_SEQ) = __atomic_add_fetch(op_seq, 1, __ATOMIC_SEQ_CST);
-    U8(r + OR_CHECK) = record_check(r, size);
-    if (big) {
-        oplog_flush(L);
-        ssize_t w = L->owner == (int32_t)getpid() ? write(L->fd, big, size) : (ssize_t)size;
-        if (w != (ssize_t)size) L->lost++;
-        PyMem_Free(big);
-        return;
-    }
-    L->out_n += size;
+    L->out_n += (size_t)(p - p0);
     L->out_recs++;
     /* something happened: on disk now */
-    if (o->status != OS_OK || nf || o->flags || o->op == OP_START || o->op == OP_REPORT)
+    if (o->status != OS_OK || nf || (bits & CR_FAULT) || o->op == OP_START || o->op == OP_REPORT)
         oplog_flush(L);
 }
 
 /* The live slot a Sequence names (its slot field, in the table's range), else -1. */
 static int64_t slot_of(Native *n, PyObject *seq) {
-    if (seq == NULL || !PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) return -1;
+    if (seq == NULL || (!Py_IS_TYPE(seq, (PyTypeObject *)n->seq_type) &&
+                        !PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)))
+        return -1;
     PyObject *v = *(PyObject **)((char *)seq + n->seq_off[F_SLOT]);
     int64_t s = v && PyLong_CheckExact(v) ? PyLong_AsLongLong(v) : -1;
     if (s == -1 && PyErr_Occurred()) PyErr_Clear();
@@ -299,17 +379,23 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     o.flags = 0;
     o.seq_id = o.src_id = -1;
     o.arg = o.result = 0;
-    o.n_blocks = 0;
+    o.req_live = 0;
+    o.tmode = TM_NONE;
+    o.n_blocks = o.keep = 0;
     o.blocks = NULL;
     o.copies = NULL;
     o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
-    Py_ssize_t armed0 = n->faults_armed ? PyDict_Size(n->faults_armed) : 0;
+    Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
     PyObject *seq = nargs >= 2 && op != OP_ALLOCATE && op != OP_EVICT ? args[1] : NULL;
     int64_t slot = slot_of(n, seq);
-    int32_t before_s[64], *before = before_s; /* free, abort: the table the release drops */
-    int64_t n_before = 0;
+    /* free, abort: the table the release drops; append: the table before (its record holds
+     * what changed) */
+    int32_t before_s[64], *before = before_s;
+    int64_t n_before = -1;
     if (slot >= 0) {
         memcpy(o.request, seqrec(n, slot) + SF_REQUEST, REQUEST_BYTES);
+        o.req_live = 1;
+        if (op == OP_APPEND) n_before = U4(seqrec(n, slot) + SF_NUM_BLOCKS);
         if (op == OP_FREE || op == OP_ABORT) {
             OpRec t;
             slot_table(n, slot, &t);
@@ -327,14 +413,14 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
             if (rid) oplog_rid(rid, o.request);
         }
     }
-    int64_t id_before = seq_int(n, seq, F_SEQ_ID);
+    int64_t id_before = slot >= 0 ? (int64_t)U8(seqrec(n, slot) + SF_SEQ_ID) : seq_int(n, seq, F_SEQ_ID);
 
     L->depth++;
     PyObject *res = fn(n, args, nargs);
     L->depth--;
 
-    PyObject *et, *ev, *etb;
-    PyErr_Fetch(&et, &ev, &etb);
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
+    if (res == NULL) PyErr_Fetch(&et, &ev, &etb);
     if (res == NULL) {
         o.status = et == NULL ? OS_ERROR
                    : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType)
@@ -342,11 +428,12 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
                    : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType) ? OS_REFUSED
                                                                                      : OS_ERROR;
     }
-    if (n->faults_armed && PyDict_Size(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
+    if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
     int64_t after = -1;
     switch (op) {
     case OP_ALLOCATE:
         if (nargs == 3) oplog_rid(args[2], o.request);
+        o.req_live = 0;
         if (res) {
             after = slot_of(n, res);
             o.result = seq_int(n, res, F_CACHED);
@@ -361,6 +448,7 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
         o.src_id = id_before;
         if (res) after = slot_of(n, res);
         if (nargs == 3) oplog_rid(args[2], o.request);
+        o.req_live = 0;
         break;
     case OP_MARK_COMPUTED: {
         o.seq_id = id_before;
@@ -374,7 +462,8 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     case OP_FREE:
     case OP_ABORT:
         o.seq_id = id_before;
-        if (res) {
+        if (res && n_before >= 0) {
+            o.tmode = TM_NEW;
             o.blocks = before;
             o.n_blocks = n_before;
         }
@@ -399,12 +488,21 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     }
     if (after >= 0) {
         slot_table(n, after, &o);
+        o.tmode = TM_NEW;
+        if (op == OP_APPEND && n_before >= 0) {
+            /* an append adds blocks after the table and replaces its last one where it copies
+             * on write (or preempts the sequence itself: an empty table) */
+            o.tmode = TM_OWN;
+            o.keep = n_before - (o.copies && PyList_GET_SIZE(o.copies) ? 1 : 0);
+            if (o.keep > o.n_blocks) o.keep = o.n_blocks;
+            if (o.keep < 0) o.keep = 0;
+        }
         if (op == OP_ALLOCATE || op == OP_FORK) o.seq_id = (int64_t)U8(seqrec(n, after) + SF_SEQ_ID);
     }
     if (PyErr_Occurred()) PyErr_Clear();
     oplog_write(n, &o);
     if (before != before_s) PyMem_Free(before);
-    PyErr_Restore(et, ev, etb);
+    if (res == NULL) PyErr_Restore(et, ev, etb);
     if (o.scratch) {
         L->n_pre = 0;
         L->have_tok = 0;
@@ -420,7 +518,83 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
         return oplog_op(n, op, fn, args, nargs);                                               \
     }
 RECORDED(R_allocate, OP_ALLOCATE, N_allocate)
-RECORDED(R_append, OP_APPEND, N_append)
+
+/* append, recorded: the core's hot path (a decode step appends to every running sequence),
+ * so its record is composed straight from the sequence's record in the segment. */
+static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    Oplog *L = n->oplog;
+    if (L == NULL) return N_append(n, args, nargs);
+    int64_t slot = L->depth == 0 && nargs == 3 && n->seg ? slot_of(n, args[1]) : -1;
+    if (slot < 0) return oplog_op(n, OP_APPEND, N_append, args, nargs);
+    const uint8_t *rec = seqrec(n, slot);
+    uint32_t nb0 = U4(rec + SF_NUM_BLOCKS);
+    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
+    Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
+    L->depth++;
+    PyObject *res = N_append(n, args, nargs);
+    L->depth--;
+    uint32_t nb1 = U4(rec + SF_NUM_BLOCKS);
+    if (res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
+        !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
+        (n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0) != armed0 ||
+        nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL) {
+        /* (anything but a plain append: the general record) */
+        OpRec o;
+        memset(&o, 0, sizeof o);
+        o.op = OP_APPEND;
+        o.scratch = 1;
+        o.seq_id = (int64_t)U8(rec + SF_SEQ_ID);
+        o.src_id = -1;
+        o.found0 = found0;
+        o.req_live = 1;
+        memcpy(o.request, rec + SF_REQUEST, REQUEST_BYTES);
+        PyObject *et = NULL, *ev = NULL, *etb = NULL;
+        if (res == NULL) {
+            PyErr_Fetch(&et, &ev, &etb);
+            o.status = et == NULL ? OS_ERROR
+                       : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType)
+                           ? OS_EXHAUSTED
+                       : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType)
+                           ? OS_REFUSED
+                           : OS_ERROR;
+        }
+        if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
+        if (res && PyList_Check(res)) o.copies = res;
+        int64_t after = slot_of(n, args[1]);
+        if (after >= 0 && n->seg) {
+            slot_table(n, after, &o);
+            o.tmode = TM_OWN;
+            o.keep = (int64_t)nb0 - (o.copies && PyList_GET_SIZE(o.copies) ? 1 : 0);
+            if (o.keep > o.n_blocks) o.keep = o.n_blocks;
+            if (o.keep < 0) o.keep = 0;
+        }
+        if (PyErr_Occurred()) PyErr_Clear();
+        oplog_write(n, &o);
+        if (res == NULL) PyErr_Restore(et, ev, etb);
+        L->n_pre = 0;
+        L->have_tok = 0;
+        return res;
+    }
+    /* a plain append: its tokens, and the blocks it added after the table */
+    uint32_t keep = nb0 < nb1 ? nb0 : nb1;
+    uint8_t *p0 = oplog_room(L, 64 + 5 * (size_t)L->ntok + 5 * (size_t)(nb1 - keep));
+    if (p0 == NULL) {
+        L->lost++;
+    } else {
+        uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
+        p = put_u(p, (uint64_t)L->ntok);
+        for (int64_t i = 0; i < L->ntok; i++) p = put_s(p, oplog_token(L, L->tok[i]));
+        *p++ = TM_OWN;
+        p = put_u(p, keep);
+        p = put_u(p, nb1 - keep);
+        const int32_t *table = (const int32_t *)(rec + SF_TABLE);
+        for (uint32_t i = keep; i < nb1; i++) p = put_s(p, table[i]);
+        L->out_n += (size_t)(p - p0);
+        L->out_recs++;
+    }
+    L->have_tok = 0;
+    return res;
+}
 RECORDED(R_fork, OP_FORK, N_fork)
 RECORDED(R_mark_computed, OP_MARK_COMPUTED, N_mark_computed)
 RECORDED(R_set_state, OP_SET_STATE, N_set_state)
@@ -444,6 +618,7 @@ static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     o.seq_id = o.src_id = -1;
     o.found0 = -1;
     o.found_at = (int64_t)PyLong_AsUnsignedLongLong(res);
+    o.tmode = TM_NONE;
     if (nargs == 7) oplog_rid(args[5], o.request);
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
@@ -498,6 +673,10 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     oplog_free(n);
     Oplog *L = PyMem_Calloc(1, sizeof(Oplog));
     uint8_t *out = L ? PyMem_Malloc(OPLOG_OUT) : NULL;
+    if (L) {
+        L->out_n = OPLOG_CHUNK;
+        L->cap_out = OPLOG_OUT;
+    }
     if (out == NULL) {
         PyMem_Free(L);
         close(fd);
@@ -514,6 +693,7 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     memset(&o, 0, sizeof o);
     o.op = OP_START;
     o.seq_id = o.src_id = -1;
+    n->oplog_fired = 0; /* (faults fired before: not this log's) */
     o.text = text;
     o.n_text = tl;
     o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;

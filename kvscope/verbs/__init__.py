@@ -38,7 +38,7 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "top": (
         "top",
         "TopCommand",
-        "Show a live pool or a dump in the terminal UI: `kvscope top NAME|FILE [--hz N]`.",
+        "Show a live pool or a dump in the terminal UI: `kvscope top NAME|FILE [--hz N] [--at N]`.",
     ),
     "dump": (
         "dump",

@@ -4,7 +4,10 @@ Open it in Perfetto (ui.perfetto.dev, "Open trace file") or chrome://tracing: a 
 process with a slice per request from allocate to free or abort (its blocks in the slice's
 arguments), preemptions, copy-on-write, evictions, every finding as an instant naming its
 blocks, and, from the history `kvscope run` writes beside its dumps, the pool's counters and
-its locks over time. `-o -` writes to stdout. Exit code 0, or 2 on unusable input.
+its locks over time. With the pool's operation log (`--ops LOG`; a dump's DUMP.ops beside it by
+default, as `kvscope run --record-ops` links it), the log is replayed and the operation the
+replay stopped at (a divergence, or the finding it reproduced) is marked across the trace.
+`-o -` writes to stdout. Exit code 0, or 2 on unusable input.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import time
 
 from kvscope.allocator.dumpfile import check_target
+from kvscope.errors import UsageError
 from kvscope.events.streamfile import is_stream_file
 from kvscope.history import history_for
 from kvscope.target import open_target
@@ -30,6 +34,12 @@ class TimelineCommand:
         add_target_and_history(parser)
         parser.add_argument(
             "-o", "--output", required=True, metavar="FILE", help="trace file (- for stdout)"
+        )
+        parser.add_argument(
+            "--ops",
+            metavar="LOG",
+            help="the pool's operation log, replayed to mark where it diverges (default: "
+            "FILE.ops beside a dump, when there)",
         )
 
     @staticmethod
@@ -52,6 +62,7 @@ class TimelineCommand:
             end_ns=taken_ns(t, args.target) or time.time_ns(),
             source=args.target,
         )
+        replayed = _mark_replay(trace, args.target, args.ops)
         if args.output == "-":
             import json
 
@@ -64,9 +75,31 @@ class TimelineCommand:
         what += f", {od['history_samples']} history sample(s)"
         if not od["num_requests"] and not int(t.view.events["time_ns"].max(initial=0)):
             what += " (no events recorded: the events probe was off; kvscope run turns it on)"
+        if replayed:
+            what += f"; {replayed}"
         where = "stdout" if args.output == "-" else os.path.abspath(args.output)
         print(
             f"kvscope: wrote {where}: {what}; open it in Perfetto or chrome://tracing",
             file=sys.stderr,
         )
         return 0
+
+
+def _mark_replay(trace: dict, target: str, ops: str | None) -> str:
+    """Replay the pool's operation log (`ops`, or TARGET.ops beside a dump) and mark where it
+    stopped in the trace; what it says ("" without a log)."""
+    path = ops if ops is not None else target + ".ops"
+    if ops is None and not os.path.isfile(path):
+        return ""
+    from kvscope.allocator.oplog import OplogError, read_log
+    from kvscope.replay import ReplayError, replay
+    from kvscope.timeline import mark_replay
+
+    try:
+        outcome = replay(read_log(path), quiet=True)
+    except (OplogError, ReplayError) as e:
+        raise UsageError(str(e)) from None
+    s = mark_replay(trace, outcome, path)
+    if "operation" not in s:
+        return f"the replay of {path} ran to its {s['reason']} ({s['replayed']} operation(s))"
+    return f"the replay of {path} stopped at operation {s['operation']} ({s['reason']})"

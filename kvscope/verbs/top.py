@@ -17,7 +17,7 @@ def load_run_top():
 
 
 class TopCommand:
-    """Show a live pool or a dump in the terminal UI: `kvscope top NAME|FILE [--hz N]`.
+    """Show a live pool or a dump in the terminal UI: `kvscope top NAME|FILE [--hz N] [--at N]`.
 
     Or an engine's prefix cache from its KV-event stream: `kvscope top --events ENDPOINT...`."""
 
@@ -27,6 +27,13 @@ class TopCommand:
             "target", nargs="?", metavar="NAME|FILE", help="a pool name or a dump file"
         )
         parser.add_argument("--hz", type=float, default=10.0, help="refresh rate (default 10)")
+        parser.add_argument(
+            "--at",
+            type=int,
+            metavar="N",
+            help="the pool a replay of the dump's operation log (DUMP.ops, or a LOG) makes up "
+            "to operation N; [ and ] step back and forward",
+        )
         parser.add_argument(
             "--events",
             nargs="+",
@@ -48,4 +55,34 @@ class TopCommand:
             return run_events_top(args.events, hz=args.hz)
         if args.target is None:
             raise UsageError("top needs a pool (NAME|FILE) or --events ENDPOINT")
+        if args.at is not None:
+            return step_top(args.target, args.at, args.hz)
         return int(load_run_top()(args.target, hz=args.hz))
+
+
+def step_top(target: str, at: int, hz: float) -> int:
+    """`kvscope top DUMP|LOG --at N`: the pool a replay of the operation log (a dump's DUMP.ops)
+    makes up to operation N, stepped through in the TUI."""
+    import os
+
+    from kvscope.allocator.oplog import OplogError, read_log
+    from kvscope.replay import ReplayError, Stepper
+
+    if at < 0:
+        raise UsageError("--at takes an operation number >= 0")
+    run_top = load_run_top()
+    path = target + ".ops" if target.endswith(".kvd") else target
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"{target}: no operation log to step through (a dump's is {target}.ops: "
+            "kvscope run --record-ops)"
+        )
+    try:
+        stepper = Stepper(read_log(path))
+        stepper.goto(at)
+    except (OplogError, ReplayError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        return int(run_top(path, hz=hz, stepper=stepper))
+    finally:
+        stepper.close()
