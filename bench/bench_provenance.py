@@ -20,52 +20,15 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_probes import LIGHT_VARS, PROBE_VARS, SAMPLE_VAR, make  # noqa: E402
-from bench_serving_loop import RUNNING, SYSTEMS, serve  # noqa: E402
+from bench_serving_loop import serve  # noqa: E402
 
-from kvscope.allocator import KVPool  # noqa: E402
 from kvscope.allocator.probeflags import PROVENANCE_SAMPLE_ENV  # noqa: E402
-
-
-def serve_swept(pool: KVPool, steps: int, seed: int) -> tuple[float, int]:
-    """`serve`'s loop with the provenance sweep of the running sequences after every step."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(32)] for _ in range(SYSTEMS)]
-    n = 0
-
-    def admit() -> list:
-        nonlocal n
-        n += 1
-        own = [rng.randrange(32000) for _ in range(rng.randrange(8, 41))]
-        prompt = (rng.choice(systems) if rng.random() < 0.7 else []) + own
-        return [pool.allocate(f"req-{n}", prompt), rng.randrange(16, 129)]
-
-    running = [admit() for _ in range(RUNNING)]
-    ops = RUNNING
-    t = time.process_time()
-    for _ in range(steps):
-        for i, (seq, left) in enumerate(running):
-            pool.append(seq, [rng.randrange(32000)])
-            ops += 1
-            if left > 1:
-                running[i][1] = left - 1
-                continue
-            pool.mark_computed(seq, seq.num_tokens)
-            pool.free(seq)
-            running[i] = admit()
-            ops += 3
-        pool.check_provenance([s for s, _ in running])
-    dt = time.process_time() - t
-    for seq, _ in running:
-        pool.free(seq)
-    return ops / dt, ops
 
 
 def measure(env: dict[str, str], sample: int, swept: bool, steps: int, seed: int, min_s: float):
@@ -77,7 +40,8 @@ def measure(env: dict[str, str], sample: int, swept: bool, steps: int, seed: int
         pool = make(env)
         os.environ.pop(PROVENANCE_SAMPLE_ENV, None)
         try:
-            rate, n = (serve_swept if swept and sample else serve)(pool, steps, seed=seed)
+            sweep = pool.check_provenance if swept and sample else None
+            rate, n = serve(pool, steps, seed=seed, after_step=sweep)
         finally:
             pool.close()
             pool.unlink()

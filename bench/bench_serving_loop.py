@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,8 +42,11 @@ RUNNING = 64
 SYSTEMS = 8
 
 
-def serve(pool: KVPool, steps: int, seed: int) -> tuple[float, int]:
-    """Pool operations per second over `steps` decode steps, and how many operations."""
+def serve(
+    pool: KVPool, steps: int, seed: int, after_step: Callable[[list], None] | None = None
+) -> tuple[float, int]:
+    """Pool operations per second over `steps` decode steps, and how many operations;
+    `after_step(running sequences)` runs after each step, timed with it."""
     rng = random.Random(seed)
     systems = [[rng.randrange(32000) for _ in range(32)] for _ in range(SYSTEMS)]
     n = 0
@@ -68,6 +72,8 @@ def serve(pool: KVPool, steps: int, seed: int) -> tuple[float, int]:
             pool.free(seq)
             running[i] = admit()
             ops += 3
+        if after_step is not None:
+            after_step([seq for seq, _ in running])
     dt = time.process_time() - t
     for seq, _ in running:
         pool.free(seq)
