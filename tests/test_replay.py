@@ -294,17 +294,23 @@ def test_two_processes_interleave_in_one_order(tmp_path, pool_name):
     assert (out.reason, out.exit_code) == ("end", 0)
 
 
+def record_user_engine(tmp_path: Path, bug: str) -> str:
+    """tests/user_engine.py with `bug` under `kvscope run --record-ops ue.ops`, its dump in
+    `tmp_path`; the kvscope command's path."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "ue.ops", "--dump-dir", str(tmp_path),
+         str(HERE / "user_engine.py"), f"user-engine-{bug}-{os.getpid()}", bug],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return kvscope
+
+
 @pytest.mark.slow
 def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     """tests/user_engine.py's double-free bug under `kvscope run --record-ops`: replayed to its
     finding, shrunk to the request's allocate and two frees, and the script finds it."""
-    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
-    name = f"user-engine-replay-{os.getpid()}"
-    subprocess.run(
-        [kvscope, "run", "--record-ops", "ue.ops", "--dump-dir", str(tmp_path),
-         str(HERE / "user_engine.py"), name, "double-free"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    kvscope = record_user_engine(tmp_path, "double-free")
     # the dump has the run's log beside it
     (dump,) = [p.name for p in tmp_path.glob("kvscope-*.kvd")]
     assert (tmp_path / (dump + ".ops")).resolve() == (tmp_path / "ue.ops").resolve()
@@ -329,17 +335,12 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     assert run.returncode == 1 and "double_free" in run.stdout
 
 
+@pytest.mark.slow
 def test_kvscope_run_records_the_user_engines_leak_and_the_close_replays(tmp_path):
     """tests/user_engine.py's exception bug (r2's sequences never ended) under `kvscope run
     --record-ops`: its leak_finished, reported as the pool closed, replays as that close (the
     same request held), shrinks about the same request, and the script finds it."""
-    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
-    name = f"user-engine-leak-{os.getpid()}"
-    subprocess.run(
-        [kvscope, "run", "--record-ops", "ue.ops", "--dump-dir", str(tmp_path),
-         str(HERE / "user_engine.py"), name, "exception"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    record_user_engine(tmp_path, "exception")
     log = read_log(str(tmp_path / "ue.ops"))
     report = next(r for r in log.records if r.op == OpCode.REPORT)
     assert report.request.startswith("r2") and report.found[0][0] == "leak_finished"
