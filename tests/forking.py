@@ -27,3 +27,25 @@ def fork_child(fn: Callable[[], int], alarm_s: int) -> int:
 def wait_child(pid: int) -> int:
     """The exit code of a child (negative: the signal that killed it)."""
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def killed_after(fn: Callable[[], object]) -> int:
+    """Fork a child that runs fn and then waits, holding what fn returned (its pool handle);
+    kill it with SIGKILL once fn is done (a process dead at a moment the test chose); its pid."""
+    r, w = os.pipe()
+
+    def work() -> int:
+        os.close(r)
+        held = fn()
+        os.write(w, b"x")
+        signal.pause()
+        del held
+        return 0
+
+    pid = fork_child(work, alarm_s=60)
+    os.close(w)
+    assert os.read(r, 1) == b"x"
+    os.close(r)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_child(pid) == -signal.SIGKILL
+    return pid

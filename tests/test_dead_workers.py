@@ -6,7 +6,6 @@ says it once, whichever of the two saw it first."""
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
 
@@ -18,7 +17,7 @@ from kvscope.allocator.segment import segment_path
 from kvscope.allocator.snapshot import snapshot
 from kvscope.child import pool_key
 from kvscope.supervisor import Supervisor
-from tests.forking import fork_child, wait_child
+from tests.forking import killed_after
 
 DEAD = FindingKind.LEAK_DEAD_OWNER.value
 
@@ -26,26 +25,16 @@ DEAD = FindingKind.LEAK_DEAD_OWNER.value
 def killed_worker(name: str, requests: list[tuple[str, int]], free: bool = False) -> int:
     """Fork a worker that attaches to pool `name`, allocates each (request, tokens) and, with
     `free`, frees them again; kill it with SIGKILL once it is done; its pid."""
-    r, w = os.pipe()
 
-    def work() -> int:
-        os.close(r)
+    def work() -> KVPool:
         pool = KVPool.attach(name)
         for request, tokens in requests:
             seq = pool.allocate(request, list(range(tokens)))
             if free:
                 pool.free(seq)
-        os.write(w, b"x")
-        signal.pause()
-        return 0
+        return pool
 
-    pid = fork_child(work, alarm_s=60)
-    os.close(w)
-    assert os.read(r, 1) == b"x"
-    os.close(r)
-    os.kill(pid, signal.SIGKILL)
-    assert wait_child(pid) == -signal.SIGKILL
-    return pid
+    return killed_after(work)
 
 
 def cached_by(pool: KVPool, pid: int) -> int:

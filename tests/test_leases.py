@@ -23,7 +23,7 @@ from kvscope.allocator.layout import BlockState
 from kvscope.allocator.lease import lease_totals
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
-from tests.forking import fork_child, wait_child
+from tests.forking import fork_child, killed_after, wait_child
 
 LATE = FindingKind.TRANSFER_AFTER_FREE.value
 LEAK = FindingKind.LEASE_LEAK.value
@@ -251,24 +251,15 @@ def test_a_lease_still_held_at_close_is_a_leak_and_released(make_pool, pool_name
 def test_a_dead_holders_leases_are_reclaimed_with_its_blocks(make_pool, pool_name):
     # GIVEN a worker that leases its request's blocks, frees the request and is killed
     pool = make_pool(16)
-    r, w = os.pipe()
 
-    def work() -> int:
-        os.close(r)
+    def work() -> KVPool:
         p = KVPool.attach(pool_name)
         seq = p.allocate("dead-r", list(range(10)))
         p.lease(seq, "read", holder="offloader")
         p.free(seq)
-        os.write(w, b"x")
-        signal.pause()
-        return 0
+        return p
 
-    pid = fork_child(work, alarm_s=60)
-    os.close(w)
-    assert os.read(r, 1) == b"x"
-    os.close(r)
-    os.kill(pid, signal.SIGKILL)
-    assert wait_child(pid) == -signal.SIGKILL
+    pid = killed_after(work)
     (row,) = pool.leases()
     assert row["pid"] == pid
     # WHEN a survivor reclaims the dead
