@@ -233,6 +233,37 @@ def test_no_key_leaves_the_stream_while_a_record_is_mid_change(wired, tmp_path):
     assert pub.verify() == []
 
 
+def test_a_child_whose_parent_was_evicted_unannounced_is_not_announced(wired, tmp_path):
+    pool, pub, sub, endpoint = wired
+    b = pool.view.blocks
+    # GIVEN a chain of two blocks published, its first block evicted before the publisher
+    # looked (another process's LRU took it first), its second still indexed
+    s = pool.allocate("s", list(range(2 * BS)))
+    pool.mark_computed(s, 2 * BS)
+    parent, child = s.block_table
+    keys = pool.view.index["hash"]
+    slot = int((keys == b["prefix_hash"][parent]).nonzero()[0][0])
+    key = int(keys[slot])
+    keys[slot] = 0
+    b["indexed"][parent] = 0
+    b["checksum"][parent] = block_checksums(b, np.array([parent]))[0]
+    try:
+        # WHEN it polls THEN nothing is published: the child is unreachable, and no subscriber
+        # may see a child whose parent it never saw; the stream still agrees with the index
+        assert pub.poll() == 0
+        assert pub.verify() == []
+        # WHEN the parent's key is indexed again THEN the chain is stored, parent first
+    finally:
+        keys[slot] = key
+        b["indexed"][parent] = 1
+        b["checksum"][parent] = block_checksums(b, np.array([parent]))[0]
+    assert pub.poll() == 1
+    [(_seq, [ev])] = sub.take(1)
+    assert ev[0] == STORED and ev[2] is None and len(ev[1]) == 2
+    assert pub.verify() == []
+    assert main(["events", "check", sub.save(str(tmp_path / "o.kvev"), endpoint)]) == 0
+
+
 def test_clear_then_republish_is_clean(wired, tmp_path):
     pool, pub, sub, endpoint = wired
     s = pool.allocate("s", list(range(8)))
