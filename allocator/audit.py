@@ -3,7 +3,11 @@ call (csrc/audit.c), from the records of the sequences its rows belong to; a tab
 pool's device is compared there, by one launch (kernels/audit.py) against the expected table
 the core writes from the same records, and its answer is read back behind the work queued
 after it (no host wait) and reported at the next audit (or `settle(wait=True)`) through the
-core's `report`, so every finding of the audit reaches the ring through the core."""
+core's `report`, so every finding of the audit reaches the ring through the core.
+
+A `TableAudit` (`KVPool.table_audit`) is the same audit of one static table that a CUDA graph
+replays: its comparison is captured with the forward that reads the table, and each step only
+writes the expected table and queues its upload (no launch of its own)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import Finding, FindingKind
 
 if TYPE_CHECKING:
@@ -39,18 +44,26 @@ RING = 4
 
 
 class _Slot:
-    """One audit's buffers: the expected table (page-locked, and on the device), the device's
-    answer and its page-locked copy, the event after them, and what the finding needs."""
+    """One audit's buffers: the expected table (page-locked, and on the device: a TableAudit's
+    slots share its static one), the device's answer (likewise) and its page-locked copy, the
+    event after them, and what the finding needs."""
 
-    def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
+    def __init__(
+        self, shape: tuple[int, int], device: torch.device, dev: Any = None, answer: Any = None
+    ) -> None:
         self.host = torch.empty(shape, dtype=torch.int32, pin_memory=True)
-        self.dev = torch.empty(shape, dtype=torch.int32, device=device)
-        self.answer = torch.empty(4, dtype=torch.int64, device=device)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(shape, dtype=torch.int32, device=device) if dev is None else dev
+        self.answer = torch.empty(4, dtype=torch.int64, device=device) if answer is None else answer
         self.back = torch.empty(4, dtype=torch.int64, pin_memory=True)
         self.done = torch.cuda.Event()
-        self.requests: list[str] = []
+        # the rows' sequences (their request ids read only for a finding)
+        self.rows: list[Any] = []
         self.sentinel = -1
         self.pending = False
+
+    def requests(self) -> list[str]:
+        return [str(s.request_id) for s in self.rows]
 
 
 class DeviceAudits:
@@ -61,6 +74,9 @@ class DeviceAudits:
         self.pool = pool
         self._rings: dict[tuple[int, int], tuple[list[_Slot], list[int]]] = {}
         self._pending: list[_Slot] = []
+        # the table audits a graph replays (their last expected table's answer is collected
+        # by a waiting settle)
+        self.tables: list[TableAudit] = []
 
     def launch(self, table: torch.Tensor, rows: Sequence_[Any], lengths: Any, sentinel: int):
         """The expected table written by the core, uploaded, compared by one launch, the
@@ -76,20 +92,26 @@ class DeviceAudits:
         turn[0] += 1
         if slot.pending:
             self.settle(upto=slot)
-        with self.pool.op_mutex:
-            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, slot.host.numpy())
-        slot.dev.copy_(slot.host, non_blocking=True)
+        self.expect(slot, rows, lengths, sentinel)
         audit_table(table if table.is_contiguous() else table.contiguous(), slot.dev, slot.answer)
         slot.back.copy_(slot.answer, non_blocking=True)
         slot.done.record()
-        slot.requests = [str(s.request_id) for s in rows]
+        self.queue(slot)
+
+    def expect(self, slot: _Slot, rows: Sequence_[Any], lengths: Any, sentinel: int) -> None:
+        """The expected table of `rows` written by the core into the slot, its upload queued."""
+        with self.pool.op_mutex:
+            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, slot.host_np)
+        slot.dev.copy_(slot.host, non_blocking=True)
+        slot.rows = list(rows)
         slot.sentinel = sentinel
-        slot.pending = True
-        self._pending.append(slot)
 
     def settle(self, wait: bool = False, upto: _Slot | None = None) -> list[Finding]:
         """Report the answers that are back (all of them with `wait`; those up to `upto`'s,
         waited for); the findings."""
+        if wait:
+            for audit in self.tables:
+                audit.collect()
         out = []
         while self._pending:
             slot = self._pending[0]
@@ -103,7 +125,7 @@ class DeviceAudits:
                 expected = slot.host.numpy()
                 out.append(
                     self._finding(
-                        expected, slot.requests, slot.sentinel, bad, first, found, bad_rows
+                        expected, slot.requests(), slot.sentinel, bad, first, found, bad_rows
                     )
                 )
             if slot is upto:
@@ -111,6 +133,11 @@ class DeviceAudits:
         for f in out:
             self.pool.report(f)
         return out
+
+    def queue(self, slot: _Slot) -> None:
+        """A slot whose answer's copy is queued: reported once it is back."""
+        slot.pending = True
+        self._pending.append(slot)
 
     def _finding(
         self, expected: np.ndarray, requests: list[str], sentinel: int,
@@ -152,3 +179,83 @@ class DeviceAudits:
         return Finding(
             FindingKind.BLOCK_TABLE_MISMATCH, msg, block=block, owner_pid=owner, request=request
         )
+
+
+class TableAudit:
+    """The audit of one static table a CUDA graph reads (`KVPool.table_audit`): `launch` is the
+    comparison, called where the forward that reads the table is captured (it becomes part of
+    the graph: no launch of its own at a replay); `expect` writes the expected table of the
+    step about to replay and queues its upload. The answer of a replay is copied back when the
+    next step's `expect` (or a waiting settle) is called, behind that replay, and reported when
+    it is back. With a table in host memory there is nothing to capture: `launch` does
+    nothing and `expect` is `audit_block_table`."""
+
+    def __init__(self, pool: Any, table: Any, padding: int) -> None:
+        self.pool = pool
+        self.padding = padding
+        self.cuda = isinstance(table, torch.Tensor) and table.is_cuda
+        if isinstance(table, torch.Tensor) and (
+            table.dim() != 2 or table.dtype.is_floating_point or table.dtype == torch.bool
+        ):
+            raise PoolError(
+                f"table: expected a 2-dimensional integer tensor, got {table.dim()} "
+                f"dimension(s) of {table.dtype}"
+            )
+        self.table = table
+        if not self.cuda:
+            return
+        if not table.is_contiguous():
+            raise PoolError("table: a graph's static table must be contiguous")
+        shape = (int(table.shape[0]), int(table.shape[1]))
+        # the graph's static buffers: the expected table it reads, the answer it writes
+        self.expected = torch.full(shape, padding, dtype=torch.int32, device=table.device)
+        self.answer = torch.zeros(4, dtype=torch.int64, device=table.device)
+        self.slots = [_Slot(shape, table.device, self.expected, self.answer) for _ in range(RING)]
+        self.turn = 0
+        # the slot whose expected table the graph replayed (or is about to): its answer not yet
+        # copied back
+        self.replaying: _Slot | None = None
+        self.audits: DeviceAudits = pool.device_audits()
+        self.audits.tables.append(self)
+
+    def launch(self) -> None:
+        """The comparison of the table with the expected one into the answer (on CUDA; captured
+        with the forward, or run eagerly where the forward is)."""
+        if self.cuda:
+            from kvscope.kernels.audit import audit_table
+
+            audit_table(self.table, self.expected, self.answer)
+
+    def expect(self, rows: Sequence_[Any], lengths: Any = None) -> list[Finding]:
+        """Before the next replay: the expected table of `rows` (live sequences of the pool's
+        handle, reading `lengths` tokens each; as `audit_block_table`) written and its upload
+        queued. The findings reported by this call (an earlier replay's answer that is back;
+        with a host table, this table's)."""
+        if not self.cuda:
+            return self.pool.audit_block_table(self.table, rows, lengths, self.padding)
+        self.collect()
+        slot = self.slots[self.turn % RING]
+        self.turn += 1
+        if slot.pending:
+            self.audits.settle(upto=slot)
+        found = self.audits.settle()
+        self.audits.expect(slot, rows, host_array(lengths, "lengths"), self.padding)
+        self.replaying = slot
+        return found
+
+    def settle(self, wait: bool = False) -> list[Finding]:
+        """Report the answers that are back (with `wait`: the last replay's too, waited for);
+        the findings."""
+        if not self.cuda:
+            return []
+        return self.audits.settle(wait=wait)
+
+    def collect(self) -> None:
+        """The last replay's answer: its copy to the host queued (behind that replay)."""
+        slot = self.replaying
+        if slot is None:
+            return
+        self.replaying = None
+        slot.back.copy_(self.answer, non_blocking=True)
+        slot.done.record()
+        self.audits.queue(slot)

@@ -522,18 +522,15 @@ class KVPool:
         self._check_process()
         rows = list(rows)
         if isinstance(table, torch.Tensor) and table.is_cuda:
-            if self._audits is None:
-                from kvscope.allocator.audit import DeviceAudits
-
-                self._audits = DeviceAudits(self)
-            found = self._audits.settle()
+            audits = self.device_audits()
+            found = audits.settle()
             if table.dim() != 2 or table.dtype.is_floating_point or table.dtype == torch.bool:
                 raise PoolError(
                     f"table: expected a 2-dimensional integer tensor, got {table.dim()} "
                     f"dimension(s) of {table.dtype}"
                 )
-            self._audits.launch(table, rows, host_array(lengths, "lengths"), padding)
-            return found + (self._audits.settle(wait=True) if wait else [])
+            audits.launch(table, rows, host_array(lengths, "lengths"), padding)
+            return found + (audits.settle(wait=True) if wait else [])
         before = len(self._found)
         with self.op_mutex:
             self._core.audit_table(
@@ -544,6 +541,28 @@ class KVPool:
         if self._found:
             self.deliver_findings()
         return found
+
+    def table_audit(self, table: Any, padding: int = -1) -> Any:
+        """The audit of one static block table a CUDA graph reads, captured with it
+        (`allocator.audit.TableAudit`): call `launch()` where the forward that reads `table` is
+        captured, and `expect(rows, lengths)` before each replay (the audit of
+        `audit_block_table`, the step paying no launch of its own; its answer reported at a
+        later `expect`, `audit_block_table`, or `close`). With a table in host memory, `expect`
+        is `audit_block_table` and `launch` does nothing (docs/POOL.md "The block-table
+        audit")."""
+        self._check_process()
+        from kvscope.allocator.audit import TableAudit
+
+        return TableAudit(self, table, padding)
+
+    def device_audits(self) -> Any:
+        """This handle's CUDA block-table audits in flight (`allocator.audit.DeviceAudits`),
+        made at the first."""
+        if self._audits is None:
+            from kvscope.allocator.audit import DeviceAudits
+
+            self._audits = DeviceAudits(self)
+        return self._audits
 
     def check_provenance(self, seqs: Sequence_[Sequence] | None = None) -> list:
         """The slot-provenance sweep: each slot that `seqs` (live sequences of this handle;

@@ -11,12 +11,13 @@ spread, and ns per entry.
 
 With `--step`: the example server's decode step through its step graphs (CUDA graphs on
 `--device cuda`, their static buffers run eagerly on the CPU) at `--rows` running requests of
-`--tokens` tokens, beside the same step with the audit the server makes in guard mode (the graphs'
-whole static table audited before the forward: one kernel launch on CUDA, its answer read back at
-the next step's audit), interleaved round by round. Guard mode's kernel checks stay off in both,
-so the difference is the audit alone. Prints ms per step without and with it, their medians over
-the rounds with the spread, the audit's share of the step, and the host time of the audit call
-itself (the core's expected table, the upload, the launch and the answer's copy queued).
+`--tokens` tokens, beside the same step through graphs that audit their whole static table as
+guard mode's do (KVPool.table_audit: the comparison captured in each graph, the expected table
+written by the core and uploaded each step, the answer read back at the next step), interleaved
+round by round. Guard mode's kernel checks stay off in both, so the difference is the audit
+alone. Prints ms per step without and with it, their medians over the rounds with the spread,
+the audit's share of the step, and the host time of the graphs' forward() call per step without
+and with the audit, and their difference (the audit's host time).
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def step_audit(args: argparse.Namespace) -> None:
         ),
     )  # fmt: skip
     try:
-        graphs = StepGraphs(model, pool, args.rows, width * BLOCK, max_tokens=0)
+        # the same graphs twice: without the audit, and with it captured (guard mode's)
+        plain_graphs = StepGraphs(model, pool, args.rows, width * BLOCK, max_tokens=0, audit=False)
+        audit_graphs = StepGraphs(model, pool, args.rows, width * BLOCK, max_tokens=0, audit=True)
 
         def prompt(i: int) -> list[int]:
             return [(i * 7 + k) % cfg.vocab_size for k in range(args.tokens)]
@@ -112,47 +115,49 @@ def step_audit(args: argparse.Namespace) -> None:
             SimpleNamespace(seq=pool.allocate(f"r{i}", prompt(i)), name=i) for i in range(args.rows)
         ]
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        table = graphs._tables()
-
-        host_us: list[float] = []
+        host_us: dict[bool, list[float]] = {False: [], True: []}
 
         def run(audit: bool) -> float:
+            graphs = audit_graphs if audit else plain_graphs
             sync()
             spent = 0.0
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 chunks = [Chunk(s, s.seq.num_tokens - 1, 1) for s in streams]  # type: ignore[arg-type]
                 batch = Batch(chunks, pool, device)
+                a0 = time.perf_counter()
                 hidden = graphs.forward(batch)
+                spent += time.perf_counter() - a0
                 assert hidden is not None
-                if audit:
-                    # (the server's call, after the step's tables are in the graphs' buffers)
-                    a0 = time.perf_counter()
-                    batch.audit(table, batch.chunks)
-                    spent += time.perf_counter() - a0
             sync()
-            if audit:
-                host_us.append(spent / args.steps * 1e6)
+            host_us[audit].append(spent / args.steps * 1e6)
             return (time.perf_counter() - t0) / args.steps * 1e3
 
         run(True)
         run(False)
+        for v in host_us.values():
+            v.clear()
         plain, audited = [], []
         for _ in range(args.repeat):
             plain.append(run(False))
             audited.append(run(True))
-        found = pool.findings()
+        assert audit_graphs.audit is not None
+        found = audit_graphs.audit.settle(wait=True) + pool.findings()
         assert found == [], [f.line() for f in found]
         kind = "CUDA graphs" if device == "cuda" else "static buffers, eager"
+        replays = plain_graphs.num_replays + audit_graphs.num_replays
         print(
             f"decode step of {args.rows} requests of {args.tokens} tokens, model {args.model}, "
-            f"{device} ({kind}; {graphs.num_replays} replays)"
+            f"{device} ({kind}; {replays} replays)"
         )
         print(f"  ms per step, no audit   {spread(plain)}")
         print(f"  ms per step, audited    {spread(audited)}")
         share = (statistics.median(audited) - statistics.median(plain)) / statistics.median(plain)
         print(f"  the audit's share of the step {share * 100:+.2f}%")
-        print(f"  the audit call's host time, us per step {spread(host_us[1:])}")
+        print(f"  host us per step in forward(), no audit {spread(host_us[False])}")
+        print(f"  host us per step in forward(), audited  {spread(host_us[True])}")
+        pairs = [w - o for w, o in zip(host_us[True], host_us[False], strict=True)]
+        print(f"  the audit's host time, us per step {spread(pairs)}")
     finally:
         pool.close()
         pool.unlink()

@@ -224,3 +224,27 @@ def test_an_eager_guarded_step_audits_its_group_tables(make_pool, tiny, monkeypa
     (f,) = pool.findings()
     assert f.kind == KIND and "row 1 (request 'b') entry 1 is block" in f.message
     assert f"holds block {b.seq.block_table[1]} there" in f.message
+
+
+def test_a_table_audit_of_a_host_table_audits_at_expect(make_pool):
+    # GIVEN a table audit of a host buffer (nothing to capture: launch does nothing)
+    pool = make_pool(32)
+    a, b = _two(pool)
+    t = _table(4, 4, a, b)
+    audit = pool.table_audit(torch.from_numpy(t))
+    audit.launch()
+    # WHEN the true table is expected THEN nothing is found
+    assert audit.expect([a, b]) == [] and audit.settle(wait=True) == []
+    # WHEN a padding row takes b's row and the step expects only a
+    t[3, :2] = b.block_table
+    (f,) = audit.expect([a])
+    # THEN the audit of audit_block_table reports it at once
+    assert f.kind == KIND and "padding row 1 entry 0" in f.message
+    assert [x.kind for x in pool.findings()] == [KIND]
+
+
+def test_a_table_audit_refuses_a_table_that_is_not_two_dimensional_integers(make_pool):
+    pool = make_pool(32)
+    for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(2, 2)):
+        with pytest.raises(PoolError, match="2-dimensional integer tensor"):
+            pool.table_audit(bad)

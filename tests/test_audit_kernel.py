@@ -87,3 +87,97 @@ def test_a_cuda_pools_audit_reports_a_stale_padding_row(make_pool):
     assert found[0].block == b.block_table[0] and found[0].request == "b"
     assert "padding row 3 entry 0" in found[0].message
     assert [f.kind for f in pool.findings()] == ["block_table_mismatch"]
+
+
+@pytest.mark.gpu
+def test_a_table_audit_captured_in_a_cuda_graph_reports_a_replays_bad_table(make_pool):
+    # GIVEN a CUDA pool, two sequences, a static device table and a CUDA graph that captured
+    # the table audit's comparison beside a kernel reading the table
+    pool = make_pool(32, device="cuda")
+    a = pool.allocate("a", list(range(10)))
+    b = pool.allocate("b", list(range(100, 105)))
+    table = torch.full((4, 4), -1, dtype=torch.int32, device="cuda")
+    audit = pool.table_audit(table)
+    out = torch.zeros((), dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        audit.launch()
+        out.copy_(table.sum())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        audit.launch()
+        out.copy_(table.sum())
+
+    def step(rows, fill):
+        table.fill_(-1)
+        fill(table)
+        found = audit.expect(rows)
+        graph.replay()
+        return found
+
+    def true_rows(t):
+        t[0, :3] = torch.tensor(a.block_table)
+        t[1, :2] = torch.tensor(b.block_table)
+
+    # WHEN three true steps replay THEN nothing is found
+    for _ in range(3):
+        assert step([a, b], true_rows) == []
+    assert audit.settle(wait=True) == []
+
+    # WHEN a step's padding row keeps b's row while only a is live
+    def stale(t):
+        true_rows(t)
+        t[3, :2] = t[1, :2]
+        t[1] = -1
+
+    step([a], stale)
+    # THEN the replay's answer, reported when back, names the padding row and b's block
+    found = audit.settle(wait=True)
+    assert [f.kind for f in found] == ["block_table_mismatch"]
+    assert found[0].block == b.block_table[0] and found[0].request == "b"
+    assert "padding row 3 entry 0" in found[0].message
+    # AND a true step after it finds nothing more
+    step([a, b], true_rows)
+    assert audit.settle(wait=True) == [] and len(pool.findings()) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_step_graphs_audit_a_stale_padding_row_in_the_replay(make_pool):
+    # GIVEN a guard-mode CUDA pool, the tiny model's step graphs captured over it, and a
+    # two-row step, then a one-row step with stale-padding-row armed for it
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from server.batch import Batch
+    from server.checkpoint import tiny_model
+    from server.graphs import StepGraphs
+    from server.scheduler import Chunk
+
+    from kvscope.allocator import faults
+
+    model = tiny_model(0).to(device="cuda", dtype=torch.float16).fuse()
+    cfg = model.config
+    pool = make_pool(
+        48, block_size=8, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, dtype=torch.float16, guard=True, device="cuda",
+    )  # fmt: skip
+    graphs = StepGraphs(model, pool, max_seqs=4, max_len=40, max_tokens=64, max_chunk=16)
+    assert graphs.audit is not None
+    a = SimpleNamespace(seq=pool.allocate("a", list(range(12))), name="a")
+    b = SimpleNamespace(seq=pool.allocate("b", list(range(50, 59))), name="b")
+    try:
+        assert graphs.forward(Batch([Chunk(a, 0, 12), Chunk(b, 0, 9)], pool, "cuda")) is not None
+        faults.configure("stale-padding-row:1")
+        # WHEN the one-row step replays its graph
+        assert graphs.forward(Batch([Chunk(a, 11, 1)], pool, "cuda")) is not None
+        assert graphs.num_replays == 2
+        # THEN the captured audit's answer names b's row left in padding row 1
+        found = graphs.audit.settle(wait=True)
+        assert [f.kind for f in found] == ["block_table_mismatch"]
+        assert found[0].request == "b" and "padding row 1 entry 0" in found[0].message
+    finally:
+        faults.configure(None)

@@ -90,13 +90,19 @@ class Batch:
             self.cache.check_provenance([c.stream.seq for c in self.chunks])
 
     def audit(self, table: Any, rows: list[Chunk]) -> None:
-        """Guard mode: the block table the kernels will read (a group's, or the step graphs'
-        whole static buffer, its padding rows included) against the pool's tables of the
-        chunks' sequences (KVPool.audit_block_table: a finding when they differ)."""
+        """Guard mode: the block table an eager step's kernels will read (a group's; the step
+        graphs audit their whole static table themselves, graphs.StepGraphs) against the pool's
+        tables of the chunks' sequences (KVPool.audit_block_table: a finding when they
+        differ)."""
         audit = getattr(self.cache, "audit_block_table", None)
         if audit is not None:
-            seqs = [c.stream.seq for c in rows]
-            audit(table, rows=seqs, lengths=[c.start + c.length for c in rows])
+            seqs, lengths = self.audit_rows(rows)
+            audit(table, rows=seqs, lengths=lengths)
+
+    @staticmethod
+    def audit_rows(rows: list[Chunk]) -> tuple[list[Any], list[int]]:
+        """The audit's rows: the chunks' sequences and the tokens each reads."""
+        return [c.stream.seq for c in rows], [c.start + c.length for c in rows]
 
     def host_tables(self, rows: list[Chunk], width: int) -> np.ndarray:
         """Block tables [len(rows), width] of some chunks' sequences, -1 past each one's end."""

@@ -22,7 +22,9 @@ sequence's length). On the CPU nothing is captured: the same static-buffer forwa
 eagerly, so the tests check the buffers' bookkeeping against the ordinary path.
 
 Guard mode (batch.guarded) is captured too: every graph checks against one static block-state
-buffer and records into one static error buffer. A step's pool block states travel in its int32
+buffer and records into one static error buffer, and begins with the block-table audit of the
+whole static table (KVPool.table_audit: the comparison with the expected table the pool writes
+each step, uploaded beside the step's inputs; its answer reported at a later step). A step's pool block states travel in its int32
 transfer (after the tables, lengths and starts); each forward zeroes the error count first (in
 the graph: no launch of its own); the engine copies the error buffer back behind the step (a
 host read right after the launch would wait for the whole forward).
@@ -64,6 +66,7 @@ class StepGraphs:
         max_len: int,
         max_tokens: int = 0,
         max_chunk: int = 0,
+        audit: bool | None = None,
     ) -> None:
         assert max_seqs >= 1 and max_len >= 1
         self.model = model
@@ -97,6 +100,13 @@ class StepGraphs:
                 "block_state": self.dev32[self.n32 :].view(torch.uint8)[:num_states],
                 "errors": kernels.new_error_buffer(device=self.device),
             }
+        # the block-table audit of the whole static table, padding rows included (guard mode's,
+        # or as `audit` says): its comparison captured in every graph, before any kernel reads
+        # the table; each step writes the expected table (KVPool.table_audit)
+        if audit is None:
+            audit = bool(num_states)
+        make = getattr(cache, "table_audit", None) if audit else None
+        self.audit = make(self._tables()) if make is not None else None
         self.np64[2] = -1  # slot -1: store nothing (the captures' own forwards write no block)
         self.np32[self.max_seqs * self.width :] = 0
         # the last transfer from the page-locked buffers: wait for it before writing them again
@@ -141,8 +151,8 @@ class StepGraphs:
         self._load()
         if self.guard:
             batch.guard = self.guard
-            # the whole captured table, padding rows included, before any kernel reads it
-            batch.audit(self._tables(), batch.chunks)
+        if self.audit is not None:
+            self.audit.expect(*batch.audit_rows(batch.chunks))
         self.num_forwards += 1
         if key in self.graphs:
             graph, out = self.graphs[key]
@@ -189,6 +199,8 @@ class StepGraphs:
     def _forward(self, kind: str, size: int) -> Tensor:
         """The model over the first `size` rows of the static buffers."""
         tokens, positions = self.dev64[0, :size], self.dev64[1, :size]
+        if self.audit is not None:
+            self.audit.launch()
         if self.guard:
             # the error count zeroed in the forward (captured with it: no launch of its own),
             # after the last step's copy of the buffer to the host
