@@ -85,9 +85,15 @@ class Batch:
             spans = [(c.stream.seq, c.start, c.start + c.length) for c in self.chunks]
             Writers(self.cache, spans).check(self.host_slots)
         if self.guarded and getattr(self.cache, "provenance_sample", 0):
-            # slot provenance: each slot the step's sequences read was written for their own
-            # tokens, or their prefix hits' (KVPool.check_provenance: a foreign_slot finding)
-            self.cache.check_provenance([c.stream.seq for c in self.chunks])
+            # slot provenance: each slot a sequence reads was written for its own tokens, or
+            # its prefix hit's (KVPool.check_provenance: a foreign_slot finding). The sweep
+            # reads every slot of a sequence, so a sequence is swept at each prompt chunk and
+            # at each decode that starts a block, not at every step (a hit is checked at the
+            # hit by the pool itself)
+            bs = self.block_size
+            seqs = [c.stream.seq for c in self.chunks if c.length > 1 or c.start % bs == 0]
+            if seqs:
+                self.cache.check_provenance(seqs)
 
     def audit(self, table: Any, rows: list[Chunk]) -> None:
         """Guard mode: the block table an eager step's kernels will read (a group's; the step
