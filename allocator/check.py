@@ -2,8 +2,9 @@
 
 `check_view` runs every invariant of docs/FORMAT.md, part by part: the header (here), the
 block records (checkrecords.py), the free ring and local caches (checkfree.py), references,
-refcounts, leaks and the prefix index (checkrefs.py), the sequence tables (ranges.py) and the
-locks (checklocks.py); the findings are capped per kind (checkreport.py).
+refcounts, leaks and the prefix index (checkrefs.py), the sequence tables (ranges.py), the
+leases (checkleases.py) and the locks (checklocks.py); the findings are capped per kind
+(checkreport.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvscope.allocator.checkfree import check_free_count, check_local_caches, check_ring
+from kvscope.allocator.checkleases import check_leases
 from kvscope.allocator.checklocks import (
     DEFAULT_LOCK_HOLD_S,
     LOCK_HOLD_ENV,
@@ -124,6 +126,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     check_refcounts(r, refs, dead, corrupt)
     check_index(r, corrupt)
     check_free_count(r, in_ring, count)
+    check_leases(r, corrupt, alive)
     for f in lock_findings(view, alive):
         r.add(f)
     return r.finish()

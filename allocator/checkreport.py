@@ -129,6 +129,14 @@ class CheckReport:
         """A finding about the pool rather than one block."""
         self.out.append(f)
 
+    def capped(self, f: Finding) -> None:
+        """A finding of a kind that may repeat for every record of a table: counted with the
+        per-block ones of its kind, and past the cap only counted."""
+        n = self.counts.get(f.kind, 0)
+        self.counts[f.kind] = n + 1
+        if n < MAX_PER_KIND:
+            self.out.append(f)
+
     def finish(self) -> list[Finding]:
         """Every finding, then one per kind that passed the cap saying how many more."""
         for kind, n in self.counts.items():

@@ -306,6 +306,17 @@ class KVPool:
             marked = self._core.mark_repaired(pids, _REPAIRABLE)
         return repaired_findings(self.view, marked)
 
+    def repair_leases(self) -> dict[str, Any]:
+        """Make the lease section agree with itself (`kvscope check --repair`, after
+        `reclaim_dead`): the leases whose holder's client record is detached or another
+        process's (nothing else ends them) ended, each block's lease count set to the held
+        leases naming it, the header's counts set to the records' (the core's transactions,
+        csrc/recovery.c). What it did: `ended` (lease ids), `counts` (blocks recounted),
+        `header` (the header fields rewritten)."""
+        self._check_process()
+        with self.op_mutex:
+            return self._core.repair_leases()
+
     def _check_process(self) -> None:
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")

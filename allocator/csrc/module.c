@@ -357,6 +357,8 @@ static PyMethodDef N_methods[] = {
      "detach(): close's work (local cache, slot reserve, counters, record detached)"},
     {"mark_repaired", (PyCFunction)(void (*)(void))N_mark_repaired, METH_FASTCALL,
      "mark_repaired(pids, kinds) -> [ring position]: findings a repair answered"},
+    {"repair_leases", (PyCFunction)N_repair_leases, METH_NOARGS,
+     "repair_leases() -> {ended, counts, header}: the lease section made to agree with itself"},
     {"evict", (PyCFunction)(void (*)(void))R_evict, METH_FASTCALL,
      "evict(pool, num_blocks) -> int: LRU cached blocks to the free ring"},
     {"reserve_ready", (PyCFunction)(void (*)(void))N_reserve_ready, METH_FASTCALL,

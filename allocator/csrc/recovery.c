@@ -770,3 +770,132 @@ static PyObject *N_mark_repaired(Native *n, PyObject *const *args, Py_ssize_t na
     if (rc != OK) Py_CLEAR(marked);
     return recovery_leave(n, marked);
 }
+
+/* -- the lease section repaired (kvscope check --repair) ----------------------------------------- */
+
+/* (leases.c, included after this file, has its own accessors; these read the same bytes) */
+static inline uint8_t *rl_record(Native *n, int64_t i) {
+    return n->seg + n->off_leases + n->lease_records + (size_t)i * (size_t)n->lease_rec;
+}
+
+/* Lease record l's holder is the attached process of the client record it names (the same pid
+ * and start time): only then can the holder, its close or a reclaim of it end the lease. */
+static int rl_holder_attached(Native *n, const uint8_t *l) {
+    int32_t c = I4(l + LS_HOLDER_CLIENT);
+    if (c < 0 || c >= n->max_clients) return 0;
+    uint8_t *r = crec(n, c);
+    return r[n->cf_state] == n->client_attached && I4(r + n->cf_pid) == I4(l + LS_HOLDER_PID) &&
+           U8(r + n->cf_start) == U8(l + LS_HOLDER_START);
+}
+
+/* What a repair of the lease section did. */
+typedef struct {
+    PyObject *ended; /* the ids of the leases ended (their holder gone without ending them) */
+    int64_t counts;  /* block lease counts set to the held leases naming the block */
+    int header;      /* bits: 1 active, 2 quarantined, 4 next_id rewritten */
+} LeaseFix;
+
+/* One transaction of the repair (free lock held; the section's header journaled): the leases
+ * whose holder is not attached ended, then each block's lease count set to the number of held
+ * leases naming it, then the header's counts to the records', each write journaled, as many
+ * as half the journal's entries; *more when some were left for the next. OK, UNHANDLED,
+ * ERROR. */
+static int repair_leases_txn(Native *n, LeaseFix *fix, int *more) {
+    uint8_t *h = n->seg + n->off_leases;
+    uint32_t *cnt = (uint32_t *)(h + LEASE_COUNTS);
+    int64_t room = n->j_entries / 2;
+    *more = 0;
+    for (int64_t i = 0; i < n->lease_cap; i++) {
+        uint8_t *l = rl_record(n, i);
+        if (l[LS_STATE] == L_EMPTY || rl_holder_attached(n, l)) continue;
+        if (room-- <= 0) {
+            *more = 1;
+            return OK;
+        }
+        if (jsave(n, (size_t)(l - n->seg), 1)) return UNHANDLED;
+        if (append_new(fix->ended, PyLong_FromUnsignedLongLong(U8(l + LS_LEASE_ID)))) return ERROR;
+        l[LS_STATE] = L_EMPTY;
+        U8(h + LH_RECLAIMED) += 1;
+    }
+    uint32_t *want = PyMem_Calloc((size_t)n->nb, sizeof(uint32_t));
+    if (want == NULL) {
+        PyErr_NoMemory();
+        return ERROR;
+    }
+    uint32_t active = 0;
+    uint64_t last = U8(h + LH_NEXT_ID);
+    for (int64_t i = 0; i < n->lease_cap; i++) {
+        uint8_t *l = rl_record(n, i);
+        if (l[LS_STATE] == L_EMPTY) continue;
+        active++;
+        if (U8(l + LS_LEASE_ID) > last) last = U8(l + LS_LEASE_ID);
+        int64_t k = U4(l + LS_NUM_BLOCKS);
+        if (k > n->max_bps) k = n->max_bps;
+        const int32_t *ids = (const int32_t *)(l + LS_BLOCKS);
+        for (int64_t j = 0; j < k; j++)
+            if (ids[j] >= 0 && ids[j] < n->nb) want[ids[j]]++;
+    }
+    int rc = OK;
+    uint32_t quarantined = 0;
+    for (int64_t b = 0; b < n->nb && rc == OK; b++) {
+        if (cnt[b] != want[b]) {
+            if (room-- <= 0) {
+                *more = 1;
+                break;
+            }
+            if (jsave(n, n->off_leases + LEASE_COUNTS + 4 * (size_t)b, 4)) {
+                rc = UNHANDLED;
+                break;
+            }
+            cnt[b] = want[b];
+            fix->counts++;
+        }
+        quarantined += cnt[b] != 0 && blk(n, b)[BF_STATE] == B_QUARANTINED;
+    }
+    PyMem_Free(want);
+    if (rc != OK || *more) return rc;
+    if (U4(h + LH_ACTIVE) != active) fix->header |= 1;
+    if (U4(h + LH_QUARANTINED) != quarantined) fix->header |= 2;
+    if (U8(h + LH_NEXT_ID) != last) fix->header |= 4;
+    U4(h + LH_ACTIVE) = active;
+    U4(h + LH_QUARANTINED) = quarantined;
+    U8(h + LH_NEXT_ID) = last;
+    return OK;
+}
+
+/* repair_leases() -> {ended, counts, header}: the lease section made to agree with itself
+ * (`kvscope check --repair`, after the dead are reclaimed): the leases whose holder's client
+ * record is detached or another process's, which nothing else would end, ended (`ended`: their
+ * ids, each counted reclaimed); each block's lease count set to the held leases naming it
+ * (`counts`: how many were not; a QUARANTINED block no lease holds is free again); the header's
+ * leases held, quarantined leased blocks and last id set to the records' (`header`: the fields
+ * that were not). Transactions under the free lock, journaled, a journal's worth each. */
+static PyObject *N_repair_leases(Native *n, PyObject *unused) {
+    if (recovery_enter(n)) return NULL;
+    LeaseFix fix = {PyList_New(0), 0, 0};
+    int rc = fix.ended ? OK : ERROR;
+    for (int more = 1; rc == OK && more;) {
+        if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_free)))) != OK) break;
+        if (jsave(n, n->off_leases, LEASE_COUNTS)) rc = UNHANDLED;
+        if (rc == OK) rc = repair_leases_txn(n, &fix, &more);
+        if (rc == OK) {
+            txn_commit(n);
+        } else {
+            txn_abort(n);
+            lock_answer(rc);
+        }
+    }
+    PyObject *result = NULL;
+    if (rc == OK) {
+        PyObject *fields = PyList_New(0);
+        const char *names[] = {"active", "quarantined", "next_id"};
+        for (int f = 0; fields && f < 3; f++)
+            if ((fix.header & (1 << f)) && append_new(fields, PyUnicode_FromString(names[f])))
+                Py_CLEAR(fields);
+        if (fields)
+            result = Py_BuildValue("{sOsLsN}", "ended", fix.ended, "counts", (long long)fix.counts,
+                                   "header", fields);
+    }
+    Py_XDECREF(fix.ended);
+    return recovery_leave(n, result);
+}

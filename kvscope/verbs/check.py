@@ -1,9 +1,10 @@
 """Check a live pool: the same analysis as `analyze`, read without locking the pool.
 
 `--repair` attaches to the pool, rolls back the journals of processes that died mid-operation
-and returns the blocks of dead owners to the free ring, marks the recorded findings it answered
-(those processes' leaks and the locks they died holding) as repaired, then says what it did and
-checks again.
+and returns the blocks of dead owners to the free ring, makes the lease section agree with
+itself (leases no holder would release ended, each block's lease count recounted), marks the
+recorded findings it answered (those processes' leaks and the locks they died holding) as
+repaired, then says what it did and checks again.
 Exit code 0 when healthy (after repair), 1 when a finding of severity error remains.
 """
 
@@ -35,6 +36,8 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
         pool.reclaim_dead(done)
+        # (after the reclaim: a dead holder's leases went with its blocks)
+        leases = pool.repair_leases()
         cleared = pool.clear_repaired({d["pid"] for d in done})
     finally:
         pool.close()
@@ -49,6 +52,7 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
         "sequences": sum(d["sequences"] for d in done),
         "blocks": sum(d["blocks"] for d in done),
         "findings_cleared": [f.to_dict() for f in cleared],
+        "leases": leases,
     }
 
 
@@ -68,6 +72,14 @@ def describe_repair(done: dict[str, Any]) -> str:
             f"reclaimed {done['blocks']} blocks and {done['sequences']} sequences"
             f" from {done['processes']} dead process(es) (pid {pids})"
         )
+    leases = done.get("leases") or {}
+    if leases.get("ended"):
+        ids = ", ".join(map(str, leases["ended"]))
+        parts.append(f"ended {len(leases['ended'])} lease(s) no holder would release (id {ids})")
+    if leases.get("counts"):
+        parts.append(f"recounted the lease counts of {leases['counts']} block(s)")
+    if leases.get("header"):
+        parts.append(f"set the lease header's {', '.join(leases['header'])} to its records'")
     if done.get("findings_cleared"):
         kinds = Counter(f["kind"] for f in done["findings_cleared"])
         listed = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
