@@ -6,6 +6,8 @@ recount or an end of the lease can."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import BlockState, ClientState, LeaseState
 from kvscope.allocator.lease import lease_totals
 from kvscope.cli import main
-from tests.forking import killed_after
+from tests.forking import killed_after, wait_child
 
 
 def leased(make_pool, free: bool = False):
@@ -234,3 +236,46 @@ def test_a_dead_holders_lease_is_a_warning_the_repair_reclaims(make_pool, pool_n
     assert main(["check", pool.name, "--repair"]) == 0
     capsys.readouterr()
     assert pool.check() == [] and pool.leases() == []
+
+
+def _repair_then_exit(name: str, kill_at: int) -> None:
+    code = 4
+    try:
+        pool = KVPool.attach(name)
+        pool._core.set_crash_at(kill_at)
+        pool.repair_leases()
+        code = 3  # (not killed: every save passed)
+    finally:
+        os._exit(code)
+
+
+def test_a_repair_killed_at_any_journal_save_changes_nothing(make_pool, pool_name):
+    # GIVEN a lease whose record was wiped (its blocks lost) and one whose holder detached
+    pool, blocks, _, rec = leased(make_pool, free=True)
+    rec["state"] = LeaseState.EMPTY
+    seq = pool.allocate("s", list(range(500, 508)))
+    pool.lease(seq, "read", holder="offloader")
+    other = KVPool.attach(pool_name)
+    c = other.client
+    other.close()
+    held = np.flatnonzero(pool.view.leases["state"] != LeaseState.EMPTY)
+    pool.view.leases["holder_client"][held] = c
+    planted = sorted((f.kind, f.block) for f in pool.check())
+    assert len(planted) == 5
+    for n in range(1, 100):
+        # WHEN a repair is killed at its n-th journal save
+        pid = os.fork()
+        if pid == 0:
+            _repair_then_exit(pool_name, n)
+        status = wait_child(pid)
+        # THEN once the dead repairer is reclaimed the pool is as it was, or repaired whole
+        pool.reclaim_dead()
+        if status == 3:
+            break
+        assert status == -signal.SIGKILL, (n, status)
+        assert sorted((f.kind, f.block) for f in pool.check()) == planted, n
+    else:
+        pytest.fail("the repair never finished")
+    assert n > 3
+    assert pool.check() == [] and pool.leases() == []
+    assert len(pool.allocate("all", list(range(14 * 4))).block_table) == 14
