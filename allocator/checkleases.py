@@ -17,7 +17,7 @@ import numpy as np
 
 from kvscope.allocator.checkreport import Alive, CheckReport, state_name
 from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.layout import BlockState, ClientState, LeaseMode, LeaseState
+from kvscope.allocator.layout import BlockState, ClientState, LeaseMode, LeaseState, SegmentView
 from kvscope.allocator.records import lease_capacity
 
 REPAIR = "`kvscope check --repair`"
@@ -73,7 +73,16 @@ def check_leases(r: CheckReport, corrupt: np.ndarray, alive: Alive) -> None:
     _header(r, recs, held, len(view.seqs))
 
 
-def _records(r, recs, leases, width, n, blk, inside, rec_of) -> None:
+def _records(
+    r: CheckReport,
+    recs: np.ndarray,
+    leases: dict[int, _Lease],
+    width: int,
+    n: int,
+    blk: np.ndarray,
+    inside: np.ndarray,
+    rec_of: np.ndarray,
+) -> None:
     """Records no core writes: a state or mode outside its enum, more blocks than the record
     holds, or a block outside the pool (a transfer would read or write outside the KV
     tensor)."""
@@ -103,12 +112,10 @@ def _records(r, recs, leases, width, n, blk, inside, rec_of) -> None:
                 )
             )
     outside = np.flatnonzero(~inside)
-    first: dict[int, int] = {}
-    for j in outside.tolist():
-        first.setdefault(int(rec_of[j]), j)
-    for i, j in first.items():
+    # (each record's first entry outside, and how many: its entries are in order in rec_of)
+    recs_out, first, many = np.unique(rec_of[outside], return_index=True, return_counts=True)
+    for i, j, more in zip(recs_out.tolist(), outside[first].tolist(), many.tolist(), strict=True):
         lease = leases[i]
-        more = int((rec_of[outside] == i).sum())
         r.capped(
             Finding(
                 FindingKind.OUT_OF_BOUNDS,
@@ -121,7 +128,15 @@ def _records(r, recs, leases, width, n, blk, inside, rec_of) -> None:
         )
 
 
-def _holders(r, view, leases, alive, blk, inside, rec_of) -> None:
+def _holders(
+    r: CheckReport,
+    view: SegmentView,
+    leases: dict[int, _Lease],
+    alive: Alive,
+    blk: np.ndarray,
+    inside: np.ndarray,
+    rec_of: np.ndarray,
+) -> None:
     """Each lease's holder: the attached process of the client record it names (a lease of a
     record detached, or taken over by another process, is released by nothing), alive (a dead
     one's leases go with its blocks at a reclaim)."""
@@ -138,7 +153,7 @@ def _holders(r, view, leases, alive, blk, inside, rec_of) -> None:
         if not 0 <= c < len(clients):
             why = f"names client record {c}, which does not exist"
         elif int(clients["state"][c]) != ClientState.ATTACHED:
-            why = f"names client record {c}, which is detached: its holder closed the pool"
+            why = f"names client record {c}, which is detached (closed or reclaimed)"
         elif int(clients["pid"][c]) != lease.pid or int(clients["start"][c]) != start:
             why = f"names client record {c}, which pid {int(clients['pid'][c])} holds now"
         elif not alive(lease.pid, start):
@@ -160,7 +175,7 @@ def _holders(r, view, leases, alive, blk, inside, rec_of) -> None:
             Finding(
                 FindingKind.LEASE_LEAK,
                 f"{lease.name} on {count} {why}: no holder, close or reclaim will release it,"
-                f" and its blocks are quarantined while it is held; {REPAIR} ends it",
+                f" and its blocks, once freed, stay quarantined; {REPAIR} ends it",
                 block=block,
                 owner_pid=lease.pid or None,
                 request=lease.request,
@@ -169,7 +184,14 @@ def _holders(r, view, leases, alive, blk, inside, rec_of) -> None:
         )
 
 
-def _blocks(r, leases, rec_of, blk, gen, corrupt) -> None:
+def _blocks(
+    r: CheckReport,
+    leases: dict[int, _Lease],
+    rec_of: np.ndarray,
+    blk: np.ndarray,
+    gen: np.ndarray,
+    corrupt: np.ndarray,
+) -> None:
     """A leased block is the one its lease took (the same generation: the pool hands a leased
     block out to no one) and is held, cached or QUARANTINED: freed, it is quarantined."""
     state = r.cols.state
@@ -180,25 +202,43 @@ def _blocks(r, leases, rec_of, blk, gen, corrupt) -> None:
     for mask, what in ((moved, "moved"), (freed, "freed")):
         ids, first = np.unique(blk[mask], return_index=True)
         at = np.flatnonzero(mask)[first]
-        for b, j in zip(ids.tolist(), at.tolist(), strict=True):
-            lease = leases[int(rec_of[j])]
+
+        def lease_of(b: int, ids: np.ndarray = ids, at: np.ndarray = at) -> tuple[_Lease, int]:
+            j = int(at[np.searchsorted(ids, b)])
+            return leases[int(rec_of[j])], j
+
+        def message(b: int, what: str = what) -> str:
+            lease, j = lease_of(b)
             if what == "moved":
-                msg = (
+                return (
                     f"{lease.name} took the block at generation {int(gen[j])}; it is at"
                     f" generation {int(now[j])}: it was handed out again while leased, and the"
                     f" transfer {'writes' if lease.mode == 'write' else 'reads'} another"
                     " request's K/V"
                 )
-            else:
-                msg = (
-                    f"block is {state_name(int(state[b]))} but {lease.name} holds it: a leased"
-                    " block freed must be QUARANTINED (passed over by every take until its"
-                    " lease ends), or it is handed out while the transfer runs"
-                )
-            r.block(FindingKind.USE_AFTER_FREE, b, msg, lease.who, lease=lease.id)
+            return (
+                f"block is {state_name(int(state[b]))} but {lease.name} holds it: a leased"
+                " block freed must be QUARANTINED (passed over by every take until its"
+                " lease ends), or it is handed out while the transfer runs"
+            )
+
+        r.blocks(
+            FindingKind.USE_AFTER_FREE,
+            ids,
+            message,
+            lambda b: lease_of(b)[0].who(b),
+            lambda b: {"lease": lease_of(b)[0].id},
+        )
 
 
-def _counts(r, leases, rec_of, blk, want, corrupt) -> None:
+def _counts(
+    r: CheckReport,
+    leases: dict[int, _Lease],
+    rec_of: np.ndarray,
+    blk: np.ndarray,
+    want: np.ndarray,
+    corrupt: np.ndarray,
+) -> None:
     """Each block's lease count against the held leases that name it."""
     counts = r.view.lease_counts.astype(np.int64)
     state = r.cols.state
@@ -236,7 +276,7 @@ def _counts(r, leases, rec_of, blk, want, corrupt) -> None:
     r.blocks(FindingKind.REFCOUNT_MISMATCH, np.flatnonzero(wrong & ~lost), message, who)
 
 
-def _header(r, recs, held, max_seqs: int) -> None:
+def _header(r: CheckReport, recs: np.ndarray, held: np.ndarray, max_seqs: int) -> None:
     """The section header's counts against the records: leases held, quarantined leased
     blocks, the capacity, and the last id handed out."""
     h = r.view.lease_header[0]

@@ -116,12 +116,13 @@ class CheckReport:
         ids: np.ndarray,
         message: Callable[[int], str],
         who: Who | None = None,
+        extra: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
-        """A finding for each block of ids, up to the cap."""
+        """A finding for each block of ids, up to the cap (`extra`: each one's extra keys)."""
         # Only the first MAX_PER_KIND become findings: count the rest without a Python loop.
         room = max(0, MAX_PER_KIND - self.counts.get(kind.value, 0))
         for b in ids[:room].tolist():
-            self.block(kind, b, message(b), who)
+            self.block(kind, b, message(b), who, **(extra(b) if extra is not None else {}))
         if len(ids) > room:
             self.counts[kind.value] = self.counts.get(kind.value, 0) + len(ids) - room
 
