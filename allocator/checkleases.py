@@ -311,7 +311,7 @@ def _header(r: CheckReport, recs: np.ndarray, held: np.ndarray, max_seqs: int) -
             Finding(
                 FindingKind.FREE_LIST_CORRUPT,
                 f"the lease section's header says {int(h['capacity'])} records; the pool's"
-                f" table holds {cap}",
+                f" table holds {cap}; {REPAIR} sets it",
             )
         )
     ids = recs["lease_id"][held].astype(np.uint64)

@@ -166,6 +166,7 @@ def test_a_lease_count_below_its_leases_is_a_mismatch_and_the_repair_restores_it
         ("active", 0, "counts 0 leases held but its table holds 1", ["active"]),
         ("quarantined", 5, "counts 5 quarantined leased blocks but 3", ["quarantined"]),
         ("next_id", 0, "last id handed out is 0 but lease 1 is held", ["next_id"]),
+        ("capacity", 7, "header says 7 records; the pool's table holds 64", ["capacity"]),
     ],
 )
 def test_a_header_count_that_disagrees_with_the_records_is_found_and_repaired(

@@ -792,7 +792,7 @@ static int rl_holder_attached(Native *n, const uint8_t *l) {
 typedef struct {
     PyObject *ended; /* the ids of the leases ended (their holder gone without ending them) */
     int64_t counts;  /* block lease counts set to the held leases naming the block */
-    int header;      /* bits: 1 active, 2 quarantined, 4 next_id rewritten */
+    int header;      /* bits: 1 active, 2 quarantined, 4 next_id, 8 capacity rewritten */
 } LeaseFix;
 
 /* One transaction of the repair (free lock held; the section's header journaled): the leases
@@ -857,6 +857,8 @@ static int repair_leases_txn(Native *n, LeaseFix *fix, int *more) {
     if (U4(h + LH_ACTIVE) != active) fix->header |= 1;
     if (U4(h + LH_QUARANTINED) != quarantined) fix->header |= 2;
     if (U8(h + LH_NEXT_ID) != last) fix->header |= 4;
+    if (U4(h + LH_CAPACITY) != (uint32_t)n->lease_cap) fix->header |= 8;
+    U4(h + LH_CAPACITY) = (uint32_t)n->lease_cap;
     U4(h + LH_ACTIVE) = active;
     U4(h + LH_QUARANTINED) = quarantined;
     U8(h + LH_NEXT_ID) = last;
@@ -868,8 +870,8 @@ static int repair_leases_txn(Native *n, LeaseFix *fix, int *more) {
  * record is detached or another process's, which nothing else would end, ended (`ended`: their
  * ids, each counted reclaimed); each block's lease count set to the held leases naming it
  * (`counts`: how many were not; a QUARANTINED block no lease holds is free again); the header's
- * leases held, quarantined leased blocks and last id set to the records' (`header`: the fields
- * that were not). Transactions under the free lock, journaled, a journal's worth each. */
+ * leases held, quarantined leased blocks and last id set to the records', its capacity to the
+ * table's (`header`: the fields that were not). Transactions under the free lock, journaled, a journal's worth each. */
 static PyObject *N_repair_leases(Native *n, PyObject *unused) {
     if (recovery_enter(n)) return NULL;
     LeaseFix fix = {PyList_New(0), 0, 0};
@@ -888,8 +890,8 @@ static PyObject *N_repair_leases(Native *n, PyObject *unused) {
     PyObject *result = NULL;
     if (rc == OK) {
         PyObject *fields = PyList_New(0);
-        const char *names[] = {"active", "quarantined", "next_id"};
-        for (int f = 0; fields && f < 3; f++)
+        const char *names[] = {"active", "quarantined", "next_id", "capacity"};
+        for (int f = 0; fields && f < 4; f++)
             if ((fix.header & (1 << f)) && append_new(fields, PyUnicode_FromString(names[f])))
                 Py_CLEAR(fields);
         if (fields)
