@@ -44,6 +44,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
     OPLOG_CHUNK_FIELDS,
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
+    OPLOG_LEASE_FIELDS,
     PROVENANCE_FIELDS,
     REQUEST_BYTES,
     RING_HEADER_FIELDS,
@@ -167,6 +168,7 @@ LRU_ENTRY_DTYPE = np.dtype(LRU_ENTRY_FIELDS)
 # The operation log's records (a file, not a section of the segment: docs/REPLAY.md).
 OPLOG_DTYPE = np.dtype(OPLOG_FIELDS)
 OPLOG_FOUND_DTYPE = np.dtype(OPLOG_FOUND_FIELDS)
+OPLOG_LEASE_DTYPE = np.dtype(OPLOG_LEASE_FIELDS)
 LEASE_HEADER_DTYPE = np.dtype(LEASE_HEADER_FIELDS)
 PROVENANCE_DTYPE = np.dtype(PROVENANCE_FIELDS)
 

@@ -27,6 +27,7 @@ from kvscope.allocator.records import (
     OPLOG_FAULT,
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
+    OPLOG_LEASE_FIELDS,
     OPLOG_REDACTED,
     OPLOG_VERSION,
     OpCode,
@@ -41,6 +42,10 @@ RECORD_KEY_ENV = "KVSCOPE_RECORD_OPS_KEY"
 
 HEAD = packed_offsets(OPLOG_FIELDS)[""]
 FOUND = packed_offsets(OPLOG_FOUND_FIELDS)[""]
+_LEASE_DTYPE = np.dtype(OPLOG_LEASE_FIELDS)
+LEASE_OPS = (int(OpCode.LEASE), int(OpCode.LEASE_RELEASE), int(OpCode.EXPIRE_LEASES))
+# A lease's deadline when it has none (its timeout None).
+NO_DEADLINE = 2**64 - 1
 _FMT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "u1": "B"}
 _HEAD_STRUCT = struct.Struct(
     "<" + "".join(f"{f[1][1:]}s" if f[1].startswith("S") else _FMT[f[1]] for f in OPLOG_FIELDS)
@@ -63,6 +68,33 @@ _NONE: list[Any] = []
 
 class OplogError(ValueError):
     """A log that cannot be read as one: its one-line reason."""
+
+
+@dataclass(slots=True)
+class LeasePart:
+    """A lease operation's own arguments and results (OPLOG_LEASE_FIELDS): LEASE the take (its
+    mode, holder, timeout and the deadline it set, the record and id it got, the generations of
+    its blocks then), LEASE_RELEASE the lease it ended (record and id; mode and holder where it
+    was held), EXPIRE_LEASES none (its now_ns is the record's `arg`)."""
+
+    mode: str  # "read", "write" ("": none, or one the core refused)
+    holder: str
+    record: int  # the lease's record in the table (-1: none)
+    lease_id: int
+    timeout_ns: int  # 0: none
+    deadline_ns: int  # on CLOCK_MONOTONIC; NO_DEADLINE: none
+    generations: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "holder": self.holder,
+            "record": self.record,
+            "lease_id": self.lease_id,
+            "timeout_ns": self.timeout_ns,
+            "deadline_ns": None if self.deadline_ns == NO_DEADLINE else self.deadline_ns,
+            "generations": self.generations,
+        }
 
 
 @dataclass(slots=True)
@@ -91,6 +123,7 @@ class OpRecord:
     start: dict[str, Any] | None = None
     offset: int = 0
     faults: int = 0  # the injected faults that fired (bit i: faults.FAULTS[i])
+    lease: LeasePart | None = None  # a lease operation's (LEASE_OPS)
 
     @property
     def op_name(self) -> str:
@@ -126,11 +159,21 @@ class OpRecord:
             d["seq_id"] = self.seq_id
         if self.src_id >= 0:
             d["src_id"] = self.src_id
-        if self.op in (OpCode.MARK_COMPUTED, OpCode.EVICT, OpCode.SET_STATE, OpCode.LOST):
+        if self.op in (
+            OpCode.MARK_COMPUTED,
+            OpCode.EVICT,
+            OpCode.SET_STATE,
+            OpCode.LOST,
+            OpCode.EXPIRE_LEASES,
+        ):
             d["arg"] = self.arg
         if self.op in (OpCode.ALLOCATE, OpCode.MARK_COMPUTED, OpCode.RESUME, OpCode.EVICT):
             d["result"] = self.result
-        if self.tokens:
+        if self.op in LEASE_OPS:
+            d["result"] = self.result
+        if self.lease is not None and self.op != OpCode.EXPIRE_LEASES:
+            d["lease"] = self.lease.to_dict()
+        if self.tokens and self.lease is None:
             d["tokens"] = self.tokens
         d["blocks"] = self.blocks
         if self.copies:
@@ -160,6 +203,20 @@ def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
     nt, nb, nc, npre, fired = struct.unpack_from("<IIIIxxxxI", buf, pos + _N_AT)
     nf = buf[pos + _NF_AT]
     r.faults = fired
+    if r.op in LEASE_OPS:
+        # (after the arrays: its lease part; its tokens are the generations, u4)
+        p = pos + HEAD + 4 * nt + 4 * nb + 8 * nc + 8 * npre + FOUND * nf
+        part = np.frombuffer(buf, dtype=_LEASE_DTYPE, count=1, offset=p)[0]
+        r.lease = LeasePart(
+            {1: "read", 2: "write"}.get(int(part["mode"]), ""),
+            bytes(part["holder"]).rstrip(b"\0").decode("utf-8", "replace"),
+            int(part["record"]),
+            int(part["lease_id"]),
+            int(part["timeout_ns"]),
+            int(part["deadline_ns"]),
+            [g & 0xFFFF_FFFF for g in r.tokens],
+        )
+        r.tokens = []
     if r.op == OpCode.START:
         try:
             r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
@@ -228,7 +285,7 @@ def parse(buf: bytes, name: str, at: list[int], lists: list, heads: bytes) -> li
             nones,
         )
     )
-    more = (op_a == start_op) | (hdr["faults"] != 0)
+    more = (op_a == start_op) | (hdr["faults"] != 0) | np.isin(op_a, LEASE_OPS)
     more |= (hdr["n_copies"] != 0) | (hdr["n_preempted"] != 0) | (hdr["n_found"] != 0)
     for k in np.flatnonzero(more).tolist():
         _complete(out[k], buf, at[k], name)

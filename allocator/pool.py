@@ -265,6 +265,8 @@ class KVPool:
             # slot reserve returned, the counters folded into the header, the record detached.
             self._core.detach()
             self._closed = True
+        # (what the close found: the leases it still held, each a lease_leak)
+        self.deliver_findings()
         self._core.close()
         self.view = None  # type: ignore[assignment]
         release(self._mf)
@@ -599,12 +601,14 @@ class KVPool:
         mode: str,
         holder: object = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        deadline_ns: int | None = None,
     ) -> Lease:
         """Lease blocks for a transfer in flight (mode "read" or "write"): until the returned
         Lease is released, a leased block that is freed or preempted is quarantined and never
         handed out, and eviction passes it over. `holder` (its str; default: this thread's
         name) names who transfers; `timeout` seconds (None: none) is its deadline for
-        `expire_leases`. docs/POOL.md "Leases"."""
+        `expire_leases`, or `deadline_ns` the deadline itself on time.monotonic_ns()'s clock
+        (a replay's: the recorded one). docs/POOL.md "Leases"."""
         who = threading.current_thread().name if holder is None else holder
         if timeout is None:
             ns = 0
@@ -612,7 +616,12 @@ class KVPool:
             ns = int(timeout * 1e9) or 1
         else:
             raise PoolError(f"lease timeout must be a positive number of seconds, got {timeout!r}")
-        record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns)
+        if deadline_ns is None:
+            record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns)
+        elif deadline_ns >= 0:
+            record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns, deadline_ns)
+        else:
+            raise PoolError(f"lease deadline_ns must be >= 0, got {deadline_ns!r}")
         if self._found:
             self.deliver_findings()
         if isinstance(seq_or_blocks, Sequence):

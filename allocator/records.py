@@ -198,6 +198,9 @@ class OpCode(enum.IntEnum):
     EVICT = 10
     REPORT = 11  # a finding reported between operations (KVPool.report: pool.verify(), lockdep)
     LOST = 12  # `arg` records this handle could not write (a failed write(2)) before this one
+    LEASE = 13  # KVPool.lease (its lease part: OPLOG_LEASE_FIELDS)
+    LEASE_RELEASE = 14  # KVPool.lease_release (Lease.release)
+    EXPIRE_LEASES = 15  # KVPool.expire_leases: `arg` the now_ns it compared deadlines with
 
 
 class OpStatus(enum.IntEnum):
@@ -214,8 +217,8 @@ OPLOG_FAULT = 1  # an injected fault fired inside the operation
 OPLOG_REDACTED = 2  # tokens and request ids are keyed hashes
 # One record: these fields, then int32 tokens[n_tokens] (START: n_tokens bytes of UTF-8 JSON),
 # int32 blocks[n_blocks], int32 copies[2 * n_copies] (src, dst), int64 preempted[n_preempted]
-# (the seq ids the operation preempted), n_found findings (OPLOG_FOUND_FIELDS), zero padding to
-# a multiple of 8 bytes. `check` is the record's hash with `check` itself 0 (csrc/oplog.c).
+# (the seq ids the operation preempted), n_found findings (OPLOG_FOUND_FIELDS), a lease
+# operation's lease part (OPLOG_LEASE_FIELDS), zero padding to a multiple of 8 bytes. `check` is the record's hash with `check` itself 0 (csrc/oplog.c).
 OPLOG_FIELDS: list[Field] = [
     ("magic", "<u4"),
     ("size", "<u4"),
@@ -247,6 +250,21 @@ OPLOG_FIELDS: list[Field] = [
     ("request", f"S{REQUEST_BYTES}"),
 ]
 OPLOG_FOUND_FIELDS: list[Field] = [("block", "<i4"), ("kind", "S28")]
+# A lease operation's record (LEASE, LEASE_RELEASE, EXPIRE_LEASES) ends with this, after its
+# findings; its `tokens` are the lease's blocks' generations at the take (u4).
+OPLOG_LEASE_FIELDS: list[Field] = [
+    # 1 read, 2 write (0: none, or a mode the core refused)
+    ("mode", "u1"),
+    ("pad", "u1", (3,)),
+    # the lease's record in the lease table (-1: none)
+    ("record", "<i4"),
+    ("lease_id", "<u8"),
+    # the take's timeout argument (0: none) and the deadline it set on CLOCK_MONOTONIC
+    # (2^64 - 1: none)
+    ("timeout_ns", "<u8"),
+    ("deadline_ns", "<u8"),
+    ("holder", f"S{REQUEST_BYTES}"),
+]
 # Leases (docs/POOL.md "Leases"; FORMAT.md section 13): the section's header, then one lease
 # count per block (u4), then the lease records (lease_capacity of them).
 LEASE_HEADER_FIELDS: list[Field] = [
@@ -374,6 +392,7 @@ C_RECORDS = {
     "LE_": ("lru_entry", "access_ns"),
     "OR_": ("oplog", "request"),
     "OF_": ("oplog_found", "kind"),
+    "OL_": ("oplog_lease", "holder"),
     "LH_": ("lease_header", "reclaimed"),
     "LS_": ("lease", "blocks"),
     "PV_": ("provenance", "kv_hash"),
@@ -400,6 +419,7 @@ C_SIZES = {
     "LRU_ENTRY": "lru_entry",
     "OPLOG_HEAD": "oplog",
     "OPLOG_FOUND": "oplog_found",
+    "OPLOG_LEASE": "oplog_lease",
     "LEASE_COUNTS": "lease_header",  # the per-block lease counts follow its header
     "PROVENANCE": "provenance",
     "OPLOG_CHUNK": "oplog_chunk",
@@ -420,6 +440,7 @@ def record_fields(record: str) -> list[Field]:
         "lru_entry": lambda: LRU_ENTRY_FIELDS,
         "oplog": lambda: OPLOG_FIELDS,
         "oplog_found": lambda: OPLOG_FOUND_FIELDS,
+        "oplog_lease": lambda: OPLOG_LEASE_FIELDS,
         "lease_header": lambda: LEASE_HEADER_FIELDS,
         "lease": lambda: lease_fields(2),
         "provenance": lambda: PROVENANCE_FIELDS,

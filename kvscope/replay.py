@@ -21,7 +21,7 @@ from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted, faul
 from kvscope.allocator.findings import SEVERITY, FindingKind
 from kvscope.allocator.kvread import read_live
 from kvscope.allocator.layout import BlockState
-from kvscope.allocator.oplog import OpLog, OplogError, OpRecord
+from kvscope.allocator.oplog import NO_DEADLINE, OpLog, OplogError, OpRecord
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode, OpStatus
@@ -45,6 +45,12 @@ _EVICT, _REPORT, _START, _LOST = (
     int(OpCode.START),
     int(OpCode.LOST),
 )
+_LEASE, _LEASE_RELEASE, _EXPIRE = (
+    int(OpCode.LEASE),
+    int(OpCode.LEASE_RELEASE),
+    int(OpCode.EXPIRE_LEASES),
+)
+_LEASE_OPS = (_LEASE, _LEASE_RELEASE, _EXPIRE)
 _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
 # Kinds the magic probe finds on its own clock (every 10 ms, in whichever operation comes then,
@@ -74,6 +80,7 @@ class Result:
         "found",
         "fault",
         "error",
+        "lease",
     )
 
     def __init__(
@@ -87,6 +94,7 @@ class Result:
         found: list[tuple[str, int]] = _NONE,
         fault: str = "",
         error: str = "",
+        lease: tuple[int, list[int]] | None = None,
     ):
         self.status = status
         self.seq_id = seq_id
@@ -97,6 +105,8 @@ class Result:
         self.found = found
         self.fault = fault
         self.error = error
+        # a lease's take: the record it got and its blocks' generations then
+        self.lease = lease
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -112,6 +122,8 @@ class Result:
             d["fault"] = self.fault
         if self.error:
             d["error"] = self.error
+        if self.lease is not None:
+            d["lease"] = {"record": self.lease[0], "generations": self.lease[1]}
         return d
 
 
@@ -126,7 +138,15 @@ def recorded_result(r: OpRecord) -> Result:
         preempted=r.preempted,
         found=r.found,
         fault="fault" if r.fault else "",
+        lease=_taken(r),
     )
+
+
+def _taken(r: OpRecord) -> tuple[int, list[int]] | None:
+    """A LEASE record's lease: the record it got and its blocks' generations."""
+    if r.op != _LEASE or r.lease is None:
+        return None
+    return (r.lease.record, r.lease.generations)
 
 
 def differences(r: OpRecord, got: Result) -> list[str]:
@@ -143,6 +163,7 @@ def differences(r: OpRecord, got: Result) -> list[str]:
         and not got.preempted
         and not r.flags & 1
         and not got.fault
+        and got.lease is None
     ):
         return []  # (the common case, compared at once)
     out = []
@@ -151,8 +172,10 @@ def differences(r: OpRecord, got: Result) -> list[str]:
     op = r.op
     if op in (_ALLOCATE, _FORK, _RESUME) and r.status == _OK and r.seq_id != got.seq_id:
         out.append("seq_id")
-    if op in (_ALLOCATE, _MARK, _RESUME, _EVICT) and r.result != got.result:
+    if op in (_ALLOCATE, _MARK, _RESUME, _EVICT, *_LEASE_OPS) and r.result != got.result:
         out.append("result")
+    if op == _LEASE and r.status == _OK and _taken(r) != got.lease:
+        out.append("lease")
     if op != _REPORT and r.blocks != got.blocks:
         out.append("blocks")
     if r.copies != got.copies:
@@ -206,6 +229,8 @@ class Session:
         # the requests whose sequences still held blocks there
         self.held: dict[int, set[str]] = {}
         self.preempted: set[tuple[int, int]] = set()
+        # the leases taken, by their recorded ids (a lease id is the pool's, any process's)
+        self.leases: dict[int, Any] = {}
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
         faults.ARMED.clear()
@@ -265,6 +290,22 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _lease(self, h: KVPool, r: OpRecord, s: Any, out: Result) -> None:
+        """A LEASE record's take, with the recorded mode, holder and deadline, on its sequence
+        (or the recorded block ids)."""
+        part = r.lease
+        assert part is not None
+        target = s if s is not None else list(r.blocks)
+        if part.deadline_ns == NO_DEADLINE:
+            lease = h.lease(target, part.mode, holder=part.holder, timeout=None)
+        else:
+            lease = h.lease(target, part.mode, holder=part.holder, deadline_ns=part.deadline_ns)
+        self.leases[part.lease_id] = lease
+        out.result = lease.lease_id
+        out.blocks = list(lease.blocks)
+        rec = h.view.leases[lease.record]
+        out.lease = (lease.record, [int(g) for g in rec["generations"][: len(out.blocks)]])
+
     def run(self, r: OpRecord, verify: bool = False) -> Result | None:
         """Execute one record's operation on its process's handle. None where the record
         names a process or sequence this replay does not have (a shrunk run's operations on
@@ -284,7 +325,17 @@ class Session:
         nfired = len(self.fired)
         seqs = self.seqs
         s: Any = None
-        if op not in (_ALLOCATE, _EVICT, _REPORT):
+        lease: Any = None
+        if op in _LEASE_OPS:
+            if op == _LEASE and r.seq_id >= 0:
+                s = seqs.get((r.pid, r.seq_id))
+                if s is None:
+                    return None
+            elif op == _LEASE_RELEASE:
+                lease = self.leases.get(r.lease.lease_id if r.lease else 0)
+                if lease is None:
+                    return None
+        elif op not in (_ALLOCATE, _EVICT, _REPORT):
             s = seqs.get((r.pid, r.src_id if op in (_FORK, _RESUME) else r.seq_id))
             if s is None:
                 return None
@@ -326,6 +377,17 @@ class Session:
                 out.blocks = list(s.block_table)
             elif op == _EVICT:
                 out.result = h.evict(r.arg)
+            elif op == _LEASE:
+                out.seq_id = -1 if s is None else s.seq_id
+                self._lease(h, r, s, out)
+            elif op == _LEASE_RELEASE:
+                out.seq_id = r.seq_id
+                blocks = list(lease.blocks)
+                out.result = int(h.lease_release(lease))
+                out.blocks = blocks if out.result else []
+            elif op == _EXPIRE:
+                # (the recorded now_ns, compared with the recorded deadlines: not the clock)
+                out.result = h.expire_leases(r.arg)
             elif op == _REPORT and any(k in AT_CLOSE for k, _ in r.found):
                 # a leak the recording's handle reported as it closed: the close, replayed
                 # once (its other reports then), after the process's last operation
@@ -355,6 +417,8 @@ class Session:
             out.blocks = list(s.block_table)
         elif op == _APPEND and out.status != _OK and s is not None:
             out.blocks = list(s.block_table)
+        elif op == _LEASE and out.status != _OK:
+            out.blocks = list(r.blocks) if s is None else []  # (the block ids it was asked)
         if op == _FREE or op == _ABORT:
             if out.status != _OK:
                 out.blocks = []
@@ -550,18 +614,37 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
 
 def _units(ops: list[OpRecord]) -> list[list[int]]:
     """The log's requests as units for delta debugging: the indexes of each request's
-    operations (a fork's child and a resumed sequence belong to their request), and each
-    operation on no request as a unit of its own."""
+    operations (a fork's child and a resumed sequence belong to their request, a lease to its
+    sequence's request, or to the request of the blocks it was taken on, its release to the
+    lease), and each operation on no request as a unit of its own."""
     family: dict[tuple[int, int], int] = {}
+    by_request: dict[str, int] = {}
+    leases: dict[int, int] = {}
     units: list[list[int]] = []
     for i, r in enumerate(ops):
         key = (r.pid, r.seq_id)
-        if r.op == _ALLOCATE:
+        if r.op in _LEASE_OPS:
+            lease_id = r.lease.lease_id if r.lease is not None else 0
+            u = None
+            if r.op == _LEASE_RELEASE:
+                u = leases.get(lease_id)
+            elif r.op == _LEASE:
+                u = family.get(key) if r.seq_id >= 0 else by_request.get(r.request)
+            if u is None:
+                u = len(units)
+                units.append([])
+            units[u].append(i)
+            if r.op == _LEASE and lease_id:
+                leases[lease_id] = u
+        elif r.op == _ALLOCATE:
             family[key] = len(units)
+            by_request[r.request] = len(units)
             units.append([i])
         elif r.op in (_FORK, _RESUME) and (r.pid, r.src_id) in family:
             u = family[(r.pid, r.src_id)]
             family[key] = u
+            if r.op == _FORK:
+                by_request[r.request] = u
             units[u].append(i)
         elif key in family:
             units[family[key]].append(i)
@@ -788,6 +871,7 @@ def emit_script(shrunk: Shrunk) -> str:
     lines += setup
     lines += ["try:"]
     names: dict[tuple[int, int], str] = {}
+    leases: dict[int, str] = {}
     body: list[str] = []
     for r, status in zip(shrunk.ops, shrunk.statuses + [0] * len(shrunk.ops)):
         h = handles.get(r.pid, "pool")
@@ -796,7 +880,7 @@ def emit_script(shrunk: Shrunk) -> str:
             spec = ",".join(f"{f}:1" for f in fault.split(","))
             body.append("# the fault the recording injected here, at its next opportunity")
             body.append(f"faults.configure({spec!r})")
-        call = _call(r, h, names)
+        call = _call(r, h, names, leases)
         if call is None:
             continue
         if status not in (_OK, -1):
@@ -827,12 +911,16 @@ def emit_script(shrunk: Shrunk) -> str:
     return "\n".join(lines)
 
 
-def _call(r: OpRecord, h: str, names: dict[tuple[int, int], str]) -> str | None:
+def _call(
+    r: OpRecord, h: str, names: dict[tuple[int, int], str], leases: dict[int, str]
+) -> str | None:
     op = r.op
 
     def seq(i: int) -> str:
         return names.get((r.pid, i), f"s{i}")
 
+    if op in _LEASE_OPS:
+        return _lease_call(r, h, seq, leases)
     if op == _ALLOCATE:
         v = names.setdefault((r.pid, r.seq_id), f"s{len(names) + 1}")
         return f"{v} = {h}.allocate({r.request!r}, {r.tokens!r})"
@@ -855,12 +943,32 @@ def _call(r: OpRecord, h: str, names: dict[tuple[int, int], str]) -> str | None:
         return f"{h}.resume({v})"
     if op == _EVICT:
         return f"{h}.evict({r.arg})"
+    if op == _REPORT and any(k == "lease_leak" for k, _ in r.found):
+        return None  # (a lease still held as the pool closed: the close below reports it)
     if op == _REPORT and any(k == "leak_finished" for k, _ in r.found):
         # (kvscope run's check at a close: a sequence still holding blocks is a leak)
         return f"held |= {{str(s.request_id) for s in {h}.live().values() if s.block_table}}"
     if op == _REPORT:
         return f"{h}.verify()"
     return None
+
+
+def _lease_call(r: OpRecord, h: str, seq: Callable[[int], str], leases: dict[int, str]) -> str:
+    """A lease operation as a plain call: `pool.lease(...)` with the recorded mode, holder and
+    deadline, `lease.release()`, `pool.expire_leases(now_ns)` with the recorded now_ns."""
+    part = r.lease
+    lease_id = part.lease_id if part is not None else 0
+    if r.op == _EXPIRE or part is None:
+        return f"{h}.expire_leases({r.arg})"
+    if r.op == _LEASE_RELEASE:
+        return f"{leases.get(lease_id, f'lease{lease_id}')}.release()"
+    target = seq(r.seq_id) if r.seq_id >= 0 else repr(list(r.blocks))
+    when = "timeout=None" if part.deadline_ns == NO_DEADLINE else f"deadline_ns={part.deadline_ns}"
+    call = f"{h}.lease({target}, {part.mode!r}, holder={part.holder!r}, {when})"
+    if not lease_id:
+        return call
+    v = leases.setdefault(lease_id, f"lease{len(leases) + 1}")
+    return f"{v} = {call}"
 
 
 __all__ = [

@@ -7,6 +7,42 @@
  * closes the pool, a lease_leak. The table is written under the free lock, journaled; a dead
  * holder's leases are reclaimed with its blocks (recovery.c reclaim_one). Part of _native.c. */
 
+/* -- the operation log ------------------------------------------------------------------------ */
+
+/* A lease operation as the operation log records it (oplog.c oplog_lease, docs/REPLAY.md): what
+ * it was asked and what it gave. */
+typedef struct {
+    int op, status, fault, mode;
+    int64_t seq_id, arg, result; /* the sequence (-1: none); EXPIRE_LEASES' now_ns; its answer */
+    int32_t record;              /* the lease's record in the table (-1: none) */
+    uint64_t lease_id, timeout_ns, deadline_ns;
+    char holder[REQUEST_BYTES], request[REQUEST_BYTES];
+    const int32_t *blocks; /* NULL: none */
+    const uint32_t *gens;
+    int64_t n_blocks, n_gens;
+    Py_ssize_t found0; /* KVPool._found's length when the call began */
+} LeaseRec;
+static void oplog_lease(Native *n, const LeaseRec *o);                               /* oplog.c */
+static void oplog_close_report(Native *n, Py_ssize_t found0, const char *request); /* oplog.c */
+
+/* A LeaseRec of op `op` with nothing in it yet (after the call's gate: its findings since). */
+static void lease_rec_init(Native *n, LeaseRec *o, int op) {
+    memset(o, 0, sizeof *o);
+    o->op = op;
+    o->seq_id = -1;
+    o->record = -1;
+    o->deadline_ns = UINT64_MAX;
+    o->found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
+}
+
+/* The status a call that returned NULL records (the exception fetched: et). */
+static int lease_status(PyObject *et) {
+    return et == NULL ? OS_ERROR
+           : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType) ? OS_EXHAUSTED
+           : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType)         ? OS_REFUSED
+                                                                                     : OS_ERROR;
+}
+
 /* -- the section ------------------------------------------------------------------------------ */
 
 static inline uint8_t *lease_head(Native *n) { return n->seg + n->off_leases; }
@@ -191,7 +227,7 @@ static int64_t lease_free_record(Native *n) {
  * UNHANDLED, or ERROR (the table full: PoolError). */
 static int lease_write(Native *n, int64_t rec, const int32_t *ids, int64_t k, int mode,
                        int64_t slot, const char *holder, const char *request, int32_t site,
-                       uint64_t timeout_ns, uint64_t *id) {
+                       uint64_t timeout_ns, int64_t deadline, uint64_t *id) {
     uint8_t *l = lease_at(n, rec), *h = lease_head(n);
     if (jsave(n, n->off_leases, LEASE_COUNTS) || jsave_lease(n, l, k) || jsave_counts(n, ids, k))
         return UNHANDLED;
@@ -216,7 +252,9 @@ static int lease_write(Native *n, int64_t rec, const int32_t *ids, int64_t k, in
     I4(l + LS_SEQ_SLOT) = (int32_t)slot;
     I4(l + LS_SITE) = site;
     U8(l + LS_TAKEN_NS) = wall_ns();
-    U8(l + LS_DEADLINE_NS) = timeout_ns ? mono_ns() + timeout_ns : UINT64_MAX;
+    U8(l + LS_DEADLINE_NS) = deadline >= 0 ? (uint64_t)deadline
+                             : timeout_ns    ? mono_ns() + timeout_ns
+                                             : UINT64_MAX;
     memcpy(l + LS_HOLDER, holder, REQUEST_BYTES);
     memcpy(l + LS_REQUEST, request, REQUEST_BYTES);
     l[LS_STATE] = L_HELD;
@@ -232,14 +270,16 @@ static int text32(PyObject *o, char *out) {
     return rc;
 }
 
-/* lease(pool, target, mode, holder, timeout_ns) -> (record, lease id): KVPool.lease. target: a
- * live Sequence of this handle or block ids; mode "read" or "write"; timeout_ns 0: none. In
- * one transaction under the free lock. The transfer-after-free fault strikes here: a write
+/* lease(pool, target, mode, holder, timeout_ns[, deadline_ns]) -> (record, lease id):
+ * KVPool.lease. target: a live Sequence of this handle or block ids; mode "read" or "write";
+ * timeout_ns 0: none; deadline_ns (>= 0) the deadline itself on CLOCK_MONOTONIC in its place (a
+ * replay's: the recorded one). In one transaction under the free lock. The transfer-after-free fault strikes here: a write
  * lease on a waiting sequence, which is then preempted at once (the scheduler's preemption in
  * the same step as the transfer it queued). */
 static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "lease(pool, target, mode, holder, timeout_ns)");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "lease(pool, target, mode, holder, timeout_ns[, deadline_ns])");
         return NULL;
     }
     int mode = 0;
@@ -257,6 +297,8 @@ static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs
         pool_error("lease timeout must be positive (or None), got %lld ns", timeout);
         return NULL;
     }
+    long long deadline = nargs == 6 ? PyLong_AsLongLong(args[5]) : -1;
+    if (deadline == -1 && PyErr_Occurred()) return NULL;
     char holder[REQUEST_BYTES], request[REQUEST_BYTES];
     if (text32(args[3], holder)) return NULL;
     /* (before any pool lock: site_intern waits for the sites lock) */
@@ -297,7 +339,8 @@ static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs
                 goto out;
             }
         }
-        rc = lease_write(n, rec, ids, k, mode, slot, holder, request, site, (uint64_t)timeout, &id);
+        rc = lease_write(n, rec, ids, k, mode, slot, holder, request, site, (uint64_t)timeout,
+                         deadline, &id);
         if (rc == OK) break;
         txn_abort(n);
         rc = rolled_back(n);
@@ -332,12 +375,96 @@ out:
 /* The entry points: the gate (entry.c: another thread's operation in flight waited for, a call
  * from inside one of this thread's refused), the body, then the op mutex given back where
  * waiting for a lock made the core take it (drop_mutex), as every operation's end does. */
+static void oplog_lease_take(Native *n, PyObject *const *args, Py_ssize_t nargs, PyObject *r,
+                             LeaseRec *o, Py_ssize_t armed0);
 static PyObject *N_lease(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) return N_lease_body(n, args, nargs); /* (its TypeError) */
+    if (nargs != 5 && nargs != 6) return N_lease_body(n, args, nargs); /* (its TypeError) */
     GATE(n, args[0]);
+    LeaseRec o;
+    Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
+    if (n->oplog) lease_rec_init(n, &o, OP_LEASE);
     PyObject *r = N_lease_body(n, args, nargs);
+    if (n->oplog) oplog_lease_take(n, args, nargs, r, &o, armed0);
     drop_mutex(n);
     return r;
+}
+
+/* A lease's take recorded (recording on): what it got, from its record in the table, or (where
+ * it was refused) what it was asked. */
+static void oplog_lease_take(Native *n, PyObject *const *args, Py_ssize_t nargs, PyObject *r,
+                             LeaseRec *o, Py_ssize_t armed0) {
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
+    if (r == NULL) {
+        PyErr_Fetch(&et, &ev, &etb);
+        o->status = lease_status(et);
+    }
+    if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o->fault = 1;
+    long long t = PyLong_Check(args[4]) ? PyLong_AsLongLong(args[4]) : 0;
+    o->timeout_ns = t > 0 ? (uint64_t)t : 0;
+    int32_t ids_s[CHUNK], *ids = NULL;
+    uint8_t *l = NULL;
+    if (r != NULL && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
+        long long rec = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 0));
+        if (rec >= 0 && rec < n->lease_cap) l = lease_at(n, rec);
+        if (l) o->record = (int32_t)rec;
+    }
+    if (l != NULL) {
+        /* (held: the transfer-after-free fault's preemption leaves it so) */
+        o->mode = l[LS_MODE];
+        memcpy(o->holder, l + LS_HOLDER, REQUEST_BYTES);
+        memcpy(o->request, l + LS_REQUEST, REQUEST_BYTES);
+        o->lease_id = U8(l + LS_LEASE_ID);
+        o->result = (int64_t)o->lease_id;
+        o->deadline_ns = U8(l + LS_DEADLINE_NS);
+        o->seq_id = l[LS_ON_SEQ] ? (int64_t)U8(l + LS_SEQ_ID) : -1;
+        o->n_blocks = o->n_gens = U4(l + LS_NUM_BLOCKS) <= (uint64_t)n->max_bps
+                                      ? U4(l + LS_NUM_BLOCKS)
+                                      : 0;
+        o->blocks = lease_ids(l);
+        o->gens = lease_gens(n, l);
+    } else {
+        /* refused: its arguments */
+        PyObject *mode = args[2], *target = args[1];
+        if (PyUnicode_Check(mode))
+            o->mode = PyUnicode_CompareWithASCIIString(mode, "read") == 0    ? LM_READ
+                      : PyUnicode_CompareWithASCIIString(mode, "write") == 0 ? LM_WRITE
+                                                                             : 0;
+        if (text32(args[3], o->holder)) memset(o->holder, 0, REQUEST_BYTES);
+        if (nargs == 6 && PyLong_Check(args[5])) {
+            long long d = PyLong_AsLongLong(args[5]);
+            if (d >= 0) o->deadline_ns = (uint64_t)d;
+        }
+        if (PyObject_TypeCheck(target, (PyTypeObject *)n->seq_type)) {
+            PyObject *id = sfield(n, target, F_SEQ_ID);
+            o->seq_id = id && PyLong_Check(id) ? PyLong_AsLongLong(id) : -1;
+            Py_XDECREF(id);
+            PyObject *rid = sfield(n, target, F_REQUEST_ID);
+            PyObject *rs = rid ? request_str(rid) : NULL;
+            if (rs == NULL || request_of(rs, o->request)) memset(o->request, 0, REQUEST_BYTES);
+            Py_XDECREF(rs);
+            Py_XDECREF(rid);
+        } else if (PyList_Check(target) || PyTuple_Check(target)) {
+            Py_ssize_t k = PySequence_Fast_GET_SIZE(target);
+            if (k > n->max_bps) k = n->max_bps;
+            ids = k <= CHUNK ? ids_s : PyMem_Malloc(sizeof(int32_t) * (size_t)k);
+            if (ids != NULL) {
+                for (Py_ssize_t i = 0; i < k; i++) {
+                    PyObject *v = PyNumber_Index(PySequence_Fast_GET_ITEM(target, i));
+                    long long b = v ? PyLong_AsLongLong(v) : -1;
+                    Py_XDECREF(v);
+                    if (PyErr_Occurred()) PyErr_Clear();
+                    ids[i] = b >= INT32_MIN && b <= INT32_MAX ? (int32_t)b : -1;
+                }
+                o->blocks = ids;
+                o->n_blocks = k;
+            }
+        }
+        if (o->seq_id == -1 && PyErr_Occurred()) PyErr_Clear();
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    oplog_lease(n, o);
+    if (ids != NULL && ids != ids_s) PyMem_Free(ids);
+    if (r == NULL) PyErr_Restore(et, ev, etb);
 }
 
 /* -- its end ----------------------------------------------------------------------------------- */
@@ -534,7 +661,48 @@ static PyObject *N_lease_release_body(Native *n, PyObject *const *args, Py_ssize
 static PyObject *N_lease_release(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) return N_lease_release_body(n, args, nargs); /* (its TypeError) */
     GATE(n, args[0]);
+    if (n->oplog == NULL) {
+        PyObject *r = N_lease_release_body(n, args, nargs);
+        drop_mutex(n);
+        return r;
+    }
+    /* recorded: which lease, and what it held before its end empties its record */
+    LeaseRec o;
+    lease_rec_init(n, &o, OP_LEASE_RELEASE);
+    Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
+    long long rec = PyLong_Check(args[1]) ? PyLong_AsLongLong(args[1]) : -1;
+    unsigned long long id = PyLong_Check(args[2]) ? PyLong_AsUnsignedLongLong(args[2]) : 0;
+    if (PyErr_Occurred()) PyErr_Clear();
+    o.record = rec >= INT32_MIN && rec <= INT32_MAX ? (int32_t)rec : -1;
+    o.lease_id = id;
+    int32_t ids_s[CHUNK], *ids = ids_s;
+    if (rec >= 0 && rec < n->lease_cap) {
+        uint8_t *l = lease_at(n, rec);
+        int64_t k = U4(l + LS_NUM_BLOCKS);
+        if (l[LS_STATE] != L_EMPTY && U8(l + LS_LEASE_ID) == id && k <= n->max_bps &&
+            (k <= CHUNK || (ids = PyMem_Malloc(sizeof(int32_t) * (size_t)k)) != NULL)) {
+            o.mode = l[LS_MODE];
+            memcpy(o.holder, l + LS_HOLDER, REQUEST_BYTES);
+            memcpy(o.request, l + LS_REQUEST, REQUEST_BYTES);
+            o.seq_id = l[LS_ON_SEQ] ? (int64_t)U8(l + LS_SEQ_ID) : -1;
+            memcpy(ids, lease_ids(l), sizeof(int32_t) * (size_t)k);
+            o.blocks = ids;
+            o.n_blocks = k;
+        }
+        if (ids == NULL) ids = ids_s;
+    }
     PyObject *r = N_lease_release_body(n, args, nargs);
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
+    if (r == NULL) {
+        PyErr_Fetch(&et, &ev, &etb);
+        o.status = lease_status(et);
+    }
+    o.result = r == Py_True;
+    if (o.result == 0) o.blocks = NULL; /* (ended nothing) */
+    if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.fault = 1;
+    oplog_lease(n, &o);
+    if (ids != ids_s) PyMem_Free(ids);
+    if (r == NULL) PyErr_Restore(et, ev, etb);
     drop_mutex(n);
     return r;
 }
@@ -545,7 +713,8 @@ static PyObject *N_lease_release(Native *n, PyObject *const *args, Py_ssize_t na
  * deadline is at or before now_ns (CLOCK_MONOTONIC; -1: now) is a lease_leak, reported once:
  * its record marked LEAKED (it stays held, its blocks quarantined, until released or its
  * holder closes). How many it reported. */
-static PyObject *N_lease_expire_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *N_lease_expire_body(Native *n, PyObject *const *args, Py_ssize_t nargs,
+                                     uint64_t *now_out) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "lease_expire(pool, now_ns)");
         return NULL;
@@ -553,6 +722,7 @@ static PyObject *N_lease_expire_body(Native *n, PyObject *const *args, Py_ssize_
     long long now_in = PyLong_AsLongLong(args[1]);
     if (now_in == -1 && PyErr_Occurred()) return NULL;
     uint64_t now = now_in < 0 ? mono_ns() : (uint64_t)now_in;
+    *now_out = now;
     int64_t found = 0;
     if (!leases_any(n)) return PyLong_FromLong(0);
     int64_t *late = PyMem_Malloc(sizeof(int64_t) * (size_t)n->lease_cap);
@@ -599,9 +769,25 @@ static PyObject *N_lease_expire_body(Native *n, PyObject *const *args, Py_ssize_
 }
 
 static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) return N_lease_expire_body(n, args, nargs); /* (its TypeError) */
+    uint64_t now = 0;
+    if (nargs != 2) return N_lease_expire_body(n, args, nargs, &now); /* (its TypeError) */
     GATE(n, args[0]);
-    PyObject *r = N_lease_expire_body(n, args, nargs);
+    LeaseRec o;
+    if (n->oplog) lease_rec_init(n, &o, OP_EXPIRE_LEASES);
+    PyObject *r = N_lease_expire_body(n, args, nargs, &now);
+    if (n->oplog) {
+        /* recorded: the now it compared the deadlines with (a replay's, not its clock) */
+        PyObject *et = NULL, *ev = NULL, *etb = NULL;
+        if (r == NULL) {
+            PyErr_Fetch(&et, &ev, &etb);
+            o.status = lease_status(et);
+        }
+        o.arg = now <= INT64_MAX ? (int64_t)now : -1;
+        o.result = r && PyLong_Check(r) ? PyLong_AsLongLong(r) : 0;
+        if (PyErr_Occurred()) PyErr_Clear();
+        oplog_lease(n, &o);
+        if (r == NULL) PyErr_Restore(et, ev, etb);
+    }
     drop_mutex(n);
     return r;
 }
@@ -617,9 +803,12 @@ static int leases_at_close(Native *n) {
             I4(l + LS_HOLDER_PID) != n->pid)
             continue;
         if (l[LS_STATE] == L_HELD) {
+            Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
             PyObject *msg = leak_message(n, l, "still held when its holder closed the pool");
             if (lease_finding(n, FK_LEASE_LEAK, l, 0, msg)) PyErr_WriteUnraisable(n->name);
             Py_XDECREF(msg);
+            /* (recorded as a REPORT: a replay replays it as this close) */
+            if (n->oplog) oplog_close_report(n, found0, (const char *)l + LS_REQUEST);
         }
         int rc = txn_begin(n, lock_bit(n->lock_free));
         if (rc != OK) return rc;

@@ -625,6 +625,127 @@ static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     return res;
 }
 
+/* -- lease operations (leases.c: KVPool.lease, lease_release, expire_leases) ---------------- */
+
+/* Before a record of its own: the LOST record oplog_write writes first where records were lost
+ * (the count in `arg`), written and flushed. */
+static void oplog_lost_first(Native *n, Oplog *L) {
+    if (!L->lost) return;
+    uint8_t *p = oplog_room(L, 64);
+    if (p == NULL) return;
+    uint8_t *q = oplog_head(n, L, p, OP_LOST, CR_ARGS, -1);
+    q = put_s(q, -1);
+    q = put_s(q, (int64_t)L->lost);
+    q = put_s(q, 0);
+    *q++ = 0; /* (no tokens) */
+    *q++ = TM_NONE;
+    L->lost = 0;
+    L->out_n += (size_t)(q - p);
+    L->out_recs++;
+    oplog_flush(L);
+}
+
+/* One finding of the findings ring (its position) as a record lists it: its block, then a
+ * length byte and its kind's bytes. */
+static uint8_t *put_found(Native *n, uint8_t *p, uint64_t pos) {
+    const uint8_t *f = n->seg + n->off_findings + (size_t)(pos % (uint64_t)n->fd_cap) * n->fd_size;
+    p = put_s(p, I4(f + n->fd_block));
+    size_t kl = n->fd_kind_bytes < OPLOG_FOUND - OF_KIND ? n->fd_kind_bytes : OPLOG_FOUND - OF_KIND;
+    kl = strnlen((const char *)f + n->fd_kind, kl);
+    *p++ = (uint8_t)kl;
+    memcpy(p, f + n->fd_kind, kl);
+    return p + kl;
+}
+
+/* A lease operation's record (LeaseRec, filled by leases.c): the head and arguments as any
+ * record's, then in place of tokens its lease part (docs/REPLAY.md: mode, holder, the lease's
+ * record and id, timeout, deadline, the generations of its blocks), the blocks, and the
+ * preemptions and findings of the call. */
+static void oplog_lease(Native *n, const LeaseRec *o) {
+    Oplog *L = n->oplog;
+    if (L == NULL || n->seg == NULL) return;
+    Py_ssize_t nf = n->found ? PyList_GET_SIZE(n->found) - o->found0 : 0;
+    if (nf < 0) nf = 0;
+    if (nf > 255) nf = 255;
+    int64_t npre = L->depth == 0 ? L->n_pre : 0;
+    oplog_lost_first(n, L);
+    size_t bound = 160 + 2 * REQUEST_BYTES + 5 * (size_t)o->n_gens + 5 * (size_t)o->n_blocks +
+                   10 * (size_t)npre + (16 + OPLOG_FOUND) * (size_t)nf;
+    uint8_t *p0 = oplog_room(L, bound);
+    if (p0 == NULL) {
+        L->lost++;
+        L->n_pre = 0;
+        return;
+    }
+    uint32_t fired = n->oplog_fired;
+    n->oplog_fired = 0;
+    int bits = (o->status & 3) | (o->fault || fired ? CR_FAULT : 0);
+    if (o->request[0]) bits |= CR_REQUEST;
+    if (npre || nf) bits |= CR_EXTRA;
+    if (o->arg || o->result) bits |= CR_ARGS;
+    uint8_t *p = oplog_head(n, L, p0, o->op, bits, o->seq_id);
+    if (bits & CR_FAULT) p = put_u(p, fired);
+    if (bits & CR_ARGS) {
+        p = put_s(p, -1);
+        p = put_s(p, o->arg);
+        p = put_s(p, o->result);
+    }
+    if (bits & CR_REQUEST) {
+        char req[REQUEST_BYTES];
+        oplog_request(L, o->request, req);
+        size_t k = strnlen(req, REQUEST_BYTES);
+        *p++ = (uint8_t)k;
+        memcpy(p, req, k);
+        p += k;
+    }
+    *p++ = (uint8_t)o->mode;
+    size_t hk = strnlen(o->holder, REQUEST_BYTES);
+    *p++ = (uint8_t)hk;
+    memcpy(p, o->holder, hk);
+    p += hk;
+    p = put_s(p, o->record);
+    p = put_u(p, o->lease_id);
+    p = put_u(p, o->timeout_ns);
+    p = put_u(p, o->deadline_ns);
+    p = put_u(p, (uint64_t)o->n_gens);
+    for (int64_t i = 0; i < o->n_gens; i++) p = put_s(p, (int64_t)o->gens[i]);
+    *p++ = (uint8_t)(o->blocks ? TM_NEW : TM_NONE);
+    if (o->blocks) {
+        p = put_u(p, (uint64_t)o->n_blocks);
+        for (int64_t i = 0; i < o->n_blocks; i++) p = put_s(p, o->blocks[i]);
+    }
+    if (bits & CR_EXTRA) {
+        p = put_u(p, 0); /* (no copies) */
+        p = put_u(p, (uint64_t)npre);
+        for (int64_t i = 0; i < npre; i++) p = put_s(p, L->pre[i]);
+        p = put_u(p, (uint64_t)nf);
+        for (Py_ssize_t i = 0; i < nf; i++)
+            p = put_found(n, p, PyLong_AsUnsignedLongLong(PyList_GET_ITEM(n->found, o->found0 + i)));
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    L->out_n += (size_t)(p - p0);
+    L->out_recs++;
+    L->n_pre = 0;
+    if (o->status != OS_OK || nf || (bits & CR_FAULT)) oplog_flush(L);
+}
+
+/* The findings the core wrote since `found0` as the handle closed (leases.c leases_at_close: a
+ * lease still held is a lease_leak), recorded as a REPORT about `request`. */
+static void oplog_close_report(Native *n, Py_ssize_t found0, const char *request) {
+    if (n->oplog == NULL || n->seg == NULL || n->found == NULL ||
+        PyList_GET_SIZE(n->found) <= found0)
+        return;
+    OpRec o;
+    memset(&o, 0, sizeof o);
+    o.op = OP_REPORT;
+    o.seq_id = o.src_id = -1;
+    o.found0 = found0;
+    o.tmode = TM_NONE;
+    memcpy(o.request, request, REQUEST_BYTES);
+    oplog_write(n, &o);
+    if (PyErr_Occurred()) PyErr_Clear();
+}
+
 static void oplog_free(Native *n) {
     Oplog *L = n->oplog;
     if (L == NULL) return;

@@ -18,7 +18,15 @@ typedef struct {
     int64_t keep, tab, n_tab;
     int64_t cop, n_cop, pre, n_pre;
     int64_t fnd, n_fnd; /* n_fnd (block, kind offset in the data, kind length) triples */
+    /* a lease operation's lease part (its blocks' generations: tok, n_tok) */
+    int mode;
+    int64_t record;
+    uint64_t lease_id, timeout_ns, deadline_ns;
+    char holder[REQUEST_BYTES];
 } DRec;
+
+/* The operations whose records hold a lease part in place of tokens (oplog.c oplog_lease). */
+static inline int lease_op(int op) { return op >= OP_LEASE && op <= OP_EXPIRE_LEASES; }
 
 typedef struct {
     int64_t *a;
@@ -76,7 +84,7 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
     if (end - p < 2) return ERROR;
     r->op = *p++;
     int bits = *p++;
-    if (r->op < OP_START || r->op > OP_LOST) return ERROR;
+    if (r->op < OP_START || r->op > OP_EXPIRE_LEASES) return ERROR;
     r->status = bits & 3;
     r->flags |= bits & CR_FAULT ? OPLOG_FAULT : 0;
     if (get_u(&p, end, &u) != OK) return ERROR;
@@ -109,6 +117,16 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
         memcpy(r->request, p + 1, *p);
         r->has_req = 1;
         p += 1 + *p;
+    }
+    if (lease_op(r->op)) {
+        /* mode, holder, record, lease id, timeout, deadline, then the generations */
+        if (end - p < 2 || p[1] > REQUEST_BYTES || end - p < 2 + p[1]) return ERROR;
+        r->mode = p[0];
+        memcpy(r->holder, p + 2, p[1]);
+        p += 2 + p[1];
+        if (get_s(&p, end, &r->record) != OK || get_u(&p, end, &r->lease_id) != OK ||
+            get_u(&p, end, &r->timeout_ns) != OK || get_u(&p, end, &r->deadline_ns) != OK)
+            return ERROR;
     }
     if (get_u(&p, end, &u) != OK) return ERROR;
     if (r->op == OP_START) {
@@ -321,7 +339,9 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
             r->tab = at;
             r->n_tab += r->keep;
         }
-        if (r->seq_id >= 0 && (r->tmode != TM_NONE || r->has_req)) {
+        /* (a lease operation's table is the lease's, its request the lease's: neither is its
+         * sequence's next base) */
+        if (r->seq_id >= 0 && !lease_op(r->op) && (r->tmode != TM_NONE || r->has_req)) {
             SeqEntry *s = seqmap_get(&M, r->pool, r->seq_id, 1);
             if (s == NULL) goto nomem;
             if (r->tmode != TM_NONE) {
@@ -335,7 +355,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
             if ((s == NULL || !s->request[0]) && r->src_id >= 0)
                 s = seqmap_get(&M, r->pool, r->src_id, 0);
             if (s) memcpy(r->request, s->request, REQUEST_BYTES);
-            if (s && r->seq_id >= 0 && !seqmap_get(&M, r->pool, r->seq_id, 0)) {
+            if (s && r->seq_id >= 0 && !lease_op(r->op) && !seqmap_get(&M, r->pool, r->seq_id, 0)) {
                 char req[REQUEST_BYTES];
                 memcpy(req, s->request, REQUEST_BYTES);
                 SeqEntry *t = seqmap_get(&M, r->pool, r->seq_id, 1);
@@ -345,7 +365,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         }
         size_t sz = OPLOG_HEAD + (r->op == OP_START ? (size_t)r->n_tok : 4 * (size_t)r->n_tok) +
                     4 * (size_t)r->n_tab + 8 * (size_t)r->n_cop + 8 * (size_t)r->n_pre +
-                    OPLOG_FOUND * (size_t)r->n_fnd;
+                    OPLOG_FOUND * (size_t)r->n_fnd + (lease_op(r->op) ? OPLOG_LEASE : 0);
         total += (sz + 7) & ~(size_t)7;
     }
     out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
@@ -378,7 +398,8 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         }
         size_t tb = r->op == OP_START ? (size_t)r->n_tok : 4 * (size_t)r->n_tok;
         size_t sz = (OPLOG_HEAD + tb + 4 * (size_t)r->n_tab + 8 * (size_t)r->n_cop +
-                     8 * (size_t)r->n_pre + OPLOG_FOUND * (size_t)r->n_fnd + 7) &
+                     8 * (size_t)r->n_pre + OPLOG_FOUND * (size_t)r->n_fnd +
+                     (lease_op(r->op) ? OPLOG_LEASE : 0) + 7) &
                     ~(size_t)7;
         U4(w + OR_MAGIC) = OPLOG_MAGIC;
         U4(w + OR_SIZE) = (uint32_t)sz;
@@ -413,6 +434,14 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         for (int64_t j = 0; j < r->n_fnd; j++, q += OPLOG_FOUND) {
             I4(q + OF_BLOCK) = (int32_t)A.a[r->fnd + 3 * j];
             memcpy(q + OF_KIND, data + A.a[r->fnd + 3 * j + 1], (size_t)A.a[r->fnd + 3 * j + 2]);
+        }
+        if (lease_op(r->op)) {
+            q[OL_MODE] = (uint8_t)r->mode;
+            I4(q + OL_RECORD) = (int32_t)r->record;
+            U8(q + OL_LEASE_ID) = r->lease_id;
+            U8(q + OL_TIMEOUT_NS) = r->timeout_ns;
+            U8(q + OL_DEADLINE_NS) = r->deadline_ns;
+            memcpy(q + OL_HOLDER, r->holder, REQUEST_BYTES);
         }
         U8(w + OR_CHECK) = record_check(w, sz);
         memcpy(PyBytes_AS_STRING(heads) + OPLOG_HEAD * i, w, OPLOG_HEAD);
