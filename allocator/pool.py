@@ -616,6 +616,15 @@ class KVPool:
             ns = int(timeout * 1e9) or 1
         else:
             raise PoolError(f"lease timeout must be a positive number of seconds, got {timeout!r}")
+        # (the blocks as the core leases them: a take's preemption, the transfer-after-free
+        # fault's, empties the sequence's table after)
+        try:
+            if isinstance(seq_or_blocks, Sequence):
+                blocks = list(seq_or_blocks.block_table)
+            else:
+                blocks = [int(b) for b in seq_or_blocks]
+        except (TypeError, ValueError):
+            blocks = []  # (not block ids: the core refuses it)
         if deadline_ns is None:
             record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns)
         elif deadline_ns >= 0:
@@ -624,10 +633,6 @@ class KVPool:
             raise PoolError(f"lease deadline_ns must be >= 0, got {deadline_ns!r}")
         if self._found:
             self.deliver_findings()
-        if isinstance(seq_or_blocks, Sequence):
-            blocks = list(seq_or_blocks.block_table)
-        else:
-            blocks = [int(b) for b in seq_or_blocks]
         return Lease(
             self, record, lease_id, mode, who if type(who) is str else str(who), list(blocks)
         )

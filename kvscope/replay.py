@@ -226,8 +226,10 @@ class Session:
         self.found: list[tuple[str, int]] = []
         # what each process's handle reported as the replay closed it (by recorded pid)
         self.closed: dict[int, list[tuple[str, int]]] = {}
-        # the requests whose sequences still held blocks there
+        # the requests whose sequences still held blocks there, and whose leases it still held
         self.held: dict[int, set[str]] = {}
+        self.lease_held: dict[int, set[str]] = {}
+        self._leaked: set[str] = set()  # (the requests of the lease_leaks found, as they come)
         self.preempted: set[tuple[int, int]] = set()
         # the leases taken, by their recorded ids (a lease id is the pool's, any process's)
         self.leases: dict[int, Any] = {}
@@ -259,6 +261,8 @@ class Session:
     def _on_finding(self, f: Any) -> None:
         kind = f.kind.value if isinstance(f.kind, FindingKind) else str(f.kind)
         self.found.append((kind, -1 if f.block is None else int(f.block)))
+        if kind == "lease_leak":
+            self._leaked.add(str(f.request))
 
     def attach(self, r: OpRecord) -> None:
         """A START of another process: a handle of its own on the replay pool."""
@@ -397,7 +401,9 @@ class Session:
                         str(q.request_id) for q in h.live().values() if q.block_table
                     }
                     report_held(h, "the pool was closed")
+                    self._leaked = set()
                     h.close()
+                    self.lease_held[r.pid] = self._leaked
                     self.closed[r.pid] = list(found)
                 found[:] = self.closed[r.pid]
             elif op == _REPORT:
@@ -703,10 +709,11 @@ class Shrinker:
         self.log = log
         self.kind = (outcome.got.found or outcome.record.found)[0][0]
         # a leak found at a close is kept about the same request (a fork that outlived its
-        # parent's abort, say), not any sequence the shrunk run leaves unended
+        # parent's abort, a lease whose release never happened), not any sequence or lease the
+        # shrunk run leaves unended
         self.leaked = (
             outcome.record.request
-            if self.kind == "leak_finished" and outcome.record.op == _REPORT
+            if self.kind in AT_CLOSE and outcome.record.op == _REPORT
             else None
         )
         last = outcome.record.seq
@@ -734,7 +741,8 @@ class Shrinker:
                     faults.ARMED.clear()
                 statuses.append(-1 if got is None else got.status)
                 if got is not None and any(k == self.kind for k, _ in got.found):
-                    if self.leaked is None or self.leaked in session.held.get(r.pid, ()):
+                    held = session.lease_held if self.kind == "lease_leak" else session.held
+                    if self.leaked is None or self.leaked in held.get(r.pid, ()):
                         return True, statuses
         return False, statuses
 

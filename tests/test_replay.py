@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +26,8 @@ HERE = Path(__file__).parent
 # The injectable faults whose work goes through pool operations; kill-holding-lock kills the
 # process that runs it (a replay refuses it: test_a_log_that_armed_kill_holding_lock_...);
 # stale-padding-row strikes outside the pool (the example engine's padded block table, which no
-# record holds); the lease faults strike leases, which the log does not record; foreign-slot
-# strikes slot provenance, which a replay does not turn on.
-NOT_REPLAYED = {
-    "kill-holding-lock",
-    "stale-padding-row",
-    "transfer-after-free",
-    "lease-leak",
-    "foreign-slot",
-}
+# record holds); foreign-slot strikes slot provenance, which a replay does not turn on.
+NOT_REPLAYED = {"kill-holding-lock", "stale-padding-row", "foreign-slot"}
 REPLAYABLE = [f for f in faults.FAULTS if f not in NOT_REPLAYED]
 FINDS = {
     "double-free": "double_free",
@@ -45,15 +39,44 @@ FINDS = {
     "refcount-skew": "refcount_mismatch",
     "lock-inversion": "lock_order_cycle",
     "gil-wait": "wait_holds_gil",
+    "transfer-after-free": "transfer_after_free",
+    "lease-leak": "lease_leak",
 }
+# The faults that strike leases: their runs take them (lease_work).
+LEASE_FAULTS = {"transfer-after-free", "lease-leak"}
 ALL_PROBES = ProbeFlags(
     events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True
 )
 
 
+def lease_work(pool: KVPool, n_ops: int, seed: int = 1) -> None:
+    """A seeded serving loop with leases, as examples/scenarios' transfer-after-free and
+    lease-leak run it: a request that waits for its remote K/V under a write lease (released
+    when the receive completes; resumed where a preemption took its blocks meanwhile), or one
+    whose finished K/V is offloaded under a read lease taken before its free and released
+    after; and every step the sweep for leases past their deadline (the clock's now)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100) for _ in range(rng.randrange(3, 14))] for _ in range(4)]
+    for i in range(n_ops // 8):
+        s = pool.allocate(f"r{i}", prompts[rng.randrange(4)] + [i])
+        if rng.random() < 0.5:
+            pool.set_state(s, "waiting")  # its K/V arrives from a prefill worker
+            lease = pool.lease(s, "write", holder="kv-receiver", timeout=30)
+            lease.release()
+            if s.state == "preempted":
+                pool.resume(s)
+            pool.set_state(s, "running")
+        pool.mark_computed(s, len(s.tokens))
+        pool.append(s, [rng.randrange(100)])
+        offload = pool.lease(s, "read", holder="kv-offload", timeout=30)
+        pool.free(s)
+        offload.release()
+        pool.expire_leases()
+
+
 def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
     """The workload on a new pool with every probe on (as under `kvscope run`) and `fault`
-    armed, recorded into `path`."""
+    armed, recorded into `path` (a lease fault's: lease_work)."""
     faults.configure(fault)
     pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True))
     try:
@@ -61,7 +84,7 @@ def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
         pool.trace_locks(True)
         pool.record_ops(str(path))
         try:
-            work(pool, n_ops)
+            (lease_work if fault in LEASE_FAULTS else work)(pool, n_ops)
         except Exception:
             pass  # (a fault may leave the workload unable to go on: the log has what it did)
         # the per-step check a scheduler runs (the magic probe's own runs every 10 ms: a short
@@ -83,7 +106,9 @@ def found_at(log) -> tuple[int, str]:
     "fault",
     # (a few seconds each: the fast layer runs one)
     [
-        f if f in ("refcount-skew", "gil-wait") else pytest.param(f, marks=pytest.mark.slow)
+        f
+        if f in ("refcount-skew", "gil-wait", "transfer-after-free", "lease-leak")
+        else pytest.param(f, marks=pytest.mark.slow)
         for f in REPLAYABLE
     ],
 )
@@ -535,3 +560,94 @@ def test_top_at_without_a_log_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
     assert main(["top", str(tmp_path / "none.kvd"), "--at", "-1"]) == 2
+
+
+def test_lease_operations_replay_with_the_recorded_holders_deadlines_and_now(
+    tmp_path, pool_name, capsys
+):
+    """Leases in the log: the take (on a sequence and on block ids, one refused), its release
+    (and a second one that ends nothing) and the sweep, with the deadline and now_ns recorded;
+    the replay takes each lease with its recorded holder and deadline and sweeps at the recorded
+    now_ns, so the lease past its deadline is the same lease_leak at the same operation, one
+    nanosecond either side of the deadline, whatever the clock says during the replay."""
+    import time
+
+    from kvscope.allocator import PoolError
+
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    deadline = time.monotonic_ns() + 3_600 * 10**9
+    try:
+        a = pool.allocate("a", [1, 2, 3, 4, 5, 6])
+        b = pool.allocate("b", [7, 8, 9])
+        a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+        la = pool.lease(a, "read", holder="copier-a", deadline_ns=deadline)
+        lb = pool.lease(list(b.block_table), "write", holder="copier-b", timeout=None)
+        with pytest.raises(PoolError):
+            pool.lease([CONFIG["num_blocks"] - 1], "read", holder="nobody")
+        assert lb.release() and not pool.lease_release(lb)
+        assert pool.expire_leases() == 0  # (the clock's now: an hour before the deadline)
+        assert pool.expire_leases(deadline - 1) == 0
+        assert pool.expire_leases(deadline) == 1
+        la.release()
+        pool.free(a)
+        pool.free(b)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    ops = [r for r in log.records if r.op != OpCode.START]
+    takes = [r for r in ops if r.op == OpCode.LEASE]
+    assert [(r.status, r.lease.mode, r.lease.holder) for r in takes if r.lease] == [
+        (0, "read", "copier-a"),
+        (0, "write", "copier-b"),
+        (2, "read", "nobody"),
+    ]
+    assert takes[0].request == "a" and takes[0].seq_id >= 0 and takes[1].seq_id == -1
+    assert takes[0].lease.deadline_ns == deadline and len(takes[0].lease.generations) == 2
+    assert takes[1].blocks == b_blocks and takes[2].blocks == [CONFIG["num_blocks"] - 1]
+    releases = [r for r in ops if r.op == OpCode.LEASE_RELEASE]
+    assert [r.result for r in releases] == [1, 0, 1]
+    sweeps = [r for r in ops if r.op == OpCode.EXPIRE_LEASES]
+    assert [(r.arg, r.result) for r in sweeps][1:] == [(deadline - 1, 0), (deadline, 1)]
+    assert sweeps[2].found == [("lease_leak", a_blocks[0])]
+    out = replay(log, quiet=True)
+    assert out.reason == "finding", (out.reason, out.diff)
+    assert out.record is not None and out.record.seq == sweeps[2].seq
+    assert out.got is not None and out.got.found == sweeps[2].found and out.got.result == 1
+    # (and the rest of the run, its release of the leaked lease included, as recorded)
+    assert replay(log, until=ops[-1].seq, quiet=True).reason == "finding"
+    shrunk = Shrinker(log, out).shrink()
+    assert [r.op for r in shrunk.ops] == [OpCode.ALLOCATE, OpCode.LEASE, OpCode.EXPIRE_LEASES]
+    script = emit_script(shrunk)
+    assert f"pool.lease(s1, 'read', holder='copier-a', deadline_ns={deadline})" in script
+    assert f"pool.expire_leases({deadline})" in script
+    (tmp_path / "repro.py").write_text(script)
+    run = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "lease_leak" in run.stdout, run.stdout + run.stderr
+    assert main(["replay", str(path)]) == 1  # (a lease_leak: severity error)
+    text = capsys.readouterr().out
+    assert "expire_leases" in text and f"now_ns {deadline}" in text
+
+
+def test_a_replay_that_takes_another_lease_diverges_there(tmp_path, pool_name):
+    """A lease record whose generations are not what the pool gives is a divergence at that
+    take (the lease's own results are compared, not only its blocks)."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    try:
+        s = pool.allocate("a", [1, 2, 3, 4, 5])
+        pool.lease(s, "read", holder="h").release()
+        pool.free(s)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    take = next(r for r in log.records if r.op == OpCode.LEASE)
+    assert take.lease is not None
+    take.lease.generations = [g + 1 for g in take.lease.generations]
+    out = replay(log)
+    assert out.reason == "divergence" and out.diff == ["lease"]
+    assert out.record is not None and out.record.seq == take.seq

@@ -151,10 +151,22 @@ def render(d: dict[str, Any]) -> None:
         if op.get("tokens"):
             t = op["tokens"]
             print(f"  tokens {t[:16]}{' ...' if len(t) > 16 else ''} ({len(t)})")
+        if op.get("lease"):
+            ls = op["lease"]
+            when = f", deadline_ns {ls['deadline_ns']}" if op["op"] == "lease" else ""
+            print(
+                f"  lease {ls['lease_id']} ({ls['mode'] or '-'}, holder {ls['holder']!r}, "
+                f"record {ls['record']}{when})"
+            )
+        if op["op"] == "expire_leases":
+            print(f"  now_ns {op.get('arg')}")
         rec, got = d.get("recorded"), d.get("replayed_result")
         if rec is not None:
             print(f"  {'':10}  {'recorded':34}  replayed")
-            for key in ("status", "seq_id", "result", "blocks", "copies", "preempted", "found"):
+            keys = ["status", "seq_id", "result", "blocks", "copies", "preempted", "found"]
+            if "lease" in rec or (got and "lease" in got):
+                keys.append("lease")  # (a lease's take: its record and generations)
+            for key in keys:
                 a = _short(rec.get(key))
                 b = _short(got.get(key)) if got else "-"
                 mark = "  <- differs" if key in d["differs"] else ""
