@@ -85,16 +85,19 @@ class LeasePart:
     deadline_ns: int  # on CLOCK_MONOTONIC; NO_DEADLINE: none
     generations: list[int] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, take: bool = True) -> dict[str, Any]:
+        """Its keys (a release's: which lease, its mode and holder)."""
+        d: dict[str, Any] = {
             "mode": self.mode,
             "holder": self.holder,
             "record": self.record,
             "lease_id": self.lease_id,
-            "timeout_ns": self.timeout_ns,
-            "deadline_ns": None if self.deadline_ns == NO_DEADLINE else self.deadline_ns,
-            "generations": self.generations,
         }
+        if take:
+            d["timeout_ns"] = self.timeout_ns
+            d["deadline_ns"] = None if self.deadline_ns == NO_DEADLINE else self.deadline_ns
+            d["generations"] = self.generations
+        return d
 
 
 @dataclass(slots=True)
@@ -172,7 +175,7 @@ class OpRecord:
         if self.op in LEASE_OPS:
             d["result"] = self.result
         if self.lease is not None and self.op != OpCode.EXPIRE_LEASES:
-            d["lease"] = self.lease.to_dict()
+            d["lease"] = self.lease.to_dict(take=self.op == OpCode.LEASE)
         if self.tokens and self.lease is None:
             d["tokens"] = self.tokens
         d["blocks"] = self.blocks

@@ -4,7 +4,9 @@
     python bench/bench_shrink.py --ops 20000 --faults leak,double-free
 
 For each fault, records tests/replay_work.py's seeded workload (requests behind six shared
-prompts; appends, publications, forks, frees, aborts) on a pool with every probe on, the fault
+prompts; appends, publications, forks, frees, aborts; for the lease faults its lease_work, whose
+requests take write leases while they wait and read leases as they finish) on a pool with
+every probe on, the fault
 armed so that it fires near the end of --ops operations, then replays the log to its finding
 and shrinks it (kvscope/replay.py), printing the operations recorded, the operation the finding
 came at, the operations left and the shrink's runs and seconds (this process's CPU time).
@@ -29,7 +31,7 @@ from kvscope.allocator.oplog import read_log  # noqa: E402
 from kvscope.allocator.probeflags import ProbeFlags  # noqa: E402
 from kvscope.allocator.probing import PoolProbes  # noqa: E402
 from kvscope.replay import Shrinker, replay  # noqa: E402
-from tests.replay_work import CONFIG, work  # noqa: E402
+from tests.replay_work import CONFIG, lease_work, work  # noqa: E402
 
 EVERY = {
     "refcount-skew": 5,
@@ -37,7 +39,12 @@ EVERY = {
     "header-scribble": 10,
     "block-scribble": 10,
     "lock-inversion": 2,
+    # lease_work's steps: a request each 8 (its read lease's release), one in two of them a
+    # write lease on a waiting request
+    "transfer-after-free": 16,
+    "lease-leak": 8,
 }
+LEASE_FAULTS = ("transfer-after-free", "lease-leak")
 ALL = ProbeFlags(events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True)
 
 
@@ -49,7 +56,7 @@ def record(path: str, fault: str, at: int, n_ops: int) -> None:
         pool.trace_locks(True)
         pool.record_ops(path)
         with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
-            work(pool, n_ops)
+            (lease_work if fault in LEASE_FAULTS else work)(pool, n_ops)
     finally:
         faults.configure(None)
         pool.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode
 from kvscope.cli import main
 from kvscope.replay import Shrinker, emit_script, replay
-from tests.replay_work import CONFIG, work
+from tests.replay_work import CONFIG, lease_work, work
 
 HERE = Path(__file__).parent
 # The injectable faults whose work goes through pool operations; kill-holding-lock kills the
@@ -47,31 +46,6 @@ LEASE_FAULTS = {"transfer-after-free", "lease-leak"}
 ALL_PROBES = ProbeFlags(
     events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True
 )
-
-
-def lease_work(pool: KVPool, n_ops: int, seed: int = 1) -> None:
-    """A seeded serving loop with leases, as examples/scenarios' transfer-after-free and
-    lease-leak run it: a request that waits for its remote K/V under a write lease (released
-    when the receive completes; resumed where a preemption took its blocks meanwhile), or one
-    whose finished K/V is offloaded under a read lease taken before its free and released
-    after; and every step the sweep for leases past their deadline (the clock's now)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100) for _ in range(rng.randrange(3, 14))] for _ in range(4)]
-    for i in range(n_ops // 8):
-        s = pool.allocate(f"r{i}", prompts[rng.randrange(4)] + [i])
-        if rng.random() < 0.5:
-            pool.set_state(s, "waiting")  # its K/V arrives from a prefill worker
-            lease = pool.lease(s, "write", holder="kv-receiver", timeout=30)
-            lease.release()
-            if s.state == "preempted":
-                pool.resume(s)
-            pool.set_state(s, "running")
-        pool.mark_computed(s, len(s.tokens))
-        pool.append(s, [rng.randrange(100)])
-        offload = pool.lease(s, "read", holder="kv-offload", timeout=30)
-        pool.free(s)
-        offload.release()
-        pool.expire_leases()
 
 
 def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
