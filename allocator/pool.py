@@ -265,11 +265,13 @@ class KVPool:
             # slot reserve returned, the counters folded into the header, the record detached.
             self._core.detach()
             self._closed = True
-        # (what the close found: the leases it still held, each a lease_leak)
-        self.deliver_findings()
-        self._core.close()
-        self.view = None  # type: ignore[assignment]
-        release(self._mf)
+        try:
+            # (what the close found: the leases it still held, each a lease_leak)
+            self.deliver_findings()
+        finally:
+            self._core.close()
+            self.view = None  # type: ignore[assignment]
+            release(self._mf)
 
     def flush_local(self) -> None:
         """Return this process's local cache of free blocks to the free ring (the core's

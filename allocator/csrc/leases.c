@@ -273,9 +273,9 @@ static int text32(PyObject *o, char *out) {
 /* lease(pool, target, mode, holder, timeout_ns[, deadline_ns]) -> (record, lease id):
  * KVPool.lease. target: a live Sequence of this handle or block ids; mode "read" or "write";
  * timeout_ns 0: none; deadline_ns (>= 0) the deadline itself on CLOCK_MONOTONIC in its place (a
- * replay's: the recorded one). In one transaction under the free lock. The transfer-after-free fault strikes here: a write
- * lease on a waiting sequence, which is then preempted at once (the scheduler's preemption in
- * the same step as the transfer it queued). */
+ * replay's: the recorded one). In one transaction under the free lock. The transfer-after-free
+ * fault strikes here: a write lease on a waiting sequence, which is then preempted at once (the
+ * scheduler's preemption in the same step as the transfer it queued). */
 static PyObject *N_lease_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 && nargs != 6) {
         PyErr_SetString(PyExc_TypeError,
@@ -382,9 +382,10 @@ static PyObject *N_lease(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     GATE(n, args[0]);
     LeaseRec o;
     Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
-    if (n->oplog) lease_rec_init(n, &o, OP_LEASE);
+    int recording = n->oplog != NULL; /* (as the call began: another thread may start it) */
+    if (recording) lease_rec_init(n, &o, OP_LEASE);
     PyObject *r = N_lease_body(n, args, nargs);
-    if (n->oplog) oplog_lease_take(n, args, nargs, r, &o, armed0);
+    if (recording) oplog_lease_take(n, args, nargs, r, &o, armed0);
     drop_mutex(n);
     return r;
 }
@@ -773,9 +774,10 @@ static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nar
     if (nargs != 2) return N_lease_expire_body(n, args, nargs, &now); /* (its TypeError) */
     GATE(n, args[0]);
     LeaseRec o;
-    if (n->oplog) lease_rec_init(n, &o, OP_EXPIRE_LEASES);
+    int recording = n->oplog != NULL; /* (as the call began: another thread may start it) */
+    if (recording) lease_rec_init(n, &o, OP_EXPIRE_LEASES);
     PyObject *r = N_lease_expire_body(n, args, nargs, &now);
-    if (n->oplog) {
+    if (recording) {
         /* recorded: the now it compared the deadlines with (a replay's, not its clock) */
         PyObject *et = NULL, *ev = NULL, *etb = NULL;
         if (r == NULL) {

@@ -719,8 +719,10 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
         p = put_u(p, (uint64_t)npre);
         for (int64_t i = 0; i < npre; i++) p = put_s(p, L->pre[i]);
         p = put_u(p, (uint64_t)nf);
-        for (Py_ssize_t i = 0; i < nf; i++)
-            p = put_found(n, p, PyLong_AsUnsignedLongLong(PyList_GET_ITEM(n->found, o->found0 + i)));
+        for (Py_ssize_t i = 0; i < nf; i++) {
+            PyObject *pos = PyList_GET_ITEM(n->found, o->found0 + i);
+            p = put_found(n, p, PyLong_AsUnsignedLongLong(pos));
+        }
     }
     if (PyErr_Occurred()) PyErr_Clear();
     L->out_n += (size_t)(p - p0);
