@@ -625,3 +625,35 @@ def test_a_replay_that_takes_another_lease_diverges_there(tmp_path, pool_name):
     out = replay(log)
     assert out.reason == "divergence" and out.diff == ["lease"]
     assert out.record is not None and out.record.seq == take.seq
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "scenario, kind",
+    [("transfer_after_free", "transfer_after_free"), ("lease_leak", "lease_leak")],
+)
+def test_the_lease_scenarios_replay_under_kvscope_run(scenario, kind, tmp_path):
+    """examples/scenarios' lease faults under `kvscope run --record-ops` (a receiver thread
+    releasing its write lease; the example server's offload thread releasing its read leases,
+    its engine sweeping every step on the clock): the log replays to the finding at the
+    recorded operation, shrinks, and the script finds it."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    script = HERE.parent / "examples" / "scenarios" / f"{scenario}.py"
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "s.ops", str(script)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = read_log(str(tmp_path / "s.ops"))
+    seq, found = found_at(log)
+    assert found == kind
+    assert any(r.op == OpCode.LEASE for r in log.records)
+    assert any(r.op == OpCode.LEASE_RELEASE and r.tid != r.pid for r in log.records)
+    out = replay(log, quiet=True)
+    assert out.reason == "finding" and out.record is not None and out.record.seq == seq
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == kind and len(shrunk.ops) <= 50
+    (tmp_path / "repro.py").write_text(emit_script(shrunk))
+    run = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
