@@ -669,7 +669,8 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
     if (nf > 255) nf = 255;
     int64_t npre = L->depth == 0 ? L->n_pre : 0;
     oplog_lost_first(n, L);
-    size_t bound = 160 + 2 * REQUEST_BYTES + 5 * (size_t)o->n_gens + 5 * (size_t)o->n_blocks +
+    /* (every varint at its longest: the head and arguments, two strings, the lease part's) */
+    size_t bound = 256 + 2 * REQUEST_BYTES + 5 * (size_t)o->n_gens + 5 * (size_t)o->n_blocks +
                    10 * (size_t)npre + (16 + OPLOG_FOUND) * (size_t)nf;
     uint8_t *p0 = oplog_room(L, bound);
     if (p0 == NULL) {
