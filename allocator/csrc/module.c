@@ -336,7 +336,8 @@ static PyMethodDef N_methods[] = {
     {"provenance_check", (PyCFunction)(void (*)(void))N_provenance_check, METH_FASTCALL,
      "provenance_check(pool, rows) -> int: the blocks with a foreign slot (rows None: all)"},
     {"lease", (PyCFunction)(void (*)(void))N_lease, METH_FASTCALL,
-     "lease(pool, target, mode, holder, timeout_ns) -> (record, id): KVPool.lease"},
+     "lease(pool, target, mode, holder, timeout_ns[, deadline_ns]) -> (record, id): "
+     "KVPool.lease"},
     {"lease_release", (PyCFunction)(void (*)(void))N_lease_release, METH_FASTCALL,
      "lease_release(pool, record, id) -> bool: a lease's transfer completed"},
     {"lease_expire", (PyCFunction)(void (*)(void))N_lease_expire, METH_FASTCALL,
