@@ -63,14 +63,14 @@ def loop(steps: int, seed: int, name: str) -> dict[str, float]:
     )  # fmt: skip
     start = time.monotonic()
     cpu = time.process_time()
-    rate, ops = serve(pool, steps, seed=seed)
+    _, ops = serve(pool, steps, seed=seed)
     end = time.monotonic()
     loop_cpu = time.process_time() - cpu
     pool.close()
     pool.unlink()
     return {
         "ops": ops,
-        "ops_per_cpu_s": rate,
+        "ops_per_cpu_s": ops / loop_cpu,
         "loop_cpu_s": loop_cpu,
         "loop_wall_s": end - start,
         "loop_start": start,
@@ -136,8 +136,11 @@ def bench(pairs: int, steps: int, dump_dir: str, modes: tuple[str, ...] = MODES)
             f"round {r + 1}: "
             + "; ".join(
                 f"{m} {runs[m][-1]['ops_per_cpu_s']:,.0f} ops/CPU-s"
-                + ("" if m == "plain" else
-                   f" ({runs[m][-1]['ops_per_cpu_s'] / plain['ops_per_cpu_s']:.2f}x)")  # fmt: skip
+                + (
+                    ""
+                    if m == "plain"
+                    else f" ({runs[m][-1]['ops_per_cpu_s'] / plain['ops_per_cpu_s']:.2f}x)"
+                )  # fmt: skip
                 for m in modes
             ),
             flush=True,
@@ -191,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="with --loop: the requests' seed")
     ap.add_argument("--name", default=None, help="with --loop: the pool's name")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.pairs < 1:
-        ap.error("--steps and --pairs must be 1 or more")
+    for flag, value in (("--steps", args.steps), ("--pairs", args.pairs)):
+        if value < 1:
+            print(f"bench_loop_run.py: error: {flag} must be 1 or more (got {value})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     if args.loop:
         name = args.name or f"bench-loop-{uuid.uuid4().hex[:8]}"
         print(json.dumps(loop(args.steps, args.seed, name)), flush=True)
