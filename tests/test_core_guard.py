@@ -502,8 +502,15 @@ def test_the_cores_never_written_check_is_integritys(pool_name, monkeypatch, def
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
-@pytest.mark.parametrize("bs,layers,heads,dim", [(1, 1, 1, 1), (4, 2, 2, 3), (16, 3, 1, 7)])
-def test_the_cores_digest_is_the_kernels(pool_name, monkeypatch, dtype, bs, layers, heads, dim):
+@pytest.mark.parametrize(
+    "bs,layers,heads,dim",
+    # rows of 1, 6, 112, 128, 256 and 432 elements (16-bit ones in chunks of 128, and the rest)
+    [(1, 1, 1, 1), (4, 2, 2, 3), (16, 3, 1, 7), (16, 1, 1, 8), (16, 1, 2, 8), (16, 2, 3, 9)],
+)
+@pytest.mark.parametrize("fill", ["random", "lowest", "highest"])
+def test_the_cores_digest_is_the_kernels(
+    pool_name, monkeypatch, dtype, bs, layers, heads, dim, fill
+):
     # GIVEN a CPU pool of random K/V bits (NaNs, negative and odd values included)
     monkeypatch.setenv("KVSCOPE_GUARD", "1")
     pool = KVPool.create(
@@ -525,6 +532,8 @@ def test_the_cores_digest_is_the_kernels(pool_name, monkeypatch, dtype, bs, laye
         hi = 256 if bits.dtype == torch.uint8 else 1 << (8 * bits.element_size() - 1)
         lo = 0 if bits.dtype == torch.uint8 else -hi
         bits.copy_(torch.randint(lo, hi, bits.shape, generator=gen).to(bits.dtype))
+        if fill != "random":  # every element the lowest or the highest integer of its width
+            bits.fill_(lo if fill == "lowest" else hi - 1)
         ids = [0, 8, 3, 3, 5]
         # WHEN the core and kernels/digest.py digest the same blocks THEN they agree bit for bit
         assert pool._core.digests(ids) == block_digests(pool.kv, ids, bs)
