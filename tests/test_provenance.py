@@ -66,6 +66,26 @@ def test_allocate_and_append_record_each_slot_with_its_position_and_token(pool):
     assert pool.check_provenance() == []
 
 
+def _fnv1a_folded(data: bytes) -> int:
+    h = 1469598103934665603
+    for byte in data:
+        h = ((h ^ byte) * 1099511628211) % (1 << 64)
+    return (h ^ (h >> 32)) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("request_id", ["r", "req-12", "x" * 31, "x" * 32, "y" * 40, "a\x00b"])
+def test_each_record_holds_the_hash_of_its_requests_32_bytes(pool, request_id):
+    # GIVEN a sampled sequence of a request id short, long, cut at 32 bytes, or with a zero byte
+    seq = pool.allocate(request_id, [1, 2, 3])
+    pool.append(seq, [4, 5])
+    # THEN each slot's record holds the FNV-1a of the id's 32 bytes (zero-padded), folded to 32
+    # bits: the allocation's slots and the append's alike
+    want = _fnv1a_folded(request_id.encode()[:32].ljust(32, b"\0"))
+    b0, b1 = seq.block_table
+    written = [*_records(pool, b0)["request_hash"], _records(pool, b1)["request_hash"][0]]
+    assert [int(h) for h in written] == [want] * 5
+
+
 def test_a_prefix_hit_on_clean_blocks_and_a_fork_find_nothing(pool):
     # GIVEN a published prompt, a hit on it, a fork and appends on both
     a = pool.allocate("a", list(range(9)))

@@ -64,10 +64,26 @@ static inline int prov_sampled(Native *n, uint64_t seq_id) {
     return n->prov_every > 0 && seq_id % (uint64_t)n->prov_every == 0;
 }
 
-/* The request's 32 bytes as the record's short hash (FNV-1a, folded to 32 bits). */
+/* The request's 32 bytes as the record's short hash (FNV-1a, folded to 32 bits). A zero byte
+ * only multiplies the hash by the prime, so the zeros that pad a short id end it as one
+ * multiply by the prime's power (a decode step's append hashes its request's id, not 32
+ * bytes one after the other). */
+#define FNV_PRIME 1099511628211ull
 static uint32_t prov_request_hash(const char *request) {
+    int end = REQUEST_BYTES; /* past the last byte that is not zero */
+    while (end >= 8) {
+        uint64_t w;
+        memcpy(&w, request + end - 8, 8);
+        if (w != 0) break;
+        end -= 8;
+    }
+    while (end > 0 && request[end - 1] == 0) end--;
     uint64_t h = 1469598103934665603ull;
-    for (int i = 0; i < REQUEST_BYTES; i++) h = (h ^ (uint8_t)request[i]) * 1099511628211ull;
+    for (int i = 0; i < end; i++) h = (h ^ (uint8_t)request[i]) * FNV_PRIME;
+    uint64_t pow = 1, base = FNV_PRIME; /* FNV_PRIME ** (the zeros after `end`), mod 2 ** 64 */
+    for (int e = REQUEST_BYTES - end; e; e >>= 1, base *= base)
+        if (e & 1) pow *= base;
+    h *= pow;
     return (uint32_t)(h ^ (h >> 32));
 }
 
