@@ -70,49 +70,52 @@ KV_LOOPS(8, int64_t, uint64_t)
  *     sum of p[e] * ((jm + e * MUL) | 1) = jm * S + MUL * (sum of e * p[e]) + (sum of the p[e]
  *     where jm + e is even),
  * S the sum of the p[e]. In chunks of DIGEST_CHUNK elements, whose sums of 16-bit elements fit
- * in 32 bits (SSE2's multiply-adds of 8 elements at a time, a row of 128 elements in a quarter
- * of the time), added into the 64-bit sums with the chunk's first index. The same value as
+ * in 32 bits (SSE2's multiply-adds of 8 elements at a time, the chunk's last few one by one),
+ * added into the 64-bit sums with the chunk's first index. The same value as
  * digest_row2, bit for bit (tests/test_core_guard.py: the core's digests against kernels/digest.py
  * on rows of 1 to 432 elements). */
 #define DIGEST_CHUNK 128
 static uint64_t digest_row2_sums(const uint8_t *p_, int64_t m, uint64_t *jm_, uint64_t sum) {
     const int16_t *p = (const int16_t *)p_;
     uint64_t jm = *jm_, s1 = 0, se = 0, so = 0; /* sum of e * p[e]; of the even e's, odd e's */
-    int64_t c = 0;
+    for (int64_t c0 = 0; c0 < m; c0 += DIGEST_CHUNK) {
+        int64_t len = m - c0 < DIGEST_CHUNK ? m - c0 : DIGEST_CHUNK, i = 0;
 #ifdef __SSE2__
-    const __m128i even = _mm_set_epi16(0, 1, 0, 1, 0, 1, 0, 1);
-    const __m128i odd = _mm_set_epi16(1, 0, 1, 0, 1, 0, 1, 0);
-    const __m128i step = _mm_set1_epi16(8), first = _mm_set_epi16(7, 6, 5, 4, 3, 2, 1, 0);
-    for (; c + DIGEST_CHUNK <= m; c += DIGEST_CHUNK) {
-        /* per lane at most 16 * 2 * 127 * 32768 in a1: below 2^31 */
-        __m128i a1 = _mm_setzero_si128(), ae = a1, ao = a1, idx = first;
-        for (int i = 0; i < DIGEST_CHUNK; i += 8) {
-            __m128i q = _mm_loadu_si128((const __m128i *)(p + c + i));
+        /* the chunk's groups of 8; per lane at most 16 * 2 * 127 * 32768 in a1: below 2^31 */
+        const __m128i even = _mm_set_epi16(0, 1, 0, 1, 0, 1, 0, 1);
+        const __m128i odd = _mm_set_epi16(1, 0, 1, 0, 1, 0, 1, 0);
+        __m128i a1 = _mm_setzero_si128(), ae = a1, ao = a1;
+        __m128i idx = _mm_set_epi16(7, 6, 5, 4, 3, 2, 1, 0), step = _mm_set1_epi16(8);
+        for (; i + 8 <= len; i += 8) {
+            __m128i q = _mm_loadu_si128((const __m128i *)(p + c0 + i));
             a1 = _mm_add_epi32(a1, _mm_madd_epi16(q, idx));
             ae = _mm_add_epi32(ae, _mm_madd_epi16(q, even));
             ao = _mm_add_epi32(ao, _mm_madd_epi16(q, odd));
             idx = _mm_add_epi16(idx, step);
         }
-        int32_t v1[4], ve[4], vo[4];
-        _mm_storeu_si128((__m128i *)v1, a1);
-        _mm_storeu_si128((__m128i *)ve, ae);
-        _mm_storeu_si128((__m128i *)vo, ao);
-        int64_t t1 = (int64_t)v1[0] + v1[1] + v1[2] + v1[3];
-        int64_t te = (int64_t)ve[0] + ve[1] + ve[2] + ve[3];
-        int64_t to = (int64_t)vo[0] + vo[1] + vo[2] + vo[3];
-        /* (c is even: the chunk's even elements are the row's) */
-        s1 += (uint64_t)c * (uint64_t)(te + to) + (uint64_t)t1;
-        se += (uint64_t)te;
-        so += (uint64_t)to;
-    }
+        if (i) {
+            int32_t v1[4], ve[4], vo[4];
+            _mm_storeu_si128((__m128i *)v1, a1);
+            _mm_storeu_si128((__m128i *)ve, ae);
+            _mm_storeu_si128((__m128i *)vo, ao);
+            int64_t t1 = (int64_t)v1[0] + v1[1] + v1[2] + v1[3];
+            int64_t te = (int64_t)ve[0] + ve[1] + ve[2] + ve[3];
+            int64_t to = (int64_t)vo[0] + vo[1] + vo[2] + vo[3];
+            /* (c0 is even: the chunk's even elements are the row's) */
+            s1 += (uint64_t)c0 * (uint64_t)(te + to) + (uint64_t)t1;
+            se += (uint64_t)te;
+            so += (uint64_t)to;
+        }
 #endif
-    for (; c < m; c++) {
-        uint64_t v = (uint64_t)(int64_t)p[c];
-        if (c & 1)
-            so += v;
-        else
-            se += v;
-        s1 += (uint64_t)c * v;
+        for (; i < len; i++) {
+            int64_t c = c0 + i;
+            uint64_t v = (uint64_t)(int64_t)p[c];
+            if (c & 1)
+                so += v;
+            else
+                se += v;
+            s1 += (uint64_t)c * v;
+        }
     }
     *jm_ = jm + (uint64_t)m * DIGEST_MUL;
     return sum + jm * (se + so) + DIGEST_MUL * s1 + ((jm & 1) ? so : se);
