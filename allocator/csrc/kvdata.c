@@ -40,13 +40,21 @@ static inline uint8_t *kv_row(Native *n, int64_t r, int64_t b) {
         *jm_ = jm;                                                                              \
         return sum;                                                                             \
     }                                                                                           \
-    /* 1 when every element's bits are v */                                                    \
+    /* 1 when every element's bits are v: 8 bytes at a time against v repeated, the last few   \
+     * elements one by one */                                                                   \
     static int all_bits##W(const uint8_t *p_, int64_t m, uint64_t v) {                         \
         const U *p = (const U *)p_;                                                             \
         U want = (U)v;                                                                          \
-        int ok = 1;                                                                             \
-        for (int64_t e = 0; e < m; e++) ok &= p[e] == want;                                     \
-        return ok;                                                                              \
+        uint64_t pattern = (uint64_t)want * (UINT64_MAX / (uint64_t)(U)~(U)0);                  \
+        int64_t e = 0;                                                                          \
+        for (; (e + 8 / W) <= m; e += 8 / W) {                                                  \
+            uint64_t word;                                                                      \
+            memcpy(&word, p + e, 8);                                                            \
+            if (word != pattern) return 0;                                                      \
+        }                                                                                       \
+        for (; e < m; e++)                                                                      \
+            if (p[e] != want) return 0;                                                         \
+        return 1;                                                                               \
     }                                                                                           \
     static void fill_bits##W(uint8_t *p_, int64_t m, uint64_t v) {                             \
         U *p = (U *)p_;                                                                         \
