@@ -11,10 +11,6 @@
  * the next settle (devanswers.c): digests into the records, findings into the findings ring.
  * Nothing here calls into Python. Part of _native.c. */
 
-#ifdef __SSE2__
-#include <emmintrin.h>
-#endif
-
 /* kernels/digest.py DIGEST_MUL, DIGEST_ADD */
 #define DIGEST_MUL 0x5851F42D4C957F2Dull
 #define DIGEST_ADD 0x14057B7EF767814Full
