@@ -321,8 +321,23 @@ static void unpoison(Native *n, const int32_t *ids, int64_t k) {
 
 /* kernels/digest.py block_digests of blocks ids[0..k) into out (the core's own pass over CPU
  * bytes). */
+/* The cache lines of the rows of blocks ids[0..k) asked for ahead (at most PREFETCH_LINES of
+ * them): the blocks a check reads are seldom in the cache (guard mode's quarantine hands out the
+ * block freed longest ago), and lines asked for together arrive together. */
+#define PREFETCH_LINES 256
+static void kv_prefetch(Native *n, const int32_t *ids, int64_t k, size_t bytes) {
+    int64_t lines = 0;
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            for (size_t o = 0; o < bytes; o += 64) {
+                if (++lines > PREFETCH_LINES) return;
+                __builtin_prefetch(kv_row(n, r, ids[i]) + o);
+            }
+}
+
 static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
+    kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
     for (int64_t i = 0; i < k; i++) {
         /* element j of kv[:, :, b, :block_size] flattened: coef(j) = (j * MUL + ADD) | 1 */
         uint64_t sum = 0, jm = DIGEST_ADD;
