@@ -920,10 +920,10 @@ static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *reques
         PyErr_NoMemory();
         return ERROR;
     }
-    /* One block (a decode step's new block, the common case): a compare over each table, four
-     * entries at a time; more: a mark per block in the scratch counts. */
-    int32_t one = k == 1 ? ids[0] : -1;
-    if (k > 1) {
+    /* A few blocks (a decode step's new block, an allocation's own): each compared with each
+     * table's entries, four at a time; more: a mark per block in the scratch counts. */
+    enum { FEW = 4 };
+    if (k > FEW) {
         if (!leak_scratch(n)) {
             PyErr_NoMemory();
             return ERROR;
@@ -937,8 +937,8 @@ static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *reques
         uint32_t nb = U4(q + SF_NUM_BLOCKS);
         if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
         const int32_t *t = (const int32_t *)(q + SF_TABLE);
-        if (k == 1) {
-            hit = table_count(t, nb, one) != 0;
+        if (k <= FEW) {
+            for (int64_t i = 0; i < k && !hit; i++) hit = table_count(t, nb, ids[i]) != 0;
             continue;
         }
         for (uint32_t j = 0; j < nb; j++)
