@@ -774,6 +774,20 @@ static inline int32_t table_count(const int32_t *t, uint32_t nb, int32_t b) {
     return c;
 }
 
+/* Whether any of the nb entries of table t is block b (four at a time with SSE2). */
+static inline int table_has(const int32_t *t, uint32_t nb, int32_t b) {
+    uint32_t j = 0;
+#if defined(__SSE2__)
+    __m128i want = _mm_set1_epi32(b), any = _mm_setzero_si128();
+    for (; j + 4 <= nb; j += 4)
+        any = _mm_or_si128(any, _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(t + j)), want));
+    if (_mm_movemask_epi8(any)) return 1;
+#endif
+    for (; j < nb; j++)
+        if (t[j] == b) return 1;
+    return 0;
+}
+
 /* Count, in the scratch counts, the blocks of `slot`'s table (the segment's copy). */
 static void count_table(Native *n, int64_t slot) {
     uint8_t *s = seqrec(n, slot);
@@ -938,7 +952,7 @@ static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *reques
         if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
         const int32_t *t = (const int32_t *)(q + SF_TABLE);
         if (k <= FEW) {
-            for (int64_t i = 0; i < k && !hit; i++) hit = table_count(t, nb, ids[i]) != 0;
+            for (int64_t i = 0; i < k && !hit; i++) hit = table_has(t, nb, ids[i]);
             continue;
         }
         for (uint32_t j = 0; j < nb; j++)
