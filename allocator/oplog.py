@@ -29,6 +29,7 @@ from kvscope.allocator.records import (
     OPLOG_FOUND_FIELDS,
     OPLOG_LEASE_FIELDS,
     OPLOG_REDACTED,
+    OPLOG_STORE_FIELDS,
     OPLOG_VERSION,
     OpCode,
     OpStatus,
@@ -44,6 +45,9 @@ HEAD = packed_offsets(OPLOG_FIELDS)[""]
 FOUND = packed_offsets(OPLOG_FOUND_FIELDS)[""]
 _LEASE_DTYPE = np.dtype(OPLOG_LEASE_FIELDS)
 LEASE_OPS = (int(OpCode.LEASE), int(OpCode.LEASE_RELEASE), int(OpCode.EXPIRE_LEASES))
+STORE_PART = packed_offsets(OPLOG_STORE_FIELDS)[""]
+# What a STORE record's check compared there (its `arg`: bits).
+STORE_BLOCKS, STORE_SLOTS = 1, 2
 # A lease's deadline when it has none (its timeout None).
 NO_DEADLINE = 2**64 - 1
 _FMT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "u1": "B"}
@@ -101,6 +105,26 @@ class LeasePart:
 
 
 @dataclass(slots=True)
+class StorePart:
+    """A STORE record's store check input (OPLOG_STORE_FIELDS): the writers, as (seq id, start,
+    end) spans in slot order, and the slot mapping the check compared (none where it checked
+    the writers' blocks only: a CUDA store's slots are read back, and recorded, later)."""
+
+    spans: list[tuple[int, int, int]]
+    slots: list[int]
+    what: int  # STORE_BLOCKS | STORE_SLOTS: what the check compared at this record
+    ref: int  # a slots-only record's store: the number of the record that checked its blocks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spans": [list(s) for s in self.spans],
+            "slots": self.slots,
+            "checked": [w for b, w in ((1, "blocks"), (2, "slots")) if self.what & b],
+            **({"store": self.ref} if self.ref >= 0 else {}),
+        }
+
+
+@dataclass(slots=True)
 class OpRecord:
     """One record of the log."""
 
@@ -127,6 +151,7 @@ class OpRecord:
     offset: int = 0
     faults: int = 0  # the injected faults that fired (bit i: faults.FAULTS[i])
     lease: LeasePart | None = None  # a lease operation's (LEASE_OPS)
+    store: StorePart | None = None  # a STORE's
 
     @property
     def op_name(self) -> str:
@@ -176,6 +201,8 @@ class OpRecord:
             d["result"] = self.result
         if self.lease is not None and self.op != OpCode.EXPIRE_LEASES:
             d["lease"] = self.lease.to_dict(take=self.op == OpCode.LEASE)
+        if self.store is not None:
+            d["store"] = self.store.to_dict()
         if self.tokens and self.lease is None:
             d["tokens"] = self.tokens
         d["blocks"] = self.blocks
@@ -220,6 +247,13 @@ def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
             [g & 0xFFFF_FFFF for g in r.tokens],
         )
         r.tokens = []
+    if r.op == OpCode.STORE:
+        # (after the arrays: its store part, then its spans and slots, int64)
+        p = pos + HEAD + 4 * nb + 8 * nc + 8 * npre + FOUND * nf
+        n_spans, n_slots = struct.unpack_from("<II", buf, p)
+        flat = _ints(buf, p + STORE_PART, 3 * n_spans + n_slots, "q")
+        spans = list(zip(flat[0 : 3 * n_spans : 3], flat[1 : 3 * n_spans : 3], flat[2 : 3 * n_spans : 3]))
+        r.store = StorePart(spans[:n_spans], flat[3 * n_spans :], r.arg, r.src_id)
     if r.op == OpCode.START:
         try:
             r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
@@ -288,7 +322,7 @@ def parse(buf: bytes, name: str, at: list[int], lists: list, heads: bytes) -> li
             nones,
         )
     )
-    more = (op_a == start_op) | (hdr["faults"] != 0) | np.isin(op_a, LEASE_OPS)
+    more = (op_a == start_op) | (hdr["faults"] != 0) | np.isin(op_a, (*LEASE_OPS, OpCode.STORE))
     more |= (hdr["n_copies"] != 0) | (hdr["n_preempted"] != 0) | (hdr["n_found"] != 0)
     for k in np.flatnonzero(more).tolist():
         _complete(out[k], buf, at[k], name)

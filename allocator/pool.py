@@ -358,6 +358,11 @@ class KVPool:
         self._recording = path
         _RECORDING.add(self)
 
+    @property
+    def recording(self) -> str:
+        """The operation log this handle records into ("": none; record_ops)."""
+        return self._recording
+
     def flush_recording(self) -> None:
         """Write the records this handle's core holds still (record_ops) into the log now."""
         self._check_process()

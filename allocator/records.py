@@ -201,6 +201,7 @@ class OpCode(enum.IntEnum):
     LEASE = 13  # KVPool.lease (its lease part: OPLOG_LEASE_FIELDS)
     LEASE_RELEASE = 14  # KVPool.lease_release (Lease.release)
     EXPIRE_LEASES = 15  # KVPool.expire_leases: `arg` the now_ns it compared deadlines with
+    STORE = 16  # a store check's input (probes/stores.py Writers.check: OPLOG_STORE_FIELDS)
 
 
 class OpStatus(enum.IntEnum):
@@ -218,7 +219,8 @@ OPLOG_REDACTED = 2  # tokens and request ids are keyed hashes
 # One record: these fields, then int32 tokens[n_tokens] (START: n_tokens bytes of UTF-8 JSON),
 # int32 blocks[n_blocks], int32 copies[2 * n_copies] (src, dst), int64 preempted[n_preempted]
 # (the seq ids the operation preempted), n_found findings (OPLOG_FOUND_FIELDS), a lease
-# operation's lease part (OPLOG_LEASE_FIELDS), zero padding to a multiple of 8 bytes. `check` is the record's hash with `check` itself 0 (csrc/oplog.c).
+# operation's lease part (OPLOG_LEASE_FIELDS), a STORE's store part (OPLOG_STORE_FIELDS), zero
+# padding to a multiple of 8 bytes. `check` is the record's hash with `check` itself 0 (csrc/oplog.c).
 OPLOG_FIELDS: list[Field] = [
     ("magic", "<u4"),
     ("size", "<u4"),
@@ -265,6 +267,12 @@ OPLOG_LEASE_FIELDS: list[Field] = [
     ("deadline_ns", "<u8"),
     ("holder", f"S{REQUEST_BYTES}"),
 ]
+# A STORE record (a store check's input: docs/REPLAY.md) ends with this, then int64
+# spans[3 * n_spans] (each the writer's seq id, start, end: positions [start, end)) and int64
+# slots[n_slots] (the slot mapping it checked; none where its slots are checked later). Its `arg`
+# says what the check compared there (1: the writers' blocks, 2: the slots, 3: both), `src_id`
+# a slots-only record's store: the number of the record that checked its blocks (-1: none).
+OPLOG_STORE_FIELDS: list[Field] = [("n_spans", "<u4"), ("n_slots", "<u4")]
 # Leases (docs/POOL.md "Leases"; FORMAT.md section 13): the section's header, then one lease
 # count per block (u4), then the lease records (lease_capacity of them).
 LEASE_HEADER_FIELDS: list[Field] = [
@@ -393,6 +401,7 @@ C_RECORDS = {
     "OR_": ("oplog", "request"),
     "OF_": ("oplog_found", "kind"),
     "OL_": ("oplog_lease", "holder"),
+    "OW_": ("oplog_store", "n_slots"),
     "LH_": ("lease_header", "reclaimed"),
     "LS_": ("lease", "blocks"),
     "PV_": ("provenance", "kv_hash"),
@@ -420,6 +429,7 @@ C_SIZES = {
     "OPLOG_HEAD": "oplog",
     "OPLOG_FOUND": "oplog_found",
     "OPLOG_LEASE": "oplog_lease",
+    "OPLOG_STORE": "oplog_store",
     "LEASE_COUNTS": "lease_header",  # the per-block lease counts follow its header
     "PROVENANCE": "provenance",
     "OPLOG_CHUNK": "oplog_chunk",
@@ -441,6 +451,7 @@ def record_fields(record: str) -> list[Field]:
         "oplog": lambda: OPLOG_FIELDS,
         "oplog_found": lambda: OPLOG_FOUND_FIELDS,
         "oplog_lease": lambda: OPLOG_LEASE_FIELDS,
+        "oplog_store": lambda: OPLOG_STORE_FIELDS,
         "lease_header": lambda: LEASE_HEADER_FIELDS,
         "lease": lambda: lease_fields(2),
         "provenance": lambda: PROVENANCE_FIELDS,

@@ -21,6 +21,13 @@ CUDA tensor through a copy to page-locked host memory queued behind the store, r
 is past it at the pool's next checked store (or `settle_writes`), so no store waits for the GPU.
 With the probes off a check is one attribute test. (`store_kv` only calls `writers.check` with
 its slot mapping: kvscope.kernels imports nothing of the pool.)
+
+While the handle records its operations (docs/REPLAY.md), each check's input is a STORE record
+of the log, written by the core before the check reports: the spans (the writers' seq ids and
+positions) and the slots it compared (a CUDA store's: one record at the store, its writers'
+blocks, and one where its slots are read back, the slots). Not recording, that costs one
+attribute test. `check_blocks` and `check_slots` are the check's two parts on their own (what a
+CUDA store does at the store and at the read-back; a replay and its script call them).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np
 import torch
 
 from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.oplog import STORE_BLOCKS, STORE_SLOTS
 from kvscope.allocator.records import BlockState
 from kvscope.allocator.sites import caller_site
 
@@ -55,6 +63,8 @@ class Writers:
         self.spans = spans if isinstance(spans, list) else list(spans)
         # (id, version) of the slot mapping last checked: one check per mapping, not per layer
         self._checked: tuple[int, int] | None = None
+        # what check_blocks saw, for check_slots
+        self._written: _Written | None = None
 
     def check(self, slot_mapping: Any) -> None:
         """Under the probes, check the store of `slot_mapping` (once per mapping) and report."""
@@ -66,6 +76,20 @@ class Writers:
             return
         self._checked = key
         _checks_of(self.pool).check(self, slot_mapping)
+
+    def check_blocks(self) -> None:
+        """Under the probes, the check's first part alone: the blocks that hold the written
+        positions, from the writers' block tables now, which it keeps for `check_slots` (what
+        `check` does at a CUDA store)."""
+        if getattr(self.pool, "probe", None) is not None:
+            _checks_of(self.pool).blocks(self)
+
+    def check_slots(self, slots: Any) -> None:
+        """Under the probes, the check's second part alone: `slots` (the slot mapping, on the
+        host) against the positions' slots in the tables `check_blocks` kept (none: the tables
+        now): what `check` does where a CUDA store's slots are read back."""
+        if getattr(self.pool, "probe", None) is not None:
+            _checks_of(self.pool).slots(self, np.asarray(slots).astype(np.int64, copy=False))
 
 
 def settle_writes(pool: KVPool | Any, wait: bool = False) -> None:
@@ -85,6 +109,7 @@ class _Written:
         self.spans = spans
         self.tables = [list(seq.block_table) for seq, _, _ in spans] if keep else None
         self.site = site
+        self.recorded = -1  # the number of the STORE record of its blocks' check (-1: none)
         try:
             # Every span's slots in one comprehension: a step of many single tokens costs no
             # call per request (a position past its table raises and takes the long way).
@@ -138,9 +163,7 @@ class _PoolChecks:
             self.settle()
         bs, spb = int(pool.block_size), int(pool.slots_per_block)
         if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu":
-            written = _Written(writers, spb, bs, caller_site(), keep=True)
-            for i, blk in self._positions(written):
-                self._report(written, i, blk, mapped=True)
+            written = self._blocks(writers, spb, bs)
             host = torch.empty(slot_mapping.shape, dtype=torch.int64, pin_memory=True)
             host.copy_(slot_mapping, non_blocking=True)
             done = torch.cuda.Event()
@@ -151,6 +174,8 @@ class _PoolChecks:
             slots = slot_mapping.numpy()
         else:
             slots = np.asarray(slot_mapping)
+        if getattr(pool, "recording", None):
+            _record(pool, writers.spans, slots, STORE_BLOCKS | STORE_SLOTS, -1)
         written = _Written(writers, spb, bs, "")
         found = self._positions(written)
         if not found and np.array_equal(slots, written.expected):
@@ -168,7 +193,37 @@ class _PoolChecks:
                 return
             done.synchronize()
             self.pending.pop(0)
-            self._slots(written, host.numpy())
+            self._read_back(written, host.numpy())
+
+    def blocks(self, writers: Writers) -> None:
+        """Writers.check_blocks."""
+        bs, spb = int(self.pool.block_size), int(self.pool.slots_per_block)
+        writers._written = self._blocks(writers, spb, bs)
+
+    def slots(self, writers: Writers, slots: np.ndarray) -> None:
+        """Writers.check_slots."""
+        written = writers._written
+        if written is None:
+            bs, spb = int(self.pool.block_size), int(self.pool.slots_per_block)
+            written = _Written(writers, spb, bs, caller_site(), keep=True)
+        self._read_back(written, slots)
+
+    def _blocks(self, writers: Writers, spb: int, bs: int) -> _Written:
+        """The check's first part, at the store: recorded (its spans), then the blocks that
+        hold the written positions reported; the tables kept for the slots."""
+        written = _Written(writers, spb, bs, caller_site(), keep=True)
+        if getattr(self.pool, "recording", None):
+            written.recorded = _record(self.pool, writers.spans, None, STORE_BLOCKS, -1)
+        for i, blk in self._positions(written):
+            self._report(written, i, blk, mapped=True)
+        return written
+
+    def _read_back(self, written: _Written, slots: np.ndarray) -> None:
+        """The check's second part, where the slots are read: recorded (the spans and the
+        slots read, naming the record of its first part), then compared."""
+        if getattr(self.pool, "recording", None):
+            _record(self.pool, written.spans, slots, STORE_SLOTS, written.recorded)
+        self._slots(written, slots)
 
     def _positions(self, written: _Written) -> list[tuple[int, int]]:
         """(writer, block) of each block holding written positions that the prefix index
@@ -229,6 +284,17 @@ class _PoolChecks:
 
 
 _CHECKS: weakref.WeakKeyDictionary[Any, _PoolChecks] = weakref.WeakKeyDictionary()
+
+
+def _record(pool: KVPool | Any, spans: list, slots: Any, what: int, ref: int) -> int:
+    """A store check's input as a STORE record of the handle's operation log (the core writes
+    it): the spans as (seq id, start, end), the slots it compared (None: none yet). The
+    record's number (0: not written)."""
+    ids = np.array(
+        [(int(seq.seq_id), int(start), int(end)) for seq, start, end in spans], np.int64
+    ).reshape(-1, 3)
+    flat = np.empty(0, np.int64) if slots is None else np.asarray(slots, np.int64).reshape(-1)
+    return int(pool.core.oplog_store(ids, np.ascontiguousarray(flat), what, ref))
 
 
 def _checks_of(pool: KVPool | Any) -> _PoolChecks:

@@ -372,6 +372,9 @@ static PyMethodDef N_methods[] = {
     {"oplog_close", (PyCFunction)N_oplog_close, METH_NOARGS, "stop recording operations"},
     {"oplog_flush", (PyCFunction)N_oplog_flush, METH_NOARGS,
      "write the operation log's records composed so far"},
+    {"oplog_store", (PyCFunction)(void (*)(void))N_oplog_store, METH_FASTCALL,
+     "oplog_store(spans, slots, what, ref) -> int: a store check's input as a STORE record "
+     "(docs/REPLAY.md; 0: not recording)"},
     {"set_crash_at", (PyCFunction)N_set_crash_at, METH_O,
      "tests: SIGKILL this process at the n-th journal save (0: off)"},
     {NULL}};

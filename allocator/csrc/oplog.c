@@ -749,6 +749,74 @@ static void oplog_close_report(Native *n, Py_ssize_t found0, const char *request
     if (PyErr_Occurred()) PyErr_Clear();
 }
 
+/* -- a store check's input (probes/stores.py Writers.check) ----------------------------------- */
+
+/* oplog_store(spans, slots, what, ref) -> int: while the handle records, a STORE record of one
+ * store check's input (docs/REPLAY.md): `spans` int64 triples (the writer's seq id, start, end)
+ * in slot order, `slots` the int64 slot mapping it checked (empty: none), `what` 1 the writers'
+ * blocks checked, 2 the slots, 3 both, `ref` a slots-only record's store (the number the record
+ * that checked its blocks got; -1: none). Returns the record's number (0: not recording, or the
+ * record lost). The spans in place of tokens (a count, then seq id (s), start, length), the
+ * slots as their differences (s), no table. */
+static PyObject *N_oplog_store(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "oplog_store(spans, slots, what, ref)");
+        return NULL;
+    }
+    Oplog *L = n->oplog;
+    if (L == NULL || n->seg == NULL) return PyLong_FromLong(0);
+    int64_t what = PyLong_AsLongLong(args[2]), ref = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer sp, sl;
+    if (PyObject_GetBuffer(args[0], &sp, PyBUF_SIMPLE) != OK) return NULL;
+    if (PyObject_GetBuffer(args[1], &sl, PyBUF_SIMPLE) != OK) {
+        PyBuffer_Release(&sp);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    if (sp.len % 24 || sl.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "oplog_store: spans are int64 triples, slots int64");
+        goto done;
+    }
+    const int64_t *spans = sp.buf, *slots = sl.buf;
+    size_t n_spans = (size_t)sp.len / 24, n_slots = (size_t)sl.len / 8;
+    oplog_lost_first(n, L);
+    /* (every varint at its longest) */
+    uint8_t *p0 = oplog_room(L, 128 + 30 * n_spans + 10 * n_slots);
+    if (p0 == NULL) {
+        L->lost++;
+        res = PyLong_FromLong(0);
+        goto done;
+    }
+    int bits = OS_OK | CR_ARGS;
+    uint8_t *p = oplog_head(n, L, p0, OP_STORE, bits, n_spans ? spans[0] : -1);
+    uint64_t seq = L->prev_seq; /* (the number oplog_head took) */
+    p = put_s(p, ref);
+    p = put_s(p, what);
+    p = put_s(p, 0);
+    p = put_u(p, (uint64_t)n_spans);
+    for (size_t i = 0; i < n_spans; i++) {
+        int64_t start = spans[3 * i + 1], end = spans[3 * i + 2];
+        p = put_s(p, spans[3 * i]);
+        p = put_s(p, start);
+        p = put_s(p, end - start);
+    }
+    p = put_u(p, (uint64_t)n_slots);
+    int64_t prev = 0;
+    for (size_t i = 0; i < n_slots; i++) {
+        p = put_s(p, (int64_t)((uint64_t)slots[i] - (uint64_t)prev));
+        prev = slots[i];
+    }
+    *p++ = TM_NONE;
+    L->out_n += (size_t)(p - p0);
+    L->out_recs++;
+    res = PyLong_FromUnsignedLongLong(seq);
+done:
+    PyBuffer_Release(&sp);
+    PyBuffer_Release(&sl);
+    return res;
+}
+
 static void oplog_free(Native *n) {
     Oplog *L = n->oplog;
     if (L == NULL) return;

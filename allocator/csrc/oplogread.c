@@ -23,10 +23,23 @@ typedef struct {
     int64_t record;
     uint64_t lease_id, timeout_ns, deadline_ns;
     char holder[REQUEST_BYTES];
+    /* a STORE's spans (n_spn (seq id, start, end) triples in the arena; its slots: tok, n_tok) */
+    int64_t spn, n_spn;
 } DRec;
 
 /* The operations whose records hold a lease part in place of tokens (oplog.c oplog_lease). */
 static inline int lease_op(int op) { return op >= OP_LEASE && op <= OP_EXPIRE_LEASES; }
+
+/* The bytes of an expanded record's tokens (START: its text; STORE: none, its slots are in its
+ * store part) and of the part after its findings (a lease operation's, a STORE's). */
+static size_t tok_bytes(const DRec *r) {
+    return r->op == OP_START ? (size_t)r->n_tok : r->op == OP_STORE ? 0 : 4 * (size_t)r->n_tok;
+}
+static size_t part_bytes(const DRec *r) {
+    if (lease_op(r->op)) return OPLOG_LEASE;
+    if (r->op == OP_STORE) return OPLOG_STORE + 24 * (size_t)r->n_spn + 8 * (size_t)r->n_tok;
+    return 0;
+}
 
 typedef struct {
     int64_t *a;
@@ -84,7 +97,7 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
     if (end - p < 2) return ERROR;
     r->op = *p++;
     int bits = *p++;
-    if (r->op < OP_START || r->op > OP_EXPIRE_LEASES) return ERROR;
+    if (r->op < OP_START || r->op > OP_STORE) return ERROR;
     r->status = bits & 3;
     r->flags |= bits & CR_FAULT ? OPLOG_FAULT : 0;
     if (get_u(&p, end, &u) != OK) return ERROR;
@@ -128,6 +141,20 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
             get_u(&p, end, &r->timeout_ns) != OK || get_u(&p, end, &r->deadline_ns) != OK)
             return ERROR;
     }
+    if (r->op == OP_STORE) {
+        /* its spans: a count, then each one's seq id, start and length */
+        if (get_u(&p, end, &u) != OK || u > (uint64_t)(end - p)) return ERROR;
+        r->n_spn = (int64_t)u;
+        r->spn = (int64_t)A->n;
+        for (int64_t i = 0; i < r->n_spn; i++) {
+            int64_t id, start, len;
+            if (get_s(&p, end, &id) != OK || get_s(&p, end, &start) != OK ||
+                get_s(&p, end, &len) != OK || arena_push(A, id) != OK ||
+                arena_push(A, start) != OK ||
+                arena_push(A, (int64_t)((uint64_t)start + (uint64_t)len)) != OK)
+                return ERROR;
+        }
+    }
     if (get_u(&p, end, &u) != OK) return ERROR;
     if (r->op == OP_START) {
         if (u > (uint64_t)(end - p)) return ERROR;
@@ -138,6 +165,9 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
         if (u > (uint64_t)(end - p)) return ERROR;
         r->n_tok = (int64_t)u;
         if (get_many(&p, end, A, r->n_tok, &r->tok) != OK) return ERROR;
+        if (r->op == OP_STORE) /* (its slots, written as differences) */
+            for (int64_t j = 1; j < r->n_tok; j++)
+                A->a[r->tok + j] = (int64_t)((uint64_t)A->a[r->tok + j] + (uint64_t)A->a[r->tok + j - 1]);
     }
     if (p >= end) return ERROR;
     r->tmode = *p++;
@@ -352,7 +382,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         }
         if (!r->has_req) {
             SeqEntry *s = r->seq_id >= 0 ? seqmap_get(&M, r->pool, r->seq_id, 0) : NULL;
-            if ((s == NULL || !s->request[0]) && r->src_id >= 0)
+            if ((s == NULL || !s->request[0]) && r->src_id >= 0 && r->op != OP_STORE)
                 s = seqmap_get(&M, r->pool, r->src_id, 0);
             if (s) memcpy(r->request, s->request, REQUEST_BYTES);
             if (s && r->seq_id >= 0 && !lease_op(r->op) && !seqmap_get(&M, r->pool, r->seq_id, 0)) {
@@ -363,9 +393,8 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
                 memcpy(t->request, req, REQUEST_BYTES);
             }
         }
-        size_t sz = OPLOG_HEAD + (r->op == OP_START ? (size_t)r->n_tok : 4 * (size_t)r->n_tok) +
-                    4 * (size_t)r->n_tab + 8 * (size_t)r->n_cop + 8 * (size_t)r->n_pre +
-                    OPLOG_FOUND * (size_t)r->n_fnd + (lease_op(r->op) ? OPLOG_LEASE : 0);
+        size_t sz = OPLOG_HEAD + tok_bytes(r) + 4 * (size_t)r->n_tab + 8 * (size_t)r->n_cop +
+                    8 * (size_t)r->n_pre + OPLOG_FOUND * (size_t)r->n_fnd + part_bytes(r);
         total += (sz + 7) & ~(size_t)7;
     }
     out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
@@ -381,7 +410,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         ((int64_t *)PyBytes_AS_STRING(offs))[i] = r->chunk;
         ((int64_t *)PyBytes_AS_STRING(at))[i] = w - (uint8_t *)PyBytes_AS_STRING(out);
         /* (each record's tokens and table as lists too: what a reader makes of them) */
-        int64_t nl[2] = {r->op == OP_START ? 0 : r->n_tok, r->n_tab};
+        int64_t nl[2] = {r->op == OP_START || r->op == OP_STORE ? 0 : r->n_tok, r->n_tab};
         int64_t from[2] = {r->tok, r->tab};
         for (int k = 0; k < 2; k++) {
             PyObject *l = PyList_New((Py_ssize_t)nl[k]);
@@ -396,10 +425,9 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
             }
             PyList_SET_ITEM(lists, (Py_ssize_t)(2 * i + k), l);
         }
-        size_t tb = r->op == OP_START ? (size_t)r->n_tok : 4 * (size_t)r->n_tok;
+        size_t tb = tok_bytes(r);
         size_t sz = (OPLOG_HEAD + tb + 4 * (size_t)r->n_tab + 8 * (size_t)r->n_cop +
-                     8 * (size_t)r->n_pre + OPLOG_FOUND * (size_t)r->n_fnd +
-                     (lease_op(r->op) ? OPLOG_LEASE : 0) + 7) &
+                     8 * (size_t)r->n_pre + OPLOG_FOUND * (size_t)r->n_fnd + part_bytes(r) + 7) &
                     ~(size_t)7;
         U4(w + OR_MAGIC) = OPLOG_MAGIC;
         U4(w + OR_SIZE) = (uint32_t)sz;
@@ -412,7 +440,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         w[OR_FLAGS] = (uint8_t)r->flags;
         w[OR_N_FOUND] = (uint8_t)r->n_fnd;
         U4(w + OR_PROBES) = r->probes;
-        U4(w + OR_N_TOKENS) = (uint32_t)r->n_tok;
+        U4(w + OR_N_TOKENS) = r->op == OP_STORE ? 0 : (uint32_t)r->n_tok;
         U4(w + OR_N_BLOCKS) = (uint32_t)r->n_tab;
         U4(w + OR_N_COPIES) = (uint32_t)r->n_cop;
         U4(w + OR_N_PREEMPTED) = (uint32_t)r->n_pre;
@@ -425,7 +453,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         memcpy(w + OR_REQUEST, r->request, REQUEST_BYTES);
         uint8_t *q = w + OPLOG_HEAD;
         if (r->op == OP_START) memcpy(q, data + r->tok, tb);
-        else
+        else if (r->op != OP_STORE)
             for (int64_t j = 0; j < r->n_tok; j++) I4(q + 4 * j) = (int32_t)A.a[r->tok + j];
         q += tb;
         for (int64_t j = 0; j < r->n_tab; j++, q += 4) I4(q) = (int32_t)A.a[r->tab + j];
@@ -442,6 +470,13 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
             U8(q + OL_TIMEOUT_NS) = r->timeout_ns;
             U8(q + OL_DEADLINE_NS) = r->deadline_ns;
             memcpy(q + OL_HOLDER, r->holder, REQUEST_BYTES);
+        }
+        if (r->op == OP_STORE) {
+            U4(q + OW_N_SPANS) = (uint32_t)r->n_spn;
+            U4(q + OW_N_SLOTS) = (uint32_t)r->n_tok;
+            q += OPLOG_STORE;
+            for (int64_t j = 0; j < 3 * r->n_spn; j++, q += 8) U8(q) = (uint64_t)A.a[r->spn + j];
+            for (int64_t j = 0; j < r->n_tok; j++, q += 8) U8(q) = (uint64_t)A.a[r->tok + j];
         }
         U8(w + OR_CHECK) = record_check(w, sz);
         memcpy(PyBytes_AS_STRING(heads) + OPLOG_HEAD * i, w, OPLOG_HEAD);
