@@ -48,6 +48,8 @@ LEASE_OPS = (int(OpCode.LEASE), int(OpCode.LEASE_RELEASE), int(OpCode.EXPIRE_LEA
 STORE_PART = packed_offsets(OPLOG_STORE_FIELDS)[""]
 # What a STORE record's check compared there (its `arg`: bits).
 STORE_BLOCKS, STORE_SLOTS = 1, 2
+# The kinds the store check finds (probes/stores.py), in FindingKind's order.
+STORE_KINDS = ("use_after_free", "published_block_modified", "unmapped_write")
 # A lease's deadline when it has none (its timeout None).
 NO_DEADLINE = 2**64 - 1
 _FMT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "u1": "B"}
@@ -252,7 +254,9 @@ def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
         p = pos + HEAD + 4 * nb + 8 * nc + 8 * npre + FOUND * nf
         n_spans, n_slots = struct.unpack_from("<II", buf, p)
         flat = _ints(buf, p + STORE_PART, 3 * n_spans + n_slots, "q")
-        spans = list(zip(flat[0 : 3 * n_spans : 3], flat[1 : 3 * n_spans : 3], flat[2 : 3 * n_spans : 3]))
+        spans = list(
+            zip(flat[0 : 3 * n_spans : 3], flat[1 : 3 * n_spans : 3], flat[2 : 3 * n_spans : 3])
+        )
         r.store = StorePart(spans[:n_spans], flat[3 * n_spans :], r.arg, r.src_id)
     if r.op == OpCode.START:
         try:
@@ -357,9 +361,34 @@ class OpLog:
     # numbers missing between the records (first, last): lost, or a process that did not record
     gaps: list[tuple[int, int]] = field(default_factory=list)
 
+    _stores: dict[int, int] | None = field(default=None, repr=False, compare=False)
+
     @property
     def ops(self) -> list[OpRecord]:
         return [r for r in self.records if r.op != OpCode.START]
+
+    def store_reports(self) -> dict[int, int]:
+        """The REPORT records that are a store check's findings, by number, each to the number
+        of its STORE: the REPORTs of the kinds the check finds (STORE_KINDS) that follow a
+        STORE on its thread (pid, tid) before any other record of that thread."""
+        if self._stores is None:
+            out: dict[int, int] = {}
+            last: dict[tuple[int, int], int] = {}
+            for r in self.records:
+                key = (r.pid, r.tid)
+                if r.op == OpCode.STORE:
+                    last[key] = r.seq
+                elif (
+                    r.op == OpCode.REPORT
+                    and key in last
+                    and r.found
+                    and all(k in STORE_KINDS for k, _ in r.found)
+                ):
+                    out[r.seq] = last[key]
+                elif key in last:
+                    del last[key]
+            self._stores = out
+        return self._stores
 
 
 def read_log(path: str, pool: str | None = None) -> OpLog:

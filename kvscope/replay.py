@@ -21,7 +21,15 @@ from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted, faul
 from kvscope.allocator.findings import SEVERITY, FindingKind
 from kvscope.allocator.kvread import read_live
 from kvscope.allocator.layout import BlockState
-from kvscope.allocator.oplog import NO_DEADLINE, OpLog, OplogError, OpRecord
+from kvscope.allocator.oplog import (
+    NO_DEADLINE,
+    STORE_BLOCKS,
+    STORE_KINDS,
+    STORE_SLOTS,
+    OpLog,
+    OplogError,
+    OpRecord,
+)
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode, OpStatus
@@ -51,6 +59,7 @@ _LEASE, _LEASE_RELEASE, _EXPIRE = (
     int(OpCode.EXPIRE_LEASES),
 )
 _LEASE_OPS = (_LEASE, _LEASE_RELEASE, _EXPIRE)
+_STORE = int(OpCode.STORE)
 _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
 # Kinds the magic probe finds on its own clock (every 10 ms, in whichever operation comes then,
@@ -182,7 +191,7 @@ def differences(r: OpRecord, got: Result) -> list[str]:
         out.append("copies")
     if sorted(r.preempted) != sorted(got.preempted):
         out.append("preempted")
-    if op == _REPORT:
+    if op == _REPORT and not all(k in STORE_KINDS for k, _ in r.found):
         if {k for k, _ in r.found} - {k for k, _ in got.found}:
             out.append("found")
     elif sorted(r.found) != sorted(got.found):
@@ -233,6 +242,12 @@ class Session:
         self.preempted: set[tuple[int, int]] = set()
         # the leases taken, by their recorded ids (a lease id is the pool's, any process's)
         self.leases: dict[int, Any] = {}
+        # the store checks: the findings of each thread's last one, not yet matched with the
+        # REPORT records that follow it (by (pid, tid)); the writers of the stores whose
+        # blocks were checked, for their slots (by the STORE record's number)
+        self.stored: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        self.writers: dict[int, Any] = {}
+        self.store_reports = log.store_reports()
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
         faults.ARMED.clear()
@@ -310,6 +325,40 @@ class Session:
         rec = h.view.leases[lease.record]
         out.lease = (lease.record, [int(g) for g in rec["generations"][: len(out.blocks)]])
 
+    def _store(self, h: KVPool, r: OpRecord) -> Result | None:
+        """A STORE record's store check (probes/stores.py Writers), on the replayed sequences
+        with the recorded spans and slots: the spans of sequences this replay does not have
+        dropped (their slots too), None where none is left. Its findings are kept for the
+        REPORT records that follow it on its thread."""
+        from kvscope.probes.stores import Writers
+
+        part = r.store
+        if part is None:
+            return None
+        spans, slots = store_spans(part, lambda sid: self.seqs.get((r.pid, sid)))
+        if not spans:
+            return None
+        out = Result()
+        found = self.found
+        found.clear()
+        try:
+            if part.what & STORE_BLOCKS and part.what & STORE_SLOTS:
+                Writers(h, spans).check(slots)
+            elif part.what & STORE_BLOCKS:
+                w = self.writers[r.seq] = Writers(h, spans)
+                w.check_blocks()
+            else:
+                w = self.writers.pop(part.ref, None)
+                if w is None or len(w.spans) != len(spans):
+                    w = Writers(h, spans)
+                w.check_slots(slots)
+        except Exception as e:  # (a store the check could not make: as the recording's?)
+            out.status = _ERROR
+            out.error = f"{type(e).__name__}: {e}"
+        out.found = list(found)
+        self.stored[(r.pid, r.tid)] = list(found)
+        return out
+
     def run(self, r: OpRecord, verify: bool = False) -> Result | None:
         """Execute one record's operation on its process's handle. None where the record
         names a process or sequence this replay does not have (a shrunk run's operations on
@@ -339,6 +388,16 @@ class Session:
                 lease = self.leases.get(r.lease.lease_id if r.lease else 0)
                 if lease is None:
                     return None
+        elif op == _STORE:
+            return self._store(h, r)
+        elif op == _REPORT and r.seq in self.store_reports:
+            # a store check's finding: the one the replayed check made, in its order
+            pending = self.stored.get((r.pid, r.tid), [])
+            mine = r.found[0] if r.found else None
+            if pending:
+                found[:] = [pending.pop(pending.index(mine) if mine in pending else 0)]
+                out.found = list(found)
+            return out
         elif op not in (_ALLOCATE, _EVICT, _REPORT):
             s = seqs.get((r.pid, r.src_id if op in (_FORK, _RESUME) else r.seq_id))
             if s is None:
@@ -444,6 +503,26 @@ class Session:
         if len(self.fired) != nfired:
             out.fault = ",".join(self.fired[nfired:])
         return out
+
+
+def store_spans(
+    part: Any, seq_of: Callable[[int], Any]
+) -> tuple[list[tuple[Any, int, int]], list[int]]:
+    """A STORE's spans with what `seq_of` gives for each recorded seq id (None: the span
+    dropped), and its slots, those of the dropped spans left out (where the slots are the spans'
+    positions one for one; else all of them)."""
+    aligned = len(part.slots) == sum(end - start for _, start, end in part.spans)
+    spans: list[tuple[Any, int, int]] = []
+    slots: list[int] = []
+    at = 0
+    for sid, start, end in part.spans:
+        seq = seq_of(sid)
+        if seq is not None:
+            spans.append((seq, start, end))
+            if aligned:
+                slots += part.slots[at : at + end - start]
+        at += end - start
+    return spans, slots if aligned else list(part.slots)
 
 
 @dataclass
@@ -571,6 +650,13 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
         outcome = Outcome("end", 0, total)
         gap_after = {a - 1: (a, b) for a, b in log.gaps}
         early: set[tuple[str, int]] = set()
+        # each STORE's findings, as the REPORT records after it have them
+        by_store: dict[int, list[tuple[str, int]]] = {}
+        if session.store_reports:
+            for q in records:
+                st = session.store_reports.get(q.seq)
+                if st is not None:
+                    by_store.setdefault(st, []).extend(q.found)
         for r in records:
             if until is not None and r.seq > until:
                 outcome.reason = "until"
@@ -598,6 +684,18 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
             done += 1
             if got.fault:
                 outcome.faults[r.seq] = got.fault
+            if r.op == _STORE:
+                # a store check: its findings are the REPORT records that follow it on its
+                # thread, where the replay stops; a check that finds otherwise diverges here
+                expected = by_store.get(r.seq, [])
+                if sorted(got.found) == sorted(expected) and got.status == _OK:
+                    continue
+                fired = outcome.faults
+                shown = dataclasses.replace(r, found=expected)
+                diff = ["found"] if got.status == _OK else ["status"]
+                outcome = Outcome("divergence", done, total, shown, got, diff, faults=fired)
+                outcome.blocks = block_rows(session, recorded_result(shown), got)
+                break
             if got.found or r.found:
                 _cadenced(r, got, early)
             diff = differences(r, got)
@@ -858,6 +956,14 @@ def emit_script(shrunk: Shrunk) -> str:
         f"os.environ.update({env!r})",
         "",
         "from kvscope.allocator import KVPool, PoolConfig, PoolError, faults  # noqa: E402",
+        *(
+            [
+                "import numpy as np  # noqa: E402",
+                "from kvscope.probes.stores import Writers  # noqa: E402",
+            ]
+            if any(r.op == _STORE for r in shrunk.ops)
+            else []
+        ),
         "",
         "found = []",
         "held = set()  # requests still holding blocks where the recording's pool was closed",
@@ -880,6 +986,8 @@ def emit_script(shrunk: Shrunk) -> str:
     lines += ["try:"]
     names: dict[tuple[int, int], str] = {}
     leases: dict[int, str] = {}
+    stores: dict[int, str] = {}  # a CUDA store's Writers, by its STORE record's number
+    done: set[tuple[int, int]] = set()  # the sequences the script made
     body: list[str] = []
     for r, status in zip(shrunk.ops, shrunk.statuses + [0] * len(shrunk.ops)):
         h = handles.get(r.pid, "pool")
@@ -888,18 +996,22 @@ def emit_script(shrunk: Shrunk) -> str:
             spec = ",".join(f"{f}:1" for f in fault.split(","))
             body.append("# the fault the recording injected here, at its next opportunity")
             body.append(f"faults.configure({spec!r})")
-        call = _call(r, h, names, leases)
+        call = (
+            _store_call(r, h, names, stores, done) if r.op == _STORE else _call(r, h, names, leases)
+        )
         if call is None:
             continue
         if status not in (_OK, -1):
             body.append("try:")
-            body.append(f"    {call}")
+            body += [f"    {c}" for c in call.split("\n")]
             body.append("except PoolError as e:  # the pool refused it in the recording too")
             body.append('    print("PoolError:", e)')
         else:
-            body.append(call)
+            body += call.split("\n")
         if fault:
             body.append("faults.configure(None)")
+        if r.op in (_ALLOCATE, _FORK, _RESUME):
+            done.add((r.pid, r.seq_id))
     lines += ["    " + b for b in body] or ["    pass"]
     lines += [
         *(
@@ -951,6 +1063,8 @@ def _call(
         return f"{h}.resume({v})"
     if op == _EVICT:
         return f"{h}.evict({r.arg})"
+    if op == _REPORT and r.found and all(k in STORE_KINDS for k, _ in r.found):
+        return None  # (a store check's finding: its check above reports it)
     if op == _REPORT and any(k == "lease_leak" for k, _ in r.found):
         return None  # (a lease still held as the pool closed: the close below reports it)
     if op == _REPORT and any(k == "leak_finished" for k, _ in r.found):
@@ -959,6 +1073,29 @@ def _call(
     if op == _REPORT:
         return f"{h}.verify()"
     return None
+
+
+def _store_call(
+    r: OpRecord, h: str, names: dict[tuple[int, int], str], stores: dict[int, str], done: set
+) -> str | None:
+    """A store check as a plain call: `Writers(pool, [(s1, 0, 12)]).check(np.array([...]))`
+    (a CUDA store's: `check_blocks()` at the store, `check_slots(...)` where its slots were read
+    back), the spans of sequences the script does not make left out."""
+    part = r.store
+    if part is None:
+        return None
+    spans, slots = store_spans(
+        part, lambda sid: names.get((r.pid, sid)) if (r.pid, sid) in done else None
+    )
+    if not spans:
+        return None
+    writers = f"Writers({h}, [{', '.join(f'({v}, {a}, {b})' for v, a, b in spans)}])"
+    if part.what & STORE_BLOCKS and part.what & STORE_SLOTS:
+        return f"{writers}.check(np.array({slots!r}))"
+    if part.what & STORE_BLOCKS:
+        v = stores[r.seq] = f"w{len(stores) + 1}"
+        return f"{v} = {writers}\n{v}.check_blocks()"
+    return f"{stores.get(part.ref, writers)}.check_slots(np.array({slots!r}))"
 
 
 def _lease_call(r: OpRecord, h: str, seq: Callable[[int], str], leases: dict[int, str]) -> str:
