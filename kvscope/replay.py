@@ -720,14 +720,24 @@ def _units(ops: list[OpRecord]) -> list[list[int]]:
     """The log's requests as units for delta debugging: the indexes of each request's
     operations (a fork's child and a resumed sequence belong to their request, a lease to its
     sequence's request, or to the request of the blocks it was taken on, its release to the
-    lease), and each operation on no request as a unit of its own."""
+    lease, a store check to the request of each of its spans), and each operation on no request
+    as a unit of its own."""
     family: dict[tuple[int, int], int] = {}
     by_request: dict[str, int] = {}
     leases: dict[int, int] = {}
     units: list[list[int]] = []
     for i, r in enumerate(ops):
         key = (r.pid, r.seq_id)
-        if r.op in _LEASE_OPS:
+        if r.op == _STORE and r.store is not None:
+            # (in every unit of its writers: kept while one of them is, the others' spans
+            # dropped as it runs)
+            mine = {family[(r.pid, sid)] for sid, _, _ in r.store.spans if (r.pid, sid) in family}
+            if not mine:
+                mine = {len(units)}
+                units.append([])
+            for u in sorted(mine):
+                units[u].append(i)
+        elif r.op in _LEASE_OPS:
             lease_id = r.lease.lease_id if r.lease is not None else 0
             u = None
             if r.op == _LEASE_RELEASE:
@@ -919,7 +929,7 @@ def _tail(items: list[Any], test: Callable[[list[Any]], bool]) -> list[Any]:
 
 
 def _flatten(ops: list[OpRecord], units: list[list[int]]) -> list[OpRecord]:
-    return [ops[i] for i in sorted(i for u in units for i in u)]
+    return [ops[i] for i in sorted({i for u in units for i in u})]
 
 
 # -- the script ------------------------------------------------------------------------------
