@@ -1,8 +1,11 @@
 """A small seeded serving workload on one pool (tests/test_replay.py): requests behind six
 shared prompts, appends, publications, forks, frees and aborts, in an order fixed by the seed;
-and one that takes leases (lease_work), for the lease faults.
+one that takes leases (lease_work), for the lease faults; and a batched engine that stores its
+K/V with `kvscope.kernels.store_kv`, told its writers (store_work), with a stale slot mapping
+on request.
 
     python tests/replay_work.py [OPS]      (under `kvscope run --record-ops FILE --inject F`)
+    python tests/replay_work.py OPS stale-mapping     (store_work with its bug)
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ import os
 import random
 import sys
 
+import torch
+
 from kvscope.allocator import KVPool, PoolConfig
+from kvscope.kernels import store_kv
+from kvscope.probes.stores import Writers
 
 CONFIG = dict(
     num_blocks=48, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32"
@@ -66,10 +73,61 @@ def lease_work(pool: KVPool, n_ops: int, seed: int = 1) -> None:
         pool.expire_leases()
 
 
+def store_work(pool: KVPool, n_steps: int, seed: int = 1, stale: bool = False) -> None:
+    """A seeded batched engine: each step admits a request (its prompt's K/V stored) or runs a
+    decode step over the running batch (a token appended to each, the batch's slot mapping
+    built, then every layer's K/V stored through it), a request finishing after a few tokens.
+    Every store is told its writers (Writers). With `stale`, the requests that finish in a step
+    are freed as the step is scheduled, after its slot mapping was built and before its K/V is
+    stored through it: their tokens land in freed blocks (the store check's use_after_free)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    heads, dim, bs = CONFIG["num_kv_heads"], CONFIG["head_dim"], pool.block_size
+
+    def store(spans: list, slots: list[int]) -> None:
+        k = torch.randn(len(slots), heads, dim, generator=gen)
+        mapping = torch.tensor(slots, dtype=torch.int64)
+        writers = Writers(pool, spans)
+        for layer in range(CONFIG["num_layers"]):
+            kc, vc = pool.kv[layer, 0], pool.kv[layer, 1]
+            store_kv(k, -k, kc, vc, mapping, block_size=bs, writers=writers)
+
+    running: list[list] = []  # [sequence, tokens it still decodes]
+    for step in range(n_steps):
+        if len(running) < 4 and (not running or rng.random() < 0.4):
+            s = pool.allocate(f"r{step}", [rng.randrange(100) for _ in range(rng.randrange(3, 10))])
+            n = len(s.tokens)
+            store([(s, 0, n)], pool.slot_mapping(s, 0, n))
+            pool.mark_computed(s, n)
+            running.append([s, rng.randrange(2, 6)])
+            continue
+        for s, _ in running:
+            pool.append(s, [rng.randrange(100)])
+        spans = [(s, len(s.tokens) - 1, len(s.tokens)) for s, _ in running]
+        slots = [x for s, a, b in spans for x in pool.slot_mapping(s, a, b)]
+        for entry in running:
+            entry[1] -= 1
+        done = [e for e in running if e[1] == 0]
+        running = [e for e in running if e[1] > 0]
+        if stale:
+            for s, _ in done:  # the bug: freed before the step's store, not after
+                pool.free(s)
+        store(spans, slots)
+        if not stale:
+            for s, _ in done:
+                pool.free(s)
+    for s, _ in running:
+        pool.free(s)
+
+
 if __name__ == "__main__":
     pool = KVPool.create(f"work-{os.getpid()}", PoolConfig(**CONFIG))
     try:
-        work(pool, int(sys.argv[1]) if len(sys.argv) > 1 else 400)
+        n = int(sys.argv[1]) if len(sys.argv) > 1 else 400
+        if sys.argv[2:] == ["stale-mapping"]:
+            store_work(pool, n, stale=True)
+        else:
+            work(pool, n)
     finally:
         pool.close()
         pool.unlink()

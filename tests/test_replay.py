@@ -10,16 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.allocator.oplog import OplogError, read_log
+from kvscope.allocator.prefix import fmix64
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode
 from kvscope.cli import main
 from kvscope.replay import Shrinker, emit_script, replay
-from tests.replay_work import CONFIG, lease_work, work
+from kvscope.probes.stores import Writers
+from tests.replay_work import CONFIG, lease_work, store_work, work
 
 HERE = Path(__file__).parent
 # The injectable faults whose work goes through pool operations; kill-holding-lock kills the
@@ -657,3 +660,215 @@ def test_the_lease_scenarios_replay_under_kvscope_run(scenario, kind, tmp_path):
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
+
+
+# -- the store check's input (STORE records) ---------------------------------------------------
+
+
+def record_stores(path: Path, name: str, stale: bool, n_steps: int = 60) -> None:
+    """tests/replay_work.py's batched engine (store_work: every store told its writers) on a new
+    pool with every probe on, recorded into `path`; with `stale`, its stale slot mapping."""
+    pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True, record_ops=str(path)))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        store_work(pool, n_steps, stale=stale)
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_a_store_through_a_stale_slot_mapping_replays_to_its_finding_and_shrinks(
+    tmp_path, pool_name
+):
+    """An engine that frees the requests finishing in a step before storing the step's K/V
+    through the slot mapping it built for them: the store check's use_after_free, recorded as
+    a STORE (the check's input) and its REPORT, replays to the same finding at the same
+    operation, shrinks to a few operations, and the script's store finds it."""
+    path = tmp_path / "run.ops"
+    record_stores(path, pool_name, stale=True)
+    log = read_log(str(path))
+    seq, kind = found_at(log)
+    assert kind == "use_after_free"
+    report = next(r for r in log.records if r.seq == seq)
+    assert report.op == OpCode.REPORT
+    store = max((r for r in log.records if r.op == OpCode.STORE and r.seq < seq), key=lambda r: r.seq)
+    assert log.store_reports()[seq] == store.seq
+    out = replay(log, quiet=True)
+    assert out.reason == "finding", (out.reason, out.diff)
+    assert out.record is not None and out.record.seq == seq
+    assert out.got is not None and out.got.found == report.found
+    assert out.exit_code == 1
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == kind
+    assert 2 <= len(shrunk.ops) <= 6 and shrunk.ops[-1].op == OpCode.STORE
+    text = emit_script(shrunk)
+    assert "Writers(pool, [(s1, " in text and ".check(np.array([" in text
+    script = tmp_path / "repro.py"
+    script.write_text(text)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "findings: use_after_free" in run.stdout
+
+
+def test_the_same_engine_without_its_bug_replays_every_store_to_the_end(tmp_path, pool_name):
+    """Without the bug every store's check finds nothing, in the recording and the replay; a
+    STORE whose slots are edited to land in a finished request's block is a divergence at that
+    STORE (the replay's check finds what the recording's did not)."""
+    path = tmp_path / "run.ops"
+    record_stores(path, pool_name, stale=False)
+    log = read_log(str(path))
+    stores = [r for r in log.records if r.op == OpCode.STORE]
+    assert len(stores) > 20 and not any(r.found for r in log.records)
+    out = replay(log)
+    assert (out.reason, out.exit_code) == ("end", 0)
+    # a decode step's store after some request was freed: its slot moved into that request's
+    # first block, published (its prompt's) and kept cached by the prefix index
+    freed = next(r for r in log.records if r.op == OpCode.FREE)
+    victim = next(r for r in stores if r.seq > freed.seq and len(r.store.spans) == 1)
+    victim.store.slots = [freed.blocks[0] * 4] + victim.store.slots[1:]
+    out = replay(log)
+    assert out.reason == "divergence" and out.diff == ["found"]
+    assert out.record is not None and out.record.seq == victim.seq
+    assert out.got is not None
+    assert out.got.found == [("published_block_modified", freed.blocks[0])]
+
+
+def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, pool_name):
+    """The reader gives back each store check's spans and slots as the check had them (several
+    writers, slots out of order and -1 padding, a sequence's id after a resume), and a store
+    checked in two parts (check_blocks at the store, check_slots where its slots are read
+    back: a CUDA store's) is two records, the second naming the first; both replay."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        a = pool.allocate("a", list(range(9)))
+        b = pool.allocate("b", list(range(50, 56)))
+        slots = pool.slot_mapping(b, 0, 6)[::-1] + [-1, -1] + pool.slot_mapping(a, 0, 9)
+        spans = [(b, 0, 6), (a, 0, 9)]
+        Writers(pool, spans).check(np.array(slots[:6] + slots[8:]))
+        Writers(pool, spans).check(np.array(slots))
+        w = Writers(pool, [(a, 4, 9)])
+        w.check_blocks()
+        w.check_slots(np.array(pool.slot_mapping(a, 4, 9)))
+        ids = (b.seq_id, a.seq_id)
+        pool.free(a)
+        pool.free(b)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    stores = [r for r in log.records if r.op == OpCode.STORE]
+    assert len(stores) == 4
+    want = [(ids[0], 0, 6), (ids[1], 0, 9)]
+    assert [r.store.spans for r in stores[:2]] == [want, want]
+    assert stores[0].store.slots == slots[:6] + slots[8:] and stores[1].store.slots == slots
+    assert [r.store.what for r in stores] == [3, 3, 1, 2]
+    assert stores[2].store.slots == [] and stores[3].store.ref == stores[2].seq
+    assert stores[3].store.spans == [(ids[1], 4, 9)]
+    assert stores[0].request == "b" and stores[0].to_dict()["store"]["spans"][1] == list(want[1])
+    # (the reversed slots of b land in its own blocks at other positions: not a finding)
+    out = replay(log)
+    assert (out.reason, out.exit_code) == ("end", 0)
+
+
+def test_with_recording_off_a_store_check_reads_one_attribute_and_no_core(pool_name):
+    """Not recording, a store check that finds nothing reads the handle's `recording` once and
+    never its core (no record composed)."""
+
+    class Watched:
+        def __init__(self, pool: KVPool):
+            self._pool = pool
+            self.reads: list[str] = []
+
+        def __getattr__(self, name: str):
+            self.reads.append(name)
+            return getattr(self._pool, name)
+
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        s = pool.allocate("a", list(range(6)))
+        watched = Watched(pool)
+        Writers(watched, [(s, 0, 6)]).check(np.array(pool.slot_mapping(s, 0, 6)))
+        assert watched.reads.count("recording") == 1 and "core" not in watched.reads
+        pool.free(s)
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def _rechecked(chunk: bytearray) -> bytes:
+    """A chunk with its size and check made right for its bytes (as a core would write it)."""
+    chunk[4:8] = len(chunk).to_bytes(4, "little")
+    chunk[8:16] = bytes(8)
+    words = np.frombuffer(bytes(chunk), dtype=np.uint64).tolist()
+    total = sum(w * (2 * i + 1) for i, w in enumerate(words)) % 2**64
+    chunk[8:16] = fmix64(total).to_bytes(8, "little")
+    return bytes(chunk)
+
+
+def test_a_truncated_store_record_is_one_line_exit_2(tmp_path, pool_name, capsys):
+    """A STORE record cut short inside its slots (its chunk otherwise whole, its check right)
+    is refused in one line, as any record that holds what no core writes; so is a record of an
+    operation this reader does not know (as a reader before STORE refuses one)."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        s = pool.allocate("a", list(range(40)))
+        pool.flush_recording()
+        Writers(pool, [(s, 0, 40)]).check(np.array(pool.slot_mapping(s, 0, 40)))
+        pool.flush_recording()  # (the STORE alone in the last chunk)
+        pool.free(s)
+    finally:
+        pool.close()
+        pool.unlink()
+    data = path.read_bytes()
+    store = next(r for r in read_log(str(path)).records if r.op == OpCode.STORE)
+    size = int.from_bytes(data[store.offset + 4 : store.offset + 8], "little")
+    head = data[: store.offset]
+    chunk = bytearray(data[store.offset : store.offset + size])
+    assert chunk[48] == OpCode.STORE
+    for damage in ("cut", "unknown"):
+        if damage == "cut":
+            bad = _rechecked(chunk[: size - 16])  # (16 of its 40 slots' bytes gone)
+        else:
+            other = bytearray(chunk)
+            other[48] = max(OpCode) + 1
+            bad = _rechecked(other)
+        path.write_bytes(head + bad)
+        with pytest.raises(OplogError, match="holds what no core writes"):
+            read_log(str(path))
+        assert main(["replay", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    path.write_bytes(head + _rechecked(chunk))  # (the chunk as it was: read)
+    assert [r.op for r in read_log(str(path)).records][-1] == OpCode.STORE
+
+
+@pytest.mark.slow
+def test_kvscope_run_records_a_store_through_a_stale_slot_mapping(tmp_path):
+    """tests/replay_work.py's engine with its stale slot mapping under `kvscope run
+    --record-ops` (the probes kvscope run turns on): `kvscope replay` reproduces the recorded
+    run up to the store check's use_after_free, shrinks it, and the script finds it."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "run.ops", "--dump-dir", str(tmp_path),
+         str(HERE / "replay_work.py"), "60", "stale-mapping"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = subprocess.run(
+        [kvscope, "replay", "run.ops", "--emit-script", "repro.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "reproduced the recorded run up to a finding" in out.stdout
+    assert "found       use_after_free@" in out.stdout
+    assert "that still find 'use_after_free'" in out.stdout
+    run = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "use_after_free" in run.stdout
