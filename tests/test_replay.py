@@ -20,8 +20,8 @@ from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode
 from kvscope.cli import main
-from kvscope.replay import Shrinker, emit_script, replay
 from kvscope.probes.stores import Writers
+from kvscope.replay import Shrinker, emit_script, replay
 from tests.replay_work import CONFIG, lease_work, store_work, work
 
 HERE = Path(__file__).parent
@@ -691,7 +691,9 @@ def test_a_store_through_a_stale_slot_mapping_replays_to_its_finding_and_shrinks
     assert kind == "use_after_free"
     report = next(r for r in log.records if r.seq == seq)
     assert report.op == OpCode.REPORT
-    store = max((r for r in log.records if r.op == OpCode.STORE and r.seq < seq), key=lambda r: r.seq)
+    store = max(
+        (r for r in log.records if r.op == OpCode.STORE and r.seq < seq), key=lambda r: r.seq
+    )
     assert log.store_reports()[seq] == store.seq
     out = replay(log, quiet=True)
     assert out.reason == "finding", (out.reason, out.diff)
