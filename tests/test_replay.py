@@ -851,6 +851,56 @@ def test_a_truncated_store_record_is_one_line_exit_2(tmp_path, pool_name, capsys
     assert [r.op for r in read_log(str(path)).records][-1] == OpCode.STORE
 
 
+@pytest.mark.gpu
+def test_a_cuda_stores_slots_are_recorded_where_they_are_read_back(tmp_path, pool_name, probes):
+    """A CUDA store's check: its writers' blocks recorded at the store, the slots it reads back
+    (at settle_writes) in a second record naming the first; the replay (on a CPU pool) checks
+    the same slots to the same finding at the same operation."""
+    import torch
+
+    from kvscope.kernels import store_kv
+    from kvscope.probes.stores import settle_writes
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(
+        pool_name, PoolConfig(**{**CONFIG, "device": "cuda"}, record_ops=str(path))
+    )
+    try:
+        a = pool.allocate("a", list(range(8)))
+        b = pool.allocate("b", [1, 2, 3])
+        pool.append(a, [7])
+        n = len(a.tokens)
+        wrong = b.block_table[0] * pool.slots_per_block + 3
+        k = torch.randn(1, CONFIG["num_kv_heads"], CONFIG["head_dim"], device="cuda")
+        mapping = torch.tensor([wrong], dtype=torch.int64, device="cuda")
+        kc, vc = pool.kv[0, 0], pool.kv[0, 1]
+        store_kv(
+            k,
+            -k,
+            kc,
+            vc,
+            mapping,
+            block_size=pool.block_size,
+            writers=Writers(pool, [(a, n - 1, n)]),
+        )
+        settle_writes(pool, wait=True)
+        block = b.block_table[0]
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    stores = [r for r in log.records if r.op == OpCode.STORE]
+    assert [r.store.what for r in stores] == [1, 2]
+    assert stores[1].store.ref == stores[0].seq and stores[1].store.slots == [wrong]
+    seq, kind = found_at(log)
+    assert kind == "unmapped_write"
+    out = replay(log)
+    assert out.reason == "finding" and out.record is not None and out.record.seq == seq
+    assert out.got is not None and out.got.found == [("unmapped_write", block)]
+
+
 @pytest.mark.slow
 def test_kvscope_run_records_a_store_through_a_stale_slot_mapping(tmp_path):
     """tests/replay_work.py's engine with its stale slot mapping under `kvscope run

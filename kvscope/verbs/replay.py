@@ -160,6 +160,13 @@ def render(d: dict[str, Any]) -> None:
             )
         if op["op"] == "expire_leases":
             print(f"  now_ns {op.get('arg')}")
+        if op.get("store"):
+            st = op["store"]
+            spans = ", ".join(f"{i}:[{a}, {b})" for i, a, b in st["spans"])
+            print(f"  store check of {'+'.join(st['checked'])}: writers {spans}")
+            if st["slots"]:
+                sl = st["slots"]
+                print(f"  slots {sl[:16]}{' ...' if len(sl) > 16 else ''} ({len(sl)})")
         rec, got = d.get("recorded"), d.get("replayed_result")
         if rec is not None:
             print(f"  {'':10}  {'recorded':34}  replayed")
