@@ -248,6 +248,7 @@ class Session:
         self.stored: dict[tuple[int, int], list[tuple[str, int]]] = {}
         self.writers: dict[int, Any] = {}
         self.store_reports = log.store_reports()
+        self._bare: dict[int, PoolProbes] = {}  # (by pid: a store check's probes where none)
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
         faults.ARMED.clear()
@@ -338,9 +339,14 @@ class Session:
         spans, slots = store_spans(part, lambda sid: self.seqs.get((r.pid, sid)))
         if not spans:
             return None
-        out = Result()
+        out = Result(seq_id=spans[0][0].seq_id)
         found = self.found
         found.clear()
+        probe = h.probe
+        if probe is None:
+            # (the recording's handle had probes at its stores, turned on after its START: the
+            # check runs under probes that change nothing the core does)
+            h.probe = self._bare.setdefault(r.pid, PoolProbes(h, ProbeFlags()))
         try:
             if part.what & STORE_BLOCKS and part.what & STORE_SLOTS:
                 Writers(h, spans).check(slots)
@@ -352,9 +358,12 @@ class Session:
                 if w is None or len(w.spans) != len(spans):
                     w = Writers(h, spans)
                 w.check_slots(slots)
-        except Exception as e:  # (a store the check could not make: as the recording's?)
+        except Exception as e:  # (a store the check could not make)
             out.status = _ERROR
             out.error = f"{type(e).__name__}: {e}"
+        finally:
+            if probe is None:
+                h.probe = None
         out.found = list(found)
         self.stored[(r.pid, r.tid)] = list(found)
         return out
@@ -689,13 +698,14 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 # thread, where the replay stops; a check that finds otherwise diverges here
                 expected = by_store.get(r.seq, [])
                 if sorted(got.found) == sorted(expected) and got.status == _OK:
-                    continue
-                fired = outcome.faults
-                shown = dataclasses.replace(r, found=expected)
-                diff = ["found"] if got.status == _OK else ["status"]
-                outcome = Outcome("divergence", done, total, shown, got, diff, faults=fired)
-                outcome.blocks = block_rows(session, recorded_result(shown), got)
-                break
+                    got.found = []  # (the REPORTs after it compare them, one each)
+                else:
+                    fired = outcome.faults
+                    shown = dataclasses.replace(r, found=expected)
+                    diff = ["found"] if got.status == _OK else ["status"]
+                    outcome = Outcome("divergence", done, total, shown, got, diff, faults=fired)
+                    outcome.blocks = block_rows(session, recorded_result(shown), got)
+                    break
             if got.found or r.found:
                 _cadenced(r, got, early)
             diff = differences(r, got)
@@ -952,6 +962,9 @@ def emit_script(shrunk: Shrunk) -> str:
     flags = start.get("probes") or {}
     env = {v: "1" if flags.get(k) else "0" for k, v in _PROBE_ENV.items()}
     cfg_args = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.items()))
+    stores_in = any(r.op == _STORE for r in shrunk.ops)
+    # (stores checked, but no probes at the START: the recording's handle turned them on after)
+    bare = stores_in and not any(flags.values())
     lines = [
         '"""A minimal reproduction of a kvscope finding, written by `kvscope replay --shrink',
         f"--emit-script` from the operation log {os.path.basename(log.path)}: "
@@ -971,7 +984,15 @@ def emit_script(shrunk: Shrunk) -> str:
                 "import numpy as np  # noqa: E402",
                 "from kvscope.probes.stores import Writers  # noqa: E402",
             ]
-            if any(r.op == _STORE for r in shrunk.ops)
+            if stores_in
+            else []
+        ),
+        *(
+            [
+                "from kvscope.allocator.probeflags import ProbeFlags  # noqa: E402",
+                "from kvscope.allocator.probing import PoolProbes  # noqa: E402",
+            ]
+            if bare
             else []
         ),
         "",
@@ -992,6 +1013,12 @@ def emit_script(shrunk: Shrunk) -> str:
         setup.append(f"pool.guard_sample = {int(start['guard_sample'])}")
     if start.get("lockdep"):
         setup += [f"{v}.trace_locks(True)" for v in handles.values()]
+    if bare:
+        setup += [
+            "# the store check runs under the probes (the recording's handle had them at its",
+            "# stores): probes that change nothing the core does",
+            *[f"{v}.probe = PoolProbes({v}, ProbeFlags())" for v in handles.values()],
+        ]
     lines += setup
     lines += ["try:"]
     names: dict[tuple[int, int], str] = {}
@@ -1020,7 +1047,7 @@ def emit_script(shrunk: Shrunk) -> str:
             body += call.split("\n")
         if fault:
             body.append("faults.configure(None)")
-        if r.op in (_ALLOCATE, _FORK, _RESUME):
+        if r.op in (_ALLOCATE, _FORK, _RESUME) and status in (_OK, -1):
             done.add((r.pid, r.seq_id))
     lines += ["    " + b for b in body] or ["    pass"]
     lines += [

@@ -776,6 +776,48 @@ def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, poo
     assert (out.reason, out.exit_code) == ("end", 0)
 
 
+def test_a_shrunk_store_keeps_the_spans_and_slots_of_the_requests_it_still_makes(
+    tmp_path, pool_name
+):
+    """A store of two writers, one of them a request already freed: the shrunk run keeps one
+    writer's request and the store, the other's gone with its span and slots (the store's
+    slots are the recording's: on the shrunk run's fresh pool either writer's land in a block
+    that is not allocated). The recording's handle turned its probes on after it began
+    recording: the replay and the script check the store all the same."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        done = pool.allocate("done", list(range(6)))
+        live = pool.allocate("live", list(range(50, 57)))
+        stale, mine = pool.slot_mapping(done, 0, 6), pool.slot_mapping(live, 0, 7)
+        pool.free(done)
+        Writers(pool, [(live, 0, 7), (done, 0, 6)]).check(np.array(mine + stale))
+        pool.free(live)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    out = replay(log)
+    assert out.reason == "finding" and out.got is not None
+    assert {k for k, _ in out.got.found} == {"use_after_free"}
+    shrunk = Shrinker(log, out).shrink()
+    assert [r.op for r in shrunk.ops] == [OpCode.ALLOCATE, OpCode.STORE]
+    assert len(shrunk.ops[1].store.spans) == 2  # (the record as it was: the script drops one)
+    text = emit_script(shrunk)
+    assert (
+        f"Writers(pool, [(s1, 0, 6)]).check(np.array({stale!r}))" in text
+        if shrunk.ops[0].request == "done"
+        else f"Writers(pool, [(s1, 0, 7)]).check(np.array({mine!r}))" in text
+    ), text
+    script = tmp_path / "repro.py"
+    script.write_text(text)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1 and "findings: use_after_free" in run.stdout, run.stdout
+
+
 def test_with_recording_off_a_store_check_reads_one_attribute_and_no_core(pool_name):
     """Not recording, a store check that finds nothing reads the handle's `recording` once and
     never its core (no record composed)."""
