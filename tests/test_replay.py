@@ -338,6 +338,34 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "bug",
+    ["whole-prompt", "contiguous"],  # (each a store its writers were given)
+)
+def test_kvscope_run_records_the_user_engines_store_bugs(bug, tmp_path):
+    """tests/user_engine.py's stores into blocks their writer must not touch (a prefix hit's
+    whole prompt stored over the blocks it shares; slots worked out as if the blocks were
+    contiguous), found by the store check, under `kvscope run --record-ops`: replayed to the
+    same finding at the same operation, shrunk, and the script finds it."""
+    kvscope = record_user_engine(tmp_path, bug)
+    log = read_log(str(tmp_path / "ue.ops"))
+    seq, kind = found_at(log)
+    assert log.store_reports().get(seq), "the first finding is not a store check's"
+    out = subprocess.run(
+        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    d = json.loads(out.stdout)
+    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
+    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
+    run = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.slow
 def test_kvscope_run_records_the_user_engines_leak_and_the_close_replays(tmp_path):
     """tests/user_engine.py's exception bug (r2's sequences never ended) under `kvscope run
     --record-ops`: its leak_finished, reported as the pool closed, replays as that close (the
