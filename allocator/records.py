@@ -220,7 +220,8 @@ OPLOG_REDACTED = 2  # tokens and request ids are keyed hashes
 # int32 blocks[n_blocks], int32 copies[2 * n_copies] (src, dst), int64 preempted[n_preempted]
 # (the seq ids the operation preempted), n_found findings (OPLOG_FOUND_FIELDS), a lease
 # operation's lease part (OPLOG_LEASE_FIELDS), a STORE's store part (OPLOG_STORE_FIELDS), zero
-# padding to a multiple of 8 bytes. `check` is the record's hash with `check` itself 0 (csrc/oplog.c).
+# padding to a multiple of 8 bytes. `check` is the record's hash with `check` itself 0
+# (csrc/oplog.c).
 OPLOG_FIELDS: list[Field] = [
     ("magic", "<u4"),
     ("size", "<u4"),

@@ -165,9 +165,11 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
         if (u > (uint64_t)(end - p)) return ERROR;
         r->n_tok = (int64_t)u;
         if (get_many(&p, end, A, r->n_tok, &r->tok) != OK) return ERROR;
-        if (r->op == OP_STORE) /* (its slots, written as differences) */
+        if (r->op == OP_STORE) { /* (its slots, written as differences) */
+            int64_t *v = A->a + r->tok;
             for (int64_t j = 1; j < r->n_tok; j++)
-                A->a[r->tok + j] = (int64_t)((uint64_t)A->a[r->tok + j] + (uint64_t)A->a[r->tok + j - 1]);
+                v[j] = (int64_t)((uint64_t)v[j] + (uint64_t)v[j - 1]);
+        }
     }
     if (p >= end) return ERROR;
     r->tmode = *p++;
