@@ -12,12 +12,15 @@ work on the machine delays a run but does not count); the median of --repeat rou
 with its ratio to the probes-off C core. Probes are switched by the KVSCOPE_* variables `kvscope run` sets (bench_probes.make).
 The "+ recording" rows record every operation into an operation log (`kvscope run
 --record-ops`, docs/REPLAY.md) in a temporary directory (--log-dir; removed after each run), beside
-the same probes without it. Recording's cost is then measured in --pairs triples of adjacent runs
-(without, with, without; the same seed, --pair-steps steps each) for each of the two probe sets:
-every triple's cost (the run with recording against the mean of its two neighbours) is printed,
-with their median and spread.
+the same probes without it (separate runs: their spread is the machine's). Recording's cost is
+then measured apart, --pairs runs for each of the two probe sets: in a run two pools of the same
+probes, one of them recording, serve the same seeded requests in lockstep for --pair-steps
+steps, which of them takes a step first alternating, every step timed in this process's CPU
+time, so that what the machine does to one it does to the other within a step (an A/A run, two
+pools neither recording, measures within half a percent of zero). A run's cost is its CPU time
+with recording over the time without; each run's, their median and spread are printed.
 
-    python bench/bench_serving_loop.py --repeat 1 --pairs 15     # recording's cost only, mostly
+    python bench/bench_serving_loop.py --repeat 0 --pairs 15     # recording's cost only
 """
 
 from __future__ import annotations
@@ -42,26 +45,30 @@ RUNNING = 64
 SYSTEMS = 8
 
 
-def serve(
-    pool: KVPool, steps: int, seed: int, after_step: Callable[[list], None] | None = None
-) -> tuple[float, int]:
-    """Pool operations per second over `steps` decode steps, and how many operations;
-    `after_step(running sequences)` runs after each step, timed with it."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(32)] for _ in range(SYSTEMS)]
-    n = 0
+class Loop:
+    """The serving loop's state on one pool: its running sequences and its seeded requests
+    (the same seed, the same operations)."""
 
-    def admit() -> list:
-        nonlocal n
-        n += 1
+    def __init__(self, pool: KVPool, seed: int) -> None:
+        self.pool = pool
+        self.rng = random.Random(seed)
+        self.systems = [[self.rng.randrange(32000) for _ in range(32)] for _ in range(SYSTEMS)]
+        self.n = 0
+        self.running = [self.admit() for _ in range(RUNNING)]
+        self.ops = RUNNING
+
+    def admit(self) -> list:
+        rng = self.rng
+        self.n += 1
         own = [rng.randrange(32000) for _ in range(rng.randrange(8, 41))]
-        prompt = (rng.choice(systems) if rng.random() < 0.7 else []) + own
-        return [pool.allocate(f"req-{n}", prompt), rng.randrange(16, 129)]
+        prompt = (rng.choice(self.systems) if rng.random() < 0.7 else []) + own
+        return [self.pool.allocate(f"req-{self.n}", prompt), rng.randrange(16, 129)]
 
-    running = [admit() for _ in range(RUNNING)]
-    ops = RUNNING
-    t = time.process_time()
-    for _ in range(steps):
+    def step(self) -> None:
+        """One decode step: a token appended to every running sequence, the finished ones
+        published and freed, new requests in their place."""
+        pool, rng, running = self.pool, self.rng, self.running
+        ops = 0
         for i, (seq, left) in enumerate(running):
             pool.append(seq, [rng.randrange(32000)])
             ops += 1
@@ -70,14 +77,74 @@ def serve(
                 continue
             pool.mark_computed(seq, seq.num_tokens)
             pool.free(seq)
-            running[i] = admit()
+            running[i] = self.admit()
             ops += 3
+        self.ops += ops
+
+    def sequences(self) -> list:
+        return [seq for seq, _ in self.running]
+
+    def finish(self) -> None:
+        for seq, _ in self.running:
+            self.pool.free(seq)
+
+
+def serve(
+    pool: KVPool, steps: int, seed: int, after_step: Callable[[list], None] | None = None
+) -> tuple[float, int]:
+    """Pool operations per second over `steps` decode steps, and how many operations;
+    `after_step(running sequences)` runs after each step, timed with it."""
+    loop = Loop(pool, seed)
+    t = time.process_time()
+    for _ in range(steps):
+        loop.step()
         if after_step is not None:
-            after_step([seq for seq, _ in running])
+            after_step(loop.sequences())
     dt = time.process_time() - t
-    for seq, _ in running:
-        pool.free(seq)
-    return ops / dt, ops
+    loop.finish()
+    return loop.ops / dt, loop.ops
+
+
+def recording_cost(env: dict[str, str], steps: int, seed: int, log: str) -> tuple[float, int]:
+    """Recording's cost in one run: two pools of the same probes, one recording into `log`,
+    serve the same seeded requests in lockstep, step by step, which of them goes first
+    alternating; each step timed in this process's CPU time. Returns the time with recording
+    over the time without, minus 1, and the bytes of log written."""
+    plain = make(env)
+    os.environ["KVSCOPE_RECORD_OPS"] = log
+    try:
+        recorded = make(env)
+    finally:
+        os.environ.pop("KVSCOPE_RECORD_OPS", None)
+    clock = time.process_time_ns
+    try:
+        loops = (Loop(plain, seed), Loop(recorded, seed))
+        spent = [0, 0]
+        for i in range(steps):
+            for k in (0, 1) if i % 2 == 0 else (1, 0):
+                t = clock()
+                loops[k].step()
+                spent[k] += clock() - t
+        assert loops[0].ops == loops[1].ops
+        for loop in loops:
+            loop.finish()
+    finally:
+        for pool in (plain, recorded):
+            pool.close()
+            pool.unlink()
+    size = os.path.getsize(log)
+    os.unlink(log)
+    return spent[1] / spent[0] - 1, size
+
+
+def spread(costs: list[float]) -> str:
+    """A list of costs' median, range and middle half."""
+    ordered = sorted(costs)
+    k = len(ordered)
+    return (
+        f"median {statistics.median(ordered):+.1%} (from {ordered[0]:+.1%} to {ordered[-1]:+.1%};"
+        f" middle half {ordered[k // 4]:+.1%} .. {ordered[(3 * k) // 4]:+.1%})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--min-s", type=float, default=0.5, help="timed seconds per measurement")
     ap.add_argument("--log-dir", default=None, help="where the recording rows write their log")
-    ap.add_argument("--pairs", type=int, default=9, help="recording's cost: triples per probe set")
-    ap.add_argument("--pair-steps", type=int, default=500, help="steps of each run of a triple")
+    ap.add_argument("--pairs", type=int, default=15, help="recording's cost: runs per probe set")
+    ap.add_argument("--pair-steps", type=int, default=2000, help="steps of each lockstep run")
     args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -131,43 +198,29 @@ def main(argv: list[str] | None = None) -> int:
                 spent += n / rate
                 seed += args.repeat
             rates[name].append(ops / spent)
-    fast = statistics.median(rates["every probe off (the C core)"])
-    print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)\n")
-    print("| configuration | pool ops/s | vs the C core |")
-    print("|---|---:|---:|")
-    for name in configs:
-        rate = statistics.median(rates[name])
-        print(f"| {name} | {rate:,.0f} | {rate / fast:.2f}x |")
+    if args.repeat:
+        fast = statistics.median(rates["every probe off (the C core)"])
+        print("| configuration | pool ops/s | vs the C core |")
+        print("|---|---:|---:|")
+        for name in configs:
+            rate = statistics.median(rates[name])
+            print(f"| {name} | {rate:,.0f} | {rate / fast:.2f}x |")
     print(
-        f"\nrecording's cost: {args.pairs} triples per probe set (without, with, without; "
-        f"{args.pair_steps} steps each), the run with it against its neighbours' mean:"
+        f"\nrecording's cost: {args.pairs} runs per probe set, each two pools (the same probes,"
+        f" one recording) serving the same requests in lockstep for {args.pair_steps} steps,"
+        " alternating which steps first; the CPU time with recording over the time without:"
     )
     for label, env in (("every probe off", {}), ("all probes", {k: "1" for k in PROBE_VARS})):
         costs = []
+        size = 0
         for i in range(args.pairs):
-
-            def run(record: bool, seed: int = 1000 + i, env: dict = env) -> float:
-                if record:
-                    os.environ["KVSCOPE_RECORD_OPS"] = log
-                pool = make(env)
-                os.environ.pop("KVSCOPE_RECORD_OPS", None)
-                try:
-                    rate, _ = serve(pool, args.pair_steps, seed=seed)
-                finally:
-                    pool.close()
-                    pool.unlink()
-                    if os.path.exists(log):
-                        os.unlink(log)
-                return 1 / rate
-
-            a, b, c = run(False), run(True), run(False)
-            costs.append(b / ((a + c) / 2) - 1)
-        ordered = sorted(costs)
+            cost, size = recording_cost(env, args.pair_steps, 1000 + i, log)
+            costs.append(cost)
         print(
-            f"  {label} + recording: median {statistics.median(costs):+.1%} (from "
-            f"{ordered[0]:+.1%} to {ordered[-1]:+.1%}; middle half {ordered[len(costs) // 4]:+.1%}"
-            f" .. {ordered[(3 * len(costs)) // 4]:+.1%}): " + ", ".join(f"{x:+.1%}" for x in costs)
+            f"  {label} + recording: {spread(costs)}; log {size / 1e6:.1f} MB a run: "
+            + ", ".join(f"{x:+.1%}" for x in costs)
         )
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
     os.rmdir(log_dir)
     return 0
 
