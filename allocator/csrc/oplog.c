@@ -15,7 +15,12 @@ typedef PyObject *(*FastFn)(Native *, PyObject *const *, Py_ssize_t);
  * something happened (a status other than ok, a finding, a fault, a START, a LOST, a report),
  * and when recording stops: the log on disk holds every record up to the last such one, and a
  * process killed loses at most the ordinary records since (a reader sees the gap). */
-#define OPLOG_OUT (64 * 1024)
+#define OPLOG_OUT (256 * 1024)
+/* The file space reserved ahead of the log's end at a time (fallocate, FALLOC_FL_KEEP_SIZE: the
+ * file's size is what was written, a reader never sees the reserve): a write into reserved
+ * space costs the kernel about half what one that extends a file of delayed allocation does
+ * (ext4). */
+#define OPLOG_RESERVE (1024 * 1024)
 
 /* A record's table: none, the whole table, or the first `keep` entries of the table the
  * sequence's last record gave it followed by the rest (an append's). */
@@ -49,6 +54,8 @@ typedef struct Oplog {
     uint64_t lost;  /* records a failed write lost since the last one written */
     int64_t *pre;   /* the seq ids the call in flight preempted (oplog_preempted) */
     int64_t n_pre, cap_pre;
+    uint64_t end, reserved; /* the log's end as this handle last wrote it, the space reserved to */
+    int reserve;            /* the file system reserves space (fallocate) */
 } Oplog;
 
 /* A chunk's check (and an expanded record's: allocator/oplog.py record_checks): fmix64 of the
@@ -62,8 +69,9 @@ static uint64_t record_check(const uint8_t *r, size_t size) {
 }
 
 /* This thread's id (cached: gettid is a system call), fetched again in a forked child. */
-static __thread int32_t tl_tid;
-static __thread int tl_gen = -1;
+/* (initial-exec: read at an offset from the thread pointer, not through __tls_get_addr) */
+static __thread __attribute__((tls_model("initial-exec"))) int32_t tl_tid;
+static __thread __attribute__((tls_model("initial-exec"))) int tl_gen = -1;
 static inline int32_t thread_id(void) {
     if (tl_gen != fork_gen) {
         tl_tid = (int32_t)syscall(SYS_gettid);
@@ -86,8 +94,23 @@ static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k) {
     L->have_tok = 1;
 }
 
+/* Space reserved past the log's end for a chunk of `size` bytes about to be written, where
+ * what this handle reserved last is used up (other processes' appends move the end too: it is
+ * read again). A file system that cannot reserve is not asked again; a reserve that fails is
+ * only a slower write. */
+static void oplog_reserve(Oplog *L, size_t size) {
+    if (!L->reserve || L->end + size <= L->reserved) return;
+    struct stat st;
+    if (fstat(L->fd, &st) != 0) return;
+    L->end = (uint64_t)st.st_size;
+    if (fallocate(L->fd, FALLOC_FL_KEEP_SIZE, st.st_size, OPLOG_RESERVE) == 0)
+        L->reserved = L->end + OPLOG_RESERVE;
+    else if (errno == EOPNOTSUPP || errno == ENOSYS)
+        L->reserve = 0;
+}
+
 /* Write the chunk composed so far (by the process that opened the log only). */
-static void oplog_flush(Oplog *L) {
+static __attribute__((noinline)) void oplog_flush(Oplog *L) {
     if (L->out_recs == 0) return;
     size_t size = (L->out_n + 7) & ~(size_t)7;
     memset(L->out + L->out_n, 0, size - L->out_n);
@@ -103,6 +126,7 @@ static void oplog_flush(Oplog *L) {
     U4(c + OC_FLAGS) = L->key ? OPLOG_REDACTED : 0;
     if (L->owner == (int32_t)getpid()) {
         U8(c + OC_CHECK) = record_check(c, size);
+        oplog_reserve(L, size);
         size_t done = 0;
         while (done < size) {
             ssize_t w = write(L->fd, c + done, size - done);
@@ -110,6 +134,7 @@ static void oplog_flush(Oplog *L) {
             if (w <= 0) break;
             done += (size_t)w;
         }
+        L->end += done;
         if (done < size) L->lost += (uint64_t)L->out_recs;
     }
     L->out_n = OPLOG_CHUNK;
@@ -133,8 +158,11 @@ static void oplog_preempted(Native *n, PyObject *seq) {
     L->pre[L->n_pre++] = v;
 }
 
+static __attribute__((noinline, cold)) int32_t redacted_token(uint64_t key, int32_t t) {
+    return (int32_t)(fmix64(key ^ (uint64_t)(uint32_t)t) & 0x7FFFFFFF);
+}
 static inline int32_t oplog_token(Oplog *L, int32_t t) {
-    return L->key ? (int32_t)(fmix64(L->key ^ (uint64_t)(uint32_t)t) & 0x7FFFFFFF) : t;
+    return __builtin_expect(L->key != 0, 0) ? redacted_token(L->key, t) : t;
 }
 
 /* LEB128 varints; signed values zigzag-encoded first. */
@@ -179,8 +207,8 @@ static void oplog_request(Oplog *L, const char *in, char *out) {
 
 /* Room for a record of at most `bound` bytes after what the chunk holds (the chunk written
  * first where it would not fit); NULL where no memory is left for it. */
-static uint8_t *oplog_room(Oplog *L, size_t bound) {
-    if (L->out_n + bound + 8 > L->cap_out) oplog_flush(L);
+static inline uint8_t *oplog_room(Oplog *L, size_t bound) {
+    if (__builtin_expect(L->out_n + bound + 8 > L->cap_out, 0)) oplog_flush(L);
     if (OPLOG_CHUNK + bound + 8 > L->cap_out) {
         if (OPLOG_CHUNK + bound + 8 > UINT32_MAX) return NULL;
         uint8_t *o = PyMem_Realloc(L->out, OPLOG_CHUNK + bound + 8);
@@ -193,7 +221,7 @@ static uint8_t *oplog_room(Oplog *L, size_t bound) {
 
 /* A record's first bytes: op, status and flags, its number, time, thread and probe word
  * where they changed, and the sequence's id. */
-static uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op, int bits, int64_t seq_id) {
+static inline uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op, int bits, int64_t seq_id) {
     uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
     /* (the clock read every 64 records: a record's time is its chunk's to 2^20 ns, and within
      * the 63 records before it) */
@@ -519,9 +547,54 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     }
 RECORDED(R_allocate, OP_ALLOCATE, N_allocate)
 
+/* An append that was not a plain one (an error, copies on write, preemptions, findings, a
+ * fault, records lost before it): its general record. Out of the hot path's way. */
+static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObject *const *args,
+                                                                PyObject *res,
+                                                                const uint8_t *rec, uint32_t nb0,
+                                                                Py_ssize_t found0,
+                                                                Py_ssize_t armed0) {
+    Oplog *L = n->oplog;
+    OpRec o;
+    memset(&o, 0, sizeof o);
+    o.op = OP_APPEND;
+    o.scratch = 1;
+    o.seq_id = (int64_t)U8(rec + SF_SEQ_ID);
+    o.src_id = -1;
+    o.found0 = found0;
+    o.req_live = 1;
+    memcpy(o.request, rec + SF_REQUEST, REQUEST_BYTES);
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
+    if (res == NULL) {
+        PyErr_Fetch(&et, &ev, &etb);
+        o.status = et == NULL ? OS_ERROR
+                   : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType)
+                       ? OS_EXHAUSTED
+                   : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType) ? OS_REFUSED
+                                                                                     : OS_ERROR;
+    }
+    if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
+    if (res && PyList_Check(res)) o.copies = res;
+    int64_t after = slot_of(n, args[1]);
+    if (after >= 0 && n->seg) {
+        slot_table(n, after, &o);
+        o.tmode = TM_OWN;
+        o.keep = (int64_t)nb0 - (o.copies && PyList_GET_SIZE(o.copies) ? 1 : 0);
+        if (o.keep > o.n_blocks) o.keep = o.n_blocks;
+        if (o.keep < 0) o.keep = 0;
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    oplog_write(n, &o);
+    if (res == NULL) PyErr_Restore(et, ev, etb);
+    L->n_pre = 0;
+    L->have_tok = 0;
+    return res;
+}
+
 /* append, recorded: the core's hot path (a decode step appends to every running sequence),
  * so its record is composed straight from the sequence's record in the segment. */
-static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+static __attribute__((hot)) PyObject *R_append(Native *n, PyObject *const *args,
+                                               Py_ssize_t nargs) {
     Oplog *L = n->oplog;
     if (L == NULL) return N_append(n, args, nargs);
     int64_t slot = L->depth == 0 && nargs == 3 && n->seg ? slot_of(n, args[1]) : -1;
@@ -534,47 +607,13 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *res = N_append(n, args, nargs);
     L->depth--;
     uint32_t nb1 = U4(rec + SF_NUM_BLOCKS);
-    if (res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
-        !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
-        (n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0) != armed0 ||
-        nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL) {
-        /* (anything but a plain append: the general record) */
-        OpRec o;
-        memset(&o, 0, sizeof o);
-        o.op = OP_APPEND;
-        o.scratch = 1;
-        o.seq_id = (int64_t)U8(rec + SF_SEQ_ID);
-        o.src_id = -1;
-        o.found0 = found0;
-        o.req_live = 1;
-        memcpy(o.request, rec + SF_REQUEST, REQUEST_BYTES);
-        PyObject *et = NULL, *ev = NULL, *etb = NULL;
-        if (res == NULL) {
-            PyErr_Fetch(&et, &ev, &etb);
-            o.status = et == NULL ? OS_ERROR
-                       : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType)
-                           ? OS_EXHAUSTED
-                       : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType)
-                           ? OS_REFUSED
-                           : OS_ERROR;
-        }
-        if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
-        if (res && PyList_Check(res)) o.copies = res;
-        int64_t after = slot_of(n, args[1]);
-        if (after >= 0 && n->seg) {
-            slot_table(n, after, &o);
-            o.tmode = TM_OWN;
-            o.keep = (int64_t)nb0 - (o.copies && PyList_GET_SIZE(o.copies) ? 1 : 0);
-            if (o.keep > o.n_blocks) o.keep = o.n_blocks;
-            if (o.keep < 0) o.keep = 0;
-        }
-        if (PyErr_Occurred()) PyErr_Clear();
-        oplog_write(n, &o);
-        if (res == NULL) PyErr_Restore(et, ev, etb);
-        L->n_pre = 0;
-        L->have_tok = 0;
-        return res;
-    }
+    if (__builtin_expect(
+            res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
+                !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
+                (n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0) != armed0 ||
+                nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL,
+            0))
+        return append_general(n, args, res, rec, nb0, found0, armed0);
     /* a plain append: its tokens, and the blocks it added after the table */
     uint32_t keep = nb0 < nb1 ? nb0 : nb1;
     uint8_t *p0 = oplog_room(L, 64 + 5 * (size_t)L->ntok + 5 * (size_t)(nb1 - keep));
@@ -875,6 +914,7 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
         return PyErr_NoMemory();
     }
     L->fd = fd;
+    L->reserve = 1;
     L->owner = (int32_t)getpid();
     L->out = out;
     L->key = key;
