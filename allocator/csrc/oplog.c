@@ -72,18 +72,19 @@ static uint64_t record_check(const uint8_t *r, size_t size) {
 /* (initial-exec: read at an offset from the thread pointer, not through __tls_get_addr) */
 static __thread __attribute__((tls_model("initial-exec"))) int32_t tl_tid;
 static __thread __attribute__((tls_model("initial-exec"))) int tl_gen = -1;
+static __attribute__((noinline, cold)) void thread_id_fetch(void) {
+    tl_tid = (int32_t)syscall(SYS_gettid);
+    tl_gen = fork_gen;
+}
 static inline int32_t thread_id(void) {
-    if (tl_gen != fork_gen) {
-        tl_tid = (int32_t)syscall(SYS_gettid);
-        tl_gen = fork_gen;
-    }
+    if (__builtin_expect(tl_gen != fork_gen, 0)) thread_id_fetch();
     return tl_tid;
 }
 
 /* The open call's tokens, as N_allocate / N_append read them (their hook). */
-static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k) {
+static __attribute__((hot)) void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k) {
     Oplog *L = n->oplog;
-    if (k > L->cap_tok) {
+    if (__builtin_expect(k > L->cap_tok, 0)) {
         int32_t *t = PyMem_Realloc(L->tok, sizeof(int32_t) * (size_t)k);
         if (t == NULL) return;
         L->tok = t;
@@ -209,7 +210,7 @@ static void oplog_request(Oplog *L, const char *in, char *out) {
  * first where it would not fit); NULL where no memory is left for it. */
 static inline uint8_t *oplog_room(Oplog *L, size_t bound) {
     if (__builtin_expect(L->out_n + bound + 8 > L->cap_out, 0)) oplog_flush(L);
-    if (OPLOG_CHUNK + bound + 8 > L->cap_out) {
+    if (__builtin_expect(OPLOG_CHUNK + bound + 8 > L->cap_out, 0)) {
         if (OPLOG_CHUNK + bound + 8 > UINT32_MAX) return NULL;
         uint8_t *o = PyMem_Realloc(L->out, OPLOG_CHUNK + bound + 8);
         if (o == NULL) return NULL;
@@ -219,34 +220,46 @@ static inline uint8_t *oplog_room(Oplog *L, size_t bound) {
     return L->out + L->out_n;
 }
 
-/* A record's first bytes: op, status and flags, its number, time, thread and probe word
- * where they changed, and the sequence's id. */
-static inline uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op, int bits, int64_t seq_id) {
-    uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
-    /* (the clock read every 64 records: a record's time is its chunk's to 2^20 ns, and within
-     * the 63 records before it) */
-    if ((L->out_recs & 63) == 0) L->now = clock_ns(CLOCK_REALTIME_COARSE);
-    uint64_t now = L->now;
-    int32_t tid = thread_id(); /* (not cached by pthread_self: an ended thread's is reused) */
-    uint32_t probes = (uint32_t)*n->probe_bits;
+/* The rare parts of a record's head, out of the hot path's way: the clock (read every 64
+ * records: a record's time is its chunk's to 2^20 ns, and within the 63 records before it),
+ * a chunk's first record, a thread id or probe word that changed. */
+static __attribute__((noinline, cold)) void oplog_clock(Oplog *L, uint64_t seq) {
+    L->now = clock_ns(CLOCK_REALTIME_COARSE);
     if (L->out_recs == 0) {
         L->base_seq = L->prev_seq = seq;
-        L->base_time = now;
+        L->base_time = L->now;
         L->prev_tid = L->owner;
         L->prev_probes = 0;
     }
+    if (L->now < L->base_time) L->now = L->base_time; /* (the wall clock set back) */
+}
+static __attribute__((noinline, cold)) uint8_t *oplog_changed(Oplog *L, uint8_t *p, int bits,
+                                                              int32_t tid, uint32_t probes) {
+    if (bits & CR_TID) p = put_u(p, (uint32_t)tid);
+    if (bits & CR_PROBES) p = put_u(p, probes);
+    L->prev_tid = tid;
+    L->prev_probes = probes;
+    return p;
+}
+
+/* A record's first bytes: op, status and flags, its number, time, thread and probe word
+ * where they changed, and the sequence's id. (Every record runs it: kept to a few cache lines
+ * of code, which a Python program's interpreter evicts between two operations.) */
+static inline __attribute__((hot)) uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op,
+                                                       int bits, int64_t seq_id) {
+    uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
+    if (__builtin_expect((L->out_recs & 63) == 0, 0)) oplog_clock(L, seq);
+    int32_t tid = thread_id(); /* (not cached by pthread_self: an ended thread's is reused) */
+    uint32_t probes = (uint32_t)*n->probe_bits;
     if (tid != L->prev_tid) bits |= CR_TID;
     if (probes != L->prev_probes) bits |= CR_PROBES;
     *p++ = (uint8_t)op;
     *p++ = (uint8_t)bits;
     p = put_u(p, seq - L->prev_seq);
-    p = put_u(p, now > L->base_time ? (now - L->base_time) >> CR_TIME_SHIFT : 0);
-    if (bits & CR_TID) p = put_u(p, (uint32_t)tid);
-    if (bits & CR_PROBES) p = put_u(p, probes);
+    p = put_u(p, (L->now - L->base_time) >> CR_TIME_SHIFT); /* (oplog_clock: never below) */
+    if (__builtin_expect(bits & (CR_TID | CR_PROBES), 0)) p = oplog_changed(L, p, bits, tid, probes);
     p = put_s(p, seq_id);
     L->prev_seq = seq;
-    L->prev_tid = tid;
-    L->prev_probes = probes;
     return p;
 }
 
@@ -359,7 +372,7 @@ static void oplog_write(Native *n, OpRec *o) {
 }
 
 /* The live slot a Sequence names (its slot field, in the table's range), else -1. */
-static int64_t slot_of(Native *n, PyObject *seq) {
+static __attribute__((hot)) int64_t slot_of(Native *n, PyObject *seq) {
     if (seq == NULL || (!Py_IS_TYPE(seq, (PyTypeObject *)n->seq_type) &&
                         !PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)))
         return -1;
