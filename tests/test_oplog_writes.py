@@ -6,6 +6,8 @@ is not part of it)."""
 
 from __future__ import annotations
 
+import resource
+import signal
 import struct
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.oplog import read_log
 from kvscope.allocator.records import OPLOG_CHUNK_MAGIC, OpCode
-from tests.forking import killed_after
+from tests.forking import fork_child, killed_after, wait_child
 
 CONFIG = dict(num_blocks=64, block_size=16, num_layers=1, num_kv_heads=1, head_dim=8)
 # The chunk a recording handle composes (csrc/oplog.c OPLOG_OUT): a chunk written because it
@@ -115,3 +117,33 @@ def test_the_log_is_exactly_its_chunks_after_close(tmp_path, pool_name):
     assert sum(sizes) == path.stat().st_size
     log = read_log(str(path))
     assert log.records[0].op == OpCode.START and len(log.records) == 1 + 10 * 300
+
+
+def test_records_a_failed_write_lost_are_counted_in_a_lost_record(tmp_path, pool_name):
+    """A write of a chunk that fails (the file at its size limit) loses its records, and the
+    plain appends held behind it; the next record written is a LOST counting every number
+    missing before it, and the records after it follow without a gap."""
+    path = tmp_path / "run.ops"
+
+    def run() -> int:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+        pool.flush_recording()
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size, hard))
+        work(pool, ROUNDS // 2)  # (more than a chunk: its write fails)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+        work(pool, 2)
+        pool.close()
+        pool.unlink()
+        return 0
+
+    assert wait_child(fork_child(run, alarm_s=60)) == 0
+    log = read_log(str(path))
+    start, lost = log.records[:2]
+    assert start.op == OpCode.START and lost.op == OpCode.LOST
+    assert lost.arg == lost.seq - start.seq - 1 > 1000
+    assert log.gaps == [(start.seq + 1, lost.seq - 1)]
+    after = log.records[2:]
+    assert [r.seq for r in after] == list(range(lost.seq + 1, lost.seq + 1 + len(after)))
+    assert len(after) > 20 and after[-1].op == OpCode.FREE

@@ -12,7 +12,7 @@ typedef PyObject *(*FastFn)(Native *, PyObject *const *, Py_ssize_t);
 
 /* Records are composed into a chunk in `out` (an OPLOG_CHUNK header, then compact records:
  * docs/REPLAY.md) and the chunk written with one write(2) when it fills, when a record says
- * something happened (a status other than ok, a finding, a fault, a START, a LOST, a report),
+ * something happened (a status other than ok, a finding, a fault, a START, a report),
  * and when recording stops: the log on disk holds every record up to the last such one, and a
  * process killed loses at most the ordinary records since (a reader sees the gap). */
 #define OPLOG_OUT (256 * 1024)
@@ -56,7 +56,25 @@ typedef struct Oplog {
     int64_t n_pre, cap_pre;
     uint64_t end, reserved; /* the log's end as this handle last wrote it, the space reserved to */
     int reserve;            /* the file system reserves space (fallocate) */
+    struct Held *held;      /* plain appends not composed yet (oplog_compose_held), n_held of them */
+    int n_held;
+    Native *native;         /* the handle it records (a LOST record's number: oplog_room) */
 } Oplog;
+
+/* A plain append of one token held as it returned, composed into the chunk with the ones after
+ * it (OPLOG_HELD at a time, and before any other record, any write of the chunk): the code
+ * that composes a record runs in a loop that keeps it in the instruction cache, where a record
+ * composed at its operation finds its code evicted by the program's own between two
+ * operations. Its number and time are taken as the operation returns, as any record's. */
+typedef struct Held {
+    uint64_t seq, now;
+    int64_t seq_id;
+    int32_t token, block; /* block: the one it added after the table (where nb > keep) */
+    uint32_t keep, nb;    /* the table's entries kept, its length after */
+    int32_t tid;
+    uint32_t probes;
+} Held;
+#define OPLOG_HELD 64
 
 /* A chunk's check (and an expanded record's: allocator/oplog.py record_checks): fmix64 of the
  * sum of its 64-bit words, word i weighted by 2i + 1, with the check itself 0. Any one word
@@ -208,7 +226,7 @@ static void oplog_request(Oplog *L, const char *in, char *out) {
 
 /* Room for a record of at most `bound` bytes after what the chunk holds (the chunk written
  * first where it would not fit); NULL where no memory is left for it. */
-static inline uint8_t *oplog_room(Oplog *L, size_t bound) {
+static inline uint8_t *room_raw(Oplog *L, size_t bound) {
     if (__builtin_expect(L->out_n + bound + 8 > L->cap_out, 0)) oplog_flush(L);
     if (__builtin_expect(OPLOG_CHUNK + bound + 8 > L->cap_out, 0)) {
         if (OPLOG_CHUNK + bound + 8 > UINT32_MAX) return NULL;
@@ -233,6 +251,9 @@ static __attribute__((noinline, cold)) void oplog_clock(Oplog *L, uint64_t seq) 
     }
     if (L->now < L->base_time) L->now = L->base_time; /* (the wall clock set back) */
 }
+static __attribute__((noinline, cold)) void oplog_tick(Oplog *L) {
+    L->now = clock_ns(CLOCK_REALTIME_COARSE);
+}
 static __attribute__((noinline, cold)) uint8_t *oplog_changed(Oplog *L, uint8_t *p, int bits,
                                                               int32_t tid, uint32_t probes) {
     if (bits & CR_TID) p = put_u(p, (uint32_t)tid);
@@ -240,6 +261,53 @@ static __attribute__((noinline, cold)) uint8_t *oplog_changed(Oplog *L, uint8_t 
     L->prev_tid = tid;
     L->prev_probes = probes;
     return p;
+}
+
+/* The held plain appends composed into the chunk, in their order (docs/REPLAY.md's record:
+ * op, status, number, time, thread and probe word where they changed, the sequence's id, the
+ * token, the table's entries kept and the block added). Where a write of the chunk fails, the
+ * held records after it are counted lost with its own (the next record written is a LOST). */
+static void oplog_compose_held(Oplog *L) {
+    int k = L->n_held;
+    L->n_held = 0;
+    for (int i = 0; i < k; i++) {
+        const Held *h = &L->held[i];
+        uint8_t *p = L->lost ? NULL : room_raw(L, 64);
+        if (p == NULL || L->lost) {
+            L->lost += (uint64_t)(k - i);
+            return;
+        }
+        uint8_t *p0 = p;
+        if (L->out_recs == 0) {
+            L->base_seq = L->prev_seq = h->seq;
+            L->base_time = h->now;
+            L->prev_tid = L->owner;
+            L->prev_probes = 0;
+        }
+        int bits = OS_OK | (h->tid != L->prev_tid ? CR_TID : 0) |
+                   (h->probes != L->prev_probes ? CR_PROBES : 0);
+        *p++ = OP_APPEND;
+        *p++ = (uint8_t)bits;
+        p = put_u(p, h->seq - L->prev_seq);
+        p = put_u(p, h->now > L->base_time ? (h->now - L->base_time) >> CR_TIME_SHIFT : 0);
+        if (bits & (CR_TID | CR_PROBES)) p = oplog_changed(L, p, bits, h->tid, h->probes);
+        p = put_s(p, h->seq_id);
+        L->prev_seq = h->seq;
+        *p++ = 1; /* (one token) */
+        p = put_s(p, oplog_token(L, h->token));
+        *p++ = TM_OWN;
+        p = put_u(p, h->keep);
+        *p++ = (uint8_t)(h->nb - h->keep);
+        if (h->nb > h->keep) p = put_s(p, h->block);
+        L->out_n += (size_t)(p - p0);
+        L->out_recs++;
+    }
+}
+
+/* Write every record of the handle's now (its held appends composed first). */
+static void oplog_flush_all(Oplog *L) {
+    if (L->n_held) oplog_compose_held(L);
+    oplog_flush(L);
 }
 
 /* A record's first bytes: op, status and flags, its number, time, thread and probe word
@@ -263,6 +331,32 @@ static inline __attribute__((hot)) uint8_t *oplog_head(Native *n, Oplog *L, uint
     return p;
 }
 
+/* A LOST record at p, in a chunk with room for it: how many records failed writes lost since
+ * the last one written (docs/REPLAY.md). */
+static __attribute__((noinline, cold)) uint8_t *oplog_lost(Oplog *L, uint8_t *p) {
+    uint8_t *q = oplog_head(L->native, L, p, OP_LOST, CR_ARGS, -1);
+    q = put_s(q, -1);
+    q = put_s(q, (int64_t)L->lost);
+    q = put_s(q, 0);
+    *q++ = 0; /* (no tokens) */
+    *q++ = TM_NONE;
+    L->lost = 0;
+    L->out_n += (size_t)(q - p);
+    L->out_recs++;
+    return q;
+}
+
+/* Room for a record of at most `bound` bytes after what the chunk holds, the held appends
+ * composed before it; where a write failed since the last record, a LOST record first (the
+ * next record written after a failed write is a LOST). NULL where no memory is left. */
+static inline uint8_t *oplog_room(Oplog *L, size_t bound) {
+    if (L->n_held) oplog_compose_held(L);
+    uint8_t *p = room_raw(L, bound + 64);
+    if (__builtin_expect(L->lost != 0, 0) && p != NULL && L->native->seg != NULL)
+        p = oplog_lost(L, p);
+    return p;
+}
+
 /* Compose one record into the chunk. Errors are never raised: a record that cannot be
  * written is counted lost, and the next one written is preceded by a LOST record saying how
  * many (its number taken too: readers see where). */
@@ -277,21 +371,6 @@ static void oplog_write(Native *n, OpRec *o) {
     if (nf > 255) nf = 255;
     int64_t nt = o->scratch && L->have_tok ? L->ntok : 0;
     int64_t npre = o->scratch ? L->n_pre : 0;
-    if (L->lost) {
-        uint8_t *p = oplog_room(L, 64);
-        if (p != NULL) {
-            uint8_t *q = oplog_head(n, L, p, OP_LOST, CR_ARGS, -1);
-            q = put_s(q, -1);
-            q = put_s(q, (int64_t)L->lost);
-            q = put_s(q, 0);
-            *q++ = 0; /* (no tokens) */
-            *q++ = TM_NONE;
-            L->lost = 0;
-            L->out_n += (size_t)(q - p);
-            L->out_recs++;
-            oplog_flush(L);
-        }
-    }
     size_t bound = 128 + REQUEST_BYTES + (o->op == OP_START ? (size_t)o->n_text : 5 * (size_t)nt) +
                    5 * (size_t)o->n_blocks + 10 * (size_t)nc + 10 * (size_t)npre +
                    (16 + OPLOG_FOUND) * (size_t)nf;
@@ -629,6 +708,23 @@ static __attribute__((hot)) PyObject *R_append(Native *n, PyObject *const *args,
         return append_general(n, args, res, rec, nb0, found0, armed0);
     /* a plain append: its tokens, and the blocks it added after the table */
     uint32_t keep = nb0 < nb1 ? nb0 : nb1;
+    if (__builtin_expect(L->ntok == 1 && nb1 - keep <= 1, 1)) {
+        /* (a decode step's: held, composed with the ones after it) */
+        Held *h = &L->held[L->n_held];
+        h->seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
+        if (__builtin_expect(((L->out_recs + L->n_held) & 63) == 0, 0)) oplog_tick(L);
+        h->now = L->now;
+        h->tid = thread_id();
+        h->probes = (uint32_t)*n->probe_bits;
+        h->seq_id = (int64_t)U8(rec + SF_SEQ_ID);
+        h->token = L->tok[0];
+        h->keep = keep;
+        h->nb = nb1;
+        h->block = nb1 > keep ? ((const int32_t *)(rec + SF_TABLE))[keep] : 0;
+        if (++L->n_held == OPLOG_HELD) oplog_compose_held(L);
+        L->have_tok = 0;
+        return res;
+    }
     uint8_t *p0 = oplog_room(L, 64 + 5 * (size_t)L->ntok + 5 * (size_t)(nb1 - keep));
     if (p0 == NULL) {
         L->lost++;
@@ -873,8 +969,9 @@ static void oplog_free(Native *n) {
     Oplog *L = n->oplog;
     if (L == NULL) return;
     n->oplog = NULL;
-    oplog_flush(L);
+    oplog_flush_all(L);
     if (L->fd >= 0) close(L->fd);
+    PyMem_Free(L->held);
     PyMem_Free(L->pre);
     PyMem_Free(L->out);
     PyMem_Free(L->tok);
@@ -917,16 +1014,20 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     oplog_free(n);
     Oplog *L = PyMem_Calloc(1, sizeof(Oplog));
     uint8_t *out = L ? PyMem_Malloc(OPLOG_OUT) : NULL;
+    Held *held = out ? PyMem_Malloc(sizeof(Held) * OPLOG_HELD) : NULL;
     if (L) {
         L->out_n = OPLOG_CHUNK;
         L->cap_out = OPLOG_OUT;
     }
-    if (out == NULL) {
+    if (held == NULL) {
+        PyMem_Free(out);
         PyMem_Free(L);
         close(fd);
         return PyErr_NoMemory();
     }
+    L->held = held;
     L->fd = fd;
+    L->native = n;
     L->reserve = 1;
     L->owner = (int32_t)getpid();
     L->out = out;
@@ -957,6 +1058,6 @@ static PyObject *N_oplog_close(Native *n, PyObject *unused) {
 
 /* oplog_flush(): write the records composed so far (tests, and a program about to exit). */
 static PyObject *N_oplog_flush(Native *n, PyObject *unused) {
-    if (n->oplog) oplog_flush(n->oplog);
+    if (n->oplog) oplog_flush_all(n->oplog);
     Py_RETURN_NONE;
 }
