@@ -21,6 +21,7 @@ pools neither recording, measures within half a percent of zero). A run's cost i
 with recording over the time without; each run's, their median and spread are printed.
 
     python bench/bench_serving_loop.py --repeat 0 --pairs 15     # recording's cost only
+    python bench/bench_serving_loop.py --repeat 0 --pairs 15 --aa   # and A/A runs beside it
 """
 
 from __future__ import annotations
@@ -105,13 +106,17 @@ def serve(
     return loop.ops / dt, loop.ops
 
 
-def recording_cost(env: dict[str, str], steps: int, seed: int, log: str) -> tuple[float, int]:
+def recording_cost(
+    env: dict[str, str], steps: int, seed: int, log: str, record: bool = True
+) -> tuple[float, int]:
     """Recording's cost in one run: two pools of the same probes, one recording into `log`,
     serve the same seeded requests in lockstep, step by step, which of them goes first
     alternating; each step timed in this process's CPU time. Returns the time with recording
-    over the time without, minus 1, and the bytes of log written."""
+    over the time without, minus 1, and the bytes of log written. With `record` False neither
+    records (an A/A run: what the method measures where there is nothing to measure)."""
     plain = make(env)
-    os.environ["KVSCOPE_RECORD_OPS"] = log
+    if record:
+        os.environ["KVSCOPE_RECORD_OPS"] = log
     try:
         recorded = make(env)
     finally:
@@ -132,8 +137,9 @@ def recording_cost(env: dict[str, str], steps: int, seed: int, log: str) -> tupl
         for pool in (plain, recorded):
             pool.close()
             pool.unlink()
-    size = os.path.getsize(log)
-    os.unlink(log)
+    size = os.path.getsize(log) if record else 0
+    if record:
+        os.unlink(log)
     return spent[1] / spent[0] - 1, size
 
 
@@ -157,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", default=None, help="where the recording rows write their log")
     ap.add_argument("--pairs", type=int, default=15, help="recording's cost: runs per probe set")
     ap.add_argument("--pair-steps", type=int, default=2000, help="steps of each lockstep run")
+    ap.add_argument(
+        "--aa", action="store_true", help="the lockstep runs with neither pool recording too"
+    )
     args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -220,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  {label} + recording: {spread(costs)}; log {size / 1e6:.1f} MB a run: "
             + ", ".join(f"{x:+.1%}" for x in costs)
         )
+        if args.aa:
+            null = [
+                recording_cost(env, args.pair_steps, 1000 + i, log, record=False)[0]
+                for i in range(args.pairs)
+            ]
+            print(f"  {label}, neither recording (A/A): {spread(null)}")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
     os.rmdir(log_dir)
     return 0
