@@ -249,7 +249,6 @@ static __attribute__((noinline, cold)) void oplog_clock(Oplog *L, uint64_t seq) 
         L->prev_tid = L->owner;
         L->prev_probes = 0;
     }
-    if (L->now < L->base_time) L->now = L->base_time; /* (the wall clock set back) */
 }
 static __attribute__((noinline, cold)) void oplog_tick(Oplog *L) {
     L->now = clock_ns(CLOCK_REALTIME_COARSE);
@@ -324,7 +323,7 @@ static inline __attribute__((hot)) uint8_t *oplog_head(Native *n, Oplog *L, uint
     *p++ = (uint8_t)op;
     *p++ = (uint8_t)bits;
     p = put_u(p, seq - L->prev_seq);
-    p = put_u(p, (L->now - L->base_time) >> CR_TIME_SHIFT); /* (oplog_clock: never below) */
+    p = put_u(p, L->now > L->base_time ? (L->now - L->base_time) >> CR_TIME_SHIFT : 0);
     if (__builtin_expect(bits & (CR_TID | CR_PROBES), 0)) p = oplog_changed(L, p, bits, tid, probes);
     p = put_s(p, seq_id);
     L->prev_seq = seq;
