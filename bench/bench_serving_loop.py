@@ -18,7 +18,9 @@ probes, one of them recording, serve the same seeded requests in lockstep for --
 steps, which of them takes a step first alternating, every step timed in this process's CPU
 time, so that what the machine does to one it does to the other within a step (an A/A run, two
 pools neither recording, measures within half a percent of zero). A run's cost is its CPU time
-with recording over the time without; each run's, their median and spread are printed.
+with recording over the time without; each run's, their median and spread are printed. After
+the table they run in a fresh process (in the one that ran the table they read higher and
+wider).
 
     python bench/bench_serving_loop.py --repeat 0 --pairs 15     # recording's cost only
     python bench/bench_serving_loop.py --repeat 0 --pairs 15 --aa   # and A/A runs beside it
@@ -31,6 +33,7 @@ import gc
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -214,6 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         for name in configs:
             rate = statistics.median(rates[name])
             print(f"| {name} | {rate:,.0f} | {rate / fast:.2f}x |")
+    if args.repeat and args.pairs:
+        # The lockstep runs in a fresh process: after the table's runs (some 40 pools made and
+        # dropped with GC off) this one reads recording's cost higher and wider.
+        argv2 = ["--repeat", "0", "--pairs", str(args.pairs), "--pair-steps", str(args.pair_steps)]
+        if args.log_dir:
+            argv2 += ["--log-dir", args.log_dir]
+        os.rmdir(log_dir)
+        sys.stdout.flush()
+        return subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *argv2, *(["--aa"] if args.aa else [])]
+        ).returncode
     print(
         f"\nrecording's cost: {args.pairs} runs per probe set, each two pools (the same probes,"
         f" one recording) serving the same requests in lockstep for {args.pair_steps} steps,"
