@@ -774,24 +774,6 @@ static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 
 /* -- lease operations (leases.c: KVPool.lease, lease_release, expire_leases) ---------------- */
 
-/* Before a record of its own: the LOST record oplog_write writes first where records were lost
- * (the count in `arg`), written and flushed. */
-static void oplog_lost_first(Native *n, Oplog *L) {
-    if (!L->lost) return;
-    uint8_t *p = oplog_room(L, 64);
-    if (p == NULL) return;
-    uint8_t *q = oplog_head(n, L, p, OP_LOST, CR_ARGS, -1);
-    q = put_s(q, -1);
-    q = put_s(q, (int64_t)L->lost);
-    q = put_s(q, 0);
-    *q++ = 0; /* (no tokens) */
-    *q++ = TM_NONE;
-    L->lost = 0;
-    L->out_n += (size_t)(q - p);
-    L->out_recs++;
-    oplog_flush(L);
-}
-
 /* One finding of the findings ring (its position) as a record lists it: its block, then a
  * length byte and its kind's bytes. */
 static uint8_t *put_found(Native *n, uint8_t *p, uint64_t pos) {
@@ -815,7 +797,6 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
     if (nf < 0) nf = 0;
     if (nf > 255) nf = 255;
     int64_t npre = L->depth == 0 ? L->n_pre : 0;
-    oplog_lost_first(n, L);
     /* (every varint at its longest: the head and arguments, two strings, the lease part's) */
     size_t bound = 256 + 2 * REQUEST_BYTES + 5 * (size_t)o->n_gens + 5 * (size_t)o->n_blocks +
                    10 * (size_t)npre + (16 + OPLOG_FOUND) * (size_t)nf;
@@ -927,7 +908,6 @@ static PyObject *N_oplog_store(Native *n, PyObject *const *args, Py_ssize_t narg
     }
     const int64_t *spans = sp.buf, *slots = sl.buf;
     size_t n_spans = (size_t)sp.len / 24, n_slots = (size_t)sl.len / 8;
-    oplog_lost_first(n, L);
     /* (every varint at its longest) */
     uint8_t *p0 = oplog_room(L, 128 + 30 * n_spans + 10 * n_slots);
     if (p0 == NULL) {
