@@ -680,7 +680,9 @@ def test_the_lease_scenarios_replay_under_kvscope_run(scenario, kind, tmp_path):
     assert any(r.op == OpCode.LEASE for r in log.records)
     assert any(r.op == OpCode.LEASE_RELEASE and r.tid != r.pid for r in log.records)
     out = replay(log, quiet=True)
-    assert out.reason == "finding" and out.record is not None and out.record.seq == seq
+    # (what differed, where, when it did not: the log kept beside the test's other files)
+    why = (out.reason, out.diff, out.record, out.got, str(tmp_path / "s.ops"))
+    assert out.reason == "finding" and out.record is not None and out.record.seq == seq, why
     shrunk = Shrinker(log, out).shrink()
     assert shrunk.kind == kind and len(shrunk.ops) <= 50
     (tmp_path / "repro.py").write_text(emit_script(shrunk))
