@@ -356,6 +356,16 @@ static inline uint8_t *oplog_room(Oplog *L, size_t bound) {
     return p;
 }
 
+/* A record's request id (redacted where the log is): a length byte and its bytes. */
+static uint8_t *put_request(Oplog *L, uint8_t *p, const char *request) {
+    char req[REQUEST_BYTES];
+    oplog_request(L, request, req);
+    size_t k = strnlen(req, REQUEST_BYTES);
+    *p++ = (uint8_t)k;
+    memcpy(p, req, k);
+    return p + k;
+}
+
 /* Compose one record into the chunk. Errors are never raised: a record that cannot be
  * written is counted lost, and the next one written is preceded by a LOST record saying how
  * many (its number taken too: readers see where). */
@@ -391,14 +401,7 @@ static void oplog_write(Native *n, OpRec *o) {
         p = put_s(p, o->arg);
         p = put_s(p, o->result);
     }
-    if (bits & CR_REQUEST) {
-        char req[REQUEST_BYTES];
-        oplog_request(L, o->request, req);
-        size_t k = strnlen(req, REQUEST_BYTES);
-        *p++ = (uint8_t)k;
-        memcpy(p, req, k);
-        p += k;
-    }
+    if (bits & CR_REQUEST) p = put_request(L, p, o->request);
     if (o->op == OP_START) {
         p = put_u(p, (uint64_t)o->n_text);
         memcpy(p, o->text, (size_t)o->n_text);
@@ -819,14 +822,7 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
         p = put_s(p, o->arg);
         p = put_s(p, o->result);
     }
-    if (bits & CR_REQUEST) {
-        char req[REQUEST_BYTES];
-        oplog_request(L, o->request, req);
-        size_t k = strnlen(req, REQUEST_BYTES);
-        *p++ = (uint8_t)k;
-        memcpy(p, req, k);
-        p += k;
-    }
+    if (bits & CR_REQUEST) p = put_request(L, p, o->request);
     *p++ = (uint8_t)o->mode;
     size_t hk = strnlen(o->holder, REQUEST_BYTES);
     *p++ = (uint8_t)hk;
