@@ -625,17 +625,20 @@ class KVPool:
             raise PoolError(f"lease timeout must be a positive number of seconds, got {timeout!r}")
         # (the blocks as the core leases them: a take's preemption, the transfer-after-free
         # fault's, empties the sequence's table after)
-        try:
-            if isinstance(seq_or_blocks, Sequence):
-                blocks = list(seq_or_blocks.block_table)
-            else:
-                blocks = [int(b) for b in seq_or_blocks]
-        except (TypeError, ValueError):
-            blocks = []  # (not block ids: the core refuses it)
+        target = seq_or_blocks
+        if isinstance(target, Sequence):
+            blocks = list(target.block_table)
+        else:
+            try:
+                # (any iterable of block ids, read once: a generator is not read twice)
+                target = list(target)
+                blocks = [int(b) for b in target]
+            except (TypeError, ValueError):
+                blocks = []  # (not block ids: the core refuses it)
         if deadline_ns is None:
-            record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns)
+            record, lease_id = self._core.lease(self, target, mode, who, ns)
         elif deadline_ns >= 0:
-            record, lease_id = self._core.lease(self, seq_or_blocks, mode, who, ns, deadline_ns)
+            record, lease_id = self._core.lease(self, target, mode, who, ns, deadline_ns)
         else:
             raise PoolError(f"lease deadline_ns must be >= 0, got {deadline_ns!r}")
         if self._found:

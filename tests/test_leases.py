@@ -116,6 +116,21 @@ def test_eviction_passes_over_a_leased_cached_block(make_pool):
     assert pool.evict(16) == 1
 
 
+@pytest.mark.parametrize("how", ["generator", "numpy"])
+def test_a_lease_on_block_ids_takes_any_iterable_of_them_once(make_pool, how):
+    # GIVEN a request's blocks named by a generator (read once) or a numpy array
+    pool = make_pool(16)
+    a = pool.allocate("a", list(range(9)))
+    ids = a.block_table[:2]
+    target = (b for b in ids) if how == "generator" else np.array(ids, dtype=np.int64)
+    # WHEN they are leased THEN the lease holds them all, and they are quarantined at a free
+    lease = pool.lease(target, "read", holder="offloader")
+    assert lease.blocks == ids
+    pool.free(a)
+    assert states(pool, ids) == [BlockState.QUARANTINED] * 2
+    assert lease.release() is True
+
+
 def test_a_write_lease_completing_into_a_freed_block_is_one_finding_naming_holder_and_request(
     make_pool,
 ):
