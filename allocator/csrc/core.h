@@ -480,3 +480,13 @@ static int leases_step_reclaim(Native *n, int32_t client, int32_t pid, int64_t *
 /* The exception classes the core raises (allocator/errors.py), handed to it once by
  * native.py through register_errors(); NULL until then. */
 static PyObject *PoolErrorType, *PoolExhaustedType, *JournalFullType;
+
+/* An operation's status as the operation log records it (OpStatus), from the exception it
+ * raised (et: its type; NULL: none was set): exhausted, refused (another PoolError), else an
+ * error. */
+static inline int op_status(PyObject *et) {
+    return et == NULL ? OS_ERROR
+           : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType) ? OS_EXHAUSTED
+           : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType)         ? OS_REFUSED
+                                                                                     : OS_ERROR;
+}

@@ -35,14 +35,6 @@ static void lease_rec_init(Native *n, LeaseRec *o, int op) {
     o->found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
 }
 
-/* The status a call that returned NULL records (the exception fetched: et). */
-static int lease_status(PyObject *et) {
-    return et == NULL ? OS_ERROR
-           : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType) ? OS_EXHAUSTED
-           : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType)         ? OS_REFUSED
-                                                                                     : OS_ERROR;
-}
-
 /* -- the section ------------------------------------------------------------------------------ */
 
 static inline uint8_t *lease_head(Native *n) { return n->seg + n->off_leases; }
@@ -397,7 +389,7 @@ static void oplog_lease_take(Native *n, PyObject *const *args, Py_ssize_t nargs,
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (r == NULL) {
         PyErr_Fetch(&et, &ev, &etb);
-        o->status = lease_status(et);
+        o->status = op_status(et);
     }
     if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o->fault = 1;
     long long t = PyLong_Check(args[4]) ? PyLong_AsLongLong(args[4]) : 0;
@@ -696,7 +688,7 @@ static PyObject *N_lease_release(Native *n, PyObject *const *args, Py_ssize_t na
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (r == NULL) {
         PyErr_Fetch(&et, &ev, &etb);
-        o.status = lease_status(et);
+        o.status = op_status(et);
     }
     o.result = r == Py_True;
     if (o.result == 0) o.blocks = NULL; /* (ended nothing) */
@@ -782,7 +774,7 @@ static PyObject *N_lease_expire(Native *n, PyObject *const *args, Py_ssize_t nar
         PyObject *et = NULL, *ev = NULL, *etb = NULL;
         if (r == NULL) {
             PyErr_Fetch(&et, &ev, &etb);
-            o.status = lease_status(et);
+            o.status = op_status(et);
         }
         o.arg = now <= INT64_MAX ? (int64_t)now : -1;
         o.result = r && PyLong_Check(r) ? PyLong_AsLongLong(r) : 0;

@@ -544,11 +544,7 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (res == NULL) PyErr_Fetch(&et, &ev, &etb);
     if (res == NULL) {
-        o.status = et == NULL ? OS_ERROR
-                   : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType)
-                       ? OS_EXHAUSTED
-                   : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType) ? OS_REFUSED
-                                                                                     : OS_ERROR;
+        o.status = op_status(et);
     }
     if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
     int64_t after = -1;
@@ -661,11 +657,7 @@ static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObj
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (res == NULL) {
         PyErr_Fetch(&et, &ev, &etb);
-        o.status = et == NULL ? OS_ERROR
-                   : PoolExhaustedType && PyErr_GivenExceptionMatches(et, PoolExhaustedType)
-                       ? OS_EXHAUSTED
-                   : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType) ? OS_REFUSED
-                                                                                     : OS_ERROR;
+        o.status = op_status(et);
     }
     if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
     if (res && PyList_Check(res)) o.copies = res;
