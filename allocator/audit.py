@@ -38,6 +38,15 @@ def host_array(a: Any, what: str) -> Any:
     return a if what == "lengths" else np.asarray(a, dtype=np.int64)
 
 
+def check_table(table: torch.Tensor) -> None:
+    """A tensor table must be two-dimensional integers: a PoolError otherwise."""
+    if table.dim() != 2 or table.dtype.is_floating_point or table.dtype == torch.bool:
+        raise PoolError(
+            f"table: expected a 2-dimensional integer tensor, got {table.dim()} "
+            f"dimension(s) of {table.dtype}"
+        )
+
+
 # Audits of one table shape in flight at once: a slot's buffers are written again only once
 # the audit that used them RING audits before is answered (long since, behind a step each).
 RING = 4
@@ -194,13 +203,8 @@ class TableAudit:
         self.pool = pool
         self.padding = padding
         self.cuda = isinstance(table, torch.Tensor) and table.is_cuda
-        if isinstance(table, torch.Tensor) and (
-            table.dim() != 2 or table.dtype.is_floating_point or table.dtype == torch.bool
-        ):
-            raise PoolError(
-                f"table: expected a 2-dimensional integer tensor, got {table.dim()} "
-                f"dimension(s) of {table.dtype}"
-            )
+        if isinstance(table, torch.Tensor):
+            check_table(table)
         self.table = table
         if not self.cuda:
             return

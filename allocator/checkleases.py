@@ -46,6 +46,15 @@ class _Lease:
     def who(self, _block: int) -> tuple[int | None, str | None]:
         return self.pid or None, self.request
 
+    def finding(
+        self, kind: FindingKind, message: str, block: int | None = None, **extra: object
+    ) -> Finding:
+        """A finding about this lease: its holder's pid and request, `extra` beside them."""
+        return Finding(
+            kind, message, block=block, owner_pid=self.pid or None, request=self.request,
+            extra=extra,
+        )  # fmt: skip
+
 
 def check_leases(r: CheckReport, corrupt: np.ndarray, alive: Alive) -> None:
     """The lease section against the blocks and the client table (`corrupt`: block records the
@@ -95,20 +104,16 @@ def _records(
             bad.append(f"mode {mode}, neither read (1) nor write (2)")
         if bad:
             r.capped(
-                Finding(
+                lease.finding(
                     FindingKind.FREE_LIST_CORRUPT,
                     f"lease record {i} ({lease.name}) holds {' and '.join(bad)}: no core writes it",
-                    owner_pid=lease.pid or None,
-                    request=lease.request,
                 )
             )
         if k == 0 or k > width:
             r.capped(
-                Finding(
+                lease.finding(
                     FindingKind.OUT_OF_BOUNDS,
                     f"{lease.name} claims {k} blocks; its record holds 1 to {width}",
-                    owner_pid=lease.pid or None,
-                    request=lease.request,
                 )
             )
     outside = np.flatnonzero(~inside)
@@ -117,13 +122,11 @@ def _records(
     for i, j, more in zip(recs_out.tolist(), outside[first].tolist(), many.tolist(), strict=True):
         lease = leases[i]
         r.capped(
-            Finding(
+            lease.finding(
                 FindingKind.OUT_OF_BOUNDS,
                 f"{lease.name} names block {int(blk[j])}, outside the pool's blocks [0, {n})"
                 + (f" ({more} such entries)" if more > 1 else "")
                 + ": its transfer reads or writes outside the KV tensor",
-                owner_pid=lease.pid or None,
-                request=lease.request,
             )
         )
 
@@ -158,28 +161,24 @@ def _holders(
             why = f"names client record {c}, which pid {int(clients['pid'][c])} holds now"
         elif not alive(lease.pid, start):
             r.capped(
-                Finding(
+                lease.finding(
                     FindingKind.LEAK_DEAD_OWNER,
                     f"{lease.name} on {count} is held by pid {lease.pid}, which died; reclaim"
                     f" it with {REPAIR} or pool.reclaim_dead()",
-                    block=block,
-                    owner_pid=lease.pid or None,
-                    request=lease.request,
-                    extra={"lease": lease.id},
+                    block,
+                    lease=lease.id,
                 )
             )
             continue
         else:
             continue
         r.capped(
-            Finding(
+            lease.finding(
                 FindingKind.LEASE_LEAK,
                 f"{lease.name} on {count} {why}: no holder, close or reclaim will release it,"
                 f" and its blocks, once freed, stay quarantined; {REPAIR} ends it",
-                block=block,
-                owner_pid=lease.pid or None,
-                request=lease.request,
-                extra={"lease": lease.id},
+                block,
+                lease=lease.id,
             )
         )
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvscope.allocator import lifecycle, native
-from kvscope.allocator.audit import host_array
+from kvscope.allocator.audit import check_table, host_array
 from kvscope.allocator.check import check_view
 from kvscope.allocator.config import KVEventsConfig, PoolConfig
 from kvscope.allocator.errors import PoolError
@@ -544,11 +544,7 @@ class KVPool:
         if isinstance(table, torch.Tensor) and table.is_cuda:
             audits = self.device_audits()
             found = audits.settle()
-            if table.dim() != 2 or table.dtype.is_floating_point or table.dtype == torch.bool:
-                raise PoolError(
-                    f"table: expected a 2-dimensional integer tensor, got {table.dim()} "
-                    f"dimension(s) of {table.dtype}"
-                )
+            check_table(table)
             audits.launch(table, rows, host_array(lengths, "lengths"), padding)
             return found + (audits.settle(wait=True) if wait else [])
         before = len(self._found)
