@@ -135,6 +135,9 @@ class DeviceChecks:
         modes = [checks.DIGEST] if flags.digest else []
         if flags.guard:
             modes += [checks.CANARY, checks.COUNTS, checks.POISON]
+        # slot provenance's K/V hashes (csrc/provenance.c), taken by this queue wherever it is
+        # configured: provenance may be turned on at any time (pool.provenance_sample)
+        modes.append(checks.SLOTS)
         kernel.warm_up(modes)
         torch.cuda.synchronize(kv.device)
         return kernel

@@ -15,7 +15,12 @@ layer, K and V, read as integers of the element's width):
 - COUNTS: per token slot, how many of its elements no longer hold the poison (`block_size`
   words per block);
 - CANARY: 1 if the block's guard slot (the last slot) lost its canary (kernels/guard.py);
-- POISON: fill the token slots with the poison (no answer).
+- POISON: fill the token slots with the poison (no answer);
+- SLOTS: per token slot, the raw digest of that slot alone (`block_size` words per block):
+  its elements in every layer, K and V, in that order, as one row of the digest's (the
+  coefficient of a slot's element e of row r is that of element r * H * D + e): slot
+  provenance's K/V hash of a CUDA pool's slot (allocator/csrc/provenance.c prov_kv_hash takes
+  the same sum over a CPU pool's bytes).
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ import triton.language as tl
 from .digest import DIGEST_ADD, DIGEST_MUL, int_view
 from .guard import canary_loaded
 
-DIGEST, COUNTS, CANARY, POISON = 0, 1, 2, 3
-# answer words per block of each mode (COUNTS: times block_size)
-ANSWER_WORDS = {DIGEST: 1, COUNTS: 1, CANARY: 1, POISON: 0}
+DIGEST, COUNTS, CANARY, POISON, SLOTS = 0, 1, 2, 3, 4
+MODES = (DIGEST, COUNTS, CANARY, POISON, SLOTS)
+# answer words per block of each mode (COUNTS and SLOTS: times block_size)
+ANSWER_WORDS = {DIGEST: 1, COUNTS: 1, CANARY: 1, POISON: 0, SLOTS: 1}
 
 
 def answer_words(mode: int, num_blocks: int, block_size: int) -> int:
     """How many int64 words the answer of a check of `num_blocks` blocks takes."""
-    if mode == COUNTS:
+    if mode in (COUNTS, SLOTS):
         return num_blocks * block_size
     return num_blocks * ANSWER_WORDS[mode]
 
@@ -71,8 +77,10 @@ def _check_kernel(
         for s0 in range(0, BS, BS_TILE):
             slots = s0 + s
             counts = tl.zeros([BS_TILE], tl.int64)
+            per_slot = tl.zeros([BS_TILE, HD_TILE], tl.int64)
             row = base
             first = tl.full([], 0, tl.int64)  # the row's first element in the digest's order
+            slot_first = tl.full([], 0, tl.int64)  # the same in a slot's own digest (SLOTS)
             for _ in range(0, num_rows):
                 for h0 in range(0, HD, HD_TILE):
                     cols = h0 + e
@@ -86,12 +94,18 @@ def _check_kernel(
                         if MODE == 0:  # DIGEST
                             coef = ((first + offs) * MUL + ADD) | 1
                             digest += tl.where(m, bits.to(tl.int64) * coef, 0)
+                        elif MODE == 4:  # SLOTS
+                            coef = ((slot_first + cols[None, :]) * MUL + ADD) | 1
+                            per_slot += tl.where(m, bits.to(tl.int64) * coef, 0)
                         else:  # COUNTS
                             counts += tl.sum((bits != POISON_BITS).to(tl.int64), 1)
                 row += stride_row
                 first += BS * HD
+                slot_first += HD
             if MODE == 1:
                 tl.store(ring_ptr + out_at + pid * BS + slots, counts, mask=slots < BS)
+            if MODE == 4:
+                tl.store(ring_ptr + out_at + pid * BS + slots, tl.sum(per_slot, 1), mask=slots < BS)
         if MODE == 0:
             tl.store(ring_ptr + out_at + pid, tl.sum(tl.sum(digest, 1), 0))
 
@@ -141,7 +155,7 @@ class Checks:
                 MUL=DIGEST_MUL,
                 ADD=DIGEST_ADD,
             )
-            for mode in (DIGEST, COUNTS, CANARY, POISON)
+            for mode in MODES
         }
         self._compiled: dict[int, Any] = {}
         # mode -> launch(num_blocks, raw stream, ids_at, out_at) straight through Triton's
@@ -252,7 +266,7 @@ class Checks:
 
     def native_launch(self, ring: torch.Tensor) -> dict[str, Any] | None:
         """What a launch of the compiled modes from C needs (allocator/csrc/devchecks.c:
-        cuLaunchKernel), with `ring` for this one's: per mode (DIGEST, COUNTS, CANARY, POISON)
+        cuLaunchKernel), with `ring` for this one's: per mode (DIGEST, COUNTS, CANARY, POISON, SLOTS)
         the function handle, threads and shared memory; the kernel's parameters in its order
         (sizes, values), and which two take the ids' and the answer's ring offsets (a mode not
         compiled: handle 0, which the core never launches). None where no mode is compiled, a
@@ -263,7 +277,7 @@ class Checks:
         specialized away), in order, then Triton's hidden scratch pointers (passed as null by
         the C core): Triton's conventions, not documented ones, so devicechecks compares a
         digest launched that way with block0_digest before it uses them."""
-        modes = (DIGEST, COUNTS, CANARY, POISON)
+        modes = MODES
         if not self._direct or not ring.is_pinned():
             return None
         values = {

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvscope.kernels.backend import interpreting
+from kvscope.kernels.digest import DIGEST_ADD, DIGEST_MUL, int_view
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = interpreting()
@@ -143,3 +144,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double().cpu(), ref.double().cpu()
     assert torch.isfinite(out).all(), "non-finite output"
     return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def slot_digests(kv: torch.Tensor, ids: list[int], block_size: int) -> list[list[int]]:
+    """Each slot's raw digest, in torch ops: its elements in every layer, K and V, one row after
+    the other, with the digest's coefficients (allocator/csrc/provenance.c prov_kv_hash)."""
+    layers, _, _, _, heads, dim = kv.shape
+    x = int_view(kv)[:, :, ids, :block_size].permute(2, 3, 0, 1, 4, 5)
+    x = x.reshape(len(ids), block_size, layers * 2 * heads * dim).to(torch.int64)
+    coef = (torch.arange(x.shape[-1], dtype=torch.int64) * DIGEST_MUL + DIGEST_ADD) | 1
+    return (x * coef).sum(-1).tolist()

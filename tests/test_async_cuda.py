@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.allocator import KVPool, PoolExhausted, faults
+from kvscope.allocator import KVPool, PoolExhausted, Sequence, devicechecks, faults
 from kvscope.allocator.findings import FindingKind
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.lease import lease_totals
+from kvscope.kernels.digest import fmix64_reference
+from tests.kernels_cases import slot_digests
 
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"]
 BLOCKS = 16
@@ -184,6 +186,67 @@ def test_the_foreign_slot_fault_is_caught_at_a_prefix_hit(pool):
     assert f.kind == "foreign_slot" and f.request == "reader"
     assert f.block in owner.block_table[:2]
     assert "request 'writer'" in f.message and "token 99" in f.message
+
+
+@pytest.fixture(params=DEVICES + ["cpu-queued"])
+def kv_device(request, monkeypatch):
+    """Where the K/V hashes are taken: a CUDA pool's by the check kernel the core launches, a
+    CPU pool's by the core over its bytes, or ("cpu-queued") a CPU pool's through the core's
+    queue of device checks, as a CUDA pool's are (the tests' seam DEFERRED_ON_CPU)."""
+    if request.param == "cpu-queued":
+        monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", True)
+    yield request.param.split("-")[0]
+    faults.configure(None)
+
+
+def published_and_scribbled(make_pool, device: str) -> tuple[KVPool, Sequence, int]:
+    """A guard-mode pool recording every sequence's slots, a prompt of 2.5 blocks with its K/V
+    stored and its two full blocks published (their slots' K/V hashed: waited for), then one
+    element of slot 3 of its first block written afterwards."""
+    pool = pool_on(make_pool, device, guard=True)
+    pool.provenance_sample = 1
+    owner = pool.allocate("owner", tokens(pool, 2.5))
+    full = owner.block_table[:2]
+    shape = pool.kv[:, :, full, : pool.block_size].shape
+    pool.kv[:, :, full, : pool.block_size] = torch.randn(
+        shape, generator=torch.Generator().manual_seed(1)
+    ).to(pool.kv.device, pool.kv.dtype)
+    assert pool.mark_computed(owner, 2 * pool.block_size) == 2
+    pool.verify()  # (the hashes of a CUDA pool's slots land with the check's answer)
+    # (each slot's hash: its own digest finalized, the same wherever it was taken)
+    want = fmix64_reference(torch.tensor(slot_digests(pool.kv.cpu(), full, pool.block_size)))
+    want = ((want >> 32) & 0xFFFFFFFF) | 1
+    for b, hashes in zip(full, want.tolist()):
+        assert [int(h) for h in pool.view.provenance[b]["kv_hash"]] == hashes
+    assert kinds(pool) == []
+    pool.kv[0, 1, full[0], 3] += 1.0
+    return pool, owner, full[0]
+
+
+def test_a_published_slot_whose_kv_changed_is_reported_at_the_hit(make_pool, kv_device):
+    # GIVEN a published prompt one of whose slots' K/V was written after its publication
+    pool, _, block = published_and_scribbled(make_pool, kv_device)
+    # WHEN another request hits the prefix (a CUDA pool's answer applied at the next settle)
+    pool.allocate("hitter", tokens(pool, 2.5))
+    pool.verify()
+    # THEN one foreign_slot, about that slot, naming the request that hit it
+    (f,) = [f for f in pool.findings() if f.kind == "foreign_slot"]
+    assert (f.block, f.request) == (block, "hitter")
+    assert f.message.startswith("a prefix hit: slot 3 of block")
+    assert "was written since its publication" in f.message and "request 'owner'" in f.message
+
+
+def test_the_sweep_finds_a_published_slot_whose_kv_changed(make_pool, kv_device):
+    # GIVEN the same, nothing hitting it
+    pool, owner, block = published_and_scribbled(make_pool, kv_device)
+    # WHEN the owner's slots are swept (a CUDA pool's answer applied at the next settle)
+    pool.check_provenance([owner])
+    pool.verify()
+    # THEN one foreign_slot about that slot, naming the owner as its reader
+    (f,) = [f for f in pool.findings() if f.kind == "foreign_slot"]
+    assert (f.block, f.request) == (block, "owner")
+    assert f.message.startswith("provenance sweep: slot 3 of block")
+    assert "was written since its publication" in f.message
 
 
 def table(pool: KVPool, rows: int, width: int, *seqs) -> torch.Tensor:

@@ -11,7 +11,14 @@ from kvscope.allocator import integrity
 from kvscope.kernels import checks
 from kvscope.kernels.digest import int_view, raw_digests
 from kvscope.kernels.guard import guard_flags
-from tests.kernels_cases import HAS_CUDA, TRITON_TARGETS, random_pool, use_torch, use_triton_on
+from tests.kernels_cases import (
+    HAS_CUDA,
+    TRITON_TARGETS,
+    random_pool,
+    slot_digests,
+    use_torch,
+    use_triton_on,
+)
 
 CASES = [
     pytest.param(2, 8, 2, 16, torch.float32, 9, id="L2-bs8-H2x16-fp32-guard"),
@@ -54,6 +61,25 @@ def test_each_check_answers_as_the_torch_ops(
 
 @pytest.mark.parametrize("layers,block_size,heads,dim,dtype,slots", CASES)
 @pytest.mark.parametrize("target", TRITON_TARGETS)
+def test_the_slots_check_answers_each_slots_own_digest(
+    monkeypatch, target, layers, block_size, heads, dim, dtype, slots
+):
+    # GIVEN a pool of random K/V, one element of block 5's slot 1 changed afterwards
+    kv = random_pool(layers, block_size, heads, dim, dtype, slots, target)
+    use_triton_on(monkeypatch, target)
+    ids = [5, 0, 3]
+    before = checks.run_check(kv, ids, checks.SLOTS, block_size).reshape(3, block_size)
+    kv[layers - 1, 0, 5, 1, 0, 0] = 2.0 if kv[layers - 1, 0, 5, 1, 0, 0] != 2.0 else 3.0
+    # WHEN the kernel's SLOTS mode answers
+    after = checks.run_check(kv, ids, checks.SLOTS, block_size).reshape(3, block_size)
+    # THEN each word is that slot's own digest, and only the changed slot's moved
+    assert after.tolist() == slot_digests(kv.cpu(), ids, block_size)
+    moved = (before != after).nonzero().tolist()
+    assert moved == [[0, 1]]
+
+
+@pytest.mark.parametrize("layers,block_size,heads,dim,dtype,slots", CASES)
+@pytest.mark.parametrize("target", TRITON_TARGETS)
 def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
     monkeypatch, target, layers, block_size, heads, dim, dtype, slots
 ):
@@ -71,20 +97,27 @@ def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_on_a_gpu_each_check_launches_through_its_compiled_kernel_with_the_same_answer():
-    # GIVEN a CUDA pool and a page-locked ring, the kernel compiled for three modes
+    # GIVEN a CUDA pool and a page-locked ring, the kernel compiled for four modes
     kv = random_pool(2, 8, 2, 16, torch.float16, 9, "cuda")
-    ring = torch.zeros(64, dtype=torch.int64).pin_memory()
+    ring = torch.zeros(128, dtype=torch.int64).pin_memory()
     fast = checks.Checks(kv, ring, 8)
-    fast.warm_up([checks.DIGEST, checks.COUNTS, checks.CANARY])
+    fast.warm_up([checks.DIGEST, checks.COUNTS, checks.CANARY, checks.SLOTS])
     # THEN its launches skip Triton's JIT launcher, and its runner: straight to its launcher
     assert set(fast._compiled) >= {checks.DIGEST, checks.COUNTS, checks.CANARY}
     assert set(fast._direct) == set(fast._compiled)
     # AND answer as the JIT's launches do
     ids = [5, 0, 3]
     ring[:3] = torch.tensor(ids)
-    for mode, at in ((checks.DIGEST, 4), (checks.COUNTS, 8), (checks.CANARY, 40)):
+    for mode, at in (
+        (checks.DIGEST, 4),
+        (checks.COUNTS, 8),
+        (checks.CANARY, 40),
+        (checks.SLOTS, 48),
+    ):
         fast.launch(mode, 0, len(ids), at)
     torch.cuda.synchronize()
+    assert ring[48:72].tolist() == checks.run_check(kv, ids, checks.SLOTS, 8).tolist()
+    assert ring[48:72].reshape(3, 8).tolist() == slot_digests(kv.cpu(), ids, 8)
     assert ring[4:7].tolist() == checks.run_check(kv, ids, checks.DIGEST, 8).tolist()
     assert ring[8:32].tolist() == checks.run_check(kv, ids, checks.COUNTS, 8).tolist()
     assert ring[40:43].tolist() == checks.run_check(kv, ids, checks.CANARY, 8).tolist()

@@ -125,6 +125,9 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     }
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
     if (preempt_poison(n)) goto abort;
+    /* slot provenance on a CUDA pool: the hit's hashed slots checked on the GPU (provenance.c) */
+    if (n->prov_every && hits && prov_on_device(n) && prov_hits_later(n, table, hits, p->request))
+        goto abort;
     txn_commit(n);
     /* (what was found before a preemption comes before its events, the rest after them) */
     findings_before(n, n->n_pend, 0);

@@ -301,6 +301,9 @@ static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *ch
         done[published++] = (int32_t)b;
     }
     if (stamp_digests(n, done, published)) goto abort;
+    /* slot provenance on a CUDA pool: the recorded slots' K/V hashed on the GPU (provenance.c) */
+    if (n->prov_every && published && prov_on_device(n) && prov_stamp_later(n, done, published))
+        goto abort;
     txn_commit(n);
     if (n->prov_every && published) prov_published(n, done, published); /* provenance.c */
     /* (after what the commit reports: a record the magic probe found scribbled over) */

@@ -452,7 +452,17 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag);
 /* devchecks.c: what a check is for (DK_NAME) */
-enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4, DK_UNWRITTEN = 5 };
+enum {
+    DK_STAMP = 0,
+    DK_VERIFY = 1,
+    DK_POISON = 2,
+    DK_CANARY = 3,
+    DK_FILL = 4,
+    DK_UNWRITTEN = 5,
+    DK_PROV_STAMP = 6, /* slot provenance: the K/V hashes of published blocks' recorded slots */
+    DK_PROV_CHECK = 7, /* slot provenance: recorded slots' K/V against their hashes */
+    N_DK = 8
+};
 static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
@@ -472,6 +482,10 @@ static void prov_write(Native *n, uint64_t seq_id, const char *request, const in
 static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
                            const char *request);
 static void prov_published(Native *n, const int32_t *ids, int64_t k);
+/* (a CUDA pool's K/V hashes, queued before the commit: provenance.c) */
+static inline int prov_on_device(Native *n);
+static int prov_stamp_later(Native *n, const int32_t *ids, int64_t k);
+static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const char *request);
 static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64_t first,
                               int64_t pos0, const int32_t *toks, int64_t k, int32_t cow_src);
 static int leases_pass_over(Native *n, int32_t *out, int64_t *k);

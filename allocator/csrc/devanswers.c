@@ -52,6 +52,53 @@ static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObj
     return 0;
 }
 
+/* Slot provenance's hashes of blocks w[0, k) (answers a: a raw sum per slot; kept: the
+ * generation each block had when published), written into the records of the slots recorded in
+ * that generation while the block is still in it. Records are not journaled (provenance.c): a
+ * block handed out again meanwhile has another generation, and its records are left alone. */
+static int prov_stamp_read(Native *n, const int64_t *w, int64_t k, const int64_t *a,
+                           const int64_t *kept) {
+    for (int64_t i = 0; i < k; i++) {
+        int32_t b = (int32_t)w[i];
+        uint32_t gen = (uint32_t)kept[i];
+        if (U4(blk(n, b) + BF_GENERATION) != gen) continue;
+        for (int64_t off = 0; off < n->bs; off++) {
+            uint8_t *p = prov_rec(n, b, off);
+            if (__atomic_load_n((uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) == gen)
+                U4(p + PV_KV_HASH) = prov_hash_of((uint64_t)a[i * n->bs + off]);
+        }
+    }
+    return 0;
+}
+
+/* Slot provenance's check of blocks w[0, k) (answers a: a raw sum per slot; kept, per block:
+ * its record, the reading request, its slots' records, as the hit or the sweep saw them): the
+ * first slot of a block whose K/V no longer hashes as its record says is a foreign_slot
+ * finding, as provenance.c's prov_check_block reports one. 0, or -1 with an exception set. */
+static int prov_check_read(Native *n, const DevEntry *e, const int64_t *w, int64_t k,
+                           const int64_t *a, const int64_t *kept) {
+    const char *where = e->extra ? "provenance sweep" : "a prefix hit";
+    for (int64_t i = 0; i < k; i++) {
+        const uint8_t *rec = (const uint8_t *)(kept + i * prov_keep_words(n));
+        const char *reader = (const char *)rec + rec_words(n) * 8;
+        const uint8_t *slots = (const uint8_t *)reader + REQUEST_BYTES;
+        uint32_t gen = U4(rec + BF_GENERATION);
+        for (int64_t off = 0; off < n->bs; off++) {
+            const uint8_t *p = slots + off * PROVENANCE;
+            uint32_t h = U4(p + PV_KV_HASH), now = prov_hash_of((uint64_t)a[i * n->bs + off]);
+            if (U4(p + PV_GENERATION) != gen || h == 0 || now == h) continue;
+            int32_t b = (int32_t)w[i];
+            PyObject *msg = prov_message(n, where, b, off, reader, I4(p + PV_POSITION),
+                                         I4(p + PV_TOKEN), p, now);
+            if (dev_found_add(n, FK_FOREIGN_SLOT, b, rec, msg)) return -1;
+            /* (the finding names the request that reads the slot, as prov_check_block's) */
+            memcpy(n->dev->found[n->dev->n_found - 1].seen.request, reader, REQUEST_BYTES);
+            break;
+        }
+    }
+    return 0;
+}
+
 /* Entry e's answer (its ring words at w) read into the stamps and findings to apply. 0, or -1
  * with an exception set. */
 static int dev_read(Native *n, DevEntry *e, int64_t *w) {
@@ -81,6 +128,8 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w) {
         PyMem_Free(ids);
         return rc == OK ? 0 : -1;
     }
+    if (e->kind == DK_PROV_STAMP) return prov_stamp_read(n, w, k, a, kept);
+    if (e->kind == DK_PROV_CHECK) return prov_check_read(n, e, w, k, a, kept);
     if (e->kind == DK_STAMP) {
         if (dev_grow((void **)&d->stamps, &d->cap_stamps, d->n_stamps + k, sizeof(Stamp)))
             return -1;

@@ -46,10 +46,12 @@ typedef struct {
 } CuApi;
 
 /* kernels/checks.py modes */
-enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, N_MODES = 4 };
+enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, M_SLOTS = 4, N_MODES = 5 };
 /* (DK_*, what a check is for: core.h) */
-static const int DK_MODE[6] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY, M_POISON, M_COUNTS};
-static const char *DK_NAME[6] = {"stamp", "verify", "poison", "canary", "fill", "unwritten"};
+static const int DK_MODE[N_DK] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY,
+                                  M_POISON, M_COUNTS, M_SLOTS,  M_SLOTS};
+static const char *DK_NAME[N_DK] = {"stamp", "verify",    "poison",          "canary",
+                                    "fill",  "unwritten", "provenance hash", "provenance check"};
 
 #define DEV_ENTRIES 8192 /* checks waiting at most (then the oldest are taken first) */
 /* Digests answered whose records an error kept the core from writing: kept for the next
@@ -62,7 +64,8 @@ typedef struct {
     int32_t n;        /* blocks */
     int32_t ev;       /* the event recorded after it (-1: none yet) */
     int64_t at, end;  /* its ring words: ids [at, at+n), the answer, then what it keeps */
-    int64_t extra;    /* unwritten: the request's positions whose K/V must be written */
+    int64_t extra;    /* unwritten: the request's positions whose K/V must be written;
+                       * provenance check: where (0 a prefix hit, 1 the sweep) */
     PyObject *tag;    /* a reference: verify's moment, in a finding's words (a str); unwritten's
                        * request id; else NULL */
 } DevEntry;
@@ -122,11 +125,17 @@ static inline uint8_t *kept_rec(Native *n, const int64_t *kept, int64_t i) {
 /* The answer's words (kernels/checks.py answer_words) and what the entry keeps after it. */
 static int64_t dev_answer_words(Native *n, int kind, int64_t k) {
     int mode = DK_MODE[kind];
-    return mode == M_COUNTS ? k * n->bs : mode == M_POISON ? 0 : k;
+    return mode == M_COUNTS || mode == M_SLOTS ? k * n->bs : mode == M_POISON ? 0 : k;
+}
+/* A provenance check keeps, per block: its record, the reading request's 32 bytes, and its
+ * slots' provenance records, as the operation saw them (provenance.c prov_check_later). */
+static inline int64_t prov_keep_words(Native *n) {
+    return rec_words(n) + REQUEST_BYTES / 8 + n->bs * PROVENANCE / 8;
 }
 static int64_t dev_keep_words(Native *n, int kind, int64_t k) {
-    if (kind == DK_STAMP) return k; /* the generations */
+    if (kind == DK_STAMP || kind == DK_PROV_STAMP) return k; /* the generations */
     if (kind == DK_FILL || kind == DK_UNWRITTEN) return 0;
+    if (kind == DK_PROV_CHECK) return k * prov_keep_words(n);
     return k * rec_words(n); /* the records as the operation saw them */
 }
 
@@ -160,6 +169,14 @@ static void dev_cpu_answer(Native *n, DevChecks *d, int mode, const int32_t *ids
             for (int64_t r = 0; r < n->kv_rows; r++)
                 sum = digest_row(n, base + (size_t)r * n->kv_row_stride, m, &jm, sum);
             out[i] = (int64_t)sum; /* raw, as the kernel's: fmix64 when taken */
+        } else if (mode == M_SLOTS) {
+            for (int64_t s = 0; s < n->bs; s++) {
+                uint64_t sum = 0, jm = DIGEST_ADD;
+                for (int64_t r = 0; r < n->kv_rows; r++)
+                    sum = digest_row(n, base + (size_t)r * n->kv_row_stride + s * n->kv_slot_bytes,
+                                     slot_m, &jm, sum);
+                out[i * n->bs + s] = (int64_t)sum;
+            }
         } else if (mode == M_COUNTS) {
             for (int64_t s = 0; s < n->bs; s++) {
                 int64_t c = 0;
@@ -295,8 +312,17 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     int64_t *w = d->ring + at;
     for (int64_t i = 0; i < k; i++) w[i] = ids[i];
     int64_t *kept = w + k + ans;
-    if (kind == DK_STAMP) {
+    if (kind == DK_STAMP || kind == DK_PROV_STAMP) {
         for (int64_t i = 0; i < k; i++) kept[i] = U4(blk(n, ids[i]) + BF_GENERATION);
+    } else if (kind == DK_PROV_CHECK) {
+        /* (`when`: the reading request's 32 bytes, for each block) */
+        for (int64_t i = 0; i < k; i++) {
+            uint8_t *p = (uint8_t *)(kept + i * prov_keep_words(n));
+            memcpy(p, blk(n, ids[i]), (size_t)n->rec);
+            p += rec_words(n) * 8;
+            memcpy(p, when + i * REQUEST_BYTES, REQUEST_BYTES);
+            memcpy(p + REQUEST_BYTES, prov_rec(n, ids[i], 0), (size_t)n->bs * PROVENANCE);
+        }
     } else if (kind != DK_FILL && kind != DK_UNWRITTEN) {
         for (int64_t i = 0; i < k; i++)
             memcpy(kept_rec(n, kept, i), blk(n, ids[i]), (size_t)n->rec);

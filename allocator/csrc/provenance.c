@@ -15,7 +15,14 @@
  * prefix hit (the hit's tokens and positions against the records of the blocks it maps, and
  * each slot's K/V against its hash: reported at the hit) and by `provenance_check` (a handle's
  * live sequences, each slot it reads against the block record's token there, its position and
- * its hash). */
+ * its hash).
+ *
+ * Where the K/V is a CUDA pool's (the core does not map it), the hashes are taken and checked
+ * by the core's device checks (devchecks.c, kernels/checks.py SLOTS: the same sum per slot,
+ * on the GPU): a publication queues the hashing of its recorded slots before its commit, in
+ * stream order after the forward that wrote them (the hashes land in the records when the
+ * answer is applied, devanswers.c); a hit and the sweep queue the check of the hashed slots
+ * they read, whose mismatch is reported at the next settle, naming the reader as here. */
 
 /* The record of slot `off` of block b. */
 static inline uint8_t *prov_rec(Native *n, int64_t b, int64_t off) {
@@ -34,18 +41,26 @@ static inline int prov_any(Native *n, int64_t b, uint32_t gen) {
     return __atomic_load_n(prov_recorded(n, b), __ATOMIC_ACQUIRE) == gen;
 }
 
-/* The short hash of slot `off` of block b's K/V (every layer, K and V; never 0), the
- * digest's sum (kvdata.c) over the slot's elements; a CPU pool's (n->kv) only. */
+/* A slot's short K/V hash (never 0) from its raw sum: the digest's sum (kvdata.c) over the
+ * slot's elements, every layer, K and V, one row after the other (a CPU pool's taken here, a
+ * CUDA pool's by the check kernel's SLOTS mode). */
+static inline uint32_t prov_hash_of(uint64_t sum) { return (uint32_t)(fmix64(sum) >> 32) | 1u; }
+
+/* The short hash of slot `off` of block b's K/V; a CPU pool's (n->kv) only. */
 static uint32_t prov_kv_hash(Native *n, int64_t b, int64_t off) {
     int64_t m = n->kv_slot_bytes / n->kv_esize;
     uint64_t sum = 0, jm = DIGEST_ADD;
     for (int64_t r = 0; r < n->kv_rows; r++)
         sum = digest_row(n, kv_row(n, r, b) + (size_t)off * (size_t)n->kv_slot_bytes, m, &jm, sum);
-    return (uint32_t)(fmix64(sum) >> 32) | 1u;
+    return prov_hash_of(sum);
 }
 
+/* Whether this pool's K/V hashes go through the core's device checks: its K/V is not mapped
+ * here (a CUDA pool), and the checks are configured (guard mode or the digest probe). */
+static inline int prov_on_device(Native *n) { return n->kv == NULL && n->dev != NULL; }
+
 /* A publication's blocks ids[0, k), after its commit: each recorded slot's K/V hashed into its
- * record (a CPU pool's; the records of a CUDA pool's slots keep no hash). */
+ * record (a CPU pool's; a CUDA pool's are hashed by prov_stamp_later's check). */
 static void prov_published(Native *n, const int32_t *ids, int64_t k) {
     if (n->kv == NULL) return;
     /* (the records' lines asked for together: they were written when the slots were handed
@@ -62,6 +77,18 @@ static void prov_published(Native *n, const int32_t *ids, int64_t k) {
                 U4(p + PV_KV_HASH) = prov_kv_hash(n, ids[i], off);
         }
     }
+}
+
+/* A publication's blocks ids[0, k) of a pool whose K/V the core does not map, before its
+ * commit: the K/V of the recorded slots of those that hold any, hashed by the device checks
+ * (applied into the records with the answer, devanswers.c). OK, UNHANDLED or ERROR as
+ * dev_check (the caller rolls its transaction back). */
+static int prov_stamp_later(Native *n, const int32_t *ids, int64_t k) {
+    int32_t some[CHUNK];
+    int64_t m = 0;
+    for (int64_t i = 0; i < k; i++)
+        if (prov_any(n, ids[i], U4(blk(n, ids[i]) + BF_GENERATION))) some[m++] = ids[i];
+    return m ? dev_check(n, DK_PROV_STAMP, some, m, NULL, 0, NULL) : OK;
 }
 
 /* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */
@@ -142,10 +169,39 @@ static void prov_writer(Native *n, uint64_t seq_id, char *out) {
     }
 }
 
+/* The words of a foreign_slot finding: slot `off` of block b, read by `reader` (32 bytes) as
+ * position `pos` (token `tok`), whose record `p` says another position or token wrote it, or
+ * (`now` != the record's hash) whose K/V changed since its publication; `where` the check. A
+ * new reference, or NULL with an exception set. */
+static PyObject *prov_message(Native *n, const char *where, int64_t b, int64_t off,
+                              const char *reader, int64_t pos, int32_t tok, const uint8_t *p,
+                              uint32_t now) {
+    uint64_t writer = U8(p + PV_SEQ_ID);
+    uint32_t h = U4(p + PV_KV_HASH);
+    char wreq[REQUEST_BYTES + 1] = {0}, rreq[REQUEST_BYTES + 1] = {0};
+    prov_writer(n, writer, wreq);
+    memcpy(rreq, reader, REQUEST_BYTES);
+    if (I4(p + PV_TOKEN) == tok && I4(p + PV_POSITION) == pos)
+        return PyUnicode_FromFormat(
+            "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
+            "was written since its publication: K/V hash %08x, recorded %08x (sequence "
+            "%llu%s%s%s)",
+            where, (long long)off, (long long)b, rreq, (long long)pos, (int)tok, (unsigned)now,
+            (unsigned)h, (unsigned long long)writer, wreq[0] ? " (request '" : "",
+            wreq[0] ? wreq : "", wreq[0] ? "')" : "");
+    return PyUnicode_FromFormat(
+        "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
+        "holds K/V written for position %d (token %d) by sequence %llu%s%s%s",
+        where, (long long)off, (long long)b, rreq, (long long)pos, (int)tok,
+        (int)I4(p + PV_POSITION), (int)I4(p + PV_TOKEN), (unsigned long long)writer,
+        wreq[0] ? " (request '" : "", wreq[0] ? wreq : "", wreq[0] ? "')" : "");
+}
+
 /* Slots [0, m) of block b, read at logical positions pos0.. with tokens want[]: the first slot
- * whose record (one of its block's generation) says another position or token wrote it is
- * reported as foreign_slot (about block b, naming `reader`, the request that reads it, and
- * `where`); 1 when one was, 0 when none, ERROR with an exception set. */
+ * whose record (one of its block's generation) says another position or token wrote it, or
+ * (a CPU pool's) whose K/V no longer hashes as at its publication, is reported as foreign_slot
+ * (about block b, naming `reader`, the request that reads it, and `where`); 1 when one was, 0
+ * when none, ERROR with an exception set. (A CUDA pool's hashes: prov_check_later.) */
 static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *want, int64_t m,
                             const char *reader, const char *where) {
     uint32_t gen = U4(blk(n, b) + BF_GENERATION);
@@ -156,35 +212,65 @@ static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *w
         int32_t tok = I4(p + PV_TOKEN), pos = I4(p + PV_POSITION);
         uint32_t h = U4(p + PV_KV_HASH), now = h && n->kv ? prov_kv_hash(n, b, off) : h;
         if (tok == want[off] && pos == pos0 + off && now == h) continue;
-        uint64_t writer = U8(p + PV_SEQ_ID);
-        char wreq[REQUEST_BYTES + 1] = {0}, rreq[REQUEST_BYTES + 1] = {0};
-        prov_writer(n, writer, wreq);
-        memcpy(rreq, reader, REQUEST_BYTES);
         Seen s;
         seen_of(n, b, &s);
         memcpy(s.request, reader, REQUEST_BYTES);
-        PyObject *msg;
-        if (tok == want[off] && pos == pos0 + off)
-            msg = PyUnicode_FromFormat(
-                "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
-                "was written since its publication: K/V hash %08x, recorded %08x (sequence "
-                "%llu%s%s%s)",
-                where, (long long)off, (long long)b, rreq, (long long)(pos0 + off),
-                (int)want[off], (unsigned)now, (unsigned)h, (unsigned long long)writer,
-                wreq[0] ? " (request '" : "", wreq[0] ? wreq : "", wreq[0] ? "')" : "");
-        else
-            msg = PyUnicode_FromFormat(
-                "%s: slot %lld of block %lld, read by request '%s' as position %lld (token %d), "
-                "holds K/V written for position %d (token %d) by sequence %llu%s%s%s",
-                where, (long long)off, (long long)b, rreq, (long long)(pos0 + off),
-                (int)want[off], (int)pos, (int)tok, (unsigned long long)writer,
-                wreq[0] ? " (request '" : "", wreq[0] ? wreq : "", wreq[0] ? "')" : "");
+        PyObject *msg = prov_message(n, where, b, off, reader, pos0 + off, want[off], p, now);
         if (msg == NULL) return ERROR;
         int rc = finding_report(n, FK_FOREIGN_SLOT, &s, msg);
         Py_DECREF(msg);
         return rc == OK ? 1 : ERROR;
     }
     return 0;
+}
+
+/* Whether block b holds a recorded slot of its generation whose K/V was hashed. */
+static int prov_hashed(Native *n, int32_t b) {
+    uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+    if (!prov_any(n, b, gen)) return 0;
+    for (int64_t off = 0; off < n->bs; off++) {
+        const uint8_t *p = prov_rec(n, b, off);
+        if (__atomic_load_n((const uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) == gen &&
+            U4(p + PV_KV_HASH) != 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* On a pool whose K/V the core does not map: the hashed slots of blocks ids[0, k), read by the
+ * requests readers[i * REQUEST_BYTES...] (each block's), checked against their K/V by the
+ * device checks, `where` 0 (a prefix hit) or 1 (the sweep); a mismatch is reported when the
+ * answer is applied (devanswers.c). OK, UNHANDLED or ERROR as dev_check. */
+static int prov_check_later(Native *n, const int32_t *ids, const char *readers, int64_t k,
+                            int where) {
+    int32_t some[256];
+    char who[256 * REQUEST_BYTES];
+    int64_t m = 0;
+    for (int64_t i = 0; i <= k; i++) {
+        if (m == 256 || (i == k && m)) {
+            int rc = dev_check(n, DK_PROV_CHECK, some, m, who, where, NULL);
+            if (rc != OK) return rc;
+            m = 0;
+        }
+        if (i == k || !prov_hashed(n, ids[i])) continue;
+        some[m] = ids[i];
+        memcpy(who + m * REQUEST_BYTES, readers + i * REQUEST_BYTES, REQUEST_BYTES);
+        m++;
+    }
+    return OK;
+}
+
+/* allocate's hit, before its commit, on a pool whose K/V the core does not map: the hit's
+ * blocks table[0, hits), read by `request`, queued for their K/V check (prov_check_later). */
+static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const char *request) {
+    for (int64_t j0 = 0; j0 < hits; j0 += 256) {
+        int64_t k = hits - j0 < 256 ? hits - j0 : 256;
+        char who[256 * REQUEST_BYTES];
+        for (int64_t i = 0; i < k; i++) memcpy(who + i * REQUEST_BYTES, request, REQUEST_BYTES);
+        int rc = prov_check_later(n, table + j0, who, k, 0);
+        if (rc != OK) return rc;
+    }
+    return OK;
 }
 
 /* allocate's hit, after its commit: the hit's blocks table[0, hits) against the prompt's
@@ -270,13 +356,14 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
     PyObject *rows = PySequence_Fast(src, "rows: expected a sequence of Sequences");
     Py_DECREF(src);
     if (rows == NULL) return NULL;
-    int64_t bad = 0;
+    int64_t bad = 0, later = 0, cap = 0;
+    /* (a CUDA pool's: the blocks whose hashed slots the device checks, and their readers) */
+    int32_t *ids = NULL;
+    char *readers = NULL;
+    int device = prov_on_device(n);
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(rows); i++) {
         int64_t slot = own_slot(n, PySequence_Fast_GET_ITEM(rows, i));
-        if (slot < 0) {
-            Py_DECREF(rows);
-            return NULL;
-        }
+        if (slot < 0) goto fail;
         const uint8_t *s = seqrec(n, slot);
         const int32_t *tbl = (const int32_t *)(s + SF_TABLE);
         int64_t ntok = (int64_t)U8(s + SF_NUM_TOKENS), held = U4(s + SF_NUM_BLOCKS);
@@ -288,13 +375,44 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
             if (b < 0 || b >= n->nb) continue;
             int rc = prov_check_block(n, b, j * n->bs, (const int32_t *)(blk(n, b) + BF_TOKENS),
                                       m, req, "provenance sweep");
-            if (rc == ERROR) {
-                Py_DECREF(rows);
-                return NULL;
-            }
+            if (rc == ERROR) goto fail;
             bad += rc;
+            if (!device || rc) continue;
+            if (later == cap) {
+                cap = cap ? 2 * cap : 64;
+                int32_t *ni = PyMem_Realloc(ids, (size_t)cap * sizeof *ids);
+                if (ni != NULL) ids = ni;
+                char *nr = ni ? PyMem_Realloc(readers, (size_t)cap * REQUEST_BYTES) : NULL;
+                if (nr == NULL) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                readers = nr;
+            }
+            ids[later] = b;
+            memcpy(readers + later * REQUEST_BYTES, req, REQUEST_BYTES);
+            later++;
         }
     }
+    if (later) {
+        /* (the caller, pool.check_provenance, holds the handle's op mutex: dev_check's) */
+        int mh = n->mutex_held;
+        n->mutex_held = 1;
+        int rc = prov_check_later(n, ids, readers, later, 1);
+        n->mutex_held = mh;
+        if (rc != OK) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "provenance_check: the K/V check not queued");
+            goto fail;
+        }
+    }
+    PyMem_Free(ids);
+    PyMem_Free(readers);
     Py_DECREF(rows);
     return PyLong_FromLongLong(bad);
+fail:
+    PyMem_Free(ids);
+    PyMem_Free(readers);
+    Py_DECREF(rows);
+    return NULL;
 }
