@@ -105,11 +105,13 @@ static void end_faults(Native *n, const int32_t *ids, int64_t k, int64_t *skip, 
 }
 
 /* `kill-holding-lock`: a release that takes locks dies (SIGKILL)
- * right after taking them. */
+ * right after taking them. A recording handle writes the release's record first, and every
+ * record it holds (oplog.c oplog_dying): the log says where the process died. */
 static void kill_fault(Native *n, uint64_t locks) {
     if (locks && fault_opportunity(n, FT_KILL_HOLDING_LOCK)) {
         crash_arm(n, CP_AFTER_LOCKS, 1);
         fault_fired(n, FT_KILL_HOLDING_LOCK);
+        if (n->oplog) oplog_dying(n);
     }
 }
 

@@ -271,6 +271,7 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
     Py_DECREF(src);
     if (rows == NULL) return NULL;
     int64_t bad = 0;
+    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(rows); i++) {
         int64_t slot = own_slot(n, PySequence_Fast_GET_ITEM(rows, i));
         if (slot < 0) {
@@ -296,5 +297,7 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
         }
     }
     Py_DECREF(rows);
+    /* what it found, in the operation log (a replay sweeps there again) */
+    if (bad && n->oplog) oplog_found_report(n, found0, "");
     return PyLong_FromLongLong(bad);
 }
