@@ -70,8 +70,10 @@ _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
 # Kinds the magic probe finds on its own clock (every 10 ms, in whichever operation comes then,
 # and at `pool.verify()`): a replay, faster than the recording, runs that check at the
-# operation where the recording found one (and a shrink's runs after every operation).
-CADENCED = {"header_corrupt", "free_list_corrupt"}
+# operation where the recording found one (and a shrink's runs after every operation). A lock
+# a dead process held is recovered (`lock_dead_holder`) by the first operation that takes it,
+# the magic probe's check of the free list among them: on its clock too.
+CADENCED = {"header_corrupt", "free_list_corrupt", "lock_dead_holder"}
 # Kinds a handle reports as it closes (a sequence or a lease its process never ended): a
 # report of one is replayed as that handle's close.
 AT_CLOSE = {"leak_finished", "lease_leak"}

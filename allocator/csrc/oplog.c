@@ -766,13 +766,18 @@ static PyObject *R_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 /* kill-holding-lock (faults.c kill_fault): the release in flight dies once it has taken its
- * locks (SIGKILL). Its record is written now, before the kill: status error, the fault fired,
- * the sequence's id and the table it was releasing; then the chunk, so the log holds every
- * record of the process up to its death (the fault is kvscope's own: where it kills is known).
- * A replay runs that process in a child of its own, which dies there too (docs/REPLAY.md). */
+ * locks (SIGKILL, at its crash point). Its record is written there, just before the kill (its
+ * number taken with the locks held: an operation of another process numbered after it that
+ * wanted them met a dead holder): status error, the fault fired, the sequence's id and the
+ * table it was releasing; then the chunk, so the log holds every record of the process up to
+ * its death (the fault is kvscope's own: where it kills is known). A crash point armed
+ * otherwise (crash.py: tests) writes nothing. A replay runs that process in a child of its
+ * own, which dies there too (docs/REPLAY.md). */
 static void oplog_dying(Native *n) {
     Oplog *L = n->oplog;
-    if (L == NULL || L->open == NULL || n->seg == NULL) return;
+    if (L == NULL || L->open == NULL || n->seg == NULL ||
+        !(n->oplog_fired & (1u << FT_KILL_HOLDING_LOCK)))
+        return;
     OpRec *o = L->open;
     L->open = NULL;
     o->status = OS_ERROR;
