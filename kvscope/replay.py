@@ -1201,7 +1201,11 @@ def emit_script(shrunk: Shrunk) -> str:
     def on(pid: int, stmt: str) -> str:
         """`stmt` about a handle (`{h}`) on the process's handle: in its child where it has one."""
         proc = procs.get(pid)
-        return stmt.format(h=handles[pid]) if proc is None else f"{proc}.run({stmt.format(h='pool')!r})"
+        return (
+            stmt.format(h=handles[pid])
+            if proc is None
+            else f"{proc}.run({stmt.format(h='pool')!r})"
+        )
 
     if procs:
         lines[lines.index("import sys")] = "import multiprocessing\nimport signal\nimport sys"
@@ -1242,7 +1246,9 @@ def emit_script(shrunk: Shrunk) -> str:
         if fault:
             spec = ",".join(f"{f}:1" for f in fault.split(","))
             body.append("# the fault the recording injected here, at its next opportunity")
-            body.append(on(r.pid, f"faults.configure({spec!r})") if proc else f"faults.configure({spec!r})")
+            body.append(
+                on(r.pid, f"faults.configure({spec!r})") if proc else f"faults.configure({spec!r})"
+            )
         call = (
             _store_call(r, h, names, stores, done) if r.op == _STORE else _call(r, h, names, leases)
         )
@@ -1258,7 +1264,7 @@ def emit_script(shrunk: Shrunk) -> str:
                 '    print("PoolError:", e)',
             ]
         if killed:
-            body.append(f"# the process dies in it (SIGKILL, holding the locks it took)")
+            body.append("# the process dies in it (SIGKILL, holding the locks it took)")
         body += [f"{proc}.run({chr(10).join(stmts)!r})"] if proc else stmts
         if fault:
             body.append(on(r.pid, "faults.configure(None)") if proc else "faults.configure(None)")
