@@ -242,7 +242,8 @@ class Session:
             raise ReplayError(
                 f"{log.path}: the process that created pool {start.get('pool')!r} was killed "
                 "by the fault it armed (kill-holding-lock): a replay runs a killed process in "
-                "a child of its own only where another process created the pool"
+                "a child of its own only where another process created the pool (record a run "
+                "whose workers attach to it: examples/serve.py --workers 2)"
             )
         self.children: dict[int, Child] = {}
         cfg = dict(start.get("config") or {})
