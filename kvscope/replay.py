@@ -318,6 +318,16 @@ class Session:
         self._setup(h, r.start or {})
         self.handles[r.pid] = h
 
+    def become(self, r: OpRecord) -> KVPool:
+        """In a Child's process (a fork of the replay's): the handle of the recorded process
+        of START r, attached and set up as r says, the only one this copy of the session runs
+        (the replay's handles are not this process's)."""
+        h = KVPool.attach(self.name)
+        self._setup(h, r.start or {})
+        self.handles = {r.pid: h}
+        self.children = {}
+        return h
+
     def _restore(self) -> None:
         faults.ARMED.clear()
         faults.ARMED.update(self._armed)
@@ -591,11 +601,7 @@ class Child:
         pid = r.pid
         try:
             faults.ARMED.clear()
-            h = KVPool.attach(session.name)
-            session._setup(h, r.start or {})
-            # (only its own: the parent's handles are not this process's)
-            session.handles = {pid: h}
-            session.children = {}
+            h = session.become(r)
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
             return 1
