@@ -7,6 +7,7 @@ For each fault, records tests/replay_work.py's seeded workload (requests behind 
 prompts; appends, publications, forks, frees, aborts; for the lease faults its lease_work, whose
 requests take write leases while they wait and read leases as they finish; for kill-holding-lock
 its worker_work, a forked worker the fault kills, then this process's run and reclaim; for
+stale-padding-row its padded_work, whose steps' padded block table is audited every step; for
 foreign-slot with slot provenance on and swept every step) on a pool with every probe on, the
 fault armed so that it fires near the end of --ops operations, then replays the log to its
 finding and shrinks it (kvscope/replay.py), printing the operations recorded, the operation the
@@ -33,7 +34,7 @@ from kvscope.allocator.oplog import read_log  # noqa: E402
 from kvscope.allocator.probeflags import ProbeFlags  # noqa: E402
 from kvscope.allocator.probing import PoolProbes  # noqa: E402
 from kvscope.replay import Shrinker, replay  # noqa: E402
-from tests.replay_work import CONFIG, lease_work, work, worker_work  # noqa: E402
+from tests.replay_work import CONFIG, lease_work, padded_work, work, worker_work  # noqa: E402
 
 EVERY = {
     "refcount-skew": 5,
@@ -47,11 +48,9 @@ EVERY = {
     "lease-leak": 8,
 }
 LEASE_FAULTS = ("transfer-after-free", "lease-leak")
-# (docs/REPLAY.md: stale-padding-row strikes the example engine's block table, outside the
-# pool. foreign-slot replays, but armed this late in this workload it strikes a cached block
-# nothing reads again, and nothing finds it: `--faults foreign-slot` says "(end)")
-NOT_REPLAYED = ("stale-padding-row",)
-NOT_BY_DEFAULT = (*NOT_REPLAYED, "foreign-slot")
+# (foreign-slot replays, but armed this late in this workload it strikes a cached block nothing
+# reads again, and nothing finds it: `--faults foreign-slot` says "(end)")
+NOT_BY_DEFAULT = ("foreign-slot",)
 ALL = ProbeFlags(events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True)
 
 
@@ -69,6 +68,8 @@ def record(path: str, fault: str, at: int, n_ops: int) -> None:
                 lease_work(pool, n_ops)
             elif fault == "kill-holding-lock":
                 worker_work(pool, n_ops)
+            elif fault == "stale-padding-row":
+                padded_work(pool, n_ops)
             else:
                 work(pool, n_ops, sweep=fault == "foreign-slot")
         # the per-step check a scheduler runs (refcount-skew is found by it; the magic probe's

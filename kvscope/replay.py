@@ -86,6 +86,9 @@ KILLING = ("kill-holding-lock",)
 # (`check_provenance`).
 RECLAIMED = {"lock_dead_holder", "leak_dead_owner"}
 SWEPT = {"foreign_slot"}
+# The block-table audit of a host table (`audit_block_table`), whose REPORT holds its input
+# (`audit_input`).
+AUDITED = {"block_table_mismatch"}
 
 
 _NONE: list[Any] = []  # (shared by every Result that has none: never mutated)
@@ -523,6 +526,13 @@ class Session:
             elif op == _REPORT and any(k in SWEPT for k, _ in r.found):
                 # the provenance sweep (the handle's live sequences)
                 h.check_provenance()
+            elif op == _REPORT and is_audit(r):
+                # the block-table audit of the recorded table, its rows the replayed sequences
+                ids, lengths, table = audit_input(r)
+                rows = [seqs.get((r.pid, i)) for i in ids]
+                if any(q is None for q in rows):
+                    return None
+                h.audit_block_table(table, rows=rows, lengths=lengths, padding=r.result)
             elif op == _REPORT:
                 # a finding reported between operations: the check that reports it, now
                 h.verify()
@@ -703,6 +713,20 @@ class Child:
             self.conn.send(("close",))
             self.conn.recv()
         self._reap()
+
+
+def is_audit(r: OpRecord) -> bool:
+    """A REPORT of the block-table audit, which holds its input (csrc/oplog.c oplog_audit)."""
+    return r.op == _REPORT and r.src_id > 0 and any(k in AUDITED for k, _ in r.found)
+
+
+def audit_input(r: OpRecord) -> tuple[list[int], list[int], Any]:
+    """An audit's REPORT's input: its rows' recorded sequence ids, the tokens each reads, and
+    the table (an int32 array of `src_id` rows of `arg` entries)."""
+    size = r.src_id * r.arg
+    live = (len(r.tokens) - size) // 2
+    table = np.array(r.tokens[2 * live :], dtype=np.int32).reshape(r.src_id, r.arg)
+    return list(r.tokens[:live]), list(r.tokens[live : 2 * live]), table
 
 
 def store_spans(
@@ -1154,6 +1178,7 @@ def emit_script(shrunk: Shrunk) -> str:
     env = {v: "1" if flags.get(k) else "0" for k, v in _PROBE_ENV.items()}
     cfg_args = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.items()))
     stores_in = any(r.op == _STORE for r in shrunk.ops)
+    audits_in = any(is_audit(r) for r in shrunk.ops)
     # (stores checked, but no probes at the START: the recording's handle turned them on after)
     bare = stores_in and not any(flags.values())
     lines = [
@@ -1170,14 +1195,8 @@ def emit_script(shrunk: Shrunk) -> str:
         f"os.environ.update({env!r})",
         "",
         "from kvscope.allocator import KVPool, PoolConfig, PoolError, faults  # noqa: E402",
-        *(
-            [
-                "import numpy as np  # noqa: E402",
-                "from kvscope.probes.stores import Writers  # noqa: E402",
-            ]
-            if stores_in
-            else []
-        ),
+        *(["import numpy as np  # noqa: E402"] if stores_in or audits_in else []),
+        *(["from kvscope.probes.stores import Writers  # noqa: E402"] if stores_in else []),
         *(
             [
                 "from kvscope.allocator.probeflags import ProbeFlags  # noqa: E402",
@@ -1340,6 +1359,13 @@ def _call(
         return f"{h}.reclaim_dead()  # a dead process's locks and blocks recovered"
     if op == _REPORT and any(k in SWEPT for k, _ in r.found):
         return f"{h}.check_provenance()  # the provenance sweep"
+    if is_audit(r):
+        ids, lengths, table = audit_input(r)
+        rows = ", ".join(seq(i) for i in ids)
+        return (
+            f"{h}.audit_block_table(np.array({table.tolist()!r}, dtype=np.int32), "
+            f"rows=[{rows}], lengths={lengths!r}, padding={r.result})"
+        )
     if op == _REPORT:
         return f"{h}.verify()"
     return None

@@ -24,13 +24,19 @@ from kvscope.allocator.records import OpCode, OpStatus
 from kvscope.cli import main
 from kvscope.probes.stores import Writers
 from kvscope.replay import Session, Shrinker, emit_script, replay
-from tests.replay_work import CONFIG, lease_work, store_work, work, worker_work
+from tests.replay_work import (
+    CONFIG,
+    lease_work,
+    padded_work,
+    store_work,
+    work,
+    worker_work,
+)
 
 HERE = Path(__file__).parent
-# The injectable faults whose work goes through pool operations; stale-padding-row strikes
-# outside the pool (the example engine's padded block table, which no record holds).
-NOT_REPLAYED = {"stale-padding-row"}
-REPLAYABLE = [f for f in faults.FAULTS if f not in NOT_REPLAYED]
+# Every injectable fault replays (stale-padding-row, which strikes an engine's padded block
+# table outside the pool, through the recorded audit of that table).
+REPLAYABLE = list(faults.FAULTS)
 FINDS = {
     "double-free": "double_free",
     "leak": "leak_finished",
@@ -45,6 +51,7 @@ FINDS = {
     "lease-leak": "lease_leak",
     "kill-holding-lock": "lock_dead_holder",
     "foreign-slot": "foreign_slot",
+    "stale-padding-row": "block_table_mismatch",
 }
 # The faults that strike leases: their runs take them (lease_work).
 LEASE_FAULTS = {"transfer-after-free", "lease-leak"}
@@ -56,8 +63,9 @@ ALL_PROBES = ProbeFlags(
 def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
     """The workload on a new pool with every probe on (as under `kvscope run`) and `fault`
     armed, recorded into `path` (a lease fault's: lease_work; kill-holding-lock's: worker_work,
-    the fault armed in the worker it kills; foreign-slot's with every sequence's slot
-    provenance recorded, as `kvscope run`'s guard mode does)."""
+    the fault armed in the worker it kills; stale-padding-row's: padded_work, whose padded
+    table it strikes; foreign-slot's with every sequence's slot provenance recorded, as
+    `kvscope run`'s guard mode does)."""
     faults.configure(fault)
     pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True))
     try:
@@ -71,6 +79,8 @@ def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
             run = lease_work
         elif fault == "kill-holding-lock":
             run = worker_work
+        elif fault == "stale-padding-row":
+            run = padded_work
         elif fault == "foreign-slot":
             # (swept every step as the example server's guard mode does; seed 2: seed 1's
             # fault strikes a cached block that nothing reads again, so nothing finds it)
@@ -100,7 +110,14 @@ def found_at(log) -> tuple[int, str]:
     [
         f
         if f
-        in ("refcount-skew", "gil-wait", "transfer-after-free", "lease-leak", "kill-holding-lock")
+        in (
+            "refcount-skew",
+            "gil-wait",
+            "transfer-after-free",
+            "lease-leak",
+            "kill-holding-lock",
+            "stale-padding-row",
+        )
         else pytest.param(f, marks=pytest.mark.slow)
         for f in REPLAYABLE
     ],

@@ -808,6 +808,51 @@ static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     return res;
 }
 
+/* The block-table audit of a host table (audit.c N_audit_table) that found something: a
+ * REPORT of its findings that holds its input (docs/REPLAY.md): `src_id` the table's rows R,
+ * `arg` its width W, `result` the padding, and in place of tokens each audited row's sequence
+ * id, then the tokens it reads (lengths, or its sequence's), then the table's R x W entries
+ * row by row. `rows` is a PySequence_Fast of `live` Sequences, own ones (the audit checked). */
+static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t live,
+                        const Py_buffer *t, int64_t R, int64_t W, const Py_buffer *l,
+                        PyObject *lens_fast, int64_t sentinel) {
+    Oplog *L = n->oplog;
+    if (L == NULL || n->seg == NULL || L->depth) return;
+    int64_t k = 2 * live + R * W;
+    int32_t *v = PyMem_Malloc(sizeof(int32_t) * (size_t)(k ? k : 1));
+    if (v == NULL) {
+        L->lost++;
+        return;
+    }
+    for (int64_t r = 0; r < live; r++) {
+        PyObject *seq = PySequence_Fast_GET_ITEM(rows, r);
+        int64_t slot = slot_of(n, seq), tokens;
+        v[r] = (int32_t)seq_int(n, seq, F_SEQ_ID);
+        if (l != NULL) tokens = int_at(l, r);
+        else if (lens_fast != NULL) tokens = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(lens_fast, r));
+        else tokens = slot >= 0 ? I4(seqrec(n, slot) + SF_NUM_TOKENS) : -1;
+        v[live + r] = (int32_t)tokens;
+    }
+    for (int64_t i = 0; i < R * W; i++) v[2 * live + i] = (int32_t)int_at(t, i);
+    if (PyErr_Occurred()) PyErr_Clear();
+    oplog_tokens(n, v, (Py_ssize_t)k);
+    PyMem_Free(v);
+    OpRec o;
+    memset(&o, 0, sizeof o);
+    o.op = OP_REPORT;
+    o.seq_id = -1;
+    o.src_id = R;
+    o.arg = W;
+    o.result = sentinel;
+    o.found0 = found0;
+    o.scratch = 1;
+    o.tmode = TM_NONE;
+    oplog_write(n, &o);
+    L->have_tok = 0;
+    L->n_pre = 0;
+    if (PyErr_Occurred()) PyErr_Clear();
+}
+
 /* -- lease operations (leases.c: KVPool.lease, lease_release, expire_leases) ---------------- */
 
 /* One finding of the findings ring (its position) as a record lists it: its block, then a
