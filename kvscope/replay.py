@@ -529,9 +529,9 @@ class Session:
             elif op == _REPORT and is_audit(r):
                 # the block-table audit of the recorded table, its rows the replayed sequences
                 ids, lengths, table = audit_input(r)
-                rows = [seqs.get((r.pid, i)) for i in ids]
-                if any(q is None for q in rows):
+                if any((r.pid, i) not in seqs for i in ids):
                     return None
+                rows = [seqs[(r.pid, i)] for i in ids]
                 h.audit_block_table(table, rows=rows, lengths=lengths, padding=r.result)
             elif op == _REPORT:
                 # a finding reported between operations: the check that reports it, now
