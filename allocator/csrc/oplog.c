@@ -829,8 +829,10 @@ static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t li
         int64_t slot = slot_of(n, seq), tokens;
         v[r] = (int32_t)seq_int(n, seq, F_SEQ_ID);
         if (l != NULL) tokens = int_at(l, r);
-        else if (lens_fast != NULL) tokens = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(lens_fast, r));
-        else tokens = slot >= 0 ? I4(seqrec(n, slot) + SF_NUM_TOKENS) : -1;
+        else if (lens_fast != NULL)
+            tokens = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(lens_fast, r));
+        else
+            tokens = slot >= 0 ? I4(seqrec(n, slot) + SF_NUM_TOKENS) : -1;
         v[live + r] = (int32_t)tokens;
     }
     for (int64_t i = 0; i < R * W; i++) v[2 * live + i] = (int32_t)int_at(t, i);
