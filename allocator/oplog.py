@@ -448,10 +448,12 @@ def start_text(
     guard_sample: int,
     op_seq: int,
     redacted: bool,
+    provenance_sample: int = 0,
 ) -> str:
     """A recording handle's START record (KVPool.record_ops): what a replay needs to rebuild
     its pool: the geometry, the probes (`probes`: a ProbeFlags, or None), lockdep's tracing,
-    sampled guard mode, the faults armed in this process and the pool's operation number."""
+    sampled guard mode, slot provenance's sample, the faults armed in this process and the
+    pool's operation number."""
     from kvscope.allocator import faults
 
     geometry = {
@@ -492,6 +494,8 @@ def start_text(
             "probes": flags,
             "lockdep": lockdep,
             "guard_sample": guard_sample,
+            # (a key added within version 2: a reader that does not know it ignores it)
+            "provenance_sample": provenance_sample,
             "faults": dict(faults.ARMED),
             "op_seq": op_seq,
             "redacted": redacted,

@@ -350,6 +350,7 @@ class KVPool:
             self._guard_every,
             int(self.view.h["op_seq"]),
             bool(redact_key),
+            self._prov_every,
         )
         tag = pool_tag(self.name, int(self.view.h["created_ns"]))
         off = self.view.header.dtype.fields["op_seq"][1]

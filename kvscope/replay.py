@@ -1,8 +1,9 @@
 """Replay an operation log (docs/REPLAY.md): re-execute its operations against a fresh pool of
 the same geometry, probes and armed faults, in the recorded order (several processes' handles
-attached in one process), compare every result with the recorded one and stop at the first
-divergence or finding; shrink a run to a minimal one that still finds the same kind
-(delta debugging over requests, then operations) and write it as a plain Python script.
+attached in one process; a process a fault killed in a child of its own, which dies there
+too), compare every result with the recorded one and stop at the first divergence or finding;
+shrink a run to a minimal one that still finds the same kind (delta debugging over requests,
+then operations) and write it as a plain Python script.
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ import bisect
 import contextlib
 import dataclasses
 import io
+import multiprocessing
 import os
+import signal
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvscope.allocator import KVPool, PoolConfig, PoolError, PoolExhausted, faults
 from kvscope.allocator.findings import SEVERITY, FindingKind
@@ -64,13 +70,25 @@ _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
 # Kinds the magic probe finds on its own clock (every 10 ms, in whichever operation comes then,
 # and at `pool.verify()`): a replay, faster than the recording, runs that check at the
-# operation where the recording found one (and a shrink's runs after every operation).
-CADENCED = {"header_corrupt", "free_list_corrupt"}
+# operation where the recording found one (and a shrink's runs after every operation). A lock
+# a dead process held is recovered (`lock_dead_holder`) by the first operation that takes it,
+# the magic probe's check of the free list among them: on its clock too.
+CADENCED = {"header_corrupt", "free_list_corrupt", "lock_dead_holder"}
 # Kinds a handle reports as it closes (a sequence or a lease its process never ended): a
 # report of one is replayed as that handle's close.
 AT_CLOSE = {"leak_finished", "lease_leak"}
-# Faults a replay cannot run in its own process: kill-holding-lock kills it.
-UNREPLAYABLE_FAULTS = ("kill-holding-lock",)
+# Faults that kill the process they strike: a recorded process one killed is replayed in a
+# child process of its own (Child), which the fault kills there too.
+KILLING = ("kill-holding-lock",)
+# Kinds found by a call that is no recorded operation, recorded as a REPORT (csrc/oplog.c
+# oplog_found_report): a report of one is replayed as that call. `reclaim_dead` (a dead
+# process's locks recovered, its blocks reclaimed) and the provenance sweep
+# (`check_provenance`).
+RECLAIMED = {"lock_dead_holder", "leak_dead_owner"}
+SWEPT = {"foreign_slot"}
+# The block-table audit of a host table (`audit_block_table`), whose REPORT holds its input
+# (`audit_input`).
+AUDITED = {"block_table_mismatch"}
 
 
 _NONE: list[Any] = []  # (shared by every Result that has none: never mutated)
@@ -218,12 +236,19 @@ class Session:
                 f"{start.get('pool')!r}, which its first recorder attached to: there is no start "
                 "state to replay from (record from the pool's creation)"
             )
-        for f in start.get("faults") or {}:
-            if f in UNREPLAYABLE_FAULTS:
-                raise ReplayError(
-                    f"{log.path}: the recorded process armed {f!r}, which kills the process "
-                    "that runs it: not replayable"
-                )
+        # the processes a fault killed (the record of the operation each died in names it):
+        # each replayed in a child process of its own
+        self.dying = {
+            r.pid for r in log.records if r.faults and any(f in KILLING for f in r.fault_names)
+        }
+        if int(start.get("pid", log.start.pid)) in self.dying:
+            raise ReplayError(
+                f"{log.path}: the process that created pool {start.get('pool')!r} was killed "
+                "by the fault it armed (kill-holding-lock): a replay runs a killed process in "
+                "a child of its own only where another process created the pool (record a run "
+                "whose workers attach to it: examples/serve.py --workers 2)"
+            )
+        self.children: dict[int, Child] = {}
         cfg = dict(start.get("config") or {})
         try:
             self.config = PoolConfig(**cfg, device="cpu")
@@ -270,6 +295,10 @@ class Session:
         pool.probe = PoolProbes(pool, ProbeFlags(**flags)) if flags else None
         if start.get("guard_sample", 0) > 1:
             pool.guard_sample = int(start["guard_sample"])
+        # slot provenance as the recorded handle sampled it (a log from before the key: as
+        # the environment says, as before)
+        if "provenance_sample" in start:
+            pool.provenance_sample = int(start["provenance_sample"])
         if start.get("lockdep"):
             pool.trace_locks(True)
         pool.on_finding = self._on_finding
@@ -281,12 +310,26 @@ class Session:
             self._leaked.add(str(f.request))
 
     def attach(self, r: OpRecord) -> None:
-        """A START of another process: a handle of its own on the replay pool."""
-        if r.pid in self.handles:
+        """A START of another process: a handle of its own on the replay pool (in a child
+        process of its own where a fault killed the process)."""
+        if r.pid in self.handles or r.pid in self.children:
+            return
+        if r.pid in self.dying:
+            self.children[r.pid] = Child(self, r)
             return
         h = KVPool.attach(self.name)
         self._setup(h, r.start or {})
         self.handles[r.pid] = h
+
+    def become(self, r: OpRecord) -> KVPool:
+        """In a Child's process (a fork of the replay's): the handle of the recorded process
+        of START r, attached and set up as r says, the only one this copy of the session runs
+        (the replay's handles are not this process's)."""
+        h = KVPool.attach(self.name)
+        self._setup(h, r.start or {})
+        self.handles = {r.pid: h}
+        self.children = {}
+        return h
 
     def _restore(self) -> None:
         faults.ARMED.clear()
@@ -296,6 +339,8 @@ class Session:
 
     def close(self) -> None:
         try:
+            for c in reversed(list(self.children.values())):
+                c.close()
             for h in reversed(list(self.handles.values())):
                 with contextlib.suppress(Exception):
                     h.close()
@@ -380,7 +425,8 @@ class Session:
             return None
         h = self.handles.get(r.pid)
         if h is None:
-            return None
+            child = self.children.get(r.pid)
+            return None if child is None else child.run(self, r, verify)
         out = Result()
         found = self.found
         found.clear()
@@ -474,6 +520,19 @@ class Session:
                     self.lease_held[r.pid] = self._leaked
                     self.closed[r.pid] = list(found)
                 found[:] = self.closed[r.pid]
+            elif op == _REPORT and any(k in RECLAIMED for k, _ in r.found):
+                # a dead process's locks and blocks, recovered by `reclaim_dead` there
+                h.reclaim_dead()
+            elif op == _REPORT and any(k in SWEPT for k, _ in r.found):
+                # the provenance sweep (the handle's live sequences)
+                h.check_provenance()
+            elif op == _REPORT and is_audit(r):
+                # the block-table audit of the recorded table, its rows the replayed sequences
+                ids, lengths, table = audit_input(r)
+                if any((r.pid, i) not in seqs for i in ids):
+                    return None
+                rows = [seqs[(r.pid, i)] for i in ids]
+                h.audit_block_table(table, rows=rows, lengths=lengths, padding=r.result)
             elif op == _REPORT:
                 # a finding reported between operations: the check that reports it, now
                 h.verify()
@@ -512,6 +571,162 @@ class Session:
         if len(self.fired) != nfired:
             out.fault = ",".join(self.fired[nfired:])
         return out
+
+
+class Child:
+    """A recorded process that a fault killed (KILLING), replayed in a forked child of the
+    replay's: it attaches to the replay's pool where the recorded process did (its START),
+    runs that process's operations one at a time as the replay hands them over (with the
+    faults the replay arms there), and dies where the fault kills it: a real process, dead
+    holding the locks its release took, which the replay's other handles then recover and
+    reclaim as the recording's survivors did. Its result there: status error, the fault, the
+    sequence and the table it was releasing (sent as the fault fired, before the kill)."""
+
+    def __init__(self, session: Session, r: OpRecord):
+        self.recorded_pid = r.pid
+        self.ended = ""  # how it ended ("": running)
+        self.conn, theirs = multiprocessing.Pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover (the child: coverage is not collected there)
+            self.conn.close()
+            code = 1
+            try:
+                code = self._serve(session, r, theirs)
+            finally:
+                os._exit(code)
+        theirs.close()
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            msg = ("error", "it ended before it attached")
+        if msg[0] != "ready":
+            self._reap()
+            raise ReplayError(
+                f"the replay's process for recorded pid {r.pid} could not attach: {msg[1]}"
+            )
+
+    @staticmethod
+    def _serve(session: Session, r: OpRecord, conn: Any) -> int:
+        """The child's side: attach, then run each record handed over until told to close."""
+        pid = r.pid
+        try:
+            faults.ARMED.clear()
+            h = session.become(r)
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+            return 1
+        current: list[OpRecord | None] = [None]
+
+        def fired(name: str) -> None:
+            # the fault acted (a killing one kills right after): the parent learns it now,
+            # with the sequence and the table the operation in flight holds
+            rec = current[0]
+            s = session.seqs.get((pid, rec.seq_id)) if rec is not None else None
+            table = [] if s is None else list(s.block_table)
+            conn.send(("fired", name, -1 if s is None else s.seq_id, table))
+
+        faults.ON_FIRE.append(fired)
+        conn.send(("ready",))
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return 0
+            if msg[0] == "close":
+                with contextlib.suppress(Exception):
+                    if not h.closed:
+                        h.close()
+                conn.send(("closed",))
+                return 0
+            _, rec, armed, verify = msg
+            faults.ARMED.clear()
+            faults.ARMED.update(armed)
+            current[0] = rec
+            try:
+                got = session.run(rec, verify)
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+                return 1
+            finally:
+                faults.ARMED.clear()
+            conn.send(("result", got, session.held.get(pid), session.lease_held.get(pid)))
+
+    def run(self, session: Session, r: OpRecord, verify: bool) -> Result | None:
+        """Record r run in the child (the faults armed here armed there): its result; where the
+        child dies in it, the result of an operation its process died in."""
+        if self.ended:
+            return None
+        self.conn.send(("run", r, dict(faults.ARMED), verify))
+        fired: list[str] = []
+        seq_id, table = -1, []
+        while True:
+            try:
+                msg = self.conn.recv()
+            except EOFError:
+                break
+            if msg[0] == "fired":
+                fired.append(msg[1])
+                seq_id, table = msg[2], msg[3]
+            elif msg[0] == "result":
+                got, held, lease_held = msg[1], msg[2], msg[3]
+                if held is not None:
+                    session.held[r.pid] = held
+                if lease_held is not None:
+                    session.lease_held[r.pid] = lease_held
+                return got
+            else:
+                self._reap()
+                raise ReplayError(f"the replay's process for recorded pid {r.pid}: {msg[1]}")
+        # it died in the operation: how, and the pool locks its record names it holding
+        view = session.pool.view
+        locks = view.locks
+        names = [
+            bytes(locks["name"][i]).decode(errors="replace")
+            for i in np.flatnonzero(locks["holder_pid"] == self.pid).tolist()
+        ]
+        self._reap()
+        held = f" holding pool lock(s) {', '.join(names)}" if names else " holding no pool lock"
+        return Result(
+            status=_ERROR,
+            seq_id=seq_id,
+            blocks=table,
+            fault=",".join(fired),
+            error=f"pid {self.pid} {self.ended}{held}",
+        )
+
+    def _reap(self) -> None:
+        """Wait for the child (a dead process's pid is dead only once waited for: the
+        survivors' recovery tells a dead holder by it) and say how it ended."""
+        if self.ended:
+            return
+        self.conn.close()
+        _, status = os.waitpid(self.pid, 0)
+        if os.WIFSIGNALED(status):
+            self.ended = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        else:
+            self.ended = f"exited with code {os.WEXITSTATUS(status)}"
+
+    def close(self) -> None:
+        if self.ended:
+            return
+        with contextlib.suppress(OSError, EOFError):
+            self.conn.send(("close",))
+            self.conn.recv()
+        self._reap()
+
+
+def is_audit(r: OpRecord) -> bool:
+    """A REPORT of the block-table audit, which holds its input (csrc/oplog.c oplog_audit)."""
+    return r.op == _REPORT and r.src_id > 0 and any(k in AUDITED for k, _ in r.found)
+
+
+def audit_input(r: OpRecord) -> tuple[list[int], list[int], Any]:
+    """An audit's REPORT's input: its rows' recorded sequence ids, the tokens each reads, and
+    the table (an int32 array of `src_id` rows of `arg` entries)."""
+    size = r.src_id * r.arg
+    live = (len(r.tokens) - size) // 2
+    table = np.array(r.tokens[2 * live :], dtype=np.int32).reshape(r.src_id, r.arg)
+    return list(r.tokens[:live]), list(r.tokens[live : 2 * live]), table
 
 
 def store_spans(
@@ -963,6 +1178,7 @@ def emit_script(shrunk: Shrunk) -> str:
     env = {v: "1" if flags.get(k) else "0" for k, v in _PROBE_ENV.items()}
     cfg_args = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.items()))
     stores_in = any(r.op == _STORE for r in shrunk.ops)
+    audits_in = any(is_audit(r) for r in shrunk.ops)
     # (stores checked, but no probes at the START: the recording's handle turned them on after)
     bare = stores_in and not any(flags.values())
     lines = [
@@ -979,14 +1195,8 @@ def emit_script(shrunk: Shrunk) -> str:
         f"os.environ.update({env!r})",
         "",
         "from kvscope.allocator import KVPool, PoolConfig, PoolError, faults  # noqa: E402",
-        *(
-            [
-                "import numpy as np  # noqa: E402",
-                "from kvscope.probes.stores import Writers  # noqa: E402",
-            ]
-            if stores_in
-            else []
-        ),
+        *(["import numpy as np  # noqa: E402"] if stores_in or audits_in else []),
+        *(["from kvscope.probes.stores import Writers  # noqa: E402"] if stores_in else []),
         *(
             [
                 "from kvscope.allocator.probeflags import ProbeFlags  # noqa: E402",
@@ -1001,23 +1211,52 @@ def emit_script(shrunk: Shrunk) -> str:
         f'pool = KVPool.create(f"repro-{{os.getpid()}}", PoolConfig({cfg_args}))',
     ]
     handles = {int(start.get("pid", log.start.pid)): "pool"}
+    starts = {int(start.get("pid", log.start.pid)): start}
+    # the processes a fault killed: each a forked child (Process, below), whose handle is
+    # `pool` there, its statements run in it in order with the script's own
+    dying = {r.pid for r in log.records if r.faults and any(f in KILLING for f in r.fault_names)}
+    procs: dict[int, str] = {}
     for r in log.records:
         if r.op == _START and r is not log.start and r.pid not in handles:
-            handles[r.pid] = f"pool_{len(handles)}"
+            if r.pid in dying:
+                handles[r.pid] = procs[r.pid] = f"proc_{len(handles)}"
+            else:
+                handles[r.pid] = f"pool_{len(handles)}"
+            starts[r.pid] = r.start or {}
+
+    def on(pid: int, stmt: str) -> str:
+        """`stmt` about a handle (`{h}`) on the process's handle: in its child where it has one."""
+        proc = procs.get(pid)
+        return (
+            stmt.format(h=handles[pid])
+            if proc is None
+            else f"{proc}.run({stmt.format(h='pool')!r})"
+        )
+
+    if procs:
+        lines[lines.index("import sys")] = "import multiprocessing\nimport signal\nimport sys"
+        lines[lines.index("found = []") : lines.index("found = []")] = PROCESS.split("\n")
     setup = []
-    for var in handles.values():
-        if var != "pool":
-            setup.append(f"{var} = KVPool.attach(pool.name)")
-        setup.append(f"{var}.on_finding = found.append")
+    for pid, var in handles.items():
+        if pid in procs:
+            setup.append(f"{var} = Process(pool.name, {pid})  # pid {pid} of the recording")
+        else:
+            if var != "pool":
+                setup.append(f"{var} = KVPool.attach(pool.name)")
+            setup.append(f"{var}.on_finding = found.append")
     if start.get("guard_sample", 0) > 1:
         setup.append(f"pool.guard_sample = {int(start['guard_sample'])}")
+    for pid in handles:
+        every = int(starts[pid].get("provenance_sample", 0) or 0)
+        if every:
+            setup.append(on(pid, f"{{h}}.provenance_sample = {every}  # slot provenance"))
     if start.get("lockdep"):
-        setup += [f"{v}.trace_locks(True)" for v in handles.values()]
+        setup += [on(pid, "{h}.trace_locks(True)") for pid in handles]
     if bare:
         setup += [
             "# the store check runs under the probes (the recording's handle had them at its",
             "# stores): probes that change nothing the core does",
-            *[f"{v}.probe = PoolProbes({v}, ProbeFlags())" for v in handles.values()],
+            *[on(pid, "{h}.probe = PoolProbes({h}, ProbeFlags())") for pid in handles],
         ]
     lines += setup
     lines += ["try:"]
@@ -1027,26 +1266,34 @@ def emit_script(shrunk: Shrunk) -> str:
     done: set[tuple[int, int]] = set()  # the sequences the script made
     body: list[str] = []
     for r, status in zip(shrunk.ops, shrunk.statuses + [0] * len(shrunk.ops)):
-        h = handles.get(r.pid, "pool")
+        proc = procs.get(r.pid)
+        h = "pool" if proc is not None else handles.get(r.pid, "pool")
         fault = shrunk.fault_at.get(r.seq)
         if fault:
             spec = ",".join(f"{f}:1" for f in fault.split(","))
             body.append("# the fault the recording injected here, at its next opportunity")
-            body.append(f"faults.configure({spec!r})")
+            body.append(
+                on(r.pid, f"faults.configure({spec!r})") if proc else f"faults.configure({spec!r})"
+            )
         call = (
             _store_call(r, h, names, stores, done) if r.op == _STORE else _call(r, h, names, leases)
         )
         if call is None:
             continue
-        if status not in (_OK, -1):
-            body.append("try:")
-            body += [f"    {c}" for c in call.split("\n")]
-            body.append("except PoolError as e:  # the pool refused it in the recording too")
-            body.append('    print("PoolError:", e)')
-        else:
-            body += call.split("\n")
+        killed = proc is not None and fault and any(f in KILLING for f in fault.split(","))
+        stmts = call.split("\n")
+        if status not in (_OK, -1) and not killed:
+            stmts = [
+                "try:",
+                *[f"    {c}" for c in stmts],
+                "except PoolError as e:  # the pool refused it in the recording too",
+                '    print("PoolError:", e)',
+            ]
+        if killed:
+            body.append("# the process dies in it (SIGKILL, holding the locks it took)")
+        body += [f"{proc}.run({chr(10).join(stmts)!r})"] if proc else stmts
         if fault:
-            body.append("faults.configure(None)")
+            body.append(on(r.pid, "faults.configure(None)") if proc else "faults.configure(None)")
         if r.op in (_ALLOCATE, _FORK, _RESUME) and status in (_OK, -1):
             done.add((r.pid, r.seq_id))
     lines += ["    " + b for b in body] or ["    pass"]
@@ -1060,7 +1307,8 @@ def emit_script(shrunk: Shrunk) -> str:
         *[f"    {v}.close()" for v in reversed(list(handles.values()))],
         "    pool.unlink()",
         'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found}'
-        ' | ({"leak_finished"} if held else set()))',
+        + "".join(f" | {v}.kinds" for v in procs.values())
+        + ' | ({"leak_finished"} if held else set()))',
         'print("findings:", ", ".join(kinds) or "none", *(["held:", *sorted(held)] if held else []))',
         f"sys.exit(1 if {shrunk.kind!r} in kinds else 0)",
         "",
@@ -1107,9 +1355,83 @@ def _call(
     if op == _REPORT and any(k == "leak_finished" for k, _ in r.found):
         # (kvscope run's check at a close: a sequence still holding blocks is a leak)
         return f"held |= {{str(s.request_id) for s in {h}.live().values() if s.block_table}}"
+    if op == _REPORT and any(k in RECLAIMED for k, _ in r.found):
+        return f"{h}.reclaim_dead()  # a dead process's locks and blocks recovered"
+    if op == _REPORT and any(k in SWEPT for k, _ in r.found):
+        return f"{h}.check_provenance()  # the provenance sweep"
+    if is_audit(r):
+        ids, lengths, table = audit_input(r)
+        rows = ", ".join(seq(i) for i in ids)
+        return (
+            f"{h}.audit_block_table(np.array({table.tolist()!r}, dtype=np.int32), "
+            f"rows=[{rows}], lengths={lengths!r}, padding={r.result})"
+        )
     if op == _REPORT:
         return f"{h}.verify()"
     return None
+
+
+# The emitted script's helper where a process of the recording was killed (kill-holding-lock).
+PROCESS = '''
+class Process:
+    """A process of the recording that a fault killed, run as a forked child attached to the
+    pool: run(code) runs statements in it (its handle is `pool` there), in order with this
+    script's own; where it dies, it says how. `kinds`: what its handle found."""
+
+    def __init__(self, name, recorded_pid):
+        self.recorded_pid = recorded_pid
+        self.ended = ""
+        self.conn, theirs = multiprocessing.Pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            self.conn.close()
+            scope = dict(globals(), found=[], held=set())
+            code = 0
+            try:
+                scope["pool"] = KVPool.attach(name)
+                scope["pool"].on_finding = scope["found"].append
+                theirs.send([])
+                while (stmt := theirs.recv()) is not None:
+                    exec(stmt, scope)
+                    sys.stdout.flush()
+                    theirs.send([getattr(f.kind, "value", f.kind) for f in scope["found"]])
+                scope["pool"].close()
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        theirs.close()
+        self.kinds = set(self.conn.recv())
+
+    def run(self, stmt):
+        if self.ended:
+            return
+        self.conn.send(stmt)
+        try:
+            self.kinds |= set(self.conn.recv())
+        except EOFError:  # it died in it
+            self.wait()
+
+    def wait(self):
+        _, status = os.waitpid(self.pid, 0)
+        self.ended = (
+            f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+            if os.WIFSIGNALED(status)
+            else f"exited with code {os.WEXITSTATUS(status)}"
+        )
+        print(f"pid {self.pid} (pid {self.recorded_pid} of the recording) {self.ended}")
+
+    def close(self):
+        if not self.ended:
+            self.conn.send(None)
+            _, status = os.waitpid(self.pid, 0)
+            self.ended = "closed"
+
+'''
 
 
 def _store_call(

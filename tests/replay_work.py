@@ -1,6 +1,10 @@
 """A small seeded serving workload on one pool (tests/test_replay.py): requests behind six
 shared prompts, appends, publications, forks, frees and aborts, in an order fixed by the seed;
-one that takes leases (lease_work), for the lease faults; and a batched engine that stores its
+one that takes leases (lease_work), for the lease faults; one run by a forked worker and then
+by this process, which reclaims a dead worker's blocks (worker_work: kill-holding-lock kills
+the worker); one whose steps read a static padded block table, audited every step
+(padded_work: stale-padding-row leaves its padding rows stale); and a batched engine that
+stores its
 K/V with `kvscope.kernels.store_kv`, told its writers (store_work), with a stale slot mapping
 on request.
 
@@ -14,9 +18,10 @@ import os
 import random
 import sys
 
+import numpy as np
 import torch
 
-from kvscope.allocator import KVPool, PoolConfig
+from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.kernels import store_kv
 from kvscope.probes.stores import Writers
 
@@ -25,8 +30,10 @@ CONFIG = dict(
 )
 
 
-def work(pool: KVPool, n_ops: int, seed: int = 1) -> None:
-    """n_ops steps of the workload on `pool` (every request freed at the end)."""
+def work(pool: KVPool, n_ops: int, seed: int = 1, sweep: bool = False) -> None:
+    """n_ops steps of the workload on `pool` (every request freed at the end); with `sweep`,
+    each step ends with the slot-provenance sweep of its live requests, as the example
+    server's guard mode runs it (`pool.check_provenance`)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100) for _ in range(rng.randrange(3, 14))] for _ in range(6)]
     live = []
@@ -44,7 +51,72 @@ def work(pool: KVPool, n_ops: int, seed: int = 1) -> None:
             else:
                 live.remove(s)
                 (pool.free if x < 0.9 else pool.abort)(s)
+        if sweep:
+            pool.check_provenance(live)
     for s in live:
+        pool.free(s)
+
+
+def worker_work(pool: KVPool, n_ops: int) -> None:
+    """Two processes serving from one pool: a forked worker attached to it (recording into the
+    pool's log where it records) runs the workload with the faults armed here, which it takes
+    with it (kill-holding-lock kills it in a release, holding its locks); then this process
+    runs it (another seed) and reclaims what a dead worker left, as examples/server/worker.py
+    does (`pool.reclaim_dead()`)."""
+    armed = dict(faults.ARMED)
+    faults.ARMED.clear()  # (the worker's: not this process's)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            worker = KVPool.attach(pool.name)
+            if pool.recording:
+                worker.record_ops(pool.recording)
+            faults.ARMED.update(armed)
+            work(worker, n_ops)
+            worker.close()
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.waitpid(pid, 0)
+    work(pool, n_ops, seed=2)
+    pool.reclaim_dead()
+
+
+def padded_work(pool: KVPool, n_steps: int, seed: int = 1) -> None:
+    """A seeded engine whose decode steps read one static block table of a fixed number of
+    rows, padded with -1 (as examples/server/graphs.py's step graphs do), audited every step
+    (`pool.audit_block_table`, as the server's guard mode does); stale-padding-row (its
+    opportunity: a step of fewer rows than the last) leaves the padding rows as the earlier,
+    larger step wrote them, as the fault does there."""
+    rng = random.Random(seed)
+    table = np.full((6, 8), -1, dtype=np.int32)
+    written = 0
+    running: list[list] = []  # [sequence, tokens it still decodes]
+    for step in range(n_steps):
+        if len(running) < len(table) and (not running or rng.random() < 0.4):
+            prompt = [rng.randrange(100) for _ in range(rng.randrange(3, 10))]
+            running.append([pool.allocate(f"r{step}", prompt), rng.randrange(2, 8)])
+        for s, _ in running:
+            pool.append(s, [rng.randrange(100)])
+        n = len(running)
+        if n < written and faults.opportunity("stale-padding-row"):
+            table[:n] = -1  # the fault: the padding rows keep the larger step's block ids
+            faults.fired("stale-padding-row")
+        else:
+            table[:] = -1
+            written = n
+        for i, (s, _) in enumerate(running):
+            table[i, : len(s.block_table)] = s.block_table
+        pool.audit_block_table(table, rows=[s for s, _ in running])
+        for entry in running:
+            entry[1] -= 1
+        done = [s for s, left in running if left == 0]
+        running = [e for e in running if e[1] > 0]
+        for s in done:
+            pool.free(s)
+    for s, _ in running:
         pool.free(s)
 
 

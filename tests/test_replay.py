@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,23 +15,28 @@ import numpy as np
 import pytest
 
 from kvscope.allocator import KVPool, PoolConfig, faults
+from kvscope.allocator.findings import SEVERITY, FindingKind
 from kvscope.allocator.oplog import OplogError, read_log
 from kvscope.allocator.prefix import fmix64
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
-from kvscope.allocator.records import OpCode
+from kvscope.allocator.records import OpCode, OpStatus
 from kvscope.cli import main
 from kvscope.probes.stores import Writers
-from kvscope.replay import Shrinker, emit_script, replay
-from tests.replay_work import CONFIG, lease_work, store_work, work
+from kvscope.replay import Session, Shrinker, emit_script, replay
+from tests.replay_work import (
+    CONFIG,
+    lease_work,
+    padded_work,
+    store_work,
+    work,
+    worker_work,
+)
 
 HERE = Path(__file__).parent
-# The injectable faults whose work goes through pool operations; kill-holding-lock kills the
-# process that runs it (a replay refuses it: test_a_log_that_armed_kill_holding_lock_...);
-# stale-padding-row strikes outside the pool (the example engine's padded block table, which no
-# record holds); foreign-slot strikes slot provenance, which a replay does not turn on.
-NOT_REPLAYED = {"kill-holding-lock", "stale-padding-row", "foreign-slot"}
-REPLAYABLE = [f for f in faults.FAULTS if f not in NOT_REPLAYED]
+# Every injectable fault replays (stale-padding-row, which strikes an engine's padded block
+# table outside the pool, through the recorded audit of that table).
+REPLAYABLE = list(faults.FAULTS)
 FINDS = {
     "double-free": "double_free",
     "leak": "leak_finished",
@@ -43,6 +49,9 @@ FINDS = {
     "gil-wait": "wait_holds_gil",
     "transfer-after-free": "transfer_after_free",
     "lease-leak": "lease_leak",
+    "kill-holding-lock": "lock_dead_holder",
+    "foreign-slot": "foreign_slot",
+    "stale-padding-row": "block_table_mismatch",
 }
 # The faults that strike leases: their runs take them (lease_work).
 LEASE_FAULTS = {"transfer-after-free", "lease-leak"}
@@ -53,15 +62,31 @@ ALL_PROBES = ProbeFlags(
 
 def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
     """The workload on a new pool with every probe on (as under `kvscope run`) and `fault`
-    armed, recorded into `path` (a lease fault's: lease_work)."""
+    armed, recorded into `path` (a lease fault's: lease_work; kill-holding-lock's: worker_work,
+    the fault armed in the worker it kills; stale-padding-row's: padded_work, whose padded
+    table it strikes; foreign-slot's with every sequence's slot provenance recorded, as
+    `kvscope run`'s guard mode does)."""
     faults.configure(fault)
     pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True))
     try:
         pool.probe = PoolProbes(pool, ALL_PROBES)
         pool.trace_locks(True)
+        if fault == "foreign-slot":
+            pool.provenance_sample = 1
         pool.record_ops(str(path))
+        run = work
+        if fault in LEASE_FAULTS:
+            run = lease_work
+        elif fault == "kill-holding-lock":
+            run = worker_work
+        elif fault == "stale-padding-row":
+            run = padded_work
+        elif fault == "foreign-slot":
+            # (swept every step as the example server's guard mode does; seed 2: seed 1's
+            # fault strikes a cached block that nothing reads again, so nothing finds it)
+            run = lambda pool, n: work(pool, n, seed=2, sweep=True)  # noqa: E731
         try:
-            (lease_work if fault in LEASE_FAULTS else work)(pool, n_ops)
+            run(pool, n_ops)
         except Exception:
             pass  # (a fault may leave the workload unable to go on: the log has what it did)
         # the per-step check a scheduler runs (the magic probe's own runs every 10 ms: a short
@@ -84,7 +109,15 @@ def found_at(log) -> tuple[int, str]:
     # (a few seconds each: the fast layer runs one)
     [
         f
-        if f in ("refcount-skew", "gil-wait", "transfer-after-free", "lease-leak")
+        if f
+        in (
+            "refcount-skew",
+            "gil-wait",
+            "transfer-after-free",
+            "lease-leak",
+            "kill-holding-lock",
+            "stale-padding-row",
+        )
         else pytest.param(f, marks=pytest.mark.slow)
         for f in REPLAYABLE
     ],
@@ -102,7 +135,8 @@ def test_each_fault_replays_to_its_finding_shrinks_and_the_script_finds_it(
     assert out.reason == "finding", (out.reason, out.diff)
     assert out.record is not None and out.record.seq == seq
     assert out.got is not None and (kind, out.record.found[0][1]) in out.got.found
-    assert out.exit_code == 1
+    # (exit 1 for a finding of severity error; a dead holder's lock is a warning)
+    assert out.exit_code == (1 if SEVERITY[FindingKind(kind)] == "error" else 0)
     shrunk = Shrinker(log, out).shrink()
     assert shrunk.kind == kind
     assert 1 <= len(shrunk.ops) <= 50
@@ -204,18 +238,135 @@ def test_records_missing_stop_the_replay_there(tmp_path, pool_name, capsys):
     assert f"operations {r.seq}..{r.seq + 1} are not in the log" in capsys.readouterr().out
 
 
-def test_a_log_that_armed_kill_holding_lock_is_refused(tmp_path, pool_name, capsys):
+def _die_releasing(name: str, path: Path, create: bool) -> int:
+    """In a forked child: a handle recording into `path` (attached, or creating the pool) that
+    publishes a request's prompt and releases it with kill-holding-lock armed: it dies there,
+    holding the locks the release took. The child's pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if create:
+                pool = KVPool.create(name, PoolConfig(**CONFIG, record_ops=str(path)))
+            else:
+                pool = KVPool.attach(name)
+                pool.record_ops(str(path))
+            s = pool.allocate("held", [0, 1, 2, 3, 4])
+            pool.mark_computed(s, 4)  # (a published block: its release takes a shard lock)
+            faults.configure("kill-holding-lock:1")
+            pool.free(s)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    return pid
+
+
+def test_a_process_killed_holding_a_lock_replays_in_a_child_that_dies_there(
+    tmp_path, pool_name, capsys
+):
+    """kill-holding-lock in a second process: the log holds the release it died in (status
+    error, the fault, the table it was releasing) and the survivor's reclaim (a REPORT of the
+    dead holder's locks and blocks); the replay runs the dead process in a child that really
+    dies there holding a pool lock, the survivor's reclaim finds the same, the shrunk script
+    forks one that dies too."""
     path = tmp_path / "run.ops"
-    faults.configure("kill-holding-lock:100000")
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
     try:
-        pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
-        pool.allocate("a", [1, 2, 3])
+        pool.allocate("a", list(range(9)))
+        dead = _die_releasing(pool_name, path, create=False)
+        pool.reclaim_dead()
+    finally:
         pool.close()
         pool.unlink()
+    log = read_log(str(path))
+    died = next(r for r in log.records if r.pid == dead and r.op == OpCode.FREE)
+    assert (died.status_name, died.fault_names, died.request) == (
+        "error",
+        ["kill-holding-lock"],
+        "held",
+    )
+    assert len(died.blocks) == 2
+    report = log.records[-1]
+    assert report.op == OpCode.REPORT and report.seq == died.seq + 1
+    assert {k for k, _ in report.found} == {"lock_dead_holder", "leak_dead_owner"}
+    # the replay's child dies in that release, by SIGKILL, holding a lock
+    with Session(log, arm=False) as session:
+        for r in log.records:
+            if r.op == OpCode.START:
+                if r is not log.start:
+                    session.attach(r)
+                continue
+            if r is died:
+                faults.ARMED.update({"kill-holding-lock": 1})
+            got = session.run(r)
+            faults.ARMED.clear()
+            if r is died:
+                assert got is not None
+                assert (got.status, got.fault) == (OpStatus.ERROR, "kill-holding-lock")
+                assert got.blocks == died.blocks
+                assert "killed by SIGKILL holding pool lock(s)" in got.error, got.error
+                break
+    out = replay(log, quiet=True)
+    assert (out.reason, out.record.seq if out.record else None) == ("finding", report.seq)
+    assert out.got is not None and {k for k, _ in out.got.found} >= {"lock_dead_holder"}
+    assert out.faults == {died.seq: "kill-holding-lock"}
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == "lock_dead_holder" and died.seq in [r.seq for r in shrunk.ops]
+    assert len(shrunk.ops) <= 4
+    script = tmp_path / "repro.py"
+    script.write_text(emit_script(shrunk))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"(pid {dead} of the recording) killed by SIGKILL" in run.stdout
+    assert "lock_dead_holder" in run.stdout
+
+
+def test_a_log_whose_creator_the_fault_killed_is_refused(tmp_path, pool_name, capsys):
+    """The process that created the pool killed by kill-holding-lock: the replay's pool is
+    its own (a child's would go with it): one line, exit 2."""
+    path = tmp_path / "run.ops"
+    _die_releasing(pool_name, path, create=True)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was killed by the fault it armed" in err, err
+
+
+def test_the_provenance_sweep_is_recorded_and_replays_with_provenance_on(tmp_path, pool_name):
+    """Slot provenance on in the recording (START's provenance_sample): foreign-slot fires in
+    the replay where it fired, and the sweep that found it (`check_provenance`, a REPORT)
+    finds it again; the script turns provenance on and finds it."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    try:
+        pool.provenance_sample = 1
+        pool.record_ops(str(path))
+        owner = pool.allocate("owner", list(range(9)))
+        pool.mark_computed(owner, 8)
+        writer = pool.allocate("writer", list(range(50, 55)))
+        faults.configure("foreign-slot:1")
+        pool.append(writer, [99])
+        faults.configure(None)
+        assert [f.kind for f in pool.check_provenance()] == ["foreign_slot"]
     finally:
         faults.configure(None)
-    assert main(["replay", str(path)]) == 2
-    assert "kill-holding-lock" in capsys.readouterr().err
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    assert log.start.start is not None and log.start.start["provenance_sample"] == 1
+    report = log.records[-1]
+    assert report.op == OpCode.REPORT and [k for k, _ in report.found] == ["foreign_slot"]
+    out = replay(log, quiet=True)
+    assert (out.reason, out.record.seq if out.record else None) == ("finding", report.seq)
+    shrunk = Shrinker(log, out).shrink()
+    script = emit_script(shrunk)
+    assert "pool.provenance_sample = 1" in script
+    (tmp_path / "repro.py").write_text(script)
+    run = subprocess.run(
+        [sys.executable, "repro.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1 and "foreign_slot" in run.stdout, run.stdout + run.stderr
 
 
 def test_cli_json_and_a_dump_without_a_log(tmp_path, pool_name, capsys):

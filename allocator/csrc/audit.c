@@ -111,6 +111,7 @@ static PyObject *N_audit_table(Native *n, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     GATE(n, args[0]);
+    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     PyObject *table = args[1], *lens = args[3], *expect = args[5];
     int64_t sentinel = PyLong_AsLongLong(args[4]);
     if (sentinel == -1 && PyErr_Occurred()) return NULL;
@@ -217,6 +218,10 @@ static PyObject *N_audit_table(Native *n, PyObject *const *args, Py_ssize_t narg
         }
     }
     if (a.bad && audit_report(n, &a, R, live, W, sentinel)) goto done;
+    /* what it found, with its input (the table, its rows' sequences and lengths), in the
+     * operation log: a replay audits the recorded table there again */
+    if (a.bad && have_t && n->oplog)
+        oplog_audit(n, found0, rows, live, &t, R, W, have_l ? &l : NULL, lens_fast, sentinel);
     out = PyLong_FromLongLong(a.bad);
 done:
     if (have_t) PyBuffer_Release(&t);

@@ -467,6 +467,11 @@ static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k);
+static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request);
+static void oplog_dying(Native *n);
+static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t live,
+                        const Py_buffer *t, int64_t R, int64_t W, const Py_buffer *l,
+                        PyObject *lens_fast, int64_t sentinel);
 /* leases.c: any lease held in the pool; block b leased (the section's per-block count). */
 static inline int leases_any(Native *n) {
     return __atomic_load_n((uint32_t *)(n->seg + n->off_leases + LH_ACTIVE), __ATOMIC_ACQUIRE) != 0;

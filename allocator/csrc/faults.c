@@ -17,10 +17,14 @@ static const char *const CRASH_NAMES[NUM_CRASH_POINTS] = {
     "prefix.after_insert",     "txn.before_commit"};
 
 /* SIGKILL at the armed point's n-th hit. crash.ARMED is [the armed point's place + 1 (0: none),
- * hits left], counted down here. */
+ * hits left], counted down here. Where the kill-holding-lock fault armed it, a recording
+ * handle writes the release's record first (oplog.c oplog_dying). */
 static inline void crash_point(Native *n, int point) {
     int64_t *armed = n->crash;
-    if (__builtin_expect(armed[0] == point + 1, 0) && --armed[1] <= 0) kill(getpid(), SIGKILL);
+    if (__builtin_expect(armed[0] == point + 1, 0) && --armed[1] <= 0) {
+        if (n->oplog) oplog_dying(n);
+        kill(getpid(), SIGKILL);
+    }
 }
 
 /* crash.configure(f"{point}:{hits}") */
@@ -105,7 +109,8 @@ static void end_faults(Native *n, const int32_t *ids, int64_t k, int64_t *skip, 
 }
 
 /* `kill-holding-lock`: a release that takes locks dies (SIGKILL)
- * right after taking them. */
+ * right after taking them (crash_point: a recording handle writes the release's record there,
+ * once its locks are taken, then dies). */
 static void kill_fault(Native *n, uint64_t locks) {
     if (locks && fault_opportunity(n, FT_KILL_HOLDING_LOCK)) {
         crash_arm(n, CP_AFTER_LOCKS, 1);

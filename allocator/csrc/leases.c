@@ -22,8 +22,7 @@ typedef struct {
     int64_t n_blocks, n_gens;
     Py_ssize_t found0; /* KVPool._found's length when the call began */
 } LeaseRec;
-static void oplog_lease(Native *n, const LeaseRec *o);                               /* oplog.c */
-static void oplog_close_report(Native *n, Py_ssize_t found0, const char *request); /* oplog.c */
+static void oplog_lease(Native *n, const LeaseRec *o); /* oplog.c */
 
 /* A LeaseRec of op `op` with nothing in it yet (after the call's gate: its findings since). */
 static void lease_rec_init(Native *n, LeaseRec *o, int op) {
@@ -802,7 +801,7 @@ static int leases_at_close(Native *n) {
             if (lease_finding(n, FK_LEASE_LEAK, l, 0, msg)) PyErr_WriteUnraisable(n->name);
             Py_XDECREF(msg);
             /* (recorded as a REPORT: a replay replays it as this close) */
-            if (n->oplog) oplog_close_report(n, found0, (const char *)l + LS_REQUEST);
+            if (n->oplog) oplog_found_report(n, found0, (const char *)l + LS_REQUEST);
         }
         int rc = txn_begin(n, lock_bit(n->lock_free));
         if (rc != OK) return rc;

@@ -59,6 +59,11 @@ typedef struct Oplog {
     struct Held *held;      /* plain appends not composed yet (oplog_compose_held), n_held of them */
     int n_held;
     Native *native;         /* the handle it records (a LOST record's number: oplog_room) */
+    /* the release in flight (oplog_op), for the record of a process that dies in it
+     * (oplog_dying): its record so far, the sequence's id and the table it releases */
+    struct OpRec *open;
+    int64_t open_id, open_nb;
+    const int32_t *open_before;
 } Oplog;
 
 /* A plain append of one token held as it returned, composed into the chunk with the ones after
@@ -197,7 +202,7 @@ static inline uint64_t zz(int64_t v) { return ((uint64_t)v << 1) ^ (uint64_t)(v 
 static inline uint8_t *put_s(uint8_t *p, int64_t v) { return put_u(p, zz(v)); }
 
 /* What one record holds. */
-typedef struct {
+typedef struct OpRec {
     int op, status, flags;
     int64_t seq_id, src_id, arg, result;
     char request[REQUEST_BYTES];
@@ -537,9 +542,19 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     }
     int64_t id_before = slot >= 0 ? (int64_t)U8(seqrec(n, slot) + SF_SEQ_ID) : seq_int(n, seq, F_SEQ_ID);
 
+    struct OpRec *open0 = L->open;
+    if (op == OP_FREE || op == OP_ABORT) {
+        L->open = &o;
+        L->open_id = id_before;
+        L->open_before = before;
+        L->open_nb = n_before;
+    }
     L->depth++;
     PyObject *res = fn(n, args, nargs);
     L->depth--;
+    /* (a release whose process was to die in it has its record: oplog_dying) */
+    int written = (op == OP_FREE || op == OP_ABORT) && L->open != &o;
+    L->open = open0;
 
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (res == NULL) PyErr_Fetch(&et, &ev, &etb);
@@ -618,7 +633,7 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
         if (op == OP_ALLOCATE || op == OP_FORK) o.seq_id = (int64_t)U8(seqrec(n, after) + SF_SEQ_ID);
     }
     if (PyErr_Occurred()) PyErr_Clear();
-    oplog_write(n, &o);
+    if (!written) oplog_write(n, &o);
     if (before != before_s) PyMem_Free(before);
     if (res == NULL) PyErr_Restore(et, ev, etb);
     if (o.scratch) {
@@ -750,6 +765,32 @@ static PyObject *R_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     return oplog_op(n, final == 4 ? OP_ABORT : OP_FREE, N_end, args, nargs);
 }
 
+/* kill-holding-lock (faults.c kill_fault): the release in flight dies once it has taken its
+ * locks (SIGKILL, at its crash point). Its record is written there, just before the kill (its
+ * number taken with the locks held: an operation of another process numbered after it that
+ * wanted them met a dead holder): status error, the fault fired, the sequence's id and the
+ * table it was releasing; then the chunk, so the log holds every record of the process up to
+ * its death (the fault is kvscope's own: where it kills is known). A crash point armed
+ * otherwise (crash.py: tests) writes nothing. A replay runs that process in a child of its
+ * own, which dies there too (docs/REPLAY.md). */
+static void oplog_dying(Native *n) {
+    Oplog *L = n->oplog;
+    if (L == NULL || L->open == NULL || n->seg == NULL ||
+        !(n->oplog_fired & (1u << FT_KILL_HOLDING_LOCK)))
+        return;
+    OpRec *o = L->open;
+    L->open = NULL;
+    o->status = OS_ERROR;
+    o->seq_id = L->open_id;
+    if (L->open_nb >= 0) {
+        o->tmode = TM_NEW;
+        o->blocks = L->open_before;
+        o->n_blocks = L->open_nb;
+    }
+    oplog_write(n, o); /* (written at once: its status is not ok) */
+    if (PyErr_Occurred()) PyErr_Clear();
+}
+
 /* report(...): a finding reported between operations, recorded as a REPORT. */
 static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *res = N_report(n, args, nargs);
@@ -765,6 +806,53 @@ static PyObject *R_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
     return res;
+}
+
+/* The block-table audit of a host table (audit.c N_audit_table) that found something: a
+ * REPORT of its findings that holds its input (docs/REPLAY.md): `src_id` the table's rows R,
+ * `arg` its width W, `result` the padding, and in place of tokens each audited row's sequence
+ * id, then the tokens it reads (lengths, or its sequence's), then the table's R x W entries
+ * row by row. `rows` is a PySequence_Fast of `live` Sequences, own ones (the audit checked). */
+static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t live,
+                        const Py_buffer *t, int64_t R, int64_t W, const Py_buffer *l,
+                        PyObject *lens_fast, int64_t sentinel) {
+    Oplog *L = n->oplog;
+    if (L == NULL || n->seg == NULL || L->depth) return;
+    int64_t k = 2 * live + R * W;
+    int32_t *v = PyMem_Malloc(sizeof(int32_t) * (size_t)(k ? k : 1));
+    if (v == NULL) {
+        L->lost++;
+        return;
+    }
+    for (int64_t r = 0; r < live; r++) {
+        PyObject *seq = PySequence_Fast_GET_ITEM(rows, r);
+        int64_t slot = slot_of(n, seq), tokens;
+        v[r] = (int32_t)seq_int(n, seq, F_SEQ_ID);
+        if (l != NULL) tokens = int_at(l, r);
+        else if (lens_fast != NULL)
+            tokens = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(lens_fast, r));
+        else
+            tokens = slot >= 0 ? I4(seqrec(n, slot) + SF_NUM_TOKENS) : -1;
+        v[live + r] = (int32_t)tokens;
+    }
+    for (int64_t i = 0; i < R * W; i++) v[2 * live + i] = (int32_t)int_at(t, i);
+    if (PyErr_Occurred()) PyErr_Clear();
+    oplog_tokens(n, v, (Py_ssize_t)k);
+    PyMem_Free(v);
+    OpRec o;
+    memset(&o, 0, sizeof o);
+    o.op = OP_REPORT;
+    o.seq_id = -1;
+    o.src_id = R;
+    o.arg = W;
+    o.result = sentinel;
+    o.found0 = found0;
+    o.scratch = 1;
+    o.tmode = TM_NONE;
+    oplog_write(n, &o);
+    L->have_tok = 0;
+    L->n_pre = 0;
+    if (PyErr_Occurred()) PyErr_Clear();
 }
 
 /* -- lease operations (leases.c: KVPool.lease, lease_release, expire_leases) ---------------- */
@@ -848,9 +936,12 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
     if (o->status != OS_OK || nf || (bits & CR_FAULT)) oplog_flush(L);
 }
 
-/* The findings the core wrote since `found0` as the handle closed (leases.c leases_at_close: a
- * lease still held is a lease_leak), recorded as a REPORT about `request`. */
-static void oplog_close_report(Native *n, Py_ssize_t found0, const char *request) {
+/* The findings the core wrote since `found0` in a call that is no recorded operation, recorded
+ * as a REPORT about `request` ("": none): a handle's close (leases.c leases_at_close: a lease
+ * still held is a lease_leak), `reclaim_dead` (recovery.c: lock_dead_holder, leak_dead_owner),
+ * the provenance sweep (provenance.c: foreign_slot). A replay runs that call again where the
+ * REPORT is (docs/REPLAY.md). */
+static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request) {
     if (n->oplog == NULL || n->seg == NULL || n->found == NULL ||
         PyList_GET_SIZE(n->found) <= found0)
         return;

@@ -357,6 +357,7 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
     Py_DECREF(src);
     if (rows == NULL) return NULL;
     int64_t bad = 0, later = 0, cap = 0;
+    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     /* (a CUDA pool's: the blocks whose hashed slots the device checks, and their readers) */
     int32_t *ids = NULL;
     char *readers = NULL;
@@ -409,6 +410,8 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
     PyMem_Free(ids);
     PyMem_Free(readers);
     Py_DECREF(rows);
+    /* what it found, in the operation log (a replay sweeps there again) */
+    if (bad && n->oplog) oplog_found_report(n, found0, "");
     return PyLong_FromLongLong(bad);
 fail:
     PyMem_Free(ids);

@@ -539,6 +539,7 @@ static int lock_answer(int rc) {
  * held: the same cause). */
 static PyObject *N_reclaim_dead(Native *n, PyObject *said) {
     if (recovery_enter(n)) return NULL;
+    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     PyObject *rolled = PyDict_New(), *recovered = PyList_New(0), *done = PyList_New(0);
     long long tp = 0, ts = 0, tb = 0;
     PyObject *result = NULL;
@@ -616,6 +617,8 @@ static PyObject *N_reclaim_dead(Native *n, PyObject *said) {
         if (bad) goto out;
     }
     result = Py_BuildValue("({sLsLsL}O)", "processes", tp, "sequences", ts, "blocks", tb, done);
+    /* what it found (a dead holder's lock, a dead process's blocks), in the operation log */
+    if (result && n->oplog) oplog_found_report(n, found0, "");
 out:
     PyMem_Free(dead);
     Py_XDECREF(rolled);
