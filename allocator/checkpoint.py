@@ -61,6 +61,9 @@ _M64 = (1 << 64) - 1
 # The header's fields a restore takes from the snapshot: its mutable tail but the checksum and
 # a CUDA pool's IPC handle (a replay's pool is a CPU pool of its own).
 _NOT_RESTORED = {"checksum", "cuda_ipc_len", "cuda_ipc"}
+# The least limit `kvscope run --record-ops-limit` takes: below it, the log would be mostly
+# checkpoints (a pool's metadata, compressed, is some kilobytes).
+MIN_LIMIT = 64 * 1024
 _LIVE = (int(SeqState.RUNNING), int(SeqState.WAITING), int(SeqState.PREEMPTED))
 
 

@@ -491,7 +491,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
     for r in mine:
         if r.op == OpCode.START and r.start is not None:
             by_pid.setdefault(r.pid, r.start)
-    kept = [r for r in mine if r.seq > at.seq and r.op != snap_op]
+    kept = [r for r in mine if r.seq > at.seq]  # (later snapshots too: numbered, not run)
     try:
         snap.complete(kept)
     except ValueError as e:  # (a header that describes no layout)
