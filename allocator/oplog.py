@@ -507,8 +507,8 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
 
 def from_creation(start: dict[str, Any] | None) -> bool:
     """Whether a START's handle recorded from the pool's creation (the pool's start state is
-    a fresh pool's): its creator's, with no snapshot after it."""
-    return bool((start or {}).get("created")) and not (start or {}).get("snapshot")
+    a fresh pool's): its creator's, on a pool with no history then."""
+    return bool((start or {}).get("created")) and not (start or {}).get("history")
 
 
 def start_text(
@@ -520,13 +520,13 @@ def start_text(
     guard_sample: int,
     op_seq: int,
     redacted: bool,
-    snapshot: bool = False,
+    history: bool = False,
 ) -> str:
     """A recording handle's START record (KVPool.record_ops): what a replay needs to rebuild
     its pool: the geometry, the probes (`probes`: a ProbeFlags, or None), lockdep's tracing,
     sampled guard mode, the faults armed in this process and the pool's operation number;
-    `snapshot`: a SNAPSHOT of the pool follows it (the pool had a history: allocator/checkpoint.py),
-    so that even a creator's START is no start state then."""
+    `history`: the pool had a history the log does not hold (a SNAPSHOT of it follows, unless
+    redacted: allocator/checkpoint.py), so that even a creator's START is no start state then."""
     from kvscope.allocator import faults
 
     geometry = {
@@ -570,7 +570,7 @@ def start_text(
             "faults": dict(faults.ARMED),
             "op_seq": op_seq,
             "redacted": redacted,
-            "snapshot": snapshot,
+            "history": history,
         },
         sort_keys=True,
     )

@@ -423,7 +423,7 @@ class KVPool:
             )
         tag = pool_tag(self.name, int(self.view.h["created_ns"]))
         # (before the START: whether the file holds the pool's creation already)
-        history = not redact_key and checkpoint.has_history(self, path, tag)
+        history = checkpoint.has_history(self, path, tag)
         text = start_text(
             self.name,
             self.created,
@@ -441,7 +441,7 @@ class KVPool:
         self._recording = path
         _RECORDING.add(self)
         start = json.loads(text)
-        if history:
+        if history and not redact_key:
             checkpoint.write(self, start)
         if limit > 0 and not redact_key:
             self._ring = checkpoint.Ring(self, path, int(limit), start)

@@ -29,6 +29,7 @@ from kvscope.allocator.oplog import (
     OpLog,
     OplogError,
     OpRecord,
+    from_creation,
 )
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
@@ -215,12 +216,12 @@ class Session:
     def __init__(self, log: OpLog, name: str | None = None, arm: bool = True):
         start = log.start.start or {}
         self.start = start
-        if not start.get("created") and log.snapshot is None:
+        if not from_creation(start) and log.snapshot is None:
+            how = "had a history" if start.get("created") else "its first recorder attached to"
             raise ReplayError(
                 f"{log.path}: the log begins at operation {start.get('op_seq', '?')} of pool "
-                f"{start.get('pool')!r}, which its first recorder attached to, and holds no "
-                "snapshot of it: there is no start state to replay from (record from the "
-                "pool's creation, or without --redact)"
+                f"{start.get('pool')!r}, which {how}, and holds no snapshot of it (a redacted "
+                "recording writes none): there is no start state to replay from"
             )
         for f in start.get("faults") or {}:
             if f in UNREPLAYABLE_FAULTS:
