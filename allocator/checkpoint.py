@@ -40,21 +40,20 @@ import numpy as np
 
 from kvscope.allocator import ofd
 from kvscope.allocator.checksums import block_checksums
-from kvscope.allocator.layout import HEADER_DTYPE, ClientState, Layout, SegmentView, SeqState
-from kvscope.allocator.oplog import OplogError, from_creation, pool_tag
+from kvscope.allocator.errors import OplogError
+from kvscope.allocator.layout import ClientState, SegmentView
+from kvscope.allocator.oplog import from_creation, parse_log, pool_tag
+from kvscope.allocator.oplogsnap import LIVE, MAGIC, VERSION, Snapshot, _text, chunks, data_start
 from kvscope.allocator.prefix import COEFS
-from kvscope.allocator.records import OPLOG_CHUNK_FIELDS, OPLOG_CHUNK_MAGIC, OpCode, packed_offsets
-from kvscope.allocator.snapshot import copy_metadata
+from kvscope.allocator.records import OpCode
+from kvscope.allocator.snapshot import copy_metadata, metadata_ranges
 
 if TYPE_CHECKING:
-    from kvscope.allocator.pool import KVPool
     from kvscope.allocator.sequence import Sequence
 
-MAGIC = b"KVSS"
-_CHUNK = packed_offsets(OPLOG_CHUNK_FIELDS)
-OPLOG_CHUNK = _CHUNK[""]  # (a chunk's header: its first record follows)
-_TAG_AT = _CHUNK["pool"]
-VERSION = 1
+# (the handle a snapshot is taken of, or written by: a KVPool, which imports this module)
+KVPool = Any
+
 # The prefix chain's multiplier (csrc/core.h CHAIN_P): a restored sequence's chain values.
 CHAIN_P = 0x100000001B3
 _M64 = (1 << 64) - 1
@@ -64,56 +63,6 @@ _NOT_RESTORED = {"checksum", "cuda_ipc_len", "cuda_ipc"}
 # The least limit `kvscope run --record-ops-limit` takes: below it, the log would be mostly
 # checkpoints (a pool's metadata, compressed, is some kilobytes).
 MIN_LIMIT = 64 * 1024
-_LIVE = (int(SeqState.RUNNING), int(SeqState.WAITING), int(SeqState.PREEMPTED))
-
-
-@dataclass
-class Snapshot:
-    """A SNAPSHOT record's contents: its meta and the segment's bytes (the ranges it holds,
-    zeros elsewhere)."""
-
-    meta: dict[str, Any]
-    raw: np.ndarray  # uint8, the segment's size
-
-    @property
-    def start(self) -> dict[str, Any]:
-        return dict(self.meta.get("start") or {})
-
-    @property
-    def client(self) -> int:
-        return int(self.meta["client"])
-
-    def view(self, layout: Any = None) -> SegmentView:
-        if layout is None:
-            h = np.frombuffer(self.raw, HEADER_DTYPE, 1)[0]
-            layout = Layout.from_header(h)
-        return SegmentView(self.raw, layout)
-
-    def complete(self, records: list[Any]) -> None:
-        """The records after it (in number order) with what the reader could not give them,
-        the records before it being gone: the block table entries an append's record keeps
-        from the sequence's record before (-1 there), and the request id an operation on a
-        live sequence leaves out, from the snapshot's sequence table."""
-        seqs = self.view().seqs
-        live = np.flatnonzero(np.isin(seqs["state"], _LIVE))
-        tables = {
-            int(seqs["seq_id"][i]): [int(b) for b in seqs["table"][i][: int(seqs["num_blocks"][i])]]
-            for i in live
-        }
-        requests = {int(seqs["seq_id"][i]): _text(seqs["request"][i]) for i in live}
-        skip = (int(OpCode.LEASE), int(OpCode.LEASE_RELEASE), int(OpCode.EXPIRE_LEASES))
-        store = int(OpCode.STORE)
-        for r in records:
-            if r.seq_id < 0 or r.op in skip or r.op == store:
-                continue
-            base = tables.get(r.seq_id)
-            if base is not None and r.blocks and min(r.blocks) < 0:
-                r.blocks = [base[j] if b < 0 and j < len(base) else b for j, b in enumerate(r.blocks)]
-            if not r.request:
-                r.request = requests.get(r.seq_id) or requests.get(r.src_id, "")
-            if r.blocks or r.op in (int(OpCode.ALLOCATE), int(OpCode.FORK)):
-                tables[r.seq_id] = list(r.blocks)
-            requests.setdefault(r.seq_id, r.request)
 
 
 def take(
@@ -125,8 +74,6 @@ def take(
     if got is None:
         return None
     raw, op_seq = got
-    from kvscope.allocator.snapshot import metadata_ranges
-
     ranges = metadata_ranges(pool.view)
     data = b"".join(raw[a:b].tobytes() for a, b in ranges)
     slots, next_id, end_id = pool.core.reserve_state()
@@ -164,39 +111,6 @@ def write(
         if done is not None:
             return done
     return None
-
-
-def parse(payload: bytes, where: str) -> Snapshot:
-    """A SNAPSHOT record's bytes as a Snapshot; OplogError (one line) where they are not one."""
-    bad = f"{where}: the snapshot record"
-    meta = meta_of(payload, where)
-    (n,) = struct.unpack_from("<I", payload, 4)
-    if meta.get("version") != VERSION:
-        raise OplogError(f"{bad} is of another version ({meta.get('version')!r})")
-    try:
-        size = int(meta["size"])
-        ranges = [(int(a), int(b)) for a, b in meta["ranges"]]
-        int(meta["client"]), int(meta["op_seq"])
-        slots, next_id, end_id = meta["reserve"]
-        [int(s) for s in slots], int(next_id), int(end_id)
-        dict(meta["offsets"])
-        crc = int(meta["crc32"])
-    except (KeyError, TypeError, ValueError):
-        raise OplogError(f"{bad}'s description lacks what a snapshot holds") from None
-    if not 0 < size <= 1 << 40 or any(not 0 <= a <= b <= size for a, b in ranges):
-        raise OplogError(f"{bad}'s ranges are not in its segment")
-    try:
-        data = zlib.decompress(payload[8 + n :])
-    except zlib.error:
-        raise OplogError(f"{bad}'s bytes are damaged (zlib)") from None
-    if len(data) != sum(b - a for a, b in ranges) or zlib.crc32(data) != crc:
-        raise OplogError(f"{bad}'s bytes are not the ones it describes (cut short or edited)")
-    raw = np.zeros(size, np.uint8)
-    at = 0
-    for a, b in ranges:
-        raw[a:b] = np.frombuffer(data, np.uint8, b - a, at)
-        at += b - a
-    return Snapshot(meta, raw)
 
 
 def restore(view: SegmentView, snap: Snapshot, pid: int, start: int) -> None:
@@ -256,10 +170,6 @@ def attached(snap: Snapshot) -> list[tuple[int, int]]:
     ]
 
 
-def _text(b: bytes) -> str:
-    return bytes(b).rstrip(b"\0").decode("utf-8", "replace")
-
-
 def sequences(view: SegmentView, client: int, block_size: int) -> list[Sequence]:
     """The live sequences of `client` in a restored segment, as Sequences (not yet registered:
     KVPool.adopt_restored): the request id and block table from the record, the tokens from
@@ -272,7 +182,7 @@ def sequences(view: SegmentView, client: int, block_size: int) -> list[Sequence]
     out = []
     coefs = np.array(COEFS[:block_size], dtype=np.uint64)
     state_names = {1: "running", 2: "waiting", 5: "preempted"}
-    for slot in np.flatnonzero(np.isin(seqs["state"], _LIVE) & (seqs["owner_client"] == client)):
+    for slot in np.flatnonzero(np.isin(seqs["state"], LIVE) & (seqs["owner_client"] == client)):
         r = seqs[slot]
         k = int(r["num_blocks"])
         table = [int(b) for b in r["table"][:k]]
@@ -315,50 +225,6 @@ def reserved_slots(view: SegmentView, client: int) -> list[int]:
 
 
 # -- a bounded log ----------------------------------------------------------------------------
-
-
-def data_start(fd: int) -> int:
-    """The offset of a log file's first chunk: past the hole a bounded log's checkpoints
-    punched (zeros to the first chunk: the punch ends at one)."""
-    try:
-        pos = os.lseek(fd, 0, os.SEEK_DATA)
-    except OSError as e:
-        if e.errno == errno.ENXIO:  # (nothing but a hole)
-            return os.fstat(fd).st_size
-        if e.errno != errno.EINVAL:
-            raise
-        pos = 0
-    while True:
-        buf = os.pread(fd, 1 << 16, pos)
-        if not buf:
-            return pos
-        words = np.frombuffer(buf[: len(buf) // 8 * 8], np.uint64)
-        nz = np.flatnonzero(words)
-        if len(nz):
-            return pos + 8 * int(nz[0])
-        pos += len(buf) // 8 * 8
-        if len(buf) % 8:
-            return pos
-
-
-def chunks(fd: int, start: int, end: int) -> list[tuple[int, int, int, int]]:
-    """The chunks of a log file from `start` to `end` as (offset, size, pool tag, first
-    record's op), read from their headers; stops at what is not a whole chunk (one another
-    process is writing now)."""
-    out = []
-    pos = start
-    head = OPLOG_CHUNK + 2
-    while pos + head <= end:
-        b = os.pread(fd, head, pos)
-        if len(b) < head:
-            break
-        magic, size = struct.unpack_from("<II", b, 0)
-        if magic != OPLOG_CHUNK_MAGIC or size < OPLOG_CHUNK or size % 8 or pos + size > end:
-            break
-        (tag,) = struct.unpack_from("<I", b, _TAG_AT)
-        out.append((pos, size, tag, b[OPLOG_CHUNK]))
-        pos += size
-    return out
 
 
 class Ring:
@@ -429,21 +295,6 @@ class Ring:
             os.close(fd)
 
 
-def meta_of(payload: bytes, where: str) -> dict[str, Any]:
-    """A SNAPSHOT record's description alone (its JSON: the pool, the writer's START), without
-    its bytes; OplogError (one line) where it is not one."""
-    if payload[:4] != MAGIC or len(payload) < 8:
-        raise OplogError(f"{where}: the snapshot record is not one (bad magic)")
-    (n,) = struct.unpack_from("<I", payload, 4)
-    try:
-        meta = json.loads(payload[8 : 8 + n].decode())
-    except ValueError:
-        raise OplogError(f"{where}: the snapshot record's description is not JSON") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("start", {}), dict):
-        raise OplogError(f"{where}: the snapshot record's description is not an object")
-    return meta
-
-
 def leases(view: SegmentView, client: int) -> list[tuple[int, int, str, str, list[int]]]:
     """The leases `client` holds in a restored segment, as Lease's arguments after its pool:
     (record, lease id, mode, holder, blocks)."""
@@ -481,8 +332,6 @@ def has_history(pool: KVPool, path: str, tag: int) -> bool:
     try:
         size = os.fstat(fd).st_size
         start = int(OpCode.START)
-        from kvscope.allocator.oplog import parse_log
-
         for off, length, t, op in chunks(fd, data_start(fd), size):
             if t != tag or op != start:
                 continue

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.allocator import oplogsnap
+from kvscope.allocator.errors import OplogError
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.records import (
     OPLOG_FAULT,
@@ -74,10 +76,6 @@ STATUS_NAMES = {int(s): s.name.lower() for s in OpStatus}
 
 # (the empty list every record without copies, preemptions or findings shares: never mutated)
 _NONE: list[Any] = []
-
-
-class OplogError(ValueError):
-    """A log that cannot be read as one: its one-line reason."""
 
 
 @dataclass(slots=True)
@@ -372,7 +370,7 @@ class OpLog:
     # numbers missing between the records (first, last): lost, or a process that did not record
     gaps: list[tuple[int, int]] = field(default_factory=list)
     # where the log does not begin at the pool's creation: the snapshot it starts from
-    # (allocator/checkpoint.py Snapshot; `start` is then its SNAPSHOT record, whose `start` is
+    # (allocator/oplogsnap.py Snapshot; `start` is then its SNAPSHOT record, whose `start` is
     # its writer's START), the records after it; the STARTs of each process before it, by pid
     snapshot: Any = None
     starts: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -416,17 +414,15 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
 
     A log that holds the pool's creation START starts there; one that does not (a recording
     that began on a pool with a history, a bounded log whose older records were dropped)
-    starts at a SNAPSHOT of the pool (allocator/checkpoint.py): the first one after the last
+    starts at a SNAPSHOT of the pool (allocator/oplogsnap.py): the first one after the last
     numbers missing before it, so that the records after it are whole (a bounded log's oldest
     checkpoint: every record the file still holds is replayed)."""
-    from kvscope.allocator import checkpoint
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise OplogError(f"{path}: {e.strerror or e}") from None
     try:
-        base = checkpoint.data_start(fd)
+        base = oplogsnap.data_start(fd)
         size = os.fstat(fd).st_size
         buf = os.pread(fd, size - base, base) if size > base else b""
     except OSError as e:
@@ -446,7 +442,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
         named.setdefault(r.pool, str((r.start or {}).get("pool")))
     for r in snaps:
         if r.pool not in named:
-            named[r.pool] = str(checkpoint.meta_of(r.state or b"", path).get("pool"))
+            named[r.pool] = str(oplogsnap.meta_of(r.state or b"", path).get("pool"))
     tag = (starts or snaps)[0].pool
     if pool is not None:
         tags = [t for t, n in named.items() if n == pool]
@@ -465,7 +461,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
     versions = [(r.start or {}).get("version") for r in starts if r.pool == tag]
     for r in snaps:
         if r.pool == tag:
-            versions.append(checkpoint.meta_of(r.state or b"", path).get("start", {}).get("version"))
+            versions.append(oplogsnap.meta_of(r.state or b"", path).get("start", {}).get("version"))
     for v in versions:
         if v != OPLOG_VERSION:
             raise OplogError(f"{path}: log version {v!r}, this kvscope reads {OPLOG_VERSION}")
@@ -485,7 +481,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
     # the first snapshot after the last numbers missing before one (else the last one)
     after_gap = max((b for _, b in gaps if any(p.seq > b for p in points)), default=0)
     at = next((p for p in points if p.seq > after_gap), points[-1])
-    snap = checkpoint.parse(at.state or b"", path)
+    snap = oplogsnap.parse(at.state or b"", path)
     at.start = snap.start
     by_pid: dict[int, dict[str, Any]] = {}
     for r in mine:
