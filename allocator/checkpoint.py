@@ -1,20 +1,13 @@
-"""Snapshots of a pool in its operation log (docs/REPLAY.md "Starting from a snapshot", "A
-bounded log"): what a replay starts from where the log does not begin at the pool's creation.
+"""Snapshots of a pool in its operation log, written and restored (docs/REPLAY.md "Starting
+from a snapshot", "A bounded log"): what a replay starts from where the log does not begin at the
+pool's creation. allocator/oplogsnap.py reads the record (its bytes: there).
 
 A SNAPSHOT record (OpCode.SNAPSHOT, written by the core: csrc/oplog.c oplog_snapshot) holds the
 pool's metadata as a reader's consistent copy has it (snapshot.py copy_metadata: the header,
 blocks, free ring, prefix index, sequence and site tables, the client records without their
 journals, the lock-order graph, findings ring, LRU list and leases; not the K/V bytes, the
 event rings, the slot provenance or the locks), taken at the operation number just below its
-own: every operation numbered below it is in it, none after. Its bytes:
-
-    b"KVSS", u32 length of the JSON, the JSON (its `meta`), zlib of the ranges' bytes in order
-
-`meta`: version, pool, op_seq (the last number in it), size (the segment's), offsets (the
-sections'), ranges ([start, end) each), crc32 (of the uncompressed bytes), client (the writer's
-client record), reserve (the writer's slot reserve and sequence ids, which its core holds and
-the segment does not: [slots, next_id, end_id]) and start (the writer's START: geometry, probes,
-faults: oplog.start_text's).
+own: every operation numbered below it is in it, none after.
 
 A replay restores it into a fresh segment of the same geometry (`restore`, before any handle
 attaches, as header.init_segment writes a new one), each client record the snapshot shows
@@ -28,12 +21,10 @@ PUNCH_HOLE), so that the file holds about twice the limit at most.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import struct
 import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -187,7 +178,7 @@ def sequences(view: SegmentView, client: int, block_size: int) -> list[Sequence]
         k = int(r["num_blocks"])
         table = [int(b) for b in r["table"][:k]]
         ntok = int(r["num_tokens"]) if table else 0
-        toks = blocks["tokens"][table].reshape(-1)[:ntok].astype(np.int64) if table else []
+        toks: Any = blocks["tokens"][table].reshape(-1)[:ntok].astype(np.int64) if table else []
         tokens = [int(t) for t in toks]
         chain: list[int] = []
         prev = 0
@@ -304,7 +295,9 @@ def leases(view: SegmentView, client: int) -> list[tuple[int, int, str, str, lis
         r = recs[i]
         k = min(int(r["num_blocks"]), len(r["blocks"]))
         mode = "write" if int(r["mode"]) == 2 else "read"
-        out.append((i, int(r["lease_id"]), mode, _text(r["holder"]), [int(b) for b in r["blocks"][:k]]))
+        out.append(
+            (i, int(r["lease_id"]), mode, _text(r["holder"]), [int(b) for b in r["blocks"][:k]])
+        )
     return out
 
 

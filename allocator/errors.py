@@ -73,4 +73,3 @@ class LockDeadlock(PoolError):
 
 class OplogError(ValueError):
     """An operation log that cannot be read as one (allocator/oplog.py): its one-line reason."""
-

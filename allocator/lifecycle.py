@@ -181,7 +181,9 @@ def register_client(
                 and (int(c["pid"][client]), int(c["start"][client])) == (pool.pid, pool.start)
                 and client not in mf.__dict__.setdefault("taken_over", set())
             ):
-                raise PoolError(f"pool {pool.name!r}: client record {client} is not one to take over")
+                raise PoolError(
+                    f"pool {pool.name!r}: client record {client} is not one to take over"
+                )
             mf.__dict__["taken_over"].add(client)
             bind(client)
         return client

@@ -79,7 +79,9 @@ class Snapshot:
                 continue
             base = tables.get(r.seq_id)
             if base is not None and r.blocks and min(r.blocks) < 0:
-                r.blocks = [base[j] if b < 0 and j < len(base) else b for j, b in enumerate(r.blocks)]
+                r.blocks = [
+                    base[j] if b < 0 and j < len(base) else b for j, b in enumerate(r.blocks)
+                ]
             if not r.request:
                 r.request = requests.get(r.seq_id) or requests.get(r.src_id, "")
             if r.blocks or r.op in (int(OpCode.ALLOCATE), int(OpCode.FORK)):

@@ -197,8 +197,11 @@ def test_kvscope_run_with_a_bounded_log_replays_the_late_double_free(tmp_path):
         [kvscope, "replay", "k.ops"], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 1, out.stdout + out.stderr
-    assert re.search(r"started from a bounded log's checkpoint at operation \d+; the ring "
-                     r"wrapped: the file's first \d+ bytes were dropped", out.stdout), out.stdout
+    assert re.search(
+        r"started from a bounded log's checkpoint at operation \d+; the ring "
+        r"wrapped: the file's first \d+ bytes were dropped",
+        out.stdout,
+    ), out.stdout
     assert "reproduced the recorded run up to a finding" in out.stdout
     assert re.search(r"free request 'victim'", out.stdout) and "double_free" in out.stdout
     # a snapshot-started log is not shrunk: one line, exit 2
@@ -210,22 +213,20 @@ def test_kvscope_run_with_a_bounded_log_replays_the_late_double_free(tmp_path):
     assert "not shrunk" in out.stderr
 
 
-def test_bad_limits_are_one_line_errors(tmp_path, capsys):
+def test_bad_limits_are_one_line_errors(tmp_path, capsys, monkeypatch):
     for argv in (
         ["run", "--record-ops-limit", "1M", "x.py"],
         ["run", "--record-ops", "l.ops", "--record-ops-limit", "lots", "x.py"],
         ["run", "--record-ops", "l.ops", "--record-ops-limit", "1K", "x.py"],
         ["run", "--record-ops", "l.ops", "--redact", "--record-ops-limit", "1M", "x.py"],
     ):
-        os.chdir(tmp_path)
+        monkeypatch.chdir(tmp_path)
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
 
 
-def test_a_redacted_recording_writes_no_snapshot_and_a_bounded_one_is_refused(
-    tmp_path, pool_name
-):
+def test_a_redacted_recording_writes_no_snapshot_and_a_bounded_one_is_refused(tmp_path, pool_name):
     path = tmp_path / "red.ops"
     pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
     try:
@@ -264,7 +265,8 @@ def test_a_damaged_snapshot_record_is_one_line_exit_2(damage, tmp_path, pool_nam
     if damage == "truncate":
         data = data[: at + size // 2]
     elif damage == "bytes":
-        data[at + size - 16] ^= 0x55  # (in its compressed bytes)
+        (n,) = struct.unpack_from("<I", data, payload + 4)
+        data[payload + 8 + n] ^= 0x55  # (its compressed bytes' first: not zlib's any more)
         _reseal(data, at)
     elif damage == "version":
         i = data.index(b'"version": 1', payload)

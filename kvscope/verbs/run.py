@@ -103,7 +103,9 @@ def record_limit(text: str, args: argparse.Namespace) -> int:
     try:
         size = parse_size(text)
     except ValueError:
-        raise UsageError(f"--record-ops-limit {text}: not a size (bytes, or 64K, 16M, 1G)") from None
+        raise UsageError(
+            f"--record-ops-limit {text}: not a size (bytes, or 64K, 16M, 1G)"
+        ) from None
     if getattr(args, "redact", False):
         raise UsageError(
             "--record-ops-limit with --redact: a bounded log's checkpoints hold the pool's "
