@@ -178,6 +178,13 @@ def sequences(view: SegmentView, client: int, block_size: int) -> list[Sequence]
         k = int(r["num_blocks"])
         table = [int(b) for b in r["table"][:k]]
         ntok = int(r["num_tokens"]) if table else 0
+        # (a snapshot's bytes are the log's, which anyone may have edited: checked before use)
+        if (
+            k > len(r["table"])
+            or any(not 0 <= b < len(blocks) for b in table)
+            or ntok > k * block_size
+        ):
+            raise ValueError(f"slot {int(slot)}'s record is not a sequence's")
         toks: Any = blocks["tokens"][table].reshape(-1)[:ntok].astype(np.int64) if table else []
         tokens = [int(t) for t in toks]
         chain: list[int] = []
@@ -294,6 +301,8 @@ def leases(view: SegmentView, client: int) -> list[tuple[int, int, str, str, lis
     for i in np.flatnonzero((recs["state"] != 0) & (recs["holder_client"] == client)).tolist():
         r = recs[i]
         k = min(int(r["num_blocks"]), len(r["blocks"]))
+        if any(not 0 <= b < len(view.blocks) for b in r["blocks"][:k]):
+            raise ValueError(f"lease record {i} names a block the pool does not have")
         mode = "write" if int(r["mode"]) == 2 else "read"
         out.append(
             (i, int(r["lease_id"]), mode, _text(r["holder"]), [int(b) for b in r["blocks"][:k]])

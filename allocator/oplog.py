@@ -490,7 +490,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
     kept = [r for r in mine if r.seq > at.seq]  # (later snapshots too: numbered, not run)
     try:
         snap.complete(kept)
-    except ValueError as e:  # (a header that describes no layout)
+    except (ValueError, TypeError, OverflowError, ZeroDivisionError) as e:  # (no layout)
         raise OplogError(f"{path}: the snapshot record's segment is not one: {e}") from None
     kept_seqs = [at.seq] + [r.seq for r in kept]
     gaps = [

@@ -129,7 +129,14 @@ def parse(payload: bytes, where: str) -> Snapshot:
         raise OplogError(f"{bad}'s bytes are damaged (zlib)") from None
     if len(data) != sum(b - a for a, b in ranges) or zlib.crc32(data) != crc:
         raise OplogError(f"{bad}'s bytes are not the ones it describes (cut short or edited)")
-    raw = np.zeros(size, np.uint8)
+    # (the segment's other sections, not in it, are some times its size at most: its event
+    # rings and slot provenance)
+    if size > 64 * len(data) + (1 << 26) or int(dict(meta["offsets"]).get("end", -1)) != size:
+        raise OplogError(f"{bad}'s segment size is not the one its sections give")
+    try:
+        raw = np.zeros(size, np.uint8)
+    except MemoryError:
+        raise OplogError(f"{bad}'s segment is too large to restore here") from None
     at = 0
     for a, b in ranges:
         raw[a:b] = np.frombuffer(data, np.uint8, b - a, at)

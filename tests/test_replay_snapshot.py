@@ -286,3 +286,47 @@ def test_a_damaged_snapshot_record_is_one_line_exit_2(damage, tmp_path, pool_nam
         assert "snapshot" in err, err
     with pytest.raises((OplogError, PoolError)):
         replay(read_log(str(path)))
+
+
+@pytest.mark.slow
+def test_two_processes_bound_one_log_and_it_replays_from_the_others_checkpoint(tmp_path, pool_name):
+    """The creator and an attached process record into one bounded log, one after the other
+    (the second wraps it: its checkpoints, the file before them dropped); the replay starts at
+    the checkpoint the attached process wrote, the creator's handle taking over its client
+    record from the snapshot, and runs both to the end with every result as recorded."""
+    path = tmp_path / "two.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    try:
+        pool.record_ops(str(path), limit=LIMIT)
+        held = pool.allocate("held", [1, 2, 3, 4, 5])
+        work(pool, 20000, seed=1)
+        code = (
+            "import os\n"
+            "from kvscope.allocator import KVPool\n"
+            "from tests.replay_work import work\n"
+            f"p = KVPool.attach({pool_name!r}); p.record_ops({str(path)!r}, limit={LIMIT})\n"
+            "s = p.allocate('child', [9, 9, 9, 9, 9, 9])\n"
+            "work(p, 40000, seed=2)\n"
+            "p.append(s, [1]); p.free(s)\n"
+            "print(os.getpid(), p._ring.checkpoints)\n"
+            # (its records written; no close: a close is no operation of the log's, and the
+            # local cache it returns would change the creator's allocations after it)
+            "p.flush_recording(); os._exit(0)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], check=True, timeout=120, cwd=HERE.parent,
+            capture_output=True, text=True,
+        )  # fmt: skip
+        child, checkpoints = map(int, out.stdout.split())
+        assert checkpoints >= 2
+        work(pool, 1000, seed=3)
+        pool.free(held)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    assert log.dropped > 0 and log.snapshot is not None
+    assert log.start.pid == child  # (the attached process's checkpoint)
+    assert {r.pid for r in log.ops} == {child, os.getpid()}
+    out = replay(log, quiet=True)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
