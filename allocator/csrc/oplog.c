@@ -511,7 +511,7 @@ static __attribute__((noinline, cold)) void oplog_due(Native *n) {
     Oplog *L = n->oplog;
     L->due = 0;
     PyObject *f = L->ckpt;
-    if (f == NULL) return;
+    if (f == NULL || L->owner != (int32_t)getpid()) return; /* (a forked child's copy: not) */
     Py_INCREF(f);
     PyObject *r = PyObject_CallNoArgs(f);
     if (r == NULL) PyErr_WriteUnraisable(f);
