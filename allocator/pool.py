@@ -453,6 +453,12 @@ class KVPool:
         """The operation log this handle records into ("": none; record_ops)."""
         return self._recording
 
+    @property
+    def checkpoints(self) -> int:
+        """The checkpoints this handle wrote into its bounded log (record_ops(limit=)) since it
+        began recording into it (0 for an unbounded one)."""
+        return 0 if self._ring is None else int(self._ring.checkpoints)
+
     def flush_recording(self) -> None:
         """Write the records this handle's core holds still (record_ops) into the log now."""
         self._check_process()

@@ -308,7 +308,7 @@ def test_two_processes_bound_one_log_and_it_replays_from_the_others_checkpoint(t
             "s = p.allocate('child', [9, 9, 9, 9, 9, 9])\n"
             "work(p, 40000, seed=2)\n"
             "p.append(s, [1]); p.free(s)\n"
-            "print(os.getpid(), p._ring.checkpoints)\n"
+            "print(os.getpid(), p.checkpoints)\n"
             # (its records written; no close: a close is no operation of the log's, and the
             # local cache it returns would change the creator's allocations after it)
             "p.flush_recording(); os._exit(0)\n"
