@@ -113,6 +113,9 @@ class PoolConfig:
     # Record every operation of the creating handle into this operation log ("": off;
     # docs/REPLAY.md). KVSCOPE_RECORD_OPS=PATH records every handle of a process.
     record_ops: str = ""
+    # With record_ops: bound the log to about twice this many bytes on disk (0: unbounded;
+    # docs/REPLAY.md "A bounded log"). KVSCOPE_RECORD_OPS_LIMIT bounds every handle's.
+    record_ops_limit: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved(self) -> PoolConfig:

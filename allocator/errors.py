@@ -69,3 +69,7 @@ class LockDeadlock(PoolError):
     """Waiting for a pool lock would deadlock: a wait cycle between processes (allocator/waits.py)."""
 
     exit_code = 1
+
+
+class OplogError(ValueError):
+    """An operation log that cannot be read as one (allocator/oplog.py): its one-line reason."""

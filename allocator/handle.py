@@ -41,7 +41,15 @@ class PoolHandle(Protocol):
     # The mapping's op mutex: held by whatever calls the core outside an operation of KVPool's.
     op_mutex: threading.RLock
 
-    def __init__(self, name: str, mf: Any, view: SegmentView, kv: torch.Tensor, created: bool): ...
+    def __init__(
+        self,
+        name: str,
+        mf: Any,
+        view: SegmentView,
+        kv: torch.Tensor,
+        created: bool,
+        client: int = -1,
+    ): ...
 
     # the handle's C core (native.Native)
     @property

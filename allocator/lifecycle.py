@@ -39,8 +39,11 @@ if TYPE_CHECKING:
 P = TypeVar("P", bound="PoolHandle")
 
 
-def create(cls: type[P], name: str, config: PoolConfig) -> P:
-    """A new pool named `name` (`KVPool.create`); PoolError if one exists or it cannot fit."""
+def create(cls: type[P], name: str, config: PoolConfig, restore: Any = None) -> P:
+    """A new pool named `name` (`KVPool.create`); PoolError if one exists or it cannot fit.
+    With `restore` (a checkpoint.Snapshot: `KVPool.restore`), its metadata is the snapshot's,
+    written into the new segment before any handle attaches (as init_segment writes it), and
+    the handle made takes over the client record of the snapshot's writer."""
     check_name(name)
     cfg = config.resolved()
     # Under `kvscope run --guard` (KVSCOPE_GUARD=1) every pool gets guard slots.
@@ -65,6 +68,14 @@ def create(cls: type[P], name: str, config: PoolConfig) -> P:
     try:
         view = SegmentView(mf.mm, layout)
         init_segment(view, cfg, name)
+        if restore is not None:
+            from kvscope.allocator import checkpoint
+            from kvscope.allocator.process import my_identity
+
+            try:
+                checkpoint.restore(view, restore, *my_identity())
+            except ValueError as e:
+                raise PoolError(f"pool {name!r}: {e}") from None
         if cfg.device == "cpu":
             kv = kvdata.create_cpu(data_path(name), cfg)
         else:
@@ -87,11 +98,11 @@ def create(cls: type[P], name: str, config: PoolConfig) -> P:
         for p in (path, data_path(name)):
             remove_if_created(p)
         raise
-    pool = cls(name, mf, view, kv, created=True)
+    pool = cls(name, mf, view, kv, created=True, client=-1 if restore is None else restore.client)
     if cfg.guard_sample > 1 and not os.environ.get(GUARD_SAMPLE_ENV):
         pool.guard_sample = cfg.guard_sample
     if cfg.record_ops:
-        pool.record_ops(cfg.record_ops)  # type: ignore[attr-defined]
+        pool.record_ops(cfg.record_ops, limit=cfg.record_ops_limit)  # type: ignore[attr-defined]
     if cfg.kv_events:
         try:
             _start_kv_events(pool, cfg.kv_events)
@@ -103,9 +114,14 @@ def create(cls: type[P], name: str, config: PoolConfig) -> P:
 
 
 def attach(
-    cls: type[P], name: str, trust_owner: bool = False, kv_events: str | KVEventsConfig = ""
+    cls: type[P],
+    name: str,
+    trust_owner: bool = False,
+    kv_events: str | KVEventsConfig = "",
+    client: int = -1,
 ) -> P:
-    """An existing pool by name (`KVPool.attach`; another user's only with `trust_owner`)."""
+    """An existing pool by name (`KVPool.attach`; another user's only with `trust_owner`;
+    `client`: a restored pool's client record to take over, register_client)."""
     check_name(name)
     check_kv_events(kv_events, what="KVPool.attach's kv_events")
     mf = open_existing(segment_path(name), name, trust_owner)
@@ -120,7 +136,7 @@ def attach(
     except BaseException:
         release(mf)
         raise
-    pool = cls(name, mf, view, kv, created=False)
+    pool = cls(name, mf, view, kv, created=False, client=client)
     if kv_events:
         try:
             _start_kv_events(pool, kv_events)
@@ -147,11 +163,30 @@ def _start_kv_events(pool: PoolHandle, endpoint: str | KVEventsConfig) -> None:
     pool.kv_events = found[0].load()(pool, endpoint)
 
 
-def register_client(pool: PoolHandle, mf: Any, bind: Callable[[int], None]) -> int:
+def register_client(
+    pool: PoolHandle, mf: Any, bind: Callable[[int], None], client: int = -1
+) -> int:
     """Claim a client record of the pool mapped by `mf` and bind the handle to it with `bind`
     (`KVPool._bind`): a never-used one first (dead ones stay for analysis), then a detached
-    one; in a full table, one reclaimed from a dead process (`_reclaim_for_attach`)."""
+    one; in a full table, one reclaimed from a dead process (`_reclaim_for_attach`).
+
+    With `client`, that record, which a restore made this process's (checkpoint.restore: a
+    replay's pool), taken over as it is: its local cache, counters and what it owns."""
     c = pool.view.clients
+    if client >= 0:
+        with _file_lock(mf, pool.view.offsets["clients"]):
+            if not (
+                client < len(c)
+                and int(c["state"][client]) == ClientState.ATTACHED
+                and (int(c["pid"][client]), int(c["start"][client])) == (pool.pid, pool.start)
+                and client not in mf.__dict__.setdefault("taken_over", set())
+            ):
+                raise PoolError(
+                    f"pool {pool.name!r}: client record {client} is not one to take over"
+                )
+            mf.__dict__["taken_over"].add(client)
+            bind(client)
+        return client
     with _file_lock(mf, pool.view.offsets["clients"]):
         states = c["state"]
         empty = np.flatnonzero(states == ClientState.EMPTY)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.allocator import oplogsnap
+from kvscope.allocator.errors import OplogError
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.records import (
     OPLOG_FAULT,
@@ -40,6 +43,9 @@ RECORD_OPS_ENV = "KVSCOPE_RECORD_OPS"
 # With it, tokens and request ids are written as keyed hashes (an integer key; `kvscope run
 # --record-ops FILE --redact` sets a random one).
 RECORD_KEY_ENV = "KVSCOPE_RECORD_OPS_KEY"
+# With it (a size: 64M, 1G, bytes), the log is bounded (docs/REPLAY.md "A bounded log";
+# `kvscope run --record-ops-limit`).
+RECORD_LIMIT_ENV = "KVSCOPE_RECORD_OPS_LIMIT"
 
 HEAD = packed_offsets(OPLOG_FIELDS)[""]
 FOUND = packed_offsets(OPLOG_FOUND_FIELDS)[""]
@@ -70,10 +76,6 @@ STATUS_NAMES = {int(s): s.name.lower() for s in OpStatus}
 
 # (the empty list every record without copies, preemptions or findings shares: never mutated)
 _NONE: list[Any] = []
-
-
-class OplogError(ValueError):
-    """A log that cannot be read as one: its one-line reason."""
 
 
 @dataclass(slots=True)
@@ -154,6 +156,7 @@ class OpRecord:
     faults: int = 0  # the injected faults that fired (bit i: faults.FAULTS[i])
     lease: LeasePart | None = None  # a lease operation's (LEASE_OPS)
     store: StorePart | None = None  # a STORE's
+    state: bytes | None = None  # a SNAPSHOT's bytes (allocator/checkpoint.py)
 
     @property
     def op_name(self) -> str:
@@ -258,6 +261,9 @@ def _complete(r: OpRecord, buf: bytes, pos: int, name: str) -> None:
             zip(flat[0 : 3 * n_spans : 3], flat[1 : 3 * n_spans : 3], flat[2 : 3 * n_spans : 3])
         )
         r.store = StorePart(spans[:n_spans], flat[3 * n_spans :], r.arg, r.src_id)
+    if r.op == OpCode.SNAPSHOT:
+        r.state = bytes(buf[pos + HEAD : pos + HEAD + nt])
+        return
     if r.op == OpCode.START:
         try:
             r.start = json.loads(buf[pos + HEAD : pos + HEAD + nt].decode())
@@ -326,27 +332,30 @@ def parse(buf: bytes, name: str, at: list[int], lists: list, heads: bytes) -> li
             nones,
         )
     )
-    more = (op_a == start_op) | (hdr["faults"] != 0) | np.isin(op_a, (*LEASE_OPS, OpCode.STORE))
+    more = (op_a == start_op) | (hdr["faults"] != 0)
+    more |= np.isin(op_a, (*LEASE_OPS, OpCode.STORE, OpCode.SNAPSHOT))
     more |= (hdr["n_copies"] != 0) | (hdr["n_preempted"] != 0) | (hdr["n_found"] != 0)
     for k in np.flatnonzero(more).tolist():
         _complete(out[k], buf, at[k], name)
     return out
 
 
-def parse_log(data: bytes, name: str = "log") -> list[OpRecord]:
+def parse_log(data: bytes, name: str = "log", base: int = 0) -> list[OpRecord]:
     """Every record of a log file's bytes (chunks of compact records, csrc/oplog.c), expanded
     by the core's reader (csrc/oplogread.c) and sorted by pool and number, each record's
-    `offset` its chunk's in the file; OplogError (one line) where a chunk is cut short, fails
-    its check or holds what no core writes."""
+    `offset` its chunk's in the file (`data` read from offset `base`: a bounded log's first
+    chunk after its hole); OplogError (one line) where a chunk is cut short, fails its check or
+    holds what no core writes."""
     from kvscope.allocator.native import _native  # (the core's reader)
 
     try:
         expanded, chunks, at, lists, heads = _native.oplog_expand(data)
     except ValueError as e:
-        raise OplogError(f"{name}: {e}") from None
+        msg = re.sub(r"offset (\d+)", lambda m: f"offset {int(m.group(1)) + base}", str(e))
+        raise OplogError(f"{name}: {msg}") from None
     records = parse(expanded, name, np.frombuffer(at, dtype=np.int64).tolist(), lists, heads)
     for r, at in zip(records, np.frombuffer(chunks, dtype=np.int64).tolist()):
-        r.offset = at
+        r.offset = at + base
     return records
 
 
@@ -360,12 +369,19 @@ class OpLog:
     pools: int  # pools the file holds records of
     # numbers missing between the records (first, last): lost, or a process that did not record
     gaps: list[tuple[int, int]] = field(default_factory=list)
+    # where the log does not begin at the pool's creation: the snapshot it starts from
+    # (allocator/oplogsnap.py Snapshot; `start` is then its SNAPSHOT record, whose `start` is
+    # its writer's START), the records after it; the STARTs of each process before it, by pid
+    snapshot: Any = None
+    starts: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # a bounded log's bytes dropped before its first chunk (the hole its checkpoints punched)
+    dropped: int = 0
 
     _stores: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def ops(self) -> list[OpRecord]:
-        return [r for r in self.records if r.op != OpCode.START]
+        return [r for r in self.records if r.op not in (OpCode.START, OpCode.SNAPSHOT)]
 
     def store_reports(self) -> dict[int, int]:
         """The REPORT records that are a store check's findings, by number, each to the number
@@ -394,27 +410,47 @@ class OpLog:
 def read_log(path: str, pool: str | None = None) -> OpLog:
     """The records of one pool of the log at `path` (its first START's, or the pool named
     `pool`), sorted by their sequence numbers; OplogError (one line) for a log that cannot be
-    replayed: unreadable, truncated, edited, without a start, or with numbers missing."""
+    replayed: unreadable, truncated, edited, without a start, or with numbers missing.
+
+    A log that holds the pool's creation START starts there; one that does not (a recording
+    that began on a pool with a history, a bounded log whose older records were dropped)
+    starts at a SNAPSHOT of the pool (allocator/oplogsnap.py): the first one after the last
+    numbers missing before it, so that the records after it are whole (a bounded log's oldest
+    checkpoint: every record the file still holds is replayed)."""
     try:
-        with open(path, "rb") as f:
-            buf = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise OplogError(f"{path}: {e.strerror or e}") from None
+    try:
+        base = oplogsnap.data_start(fd)
+        size = os.fstat(fd).st_size
+        buf = os.pread(fd, size - base, base) if size > base else b""
+    except OSError as e:
+        raise OplogError(f"{path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
     if not buf:
         raise OplogError(f"{path}: empty: no operation was recorded")
-    records = parse_log(buf, path)
+    records = parse_log(buf, path, base)
+    snap_op = int(OpCode.SNAPSHOT)
     starts = [r for r in records if r.op == OpCode.START]
-    if not starts:
+    snaps = [r for r in records if r.op == snap_op]
+    if not starts and not snaps:
         raise OplogError(f"{path}: no start record (not an operation log from its beginning)")
-    tags = {r.pool for r in starts}
-    chosen = starts[0]
+    named: dict[int, str] = {}
+    for r in starts:
+        named.setdefault(r.pool, str((r.start or {}).get("pool")))
+    for r in snaps:
+        if r.pool not in named:
+            named[r.pool] = str(oplogsnap.meta_of(r.state or b"", path).get("pool"))
+    tag = (starts or snaps)[0].pool
     if pool is not None:
-        named = [r for r in starts if r.start and r.start.get("pool") == pool]
-        if not named:
-            names = sorted({str(r.start.get("pool")) for r in starts if r.start})
+        tags = [t for t, n in named.items() if n == pool]
+        if not tags:
+            names = sorted(set(named.values()))
             raise OplogError(f"{path}: no pool {pool!r} in the log (it holds {', '.join(names)})")
-        chosen = named[0]
-    mine = records if len(tags) == 1 else [r for r in records if r.pool == chosen.pool]
+        tag = tags[0]
+    mine = records if len(named) == 1 else [r for r in records if r.pool == tag]
     seqs = np.fromiter((r.seq for r in mine), dtype=np.int64, count=len(mine))
     step = np.diff(seqs)
     if len(step) and step.min() < 1:  # (records of several processes, not in order in the file)
@@ -422,21 +458,53 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
         mine = [mine[i] for i in order.tolist()]
         seqs = seqs[order]
         step = np.diff(seqs)
-    for r in starts:
-        if r.pool == chosen.pool and (r.start or {}).get("version") != OPLOG_VERSION:
-            raise OplogError(
-                f"{path}: log version {(r.start or {}).get('version')!r}, this kvscope reads "
-                f"{OPLOG_VERSION}"
-            )
+    versions = [(r.start or {}).get("version") for r in starts if r.pool == tag]
+    for r in snaps:
+        if r.pool == tag:
+            versions.append(oplogsnap.meta_of(r.state or b"", path).get("start", {}).get("version"))
+    for v in versions:
+        if v != OPLOG_VERSION:
+            raise OplogError(f"{path}: log version {v!r}, this kvscope reads {OPLOG_VERSION}")
     twice = np.flatnonzero(step == 0)
     if len(twice):
         raise OplogError(f"{path}: operation {int(seqs[twice[0]])} is recorded twice")
     # numbers missing: records a process did not get to write (killed with records not yet
     # written), or a process that did not record; a replay stops there
     gaps = [(int(seqs[i]) + 1, int(seqs[i + 1]) - 1) for i in np.flatnonzero(step > 1).tolist()]
-    creators = [r for r in starts if r.pool == chosen.pool and (r.start or {}).get("created")]
-    first = creators[0] if creators else mine[0]
-    return OpLog(path, mine, first, len(tags), gaps)
+    creators = [r for r in starts if r.pool == tag and from_creation(r.start)]
+    if creators:
+        return OpLog(path, mine, creators[0], len(named), gaps, dropped=base)
+    points = [r for r in mine if r.op == snap_op]
+    if not points:
+        first_start = next((r for r in mine if r.op == OpCode.START), mine[0])
+        return OpLog(path, mine, first_start, len(named), gaps, dropped=base)
+    # the first snapshot after the last numbers missing before one (else the last one)
+    after_gap = max((b for _, b in gaps if any(p.seq > b for p in points)), default=0)
+    at = next((p for p in points if p.seq > after_gap), points[-1])
+    snap = oplogsnap.parse(at.state or b"", path)
+    at.start = snap.start
+    by_pid: dict[int, dict[str, Any]] = {}
+    for r in mine:
+        if r.op == OpCode.START and r.start is not None:
+            by_pid.setdefault(r.pid, r.start)
+    kept = [r for r in mine if r.seq > at.seq]  # (later snapshots too: numbered, not run)
+    try:
+        snap.complete(kept)
+    except (ValueError, TypeError, OverflowError, ZeroDivisionError) as e:  # (no layout)
+        raise OplogError(f"{path}: the snapshot record's segment is not one: {e}") from None
+    kept_seqs = [at.seq] + [r.seq for r in kept]
+    gaps = [
+        (kept_seqs[i] + 1, kept_seqs[i + 1] - 1)
+        for i in range(len(kept_seqs) - 1)
+        if kept_seqs[i + 1] - kept_seqs[i] > 1
+    ]
+    return OpLog(path, kept, at, len(named), gaps, snapshot=snap, starts=by_pid, dropped=base)
+
+
+def from_creation(start: dict[str, Any] | None) -> bool:
+    """Whether a START's handle recorded from the pool's creation (the pool's start state is
+    a fresh pool's): its creator's, on a pool with no history then."""
+    return bool((start or {}).get("created")) and not (start or {}).get("history")
 
 
 def start_text(
@@ -449,11 +517,14 @@ def start_text(
     op_seq: int,
     redacted: bool,
     provenance_sample: int = 0,
+    history: bool = False,
 ) -> str:
     """A recording handle's START record (KVPool.record_ops): what a replay needs to rebuild
     its pool: the geometry, the probes (`probes`: a ProbeFlags, or None), lockdep's tracing,
     sampled guard mode, slot provenance's sample, the faults armed in this process and the
-    pool's operation number."""
+    pool's operation number; `history`: the pool had a history the log does not hold (a
+    SNAPSHOT of it follows, unless redacted: allocator/checkpoint.py), so that even a creator's
+    START is no start state then."""
     from kvscope.allocator import faults
 
     geometry = {
@@ -494,11 +565,11 @@ def start_text(
             "probes": flags,
             "lockdep": lockdep,
             "guard_sample": guard_sample,
-            # (a key added within version 2: a reader that does not know it ignores it)
             "provenance_sample": provenance_sample,
             "faults": dict(faults.ARMED),
             "op_seq": op_seq,
             "redacted": redacted,
+            "history": history,
         },
         sort_keys=True,
     )

@@ -7,6 +7,7 @@ client record are the core's too (csrc/recovery.c). The looking methods read the
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import threading
 import weakref
@@ -29,7 +30,13 @@ from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
 from kvscope.allocator.lease import DEFAULT_TIMEOUT_S, Lease, lease_rows
 from kvscope.allocator.locks import LockTable
-from kvscope.allocator.oplog import RECORD_KEY_ENV, RECORD_OPS_ENV, pool_tag, start_text
+from kvscope.allocator.oplog import (
+    RECORD_KEY_ENV,
+    RECORD_LIMIT_ENV,
+    RECORD_OPS_ENV,
+    pool_tag,
+    start_text,
+)
 from kvscope.allocator.probeflags import (
     ProbeFlags,
     guard_sample_from_env,
@@ -78,6 +85,16 @@ def _env_key() -> int:
         return 0
 
 
+def _env_limit() -> int:
+    """KVSCOPE_RECORD_OPS_LIMIT: a bounded log's limit in bytes (0: unbounded, or not a size)."""
+    from kvscope.allocator.checkpoint import parse_size
+
+    try:
+        return parse_size(os.environ.get(RECORD_LIMIT_ENV) or "0")
+    except ValueError:
+        return 0
+
+
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
@@ -93,7 +110,9 @@ UNLINK_HOOK: Callable[[KVPool], None] | None = None
 class KVPool:
     """A paged KV-cache pool in shared memory, usable by many processes at once."""
 
-    def __init__(self, name: str, mf, view: SegmentView, kv: torch.Tensor, created: bool):
+    def __init__(
+        self, name: str, mf, view: SegmentView, kv: torch.Tensor, created: bool, client: int = -1
+    ):
         self.name = name
         self._mf = mf
         self.view = view
@@ -133,16 +152,17 @@ class KVPool:
         self._audits: Any = None
         # Dead processes an attach to a full client table reclaimed (lifecycle.py).
         self.reclaimed_at_attach: list[dict[str, Any]] = []
-        # (binds this handle to its client record: _bind)
-        lifecycle.register_client(self, mf, self._bind)
+        # (binds this handle to its client record: _bind; `client`: a restored one's, taken over)
+        lifecycle.register_client(self, mf, self._bind, client)
         flags = ProbeFlags.from_env(int(view.h["flags"]))
         self.probe = PoolProbes(self, flags) if flags.any() else None
         for hook in OPEN_HOOKS:
             hook(self)
         # `kvscope run --record-ops FILE`: every handle of the run records (docs/REPLAY.md).
         self._recording = ""
+        self._ring: Any = None
         if os.environ.get(RECORD_OPS_ENV):
-            self.record_ops(os.environ[RECORD_OPS_ENV], _env_key())
+            self.record_ops(os.environ[RECORD_OPS_ENV], _env_key(), _env_limit())
 
     # -- probe hooks -------------------------------------------------------------------------
 
@@ -220,11 +240,57 @@ class KVPool:
 
     @classmethod
     def attach(
-        cls, name: str, trust_owner: bool = False, kv_events: str | KVEventsConfig = ""
+        cls,
+        name: str,
+        trust_owner: bool = False,
+        kv_events: str | KVEventsConfig = "",
+        client: int = -1,
     ) -> KVPool:
         """Attach to an existing pool by name (another user's only with `trust_owner`); with
-        `kv_events`, publish its prefix index there until `close` (PoolConfig.kv_events)."""
-        return lifecycle.attach(cls, name, trust_owner, kv_events)
+        `kv_events`, publish its prefix index there until `close` (PoolConfig.kv_events); with
+        `client`, take over that client record of a restored pool (`restore`: a replay's)."""
+        return lifecycle.attach(cls, name, trust_owner, kv_events, client)
+
+    @classmethod
+    def restore(cls, name: str, config: PoolConfig, snapshot: Any) -> KVPool:
+        """A new pool named `name` whose metadata is a snapshot's (allocator/checkpoint.py
+        Snapshot, from an operation log: a replay's start), its K/V bytes fresh; the handle
+        takes over the client record of the snapshot's writer, and `attach(name, client=c)`
+        each other one the snapshot shows attached. `adopt_restored` then gives each handle its
+        live sequences and leases."""
+        return lifecycle.create(cls, name, config, restore=snapshot)
+
+    def adopt_restored(
+        self, reserve: tuple[list[int], int, int] | None = None
+    ) -> tuple[list[Sequence], list[Lease]]:
+        """A restored pool's (`restore`) live sequences and held leases of this handle's client
+        record, made this handle's (the core registers the sequences), and its slot reserve:
+        `reserve` (slots, next_id, end_id: the snapshot writer's, which its core held), else the
+        slots the table marks reserved by it, with no sequence ids (the next claim takes a
+        batch: `adopt_ids`)."""
+        from kvscope.allocator import checkpoint
+
+        self._check_process()
+        seqs = checkpoint.sequences(self.view, self.client, self.block_size)
+        with self.op_mutex:
+            for s in seqs:
+                self._core.adopt(s)
+            if reserve is None:
+                reserve = (checkpoint.reserved_slots(self.view, self.client), 0, 0)
+            self._core.adopt_reserve(*reserve)
+        leases = []
+        for row in checkpoint.leases(self.view, self.client):
+            leases.append(Lease(self, *row))
+        return seqs, leases
+
+    def adopt_ids(self, next_id: int, end_id: int) -> None:
+        """A restored pool's handle (adopt_restored without a reserve) takes the sequence ids
+        [next_id, end_id) as its own, with its reserved slots: ids its process's core held
+        (a replay learns them from the process's first new sequence after the snapshot)."""
+        self._check_process()
+        with self.op_mutex:
+            slots = list(self._core.reserve_state()[0])
+            self._core.adopt_reserve(slots, next_id, end_id)
 
     def _bind(self, client: int) -> None:
         """Bind this handle's parts that name its client record: its counters, lock table and
@@ -333,14 +399,31 @@ class KVPool:
         if self.probe is not None and self.probe.flags.magic:
             self.probe.verify_often()
 
-    def record_ops(self, path: str, redact_key: int = 0) -> None:
+    def record_ops(self, path: str, redact_key: int = 0, limit: int = 0) -> None:
         """Record every operation of this handle into the operation log at `path` (appended
         to; docs/REPLAY.md), from a START record on; with `redact_key` (a non-zero integer),
-        token ids and request ids as keyed hashes. Until `close` or `stop_recording`."""
+        token ids and request ids as keyed hashes. Until `close` or `stop_recording`.
+
+        Where the pool has a history the log does not hold (this handle attached, or operations
+        ran before, and the file holds no START of the pool's creation), a SNAPSHOT of the pool
+        follows the START, to replay from (allocator/checkpoint.py; not with `redact_key`: the
+        snapshot would hold the tokens and request ids). With `limit` (bytes, > 0), the log is
+        bounded: past the limit a checkpoint is written and what came before the one before it
+        dropped (docs/REPLAY.md "A bounded log")."""
         self._check_process()
         path = os.fspath(path)
         if path == self._recording:
             return
+        from kvscope.allocator import checkpoint
+
+        if limit > 0 and redact_key:
+            raise PoolError(
+                "a bounded operation log is not redacted: its checkpoints hold the pool's "
+                "tokens and request ids"
+            )
+        tag = pool_tag(self.name, int(self.view.h["created_ns"]))
+        # (before the START: whether the file holds the pool's creation already)
+        history = checkpoint.has_history(self, path, tag)
         text = start_text(
             self.name,
             self.created,
@@ -351,18 +434,31 @@ class KVPool:
             int(self.view.h["op_seq"]),
             bool(redact_key),
             self._prov_every,
+            history,
         )
-        tag = pool_tag(self.name, int(self.view.h["created_ns"]))
         off = self.view.header.dtype.fields["op_seq"][1]
         with self.op_mutex:
             self._core.oplog_open(path, redact_key, text, off, tag)
         self._recording = path
         _RECORDING.add(self)
+        start = json.loads(text)
+        if history and not redact_key:
+            checkpoint.write(self, start)
+        if limit > 0 and not redact_key:
+            self._ring = checkpoint.Ring(self, path, int(limit), start)
+            with self.op_mutex:
+                self._core.oplog_ring(int(limit), self._ring, self._ring.base())
 
     @property
     def recording(self) -> str:
         """The operation log this handle records into ("": none; record_ops)."""
         return self._recording
+
+    @property
+    def checkpoints(self) -> int:
+        """The checkpoints this handle wrote into its bounded log (record_ops(limit=)) since it
+        began recording into it (0 for an unbounded one)."""
+        return 0 if self._ring is None else int(self._ring.checkpoints)
 
     def flush_recording(self) -> None:
         """Write the records this handle's core holds still (record_ops) into the log now."""
@@ -376,6 +472,7 @@ class KVPool:
         with self.op_mutex:
             self._core.oplog_close()
         self._recording = ""
+        self._ring = None
 
     def live(self) -> dict[int, Sequence]:
         """This handle's live sequences by slot, in the order they were entered (a copy of the

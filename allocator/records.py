@@ -180,7 +180,7 @@ EVENT_FIELDS: list[Field] = [
 # of OPLOG_FIELDS (csrc/oplog.c oplog_expand).
 OPLOG_MAGIC = 0x504F_564B  # "KVOP": an expanded record
 OPLOG_CHUNK_MAGIC = 0x434F_564B  # "KVOC": a chunk of the file
-OPLOG_VERSION = 2
+OPLOG_VERSION = 3
 
 
 class OpCode(enum.IntEnum):
@@ -202,6 +202,9 @@ class OpCode(enum.IntEnum):
     LEASE_RELEASE = 14  # KVPool.lease_release (Lease.release)
     EXPIRE_LEASES = 15  # KVPool.expire_leases: `arg` the now_ns it compared deadlines with
     STORE = 16  # a store check's input (probes/stores.py Writers.check: OPLOG_STORE_FIELDS)
+    # the pool's metadata at this record's number (allocator/checkpoint.py: a recording that
+    # does not start at the pool's creation, a bounded log's checkpoint): its bytes follow
+    SNAPSHOT = 17
 
 
 class OpStatus(enum.IntEnum):
@@ -216,7 +219,8 @@ class OpStatus(enum.IntEnum):
 # Record flags.
 OPLOG_FAULT = 1  # an injected fault fired inside the operation
 OPLOG_REDACTED = 2  # tokens and request ids are keyed hashes
-# One record: these fields, then int32 tokens[n_tokens] (START: n_tokens bytes of UTF-8 JSON),
+# One record: these fields, then int32 tokens[n_tokens] (START: n_tokens bytes of UTF-8 JSON;
+# SNAPSHOT: n_tokens bytes, allocator/checkpoint.py),
 # int32 blocks[n_blocks], int32 copies[2 * n_copies] (src, dst), int64 preempted[n_preempted]
 # (the seq ids the operation preempted), n_found findings (OPLOG_FOUND_FIELDS), a lease
 # operation's lease part (OPLOG_LEASE_FIELDS), a STORE's store part (OPLOG_STORE_FIELDS), zero

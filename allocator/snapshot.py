@@ -178,12 +178,19 @@ def copy_segment(view: SegmentView, dst: np.ndarray, seqlock: Seqlock, tries: in
     src = view.raw
     np.copyto(dst, src)
     ranges = _state_ranges(view)
-    copied = SegmentView(dst, view.layout).blocks
-    ids = np.arange(len(copied), dtype=np.int64)
 
     def copy() -> None:
         for a, b in ranges:
             dst[a:b] = src[a:b]
+
+    return seqlock.copy_between(copy, tries, undo_into=dst, verify=_whole_records(view, dst))
+
+
+def _whole_records(view: SegmentView, dst: np.ndarray) -> Callable[[], bool]:
+    """A copy's check that no block record in it was caught half way through one of the
+    stores an append makes outside any operation (copy_segment)."""
+    copied = SegmentView(dst, view.layout).blocks
+    ids = np.arange(len(copied), dtype=np.int64)
 
     def whole_records() -> bool:
         bad = ids[block_checksums(copied, ids) != copied["checksum"]]
@@ -191,7 +198,55 @@ def copy_segment(view: SegmentView, dst: np.ndarray, seqlock: Seqlock, tries: in
             (block_words(copied)[bad] == block_words(view.blocks)[bad]).all()
         )
 
-    return seqlock.copy_between(copy, tries, undo_into=dst, verify=whole_records)
+    return whole_records
+
+
+def metadata_ranges(view: SegmentView) -> list[tuple[int, int]]:
+    """Byte ranges of the pool's metadata a replay starts from (allocator/checkpoint.py): the
+    header, blocks, free ring, prefix index, sequence table and site table, the client records
+    without their journals (local caches, counters), the lock-order graph, findings ring, LRU
+    list and leases. Not the locks (their mutexes are the pool's own), the event rings, the slot
+    provenance, nor the K/V bytes."""
+    off = view.offsets
+    c0 = off["clients"]
+    size = view.clients.dtype.itemsize
+    head = view.clients.dtype.fields["journal"][1]
+    out = [(0, off["locks"])]
+    out += [(c0 + i * size, c0 + i * size + head) for i in range(len(view.clients))]
+    out.append((off["lockgraph"], off["provenance"]))
+    return out
+
+
+def copy_metadata(view: SegmentView, tries: int = 200) -> tuple[np.ndarray, int] | None:
+    """A consistent copy of the pool's metadata (metadata_ranges, into a buffer of the
+    segment's size, the rest zeros) and the header's op_seq it was taken at: no live writer
+    inside an operation (or one rolled back in the copy, as copy_between does) and no operation
+    number taken while it was copied. None after `tries` attempts.
+
+    Lock-free, as every reader's copy (no pool lock taken, so a process stopped holding one
+    stops no recording): an operation's number is taken as it returns, after its transaction,
+    so the caller takes the snapshot's own number by compare-and-swap from the op_seq returned
+    (csrc/oplog.c oplog_snapshot), which fails, and the copy is taken again, where any number
+    was taken since."""
+    dst = np.zeros(view.offsets["end"], np.uint8)
+    src = view.raw
+    ranges = metadata_ranges(view)
+    header = view.header
+    seen = [0]
+
+    def copy() -> None:
+        seen[0] = int(header["op_seq"][0])
+        for a, b in ranges:
+            dst[a:b] = src[a:b]
+
+    whole = _whole_records(view, dst)
+
+    def verify() -> bool:
+        return int(header["op_seq"][0]) == seen[0] and whole()
+
+    if not Seqlock(view).copy_between(copy, tries, undo_into=dst, verify=verify):
+        return None
+    return dst, seen[0]
 
 
 def snapshot(view: SegmentView, tries: int = 200) -> SegmentView:

@@ -35,10 +35,12 @@ from kvscope.allocator.oplog import (
     OpLog,
     OplogError,
     OpRecord,
+    from_creation,
 )
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode, OpStatus
+from kvscope.allocator.sequence import SEQ_ID_BATCH
 from kvscope.child import report_held
 
 _ALLOCATE, _APPEND, _FORK, _MARK = (
@@ -66,6 +68,8 @@ _LEASE, _LEASE_RELEASE, _EXPIRE = (
 )
 _LEASE_OPS = (_LEASE, _LEASE_RELEASE, _EXPIRE)
 _STORE = int(OpCode.STORE)
+_SNAPSHOT = int(OpCode.SNAPSHOT)
+_MARKS = (_START, _SNAPSHOT)  # (records that are no operation: a handle's start, a snapshot)
 _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
 # Kinds the magic probe finds on its own clock (every 10 ms, in whichever operation comes then,
@@ -230,11 +234,12 @@ class Session:
     def __init__(self, log: OpLog, name: str | None = None, arm: bool = True):
         start = log.start.start or {}
         self.start = start
-        if not start.get("created"):
+        if not from_creation(start) and log.snapshot is None:
+            how = "had a history" if start.get("created") else "its first recorder attached to"
             raise ReplayError(
                 f"{log.path}: the log begins at operation {start.get('op_seq', '?')} of pool "
-                f"{start.get('pool')!r}, which its first recorder attached to: there is no start "
-                "state to replay from (record from the pool's creation)"
+                f"{start.get('pool')!r}, which {how}, and holds no snapshot of it (a redacted "
+                "recording writes none): there is no start state to replay from"
             )
         # the processes a fault killed (the record of the operation each died in names it):
         # each replayed in a child process of its own
@@ -281,14 +286,61 @@ class Session:
             faults.ARMED.update(start.get("faults") or {})
         self._hook = self.fired.append
         faults.ON_FIRE.append(self._hook)
+        # the processes whose sequence ids are not known yet (a snapshot's other than its
+        # writer's: their cores held them), by recorded pid
+        self.ids_unknown: set[int] = set()
         try:
-            pool = KVPool.create(self.name, self.config)
+            if log.snapshot is not None:
+                pool = KVPool.restore(self.name, self.config, log.snapshot)
+            else:
+                pool = KVPool.create(self.name, self.config)
+        except PoolError as e:
+            self._restore()
+            raise ReplayError(f"{log.path}: {e}") from None
         except BaseException:
             self._restore()
             raise
         self.pool = pool
         self._setup(pool, start)
         self.handles[int(start.get("pid", log.start.pid))] = pool
+        if log.snapshot is not None:
+            try:
+                self._adopt(log)
+            except BaseException:
+                self.close()
+                raise
+
+    def _adopt(self, log: OpLog) -> None:
+        """A pool restored from the log's snapshot: a handle for each process it shows
+        attached (the writer's is the pool's), each taking over that process's client record,
+        live sequences (by their recorded ids) and leases (by theirs), and the writer's slot
+        reserve and sequence ids; the others' ids are learnt from their first new sequence."""
+        from kvscope.allocator import checkpoint
+
+        snap = log.snapshot
+        pool = self.pool
+        for client, pid in checkpoint.attached(snap):
+            if client == snap.client:
+                h = pool
+                slots, next_id, end_id = snap.meta["reserve"]
+                reserve: Any = (list(slots), int(next_id), int(end_id))
+            else:
+                try:
+                    h = KVPool.attach(self.name, client=client)
+                except PoolError as e:
+                    raise ReplayError(f"{log.path}: {e}") from None
+                self._setup(h, log.starts.get(pid, self.start))
+                reserve = None
+                self.ids_unknown.add(pid)
+            self.handles.setdefault(pid, h)
+            try:
+                seqs, leases = h.adopt_restored(reserve)
+            except (PoolError, ValueError) as e:
+                raise ReplayError(f"{log.path}: the snapshot cannot be restored: {e}") from None
+            for q in seqs:
+                self.seqs[(pid, q.seq_id)] = q
+            for lease in leases:
+                self.leases[lease.lease_id] = lease
 
     def _setup(self, pool: KVPool, start: dict[str, Any]) -> None:
         flags = start.get("probes")
@@ -421,6 +473,8 @@ class Session:
         if op == _START:
             self.attach(r)
             return None
+        if op == _SNAPSHOT:
+            return None
         if op == _LOST:
             return None
         h = self.handles.get(r.pid)
@@ -457,6 +511,12 @@ class Session:
             s = seqs.get((r.pid, r.src_id if op in (_FORK, _RESUME) else r.seq_id))
             if s is None:
                 return None
+        if self.ids_unknown and r.pid in self.ids_unknown and r.seq_id > 0 and r.status == _OK:
+            if op in (_ALLOCATE, _FORK, _RESUME):
+                # (its process's core held its sequence ids: its batch, from this one's id)
+                batch = SEQ_ID_BATCH
+                h.adopt_ids(r.seq_id, r.seq_id + batch - (r.seq_id - 1) % batch)
+                self.ids_unknown.discard(r.pid)
         preemptions = h.counters["num_preemptions"]
         pre0 = preemptions[0]
         try:
@@ -864,7 +924,7 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
     """Replay `log` against a fresh pool and compare every result; stop at the first divergence
     or finding (or after operation `until`)."""
     records = log.records
-    total = sum(1 for r in records if r.op != _START)
+    total = sum(1 for r in records if r.op not in _MARKS)
     done = 0
     t0 = time.perf_counter()
     # Each fault is armed just before the operation the recording says it fired in, to strike
@@ -892,8 +952,8 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 if r.op == _LOST:
                     break
                 # (this record runs; the replay stops before the missing ones)
-            if r.op == _START:
-                if r is not log.start:
+            if r.op in _MARKS:
+                if r.op == _START and r is not log.start:
                     session.attach(r)
                 continue
             if r.faults:
@@ -1039,6 +1099,12 @@ class Shrinker:
                     else "found nothing"
                 )
             )
+        if log.snapshot is not None:
+            raise ReplayError(
+                f"{log.path}: the log starts from a snapshot of the pool (operation "
+                f"{log.start.seq}), and a shrink runs its candidates on a fresh pool: not shrunk "
+                "(replay it without --shrink, or record from the pool's creation)"
+            )
         self.log = log
         self.kind = (outcome.got.found or outcome.record.found)[0][0]
         # a leak found at a close is kept about the same request (a fork that outlived its
@@ -1050,7 +1116,7 @@ class Shrinker:
             else None
         )
         last = outcome.record.seq
-        self.ops = [r for r in log.records if r.op not in (_START, _LOST) and r.seq <= last]
+        self.ops = [r for r in log.records if r.op not in (*_MARKS, _LOST) and r.seq <= last]
         self.starts = [r for r in log.records if r.op == _START and r is not log.start]
         self.fault_at = dict(outcome.faults)
         self.tests = 0
@@ -1496,7 +1562,7 @@ class Stepper:
 
     def __init__(self, log: OpLog):
         self.log = log
-        self.ops = [r for r in log.records if r.op != _START]
+        self.ops = [r for r in log.records if r.op not in _MARKS]
         self._session: Session | None = None
         self._next = 0  # index in log.records of the next record to run
         self.at = 0  # the last operation run (0: none)
@@ -1525,8 +1591,8 @@ class Stepper:
             while self._next < len(records) and records[self._next].seq <= n:
                 r = records[self._next]
                 self._next += 1
-                if r.op == _START:
-                    if r is not self.log.start:
+                if r.op in _MARKS:
+                    if r.op == _START and r is not self.log.start:
                         session.attach(r)
                     continue
                 if r.faults:

@@ -10,6 +10,8 @@ on request.
 
     python tests/replay_work.py [OPS]      (under `kvscope run --record-ops FILE --inject F`)
     python tests/replay_work.py OPS stale-mapping     (store_work with its bug)
+    python tests/replay_work.py OPS late-double-free  (a request held through the workload,
+                                                       then freed twice)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import numpy as np
 import torch
 
-from kvscope.allocator import KVPool, PoolConfig, faults
+from kvscope.allocator import KVPool, PoolConfig, PoolError, faults
 from kvscope.kernels import store_kv
 from kvscope.probes.stores import Writers
 
@@ -198,6 +200,14 @@ if __name__ == "__main__":
         n = int(sys.argv[1]) if len(sys.argv) > 1 else 400
         if sys.argv[2:] == ["stale-mapping"]:
             store_work(pool, n, stale=True)
+        elif sys.argv[2:] == ["late-double-free"]:
+            victim = pool.allocate("victim", [7, 7, 7, 7, 7])
+            work(pool, n)
+            pool.free(victim)
+            try:
+                pool.free(victim)  # the bug
+            except PoolError as e:
+                print("PoolError:", e)
         else:
             work(pool, n)
     finally:

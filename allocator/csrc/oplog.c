@@ -64,6 +64,13 @@ typedef struct Oplog {
     struct OpRec *open;
     int64_t open_id, open_nb;
     const int32_t *open_before;
+    /* A bounded log (oplog_ring): past `limit` bytes after `base` (the file offset of the
+     * pool's last checkpoint, or where the bound was set), `due` is set where a chunk is
+     * written, and the handle's next operation (not a plain append) first calls `ckpt`
+     * (allocator/checkpoint.py: a SNAPSHOT, then the file before the last one punched out). */
+    uint64_t limit, base;
+    int due;
+    PyObject *ckpt;
 } Oplog;
 
 /* A plain append of one token held as it returned, composed into the chunk with the ones after
@@ -133,6 +140,13 @@ static void oplog_reserve(Oplog *L, size_t size) {
         L->reserve = 0;
 }
 
+/* A bounded log: whether the file (every process's appends) passed its bound since the last
+ * checkpoint; the next operation takes one (oplog_due). */
+static __attribute__((noinline, cold)) void oplog_ring_check(Oplog *L) {
+    struct stat st;
+    if (fstat(L->fd, &st) == 0 && (uint64_t)st.st_size >= L->base + L->limit) L->due = 1;
+}
+
 /* Write the chunk composed so far (by the process that opened the log only). */
 static __attribute__((noinline)) void oplog_flush(Oplog *L) {
     if (L->out_recs == 0) return;
@@ -160,6 +174,7 @@ static __attribute__((noinline)) void oplog_flush(Oplog *L) {
         }
         L->end += done;
         if (done < size) L->lost += (uint64_t)L->out_recs;
+        if (__builtin_expect(L->limit != 0, 0)) oplog_ring_check(L);
     }
     L->out_n = OPLOG_CHUNK;
     L->out_recs = 0;
@@ -493,9 +508,29 @@ static void oplog_rid(PyObject *rid, char *out) {
     Py_XDECREF(s);
 }
 
+/* A bounded log past its bound: the checkpoint (allocator/checkpoint.py, through the callable
+ * oplog_ring was given), before an operation of the handle's and outside any (depth 0): every
+ * record of the handle's before it is composed, none is in flight. What it raises is reported
+ * as unraisable, never the operation's. */
+static __attribute__((noinline, cold)) void oplog_due(Native *n) {
+    Oplog *L = n->oplog;
+    L->due = 0;
+    PyObject *f = L->ckpt;
+    if (f == NULL || L->owner != (int32_t)getpid()) return; /* (a forked child's copy: not) */
+    Py_INCREF(f);
+    PyObject *r = PyObject_CallNoArgs(f);
+    if (r == NULL) PyErr_WriteUnraisable(f);
+    Py_XDECREF(r);
+    Py_DECREF(f);
+}
+
 /* One public operation run and recorded: `fn` called as it is, its record written after. */
 static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, Py_ssize_t nargs) {
     Oplog *L = n->oplog;
+    if (__builtin_expect(L->due, 0) && L->depth == 0) {
+        oplog_due(n);
+        if ((L = n->oplog) == NULL) return fn(n, args, nargs); /* (the checkpoint stopped it) */
+    }
     /* (the call's tokens and preemptions are set after its gate, so by this call only: another
      * thread's operation on the handle waits there; both are cleared once its record is
      * written) */
@@ -1033,6 +1068,7 @@ static void oplog_free(Native *n) {
     PyMem_Free(L->pre);
     PyMem_Free(L->out);
     PyMem_Free(L->tok);
+    Py_XDECREF(L->ckpt);
     PyMem_Free(L);
 }
 
@@ -1118,4 +1154,116 @@ static PyObject *N_oplog_close(Native *n, PyObject *unused) {
 static PyObject *N_oplog_flush(Native *n, PyObject *unused) {
     if (n->oplog) oplog_flush_all(n->oplog);
     Py_RETURN_NONE;
+}
+
+/* -- snapshots and the bounded log (allocator/checkpoint.py) ---------------------------------- */
+
+/* oplog_snapshot(state, expect) -> (seq, offset) | None: a SNAPSHOT record holding `state` (the
+ * pool's metadata as allocator/checkpoint.py copied it, the header's op_seq `expect` then),
+ * numbered expect + 1 where op_seq is `expect` still: a compare-and-swap, so that no recording
+ * process took a number between the copy and this record (every operation numbered up to
+ * `expect` is in the copy, and none after it; an operation whose number comes later is
+ * replayed after it). None, with nothing of it written, where one was taken (the caller copies
+ * again). The handle's records before it are written first, it is written at once, in a chunk
+ * of its own; `offset` is that chunk's in the file (-1 where the write failed). */
+static PyObject *N_oplog_snapshot(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "oplog_snapshot(state, expect)");
+        return NULL;
+    }
+    Oplog *L = n->oplog;
+    if (L == NULL || n->seg == NULL || L->owner != (int32_t)getpid()) {
+        PyErr_SetString(PyExc_ValueError, "oplog_snapshot: this handle does not record");
+        return NULL;
+    }
+    uint64_t expect = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) != OK) return NULL;
+    PyObject *res = NULL;
+    oplog_flush_all(L);
+    uint8_t *p0 = oplog_room(L, 64 + (size_t)b.len);
+    if (p0 == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t want = expect;
+    if (!__atomic_compare_exchange_n((uint64_t *)(n->seg + L->off_seq), &want, expect + 1, 0,
+                                     __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+        res = Py_NewRef(Py_None);
+        goto done;
+    }
+    uint64_t seq = expect + 1;
+    if ((L->out_recs & 63) == 0) oplog_clock(L, seq);
+    else oplog_tick(L);
+    int32_t tid = thread_id();
+    uint32_t probes = (uint32_t)*n->probe_bits;
+    int bits = OS_OK | (tid != L->prev_tid ? CR_TID : 0) | (probes != L->prev_probes ? CR_PROBES : 0);
+    uint8_t *p = p0;
+    *p++ = OP_SNAPSHOT;
+    *p++ = (uint8_t)bits;
+    p = put_u(p, seq - L->prev_seq);
+    p = put_u(p, L->now > L->base_time ? (L->now - L->base_time) >> CR_TIME_SHIFT : 0);
+    if (bits & (CR_TID | CR_PROBES)) p = oplog_changed(L, p, bits, tid, probes);
+    p = put_s(p, -1);
+    L->prev_seq = seq;
+    p = put_u(p, (uint64_t)b.len);
+    memcpy(p, b.buf, (size_t)b.len);
+    p += b.len;
+    *p++ = TM_NONE;
+    L->out_n += (size_t)(p - p0);
+    L->out_recs++;
+    uint64_t size = (L->out_n + 7) & ~(size_t)7;
+    uint64_t lost = L->lost;
+    oplog_flush(L);
+    off_t at = L->lost == lost ? lseek(L->fd, 0, SEEK_CUR) : -1;
+    res = Py_BuildValue("(KL)", (unsigned long long)seq,
+                        (long long)(at >= (off_t)size ? at - (off_t)size : -1));
+done:
+    PyBuffer_Release(&b);
+    return res;
+}
+
+/* oplog_ring(limit, checkpoint, base): bound the log (docs/REPLAY.md "A bounded log"): where the
+ * file passes `limit` bytes after `base` (the offset of the pool's last checkpoint in it, or
+ * its size as the bound is set), the handle's next operation calls `checkpoint()` first, which
+ * writes a SNAPSHOT (oplog_snapshot) and sets the new base (again, oplog_ring). limit 0: no
+ * bound. */
+static PyObject *N_oplog_ring(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "oplog_ring(limit, checkpoint, base)");
+        return NULL;
+    }
+    Oplog *L = n->oplog;
+    if (L == NULL) {
+        PyErr_SetString(PyExc_ValueError, "oplog_ring: this handle does not record");
+        return NULL;
+    }
+    uint64_t limit = PyLong_AsUnsignedLongLong(args[0]);
+    uint64_t base = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *f = args[1] == Py_None ? NULL : args[1];
+    if (f && !PyCallable_Check(f)) {
+        PyErr_SetString(PyExc_TypeError, "oplog_ring: checkpoint is not callable");
+        return NULL;
+    }
+    Py_XINCREF(f);
+    Py_XSETREF(L->ckpt, f);
+    L->limit = limit;
+    L->base = base;
+    L->due = 0;
+    Py_RETURN_NONE;
+}
+
+/* oplog_punch(end): free the log file's bytes before `end` (fallocate PUNCH_HOLE, KEEP_SIZE:
+ * the file's size and every offset stay, so every process's O_APPEND descriptor stays valid;
+ * the range reads as zeros, and a reader skips it). False where the file system cannot. */
+static PyObject *N_oplog_punch(Native *n, PyObject *arg) {
+    Oplog *L = n->oplog;
+    long long end = PyLong_AsLongLong(arg);
+    if (end == -1 && PyErr_Occurred()) return NULL;
+    if (L == NULL || end <= 0) Py_RETURN_FALSE;
+    if (fallocate(L->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)end) != 0)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
 }

@@ -27,13 +27,16 @@ typedef struct {
     int64_t spn, n_spn;
 } DRec;
 
+/* The records whose tokens are bytes (a START's JSON, a SNAPSHOT's state: oplog.c). */
+static inline int text_op(int op) { return op == OP_START || op == OP_SNAPSHOT; }
+
 /* The operations whose records hold a lease part in place of tokens (oplog.c oplog_lease). */
 static inline int lease_op(int op) { return op >= OP_LEASE && op <= OP_EXPIRE_LEASES; }
 
 /* The bytes of an expanded record's tokens (START: its text; STORE: none, its slots are in its
  * store part) and of the part after its findings (a lease operation's, a STORE's). */
 static size_t tok_bytes(const DRec *r) {
-    return r->op == OP_START ? (size_t)r->n_tok : r->op == OP_STORE ? 0 : 4 * (size_t)r->n_tok;
+    return text_op(r->op) ? (size_t)r->n_tok : r->op == OP_STORE ? 0 : 4 * (size_t)r->n_tok;
 }
 static size_t part_bytes(const DRec *r) {
     if (lease_op(r->op)) return OPLOG_LEASE;
@@ -97,7 +100,7 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
     if (end - p < 2) return ERROR;
     r->op = *p++;
     int bits = *p++;
-    if (r->op < OP_START || r->op > OP_STORE) return ERROR;
+    if (r->op < OP_START || r->op > OP_SNAPSHOT) return ERROR;
     r->status = bits & 3;
     r->flags |= bits & CR_FAULT ? OPLOG_FAULT : 0;
     if (get_u(&p, end, &u) != OK) return ERROR;
@@ -156,7 +159,7 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
         }
     }
     if (get_u(&p, end, &u) != OK) return ERROR;
-    if (r->op == OP_START) {
+    if (text_op(r->op)) {
         if (u > (uint64_t)(end - p)) return ERROR;
         r->tok = p - data;
         r->n_tok = (int64_t)u;
@@ -343,7 +346,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
                     expand_error("the chunk at offset %lld holds what no core writes", pos);
                 goto done;
             }
-            if (r->op != OP_START && (U4(c + OC_FLAGS) & OPLOG_REDACTED))
+            if (!text_op(r->op) && (U4(c + OC_FLAGS) & OPLOG_REDACTED))
                 r->flags |= OPLOG_REDACTED;
             nr++;
         }
@@ -412,7 +415,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         ((int64_t *)PyBytes_AS_STRING(offs))[i] = r->chunk;
         ((int64_t *)PyBytes_AS_STRING(at))[i] = w - (uint8_t *)PyBytes_AS_STRING(out);
         /* (each record's tokens and table as lists too: what a reader makes of them) */
-        int64_t nl[2] = {r->op == OP_START || r->op == OP_STORE ? 0 : r->n_tok, r->n_tab};
+        int64_t nl[2] = {text_op(r->op) || r->op == OP_STORE ? 0 : r->n_tok, r->n_tab};
         int64_t from[2] = {r->tok, r->tab};
         for (int k = 0; k < 2; k++) {
             PyObject *l = PyList_New((Py_ssize_t)nl[k]);
@@ -454,7 +457,7 @@ static PyObject *M_oplog_expand(PyObject *mod, PyObject *arg) {
         U8(w + OR_RESULT) = (uint64_t)r->result;
         memcpy(w + OR_REQUEST, r->request, REQUEST_BYTES);
         uint8_t *q = w + OPLOG_HEAD;
-        if (r->op == OP_START) memcpy(q, data + r->tok, tb);
+        if (text_op(r->op)) memcpy(q, data + r->tok, tb);
         else if (r->op != OP_STORE)
             for (int64_t j = 0; j < r->n_tok; j++) I4(q + 4 * j) = (int32_t)A.a[r->tok + j];
         q += tb;

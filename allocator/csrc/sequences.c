@@ -422,3 +422,94 @@ static PyObject *N_guarded(Native *n, PyObject *slot) {
     int in = PySet_Contains(n->guarded, slot);
     return in < 0 ? NULL : PyBool_FromLong(in);
 }
+
+/* -- a replay restored from a snapshot (kvscope/replay.py, allocator/checkpoint.py) ----------- */
+
+/* adopt(seq): register a Sequence for a live record of this handle's client (its slot field
+ * names it: RUNNING, WAITING or PREEMPTED, owned by this client, of the Sequence's seq id) as
+ * the handle's own, its pool_uid set to this handle's: what a restored segment's sequences
+ * need to be operated on. Writes nothing in the segment. ValueError where the record is not
+ * one. */
+static PyObject *N_adopt(Native *n, PyObject *seq) {
+    if (n->seg == NULL || !PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) {
+        PyErr_SetString(PyExc_TypeError, "adopt(seq): a Sequence, on an open handle");
+        return NULL;
+    }
+    PyObject *slot_o = sfield(n, seq, F_SLOT), *id_o = sfield(n, seq, F_SEQ_ID);
+    int64_t slot = slot_o ? PyLong_AsLongLong(slot_o) : -1;
+    uint64_t id = id_o ? PyLong_AsUnsignedLongLong(id_o) : 0;
+    if (PyErr_Occurred()) goto bad;
+    if (slot < 0 || slot >= n->max_seqs) {
+        PyErr_SetString(PyExc_ValueError, "adopt: slot out of range");
+        goto bad;
+    }
+    const uint8_t *r = seqrec(n, slot);
+    int st = r[SF_STATE];
+    if ((st != S_RUNNING && st != S_WAITING && st != S_PREEMPTED) ||
+        I4(r + SF_OWNER_CLIENT) != n->client || U8(r + SF_SEQ_ID) != id) {
+        PyErr_Format(PyExc_ValueError, "adopt: slot %lld holds no live sequence %llu of this "
+                     "client", (long long)slot, (unsigned long long)id);
+        goto bad;
+    }
+    if (PyDict_Contains(n->seqs, slot_o)) {
+        PyErr_Format(PyExc_ValueError, "adopt: slot %lld is registered already", (long long)slot);
+        goto bad;
+    }
+    PyObject *uid = PyLong_FromLongLong(n->uid);
+    if (uid == NULL) goto bad;
+    sset(n, seq, F_POOL_UID, uid);
+    Py_DECREF(uid);
+    if (PyDict_SetItem(n->seqs, slot_o, seq)) goto bad;
+    Py_DECREF(slot_o);
+    Py_DECREF(id_o);
+    Py_RETURN_NONE;
+bad:
+    Py_XDECREF(slot_o);
+    Py_XDECREF(id_o);
+    return NULL;
+}
+
+/* adopt_reserve(slots, next_id, end_id): take this reserve (reserve_state's) as the handle's:
+ * the slots (EMPTY, reserved by this client in the table) and the sequence ids [next_id,
+ * end_id) a snapshot's process held, which the segment does not name (its core held them).
+ * Writes nothing in the segment. */
+static PyObject *N_adopt_reserve(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "adopt_reserve(slots, next_id, end_id)");
+        return NULL;
+    }
+    PyObject *slots = PySequence_Fast(args[0], "adopt_reserve: slots is a sequence");
+    if (slots == NULL) return NULL;
+    uint64_t next = PyLong_AsUnsignedLongLong(args[1]), end = PyLong_AsUnsignedLongLong(args[2]);
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(slots);
+    if (PyErr_Occurred() || k > 2 * n->slot_batch || next > end) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "adopt_reserve: not a reserve of this pool");
+        Py_DECREF(slots);
+        return NULL;
+    }
+    int32_t *got = PyMem_Malloc(sizeof(int32_t) * (size_t)(k + 1));
+    if (got == NULL) {
+        Py_DECREF(slots);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t s = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(slots, i));
+        if (s == -1 && PyErr_Occurred()) break;
+        if (s < 0 || s >= n->max_seqs || seqrec(n, s)[SF_STATE] != S_EMPTY ||
+            seqrec(n, s)[SF_RESERVED] != 1 || I4(seqrec(n, s) + SF_OWNER_CLIENT) != n->client) {
+            PyErr_Format(PyExc_ValueError, "adopt_reserve: slot %lld is not reserved by this "
+                         "client", (long long)s);
+            break;
+        }
+        got[i] = (int32_t)s;
+    }
+    Py_DECREF(slots);
+    if (!PyErr_Occurred()) memcpy(n->res, got, sizeof(int32_t) * (size_t)k);
+    PyMem_Free(got);
+    if (PyErr_Occurred()) return NULL;
+    n->res_n = k;
+    n->id_next = next;
+    n->id_end = end;
+    Py_RETURN_NONE;
+}

@@ -115,6 +115,16 @@ def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
         d["replayed_result"] = outcome.got.to_dict()
     if outcome.lost is not None:
         d["lost"] = list(outcome.lost)
+    if log.snapshot is not None:
+        # where it starts: a snapshot of the pool (docs/REPLAY.md "Starting from a snapshot"),
+        # a bounded log's checkpoint where it wrapped (its older records dropped)
+        ring = log.snapshot.meta.get("ring")
+        d["snapshot"] = {
+            "operation": log.start.seq,
+            "pid": log.start.pid,
+            "checkpoint": ring is not None,
+            "dropped_bytes": log.dropped,
+        }
     d["differs"] = outcome.diff
     d["blocks"] = outcome.blocks
     return d
@@ -136,6 +146,15 @@ def render(d: dict[str, Any]) -> None:
         "missing": "stopped: the log names a process or sequence the replay does not have",
         "lost": "stopped where records are missing from the log",
     }[reason]
+    snap = d.get("snapshot")
+    if snap is not None:
+        how = "a bounded log's checkpoint" if snap["checkpoint"] else "a snapshot of the pool"
+        wrapped = (
+            f"; the ring wrapped: the file's first {snap['dropped_bytes']} bytes were dropped"
+            if snap["dropped_bytes"]
+            else ""
+        )
+        print(f"started from {how} at operation {snap['operation']}{wrapped}")
     print(f"{head} ({d['replayed']} operation(s) replayed in {d['seconds']} s{rate})")
     if d.get("lost"):
         a, b = d["lost"]

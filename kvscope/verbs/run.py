@@ -81,12 +81,39 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
             raise UsageError(f"--record-ops {record}: {e.strerror or e}") from None
         if getattr(args, "redact", False):
             env["KVSCOPE_RECORD_OPS_KEY"] = str(int.from_bytes(os.urandom(8), "little") | 1)
+        limit = getattr(args, "record_ops_limit", None)
+        if limit:
+            # a bounded log: checkpoints, the file before the one before them dropped
+            env["KVSCOPE_RECORD_OPS_LIMIT"] = str(record_limit(limit, args))
+    elif getattr(args, "record_ops_limit", None):
+        raise UsageError("--record-ops-limit bounds the log of --record-ops FILE: give one")
     faults = parse_faults(args.inject)
     if faults:
         env["KVSCOPE_INJECT"] = ",".join(faults)
     else:
         env.pop("KVSCOPE_INJECT", None)
     return env
+
+
+def record_limit(text: str, args: argparse.Namespace) -> int:
+    """--record-ops-limit SIZE in bytes (K, M, G suffixes), refused with --redact (a checkpoint
+    holds the pool's tokens and request ids) and below a chunk's worth."""
+    from kvscope.allocator.checkpoint import MIN_LIMIT, parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError:
+        raise UsageError(
+            f"--record-ops-limit {text}: not a size (bytes, or 64K, 16M, 1G)"
+        ) from None
+    if getattr(args, "redact", False):
+        raise UsageError(
+            "--record-ops-limit with --redact: a bounded log's checkpoints hold the pool's "
+            "tokens and request ids"
+        )
+    if size < MIN_LIMIT:
+        raise UsageError(f"--record-ops-limit {text}: at least {MIN_LIMIT // 1024}K")
+    return size
 
 
 def check_dump_dir(path: str) -> str:
@@ -138,6 +165,12 @@ class RunCommand:
             "--redact",
             action="store_true",
             help="with --record-ops: token ids and request ids recorded as keyed hashes",
+        )
+        parser.add_argument(
+            "--record-ops-limit",
+            metavar="SIZE",
+            help="with --record-ops: bound the log (bytes, or 64K, 16M, 1G): past SIZE a "
+            "checkpoint of the pool is written and the records before the one before it dropped",
         )
         parser.add_argument(
             "--dump-dir", default=".", metavar="DIR", help="where dumps go (default: .)"
