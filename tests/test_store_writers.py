@@ -222,3 +222,23 @@ def test_a_malformed_store_check_is_a_type_error(pool):
         pool.core.store_check([(seq, 0, 3)], np.zeros(3, np.int32), None, None, 2)
     with pytest.raises(TypeError, match="site is None or a str"):
         pool.core.store_check([(seq, 0, 3)], None, None, 5, 1)
+
+
+def test_a_stores_two_parts_name_the_line_of_the_store_and_keep_its_tables(pool):
+    # GIVEN a's store checked at the store (a CUDA store's first part), a freed since
+    a, b = pool.allocate("a", [1, 2, 3]), pool.allocate("b", [4, 5, 6])
+    pool.append(a, [7])
+    right = a.block_table[0] * pool.slots_per_block + 3
+    wrong = b.block_table[0] * pool.slots_per_block + 3
+    good, bad = Writers(pool, [(a, 3, 4)]), Writers(pool, [(a, 3, 4)])
+    good.check_blocks()
+    bad.check_blocks()
+    line = inspect.currentframe().f_lineno - 1
+    pool.free(a)
+    # WHEN their slots are read back: a's own slot, then one in b's block
+    good.check_slots([right])
+    bad.check_slots([wrong])
+    # THEN only the second is a finding, named at the line of its first part
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request) == ("unmapped_write", b.block_table[0], "a")
+    assert f"test_store_writers.py:{line} " in f.message
