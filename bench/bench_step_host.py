@@ -12,8 +12,9 @@ expected table, the guard mode block states), but no model: each "graph replay" 
 constant into the step's slots (so guard mode's finish check sees its K/V written) and the
 logits are zeros (every sampled token 0). With `--eager` the steps run as serve.py without
 --cuda-graphs (the store per layer, the host tables and their audit), still without attention.
-The runs alternate plain / `kvscope run` (ABBA); prints µs per step (the engine's phases summed,
-per step) of each run, the medians and spread, and the difference per phase. `--profile FILE`:
+The runs alternate plain / `kvscope run` (ABBA); prints µs per step of each run (the engine's
+phases summed, wall clock; and the engine thread's CPU time, which other processes on a loaded
+machine inflate less), the medians and spread, and the difference per phase (wall). `--profile FILE`:
 one more run of each under cProfile, the top functions by own time written to FILE.plain.txt
 and FILE.kvscope.txt (their raw statistics beside them, .txt.pstats). The stores' time is taken out of every figure (a GPU's work). The CPU pool's own K/V checks (the digest hashed on the host, the finish
 check's poison scan) are the GPU's work on a CUDA pool; the profile shows how much of the
@@ -76,16 +77,18 @@ def _worker(argv: list[str]) -> int:
     kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
     row = torch.ones(1, kv_heads, head_dim, dtype=kv.dtype)
 
-    stored = [0.0]  # seconds in the stores: the GPU's work, taken out of the step's figures
+    # seconds in the stores, wall and this thread's CPU: the GPU's work, taken out of the figures
+    stored = [0.0, 0.0]
 
     def store(slots: torch.Tensor) -> None:
         """The step's K/V stores, every layer (what the model's attention does first)."""
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         n = slots.shape[0]
         kv_rows = row.expand(n, kv_heads, head_dim)
         for layer in range(shape.num_layers):
             kernels.store_kv(kv_rows, kv_rows, kv[layer, 0], kv[layer, 1], slots, block_size=16)
         stored[0] += time.perf_counter() - t
+        stored[1] += time.thread_time() - c
 
     class NoModel(torch.nn.Module):
         """The model's interface, computing nothing but the eager step's stores and tables."""
@@ -126,7 +129,7 @@ def _worker(argv: list[str]) -> int:
         for kind, size in keys:
             graphs.graphs[(kind, size)] = (Replay(graphs.dev64[2, :size]), torch.zeros(rows, 1))
     try:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         if args.profile:
             import cProfile
             import pstats
@@ -138,7 +141,7 @@ def _worker(argv: list[str]) -> int:
                 pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(60)
         else:
             engine.run(requests)
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
     finally:
         release_cache(config, pool)
     steps = engine.timer.num_steps
@@ -148,6 +151,8 @@ def _worker(argv: list[str]) -> int:
         "steps": steps,
         "us_per_step": 1e6 * sum(phase_s.values()) / steps,
         "wall_us_per_step": 1e6 * (wall - stored[0]) / steps,
+        # the engine thread's CPU time: what a loaded machine's other processes do not inflate
+        "cpu_us_per_step": 1e6 * (cpu - stored[1]) / steps,
         "store_us": 1e6 * stored[0] / steps,
         "phase_us": {p: 1e6 * phase_s[p] / steps for p in PHASES},
         "tokens": sum(len(o) for r in engine.results for o in r.outputs),
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 out[name].append(figures)
                 print(
-                    f"{name}: {figures['us_per_step']:.0f} µs/step ({figures['steps']} steps)",
+                    f"{name}: {figures['us_per_step']:.0f} µs/step, CPU"
+                    f" {figures['cpu_us_per_step']:.0f} ({figures['steps']} steps)",
                     flush=True,
                 )
         if args.profile:
@@ -190,17 +196,18 @@ def main(argv: list[str] | None = None) -> int:
                 if _run(name, [*runs[name], "--profile", path]) is None:
                     return 1
                 print(f"profile of {name}: {path}")
-    per = {k: [f["us_per_step"] for f in v] for k, v in out.items()}
-    for name, values in per.items():
+    for key, clock in (("us_per_step", "wall"), ("cpu_us_per_step", "CPU")):
+        per = {k: [f[key] for f in v] for k, v in out.items()}
+        for name, values in per.items():
+            print(
+                f"{name}: median {statistics.median(values):.0f} µs/step, {clock}"
+                f" (spread {min(values):.0f}-{max(values):.0f}, {len(values)} runs)"
+            )
+        diffs = [b - a for a, b in zip(per["plain"], per["kvscope run"], strict=True)]
         print(
-            f"{name}: median {statistics.median(values):.0f} µs/step"
-            f" (spread {min(values):.0f}-{max(values):.0f}, {len(values)} runs)"
+            f"probes add: median {statistics.median(diffs):.0f} µs/step, {clock}"
+            f" (each pair: {' '.join(f'{d:.0f}' for d in diffs)})"
         )
-    diffs = [b - a for a, b in zip(per["plain"], per["kvscope run"], strict=True)]
-    print(
-        f"probes add: median {statistics.median(diffs):.0f} µs/step"
-        f" (each pair: {' '.join(f'{d:.0f}' for d in diffs)})"
-    )
     print("µs per step, medians: phase  plain  kvscope run  difference")
     for p in out["plain"][0]["phase_us"]:
         a, b = (statistics.median(f["phase_us"][p] for f in out[k]) for k in runs)
