@@ -6,19 +6,23 @@ the bottleneck (serve.py --cuda-graphs on a fast GPU).
 
 Each run is a process serving bench_serve.py's workload (256 requests at once, 70% behind one
 of 10 shared 256-token system prompts, up to 128 running) through examples/server's engine,
-scheduler and pool (1024 blocks of 16 tokens, one layer's K/V of 16 elements a slot, on the CPU) with the
-step graphs' host path (`StepGraphs.forward`: the static buffers, the block-table audit's
-expected table, the guard mode block states), but no model: each "graph replay" only stores a
-constant into the step's slots (so guard mode's finish check sees its K/V written) and the
-logits are zeros (every sampled token 0). With `--eager` the steps run as serve.py without
---cuda-graphs (the store per layer, the host tables and their audit), still without attention.
+scheduler and pool (1024 blocks of 16 tokens, one layer's K/V of 16 elements a slot, on the
+CPU) with the step graphs' host path (`StepGraphs.forward`: the static buffers, the block-table
+audit's expected table, the guard mode block states), but no model: each "graph replay" only
+stores a constant into the step's slots (so guard mode's finish check sees its K/V written)
+and the logits are zeros (every sampled token 0). With `--eager` the steps run as serve.py
+without --cuda-graphs (the store per layer, the host tables and their audit), still without
+attention. The stores' time is taken out of every figure (a GPU's work); a run whose pool holds
+a finding at its end fails the bench.
+
 The runs alternate plain / `kvscope run` (ABBA); prints µs per step of each run (the engine's
 phases summed, wall clock; and the engine thread's CPU time, which other processes on a loaded
-machine inflate less), the medians and spread, and the difference per phase (wall). `--profile FILE`:
-one more run of each under cProfile, the top functions by own time written to FILE.plain.txt
-and FILE.kvscope.txt (their raw statistics beside them, .txt.pstats). The stores' time is taken out of every figure (a GPU's work). The CPU pool's own K/V checks (the digest hashed on the host, the finish
-check's poison scan) are the GPU's work on a CUDA pool; the profile shows how much of the
-difference they are.
+machine inflate less), the medians and spread, and the difference per phase (wall).
+`--profile FILE`: one more run of each under cProfile, the top functions by own time written to
+FILE.plain.txt and FILE.kvscope.txt (their raw statistics beside them, .txt.pstats). The CPU
+pool's own K/V checks (the digest hashed on the host, the slot hashes of the provenance sweep,
+the finish check's poison scan) are the GPU's work on a CUDA pool; the profile shows how much of
+the difference they are.
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ def _worker(argv: list[str]) -> int:
         else:
             engine.run(requests)
         wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
+        # (a run whose probes found something times their reports too: not the figure wanted)
+        findings = [f"{f.kind} (block {f.block})" for f in pool.findings()]
     finally:
         release_cache(config, pool)
     steps = engine.timer.num_steps
@@ -156,6 +162,7 @@ def _worker(argv: list[str]) -> int:
         "store_us": 1e6 * stored[0] / steps,
         "phase_us": {p: 1e6 * phase_s[p] / steps for p in PHASES},
         "tokens": sum(len(o) for r in engine.results for o in r.outputs),
+        "findings": findings,
     }
     print(json.dumps(out))
     return 0
@@ -171,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="", help="also profile one run of each (FILE.*.txt)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
+    for flag in ("requests", "repeat"):
+        if getattr(args, flag) < 1:
+            print(
+                f"bench_step_host.py: error: --{flag} must be 1 or more (got {getattr(args, flag)})",
+                file=sys.stderr,
+            )
+            return 2
     worker = [sys.executable, os.path.abspath(__file__), _WORKER, "--requests", str(args.requests)]
     worker += ["--eager"] if args.eager else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,7 +238,11 @@ def _run(name: str, cmd: list[str]) -> dict | None:
     if done.returncode != 0:
         print(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}", file=sys.stderr)
         return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    if figures["findings"]:
+        print(f"{name}: the probes found {', '.join(figures['findings'])}", file=sys.stderr)
+        return None
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""bench/bench_step_host.py: the example server's steps without the model, plainly and under
+`kvscope run`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_step_host  # noqa: E402
+
+
+def test_a_run_serves_every_request_and_reports_its_steps(capsys: pytest.CaptureFixture[str]):
+    # WHEN one run serves 8 requests in this process, without the probes
+    rc = bench_step_host._worker(["--requests", "8"])
+    # THEN it prints one JSON line: its steps, their host time by phase, every request's tokens
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and len(out) == 1
+    figures = json.loads(out[0])
+    assert figures["steps"] > 0 and figures["tokens"] >= 8 * 32 and figures["findings"] == []
+    assert figures["us_per_step"] == pytest.approx(sum(figures["phase_us"].values()))
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--repeat"])
+def test_a_bad_count_is_a_one_line_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bench_step_host.main([flag, "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"bench_step_host.py: error: {flag} must be 1 or more (got 0)\n"
+
+
+@pytest.mark.slow
+def test_a_pair_runs_plainly_and_under_kvscope_run(capsys: pytest.CaptureFixture[str]):
+    # WHEN one pair of runs serves 8 requests (the second under kvscope run's probes)
+    rc = bench_step_host.main(["--requests", "8", "--repeat", "1"])
+    # THEN both served without a finding, and the figures of each are printed
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "plain: median" in out and "kvscope run: median" in out and "probes add:" in out
