@@ -3,6 +3,7 @@ probe it switches on), without the model: what the probes add to each step where
 the bottleneck (serve.py --cuda-graphs on a fast GPU).
 
     python bench/bench_step_host.py [--requests 256] [--repeat 5] [--eager] [--profile FILE]
+    python bench/bench_step_host.py --device cuda --profile FILE     # on a GPU
 
 Each run is a process serving bench_serve.py's workload (256 requests at once, 70% behind one
 of 10 shared 256-token system prompts, up to 128 running) through examples/server's engine,
@@ -13,7 +14,10 @@ stores a constant into the step's slots (so guard mode's finish check sees its K
 and the logits are zeros (every sampled token 0). With `--eager` the steps run as serve.py
 without --cuda-graphs (the store per layer, the host tables and their audit), still without
 attention. The stores' time is taken out of every figure (a GPU's work); a run whose pool holds
-a finding at its end fails the bench.
+a finding at its end fails the bench. With `--attend` the model runs its attention layers
+instead (the store and paged attention through kvscope.kernels, one head, no projections: the
+step graphs captured and replayed, as serve.py's): what `--device cuda` runs, on a CUDA pool,
+where the figures are the host's time with the GPU's work overlapping it.
 
 The runs alternate plain / `kvscope run` (ABBA); prints µs per step of each run (the engine's
 phases summed, wall clock; and the engine thread's CPU time, which other processes on a loaded
@@ -46,8 +50,12 @@ def _worker(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--attend", action="store_true")
     ap.add_argument("--profile", default="")
     args = ap.parse_args(argv)
+    # (a CUDA run's steps run the attention layers: its graphs are captured and replayed)
+    attending = args.attend or args.device == "cuda"
     sys.path.insert(0, EXAMPLES)
     import torch
     from server.model import ModelConfig
@@ -65,7 +73,7 @@ def _worker(argv: list[str]) -> int:
         num_heads=1, num_kv_heads=1, head_dim=16,
     )  # fmt: skip
     config = RunConfig(
-        model_shape=shape, device="cpu", num_blocks=1024, block_size=16, max_num_seqs=128,
+        model_shape=shape, device=args.device, num_blocks=1024, block_size=16, max_num_seqs=128,
         max_num_batched_tokens=4096, prefill_chunk=512, clock="steps",
         cuda_graphs=not args.eager, pool_name=f"stephost-{os.getpid()}",
     )  # fmt: skip
@@ -80,6 +88,9 @@ def _worker(argv: list[str]) -> int:
     # a constant that is not the poison: every stored slot reads as written
     kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
     row = torch.ones(1, kv_heads, head_dim, dtype=kv.dtype)
+    # the attention layers' q, k and v (one head), sliced to a step's tokens
+    qkv = torch.ones(config.max_num_batched_tokens, kv_heads, head_dim, dtype=kv.dtype,
+                     device=kv.device)  # fmt: skip
 
     # seconds in the stores, wall and this thread's CPU: the GPU's work, taken out of the figures
     stored = [0.0, 0.0]
@@ -95,13 +106,19 @@ def _worker(argv: list[str]) -> int:
         stored[1] += time.thread_time() - c
 
     class NoModel(torch.nn.Module):
-        """The model's interface, computing nothing but the eager step's stores and tables."""
+        """The model's interface, computing nothing but the eager step's stores and tables (or,
+        `attending`, its attention layers: the store and paged attention, no projections)."""
 
         def __init__(self) -> None:
             super().__init__()
             self.lm_head = torch.nn.Linear(1, 1, bias=False)
 
         def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+            if attending:
+                x = qkv[: tokens.shape[0]]
+                for layer in range(shape.num_layers):
+                    attend(layer, x, x, x)
+                return torch.zeros(tokens.shape[0], 1, device=tokens.device)
             batch = getattr(attend, "__self__", None)
             if batch is not None:  # the eager step: its stores, and the tables it would read
                 store(batch.slot_mapping)
@@ -112,7 +129,7 @@ def _worker(argv: list[str]) -> int:
             return torch.zeros(tokens.shape[0], 1)
 
         def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(hidden.shape[0], shape.vocab_size)
+            return torch.zeros(hidden.shape[0], shape.vocab_size, device=hidden.device)
 
     class Replay:
         """A captured graph's replay: the step's stores from the static slot buffer."""
@@ -123,10 +140,10 @@ def _worker(argv: list[str]) -> int:
         def replay(self) -> None:
             store(self.slots)
 
-    model = NoModel()
+    model = NoModel().to(kv.device)
     engine = make_engine(config, model, pool, worker=0, max_len=max_len)
     graphs = engine.graphs
-    if graphs is not None:
+    if graphs is not None and not attending:
         rows = graphs.dev64.shape[1]
         keys = [("mixed", b) for b in graphs.buckets]
         keys += [("decode", n) for n in range(1, graphs.max_seqs + 1)]
@@ -175,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5, help="pairs of runs")
     ap.add_argument("--eager", action="store_true", help="serve.py without --cuda-graphs")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument(
+        "--attend", action="store_true",
+        help="run the attention layers (the store, paged attention); always with --device cuda",
+    )  # fmt: skip
     ap.add_argument("--profile", default="", help="also profile one run of each (FILE.*.txt)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
@@ -187,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     worker = [sys.executable, os.path.abspath(__file__), _WORKER, "--requests", str(args.requests)]
     worker += ["--eager"] if args.eager else []
+    worker += ["--device", args.device] + (["--attend"] if args.attend else [])
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
             "plain": worker,

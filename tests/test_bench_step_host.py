@@ -15,9 +15,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_step_host  # noqa: E402
 
 
-def test_a_run_serves_every_request_and_reports_its_steps(capsys: pytest.CaptureFixture[str]):
-    # WHEN one run serves 8 requests in this process, without the probes
-    rc = bench_step_host._worker(["--requests", "8"])
+@pytest.mark.parametrize("model", [[], ["--attend"]], ids=["no-model", "attention"])
+def test_a_run_serves_every_request_and_reports_its_steps(
+    model: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # WHEN one run serves 8 requests in this process, without the probes (the attention layers
+    # run, or no model at all)
+    rc = bench_step_host._worker(["--requests", "8", *model])
     # THEN it prints one JSON line: its steps, their host time by phase, every request's tokens
     out = capsys.readouterr().out.splitlines()
     assert rc == 0 and len(out) == 1
