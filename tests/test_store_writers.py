@@ -242,3 +242,26 @@ def test_a_stores_two_parts_name_the_line_of_the_store_and_keep_its_tables(pool)
     (f,) = found(pool)
     assert (f.kind, f.block, f.request) == ("unmapped_write", b.block_table[0], "a")
     assert f"test_store_writers.py:{line} " in f.message
+
+
+def test_a_recorded_check_is_a_store_record_then_the_core_s_report(make_pool, probes, tmp_path):
+    # GIVEN a pool recording its operations, a's next slot worked out into b's block
+    from kvscope.allocator.oplog import read_log
+    from kvscope.allocator.records import OpCode
+
+    path = tmp_path / "run.ops"
+    pool = make_pool(32, record_ops=str(path))
+    a, b = pool.allocate("a", [1, 2, 3]), pool.allocate("b", [4, 5, 6])
+    pool.append(a, [7])
+    blk = b.block_table[0]
+    # WHEN that store is checked
+    store(pool, [blk * pool.slots_per_block + 3], Writers(pool, [(a, 3, 4)]))
+    pool.close()
+    # THEN the log holds its STORE, then one REPORT of the finding, naming the writer
+    log = read_log(str(path))
+    at = next(i for i, r in enumerate(log.records) if r.op == OpCode.STORE)
+    stored, reported = log.records[at], log.records[at + 1]
+    assert stored.store.spans == [(a.seq_id, 3, 4)] and stored.store.what == 3
+    assert reported.op == OpCode.REPORT and reported.request == "a"
+    assert reported.found == [("unmapped_write", blk)]
+    assert log.store_reports() == {reported.seq: stored.seq}
