@@ -23,7 +23,9 @@ The runs alternate plain / `kvscope run` (ABBA); prints µs per step of each run
 phases summed, wall clock; and the engine thread's CPU time, which other processes on a loaded
 machine inflate less), the medians and spread, and the difference per phase (wall).
 `--profile FILE`: one more run of each under cProfile, the top functions by own time written to
-FILE.plain.txt and FILE.kvscope.txt (their raw statistics beside them, .txt.pstats). The CPU
+FILE.plain.txt and FILE.kvscope.txt (their raw statistics beside them, .txt.pstats). `--time`:
+each run also adds up the engine thread's CPU time in the methods TIMED names (the probes' and
+the pool's calls of a step), printed as µs per step, plain and under `kvscope run`. The CPU
 pool's own K/V checks (the digest hashed on the host, the slot hashes of the provenance sweep,
 the finish check's poison scan) are the GPU's work on a CUDA pool; the profile shows how much of
 the difference they are.
@@ -39,10 +41,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
 _WORKER = "--worker"
+# What `--time` times (module, class, method): where the probes' host time goes in a step, each
+# call's CPU time on the engine's thread (a pool's appends are left out: 128 a step, the timing
+# would cost more than most of them)
+TIMED = [
+    ("server.batch", "Batch", "check_writes"),
+    ("kvscope.probes.stores", "Writers", "check"),
+    ("kvscope.allocator.pool", "KVPool", "check_provenance"),
+    ("kvscope.allocator.audit", "TableAudit", "expect"),
+    ("kvscope.allocator.pool", "KVPool", "audit_block_table"),
+    ("kvscope.allocator.pool", "KVPool", "block_state"),
+    ("kvscope.allocator.pool", "KVPool", "allocate"),
+    ("kvscope.allocator.pool", "KVPool", "mark_computed"),
+    ("kvscope.allocator.pool", "KVPool", "free"),
+    ("kvscope.allocator.pool", "KVPool", "stats"),
+    ("kvscope.allocator.writes", "WriteProbes", "finished"),
+    ("server.violations", "ErrorCopy", "start"),
+    ("server.violations", "ErrorCopy", "take"),
+]
 
 
 def _worker(argv: list[str]) -> int:
@@ -53,6 +75,7 @@ def _worker(argv: list[str]) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--attend", action="store_true")
     ap.add_argument("--profile", default="")
+    ap.add_argument("--time", action="store_true")
     args = ap.parse_args(argv)
     # (a CUDA run's steps run the attention layers: its graphs are captured and replayed)
     attending = args.attend or args.device == "cuda"
@@ -149,6 +172,7 @@ def _worker(argv: list[str]) -> int:
         keys += [("decode", n) for n in range(1, graphs.max_seqs + 1)]
         for kind, size in keys:
             graphs.graphs[(kind, size)] = (Replay(graphs.dev64[2, :size]), torch.zeros(rows, 1))
+    timed, untime = _time_calls() if args.time else ({}, lambda: None)
     try:
         t, cpu = time.perf_counter(), time.thread_time()
         if args.profile:
@@ -166,6 +190,7 @@ def _worker(argv: list[str]) -> int:
         # (a run whose probes found something times their reports too: not the figure wanted)
         findings = [f"{f.kind} (block {f.block})" for f in pool.findings()]
     finally:
+        untime()
         release_cache(config, pool)
     steps = engine.timer.num_steps
     phase_s = dict(engine.timer.phase_s)
@@ -180,9 +205,40 @@ def _worker(argv: list[str]) -> int:
         "phase_us": {p: 1e6 * phase_s[p] / steps for p in PHASES},
         "tokens": sum(len(o) for r in engine.results for o in r.outputs),
         "findings": findings,
+        "calls": {k: [n, 1e6 * s / steps] for k, (n, s) in timed.items()},
     }
     print(json.dumps(out))
     return 0
+
+
+def _time_calls() -> tuple[dict[str, list], Callable[[], None]]:
+    """TIMED's methods wrapped: each call's CPU time on this thread added up, by name ([calls,
+    seconds]; a call inside another timed one counts in both); and what puts them back."""
+    import importlib
+
+    out: dict[str, list] = {}
+    saved: list[tuple[Any, str, Any]] = []
+    for module, cls, name in TIMED:
+        owner = getattr(importlib.import_module(module), cls)
+        real, key = owner.__dict__[name], f"{cls}.{name}"
+        saved.append((owner, name, real))
+        out[key] = [0, 0.0]
+
+        def timed(*a, _real=real, _acc=out[key], **k):
+            t = time.thread_time()
+            try:
+                return _real(*a, **k)
+            finally:
+                _acc[0] += 1
+                _acc[1] += time.thread_time() - t
+
+        setattr(owner, name, timed)
+
+    def undo() -> None:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+
+    return out, undo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         help="run the attention layers (the store, paged attention); always with --device cuda",
     )  # fmt: skip
     ap.add_argument("--profile", default="", help="also profile one run of each (FILE.*.txt)")
+    ap.add_argument(
+        "--time", action="store_true",
+        help="also time each run's calls of the methods TIMED names (CPU µs per step)",
+    )  # fmt: skip
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     for flag in ("requests", "repeat"):
@@ -210,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = [sys.executable, os.path.abspath(__file__), _WORKER, "--requests", str(args.requests)]
     worker += ["--eager"] if args.eager else []
     worker += ["--device", args.device] + (["--attend"] if args.attend else [])
+    worker += ["--time"] if args.time else []
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
             "plain": worker,
@@ -249,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     for p in out["plain"][0]["phase_us"]:
         a, b = (statistics.median(f["phase_us"][p] for f in out[k]) for k in runs)
         print(f"  {p:<10} {a:8.1f} {b:8.1f} {b - a:+8.1f}")
+    if args.time:
+        print("CPU µs per step in each method (calls per step), medians: plain  kvscope run")
+        for name in out["plain"][0]["calls"]:
+            a, b = (statistics.median(f["calls"][name][1] for f in out[k]) for k in runs)
+            n = out["kvscope run"][0]["calls"][name][0] / out["kvscope run"][0]["steps"]
+            print(f"  {name:<28} {a:8.1f} {b:8.1f}  ({n:.2f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

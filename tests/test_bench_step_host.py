@@ -30,6 +30,17 @@ def test_a_run_serves_every_request_and_reports_its_steps(
     assert figures["us_per_step"] == pytest.approx(sum(figures["phase_us"].values()))
 
 
+def test_timed_methods_are_counted_per_step(capsys: pytest.CaptureFixture[str]) -> None:
+    # WHEN a run times TIMED's methods
+    assert bench_step_host._worker(["--requests", "8", "--time"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    # THEN each is there, with its calls: a check of the writes every step, none without probes
+    calls = figures["calls"]
+    assert set(calls) == {f"{cls}.{name}" for _, cls, name in bench_step_host.TIMED}
+    assert calls["Batch.check_writes"][0] == figures["steps"] and calls["Writers.check"][0] == 0
+    assert calls["KVPool.allocate"][0] == 8
+
+
 @pytest.mark.parametrize("flag", ["--requests", "--repeat"])
 def test_a_bad_count_is_a_one_line_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc = bench_step_host.main([flag, "0"])
