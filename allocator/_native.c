@@ -50,4 +50,5 @@
 #include "csrc/audit.c"
 #include "csrc/oplog.c"
 #include "csrc/oplogread.c"
+#include "csrc/stores.c"
 #include "csrc/module.c"

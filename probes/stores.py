@@ -32,7 +32,6 @@ CUDA store does at the store and at the read-back; a replay and its script call 
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -40,18 +39,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.oplog import STORE_BLOCKS, STORE_SLOTS
-from kvscope.allocator.records import BlockState
 from kvscope.allocator.sites import caller_site
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
     from kvscope.allocator.sequence import Sequence
-
-# A position outside the writer's block table: no slot of it is expected.
-_NOWHERE = -2
-_ALLOCATED, _CACHED = int(BlockState.ALLOCATED), int(BlockState.CACHED)
 
 
 class Writers:
@@ -89,7 +82,7 @@ class Writers:
         host) against the positions' slots in the tables `check_blocks` kept (none: the tables
         now): what `check` does where a CUDA store's slots are read back."""
         if getattr(self.pool, "probe", None) is not None:
-            _checks_of(self.pool).slots(self, np.asarray(slots).astype(np.int64, copy=False))
+            _checks_of(self.pool).slots(self, np.asarray(slots))
 
 
 def settle_writes(pool: KVPool | Any, wait: bool = False) -> None:
@@ -100,58 +93,20 @@ def settle_writes(pool: KVPool | Any, wait: bool = False) -> None:
 
 
 class _Written:
-    """What one store wrote, as the host knew it at the store: the writers and their block
-    tables (copied when the answer comes later), the expected slot of each token, the line that
-    called the store."""
+    """What one CUDA store wrote, as the host knew it at the store: the writers, their block
+    tables (copied: the slots are compared later), the line that called the store."""
 
-    def __init__(self, writers: Writers, spb: int, bs: int, site: str, keep: bool = False):
-        spans = writers.spans
-        self.spans = spans
-        self.tables = [list(seq.block_table) for seq, _, _ in spans] if keep else None
+    def __init__(self, writers: Writers, site: str):
+        self.spans = writers.spans
+        self.tables = [list(seq.block_table) for seq, _, _ in self.spans]
         self.site = site
         self.recorded = -1  # the number of the STORE record of its blocks' check (-1: none)
-        try:
-            # Every span's slots in one comprehension: a step of many single tokens costs no
-            # call per request (a position past its table raises and takes the long way).
-            self.expected = np.array(
-                [
-                    seq.block_table[p // bs] * spb + p % bs
-                    for seq, start, end in spans
-                    for p in range(start, end)
-                ],
-                np.int64,
-            )
-        except IndexError:
-            self.expected = self._outside(spb, bs)
-
-    def _outside(self, spb: int, bs: int) -> np.ndarray:
-        """The expected slots when some position lies past its writer's table (none for it)."""
-        out = []
-        for seq, start, end in self.spans:
-            table = seq.block_table
-            out += [
-                table[p // bs] * spb + p % bs if p // bs < len(table) else _NOWHERE
-                for p in range(start, end)
-            ]
-        return np.array(out, np.int64)
-
-    def writer(self, token: int) -> int:
-        """The index of the span that token `token` of the store belongs to."""
-        ends = np.cumsum([end - start for _, start, end in self.spans])
-        return int(np.searchsorted(ends, token, side="right"))
-
-    def name(self, i: int) -> str:
-        """Writer i's request id."""
-        return str(self.spans[i][0].request_id)
-
-    def maps(self, i: int, blk: int) -> bool:
-        """Whether writer i's block table (as the store saw it) holds block blk."""
-        table = self.spans[i][0].block_table if self.tables is None else self.tables[i]
-        return blk in table
 
 
 class _PoolChecks:
-    """The store checks of one pool handle, and its CUDA stores' slot copies not yet read."""
+    """The store checks of one pool handle, and its CUDA stores' slot copies not yet read. The
+    check itself is the C core's (`store_check`: csrc/stores.c), which writes its findings into
+    the ring; they are handed to `on_finding` here."""
 
     def __init__(self, pool: KVPool | Any):
         self.pool = pool
@@ -161,9 +116,8 @@ class _PoolChecks:
         pool = self.pool
         if self.pending:
             self.settle()
-        bs, spb = int(pool.block_size), int(pool.slots_per_block)
         if isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu":
-            written = self._blocks(writers, spb, bs)
+            written = self._blocks(writers)
             host = torch.empty(slot_mapping.shape, dtype=torch.int64, pin_memory=True)
             host.copy_(slot_mapping, non_blocking=True)
             done = torch.cuda.Event()
@@ -171,19 +125,12 @@ class _PoolChecks:
             self.pending.append((host, done, written))
             return
         if isinstance(slot_mapping, torch.Tensor):
-            slots = slot_mapping.numpy()
-        else:
-            slots = np.asarray(slot_mapping)
+            slot_mapping = slot_mapping.numpy()
+        slots = _int64(slot_mapping)
         if getattr(pool, "recording", None):
             _record(pool, writers.spans, slots, STORE_BLOCKS | STORE_SLOTS, -1)
-        written = _Written(writers, spb, bs, "")
-        found = self._positions(written)
-        if not found and np.array_equal(slots, written.expected):
-            return  # (the common case: nothing found, the site never looked up)
-        written.site = caller_site()
-        for i, blk in found:
-            self._report(written, i, blk, mapped=True)
-        self._slots(written, slots.astype(np.int64, copy=False))
+        # (the line that called the store is looked up by the core at a finding only)
+        self._core_check(writers.spans, slots, None, None, STORE_BLOCKS | STORE_SLOTS)
 
     def settle(self, wait: bool = False) -> None:
         """Compare the copied slots of the CUDA stores the GPU is past (all, with `wait`)."""
@@ -197,90 +144,54 @@ class _PoolChecks:
 
     def blocks(self, writers: Writers) -> None:
         """Writers.check_blocks."""
-        bs, spb = int(self.pool.block_size), int(self.pool.slots_per_block)
-        writers._written = self._blocks(writers, spb, bs)
+        writers._written = self._blocks(writers)
 
     def slots(self, writers: Writers, slots: np.ndarray) -> None:
         """Writers.check_slots."""
         written = writers._written
         if written is None:
-            bs, spb = int(self.pool.block_size), int(self.pool.slots_per_block)
-            written = _Written(writers, spb, bs, caller_site(), keep=True)
+            written = _Written(writers, caller_site())
         self._read_back(written, slots)
 
-    def _blocks(self, writers: Writers, spb: int, bs: int) -> _Written:
+    def _blocks(self, writers: Writers) -> _Written:
         """The check's first part, at the store: recorded (its spans), then the blocks that
-        hold the written positions reported; the tables kept for the slots."""
-        written = _Written(writers, spb, bs, caller_site(), keep=True)
+        hold the written positions checked; the tables and the store's line kept for the
+        slots."""
+        written = _Written(writers, caller_site())
         if getattr(self.pool, "recording", None):
             written.recorded = _record(self.pool, writers.spans, None, STORE_BLOCKS, -1)
-        for i, blk in self._positions(written):
-            self._report(written, i, blk, mapped=True)
+        self._core_check(written.spans, None, written.tables, written.site, STORE_BLOCKS)
         return written
 
     def _read_back(self, written: _Written, slots: np.ndarray) -> None:
         """The check's second part, where the slots are read: recorded (the spans and the
-        slots read, naming the record of its first part), then compared."""
+        slots read, naming the record of its first part), then compared with the positions'
+        slots in the tables kept at the store."""
+        slots = _int64(slots)
         if getattr(self.pool, "recording", None):
             _record(self.pool, written.spans, slots, STORE_SLOTS, written.recorded)
-        self._slots(written, slots)
+        self._core_check(written.spans, slots, written.tables, written.site, STORE_SLOTS)
 
-    def _positions(self, written: _Written) -> list[tuple[int, int]]:
-        """(writer, block) of each block holding written positions that the prefix index
-        holds or that is not allocated."""
-        recs, spb = self.pool.view.blocks, int(self.pool.slots_per_block)
-        expected = written.expected
-        inside = expected >= 0
-        ids = np.where(inside, expected // spb, 0)
-        bad = inside & ((recs["state"][ids] != _ALLOCATED) | (recs["indexed"][ids] == 1))
-        if not bad.any():
-            return []
-        found: dict[tuple[int, int], None] = {}
-        for token in np.flatnonzero(bad).tolist():
-            found[(written.writer(token), int(ids[token]))] = None
-        return list(found)
+    def _core_check(
+        self,
+        spans: list,
+        slots: np.ndarray | None,
+        tables: list | None,
+        site: str | None,
+        what: int,
+    ) -> None:
+        """The core's check (what: STORE_BLOCKS, STORE_SLOTS or both), its findings delivered."""
+        pool = self.pool
+        with pool.op_mutex:
+            found = pool.core.store_check(spans, slots, tables, site, what)
+        if found:
+            pool.deliver_findings()
 
-    def _slots(self, written: _Written, slots: np.ndarray) -> None:
-        """Tokens whose slot is not their position's: where each one landed."""
-        slots = slots.reshape(-1)
-        if len(slots) != len(written.expected):
-            return  # (a store whose writers do not cover its tokens: nothing to compare)
-        spb, num_blocks = int(self.pool.slots_per_block), len(self.pool.view.blocks)
-        wrong = np.flatnonzero((slots != written.expected) & (slots != -1))
-        seen: set[tuple[int, int]] = set()
-        for token in wrong.tolist():
-            blk = int(slots[token]) // spb
-            if not 0 <= blk < num_blocks:
-                continue  # (outside the tensor: guard mode's kernels report it)
-            i = written.writer(token)
-            if (i, blk) in seen:
-                continue
-            seen.add((i, blk))
-            self._report(written, i, blk, mapped=written.maps(i, blk))
 
-    def _report(self, written: _Written, i: int, blk: int, mapped: bool) -> None:
-        """A finding about request i of the store writing into block blk."""
-        rec = self.pool.view.blocks[blk].copy()
-        state, owner = int(rec["state"]), bytes(rec["request"]).decode(errors="replace")
-        pid = int(rec["owner_pid"])
-        who, site = written.name(i)[:32], written.site
-        me = os.getpid()
-        head = f"request {who!r} stored K/V into block {blk} at {site}"
-        extra = {"write_site": site, "block_request": owner, "block_pid": pid}
-        if state not in (_ALLOCATED, _CACHED):
-            message = f"{head}: the block is free (last held by request {owner!r}, pid {pid})"
-            f = Finding(FindingKind.USE_AFTER_FREE, message, blk, me, who, extra=extra)
-        elif rec["indexed"] == 1:
-            message = f"{head}: published by request {owner!r} (pid {pid}), shared by prefix hits"
-            f = Finding(FindingKind.PUBLISHED_BLOCK_MODIFIED, message, blk, me, who, extra=extra)
-        elif not mapped:
-            message = f"{head}, which it does not map (held by request {owner!r}, pid {pid})"
-            f = Finding(FindingKind.UNMAPPED_WRITE, message, blk, me, who, extra=extra)
-        else:
-            return  # (its own block at another position: not one of the checked kinds)
-        probe = self.pool.probe
-        assert probe is not None
-        probe.report(f, rec=rec)
+def _int64(slots: Any) -> np.ndarray:
+    """A slot mapping (a numpy array, a list) as the flat C-contiguous int64 array the core
+    reads (no copy when it is one)."""
+    return np.ascontiguousarray(np.asarray(slots), dtype=np.int64).reshape(-1)
 
 
 _CHECKS: weakref.WeakKeyDictionary[Any, _PoolChecks] = weakref.WeakKeyDictionary()

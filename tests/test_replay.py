@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1000,17 +1001,19 @@ def test_a_shrunk_store_keeps_the_spans_and_slots_of_the_requests_it_still_makes
     assert run.returncode == 1 and "findings: use_after_free" in run.stdout, run.stdout
 
 
-def test_with_recording_off_a_store_check_reads_one_attribute_and_no_core(pool_name):
+def test_with_recording_off_a_store_check_reads_one_attribute_and_composes_no_record(pool_name):
     """Not recording, a store check that finds nothing reads the handle's `recording` once and
-    never its core (no record composed)."""
+    composes no record (its core's one call is the check's own, `store_check`)."""
 
     class Watched:
-        def __init__(self, pool: KVPool):
+        def __init__(self, pool: Any, reads: list[str] | None = None):
             self._pool = pool
-            self.reads: list[str] = []
+            self.reads: list[str] = [] if reads is None else reads
 
         def __getattr__(self, name: str):
             self.reads.append(name)
+            if name == "core":
+                return Watched(self._pool.core, self.reads)
             return getattr(self._pool, name)
 
     pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
@@ -1019,7 +1022,8 @@ def test_with_recording_off_a_store_check_reads_one_attribute_and_no_core(pool_n
         s = pool.allocate("a", list(range(6)))
         watched = Watched(pool)
         Writers(watched, [(s, 0, 6)]).check(np.array(pool.slot_mapping(s, 0, 6)))
-        assert watched.reads.count("recording") == 1 and "core" not in watched.reads
+        assert watched.reads.count("recording") == 1 and "oplog_store" not in watched.reads
+        assert watched.reads.count("store_check") == 1
         pool.free(s)
     finally:
         pool.close()

@@ -5,7 +5,9 @@ writing request and the line that called the store; a correct store is no findin
 from __future__ import annotations
 
 import inspect
+import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -171,3 +173,95 @@ def test_on_a_cuda_pool_the_writer_is_named_and_no_store_waits(pool_name, probes
     finally:
         pool.close()
         pool.unlink()
+
+
+# -- the core's check (csrc/stores.c store_check) ------------------------------------------------
+
+
+def test_the_core_writes_the_finding_with_the_writer_and_counts_it_once(pool):
+    # GIVEN request a's next slot worked out into b's block
+    a, b = pool.allocate("a", [1, 2, 3]), pool.allocate("b", [4, 5, 6])
+    pool.append(a, [7])
+    blk = b.block_table[0]
+    wrong = np.array([blk * pool.slots_per_block + 3], np.int64)
+    # WHEN the core checks that store twice (its blocks and its slots)
+    with pool.op_mutex:
+        counts = [pool.core.store_check([(a, 3, 4)], wrong, None, "here.py:1 f", 3) for _ in "ab"]
+    # THEN one finding, in the ring, naming the writer and this process, in the probe's words
+    assert counts == [1, 0]
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request, f.owner_pid) == ("unmapped_write", blk, "a", os.getpid())
+    assert f.message == (
+        f"request 'a' stored K/V into block {blk} at here.py:1 f, which it does not map "
+        f"(held by request 'b', pid {os.getpid()})"
+    )
+    assert pool.core.first_report("unmapped_write", blk) is False
+
+
+def test_the_core_compares_the_slots_with_the_tables_kept_at_the_store(pool):
+    # GIVEN a request's table as a store saw it, and the request freed since
+    seq = pool.allocate("gone", [1, 2, 3])
+    kept = [list(seq.block_table)]
+    slot = np.array([kept[0][0] * pool.slots_per_block + 2], np.int64)
+    pool.free(seq)
+    seq.block_table.clear()
+    with pool.op_mutex:
+        # WHEN the slots alone are checked against the kept table THEN they are its position's
+        assert pool.core.store_check([(seq, 2, 3)], slot, kept, "x.py:1 f", 2) == 0
+        # WHEN its blocks are THEN the block is free
+        assert pool.core.store_check([(seq, 2, 3)], None, kept, "x.py:1 f", 1) == 1
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request) == ("use_after_free", kept[0][0], "gone")
+
+
+def test_a_malformed_store_check_is_a_type_error(pool):
+    seq = pool.allocate("a", [1, 2, 3])
+    with pytest.raises(TypeError, match=r"each span is \(seq, start, end\)"):
+        pool.core.store_check([(seq, 0)], None, None, None, 1)
+    with pytest.raises(TypeError, match="slots are int64"):
+        pool.core.store_check([(seq, 0, 3)], np.zeros(3, np.int32), None, None, 2)
+    with pytest.raises(TypeError, match="site is None or a str"):
+        pool.core.store_check([(seq, 0, 3)], None, None, 5, 1)
+
+
+def test_a_stores_two_parts_name_the_line_of_the_store_and_keep_its_tables(pool):
+    # GIVEN a's store checked at the store (a CUDA store's first part), a freed since
+    a, b = pool.allocate("a", [1, 2, 3]), pool.allocate("b", [4, 5, 6])
+    pool.append(a, [7])
+    right = a.block_table[0] * pool.slots_per_block + 3
+    wrong = b.block_table[0] * pool.slots_per_block + 3
+    good, bad = Writers(pool, [(a, 3, 4)]), Writers(pool, [(a, 3, 4)])
+    good.check_blocks()
+    bad.check_blocks()
+    line = inspect.currentframe().f_lineno - 1
+    pool.free(a)
+    # WHEN their slots are read back: a's own slot, then one in b's block
+    good.check_slots([right])
+    bad.check_slots([wrong])
+    # THEN only the second is a finding, named at the line of its first part
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request) == ("unmapped_write", b.block_table[0], "a")
+    assert f"test_store_writers.py:{line} " in f.message
+
+
+def test_a_recorded_check_is_a_store_record_then_the_core_s_report(make_pool, probes, tmp_path):
+    # GIVEN a pool recording its operations, a's next slot worked out into b's block
+    from kvscope.allocator.oplog import read_log
+    from kvscope.allocator.records import OpCode
+
+    path = tmp_path / "run.ops"
+    pool = make_pool(32, record_ops=str(path))
+    a, b = pool.allocate("a", [1, 2, 3]), pool.allocate("b", [4, 5, 6])
+    pool.append(a, [7])
+    blk = b.block_table[0]
+    # WHEN that store is checked
+    store(pool, [blk * pool.slots_per_block + 3], Writers(pool, [(a, 3, 4)]))
+    pool.close()
+    # THEN the log holds its STORE, then one REPORT of the finding, naming the writer
+    log = read_log(str(path))
+    at = next(i for i, r in enumerate(log.records) if r.op == OpCode.STORE)
+    stored, reported = log.records[at], log.records[at + 1]
+    assert stored.store.spans == [(a.seq_id, 3, 4)] and stored.store.what == 3
+    assert reported.op == OpCode.REPORT and reported.request == "a"
+    assert reported.found == [("unmapped_write", blk)]
+    assert log.store_reports() == {reported.seq: stored.seq}

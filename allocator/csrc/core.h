@@ -130,6 +130,7 @@ enum {
     FK_TRANSFER_AFTER_FREE, /* leases.c */
     FK_LEASE_LEAK,
     FK_FOREIGN_SLOT, /* provenance.c */
+    FK_UNMAPPED_WRITE, /* stores.c */
     FK_COUNT
 };
 

@@ -285,7 +285,7 @@ static const char *const FK_NAMES[FK_COUNT] = {
     "use_after_free",  "guard_violation",   "published_block_modified", "lock_dead_holder",
     "leak_dead_owner", "kv_never_written",  "double_free", "block_header_corrupt",
     "lock_order_cycle", "block_table_mismatch", "wait_holds_gil", "transfer_after_free",
-    "lease_leak", "foreign_slot"};
+    "lease_leak", "foreign_slot", "unmapped_write"};
 
 /* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
