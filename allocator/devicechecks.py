@@ -136,8 +136,11 @@ class DeviceChecks:
         if flags.guard:
             modes += [checks.CANARY, checks.COUNTS, checks.POISON]
         # slot provenance's K/V hashes (csrc/provenance.c), taken by this queue wherever it is
-        # configured: provenance may be turned on at any time (pool.provenance_sample)
+        # configured: provenance may be turned on at any time (pool.provenance_sample); with the
+        # digest, a publication's digests and hashes in one launch (DIGEST_SLOTS)
         modes.append(checks.SLOTS)
+        if flags.digest:
+            modes.append(checks.DIGEST_SLOTS)
         kernel.warm_up(modes)
         torch.cuda.synchronize(kv.device)
         return kernel

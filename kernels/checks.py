@@ -20,7 +20,10 @@ layer, K and V, read as integers of the element's width):
   its elements in every layer, K and V, in that order, as one row of the digest's (the
   coefficient of a slot's element e of row r is that of element r * H * D + e): slot
   provenance's K/V hash of a CUDA pool's slot (allocator/csrc/provenance.c prov_kv_hash takes
-  the same sum over a CPU pool's bytes).
+  the same sum over a CPU pool's bytes);
+- DIGEST_SLOTS: both, from one read of the block (`block_size + 1` words per block: the
+  DIGEST word, then the SLOTS words): a publication's digests and its slots' hashes in one
+  launch.
 """
 
 from __future__ import annotations
@@ -35,17 +38,14 @@ import triton.language as tl
 from .digest import DIGEST_ADD, DIGEST_MUL, int_view
 from .guard import canary_loaded
 
-DIGEST, COUNTS, CANARY, POISON, SLOTS = 0, 1, 2, 3, 4
-MODES = (DIGEST, COUNTS, CANARY, POISON, SLOTS)
-# answer words per block of each mode (COUNTS and SLOTS: times block_size)
-ANSWER_WORDS = {DIGEST: 1, COUNTS: 1, CANARY: 1, POISON: 0, SLOTS: 1}
+DIGEST, COUNTS, CANARY, POISON, SLOTS, DIGEST_SLOTS = 0, 1, 2, 3, 4, 5
+MODES = (DIGEST, COUNTS, CANARY, POISON, SLOTS, DIGEST_SLOTS)
 
 
 def answer_words(mode: int, num_blocks: int, block_size: int) -> int:
     """How many int64 words the answer of a check of `num_blocks` blocks takes."""
-    if mode in (COUNTS, SLOTS):
-        return num_blocks * block_size
-    return num_blocks * ANSWER_WORDS[mode]
+    per_block = {COUNTS: block_size, SLOTS: block_size, DIGEST_SLOTS: block_size + 1}
+    return num_blocks * per_block.get(mode, 0 if mode == POISON else 1)
 
 
 @triton.jit(do_not_specialize=["ids_at", "out_at"])
@@ -91,13 +91,13 @@ def _check_kernel(
                         tl.store(row + offs, fill, mask=m)
                     else:
                         bits = tl.load(row + offs, mask=m, other=POISON_BITS)
-                        if MODE == 0:  # DIGEST
+                        if MODE == 0 or MODE == 5:  # DIGEST (DIGEST_SLOTS)
                             coef = ((first + offs) * MUL + ADD) | 1
                             digest += tl.where(m, bits.to(tl.int64) * coef, 0)
-                        elif MODE == 4:  # SLOTS
+                        if MODE == 4 or MODE == 5:  # SLOTS (DIGEST_SLOTS)
                             coef = ((slot_first + cols[None, :]) * MUL + ADD) | 1
                             per_slot += tl.where(m, bits.to(tl.int64) * coef, 0)
-                        else:  # COUNTS
+                        if MODE == 1:  # COUNTS
                             counts += tl.sum((bits != POISON_BITS).to(tl.int64), 1)
                 row += stride_row
                 first += BS * HD
@@ -106,8 +106,13 @@ def _check_kernel(
                 tl.store(ring_ptr + out_at + pid * BS + slots, counts, mask=slots < BS)
             if MODE == 4:
                 tl.store(ring_ptr + out_at + pid * BS + slots, tl.sum(per_slot, 1), mask=slots < BS)
+            if MODE == 5:
+                at = out_at + pid * (BS + 1) + 1
+                tl.store(ring_ptr + at + slots, tl.sum(per_slot, 1), mask=slots < BS)
         if MODE == 0:
             tl.store(ring_ptr + out_at + pid, tl.sum(tl.sum(digest, 1), 0))
+        if MODE == 5:
+            tl.store(ring_ptr + out_at + pid * (BS + 1), tl.sum(tl.sum(digest, 1), 0))
 
 
 def raw_stream(device: torch.device) -> int:
@@ -266,7 +271,7 @@ class Checks:
 
     def native_launch(self, ring: torch.Tensor) -> dict[str, Any] | None:
         """What a launch of the compiled modes from C needs (allocator/csrc/devchecks.c:
-        cuLaunchKernel), with `ring` for this one's: per mode (DIGEST, COUNTS, CANARY, POISON, SLOTS)
+        cuLaunchKernel), with `ring` for this one's: per mode (MODES)
         the function handle, threads and shared memory; the kernel's parameters in its order
         (sizes, values), and which two take the ids' and the answer's ring offsets (a mode not
         compiled: handle 0, which the core never launches). None where no mode is compiled, a

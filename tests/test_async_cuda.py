@@ -188,8 +188,17 @@ def test_the_foreign_slot_fault_is_caught_at_a_prefix_hit(pool):
     assert "request 'writer'" in f.message and "token 99" in f.message
 
 
+@pytest.fixture(params=["plain", "digest"])
+def digest(request, monkeypatch):
+    """Guard mode alone, or with the digest probe (whose publication stamps the blocks' digests
+    and, on a CUDA pool, their slots' hashes in the same launch)."""
+    if request.param == "digest":
+        monkeypatch.setenv("KVSCOPE_DIGEST", "1")
+    return request.param
+
+
 @pytest.fixture(params=DEVICES + ["cpu-queued"])
-def kv_device(request, monkeypatch):
+def kv_device(request, monkeypatch, digest):
     """Where the K/V hashes are taken: a CUDA pool's by the check kernel the core launches, a
     CPU pool's by the core over its bytes, or ("cpu-queued") a CPU pool's through the core's
     queue of device checks, as a CUDA pool's are (the tests' seam DEFERRED_ON_CPU)."""

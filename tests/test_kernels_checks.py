@@ -76,6 +76,10 @@ def test_the_slots_check_answers_each_slots_own_digest(
     assert after.tolist() == slot_digests(kv.cpu(), ids, block_size)
     moved = (before != after).nonzero().tolist()
     assert moved == [[0, 1]]
+    # AND DIGEST_SLOTS answers each block's digest, then its slots', from one launch
+    both = checks.run_check(kv, ids, checks.DIGEST_SLOTS, block_size).reshape(3, block_size + 1)
+    assert both[:, 0].tolist() == checks.run_check(kv, ids, checks.DIGEST, block_size).tolist()
+    assert both[:, 1:].tolist() == after.tolist()
 
 
 @pytest.mark.parametrize("layers,block_size,heads,dim,dtype,slots", CASES)
@@ -97,11 +101,11 @@ def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_on_a_gpu_each_check_launches_through_its_compiled_kernel_with_the_same_answer():
-    # GIVEN a CUDA pool and a page-locked ring, the kernel compiled for four modes
+    # GIVEN a CUDA pool and a page-locked ring, the kernel compiled for five modes
     kv = random_pool(2, 8, 2, 16, torch.float16, 9, "cuda")
-    ring = torch.zeros(128, dtype=torch.int64).pin_memory()
+    ring = torch.zeros(160, dtype=torch.int64).pin_memory()
     fast = checks.Checks(kv, ring, 8)
-    fast.warm_up([checks.DIGEST, checks.COUNTS, checks.CANARY, checks.SLOTS])
+    fast.warm_up([checks.DIGEST, checks.COUNTS, checks.CANARY, checks.SLOTS, checks.DIGEST_SLOTS])
     # THEN its launches skip Triton's JIT launcher, and its runner: straight to its launcher
     assert set(fast._compiled) >= {checks.DIGEST, checks.COUNTS, checks.CANARY}
     assert set(fast._direct) == set(fast._compiled)
@@ -118,6 +122,13 @@ def test_on_a_gpu_each_check_launches_through_its_compiled_kernel_with_the_same_
     torch.cuda.synchronize()
     assert ring[48:72].tolist() == checks.run_check(kv, ids, checks.SLOTS, 8).tolist()
     assert ring[48:72].reshape(3, 8).tolist() == slot_digests(kv.cpu(), ids, 8)
+    fast.launch(checks.DIGEST_SLOTS, 0, len(ids), 80)
+    torch.cuda.synchronize()
+    both = ring[80:107].reshape(3, 9)
+    assert (
+        both[:, 0].tolist() == ring[4:7].tolist()
+        and both[:, 1:].tolist() == ring[48:72].reshape(3, 8).tolist()
+    )
     assert ring[4:7].tolist() == checks.run_check(kv, ids, checks.DIGEST, 8).tolist()
     assert ring[8:32].tolist() == checks.run_check(kv, ids, checks.COUNTS, 8).tolist()
     assert ring[40:43].tolist() == checks.run_check(kv, ids, checks.CANARY, 8).tolist()

@@ -462,7 +462,8 @@ enum {
     DK_UNWRITTEN = 5,
     DK_PROV_STAMP = 6, /* slot provenance: the K/V hashes of published blocks' recorded slots */
     DK_PROV_CHECK = 7, /* slot provenance: recorded slots' K/V against their hashes */
-    N_DK = 8
+    DK_STAMP_PROV = 8, /* DK_STAMP and DK_PROV_STAMP of the same blocks, one launch */
+    N_DK = 9
 };
 static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);

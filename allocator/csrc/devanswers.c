@@ -52,12 +52,13 @@ static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObj
     return 0;
 }
 
-/* Slot provenance's hashes of blocks w[0, k) (answers a: a raw sum per slot; kept: the
- * generation each block had when published), written into the records of the slots recorded in
- * that generation while the block is still in it. Records are not journaled (provenance.c): a
- * block handed out again meanwhile has another generation, and its records are left alone. */
+/* Slot provenance's hashes of blocks w[0, k) (answers a: a raw sum per slot, block i's from
+ * a[i * stride]; kept: the generation each block had when published), written into the records
+ * of the slots recorded in that generation while the block is still in it. Records are not
+ * journaled (provenance.c): a block handed out again meanwhile has another generation, and its
+ * records are left alone. */
 static int prov_stamp_read(Native *n, const int64_t *w, int64_t k, const int64_t *a,
-                           const int64_t *kept) {
+                           int64_t stride, const int64_t *kept) {
     for (int64_t i = 0; i < k; i++) {
         int32_t b = (int32_t)w[i];
         uint32_t gen = (uint32_t)kept[i];
@@ -65,7 +66,7 @@ static int prov_stamp_read(Native *n, const int64_t *w, int64_t k, const int64_t
         for (int64_t off = 0; off < n->bs; off++) {
             uint8_t *p = prov_rec(n, b, off);
             if (__atomic_load_n((uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) == gen)
-                U4(p + PV_KV_HASH) = prov_hash_of((uint64_t)a[i * n->bs + off]);
+                U4(p + PV_KV_HASH) = prov_hash_of((uint64_t)a[i * stride + off]);
         }
     }
     return 0;
@@ -128,13 +129,16 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w) {
         PyMem_Free(ids);
         return rc == OK ? 0 : -1;
     }
-    if (e->kind == DK_PROV_STAMP) return prov_stamp_read(n, w, k, a, kept);
+    if (e->kind == DK_PROV_STAMP) return prov_stamp_read(n, w, k, a, n->bs, kept);
     if (e->kind == DK_PROV_CHECK) return prov_check_read(n, e, w, k, a, kept);
-    if (e->kind == DK_STAMP) {
+    if (e->kind == DK_STAMP || e->kind == DK_STAMP_PROV) {
+        /* (DK_STAMP_PROV: a block's digest word, then its slots' sums) */
+        int64_t stride = e->kind == DK_STAMP ? 1 : n->bs + 1;
+        if (e->kind == DK_STAMP_PROV && prov_stamp_read(n, w, k, a + 1, stride, kept)) return -1;
         if (dev_grow((void **)&d->stamps, &d->cap_stamps, d->n_stamps + k, sizeof(Stamp)))
             return -1;
         for (int64_t i = 0; i < k; i++) {
-            uint64_t dg = fmix64((uint64_t)a[i]);
+            uint64_t dg = fmix64((uint64_t)a[i * stride]);
             Stamp *s = &d->stamps[d->n_stamps++];
             s->b = (int32_t)w[i];
             s->g = (uint32_t)(kept[i] & GEN_MASK);

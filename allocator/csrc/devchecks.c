@@ -46,12 +46,13 @@ typedef struct {
 } CuApi;
 
 /* kernels/checks.py modes */
-enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, M_SLOTS = 4, N_MODES = 5 };
+enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, M_SLOTS = 4, M_DIGEST_SLOTS = 5, N_MODES = 6 };
 /* (DK_*, what a check is for: core.h) */
-static const int DK_MODE[N_DK] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY,
-                                  M_POISON, M_COUNTS, M_SLOTS,  M_SLOTS};
-static const char *DK_NAME[N_DK] = {"stamp", "verify",    "poison",          "canary",
-                                    "fill",  "unwritten", "provenance hash", "provenance check"};
+static const int DK_MODE[N_DK] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY,      M_POISON,
+                                  M_COUNTS, M_SLOTS,  M_SLOTS,  M_DIGEST_SLOTS};
+static const char *DK_NAME[N_DK] = {"stamp",           "verify",           "poison",
+                                    "canary",          "fill",             "unwritten",
+                                    "provenance hash", "provenance check", "stamp and hash"};
 
 #define DEV_ENTRIES 8192 /* checks waiting at most (then the oldest are taken first) */
 /* Digests answered whose records an error kept the core from writing: kept for the next
@@ -125,7 +126,10 @@ static inline uint8_t *kept_rec(Native *n, const int64_t *kept, int64_t i) {
 /* The answer's words (kernels/checks.py answer_words) and what the entry keeps after it. */
 static int64_t dev_answer_words(Native *n, int kind, int64_t k) {
     int mode = DK_MODE[kind];
-    return mode == M_COUNTS || mode == M_SLOTS ? k * n->bs : mode == M_POISON ? 0 : k;
+    return mode == M_COUNTS || mode == M_SLOTS ? k * n->bs
+           : mode == M_DIGEST_SLOTS            ? k * (n->bs + 1)
+           : mode == M_POISON                  ? 0
+                                               : k;
 }
 /* A provenance check keeps, per block: its record, the reading request's 32 bytes, and its
  * slots' provenance records, as the operation saw them (provenance.c prov_check_later). */
@@ -133,7 +137,7 @@ static inline int64_t prov_keep_words(Native *n) {
     return rec_words(n) + REQUEST_BYTES / 8 + n->bs * PROVENANCE / 8;
 }
 static int64_t dev_keep_words(Native *n, int kind, int64_t k) {
-    if (kind == DK_STAMP || kind == DK_PROV_STAMP) return k; /* the generations */
+    if (kind == DK_STAMP || kind == DK_PROV_STAMP || kind == DK_STAMP_PROV) return k; /* gens */
     if (kind == DK_FILL || kind == DK_UNWRITTEN) return 0;
     if (kind == DK_PROV_CHECK) return k * prov_keep_words(n);
     return k * rec_words(n); /* the records as the operation saw them */
@@ -164,18 +168,21 @@ static void dev_cpu_answer(Native *n, DevChecks *d, int mode, const int32_t *ids
     size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
     for (int64_t i = 0; i < k; i++) {
         uint8_t *base = d->cpu_kv + (size_t)ids[i] * n->kv_block_stride;
-        if (mode == M_DIGEST) {
-            uint64_t sum = 0, jm = DIGEST_ADD;
-            for (int64_t r = 0; r < n->kv_rows; r++)
-                sum = digest_row(n, base + (size_t)r * n->kv_row_stride, m, &jm, sum);
-            out[i] = (int64_t)sum; /* raw, as the kernel's: fmix64 when taken */
-        } else if (mode == M_SLOTS) {
-            for (int64_t s = 0; s < n->bs; s++) {
+        if (mode == M_DIGEST || mode == M_SLOTS || mode == M_DIGEST_SLOTS) {
+            /* (DIGEST_SLOTS: the digest word, then the slots', a block's words) */
+            int64_t *o = mode == M_DIGEST_SLOTS ? out + i * (n->bs + 1) : NULL;
+            if (mode != M_SLOTS) {
+                uint64_t sum = 0, jm = DIGEST_ADD;
+                for (int64_t r = 0; r < n->kv_rows; r++)
+                    sum = digest_row(n, base + (size_t)r * n->kv_row_stride, m, &jm, sum);
+                *(o ? o++ : out + i) = (int64_t)sum; /* raw, as the kernel's: fmix64 when taken */
+            }
+            for (int64_t s = 0; s < n->bs && mode != M_DIGEST; s++) {
                 uint64_t sum = 0, jm = DIGEST_ADD;
                 for (int64_t r = 0; r < n->kv_rows; r++)
                     sum = digest_row(n, base + (size_t)r * n->kv_row_stride + s * n->kv_slot_bytes,
                                      slot_m, &jm, sum);
-                out[i * n->bs + s] = (int64_t)sum;
+                *(o ? o++ : out + i * n->bs + s) = (int64_t)sum;
             }
         } else if (mode == M_COUNTS) {
             for (int64_t s = 0; s < n->bs; s++) {
@@ -312,7 +319,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     int64_t *w = d->ring + at;
     for (int64_t i = 0; i < k; i++) w[i] = ids[i];
     int64_t *kept = w + k + ans;
-    if (kind == DK_STAMP || kind == DK_PROV_STAMP) {
+    if (kind == DK_STAMP || kind == DK_PROV_STAMP || kind == DK_STAMP_PROV) {
         for (int64_t i = 0; i < k; i++) kept[i] = U4(blk(n, ids[i]) + BF_GENERATION);
     } else if (kind == DK_PROV_CHECK) {
         /* (`when`: the reading request's 32 bytes, for each block) */

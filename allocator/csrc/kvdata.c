@@ -351,7 +351,9 @@ static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
  * written by the settle that reads them (devanswers.c). OK, UNHANDLED, ERROR. */
 static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
-    if (n->kv == NULL) return kv_later(n, DK_STAMP, ids, k, NULL);
+    /* (with slot provenance, the blocks' slots hashed in the same launch: provenance.c) */
+    if (n->kv == NULL)
+        return kv_later(n, n->prov_every && n->dev ? DK_STAMP_PROV : DK_STAMP, ids, k, NULL);
     uint64_t d[CHUNK];
     digests(n, ids, k, d);
     for (int64_t i = 0; i < k; i++) {
