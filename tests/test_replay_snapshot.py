@@ -149,9 +149,9 @@ def test_a_mid_life_recording_of_an_attached_process_replays(tmp_path, pool_name
     assert log.snapshot is not None
     assert len(checkpoint.attached(log.snapshot)) == 2  # (the creator's and its own)
     ops = log.ops
-    assert [r.op_name for r in ops] == ["allocate", "append", "free", "free", "free"]
+    assert [r.op_name for r in ops] == ["allocate", "append", "free", "free", "free", "close"]
     assert ops[0].result == 8  # (a hit on the creator's published blocks, restored)
-    assert [r.status_name for r in ops[2:]] == ["ok", "ok", "refused"]
+    assert [r.status_name for r in ops[2:]] == ["ok", "ok", "refused", "ok"]
     out = replay(log, quiet=True)
     assert (out.reason, out.replayed, out.exit_code) == ("end", len(ops), 0), out.diff
 
