@@ -450,6 +450,39 @@ def test_two_processes_interleave_in_one_order(tmp_path, pool_name):
     assert (out.reason, out.exit_code) == ("end", 0)
 
 
+def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(
+    tmp_path, pool_name
+):
+    """A second process's close returns its local cache of free blocks to the pool's free
+    ring, where the creator's next allocate takes them: the log's CLOSE record lists them, the
+    replay closes that process's handle there, and the creator's allocate after it gets the
+    same blocks: the replay runs to the end with every result as recorded."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    pool.record_ops(str(path))
+    try:
+        code = (
+            "from kvscope.allocator import KVPool\n"
+            f"p = KVPool.attach({pool_name!r}); p.record_ops({str(path)!r})\n"
+            "s = p.allocate('child', list(range(100, 120))); p.free(s); p.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+        # every block of the pool: the ring's, and the ones the child's close returned to it
+        every = pool.allocate("every", list(range(1000, 1000 + 4 * CONFIG["num_blocks"])))
+        pool.free(every)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    child = next(r for r in log.records if r.op == OpCode.CLOSE and r.pid != os.getpid())
+    assert child.blocks  # (its local cache, returned)
+    taken = next(r for r in log.records if r.op == OpCode.ALLOCATE and r.request == "every")
+    assert taken.seq > child.seq and set(child.blocks) <= set(taken.blocks)
+    assert log.records[-1].op == OpCode.CLOSE and log.records[-1].pid == os.getpid()
+    out = replay(log)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
+
+
 def record_user_engine(tmp_path: Path, bug: str) -> str:
     """tests/user_engine.py with `bug` under `kvscope run --record-ops ue.ops`, its dump in
     `tmp_path`; the kvscope command's path."""

@@ -309,9 +309,9 @@ def test_two_processes_bound_one_log_and_it_replays_from_the_others_checkpoint(t
             "work(p, 40000, seed=2)\n"
             "p.append(s, [1]); p.free(s)\n"
             "print(os.getpid(), p.checkpoints)\n"
-            # (its records written; no close: a close is no operation of the log's, and the
-            # local cache it returns would change the creator's allocations after it)
-            "p.flush_recording(); os._exit(0)\n"
+            # (its close a CLOSE record: the local cache it returns, which the creator's
+            # allocations after it take, returned there in the replay too)
+            "p.close()\n"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], check=True, timeout=120, cwd=HERE.parent,
@@ -328,5 +328,6 @@ def test_two_processes_bound_one_log_and_it_replays_from_the_others_checkpoint(t
     assert log.dropped > 0 and log.snapshot is not None
     assert log.start.pid == child  # (the attached process's checkpoint)
     assert {r.pid for r in log.ops} == {child, os.getpid()}
+    assert [r.pid for r in log.ops if r.op == OpCode.CLOSE] == [child, os.getpid()]
     out = replay(log, quiet=True)
     assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
