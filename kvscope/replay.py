@@ -847,6 +847,8 @@ class Outcome:
     seconds: float = 0.0
     faults: dict[int, str] = field(default_factory=dict)  # seq -> the fault that fired there
     lost: tuple[int, int] | None = None  # the numbers missing where the replay stopped
+    # the START the replay stopped at: its handle had run operations no record holds
+    unrecorded: int | None = None
 
     @property
     def error_finding(self) -> bool:
@@ -957,6 +959,7 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
     with _quiet(quiet), Session(log, arm=False) as session:
         outcome = Outcome("end", 0, total)
         gap_after = {a - 1: (a, b) for a, b in log.gaps}
+        breaks = set(log.breaks)
         early: set[tuple[str, int]] = set()
         # each STORE's findings, as the REPORT records after it have them
         by_store: dict[int, list[tuple[str, int]]] = {}
@@ -976,6 +979,12 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 if r.op == _LOST:
                     break
                 # (this record runs; the replay stops before the missing ones)
+            if r.seq in breaks:
+                # (a handle that began recording again after operations no record holds, and
+                # no snapshot after it: what follows depends on those)
+                outcome = Outcome("lost", done, total, r, faults=outcome.faults)
+                outcome.unrecorded = r.seq
+                break
             if r.op in _MARKS:
                 if r.op == _START and r is not log.start:
                     session.attach(r)
