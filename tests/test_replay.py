@@ -450,9 +450,7 @@ def test_two_processes_interleave_in_one_order(tmp_path, pool_name):
     assert (out.reason, out.exit_code) == ("end", 0)
 
 
-def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(
-    tmp_path, pool_name
-):
+def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(tmp_path, pool_name):
     """A second process's close returns its local cache of free blocks to the pool's free
     ring, where the creator's next allocate takes them: the log's CLOSE record lists them, the
     replay closes that process's handle there, and the creator's allocate after it gets the
