@@ -982,7 +982,8 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
             if r.seq in breaks:
                 # (a handle that began recording again after operations no record holds, and
                 # no snapshot after it: what follows depends on those)
-                outcome = Outcome("lost", done, total, r, faults=outcome.faults)
+                # (no record to show: the START is no operation, `unrecorded` names it)
+                outcome = Outcome("lost", done, total, faults=outcome.faults)
                 outcome.unrecorded = r.seq
                 break
             if r.op in _MARKS:
