@@ -376,6 +376,9 @@ class OpLog:
     starts: dict[int, dict[str, Any]] = field(default_factory=dict)
     # a bounded log's bytes dropped before its first chunk (the hole its checkpoints punched)
     dropped: int = 0
+    # the numbers of the STARTs after the log's start whose handle ran operations no record
+    # holds (`unrecorded`) and after which the log holds no snapshot: a replay stops there
+    breaks: list[int] = field(default_factory=list)
 
     _stores: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
@@ -472,21 +475,35 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
     # written), or a process that did not record; a replay stops there
     gaps = [(int(seqs[i]) + 1, int(seqs[i + 1]) - 1) for i in np.flatnonzero(step > 1).tolist()]
     creators = [r for r in starts if r.pool == tag and from_creation(r.start)]
-    if creators:
-        return OpLog(path, mine, creators[0], len(named), gaps, dropped=base)
     points = [r for r in mine if r.op == snap_op]
+    # a handle that began recording after operations no record holds (its START's
+    # `unrecorded`; unrecorded operations take no number, so no gap shows them): the records
+    # before it do not lead to the pool after it. A replay starts at the snapshot that follows
+    # it, or, where none does (a redacted recording writes none), stops there.
+    breaks = [
+        r.seq
+        for r in mine
+        if r.op == OpCode.START and (r.start or {}).get("unrecorded") and r.seq > int(seqs[0])
+    ]
+    cut = max(breaks, default=0)
+    if not any(p.seq > cut for p in points):
+        cut = 0
+    if creators and not cut:
+        return OpLog(path, mine, creators[0], len(named), gaps, dropped=base, breaks=breaks)
     if not points:
         first_start = next((r for r in mine if r.op == OpCode.START), mine[0])
-        return OpLog(path, mine, first_start, len(named), gaps, dropped=base)
-    # the first snapshot after the last numbers missing before one (else the last one)
+        return OpLog(path, mine, first_start, len(named), gaps, dropped=base, breaks=breaks)
+    # the first snapshot after the last numbers missing before one (else the last one), and
+    # after the last break that one follows
     after_gap = max((b for _, b in gaps if any(p.seq > b for p in points)), default=0)
+    after_gap = max(after_gap, cut)
     at = next((p for p in points if p.seq > after_gap), points[-1])
     snap = oplogsnap.parse(at.state or b"", path)
     at.start = snap.start
     by_pid: dict[int, dict[str, Any]] = {}
-    for r in mine:
-        if r.op == OpCode.START and r.start is not None:
-            by_pid.setdefault(r.pid, r.start)
+    for r in mine:  # (each process's last START before the snapshot, else its first after)
+        if r.op == OpCode.START and r.start is not None and (r.seq < at.seq or r.pid not in by_pid):
+            by_pid[r.pid] = r.start
     kept = [r for r in mine if r.seq > at.seq]  # (later snapshots too: numbered, not run)
     try:
         snap.complete(kept)
@@ -498,7 +515,17 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
         for i in range(len(kept_seqs) - 1)
         if kept_seqs[i + 1] - kept_seqs[i] > 1
     ]
-    return OpLog(path, kept, at, len(named), gaps, snapshot=snap, starts=by_pid, dropped=base)
+    return OpLog(
+        path,
+        kept,
+        at,
+        len(named),
+        gaps,
+        snapshot=snap,
+        starts=by_pid,
+        dropped=base,
+        breaks=[b for b in breaks if b > at.seq],
+    )
 
 
 def from_creation(start: dict[str, Any] | None) -> bool:
@@ -518,13 +545,17 @@ def start_text(
     redacted: bool,
     provenance_sample: int = 0,
     history: bool = False,
+    unrecorded: bool = False,
 ) -> str:
     """A recording handle's START record (KVPool.record_ops): what a replay needs to rebuild
     its pool: the geometry, the probes (`probes`: a ProbeFlags, or None), lockdep's tracing,
     sampled guard mode, slot provenance's sample, the faults armed in this process and the
     pool's operation number; `history`: the pool had a history the log does not hold (a
     SNAPSHOT of it follows, unless redacted: allocator/checkpoint.py), so that even a creator's
-    START is no start state then."""
+    START is no start state then; `unrecorded`: this handle ran operations no record in the
+    file holds (before it began recording, or since it last stopped recording into the file):
+    the records before this START do not lead to the pool after it (a replay starts at the
+    snapshot after it, or stops there)."""
     from kvscope.allocator import faults
 
     geometry = {
@@ -570,6 +601,7 @@ def start_text(
             "op_seq": op_seq,
             "redacted": redacted,
             "history": history,
+            "unrecorded": unrecorded,
         },
         sort_keys=True,
     )

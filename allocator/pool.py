@@ -161,6 +161,9 @@ class KVPool:
         # `kvscope run --record-ops FILE`: every handle of the run records (docs/REPLAY.md).
         self._recording = ""
         self._ring: Any = None
+        # where this handle last stopped recording: the file's identity and the core's count of
+        # its operations then (record_ops: operations no record holds)
+        self._stopped: tuple[tuple[int, int] | None, int] | None = None
         if os.environ.get(RECORD_OPS_ENV):
             self.record_ops(os.environ[RECORD_OPS_ENV], _env_key(), _env_limit())
 
@@ -422,8 +425,16 @@ class KVPool:
                 "tokens and request ids"
             )
         tag = pool_tag(self.name, int(self.view.h["created_ns"]))
+        # This handle's operations that no record in the file holds: any it ran before it began
+        # recording, or since it last stopped recording into this file (operations unrecorded
+        # take no number, so the file shows no gap): the records before this START do not lead
+        # to the pool after it, and a snapshot follows, which a replay starts from.
+        ops = int(self._core.stats()["native_ops"])
+        if self._recording:
+            self._stopped = (_file_id(self._recording), ops)
+        unrecorded = ops != 0 and self._stopped != (_file_id(path), ops)
         # (before the START: whether the file holds the pool's creation already)
-        history = checkpoint.has_history(self, path, tag)
+        history = unrecorded or checkpoint.has_history(self, path, tag)
         text = start_text(
             self.name,
             self.created,
@@ -435,6 +446,7 @@ class KVPool:
             bool(redact_key),
             self._prov_every,
             history,
+            unrecorded,
         )
         off = self.view.header.dtype.fields["op_seq"][1]
         with self.op_mutex:
@@ -469,6 +481,8 @@ class KVPool:
     def stop_recording(self) -> None:
         """Stop recording operations (record_ops)."""
         self._check_process()
+        if self._recording:
+            self._stopped = (_file_id(self._recording), int(self._core.stats()["native_ops"]))
         with self.op_mutex:
             self._core.oplog_close()
         self._recording = ""
@@ -857,3 +871,12 @@ class KVPool:
     def dead_owners(self) -> list[dict[str, Any]]:
         """Processes that died while attached, with the blocks and sequences they left."""
         return dead_owners(self.view)
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """A file's identity (device, inode; None: no file): a log recreated is another."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)

@@ -180,7 +180,7 @@ EVENT_FIELDS: list[Field] = [
 # of OPLOG_FIELDS (csrc/oplog.c oplog_expand).
 OPLOG_MAGIC = 0x504F_564B  # "KVOP": an expanded record
 OPLOG_CHUNK_MAGIC = 0x434F_564B  # "KVOC": a chunk of the file
-OPLOG_VERSION = 3
+OPLOG_VERSION = 4
 
 
 class OpCode(enum.IntEnum):
@@ -205,6 +205,9 @@ class OpCode(enum.IntEnum):
     # the pool's metadata at this record's number (allocator/checkpoint.py: a recording that
     # does not start at the pool's creation, a bounded log's checkpoint): its bytes follow
     SNAPSHOT = 17
+    # a recording handle's close (KVPool.close): the blocks of its local cache it returned to
+    # the free ring (its table), its slot reserve's slots (`result`)
+    CLOSE = 18
 
 
 class OpStatus(enum.IntEnum):

@@ -69,6 +69,7 @@ _LEASE, _LEASE_RELEASE, _EXPIRE = (
 _LEASE_OPS = (_LEASE, _LEASE_RELEASE, _EXPIRE)
 _STORE = int(OpCode.STORE)
 _SNAPSHOT = int(OpCode.SNAPSHOT)
+_CLOSE = int(OpCode.CLOSE)
 _MARKS = (_START, _SNAPSHOT)  # (records that are no operation: a handle's start, a snapshot)
 _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
@@ -203,7 +204,7 @@ def differences(r: OpRecord, got: Result) -> list[str]:
     op = r.op
     if op in (_ALLOCATE, _FORK, _RESUME) and r.status == _OK and r.seq_id != got.seq_id:
         out.append("seq_id")
-    if op in (_ALLOCATE, _MARK, _RESUME, _EVICT, *_LEASE_OPS) and r.result != got.result:
+    if op in (_ALLOCATE, _MARK, _RESUME, _EVICT, _CLOSE, *_LEASE_OPS) and r.result != got.result:
         out.append("result")
     if op == _LEASE and r.status == _OK and _taken(r) != got.lease:
         out.append("lease")
@@ -268,6 +269,8 @@ class Session:
         # the requests whose sequences still held blocks there, and whose leases it still held
         self.held: dict[int, set[str]] = {}
         self.lease_held: dict[int, set[str]] = {}
+        # what each process's close returned (its local cache's blocks, its reserve's slots)
+        self.returned: dict[int, tuple[list[int], int]] = {}
         self._leaked: set[str] = set()  # (the requests of the lease_leaks found, as they come)
         self.preempted: set[tuple[int, int]] = set()
         # the leases taken, by their recorded ids (a lease id is the pool's, any process's)
@@ -407,6 +410,20 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _close(self, h: KVPool, pid: int) -> None:
+        """Close process `pid`'s handle, once: what it returned to the pool (the blocks of
+        its local cache, in the cache's order, and its slot reserve's slots, as the core's
+        CLOSE record lists them) and the leases it still held (its lease_leaks) kept."""
+        cl = h.view.clients
+        k = int(cl["local_count"][h.client])
+        returned = [int(b) for b in cl["local"][h.client][:k]]
+        slots = len(h.core.reserve_state()[0])
+        self._leaked = set()
+        h.close()
+        self.returned[pid] = (returned, slots)
+        self.lease_held[pid] = self._leaked
+        self.closed[pid] = list(self.found)
+
     def _lease(self, h: KVPool, r: OpRecord, s: Any, out: Result) -> None:
         """A LEASE record's take, with the recorded mode, holder and deadline, on its sequence
         (or the recorded block ids)."""
@@ -507,7 +524,7 @@ class Session:
                 found[:] = [pending.pop(pending.index(mine) if mine in pending else 0)]
                 out.found = list(found)
             return out
-        elif op not in (_ALLOCATE, _EVICT, _REPORT):
+        elif op not in (_ALLOCATE, _EVICT, _REPORT, _CLOSE):
             s = seqs.get((r.pid, r.src_id if op in (_FORK, _RESUME) else r.seq_id))
             if s is None:
                 return None
@@ -575,11 +592,18 @@ class Session:
                         str(q.request_id) for q in h.live().values() if q.block_table
                     }
                     report_held(h, "the pool was closed")
-                    self._leaked = set()
-                    h.close()
-                    self.lease_held[r.pid] = self._leaked
-                    self.closed[r.pid] = list(found)
+                    self._close(h, r.pid)
                 found[:] = self.closed[r.pid]
+            elif op == _CLOSE:
+                # a handle's close (its leaks' REPORTs before it closed it already: what they
+                # found is theirs): the local cache and slot reserve it returned compared
+                if r.pid not in self.closed:
+                    self._close(h, r.pid)
+                else:
+                    found.clear()
+                out.blocks, out.result = self.returned[r.pid]
+                # (its process may attach again: a later START of its pid, a handle of its own)
+                self.handles.pop(r.pid, None)
             elif op == _REPORT and any(k in RECLAIMED for k, _ in r.found):
                 # a dead process's locks and blocks, recovered by `reclaim_dead` there
                 h.reclaim_dead()
@@ -823,6 +847,8 @@ class Outcome:
     seconds: float = 0.0
     faults: dict[int, str] = field(default_factory=dict)  # seq -> the fault that fired there
     lost: tuple[int, int] | None = None  # the numbers missing where the replay stopped
+    # the START the replay stopped at: its handle had run operations no record holds
+    unrecorded: int | None = None
 
     @property
     def error_finding(self) -> bool:
@@ -933,6 +959,7 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
     with _quiet(quiet), Session(log, arm=False) as session:
         outcome = Outcome("end", 0, total)
         gap_after = {a - 1: (a, b) for a, b in log.gaps}
+        breaks = set(log.breaks)
         early: set[tuple[str, int]] = set()
         # each STORE's findings, as the REPORT records after it have them
         by_store: dict[int, list[tuple[str, int]]] = {}
@@ -952,6 +979,13 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 if r.op == _LOST:
                     break
                 # (this record runs; the replay stops before the missing ones)
+            if r.seq in breaks:
+                # (a handle that began recording again after operations no record holds, and
+                # no snapshot after it: what follows depends on those)
+                # (no record to show: the START is no operation, `unrecorded` names it)
+                outcome = Outcome("lost", done, total, faults=outcome.faults)
+                outcome.unrecorded = r.seq
+                break
             if r.op in _MARKS:
                 if r.op == _START and r is not log.start:
                     session.attach(r)
@@ -1434,6 +1468,8 @@ def _call(
         )
     if op == _REPORT:
         return f"{h}.verify()"
+    if op == _CLOSE:
+        return f"{h}.close()"
     return None
 
 
@@ -1567,6 +1603,10 @@ class Stepper:
         self._next = 0  # index in log.records of the next record to run
         self.at = 0  # the last operation run (0: none)
         self.record: OpRecord | None = None
+        # a read-only mapping of the pool's segment, once the replay's own handle closed (a
+        # CLOSE of the creator's process: the segment stays until the session ends)
+        self._reader: Any = None
+        self._layout: Any = None
 
     @property
     def first(self) -> int:
@@ -1582,6 +1622,7 @@ class Stepper:
         if self._session is None or n < self.at:
             self.close()
             self._session = Session(self.log, arm=False)
+            self._layout = self._session.pool.view.layout
             self._next = 0
             self.at = 0
             self.record = None
@@ -1617,7 +1658,16 @@ class Stepper:
         from kvscope.allocator.snapshot import snapshot
 
         assert self._session is not None, "goto first"
-        return snapshot(self._session.pool.view)
+        pool = self._session.pool
+        if not pool.closed:
+            return snapshot(pool.view)
+        if self._reader is None:
+            from kvscope.allocator.segment import segment_path
+            from kvscope.supervisor import map_readonly
+
+            self._reader, fd = map_readonly(segment_path(self._session.name), self._layout)
+            os.close(fd)
+        return snapshot(self._reader)
 
     def describe(self) -> str:
         """Where it is: the operation and its request, of how many."""
@@ -1630,6 +1680,7 @@ class Stepper:
         return f"operation {r.seq} ({i} of {len(self.ops)}): {what}{found}"
 
     def close(self) -> None:
+        self._reader = None
         if self._session is not None:
             self._session.close()
             self._session = None

@@ -287,7 +287,8 @@ def test_a_process_killed_holding_a_lock_replays_in_a_child_that_dies_there(
         "held",
     )
     assert len(died.blocks) == 2
-    report = log.records[-1]
+    report, close = log.records[-2:]  # (the survivor's reclaim, then its close)
+    assert close.op == OpCode.CLOSE
     assert report.op == OpCode.REPORT and report.seq == died.seq + 1
     assert {k for k, _ in report.found} == {"lock_dead_holder", "leak_dead_owner"}
     # the replay's child dies in that release, by SIGKILL, holding a lock
@@ -356,7 +357,8 @@ def test_the_provenance_sweep_is_recorded_and_replays_with_provenance_on(tmp_pat
         pool.unlink()
     log = read_log(str(path))
     assert log.start.start is not None and log.start.start["provenance_sample"] == 1
-    report = log.records[-1]
+    report, close = log.records[-2:]  # (the sweep's REPORT, then the handle's close)
+    assert close.op == OpCode.CLOSE
     assert report.op == OpCode.REPORT and [k for k, _ in report.found] == ["foreign_slot"]
     out = replay(log, quiet=True)
     assert (out.reason, out.record.seq if out.record else None) == ("finding", report.seq)
@@ -447,6 +449,37 @@ def test_two_processes_interleave_in_one_order(tmp_path, pool_name):
     assert [r.seq for r in log.records] == list(range(1, len(log.records) + 1))
     out = replay(log)
     assert (out.reason, out.exit_code) == ("end", 0)
+
+
+def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(tmp_path, pool_name):
+    """A second process's close returns its local cache of free blocks to the pool's free
+    ring, where the creator's next allocate takes them: the log's CLOSE record lists them, the
+    replay closes that process's handle there, and the creator's allocate after it gets the
+    same blocks: the replay runs to the end with every result as recorded."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    pool.record_ops(str(path))
+    try:
+        code = (
+            "from kvscope.allocator import KVPool\n"
+            f"p = KVPool.attach({pool_name!r}); p.record_ops({str(path)!r})\n"
+            "s = p.allocate('child', list(range(100, 120))); p.free(s); p.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+        # every block of the pool: the ring's, and the ones the child's close returned to it
+        every = pool.allocate("every", list(range(1000, 1000 + 4 * CONFIG["num_blocks"])))
+        pool.free(every)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    child = next(r for r in log.records if r.op == OpCode.CLOSE and r.pid != os.getpid())
+    assert child.blocks  # (its local cache, returned)
+    taken = next(r for r in log.records if r.op == OpCode.ALLOCATE and r.request == "every")
+    assert taken.seq > child.seq and set(child.blocks) <= set(taken.blocks)
+    assert log.records[-1].op == OpCode.CLOSE and log.records[-1].pid == os.getpid()
+    out = replay(log)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
 
 
 def record_user_engine(tmp_path: Path, bug: str) -> str:
@@ -707,8 +740,10 @@ def test_stepping_through_a_log_gives_the_pool_at_each_operation(tmp_path, pool_
         assert "allocate r0" in stepper.describe()
         stepper.step(-1)
         assert stepper.at == 0 and _used(stepper.view()) == 0
+        # (the log's last operation: the handle's close, which holds the pool's blocks still)
         stepper.goto(10**9)
-        assert stepper.at == last
+        assert stepper.at == stepper.last == last + 1 and stepper.record.op == OpCode.CLOSE
+        assert _used(stepper.view()) == used[last]
     finally:
         stepper.close()
 
@@ -926,9 +961,12 @@ def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, poo
     checked in two parts (check_blocks at the store, check_slots where its slots are read
     back: a CUDA store's) is two records, the second naming the first; both replay."""
     path = tmp_path / "run.ops"
-    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
     try:
+        # (the probes before the recording: its START lists them, and the replay's free
+        # returns blocks where the recording's did, as its close compares)
         pool.probe = PoolProbes(pool, ALL_PROBES)
+        pool.record_ops(str(path))
         a = pool.allocate("a", list(range(9)))
         b = pool.allocate("b", list(range(50, 56)))
         slots = pool.slot_mapping(b, 0, 6)[::-1] + [-1, -1] + pool.slot_mapping(a, 0, 9)

@@ -149,9 +149,9 @@ def test_a_mid_life_recording_of_an_attached_process_replays(tmp_path, pool_name
     assert log.snapshot is not None
     assert len(checkpoint.attached(log.snapshot)) == 2  # (the creator's and its own)
     ops = log.ops
-    assert [r.op_name for r in ops] == ["allocate", "append", "free", "free", "free"]
+    assert [r.op_name for r in ops] == ["allocate", "append", "free", "free", "free", "close"]
     assert ops[0].result == 8  # (a hit on the creator's published blocks, restored)
-    assert [r.status_name for r in ops[2:]] == ["ok", "ok", "refused"]
+    assert [r.status_name for r in ops[2:]] == ["ok", "ok", "refused", "ok"]
     out = replay(log, quiet=True)
     assert (out.reason, out.replayed, out.exit_code) == ("end", len(ops), 0), out.diff
 
@@ -309,9 +309,9 @@ def test_two_processes_bound_one_log_and_it_replays_from_the_others_checkpoint(t
             "work(p, 40000, seed=2)\n"
             "p.append(s, [1]); p.free(s)\n"
             "print(os.getpid(), p.checkpoints)\n"
-            # (its records written; no close: a close is no operation of the log's, and the
-            # local cache it returns would change the creator's allocations after it)
-            "p.flush_recording(); os._exit(0)\n"
+            # (its close a CLOSE record: the local cache it returns, which the creator's
+            # allocations after it take, returned there in the replay too)
+            "p.close()\n"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], check=True, timeout=120, cwd=HERE.parent,
@@ -328,5 +328,78 @@ def test_two_processes_bound_one_log_and_it_replays_from_the_others_checkpoint(t
     assert log.dropped > 0 and log.snapshot is not None
     assert log.start.pid == child  # (the attached process's checkpoint)
     assert {r.pid for r in log.ops} == {child, os.getpid()}
+    assert [r.pid for r in log.ops if r.op == OpCode.CLOSE] == [child, os.getpid()]
     out = replay(log, quiet=True)
     assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
+
+
+def _record_with_a_pause(path: Path, name: str, redact_key: int = 0) -> int:
+    """The pool's creator records from its creation, stops recording, runs operations
+    unrecorded (a free and an allocate, which change what the next allocate gets), then
+    records into the same file again and runs operations on sequences of both parts. The
+    number of its second START."""
+    pool = KVPool.create(name, PoolConfig(**CONFIG))
+    try:
+        pool.record_ops(str(path), redact_key)
+        a = pool.allocate("a", PROMPT + [1, 2])
+        b = pool.allocate("b", [21, 22, 23, 24, 25])
+        pool.stop_recording()
+        pool.free(a)  # (unrecorded: its blocks go back to the handle's local cache)
+        c = pool.allocate("c", [31, 32, 33, 34, 35, 36, 37, 38, 39])
+        restart = int(pool.view.h["op_seq"]) + 1  # (the START's number)
+        pool.record_ops(str(path), redact_key)
+        d = pool.allocate("d", [41, 42, 43, 44, 45, 46, 47, 48, 49])
+        pool.append(b, [26, 27, 28, 29])
+        pool.free(c)
+        pool.free(b)
+        pool.free(d)
+    finally:
+        pool.close()
+        pool.unlink()
+    return restart
+
+
+def test_a_recording_restarted_after_unrecorded_operations_replays_from_its_snapshot(
+    tmp_path, pool_name
+):
+    """Operations a handle ran while it did not record take no number (the log shows no gap):
+    its second START says so (`unrecorded`), a SNAPSHOT of the pool follows it, and the replay
+    starts there, not at the creation the records before it do not lead from, and runs to the
+    end with every result as recorded."""
+    path = tmp_path / "pause.ops"
+    restart = _record_with_a_pause(path, pool_name)
+    log = read_log(str(path))
+    assert not log.gaps  # (nothing in the numbers shows the unrecorded operations)
+    starts = [r for r in parse_records(path) if r.op == OpCode.START]
+    assert [s.seq for s in starts] == [1, restart]
+    assert starts[1].start["unrecorded"] and starts[1].start["history"]
+    assert not starts[0].start["unrecorded"]
+    assert log.snapshot is not None and log.start.seq == restart + 1
+    assert [r.op_name for r in log.ops] == ["allocate", "append", "free", "free", "free", "close"]
+    out = replay(log, quiet=True)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
+
+
+def test_a_redacted_recording_restarted_after_unrecorded_operations_stops_there(
+    tmp_path, pool_name, capsys
+):
+    """The same, redacted: no snapshot can follow the second START (it would hold the
+    tokens), so the replay runs from the pool's creation and stops at that START, in one line
+    that says operations before it are not in the log, exit 1."""
+    path = tmp_path / "pause.ops"
+    restart = _record_with_a_pause(path, pool_name, redact_key=1234)
+    log = read_log(str(path))
+    assert log.snapshot is None and log.breaks == [restart]
+    out = replay(log, quiet=True)
+    assert (out.reason, out.replayed, out.unrecorded, out.exit_code) == ("lost", 2, restart, 1)
+    assert main(["replay", str(path)]) == 1
+    assert (
+        f"operations the pool ran before operation {restart} are not in the log"
+        in capsys.readouterr().out
+    )
+
+
+def parse_records(path: Path) -> list:
+    from kvscope.allocator.oplog import parse_log
+
+    return parse_log(path.read_bytes())

@@ -428,7 +428,7 @@ async def test_top_at_steps_through_the_recorded_operations(tmp_path):
         pool.allocate("req-b", list(range(20, 28)))  # operation 3: 2 more
         pool.free(a)  # operation 4
     finally:
-        pool.close()
+        pool.close()  # operation 5
         pool.unlink()
     stepper = Stepper(read_log(str(path)))
     stepper.goto(3)
@@ -448,12 +448,16 @@ async def test_top_at_steps_through_the_recorded_operations(tmp_path):
     async with app.run_test(size=(120, 36)) as pilot:
         await settle(pilot, app)
         header = app.query_one("#header")
-        assert "operation 3 (2 of 3): allocate req-b" in header.mode and held() == 5
+        assert "operation 3 (2 of 4): allocate req-b" in header.mode and held() == 5
         await pilot.press("right_square_bracket")
         await shown(pilot)
-        assert "operation 4 (3 of 3): free req-a" in header.mode and held() == 2
-        await pilot.press("left_square_bracket", "left_square_bracket")
+        assert "operation 4 (3 of 4): free req-a" in header.mode and held() == 2
+        # (the creator's close: req-b's blocks still held in the pool it leaves)
+        await pilot.press("right_square_bracket")
         await shown(pilot)
-        assert "operation 2 (1 of 3): allocate req-a" in header.mode and held() == 3
+        assert "operation 5 (4 of 4): close" in header.mode and held() == 2
+        await pilot.press("left_square_bracket", "left_square_bracket", "left_square_bracket")
+        await shown(pilot)
+        assert "operation 2 (1 of 4): allocate req-a" in header.mode and held() == 3
         await pilot.press("q")
     app.source.close()

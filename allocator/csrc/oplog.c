@@ -991,6 +991,31 @@ static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request
     if (PyErr_Occurred()) PyErr_Clear();
 }
 
+/* A recording handle's close (recovery.c N_detach), a CLOSE record after the REPORTs of the
+ * lease_leaks it found (docs/REPLAY.md): the close is no operation of the pool's API, but it
+ * changes what another process's next allocate gets (it returns the handle's local cache to
+ * the free ring, its slot reserve to the table), so a replay closes that process's handle there
+ * and compares. `ids` the k blocks of its local cache it returned (the cache's order) as the
+ * record's table, `slots` its reserve's slots in `result`; status error where the detach failed.
+ * Written at once (the recording ends with it). */
+static __attribute__((noinline, cold)) void oplog_close_record(Native *n, const int32_t *ids,
+                                                               int64_t k, int64_t slots, int ok) {
+    if (n->oplog == NULL || n->seg == NULL) return;
+    OpRec o;
+    memset(&o, 0, sizeof o);
+    o.op = OP_CLOSE;
+    o.status = ok ? OS_OK : OS_ERROR;
+    o.seq_id = o.src_id = -1;
+    o.result = slots;
+    o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
+    o.tmode = TM_NEW;
+    o.blocks = ids;
+    o.n_blocks = k;
+    oplog_write(n, &o);
+    if (PyErr_Occurred()) PyErr_Clear();
+    if (n->oplog) oplog_flush_all(n->oplog);
+}
+
 /* -- a store check's input (probes/stores.py Writers.check) ----------------------------------- */
 
 /* oplog_store(spans, slots, what, ref) -> int: while the handle records, a STORE record of one

@@ -705,6 +705,13 @@ static PyObject *N_detach(Native *n, PyObject *unused) {
     Py_XDECREF(why);
     /* the leases it still holds: leaks, released (leases.c) */
     int rc = lock_answer(leases_at_close(n));
+    /* (what the close returns, for its CLOSE record: the local cache's blocks, the slots) */
+    int32_t cache[LOCAL_CACHE_MAX];
+    int64_t n_cache = 0, slots = n->res_n;
+    if (n->oplog) {
+        n_cache = local_count(n) < LOCAL_CACHE_MAX ? local_count(n) : LOCAL_CACHE_MAX;
+        memcpy(cache, local_arr(n), 4 * (size_t)n_cache);
+    }
     if (rc == OK) rc = flush_local(n);
     if (rc == OK) n->res_n = 0; /* (its slots go back to the table below) */
     for (int64_t done = 0; rc == OK && !done;) {
@@ -715,6 +722,7 @@ static PyObject *N_detach(Native *n, PyObject *unused) {
         } else
             txn_commit(n);
     }
+    if (n->oplog) oplog_close_record(n, cache, n_cache, slots, rc == OK);
     return recovery_leave(n, rc == OK ? Py_NewRef(Py_None) : NULL);
 }
 

@@ -115,6 +115,8 @@ def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
         d["replayed_result"] = outcome.got.to_dict()
     if outcome.lost is not None:
         d["lost"] = list(outcome.lost)
+    if outcome.unrecorded is not None:
+        d["unrecorded"] = outcome.unrecorded
     if log.snapshot is not None:
         # where it starts: a snapshot of the pool (docs/REPLAY.md "Starting from a snapshot"),
         # a bounded log's checkpoint where it wrapped (its older records dropped)
@@ -161,6 +163,12 @@ def render(d: dict[str, Any]) -> None:
         print(
             f"operations {a}..{b} are not in the log (a process killed before it wrote them, "
             "a failed write, or a process that did not record)"
+        )
+    if d.get("unrecorded") is not None:
+        print(
+            f"operations the pool ran before operation {d['unrecorded']} are not in the log "
+            "(a handle that ran operations unrecorded began recording there, and no snapshot "
+            "follows: a redacted recording writes none)"
         )
     op = d.get("operation")
     if op is not None:
