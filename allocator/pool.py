@@ -150,6 +150,8 @@ class KVPool:
         self.on_finding: Callable[[Any], None] | None = None
         # A CUDA pool's block-table audits in flight (allocator/audit.py), made at the first.
         self._audits: Any = None
+        # (at_close: what probes holding per-handle state let go as the handle closes)
+        self._at_close: list[Callable[[KVPool], None]] = []
         # Dead processes an attach to a full client table reclaimed (lifecycle.py).
         self.reclaimed_at_attach: list[dict[str, Any]] = []
         # (binds this handle to its client record: _bind; `client`: a restored one's, taken over)
@@ -329,6 +331,9 @@ class KVPool:
             # (a CUDA pool's block-table audits whose answers are still on their way)
             self._audits.settle(wait=True)
         lifecycle.before_close(self, CLOSE_HOOK)
+        callbacks, self._at_close = self._at_close, []
+        for fn in callbacks:
+            fn(self)
         with self.op_mutex:
             # The core's: an interrupted operation's journal rolled back, the local cache and the
             # slot reserve returned, the counters folded into the header, the record detached.
@@ -341,6 +346,12 @@ class KVPool:
             self._core.close()
             self.view = None  # type: ignore[assignment]
             release(self._mf)
+
+    def at_close(self, fn: Callable[[KVPool], None]) -> None:
+        """Have `fn(pool)` called as this handle closes, before the core detaches it: where a
+        probe that keeps state about the handle (lockdep's graph of its segment) lets it go, so
+        a closed handle is not kept alive by it."""
+        self._at_close.append(fn)
 
     def flush_local(self) -> None:
         """Return this process's local cache of free blocks to the free ring (the core's

@@ -45,6 +45,7 @@ def measure(env: dict[str, str], sample: int, swept: bool, steps: int, seed: int
         finally:
             pool.close()
             pool.unlink()
+            gc.collect()  # (GC is off while timing: a closed pool's cycles, and its mapping, go here)
         ops += n
         spent += n / rate
         seed += 1000

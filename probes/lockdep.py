@@ -116,6 +116,10 @@ class LockDep:
         self.graph_for(pool)
         self.enabled = True
         pool.trace_locks(True)
+        # (its graph holds the handle: let go at its close, or a program that opens and closes
+        # pools keeps every one mapped)
+        if hasattr(pool, "at_close"):
+            pool.at_close(self.uninstrument)
         return True
 
     def uninstrument(self, pool: Any) -> None:

@@ -594,3 +594,25 @@ def test_an_unwatched_process_long_hold_is_reported_by_an_observer(make_pool):
     # THEN this process reports it once, naming the holder (its stack is out of reach)
     (f,) = [f for f in pool.findings() if f.kind == "lock_held_too_long"]
     assert f.owner_pid == pid and f"by pid {pid}" in f.message and "now at" not in f.message
+
+
+def test_a_closed_pool_is_let_go_by_lockdep(pool_name):
+    # GIVEN a pool whose locks lockdep traces (its graph of the pool's segment kept by lockdep)
+    import gc
+    import weakref
+
+    from kvscope.allocator import PoolConfig
+
+    dep = LockDep()
+    pool = KVPool.create(pool_name, PoolConfig(num_blocks=32, block_size=4, head_dim=8))
+    dep.instrument(pool)
+    _hit_prefix(pool)
+    gone = weakref.ref(pool)
+    # WHEN the handle closes and the program drops it
+    pool.close()
+    pool.unlink()
+    del pool
+    gc.collect()
+    # THEN lockdep holds nothing of it: the handle (and its mapping) is gone
+    assert gone() is None
+    assert dep.graph_for(None) is dep.local
