@@ -456,7 +456,7 @@ enum { DK_STAMP = 0, DK_VERIFY = 1, DK_POISON = 2, DK_CANARY = 3, DK_FILL = 4, D
 static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
-static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k);
+static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);
 /* leases.c: any lease held in the pool; block b leased (the section's per-block count). */
 static inline int leases_any(Native *n) {
     return __atomic_load_n((uint32_t *)(n->seg + n->off_leases + LH_ACTIVE), __ATOMIC_ACQUIRE) != 0;

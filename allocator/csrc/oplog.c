@@ -47,6 +47,8 @@ typedef struct Oplog {
     int32_t *tok;   /* the open call's tokens, as the core read them (oplog_tokens) */
     int64_t ntok, cap_tok;
     int have_tok;
+    int64_t slot;   /* the open append's sequence (its slot, -1: none) and its table's length */
+    uint32_t nb0;   /* as the core began it (oplog_tokens) */
     int depth; /* calls in flight on this handle's thread (a call from inside one is refused) */
     uint64_t key;   /* redaction: tokens and request ids written as keyed hashes (0: off) */
     size_t off_seq; /* the header's op_seq */
@@ -99,10 +101,11 @@ static inline int32_t thread_id(void) {
     return tl_tid;
 }
 
-/* The open call's tokens, as N_allocate / N_append read them (their hook). */
-static __attribute__((hot)) void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k) {
-    Oplog *L = n->oplog;
-    if (__builtin_expect(k > L->cap_tok, 0)) {
+/* The open call's tokens, as N_allocate / N_append read them, where they are more than one
+ * (oplog_tokens). A failed allocation leaves have_tok 0: the record lists no tokens. */
+static __attribute__((noinline, cold)) void oplog_tokens_many(Oplog *L, const int32_t *v,
+                                                              Py_ssize_t k) {
+    if (k > L->cap_tok) {
         int32_t *t = PyMem_Realloc(L->tok, sizeof(int32_t) * (size_t)k);
         if (t == NULL) return;
         L->tok = t;
@@ -111,6 +114,27 @@ static __attribute__((hot)) void oplog_tokens(Native *n, const int32_t *v, Py_ss
     memcpy(L->tok, v, sizeof(int32_t) * (size_t)k);
     L->ntok = k;
     L->have_tok = 1;
+}
+
+/* The open call's tokens as the core read them, and the sequence an append appends to (its
+ * live slot, else -1: allocate's, or one the core refused) with its table's length then: the
+ * hook of N_allocate and N_append, after the gate and the sequence's check. Inline in the core,
+ * a decode step's one token stored as it is: a call to a function of its own and to memcpy
+ * cost the serving loop about 2% (their code out of the instruction cache at every append).
+ * Only the call the entry point counted (depth 1): one from Python that call ran is not
+ * recorded with tokens, and leaves the open call's alone. */
+static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot) {
+    Oplog *L = n->oplog;
+    if (L->depth != 1) return;
+    L->slot = slot;
+    L->nb0 = slot >= 0 ? U4(seqrec(n, slot) + SF_NUM_BLOCKS) : 0;
+    if (__builtin_expect(k == 1, 1)) { /* (L->tok holds one at least: oplog_open) */
+        L->tok[0] = v[0];
+        L->ntok = 1;
+        L->have_tok = 1;
+    } else {
+        oplog_tokens_many(L, v, k);
+    }
 }
 
 /* Space reserved past the log's end for a chunk of `size` bytes about to be written, where
@@ -497,6 +521,10 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     OpRec o;
     o.op = op;
     o.scratch = L->depth == 0;
+    if (o.scratch) {
+        L->have_tok = 0; /* (what the hook wrote for a call that did not use it) */
+        L->slot = -1;
+    }
     o.status = OS_OK;
     o.flags = 0;
     o.seq_id = o.src_id = -1;
@@ -638,7 +666,9 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
 RECORDED(R_allocate, OP_ALLOCATE, N_allocate)
 
 /* An append that was not a plain one (an error, copies on write, preemptions, findings, a
- * fault, records lost before it): its general record. Out of the hot path's way. */
+ * fault, records lost before it): its general record, of the sequence in `rec`'s slot, whose
+ * table had nb0 entries as the call began; with `rec` NULL (a sequence that is no live one),
+ * of the sequence's own fields, as oplog_op records it. Out of the hot path's way. */
 static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObject *const *args,
                                                                 PyObject *res,
                                                                 const uint8_t *rec, uint32_t nb0,
@@ -649,19 +679,28 @@ static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObj
     memset(&o, 0, sizeof o);
     o.op = OP_APPEND;
     o.scratch = 1;
-    o.seq_id = (int64_t)U8(rec + SF_SEQ_ID);
     o.src_id = -1;
     o.found0 = found0;
-    o.req_live = 1;
-    memcpy(o.request, rec + SF_REQUEST, REQUEST_BYTES);
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (res == NULL) {
         PyErr_Fetch(&et, &ev, &etb);
         o.status = op_status(et);
     }
+    if (rec) {
+        o.seq_id = (int64_t)U8(rec + SF_SEQ_ID);
+        o.req_live = 1;
+        memcpy(o.request, rec + SF_REQUEST, REQUEST_BYTES);
+    } else {
+        PyObject *seq = args[1];
+        o.seq_id = seq_int(n, seq, F_SEQ_ID);
+        if (PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) {
+            PyObject *rid = *(PyObject **)((char *)seq + n->seq_off[F_REQUEST_ID]);
+            if (rid) oplog_rid(rid, o.request);
+        }
+    }
     if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
     if (res && PyList_Check(res)) o.copies = res;
-    int64_t after = slot_of(n, args[1]);
+    int64_t after = rec ? slot_of(n, args[1]) : -1;
     if (after >= 0 && n->seg) {
         slot_table(n, after, &o);
         o.tmode = TM_OWN;
@@ -677,22 +716,62 @@ static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObj
     return res;
 }
 
-/* append, recorded: the core's hot path (a decode step appends to every running sequence),
- * so its record is composed straight from the sequence's record in the segment. */
-static __attribute__((hot)) PyObject *R_append(Native *n, PyObject *const *args,
-                                               Py_ssize_t nargs) {
+/* An append the core did not run on a live sequence of this handle (refused, or stopped before
+ * its check): recorded as the sequence its slot field names (a copy of a live one: that one),
+ * else as the Sequence's own fields. Nothing changed its table. */
+static __attribute__((noinline, cold)) PyObject *append_refused(Native *n, PyObject *const *args,
+                                                                PyObject *res, Py_ssize_t found0,
+                                                                Py_ssize_t armed0) {
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb); /* (slot_of may set and clear one of its own) */
+    int64_t slot = slot_of(n, args[1]);
+    PyErr_Restore(et, ev, etb);
+    const uint8_t *rec = slot >= 0 ? seqrec(n, slot) : NULL;
+    return append_general(n, args, res, rec, rec ? U4(rec + SF_NUM_BLOCKS) : 0, found0, armed0);
+}
+
+/* A plain append of more than one token, or one that added more than one block: composed now
+ * (its tokens, the table's entries kept and the blocks after them). */
+static __attribute__((noinline)) void append_plain(Native *n, Oplog *L, const uint8_t *rec,
+                                                   uint32_t keep, uint32_t nb1) {
+    uint8_t *p0 = oplog_room(L, 64 + 5 * (size_t)L->ntok + 5 * (size_t)(nb1 - keep));
+    if (p0 == NULL) {
+        L->lost++;
+        return;
+    }
+    uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
+    p = put_u(p, (uint64_t)L->ntok);
+    for (int64_t i = 0; i < L->ntok; i++) p = put_s(p, oplog_token(L, L->tok[i]));
+    *p++ = TM_OWN;
+    p = put_u(p, keep);
+    p = put_u(p, nb1 - keep);
+    const int32_t *table = (const int32_t *)(rec + SF_TABLE);
+    for (uint32_t i = keep; i < nb1; i++) p = put_s(p, table[i]);
+    L->out_n += (size_t)(p - p0);
+    L->out_recs++;
+}
+
+/* append, recorded: the core's hot path (a decode step appends to every running sequence).
+ * The core hands the call's tokens, sequence and table length to the log as it reads them
+ * (oplog_tokens), so nothing is looked up before the call; a plain append's record is taken
+ * straight from the sequence's record in the segment after it. Kept to a few cache lines of
+ * code: a Python program's interpreter evicts them between two operations. */
+static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Oplog *L = n->oplog;
     if (L == NULL) return N_append(n, args, nargs);
-    int64_t slot = L->depth == 0 && nargs == 3 && n->seg ? slot_of(n, args[1]) : -1;
-    if (slot < 0) return oplog_op(n, OP_APPEND, N_append, args, nargs);
-    const uint8_t *rec = seqrec(n, slot);
-    uint32_t nb0 = U4(rec + SF_NUM_BLOCKS);
+    if (L->depth != 0 || nargs != 3 || n->seg == NULL)
+        return oplog_op(n, OP_APPEND, N_append, args, nargs);
     Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
+    L->slot = -1;
+    L->have_tok = 0;
     L->depth++;
     PyObject *res = N_append(n, args, nargs);
     L->depth--;
-    uint32_t nb1 = U4(rec + SF_NUM_BLOCKS);
+    int64_t slot = L->slot;
+    if (__builtin_expect(slot < 0, 0)) return append_refused(n, args, res, found0, armed0);
+    const uint8_t *rec = seqrec(n, slot);
+    uint32_t nb0 = L->nb0, nb1 = U4(rec + SF_NUM_BLOCKS);
     if (__builtin_expect(
             res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
                 !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
@@ -716,23 +795,8 @@ static __attribute__((hot)) PyObject *R_append(Native *n, PyObject *const *args,
         h->nb = nb1;
         h->block = nb1 > keep ? ((const int32_t *)(rec + SF_TABLE))[keep] : 0;
         if (++L->n_held == OPLOG_HELD) oplog_compose_held(L);
-        L->have_tok = 0;
-        return res;
-    }
-    uint8_t *p0 = oplog_room(L, 64 + 5 * (size_t)L->ntok + 5 * (size_t)(nb1 - keep));
-    if (p0 == NULL) {
-        L->lost++;
     } else {
-        uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
-        p = put_u(p, (uint64_t)L->ntok);
-        for (int64_t i = 0; i < L->ntok; i++) p = put_s(p, oplog_token(L, L->tok[i]));
-        *p++ = TM_OWN;
-        p = put_u(p, keep);
-        p = put_u(p, nb1 - keep);
-        const int32_t *table = (const int32_t *)(rec + SF_TABLE);
-        for (uint32_t i = keep; i < nb1; i++) p = put_s(p, table[i]);
-        L->out_n += (size_t)(p - p0);
-        L->out_recs++;
+        append_plain(n, L, rec, keep, nb1);
     }
     L->have_tok = 0;
     return res;
@@ -982,17 +1046,22 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     Oplog *L = PyMem_Calloc(1, sizeof(Oplog));
     uint8_t *out = L ? PyMem_Malloc(OPLOG_OUT) : NULL;
     Held *held = out ? PyMem_Malloc(sizeof(Held) * OPLOG_HELD) : NULL;
+    int32_t *tok = held ? PyMem_Malloc(sizeof(int32_t) * 64) : NULL; /* (oplog_tokens: one) */
     if (L) {
         L->out_n = OPLOG_CHUNK;
         L->cap_out = OPLOG_OUT;
     }
-    if (held == NULL) {
+    if (tok == NULL) {
+        PyMem_Free(held);
         PyMem_Free(out);
         PyMem_Free(L);
         close(fd);
         return PyErr_NoMemory();
     }
     L->held = held;
+    L->tok = tok;
+    L->cap_tok = 64;
+    L->slot = -1;
     L->fd = fd;
     L->native = n;
     L->reserve = 1;
