@@ -286,45 +286,67 @@ static __attribute__((noinline, cold)) uint8_t *oplog_changed(Oplog *L, uint8_t 
     return p;
 }
 
+/* put_u for the held appends' loop: a value below 2^35 (every one there but a clock or number
+ * that jumped) spread into its bytes and written with one 8-byte store, no loop (whose exit,
+ * at two or three bytes as a token or sequence id falls, the branch predictor misses). The
+ * bytes past the varint are overwritten by what follows it, or lie past the chunk's end
+ * (room_raw keeps 8 bytes past every record's bound). */
+static inline uint8_t *put_v(uint8_t *p, uint64_t v) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (__builtin_expect(v < (1ull << 35), 1)) {
+        uint64_t x = (v & 0x7f) | (v << 1 & 0x7f00) | (v << 2 & 0x7f0000) |
+                     (v << 3 & 0x7f000000) | (v << 4 & 0x7f00000000ull);
+        unsigned len = (unsigned)(64 - __builtin_clzll(v | 1) + 6) / 7; /* 1..5 */
+        x |= 0x8080808080ull & ((1ull << (8 * len - 8)) - 1);        /* (the continuation bits) */
+        memcpy(p, &x, 8);
+        return p + len;
+    }
+#endif
+    return put_u(p, v);
+}
+
 /* The held plain appends composed into the chunk, in their order (docs/REPLAY.md's record:
  * op, status, number, time, thread and probe word where they changed, the sequence's id, the
- * token, the table's entries kept and the block added). Where a write of the chunk fails, the
- * held records after it are counted lost with its own (the next record written is a LOST). */
+ * token, the table's entries kept and the block added), room for all of them made first (the
+ * chunk written before them where they would not fit). Where that write fails, they are
+ * counted lost with its records (the next record written is a LOST). */
+#define HELD_BYTES 64 /* (a held append's record at its longest, and a varint's 8-byte store) */
 static void oplog_compose_held(Oplog *L) {
     int k = L->n_held;
     L->n_held = 0;
+    uint8_t *p = L->lost ? NULL : room_raw(L, HELD_BYTES * (size_t)k);
+    if (p == NULL || L->lost) {
+        L->lost += (uint64_t)k;
+        return;
+    }
+    uint8_t *p0 = p;
+    if (L->out_recs == 0) {
+        L->base_seq = L->prev_seq = L->held[0].seq;
+        L->base_time = L->held[0].now;
+        L->prev_tid = L->owner;
+        L->prev_probes = 0;
+    }
     for (int i = 0; i < k; i++) {
         const Held *h = &L->held[i];
-        uint8_t *p = L->lost ? NULL : room_raw(L, 64);
-        if (p == NULL || L->lost) {
-            L->lost += (uint64_t)(k - i);
-            return;
-        }
-        uint8_t *p0 = p;
-        if (L->out_recs == 0) {
-            L->base_seq = L->prev_seq = h->seq;
-            L->base_time = h->now;
-            L->prev_tid = L->owner;
-            L->prev_probes = 0;
-        }
         int bits = OS_OK | (h->tid != L->prev_tid ? CR_TID : 0) |
                    (h->probes != L->prev_probes ? CR_PROBES : 0);
         *p++ = OP_APPEND;
         *p++ = (uint8_t)bits;
-        p = put_u(p, h->seq - L->prev_seq);
-        p = put_u(p, h->now > L->base_time ? (h->now - L->base_time) >> CR_TIME_SHIFT : 0);
-        if (bits & (CR_TID | CR_PROBES)) p = oplog_changed(L, p, bits, h->tid, h->probes);
-        p = put_s(p, h->seq_id);
+        p = put_v(p, h->seq - L->prev_seq);
+        p = put_v(p, h->now > L->base_time ? (h->now - L->base_time) >> CR_TIME_SHIFT : 0);
+        if (__builtin_expect(bits & (CR_TID | CR_PROBES), 0))
+            p = oplog_changed(L, p, bits, h->tid, h->probes);
+        p = put_v(p, zz(h->seq_id));
         L->prev_seq = h->seq;
         *p++ = 1; /* (one token) */
-        p = put_s(p, oplog_token(L, h->token));
+        p = put_v(p, zz(oplog_token(L, h->token)));
         *p++ = TM_OWN;
-        p = put_u(p, h->keep);
+        p = put_v(p, h->keep);
         *p++ = (uint8_t)(h->nb - h->keep);
-        if (h->nb > h->keep) p = put_s(p, h->block);
-        L->out_n += (size_t)(p - p0);
-        L->out_recs++;
+        if (h->nb > h->keep) p = put_v(p, zz(h->block));
     }
+    L->out_n += (size_t)(p - p0);
+    L->out_recs += k;
 }
 
 /* Write every record of the handle's now (its held appends composed first). */
