@@ -286,22 +286,35 @@ static __attribute__((noinline, cold)) uint8_t *oplog_changed(Oplog *L, uint8_t 
     return p;
 }
 
-/* put_u for the held appends' loop: a value below 2^35 (every one there but a clock or number
- * that jumped) spread into its bytes and written with one 8-byte store, no loop (whose exit,
- * at two or three bytes as a token or sequence id falls, the branch predictor misses). The
- * bytes past the varint are overwritten by what follows it, or lie past the chunk's end
- * (room_raw keeps 8 bytes past every record's bound). */
+/* put_u for the held appends' loop, where a loop's exit (at one, two or three bytes as a token
+ * or sequence id falls) is a branch the predictor misses: a value below 2^35 (every one there
+ * but a clock or number that jumped) spread into its bytes and written with one 8-byte store,
+ * its length and continuation bits looked up by its bit length. The bytes past the varint are
+ * overwritten by what follows it, or lie past the chunk's end (room_raw keeps 8 bytes past
+ * every record's bound). */
+static const uint8_t varint_len[36] = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                       3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5};
+static const uint64_t varint_cont[6] = {0, 0, 0x80, 0x8080, 0x808080, 0x80808080};
 static inline uint8_t *put_v(uint8_t *p, uint64_t v) {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     if (__builtin_expect(v < (1ull << 35), 1)) {
         uint64_t x = (v & 0x7f) | (v << 1 & 0x7f00) | (v << 2 & 0x7f0000) |
                      (v << 3 & 0x7f000000) | (v << 4 & 0x7f00000000ull);
-        unsigned len = (unsigned)(64 - __builtin_clzll(v | 1) + 6) / 7; /* 1..5 */
-        x |= 0x8080808080ull & ((1ull << (8 * len - 8)) - 1);        /* (the continuation bits) */
+        unsigned len = varint_len[64 - __builtin_clzll(v | 1)];
+        x |= varint_cont[len];
         memcpy(p, &x, 8);
         return p + len;
     }
 #endif
+    return put_u(p, v);
+}
+/* put_u of a value that is almost always below 128 there (a number's or the clock's step, a
+ * table's length): one byte, the branch predicted. */
+static inline uint8_t *put_small(uint8_t *p, uint64_t v) {
+    if (__builtin_expect(v < 0x80, 1)) {
+        *p = (uint8_t)v;
+        return p + 1;
+    }
     return put_u(p, v);
 }
 
@@ -332,8 +345,8 @@ static void oplog_compose_held(Oplog *L) {
                    (h->probes != L->prev_probes ? CR_PROBES : 0);
         *p++ = OP_APPEND;
         *p++ = (uint8_t)bits;
-        p = put_v(p, h->seq - L->prev_seq);
-        p = put_v(p, h->now > L->base_time ? (h->now - L->base_time) >> CR_TIME_SHIFT : 0);
+        p = put_small(p, h->seq - L->prev_seq);
+        p = put_small(p, h->now > L->base_time ? (h->now - L->base_time) >> CR_TIME_SHIFT : 0);
         if (__builtin_expect(bits & (CR_TID | CR_PROBES), 0))
             p = oplog_changed(L, p, bits, h->tid, h->probes);
         p = put_v(p, zz(h->seq_id));
@@ -341,7 +354,7 @@ static void oplog_compose_held(Oplog *L) {
         *p++ = 1; /* (one token) */
         p = put_v(p, zz(oplog_token(L, h->token)));
         *p++ = TM_OWN;
-        p = put_v(p, h->keep);
+        p = put_small(p, h->keep);
         *p++ = (uint8_t)(h->nb - h->keep);
         if (h->nb > h->keep) p = put_v(p, zz(h->block));
     }
