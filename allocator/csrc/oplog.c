@@ -467,7 +467,7 @@ static void oplog_write(Native *n, OpRec *o) {
         p += o->n_text;
     } else {
         p = put_u(p, (uint64_t)nt);
-        for (int64_t i = 0; i < nt; i++) p = put_s(p, oplog_token(L, L->tok[i]));
+        for (int64_t i = 0; i < nt; i++) p = put_v(p, zz(oplog_token(L, L->tok[i])));
     }
     int tmode = o->tmode;
     *p++ = (uint8_t)tmode;
@@ -475,7 +475,7 @@ static void oplog_write(Native *n, OpRec *o) {
         int64_t keep = tmode == TM_OWN ? o->keep : 0;
         if (tmode == TM_OWN) p = put_u(p, (uint64_t)keep);
         p = put_u(p, (uint64_t)(o->n_blocks - keep));
-        for (int64_t i = keep; i < o->n_blocks; i++) p = put_s(p, o->blocks[i]);
+        for (int64_t i = keep; i < o->n_blocks; i++) p = put_v(p, zz(o->blocks[i]));
     }
     if (bits & CR_EXTRA) {
         p = put_u(p, (uint64_t)nc);
@@ -776,12 +776,12 @@ static __attribute__((noinline)) void append_plain(Native *n, Oplog *L, const ui
     }
     uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
     p = put_u(p, (uint64_t)L->ntok);
-    for (int64_t i = 0; i < L->ntok; i++) p = put_s(p, oplog_token(L, L->tok[i]));
+    for (int64_t i = 0; i < L->ntok; i++) p = put_v(p, zz(oplog_token(L, L->tok[i])));
     *p++ = TM_OWN;
     p = put_u(p, keep);
     p = put_u(p, nb1 - keep);
     const int32_t *table = (const int32_t *)(rec + SF_TABLE);
-    for (uint32_t i = keep; i < nb1; i++) p = put_s(p, table[i]);
+    for (uint32_t i = keep; i < nb1; i++) p = put_v(p, zz(table[i]));
     L->out_n += (size_t)(p - p0);
     L->out_recs++;
 }
