@@ -339,25 +339,34 @@ static void oplog_compose_held(Oplog *L) {
         L->prev_tid = L->owner;
         L->prev_probes = 0;
     }
-    for (int i = 0; i < k; i++) {
-        const Held *h = &L->held[i];
-        int bits = OS_OK | (h->tid != L->prev_tid ? CR_TID : 0) |
-                   (h->probes != L->prev_probes ? CR_PROBES : 0);
+    /* (in locals: the loop's byte stores may alias any field of L's, which would be read
+     * again after each) */
+    const Held *h = L->held, *end = L->held + k;
+    uint64_t prev_seq = L->prev_seq, base_time = L->base_time, key = L->key;
+    int32_t prev_tid = L->prev_tid;
+    uint32_t prev_probes = L->prev_probes;
+    for (; h < end; h++) {
+        int bits = OS_OK | (h->tid != prev_tid ? CR_TID : 0) |
+                   (h->probes != prev_probes ? CR_PROBES : 0);
         *p++ = OP_APPEND;
         *p++ = (uint8_t)bits;
-        p = put_small(p, h->seq - L->prev_seq);
-        p = put_small(p, h->now > L->base_time ? (h->now - L->base_time) >> CR_TIME_SHIFT : 0);
-        if (__builtin_expect(bits & (CR_TID | CR_PROBES), 0))
+        p = put_small(p, h->seq - prev_seq);
+        p = put_small(p, h->now > base_time ? (h->now - base_time) >> CR_TIME_SHIFT : 0);
+        if (__builtin_expect(bits & (CR_TID | CR_PROBES), 0)) {
             p = oplog_changed(L, p, bits, h->tid, h->probes);
+            prev_tid = h->tid;
+            prev_probes = h->probes;
+        }
         p = put_v(p, zz(h->seq_id));
-        L->prev_seq = h->seq;
+        prev_seq = h->seq;
         *p++ = 1; /* (one token) */
-        p = put_v(p, zz(oplog_token(L, h->token)));
+        p = put_v(p, zz(__builtin_expect(key != 0, 0) ? redacted_token(key, h->token) : h->token));
         *p++ = TM_OWN;
         p = put_small(p, h->keep);
         *p++ = (uint8_t)(h->nb - h->keep);
         if (h->nb > h->keep) p = put_v(p, zz(h->block));
     }
+    L->prev_seq = prev_seq;
     L->out_n += (size_t)(p - p0);
     L->out_recs += k;
 }
