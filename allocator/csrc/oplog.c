@@ -82,10 +82,16 @@ typedef struct Held {
  * sum of its 64-bit words, word i weighted by 2i + 1, with the check itself 0. Any one word
  * changed changes it. */
 static uint64_t record_check(const uint8_t *r, size_t size) {
+    /* (the weighted sum without a multiply: with s_i the sum of the words from i on,
+     * sum w_i (2i + 1) = 2 sum s_i - s_0, modulo 2^64 as the products' sum is; two additions
+     * a word, from the last) */
     const uint64_t *w = (const uint64_t *)r;
-    uint64_t h = 0;
-    for (size_t i = 0; i < size / 8; i++) h += w[i] * (2 * (uint64_t)i + 1);
-    return fmix64(h);
+    uint64_t s = 0, t = 0;
+    for (size_t i = size / 8; i-- > 0;) {
+        s += w[i];
+        t += s;
+    }
+    return fmix64(2 * t - s);
 }
 
 /* This thread's id (cached: gettid is a system call), fetched again in a forked child. */
