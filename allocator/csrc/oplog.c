@@ -108,9 +108,11 @@ static inline int32_t thread_id(void) {
 }
 
 /* The open call's tokens, as N_allocate / N_append read them, where they are more than one
- * (oplog_tokens). A failed allocation leaves have_tok 0: the record lists no tokens. */
+ * (oplog_tokens). Where no memory is left for them, the record lists none. */
 static __attribute__((noinline, cold)) void oplog_tokens_many(Oplog *L, const int32_t *v,
                                                               Py_ssize_t k) {
+    L->have_tok = 1;
+    L->ntok = 0;
     if (k > L->cap_tok) {
         int32_t *t = PyMem_Realloc(L->tok, sizeof(int32_t) * (size_t)k);
         if (t == NULL) return;
@@ -127,11 +129,12 @@ static __attribute__((noinline, cold)) void oplog_tokens_many(Oplog *L, const in
  * hook of N_allocate and N_append, after the gate and the sequence's check. Inline in the core,
  * a decode step's one token stored as it is: a call to a function of its own and to memcpy
  * cost the serving loop about 2% (their code out of the instruction cache at every append).
- * Only the call the entry point counted (depth 1): one from Python that call ran is not
- * recorded with tokens, and leaves the open call's alone. */
+ * The first call to reach it after the recorded entry point cleared have_tok (R_append,
+ * oplog_op) is that entry point's: a pool operation called from Python that call ran comes
+ * later, and leaves the open call's alone. */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot) {
     Oplog *L = n->oplog;
-    if (L->depth != 1) return;
+    if (L->have_tok) return;
     L->slot = slot;
     L->nb0 = slot >= 0 ? U4(seqrec(n, slot) + SF_NUM_BLOCKS) : 0;
     if (__builtin_expect(k == 1, 1)) { /* (L->tok holds one at least: oplog_open) */
@@ -292,9 +295,10 @@ static __attribute__((noinline, cold)) uint8_t *oplog_changed(Oplog *L, uint8_t 
     return p;
 }
 
-/* put_u for the held appends' loop, where a loop's exit (at one, two or three bytes as a token
- * or sequence id falls) is a branch the predictor misses: a value below 2^35 (every one there
- * but a clock or number that jumped) spread into its bytes and written with one 8-byte store,
+/* put_u for the held appends' loop and a record's tokens and table, where a loop's exit (at
+ * one, two or three bytes as a token, sequence id or block falls) is a branch the predictor
+ * misses: a value below 2^35 (nearly every one) spread into its bytes and written with one
+ * 8-byte store,
  * its length and continuation bits looked up by its bit length. The bytes past the varint are
  * overwritten by what follows it, or lie past the chunk's end (room_raw keeps 8 bytes past
  * every record's bound). */
@@ -571,8 +575,8 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     OpRec o;
     o.op = op;
     o.scratch = L->depth == 0;
-    if (o.scratch) {
-        L->have_tok = 0; /* (what the hook wrote for a call that did not use it) */
+    if (o.scratch) { /* (the hook's next tokens are this call's: oplog_tokens) */
+        L->have_tok = 0;
         L->slot = -1;
     }
     o.status = OS_OK;
@@ -814,7 +818,7 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
     L->slot = -1;
-    L->have_tok = 0;
+    L->have_tok = 0; /* (the hook's next tokens are this call's: oplog_tokens) */
     L->depth++;
     PyObject *res = N_append(n, args, nargs);
     L->depth--;
