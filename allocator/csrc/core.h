@@ -468,7 +468,7 @@ enum {
 static void maybe_live_add(Native *n, int64_t slot);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
-static void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k);
+static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);
 static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request);
 static void oplog_dying(Native *n);
 static void oplog_close_record(Native *n, const int32_t *ids, int64_t k, int64_t slots, int ok);

@@ -164,8 +164,8 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
 /* N_append once its tokens are read. */
 static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tokens *t) {
     GATE(n, pool);
-    if (n->oplog) oplog_tokens(n, t->v, t->n); /* (after the gate: this call's own) */
     int64_t slot = own_slot(n, seq);
+    if (n->oplog) oplog_tokens(n, t->v, t->n, slot); /* (after the gate: this call's own) */
     if (slot < 0) return NULL;
     if (t->n == 0) return PyList_New(0);
     /* more than max_blocks_per_seq blocks refused (a PoolError), before anything is
@@ -229,7 +229,7 @@ static PyObject *allocate_rest(Native *n, PyObject *pool, PyObject *seq, int64_t
 /* N_allocate once its arguments are read: the tokens, the request id as a str. */
 static PyObject *allocate_read(Native *n, PyObject *pool, const Tokens *t, PyObject *rid) {
     GATE(n, pool);
-    if (n->oplog) oplog_tokens(n, t->v, t->n); /* (after the gate: this call's own) */
+    if (n->oplog) oplog_tokens(n, t->v, t->n, -1); /* (after the gate: this call's own) */
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n);

@@ -47,6 +47,8 @@ typedef struct Oplog {
     int32_t *tok;   /* the open call's tokens, as the core read them (oplog_tokens) */
     int64_t ntok, cap_tok;
     int have_tok;
+    int64_t slot;   /* the open append's sequence (its slot, -1: none) and its table's length */
+    uint32_t nb0;   /* as the core began it (oplog_tokens) */
     int depth; /* calls in flight on this handle's thread (a call from inside one is refused) */
     uint64_t key;   /* redaction: tokens and request ids written as keyed hashes (0: off) */
     size_t off_seq; /* the header's op_seq */
@@ -92,10 +94,16 @@ typedef struct Held {
  * sum of its 64-bit words, word i weighted by 2i + 1, with the check itself 0. Any one word
  * changed changes it. */
 static uint64_t record_check(const uint8_t *r, size_t size) {
+    /* (the weighted sum without a multiply: with s_i the sum of the words from i on,
+     * sum w_i (2i + 1) = 2 sum s_i - s_0, modulo 2^64 as the products' sum is; two additions
+     * a word, from the last) */
     const uint64_t *w = (const uint64_t *)r;
-    uint64_t h = 0;
-    for (size_t i = 0; i < size / 8; i++) h += w[i] * (2 * (uint64_t)i + 1);
-    return fmix64(h);
+    uint64_t s = 0, t = 0;
+    for (size_t i = size / 8; i-- > 0;) {
+        s += w[i];
+        t += s;
+    }
+    return fmix64(2 * t - s);
 }
 
 /* This thread's id (cached: gettid is a system call), fetched again in a forked child. */
@@ -111,10 +119,13 @@ static inline int32_t thread_id(void) {
     return tl_tid;
 }
 
-/* The open call's tokens, as N_allocate / N_append read them (their hook). */
-static __attribute__((hot)) void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k) {
-    Oplog *L = n->oplog;
-    if (__builtin_expect(k > L->cap_tok, 0)) {
+/* The open call's tokens, as N_allocate / N_append read them, where they are more than one
+ * (oplog_tokens). Where no memory is left for them, the record lists none. */
+static __attribute__((noinline, cold)) void oplog_tokens_many(Oplog *L, const int32_t *v,
+                                                              Py_ssize_t k) {
+    L->have_tok = 1;
+    L->ntok = 0;
+    if (k > L->cap_tok) {
         int32_t *t = PyMem_Realloc(L->tok, sizeof(int32_t) * (size_t)k);
         if (t == NULL) return;
         L->tok = t;
@@ -123,6 +134,28 @@ static __attribute__((hot)) void oplog_tokens(Native *n, const int32_t *v, Py_ss
     memcpy(L->tok, v, sizeof(int32_t) * (size_t)k);
     L->ntok = k;
     L->have_tok = 1;
+}
+
+/* The open call's tokens as the core read them, and the sequence an append appends to (its
+ * live slot, else -1: allocate's, or one the core refused) with its table's length then: the
+ * hook of N_allocate and N_append, after the gate and the sequence's check. Inline in the core,
+ * a decode step's one token stored as it is: a call to a function of its own and to memcpy
+ * cost the serving loop about 2% (their code out of the instruction cache at every append).
+ * The first call to reach it after the recorded entry point cleared have_tok (R_append,
+ * oplog_op) is that entry point's: a pool operation called from Python that call ran comes
+ * later, and leaves the open call's alone. */
+static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot) {
+    Oplog *L = n->oplog;
+    if (L->have_tok) return;
+    L->slot = slot;
+    L->nb0 = slot >= 0 ? U4(seqrec(n, slot) + SF_NUM_BLOCKS) : 0;
+    if (__builtin_expect(k == 1, 1)) { /* (L->tok holds one at least: oplog_open) */
+        L->tok[0] = v[0];
+        L->ntok = 1;
+        L->have_tok = 1;
+    } else {
+        oplog_tokens_many(L, v, k);
+    }
 }
 
 /* Space reserved past the log's end for a chunk of `size` bytes about to be written, where
@@ -282,45 +315,90 @@ static __attribute__((noinline, cold)) uint8_t *oplog_changed(Oplog *L, uint8_t 
     return p;
 }
 
+/* put_u for the held appends' loop and a record's tokens and table, where a loop's exit (at
+ * one, two or three bytes as a token, sequence id or block falls) is a branch the predictor
+ * misses: a value below 2^35 (nearly every one) spread into its bytes and written with one
+ * 8-byte store,
+ * its length and continuation bits looked up by its bit length. The bytes past the varint are
+ * overwritten by what follows it, or lie past the chunk's end (room_raw keeps 8 bytes past
+ * every record's bound). */
+static const uint8_t varint_len[36] = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                       3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5};
+static const uint64_t varint_cont[6] = {0, 0, 0x80, 0x8080, 0x808080, 0x80808080};
+static inline uint8_t *put_v(uint8_t *p, uint64_t v) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (__builtin_expect(v < (1ull << 35), 1)) {
+        uint64_t x = (v & 0x7f) | (v << 1 & 0x7f00) | (v << 2 & 0x7f0000) |
+                     (v << 3 & 0x7f000000) | (v << 4 & 0x7f00000000ull);
+        unsigned len = varint_len[64 - __builtin_clzll(v | 1)];
+        x |= varint_cont[len];
+        memcpy(p, &x, 8);
+        return p + len;
+    }
+#endif
+    return put_u(p, v);
+}
+/* put_u of a value that is almost always below 128 there (a number's or the clock's step, a
+ * table's length): one byte, the branch predicted. */
+static inline uint8_t *put_small(uint8_t *p, uint64_t v) {
+    if (__builtin_expect(v < 0x80, 1)) {
+        *p = (uint8_t)v;
+        return p + 1;
+    }
+    return put_u(p, v);
+}
+
 /* The held plain appends composed into the chunk, in their order (docs/REPLAY.md's record:
  * op, status, number, time, thread and probe word where they changed, the sequence's id, the
- * token, the table's entries kept and the block added). Where a write of the chunk fails, the
- * held records after it are counted lost with its own (the next record written is a LOST). */
+ * token, the table's entries kept and the block added), room for all of them made first (the
+ * chunk written before them where they would not fit). Where that write fails, they are
+ * counted lost with its records (the next record written is a LOST). */
+#define HELD_BYTES 64 /* (a held append's record at its longest, and a varint's 8-byte store) */
 static void oplog_compose_held(Oplog *L) {
     int k = L->n_held;
     L->n_held = 0;
-    for (int i = 0; i < k; i++) {
-        const Held *h = &L->held[i];
-        uint8_t *p = L->lost ? NULL : room_raw(L, 64);
-        if (p == NULL || L->lost) {
-            L->lost += (uint64_t)(k - i);
-            return;
-        }
-        uint8_t *p0 = p;
-        if (L->out_recs == 0) {
-            L->base_seq = L->prev_seq = h->seq;
-            L->base_time = h->now;
-            L->prev_tid = L->owner;
-            L->prev_probes = 0;
-        }
-        int bits = OS_OK | (h->tid != L->prev_tid ? CR_TID : 0) |
-                   (h->probes != L->prev_probes ? CR_PROBES : 0);
+    uint8_t *p = L->lost ? NULL : room_raw(L, HELD_BYTES * (size_t)k);
+    if (p == NULL || L->lost) {
+        L->lost += (uint64_t)k;
+        return;
+    }
+    uint8_t *p0 = p;
+    if (L->out_recs == 0) {
+        L->base_seq = L->prev_seq = L->held[0].seq;
+        L->base_time = L->held[0].now;
+        L->prev_tid = L->owner;
+        L->prev_probes = 0;
+    }
+    /* (in locals: the loop's byte stores may alias any field of L's, which would be read
+     * again after each) */
+    const Held *h = L->held, *end = L->held + k;
+    uint64_t prev_seq = L->prev_seq, base_time = L->base_time, key = L->key;
+    int32_t prev_tid = L->prev_tid;
+    uint32_t prev_probes = L->prev_probes;
+    for (; h < end; h++) {
+        int bits = OS_OK | (h->tid != prev_tid ? CR_TID : 0) |
+                   (h->probes != prev_probes ? CR_PROBES : 0);
         *p++ = OP_APPEND;
         *p++ = (uint8_t)bits;
-        p = put_u(p, h->seq - L->prev_seq);
-        p = put_u(p, h->now > L->base_time ? (h->now - L->base_time) >> CR_TIME_SHIFT : 0);
-        if (bits & (CR_TID | CR_PROBES)) p = oplog_changed(L, p, bits, h->tid, h->probes);
-        p = put_s(p, h->seq_id);
-        L->prev_seq = h->seq;
+        p = put_small(p, h->seq - prev_seq);
+        p = put_small(p, h->now > base_time ? (h->now - base_time) >> CR_TIME_SHIFT : 0);
+        if (__builtin_expect(bits & (CR_TID | CR_PROBES), 0)) {
+            p = oplog_changed(L, p, bits, h->tid, h->probes);
+            prev_tid = h->tid;
+            prev_probes = h->probes;
+        }
+        p = put_v(p, zz(h->seq_id));
+        prev_seq = h->seq;
         *p++ = 1; /* (one token) */
-        p = put_s(p, oplog_token(L, h->token));
+        p = put_v(p, zz(__builtin_expect(key != 0, 0) ? redacted_token(key, h->token) : h->token));
         *p++ = TM_OWN;
-        p = put_u(p, h->keep);
+        p = put_small(p, h->keep);
         *p++ = (uint8_t)(h->nb - h->keep);
-        if (h->nb > h->keep) p = put_s(p, h->block);
-        L->out_n += (size_t)(p - p0);
-        L->out_recs++;
+        if (h->nb > h->keep) p = put_v(p, zz(h->block));
     }
+    L->prev_seq = prev_seq;
+    L->out_n += (size_t)(p - p0);
+    L->out_recs += k;
 }
 
 /* Write every record of the handle's now (its held appends composed first). */
@@ -428,7 +506,7 @@ static void oplog_write(Native *n, OpRec *o) {
         p += o->n_text;
     } else {
         p = put_u(p, (uint64_t)nt);
-        for (int64_t i = 0; i < nt; i++) p = put_s(p, oplog_token(L, L->tok[i]));
+        for (int64_t i = 0; i < nt; i++) p = put_v(p, zz(oplog_token(L, L->tok[i])));
     }
     int tmode = o->tmode;
     *p++ = (uint8_t)tmode;
@@ -436,7 +514,7 @@ static void oplog_write(Native *n, OpRec *o) {
         int64_t keep = tmode == TM_OWN ? o->keep : 0;
         if (tmode == TM_OWN) p = put_u(p, (uint64_t)keep);
         p = put_u(p, (uint64_t)(o->n_blocks - keep));
-        for (int64_t i = keep; i < o->n_blocks; i++) p = put_s(p, o->blocks[i]);
+        for (int64_t i = keep; i < o->n_blocks; i++) p = put_v(p, zz(o->blocks[i]));
     }
     if (bits & CR_EXTRA) {
         p = put_u(p, (uint64_t)nc);
@@ -537,6 +615,10 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     OpRec o;
     o.op = op;
     o.scratch = L->depth == 0;
+    if (o.scratch) { /* (the hook's next tokens are this call's: oplog_tokens) */
+        L->have_tok = 0;
+        L->slot = -1;
+    }
     o.status = OS_OK;
     o.flags = 0;
     o.seq_id = o.src_id = -1;
@@ -688,7 +770,9 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
 RECORDED(R_allocate, OP_ALLOCATE, N_allocate)
 
 /* An append that was not a plain one (an error, copies on write, preemptions, findings, a
- * fault, records lost before it): its general record. Out of the hot path's way. */
+ * fault, records lost before it): its general record, of the sequence in `rec`'s slot, whose
+ * table had nb0 entries as the call began; with `rec` NULL (a sequence that is no live one),
+ * of the sequence's own fields, as oplog_op records it. Out of the hot path's way. */
 static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObject *const *args,
                                                                 PyObject *res,
                                                                 const uint8_t *rec, uint32_t nb0,
@@ -699,19 +783,28 @@ static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObj
     memset(&o, 0, sizeof o);
     o.op = OP_APPEND;
     o.scratch = 1;
-    o.seq_id = (int64_t)U8(rec + SF_SEQ_ID);
     o.src_id = -1;
     o.found0 = found0;
-    o.req_live = 1;
-    memcpy(o.request, rec + SF_REQUEST, REQUEST_BYTES);
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     if (res == NULL) {
         PyErr_Fetch(&et, &ev, &etb);
         o.status = op_status(et);
     }
+    if (rec) {
+        o.seq_id = (int64_t)U8(rec + SF_SEQ_ID);
+        o.req_live = 1;
+        memcpy(o.request, rec + SF_REQUEST, REQUEST_BYTES);
+    } else {
+        PyObject *seq = args[1];
+        o.seq_id = seq_int(n, seq, F_SEQ_ID);
+        if (PyObject_TypeCheck(seq, (PyTypeObject *)n->seq_type)) {
+            PyObject *rid = *(PyObject **)((char *)seq + n->seq_off[F_REQUEST_ID]);
+            if (rid) oplog_rid(rid, o.request);
+        }
+    }
     if (n->faults_armed && PyDict_GET_SIZE(n->faults_armed) < armed0) o.flags |= OPLOG_FAULT;
     if (res && PyList_Check(res)) o.copies = res;
-    int64_t after = slot_of(n, args[1]);
+    int64_t after = rec ? slot_of(n, args[1]) : -1;
     if (after >= 0 && n->seg) {
         slot_table(n, after, &o);
         o.tmode = TM_OWN;
@@ -727,22 +820,62 @@ static __attribute__((noinline, cold)) PyObject *append_general(Native *n, PyObj
     return res;
 }
 
-/* append, recorded: the core's hot path (a decode step appends to every running sequence),
- * so its record is composed straight from the sequence's record in the segment. */
-static __attribute__((hot)) PyObject *R_append(Native *n, PyObject *const *args,
-                                               Py_ssize_t nargs) {
+/* An append the core did not run on a live sequence of this handle (refused, or stopped before
+ * its check): recorded as the sequence its slot field names (a copy of a live one: that one),
+ * else as the Sequence's own fields. Nothing changed its table. */
+static __attribute__((noinline, cold)) PyObject *append_refused(Native *n, PyObject *const *args,
+                                                                PyObject *res, Py_ssize_t found0,
+                                                                Py_ssize_t armed0) {
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb); /* (slot_of may set and clear one of its own) */
+    int64_t slot = slot_of(n, args[1]);
+    PyErr_Restore(et, ev, etb);
+    const uint8_t *rec = slot >= 0 ? seqrec(n, slot) : NULL;
+    return append_general(n, args, res, rec, rec ? U4(rec + SF_NUM_BLOCKS) : 0, found0, armed0);
+}
+
+/* A plain append of more than one token, or one that added more than one block: composed now
+ * (its tokens, the table's entries kept and the blocks after them). */
+static __attribute__((noinline)) void append_plain(Native *n, Oplog *L, const uint8_t *rec,
+                                                   uint32_t keep, uint32_t nb1) {
+    uint8_t *p0 = oplog_room(L, 64 + 5 * (size_t)L->ntok + 5 * (size_t)(nb1 - keep));
+    if (p0 == NULL) {
+        L->lost++;
+        return;
+    }
+    uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
+    p = put_u(p, (uint64_t)L->ntok);
+    for (int64_t i = 0; i < L->ntok; i++) p = put_v(p, zz(oplog_token(L, L->tok[i])));
+    *p++ = TM_OWN;
+    p = put_u(p, keep);
+    p = put_u(p, nb1 - keep);
+    const int32_t *table = (const int32_t *)(rec + SF_TABLE);
+    for (uint32_t i = keep; i < nb1; i++) p = put_v(p, zz(table[i]));
+    L->out_n += (size_t)(p - p0);
+    L->out_recs++;
+}
+
+/* append, recorded: the core's hot path (a decode step appends to every running sequence).
+ * The core hands the call's tokens, sequence and table length to the log as it reads them
+ * (oplog_tokens), so nothing is looked up before the call; a plain append's record is taken
+ * straight from the sequence's record in the segment after it. Kept to a few cache lines of
+ * code: a Python program's interpreter evicts them between two operations. */
+static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Oplog *L = n->oplog;
     if (L == NULL) return N_append(n, args, nargs);
-    int64_t slot = L->depth == 0 && nargs == 3 && n->seg ? slot_of(n, args[1]) : -1;
-    if (slot < 0) return oplog_op(n, OP_APPEND, N_append, args, nargs);
-    const uint8_t *rec = seqrec(n, slot);
-    uint32_t nb0 = U4(rec + SF_NUM_BLOCKS);
+    if (L->depth != 0 || nargs != 3 || n->seg == NULL)
+        return oplog_op(n, OP_APPEND, N_append, args, nargs);
     Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
     Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
+    L->slot = -1;
+    L->have_tok = 0; /* (the hook's next tokens are this call's: oplog_tokens) */
     L->depth++;
     PyObject *res = N_append(n, args, nargs);
     L->depth--;
-    uint32_t nb1 = U4(rec + SF_NUM_BLOCKS);
+    int64_t slot = L->slot;
+    if (__builtin_expect(slot < 0, 0)) return append_refused(n, args, res, found0, armed0);
+    const uint8_t *rec = seqrec(n, slot);
+    uint32_t nb0 = L->nb0, nb1 = U4(rec + SF_NUM_BLOCKS);
     if (__builtin_expect(
             res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
                 !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
@@ -766,23 +899,8 @@ static __attribute__((hot)) PyObject *R_append(Native *n, PyObject *const *args,
         h->nb = nb1;
         h->block = nb1 > keep ? ((const int32_t *)(rec + SF_TABLE))[keep] : 0;
         if (++L->n_held == OPLOG_HELD) oplog_compose_held(L);
-        L->have_tok = 0;
-        return res;
-    }
-    uint8_t *p0 = oplog_room(L, 64 + 5 * (size_t)L->ntok + 5 * (size_t)(nb1 - keep));
-    if (p0 == NULL) {
-        L->lost++;
     } else {
-        uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
-        p = put_u(p, (uint64_t)L->ntok);
-        for (int64_t i = 0; i < L->ntok; i++) p = put_s(p, oplog_token(L, L->tok[i]));
-        *p++ = TM_OWN;
-        p = put_u(p, keep);
-        p = put_u(p, nb1 - keep);
-        const int32_t *table = (const int32_t *)(rec + SF_TABLE);
-        for (uint32_t i = keep; i < nb1; i++) p = put_s(p, table[i]);
-        L->out_n += (size_t)(p - p0);
-        L->out_recs++;
+        append_plain(n, L, rec, keep, nb1);
     }
     L->have_tok = 0;
     return res;
@@ -872,7 +990,7 @@ static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t li
     }
     for (int64_t i = 0; i < R * W; i++) v[2 * live + i] = (int32_t)int_at(t, i);
     if (PyErr_Occurred()) PyErr_Clear();
-    oplog_tokens(n, v, (Py_ssize_t)k);
+    oplog_tokens_many(n->oplog, v, (Py_ssize_t)k); /* (the report's own: whatever the hook held) */
     PyMem_Free(v);
     OpRec o;
     memset(&o, 0, sizeof o);
@@ -1134,17 +1252,22 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     Oplog *L = PyMem_Calloc(1, sizeof(Oplog));
     uint8_t *out = L ? PyMem_Malloc(OPLOG_OUT) : NULL;
     Held *held = out ? PyMem_Malloc(sizeof(Held) * OPLOG_HELD) : NULL;
+    int32_t *tok = held ? PyMem_Malloc(sizeof(int32_t) * 64) : NULL; /* (oplog_tokens: one) */
     if (L) {
         L->out_n = OPLOG_CHUNK;
         L->cap_out = OPLOG_OUT;
     }
-    if (held == NULL) {
+    if (tok == NULL) {
+        PyMem_Free(held);
         PyMem_Free(out);
         PyMem_Free(L);
         close(fd);
         return PyErr_NoMemory();
     }
     L->held = held;
+    L->tok = tok;
+    L->cap_tok = 64;
+    L->slot = -1;
     L->fd = fd;
     L->native = n;
     L->reserve = 1;
