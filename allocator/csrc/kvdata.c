@@ -172,6 +172,20 @@ static int kv_later(Native *n, int kind, const int32_t *ids, int64_t k, const ch
     return dev_check(n, kind, ids, k, when, 0, NULL);
 }
 
+/* The cache lines of the rows of blocks ids[0..k) asked for ahead (at most PREFETCH_LINES of
+ * them): the blocks a check reads are seldom in the cache (guard mode's quarantine hands out the
+ * block freed longest ago), and lines asked for together arrive together. */
+#define PREFETCH_LINES 256
+static void kv_prefetch(Native *n, const int32_t *ids, int64_t k, size_t bytes) {
+    int64_t lines = 0;
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            for (size_t o = 0; o < bytes; o += 64) {
+                if (++lines > PREFETCH_LINES) return;
+                __builtin_prefetch(kv_row(n, r, ids[i]) + o);
+            }
+}
+
 /* -- guard mode -------------------------------------------------------------------------------- */
 
 /* The release of the sequence in `slot` is guarded: guard mode in full, or the sequences
@@ -292,7 +306,15 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (nm == 0) return OK;
     if (n->kv == NULL) return kv_later(n, DK_POISON, mine, nm, NULL);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
+    /* (the quarantine hands out the block freed longest ago: its lines asked for together) */
+    kv_prefetch(n, mine, nm, (size_t)(n->bs * n->kv_slot_bytes));
     for (int64_t i = 0; i < nm; i++) {
+        /* intact: every element the poison, compared 8 bytes at a time; the elements that are
+         * not are counted (for the finding's words) only where one is not */
+        int intact = 1;
+        for (int64_t r = 0; r < n->kv_rows && intact; r++)
+            intact = all_bits(n, kv_row(n, r, mine[i]), m, n->nan_bits);
+        if (intact) continue;
         int64_t count = 0;
         for (int64_t r = 0; r < n->kv_rows; r++)
             count += count_not(n, kv_row(n, r, mine[i]), m, n->nan_bits);
@@ -321,20 +343,6 @@ static void unpoison(Native *n, const int32_t *ids, int64_t k) {
 
 /* kernels/digest.py block_digests of blocks ids[0..k) into out (the core's own pass over CPU
  * bytes). */
-/* The cache lines of the rows of blocks ids[0..k) asked for ahead (at most PREFETCH_LINES of
- * them): the blocks a check reads are seldom in the cache (guard mode's quarantine hands out the
- * block freed longest ago), and lines asked for together arrive together. */
-#define PREFETCH_LINES 256
-static void kv_prefetch(Native *n, const int32_t *ids, int64_t k, size_t bytes) {
-    int64_t lines = 0;
-    for (int64_t i = 0; i < k; i++)
-        for (int64_t r = 0; r < n->kv_rows; r++)
-            for (size_t o = 0; o < bytes; o += 64) {
-                if (++lines > PREFETCH_LINES) return;
-                __builtin_prefetch(kv_row(n, r, ids[i]) + o);
-            }
-}
-
 static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
