@@ -172,6 +172,20 @@ static int kv_later(Native *n, int kind, const int32_t *ids, int64_t k, const ch
     return dev_check(n, kind, ids, k, when, 0, NULL);
 }
 
+/* The cache lines of the rows of blocks ids[0..k) asked for ahead (at most PREFETCH_LINES of
+ * them): the blocks a check reads are seldom in the cache (guard mode's quarantine hands out the
+ * block freed longest ago), and lines asked for together arrive together. */
+#define PREFETCH_LINES 256
+static void kv_prefetch(Native *n, const int32_t *ids, int64_t k, size_t bytes) {
+    int64_t lines = 0;
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t r = 0; r < n->kv_rows; r++)
+            for (size_t o = 0; o < bytes; o += 64) {
+                if (++lines > PREFETCH_LINES) return;
+                __builtin_prefetch(kv_row(n, r, ids[i]) + o);
+            }
+}
+
 /* -- guard mode -------------------------------------------------------------------------------- */
 
 /* The release of the sequence in `slot` is guarded: guard mode in full, or the sequences
@@ -292,7 +306,15 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (nm == 0) return OK;
     if (n->kv == NULL) return kv_later(n, DK_POISON, mine, nm, NULL);
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
+    /* (the quarantine hands out the block freed longest ago: its lines asked for together) */
+    kv_prefetch(n, mine, nm, (size_t)(n->bs * n->kv_slot_bytes));
     for (int64_t i = 0; i < nm; i++) {
+        /* intact: every element the poison, compared 8 bytes at a time; the elements that are
+         * not are counted (for the finding's words) only where one is not */
+        int intact = 1;
+        for (int64_t r = 0; r < n->kv_rows && intact; r++)
+            intact = all_bits(n, kv_row(n, r, mine[i]), m, n->nan_bits);
+        if (intact) continue;
         int64_t count = 0;
         for (int64_t r = 0; r < n->kv_rows; r++)
             count += count_not(n, kv_row(n, r, mine[i]), m, n->nan_bits);
@@ -321,20 +343,6 @@ static void unpoison(Native *n, const int32_t *ids, int64_t k) {
 
 /* kernels/digest.py block_digests of blocks ids[0..k) into out (the core's own pass over CPU
  * bytes). */
-/* The cache lines of the rows of blocks ids[0..k) asked for ahead (at most PREFETCH_LINES of
- * them): the blocks a check reads are seldom in the cache (guard mode's quarantine hands out the
- * block freed longest ago), and lines asked for together arrive together. */
-#define PREFETCH_LINES 256
-static void kv_prefetch(Native *n, const int32_t *ids, int64_t k, size_t bytes) {
-    int64_t lines = 0;
-    for (int64_t i = 0; i < k; i++)
-        for (int64_t r = 0; r < n->kv_rows; r++)
-            for (size_t o = 0; o < bytes; o += 64) {
-                if (++lines > PREFETCH_LINES) return;
-                __builtin_prefetch(kv_row(n, r, ids[i]) + o);
-            }
-}
-
 static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
@@ -449,6 +457,33 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
 
 /* -- a request's unwritten slots -------------------------------------------------------------- */
 
+/* blank[s] = 1 where token slot s of block b holds the poison in every layer, K and V, else 0
+ * (a CPU pool's): row by row, the slots still blank compared with the element width's loop
+ * (chosen once per row, not once per slot and row). */
+static void slots_blank(Native *n, int32_t b, uint8_t *blank) {
+    int64_t m = n->kv_slot_bytes / n->kv_esize, left = n->bs;
+    uint64_t v = n->nan_bits;
+    for (int64_t s = 0; s < n->bs; s++) blank[s] = 1;
+    for (int64_t r = 0; r < n->kv_rows && left; r++) {
+        const uint8_t *row = kv_row(n, r, b);
+        for (int64_t s = 0; s < n->bs; s++) {
+            if (!blank[s]) continue;
+            const uint8_t *p = row + (size_t)s * n->kv_slot_bytes;
+            int all;
+            switch (n->kv_esize) {
+            case 1: all = all_bits1(p, m, v); break;
+            case 2: all = all_bits2(p, m, v); break;
+            case 4: all = all_bits4(p, m, v); break;
+            default: all = all_bits8(p, m, v); break;
+            }
+            if (!all) {
+                blank[s] = 0;
+                left--;
+            }
+        }
+    }
+}
+
 /* integrity.unwritten_in: blank[i * bs + s] is 1 where token slot s of ids[i] still holds the
  * poison in every layer, K and V. Unless none of the slots of positions [0, num) is blank, or
  * every one is (a program that writes no K/V at all), each block with blank ones among them is
@@ -538,15 +573,9 @@ static PyObject *N_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs)
     if (rc == OK && n->kv == NULL) {
         rc = dev_check(n, DK_UNWRITTEN, ids, nblk, NULL, num, args[2]);
     } else if (rc == OK) {
-        int64_t m = n->kv_slot_bytes / n->kv_esize;
-        for (int64_t i = 0; i < nblk; i++)
-            for (int64_t s = 0; s < n->bs; s++) {
-                int all = 1;
-                for (int64_t r = 0; r < n->kv_rows && all; r++)
-                    all = all_bits(n, kv_row(n, r, ids[i]) + (size_t)s * n->kv_slot_bytes, m,
-                                   n->nan_bits);
-                blank[i * n->bs + s] = (uint8_t)all;
-            }
+        /* (the blocks' lines asked for together: poisoned at their last free, long ago) */
+        kv_prefetch(n, ids, nblk, (size_t)(n->bs * n->kv_slot_bytes));
+        for (int64_t i = 0; i < nblk; i++) slots_blank(n, ids[i], blank + i * n->bs);
         rc = unwritten_report(n, ids, nblk, num, blank, args[2], 0);
     }
     n->mutex_held = mh;

@@ -55,6 +55,54 @@ static uint32_t prov_kv_hash(Native *n, int64_t b, int64_t off) {
     return prov_hash_of(sum);
 }
 
+/* The short K/V hashes of slots [0, m) of block b into out[] (prov_kv_hash's values; a CPU
+ * pool's). A 16-bit pool whose slot is a multiple of 8 elements and at most DIGEST_CHUNK (one
+ * chunk of digest_row2_sums: its 32-bit lane sums cannot overflow) is summed here in one pass
+ * per row over the block's slots, with digest_row2_sums' arithmetic inlined (a publication and
+ * a prefix hit hash every slot of their blocks: called per slot and per row, the call, the
+ * width's switch and the chunk loop cost more than the slot's 8 elements); any other, slot by
+ * slot. */
+static void prov_kv_hashes(Native *n, int64_t b, int64_t m, uint32_t *out) {
+    int64_t em = n->kv_slot_bytes / n->kv_esize;
+#if defined(__SSE2__)
+    if (n->kv_esize == 2 && em % 8 == 0 && em <= DIGEST_CHUNK && m <= 4096) {
+        uint64_t sum[4096];
+        for (int64_t off = 0; off < m; off++) sum[off] = 0;
+        const __m128i even = _mm_set_epi16(0, 1, 0, 1, 0, 1, 0, 1);
+        const __m128i odd = _mm_set_epi16(1, 0, 1, 0, 1, 0, 1, 0);
+        const __m128i step = _mm_set1_epi16(8);
+        uint64_t jm = DIGEST_ADD;
+        for (int64_t r = 0; r < n->kv_rows; r++, jm += (uint64_t)em * DIGEST_MUL) {
+            const uint8_t *row = kv_row(n, r, b);
+            for (int64_t off = 0; off < m; off++) {
+                const int16_t *p = (const int16_t *)(row + (size_t)off * (size_t)n->kv_slot_bytes);
+                __m128i a1 = _mm_setzero_si128(), ae = a1, ao = a1;
+                __m128i idx = _mm_set_epi16(7, 6, 5, 4, 3, 2, 1, 0);
+                for (int64_t i = 0; i < em; i += 8) {
+                    __m128i q = _mm_loadu_si128((const __m128i *)(p + i));
+                    a1 = _mm_add_epi32(a1, _mm_madd_epi16(q, idx));
+                    ae = _mm_add_epi32(ae, _mm_madd_epi16(q, even));
+                    ao = _mm_add_epi32(ao, _mm_madd_epi16(q, odd));
+                    idx = _mm_add_epi16(idx, step);
+                }
+                /* the lanes' sums (each below 2^31 in magnitude: digest_row2_sums' bound) */
+                __m128i eo = _mm_add_epi32(_mm_unpacklo_epi32(ae, ao), _mm_unpackhi_epi32(ae, ao));
+                eo = _mm_add_epi32(eo, _mm_srli_si128(eo, 8)); /* te, to */
+                a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 8));
+                a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 4));
+                uint64_t te = (uint64_t)(int64_t)_mm_cvtsi128_si32(eo);
+                uint64_t to = (uint64_t)(int64_t)_mm_cvtsi128_si32(_mm_srli_si128(eo, 4));
+                uint64_t t1 = (uint64_t)(int64_t)_mm_cvtsi128_si32(a1);
+                sum[off] += jm * (te + to) + DIGEST_MUL * t1 + ((jm & 1) ? to : te);
+            }
+        }
+        for (int64_t off = 0; off < m; off++) out[off] = prov_hash_of(sum[off]);
+        return;
+    }
+#endif
+    for (int64_t off = 0; off < m; off++) out[off] = prov_kv_hash(n, b, off);
+}
+
 /* Whether this pool's K/V hashes go through the core's device checks: its K/V is not mapped
  * here (a CUDA pool), and the checks are configured (guard mode or the digest probe). */
 static inline int prov_on_device(Native *n) { return n->kv == NULL && n->dev != NULL; }
@@ -68,13 +116,18 @@ static void prov_published(Native *n, const int32_t *ids, int64_t k) {
     for (int64_t i = 0, lines = 0; i < k; i++)
         for (size_t o = 0; o < (size_t)n->bs * PROVENANCE && lines < 256; o += 64, lines++)
             __builtin_prefetch(prov_rec(n, ids[i], 0) + o);
+    /* and their K/V, which the hashes read (in cache where the digest probe just read it; a
+     * load that misses was most of the hashes' time) */
+    kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
+    uint32_t h[4096]; /* (block_size <= 4096: N_init) */
     for (int64_t i = 0; i < k; i++) {
         uint32_t gen = U4(blk(n, ids[i]) + BF_GENERATION);
         if (!prov_any(n, ids[i], gen)) continue;
+        prov_kv_hashes(n, ids[i], n->bs, h);
         for (int64_t off = 0; off < n->bs; off++) {
             uint8_t *p = prov_rec(n, ids[i], off);
             if (__atomic_load_n((uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) == gen)
-                U4(p + PV_KV_HASH) = prov_kv_hash(n, ids[i], off);
+                U4(p + PV_KV_HASH) = h[off];
         }
     }
 }
@@ -207,11 +260,19 @@ static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *w
                             const char *reader, const char *where) {
     uint32_t gen = U4(blk(n, b) + BF_GENERATION);
     if (!prov_any(n, b, gen)) return 0;
+    /* (a CPU pool's: the K/V hashes of the block's slots taken together, prov_kv_hashes) */
+    uint32_t kvh[4096];
+    int hashed = 0;
     for (int64_t off = 0; off < m; off++) {
         const uint8_t *p = prov_rec(n, b, off);
         if (__atomic_load_n((const uint32_t *)(p + PV_GENERATION), __ATOMIC_ACQUIRE) != gen) continue;
         int32_t tok = I4(p + PV_TOKEN), pos = I4(p + PV_POSITION);
-        uint32_t h = U4(p + PV_KV_HASH), now = h && n->kv ? prov_kv_hash(n, b, off) : h;
+        uint32_t h = U4(p + PV_KV_HASH), now = h;
+        if (h && n->kv) {
+            if (!hashed) prov_kv_hashes(n, b, m, kvh);
+            hashed = 1;
+            now = kvh[off];
+        }
         if (tok == want[off] && pos == pos0 + off && now == h) continue;
         Seen s;
         seen_of(n, b, &s);
@@ -279,6 +340,7 @@ static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const 
  * hit). OK, or ERROR with an exception set. */
 static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
                            const char *request) {
+    if (n->kv != NULL) kv_prefetch(n, table, hits, (size_t)(n->bs * n->kv_slot_bytes));
     for (int64_t j = 0; j < hits; j++)
         if (prov_check_block(n, table[j], j * n->bs, toks + j * n->bs, n->bs, request,
                              "a prefix hit") == ERROR)
