@@ -1,6 +1,6 @@
 """Shrinking: how long `kvscope replay --shrink` takes on a long run, and to how many operations.
 
-    python bench/bench_shrink.py                       # every replayable fault (foreign-slot: below), ~100,000 ops
+    python bench/bench_shrink.py                       # every fault, ~100,000 ops
     python bench/bench_shrink.py --ops 20000 --faults leak,double-free
 
 For each fault, records tests/replay_work.py's seeded workload (requests behind six shared
@@ -48,9 +48,6 @@ EVERY = {
     "lease-leak": 8,
 }
 LEASE_FAULTS = ("transfer-after-free", "lease-leak")
-# (foreign-slot replays, but armed this late in this workload it strikes a cached block nothing
-# reads again, and nothing finds it: `--faults foreign-slot` says "(end)")
-NOT_BY_DEFAULT = ("foreign-slot",)
 ALL = ProbeFlags(events=True, ownership=True, guard=True, leaks=True, magic=True, digest=True)
 
 
@@ -87,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--ops", type=int, default=75000, help="workload steps (about 1.35 ops each)")
-    ap.add_argument(
-        "--faults", default=",".join(f for f in faults.FAULTS if f not in NOT_BY_DEFAULT)
-    )
+    ap.add_argument("--faults", default=",".join(faults.FAULTS))
     args = ap.parse_args(argv)
     gc.disable()
     print(f"load average: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")

@@ -352,16 +352,19 @@ static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const 
  * `pos` for seq_id (in `slot`): the same write also lands in the slot at that offset of a
  * published block the sequence does not hold, one whose record says another token wrote it, as
  * a late store of this request's K/V under another's key does. Acts at the first opportunity
- * where such a block exists (the lowest-numbered). */
+ * where such a block exists: the lowest-numbered one another live sequence holds, else the
+ * lowest-numbered cached one. */
 static void prov_foreign_fault(Native *n, int64_t slot, uint64_t seq_id, int64_t pos, int32_t tok) {
     if (!fault_opportunity(n, FT_FOREIGN_SLOT)) return;
     const uint8_t *s = seqrec(n, slot);
     const int32_t *tbl = (const int32_t *)(s + SF_TABLE);
     int64_t held = U4(s + SF_NUM_BLOCKS), off = pos % n->bs;
-    for (int32_t b = 0; b < n->nb; b++) {
+    /* (a block another live sequence holds first, whose reader is there to find it; then a
+     * cached one, which a later prefix hit reads) */
+    for (int32_t i = 0; i < 2 * n->nb; i++) {
+        int32_t b = i % n->nb;
         const uint8_t *r = blk(n, b);
-        if (r[BF_INDEXED] != 1 || (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED))
-            continue;
+        if (r[BF_INDEXED] != 1 || r[BF_STATE] != (i < n->nb ? B_ALLOCATED : B_CACHED)) continue;
         const uint8_t *p = prov_rec(n, b, off);
         if (!prov_any(n, b, U4(r + BF_GENERATION)) ||
             U4(p + PV_GENERATION) != U4(r + BF_GENERATION) || I4(p + PV_TOKEN) == tok)
