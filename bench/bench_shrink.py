@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as d:
         for fault in args.faults.split(","):
+            # (GC is off while timing: the pools the last fault's runs left in cycles, and their
+            # mappings, go here, or every fork of the replay's child copies their page tables)
+            gc.collect()
             path = os.path.join(d, f"{fault}.ops")
             # the opportunities come about once in 4 steps (a release), once in 10 (oob-write,
             # the scribbles), fewer for lock-inversion (a transaction of several locks):
