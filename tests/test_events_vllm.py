@@ -91,7 +91,17 @@ def record_vllm(vllm_dir: str, out: Path, *driver_args: str, env=None) -> tuple[
                 break
             time.sleep(0.2)
         recorder.send_signal(signal.SIGINT)
-        _, err = recorder.communicate(timeout=60)
+        try:
+            _, err = recorder.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # (say what the recorder said and where it was: it did not stop on SIGINT)
+            recorder.kill()
+            _, err = recorder.communicate()
+            on_disk = _num_batches(out) if out.exists() else 0
+            raise AssertionError(
+                f"`kvscope events record` did not stop within 60 s of SIGINT ({on_disk} of "
+                f"{batches} batches on disk); its stderr: {err!r}"
+            ) from None
         assert recorder.returncode == 0, err
         driver.stdin.write("quit\n")
         driver.stdin.flush()
