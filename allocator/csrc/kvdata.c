@@ -458,8 +458,8 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
 /* -- a request's unwritten slots -------------------------------------------------------------- */
 
 /* blank[s] = 1 where token slot s of block b holds the poison in every layer, K and V, else 0
- * (a CPU pool's): row by row, the slots still blank compared with the element width's loop
- * (chosen once per row, not once per slot and row). */
+ * (a CPU pool's): row by row (each row's slots one after the other in memory), only the slots
+ * still blank compared, stopping once none is. */
 static void slots_blank(Native *n, int32_t b, uint8_t *blank) {
     int64_t m = n->kv_slot_bytes / n->kv_esize, left = n->bs;
     uint64_t v = n->nan_bits;
@@ -468,15 +468,7 @@ static void slots_blank(Native *n, int32_t b, uint8_t *blank) {
         const uint8_t *row = kv_row(n, r, b);
         for (int64_t s = 0; s < n->bs; s++) {
             if (!blank[s]) continue;
-            const uint8_t *p = row + (size_t)s * n->kv_slot_bytes;
-            int all;
-            switch (n->kv_esize) {
-            case 1: all = all_bits1(p, m, v); break;
-            case 2: all = all_bits2(p, m, v); break;
-            case 4: all = all_bits4(p, m, v); break;
-            default: all = all_bits8(p, m, v); break;
-            }
-            if (!all) {
+            if (!all_bits(n, row + (size_t)s * n->kv_slot_bytes, m, v)) {
                 blank[s] = 0;
                 left--;
             }

@@ -299,12 +299,13 @@ static int prov_hashed(Native *n, int32_t b) {
     return 0;
 }
 
-/* On a pool whose K/V the core does not map: the hashed slots of blocks ids[0, k), read by the
- * requests readers[i * REQUEST_BYTES...] (each block's), checked against their K/V by the
- * device checks, `where` 0 (a prefix hit) or 1 (the sweep); a mismatch is reported when the
- * answer is applied (devanswers.c). OK, UNHANDLED or ERROR as dev_check. */
-static int prov_check_later(Native *n, const int32_t *ids, const char *readers, int64_t k,
-                            int where) {
+/* On a pool whose K/V the core does not map: the hashed slots of blocks ids[0, k), block i read
+ * by the request at readers + i * stride (32 bytes; stride 0: one request reads them all),
+ * checked against their K/V by the device checks, `where` 0 (a prefix hit) or 1 (the sweep); a
+ * mismatch is reported when the answer is applied (devanswers.c). OK, UNHANDLED or ERROR as
+ * dev_check. */
+static int prov_check_later(Native *n, const int32_t *ids, const char *readers, int64_t stride,
+                            int64_t k, int where) {
     int32_t some[256];
     char who[256 * REQUEST_BYTES];
     int64_t m = 0;
@@ -316,7 +317,7 @@ static int prov_check_later(Native *n, const int32_t *ids, const char *readers, 
         }
         if (i == k || !prov_hashed(n, ids[i])) continue;
         some[m] = ids[i];
-        memcpy(who + m * REQUEST_BYTES, readers + i * REQUEST_BYTES, REQUEST_BYTES);
+        memcpy(who + m * REQUEST_BYTES, readers + i * stride, REQUEST_BYTES);
         m++;
     }
     return OK;
@@ -325,14 +326,7 @@ static int prov_check_later(Native *n, const int32_t *ids, const char *readers, 
 /* allocate's hit, before its commit, on a pool whose K/V the core does not map: the hit's
  * blocks table[0, hits), read by `request`, queued for their K/V check (prov_check_later). */
 static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const char *request) {
-    for (int64_t j0 = 0; j0 < hits; j0 += 256) {
-        int64_t k = hits - j0 < 256 ? hits - j0 : 256;
-        char who[256 * REQUEST_BYTES];
-        for (int64_t i = 0; i < k; i++) memcpy(who + i * REQUEST_BYTES, request, REQUEST_BYTES);
-        int rc = prov_check_later(n, table + j0, who, k, 0);
-        if (rc != OK) return rc;
-    }
-    return OK;
+    return prov_check_later(n, table, request, 0, hits, 0);
 }
 
 /* allocate's hit, after its commit: the hit's blocks table[0, hits) against the prompt's
@@ -465,7 +459,7 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
         /* (the caller, pool.check_provenance, holds the handle's op mutex: dev_check's) */
         int mh = n->mutex_held;
         n->mutex_held = 1;
-        int rc = prov_check_later(n, ids, readers, later, 1);
+        int rc = prov_check_later(n, ids, readers, REQUEST_BYTES, later, 1);
         n->mutex_held = mh;
         if (rc != OK) {
             if (!PyErr_Occurred())
