@@ -189,19 +189,9 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
     if (msg != NULL && request_of(who, s.request) == OK) {
         Py_ssize_t before = PyList_GET_SIZE(n->found);
         rc = finding_report(n, fk, &s, msg);
-        if (rc == OK && n->oplog != NULL && PyList_GET_SIZE(n->found) > before) {
-            /* its REPORT record, as KVPool.report's (oplog.c R_report) */
-            OpRec o;
-            memset(&o, 0, sizeof o);
-            o.op = OP_REPORT;
-            o.seq_id = o.src_id = -1;
-            o.found0 = -1;
-            o.found_at = (int64_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(n->found, before));
-            o.tmode = TM_NONE;
-            oplog_rid(who, o.request);
-            oplog_write(n, &o);
-            if (PyErr_Occurred()) PyErr_Clear();
-        }
+        /* its REPORT record, naming the writer (oplog.c: what a finding between operations
+         * writes) */
+        if (rc == OK) oplog_found_report(n, before, s.request);
     }
     Py_XDECREF(who);
     Py_XDECREF(owner);
