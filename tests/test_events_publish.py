@@ -9,8 +9,10 @@ socket before anything is published, so no message is lost to a late join.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -24,7 +26,8 @@ from kvscope.allocator.config import KVEventsConfig
 from kvscope.cli import main
 from kvscope.events.publisher import KVEventPublisher, offset_endpoint
 from kvscope.events.recorder import Recorder
-from kvscope.events.streamfile import PUBLISHED, StreamWriter
+from kvscope.errors import UsageError
+from kvscope.events.streamfile import NOTE, PUBLISHED, StreamFile, StreamWriter
 from kvscope.events.wire import (
     CLEARED,
     END_SEQ,
@@ -349,6 +352,67 @@ def test_thread_publishes_everything_by_close(make_pool, tmp_path):
         assert main(["events", "check", sub.save(str(tmp_path / "t.kvev"), endpoint)]) == 0
     finally:
         sub.close()
+        pub.close()
+
+
+def _batches_on_disk(path) -> int:
+    try:
+        f = StreamFile(str(path))
+    except UsageError:
+        return 0  # its header is not on disk yet
+    try:
+        return sum(1 for r in f.records() if r[1] != NOTE)
+    finally:
+        f.close()
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    "stop, preexec",
+    [(signal.SIGINT, None), (signal.SIGTERM, None), (signal.SIGTERM, _ignore_sigint)],
+    ids=["ctrl-c", "sigterm", "sigterm-in-a-background-job"],
+)
+def test_a_recording_stops_whole_on_ctrl_c_and_on_sigterm(make_pool, tmp_path, stop, preexec):
+    # GIVEN `kvscope events record` on a pool's publisher, started as a terminal would start
+    # it, or as a shell without job control starts a background job (SIGINT ignored, so
+    # Ctrl-C cannot reach it and SIGTERM is how it is stopped)
+    pool = make_pool(32, block_size=BS)
+    endpoint = f"ipc://{tmp_path}/kv-rec"
+    out = tmp_path / "rec.kvev"
+    pub = KVEventPublisher(pool, endpoint)
+    recorder = subprocess.Popen(
+        [sys.executable, "-m", "kvscope", "events", "record", endpoint, "-o", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec,
+    )
+    try:
+        # (a batch on disk says its loop runs, with its handlers set; a bound, not a pace:
+        # a publisher drops what it sends before the subscription arrives)
+        deadline = time.monotonic() + 60
+        i = 0
+        while _batches_on_disk(out) == 0 and time.monotonic() < deadline:
+            seq = pool.allocate(f"r{i}", [i] * BS)
+            pool.mark_computed(seq, BS)
+            pool.free(seq)
+            pub.poll()
+            i += 1
+            time.sleep(0.1)
+        assert _batches_on_disk(out) > 0, "nothing recorded within 60 s"
+        # WHEN it is sent the signal
+        recorder.send_signal(stop)
+        _, err = recorder.communicate(timeout=60)
+        # THEN it closes the file whole and exits 0 with its last line
+        assert recorder.returncode == 0, err
+        assert "recorded" in err.splitlines()[-1], err
+        assert _batches_on_disk(out) >= 1
+    finally:
+        if recorder.poll() is None:
+            recorder.kill()
+            recorder.communicate()
         pub.close()
 
 

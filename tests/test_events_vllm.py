@@ -90,19 +90,20 @@ def record_vllm(vllm_dir: str, out: Path, *driver_args: str, env=None) -> tuple[
             if out.exists() and _num_batches(out) >= int(batches):
                 break
             time.sleep(0.2)
-        recorder.send_signal(signal.SIGINT)
+        # SIGTERM, not SIGINT: a test run started as a background job of a shell without
+        # job control starts every child with SIGINT ignored (CI's runs were)
+        recorder.send_signal(signal.SIGTERM)
         try:
             _, err = recorder.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            # (say what the recorder said and where it was: it did not stop on SIGINT; its
-            # signal masks too, inherited from this process)
+            # (say what the recorder said and where it was; its signal masks too)
             with open(f"/proc/{recorder.pid}/status") as f:
                 masks = [ln.strip() for ln in f if ln.startswith(("SigPnd", "SigBlk", "SigIgn"))]
             recorder.kill()
             _, err = recorder.communicate()
             on_disk = _num_batches(out) if out.exists() else 0
             raise AssertionError(
-                f"`kvscope events record` did not stop within 60 s of SIGINT ({on_disk} of "
+                f"`kvscope events record` did not stop within 60 s of SIGTERM ({on_disk} of "
                 f"{batches} batches on disk); {masks}; its stderr: {err!r}"
             ) from None
         assert recorder.returncode == 0, err

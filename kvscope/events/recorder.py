@@ -13,7 +13,9 @@ a jump back is a restart. Usage:
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,12 +117,14 @@ class Recorder:
         live: Callable[[RecordStats], None] | None = None,
         live_every_s: float = 0.5,
     ) -> RecordStats:
-        """Record until `seconds` have passed (None: until Ctrl-C); then close everything."""
+        """Record until `seconds` have passed (None: until Ctrl-C, SIGTERM or SIGHUP); then
+        close everything."""
         poller = zmq.Poller()
         for s in self._subs:
             poller.register(s, zmq.POLLIN)
         start = time.monotonic()
         next_live = start + live_every_s
+        restore = _stop_on_signals()
         try:
             while True:
                 now = time.monotonic()
@@ -140,6 +144,7 @@ class Recorder:
         except KeyboardInterrupt:
             pass
         finally:
+            restore()
             self.stats.elapsed_s = time.monotonic() - start
             self.close()
         return self.stats
@@ -225,3 +230,28 @@ def live_line(stats: RecordStats, file=None) -> None:
         f" {stats.resets} restart(s)   "
     )
     out.flush()
+
+
+def _stop_on_signals() -> Callable[[], None]:
+    """Make SIGTERM and SIGHUP stop a recording as Ctrl-C does (a supervisor's stop is SIGTERM;
+    a closed terminal SIGHUP), so the file is closed whole; return what puts the handlers back.
+    A signal this process was started ignoring stays ignored (`nohup`, or a background job of a
+    shell without job control, which starts with SIGINT ignored: there Python raises no
+    KeyboardInterrupt, and SIGTERM is the way to stop it). Only the main thread can set
+    handlers; a recorder run from another thread stops by `seconds`."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            saved[sig] = signal.signal(sig, stop)
+
+    def restore() -> None:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+    return restore
