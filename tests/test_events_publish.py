@@ -24,9 +24,9 @@ from kvscope.allocator import KVPool, PoolConfig, PoolError
 from kvscope.allocator.checksums import block_checksums
 from kvscope.allocator.config import KVEventsConfig
 from kvscope.cli import main
+from kvscope.errors import UsageError
 from kvscope.events.publisher import KVEventPublisher, offset_endpoint
 from kvscope.events.recorder import Recorder
-from kvscope.errors import UsageError
 from kvscope.events.streamfile import NOTE, PUBLISHED, StreamFile, StreamWriter
 from kvscope.events.wire import (
     CLEARED,
