@@ -34,6 +34,24 @@ def guarded(cache: Any) -> bool:
     return bool(getattr(cache.config, "guard", False)) and hasattr(cache, "block_state")
 
 
+def sweeps(chunk: Chunk, block_size: int) -> bool:
+    """Whether the step's provenance sweep takes the chunk's sequence: at each prompt chunk,
+    at a decode that starts its block 1, 2, 4, 8, ... (a sequence of b blocks is swept about
+    log2(b) times while it decodes, not b times: each sweep reads all of its slots), and at
+    the decode of its last token, so every slot it read is swept once more before it is
+    freed."""
+    if chunk.length > 1:
+        return True
+    block, offset = divmod(chunk.start, block_size)
+    if offset == 0 and block & (block - 1) == 0:
+        return True
+    stream = chunk.stream
+    request = stream.request
+    if request.is_scoring:
+        return chunk.start + 1 >= request.num_tokens
+    return len(stream.output) + 1 >= request.max_tokens
+
+
 class Batch:
     """Token ids, positions, slots and block tables of one step (host arrays, device tensors)."""
 
@@ -87,11 +105,9 @@ class Batch:
         if self.guarded and getattr(self.cache, "provenance_sample", 0):
             # slot provenance: each slot a sequence reads was written for its own tokens, or
             # its prefix hit's (KVPool.check_provenance: a foreign_slot finding). The sweep
-            # reads every slot of a sequence, so a sequence is swept at each prompt chunk and
-            # at each decode that starts a block, not at every step (a hit is checked at the
-            # hit by the pool itself)
-            bs = self.block_size
-            seqs = [c.stream.seq for c in self.chunks if c.length > 1 or c.start % bs == 0]
+            # reads every slot of a sequence, so it is not run at every step (a hit is checked
+            # at the hit by the pool itself): see `sweeps`
+            seqs = [c.stream.seq for c in self.chunks if sweeps(c, self.block_size)]
             if seqs:
                 self.cache.check_provenance(seqs)
 
