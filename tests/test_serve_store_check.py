@@ -2,7 +2,8 @@
 step that would store into the prefix blocks its request hit names that request at the check's
 line, and a served workload with shared prefixes, forks and preemption has no finding. In guard
 mode with slot provenance the same call sweeps the step's sequences on its schedule (`sweeps`),
-which finds a foreign slot in a running request's block before the request is freed."""
+and once more as a request finishes (Engine._finish), which finds a foreign slot in a running
+request's block before the request is freed."""
 
 from __future__ import annotations
 
@@ -68,30 +69,10 @@ def test_a_served_workload_with_the_store_check_has_no_finding(make_pool, probes
     assert [f for f in pool.findings()] == [] and pool.check() == []
 
 
-def decode(start: int, outputs: int, max_tokens: int = 100, scoring: int = 0):
-    """A one-token chunk at `start` of a stream that has `outputs` tokens out (a scoring
-    request of `scoring` tokens in all, when not 0)."""
-    if scoring:
-        request = Request("s", [1] * (scoring - 2), 0, continuation=[2, 3])
-    else:
-        request = Request("g", [1] * 4, max_tokens)
-    stream = type("S", (), {"request": request, "output": [0] * outputs})()
-    return type("C", (), {"stream": stream, "start": start, "length": 1})()
-
-
-def test_the_sweep_takes_prompt_chunks_power_of_two_blocks_and_the_last_decode():
-    # a prompt chunk, whatever its start
-    prompt = type("C", (), {"stream": None, "start": 13, "length": 5})()
-    assert sweeps(prompt, 8)
-    # a decode that starts block 1, 2, 4, 8 (positions 8, 16, 32, 64 of blocks of 8), not 3, 5, 6
-    # or 7, nor one inside a block
-    starts = [p for p in range(1, 80) if sweeps(decode(p, outputs=1), 8)]
-    assert starts == [8, 16, 32, 64]
-    # the decode of a request's last token, and a scoring request's last token
-    assert sweeps(decode(27, outputs=99, max_tokens=100), 8)
-    assert not sweeps(decode(27, outputs=98, max_tokens=100), 8)
-    assert sweeps(decode(29, outputs=0, scoring=30), 8)
-    assert not sweeps(decode(28, outputs=0, scoring=30), 8)
+def test_a_decode_is_swept_where_it_starts_a_power_of_two_block():
+    # block 0, 1, 2, 4, 8 (positions 0, 8, 16, 32, 64 of blocks of 8): not 3, 5, 6 or 7, nor
+    # a position inside a block
+    assert [p for p in range(80) if sweeps(p, 8)] == [0, 8, 16, 32, 64]
 
 
 def test_a_foreign_slot_in_a_running_requests_block_is_found_before_it_is_freed(
@@ -105,8 +86,8 @@ def test_a_foreign_slot_in_a_running_requests_block_is_found_before_it_is_freed(
     pool.provenance_sample = 1
     faults.configure("foreign-slot:1")
     # (two requests of 20-token prompts, no prefix in common, ending before position 32: past
-    # their prompts each decode starts only block 3, so only their last decode's sweep reads
-    # the struck block again, and no prefix hit does)
+    # their prompts each decode starts only block 3, so only the sweep as each one finishes
+    # reads the struck block again, and no prefix hit does)
     requests = [Request(f"r{i}", [i + 1] * 20, 10) for i in range(2)]
     # WHEN they are served
     results = Engine(model, pool).run(requests)

@@ -34,22 +34,11 @@ def guarded(cache: Any) -> bool:
     return bool(getattr(cache.config, "guard", False)) and hasattr(cache, "block_state")
 
 
-def sweeps(chunk: Chunk, block_size: int) -> bool:
-    """Whether the step's provenance sweep takes the chunk's sequence: at each prompt chunk,
-    at a decode that starts its block 1, 2, 4, 8, ... (a sequence of b blocks is swept about
-    log2(b) times while it decodes, not b times: each sweep reads all of its slots), and at
-    the decode of its last token, so every slot it read is swept once more before it is
-    freed."""
-    if chunk.length > 1:
-        return True
-    block, offset = divmod(chunk.start, block_size)
-    if offset == 0 and block & (block - 1) == 0:
-        return True
-    stream = chunk.stream
-    request = stream.request
-    if request.is_scoring:
-        return chunk.start + 1 >= request.num_tokens
-    return len(stream.output) + 1 >= request.max_tokens
+def sweeps(position: int, block_size: int) -> bool:
+    """Whether a decode at `position` is swept (Batch.check_writes): it starts a block whose
+    number is a power of two (or block 0)."""
+    block, offset = divmod(position, block_size)
+    return offset == 0 and block & (block - 1) == 0
 
 
 class Batch:
@@ -105,9 +94,17 @@ class Batch:
         if self.guarded and getattr(self.cache, "provenance_sample", 0):
             # slot provenance: each slot a sequence reads was written for its own tokens, or
             # its prefix hit's (KVPool.check_provenance: a foreign_slot finding). The sweep
-            # reads every slot of a sequence, so it is not run at every step (a hit is checked
-            # at the hit by the pool itself): see `sweeps`
-            seqs = [c.stream.seq for c in self.chunks if sweeps(c, self.block_size)]
+            # reads every slot of a sequence, so a sequence is swept at each prompt chunk and
+            # at each decode that starts its block 1, 2, 4, 8, ... (about log2 of its blocks
+            # sweeps while it decodes, not one a block), and once more as it finishes
+            # (Engine._finish); a hit is checked at the hit by the pool itself
+            bs = self.block_size
+            # (the remainder first: a function call per decode costs the host more than this)
+            seqs = [
+                c.stream.seq
+                for c in self.chunks
+                if c.length > 1 or c.start % bs == 0 and sweeps(c.start, bs)
+            ]
             if seqs:
                 self.cache.check_provenance(seqs)
 
