@@ -217,6 +217,50 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list, guard: boo
     assert graph_pool.findings() == eager_pool.findings() == []
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_steps_carry_the_audits_buffers_in_their_own_copies(pools: list) -> None:
+    # GIVEN the tiny model on the GPU and step graphs captured over a guard-mode pool
+    from kvscope.allocator import faults
+
+    model = tiny_model(0).to(device="cuda", dtype=torch.float16).fuse()
+    pool = make_pool(model, 96, guard=True)
+    pools.append(pool)
+    graphs = StepGraphs(model, pool, max_seqs=4, max_len=40, max_tokens=256, max_chunk=8)
+    # THEN the audit's expected table is part of the int32 transfer (after the chunk starts),
+    # and its answer part of the readback, after the error buffer
+    readback, audit = graphs.readback, graphs.audit
+    assert readback is not None and audit is not None and readback.audit is audit
+    base = readback.buffer.data_ptr()
+    assert graphs.guard["errors"].data_ptr() == base and readback.answer_at >= readback.errors
+    assert audit.answer.data_ptr() == base + 4 * readback.answer_at
+    assert audit.expected.data_ptr() == graphs.dev32.data_ptr() + 4 * graphs.n32
+    # WHEN requests are served with stale-padding-row armed (a shorter step keeps the padding
+    # rows of the one before), counting the answers handed over by the engine's readback
+    taken = []
+    answered = audit.answered
+
+    def answer(token: int, words: Any) -> list:
+        pending = audit.replaying is not None
+        found = answered(token, words)
+        taken.append(pending and audit.replaying is None)
+        return found
+
+    audit.answered = answer
+    faults.configure("stale-padding-row:1")
+    try:
+        serve(model, pool, graphs)
+    finally:
+        faults.configure(None)
+    # THEN the replay that read it is one block_table_mismatch about a padding row, the
+    # replays' answers came back with their error buffers, the last one's too (nothing left
+    # for the audit to copy back itself)
+    assert graphs.num_replays == graphs.num_forwards > 10
+    found = [f for f in pool.findings() if f.kind == "block_table_mismatch"]
+    assert len(found) == 1 and "padding row" in found[0].message, found
+    assert any(taken) and audit.replaying is None
+
+
 def test_the_step_timer_sums_each_phase_between_its_boundaries() -> None:
     # GIVEN a step timer on the CPU
     from server.steptime import PHASES, StepTimer

@@ -51,6 +51,9 @@ class Batch:
         self.device = torch.device(device)
         self.block_size = cache.config.block_size
         self.guarded = guarded(cache)
+        # guard mode, a step the graphs run: what its error copy brings back, and the token of
+        # its block-table audit's answer (graphs.Readback.step; None: the error buffer alone)
+        self.readback: tuple[Any, int] | None = None
         prefills = [c for c in chunks if c.length > 1]
         decodes = [c for c in chunks if c.length == 1]
         self.chunks = prefills + decodes
