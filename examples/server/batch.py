@@ -92,7 +92,8 @@ class Batch:
         the forward stores it (eager or graphs): a slot in a published, freed or unmapped block
         is a finding naming the chunk's request (probes/stores.py)."""
         if getattr(self.cache, "probe", None) is not None:
-            spans = [(c.stream.seq, c.start, c.start + c.length) for c in self.chunks]
+            # (the spans zipped from lists: a tuple built per chunk costs the host more)
+            spans = list(zip(self.seqs, self.starts, self.seq_lens))
             Writers(self.cache, spans).check(self.host_slots)
         if self.guarded and getattr(self.cache, "provenance_sample", 0):
             # slot provenance: each slot a sequence reads was written for its own tokens, or
@@ -101,15 +102,22 @@ class Batch:
             # at each decode that starts its block 1, 2, 4, 8, ... (about log2 of its blocks
             # sweeps while it decodes, not one a block), and once more as it finishes
             # (Engine._finish); a hit is checked at the hit by the pool itself
-            bs = self.block_size
+            bs, first, seqs = self.block_size, self.num_prefills, self.seqs
+            decodes = zip(seqs[first:], self.starts[first:])
             # (the remainder first: a function call per decode costs the host more than this)
-            seqs = [
-                c.stream.seq
-                for c in self.chunks
-                if c.length > 1 or c.start % bs == 0 and sweeps(c.start, bs)
-            ]
-            if seqs:
-                self.cache.check_provenance(seqs)
+            swept = seqs[:first] + [s for s, p in decodes if p % bs == 0 and sweeps(p, bs)]
+            if swept:
+                self.cache.check_provenance(swept)
+
+    @cached_property
+    def seqs(self) -> list[Any]:
+        """Each chunk's sequence, in batch order."""
+        return [c.stream.seq for c in self.chunks]
+
+    @cached_property
+    def starts(self) -> list[int]:
+        """Each chunk's first position, in batch order."""
+        return [c.start for c in self.chunks]
 
     def audit(self, table: Any, rows: list[Chunk]) -> None:
         """Guard mode: the block table an eager step's kernels will read (a group's; the step

@@ -199,11 +199,12 @@ class StepGraphs:
         # the audit's expected table: on CUDA into the int32 transfer (before it); a host
         # table is audited once the step's tables are in it (after)
         staged = self.audit is not None and self.states_at > self.n32
+        # (the rows are every chunk's: Batch.audit_rows(batch.chunks), made once per batch)
         if staged:
-            self.audit.expect(*batch.audit_rows(batch.chunks))
+            self.audit.expect(batch.seqs, batch.seq_lens)
         self._load()
         if self.audit is not None and not staged:
-            self.audit.expect(*batch.audit_rows(batch.chunks))
+            self.audit.expect(batch.seqs, batch.seq_lens)
         if self.guard:
             batch.guard = self.guard
             if self.readback is not None:
