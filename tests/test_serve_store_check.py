@@ -15,11 +15,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from kvscope.allocator import faults  # noqa: E402
 from server.batch import Batch, sweeps  # noqa: E402
 from server.checkpoint import tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
 from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
+
+from kvscope.allocator import faults  # noqa: E402
 
 
 def probed_pool(make_pool, model, num_blocks: int, **config):
