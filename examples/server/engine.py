@@ -252,7 +252,9 @@ class Engine:
             if scores is not None:
                 scores()
             t5 = time.perf_counter()
-            self._take_violations()
+            # (the step's tokens or scores were copied behind its error buffer, on the same
+            # stream, and waited for: the error buffer is on the host)
+            self._take_violations(copied=True)
             for (stream, _), pick in zip(done, chosen, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
@@ -346,9 +348,10 @@ class Engine:
         state.result.first_token_s = self.now()
         self._finish(state, stream)
 
-    def _take_violations(self) -> None:
-        """Report what the kernels of the step whose error buffer is being copied recorded."""
-        taken = self.errors.take()
+    def _take_violations(self, copied: bool = False) -> None:
+        """Report what the kernels of the step whose error buffer is being copied recorded
+        (`copied`: a copy queued after it was waited for)."""
+        taken = self.errors.take(copied)
         if taken is not None:
             violations.report(self.cache, *taken)
 

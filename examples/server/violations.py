@@ -59,14 +59,16 @@ class ErrorCopy:
                 self.answering = (readback.audit, token)
         self.batch = batch
 
-    def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
+    def take(self, copied: bool = False) -> tuple[Batch, list[dict[str, Any]]] | None:
         """The step whose copy is under way and its violations (once copied), or None. The
         block-table audit's answer that came back with them is handed to the audit, which
-        reports a finding at once."""
+        reports a finding at once. `copied`: the caller waited for a copy it queued on the
+        same stream after `start` (the step's sampled tokens): no wait of its own."""
         batch, self.batch = self.batch, None
         if batch is None or self.host is None:
             return None
-        self.copy.wait()
+        if not copied:
+            self.copy.wait()
         if self.answering is not None:
             audit, token = self.answering
             self.answering = None
