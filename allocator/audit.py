@@ -112,13 +112,14 @@ class DeviceAudits:
     ) -> None:
         """The expected table of `rows` written by the core into the slot, its upload queued
         (with `staging`, a numpy view of the page-locked buffer a caller uploads to the slot's
-        device table with its own transfer: copied there instead, no upload queued)."""
+        device table with its own transfer: written there instead, no upload queued; the
+        slot's own copy is made only where its answer is read after a later expect:
+        TableAudit.collect)."""
         with self.pool.op_mutex:
-            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, slot.host_np)
+            out = slot.host_np if staging is None else staging
+            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, out)
         if staging is None:
             slot.dev.copy_(slot.host, non_blocking=True)
-        else:
-            np.copyto(staging, slot.host_np)
         slot.rows = list(rows)
         slot.sentinel = sentinel
 
@@ -145,15 +146,17 @@ class DeviceAudits:
             self.pool.report(f)
         return out
 
-    def answer(self, slot: _Slot, words: Sequence_[int]) -> Finding | None:
-        """The finding of a slot's answer (its 4 words, on the host), None when the table was
-        the expected one."""
+    def answer(
+        self, slot: _Slot, words: Sequence_[int], expected: np.ndarray | None = None
+    ) -> Finding | None:
+        """The finding of a slot's answer (its 4 words, on the host; `expected`: the table it
+        was compared with, where not the slot's own copy), None when the table was the
+        expected one."""
         bad, first, found, bad_rows = (int(x) for x in words[:4])
         if not bad:
             return None
-        return self._finding(
-            slot.host.numpy(), slot.requests(), slot.sentinel, bad, first, found, bad_rows
-        )
+        table = slot.host_np if expected is None else expected
+        return self._finding(table, slot.requests(), slot.sentinel, bad, first, found, bad_rows)
 
     def pending(self) -> bool:
         """Whether any answer is on its way to the host."""
@@ -303,7 +306,8 @@ class TableAudit:
         if slot is None or token != self.turn:
             return []
         self.replaying = None
-        finding = self.audits.answer(slot, words)
+        # (the staging buffer holds that replay's expected table still: no expect since)
+        finding = self.audits.answer(slot, words, self.staging)
         if finding is None:
             return []
         self.audits.pool.report(finding)
@@ -323,6 +327,10 @@ class TableAudit:
         if slot is None:
             return
         self.replaying = None
+        if self.staging is not None:
+            # (its expected table kept for the answer's finding: the next expect writes over
+            # the staging buffer)
+            np.copyto(slot.host_np, self.staging)
         slot.back.copy_(self.answer, non_blocking=True)
         slot.done.record()
         self.audits.queue(slot)
