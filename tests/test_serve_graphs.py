@@ -18,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from server.batch import Batch  # noqa: E402
 from server.checkpoint import tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
-from server.graphs import StepGraphs, token_buckets  # noqa: E402
+from server.graphs import Readback, StepGraphs, token_buckets  # noqa: E402
 from server.model import LlamaModel, generate_reference  # noqa: E402
 from server.scheduler import Chunk  # noqa: E402
+from server.violations import ErrorCopy  # noqa: E402
 from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
 
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
@@ -215,6 +216,35 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list, guard: boo
     assert graphs.num_replays == graphs.num_forwards > 10 and graphs.num_mixed > 5
     assert through_graphs == eager
     assert graph_pool.findings() == eager_pool.findings() == []
+
+
+def test_the_error_copy_hands_the_audit_the_answer_that_came_back_with_it() -> None:
+    # GIVEN a step's readback: one buffer holding its error buffer, then the block-table
+    # audit's answer (4 int64 from an int64 boundary), and an audit that records what it is
+    # handed
+    from kvscope import kernels
+
+    errors = kernels.new_error_buffer()
+    n = errors.numel()
+    at = n + (n & 1)
+    buffer = torch.zeros(at + 8, dtype=torch.int32)
+    buffer[:n].copy_(errors)
+    buffer[at:].view(torch.int64).copy_(torch.tensor([2, 12, 5, 1]))
+    handed: list[tuple[int, list[int]]] = []
+    audit = SimpleNamespace(answered=lambda token, words: handed.append((token, words.tolist())))
+    readback = Readback(buffer, n, at)
+    readback.audit = audit
+    copy = ErrorCopy(torch.device("cpu"))
+    # WHEN a step whose replay's answer has a token is copied back and taken
+    step = SimpleNamespace(readback=(readback, 7), guard={"errors": buffer[:n]})
+    copy.start(step)  # type: ignore[arg-type]
+    taken = copy.take()
+    # THEN the audit is handed that token and the 4 words, and the error buffer read: nothing
+    assert handed == [(7, [2, 12, 5, 1])] and taken == (step, [])
+    # AND a step with no answer to take (token 0) hands nothing
+    quiet = SimpleNamespace(readback=(readback, 0), guard={"errors": buffer[:n]})
+    copy.start(quiet)  # type: ignore[arg-type]
+    assert copy.take(copied=True) == (quiet, []) and len(handed) == 1
 
 
 @pytest.mark.gpu
