@@ -107,11 +107,19 @@ class DeviceAudits:
         slot.done.record()
         self.queue(slot)
 
-    def expect(self, slot: _Slot, rows: Sequence_[Any], lengths: Any, sentinel: int) -> None:
-        """The expected table of `rows` written by the core into the slot, its upload queued."""
+    def expect(
+        self, slot: _Slot, rows: Sequence_[Any], lengths: Any, sentinel: int, staging: Any = None
+    ) -> None:
+        """The expected table of `rows` written by the core into the slot, its upload queued
+        (with `staging`, a numpy view of the page-locked buffer a caller uploads to the slot's
+        device table with its own transfer: written there instead, no upload queued; the
+        slot's own copy is made only where its answer is read after a later expect:
+        TableAudit.collect)."""
         with self.pool.op_mutex:
-            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, slot.host_np)
-        slot.dev.copy_(slot.host, non_blocking=True)
+            out = slot.host_np if staging is None else staging
+            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, out)
+        if staging is None:
+            slot.dev.copy_(slot.host, non_blocking=True)
         slot.rows = list(rows)
         slot.sentinel = sentinel
 
@@ -129,19 +137,30 @@ class DeviceAudits:
             self._pending.pop(0)
             slot.done.synchronize()
             slot.pending = False
-            bad, first, found, bad_rows = (int(x) for x in slot.back.tolist())
-            if bad:
-                expected = slot.host.numpy()
-                out.append(
-                    self._finding(
-                        expected, slot.requests(), slot.sentinel, bad, first, found, bad_rows
-                    )
-                )
+            finding = self.answer(slot, slot.back.tolist())
+            if finding is not None:
+                out.append(finding)
             if slot is upto:
                 break
         for f in out:
             self.pool.report(f)
         return out
+
+    def answer(
+        self, slot: _Slot, words: Sequence_[int], expected: np.ndarray | None = None
+    ) -> Finding | None:
+        """The finding of a slot's answer (its 4 words, on the host; `expected`: the table it
+        was compared with, where not the slot's own copy), None when the table was the
+        expected one."""
+        bad, first, found, bad_rows = (int(x) for x in words[:4])
+        if not bad:
+            return None
+        table = slot.host_np if expected is None else expected
+        return self._finding(table, slot.requests(), slot.sentinel, bad, first, found, bad_rows)
+
+    def pending(self) -> bool:
+        """Whether any answer is on its way to the host."""
+        return bool(self._pending)
 
     def queue(self, slot: _Slot) -> None:
         """A slot whose answer's copy is queued: reported once it is back."""
@@ -197,9 +216,20 @@ class TableAudit:
     step about to replay and queues its upload. The answer of a replay is copied back when the
     next step's `expect` (or a waiting settle) is called, behind that replay, and reported when
     it is back. With a table in host memory there is nothing to capture: `launch` does
-    nothing and `expect` is `audit_block_table`."""
+    nothing and `expect` is `audit_block_table`.
 
-    def __init__(self, pool: Any, table: Any, padding: int) -> None:
+    A caller that moves buffers between host and device at every step anyway (the example
+    server's step graphs) can carry the audit's too, saving a copy and its bookkeeping each:
+    `expected=(staging, device)`, the expected table's page-locked host buffer and the device
+    buffer the comparison reads (both int32 of the table's shape), which the caller uploads
+    after each `expect` with its own transfer; `answer`, the device buffer (int64 [4]) the
+    comparison writes, which the caller copies back behind the replay with its own readback
+    and hands over, once on the host, to `answered` (with the token `replayed` gave).
+    """
+
+    def __init__(
+        self, pool: Any, table: Any, padding: int, expected: Any = None, answer: Any = None
+    ) -> None:
         self.pool = pool
         self.padding = padding
         self.cuda = isinstance(table, torch.Tensor) and table.is_cuda
@@ -212,8 +242,20 @@ class TableAudit:
             raise PoolError("table: a graph's static table must be contiguous")
         shape = (int(table.shape[0]), int(table.shape[1]))
         # the graph's static buffers: the expected table it reads, the answer it writes
-        self.expected = torch.full(shape, padding, dtype=torch.int32, device=table.device)
-        self.answer = torch.zeros(4, dtype=torch.int64, device=table.device)
+        # (the caller's, where it moves them itself)
+        self.staging: np.ndarray | None = None
+        if expected is None:
+            self.expected = torch.full(shape, padding, dtype=torch.int32, device=table.device)
+        else:
+            staging, self.expected = expected
+            _check_buffer("expected", self.expected, torch.int32, shape, table.device)
+            _check_buffer("the expected table's staging", staging, torch.int32, shape, None)
+            self.staging = staging.numpy()
+        if answer is None:
+            self.answer = torch.zeros(4, dtype=torch.int64, device=table.device)
+        else:
+            _check_buffer("answer", answer, torch.int64, (4,), table.device)
+            self.answer = answer
         self.slots = [_Slot(shape, table.device, self.expected, self.answer) for _ in range(RING)]
         self.turn = 0
         # the slot whose expected table the graph replayed (or is about to): its answer not yet
@@ -233,8 +275,9 @@ class TableAudit:
     def expect(self, rows: Sequence_[Any], lengths: Any = None) -> list[Finding]:
         """Before the next replay: the expected table of `rows` (live sequences of the pool's
         handle, reading `lengths` tokens each; as `audit_block_table`) written and its upload
-        queued. The findings reported by this call (an earlier replay's answer that is back;
-        with a host table, this table's)."""
+        queued (with `expected`: written into the staging buffer, for the caller's upload).
+        The findings reported by this call (an earlier replay's answer that is back; with a
+        host table, this table's)."""
         if not self.cuda:
             return self.pool.audit_block_table(self.table, rows, lengths, self.padding)
         self.collect()
@@ -242,10 +285,33 @@ class TableAudit:
         self.turn += 1
         if slot.pending:
             self.audits.settle(upto=slot)
-        found = self.audits.settle()
-        self.audits.expect(slot, rows, host_array(lengths, "lengths"), self.padding)
+        # (nothing pending, the common case where the caller hands the answers over: no call)
+        found = self.audits.settle() if self.audits.pending() else []
+        self.audits.expect(slot, rows, host_array(lengths, "lengths"), self.padding, self.staging)
         self.replaying = slot
         return found
+
+    def replayed(self) -> int:
+        """The token of the replay whose expected table the last `expect` wrote (0: none whose
+        answer is still to take), for a caller that copies the answer back itself, behind the
+        replay (`answer`), to hand to `answered`."""
+        return self.turn if self.replaying is not None else 0
+
+    def answered(self, token: int, words: Any) -> list[Finding]:
+        """The answer of the replay `token` names (`replayed`), copied to the host by the
+        caller behind that replay and waited for (its 4 int64 words): reported now; the
+        findings. Nothing when it is no longer the one to take (an `expect` or a waiting
+        settle since collected it with a copy of its own, which reports it)."""
+        slot = self.replaying
+        if slot is None or token != self.turn:
+            return []
+        self.replaying = None
+        # (the staging buffer holds that replay's expected table still: no expect since)
+        finding = self.audits.answer(slot, words, self.staging)
+        if finding is None:
+            return []
+        self.audits.pool.report(finding)
+        return [finding]
 
     def settle(self, wait: bool = False) -> list[Finding]:
         """Report the answers that are back (with `wait`: the last replay's too, waited for);
@@ -255,11 +321,32 @@ class TableAudit:
         return self.audits.settle(wait=wait)
 
     def collect(self) -> None:
-        """The last replay's answer: its copy to the host queued (behind that replay)."""
+        """The last replay's answer (not handed over by the caller: `answered`): its copy to
+        the host queued (behind that replay)."""
         slot = self.replaying
         if slot is None:
             return
         self.replaying = None
+        if self.staging is not None:
+            # (its expected table kept for the answer's finding: the next expect writes over
+            # the staging buffer)
+            np.copyto(slot.host_np, self.staging)
         slot.back.copy_(self.answer, non_blocking=True)
         slot.done.record()
         self.audits.queue(slot)
+
+
+def _check_buffer(
+    what: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], device: Any
+) -> None:
+    """A caller's buffer of a TableAudit: a contiguous tensor of `dtype` and `shape`, on
+    `device` (None: page-locked host memory); a PoolError otherwise."""
+    where = "page-locked host memory" if device is None else str(device)
+    ok = isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == shape
+    ok = ok and t.is_contiguous()
+    ok = ok and (t.is_pinned() if device is None else t.device == device)
+    if not ok:
+        raise PoolError(
+            f"table_audit: {what} must be a contiguous {dtype} tensor of shape {list(shape)} "
+            f"in {where}"
+        )

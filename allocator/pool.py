@@ -681,18 +681,22 @@ class KVPool:
             self.deliver_findings()
         return found
 
-    def table_audit(self, table: Any, padding: int = -1) -> Any:
+    def table_audit(
+        self, table: Any, padding: int = -1, expected: Any = None, answer: Any = None
+    ) -> Any:
         """The audit of one static block table a CUDA graph reads, captured with it
         (`allocator.audit.TableAudit`): call `launch()` where the forward that reads `table` is
         captured, and `expect(rows, lengths)` before each replay (the audit of
         `audit_block_table`, the step paying no launch of its own; its answer reported at a
         later `expect`, `audit_block_table`, or `close`). With a table in host memory, `expect`
         is `audit_block_table` and `launch` does nothing (docs/POOL.md "The block-table
-        audit")."""
+        audit"). `expected` ((page-locked host, device) int32 buffers of the table's shape)
+        and `answer` (an int64 [4] device buffer): buffers of the caller's, which it moves
+        with its own transfers (TableAudit's `replayed` and `answered`)."""
         self._check_process()
         from kvscope.allocator.audit import TableAudit
 
-        return TableAudit(self, table, padding)
+        return TableAudit(self, table, padding, expected, answer)
 
     def device_audits(self) -> Any:
         """This handle's CUDA block-table audits in flight (`allocator.audit.DeviceAudits`),

@@ -43,8 +43,9 @@ class WriteProbes:
         if not self.guard or not seq.block_table:
             return
         pool = self.pool
+        # (the table as it is: the core reads it within the call, keeping none of it)
         with pool.op_mutex:  # (queued as the core queues its checks)
-            pool.core.unwritten(list(seq.block_table), len(seq.tokens) - 1, str(seq.request_id))
+            pool.core.unwritten(seq.block_table, len(seq.tokens) - 1, str(seq.request_id))
 
     def settle(self, wait: bool = False) -> None:
         """The answers of the checks launched on the GPU that are in (all, with `wait`)."""

@@ -55,6 +55,7 @@ TIMED = [
     ("kvscope.probes.stores", "Writers", "check"),
     ("kvscope.allocator.pool", "KVPool", "check_provenance"),
     ("kvscope.allocator.audit", "TableAudit", "expect"),
+    ("kvscope.allocator.audit", "TableAudit", "answered"),
     ("kvscope.allocator.pool", "KVPool", "audit_block_table"),
     ("kvscope.allocator.pool", "KVPool", "block_state"),
     ("kvscope.allocator.pool", "KVPool", "allocate"),

@@ -34,8 +34,8 @@ CONFIG = dict(
 
 def work(pool: KVPool, n_ops: int, seed: int = 1, sweep: bool = False) -> None:
     """n_ops steps of the workload on `pool` (every request freed at the end); with `sweep`,
-    each step ends with the slot-provenance sweep of its live requests, as the example
-    server's guard mode runs it (`pool.check_provenance`)."""
+    each step ends with the slot-provenance sweep of its live requests (`pool.check_provenance`,
+    which the example server's guard mode runs on a schedule of its own)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100) for _ in range(rng.randrange(3, 14))] for _ in range(6)]
     live = []

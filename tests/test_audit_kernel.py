@@ -144,6 +144,72 @@ def test_a_table_audit_captured_in_a_cuda_graph_reports_a_replays_bad_table(make
 
 
 @pytest.mark.gpu
+def test_a_table_audit_on_the_callers_buffers_reports_the_answer_it_is_handed(make_pool):
+    # GIVEN a CUDA pool, two sequences, a static device table, and a table audit whose
+    # expected table the caller uploads from its page-locked staging buffer, and whose answer
+    # is part of a buffer the caller copies back itself
+    from kvscope.allocator import PoolError
+
+    pool = make_pool(32, device="cuda")
+    a = pool.allocate("a", list(range(10)))
+    b = pool.allocate("b", list(range(100, 105)))
+    table = torch.full((4, 4), -1, dtype=torch.int32, device="cuda")
+    staging = torch.zeros((4, 4), dtype=torch.int32).pin_memory()
+    expected = torch.zeros((4, 4), dtype=torch.int32, device="cuda")
+    back = torch.zeros(6, dtype=torch.int64, device="cuda")
+    host = torch.zeros(6, dtype=torch.int64).pin_memory()
+    audit = pool.table_audit(table, expected=(staging, expected), answer=back[2:])
+
+    def true_rows(t):
+        t[0, :3] = torch.tensor(a.block_table)
+        t[1, :2] = torch.tensor(b.block_table)
+
+    def stale(t):
+        true_rows(t)
+        t[3, :2] = t[1, :2]
+        t[1] = -1
+
+    def step(rows, fill, hand_over=True):
+        table.fill_(-1)
+        fill(table)
+        before = audit.expect(rows)
+        # (the caller's upload, the replay's comparison, the caller's readback behind it)
+        expected.copy_(staging, non_blocking=True)
+        token = audit.replayed()
+        audit.launch()
+        host.copy_(back, non_blocking=True)
+        torch.cuda.synchronize()
+        return before, (audit.answered(token, host.numpy()[2:]) if hand_over else token)
+
+    # WHEN true steps run, their answers handed over THEN nothing is found, nothing pends, and
+    # expect wrote the expected table where the caller uploads it
+    for _ in range(3):
+        assert step([a, b], true_rows) == ([], [])
+    assert staging[0, :3].tolist() == a.block_table and staging[3].tolist() == [-1] * 4
+    assert not pool.device_audits().pending() and audit.settle(wait=True) == []
+    # WHEN a step's padding row keeps b's row while only a is live
+    _, found = step([a], stale)
+    # THEN the answer handed over is reported at once, naming the padding row and b's block
+    assert [f.kind for f in found] == ["block_table_mismatch"]
+    assert found[0].block == b.block_table[0] and found[0].request == "b"
+    assert "padding row 3 entry 0" in found[0].message
+    assert [f.kind for f in pool.findings()] == ["block_table_mismatch"]
+    # WHEN a stale step's answer is not handed over before the next expect
+    _, token = step([a], stale, hand_over=False)
+    before, late = step([a, b], true_rows)
+    # THEN the audit copied it back itself and reports it (at that expect, if back by then,
+    # or at the settle), and the late token takes nothing
+    assert audit.answered(token, host.numpy()[2:]) == [] and late == []
+    reported = before + audit.settle(wait=True)
+    assert [f.kind for f in reported] == ["block_table_mismatch"]
+    # AND a caller's buffer of the wrong kind is refused
+    with pytest.raises(PoolError, match="staging"):
+        pool.table_audit(table, expected=(expected, expected))
+    with pytest.raises(PoolError, match="answer"):
+        pool.table_audit(table, answer=back[:2])
+
+
+@pytest.mark.gpu
 def test_cuda_step_graphs_audit_a_stale_padding_row_in_the_replay(make_pool):
     # GIVEN a guard-mode CUDA pool, the tiny model's step graphs captured over it, and a
     # two-row step, then a one-row step with stale-padding-row armed for it

@@ -18,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from server.batch import Batch  # noqa: E402
 from server.checkpoint import tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
-from server.graphs import StepGraphs, token_buckets  # noqa: E402
+from server.graphs import Readback, StepGraphs, token_buckets  # noqa: E402
 from server.model import LlamaModel, generate_reference  # noqa: E402
 from server.scheduler import Chunk  # noqa: E402
+from server.violations import ErrorCopy  # noqa: E402
 from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
 
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
@@ -215,6 +216,79 @@ def test_captured_graphs_replay_the_eager_tokens_on_cuda(pools: list, guard: boo
     assert graphs.num_replays == graphs.num_forwards > 10 and graphs.num_mixed > 5
     assert through_graphs == eager
     assert graph_pool.findings() == eager_pool.findings() == []
+
+
+def test_the_error_copy_hands_the_audit_the_answer_that_came_back_with_it() -> None:
+    # GIVEN a step's readback: one buffer holding its error buffer, then the block-table
+    # audit's answer (4 int64 from an int64 boundary), and an audit that records what it is
+    # handed
+    from kvscope import kernels
+
+    errors = kernels.new_error_buffer()
+    n = errors.numel()
+    at = n + (n & 1)
+    buffer = torch.zeros(at + 8, dtype=torch.int32)
+    buffer[:n].copy_(errors)
+    buffer[at:].view(torch.int64).copy_(torch.tensor([2, 12, 5, 1]))
+    handed: list[tuple[int, list[int]]] = []
+    audit = SimpleNamespace(answered=lambda token, words: handed.append((token, words.tolist())))
+    readback = Readback(buffer, n, at)
+    readback.audit = audit
+    copy = ErrorCopy(torch.device("cpu"))
+    # WHEN a step whose replay's answer has a token is copied back and taken
+    step = SimpleNamespace(readback=(readback, 7), guard={"errors": buffer[:n]})
+    copy.start(step)  # type: ignore[arg-type]
+    taken = copy.take()
+    # THEN the audit is handed that token and the 4 words, and the error buffer read: nothing
+    assert handed == [(7, [2, 12, 5, 1])] and taken == (step, [])
+    # AND a step with no answer to take (token 0) hands nothing
+    quiet = SimpleNamespace(readback=(readback, 0), guard={"errors": buffer[:n]})
+    copy.start(quiet)  # type: ignore[arg-type]
+    assert copy.take(copied=True) == (quiet, []) and len(handed) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_steps_carry_the_audits_buffers_in_their_own_copies(pools: list) -> None:
+    # GIVEN the tiny model on the GPU and step graphs captured over a guard-mode pool
+    from kvscope.allocator import faults
+
+    model = tiny_model(0).to(device="cuda", dtype=torch.float16).fuse()
+    pool = make_pool(model, 96, guard=True)
+    pools.append(pool)
+    graphs = StepGraphs(model, pool, max_seqs=4, max_len=40, max_tokens=256, max_chunk=8)
+    # THEN the audit's expected table is part of the int32 transfer (after the chunk starts),
+    # and its answer part of the readback, after the error buffer
+    readback, audit = graphs.readback, graphs.audit
+    assert readback is not None and audit is not None and readback.audit is audit
+    base = readback.buffer.data_ptr()
+    assert graphs.guard["errors"].data_ptr() == base and readback.answer_at >= readback.errors
+    assert audit.answer.data_ptr() == base + 4 * readback.answer_at
+    assert audit.expected.data_ptr() == graphs.dev32.data_ptr() + 4 * graphs.n32
+    # WHEN requests are served with stale-padding-row armed (a shorter step keeps the padding
+    # rows of the one before), counting the answers handed over by the engine's readback
+    taken = []
+    answered = audit.answered
+
+    def answer(token: int, words: Any) -> list:
+        pending = audit.replaying is not None
+        found = answered(token, words)
+        taken.append(pending and audit.replaying is None)
+        return found
+
+    audit.answered = answer
+    faults.configure("stale-padding-row:1")
+    try:
+        serve(model, pool, graphs)
+    finally:
+        faults.configure(None)
+    # THEN the replay that read it is one block_table_mismatch about a padding row, the
+    # replays' answers came back with their error buffers, the last one's too (nothing left
+    # for the audit to copy back itself)
+    assert graphs.num_replays == graphs.num_forwards > 10
+    found = [f for f in pool.findings() if f.kind == "block_table_mismatch"]
+    assert len(found) == 1 and "padding row" in found[0].message, found
+    assert any(taken) and audit.replaying is None
 
 
 def test_the_step_timer_sums_each_phase_between_its_boundaries() -> None:

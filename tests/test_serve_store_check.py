@@ -1,6 +1,9 @@
 """The example engine's store check (examples/server/batch.py `check_writes`): under the probes a
 step that would store into the prefix blocks its request hit names that request at the check's
-line, and a served workload with shared prefixes, forks and preemption has no finding."""
+line, and a served workload with shared prefixes, forks and preemption has no finding. In guard
+mode with slot provenance the same call sweeps the step's sequences on its schedule (`sweeps`),
+and once more as a request finishes (Engine._finish), which finds a foreign slot in a running
+request's block before the request is freed."""
 
 from __future__ import annotations
 
@@ -12,17 +15,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from server.batch import Batch  # noqa: E402
+from server.batch import Batch, sweeps  # noqa: E402
 from server.checkpoint import tiny_model  # noqa: E402
 from server.engine import Engine  # noqa: E402
-from server.workload import WorkloadSpec, generate_workload  # noqa: E402
+from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
+
+from kvscope.allocator import faults  # noqa: E402
 
 
-def probed_pool(make_pool, model, num_blocks: int):
+def probed_pool(make_pool, model, num_blocks: int, **config):
     c = model.config
     pool = make_pool(
         num_blocks, block_size=8, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim, dtype=model.lm_head.weight.dtype, max_seqs=64,
+        head_dim=c.head_dim, dtype=model.lm_head.weight.dtype, max_seqs=64, **config,
     )  # fmt: skip
     assert pool.probe is not None
     return pool
@@ -63,3 +68,33 @@ def test_a_served_workload_with_the_store_check_has_no_finding(make_pool, probes
     assert not [r.error for r in results if r.error]
     assert pool.stats()["prefix_hits"] > 0
     assert [f for f in pool.findings()] == [] and pool.check() == []
+
+
+def test_a_decode_is_swept_where_it_starts_a_power_of_two_block():
+    # block 0, 1, 2, 4, 8 (positions 0, 8, 16, 32, 64 of blocks of 8): not 3, 5, 6 or 7, nor
+    # a position inside a block
+    assert [p for p in range(80) if sweeps(p, 8)] == [0, 8, 16, 32, 64]
+
+
+def test_a_foreign_slot_in_a_running_requests_block_is_found_before_it_is_freed(
+    make_pool, probes, one_torch_thread
+):
+    # GIVEN a guard-mode pool recording every sequence's slot provenance, and the foreign-slot
+    # fault armed: the first decode's write also lands in another running request's published
+    # block
+    model = tiny_model(0)
+    pool = probed_pool(make_pool, model, 32, guard=True)
+    pool.provenance_sample = 1
+    faults.configure("foreign-slot:1")
+    # (two requests of 20-token prompts, no prefix in common, ending before position 32: past
+    # their prompts each decode starts only block 3, so only the sweep as each one finishes
+    # reads the struck block again, and no prefix hit does)
+    requests = [Request(f"r{i}", [i + 1] * 20, 10) for i in range(2)]
+    # WHEN they are served
+    results = Engine(model, pool).run(requests)
+    # THEN the fault fired, and the sweep found the struck slot: one foreign_slot, naming one
+    # of them as the reader
+    assert not [r.error for r in results if r.error]
+    assert "foreign-slot" in faults.FIRED
+    found = [f for f in pool.findings() if f.kind == "foreign_slot"]
+    assert len(found) == 1 and found[0].request in ("r0", "r1"), found

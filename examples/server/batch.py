@@ -34,6 +34,13 @@ def guarded(cache: Any) -> bool:
     return bool(getattr(cache.config, "guard", False)) and hasattr(cache, "block_state")
 
 
+def sweeps(position: int, block_size: int) -> bool:
+    """Whether a decode at `position` is swept (Batch.check_writes): it starts a block whose
+    number is a power of two (or block 0)."""
+    block, offset = divmod(position, block_size)
+    return offset == 0 and block & (block - 1) == 0
+
+
 class Batch:
     """Token ids, positions, slots and block tables of one step (host arrays, device tensors)."""
 
@@ -44,6 +51,9 @@ class Batch:
         self.device = torch.device(device)
         self.block_size = cache.config.block_size
         self.guarded = guarded(cache)
+        # guard mode, a step the graphs run: what its error copy brings back, and the token of
+        # its block-table audit's answer (graphs.Readback.step; None: the error buffer alone)
+        self.readback: tuple[Any, int] | None = None
         prefills = [c for c in chunks if c.length > 1]
         decodes = [c for c in chunks if c.length == 1]
         self.chunks = prefills + decodes
@@ -82,18 +92,32 @@ class Batch:
         the forward stores it (eager or graphs): a slot in a published, freed or unmapped block
         is a finding naming the chunk's request (probes/stores.py)."""
         if getattr(self.cache, "probe", None) is not None:
-            spans = [(c.stream.seq, c.start, c.start + c.length) for c in self.chunks]
+            # (the spans zipped from lists: a tuple built per chunk costs the host more)
+            spans = list(zip(self.seqs, self.starts, self.seq_lens))
             Writers(self.cache, spans).check(self.host_slots)
         if self.guarded and getattr(self.cache, "provenance_sample", 0):
             # slot provenance: each slot a sequence reads was written for its own tokens, or
             # its prefix hit's (KVPool.check_provenance: a foreign_slot finding). The sweep
             # reads every slot of a sequence, so a sequence is swept at each prompt chunk and
-            # at each decode that starts a block, not at every step (a hit is checked at the
-            # hit by the pool itself)
-            bs = self.block_size
-            seqs = [c.stream.seq for c in self.chunks if c.length > 1 or c.start % bs == 0]
-            if seqs:
-                self.cache.check_provenance(seqs)
+            # at each decode that starts its block 1, 2, 4, 8, ... (about log2 of its blocks
+            # sweeps while it decodes, not one a block), and once more as it finishes
+            # (Engine._finish); a hit is checked at the hit by the pool itself
+            bs, first, seqs = self.block_size, self.num_prefills, self.seqs
+            decodes = zip(seqs[first:], self.starts[first:])
+            # (the remainder first: a function call per decode costs the host more than this)
+            swept = seqs[:first] + [s for s, p in decodes if p % bs == 0 and sweeps(p, bs)]
+            if swept:
+                self.cache.check_provenance(swept)
+
+    @cached_property
+    def seqs(self) -> list[Any]:
+        """Each chunk's sequence, in batch order."""
+        return [c.stream.seq for c in self.chunks]
+
+    @cached_property
+    def starts(self) -> list[int]:
+        """Each chunk's first position, in batch order."""
+        return [c.start for c in self.chunks]
 
     def audit(self, table: Any, rows: list[Chunk]) -> None:
         """Guard mode: the block table an eager step's kernels will read (a group's; the step

@@ -32,7 +32,7 @@ from torch import Tensor
 from kvscope import kernels
 
 from . import violations
-from .batch import Batch
+from .batch import Batch, guarded
 from .graphs import StepGraphs
 from .hostcopy import HostCopy
 from .model import LlamaModel
@@ -136,6 +136,8 @@ class Engine:
         self.timer = StepTimer(self.device)
         # guard mode: the last step's recorded violations on their way to the host
         self.errors = violations.ErrorCopy(self.device)
+        # guard mode: a finished stream's slots swept before its free (slot provenance on)
+        self.sweeping = guarded(cache)
         # each step's picked tokens (or logits) on their way to the host
         self.picks = HostCopy(self.device)
         # each step's scored positions (scoring requests) on their way to the host
@@ -250,7 +252,9 @@ class Engine:
             if scores is not None:
                 scores()
             t5 = time.perf_counter()
-            self._take_violations()
+            # (the step's tokens or scores were copied behind its error buffer, on the same
+            # stream, and waited for: the error buffer is on the host)
+            self._take_violations(copied=True)
             for (stream, _), pick in zip(done, chosen, strict=True):
                 # a request cancelled earlier in this loop has no state any more
                 if stream.request.request_id in self.states:
@@ -344,9 +348,10 @@ class Engine:
         state.result.first_token_s = self.now()
         self._finish(state, stream)
 
-    def _take_violations(self) -> None:
-        """Report what the kernels of the step whose error buffer is being copied recorded."""
-        taken = self.errors.take()
+    def _take_violations(self, copied: bool = False) -> None:
+        """Report what the kernels of the step whose error buffer is being copied recorded
+        (`copied`: a copy queued after it was waited for)."""
+        taken = self.errors.take(copied)
         if taken is not None:
             violations.report(self.cache, *taken)
 
@@ -403,6 +408,10 @@ class Engine:
         state.result.stored_tokens += seq.num_tokens if seq.block_table else 0
         if stream.index == 0:
             state.result.num_hit_tokens = max(stream.num_hit_tokens, 0)
+        if self.sweeping and seq.block_table and getattr(self.cache, "provenance_sample", 0):
+            # slot provenance, guard mode: every slot the stream read swept once more before
+            # it is freed (Batch.check_writes sweeps a decoding sequence at a few blocks only)
+            self.cache.check_provenance([seq])
         self.scheduler.finish(stream)
         state.num_finished += 1
         if state.num_finished == stream.request.n:

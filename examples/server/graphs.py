@@ -24,10 +24,11 @@ eagerly, so the tests check the buffers' bookkeeping against the ordinary path.
 Guard mode (batch.guarded) is captured too: every graph checks against one static block-state
 buffer and records into one static error buffer, and begins with the block-table audit of the
 whole static table (KVPool.table_audit: the comparison with the expected table the pool writes
-each step, uploaded beside the step's inputs; its answer reported at a later step). A step's pool block states travel in its int32
+each step). A step's expected table (on CUDA) and pool block states travel in its int32
 transfer (after the tables, lengths and starts); each forward zeroes the error count first (in
 the graph: no launch of its own); the engine copies the error buffer back behind the step (a
-host read right after the launch would wait for the whole forward).
+host read right after the launch would wait for the whole forward), and with it (on CUDA) the
+audit's answer, one buffer holding both (`Readback`), handed to the audit once on the host.
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ def token_buckets(max_tokens: int) -> list[int]:
         buckets.append(b)
         b = b + 16 if b < 128 else -(-int(b * 1.25) // 64) * 64
     return buckets + [max_tokens]
+
+
+class Readback:
+    """Guard mode: what the host reads back of a step the graphs ran, in one copy
+    (violations.ErrorCopy): `buffer`, int32, holds the error buffer (its first `errors` words)
+    and, from word `answer_at` (-1: none), the block-table audit's answer (4 int64, which
+    `audit` takes with `TableAudit.answered`)."""
+
+    def __init__(self, buffer: Tensor, errors: int, answer_at: int) -> None:
+        self.buffer = buffer
+        self.errors = errors
+        self.answer_at = answer_at
+        self.audit: Any = None
+
+    def step(self) -> tuple[Readback, int]:
+        """This step's: the readback and the token of its replay's audit answer (0: none)."""
+        return self, self.audit.replayed() if self.audit is not None else 0
 
 
 class StepGraphs:
@@ -81,10 +99,22 @@ class StepGraphs:
         rows = max([max_seqs, *self.buckets])
         # guard mode: the block states (1: ALLOCATED), one byte each, after the int32 inputs
         num_states = cache.config.num_blocks if guarded(cache) else 0
-        # int64: tokens, positions, slots; int32: tables, lens, chunk starts (and block states)
-        self.n32 = max_seqs * self.width + max_seqs + max_seqs + 1
-        size32 = self.n32 + -(-num_states // 4)
+        # the block-table audit of the whole static table, padding rows included (guard mode's,
+        # or as `audit` says): its comparison captured in every graph, before any kernel reads
+        # the table; each step writes the expected table (KVPool.table_audit)
+        if audit is None:
+            audit = bool(num_states)
+        make = getattr(cache, "table_audit", None) if audit else None
         pin = self.device.type == "cuda"
+        # On CUDA the audit's expected table travels in the int32 transfer (after the chunk
+        # starts) and its answer comes back with the error buffer: a copy and an event fewer
+        # a step each (KVPool.table_audit's `expected` and `answer`)
+        num_expected = max_seqs * self.width if make is not None and pin else 0
+        # int64: tokens, positions, slots; int32: tables, lens, chunk starts (then the expected
+        # table, and block states)
+        self.n32 = max_seqs * self.width + max_seqs + max_seqs + 1
+        self.states_at = self.n32 + num_expected
+        size32 = self.states_at + -(-num_states // 4)
         self.host64 = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
@@ -93,22 +123,40 @@ class StepGraphs:
         # guard mode: the block states and the error buffer every graph reads
         self.cache = cache
         self.guard: dict[str, Tensor] = {}
-        self.host8 = self.host32[self.n32 :].view(torch.uint8)[:num_states]
+        self.host8 = self.host32[self.states_at :].view(torch.uint8)[:num_states]
         self.np8 = self.host8.numpy()
+        # guard mode: what a step brings back to the host (violations.ErrorCopy)
+        self.readback: Readback | None = None
+        answer = None
         if num_states:
+            errors = kernels.new_error_buffer(device=self.device)
+            n = errors.numel()
+            # the error buffer, then (on CUDA, auditing) the audit's answer: int64 [4] from an
+            # int64 boundary, in one buffer copied back in one
+            at = n + (n & 1)
+            back = torch.zeros(at + 8 if num_expected else n, dtype=torch.int32, device=self.device)
+            back[:n].copy_(errors)
             self.guard = {
-                "block_state": self.dev32[self.n32 :].view(torch.uint8)[:num_states],
-                "errors": kernels.new_error_buffer(device=self.device),
+                "block_state": self.dev32[self.states_at :].view(torch.uint8)[:num_states],
+                "errors": back[:n],
             }
-        # the block-table audit of the whole static table, padding rows included (guard mode's,
-        # or as `audit` says): its comparison captured in every graph, before any kernel reads
-        # the table; each step writes the expected table (KVPool.table_audit)
-        if audit is None:
-            audit = bool(num_states)
-        make = getattr(cache, "table_audit", None) if audit else None
-        self.audit = make(self._tables()) if make is not None else None
+            if num_expected:
+                answer = back[at:].view(torch.int64)
+            self.readback = Readback(back, n, at if num_expected else -1)
+        expected = None
+        if num_expected:
+            shape = (max_seqs, self.width)
+            end = self.states_at
+            expected = (
+                self.host32[self.n32 : end].view(shape),
+                self.dev32[self.n32 : end].view(shape),
+            )
+        self.audit = make(self._tables(), expected=expected, answer=answer) if make else None
+        if self.readback is not None and answer is not None:
+            self.readback.audit = self.audit
         self.np64[2] = -1  # slot -1: store nothing (the captures' own forwards write no block)
         self.np32[self.max_seqs * self.width :] = 0
+        self.np32[self.n32 : self.states_at] = -1  # (the expected table: all padding)
         # the last transfer from the page-locked buffers: wait for it before writing them again
         self.copied = torch.cuda.Event() if pin else None
         self._load()
@@ -148,11 +196,19 @@ class StepGraphs:
             key = ("mixed", bucket)
             self.num_mixed += 1
         self._write(batch)
+        # the audit's expected table: on CUDA into the int32 transfer (before it); a host
+        # table is audited once the step's tables are in it (after)
+        staged = self.audit is not None and self.states_at > self.n32
+        # (the rows are every chunk's: Batch.audit_rows(batch.chunks), made once per batch)
+        if staged:
+            self.audit.expect(batch.seqs, batch.seq_lens)
         self._load()
+        if self.audit is not None and not staged:
+            self.audit.expect(batch.seqs, batch.seq_lens)
         if self.guard:
             batch.guard = self.guard
-        if self.audit is not None:
-            self.audit.expect(*batch.audit_rows(batch.chunks))
+            if self.readback is not None:
+                batch.readback = self.readback.step()
         self.num_forwards += 1
         if key in self.graphs:
             graph, out = self.graphs[key]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,19 +34,45 @@ class ErrorCopy:
         self.counted: tuple[Tensor | None, Any] = (None, None)
         # the step whose copy is under way (None: nothing to report)
         self.batch: Batch | None = None
+        # a graph step's readback (graphs.Readback) copied whole, and the views of it made
+        # once: its error buffer and the audit's answer words (numpy)
+        self.whole: tuple[Tensor | None, Tensor | None, Any] = (None, None, None)
+        # the audit and the token of the answer the copy under way brings back (None: none)
+        self.answering: tuple[Any, int] | None = None
 
     def start(self, batch: Batch) -> None:
-        """Queue the copy of the error buffer `batch`'s kernels write (the last one taken)."""
+        """Queue the copy of the error buffer `batch`'s kernels write (the last one taken); of
+        a graph step, the readback that holds it, the block-table audit's answer with it."""
         assert self.batch is None, "the last step's violations were not taken"
-        self.host = self.copy.start(batch.guard["errors"])
+        self.answering = None
+        if batch.readback is None:
+            self.host = self.copy.start(batch.guard["errors"])
+        else:
+            readback, token = batch.readback
+            whole = self.copy.start(readback.buffer)
+            if self.whole[0] is not whole:
+                at = readback.answer_at
+                words = whole.numpy()[at : at + 8].view(np.int64) if at >= 0 else None
+                self.whole = (whole, whole[: readback.errors], words)
+            self.host = self.whole[1]
+            if token and self.whole[2] is not None:
+                self.answering = (readback.audit, token)
         self.batch = batch
 
-    def take(self) -> tuple[Batch, list[dict[str, Any]]] | None:
-        """The step whose copy is under way and its violations (once copied), or None."""
+    def take(self, copied: bool = False) -> tuple[Batch, list[dict[str, Any]]] | None:
+        """The step whose copy is under way and its violations (once copied), or None. The
+        block-table audit's answer that came back with them is handed to the audit, which
+        reports a finding at once. `copied`: the caller waited for a copy it queued on the
+        same stream after `start` (the step's sampled tokens): no wait of its own."""
         batch, self.batch = self.batch, None
         if batch is None or self.host is None:
             return None
-        self.copy.wait()
+        if not copied:
+            self.copy.wait()
+        if self.answering is not None:
+            audit, token = self.answering
+            self.answering = None
+            audit.answered(token, self.whole[2])
         if self.counted[0] is not self.host:
             self.counted = (self.host, self.host.numpy())
         if not self.counted[1][0]:
