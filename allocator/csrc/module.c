@@ -386,6 +386,9 @@ static PyMethodDef N_methods[] = {
     {"oplog_store", (PyCFunction)(void (*)(void))N_oplog_store, METH_FASTCALL,
      "oplog_store(spans, slots, what, ref) -> int: a store check's input as a STORE record "
      "(docs/REPLAY.md; 0: not recording)"},
+    {"oplog_copy", (PyCFunction)N_oplog_copy, METH_O,
+     "oplog_copy(pairs) -> int: the blocks the program copied (int64 (src, dst) pairs) as a COPY "
+     "record (docs/REPLAY.md; 0: not recording)"},
     {"store_check", (PyCFunction)(void (*)(void))N_store_check, METH_FASTCALL,
      "store_check(spans, slots, tables, site, what) -> int: a store check (probes/stores.py), "
      "its findings written into the ring (their count)"},
