@@ -398,8 +398,7 @@ class OpLog:
         if self._kv is None:
             copy = int(OpCode.COPY)
             self._kv = self.snapshot is None and (
-                any(r.op == copy for r in self.records)
-                or not any(r.copies for r in self.records)
+                any(r.op == copy for r in self.records) or not any(r.copies for r in self.records)
             )
         return self._kv
 

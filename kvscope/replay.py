@@ -1155,12 +1155,12 @@ def _units(ops: list[OpRecord]) -> list[list[int]]:
         key = (r.pid, r.seq_id)
         if r.op == _COPY:
             # (with the request whose append gave its pairs, else a unit of its own)
-            mine = {pairs[(r.pid, a, b)] for a, b in r.copies if (r.pid, a, b) in pairs}
-            if not mine:
-                mine = {len(units)}
+            given = {pairs[(r.pid, a, b)] for a, b in r.copies if (r.pid, a, b) in pairs}
+            if not given:
+                given = {len(units)}
                 units.append([])
-            for u in sorted(mine):
-                units[u].append(i)
+            for unit in sorted(given):
+                units[unit].append(i)
             continue
         if r.copies and key in family:
             for a, b in r.copies:

@@ -1365,9 +1365,11 @@ def test_kvscope_run_records_the_user_engines_skipped_copy(tmp_path):
     assert out.returncode == 1, out.stderr
     d = json.loads(out.stdout)
     assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
-    assert d["replayed_result"]["found"] == d["recorded"]["found"] == [
-        {"kind": k, "block": b} for k, b in free.found
-    ]
+    assert (
+        d["replayed_result"]["found"]
+        == d["recorded"]["found"]
+        == [{"kind": k, "block": b} for k, b in free.found]
+    )
     assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
     run = subprocess.run(
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
