@@ -396,10 +396,13 @@ class OpLog:
         telling the pool (copy_blocks without `pool=`) would leave every copy it made missing
         in the replay: its K/V is not replayed, as before COPY records."""
         if self._kv is None:
-            copy = int(OpCode.COPY)
-            self._kv = self.snapshot is None and (
-                any(r.op == copy for r in self.records) or not any(r.copies for r in self.records)
-            )
+            copy, pairs = int(OpCode.COPY), False
+            for r in self.records:
+                if r.op == copy:
+                    self._kv = self.snapshot is None
+                    return self._kv
+                pairs = pairs or bool(r.copies)
+            self._kv = self.snapshot is None and not pairs
         return self._kv
 
     def store_reports(self) -> dict[int, int]:

@@ -282,9 +282,10 @@ class Session:
         self.stored: dict[tuple[int, int], list[tuple[str, int]]] = {}
         self.writers: dict[int, Any] = {}
         self.store_reports = log.store_reports()
-        # the recorded stores and copies applied to the replay's K/V (OpLog.replays_kv); the
-        # values each STORE wrote (by its number: its slots and their values), for a script
-        self.kv = log.replays_kv()
+        # the recorded stores and copies applied to the replay's K/V (OpLog.replays_kv, asked
+        # at the first STORE or COPY: a log of neither is not scanned for it); the values each
+        # STORE wrote (by its number: its slots and their values), for a script
+        self.log = log
         self.kv_writes: dict[int, tuple[list[int], list[float]]] = {}
         self._bare: dict[int, PoolProbes] = {}  # (by pid: a store check's probes where none)
         self.fired: list[str] = []
@@ -485,7 +486,7 @@ class Session:
                 h.probe = None
         out.found = list(found)
         self.stored[(r.pid, r.tid)] = list(found)
-        if self.kv and part.what & STORE_SLOTS and out.status == _OK:
+        if part.what & STORE_SLOTS and out.status == _OK and self.log.replays_kv():
             # (after its check, as store_kv checks, then writes)
             values = kv_values(spans, slots)
             write_kv(h, slots, values)
@@ -496,7 +497,7 @@ class Session:
         """A COPY record: the blocks the program copied, copied in the replay's K/V (the
         recorded block ids, as the recorded slots of a store)."""
         out = Result(copies=r.copies)
-        if self.kv:
+        if self.log.replays_kv():
             try:
                 copy_kv(h, r.copies)
             except Exception as e:  # (a pair out of the pool's range)

@@ -1268,6 +1268,8 @@ def test_the_copies_made_replay_to_the_end_and_are_what_the_replay_needs(tmp_pat
     assert sum(r.op == OpCode.COPY for r in log.records) == 4 and log.replays_kv()
     out = replay(log)
     assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
+    # (the records the replay runs, without the COPYs; the log's K/V replayed as read)
+    assert log.replays_kv()
     log.records = [r for r in log.records if r.op != OpCode.COPY]
     out = replay(log)
     assert (out.reason, out.diff) == ("divergence", ["found"])
