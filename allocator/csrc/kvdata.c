@@ -568,10 +568,7 @@ static PyObject *N_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs)
         /* (the blocks' lines asked for together: poisoned at their last free, long ago) */
         kv_prefetch(n, ids, nblk, (size_t)(n->bs * n->kv_slot_bytes));
         for (int64_t i = 0; i < nblk; i++) slots_blank(n, ids[i], blank + i * n->bs);
-        Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
         rc = unwritten_report(n, ids, nblk, num, blank, args[2], 0);
-        /* (the free this check comes before records what it found: oplog.c) */
-        if (rc == OK && n->oplog) oplog_carry(n, found0);
     }
     n->mutex_held = mh;
     n->pool = pool;
