@@ -1737,7 +1737,7 @@ def write(pool, slots, values):
     mapping = torch.tensor(slots, dtype=torch.int64)
     _, _, _, _, heads, dim = pool.kv.shape
     k = torch.tensor(values, dtype=torch.float32)[:, None, None].expand(-1, heads, dim)
-    k = k.to(pool.kv.dtype).contiguous()
+    k = k.contiguous()  # (stored in the pool's dtype by store_kv)
     for layer in range(pool.kv.shape[0]):
         store_kv(k, -k, pool.kv[layer, 0], pool.kv[layer, 1], mapping)
 '''
