@@ -908,23 +908,27 @@ def kv_values(spans: list[tuple[Any, int, int]], slots: list[int]) -> list[float
 
 def write_kv(pool: Any, slots: list[int], values: list[float]) -> None:
     """A store's K/V as a replay writes it: each slot (not -1, in the pool's range) of every
-    layer, K and V, its value (kv_values; V negated), as store_kv would write it."""
+    layer, K and V, its value (kv_values; V negated), as store_kv would write it. (One indexed
+    write for every layer, K and V: a replay of a store-heavy log runs one a store.)"""
     import torch
 
     if not slots:
         return
     kv = pool.kv
-    spb = pool.slots_per_block
+    layers, _, blocks, spb, heads, dim = kv.shape
+    if min(slots) < 0 or max(slots) >= blocks * spb:
+        kept = [(x, v) for x, v in zip(slots, values) if 0 <= x < blocks * spb]
+        if not kept:
+            return
+        slots, values = [x for x, _ in kept], [v for _, v in kept]
     at = torch.tensor(slots, dtype=torch.int64)
     vals = torch.tensor(values, dtype=torch.float32)
-    ok = (at >= 0) & (at < kv.shape[2] * spb)
-    at, vals = at[ok], vals[ok]
-    blk, off = at // spb, at % spb
-    k = vals[:, None, None].expand(-1, kv.shape[4], kv.shape[5]).to(kv.dtype)
-    v = (-vals)[:, None, None].expand(-1, kv.shape[4], kv.shape[5]).to(kv.dtype)
-    for layer in range(kv.shape[0]):
-        kv[layer, 0, blk, off] = k
-        kv[layer, 1, blk, off] = v
+    both = torch.stack((vals, -vals))[:, :, None].expand(2, len(slots), heads * dim)
+    if kv.is_contiguous():
+        kv.view(layers, 2, blocks * spb, heads * dim)[:, :, at] = both.to(kv.dtype)
+    else:
+        both = both.reshape(2, len(slots), heads, dim).to(kv.dtype)
+        kv[:, :, at // spb, at % spb] = both
 
 
 def copy_kv(pool: Any, pairs: list[tuple[int, int]]) -> None:
