@@ -83,8 +83,13 @@ def copy_blocks(
     assert kv_cache.stride(5) == 1 and kv_cache.stride(0) == 2 * kv_cache.stride(1)
     if src.numel() == 0:
         return
-    src = src.to(device=kv_cache.device, dtype=torch.int32).contiguous()
-    dst = dst.to(device=kv_cache.device, dtype=torch.int32).contiguous()
+    if src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype:
+        # (host pairs, as a pool's append returns them: uploaded in one copy)
+        both = torch.stack((src, dst)).to(device=kv_cache.device, dtype=torch.int32)
+        src, dst = both[0], both[1]
+    else:
+        src = src.to(device=kv_cache.device, dtype=torch.int32).contiguous()
+        dst = dst.to(device=kv_cache.device, dtype=torch.int32).contiguous()
     numel = slots * heads * head_dim
     # copy bits, not values: fp8 and canary NaNs must survive unchanged
     bits = kv_cache.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[kv_cache.element_size()])
