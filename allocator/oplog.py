@@ -31,6 +31,7 @@ from kvscope.allocator.records import (
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
     OPLOG_LEASE_FIELDS,
+    OPLOG_READABLE,
     OPLOG_REDACTED,
     OPLOG_STORE_FIELDS,
     OPLOG_VERSION,
@@ -381,10 +382,28 @@ class OpLog:
     breaks: list[int] = field(default_factory=list)
 
     _stores: dict[int, int] | None = field(default=None, repr=False, compare=False)
+    _kv: bool | None = field(default=None, repr=False, compare=False)
 
     @property
     def ops(self) -> list[OpRecord]:
         return [r for r in self.records if r.op not in (OpCode.START, OpCode.SNAPSHOT)]
+
+    def replays_kv(self) -> bool:
+        """Whether a replay of this log writes its stores and copies into its own K/V
+        (docs/REPLAY.md "What replays"): where the log starts at the pool's creation (a
+        snapshot holds no K/V) and the program told the pool of its block copies (a COPY
+        record), or had none to make (no copy-on-write pair). A program that copies without
+        telling the pool (copy_blocks without `pool=`) would leave every copy it made missing
+        in the replay: its K/V is not replayed, as before COPY records."""
+        if self._kv is None:
+            copy, pairs = int(OpCode.COPY), False
+            for r in self.records:
+                if r.op == copy:
+                    self._kv = self.snapshot is None
+                    return self._kv
+                pairs = pairs or bool(r.copies)
+            self._kv = self.snapshot is None and not pairs
+        return self._kv
 
     def store_reports(self) -> dict[int, int]:
         """The REPORT records that are a store check's findings, by number, each to the number
@@ -466,8 +485,9 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
         if r.pool == tag:
             versions.append(oplogsnap.meta_of(r.state or b"", path).get("start", {}).get("version"))
     for v in versions:
-        if v != OPLOG_VERSION:
-            raise OplogError(f"{path}: log version {v!r}, this kvscope reads {OPLOG_VERSION}")
+        if v not in OPLOG_READABLE:
+            readable = " and ".join(str(x) for x in OPLOG_READABLE)
+            raise OplogError(f"{path}: log version {v!r}, this kvscope reads {readable}")
     twice = np.flatnonzero(step == 0)
     if len(twice):
         raise OplogError(f"{path}: operation {int(seqs[twice[0]])} is recorded twice")

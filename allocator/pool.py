@@ -563,6 +563,31 @@ class KVPool:
             self._settle_overdue()
         return done
 
+    def copied(self, src: Any, dst: Any) -> None:
+        """The program copied block src[i] to dst[i] (whole, every layer, K and V): the
+        copy-on-write pairs `append` returned, once performed (`kvscope.kernels.copy_blocks(...,
+        pool=pool)` says so). While the handle records (docs/REPLAY.md), a COPY record of the
+        pairs, so that a replay copies its K/V where the program did, and a copy the program
+        skipped is missing there too; not recording, one attribute test. `src`, `dst`: lists,
+        numpy arrays or tensors of block ids (a CUDA tensor is read back while recording: pass
+        the pairs on the host, as `append` returns them)."""
+        if not self._recording:
+            return
+        if isinstance(src, torch.Tensor):
+            src = src.detach().cpu().numpy()
+        if isinstance(dst, torch.Tensor):
+            dst = dst.detach().cpu().numpy()
+        a = np.asarray(src, dtype=np.int64).reshape(-1)
+        b = np.asarray(dst, dtype=np.int64).reshape(-1)
+        if a.shape != b.shape:
+            raise PoolError(f"copied: {a.size} source block(s) but {b.size} destination(s)")
+        if a.size == 0:
+            return
+        self._check_process()
+        pairs = np.ascontiguousarray(np.stack([a, b], axis=1))
+        with self.op_mutex:
+            self._core.oplog_copy(pairs)
+
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
         # (the core's: a transaction per CHUNK blocks, the undo journal's bound)

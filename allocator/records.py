@@ -180,7 +180,9 @@ EVENT_FIELDS: list[Field] = [
 # of OPLOG_FIELDS (csrc/oplog.c oplog_expand).
 OPLOG_MAGIC = 0x504F_564B  # "KVOP": an expanded record
 OPLOG_CHUNK_MAGIC = 0x434F_564B  # "KVOC": a chunk of the file
-OPLOG_VERSION = 4
+OPLOG_VERSION = 5
+# The versions a reader takes: version 4 is version 5 without the COPY record.
+OPLOG_READABLE = (4, 5)
 
 
 class OpCode(enum.IntEnum):
@@ -208,6 +210,9 @@ class OpCode(enum.IntEnum):
     # a recording handle's close (KVPool.close): the blocks of its local cache it returned to
     # the free ring (its table), its slot reserve's slots (`result`)
     CLOSE = 18
+    # blocks the program copied (KVPool.copied: kvscope.kernels.copy_blocks(..., pool=)), as
+    # the record's copies
+    COPY = 19
 
 
 class OpStatus(enum.IntEnum):

@@ -6,6 +6,8 @@ parallel, so a destination must not also be a source in the same call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -60,8 +62,16 @@ def copy_blocks(
     *,
     block_state: torch.Tensor | None = None,
     errors: torch.Tensor | None = None,
+    pool: Any = None,
 ) -> None:
-    """Copy block src[i] to dst[i] in every layer, K and V, of the pool tensor."""
+    """Copy block src[i] to dst[i] in every layer, K and V, of the pool tensor.
+
+    `pool` (the `KVPool` whose copy-on-write pairs these are) is told of the copies
+    (`pool.copied(src, dst)`): while it records its operations, the log holds them, and a
+    replay copies its K/V as the program did (docs/REPLAY.md). Pass `src` and `dst` on the host
+    (the kernel uploads them): a CUDA tensor is read back while the pool records."""
+    if pool is not None:
+        pool.copied(src, dst)
     if not backend.use_triton(kv_cache):
         reference.copy_blocks_ref(kv_cache, src, dst, block_state=block_state, errors=errors)
         return
@@ -73,8 +83,13 @@ def copy_blocks(
     assert kv_cache.stride(5) == 1 and kv_cache.stride(0) == 2 * kv_cache.stride(1)
     if src.numel() == 0:
         return
-    src = src.to(device=kv_cache.device, dtype=torch.int32).contiguous()
-    dst = dst.to(device=kv_cache.device, dtype=torch.int32).contiguous()
+    if src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype:
+        # (host pairs, as a pool's append returns them: uploaded in one copy)
+        both = torch.stack((src, dst)).to(device=kv_cache.device, dtype=torch.int32)
+        src, dst = both[0], both[1]
+    else:
+        src = src.to(device=kv_cache.device, dtype=torch.int32).contiguous()
+        dst = dst.to(device=kv_cache.device, dtype=torch.int32).contiguous()
     numel = slots * heads * head_dim
     # copy bits, not values: fp8 and canary NaNs must survive unchanged
     bits = kv_cache.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[kv_cache.element_size()])

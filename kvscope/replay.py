@@ -70,6 +70,7 @@ _LEASE_OPS = (_LEASE, _LEASE_RELEASE, _EXPIRE)
 _STORE = int(OpCode.STORE)
 _SNAPSHOT = int(OpCode.SNAPSHOT)
 _CLOSE = int(OpCode.CLOSE)
+_COPY = int(OpCode.COPY)
 _MARKS = (_START, _SNAPSHOT)  # (records that are no operation: a handle's start, a snapshot)
 _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
@@ -281,6 +282,11 @@ class Session:
         self.stored: dict[tuple[int, int], list[tuple[str, int]]] = {}
         self.writers: dict[int, Any] = {}
         self.store_reports = log.store_reports()
+        # the recorded stores and copies applied to the replay's K/V (OpLog.replays_kv, asked
+        # at the first STORE or COPY: a log of neither is not scanned for it); the values each
+        # STORE wrote (by its number: its slots and their values), for a script
+        self.log = log
+        self.kv_writes: dict[int, tuple[list[int], list[float]]] = {}
         self._bare: dict[int, PoolProbes] = {}  # (by pid: a store check's probes where none)
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
@@ -480,6 +486,23 @@ class Session:
                 h.probe = None
         out.found = list(found)
         self.stored[(r.pid, r.tid)] = list(found)
+        if part.what & STORE_SLOTS and out.status == _OK and self.log.replays_kv():
+            # (after its check, as store_kv checks, then writes)
+            values = kv_values(spans, slots)
+            write_kv(h, slots, values)
+            self.kv_writes[r.seq] = (slots, values)
+        return out
+
+    def _copy(self, h: KVPool, r: OpRecord) -> Result:
+        """A COPY record: the blocks the program copied, copied in the replay's K/V (the
+        recorded block ids, as the recorded slots of a store)."""
+        out = Result(copies=r.copies)
+        if self.log.replays_kv():
+            try:
+                copy_kv(h, r.copies)
+            except Exception as e:  # (a pair out of the pool's range)
+                out.status = _ERROR
+                out.error = f"{type(e).__name__}: {e}"
         return out
 
     def run(self, r: OpRecord, verify: bool = False) -> Result | None:
@@ -516,6 +539,8 @@ class Session:
                     return None
         elif op == _STORE:
             return self._store(h, r)
+        elif op == _COPY:
+            return self._copy(h, r)
         elif op == _REPORT and r.seq in self.store_reports:
             # a store check's finding: the one the replayed check made, in its order
             pending = self.stored.get((r.pid, r.tid), [])
@@ -855,6 +880,68 @@ def store_spans(
     return spans, slots if aligned else list(part.slots)
 
 
+def kv_value(token: int, pos: int) -> float:
+    """The K (its V: negated) a replay, or its script, writes for a token at a position: any
+    value but the poison, the same for the same token and position, so that a program that
+    stores a position's K/V again (a prefix hit's prompt stored over the blocks it shares)
+    leaves it as it was, in the replay as in the recording."""
+    return 1.0 + ((token * 131 + pos * 7) % 1021) / 1024.0
+
+
+def kv_values(spans: list[tuple[Any, int, int]], slots: list[int]) -> list[float]:
+    """The value of each slot of a store of `spans` (the writers, their positions in slot
+    order) into `slots`: its writer's token and position where the slots (those not -1) are
+    the positions one for one, else one of the slot itself."""
+    where = [(seq, p) for seq, start, end in spans for p in range(start, end)]
+    if len(where) != len(slots):
+        mapped = [x for x in slots if x >= 0]
+        if len(mapped) != len(where):
+            return [kv_value(-1, x) for x in slots]
+        it = iter(where)
+        where = [next(it) if x >= 0 else (None, -1) for x in slots]
+    out = []
+    for seq, p in where:
+        tokens = [] if seq is None else seq.tokens
+        out.append(kv_value(int(tokens[p]) if 0 <= p < len(tokens) else -1, p))
+    return out
+
+
+def write_kv(pool: Any, slots: list[int], values: list[float]) -> None:
+    """A store's K/V as a replay writes it: each slot (not -1, in the pool's range) of every
+    layer, K and V, its value (kv_values; V negated), as store_kv would write it. (One indexed
+    write for every layer, K and V: a replay of a store-heavy log runs one a store.)"""
+    import torch
+
+    if not slots:
+        return
+    kv = pool.kv
+    layers, _, blocks, spb, heads, dim = kv.shape
+    if min(slots) < 0 or max(slots) >= blocks * spb:
+        kept = [(x, v) for x, v in zip(slots, values) if 0 <= x < blocks * spb]
+        if not kept:
+            return
+        slots, values = [x for x, _ in kept], [v for _, v in kept]
+    at = torch.tensor(slots, dtype=torch.int64)
+    vals = torch.tensor(values, dtype=torch.float32)
+    both = torch.stack((vals, -vals))[:, :, None].expand(2, len(slots), heads * dim)
+    if kv.is_contiguous():
+        kv.view(layers, 2, blocks * spb, heads * dim)[:, :, at] = both.to(kv.dtype)
+    else:
+        both = both.reshape(2, len(slots), heads, dim).to(kv.dtype)
+        kv[:, :, at // spb, at % spb] = both
+
+
+def copy_kv(pool: Any, pairs: list[tuple[int, int]]) -> None:
+    """A program's block copies as a replay makes them: each block whole, every layer, K and V,
+    in the replay pool's K/V (kvscope.kernels.copy_blocks' reference: its kernels, Triton's
+    import, are not needed on the replay's CPU pool)."""
+    import torch
+
+    if pairs:
+        t = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+        pool.kv[:, :, t[:, 1]] = pool.kv[:, :, t[:, 0]]
+
+
 @dataclass
 class Outcome:
     """How a replay ended."""
@@ -1067,8 +1154,22 @@ def _units(ops: list[OpRecord]) -> list[list[int]]:
     by_request: dict[str, int] = {}
     leases: dict[int, int] = {}
     units: list[list[int]] = []
+    # each copy-on-write pair's unit, by (pid, src, dst): the request whose append returned it
+    pairs: dict[tuple[int, int, int], int] = {}
     for i, r in enumerate(ops):
         key = (r.pid, r.seq_id)
+        if r.op == _COPY:
+            # (with the request whose append gave its pairs, else a unit of its own)
+            given = {pairs[(r.pid, a, b)] for a, b in r.copies if (r.pid, a, b) in pairs}
+            if not given:
+                given = {len(units)}
+                units.append([])
+            for unit in sorted(given):
+                units[unit].append(i)
+            continue
+        if r.copies and key in family:
+            for a, b in r.copies:
+                pairs[(r.pid, a, b)] = family[key]
         if r.op == _STORE and r.store is not None:
             # (in every unit of its writers: kept while one of them is, the others' spans
             # dropped as it runs)
@@ -1140,6 +1241,8 @@ class Shrunk:
     tests: int
     seconds: float
     statuses: list[int]
+    # the K/V each STORE of the minimal run wrote (its slots and their values), by its number
+    kv_writes: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
 
 class Shrinker:
@@ -1177,6 +1280,7 @@ class Shrinker:
         self.fault_at = dict(outcome.faults)
         self.tests = 0
         self.statuses: list[int] = []
+        self.kv_writes: dict[int, tuple[list[int], list[float]]] = {}
 
     def run(self, ops: list[OpRecord]) -> tuple[bool, list[int]]:
         """Whether `ops` (as a free run: results not compared, operations on requests it
@@ -1185,6 +1289,7 @@ class Shrinker:
         statuses: list[int] = []
         verify = self.kind in CADENCED
         with _quiet(True), Session(self.log, arm=False) as session:
+            self.kv_writes = session.kv_writes  # (the last run's)
             for r in self.starts:
                 session.attach(r)
             i = 0
@@ -1281,6 +1386,7 @@ class Shrinker:
             self.tests,
             time.perf_counter() - t0,
             statuses,
+            self.kv_writes,
         )
 
 
@@ -1323,6 +1429,10 @@ def emit_script(shrunk: Shrunk) -> str:
     cfg_args = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.items()))
     stores_in = any(r.op == _STORE for r in shrunk.ops)
     audits_in = any(is_audit(r) for r in shrunk.ops)
+    # the K/V its stores wrote and the blocks it copied, where the replay wrote them
+    # (OpLog.replays_kv)
+    writes_in = bool(shrunk.kv_writes) and log.replays_kv()
+    copies_in = any(r.op == _COPY for r in shrunk.ops) and log.replays_kv()
     # (stores checked, but no probes at the START: the recording's handle turned them on after)
     bare = stores_in and not any(flags.values())
     lines = [
@@ -1341,6 +1451,9 @@ def emit_script(shrunk: Shrunk) -> str:
         "from kvscope.allocator import KVPool, PoolConfig, PoolError, faults  # noqa: E402",
         *(["import numpy as np  # noqa: E402"] if stores_in or audits_in else []),
         *(["from kvscope.probes.stores import Writers  # noqa: E402"] if stores_in else []),
+        *(["import torch  # noqa: E402"] if writes_in or copies_in else []),
+        *(["from kvscope.kernels import store_kv  # noqa: E402"] if writes_in else []),
+        *(["from kvscope.kernels import copy_blocks  # noqa: E402"] if copies_in else []),
         *(
             [
                 "from kvscope.allocator.probeflags import ProbeFlags  # noqa: E402",
@@ -1380,6 +1493,8 @@ def emit_script(shrunk: Shrunk) -> str:
     if procs:
         lines[lines.index("import sys")] = "import multiprocessing\nimport signal\nimport sys"
         lines[lines.index("found = []") : lines.index("found = []")] = PROCESS.split("\n")
+    if writes_in:
+        lines[lines.index("found = []") : lines.index("found = []")] = WRITE.split("\n")
     setup = []
     for pid, var in handles.items():
         if pid in procs:
@@ -1419,9 +1534,15 @@ def emit_script(shrunk: Shrunk) -> str:
             body.append(
                 on(r.pid, f"faults.configure({spec!r})") if proc else f"faults.configure({spec!r})"
             )
-        call = (
-            _store_call(r, h, names, stores, done) if r.op == _STORE else _call(r, h, names, leases)
-        )
+        if r.op == _STORE:
+            call = _store_call(r, h, names, stores, done)
+            if call is not None and writes_in and r.seq in shrunk.kv_writes:
+                slots, values = shrunk.kv_writes[r.seq]
+                call += f"\nwrite({h}, {slots!r}, {values!r})"
+        elif r.op == _COPY:
+            call = _copy_call(r, h) if copies_in else None
+        else:
+            call = _call(r, h, names, leases)
         if call is None:
             continue
         killed = proc is not None and fault and any(f in KILLING for f in fault.split(","))
@@ -1601,6 +1722,29 @@ def _store_call(
         v = stores[r.seq] = f"w{len(stores) + 1}"
         return f"{v} = {writers}\n{v}.check_blocks()"
     return f"{stores.get(part.ref, writers)}.check_slots(np.array({slots!r}))"
+
+
+def _copy_call(r: OpRecord, h: str) -> str | None:
+    """The program's copy of blocks as a plain call: `copy_blocks(pool.kv, torch.tensor([src,
+    ...]), torch.tensor([dst, ...]))` with the recorded blocks."""
+    if not r.copies:
+        return None
+    src, dst = [a for a, _ in r.copies], [b for _, b in r.copies]
+    return f"copy_blocks({h}.kv, torch.tensor({src!r}), torch.tensor({dst!r}))"
+
+
+# The emitted script's helper where the replay wrote its stores' K/V: the values it wrote.
+WRITE = '''
+def write(pool, slots, values):
+    """A store's K/V: K `values` (V negated), one a slot, at `slots` of every layer (what
+    `kvscope replay` wrote for the recorded store: a value of its token and position)."""
+    mapping = torch.tensor(slots, dtype=torch.int64)
+    _, _, _, _, heads, dim = pool.kv.shape
+    k = torch.tensor(values, dtype=torch.float32)[:, None, None].expand(-1, heads, dim)
+    k = k.contiguous()  # (stored in the pool's dtype by store_kv)
+    for layer in range(pool.kv.shape[0]):
+        store_kv(k, -k, pool.kv[layer, 0], pool.kv[layer, 1], mapping)
+'''
 
 
 def _lease_call(r: OpRecord, h: str, seq: Callable[[int], str], leases: dict[int, str]) -> str:

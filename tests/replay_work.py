@@ -3,10 +3,11 @@ shared prompts, appends, publications, forks, frees and aborts, in an order fixe
 one that takes leases (lease_work), for the lease faults; one run by a forked worker and then
 by this process, which reclaims a dead worker's blocks (worker_work: kill-holding-lock kills
 the worker); one whose steps read a static padded block table, audited every step
-(padded_work: stale-padding-row leaves its padding rows stale); and a batched engine that
+(padded_work: stale-padding-row leaves its padding rows stale); a batched engine that
 stores its
 K/V with `kvscope.kernels.store_kv`, told its writers (store_work), with a stale slot mapping
-on request.
+on request; and one that samples each request twice and makes the copy-on-write copies
+(copy_work), one of them skipped on request.
 
     python tests/replay_work.py [OPS]      (under `kvscope run --record-ops FILE --inject F`)
     python tests/replay_work.py OPS stale-mapping     (store_work with its bug)
@@ -192,6 +193,48 @@ def store_work(pool: KVPool, n_steps: int, seed: int = 1, stale: bool = False) -
                 pool.free(s)
     for s, _ in running:
         pool.free(s)
+
+
+def copy_work(pool: KVPool, n_requests: int = 6, skip: int = -1, tell: bool = True) -> None:
+    """An engine that samples each request twice: its prompt's K/V stored (told its writers),
+    published, the request forked, then decode steps on both samples, each step's
+    copy-on-write copies made with `kvscope.kernels.copy_blocks` (told the pool, with `tell`)
+    before its token's K/V is stored; every request freed at the end. With `skip` (a request's
+    number), that request's first copy is skipped (the bug: its new block holds none of the
+    positions before the token stored next)."""
+    from kvscope.kernels import copy_blocks
+
+    rng = random.Random(3)
+    heads, dim, bs = CONFIG["num_kv_heads"], CONFIG["head_dim"], pool.block_size
+    system = [rng.randrange(100) for _ in range(9)]
+
+    def store(seq, start: int, end: int) -> None:
+        pos = torch.arange(start, end, dtype=torch.float32)
+        tok = torch.tensor(seq.tokens[start:end], dtype=torch.float32)
+        k = (tok * 0.01 + pos * 0.1)[:, None, None].expand(-1, heads, dim).contiguous()
+        mapping = torch.tensor(pool.slot_mapping(seq, start, end), dtype=torch.int64)
+        writers = Writers(pool, [(seq, start, end)])
+        for layer in range(CONFIG["num_layers"]):
+            kc, vc = pool.kv[layer, 0], pool.kv[layer, 1]
+            store_kv(k, -k, kc, vc, mapping, block_size=bs, writers=writers)
+
+    for i in range(n_requests):
+        s = pool.allocate(f"r{i}", system + [rng.randrange(100) for _ in range(i % 3 + 1)])
+        store(s, s.num_cached_tokens, len(s.tokens))
+        pool.mark_computed(s, len(s.tokens))
+        samples = [s, pool.fork(s, f"r{i}#1")]
+        skipped = False
+        for _ in range(3):
+            for q in samples:
+                copies = pool.append(q, [rng.randrange(100)])
+                if copies and i == skip and not skipped:
+                    copies, skipped = [], True  # the bug
+                if copies:
+                    pairs = torch.tensor(copies, dtype=torch.int64)
+                    copy_blocks(pool.kv, pairs[:, 0], pairs[:, 1], pool=pool if tell else None)
+                store(q, len(q.tokens) - 1, len(q.tokens))
+        for q in samples:
+            pool.free(q)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from kvscope.probes.stores import Writers
 from kvscope.replay import Session, Shrinker, emit_script, replay
 from tests.replay_work import (
     CONFIG,
+    copy_work,
     lease_work,
     padded_work,
     store_work,
@@ -536,7 +537,15 @@ def test_kvscope_run_records_the_user_engines_store_bugs(bug, tmp_path):
     kvscope = record_user_engine(tmp_path, bug)
     log = read_log(str(tmp_path / "ue.ops"))
     seq, kind = found_at(log)
-    assert log.store_reports().get(seq), "the first finding is not a store check's"
+    if bug == "contiguous":
+        # (its first prompt's slots worked out without the guard slot: guard mode's finish
+        # check finds positions of its own never written, at its free, before the next
+        # request's store into a published block)
+        first = next(r for r in log.records if r.seq == seq)
+        assert (first.op, kind) == (OpCode.FREE, "kv_never_written"), (first.op, kind)
+        assert any(log.store_reports().get(r.seq) for r in log.records if r.found)
+    else:
+        assert log.store_reports().get(seq), "the first finding is not a store check's"
     out = subprocess.run(
         [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
@@ -961,7 +970,9 @@ def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, poo
     checked in two parts (check_blocks at the store, check_slots where its slots are read
     back: a CUDA store's) is two records, the second naming the first; both replay."""
     path = tmp_path / "run.ops"
-    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    # (guard mode's guard slot a slot of its own: the replay writes each store's K/V, and a
+    # pool without one keeps the guard probe's canary in the last token slot)
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, guard=True))
     try:
         # (the probes before the recording: its START lists them, and the replay's free
         # returns blocks where the recording's did, as its close compares)
@@ -1190,3 +1201,179 @@ def test_kvscope_run_records_a_store_through_a_stale_slot_mapping(tmp_path):
         [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 1 and "use_after_free" in run.stdout
+
+
+def record_copies(path: Path, name: str, skip: int = -1, tell: bool = True) -> None:
+    """tests/replay_work.py's engine that samples each request twice (copy_work: its
+    copy-on-write copies made with copy_blocks, told the pool with `tell`) on a new guard-mode
+    pool with every probe on, recorded into `path`; with `skip`, that request's copy skipped."""
+    pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True, record_ops=str(path)))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        copy_work(pool, skip=skip, tell=tell)
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_a_skipped_copy_replays_to_kv_never_written_at_the_same_free_and_shrinks(
+    tmp_path, pool_name
+):
+    """An engine that skips one copy-on-write copy: guard mode's finish check finds the
+    request's positions never written as it is freed, in the free's record. The log holds the
+    copies the engine made (a COPY record each, after its append) and where each store wrote;
+    the replay writes each store's K/V and makes each copy in its own pool, so the skipped
+    copy leaves the same slots unwritten there: the same finding at the same operation. It
+    shrinks, and the script (its stores' K/V written, its copies made) finds it."""
+    path = tmp_path / "run.ops"
+    record_copies(path, pool_name, skip=1)
+    log = read_log(str(path))
+    seq, kind = found_at(log)
+    free = next(r for r in log.records if r.seq == seq)
+    assert (free.op, free.request, kind) == (OpCode.FREE, "r1", "kv_never_written")
+    given = [r for r in log.records if r.op == OpCode.APPEND and r.copies]
+    made = [r for r in log.records if r.op == OpCode.COPY]
+    assert len(given) == 4 and len(made) == 3 and log.replays_kv()
+    # each COPY follows its append, with its pairs; r1's is missing
+    after = {r.seq + 1: r for r in given}
+    assert all(c.copies == after[c.seq].copies for c in made)
+    assert [after[c.seq].request for c in made] == ["r0", "r3", "r4"]
+    out = replay(log)
+    assert (out.reason, out.exit_code) == ("finding", 1), (out.reason, out.diff)
+    assert out.record is not None and out.record.seq == seq
+    assert out.got is not None and out.got.found == free.found
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == kind and len(shrunk.ops) <= 10
+    text = emit_script(shrunk)
+    assert "write(pool, [" in text, text
+    script = tmp_path / "repro.py"
+    script.write_text(text)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1 and "kv_never_written" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_copies_made_replay_to_the_end_and_are_what_the_replay_needs(tmp_path, pool_name):
+    """The same engine making every copy: nothing found, in the recording and the replay, each
+    COPY compared as a record (its pairs); the replay's K/V needs them: a log whose COPY
+    records are taken out (as a program's that copied without telling the pool, read with its
+    K/V replayed all the same) finds the first copied-into block unwritten at its free, a
+    divergence. An engine that copies without telling the pool (copy_blocks without `pool=`)
+    leaves no COPY record; its log's K/V is not replayed, and it replays to the end."""
+    path = tmp_path / "run.ops"
+    record_copies(path, pool_name)
+    log = read_log(str(path))
+    assert not any(r.found for r in log.records)
+    assert sum(r.op == OpCode.COPY for r in log.records) == 4 and log.replays_kv()
+    out = replay(log)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
+    # (the records the replay runs, without the COPYs; the log's K/V replayed as read)
+    assert log.replays_kv()
+    log.records = [r for r in log.records if r.op != OpCode.COPY]
+    out = replay(log)
+    assert (out.reason, out.diff) == ("divergence", ["found"])
+    assert out.record is not None and out.record.op == OpCode.FREE
+    assert out.got is not None and {k for k, _ in out.got.found} == {"kv_never_written"}
+    told = tmp_path / "untold.ops"
+    record_copies(told, pool_name, tell=False)
+    log = read_log(str(told))
+    assert not any(r.op == OpCode.COPY for r in log.records) and not log.replays_kv()
+    out = replay(log)
+    assert (out.reason, out.exit_code) == ("end", 0), out.diff
+
+
+def test_a_truncated_copy_record_is_one_line_exit_2(tmp_path, pool_name, capsys):
+    """A COPY record cut short inside its pairs (its chunk otherwise whole, its check right) is
+    refused in one line, as any record that holds what no core writes."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    try:
+        s = pool.allocate("a", list(range(6)))
+        c = pool.fork(s, "b")
+        copies = pool.append(s, [7])
+        assert copies
+        pool.flush_recording()
+        pool.copied([a for a, _ in copies] * 8, [b for _, b in copies] * 8)
+        pool.flush_recording()  # (the COPY alone in the last chunk)
+        pool.free(s)
+        pool.free(c)
+    finally:
+        pool.close()
+        pool.unlink()
+    data = path.read_bytes()
+    copy = next(r for r in read_log(str(path)).records if r.op == OpCode.COPY)
+    assert copy.copies == copies * 8
+    size = int.from_bytes(data[copy.offset + 4 : copy.offset + 8], "little")
+    head = data[: copy.offset]
+    chunk = bytearray(data[copy.offset : copy.offset + size])
+    assert chunk[48] == OpCode.COPY
+    path.write_bytes(head + _rechecked(chunk[: size - 8]))  # (8 of its pairs' bytes gone)
+    with pytest.raises(OplogError, match="holds what no core writes"):
+        read_log(str(path))
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    path.write_bytes(head + _rechecked(chunk))  # (the chunk as it was: read)
+    assert [r.op for r in read_log(str(path)).records][-1] == OpCode.COPY
+
+
+@pytest.mark.parametrize("version", [4, 3])
+def test_a_version_4_log_is_read_and_an_older_one_refused_in_one_line(
+    version, tmp_path, pool_name, capsys
+):
+    """A log of version 4 (5 without COPY records) is read and replays; one of version 3 is
+    refused in one line, exit 2."""
+    path = tmp_path / "run.ops"
+    record(path, pool_name, "double-free", n_ops=60)
+    data = bytearray(path.read_bytes())
+    start = read_log(str(path)).start
+    size = int.from_bytes(data[start.offset + 4 : start.offset + 8], "little")
+    chunk = bytearray(data[start.offset : start.offset + size])
+    at = chunk.find(b'"version": 5')
+    assert at > 0
+    chunk[at : at + 12] = f'"version": {version}'.encode()
+    data[start.offset : start.offset + size] = _rechecked(chunk)
+    path.write_bytes(bytes(data))
+    if version == 4:
+        out = replay(read_log(str(path)), quiet=True)
+        assert out.reason == "finding" and out.got is not None
+        assert out.got.found[0][0] == "double_free"
+        return
+    with pytest.raises(OplogError, match="log version 3"):
+        read_log(str(path))
+    capsys.readouterr()  # (the recording's fault announcement)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_kvscope_run_records_the_user_engines_skipped_copy(tmp_path):
+    """tests/user_engine.py's skip-copy bug (r3's first sample goes on without the
+    copy-on-write copy it was given) under `kvscope run --record-ops`: guard mode's
+    kv_never_written at r3's free is in the log, `kvscope replay` stops at the same operation
+    with the same finding, shrinks it, and the script run alone finds the same kind."""
+    kvscope = record_user_engine(tmp_path, "skip-copy")
+    log = read_log(str(tmp_path / "ue.ops"))
+    seq, kind = found_at(log)
+    free = next(r for r in log.records if r.seq == seq)
+    assert (free.op, free.request, kind) == (OpCode.FREE, "r3", "kv_never_written")
+    assert any(r.op == OpCode.COPY for r in log.records)
+    out = subprocess.run(
+        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    d = json.loads(out.stdout)
+    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
+    assert (
+        d["replayed_result"]["found"]
+        == d["recorded"]["found"]
+        == [{"kind": k, "block": b} for k, b in free.found]
+    )
+    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
+    run = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr

@@ -403,3 +403,52 @@ def parse_records(path: Path) -> list:
     from kvscope.allocator.oplog import parse_log
 
     return parse_log(path.read_bytes())
+
+
+def test_a_recording_begun_after_a_prompt_was_stored_writes_no_kv_in_its_replay(
+    tmp_path, pool_name
+):
+    """A recording begun after a request's prompt K/V was stored (its snapshot holds no K/V):
+    the request forked, its copy-on-write copy made and told to the pool, two tokens of both
+    samples stored, both freed, nothing found. Its replay from the snapshot writes no K/V (else
+    the prompt's slots, stored before the snapshot, would be unwritten at the free beside the
+    tokens' written ones: a kv_never_written the recording did not find) and replays to the
+    end."""
+    import numpy as np
+    import torch
+
+    from kvscope.kernels import copy_blocks, store_kv
+    from kvscope.probes.stores import Writers
+
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, guard=True))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+
+        def store(seq, start: int, end: int) -> None:
+            k = torch.full((end - start, CONFIG["num_kv_heads"], CONFIG["head_dim"]), 0.5)
+            slots = torch.tensor(pool.slot_mapping(seq, start, end), dtype=torch.int64)
+            writers = Writers(pool, [(seq, start, end)])
+            store_kv(k, -k, pool.kv[0, 0], pool.kv[0, 1], slots, block_size=4, writers=writers)
+
+        s = pool.allocate("a", list(range(6)))
+        store(s, 0, 6)
+        pool.record_ops(str(path))
+        c = pool.fork(s, "b")
+        for token in (9, 10):
+            for q in (s, c):
+                copies = pool.append(q, [token])
+                if copies:
+                    pairs = torch.from_numpy(np.array(copies))
+                    copy_blocks(pool.kv, pairs[:, 0], pairs[:, 1], pool=pool)
+                store(q, len(q.tokens) - 1, len(q.tokens))
+        pool.free(s)
+        pool.free(c)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    assert log.snapshot is not None and any(r.op == OpCode.COPY for r in log.records)
+    assert not any(r.found for r in log.records) and not log.replays_kv()
+    out = replay(log)
+    assert (out.reason, out.exit_code) == ("end", 0), (out.reason, out.diff)

@@ -5,10 +5,12 @@ Every request starts with the same 40-token system prompt; a request may ask for
 (fork); a client may disconnect (abort); a second process, started with spawn, serves requests
 of its own. K/V is written with `kvscope.kernels.store_kv`, told the request it writes for
 (`kvscope.probes.stores.Writers`), except the late write of the stale-table bug, which goes
-around it; copy-on-write copies are made with `kvscope.kernels.copy_blocks`.
+around it; copy-on-write copies are made with `kvscope.kernels.copy_blocks`, told the pool
+(`pool=`), except the one the skip-copy bug skips.
 
     python tests/user_engine.py POOL BUG      BUG: none, exception, worker, double-free,
-                                                   contiguous, stale-table, whole-prompt
+                                                   contiguous, stale-table, whole-prompt,
+                                                   skip-copy
 
 It prints one JSON line of facts the test checks kvscope's findings against: the line of each
 `# SITE:` marker is found by the test in this file's text.
@@ -98,10 +100,15 @@ class Engine:
         self.pool.mark_computed(seq, end)
 
     def decode(self, seq, token: int) -> None:
-        copies = self.pool.append(seq, [token])
+        copies = self.pool.append(seq, [token])  # SITE:append
+        if copies and self.bug == "skip-copy" and seq.request_id == "r3":
+            # The bug: the first sample of the second forked request goes on without the
+            # copy-on-write copy it was given; its new block holds none of the positions
+            # before the token written next.
+            copies = []
         if copies:
             pairs = torch.tensor(copies, dtype=torch.int64)
-            copy_blocks(self.pool.kv, pairs[:, 0], pairs[:, 1])
+            copy_blocks(self.pool.kv, pairs[:, 0], pairs[:, 1], pool=self.pool)
         for blk in seq.block_table:
             self.allocated_by.setdefault(blk, seq.request_id)
         n = len(seq.tokens)

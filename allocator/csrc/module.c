@@ -311,7 +311,7 @@ static PyMethodDef N_methods[] = {
     {"held_here", (PyCFunction)N_held_here, METH_NOARGS,
      "held_here() -> int: the pool locks this thread holds (bit i: lock i), by their records"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
-    {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
+    {"unwritten", (PyCFunction)(void (*)(void))R_unwritten, METH_FASTCALL,
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
@@ -386,6 +386,9 @@ static PyMethodDef N_methods[] = {
     {"oplog_store", (PyCFunction)(void (*)(void))N_oplog_store, METH_FASTCALL,
      "oplog_store(spans, slots, what, ref) -> int: a store check's input as a STORE record "
      "(docs/REPLAY.md; 0: not recording)"},
+    {"oplog_copy", (PyCFunction)N_oplog_copy, METH_O,
+     "oplog_copy(pairs) -> int: the blocks the program copied (int64 (src, dst) pairs) as a COPY "
+     "record (docs/REPLAY.md; 0: not recording)"},
     {"store_check", (PyCFunction)(void (*)(void))N_store_check, METH_FASTCALL,
      "store_check(spans, slots, tables, site, what) -> int: a store check (probes/stores.py), "
      "its findings written into the ring (their count)"},

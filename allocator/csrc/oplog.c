@@ -73,6 +73,10 @@ typedef struct Oplog {
     uint64_t limit, base;
     int due;
     PyObject *ckpt;
+    /* Where the next free's record counts its findings from (-1: its own start): guard mode's
+     * finish check of the request (kvdata.c N_unwritten, writes.finished) runs just before
+     * the free and is part of it, so what it found is the free's (R_unwritten). */
+    Py_ssize_t carry;
 } Oplog;
 
 /* A plain append of one token held as it returned, composed into the chunk with the ones after
@@ -629,6 +633,11 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     o.blocks = NULL;
     o.copies = NULL;
     o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
+    if (__builtin_expect(L->carry >= 0, 0)) {
+        /* (a finish check's findings, still undelivered: the free's) */
+        if (op == OP_FREE && L->carry <= o.found0) o.found0 = L->carry;
+        L->carry = -1;
+    }
     Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
     PyObject *seq = nargs >= 2 && op != OP_ALLOCATE && op != OP_EVICT ? args[1] : NULL;
     int64_t slot = slot_of(n, seq);
@@ -1201,6 +1210,72 @@ done:
     return res;
 }
 
+/* The entry points below that no operation runs, in a text section of their own, after the
+ * core's: emitted among the hot code they move it (recording's cost on bench_serving_loop, whose
+ * operations never call them, measured about a point higher with them placed there). */
+#define OPLOG_RARE __attribute__((section(".text.oplog_rare"), noinline))
+
+/* unwritten(table, num_tokens, request): guard mode's finish check of a request (kvdata.c
+ * N_unwritten: writes.finished), which runs just before its free and is part of it. While the
+ * handle records, what it found (on a CPU pool, at once) goes in the free's record: the next
+ * operation recorded, where it is a free, counts its findings from where the check began
+ * (L->carry, oplog_op). */
+static OPLOG_RARE PyObject *R_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    Oplog *L = n->oplog;
+    if (L == NULL) return N_unwritten(n, args, nargs);
+    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
+    PyObject *res = N_unwritten(n, args, nargs);
+    if (res != NULL && n->oplog == L && n->found && PyList_GET_SIZE(n->found) > found0)
+        L->carry = found0;
+    return res;
+}
+
+/* -- a program's block copies (KVPool.copied: kvscope.kernels.copy_blocks(..., pool=)) --------- */
+
+/* oplog_copy(pairs) -> int: while the handle records, a COPY record of the blocks the program
+ * copied (docs/REPLAY.md): `pairs` int64 (src, dst) pairs, each block copied whole, every
+ * layer, K and V (the copy-on-write pairs `append` returned, where the program copies them).
+ * The log holds the pool's work and where stores wrote, not the program's K/V: with its copies
+ * too, a replay's K/V holds what the program's would have where each slot was written, so a
+ * copy the program skipped leaves the replay's slots as unwritten as the recording's (guard
+ * mode's kv_never_written at the free). Returns the record's number (0: not recording, or the
+ * record lost). The pairs in the record's copies (bit 64: a count, then src (s) and dst (s)
+ * each; no preemption, no finding), seq_id -1, no tokens, no table. */
+static OPLOG_RARE PyObject *N_oplog_copy(Native *n, PyObject *arg) {
+    Oplog *L = n->oplog;
+    if (L == NULL || n->seg == NULL) return PyLong_FromLong(0);
+    Py_buffer pb;
+    if (PyObject_GetBuffer(arg, &pb, PyBUF_SIMPLE) != OK) return NULL;
+    PyObject *res = NULL;
+    if (pb.len % 16) {
+        PyErr_SetString(PyExc_ValueError, "oplog_copy: pairs are int64 (src, dst) pairs");
+        goto done;
+    }
+    const int64_t *pairs = pb.buf;
+    size_t n_pairs = (size_t)pb.len / 16;
+    /* (every varint at its longest) */
+    uint8_t *p0 = oplog_room(L, 64 + 20 * n_pairs);
+    if (p0 == NULL) {
+        L->lost++;
+        res = PyLong_FromLong(0);
+        goto done;
+    }
+    uint8_t *p = oplog_head(n, L, p0, OP_COPY, OS_OK | CR_EXTRA, -1);
+    uint64_t seq = L->prev_seq; /* (the number oplog_head took) */
+    *p++ = 0;        /* (no tokens) */
+    *p++ = TM_NONE;
+    p = put_u(p, (uint64_t)n_pairs);
+    for (size_t i = 0; i < 2 * n_pairs; i++) p = put_s(p, pairs[i]);
+    *p++ = 0; /* (no preemption) */
+    *p++ = 0; /* (no finding) */
+    L->out_n += (size_t)(p - p0);
+    L->out_recs++;
+    res = PyLong_FromUnsignedLongLong(seq);
+done:
+    PyBuffer_Release(&pb);
+    return res;
+}
+
 static void oplog_free(Native *n) {
     Oplog *L = n->oplog;
     if (L == NULL) return;
@@ -1272,6 +1347,7 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     L->native = n;
     L->reserve = 1;
     L->owner = (int32_t)getpid();
+    L->carry = -1;
     L->out = out;
     L->key = key;
     L->off_seq = (size_t)off;

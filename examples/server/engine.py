@@ -156,10 +156,13 @@ class Engine:
         return self.clock() - self.start_s
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Perform the pool's copy-on-write copies before anything writes the new blocks."""
+        """Perform the pool's copy-on-write copies before anything writes the new blocks, and
+        tell the pool (`pool=`: a recording pool's log holds them, docs/REPLAY.md). (Only a
+        pool returns copies: the static baseline never does.)"""
         if copies:
-            pairs = torch.tensor(copies, dtype=torch.int64, device=self.cache.kv.device)
-            kernels.copy_blocks(self.cache.kv, pairs[:, 0], pairs[:, 1])
+            # (on the host: the kernel uploads them, and the pool reads them without a sync)
+            pairs = torch.tensor(copies, dtype=torch.int64)
+            kernels.copy_blocks(self.cache.kv, pairs[:, 0], pairs[:, 1], pool=self.cache)
 
     def add(self, request: Request) -> None:
         """Queue a request: its first stream waits for admission."""

@@ -223,6 +223,10 @@ def render(d: dict[str, Any]) -> None:
         )
         for o in s["operations"]:
             tok = f" tokens {len(o['tokens'])}" if o.get("tokens") else ""
+            if o["op"] == "copy":  # (a program's copy of blocks: no request, its pairs)
+                pairs = ", ".join(f"{a}->{b}" for a, b in o.get("copies", []))
+                print(f"  {o['seq']:>8}  pid {o['pid']}  {o['op']:14} blocks {pairs}")
+                continue
             print(f"  {o['seq']:>8}  pid {o['pid']}  {o['op']:14} {o['request']!r}{tok}")
         if s.get("script"):
             print(f"script: {s['script']} (python {s['script']}: exit 1 when it finds it)")
