@@ -236,6 +236,9 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);
     PyMem_Free(n->seen_seq);
+    PyMem_Free(n->maybe_foreign);
+    PyMem_Free(n->own_refs);
+    PyMem_Free(n->own_log);
     PyMem_Free(n->pre_slots);
     PyMem_Free(n->res);
     Py_XDECREF(n->mutex);
