@@ -134,6 +134,13 @@ enum {
     FK_COUNT
 };
 
+/* A request hash slot provenance took (provenance.c prov_write), by sequence id. */
+#define PROV_RH_CACHE 256
+typedef struct {
+    uint64_t seq_id_1;
+    uint32_t hash;
+} ProvHash;
+
 /* A block as a finding saw it: what the findings ring records of it (and a leak's refcount). */
 typedef struct {
     int32_t block, owner_pid, site, refcount;
@@ -368,6 +375,8 @@ typedef struct {
      * by this handle (0: none, and no check) */
     size_t off_prov, prov_records; /* (the records from prov_records on, after the generations) */
     int64_t prov_every;
+    /* provenance.c prov_write: request hashes by sequence id (seq_id_1: the id + 1; 0 none) */
+    ProvHash prov_rh[PROV_RH_CACHE];
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,

@@ -466,6 +466,9 @@ static void slots_blank(Native *n, int32_t b, uint8_t *blank) {
     for (int64_t s = 0; s < n->bs; s++) blank[s] = 1;
     for (int64_t r = 0; r < n->kv_rows && left; r++) {
         const uint8_t *row = kv_row(n, r, b);
+        /* (a row all poison leaves every slot as it was: one pass over the row's bytes rather
+         * than one call per slot) */
+        if (all_bits(n, row, n->bs * m, v)) continue;
         for (int64_t s = 0; s < n->bs; s++) {
             if (!blank[s]) continue;
             if (!all_bits(n, row + (size_t)s * n->kv_slot_bytes, m, v)) {

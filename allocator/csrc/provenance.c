@@ -147,6 +147,8 @@ static int prov_stamp_later(Native *n, const int32_t *ids, int64_t k) {
 
 /* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */
 static inline int prov_sampled(Native *n, uint64_t seq_id) {
+    /* (every sequence, as under `kvscope run`: no division on a decode step's path) */
+    if (n->prov_every == 1) return 1;
     return n->prov_every > 0 && seq_id % (uint64_t)n->prov_every == 0;
 }
 
@@ -178,20 +180,41 @@ static uint32_t prov_request_hash(const char *request) {
  * generation is stored last: a reader racing the write sees the record's old generation. */
 static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
                        int64_t first, int64_t pos0, const int32_t *toks, int64_t k) {
-    uint32_t rh = prov_request_hash(request);
-    for (int64_t i = 0; i < k; i++) {
-        int64_t rel = first + i, b = ids[rel / n->bs], off = rel % n->bs;
-        uint8_t *p = prov_rec(n, b, off);
+    if (k <= 0) return;
+    /* (the request's hash, kept by sequence id: a sequence's request never changes, and a
+     * decode step's append writes for the same sequences step after step) */
+    uint32_t rh;
+    ProvHash *c = &n->prov_rh[seq_id % PROV_RH_CACHE];
+    if (c->seq_id_1 == seq_id + 1) {
+        rh = c->hash;
+    } else {
+        rh = prov_request_hash(request);
+        c->seq_id_1 = seq_id + 1;
+        c->hash = rh;
+    }
+    /* (the block and slot stepped along: no division per slot) */
+    int64_t bi = first / n->bs, off = first % n->bs;
+    int32_t b = ids[bi];
+    uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+    uint8_t *p = prov_rec(n, b, off);
+    for (int64_t i = 0; i < k; i++, off++, p += PROVENANCE) {
+        if (off == n->bs) {
+            __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
+            off = 0;
+            b = ids[++bi];
+            gen = U4(blk(n, b) + BF_GENERATION);
+            p = prov_rec(n, b, 0);
+        }
         U4(p + PV_GENERATION) = 0;
         U8(p + PV_SEQ_ID) = seq_id;
         I4(p + PV_POSITION) = (int32_t)(pos0 + i);
         I4(p + PV_TOKEN) = toks[i];
         U4(p + PV_REQUEST_HASH) = rh;
         U4(p + PV_KV_HASH) = 0;
-        uint32_t gen = U4(blk(n, b) + BF_GENERATION);
         __atomic_store_n((uint32_t *)(p + PV_GENERATION), gen, __ATOMIC_RELEASE);
-        __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
     }
+    /* (the block's `recorded` word after its records) */
+    __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
 }
 
 /* A copy-on-write's copy: the records of slots [0, m) of src as dst's (dst's generation). */
