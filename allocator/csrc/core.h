@@ -136,6 +136,8 @@ enum {
 
 /* A request hash slot provenance took (provenance.c prov_write), by sequence id. */
 #define PROV_RH_CACHE 256
+/* The most blocks whose slot sums one operation keeps (kvdata.c kv_sums_keep). */
+#define KVS_KEEP 256
 typedef struct {
     uint64_t seq_id_1;
     uint32_t hash;
@@ -375,6 +377,13 @@ typedef struct {
      * by this handle (0: none, and no check) */
     size_t off_prov, prov_records; /* (the records from prov_records on, after the generations) */
     int64_t prov_every;
+    /* kvdata.c kv_sums_keep: the slot sums the digest's pass took in this operation, for slot
+     * provenance's hashes of the same blocks (n_kvs of kvs_cap; emptied at each txn_begin and
+     * after use) */
+    int32_t kvs_ids[KVS_KEEP];
+    uint32_t kvs_gen[KVS_KEEP];
+    uint64_t *kvs_sums;
+    int64_t n_kvs, kvs_cap;
     /* provenance.c prov_write: request hashes by sequence id (seq_id_1: the id + 1; 0 none) */
     ProvHash prov_rh[PROV_RH_CACHE];
 } Native;

@@ -293,6 +293,7 @@ static int txn_begin(Native *n, uint64_t mask) {
     if (++n->txn_stamp == 0) n->txn_stamp = 1; /* records the magic probe checked: none */
     n->jcount = n->jused = 0;
     n->own_n = 0;
+    n->n_kvs = 0;
     for (int k = 0; k < n->num_locks; k++) {
         int i = invert ? n->num_locks - 1 - k : k;
         if (!(mask & lock_bit(i)) || holds(n, i)) continue;

@@ -239,6 +239,7 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->maybe_foreign);
     PyMem_Free(n->own_refs);
     PyMem_Free(n->own_log);
+    PyMem_Free(n->kvs_sums);
     PyMem_Free(n->pre_slots);
     PyMem_Free(n->res);
     Py_XDECREF(n->mutex);
