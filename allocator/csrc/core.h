@@ -482,6 +482,7 @@ static void findings_before(Native *n, int64_t upto, int64_t pre);
 static void findings_drop(Native *n);
 static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
+static inline int prov_any(Native *n, int64_t b, uint32_t gen);
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag);
 /* devchecks.c: what a check is for (DK_NAME) */

@@ -440,24 +440,27 @@ static int kv_sums_take(Native *n, int32_t b, int64_t m, uint64_t *sum) {
 }
 
 /* kernels/digest.py block_digests of blocks ids[0..k) into out (the core's own pass over CPU
- * bytes). With slot provenance on, where the slots' sums come from the same pass (slot_sums),
- * they are kept for it (kv_sums_keep): it hashes the same slots later in the operation. */
-static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
+ * bytes). With `keep` (a publication's stamps, a hit's check: slot provenance hashes the same
+ * slots later in the operation), a block whose slots hold provenance records is summed slot by
+ * slot where the pool allows (slot_sums), and its slots' sums kept (kv_sums_keep). */
+static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out, int keep) {
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
 #if defined(__SSE2__)
-    if (n->prov_every && slot_sums_fast(n)) {
-        uint64_t sums[4096];
-        for (int64_t i = 0; i < k; i++) {
-            uint64_t sum;
+    keep = keep && n->prov_every && slot_sums_fast(n);
+#else
+    keep = 0;
+#endif
+    for (int64_t i = 0; i < k; i++) {
+#if defined(__SSE2__)
+        if (keep && prov_any(n, ids[i], U4(blk(n, ids[i]) + BF_GENERATION))) {
+            uint64_t sums[4096], sum;
             slot_sums(n, ids[i], n->bs, sums, &sum);
             out[i] = fmix64(sum);
             kv_sums_keep(n, ids[i], sums);
+            continue;
         }
-        return;
-    }
 #endif
-    for (int64_t i = 0; i < k; i++) {
         /* element j of kv[:, :, b, :block_size] flattened: coef(j) = (j * MUL + ADD) | 1 */
         uint64_t sum = 0, jm = DIGEST_ADD;
         for (int64_t r = 0; r < n->kv_rows; r++) sum = digest_row(n, kv_row(n, r, ids[i]), m, &jm, sum);
@@ -474,7 +477,7 @@ static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (n->kv == NULL)
         return kv_later(n, n->prov_every && n->dev ? DK_STAMP_PROV : DK_STAMP, ids, k, NULL);
     uint64_t d[CHUNK];
-    digests(n, ids, k, d);
+    digests(n, ids, k, d, 1); /* (slot provenance hashes the published slots next) */
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         U8(r + n->off_kv_digest) = ((d[i] >> 32) << 32) | (uint64_t)U4(r + BF_GENERATION);
@@ -534,7 +537,16 @@ static PyObject *modified_message(Native *n, const uint8_t *rec, const char *whe
  * does not is a published_block_modified finding, with its record as it is now, reported when
  * the operation commits (which goes on); a CUDA pool's at the
  * settle that reads the answer, with the record as the operation saw it. OK, UNHANDLED, ERROR. */
+static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const char *when,
+                              int keep);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
+    return digests_intact_keep(n, ids, k, when, 0);
+}
+
+/* digests_intact, the slots' sums of blocks with provenance records kept with `keep` (a
+ * prefix hit's: slot provenance checks the same slots next, digests). */
+static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const char *when,
+                              int keep) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     enum { BATCH = CHUNK + EVICT_BATCH };
     int32_t pub[BATCH];
@@ -554,7 +566,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
             if (rc != OK) return rc;
             continue;
         }
-        digests(n, pub, np_, got);
+        digests(n, pub, np_, got, keep);
         for (int64_t j = 0; j < np_; j++) {
             if (got[j] >> 32 == want[j] >> 32) continue;
             Seen s;
@@ -715,7 +727,7 @@ static PyObject *N_digests(Native *n, PyObject *arg) {
         }
         ids[i] = (int32_t)b;
     }
-    digests(n, ids, k, d);
+    digests(n, ids, k, d, 0);
     PyObject *out = PyList_New(k);
     for (Py_ssize_t i = 0; out && i < k; i++)
         PyList_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(d[i]));
