@@ -18,8 +18,8 @@ from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, devicechecks, i
 from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import fmix64_reference, int_view
-from tests.kernels_cases import slot_digests
 from kvscope.probes import lockdep
+from tests.kernels_cases import slot_digests
 
 LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
 # The slot mapping's guard slot: the last of each block.

@@ -238,7 +238,9 @@ def gone_slot(pool: KVPool, request: str) -> int:
     """The slot of the live sequence record whose request is `request`."""
     seqs = pool.view.seqs
     (slot,) = [
-        s for s in range(len(seqs)) if seqs["state"][s] != 0 and seqs["request"][s] == request.encode()
+        s
+        for s in range(len(seqs))
+        if seqs["state"][s] != 0 and seqs["request"][s] == request.encode()
     ]
     return slot
 

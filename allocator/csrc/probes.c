@@ -736,11 +736,12 @@ static inline uint64_t client_seq_of(Native *n, int64_t c) {
  * sequence table. 0, or -1 without memory. */
 static int maybe_live_sync(Native *n) {
     if (n->maybe_live == NULL || n->maybe_foreign == NULL) {
-        if (n->maybe_live == NULL) n->maybe_live = PyMem_Calloc((size_t)n->max_seqs, sizeof(int32_t));
-        if (n->in_maybe == NULL) n->in_maybe = PyMem_Calloc((size_t)n->max_seqs, 1);
-        if (n->seen_seq == NULL) n->seen_seq = PyMem_Calloc((size_t)n->max_clients, sizeof(uint64_t));
-        if (n->maybe_foreign == NULL)
-            n->maybe_foreign = PyMem_Calloc((size_t)n->max_seqs, sizeof(int32_t));
+        size_t seqs = (size_t)n->max_seqs;
+        if (n->maybe_live == NULL) n->maybe_live = PyMem_Calloc(seqs, sizeof(int32_t));
+        if (n->maybe_foreign == NULL) n->maybe_foreign = PyMem_Calloc(seqs, sizeof(int32_t));
+        if (n->in_maybe == NULL) n->in_maybe = PyMem_Calloc(seqs, 1);
+        if (n->seen_seq == NULL)
+            n->seen_seq = PyMem_Calloc((size_t)n->max_clients, sizeof(uint64_t));
         if (!n->maybe_live || !n->in_maybe || !n->seen_seq || !n->maybe_foreign) return -1;
     }
     if (n->maybe_valid) {
@@ -767,8 +768,8 @@ static int maybe_live_sync(Native *n) {
  * tables). */
 static int own_refs_ready(Native *n) {
     if (n->own_valid) return 0;
-    if (n->own_refs == NULL && (n->own_refs = PyMem_Calloc((size_t)n->nb, sizeof(int32_t))) == NULL)
-        return -1;
+    if (n->own_refs == NULL) n->own_refs = PyMem_Calloc((size_t)n->nb, sizeof(int32_t));
+    if (n->own_refs == NULL) return -1;
     memset(n->own_refs, 0, (size_t)n->nb * sizeof(int32_t));
     for (int64_t slot = 0; slot < n->max_seqs; slot++) {
         const uint8_t *q = seqrec(n, slot);
