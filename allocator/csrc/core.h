@@ -316,20 +316,6 @@ typedef struct {
     int64_t n_maybe;
     uint64_t *seen_seq;
     int maybe_valid;
-    /* ... and those of them another client owned at that scan (a claim of this core's own
-     * is never one: unmapped reads this handle's own tables from own_refs) */
-    int32_t *maybe_foreign;
-    int64_t n_foreign;
-    /* leaks: how many entries of this handle's live tables name each block (while own_valid;
-     * sequences.c own_note keeps them where the core changes a table of its own), and the
-     * changes of the open transaction (own_log: block + 1, negated for an entry removed),
-     * undone if it rolls back; counted afresh (own_refs_ready) inside the transaction
-     * own_built, a rollback of that one drops them instead */
-    int32_t *own_refs;
-    int32_t *own_log;
-    int64_t own_n, own_cap;
-    int own_valid;
-    uint32_t own_built;
     int64_t max_clients, client_size;
     /* every client's record: the clients section, and the offsets in a record of its state,
      * pid and local-cache count (a full pool's PoolExhausted names other processes' caches) */
@@ -380,12 +366,26 @@ typedef struct {
     /* kvdata.c kv_sums_keep: the slot sums the digest's pass took in this operation, for slot
      * provenance's hashes of the same blocks (n_kvs of kvs_cap; emptied at each txn_begin and
      * after use) */
-    int32_t kvs_ids[KVS_KEEP];
-    uint32_t kvs_gen[KVS_KEEP];
+    int32_t *kvs_ids;
+    uint32_t *kvs_gen;
     uint64_t *kvs_sums;
     int64_t n_kvs, kvs_cap;
     /* provenance.c prov_write: request hashes by sequence id (seq_id_1: the id + 1; 0 none) */
-    ProvHash prov_rh[PROV_RH_CACHE];
+    ProvHash *prov_rh; /* (PROV_RH_CACHE of them, allocated at the first write) */
+    /* leaks: the slots of maybe_live another client owned at its last scan (a claim of this
+     * core's own is never one: unmapped reads this handle's own tables from own_refs) */
+    int32_t *maybe_foreign;
+    int64_t n_foreign;
+    /* leaks: how many entries of this handle's live tables name each block (while own_valid;
+     * sequences.c own_note keeps them where the core changes a table of its own), and the
+     * changes of the open transaction (own_log: block + 1, negated for an entry removed),
+     * undone if it rolls back; counted afresh (own_refs_ready) inside the transaction
+     * own_built, a rollback of that one drops them instead */
+    int32_t *own_refs;
+    int32_t *own_log;
+    int64_t own_n, own_cap;
+    int own_valid;
+    uint32_t own_built;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
@@ -499,7 +499,7 @@ enum {
     N_DK = 9
 };
 static void maybe_live_add(Native *n, int64_t slot);
-static void own_txn_end(Native *n, int committed);
+static void own_rollback(Native *n);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);

@@ -412,13 +412,19 @@ static void slot_sums(Native *n, int64_t b, int64_t m, uint64_t *sum, uint64_t *
  * used (kv_sums_take). */
 static void kv_sums_keep(Native *n, int32_t b, const uint64_t *sums) {
     if (n->kvs_sums == NULL) {
-        n->kvs_cap = n->bs * KVS_KEEP <= 65536 ? KVS_KEEP : 65536 / n->bs;
-        if (n->kvs_cap < 1) n->kvs_cap = 1;
-        n->kvs_sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n->kvs_cap * n->bs));
-        if (n->kvs_sums == NULL) {
-            n->kvs_cap = 0;
+        int64_t cap = n->bs * KVS_KEEP <= 65536 ? KVS_KEEP : 65536 / n->bs;
+        if (cap < 1) cap = 1;
+        PyMem_Free(n->kvs_ids);
+        PyMem_Free(n->kvs_gen);
+        n->kvs_ids = PyMem_Malloc(sizeof(int32_t) * (size_t)cap);
+        n->kvs_gen = PyMem_Malloc(sizeof(uint32_t) * (size_t)cap);
+        n->kvs_sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(cap * n->bs));
+        if (n->kvs_ids == NULL || n->kvs_gen == NULL || n->kvs_sums == NULL) {
+            PyMem_Free(n->kvs_sums);
+            n->kvs_sums = NULL; /* (kept nothing: the hashes are taken again) */
             return;
         }
+        n->kvs_cap = cap;
     }
     if (n->n_kvs >= n->kvs_cap) return;
     n->kvs_ids[n->n_kvs] = b;

@@ -336,7 +336,7 @@ static void txn_commit(Native *n) {
     n->dry_valid = 0;
     crash_point(n, CP_BEFORE_COMMIT);
     jcommit(n);
-    own_txn_end(n, 1);
+    n->own_n = 0; /* (its changes to the leaks probe's counts stand: sequences.c own_note) */
     lru_commit(n); /* (under the free lock, still held) */
     release_all(n);
     client_seq_bump(n);
@@ -351,7 +351,8 @@ static void txn_commit(Native *n) {
 static void txn_abort(Native *n) {
     n->dry_valid = 0;
     jrollback(n);
-    own_txn_end(n, 0);
+    if (n->own_valid) own_rollback(n);
+    n->own_n = 0;
     release_all(n);
     client_seq_bump(n);
     n->pend_evicted = 0;

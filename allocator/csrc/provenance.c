@@ -155,13 +155,16 @@ static void prov_write(Native *n, uint64_t seq_id, const char *request, const in
     /* (the request's hash, kept by sequence id: a sequence's request never changes, and a
      * decode step's append writes for the same sequences step after step) */
     uint32_t rh;
-    ProvHash *c = &n->prov_rh[seq_id % PROV_RH_CACHE];
-    if (c->seq_id_1 == seq_id + 1) {
+    if (n->prov_rh == NULL) n->prov_rh = PyMem_Calloc(PROV_RH_CACHE, sizeof(ProvHash));
+    ProvHash *c = n->prov_rh ? &n->prov_rh[seq_id % PROV_RH_CACHE] : NULL;
+    if (c != NULL && c->seq_id_1 == seq_id + 1) {
         rh = c->hash;
     } else {
         rh = prov_request_hash(request);
-        c->seq_id_1 = seq_id + 1;
-        c->hash = rh;
+        if (c != NULL) {
+            c->seq_id_1 = seq_id + 1;
+            c->hash = rh;
+        }
     }
     /* (the block and slot stepped along: no division per slot) */
     int64_t bi = first / n->bs, off = first % n->bs;

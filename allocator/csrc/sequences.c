@@ -396,17 +396,28 @@ static void own_note(Native *n, int32_t b, int32_t d) {
     n->own_log[n->own_n++] = d > 0 ? b + 1 : -(b + 1);
 }
 
-/* The end of a transaction: committed, its log is forgotten; rolled back, undone (newest
- * first), unless the counts were counted inside it (they saw its changes: dropped). */
-static void own_txn_end(Native *n, int committed) {
-    if (n->own_valid && !committed) {
-        if (n->own_built == n->txn_stamp) {
-            n->own_valid = 0;
-        } else {
-            for (int64_t i = n->own_n - 1; i >= 0; i--) {
-                int32_t e = n->own_log[i];
-                n->own_refs[e > 0 ? e - 1 : -e - 1] -= e > 0 ? 1 : -1;
-            }
+/* write_blocks of `slot`, where the counts are kept: the entries from `start` on leave the
+ * table, ids[0, k) join it. (Out of line: the write stays small where no probe counts.) */
+static __attribute__((noinline)) void own_entries(Native *n, int64_t slot, int64_t start,
+                                                  const int32_t *ids, int64_t k) {
+    if (!own_follows(n, slot)) return;
+    const uint8_t *s = seqrec(n, slot);
+    const int32_t *t = (const int32_t *)(s + SF_TABLE);
+    int64_t had = U4(s + SF_NUM_BLOCKS);
+    if (had > n->max_bps) had = n->max_bps;
+    for (int64_t j = start; j < had; j++) own_note(n, t[j], -1);
+    for (int64_t j = 0; j < k; j++) own_note(n, ids[j], 1);
+}
+
+/* A transaction rolled back (its commit forgets the log): its changes to the counts undone,
+ * newest first, unless the counts were counted inside it (they saw its changes: dropped). */
+static void own_rollback(Native *n) {
+    if (n->own_built == n->txn_stamp) {
+        n->own_valid = 0;
+    } else {
+        for (int64_t i = n->own_n - 1; i >= 0; i--) {
+            int32_t e = n->own_log[i];
+            n->own_refs[e > 0 ? e - 1 : -e - 1] -= e > 0 ? 1 : -1;
         }
     }
     n->own_n = 0;
@@ -419,14 +430,7 @@ static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *i
                           (long long)(start + k), (long long)n->max_bps);
     uint8_t *s = seqrec(n, slot);
     if (jsave_head(n, slot)) return UNHANDLED;
-    if (own_follows(n, slot)) {
-        /* (the entries from `start` on leave the table, ids[] join it) */
-        const int32_t *t = (const int32_t *)(s + SF_TABLE);
-        int64_t had = U4(s + SF_NUM_BLOCKS);
-        if (had > n->max_bps) had = n->max_bps;
-        for (int64_t j = start; j < had; j++) own_note(n, t[j], -1);
-        for (int64_t j = 0; j < k; j++) own_note(n, ids[j], 1);
-    }
+    if (n->own_valid) own_entries(n, slot, start, ids, k);
     if (k) {
         size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)start;
         if (jsave(n, off, (uint32_t)(4 * k))) return UNHANDLED;
