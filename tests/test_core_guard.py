@@ -17,8 +17,9 @@ import torch
 from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, devicechecks, integrity
 from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
-from kvscope.kernels.digest import int_view
+from kvscope.kernels.digest import fmix64_reference, int_view
 from kvscope.probes import lockdep
+from tests.kernels_cases import slot_digests
 
 LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
 # The slot mapping's guard slot: the last of each block.
@@ -508,11 +509,15 @@ def test_the_cores_never_written_check_is_integritys(pool_name, monkeypatch, def
     [(1, 1, 1, 1), (4, 2, 2, 3), (16, 3, 1, 7), (16, 1, 1, 8), (16, 1, 2, 8), (16, 2, 3, 9)],
 )
 @pytest.mark.parametrize("fill", ["random", "lowest", "highest"])
+@pytest.mark.parametrize("provenance", [0, 1], ids=["", "provenance"])
 def test_the_cores_digest_is_the_kernels(
-    pool_name, monkeypatch, dtype, bs, layers, heads, dim, fill
+    pool_name, monkeypatch, dtype, bs, layers, heads, dim, fill, provenance
 ):
-    # GIVEN a CPU pool of random K/V bits (NaNs, negative and odd values included)
+    # GIVEN a CPU pool of random K/V bits (NaNs, negative and odd values included); with slot
+    # provenance, whose slot hashes a 16-bit pool's digest pass takes with the digest
     monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    monkeypatch.setenv("KVSCOPE_PROVENANCE_SAMPLE", str(provenance))
+    monkeypatch.setenv("KVSCOPE_DIGEST", str(provenance))
     pool = KVPool.create(
         pool_name,
         PoolConfig(
@@ -537,6 +542,20 @@ def test_the_cores_digest_is_the_kernels(
         ids = [0, 8, 3, 3, 5]
         # WHEN the core and kernels/digest.py digest the same blocks THEN they agree bit for bit
         assert pool._core.digests(ids) == block_digests(pool.kv, ids, bs)
+        if provenance:
+            # and WHEN a request's blocks are published (digest and slot hashes in one pass
+            # where the pool's elements allow) THEN the records hold the digests and each
+            # slot's hash, as kernels/digest.py and the slots' own sums give them
+            seq = pool.allocate("p", list(range(3 * bs)))
+            assert pool.mark_computed(seq, 3 * bs) == 3
+            full = seq.block_table
+            want = [(d >> 32) for d in block_digests(pool.kv, full, bs)]
+            got = [int(pool.view.blocks["kv_digest"][b]) >> 32 for b in full]
+            assert got == want
+            slots = fmix64_reference(torch.tensor(slot_digests(pool.kv, full, bs)))
+            slots = (((slots >> 32) & 0xFFFFFFFF) | 1).tolist()
+            assert [[int(h) for h in pool.view.provenance[b]["kv_hash"]] for b in full] == slots
+            pool.free(seq)
     finally:
         pool.close()
         pool.unlink()

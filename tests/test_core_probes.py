@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolConfig, integrity
+from kvscope.allocator import KVPool, PoolConfig, faults, integrity
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import block_checksums
 from kvscope.probes import lockdep
@@ -167,13 +167,14 @@ def _close(pool: KVPool) -> None:
 def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
     pool_name, monkeypatch, taken
 ):
-    # GIVEN the leaks probe, and a live request whose table (in the segment) still maps a
-    # block that was freed: the stale table of a bug
+    # GIVEN the leaks probe, and a live request of another handle (another client) whose
+    # table (in the segment) still maps a block that was freed: the stale table of a bug
     for p in PROBES:
         monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p == "LEAKS" else "0")
     pool, seen = _watched(pool_name, 4, 4, 2, 4)
+    other = KVPool.attach(pool_name)
     try:
-        holder = pool.allocate("holder", [1, 2, 3])
+        holder = other.allocate("holder", [1, 2, 3])
         gone = pool.allocate("gone", list(range(10, 10 + 4 * taken - 1)))
         freed = list(gone.block_table)
         pool.free(gone)
@@ -199,6 +200,72 @@ def test_a_block_still_mapped_by_a_live_table_is_caught_when_handed_out(
         ]
         assert [(f.kind, f.block, f.message) for f in seen] == [(k, b, m) for k, b, _, m in found]
     finally:
+        seqs = pool.view.seqs
+        seqs["num_blocks"][holder.slot] = 1
+        other.close()
+        _close(pool)
+
+
+def test_a_table_of_its_own_left_live_by_a_release_is_caught_when_its_block_is_handed_out(
+    pool_name, monkeypatch
+):
+    # GIVEN the leaks probe, and a release that freed its blocks but left its table live and
+    # mapping them (the use-after-free fault: the stale table of a bug in the core)
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p == "LEAKS" else "0")
+    pool, seen = _watched(pool_name, 4, 4, 2, 4)
+    try:
+        pool.allocate("holder", [1, 2, 3])
+        gone = pool.allocate("gone", [10, 11, 12])
+        (freed,) = gone.block_table
+        faults.configure("use-after-free:1")
+        try:
+            pool.free(gone)
+        finally:
+            faults.configure(None)
+        assert pool.view.seqs["state"][gone_slot(pool, "gone")] != 0
+        # WHEN a request takes a block again (the freed one comes first, from the cache)
+        pool.allocate("taker", [50, 51, 52])
+        # THEN the core reported it as handed out while that table still maps it
+        found = [(f.kind, f.block, f.request) for f in pool.findings()]
+        assert found == [("use_after_free", freed, "gone")]
+        assert [(f.kind, f.block) for f in seen] == [("use_after_free", freed)]
+    finally:
+        _close(pool)
+
+
+def gone_slot(pool: KVPool, request: str) -> int:
+    """The slot of the live sequence record whose request is `request`."""
+    seqs = pool.view.seqs
+    (slot,) = [
+        s
+        for s in range(len(seqs))
+        if seqs["state"][s] != 0 and seqs["request"][s] == request.encode()
+    ]
+    return slot
+
+
+def test_a_table_of_its_own_written_from_outside_the_core_is_found_by_the_check(
+    pool_name, monkeypatch
+):
+    # GIVEN the leaks probe, and a live request of this handle whose table something outside
+    # the core rewrote to map a freed block (the core counts its own tables as it writes them:
+    # what it did not write, the whole-pool check finds against the refcounts)
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p == "LEAKS" else "0")
+    pool, _ = _watched(pool_name, 4, 4, 2, 4)
+    try:
+        holder = pool.allocate("holder", [1, 2, 3])
+        gone = pool.allocate("gone", [10, 11, 12])
+        (freed,) = gone.block_table
+        pool.free(gone)
+        pool.view.seqs["table"][holder.slot, 1] = freed
+        pool.view.seqs["num_blocks"][holder.slot] = 2
+        # WHEN the pool is checked / THEN the free block a live table maps is found
+        kinds = {(f.kind, f.block) for f in pool.check()}
+        assert ("use_after_free", freed) in kinds, kinds
+    finally:
+        pool.view.seqs["num_blocks"][holder.slot] = 1
         _close(pool)
 
 
@@ -209,15 +276,14 @@ def _seal(pool: KVPool, blk: int) -> None:
 
 
 def _leak_at_release(pool: KVPool) -> int:
-    """A request whose table in the segment maps its block twice, with the refcount to match,
-    while the handle's Sequence lists it once: its release leaves the block held, unmapped."""
+    """A request whose release keeps its block (the leak fault): held, and no table maps it."""
     a = pool.allocate("a", [1, 2, 3])
     x = a.block_table[0]
-    pool.view.seqs["table"][a.slot, 1] = x
-    pool.view.seqs["num_blocks"][a.slot] = 2
-    pool.view.blocks["refcount"][x] = 2
-    _seal(pool, x)
-    pool.free(a)
+    faults.configure("leak:1")
+    try:
+        pool.free(a)
+    finally:
+        faults.configure(None)
     return x
 
 
@@ -243,7 +309,8 @@ def test_a_leak_at_a_release_is_reported_by_the_core(pool_name, monkeypatch):
         (cb,) = seen
         assert (cb.kind, cb.block, cb.message) == (f.kind, f.block, f.message)
         assert "test_core_probes.py" in cb.extra["site"] and f.site_id >= 0
-        assert [e["op"] for e in cb.events] == ["allocate", "free"]
+        # (the release's FREE event names the blocks it let go: not the one it kept)
+        assert [e["op"] for e in cb.events] == ["allocate"]
         # and the flight recorder has the finding after the free
         ev = pool.view.events[pool.client]
         ops_seen = [int(o) for o in ev["op"][ev["time_ns"] > 0]]

@@ -102,7 +102,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
         char seen[64];
         snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'",
                  (int)strnlen(p->request, 32), p->request);
-        if (digests_intact(n, table, hits, seen)) goto abort;
+        if (digests_intact_keep(n, table, hits, seen, 1)) goto abort;
     }
     Py_ssize_t ntok_first = first * bs < p->ntok ? first * bs : p->ntok;
     int64_t nfull_first = p->nfull < first ? p->nfull : first;

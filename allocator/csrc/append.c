@@ -77,6 +77,10 @@ static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, i
 static int set_block(Native *n, int64_t slot, int64_t pos, int32_t b) {
     size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)pos;
     if (jsave(n, off, 4)) return UNHANDLED;
+    if (n->own_valid && own_follows(n, slot)) {
+        own_note(n, I4(n->seg + off), -1);
+        own_note(n, b, 1);
+    }
     I4(n->seg + off) = b;
     return OK;
 }

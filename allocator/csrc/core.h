@@ -134,6 +134,15 @@ enum {
     FK_COUNT
 };
 
+/* A request hash slot provenance took (provenance.c prov_write), by sequence id. */
+#define PROV_RH_CACHE 256
+/* The most blocks whose slot sums one operation keeps (kvdata.c kv_sums_keep). */
+#define KVS_KEEP 256
+typedef struct {
+    uint64_t seq_id_1;
+    uint32_t hash;
+} ProvHash;
+
 /* A block as a finding saw it: what the findings ring records of it (and a leak's refcount). */
 typedef struct {
     int32_t block, owner_pid, site, refcount;
@@ -354,6 +363,29 @@ typedef struct {
      * by this handle (0: none, and no check) */
     size_t off_prov, prov_records; /* (the records from prov_records on, after the generations) */
     int64_t prov_every;
+    /* kvdata.c kv_sums_keep: the slot sums the digest's pass took in this operation, for slot
+     * provenance's hashes of the same blocks (n_kvs of kvs_cap; emptied at each txn_begin and
+     * after use) */
+    int32_t *kvs_ids;
+    uint32_t *kvs_gen;
+    uint64_t *kvs_sums;
+    int64_t n_kvs, kvs_cap;
+    /* provenance.c prov_write: request hashes by sequence id (seq_id_1: the id + 1; 0 none) */
+    ProvHash *prov_rh; /* (PROV_RH_CACHE of them, allocated at the first write) */
+    /* leaks: the slots of maybe_live another client owned at its last scan (a claim of this
+     * core's own is never one: unmapped reads this handle's own tables from own_refs) */
+    int32_t *maybe_foreign;
+    int64_t n_foreign;
+    /* leaks: how many entries of this handle's live tables name each block (while own_valid;
+     * sequences.c own_note keeps them where the core changes a table of its own), and the
+     * changes of the open transaction (own_log: block + 1, negated for an entry removed),
+     * undone if it rolls back; counted afresh (own_refs_ready) inside the transaction
+     * own_built, a rollback of that one drops them instead */
+    int32_t *own_refs;
+    int32_t *own_log;
+    int64_t own_n, own_cap;
+    int own_valid;
+    uint32_t own_built;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,
@@ -450,6 +482,7 @@ static void findings_before(Native *n, int64_t upto, int64_t pre);
 static void findings_drop(Native *n);
 static int lockdep_ok(Native *n, uint64_t mask);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
+static inline int prov_any(Native *n, int64_t b, uint32_t gen);
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag);
 /* devchecks.c: what a check is for (DK_NAME) */
@@ -466,6 +499,7 @@ enum {
     N_DK = 9
 };
 static void maybe_live_add(Native *n, int64_t slot);
+static void own_rollback(Native *n);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);

@@ -341,12 +341,132 @@ static void unpoison(Native *n, const int32_t *ids, int64_t k) {
 
 /* -- digests ----------------------------------------------------------------------------------- */
 
+/* Whether a block's sums can be taken slot by slot in one pass (slot_sums): 16-bit elements, a
+ * slot a multiple of 8 of them and at most DIGEST_CHUNK (one chunk of digest_row2_sums: its
+ * 32-bit lane sums cannot overflow), at most 4096 slots. */
+static inline int slot_sums_fast(Native *n) {
+#if defined(__SSE2__)
+    int64_t em = n->kv_slot_bytes / n->kv_esize;
+    return n->kv_esize == 2 && em % 8 == 0 && em <= DIGEST_CHUNK && n->bs <= 4096;
+#else
+    (void)n;
+    return 0;
+#endif
+}
+
+#if defined(__SSE2__)
+/* The raw sums of slots [0, m) of block b into sum[] (a slot's own digest: its elements in every
+ * row, one row after the other, from coefficient 0: slot provenance's K/V hash, provenance.c),
+ * and with `block`, m being the block's size, the block's own digest sum (digests: its rows
+ * one after the other) from the same pass: digest_row2_sums's arithmetic over each slot of each
+ * row, inlined, the block's sum put together from the slots' (an element's coefficient in the
+ * block is its slot's shifted by the slot's place in the row and the row's in the block; the
+ * parity the `| 1` looks at is the same, a slot being an even number of elements). A CPU pool's,
+ * where slot_sums_fast. */
+static void slot_sums(Native *n, int64_t b, int64_t m, uint64_t *sum, uint64_t *block) {
+    int64_t em = n->kv_slot_bytes / n->kv_esize, row_len = n->bs * em;
+    for (int64_t off = 0; off < m; off++) sum[off] = 0;
+    const __m128i even = _mm_set_epi16(0, 1, 0, 1, 0, 1, 0, 1);
+    const __m128i odd = _mm_set_epi16(1, 0, 1, 0, 1, 0, 1, 0);
+    const __m128i step = _mm_set1_epi16(8);
+    uint64_t jm = DIGEST_ADD, bjm = DIGEST_ADD, bsum = 0;
+    for (int64_t r = 0; r < n->kv_rows; r++, jm += (uint64_t)em * DIGEST_MUL) {
+        const uint8_t *row = kv_row(n, r, b);
+        uint64_t rt = 0, re = 0, ro = 0, rs1 = 0; /* the row's sums, as digest_row2_sums's */
+        for (int64_t off = 0; off < m; off++) {
+            const int16_t *p = (const int16_t *)(row + (size_t)off * (size_t)n->kv_slot_bytes);
+            __m128i a1 = _mm_setzero_si128(), ae = a1, ao = a1;
+            __m128i idx = _mm_set_epi16(7, 6, 5, 4, 3, 2, 1, 0);
+            for (int64_t i = 0; i < em; i += 8) {
+                __m128i q = _mm_loadu_si128((const __m128i *)(p + i));
+                a1 = _mm_add_epi32(a1, _mm_madd_epi16(q, idx));
+                ae = _mm_add_epi32(ae, _mm_madd_epi16(q, even));
+                ao = _mm_add_epi32(ao, _mm_madd_epi16(q, odd));
+                idx = _mm_add_epi16(idx, step);
+            }
+            /* the lanes' sums (each below 2^31 in magnitude: digest_row2_sums' bound) */
+            __m128i eo = _mm_add_epi32(_mm_unpacklo_epi32(ae, ao), _mm_unpackhi_epi32(ae, ao));
+            eo = _mm_add_epi32(eo, _mm_srli_si128(eo, 8)); /* te, to */
+            a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 8));
+            a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 4));
+            uint64_t te = (uint64_t)(int64_t)_mm_cvtsi128_si32(eo);
+            uint64_t to = (uint64_t)(int64_t)_mm_cvtsi128_si32(_mm_srli_si128(eo, 4));
+            uint64_t t1 = (uint64_t)(int64_t)_mm_cvtsi128_si32(a1);
+            sum[off] += jm * (te + to) + DIGEST_MUL * t1 + ((jm & 1) ? to : te);
+            /* (in the row: element i of the slot is element off * em + i) */
+            rs1 += (uint64_t)(off * em) * (te + to) + t1;
+            rt += te + to;
+            re += te;
+            ro += to;
+        }
+        bsum += bjm * rt + DIGEST_MUL * rs1 + ((bjm & 1) ? ro : re);
+        bjm += (uint64_t)row_len * DIGEST_MUL;
+    }
+    if (block != NULL) *block = bsum;
+}
+#endif
+
+/* The short K/V hashes of a block's slots taken in the digest's pass (slot_sums), kept for slot
+ * provenance's use later in the same operation (a publication's hashes, a hit's check): the
+ * block and its generation, its slots' raw sums. Emptied when a transaction begins and once
+ * used (kv_sums_take). */
+static void kv_sums_keep(Native *n, int32_t b, const uint64_t *sums) {
+    if (n->kvs_sums == NULL) {
+        int64_t cap = n->bs * KVS_KEEP <= 65536 ? KVS_KEEP : 65536 / n->bs;
+        if (cap < 1) cap = 1;
+        PyMem_Free(n->kvs_ids);
+        PyMem_Free(n->kvs_gen);
+        n->kvs_ids = PyMem_Malloc(sizeof(int32_t) * (size_t)cap);
+        n->kvs_gen = PyMem_Malloc(sizeof(uint32_t) * (size_t)cap);
+        n->kvs_sums = PyMem_Malloc(sizeof(uint64_t) * (size_t)(cap * n->bs));
+        if (n->kvs_ids == NULL || n->kvs_gen == NULL || n->kvs_sums == NULL) {
+            PyMem_Free(n->kvs_sums);
+            n->kvs_sums = NULL; /* (kept nothing: the hashes are taken again) */
+            return;
+        }
+        n->kvs_cap = cap;
+    }
+    if (n->n_kvs >= n->kvs_cap) return;
+    n->kvs_ids[n->n_kvs] = b;
+    n->kvs_gen[n->n_kvs] = U4(blk(n, b) + BF_GENERATION);
+    memcpy(n->kvs_sums + n->n_kvs * n->bs, sums, sizeof(uint64_t) * (size_t)n->bs);
+    n->n_kvs++;
+}
+
+/* Block b's slot sums kept by the digest's pass of this operation (slots [0, m)) into sum[]: 1,
+ * or 0 where none are kept. */
+static int kv_sums_take(Native *n, int32_t b, int64_t m, uint64_t *sum) {
+    uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+    for (int64_t i = 0; i < n->n_kvs; i++)
+        if (n->kvs_ids[i] == b && n->kvs_gen[i] == gen) {
+            memcpy(sum, n->kvs_sums + i * n->bs, sizeof(uint64_t) * (size_t)m);
+            return 1;
+        }
+    return 0;
+}
+
 /* kernels/digest.py block_digests of blocks ids[0..k) into out (the core's own pass over CPU
- * bytes). */
-static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out) {
+ * bytes). With `keep` (a publication's stamps, a hit's check: slot provenance hashes the same
+ * slots later in the operation), a block whose slots hold provenance records is summed slot by
+ * slot where the pool allows (slot_sums), and its slots' sums kept (kv_sums_keep). */
+static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out, int keep) {
     int64_t m = n->bs * n->kv_slot_bytes / n->kv_esize;
     kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
+#if defined(__SSE2__)
+    keep = keep && n->prov_every && slot_sums_fast(n);
+#else
+    keep = 0;
+#endif
     for (int64_t i = 0; i < k; i++) {
+#if defined(__SSE2__)
+        if (keep && prov_any(n, ids[i], U4(blk(n, ids[i]) + BF_GENERATION))) {
+            uint64_t sums[4096], sum;
+            slot_sums(n, ids[i], n->bs, sums, &sum);
+            out[i] = fmix64(sum);
+            kv_sums_keep(n, ids[i], sums);
+            continue;
+        }
+#endif
         /* element j of kv[:, :, b, :block_size] flattened: coef(j) = (j * MUL + ADD) | 1 */
         uint64_t sum = 0, jm = DIGEST_ADD;
         for (int64_t r = 0; r < n->kv_rows; r++) sum = digest_row(n, kv_row(n, r, ids[i]), m, &jm, sum);
@@ -363,7 +483,7 @@ static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (n->kv == NULL)
         return kv_later(n, n->prov_every && n->dev ? DK_STAMP_PROV : DK_STAMP, ids, k, NULL);
     uint64_t d[CHUNK];
-    digests(n, ids, k, d);
+    digests(n, ids, k, d, 1); /* (slot provenance hashes the published slots next) */
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         U8(r + n->off_kv_digest) = ((d[i] >> 32) << 32) | (uint64_t)U4(r + BF_GENERATION);
@@ -423,7 +543,16 @@ static PyObject *modified_message(Native *n, const uint8_t *rec, const char *whe
  * does not is a published_block_modified finding, with its record as it is now, reported when
  * the operation commits (which goes on); a CUDA pool's at the
  * settle that reads the answer, with the record as the operation saw it. OK, UNHANDLED, ERROR. */
+static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const char *when,
+                              int keep);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
+    return digests_intact_keep(n, ids, k, when, 0);
+}
+
+/* digests_intact, the slots' sums of blocks with provenance records kept with `keep` (a
+ * prefix hit's: slot provenance checks the same slots next, digests). */
+static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const char *when,
+                              int keep) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     enum { BATCH = CHUNK + EVICT_BATCH };
     int32_t pub[BATCH];
@@ -443,7 +572,7 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
             if (rc != OK) return rc;
             continue;
         }
-        digests(n, pub, np_, got);
+        digests(n, pub, np_, got, keep);
         for (int64_t j = 0; j < np_; j++) {
             if (got[j] >> 32 == want[j] >> 32) continue;
             Seen s;
@@ -466,6 +595,9 @@ static void slots_blank(Native *n, int32_t b, uint8_t *blank) {
     for (int64_t s = 0; s < n->bs; s++) blank[s] = 1;
     for (int64_t r = 0; r < n->kv_rows && left; r++) {
         const uint8_t *row = kv_row(n, r, b);
+        /* (a row all poison leaves every slot as it was: one pass over the row's bytes rather
+         * than one call per slot) */
+        if (all_bits(n, row, n->bs * m, v)) continue;
         for (int64_t s = 0; s < n->bs; s++) {
             if (!blank[s]) continue;
             if (!all_bits(n, row + (size_t)s * n->kv_slot_bytes, m, v)) {
@@ -601,7 +733,7 @@ static PyObject *N_digests(Native *n, PyObject *arg) {
         }
         ids[i] = (int32_t)b;
     }
-    digests(n, ids, k, d);
+    digests(n, ids, k, d, 0);
     PyObject *out = PyList_New(k);
     for (Py_ssize_t i = 0; out && i < k; i++)
         PyList_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(d[i]));

@@ -292,6 +292,8 @@ static int txn_begin(Native *n, uint64_t mask) {
     client_seq_bump(n);
     if (++n->txn_stamp == 0) n->txn_stamp = 1; /* records the magic probe checked: none */
     n->jcount = n->jused = 0;
+    n->own_n = 0;
+    n->n_kvs = 0;
     for (int k = 0; k < n->num_locks; k++) {
         int i = invert ? n->num_locks - 1 - k : k;
         if (!(mask & lock_bit(i)) || holds(n, i)) continue;
@@ -334,6 +336,7 @@ static void txn_commit(Native *n) {
     n->dry_valid = 0;
     crash_point(n, CP_BEFORE_COMMIT);
     jcommit(n);
+    n->own_n = 0; /* (its changes to the leaks probe's counts stand: sequences.c own_note) */
     lru_commit(n); /* (under the free lock, still held) */
     release_all(n);
     client_seq_bump(n);
@@ -348,6 +351,8 @@ static void txn_commit(Native *n) {
 static void txn_abort(Native *n) {
     n->dry_valid = 0;
     jrollback(n);
+    if (n->own_valid) own_rollback(n);
+    n->own_n = 0;
     release_all(n);
     client_seq_bump(n);
     n->pend_evicted = 0;

@@ -236,6 +236,13 @@ static void N_dealloc(Native *n) {
     PyMem_Free(n->hdr_copy);
     PyMem_Free(n->in_maybe);
     PyMem_Free(n->seen_seq);
+    PyMem_Free(n->maybe_foreign);
+    PyMem_Free(n->own_refs);
+    PyMem_Free(n->own_log);
+    PyMem_Free(n->kvs_sums);
+    PyMem_Free(n->kvs_ids);
+    PyMem_Free(n->kvs_gen);
+    PyMem_Free(n->prov_rh);
     PyMem_Free(n->pre_slots);
     PyMem_Free(n->res);
     Py_XDECREF(n->mutex);

@@ -735,11 +735,14 @@ static inline uint64_t client_seq_of(Native *n, int64_t c) {
  * is as seen (this core's own claims are added as it makes them), else a scan of the whole
  * sequence table. 0, or -1 without memory. */
 static int maybe_live_sync(Native *n) {
-    if (n->maybe_live == NULL) {
-        n->maybe_live = PyMem_Calloc((size_t)n->max_seqs, sizeof(int32_t));
-        n->in_maybe = PyMem_Calloc((size_t)n->max_seqs, 1);
-        n->seen_seq = PyMem_Calloc((size_t)n->max_clients, sizeof(uint64_t));
-        if (!n->maybe_live || !n->in_maybe || !n->seen_seq) return -1;
+    if (n->maybe_live == NULL || n->maybe_foreign == NULL) {
+        size_t seqs = (size_t)n->max_seqs;
+        if (n->maybe_live == NULL) n->maybe_live = PyMem_Calloc(seqs, sizeof(int32_t));
+        if (n->maybe_foreign == NULL) n->maybe_foreign = PyMem_Calloc(seqs, sizeof(int32_t));
+        if (n->in_maybe == NULL) n->in_maybe = PyMem_Calloc(seqs, 1);
+        if (n->seen_seq == NULL)
+            n->seen_seq = PyMem_Calloc((size_t)n->max_clients, sizeof(uint64_t));
+        if (!n->maybe_live || !n->in_maybe || !n->seen_seq || !n->maybe_foreign) return -1;
     }
     if (n->maybe_valid) {
         int64_t c = 0;
@@ -748,14 +751,45 @@ static int maybe_live_sync(Native *n) {
     }
     for (int64_t c = 0; c < n->max_clients; c++) n->seen_seq[c] = client_seq_of(n, c);
     memset(n->in_maybe, 0, (size_t)n->max_seqs);
-    n->n_maybe = 0;
-    for (int64_t s = 0; s < n->max_seqs; s++)
-        if (seqrec(n, s)[SF_STATE] != S_EMPTY) {
-            n->in_maybe[s] = 1;
-            n->maybe_live[n->n_maybe++] = (int32_t)s;
-        }
+    n->n_maybe = n->n_foreign = 0;
+    for (int64_t s = 0; s < n->max_seqs; s++) {
+        const uint8_t *q = seqrec(n, s);
+        if (q[SF_STATE] == S_EMPTY) continue;
+        n->in_maybe[s] = 1;
+        n->maybe_live[n->n_maybe++] = (int32_t)s;
+        if (I4(q + SF_OWNER_CLIENT) != n->client) n->maybe_foreign[n->n_foreign++] = (int32_t)s;
+    }
     n->maybe_valid = 1;
     return 0;
+}
+
+/* This handle's own live tables counted per block (own_refs: sequences.c own_note keeps them
+ * from then on), unless they are already. 0, or -1 without memory (the callers then read the
+ * tables). */
+static int own_refs_ready(Native *n) {
+    if (n->own_valid) return 0;
+    if (n->own_refs == NULL) n->own_refs = PyMem_Calloc((size_t)n->nb, sizeof(int32_t));
+    if (n->own_refs == NULL) return -1;
+    memset(n->own_refs, 0, (size_t)n->nb * sizeof(int32_t));
+    for (int64_t slot = 0; slot < n->max_seqs; slot++) {
+        const uint8_t *q = seqrec(n, slot);
+        if (q[SF_STATE] == S_EMPTY || I4(q + SF_OWNER_CLIENT) != n->client) continue;
+        uint32_t nb = U4(q + SF_NUM_BLOCKS);
+        if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
+        const int32_t *t = (const int32_t *)(q + SF_TABLE);
+        for (uint32_t j = 0; j < nb; j++)
+            if (t[j] >= 0 && t[j] < n->nb) n->own_refs[t[j]] += 1;
+    }
+    n->own_n = 0;
+    n->own_built = n->txn_stamp;
+    n->own_valid = !n->borrowed;
+    return 0;
+}
+
+/* Whether the counts of this handle's tables can answer now (the leaks probe on, a record of
+ * its own): counted first where they are not kept. */
+static inline int own_refs_here(Native *n) {
+    return !n->borrowed && own_refs_ready(n) == 0 && n->own_valid;
 }
 
 /* How many of the nb entries of table t are block b (four at a time with SSE2). */
@@ -836,7 +870,10 @@ static int refcounts_match(Native *n, const int32_t *ids, int64_t k, PyObject *r
     }
     if (nfew == 0) return OK;
     int32_t few_refs[FEW] = {0};
-    if (many) {
+    int own = own_refs_here(n);
+    if (own) {
+        /* (the count of this handle's tables, kept by the core) */
+    } else if (many) {
         if (!leak_scratch(n)) {
             PyErr_NoMemory();
             return ERROR;
@@ -860,7 +897,9 @@ static int refcounts_match(Native *n, const int32_t *ids, int64_t k, PyObject *r
         uint8_t *r = blk(n, ids[i]);
         if (r[BF_INDEXED] || r[BF_STATE] != B_ALLOCATED) continue;
         int32_t rc = I4(r + BF_REFCOUNT), refs = 0;
-        if (many) {
+        if (own) {
+            refs = n->own_refs[ids[i]];
+        } else if (many) {
             refs = ref_get(n, ids[i]);
         } else {
             for (int32_t f = 0; f < nfew; f++)
@@ -944,10 +983,15 @@ static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *reques
         }
         for (int64_t i = 0; i < k; i++) ref_add(n, ids[i]);
     }
-    int hit = 0;
-    for (int64_t m = 0; m < n->n_maybe && !hit; m++) {
-        uint8_t *q = seqrec(n, n->maybe_live[m]);
-        if (q[SF_STATE] == S_EMPTY) continue;
+    /* This handle's own tables: their count per block, kept by the core (own_refs); then
+     * only the tables of other clients are read. */
+    int own = own_refs_here(n), hit = 0;
+    for (int64_t i = 0; own && i < k && !hit; i++) hit = n->own_refs[ids[i]] != 0;
+    const int32_t *slots = own ? n->maybe_foreign : n->maybe_live;
+    int64_t nslots = own ? n->n_foreign : n->n_maybe;
+    for (int64_t m = 0; m < nslots && !hit; m++) {
+        uint8_t *q = seqrec(n, slots[m]);
+        if (q[SF_STATE] == S_EMPTY || (own && I4(q + SF_OWNER_CLIENT) == n->client)) continue;
         uint32_t nb = U4(q + SF_NUM_BLOCKS);
         if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
         const int32_t *t = (const int32_t *)(q + SF_TABLE);

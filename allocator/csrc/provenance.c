@@ -56,46 +56,16 @@ static uint32_t prov_kv_hash(Native *n, int64_t b, int64_t off) {
 }
 
 /* The short K/V hashes of slots [0, m) of block b into out[] (prov_kv_hash's values; a CPU
- * pool's). A 16-bit pool whose slot is a multiple of 8 elements and at most DIGEST_CHUNK (one
- * chunk of digest_row2_sums: its 32-bit lane sums cannot overflow) is summed here in one pass
- * per row over the block's slots, with digest_row2_sums' arithmetic inlined (a publication and
- * a prefix hit hash every slot of their blocks: called per slot and per row, the call, the
- * width's switch and the chunk loop cost more than the slot's 8 elements); any other, slot by
- * slot. */
+ * pool's): the sums the digest's pass of this operation kept (kvdata.c kv_sums_keep: a
+ * publication stamps, a hit verifies, the same blocks' digests first), else, for a pool whose
+ * slots slot_sums takes in one pass per row, from that pass (a publication and a prefix hit
+ * hash every slot of their blocks: called per slot and per row, the call, the width's switch
+ * and the chunk loop cost more than the slot's 8 elements); any other, slot by slot. */
 static void prov_kv_hashes(Native *n, int64_t b, int64_t m, uint32_t *out) {
-    int64_t em = n->kv_slot_bytes / n->kv_esize;
 #if defined(__SSE2__)
-    if (n->kv_esize == 2 && em % 8 == 0 && em <= DIGEST_CHUNK && m <= 4096) {
+    if (slot_sums_fast(n)) {
         uint64_t sum[4096];
-        for (int64_t off = 0; off < m; off++) sum[off] = 0;
-        const __m128i even = _mm_set_epi16(0, 1, 0, 1, 0, 1, 0, 1);
-        const __m128i odd = _mm_set_epi16(1, 0, 1, 0, 1, 0, 1, 0);
-        const __m128i step = _mm_set1_epi16(8);
-        uint64_t jm = DIGEST_ADD;
-        for (int64_t r = 0; r < n->kv_rows; r++, jm += (uint64_t)em * DIGEST_MUL) {
-            const uint8_t *row = kv_row(n, r, b);
-            for (int64_t off = 0; off < m; off++) {
-                const int16_t *p = (const int16_t *)(row + (size_t)off * (size_t)n->kv_slot_bytes);
-                __m128i a1 = _mm_setzero_si128(), ae = a1, ao = a1;
-                __m128i idx = _mm_set_epi16(7, 6, 5, 4, 3, 2, 1, 0);
-                for (int64_t i = 0; i < em; i += 8) {
-                    __m128i q = _mm_loadu_si128((const __m128i *)(p + i));
-                    a1 = _mm_add_epi32(a1, _mm_madd_epi16(q, idx));
-                    ae = _mm_add_epi32(ae, _mm_madd_epi16(q, even));
-                    ao = _mm_add_epi32(ao, _mm_madd_epi16(q, odd));
-                    idx = _mm_add_epi16(idx, step);
-                }
-                /* the lanes' sums (each below 2^31 in magnitude: digest_row2_sums' bound) */
-                __m128i eo = _mm_add_epi32(_mm_unpacklo_epi32(ae, ao), _mm_unpackhi_epi32(ae, ao));
-                eo = _mm_add_epi32(eo, _mm_srli_si128(eo, 8)); /* te, to */
-                a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 8));
-                a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 4));
-                uint64_t te = (uint64_t)(int64_t)_mm_cvtsi128_si32(eo);
-                uint64_t to = (uint64_t)(int64_t)_mm_cvtsi128_si32(_mm_srli_si128(eo, 4));
-                uint64_t t1 = (uint64_t)(int64_t)_mm_cvtsi128_si32(a1);
-                sum[off] += jm * (te + to) + DIGEST_MUL * t1 + ((jm & 1) ? to : te);
-            }
-        }
+        if (!kv_sums_take(n, (int32_t)b, m, sum)) slot_sums(n, b, m, sum, NULL);
         for (int64_t off = 0; off < m; off++) out[off] = prov_hash_of(sum[off]);
         return;
     }
@@ -130,6 +100,7 @@ static void prov_published(Native *n, const int32_t *ids, int64_t k) {
                 U4(p + PV_KV_HASH) = h[off];
         }
     }
+    n->n_kvs = 0; /* (the digest pass's sums used: kvdata.c kv_sums_keep) */
 }
 
 /* A publication's blocks ids[0, k) of a pool whose K/V the core does not map, before its
@@ -147,6 +118,8 @@ static int prov_stamp_later(Native *n, const int32_t *ids, int64_t k) {
 
 /* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */
 static inline int prov_sampled(Native *n, uint64_t seq_id) {
+    /* (every sequence, as under `kvscope run`: no division on a decode step's path) */
+    if (n->prov_every == 1) return 1;
     return n->prov_every > 0 && seq_id % (uint64_t)n->prov_every == 0;
 }
 
@@ -178,20 +151,44 @@ static uint32_t prov_request_hash(const char *request) {
  * generation is stored last: a reader racing the write sees the record's old generation. */
 static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
                        int64_t first, int64_t pos0, const int32_t *toks, int64_t k) {
-    uint32_t rh = prov_request_hash(request);
-    for (int64_t i = 0; i < k; i++) {
-        int64_t rel = first + i, b = ids[rel / n->bs], off = rel % n->bs;
-        uint8_t *p = prov_rec(n, b, off);
+    if (k <= 0) return;
+    /* (the request's hash, kept by sequence id: a sequence's request never changes, and a
+     * decode step's append writes for the same sequences step after step) */
+    uint32_t rh;
+    if (n->prov_rh == NULL) n->prov_rh = PyMem_Calloc(PROV_RH_CACHE, sizeof(ProvHash));
+    ProvHash *c = n->prov_rh ? &n->prov_rh[seq_id % PROV_RH_CACHE] : NULL;
+    if (c != NULL && c->seq_id_1 == seq_id + 1) {
+        rh = c->hash;
+    } else {
+        rh = prov_request_hash(request);
+        if (c != NULL) {
+            c->seq_id_1 = seq_id + 1;
+            c->hash = rh;
+        }
+    }
+    /* (the block and slot stepped along: no division per slot) */
+    int64_t bi = first / n->bs, off = first % n->bs;
+    int32_t b = ids[bi];
+    uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+    uint8_t *p = prov_rec(n, b, off);
+    for (int64_t i = 0; i < k; i++, off++, p += PROVENANCE) {
+        if (off == n->bs) {
+            __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
+            off = 0;
+            b = ids[++bi];
+            gen = U4(blk(n, b) + BF_GENERATION);
+            p = prov_rec(n, b, 0);
+        }
         U4(p + PV_GENERATION) = 0;
         U8(p + PV_SEQ_ID) = seq_id;
         I4(p + PV_POSITION) = (int32_t)(pos0 + i);
         I4(p + PV_TOKEN) = toks[i];
         U4(p + PV_REQUEST_HASH) = rh;
         U4(p + PV_KV_HASH) = 0;
-        uint32_t gen = U4(blk(n, b) + BF_GENERATION);
         __atomic_store_n((uint32_t *)(p + PV_GENERATION), gen, __ATOMIC_RELEASE);
-        __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
     }
+    /* (the block's `recorded` word after its records) */
+    __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
 }
 
 /* A copy-on-write's copy: the records of slots [0, m) of src as dst's (dst's generation). */
@@ -335,11 +332,13 @@ static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const 
 static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
                            const char *request) {
     if (n->kv != NULL) kv_prefetch(n, table, hits, (size_t)(n->bs * n->kv_slot_bytes));
-    for (int64_t j = 0; j < hits; j++)
+    int rc = OK;
+    for (int64_t j = 0; j < hits && rc == OK; j++)
         if (prov_check_block(n, table[j], j * n->bs, toks + j * n->bs, n->bs, request,
                              "a prefix hit") == ERROR)
-            return ERROR;
-    return OK;
+            rc = ERROR;
+    n->n_kvs = 0; /* (the digest pass's sums used: kvdata.c kv_sums_keep) */
+    return rc;
 }
 
 /* The foreign-slot fault (faults.py), at an append that recorded its token `tok` at position
@@ -411,6 +410,7 @@ static PyObject *N_provenance_check(Native *n, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     GATE(n, args[0]);
+    n->n_kvs = 0; /* (the sweep hashes the K/V as it is now, not as an operation's pass saw it) */
     PyObject *src = args[1] == Py_None ? PyDict_Values(n->seqs) : Py_NewRef(args[1]);
     if (src == NULL) return NULL;
     PyObject *rows = PySequence_Fast(src, "rows: expected a sequence of Sequences");

@@ -129,6 +129,9 @@ static int64_t journal_rollback(Native *n, int64_t c, PyObject **why) {
     *why = journal_problem(n, c, &error);
     if (error) return -1;
     uint32_t cnt = *why ? 0 : U4(crec(n, c) + cfield(n, n->c_jcount));
+    /* (this handle's own tables rolled back outside a transaction of its own: the leaks
+     * probe's count of them is taken again, sequences.c own_note) */
+    if (c == n->client) n->own_valid = 0;
     jundo(n, (ptrdiff_t)(c - n->client) * (ptrdiff_t)n->client_size, cnt);
     return cnt;
 }
@@ -290,6 +293,7 @@ static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, void *arg) {
             jcommit(n);
         else
             jrollback(n);
+        n->own_n = 0; /* (a dead client's tables: sequences.c own_follows counts none) */
     }
     n->jcount = n->jused = 0;
     release_all(n);

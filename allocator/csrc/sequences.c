@@ -350,6 +350,79 @@ static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *req
     return OK;
 }
 
+/* -- this handle's tables, counted per block ------------------------------------------------ */
+
+/* The leaks probe asks, of every block handed out, whether a live table maps it, and of a
+ * release's blocks, how many of this handle's tables map them. This handle's own tables change
+ * only in its own transactions, here (write_blocks, set_block), so the core keeps their count
+ * per block (own_refs) as it changes them, instead of reading every table for each question;
+ * other clients' tables are still read (probes.c unmapped). Kept only while the leaks probe is
+ * on: a change made without it, by a record borrowed to reclaim a dead one, or in a rollback
+ * other than the transaction's own (recovery.c) drops the counts, and they are counted afresh
+ * from the segment when next asked (probes.c own_refs_ready). */
+
+/* Whether the counts follow a change to the table of `slot` now: they are kept, the slot is
+ * this handle's own and live. */
+static inline int own_follows(Native *n, int64_t slot) {
+    if (!n->own_valid) return 0;
+    if (!(n->probes & P_LEAKS) || n->borrowed) {
+        n->own_valid = 0;
+        return 0;
+    }
+    const uint8_t *s = seqrec(n, slot);
+    return s[SF_STATE] != S_EMPTY && I4(s + SF_OWNER_CLIENT) == n->client;
+}
+
+/* An entry naming block b added to (d = 1) or removed from (d = -1) one of this handle's live
+ * tables, logged for the transaction's rollback (the counts dropped where the log cannot grow). */
+static void own_note(Native *n, int32_t b, int32_t d) {
+    if (!n->own_valid || b < 0 || b >= n->nb) return;
+    if (d < 0 && n->own_refs[b] <= 0) {
+        /* (an entry the core did not write: the table was written from outside it) */
+        n->own_valid = 0;
+        return;
+    }
+    if (n->own_n == n->own_cap) {
+        int64_t cap = n->own_cap ? 2 * n->own_cap : 256;
+        int32_t *p = PyMem_Realloc(n->own_log, sizeof(int32_t) * (size_t)cap);
+        if (p == NULL) {
+            n->own_valid = 0;
+            return;
+        }
+        n->own_log = p;
+        n->own_cap = cap;
+    }
+    n->own_refs[b] += d;
+    n->own_log[n->own_n++] = d > 0 ? b + 1 : -(b + 1);
+}
+
+/* write_blocks of `slot`, where the counts are kept: the entries from `start` on leave the
+ * table, ids[0, k) join it. (Out of line: the write stays small where no probe counts.) */
+static __attribute__((noinline)) void own_entries(Native *n, int64_t slot, int64_t start,
+                                                  const int32_t *ids, int64_t k) {
+    if (!own_follows(n, slot)) return;
+    const uint8_t *s = seqrec(n, slot);
+    const int32_t *t = (const int32_t *)(s + SF_TABLE);
+    int64_t had = U4(s + SF_NUM_BLOCKS);
+    if (had > n->max_bps) had = n->max_bps;
+    for (int64_t j = start; j < had; j++) own_note(n, t[j], -1);
+    for (int64_t j = 0; j < k; j++) own_note(n, ids[j], 1);
+}
+
+/* A transaction rolled back (its commit forgets the log): its changes to the counts undone,
+ * newest first, unless the counts were counted inside it (they saw its changes: dropped). */
+static void own_rollback(Native *n) {
+    if (n->own_built == n->txn_stamp) {
+        n->own_valid = 0;
+    } else {
+        for (int64_t i = n->own_n - 1; i >= 0; i--) {
+            int32_t e = n->own_log[i];
+            n->own_refs[e > 0 ? e - 1 : -e - 1] -= e > 0 ? 1 : -1;
+        }
+    }
+    n->own_n = 0;
+}
+
 /* Table entries [start, start + k) of `slot` written (a PoolError past max_blocks_per_seq) */
 static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *ids, int64_t k) {
     if (start + k > n->max_bps)
@@ -357,6 +430,7 @@ static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *i
                           (long long)(start + k), (long long)n->max_bps);
     uint8_t *s = seqrec(n, slot);
     if (jsave_head(n, slot)) return UNHANDLED;
+    if (n->own_valid) own_entries(n, slot, start, ids, k);
     if (k) {
         size_t off = n->off_seqs + (size_t)slot * n->seq_rec + SF_TABLE + 4 * (size_t)start;
         if (jsave(n, off, (uint32_t)(4 * k))) return UNHANDLED;
