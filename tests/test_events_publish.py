@@ -370,9 +370,18 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _default_sigint() -> None:
+    # as a terminal starts it, whatever this test run inherited (CI starts it ignored)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     "stop, preexec",
-    [(signal.SIGINT, None), (signal.SIGTERM, None), (signal.SIGTERM, _ignore_sigint)],
+    [
+        (signal.SIGINT, _default_sigint),
+        (signal.SIGTERM, _default_sigint),
+        (signal.SIGTERM, _ignore_sigint),
+    ],
     ids=["ctrl-c", "sigterm", "sigterm-in-a-background-job"],
 )
 def test_a_recording_stops_whole_on_ctrl_c_and_on_sigterm(make_pool, tmp_path, stop, preexec):
