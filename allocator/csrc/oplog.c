@@ -414,9 +414,19 @@ static void oplog_flush_all(Oplog *L) {
 /* A record's first bytes: op, status and flags, its number, time, thread and probe word
  * where they changed, and the sequence's id. (Every record runs it: kept to a few cache lines
  * of code, which a Python program's interpreter evicts between two operations.) */
+static void oplog_name_checks(Native *n, uint64_t seq);
+/* An operation's record numbered `seq`: the device checks queued since the last one are its
+ * (oplog_name_checks). Records that are no operation (a REPORT, STORE, COPY, CLOSE, LOST)
+ * name none. */
+static __attribute__((noinline, cold)) void oplog_name_op(Native *n, int op, uint64_t seq) {
+    if ((op >= OP_ALLOCATE && op <= OP_EVICT) || (op >= OP_LEASE && op <= OP_EXPIRE_LEASES))
+        oplog_name_checks(n, seq);
+}
+
 static inline __attribute__((hot)) uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op,
                                                        int bits, int64_t seq_id) {
     uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
+    if (__builtin_expect(n->checks_unnamed != 0, 0)) oplog_name_op(n, op, seq);
     if (__builtin_expect((L->out_recs & 63) == 0, 0)) oplog_clock(L, seq);
     int32_t tid = thread_id(); /* (not cached by pthread_self: an ended thread's is reused) */
     uint32_t probes = (uint32_t)*n->probe_bits;
@@ -889,7 +899,8 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
             res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
                 !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
                 (n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0) != armed0 ||
-                nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL,
+                nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL ||
+                n->checks_unnamed,
             0))
         return append_general(n, args, res, rec, nb0, found0, armed0);
     /* a plain append: its tokens, and the blocks it added after the table */
@@ -1103,19 +1114,59 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
  * still held is a lease_leak), `reclaim_dead` (recovery.c: lock_dead_holder, leak_dead_owner),
  * the provenance sweep (provenance.c: foreign_slot). A replay runs that call again where the
  * REPORT is (docs/REPLAY.md). */
-static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request) {
+static void oplog_report_of(Native *n, Py_ssize_t found0, const char *request, int64_t src_id,
+                            int64_t arg) {
     if (n->oplog == NULL || n->seg == NULL || n->found == NULL ||
         PyList_GET_SIZE(n->found) <= found0)
         return;
     OpRec o;
     memset(&o, 0, sizeof o);
     o.op = OP_REPORT;
-    o.seq_id = o.src_id = -1;
+    o.seq_id = -1;
+    o.src_id = src_id;
+    o.arg = arg;
     o.found0 = found0;
     o.tmode = TM_NONE;
     memcpy(o.request, request, REQUEST_BYTES);
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
+}
+static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request) {
+    oplog_report_of(n, found0, request, -1, 0);
+}
+
+/* The findings the core wrote since `found0` from a device check's answer, applied at a
+ * settle after the operation that queued the check (devanswers.c dev_apply: a CUDA pool's
+ * checks), recorded as a REPORT about `request` that names that operation: `src_id` its
+ * number (`op`; -1 where none is known: the provenance sweep's checks, one queued while the
+ * handle did not record), `arg` -1 (OPLOG_ANSWER: a device check's answer). A replay's CPU
+ * pool finds it in that operation, and compares it there (docs/REPLAY.md). */
+static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request, uint64_t op) {
+    int64_t src = op == 0 || op == OP_UNNAMED || op > INT64_MAX ? -1 : (int64_t)op;
+    oplog_report_of(n, found0, request, src, OPLOG_ANSWER);
+}
+
+/* The device checks queued since the handle's last operation record that can find something
+ * (n->checks_unnamed of them: devchecks.c dev_check), and the findings read from any the queue
+ * took early, named as the operation's whose record is numbered `seq` (0: none, as recording
+ * stops). They are the newest in the queue (and in the findings read), so the walk starts
+ * there and stops once every one is named. */
+static __attribute__((noinline, cold)) void oplog_name_checks(Native *n, uint64_t seq) {
+    DevChecks *d = n->dev;
+    int64_t left = n->checks_unnamed;
+    n->checks_unnamed = 0;
+    if (d == NULL) return;
+    for (int64_t i = d->q_count - 1; i >= 0 && left > 0; i--) {
+        DevEntry *e = dev_at(d, i);
+        if (e->op != OP_UNNAMED) continue;
+        e->op = seq;
+        left--;
+    }
+    for (int64_t i = d->n_found - 1; i >= 0 && left > 0; i--) {
+        if (d->found[i].op != OP_UNNAMED) continue;
+        d->found[i].op = seq;
+        left--;
+    }
 }
 
 /* A recording handle's close (recovery.c N_detach), a CLOSE record after the REPORTs of the
@@ -1280,6 +1331,8 @@ static void oplog_free(Native *n) {
     Oplog *L = n->oplog;
     if (L == NULL) return;
     n->oplog = NULL;
+    /* (checks no record named: they belong to no recorded operation) */
+    if (n->checks_unnamed) oplog_name_checks(n, 0);
     oplog_flush_all(L);
     if (L->fd >= 0) close(L->fd);
     PyMem_Free(L->held);
