@@ -440,7 +440,6 @@ class OpLog:
             self._stores = out
         return self._stores
 
-
     def answer_reports(self) -> dict[int, list[OpRecord]]:
         """The REPORTs of device checks' answers (OpRecord.answer) that name an operation
         among the log's records, by that operation's number: a replay compares them there
