@@ -513,6 +513,7 @@ static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);
 static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request);
 static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request, uint64_t op);
+static void oplog_check_queued(Native *n);
 static void oplog_dying(Native *n);
 static void oplog_close_record(Native *n, const int32_t *ids, int64_t k, int64_t slots, int ok);
 static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t live,

@@ -401,6 +401,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     if (n->oplog != NULL && dev_finds(kind) && !(kind == DK_PROV_CHECK && extra == 1)) {
         e->op = OP_UNNAMED;
         n->checks_unnamed++;
+        oplog_check_queued(n);
     }
     d->launched++;
     /* (the word pool.append and mark_computed read: they take the answers) */

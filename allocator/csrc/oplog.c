@@ -34,6 +34,13 @@ enum { TM_NONE = 0, TM_NEW = 1, TM_OWN = 2 };
 #define CR_ARGS 128 /* src_id, arg, result */
 #define CR_TIME_SHIFT 20 /* record times count 2^20 ns from the chunk's */
 
+/* Entry points and writers that no operation runs (R_unwritten, N_oplog_copy, a device
+ * check's answer's REPORT and the naming of its checks: below), in a text section of their
+ * own, after the core's: emitted among the hot code they move it (recording's cost on
+ * bench_serving_loop, whose operations never call them, measured about a point higher with
+ * them placed there). */
+#define OPLOG_RARE __attribute__((section(".text.oplog_rare"), noinline))
+
 typedef struct Oplog {
     int fd;
     int32_t owner;  /* the process that opened it (a forked child's copy never writes) */
@@ -54,6 +61,10 @@ typedef struct Oplog {
     size_t off_seq; /* the header's op_seq */
     uint32_t tag;   /* the pool's tag, in every chunk */
     uint64_t lost;  /* records a failed write lost since the last one written */
+    /* device checks that can find something were queued since the handle's last operation
+     * record (devchecks.c dev_check: oplog_check_queued), n->checks_unnamed of them: the next
+     * one names them (oplog_name_checks); a plain append that queued one is not held */
+    int unnamed;
     int64_t *pre;   /* the seq ids the call in flight preempted (oplog_preempted) */
     int64_t n_pre, cap_pre;
     uint64_t end, reserved; /* the log's end as this handle last wrote it, the space reserved to */
@@ -418,7 +429,7 @@ static void oplog_name_checks(Native *n, uint64_t seq);
 /* An operation's record numbered `seq`: the device checks queued since the last one are its
  * (oplog_name_checks). Records that are no operation (a REPORT, STORE, COPY, CLOSE, LOST)
  * name none. */
-static __attribute__((noinline, cold)) void oplog_name_op(Native *n, int op, uint64_t seq) {
+static OPLOG_RARE void oplog_name_op(Native *n, int op, uint64_t seq) {
     if ((op >= OP_ALLOCATE && op <= OP_EVICT) || (op >= OP_LEASE && op <= OP_EXPIRE_LEASES))
         oplog_name_checks(n, seq);
 }
@@ -426,7 +437,7 @@ static __attribute__((noinline, cold)) void oplog_name_op(Native *n, int op, uin
 static inline __attribute__((hot)) uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op,
                                                        int bits, int64_t seq_id) {
     uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
-    if (__builtin_expect(n->checks_unnamed != 0, 0)) oplog_name_op(n, op, seq);
+    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, op, seq);
     if (__builtin_expect((L->out_recs & 63) == 0, 0)) oplog_clock(L, seq);
     int32_t tid = thread_id(); /* (not cached by pthread_self: an ended thread's is reused) */
     uint32_t probes = (uint32_t)*n->probe_bits;
@@ -900,7 +911,7 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
                 !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
                 (n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0) != armed0 ||
                 nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL ||
-                n->checks_unnamed,
+                L->unnamed,
             0))
         return append_general(n, args, res, rec, nb0, found0, armed0);
     /* a plain append: its tokens, and the blocks it added after the table */
@@ -1114,8 +1125,8 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
  * still held is a lease_leak), `reclaim_dead` (recovery.c: lock_dead_holder, leak_dead_owner),
  * the provenance sweep (provenance.c: foreign_slot). A replay runs that call again where the
  * REPORT is (docs/REPLAY.md). */
-static void oplog_report_of(Native *n, Py_ssize_t found0, const char *request, int64_t src_id,
-                            int64_t arg) {
+static OPLOG_RARE void oplog_report_of(Native *n, Py_ssize_t found0, const char *request,
+                                       int64_t src_id, int64_t arg) {
     if (n->oplog == NULL || n->seg == NULL || n->found == NULL ||
         PyList_GET_SIZE(n->found) <= found0)
         return;
@@ -1131,7 +1142,7 @@ static void oplog_report_of(Native *n, Py_ssize_t found0, const char *request, i
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
 }
-static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request) {
+static OPLOG_RARE void oplog_found_report(Native *n, Py_ssize_t found0, const char *request) {
     oplog_report_of(n, found0, request, -1, 0);
 }
 
@@ -1141,9 +1152,17 @@ static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request
  * number (`op`; -1 where none is known: the provenance sweep's checks, one queued while the
  * handle did not record), `arg` -1 (OPLOG_ANSWER: a device check's answer). A replay's CPU
  * pool finds it in that operation, and compares it there (docs/REPLAY.md). */
-static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request, uint64_t op) {
+static OPLOG_RARE void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request,
+                                           uint64_t op) {
     int64_t src = op == 0 || op == OP_UNNAMED || op > INT64_MAX ? -1 : (int64_t)op;
     oplog_report_of(n, found0, request, src, OPLOG_ANSWER);
+}
+
+/* A device check that can find something queued while the handle records (devchecks.c
+ * dev_check, which counts it in n->checks_unnamed): the handle's next operation record names
+ * it. */
+static OPLOG_RARE void oplog_check_queued(Native *n) {
+    if (n->oplog != NULL) n->oplog->unnamed = 1;
 }
 
 /* The device checks queued since the handle's last operation record that can find something
@@ -1151,10 +1170,11 @@ static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *reques
  * took early, named as the operation's whose record is numbered `seq` (0: none, as recording
  * stops). They are the newest in the queue (and in the findings read), so the walk starts
  * there and stops once every one is named. */
-static __attribute__((noinline, cold)) void oplog_name_checks(Native *n, uint64_t seq) {
+static OPLOG_RARE void oplog_name_checks(Native *n, uint64_t seq) {
     DevChecks *d = n->dev;
     int64_t left = n->checks_unnamed;
     n->checks_unnamed = 0;
+    if (n->oplog != NULL) n->oplog->unnamed = 0;
     if (d == NULL) return;
     for (int64_t i = d->q_count - 1; i >= 0 && left > 0; i--) {
         DevEntry *e = dev_at(d, i);
@@ -1261,10 +1281,6 @@ done:
     return res;
 }
 
-/* The entry points below that no operation runs, in a text section of their own, after the
- * core's: emitted among the hot code they move it (recording's cost on bench_serving_loop, whose
- * operations never call them, measured about a point higher with them placed there). */
-#define OPLOG_RARE __attribute__((section(".text.oplog_rare"), noinline))
 
 /* unwritten(table, num_tokens, request): guard mode's finish check of a request (kvdata.c
  * N_unwritten: writes.finished), which runs just before its free and is part of it. While the
@@ -1333,6 +1349,7 @@ static void oplog_free(Native *n) {
     n->oplog = NULL;
     /* (checks no record named: they belong to no recorded operation) */
     if (n->checks_unnamed) oplog_name_checks(n, 0);
+    n->checks_unnamed = 0;
     oplog_flush_all(L);
     if (L->fd >= 0) close(L->fd);
     PyMem_Free(L->held);
