@@ -63,7 +63,8 @@ typedef struct Oplog {
     uint64_t lost;  /* records a failed write lost since the last one written */
     /* device checks that can find something were queued since the handle's last operation
      * record (devchecks.c dev_check: oplog_check_queued), n->checks_unnamed of them: the next
-     * one names them (oplog_name_checks); a plain append that queued one is not held */
+     * one names them (oplog_name_checks); a held append, where it added a block (a check of its
+     * poison) */
     int unnamed;
     int64_t *pre;   /* the seq ids the call in flight preempted (oplog_preempted) */
     int64_t n_pre, cap_pre;
@@ -437,7 +438,6 @@ static OPLOG_RARE void oplog_name_op(Native *n, int op, uint64_t seq) {
 static inline __attribute__((hot)) uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op,
                                                        int bits, int64_t seq_id) {
     uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
-    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, op, seq);
     if (__builtin_expect((L->out_recs & 63) == 0, 0)) oplog_clock(L, seq);
     int32_t tid = thread_id(); /* (not cached by pthread_self: an ended thread's is reused) */
     uint32_t probes = (uint32_t)*n->probe_bits;
@@ -518,6 +518,7 @@ static void oplog_write(Native *n, OpRec *o) {
     if (nc || npre || nf) bits |= CR_EXTRA;
     if (o->src_id != -1 || o->arg || o->result) bits |= CR_ARGS;
     uint8_t *p = oplog_head(n, L, p0, o->op, bits, o->seq_id);
+    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, o->op, L->prev_seq);
     if (bits & CR_FAULT) p = put_u(p, fired);
     if (bits & CR_ARGS) {
         p = put_s(p, o->src_id);
@@ -874,6 +875,7 @@ static __attribute__((noinline)) void append_plain(Native *n, Oplog *L, const ui
         return;
     }
     uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
+    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, OP_APPEND, L->prev_seq);
     p = put_u(p, (uint64_t)L->ntok);
     for (int64_t i = 0; i < L->ntok; i++) p = put_v(p, zz(oplog_token(L, L->tok[i])));
     *p++ = TM_OWN;
@@ -910,8 +912,7 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
             res == NULL || !PyList_CheckExact(res) || PyList_GET_SIZE(res) || L->n_pre ||
                 !L->have_tok || (n->found ? PyList_GET_SIZE(n->found) : 0) != found0 ||
                 (n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0) != armed0 ||
-                nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL ||
-                L->unnamed,
+                nb1 > (uint64_t)n->max_bps || L->lost || n->oplog_fired || n->seg == NULL,
             0))
         return append_general(n, args, res, rec, nb0, found0, armed0);
     /* a plain append: its tokens, and the blocks it added after the table */
@@ -928,7 +929,12 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         h->token = L->tok[0];
         h->keep = keep;
         h->nb = nb1;
-        h->block = nb1 > keep ? ((const int32_t *)(rec + SF_TABLE))[keep] : 0;
+        h->block = 0;
+        if (nb1 > keep) {
+            h->block = ((const int32_t *)(rec + SF_TABLE))[keep];
+            /* (a block handed out: a check of its poison, queued in this append, is its) */
+            if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, OP_APPEND, h->seq);
+        }
         if (++L->n_held == OPLOG_HELD) oplog_compose_held(L);
     } else {
         append_plain(n, L, rec, keep, nb1);
@@ -1080,6 +1086,7 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
     if (npre || nf) bits |= CR_EXTRA;
     if (o->arg || o->result) bits |= CR_ARGS;
     uint8_t *p = oplog_head(n, L, p0, o->op, bits, o->seq_id);
+    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, o->op, L->prev_seq);
     if (bits & CR_FAULT) p = put_u(p, fired);
     if (bits & CR_ARGS) {
         p = put_s(p, -1);
