@@ -423,18 +423,21 @@ static void oplog_flush_all(Oplog *L) {
     oplog_flush(L);
 }
 
-/* A record's first bytes: op, status and flags, its number, time, thread and probe word
- * where they changed, and the sequence's id. (Every record runs it: kept to a few cache lines
- * of code, which a Python program's interpreter evicts between two operations.) */
 static void oplog_name_checks(Native *n, uint64_t seq);
 /* An operation's record numbered `seq`: the device checks queued since the last one are its
- * (oplog_name_checks). Records that are no operation (a REPORT, STORE, COPY, CLOSE, LOST)
- * name none. */
+ * (oplog_name_checks). Called after the head by the writers of records (oplog_write,
+ * oplog_lease, append_plain; not oplog_head, which every record's writer inlines: there it cost
+ * recording about a point on bench_serving_loop) and by a held append where it added a block
+ * (a check of that block's poison). Records that are no operation (a REPORT, STORE, COPY,
+ * CLOSE, LOST) name none. */
 static OPLOG_RARE void oplog_name_op(Native *n, int op, uint64_t seq) {
     if ((op >= OP_ALLOCATE && op <= OP_EVICT) || (op >= OP_LEASE && op <= OP_EXPIRE_LEASES))
         oplog_name_checks(n, seq);
 }
 
+/* A record's first bytes: op, status and flags, its number, time, thread and probe word
+ * where they changed, and the sequence's id. (Every record runs it: kept to a few cache lines
+ * of code, which a Python program's interpreter evicts between two operations.) */
 static inline __attribute__((hot)) uint8_t *oplog_head(Native *n, Oplog *L, uint8_t *p, int op,
                                                        int bits, int64_t seq_id) {
     uint64_t seq = __atomic_add_fetch((uint64_t *)(n->seg + L->off_seq), 1, __ATOMIC_SEQ_CST);
@@ -1287,7 +1290,6 @@ done:
     PyBuffer_Release(&sl);
     return res;
 }
-
 
 /* unwritten(table, num_tokens, request): guard mode's finish check of a request (kvdata.c
  * N_unwritten: writes.finished), which runs just before its free and is part of it. While the
