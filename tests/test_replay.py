@@ -1379,6 +1379,46 @@ def test_a_guard_canary_answered_later_replays_to_the_release_that_checked_it(
     assert out.answered_at == [answers[0].seq]
 
 
+def test_a_published_block_changed_outside_the_log_diverges_at_the_hit_that_checked_it(
+    tmp_path, pool_name, monkeypatch
+):
+    """A write into a published block's K/V that no store check saw (not in the log), on a pool
+    whose digest checks are answered at a later settle: the digest check of the prefix hit that
+    reads the block finds it, in a REPORT of the answer naming that allocate. The replay's K/V
+    holds no such write, so its hit finds nothing: a divergence at the allocate, its recorded
+    findings the REPORT's (not at the REPORT, after the free that applied it)."""
+    path = tmp_path / "run.ops"
+
+    def run() -> None:
+        pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+        try:
+            pool.probe = PoolProbes(pool, ProbeFlags(digest=True))
+            a = pool.allocate("a", list(range(8)))
+            pool.mark_computed(a, 8)
+            pool.kv[:, :, a.block_table[0]] += 1.0  # (the program's own write)
+            b = pool.allocate("b", list(range(8)) + [9])
+            assert b.num_cached_tokens == 8
+            pool.free(b)
+            pool.free(a)
+        finally:
+            pool.close()
+            pool.unlink()
+
+    record_deferred(monkeypatch, run)
+    log = read_log(str(path))
+    answers = [r for r in log.records if r.answer]
+    assert len(answers) == 1 and [k for k, _ in answers[0].found] == ["published_block_modified"]
+    hit = next(r for r in log.records if r.seq == answers[0].src_id)
+    assert (hit.op, hit.request, hit.found) == (OpCode.ALLOCATE, "b", [])
+    # (applied at the settle of b's free, after the allocate)
+    assert [r.op for r in log.records if hit.seq < r.seq < answers[0].seq] == []
+    out = replay(log)
+    assert (out.reason, out.diff) == ("divergence", ["found"])
+    assert out.record is not None and out.record.seq == hit.seq
+    assert out.record.found == answers[0].found and out.got is not None and out.got.found == []
+    assert out.answered_at == [answers[0].seq]
+
+
 @pytest.mark.gpu
 def test_a_skipped_copy_on_a_cuda_pool_replays_to_its_answer_at_the_free(tmp_path, pool_name):
     """The skipped copy on a CUDA pool: the finish check is answered at a later settle, in a
