@@ -27,6 +27,7 @@ from kvscope.allocator import oplogsnap
 from kvscope.allocator.errors import OplogError
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.records import (
+    OPLOG_ANSWER,
     OPLOG_FAULT,
     OPLOG_FIELDS,
     OPLOG_FOUND_FIELDS,
@@ -180,6 +181,13 @@ class OpRecord:
     def redacted(self) -> bool:
         return bool(self.flags & OPLOG_REDACTED)
 
+    @property
+    def answer(self) -> bool:
+        """A REPORT of a device check's answer, applied at a settle after the operation that
+        queued the check (a CUDA pool's: docs/REPLAY.md), that operation's number its
+        `src_id` (-1: none known)."""
+        return self.op == OpCode.REPORT and self.arg == OPLOG_ANSWER
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "seq": self.seq,
@@ -193,6 +201,8 @@ class OpRecord:
             d["seq_id"] = self.seq_id
         if self.src_id >= 0:
             d["src_id"] = self.src_id
+        if self.answer:
+            d["answers"] = self.src_id  # (the operation whose device check it answers)
         if self.op in (
             OpCode.MARK_COMPUTED,
             OpCode.EVICT,
@@ -382,6 +392,7 @@ class OpLog:
     breaks: list[int] = field(default_factory=list)
 
     _stores: dict[int, int] | None = field(default=None, repr=False, compare=False)
+    _answers: dict[int, list[OpRecord]] | None = field(default=None, repr=False, compare=False)
     _kv: bool | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -421,12 +432,28 @@ class OpLog:
                     and key in last
                     and r.found
                     and all(k in STORE_KINDS for k, _ in r.found)
+                    and not r.answer  # (a device check's answer, applied after the STORE)
                 ):
                     out[r.seq] = last[key]
                 elif key in last:
                     del last[key]
             self._stores = out
         return self._stores
+
+    def answer_reports(self) -> dict[int, list[OpRecord]]:
+        """The REPORTs of device checks' answers (OpRecord.answer) that name an operation
+        among the log's records, by that operation's number: a replay compares them there
+        (docs/REPLAY.md "What replays")."""
+        if self._answers is None:
+            report, mark = int(OpCode.REPORT), (OpCode.START, OpCode.SNAPSHOT)
+            answers = [r for r in self.records if r.op == report and r.arg == OPLOG_ANSWER]
+            ops = {r.seq for r in self.records if r.op not in mark} if answers else set()
+            out: dict[int, list[OpRecord]] = {}
+            for r in answers:
+                if r.src_id in ops and r.src_id < r.seq:
+                    out.setdefault(r.src_id, []).append(r)
+            self._answers = out
+        return self._answers
 
 
 def read_log(path: str, pool: str | None = None) -> OpLog:

@@ -227,6 +227,10 @@ class OpStatus(enum.IntEnum):
 # Record flags.
 OPLOG_FAULT = 1  # an injected fault fired inside the operation
 OPLOG_REDACTED = 2  # tokens and request ids are keyed hashes
+# A REPORT's `arg` where the findings it holds are a device check's answer, applied at a settle
+# after the operation that queued the check (a CUDA pool's), whose number is its `src_id`
+# (-1: none known; csrc/oplog.c oplog_answer_report)
+OPLOG_ANSWER = -1
 # One record: these fields, then int32 tokens[n_tokens] (START: n_tokens bytes of UTF-8 JSON;
 # SNAPSHOT: n_tokens bytes, allocator/checkpoint.py),
 # int32 blocks[n_blocks], int32 copies[2 * n_copies] (src, dst), int64 preempted[n_preempted]
@@ -491,6 +495,7 @@ def c_values() -> dict[str, int]:
         "OPLOG_CHUNK_MAGIC": OPLOG_CHUNK_MAGIC,
         "OPLOG_FAULT": OPLOG_FAULT,
         "OPLOG_REDACTED": OPLOG_REDACTED,
+        "OPLOG_ANSWER": OPLOG_ANSWER,
     }
     out.update({f"OP_{o.name}": int(o) for o in OpCode})
     out.update({f"OS_{o.name}": int(o) for o in OpStatus})

@@ -958,6 +958,9 @@ class Outcome:
     lost: tuple[int, int] | None = None  # the numbers missing where the replay stopped
     # the START the replay stopped at: its handle had run operations no record holds
     unrecorded: int | None = None
+    # the REPORTs where the recording learned the findings of the operation it stopped at: its
+    # device checks' answers, applied at a later settle (a CUDA pool's), by number
+    answered_at: list[int] = field(default_factory=list)
 
     @property
     def error_finding(self) -> bool:
@@ -1070,6 +1073,11 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
         gap_after = {a - 1: (a, b) for a, b in log.gaps}
         breaks = set(log.breaks)
         early: set[tuple[str, int]] = set()
+        # the findings of device checks' answers the recording applied after the operation
+        # that queued them (a CUDA pool's), by that operation: the replay's CPU pool finds them
+        # in it, and compares them there; their REPORTs then are that operation's
+        answers = log.answer_reports()
+        answered = {q.seq for qs in answers.values() for q in qs}
         # each STORE's findings, as the REPORT records after it have them
         by_store: dict[int, list[tuple[str, int]]] = {}
         if session.store_reports:
@@ -1099,6 +1107,10 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 if r.op == _START and r is not log.start:
                     session.attach(r)
                 continue
+            if answered and r.seq in answered:
+                # (a device check's answer: compared at the operation it names, above)
+                done += 1
+                continue
             if r.faults:
                 faults.ARMED.clear()
                 faults.ARMED.update({f: 1 for f in r.fault_names})
@@ -1124,6 +1136,11 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                     outcome = Outcome("divergence", done, total, shown, got, diff, faults=fired)
                     outcome.blocks = block_rows(session, recorded_result(shown), got)
                     break
+            late = answers.get(r.seq) if answers else None
+            if late:
+                # what the recording found in this operation, its device checks' answers
+                # included (learned at their REPORTs)
+                r = dataclasses.replace(r, found=r.found + [f for q in late for f in q.found])
             if got.found or r.found:
                 _cadenced(r, got, early)
             diff = differences(r, got)
@@ -1133,6 +1150,8 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                     "divergence" if diff else "finding", done, total, r, got, diff, faults=fired
                 )
                 outcome.blocks = block_rows(session, recorded_result(r), got)
+                if late:
+                    outcome.answered_at = [q.seq for q in late]
                 break
             if outcome.reason == "lost":
                 break

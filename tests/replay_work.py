@@ -201,12 +201,14 @@ def copy_work(pool: KVPool, n_requests: int = 6, skip: int = -1, tell: bool = Tr
     copy-on-write copies made with `kvscope.kernels.copy_blocks` (told the pool, with `tell`)
     before its token's K/V is stored; every request freed at the end. With `skip` (a request's
     number), that request's first copy is skipped (the bug: its new block holds none of the
-    positions before the token stored next)."""
+    positions before the token stored next). On a CUDA pool each store's slot mapping is built
+    on the host and checked there (`Writers.check`), the store given it on the device."""
     from kvscope.kernels import copy_blocks
 
     rng = random.Random(3)
     heads, dim, bs = CONFIG["num_kv_heads"], CONFIG["head_dim"], pool.block_size
     system = [rng.randrange(100) for _ in range(9)]
+    dev = pool.kv.device
 
     def store(seq, start: int, end: int) -> None:
         pos = torch.arange(start, end, dtype=torch.float32)
@@ -214,6 +216,9 @@ def copy_work(pool: KVPool, n_requests: int = 6, skip: int = -1, tell: bool = Tr
         k = (tok * 0.01 + pos * 0.1)[:, None, None].expand(-1, heads, dim).contiguous()
         mapping = torch.tensor(pool.slot_mapping(seq, start, end), dtype=torch.int64)
         writers = Writers(pool, [(seq, start, end)])
+        if dev.type != "cpu":
+            writers.check(mapping)  # (on the host: its STORE record is whole at the store)
+            k, mapping, writers = k.to(dev), mapping.to(dev), None
         for layer in range(CONFIG["num_layers"]):
             kc, vc = pool.kv[layer, 0], pool.kv[layer, 1]
             store_kv(k, -k, kc, vc, mapping, block_size=bs, writers=writers)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolConfig, faults
+from kvscope.allocator import KVPool, PoolConfig, devicechecks, faults
 from kvscope.allocator.findings import SEVERITY, FindingKind
 from kvscope.allocator.oplog import OplogError, parse_log, read_log
 from kvscope.allocator.prefix import fmix64
@@ -1203,11 +1203,15 @@ def test_kvscope_run_records_a_store_through_a_stale_slot_mapping(tmp_path):
     assert run.returncode == 1 and "use_after_free" in run.stdout
 
 
-def record_copies(path: Path, name: str, skip: int = -1, tell: bool = True) -> None:
+def record_copies(
+    path: Path, name: str, skip: int = -1, tell: bool = True, device: str = "cpu"
+) -> None:
     """tests/replay_work.py's engine that samples each request twice (copy_work: its
     copy-on-write copies made with copy_blocks, told the pool with `tell`) on a new guard-mode
     pool with every probe on, recorded into `path`; with `skip`, that request's copy skipped."""
-    pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True, record_ops=str(path)))
+    pool = KVPool.create(
+        name, PoolConfig(**{**CONFIG, "device": device}, guard=True, record_ops=str(path))
+    )
     try:
         pool.probe = PoolProbes(pool, ALL_PROBES)
         copy_work(pool, skip=skip, tell=tell)
@@ -1281,6 +1285,159 @@ def test_the_copies_made_replay_to_the_end_and_are_what_the_replay_needs(tmp_pat
     assert not any(r.op == OpCode.COPY for r in log.records) and not log.replays_kv()
     out = replay(log)
     assert (out.reason, out.exit_code) == ("end", 0), out.diff
+
+
+def record_deferred(monkeypatch, record_fn, *args, **kwargs) -> None:
+    """`record_fn(*args, **kwargs)` on a pool whose K/V checks go through the core's queue of
+    device checks, as a CUDA pool's do (devicechecks.DEFERRED_ON_CPU: answered at once, applied
+    at the next settle); the seam off again after it, so that a replay's pool checks the K/V in
+    the operation, as a CPU pool's core does."""
+    monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", True)
+    try:
+        record_fn(*args, **kwargs)
+    finally:
+        monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", False)
+
+
+def answered_free(log) -> tuple[Any, Any]:
+    """A log's one REPORT of a device check's answer, and the free it names."""
+    answers = [r for r in log.records if r.answer]
+    assert len(answers) == 1, [(r.seq, r.found) for r in answers]
+    free = next(r for r in log.records if r.seq == answers[0].src_id)
+    return answers[0], free
+
+
+def test_a_skipped_copy_on_a_deferred_check_pool_replays_to_its_answer_at_the_free(
+    tmp_path, pool_name, monkeypatch, capsys
+):
+    """A pool whose finish check is answered at a later settle (a CUDA pool's: here the core's
+    device-check queue on a CPU pool): the skipped copy's `kv_never_written` is in no free's
+    record but in a REPORT of the check's answer, written where the answer is applied and naming
+    the free. The replay's pool finds it in the free; the replay compares the two there and
+    stops at the free with the finding, saying where the recording learned it. It shrinks, and
+    the script finds it."""
+    path = tmp_path / "run.ops"
+    record_deferred(monkeypatch, record_copies, path, pool_name, skip=1)
+    log = read_log(str(path))
+    answer, free = answered_free(log)
+    assert (free.op, free.request, free.found) == (OpCode.FREE, "r1", [])
+    assert answer.seq > free.seq and {k for k, _ in answer.found} == {"kv_never_written"}
+    assert found_at(log) == (answer.seq, "kv_never_written")
+    out = replay(log)
+    assert (out.reason, out.diff, out.exit_code) == ("finding", [], 1)
+    assert out.record is not None and out.record.seq == free.seq
+    assert out.got is not None and out.got.found == answer.found == out.record.found
+    assert out.answered_at == [answer.seq]
+    capsys.readouterr()
+    assert main(["replay", str(path), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert (d["reason"], d["operation"]["seq"], d["answered_at"]) == (
+        "finding", free.seq, [answer.seq]
+    )  # fmt: skip
+    assert d["recorded"]["found"] == d["replayed_result"]["found"] != []
+    assert main(["replay", str(path)]) == 1
+    assert f"applied at a later settle: REPORT {answer.seq}" in capsys.readouterr().out
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == "kv_never_written" and len(shrunk.ops) <= 10
+    script = tmp_path / "repro.py"
+    script.write_text(emit_script(shrunk))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 1 and "kv_never_written" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_clean_run_on_a_deferred_check_pool_replays_to_the_end(tmp_path, pool_name, monkeypatch):
+    """The same engine making every copy, its checks answered at later settles: nothing found,
+    no REPORT of an answer, and the replay runs every record to the end as recorded."""
+    path = tmp_path / "run.ops"
+    record_deferred(monkeypatch, record_copies, path, pool_name)
+    log = read_log(str(path))
+    assert not any(r.found for r in log.records) and not log.answer_reports()
+    assert sum(r.op == OpCode.COPY for r in log.records) == 4
+    out = replay(log)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
+
+
+def test_a_guard_canary_answered_later_replays_to_the_release_that_checked_it(
+    tmp_path, pool_name, monkeypatch
+):
+    """oob-write on a pool whose canary checks are answered at a later settle: the
+    guard_violation is a REPORT of the answer naming the release whose check found it; the
+    replay's pool finds it in that release, where the replay stops with it."""
+    path = tmp_path / "run.ops"
+    record_deferred(monkeypatch, record, path, pool_name, "oob-write", n_ops=60)
+    log = read_log(str(path))
+    answers = [r for r in log.records if r.answer]
+    assert answers and {k for k, _ in answers[0].found} == {"guard_violation"}
+    freed = next(r for r in log.records if r.seq == answers[0].src_id)
+    assert freed.op in (OpCode.FREE, OpCode.ABORT) and not freed.found
+    out = replay(log, quiet=True)
+    assert (out.reason, out.diff) == ("finding", []), out.diff
+    assert out.record is not None and out.record.seq == freed.seq
+    assert out.got is not None and out.got.found == answers[0].found
+    assert out.answered_at == [answers[0].seq]
+
+
+def test_a_published_block_changed_outside_the_log_diverges_at_the_hit_that_checked_it(
+    tmp_path, pool_name, monkeypatch
+):
+    """A write into a published block's K/V that no store check saw (not in the log), on a pool
+    whose digest checks are answered at a later settle: the digest check of the prefix hit that
+    reads the block finds it, in a REPORT of the answer naming that allocate. The replay's K/V
+    holds no such write, so its hit finds nothing: a divergence at the allocate, its recorded
+    findings the REPORT's (not at the REPORT, after the free that applied it)."""
+    path = tmp_path / "run.ops"
+
+    def run() -> None:
+        pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+        try:
+            pool.probe = PoolProbes(pool, ProbeFlags(digest=True))
+            a = pool.allocate("a", list(range(8)))
+            pool.mark_computed(a, 8)
+            pool.kv[:, :, a.block_table[0]] += 1.0  # (the program's own write)
+            b = pool.allocate("b", list(range(8)) + [9])
+            assert b.num_cached_tokens == 8
+            pool.free(b)
+            pool.free(a)
+        finally:
+            pool.close()
+            pool.unlink()
+
+    record_deferred(monkeypatch, run)
+    log = read_log(str(path))
+    answers = [r for r in log.records if r.answer]
+    assert len(answers) == 1 and [k for k, _ in answers[0].found] == ["published_block_modified"]
+    hit = next(r for r in log.records if r.seq == answers[0].src_id)
+    assert (hit.op, hit.request, hit.found) == (OpCode.ALLOCATE, "b", [])
+    # (applied at the settle of b's free, after the allocate)
+    assert [r.op for r in log.records if hit.seq < r.seq < answers[0].seq] == []
+    out = replay(log)
+    assert (out.reason, out.diff) == ("divergence", ["found"])
+    assert out.record is not None and out.record.seq == hit.seq
+    assert out.record.found == answers[0].found and out.got is not None and out.got.found == []
+    assert out.answered_at == [answers[0].seq]
+
+
+@pytest.mark.gpu
+def test_a_skipped_copy_on_a_cuda_pool_replays_to_its_answer_at_the_free(tmp_path, pool_name):
+    """The skipped copy on a CUDA pool: the finish check is answered at a later settle, in a
+    REPORT naming the free; the replay (a CPU pool) finds it in the free and stops there."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = tmp_path / "run.ops"
+    record_copies(path, pool_name, skip=1, device="cuda")
+    log = read_log(str(path))
+    answer, free = answered_free(log)
+    assert (free.op, free.request, free.found) == (OpCode.FREE, "r1", [])
+    assert {k for k, _ in answer.found} == {"kv_never_written"}
+    out = replay(log)
+    assert (out.reason, out.diff) == ("finding", []), out.diff
+    assert out.record is not None and out.record.seq == free.seq
+    assert out.got is not None and out.got.found == answer.found
+    assert out.answered_at == [answer.seq]
 
 
 def test_a_truncated_copy_record_is_one_line_exit_2(tmp_path, pool_name, capsys):

@@ -157,7 +157,12 @@ typedef struct {
     int event;      /* an event recorded first, whether or not the finding is new (0: none) */
     int seen_later; /* the block's record is read when it is reported, not when it was seen */
     int64_t pre;    /* the sequences the transaction had preempted when it was seen */
+    uint64_t op;    /* a device check's answer: the operation the check belongs to (OP_UNNAMED,
+                     * 0: none known), for its REPORT (devanswers.c dev_apply) */
 } Pending;
+/* A device check queued while the handle records, whose operation's record is not written yet:
+ * the handle's next operation record names it (oplog.c oplog_name_checks). */
+#define OP_UNNAMED UINT64_MAX
 
 typedef struct {
     PyObject_HEAD
@@ -355,6 +360,9 @@ typedef struct {
     struct DevChecks *dev; /* the checks the core launches itself (devchecks.c), or NULL */
     uint32_t oplog_fired; /* faults fired since the last record (bit i: FAULT_NAMES[i]) */
     struct Oplog *oplog;   /* the operation log this handle records into (oplog.c), or NULL */
+    /* device checks (and findings read from them) that can find something, queued while the
+     * handle records and not yet named by an operation's record (oplog_name_checks) */
+    int64_t checks_unnamed;
     /* leases.c: the section, where its records start in it, a record's size, the next record
      * to look at */
     size_t off_leases, lease_records;
@@ -504,6 +512,8 @@ static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);
 static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request);
+static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request, uint64_t op);
+static void oplog_check_queued(Native *n);
 static void oplog_dying(Native *n);
 static void oplog_close_record(Native *n, const int32_t *ids, int64_t k, int64_t slots, int ok);
 static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t live,

@@ -49,6 +49,7 @@ static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObj
     }
     /* a guard violation's event comes first, as the release's own (canaries_intact) */
     p->event = fk == FK_GUARD_VIOLATION ? E_GUARD_VIOLATION : 0;
+    p->op = d->reading;
     return 0;
 }
 
@@ -203,7 +204,13 @@ static int dev_ready(DevChecks *d, int wait) {
 static int dev_pop(Native *n) {
     DevChecks *d = n->dev;
     DevEntry *e = dev_at(d, 0);
+    int64_t found0 = d->n_found;
+    d->reading = e->op;
     int rc = d->broken ? 0 : dev_read(n, e, d->ring + e->at);
+    d->reading = 0;
+    /* (a check read before its operation's record named it, where the queue was full inside
+     * the operation: the findings it showed are named in its place) */
+    if (e->op == OP_UNNAMED) n->checks_unnamed += d->n_found - found0 - 1;
     int32_t ev = e->ev;
     Py_CLEAR(e->tag);
     d->q_tail = (d->q_tail + 1) % DEV_ENTRIES;
@@ -301,10 +308,18 @@ static int dev_apply(Native *n, PyObject *pool) {
         if (p->fk == FK_GUARD_VIOLATION && canary_back(n, p->seen.block) != OK) rc = -1;
         if (p->event) ev_record(n, p->event, &p->seen.block, 1, no_request, 0);
         if (p->seen_later) seen_of(n, p->seen.block, &p->seen);
+        Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
         if (rc == 0 && finding_report(n, p->fk, &p->seen, p->message) != OK) rc = -1;
+        /* while the handle records, in the log as the operation's whose check it answers (a
+         * CPU pool's core reports it in that operation: a replay compares it there) */
+        if (rc == 0 && n->oplog) oplog_answer_report(n, found0, p->seen.request, p->op);
+        if (p->op == OP_UNNAMED && n->checks_unnamed > 0) n->checks_unnamed--;
         Py_CLEAR(p->message);
     }
-    for (int64_t j = i; j < d->n_found; j++) Py_CLEAR(d->found[j].message);
+    for (int64_t j = i; j < d->n_found; j++) {
+        if (d->found[j].op == OP_UNNAMED && n->checks_unnamed > 0) n->checks_unnamed--;
+        Py_CLEAR(d->found[j].message);
+    }
     d->n_found = 0;
     return rc;
 }

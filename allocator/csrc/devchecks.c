@@ -69,6 +69,8 @@ typedef struct {
                        * provenance check: where (0 a prefix hit, 1 the sweep) */
     PyObject *tag;    /* a reference: verify's moment, in a finding's words (a str); unwritten's
                        * request id; else NULL */
+    uint64_t op;      /* the recorded operation it belongs to (OP_UNNAMED: the handle's next
+                       * operation record; 0: none), for a finding's REPORT (devanswers.c) */
 } DevEntry;
 
 /* A digest answered, on its way into its block's record (write_digest_words). */
@@ -107,6 +109,7 @@ typedef struct DevChecks {
     int64_t n_stamps, cap_stamps;
     Pending *found;
     int64_t n_found, cap_found;
+    uint64_t reading; /* the op of the check whose answer is being read (dev_read) */
 } DevChecks;
 
 static int dev_take_oldest(Native *n); /* devanswers.c */
@@ -260,6 +263,13 @@ static int dev_cover(DevChecks *d) {
 
 /* -- launching --------------------------------------------------------------------------------- */
 
+/* Whether a check of this kind can report a finding (the others write digests and hashes, or
+ * poison). */
+static inline int dev_finds(int kind) {
+    return kind == DK_VERIFY || kind == DK_POISON || kind == DK_CANARY || kind == DK_UNWRITTEN ||
+           kind == DK_PROV_CHECK;
+}
+
 /* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's), queued:
  * OK (also once the driver failed: the checks are off, dev_off); UNHANDLED with `need_mutex`
  * set where another thread holds the op mutex (the launch may let go of the GIL: the operation
@@ -382,6 +392,17 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     e->end = at + words;
     e->extra = extra;
     e->tag = own != NULL ? own : Py_XNewRef(tag);
+    /* While the handle records, a check that can find something belongs to the operation it
+     * was queued in (a finish check, queued just before its free: the free), whose record is
+     * written as it returns: that record names it (oplog.c oplog_name_checks), so that a
+     * finding its answer shows at a later settle is recorded as that operation's (a REPORT,
+     * devanswers.c dev_apply). The provenance sweep's checks belong to no operation. */
+    e->op = 0;
+    if (n->oplog != NULL && dev_finds(kind) && !(kind == DK_PROV_CHECK && extra == 1)) {
+        e->op = OP_UNNAMED;
+        n->checks_unnamed++;
+        oplog_check_queued(n);
+    }
     d->launched++;
     /* (the word pool.append and mark_computed read: they take the answers) */
     if (d->q_count > d->max_pending) *n->overdue = 1;

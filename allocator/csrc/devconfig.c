@@ -92,6 +92,7 @@ static PyObject *N_device_checks(Native *n, PyObject *cfg) {
     if (cfg == Py_None) {
         dev_free(n->dev);
         n->dev = NULL;
+        n->checks_unnamed = 0;
         Py_RETURN_NONE;
     }
     DevChecks *d = PyMem_Calloc(1, sizeof *d);

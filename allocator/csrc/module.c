@@ -268,6 +268,7 @@ static PyObject *N_close(Native *n, PyObject *unused) {
     Py_CLEAR(n->kv_obj);
     dev_free(n->dev);
     n->dev = NULL;
+    n->checks_unnamed = 0;
     Py_RETURN_NONE;
 }
 

@@ -34,6 +34,13 @@ enum { TM_NONE = 0, TM_NEW = 1, TM_OWN = 2 };
 #define CR_ARGS 128 /* src_id, arg, result */
 #define CR_TIME_SHIFT 20 /* record times count 2^20 ns from the chunk's */
 
+/* Entry points and writers that no operation runs (R_unwritten, N_oplog_copy, a device
+ * check's answer's REPORT and the naming of its checks: below), in a text section of their
+ * own, after the core's: emitted among the hot code they move it (recording's cost on
+ * bench_serving_loop, whose operations never call them, measured about a point higher with
+ * them placed there). */
+#define OPLOG_RARE __attribute__((section(".text.oplog_rare"), noinline))
+
 typedef struct Oplog {
     int fd;
     int32_t owner;  /* the process that opened it (a forked child's copy never writes) */
@@ -54,6 +61,11 @@ typedef struct Oplog {
     size_t off_seq; /* the header's op_seq */
     uint32_t tag;   /* the pool's tag, in every chunk */
     uint64_t lost;  /* records a failed write lost since the last one written */
+    /* device checks that can find something were queued since the handle's last operation
+     * record (devchecks.c dev_check: oplog_check_queued), n->checks_unnamed of them: the next
+     * one names them (oplog_name_checks); a held append, where it added a block (a check of its
+     * poison) */
+    int unnamed;
     int64_t *pre;   /* the seq ids the call in flight preempted (oplog_preempted) */
     int64_t n_pre, cap_pre;
     uint64_t end, reserved; /* the log's end as this handle last wrote it, the space reserved to */
@@ -411,6 +423,18 @@ static void oplog_flush_all(Oplog *L) {
     oplog_flush(L);
 }
 
+static void oplog_name_checks(Native *n, uint64_t seq);
+/* An operation's record numbered `seq`: the device checks queued since the last one are its
+ * (oplog_name_checks). Called after the head by the writers of records (oplog_write,
+ * oplog_lease, append_plain; not oplog_head, which every record's writer inlines: there it cost
+ * recording about a point on bench_serving_loop) and by a held append where it added a block
+ * (a check of that block's poison). Records that are no operation (a REPORT, STORE, COPY,
+ * CLOSE, LOST) name none. */
+static OPLOG_RARE void oplog_name_op(Native *n, int op, uint64_t seq) {
+    if ((op >= OP_ALLOCATE && op <= OP_EVICT) || (op >= OP_LEASE && op <= OP_EXPIRE_LEASES))
+        oplog_name_checks(n, seq);
+}
+
 /* A record's first bytes: op, status and flags, its number, time, thread and probe word
  * where they changed, and the sequence's id. (Every record runs it: kept to a few cache lines
  * of code, which a Python program's interpreter evicts between two operations.) */
@@ -497,6 +521,7 @@ static void oplog_write(Native *n, OpRec *o) {
     if (nc || npre || nf) bits |= CR_EXTRA;
     if (o->src_id != -1 || o->arg || o->result) bits |= CR_ARGS;
     uint8_t *p = oplog_head(n, L, p0, o->op, bits, o->seq_id);
+    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, o->op, L->prev_seq);
     if (bits & CR_FAULT) p = put_u(p, fired);
     if (bits & CR_ARGS) {
         p = put_s(p, o->src_id);
@@ -853,6 +878,7 @@ static __attribute__((noinline)) void append_plain(Native *n, Oplog *L, const ui
         return;
     }
     uint8_t *p = oplog_head(n, L, p0, OP_APPEND, OS_OK, (int64_t)U8(rec + SF_SEQ_ID));
+    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, OP_APPEND, L->prev_seq);
     p = put_u(p, (uint64_t)L->ntok);
     for (int64_t i = 0; i < L->ntok; i++) p = put_v(p, zz(oplog_token(L, L->tok[i])));
     *p++ = TM_OWN;
@@ -906,7 +932,12 @@ static PyObject *R_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
         h->token = L->tok[0];
         h->keep = keep;
         h->nb = nb1;
-        h->block = nb1 > keep ? ((const int32_t *)(rec + SF_TABLE))[keep] : 0;
+        h->block = 0;
+        if (nb1 > keep) {
+            h->block = ((const int32_t *)(rec + SF_TABLE))[keep];
+            /* (a block handed out: a check of its poison, queued in this append, is its) */
+            if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, OP_APPEND, h->seq);
+        }
         if (++L->n_held == OPLOG_HELD) oplog_compose_held(L);
     } else {
         append_plain(n, L, rec, keep, nb1);
@@ -1058,6 +1089,7 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
     if (npre || nf) bits |= CR_EXTRA;
     if (o->arg || o->result) bits |= CR_ARGS;
     uint8_t *p = oplog_head(n, L, p0, o->op, bits, o->seq_id);
+    if (__builtin_expect(L->unnamed, 0)) oplog_name_op(n, o->op, L->prev_seq);
     if (bits & CR_FAULT) p = put_u(p, fired);
     if (bits & CR_ARGS) {
         p = put_s(p, -1);
@@ -1103,19 +1135,68 @@ static void oplog_lease(Native *n, const LeaseRec *o) {
  * still held is a lease_leak), `reclaim_dead` (recovery.c: lock_dead_holder, leak_dead_owner),
  * the provenance sweep (provenance.c: foreign_slot). A replay runs that call again where the
  * REPORT is (docs/REPLAY.md). */
-static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request) {
+static OPLOG_RARE void oplog_report_of(Native *n, Py_ssize_t found0, const char *request,
+                                       int64_t src_id, int64_t arg) {
     if (n->oplog == NULL || n->seg == NULL || n->found == NULL ||
         PyList_GET_SIZE(n->found) <= found0)
         return;
     OpRec o;
     memset(&o, 0, sizeof o);
     o.op = OP_REPORT;
-    o.seq_id = o.src_id = -1;
+    o.seq_id = -1;
+    o.src_id = src_id;
+    o.arg = arg;
     o.found0 = found0;
     o.tmode = TM_NONE;
     memcpy(o.request, request, REQUEST_BYTES);
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
+}
+static OPLOG_RARE void oplog_found_report(Native *n, Py_ssize_t found0, const char *request) {
+    oplog_report_of(n, found0, request, -1, 0);
+}
+
+/* The findings the core wrote since `found0` from a device check's answer, applied at a
+ * settle after the operation that queued the check (devanswers.c dev_apply: a CUDA pool's
+ * checks), recorded as a REPORT about `request` that names that operation: `src_id` its
+ * number (`op`; -1 where none is known: the provenance sweep's checks, one queued while the
+ * handle did not record), `arg` -1 (OPLOG_ANSWER: a device check's answer). A replay's CPU
+ * pool finds it in that operation, and compares it there (docs/REPLAY.md). */
+static OPLOG_RARE void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request,
+                                           uint64_t op) {
+    int64_t src = op == 0 || op == OP_UNNAMED || op > INT64_MAX ? -1 : (int64_t)op;
+    oplog_report_of(n, found0, request, src, OPLOG_ANSWER);
+}
+
+/* A device check that can find something queued while the handle records (devchecks.c
+ * dev_check, which counts it in n->checks_unnamed): the handle's next operation record names
+ * it. */
+static OPLOG_RARE void oplog_check_queued(Native *n) {
+    if (n->oplog != NULL) n->oplog->unnamed = 1;
+}
+
+/* The device checks queued since the handle's last operation record that can find something
+ * (n->checks_unnamed of them: devchecks.c dev_check), and the findings read from any the queue
+ * took early, named as the operation's whose record is numbered `seq` (0: none, as recording
+ * stops). They are the newest in the queue (and in the findings read), so the walk starts
+ * there and stops once every one is named. */
+static OPLOG_RARE void oplog_name_checks(Native *n, uint64_t seq) {
+    DevChecks *d = n->dev;
+    int64_t left = n->checks_unnamed;
+    n->checks_unnamed = 0;
+    if (n->oplog != NULL) n->oplog->unnamed = 0;
+    if (d == NULL) return;
+    for (int64_t i = d->q_count - 1; i >= 0 && left > 0; i--) {
+        DevEntry *e = dev_at(d, i);
+        if (e->op != OP_UNNAMED) continue;
+        e->op = seq;
+        left--;
+    }
+    for (int64_t i = d->n_found - 1; i >= 0 && left > 0; i--) {
+        if (d->found[i].op != OP_UNNAMED) continue;
+        d->found[i].op = seq;
+        left--;
+    }
 }
 
 /* A recording handle's close (recovery.c N_detach), a CLOSE record after the REPORTs of the
@@ -1210,11 +1291,6 @@ done:
     return res;
 }
 
-/* The entry points below that no operation runs, in a text section of their own, after the
- * core's: emitted among the hot code they move it (recording's cost on bench_serving_loop, whose
- * operations never call them, measured about a point higher with them placed there). */
-#define OPLOG_RARE __attribute__((section(".text.oplog_rare"), noinline))
-
 /* unwritten(table, num_tokens, request): guard mode's finish check of a request (kvdata.c
  * N_unwritten: writes.finished), which runs just before its free and is part of it. While the
  * handle records, what it found (on a CPU pool, at once) goes in the free's record: the next
@@ -1280,6 +1356,9 @@ static void oplog_free(Native *n) {
     Oplog *L = n->oplog;
     if (L == NULL) return;
     n->oplog = NULL;
+    /* (checks no record named: they belong to no recorded operation) */
+    if (n->checks_unnamed) oplog_name_checks(n, 0);
+    n->checks_unnamed = 0;
     oplog_flush_all(L);
     if (L->fd >= 0) close(L->fd);
     PyMem_Free(L->held);

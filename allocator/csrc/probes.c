@@ -502,6 +502,7 @@ static int finding_later(Native *n, int fk, const Seen *s, PyObject *message) {
     p->event = 0;
     p->seen_later = 0;
     p->pre = n->n_pre;
+    p->op = 0;
     return OK;
 }
 

@@ -117,6 +117,9 @@ def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
         d["lost"] = list(outcome.lost)
     if outcome.unrecorded is not None:
         d["unrecorded"] = outcome.unrecorded
+    if outcome.answered_at:
+        # (the recording learned the operation's findings there: its device checks' answers)
+        d["answered_at"] = outcome.answered_at
     if log.snapshot is not None:
         # where it starts: a snapshot of the pool (docs/REPLAY.md "Starting from a snapshot"),
         # a bounded log's checkpoint where it wrapped (its older records dropped)
@@ -207,6 +210,12 @@ def render(d: dict[str, Any]) -> None:
                 print(f"  {key:10}  {a:34}  {b}{mark}")
             if got and got.get("error"):
                 print(f"  replayed error: {got['error']}")
+            if d.get("answered_at"):
+                at = ", ".join(str(a) for a in d["answered_at"])
+                print(
+                    f"  (recorded found: the answer of a device check this operation queued, "
+                    f"applied at a later settle: REPORT {at})"
+                )
         if d.get("blocks"):
             print("\nblocks involved (recorded vs replayed; the replay pool's record now)")
             print(f"  {'block':>5}  {'recorded':18}  {'replayed':18}  state      ref  request")
