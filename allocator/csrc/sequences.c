@@ -209,6 +209,8 @@ static int reserve_trim(Native *n) {
  * seqs lock.
  * PoolError on a closed handle or another process's (entry.c unusable): the operation it
  * comes before is refused. */
+static int reserve_run(Native *n, PyObject *pool, int claiming);
+
 static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "reserve_ready(pool, claiming)");
@@ -218,22 +220,30 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     if (claiming < 0) return NULL;
     if (unusable(n)) return NULL;
     if (!reserve_due(n, claiming)) Py_RETURN_TRUE;
+    int done = reserve_run(n, args[0], claiming);
+    return done < 0 ? NULL : PyBool_FromLong(done);
+}
+
+/* reserve_ready's work where it is due (the handle usable): 1 done, 0 not now (as
+ * reserve_ready's False), -1 with an exception set. The core's own entry points run it before
+ * the operations that claim or release a slot (entry.c before_claim, before_release). */
+static int reserve_run(Native *n, PyObject *pool, int claiming) {
     /* (another thread's operation waiting for a lock in the core holds it: this waits) */
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
-    if (r == NULL) return NULL;
+    if (r == NULL) return -1;
     Py_DECREF(r);
     int mine;
     if (wait_others(n, &mine, NULL)) {
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
         Py_XDECREF(r);
-        return NULL;
+        return -1;
     }
     if (mine) {
         /* this thread's already, inside an operation (whose locks it may hold): not now */
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
-        if (r == NULL) return NULL;
+        if (r == NULL) return -1;
         Py_DECREF(r);
-        Py_RETURN_FALSE;
+        return 0;
     }
     n->mutex_held = 1;
     n->op_thread = PyThread_get_thread_ident();
@@ -241,7 +251,7 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     int32_t got[2 * CHUNK];
     int64_t ngot = 0;
     uint64_t first = 0;
-    if (!reserve_due(n, claiming) || ungated(n, args[0])) goto out; /* (done meanwhile) */
+    if (!reserve_due(n, claiming) || ungated(n, pool)) goto out; /* (done meanwhile) */
     rc = txn_begin(n, lock_bit(n->lock_seqs));
     if (rc != OK) goto out;
     rc = claiming ? reserve_fill(n, got, &ngot, &first) : reserve_trim(n);
@@ -261,8 +271,8 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     }
 out:
     drop_mutex(n);
-    if (PyErr_Occurred()) return NULL;
-    return PyBool_FromLong(rc == OK);
+    if (PyErr_Occurred()) return -1;
+    return rc == OK;
 }
 
 /* reserve_state() -> (slots, next_id, end_id): the reserve as it is (a read, for tests). */
