@@ -541,7 +541,9 @@ class KVPool:
         done = self._core.append(self, seq, tokens)
         if self._found:
             self.deliver_findings()
-        if self._overdue[0]:
+        # (the overdue word is only ever set where there is a queue: `_later` tested first,
+        # the cheaper test)
+        if self._later is not None and self._overdue[0]:
             self._settle_overdue()
         return done
 
@@ -576,7 +578,9 @@ class KVPool:
         done = self._core.mark_computed(self, seq, num_tokens)
         if self._found:
             self.deliver_findings()
-        if self._overdue[0]:
+        # (the overdue word is only ever set where there is a queue: `_later` tested first,
+        # the cheaper test)
+        if self._later is not None and self._overdue[0]:
             self._settle_overdue()
         return done
 
