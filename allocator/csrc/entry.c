@@ -643,8 +643,8 @@ static inline int guard_draw(Native *n) {
     return n->guard_tick++ % (uint64_t)n->guard_every == 0;
 }
 
-/* The sequence a draw picked, made: its slot in the guarded set (N_guard), whose release guard
- * mode guards, poisons and quarantines. OK or ERROR. */
+/* The sequence a draw picked, made: its slot in the guarded set (N_guarded reads it), whose
+ * release guard mode guards, poisons and quarantines. OK or ERROR. */
 static int guard_made(Native *n, PyObject *seq) {
     PyObject *slot = sfield(n, seq, F_SLOT);
     if (slot == NULL) return ERROR;
