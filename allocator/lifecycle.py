@@ -90,7 +90,7 @@ def create(cls: type[P], name: str, config: PoolConfig, restore: Any = None) -> 
                 fill_guard(kv)
                 if kv.dtype.is_floating_point:
                     # Token slots start poisoned, as freed ones are: K/V never written into a
-                    # block shows as NaN, and is found when its request finishes (writes.py).
+                    # block shows as NaN, and is found when its request finishes (the core's free: csrc/entry.c finish_check).
                     kv[:, :, :, : cfg.block_size] = float("nan")
         seal_header(view)
     except BaseException:

@@ -126,11 +126,10 @@ class KVPool:
         self.pid, self.start = my_identity()
         # One operation at a time per mapping (handles of one process on one pool share it and
         # its one open of the segment, whose OFD locks do not exclude each other).
-        # Sampled guard mode (guard_sample): the allocation counter; the slots of the
-        # sequences it guards (their releases guard, poison and quarantine; others do not) are
-        # the core's (`_core.guard`, `_core.guarded`).
+        # Sampled guard mode (guard_sample): one allocation in N guarded, drawn by the core at
+        # each allocate and resume; the slots of the sequences it guards (their releases guard,
+        # poison and quarantine; others do not) are the core's (`_core.guarded`).
         self._guard_every = guard_sample_from_env()
-        self._guard_tick = 0
         self._prov_every = provenance_sample_from_env()
         # The light probes the C core runs itself for this handle (PoolProbes.native_bits).
         self._probe_bits = array("q", [0])
@@ -143,6 +142,10 @@ class KVPool:
         # lifecycle.py, probes/otel.py).
         self.op_mutex: threading.RLock = mf.__dict__.setdefault("op_mutex", threading.RLock())
         self._closed = False
+        # The core's queue of K/V checks whose answers come later (a CUDA pool's, with guard
+        # mode or the digest: devicechecks.DeviceChecks), settled before each allocation and
+        # release; None (one attribute test) where the core checks the bytes itself.
+        self._later: Any = None
         # The KV-event publisher of PoolConfig.kv_events (lifecycle.py), or None.
         self.kv_events: Any = None
         self._uid = id(self)
@@ -179,6 +182,7 @@ class KVPool:
     @probe.setter
     def probe(self, value: PoolProbes | None) -> None:
         self._probe = value
+        self._later = None if value is None else value.writes.later
         # The C core runs every probe itself, from this word (lockdep's bit is lockdep's).
         bits = 0 if value is None else value.native_bits()
         self._probe_bits[0] = bits | (self._probe_bits[0] & NATIVE_LOCKDEP)
@@ -212,6 +216,7 @@ class KVPool:
     @guard_sample.setter
     def guard_sample(self, every: int) -> None:
         self._guard_every = every
+        self._core.guard_sample(every)
         self.probe = self.probe  # the C core's share of the probes changes with it
 
     @property
@@ -225,16 +230,6 @@ class KVPool:
     def provenance_sample(self, every: int) -> None:
         self._core.provenance(int(every))
         self._prov_every = int(every)
-
-    def _sample_guard(self) -> bool:
-        """True for the allocation sampled guard mode guards (the first, then one in N)."""
-        tick = self._guard_tick
-        self._guard_tick = tick + 1
-        return tick % self._guard_every == 0
-
-    def _guards(self, slot: int) -> bool:
-        """Whether guard mode guards the release of the sequence in `slot`."""
-        return self._guard_every <= 1 or self._core.guarded(slot)
 
     # -- lifecycle (lifecycle.py) -------------------------------------------------------------
 
@@ -321,6 +316,7 @@ class KVPool:
         self._core = native.core_for(self, self._mf, shared)
         # slot provenance: one sequence in N recorded (KVSCOPE_PROVENANCE_SAMPLE; 0: off)
         self._core.provenance(provenance_sample_from_env())
+        self._core.guard_sample(self._guard_every)
 
     def close(self) -> None:
         """Detach: return this process's local cache and slot reserve, release the mapping."""
@@ -518,40 +514,26 @@ class KVPool:
 
     # -- sequences (each a call into the C core) -------------------------------------------------
 
+    # Each of these is one call into the core, which does what comes before the operation
+    # too (csrc/entry.c E_*): the slot reserve refilled when empty or trimmed when full (in a
+    # transaction of its own under the seqs lock, so that the operation itself needs neither),
+    # sampled guard mode's draw at a claim, guard mode's check of a finished request's K/V at a
+    # free. Around it: a CUDA pool's check answers settled first (`_later`), and what the core
+    # reported handed to `on_finding` after (`_found`).
+
     def allocate(self, request_id: object, tokens: Tokens) -> Sequence:
         """Reserve blocks for a prompt, reusing cached prefix blocks; returns its Sequence.
 
         `tokens`: any sequence of ints, or a one-dimensional numpy or torch integer array;
         `request_id`: any object, kept as its str() (docs/POOL.md)."""
-        guarded = self._before_claim()
+        if self._later is not None:
+            self._later.settle()
         # (the core allocates a prompt of any length: its hits and first CHUNK new blocks in one
         # transaction, the rest appended, a transaction per CHUNK blocks' worth)
         seq = self._core.allocate(self, tokens, request_id)
         if self._found:
             self.deliver_findings()
-        if guarded:
-            # Sampled guard mode: this one is guarded (its release guards, poisons and
-            # quarantines its blocks).
-            self._core.guard(seq.slot)
         return seq
-
-    def _before_claim(self) -> bool:
-        """What comes before a new sequence is claimed (allocate, resume): the
-        probes' answers settled, the guard sample drawn (True: this one is guarded), this
-        process's slot reserve refilled."""
-        if self.probe is not None:
-            self.probe.writes.settle()
-        guarded = self._guard_every > 1 and self._sample_guard()
-        self._reserve_ready(claiming=True)
-        return guarded
-
-    def _reserve_ready(self, claiming: bool) -> None:
-        """Before an operation that claims a sequence slot (`claiming`) or releases one: the
-        core refills this process's slot reserve when it is empty, or gives a batch of it back
-        when it is full, in a transaction of its own under the seqs lock, so that the operation
-        itself needs neither (csrc/sequences.c). Where it does not (this thread is inside an
-        operation of the handle already), the claim or release takes the table's own way."""
-        self._core.reserve_ready(self, claiming)
 
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
         """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
@@ -559,7 +541,9 @@ class KVPool:
         done = self._core.append(self, seq, tokens)
         if self._found:
             self.deliver_findings()
-        if self._overdue[0]:
+        # (the overdue word is only ever set where there is a queue: `_later` tested first,
+        # the cheaper test)
+        if self._later is not None and self._overdue[0]:
             self._settle_overdue()
         return done
 
@@ -594,7 +578,9 @@ class KVPool:
         done = self._core.mark_computed(self, seq, num_tokens)
         if self._found:
             self.deliver_findings()
-        if self._overdue[0]:
+        # (the overdue word is only ever set where there is a queue: `_later` tested first,
+        # the cheaper test)
+        if self._later is not None and self._overdue[0]:
             self._settle_overdue()
         return done
 
@@ -602,45 +588,37 @@ class KVPool:
         """The answers of a CUDA pool's checks, where more have piled up than devicechecks
         keeps (a program that publishes and appends but never allocates or frees)."""
         self._overdue[0] = 0
-        later = self.probe.writes.later if self.probe is not None else None
-        if later is not None:
-            later.settle_overdue()
+        if self._later is not None:
+            self._later.settle_overdue()
 
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
         """A new sequence sharing every block of seq (refcounts +1); `request_id` as in
         `allocate`."""
-        self._reserve_ready(claiming=True)
         child = self._core.fork(self, seq, request_id)
         if self._found:
             self.deliver_findings()
         return child
 
     def free(self, seq: Sequence) -> None:
-        """Release a finished sequence: shared blocks lose a reference, published ones stay cached."""
-        if self.probe is not None:
-            self.probe.writes.settle()
-            if (
-                isinstance(seq, Sequence)
-                and seq.pool_uid == self._uid
-                and seq.slot >= 0
-                and self._guards(seq.slot)
-            ):
-                # (in sampled guard mode, the sampled requests)
-                self.probe.writes.finished(seq)
-        self._end(seq, _FINISHED)
+        """Release a finished sequence: shared blocks lose a reference, published ones stay cached.
+        In guard mode (of a sampled request, sampled), its K/V slots still poisoned are
+        `kv_never_written` (checked by the core's release)."""
+        if self._later is not None:
+            self._later.settle()
+        # (what the core reported reaches `on_finding` even where it refuses the release: a
+        # second free's double_free)
+        try:
+            self._core.end(self, seq, _FINISHED)
+        finally:
+            if self._found:
+                self.deliver_findings()
 
     def abort(self, seq: Sequence) -> None:
         """Release a sequence whose request did not finish."""
-        if self.probe is not None:
-            self.probe.writes.settle()
-        self._end(seq, _ABORTED)
-
-    def _end(self, seq: Sequence, final: int) -> None:
-        """free or abort: the core's release. What the core reported
-        reaches `on_finding` even where it refuses the release (a second free's double_free)."""
-        self._reserve_ready(claiming=False)
+        if self._later is not None:
+            self._later.settle()
         try:
-            self._core.end(self, seq, final)
+            self._core.end(self, seq, _ABORTED)
         finally:
             if self._found:
                 self.deliver_findings()
@@ -653,12 +631,11 @@ class KVPool:
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
-        guarded = self._before_claim()
+        if self._later is not None:
+            self._later.settle()
         cached = self._core.resume(self, seq)
         if self._found:
             self.deliver_findings()
-        if guarded:
-            self._core.guard(seq.slot)
         return cached
 
     def evict(self, num_blocks: int) -> int:

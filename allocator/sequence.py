@@ -4,8 +4,8 @@ reserve's batch sizes the core is configured with.
 A process claims sequence-table slots in batches under the seqs lock into its **reserve**
 (slots marked `reserved` with its client index, still EMPTY); a sequence then takes a reserved
 slot, and a freed one goes back to the reserve, without the lock. The core holds the reserve
-(csrc/sequences.c: its refill and trim, `reserve_ready`, before each operation that claims or
-releases a slot); recovery returns a dead process's reserve (csrc/recovery.c, `detach_chunk`).
+(csrc/sequences.c: its refill and trim, `reserve_run`, before each operation that claims or
+releases a slot, in the core's call of it); recovery returns a dead process's reserve (csrc/recovery.c, `detach_chunk`).
 """
 
 from __future__ import annotations

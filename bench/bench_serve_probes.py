@@ -1,7 +1,8 @@
 """Where `kvscope run`'s cost goes in examples/serve.py: plainly, under `kvscope run`, and under
 `kvscope run` with guard mode, the digest probe or both switched off, interleaved; with
-`--time-checks` one more run times the finish checks (`WriteProbes.finished`; the C core's
-own checks call no Python: docs/BENCHMARKS.md, "Probes on a CUDA pool").
+`--time-checks` one more run times the frees (`KVPool.free`, one call into the C core, which
+runs guard mode's finish check in it; the core's own checks call no Python: docs/BENCHMARKS.md,
+"Probes on a CUDA pool").
 
     python bench/bench_serve_probes.py --device cuda --requests 128 --repeat 2 --time-checks
 
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serve  # noqa: E402
 
 # Run as `kvscope run bench_serve_probes.py --timed-serve serve.py ...`: serve.py with the
-# finish checks timed, the totals printed to stderr at exit.
+# frees (and their finish checks) timed, the totals printed to stderr at exit.
 _TIMED = "--timed-serve"
 
 
@@ -30,7 +31,7 @@ def _timed_serve(argv: list[str]) -> None:
     import time
     from collections import defaultdict
 
-    from kvscope.allocator import writes
+    from kvscope.allocator import pool
 
     stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
 
@@ -46,8 +47,8 @@ def _timed_serve(argv: list[str]) -> None:
 
         return call
 
-    for name in ("finished",):
-        setattr(writes.WriteProbes, name, timed(name, getattr(writes.WriteProbes, name)))
+    for name in ("free",):
+        setattr(pool.KVPool, name, timed(name, getattr(pool.KVPool, name)))
 
     def report() -> None:  # at exit: the totals of the whole run
         totals = {k: {"calls": int(v[0]), "seconds": round(v[1], 3)} for k, v in stats.items()}
@@ -60,7 +61,7 @@ def _timed_serve(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = bench_serve.run_arguments(__doc__, repeat=2)
-    ap.add_argument("--time-checks", action="store_true", help="one more run, finish checks timed")
+    ap.add_argument("--time-checks", action="store_true", help="one more run, frees timed")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         bench_serve.write_model(tmp, args.quick)

@@ -62,7 +62,6 @@ TIMED = [
     ("kvscope.allocator.pool", "KVPool", "mark_computed"),
     ("kvscope.allocator.pool", "KVPool", "free"),
     ("kvscope.allocator.pool", "KVPool", "stats"),
-    ("kvscope.allocator.writes", "WriteProbes", "finished"),
     ("server.violations", "ErrorCopy", "start"),
     ("server.violations", "ErrorCopy", "take"),
 ]

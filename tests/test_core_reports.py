@@ -225,7 +225,26 @@ def test_the_slots_sampled_guard_mode_guards_are_the_cores(make_pool):
     slot = seqs[0].slot
     pool.free(seqs[0])
     assert not pool._core.guarded(slot)
-    assert pool._guards(seqs[2].slot) and not pool._guards(seqs[1].slot)
+    assert [pool._core.guarded(s.slot) for s in seqs[1:]] == [False, True, False]
+
+
+def test_sampled_guard_mode_draws_at_a_resume_too(make_pool):
+    # GIVEN sampled guard mode, one claim in 2, on a pool of 8 blocks: three sequences of 2
+    # (the first drawn), the oldest waiting
+    pool = make_pool(8, guard_sample=2, local_cache_size=0, max_clients=4, max_seqs=64)
+    old, mid, run = (
+        pool.allocate(r, list(range(i, i + 8))) for i, r in ((0, "o"), (8, "m"), (16, "r"))
+    )
+    assert [pool._core.guarded(s.slot) for s in (old, mid, run)] == [True, False, True]
+    pool.set_state(old, "waiting")
+    # WHEN a prompt of 3 blocks preempts it (the fourth claim: not drawn), and, once that one
+    # is freed, it resumes (the fifth: drawn)
+    new = pool.allocate("new", list(range(100, 112)))
+    assert old.state == "preempted" and not pool._core.guarded(new.slot)
+    pool.free(new)
+    pool.resume(old)
+    # THEN the resumed sequence is guarded in its new slot
+    assert old.state == "running" and pool._core.guarded(old.slot)
 
 
 def test_a_long_release_reports_what_its_tail_holds(make_pool, monkeypatch):

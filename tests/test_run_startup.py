@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import kvscope.kernels
 
 # Run under the bootstrap, as `kvscope run` starts a script: a guard-mode pool, one block's
@@ -73,3 +75,31 @@ def test_the_kernels_public_names_resolve():
 
     # AND the canary is one constant: the numpy reader's and the guard slots' are it
     assert kvbits.CANARY_BITS is CANARY_BITS is guard.CANARY_BITS
+
+
+# The supervisor's import of numpy, in a fresh process: its threads after it, and whether the
+# environment was put back.
+NUMPY_PROBE = """
+import json, os, sys
+from kvscope.verbs.run import numpy_without_blas_threads
+assert "numpy" not in sys.modules
+numpy_without_blas_threads()
+print(json.dumps({"threads": len(os.listdir("/proc/self/task")),
+                  "env": "OPENBLAS_NUM_THREADS" in os.environ}))
+"""
+
+
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2 or not os.path.isdir("/proc/self/task"),
+    reason="OpenBLAS starts worker threads only with 2 CPUs or more; threads read from /proc",
+)
+def test_the_supervisors_numpy_starts_no_blas_thread_and_leaves_the_environment():
+    # GIVEN a fresh process on a machine of 2 CPUs or more, OPENBLAS_NUM_THREADS unset
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    # WHEN it imports numpy as the supervisor does
+    done = subprocess.run(
+        [sys.executable, "-c", NUMPY_PROBE], capture_output=True, text=True, env=env, check=True
+    )
+    # THEN numpy started no OpenBLAS worker (the process has its one thread), and the variable
+    # is gone again (the processes it starts get the user's environment)
+    assert json.loads(done.stdout) == {"threads": 1, "env": False}

@@ -394,6 +394,10 @@ typedef struct {
     int64_t own_n, own_cap;
     int own_valid;
     uint32_t own_built;
+    /* sampled guard mode (KVPool.guard_sample): one allocation in guard_every guarded, drawn
+     * by the core at each allocate and resume (entry.c before_claim); guard_tick counts them */
+    int64_t guard_every;
+    uint64_t guard_tick;
 } Native;
 
 static PyObject *s_acquire, *s_release, *s_running, *s_finished, *s_aborted,

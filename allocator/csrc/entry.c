@@ -312,6 +312,42 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     return end_read(n, seq, slot, final);
 }
 
+/* Guard mode, a request that finished (not aborted), whose release guard mode guards: the K/V
+ * of every position but its last was written into its own blocks (an engine may end a request
+ * before feeding back its last sampled token). Token slots still poisoned, from the pool's
+ * creation or the block's last free, mean the writes went elsewhere: kv_never_written, reported
+ * now on a CPU pool, at the next settle on a CUDA pool, whose queue is the op mutex's (taken
+ * here for it). Checked in the free's call, before the release (kvdata.c N_unwritten). OK or
+ * ERROR. */
+static int finish_check(Native *n, PyObject *seq, PyObject *table) {
+    if (!PyList_Check(table) || PyList_GET_SIZE(table) == 0) return OK;
+    PyObject *tokens = sfield(n, seq, F_TOKENS), *rid = tokens ? sfield(n, seq, F_REQUEST_ID) : NULL;
+    PyObject *num = NULL, *req = NULL, *r = NULL;
+    int took = 0;
+    if (rid == NULL) goto out;
+    num = PyLong_FromSsize_t((PyList_Check(tokens) ? PyList_GET_SIZE(tokens) : 0) - 1);
+    req = PyUnicode_CheckExact(rid) ? Py_NewRef(rid) : PyObject_Str(rid);
+    if (num == NULL || req == NULL) goto out;
+    if (n->kv == NULL && !n->mutex_held) {
+        if (hold_mutex(n) != OK) {
+            if (!PyErr_Occurred()) unhandled(n); /* (no pool lock is held here) */
+            goto out;
+        }
+        took = 1;
+    }
+    PyObject *a[3] = {table, num, req};
+    r = N_unwritten(n, a, 3);
+    if (took) drop_mutex(n);
+out:
+    Py_XDECREF(tokens);
+    Py_XDECREF(rid);
+    Py_XDECREF(num);
+    Py_XDECREF(req);
+    if (r == NULL) return ERROR;
+    Py_DECREF(r);
+    return OK;
+}
+
 /* N_end once its arguments are read (the gate passed): seq, a live sequence of this handle in
  * `slot`, released as FINISHED (3) or ABORTED (4) -> True. */
 static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final) {
@@ -319,6 +355,10 @@ static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final) {
     if (guard < 0) return NULL;
     PyObject *table = sfield(n, seq, F_BLOCK_TABLE);
     if (table == NULL) return NULL;
+    if (guard && final == 3 && n->poison_ok && finish_check(n, seq, table) != OK) {
+        Py_DECREF(table);
+        return NULL;
+    }
     PyObject *when;
     const char *w = release_words(n, seq, &when);
     if (w == NULL) {
@@ -574,4 +614,80 @@ out:
     Py_XDECREF(slot_o);
     Py_XDECREF(id_o);
     return seq;
+}
+
+/* -- before an operation that claims or releases a slot ---------------------------------------- */
+
+/* The entry points that module.c binds for these operations: what comes before the operation
+ * itself (recorded, where the handle records, by oplog.c's R_*), in the core's one call. */
+static PyObject *R_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *R_end(Native *n, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *R_fork(Native *n, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *R_resume(Native *n, PyObject *const *args, Py_ssize_t nargs);
+
+/* This process's slot reserve refilled (`claiming`) or trimmed where due (sequences.c
+ * reserve_run), before an operation that claims or releases a slot, so that the operation
+ * itself needs neither; not due: nothing (the common case, one test). OK or ERROR. */
+static inline int reserve_before(Native *n, PyObject *const *args, Py_ssize_t nargs,
+                                 int claiming) {
+    if (nargs < 1 || !reserve_due(n, claiming)) return OK;
+    if (unusable(n)) return ERROR;
+    return reserve_run(n, args[0], claiming) < 0 ? ERROR : OK;
+}
+
+/* Sampled guard mode's draw for a sequence about to be claimed (allocate, resume), whatever
+ * the call then does: the first, then one in guard_every (KVPool.guard_sample; 0 or 1: none,
+ * guard mode guards every release). */
+static inline int guard_draw(Native *n) {
+    if (n->guard_every <= 1) return 0;
+    return n->guard_tick++ % (uint64_t)n->guard_every == 0;
+}
+
+/* The sequence a draw picked, made: its slot in the guarded set (N_guarded reads it), whose
+ * release guard mode guards, poisons and quarantines. OK or ERROR. */
+static int guard_made(Native *n, PyObject *seq) {
+    PyObject *slot = sfield(n, seq, F_SLOT);
+    if (slot == NULL) return ERROR;
+    int rc = PySet_Add(n->guarded, slot);
+    Py_DECREF(slot);
+    return rc ? ERROR : OK;
+}
+
+/* allocate(pool, tokens, request_id) -> Sequence (N_allocate). */
+static PyObject *E_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    int guarded = guard_draw(n);
+    if (reserve_before(n, args, nargs, 1)) return NULL;
+    PyObject *seq = R_allocate(n, args, nargs);
+    if (seq != NULL && guarded && guard_made(n, seq)) Py_CLEAR(seq);
+    return seq;
+}
+
+/* end(pool, seq, final_state) -> True (N_end). */
+static PyObject *E_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (reserve_before(n, args, nargs, 0)) return NULL;
+    return R_end(n, args, nargs);
+}
+
+/* fork(pool, seq, request_id) -> Sequence (N_fork). */
+static PyObject *E_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (reserve_before(n, args, nargs, 1)) return NULL;
+    return R_fork(n, args, nargs);
+}
+
+/* resume(pool, seq) -> cached tokens (preempt.c N_resume). */
+static PyObject *E_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    int guarded = guard_draw(n);
+    if (reserve_before(n, args, nargs, 1)) return NULL;
+    PyObject *cached = R_resume(n, args, nargs);
+    if (cached != NULL && guarded && guard_made(n, args[1])) Py_CLEAR(cached);
+    return cached;
+}
+
+/* guard_sample(every): sampled guard mode guards one allocation in `every` (KVPool.
+ * guard_sample), drawn at each allocate and resume from here on. */
+static PyObject *N_guard_sample(Native *n, PyObject *arg) {
+    long long every = PyLong_AsLongLong(arg);
+    if (every == -1 && PyErr_Occurred()) return NULL;
+    n->guard_every = every;
+    Py_RETURN_NONE;
 }

@@ -139,7 +139,7 @@ static PyObject *unhandled_at(Native *n, const char *where, int line) {
 /* -- the slot reserve ---------------------------------------------------------------------- */
 
 /* This process's reserve of sequence slots (docs/FORMAT.md "Slot reserves"): the core owns it
- * (n->res, n->id_next/id_end). reserve_ready refills it when empty and gives a batch back when
+ * (n->res, n->id_next/id_end). reserve_run refills it when empty and gives a batch back when
  * full, each in a transaction of its own under the seqs lock, before an operation that claims
  * or releases a slot, so that the operation itself needs neither. */
 
@@ -200,40 +200,31 @@ static int reserve_trim(Native *n) {
     return OK;
 }
 
-/* reserve_ready(pool, claiming) -> bool: the reserve refilled (claiming) or trimmed (not) when
- * due, in a transaction of its own under the seqs lock (waited for, a dead holder recovered:
- * txn_begin) and the handle's op mutex (waited for: another thread's operation first). False,
- * with nothing done, where this thread is inside an operation of the handle already (in
- * Python the core called: its locks and journal are that operation's) or
- * the refill would outgrow the journal: the claim then takes the table's own way, under the
- * seqs lock.
- * PoolError on a closed handle or another process's (entry.c unusable): the operation it
- * comes before is refused. */
-static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "reserve_ready(pool, claiming)");
-        return NULL;
-    }
-    int claiming = PyObject_IsTrue(args[1]);
-    if (claiming < 0) return NULL;
-    if (unusable(n)) return NULL;
-    if (!reserve_due(n, claiming)) Py_RETURN_TRUE;
+/* The reserve refilled (claiming) or trimmed (not) where due (reserve_due; the handle usable:
+ * entry.c unusable), before an operation that claims or releases a slot, in the core's call
+ * of it (entry.c reserve_before): in a transaction of its own under the seqs lock (waited for,
+ * a dead holder recovered: txn_begin) and the handle's op mutex (waited for: another thread's
+ * operation first). 1 done; 0, with nothing done, where this thread is inside an operation of
+ * the handle already (in Python the core called: its locks and journal are that operation's)
+ * or the refill would outgrow the journal: the claim then takes the table's own way, under the
+ * seqs lock; -1 with an exception set. */
+static int reserve_run(Native *n, PyObject *pool, int claiming) {
     /* (another thread's operation waiting for a lock in the core holds it: this waits) */
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
-    if (r == NULL) return NULL;
+    if (r == NULL) return -1;
     Py_DECREF(r);
     int mine;
     if (wait_others(n, &mine, NULL)) {
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
         Py_XDECREF(r);
-        return NULL;
+        return -1;
     }
     if (mine) {
         /* this thread's already, inside an operation (whose locks it may hold): not now */
         r = PyObject_CallMethodNoArgs(n->mutex, s_release);
-        if (r == NULL) return NULL;
+        if (r == NULL) return -1;
         Py_DECREF(r);
-        Py_RETURN_FALSE;
+        return 0;
     }
     n->mutex_held = 1;
     n->op_thread = PyThread_get_thread_ident();
@@ -241,7 +232,7 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     int32_t got[2 * CHUNK];
     int64_t ngot = 0;
     uint64_t first = 0;
-    if (!reserve_due(n, claiming) || ungated(n, args[0])) goto out; /* (done meanwhile) */
+    if (!reserve_due(n, claiming) || ungated(n, pool)) goto out; /* (done meanwhile) */
     rc = txn_begin(n, lock_bit(n->lock_seqs));
     if (rc != OK) goto out;
     rc = claiming ? reserve_fill(n, got, &ngot, &first) : reserve_trim(n);
@@ -261,8 +252,8 @@ static PyObject *N_reserve_ready(Native *n, PyObject *const *args, Py_ssize_t na
     }
 out:
     drop_mutex(n);
-    if (PyErr_Occurred()) return NULL;
-    return PyBool_FromLong(rc == OK);
+    if (PyErr_Occurred()) return -1;
+    return rc == OK;
 }
 
 /* reserve_state() -> (slots, next_id, end_id): the reserve as it is (a read, for tests). */
@@ -482,12 +473,6 @@ static int64_t slot_arg(Native *n, PyObject *o) {
 static PyObject *N_live(Native *n, PyObject *unused) {
     (void)unused;
     return PyDict_Copy(n->seqs);
-}
-
-/* guard(slot): sampled guard mode guards the release of the sequence in `slot`. */
-static PyObject *N_guard(Native *n, PyObject *slot) {
-    if (slot_arg(n, slot) < 0 || PySet_Add(n->guarded, slot)) return NULL;
-    Py_RETURN_NONE;
 }
 
 /* guarded(slot) -> bool: whether sampled guard mode guards that slot's release. */

@@ -95,6 +95,21 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
     return env
 
 
+def numpy_without_blas_threads() -> None:
+    """numpy imported into this process (the supervisor's, which reads the segment and does no
+    linear algebra) with no OpenBLAS worker thread: each spins about 50 ms of CPU after the
+    import, on the cores the script runs on. OpenBLAS reads the variable once, as numpy loads
+    it: the environment is put back, and whatever this process starts later gets the user's.
+    Nothing where numpy is loaded already or the user set the variable."""
+    if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
+
+
 def record_limit(text: str, args: argparse.Namespace) -> int:
     """--record-ops-limit SIZE in bytes (K, M, G suffixes), refused with --redact (a checkpoint
     holds the pool's tokens and request ids) and below a chunk's worth."""
@@ -250,6 +265,7 @@ class RunCommand:
                     env["PYTHONUNBUFFERED"] = "1"
                     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
                 proc = launch(target, env, stopper, **pipes)
+                numpy_without_blas_threads()
                 from kvscope.supervisor import Supervisor
 
                 sup = Supervisor(
