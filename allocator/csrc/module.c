@@ -294,6 +294,9 @@ static PyMethodDef N_methods[] = {
      "append(pool, seq, tokens) -> copies: the copy-on-write (src, dst) pairs"},
     {"mark_computed", (PyCFunction)(void (*)(void))R_mark_computed, METH_FASTCALL,
      "mark_computed(pool, seq, num_tokens) -> int: the blocks published"},
+    {"mark_computed_many", (PyCFunction)(void (*)(void))N_mark_computed_many, METH_FASTCALL,
+     "mark_computed_many(pool, seqs, num_tokens) -> list[int]: mark_computed of each in turn, "
+     "their checks queued as one"},
     {"fork", (PyCFunction)(void (*)(void))R_fork, METH_FASTCALL,
      "fork(pool, seq, request_id) -> Sequence"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
