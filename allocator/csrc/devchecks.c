@@ -101,6 +101,7 @@ typedef struct DevChecks {
     CUres broken;                /* the first failed driver call (then the checks are off) */
     int said;                    /* the warning that they are off was given */
     uint64_t launched;
+    uint64_t recorded; /* events recorded (device_stats()["events"]) */
     /* a batch of publications (mark_computed_many, between dev_batch_begin and dev_batch_end):
      * the blocks whose check (pub_kind) waits for the batch's end, queued then as one */
     int batching, pub_kind;
@@ -262,6 +263,7 @@ static int dev_cover(DevChecks *d) {
     }
     for (int64_t i = d->open_from; i < end; i++) dev_at(d, i)->ev = e;
     d->open_from = end;
+    d->recorded++;
     return OK;
 }
 

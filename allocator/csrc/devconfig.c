@@ -246,7 +246,8 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
 static PyObject *N_device_stats(Native *n, PyObject *unused) {
     DevChecks *d = n->dev;
     if (d == NULL) Py_RETURN_NONE;
-    return Py_BuildValue("{sLsLsKsi}", "waiting", (long long)d->q_count, "unapplied",
+    return Py_BuildValue("{sLsLsKsKsi}", "waiting", (long long)d->q_count, "unapplied",
                          (long long)(d->n_stamps + d->n_found), "launched",
-                         (unsigned long long)d->launched, "broken", d->broken);
+                         (unsigned long long)d->launched, "events",
+                         (unsigned long long)d->recorded, "broken", d->broken);
 }

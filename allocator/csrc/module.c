@@ -340,7 +340,8 @@ static PyMethodDef N_methods[] = {
     {"device_test", (PyCFunction)(void (*)(void))N_device_test, METH_FASTCALL,
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
-     "the core's own checks: waiting, launched, broken (a CUresult) | None"},
+     "the core's own checks: waiting, unapplied, launched, events (recorded), broken (a "
+     "CUresult) | None"},
     {"provenance", (PyCFunction)N_provenance, METH_O,
      "provenance(every): record one sequence's slots in `every` (0: none) and check hits"},
     {"provenance_check", (PyCFunction)(void (*)(void))N_provenance_check, METH_FASTCALL,
