@@ -294,9 +294,6 @@ static PyMethodDef N_methods[] = {
      "append(pool, seq, tokens) -> copies: the copy-on-write (src, dst) pairs"},
     {"mark_computed", (PyCFunction)(void (*)(void))R_mark_computed, METH_FASTCALL,
      "mark_computed(pool, seq, num_tokens) -> int: the blocks published"},
-    {"mark_computed_many", (PyCFunction)(void (*)(void))N_mark_computed_many, METH_FASTCALL,
-     "mark_computed_many(pool, seqs, num_tokens) -> list[int]: mark_computed of each in turn, "
-     "their checks queued as one"},
     {"fork", (PyCFunction)(void (*)(void))R_fork, METH_FASTCALL,
      "fork(pool, seq, request_id) -> Sequence"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
@@ -325,6 +322,9 @@ static PyMethodDef N_methods[] = {
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
+    {"mark_computed_many", (PyCFunction)(void (*)(void))N_mark_computed_many, METH_FASTCALL,
+     "mark_computed_many(pool, seqs, num_tokens) -> list[int]: mark_computed of each in turn, "
+     "their checks queued as one"},
     {"stats", (PyCFunction)N_stats, METH_NOARGS,
      "stats() -> {native_ops: operations this handle's core completed, unhandled: cases it "
      "did not handle (each a RuntimeError), evictions: blocks its transactions evicted, "
