@@ -584,6 +584,27 @@ class KVPool:
             self._settle_overdue()
         return done
 
+    def mark_computed_many(
+        self, seqs: Sequence_[Sequence], num_tokens: Sequence_[int]
+    ) -> list[int]:
+        """`mark_computed(seqs[i], num_tokens[i])` for each i in turn, in one call of the core:
+        a step's publications, whose checks of a CUDA pool's K/V are one launch; how many
+        blocks each published. At the first that raises, the call raises it: those before it
+        stay published, the rest are not (docs/POOL.md)."""
+        if not isinstance(seqs, (list, tuple)):
+            seqs = list(seqs)
+        if not isinstance(num_tokens, (list, tuple)):
+            num_tokens = list(num_tokens)
+        try:
+            done = self._core.mark_computed_many(self, seqs, num_tokens)
+        finally:
+            # (what the sequences published before an error reported reaches on_finding too)
+            if self._found:
+                self.deliver_findings()
+        if self._overdue[0]:
+            self._settle_overdue()
+        return done
+
     def _settle_overdue(self) -> None:
         """The answers of a CUDA pool's checks, where more have piled up than devicechecks
         keeps (a program that publishes and appends but never allocates or frees)."""

@@ -23,14 +23,24 @@ from collections.abc import Callable
 PROBES = ("DIGEST", "MAGIC", "OWNERSHIP", "LEAKS", "EVENTS")
 
 
-def busy(torch, fn: Callable[[int], object], n: int = 300, every: int = 8) -> float:
-    """Median host microseconds of fn(i) with the GPU busy."""
+def busy(
+    torch,
+    fn: Callable[[int], object],
+    n: int = 300,
+    every: int = 8,
+    before: Callable[[int], object] = lambda i: None,
+    after: Callable[[int], object] = lambda i: None,
+) -> float:
+    """Median host microseconds of fn(i) with the GPU busy (`before(i)` and `after(i)` around
+    it, untimed)."""
     times = []
     for i in range(n):
+        before(i)
         torch.cuda._sleep(60000)
         t = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t)
+        after(i)
         if i % every == every - 1:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
@@ -64,7 +74,7 @@ def operations(torch, pool, tag: str, base: int) -> dict[str, float]:
     """allocate (a 40-token prompt: 3 blocks), mark_computed (2 full blocks published), an
     append of 9 tokens (a fourth block; several tokens at once), free (4 blocks); one sequence
     per call, each its own prompt (a prompt already published would make the publication a
-    no-op), numbered from `base`."""
+    no-op), numbered from `base`; then a step's publications of 4 sequences (`publications`)."""
     seqs = {}
 
     def allocate(i):
@@ -81,7 +91,41 @@ def operations(torch, pool, tag: str, base: int) -> dict[str, float]:
         pool.free(seqs.pop(i))
 
     steps = (("allocate", allocate), ("mark_computed", publish), ("append", append), ("free", free))
-    return {name: busy(torch, fn, n=200) for name, fn in steps}
+    out = {name: busy(torch, fn, n=200) for name, fn in steps}
+    out.update(publications(torch, pool, tag, base))
+    return out
+
+
+def publications(torch, pool, tag: str, base: int, k: int = 4) -> dict[str, float]:
+    """A step's publications: k sequences of 2 full blocks each, published by k calls of
+    mark_computed, or by one mark_computed_many (the sequences allocated and freed untimed)."""
+    seqs: list = []
+
+    def before(i):
+        # (prompts of their own: operations' never hit them, nor they operations')
+        first = 10_000_000 + (base + i) * 64 * k
+        seqs[:] = [
+            pool.allocate(f"{tag}m{i}.{j}", list(range(first + 64 * j, first + 64 * j + 40)))
+            for j in range(k)
+        ]
+
+    def after(i):
+        for s in seqs:
+            pool.free(s)
+
+    def each(i):
+        for s in seqs:
+            pool.mark_computed(s, 40)
+
+    def many(i):
+        pool.mark_computed_many(seqs, [40] * k)
+
+    return {
+        f"{k} x mark_computed": busy(torch, each, n=200, before=before, after=after),
+        f"mark_computed_many of {k}": busy(
+            torch, many, n=200, before=lambda i: before(i + 200), after=after
+        ),
+    }
 
 
 def main() -> None:
@@ -99,9 +143,9 @@ def main() -> None:
         for rnd in range(2):  # the first round warms up
             a = operations(torch, plain, f"p{rnd}-", 1000 * rnd)
             b = operations(torch, probed, f"q{rnd}-", 1000 * rnd)
-        print(f"{'operation':16s} {'probes off':>11s} {'kvscope run':>12s}   (host us, median)")
+        print(f"{'operation':26s} {'probes off':>11s} {'kvscope run':>12s}   (host us, median)")
         for k in a:
-            print(f"{k:16s} {a[k]:11.1f} {b[k]:12.1f}")
+            print(f"{k:26s} {a[k]:11.1f} {b[k]:12.1f}")
         core = probed.core
 
         def queue(kind: str, ids: list[int], when: str | None = None) -> None:

@@ -60,6 +60,7 @@ TIMED = [
     ("kvscope.allocator.pool", "KVPool", "block_state"),
     ("kvscope.allocator.pool", "KVPool", "allocate"),
     ("kvscope.allocator.pool", "KVPool", "mark_computed"),
+    ("kvscope.allocator.pool", "KVPool", "mark_computed_many"),
     ("kvscope.allocator.pool", "KVPool", "free"),
     ("kvscope.allocator.pool", "KVPool", "stats"),
     ("server.violations", "ErrorCopy", "start"),

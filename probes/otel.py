@@ -39,7 +39,10 @@ from kvscope.probes.otel_traces import RequestSpans
 
 __all__ = ["KVPoolInstrumentor", "install_from_env", "start_collector"]
 
-WRAPPED = ("allocate", "append", "fork", "free", "abort", "resume", "evict", "mark_computed")
+WRAPPED = (
+    "allocate", "append", "fork", "free", "abort", "resume", "evict", "mark_computed",
+    "mark_computed_many",
+)  # fmt: skip
 OP = "kvscope.operation"
 # Bucket boundaries in seconds: pool operations and lock times are microseconds to milliseconds.
 OP_BUCKETS = (

@@ -92,6 +92,11 @@ class RequestSpans:
         if n and (span := self.spans.get(args[0])) is not None:
             span.add_event("publish", {"kvscope.blocks": n})
 
+    def after_mark_computed_many(self, pool: Any, args: tuple, ns: Any, start_ns: int) -> None:
+        # (each sequence's publication, as its own mark_computed's)
+        for seq, n in zip(args[0], ns, strict=True):
+            self.after_mark_computed(pool, (seq,), n, start_ns)
+
     def after_free(
         self, pool: Any, args: tuple, result: Any, start_ns: int, outcome: str = "finished"
     ) -> None:

@@ -45,6 +45,22 @@ def test_one_span_per_request_with_its_block_events(otel, make_pool):  # noqa: F
     assert all(s.end_time >= s.start_time for s in spans.values())
 
 
+def test_a_batch_of_publications_is_an_event_on_each_requests_span(otel, make_pool):  # noqa: F811
+    # GIVEN an instrumented pool and two requests of 10 and 6 tokens
+    otel.instrument()
+    pool = make_pool(16, block_size=BS, local_cache_size=0)
+    a = pool.allocate("a", list(range(10)))
+    b = pool.allocate("b", list(range(100, 106)))
+    # WHEN a step publishes both in one call THEN each request's span says what it published,
+    # as its own mark_computed would (b's 6 tokens fill one block of 4)
+    assert pool.mark_computed_many([a, b], [8, 6]) == [2, 1]
+    pool.free(a)
+    pool.free(b)
+    spans = spans_by_request(otel)
+    assert ("publish", {"kvscope.blocks": 2}) in events(spans["a"])
+    assert ("publish", {"kvscope.blocks": 1}) in events(spans["b"])
+
+
 def test_appends_within_a_block_add_no_event(otel, make_pool):  # noqa: F811
     otel.instrument()
     pool = make_pool(16, block_size=BS)

@@ -97,3 +97,36 @@ def test_guard_and_digest_checks_never_make_the_host_wait_for_the_gpu(
     assert integrity.has_digest(pool.view.blocks, published).all()
     assert pool.findings() == []
     assert pool.check() == []
+
+
+@pytest.mark.gpu
+def test_a_settle_records_no_event_while_an_older_one_is_outstanding(make_pool, monkeypatch):
+    # GIVEN a CUDA pool with the digest on, two requests' K/V written, and the GPU held busy
+    # (a sleep kernel of about two seconds on the stream the checks go to)
+    monkeypatch.setenv("KVSCOPE_DIGEST", "1")
+    pool = make_pool(64, device="cuda", dtype="float16", block_size=16, head_dim=64)
+    later = pool.probe.writes.later
+    a = pool.allocate("a", list(range(40)))
+    b = pool.allocate("b", list(range(100, 140)))
+    for blk in a.block_table + b.block_table:
+        pool.kv[:, :, blk, :16] = 1.0
+    later.settle(wait=True)
+    torch.cuda._sleep(4_000_000_000)  # (cycles: about two seconds at an H200's 2 GHz)
+    stats = pool._core.device_stats()
+    # WHEN a publication's check is queued behind it and a settle comes, then another
+    # publication's and another settle
+    pool.mark_computed(a, 32)
+    later.settle()
+    covered = pool._core.device_stats()
+    pool.mark_computed(b, 32)
+    later.settle()
+    after = pool._core.device_stats()
+    # THEN the first settle covered the first check with an event (not answered yet: the GPU
+    # sleeps), and the second recorded none while that one is outstanding
+    assert covered["events"] == stats["events"] + 1 and covered["waiting"] == 1
+    assert after["events"] == covered["events"] and after["waiting"] == 2
+    # AND once waited for, both answers are applied
+    pool.verify()
+    published = np.asarray(a.block_table[:2] + b.block_table[:2])
+    assert integrity.has_digest(pool.view.blocks, published).all()
+    assert pool.findings() == []

@@ -108,6 +108,40 @@ def test_paged_greedy_equals_full_recomputation(
     assert_pool_clean(pool)
 
 
+def test_a_step_publishes_its_streams_in_one_call(
+    model: LlamaModel, pools: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN requests sharing system prompts, several prefilled and decoded in each step, and a
+    # count of the pool's publication calls in each step
+    pool = make_pool(model, 256)
+    pools.append(pool)
+    requests = workload(12, prefix_len=(20, 40), prompt_len=(1, 20), output_len=(4, 20))
+    engine = Engine(model, pool, max_num_seqs=6, prefill_chunk=8, max_num_batched_tokens=40)
+    calls: dict[int, list[int]] = {}
+
+    def counted(name: str):
+        real = getattr(pool, name)
+
+        def call(*args):
+            calls.setdefault(engine.timer.num_steps, []).append(len(args[0]) if args else 0)
+            assert name == "mark_computed_many", "a step published a stream on its own"
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(pool, "mark_computed", counted("mark_computed"))
+    monkeypatch.setattr(pool, "mark_computed_many", counted("mark_computed_many"))
+    # WHEN the engine serves them
+    results = engine.run(requests)
+    # THEN each step that published made one call, for every stream that filled a block, some
+    # of them several streams at once; later requests hit what was published, outputs exact
+    assert calls and all(len(c) == 1 for c in calls.values())
+    assert max(c[0] for c in calls.values()) > 1
+    assert sum(r.num_hit_tokens for r in results) > 0
+    assert_matches_reference(model, requests, results)
+    assert_pool_clean(pool)
+
+
 def test_preemption_under_a_full_pool_keeps_outputs_exact(model: LlamaModel, pools: list) -> None:
     # GIVEN a pool far too small for the batch it admits
     pool = make_pool(model, 24)

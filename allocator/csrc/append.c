@@ -280,6 +280,7 @@ static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *ch
     if (txn_begin(n, shard_lock(n, key0) | n->want_locks)) return UNHANDLED;
     long published = 0;
     int32_t done[CHUNK]; /* (digest, events) the blocks published */
+    int64_t kept = dev_batch_mark(n); /* (a batch's kept checks: this one's undone with it) */
     for (Py_ssize_t j = pub; j < upto; j++) {
         long b = PyLong_AsLong(PyList_GET_ITEM(table, j));
         if (b < 0 || b >= n->nb) {
@@ -321,6 +322,7 @@ static int publish_chunk(Native *n, PyObject *seq, PyObject *table, PyObject *ch
     return OK;
 abort:
     txn_abort(n);
+    dev_batch_undo(n, kept);
     return rolled_back(n);
 }
 

@@ -497,6 +497,12 @@ static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *
 static inline int prov_any(Native *n, int64_t b, uint32_t gen);
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag);
+/* devchecks.c: a publication's check, queued now or at its batch's end (mark_computed_many) */
+static int dev_publish_check(Native *n, int kind, const int32_t *ids, int64_t k);
+static int64_t dev_batch_mark(Native *n);
+static void dev_batch_undo(Native *n, int64_t mark);
+static void dev_batch_begin(Native *n);
+static int dev_batch_end(Native *n);
 /* devchecks.c: what a check is for (DK_NAME) */
 enum {
     DK_STAMP = 0,

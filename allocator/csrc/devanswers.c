@@ -343,9 +343,19 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
     int rc = 0;
     if (d->q_count) {
         if (d->cuda && !d->broken) dev_context(d);
-        dev_cover(d); /* (a failure leaves the open ones to be waited for, stream by stream) */
-        while (d->q_count && rc == 0 && dev_ready(d, wait || (most >= 0 && d->q_count > most)))
+        /* A settle between operations (not waiting, not overdue: every allocation and release
+         * of an engine's step) takes the answers of the checks an event covers that the GPU is
+         * past, and only then, where no covered check is left, covers the rest with a new
+         * event, which it does not query (the GPU reaches it a moment after: the next settle
+         * does): one event record at most, and one query, a settle; none recorded while the
+         * GPU is behind. Waiting, every check is covered first (a failure leaves the open ones
+         * to be waited for, stream by stream). */
+        int lazy = d->cuda && !d->broken && !wait && most < 0;
+        if (!lazy) dev_cover(d);
+        while (d->q_count && rc == 0 && (!lazy || d->open_from > 0) &&
+               dev_ready(d, wait || (most >= 0 && d->q_count > most)))
             rc = dev_pop(n);
+        if (lazy && rc == 0 && d->q_count && d->open_from == 0) dev_cover(d);
     }
     if (rc == 0 && dev_off(n) != OK) rc = -1;
     if (rc == 0 && (d->n_stamps || d->n_found)) rc = dev_apply(n, args[0]);

@@ -103,6 +103,13 @@ typedef struct DevChecks {
     CUres broken;                /* the first failed driver call (then the checks are off) */
     int said;                    /* the warning that they are off was given */
     uint64_t launched;
+    uint64_t recorded; /* events recorded (device_stats()["events"]) */
+    /* a batch of publications (mark_computed_many, between dev_batch_begin and dev_batch_end):
+     * the blocks whose check (pub_kind) waits for the batch's end, queued then as one */
+    int batching, pub_kind;
+    int32_t *pub_ids;
+    uint32_t *pub_gen; /* (each block's generation as published) */
+    int64_t n_pub, cap_pub, cap_gen;
     /* answers read and not yet applied (devanswers.c dev_apply): digests for the records,
      * findings for the ring (a broken canary's with it put back first) */
     Stamp *stamps;
@@ -113,6 +120,7 @@ typedef struct DevChecks {
 } DevChecks;
 
 static int dev_take_oldest(Native *n); /* devanswers.c */
+static int dev_grow(void **arr, int64_t *cap, int64_t need, size_t size);
 
 static inline DevEntry *dev_at(DevChecks *d, int64_t i) {
     return &d->q[(d->q_tail + i) % DEV_ENTRIES];
@@ -258,6 +266,7 @@ static int dev_cover(DevChecks *d) {
     }
     for (int64_t i = d->open_from; i < end; i++) dev_at(d, i)->ev = e;
     d->open_from = end;
+    d->recorded++;
     return OK;
 }
 
@@ -407,6 +416,77 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     /* (the word pool.append and mark_computed read: they take the answers) */
     if (d->q_count > d->max_pending) *n->overdue = 1;
     return OK;
+}
+
+/* -- a batch of publications ------------------------------------------------------------------ */
+
+/* A publication's check of blocks ids[0..k) (DK_STAMP, DK_STAMP_PROV, DK_PROV_STAMP: their
+ * digests, their recorded slots' hashes), from inside its transaction: queued now (dev_check);
+ * or, in a batch (dev_batch_begin), kept for the batch's end, which queues the blocks of every
+ * sequence it published as one check, one launch (a serving step publishes a few sequences: a
+ * launch, a stream lookup and the op mutex each, where one does). Either way the kernel reads
+ * the K/V after the forward that wrote it (the current stream's, behind it). A check of
+ * another kind than the kept ones (the probes changed within the batch) is queued now. OK,
+ * UNHANDLED, ERROR as dev_check (the caller rolls back: dev_batch_undo). */
+static int dev_publish_check(Native *n, int kind, const int32_t *ids, int64_t k) {
+    DevChecks *d = n->dev;
+    if (k == 0) return OK;
+    if (d == NULL || !d->batching || d->broken || (d->n_pub && d->pub_kind != kind))
+        return dev_check(n, kind, ids, k, NULL, 0, NULL);
+    if (dev_grow((void **)&d->pub_ids, &d->cap_pub, d->n_pub + k, sizeof *d->pub_ids) ||
+        dev_grow((void **)&d->pub_gen, &d->cap_gen, d->n_pub + k, sizeof *d->pub_gen))
+        return ERROR;
+    for (int64_t i = 0; i < k; i++) {
+        d->pub_ids[d->n_pub + i] = ids[i];
+        d->pub_gen[d->n_pub + i] = U4(blk(n, ids[i]) + BF_GENERATION);
+    }
+    d->n_pub += k;
+    d->pub_kind = kind;
+    return OK;
+}
+
+/* How many blocks the batch keeps so far (a transaction's mark: dev_batch_undo). */
+static int64_t dev_batch_mark(Native *n) { return n->dev ? n->dev->n_pub : 0; }
+
+/* A transaction rolled back: the blocks it kept since `mark` dropped (its publication is
+ * undone; run again, it keeps them again). */
+static void dev_batch_undo(Native *n, int64_t mark) {
+    if (n->dev && n->dev->n_pub > mark) n->dev->n_pub = mark;
+}
+
+/* A batch of publications begins: their checks kept until dev_batch_end. */
+static void dev_batch_begin(Native *n) {
+    if (n->dev) n->dev->batching = 1;
+}
+
+/* The batch ends: the checks it kept queued, one for all its blocks (in as few as the ring
+ * holds, a quarter of it each: the checks queued before them keep their room), under the op
+ * mutex, outside any transaction, after the publications' commits. A block no longer
+ * published in the generation it was published in (only another thread's operation on the
+ * handle, between two of the batch's sequences, could have released it) is left out, as
+ * its answer would be (devanswers.c): it is not checked against a later holder's K/V. OK
+ * (also where the driver failed: the checks are off), or ERROR with an exception set: those
+ * blocks have no digest, as blocks published before a driver error. */
+static int dev_batch_end(Native *n) {
+    DevChecks *d = n->dev;
+    if (d == NULL) return OK;
+    d->batching = 0;
+    int kind = d->pub_kind, rc = OK;
+    int64_t k = 0;
+    for (int64_t i = 0; i < d->n_pub; i++) {
+        uint8_t *r = blk(n, d->pub_ids[i]);
+        if (r[BF_INDEXED] == 1 && U4(r + BF_GENERATION) == d->pub_gen[i])
+            d->pub_ids[k++] = d->pub_ids[i];
+    }
+    int64_t per_block = 1 + dev_answer_words(n, kind, 1) + dev_keep_words(n, kind, 1);
+    int64_t most = d->ring_words / 4 / per_block;
+    if (most < CHUNK) most = CHUNK; /* (what one transaction's check takes, unbatched) */
+    /* (dev_check calls Python, the current stream's lookup: the queue is looked at again) */
+    for (int64_t i = 0; i < k && rc == OK && n->dev == d; i += most)
+        rc = dev_check(n, kind, d->pub_ids + i, k - i < most ? k - i : most, NULL, 0, NULL);
+    if (n->dev == d) d->n_pub = 0;
+    if (rc == UNHANDLED && !PyErr_Occurred()) unhandled(n); /* (no transaction: cannot be) */
+    return rc == OK ? OK : ERROR;
 }
 
 /* device_queue(kind, ids, when): a check queued as the core's operations queue theirs (tests

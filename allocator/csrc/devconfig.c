@@ -14,6 +14,8 @@ static void dev_free(DevChecks *d) {
     for (int64_t i = 0; i < d->n_found; i++) Py_CLEAR(d->found[i].message);
     PyMem_Free(d->found);
     PyMem_Free(d->stamps);
+    PyMem_Free(d->pub_ids);
+    PyMem_Free(d->pub_gen);
     for (int64_t i = 0; i < DEV_ENTRIES; i++)
         if (d->ev[i] != NULL && d->cu.ev_destroy) d->cu.ev_destroy(d->ev[i]);
     Py_XDECREF(d->ring_obj);
@@ -166,6 +168,18 @@ static PyObject *N_device_checks(Native *n, PyObject *cfg) {
         d->cap_stamps = n->dev->cap_stamps;
         n->dev->stamps = NULL;
         n->dev->n_stamps = n->dev->cap_stamps = 0;
+        /* (and a batch of publications' kept checks: configured inside the batch, from Python
+         * the core called) */
+        d->batching = n->dev->batching;
+        d->pub_kind = n->dev->pub_kind;
+        d->pub_ids = n->dev->pub_ids;
+        d->pub_gen = n->dev->pub_gen;
+        d->n_pub = n->dev->n_pub;
+        d->cap_pub = n->dev->cap_pub;
+        d->cap_gen = n->dev->cap_gen;
+        n->dev->pub_ids = NULL;
+        n->dev->pub_gen = NULL;
+        n->dev->n_pub = n->dev->cap_pub = n->dev->cap_gen = 0;
     }
     dev_free(n->dev);
     n->dev = d;
@@ -233,7 +247,8 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
 static PyObject *N_device_stats(Native *n, PyObject *unused) {
     DevChecks *d = n->dev;
     if (d == NULL) Py_RETURN_NONE;
-    return Py_BuildValue("{sLsLsKsi}", "waiting", (long long)d->q_count, "unapplied",
+    return Py_BuildValue("{sLsLsKsKsi}", "waiting", (long long)d->q_count, "unapplied",
                          (long long)(d->n_stamps + d->n_found), "launched",
-                         (unsigned long long)d->launched, "broken", d->broken);
+                         (unsigned long long)d->launched, "events",
+                         (unsigned long long)d->recorded, "broken", d->broken);
 }

@@ -440,6 +440,62 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
     return core_publish(n, args[1], upto, slot);
 }
 
+/* mark_computed_many(pool, seqs, counts) -> list[int]: mark_computed(pool, seqs[i], counts[i])
+ * for each i in turn (each its own call of the core, recorded as its own operation: oplog.c
+ * R_mark_computed), the checks of a CUDA pool's publications queued as one at the end
+ * (devchecks.c dev_batch_end); each sequence's count of blocks published. At the first that
+ * raises, the call raises it: the sequences before it stay published (their checks queued),
+ * the rest are not looked at. seqs and counts: lists or tuples of one length (else a TypeError
+ * or a PoolError, before anything is published). */
+static PyObject *R_mark_computed(Native *n, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *N_mark_computed_many(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !(PyList_Check(args[1]) || PyTuple_Check(args[1])) ||
+        !(PyList_Check(args[2]) || PyTuple_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "mark_computed_many(pool, seqs: list, num_tokens: list of ints)");
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(args[1]);
+    if (PySequence_Fast_GET_SIZE(args[2]) != k) {
+        pool_error("mark_computed_many: %zd sequences but %zd token counts", k,
+                   PySequence_Fast_GET_SIZE(args[2]));
+        return NULL;
+    }
+    /* (the items held, in tuples of their own: Python the core calls may change the lists) */
+    PyObject *seq_list = PySequence_Tuple(args[1]), *count_list = PySequence_Tuple(args[2]);
+    PyObject *out = seq_list && count_list ? PyList_New(k) : NULL;
+    if (out == NULL) {
+        Py_XDECREF(seq_list);
+        Py_XDECREF(count_list);
+        return NULL;
+    }
+    dev_batch_begin(n);
+    Py_ssize_t i = 0;
+    for (; i < k; i++) {
+        PyObject *a[3] = {args[0], PyTuple_GET_ITEM(seq_list, i), PyTuple_GET_ITEM(count_list, i)};
+        PyObject *r = R_mark_computed(n, a, 3);
+        if (r == NULL) break;
+        PyList_SET_ITEM(out, i, r);
+    }
+    /* what the sequences published checked, one launch (under the op mutex, let go after) */
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    int rc = dev_batch_end(n);
+    drop_mutex(n);
+    if (et != NULL) {
+        /* (the sequence's error is the call's; one of the checks' after it, unraisable) */
+        if (rc != OK) PyErr_WriteUnraisable(args[0]);
+        PyErr_Restore(et, ev, etb);
+    }
+    Py_DECREF(seq_list);
+    Py_DECREF(count_list);
+    if (et != NULL || rc != OK) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
 /* Digests answered after their publication (a CUDA pool's, read by the core's own queue:
  * devchecks.c, devanswers.c) into the records of blocks b[0..k) still published in the
  * generation g[i] each was taken in and with no digest of it yet (word w[i]), under the

@@ -480,8 +480,8 @@ static void digests(Native *n, const int32_t *ids, int64_t k, uint64_t *out, int
 static int stamp_digests(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;
     /* (with slot provenance, the blocks' slots hashed in the same launch: provenance.c) */
-    if (n->kv == NULL)
-        return kv_later(n, n->prov_every && n->dev ? DK_STAMP_PROV : DK_STAMP, ids, k, NULL);
+    if (n->kv == NULL) /* (queued, or kept for its batch's one check: devchecks.c) */
+        return dev_publish_check(n, n->prov_every && n->dev ? DK_STAMP_PROV : DK_STAMP, ids, k);
     uint64_t d[CHUNK];
     digests(n, ids, k, d, 1); /* (slot provenance hashes the published slots next) */
     for (int64_t i = 0; i < k; i++) {

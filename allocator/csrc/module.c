@@ -323,6 +323,9 @@ static PyMethodDef N_methods[] = {
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},
+    {"mark_computed_many", (PyCFunction)(void (*)(void))N_mark_computed_many, METH_FASTCALL,
+     "mark_computed_many(pool, seqs, num_tokens) -> list[int]: mark_computed of each in turn, "
+     "their checks queued as one"},
     {"stats", (PyCFunction)N_stats, METH_NOARGS,
      "stats() -> {native_ops: operations this handle's core completed, unhandled: cases it "
      "did not handle (each a RuntimeError), evictions: blocks its transactions evicted, "
@@ -338,7 +341,8 @@ static PyMethodDef N_methods[] = {
     {"device_test", (PyCFunction)(void (*)(void))N_device_test, METH_FASTCALL,
      "device_test(mode, block) -> int: one check launched here and waited for"},
     {"device_stats", (PyCFunction)N_device_stats, METH_NOARGS,
-     "the core's own checks: waiting, launched, broken (a CUresult) | None"},
+     "the core's own checks: waiting, unapplied, launched, events (recorded), broken (a "
+     "CUresult) | None"},
     {"provenance", (PyCFunction)N_provenance, METH_O,
      "provenance(every): record one sequence's slots in `every` (0: none) and check hits"},
     {"provenance_check", (PyCFunction)(void (*)(void))N_provenance_check, METH_FASTCALL,

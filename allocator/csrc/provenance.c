@@ -113,7 +113,7 @@ static int prov_stamp_later(Native *n, const int32_t *ids, int64_t k) {
     int64_t m = 0;
     for (int64_t i = 0; i < k; i++)
         if (prov_any(n, ids[i], U4(blk(n, ids[i]) + BF_GENERATION))) some[m++] = ids[i];
-    return m ? dev_check(n, DK_PROV_STAMP, some, m, NULL, 0, NULL) : OK;
+    return dev_publish_check(n, DK_PROV_STAMP, some, m);
 }
 
 /* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */

@@ -247,8 +247,7 @@ class Engine:
         # the token pick is queued before the publications: what the pool queues on the
         # stream for them (a probed CUDA pool's digests) runs after it, not before the tokens
         picks = self._pick(done, hidden, events)
-        for chunk in batch.chunks:
-            self._publish(chunk.stream)
+        self._publish([chunk.stream for chunk in batch.chunks])
         t4 = t5 = time.perf_counter()
         if done or scores is not None:
             chosen = picks()
@@ -358,13 +357,18 @@ class Engine:
         if taken is not None:
             violations.report(self.cache, *taken)
 
-    def _publish(self, stream: Stream) -> None:
-        """Tell the pool which full blocks now hold computed K/V, so others can reuse them."""
-        block_size = self.cache.config.block_size
+    def _publish(self, streams: list[Stream]) -> None:
+        """Tell the pool which full blocks now hold computed K/V, so others can reuse them: the
+        step's streams that completed a block, in one call (a probed CUDA pool checks what they
+        publish in one launch)."""
         if not self.prefix_cache:
             return
-        if stream.num_computed // block_size > stream.num_published // block_size:
-            self.cache.mark_computed(stream.seq, stream.num_computed)
+        block_size = self.cache.config.block_size
+        ready = [s for s in streams if s.num_computed // block_size > s.num_published // block_size]
+        if not ready:
+            return
+        self.cache.mark_computed_many([s.seq for s in ready], [s.num_computed for s in ready])
+        for stream in ready:
             stream.num_published = stream.num_computed
 
     def _complete(self, stream: Stream, pick: Tensor | int) -> None:

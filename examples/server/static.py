@@ -122,6 +122,9 @@ class StaticCache:
     def mark_computed(self, seq: StaticSequence, num_tokens: int) -> None:
         """Nothing to publish: the static layout has no prefix index."""
 
+    def mark_computed_many(self, seqs: list[StaticSequence], num_tokens: list[int]) -> None:
+        """Nothing to publish (mark_computed)."""
+
     def block_table(self, seq: StaticSequence) -> list[int]:
         """The reservation's blocks."""
         return list(seq.block_table)
