@@ -601,7 +601,7 @@ class KVPool:
             # (what the sequences published before an error reported reaches on_finding too)
             if self._found:
                 self.deliver_findings()
-        if self._overdue[0]:
+        if self._later is not None and self._overdue[0]:
             self._settle_overdue()
         return done
 
