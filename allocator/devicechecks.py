@@ -10,7 +10,7 @@ every write enqueued after it, so it sees the K/V as the operation did.
 
 `settle()` has the core take the answers the GPU is past, oldest first (the checks an event
 covers: a settle records one over the checks launched since the last where no older one is
-outstanding, and the next settle queries it), and apply them itself: a
+outstanding, and queries it), and apply them itself: a
 digest written into the record of the block it was taken of (in a transaction of the core under
 the block's shard lock, only while the block is still published in the same generation: until
 then the block has no digest and is not verified), a finding written into the findings ring
@@ -22,9 +22,9 @@ the next settle.
 `settle` runs between operations only: at a request's allocation, free or abort, at the end of
 an append or publication where more than MAX_PENDING answers wait, and, waiting, at
 `pool.verify()`, `pool.check()` and close. A finding is therefore reported at the first of those
-after the GPU produced its answer and the event covering it was recorded (on a CUDA pool, the
-second settle after its launch at the earliest), not inside the operation that launched the
-check.
+after the GPU produced its answer and the event covering it was recorded (on a CUDA pool, a
+later settle where an older event was still outstanding at the first), not inside the operation
+that launched the check.
 
 Configuring fails with a RuntimeError where the core cannot launch the check kernel (no Triton,
 a compiled kernel that is not plain, a launch from C that does not give Triton's answer): guard

@@ -346,16 +346,18 @@ static PyObject *N_device_take(Native *n, PyObject *const *args, Py_ssize_t narg
         /* A settle between operations (not waiting, not overdue: every allocation and release
          * of an engine's step) takes the answers of the checks an event covers that the GPU is
          * past, and only then, where no covered check is left, covers the rest with a new
-         * event, which it does not query (the GPU reaches it a moment after: the next settle
-         * does): one event record at most, and one query, a settle; none recorded while the
-         * GPU is behind. Waiting, every check is covered first (a failure leaves the open ones
+         * event and queries it once: an engine's last step is done on the GPU by its next
+         * allocation (its tokens were read back), so what that step published is verified by
+         * the next prefix hit. One event record at most a settle, none recorded while the GPU
+         * is behind. Waiting, every check is covered first (a failure leaves the open ones
          * to be waited for, stream by stream). */
         int lazy = d->cuda && !d->broken && !wait && most < 0;
         if (!lazy) dev_cover(d);
         while (d->q_count && rc == 0 && (!lazy || d->open_from > 0) &&
                dev_ready(d, wait || (most >= 0 && d->q_count > most)))
             rc = dev_pop(n);
-        if (lazy && rc == 0 && d->q_count && d->open_from == 0) dev_cover(d);
+        if (lazy && rc == 0 && d->q_count && d->open_from == 0 && dev_cover(d) == OK)
+            while (d->q_count && rc == 0 && d->open_from > 0 && dev_ready(d, 0)) rc = dev_pop(n);
     }
     if (rc == 0 && dev_off(n) != OK) rc = -1;
     if (rc == 0 && (d->n_stamps || d->n_found)) rc = dev_apply(n, args[0]);
