@@ -102,7 +102,11 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
         char seen[64];
         snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'",
                  (int)strnlen(p->request, 32), p->request);
-        if (digests_intact_keep(n, table, hits, seen, 1)) goto abort;
+        /* (a CUDA pool's with slot provenance: both of the hit's checks in one launch) */
+        int hit_later = n->prov_every && prov_on_device(n);
+        if (hit_later ? dev_hit_check(n, table, hits, seen, p->request)
+                      : digests_intact_keep(n, table, hits, seen, 1))
+            goto abort;
     }
     Py_ssize_t ntok_first = first * bs < p->ntok ? first * bs : p->ntok;
     int64_t nfull_first = p->nfull < first ? p->nfull : first;
@@ -125,8 +129,10 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     }
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
     if (preempt_poison(n)) goto abort;
-    /* slot provenance on a CUDA pool: the hit's hashed slots checked on the GPU (provenance.c) */
-    if (n->prov_every && hits && prov_on_device(n) && prov_hits_later(n, table, hits, p->request))
+    /* slot provenance on a CUDA pool: the hit's hashed slots checked on the GPU (provenance.c;
+     * with the digest probe, in the digest check's launch above: dev_hit_check) */
+    if (n->prov_every && hits && prov_on_device(n) && !(n->probes & P_DIGEST) &&
+        prov_hits_later(n, table, hits, p->request))
         goto abort;
     txn_commit(n);
     /* (what was found before a preemption comes before its events, the rest after them) */
