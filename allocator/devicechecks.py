@@ -83,11 +83,14 @@ class DeviceChecks:
         if self.cuda:
             ring = ring.pin_memory()
             checks = self._kernel(ring)
-            from kvscope.kernels.checks import raw_stream
-
             device = pool.kv.device
             config.update(checks.native_launch(ring) or {}, cuda=True, device=device.index)
-            config["stream"] = functools.partial(raw_stream, device)
+            # the current stream's raw handle, looked up by the core at each launch: torch's
+            # own call, bound to the device (kernels/checks.py raw_stream's, without a Python
+            # frame in between: a step launches several checks)
+            config["stream"] = functools.partial(
+                torch._C._cuda_getCurrentRawStream, device.index
+            )
             if "functions" not in config:
                 raise RuntimeError(
                     "kvscope: guard mode and the digest probe on a CUDA pool need the C core "
