@@ -67,6 +67,14 @@ TIMED = [
     ("kvscope.allocator.pool", "KVPool", "mark_computed_many"),
     ("kvscope.allocator.pool", "KVPool", "free"),
     ("kvscope.allocator.pool", "KVPool", "stats"),
+    # a CUDA pool's (or --deferred's) own: the settles of the device checks' answers at
+    # allocations and frees, the audit's expected table written (TableAudit.expect's share)
+    ("kvscope.allocator.devicechecks", "DeviceChecks", "settle"),
+    ("kvscope.allocator.audit", "DeviceAudits", "expect"),
+    # the step's publications (mark_computed_many and the Python around it), and the copies
+    # to the host (the error buffer's, under guard mode, beside the token picks')
+    ("server.engine", "Engine", "_publish"),
+    ("server.hostcopy", "HostCopy", "start"),
     ("server.violations", "ErrorCopy", "start"),
     ("server.violations", "ErrorCopy", "take"),
 ]
