@@ -88,9 +88,7 @@ class DeviceChecks:
             # the current stream's raw handle, looked up by the core at each launch: torch's
             # own call, bound to the device (kernels/checks.py raw_stream's, without a Python
             # frame in between: a step launches several checks)
-            config["stream"] = functools.partial(
-                torch._C._cuda_getCurrentRawStream, device.index
-            )
+            config["stream"] = functools.partial(torch._C._cuda_getCurrentRawStream, device.index)
             if "functions" not in config:
                 raise RuntimeError(
                     "kvscope: guard mode and the digest probe on a CUDA pool need the C core "
