@@ -139,7 +139,8 @@ class DeviceChecks:
         kernel = checks.Checks(kv, ring, self.pool.block_size)
         modes = [checks.DIGEST] if flags.digest else []
         if flags.guard:
-            modes += [checks.CANARY, checks.COUNTS, checks.POISON]
+            # (CANARY_POISON: a release's canaries and fill, one launch)
+            modes += [checks.CANARY, checks.COUNTS, checks.POISON, checks.CANARY_POISON]
         # slot provenance's K/V hashes (csrc/provenance.c), taken by this queue wherever it is
         # configured: provenance may be turned on at any time (pool.provenance_sample); with the
         # digest, a publication's digests and hashes in one launch (DIGEST_SLOTS)

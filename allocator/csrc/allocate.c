@@ -300,15 +300,17 @@ static int already_free(Native *n, const int32_t *ids, int64_t k, PyObject *rid)
 
 /* The free-ring half of a release: the blocks it freed (zero, nz) to the local cache, the
  * overflow to the ring; in guard mode checked and quarantined (the
- * ring's tail; poisoned by the caller just before its commit). OK, UNHANDLED (the journal, or
- * the free lock not held: need_locks), ERROR. */
-static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard) {
+ * ring's tail; poisoned by the caller just before its commit). `fill_checks`: the caller
+ * poisons them with release_poison, which on a pool whose K/V the core does not map checks
+ * their canaries in the fill's launch (devchecks.c dev_release_later): not checked here then.
+ * OK, UNHANDLED (the journal, or the free lock not held: need_locks), ERROR. */
+static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard, int fill_checks) {
     /* leased blocks quarantined, taken out of zero (leases.c) */
     if (leases_divert(n, zero, nzp)) return UNHANDLED;
     int64_t nz = *nzp;
     if (guard) {
         if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
-        int rc = canaries_intact(n, zero, nz);
+        int rc = fill_checks && dev_release_later(n) ? OK : canaries_intact(n, zero, nz);
         return rc != OK ? rc : ring_push_quarantined(n, zero, nz);
     }
     int64_t fit;
@@ -316,6 +318,13 @@ static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard) {
     if (fit == nz) return OK;
     if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
     return ring_push(n, zero + fit, nz - fit);
+}
+
+/* A guarded release's freed blocks (zero, nz: give_back_freed's, with fill_checks) poisoned
+ * just before its commit; on a pool whose K/V the core does not map, their canaries checked
+ * in the same launch. OK, UNHANDLED, ERROR. */
+static int release_poison(Native *n, const int32_t *zero, int64_t nz) {
+    return dev_release_later(n) ? dev_release_check(n, zero, nz) : poison_blocks(n, zero, nz);
 }
 
 /* The most blocks one transaction of a release or a preemption drops (blocks_fit: each
@@ -339,8 +348,8 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
     if (txn_begin(n, locks)) return UNHANDLED;
     if (unsealed_left(n, ids + keep, k - keep, part, &m) || digests_intact(n, part, m, when) ||
         already_free(n, part, m, rid) || drop_refs(n, part, m, wall_ns(), zero, &nz) ||
-        give_back_freed(n, zero, &nz, guard) || write_blocks(n, slot, keep, NULL, 0) ||
-        (guard && poison_blocks(n, zero, nz))) {
+        give_back_freed(n, zero, &nz, guard, 1) || write_blocks(n, slot, keep, NULL, 0) ||
+        (guard && release_poison(n, zero, nz))) {
         txn_abort(n);
         return rolled_back(n);
     }
@@ -451,7 +460,7 @@ again:
     int64_t nz = 0;
     uint64_t now = wall_ns();
     if (drop_refs(n, drop, nd, now, zero, &nz)) goto abort;
-    if (give_back_freed(n, zero, &nz, guard)) goto abort;
+    if (give_back_freed(n, zero, &nz, guard, 1)) goto abort;
     /* the leaks probe's blocks still held: read inside the transaction (once it commits, what
      * it freed is anyone's) */
     if (leaked_blocks(n, ids, k, slot) < 0) goto abort;
@@ -479,7 +488,7 @@ again:
         if (twice_rec == NULL) goto abort;
     }
     /* Poisoned only if the release commits, before its locks are let go. */
-    if (guard && poison_blocks(n, zero, nz)) goto abort;
+    if (guard && release_poison(n, zero, nz)) goto abort;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)nkept);
     ev_record(n, final == 4 ? E_ABORT : E_FREE, drop, nd, request, 0);

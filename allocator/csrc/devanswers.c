@@ -190,7 +190,7 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w) {
             for (int64_t s = 0; s < n->bs; s++) c += a[i * n->bs + s];
             if (c && dev_found_add(n, FK_USE_AFTER_FREE, b, rec, poison_message(n, rec, c)))
                 return -1;
-        } else if (a[i] != 0) { /* DK_CANARY */
+        } else if (a[i] != 0) { /* DK_CANARY, DK_RELEASE */
             if (dev_found_add(n, FK_GUARD_VIOLATION, b, rec, Py_NewRef(n->msg_canary))) return -1;
         }
     }

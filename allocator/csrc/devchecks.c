@@ -46,14 +46,24 @@ typedef struct {
 } CuApi;
 
 /* kernels/checks.py modes */
-enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, M_SLOTS = 4, M_DIGEST_SLOTS = 5, N_MODES = 6 };
+enum {
+    M_DIGEST = 0,
+    M_COUNTS = 1,
+    M_CANARY = 2,
+    M_POISON = 3,
+    M_SLOTS = 4,
+    M_DIGEST_SLOTS = 5,
+    M_CANARY_POISON = 6,
+    N_MODES = 7
+};
 /* (DK_*, what a check is for: core.h) */
-static const int DK_MODE[N_DK] = {M_DIGEST, M_DIGEST, M_COUNTS,       M_CANARY,      M_POISON,
-                                  M_COUNTS, M_SLOTS,  M_SLOTS,        M_DIGEST_SLOTS, M_DIGEST_SLOTS};
+static const int DK_MODE[N_DK] = {M_DIGEST,       M_DIGEST,       M_COUNTS,       M_CANARY,
+                                  M_POISON,       M_COUNTS,       M_SLOTS,        M_SLOTS,
+                                  M_DIGEST_SLOTS, M_DIGEST_SLOTS, M_CANARY_POISON};
 static const char *DK_NAME[N_DK] = {"stamp",           "verify",           "poison",
                                     "canary",          "fill",             "unwritten",
                                     "provenance hash", "provenance check", "stamp and hash",
-                                    "prefix hit"};
+                                    "prefix hit",      "canary and fill"};
 
 #define DEV_ENTRIES 8192 /* checks waiting at most (then the oldest are taken first) */
 /* Digests answered whose records an error kept the core from writing: kept for the next
@@ -205,11 +215,14 @@ static void dev_cpu_answer(Native *n, DevChecks *d, int mode, const int32_t *ids
                                    slot_m, n->nan_bits);
                 out[i * n->bs + s] = c;
             }
-        } else if (mode == M_CANARY) {
+        } else if (mode == M_CANARY || mode == M_CANARY_POISON) {
             int bad = 0;
             for (int64_t r = 0; r < n->kv_rows && !bad; r++)
                 bad = !all_bits(n, base + (size_t)r * n->kv_row_stride + guard, slot_m, n->canary);
             out[i] = bad;
+            /* (CANARY_POISON: then the token slots' fill, which leaves the guard slot) */
+            for (int64_t r = 0; r < n->kv_rows && mode == M_CANARY_POISON; r++)
+                fill_bits(n, base + (size_t)r * n->kv_row_stride, m, n->nan_bits);
         } else {
             for (int64_t r = 0; r < n->kv_rows; r++)
                 fill_bits(n, base + (size_t)r * n->kv_row_stride, m, n->nan_bits);
@@ -278,7 +291,7 @@ static int dev_cover(DevChecks *d) {
  * poison). */
 static inline int dev_finds(int kind) {
     return kind == DK_VERIFY || kind == DK_POISON || kind == DK_CANARY || kind == DK_UNWRITTEN ||
-           kind == DK_PROV_CHECK || kind == DK_HIT_CHECK;
+           kind == DK_PROV_CHECK || kind == DK_HIT_CHECK || kind == DK_RELEASE;
 }
 
 /* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's), queued:
@@ -456,6 +469,22 @@ static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const ch
     }
     Py_DECREF(tag);
     return rc;
+}
+
+/* -- a guarded release -------------------------------------------------------------------------- */
+
+/* Whether a guarded release's blocks have their canaries checked with their fill, one launch
+ * (DK_RELEASE, just before the release commits: dev_release_check) rather than each on its own
+ * (kvdata.c canaries_intact, then poison_blocks): a pool whose K/V the core does not map, and
+ * that poisons freed blocks. */
+static inline int dev_release_later(Native *n) { return n->kv == NULL && n->poison_ok; }
+
+/* A guarded release's blocks ids[0, k) (dev_release_later), just before its commit: their
+ * guard slots checked for the canary, then their token slots filled with the poison, one
+ * launch (the kernel's CANARY_POISON mode); a broken canary is a guard_violation finding when
+ * the answer is applied, as DK_CANARY's (devanswers.c). OK, UNHANDLED, ERROR as dev_check. */
+static int dev_release_check(Native *n, const int32_t *ids, int64_t k) {
+    return dev_check(n, DK_RELEASE, ids, k, NULL, 0, NULL);
 }
 
 /* -- a batch of publications ------------------------------------------------------------------ */
