@@ -1,5 +1,6 @@
 """The probes' block-check kernel (kernels/checks.py) answers as the torch ops it replaces, bit
-for bit: digests, poison counts per slot, canary flags, and the poison it writes."""
+for bit: digests, poison counts per slot, canary flags, and the poison it writes (alone, or
+after the canary flags: CANARY_POISON)."""
 
 from __future__ import annotations
 
