@@ -306,6 +306,8 @@ class TableAudit:
         if slot is None or token != self.turn:
             return []
         self.replaying = None
+        if not words[0]:
+            return []  # (no bad entry, every step but a broken one's: one word read)
         # (the staging buffer holds that replay's expected table still: no expect since)
         finding = self.audits.answer(slot, words, self.staging)
         if finding is None:

@@ -83,11 +83,12 @@ class DeviceChecks:
         if self.cuda:
             ring = ring.pin_memory()
             checks = self._kernel(ring)
-            from kvscope.kernels.checks import raw_stream
-
             device = pool.kv.device
             config.update(checks.native_launch(ring) or {}, cuda=True, device=device.index)
-            config["stream"] = functools.partial(raw_stream, device)
+            # the current stream's raw handle, looked up by the core at each launch: torch's
+            # own call, bound to the device (kernels/checks.py raw_stream's, without a Python
+            # frame in between: a step launches several checks)
+            config["stream"] = functools.partial(torch._C._cuda_getCurrentRawStream, device.index)
             if "functions" not in config:
                 raise RuntimeError(
                     "kvscope: guard mode and the digest probe on a CUDA pool need the C core "
@@ -138,7 +139,8 @@ class DeviceChecks:
         kernel = checks.Checks(kv, ring, self.pool.block_size)
         modes = [checks.DIGEST] if flags.digest else []
         if flags.guard:
-            modes += [checks.CANARY, checks.COUNTS, checks.POISON]
+            # (CANARY_POISON: a release's canaries and fill, one launch)
+            modes += [checks.CANARY, checks.COUNTS, checks.POISON, checks.CANARY_POISON]
         # slot provenance's K/V hashes (csrc/provenance.c), taken by this queue wherever it is
         # configured: provenance may be turned on at any time (pool.provenance_sample); with the
         # digest, a publication's digests and hashes in one launch (DIGEST_SLOTS)

@@ -93,7 +93,34 @@ def operations(torch, pool, tag: str, base: int) -> dict[str, float]:
     steps = (("allocate", allocate), ("mark_computed", publish), ("append", append), ("free", free))
     out = {name: busy(torch, fn, n=200) for name, fn in steps}
     out.update(publications(torch, pool, tag, base))
+    out.update(prefix_hit(torch, pool, tag, base))
     return out
+
+
+def prefix_hit(torch, pool, tag: str, base: int) -> dict[str, float]:
+    """An allocation whose prompt (40 tokens) hits the 2 blocks another request published, the
+    hitting sequence freed untimed; on the probed pool with slot provenance on
+    (`provenance_sample` 1, put back after), whose hit checks its blocks' digests and its
+    slots' hashes, one launch."""
+    prompt = list(range(20_000_000 + base, 20_000_040 + base))
+    sample = pool.provenance_sample
+    if pool.probe is not None:
+        pool.provenance_sample = 1
+    owner = pool.allocate(f"{tag}owner", prompt)
+    hitters: list = []
+
+    def hit(i):
+        hitters.append(pool.allocate(f"{tag}hit{i}", prompt))
+
+    def after(i):
+        pool.free(hitters.pop())
+
+    try:
+        pool.mark_computed(owner, 40)
+        return {"allocate, a 2-block hit": busy(torch, hit, n=200, after=after)}
+    finally:
+        pool.free(owner)
+        pool.provenance_sample = sample
 
 
 def publications(torch, pool, tag: str, base: int, k: int = 4) -> dict[str, float]:

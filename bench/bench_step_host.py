@@ -2,7 +2,8 @@
 probe it switches on), without the model: what the probes add to each step where the host is
 the bottleneck (serve.py --cuda-graphs on a fast GPU).
 
-    python bench/bench_step_host.py [--requests 256] [--repeat 5] [--eager] [--profile FILE]
+    python bench/bench_step_host.py [--requests 256] [--repeat 5] [--eager] [--deferred]
+                                    [--time] [--profile FILE]
     python bench/bench_step_host.py --device cuda --profile FILE     # on a GPU
 
 Each run is a process serving bench_serve.py's workload (256 requests at once, 70% behind one
@@ -28,7 +29,10 @@ each run also adds up the engine thread's CPU time in the methods TIMED names (t
 the pool's calls of a step), printed as µs per step, plain and under `kvscope run`. The CPU
 pool's own K/V checks (the digest hashed on the host, the slot hashes of the provenance sweep,
 the finish check's poison scan) are the GPU's work on a CUDA pool; the profile shows how much of
-the difference they are.
+the difference they are. `--deferred`: the CPU pool's K/V checks go through the core's queue
+of a CUDA pool's (devicechecks.DEFERRED_ON_CPU: each check a ring entry and an answer read back
+at a settle, the answer computed at once on the host where a CUDA pool launches the kernel):
+that queue's host path, with the checks and events it queues a step printed.
 """
 
 from __future__ import annotations
@@ -63,6 +67,14 @@ TIMED = [
     ("kvscope.allocator.pool", "KVPool", "mark_computed_many"),
     ("kvscope.allocator.pool", "KVPool", "free"),
     ("kvscope.allocator.pool", "KVPool", "stats"),
+    # a CUDA pool's (or --deferred's) own: the settles of the device checks' answers at
+    # allocations and frees, the audit's expected table written (TableAudit.expect's share)
+    ("kvscope.allocator.devicechecks", "DeviceChecks", "settle"),
+    ("kvscope.allocator.audit", "DeviceAudits", "expect"),
+    # the step's publications (mark_computed_many and the Python around it), and the copies
+    # to the host (the error buffer's, under guard mode, beside the token picks')
+    ("server.engine", "Engine", "_publish"),
+    ("server.hostcopy", "HostCopy", "start"),
     ("server.violations", "ErrorCopy", "start"),
     ("server.violations", "ErrorCopy", "take"),
 ]
@@ -77,7 +89,12 @@ def _worker(argv: list[str]) -> int:
     ap.add_argument("--attend", action="store_true")
     ap.add_argument("--profile", default="")
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--deferred", action="store_true")
     args = ap.parse_args(argv)
+    if args.deferred:
+        from kvscope.allocator import devicechecks
+
+        devicechecks.DEFERRED_ON_CPU = True
     # (a CUDA run's steps run the attention layers: its graphs are captured and replayed)
     attending = args.attend or args.device == "cuda"
     sys.path.insert(0, EXAMPLES)
@@ -190,6 +207,7 @@ def _worker(argv: list[str]) -> int:
         wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
         # (a run whose probes found something times their reports too: not the figure wanted)
         findings = [f"{f.kind} (block {f.block})" for f in pool.findings()]
+        device = pool.core.device_stats()
     finally:
         untime()
         release_cache(config, pool)
@@ -207,6 +225,9 @@ def _worker(argv: list[str]) -> int:
         "tokens": sum(len(o) for r in engine.results for o in r.outputs),
         "findings": findings,
         "calls": {k: [n, 1e6 * s / steps] for k, (n, s) in timed.items()},
+        # the core's device-check queue (a CUDA pool's, or --deferred's): launches and events
+        "launches": device["launched"] / steps if device else 0.0,
+        "events": device["events"] / steps if device else 0.0,
     }
     print(json.dumps(out))
     return 0
@@ -259,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         "--time", action="store_true",
         help="also time each run's calls of the methods TIMED names (CPU µs per step)",
     )  # fmt: skip
+    ap.add_argument(
+        "--deferred", action="store_true",
+        help="the CPU pool's K/V checks queued as a CUDA pool's (devicechecks.DEFERRED_ON_CPU:"
+        " the core's queue, answered at once on the host, in place of a launch)",
+    )  # fmt: skip
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     for flag in ("requests", "repeat"):
@@ -272,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     worker += ["--eager"] if args.eager else []
     worker += ["--device", args.device] + (["--attend"] if args.attend else [])
     worker += ["--time"] if args.time else []
+    worker += ["--deferred"] if args.deferred else []
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
             "plain": worker,
@@ -286,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                 out[name].append(figures)
                 print(
                     f"{name}: {figures['us_per_step']:.0f} µs/step, CPU"
-                    f" {figures['cpu_us_per_step']:.0f} ({figures['steps']} steps)",
+                    f" {figures['cpu_us_per_step']:.0f} ({figures['steps']} steps,"
+                    f" {figures['launches']:.2f} checks and {figures['events']:.2f} events"
+                    " a step)",
                     flush=True,
                 )
         if args.profile:

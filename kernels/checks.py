@@ -23,7 +23,10 @@ layer, K and V, read as integers of the element's width):
   the same sum over a CPU pool's bytes);
 - DIGEST_SLOTS: both, from one read of the block (`block_size + 1` words per block: the
   DIGEST word, then the SLOTS words): a publication's digests and its slots' hashes in one
-  launch.
+  launch;
+- CANARY_POISON: CANARY's answer, then POISON's fill of the token slots (the guard slot is not
+  one of them: the fill leaves what CANARY read): a guarded release's two checks of the blocks
+  it frees in one launch.
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ import triton.language as tl
 from .digest import DIGEST_ADD, DIGEST_MUL, int_view
 from .guard import canary_loaded
 
-DIGEST, COUNTS, CANARY, POISON, SLOTS, DIGEST_SLOTS = 0, 1, 2, 3, 4, 5
-MODES = (DIGEST, COUNTS, CANARY, POISON, SLOTS, DIGEST_SLOTS)
+DIGEST, COUNTS, CANARY, POISON, SLOTS, DIGEST_SLOTS, CANARY_POISON = 0, 1, 2, 3, 4, 5, 6
+MODES = (DIGEST, COUNTS, CANARY, POISON, SLOTS, DIGEST_SLOTS, CANARY_POISON)
 
 
 def answer_words(mode: int, num_blocks: int, block_size: int) -> int:
     """How many int64 words the answer of a check of `num_blocks` blocks takes."""
     per_block = {COUNTS: block_size, SLOTS: block_size, DIGEST_SLOTS: block_size + 1}
+    # (CANARY_POISON: CANARY's word)
     return num_blocks * per_block.get(mode, 0 if mode == POISON else 1)
 
 
@@ -61,7 +65,7 @@ def _check_kernel(
     e = tl.arange(0, HD_TILE)
     # rows (layer x K/V) are walked by pointer increments: a row index times the row stride
     # overflows int32 in a large pool
-    if MODE == 2:  # CANARY: the guard slot of every row
+    if MODE == 2 or MODE == 6:  # CANARY (CANARY_POISON): the guard slot of every row
         bad = tl.zeros([HD_TILE], tl.int32)
         row = base + guard_offset
         for _ in range(0, num_rows):
@@ -71,7 +75,7 @@ def _check_kernel(
                 bad = bad | (bits != CANARY_BITS).to(tl.int32)
             row += stride_row
         tl.store(ring_ptr + out_at + pid, tl.max(bad, 0).to(tl.int64))
-    else:
+    if MODE != 2:
         s = tl.arange(0, BS_TILE)
         digest = tl.zeros([BS_TILE, HD_TILE], tl.int64)
         for s0 in range(0, BS, BS_TILE):
@@ -86,7 +90,7 @@ def _check_kernel(
                     cols = h0 + e
                     m = (slots[:, None] < BS) & (cols[None, :] < HD)
                     offs = slots[:, None] * HD + cols[None, :]
-                    if MODE == 3:  # POISON
+                    if MODE == 3 or MODE == 6:  # POISON (CANARY_POISON)
                         fill = tl.full([BS_TILE, HD_TILE], POISON_BITS, kv_ptr.dtype.element_ty)
                         tl.store(row + offs, fill, mask=m)
                     else:

@@ -56,3 +56,20 @@ def test_a_pair_runs_plainly_and_under_kvscope_run(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "plain: median" in out and "kvscope run: median" in out and "probes add:" in out
+
+
+@pytest.mark.slow
+def test_deferred_runs_the_probes_checks_through_the_core_queue(capsys: pytest.CaptureFixture[str]):
+    # WHEN one pair of runs serves 8 requests with the CPU pool's checks queued as a CUDA
+    # pool's (--deferred)
+    rc = bench_step_host.main(["--requests", "8", "--repeat", "1", "--deferred"])
+    # THEN the run under kvscope run queued checks every step, the plain one none
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    plain = next(
+        line for line in out.splitlines() if line.startswith("plain: ") and "steps" in line
+    )
+    probed = next(
+        line for line in out.splitlines() if line.startswith("kvscope run: ") and "steps" in line
+    )
+    assert "0.00 checks" in plain and "0.00 checks" not in probed

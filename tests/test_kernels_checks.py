@@ -1,5 +1,6 @@
 """The probes' block-check kernel (kernels/checks.py) answers as the torch ops it replaces, bit
-for bit: digests, poison counts per slot, canary flags, and the poison it writes."""
+for bit: digests, poison counts per slot, canary flags, and the poison it writes (alone, or
+after the canary flags: CANARY_POISON)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,29 @@ def test_the_poison_is_the_torch_poison_and_stays_in_the_token_slots(
     use_triton_on(monkeypatch, target)
     checks.run_check(kv, [1, 4], checks.POISON, block_size)
     # THEN every bit equals the torch poison's: token slots NaN, guard slots and others untouched
+    assert torch.equal(int_view(kv.cpu()), int_view(want))
+
+
+@pytest.mark.parametrize(
+    "layers,block_size,heads,dim,dtype,slots", [c for c in CASES if c.values[-1] > c.values[1]]
+)
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+def test_canary_poison_answers_canary_and_fills_as_poison_in_one_launch(
+    monkeypatch, target, layers, block_size, heads, dim, dtype, slots
+):
+    # GIVEN a guarded pool of random K/V whose block 4's guard slot lost its canary
+    kv = random_pool(layers, block_size, heads, dim, dtype, slots, target)
+    kv[0, 1, 4, block_size, 0, dim - 1] = 0.0
+    want = kv.cpu().clone()
+    use_torch(monkeypatch)
+    integrity.poison(want, [1, 4], block_size)
+    flags = guard_flags(kv.cpu(), [1, 4]).tolist()
+    # WHEN blocks 1 and 4 are checked by the kernel's CANARY_POISON mode
+    use_triton_on(monkeypatch, target)
+    answer = checks.run_check(kv, [1, 4], checks.CANARY_POISON, block_size)
+    # THEN its answer is CANARY's, and every bit is the torch poison's after it: token slots
+    # NaN, guard slots (the broken one too) and other blocks untouched
+    assert answer.tolist() == flags == [0, 1]
     assert torch.equal(int_view(kv.cpu()), int_view(want))
 
 

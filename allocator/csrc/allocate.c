@@ -102,7 +102,11 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
         char seen[64];
         snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'",
                  (int)strnlen(p->request, 32), p->request);
-        if (digests_intact_keep(n, table, hits, seen, 1)) goto abort;
+        /* (a CUDA pool's with slot provenance: both of the hit's checks in one launch) */
+        int hit_later = n->prov_every && prov_on_device(n);
+        if (hit_later ? dev_hit_check(n, table, hits, seen, p->request)
+                      : digests_intact_keep(n, table, hits, seen, 1))
+            goto abort;
     }
     Py_ssize_t ntok_first = first * bs < p->ntok ? first * bs : p->ntok;
     int64_t nfull_first = p->nfull < first ? p->nfull : first;
@@ -125,8 +129,10 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     }
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
     if (preempt_poison(n)) goto abort;
-    /* slot provenance on a CUDA pool: the hit's hashed slots checked on the GPU (provenance.c) */
-    if (n->prov_every && hits && prov_on_device(n) && prov_hits_later(n, table, hits, p->request))
+    /* slot provenance on a CUDA pool: the hit's hashed slots checked on the GPU (provenance.c;
+     * with the digest probe, in the digest check's launch above: dev_hit_check) */
+    if (n->prov_every && hits && prov_on_device(n) && !(n->probes & P_DIGEST) &&
+        prov_hits_later(n, table, hits, p->request))
         goto abort;
     txn_commit(n);
     /* (what was found before a preemption comes before its events, the rest after them) */
@@ -294,15 +300,17 @@ static int already_free(Native *n, const int32_t *ids, int64_t k, PyObject *rid)
 
 /* The free-ring half of a release: the blocks it freed (zero, nz) to the local cache, the
  * overflow to the ring; in guard mode checked and quarantined (the
- * ring's tail; poisoned by the caller just before its commit). OK, UNHANDLED (the journal, or
- * the free lock not held: need_locks), ERROR. */
-static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard) {
+ * ring's tail; poisoned by the caller just before its commit). `fill_checks`: the caller
+ * poisons them with release_poison, which on a pool whose K/V the core does not map checks
+ * their canaries in the fill's launch (devchecks.c dev_release_later): not checked here then.
+ * OK, UNHANDLED (the journal, or the free lock not held: need_locks), ERROR. */
+static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard, int fill_checks) {
     /* leased blocks quarantined, taken out of zero (leases.c) */
     if (leases_divert(n, zero, nzp)) return UNHANDLED;
     int64_t nz = *nzp;
     if (guard) {
         if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
-        int rc = canaries_intact(n, zero, nz);
+        int rc = fill_checks && dev_release_later(n) ? OK : canaries_intact(n, zero, nz);
         return rc != OK ? rc : ring_push_quarantined(n, zero, nz);
     }
     int64_t fit;
@@ -310,6 +318,13 @@ static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard) {
     if (fit == nz) return OK;
     if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
     return ring_push(n, zero + fit, nz - fit);
+}
+
+/* A guarded release's freed blocks (zero, nz: give_back_freed's, with fill_checks) poisoned
+ * just before its commit; on a pool whose K/V the core does not map, their canaries checked
+ * in the same launch. OK, UNHANDLED, ERROR. */
+static int release_poison(Native *n, const int32_t *zero, int64_t nz) {
+    return dev_release_later(n) ? dev_release_check(n, zero, nz) : poison_blocks(n, zero, nz);
 }
 
 /* The most blocks one transaction of a release or a preemption drops (blocks_fit: each
@@ -333,8 +348,8 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
     if (txn_begin(n, locks)) return UNHANDLED;
     if (unsealed_left(n, ids + keep, k - keep, part, &m) || digests_intact(n, part, m, when) ||
         already_free(n, part, m, rid) || drop_refs(n, part, m, wall_ns(), zero, &nz) ||
-        give_back_freed(n, zero, &nz, guard) || write_blocks(n, slot, keep, NULL, 0) ||
-        (guard && poison_blocks(n, zero, nz))) {
+        give_back_freed(n, zero, &nz, guard, 1) || write_blocks(n, slot, keep, NULL, 0) ||
+        (guard && release_poison(n, zero, nz))) {
         txn_abort(n);
         return rolled_back(n);
     }
@@ -445,7 +460,7 @@ again:
     int64_t nz = 0;
     uint64_t now = wall_ns();
     if (drop_refs(n, drop, nd, now, zero, &nz)) goto abort;
-    if (give_back_freed(n, zero, &nz, guard)) goto abort;
+    if (give_back_freed(n, zero, &nz, guard, 1)) goto abort;
     /* the leaks probe's blocks still held: read inside the transaction (once it commits, what
      * it freed is anyone's) */
     if (leaked_blocks(n, ids, k, slot) < 0) goto abort;
@@ -473,7 +488,7 @@ again:
         if (twice_rec == NULL) goto abort;
     }
     /* Poisoned only if the release commits, before its locks are let go. */
-    if (guard && poison_blocks(n, zero, nz)) goto abort;
+    if (guard && release_poison(n, zero, nz)) goto abort;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)nkept);
     ev_record(n, final == 4 ? E_ABORT : E_FREE, drop, nd, request, 0);

@@ -514,8 +514,17 @@ enum {
     DK_PROV_STAMP = 6, /* slot provenance: the K/V hashes of published blocks' recorded slots */
     DK_PROV_CHECK = 7, /* slot provenance: recorded slots' K/V against their hashes */
     DK_STAMP_PROV = 8, /* DK_STAMP and DK_PROV_STAMP of the same blocks, one launch */
-    N_DK = 9
+    DK_HIT_CHECK = 9,  /* a prefix hit's DK_VERIFY and DK_PROV_CHECK of its blocks, one launch */
+    DK_RELEASE = 10,   /* a guarded release's DK_CANARY and DK_FILL of the blocks it frees, one
+                        * launch */
+    N_DK = 11
 };
+/* devchecks.c: a guarded release's canary check and poison fill, one launch */
+static inline int dev_release_later(Native *n);
+static int dev_release_check(Native *n, const int32_t *ids, int64_t k);
+/* devchecks.c: a prefix hit's digest and slot provenance checks, one launch */
+static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const char *when,
+                         const char *request);
 static void maybe_live_add(Native *n, int64_t slot);
 static void own_rollback(Native *n);
 static void raise_exhausted(Native *n, int64_t needed);

@@ -73,12 +73,13 @@ static int prov_stamp_read(Native *n, const int64_t *w, int64_t k, const int64_t
     return 0;
 }
 
-/* Slot provenance's check of blocks w[0, k) (answers a: a raw sum per slot; kept, per block:
- * its record, the reading request, its slots' records, as the hit or the sweep saw them): the
- * first slot of a block whose K/V no longer hashes as its record says is a foreign_slot
- * finding, as provenance.c's prov_check_block reports one. 0, or -1 with an exception set. */
+/* Slot provenance's check of blocks w[0, k) (answers a: a raw sum per slot, block i's from
+ * a[i * stride]; kept, per block: its record, the reading request, its slots' records, as the
+ * hit or the sweep saw them): the first slot of a block whose K/V no longer hashes as its
+ * record says is a foreign_slot finding, as provenance.c's prov_check_block reports one. 0, or
+ * -1 with an exception set. */
 static int prov_check_read(Native *n, const DevEntry *e, const int64_t *w, int64_t k,
-                           const int64_t *a, const int64_t *kept) {
+                           const int64_t *a, int64_t stride, const int64_t *kept) {
     const char *where = e->extra ? "provenance sweep" : "a prefix hit";
     for (int64_t i = 0; i < k; i++) {
         const uint8_t *rec = (const uint8_t *)(kept + i * prov_keep_words(n));
@@ -87,7 +88,7 @@ static int prov_check_read(Native *n, const DevEntry *e, const int64_t *w, int64
         uint32_t gen = U4(rec + BF_GENERATION);
         for (int64_t off = 0; off < n->bs; off++) {
             const uint8_t *p = slots + off * PROVENANCE;
-            uint32_t h = U4(p + PV_KV_HASH), now = prov_hash_of((uint64_t)a[i * n->bs + off]);
+            uint32_t h = U4(p + PV_KV_HASH), now = prov_hash_of((uint64_t)a[i * stride + off]);
             if (U4(p + PV_GENERATION) != gen || h == 0 || now == h) continue;
             int32_t b = (int32_t)w[i];
             PyObject *msg = prov_message(n, where, b, off, reader, I4(p + PV_POSITION),
@@ -99,6 +100,31 @@ static int prov_check_read(Native *n, const DevEntry *e, const int64_t *w, int64
         }
     }
     return 0;
+}
+
+/* A prefix hit's check of blocks w[0, k) (devchecks.c dev_hit_check; answers a: a block's raw
+ * digest, then its slots' sums; kept: prov_keep_words a block): the digest check of the blocks
+ * whose record, as the hit saw it, holds a digest of its generation (the ones digests_intact
+ * would have checked), every block's first, then slot provenance's check (its slots' records
+ * say which were hashed): the findings in the order of the two checks it stands for. 0, or -1
+ * with an exception set. */
+static int hit_check_read(Native *n, const DevEntry *e, const int64_t *w, int64_t k,
+                          const int64_t *a, const int64_t *kept) {
+    int64_t stride = n->bs + 1;
+    for (int64_t i = 0; i < k; i++) {
+        const uint8_t *rec = (const uint8_t *)(kept + i * prov_keep_words(n));
+        uint64_t dw = U8(rec + n->off_kv_digest);
+        if (rec[BF_INDEXED] != 1 || dw == 0 || (dw & GEN_MASK) != U4(rec + BF_GENERATION))
+            continue;
+        uint64_t got = fmix64((uint64_t)a[i * stride]) >> 32, want = dw >> 32;
+        if (got == want) continue;
+        const char *when = PyUnicode_AsUTF8(e->tag);
+        if (when == NULL) return -1;
+        if (dev_found_add(n, FK_PUBLISHED_BLOCK_MODIFIED, (int32_t)w[i], rec,
+                          modified_message(n, rec, when, got, want)))
+            return -1;
+    }
+    return prov_check_read(n, e, w, k, a + 1, stride, kept);
 }
 
 /* Entry e's answer (its ring words at w) read into the stamps and findings to apply. 0, or -1
@@ -131,7 +157,8 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w) {
         return rc == OK ? 0 : -1;
     }
     if (e->kind == DK_PROV_STAMP) return prov_stamp_read(n, w, k, a, n->bs, kept);
-    if (e->kind == DK_PROV_CHECK) return prov_check_read(n, e, w, k, a, kept);
+    if (e->kind == DK_PROV_CHECK) return prov_check_read(n, e, w, k, a, n->bs, kept);
+    if (e->kind == DK_HIT_CHECK) return hit_check_read(n, e, w, k, a, kept);
     if (e->kind == DK_STAMP || e->kind == DK_STAMP_PROV) {
         /* (DK_STAMP_PROV: a block's digest word, then its slots' sums) */
         int64_t stride = e->kind == DK_STAMP ? 1 : n->bs + 1;
@@ -163,7 +190,7 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w) {
             for (int64_t s = 0; s < n->bs; s++) c += a[i * n->bs + s];
             if (c && dev_found_add(n, FK_USE_AFTER_FREE, b, rec, poison_message(n, rec, c)))
                 return -1;
-        } else if (a[i] != 0) { /* DK_CANARY */
+        } else if (a[i] != 0) { /* DK_CANARY, DK_RELEASE */
             if (dev_found_add(n, FK_GUARD_VIOLATION, b, rec, Py_NewRef(n->msg_canary))) return -1;
         }
     }

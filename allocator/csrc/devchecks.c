@@ -46,13 +46,24 @@ typedef struct {
 } CuApi;
 
 /* kernels/checks.py modes */
-enum { M_DIGEST = 0, M_COUNTS = 1, M_CANARY = 2, M_POISON = 3, M_SLOTS = 4, M_DIGEST_SLOTS = 5, N_MODES = 6 };
+enum {
+    M_DIGEST = 0,
+    M_COUNTS = 1,
+    M_CANARY = 2,
+    M_POISON = 3,
+    M_SLOTS = 4,
+    M_DIGEST_SLOTS = 5,
+    M_CANARY_POISON = 6,
+    N_MODES = 7
+};
 /* (DK_*, what a check is for: core.h) */
-static const int DK_MODE[N_DK] = {M_DIGEST, M_DIGEST, M_COUNTS, M_CANARY,      M_POISON,
-                                  M_COUNTS, M_SLOTS,  M_SLOTS,  M_DIGEST_SLOTS};
+static const int DK_MODE[N_DK] = {M_DIGEST,       M_DIGEST,       M_COUNTS,       M_CANARY,
+                                  M_POISON,       M_COUNTS,       M_SLOTS,        M_SLOTS,
+                                  M_DIGEST_SLOTS, M_DIGEST_SLOTS, M_CANARY_POISON};
 static const char *DK_NAME[N_DK] = {"stamp",           "verify",           "poison",
                                     "canary",          "fill",             "unwritten",
-                                    "provenance hash", "provenance check", "stamp and hash"};
+                                    "provenance hash", "provenance check", "stamp and hash",
+                                    "prefix hit",      "canary and fill"};
 
 #define DEV_ENTRIES 8192 /* checks waiting at most (then the oldest are taken first) */
 /* Digests answered whose records an error kept the core from writing: kept for the next
@@ -67,8 +78,8 @@ typedef struct {
     int64_t at, end;  /* its ring words: ids [at, at+n), the answer, then what it keeps */
     int64_t extra;    /* unwritten: the request's positions whose K/V must be written;
                        * provenance check: where (0 a prefix hit, 1 the sweep) */
-    PyObject *tag;    /* a reference: verify's moment, in a finding's words (a str); unwritten's
-                       * request id; else NULL */
+    PyObject *tag;    /* a reference: verify's (and a prefix hit's) moment, in a finding's words
+                       * (a str); unwritten's request id; else NULL */
     uint64_t op;      /* the recorded operation it belongs to (OP_UNNAMED: the handle's next
                        * operation record; 0: none), for a finding's REPORT (devanswers.c) */
 } DevEntry;
@@ -143,14 +154,15 @@ static int64_t dev_answer_words(Native *n, int kind, int64_t k) {
                                                : k;
 }
 /* A provenance check keeps, per block: its record, the reading request's 32 bytes, and its
- * slots' provenance records, as the operation saw them (provenance.c prov_check_later). */
+ * slots' provenance records, as the operation saw them (provenance.c prov_check_later); a
+ * prefix hit's check (dev_hit_check) the same, the record also what its digest check reads. */
 static inline int64_t prov_keep_words(Native *n) {
     return rec_words(n) + REQUEST_BYTES / 8 + n->bs * PROVENANCE / 8;
 }
 static int64_t dev_keep_words(Native *n, int kind, int64_t k) {
     if (kind == DK_STAMP || kind == DK_PROV_STAMP || kind == DK_STAMP_PROV) return k; /* gens */
     if (kind == DK_FILL || kind == DK_UNWRITTEN) return 0;
-    if (kind == DK_PROV_CHECK) return k * prov_keep_words(n);
+    if (kind == DK_PROV_CHECK || kind == DK_HIT_CHECK) return k * prov_keep_words(n);
     return k * rec_words(n); /* the records as the operation saw them */
 }
 
@@ -203,11 +215,14 @@ static void dev_cpu_answer(Native *n, DevChecks *d, int mode, const int32_t *ids
                                    slot_m, n->nan_bits);
                 out[i * n->bs + s] = c;
             }
-        } else if (mode == M_CANARY) {
+        } else if (mode == M_CANARY || mode == M_CANARY_POISON) {
             int bad = 0;
             for (int64_t r = 0; r < n->kv_rows && !bad; r++)
                 bad = !all_bits(n, base + (size_t)r * n->kv_row_stride + guard, slot_m, n->canary);
             out[i] = bad;
+            /* (CANARY_POISON: then the token slots' fill, which leaves the guard slot) */
+            for (int64_t r = 0; r < n->kv_rows && mode == M_CANARY_POISON; r++)
+                fill_bits(n, base + (size_t)r * n->kv_row_stride, m, n->nan_bits);
         } else {
             for (int64_t r = 0; r < n->kv_rows; r++)
                 fill_bits(n, base + (size_t)r * n->kv_row_stride, m, n->nan_bits);
@@ -276,7 +291,7 @@ static int dev_cover(DevChecks *d) {
  * poison). */
 static inline int dev_finds(int kind) {
     return kind == DK_VERIFY || kind == DK_POISON || kind == DK_CANARY || kind == DK_UNWRITTEN ||
-           kind == DK_PROV_CHECK;
+           kind == DK_PROV_CHECK || kind == DK_HIT_CHECK || kind == DK_RELEASE;
 }
 
 /* Check `kind` of blocks ids[0..k) (kvdata.c, where the data is not this process's), queued:
@@ -340,7 +355,7 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     int64_t *kept = w + k + ans;
     if (kind == DK_STAMP || kind == DK_PROV_STAMP || kind == DK_STAMP_PROV) {
         for (int64_t i = 0; i < k; i++) kept[i] = U4(blk(n, ids[i]) + BF_GENERATION);
-    } else if (kind == DK_PROV_CHECK) {
+    } else if (kind == DK_PROV_CHECK || kind == DK_HIT_CHECK) {
         /* (`when`: the reading request's 32 bytes, for each block) */
         for (int64_t i = 0; i < k; i++) {
             uint8_t *p = (uint8_t *)(kept + i * prov_keep_words(n));
@@ -416,6 +431,60 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
     /* (the word pool.append and mark_computed read: they take the answers) */
     if (d->q_count > d->max_pending) *n->overdue = 1;
     return OK;
+}
+
+/* -- a prefix hit ------------------------------------------------------------------------------ */
+
+/* allocate's hit, before its commit, on a pool whose K/V the core does not map, with the
+ * digest probe and slot provenance both on: the hit's blocks table[0, hits), read by `request`
+ * (32 bytes), checked in one launch (DK_HIT_CHECK: the kernel's DIGEST_SLOTS mode, a block's
+ * digest and its slots' sums) where the two checks would take two (kvdata.c digests_intact's
+ * DK_VERIFY of the blocks published with a digest of their generation, `when` naming the
+ * moment; provenance.c prov_hits_later's DK_PROV_CHECK of the blocks with hashed slots). A
+ * block is in it where either check would take it; the answer applies each check only where
+ * it would have (devanswers.c hit_check_read, from the record kept). OK, UNHANDLED, ERROR as
+ * dev_check. */
+static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const char *when,
+                         const char *request) {
+    enum { SOME = 256 };
+    int32_t some[SOME];
+    char who[SOME * REQUEST_BYTES];
+    PyObject *tag = PyUnicode_FromString(when);
+    if (tag == NULL) return ERROR;
+    int rc = OK;
+    int64_t m = 0;
+    for (int64_t i = 0; i <= hits && rc == OK; i++) {
+        if (m == SOME || (i == hits && m)) {
+            rc = dev_check(n, DK_HIT_CHECK, some, m, who, 0, tag);
+            m = 0;
+        }
+        if (i == hits) break;
+        uint8_t *r = blk(n, table[i]);
+        uint64_t w = U8(r + n->off_kv_digest);
+        int digest = r[BF_INDEXED] == 1 && w != 0 && (w & GEN_MASK) == U4(r + BF_GENERATION);
+        if (!digest && !prov_hashed(n, table[i])) continue;
+        some[m] = table[i];
+        memcpy(who + m * REQUEST_BYTES, request, REQUEST_BYTES);
+        m++;
+    }
+    Py_DECREF(tag);
+    return rc;
+}
+
+/* -- a guarded release -------------------------------------------------------------------------- */
+
+/* Whether a guarded release's blocks have their canaries checked with their fill, one launch
+ * (DK_RELEASE, just before the release commits: dev_release_check) rather than each on its own
+ * (kvdata.c canaries_intact, then poison_blocks): a pool whose K/V the core does not map, and
+ * that poisons freed blocks. */
+static inline int dev_release_later(Native *n) { return n->kv == NULL && n->poison_ok; }
+
+/* A guarded release's blocks ids[0, k) (dev_release_later), just before its commit: their
+ * guard slots checked for the canary, then their token slots filled with the poison, one
+ * launch (the kernel's CANARY_POISON mode); a broken canary is a guard_violation finding when
+ * the answer is applied, as DK_CANARY's (devanswers.c). OK, UNHANDLED, ERROR as dev_check. */
+static int dev_release_check(Native *n, const int32_t *ids, int64_t k) {
+    return dev_check(n, DK_RELEASE, ids, k, NULL, 0, NULL);
 }
 
 /* -- a batch of publications ------------------------------------------------------------------ */

@@ -207,8 +207,11 @@ static PyObject *N_device_test(Native *n, PyObject *const *args, Py_ssize_t narg
     }
     int said = d->said;
     d->said = 1; /* (a failure is this call's error, not a warning) */
-    int kind = mode == M_DIGEST ? DK_VERIFY : mode == M_COUNTS ? DK_POISON
-               : mode == M_CANARY ? DK_CANARY : DK_FILL;
+    int kind = mode == M_DIGEST          ? DK_VERIFY
+               : mode == M_COUNTS        ? DK_POISON
+               : mode == M_CANARY        ? DK_CANARY
+               : mode == M_CANARY_POISON ? DK_RELEASE
+                                         : DK_FILL;
     PyObject *pool = n->pool;
     n->pool = NULL;
     int mh = n->mutex_held;

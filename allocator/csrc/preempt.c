@@ -93,7 +93,7 @@ static int preempt_table(Native *n, PyObject *seq, int64_t slot, const int32_t *
     /* the references dropped, then what they freed given back */
     int64_t nz = 0;
     if (drop_refs(n, drop, nd, wall_ns(), zero, &nz)) return UNHANDLED;
-    if ((rc = give_back_freed(n, zero, &nz, guard)) != OK) return rc;
+    if ((rc = give_back_freed(n, zero, &nz, guard, 0)) != OK) return rc;
     if (guard && poison_later(n, zero, nz)) return ERROR;
     if (write_blocks(n, slot, 0, NULL, 0)) return UNHANDLED;
     seqrec(n, slot)[SF_STATE] = S_PREEMPTED;
