@@ -33,7 +33,7 @@ for line in sys.stdin:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        sys.argv = [req["script"]]
+        sys.argv = [req["script"], *req["args"]]
         sys.path[0] = os.path.dirname(os.path.abspath(req["script"]))
         signal.alarm(req["timeout"])
         code = 0
@@ -74,6 +74,12 @@ class Ran:
     stderr: str
 
 
+def _stop(server: subprocess.Popen[str]) -> None:
+    # (waited for, so that its CPU time and its children's count in this process's)
+    server.kill()
+    server.wait()
+
+
 def _start() -> subprocess.Popen[str]:
     global _server
     if _server is None or _server.poll() is not None:
@@ -84,18 +90,20 @@ def _start() -> subprocess.Popen[str]:
             text=True,
             cwd=Path(__file__).parent.parent,
         )
-        atexit.register(_server.kill)
+        atexit.register(_stop, _server)
     return _server
 
 
 def run_script(
-    script: str | os.PathLike[str], cwd: str | os.PathLike[str], timeout: int = 120
+    script: str | os.PathLike[str], cwd: str | os.PathLike[str], *args: str, timeout: int = 120
 ) -> Ran:
-    """Run `python script` in cwd with this process's environment; its exit code and output."""
+    """Run `python script args...` in cwd with this process's environment; its exit code and
+    output."""
     server = _start()
     out, err = (Path(cwd) / f".{Path(script).name}.{n}" for n in ("out", "err"))
     req = {
         "script": str(Path(cwd) / script),
+        "args": list(args),
         "cwd": str(cwd),
         "out": str(out),
         "err": str(err),
