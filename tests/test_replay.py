@@ -504,6 +504,23 @@ def record_user_engine(tmp_path: Path, bug: str) -> str:
     return kvscope
 
 
+def replayed_by_the_cli(kvscope: str, tmp_path: Path, seq: int, kind: str) -> dict:
+    """`kvscope replay ue.ops --json --emit-script repro.py`: the replay stops at operation
+    `seq` with a finding, shrinks it to `kind` in at most 10 operations, and the script run alone
+    finds `kind`. The replay's JSON."""
+    out = subprocess.run(
+        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    d = json.loads(out.stdout)
+    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
+    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
+    run = run_script("repro.py", tmp_path)
+    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
+    return d
+
+
 @pytest.mark.slow
 def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     """tests/user_engine.py's double-free bug under `kvscope run --record-ops`: replayed to its
@@ -553,16 +570,7 @@ def test_kvscope_run_records_the_user_engines_store_bugs(bug, tmp_path):
         assert any(log.store_reports().get(r.seq) for r in log.records if r.found)
     else:
         assert log.store_reports().get(seq), "the first finding is not a store check's"
-    out = subprocess.run(
-        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 1, out.stderr
-    d = json.loads(out.stdout)
-    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
-    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
-    run = run_script("repro.py", tmp_path)
-    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
+    replayed_by_the_cli(kvscope, tmp_path, seq, kind)
 
 
 @pytest.mark.slow
@@ -1082,6 +1090,28 @@ def _rechecked(chunk: bytearray) -> bytes:
     return bytes(chunk)
 
 
+def chunk_of(path: Path, op: OpCode) -> tuple[Any, bytes, bytearray]:
+    """The first `op` record of a log where a chunk holds it alone, the log before that chunk,
+    and the chunk."""
+    data = path.read_bytes()
+    rec = next(r for r in read_log(str(path)).records if r.op == op)
+    size = int.from_bytes(data[rec.offset + 4 : rec.offset + 8], "little")
+    chunk = bytearray(data[rec.offset : rec.offset + size])
+    assert chunk[48] == op
+    return rec, data[: rec.offset], chunk
+
+
+def refused_in_one_line(path: Path, data: bytes, capsys) -> None:
+    """A log of `data` (a chunk that holds what no core writes) is refused by the reader, and
+    by `kvscope replay` in one line, exit 2."""
+    path.write_bytes(data)
+    with pytest.raises(OplogError, match="holds what no core writes"):
+        read_log(str(path))
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+
+
 def test_a_truncated_store_record_is_one_line_exit_2(tmp_path, pool_name, capsys):
     """A STORE record cut short inside its slots (its chunk otherwise whole, its check right)
     is refused in one line, as any record that holds what no core writes; so is a record of an
@@ -1098,25 +1128,15 @@ def test_a_truncated_store_record_is_one_line_exit_2(tmp_path, pool_name, capsys
     finally:
         pool.close()
         pool.unlink()
-    data = path.read_bytes()
-    store = next(r for r in read_log(str(path)).records if r.op == OpCode.STORE)
-    size = int.from_bytes(data[store.offset + 4 : store.offset + 8], "little")
-    head = data[: store.offset]
-    chunk = bytearray(data[store.offset : store.offset + size])
-    assert chunk[48] == OpCode.STORE
+    _, head, chunk = chunk_of(path, OpCode.STORE)
     for damage in ("cut", "unknown"):
         if damage == "cut":
-            bad = _rechecked(chunk[: size - 16])  # (16 of its 40 slots' bytes gone)
+            bad = _rechecked(chunk[:-16])  # (16 of its 40 slots' bytes gone)
         else:
             other = bytearray(chunk)
             other[48] = max(OpCode) + 1
             bad = _rechecked(other)
-        path.write_bytes(head + bad)
-        with pytest.raises(OplogError, match="holds what no core writes"):
-            read_log(str(path))
-        assert main(["replay", str(path)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+        refused_in_one_line(path, head + bad, capsys)
     path.write_bytes(head + _rechecked(chunk))  # (the chunk as it was: read)
     assert [r.op for r in read_log(str(path)).records][-1] == OpCode.STORE
 
@@ -1445,19 +1465,9 @@ def test_a_truncated_copy_record_is_one_line_exit_2(tmp_path, pool_name, capsys)
     finally:
         pool.close()
         pool.unlink()
-    data = path.read_bytes()
-    copy = next(r for r in read_log(str(path)).records if r.op == OpCode.COPY)
+    copy, head, chunk = chunk_of(path, OpCode.COPY)
     assert copy.copies == copies * 8
-    size = int.from_bytes(data[copy.offset + 4 : copy.offset + 8], "little")
-    head = data[: copy.offset]
-    chunk = bytearray(data[copy.offset : copy.offset + size])
-    assert chunk[48] == OpCode.COPY
-    path.write_bytes(head + _rechecked(chunk[: size - 8]))  # (8 of its pairs' bytes gone)
-    with pytest.raises(OplogError, match="holds what no core writes"):
-        read_log(str(path))
-    assert main(["replay", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    refused_in_one_line(path, head + _rechecked(chunk[:-8]), capsys)  # (8 of its pairs' bytes gone)
     path.write_bytes(head + _rechecked(chunk))  # (the chunk as it was: read)
     assert [r.op for r in read_log(str(path)).records][-1] == OpCode.COPY
 
@@ -1504,18 +1514,9 @@ def test_kvscope_run_records_the_user_engines_skipped_copy(tmp_path):
     free = next(r for r in log.records if r.seq == seq)
     assert (free.op, free.request, kind) == (OpCode.FREE, "r3", "kv_never_written")
     assert any(r.op == OpCode.COPY for r in log.records)
-    out = subprocess.run(
-        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 1, out.stderr
-    d = json.loads(out.stdout)
-    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
+    d = replayed_by_the_cli(kvscope, tmp_path, seq, kind)
     assert (
         d["replayed_result"]["found"]
         == d["recorded"]["found"]
         == [{"kind": k, "block": b} for k, b in free.found]
     )
-    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
-    run = run_script("repro.py", tmp_path)
-    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
