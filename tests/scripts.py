@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _SERVER = r"""
-import atexit, json, os, runpy, signal, sys, threading, traceback
+import atexit, json, os, signal, sys, threading, traceback, types
 import numpy, torch  # the slow imports every script makes, made once
 for line in sys.stdin:
     req = json.loads(line)
@@ -38,7 +38,13 @@ for line in sys.stdin:
         signal.alarm(req["timeout"])
         code = 0
         try:
-            runpy.run_path(req["script"], run_name="__main__")
+            # (its module stays __main__, as in `python script`: what the script holds lives
+            # on through the atexit handlers, as it does until an interpreter's teardown)
+            main = types.ModuleType("__main__")
+            main.__file__ = req["script"]
+            sys.modules["__main__"] = main
+            with open(req["script"]) as f:
+                exec(compile(f.read(), req["script"], "exec"), main.__dict__)
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
                 code = e.code or 0

@@ -600,13 +600,14 @@ def test_a_process_that_exits_without_close_leaves_every_record(tmp_path, pool_n
     """Records still in the core's buffer are written at exit (a program that never closes
     its pool still leaves a whole log)."""
     path = tmp_path / "run.ops"
-    code = (
+    (tmp_path / "no_close.py").write_text(
         "from kvscope.allocator import KVPool, PoolConfig\n"
         f"p = KVPool.create({pool_name!r}, PoolConfig(num_blocks=32, block_size=4,"
         f" record_ops={str(path)!r}))\n"
         "s = p.allocate('a', [1, 2, 3]); p.mark_computed(s, 3); p.free(s); p.unlink()\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+    ran = run_script("no_close.py", tmp_path)
+    assert ran.returncode == 0, ran.stderr
     ops = [r.op_name for r in read_log(str(path)).records]
     assert ops == ["start", "allocate", "mark_computed", "free"]
 
