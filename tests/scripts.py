@@ -1,5 +1,5 @@
-"""Emitted reproduction scripts run as programs, as `python repro.py` runs them, without paying
-torch's import (1-2 s on this machine's 2 cores) once per script.
+"""Scripts a test runs as programs (the replay's reproduction scripts, a bench script), run as
+`python script` runs them without paying torch's import (1-2 s on a 2-core machine) each time.
 
 One server process, started on first use, imports numpy and torch (not kvscope: a script sets
 its probes' environment before it imports kvscope, as it would in a fresh interpreter) and
@@ -119,7 +119,9 @@ def run_script(
     assert server.stdin is not None and server.stdout is not None
     server.stdin.write(json.dumps(req) + "\n")
     server.stdin.flush()
-    code = int(server.stdout.readline())
+    line = server.stdout.readline()
+    assert line, "the script server died"
+    code = int(line)
     ran = Ran(code, out.read_text(), err.read_text())
     out.unlink()
     err.unlink()
