@@ -60,14 +60,9 @@ STORE_BLOCKS, STORE_SLOTS = 1, 2
 STORE_KINDS = ("use_after_free", "published_block_modified", "unmapped_write")
 # A lease's deadline when it has none (its timeout None).
 NO_DEADLINE = 2**64 - 1
-_FMT = {"<u4": "I", "<i4": "i", "<u8": "Q", "<i8": "q", "u1": "B"}
-_HEAD_STRUCT = struct.Struct(
-    "<" + "".join(f"{f[1][1:]}s" if f[1].startswith("S") else _FMT[f[1]] for f in OPLOG_FIELDS)
-)
 _NAMES = [f[0] for f in OPLOG_FIELDS]
-_I = {name: i for i, name in enumerate(_NAMES)}
-assert _HEAD_STRUCT.size == HEAD
 _HEAD_DTYPE = np.dtype(OPLOG_FIELDS)
+assert _HEAD_DTYPE.itemsize == HEAD  # (the heads are read with it, HEAD bytes apart)
 _OFF = packed_offsets(OPLOG_FIELDS)
 _N_AT, _NF_AT = _OFF["n_tokens"], _OFF["n_found"]
 assert _OFF["faults"] - _N_AT == 20  # (n_tokens .. n_preempted, pool, faults: _complete's)

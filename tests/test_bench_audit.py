@@ -3,19 +3,17 @@ with and without the audit (their static buffers run eagerly on the CPU)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import run_script
 
 BENCH = str(Path(__file__).resolve().parents[1] / "bench" / "bench_audit.py")
 
 
 def _run(*argv: str) -> str:
-    done = subprocess.run(
-        [sys.executable, BENCH, *argv], capture_output=True, text=True, timeout=300
-    )
+    done = run_script(BENCH, Path.cwd(), *argv, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 

@@ -5,23 +5,26 @@ kinds it writes itself (allocator/csrc/probes.c FK_NAMES)."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 from kvscope.allocator.findings import SEVERITY, FindingKind
+from tests.sources import parsed
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("allocator", "probes", "kvscope", "tui")
 VALUES = {k.value: k for k in FindingKind}
 
 
+@functools.cache
 def kinds_passed() -> list[tuple[str, FindingKind, bool]]:
     """(file, kind, as a literal) for each kind passed as an argument of a call in the library."""
     out = []
     for folder in LIBRARY:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parsed(path)):
                 if not isinstance(node, ast.Call):
                     continue
                 for arg in [*node.args, *(k.value for k in node.keywords)]:

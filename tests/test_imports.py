@@ -5,7 +5,10 @@ Read from the source with `ast`, nothing imported."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+
+from tests.sources import parsed
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each source folder and the package it installs as (pyproject's package-dir).
@@ -62,7 +65,7 @@ def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                     found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
             visit(child)
 
-    visit(ast.parse(path.read_text()))
+    visit(parsed(path))
     out = set()
     for target in found:
         while target not in modules and "." in target:
@@ -108,7 +111,9 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
+@functools.cache
 def module_graph() -> dict[str, set[str]]:
+    """Each module and the kvscope modules it imports (made once: the tests only read it)."""
     modules = source_modules()
     return {name: imported(name, path, modules) for name, path in modules.items()}
 

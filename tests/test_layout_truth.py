@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.allocator import layout, native, records
+from tests.scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,7 @@ def test_a_core_built_for_another_layout_raises(change):
     assert isinstance(err.value, ImportError)
 
 
-def test_a_missing_core_is_one_line_at_import_saying_how_to_rebuild():
+def test_a_missing_core_is_one_line_at_import_saying_how_to_rebuild(tmp_path):
     # GIVEN a Python that cannot find the built core (a finder that refuses it)
     code = (
         "import sys, importlib.abc\n"
@@ -64,8 +65,9 @@ def test_a_missing_core_is_one_line_at_import_saying_how_to_rebuild():
         "else:\n"
         "    print('IMPORTED')\n"
     )
+    (tmp_path / "refuse.py").write_text(code)
     # WHEN the pool is imported
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_script("refuse.py", tmp_path)
     # THEN the import fails with one line that says how to rebuild (no pure-Python pool)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()

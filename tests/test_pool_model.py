@@ -630,9 +630,10 @@ FAST = [
 
 
 def test_pool_keeps_the_model():
+    # (12 runs a configuration: 10 still reach every case, 7 do not; the slow matrix runs 40)
     reached: Counter = Counter()
     for geometry, probes in FAST:
-        reached += run(geometry, probes, 30, 30)
+        reached += run(geometry, probes, 12, 30)
     assert CASES <= set(reached), f"never reached: {sorted(CASES - set(reached))}"
 
 

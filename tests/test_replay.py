@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvscope.allocator.records import OpCode, OpStatus
 from kvscope.cli import main
 from kvscope.probes.stores import Writers
 from kvscope.replay import Session, Shrinker, emit_script, replay
+from tests.forking import fork_child, wait_child
 from tests.replay_work import (
     CONFIG,
     copy_work,
@@ -34,6 +36,7 @@ from tests.replay_work import (
     work,
     worker_work,
 )
+from tests.scripts import run_script
 
 HERE = Path(__file__).parent
 # Every injectable fault replays (stale-padding-row, which strikes an engine's padded block
@@ -144,9 +147,7 @@ def test_each_fault_replays_to_its_finding_shrinks_and_the_script_finds_it(
     assert 1 <= len(shrunk.ops) <= 50
     script = tmp_path / "repro.py"
     script.write_text(emit_script(shrunk))
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script(str(script), tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert kind in run.stdout
 
@@ -240,6 +241,12 @@ def test_records_missing_stop_the_replay_there(tmp_path, pool_name, capsys):
     assert f"operations {r.seq}..{r.seq + 1} are not in the log" in capsys.readouterr().out
 
 
+def in_a_child(fn: Callable[[], None]) -> None:
+    """fn run in a second process: a child forked from this one (a pid of its own, as a
+    second program has, without a fresh interpreter's start), which must exit cleanly."""
+    assert wait_child(fork_child(lambda: fn() or 0, alarm_s=60)) == 0
+
+
 def _die_releasing(name: str, path: Path, create: bool) -> int:
     """In a forked child: a handle recording into `path` (attached, or creating the pool) that
     publishes a request's prompt and releases it with kill-holding-lock armed: it dies there,
@@ -318,9 +325,7 @@ def test_a_process_killed_holding_a_lock_replays_in_a_child_that_dies_there(
     assert len(shrunk.ops) <= 4
     script = tmp_path / "repro.py"
     script.write_text(emit_script(shrunk))
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script(str(script), tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"(pid {dead} of the recording) killed by SIGKILL" in run.stdout
     assert "lock_dead_holder" in run.stdout
@@ -367,9 +372,7 @@ def test_the_provenance_sweep_is_recorded_and_replays_with_provenance_on(tmp_pat
     script = emit_script(shrunk)
     assert "pool.provenance_sample = 1" in script
     (tmp_path / "repro.py").write_text(script)
-    run = subprocess.run(
-        [sys.executable, "repro.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script("repro.py", tmp_path)
     assert run.returncode == 1 and "foreign_slot" in run.stdout, run.stdout + run.stderr
 
 
@@ -432,12 +435,15 @@ def test_two_processes_interleave_in_one_order(tmp_path, pool_name):
     try:
         a = pool.allocate("a", [1, 2, 3, 4, 5])
         pool.mark_computed(a, 5)
-        code = (
-            "import sys; from kvscope.allocator import KVPool\n"
-            f"p = KVPool.attach({pool_name!r}); p.record_ops({str(path)!r})\n"
-            "s = p.allocate('b', [1, 2, 3, 4, 9]); p.free(s); p.close()\n"
-        )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+
+        def second() -> None:
+            p = KVPool.attach(pool_name)
+            p.record_ops(str(path))
+            s = p.allocate("b", [1, 2, 3, 4, 9])
+            p.free(s)
+            p.close()
+
+        in_a_child(second)
         c = pool.allocate("c", [1, 2, 3, 4, 7])
         pool.free(c)
         pool.free(a)
@@ -461,12 +467,15 @@ def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(tmp
     pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
     pool.record_ops(str(path))
     try:
-        code = (
-            "from kvscope.allocator import KVPool\n"
-            f"p = KVPool.attach({pool_name!r}); p.record_ops({str(path)!r})\n"
-            "s = p.allocate('child', list(range(100, 120))); p.free(s); p.close()\n"
-        )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+
+        def second() -> None:
+            p = KVPool.attach(pool_name)
+            p.record_ops(str(path))
+            s = p.allocate("child", list(range(100, 120)))
+            p.free(s)
+            p.close()
+
+        in_a_child(second)
         # every block of the pool: the ring's, and the ones the child's close returned to it
         every = pool.allocate("every", list(range(1000, 1000 + 4 * CONFIG["num_blocks"])))
         pool.free(every)
@@ -495,6 +504,23 @@ def record_user_engine(tmp_path: Path, bug: str) -> str:
     return kvscope
 
 
+def replayed_by_the_cli(kvscope: str, tmp_path: Path, seq: int, kind: str) -> dict:
+    """`kvscope replay ue.ops --json --emit-script repro.py`: the replay stops at operation
+    `seq` with a finding, shrinks it to `kind` in at most 10 operations, and the script run alone
+    finds `kind`. The replay's JSON."""
+    out = subprocess.run(
+        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    d = json.loads(out.stdout)
+    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
+    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
+    run = run_script("repro.py", tmp_path)
+    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
+    return d
+
+
 @pytest.mark.slow
 def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     """tests/user_engine.py's double-free bug under `kvscope run --record-ops`: replayed to its
@@ -518,9 +544,7 @@ def test_kvscope_run_records_the_user_engines_double_free(tmp_path):
     assert out.returncode == 0, out.stderr
     trace = json.loads((tmp_path / "t.json").read_text())
     assert trace["otherData"]["replay"]["found"] == ["double_free"]
-    run = subprocess.run(
-        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    run = run_script("repro.py", tmp_path)
     assert run.returncode == 1 and "double_free" in run.stdout
 
 
@@ -546,18 +570,7 @@ def test_kvscope_run_records_the_user_engines_store_bugs(bug, tmp_path):
         assert any(log.store_reports().get(r.seq) for r in log.records if r.found)
     else:
         assert log.store_reports().get(seq), "the first finding is not a store check's"
-    out = subprocess.run(
-        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 1, out.stderr
-    d = json.loads(out.stdout)
-    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
-    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
-    run = subprocess.run(
-        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
+    replayed_by_the_cli(kvscope, tmp_path, seq, kind)
 
 
 @pytest.mark.slow
@@ -579,9 +592,7 @@ def test_kvscope_run_records_the_user_engines_leak_and_the_close_replays(tmp_pat
     }
     script = tmp_path / "repro.py"
     script.write_text(emit_script(shrunk))
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script(str(script), tmp_path)
     assert run.returncode == 1 and "leak_finished" in run.stdout and report.request in run.stdout
 
 
@@ -589,13 +600,14 @@ def test_a_process_that_exits_without_close_leaves_every_record(tmp_path, pool_n
     """Records still in the core's buffer are written at exit (a program that never closes
     its pool still leaves a whole log)."""
     path = tmp_path / "run.ops"
-    code = (
+    (tmp_path / "no_close.py").write_text(
         "from kvscope.allocator import KVPool, PoolConfig\n"
         f"p = KVPool.create({pool_name!r}, PoolConfig(num_blocks=32, block_size=4,"
         f" record_ops={str(path)!r}))\n"
         "s = p.allocate('a', [1, 2, 3]); p.mark_computed(s, 3); p.free(s); p.unlink()\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=HERE.parent)
+    ran = run_script("no_close.py", tmp_path)
+    assert ran.returncode == 0, ran.stderr
     ops = [r.op_name for r in read_log(str(path)).records]
     assert ops == ["start", "allocate", "mark_computed", "free"]
 
@@ -664,9 +676,7 @@ def test_the_example_server_replays_exactly_and_shrinks(fault, tmp_path):
     shrunk = Shrinker(log, out).shrink()
     assert len(shrunk.ops) <= 50
     (tmp_path / "repro.py").write_text(emit_script(shrunk))
-    run = subprocess.run(
-        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    run = run_script("repro.py", tmp_path)
     assert run.returncode == 1 and "use_after_free" in run.stdout
 
 
@@ -825,9 +835,7 @@ def test_lease_operations_replay_with_the_recorded_holders_deadlines_and_now(
     assert f"pool.lease(s1, 'read', holder='copier-a', deadline_ns={deadline})" in script
     assert f"pool.expire_leases({deadline})" in script
     (tmp_path / "repro.py").write_text(script)
-    run = subprocess.run(
-        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    run = run_script("repro.py", tmp_path)
     assert run.returncode == 1 and "lease_leak" in run.stdout, run.stdout + run.stderr
     assert main(["replay", str(path)]) == 1  # (a lease_leak: severity error)
     text = capsys.readouterr().out
@@ -883,9 +891,7 @@ def test_the_lease_scenarios_replay_under_kvscope_run(scenario, kind, tmp_path):
     shrunk = Shrinker(log, out).shrink()
     assert shrunk.kind == kind and len(shrunk.ops) <= 50
     (tmp_path / "repro.py").write_text(emit_script(shrunk))
-    run = subprocess.run(
-        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    run = run_script("repro.py", tmp_path)
     assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr
 
 
@@ -934,9 +940,7 @@ def test_a_store_through_a_stale_slot_mapping_replays_to_its_finding_and_shrinks
     assert "Writers(pool, [(s1, " in text and ".check(np.array([" in text
     script = tmp_path / "repro.py"
     script.write_text(text)
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script(str(script), tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "findings: use_after_free" in run.stdout
 
@@ -1044,9 +1048,7 @@ def test_a_shrunk_store_keeps_the_spans_and_slots_of_the_requests_it_still_makes
     ), text
     script = tmp_path / "repro.py"
     script.write_text(text)
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script(str(script), tmp_path)
     assert run.returncode == 1 and "findings: use_after_free" in run.stdout, run.stdout
 
 
@@ -1089,6 +1091,28 @@ def _rechecked(chunk: bytearray) -> bytes:
     return bytes(chunk)
 
 
+def chunk_of(path: Path, op: OpCode) -> tuple[Any, bytes, bytearray]:
+    """The first `op` record of a log where a chunk holds it alone, the log before that chunk,
+    and the chunk."""
+    data = path.read_bytes()
+    rec = next(r for r in read_log(str(path)).records if r.op == op)
+    size = int.from_bytes(data[rec.offset + 4 : rec.offset + 8], "little")
+    chunk = bytearray(data[rec.offset : rec.offset + size])
+    assert chunk[48] == op
+    return rec, data[: rec.offset], chunk
+
+
+def refused_in_one_line(path: Path, data: bytes, capsys) -> None:
+    """A log of `data` (a chunk that holds what no core writes) is refused by the reader, and
+    by `kvscope replay` in one line, exit 2."""
+    path.write_bytes(data)
+    with pytest.raises(OplogError, match="holds what no core writes"):
+        read_log(str(path))
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+
+
 def test_a_truncated_store_record_is_one_line_exit_2(tmp_path, pool_name, capsys):
     """A STORE record cut short inside its slots (its chunk otherwise whole, its check right)
     is refused in one line, as any record that holds what no core writes; so is a record of an
@@ -1105,25 +1129,15 @@ def test_a_truncated_store_record_is_one_line_exit_2(tmp_path, pool_name, capsys
     finally:
         pool.close()
         pool.unlink()
-    data = path.read_bytes()
-    store = next(r for r in read_log(str(path)).records if r.op == OpCode.STORE)
-    size = int.from_bytes(data[store.offset + 4 : store.offset + 8], "little")
-    head = data[: store.offset]
-    chunk = bytearray(data[store.offset : store.offset + size])
-    assert chunk[48] == OpCode.STORE
+    _, head, chunk = chunk_of(path, OpCode.STORE)
     for damage in ("cut", "unknown"):
         if damage == "cut":
-            bad = _rechecked(chunk[: size - 16])  # (16 of its 40 slots' bytes gone)
+            bad = _rechecked(chunk[:-16])  # (16 of its 40 slots' bytes gone)
         else:
             other = bytearray(chunk)
             other[48] = max(OpCode) + 1
             bad = _rechecked(other)
-        path.write_bytes(head + bad)
-        with pytest.raises(OplogError, match="holds what no core writes"):
-            read_log(str(path))
-        assert main(["replay", str(path)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+        refused_in_one_line(path, head + bad, capsys)
     path.write_bytes(head + _rechecked(chunk))  # (the chunk as it was: read)
     assert [r.op for r in read_log(str(path)).records][-1] == OpCode.STORE
 
@@ -1197,9 +1211,7 @@ def test_kvscope_run_records_a_store_through_a_stale_slot_mapping(tmp_path):
     assert "reproduced the recorded run up to a finding" in out.stdout
     assert "found       use_after_free@" in out.stdout
     assert "that still find 'use_after_free'" in out.stdout
-    run = subprocess.run(
-        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    run = run_script("repro.py", tmp_path)
     assert run.returncode == 1 and "use_after_free" in run.stdout
 
 
@@ -1252,9 +1264,7 @@ def test_a_skipped_copy_replays_to_kv_never_written_at_the_same_free_and_shrinks
     assert "write(pool, [" in text, text
     script = tmp_path / "repro.py"
     script.write_text(text)
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script(str(script), tmp_path)
     assert run.returncode == 1 and "kv_never_written" in run.stdout, run.stdout + run.stderr
 
 
@@ -1341,9 +1351,7 @@ def test_a_skipped_copy_on_a_deferred_check_pool_replays_to_its_answer_at_the_fr
     assert shrunk.kind == "kv_never_written" and len(shrunk.ops) <= 10
     script = tmp_path / "repro.py"
     script.write_text(emit_script(shrunk))
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    run = run_script(str(script), tmp_path)
     assert run.returncode == 1 and "kv_never_written" in run.stdout, run.stdout + run.stderr
 
 
@@ -1458,19 +1466,9 @@ def test_a_truncated_copy_record_is_one_line_exit_2(tmp_path, pool_name, capsys)
     finally:
         pool.close()
         pool.unlink()
-    data = path.read_bytes()
-    copy = next(r for r in read_log(str(path)).records if r.op == OpCode.COPY)
+    copy, head, chunk = chunk_of(path, OpCode.COPY)
     assert copy.copies == copies * 8
-    size = int.from_bytes(data[copy.offset + 4 : copy.offset + 8], "little")
-    head = data[: copy.offset]
-    chunk = bytearray(data[copy.offset : copy.offset + size])
-    assert chunk[48] == OpCode.COPY
-    path.write_bytes(head + _rechecked(chunk[: size - 8]))  # (8 of its pairs' bytes gone)
-    with pytest.raises(OplogError, match="holds what no core writes"):
-        read_log(str(path))
-    assert main(["replay", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+    refused_in_one_line(path, head + _rechecked(chunk[:-8]), capsys)  # (8 of its pairs' bytes gone)
     path.write_bytes(head + _rechecked(chunk))  # (the chunk as it was: read)
     assert [r.op for r in read_log(str(path)).records][-1] == OpCode.COPY
 
@@ -1517,20 +1515,9 @@ def test_kvscope_run_records_the_user_engines_skipped_copy(tmp_path):
     free = next(r for r in log.records if r.seq == seq)
     assert (free.op, free.request, kind) == (OpCode.FREE, "r3", "kv_never_written")
     assert any(r.op == OpCode.COPY for r in log.records)
-    out = subprocess.run(
-        [kvscope, "replay", "ue.ops", "--json", "--emit-script", "repro.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 1, out.stderr
-    d = json.loads(out.stdout)
-    assert (d["reason"], d["operation"]["seq"]) == ("finding", seq)
+    d = replayed_by_the_cli(kvscope, tmp_path, seq, kind)
     assert (
         d["replayed_result"]["found"]
         == d["recorded"]["found"]
         == [{"kind": k, "block": b} for k, b in free.found]
     )
-    assert d["shrunk"]["kind"] == kind and len(d["shrunk"]["operations"]) <= 10
-    run = subprocess.run(
-        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 1 and kind in run.stdout, run.stdout + run.stderr

@@ -22,8 +22,9 @@ from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode
 from kvscope.cli import main
 from kvscope.replay import replay
+from tests.forking import fork_child, wait_child
 from tests.replay_work import CONFIG, work
-from tests.test_replay import ALL_PROBES
+from tests.test_replay import ALL_PROBES, in_a_child
 
 HERE = Path(__file__).parent
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -129,18 +130,20 @@ def test_a_mid_life_recording_of_an_attached_process_replays(tmp_path, pool_name
     try:
         keep = pool.allocate("creator's", PROMPT)
         pool.mark_computed(keep, len(PROMPT))
-        code = (
-            "from kvscope.allocator import KVPool, PoolError\n"
-            f"p = KVPool.attach({pool_name!r})\n"
-            "s = p.allocate('mine', [11, 12, 13, 14, 15, 16, 17, 18, 5])\n"
-            f"p.record_ops({str(path)!r})\n"
-            "t = p.allocate('hit', [11, 12, 13, 14, 15, 16, 17, 18, 6])\n"
-            "p.append(s, [1, 2, 3])\n"
-            "p.free(s); p.free(t)\n"
-            "try:\n    p.free(s)\nexcept PoolError:\n    pass\n"
-            "p.close()\n"
-        )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=HERE.parent)
+
+        def attached() -> None:
+            p = KVPool.attach(pool_name)
+            s = p.allocate("mine", [11, 12, 13, 14, 15, 16, 17, 18, 5])
+            p.record_ops(str(path))
+            t = p.allocate("hit", [11, 12, 13, 14, 15, 16, 17, 18, 6])
+            p.append(s, [1, 2, 3])
+            p.free(s)
+            p.free(t)
+            with pytest.raises(PoolError):
+                p.free(s)
+            p.close()
+
+        in_a_child(attached)
         pool.free(keep)
     finally:
         pool.close()
@@ -300,24 +303,25 @@ def test_two_processes_bound_one_log_and_it_replays_from_the_others_checkpoint(t
         pool.record_ops(str(path), limit=LIMIT)
         held = pool.allocate("held", [1, 2, 3, 4, 5])
         work(pool, 20000, seed=1)
-        code = (
-            "import os\n"
-            "from kvscope.allocator import KVPool\n"
-            "from tests.replay_work import work\n"
-            f"p = KVPool.attach({pool_name!r}); p.record_ops({str(path)!r}, limit={LIMIT})\n"
-            "s = p.allocate('child', [9, 9, 9, 9, 9, 9])\n"
-            "work(p, 40000, seed=2)\n"
-            "p.append(s, [1]); p.free(s)\n"
-            "print(os.getpid(), p.checkpoints)\n"
+        r, w = os.pipe()
+
+        def attached() -> None:
+            p = KVPool.attach(pool_name)
+            p.record_ops(str(path), limit=LIMIT)
+            s = p.allocate("child", [9, 9, 9, 9, 9, 9])
+            work(p, 40000, seed=2)
+            p.append(s, [1])
+            p.free(s)
+            os.write(w, str(p.checkpoints).encode())
             # (its close a CLOSE record: the local cache it returns, which the creator's
             # allocations after it take, returned there in the replay too)
-            "p.close()\n"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", code], check=True, timeout=120, cwd=HERE.parent,
-            capture_output=True, text=True,
-        )  # fmt: skip
-        child, checkpoints = map(int, out.stdout.split())
+            p.close()
+
+        child = fork_child(lambda: attached() or 0, alarm_s=120)
+        os.close(w)
+        assert wait_child(child) == 0
+        checkpoints = int(os.read(r, 64))
+        os.close(r)
         assert checkpoints >= 2
         work(pool, 1000, seed=3)
         pool.free(held)

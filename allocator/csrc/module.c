@@ -319,7 +319,7 @@ static PyMethodDef N_methods[] = {
     {"held_here", (PyCFunction)N_held_here, METH_NOARGS,
      "held_here() -> int: the pool locks this thread holds (bit i: lock i), by their records"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
-    {"unwritten", (PyCFunction)(void (*)(void))R_unwritten, METH_FASTCALL,
+    {"unwritten", (PyCFunction)(void (*)(void))N_unwritten, METH_FASTCALL,
      "unwritten(table, num_tokens, request): guard mode's check of a finished request"},
     {"digests", (PyCFunction)N_digests, METH_O,
      "digests(ids) -> list[int]: kernels/digest.py block_digests, computed here (CPU data)"},

@@ -34,7 +34,7 @@ enum { TM_NONE = 0, TM_NEW = 1, TM_OWN = 2 };
 #define CR_ARGS 128 /* src_id, arg, result */
 #define CR_TIME_SHIFT 20 /* record times count 2^20 ns from the chunk's */
 
-/* Entry points and writers that no operation runs (R_unwritten, N_oplog_copy, a device
+/* Entry points and writers that no operation runs (N_oplog_copy, a device
  * check's answer's REPORT and the naming of its checks: below), in a text section of their
  * own, after the core's: emitted among the hot code they move it (recording's cost on
  * bench_serving_loop, whose operations never call them, measured about a point higher with
@@ -85,10 +85,6 @@ typedef struct Oplog {
     uint64_t limit, base;
     int due;
     PyObject *ckpt;
-    /* Where the next free's record counts its findings from (-1: its own start): guard mode's
-     * finish check of the request (kvdata.c N_unwritten, writes.finished) runs just before
-     * the free and is part of it, so what it found is the free's (R_unwritten). */
-    Py_ssize_t carry;
 } Oplog;
 
 /* A plain append of one token held as it returned, composed into the chunk with the ones after
@@ -658,11 +654,6 @@ static PyObject *oplog_op(Native *n, int op, FastFn fn, PyObject *const *args, P
     o.blocks = NULL;
     o.copies = NULL;
     o.found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
-    if (__builtin_expect(L->carry >= 0, 0)) {
-        /* (a finish check's findings, still undelivered: the free's) */
-        if (op == OP_FREE && L->carry <= o.found0) o.found0 = L->carry;
-        L->carry = -1;
-    }
     Py_ssize_t armed0 = n->faults_armed ? PyDict_GET_SIZE(n->faults_armed) : 0;
     PyObject *seq = nargs >= 2 && op != OP_ALLOCATE && op != OP_EVICT ? args[1] : NULL;
     int64_t slot = slot_of(n, seq);
@@ -1291,21 +1282,6 @@ done:
     return res;
 }
 
-/* unwritten(table, num_tokens, request): guard mode's finish check of a request (kvdata.c
- * N_unwritten: writes.finished), which runs just before its free and is part of it. While the
- * handle records, what it found (on a CPU pool, at once) goes in the free's record: the next
- * operation recorded, where it is a free, counts its findings from where the check began
- * (L->carry, oplog_op). */
-static OPLOG_RARE PyObject *R_unwritten(Native *n, PyObject *const *args, Py_ssize_t nargs) {
-    Oplog *L = n->oplog;
-    if (L == NULL) return N_unwritten(n, args, nargs);
-    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
-    PyObject *res = N_unwritten(n, args, nargs);
-    if (res != NULL && n->oplog == L && n->found && PyList_GET_SIZE(n->found) > found0)
-        L->carry = found0;
-    return res;
-}
-
 /* -- a program's block copies (KVPool.copied: kvscope.kernels.copy_blocks(..., pool=)) --------- */
 
 /* oplog_copy(pairs) -> int: while the handle records, a COPY record of the blocks the program
@@ -1426,7 +1402,6 @@ static PyObject *N_oplog_open(Native *n, PyObject *const *args, Py_ssize_t nargs
     L->native = n;
     L->reserve = 1;
     L->owner = (int32_t)getpid();
-    L->carry = -1;
     L->out = out;
     L->key = key;
     L->off_seq = (size_t)off;
