@@ -863,6 +863,52 @@ def test_a_replay_that_takes_another_lease_diverges_there(tmp_path, pool_name):
     assert out.record is not None and out.record.seq == take.seq
 
 
+def test_a_fault_fired_on_one_thread_is_marked_in_its_own_record(tmp_path, pool_name):
+    """lease-leak strikes an offload thread's release, whose announcement (a print) lets the GIL
+    go: another thread's operation that runs then is recorded without the fault's mark, the
+    release with it, and the log replays (at the scenario's load this happened by chance)."""
+    import threading
+
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
+    other: list[Any] = []
+
+    def meanwhile(name: str) -> None:
+        # (deterministic: the other thread's allocation runs whole inside the announcement)
+        def run() -> None:
+            try:
+                other.append(pool.allocate("other", [9, 9, 9]))
+            except Exception as e:  # (the assertion below shows it)
+                other.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+
+    faults.configure("lease-leak:1")
+    faults.ON_FIRE.append(meanwhile)
+    try:
+        seq = pool.allocate("a", list(range(10)))
+        lease = pool.lease(seq, "read", holder="offloader", timeout=None)
+        pool.free(seq)
+        done: list[bool] = []
+        t = threading.Thread(target=lambda: done.append(lease.release()))
+        t.start()
+        t.join()
+        assert done == [True] and faults.FIRED[-1] == "lease-leak"
+        assert len(other) == 1 and not isinstance(other[0], Exception), other
+        pool.free(other[0])
+    finally:
+        faults.ON_FIRE.remove(meanwhile)
+        faults.configure(None)
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    marked = [(r.op, r.request) for r in log.records if r.fault]
+    assert marked == [(OpCode.LEASE_RELEASE, "a")], marked
+    assert replay(log, quiet=True).reason != "divergence"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "scenario, kind",

@@ -76,10 +76,14 @@ static int fault_opportunity(Native *n, int f) {
  * stderr line, FIRED, the ON_FIRE hooks: `kvscope run` records it). A hook's error is reported
  * as unraisable: the operation it follows is done. */
 static void fault_fired(Native *n, int f) {
-    n->oplog_fired |= 1u << f; /* (the operation log's next record says so) */
     PyObject *r = PyObject_CallOneArg(n->fault_fired, fault_str[f]);
     if (r == NULL) PyErr_WriteUnraisable(n->fault_fired);
     Py_XDECREF(r);
+    /* The operation log's next record says so: this operation's, written before the GIL is
+     * let go again. Set after the announcement, not before: its print lets the GIL go, and
+     * another thread's operation that runs then (this one holds no lock: a lease release's)
+     * would take the mark into its own record, and the replay diverge there. */
+    n->oplog_fired |= 1u << f;
 }
 
 /* The opportunity and the announcement in one, for acts that cannot fail. */
