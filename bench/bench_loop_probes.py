@@ -21,7 +21,9 @@ every step timed in this process's CPU time (bench_serving_loop's recording_cost
 the machine does to one it does to the other within a step; "off" beside "off" measures
 within about half a percent of 1.00x). Printed per configuration: the loop's speed over every
 probe off's, each round's and their median; the excess in µs per operation; and where it goes,
-the excess of each kind of call in ns (in runs of their own, each call timed in CPU time).
+the excess of each kind of call in ns (in runs of their own, each call timed in this process's
+CPU time, whose every read is a system call: the calls then find less in the caches than the
+untimed loop does, so read these as where the excess goes, not as its size).
 """
 
 from __future__ import annotations
