@@ -561,6 +561,27 @@ def test_the_cores_digest_is_the_kernels(
         pool.unlink()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn"])
+def test_a_write_into_the_last_bytes_of_a_guard_slot_is_found(pool_name, monkeypatch, dtype):
+    # GIVEN guard mode on a CPU pool whose slots are not a whole number of 8-byte words (2
+    # heads of 3: 12 bytes, or 6), whose checks compare their last bytes one by one
+    monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", False)
+    for p in LIGHT:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "0")
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = _pool(pool_name, dtype=dtype)
+    try:
+        seq = _written(pool, "a", list(range(7)))
+        blk = seq.block_table[0]
+        # WHEN only the last element of a block's guard slot is written over
+        pool.kv[1, 1, blk, BS, 1, 2] = 1.0
+        pool.free(seq)
+        # THEN its release finds it (the release's own check: no verify() scan here)
+        assert ("guard_violation", blk, "a") in {(k, b, r) for k, b, _, r in _findings(pool)}
+    finally:
+        _close(pool)
+
+
 # -- the canary checks a CUDA pool defers ----------------------------------------------------
 
 

@@ -146,49 +146,70 @@ static uint32_t prov_request_hash(const char *request) {
     return (uint32_t)(h ^ (h >> 32));
 }
 
+/* The request's short hash for sequence seq_id (a sequence's request never changes, and a
+ * decode step's append writes for the same sequences step after step: kept by sequence id,
+ * taken again only where the cache holds another's). */
+static uint32_t prov_rh_slow(Native *n, uint64_t seq_id, const char *request) {
+    uint32_t rh = prov_request_hash(request);
+    if (n->prov_rh == NULL) n->prov_rh = PyMem_Calloc(PROV_RH_CACHE, sizeof(ProvHash));
+    if (n->prov_rh != NULL) {
+        ProvHash *c = &n->prov_rh[seq_id % PROV_RH_CACHE];
+        c->seq_id_1 = seq_id + 1;
+        c->hash = rh;
+    }
+    return rh;
+}
+
+static inline uint32_t prov_rh(Native *n, uint64_t seq_id, const char *request) {
+    const ProvHash *c = n->prov_rh ? &n->prov_rh[seq_id % PROV_RH_CACHE] : NULL;
+    if (__builtin_expect(c != NULL && c->seq_id_1 == seq_id + 1, 1)) return c->hash;
+    return prov_rh_slow(n, seq_id, request);
+}
+
+/* Slot `off` of block b (generation gen) recorded as written by seq_id (request hash rh),
+ * token tok at logical position pos. The generation is stored last: a reader racing the write
+ * sees the record's old generation. */
+static inline void prov_record(Native *n, int32_t b, uint32_t gen, int64_t off, uint64_t seq_id,
+                               uint32_t rh, int64_t pos, int32_t tok) {
+    uint8_t *p = prov_rec(n, b, off);
+    U4(p + PV_GENERATION) = 0;
+    U8(p + PV_SEQ_ID) = seq_id;
+    I4(p + PV_POSITION) = (int32_t)pos;
+    I4(p + PV_TOKEN) = tok;
+    U4(p + PV_REQUEST_HASH) = rh;
+    U4(p + PV_KV_HASH) = 0;
+    __atomic_store_n((uint32_t *)(p + PV_GENERATION), gen, __ATOMIC_RELEASE);
+}
+
+/* Block b's `recorded` word, after its records: gen. Stored only where it is not gen already
+ * (a decode step's append records the next slot of a block that holds records of its
+ * generation: its line is not written again, which other processes reading the section would
+ * have to fetch again). */
+static inline void prov_mark(Native *n, int32_t b, uint32_t gen) {
+    uint32_t *w = prov_recorded(n, b);
+    if (__atomic_load_n(w, __ATOMIC_RELAXED) != gen) __atomic_store_n(w, gen, __ATOMIC_RELEASE);
+}
+
 /* Record k slots from relative position `first` of the blocks ids[] (the table from the block
- * that holds it) as written by seq_id, tokens toks, logical positions from `pos0`. The
- * generation is stored last: a reader racing the write sees the record's old generation. */
+ * that holds it) as written by seq_id, tokens toks, logical positions from `pos0`. */
 static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
                        int64_t first, int64_t pos0, const int32_t *toks, int64_t k) {
     if (k <= 0) return;
-    /* (the request's hash, kept by sequence id: a sequence's request never changes, and a
-     * decode step's append writes for the same sequences step after step) */
-    uint32_t rh;
-    if (n->prov_rh == NULL) n->prov_rh = PyMem_Calloc(PROV_RH_CACHE, sizeof(ProvHash));
-    ProvHash *c = n->prov_rh ? &n->prov_rh[seq_id % PROV_RH_CACHE] : NULL;
-    if (c != NULL && c->seq_id_1 == seq_id + 1) {
-        rh = c->hash;
-    } else {
-        rh = prov_request_hash(request);
-        if (c != NULL) {
-            c->seq_id_1 = seq_id + 1;
-            c->hash = rh;
-        }
-    }
+    uint32_t rh = prov_rh(n, seq_id, request);
     /* (the block and slot stepped along: no division per slot) */
     int64_t bi = first / n->bs, off = first % n->bs;
     int32_t b = ids[bi];
     uint32_t gen = U4(blk(n, b) + BF_GENERATION);
-    uint8_t *p = prov_rec(n, b, off);
-    for (int64_t i = 0; i < k; i++, off++, p += PROVENANCE) {
+    for (int64_t i = 0; i < k; i++, off++) {
         if (off == n->bs) {
-            __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
+            prov_mark(n, b, gen);
             off = 0;
             b = ids[++bi];
             gen = U4(blk(n, b) + BF_GENERATION);
-            p = prov_rec(n, b, 0);
         }
-        U4(p + PV_GENERATION) = 0;
-        U8(p + PV_SEQ_ID) = seq_id;
-        I4(p + PV_POSITION) = (int32_t)(pos0 + i);
-        I4(p + PV_TOKEN) = toks[i];
-        U4(p + PV_REQUEST_HASH) = rh;
-        U4(p + PV_KV_HASH) = 0;
-        __atomic_store_n((uint32_t *)(p + PV_GENERATION), gen, __ATOMIC_RELEASE);
+        prov_record(n, b, gen, off, seq_id, rh, pos0 + i, toks[i]);
     }
-    /* (the block's `recorded` word after its records) */
-    __atomic_store_n(prov_recorded(n, b), gen, __ATOMIC_RELEASE);
+    prov_mark(n, b, gen);
 }
 
 /* A copy-on-write's copy: the records of slots [0, m) of src as dst's (dst's generation). */
@@ -381,7 +402,18 @@ static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64
     uint64_t seq_id = U8(s + SF_SEQ_ID);
     if (cow_src >= 0) prov_copy(n, cow_src, ids[0], first);
     if (!prov_sampled(n, seq_id)) return;
-    prov_write(n, seq_id, (const char *)(s + SF_REQUEST), ids, first, pos0, toks, k);
+    if (k == 1 && first < n->bs) {
+        /* (a decode step's one token, in the block that holds it: prov_write's work without
+         * its call, division and loop: measured with callgrind over 6,400 such appends, every
+         * probe on, 43 fewer instructions an append, about 50 left for slot provenance) */
+        int32_t b = ids[0];
+        uint32_t gen = U4(blk(n, b) + BF_GENERATION);
+        prov_record(n, b, gen, first, seq_id, prov_rh(n, seq_id, (const char *)(s + SF_REQUEST)),
+                    pos0, toks[0]);
+        prov_mark(n, b, gen);
+    } else {
+        prov_write(n, seq_id, (const char *)(s + SF_REQUEST), ids, first, pos0, toks, k);
+    }
     if (faults_armed(n)) prov_foreign_fault(n, slot, seq_id, pos0 + k - 1, toks[k - 1]);
 }
 
