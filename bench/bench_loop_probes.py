@@ -39,7 +39,7 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_probes import PROBE_VARS  # noqa: E402
-from bench_serving_loop import Loop, serve  # noqa: E402
+from bench_serving_loop import Loop, serve, step_in_turn  # noqa: E402
 
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 
@@ -129,13 +129,7 @@ def lockstep(env: dict[str, str], steps: int, seed: int, timed: bool) -> dict[st
             if isinstance(f, Timed):
                 f.spent, f.calls = dict.fromkeys(CALLS, 0), dict.fromkeys(CALLS, 0)
         ops0 = loops[0].ops
-        clock = time.process_time_ns
-        spent = [0, 0]
-        for i in range(steps):
-            for k in (0, 1) if i % 2 == 0 else (1, 0):
-                t = clock()
-                loops[k].step()
-                spent[k] += clock() - t
+        spent = step_in_turn(loops, steps)
         ops = loops[0].ops - ops0
         assert ops == loops[1].ops - ops0
         for loop in loops:
