@@ -624,22 +624,19 @@ class KVPool:
         """Release a finished sequence: shared blocks lose a reference, published ones stay cached.
         In guard mode (of a sampled request, sampled), its K/V slots still poisoned are
         `kv_never_written` (checked by the core's release)."""
-        if self._later is not None:
-            self._later.settle()
-        # (what the core reported reaches `on_finding` even where it refuses the release: a
-        # second free's double_free)
-        try:
-            self._core.end(self, seq, _FINISHED)
-        finally:
-            if self._found:
-                self.deliver_findings()
+        self._end(seq, _FINISHED)
 
     def abort(self, seq: Sequence) -> None:
         """Release a sequence whose request did not finish."""
+        self._end(seq, _ABORTED)
+
+    def _end(self, seq: Sequence, final: int) -> None:
+        """free or abort: the core's release. What the core reported reaches `on_finding` even
+        where it refuses the release (a second free's double_free)."""
         if self._later is not None:
             self._later.settle()
         try:
-            self._core.end(self, seq, _ABORTED)
+            self._core.end(self, seq, final)
         finally:
             if self._found:
                 self.deliver_findings()
