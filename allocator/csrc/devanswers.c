@@ -102,6 +102,21 @@ static int prov_check_read(Native *n, const DevEntry *e, const int64_t *w, int64
     return 0;
 }
 
+/* A digest check's answer for block b (its raw digest; rec: its record as the check saw it):
+ * where it is not the record's digest, a published_block_modified finding, named by the
+ * check's moment (e->tag). 0, or -1 with an exception set. */
+static int verify_read(Native *n, const DevEntry *e, int32_t b, const uint8_t *rec,
+                       int64_t raw) {
+    uint64_t got = fmix64((uint64_t)raw) >> 32, want = U8(rec + n->off_kv_digest) >> 32;
+    if (got == want) return 0;
+    const char *when = e->tag != NULL ? PyUnicode_AsUTF8(e->tag) : "a check";
+    if (when == NULL) return -1;
+    return dev_found_add(n, FK_PUBLISHED_BLOCK_MODIFIED, b, rec,
+                         modified_message(n, rec, when, got, want))
+               ? -1
+               : 0;
+}
+
 /* A prefix hit's check of blocks w[0, k) (devchecks.c dev_hit_check; answers a: a block's raw
  * digest, then its slots' sums; kept: prov_keep_words a block): the digest check of the blocks
  * whose record, as the hit saw it, holds a digest of its generation (the ones digests_intact
@@ -113,15 +128,7 @@ static int hit_check_read(Native *n, const DevEntry *e, const int64_t *w, int64_
     int64_t stride = n->bs + 1;
     for (int64_t i = 0; i < k; i++) {
         const uint8_t *rec = (const uint8_t *)(kept + i * prov_keep_words(n));
-        uint64_t dw = U8(rec + n->off_kv_digest);
-        if (rec[BF_INDEXED] != 1 || dw == 0 || (dw & GEN_MASK) != U4(rec + BF_GENERATION))
-            continue;
-        uint64_t got = fmix64((uint64_t)a[i * stride]) >> 32, want = dw >> 32;
-        if (got == want) continue;
-        const char *when = PyUnicode_AsUTF8(e->tag);
-        if (when == NULL) return -1;
-        if (dev_found_add(n, FK_PUBLISHED_BLOCK_MODIFIED, (int32_t)w[i], rec,
-                          modified_message(n, rec, when, got, want)))
+        if (digest_current(n, rec) && verify_read(n, e, (int32_t)w[i], rec, a[i * stride]))
             return -1;
     }
     return prov_check_read(n, e, w, k, a + 1, stride, kept);
@@ -178,13 +185,7 @@ static int dev_read(Native *n, DevEntry *e, int64_t *w) {
         const uint8_t *rec = kept_rec(n, kept, i);
         int32_t b = (int32_t)w[i];
         if (e->kind == DK_VERIFY) {
-            uint64_t got = fmix64((uint64_t)a[i]) >> 32, want = U8(rec + n->off_kv_digest) >> 32;
-            if (got == want) continue;
-            const char *when = e->tag != NULL ? PyUnicode_AsUTF8(e->tag) : "a check";
-            if (when == NULL) return -1;
-            if (dev_found_add(n, FK_PUBLISHED_BLOCK_MODIFIED, b, rec,
-                              modified_message(n, rec, when, got, want)))
-                return -1;
+            if (verify_read(n, e, b, rec, a[i])) return -1;
         } else if (e->kind == DK_POISON) {
             int64_t c = 0;
             for (int64_t s = 0; s < n->bs; s++) c += a[i * n->bs + s];

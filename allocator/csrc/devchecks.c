@@ -459,10 +459,7 @@ static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const ch
             m = 0;
         }
         if (i == hits) break;
-        uint8_t *r = blk(n, table[i]);
-        uint64_t w = U8(r + n->off_kv_digest);
-        int digest = r[BF_INDEXED] == 1 && w != 0 && (w & GEN_MASK) == U4(r + BF_GENERATION);
-        if (!digest && !prov_hashed(n, table[i])) continue;
+        if (!digest_current(n, blk(n, table[i])) && !prov_hashed(n, table[i])) continue;
         some[m] = table[i];
         memcpy(who + m * REQUEST_BYTES, request, REQUEST_BYTES);
         m++;

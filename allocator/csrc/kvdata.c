@@ -17,6 +17,13 @@
 /* integrity.GENERATION_MASK: the low half of a kv_digest word is the generation */
 #define GEN_MASK 0xFFFFFFFFull
 
+/* Whether block record r holds a digest of its generation, published (the blocks a digest check
+ * verifies: digests_intact, a prefix hit's one launch devchecks.c dev_hit_check and its answer). */
+static inline int digest_current(Native *n, const uint8_t *r) {
+    uint64_t w = U8(r + n->off_kv_digest);
+    return r[BF_INDEXED] == 1 && w != 0 && (w & GEN_MASK) == U4(r + BF_GENERATION);
+}
+
 /* Row r (layer * 2 + K/V) of block b: its first byte. [layers, 2, blocks, slots, heads, dim] */
 static inline uint8_t *kv_row(Native *n, int64_t r, int64_t b) {
     return n->kv + (size_t)r * n->kv_row_stride + (size_t)b * n->kv_block_stride;
@@ -588,10 +595,9 @@ static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const c
         int64_t np_ = 0;
         for (; i < k && np_ < BATCH; i++) {
             uint8_t *r = blk(n, ids[i]);
-            uint64_t w = U8(r + n->off_kv_digest);
-            if (r[BF_INDEXED] != 1 || w == 0 || (w & GEN_MASK) != U4(r + BF_GENERATION)) continue;
+            if (!digest_current(n, r)) continue;
             pub[np_] = ids[i];
-            want[np_++] = w;
+            want[np_++] = U8(r + n->off_kv_digest);
         }
         if (np_ == 0) continue;
         if (n->kv == NULL) {
