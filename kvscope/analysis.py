@@ -252,12 +252,16 @@ def analyze_view(
                         d["mapped_since_published"] = mapped
         out_findings.append(d)
     out_findings.sort(key=_order)
+    info = pool_info(view, dump_header)
     report: dict[str, Any] = {
-        "pool": pool_info(view, dump_header),
+        "pool": info,
         "healthy": not any(d["severity"] == ERROR for d in out_findings),
         "summary": summary(view, alive) if header_ok else {},
         "findings": out_findings,
     }
+    causes = likely_causes(info["geometry"], out_findings)
+    if causes:
+        report["likely_causes"] = causes
     if kv is not None:
         report["data_checks"] = {"checked": kv.bits is not None, "unchecked": kv.unchecked}
     if block is not None:
@@ -265,6 +269,32 @@ def analyze_view(
     if request is not None:
         report["request"] = _focus_request(view, request)
     return report
+
+
+def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> list[str]:
+    """Causes that a set of findings points at together, one sentence each (docs/CLI.md).
+
+    Guard mode gives each block one more slot than it has tokens (`slots_per_block`), so an
+    engine that computes a slot as `block * block_size + offset`, right on a plain pool,
+    writes each token into the wrong slot under `kvscope run`: some land in guard slots
+    (`guard_violation`) and the slots the pool mapped stay unwritten (`kv_never_written`, or
+    a block published before its K/V was written). Each of those has other causes alone; the
+    two together, in guard mode, are this one's signature."""
+    bs, spb = geometry["block_size"], geometry["slots_per_block"]
+    kinds = {f["kind"] for f in findings}
+    unwritten = FindingKind.KV_NEVER_WRITTEN in kinds or any(
+        f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+        and f["message"].startswith(UNWRITTEN_AT_PUBLISH)
+        for f in findings
+    )
+    if spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten:
+        return [
+            f"guard slots overwritten and mapped slots left unwritten: does the engine compute a "
+            f"slot as block * block_size + offset? A block has {spb} slots for its {bs} tokens "
+            f"in guard mode; use pool.slot_mapping(seq, start, end), or block * "
+            f"pool.slots_per_block + offset (docs/POOL.md)"
+        ]
+    return []
 
 
 def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> dict[str, Any]:

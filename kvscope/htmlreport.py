@@ -302,7 +302,12 @@ def _findings(analysis: dict[str, Any]) -> str:
     found = grouped(analysis["findings"])
     if not found:
         return "<h2>Findings</h2><p class=ok>none</p>"
-    return f"<h2>Findings ({len(analysis['findings'])})</h2>" + "".join(map(_finding, found))
+    causes = "".join(
+        f"<p><b>likely cause:</b> {esc(c)}</p>" for c in analysis.get("likely_causes", ())
+    )
+    return f"<h2>Findings ({len(analysis['findings'])})</h2>{causes}" + "".join(
+        map(_finding, found)
+    )
 
 
 def build_report(

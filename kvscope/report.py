@@ -116,6 +116,8 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
         con.print(
             f"[bold red]health: UNHEALTHY[/bold red] - {len(errors)} error(s), {len(warnings)} warning(s)"
         )
+    for cause in report.get("likely_causes", ()):
+        con.print(f"[bold]likely cause:[/bold] {escape(cause)}")
     for label, group, style in (("errors", errors, "red"), ("warnings", warnings, "yellow")):
         if group:
             con.print(f"\n[bold {style}]{label}[/bold {style}]")
