@@ -53,6 +53,8 @@ except ImportError:  # built without a C compiler: a cut between check and read 
 
 # How often each pool's counters are sampled (kvscope.history stretches it on large pools).
 HISTORY_INTERVAL_S = 0.1
+# Findings of one kind printed as they land, per pool; the rest are in the verdict and the dump.
+LIVE_LINES_PER_KIND = 10
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Watched:
     history: History | None = None
     # Processes seen dead while still attached (each said once).
     dead_seen: set[int] = field(default_factory=set)
+    # Findings printed as they landed, per kind (LIVE_LINES_PER_KIND each, then one line).
+    shown: dict[str, int] = field(default_factory=dict)
     # The mapping's length (the layout's end), checked against the file several times a poll.
     size: int = 0
 
@@ -219,18 +223,32 @@ class Supervisor:
                         continue
                     w.dead_seen.add(f.owner_pid)
                 shown = replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING)
-                self.echo(f"kvscope: pool {w.name!r}: {shown.line()}")
+                self._echo_live(w, shown)
                 new.append(f)
             for death in self._deaths(w):
                 if isinstance(death, str):
                     self.echo(f"kvscope: pool {w.name!r}: {death}")
                     continue
                 shown = replace(death, severity=ERROR if fails(death, self.fail_on) else WARNING)
-                self.echo(f"kvscope: pool {w.name!r}: {shown.line()}")
+                self._echo_live(w, shown)
                 new.append(death)
             self._sample(w)
         self.live_findings += new
         return new
+
+    def _echo_live(self, w: Watched, f: Finding) -> None:
+        """Print a finding as it lands: the first LIVE_LINES_PER_KIND of each kind of a pool,
+        then one line saying that the rest of that kind are in the verdict and the dump only
+        (one systematic bug finds one block after another: the first lines say what it is)."""
+        n = w.shown.get(f.kind, 0) + 1
+        w.shown[f.kind] = n
+        if n <= LIVE_LINES_PER_KIND:
+            self.echo(f"kvscope: pool {w.name!r}: {f.line()}")
+        elif n == LIVE_LINES_PER_KIND + 1:
+            self.echo(
+                f"kvscope: pool {w.name!r}: more {f.kind} findings: not printed as they land "
+                "(every one is in the verdict and the dump)"
+            )
 
     def _deaths(self, w: Watched) -> list[Finding | str]:
         """Processes of the run newly seen dead while attached to the pool: a `leak_dead_owner`

@@ -15,6 +15,7 @@ from kvscope.analysis import analyze_view
 from kvscope.cli import main
 from kvscope.dumpfile import alive_for, read_dump
 from kvscope.errors import EXIT_FAIL_ON
+from kvscope.supervisor import LIVE_LINES_PER_KIND
 
 PRELUDE = """
 import os, signal, sys
@@ -36,6 +37,14 @@ SCRIPTS = {
         "first = seq.block_table[0]\n"
         "pool.free(seq)\n"
         "pool.kv[0, 0, first, 1] = 7.0\n"
+    ),
+    "guard_writes": (
+        "pool.free(seq)\n"
+        "for i in range(14):\n"
+        "    s = pool.allocate(f'w{i}', [100 + i] * 4)\n"
+        "    pool.kv[:, :, s.block_table[0], pool.block_size] = 1.0  # its guard slot\n"
+        "    pool.free(s)\n"
+        "pool.close()\npool.unlink()\n"
     ),
     "scribble": (
         "from kvscope.allocator.segment import segment_path\n"
@@ -273,3 +282,19 @@ def test_a_finding_only_the_exit_check_sees_is_no_leak(capfd, tmp_path, pool_nam
     (path,) = dumps(tmp_path)
     reason = analysis_of(path)["pool"]["dump"]["reason"]
     assert "findings of severity error" in reason and "leak" not in reason
+
+
+@pytest.mark.slow
+def test_many_findings_of_one_kind_print_the_first_ten_as_they_land(capfd, tmp_path, pool_name):
+    # GIVEN a script whose 14 requests each write their block's guard slot (guard mode)
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "guard_writes"), pool_name])
+    err = capfd.readouterr().err
+    # THEN ten are printed as they land, then one line for the rest of that kind
+    assert code != 0
+    live = [x for x in err.splitlines() if x.startswith("kvscope: pool") and "guard_violation" in x]
+    assert len(live) == LIVE_LINES_PER_KIND + 1 == 11
+    assert "more guard_violation findings: not printed as they land" in live[-1]
+    # AND every one is in the dump
+    (path,) = dumps(tmp_path)
+    kinds = [f["kind"] for f in analysis_of(path)["findings"]]
+    assert kinds.count("guard_violation") == 14
