@@ -316,6 +316,9 @@ static PyMethodDef N_methods[] = {
      "(-1: the table is full)"},
     {"audit_table", (PyCFunction)(void (*)(void))N_audit_table, METH_FASTCALL,
      "audit_table(pool, table, rows, lengths, sentinel, expect) -> int: the block-table audit"},
+    {"learn_edge", (PyCFunction)(void (*)(void))N_learn_edge, METH_FASTCALL,
+     "learn_edge(src: str, dst: str, site: str) -> bool: lockdep's order edge added to the "
+     "segment's graph (a cycle it closes reported); False when the graph is full"},
     {"held_here", (PyCFunction)N_held_here, METH_NOARGS,
      "held_here() -> int: the pool locks this thread holds (bit i: lock i), by their records"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},

@@ -1311,37 +1311,31 @@ static void caller_text(Native *n, char *out, size_t cap) {
     out[0] = '?';
 }
 
-/* Add the order edge src -> dst (classes, 16 stored bytes each) to the segment's graph under
- * the findings lock, as LockDep._learn does (record first, then the count: a death in between
- * leaves an unused record; a full graph takes no more), and when the graph already holds a
- * chain dst -> ... -> src, report the lock_order_cycle it closes (lg_cycle) and go on, as
- * lockdep does before the thread waits. OK when the graph has the edge now (or is full),
- * ERROR with an exception set. */
-static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle);
-static int lg_learn_classes(Native *n, const char *src, const char *dst) {
-    return lg_learn_edge(n, src, dst, 1);
-}
-
-/* lg_learn_classes, the cycle the edge closes reported only with `say_cycle` (a caller that
- * reports the edge's deadlock in words of its own: gil_wait_report). */
-static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle) {
-    /* (before the transaction takes its locks: this one waited for, a dead holder recovered) */
-    if (lock_take_alone(n, n->lock_findings) != OK) return ERROR;
+/* The edge src -> dst (classes, 16 stored bytes each) in the segment's graph, the caller holding
+ * the findings lock: nothing when the graph holds it; else appended, the record first and the
+ * count last (a death in between leaves an unused record, which the next edge overwrites; a full
+ * graph takes no more), at `site` (lg_site_bytes, NUL-padded; NULL: the caller's, caller_text),
+ * and when the graph already holds a chain dst -> ... -> src the lock_order_cycle it closes
+ * reported (lg_cycle) with `say_cycle`, as lockdep does before the thread waits. LG_HAD,
+ * LG_ADDED, LG_FULL (the cycle still reported), or ERROR with an exception set. */
+enum { LG_HAD, LG_ADDED, LG_FULL };
+static int lg_put(Native *n, const char *src, const char *dst, const char *site, int say_cycle) {
     int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
     if (used > n->lg_cap) used = n->lg_cap;
     for (int64_t e = 0; e < used; e++) {
         uint8_t *r = lg_edge(n, e);
-        if (memcmp(r + n->lg_src, src, 16) == 0 && memcmp(r + n->lg_dst, dst, 16) == 0) {
-            lock_drop(n, n->lock_findings);
-            return OK;
-        }
+        if (memcmp(r + n->lg_src, src, 16) == 0 && memcmp(r + n->lg_dst, dst, 16) == 0)
+            return LG_HAD;
     }
-    int rc = OK;
-    char site[256];
-    size_t sb = n->lg_site_bytes < sizeof site ? n->lg_site_bytes : sizeof site;
-    caller_text(n, site, sb);
+    char here[256];
+    size_t sb = n->lg_site_bytes < sizeof here ? n->lg_site_bytes : sizeof here;
+    if (site == NULL) {
+        caller_text(n, here, sb);
+        site = here;
+    }
     int32_t path[used > 0 ? used : 1];
     int64_t np = lg_chain(n, used, dst, src, path);
+    int out = LG_FULL;
     if (used < n->lg_cap) {
         uint8_t *r = lg_edge(n, used);
         memset(r, 0, n->lg_size);
@@ -1350,10 +1344,65 @@ static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cy
         I4(r + n->lg_pid) = n->pid;
         memcpy(r + n->lg_site, site, sb);
         U4(n->seg + n->lg_used_at) = (uint32_t)used + 1;
+        out = LG_ADDED;
     }
-    if (np > 0 && say_cycle) rc = lg_cycle(n, src, dst, site, path, np);
+    if (np > 0 && say_cycle && lg_cycle(n, src, dst, site, path, np) != OK) return ERROR;
+    return out;
+}
+
+/* Add the order edge src -> dst (classes, 16 stored bytes each) to the segment's graph under
+ * the findings lock (lg_put), taken before the transaction takes its locks: waited for, a dead
+ * holder recovered. OK, or ERROR with an exception set. */
+static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle);
+static int lg_learn_classes(Native *n, const char *src, const char *dst) {
+    return lg_learn_edge(n, src, dst, 1);
+}
+
+/* lg_learn_classes, the cycle the edge closes reported only with `say_cycle` (a caller that
+ * reports the edge's deadlock in words of its own: gil_wait_report). */
+static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle) {
+    if (lock_take_alone(n, n->lock_findings) != OK) return ERROR;
+    int rc = lg_put(n, src, dst, NULL, say_cycle);
     lock_drop(n, n->lock_findings);
-    return rc;
+    return rc == ERROR ? ERROR : OK;
+}
+
+/* A str argument of learn_edge as the graph stores it: its UTF-8 bytes, cut to cap, NUL-padded
+ * (0, or -1 with an exception set). */
+static int lg_text(PyObject *o, char *out, size_t cap) {
+    Py_ssize_t len;
+    const char *text = PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, &len) : NULL;
+    if (text == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "learn_edge: src, dst, site are str");
+        return -1;
+    }
+    memset(out, 0, cap);
+    memcpy(out, text, (size_t)len < cap ? (size_t)len : cap);
+    return 0;
+}
+
+/* learn_edge(src, dst, site) -> bool: probes/lockgraph.py SegmentGraph's write: the order edge
+ * src -> dst (lock classes) that this process saw at `site` added to the segment's graph unless
+ * it is there (lg_put: a cycle it closes reported into the findings ring, its position in
+ * KVPool._found for the binding to hand over), under the findings lock, taken as N_report takes
+ * it (leaf_take_py: waited for, a dead holder recovered). True when the graph holds the edge now,
+ * False when it is full. */
+static PyObject *N_learn_edge(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "learn_edge(src, dst, site)");
+        return NULL;
+    }
+    char src[16], dst[16], site[256];
+    size_t sb = n->lg_site_bytes < sizeof site ? n->lg_site_bytes : sizeof site;
+    if (lg_text(args[0], src, 16) || lg_text(args[1], dst, 16) || lg_text(args[2], site, sb))
+        return NULL;
+    if (py_caller_unusable(n)) return NULL;
+    int mh, taken = leaf_take_py(n, n->lock_findings, &mh, "learn_edge");
+    if (taken == ERROR) return NULL;
+    int rc = lg_put(n, src, dst, site, 1);
+    leaf_drop(n, n->lock_findings, taken, mh);
+    if (rc == ERROR) return NULL;
+    return PyBool_FromLong(rc != LG_FULL);
 }
 
 /* The GIL as lockdep's graph names its class (lockgraph.GIL), 16 stored bytes. */
