@@ -14,6 +14,7 @@ from kvscope.allocator import KVPool, faults, probing, sites
 from kvscope.allocator.findings import Finding
 from kvscope.probes.lockdep import LockDep
 from kvscope.probes.lockgraph import SegmentGraph, call_site, cycle_finding, find_path
+from tests import lockholder
 from tests.forking import fork_child, wait_child
 
 
@@ -67,7 +68,7 @@ def test_report_recovers_a_dead_holder_of_the_findings_lock(make_pool, pool_name
 
     def die_holding_findings() -> int:
         p = KVPool.attach(pool_name)
-        p.locks.acquire(p.locks.index("findings"))
+        lockholder.hold(p, p.locks.index("findings"))
         os.kill(os.getpid(), signal.SIGKILL)
         return 0
 

@@ -8,14 +8,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvscope.allocator import KVPool, LockDeadlock, _native, faults
+from kvscope.allocator import KVPool, _native, faults
 from kvscope.allocator.probing import NATIVE_LOCKDEP
 from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
+from tests import lockholder
 from tests.forking import fork_child
 
 CHILD_ALARM_S = 20
-DEADLOCKED = 3
 
 
 def _fork(fn: Callable[[], int]) -> int:
@@ -157,51 +157,6 @@ def test_a_cycle_is_reported_before_the_thread_waits(make_pool):
     assert f"pid {first} took index -> seqs at test_lockdep.py:" in f.message
 
 
-def test_the_pool_breaks_the_deadlock_with_lock_deadlock(make_pool):
-    # GIVEN two processes that take pool locks in opposite orders through the lock table, so
-    # that they would deadlock (the taker out of order waits in slices and follows the
-    # published waits: allocator/waits.py)
-    pool = make_pool(32)
-    free_held_r, free_held_w = os.pipe()
-    seqs_held_r, seqs_held_w = os.pipe()
-
-    def seqs_then_free() -> int:
-        p = KVPool.attach(pool.name)
-        os.read(free_held_r, 1)
-        p.locks.acquire(p.SEQS)
-        os.write(seqs_held_w, b"1")
-        try:
-            # Blocks: the other process holds free.
-            p.locks.acquire(p.FREE)
-        except LockDeadlock:
-            return DEADLOCKED
-        finally:
-            p.locks.release(p.SEQS)
-        p.locks.release(p.FREE)
-        return 0
-
-    def free_then_seqs() -> int:
-        p = KVPool.attach(pool.name)
-        p.locks.acquire(p.FREE)
-        os.write(free_held_w, b"1")
-        os.read(seqs_held_r, 1)
-        # Let the other process block on free first.
-        time.sleep(0.3)
-        try:
-            p.locks.acquire(p.SEQS)
-        except LockDeadlock:
-            return DEADLOCKED
-        finally:
-            p.locks.release(p.FREE)
-        p.locks.release(p.SEQS)
-        return 0
-
-    # WHEN they run
-    codes = [_wait(pid, 10) for pid in [_fork(seqs_then_free), _fork(free_then_seqs)]]
-    # THEN one process gets LockDeadlock, the other completes
-    assert sorted(codes) == [0, DEADLOCKED]
-
-
 def test_the_documented_order_is_not_a_cycle(make_pool):
     # GIVEN two processes running every pool operation under lockdep
     pool = make_pool(64, num_shards=4)
@@ -299,10 +254,10 @@ def test_user_locks_and_pool_locks_form_cycles_too(make_pool):
             pool.allocate("a", [1, 2, 3])
 
     def pool_then_cache() -> None:
-        pool.locks.acquire(pool.SEQS)
+        lockholder.hold(pool, pool.SEQS)
         with cache:
             pass
-        pool.locks.release(pool.SEQS)
+        lockholder.let_go(pool, pool.SEQS)
 
     # WHEN one thread takes cache then seqs, another seqs then cache
     for fn in (cache_then_pool, pool_then_cache):
@@ -391,10 +346,10 @@ def test_a_traced_lock_whose_edge_closes_a_cycle_is_reported_once(make_pool):
     cache = TracedLock("cache", pool, lockdep=lockdep)
 
     def pool_then_cache() -> None:
-        pool.locks.acquire(pool.SEQS)
+        lockholder.hold(pool, pool.SEQS)
         with cache:
             pass
-        pool.locks.release(pool.SEQS)
+        lockholder.let_go(pool, pool.SEQS)
 
     def cache_then_pool() -> None:
         with cache:
@@ -460,11 +415,11 @@ def test_the_watchdog_reports_a_long_hold_once_with_the_holders_stack(make_pool)
     dog = Watchdog(pool, threshold_s=0.2, interval_s=0.05).start()
 
     def hold_seqs() -> None:
-        pool.locks.acquire(pool.SEQS)
+        lockholder.hold(pool, pool.SEQS)
         try:
             time.sleep(0.6)
         finally:
-            pool.locks.release(pool.SEQS)
+            lockholder.let_go(pool, pool.SEQS)
 
     # WHEN a thread holds the sequence-table lock for 0.6 s
     t = threading.Thread(target=hold_seqs)
@@ -535,7 +490,7 @@ def test_a_dead_holder_is_recovered_under_lockdep_without_a_false_cycle(make_poo
 
     def die_holding_free() -> int:
         p = KVPool.attach(pool.name)
-        p.locks.acquire(p.FREE)
+        lockholder.hold(p, p.FREE)
         os.kill(os.getpid(), signal.SIGKILL)
         return 0
 
@@ -560,9 +515,9 @@ def test_a_long_hold_in_another_process_is_reported_once(make_pool):
     def hold_free_long() -> int:
         p = KVPool.attach(pool.name)
         Watchdog(p, threshold_s=0.2, interval_s=0.02).start()
-        p.locks.acquire(p.FREE)
+        lockholder.hold(p, p.FREE)
         time.sleep(0.8)
-        p.locks.release(p.FREE)
+        lockholder.let_go(p, p.FREE)
         return 0
 
     # WHEN that process holds the free-ring lock for 0.8 s
@@ -582,9 +537,9 @@ def test_an_unwatched_process_long_hold_is_reported_by_an_observer(make_pool):
 
     def hold_free_long() -> int:
         p = KVPool.attach(pool.name)
-        p.locks.acquire(p.FREE)
+        lockholder.hold(p, p.FREE)
         time.sleep(0.6)
-        p.locks.release(p.FREE)
+        lockholder.let_go(p, p.FREE)
         return 0
 
     # WHEN another process holds the free-ring lock for 0.6 s

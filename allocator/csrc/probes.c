@@ -636,6 +636,34 @@ static int conservation(Native *n) {
     return rc;
 }
 
+/* free_counts() -> (free, ring, mine, local) | None: probing.py conservation's counts, taken
+ * together under the free lock (waited for, a dead holder recovered: leaf_take_py): the free
+ * and quarantined block records, the free ring's count, this client's LOCAL block records and
+ * its local cache's count. Another thread's operation on the handle is waited for first, so
+ * that this process's local cache holds still. None where the lock is not to be had now: this
+ * thread is inside a transaction of the pool (a callback of its operation) that holds a lock
+ * ordered after it, or its record names a dead holder then. */
+static PyObject *N_free_counts(Native *n, PyObject *unused) {
+    if (py_caller_unusable(n)) return NULL;
+    int mine;
+    if (wait_others(n, &mine, NULL)) return NULL;
+    if (py_caller_unusable(n)) return NULL; /* (closed meanwhile) */
+    if (mine && (n->held & ~(lock_bit(n->lock_free + 1) - 1))) Py_RETURN_NONE;
+    int mh, taken = leaf_take(n, n->lock_free, &mh);
+    if (taken == UNHANDLED) Py_RETURN_NONE;
+    if (taken == ERROR) return NULL;
+    int64_t free_ = 0, own = 0;
+    for (int64_t b = 0; b < n->nb; b++) {
+        uint8_t *r = blk(n, b);
+        free_ += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
+        own += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
+    }
+    int64_t ring = (int64_t)U4(ringh(n) + RING_COUNT), local = (int64_t)local_count(n);
+    leaf_drop(n, n->lock_free, taken, mh);
+    return Py_BuildValue("(LLLL)", (long long)free_, (long long)ring, (long long)own,
+                         (long long)local);
+}
+
 /* The header's checked bytes (up to and with its checksum) changed since
  * this handle attached: a header_corrupt finding naming the first byte that differs, its
  * field, and 8 bytes found and expected from there (byte -1, "?", when only the checksum
