@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from kvscope.allocator import KVPool, _native, faults
 from kvscope.allocator.probing import NATIVE_LOCKDEP
-from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
+from kvscope.probes.lockdep import LOCKDEP, LockDep, SegmentGraph, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
 from tests import lockholder
 from tests.forking import fork_child
@@ -240,6 +240,69 @@ def test_an_edge_of_the_core_that_would_close_a_cycle_is_reported(make_pool):
     # THEN the cycle it closes is reported
     (f,) = _cycles(pool)
     assert "takes seqs -> index" in f.message and "took index -> seqs" in f.message
+
+
+def _read_only(pool: KVPool) -> None:
+    """Make this process's numpy views of the graph, the header, the lock records and the
+    findings ring read-only: whatever reaches them from Python here still writes through the
+    C core, or fails."""
+    for arr in (pool.view.lockgraph, pool.view.header, pool.view.locks, pool.view.findings):
+        arr.flags.writeable = False
+
+
+def test_user_lock_edges_are_written_by_the_core_and_read_in_another_process(make_pool):
+    # GIVEN a pool, and processes under lockdep whose own views of the segment are read-only
+    pool = make_pool(16)
+
+    def takes(first: str, second: str) -> Callable[[], int]:
+        def run() -> int:
+            p, lockdep = _attached(pool.name)
+            _read_only(p)
+            a, b = TracedLock(first, p, lockdep=lockdep), TracedLock(second, p, lockdep=lockdep)
+            with a, b:
+                pass
+            return 0
+
+        return run
+
+    # WHEN one takes user lock a then b, and after it another takes b then a
+    first = _fork(takes("a", "b"))
+    assert _wait(first) == 0
+    second = _fork(takes("b", "a"))
+    assert _wait(second) == 0
+    # THEN their edges are in the segment's graph, as read here, with each pid and its site
+    edges = {(e.src, e.dst): e for e in SegmentGraph(pool).edges()}
+    ab, ba = edges[("user:a", "user:b")], edges[("user:b", "user:a")]
+    assert (ab.pid, ba.pid) == (first, second)
+    assert ab.site.startswith("test_lockdep.py:") and ab.site.endswith(" run")
+    assert ("user:a", "gil") in edges and ("user:b", "gil") in edges
+    # AND the cycle the second closed is in the findings ring, naming both chains
+    (f,) = _cycles(pool)
+    assert f.owner_pid == second
+    assert f.message.startswith(f"pid {second} takes user:b -> user:a at test_lockdep.py:")
+    assert f"pid {first} took user:a -> user:b at test_lockdep.py:" in f.message
+
+
+def test_an_edge_record_past_the_count_is_unused_and_taken_by_the_next_edge(make_pool):
+    # GIVEN a graph with one edge, and a record past its count as a writer killed between the
+    # record and the count leaves it (written here, as that writer would have)
+    pool = make_pool(16)
+    assert pool.core.learn_edge("user:x", "user:y", "here:1 f")
+    used = int(pool.view.h["lockgraph_used"])
+    torn = pool.view.lockgraph[used : used + 1]
+    torn["src"], torn["dst"], torn["pid"], torn["site"] = b"user:y", b"user:x", 4242, b"torn"
+    # WHEN it is read, THEN the torn record is not an edge (and closes no cycle)
+    assert [(e.src, e.dst) for e in SegmentGraph(pool).edges()] == [("user:x", "user:y")]
+    # WHEN the next edge is learned
+    assert pool.core.learn_edge("user:y", "user:z", "here:2 g")
+    # THEN it takes that record, and the count covers it
+    assert int(pool.view.h["lockgraph_used"]) == used + 1
+    got = [(e.src, e.dst, e.pid, e.site) for e in SegmentGraph(pool).edges()]
+    assert got == [
+        ("user:x", "user:y", os.getpid(), "here:1 f"),
+        ("user:y", "user:z", os.getpid(), "here:2 g"),
+    ]
+    assert _cycles(pool) == []
 
 
 def test_user_locks_and_pool_locks_form_cycles_too(make_pool):

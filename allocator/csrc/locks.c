@@ -193,13 +193,13 @@ static int mutex_spin(pthread_mutex_t *m) {
     return EBUSY;
 }
 
-/* Take lock i as LockTable.acquire does (a busy one after a spin: mutex_spin); HOLDER_DEAD (not
+/* Take lock i (a busy one after a spin: mutex_spin); HOLDER_DEAD (not
  * taken) when its record names a dead holder and `dead` is NULL, else the holder is written to
  * *dead and forgotten (the caller stops the world to recover: recovery.c); MUTEX_LATER (not
  * taken) when it must wait and another thread holds the op mutex while this call holds other
  * locks (hold_mutex); ERROR (OSError) when the wait fails. The core takes locks in the
- * documented order only, so its waits cannot close a cycle; it publishes them (waits.py) for a
- * waiter that takes locks out of order (locks.py LockTable) to see one. With `wait` 0 a lock
+ * documented order only, so its waits cannot close a cycle (but the lock-inversion fault's,
+ * which is meant to); it publishes them (waits.py) for a reader of a stuck pool. With `wait` 0 a lock
  * still busy after the spin is not waited for: LOCK_BUSY, nothing taken (not counted: the wait
  * for it that follows is). */
 static int lock_get(Native *n, int i, Holder *dead, int wait) {

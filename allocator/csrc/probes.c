@@ -298,8 +298,9 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
 }
 
 /* Lock i, a leaf of the lock order (sites, findings), for one write: OK when taken here
- * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of the core,
- * or a Python caller under it: lockdep's graph; its record names this process and thread),
+ * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of this
+ * handle, or of another handle on the pool in this thread: its record names this process and
+ * thread),
  * ERROR with an exception set. Holding no other lock, the core waits for it (and for the op
  * mutex) and recovers a dead holder first (recovery.c); inside a transaction, UNHANDLED when it
  * is not to be had then (its record names a dead holder, or another thread holds the op mutex:
@@ -322,9 +323,9 @@ static int leaf_take(Native *n, int i, int *mh) {
     return rc == OK || rc == ERROR ? rc : UNHANDLED;
 }
 
-/* leaf_take for a Python caller (N_report, N_intern_site): HELD at once where this thread
- * holds the lock already, by its record (lockdep's graph, the watchdog: through the lock
- * table), whatever operation is in flight; else another thread's operation on the handle in
+/* leaf_take for a Python caller (N_report, N_intern_site, N_learn_edge): HELD at once where
+ * this thread holds the lock already, by its record (another handle's transaction that called
+ * Python), whatever operation is in flight; else another thread's operation on the handle in
  * flight (its lock bookkeeping is the handle's) is waited for first (wait_others), and one of
  * this thread's own (Python it called, reporting) keeps its locks: a leaf not to be had under
  * them then is a PoolError naming `what`. OK, HELD, ERROR. */
@@ -1467,8 +1468,8 @@ static int lg_learn(Native *n, int i, int j) {
 /* -- traced user locks (probes/lockdep.py TracedLock) ----------------------------------------- */
 
 /* held_here() -> int: the pool locks whose records name this thread of this process as their
- * holder (bit i: lock i), whoever took them (this core, in an operation that called Python;
- * the lock table): the sources of lockdep.py's edges into a traced user lock taken now. */
+ * holder (bit i: lock i), whichever handle's core took them (in an operation that called
+ * Python): the sources of lockdep.py's edges into a traced user lock taken now. */
 static PyObject *N_held_here(Native *n, PyObject *unused) {
     uint64_t mask = 0;
     if (n->seg != NULL) {
@@ -1554,8 +1555,8 @@ static int lockdep_user_into(Native *n, int j) {
  * sites and findings are not traced), so a cycle needs an edge back from a later class to an
  * earlier one (the lock-inversion fault's: faults.c lockdep_inverted_ok), or through a user
  * lock. A traced user lock taken while the thread holds pool locks (in Python an operation
- * called; lockdep.py reads them from their records) finds the core's edges in the segment and
- * reports the cycle its edge closes; an edge of the core's that closes one (a user lock held
+ * called; lockdep.py reads them from their records) has its edges added by N_learn_edge, which
+ * finds the core's edges in the segment and reports the cycle its edge closes; an edge of the core's that closes one (a user lock held
  * across an operation, an edge of the lock-inversion fault) the core reports itself
  * (lg_learn_classes), before it waits for the lock. */
 static int lockdep_ok(Native *n, uint64_t mask) {
