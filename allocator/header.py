@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.allocator import _native
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.geometry import SECTION_FIELDS
 from kvscope.allocator.layout import (
@@ -94,7 +93,11 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
     names = lock_names(cfg.num_shards)
     for i, lname in enumerate(names):
         view.locks["name"][i] = lname.encode()
-    # (each record's process-shared robust mutex: the C core's, which takes them)
+    # (each record's process-shared robust mutex: the C core's, which takes them; imported here,
+    # when a segment is made, so that the package's import meets a missing core in native.py,
+    # which says how to rebuild it)
+    from kvscope.allocator import _native
+
     _native.init_lock_mutexes(view.raw[off["locks"] :], len(names))
 
 
