@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.allocator import mutex
 from kvscope.allocator.config import PoolConfig
 from kvscope.allocator.geometry import SECTION_FIELDS
 from kvscope.allocator.layout import (
@@ -91,10 +90,15 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
     view.index["block"] = -1
     view.seqs["table"] = -1
     view.lease_header["capacity"] = view.layout.lease_capacity
-    base = view.locks.__array_interface__["data"][0]
-    for i, lname in enumerate(lock_names(cfg.num_shards)):
+    names = lock_names(cfg.num_shards)
+    for i, lname in enumerate(names):
         view.locks["name"][i] = lname.encode()
-        mutex.init(base + i * view.locks.itemsize)
+    # (each record's process-shared robust mutex: the C core's, which takes them; imported here,
+    # when a segment is made, so that the package's import meets a missing core in native.py,
+    # which says how to rebuild it)
+    from kvscope.allocator import _native
+
+    _native.init_lock_mutexes(view.raw[off["locks"] :], len(names))
 
 
 def seal_header(view: SegmentView) -> None:

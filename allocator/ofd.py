@@ -8,7 +8,7 @@ middle of another handle's attach would hand its lock to other processes. An OFD
 one `open()` of the file (the open file description, shared by its `dup`s and by mappings made
 from it) and is dropped when the last reference to it goes: when its process dies or closes
 that one open, never at a stray close. (The pool's own locks are the robust mutexes in the lock
-records: mutex.py.)
+records: locks.py.)
 
 A forked child inherits references to its parent's open file descriptions (its descriptors and
 mappings): a parent killed while holding a lock would leave it held for as long as a child

@@ -19,10 +19,8 @@ from kvscope.allocator.findings import Finding, FindingKind, finding_at
 from kvscope.allocator.layout import (
     FINDINGS_CAPACITY,
     HEADER_CHECKSUM_BYTES,
-    BlockState,
     header_checksum,
 )
-from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.sites import SiteTable, site_text
 from kvscope.allocator.writes import WriteProbes
@@ -188,30 +186,15 @@ class PoolProbes:
     def conservation(self) -> list[Finding]:
         """Under the free lock: the ring holds exactly the free blocks, and this process's
         local cache exactly its LOCAL blocks (free + cached + allocated + local == total), as
-        the core counts them (csrc/probes.c conservation). Nothing when a dead process left the
-        lock held (the core's next operation under it recovers it; the next check counts). The
-        local cache changes without the lock, in this process's own operations: a count one of
-        them overlapped (its client record's counter moved) compares the ring only."""
+        the core counts them (csrc/probes.c conservation; the counts are the core's,
+        free_counts, which takes the lock and recovers a dead holder of it). Nothing inside a
+        callback of the pool's operation that holds a lock ordered after it."""
         pool = self.pool
-        view = pool.view
-        b = view.blocks
-        counter = view.clients["seq"][pool.client : pool.client + 1]
-        try:
-            pool.locks.acquire(pool.FREE)
-        except DeadHolder:
+        counts = pool.core.free_counts()
+        pool.deliver_findings()
+        if counts is None:
             return []
-        try:
-            before = int(counter[0])
-            st = np.bincount(b["state"], minlength=len(BlockState))
-            mine = int(
-                ((b["state"] == BlockState.LOCAL) & (b["owner_client"] == pool.client)).sum()
-            )
-            free = int(st[BlockState.FREE] + st[BlockState.QUARANTINED])
-            ring = int(view.ring_header["count"][0])
-            local = int(view.clients["local_count"][pool.client])
-            steady = before % 2 == 0 and int(counter[0]) == before
-        finally:
-            pool.locks.release(pool.FREE)
+        free, ring, mine, local = counts
         out = []
         if free != ring:
             out.append(
@@ -220,7 +203,7 @@ class PoolProbes:
                     f"{free} blocks are free but the free ring holds {ring}: blocks were lost or freed twice",
                 )
             )
-        if steady and mine != local:
+        if mine != local:
             out.append(
                 Finding(
                     FindingKind.FREE_LIST_CORRUPT,

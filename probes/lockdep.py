@@ -9,7 +9,7 @@
 
 A thread that takes lock class B while it holds A adds the edge A -> B, with the site where it
 was first seen, to the segment's lock-order graph, which every process attached to the pool
-shares. An edge whose reverse path B -> ... -> A is already there is reported as
+shares and the pool's C core writes (lockgraph.SegmentGraph.learn). An edge whose reverse path B -> ... -> A is already there is reported as
 `lock_order_cycle` before the thread waits for B, so two processes that take locks in opposite
 orders are named before they ever overlap. The pool's locks are traced by the C core, which
 takes them (csrc/probes.c lockdep_ok: the edges between them and from the traced user locks the
@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvscope.allocator import _native
+from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import Finding
-from kvscope.allocator.locks import DeadHolder
 from kvscope.allocator.probeflags import env_flag
 from kvscope.probes.lockgraph import (  # noqa: F401
     CLASS_BYTES,
@@ -257,32 +257,26 @@ class LockDep:
                 return
 
     def _learn(self, st: ThreadState, new: list[tuple[Any, str, str]]) -> None:
-        """The slow path: add edges (graph, src, dst) new to this process to their graphs,
-        reporting the cycles they close."""
-        site, pid = call_site(), os.getpid()
-        found: list[tuple[Any, Finding]] = []
+        """The slow path: add edges (graph, src, dst) new to this process to their graphs (a
+        pool's: its C core writes it), then hand over the cycles they close."""
+        site = call_site()
+        touched: list[Any] = []
         st.busy = True
         try:
             for g, src, dst in new:
                 if not g.usable():
                     continue
                 try:
-                    with g.locked():
-                        edges = g.edges()
-                        if not any(e.src == src and e.dst == dst for e in edges):
-                            e = Edge(src, dst, pid, site)
-                            path = find_path(edges, dst, src)
-                            g.add(e)
-                            if path:
-                                f = cycle_finding(e, path)
-                                g.write(f)
-                                found.append((g, f))
-                except DeadHolder:
-                    # A dead process left the findings lock held: the next operation recovers it.
+                    g.learn(src, dst, site)
+                except PoolError:
+                    # A dead process left the findings lock held, and this thread is inside a
+                    # transaction of the pool (a callback): its next operation recovers it.
                     continue
                 g.known.add((src, dst))
-            for g, f in found:
-                g.notify(f)
+                if g not in touched:
+                    touched.append(g)
+            for g in touched:
+                g.deliver()
         finally:
             st.busy = False
 

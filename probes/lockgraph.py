@@ -1,5 +1,7 @@
-"""The lock-order graph: edges between lock classes, kept per process and in the segment, and
-the cycle search that names both chains of a lock-order inversion (used by lockdep.py)."""
+"""The lock-order graph: edges between lock classes, kept per process (LocalGraph) or in the
+segment (SegmentGraph: the pool's C core writes it, this module reads it), and the cycle search
+that names both chains of a lock-order inversion (used by lockdep.py; the core's csrc/probes.c
+lg_chain and lg_cycle search and name them the same way)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,7 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -108,7 +109,9 @@ class LocalGraph:
     def __init__(self, notify: Callable[[Finding], None]):
         self._edges: list[Edge] = []
         self._lock = threading.Lock()
-        # Findings have no ring to go to here: writing is a no-op, reporting is notifying.
+        # The cycles learned and not yet handed over (deliver).
+        self._found: list[Finding] = []
+        # Findings have no ring to go to here: reporting is notifying.
         self.notify = self.report = notify
         self.known: set[tuple[str, str]] = set()
 
@@ -116,25 +119,35 @@ class LocalGraph:
         """Always: the graph lives in this process."""
         return True
 
-    def locked(self) -> threading.Lock:
-        """Exclusive access to the edges."""
-        return self._lock
-
     def edges(self) -> list[Edge]:
         """Every edge, oldest first."""
-        return list(self._edges)
+        with self._lock:
+            return list(self._edges)
 
-    def add(self, e: Edge) -> bool:
-        """Add an edge (caller holds `locked`)."""
-        self._edges.append(e)
-        return True
+    def learn(self, src: str, dst: str, site: str) -> None:
+        """Add the edge src -> dst this process took at `site` unless the graph has it; a
+        cycle it closes is a `lock_order_cycle` finding, handed over by `deliver`."""
+        with self._lock:
+            if any(e.src == src and e.dst == dst for e in self._edges):
+                return
+            e = Edge(src, dst, os.getpid(), site)
+            path = find_path(self._edges, dst, src)
+            self._edges.append(e)
+            if path:
+                self._found.append(cycle_finding(e, path))
 
-    def write(self, f: Finding) -> None:
-        """Nothing to write: `notify` hands the finding over."""
+    def deliver(self) -> None:
+        """Hand the cycles learned to the callback."""
+        with self._lock:
+            found, self._found = self._found, []
+        for f in found:
+            self.notify(f)
 
 
 class SegmentGraph:
-    """The lock-order graph in a pool's segment, shared by every attached process."""
+    """The lock-order graph in a pool's segment, shared by every attached process. The pool's C
+    core writes it (`learn`: csrc/probes.c N_learn_edge, under the findings lock); this class
+    reads it."""
 
     shared = True
 
@@ -143,26 +156,16 @@ class SegmentGraph:
         # The pool handle as the C core knows it (KVPool's uid: its id): a user lock of this
         # graph is ordered against that handle's locks only.
         self.core_key = id(pool)
-        self.table = pool.locks
         self.findings_lock = pool.locks.index("findings")
         self.known: set[tuple[str, str]] = set()
         # The traced pool locks: (index, class).
         self.traced = [
-            (i, lock_class(n)) for i, n in enumerate(self.table.names) if n not in UNTRACED
+            (i, lock_class(n)) for i, n in enumerate(pool.locks.names) if n not in UNTRACED
         ]
 
     def usable(self) -> bool:
         """False once the pool is closed, or in a forked child of the process that opened it."""
         return not self.pool.closed and self.pool.pid == os.getpid()
-
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the pool's findings lock, raw: it is last in the lock order, and a leaf."""
-        self.table.acquire(self.findings_lock)
-        try:
-            yield
-        finally:
-            self.table.release(self.findings_lock)
 
     def held_classes(self) -> list[str]:
         """The classes of the traced pool locks this thread holds now, whoever took them (the
@@ -180,27 +183,19 @@ class SegmentGraph:
             Edge(s.decode(), d.decode(), p, t.decode(errors="replace")) for s, d, p, t in zip(*cols)
         ]
 
-    def add(self, e: Edge) -> bool:
-        """Append an edge (caller holds `locked`); False when the graph is full."""
-        view = self.pool.view
-        n = int(view.h["lockgraph_used"])
-        if n >= LOCKGRAPH_CAPACITY:
-            return False
-        r = view.lockgraph[n : n + 1]
-        r["src"], r["dst"], r["pid"] = (
-            e.src.encode()[:CLASS_BYTES],
-            e.dst.encode()[:CLASS_BYTES],
-            e.pid,
-        )
-        r["site"] = e.site.encode()[:SITE_BYTES]
-        # The count moves last: a crash before it leaves an unused record.
-        view.header["lockgraph_used"] = n + 1
-        return True
+    def learn(self, src: str, dst: str, site: str) -> None:
+        """Have the pool's C core add the edge src -> dst this process took at `site` to the
+        segment's graph unless it is there (record first, count last: a death in between leaves
+        an unused record; a full graph takes no more), under the findings lock (waited for, a
+        dead holder recovered); a cycle it closes goes into the findings ring, handed over by
+        `deliver`. PoolError where the lock is not to be had (a callback inside the pool's
+        transaction, while a dead process holds it)."""
+        self.pool.core.learn_edge(src, dst, site)
 
-    def write(self, f: Finding) -> None:
-        """Append a finding to the segment's ring (caller holds `locked`; the pool's C core
-        writes it under that lock)."""
-        self.pool.record(f)
+    def deliver(self) -> None:
+        """Hand what the core reported (the cycles, a dead holder it recovered) to the pool's
+        probe callback."""
+        self.pool.deliver_findings()
 
     def notify(self, f: Finding) -> None:
         """Hand a finding to the pool's probe callback."""
@@ -208,7 +203,7 @@ class SegmentGraph:
             self.pool.on_finding(f)
 
     def report(self, f: Finding) -> None:
-        """Write and hand over a finding without the pool mutex (a stuck operation may hold it)."""
-        with self.locked():
-            self.write(f)
+        """Write a finding into the segment's ring and hand it over (the pool's C core writes
+        it, under the findings lock: `KVPool.record`)."""
+        self.pool.record(f)
         self.notify(f)

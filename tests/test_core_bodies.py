@@ -30,6 +30,7 @@ from kvscope.allocator.errors import JournalFull
 from kvscope.allocator.findings import read_findings
 from kvscope.allocator.layout import CHUNK, SeqState
 from kvscope.allocator.waits import wait_word
+from tests import lockholder
 from tests.forking import fork_child, wait_child
 from tests.test_eviction_journal import hold_free_blocks
 
@@ -100,7 +101,7 @@ def test_a_take_whose_shards_changed_before_its_locks_runs_again_under_every_sha
     # WHEN a prompt hitting p's first block and needing two new blocks plans its locks (the ring
     # holds two: its plan evicts one more, for the hit it cannot count on yet) and waits for
     # shard S, held here
-    pool.locks.acquire(home)
+    lockholder.hold(pool, home)
     got: dict = {}
 
     def allocate_it() -> None:
@@ -119,7 +120,7 @@ def test_a_take_whose_shards_changed_before_its_locks_runs_again_under_every_sha
     os.write(go_w, b"g")
     assert os.read(done_r, 1) == b"d"
     assert pool.stats()["num_free"] == 0
-    pool.locks.release(home)
+    lockholder.let_go(pool, home)
     t.join()
     os.write(go_w, b"f")
     assert wait_child(pid) == 0

@@ -13,7 +13,8 @@ import pytest
 from kvscope.allocator import KVPool, faults, probing, sites
 from kvscope.allocator.findings import Finding
 from kvscope.probes.lockdep import LockDep
-from kvscope.probes.lockgraph import Edge, SegmentGraph, call_site, cycle_finding, find_path
+from kvscope.probes.lockgraph import SegmentGraph, call_site, cycle_finding, find_path
+from tests import lockholder
 from tests.forking import fork_child, wait_child
 
 
@@ -67,7 +68,7 @@ def test_report_recovers_a_dead_holder_of_the_findings_lock(make_pool, pool_name
 
     def die_holding_findings() -> int:
         p = KVPool.attach(pool_name)
-        p.locks.acquire(p.locks.index("findings"))
+        lockholder.hold(p, p.locks.index("findings"))
         os.kill(os.getpid(), signal.SIGKILL)
         return 0
 
@@ -212,10 +213,8 @@ def test_a_longer_chain_is_named_edge_by_edge(make_pool, monkeypatch):
     pool = make_pool(32)
     lockdep = LockDep()
     lockdep.instrument(pool)
-    graph = SegmentGraph(pool)
-    with graph.locked():
-        for src, dst in (("index", "free"), ("free", "seqs")):
-            graph.add(Edge(src, dst, os.getpid(), call_site()))
+    for src, dst in (("index", "free"), ("free", "seqs")):
+        assert pool.core.learn_edge(src, dst, call_site())
     assert _kinds(pool, "lock_order_cycle") == []
     _refuse(monkeypatch, LockDep, "_learn")
     # WHEN the core takes seqs -> free, then seqs -> index

@@ -19,6 +19,7 @@ from kvscope.allocator import KVPool, faults, sites
 from kvscope.allocator.findings import Finding
 from kvscope.allocator.sites import site_frames
 from kvscope.probes.lockdep import LockDep, TracedLock
+from tests import lockholder
 from tests.forking import fork_child, wait_child
 from tests.journals import journal_save
 
@@ -34,7 +35,7 @@ def _killed_holding(pool: KVPool, lock: str) -> int:
 
     def die() -> int:
         p = KVPool.attach(pool.name)
-        p.locks.acquire(p.locks.index(lock))
+        lockholder.hold(p, p.locks.index(lock))
         os.kill(os.getpid(), signal.SIGKILL)
         return 0
 
@@ -50,10 +51,10 @@ def _holding(pool: KVPool, lock: str, hold_s: float) -> int:
 
     def hold() -> int:
         p = KVPool.attach(pool.name)
-        p.locks.acquire(p.locks.index(lock))
+        lockholder.hold(p, p.locks.index(lock))
         os.write(w, b"1")
         time.sleep(hold_s)
-        p.locks.release(p.locks.index(lock))
+        lockholder.let_go(p, p.locks.index(lock))
         return 0
 
     pid = fork_child(hold, CHILD_ALARM_S)
@@ -107,10 +108,10 @@ def test_an_operation_under_a_traced_lock_that_closes_a_cycle_runs_in_the_core(m
     cache = TracedLock("cache", pool, lockdep=lockdep)
 
     def seqs_then_cache() -> None:
-        pool.locks.acquire(pool.SEQS)
+        lockholder.hold(pool, pool.SEQS)
         with cache:
             pass
-        pool.locks.release(pool.SEQS)
+        lockholder.let_go(pool, pool.SEQS)
 
     _in_thread(seqs_then_cache)
     ops = pool._core.stats()["native_ops"]
@@ -250,14 +251,14 @@ def test_report_under_the_findings_lock_this_thread_holds_writes_at_once(make_po
     pid = _holding(pool, "seqs", 0.5)
     t, got = _waiting_in_thread(pool, lambda: pool.allocate("first", [1, 2, 3]))
     findings = pool.locks.index("findings")
-    pool.locks.acquire(findings)
+    lockholder.hold(pool, findings)
     try:
         # WHEN it records a finding
         pool.record(Finding("leak_orphan", "under the lock"))
         # THEN the core wrote it under that lock at once, while the operation still waits
         assert t.is_alive()
     finally:
-        pool.locks.release(findings)
+        lockholder.let_go(pool, findings)
     t.join()
     assert wait_child(pid) == 0
     assert [f.kind for f in pool.findings()] == ["leak_orphan"] and got[0].request_id == "first"
@@ -344,13 +345,13 @@ def test_a_wait_for_the_op_mutex_another_thread_holds_is_waited_in_the_core(make
 def test_a_wait_that_fails_is_an_oserror_with_its_errno(make_pool):
     # GIVEN this thread holding the sequence-table lock through the lock table
     pool = make_pool(32)
-    pool.locks.acquire(pool.SEQS)
+    lockholder.hold(pool, pool.SEQS)
     try:
         # WHEN it allocates (the core must take that lock: the error-checking mutex refuses)
         with pytest.raises(OSError) as e:
             pool.allocate("a", [1, 2, 3])
     finally:
-        pool.locks.release(pool.SEQS)
+        lockholder.let_go(pool, pool.SEQS)
     # THEN the error names the lock and the errno, and the pool is as it was
     assert e.value.errno == errno.EDEADLK and "pool lock 'seqs'" in str(e.value)
     assert pool.live() == {} and pool.check() == []
@@ -365,10 +366,10 @@ def _holding_until_told(pool: KVPool, lock: str) -> tuple[int, int]:
 
     def hold() -> int:
         p = KVPool.attach(pool.name)
-        p.locks.acquire(p.locks.index(lock))
+        lockholder.hold(p, p.locks.index(lock))
         os.write(w, b"1")
         os.read(go_r, 1)
-        p.locks.release(p.locks.index(lock))
+        lockholder.let_go(p, p.locks.index(lock))
         return 0
 
     pid = fork_child(hold, CHILD_ALARM_S)

@@ -18,6 +18,7 @@ import pytest
 from kvscope.allocator import KVPool, PoolExhausted
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import CLIENT_DTYPE, SeqState
+from tests import lockholder
 from tests.test_crash import _survive_and_reclaim, _work
 
 BS = 4
@@ -338,10 +339,10 @@ def test_an_operation_that_waits_for_another_process_gives_the_mutex_back(make_p
     pid = os.fork()
     if pid == 0:
         other = KVPool.attach(pool.name)
-        other.locks.acquire(shard)
+        lockholder.hold(other, shard)
         os.write(w, b"x")
         time.sleep(0.3)
-        other.locks.release(shard)
+        lockholder.let_go(other, shard)
         os._exit(0)
     os.read(r, 1)
     # WHEN this process forks the sequence (the C core waits for the lock, GIL released)

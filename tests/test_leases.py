@@ -23,6 +23,7 @@ from kvscope.allocator.layout import BlockState
 from kvscope.allocator.lease import lease_totals
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
+from tests import lockholder
 from tests.forking import fork_child, killed_after, wait_child
 
 LATE = FindingKind.TRANSFER_AFTER_FREE.value
@@ -485,10 +486,10 @@ def test_a_lease_that_waited_for_a_lock_gives_the_op_mutex_back(make_pool, pool_
 
     def hold() -> int:
         p = KVPool.attach(pool_name)
-        p.locks.acquire(p.locks.index("free"))
+        lockholder.hold(p, p.locks.index("free"))
         os.write(held[1], b"1")
         os.read(go[0], 1)
-        p.locks.release(p.locks.index("free"))
+        lockholder.let_go(p, p.locks.index("free"))
         return 0
 
     pid = fork_child(hold, 30)

@@ -8,14 +8,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvscope.allocator import KVPool, LockDeadlock, _native, faults
+from kvscope.allocator import KVPool, _native, faults
 from kvscope.allocator.probing import NATIVE_LOCKDEP
-from kvscope.probes.lockdep import LOCKDEP, LockDep, TracedLock, install
+from kvscope.probes.lockdep import LOCKDEP, LockDep, SegmentGraph, TracedLock, install
 from kvscope.probes.watchdog import Watchdog
+from tests import lockholder
 from tests.forking import fork_child
 
 CHILD_ALARM_S = 20
-DEADLOCKED = 3
 
 
 def _fork(fn: Callable[[], int]) -> int:
@@ -157,51 +157,6 @@ def test_a_cycle_is_reported_before_the_thread_waits(make_pool):
     assert f"pid {first} took index -> seqs at test_lockdep.py:" in f.message
 
 
-def test_the_pool_breaks_the_deadlock_with_lock_deadlock(make_pool):
-    # GIVEN two processes that take pool locks in opposite orders through the lock table, so
-    # that they would deadlock (the taker out of order waits in slices and follows the
-    # published waits: allocator/waits.py)
-    pool = make_pool(32)
-    free_held_r, free_held_w = os.pipe()
-    seqs_held_r, seqs_held_w = os.pipe()
-
-    def seqs_then_free() -> int:
-        p = KVPool.attach(pool.name)
-        os.read(free_held_r, 1)
-        p.locks.acquire(p.SEQS)
-        os.write(seqs_held_w, b"1")
-        try:
-            # Blocks: the other process holds free.
-            p.locks.acquire(p.FREE)
-        except LockDeadlock:
-            return DEADLOCKED
-        finally:
-            p.locks.release(p.SEQS)
-        p.locks.release(p.FREE)
-        return 0
-
-    def free_then_seqs() -> int:
-        p = KVPool.attach(pool.name)
-        p.locks.acquire(p.FREE)
-        os.write(free_held_w, b"1")
-        os.read(seqs_held_r, 1)
-        # Let the other process block on free first.
-        time.sleep(0.3)
-        try:
-            p.locks.acquire(p.SEQS)
-        except LockDeadlock:
-            return DEADLOCKED
-        finally:
-            p.locks.release(p.FREE)
-        p.locks.release(p.SEQS)
-        return 0
-
-    # WHEN they run
-    codes = [_wait(pid, 10) for pid in [_fork(seqs_then_free), _fork(free_then_seqs)]]
-    # THEN one process gets LockDeadlock, the other completes
-    assert sorted(codes) == [0, DEADLOCKED]
-
-
 def test_the_documented_order_is_not_a_cycle(make_pool):
     # GIVEN two processes running every pool operation under lockdep
     pool = make_pool(64, num_shards=4)
@@ -287,6 +242,69 @@ def test_an_edge_of_the_core_that_would_close_a_cycle_is_reported(make_pool):
     assert "takes seqs -> index" in f.message and "took index -> seqs" in f.message
 
 
+def _read_only(pool: KVPool) -> None:
+    """Make this process's numpy views of the graph, the header, the lock records and the
+    findings ring read-only: whatever reaches them from Python here still writes through the
+    C core, or fails."""
+    for arr in (pool.view.lockgraph, pool.view.header, pool.view.locks, pool.view.findings):
+        arr.flags.writeable = False
+
+
+def test_user_lock_edges_are_written_by_the_core_and_read_in_another_process(make_pool):
+    # GIVEN a pool, and processes under lockdep whose own views of the segment are read-only
+    pool = make_pool(16)
+
+    def takes(first: str, second: str) -> Callable[[], int]:
+        def run() -> int:
+            p, lockdep = _attached(pool.name)
+            _read_only(p)
+            a, b = TracedLock(first, p, lockdep=lockdep), TracedLock(second, p, lockdep=lockdep)
+            with a, b:
+                pass
+            return 0
+
+        return run
+
+    # WHEN one takes user lock a then b, and after it another takes b then a
+    first = _fork(takes("a", "b"))
+    assert _wait(first) == 0
+    second = _fork(takes("b", "a"))
+    assert _wait(second) == 0
+    # THEN their edges are in the segment's graph, as read here, with each pid and its site
+    edges = {(e.src, e.dst): e for e in SegmentGraph(pool).edges()}
+    ab, ba = edges[("user:a", "user:b")], edges[("user:b", "user:a")]
+    assert (ab.pid, ba.pid) == (first, second)
+    assert ab.site.startswith("test_lockdep.py:") and ab.site.endswith(" run")
+    assert ("user:a", "gil") in edges and ("user:b", "gil") in edges
+    # AND the cycle the second closed is in the findings ring, naming both chains
+    (f,) = _cycles(pool)
+    assert f.owner_pid == second
+    assert f.message.startswith(f"pid {second} takes user:b -> user:a at test_lockdep.py:")
+    assert f"pid {first} took user:a -> user:b at test_lockdep.py:" in f.message
+
+
+def test_an_edge_record_past_the_count_is_unused_and_taken_by_the_next_edge(make_pool):
+    # GIVEN a graph with one edge, and a record past its count as a writer killed between the
+    # record and the count leaves it (written here, as that writer would have)
+    pool = make_pool(16)
+    assert pool.core.learn_edge("user:x", "user:y", "here:1 f")
+    used = int(pool.view.h["lockgraph_used"])
+    torn = pool.view.lockgraph[used : used + 1]
+    torn["src"], torn["dst"], torn["pid"], torn["site"] = b"user:y", b"user:x", 4242, b"torn"
+    # WHEN it is read, THEN the torn record is not an edge (and closes no cycle)
+    assert [(e.src, e.dst) for e in SegmentGraph(pool).edges()] == [("user:x", "user:y")]
+    # WHEN the next edge is learned
+    assert pool.core.learn_edge("user:y", "user:z", "here:2 g")
+    # THEN it takes that record, and the count covers it
+    assert int(pool.view.h["lockgraph_used"]) == used + 1
+    got = [(e.src, e.dst, e.pid, e.site) for e in SegmentGraph(pool).edges()]
+    assert got == [
+        ("user:x", "user:y", os.getpid(), "here:1 f"),
+        ("user:y", "user:z", os.getpid(), "here:2 g"),
+    ]
+    assert _cycles(pool) == []
+
+
 def test_user_locks_and_pool_locks_form_cycles_too(make_pool):
     # GIVEN a traced user lock and a pool, both under lockdep
     pool = make_pool(32)
@@ -299,10 +317,10 @@ def test_user_locks_and_pool_locks_form_cycles_too(make_pool):
             pool.allocate("a", [1, 2, 3])
 
     def pool_then_cache() -> None:
-        pool.locks.acquire(pool.SEQS)
+        lockholder.hold(pool, pool.SEQS)
         with cache:
             pass
-        pool.locks.release(pool.SEQS)
+        lockholder.let_go(pool, pool.SEQS)
 
     # WHEN one thread takes cache then seqs, another seqs then cache
     for fn in (cache_then_pool, pool_then_cache):
@@ -391,10 +409,10 @@ def test_a_traced_lock_whose_edge_closes_a_cycle_is_reported_once(make_pool):
     cache = TracedLock("cache", pool, lockdep=lockdep)
 
     def pool_then_cache() -> None:
-        pool.locks.acquire(pool.SEQS)
+        lockholder.hold(pool, pool.SEQS)
         with cache:
             pass
-        pool.locks.release(pool.SEQS)
+        lockholder.let_go(pool, pool.SEQS)
 
     def cache_then_pool() -> None:
         with cache:
@@ -460,11 +478,11 @@ def test_the_watchdog_reports_a_long_hold_once_with_the_holders_stack(make_pool)
     dog = Watchdog(pool, threshold_s=0.2, interval_s=0.05).start()
 
     def hold_seqs() -> None:
-        pool.locks.acquire(pool.SEQS)
+        lockholder.hold(pool, pool.SEQS)
         try:
             time.sleep(0.6)
         finally:
-            pool.locks.release(pool.SEQS)
+            lockholder.let_go(pool, pool.SEQS)
 
     # WHEN a thread holds the sequence-table lock for 0.6 s
     t = threading.Thread(target=hold_seqs)
@@ -535,7 +553,7 @@ def test_a_dead_holder_is_recovered_under_lockdep_without_a_false_cycle(make_poo
 
     def die_holding_free() -> int:
         p = KVPool.attach(pool.name)
-        p.locks.acquire(p.FREE)
+        lockholder.hold(p, p.FREE)
         os.kill(os.getpid(), signal.SIGKILL)
         return 0
 
@@ -560,9 +578,9 @@ def test_a_long_hold_in_another_process_is_reported_once(make_pool):
     def hold_free_long() -> int:
         p = KVPool.attach(pool.name)
         Watchdog(p, threshold_s=0.2, interval_s=0.02).start()
-        p.locks.acquire(p.FREE)
+        lockholder.hold(p, p.FREE)
         time.sleep(0.8)
-        p.locks.release(p.FREE)
+        lockholder.let_go(p, p.FREE)
         return 0
 
     # WHEN that process holds the free-ring lock for 0.8 s
@@ -582,9 +600,9 @@ def test_an_unwatched_process_long_hold_is_reported_by_an_observer(make_pool):
 
     def hold_free_long() -> int:
         p = KVPool.attach(pool.name)
-        p.locks.acquire(p.FREE)
+        lockholder.hold(p, p.FREE)
         time.sleep(0.6)
-        p.locks.release(p.FREE)
+        lockholder.let_go(p, p.FREE)
         return 0
 
     # WHEN another process holds the free-ring lock for 0.6 s

@@ -6,13 +6,13 @@ thread's acquisitions, and the one test with two threads finishes however they a
 from __future__ import annotations
 
 import faulthandler
-import struct
 import threading
 
 import pytest
 
 from kvscope.allocator import faults
 from kvscope.probes.lockdep import GIL, LockDep, TracedCondition, TracedEvent, TracedLock
+from tests import lockholder
 
 
 def _edges(pool) -> set[tuple[str, str]]:
@@ -139,12 +139,12 @@ def test_the_gil_wait_fault_without_lockdep_reports_nothing(make_pool):
 
 
 def test_the_cores_wait_for_a_lock_lets_the_gil_go(traced):
-    # GIVEN this thread holding the pool's `free` lock (through the lock table), and a second
+    # GIVEN this thread holding the pool's `free` lock (tests/lockholder.py), and a second
     # thread whose allocation needs it
     pool, _ = traced
-    table = pool.locks
-    free = table.index("free")
-    table.acquire(free)
+    free = pool.locks.index("free")
+    lockholder.hold(pool, free)
+    published = pool.view.clients["op"][pool.client : pool.client + 1]
     errors: list[BaseException] = []
 
     def allocate():
@@ -160,13 +160,13 @@ def test_the_cores_wait_for_a_lock_lets_the_gil_go(traced):
         worker.start()
         # WHEN the worker waits for the lock: its wait is published in its client record, and
         # this thread, which needs the GIL to read it, sees it
-        while struct.unpack_from("<Q", table.mv, table.wait_at)[0] == 0:
+        while int(published[0]) == 0:
             if not worker.is_alive():
                 break
             threading.Event().wait(0.001)
-        waited = struct.unpack_from("<Q", table.mv, table.wait_at)[0] != 0
+        waited = int(published[0]) != 0
     finally:
-        table.release(free)
+        lockholder.let_go(pool, free)
         worker.join()
         faulthandler.cancel_dump_traceback_later()
     # THEN the worker was seen waiting (the GIL let go), and finished once the lock was free

@@ -1,5 +1,5 @@
 """The pool's locks belong to the operation: no stray close, garbage collection or forked child
-changes who holds them (allocator/mutex.py, allocator/ofd.py)."""
+changes who holds them (allocator/locks.py, allocator/ofd.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvscope.allocator import KVPool, mutex
+from kvscope.allocator import KVPool
+from tests import lockholder
 from tests.forking import fork_child
 from tests.forking import wait_child as _wait
 
@@ -23,13 +24,13 @@ def _fork(fn: Callable[[], int]) -> int:
 
 def _lock_is_free(pool: KVPool, lock: int) -> bool:
     """True when another thread can take `lock` now (taken and dropped again)."""
-    at = pool.locks.mutex_at + lock * pool.locks.stride
+    at = lockholder.mutex_at(pool, lock)
     free: list[bool] = []
 
     def probe() -> None:
-        free.append(mutex.try_lock(at))
+        free.append(lockholder.try_lock(at))
         if free[0]:
-            mutex.unlock(at)
+            lockholder.unlock(at)
 
     t = threading.Thread(target=probe)
     t.start()
@@ -74,11 +75,11 @@ def test_a_collected_old_handle_does_not_release_a_live_operations_locks(make_po
             os.read(seen_r, 1)
             return closed
 
-        new.locks.acquire(new.FREE)
+        lockholder.hold(new, new.FREE)
         try:
             closed = collect_inside()
         finally:
-            new.locks.release(new.FREE)
+            lockholder.let_go(new, new.FREE)
         seq = new.allocate("after", [1, 2, 3, 4, 5])
         new.free(seq)
         new.close()
@@ -110,11 +111,11 @@ def test_closing_one_handle_leaves_another_handles_lock_held(make_pool):
         return _lock_is_free(pool, sites)
 
     # THEN the operation's lock is still held
-    pool.locks.acquire(sites)
+    lockholder.hold(pool, sites)
     try:
         assert close_other() is False
     finally:
-        pool.locks.release(sites)
+        lockholder.let_go(pool, sites)
     assert _lock_is_free(pool, sites)
     assert pool.check() == []
 
@@ -137,7 +138,7 @@ def test_a_forked_child_does_not_keep_its_dead_parents_lock(make_pool):
             os._exit(0)
         os.read(ready_r, 1)
         os.write(held_w, kid.to_bytes(4, "little"))
-        p.locks.acquire(p.FREE)
+        lockholder.hold(p, p.FREE)
         os.write(held_w, b"1")
         time.sleep(CHILD_ALARM_S)
         return 0

@@ -1,4 +1,5 @@
-"""The pool locks' mutexes (allocator/mutex.py): process-shared, robust, error-checking."""
+"""The pool locks' mutexes, as the C core makes them (init_lock_mutexes, for header.py):
+process-shared, robust, error-checking."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ import threading
 
 import pytest
 
-from kvscope.allocator import mutex
+from kvscope.allocator import _native
 from kvscope.allocator.records import LOCK_MUTEX_BYTES
+from tests.lockholder import lock, try_lock, unlock
 
 
 @pytest.fixture
 def shared_mutex():
-    """A mutex in a shared anonymous mapping (inherited by forked children), and its address."""
+    """A lock record's mutex in a shared anonymous mapping (inherited by forked children), made
+    by the core, and its address."""
     mm = mmap.mmap(-1, mmap.PAGESIZE)
+    _native.init_lock_mutexes(mm, 1)
     buf = ctypes.c_char.from_buffer(mm)
     addr = ctypes.addressof(buf)
-    mutex.init(addr)
     yield addr
     del buf
     mm.close()
@@ -51,21 +54,21 @@ def test_the_record_keeps_room_for_the_mutex():
 
 
 def test_a_held_mutex_excludes_another_thread_and_refuses_its_owner_twice(shared_mutex):
-    assert mutex.try_lock(shared_mutex)
-    assert _in_thread(lambda: mutex.try_lock(shared_mutex)) is False
+    assert try_lock(shared_mutex)
+    assert _in_thread(lambda: try_lock(shared_mutex)) is False
     with pytest.raises(OSError) as again:
-        mutex.try_lock(shared_mutex)
+        try_lock(shared_mutex)
     assert again.value.errno == errno.EDEADLK
-    mutex.unlock(shared_mutex)
-    assert _in_thread(lambda: mutex.try_lock(shared_mutex)) is True
+    unlock(shared_mutex)
+    assert _in_thread(lambda: try_lock(shared_mutex)) is True
 
 
 def test_only_the_holder_may_release(shared_mutex):
-    assert mutex.try_lock(shared_mutex)
+    assert try_lock(shared_mutex)
     with pytest.raises(OSError) as stranger:
-        _in_thread(lambda: mutex.unlock(shared_mutex))
+        _in_thread(lambda: unlock(shared_mutex))
     assert stranger.value.errno == errno.EPERM
-    mutex.unlock(shared_mutex)
+    unlock(shared_mutex)
 
 
 def test_a_mutex_whose_holder_was_killed_is_taken_again(shared_mutex):
@@ -74,18 +77,18 @@ def test_a_mutex_whose_holder_was_killed_is_taken_again(shared_mutex):
     pid = os.fork()
     if pid == 0:  # pragma: no cover (child)
         os.close(r)
-        mutex.lock(shared_mutex)
+        lock(shared_mutex)
         os.write(w, b"1")
         signal.pause()
         os._exit(1)
     os.close(w)
     assert os.read(r, 1) == b"1"
-    assert mutex.try_lock(shared_mutex) is False
+    assert try_lock(shared_mutex) is False
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     # THEN the next taker gets it (made consistent), and it works as a lock afterwards
-    assert mutex.try_lock(shared_mutex) is True
-    mutex.unlock(shared_mutex)
-    mutex.lock(shared_mutex)
-    assert _in_thread(lambda: mutex.try_lock(shared_mutex)) is False
-    mutex.unlock(shared_mutex)
+    assert try_lock(shared_mutex) is True
+    unlock(shared_mutex)
+    lock(shared_mutex)
+    assert _in_thread(lambda: try_lock(shared_mutex)) is False
+    unlock(shared_mutex)

@@ -21,6 +21,7 @@ from kvscope.allocator.snapshot import snapshot
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
 from kvscope.probes.watchdog import Watchdog
+from tests import lockholder
 from tests.journals import journal_save
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -84,7 +85,7 @@ def _half_free(p: KVPool, seq) -> Callable[[], None]:
     view, c = p.view, p.client
     locks = [p.SEQS, *p.SHARDS, p.FREE]
     for i in locks:
-        p.locks.acquire(i)
+        lockholder.hold(p, i)
     cl = view.clients
     cl["seq"][c] += 1
     size, base = view.blocks.dtype.itemsize, view.offsets["blocks"]
@@ -102,7 +103,7 @@ def _half_free(p: KVPool, seq) -> Callable[[], None]:
         cl["journal_used"][c] = 0
         cl["seq"][c] += 1
         for i in reversed(locks):
-            p.locks.release(i)
+            lockholder.let_go(p, i)
 
     return rollback
 
@@ -158,13 +159,13 @@ def test_a_dump_says_nothing_about_stalls(make_pool, tmp_path, monkeypatch, caps
     # GIVEN a dump taken while a lock was held for a long time (its clock is not the reader's)
     monkeypatch.setenv("KVSCOPE_LOCK_HOLD_S", "0.05")
     pool = make_pool(32)
-    pool.locks.acquire(pool.FREE)
+    lockholder.hold(pool, pool.FREE)
     try:
         time.sleep(0.1)
         path = write_dump(pool, tmp_path / "held.kvd")
         live = snapshot(pool.view)
     finally:
-        pool.locks.release(pool.FREE)
+        lockholder.let_go(pool, pool.FREE)
     # WHEN it is analyzed THEN no stall is reported from it (the live copy did report one)
     from kvscope.allocator.check import lock_findings
 

@@ -13,6 +13,7 @@ import pytest
 
 from kvscope.allocator import KVPool
 from kvscope.allocator.layout import BlockState, ClientState
+from tests import lockholder
 from tests.forking import fork_child, wait_child
 from tests.journals import journal_save
 
@@ -24,7 +25,7 @@ def _die_inside_an_operation(name: str) -> int:
     (journaled first, as an operation does) and die there."""
     p = KVPool.attach(name)
     p.allocate("dead-req", list(range(10)))
-    p.locks.acquire(p.FREE)
+    lockholder.hold(p, p.FREE)
     at = p.view.offsets["ring"] + p.view.ring_header.dtype.fields["count"][1]
     journal_save(p, at, 4)
     p.view.ring_header["count"] = 0

@@ -2,11 +2,57 @@
 
 /* -- locks ------------------------------------------------------------------------------------ */
 
-/* Lock i's mutex: the process-shared robust pthread mutex at the start of its record (created
- * by header.py through allocator/mutex.py; locks.py LockTable takes it the same way). */
+/* Lock i's mutex: the process-shared robust pthread mutex at the start of its record (made by
+ * init_lock_mutexes below, which header.py calls for a fresh segment). */
 _Static_assert(sizeof(pthread_mutex_t) <= LOCK_MUTEX_BYTES, "the lock record's mutex bytes");
 static inline pthread_mutex_t *lock_mutex(Native *n, int i) {
     return (pthread_mutex_t *)(n->seg + n->off_locks + (size_t)i * LOCK_SIZE + LF_MUTEX);
+}
+
+/* init_lock_mutexes(records, count): make the mutex at the start of each of the first `count`
+ * lock records of `records` (a writable buffer: a fresh segment's lock section, header.py) a
+ * free process-shared, robust, error-checking mutex: one a holder's death never leaves stuck
+ * (the next taker gets EOWNERDEAD, mutex_taken), and a thread that takes one it holds, or lets
+ * go of one it does not, gets an error instead of a deadlock or a broken lock. */
+static PyObject *M_init_lock_mutexes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer buf;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "init_lock_mutexes(records, count)");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int rc = 0;
+    const char *what = NULL;
+    if (count < 0 || count * LOCK_SIZE > buf.len) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "init_lock_mutexes: fewer lock records than count");
+        return NULL;
+    }
+    pthread_mutexattr_t attr;
+    if ((rc = pthread_mutexattr_init(&attr)) != 0) what = "pthread_mutexattr_init";
+    else {
+        if ((rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK)) != 0)
+            what = "pthread_mutexattr_settype";
+        else if ((rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED)) != 0)
+            what = "pthread_mutexattr_setpshared";
+        else if ((rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST)) != 0)
+            what = "pthread_mutexattr_setrobust";
+        for (Py_ssize_t i = 0; what == NULL && i < count; i++) {
+            pthread_mutex_t *m = (pthread_mutex_t *)((uint8_t *)buf.buf + i * LOCK_SIZE + LF_MUTEX);
+            if ((rc = pthread_mutex_init(m, &attr)) != 0) what = "pthread_mutex_init";
+        }
+        pthread_mutexattr_destroy(&attr);
+    }
+    PyBuffer_Release(&buf);
+    if (what != NULL) {
+        PyObject *e = Py_BuildValue("(is)", rc, what);
+        if (e != NULL) PyErr_SetObject(PyExc_OSError, e);
+        Py_XDECREF(e);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* A pthread_mutex_*lock answer: 0 taken (a dead holder's mutex made consistent: the record
@@ -147,13 +193,13 @@ static int mutex_spin(pthread_mutex_t *m) {
     return EBUSY;
 }
 
-/* Take lock i as LockTable.acquire does (a busy one after a spin: mutex_spin); HOLDER_DEAD (not
+/* Take lock i (a busy one after a spin: mutex_spin); HOLDER_DEAD (not
  * taken) when its record names a dead holder and `dead` is NULL, else the holder is written to
  * *dead and forgotten (the caller stops the world to recover: recovery.c); MUTEX_LATER (not
  * taken) when it must wait and another thread holds the op mutex while this call holds other
  * locks (hold_mutex); ERROR (OSError) when the wait fails. The core takes locks in the
- * documented order only, so its waits cannot close a cycle; it publishes them (waits.py) for a
- * waiter that takes locks out of order (locks.py LockTable) to see one. With `wait` 0 a lock
+ * documented order only, so its waits cannot close a cycle (but the lock-inversion fault's,
+ * which is meant to); it publishes them (waits.py) for a reader of a stuck pool. With `wait` 0 a lock
  * still busy after the spin is not waited for: LOCK_BUSY, nothing taken (not counted: the wait
  * for it that follows is). */
 static int lock_get(Native *n, int i, Holder *dead, int wait) {

@@ -316,6 +316,12 @@ static PyMethodDef N_methods[] = {
      "(-1: the table is full)"},
     {"audit_table", (PyCFunction)(void (*)(void))N_audit_table, METH_FASTCALL,
      "audit_table(pool, table, rows, lengths, sentinel, expect) -> int: the block-table audit"},
+    {"free_counts", (PyCFunction)N_free_counts, METH_NOARGS,
+     "free_counts() -> (free, ring, mine, local) | None: conservation's counts under the "
+     "free lock (None: not to be had inside this thread's transaction)"},
+    {"learn_edge", (PyCFunction)(void (*)(void))N_learn_edge, METH_FASTCALL,
+     "learn_edge(src: str, dst: str, site: str) -> bool: lockdep's order edge added to the "
+     "segment's graph (a cycle it closes reported); False when the graph is full"},
     {"held_here", (PyCFunction)N_held_here, METH_NOARGS,
      "held_here() -> int: the pool locks this thread holds (bit i: lock i), by their records"},
     {"close", (PyCFunction)N_close, METH_NOARGS, "release the segment buffer"},
@@ -502,6 +508,8 @@ static PyMethodDef module_methods[] = {
     {"register_errors", (PyCFunction)(void (*)(void))M_register_errors, METH_FASTCALL,
      "register_errors(PoolError, PoolExhausted, JournalFull): the exception classes the core "
      "raises"},
+    {"init_lock_mutexes", (PyCFunction)(void (*)(void))M_init_lock_mutexes, METH_FASTCALL,
+     "init_lock_mutexes(records, count): a fresh segment's lock mutexes made (header.py)"},
     {"traced_lock_taken", (PyCFunction)(void (*)(void))M_traced_lock_taken, METH_FASTCALL,
      "traced_lock_taken(cls, graph): this thread took a traced user lock (lockdep.TracedLock)"},
     {"traced_lock_released", (PyCFunction)(void (*)(void))M_traced_lock_released, METH_FASTCALL,

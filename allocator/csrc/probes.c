@@ -298,8 +298,9 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
 }
 
 /* Lock i, a leaf of the lock order (sites, findings), for one write: OK when taken here
- * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of the core,
- * or a Python caller under it: lockdep's graph; its record names this process and thread),
+ * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of this
+ * handle, or of another handle on the pool in this thread: its record names this process and
+ * thread),
  * ERROR with an exception set. Holding no other lock, the core waits for it (and for the op
  * mutex) and recovers a dead holder first (recovery.c); inside a transaction, UNHANDLED when it
  * is not to be had then (its record names a dead holder, or another thread holds the op mutex:
@@ -322,9 +323,9 @@ static int leaf_take(Native *n, int i, int *mh) {
     return rc == OK || rc == ERROR ? rc : UNHANDLED;
 }
 
-/* leaf_take for a Python caller (N_report, N_intern_site): HELD at once where this thread
- * holds the lock already, by its record (lockdep's graph, the watchdog: through the lock
- * table), whatever operation is in flight; else another thread's operation on the handle in
+/* leaf_take for a Python caller (N_report, N_intern_site, N_learn_edge): HELD at once where
+ * this thread holds the lock already, by its record (another handle's transaction that called
+ * Python), whatever operation is in flight; else another thread's operation on the handle in
  * flight (its lock bookkeeping is the handle's) is waited for first (wait_others), and one of
  * this thread's own (Python it called, reporting) keeps its locks: a leaf not to be had under
  * them then is a PoolError naming `what`. OK, HELD, ERROR. */
@@ -634,6 +635,34 @@ static int conservation(Native *n) {
     rc = msg ? finding_report(n, FK_FREE_LIST_CORRUPT, &none, msg) : ERROR;
     Py_XDECREF(msg);
     return rc;
+}
+
+/* free_counts() -> (free, ring, mine, local) | None: probing.py conservation's counts, taken
+ * together under the free lock (waited for, a dead holder recovered: leaf_take_py): the free
+ * and quarantined block records, the free ring's count, this client's LOCAL block records and
+ * its local cache's count. Another thread's operation on the handle is waited for first, so
+ * that this process's local cache holds still. None where the lock is not to be had now: this
+ * thread is inside a transaction of the pool (a callback of its operation) that holds a lock
+ * ordered after it, or its record names a dead holder then. */
+static PyObject *N_free_counts(Native *n, PyObject *unused) {
+    if (py_caller_unusable(n)) return NULL;
+    int mine;
+    if (wait_others(n, &mine, NULL)) return NULL;
+    if (py_caller_unusable(n)) return NULL; /* (closed meanwhile) */
+    if (mine && (n->held & ~(lock_bit(n->lock_free + 1) - 1))) Py_RETURN_NONE;
+    int mh, taken = leaf_take(n, n->lock_free, &mh);
+    if (taken == UNHANDLED) Py_RETURN_NONE;
+    if (taken == ERROR) return NULL;
+    int64_t free_ = 0, own = 0;
+    for (int64_t b = 0; b < n->nb; b++) {
+        uint8_t *r = blk(n, b);
+        free_ += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
+        own += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
+    }
+    int64_t ring = (int64_t)U4(ringh(n) + RING_COUNT), local = (int64_t)local_count(n);
+    leaf_drop(n, n->lock_free, taken, mh);
+    return Py_BuildValue("(LLLL)", (long long)free_, (long long)ring, (long long)own,
+                         (long long)local);
 }
 
 /* The header's checked bytes (up to and with its checksum) changed since
@@ -1311,37 +1340,31 @@ static void caller_text(Native *n, char *out, size_t cap) {
     out[0] = '?';
 }
 
-/* Add the order edge src -> dst (classes, 16 stored bytes each) to the segment's graph under
- * the findings lock, as LockDep._learn does (record first, then the count: a death in between
- * leaves an unused record; a full graph takes no more), and when the graph already holds a
- * chain dst -> ... -> src, report the lock_order_cycle it closes (lg_cycle) and go on, as
- * lockdep does before the thread waits. OK when the graph has the edge now (or is full),
- * ERROR with an exception set. */
-static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle);
-static int lg_learn_classes(Native *n, const char *src, const char *dst) {
-    return lg_learn_edge(n, src, dst, 1);
-}
-
-/* lg_learn_classes, the cycle the edge closes reported only with `say_cycle` (a caller that
- * reports the edge's deadlock in words of its own: gil_wait_report). */
-static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle) {
-    /* (before the transaction takes its locks: this one waited for, a dead holder recovered) */
-    if (lock_take_alone(n, n->lock_findings) != OK) return ERROR;
+/* The edge src -> dst (classes, 16 stored bytes each) in the segment's graph, the caller holding
+ * the findings lock: nothing when the graph holds it; else appended, the record first and the
+ * count last (a death in between leaves an unused record, which the next edge overwrites; a full
+ * graph takes no more), at `site` (lg_site_bytes, NUL-padded; NULL: the caller's, caller_text),
+ * and when the graph already holds a chain dst -> ... -> src the lock_order_cycle it closes
+ * reported (lg_cycle) with `say_cycle`, as lockdep does before the thread waits. LG_HAD,
+ * LG_ADDED, LG_FULL (the cycle still reported), or ERROR with an exception set. */
+enum { LG_HAD, LG_ADDED, LG_FULL };
+static int lg_put(Native *n, const char *src, const char *dst, const char *site, int say_cycle) {
     int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
     if (used > n->lg_cap) used = n->lg_cap;
     for (int64_t e = 0; e < used; e++) {
         uint8_t *r = lg_edge(n, e);
-        if (memcmp(r + n->lg_src, src, 16) == 0 && memcmp(r + n->lg_dst, dst, 16) == 0) {
-            lock_drop(n, n->lock_findings);
-            return OK;
-        }
+        if (memcmp(r + n->lg_src, src, 16) == 0 && memcmp(r + n->lg_dst, dst, 16) == 0)
+            return LG_HAD;
     }
-    int rc = OK;
-    char site[256];
-    size_t sb = n->lg_site_bytes < sizeof site ? n->lg_site_bytes : sizeof site;
-    caller_text(n, site, sb);
+    char here[256];
+    size_t sb = n->lg_site_bytes < sizeof here ? n->lg_site_bytes : sizeof here;
+    if (site == NULL) {
+        caller_text(n, here, sb);
+        site = here;
+    }
     int32_t path[used > 0 ? used : 1];
     int64_t np = lg_chain(n, used, dst, src, path);
+    int out = LG_FULL;
     if (used < n->lg_cap) {
         uint8_t *r = lg_edge(n, used);
         memset(r, 0, n->lg_size);
@@ -1350,10 +1373,65 @@ static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cy
         I4(r + n->lg_pid) = n->pid;
         memcpy(r + n->lg_site, site, sb);
         U4(n->seg + n->lg_used_at) = (uint32_t)used + 1;
+        out = LG_ADDED;
     }
-    if (np > 0 && say_cycle) rc = lg_cycle(n, src, dst, site, path, np);
+    if (np > 0 && say_cycle && lg_cycle(n, src, dst, site, path, np) != OK) return ERROR;
+    return out;
+}
+
+/* Add the order edge src -> dst (classes, 16 stored bytes each) to the segment's graph under
+ * the findings lock (lg_put), taken before the transaction takes its locks: waited for, a dead
+ * holder recovered. OK, or ERROR with an exception set. */
+static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle);
+static int lg_learn_classes(Native *n, const char *src, const char *dst) {
+    return lg_learn_edge(n, src, dst, 1);
+}
+
+/* lg_learn_classes, the cycle the edge closes reported only with `say_cycle` (a caller that
+ * reports the edge's deadlock in words of its own: gil_wait_report). */
+static int lg_learn_edge(Native *n, const char *src, const char *dst, int say_cycle) {
+    if (lock_take_alone(n, n->lock_findings) != OK) return ERROR;
+    int rc = lg_put(n, src, dst, NULL, say_cycle);
     lock_drop(n, n->lock_findings);
-    return rc;
+    return rc == ERROR ? ERROR : OK;
+}
+
+/* A str argument of learn_edge as the graph stores it: its UTF-8 bytes, cut to cap, NUL-padded
+ * (0, or -1 with an exception set). */
+static int lg_text(PyObject *o, char *out, size_t cap) {
+    Py_ssize_t len;
+    const char *text = PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, &len) : NULL;
+    if (text == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "learn_edge: src, dst, site are str");
+        return -1;
+    }
+    memset(out, 0, cap);
+    memcpy(out, text, (size_t)len < cap ? (size_t)len : cap);
+    return 0;
+}
+
+/* learn_edge(src, dst, site) -> bool: probes/lockgraph.py SegmentGraph's write: the order edge
+ * src -> dst (lock classes) that this process saw at `site` added to the segment's graph unless
+ * it is there (lg_put: a cycle it closes reported into the findings ring, its position in
+ * KVPool._found for the binding to hand over), under the findings lock, taken as N_report takes
+ * it (leaf_take_py: waited for, a dead holder recovered). True when the graph holds the edge now,
+ * False when it is full. */
+static PyObject *N_learn_edge(Native *n, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "learn_edge(src, dst, site)");
+        return NULL;
+    }
+    char src[16], dst[16], site[256];
+    size_t sb = n->lg_site_bytes < sizeof site ? n->lg_site_bytes : sizeof site;
+    if (lg_text(args[0], src, 16) || lg_text(args[1], dst, 16) || lg_text(args[2], site, sb))
+        return NULL;
+    if (py_caller_unusable(n)) return NULL;
+    int mh, taken = leaf_take_py(n, n->lock_findings, &mh, "learn_edge");
+    if (taken == ERROR) return NULL;
+    int rc = lg_put(n, src, dst, site, 1);
+    leaf_drop(n, n->lock_findings, taken, mh);
+    if (rc == ERROR) return NULL;
+    return PyBool_FromLong(rc != LG_FULL);
 }
 
 /* The GIL as lockdep's graph names its class (lockgraph.GIL), 16 stored bytes. */
@@ -1390,8 +1468,8 @@ static int lg_learn(Native *n, int i, int j) {
 /* -- traced user locks (probes/lockdep.py TracedLock) ----------------------------------------- */
 
 /* held_here() -> int: the pool locks whose records name this thread of this process as their
- * holder (bit i: lock i), whoever took them (this core, in an operation that called Python;
- * the lock table): the sources of lockdep.py's edges into a traced user lock taken now. */
+ * holder (bit i: lock i), whichever handle's core took them (in an operation that called
+ * Python): the sources of lockdep.py's edges into a traced user lock taken now. */
 static PyObject *N_held_here(Native *n, PyObject *unused) {
     uint64_t mask = 0;
     if (n->seg != NULL) {
@@ -1477,8 +1555,8 @@ static int lockdep_user_into(Native *n, int j) {
  * sites and findings are not traced), so a cycle needs an edge back from a later class to an
  * earlier one (the lock-inversion fault's: faults.c lockdep_inverted_ok), or through a user
  * lock. A traced user lock taken while the thread holds pool locks (in Python an operation
- * called; lockdep.py reads them from their records) finds the core's edges in the segment and
- * reports the cycle its edge closes; an edge of the core's that closes one (a user lock held
+ * called; lockdep.py reads them from their records) has its edges added by N_learn_edge, which
+ * finds the core's edges in the segment and reports the cycle its edge closes; an edge of the core's that closes one (a user lock held
  * across an operation, an edge of the lock-inversion fault) the core reports itself
  * (lg_learn_classes), before it waits for the lock. */
 static int lockdep_ok(Native *n, uint64_t mask) {
