@@ -66,7 +66,9 @@ class JournalFull(PoolError):
 
 
 class LockDeadlock(PoolError):
-    """Waiting for a pool lock would deadlock: a wait cycle between processes (allocator/waits.py)."""
+    """Waiting for a pool lock would deadlock. Kept for code that catches it; nothing raises it
+    now: only the C core takes the pool's locks, always in the one order (docs/FORMAT.md section
+    7), so no wait between them closes a cycle."""
 
     exit_code = 1
 
