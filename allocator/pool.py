@@ -869,8 +869,11 @@ class KVPool:
         (lifecycle.py, the probes' modules): each calls it after its call."""
         if not self._found:
             return
-        found = self._found[:]
-        self._found.clear()
+        # Taken and deleted by count: what another thread's operation reports meanwhile
+        # lands past it and is kept for that thread's own delivery.
+        n = len(self._found)
+        found = self._found[:n]
+        del self._found[:n]
         if self.on_finding is not None:
             for f in ring_findings(self.view, found):
                 self.on_finding(f)
