@@ -76,6 +76,7 @@ TIMED = [
     ("server.engine", "Engine", "_publish"),
     ("server.hostcopy", "HostCopy", "start"),
     ("server.violations", "ErrorCopy", "start"),
+    ("server.violations", "ErrorCopy", "flush"),
     ("server.violations", "ErrorCopy", "take"),
 ]
 

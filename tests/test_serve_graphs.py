@@ -97,6 +97,32 @@ def test_static_buffer_steps_equal_eager_steps(pools: list) -> None:
         assert through_graphs[request.request_id] == [expected]
 
 
+def test_guarded_graph_steps_bring_their_greedy_tokens_back_with_the_error_buffer(
+    pools: list,
+) -> None:
+    # GIVEN the tiny model and two guard-mode pools, one engine with step graphs over it
+    torch.set_num_threads(1)
+    model = tiny_model(0).fuse()
+    eager_pool, graph_pool = make_pool(model, 96, guard=True), make_pool(model, 96, guard=True)
+    pools += [eager_pool, graph_pool]
+    graphs = StepGraphs(model, graph_pool, max_seqs=4, max_len=40, max_tokens=256, max_chunk=8)
+    # WHEN both serve the same greedy requests
+    eager = serve(model, eager_pool, None)
+    requests = generate_workload(SPEC, model.config.vocab_size)
+    engine = Engine(model, graph_pool, max_num_seqs=4, prefill_chunk=8, graphs=graphs)
+    copies: list[Any] = []
+    start = engine.picks.start
+    engine.picks.start = lambda t: copies.append(t) or start(t)  # type: ignore[method-assign]
+    through_graphs = {r.request_id: r.outputs for r in engine.run(requests)}
+    # THEN every token agrees, and the tokens of the steps that went through the static
+    # buffers came back in the readback's copy, with the error buffer: the engine's own copy
+    # of the tokens made for the eager steps (a prompt chunk past the graphs' widest) only
+    assert through_graphs == eager and graphs.num_forwards > 10
+    assert len(copies) <= engine.timer.num_steps - graphs.num_forwards
+    assert engine.errors.held is None
+    assert graph_pool.findings() == eager_pool.findings() == []
+
+
 def test_a_batch_wider_than_the_graphs_runs_eagerly(pools: list) -> None:
     # GIVEN step graphs sized for 2 sequences of at most 16 tokens
     torch.set_num_threads(1)
