@@ -24,6 +24,7 @@ from server.scheduler import Chunk  # noqa: E402
 from server.violations import ErrorCopy  # noqa: E402
 from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
 
+from kvscope import kernels  # noqa: E402
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 
 
@@ -121,6 +122,28 @@ def test_guarded_graph_steps_bring_their_greedy_tokens_back_with_the_error_buffe
     assert len(copies) <= engine.timer.num_steps - graphs.num_forwards
     assert engine.errors.held is None
     assert graph_pool.findings() == eager_pool.findings() == []
+
+
+def test_a_readback_holds_the_error_buffer_the_answer_and_the_picks_apart() -> None:
+    # GIVEN the readback of an audited step (a CUDA graph step's layout) for 5 picks, and one
+    # of a step without the audit's answer
+    audited = Readback.make(torch.device("cpu"), True, 5)
+    plain = Readback.make(torch.device("cpu"), False, 5)
+    for readback in (audited, plain):
+        buffer, n = readback.buffer, readback.errors
+        # THEN the error buffer comes first, then the answer (4 int64 words: what
+        # TableAudit takes) and the picks (5 int64 words), each from an int64 boundary, none
+        # overlapping another, the whole buffer copied back in one
+        assert readback.picks is not None and readback.picks.shape == (5,)
+        picks_from = readback.picks.data_ptr() - buffer.data_ptr()
+        assert picks_from % 8 == 0 and picks_from >= 4 * n
+        assert picks_from + 8 * 5 == buffer.numel() * 4
+        assert torch.equal(buffer[:n], kernels.new_error_buffer())
+    answer = audited.answer()
+    assert answer is not None and answer.shape == (4,) and answer.dtype == torch.int64
+    at = answer.data_ptr() - audited.buffer.data_ptr()
+    assert at % 8 == 0 and at >= 4 * audited.errors and at + 32 <= 4 * audited.picks_at
+    assert plain.answer() is None and plain.answer_at == -1
 
 
 def test_a_batch_wider_than_the_graphs_runs_eagerly(pools: list) -> None:

@@ -77,6 +77,23 @@ class Readback:
         self.picks = buffer[picks_at:].view(torch.int64) if picks_at >= 0 else None
         self.audit: Any = None
 
+    @classmethod
+    def make(cls, device: torch.device, audited: bool, max_picks: int) -> Readback:
+        """A new readback on `device`: a new error buffer, then (`audited`) the audit's answer,
+        int64 [4] from an int64 boundary, then room for `max_picks` picks (int64)."""
+        errors = kernels.new_error_buffer(device=device)
+        n = errors.numel()
+        at = n + (n & 1)
+        picks_at = at + 8 if audited else at
+        buffer = torch.zeros(picks_at + 2 * max_picks, dtype=torch.int32, device=device)
+        buffer[:n].copy_(errors)
+        return cls(buffer, n, at if audited else -1, picks_at, max_picks)
+
+    def answer(self) -> Tensor | None:
+        """The audit's answer words on the device (int64 [4]; None: none)."""
+        at = self.answer_at
+        return self.buffer[at : at + 8].view(torch.int64) if at >= 0 else None
+
     def step(self) -> tuple[Readback, int]:
         """This step's: the readback and the token of its replay's audit answer (0: none)."""
         return self, self.audit.replayed() if self.audit is not None else 0
@@ -138,22 +155,14 @@ class StepGraphs:
         self.readback: Readback | None = None
         answer = None
         if num_states:
-            errors = kernels.new_error_buffer(device=self.device)
-            n = errors.numel()
-            # the error buffer, then (on CUDA, auditing) the audit's answer: int64 [4] from an
-            # int64 boundary, then room for a greedy step's picks (int64, a row each), in one
-            # buffer copied back in one
-            at = n + (n & 1)
-            picks_at = at + 8 if num_expected else at
-            back = torch.zeros(picks_at + 2 * max_seqs, dtype=torch.int32, device=self.device)
-            back[:n].copy_(errors)
+            # the error buffer, then (on CUDA, auditing) the audit's answer, then room for a
+            # greedy step's picks (a row each), in one buffer copied back in one
+            self.readback = Readback.make(self.device, bool(num_expected), max_seqs)
             self.guard = {
                 "block_state": self.dev32[self.states_at :].view(torch.uint8)[:num_states],
-                "errors": back[:n],
+                "errors": self.readback.buffer[: self.readback.errors],
             }
-            if num_expected:
-                answer = back[at:].view(torch.int64)
-            self.readback = Readback(back, n, at if num_expected else -1, picks_at, max_seqs)
+            answer = self.readback.answer()
         expected = None
         if num_expected:
             shape = (max_seqs, self.width)
