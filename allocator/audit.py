@@ -115,10 +115,9 @@ class DeviceAudits:
         device table with its own transfer: written there instead, no upload queued; the
         slot's own copy is made only where its answer is read after a later expect:
         TableAudit.collect)."""
-        pool = self.pool
-        with pool.op_mutex:
-            pool.core.audit_table(pool, None, rows, lengths, sentinel,
-                                  slot.host_np if staging is None else staging)  # fmt: skip
+        with self.pool.op_mutex:
+            out = slot.host_np if staging is None else staging
+            self.pool.core.audit_table(self.pool, None, rows, lengths, sentinel, out)
         if staging is None:
             slot.dev.copy_(slot.host, non_blocking=True)
         slot.rows = list(rows)
