@@ -72,10 +72,12 @@ TIMED = [
     ("kvscope.allocator.devicechecks", "DeviceChecks", "settle"),
     ("kvscope.allocator.audit", "DeviceAudits", "expect"),
     # the step's publications (mark_computed_many and the Python around it), and the copies
-    # to the host (the error buffer's, under guard mode, beside the token picks')
+    # to the host (the token picks'; under guard mode the error buffer's, queued at
+    # ErrorCopy.flush, which a graph step's greedy picks join instead of a copy of their own)
     ("server.engine", "Engine", "_publish"),
     ("server.hostcopy", "HostCopy", "start"),
     ("server.violations", "ErrorCopy", "start"),
+    ("server.violations", "ErrorCopy", "flush"),
     ("server.violations", "ErrorCopy", "take"),
 ]
 

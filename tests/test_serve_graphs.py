@@ -24,6 +24,7 @@ from server.scheduler import Chunk  # noqa: E402
 from server.violations import ErrorCopy  # noqa: E402
 from server.workload import Request, WorkloadSpec, generate_workload  # noqa: E402
 
+from kvscope import kernels  # noqa: E402
 from kvscope.allocator import KVPool, PoolConfig  # noqa: E402
 
 
@@ -95,6 +96,54 @@ def test_static_buffer_steps_equal_eager_steps(pools: list) -> None:
     for request in generate_workload(SPEC, model.config.vocab_size)[:3]:
         expected = generate_reference(model, request.prompt, request.max_tokens)
         assert through_graphs[request.request_id] == [expected]
+
+
+def test_guarded_graph_steps_bring_their_greedy_tokens_back_with_the_error_buffer(
+    pools: list,
+) -> None:
+    # GIVEN the tiny model and two guard-mode pools, one engine with step graphs over it
+    torch.set_num_threads(1)
+    model = tiny_model(0).fuse()
+    eager_pool, graph_pool = make_pool(model, 96, guard=True), make_pool(model, 96, guard=True)
+    pools += [eager_pool, graph_pool]
+    graphs = StepGraphs(model, graph_pool, max_seqs=4, max_len=40, max_tokens=256, max_chunk=8)
+    # WHEN both serve the same greedy requests
+    eager = serve(model, eager_pool, None)
+    requests = generate_workload(SPEC, model.config.vocab_size)
+    engine = Engine(model, graph_pool, max_num_seqs=4, prefill_chunk=8, graphs=graphs)
+    copies: list[Any] = []
+    start = engine.picks.start
+    engine.picks.start = lambda t: copies.append(t) or start(t)  # type: ignore[method-assign]
+    through_graphs = {r.request_id: r.outputs for r in engine.run(requests)}
+    # THEN every token agrees, and the tokens of the steps that went through the static
+    # buffers came back in the readback's copy, with the error buffer: the engine's own copy
+    # of the tokens made for the eager steps (a prompt chunk past the graphs' widest) only
+    assert through_graphs == eager and graphs.num_forwards > 10
+    assert len(copies) <= engine.timer.num_steps - graphs.num_forwards
+    assert engine.errors.held is None
+    assert graph_pool.findings() == eager_pool.findings() == []
+
+
+def test_a_readback_holds_the_error_buffer_the_answer_and_the_picks_apart() -> None:
+    # GIVEN the readback of an audited step (a CUDA graph step's layout) for 5 picks, and one
+    # of a step without the audit's answer
+    audited = Readback.make(torch.device("cpu"), True, 5)
+    plain = Readback.make(torch.device("cpu"), False, 5)
+    for readback in (audited, plain):
+        buffer, n = readback.buffer, readback.errors
+        # THEN the error buffer comes first, then the answer (4 int64 words: what
+        # TableAudit takes) and the picks (5 int64 words), each from an int64 boundary, none
+        # overlapping another, the whole buffer copied back in one
+        assert readback.picks is not None and readback.picks.shape == (5,)
+        picks_from = readback.picks.data_ptr() - buffer.data_ptr()
+        assert picks_from % 8 == 0 and picks_from >= 4 * n
+        assert picks_from + 8 * 5 == buffer.numel() * 4
+        assert torch.equal(buffer[:n], kernels.new_error_buffer())
+    answer = audited.answer()
+    assert answer is not None and answer.shape == (4,) and answer.dtype == torch.int64
+    at = answer.data_ptr() - audited.buffer.data_ptr()
+    assert at % 8 == 0 and at >= 4 * audited.errors and at + 32 <= 4 * audited.picks_at
+    assert plain.answer() is None and plain.answer_at == -1
 
 
 def test_a_batch_wider_than_the_graphs_runs_eagerly(pools: list) -> None:

@@ -279,12 +279,28 @@ class Engine:
         the host; what reads them (waiting for the copy): the greedy tokens chosen on the
         device (only ids cross to the host, not [rows, vocab] floats), else each row's logits."""
         if not done:
+            self.errors.flush()
             self.timer.gpu_ended(events)
             return list
         logits = self.model.logits(hidden[self.picks.upload([row for _, row in done])])
         greedy = all(stream.request.temperature <= 0 for stream, _ in done)
         if greedy:
+            # guard mode, a step the graphs ran: the tokens written into its readback, which
+            # brings them back with the error buffer in one copy (violations.ErrorCopy.picks;
+            # its wait also covers the upload above, as picks.wait would)
+            into = self.errors.picks(len(done))
+            if into is not None:
+                torch.argmax(logits, -1, out=into)
+                self.timer.gpu_ended(events)
+                words, count = self.errors.flush(), len(done)
+
+                def read_back() -> list[Any]:
+                    self.errors.wait()
+                    return words[:count].tolist()
+
+                return read_back
             logits = logits.argmax(-1)
+        self.errors.flush()
         self.timer.gpu_ended(events)
         host = self.picks.start(logits)
 
@@ -318,6 +334,8 @@ class Engine:
         if not rows:
             return None
         n = len(rows)
+        # (guard mode: the error buffer's copy queued before this step's other copies)
+        self.errors.flush()
         index = self.scores.upload(rows + targets)
         logits = self.model.logits(hidden[index[:n]])
         target = index[n:]

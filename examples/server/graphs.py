@@ -28,7 +28,8 @@ each step). A step's expected table (on CUDA) and pool block states travel in it
 transfer (after the tables, lengths and starts); each forward zeroes the error count first (in
 the graph: no launch of its own); the engine copies the error buffer back behind the step (a
 host read right after the launch would wait for the whole forward), and with it (on CUDA) the
-audit's answer, one buffer holding both (`Readback`), handed to the audit once on the host.
+audit's answer and a greedy step's sampled tokens, one buffer holding them all (`Readback`),
+the answer handed to the audit once on the host.
 """
 
 from __future__ import annotations
@@ -60,13 +61,38 @@ class Readback:
     """Guard mode: what the host reads back of a step the graphs ran, in one copy
     (violations.ErrorCopy): `buffer`, int32, holds the error buffer (its first `errors` words)
     and, from word `answer_at` (-1: none), the block-table audit's answer (4 int64, which
-    `audit` takes with `TableAudit.answered`)."""
+    `audit` takes with `TableAudit.answered`), and from word `picks_at` (-1: none) room for
+    `max_picks` int64: a greedy step's sampled tokens, written there by the engine after the
+    replay so that they come back in the same copy (ErrorCopy.picks)."""
 
-    def __init__(self, buffer: Tensor, errors: int, answer_at: int) -> None:
+    def __init__(
+        self, buffer: Tensor, errors: int, answer_at: int, picks_at: int = -1, max_picks: int = 0
+    ) -> None:
         self.buffer = buffer
         self.errors = errors
         self.answer_at = answer_at
+        self.picks_at = picks_at
+        self.max_picks = max_picks if picks_at >= 0 else 0
+        # the picks' int64 words on the device, viewed once
+        self.picks = buffer[picks_at:].view(torch.int64) if picks_at >= 0 else None
         self.audit: Any = None
+
+    @classmethod
+    def make(cls, device: torch.device, audited: bool, max_picks: int) -> Readback:
+        """A new readback on `device`: a new error buffer, then (`audited`) the audit's answer,
+        int64 [4] from an int64 boundary, then room for `max_picks` picks (int64)."""
+        errors = kernels.new_error_buffer(device=device)
+        n = errors.numel()
+        at = n + (n & 1)
+        picks_at = at + 8 if audited else at
+        buffer = torch.zeros(picks_at + 2 * max_picks, dtype=torch.int32, device=device)
+        buffer[:n].copy_(errors)
+        return cls(buffer, n, at if audited else -1, picks_at, max_picks)
+
+    def answer(self) -> Tensor | None:
+        """The audit's answer words on the device (int64 [4]; None: none)."""
+        at = self.answer_at
+        return self.buffer[at : at + 8].view(torch.int64) if at >= 0 else None
 
     def step(self) -> tuple[Readback, int]:
         """This step's: the readback and the token of its replay's audit answer (0: none)."""
@@ -129,20 +155,14 @@ class StepGraphs:
         self.readback: Readback | None = None
         answer = None
         if num_states:
-            errors = kernels.new_error_buffer(device=self.device)
-            n = errors.numel()
-            # the error buffer, then (on CUDA, auditing) the audit's answer: int64 [4] from an
-            # int64 boundary, in one buffer copied back in one
-            at = n + (n & 1)
-            back = torch.zeros(at + 8 if num_expected else n, dtype=torch.int32, device=self.device)
-            back[:n].copy_(errors)
+            # the error buffer, then (on CUDA, auditing) the audit's answer, then room for a
+            # greedy step's picks (a row each), in one buffer copied back in one
+            self.readback = Readback.make(self.device, bool(num_expected), max_seqs)
             self.guard = {
                 "block_state": self.dev32[self.states_at :].view(torch.uint8)[:num_states],
-                "errors": back[:n],
+                "errors": self.readback.buffer[: self.readback.errors],
             }
-            if num_expected:
-                answer = back[at:].view(torch.int64)
-            self.readback = Readback(back, n, at if num_expected else -1)
+            answer = self.readback.answer()
         expected = None
         if num_expected:
             shape = (max_seqs, self.width)
