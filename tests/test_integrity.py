@@ -78,6 +78,22 @@ def test_a_write_into_a_published_block_is_found(make_pool, probes, when, seen):
     assert found[0].message.endswith("a request that mapped it since (its prefix_hit events)")
 
 
+@pytest.mark.parametrize("rid", ["owner", "it's", "a\\b", "caf\u00e9", "tab\there"])
+def test_a_release_names_its_request_as_its_repr(make_pool, probes, rid):
+    # GIVEN a request (an id the core words itself, or one whose repr escapes or quotes
+    # otherwise) whose published block's K/V something overwrote while it held it
+    pool = make_pool(16)
+    seq = pool.allocate(rid, list(range(9)))
+    write_kv(pool, seq.block_table)
+    assert pool.mark_computed(seq, 8) == 2
+    pool.kv[0, 1, seq.block_table[1], 2, 0, 3] += 1.0
+    # WHEN it is released
+    pool.free(seq)
+    # THEN the finding names the moment with the request's repr, as Python writes it
+    (found,) = modified(pool)
+    assert f"seen at its release by request {rid!r}" in found.message
+
+
 def test_a_write_found_at_an_eviction_reaches_on_finding(make_pool, probes):
     # GIVEN a cached published block whose K/V something overwrote, and a findings callback
     pool = make_pool(16)

@@ -99,9 +99,14 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     /* digest: the hits are as published ("a prefix hit by request '...'": the request whose
      * hit saw the change; worded only where the digest probe looks) */
     if (hits && (n->probes & P_DIGEST)) {
-        char seen[64];
-        snprintf(seen, sizeof seen, "a prefix hit by request '%.*s'",
-                 (int)strnlen(p->request, 32), p->request);
+        /* (put together, not snprintf'd: about 1,100 instructions a hit, callgrind) */
+        static const char pre[] = "a prefix hit by request '";
+        char seen[sizeof pre + REQUEST_BYTES + 1];
+        size_t rl = strnlen(p->request, REQUEST_BYTES);
+        memcpy(seen, pre, sizeof pre - 1);
+        memcpy(seen + sizeof pre - 1, p->request, rl);
+        seen[sizeof pre - 1 + rl] = '\'';
+        seen[sizeof pre + rl] = 0;
         /* (a CUDA pool's with slot provenance: both of the hit's checks in one launch) */
         int hit_later = n->prov_every && prov_on_device(n);
         if (hit_later ? dev_hit_check(n, table, hits, seen, p->request)

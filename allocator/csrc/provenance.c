@@ -411,6 +411,12 @@ static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64
         prov_record(n, b, gen, first, seq_id, prov_rh(n, seq_id, (const char *)(s + SF_REQUEST)),
                     pos0, toks[0]);
         prov_mark(n, b, gen);
+        /* (the line of the record a later step's append writes, asked for now: the records
+         * were last written when the block was last handed out, seldom still in the cache,
+         * and a store that misses stalls the append that makes it; by the next step's it has
+         * arrived) */
+        if (first + 64 / PROVENANCE < n->bs)
+            __builtin_prefetch(prov_rec(n, b, first + 64 / PROVENANCE), 1, 3);
     } else {
         prov_write(n, seq_id, (const char *)(s + SF_REQUEST), ids, first, pos0, toks, k);
     }
