@@ -218,12 +218,6 @@ abort:
     return rolled_back(n);
 }
 
-/* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies, in chunks of
- * CHUNK blocks' worth, each a transaction of its own (half as many where the journal cannot
- * hold one, down to a token). Where the pool changed since a chunk's plan, a preemption or an
- * eviction outgrew the journal, or a K/V check waits for the op mutex, the chunk runs again
- * (rolled_back). An error after some chunks leaves them appended (docs/POOL.md: a long append
- * that fails keeps its first chunks); NULL then, with the exception set. */
 static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
                              const int32_t *toks, int64_t k) {
     PyObject *lists[3] = {sfield(n, seq, F_TOKENS), sfield(n, seq, F_BLOCK_TABLE),

@@ -133,7 +133,6 @@ static inline int ring_push(Native *n, const int32_t *ids, int64_t k) {
     return ring_push_state(n, ids, k, B_FREE);
 }
 
-/* Park blocks as LOCAL; *rest = how many (from the end) did not fit. */
 static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out) {
     uint32_t c = local_count(n);
     int64_t room = n->local_max - (int64_t)c;
@@ -184,14 +183,6 @@ static int refill(Native *n, int64_t later) {
     return local_push(n, ids, got, &fit);
 }
 
-/* The take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
- * to the ring), then this handle's oldest waiting sequences, preempted one at a time (not
- * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
- * eviction again. When they are all short, UNHANDLED with `exhausted_need` set: the
- * transaction's rollback raises PoolExhausted (preempt.c); when the eviction outgrows the
- * journal, UNHANDLED with `jfull` set: the operation's rollback evicts ahead (rolled_back). The
- * locks each step needs are planned by `take_locks`; one not held (the pool changed since the
- * plan) leaves UNHANDLED: the operation runs again with it (need_locks). */
 static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     int64_t got, more;
     n->evicting = 0; /* (what an earlier operation left, if anything, is not this one's) */
@@ -228,8 +219,6 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     return OK;
 }
 
-/* The locks `take(k)` will need, judged from the local cache and the
- * ring's count (a hint: where it was wrong, the operation runs again with more, need_locks). */
 static uint64_t take_locks(Native *n, int64_t k) {
     n->dry_valid = 0; /* a plan is for one operation only */
     int64_t local = local_count(n);
@@ -253,7 +242,6 @@ static uint64_t take_locks(Native *n, int64_t k) {
     return locks;
 }
 
-/* Fresh ALLOCATED blocks with refcount 1, owned by this client. */
 static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, int32_t site,
                  uint64_t now) {
     for (int64_t i = 0; i < k; i++)
@@ -281,10 +269,6 @@ static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, 
     return OK;
 }
 
-/* One reference less on each of ids[0..k) still ALLOCATED with a positive
- * refcount (a block already free is left untouched: a double free), its last use `now`; the
- * blocks left with no reference and not indexed into zero[*nz] (an indexed one stays CACHED).
- * UNHANDLED when the journal has no room. */
 static int drop_refs(Native *n, const int32_t *ids, int64_t k, uint64_t now, int32_t *zero,
                      int64_t *nz) {
     *nz = 0;

@@ -456,24 +456,15 @@ static inline void count(Native *n, int field, uint64_t k) {
 }
 
 /* Defined in a later part (the parts are one translation unit: see _native.c). */
-/* A case the core does not handle: a bug, raised as a RuntimeError naming where (sequences.c;
- * every call site is `unhandled(n)`). */
-static PyObject *unhandled_at(Native *n, const char *where, int line);
+/* A case the core does not handle: a bug, raised as a RuntimeError naming where
+ * (sequences.c unhandled_at, below). */
 #define unhandled(n) unhandled_at((n), __FILE__, __LINE__)
 static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t *out,
                       int64_t *got, int64_t later);
-static int rolled_back(Native *n);
 static int mutex_wait(Native *n);
-static int preempt_poison(Native *n);
-static int journal_full(Native *n);
-static int pool_error(const char *fmt, ...);
-static int core_bug(const char *what);
-static int verify_often(Native *n, PyObject *pool);
 static int py_caller_unusable(Native *n);
 static int ungated(Native *n, PyObject *pool);
-static void drop_mutex(Native *n);
 static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found);
-static int preempted(Native *n, int64_t from, int64_t to);
 static int preempt_ahead(Native *n);
 static int lru_take(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t *ncand,
                     int dry);
@@ -482,18 +473,13 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 static void lru_commit(Native *n);
 static void lru_drop_pending(Native *n);
 static int record_sealed(Native *n, int64_t b);
-static void seen_of(Native *n, int32_t b, Seen *s);
-static int finding_later(Native *n, int fk, const Seen *s, PyObject *message);
 static int finding_report(Native *n, int fk, const Seen *s, PyObject *message);
 static int fork_gen; /* entry.c: bumped in a forked child */
 static int unusable(Native *n);
 static PyObject *request_text(const char *b);
 static void findings_flush(Native *n);
-static void findings_first(Native *n, int64_t upto);
-static void findings_before(Native *n, int64_t upto, int64_t pre);
 static void findings_drop(Native *n);
 static int lockdep_ok(Native *n, uint64_t mask);
-static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
 static inline int prov_any(Native *n, int64_t b, uint32_t gen);
 static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const char *when,
                      int64_t extra, PyObject *tag);
@@ -519,17 +505,10 @@ enum {
                         * launch */
     N_DK = 11
 };
-/* devchecks.c: a guarded release's canary check and poison fill, one launch */
-static inline int dev_release_later(Native *n);
-static int dev_release_check(Native *n, const int32_t *ids, int64_t k);
-/* devchecks.c: a prefix hit's digest and slot provenance checks, one launch */
-static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const char *when,
-                         const char *request);
 static void maybe_live_add(Native *n, int64_t slot);
 static void own_rollback(Native *n);
 static void raise_exhausted(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
-static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);
 static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request);
 static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request, uint64_t op);
 static void oplog_check_queued(Native *n);
@@ -545,18 +524,9 @@ static inline int leases_any(Native *n) {
 static inline int leased(Native *n, int32_t b) {
     return b >= 0 && b < n->nb && ((uint32_t *)(n->seg + n->off_leases + LEASE_COUNTS))[b] != 0;
 }
-static int leases_divert(Native *n, int32_t *zero, int64_t *nz);
-/* provenance.c: a sampled sequence's slots recorded, a hit's checked, after the commit */
-static inline int prov_sampled(Native *n, uint64_t seq_id);
-static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
-                       int64_t first, int64_t pos0, const int32_t *toks, int64_t k);
-static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
-                           const char *request);
 static void prov_published(Native *n, const int32_t *ids, int64_t k);
 /* (a CUDA pool's K/V hashes, queued before the commit: provenance.c) */
-static inline int prov_on_device(Native *n);
 static int prov_stamp_later(Native *n, const int32_t *ids, int64_t k);
-static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const char *request);
 static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64_t first,
                               int64_t pos0, const int32_t *toks, int64_t k, int32_t cow_src);
 static int leases_pass_over(Native *n, int32_t *out, int64_t *k);
@@ -575,3 +545,498 @@ static inline int op_status(PyObject *et) {
            : PoolErrorType && PyErr_GivenExceptionMatches(et, PoolErrorType)         ? OS_REFUSED
                                                                                      : OS_ERROR;
 }
+
+/* The core's internal interface for allocate: every function allocate.c and entry.c's allocate
+ * path (E_allocate, N_allocate and what they call) use that another part defines, with its
+ * contract here and only implementation notes at its definition; grouped by the part that
+ * defines it, in _native.c's order. OK, ERROR, UNHANDLED, AGAIN and JOURNAL_SHORT are as
+ * above; "journaled": the write's old bytes are saved in the open transaction's undo journal
+ * first (rolled back with it). */
+
+/* -- faults.c: the crash points and the injectable faults -------------------------------------- */
+
+/* SIGKILL at the armed point's n-th hit. crash.ARMED is [the armed point's place + 1 (0: none),
+ * hits left], counted down here. Where the kill-holding-lock fault armed it, a recording
+ * handle writes the release's record first (oplog.c oplog_dying). */
+static inline void crash_point(Native *n, int point);
+
+/* Any fault armed (faults.ARMED not empty): the one test an operation makes when none is. */
+static inline int faults_armed(Native *n);
+
+/* A fault's opportunity, counted on faults.ARMED itself: 1 at the armed fault's n-th
+ * opportunity and at every later one until it has fired, 0 otherwise. */
+static int fault_opportunity(Native *n, int f);
+
+/* faults.fired: the core has injected fault f; faults.py disarms it and announces it (its
+ * stderr line, FIRED, the ON_FIRE hooks: `kvscope run` records it). A hook's error is reported
+ * as unraisable: the operation it follows is done. */
+static void fault_fired(Native *n, int f);
+
+/* The faults that strike when a request ends, decided before its
+ * transaction: `leak` keeps one block only this request holds (*skip: its place in ids, else
+ * -1), `use-after-free` frees the blocks but leaves the table live and mapped (*stale). Each
+ * waits for a request it can act on. Announced once the release has committed. */
+static void end_faults(Native *n, const int32_t *ids, int64_t k, int64_t *skip, int *stale);
+
+/* `kill-holding-lock`: a release that takes locks dies (SIGKILL)
+ * right after taking them (crash_point: a recording handle writes the release's record there,
+ * once its locks are taken, then dies). */
+static void kill_fault(Native *n, uint64_t locks);
+
+/* `double-free`, announced after its release committed: the block it released a second time
+ * (nothing in the segment changes: the block is already free), and,
+ * under a probe, its double_free finding, written by the core (probes.c finding_report) with
+ * the block's record as the release left it (`rec`, its bytes) and the ending request. */
+static void double_free_fired(Native *n, int32_t b, PyObject *rec, const char *request);
+
+/* `refcount-skew`, inside an allocation's transaction after its new blocks
+ * ids[0..k) were stamped: the first one's reference taken twice (its record journaled by the
+ * stamp). 1 when it acted (announced once the allocation committed). */
+static int refcount_skew(Native *n, const int32_t *ids, int64_t k);
+
+
+/* -- journal.c: the undo journal --------------------------------------------------------------- */
+
+/* Block b's record saved in the undo journal, before the caller writes it (magic: a record
+ * something outside the allocator wrote is reported first: probes.c record_sealed). OK;
+ * UNHANDLED when the journal has no room (n->jfull set: the operation rolls back and
+ * eviction.c rolled_back decides); ERROR with an exception set. */
+static inline int jsave_block(Native *n, int64_t b);
+
+/* A sequence slot's fixed fields (its table is saved by range). */
+static inline int jsave_head(Native *n, int64_t slot);
+
+/* JournalFull (a PoolError), for an operation whose smallest transaction the journal cannot
+ * hold (the words of the save it refused last): ERROR. */
+static int journal_full(Native *n);
+
+/* What cannot happen, by the core's own construction (the comment at the call says why): the
+ * operation, rolled back, raises RuntimeError. ERROR. */
+static int core_bug(const char *what);
+
+/* The most blocks (at most CHUNK) one transaction may change when each costs `recs` saved
+ * records, `bytes` more saved bytes and `entries` journal entries, besides TXN_SLACK: releases
+ * are sized by it, so their journal never overflows (rule 3 of the journal). */
+static int64_t blocks_fit(Native *n, int64_t recs, int64_t bytes, int64_t entries);
+
+
+/* -- locks.c: pool locks and transactions ------------------------------------------------------ */
+
+/* Another thread's operation on this handle in flight with the GIL let go (waiting for a pool
+ * lock under the op mutex, or inside a transaction, in Python it called, or for the op mutex):
+ * wait for it to end (for the op mutex, or with the GIL let go a moment at a time). One that
+ * waits for the op mutex holds no pool lock: where this thread holds the mutex, that one waits
+ * for this one, and this call goes first. *mine: the operation in flight is this thread's own
+ * (Python it called is calling the pool): nothing is waited for. *waited (unless NULL): this
+ * call let go of the GIL (anything may have happened to the handle meanwhile). OK, or ERROR
+ * with an exception set. */
+static int wait_others(Native *n, int *mine, int *waited);
+
+/* Begin: seq odd, then every lock of `mask` in ascending order (in descending order at the
+ * lock-inversion fault's opportunity, announced once they are taken). Lockdep's edges are
+ * learned first (probes.c lockdep_ok: the findings lock waited for, a dead holder of it
+ * recovered), and a journal this client left open is rolled back (recovery.c
+ * recover_own_journal); a lock whose record names a dead holder is recovered (every lock, in
+ * order) and the locks taken again; a wait for which another thread holds the op mutex lets
+ * go of what is taken, waits for the mutex, and takes them again. OK, or ERROR with an
+ * exception set (a failed wait: OSError). */
+static int txn_begin(Native *n, uint64_t mask);
+
+/* Commit the open transaction: its journal emptied (its writes stand), the LRU list's
+ * pending changes applied (under the free lock, still held), every lock let go and seq even,
+ * its evictions counted, the findings seen inside it reported (findings_flush; not where the
+ * operation holds them: probes.c findings_hold). */
+static void txn_commit(Native *n);
+
+/* Roll back and let go; a take that found nothing left raises PoolExhausted now, with the
+ * pool as it was (preempt.c). */
+static void txn_abort(Native *n);
+
+
+/* -- blocks.c: the blocks: the local cache, the free ring, stamps, the take -------------------- */
+
+/* The local cache's count (this client's own record: no lock). */
+static inline uint32_t local_count(Native *n);
+
+/* ids[0..k) to the free ring's tail, their records reset to FREE (each journaled, then the
+ * ring's header and slots). The free lock held. OK; UNHANDLED when the journal has no room. */
+static inline int ring_push(Native *n, const int32_t *ids, int64_t k);
+
+/* Park blocks as LOCAL; *rest = how many (from the end) did not fit. */
+static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out);
+
+/* The take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
+ * to the ring), then this handle's oldest waiting sequences, preempted one at a time (not
+ * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
+ * eviction again. When they are all short, UNHANDLED with `exhausted_need` set: the
+ * transaction's rollback raises PoolExhausted (preempt.c); when the eviction outgrows the
+ * journal, UNHANDLED with `jfull` set: the operation's rollback evicts ahead (rolled_back). The
+ * locks each step needs are planned by `take_locks`; one not held (the pool changed since the
+ * plan) leaves UNHANDLED: the operation runs again with it (need_locks). */
+static int take(Native *n, int64_t k, int32_t *out, int64_t exclude);
+
+/* The locks `take(k)` will need, judged from the local cache and the
+ * ring's count (a hint: where it was wrong, the operation runs again with more, need_locks). */
+static uint64_t take_locks(Native *n, int64_t k);
+
+/* Fresh ALLOCATED blocks with refcount 1, owned by this client. */
+static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, int32_t site,
+                 uint64_t now);
+
+/* One reference less on each of ids[0..k) still ALLOCATED with a positive
+ * refcount (a block already free is left untouched: a double free), its last use `now`; the
+ * blocks left with no reference and not indexed into zero[*nz] (an indexed one stays CACHED).
+ * UNHANDLED when the journal has no room. */
+static int drop_refs(Native *n, const int32_t *ids, int64_t k, uint64_t now, int32_t *zero,
+                     int64_t *nz);
+
+
+/* -- prefix.c: the prefix index and chain hashes ----------------------------------------------- */
+
+/* PrefixIndex.lookup */
+static int32_t index_lookup(Native *n, uint64_t key);
+
+/* The chain value of one block of tokens after `prev`. */
+static inline uint64_t chain_next(Native *n, uint64_t prev, const int32_t *toks);
+
+
+/* -- eviction.c: LRU eviction and what follows a rollback -------------------------------------- */
+
+/* After an operation's transaction rolled back (txn_abort), what the core does next: ERROR
+ * with the exception set (a full pool's PoolExhausted among them); else, by what stopped it:
+ * - a waiting sequence whose preemption would have outgrown its journal is preempted ahead, in
+ *   transactions of its own (preempt_ahead);
+ * - the op mutex a K/V check needed (another thread's) is waited for, no pool lock held, and
+ *   held until the operation ends (mutex_wait);
+ * - locks a step needed and the transaction did not hold are taken too next time (need_locks);
+ * - the blocks its eviction was to hand it when the journal ran out are evicted to the free
+ *   ring ahead, in transactions of their own (evict_to_ring), where running it again takes them;
+ * and AGAIN: run it again. JOURNAL_SHORT when the journal could not hold it and nothing could
+ * be evicted ahead (the caller runs it in smaller transactions, or raises journal_full);
+ * UNHANDLED when a transaction ahead could not begin (txn_begin). */
+static int rolled_back(Native *n);
+
+
+/* -- sequences.c: sequences: fields, the slot reserve, claims, table writes -------------------- */
+
+/* A sequence slot being claimed: from this process's reserve, or, on a pool
+ * too small for reserves or when its reserve is empty (the table had no slot for it), the
+ * lowest empty slot of the table under the seqs lock (`direct`). */
+typedef struct {
+    int64_t slot;
+    uint64_t seq_id;
+    int direct;
+} Claim;
+
+/* Field i (F_*) of a Sequence, read at its __slots__ offset: a new reference; NULL with
+ * AttributeError where it is unset. */
+static PyObject *sfield(Native *n, PyObject *seq, int i);
+
+/* Field i (F_*) of a Sequence set to v (a new reference of it kept, the old one dropped). */
+static void sset(Native *n, PyObject *seq, int i, PyObject *v);
+
+/* PoolError for a Sequence whose `what` (a list the pool keeps in it) is not as the pool left
+ * it: something outside the pool changed it. ERROR. */
+static int seq_changed(const char *what);
+
+/* A block table (a list of at most cap block ids) into ids; the lock bits of the index
+ * shards of its indexed blocks into *shards. ERROR (seq_changed) on anything else. */
+static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_ssize_t *k,
+                    uint64_t *shards);
+
+/* End of a call: give back the op mutex if waiting for a lock (or the K/V checks) made it take
+ * it. An exception already raised is kept across the call to release(): a call
+ * made with one pending fails, and clearing that failure would lose it. */
+static void drop_mutex(Native *n);
+
+/* A case the core does not handle (a bug): RuntimeError naming the place (unhandled(n) in
+ * core.h). An error already set (txn_begin's ERROR: a failed wait, an error while recovering)
+ * stands instead. */
+static PyObject *unhandled_at(Native *n, const char *where, int line);
+
+/* Whether a slot released (after `taking` more are claimed from the
+ * reserve) goes back to the reserve, not to the table. */
+static inline int reserve_keeps(Native *n, int64_t slot, int64_t taking);
+
+/* Whether the next claim (`claiming`) would find the reserve empty or out of ids, or the next
+ * release would find it full. */
+static inline int reserve_due(Native *n, int claiming);
+
+/* The reserve refilled (claiming) or trimmed (not) where due (reserve_due; the handle usable:
+ * entry.c unusable), before an operation that claims or releases a slot, in the core's call
+ * of it (entry.c reserve_before): in a transaction of its own under the seqs lock (waited for,
+ * a dead holder recovered: txn_begin) and the handle's op mutex (waited for: another thread's
+ * operation first). 1 done; 0, with nothing done, where this thread is inside an operation of
+ * the handle already (in Python the core called: its locks and journal are that operation's)
+ * or the refill would outgrow the journal: the claim then takes the table's own way, under the
+ * seqs lock; -1 with an exception set. */
+static int reserve_run(Native *n, PyObject *pool, int claiming);
+
+/* Before the transaction: the reserve's next slot and id; for a direct claim, the seqs lock to
+ * add to the transaction's (*locks). */
+static void claim_plan(Native *n, Claim *c, uint64_t *locks);
+
+/* Inside the transaction, a direct claim: the lowest EMPTY slot no process reserves
+ * (a claim without a reserve), and the header's next sequence id. ERROR (a PoolError) when
+ * the table is full, UNHANDLED when the journal is. */
+static int claim_take(Native *n, Claim *c);
+
+/* After commit: a claim from the reserve takes its slot and id out of it. */
+static int claim_done(Native *n, const Claim *c);
+
+/* A claim's record writes (the slot is reserved by this client). */
+static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *request,
+                       uint64_t now, int32_t site);
+
+/* Table entries [start, start + k) of `slot` written (a PoolError past max_blocks_per_seq) */
+static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *ids, int64_t k);
+
+/* Token ids at positions [first, first + k) of the table's blocks. */
+static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *toks, int64_t k);
+
+/* A request id's 32 bytes: its str's UTF-8, truncated to 32 bytes, zero-padded. */
+static int request_of(PyObject *rid, char *out);
+
+
+/* -- tokens.c: the caller's tokens and request id ---------------------------------------------- */
+
+/* A caller's tokens as the core read them (tokens_read): up to TOKENS_SMALL in place. */
+#define TOKENS_SMALL 512
+
+typedef struct {
+    int32_t *v; /* the tokens: `small` or a PyMem block */
+    Py_ssize_t n;
+    /* Where the caller asked for it and every token is an int: a list of them of the core's
+     * own (new reference), or the caller's tuple; else NULL. */
+    PyObject *items;
+    int32_t small[TOKENS_SMALL];
+} Tokens;
+
+/* What a read of tokens holds let go (its PyMem block, its kept items): after every
+ * tokens_read, whatever it returned. */
+static void tokens_done(Tokens *t);
+
+/* Raise PoolError(message): ERROR. */
+static int pool_error(const char *fmt, ...);
+
+/* The caller's tokens into t (t->v, t->n; with `want_items`, t->items where the Sequence may
+ * keep them): OK, or ERROR with PoolError (a 2-D or non-integer array, a token outside int32)
+ * or the TypeError of an item that is not an integer. tokens_done(t) after, either way. */
+static int tokens_read(PyObject *obj, Tokens *t, int want_items);
+
+/* The tokens as a list of ints (what a Sequence keeps; a new reference, at most once per
+ * read): the kept items, else ints made from the values. */
+static PyObject *tokens_list(const Tokens *t);
+
+/* The request id as the Sequence keeps it (a new reference): a str as it is, anything else
+ * its str(). */
+static PyObject *request_str(PyObject *rid);
+
+
+/* -- probes.c: the light probes: events, sites, findings, leaks -------------------------------- */
+
+/* One event per block (one with block -1 when there are none), into this client's ring. */
+static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const char *request,
+                      int64_t arg);
+
+/* The site id of the operation being run: from the first frame outside kvscope's folders, its
+ * text composed and interned by the core (sites.py's text: a frame at depth 1, a stack at
+ * KVSCOPE_STACK_DEPTH > 1, the depth in the probe word), each frame's id cached by its code
+ * object and instruction, into the probe's site table (the only one: sites.py interns through
+ * N_intern_site). -1 when sites are off (or every frame is kvscope's); SITE_ERROR (-2) with an
+ * exception set. Called before the operation takes its locks (site_intern waits for the sites
+ * lock). */
+static int32_t site_now(Native *n);
+
+/* Block b as a finding sees it now (the record's owner, allocation site and request). */
+static void seen_of(Native *n, int32_t b, Seen *s);
+
+/* A finding seen inside the open transaction (message: a new reference, taken over),
+ * reported when it commits (findings_flush: a write after free found in a block being handed
+ * out, reported whether or not the operation goes on to hand it out) and dropped if it rolls
+ * back (the operation is then done again, or refused, and finds it again). OK, or ERROR with
+ * an exception set. */
+static int finding_later(Native *n, int fk, const Seen *s, PyObject *message);
+
+/* Report the first `upto` findings waiting (after a commit, its locks let go), and keep the
+ * others. A failure to report: an exception written as unraisable (the operation stands). */
+static void findings_first(Native *n, int64_t upto);
+
+/* The open operation reports its transaction's findings itself, in order among its events
+ * (findings_before, findings_first), not at its commit (findings_flush); in force until they
+ * are all reported (or the next txn_begin). */
+static void findings_hold(Native *n);
+
+/* Report, of the first `upto` findings waiting, those seen before the transaction's
+ * preemption number `pre` (the events of a preemption come after what was found before
+ * it). */
+static void findings_before(Native *n, int64_t upto, int64_t pre);
+
+/* The magic probe's periodic check: the header (and, with the leaks probe, conservation) at
+ * most every VERIFY_EVERY_NS, on one clock for the handle (the gate's, and N_verify_often's
+ * between operations).
+ * The header's checked bytes are compared with the copy taken when the handle attached
+ * (probes_init). OK, or ERROR with an exception set. */
+static int verify_often(Native *n, PyObject *pool);
+
+/* before_release: each unindexed ALLOCATED block of the table has as many references as
+ * this handle's sequences map it; a refcount_mismatch finding for each that has not, as the
+ * record is now (the request id `rid` named in its message), and the release goes on. OK, or
+ * ERROR with an exception set. */
+static int refcounts_match(Native *n, const int32_t *ids, int64_t k, PyObject *rid);
+
+/* No live sequence (of any process) maps a block about to be given to `request`. A block one
+ * does map is a use_after_free finding, naming the sequence (its request and pid: the first
+ * that maps it, by slot) and the block's allocation site, reported when the operation commits
+ * (stale_findings). OK, or ERROR with an exception set. */
+static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *request);
+
+/* held_after_release, inside the release's transaction after its drops: the blocks of the
+ * table this process still holds that no other sequence of this handle maps (leaked), as they
+ * are now, into n->leak (read inside the release: once it commits, a block it freed is
+ * anyone's and would look held by its next owner). Their number, or -1 with an exception set. */
+static int64_t leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t slot);
+
+
+/* -- kvdata.c: guard mode and the digest probe on the KV data ---------------------------------- */
+
+/* Freed blocks' guard slots still hold the canary; one that does not
+ * gets it back, and a guard_violation finding, reported when the release commits with the
+ * block's record as it is then (and a GUARD_VIOLATION event first). OK, UNHANDLED (a CUDA
+ * pool's queue: another thread holds the op mutex), ERROR. */
+static int canaries_intact(Native *n, const int32_t *ids, int64_t k);
+
+/* NaN into the token slots of freed blocks, just before the release commits
+ * (under its locks: once they are released the blocks are anyone's). OK, UNHANDLED, ERROR. */
+static int poison_blocks(Native *n, const int32_t *ids, int64_t k);
+
+/* Guarded freed blocks go to the ring's tail (never the local cache), marked poisoned; the free
+ * lock is held. */
+static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k);
+
+/* Guard mode, blocks about to be taken: a poisoned one must still
+ * hold its poison; one that does not (a write after free) is a use_after_free finding, with
+ * its record as it is now, reported when the operation commits (a CUDA pool's: at the settle
+ * that reads the answer, with the record as the operation saw it). OK, UNHANDLED (a CUDA pool's
+ * queue not to be had now), ERROR. */
+static int poison_intact(Native *n, const int32_t *ids, int64_t k);
+
+/* Blocks just stamped (records saved) are no longer poisoned. */
+static void unpoison(Native *n, const int32_t *ids, int64_t k);
+
+/* The published blocks among ids (indexed, with a digest of their
+ * generation) still match it; `when` names the moment in a finding ("a prefix hit"). One that
+ * does not is a published_block_modified finding, with its record as it is now, reported when
+ * the operation commits (which goes on); a CUDA pool's at the
+ * settle that reads the answer, with the record as the operation saw it. OK, UNHANDLED, ERROR. */
+static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when);
+
+/* digests_intact, the slots' sums of blocks with provenance records kept with `keep` (a
+ * prefix hit's: slot provenance checks the same slots next, digests). */
+static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const char *when,
+                              int keep);
+
+
+/* -- append.c: appends ------------------------------------------------------------------------- */
+
+/* Tokens appended to seq (in `slot`) -> the copy-on-write (src, dst) copies, in chunks of
+ * CHUNK blocks' worth, each a transaction of its own (half as many where the journal cannot
+ * hold one, down to a token). Where the pool changed since a chunk's plan, a preemption or an
+ * eviction outgrew the journal, or a K/V check waits for the op mutex, the chunk runs again
+ * (rolled_back). An error after some chunks leaves them appended (docs/POOL.md: a long append
+ * that fails keeps its first chunks); NULL then, with the exception set. */
+static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
+                             const int32_t *toks, int64_t k);
+
+
+/* -- preempt.c: preemption --------------------------------------------------------------------- */
+
+/* Just before the commit of a transaction that may have preempted (its n_poison set to 0 before
+ * it began): the blocks its guarded preemptions freed, poisoned, but those the same
+ * transaction took again. OK, UNHANDLED (a CUDA pool's queue not to be had now:
+ * dev_check), ERROR. */
+static int preempt_poison(Native *n);
+
+/* After the commit: the sequences preempted[from..to) of this transaction, in order: their
+ * events (PREEMPT, then FREE, of their tables), counters, and Sequences (no blocks, state
+ * "preempted", nothing published). OK, or ERROR with an exception set. */
+static int preempted(Native *n, int64_t from, int64_t to);
+
+
+/* -- leases.c: leases -------------------------------------------------------------------------- */
+
+/* give_back_freed's first step (free lock not yet required): the leased blocks of the freed
+ * zero[0..*nz) are taken out of it and pushed to the free ring's tail QUARANTINED (the free
+ * lock: need_locks), where ring_pop passes over them while they stay leased; the rest stay in
+ * zero (order kept) for the caller to give back. OK or UNHANDLED. */
+static int leases_divert(Native *n, int32_t *zero, int64_t *nz);
+
+
+/* -- provenance.c: slot provenance ------------------------------------------------------------- */
+
+/* Whether this pool's K/V hashes go through the core's device checks: its K/V is not mapped
+ * here (a CUDA pool), and the checks are configured (guard mode or the digest probe). */
+static inline int prov_on_device(Native *n);
+
+/* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */
+static inline int prov_sampled(Native *n, uint64_t seq_id);
+
+/* Record k slots from relative position `first` of the blocks ids[] (the table from the block
+ * that holds it) as written by seq_id, tokens toks, logical positions from `pos0`. */
+static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
+                       int64_t first, int64_t pos0, const int32_t *toks, int64_t k);
+
+/* allocate's hit, before its commit, on a pool whose K/V the core does not map: the hit's
+ * blocks table[0, hits), read by `request`, queued for their K/V check (prov_check_later). */
+static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const char *request);
+
+/* allocate's hit, after its commit: the hit's blocks table[0, hits) against the prompt's
+ * tokens and positions (a hit whose block holds other tokens than the hit's is reported at the
+ * hit). OK, or ERROR with an exception set. */
+static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
+                           const char *request);
+
+
+/* -- devchecks.c: the device checks of a CUDA pool's K/V --------------------------------------- */
+
+/* allocate's hit, before its commit, on a pool whose K/V the core does not map, with the
+ * digest probe and slot provenance both on: the hit's blocks table[0, hits), read by `request`
+ * (32 bytes), checked in one launch (DK_HIT_CHECK: the kernel's DIGEST_SLOTS mode, a block's
+ * digest and its slots' sums) where the two checks would take two (kvdata.c digests_intact's
+ * DK_VERIFY of the blocks published with a digest of their generation, `when` naming the
+ * moment; provenance.c prov_hits_later's DK_PROV_CHECK of the blocks with hashed slots). A
+ * block is in it where either check would take it; the answer applies each check only where
+ * it would have (devanswers.c hit_check_read, from the record kept). OK, UNHANDLED, ERROR as
+ * dev_check. */
+static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const char *when,
+                         const char *request);
+
+/* Whether a guarded release's blocks have their canaries checked with their fill, one launch
+ * (DK_RELEASE, just before the release commits: dev_release_check) rather than each on its own
+ * (kvdata.c canaries_intact, then poison_blocks): a pool whose K/V the core does not map, and
+ * that poisons freed blocks. */
+static inline int dev_release_later(Native *n);
+
+/* A guarded release's blocks ids[0, k) (dev_release_later), just before its commit: their
+ * guard slots checked for the canary, then their token slots filled with the poison, one
+ * launch (the kernel's CANARY_POISON mode); a broken canary is a guard_violation finding when
+ * the answer is applied, as DK_CANARY's (devanswers.c). OK, UNHANDLED, ERROR as dev_check. */
+static int dev_release_check(Native *n, const int32_t *ids, int64_t k);
+
+
+/* -- oplog.c: the operation log ---------------------------------------------------------------- */
+
+/* allocate as module.c binds it (entry.c E_allocate calls it): entry.c N_allocate, whose
+ * operation record, where the handle records (n->oplog), oplog_op writes around it (RECORDED
+ * defines it). What N_allocate returns. */
+static PyObject *R_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs);
+
+/* The open call's tokens as the core read them, and the sequence an append appends to (its
+ * live slot, else -1: allocate's, or one the core refused) with its table's length then: the
+ * hook of N_allocate and N_append, after the gate and the sequence's check. Inline in the core,
+ * a decode step's one token stored as it is: a call to a function of its own and to memcpy
+ * cost the serving loop about 2% (their code out of the instruction cache at every append).
+ * The first call to reach it after the recorded entry point cleared have_tok (R_append,
+ * oplog_op) is that entry point's: a pool operation called from Python that call ran comes
+ * later, and leaves the open call's alone. */
+static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);

@@ -435,15 +435,6 @@ static int dev_check(Native *n, int kind, const int32_t *ids, int64_t k, const c
 
 /* -- a prefix hit ------------------------------------------------------------------------------ */
 
-/* allocate's hit, before its commit, on a pool whose K/V the core does not map, with the
- * digest probe and slot provenance both on: the hit's blocks table[0, hits), read by `request`
- * (32 bytes), checked in one launch (DK_HIT_CHECK: the kernel's DIGEST_SLOTS mode, a block's
- * digest and its slots' sums) where the two checks would take two (kvdata.c digests_intact's
- * DK_VERIFY of the blocks published with a digest of their generation, `when` naming the
- * moment; provenance.c prov_hits_later's DK_PROV_CHECK of the blocks with hashed slots). A
- * block is in it where either check would take it; the answer applies each check only where
- * it would have (devanswers.c hit_check_read, from the record kept). OK, UNHANDLED, ERROR as
- * dev_check. */
 static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const char *when,
                          const char *request) {
     enum { SOME = 256 };
@@ -470,16 +461,8 @@ static int dev_hit_check(Native *n, const int32_t *table, int64_t hits, const ch
 
 /* -- a guarded release -------------------------------------------------------------------------- */
 
-/* Whether a guarded release's blocks have their canaries checked with their fill, one launch
- * (DK_RELEASE, just before the release commits: dev_release_check) rather than each on its own
- * (kvdata.c canaries_intact, then poison_blocks): a pool whose K/V the core does not map, and
- * that poisons freed blocks. */
 static inline int dev_release_later(Native *n) { return n->kv == NULL && n->poison_ok; }
 
-/* A guarded release's blocks ids[0, k) (dev_release_later), just before its commit: their
- * guard slots checked for the canary, then their token slots filled with the poison, one
- * launch (the kernel's CANARY_POISON mode); a broken canary is a guard_violation finding when
- * the answer is applied, as DK_CANARY's (devanswers.c). OK, UNHANDLED, ERROR as dev_check. */
 static int dev_release_check(Native *n, const int32_t *ids, int64_t k) {
     return dev_check(n, DK_RELEASE, ids, k, NULL, 0, NULL);
 }

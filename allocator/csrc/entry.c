@@ -693,7 +693,6 @@ out:
 
 /* The entry points that module.c binds for these operations: what comes before the operation
  * itself (recorded, where the handle records, by oplog.c's R_*), in the core's one call. */
-static PyObject *R_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *R_end(Native *n, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *R_fork(Native *n, PyObject *const *args, Py_ssize_t nargs);
 static PyObject *R_resume(Native *n, PyObject *const *args, Py_ssize_t nargs);

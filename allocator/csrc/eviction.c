@@ -402,18 +402,6 @@ static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
 
 /* -- after a rollback ---------------------------------------------------------------------- */
 
-/* After an operation's transaction rolled back (txn_abort), what the core does next: ERROR
- * with the exception set (a full pool's PoolExhausted among them); else, by what stopped it:
- * - a waiting sequence whose preemption would have outgrown its journal is preempted ahead, in
- *   transactions of its own (preempt_ahead);
- * - the op mutex a K/V check needed (another thread's) is waited for, no pool lock held, and
- *   held until the operation ends (mutex_wait);
- * - locks a step needed and the transaction did not hold are taken too next time (need_locks);
- * - the blocks its eviction was to hand it when the journal ran out are evicted to the free
- *   ring ahead, in transactions of their own (evict_to_ring), where running it again takes them;
- * and AGAIN: run it again. JOURNAL_SHORT when the journal could not hold it and nothing could
- * be evicted ahead (the caller runs it in smaller transactions, or raises journal_full);
- * UNHANDLED when a transaction ahead could not begin (txn_begin). */
 static int rolled_back(Native *n) {
     int64_t ahead = n->ahead, evict = n->jfull ? n->evicting : 0;
     int jfull = n->jfull, escalate = n->escalate, mutex = n->need_mutex;

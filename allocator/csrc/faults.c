@@ -16,9 +16,6 @@ static const char *const CRASH_NAMES[NUM_CRASH_POINTS] = {
     "seqs.after_release",      "seqs.after_prefix_key",  "prefix.after_hit",
     "prefix.after_insert",     "txn.before_commit"};
 
-/* SIGKILL at the armed point's n-th hit. crash.ARMED is [the armed point's place + 1 (0: none),
- * hits left], counted down here. Where the kill-holding-lock fault armed it, a recording
- * handle writes the release's record first (oplog.c oplog_dying). */
 static inline void crash_point(Native *n, int point) {
     int64_t *armed = n->crash;
     if (__builtin_expect(armed[0] == point + 1, 0) && --armed[1] <= 0) {
@@ -50,11 +47,8 @@ static const char *const FAULT_NAMES[NUM_FAULTS] = {
  * leases.c, foreign-slot in provenance.c) */
 static PyObject *fault_str[NUM_FAULTS]; /* the names, interned once */
 
-/* Any fault armed (faults.ARMED not empty): the one test an operation makes when none is. */
 static inline int faults_armed(Native *n) { return PyDict_GET_SIZE(n->faults_armed) != 0; }
 
-/* A fault's opportunity, counted on faults.ARMED itself: 1 at the armed fault's n-th
- * opportunity and at every later one until it has fired, 0 otherwise. */
 static int fault_opportunity(Native *n, int f) {
     if (!faults_armed(n)) return 0;
     PyObject *left = PyDict_GetItemWithError(n->faults_armed, fault_str[f]);
@@ -72,9 +66,6 @@ static int fault_opportunity(Native *n, int f) {
     return 1;
 }
 
-/* faults.fired: the core has injected fault f; faults.py disarms it and announces it (its
- * stderr line, FIRED, the ON_FIRE hooks: `kvscope run` records it). A hook's error is reported
- * as unraisable: the operation it follows is done. */
 static void fault_fired(Native *n, int f) {
     PyObject *r = PyObject_CallOneArg(n->fault_fired, fault_str[f]);
     if (r == NULL) PyErr_WriteUnraisable(n->fault_fired);
@@ -93,10 +84,6 @@ static int fault_fire(Native *n, int f) {
     return 1;
 }
 
-/* The faults that strike when a request ends, decided before its
- * transaction: `leak` keeps one block only this request holds (*skip: its place in ids, else
- * -1), `use-after-free` frees the blocks but leaves the table live and mapped (*stale). Each
- * waits for a request it can act on. Announced once the release has committed. */
 static void end_faults(Native *n, const int32_t *ids, int64_t k, int64_t *skip, int *stale) {
     *skip = -1;
     *stale = 0;
@@ -112,9 +99,6 @@ static void end_faults(Native *n, const int32_t *ids, int64_t k, int64_t *skip, 
         *stale = 1;
 }
 
-/* `kill-holding-lock`: a release that takes locks dies (SIGKILL)
- * right after taking them (crash_point: a recording handle writes the release's record there,
- * once its locks are taken, then dies). */
 static void kill_fault(Native *n, uint64_t locks) {
     if (locks && fault_opportunity(n, FT_KILL_HOLDING_LOCK)) {
         crash_arm(n, CP_AFTER_LOCKS, 1);
@@ -122,10 +106,6 @@ static void kill_fault(Native *n, uint64_t locks) {
     }
 }
 
-/* `double-free`, announced after its release committed: the block it released a second time
- * (nothing in the segment changes: the block is already free), and,
- * under a probe, its double_free finding, written by the core (probes.c finding_report) with
- * the block's record as the release left it (`rec`, its bytes) and the ending request. */
 static void double_free_fired(Native *n, int32_t b, PyObject *rec, const char *request) {
     fault_fired(n, FT_DOUBLE_FREE);
     if (!(n->probes & ~P_LOCKDEP)) return;
@@ -168,9 +148,6 @@ static int append_faults(Native *n, PyObject *pool, PyObject *table) {
     return OK;
 }
 
-/* `refcount-skew`, inside an allocation's transaction after its new blocks
- * ids[0..k) were stamped: the first one's reference taken twice (its record journaled by the
- * stamp). 1 when it acted (announced once the allocation committed). */
 static int refcount_skew(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !fault_opportunity(n, FT_REFCOUNT_SKEW)) return 0;
     I4(blk(n, ids[0]) + BF_REFCOUNT) += 1;

@@ -31,7 +31,6 @@ static inline int jsave_block(Native *n, int64_t b) {
     return jsave(n, n->off_blocks + b * n->rec, (uint32_t)n->rec);
 }
 
-/* A sequence slot's fixed fields (its table is saved by range). */
 static inline int jsave_head(Native *n, int64_t slot) {
     return jsave(n, n->off_seqs + (size_t)slot * n->seq_rec, SF_TABLE);
 }
@@ -59,8 +58,6 @@ static void jcommit(Native *n) {
     n->jcount = n->jused = 0;
 }
 
-/* JournalFull (a PoolError), for an operation whose smallest transaction the journal cannot
- * hold (the words of the save it refused last): ERROR. */
 static int journal_full(Native *n) {
     if (JournalFullType == NULL) return pool_error("the undo journal is full");
     PyObject *msg = PyUnicode_FromFormat("operation too large for the undo journal (%u entries, "
@@ -73,8 +70,6 @@ static int journal_full(Native *n) {
     return ERROR;
 }
 
-/* What cannot happen, by the core's own construction (the comment at the call says why): the
- * operation, rolled back, raises RuntimeError. ERROR. */
 static int core_bug(const char *what) {
     if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "kvscope core: %s (a bug)", what);
     return ERROR;
@@ -85,9 +80,6 @@ static int core_bug(const char *what) {
 #define TXN_SLACK_ENTRIES 16
 #define TXN_SLACK_BYTES 8192
 
-/* The most blocks (at most CHUNK) one transaction may change when each costs `recs` saved
- * records, `bytes` more saved bytes and `entries` journal entries, besides TXN_SLACK: releases
- * are sized by it, so their journal never overflows (rule 3 of the journal). */
 static int64_t blocks_fit(Native *n, int64_t recs, int64_t bytes, int64_t entries) {
     int64_t by_bytes = ((int64_t)n->j_bytes - TXN_SLACK_BYTES) / (recs * n->rec + bytes);
     int64_t by_entries = ((int64_t)n->j_entries - TXN_SLACK_ENTRIES) / entries;

@@ -234,10 +234,6 @@ static int guard_release(Native *n, int64_t slot) {
     return in;
 }
 
-/* Freed blocks' guard slots still hold the canary; one that does not
- * gets it back, and a guard_violation finding, reported when the release commits with the
- * block's record as it is then (and a GUARD_VIOLATION event first). OK, UNHANDLED (a CUDA
- * pool's queue: another thread holds the op mutex), ERROR. */
 static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     if (n->kv == NULL) return kv_later(n, DK_CANARY, ids, k, NULL);
@@ -258,8 +254,6 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* NaN into the token slots of freed blocks, just before the release commits
- * (under its locks: once they are released the blocks are anyone's). OK, UNHANDLED, ERROR. */
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0 || !n->poison_ok) return OK;
     if (n->kv == NULL) return kv_later(n, DK_FILL, ids, k, NULL);
@@ -269,8 +263,6 @@ static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* Guarded freed blocks go to the ring's tail (never the local cache), marked poisoned; the free
- * lock is held. */
 static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     if (ring_push_state(n, ids, k, B_QUARANTINED)) return UNHANDLED;
@@ -322,11 +314,6 @@ static int quarantined_now(Native *n, int32_t b) {
     return 0;
 }
 
-/* Guard mode, blocks about to be taken: a poisoned one must still
- * hold its poison; one that does not (a write after free) is a use_after_free finding, with
- * its record as it is now, reported when the operation commits (a CUDA pool's: at the settle
- * that reads the answer, with the record as the operation saw it). OK, UNHANDLED (a CUDA pool's
- * queue not to be had now), ERROR. */
 static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return OK;
     int32_t mine[CHUNK];
@@ -361,7 +348,6 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* Blocks just stamped (records saved) are no longer poisoned. */
 static void unpoison(Native *n, const int32_t *ids, int64_t k) {
     if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return;
     for (int64_t i = 0; i < k; i++) {
@@ -572,19 +558,10 @@ static PyObject *modified_message(Native *n, const uint8_t *rec, const char *whe
     return msg;
 }
 
-/* The published blocks among ids (indexed, with a digest of their
- * generation) still match it; `when` names the moment in a finding ("a prefix hit"). One that
- * does not is a published_block_modified finding, with its record as it is now, reported when
- * the operation commits (which goes on); a CUDA pool's at the
- * settle that reads the answer, with the record as the operation saw it. OK, UNHANDLED, ERROR. */
-static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const char *when,
-                              int keep);
 static int digests_intact(Native *n, const int32_t *ids, int64_t k, const char *when) {
     return digests_intact_keep(n, ids, k, when, 0);
 }
 
-/* digests_intact, the slots' sums of blocks with provenance records kept with `keep` (a
- * prefix hit's: slot provenance checks the same slots next, digests). */
 static int digests_intact_keep(Native *n, const int32_t *ids, int64_t k, const char *when,
                               int keep) {
     if (!(n->probes & P_DIGEST) || k == 0) return OK;

@@ -77,10 +77,6 @@ static int jsave_counts(Native *n, const int32_t *ids, int64_t k) {
 
 /* -- the hooks -------------------------------------------------------------------------------- */
 
-/* give_back_freed's first step (free lock not yet required): the leased blocks of the freed
- * zero[0..*nz) are taken out of it and pushed to the free ring's tail QUARANTINED (the free
- * lock: need_locks), where ring_pop passes over them while they stay leased; the rest stay in
- * zero (order kept) for the caller to give back. OK or UNHANDLED. */
 static int leases_divert(Native *n, int32_t *zero, int64_t *nz) {
     if (!leases_any(n)) return OK;
     int64_t m = 0;

@@ -104,14 +104,6 @@ static int mutex_mine(Native *n) {
     return mine;
 }
 
-/* Another thread's operation on this handle in flight with the GIL let go (waiting for a pool
- * lock under the op mutex, or inside a transaction, in Python it called, or for the op mutex):
- * wait for it to end (for the op mutex, or with the GIL let go a moment at a time). One that
- * waits for the op mutex holds no pool lock: where this thread holds the mutex, that one waits
- * for this one, and this call goes first. *mine: the operation in flight is this thread's own
- * (Python it called is calling the pool): nothing is waited for. *waited (unless NULL): this
- * call let go of the GIL (anything may have happened to the handle meanwhile). OK, or ERROR
- * with an exception set. */
 static int wait_others(Native *n, int *mine, int *waited) {
     *mine = 0;
     if (waited) *waited = 0;
@@ -305,14 +297,6 @@ static inline void client_seq_bump(Native *n) {
 static int recover_own_journal(Native *n);
 static int gil_wait_report(Native *n, int i);
 
-/* Begin: seq odd, then every lock of `mask` in ascending order (in descending order at the
- * lock-inversion fault's opportunity, announced once they are taken). Lockdep's edges are
- * learned first (probes.c lockdep_ok: the findings lock waited for, a dead holder of it
- * recovered), and a journal this client left open is rolled back (recovery.c
- * recover_own_journal); a lock whose record names a dead holder is recovered (every lock, in
- * order) and the locks taken again; a wait for which another thread holds the op mutex lets
- * go of what is taken, waits for the mutex, and takes them again. OK, or ERROR with an
- * exception set (a failed wait: OSError). */
 static int txn_begin(Native *n, uint64_t mask) {
     n->n_pre = 0;
     n->exhausted_need = 0;
@@ -392,8 +376,6 @@ static void txn_commit(Native *n) {
     findings_flush(n);
 }
 
-/* Roll back and let go; a take that found nothing left raises PoolExhausted now, with the
- * pool as it was (preempt.c). */
 static void txn_abort(Native *n) {
     n->dry_valid = 0;
     jrollback(n);

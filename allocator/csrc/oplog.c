@@ -148,14 +148,6 @@ static __attribute__((noinline, cold)) void oplog_tokens_many(Oplog *L, const in
     L->have_tok = 1;
 }
 
-/* The open call's tokens as the core read them, and the sequence an append appends to (its
- * live slot, else -1: allocate's, or one the core refused) with its table's length then: the
- * hook of N_allocate and N_append, after the gate and the sequence's check. Inline in the core,
- * a decode step's one token stored as it is: a call to a function of its own and to memcpy
- * cost the serving loop about 2% (their code out of the instruction cache at every append).
- * The first call to reach it after the recorded entry point cleared have_tok (R_append,
- * oplog_op) is that entry point's: a pool operation called from Python that call ran comes
- * later, and leaves the open call's alone. */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot) {
     Oplog *L = n->oplog;
     if (L->have_tok) return;

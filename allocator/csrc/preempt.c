@@ -55,10 +55,6 @@ static int poison_later(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* Just before the commit of a transaction that may have preempted (its n_poison set to 0 before
- * it began): the blocks its guarded preemptions freed, poisoned, but those the same
- * transaction took again. OK, UNHANDLED (a CUDA pool's queue not to be had now:
- * dev_check), ERROR. */
 static int preempt_poison(Native *n) {
     int64_t k = 0;
     for (int64_t i = 0; i < n->n_poison; i++)
@@ -160,9 +156,6 @@ static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found)
     return rc;
 }
 
-/* After the commit: the sequences preempted[from..to) of this transaction, in order: their
- * events (PREEMPT, then FREE, of their tables), counters, and Sequences (no blocks, state
- * "preempted", nothing published). OK, or ERROR with an exception set. */
 static int preempted(Native *n, int64_t from, int64_t to) {
     int rc = OK;
     for (int64_t i = from; i < to && rc == OK; i++) {

@@ -9,7 +9,6 @@ static inline int64_t probe_start(Native *n, uint64_t key, int64_t *base) {
     return (int64_t)((key >> 16) % (uint64_t)n->index_w);
 }
 
-/* PrefixIndex.lookup */
 static int32_t index_lookup(Native *n, uint64_t key) {
     int64_t base, w = n->index_w, i = probe_start(n, key, &base);
     for (int64_t s = 0; s < w; s++) {
@@ -80,7 +79,6 @@ static int index_remove(Native *n, uint64_t key, int32_t block, int *removed) {
     return OK;
 }
 
-/* The chain value of one block of tokens after `prev`. */
 static inline uint64_t chain_next(Native *n, uint64_t prev, const int32_t *toks) {
     uint64_t c = 0;
     for (int64_t i = 0; i < n->bs; i++) c += (uint64_t)(int64_t)toks[i] * n->coefs[i];

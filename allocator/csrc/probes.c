@@ -10,7 +10,6 @@
 
 /* -- the flight recorder ---------------------------------------------------------------------- */
 
-/* One event per block (one with block -1 when there are none), into this client's ring. */
 static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const char *request,
                       int64_t arg) {
     if (!(n->probes & P_EVENTS) || n->ev_cap == 0) return;
@@ -258,13 +257,6 @@ static int64_t stack_site(Native *n, PyFrameObject *f, int depth) {
     return stack >= 0 ? stack : ids[0];
 }
 
-/* The site id of the operation being run: from the first frame outside kvscope's folders, its
- * text composed and interned by the core (sites.py's text: a frame at depth 1, a stack at
- * KVSCOPE_STACK_DEPTH > 1, the depth in the probe word), each frame's id cached by its code
- * object and instruction, into the probe's site table (the only one: sites.py interns through
- * N_intern_site). -1 when sites are off (or every frame is kvscope's); SITE_ERROR (-2) with an
- * exception set. Called before the operation takes its locks (site_intern waits for the sites
- * lock). */
 static int32_t site_now(Native *n) {
     if (!(n->probes & (P_SITES | P_SITES_EACH))) return -1;
     int err;
@@ -287,7 +279,6 @@ static const char *const FK_NAMES[FK_COUNT] = {
     "lock_order_cycle", "block_table_mismatch", "wait_holds_gil", "transfer_after_free",
     "lease_leak", "foreign_slot", "unmapped_write"};
 
-/* Block b as a finding sees it now (the record's owner, allocation site and request). */
 static void seen_of(Native *n, int32_t b, Seen *s) {
     uint8_t *r = blk(n, b);
     s->block = b;
@@ -479,11 +470,6 @@ static PyObject *N_intern_site(Native *n, PyObject *arg) {
     return PyLong_FromLongLong(id);
 }
 
-/* A finding seen inside the open transaction (message: a new reference, taken over),
- * reported when it commits (findings_flush: a write after free found in a block being handed
- * out, reported whether or not the operation goes on to hand it out) and dropped if it rolls
- * back (the operation is then done again, or refused, and finds it again). OK, or ERROR with
- * an exception set. */
 static int finding_later(Native *n, int fk, const Seen *s, PyObject *message) {
     if (message == NULL) return ERROR;
     if (n->pend == NULL && (n->pend = PyMem_Calloc(2 * CHUNK, sizeof(Pending))) == NULL) {
@@ -507,8 +493,6 @@ static int finding_later(Native *n, int fk, const Seen *s, PyObject *message) {
     return OK;
 }
 
-/* Report the first `upto` findings waiting (after a commit, its locks let go), and keep the
- * others. A failure to report: an exception written as unraisable (the operation stands). */
 static void findings_first(Native *n, int64_t upto) {
     if (upto > n->n_pend) upto = n->n_pend;
     for (int64_t i = 0; i < upto; i++) {
@@ -533,9 +517,6 @@ static void findings_flush(Native *n) {
 
 static void findings_hold(Native *n) { n->pend_hold = 1; }
 
-/* Report, of the first `upto` findings waiting, those seen before the transaction's
- * preemption number `pre` (the events of a preemption come after what was found before
- * it). */
 static void findings_before(Native *n, int64_t upto, int64_t pre) {
     int64_t k = 0;
     while (k < upto && k < n->n_pend && n->pend[k].pre <= pre) k++;
@@ -703,11 +684,6 @@ static int header_changed(Native *n) {
     return rc;
 }
 
-/* The magic probe's periodic check: the header (and, with the leaks probe, conservation) at
- * most every VERIFY_EVERY_NS, on one clock for the handle (the gate's, and N_verify_often's
- * between operations).
- * The header's checked bytes are compared with the copy taken when the handle attached
- * (probes_init). OK, or ERROR with an exception set. */
 static int verify_often(Native *n, PyObject *pool) {
     /* Every operation reads the clock: the coarse one, with its resolution taken off the
      * interval, so that the check still runs once VERIFY_EVERY_NS have passed (and at
@@ -879,10 +855,6 @@ static int count_handle_tables(Native *n, int64_t skip_slot) {
     return OK;
 }
 
-/* before_release: each unindexed ALLOCATED block of the table has as many references as
- * this handle's sequences map it; a refcount_mismatch finding for each that has not, as the
- * record is now (the request id `rid` named in its message), and the release goes on. OK, or
- * ERROR with an exception set. */
 static int refcounts_match(Native *n, const int32_t *ids, int64_t k, PyObject *rid) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
     /* The blocks it checks (unindexed, allocated: a request's own, usually its last, unpublished
@@ -993,10 +965,6 @@ static int stale_findings(Native *n, const int32_t *ids, int64_t k, const char *
     return rc;
 }
 
-/* No live sequence (of any process) maps a block about to be given to `request`. A block one
- * does map is a use_after_free finding, naming the sequence (its request and pid: the first
- * that maps it, by slot) and the block's allocation site, reported when the operation commits
- * (stale_findings). OK, or ERROR with an exception set. */
 static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *request) {
     if (!(n->probes & P_LEAKS) || k == 0) return OK;
     if (maybe_live_sync(n)) {
@@ -1038,10 +1006,6 @@ static int unmapped(Native *n, const int32_t *ids, int64_t k, const char *reques
     return hit ? stale_findings(n, ids, k, request) : OK;
 }
 
-/* held_after_release, inside the release's transaction after its drops: the blocks of the
- * table this process still holds that no other sequence of this handle maps (leaked), as they
- * are now, into n->leak (read inside the release: once it commits, a block it freed is
- * anyone's and would look held by its next owner). Their number, or -1 with an exception set. */
 static int64_t leaked_blocks(Native *n, const int32_t *ids, int64_t k, int64_t slot) {
     n->n_leak = 0;
     if (!(n->probes & P_LEAKS)) return 0;

@@ -73,8 +73,6 @@ static void prov_kv_hashes(Native *n, int64_t b, int64_t m, uint32_t *out) {
     for (int64_t off = 0; off < m; off++) out[off] = prov_kv_hash(n, b, off);
 }
 
-/* Whether this pool's K/V hashes go through the core's device checks: its K/V is not mapped
- * here (a CUDA pool), and the checks are configured (guard mode or the digest probe). */
 static inline int prov_on_device(Native *n) { return n->kv == NULL && n->dev != NULL; }
 
 /* A publication's blocks ids[0, k), after its commit: each recorded slot's K/V hashed into its
@@ -116,7 +114,6 @@ static int prov_stamp_later(Native *n, const int32_t *ids, int64_t k) {
     return dev_publish_check(n, DK_PROV_STAMP, some, m);
 }
 
-/* Whether the sequence `seq_id` is sampled (its slots recorded): one in prov_every. */
 static inline int prov_sampled(Native *n, uint64_t seq_id) {
     /* (every sequence, as under `kvscope run`: no division on a decode step's path) */
     if (n->prov_every == 1) return 1;
@@ -190,8 +187,6 @@ static inline void prov_mark(Native *n, int32_t b, uint32_t gen) {
     if (__atomic_load_n(w, __ATOMIC_RELAXED) != gen) __atomic_store_n(w, gen, __ATOMIC_RELEASE);
 }
 
-/* Record k slots from relative position `first` of the blocks ids[] (the table from the block
- * that holds it) as written by seq_id, tokens toks, logical positions from `pos0`. */
 static void prov_write(Native *n, uint64_t seq_id, const char *request, const int32_t *ids,
                        int64_t first, int64_t pos0, const int32_t *toks, int64_t k) {
     if (k <= 0) return;
@@ -341,15 +336,10 @@ static int prov_check_later(Native *n, const int32_t *ids, const char *readers, 
     return OK;
 }
 
-/* allocate's hit, before its commit, on a pool whose K/V the core does not map: the hit's
- * blocks table[0, hits), read by `request`, queued for their K/V check (prov_check_later). */
 static int prov_hits_later(Native *n, const int32_t *table, int64_t hits, const char *request) {
     return prov_check_later(n, table, request, 0, hits, 0);
 }
 
-/* allocate's hit, after its commit: the hit's blocks table[0, hits) against the prompt's
- * tokens and positions (a hit whose block holds other tokens than the hit's is reported at the
- * hit). OK, or ERROR with an exception set. */
 static int prov_check_hits(Native *n, const int32_t *table, int64_t hits, const int32_t *toks,
                            const char *request) {
     if (n->kv != NULL) kv_prefetch(n, table, hits, (size_t)(n->bs * n->kv_slot_bytes));

@@ -68,8 +68,6 @@ static int tokens_of(PyObject *list, Py_ssize_t start, int32_t *out, Py_ssize_t 
 }
 
 
-/* PoolError for a Sequence whose `what` (a list the pool keeps in it) is not as the pool left
- * it: something outside the pool changed it. ERROR. */
 static int seq_changed(const char *what) {
     PyErr_Clear();
     return pool_error("a Sequence's %s was changed outside the pool; use Sequences only as the "
@@ -77,8 +75,6 @@ static int seq_changed(const char *what) {
                       what);
 }
 
-/* A block table (a list of at most cap block ids) into ids; the lock bits of the index
- * shards of its indexed blocks into *shards. ERROR (seq_changed) on anything else. */
 static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_ssize_t *k,
                     uint64_t *shards) {
     if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) > cap) return seq_changed("block table");
@@ -94,9 +90,6 @@ static int table_of(Native *n, PyObject *list, int32_t *ids, Py_ssize_t cap, Py_
 }
 
 
-/* End of a call: give back the op mutex if waiting for a lock (or the K/V checks) made it take
- * it. An exception already raised is kept across the call to release(): a call
- * made with one pending fails, and clearing that failure would lose it. */
 static void drop_mutex(Native *n) {
     if (!n->mutex_held) return;
     n->mutex_held = 0;
@@ -125,9 +118,6 @@ static int mutex_wait(Native *n) {
     return OK;
 }
 
-/* A case the core does not handle (a bug): RuntimeError naming the place (unhandled(n) in
- * core.h). An error already set (txn_begin's ERROR: a failed wait, an error while recovering)
- * stands instead. */
 static PyObject *unhandled_at(Native *n, const char *where, int line) {
     if (PyErr_Occurred()) return NULL;
     n->unhandled++;
@@ -143,16 +133,12 @@ static PyObject *unhandled_at(Native *n, const char *where, int line) {
  * full, each in a transaction of its own under the seqs lock, before an operation that claims
  * or releases a slot, so that the operation itself needs neither. */
 
-/* Whether a slot released (after `taking` more are claimed from the
- * reserve) goes back to the reserve, not to the table. */
 static inline int reserve_keeps(Native *n, int64_t slot, int64_t taking) {
     uint8_t *s = seqrec(n, slot);
     return n->res_n - taking < 2 * n->slot_batch && s[SF_RESERVED] == 1 &&
            I4(s + SF_OWNER_CLIENT) == n->client;
 }
 
-/* Whether the next claim (`claiming`) would find the reserve empty or out of ids, or the next
- * release would find it full. */
 static inline int reserve_due(Native *n, int claiming) {
     if (n->slot_batch == 0) return 0;
     if (claiming) return n->res_n == 0 || n->id_next >= n->id_end;
@@ -200,14 +186,6 @@ static int reserve_trim(Native *n) {
     return OK;
 }
 
-/* The reserve refilled (claiming) or trimmed (not) where due (reserve_due; the handle usable:
- * entry.c unusable), before an operation that claims or releases a slot, in the core's call
- * of it (entry.c reserve_before): in a transaction of its own under the seqs lock (waited for,
- * a dead holder recovered: txn_begin) and the handle's op mutex (waited for: another thread's
- * operation first). 1 done; 0, with nothing done, where this thread is inside an operation of
- * the handle already (in Python the core called: its locks and journal are that operation's)
- * or the refill would outgrow the journal: the claim then takes the table's own way, under the
- * seqs lock; -1 with an exception set. */
 static int reserve_run(Native *n, PyObject *pool, int claiming) {
     /* (another thread's operation waiting for a lock in the core holds it: this waits) */
     PyObject *r = PyObject_CallMethodNoArgs(n->mutex, s_acquire);
@@ -265,17 +243,6 @@ static PyObject *N_reserve_state(Native *n, PyObject *unused) {
                          (unsigned long long)n->id_end);
 }
 
-/* A sequence slot being claimed: from this process's reserve, or, on a pool
- * too small for reserves or when its reserve is empty (the table had no slot for it), the
- * lowest empty slot of the table under the seqs lock (`direct`). */
-typedef struct {
-    int64_t slot;
-    uint64_t seq_id;
-    int direct;
-} Claim;
-
-/* Before the transaction: the reserve's next slot and id; for a direct claim, the seqs lock to
- * add to the transaction's (*locks). */
 static void claim_plan(Native *n, Claim *c, uint64_t *locks) {
     c->direct = n->slot_batch == 0 || n->res_n == 0 || n->id_next >= n->id_end;
     if (c->direct) {
@@ -286,9 +253,6 @@ static void claim_plan(Native *n, Claim *c, uint64_t *locks) {
     c->seq_id = n->id_next;
 }
 
-/* Inside the transaction, a direct claim: the lowest EMPTY slot no process reserves
- * (a claim without a reserve), and the header's next sequence id. ERROR (a PoolError) when
- * the table is full, UNHANDLED when the journal is. */
 static int claim_take(Native *n, Claim *c) {
     if (!c->direct) return OK;
     int64_t found = -1, held = 0;
@@ -313,7 +277,6 @@ static int claim_take(Native *n, Claim *c) {
     return OK;
 }
 
-/* After commit: a claim from the reserve takes its slot and id out of it. */
 static int claim_done(Native *n, const Claim *c) {
     if (c->direct) return OK;
     n->res_n--;
@@ -321,7 +284,6 @@ static int claim_done(Native *n, const Claim *c) {
     return OK;
 }
 
-/* A claim's record writes (the slot is reserved by this client). */
 static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *request,
                        uint64_t now, int32_t site) {
     uint8_t *s = seqrec(n, slot);
@@ -414,7 +376,6 @@ static void own_rollback(Native *n) {
     n->own_n = 0;
 }
 
-/* Table entries [start, start + k) of `slot` written (a PoolError past max_blocks_per_seq) */
 static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *ids, int64_t k) {
     if (start + k > n->max_bps)
         return pool_error("sequence needs %lld blocks but PoolConfig.max_blocks_per_seq is %lld",
@@ -432,7 +393,6 @@ static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *i
     return OK;
 }
 
-/* Token ids at positions [first, first + k) of the table's blocks. */
 static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *toks, int64_t k) {
     int64_t pos = first, i = 0;
     while (i < k) {
@@ -445,7 +405,6 @@ static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *
     }
 }
 
-/* A request id's 32 bytes: its str's UTF-8, truncated to 32 bytes, zero-padded. */
 static int request_of(PyObject *rid, char *out) {
     Py_ssize_t len;
     const char *u = PyUnicode_AsUTF8AndSize(rid, &len);

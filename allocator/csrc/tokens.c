@@ -78,17 +78,6 @@ static const DLExchangeAPI_ *dl_api_of(PyObject *obj) {
 
 /* -- the tokens ----------------------------------------------------------------------------- */
 
-#define TOKENS_SMALL 512
-
-typedef struct {
-    int32_t *v; /* the tokens: `small` or a PyMem block */
-    Py_ssize_t n;
-    /* Where the caller asked for it and every token is an int: a list of them of the core's
-     * own (new reference), or the caller's tuple; else NULL. */
-    PyObject *items;
-    int32_t small[TOKENS_SMALL];
-} Tokens;
-
 static void tokens_done(Tokens *t) {
     if (t->v != t->small) PyMem_Free(t->v);
     t->v = t->small;
@@ -117,7 +106,6 @@ static PyObject *pool_error_type(void) {
     return Py_NewRef(PoolErrorType);
 }
 
-/* Raise PoolError(message): ERROR. */
 static int pool_error(const char *fmt, ...) {
     PyObject *cls = pool_error_type();
     if (cls == NULL) return ERROR;
@@ -395,9 +383,6 @@ static int tokens_of_sequence(PyObject *obj, Tokens *t, int want) {
     return rc;
 }
 
-/* The caller's tokens into t (t->v, t->n; with `want_items`, t->items where the Sequence may
- * keep them): OK, or ERROR with PoolError (a 2-D or non-integer array, a token outside int32)
- * or the TypeError of an item that is not an integer. tokens_done(t) after, either way. */
 static int tokens_read(PyObject *obj, Tokens *t, int want_items) {
     t->v = t->small;
     t->n = 0;
@@ -418,8 +403,6 @@ static int tokens_read(PyObject *obj, Tokens *t, int want_items) {
     return rc;
 }
 
-/* The tokens as a list of ints (what a Sequence keeps; a new reference, at most once per
- * read): the kept items, else ints made from the values. */
 static PyObject *tokens_list(const Tokens *t) {
     if (t->items != NULL && PyList_CheckExact(t->items)) return Py_NewRef(t->items);
     PyObject *out = PyList_New(t->n);
@@ -493,8 +476,6 @@ static PyObject *int_id_str(PyObject *rid) {
     return s;
 }
 
-/* The request id as the Sequence keeps it (a new reference): a str as it is, anything else
- * its str(). */
 static PyObject *request_str(PyObject *rid) {
     if (PyUnicode_CheckExact(rid)) return Py_NewRef(rid);
     return PyLong_CheckExact(rid) ? int_id_str(rid) : PyObject_Str(rid);
