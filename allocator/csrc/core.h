@@ -603,7 +603,8 @@ static int refcount_skew(Native *n, const int32_t *ids, int64_t k);
  * eviction.c rolled_back decides); ERROR with an exception set. */
 static inline int jsave_block(Native *n, int64_t b);
 
-/* A sequence slot's fixed fields (its table is saved by range). */
+/* A sequence slot's fixed fields saved in the undo journal before the caller writes them (its
+ * table is saved by range). OK; UNHANDLED when the journal has no room (n->jfull set). */
 static inline int jsave_head(Native *n, int64_t slot);
 
 /* JournalFull (a PoolError), for an operation whose smallest transaction the journal cannot
@@ -648,8 +649,10 @@ static int txn_begin(Native *n, uint64_t mask);
  * operation holds them: probes.c findings_hold). */
 static void txn_commit(Native *n);
 
-/* Roll back and let go; a take that found nothing left raises PoolExhausted now, with the
- * pool as it was (preempt.c). */
+/* Roll back and let go: the journal undone, the locks released, seq even, what the transaction
+ * had pending (LRU changes, preemptions, findings) dropped; a take that found nothing left
+ * raises PoolExhausted now, with the pool as it was (preempt.c). The caller then asks
+ * eviction.c rolled_back what to do. */
 static void txn_abort(Native *n);
 
 
@@ -662,7 +665,9 @@ static inline uint32_t local_count(Native *n);
  * ring's header and slots). The free lock held. OK; UNHANDLED when the journal has no room. */
 static inline int ring_push(Native *n, const int32_t *ids, int64_t k);
 
-/* Park blocks as LOCAL; *rest = how many (from the end) did not fit. */
+/* Park blocks as LOCAL in this client's local cache (no lock: the cache is the client's own):
+ * the first *fit_out of ids[0..k) that fit under local_max, records and cache journaled. OK;
+ * UNHANDLED when the journal has no room. The caller pushes the rest to the ring. */
 static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out);
 
 /* The take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
@@ -675,28 +680,35 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
  * plan) leaves UNHANDLED: the operation runs again with it (need_locks). */
 static int take(Native *n, int64_t k, int32_t *out, int64_t exclude);
 
-/* The locks `take(k)` will need, judged from the local cache and the
- * ring's count (a hint: where it was wrong, the operation runs again with more, need_locks). */
+/* The locks `take(k)` will need (a lock mask for txn_begin), judged before the transaction,
+ * without a lock, from the local cache and the ring's count (a hint: where it was wrong, the
+ * operation runs again with more, need_locks): the free lock where the cache falls short, and
+ * the shards of the blocks eviction would take (found by a dry scan; every shard where that
+ * is not known). */
 static uint64_t take_locks(Native *n, int64_t k);
 
-/* Fresh ALLOCATED blocks with refcount 1, owned by this client. */
+/* Fresh ALLOCATED blocks ids[0..k) with refcount 1, owned by this client, for `request` at
+ * `site`: each record journaled, rewritten, its generation bumped and sealed (the blocks are
+ * the transaction's own: taken by `take`, no lock needed). OK; UNHANDLED when the journal has
+ * no room. */
 static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, int32_t site,
                  uint64_t now);
 
 /* One reference less on each of ids[0..k) still ALLOCATED with a positive
  * refcount (a block already free is left untouched: a double free), its last use `now`; the
  * blocks left with no reference and not indexed into zero[*nz] (an indexed one stays CACHED).
- * UNHANDLED when the journal has no room. */
+ * Each record changed is journaled and resealed. OK; UNHANDLED when the journal has no room. */
 static int drop_refs(Native *n, const int32_t *ids, int64_t k, uint64_t now, int32_t *zero,
                      int64_t *nz);
 
 
 /* -- prefix.c: the prefix index and chain hashes ----------------------------------------------- */
 
-/* PrefixIndex.lookup */
+/* PrefixIndex.lookup: the block indexed under `key`, or -1. Reads only; under the key's shard
+ * lock for an answer to trust (allocate also looks once without it, and verifies under it). */
 static int32_t index_lookup(Native *n, uint64_t key);
 
-/* The chain value of one block of tokens after `prev`. */
+/* The chain value of one block of tokens after `prev` (prefix.py; a pure function). */
 static inline uint64_t chain_next(Native *n, uint64_t prev, const int32_t *toks);
 
 
@@ -772,29 +784,37 @@ static inline int reserve_due(Native *n, int claiming);
  * seqs lock; -1 with an exception set. */
 static int reserve_run(Native *n, PyObject *pool, int claiming);
 
-/* Before the transaction: the reserve's next slot and id; for a direct claim, the seqs lock to
- * add to the transaction's (*locks). */
+/* Before the transaction (no lock): the reserve's next slot and id into *c; for a direct claim
+ * (no reserve, or it is empty), the seqs lock added to the transaction's (*locks). */
 static void claim_plan(Native *n, Claim *c, uint64_t *locks);
 
-/* Inside the transaction, a direct claim: the lowest EMPTY slot no process reserves
- * (a claim without a reserve), and the header's next sequence id. ERROR (a PoolError) when
- * the table is full, UNHANDLED when the journal is. */
+/* Inside the transaction, a direct claim (the seqs lock held): the lowest EMPTY slot no
+ * process reserves, and the header's next sequence id (journaled); a claim from the reserve
+ * has nothing to do here. OK; ERROR (a PoolError) when the table is full; UNHANDLED when the
+ * journal is. */
 static int claim_take(Native *n, Claim *c);
 
-/* After commit: a claim from the reserve takes its slot and id out of it. */
+/* After commit: a claim from the reserve takes its slot and id out of it (n->res, the
+ * process's own: no lock, nothing journaled). OK. */
 static int claim_done(Native *n, const Claim *c);
 
-/* A claim's record writes (the slot is reserved by this client). */
+/* A claim's record writes: the slot's head (journaled) names this client, `request`, `site`
+ * and `seq_id`, RUNNING with no blocks (the slot is reserved by this client, or taken under
+ * the seqs lock: claim_take). OK; UNHANDLED when the journal has no room. */
 static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *request,
                        uint64_t now, int32_t site);
 
-/* Table entries [start, start + k) of `slot` written (a PoolError past max_blocks_per_seq) */
+/* Table entries [start, start + k) of `slot` written and its block count set to start + k
+ * (head and entries journaled; the slot is this operation's own, no lock). OK; ERROR (a
+ * PoolError) past max_blocks_per_seq; UNHANDLED when the journal has no room. */
 static int write_blocks(Native *n, int64_t slot, int64_t start, const int32_t *ids, int64_t k);
 
-/* Token ids at positions [first, first + k) of the table's blocks. */
+/* Token ids at positions [first, first + k) of the table's blocks, and each block's token
+ * count. Not journaled: the caller saved the records first (stamp, jsave_block). */
 static void fill(Native *n, const int32_t *table, int64_t first, const int32_t *toks, int64_t k);
 
-/* A request id's 32 bytes: its str's UTF-8, truncated to 32 bytes, zero-padded. */
+/* A request id's 32 bytes: its str's UTF-8, truncated to 32 bytes, zero-padded. OK, or ERROR
+ * with an exception set (no UTF-8). */
 static int request_of(PyObject *rid, char *out);
 
 
@@ -835,7 +855,8 @@ static PyObject *request_str(PyObject *rid);
 
 /* -- probes.c: the light probes: events, sites, findings, leaks -------------------------------- */
 
-/* One event per block (one with block -1 when there are none), into this client's ring. */
+/* One event per block (one with block -1 when there are none), into this client's event ring
+ * (its own: no lock, not journaled; after the commit). Only with the events probe. */
 static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const char *request,
                       int64_t arg);
 
@@ -910,8 +931,9 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k);
  * (under its locks: once they are released the blocks are anyone's). OK, UNHANDLED, ERROR. */
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k);
 
-/* Guarded freed blocks go to the ring's tail (never the local cache), marked poisoned; the free
- * lock is held. */
+/* Guarded freed blocks go to the ring's tail QUARANTINED (never the local cache), marked
+ * poisoned where the cache can be (records journaled by the push); the free lock is held. OK;
+ * UNHANDLED when the journal has no room. */
 static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k);
 
 /* Guard mode, blocks about to be taken: a poisoned one must still
@@ -921,7 +943,8 @@ static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k);
  * queue not to be had now), ERROR. */
 static int poison_intact(Native *n, const int32_t *ids, int64_t k);
 
-/* Blocks just stamped (records saved) are no longer poisoned. */
+/* Blocks just stamped are no longer poisoned (guard mode; not journaled: the stamp saved the
+ * records). */
 static void unpoison(Native *n, const int32_t *ids, int64_t k);
 
 /* The published blocks among ids (indexed, with a digest of their
