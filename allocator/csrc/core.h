@@ -1055,11 +1055,10 @@ static int dev_release_check(Native *n, const int32_t *ids, int64_t k);
 static PyObject *R_allocate(Native *n, PyObject *const *args, Py_ssize_t nargs);
 
 /* The open call's tokens as the core read them, and the sequence an append appends to (its
- * live slot, else -1: allocate's, or one the core refused) with its table's length then: the
- * hook of N_allocate and N_append, after the gate and the sequence's check. Inline in the core,
- * a decode step's one token stored as it is: a call to a function of its own and to memcpy
- * cost the serving loop about 2% (their code out of the instruction cache at every append).
- * The first call to reach it after the recorded entry point cleared have_tok (R_append,
+ * live slot, else -1: allocate's, or one the core refused) with its table's length then, kept
+ * for the call's operation record (the handle's own: no lock, nothing in the segment): the
+ * hook of N_allocate and N_append, after the gate and the sequence's check, where the handle
+ * records (n->oplog). The first call to reach it after the recorded entry point cleared have_tok (R_append,
  * oplog_op) is that entry point's: a pool operation called from Python that call ran comes
  * later, and leaves the open call's alone. */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot);

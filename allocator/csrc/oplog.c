@@ -148,6 +148,9 @@ static __attribute__((noinline, cold)) void oplog_tokens_many(Oplog *L, const in
     L->have_tok = 1;
 }
 
+/* Inline in the core, a decode step's one token stored as it is: a call to a function of its
+ * own and to memcpy cost the serving loop about 2% (their code out of the instruction cache at
+ * every append). */
 static inline void oplog_tokens(Native *n, const int32_t *v, Py_ssize_t k, int64_t slot) {
     Oplog *L = n->oplog;
     if (L->have_tok) return;
