@@ -732,7 +732,7 @@ static PyObject *N_digests(Native *n, PyObject *arg) {
         PyErr_SetString(PyExc_RuntimeError, "digests() needs KV data in this process");
         return NULL;
     }
-    int32_t ids[CHUNK];
+    int32_t ids[CHUNK] = {0}; /* (zeroed: gcc cannot see that digests reads only the k set) */
     uint64_t d[CHUNK];
     Py_ssize_t k = PyList_GET_SIZE(arg);
     for (Py_ssize_t i = 0; i < k; i++) {
