@@ -287,14 +287,54 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         and f["message"].startswith(UNWRITTEN_AT_PUBLISH)
         for f in findings
     )
+    causes = []
     if spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten:
-        return [
+        causes.append(
             f"guard slots overwritten and mapped slots left unwritten: does the engine compute a "
             f"slot as block * block_size + offset? A block has {spb} slots for its {bs} tokens "
             f"in guard mode; use pool.slot_mapping(seq, start, end), or block * "
             f"pool.slots_per_block + offset (docs/POOL.md)"
-        ]
-    return []
+        )
+    lost = lost_to_preemption(findings)
+    if lost:
+        named = ", ".join(f"{r!r} block {b}" for r, b in lost[:4])
+        more = f" and {len(lost) - 4} more" if len(lost) > 4 else ""
+        causes.append(
+            f"K/V written into blocks their request had lost to a preemption ({named}{more}):"
+            f" does the engine keep a block table or slot mapping from before a preemption and"
+            f" write through it after pool.resume? Re-read pool.block_table(seq) or"
+            f" pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, \"What the"
+            f" probes do not see\")"
+        )
+    return causes
+
+
+def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(request, block) of each write into a block the finding's request had given up by a
+    preemption before the finding (its block's flight recorder shows that request's
+    `preempt`): a write after free of a block a preemption freed, or a store into a block
+    the writing request no longer maps. Only the kinds that say K/V landed in a block the
+    request did not hold: a kv_never_written or a digest change alone has other causes."""
+    out = []
+    for f in findings:
+        req, blk = f.get("request"), f.get("block")
+        if req is None or blk is None:
+            continue
+        into_other = f["kind"] in (FindingKind.USE_AFTER_FREE, FindingKind.UNMAPPED_WRITE) or (
+            f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+            and f["message"].startswith(f"request {req!r} stored K/V into")
+        )
+        if not into_other:
+            continue
+        until = f.get("time_ns") or None
+        if any(
+            e["op"] == "preempt"
+            and e["request"] == req
+            and (until is None or e["time_ns"] <= until)
+            for e in f.get("events") or ()
+        ):
+            out.append((req, blk))
+    return out
 
 
 def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> dict[str, Any]:
