@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -93,6 +94,23 @@ def mapped_since_published(
         if r and r not in out:
             out.append(r)
     return out
+
+
+def copied_from(view: SegmentView, blk: int, request: str | None, until: int | None) -> int | None:
+    """The block that the last copy-on-write into `blk` for `request` (an `append` of a shared
+    partial block, its flight-recorder `cow` event: recorded on the source, `arg` the copy)
+    copied from, before `until`; None when the recorder holds none."""
+    from kvscope.allocator.events import EventOp
+
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["op"] == EventOp.COW) & (ev["arg"] == blk)]
+    if until:
+        ev = ev[ev["time_ns"] <= until]
+    best = None
+    for e in ev[np.argsort(ev["time_ns"], kind="stable")]:
+        if request is None or _s(e["request"]) == request:
+            best = int(e["block"])
+    return best
 
 
 def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int) -> None:
@@ -242,6 +260,10 @@ def analyze_view(
             bad = first_bad_event(d["events"], detail["generation"])
             if bad is not None:
                 d["first_bad_event"] = bad
+            if f.kind == FindingKind.KV_NEVER_WRITTEN:
+                src = copied_from(view, f.block, f.request, d.get("time_ns"))
+                if src is not None:
+                    d["copied_from"] = src
             if f.kind == FindingKind.PUBLISHED_BLOCK_MODIFIED:
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
                 if f.message.startswith(UNWRITTEN_AT_PUBLISH):
@@ -295,6 +317,21 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f"in guard mode; use pool.slot_mapping(seq, start, end), or block * "
             f"pool.slots_per_block + offset (docs/POOL.md)"
         )
+    skipped, stale = _unwritten_copies(findings, bs)
+    if skipped:
+        causes.append(
+            f"copy-on-write copies not made: the first positions of blocks pool.append handed"
+            f" out as copies of a shared block were never written ({_copies(skipped)}): perform"
+            f" every (src, dst) pair append returns before writing the new token"
+            f" (kvscope.kernels.copy_blocks(pool.kv, src, dst, pool=pool))"
+        )
+    if stale:
+        causes.append(
+            f"K/V written through a block table from before pool.append copied the block: the"
+            f" new token of each went into the shared block it was copied from, which its"
+            f" siblings still read ({_copies(stale)}): re-read seq.block_table or"
+            f" pool.slot_mapping(seq, start, end) after every append"
+        )
     lost = lost_to_preemption(findings)
     if lost:
         named = ", ".join(f"{r!r} block {b}" for r, b in lost[:4])
@@ -307,6 +344,34 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f" probes do not see\")"
         )
     return causes
+
+
+_UNWRITTEN = re.compile(r"finished with positions (\d+)-(\d+) ")
+
+
+def _unwritten_copies(
+    findings: list[dict[str, Any]], block_size: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """kv_never_written findings on a copy-on-write copy (`copied_from`), split by what was
+    left unwritten: the block's first positions, which only the copy writes (the copy skipped),
+    or later ones without the first, the appended token's (written into the copy's source
+    through the table from before the append). A copy is only made of a partial block, so the
+    appended token is never a block's first position."""
+    skipped, stale = [], []
+    for f in findings:
+        m = _UNWRITTEN.search(f["message"]) if f.get("copied_from") is not None else None
+        if f["kind"] != FindingKind.KV_NEVER_WRITTEN or m is None:
+            continue
+        (skipped if int(m.group(1)) % block_size == 0 else stale).append(f)
+    return skipped, stale
+
+
+def _copies(found: list[dict[str, Any]]) -> str:
+    """"'a' block 6 copied from 2, ... and N more"."""
+    named = ", ".join(
+        f"{f.get('request')!r} block {f['block']} copied from {f['copied_from']}" for f in found[:3]
+    )
+    return named + (f" and {len(found) - 3} more" if len(found) > 3 else "")
 
 
 def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
