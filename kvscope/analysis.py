@@ -340,8 +340,8 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f"K/V written into blocks their request had lost to a preemption ({named}{more}):"
             f" does the engine keep a block table or slot mapping from before a preemption and"
             f" write through it after pool.resume? Re-read pool.block_table(seq) or"
-            f" pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, \"What the"
-            f" probes do not see\")"
+            f' pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, "What the'
+            f' probes do not see")'
         )
     return causes
 
@@ -357,7 +357,8 @@ def _unwritten_copies(
     or later ones without the first, the appended token's (written into the copy's source
     through the table from before the append). A copy is only made of a partial block, so the
     appended token is never a block's first position."""
-    skipped, stale = [], []
+    skipped: list[dict[str, Any]] = []
+    stale: list[dict[str, Any]] = []
     for f in findings:
         m = _UNWRITTEN.search(f["message"]) if f.get("copied_from") is not None else None
         if f["kind"] != FindingKind.KV_NEVER_WRITTEN or m is None:
@@ -367,7 +368,7 @@ def _unwritten_copies(
 
 
 def _copies(found: list[dict[str, Any]]) -> str:
-    """"'a' block 6 copied from 2, ... and N more"."""
+    """The findings as "'a' block 6 copied from 2, ... and N more"."""
     named = ", ".join(
         f"{f.get('request')!r} block {f['block']} copied from {f['copied_from']}" for f in found[:3]
     )
@@ -380,7 +381,7 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     `preempt`): a write after free of a block a preemption freed, or a store into a block
     the writing request no longer maps. Only the kinds that say K/V landed in a block the
     request did not hold: a kv_never_written or a digest change alone has other causes."""
-    out = []
+    out: list[tuple[str, int]] = []
     for f in findings:
         req, blk = f.get("request"), f.get("block")
         if req is None or blk is None:

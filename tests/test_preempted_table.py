@@ -48,8 +48,14 @@ def _f(kind, request, message, ops):
     events = [
         {"op": op, "request": request, "time_ns": t, "block": 3} for t, op in enumerate(ops, 1)
     ]
-    return {"kind": kind, "request": request, "block": 3, "message": message,
-            "time_ns": len(ops) + 1, "events": events}
+    return {
+        "kind": kind,
+        "request": request,
+        "block": 3,
+        "message": message,
+        "time_ns": len(ops) + 1,
+        "events": events,
+    }
 
 
 def test_no_preemption_or_no_write_into_a_lost_block_names_nothing():
@@ -67,6 +73,10 @@ def test_no_preemption_or_no_write_into_a_lost_block_names_nothing():
     assert likely_causes(GUARD, [late]) == []
     lost = _f("unmapped_write", "a", "", ["allocate", "preempt"])
     assert likely_causes(GUARD, [lost])
-    stored = _f("published_block_modified", "a", "request 'a' stored K/V into block 3 at x:1",
-                ["allocate", "preempt"])
+    stored = _f(
+        "published_block_modified",
+        "a",
+        "request 'a' stored K/V into block 3 at x:1",
+        ["allocate", "preempt"],
+    )
     assert likely_causes(GUARD, [stored])

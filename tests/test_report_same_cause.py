@@ -10,15 +10,37 @@ from kvscope.report import SAME_CAUSE_SHOWN, console, render
 
 
 def _finding(i, kind="kv_never_written", site="engine.py:30 step"):
-    return {"kind": kind, "severity": "error", "block": 10 + i, "owner_pid": 7,
-            "request": f"req-{i}", "message": f"request 'req-{i}' finished with positions unwritten",
-            "source": "recorded", "site": site, "events": []}
+    return {
+        "kind": kind,
+        "severity": "error",
+        "block": 10 + i,
+        "owner_pid": 7,
+        "request": f"req-{i}",
+        "message": f"request 'req-{i}' finished with positions unwritten",
+        "source": "recorded",
+        "site": site,
+        "events": [],
+    }
 
 
 def _text(findings):
-    report = {"pool": {"name": "p", "geometry": {"num_blocks": 64, "block_size": 4,
-              "num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32"},
-              "device": "cpu", "flags": {}}, "healthy": False, "findings": findings}
+    report = {
+        "pool": {
+            "name": "p",
+            "geometry": {
+                "num_blocks": 64,
+                "block_size": 4,
+                "num_layers": 1,
+                "num_kv_heads": 1,
+                "head_dim": 4,
+                "dtype": "float32",
+            },
+            "device": "cpu",
+            "flags": {},
+        },
+        "healthy": False,
+        "findings": findings,
+    }
     buf = io.StringIO()
     render(report, console(buf))
     return buf.getvalue()
