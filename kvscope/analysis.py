@@ -332,6 +332,15 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f" siblings still read ({_copies(stale)}): re-read seq.block_table or"
             f" pool.slot_mapping(seq, start, end) after every append"
         )
+    early = _published_early(findings)
+    if early:
+        blanks, readers = early
+        causes.append(
+            f"blocks published before their K/V was written ({_blocks_of(blanks)}), and read by"
+            f" prefix hits as changed since ({_blocks_of(readers)}): the foreign_slot findings"
+            f" are those readers; call pool.mark_computed(seq, n) only once the K/V of"
+            f" positions [0, n) is stored"
+        )
     lost = lost_to_preemption(findings)
     if lost:
         named = ", ".join(f"{r!r} block {b}" for r, b in lost[:4])
@@ -344,6 +353,41 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f' probes do not see")'
         )
     return causes
+
+
+def _published_early(
+    findings: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The blocks published blank (their publisher wrote the K/V after mark_computed) and the
+    foreign_slot findings on those same blocks (a hit that read a slot changed since its
+    publication: the late write itself), when there are both."""
+    blanks = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+        and f["message"].startswith(UNWRITTEN_AT_PUBLISH)
+    ]
+    blocks = {f.get("block") for f in blanks}
+    readers = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.FOREIGN_SLOT
+        and f.get("block") in blocks
+        and "since its publication" in f["message"]
+    ]
+    return (blanks, readers) if blanks and readers else None
+
+
+def _blocks_of(found: list[dict[str, Any]]) -> str:
+    """ "'a' blocks 0, 1, 'b' block 5 and N more": the first 3 requests' blocks."""
+    by: dict[Any, list[int]] = {}
+    for f in found:
+        by.setdefault(f.get("request"), []).append(f["block"])
+    parts = [
+        f"{r!r} block{'s' if len(b) > 1 else ''} {', '.join(map(str, sorted(set(b))))}"
+        for r, b in list(by.items())[:3]
+    ]
+    return ", ".join(parts) + (f" and {len(by) - 3} more request(s)" if len(by) > 3 else "")
 
 
 _UNWRITTEN = re.compile(r"finished with positions (\d+)-(\d+) ")
