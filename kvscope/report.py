@@ -304,11 +304,17 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
         from rich.table import Table
 
         t = Table(title=None, box=None, pad_edge=False, show_edge=False)
-        for col in ("owner pid", "process", "blocks held", "requests"):
+        rows = s["blocks_by_owner"][:20]
+        # blocks a process allocated that only other processes' requests map now (a shared
+        # prefix outliving its first request): held, but not that process's to free
+        others = any(o.get("held_for_others") for o in rows)
+        cols = ("owner pid", "process", "blocks held", "requests")
+        for col in cols + (("of them mapped only by others",) if others else ()):
             t.add_column(col, justify="right" if col != "process" else "left")
-        for o in s["blocks_by_owner"][:20]:
+        for o in rows:
             state = {True: "alive", False: "dead", None: "detached"}[o["alive"]]
-            t.add_row(str(o["pid"]), state, str(o["blocks"]), str(o["requests"]))
+            row = [str(o["pid"]), state, str(o["blocks"]), str(o["requests"])]
+            t.add_row(*row, *([str(o.get("held_for_others", 0))] if others else []))
         con.print("\n[bold]blocks by owner[/bold]")
         con.print(t)
 
