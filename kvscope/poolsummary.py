@@ -91,9 +91,10 @@ def _held_for_others(view: SegmentView, allocated: np.ndarray, live: np.ndarray)
     if not len(seqs):
         mapped_by_owner = np.zeros(0, np.int64)
     else:
-        width = seqs["table"].shape[1]
-        cols = np.arange(width)[None, :] < seqs["num_blocks"].astype(np.int64)[:, None]
-        blocks = seqs["table"][cols].astype(np.int64)
+        lengths = np.minimum(seqs["num_blocks"].astype(np.int64), seqs["table"].shape[1])
+        width = int(lengths.max())  # (the tables' used columns only: a table is mostly unused)
+        cols = np.arange(width)[None, :] < lengths[:, None]
+        blocks = seqs["table"][:, :width][cols].astype(np.int64)
         pids = np.repeat(seqs["owner_pid"].astype(np.int64), cols.sum(1))
         ok = (blocks >= 0) & (blocks < n)
         blocks, pids = blocks[ok], pids[ok]
