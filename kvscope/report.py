@@ -235,6 +235,14 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     elif f.get("alloc_ns"):
         con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
     events = f.get("events") or []
+    pid, whose = f.get("owner_pid"), ""
+    if f["kind"] == "leak_dead_owner" and pid and any(e["pid"] == pid for e in events):
+        # What the dead process did last with the block, not the hits and frees of the
+        # survivors that share it (a prefix block's last events are theirs)
+        others = sum(1 for e in events if e["pid"] != pid)
+        if others:
+            whose = f" of pid {pid} ({others} of other processes left out)"
+        events = [e for e in events if e["pid"] == pid]
     if events:
         # The events that led to the finding: those up to the moment it was recorded (a
         # block's later life, other requests' hits and frees, says nothing of what went wrong)
@@ -245,16 +253,16 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         shown = events[max(0, upto - EVENTS_SHOWN) : upto]
         later = len(events) - upto
         if len(shown) == len(events):
-            con.print("      last events:")
+            con.print(f"      last events{whose}:")
         elif later:
             con.print(
-                f"      the {len(shown)} events up to the finding, of its {len(events)} recorded"
-                f" ({later} after it; --json lists every one):"
+                f"      the {len(shown)} events{whose} up to the finding, of its {len(events)}"
+                f" recorded ({later} after it; --json lists every one):"
             )
         else:
             con.print(
-                f"      last {len(shown)} of its {len(events)} recorded events (--json lists"
-                " every one):"
+                f"      last {len(shown)} of its {len(events)} recorded events{whose} (--json"
+                " lists every one):"
             )
         for e in shown:
             con.print("        " + escape(_event_line(e)))
