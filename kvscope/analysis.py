@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -93,6 +94,23 @@ def mapped_since_published(
         if r and r not in out:
             out.append(r)
     return out
+
+
+def copied_from(view: SegmentView, blk: int, request: str | None, until: int | None) -> int | None:
+    """The block that the last copy-on-write into `blk` for `request` (an `append` of a shared
+    partial block, its flight-recorder `cow` event: recorded on the source, `arg` the copy)
+    copied from, before `until`; None when the recorder holds none."""
+    from kvscope.allocator.events import EventOp
+
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["op"] == EventOp.COW) & (ev["arg"] == blk)]
+    if until:
+        ev = ev[ev["time_ns"] <= until]
+    best = None
+    for e in ev[np.argsort(ev["time_ns"], kind="stable")]:
+        if request is None or _s(e["request"]) == request:
+            best = int(e["block"])
+    return best
 
 
 def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int) -> None:
@@ -242,6 +260,10 @@ def analyze_view(
             bad = first_bad_event(d["events"], detail["generation"])
             if bad is not None:
                 d["first_bad_event"] = bad
+            if f.kind == FindingKind.KV_NEVER_WRITTEN:
+                src = copied_from(view, f.block, f.request, d.get("time_ns"))
+                if src is not None:
+                    d["copied_from"] = src
             if f.kind == FindingKind.PUBLISHED_BLOCK_MODIFIED:
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
                 if f.message.startswith(UNWRITTEN_AT_PUBLISH):
@@ -287,14 +309,142 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         and f["message"].startswith(UNWRITTEN_AT_PUBLISH)
         for f in findings
     )
+    causes = []
     if spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten:
-        return [
+        causes.append(
             f"guard slots overwritten and mapped slots left unwritten: does the engine compute a "
             f"slot as block * block_size + offset? A block has {spb} slots for its {bs} tokens "
             f"in guard mode; use pool.slot_mapping(seq, start, end), or block * "
             f"pool.slots_per_block + offset (docs/POOL.md)"
-        ]
-    return []
+        )
+    skipped, stale = _unwritten_copies(findings, bs)
+    if skipped:
+        causes.append(
+            f"copy-on-write copies not made: the first positions of blocks pool.append handed"
+            f" out as copies of a shared block were never written ({_copies(skipped)}): perform"
+            f" every (src, dst) pair append returns before writing the new token"
+            f" (kvscope.kernels.copy_blocks(pool.kv, src, dst, pool=pool))"
+        )
+    if stale:
+        causes.append(
+            f"K/V written through a block table from before pool.append copied the block: the"
+            f" new token of each went into the shared block it was copied from, which its"
+            f" siblings still read ({_copies(stale)}): re-read seq.block_table or"
+            f" pool.slot_mapping(seq, start, end) after every append"
+        )
+    early = _published_early(findings)
+    if early:
+        blanks, readers = early
+        causes.append(
+            f"blocks published before their K/V was written ({_blocks_of(blanks)}), and read by"
+            f" prefix hits as changed since ({_blocks_of(readers)}): the foreign_slot findings"
+            f" are those readers; call pool.mark_computed(seq, n) only once the K/V of"
+            f" positions [0, n) is stored"
+        )
+    lost = lost_to_preemption(findings)
+    if lost:
+        named = ", ".join(f"{r!r} block {b}" for r, b in lost[:4])
+        more = f" and {len(lost) - 4} more" if len(lost) > 4 else ""
+        causes.append(
+            f"K/V written into blocks their request had lost to a preemption ({named}{more}):"
+            f" does the engine keep a block table or slot mapping from before a preemption and"
+            f" write through it after pool.resume? Re-read pool.block_table(seq) or"
+            f' pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, "What the'
+            f' probes do not see")'
+        )
+    return causes
+
+
+def _published_early(
+    findings: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The blocks published blank (their publisher wrote the K/V after mark_computed) and the
+    foreign_slot findings on those same blocks (a hit that read a slot changed since its
+    publication: the late write itself), when there are both."""
+    blanks = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+        and f["message"].startswith(UNWRITTEN_AT_PUBLISH)
+    ]
+    blocks = {f.get("block") for f in blanks}
+    readers = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.FOREIGN_SLOT
+        and f.get("block") in blocks
+        and "since its publication" in f["message"]
+    ]
+    return (blanks, readers) if blanks and readers else None
+
+
+def _blocks_of(found: list[dict[str, Any]]) -> str:
+    """ "'a' blocks 0, 1, 'b' block 5 and N more": the first 3 requests' blocks."""
+    by: dict[Any, list[int]] = {}
+    for f in found:
+        by.setdefault(f.get("request"), []).append(f["block"])
+    parts = [
+        f"{r!r} block{'s' if len(b) > 1 else ''} {', '.join(map(str, sorted(set(b))))}"
+        for r, b in list(by.items())[:3]
+    ]
+    return ", ".join(parts) + (f" and {len(by) - 3} more request(s)" if len(by) > 3 else "")
+
+
+_UNWRITTEN = re.compile(r"finished with positions (\d+)-(\d+) ")
+
+
+def _unwritten_copies(
+    findings: list[dict[str, Any]], block_size: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """kv_never_written findings on a copy-on-write copy (`copied_from`), split by what was
+    left unwritten: the block's first positions, which only the copy writes (the copy skipped),
+    or later ones without the first, the appended token's (written into the copy's source
+    through the table from before the append). A copy is only made of a partial block, so the
+    appended token is never a block's first position."""
+    skipped: list[dict[str, Any]] = []
+    stale: list[dict[str, Any]] = []
+    for f in findings:
+        m = _UNWRITTEN.search(f["message"]) if f.get("copied_from") is not None else None
+        if f["kind"] != FindingKind.KV_NEVER_WRITTEN or m is None:
+            continue
+        (skipped if int(m.group(1)) % block_size == 0 else stale).append(f)
+    return skipped, stale
+
+
+def _copies(found: list[dict[str, Any]]) -> str:
+    """The findings as "'a' block 6 copied from 2, ... and N more"."""
+    named = ", ".join(
+        f"{f.get('request')!r} block {f['block']} copied from {f['copied_from']}" for f in found[:3]
+    )
+    return named + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+
+
+def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(request, block) of each write into a block the finding's request had given up by a
+    preemption before the finding (its block's flight recorder shows that request's
+    `preempt`): a write after free of a block a preemption freed, or a store into a block
+    the writing request no longer maps. Only the kinds that say K/V landed in a block the
+    request did not hold: a kv_never_written or a digest change alone has other causes."""
+    out: list[tuple[str, int]] = []
+    for f in findings:
+        req, blk = f.get("request"), f.get("block")
+        if req is None or blk is None:
+            continue
+        into_other = f["kind"] in (FindingKind.USE_AFTER_FREE, FindingKind.UNMAPPED_WRITE) or (
+            f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+            and f["message"].startswith(f"request {req!r} stored K/V into")
+        )
+        if not into_other:
+            continue
+        until = f.get("time_ns") or None
+        if any(
+            e["op"] == "preempt"
+            and e["request"] == req
+            and (until is None or e["time_ns"] <= until)
+            for e in f.get("events") or ()
+        ):
+            out.append((req, blk))
+    return out
 
 
 def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> dict[str, Any]:

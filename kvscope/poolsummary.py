@@ -81,6 +81,35 @@ def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str
     return info
 
 
+def _held_for_others(view: SegmentView, allocated: np.ndarray, live: np.ndarray) -> dict[int, int]:
+    """Per owner pid, its allocated blocks that none of its own live sequences maps: a block's
+    owner is the process that allocated it, and a shared prefix block stays held by the
+    requests of other processes that hit it after the allocator's own request ended (so a
+    clean process shows blocks held that only another process's requests keep)."""
+    seqs = view.seqs[live]
+    n = view.layout.num_blocks
+    if not len(seqs):
+        mapped_by_owner = np.zeros(0, np.int64)
+    else:
+        lengths = np.minimum(seqs["num_blocks"].astype(np.int64), seqs["table"].shape[1])
+        width = int(lengths.max())  # (the tables' used columns only: a table is mostly unused)
+        cols = np.arange(width)[None, :] < lengths[:, None]
+        blocks = seqs["table"][:, :width][cols].astype(np.int64)
+        pids = np.repeat(seqs["owner_pid"].astype(np.int64), cols.sum(1))
+        ok = (blocks >= 0) & (blocks < n)
+        blocks, pids = blocks[ok], pids[ok]
+        owner = view.blocks["owner_pid"].astype(np.int64)
+        # the blocks some sequence of their own owner maps
+        mapped_by_owner = np.unique(blocks[owner[blocks] == pids])
+    mine = np.zeros(n, bool)
+    mine[mapped_by_owner] = True
+    lone = np.flatnonzero(allocated & ~mine)
+    if not len(lone):
+        return {}
+    p, c = np.unique(view.blocks["owner_pid"][lone], return_counts=True)
+    return dict(zip(p.tolist(), c.tolist()))
+
+
 def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     """Blocks by state and by owner, sequences by state, processes alive and dead."""
     b = view.blocks
@@ -103,12 +132,14 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     live = seqs["state"] != SeqState.EMPTY
     seq_pids, seq_num = np.unique(seqs["owner_pid"][live], return_counts=True)
     requests = dict(zip(seq_pids.tolist(), seq_num.tolist()))
+    others = _held_for_others(view, state == BlockState.ALLOCATED, live)
     by_owner = [
         {
             "pid": pid,
             "alive": pid_alive.get(pid),
             "blocks": n,
             "requests": int(requests.get(pid, 0)),
+            "held_for_others": int(others.get(pid, 0)),
         }
         for pid, n in sorted(zip(pids.tolist(), num.tolist()), key=lambda x: -x[1])
     ]

@@ -48,6 +48,11 @@ def _event_line(e: dict[str, Any]) -> str:
 # A finding's events shown in the text (newest last); `--json` and the HTML report list every
 # event the flight recorder holds.
 EVENTS_SHOWN = 8
+# Entries printed in full per (kind, allocation site) in each severity: one bug in one code path
+# (a skipped copy-on-write copy, a block table kept across a preemption) makes the same finding
+# on every request that passes there; the rest are one line naming their requests and blocks
+# (the JSON, `report` and `--request R` keep each one)
+SAME_CAUSE_SHOWN = 3
 
 # The version of every `--json` output's shape (docs/CLI.md): +1 when a key changes meaning or
 # goes away; new keys do not change it.
@@ -121,8 +126,7 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
     for label, group, style in (("errors", errors, "red"), ("warnings", warnings, "yellow")):
         if group:
             con.print(f"\n[bold {style}]{label}[/bold {style}]")
-            for f in grouped(group):
-                _finding(con, f, style)
+            _findings(con, grouped(group), style)
     for key in ("block", "request"):
         if key in report:
             _focus(con, key, report[key])
@@ -145,6 +149,47 @@ def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             index[key]["blocks"].append(f["block"])
     return out
+
+
+def _same_cause(f: dict[str, Any]) -> tuple[Any, ...]:
+    """What entries of one bug share: their kind and the line that allocated their blocks."""
+    return (f["kind"], f.get("site") or "")
+
+
+def _findings(con: Console, entries: list[dict[str, Any]], style: str) -> None:
+    """The entries in order, the first SAME_CAUSE_SHOWN of each kind and site in full, then one
+    line for the others of that kind and site, where the last one in full was."""
+    total: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for f in entries:
+        total.setdefault(_same_cause(f), []).append(f)
+    seen: dict[tuple[Any, ...], int] = {}
+    for f in entries:
+        key = _same_cause(f)
+        n = seen[key] = seen.get(key, 0) + 1
+        if n > SAME_CAUSE_SHOWN:
+            continue
+        _finding(con, f, style)
+        rest = total[key][SAME_CAUSE_SHOWN:]
+        if n == SAME_CAUSE_SHOWN and rest:
+            con.print(escape("      " + _more(rest)))
+
+
+def _more(rest: list[dict[str, Any]]) -> str:
+    """'... and 24 more kv_never_written at beam.py:30 serve_one: requests 'a', ... blocks ...'."""
+    kind, site = rest[0]["kind"], rest[0].get("site")
+    requests: list[str] = []
+    for f in rest:
+        if f.get("request") and f["request"] not in requests:
+            requests.append(f["request"])
+    blocks = sorted({b for f in rest for b in f.get("blocks") or ()})
+    line = f"... and {len(rest)} more {kind}" + (f" allocated at {site}" if site else "")
+    if requests:
+        names = ", ".join(repr(r) for r in requests[:8])
+        more = f" and {len(requests) - 8} more" if len(requests) > 8 else ""
+        line += f": request(s) {names}{more}"
+    if blocks:
+        line += f"; {_blocks(blocks)}"
+    return line + " (--request R shows one in full, --json lists every one)"
 
 
 def _blocks(ids: list[int]) -> str:
@@ -190,6 +235,14 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     elif f.get("alloc_ns"):
         con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
     events = f.get("events") or []
+    pid, whose = f.get("owner_pid"), ""
+    if f["kind"] == "leak_dead_owner" and pid and any(e["pid"] == pid for e in events):
+        # What the dead process did last with the block, not the hits and frees of the
+        # survivors that share it (a prefix block's last events are theirs)
+        others = sum(1 for e in events if e["pid"] != pid)
+        if others:
+            whose = f" of pid {pid} ({others} of other processes left out)"
+        events = [e for e in events if e["pid"] == pid]
     if events:
         # The events that led to the finding: those up to the moment it was recorded (a
         # block's later life, other requests' hits and frees, says nothing of what went wrong)
@@ -200,16 +253,16 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         shown = events[max(0, upto - EVENTS_SHOWN) : upto]
         later = len(events) - upto
         if len(shown) == len(events):
-            con.print("      last events:")
+            con.print(f"      last events{whose}:")
         elif later:
             con.print(
-                f"      the {len(shown)} events up to the finding, of its {len(events)} recorded"
-                f" ({later} after it; --json lists every one):"
+                f"      the {len(shown)} events{whose} up to the finding, of its {len(events)}"
+                f" recorded ({later} after it; --json lists every one):"
             )
         else:
             con.print(
-                f"      last {len(shown)} of its {len(events)} recorded events (--json lists"
-                " every one):"
+                f"      last {len(shown)} of its {len(events)} recorded events{whose} (--json"
+                " lists every one):"
             )
         for e in shown:
             con.print("        " + escape(_event_line(e)))
@@ -259,11 +312,17 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
         from rich.table import Table
 
         t = Table(title=None, box=None, pad_edge=False, show_edge=False)
-        for col in ("owner pid", "process", "blocks held", "requests"):
+        rows = s["blocks_by_owner"][:20]
+        # blocks a process allocated that only other processes' requests map now (a shared
+        # prefix outliving its first request): held, but not that process's to free
+        others = any(o.get("held_for_others") for o in rows)
+        cols = ("owner pid", "process", "blocks held", "requests")
+        for col in cols + (("of them mapped only by others",) if others else ()):
             t.add_column(col, justify="right" if col != "process" else "left")
-        for o in s["blocks_by_owner"][:20]:
+        for o in rows:
             state = {True: "alive", False: "dead", None: "detached"}[o["alive"]]
-            t.add_row(str(o["pid"]), state, str(o["blocks"]), str(o["requests"]))
+            row = [str(o["pid"]), state, str(o["blocks"]), str(o["requests"])]
+            t.add_row(*row, *([str(o.get("held_for_others", 0))] if others else []))
         con.print("\n[bold]blocks by owner[/bold]")
         con.print(t)
 

@@ -132,7 +132,46 @@ def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
         }
     d["differs"] = outcome.diff
     d["blocks"] = outcome.blocks
+    note = _bytes_note(log, d)
+    if note:
+        d["note"] = note
     return d
+
+
+# Findings of a check of the K/V bytes: where the program's writes are not in the log, the
+# replay's K/V is not the program's and they cannot come back (docs/REPLAY.md "What replays")
+BYTE_KINDS = ("kv_never_written", "published_block_modified", "use_after_free", "guard_violation")
+
+
+def _bytes_note(log: Any, d: dict[str, Any]) -> str:
+    """Why a divergence on a finding of the K/V bytes is no replay bug: the log holds none of
+    the program's K/V writes (no store given its writers) or of its copies (a copy-on-write
+    pair without a COPY record); '' where that is not the case."""
+    if d["reason"] != "divergence" or "found" not in d["differs"]:
+        return ""
+    rec = {(f["kind"], f["block"]) for f in (d.get("recorded") or {}).get("found", [])}
+    got = {(f["kind"], f["block"]) for f in (d.get("replayed_result") or {}).get("found", [])}
+    kinds = sorted({k for k, _ in rec - got if k in BYTE_KINDS})
+    if not kinds:
+        return ""
+    from kvscope.allocator.oplog import OpCode
+
+    stores = any(r.op == int(OpCode.STORE) for r in log.records)
+    why = []
+    if not stores:
+        why.append("no K/V store of the program was given its writers (no STORE record)")
+    if not log.replays_kv():
+        why.append(
+            "its copy-on-write copies are not in the log (copy_blocks without pool=, or skipped)"
+        )
+    if not why:
+        return ""
+    return (
+        f"{', '.join(kinds)} judges the K/V bytes the program wrote, and the log holds not all of"
+        f" them: {'; '.join(why)}. The replay's K/V is not the program's, so this finding does"
+        ' not come back; the recording found it (docs/REPLAY.md "What replays"; give'
+        " store_kv its writers=Writers(...) and copy_blocks its pool= to replay it)"
+    )
 
 
 def render(d: dict[str, Any]) -> None:
@@ -216,6 +255,8 @@ def render(d: dict[str, Any]) -> None:
                     f"  (recorded found: the answer of a device check this operation queued, "
                     f"applied at a later settle: REPORT {at})"
                 )
+        if d.get("note"):
+            print(f"  note: {d['note']}")
         if d.get("blocks"):
             print("\nblocks involved (recorded vs replayed; the replay pool's record now)")
             print(f"  {'block':>5}  {'recorded':18}  {'replayed':18}  state      ref  request")

@@ -1,0 +1,64 @@
+"""A block published before its K/V was written and read by a later prefix hit: the
+published_block_modified finding ("published before its K/V was written") and the hit's
+foreign_slot ("written since its publication") on the same block are one cause, named once
+(kvscope.analysis.likely_causes), and a foreign_slot elsewhere is not tied to it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscope.analysis import analyze_view, likely_causes
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+def _write(pool, seq, start, end):
+    flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
+    for p, slot in zip(range(start, end), pool.slot_mapping(seq, start, end)):
+        flat[:, :, slot] = float(seq.tokens[p])
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_prefix_published_before_its_kv_is_one_cause(probes, monkeypatch, make_pool, early):
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    monkeypatch.setenv("KVSCOPE_PROVENANCE_SAMPLE", "1")
+    pool = make_pool(num_blocks=32, block_size=4, num_kv_heads=1, head_dim=4)
+    a = pool.allocate("a", PROMPT)
+    if early:
+        pool.mark_computed(a, len(PROMPT))
+    _write(pool, a, 0, len(PROMPT))
+    if not early:
+        pool.mark_computed(a, len(PROMPT))
+    b = pool.allocate("b", PROMPT + [20])  # hits a's two full blocks
+    assert b.num_cached_tokens == 8
+    _write(pool, b, 8, 10)
+    pool.free(a)
+    pool.free(b)
+    report = analyze_view(pool.view)
+    causes = report.get("likely_causes", [])
+    if not early:
+        assert not report["findings"] and not causes
+        return
+    kinds = {f["kind"] for f in report["findings"]}
+    assert {"published_block_modified", "foreign_slot"} <= kinds
+    (cause,) = causes
+    assert cause.startswith("blocks published before their K/V was written ('a' blocks")
+    assert "('b' block" in cause and "pool.mark_computed(seq, n) only once" in cause
+
+
+def test_a_foreign_slot_on_another_block_is_not_tied_to_an_early_publication():
+    geo = {"block_size": 4, "slots_per_block": 5}
+    blank = {
+        "kind": "published_block_modified",
+        "block": 1,
+        "request": "a",
+        "message": "published before its K/V was written: ...",
+    }
+    hit = {
+        "kind": "foreign_slot",
+        "block": 2,
+        "request": "b",
+        "message": "a prefix hit: slot 0 of block 2 ... was written since its publication: ...",
+    }
+    assert likely_causes(geo, [blank, hit]) == []
+    assert likely_causes(geo, [blank, dict(hit, block=1)])
