@@ -55,10 +55,24 @@ def _copy_blocks_kernel(
         tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
 
 
+def _block_ids(ids: Any, name: str) -> torch.Tensor:
+    """Block ids as a tensor: a tensor as it is, a list, tuple or numpy array of ints as int64
+    on the host (append's copy-on-write pairs come as lists)."""
+    if isinstance(ids, torch.Tensor):
+        return ids
+    try:
+        out = torch.as_tensor(ids, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError):
+        out = None
+    if out is None or out.dim() != 1:
+        raise TypeError(f"copy_blocks: {name} must be a 1-D tensor or a sequence of block ids")
+    return out
+
+
 def copy_blocks(
     kv_cache: torch.Tensor,
-    src: torch.Tensor,
-    dst: torch.Tensor,
+    src: Any,
+    dst: Any,
     *,
     block_state: torch.Tensor | None = None,
     errors: torch.Tensor | None = None,
@@ -69,9 +83,11 @@ def copy_blocks(
     `pool` (the `KVPool` whose copy-on-write pairs these are) is told of the copies
     (`pool.copied(src, dst)`): while it records its operations, the log holds them, and a
     replay copies its K/V as the program did (docs/REPLAY.md). Pass `src` and `dst` on the host
-    (the kernel uploads them): a CUDA tensor is read back while the pool records."""
+    (the kernel uploads them): a CUDA tensor is read back while the pool records. `src` and
+    `dst` are tensors or sequences of ints (lists, as append's pairs come)."""
     if pool is not None:
         pool.copied(src, dst)
+    src, dst = _block_ids(src, "src"), _block_ids(dst, "dst")
     if not backend.use_triton(kv_cache):
         reference.copy_blocks_ref(kv_cache, src, dst, block_state=block_state, errors=errors)
         return
