@@ -255,3 +255,29 @@ def test_another_handles_hit_checks_the_publishers_records(pool, pool_name):
         assert (f.kind, f.block, f.request) == ("foreign_slot", a.block_table[0], "elsewhere")
     finally:
         other.close()
+
+
+def _hit_in_a_child(pool_name: str) -> None:
+    other = KVPool.attach(pool_name)
+    other.provenance_sample = 1
+    seq = other.allocate("elsewhere", list(range(9)))
+    other.free(seq)
+    other.close()
+
+
+def test_a_hit_in_another_process_names_that_process(pool, pool_name):
+    # GIVEN a prompt published by this process, one of whose slots another token wrote since
+    a = pool.allocate("owner", list(range(9)))
+    assert pool.mark_computed(a, 8) == 2
+    pool.view.provenance[a.block_table[0], 1]["token"] = 555
+    # WHEN another process hits that prefix
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_hit_in_a_child, args=(pool_name,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    # THEN the finding names the hitting request and its process, not the publisher's
+    (f,) = pool.findings()
+    assert (f.kind, f.request) == ("foreign_slot", "elsewhere")
+    assert f.owner_pid == child.pid != pool.pid

@@ -94,8 +94,10 @@ static int prov_check_read(Native *n, const DevEntry *e, const int64_t *w, int64
             PyObject *msg = prov_message(n, where, b, off, reader, I4(p + PV_POSITION),
                                          I4(p + PV_TOKEN), p, now);
             if (dev_found_add(n, FK_FOREIGN_SLOT, b, rec, msg)) return -1;
-            /* (the finding names the request that reads the slot, as prov_check_block's) */
+            /* (the finding names the request that reads the slot and its process, this one,
+             * as prov_check_block's) */
             memcpy(n->dev->found[n->dev->n_found - 1].seen.request, reader, REQUEST_BYTES);
+            n->dev->found[n->dev->n_found - 1].seen.owner_pid = n->pid;
             break;
         }
     }

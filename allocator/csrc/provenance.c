@@ -289,7 +289,10 @@ static int prov_check_block(Native *n, int32_t b, int64_t pos0, const int32_t *w
         if (tok == want[off] && pos == pos0 + off && now == h) continue;
         Seen s;
         seen_of(n, b, &s);
+        /* (the finding names the reading request, this process's: its pid, not the
+         * publisher's the block record holds) */
         memcpy(s.request, reader, REQUEST_BYTES);
+        s.owner_pid = n->pid;
         PyObject *msg = prov_message(n, where, b, off, reader, pos0 + off, want[off], p, now);
         if (msg == NULL) return ERROR;
         int rc = finding_report(n, FK_FOREIGN_SLOT, &s, msg);
