@@ -31,6 +31,9 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 # KVSCOPE_TRUST_OWNER=1: attach to pools owned by another user (as --trust-owner does).
 TRUST_ENV = "KVSCOPE_TRUST_OWNER"
 
+# Pool names a "no pool named" error lists at most.
+KNOWN_SHOWN = 10
+
 
 def segment_path(name: str) -> str:
     """Path of a pool's metadata segment."""
@@ -172,7 +175,12 @@ def open_file(
         if missing is not None:
             raise PoolError(missing) from None
         known = list_names()
-        hint = f" (pools on this host: {', '.join(known)})" if known else " (no pools on this host)"
+        # (a few names, not a busy host's hundreds on one line: `kvscope ls` lists them all)
+        shown = ", ".join(known[:KNOWN_SHOWN])
+        more = (
+            f" and {len(known) - KNOWN_SHOWN} more: kvscope ls" if len(known) > KNOWN_SHOWN else ""
+        )
+        hint = f" (pools on this host: {shown}{more})" if known else " (no pools on this host)"
         raise PoolError(f"no pool named {name!r}: {path} does not exist{hint}") from None
     except PermissionError:
         try:

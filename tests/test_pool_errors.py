@@ -24,6 +24,19 @@ def test_attach_missing_pool_fails(pool_name):
         KVPool.attach(pool_name)
 
 
+def test_a_missing_pool_lists_ten_of_the_hosts_pools_and_says_how_many_more(tmp_path, monkeypatch):
+    from kvscope.allocator import segment
+
+    monkeypatch.setattr(segment, "SHM_DIR", str(tmp_path))
+    for i in range(15):
+        (tmp_path / f"kvscope.p{i:02d}").write_bytes(b"")
+    with pytest.raises(PoolError) as e:
+        KVPool.attach("nosuch")
+    text = str(e.value)
+    assert "p09" in text and "p10" not in text and "and 5 more: kvscope ls" in text
+    assert "\n" not in text
+
+
 @pytest.mark.parametrize("name", ["", "a/b", "../etc", "x" * 65, "p.data"])
 def test_invalid_names_are_rejected(name):
     with pytest.raises(PoolError, match="invalid pool name"):
