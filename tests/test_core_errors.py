@@ -246,6 +246,14 @@ def test_set_state_and_resume_refuse_the_wrong_state(make_pool):
         PoolError,
         "a preempted sequence must be resumed with pool.resume(seq) first",
     )
+    # AND a preempted sequence takes no append before its resume (nothing changed)
+    for tokens in ([1], []):
+        refused(
+            pool,
+            lambda tokens=tokens: pool.append(wait, tokens),
+            PoolError,
+            "a preempted sequence must be resumed with pool.resume(seq) first",
+        )
     # AND resume only a preempted one
     refused(
         pool,

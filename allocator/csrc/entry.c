@@ -167,6 +167,11 @@ static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tok
     int64_t slot = own_slot(n, seq);
     if (n->oplog) oplog_tokens(n, t->v, t->n, slot); /* (after the gate: this call's own) */
     if (slot < 0) return NULL;
+    if (seqrec(n, slot)[SF_STATE] == S_PREEMPTED) {
+        /* (its blocks went back at the preemption: set_state's words, not a table mismatch) */
+        pool_error("a preempted sequence must be resumed with pool.resume(seq) first");
+        return NULL;
+    }
     if (t->n == 0) return PyList_New(0);
     /* more than max_blocks_per_seq blocks refused (a PoolError), before anything is
      * appended */
