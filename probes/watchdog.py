@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -29,18 +30,29 @@ from kvscope.allocator.sites import KVSCOPE_DIRS
 from kvscope.probes.lockdep import LockDep, SegmentGraph
 
 STACK_FRAMES = 10
+# The standard library's folders: a holder waiting in threading.py's Condition.wait is shown at
+# the program's line that waits (packages installed beside it are the program's).
+STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+
+
+def _library(filename: str) -> bool:
+    """A frame of kvscope's or of the standard library's (not of a package beside it)."""
+    if filename.startswith(KVSCOPE_DIRS):
+        return True
+    return filename.startswith(STDLIB_DIRS) and "-packages" not in filename
 
 
 def thread_stack(ident: int | None) -> list[str]:
     """The innermost STACK_FRAMES frames of a thread of this process, one `file:line fn` each,
-    up to the program's own call into kvscope: a holder that waits in a traced lock's acquire
-    or runs a pool operation is shown at the line of the program that did it."""
+    up to the program's own call into kvscope or the standard library: a holder that waits in
+    a traced lock's acquire, a Condition's wait, or runs a pool operation is shown at the line
+    of the program that did it."""
     frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
         return []
     frames = list(traceback.extract_stack(frame))
     inner = len(frames)
-    while inner > 0 and frames[inner - 1].filename.startswith(KVSCOPE_DIRS):
+    while inner > 0 and _library(frames[inner - 1].filename):
         inner -= 1
     frames = frames[: inner or len(frames)][-STACK_FRAMES:]
     return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames]
