@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,27 @@ class Telemetry:
                 p.shutdown()
 
 
+class _WholeDocuments:
+    """stderr as the console exporters write to it: each document whole. They write from
+    threads of their own (the periodic metric reader, the span and log batch processors); a
+    document past the pipe's 64 KiB blocks its write midway, and another thread's document
+    written then landed inside it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            sys.stderr.flush()
+
+
+CONSOLE: Any = _WholeDocuments()
+
+
 def _metric_readers(environ: Mapping[str, str], names: list[str], tel: Telemetry) -> list[Any]:
     from opentelemetry.sdk.metrics.export import (
         ConsoleMetricExporter,
@@ -76,7 +98,7 @@ def _metric_readers(environ: Mapping[str, str], names: list[str], tel: Telemetry
     for n in names:
         if n == "console":
             readers.append(
-                PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr), interval)
+                PeriodicExportingMetricReader(ConsoleMetricExporter(out=CONSOLE), interval)
             )
         elif n == "otlp":
             protocol, url = otlp_target(environ, "metrics")
@@ -131,10 +153,10 @@ def _exporter(environ: Mapping[str, str], signal: str, name: str) -> Any:
         if traces:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            return ConsoleSpanExporter(out=sys.stderr)
+            return ConsoleSpanExporter(out=CONSOLE)
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
 
-        return ConsoleLogRecordExporter(out=sys.stderr)
+        return ConsoleLogRecordExporter(out=CONSOLE)
     protocol, url = otlp_target(environ, signal)
     if protocol == "grpc":
         if traces:
