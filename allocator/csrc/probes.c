@@ -580,6 +580,19 @@ static int record_sealed(Native *n, int64_t b) {
                                               "overwritten outside the allocator"));
 }
 
+/* The block records conservation compares, counted (the caller holds the free lock): *free_
+ * the free and quarantined ones, *mine this client's LOCAL ones. */
+static void free_tally(Native *n, int64_t *free_, int64_t *mine) {
+    int64_t f = 0, m = 0;
+    for (int64_t b = 0; b < n->nb; b++) {
+        uint8_t *r = blk(n, b);
+        f += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
+        m += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
+    }
+    *free_ = f;
+    *mine = m;
+}
+
 /* Conservation (as probing.py conservation counts it), counted here under the free lock: the
  * ring holds exactly the free (and quarantined) blocks, this client's local cache exactly its
  * LOCAL blocks; a free_list_corrupt finding (the first difference) when not. Run by the gate,
@@ -592,12 +605,8 @@ static int conservation(Native *n) {
         if (!mh) drop_mutex(n);
         return rc == ERROR ? ERROR : OK;
     }
-    int64_t free_ = 0, mine = 0;
-    for (int64_t b = 0; b < n->nb; b++) {
-        uint8_t *r = blk(n, b);
-        free_ += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
-        mine += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
-    }
+    int64_t free_, mine;
+    free_tally(n, &free_, &mine);
     int64_t ring = (int64_t)U4(ringh(n) + RING_COUNT), local = (int64_t)local_count(n);
     txn_commit(n);
     if (!mh) drop_mutex(n);
@@ -634,12 +643,8 @@ static PyObject *N_free_counts(Native *n, PyObject *unused) {
     int mh, taken = leaf_take(n, n->lock_free, &mh);
     if (taken == UNHANDLED) Py_RETURN_NONE;
     if (taken == ERROR) return NULL;
-    int64_t free_ = 0, own = 0;
-    for (int64_t b = 0; b < n->nb; b++) {
-        uint8_t *r = blk(n, b);
-        free_ += r[BF_STATE] == B_FREE || r[BF_STATE] == B_QUARANTINED;
-        own += r[BF_STATE] == B_LOCAL && I4(r + BF_OWNER_CLIENT) == n->client;
-    }
+    int64_t free_, own;
+    free_tally(n, &free_, &own);
     int64_t ring = (int64_t)U4(ringh(n) + RING_COUNT), local = (int64_t)local_count(n);
     leaf_drop(n, n->lock_free, taken, mh);
     return Py_BuildValue("(LLLL)", (long long)free_, (long long)ring, (long long)own,
