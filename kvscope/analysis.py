@@ -304,11 +304,7 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
     two together, in guard mode, are this one's signature."""
     bs, spb = geometry["block_size"], geometry["slots_per_block"]
     kinds = {f["kind"] for f in findings}
-    unwritten = FindingKind.KV_NEVER_WRITTEN in kinds or any(
-        f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
-        and f["message"].startswith(UNWRITTEN_AT_PUBLISH)
-        for f in findings
-    )
+    unwritten = FindingKind.KV_NEVER_WRITTEN in kinds or any(map(_blank_at_publish, findings))
     causes = []
     if spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten:
         causes.append(
@@ -355,18 +351,20 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
     return causes
 
 
+def _blank_at_publish(f: dict[str, Any]) -> bool:
+    """A published_block_modified finding on a block published before its K/V was written."""
+    return f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED and f["message"].startswith(
+        UNWRITTEN_AT_PUBLISH
+    )
+
+
 def _published_early(
     findings: list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
     """The blocks published blank (their publisher wrote the K/V after mark_computed) and the
     foreign_slot findings on those same blocks (a hit that read a slot changed since its
     publication: the late write itself), when there are both."""
-    blanks = [
-        f
-        for f in findings
-        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
-        and f["message"].startswith(UNWRITTEN_AT_PUBLISH)
-    ]
+    blanks = [f for f in findings if _blank_at_publish(f)]
     blocks = {f.get("block") for f in blanks}
     readers = [
         f

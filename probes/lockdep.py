@@ -9,9 +9,9 @@
 
 A thread that takes lock class B while it holds A adds the edge A -> B, with the site where it
 was first seen, to the segment's lock-order graph, which every process attached to the pool
-shares and the pool's C core writes (lockgraph.SegmentGraph.learn). An edge whose reverse path B -> ... -> A is already there is reported as
-`lock_order_cycle` before the thread waits for B, so two processes that take locks in opposite
-orders are named before they ever overlap. The pool's locks are traced by the C core, which
+shares and the pool's C core writes (lockgraph.SegmentGraph.learn). An edge whose reverse path
+B -> ... -> A is already there is reported as `lock_order_cycle` before the thread waits for
+B, so two processes that take locks in opposite orders are named before they ever overlap. The pool's locks are traced by the C core, which
 takes them (csrc/probes.c lockdep_ok: the edges between them and from the traced user locks the
 thread holds); this module traces user locks (TracedLock), and the edges into them from the
 user locks and the traced pool locks the thread holds (read from the pool's lock records).

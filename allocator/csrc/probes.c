@@ -1525,9 +1525,9 @@ static int lockdep_user_into(Native *n, int j) {
  * earlier one (the lock-inversion fault's: faults.c lockdep_inverted_ok), or through a user
  * lock. A traced user lock taken while the thread holds pool locks (in Python an operation
  * called; lockdep.py reads them from their records) has its edges added by N_learn_edge, which
- * finds the core's edges in the segment and reports the cycle its edge closes; an edge of the core's that closes one (a user lock held
- * across an operation, an edge of the lock-inversion fault) the core reports itself
- * (lg_learn_classes), before it waits for the lock. */
+ * finds the core's edges in the segment and reports the cycle its edge closes; an edge of the
+ * core's that closes one (a user lock held across an operation, an edge of the lock-inversion
+ * fault) the core reports itself (lg_learn_classes), before it waits for the lock. */
 static int lockdep_ok(Native *n, uint64_t mask) {
     mask &= n->traced;
     for (uint64_t m = mask; m; m &= m - 1) {
