@@ -15,12 +15,7 @@ import numpy as np
 
 from kvscope.allocator.checkfree import check_free_count, check_local_caches, check_ring
 from kvscope.allocator.checkleases import check_leases
-from kvscope.allocator.checklocks import (
-    DEFAULT_LOCK_HOLD_S,
-    LOCK_HOLD_ENV,
-    lock_findings,
-    lock_hold_threshold_s,
-)
+from kvscope.allocator.checklocks import DEFAULT_LOCK_HOLD_S, lock_findings
 from kvscope.allocator.checkrecords import check_records
 from kvscope.allocator.checkrefs import (
     check_index,
@@ -34,7 +29,6 @@ from kvscope.allocator.checkreport import (
     Alive,
     CheckReport,
     TableEntries,
-    table_refs,
 )
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.geometry import geometry_problem
@@ -52,13 +46,9 @@ from kvscope.allocator.ranges import check_tables
 
 __all__ = [
     "DEFAULT_LOCK_HOLD_S",
-    "LOCK_HOLD_ENV",
-    "MAX_PER_KIND",
     "check_header",
     "check_view",
     "lock_findings",
-    "lock_hold_threshold_s",
-    "table_refs",
 ]
 
 

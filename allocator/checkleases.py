@@ -17,14 +17,17 @@ import numpy as np
 
 from kvscope.allocator.checkreport import Alive, CheckReport, state_name
 from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.layout import BlockState, ClientState, LeaseMode, LeaseState, SegmentView
+from kvscope.allocator.layout import (
+    BlockState,
+    ClientState,
+    LeaseMode,
+    LeaseState,
+    SegmentView,
+    field_text,
+)
 from kvscope.allocator.records import lease_capacity
 
 REPAIR = "`kvscope check --repair`"
-
-
-def _text(raw: bytes) -> str:
-    return bytes(raw).rstrip(b"\0").decode(errors="replace")
 
 
 class _Lease:
@@ -35,8 +38,8 @@ class _Lease:
         self.record = i
         self.id = int(r["lease_id"])
         self.pid = int(r["holder_pid"])
-        self.holder = _text(r["holder"])
-        self.request = _text(r["request"]) or None
+        self.holder = field_text(r["holder"])
+        self.request = field_text(r["request"]) or None
         self.mode = "write" if int(r["mode"]) == LeaseMode.WRITE else "read"
 
     @property

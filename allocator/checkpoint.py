@@ -32,9 +32,9 @@ import numpy as np
 from kvscope.allocator import ofd
 from kvscope.allocator.checksums import block_checksums
 from kvscope.allocator.errors import OplogError
-from kvscope.allocator.layout import ClientState, SegmentView
+from kvscope.allocator.layout import ClientState, SegmentView, field_text
 from kvscope.allocator.oplog import from_creation, parse_log, pool_tag
-from kvscope.allocator.oplogsnap import LIVE, MAGIC, VERSION, Snapshot, _text, chunks, data_start
+from kvscope.allocator.oplogsnap import LIVE, MAGIC, VERSION, Snapshot, chunks, data_start
 from kvscope.allocator.prefix import COEFS
 from kvscope.allocator.records import OpCode
 from kvscope.allocator.snapshot import copy_metadata, metadata_ranges
@@ -199,7 +199,7 @@ def sequences(view: SegmentView, client: int, block_size: int) -> list[Sequence]
         while published < len(chain) and blocks["indexed"][table[published]]:
             published += 1
         seq = Sequence(
-            _text(r["request"]),
+            field_text(r["request"]),
             tokens,
             table,
             int(slot),
@@ -241,7 +241,6 @@ class Ring:
         self.start = start
         self.tag = pool_tag(pool.name, int(pool.view.h["created_ns"]))
         self.checkpoints = 0  # written by this handle
-        self.punched = 0  # the file's offset below which it is a hole (as last punched here)
 
     def last(self, fd: int) -> tuple[int, int | None]:
         """The file's size and the offset of the pool's last checkpoint in it (None: none)."""
@@ -289,8 +288,8 @@ class Ring:
                     return  # (no quiet moment: the base stays, the next chunk tries again)
                 _, offset = got
                 self.checkpoints += 1
-                if latest is not None and pool.core.oplog_punch(latest):
-                    self.punched = latest
+                if latest is not None:
+                    pool.core.oplog_punch(latest)
                 pool.core.oplog_ring(self.limit, self, offset if offset >= 0 else size)
             finally:
                 ofd.unlock(fd, 0, 1)
@@ -310,7 +309,13 @@ def leases(view: SegmentView, client: int) -> list[tuple[int, int, str, str, lis
             raise ValueError(f"lease record {i} names a block the pool does not have")
         mode = "write" if int(r["mode"]) == 2 else "read"
         out.append(
-            (i, int(r["lease_id"]), mode, _text(r["holder"]), [int(b) for b in r["blocks"][:k]])
+            (
+                i,
+                int(r["lease_id"]),
+                mode,
+                field_text(r["holder"]),
+                [int(b) for b in r["blocks"][:k]],
+            )
         )
     return out
 

@@ -210,8 +210,3 @@ def mapper(seqs: np.ndarray, rows: np.ndarray, entries: TableEntries | None = No
         return known[blk]
 
     return who
-
-
-def table_refs(seqs: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
-    """References to each block from the block tables of seqs[rows], in one bincount."""
-    return TableEntries.of(seqs, rows).refs(n)

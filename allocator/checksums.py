@@ -33,7 +33,6 @@ _K = np.array(
     dtype=np.uint64,
 )
 MASK64 = (1 << 64) - 1
-_KI = [int(k) for k in _K]
 
 
 def block_words(blocks: np.ndarray) -> np.ndarray:
@@ -52,18 +51,3 @@ def block_checksums(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
         h *= _K[0]
         h ^= h >> np.uint64(32)
     return h
-
-
-def block_checksum(words: np.ndarray, block_id: int) -> int:
-    """Scalar twin of `block_checksums` for one block (the single-block hot path)."""
-    row = words[block_id]
-    h = (
-        int(row[0]) * _KI[0]
-        + int(row[1]) * _KI[1]
-        + int(row[2]) * _KI[2]
-        + int(row[3]) * _KI[3]
-        + block_id * _KI[4]
-    ) & MASK64
-    h ^= h >> 29
-    h = (h * _KI[0]) & MASK64
-    return h ^ (h >> 32)

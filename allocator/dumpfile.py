@@ -241,7 +241,9 @@ def write_atomic(
 
         fd, tmp = tempfile.mkstemp(prefix=".kvscope-dump-", dir=directory)
     except FileNotFoundError:
-        raise PoolError(f"cannot write {path}: directory {directory} does not exist") from None
+        # (a directory that exists but takes no new file, as /proc, says ENOENT too)
+        why = "takes no new file" if os.path.isdir(directory) else "does not exist"
+        raise PoolError(f"cannot write {path}: directory {directory} {why}") from None
     except PermissionError:
         raise PoolError(f"cannot write {path}: permission denied in {directory}") from None
     except OSError as e:

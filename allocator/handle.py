@@ -1,5 +1,5 @@
 """A pool handle as the modules below pool.py see it: what lifecycle.py, native.py, probing.py,
-writes.py, devicechecks.py, sites.py and faults.py use of a KVPool (its public members only; what
+devicechecks.py and faults.py use of a KVPool (its public members only; what
 the core shares with the handle, the handle hands to native.core_for), as a Protocol. They take
 a handle typed by it, so that none of them imports pool.py, which imports them (no import cycle,
 typing imports included: tests/test_imports.py). KVPool is the one class that has it."""

@@ -16,7 +16,8 @@ Three probes prove that nothing writes into a block its writer does not own:
 The C core runs these checks inside its operations (csrc/kvdata.c, with the messages defined
 here). Functions here take a segment view's block records and the pool's KV tensor (live, or
 rebuilt from a dump's data with `kv_from_bytes`): `check_kv` is the whole-pool pass, and
-`pool.verify()` scans the canaries. The KV data is a torch tensor (a live pool's) or its bits in
+`pool.verify()` scans the canaries here where the core does not map the K/V (a CUDA pool's; the
+core scans a CPU pool's itself, csrc/entry.c verify_canaries). The KV data is a torch tensor (a live pool's) or its bits in
 numpy (kvbits.KVBits: a data file or a dump's data, which `check` and `analyze` read without
 torch); each function below takes either.
 """
@@ -77,11 +78,6 @@ def cpu_bits(kv: KV) -> KV:
 
 
 # -- digests ---------------------------------------------------------------------------------
-
-
-def tagged(digest: int, generation: int) -> int:
-    """The `kv_digest` word: the digest's high half over the block's generation."""
-    return ((digest >> 32) << 32) | (generation & GENERATION_MASK)
 
 
 def digests_of(kv: KV, ids: np.ndarray, block_size: int) -> list[int]:
@@ -209,22 +205,6 @@ def _not_poisoned(kv: torch.Tensor, ids: np.ndarray | list[int], block_size: int
     return int_view(kv)[:, :, idx, :block_size] != poison_bits(kv.dtype)
 
 
-def poison(kv: KV, ids: np.ndarray | list[int], block_size: int) -> None:
-    """Fill the token slots of blocks `ids` with the poison (NaN), in every layer, K and V."""
-    kv = cpu_bits(kv)
-    if len(ids) == 0 or not can_poison(kv):
-        return
-    if isinstance(kv, KVBits):
-        kv.bits[:, :, np.asarray(ids, np.int64), :block_size] = kvbits.NAN_BITS[kv.dtype]
-    else:
-        from kvscope.kernels.backend import block_ids
-
-        # index_fill_ on the token slots' view: an assignment through an index tensor uploads
-        # its NaN from the host, which waits for the GPU
-        idx = block_ids(np.asarray(ids, np.int64), kv.device)
-        kv[:, :, :, :block_size].index_fill_(2, idx, float("nan"))
-
-
 def unpoisoned_counts(kv: torch.Tensor, ids: np.ndarray, block_size: int) -> torch.Tensor:
     """int64 [len(ids)] on the cache's device: how many elements of each block's token slots no
     longer hold the poison (launched, not waited for on a GPU)."""
@@ -247,49 +227,6 @@ UNWRITTEN_MESSAGE = (
     "request {request!r} finished with positions {first}-{last} ({slots} slot(s)) of this block "
     "never written: a copy-on-write copy skipped, or K/V written through a stale table"
 )
-
-
-def unwritten_slots(
-    kv: KV, table: list[int], num_tokens: int, block_size: int
-) -> list[tuple[int, int, int, int]]:
-    """Blocks of a sequence's table with token slots, for positions [0, num_tokens), that still
-    hold the poison in every layer, K and V: (block, first position, last position, slots).
-    Empty too when no position was written at all."""
-    kv = cpu_bits(kv)
-    if not table or num_tokens <= 0 or not can_poison(kv):
-        return []
-    n = min(len(table), -(-num_tokens // block_size))
-    if isinstance(kv, KVBits):
-        blank = np.asarray(kvbits.poisoned(kv, table[:n], block_size).all(2))
-    else:
-        blank = blank_slots(kv, table[:n], block_size).cpu().numpy()
-    return unwritten_in(blank, table, num_tokens, block_size)
-
-
-def blank_slots(kv: torch.Tensor, ids: list[int], block_size: int) -> torch.Tensor:
-    """bool [len(ids), block_size] on the cache's device: the token slots that hold the poison in
-    every layer, K and V (launched, not waited for on a GPU)."""
-    return _not_poisoned(kv, ids, block_size).sum((0, 1, 4, 5)) == 0
-
-
-def unwritten_in(
-    blank: np.ndarray, table: list[int], num_tokens: int, block_size: int
-) -> list[tuple[int, int, int, int]]:
-    """unwritten_slots from the blank slots of the table's first blocks (`blank_slots`)."""
-    if not blank.any():
-        return []  # (every request that wrote its K/V: at each finish, so no per-block pass)
-    n = len(blank)
-    used = np.minimum(block_size, num_tokens - np.arange(n) * block_size)
-    checked = np.arange(block_size)[None, :] < used[:, None]
-    if blank[checked].all():
-        return []  # nothing written at all: a program that drives the allocator without K/V
-    out = []
-    for i, blk in enumerate(table[:n]):
-        hit = np.flatnonzero(blank[i, : used[i]])
-        if len(hit):
-            base = i * block_size
-            out.append((int(blk), base + int(hit[0]), base + int(hit[-1]), len(hit)))
-    return out
 
 
 # -- canaries --------------------------------------------------------------------------------

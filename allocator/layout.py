@@ -15,9 +15,7 @@ import numpy as np
 # The checksum functions live in checksums.py; the readers import them with the dtypes.
 from kvscope.allocator.checksums import (  # noqa: F401
     HEADER_CHECKSUM_BYTES,
-    IDENTITY_WORDS,
     MASK64,
-    block_checksum,
     block_checksums,
     block_words,
     header_checksum,
@@ -28,28 +26,31 @@ from kvscope.allocator.checksums import (  # noqa: F401
 from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers import them here
     BLOCK_MAGIC,
     CHUNK,
+    CLIENT_FIELDS,
     COUNTER_FIELDS,
     EVENT_FIELDS,
     EVICT_BATCH,
+    FINDING_FIELDS,
+    FINDINGS_CAPACITY,
+    HEADER_FIELDS,
     INDEX_FIELDS,
     JOURNAL_BYTES,
     JOURNAL_ENTRIES,
-    JOURNAL_ENTRY_FIELDS,
     LEASE_HEADER_FIELDS,
     LOCAL_CACHE_MAX,
     LOCK_FIELDS,
+    LOCKGRAPH_CAPACITY,
+    LOCKGRAPH_FIELDS,
     LRU_ENTRY_FIELDS,
     LRU_HEADER_FIELDS,
     LRU_KEEP,
-    OPLOG_CHUNK_FIELDS,
-    OPLOG_FIELDS,
-    OPLOG_FOUND_FIELDS,
-    OPLOG_LEASE_FIELDS,
-    OPLOG_STORE_FIELDS,
+    NUM_SITES,
     PROVENANCE_FIELDS,
     REQUEST_BYTES,
     RING_HEADER_FIELDS,
+    SITE_FIELDS,
     BlockState,
+    ClientState,
     LeaseMode,
     LeaseState,
     SeqState,
@@ -60,21 +61,8 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
 )
 
 POOL_MAGIC = 0x4B56_5343_4F50_4531
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 ALIGN = 64
-NO_BLOCK = -1
-
-FINDINGS_CAPACITY = 256
-LOCKGRAPH_CAPACITY = 256
-NUM_SITES = 1024
-
-
-class ClientState(enum.IntEnum):
-    """State of a client (attached process) record."""
-
-    EMPTY = 0
-    ATTACHED = 1
-    DETACHED = 2
 
 
 class Flag(enum.IntFlag):
@@ -85,76 +73,8 @@ class Flag(enum.IntFlag):
     LOCKDEP = 4
 
 
-HEADER_IMMUTABLE = [
-    ("magic", "<u8"),
-    ("version", "<u4"),
-    ("header_size", "<u4"),
-    ("num_blocks", "<u4"),
-    ("block_size", "<u4"),
-    ("slots_per_block", "<u4"),
-    ("num_layers", "<u4"),
-    ("num_kv_heads", "<u4"),
-    ("head_dim", "<u4"),
-    ("dtype", "S16"),
-    ("device", "S16"),
-    ("flags", "<u4"),
-    ("max_seqs", "<u4"),
-    ("max_blocks_per_seq", "<u4"),
-    ("max_clients", "<u4"),
-    ("num_shards", "<u4"),
-    ("index_capacity", "<u4"),
-    ("num_locks", "<u4"),
-    ("event_capacity", "<u4"),
-    ("local_cache_size", "<u4"),
-    ("quarantine", "<u4"),
-    ("creator_pid", "<i4"),
-    ("creator_start", "<u8"),
-    ("created_ns", "<u8"),
-    ("name", "S64"),
-    ("off_blocks", "<u8"),
-    ("off_ring", "<u8"),
-    ("off_index", "<u8"),
-    ("off_seqs", "<u8"),
-    ("off_sites", "<u8"),
-    ("off_locks", "<u8"),
-    ("off_clients", "<u8"),
-    ("off_events", "<u8"),
-    ("off_lockgraph", "<u8"),
-    ("off_findings", "<u8"),
-    ("off_lru", "<u8"),
-    ("off_leases", "<u8"),
-    ("off_provenance", "<u8"),
-    ("segment_size", "<u8"),
-    ("data_bytes", "<u8"),
-]
-
-HEADER_DTYPE = np.dtype(
-    HEADER_IMMUTABLE
-    + [
-        ("checksum", "<u8"),
-        ("cuda_ipc_len", "<u4"),
-        ("cuda_ipc", "S1024"),
-        ("num_sites_used", "<u4"),
-        ("findings_head", "<u8"),
-        ("lockgraph_used", "<u4"),
-        ("next_seq_id", "<u8"),
-        ("refcount_peak", "<u4"),
-    ]
-    + [(name, "<u8") for name in COUNTER_FIELDS]
-    # The operation log's global sequence number: the last one taken (docs/REPLAY.md; the C
-    # core's atomic add, by every process recording).
-    + [("op_seq_pad", "<u4"), ("op_seq", "<u8")]
-)
+HEADER_DTYPE = np.dtype(HEADER_FIELDS)
 assert HEADER_DTYPE.fields["checksum"][1] == HEADER_CHECKSUM_BYTES  # type: ignore[index]
-
-
-def header_field_at(offset: int) -> str:
-    """The name of the header field holding byte `offset` ("?" outside the header)."""
-    for name in HEADER_DTYPE.names or ():
-        dt, off = HEADER_DTYPE.fields[name][:2]  # type: ignore[index]
-        if off <= offset < off + dt.itemsize:
-            return name
-    return "?"
 
 
 def block_dtype(block_size: int) -> np.dtype:
@@ -166,11 +86,6 @@ RING_HEADER_DTYPE = np.dtype(RING_HEADER_FIELDS)
 INDEX_DTYPE = np.dtype(INDEX_FIELDS)
 LRU_HEADER_DTYPE = np.dtype(LRU_HEADER_FIELDS)
 LRU_ENTRY_DTYPE = np.dtype(LRU_ENTRY_FIELDS)
-# The operation log's records (a file, not a section of the segment: docs/REPLAY.md).
-OPLOG_DTYPE = np.dtype(OPLOG_FIELDS)
-OPLOG_FOUND_DTYPE = np.dtype(OPLOG_FOUND_FIELDS)
-OPLOG_LEASE_DTYPE = np.dtype(OPLOG_LEASE_FIELDS)
-OPLOG_STORE_DTYPE = np.dtype(OPLOG_STORE_FIELDS)
 LEASE_HEADER_DTYPE = np.dtype(LEASE_HEADER_FIELDS)
 PROVENANCE_DTYPE = np.dtype(PROVENANCE_FIELDS)
 
@@ -180,65 +95,21 @@ def lease_dtype(max_blocks_per_seq: int) -> np.dtype:
     return np.dtype(lease_fields(max_blocks_per_seq))
 
 
-OPLOG_CHUNK_DTYPE = np.dtype(OPLOG_CHUNK_FIELDS)
-
-
 def seq_dtype(max_blocks_per_seq: int) -> np.dtype:
     """One slot per live sequence, with its block table (records.seq_fields)."""
     return np.dtype(seq_fields(max_blocks_per_seq))
 
 
-SITE_DTYPE = np.dtype([("text", "S120"), ("hits", "<u8")])
+SITE_DTYPE = np.dtype(SITE_FIELDS)
 
 LOCK_DTYPE = np.dtype(LOCK_FIELDS)
-JOURNAL_ENTRY_DTYPE = np.dtype(JOURNAL_ENTRY_FIELDS)
 
-CLIENT_DTYPE = np.dtype(
-    [
-        ("state", "u1"),
-        ("pad", "u1", (3,)),
-        ("pid", "<i4"),
-        ("start", "<u8"),
-        ("attached_ns", "<u8"),
-        ("seq", "<u8"),
-        ("op", "<u8"),
-        ("local_count", "<u4"),
-        ("journal_count", "<u4"),
-        ("journal_used", "<u4"),
-        ("event_count", "<u4"),
-        ("event_head", "<u8"),
-        ("local", "<i4", (LOCAL_CACHE_MAX,)),
-    ]
-    + [(name, "<u8") for name in COUNTER_FIELDS]
-    + [
-        ("journal", JOURNAL_ENTRY_DTYPE, (JOURNAL_ENTRIES,)),
-        ("journal_data", "u1", (JOURNAL_BYTES,)),
-    ]
-)
+CLIENT_DTYPE = np.dtype(CLIENT_FIELDS)
 
 EVENT_DTYPE = np.dtype(EVENT_FIELDS)
 
-LOCKGRAPH_DTYPE = np.dtype(
-    [("src", "S16"), ("dst", "S16"), ("pid", "<i4"), ("pad", "<u4"), ("site", "S120")]
-)
-
-FINDING_DTYPE = np.dtype(
-    [
-        ("time_ns", "<u8"),
-        ("kind", "S24"),
-        ("severity", "u1"),
-        # 1 once `kvscope check --repair` answered it (KVPool.clear_repaired); readers skip it.
-        ("repaired", "u1"),
-        ("pad", "u1", (2,)),
-        ("block", "<i4"),
-        ("owner_pid", "<i4"),
-        # The allocation site of the block as the finding saw it, site id + 1 (0: none): the
-        # block may have been handed out again since (a write after free found at its reuse).
-        ("site", "<u4"),
-        ("request", f"S{REQUEST_BYTES}"),
-        ("message", "S200"),
-    ]
-)
+LOCKGRAPH_DTYPE = np.dtype(LOCKGRAPH_FIELDS)
+FINDING_DTYPE = np.dtype(FINDING_FIELDS)
 
 
 def _align(n: int) -> int:
@@ -247,6 +118,12 @@ def _align(n: int) -> int:
 
 def _align8(n: int) -> int:
     return (n + 7) // 8 * 8
+
+
+def field_text(raw: Any) -> str:
+    """A text field of a record (a request id, a lease's holder): its bytes up to the NULs that
+    pad it, decoded (bytes that are not UTF-8 replaced)."""
+    return bytes(raw).rstrip(b"\0").decode(errors="replace")
 
 
 def lock_names(num_shards: int) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvscope.allocator.layout import LeaseMode, LeaseState, SegmentView
+from kvscope.allocator.layout import LeaseMode, LeaseState, SegmentView, field_text
 
 # A lease's deadline when `KVPool.lease` is given none: held longer, it is a lease_leak at the
 # next `expire_leases`.
@@ -85,10 +85,6 @@ class Lease:
         )
 
 
-def _text(raw: Any) -> str:
-    return bytes(raw).rstrip(b"\0").decode(errors="replace")
-
-
 def lease_rows(view: SegmentView) -> list[dict[str, Any]]:
     """The leases held in the pool, oldest first: one dict each (the keys of `analyze --json`'s
     `leases`)."""
@@ -102,9 +98,9 @@ def lease_rows(view: SegmentView) -> list[dict[str, Any]]:
             {
                 "id": int(r["lease_id"]),
                 "mode": "write" if int(r["mode"]) == LeaseMode.WRITE else "read",
-                "holder": _text(r["holder"]),
+                "holder": field_text(r["holder"]),
                 "pid": int(r["holder_pid"]),
-                "request": _text(r["request"]),
+                "request": field_text(r["request"]),
                 "blocks": [int(b) for b in r["blocks"][:k]],
                 "taken_ns": int(r["taken_ns"]),
                 "leaked": int(r["state"]) == LeaseState.LEAKED,

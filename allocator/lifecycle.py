@@ -267,7 +267,7 @@ def before_close(pool: P, hook: Callable[[P], None] | None) -> None:
     """What `KVPool.close` does before the core detaches the handle: the probes' answers
     settled, the KV-event publisher stopped, then `hook` sees the pool (pool.CLOSE_HOOK)."""
     if pool.probe is not None:
-        pool.probe.writes.settle(wait=True)
+        pool.probe.settle(wait=True)
     if pool.kv_events is not None:
         # its last batch, and its check's findings before the hook reads the pool
         publisher, pool.kv_events = pool.kv_events, None

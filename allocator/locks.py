@@ -7,16 +7,15 @@ lock is never stuck; the lock record still names the dead holder, which tells th
 run recovery before it proceeds (csrc/recovery.c). Each record also carries a sequence counter,
 odd while held: together these are the seqlock that lock-free readers check. `LockTable` is
 this process's table of them, read only: their names and records for the readers and probes
-(the watchdog, otel_locks, lockdep's held pool locks), and where the core publishes the locks
-this process waits for (waits.py).
+(the watchdog, otel_locks, lockdep's held pool locks). The core publishes the locks a process
+waits for in its client record (waits.py).
 """
 
 from __future__ import annotations
 
 from kvscope.allocator import ofd
-from kvscope.allocator.layout import CLIENT_DTYPE, SegmentView, lock_names
+from kvscope.allocator.layout import SegmentView, lock_names
 from kvscope.allocator.segment import MappedFile
-from kvscope.allocator.waits import WAIT_AT
 
 # Locks lockdep does not order (leaves, taken alone), and the lock class of a pool lock name
 # (the index shards collapse to "index"): the C core and probes/lockdep.py both need them.
@@ -36,18 +35,10 @@ class LockTable:
         locks = view.locks
         self.seq = locks["seq"]
         self.holder_pid = locks["holder_pid"]
-        self.holder_client = locks["holder_client"]
         self.holder_start = locks["holder_start"]
         self.holder_tid = locks["holder_tid"]
         self.acquired_ns = locks["acquired_ns"]
-        self.num_acquires = locks["num_acquires"]
-        self.num_contended = locks["num_contended"]
-        self.wait_ns = locks["wait_ns"]
-        self.hold_ns = locks["hold_ns"]
-        self.max_hold_ns = locks["max_hold_ns"]
         self.pid, self.start, self.client = pid, start, client
-        # Where the core publishes the locks this process waits for (waits.py).
-        self.wait_at = view.offsets["clients"] + client * CLIENT_DTYPE.itemsize + WAIT_AT
         # (the mapping re-opened in a forked child, so that its OFD lock is its own: ofd.py)
         ofd.track(mf)
 

@@ -17,8 +17,8 @@ handle's probe word at every call), and so do the injectable faults and crash po
 table's, composed and interned by the core. The core waits for the pool locks it takes
 (holding the op mutex meanwhile), recovers a dead holder of one itself (csrc/recovery.c), and
 waits for another thread's operation on the handle before it starts one. The findings ring
-and the site table have no other writer: KVPool.report and sites.py write through the core's
-`report` and `intern_site`, and the findings the core detects it writes itself.
+and the site table have no other writer: KVPool.report writes through the core's `report`,
+and the findings the core detects and the sites it composes it writes itself.
 docs/FORMAT.md, "The core".
 
 Guard mode's and the digest's work on the KV data (canaries, NaN poison, digests, a finished
@@ -35,44 +35,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvscope.allocator import crash, faults, integrity, records
 from kvscope.allocator.errors import JournalFull, PoolError, PoolExhausted
 from kvscope.allocator.findings import ERROR, SEVERITY
-from kvscope.allocator.layout import (
-    CLIENT_DTYPE,
-    COUNTER_FIELDS,
-    EVENT_DTYPE,
-    FINDING_DTYPE,
-    FINDINGS_CAPACITY,
-    HEADER_CHECKSUM_BYTES,
-    INDEX_DTYPE,
-    JOURNAL_BYTES,
-    JOURNAL_ENTRIES,
-    JOURNAL_ENTRY_DTYPE,
-    LEASE_HEADER_DTYPE,
-    LOCAL_CACHE_MAX,
-    LOCK_DTYPE,
-    LOCKGRAPH_CAPACITY,
-    LOCKGRAPH_DTYPE,
-    LRU_ENTRY_DTYPE,
-    LRU_HEADER_DTYPE,
-    NUM_SITES,
-    OPLOG_CHUNK_DTYPE,
-    OPLOG_DTYPE,
-    OPLOG_FOUND_DTYPE,
-    OPLOG_LEASE_DTYPE,
-    OPLOG_STORE_DTYPE,
-    PROVENANCE_DTYPE,
-    RING_HEADER_DTYPE,
-    SITE_DTYPE,
-    ClientState,
-    block_dtype,
-    lease_dtype,
-    seq_dtype,
-)
 from kvscope.allocator.locks import UNTRACED, lock_class
 from kvscope.allocator.prefix import COEFS
-from kvscope.allocator.sequence import SEQ_ID_BATCH, Sequence, slot_batch
+from kvscope.allocator.sequence import Sequence, slot_batch
 from kvscope.allocator.sites import KVSCOPE_DIRS
 
 if TYPE_CHECKING:
@@ -94,32 +64,16 @@ class LayoutMismatch(ImportError):
 
 
 def expected_layout() -> dict[str, int]:
-    """Every constant the C core takes from records.py, with the value the numpy dtypes give
-    (independent of the header generator's own arithmetic)."""
-    dtypes = {
-        "block": block_dtype(2),
-        "seq": seq_dtype(1),
-        "lock": LOCK_DTYPE,
-        "ring_header": RING_HEADER_DTYPE,
-        "index": INDEX_DTYPE,
-        "journal_entry": JOURNAL_ENTRY_DTYPE,
-        "event": EVENT_DTYPE,
-        "lru_header": LRU_HEADER_DTYPE,
-        "lru_entry": LRU_ENTRY_DTYPE,
-        "oplog": OPLOG_DTYPE,
-        "oplog_found": OPLOG_FOUND_DTYPE,
-        "oplog_lease": OPLOG_LEASE_DTYPE,
-        "oplog_store": OPLOG_STORE_DTYPE,
-        "lease_header": LEASE_HEADER_DTYPE,
-        "lease": lease_dtype(2),
-        "provenance": PROVENANCE_DTYPE,
-        "oplog_chunk": OPLOG_CHUNK_DTYPE,
-    }
+    """Every constant the C core takes from records.py, with the value numpy's packing of the
+    records gives (independent of the header generator's own arithmetic)."""
+    offsets = records.c_offset_names()
+    named = [*offsets.values(), *records.C_FIELD_SIZES.values()]
+    used = {r for r, _ in named} | set(records.C_SIZES.values())
+    dt = {r: np.dtype(records.record_fields(r)) for r in used}
     out = records.c_values()
-    for name, (record, field) in records.c_offset_names().items():
-        out[name] = dtypes[record].fields[field][1]
-    for name, record in records.C_SIZES.items():
-        out[name] = dtypes[record].itemsize
+    out.update({k: dt[r].fields[f][1] for k, (r, f) in offsets.items()})
+    out.update({k: dt[r].itemsize for k, r in records.C_SIZES.items()})
+    out.update({k: dt[r].fields[f][0].itemsize for k, (r, f) in records.C_FIELD_SIZES.items()})
     return out
 
 
@@ -137,13 +91,6 @@ def check_layout(built: Mapping[str, int]) -> None:
             "kvscope: the pool's C core (kvscope.allocator._native) was built for another "
             f"segment layout ({shown}); rebuild it: pip install -e ."
         )
-
-
-# The counters are one block of u8s in COUNTER_FIELDS order (the core indexes them).
-_CF = CLIENT_DTYPE.fields
-assert all(_CF[f][1] == _CF[COUNTER_FIELDS[0]][1] + 8 * i for i, f in enumerate(COUNTER_FIELDS)), (
-    "COUNTER_FIELDS are not contiguous in CLIENT_DTYPE"
-)
 
 
 check_layout(getattr(_native, "LAYOUT", {}))
@@ -196,43 +143,20 @@ def kv_layout(pool: PoolHandle) -> dict[str, Any]:
 def probe_layout(pool: PoolHandle) -> dict[str, Any]:
     """Where the core writes what its probes find and what Python reports (csrc/probes.c): the
     lock-order graph, the findings ring with each kind's severity (1 error, 2 warning), and the
-    site table (the list the core leaves its findings' ring positions in is `shared`'s:
-    core_for)."""
-    lg, fd = LOCKGRAPH_DTYPE.fields, FINDING_DTYPE.fields
-    h = pool.view.header.dtype.fields
-    assert h is not None
+    site table (their records' fields are layout.h's; the list the core leaves its findings'
+    ring positions in is `shared`'s: core_for)."""
     return {
         "off_lockgraph": pool.view.offsets["lockgraph"],
-        "lockgraph_used_at": h["lockgraph_used"][1],
-        "lockgraph_record_size": LOCKGRAPH_DTYPE.itemsize,
-        "lockgraph_capacity": LOCKGRAPH_CAPACITY,
-        **{f"lg_{name}": lg[name][1] for name in ("src", "dst", "pid", "site")},
-        "lg_site_bytes": lg["site"][0].itemsize,
         "lock_findings": pool.locks.index("findings"),
         "off_findings": pool.view.offsets["findings"],
-        "findings_head_at": h["findings_head"][1],
-        "finding_record_size": FINDING_DTYPE.itemsize,
-        "findings_capacity": FINDINGS_CAPACITY,
-        **{f"fd_{name}": fd[name][1] for name in FINDING_FIELDS},
-        "fd_kind_bytes": fd["kind"][0].itemsize,
-        "fd_message_bytes": fd["message"][0].itemsize,
         "lock_sites": pool.locks.index("sites"),
         "off_sites": pool.view.offsets["sites"],
-        "site_record_size": SITE_DTYPE.itemsize,
-        "site_text_bytes": SITE_DTYPE.fields["text"][0].itemsize,
-        "num_sites": NUM_SITES,
-        "sites_used_at": h["num_sites_used"][1],
         "finding_severity": {k.value: 1 if s == ERROR else 2 for k, s in SEVERITY.items()},
         "canary_message": integrity.CANARY_MESSAGE,
         "poison_message": integrity.POISON_MESSAGE,
         "modified_message": integrity.MODIFIED_MESSAGE,
         "blank_modified_message": integrity.BLANK_MODIFIED_MESSAGE,
-        # magic: the header's fields, for the byte a header_corrupt finding names
-        "header_fields": tuple((name, off, dt.itemsize) for name, (dt, off, *_) in h.items()),
     }
-
-
-FINDING_FIELDS = ("time_ns", "kind", "severity", "block", "owner_pid", "site", "request", "message")
 
 
 # The core holds its locks in a 64-bit mask: seqs, free, sites, findings and the index shards.
@@ -251,9 +175,6 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         )
     view = pool.view
     off = view.offsets
-    client = pool.client
-    cbase = off["clients"] + client * CLIENT_DTYPE.itemsize
-    cf = CLIENT_DTYPE.fields
     num_shards = view.layout.num_shards
     # Frees park up to twice the refill size in the local cache, within the client record.
     local_cap = int(view.h["local_cache_size"])
@@ -267,9 +188,8 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         "index_width": len(view.index) // num_shards,
         "num_shards": num_shards,
         "local_cap": local_cap,
-        "local_max": min(2 * local_cap, LOCAL_CACHE_MAX),
+        "local_max": min(2 * local_cap, records.LOCAL_CACHE_MAX),
         "slot_batch": slot_batch(view.layout.max_seqs, view.layout.max_clients),
-        "seq_id_batch": SEQ_ID_BATCH,
         "quarantine": int(view.h["quarantine"]),
         "off_blocks": off["blocks"],
         "off_ring": off["ring"],
@@ -285,45 +205,18 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         "off_provenance": off["provenance"],
         "provenance_records": view.layout.provenance_records_at,
         "lease_capacity": view.layout.lease_capacity,
-        "c_seq": cbase + cf["seq"][1],
-        "c_local_count": cbase + cf["local_count"][1],
-        "c_local": cbase + cf["local"][1],
-        "c_jcount": cbase + cf["journal_count"][1],
-        "c_jused": cbase + cf["journal_used"][1],
-        "c_journal": cbase + cf["journal"][1],
-        "c_jdata": cbase + cf["journal_data"][1],
-        "c_counters": cbase + cf[COUNTER_FIELDS[0]][1],
-        "c_wait": pool.locks.wait_at,
-        "off_events": off["events"] + client * view.layout.event_capacity * EVENT_DTYPE.itemsize,
-        "c_event_head": cbase + cf["event_head"][1],
+        # every client's record and event ring (the core finds this client's from `client`)
+        "off_clients": off["clients"],
+        "off_events": off["events"],
         "event_capacity": view.layout.event_capacity,
         "max_clients": view.layout.max_clients,
-        "client_record_size": CLIENT_DTYPE.itemsize,
-        # every client's record (a full pool's PoolExhausted names other processes' caches)
-        "off_clients": off["clients"],
-        "cf_state": cf["state"][1],
-        "cf_pid": cf["pid"][1],
-        "cf_local_count": cf["local_count"][1],
-        # recovery (csrc/recovery.c): a record's identity, the header's counters, a finding's
-        # repaired byte
-        "cf_start": cf["start"][1],
-        "cf_attached_ns": cf["attached_ns"][1],
-        "off_hdr_counters": view.header.dtype.fields[COUNTER_FIELDS[0]][1],
-        "fd_repaired": FINDING_DTYPE.fields["repaired"][1],
-        "client_attached": int(ClientState.ATTACHED),
-        "client_detached": int(ClientState.DETACHED),
-        # magic: the header's bytes up to and with its checksum
-        "header_check_bytes": HEADER_CHECKSUM_BYTES + 8,
-        "client": client,
+        "client": pool.client,
         "lock_free": pool.FREE,
         "lock_shard0": pool.SHARDS[0],
         "lock_seqs": pool.SEQS,
-        "off_next_seq_id": view.header.dtype.fields["next_seq_id"][1],
         "num_locks": len(pool.locks.names),
         "pid": pool.pid,
         "start": pool.start,
-        "journal_entries": JOURNAL_ENTRIES,
-        "journal_bytes": JOURNAL_BYTES,
         # (the handle's errors name the pool)
         "name": pool.name,
         "seq_type": Sequence,
@@ -335,7 +228,6 @@ def core_for(pool: PoolHandle, mf: Any, shared: dict[str, Any]) -> Any:
         "write_past": faults.write_past,
         "crash_armed": crash.ARMED,
         "crash_points": tuple(crash.CRASH_POINTS),
-        "off_num_blocks": view.header.dtype.fields["num_blocks"][1],
         **shared,
         "lock_classes": tuple(
             None if name in UNTRACED else lock_class(name) for name in pool.locks.names

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvscope.allocator.errors import OplogError
-from kvscope.allocator.layout import HEADER_DTYPE, Layout, SegmentView, SeqState
+from kvscope.allocator.layout import HEADER_DTYPE, Layout, SegmentView, SeqState, field_text
 from kvscope.allocator.records import OPLOG_CHUNK_FIELDS, OPLOG_CHUNK_MAGIC, OpCode, packed_offsets
 
 MAGIC = b"KVSS"
@@ -71,7 +71,7 @@ class Snapshot:
             int(seqs["seq_id"][i]): [int(b) for b in seqs["table"][i][: int(seqs["num_blocks"][i])]]
             for i in live
         }
-        requests = {int(seqs["seq_id"][i]): _text(seqs["request"][i]) for i in live}
+        requests = {int(seqs["seq_id"][i]): field_text(seqs["request"][i]) for i in live}
         skip = (int(OpCode.LEASE), int(OpCode.LEASE_RELEASE), int(OpCode.EXPIRE_LEASES))
         store = int(OpCode.STORE)
         for r in records:
@@ -142,10 +142,6 @@ def parse(payload: bytes, where: str) -> Snapshot:
         raw[a:b] = np.frombuffer(data, np.uint8, b - a, at)
         at += b - a
     return Snapshot(meta, raw)
-
-
-def _text(b: bytes) -> str:
-    return bytes(b).rstrip(b"\0").decode("utf-8", "replace")
 
 
 def data_start(fd: int) -> int:

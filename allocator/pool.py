@@ -182,7 +182,7 @@ class KVPool:
     @probe.setter
     def probe(self, value: PoolProbes | None) -> None:
         self._probe = value
-        self._later = None if value is None else value.writes.later
+        self._later = None if value is None else value.later
         # The C core runs every probe itself, from this word (lockdep's bit is lockdep's).
         bits = 0 if value is None else value.native_bits()
         self._probe_bits[0] = bits | (self._probe_bits[0] & NATIVE_LOCKDEP)
@@ -198,7 +198,7 @@ class KVPool:
     @property
     def core(self) -> Any:
         """This handle's C core (native.Native). The probes' modules (probing.py,
-        devicechecks.py, writes.py, sites.py, probes/lockgraph.py) and lifecycle.py call it
+        devicechecks.py, probes/lockgraph.py) and lifecycle.py call it
         for what is theirs: a call outside an operation holds `op_mutex`, and hands what the
         core reported to `deliver_findings`."""
         return self._core
@@ -397,7 +397,7 @@ class KVPool:
         with self.op_mutex:
             return self._core.repair_leases()
 
-    def _check_process(self) -> None:
+    def _check_process(self, verify: bool = True) -> None:
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")
         if _PID[0] != self.pid:
@@ -406,7 +406,7 @@ class KVPool:
                 "in a forked child call KVPool.attach(name) instead"
             )
         # (after the checks above: the verification runs operations of its own)
-        if self.probe is not None and self.probe.flags.magic:
+        if verify and self.probe is not None and self.probe.flags.magic:
             self.probe.verify_often()
 
     def record_ops(self, path: str, redact_key: int = 0, limit: int = 0) -> None:
@@ -834,7 +834,7 @@ class KVPool:
         """Full consistency check; returns findings (empty when healthy)."""
         self._check_process()
         if self.probe is not None:
-            self.probe.writes.settle(wait=True)
+            self.probe.settle(wait=True)
         snap = snapshot(self.view)
         # The KV data too: published blocks' digests, freed blocks' poison, guard canaries.
         return check_view(snap) + check_kv(snap, self.kv, again=lambda: snapshot(self.view))
@@ -883,9 +883,11 @@ class KVPool:
         return read_findings(self.view)
 
     def verify(self) -> list:
-        """Cheap per-step check (header magic, version, checksum; in guard mode every block's
-        canary); findings, reported once."""
-        self._check_process()
+        """Cheap per-step check, at once: one call of the C core (the header's bytes and
+        checksum against those seen at attach; with the leaks probe, block conservation), and
+        in guard mode every block's canary; the findings reported in this call (each is
+        reported once per handle)."""
+        self._check_process(verify=False)  # (the core's check runs here, at once)
         if self.probe is None:
             self.probe = PoolProbes(self, ProbeFlags(magic=True))
         return self.probe.verify()

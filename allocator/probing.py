@@ -9,21 +9,17 @@ findings the core wrote, read back for `on_finding` (`ring_findings`). The pool 
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvscope.allocator import integrity
+from kvscope.allocator import devicechecks, integrity
 from kvscope.allocator.events import EventOp, EventRecorder, events_for_block, recent_events
 from kvscope.allocator.findings import Finding, FindingKind, finding_at
-from kvscope.allocator.layout import (
-    FINDINGS_CAPACITY,
-    HEADER_CHECKSUM_BYTES,
-    header_checksum,
-)
+from kvscope.allocator.layout import FINDINGS_CAPACITY
 from kvscope.allocator.probeflags import ProbeFlags
-from kvscope.allocator.sites import SiteTable, site_text
-from kvscope.allocator.writes import WriteProbes
+from kvscope.allocator.sites import site_text, stack_depth
 
 if TYPE_CHECKING:
     from kvscope.allocator.handle import PoolHandle
@@ -43,12 +39,14 @@ class PoolProbes:
         self.pool = pool
         self.flags = flags
         self.recorder = EventRecorder(pool.view, pool.client, pool.pid) if flags.events else None
-        self.sites = SiteTable(pool) if flags.ownership else None
-        self.header_bytes = pool.view.raw[:HEADER_CHECKSUM_BYTES].tobytes()
+        # frames per allocation site (KVSCOPE_STACK_DEPTH), with the ownership probe
+        self.site_depth = stack_depth() if flags.ownership else 0
         self.reported: set[tuple[str, int, str | None]] = set()
         # verify() runs inside pool operations that verify() itself starts: never recurse.
         self.verifying = False
-        self.writes = WriteProbes(pool, flags)
+        # The C core's queue of checks of the K/V whose answers come later (a CUDA pool's:
+        # devicechecks.py; None where the core checks the bytes itself, in its operations).
+        self.later = devicechecks.for_pool(pool, flags)
 
     def native_bits(self) -> int:
         """The probes as the C core's probe word (P_* of allocator/csrc/core.h)."""
@@ -58,10 +56,15 @@ class PoolProbes:
         # Guard mode: every release guarded, or (sampled) those of the requests it samples.
         bits |= NATIVE_GUARD_SAMPLED * sampled | NATIVE_GUARD * (f.guard and not sampled)
         bits |= NATIVE_DIGEST * f.digest
-        if self.sites is not None:
-            bits |= NATIVE_SITES if self.sites.depth == 1 else NATIVE_SITES_EACH
-            bits |= self.sites.depth << NATIVE_SITE_DEPTH_SHIFT
+        if self.site_depth:
+            bits |= NATIVE_SITES if self.site_depth == 1 else NATIVE_SITES_EACH
+            bits |= self.site_depth << NATIVE_SITE_DEPTH_SHIFT
         return bits
+
+    def settle(self, wait: bool = False) -> None:
+        """The answers of the K/V checks launched on the GPU that are in (all, with `wait`)."""
+        if self.later is not None:
+            self.later.settle(wait)
 
     # -- findings --------------------------------------------------------------------------------
 
@@ -97,25 +100,12 @@ class PoolProbes:
         self.pool.report(f)
         return True
 
-    def block_finding(
-        self, kind: str, block: int, message: str, rec: np.void | None = None, **extra
-    ) -> Finding | None:
-        """Report a finding about one block; owner, request and site come from `rec`, the
-        block's own record as it was when the problem was seen (default: the record now).
-
-        A block can change hands between the moment a problem is seen and the report (another
-        process allocates a block this one just freed): callers that see it inside a
-        transaction pass the record they saw there.
-        """
-        r = self.pool.view.blocks[block].copy() if rec is None else rec
+    def block_finding(self, kind: str, block: int, message: str) -> Finding | None:
+        """Report a finding about one block; owner, request and site from its record now."""
+        r = self.pool.view.blocks[block].copy()
         req = bytes(r["request"]).decode(errors="replace") or None
         f = Finding(
-            kind,
-            message,
-            block=int(block),
-            owner_pid=int(r["owner_pid"]) or None,
-            request=req,
-            extra=dict(extra),
+            kind, message, block=int(block), owner_pid=int(r["owner_pid"]) or None, request=req
         )
         return f if self.report(f, rec=r) else None
 
@@ -130,13 +120,17 @@ class PoolProbes:
         self.pool.deliver_findings()
 
     def verify(self) -> list[Finding]:
-        """Header magic, version and checksum against the bytes seen at attach (cheap); with
-        the leaks probe, block conservation too; in guard mode, every block's canary."""
-        self.writes.settle(wait=True)
-        return self._once(lambda: self._verify() + self.scan_canaries())
+        """pool.verify(): the core's check at once (csrc/entry.c N_verify: the header against
+        the bytes seen at attach and its checksum; with the leaks probe, block conservation; in
+        guard mode, a CPU pool's canaries), which reports what it finds itself; a CUDA pool's
+        canaries scanned here. The findings reported in this call; none from inside a
+        callback of one (no recursion)."""
+        self.settle(wait=True)
+        return self._once(self._verify)
 
     def scan_canaries(self) -> list[Finding]:
-        """Guard mode: every block's guard slot (pool.verify()); findings reported."""
+        """Guard mode: every block's guard slot, where the core does not map the K/V (a CUDA
+        pool's: pool.verify(); the core scans a CPU pool's itself); findings reported."""
         if not self.flags.guard:
             return []
         bad = [
@@ -158,61 +152,11 @@ class PoolProbes:
             self.verifying = False
 
     def _verify(self) -> list[Finding]:
-        view = self.pool.view
-        now = view.raw[:HEADER_CHECKSUM_BYTES].tobytes()
-        if now == self.header_bytes and header_checksum(view.raw) == int(view.h["checksum"]):
-            return self.conservation() if self.flags.leaks else []
-        diff = (
-            next(i for i in range(len(now)) if now[i] != self.header_bytes[i])
-            if now != self.header_bytes
-            else -1
-        )
-        field = _field_at(diff)
-        found = now[diff : diff + 8].hex() if diff >= 0 else "?"
-        want = self.header_bytes[diff : diff + 8].hex() if diff >= 0 else "?"
-        f = Finding(
-            FindingKind.HEADER_CORRUPT,
-            f"segment header changed at byte {diff} ({field}): found {found}, expected {want}; "
-            "something outside the allocator wrote into the pool's metadata",
-            extra={"offset": diff, "field": field, "found": found, "expected": want},
-        )
-        if self.recorder is not None:
-            f.events = recent_events(view, 8)
-        self.report(f)
-        return [f]
-
-    # -- leaks -----------------------------------------------------------------------------------
-
-    def conservation(self) -> list[Finding]:
-        """Under the free lock: the ring holds exactly the free blocks, and this process's
-        local cache exactly its LOCAL blocks (free + cached + allocated + local == total), as
-        the core counts them (csrc/probes.c conservation; the counts are the core's,
-        free_counts, which takes the lock and recovers a dead holder of it). Nothing inside a
-        callback of the pool's operation that holds a lock ordered after it."""
         pool = self.pool
-        counts = pool.core.free_counts()
+        at, scanned = pool.core.verify(pool)
+        found = ring_findings(pool.view, at)
         pool.deliver_findings()
-        if counts is None:
-            return []
-        free, ring, mine, local = counts
-        out = []
-        if free != ring:
-            out.append(
-                Finding(
-                    FindingKind.FREE_LIST_CORRUPT,
-                    f"{free} blocks are free but the free ring holds {ring}: blocks were lost or freed twice",
-                )
-            )
-        if mine != local:
-            out.append(
-                Finding(
-                    FindingKind.FREE_LIST_CORRUPT,
-                    f"this process has {mine} LOCAL blocks but its local cache lists {local}",
-                )
-            )
-        for f in out:
-            self.report(f)
-        return out
+        return found if scanned else found + self.scan_canaries()
 
 
 def ring_findings(view, positions: list[int]) -> list[Finding]:
@@ -229,6 +173,7 @@ def ring_findings(view, positions: list[int]) -> list[Finding]:
         at = f.extra.pop("time_ns")
         if f.kind == FindingKind.HEADER_CORRUPT:
             f.events = _events_before(view, at)
+            f.extra.update(_header_change(f.message))
         elif f.kind == FindingKind.LOCK_DEAD_HOLDER:
             # the lock, as its message names it (csrc/recovery.c)
             f.extra["lock"] = f.message.partition("pool lock '")[2].partition("'")[0]
@@ -258,11 +203,16 @@ def _events_before(view, at_ns: int, block: int | None = None) -> list[dict]:
     return got[-8:]
 
 
-def _field_at(offset: int) -> str:
-    from kvscope.allocator.layout import HEADER_DTYPE
+_HEADER_CHANGE = re.compile(
+    r"changed at byte (-?\d+) \((\w+|\?)\): found (\w+|\?), expected (\w+|\?)"
+)
 
-    for name in HEADER_DTYPE.names:
-        dt, off = HEADER_DTYPE.fields[name][:2]
-        if off <= offset < off + dt.itemsize:
-            return name
-    return "?"
+
+def _header_change(message: str) -> dict:
+    """What a header_corrupt's message (csrc/probes.c header_changed) names: the first byte
+    that differs, its field, 8 bytes found and expected from there (-1, "?": only the checksum
+    differs)."""
+    m = _HEADER_CHANGE.search(message)
+    if m is None:
+        return {}
+    return {"offset": int(m[1]), "field": m[2], "found": m[3], "expected": m[4]}

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 _START_CACHE: dict[int, int] = {}
 
 
-def start_time(pid: int) -> int:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); 0 if gone."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat from the third (the state letter) on; None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return 0
+        return None
     # The command name may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); 0 if gone."""
+    fields = _stat(pid)
+    return 0 if fields is None else int(fields[19])
 
 
 def my_identity() -> tuple[int, int]:
@@ -31,15 +35,8 @@ def my_identity() -> tuple[int, int]:
 
 def is_alive(pid: int, start: int) -> bool:
     """True while the process that had this pid and start time still runs (zombies count as dead)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    if fields[0] == b"Z":
+    fields = _stat(pid) if pid > 0 else None
+    if fields is None or fields[0] == b"Z":
         return False
     return start == 0 or int(fields[19]) == start
 
@@ -59,20 +56,12 @@ _STATES = {
 
 def process_state(pid: int) -> str:
     """What a process is doing now (`running`, `sleeping`, `stopped`, ...); '' if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
+    fields = _stat(pid)
+    if fields is None:
         return ""
-    letter = stat[stat.rindex(b")") + 2 :].split()[0]
-    return _STATES.get(letter, letter.decode(errors="replace"))
+    return _STATES.get(fields[0], fields[0].decode(errors="replace"))
 
 
 def now_ns() -> int:
     """Wall-clock time in nanoseconds (comparable across processes)."""
     return time.time_ns()
-
-
-def thread_id() -> int:
-    """Native id of the calling thread."""
-    return threading.get_native_id()

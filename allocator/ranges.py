@@ -136,7 +136,7 @@ def repair_blocker(view: SegmentView, alive: Alive = is_alive) -> str | None:
     to counters and takes every lock: an id outside the pool, a lock naming a client record
     that does not exist, or a counter no allocator reaches means the segment was damaged and
     the repair would act on garbage. (A dead process's journal that cannot be trusted is not a
-    blocker: the repair skips it and says so, `journal.problem`.)
+    blocker: the repair skips it and says so, csrc/recovery.c journal_problem.)
     """
     n = view.layout.num_blocks
     rh = view.ring_header[0]

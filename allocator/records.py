@@ -26,6 +26,8 @@ EVICT_BATCH = 32
 # Eviction candidates one pool scan remembers for the next evictions, in the segment's LRU
 # list (every process takes from it; only when the cache holds over twice as many).
 LRU_KEEP = 4096
+# Sequence ids a process takes at once from the header's counter (under the seqs lock).
+SEQ_ID_BATCH = 256
 
 
 class BlockState(enum.IntEnum):
@@ -59,10 +61,32 @@ COUNTER_FIELDS = (
     "prefix_queries",
     "prefix_hits",
     "num_forks",
+    # PoolExhausted raised: the core counts each where it raises it (csrc/preempt.c)
+    "num_exhausted",
 )
 
 # A field: (name, numpy type string) or (name, type, shape).
 Field = tuple
+
+# The pool's last PoolExhausted, at the end of the segment header (after `op_seq`;
+# docs/FORMAT.md section 1): the C core writes it under the free lock as it raises one, from the
+# pool as the failed operation's rollback left it (csrc/preempt.c exhausted_note). A take draws on
+# its own process's local cache and the shared free ring; blocks in other processes' local
+# caches it cannot reach ("memory still free"), so the three are kept apart.
+EXHAUSTION_FIELDS: list[Field] = [
+    # wall-clock time of the raise (0: none recorded; cleared first and stored last)
+    ("exhausted_ns", "<u8"),
+    ("exhausted_pid", "<i4"),
+    # the blocks the take needed
+    ("exhausted_need", "<u4"),
+    # free blocks in the shared free ring (quarantined ones included)
+    ("exhausted_free", "<u4"),
+    # free blocks in the raising process's own local cache (fewer than it needed)
+    ("exhausted_own", "<u4"),
+    # free blocks in the local caches of the other attached processes
+    ("exhausted_local", "<u4"),
+    ("exhausted_pad", "<u4"),
+]
 
 
 def block_fields(block_size: int) -> list[Field]:
@@ -401,6 +425,127 @@ JOURNAL_ENTRY_FIELDS: list[Field] = [
     ("op", "<u8"),
 ]
 
+# -- the segment header, the client records, findings, lock-order edges, sites -----------------
+FINDINGS_CAPACITY = 256
+LOCKGRAPH_CAPACITY = 256
+NUM_SITES = 1024
+
+
+class ClientState(enum.IntEnum):
+    """State of a client (attached process) record."""
+
+    EMPTY = 0
+    ATTACHED = 1
+    DETACHED = 2
+
+
+# The header's fields before `checksum`, which covers them (checksums.HEADER_CHECKSUM_BYTES):
+# written once, at creation.
+HEADER_IMMUTABLE: list[Field] = [
+    ("magic", "<u8"),
+    ("version", "<u4"),
+    ("header_size", "<u4"),
+    ("num_blocks", "<u4"),
+    ("block_size", "<u4"),
+    ("slots_per_block", "<u4"),
+    ("num_layers", "<u4"),
+    ("num_kv_heads", "<u4"),
+    ("head_dim", "<u4"),
+    ("dtype", "S16"),
+    ("device", "S16"),
+    ("flags", "<u4"),
+    ("max_seqs", "<u4"),
+    ("max_blocks_per_seq", "<u4"),
+    ("max_clients", "<u4"),
+    ("num_shards", "<u4"),
+    ("index_capacity", "<u4"),
+    ("num_locks", "<u4"),
+    ("event_capacity", "<u4"),
+    ("local_cache_size", "<u4"),
+    ("quarantine", "<u4"),
+    ("creator_pid", "<i4"),
+    ("creator_start", "<u8"),
+    ("created_ns", "<u8"),
+    ("name", "S64"),
+    ("off_blocks", "<u8"),
+    ("off_ring", "<u8"),
+    ("off_index", "<u8"),
+    ("off_seqs", "<u8"),
+    ("off_sites", "<u8"),
+    ("off_locks", "<u8"),
+    ("off_clients", "<u8"),
+    ("off_events", "<u8"),
+    ("off_lockgraph", "<u8"),
+    ("off_findings", "<u8"),
+    ("off_lru", "<u8"),
+    ("off_leases", "<u8"),
+    ("off_provenance", "<u8"),
+    ("segment_size", "<u8"),
+    ("data_bytes", "<u8"),
+]
+HEADER_FIELDS: list[Field] = [
+    *HEADER_IMMUTABLE,
+    ("checksum", "<u8"),
+    ("cuda_ipc_len", "<u4"),
+    ("cuda_ipc", "S1024"),
+    ("num_sites_used", "<u4"),
+    ("findings_head", "<u8"),
+    ("lockgraph_used", "<u4"),
+    ("next_seq_id", "<u8"),
+    ("refcount_peak", "<u4"),
+    # the totals of clients that detached or were reclaimed
+    *[(name, "<u8") for name in COUNTER_FIELDS],
+    # The operation log's global sequence number: the last one taken (docs/REPLAY.md; the C
+    # core's atomic add, by every process recording).
+    ("op_seq_pad", "<u4"),
+    ("op_seq", "<u8"),
+    # The pool's last PoolExhausted, written by the C core.
+    *EXHAUSTION_FIELDS,
+]
+CLIENT_FIELDS: list[Field] = [
+    ("state", "u1"),
+    ("pad", "u1", (3,)),
+    ("pid", "<i4"),
+    ("start", "<u8"),
+    ("attached_ns", "<u8"),
+    ("seq", "<u8"),
+    # the operation running now: where the core publishes the locks it waits for (waits.py)
+    ("op", "<u8"),
+    ("local_count", "<u4"),
+    ("journal_count", "<u4"),
+    ("journal_used", "<u4"),
+    ("event_count", "<u4"),
+    ("event_head", "<u8"),
+    ("local", "<i4", (LOCAL_CACHE_MAX,)),
+    # the counters, one block of u8s in COUNTER_FIELDS order (the core indexes them)
+    *[(name, "<u8") for name in COUNTER_FIELDS],
+    ("journal", JOURNAL_ENTRY_FIELDS, (JOURNAL_ENTRIES,)),
+    ("journal_data", "u1", (JOURNAL_BYTES,)),
+]
+LOCKGRAPH_FIELDS: list[Field] = [
+    ("src", "S16"),
+    ("dst", "S16"),
+    ("pid", "<i4"),
+    ("pad", "<u4"),
+    ("site", "S120"),
+]
+FINDING_FIELDS: list[Field] = [
+    ("time_ns", "<u8"),
+    ("kind", "S24"),
+    ("severity", "u1"),
+    # 1 once `kvscope check --repair` answered it (KVPool.clear_repaired); readers skip it.
+    ("repaired", "u1"),
+    ("pad", "u1", (2,)),
+    ("block", "<i4"),
+    ("owner_pid", "<i4"),
+    # The allocation site of the block as the finding saw it, site id + 1 (0: none): the
+    # block may have been handed out again since (a write after free found at its reuse).
+    ("site", "<u4"),
+    ("request", f"S{REQUEST_BYTES}"),
+    ("message", "S200"),
+]
+SITE_FIELDS: list[Field] = [("text", "S120"), ("hits", "<u8")]
+
 # -- the C core's names -------------------------------------------------------------------------
 
 # C macro prefix -> (record, the last field named): a record's fields up to that one get
@@ -423,6 +568,11 @@ C_RECORDS = {
     "LS_": ("lease", "blocks"),
     "PV_": ("provenance", "kv_hash"),
     "OC_": ("oplog_chunk", "flags"),
+    "HDR_": ("header", "exhausted_pad"),
+    "CF_": ("client", "journal_data"),
+    "FD_": ("finding", "message"),
+    "LG_": ("lockgraph", "site"),
+    "SR_": ("site", "hits"),
 }
 # Shorter names the C core uses for some fields (the systematic ones are defined too).
 C_ALIASES = {
@@ -433,6 +583,9 @@ C_ALIASES = {
     "LF_HOLD": ("lock", "hold_ns"),
     "LF_MAX_HOLD": ("lock", "max_hold_ns"),
     "EV_TIME": ("event", "time_ns"),
+    # the counters: one block of u8s in COUNTER_FIELDS order, in the header and each client
+    "HDR_COUNTERS": ("header", COUNTER_FIELDS[0]),
+    "CF_COUNTERS": ("client", COUNTER_FIELDS[0]),
 }
 # C macro -> the record whose whole size it is.
 C_SIZES = {
@@ -450,6 +603,18 @@ C_SIZES = {
     "LEASE_COUNTS": "lease_header",  # the per-block lease counts follow its header
     "PROVENANCE": "provenance",
     "OPLOG_CHUNK": "oplog_chunk",
+    "HEADER_SIZE": "header",
+    "CLIENT_SIZE": "client",
+    "FINDING_SIZE": "finding",
+    "LOCKGRAPH_SIZE": "lockgraph",
+    "SITE_SIZE": "site",
+}
+# C macro -> (record, field) whose bytes it is (the text fields the core fills).
+C_FIELD_SIZES = {
+    "FD_KIND_BYTES": ("finding", "kind"),
+    "FD_MESSAGE_BYTES": ("finding", "message"),
+    "LG_SITE_BYTES": ("lockgraph", "site"),
+    "SR_TEXT_BYTES": ("site", "text"),
 }
 
 
@@ -473,6 +638,11 @@ def record_fields(record: str) -> list[Field]:
         "lease": lambda: lease_fields(2),
         "provenance": lambda: PROVENANCE_FIELDS,
         "oplog_chunk": lambda: OPLOG_CHUNK_FIELDS,
+        "header": lambda: HEADER_FIELDS,
+        "client": lambda: CLIENT_FIELDS,
+        "finding": lambda: FINDING_FIELDS,
+        "lockgraph": lambda: LOCKGRAPH_FIELDS,
+        "site": lambda: SITE_FIELDS,
     }[record]()
 
 
@@ -489,6 +659,7 @@ def c_values() -> dict[str, int]:
         "CHUNK": CHUNK,
         "EVICT_BATCH": EVICT_BATCH,
         "LRU_KEEP": LRU_KEEP,
+        "SEQ_ID_BATCH": SEQ_ID_BATCH,
         "NUM_COUNTERS": len(COUNTER_FIELDS),
         "LOCK_MUTEX_BYTES": LOCK_MUTEX_BYTES,
         "OPLOG_MAGIC": OPLOG_MAGIC,
@@ -496,6 +667,11 @@ def c_values() -> dict[str, int]:
         "OPLOG_FAULT": OPLOG_FAULT,
         "OPLOG_REDACTED": OPLOG_REDACTED,
         "OPLOG_ANSWER": OPLOG_ANSWER,
+        "JOURNAL_ENTRIES": JOURNAL_ENTRIES,
+        "JOURNAL_BYTES": JOURNAL_BYTES,
+        "FINDINGS_CAPACITY": FINDINGS_CAPACITY,
+        "LOCKGRAPH_CAPACITY": LOCKGRAPH_CAPACITY,
+        "NUM_SITES": NUM_SITES,
     }
     out.update({f"OP_{o.name}": int(o) for o in OpCode})
     out.update({f"OS_{o.name}": int(o) for o in OpStatus})
@@ -503,6 +679,7 @@ def c_values() -> dict[str, int]:
     out.update({f"S_{s.name}": int(s) for s in SeqState})
     out.update({f"L_{s.name}": int(s) for s in LeaseState})
     out.update({f"LM_{s.name}": int(s) for s in LeaseMode})
+    out.update({f"CL_{s.name}": int(s) for s in ClientState})
     out.update({_counter_name(f): i for i, f in enumerate(COUNTER_FIELDS)})
     return out
 
@@ -525,7 +702,10 @@ _ITEM = {"u1": 1, "<u2": 2, "<u4": 4, "<i4": 4, "<u8": 8, "<i8": 8}
 def _itemsize(f: Field) -> int:
     """Bytes of one packed field (numpy's unaligned structured layout)."""
     kind = f[1]
-    size = int(kind[1:]) if kind.startswith("S") else _ITEM[kind]
+    if isinstance(kind, list):  # a record within the record
+        size = packed_offsets(kind)[""]
+    else:
+        size = int(kind[1:]) if kind.startswith("S") else _ITEM[kind]
     for n in f[2] if len(f) > 2 else ():
         size *= n
     return size
@@ -548,11 +728,15 @@ def c_constants() -> dict[str, int]:
         out[name] = packed_offsets(record_fields(record))[field]
     for name, record in C_SIZES.items():
         out[name] = packed_offsets(record_fields(record))[""]
+    for name, (record, field) in C_FIELD_SIZES.items():
+        f = next(f for f in record_fields(record) if f[0] == field)
+        out[name] = _itemsize(f)
     return out
 
 
 def c_header() -> str:
-    """allocator/csrc/layout.h: the constants as macros, and the table `_native.LAYOUT` exports."""
+    """allocator/csrc/layout.h: the constants as macros, the table `_native.LAYOUT` exports, and
+    the header's checked fields (the magic probe names the one a change hit)."""
     consts = c_constants()
     lines = [
         "/* Generated by setup.py from allocator/records.py: do not edit (edit records.py). */",
@@ -568,6 +752,10 @@ def c_header() -> str:
     lines.append("static const struct { const char *name; long long value; } KV_LAYOUT[] = {")
     lines += [f'    {{"{k}", {k}}},' for k in consts]
     lines += [
+        "};",
+        "/* The header's checked fields (HEADER_IMMUTABLE): the one a header_corrupt names. */",
+        "static const struct { const char *name; int off, size; } HEADER_CHECKED[] = {",
+        *[f'    {{"{f[0]}", HDR_{f[0].upper()}, {_itemsize(f)}}},' for f in HEADER_IMMUTABLE],
         "};",
         "/* _native.LAYOUT: name -> value, what this build was compiled with. */",
         "static PyObject *layout_dict(void) {",

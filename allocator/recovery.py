@@ -48,17 +48,12 @@ def find_dead(view: SegmentView, me: int = -1) -> list[DeadClient]:
     return out
 
 
-def dead_clients(view: SegmentView, me: int = -1) -> list[int]:
-    """Client records still marked attached whose process is gone."""
-    return [d.client for d in find_dead(view, me)]
-
-
 def dead_owners(view: SegmentView) -> list[dict[str, Any]]:
     """For each dead client: pid, its live sequences and the blocks it holds."""
     out = []
     b = view.blocks
     seqs = view.seqs
-    for c in dead_clients(view):
+    for c in (d.client for d in find_dead(view)):
         mine = np.flatnonzero((seqs["owner_client"] == c) & (seqs["state"] != SeqState.EMPTY))
         held = np.flatnonzero(
             (b["owner_client"] == c)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvscope.allocator.records import SEQ_ID_BATCH  # noqa: F401 - (replay.py reads it here)
+
 
 @dataclass(eq=False, slots=True)
 class Sequence:
@@ -50,8 +52,6 @@ class Sequence:
         )
 
 
-# Sequence ids a process takes at once from the header's counter (under the seqs lock).
-SEQ_ID_BATCH = 256
 SLOT_BATCH_MAX = 64
 
 

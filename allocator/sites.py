@@ -3,7 +3,8 @@
 With KVSCOPE_STACK_DEPTH=N (N > 1) a site is the stack of up to N frames outside kvscope, from
 the allocation outward: each frame is interned as its own entry (as at depth 1), and the stack
 as one more entry whose text is `stack: ID ID ...` (the frames' ids), interned once per distinct
-stack. A block's `site` names the stack entry; `site_frames` reads it back.
+stack. The C core composes and interns them (csrc/probes.c, frames outside KVSCOPE_DIRS, as
+`frame_text` writes one); a block's `site` names the stack entry; `site_frames` reads it back.
 """
 
 from __future__ import annotations
@@ -12,12 +13,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from kvscope.allocator.layout import SITE_DTYPE
-
 if TYPE_CHECKING:
     from types import FrameType
-
-    from kvscope.allocator.handle import PoolHandle
 
 KVSCOPE_DIRS = _KVSCOPE_DIRS = tuple(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
@@ -27,7 +24,6 @@ _SKIP = ("<frozen runpy>", "<frozen importlib", "/runpy.py")
 STACK_PREFIX = b"stack: "
 # Frame ids of up to 4 digits: a stack entry of 16 frames fits the site text (120 bytes).
 MAX_STACK_DEPTH = 16
-SITE_TEXT_BYTES = SITE_DTYPE["text"].itemsize
 
 
 def stack_depth(environ: dict[str, str] | None = None) -> int:
@@ -62,78 +58,27 @@ def caller_site() -> str:
     return "<kvscope>"
 
 
-class SiteTable:
-    """This process's view of the segment's site table: text -> id, interned once per process."""
+# The most characters of a store's line with its callers (csrc/stores.c STORE_SITE_CHARS).
+STORE_SITE_CHARS = 100
 
-    def __init__(self, pool: PoolHandle, depth: int | None = None):
-        self.pool = pool
-        self.cache: dict[tuple[str, int, str], int] = {}
-        self.stacks: dict[tuple[int, ...], int] = {}
-        self.outside: dict[int, bool] = {}
-        self.codes: list[object] = []
-        self.depth = stack_depth() if depth is None else depth
 
-    def site(self) -> int:
-        """The id of the calling site (interning it on first sight)."""
-        f: FrameType | None = sys._getframe(1)
-        while f is not None and f.f_code.co_filename.startswith(_KVSCOPE_DIRS):
-            f = f.f_back
-        if f is None:
-            return -1
-        if self.depth > 1:
-            return self._stack(f)
-        key = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
-        sid = self.cache.get(key)
-        if sid is None:
-            sid = self.cache[key] = self._intern(caller_site())
-        return sid
-
-    def _stack(self, f: FrameType) -> int:
-        """The id of the stack from `f` outward: up to `depth` frames, up to the first frame of
-        kvscope or of runpy (the bootstrap that started the script)."""
-        outside = self.outside
-        key: list[int] = []
-        frames: list[FrameType] = []
-        g: FrameType | None = f
-        while g is not None and len(frames) < self.depth:
-            code = g.f_code
-            # Whether a code object is outside kvscope, by its id: a dict lookup per frame
-            # instead of two string tests (the code objects are kept alive: ids stay theirs).
-            out = outside.get(id(code))
-            if out is None:
-                out = outside[id(code)] = _outside(g)
-                self.codes.append(code)
-            if out:
-                frames.append(g)
-                key += (id(code), g.f_lineno)
-            elif frames:
-                break
-            g = g.f_back
-        if not frames:
-            return -1
-        sid = self.stacks.get(tuple(key))
-        if sid is None:
-            sid = self.stacks[tuple(key)] = self._intern_stack(frames)
-        return sid
-
-    def _intern_stack(self, frames: list[FrameType]) -> int:
-        ids = []
-        for fr in frames:
-            key = (fr.f_code.co_filename, fr.f_lineno, fr.f_code.co_name)
-            fid = self.cache.get(key)
-            if fid is None:
-                fid = self.cache[key] = self._intern(frame_text(fr))
-            ids.append(fid)
-        if len(ids) == 1 or min(ids) < 0:
-            # One frame, or a full table: the allocation frame alone.
-            return ids[0]
-        stack = self._intern((STACK_PREFIX + " ".join(map(str, ids)).encode()).decode())
-        return stack if stack >= 0 else ids[0]
-
-    def _intern(self, text: str) -> int:
-        """The site table's id of `text`, added when new (-1: the table is full): the C core
-        writes it, under the sites lock (waited for there, a dead holder of it recovered)."""
-        return self.pool.core.intern_site(text.encode()[:SITE_TEXT_BYTES])
+def caller_stack(depth: int) -> str:
+    """caller_site, and with depth > 1 its callers outside kvscope up to `depth` frames,
+    `frame <- caller <- ...` while they fit in STORE_SITE_CHARS (the first frame whatever its
+    length): the line a store check names (csrc/stores.c store_site)."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and not _outside(f):
+        f = f.f_back
+    frames: list[str] = []
+    size = -4
+    while f is not None and len(frames) < depth and _outside(f):
+        text = frame_text(f)
+        size += 4 + len(text)
+        if frames and size > STORE_SITE_CHARS:
+            break  # (the findings ring keeps 200 bytes of a message: room for the rest)
+        frames.append(text)
+        f = f.f_back
+    return " <- ".join(frames) or "<kvscope>"
 
 
 def _raw(view, site: int) -> bytes | None:

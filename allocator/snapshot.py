@@ -21,9 +21,49 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvscope.allocator import journal
-from kvscope.allocator.layout import ClientState, SegmentView, block_checksums, block_words
+from kvscope.allocator.layout import (
+    HEADER_CHECKSUM_BYTES,
+    JOURNAL_BYTES,
+    JOURNAL_ENTRIES,
+    ClientState,
+    SegmentView,
+    block_checksums,
+    block_words,
+)
 from kvscope.allocator.process import is_alive
+
+# The header's immutable fields and their checksum: no operation ever journals them.
+HEADER_SEALED_BYTES = HEADER_CHECKSUM_BYTES + 8
+
+
+def journal_problem(view: SegmentView, client: int) -> str | None:
+    """Why client `client`'s journal cannot be rolled back safely (a count past its capacity,
+    an entry outside the segment or over the sealed header, saved bytes past its data), or
+    None (csrc/recovery.c journal_problem is the core's twin)."""
+    cl = view.clients
+    n, used = int(cl["journal_count"][client]), int(cl["journal_used"][client])
+    if n > JOURNAL_ENTRIES:
+        return f"it claims {n} entries, it holds at most {JOURNAL_ENTRIES}"
+    if used > JOURNAL_BYTES:
+        return f"it claims {used} saved bytes, it holds at most {JOURNAL_BYTES}"
+    ents = cl["journal"][client][:n]
+    offs = ents["offset"].tolist()
+    lens = ents["length"].tolist()
+    data = ents["data_off"].tolist()
+    size = len(view.raw)
+    for i in range(n):
+        off, length, d = offs[i], lens[i], data[i]
+        if off + length > size:
+            return (
+                f"entry {i} restores bytes [{off}, {off + length}) outside the {size}-byte segment"
+            )
+        if off < HEADER_SEALED_BYTES:
+            return f"entry {i} restores bytes at {off}, inside the sealed header"
+        if d + length > used:
+            return (
+                f"entry {i}'s saved bytes [{d}, {d + length}) run past the journal's {used} bytes"
+            )
+    return None
 
 
 class Seqlock:
@@ -133,7 +173,7 @@ class Seqlock:
         next operation (which changes its counter, and the copy is taken again).
         """
         cl = self.view.clients
-        if journal.problem(self.view, c) is not None:
+        if journal_problem(self.view, c) is not None:
             # Recovery will not apply a journal it cannot trust (its writes stand): nor does this.
             return
         n = min(max(int(cl["journal_count"][c]), count_before), len(cl["journal"][c]))

@@ -45,4 +45,23 @@ def pool_stats(view: SegmentView, blocks: Any = None) -> dict[str, Any]:
     out["internal_fragmentation"] = 1 - out["tokens_stored"] / held if held else 0.0
     q = out["prefix_queries"]
     out["prefix_hit_rate"] = out["prefix_hits"] / q if q else 0.0
+    out["last_exhausted"] = last_exhaustion(view)
     return out
+
+
+def last_exhaustion(view: SegmentView) -> dict[str, int] | None:
+    """The pool's last PoolExhausted as the C core recorded it in the header (records.py
+    EXHAUSTION_FIELDS): when, which process, the blocks the take needed, and the free blocks
+    then in the shared free ring, in that process's own local cache and in the other processes'
+    local caches (which it cannot take). None when none was recorded."""
+    h = view.h
+    if not int(h["exhausted_ns"]):
+        return None
+    return {
+        "time_ns": int(h["exhausted_ns"]),
+        "pid": int(h["exhausted_pid"]),
+        "needed": int(h["exhausted_need"]),
+        "free_list": int(h["exhausted_free"]),
+        "own_cache": int(h["exhausted_own"]),
+        "other_caches": int(h["exhausted_local"]),
+    }

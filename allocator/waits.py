@@ -9,11 +9,6 @@ the other way round to make one).
 
 from __future__ import annotations
 
-from kvscope.allocator.layout import CLIENT_DTYPE
-
-# Offset of the published wait in a client record (the record's `op` field).
-WAIT_AT = CLIENT_DTYPE.fields["op"][1]
-
 
 def wait_word(first: int, last: int) -> int:
     """The published wait for locks first..last (0 means not waiting)."""

@@ -74,31 +74,6 @@ def stacks(n: int, reps: int) -> None:
         print(f"| {name} | {r:,.0f} | {r / base - 1:+.1%} | {r / off - 1:+.1%} | {sites[name]} |")
 
 
-def site_call_cost(reps: int) -> None:
-    """What one `site()` costs (min of runs: the noise of a busy machine only adds)."""
-    print("\n| sites | one site() call (µs, min of runs) |")
-    print("|---|---:|")
-    for depth in ("1", "8"):
-        os.environ["KVSCOPE_STACK_DEPTH"] = depth
-        pool = make({"KVSCOPE_OWNERSHIP": "1"})
-        os.environ.pop("KVSCOPE_STACK_DEPTH", None)
-        try:
-            site = pool.probe.sites.site
-            n = 20_000
-
-            def calls(site=site, n=n) -> float:
-                t = time.perf_counter()
-                for _ in range(n):
-                    site()
-                return (time.perf_counter() - t) / n
-
-            best = min(deep(10, calls) for _ in range(max(5, reps * 2)))
-            print(f"| KVSCOPE_STACK_DEPTH={depth} | {best * 1e6:.2f} |")
-        finally:
-            pool.close()
-            pool.unlink()
-
-
 def _pool(num_blocks: int) -> KVPool:
     for k in ("KVSCOPE_OWNERSHIP", "KVSCOPE_EVENTS", "KVSCOPE_GUARD", "KVSCOPE_LEAKS"):
         os.environ[k] = "0"
@@ -220,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     gc.disable()
     stacks(n, reps)
-    site_call_cost(reps)
     sample_cost(reps)
     gc.enable()
     throughput(args.phase_s, 3 if args.quick else args.rounds)

@@ -4,6 +4,8 @@ v1 BlockPool, the same workloads in the same run.
     python bench/bench_pool.py --nano-vllm DIR --vllm DIR   # all three, 10-20 minutes
     python bench/bench_pool.py --quick                      # kvscope alone, small: a smoke test
     python bench/bench_pool.py --procs --repeat 5           # 1 and 4 processes in turn, 5 rounds
+    perf stat -e task-clock,context-switches python bench/bench_pool.py --once 4
+                                # the sequence workload once, in 4 processes: for a profiler
 
 The peers are not part of kvscope; each is installed for the run and driven through its own
 methods (bench/peer_nanovllm.py and bench/peer_vllm.py say how, and which calls stand for
@@ -166,6 +168,8 @@ def seqs_multi(
     num_blocks: int,
     cpu: list[float] | None = None,
     lru: list[tuple[int, int]] | None = None,
+    switches: list[tuple[int, int]] | None = None,
+    locks: dict[str, tuple[int, int, int, int]] | None = None,
 ) -> float:
     """Aggregate sequences/s of num_procs processes sharing one pool, from the start signal to
     the last process's end of its share (its close and exit are not timed, as the one-process
@@ -173,8 +177,10 @@ def seqs_multi(
     forked child's first writes to its parent's objects (their reference counts) would copy the
     pages they lie on inside the timed part, which the one-process figure does not pay. The
     CPU seconds (user + system) the processes used in the timed part are appended to `cpu` when
-    given, and the pool's LRU-list counters (evictions that scanned the block records,
-    evictions served from the list) to `lru`."""
+    given, the pool's LRU-list counters (evictions that scanned the block records,
+    evictions served from the list) to `lru`, and the processes' voluntary and involuntary
+    context switches in the timed part (all of them together) to `switches`; `locks` gets
+    each lock the run took: acquisitions, contended ones, wait and hold ns (its record)."""
     pool = new_pool(num_blocks)
     ready_r, ready_w = os.pipe()
     start_r, start_w = os.pipe()
@@ -194,7 +200,8 @@ def seqs_multi(
             mine.seqs(own, DECODE, RUNNING // num_procs)
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             used = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-            os.write(done_w, _DONE.pack(used))
+            vol, invol = r1.ru_nvcsw - r0.ru_nvcsw, r1.ru_nivcsw - r0.ru_nivcsw
+            os.write(done_w, _DONE.pack(used, vol, invol))
             mine.pool.close()
             os._exit(0)
         pids.append(pid)
@@ -209,8 +216,18 @@ def seqs_multi(
         os.waitpid(p, 0)
     for fd in (ready_r, start_w, done_r):
         os.close(fd)
+    each = list(_DONE.iter_unpack(done))
     if cpu is not None:
-        cpu.append(sum(u for (u,) in _DONE.iter_unpack(done)))
+        cpu.append(sum(u for u, _, _ in each))
+    if switches is not None:
+        switches.append((sum(v for _, v, _ in each), sum(i for _, _, i in each)))
+    if locks is not None:
+        t = pool.locks
+        for i, name in enumerate(t.names):
+            if t.num_acquires[i]:
+                locks[name] = tuple(
+                    int(col[i]) for col in (t.num_acquires, t.num_contended, t.wait_ns, t.hold_ns)
+                )
     if lru is not None:
         h = pool.view.lru_header[0]
         lru.append((int(h["scans"]), int(h["takes"])))
@@ -219,7 +236,7 @@ def seqs_multi(
     return rate
 
 
-_DONE = struct.Struct("d")
+_DONE = struct.Struct("dqq")
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -314,7 +331,8 @@ def procs_rounds(nseq: int, rounds: int) -> int:
         if cores:
             os.sched_setaffinity(0, set(cores))
         lru: list[tuple[int, int]] = []
-        multi = seqs_multi(4, prompts, NUM_BLOCKS, multi_cpu, lru)
+        sw: list[tuple[int, int]] = []
+        multi = seqs_multi(4, prompts, NUM_BLOCKS, multi_cpu, lru, sw)
         loop = loop_rate(4, LOOP) / loop_one
         load = os.getloadavg()[0]
         what = "warm-up" if r == 0 else f"round {r}"
@@ -322,7 +340,8 @@ def procs_rounds(nseq: int, rounds: int) -> int:
             f"{what}: 1 process {one:,.0f}, 4 processes {multi:,.0f} seqs/s, "
             f"{multi / one:.2f}x (a Python loop {loop:.2f}x); CPU {one_cpu[-1]:.2f} s, "
             f"{multi_cpu[-1]:.2f} s (load average {load:.2f}); 4 processes' evictions: "
-            f"{lru[0][0]} scans, {lru[0][1]} from the shared LRU list",
+            f"{lru[0][0]} scans, {lru[0][1]} from the shared LRU list; their context switches "
+            f"{sw[0][0]} voluntary, {sw[0][1]} involuntary",
             file=sys.stderr,
         )
         if r == 0:
@@ -351,6 +370,33 @@ def procs_rounds(nseq: int, rounds: int) -> int:
     return 0
 
 
+def once(num_procs: int, nseq: int) -> int:
+    """The sequence workload once, in num_procs processes sharing one pool (forked: one process
+    too), for a profiler run around it (`perf stat`, `perf record -g`, `strace -c -f`): their
+    aggregate seqs/s, CPU seconds and context switches per sequence in the timed part, and
+    each pool lock's acquisitions, contended ones and wait and hold time (the lock records)."""
+    prompts = workload(nseq, 1)
+    gc.collect()
+    gc.disable()
+    cpu: list[float] = []
+    switches: list[tuple[int, int]] = []
+    locks: dict[str, tuple[int, int, int, int]] = {}
+    rate = seqs_multi(num_procs, prompts, NUM_BLOCKS, cpu, None, switches, locks)
+    done = nseq // num_procs * num_procs
+    vol, invol = switches[0]
+    print(
+        f"{num_procs} process(es), {done:,} seqs: {rate:,.0f} seqs/s; CPU {cpu[0]:.3f} s "
+        f"({cpu[0] / done * 1e6:.1f} us a sequence); context switches {vol} voluntary, "
+        f"{invol} involuntary ({(vol + invol) / done:.4f} a sequence); load average "
+        f"{os.getloadavg()[0]:.2f}"
+    )
+    print("| lock | acquisitions | contended | wait, ms | hold, ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (acq, cont, wait, hold) in locks.items():
+        print(f"| {name} | {acq:,} | {cont:,} | {wait / 1e6:.1f} | {hold / 1e6:.1f} |")
+    return 0
+
+
 def fmt(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:,.0f}"
 
@@ -370,7 +416,18 @@ def main(argv: list[str] | None = None) -> int:
         help="kvscope's sequence workload alone: one process and 4 processes taken in turn, "
         "--repeat rounds (each round's pair, ratio and load average on stderr)",
     )
+    ap.add_argument(
+        "--once",
+        type=int,
+        metavar="N",
+        help="the sequence workload once, in N processes sharing one pool (1 too: a forked "
+        "child), for a profiler: CPU and context switches a sequence, the lock records",
+    )
     args = ap.parse_args(argv)
+    if args.once is not None:
+        if args.once < 1:
+            ap.error("--once needs a number of processes of at least 1")
+        return once(args.once, args.seqs)
     if args.procs:
         return procs_rounds(args.seqs, args.repeat)
     scale = 0.1 if args.quick else 1.0

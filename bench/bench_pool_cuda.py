@@ -165,7 +165,7 @@ def main() -> None:
     plain = make(f"bench-cuda-plain-{os.getpid()}", False)
     probed = make(f"bench-cuda-probed-{os.getpid()}", True)
     try:
-        later = probed.probe.writes.later
+        later = probed.probe.later
         assert later is not None, "a CUDA pool's checks are answered later"
         for rnd in range(2):  # the first round warms up
             a = operations(torch, plain, f"p{rnd}-", 1000 * rnd)

@@ -20,6 +20,7 @@ from kvscope.allocator.layout import (
     SeqState,
 )
 from kvscope.allocator.process import is_alive
+from kvscope.allocator.records import REQUEST_BYTES
 from kvscope.allocator.sites import site_frames
 from kvscope.poolsummary import Alive, pool_info, summary
 from kvscope.poolsummary import field_text as _s
@@ -113,11 +114,209 @@ def copied_from(view: SegmentView, blk: int, request: str | None, until: int | N
     return best
 
 
+def preempted_before(view: SegmentView, request: str | None, blk: int, until: int) -> list[int]:
+    """The blocks `request` gave up to its last preemption (its flight-recorder `preempt`
+    events) when block `blk` is one its `resume` took after it (the run of `allocate`,
+    `prefix_hit` and `prefix_miss` events of the request that follows the preemption's, before
+    its next event of another kind): positions the engine writes after the resume. Empty
+    otherwise, or where the recorder no longer holds them."""
+    from kvscope.allocator.events import EventOp
+
+    if not request:
+        return []
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until)]
+    ev = ev[ev["request"] == _key(request)]
+    ev = ev[np.argsort(ev["time_ns"], kind="stable")]
+    ops = ev["op"]
+    preempts = np.flatnonzero(ops == EventOp.PREEMPT)
+    if not len(preempts):
+        return []
+    last = int(preempts[-1])
+    # (the preemption's `free` events follow its `preempt` events; a resume looks its prompt
+    # up, its `prefix_miss` an event of no block, among its takes)
+    begin = last + 1
+    while begin < len(ev) and ops[begin] == EventOp.FREE:
+        begin += 1
+    takes = np.isin(ops, [EventOp.ALLOCATE, EventOp.PREFIX_HIT, EventOp.PREFIX_MISS])
+    end = begin
+    while end < len(ev) and takes[end]:
+        end += 1
+    if blk not in ev["block"][begin:end].tolist():
+        return []
+    first = last  # this preemption's events: the run of preempt events that ends at `last`
+    while first > 0 and ops[first - 1] == EventOp.PREEMPT:
+        first -= 1
+    return list(dict.fromkeys(int(b) for b in ev["block"][first : last + 1]))
+
+
+def reused_while_live(view: SegmentView, request: str | None) -> list[dict[str, Any]]:
+    """The live sequences of `request` (a leak's) whose request id the same process gave to
+    another sequence after it was created (the flight recorder's `allocate` events of that
+    id, whose `arg` is the allocating sequence's id; not for an id with a `fork` event: a
+    fork's child shares its parent's id by design): a request id reused while the old request still held its blocks,
+    as an engine does that keys its requests by id and so loses the old one. Each as
+    {seq_id, created_ns, reused_by (the other sequence ids, first 4), reused_ns (the first
+    such allocation)}; empty when the recorder holds none."""
+    from kvscope.allocator.events import EventOp
+
+    if not request:
+        return []
+    key = _key(request)
+    seqs = view.seqs
+    live = np.flatnonzero((seqs["state"] != SeqState.EMPTY) & (seqs["request"] == key))
+    if not len(live):
+        return []
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["request"] == key)]
+    if (ev["op"] == EventOp.FORK).any():
+        return []  # (a fork's event names its parent: which sequences are forks is not known)
+    mine = {int(seqs["seq_id"][s]) for s in live.tolist()}
+    allocs = ev[ev["op"] == EventOp.ALLOCATE]
+    allocs = allocs[np.argsort(allocs["time_ns"], kind="stable")]
+    out: list[dict[str, Any]] = []
+    for s in live.tolist():
+        sid, born = int(seqs["seq_id"][s]), int(seqs["created_ns"][s])
+        later = allocs[(allocs["time_ns"] > born) & (allocs["pid"] == seqs["owner_pid"][s])]
+        others = [a for a in dict.fromkeys(later["arg"].tolist()) if a not in mine]
+        if others:
+            first = later[later["arg"] == others[0]]
+            out.append(
+                {
+                    "seq_id": sid,
+                    "created_ns": born,
+                    "reused_by": others[:4],
+                    "reused_ns": int(first["time_ns"][0]),
+                }
+            )
+    return out
+
+
+def served_after(view: SegmentView, request: str | None, pid: int | None) -> dict[str, Any] | None:
+    """A leaked request that its process stopped serving: the requests of the same process
+    whose whole life (first event to a `free` or `abort`) the flight recorder shows after the
+    leaked request's last operation. {last_ns, last_op, requests (the first 4), count}; None
+    when there is none, or the recorder holds no operation of the request (a request served
+    until the end, as at a crash, is not it)."""
+    from kvscope.allocator.events import OP_NAMES, EventOp
+
+    if not request or not pid:
+        return None
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["pid"] == pid)]
+    ev = ev[~np.isin(ev["op"], [EventOp.FINDING, EventOp.GUARD_VIOLATION])]
+    key = _key(request)
+    mine = ev[ev["request"] == key]
+    if not len(mine):
+        return None
+    at = int(mine["time_ns"].max())
+    ops = mine[mine["op"] != EventOp.PREFIX_MISS]  # (an allocate's lookup, no block of its own)
+    pick = ops if len(ops) else mine
+    last = pick[np.argmax(pick["time_ns"])]
+    others = ev[ev["request"] != key]
+    ended = others[np.isin(others["op"], [EventOp.FREE, EventOp.ABORT])]
+    served: list[str] = []
+    for raw in dict.fromkeys(ended["request"][ended["time_ns"] > at].tolist()):
+        if raw and int(others["time_ns"][others["request"] == raw].min()) > at:
+            served.append(_s(raw))
+    if not served:
+        return None
+    return {
+        "last_ns": at,
+        "last_op": OP_NAMES.get(int(last["op"]), str(int(last["op"]))),
+        "requests": served[:4],
+        "count": len(served),
+    }
+
+
+def hits_on_unwritten(view: SegmentView, blk: int, request: str | None, until: int) -> list[str]:
+    """A kv_never_written finding's readers: the requests other than its own whose prefix hits
+    mapped block `blk` in the generation the finding saw it in (its `finding` event's, the
+    newest at or before `until`), before or after the finding: the block was published with
+    positions nobody wrote, and stays so while it is cached, so each of them read K/V nobody
+    had written. Oldest first; empty when the ring holds no such hit or no finding event."""
+    from kvscope.allocator.events import EventOp
+
+    ev = _recorded(view, [blk])
+    seen = ev[(ev["op"] == EventOp.FINDING) & (ev["time_ns"] <= until)]
+    if not len(seen):
+        return []
+    generation = int(seen["generation"][-1])
+    hits = ev[(ev["op"] == EventOp.PREFIX_HIT) & (ev["generation"] == generation)]
+    out: list[str] = []
+    for raw in hits["request"]:
+        r = _s(raw)
+        if r and r != request and r not in out:
+            out.append(r)
+    return out
+
+
+def held_since_intact(
+    view: SegmentView, blk: int, until: int
+) -> tuple[dict[str, Any], list[str]] | None:
+    """A digest change's narrower suspects, on a CPU pool, whose core verifies a published
+    block's digest at once at every prefix hit and release (the digest probe): the last hit or
+    release of the block before its first finding, in the generation the finding saw, found its
+    K/V intact, so the write came after it, from a request that held the block then or took it
+    since (or one whose table or slots point at a block it does not map). (that event, those
+    requests), or None when the recorder holds no such check. A process that reported a finding
+    on the block before (a handle reports once per kind and block) proves nothing by its
+    checks."""
+    from kvscope.allocator.events import EventOp
+
+    ev = _recorded(view, [blk])
+    seen = ev[(ev["op"] == EventOp.FINDING) & (ev["time_ns"] <= until)]
+    if not len(seen):
+        return None
+    generation = int(seen["generation"][-1])
+    mine = ev[ev["generation"] == generation]
+    found = mine[mine["op"] == EventOp.FINDING]
+    first = int(found["time_ns"].min())
+    # (pids whose handle reported on this block before: their later checks are silent)
+    told = set(ev["pid"][(ev["op"] == EventOp.FINDING) & (ev["time_ns"] < first)].tolist())
+    takes = (EventOp.ALLOCATE, EventOp.PREFIX_HIT, EventOp.FORK)
+    releases = (EventOp.FREE, EventOp.ABORT, EventOp.PREEMPT, EventOp.COW)
+    checks = (EventOp.PREFIX_HIT, EventOp.FREE, EventOp.ABORT, EventOp.PREEMPT)
+    holders: list[str] = []
+    intact = None
+    since: list[str] = []
+    for e in mine[mine["time_ns"] < first]:
+        op, req = int(e["op"]), _s(e["request"])
+        if op in takes and req and req not in holders:
+            holders.append(req)
+        elif op in releases and req in holders:
+            holders.remove(req)
+        if op in checks and int(e["pid"]) not in told:
+            intact, since = e, list(holders)
+        elif intact is not None and op in takes and req and req not in since:
+            since.append(req)
+    if intact is None:
+        return None
+    event = {
+        "time_ns": int(intact["time_ns"]),
+        "pid": int(intact["pid"]),
+        "op": op_names().get(int(intact["op"]), int(intact["op"])),
+        "request": _s(intact["request"]) or None,
+    }
+    return event, since
+
+
 def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int) -> None:
     """A block published before its K/V was written (its digest at publication is a blank
     block's): every prefix hit that verified it before the finding found it still blank, so
     those requests read K/V nobody had written (`read_unwritten`), the first of them is the
     first bad event, and the writer is its publisher, after publishing."""
+    publishes = [
+        e["time_ns"]
+        for e in d["events"]
+        if e["op"] == "publish" and e["request"] == d.get("request") and e["time_ns"] <= until
+    ]
+    if publishes:
+        # Published by a resume's blocks: the K/V went where the table from before the
+        # preemption pointed (or was never recomputed), not into the block (likely_causes).
+        lost = preempted_before(view, d.get("request"), blk, publishes[-1])
+        if lost:
+            d["preempted_blocks"] = lost
     readers = mapped_since_published(view, blk, until, ops=("PREFIX_HIT",))
     if not readers:
         return
@@ -134,6 +333,9 @@ def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int)
 # How an event changes the number of references to its block (None: to an unknown number).
 _TAKES = {"alloc": 1, "allocate": 1, "prefix_hit": 1, "fork": 1}
 _DROPS = {"free": 1, "release": 1, "abort": 1, "cow": 1}
+# Events a probe records about a block, in the generation it saw (a finding at an eviction or
+# a release names the generation just released): what was found, not what the program did.
+_REPORTS = {"finding", "guard_violation"}
 
 
 def first_bad_event(events: list[dict[str, Any]], generation: int) -> dict[str, Any] | None:
@@ -145,6 +347,8 @@ def first_bad_event(events: list[dict[str, Any]], generation: int) -> dict[str, 
     freed: set[int] = set()
     for e in events:
         op, gen = e["op"], e["generation"]
+        if op in _REPORTS:
+            continue  # a probe's report about the block, not an operation on it
         if op in ("alloc", "allocate"):
             refs[gen] = 1
             freed.discard(gen)
@@ -244,13 +448,15 @@ def analyze_view(
     )
     blocks = [x for x in blocks if 0 <= x < view.layout.num_blocks]
     events = block_events(view, blocks)
+    cpu = str(pool_info(view, dump_header)["device"]).startswith("cpu")
     out_findings = []
     for f in found:
         d = f.to_dict()
         d.update(d.pop("extra", {}))
         if f.block is not None and 0 <= f.block < view.layout.num_blocks:
             detail = _block_detail(view, f.block)
-            if 0 <= f.site_id != int(view.blocks[f.block]["site"]):
+            again = 0 < int(d.get("time_ns") or 0) < detail["alloc_ns"]  # (allocated since)
+            if 0 <= f.site_id and (f.site_id != int(view.blocks[f.block]["site"]) or again):
                 # The block was handed out again since the finding (a write after free found
                 # at its reuse): name the allocation it saw, whose time the record no longer has.
                 d.update(_site_keys(view, f.site_id))
@@ -264,6 +470,20 @@ def analyze_view(
                 src = copied_from(view, f.block, f.request, d.get("time_ns"))
                 if src is not None:
                     d["copied_from"] = src
+                until = int(d.get("time_ns") or np.iinfo(np.int64).max)
+                lost = preempted_before(view, f.request, f.block, until)
+                if lost:
+                    d["preempted_blocks"] = lost
+                readers = hits_on_unwritten(view, f.block, f.request, until)
+                if readers:
+                    d["read_unwritten"] = readers
+            if f.kind == FindingKind.LEAK_FINISHED:
+                reused = reused_while_live(view, f.request)
+                if reused:
+                    d["id_reused_while_live"] = reused
+                idle = served_after(view, f.request, f.owner_pid)
+                if idle is not None:
+                    d["served_after"] = idle
             if f.kind == FindingKind.PUBLISHED_BLOCK_MODIFIED:
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
                 if f.message.startswith(UNWRITTEN_AT_PUBLISH):
@@ -272,6 +492,14 @@ def analyze_view(
                     mapped = mapped_since_published(view, f.block, until)
                     if mapped is not None:
                         d["mapped_since_published"] = mapped
+                    held = (
+                        held_since_intact(view, f.block, until)
+                        if cpu
+                        and not f.message.startswith("request ")  # (a store names its writer)
+                        else None
+                    )
+                    if held is not None:
+                        d["intact_at"], d["held_since_intact"] = held
         out_findings.append(d)
     out_findings.sort(key=_order)
     info = pool_info(view, dump_header)
@@ -290,6 +518,14 @@ def analyze_view(
         report["block"] = _focus_block(view, block, events.get(block, []))
     if request is not None:
         report["request"] = _focus_request(view, request)
+        if not found and not _request_named(view, request, report["request"]):
+            # A mistyped id would otherwise read as a clean bill of health for the pool.
+            from kvscope.errors import UsageError
+
+            raise UsageError(
+                f"no request {request!r} in this pool: no sequence, block record, finding or "
+                "flight-recorder event names it"
+            )
     return report
 
 
@@ -313,7 +549,34 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f"in guard mode; use pool.slot_mapping(seq, start, end), or block * "
             f"pool.slots_per_block + offset (docs/POOL.md)"
         )
-    skipped, stale = _unwritten_copies(findings, bs)
+    elif spb > bs and FindingKind.GUARD_VIOLATION in kinds:
+        over = [
+            f
+            for f in findings
+            if f["kind"] == FindingKind.GUARD_VIOLATION and f.get("block") is not None
+        ]
+        where = f" ({_blocks_of(over)})" if over else ""
+        causes.append(
+            f"guard slots overwritten, and no mapped slot left unwritten{where}: K/V for the position right after a full block's last token"
+            f" went into that block's guard slot instead of the next block, as a write for one"
+            f" position past the sequence's end does when its length is a multiple of"
+            f" {bs} (an end + 1, or the slot after the last one worked out by hand), or a write"
+            f" for a position before the pool.append that gives it a block; write positions"
+            f" [start, end) through pool.slot_mapping(seq, start, end), end at most"
+            f" len(seq.tokens)"
+        )
+    copied_blank = _copies_of_unwritten(findings, bs)
+    skipped, stale = _unwritten_copies(
+        [f for f in findings if not any(f is c for c in copied_blank)], bs
+    )
+    if copied_blank:
+        causes.append(
+            f"copy-on-write copies of positions never written in their source block"
+            f" ({_copies(copied_blank)}): the copies were made, of K/V that was never stored"
+            f" in the source (its own kv_never_written, at the same positions): the K/V of"
+            f" those positions went elsewhere (a slot worked out from another request's table,"
+            f" a sibling's) or was never computed"
+        )
     if skipped:
         causes.append(
             f"copy-on-write copies not made: the first positions of blocks pool.append handed"
@@ -325,10 +588,12 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         causes.append(
             f"K/V written through a block table from before pool.append copied the block: the"
             f" new token of each went into the shared block it was copied from, which its"
-            f" siblings still read ({_copies(stale)}): re-read seq.block_table or"
-            f" pool.slot_mapping(seq, start, end) after every append"
+            f" siblings still read, or into another sequence's block through its table"
+            f" ({_copies(stale)}): re-read seq.block_table or pool.slot_mapping(seq, start,"
+            f" end) after every append, each sequence its own"
         )
-    early = _published_early(findings)
+    resumed_blank = _resumed_blank(findings)
+    early = _published_early([f for f in findings if not any(f is r for r in resumed_blank)])
     if early:
         blanks, readers = early
         causes.append(
@@ -337,18 +602,161 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f" are those readers; call pool.mark_computed(seq, n) only once the K/V of"
             f" positions [0, n) is stored"
         )
+    resumed = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.KV_NEVER_WRITTEN
+        and f.get("preempted_blocks")
+        and f.get("copied_from") is None  # (a copy's own causes, above)
+    ] + resumed_blank
+    if resumed:
+        causes.append(_resumed_unwritten(resumed, findings))
+    blank = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.KV_NEVER_WRITTEN
+        and f.get("read_unwritten")
+        and f.get("copied_from") is None
+        and not f.get("preempted_blocks")
+    ]
+    if blank:
+        hitters = list(dict.fromkeys(repr(r) for f in blank for r in f["read_unwritten"]))
+        causes.append(
+            f"blocks published with positions never written, then read by prefix hits"
+            f" ({_blocks_of(blank)}; read by {_some(hitters, 4)}): their"
+            f" K/V was stored elsewhere (a slot mapping worked out from another block) or not"
+            f" at all before pool.mark_computed published them, and every request that hit"
+            f" them read K/V nobody wrote; store the prefill through pool.slot_mapping(seq,"
+            f" start, end) and publish only what was stored"
+        )
+    raced = aborted_then_written(findings)
+    if raced:
+        named = _some([f"{r!r} block {b}" for r, b in raced], 4)
+        causes.append(
+            f"K/V written into blocks after their own request was aborted ({named}): a"
+            f" step that worked out its slots before the abort stored through them after it;"
+            f" is the abort called from another thread while a step runs? Abort between steps"
+            f" (queue it for the engine loop), or under the lock the step holds"
+        )
+    reused = [f for f in findings if f.get("id_reused_while_live")]
+    if reused:
+        named = _some(
+            [
+                f"{f.get('request')!r}: sequence {r['seq_id']} still held block(s) when sequence"
+                f" {r['reused_by'][0]} was allocated with its id"
+                for f in reused
+                for r in f["id_reused_while_live"][:1]
+            ],
+            3,
+        )
+        causes.append(
+            f"request ids reused while their request still held its blocks ({named}): the"
+            f" leaked sequences are the older ones, which the engine lost track of when the id"
+            f" came again (requests kept by id?); give each request an id of its own, or end"
+            f" the old request before its id is given again"
+        )
+    idle = [
+        f
+        for f in findings
+        if f.get("served_after") and not f.get("id_reused_while_live")  # (its own, above)
+    ]
+    if idle:
+        named = _some(
+            [
+                f"{f.get('request')!r}, last operation: {f['served_after']['last_op']}, then"
+                f" {f['served_after']['count']} other request(s) began and ended"
+                for f in idle
+            ],
+            3,
+        )
+        causes.append(
+            f"leaked requests the engine stopped serving long before the end ({named}): the"
+            f" scheduler dropped them from its queues without pool.free or pool.abort, on a"
+            f" path the other requests did not take (an abort, a timeout, an error, a cancelled"
+            f" client); release the sequence on every path that ends a request"
+        )
     lost = lost_to_preemption(findings)
     if lost:
-        named = ", ".join(f"{r!r} block {b}" for r, b in lost[:4])
-        more = f" and {len(lost) - 4} more" if len(lost) > 4 else ""
+        named = _some([f"{r!r} block {b}" for r, b in lost], 4)
         causes.append(
-            f"K/V written into blocks their request had lost to a preemption ({named}{more}):"
+            f"K/V written into blocks their request had lost to a preemption ({named}):"
             f" does the engine keep a block table or slot mapping from before a preemption and"
             f" write through it after pool.resume? Re-read pool.block_table(seq) or"
             f' pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, "What the'
             f' probes do not see")'
         )
+    late = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+        and not _blank_at_publish(f)
+        and f.get("mapped_since_published") == []  # (the recorder saw no other request map it)
+        and f.get("block") is not None
+    ]
+    if late and not (early or resumed or lost):  # (those say where such writes came from)
+        causes.append(
+            f"published blocks whose K/V changed while no other request mapped them"
+            f" ({_blocks_of(late)}): their publisher stored K/V into them after"
+            f" pool.mark_computed published them, as a step does that publishes before storing"
+            f" the token that fills the block (mark_computed(seq, n) before the K/V of position"
+            f" n - 1 is stored, e.g. right after a decode step's append); store the step's K/V"
+            f" first, then publish"
+        )
     return causes
+
+
+# Findings that say K/V landed in a block (a digest changed, poison overwritten, a slot
+# changed since publication, a store into a block its writer does not map).
+_WRITE_TRACES = (
+    FindingKind.PUBLISHED_BLOCK_MODIFIED,
+    FindingKind.USE_AFTER_FREE,
+    FindingKind.FOREIGN_SLOT,
+    FindingKind.UNMAPPED_WRITE,
+)
+
+
+def _resumed_unwritten(resumed: list[dict[str, Any]], findings: list[dict[str, Any]]) -> str:
+    """The sentence for kv_never_written findings on blocks their request took after a
+    preemption (`preempted_blocks`): the positions a resume re-reserved were never written, so
+    after pool.resume the engine wrote them elsewhere or not at all; K/V that landed in the
+    blocks those requests held before the preemption (a finding of a write there) says where."""
+    by: dict[Any, list[int]] = {}
+    old: dict[Any, set[int]] = {}
+    for f in resumed:
+        by.setdefault(f.get("request"), []).append(f["block"])
+        old.setdefault(f.get("request"), set()).update(f["preempted_blocks"])
+    named = ", ".join(
+        f"{r!r} block{'s' if len(b) > 1 else ''} {', '.join(map(str, sorted(set(b))))}"
+        for r, b in list(by.items())[:3]
+    ) + (f" and {len(by) - 3} more request(s)" if len(by) > 3 else "")
+    before = set().union(*old.values())
+    landed = sorted(
+        {f["block"] for f in findings if f["kind"] in _WRITE_TRACES and f.get("block") in before}
+    )
+    where = (
+        f"; blocks they held before the preemption were written since"
+        f" ({_block_list(landed)}): the K/V went through the block table from before the"
+        f" preemption"
+        if landed
+        else ": written through the block table from before the preemption, or not recomputed"
+    )
+    blank = any(map(_blank_at_publish, resumed))
+    never = " (or published them so: mark_computed found them blank)" if blank else ""
+    return (
+        f"requests preempted and resumed finished with positions never written in blocks"
+        f" their resume reserved{never} ({named}){where}. After pool.resume(seq), recompute the"
+        f" positions from its cached tokens on into pool.slot_mapping(seq, start, end) (or a"
+        f' pool.block_table(seq) read after the resume) (docs/PROBES.md, "What the probes do'
+        f' not see")'
+    )
+
+
+def _block_list(blocks: list[int]) -> str:
+    """'block 3' or 'blocks 3, 5, 9 and N more'."""
+    head = ", ".join(map(str, blocks[:6])) + (
+        f" and {len(blocks) - 6} more" if len(blocks) > 6 else ""
+    )
+    return f"block{'s' if len(blocks) > 1 else ''} {head}"
 
 
 def _blank_at_publish(f: dict[str, Any]) -> bool:
@@ -356,6 +764,19 @@ def _blank_at_publish(f: dict[str, Any]) -> bool:
     return f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED and f["message"].startswith(
         UNWRITTEN_AT_PUBLISH
     )
+
+
+def _resumed_blank(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The blocks published blank by a request right after its resume (`preempted_blocks`)
+    when K/V landed since in a block that request gave up to the preemption (a finding of a
+    write there, other than a blank publication of its own): the resumed request's K/V went
+    through its table from before the preemption, so what it published was never written, and
+    the publication was not early. Without such a write, an early publication stays the cause."""
+    blanks = [f for f in findings if _blank_at_publish(f) and f.get("preempted_blocks")]
+    written = {
+        f.get("block") for f in findings if f["kind"] in _WRITE_TRACES and not _blank_at_publish(f)
+    }
+    return [f for f in blanks if written & set(f["preempted_blocks"])]
 
 
 def _published_early(
@@ -374,6 +795,12 @@ def _published_early(
         and "since its publication" in f["message"]
     ]
     return (blanks, readers) if blanks and readers else None
+
+
+def _some(texts: list[str], n: int) -> str:
+    """The first `n` of `texts`, comma-separated, and how many more there are."""
+    more = f" and {len(texts) - n} more" if len(texts) > n else ""
+    return ", ".join(texts[:n]) + more
 
 
 def _blocks_of(found: list[dict[str, Any]]) -> str:
@@ -407,6 +834,49 @@ def _unwritten_copies(
             continue
         (skipped if int(m.group(1)) % block_size == 0 else stale).append(f)
     return skipped, stale
+
+
+def _copies_of_unwritten(findings: list[dict[str, Any]], block_size: int) -> list[dict[str, Any]]:
+    """kv_never_written findings on a copy-on-write copy unwritten from the block's first
+    position on (the positions a copy brings: what reads as a skipped copy) whose source block
+    has its own kv_never_written finding at overlapping positions, in the generation the copy
+    was made from (the source's `cow` event for that copy and its `finding` event agree): the
+    copy copied K/V nobody had stored, so the copy is not what was skipped. (Only the appended
+    token's position unwritten is the copy's own write gone elsewhere, whatever its source.)"""
+    by_block: dict[int, list[dict[str, Any]]] = {}
+    for f in findings:
+        if f["kind"] == FindingKind.KV_NEVER_WRITTEN and f.get("block") is not None:
+            by_block.setdefault(f["block"], []).append(f)
+    out = []
+    for f in findings:
+        src = f.get("copied_from")
+        m = _UNWRITTEN.search(f["message"]) if src is not None else None
+        if f["kind"] != FindingKind.KV_NEVER_WRITTEN or m is None or src is None:
+            continue
+        lo, hi = int(m.group(1)), int(m.group(2))
+        if lo % block_size != 0:
+            continue
+        for g in by_block.get(int(src), []):
+            n = _UNWRITTEN.search(g["message"])
+            # (a source that is itself a copy: its own copy's causes come first)
+            if (
+                g.get("copied_from") is not None
+                or n is None
+                or int(n.group(2)) < lo
+                or int(n.group(1)) > hi
+            ):
+                continue
+            ev = g.get("events") or []
+            cow = {
+                e.get("generation")
+                for e in ev
+                if e["op"] == "cow" and e.get("arg") == f["block"] and e["request"] == f["request"]
+            }
+            seen = {e.get("generation") for e in ev if e["op"] == "finding"}
+            if cow & seen:
+                out.append(f)
+                break
+    return out
 
 
 def _copies(found: list[dict[str, Any]]) -> str:
@@ -445,6 +915,28 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     return out
 
 
+def aborted_then_written(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(request, block) of each write after free (`use_after_free`) whose block's last
+    release before the finding, in its flight recorder, is that same request's `abort`: K/V
+    stored for a request after it was aborted, as a step does whose slots were worked out
+    before an abort from another thread. A release by `free` or a preemption is not it (a
+    table kept after the end, or across a preemption: another cause)."""
+    out: list[tuple[str, int]] = []
+    for f in findings:
+        req, blk = f.get("request"), f.get("block")
+        if f["kind"] != FindingKind.USE_AFTER_FREE or req is None or blk is None:
+            continue
+        until = f.get("time_ns") or None
+        ends = [
+            e
+            for e in f.get("events") or ()
+            if e["op"] in ("free", "abort", "preempt") and (until is None or e["time_ns"] <= until)
+        ]
+        if ends and ends[-1]["op"] == "abort" and ends[-1]["request"] == req:
+            out.append((req, blk))
+    return out
+
+
 def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> dict[str, Any]:
     from kvscope.errors import UsageError
 
@@ -463,9 +955,14 @@ def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> d
     return d
 
 
+def _key(request: str) -> bytes:
+    """A request id as the records keep it: its first REQUEST_BYTES bytes of UTF-8."""
+    return request.encode()[:REQUEST_BYTES]
+
+
 def _focus_request(view: SegmentView, request: str) -> dict[str, Any]:
     seqs = view.seqs
-    key = request.encode()[:32]
+    key = _key(request)
     mine = np.flatnonzero((seqs["state"] != SeqState.EMPTY) & (seqs["request"] == key))
     held = np.flatnonzero(
         (view.blocks["request"] == key) & (view.blocks["state"] == BlockState.ALLOCATED)
@@ -484,6 +981,18 @@ def _focus_request(view: SegmentView, request: str) -> dict[str, Any]:
         "blocks_stamped": held.tolist()[:1000],
         "num_blocks_stamped": int(len(held)),
     }
+
+
+def _request_named(view: SegmentView, request: str, focus: dict[str, Any]) -> bool:
+    """Whether anything the segment keeps names `request` (its first 32 bytes, as the records
+    keep it): a live sequence, a block record in any state, an event of the flight recorder."""
+    if focus["sequences"]:
+        return True
+    key = _key(request)
+    if bool((view.blocks["request"] == key).any()):
+        return True
+    ev = view.events.reshape(-1)
+    return bool(((ev["time_ns"] != 0) & (ev["request"] == key)).any())
 
 
 def exit_code(report: dict[str, Any]) -> int:

@@ -7,6 +7,13 @@ preemption when one process uses it; with several, each process also parks up to
 `local_cache_size` free blocks in its local cache, which the others cannot take, on top. The
 peak is over the samples; sampling can miss a brief peak, so where preemptions happened and no
 sample saw demand beyond the pool, the answer says so instead of naming a size.
+
+A PoolExhausted leaves no demand behind (the failed take is undone) and can fall between two
+samples, so the samples alone would call such a pool big enough. The C core counts every one
+(`num_exhausted`) and records the last one's figures in the header (allocator/stats.py
+`last_exhaustion`): where it found blocks free in other processes' local caches, which the take
+cannot reach, the answer names those ("memory still free"); where it found none, the pool was
+too small for that moment. A pool that raised one is never "big enough".
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.allocator.layout import SegmentView, SeqState
+from kvscope.allocator.layout import BlockState, ClientState, SegmentView, SeqState
+from kvscope.allocator.process import is_alive
 from kvscope.allocator.stats import pool_stats
 from kvscope.history import History
+from kvscope.poolsummary import Alive
 
 # Mean demand at or above this share of the pool: the pool is too small, not just spiky.
 TOO_SMALL = 0.9
@@ -34,14 +43,116 @@ def _time_weighted_mean(t: np.ndarray, v: np.ndarray) -> float:
     return float((v[:-1] * dt).sum() / total)
 
 
-def capacity_answer(view: SegmentView, history: History | None) -> dict[str, Any]:
-    """Peak vs mean demand, preemptions and the pool size that would have avoided them all."""
+def _plural(k: int, word: str) -> str:
+    return f"{k} {word}{'' if k == 1 else 's'}"
+
+
+def _short(last: dict[str, int] | None) -> int:
+    """The blocks the last PoolExhausted's take was short by, free ones all counted: every
+    block it could not have was held then (eviction and preemption had run out), so the pool
+    it needed was at least this many blocks larger."""
+    if last is None:
+        return 0
+    return max(0, last["needed"] - last["free_list"] - last["own_cache"] - last["other_caches"])
+
+
+def exhaustion_answer(
+    num_exhausted: int, last: dict[str, int] | None, num_blocks: int
+) -> tuple[str | None, str]:
+    """What the pool's PoolExhausted count and its last one's figures (stats.last_exhaustion)
+    say: (cause, sentence); cause "memory_still_free" where the last one found blocks in other
+    processes' local caches, "pool_too_small" where it found none, None where its figures were
+    not recorded. (None, "") where none was raised."""
+    if num_exhausted <= 0:
+        return None, ""
+    times = _plural(num_exhausted, "time")
+    if last is None:
+        return None, f"PoolExhausted raised {times} (the last one's figures were not recorded)"
+    need, free, own, other = (
+        last["needed"],
+        last["free_list"],
+        last["own_cache"],
+        last["other_caches"],
+    )
+    short = _short(last)
+    if other > 0:
+        # Free blocks the take could not reach: the pool's memory was there, parked in other
+        # processes' local caches (each keeps up to twice local_cache_size).
+        also = f"; even with them it was {short} blocks short" if short else ""
+        return "memory_still_free", (
+            f"memory still free: {other} blocks in other processes' local caches at the last"
+            f" PoolExhausted (raised {times}): pid {last['pid']} needed {need} blocks with"
+            f" {free} free in the shared free list and {own} in its own local cache{also}; a"
+            " smaller local_cache_size, or pool.flush_local() in the processes that stop"
+            " allocating, hands them back"
+        )
+    return "pool_too_small", (
+        f"pool too small: PoolExhausted raised {times}; the last (pid {last['pid']}) needed"
+        f" {need} blocks with {free} free in the shared free list, {own} in its own local cache"
+        f" and none in other processes' local caches: a pool of at least {num_blocks + short}"
+        f" blocks (+{short}) would have served it"
+    )
+
+
+def stranded_blocks(view: SegmentView, alive: Alive = is_alive) -> int:
+    """Blocks held (ALLOCATED) by a handle that no longer holds the pool: one closed with them
+    (leaked requests) or whose process died attached (by the blocks' owner_client). What the samples counted as
+    demand, though no request was served with them."""
+    clients = view.clients
+    attached = np.flatnonzero(clients["state"] == ClientState.ATTACHED)
+    holders = [
+        c for c in attached.tolist() if alive(int(clients["pid"][c]), int(clients["start"][c]))
+    ]
+    stranded = (view.blocks["state"] == BlockState.ALLOCATED) & ~np.isin(
+        view.blocks["owner_client"], holders
+    )
+    # (a shared prefix block its allocator left behind is not stranded while a request of a
+    # process holding the pool maps it)
+    seqs = view.seqs
+    live = np.flatnonzero(
+        (seqs["state"] != SeqState.EMPTY) & np.isin(seqs["owner_client"], holders)
+    )
+    for s in live.tolist():
+        table = seqs["table"][s, : int(seqs["num_blocks"][s])]
+        stranded[table[(table >= 0) & (table < len(stranded))]] = False
+    return int(stranded.sum())
+
+
+def _stranded_note(k: int) -> str:
+    """The answer's last clause where `k` blocks were stranded: the demand counted them."""
+    return (
+        f"; {k} of the blocks held at the end belong to no process holding the pool (leaked"
+        f" requests, or a dead process's: the leak findings): the demand above counts them, so"
+        f" fix those before growing the pool"
+    )
+
+
+def capacity_answer(
+    view: SegmentView, history: History | None, alive: Alive = is_alive
+) -> dict[str, Any]:
+    """Peak vs mean demand, preemptions, PoolExhausted raised, and the pool size that would
+    have avoided them all."""
+    out = _capacity_answer(view, history)
+    if out["num_exhausted"] or out["num_preemptions"]:
+        k = stranded_blocks(view, alive)
+        if k:
+            out["answer"] += _stranded_note(k)
+            out["stranded_blocks"] = k
+    return out
+
+
+def _capacity_answer(view: SegmentView, history: History | None) -> dict[str, Any]:
     n = view.layout.num_blocks
     st = pool_stats(view)
+    exhausted = st["num_exhausted"]
+    cause, exhaustion = exhaustion_answer(exhausted, st["last_exhausted"], n)
     out: dict[str, Any] = {
         "num_blocks": n,
         "num_preemptions": st["num_preemptions"],
         "num_evictions": st["num_evictions"],
+        "num_exhausted": exhausted,
+        "last_exhausted": st["last_exhausted"],
+        "exhaustion_cause": cause,
     }
     if history is None or history.count == 0:
         seqs = view.seqs
@@ -54,7 +165,8 @@ def capacity_answer(view: SegmentView, history: History | None) -> dict[str, Any
             demand_now=held + wanted,
             refcount_peak_now=st["refcount_peak"],
             answer=(
-                "no recorded history: `kvscope run` samples the pool and writes it beside its"
+                (exhaustion + "; " if exhaustion else "")
+                + "no recorded history: `kvscope run` samples the pool and writes it beside its"
                 " dump; this snapshot alone cannot tell a peak from the mean"
             ),
         )
@@ -79,7 +191,20 @@ def capacity_answer(view: SegmentView, history: History | None) -> dict[str, Any
         refcount_peak=int(s["refcount_peak_max"].max()),
         num_preemptions=preempted,
     )
-    if preempted == 0:
+    if cause == "memory_still_free":
+        # The pool's size was not what failed: a larger one would strand more in the caches.
+        out["pool_size_without_preemption"] = None
+        out["answer"] = (
+            f"{exhaustion}; {preempted} preemption(s), peak demand {peak} of {n} blocks in the"
+            " samples"
+        )
+    elif exhausted and peak <= n:
+        out["pool_size_without_preemption"] = None
+        out["answer"] = (
+            f"{exhaustion}; no sample (every {history.interval_s:g} s or less) saw demand"
+            f" beyond the pool's {n} blocks: the peak was shorter than the sampling interval"
+        )
+    elif preempted == 0 and not exhausted:
         out["pool_size_without_preemption"] = min(n, peak)
         out["answer"] = (
             f"big enough: no preemption; peak demand {peak} of {n} blocks"
@@ -93,12 +218,15 @@ def capacity_answer(view: SegmentView, history: History | None) -> dict[str, Any
             f" sampling interval; more than {n} blocks would be needed"
         )
     else:
-        out["pool_size_without_preemption"] = peak
+        # (and at least the size the last PoolExhausted's take needed)
+        size = max(peak, n + _short(st["last_exhausted"]))
+        out["pool_size_without_preemption"] = size
         kind = "too small" if mean >= TOO_SMALL * n else "spiky"
+        lead = f"{exhaustion}; {kind} demand, " if exhaustion else f"{kind}: "
         out["answer"] = (
-            f"{kind}: {preempted} preemption(s); peak demand {peak} blocks is"
+            f"{lead}{preempted} preemption(s); peak demand {peak} blocks is"
             f" {peak / max(mean, 1e-9):.1f}x the mean {mean:.0f} ({100 * mean / n:.0f}% of the"
-            f" pool); a pool of {peak} blocks (+{peak - n}) would have served this run without"
-            " preemption"
+            f" pool); a pool of {size} blocks (+{size - n}) would have served this run without"
+            " preemption" + (" or PoolExhausted" if exhausted else "")
         )
     return out

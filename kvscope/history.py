@@ -213,6 +213,10 @@ class History:
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             raise ValueError(f"not a kvscope history of schema {SCHEMA}")
         cols = d["columns"]
+        missing = [f for f in sample_dtype(len(d["locks"])).names or () if f not in cols]
+        if missing:
+            # (a series of another kvscope version: its counters are not these)
+            raise ValueError(f"no column {', '.join(missing)}: written by another kvscope version")
         n = len(cols["time_ns"])
         hist = cls(
             str(d["pool"]),

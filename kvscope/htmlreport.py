@@ -147,6 +147,17 @@ def _over_time(history: History | None, n: int) -> str:
     )
 
 
+def _last_exhausted(last: dict[str, int] | None) -> str | None:
+    """The last PoolExhausted's figures (kvscope.capacity), one cell."""
+    if not last:
+        return None
+    return (
+        f"pid {last['pid']} needed {last['needed']:,} blocks: {last['free_list']:,} free in the shared"
+        f" free list, {last['own_cache']:,} in its own local cache, {last['other_caches']:,} in"
+        " other processes' local caches"
+    )
+
+
 def _capacity(cap: dict[str, Any]) -> str:
     rows = [
         ("pool size", f"{cap['num_blocks']:,} blocks"),
@@ -156,6 +167,8 @@ def _capacity(cap: dict[str, Any]) -> str:
         ("peak held", cap.get("peak_held")),
         ("preemptions", cap.get("num_preemptions")),
         ("evictions", cap.get("num_evictions")),
+        ("PoolExhausted raised", cap.get("num_exhausted")),
+        ("last PoolExhausted", _last_exhausted(cap.get("last_exhausted"))),
         ("pool size without preemption", cap.get("pool_size_without_preemption")),
         ("demand now", cap.get("demand_now")),
     ]
@@ -282,6 +295,14 @@ def _finding(f: dict[str, Any]) -> str:
             ", ".join(map(repr, f["mapped_since_published"]))
             + " (the writer: one of them, or its publisher)"
             if f.get("mapped_since_published")
+            else None,
+        ),
+        (
+            "written after its last intact check",
+            f"{f['intact_at']['op'].replace('_', ' ')} of {f['intact_at']['request']!r} (pid"
+            f" {f['intact_at']['pid']}, {_when(f['intact_at']['time_ns'])}); held since by "
+            + (", ".join(map(repr, f.get("held_since_intact") or [])) or "no request")
+            if f.get("intact_at")
             else None,
         ),
     ]

@@ -127,7 +127,13 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
         for c in attached.tolist()
     }
     held = (state == BlockState.ALLOCATED) | (state == BlockState.LOCAL)
-    pids, num = np.unique(b["owner_pid"][held], return_counts=True)
+    owner = b["owner_pid"]
+    pids, num = np.unique(owner[held], return_counts=True)
+    # Of them, the free blocks each process keeps in its local cache: no request holds them,
+    # but no other process can allocate them either (the "N free" of another process's
+    # PoolExhausted that it could not take).
+    lpids, lnum = np.unique(owner[state == BlockState.LOCAL], return_counts=True)
+    local = dict(zip(lpids.tolist(), lnum.tolist()))
     seqs = view.seqs
     live = seqs["state"] != SeqState.EMPTY
     seq_pids, seq_num = np.unique(seqs["owner_pid"][live], return_counts=True)
@@ -140,6 +146,7 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
             "blocks": n,
             "requests": int(requests.get(pid, 0)),
             "held_for_others": int(others.get(pid, 0)),
+            "local": int(local.get(pid, 0)),
         }
         for pid, n in sorted(zip(pids.tolist(), num.tolist()), key=lambda x: -x[1])
     ]
@@ -168,6 +175,7 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
                 "num_evictions",
                 "num_preemptions",
                 "num_forks",
+                "num_exhausted",
             )
         },
     }

@@ -101,7 +101,7 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
         )
     con.print(
         escape(
-            f"{geo['num_blocks']} blocks x {geo['block_size']} tokens, {geo['num_layers']} layers, "
+            f"{geo['num_blocks']} blocks x {geo['block_size']} tokens, {geo['num_layers']} layer{'' if geo['num_layers'] == 1 else 's'}, "
             f"{geo['num_kv_heads']} kv heads x {geo['head_dim']}, {geo['dtype']} on {pool['device']};"
             f" probes: {flags}"
         )
@@ -252,7 +252,15 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
             upto = len(events)
         shown = events[max(0, upto - EVENTS_SHOWN) : upto]
         later = len(events) - upto
-        if len(shown) == len(events):
+        if found and not any(e["time_ns"] <= found for e in events):
+            # (the ring has turned since: what it holds is the block's later life only)
+            con.print(
+                f"      no event up to the finding left in the flight recorder: the"
+                f" {len(events)} it holds{whose} came after it (each process's ring keeps its"
+                f" last PoolConfig(event_capacity=...) events; --json lists every one)"
+            )
+            shown = []
+        elif len(shown) == len(events):
             con.print(f"      last events{whose}:")
         elif later:
             con.print(
@@ -266,7 +274,16 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
             )
         for e in shown:
             con.print("        " + escape(_event_line(e)))
-    if f.get("read_unwritten"):
+    if f.get("read_unwritten") and f["kind"] == "kv_never_written":
+        # (a block published with positions nobody wrote: no later write to blame)
+        names = ", ".join(repr(r) for r in f["read_unwritten"])
+        con.print(
+            escape(
+                f"      published with those positions unwritten, and read by the prefix hits"
+                f" of {names}: they read K/V nobody wrote"
+            )
+        )
+    elif f.get("read_unwritten"):
         names = ", ".join(repr(r) for r in f["read_unwritten"])
         who = f" {f['request']!r}" if f.get("request") else ""
         con.print(
@@ -283,6 +300,30 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
                 f"      mapped since its publication by {names} (the writer: one of them, or its publisher)"
             )
         )
+    if f.get("intact_at") is not None:
+        at = f["intact_at"]
+        held = ", ".join(repr(r) for r in f.get("held_since_intact") or [])
+        who = (
+            f"written since by {held}, the request(s) holding it from then"
+            if held
+            else "held by no request since"
+        )
+        con.print(
+            escape(
+                f"      K/V intact at the {at['op'].replace('_', ' ')} of {at['request']!r} (pid"
+                f" {at['pid']}, {_when(at['time_ns'])}): {who} (or through a table or slot that"
+                " does not map it)"
+            )
+        )
+
+
+def _focus_value(k: str, v: Any) -> str:
+    """One field of `--block` / `--request` as text: a time as a time, a list as its items."""
+    if k.endswith("_ns") and isinstance(v, int) and v > 0:
+        return _when(v)
+    if isinstance(v, list):
+        return ", ".join(repr(x) if isinstance(x, str) else str(x) for x in v) or "none"
+    return repr(v) if k == "request" and isinstance(v, str) else str(v)
 
 
 def _focus(con: Console, key: str, d: dict[str, Any]) -> None:
@@ -290,7 +331,19 @@ def _focus(con: Console, key: str, d: dict[str, Any]) -> None:
     for k, v in d.items():
         if k in (key, "events"):
             continue
-        con.print(escape(f"  {k}: {v}"))
+        if k == "sequences":
+            for q in v:
+                table = ", ".join(map(str, q.get("block_table") or [])) or "none"
+                con.print(
+                    escape(
+                        f"  sequence: {q.get('state')}, pid {q.get('owner_pid')},"
+                        f" {q.get('num_tokens')} tokens, blocks {table}"
+                    )
+                )
+            if not v:
+                con.print("  sequences: none")
+            continue
+        con.print(escape(f"  {k}: {_focus_value(k, v)}"))
     for e in d.get("events") or []:
         con.print("    " + escape(_event_line(e)))
 
@@ -316,13 +369,18 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
         # blocks a process allocated that only other processes' requests map now (a shared
         # prefix outliving its first request): held, but not that process's to free
         others = any(o.get("held_for_others") for o in rows)
-        cols = ("owner pid", "process", "blocks held", "requests")
-        for col in cols + (("of them mapped only by others",) if others else ()):
+        # free blocks parked in a process's local cache: its own, not held by any request
+        local = any(o.get("local") for o in rows)
+        cols: tuple[str, ...] = ("owner pid", "process", "blocks held", "requests")
+        cols += ("of them mapped only by others",) if others else ()
+        for col in cols + (("free in its local cache",) if local else ()):
             t.add_column(col, justify="right" if col != "process" else "left")
         for o in rows:
             state = {True: "alive", False: "dead", None: "detached"}[o["alive"]]
-            row = [str(o["pid"]), state, str(o["blocks"]), str(o["requests"])]
-            t.add_row(*row, *([str(o.get("held_for_others", 0))] if others else []))
+            parked = int(o.get("local", 0))
+            row = [str(o["pid"]), state, str(o["blocks"] - parked), str(o["requests"])]
+            row += [str(o.get("held_for_others", 0))] if others else []
+            t.add_row(*row, *([str(parked)] if local else []))
         con.print("\n[bold]blocks by owner[/bold]")
         con.print(t)
 
@@ -360,5 +418,6 @@ def _capacity(con: Console, c: dict[str, Any]) -> None:
                 f"  peak demand {c['peak_demand']}, mean {c['mean_demand']} of {c['num_blocks']}"
                 f" blocks over {c['span_s']:.1f} s ({c['num_samples']} samples);"
                 f" preemptions {c['num_preemptions']}, evictions {c['num_evictions']}"
+                + (f", PoolExhausted {c['num_exhausted']}" if c.get("num_exhausted") else "")
             )
         )

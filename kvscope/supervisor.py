@@ -37,13 +37,14 @@ from kvscope.allocator.findings import (
     read_findings,
 )
 from kvscope.allocator.findingset import Origin, pool_findings
-from kvscope.allocator.layout import BlockState, ClientState, Layout, SegmentView
+from kvscope.allocator.layout import BlockState, ClientState, Layout, SegmentView, SeqState
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.allocator.snapshot import snapshot
 from kvscope.bootstrap import launch
 from kvscope.child import pool_key
 from kvscope.history import History
+from kvscope.poolsummary import field_text
 from kvscope.stopper import Stopper
 
 try:
@@ -55,6 +56,40 @@ except ImportError:  # built without a C compiler: a cut between check and read 
 HISTORY_INTERVAL_S = 0.1
 # Findings of one kind printed as they land, per pool; the rest are in the verdict and the dump.
 LIVE_LINES_PER_KIND = 10
+
+
+def dead_owner(view: SegmentView, pid: int) -> Finding | str:
+    """What a process of the run that ended attached to the pool without its exit check left:
+    a `leak_dead_owner` finding naming the blocks it held and their requests (its live
+    sequences'), or a line when it held none. Its exit check (kvscope's at-exit hook) did not
+    run, so it did not end through Python's exit: os._exit (a forked worker's usual end), a
+    signal or a crash."""
+    b = view.blocks
+    mine = b["owner_pid"] == pid
+    held = np.flatnonzero(mine & (b["state"] == BlockState.ALLOCATED))
+    cached = int((mine & (b["state"] == BlockState.LOCAL)).sum())
+    how = "without closing it or running its exit check: os._exit, a signal or a crash"
+    if not len(held) and not cached:
+        return f"pid {pid} died while attached to the pool ({how}), holding no block"
+    seqs = view.seqs
+    live = (seqs["state"] != SeqState.EMPTY) & (seqs["owner_pid"] == pid)
+    names = list(dict.fromkeys(field_text(r) for r in seqs["request"][live].tolist()))
+    of = (
+        f" of request(s) {', '.join(map(repr, names[:3]))}"
+        + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if names
+        else ""
+    )
+    local = f" and {cached} free in its local cache" if cached else ""
+    return Finding(
+        FindingKind.LEAK_DEAD_OWNER,
+        f"pid {pid} died while attached to the pool ({how}), holding {len(held)} block(s)"
+        f"{of}{local}: they stay held until a survivor calls pool.reclaim_dead() or"
+        " `kvscope check --repair` runs",
+        block=int(held[0]) if len(held) else None,
+        owner_pid=pid,
+        request=names[0] if names else None,
+    )
 
 
 @dataclass
@@ -271,26 +306,10 @@ class Supervisor:
             w.dead_seen.add(pid)
             if os.path.exists(self._p(f"exit.{pid}")):
                 continue
-            b = w.view.blocks
-            mine = b["owner_pid"] == pid
-            held = np.flatnonzero(mine & (b["state"] == BlockState.ALLOCATED))
-            cached = int((mine & (b["state"] == BlockState.LOCAL)).sum())
+            said = dead_owner(w.view, pid)
             if not self._whole(w):
                 return out
-            if not len(held) and not cached:
-                out.append(f"pid {pid} died while attached to the pool, holding no block")
-                continue
-            local = f" and {cached} free in its local cache" if cached else ""
-            out.append(
-                Finding(
-                    FindingKind.LEAK_DEAD_OWNER,
-                    f"pid {pid} died while attached to the pool, holding {len(held)} block(s)"
-                    f"{local}: they stay held until a survivor calls pool.reclaim_dead() or"
-                    " `kvscope check --repair` runs",
-                    block=int(held[0]) if len(held) else None,
-                    owner_pid=pid,
-                )
-            )
+            out.append(said)
         return out
 
     def _sample(self, w: Watched, *, now: bool = False) -> None:

@@ -297,7 +297,11 @@ def _history_events(w: TraceWriter, history: History, locks: list[str]) -> None:
             "totals",
             POOL_PID,
             t,
-            {"preemptions": int(row["num_preemptions"]), "evictions": int(row["num_evictions"])},
+            {
+                "preemptions": int(row["num_preemptions"]),
+                "evictions": int(row["num_evictions"]),
+                "exhausted": int(row["num_exhausted"]),
+            },
         )
     for i, name in enumerate(locks[: s["lock_acquires"].shape[1]]):
         _lock_track(w, s, i, name)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from kvscope.allocator.dumpfile import dump_name, write_dump
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import ERROR, WARNING
+from kvscope.allocator.findings import ERROR, WARNING, Finding
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
@@ -122,7 +123,26 @@ def finish(
             else:
                 echo(f"kvscope: no dump of pool {w.name!r} was written (above)")
     else:
-        echo(f"kvscope run: {what}; {_clean_verdict(sup, found)}")
+        # A PoolExhausted the script caught leaves no finding and no leak, but it is the
+        # answer to "my server OOMs": said for each pool that raised one (before the verdict,
+        # which stays the last line).
+        for w, snap, _ in finals:
+            cap = capacity_answer(snap, w.history)
+            if cap["num_exhausted"]:
+                echo(f"kvscope run: pool {w.name!r}: {cap['answer']}")
+        # The final read holds the ring's findings again (the live lines printed them) beside
+        # what only the whole-pool check saw: print those too, and count each finding once.
+        said = {_said(f) for f in sup.live_findings}
+        late = []
+        for w, _, fs in finals:
+            for f in fs:
+                if _said(f) in said:
+                    continue
+                said.add(_said(f))
+                late.append(f)
+                shown = replace(f, severity=ERROR if fails(f, fail_on) else WARNING)
+                echo(f"kvscope: pool {w.name!r}: {shown.line()}")
+        echo(f"kvscope run: {what}; {_clean_verdict(sup, sup.live_findings + late)}")
     unfired = _report_unfired(sup)
     if outcome.failed:
         return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0), dumped
@@ -160,6 +180,11 @@ def settle_pools(sup: Supervisor, dumped: list[Watched], *, keep: bool) -> None:
                 f"kvscope: removed pool {w.name!r} from /dev/shm (its dump holds it;"
                 " --keep-pool keeps it)"
             )
+
+
+def _said(f: Finding) -> tuple[Any, ...]:
+    """What one printed finding line says: the same finding read live and again at the end."""
+    return (f.kind, f.block, f.owner_pid, f.request, f.message)
 
 
 def _clean_verdict(sup: Supervisor, found: list) -> str:

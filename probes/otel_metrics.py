@@ -72,6 +72,12 @@ COUNTERS = (
         "Prompt blocks served from the prefix index.",
     ),
     ("kvscope.pool.forks", "num_forks", "{sequence}", "Sequences forked (all blocks shared)."),
+    (
+        "kvscope.pool.exhausted",
+        "num_exhausted",
+        "{error}",
+        "PoolExhausted raised: takes that found no block left.",
+    ),
 )
 # (name, stats key, unit, description) of the pool gauges without extra attributes.
 GAUGES = (

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from kvscope.allocator.oplog import STORE_BLOCKS, STORE_SLOTS
-from kvscope.allocator.sites import caller_site
+from kvscope.allocator.sites import caller_stack, stack_depth
 
 if TYPE_CHECKING:
     from kvscope.allocator.pool import KVPool
@@ -150,14 +150,14 @@ class _PoolChecks:
         """Writers.check_slots."""
         written = writers._written
         if written is None:
-            written = _Written(writers, caller_site())
+            written = _Written(writers, caller_stack(stack_depth()))
         self._read_back(written, slots)
 
     def _blocks(self, writers: Writers) -> _Written:
         """The check's first part, at the store: recorded (its spans), then the blocks that
         hold the written positions checked; the tables and the store's line kept for the
         slots."""
-        written = _Written(writers, caller_site())
+        written = _Written(writers, caller_stack(stack_depth()))
         if getattr(self.pool, "recording", None):
             written.recorded = _record(self.pool, writers.spans, None, STORE_BLOCKS, -1)
         self._core_check(written.spans, None, written.tables, written.site, STORE_BLOCKS)

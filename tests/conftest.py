@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.allocator.segment import data_path, segment_path
+
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+class _InstalledKernels(importlib.abc.MetaPathFinder):
+    """Finds the top-level name `kernels` anywhere on sys.path but the repository's root.
+
+    `python -m pytest` puts the root first on sys.path (the tests import `tests.*`), and the
+    root's kernels/ folder, installed as `kvscope.kernels`, would then stand for the PyPI package
+    `kernels` that transformers 5 requires and imports when it is imported (ImportError: cannot
+    import name 'CUDAProperties' from 'kernels')."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "kernels":
+            return None
+        elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+        return importlib.machinery.PathFinder.find_spec(fullname, elsewhere)
+
+
+sys.meta_path.insert(0, _InstalledKernels())
 
 
 def _cleanup(name: str) -> None:

@@ -74,6 +74,24 @@ def test_analyze_live_pool_by_name_and_narrowed(capsys, make_pool):
     assert rep["request"]["sequences"][0]["num_tokens"] == 5
 
 
+def test_analyze_of_a_request_nothing_names_is_an_error(capsys, make_pool):
+    # GIVEN a pool with an error finding, and a request that finished (freed) with its events
+    pool = make_pool(32)
+    seq = pool.allocate("req-a", list(range(9)))
+    pool.view.blocks["refcount"][seq.block_table[0]] = 5
+    done = pool.allocate("req-done", list(range(100, 109)))
+    pool.free(done)
+    # WHEN it is analyzed for a request id nothing in the pool names (a typo)
+    code = main(["analyze", pool.name, "--request", "req-A"])
+    err = capsys.readouterr().err
+    # THEN that is one line and exit 2, not "health: OK" for a pool with an error
+    assert code == 2 and err.count("\n") == 1
+    assert "no request 'req-A' in this pool" in err
+    # AND a request that finished, which its block records still name, is narrowed to
+    code, rep = analyze_json(capsys, pool.name, "--request", "req-done")
+    assert code == 0 and rep["request"]["sequences"] == []
+
+
 def test_analyze_shows_the_last_events_of_a_block(capsys, make_pool, tmp_path, monkeypatch):
     # GIVEN a flight recorder showing block 3 freed twice in the same generation
     pool = make_pool(32)
@@ -270,6 +288,37 @@ def test_a_modified_published_block_names_the_requests_that_mapped_it_since(
     assert "mapped since its publication by</th><td>&#x27;a&#x27;, &#x27;b&#x27;" in html
     for s in (late, a, seq):
         pool.free(s)
+
+
+def test_a_modified_published_block_names_who_held_it_since_its_last_intact_check(
+    capsys, make_pool, monkeypatch, tmp_path
+):
+    # GIVEN a prompt block published by "owner" (then freed), hit and freed by "c" (its hit
+    # and its release verify the digest), then hit by "b", which writes into it; it is found
+    # at b's release
+    pool, seq = published_by_owner(make_pool, monkeypatch)
+    blk = seq.block_table[0]
+    pool.free(seq)
+    pool.free(pool.allocate("c", list(range(8)) + [60]))
+    b = pool.allocate("b", list(range(8)) + [80])
+    assert b.block_table[0] == blk
+    pool.kv[0, 0, blk, 1] = 2.0  # (b's write into the block it hit)
+    pool.free(b)
+    # WHEN analyzed
+    code, rep = analyze_json(capsys, pool.name)
+    # THEN besides everyone who mapped it since its publication, the finding names b's hit as
+    # the last check that found it intact, and b alone as holding it from then
+    f = next(f for f in rep["findings"] if f["kind"] == "published_block_modified")
+    assert f["block"] == blk and f["mapped_since_published"] == ["c", "b"]
+    assert (f["intact_at"]["op"], f["intact_at"]["request"]) == ("prefix_hit", "b")
+    assert f["held_since_intact"] == ["b"]
+    assert main(["analyze", pool.name]) == 1
+    assert "K/V intact at the prefix hit of 'b' (pid" in capsys.readouterr().out
+    # AND the HTML report says the same
+    assert main(["report", pool.name, "-o", str(tmp_path / "r.html")]) == 0
+    html = (tmp_path / "r.html").read_text()
+    assert "written after its last intact check</th><td>prefix hit of &#x27;b&#x27;" in html
+    assert "held since by &#x27;b&#x27;</td>" in html
 
 
 def test_the_text_shows_the_events_that_led_to_a_finding_not_the_blocks_later_life(

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from kvscope.allocator.layout import DUMP_HEADER_DTYPE, HEADER_DTYPE
+from kvscope.allocator.layout import DUMP_HEADER_DTYPE, FORMAT_VERSION, HEADER_DTYPE
 from kvscope.allocator.segment import segment_path
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump
@@ -74,15 +74,19 @@ def test_analyze_other_dump_version(capsys, dump):
 
 
 def test_analyze_other_segment_version(capsys, dump):
+    # An older format's dump (6: before the header recorded PoolExhausted) is one line.
+    old = FORMAT_VERSION - 1
     raw = bytearray(dump.read_bytes())
     off = DUMP_HEADER_DTYPE.itemsize + HEADER_DTYPE.fields["version"][1]
-    raw[off : off + 4] = (7).to_bytes(4, "little")
-    # The saved header copy names version 7 too: nothing in the file is readable by us.
+    raw[off : off + 4] = old.to_bytes(4, "little")
+    # The saved header copy names that version too: nothing in the file is readable by us.
     saved = DUMP_HEADER_DTYPE.fields["segment_header_prefix"][1] + HEADER_DTYPE.fields["version"][1]
-    raw[saved : saved + 4] = (7).to_bytes(4, "little")
+    raw[saved : saved + 4] = old.to_bytes(4, "little")
     dump.write_bytes(bytes(raw))
     assert main(["analyze", str(dump)]) == 2
-    assert "format version 7" in one_line_error(capsys)
+    assert f"format version {old}; this kvscope reads version {FORMAT_VERSION}" in (
+        one_line_error(capsys)
+    )
 
 
 def test_analyze_no_permission(capsys, dump, monkeypatch):
@@ -195,3 +199,52 @@ def test_run_missing_dump_dir(capsys, tmp_path):
 def test_top_bad_rate(capsys):
     assert main(["top", "x", "--hz", "0"]) == 2
     assert "--hz must be positive" in one_line_error(capsys)
+
+
+def test_run_bad_rate(capsys, tmp_path):
+    # --hz is top's rate under --live: a value top refuses is refused before the script starts
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    assert main(["run", "--live", "--hz", "-1", str(script)]) == 2
+    assert "--hz must be positive" in one_line_error(capsys)
+
+
+def test_write_into_a_directory_that_takes_no_file_says_so(capsys, make_pool):
+    # /proc exists but a file cannot be created there (ENOENT): not "does not exist"
+    pool = make_pool(16)
+    assert main(["dump", pool.name, "-o", "/proc/x.kvd"]) == 2
+    err = one_line_error(capsys)
+    assert "directory /proc takes no new file" in err and "does not exist" not in err
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_check_of_a_dump_file_points_at_analyze(dump, capsys, monkeypatch, relative):
+    # GIVEN a dump file, named by path or by its bare name in the current directory
+    if relative:
+        monkeypatch.chdir(dump.parent)
+    target = dump.name if relative else str(dump)
+    # WHEN it is given to check, which opens live pools only
+    assert main(["check", target]) == 2
+    # THEN the one line says it is a file and names the verb that reads it (not "no pool named")
+    line = one_line_error(capsys)
+    assert "is a file" in line and f"kvscope analyze {target}" in line
+
+
+def test_one_of_a_thing_is_said_in_the_singular(make_pool, capsys):
+    # GIVEN a one-layer pool and a repair that reclaimed one block of one sequence
+    from kvscope.verbs.check import describe_repair
+
+    pool = make_pool(16, num_layers=1)
+    done = {
+        "journals_rolled_back": [],
+        "processes": 1,
+        "dead_owners": [7],
+        "blocks": 1,
+        "sequences": 1,
+    }
+    # THEN neither says "1 layers" nor "1 sequences"
+    assert "reclaimed 1 block and 1 sequence from 1 dead process(es) (pid 7)" in describe_repair(
+        done
+    )
+    assert main(["analyze", pool.name]) == 0
+    assert "x 4 tokens, 1 layer, 2 kv heads" in capsys.readouterr().out

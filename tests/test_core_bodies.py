@@ -534,7 +534,7 @@ def test_a_check_that_needs_the_op_mutex_another_thread_holds_waits_for_it(make_
     # ran the publication again: both blocks published, nothing unhandled
     assert done.is_set() and mutex.refused == 1
     assert got == 2 and seq.num_published == 2 and _unhandled(pool) == unhandled
-    pool.probe.writes.settle(wait=True)
+    pool.probe.settle(wait=True)
     b = pool.view.blocks
     assert integrity.has_digest(b, np.asarray(seq.block_table[:2])).all()
     assert pool.check() == []
@@ -550,11 +550,11 @@ def test_digests_more_than_the_journal_holds_are_written_in_several_transactions
     bs = 256
     pool = make_pool(256, block_size=bs, max_blocks_per_seq=256)
     seq = pool.allocate("s", list(range(120 * bs)))
-    pool.probe.writes.later.settling = True  # (left waiting until the settle below)
+    pool.probe.later.settling = True  # (left waiting until the settle below)
     assert pool.mark_computed(seq, 120 * bs) == 120
-    pool.probe.writes.later.settling = False
+    pool.probe.later.settling = False
     unhandled = _unhandled(pool)
     # WHEN their answers are applied THEN every digest is written, nothing unhandled
-    pool.probe.writes.settle(wait=True)
+    pool.probe.settle(wait=True)
     assert integrity.has_digest(pool.view.blocks, np.asarray(seq.block_table)).all()
     assert _unhandled(pool) == unhandled and pool.check() == []

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from kvscope.allocator import KVPool, faults, probing, sites
+from kvscope.allocator import KVPool, faults, probing
 from kvscope.allocator.findings import Finding
 from kvscope.probes.lockdep import LockDep
 from kvscope.probes.lockgraph import SegmentGraph, call_site, cycle_finding, find_path
@@ -81,11 +81,9 @@ def test_report_recovers_a_dead_holder_of_the_findings_lock(make_pool, pool_name
 
 
 def test_sites_are_interned_by_the_core(make_pool, monkeypatch):
-    # GIVEN the ownership probe on a handle, and sites.py's recorder refused
+    # GIVEN the ownership probe on a handle
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     pool = make_pool(16)
-    _refuse(monkeypatch, sites.SiteTable, "site")
-    _refuse(monkeypatch, sites.SiteTable, "_intern")
     # WHEN two allocations at two lines, and one at the first line again
     seqs = [pool.allocate(f"r{i}", [i] * 5) for i in range(2)]
     seqs.append(pool.allocate("r2", [9] * 5))
@@ -98,18 +96,41 @@ def test_sites_are_interned_by_the_core(make_pool, monkeypatch):
     assert site[seqs[2].block_table[0]] != site[seqs[0].block_table[0]]
 
 
-def test_a_full_site_table_takes_no_more(make_pool):
-    # GIVEN a site table filled to its last entry
-    pool = make_pool(16)
-    core = pool._core
+def test_a_full_site_table_takes_no_more(make_pool, monkeypatch):
+    # GIVEN the ownership probe on a handle, and a script with one allocation on each of
+    # NUM_SITES + 1 lines (each line one site)
     from kvscope.allocator.layout import NUM_SITES
 
-    for i in range(NUM_SITES):
-        assert core.intern_site(f"site {i}".encode()) == i
-    # WHEN a new text comes, THEN it gets no entry; a known one keeps its own
-    assert core.intern_site(b"one too many") == -1
-    assert core.intern_site(b"site 7") == 7
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    pool = make_pool(16)
+    lines = "\n".join(f"seqs.append(pool.allocate('r{i}', [{i}]))" for i in range(NUM_SITES + 1))
+    code = compile(lines, "sites_script.py", "exec")
+    # (and another code object with the allocation on the 8th line of the same file)
+    again = compile(
+        "\n" * 7 + "seqs.append(pool.allocate('again', [7]))", "sites_script.py", "exec"
+    )
+    site = pool.view.blocks["site"]
+    # WHEN each allocation's block is read and the sequence freed, line by line
+    sites = []
+
+    def take(seq):
+        sites.append(int(site[seq.block_table[0]]))
+        pool.free(seq)
+
+    class Taker(list):
+        def append(self, seq):
+            take(seq)
+
+    exec(code, {"pool": pool, "seqs": Taker()})
+    exec(again, {"pool": pool, "seqs": Taker()})
+    # THEN the first NUM_SITES lines got entries 0..NUM_SITES-1, the one more none (-1), and
+    # the 8th line again keeps its own entry
+    assert sites[:NUM_SITES] == list(range(NUM_SITES))
+    assert sites[NUM_SITES] == -1
+    assert sites[-1] == 7
     assert int(pool.view.h["num_sites_used"]) == NUM_SITES
+    texts = [bytes(t).decode() for t in pool.view.sites["text"][:2]]
+    assert texts == ["sites_script.py:1 <module>", "sites_script.py:2 <module>"], texts
 
 
 def test_a_double_free_is_written_by_the_core(make_pool, probes, monkeypatch):

@@ -26,6 +26,11 @@ LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
 BS = 4
 
 
+def _tagged(digest: int, generation: int) -> int:
+    """A `kv_digest` word (docs/FORMAT.md): the digest's high half over the block's generation."""
+    return ((digest >> 32) << 32) | (generation & 0xFFFF_FFFF)
+
+
 def _pool(
     name: str, dtype: str = "float32", layers: int = 2, device: str = "cpu", events: int = 256
 ) -> KVPool:
@@ -290,7 +295,7 @@ def test_each_planted_write_is_found_the_same_way_through_the_queue(
     if WAYS[way]:
         monkeypatch.setattr(devicechecks, "RING_WORDS", WAYS[way])
     pool = _probed(pool_name, monkeypatch, deferred=True)
-    assert pool.probe.writes.later is not None and pool._core.device_stats() is not None
+    assert pool.probe.later is not None and pool._core.device_stats() is not None
     # WHEN the same bad write happens on both
     # THEN both report it with the same kind, block, message and request
     assert _found(pool, scenario) == direct
@@ -303,7 +308,7 @@ def test_a_full_ring_reads_its_oldest_answers_first_and_mixes_none_up(pool_name,
     monkeypatch.setattr(devicechecks, "RING_WORDS", 40)
     pool = _probed(pool_name, monkeypatch, True)
     try:
-        later = pool.probe.writes.later
+        later = pool.probe.later
         monkeypatch.setattr(later, "settling", True)
         seqs = []
         ops = pool._core.stats()["native_ops"]
@@ -325,7 +330,7 @@ def test_a_full_ring_reads_its_oldest_answers_first_and_mixes_none_up(pool_name,
         b = pool.view.blocks
         want = block_digests(pool.kv, published, BS)
         assert b["kv_digest"][published].tolist() == [
-            integrity.tagged(d, int(b["generation"][blk])) for d, blk in zip(want, published)
+            _tagged(d, int(b["generation"][blk])) for d, blk in zip(want, published)
         ]
         assert later.waiting() == 0 and pool.check() == [] and pool.findings() == []
     finally:
@@ -360,13 +365,13 @@ def _burst_held_back(pool, monkeypatch, tag: str, token: int) -> list[int]:
     """Six prompts of four full blocks each published and freed while the digests' answers are
     held back (a GPU still busy); the blocks."""
     many: list[int] = []
-    monkeypatch.setattr(pool.probe.writes.later, "settling", True)
+    monkeypatch.setattr(pool.probe.later, "settling", True)
     for i in range(6):
         s = _written(pool, f"{tag}{i}", [token + i] * 17)
         pool.mark_computed(s, 16)
         many += s.block_table[:4]
         pool.free(s)
-    monkeypatch.setattr(pool.probe.writes.later, "settling", False)
+    monkeypatch.setattr(pool.probe.later, "settling", False)
     return many
 
 
@@ -386,21 +391,21 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         published = seq.block_table[:2]
         b = pool.view.blocks
         assert (b["kv_digest"][published] == 0).all()
-        assert pool.probe.writes.later.waiting() == 1
+        assert pool.probe.later.waiting() == 1
         pool.free(seq)
         assert b["kv_digest"][published].tolist() == [
-            integrity.tagged(d, int(b["generation"][blk]))
+            _tagged(d, int(b["generation"][blk]))
             for d, blk in zip(block_digests(pool.kv, published, BS), published)
         ]
         # WHEN a block is published, and evicted before its digest's answer is read (a GPU still
         # busy: the answers held back)
         seq = _written(pool, "b", [50 + i for i in range(5)])
-        monkeypatch.setattr(pool.probe.writes.later, "settling", True)
+        monkeypatch.setattr(pool.probe.later, "settling", True)
         pool.mark_computed(seq, 5)
         blk = seq.block_table[0]
         pool.free(seq)
         assert pool.evict(48) >= 1 and pool.view.blocks["indexed"][blk] == 0
-        monkeypatch.setattr(pool.probe.writes.later, "settling", False)
+        monkeypatch.setattr(pool.probe.later, "settling", False)
         pool.verify()
         # THEN the late digest is not written into the record of what the block is now
         assert pool.view.blocks["kv_digest"][blk] == 0
@@ -410,7 +415,7 @@ def test_deferred_digests_reach_the_records_of_blocks_still_published(pool_name,
         pool.verify()
         # THEN the core writes every one
         assert integrity.has_digest(pool.view.blocks, np.asarray(many)).all()
-        assert pool.probe.writes.later.waiting() == 0 and pool.check() == []
+        assert pool.probe.later.waiting() == 0 and pool.check() == []
     finally:
         _close(pool)
 
@@ -421,7 +426,7 @@ def test_answers_of_a_program_that_never_frees_do_not_pile_up(pool_name, monkeyp
     monkeypatch.setattr(devicechecks, "MAX_PENDING", 3)
     pool = _probed(pool_name, monkeypatch, True)
     try:
-        later = pool.probe.writes.later
+        later = pool.probe.later
         seq = _written(pool, "long", list(range(9)))
         # WHEN one request grows and publishes block after block, with no allocation or free
         most = 0
@@ -467,7 +472,9 @@ def test_a_clean_guarded_request_runs_in_the_core(pool_name, monkeypatch):
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "deferred"])
-def test_the_cores_never_written_check_is_integritys(pool_name, monkeypatch, deferred):
+def test_the_cores_never_written_check_names_each_block_and_position(
+    pool_name, monkeypatch, deferred
+):
     # GIVEN guard mode on the C core (on the bytes, or through its queue) and a request of three
     # blocks whose K/V is written but for a few positions, in two of its blocks
     pool = _probed(pool_name, monkeypatch, deferred)
@@ -479,17 +486,14 @@ def test_the_cores_never_written_check_is_integritys(pool_name, monkeypatch, def
                 blk = seq.block_table[pos // BS]
                 pool.kv[:, :, blk, pos % BS] = 1.0
         table = list(seq.block_table)
-        want = integrity.unwritten_slots(pool.kv, table, 10, BS)
+        # (block, first and last unwritten position, how many) of the first 10 positions
+        want = [(table[0], 1, 2, 2), (table[1], 6, 6, 1)]
         # WHEN it finishes
         pool.free(seq)
         pool.verify()
-        # THEN the core reports what integrity.unwritten_slots finds: each block, its first and
-        # last unwritten position and how many, naming the request
+        # THEN the core reports each block, its first and last unwritten position and how
+        # many, naming the request
         got = [f for f in pool.findings() if f.kind == "kv_never_written"]
-        assert [(blk, first, last, n) for blk, first, last, n in want] == [
-            (table[0], 1, 2, 2),
-            (table[1], 6, 6, 1),
-        ]
         assert [(f.block, f.request) for f in got] == [(blk, "a") for blk, *_ in want]
         for f, (_, first, last, n) in zip(got, want):
             assert f.message == integrity.UNWRITTEN_MESSAGE.format(
@@ -505,8 +509,19 @@ def test_the_cores_never_written_check_is_integritys(pool_name, monkeypatch, def
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize(
     "bs,layers,heads,dim",
-    # rows of 1, 6, 112, 128, 256 and 432 elements (16-bit ones in chunks of 128, and the rest)
-    [(1, 1, 1, 1), (4, 2, 2, 3), (16, 3, 1, 7), (16, 1, 1, 8), (16, 1, 2, 8), (16, 2, 3, 9)],
+    # rows of 1, 6, 112, 128, 256 and 432 elements (16-bit ones in chunks of 128, and the rest);
+    # slot provenance's slot pass (16-bit slots of 8 to 128 elements) over a block of 6 slots
+    # and over slots of 128 elements, the most it takes
+    [
+        (1, 1, 1, 1),
+        (4, 2, 2, 3),
+        (16, 3, 1, 7),
+        (16, 1, 1, 8),
+        (16, 1, 2, 8),
+        (16, 2, 3, 9),
+        (6, 2, 1, 8),
+        (4, 1, 16, 8),
+    ],
 )
 @pytest.mark.parametrize("fill", ["random", "lowest", "highest"])
 @pytest.mark.parametrize("provenance", [0, 1], ids=["", "provenance"])
@@ -610,7 +625,7 @@ def test_a_deferred_canary_check_reports_as_a_direct_one(pool_name, monkeypatch)
     deferred = _probed(pool_name, monkeypatch, deferred=True)
     pools = (deferred, direct)
     try:
-        assert deferred.probe.writes.later is not None
+        assert deferred.probe.later is not None
         for pool in pools:
             pool.free(_written(pool, "warm-up", [1, 2, 3]))
             _past_end(pool)
@@ -621,7 +636,7 @@ def test_a_deferred_canary_check_reports_as_a_direct_one(pool_name, monkeypatch)
         # WHEN the pool is verified THEN the same finding comes, and the canary is whole again
         deferred.verify()
         assert _findings(deferred) == _findings(direct)
-        assert deferred.verify() == [] and deferred.probe.writes.later.waiting() == 0
+        assert deferred.verify() == [] and deferred.probe.later.waiting() == 0
         # WHEN another request writes past its end and is freed THEN its answer is read at the
         # next free (or abort), before that one's own operation
         for pool in pools:
@@ -636,7 +651,7 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
     # GIVEN a handle whose C core queues its checks of the K/V itself (answered later)
     pool = _probed(pool_name, monkeypatch, True)
     try:
-        later = pool.probe.writes.later
+        later = pool.probe.later
         core = pool._core
         assert core.device_stats()["waiting"] == 0
         # WHEN nothing waits THEN there is nothing to take
@@ -656,7 +671,7 @@ def test_the_cores_own_queue_of_checks_keeps_its_contract(pool_name, monkeypatch
         assert not integrity.has_digest(b, np.asarray(published)).any()
         assert core.device_take(pool, True, -1) is None
         assert b["kv_digest"][published].tolist() == [
-            integrity.tagged(d, int(b["generation"][blk]))
+            _tagged(d, int(b["generation"][blk]))
             for d, blk in zip(block_digests(pool.kv, published, BS), published)
         ]
         assert later.waiting() == 0
@@ -692,7 +707,7 @@ def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkey
     pool = _probed(pool_name, monkeypatch, True)
     try:
         seq = _written(pool, "a", list(range(9)))
-        monkeypatch.setattr(pool.probe.writes.later, "settling", True)
+        monkeypatch.setattr(pool.probe.later, "settling", True)
         pool.mark_computed(seq, 9)
         assert pool._core.device_stats()["waiting"] == 1
         # WHEN the probes are set on the handle again (a new PoolProbes)
@@ -701,7 +716,7 @@ def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkey
         pool.probe = PoolProbes(pool, pool.probe.flags)
         # THEN the new probe took the waiting answers (the digests are in the records) and
         # configured the core's queue for itself, which goes on working
-        later = pool.probe.writes.later
+        later = pool.probe.later
         assert later.core is pool._core and later.waiting() == 0
         assert pool._core.device_stats() is not None
         assert integrity.has_digest(pool.view.blocks, np.asarray(seq.block_table[:2])).all()

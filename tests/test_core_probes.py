@@ -110,8 +110,8 @@ def test_the_core_reverifies_the_header_and_the_free_counts(pool_name, monkeypat
 
 
 def test_stats_asks_the_core_to_verify_on_one_clock(pool_name, monkeypatch):
-    # GIVEN the C core with magic and leaks on, past its first periodic check, the probe's own
-    # (Python) verification counted, and a callback for findings
+    # GIVEN the C core with magic and leaks on, past its first periodic check, pool.verify()
+    # counted, and a callback for findings
     import time
 
     pool = _magic_and_leaks(pool_name, monkeypatch)
@@ -119,8 +119,8 @@ def test_stats_asks_the_core_to_verify_on_one_clock(pool_name, monkeypatch):
     pool.on_finding = seen.append
     try:
         runs: list[int] = []
-        verify = pool.probe._verify
-        monkeypatch.setattr(pool.probe, "_verify", lambda: (runs.append(1), verify())[1])
+        verify = pool.verify
+        monkeypatch.setattr(pool, "verify", lambda: (runs.append(1), verify())[1])
         # WHEN stats() asks for the periodic check, past the interval, again and again, on a
         # clean pool
         for _ in range(3):
@@ -143,6 +143,56 @@ def test_stats_asks_the_core_to_verify_on_one_clock(pool_name, monkeypatch):
         )
         assert f", expected {was:02x}" in f.message
         assert [(g.kind, g.message) for g in seen] == [(f.kind, f.message)]
+    finally:
+        lockdep.LOCKDEP.uninstrument(pool)
+        pool.close()
+        pool.unlink()
+
+
+def test_verify_is_the_cores_check_at_once_reported_once_and_not_recursive(pool_name, monkeypatch):
+    # GIVEN the C core with magic and leaks on, just past an operation (its periodic check not
+    # due), and a callback for findings that calls verify() again
+    pool = _magic_and_leaks(pool_name, monkeypatch)
+    seen: list = []
+    inner: list = []
+
+    def on_finding(f) -> None:
+        seen.append(f)
+        inner.append(pool.verify())
+
+    pool.on_finding = on_finding
+    try:
+        pool.free(pool.allocate("a", [1, 2, 3]))
+        # WHEN the pool is clean THEN verify() finds nothing
+        assert pool.verify() == [] and pool.findings() == []
+        # WHEN the free ring loses a block THEN verify(), at once, reports free_list_corrupt
+        pool.view.ring_header["count"] -= 1
+        (f,) = pool.verify()
+        assert f.kind == "free_list_corrupt" and "the free ring holds" in f.message
+        pool.view.ring_header["count"] += 1
+        # WHEN a byte of the header's num_blocks is scribbled over
+        off = pool.view.header.dtype.fields["num_blocks"][1]
+        was = int(pool.view.raw[off])
+        pool.view.raw[off] ^= 0xFF
+        (f,) = pool.verify()
+        # THEN verify() returns header_corrupt naming the byte, its field, found and expected
+        assert f.kind == "header_corrupt" and f.block is None
+        assert f.extra["offset"] == off and f.extra["field"] == "num_blocks"
+        assert f.extra["found"][:2] == f"{was ^ 0xFF:02x}"
+        assert f.extra["expected"][:2] == f"{was:02x}"
+        assert f.message.startswith(f"segment header changed at byte {off} (num_blocks)")
+        # THEN each finding was written once by the core and handed to the callback, whose
+        # own verify() did not recurse
+        assert [g.kind for g in pool.findings()] == ["free_list_corrupt", "header_corrupt"]
+        assert [(g.kind, g.message) for g in seen] == [
+            ("free_list_corrupt", seen[0].message),
+            (f.kind, f.message),
+        ]
+        assert inner == [[], []]
+        # WHEN verify() is asked again THEN what it reported is not reported twice
+        assert pool.verify() == []
+        assert len(pool.findings()) == 2
+        pool.view.raw[off] ^= 0xFF
     finally:
         lockdep.LOCKDEP.uninstrument(pool)
         pool.close()

@@ -1,5 +1,5 @@
 """What the C core records and reports itself: a call site's text, composed and interned by the
-core (sites.py's recorder never called); a release or preemption whose table holds a block
+core (Python has no recorder of sites); a release or preemption whose table holds a block
 already free or a scribbled record, and an append filling a block whose record is scribbled,
 each reported once (the probe's Python finding writers never called); the live sequences and
 the slots sampled guard mode guards."""
@@ -37,12 +37,10 @@ def _site_of_block(pool: KVPool, seq) -> int:
 
 
 def test_the_core_composes_a_site_as_sites_py_does(make_pool, monkeypatch):
-    # GIVEN the ownership probe (one frame a site) on the core, sites.py's recorder refused
+    # GIVEN the ownership probe (one frame a site) on the core
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     monkeypatch.delenv("KVSCOPE_STACK_DEPTH", raising=False)
     pool = make_pool(16)
-    _refuse(monkeypatch, sites.SiteTable, "site")
-    _refuse(monkeypatch, sites.SiteTable, "_intern")
     ops = pool._core.stats()["native_ops"]
     # WHEN a sequence is allocated twice from one line
     (a, frame), (b, _) = _alloc(pool, "a"), _alloc(pool, "b")
@@ -54,12 +52,10 @@ def test_the_core_composes_a_site_as_sites_py_does(make_pool, monkeypatch):
 
 
 def test_the_core_composes_a_stack_as_sites_py_does(make_pool, monkeypatch):
-    # GIVEN stacks of 2 frames, sites.py's recorder refused
+    # GIVEN stacks of 2 frames
     monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
     monkeypatch.setenv("KVSCOPE_STACK_DEPTH", "2")
     pool = make_pool(16)
-    _refuse(monkeypatch, sites.SiteTable, "site")
-    _refuse(monkeypatch, sites.SiteTable, "_intern")
     ops = pool._core.stats()["native_ops"]
     # WHEN one stack allocates twice
     ((a, inner), outer), ((b, _), _) = _outer(pool, "a"), _outer(pool, "b")

@@ -55,3 +55,63 @@ def test_a_copy_skipped_or_written_around_is_told_apart(probes, monkeypatch, mak
         assert cause.startswith("copy-on-write copies not made")
     else:
         assert cause.startswith("K/V written through a block table from before pool.append")
+
+
+def test_a_copy_of_positions_never_written_in_its_source_is_not_blamed_on_the_copy(
+    probes, monkeypatch, make_pool
+):
+    # GIVEN a parent whose positions 4-5 were never stored in its own block (its K/V went
+    # into a sibling's slots, say), forked, and the fork's copy made as append asked
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
+    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
+    _write(pool, pool.slot_mapping(parent, 0, 4))  # positions 4-5: never
+    child = pool.fork(parent, "c")
+    ((src, dst),) = pool.append(child, [7])
+    copy_blocks(pool.kv, torch.tensor([src]), torch.tensor([dst]), pool=pool)
+    _write(pool, pool.slot_mapping(child, 6, 7))
+    pool.free(child)
+    pool.free(parent)
+    # WHEN analyzed
+    report = analyze_view(pool.view)
+    # THEN both blocks are kv_never_written at positions 4-5, and the copy is not called
+    # skipped: its source was never written there
+    unwritten = {f["block"]: f for f in report["findings"] if f["kind"] == "kv_never_written"}
+    assert set(unwritten) == {src, dst} and unwritten[dst]["copied_from"] == src
+    (cause,) = report["likely_causes"]
+    assert cause.startswith("copy-on-write copies of positions never written in their source")
+    assert f"'c' block {dst} copied from {src}" in cause
+
+
+def test_a_fork_writing_its_new_token_through_another_sequence_s_table_is_not_a_blank_copy(
+    probes, monkeypatch, make_pool
+):
+    # GIVEN a parent and two forks sharing a partial block, each append's copy made, and the
+    # forks writing their new token through the parent's table (into the parent's copy)
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
+    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
+    _write(pool, pool.slot_mapping(parent, 0, 6))
+    kids = [pool.fork(parent, "c1"), pool.fork(parent, "c2")]
+    made = {}
+    for seq, tok in zip([parent, *kids], [7, 8, 9]):
+        for src, dst in pool.append(seq, [tok]):
+            copy_blocks(pool.kv, torch.tensor([src]), torch.tensor([dst]), pool=pool)
+            made[seq.request_id] = (src, dst)
+        _write(pool, pool.slot_mapping(parent, 6, 7))  # the forks' bug: the parent's table
+    for seq in (parent, *kids):  # one more token each (a request's last position is not checked)
+        pool.append(seq, [10])
+        _write(pool, pool.slot_mapping(seq, 7, 8))
+    for seq in (*kids, parent):
+        pool.free(seq)
+    # WHEN analyzed
+    report = analyze_view(pool.view)
+    # THEN c1's copy (its new token's position unwritten, as is the source's, which c2 kept)
+    # is named as a write through another table, not as a copy of unwritten K/V
+    src, dst = made["c1"]
+    unwritten = {f["block"]: f for f in report["findings"] if f["kind"] == "kv_never_written"}
+    assert unwritten[dst]["copied_from"] == src and src in unwritten
+    (cause,) = report["likely_causes"]
+    assert cause.startswith("K/V written through a block table from before pool.append")
+    assert "into another sequence's block through its table" in cause
+    assert f"'c1' block {dst} copied from {src}" in cause

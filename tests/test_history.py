@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
+from kvscope.allocator import PoolError, PoolExhausted
 from kvscope.allocator.snapshot import snapshot
 from kvscope.capacity import capacity_answer
 from kvscope.cli import main
@@ -119,3 +121,37 @@ def test_analyze_reads_the_history_beside_a_dump(make_pool, tmp_path, capsys):
     got = capsys.readouterr()
     assert json.loads(got.out)["capacity"]["source"] == "snapshot"
     assert "warning" in got.err and "not a kvscope history file" in got.err
+
+
+def test_capacity_sizes_the_pool_for_both_the_preemption_and_the_exhaustion(make_pool):
+    # GIVEN the preempting run (peak demand 20 of 16), then a prompt of 10 blocks with 2 free
+    pool = make_pool(16, local_cache_size=0)
+    h = History.for_view(pool.view)
+    preempting_run(pool, h)
+    with pytest.raises(PoolExhausted):
+        pool.allocate("req-d", list(range(300, 340)))
+    h.add(pool.view)
+    cap = capacity_answer(snapshot(pool.view), h)
+    # THEN the size named covers the exhausted take too: 16 + (10 - 2) = 24 blocks, not the
+    # samples' peak of 20
+    assert (cap["peak_demand"], cap["num_preemptions"], cap["num_exhausted"]) == (20, 1, 1)
+    assert cap["exhaustion_cause"] == "pool_too_small"
+    assert cap["pool_size_without_preemption"] == 24
+    assert cap["answer"].startswith("pool too small: PoolExhausted raised 1 time;"), cap["answer"]
+    assert cap["answer"].endswith(
+        "a pool of 24 blocks (+8) would have served this run without preemption or PoolExhausted"
+    ), cap["answer"]
+
+
+def test_a_history_without_a_counter_column_is_one_line_naming_it(make_pool, tmp_path):
+    # GIVEN a history file written before the pool counted PoolExhausted (no such column)
+    pool = make_pool(16)
+    h = History.for_view(pool.view)
+    h.add(pool.view)
+    d = h.to_json()
+    del d["columns"]["num_exhausted"]
+    path = tmp_path / "old.history.json"
+    path.write_text(json.dumps(d))
+    # WHEN it is read THEN the error says which column it lacks
+    with pytest.raises(PoolError, match="no column num_exhausted: written by another kvscope"):
+        read_history(str(path))

@@ -263,6 +263,30 @@ def test_guard_canaries_of_held_and_cached_blocks_are_verified(make_pool, probes
     pool.free(held)
 
 
+def test_verify_scans_a_cpu_pools_canaries_in_the_core_once_per_block(
+    make_pool, probes, monkeypatch
+):
+    # GIVEN a guard-mode CPU pool (the core maps its K/V), whose Python scan may not run, and a
+    # held block whose guard slot was hit
+    from kvscope.allocator import integrity
+
+    monkeypatch.setattr(integrity, "broken_canaries", lambda *a, **k: pytest.fail("scanned"))
+    pool = make_pool(16, guard=True)
+    held = pool.allocate("held", list(range(5)))
+    blk = held.block_table[0]
+    assert pool.verify() == []
+    pool.kv[0, 1, blk, pool.block_size] = 1.0
+    # WHEN the pool is verified, twice
+    (f,) = pool.verify()
+    again = pool.verify()
+    # THEN the core's scan reports the block once, with its owner and request, into the ring
+    assert (f.kind, f.block, f.request, f.owner_pid) == ("guard_violation", blk, "held", pool.pid)
+    assert again == []
+    assert [(g.kind, g.block) for g in pool.findings()] == [("guard_violation", blk)]
+    pool.kv[0, 1, blk, pool.block_size] = pool.kv[0, 0, blk, pool.block_size]
+    pool.free(held)
+
+
 @pytest.mark.gpu
 def test_on_a_cuda_pool_the_digest_kernel_and_the_poison_check_find_the_writes(pool_name, probes):
     # GIVEN a guard-mode CUDA pool (the digest runs as a Triton kernel there)

@@ -7,6 +7,7 @@ import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,6 +33,12 @@ def test_the_built_core_has_todays_layout():
         ("LOCK_SIZE", 104),  # a record grew
         ("CHUNK", 64),  # a constant changed on one side
         ("EVICT_BATCH", None),  # a constant the core does not know
+        ("HDR_NEXT_SEQ_ID", 1376),  # a header field moved
+        ("CF_OP", 40),  # a client record field moved
+        ("FD_MESSAGE_BYTES", 100),  # a text field shrank
+        ("SITE_SIZE", 136),  # a record of the probes' sections grew
+        ("NUM_SITES", 512),  # a section's capacity changed
+        ("CL_DETACHED", 3),  # a state's value changed
     ],
 )
 def test_a_core_built_for_another_layout_raises(change):
@@ -47,6 +54,26 @@ def test_a_core_built_for_another_layout_raises(change):
         native.check_layout(built)
     assert "pip install" in str(err.value)
     assert isinstance(err.value, ImportError)
+
+
+def test_the_core_takes_no_record_offsets_at_run_time(make_pool, monkeypatch):
+    # GIVEN a pool, and a core whose construction is watched
+    pool = make_pool(16)
+    seen = {}
+
+    class Watch:
+        def __init__(self, mm, fd, layout):
+            seen.update(layout)
+
+    monkeypatch.setattr(native, "_native", type("M", (), {"Native": Watch}))
+    # WHEN a handle's core is made
+    native.core_for(pool, SimpleNamespace(mm=None, fd=-1), {})
+    # THEN its run-time layout holds what depends on the pool (geometry, sections, this client)
+    assert seen["off_clients"] == pool.view.offsets["clients"] and seen["client"] == pool.client
+    # AND none of the records' fixed offsets and sizes, which layout.h holds
+    fixed = ("cf_", "fd_", "lg_", "c_", "off_hdr", "site_", "finding", "lockgraph_")
+    assert [k for k in seen if k.startswith(fixed)] == ["finding_severity"]
+    assert not {"header_fields", "header_check_bytes", "journal_entries", "num_sites"} & set(seen)
 
 
 def test_a_missing_core_is_one_line_at_import_saying_how_to_rebuild(tmp_path):

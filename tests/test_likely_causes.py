@@ -58,12 +58,83 @@ def _f(kind: str, message: str = "") -> dict[str, str]:
 
 
 def test_no_cause_is_named_from_one_kind_alone_or_without_guard_slots():
-    assert likely_causes(GUARD, [_f("guard_violation")]) == []
+    # (a guard violation alone is a write one past a full block: tests/test_user_trial.py)
+    (alone,) = likely_causes(GUARD, [_f("guard_violation")])
+    assert alone.startswith("guard slots overwritten, and no mapped slot left unwritten")
     assert likely_causes(GUARD, [_f("kv_never_written")]) == []
     plain = {"block_size": 4, "slots_per_block": 4}
     assert likely_causes(plain, [_f("guard_violation"), _f("kv_never_written")]) == []
     # a published block changed since it was written is not an unwritten one
     changed = _f("published_block_modified", "K/V changed since request 'a' published it")
-    assert likely_causes(GUARD, [_f("guard_violation"), changed]) == []
+    assert likely_causes(GUARD, [_f("guard_violation"), changed]) == [alone]
     blank = _f("published_block_modified", "published before its K/V was written: ...")
     assert likely_causes(GUARD, [_f("guard_violation"), blank])
+
+
+@pytest.mark.parametrize("prefill", ["last_block", "right"])
+def test_blocks_published_unwritten_and_hit_name_their_readers(probes, make_pool, prefill):
+    # GIVEN a request whose prefill stores every position into the slots of its last block
+    # (a slot worked out from the wrong block), publishes its prompt and finishes
+    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4, guard=True)
+    prompt = list(range(1, 11))  # two full blocks and a partial one
+    a = pool.allocate("a", prompt)
+    spb = pool.slots_per_block
+    for pos in range(len(prompt)):
+        blk = a.block_table[-1] if prefill == "last_block" else a.block_table[pos // BS]
+        pool.kv[:, :, blk, pos % BS] = 1.0
+    pool.mark_computed(a, len(prompt))
+    shared = a.block_table[:2]
+    pool.free(a)
+    # WHEN two later requests hit its published blocks (and store only their own positions)
+    for rid in ("b", "c"):
+        seq = pool.allocate(rid, prompt[:8] + [50, 51])
+        assert seq.block_table[:2] == shared and seq.num_cached_tokens == 8
+        for pos in range(8, 10):
+            pool.kv[:, :, seq.block_table[pos // BS], pos % BS] = 1.0
+        pool.free(seq)
+    report = analyze_view(pool.view)
+    assert spb == BS + 1
+    if prefill == "right":
+        assert "likely_causes" not in report and not report["findings"]
+        return
+    # THEN each shared block's kv_never_written names the requests that read it, and the
+    # cause says the K/V went elsewhere before the publication
+    unwritten = {f["block"]: f for f in report["findings"] if f["kind"] == "kv_never_written"}
+    for blk in shared:
+        assert unwritten[blk]["request"] == "a" and unwritten[blk]["read_unwritten"] == ["b", "c"]
+    (cause,) = report["likely_causes"]
+    assert cause.startswith("blocks published with positions never written, then read")
+    assert "read by 'b', 'c'" in cause and "pool.slot_mapping" in cause
+
+
+@pytest.mark.parametrize("end", ["abort", "free", "none"])
+def test_a_store_after_its_request_was_aborted_names_the_abort(probes, make_pool, end):
+    import torch
+
+    from kvscope.kernels import store_kv
+    from kvscope.probes.stores import Writers
+
+    # GIVEN a step that worked out a request's slots, then the request ended (an abort from
+    # another thread, or a free) before the step stored its K/V through those slots
+    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
+    seq = pool.allocate("r1", [1, 2, 3, 4, 5, 6])
+    slots = torch.tensor(pool.slot_mapping(seq, 0, 6))
+    writers = Writers(pool, [(seq, 0, 6)])
+    if end == "abort":
+        pool.abort(seq)
+    elif end == "free":
+        pool.free(seq)
+    k = torch.ones(6, 1, 4)
+    store_kv(k, k, pool.kv[0, 0], pool.kv[0, 1], slots, writers=writers)
+    report = analyze_view(pool.view)
+    causes = report.get("likely_causes", [])
+    if end == "none":
+        assert not report["findings"] and not causes
+        return
+    # THEN the write after free is found; the cause is named for the abort only
+    assert {f["kind"] for f in report["findings"]} == {"use_after_free"}
+    raced = [c for c in causes if c.startswith("K/V written into blocks after their own request")]
+    if end == "abort":
+        assert len(raced) == 1 and "'r1' block" in raced[0]
+    else:
+        assert raced == []

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
@@ -114,6 +117,7 @@ def test_pool_metrics_after_a_known_sequence(otel, make_pool):
         "kvscope.pool.prefix.queries": 4,
         "kvscope.pool.prefix.hits": 2,
         "kvscope.pool.forks": 1,
+        "kvscope.pool.exhausted": 0,
         "kvscope.pool.utilization": 4 / 16,
         "kvscope.pool.internal_fragmentation": 3 / 16,
         "kvscope.pool.refcount.peak": 2,
@@ -305,3 +309,37 @@ def test_a_gpu_pool_s_series_carry_its_gpu_s_nvml_index(monkeypatch):
     # AND under CUDA_VISIBLE_DEVICES, cuda:1 is the second GPU listed (NVML numbers them all)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert pool_attributes("p-rank1", "cuda:1")["kvscope.gpu.index"] == 5
+
+
+def test_the_doc_says_where_the_instrumentor_comes_from_and_its_metrics_move(make_pool):
+    # GIVEN docs/METRICS.md, read by someone instrumenting their own engine
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "METRICS.md").read_text()
+    (line,) = re.findall(r"`(from kvscope\.[a-z_.]+ import KVPoolInstrumentor)`", doc)
+    scope: dict = {}
+    exec(line, scope)
+
+    # WHEN the import it names instruments a pool with collect=True and an in-memory reader
+    reader = InMemoryMetricReader()
+    pool = make_pool(32)
+    inst = scope["KVPoolInstrumentor"]()
+    inst.instrument(
+        meter_provider=MeterProvider(metric_readers=[reader]), collect=True, pools=[pool]
+    )
+    try:
+        pool.allocate(7, np.arange(10))
+
+        def allocated() -> list:
+            return [
+                p.value
+                for rm in reader.get_metrics_data().resource_metrics
+                for sm in rm.scope_metrics
+                for m in sm.metrics
+                if m.name == "kvscope.pool.blocks"
+                for p in m.data.data_points
+                if p.attributes.get("kvscope.block.state") == "allocated"
+            ]
+
+        # THEN the pool's blocks gauge shows the request's 3 blocks under the documented names
+        assert allocated() == [3]
+    finally:
+        inst.uninstrument()

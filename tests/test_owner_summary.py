@@ -48,3 +48,37 @@ def test_a_prefix_held_only_by_another_process_is_counted_apart(pool_name):
     finally:
         pool.close()
         pool.unlink()
+
+
+def test_free_blocks_in_a_process_s_local_cache_are_counted_apart_from_held(pool_name):
+    # GIVEN a process that holds one request of 3 blocks and freed another of 2 blocks, whose
+    # unpublished blocks went to its local cache (free, but no other process can take them)
+    pool = KVPool.create(
+        pool_name, PoolConfig(num_blocks=32, block_size=4, num_layers=1, head_dim=4, max_seqs=64)
+    )
+    try:
+        held = pool.allocate("held", list(range(9)))
+        gone = pool.allocate("gone", list(range(50, 56)))
+        pool.free(gone)
+        local = pool.stats()["num_local"]
+        assert local >= 2
+        # WHEN the summary and its text are made
+        s = summary(pool.view, lambda pid, start: True)
+        me = next(o for o in s["blocks_by_owner"] if o["pid"] == os.getpid())
+        # THEN the owner's local cache is counted apart from the blocks its requests hold
+        assert me["blocks"] == 3 + local and me["local"] == local
+        from io import StringIO
+
+        from rich.console import Console
+
+        from kvscope.analysis import analyze_view
+        from kvscope.report import render
+
+        out = StringIO()
+        render(analyze_view(pool.view, alive=lambda pid, start: True), Console(file=out, width=200))
+        line = next(x for x in out.getvalue().splitlines() if x.strip().startswith(str(me["pid"])))
+        assert line.split()[2:] == ["3", "1", str(local)], line
+        pool.free(held)
+    finally:
+        pool.close()
+        pool.unlink()

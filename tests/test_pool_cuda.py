@@ -105,7 +105,7 @@ def test_a_settle_records_no_event_while_an_older_one_is_outstanding(make_pool, 
     # (a sleep kernel of about two seconds on the stream the checks go to)
     monkeypatch.setenv("KVSCOPE_DIGEST", "1")
     pool = make_pool(64, device="cuda", dtype="float16", block_size=16, head_dim=64)
-    later = pool.probe.writes.later
+    later = pool.probe.later
     a = pool.allocate("a", list(range(40)))
     b = pool.allocate("b", list(range(100, 140)))
     for blk in a.block_table + b.block_table:

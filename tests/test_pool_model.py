@@ -289,9 +289,14 @@ class PoolMachine(RuleBasedStateMachine):
         too_long = -(-len(tokens) // self.bs) > self.max_blocks
         try:
             seq = pool.allocate(f"r{self.n}", tokens)
-        except PoolExhausted:
+        except PoolExhausted as e:
             assert not too_long, "a prompt longer than a table said the pool was full"
             assert not self._can_take(handle, need, hits), "exhausted while blocks could be taken"
+            m.counters["num_exhausted"] += 1
+            # (the header's record of the last one is this one's, as the exception says it)
+            last = pool.stats()["last_exhausted"]
+            assert (last["needed"], last["pid"]) == (e.needed, os.getpid()), last
+            assert sum(e.elsewhere.values()) == last["other_caches"], (e.elsewhere, last)
             self._reach("exhausted")
             return None
         except PoolError:
@@ -378,6 +383,7 @@ class PoolMachine(RuleBasedStateMachine):
                 "exhausted while blocks could be taken"
             )
             assert s.seq.tokens == s.tokens
+            m.counters["num_exhausted"] += isinstance(e, PoolExhausted)
             self._reach("too long" if too_long else "exhausted")
             return
         assert not too_long, "grew a sequence past max_blocks_per_seq"
@@ -496,6 +502,7 @@ class PoolMachine(RuleBasedStateMachine):
         except PoolExhausted:
             assert not self._can_take(s.handle, need, hits), "exhausted while blocks could be taken"
             assert s.seq.state == "preempted" and s.seq.block_table == []
+            m.counters["num_exhausted"] += 1
             return False
         assert cached == len(hits) * self.bs and s.seq.block_table[: len(hits)] == hits
         self._settle(s.handle, before, hits, None)

@@ -80,3 +80,46 @@ def test_no_preemption_or_no_write_into_a_lost_block_names_nothing():
         ["allocate", "preempt"],
     )
     assert likely_causes(GUARD, [stored])
+
+
+def _write(pool, table, seq, start, end):
+    """The K/V of positions [start, end) of seq stored through `table` (no writers given)."""
+    spb, bs = pool.slots_per_block, pool.block_size
+    slots = torch.tensor([table[p // bs] * spb + p % bs for p in range(start, end)])
+    pool.kv[:, :, slots // spb, slots % spb] = 1.0
+
+
+@pytest.mark.parametrize("after_resume", ["stale", "none", "reread"])
+def test_a_resume_whose_positions_stay_unwritten_names_the_preemption(
+    probes, make_pool, after_resume
+):
+    # GIVEN a request computed and published, preempted by another's allocation, resumed
+    pool = make_pool(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4, guard=True)
+    a = pool.allocate("a", list(range(10)))
+    _write(pool, a.block_table, a, 0, 10)
+    pool.mark_computed(a, 10)
+    old = list(a.block_table)
+    pool.set_state(a, "waiting")
+    b = pool.allocate("b", list(range(100, 124)))  # takes every block: a is preempted
+    assert a.state == "preempted"
+    _write(pool, b.block_table, b, 0, 24)
+    pool.free(b)
+    cached = pool.resume(a)
+    assert cached < 10 and a.block_table[cached // 4] not in old  # a block of its own again
+    # WHEN the engine writes a's positions from its cached tokens on through the table from
+    # before the preemption (the bug), not at all (the bug too), or through the table now
+    if after_resume != "none":
+        table = old if after_resume == "stale" else pool.block_table(a)
+        _write(pool, table, a, cached, 10)
+    pool.free(a)  # guard mode: its positions still poisoned are kv_never_written
+    report = analyze_view(pool.view)
+    # THEN the resume is named as the cause, the blocks its preemption released with it
+    if after_resume == "reread":
+        assert "likely_causes" not in report and not report["findings"]
+        return
+    unwritten = [f for f in report["findings"] if f["kind"] == "kv_never_written"]
+    assert unwritten and all(f["request"] == "a" for f in unwritten)
+    assert set(unwritten[0]["preempted_blocks"]) == set(old)
+    (cause,) = report["likely_causes"]
+    assert cause.startswith("requests preempted and resumed finished with positions never")
+    assert "'a' block" in cause and "after pool.resume(seq), recompute" in cause.lower()

@@ -1567,3 +1567,23 @@ def test_kvscope_run_records_the_user_engines_skipped_copy(tmp_path):
         == d["recorded"]["found"]
         == [{"kind": k, "block": b} for k, b in free.found]
     )
+
+
+def test_replay_of_a_double_free_on_abort_names_the_free_and_no_block_minus_one(
+    probes, make_pool, tmp_path, capsys
+):
+    # GIVEN an engine that frees a request (an int id) after aborting it, recorded
+    log = tmp_path / "run.ops"
+    pool = make_pool(16, record_ops=str(log))
+    seq = pool.allocate(3, np.arange(9))
+    pool.abort(seq)
+    with pytest.raises(Exception, match="already aborted"):
+        pool.free(seq)
+    pool.close()
+    # WHEN the log is replayed
+    assert main(["replay", str(log)]) == 1
+    out = capsys.readouterr().out
+    # THEN it stops at the free, and the finding on no block reads as its kind alone
+    assert "free request '3'" in out
+    found = [ln for ln in out.splitlines() if ln.strip().startswith("found")]
+    assert found and "double_free" in found[0] and "@-1" not in found[0], out

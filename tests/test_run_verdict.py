@@ -200,3 +200,29 @@ def test_check_repair_clears_what_it_repaired_so_the_pool_reads_healthy(capfd, t
     assert "cleared the recorded findings it repaired (3 leak_finished)" in err
     assert "health: OK - no findings" in out
     assert main(["check", pool_name]) == 0
+
+
+# argv: pool name. One warning recorded in the findings ring, the pool closed and removed.
+WARNED = """
+import sys
+from kvscope.allocator import KVPool, PoolConfig
+from kvscope.allocator.findings import Finding, FindingKind
+pool = KVPool.create(sys.argv[1], PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32"))
+pool.report(Finding(FindingKind.LOCK_HELD_TOO_LONG, "lock 'user:sched' held 1.0 s so far"))
+pool.close()
+pool.unlink()
+"""
+
+
+@pytest.mark.slow
+def test_a_clean_run_counts_each_warning_it_printed_once(capfd, tmp_path, pool_name):
+    # GIVEN a script whose only finding is one warning in its pool's findings ring
+    script = write(tmp_path, "warned.py", WARNED)
+    # WHEN it runs
+    code = main(["run", "--dump-dir", str(tmp_path), script, pool_name])
+    err = capfd.readouterr().err
+    # THEN the warning is printed once, and the verdict counts it once (the ring's finding is
+    # in the final read of the pool too: one finding, not two)
+    assert code == 0, err
+    assert err.count("warning: lock_held_too_long") == 1, err
+    assert "no error, no leak, 1 warning(s) above; nothing to dump" in err, err

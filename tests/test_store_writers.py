@@ -98,6 +98,71 @@ def test_a_slot_in_a_block_of_another_request_is_an_unmapped_write(pool):
     assert f"test_store_writers.py:{line} " in f.message and "request 'b'" in f.message
 
 
+def test_an_unmapped_write_names_the_sequence_that_maps_the_block_not_its_allocator(pool):
+    # GIVEN a request forked once, whose shared partial block the parent's append copied
+    parent = pool.allocate("p", [1, 2, 3])
+    child = pool.fork(parent, "p/s1")
+    shared = parent.block_table[0]
+    stale = list(parent.block_table)
+    assert pool.append(parent, [7]) == [(shared, parent.block_table[0])]
+    # WHEN the parent stores its new token through the table from before the append
+    store(pool, [stale[0] * pool.slots_per_block + 3], Writers(pool, [(parent, 3, 4)]))
+    # THEN the block is named as held by the fork that maps it, not by the parent, which
+    # allocated it (its record's request) and no longer maps it
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request) == ("unmapped_write", shared, "p")
+    assert f"held by request 'p/s1', pid {os.getpid()})" in f.message
+    assert child.block_table == [shared]
+    # AND a block no live sequence maps says so, naming the request that allocated it
+    gone = pool.allocate("gone", [4, 5, 6])
+    kept = gone.block_table[0]
+    pool.view.blocks["refcount"][kept] += 1  # a leaked reference keeps it allocated
+    pool.free(gone)
+    store(pool, [kept * pool.slots_per_block + 3], Writers(pool, [(child, 3, 4)]))
+    (g,) = [x for x in found(pool) if x.block == kept and x.kind == "unmapped_write"]
+    assert "no live sequence maps it; allocated by request 'gone'" in g.message
+
+
+def _engine_step(pool: KVPool, slots, writers: Writers) -> int:
+    """An engine's own step calling its store helper; the line of that call."""
+    store(pool, slots, writers)
+    return inspect.currentframe().f_lineno - 1
+
+
+def test_with_a_stack_depth_the_store_names_its_callers(make_pool, probes, monkeypatch):
+    # GIVEN stacks recorded (KVSCOPE_STACK_DEPTH=2) and a's next slot worked out into b's block
+    monkeypatch.setenv("KVSCOPE_STACK_DEPTH", "2")
+    pool = make_pool(32, num_layers=2)
+    a, b = pool.allocate("a", [1, 2, 3]), pool.allocate("b", [4, 5, 6])
+    pool.append(a, [7])
+    wrong = b.block_table[0] * pool.slots_per_block + 3
+    # WHEN the engine's step stores through its store helper
+    line = _engine_step(pool, [wrong], Writers(pool, [(a, 3, 4)]))
+    # THEN the finding names the store's line and the step's that called it
+    (f,) = found(pool)
+    assert f.kind == "unmapped_write"
+    assert (
+        f"at tests/test_store_writers.py:{STORE_LINE} store <- "
+        f"tests/test_store_writers.py:{line} _engine_step, which"
+    ) in f.message
+    # AND the line a CUDA store keeps for its read-back check is composed the same way
+    text, at, here = _caller()
+    assert text == (
+        f"tests/test_store_writers.py:{at} _site <- tests/test_store_writers.py:{here} _caller"
+    )
+
+
+def _site() -> tuple[str, int]:
+    from kvscope.allocator.sites import caller_stack
+
+    return caller_stack(2), inspect.currentframe().f_lineno
+
+
+def _caller() -> tuple[str, int, int]:
+    text, at = _site()
+    return text, at, inspect.currentframe().f_lineno - 1
+
+
 def test_a_write_through_a_table_kept_after_free_is_a_use_after_free_of_the_writer(pool):
     # GIVEN a request that was freed, its table kept by the engine
     seq = pool.allocate("gone", [1, 2, 3])

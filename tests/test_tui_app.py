@@ -220,6 +220,32 @@ async def test_live_pool_refreshes_and_pauses(make_pool):
         assert seqs.num_rows == 3
 
 
+@sync
+async def test_a_pool_unlinked_while_watched_is_not_missing_its_data(make_pool):
+    # GIVEN top on a live CPU pool whose program then closes it and removes its files, as a
+    # server does when it stops (the mapping top reads stays)
+    pool = make_pool(64)
+    populate(pool)
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, app)
+        pool.close()
+        pool.unlink()
+        # WHEN a full check runs after the unlink
+        checks = app.num_checks
+        await pilot.press("c")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if app.num_checks > checks:
+                break
+        assert app.num_checks > checks
+        # THEN the pool's findings are the segment's: its KV data file, unlinked with it, is
+        # not reported missing (it is no longer the pool's to check)
+        kinds = {f.kind for f in app.checked}
+        assert "out_of_bounds" not in kinds, [f.message for f in app.checked]
+        assert app.is_running
+
+
 def test_live_source_is_read_only_and_takes_no_lock(make_pool):
     pool = make_pool(64)
     populate(pool)
@@ -247,6 +273,17 @@ def test_bad_target_is_one_clear_pool_error(tmp_path):
         open_source(str(junk))
     with pytest.raises(PoolError, match="no such dump file"):
         open_source(str(tmp_path / "missing.kvd"))
+
+
+def test_top_of_a_directory_or_fifo_says_what_it_is(tmp_path):
+    # `kvscope top DIR` said "no such dump file: DIR", though DIR exists; analyze says what it is
+    with pytest.raises(PoolError, match="is a directory, not a dump file"):
+        open_source(str(tmp_path))
+    fifo = tmp_path / "pipe.kvd"
+    os.mkfifo(fifo)
+    with pytest.raises(PoolError) as err:
+        open_source(str(fifo))
+    assert "no such dump file" not in str(err.value)
 
 
 def test_block_map_groups_large_pools_without_losing_findings():
@@ -461,3 +498,34 @@ async def test_top_at_steps_through_the_recorded_operations(tmp_path):
         assert "operation 2 (1 of 4): allocate req-a" in header.mode and held() == 3
         await pilot.press("q")
     app.source.close()
+
+
+@sync
+async def test_top_s_header_counts_the_pool_exhausted_raised(make_pool):
+    # GIVEN a live pool whose process caught a PoolExhausted (no finding, nothing held now)
+    from kvscope.allocator import PoolExhausted
+    from kvscope.tui.widgets.header import PoolHeader
+
+    pool = make_pool(16, local_cache_size=0)
+    held = pool.allocate("held", list(range(40)))
+    with pytest.raises(PoolExhausted):
+        pool.allocate("big", list(range(100, 140)))
+    pool.free(held)
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(200, 48)) as pilot:
+        await settle(pilot, app)
+        # THEN the header says so beside the pool's usage
+        assert "procs 1  PoolExhausted 1  " in app.query_one(PoolHeader)._text
+
+
+@sync
+async def test_top_s_header_says_each_probe_on_or_off_in_words(make_pool):
+    # GIVEN a live pool made outside `kvscope run`, every probe off (analyze: "guard off, ...")
+    from kvscope.tui.widgets.header import PoolHeader
+
+    pool = make_pool(16)
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(200, 48)) as pilot:
+        await settle(pilot, app)
+        # THEN the header's plain text says they are off (not only a dim strike-through style)
+        assert "probes: guard off, events off, lockdep off" in app.query_one(PoolHeader)._text

@@ -136,6 +136,16 @@ class TopApp(App[int]):
             else Origin()
         )
 
+    def _origin_now(self) -> Origin:
+        """Where the findings come from now: a live pool whose files were unlinked (its
+        program closed and removed it while top watched) is the mapped segment alone, since
+        the data file at its name is gone or another pool's: checking that file would report
+        the pool's KV data missing."""
+        unlinked = getattr(self.source, "unlinked", None)
+        if unlinked is not None and unlinked():
+            return Origin()
+        return self._origin
+
     def compose(self) -> ComposeResult:
         yield PoolHeader(id="header")
         with Horizontal(id="main"):
@@ -194,7 +204,7 @@ class TopApp(App[int]):
         t0 = time.perf_counter()
         if not getattr(view, "torn", False):
             try:
-                self.checked = checked_findings(view, self._origin).findings
+                self.checked = checked_findings(view, self._origin_now()).findings
             except PoolError:
                 pass  # the pool went away while its KV data was checked: the next frame says so
         cost = time.perf_counter() - t0

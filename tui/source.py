@@ -270,15 +270,28 @@ class LiveSource:
         # user's (or a world-writable) file refused unless trusted (KVSCOPE_TRUST_OWNER=1).
         fd = open_file(path, name, trust_owner=trust_owner, writable=False)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             layout = validate_bytes(os.pread(fd, HEADER_DTYPE.itemsize, 0), size, path)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         self.name = name
         self.path = path
+        # The file mapped: once the name is unlinked (or names another pool) its files are not
+        # this pool's any more, though the mapping still reads it (`unlinked`).
+        self._file = (st.st_dev, st.st_ino)
         self.view = SegmentView(self._mm, layout)
         self._snap = Snapshotter(self.view)
+
+    def unlinked(self) -> bool:
+        """True once the pool's name no longer names the segment mapped here: `pool.unlink()`
+        removed its files (or a new pool of that name replaced them)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self._file
 
     def read(self, block: int = -1, slot: int = -1) -> SegmentView:
         return self._snap.read(block, slot)
@@ -367,8 +380,11 @@ class ReplaySource(ViewSource):
 
 
 def open_source(target: str) -> Source:
-    """A dump when `target` is an existing file, else the live pool of that name (PoolError if neither)."""
-    if os.path.isfile(target):
+    """A dump when `target` is an existing file, else the live pool of that name (PoolError if neither).
+
+    Anything at that path is read as a dump, as `kvscope analyze` reads it, so a directory or a
+    FIFO is refused as what it is (read_dump's one line), not as a missing file."""
+    if os.path.lexists(target):
         return DumpSource(target)
     if os.sep in target or target.endswith(".kvd"):
         raise PoolError(f"no such dump file: {target}")

@@ -161,10 +161,10 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
  * block's record is saved twice: its owner, then the local cache; a batch is only a batch). */
 static int refill(Native *n, int64_t later) {
     int64_t want = n->local_cap - (int64_t)local_count(n);
-    int64_t by_bytes = ((int64_t)n->j_bytes - (int64_t)n->jused - TXN_SLACK_BYTES -
+    int64_t by_bytes = ((int64_t)JOURNAL_BYTES - (int64_t)n->jused - TXN_SLACK_BYTES -
                         later * n->rec) / (2 * n->rec + 4);
     int64_t by_entries =
-        ((int64_t)n->j_entries - (int64_t)n->jcount - TXN_SLACK_ENTRIES - later) / 2;
+        ((int64_t)JOURNAL_ENTRIES - (int64_t)n->jcount - TXN_SLACK_ENTRIES - later) / 2;
     if (want > by_bytes) want = by_bytes;
     if (want > by_entries) want = by_entries;
     if (want < 0) want = 0;

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -175,20 +176,16 @@ typedef struct {
     /* this client's record: absolute offsets of its fields */
     size_t c_seq, c_local_count, c_local, c_jcount, c_jused, c_journal, c_jdata, c_counters;
     size_t c_wait; /* where this process publishes the locks it waits for (waits.py) */
-    uint32_t j_entries, j_bytes;
     int client, lock_free, lock_shard0, lock_seqs, num_locks;
     int32_t pid;
     uint64_t start;
     int64_t local_cap, local_max, slot_batch;
-    /* A pool too small for slot reserves (slot_batch 0): claims take the lowest empty slot of
-     * the table under the seqs lock, and the header's next sequence id (at this offset). */
-    size_t off_next_seq_id;
     int64_t quarantine; /* the pool's quarantine count (guard mode): 0 for none */
     /* This process's slot reserve (sequences.c): EMPTY slots the table marks reserved by this
      * client (res[0..res_n), claimed from the end; room for 2 x slot_batch), its range of
      * sequence ids [id_next, id_end), where a refill looks for slots first (res_hint). */
     int32_t *res;
-    int64_t res_n, res_hint, seq_id_batch;
+    int64_t res_n, res_hint;
     uint64_t id_next, id_end;
     PyObject *mutex;   /* KVPool._mutex: the mapping's op mutex (an RLock) */
     int64_t *overdue; /* set where more check answers wait than kept (KVPool._overdue) */
@@ -207,7 +204,6 @@ typedef struct {
     PyObject *write_past;   /* faults.write_past: oob-write's write into the KV data */
     int64_t *crash;         /* crash.ARMED: [armed point + 1, hits left] (faults.c) */
     Py_buffer crash_buf;
-    size_t off_num_blocks;  /* the header's num_blocks (header-scribble's bytes) */
     int64_t uid;            /* KVPool._uid */
     PyObject *name;         /* KVPool.name (a str: the handle's errors name the pool) */
     /* the requests whose refused second free or abort was reported (entry.c double_end: a
@@ -293,18 +289,14 @@ typedef struct {
     uint64_t uk_into[USER_KNOWN_MAX];
     int uk_used;
     /* the lock-order graph (FORMAT.md section 10: probes.c probes_init), under lock_findings */
-    size_t off_lockgraph, lg_used_at, lg_size, lg_src, lg_dst, lg_pid, lg_site, lg_site_bytes;
-    int64_t lg_cap;
+    size_t off_lockgraph; /* (its records' fields: layout.h's LG_) */
     int lock_findings;
     char lock_cls[MAX_LOCKS][16]; /* each lock's class as the graph stores it (S16) */
     /* the findings ring (FORMAT.md section 11: probes.c probes_init), under lock_findings */
-    size_t off_findings, fd_head_at, fd_size, fd_time, fd_kind, fd_severity, fd_block, fd_owner,
-        fd_site, fd_request, fd_message, fd_kind_bytes, fd_message_bytes;
-    int64_t fd_cap;
+    size_t off_findings; /* (its records' fields: layout.h's FD_) */
     uint8_t fk_severity[FK_COUNT]; /* each kind's severity byte (1 error, 2 warning) */
     /* the site table (FORMAT.md: probes.c probes_init), under lock_sites */
-    size_t off_sites, site_size, site_text_bytes, sites_used_at;
-    int64_t num_sites;
+    size_t off_sites; /* (its records' fields: layout.h's SR_) */
     int lock_sites;
     uint8_t *reported; /* [FK_COUNT][nb + 1]: reported once per (kind, block; nb: none) */
     PyObject *found;   /* KVPool._found: ring positions of findings written in this call */
@@ -321,17 +313,12 @@ typedef struct {
     int64_t n_maybe;
     uint64_t *seen_seq;
     int maybe_valid;
-    int64_t max_clients, client_size;
-    /* every client's record: the clients section, and the offsets in a record of its state,
-     * pid and local-cache count (a full pool's PoolExhausted names other processes' caches) */
-    size_t off_clients, cf_state, cf_pid, cf_local_count;
-    int64_t client_attached;
-    /* recovery.c: a client record's start and attach generation, the header's counters and
-     * a finding's repaired byte; `borrowed`: this handle's record is a dead process's, being
-     * reclaimed for an attach (its counter is not bumped: reclaim_for_attach) */
-    size_t cf_start, cf_attached_ns, off_hdr_counters, fd_repaired;
+    int64_t max_clients;
+    /* every client's record: the clients section (their fields: layout.h's CF_) */
+    size_t off_clients;
+    /* recovery.c: this handle's record is a dead process's, being reclaimed for an attach (its
+     * counter is not bumped: reclaim_for_attach) */
     int borrowed;
-    int64_t client_detached;
     /* preempt.c: the slots this transaction preempted (their Sequences change at commit), and
      * the blocks a take still needed when nothing was left (PoolExhausted after the rollback;
      * 0: none) */
@@ -340,7 +327,6 @@ typedef struct {
     int64_t exhausted_need;
     PyObject *guarded;   /* slots of the sequences sampled guard mode guards (the core's own) */
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the handle attached */
-    PyObject *hdr_fields; /* magic: the header's (name, offset, size) fields, in order */
     PyObject *msg_canary, *msg_poison; /* integrity.CANARY_MESSAGE, POISON_MESSAGE */
     PyObject *msg_modified, *msg_blank; /* integrity.MODIFIED_MESSAGE, BLANK_MODIFIED_MESSAGE */
     PyObject *msg_unwritten; /* integrity.UNWRITTEN_MESSAGE */
@@ -419,7 +405,7 @@ static inline int64_t shard_of(Native *n, uint64_t key) {
     return (int64_t)(key & (uint64_t)(n->num_shards - 1));
 }
 
-/* The record's checksum (checksums.py block_checksum) over its 4 identity words. */
+/* The record's checksum over its 4 identity words (the readers': checksums.py block_checksums). */
 static inline uint64_t checksum(Native *n, int64_t b) {
     uint64_t *w = (uint64_t *)blk(n, b);
     uint64_t h = w[0] * KSUM[0] + w[1] * KSUM[1] + w[2] * KSUM[2] + w[3] * KSUM[3] +
@@ -508,6 +494,7 @@ enum {
 static void maybe_live_add(Native *n, int64_t slot);
 static void own_rollback(Native *n);
 static void raise_exhausted(Native *n, int64_t needed);
+static void exhausted_note(Native *n, int64_t needed);
 static void oplog_preempted(Native *n, PyObject *seq); /* oplog.c */
 static void oplog_found_report(Native *n, Py_ssize_t found0, const char *request);
 static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *request, uint64_t op);
@@ -863,8 +850,8 @@ static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const ch
 /* The site id of the operation being run: from the first frame outside kvscope's folders, its
  * text composed and interned by the core (sites.py's text: a frame at depth 1, a stack at
  * KVSCOPE_STACK_DEPTH > 1, the depth in the probe word), each frame's id cached by its code
- * object and instruction, into the probe's site table (the only one: sites.py interns through
- * N_intern_site). -1 when sites are off (or every frame is kvscope's); SITE_ERROR (-2) with an
+ * object and instruction, into the probe's site table (the core is its only writer). -1 when
+ * sites are off (or every frame is kvscope's); SITE_ERROR (-2) with an
  * exception set. Called before the operation takes its locks (site_intern waits for the sites
  * lock). */
 static int32_t site_now(Native *n);
@@ -893,12 +880,37 @@ static void findings_hold(Native *n);
  * it). */
 static void findings_before(Native *n, int64_t upto, int64_t pre);
 
+/* The magic probe's periodic check, run by verify_often once it is due (`now`, on its clock):
+ * the header's checked bytes compared with the copy taken when the handle attached
+ * (probes_init), and, with the leaks probe, conservation. OK, or ERROR with an exception set. */
+static int verify_now(Native *n, uint64_t now);
+
 /* The magic probe's periodic check: the header (and, with the leaks probe, conservation) at
  * most every VERIFY_EVERY_NS, on one clock for the handle (the gate's, and N_verify_often's
- * between operations).
- * The header's checked bytes are compared with the copy taken when the handle attached
- * (probes_init). OK, or ERROR with an exception set. */
-static int verify_often(Native *n, PyObject *pool);
+ * between operations). Every operation reads the clock: the coarse one, with its resolution
+ * taken off the interval, so that the check still runs once VERIFY_EVERY_NS have passed (and
+ * at worst a resolution sooner). Inline in the gate, the check itself out of line: nearly
+ * every operation only reads the clock, and a call of its own on every operation's path cost
+ * more instructions than the test, and cache lines of code that the interpreter's loop then
+ * lost (callgrind's model of the serving loop under `kvscope run`). OK, or ERROR with an
+ * exception set. */
+static inline int verify_often(Native *n) {
+    uint64_t slack = n->coarse_slack;
+    if (__builtin_expect(slack == 0, 0)) slack = n->coarse_slack = coarse_slack_ns();
+    int coarse = slack != UINT64_MAX;
+    uint64_t now = coarse ? mono_coarse_ns() : mono_ns();
+    if (__builtin_expect(now - n->last_verify_ns < VERIFY_EVERY_NS - (coarse ? slack : 0), 1))
+        return OK;
+    return verify_now(n, now);
+}
+
+/* The clock verify_often reads (the coarse one where its resolution is fine enough): the
+ * check pool.verify() asks for at once (entry.c N_verify) runs on it too, so that the
+ * interval after it is counted on one clock. */
+static inline uint64_t verify_clock(Native *n) {
+    if (n->coarse_slack == 0) n->coarse_slack = coarse_slack_ns();
+    return n->coarse_slack != UINT64_MAX ? mono_coarse_ns() : mono_ns();
+}
 
 /* before_release: each unindexed ALLOCATED block of the table has as many references as
  * this handle's sequences map it; a refcount_mismatch finding for each that has not, as the

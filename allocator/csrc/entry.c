@@ -48,7 +48,7 @@ static int gate(Native *n, PyObject *pool) {
     }
     n->pool = pool;
     /* KVPool._check_process: the magic probe re-verifies the header now and then. */
-    if ((n->probes & P_MAGIC) && verify_often(n, pool)) return ERROR;
+    if ((n->probes & P_MAGIC) && verify_often(n)) return ERROR;
     return OK;
 }
 
@@ -587,6 +587,60 @@ static PyObject *N_verify_often(Native *n, PyObject *pool) {
     n->pool = was;
     if (g != OK) return NULL;
     Py_RETURN_NONE;
+}
+
+/* Guard mode's scan of pool.verify() where the core maps the K/V (a CPU pool's: kvdata.c):
+ * every block's guard slot, in every row, against the canary, read only (a release refills
+ * a broken one: canaries_intact); a guard_violation finding, as the block's record is now,
+ * for each block that does not hold it. OK, or ERROR with an exception set. */
+static int verify_canaries(Native *n) {
+    int64_t m = n->kv_slot_bytes / n->kv_esize;
+    size_t guard = (size_t)(n->kv_spb - 1) * (size_t)n->kv_slot_bytes;
+    for (int32_t b = 0; b < n->nb; b++) {
+        int broken = 0;
+        for (int64_t r = 0; r < n->kv_rows && !broken; r++)
+            broken = !all_bits(n, kv_row(n, r, b) + guard, m, n->canary);
+        if (!broken) continue;
+        Seen s;
+        seen_of(n, b, &s);
+        if (finding_report(n, FK_GUARD_VIOLATION, &s, n->msg_canary) != OK) return ERROR;
+    }
+    return OK;
+}
+
+/* verify(pool) -> ([int], bool): pool.verify()'s check, at once (not on the VERIFY_EVERY_NS
+ * interval) and whatever the probe word says of the magic probe: the header's checked bytes
+ * against the copy taken at attach, and, with the leaks probe, conservation (probes.c
+ * verify_now); in guard mode, where the core maps the K/V, every block's canary
+ * (verify_canaries). What it finds it reports itself, into the ring (once per handle, as every
+ * finding it counts): the ring positions written in this call (its gate's periodic check's
+ * too), which KVPool._found holds too, as every call's, and whether it scanned the canaries
+ * (not where the K/V is not this process's memory: a CUDA pool's). While the handle records,
+ * the findings are a REPORT (a replay verifies there). */
+static PyObject *N_verify(Native *n, PyObject *pool) {
+    /* (as verify_often: what a gate this may come from worked out stays as it was) */
+    int probes = n->probes;
+    PyObject *was = n->pool;
+    Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
+    uint64_t last = n->last_verify_ns;
+    int rc = gate(n, pool), scanned = 0;
+    /* (the gate's own check, where it was due just now, is this one) */
+    if (rc == OK && n->last_verify_ns == last) rc = verify_now(n, verify_clock(n));
+    if (rc == OK && (n->probes & (P_GUARD | P_GUARD_SAMPLED)) && n->kv != NULL &&
+        n->kv_spb > 1) {
+        scanned = 1;
+        rc = verify_canaries(n);
+    }
+    n->probes = probes;
+    n->pool = was;
+    Py_ssize_t upto = n->found ? PyList_GET_SIZE(n->found) : 0;
+    if (upto > found0) {
+        char none[REQUEST_BYTES] = {0};
+        oplog_found_report(n, found0, none);
+    }
+    if (rc != OK) return NULL;
+    PyObject *at = n->found ? PyList_GetSlice(n->found, found0, upto) : PyList_New(0);
+    return at ? Py_BuildValue("(NO)", at, scanned ? Py_True : Py_False) : NULL;
 }
 
 /* fork(pool, seq, request_id) -> Sequence: a new sequence sharing every block; any

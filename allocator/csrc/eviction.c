@@ -214,8 +214,8 @@ static int lru_scan(Native *n, int64_t k, int64_t extra, int32_t *cand, int64_t 
 
 /* Room in the open transaction's journal for `entries` more saves of `bytes` in all. */
 static inline int jroom(Native *n, int64_t entries, int64_t bytes) {
-    return (int64_t)n->jcount + entries <= (int64_t)n->j_entries &&
-           (int64_t)n->jused + bytes <= (int64_t)n->j_bytes;
+    return (int64_t)n->jcount + entries <= (int64_t)JOURNAL_ENTRIES &&
+           (int64_t)n->jused + bytes <= (int64_t)JOURNAL_BYTES;
 }
 
 /* The journal saves index_remove(key, block) will make (one per entry it shifts back, and
@@ -437,7 +437,7 @@ static int ungated(Native *n, PyObject *pool) {
         n->lockdep_was_on = 1;
     }
     n->pool = pool;
-    return (n->probes & P_MAGIC) && verify_often(n, pool) ? ERROR : OK;
+    return (n->probes & P_MAGIC) && verify_often(n) ? ERROR : OK;
 }
 
 /* evict(pool, num_blocks) -> int: KVPool.evict, the only implementation (called with the

@@ -139,7 +139,7 @@ static int append_faults(Native *n, PyObject *pool, PyObject *table) {
         Py_DECREF(r);
     }
     if (fault_fire(n, FT_HEADER_SCRIBBLE))
-        memcpy(n->seg + n->off_num_blocks, "\xde\xad\xbe\xef", 4);
+        memcpy(n->seg + HDR_NUM_BLOCKS, "\xde\xad\xbe\xef", 4);
     if (fault_fire(n, FT_BLOCK_SCRIBBLE)) {
         long b = PyLong_AsLong(PyList_GET_ITEM(table, 0));
         if (b < 0 || b >= n->nb) return PyErr_Occurred() ? ERROR : OK;

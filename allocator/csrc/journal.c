@@ -3,7 +3,7 @@
 /* -- the journal ------------------------------------------------------------------------------ */
 
 static int jsave(Native *n, size_t off, uint32_t len) {
-    if (n->jcount + 1 > n->j_entries || n->jused + len > n->j_bytes) {
+    if (n->jcount + 1 > JOURNAL_ENTRIES || n->jused + len > JOURNAL_BYTES) {
         /* (the operation rolls back: eviction.c rolled_back) */
         n->jfull = 1;
         n->jfull_entries = n->jcount + 1;
@@ -81,8 +81,8 @@ static int core_bug(const char *what) {
 #define TXN_SLACK_BYTES 8192
 
 static int64_t blocks_fit(Native *n, int64_t recs, int64_t bytes, int64_t entries) {
-    int64_t by_bytes = ((int64_t)n->j_bytes - TXN_SLACK_BYTES) / (recs * n->rec + bytes);
-    int64_t by_entries = ((int64_t)n->j_entries - TXN_SLACK_ENTRIES) / entries;
+    int64_t by_bytes = ((int64_t)JOURNAL_BYTES - TXN_SLACK_BYTES) / (recs * n->rec + bytes);
+    int64_t by_entries = ((int64_t)JOURNAL_ENTRIES - TXN_SLACK_ENTRIES) / entries;
     int64_t k = by_bytes < by_entries ? by_bytes : by_entries;
     return k < 1 ? 1 : k > CHUNK ? CHUNK : k;
 }

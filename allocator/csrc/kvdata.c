@@ -206,18 +206,24 @@ static int kv_later(Native *n, int kind, const int32_t *ids, int64_t k, const ch
     return dev_check(n, kind, ids, k, when, 0, NULL);
 }
 
-/* The cache lines of the rows of blocks ids[0..k) asked for ahead (at most PREFETCH_LINES of
- * them): the blocks a check reads are seldom in the cache (guard mode's quarantine hands out the
- * block freed longest ago), and lines asked for together arrive together. */
+/* The cache lines of the first `bytes` of the rows of blocks ids[0..k) asked for ahead (at most
+ * PREFETCH_LINES of them): the blocks a check reads are seldom in the cache (guard mode's
+ * quarantine hands out the block freed longest ago), and lines asked for together arrive
+ * together. Every line the bytes touch, from the one the row starts in (a guarded pool's
+ * block is not a whole number of lines); the pointer stepped a line at a time (the loop was
+ * most of the instructions of a publication's probes' own, past the sums). */
 #define PREFETCH_LINES 256
 static void kv_prefetch(Native *n, const int32_t *ids, int64_t k, size_t bytes) {
-    int64_t lines = 0;
+    int64_t left = PREFETCH_LINES;
     for (int64_t i = 0; i < k; i++)
-        for (int64_t r = 0; r < n->kv_rows; r++)
-            for (size_t o = 0; o < bytes; o += 64) {
-                if (++lines > PREFETCH_LINES) return;
-                __builtin_prefetch(kv_row(n, r, ids[i]) + o);
+        for (int64_t r = 0; r < n->kv_rows; r++) {
+            const uint8_t *row = kv_row(n, r, ids[i]);
+            const uint8_t *p = (const uint8_t *)((uintptr_t)row & ~(uintptr_t)63);
+            for (const uint8_t *end = row + bytes; p < end; p += 64) {
+                __builtin_prefetch(p);
+                if (--left == 0) return;
             }
+        }
 }
 
 /* -- guard mode -------------------------------------------------------------------------------- */
@@ -375,54 +381,111 @@ static inline int slot_sums_fast(Native *n) {
 }
 
 #if defined(__SSE2__)
+/* The 4 lanes of each of a, b, c, d added: their four sums, in that order. */
+static inline __m128i hsum4(__m128i a, __m128i b, __m128i c, __m128i d) {
+    __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(a, b), _mm_unpackhi_epi32(a, b));
+    __m128i cd = _mm_add_epi32(_mm_unpacklo_epi32(c, d), _mm_unpackhi_epi32(c, d));
+    return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
+}
+
+/* One slot's three sums (slot_sums: S, T, P), each in four 32-bit lanes. */
+typedef struct {
+    __m128i t, s, p;
+} SlotLanes;
+
+/* The lanes of the `em` 16-bit elements at p (em a multiple of 8, at most DIGEST_CHUNK). */
+static inline __attribute__((always_inline)) SlotLanes slot_lanes(const int16_t *p, int64_t em,
+                                                                  __m128i par) {
+    const __m128i ones = _mm_set1_epi16(1), step = _mm_set1_epi16(8);
+    __m128i idx = _mm_set_epi16(7, 6, 5, 4, 3, 2, 1, 0);
+    SlotLanes l = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
+    for (int64_t i = 0; i < em; i += 8) {
+        __m128i q = _mm_loadu_si128((const __m128i *)(p + i));
+        l.t = _mm_add_epi32(l.t, _mm_madd_epi16(q, idx));
+        l.s = _mm_add_epi32(l.s, _mm_madd_epi16(q, ones));
+        l.p = _mm_add_epi32(l.p, _mm_madd_epi16(q, par));
+        idx = _mm_add_epi16(idx, step);
+    }
+    return l;
+}
+
+/* One row's slots [0, m) of `em` elements each (slot_sums), from `row`: each slot's sum
+ * (coefficients from jm) added into sum[], and into *acc each slot's S times `place` plus the
+ * slot's index. Four slots at a time, their lanes added together at once (hsum4). */
+static inline __attribute__((always_inline)) void row_slot_sums(const uint8_t *row, int64_t m,
+                                                                int64_t em, size_t sb,
+                                                                __m128i par, uint64_t jm,
+                                                                uint64_t place, uint64_t *sum,
+                                                                uint64_t *acc) {
+    const SlotLanes zero = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
+    uint64_t a = *acc;
+    for (int64_t off0 = 0; off0 < m; off0 += 4) {
+        const uint8_t *q = row + (size_t)off0 * sb;
+        int64_t top = m - off0 < 4 ? m - off0 : 4;
+        SlotLanes l0 = slot_lanes((const int16_t *)q, em, par);
+        SlotLanes l1 = top > 1 ? slot_lanes((const int16_t *)(q + sb), em, par) : zero;
+        SlotLanes l2 = top > 2 ? slot_lanes((const int16_t *)(q + 2 * sb), em, par) : zero;
+        SlotLanes l3 = top > 3 ? slot_lanes((const int16_t *)(q + 3 * sb), em, par) : zero;
+        /* (each below 2^31 in magnitude: digest_row2_sums' bound) */
+        int32_t tt[4], ts[4], tp[4];
+        _mm_storeu_si128((__m128i *)tt, hsum4(l0.t, l1.t, l2.t, l3.t));
+        _mm_storeu_si128((__m128i *)ts, hsum4(l0.s, l1.s, l2.s, l3.s));
+        _mm_storeu_si128((__m128i *)tp, hsum4(l0.p, l1.p, l2.p, l3.p));
+#define SLOT_SUM(j)                                                                              \
+    do {                                                                                         \
+        uint64_t s_ = (uint64_t)(int64_t)ts[j];                                                  \
+        sum[off0 + j] += jm * s_ + DIGEST_MUL * (uint64_t)(int64_t)tt[j] +                       \
+                         (uint64_t)(int64_t)tp[j];                                               \
+        a += s_ * (place + (uint64_t)(off0 + j));                                                \
+    } while (0)
+        if (top == 4) {
+            SLOT_SUM(0);
+            SLOT_SUM(1);
+            SLOT_SUM(2);
+            SLOT_SUM(3);
+        } else {
+            for (int64_t j = 0; j < top; j++) SLOT_SUM(j);
+        }
+#undef SLOT_SUM
+    }
+    *acc = a;
+}
+
 /* The raw sums of slots [0, m) of block b into sum[] (a slot's own digest: its elements in every
  * row, one row after the other, from coefficient 0: slot provenance's K/V hash, provenance.c),
  * and with `block`, m being the block's size, the block's own digest sum (digests: its rows
- * one after the other) from the same pass: digest_row2_sums's arithmetic over each slot of each
- * row, inlined, the block's sum put together from the slots' (an element's coefficient in the
- * block is its slot's shifted by the slot's place in the row and the row's in the block; the
- * parity the `| 1` looks at is the same, a slot being an even number of elements). A CPU pool's,
- * where slot_sums_fast. */
+ * one after the other) from the same pass. A slot being an even number of elements and a row a
+ * whole number of slots, every coefficient a sum starts from has DIGEST_ADD's parity, so the
+ * `| 1` adds the sum of the elements of one parity, the same one everywhere (`par`): per slot
+ * and row three sums, of the elements (S), of e * p[e] (T) and of those of that parity (P),
+ * SSE2 multiply-adds into four 32-bit lanes each, then the 64-bit arithmetic slot by slot
+ * (row_slot_sums; a slot of 8 elements, this bench's and a common head's size, its own copy of
+ * the loop, one load a slot). The block's sum from the slots': element i of slot o of row r
+ * has coefficient (jm_r + i * MUL) | 1 in the slot's sum, jm_r = ADD + r * em * MUL, and
+ * (bjm_r + (o * em + i) * MUL) | 1 in the block's, bjm_r = ADD + r * bs * em * MUL: the same
+ * plus MUL * em * (r * (bs - 1) + o), of the same parity; so the block's sum is the slots'
+ * plus MUL * em * the sum over rows and slots of S * (r * (bs - 1) + o) (`acc`). The same
+ * values as digest_row2_sums' over the block and over each slot, bit for bit
+ * (tests/test_core_guard.py against kernels/digest.py). A CPU pool's, where slot_sums_fast. */
 static void slot_sums(Native *n, int64_t b, int64_t m, uint64_t *sum, uint64_t *block) {
-    int64_t em = n->kv_slot_bytes / n->kv_esize, row_len = n->bs * em;
+    int64_t em = n->kv_slot_bytes / n->kv_esize;
+    size_t sb = (size_t)n->kv_slot_bytes;
     for (int64_t off = 0; off < m; off++) sum[off] = 0;
-    const __m128i even = _mm_set_epi16(0, 1, 0, 1, 0, 1, 0, 1);
-    const __m128i odd = _mm_set_epi16(1, 0, 1, 0, 1, 0, 1, 0);
-    const __m128i step = _mm_set1_epi16(8);
-    uint64_t jm = DIGEST_ADD, bjm = DIGEST_ADD, bsum = 0;
-    for (int64_t r = 0; r < n->kv_rows; r++, jm += (uint64_t)em * DIGEST_MUL) {
+    const __m128i par = (DIGEST_ADD & 1) ? _mm_set_epi16(1, 0, 1, 0, 1, 0, 1, 0)  /* odd e */
+                                         : _mm_set_epi16(0, 1, 0, 1, 0, 1, 0, 1); /* even e */
+    uint64_t jm = DIGEST_ADD, acc = 0, place = 0, row_place = (uint64_t)(n->bs - 1);
+    for (int64_t r = 0; r < n->kv_rows; r++, jm += (uint64_t)em * DIGEST_MUL, place += row_place) {
         const uint8_t *row = kv_row(n, r, b);
-        uint64_t rt = 0, re = 0, ro = 0, rs1 = 0; /* the row's sums, as digest_row2_sums's */
-        for (int64_t off = 0; off < m; off++) {
-            const int16_t *p = (const int16_t *)(row + (size_t)off * (size_t)n->kv_slot_bytes);
-            __m128i a1 = _mm_setzero_si128(), ae = a1, ao = a1;
-            __m128i idx = _mm_set_epi16(7, 6, 5, 4, 3, 2, 1, 0);
-            for (int64_t i = 0; i < em; i += 8) {
-                __m128i q = _mm_loadu_si128((const __m128i *)(p + i));
-                a1 = _mm_add_epi32(a1, _mm_madd_epi16(q, idx));
-                ae = _mm_add_epi32(ae, _mm_madd_epi16(q, even));
-                ao = _mm_add_epi32(ao, _mm_madd_epi16(q, odd));
-                idx = _mm_add_epi16(idx, step);
-            }
-            /* the lanes' sums (each below 2^31 in magnitude: digest_row2_sums' bound) */
-            __m128i eo = _mm_add_epi32(_mm_unpacklo_epi32(ae, ao), _mm_unpackhi_epi32(ae, ao));
-            eo = _mm_add_epi32(eo, _mm_srli_si128(eo, 8)); /* te, to */
-            a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 8));
-            a1 = _mm_add_epi32(a1, _mm_srli_si128(a1, 4));
-            uint64_t te = (uint64_t)(int64_t)_mm_cvtsi128_si32(eo);
-            uint64_t to = (uint64_t)(int64_t)_mm_cvtsi128_si32(_mm_srli_si128(eo, 4));
-            uint64_t t1 = (uint64_t)(int64_t)_mm_cvtsi128_si32(a1);
-            sum[off] += jm * (te + to) + DIGEST_MUL * t1 + ((jm & 1) ? to : te);
-            /* (in the row: element i of the slot is element off * em + i) */
-            rs1 += (uint64_t)(off * em) * (te + to) + t1;
-            rt += te + to;
-            re += te;
-            ro += to;
-        }
-        bsum += bjm * rt + DIGEST_MUL * rs1 + ((bjm & 1) ? ro : re);
-        bjm += (uint64_t)row_len * DIGEST_MUL;
+        if (em == 8)
+            row_slot_sums(row, m, 8, 16, par, jm, place, sum, &acc);
+        else
+            row_slot_sums(row, m, em, sb, par, jm, place, sum, &acc);
     }
-    if (block != NULL) *block = bsum;
+    if (block != NULL) {
+        uint64_t bsum = DIGEST_MUL * (uint64_t)em * acc;
+        for (int64_t off = 0; off < m; off++) bsum += sum[off];
+        *block = bsum;
+    }
 }
 #endif
 

@@ -519,10 +519,10 @@ static PyObject *text_of(const uint8_t *b) { return request_text((const char *)b
  * ("stack: ID ID ...", sites.py) is its first frame's. */
 static const char *site_text_at(Native *n, int32_t site, size_t *len) {
     for (int hop = 0; hop < 2; hop++) {
-        if (site < 0 || site >= n->num_sites || (uint32_t)site >= U4(n->seg + n->sites_used_at))
+        if (site < 0 || site >= NUM_SITES || (uint32_t)site >= U4(n->seg + HDR_NUM_SITES_USED))
             return NULL;
-        const char *t = (const char *)(n->seg + n->off_sites + (size_t)site * n->site_size);
-        *len = strnlen(t, n->site_text_bytes);
+        const char *t = (const char *)(n->seg + n->off_sites + (size_t)site * SITE_SIZE);
+        *len = strnlen(t, SR_TEXT_BYTES);
         if (*len < 7 || memcmp(t, "stack: ", 7) != 0) return t;
         site = (int32_t)strtol(t + 7, NULL, 10);
     }

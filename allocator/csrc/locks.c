@@ -157,12 +157,22 @@ static int lock_failed(Native *n, int i, int rc) {
 /* lock_get's answer when lock i is busy and the caller asked not to wait (nothing taken). */
 #define LOCK_BUSY 5
 
-/* How many times a taker looks again at a busy mutex before it sleeps in the kernel. The
+/* How many times a taker looks again at a busy mutex before it waits for it. The
  * core's critical sections are a few microseconds long: a holder running on another core lets
  * go within the spin, and the sleep and the wake-up (two system calls and a context switch each
  * side) are spared; a holder that is not running (preempted) costs the spin, a few
- * microseconds, and the taker sleeps as before. */
+ * microseconds, and the taker yields its core (LOCK_YIELDS) before it sleeps. */
 #define LOCK_SPIN 256
+
+/* How many times a taker whose spin ran out gives its core away (sched_yield) and looks again
+ * before it sleeps on the mutex. With more processes than cores (bench_pool --procs: 4 on 2) a
+ * holder still holding after the spin is mostly one the scheduler paused, often on this very
+ * core behind the taker: a yield lets it run and let go without the futex sleep, the
+ * unlocker's wake-up system call and the two context switches (about 20 us of CPU a sleep,
+ * measured there), and the taker stays runnable instead of losing its turn: 4 processes sleep
+ * 3.5-7 times less often (docs/POOL.md, "Several processes on a few cores"). A holder not back
+ * after the yields (one paused behind other work) is slept on as before. */
+#define LOCK_YIELDS 2
 
 static inline void cpu_relax(void) {
 #if defined(__SSE2__)
@@ -172,20 +182,38 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Spin while mutex m looks held (reading glibc's lock word, which names the owner), then try it
- * once more: pthread_mutex_trylock's answer. */
+/* pthread_mutex_trylock(m) when glibc's lock word (which names the owner) says it is free, else
+ * EBUSY without touching it: a look that keeps the line shared while the holder works. */
+static inline int mutex_try_free(pthread_mutex_t *m) {
+    if (__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) != 0) return EBUSY;
+    return pthread_mutex_trylock(m);
+}
+
+/* Spin while mutex m looks held, trying it whenever it looks free: pthread_mutex_trylock's
+ * answer, EBUSY when it stayed held. */
 static int mutex_spin(pthread_mutex_t *m) {
+    int rc;
     for (int k = 0; k < LOCK_SPIN; k++) {
         cpu_relax();
-        if (__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) == 0) {
-            int rc = pthread_mutex_trylock(m);
-            if (rc != EBUSY) return rc;
-        }
+        if ((rc = mutex_try_free(m)) != EBUSY) return rc;
     }
     return EBUSY;
 }
 
-/* Take lock i (a busy one after a spin: mutex_spin); HOLDER_DEAD (not
+/* Wait for mutex m (the GIL let go): when `yield` (the taker holds no other pool lock: a yield
+ * holding one would keep it from every process that wants it meanwhile), yield the core a few
+ * times first (LOCK_YIELDS), trying it whenever it looks free; then sleep on it.
+ * pthread_mutex_lock's answer. */
+static int mutex_wait_for(pthread_mutex_t *m, int yield) {
+    int rc;
+    for (int k = 0; yield && k < LOCK_YIELDS; k++) {
+        sched_yield();
+        if ((rc = mutex_try_free(m)) != EBUSY) return rc;
+    }
+    return pthread_mutex_lock(m);
+}
+
+/* Take lock i (a busy one after a spin, mutex_spin, then a wait: mutex_wait_for); HOLDER_DEAD (not
  * taken) when its record names a dead holder and `dead` is NULL, else the holder is written to
  * *dead and forgotten (the caller stops the world to recover: recovery.c); MUTEX_LATER (not
  * taken) when it must wait and another thread holds the op mutex while this call holds other
@@ -195,11 +223,14 @@ static int mutex_spin(pthread_mutex_t *m) {
  * still busy after the spin is not waited for: LOCK_BUSY, nothing taken (not counted: the wait
  * for it that follows is). */
 static int lock_get(Native *n, int i, Holder *dead, int wait) {
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = 0;
     int contended = 0;
     pthread_mutex_t *m = lock_mutex(n, i);
     int rc = mutex_taken(m, pthread_mutex_trylock(m));
     if (rc == EBUSY) {
+        /* (the wait is timed from the first busy look: a free lock, most takes, costs no clock
+         * read before it) */
+        t0 = mono_ns();
         contended = 1;
         rc = mutex_taken(m, mutex_spin(m));
     }
@@ -213,7 +244,8 @@ static int lock_get(Native *n, int i, Holder *dead, int wait) {
         if (n->keep_gil) /* (the gil-wait fault: the GIL kept through the wait) */
             rc = mutex_taken(m, pthread_mutex_lock(m));
         else {
-            Py_BEGIN_ALLOW_THREADS rc = mutex_taken(m, pthread_mutex_lock(m));
+            int yield = n->held == 0;
+            Py_BEGIN_ALLOW_THREADS rc = mutex_taken(m, mutex_wait_for(m, yield));
             Py_END_ALLOW_THREADS
         }
         U8(n->seg + n->c_wait) = 0;
@@ -381,6 +413,8 @@ static void txn_abort(Native *n) {
     jrollback(n);
     if (n->own_valid) own_rollback(n);
     n->own_n = 0;
+    /* (counted and recorded before the locks go: the record is the free lock holder's) */
+    if (n->exhausted_need > 0 && !PyErr_Occurred()) exhausted_note(n, n->exhausted_need);
     release_all(n);
     client_seq_bump(n);
     n->pend_evicted = 0;

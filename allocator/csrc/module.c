@@ -25,8 +25,10 @@ static int word_of(PyObject *obj, Py_buffer *view, int64_t **out) {
     return 0;
 }
 
-/* Native(segment_buffer, fd, layout: dict): the layout dict (native.py core_for) names every
- * offset, size and shared Python object the core uses. */
+/* Native(segment_buffer, fd, layout: dict): the layout dict (native.py core_for) names what
+ * depends on the pool (its geometry, its sections' offsets, this handle's client, pid and name,
+ * the KV data) and the Python objects the core shares; the records' field offsets and sizes are
+ * layout.h's. */
 static int N_init(Native *n, PyObject *args, PyObject *kw) {
     PyObject *bufobj, *d;
     int fd;
@@ -44,43 +46,29 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         {"index_width", &n->index_w, I64},    {"num_shards", &n->num_shards, I64},
         {"local_cap", &n->local_cap, I64},    {"local_max", &n->local_max, I64},
         {"slot_batch", &n->slot_batch, I64},  {"uid", &n->uid, I64},
-        {"seq_id_batch", &n->seq_id_batch, I64},
         {"quarantine", &n->quarantine, I64},
         {"off_blocks", &n->off_blocks, SIZE}, {"off_ring", &n->off_ring, SIZE},
         {"off_index", &n->off_index, SIZE},   {"off_seqs", &n->off_seqs, SIZE},
         {"off_locks", &n->off_locks, SIZE},   {"off_lru", &n->off_lru, SIZE},
-        {"c_seq", &n->c_seq, SIZE},
-        {"c_local_count", &n->c_local_count, SIZE}, {"c_local", &n->c_local, SIZE},
-        {"c_jcount", &n->c_jcount, SIZE},     {"c_jused", &n->c_jused, SIZE},
-        {"c_journal", &n->c_journal, SIZE},   {"c_jdata", &n->c_jdata, SIZE},
-        {"c_counters", &n->c_counters, SIZE}, {"c_wait", &n->c_wait, SIZE},
         {"client", &n->client, INT},
         {"lock_free", &n->lock_free, INT},    {"lock_shard0", &n->lock_shard0, INT},
-        {"lock_seqs", &n->lock_seqs, INT},    {"off_next_seq_id", &n->off_next_seq_id, SIZE},
+        {"lock_seqs", &n->lock_seqs, INT},
         {"num_locks", &n->num_locks, INT},    {"pid", &n->pid, I32},
-        {"journal_entries", &n->j_entries, U32}, {"journal_bytes", &n->j_bytes, U32},
         {"start", &n->start, U64},
-        {"off_events", &n->off_ev, SIZE},     {"c_event_head", &n->c_event_head, SIZE},
+        {"off_events", &n->off_ev, SIZE},
         {"event_capacity", &n->ev_cap, U64},
-        {"max_clients", &n->max_clients, I64}, {"client_record_size", &n->client_size, I64},
-        {"header_check_bytes", &n->hdr_len, I64},
+        {"max_clients", &n->max_clients, I64},
         {"kv_rows", &n->kv_rows, I64},        {"kv_row_stride", &n->kv_row_stride, I64},
         {"kv_block_stride", &n->kv_block_stride, I64},
         {"kv_slot_bytes", &n->kv_slot_bytes, I64}, {"kv_spb", &n->kv_spb, I64},
         {"kv_esize", &n->kv_esize, I64},      {"canary", &n->canary, U64},
         {"nan_bits", &n->nan_bits, U64},      {"poison_ok", &n->poison_ok, I64},
         {"off_kv_digest", &n->off_kv_digest, I64},
-        {"off_clients", &n->off_clients, SIZE}, {"cf_state", &n->cf_state, SIZE},
-        {"cf_pid", &n->cf_pid, SIZE},         {"cf_local_count", &n->cf_local_count, SIZE},
-        {"client_attached", &n->client_attached, I64},
-        {"off_num_blocks", &n->off_num_blocks, SIZE},
-        {"cf_start", &n->cf_start, SIZE},     {"cf_attached_ns", &n->cf_attached_ns, SIZE},
-        {"off_hdr_counters", &n->off_hdr_counters, SIZE},
-        {"fd_repaired", &n->fd_repaired, SIZE},
-        {"client_detached", &n->client_detached, I64},
+        {"off_clients", &n->off_clients, SIZE},
         {"off_leases", &n->off_leases, SIZE}, {"lease_records", &n->lease_records, SIZE},
         {"lease_record_size", &n->lease_rec, I64},
-        {"off_provenance", &n->off_prov, SIZE}, {"provenance_records", &n->prov_records, SIZE}, {"lease_capacity", &n->lease_cap, I64},
+        {"off_provenance", &n->off_prov, SIZE}, {"provenance_records", &n->prov_records, SIZE},
+        {"lease_capacity", &n->lease_cap, I64},
     };
     int64_t kv_ptr;
     if (get_size(d, "kv_ptr", &kv_ptr)) return -1;
@@ -97,6 +85,21 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
         case U64: *(uint64_t *)ints[i].dst = (uint64_t)v; break;
         }
     }
+    /* The records' fixed offsets and sizes are layout.h's (records.py); this client's record
+     * and its event ring are where the pool's sections put them. */
+    size_t cbase = n->off_clients + (size_t)n->client * CLIENT_SIZE;
+    n->c_seq = cbase + CF_SEQ;
+    n->c_local_count = cbase + CF_LOCAL_COUNT;
+    n->c_local = cbase + CF_LOCAL;
+    n->c_jcount = cbase + CF_JOURNAL_COUNT;
+    n->c_jused = cbase + CF_JOURNAL_USED;
+    n->c_journal = cbase + CF_JOURNAL;
+    n->c_jdata = cbase + CF_JOURNAL_DATA;
+    n->c_counters = cbase + CF_COUNTERS;
+    n->c_wait = cbase + CF_OP;
+    n->c_event_head = cbase + CF_EVENT_HEAD;
+    n->off_ev += (size_t)n->client * n->ev_cap * EV_SIZE;
+    n->hdr_len = HDR_CHECKSUM + 8; /* the header's bytes up to and with its checksum */
     if (n->num_locks > MAX_LOCKS || n->local_cap > LOCAL_CACHE_MAX || n->bs > 4096 || n->bs < 1) {
         PyErr_SetString(PyExc_ValueError, "geometry outside the native core's limits");
         return -1;
@@ -226,7 +229,6 @@ static void N_dealloc(Native *n) {
     findings_drop(n);
     PyMem_Free(n->pend);
     Py_XDECREF(n->found);
-    Py_XDECREF(n->hdr_fields);
     Py_XDECREF(n->msg_canary);
     Py_XDECREF(n->msg_poison);
     Py_XDECREF(n->msg_modified);
@@ -299,6 +301,10 @@ static PyMethodDef N_methods[] = {
      "fork(pool, seq, request_id) -> Sequence"},
     {"verify_often", (PyCFunction)N_verify_often, METH_O,
      "verify_often(pool): the magic probe's periodic check, on the core's clock"},
+    {"verify", (PyCFunction)N_verify, METH_O,
+     "verify(pool) -> ([int], bool): pool.verify()'s check at once (the header; with the "
+     "leaks probe conservation; in guard mode, where the core maps the K/V, every canary): the "
+     "ring positions of the findings written, and whether it scanned the canaries"},
     {"first_report", (PyCFunction)(void (*)(void))N_first_report, METH_FASTCALL,
      "first_report(kind, block) -> bool | None: whether a finding the core counts is new "
      "(once per block); None for a kind it does not count"},
@@ -311,14 +317,8 @@ static PyMethodDef N_methods[] = {
      "guard_sample(every): one allocation in `every` guarded, drawn at allocate and resume"},
     {"guarded", (PyCFunction)N_guarded, METH_O,
      "guarded(slot) -> bool: whether sampled guard mode guards that slot's release"},
-    {"intern_site", (PyCFunction)N_intern_site, METH_O,
-     "intern_site(text: bytes) -> int: the site table's id of a text, added when new "
-     "(-1: the table is full)"},
     {"audit_table", (PyCFunction)(void (*)(void))N_audit_table, METH_FASTCALL,
      "audit_table(pool, table, rows, lengths, sentinel, expect) -> int: the block-table audit"},
-    {"free_counts", (PyCFunction)N_free_counts, METH_NOARGS,
-     "free_counts() -> (free, ring, mine, local) | None: conservation's counts under the "
-     "free lock (None: not to be had inside this thread's transaction)"},
     {"learn_edge", (PyCFunction)(void (*)(void))N_learn_edge, METH_FASTCALL,
      "learn_edge(src: str, dst: str, site: str) -> bool: lockdep's order edge added to the "
      "segment's graph (a cycle it closes reported); False when the graph is full"},

@@ -552,13 +552,13 @@ static void oplog_write(Native *n, OpRec *o) {
                                          : PyLong_AsUnsignedLongLong(
                                                PyList_GET_ITEM(n->found, o->found0 + i));
             const uint8_t *f =
-                n->seg + n->off_findings + (size_t)(pos % (uint64_t)n->fd_cap) * n->fd_size;
-            p = put_s(p, I4(f + n->fd_block));
-            size_t kl = n->fd_kind_bytes < OPLOG_FOUND - OF_KIND ? n->fd_kind_bytes
+                n->seg + n->off_findings + (size_t)(pos % FINDINGS_CAPACITY) * FINDING_SIZE;
+            p = put_s(p, I4(f + FD_BLOCK));
+            size_t kl = FD_KIND_BYTES < OPLOG_FOUND - OF_KIND ? FD_KIND_BYTES
                                                                   : OPLOG_FOUND - OF_KIND;
-            kl = strnlen((const char *)f + n->fd_kind, kl);
+            kl = strnlen((const char *)f + FD_KIND, kl);
             *p++ = (uint8_t)kl;
-            memcpy(p, f + n->fd_kind, kl);
+            memcpy(p, f + FD_KIND, kl);
             p += kl;
         }
     }
@@ -1039,12 +1039,12 @@ static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t li
 /* One finding of the findings ring (its position) as a record lists it: its block, then a
  * length byte and its kind's bytes. */
 static uint8_t *put_found(Native *n, uint8_t *p, uint64_t pos) {
-    const uint8_t *f = n->seg + n->off_findings + (size_t)(pos % (uint64_t)n->fd_cap) * n->fd_size;
-    p = put_s(p, I4(f + n->fd_block));
-    size_t kl = n->fd_kind_bytes < OPLOG_FOUND - OF_KIND ? n->fd_kind_bytes : OPLOG_FOUND - OF_KIND;
-    kl = strnlen((const char *)f + n->fd_kind, kl);
+    const uint8_t *f = n->seg + n->off_findings + (size_t)(pos % FINDINGS_CAPACITY) * FINDING_SIZE;
+    p = put_s(p, I4(f + FD_BLOCK));
+    size_t kl = FD_KIND_BYTES < OPLOG_FOUND - OF_KIND ? FD_KIND_BYTES : OPLOG_FOUND - OF_KIND;
+    kl = strnlen((const char *)f + FD_KIND, kl);
     *p++ = (uint8_t)kl;
-    memcpy(p, f + n->fd_kind, kl);
+    memcpy(p, f + FD_KIND, kl);
     return p + kl;
 }
 

@@ -129,8 +129,8 @@ static int preempt_one(Native *n, int64_t exclude, int64_t short_by, int *found)
      * its reference or stamp, then the cache or ring it leaves or joins) must fit the journal's
      * room, with margin; else it is preempted ahead (preempt_ahead). */
     int64_t saves = 2 * ((PyList_Check(table) ? PyList_GET_SIZE(table) : 0) + short_by);
-    int64_t room = (int64_t)n->j_entries - (int64_t)n->jcount - 32;
-    int64_t bytes = (int64_t)n->j_bytes - (int64_t)n->jused - 4096;
+    int64_t room = (int64_t)JOURNAL_ENTRIES - (int64_t)n->jcount - 32;
+    int64_t bytes = (int64_t)JOURNAL_BYTES - (int64_t)n->jused - 4096;
     if (saves > room || saves * ((int64_t)n->rec + 8) > bytes) {
         Py_DECREF(table);
         n->ahead = slot + 1;
@@ -274,6 +274,33 @@ out:
 
 /* -- a full pool ------------------------------------------------------------------------------ */
 
+/* A take of `needed` blocks found nothing left: counted (num_exhausted, this client's) and
+ * recorded as the pool's last exhaustion in the header (records.py EXHAUSTION_FIELDS), from the
+ * pool as the rollback left it. Called by txn_abort after the rollback, the free lock still held
+ * (the take that set exhausted_need held it: blocks.c take), so the ring's count is exact and
+ * one raise's record is never mixed with another's. Not journaled: it follows the rollback,
+ * nothing undoes it. Its time is cleared first and stored last, so a death in between leaves
+ * no record (time 0) rather than figures of two raises. Other processes' local caches are
+ * their owners' (no lock): their counts are as this read found them. */
+static void exhausted_note(Native *n, int64_t needed) {
+    count(n, C_EXHAUSTED, 1);
+    if (!holds(n, n->lock_free)) return; /* (not reached: see above) */
+    uint32_t local = 0;
+    for (int64_t c = 0; c < n->max_clients; c++) {
+        uint8_t *cr = n->seg + n->off_clients + (size_t)c * (size_t)CLIENT_SIZE;
+        if (c == n->client || cr[CF_STATE] != CL_ATTACHED) continue;
+        local += __atomic_load_n((uint32_t *)(cr + CF_LOCAL_COUNT), __ATOMIC_RELAXED);
+    }
+    uint8_t *h = n->seg;
+    __atomic_store_n((uint64_t *)(h + HDR_EXHAUSTED_NS), 0, __ATOMIC_RELEASE);
+    I4(h + HDR_EXHAUSTED_PID) = n->pid;
+    U4(h + HDR_EXHAUSTED_NEED) = (uint32_t)needed;
+    U4(h + HDR_EXHAUSTED_FREE) = U4(ringh(n) + RING_COUNT);
+    U4(h + HDR_EXHAUSTED_OWN) = local_count(n);
+    U4(h + HDR_EXHAUSTED_LOCAL) = local;
+    __atomic_store_n((uint64_t *)(h + HDR_EXHAUSTED_NS), wall_ns(), __ATOMIC_RELEASE);
+}
+
 /* PoolExhausted for a take of `needed` blocks, read from the pool as the rollback left it:
  * blocks free (the ring, quarantined, any process's local cache), cached and held; the blocks
  * each live request holds; other attached processes' local caches by pid. */
@@ -307,10 +334,10 @@ static void raise_exhausted(Native *n, int64_t needed) {
         if (bad) goto out;
     }
     for (int64_t c = 0; c < n->max_clients; c++) {
-        uint8_t *cr = n->seg + n->off_clients + (size_t)c * (size_t)n->client_size;
-        uint32_t local = U4(cr + n->cf_local_count);
-        if (c == n->client || cr[n->cf_state] != n->client_attached || local == 0) continue;
-        PyObject *pid = PyLong_FromLong(I4(cr + n->cf_pid));
+        uint8_t *cr = n->seg + n->off_clients + (size_t)c * (size_t)CLIENT_SIZE;
+        uint32_t local = U4(cr + CF_LOCAL_COUNT);
+        if (c == n->client || cr[CF_STATE] != CL_ATTACHED || local == 0) continue;
+        PyObject *pid = PyLong_FromLong(I4(cr + CF_PID));
         if (pid == NULL) goto out;
         PyObject *had = PyDict_GetItemWithError(elsewhere, pid);
         long long sum = (had ? PyLong_AsLongLong(had) : 0) + (long long)local;

@@ -5,8 +5,8 @@
  * unsealed_left, already_free; a block an append fills whose record is scribbled: append.c
  * extend_chain). The checks the handle runs between operations (probing.py PoolProbes:
  * verify(), the canary scan) report through KVPool.report. The ring and the site table have no
- * other writer: KVPool.report and sites.py write through N_report and N_intern_site, and the
- * core interns the sites it composes (site_now). Part of _native.c. */
+ * other writer: KVPool.report writes through N_report, and the core interns the sites it
+ * composes (site_now). Part of _native.c. */
 
 /* -- the flight recorder ---------------------------------------------------------------------- */
 
@@ -93,19 +93,19 @@ static int code_outside(Native *n, PyCodeObject *code) {
  * (the entry first, then the count: a death in between leaves an unused entry): -1 when the
  * table is full. The caller holds the sites lock. */
 static int64_t site_find_or_add(Native *n, const char *raw, size_t len) {
-    size_t tl = len < n->site_text_bytes ? len : n->site_text_bytes;
-    int64_t used = (int64_t)U4(n->seg + n->sites_used_at), id = -1;
-    if (used > n->num_sites) used = n->num_sites;
+    size_t tl = len < SR_TEXT_BYTES ? len : SR_TEXT_BYTES;
+    int64_t used = (int64_t)U4(n->seg + HDR_NUM_SITES_USED), id = -1;
+    if (used > NUM_SITES) used = NUM_SITES;
     for (int64_t i = 0; i < used && id < 0; i++) {
-        const uint8_t *t = n->seg + n->off_sites + (size_t)i * n->site_size;
+        const uint8_t *t = n->seg + n->off_sites + (size_t)i * SITE_SIZE;
         /* (a stored text is NUL-padded: equal bytes, then nothing) */
-        if (memcmp(t, raw, tl) == 0 && (tl == n->site_text_bytes || t[tl] == 0)) id = i;
+        if (memcmp(t, raw, tl) == 0 && (tl == SR_TEXT_BYTES || t[tl] == 0)) id = i;
     }
-    if (id < 0 && used < n->num_sites) {
-        uint8_t *t = n->seg + n->off_sites + (size_t)used * n->site_size;
-        memset(t, 0, n->site_text_bytes);
+    if (id < 0 && used < NUM_SITES) {
+        uint8_t *t = n->seg + n->off_sites + (size_t)used * SITE_SIZE;
+        memset(t, 0, SR_TEXT_BYTES);
         memcpy(t, raw, tl);
-        U4(n->seg + n->sites_used_at) = (uint32_t)used + 1;
+        U4(n->seg + HDR_NUM_SITES_USED) = (uint32_t)used + 1;
         id = used;
     }
     return id;
@@ -211,7 +211,7 @@ static int64_t frame_site(Native *n, PyFrameObject *f) {
     return sid;
 }
 
-/* sites.SiteTable._stack: the stack from f (borrowed) outward, up to `depth` frames outside
+/* The stack from f (borrowed) outward, up to `depth` frames outside
  * kvscope, up to the first frame of kvscope or of the bootstrap after them; each frame its own
  * entry, the stack one more (`stack: ID ID ...`); one frame, or a full table: the allocation
  * frame's id. */
@@ -314,7 +314,7 @@ static int leaf_take(Native *n, int i, int *mh) {
     return rc == OK || rc == ERROR ? rc : UNHANDLED;
 }
 
-/* leaf_take for a Python caller (N_report, N_intern_site, N_learn_edge): HELD at once where
+/* leaf_take for a Python caller (N_report, N_learn_edge, ...): HELD at once where
  * this thread holds the lock already, by its record (another handle's transaction that called
  * Python), whatever operation is in flight; else another thread's operation on the handle in
  * flight (its lock bookkeeping is the handle's) is waited for first (wait_others), and one of
@@ -348,19 +348,19 @@ static void leaf_drop(Native *n, int i, int taken, int mh) {
  * s->site (-1: none; stored + 1), s->request, the message's first bytes. Its position. */
 static uint64_t ring_put(Native *n, const char *kind, uint8_t severity, const Seen *s,
                          const char *text, size_t len) {
-    uint64_t head = U8(n->seg + n->fd_head_at);
-    uint8_t *r = n->seg + n->off_findings + (size_t)(head % (uint64_t)n->fd_cap) * n->fd_size;
-    memset(r, 0, n->fd_size);
-    U8(r + n->fd_time) = wall_ns();
+    uint64_t head = U8(n->seg + HDR_FINDINGS_HEAD);
+    uint8_t *r = n->seg + n->off_findings + (size_t)(head % FINDINGS_CAPACITY) * FINDING_SIZE;
+    memset(r, 0, FINDING_SIZE);
+    U8(r + FD_TIME_NS) = wall_ns();
     size_t kl = strlen(kind);
-    memcpy(r + n->fd_kind, kind, kl < n->fd_kind_bytes ? kl : n->fd_kind_bytes);
-    r[n->fd_severity] = severity;
-    I4(r + n->fd_block) = s->block;
-    I4(r + n->fd_owner) = s->owner_pid;
-    U4(r + n->fd_site) = s->site >= 0 ? (uint32_t)s->site + 1 : 0;
-    memcpy(r + n->fd_request, s->request, REQUEST_BYTES);
-    memcpy(r + n->fd_message, text, len < n->fd_message_bytes ? len : n->fd_message_bytes);
-    U8(n->seg + n->fd_head_at) = head + 1;
+    memcpy(r + FD_KIND, kind, kl < FD_KIND_BYTES ? kl : FD_KIND_BYTES);
+    r[FD_SEVERITY] = severity;
+    I4(r + FD_BLOCK) = s->block;
+    I4(r + FD_OWNER_PID) = s->owner_pid;
+    U4(r + FD_SITE) = s->site >= 0 ? (uint32_t)s->site + 1 : 0;
+    memcpy(r + FD_REQUEST, s->request, REQUEST_BYTES);
+    memcpy(r + FD_MESSAGE, text, len < FD_MESSAGE_BYTES ? len : FD_MESSAGE_BYTES);
+    U8(n->seg + HDR_FINDINGS_HEAD) = head + 1;
     return head;
 }
 
@@ -406,7 +406,7 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     return rc;
 }
 
-/* N_report's and N_intern_site's check of the handle: 1 (PoolError set) when it is closed or
+/* A Python caller's check of the handle (N_report, eviction, the stores): 1 (PoolError set) when it is closed or
  * was opened by another process (a forked parent's). */
 static int py_caller_unusable(Native *n) {
     if (n->seg != NULL && n->fork_gen == fork_gen) return 0;
@@ -452,22 +452,6 @@ static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t head = ring_put(n, name, (uint8_t)sev, &s, text, (size_t)ml);
     leaf_drop(n, n->lock_findings, taken, mh);
     return PyLong_FromUnsignedLongLong(head);
-}
-
-/* intern_site(text) -> int: sites.py SiteTable's write: the id of the site table's entry
- * holding `text` (bytes, cut to the field's), appended when there is none (the entry first,
- * then the count: a death in between leaves an unused entry); -1 when the table is full. The
- * sites lock is waited for, a dead holder of it recovered (leaf_take_py). */
-static PyObject *N_intern_site(Native *n, PyObject *arg) {
-    char *raw;
-    Py_ssize_t len;
-    if (PyBytes_AsStringAndSize(arg, &raw, &len) < 0) return NULL;
-    if (py_caller_unusable(n)) return NULL;
-    int mh, taken = leaf_take_py(n, n->lock_sites, &mh, "intern_site");
-    if (taken == ERROR) return NULL;
-    int64_t id = site_find_or_add(n, raw, (size_t)len);
-    leaf_drop(n, n->lock_sites, taken, mh);
-    return PyLong_FromLongLong(id);
 }
 
 static int finding_later(Native *n, int fk, const Seen *s, PyObject *message) {
@@ -593,11 +577,11 @@ static void free_tally(Native *n, int64_t *free_, int64_t *mine) {
     *mine = m;
 }
 
-/* Conservation (as probing.py conservation counts it), counted here under the free lock: the
- * ring holds exactly the free (and quarantined) blocks, this client's local cache exactly its
- * LOCAL blocks; a free_list_corrupt finding (the first difference) when not. Run by the gate,
- * before the call's operation: the op mutex a wait took is let go again. OK, or ERROR with an
- * exception set. */
+/* Conservation, counted under the free lock: the ring holds exactly the free (and quarantined)
+ * blocks, this client's local cache exactly its LOCAL blocks; a free_list_corrupt finding (the
+ * first difference) when not. Run by the gate, before the call's operation, and by
+ * pool.verify() (entry.c N_verify): the op mutex a wait took is let go again. OK, or ERROR
+ * with an exception set. */
 static int conservation(Native *n) {
     int mh = n->mutex_held;
     int rc = txn_begin(n, lock_bit(n->lock_free));
@@ -627,30 +611,6 @@ static int conservation(Native *n) {
     return rc;
 }
 
-/* free_counts() -> (free, ring, mine, local) | None: probing.py conservation's counts, taken
- * together under the free lock (waited for, a dead holder recovered: leaf_take_py): the free
- * and quarantined block records, the free ring's count, this client's LOCAL block records and
- * its local cache's count. Another thread's operation on the handle is waited for first, so
- * that this process's local cache holds still. None where the lock is not to be had now: this
- * thread is inside a transaction of the pool (a callback of its operation) that holds a lock
- * ordered after it, or its record names a dead holder then. */
-static PyObject *N_free_counts(Native *n, PyObject *unused) {
-    if (py_caller_unusable(n)) return NULL;
-    int mine;
-    if (wait_others(n, &mine, NULL)) return NULL;
-    if (py_caller_unusable(n)) return NULL; /* (closed meanwhile) */
-    if (mine && (n->held & ~(lock_bit(n->lock_free + 1) - 1))) Py_RETURN_NONE;
-    int mh, taken = leaf_take(n, n->lock_free, &mh);
-    if (taken == UNHANDLED) Py_RETURN_NONE;
-    if (taken == ERROR) return NULL;
-    int64_t free_, own;
-    free_tally(n, &free_, &own);
-    int64_t ring = (int64_t)U4(ringh(n) + RING_COUNT), local = (int64_t)local_count(n);
-    leaf_drop(n, n->lock_free, taken, mh);
-    return Py_BuildValue("(LLLL)", (long long)free_, (long long)ring, (long long)own,
-                         (long long)local);
-}
-
 /* The header's checked bytes (up to and with its checksum) changed since
  * this handle attached: a header_corrupt finding naming the first byte that differs, its
  * field, and 8 bytes found and expected from there (byte -1, "?", when only the checksum
@@ -667,16 +627,13 @@ static int header_changed(Native *n) {
             snprintf(found + 2 * (i - diff), 3, "%02x", n->seg[i]);
             snprintf(want + 2 * (i - diff), 3, "%02x", n->hdr_copy[i]);
         }
-        for (Py_ssize_t f = 0; f < PyTuple_GET_SIZE(n->hdr_fields); f++) {
-            PyObject *t = PyTuple_GET_ITEM(n->hdr_fields, f);
-            long off = PyLong_AsLong(PyTuple_GET_ITEM(t, 1));
-            long size = PyLong_AsLong(PyTuple_GET_ITEM(t, 2));
-            if (off <= diff && diff < off + size) {
-                field = PyUnicode_AsUTF8(PyTuple_GET_ITEM(t, 0));
+        for (size_t f = 0; f < sizeof HEADER_CHECKED / sizeof *HEADER_CHECKED; f++) {
+            int64_t off = HEADER_CHECKED[f].off;
+            if (off <= diff && diff < off + HEADER_CHECKED[f].size) {
+                field = HEADER_CHECKED[f].name;
                 break;
             }
         }
-        if (field == NULL || PyErr_Occurred()) return ERROR;
     }
     PyObject *msg = PyUnicode_FromFormat(
         "segment header changed at byte %lld (%s): found %s, expected %s; something outside "
@@ -689,14 +646,7 @@ static int header_changed(Native *n) {
     return rc;
 }
 
-static int verify_often(Native *n, PyObject *pool) {
-    /* Every operation reads the clock: the coarse one, with its resolution taken off the
-     * interval, so that the check still runs once VERIFY_EVERY_NS have passed (and at
-     * worst a resolution sooner). */
-    if (n->coarse_slack == 0) n->coarse_slack = coarse_slack_ns();
-    int coarse = n->coarse_slack != UINT64_MAX;
-    uint64_t now = coarse ? mono_coarse_ns() : mono_ns();
-    if (now - n->last_verify_ns < VERIFY_EVERY_NS - (coarse ? n->coarse_slack : 0)) return OK;
+static int verify_now(Native *n, uint64_t now) {
     n->last_verify_ns = now;
     if (memcmp(n->hdr_copy, n->seg, n->hdr_len) != 0) return header_changed(n);
     return n->probes & P_LEAKS ? conservation(n) : OK;
@@ -739,7 +689,7 @@ static void maybe_live_add(Native *n, int64_t slot) {
 }
 
 static inline uint64_t client_seq_of(Native *n, int64_t c) {
-    return U8(n->seg + n->c_seq + (c - n->client) * n->client_size);
+    return U8(n->seg + n->c_seq + (c - n->client) * CLIENT_SIZE);
 }
 
 /* The slots that may hold a live sequence: the cache while every client's transaction count
@@ -1066,18 +1016,18 @@ static int report_leaked(Native *n, PyObject *request) {
 
 /* -- lockdep (probes/lockdep.py LockDep) ------------------------------------------------------ */
 
-/* Where the segment's lock-order graph and findings ring lie and how their records read
- * (native.py probe_layout, from layout.py's LOCKGRAPH_DTYPE and FINDING_DTYPE), each lock's
- * class as the graph stores it, the findings' severities and KVPool._found. 0, or -1 with an
- * exception set. */
+/* Where the segment's lock-order graph, findings ring and site table lie (native.py
+ * probe_layout; how their records read is layout.h's, from records.py), each lock's class as
+ * the graph stores it, the findings' severities and KVPool._found. 0, or -1 with an exception
+ * set. */
 static int probes_init(Native *n, PyObject *d) {
+    /* the sections' offsets; their records' fields are layout.h's (records.py) */
     struct {
         const char *key;
         size_t *dst;
-    } at[] = {{"off_lockgraph", &n->off_lockgraph}, {"lockgraph_used_at", &n->lg_used_at},
-              {"lockgraph_record_size", &n->lg_size}, {"lg_src", &n->lg_src},
-              {"lg_dst", &n->lg_dst},               {"lg_pid", &n->lg_pid},
-              {"lg_site", &n->lg_site},             {"lg_site_bytes", &n->lg_site_bytes}};
+    } at[] = {{"off_lockgraph", &n->off_lockgraph},
+              {"off_findings", &n->off_findings},
+              {"off_sites", &n->off_sites}};
     for (size_t i = 0; i < sizeof at / sizeof *at; i++) {
         PyObject *v = PyDict_GetItemString(d, at[i].key);
         if (v == NULL) {
@@ -1086,39 +1036,15 @@ static int probes_init(Native *n, PyObject *d) {
         }
         *at[i].dst = (size_t)PyLong_AsSsize_t(v);
     }
-    struct {
-        const char *key;
-        size_t *dst;
-    } fd[] = {{"off_findings", &n->off_findings}, {"findings_head_at", &n->fd_head_at},
-              {"finding_record_size", &n->fd_size}, {"fd_time_ns", &n->fd_time},
-              {"fd_kind", &n->fd_kind},             {"fd_severity", &n->fd_severity},
-              {"fd_block", &n->fd_block},           {"fd_owner_pid", &n->fd_owner},
-              {"fd_site", &n->fd_site},             {"fd_request", &n->fd_request},
-              {"fd_message", &n->fd_message},       {"fd_kind_bytes", &n->fd_kind_bytes},
-              {"fd_message_bytes", &n->fd_message_bytes}, {"off_sites", &n->off_sites},
-              {"site_record_size", &n->site_size},  {"site_text_bytes", &n->site_text_bytes},
-              {"sites_used_at", &n->sites_used_at}};
-    for (size_t i = 0; i < sizeof fd / sizeof *fd; i++) {
-        PyObject *v = PyDict_GetItemString(d, fd[i].key);
-        if (v == NULL) {
-            PyErr_Format(PyExc_KeyError, "native core needs %s", fd[i].key);
-            return -1;
-        }
-        *fd[i].dst = (size_t)PyLong_AsSsize_t(v);
-    }
     /* Each kind of FK_NAMES, and its severity, from findings.py (a kind it lacks: an error). */
     PyObject *sev = PyDict_GetItemString(d, "finding_severity");
-    PyObject *fcap = PyDict_GetItemString(d, "findings_capacity");
     n->found = PyDict_GetItemString(d, "found");
-    if (sev == NULL || !PyDict_Check(sev) || fcap == NULL || n->found == NULL ||
-        !PyList_Check(n->found)) {
+    if (sev == NULL || !PyDict_Check(sev) || n->found == NULL || !PyList_Check(n->found)) {
         n->found = NULL;
-        PyErr_SetString(PyExc_KeyError,
-                        "native core needs finding_severity (a dict), findings_capacity, found");
+        PyErr_SetString(PyExc_KeyError, "native core needs finding_severity (a dict), found");
         return -1;
     }
     Py_INCREF(n->found);
-    n->fd_cap = PyLong_AsLongLong(fcap);
     for (int k = 0; k < FK_COUNT; k++) {
         PyObject *v = PyDict_GetItemString(sev, FK_NAMES[k]);
         if (v == NULL) {
@@ -1127,14 +1053,7 @@ static int probes_init(Native *n, PyObject *d) {
         }
         n->fk_severity[k] = (uint8_t)PyLong_AsLong(v);
     }
-    /* magic: the header's checked bytes as this handle attached, and its fields */
-    n->hdr_fields = PyDict_GetItemString(d, "header_fields");
-    if (n->hdr_fields == NULL || !PyTuple_Check(n->hdr_fields) || n->hdr_len < 8) {
-        n->hdr_fields = NULL;
-        PyErr_SetString(PyExc_KeyError, "native core needs header_fields (a tuple)");
-        return -1;
-    }
-    Py_INCREF(n->hdr_fields);
+    /* magic: the header's checked bytes as this handle attached */
     n->msg_canary = PyDict_GetItemString(d, "canary_message");
     n->msg_poison = PyDict_GetItemString(d, "poison_message");
     if (n->msg_canary == NULL || n->msg_poison == NULL) {
@@ -1158,20 +1077,15 @@ static int probes_init(Native *n, PyObject *d) {
         return -1;
     }
     memcpy(n->hdr_copy, n->seg, (size_t)n->hdr_len);
-    PyObject *cap = PyDict_GetItemString(d, "lockgraph_capacity");
     PyObject *fl = PyDict_GetItemString(d, "lock_findings");
     PyObject *sl = PyDict_GetItemString(d, "lock_sites");
-    PyObject *ns = PyDict_GetItemString(d, "num_sites");
     PyObject *classes = PyDict_GetItemString(d, "lock_classes");
-    if (cap == NULL || fl == NULL || sl == NULL || ns == NULL || classes == NULL) {
-        PyErr_SetString(PyExc_KeyError, "native core needs lockgraph_capacity, lock_findings, "
-                                        "lock_sites and num_sites");
+    if (fl == NULL || sl == NULL || classes == NULL) {
+        PyErr_SetString(PyExc_KeyError, "native core needs lock_findings and lock_sites");
         return -1;
     }
-    n->lg_cap = PyLong_AsLongLong(cap);
     n->lock_findings = (int)PyLong_AsLong(fl);
     n->lock_sites = (int)PyLong_AsLong(sl);
-    n->num_sites = PyLong_AsLongLong(ns);
     if (PyErr_Occurred()) return -1;
     memset(n->lock_cls, 0, sizeof n->lock_cls);
     for (int i = 0; i < n->num_locks; i++) {
@@ -1186,7 +1100,7 @@ static int probes_init(Native *n, PyObject *d) {
 }
 
 static inline uint8_t *lg_edge(Native *n, int64_t e) {
-    return n->seg + n->off_lockgraph + (size_t)e * n->lg_size;
+    return n->seg + n->off_lockgraph + (size_t)e * LOCKGRAPH_SIZE;
 }
 
 /* lockgraph.find_path over the graph's first `used` edges: the shortest chain of edges from
@@ -1214,12 +1128,12 @@ static int64_t lg_chain(Native *n, int64_t used, const char *from, const char *t
         }
         for (int64_t e = 0; e < used; e++) {
             const uint8_t *r = lg_edge(n, e);
-            if (memcmp(r + n->lg_src, node[k], 16) != 0) continue;
+            if (memcmp(r + LG_SRC, node[k], 16) != 0) continue;
             int seen = 0;
             for (int64_t m = 0; m < nn && !seen; m++)
-                seen = memcmp(node[m], r + n->lg_dst, 16) == 0;
+                seen = memcmp(node[m], r + LG_DST, 16) == 0;
             if (seen || nn == cap) continue;
-            node[nn] = r + n->lg_dst;
+            node[nn] = r + LG_DST;
             came[nn] = (int32_t)e;
             parent[nn++] = k;
         }
@@ -1247,13 +1161,13 @@ static int lg_cycle(Native *n, const char *src, const char *dst, const char *sit
                     const int32_t *path, int64_t np) {
     /* (cut at 512 bytes: the ring keeps the first 200) */
     char text[512];
-    size_t at = 0, field = n->fd_message_bytes < sizeof text ? n->fd_message_bytes : sizeof text;
-    lg_say(text, sizeof text, &at, "", n->pid, "takes", src, dst, site, n->lg_site_bytes);
+    size_t at = 0, field = FD_MESSAGE_BYTES < sizeof text ? FD_MESSAGE_BYTES : sizeof text;
+    lg_say(text, sizeof text, &at, "", n->pid, "takes", src, dst, site, LG_SITE_BYTES);
     for (int64_t k = 0; k < np; k++) {
         const uint8_t *e = lg_edge(n, path[k]);
-        lg_say(text, sizeof text, &at, "; ", I4(e + n->lg_pid), "took",
-               (const char *)e + n->lg_src, (const char *)e + n->lg_dst,
-               (const char *)e + n->lg_site, n->lg_site_bytes);
+        lg_say(text, sizeof text, &at, "; ", I4(e + LG_PID), "took",
+               (const char *)e + LG_SRC, (const char *)e + LG_DST,
+               (const char *)e + LG_SITE, LG_SITE_BYTES);
     }
     char tail[80];
     int tl = snprintf(tail, sizeof tail, ": %s when they overlap",
@@ -1318,15 +1232,15 @@ static void caller_text(Native *n, char *out, size_t cap) {
  * LG_ADDED, LG_FULL (the cycle still reported), or ERROR with an exception set. */
 enum { LG_HAD, LG_ADDED, LG_FULL };
 static int lg_put(Native *n, const char *src, const char *dst, const char *site, int say_cycle) {
-    int64_t used = (int64_t)U4(n->seg + n->lg_used_at);
-    if (used > n->lg_cap) used = n->lg_cap;
+    int64_t used = (int64_t)U4(n->seg + HDR_LOCKGRAPH_USED);
+    if (used > LOCKGRAPH_CAPACITY) used = LOCKGRAPH_CAPACITY;
     for (int64_t e = 0; e < used; e++) {
         uint8_t *r = lg_edge(n, e);
-        if (memcmp(r + n->lg_src, src, 16) == 0 && memcmp(r + n->lg_dst, dst, 16) == 0)
+        if (memcmp(r + LG_SRC, src, 16) == 0 && memcmp(r + LG_DST, dst, 16) == 0)
             return LG_HAD;
     }
     char here[256];
-    size_t sb = n->lg_site_bytes < sizeof here ? n->lg_site_bytes : sizeof here;
+    size_t sb = LG_SITE_BYTES < sizeof here ? LG_SITE_BYTES : sizeof here;
     if (site == NULL) {
         caller_text(n, here, sb);
         site = here;
@@ -1334,14 +1248,14 @@ static int lg_put(Native *n, const char *src, const char *dst, const char *site,
     int32_t path[used > 0 ? used : 1];
     int64_t np = lg_chain(n, used, dst, src, path);
     int out = LG_FULL;
-    if (used < n->lg_cap) {
+    if (used < LOCKGRAPH_CAPACITY) {
         uint8_t *r = lg_edge(n, used);
-        memset(r, 0, n->lg_size);
-        memcpy(r + n->lg_src, src, 16);
-        memcpy(r + n->lg_dst, dst, 16);
-        I4(r + n->lg_pid) = n->pid;
-        memcpy(r + n->lg_site, site, sb);
-        U4(n->seg + n->lg_used_at) = (uint32_t)used + 1;
+        memset(r, 0, LOCKGRAPH_SIZE);
+        memcpy(r + LG_SRC, src, 16);
+        memcpy(r + LG_DST, dst, 16);
+        I4(r + LG_PID) = n->pid;
+        memcpy(r + LG_SITE, site, sb);
+        U4(n->seg + HDR_LOCKGRAPH_USED) = (uint32_t)used + 1;
         out = LG_ADDED;
     }
     if (np > 0 && say_cycle && lg_cycle(n, src, dst, site, path, np) != OK) return ERROR;
@@ -1391,7 +1305,7 @@ static PyObject *N_learn_edge(Native *n, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     char src[16], dst[16], site[256];
-    size_t sb = n->lg_site_bytes < sizeof site ? n->lg_site_bytes : sizeof site;
+    size_t sb = LG_SITE_BYTES < sizeof site ? LG_SITE_BYTES : sizeof site;
     if (lg_text(args[0], src, 16) || lg_text(args[1], dst, 16) || lg_text(args[2], site, sb))
         return NULL;
     if (py_caller_unusable(n)) return NULL;
@@ -1415,7 +1329,7 @@ static int gil_wait_report(Native *n, int i) {
     /* (the cycle it closes through the core's own class(i) -> gil is this finding's) */
     if (lg_learn_edge(n, GIL_CLASS, n->lock_cls[i], 0) != OK) return ERROR;
     char site[257] = {0}, name[32];
-    caller_text(n, site, n->lg_site_bytes < 256 ? n->lg_site_bytes : 256);
+    caller_text(n, site, LG_SITE_BYTES < 256 ? LG_SITE_BYTES : 256);
     lock_name(n, i, name, sizeof name);
     PyObject *msg = PyUnicode_FromFormat(
         "pid %d waits for pool lock '%s' at %s holding the GIL: a thread of this process that "

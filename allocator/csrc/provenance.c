@@ -84,9 +84,10 @@ static void prov_published(Native *n, const int32_t *ids, int64_t k) {
     for (int64_t i = 0, lines = 0; i < k; i++)
         for (size_t o = 0; o < (size_t)n->bs * PROVENANCE && lines < 256; o += 64, lines++)
             __builtin_prefetch(prov_rec(n, ids[i], 0) + o);
-    /* and their K/V, which the hashes read (in cache where the digest probe just read it; a
-     * load that misses was most of the hashes' time) */
-    kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
+    /* and their K/V, which the hashes read (a load that misses was most of the hashes' time),
+     * unless the digest probe's pass just took their sums (kv_sums_keep): then the hashes
+     * read no K/V */
+    if (n->n_kvs == 0) kv_prefetch(n, ids, k, (size_t)(n->bs * n->kv_slot_bytes));
     uint32_t h[4096]; /* (block_size <= 4096: N_init) */
     for (int64_t i = 0; i < k; i++) {
         uint32_t gen = U4(blk(n, ids[i]) + BF_GENERATION);
@@ -393,9 +394,11 @@ static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64
                               int64_t pos0, const int32_t *toks, int64_t k, int32_t cow_src) {
     const uint8_t *s = seqrec(n, slot);
     uint64_t seq_id = U8(s + SF_SEQ_ID);
-    if (cow_src >= 0) prov_copy(n, cow_src, ids[0], first);
+    /* (the decode step's path laid out first, the rest out of its way: each cache line of
+     * code an append runs through is one the interpreter's own loop can lose) */
+    if (__builtin_expect(cow_src >= 0, 0)) prov_copy(n, cow_src, ids[0], first);
     if (!prov_sampled(n, seq_id)) return;
-    if (k == 1 && first < n->bs) {
+    if (__builtin_expect(k == 1 && first < n->bs, 1)) {
         /* (a decode step's one token, in the block that holds it: prov_write's work without
          * its call, division and loop: measured with callgrind over 6,400 such appends, every
          * probe on, 43 fewer instructions an append, about 50 left for slot provenance) */
@@ -413,7 +416,7 @@ static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64
     } else {
         prov_write(n, seq_id, (const char *)(s + SF_REQUEST), ids, first, pos0, toks, k);
     }
-    if (faults_armed(n)) prov_foreign_fault(n, slot, seq_id, pos0 + k - 1, toks[k - 1]);
+    if (__builtin_expect(faults_armed(n), 0)) prov_foreign_fault(n, slot, seq_id, pos0 + k - 1, toks[k - 1]);
 }
 
 /* provenance(every): this handle records one sequence in `every` (0: none) and checks hits. */

@@ -13,13 +13,13 @@
 /* -- client records ---------------------------------------------------------------------------- */
 
 static inline uint8_t *crec(Native *n, int64_t c) {
-    return n->seg + n->off_clients + (size_t)c * (size_t)n->client_size;
+    return n->seg + n->off_clients + (size_t)c * (size_t)CLIENT_SIZE;
 }
 
 /* The offset in a client record of a field this handle knows by its absolute offset in its
  * own record (c_jcount, c_local, ...). */
 static inline size_t cfield(Native *n, size_t own_at) {
-    return own_at - (n->off_clients + (size_t)n->client * (size_t)n->client_size);
+    return own_at - (n->off_clients + (size_t)n->client * (size_t)CLIENT_SIZE);
 }
 
 /* process.is_alive: the process of this pid and start time still runs (a zombie is dead). */
@@ -57,21 +57,21 @@ typedef struct {
 
 static int dead_now(Native *n, int64_t c) {
     uint8_t *r = crec(n, c);
-    return r[n->cf_state] == n->client_attached &&
-           !proc_alive(I4(r + n->cf_pid), U8(r + n->cf_start));
+    return r[CF_STATE] == CL_ATTACHED &&
+           !proc_alive(I4(r + CF_PID), U8(r + CF_START));
 }
 
 /* The record still holds this same process, attached, and it is gone. */
 static int still_dead(Native *n, const DeadRec *d) {
     uint8_t *r = crec(n, d->client);
-    return r[n->cf_state] == n->client_attached && I4(r + n->cf_pid) == d->pid &&
-           U8(r + n->cf_start) == d->start && U8(r + n->cf_attached_ns) == d->generation &&
+    return r[CF_STATE] == CL_ATTACHED && I4(r + CF_PID) == d->pid &&
+           U8(r + CF_START) == d->start && U8(r + CF_ATTACHED_NS) == d->generation &&
            !proc_alive(d->pid, d->start);
 }
 
 static DeadRec dead_rec(Native *n, int64_t c) {
     uint8_t *r = crec(n, c);
-    DeadRec d = {c, I4(r + n->cf_pid), U8(r + n->cf_start), U8(r + n->cf_attached_ns)};
+    DeadRec d = {c, I4(r + CF_PID), U8(r + CF_START), U8(r + CF_ATTACHED_NS)};
     return d;
 }
 
@@ -85,11 +85,12 @@ static PyObject *journal_problem(Native *n, int64_t c, int *error) {
     uint32_t cnt = U4(r + cfield(n, n->c_jcount)), used = U4(r + cfield(n, n->c_jused));
     PyObject *why = NULL;
     *error = 0;
-    if (cnt > n->j_entries)
-        why = PyUnicode_FromFormat("it claims %u entries, it holds at most %u", cnt, n->j_entries);
-    else if (used > n->j_bytes)
+    if (cnt > JOURNAL_ENTRIES)
+        why = PyUnicode_FromFormat("it claims %u entries, it holds at most %u", cnt,
+                                   (unsigned)JOURNAL_ENTRIES);
+    else if (used > JOURNAL_BYTES)
         why = PyUnicode_FromFormat("it claims %u saved bytes, it holds at most %u", used,
-                                   n->j_bytes);
+                                   (unsigned)JOURNAL_BYTES);
     else {
         uint64_t size = (uint64_t)n->buf.len;
         for (uint32_t i = 0; i < cnt && why == NULL; i++) {
@@ -132,7 +133,7 @@ static int64_t journal_rollback(Native *n, int64_t c, PyObject **why) {
     /* (this handle's own tables rolled back outside a transaction of its own: the leaks
      * probe's count of them is taken again, sequences.c own_note) */
     if (c == n->client) n->own_valid = 0;
-    jundo(n, (ptrdiff_t)(c - n->client) * (ptrdiff_t)n->client_size, cnt);
+    jundo(n, (ptrdiff_t)(c - n->client) * (ptrdiff_t)CLIENT_SIZE, cnt);
     return cnt;
 }
 
@@ -193,8 +194,8 @@ static int recover_stopped(Native *n, const Holder *dead, PyObject *recovered) {
     for (int i = 0; i < n->num_locks; i++) {
         int64_t c = dead[i].client;
         /* (only while the record still shows the dead holder: attached, its pid) */
-        if (dead[i].pid && c >= 0 && c < n->max_clients && I4(crec(n, c) + n->cf_pid) == dead[i].pid &&
-            crec(n, c)[n->cf_state] == n->client_attached)
+        if (dead[i].pid && c >= 0 && c < n->max_clients && I4(crec(n, c) + CF_PID) == dead[i].pid &&
+            crec(n, c)[CF_STATE] == CL_ATTACHED)
             roll[c] = 1;
     }
     for (int64_t c = 0; c < n->max_clients; c++)
@@ -209,7 +210,7 @@ static int recover_stopped(Native *n, const Holder *dead, PyObject *recovered) {
             break;
         }
         if (recovered != NULL &&
-            append_new(recovered, Py_BuildValue("{sisLsN}", "pid", (int)I4(crec(n, c) + n->cf_pid),
+            append_new(recovered, Py_BuildValue("{sisLsN}", "pid", (int)I4(crec(n, c) + CF_PID),
                                                 "entries", (long long)k, "skipped",
                                                 why ? why : Py_NewRef(Py_None))))
             rc = ERROR;
@@ -304,7 +305,7 @@ static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, void *arg) {
 /* Blocks a step drops or frees, a transaction's worth: each record is saved twice (its
  * drop, its reset into the ring), within the undo journal's bytes. */
 static int64_t step_blocks(Native *n, int64_t most, int saves) {
-    int64_t fit = ((int64_t)n->j_bytes - 16384) / (saves * n->rec);
+    int64_t fit = ((int64_t)JOURNAL_BYTES - 16384) / (saves * n->rec);
     return fit < 1 ? 1 : fit < most ? fit : most;
 }
 
@@ -381,7 +382,7 @@ static int step_free_owned(Native *n, const DeadRec *d, void *arg) {
         return ERROR;
     }
     uint8_t *mapped = pick + n->nb;
-    uint32_t lc = U4(r + n->cf_local_count);
+    uint32_t lc = U4(r + CF_LOCAL_COUNT);
     const int32_t *loc = (const int32_t *)(r + cfield(n, n->c_local));
     for (uint32_t i = 0; i < lc && i < LOCAL_CACHE_MAX; i++)
         if (loc[i] >= 0 && loc[i] < n->nb) pick[loc[i]] = 1;
@@ -410,7 +411,7 @@ static int step_free_owned(Native *n, const DeadRec *d, void *arg) {
     if (m < most) {
         /* the record's head up to and with its local cache's count */
         if (jsave(n, (size_t)(r - n->seg), (uint32_t)cfield(n, n->c_local))) return UNHANDLED;
-        U4(r + n->cf_local_count) = 0;
+        U4(r + CF_LOCAL_COUNT) = 0;
     }
     out->freed = m;
     return OK;
@@ -434,18 +435,18 @@ static int detach_chunk(Native *n, int64_t c, int dead, int64_t *done) {
     }
     uint8_t *r = crec(n, c);
     for (int f = 0; f < NUM_COUNTERS; f++) {
-        size_t at = n->off_hdr_counters + 8 * (size_t)f;
+        size_t at = HDR_COUNTERS + 8 * (size_t)f;
         if (jsave(n, at, 8)) return UNHANDLED;
         U8(n->seg + at) += U8(r + cfield(n, n->c_counters) + 8 * (size_t)f);
     }
     size_t rec_at = (size_t)(r - n->seg);
-    if (jsave(n, rec_at + n->cf_state, 1)) return UNHANDLED;
+    if (jsave(n, rec_at + CF_STATE, 1)) return UNHANDLED;
     if (dead) {
         size_t seq_at = rec_at + cfield(n, n->c_seq);
         if (jsave(n, seq_at, 8)) return UNHANDLED;
         U8(n->seg + seq_at) += U8(n->seg + seq_at) % 2;
     }
-    r[n->cf_state] = (uint8_t)n->client_detached;
+    r[CF_STATE] = (uint8_t)CL_DETACHED;
     *done = 1;
     return OK;
 }
@@ -745,17 +746,17 @@ static PyObject *N_mark_repaired(Native *n, PyObject *const *args, Py_ssize_t na
         Py_XDECREF(marked);
         return recovery_leave(n, NULL);
     }
-    uint64_t head = U8(n->seg + n->fd_head_at), cap = (uint64_t)n->fd_cap;
+    uint64_t head = U8(n->seg + HDR_FINDINGS_HEAD), cap = (uint64_t)FINDINGS_CAPACITY;
     for (uint64_t k = head > cap ? head - cap : 0; k < head && rc == OK; k++) {
-        uint8_t *r = n->seg + n->off_findings + (size_t)(k % cap) * n->fd_size;
-        if (r[n->fd_repaired]) continue;
-        PyObject *pid = PyLong_FromLong(I4(r + n->fd_owner));
+        uint8_t *r = n->seg + n->off_findings + (size_t)(k % cap) * FINDING_SIZE;
+        if (r[FD_REPAIRED]) continue;
+        PyObject *pid = PyLong_FromLong(I4(r + FD_OWNER_PID));
         int in = pid ? PySequence_Contains(pids, pid) : -1;
         Py_XDECREF(pid);
         if (in < 0) rc = ERROR;
         if (in <= 0) continue;
-        const char *kind = (const char *)r + n->fd_kind;
-        size_t kl = strnlen(kind, n->fd_kind_bytes);
+        const char *kind = (const char *)r + FD_KIND;
+        size_t kl = strnlen(kind, FD_KIND_BYTES);
         int known = 0;
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(kinds) && !known; j++) {
             Py_ssize_t len;
@@ -767,16 +768,16 @@ static PyObject *N_mark_repaired(Native *n, PyObject *const *args, Py_ssize_t na
             known = (size_t)len == kl && memcmp(want, kind, kl) == 0;
         }
         if (!known || rc != OK) continue;
-        if (n->jcount + 1 > n->j_entries) { /* (a journal's worth a transaction) */
+        if (n->jcount + 1 > JOURNAL_ENTRIES) { /* (a journal's worth a transaction) */
             txn_commit(n);
             if ((rc = lock_answer(txn_begin(n, lock_bit(n->lock_findings)))) != OK) break;
         }
-        if (jsave(n, (size_t)(r - n->seg) + n->fd_repaired, 1))
+        if (jsave(n, (size_t)(r - n->seg) + FD_REPAIRED, 1))
             rc = lock_answer(UNHANDLED);
         else if (append_new(marked, PyLong_FromUnsignedLongLong(k)))
             rc = ERROR;
         else
-            r[n->fd_repaired] = 1;
+            r[FD_REPAIRED] = 1;
     }
     if (rc == OK)
         txn_commit(n);
@@ -799,8 +800,8 @@ static int rl_holder_attached(Native *n, const uint8_t *l) {
     int32_t c = I4(l + LS_HOLDER_CLIENT);
     if (c < 0 || c >= n->max_clients) return 0;
     uint8_t *r = crec(n, c);
-    return r[n->cf_state] == n->client_attached && I4(r + n->cf_pid) == I4(l + LS_HOLDER_PID) &&
-           U8(r + n->cf_start) == U8(l + LS_HOLDER_START);
+    return r[CF_STATE] == CL_ATTACHED && I4(r + CF_PID) == I4(l + LS_HOLDER_PID) &&
+           U8(r + CF_START) == U8(l + LS_HOLDER_START);
 }
 
 /* What a repair of the lease section did. */
@@ -818,7 +819,7 @@ typedef struct {
 static int repair_leases_txn(Native *n, LeaseFix *fix, int *more) {
     uint8_t *h = n->seg + n->off_leases;
     uint32_t *cnt = (uint32_t *)(h + LEASE_COUNTS);
-    int64_t room = n->j_entries / 2;
+    int64_t room = JOURNAL_ENTRIES / 2;
     *more = 0;
     for (int64_t i = 0; i < n->lease_cap; i++) {
         uint8_t *l = rl_record(n, i);

@@ -169,9 +169,9 @@ static int reserve_fill(Native *n, int32_t *got, int64_t *ngot, uint64_t *first)
         if (*ngot == 0) return OK;
     }
     if (n->id_next >= n->id_end) {
-        if (jsave(n, n->off_next_seq_id, 8)) return UNHANDLED;
-        *first = U8(n->seg + n->off_next_seq_id) + 1;
-        U8(n->seg + n->off_next_seq_id) = *first + (uint64_t)n->seq_id_batch - 1;
+        if (jsave(n, HDR_NEXT_SEQ_ID, 8)) return UNHANDLED;
+        *first = U8(n->seg + HDR_NEXT_SEQ_ID) + 1;
+        U8(n->seg + HDR_NEXT_SEQ_ID) = *first + (uint64_t)SEQ_ID_BATCH - 1;
     }
     return OK;
 }
@@ -223,7 +223,7 @@ static int reserve_run(Native *n, PyObject *pool, int claiming) {
         /* popped from the end: the lowest slot first */
         for (int64_t i = 0; i < ngot; i++) n->res[i] = got[ngot - 1 - i];
         if (ngot) n->res_n = ngot, n->res_hint = (got[ngot - 1] + 1) % n->max_seqs;
-        if (first) n->id_next = first, n->id_end = first + (uint64_t)n->seq_id_batch;
+        if (first) n->id_next = first, n->id_end = first + (uint64_t)SEQ_ID_BATCH;
     } else {
         n->res_n -= n->slot_batch;
         memmove(n->res, n->res + n->slot_batch, sizeof(int32_t) * (size_t)n->res_n);
@@ -269,9 +269,9 @@ static int claim_take(Native *n, Claim *c) {
                           (long long)(n->max_seqs - held), (long long)held,
                           (long long)n->max_seqs);
     }
-    if (jsave(n, n->off_next_seq_id, 8)) return UNHANDLED;
-    uint64_t id = U8(n->seg + n->off_next_seq_id) + 1;
-    U8(n->seg + n->off_next_seq_id) = id;
+    if (jsave(n, HDR_NEXT_SEQ_ID, 8)) return UNHANDLED;
+    uint64_t id = U8(n->seg + HDR_NEXT_SEQ_ID) + 1;
+    U8(n->seg + HDR_NEXT_SEQ_ID) = id;
     c->slot = found;
     c->seq_id = id;
     return OK;

@@ -129,6 +129,53 @@ static inline int store_bad_block(Native *n, int64_t b) {
     return r[BF_STATE] != B_ALLOCATED || r[BF_INDEXED] == 1;
 }
 
+/* The line that called the store (a new reference, or NULL with an exception set): the first
+ * frame outside kvscope, and, where the ownership probe records stacks (KVSCOPE_STACK_DEPTH=N),
+ * its callers outside kvscope up to N frames, `frame <- caller <- ...` as an allocation
+ * site's stack reads: an engine's store is often a helper of its own, called from where the
+ * slots were worked out. */
+enum { STORE_SITE_CHARS = 100 };
+
+static PyObject *store_site(Native *n) {
+    int err;
+    PyFrameObject *f = frame_outward(n, (PyFrameObject *)Py_XNewRef(PyEval_GetFrame()), 0, &err);
+    if (err) return NULL;
+    if (f == NULL) return PyUnicode_FromString("<kvscope>");
+    int depth = (n->probes & P_SITES_EACH) ? (int)((n->probes >> P_SITE_DEPTH_SHIFT) & 0x1f) : 1;
+    PyObject *text = frame_text(f);
+    PyFrameObject *g = PyFrame_GetBack(f);
+    Py_DECREF(f);
+    for (int k = 1; text != NULL && g != NULL && k < depth; k++) {
+        PyCodeObject *c = PyFrame_GetCode(g);
+        int out = code_outside(n, c);
+        Py_DECREF(c);
+        if (out < 0) {
+            Py_CLEAR(text);
+            break;
+        }
+        if (out != 1) break; /* (kvscope's or the bootstrap's frame: the stack ends there) */
+        PyObject *more = frame_text(g);
+        if (more == NULL) {
+            Py_CLEAR(text);
+            break;
+        }
+        /* (the findings ring keeps 200 bytes of a message: callers only while the line leaves
+         * room for the rest of it, the block's holder) */
+        if (PyUnicode_GET_LENGTH(text) + 4 + PyUnicode_GET_LENGTH(more) > STORE_SITE_CHARS) {
+            Py_DECREF(more);
+            break;
+        }
+        PyObject *joined = PyUnicode_FromFormat("%U <- %U", text, more);
+        Py_DECREF(more);
+        Py_SETREF(text, joined);
+        PyFrameObject *back = PyFrame_GetBack(g);
+        Py_DECREF(g);
+        g = back;
+    }
+    Py_XDECREF(g);
+    return text;
+}
+
 /* The finding about span i's writer storing K/V into block b (`mapped`: its table holds b), of
  * the kind block b's record says (none: its own block at another position). OK, or ERROR with
  * an exception set. */
@@ -146,13 +193,9 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
     if (n->reported != NULL && n->reported[(size_t)fk * (size_t)(n->nb + 1) + (size_t)b])
         return OK; /* (reported already: finding_report would drop it) */
     if (c->site == NULL) {
-        /* sites.caller_site: the first frame outward from this call's caller outside kvscope */
-        int err;
-        PyFrameObject *f =
-            frame_outward(n, (PyFrameObject *)Py_XNewRef(PyEval_GetFrame()), 0, &err);
-        if (err) return ERROR;
-        c->site = f != NULL ? frame_text(f) : PyUnicode_FromString("<kvscope>");
-        Py_XDECREF(f);
+        /* sites.caller_site: the first frame outward from this call's caller outside kvscope
+         * (with its callers: store_site) */
+        c->site = store_site(n);
         if (c->site == NULL) return ERROR;
     }
     PyObject *rid = store_attr(n, c->seq[i], F_REQUEST_ID, "request_id");
@@ -162,11 +205,28 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
      * it, trailing zero bytes dropped as numpy's bytes do, decoded with replacement) */
     PyObject *who = name ? PyUnicode_Substring(name, 0, REQUEST_BYTES) : NULL;
     Py_XDECREF(name);
+    /* The holder named: for an unmapped write, a live sequence whose table maps the block (the
+     * block record keeps the request that allocated it, which a fork's sibling or the writer
+     * itself, after a copy-on-write gave it a copy, may no longer be); else the record's. */
+    const uint8_t *held = r + BF_REQUEST;
+    int pid = I4(r + BF_OWNER_PID), mapper = 0;
+    if (fk == FK_UNMAPPED_WRITE) {
+        for (int64_t slot = 0; slot < n->max_seqs && !mapper; slot++) {
+            const uint8_t *q = seqrec(n, slot);
+            if (q[SF_STATE] == S_EMPTY) continue;
+            uint32_t nb = U4(q + SF_NUM_BLOCKS);
+            if (nb > (uint32_t)n->max_bps) nb = (uint32_t)n->max_bps;
+            const int32_t *t = (const int32_t *)(q + SF_TABLE);
+            for (uint32_t j = 0; j < nb && !mapper; j++) mapper = t[j] == b;
+            if (mapper) {
+                held = q + SF_REQUEST;
+                pid = I4(q + SF_OWNER_PID);
+            }
+        }
+    }
     Py_ssize_t ol = REQUEST_BYTES;
-    while (ol > 0 && r[BF_REQUEST + ol - 1] == 0) ol--;
-    PyObject *owner =
-        who ? PyUnicode_DecodeUTF8((const char *)r + BF_REQUEST, ol, "replace") : NULL;
-    int pid = I4(r + BF_OWNER_PID);
+    while (ol > 0 && held[ol - 1] == 0) ol--;
+    PyObject *owner = who ? PyUnicode_DecodeUTF8((const char *)held, ol, "replace") : NULL;
     PyObject *msg = NULL;
     if (owner != NULL) {
         if (fk == FK_USE_AFTER_FREE)
@@ -177,9 +237,14 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
             msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U: published by "
                                        "request %R (pid %d), shared by prefix hits",
                                        who, (int)b, c->site, owner, pid);
-        else
+        else if (mapper)
             msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U, which it "
                                        "does not map (held by request %R, pid %d)",
+                                       who, (int)b, c->site, owner, pid);
+        else
+            msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U, which it "
+                                       "does not map (no live sequence maps it; allocated by "
+                                       "request %R, pid %d)",
                                        who, (int)b, c->site, owner, pid);
     }
     int rc = ERROR;

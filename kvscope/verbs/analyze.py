@@ -42,7 +42,7 @@ class AnalyzeCommand:
             kv=got.kv,
         )
         if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
-            report["capacity"] = capacity_answer(t.view, history_for(args.target))
+            report["capacity"] = capacity_answer(t.view, history_for(args.target), t.alive)
         if t.dump_header is None and str(report["pool"]["device"]).startswith("cuda"):
             # A live pool on a GPU: that GPU's memory now (NVML), beside the pool's own bytes
             # (kvscope.probes imports the pool, and torch: only here).

@@ -19,7 +19,7 @@ from typing import Any
 from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
-from kvscope.errors import UsageError
+from kvscope.errors import PoolError, UsageError
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, live_target, read_live
 
@@ -56,6 +56,11 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     }
 
 
+def _n(count: int, noun: str) -> str:
+    """`1 block`, `2 blocks`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def describe_repair(done: dict[str, Any]) -> str:
     """One line saying what --repair did."""
     parts = []
@@ -69,7 +74,7 @@ def describe_repair(done: dict[str, Any]) -> str:
     if done["processes"]:
         pids = ", ".join(map(str, done["dead_owners"]))
         parts.append(
-            f"reclaimed {done['blocks']} blocks and {done['sequences']} sequences"
+            f"reclaimed {_n(done['blocks'], 'block')} and {_n(done['sequences'], 'sequence')}"
             f" from {done['processes']} dead process(es) (pid {pids})"
         )
     leases = done.get("leases") or {}
@@ -85,6 +90,14 @@ def describe_repair(done: dict[str, Any]) -> str:
         listed = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
         parts.append(f"cleared the recorded findings it repaired ({listed})")
     return "repair: " + ("; ".join(parts) if parts else "nothing to repair")
+
+
+def segment_path_or_none(name: str) -> str:
+    """The pool's segment file for a valid pool name, else "" (no pool can be there)."""
+    try:
+        return segment_path(check_name(name))
+    except PoolError:
+        return ""
 
 
 class CheckCommand:
@@ -108,6 +121,12 @@ class CheckCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        if os.path.lexists(args.name) and not os.path.lexists(segment_path_or_none(args.name)):
+            # a dump file given to the verb that only opens live pools
+            raise UsageError(
+                f"{args.name} is a file, and check opens a live pool by name (see `kvscope ls`);"
+                f" `kvscope analyze {args.name}` reads a dump"
+            )
         check_name(args.name)
         done = None
         if args.repair:

@@ -284,7 +284,10 @@ def render(d: dict[str, Any]) -> None:
 
 def _short(v: Any) -> str:
     if isinstance(v, list) and v and isinstance(v[0], dict):
-        text = ", ".join(f"{x['kind']}@{x['block']}" for x in v)
+        # a finding on no block (block -1: a release of a sequence already ended) is its kind alone
+        text = ", ".join(
+            x["kind"] if x.get("block", -1) < 0 else f"{x['kind']}@{x['block']}" for x in v
+        )
     else:
         text = str(v)
     return text if len(text) <= 34 else text[:31] + "..."

@@ -48,7 +48,7 @@ class ReportCommand:
             t.view, alive=t.alive, dump_header=t.dump_header, findings=got.findings, kv=got.kv
         )
         if analysis["summary"]:
-            capacity = capacity_answer(t.view, history)
+            capacity = capacity_answer(t.view, history, t.alive)
         else:
             # The summary is empty when the header is corrupt: none of its counters is trusted.
             capacity = {

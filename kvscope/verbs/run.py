@@ -225,6 +225,8 @@ class RunCommand:
     def run(args: argparse.Namespace) -> int:
         if not args.module and not os.path.isfile(args.script):
             raise UsageError(f"no script at {args.script}")
+        if not args.hz > 0:
+            raise UsageError(f"--hz must be positive, got {args.hz}")
         if not args.stop_grace >= 0:
             raise UsageError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
         run_top = load_run_top() if args.live else None

@@ -53,10 +53,17 @@ class PoolHeader(Widget):
             f"{int(h['num_layers'])}L {int(h['num_kv_heads'])}H {int(h['head_dim'])}D  "
         )
         flags = int(h["flags"])
-        t.append("probes ")
-        for flag in Flag:
+        # on or off in words, as `kvscope analyze` says it: a probe that is off must not read as
+        # on where the terminal (or a copy of the screen) drops the dim strike-through style
+        t.append("probes: ")
+        for i, flag in enumerate(Flag):
             on = bool(flags & flag)
-            t.append((flag.name or "").lower() + " ", style="bold green" if on else "dim strike")
+            sep = ", " if i < len(Flag) - 1 else "  "
+            t.append(
+                f"{(flag.name or '').lower()} {'on' if on else 'off'}",
+                style="bold green" if on else "dim",
+            )
+            t.append(sep)
         t.append("\n")
         errors = sum(f.severity == "error" for f in frame.findings)
         warnings = len(frame.findings) - errors
@@ -72,6 +79,9 @@ class PoolHeader(Widget):
             f"  used {100 * st['utilization']:.1f}%  free {st['num_free']:,}  cached {st['num_cached']:,}"
             f"  seqs {st['num_sequences']}  procs {st['num_clients']}  "
         )
+        if st["num_exhausted"]:
+            # (a caught PoolExhausted leaves no finding: the count is its only trace here)
+            t.append(f"PoolExhausted {st['num_exhausted']:,}  ", style="bold red")
         held = int(frame.view.lease_header["active"][0])
         if held:
             quarantined = int(frame.view.lease_header["quarantined"][0])

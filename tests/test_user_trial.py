@@ -1,0 +1,383 @@
+"""What a new user's own engine (tests/user_engine.py's kind, with bugs planted one at a time)
+showed the report getting wrong: a resumed request's K/V written through its table from before
+the preemption, which publishes its new blocks blank, is not an early publication; a probe's
+finding event is not the first bad operation on a block."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscope.analysis import analyze_view, first_bad_event, likely_causes
+
+GUARD = {"block_size": 4, "slots_per_block": 5}
+BLANK = "published before its K/V was written: mark_computed digested an all-NaN (poison) block"
+
+
+def _ev(op, gen, t, request="a"):
+    return {"op": op, "generation": gen, "time_ns": t, "request": request, "block": 3}
+
+
+def test_a_finding_recorded_on_a_released_generation_is_not_the_first_bad_event():
+    # GIVEN a block published, released (cached), handed out again, and a probe's finding
+    # recorded about the generation it had before (a digest change seen at its eviction)
+    events = [
+        _ev("allocate", 1, 1),
+        _ev("publish", 1, 2),
+        _ev("free", 1, 3),
+        _ev("allocate", 2, 4, "b"),
+        _ev("finding", 1, 5, "c"),
+        _ev("guard_violation", 1, 6, "c"),
+    ]
+    # THEN no operation went wrong: the finding is what was seen, not what the program did
+    assert first_bad_event(events, 2) is None
+    # AND a release of the released generation still is the first bad event
+    twice = [*events, _ev("free", 1, 7)]
+    assert first_bad_event(twice, 2) == twice[-1]
+
+
+def _findings(landed: bool) -> list[dict]:
+    """A request 'a' that published block 5 blank right after its resume, its preemption having
+    released blocks 1 and 2; a prefix hit of 'b' that read block 5 changed since; with `landed`,
+    K/V that changed since in block 1, which 'a' held before its preemption."""
+    found = [
+        {
+            "kind": "published_block_modified",
+            "block": 5,
+            "request": "a",
+            "message": BLANK + ", and its K/V changed since",
+            "preempted_blocks": [1, 2],
+        },
+        {
+            "kind": "foreign_slot",
+            "block": 5,
+            "request": "b",
+            "message": "a prefix hit: slot 0 of block 5 ... was written since its publication",
+        },
+    ]
+    if landed:
+        found.append(
+            {
+                "kind": "published_block_modified",
+                "block": 1,
+                "request": "x",
+                "message": "K/V changed since request 'x' published it",
+            }
+        )
+    return found
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_blank_publication_after_a_resume_names_the_stale_table(landed):
+    causes = likely_causes(GUARD, _findings(landed))
+    if landed:
+        # THEN the resume is the cause, not an early publication
+        (cause,) = causes
+        assert cause.startswith("requests preempted and resumed")
+        assert "'a' block 5" in cause and "mark_computed found them blank" in cause
+        assert "block 1" in cause
+    else:
+        # THEN without a write into a block it lost, an early publication stays the cause
+        (cause,) = causes
+        assert cause.startswith("blocks published before their K/V was written ('a' block 5)")
+
+
+def _write(pool, table, start, end, tokens):
+    flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
+    spb, bs = pool.slots_per_block, pool.block_size
+    for p in range(start, end):
+        flat[:, :, table[p // bs] * spb + p % bs] = float(tokens[p])
+
+
+def test_a_resumed_request_publishing_blank_blocks_carries_its_preemption(probes, make_pool):
+    # GIVEN a request computed and published, preempted, its blocks evicted, then resumed
+    pool = make_pool(num_blocks=12, block_size=4, num_kv_heads=1, head_dim=4, guard=True)
+    prompt = list(range(1, 9))
+    a = pool.allocate("a", prompt)
+    _write(pool, a.block_table, 0, 8, prompt)
+    pool.mark_computed(a, 8)
+    old = list(a.block_table)
+    pool.set_state(a, "waiting")
+    b = pool.allocate("b", list(range(100, 148)))  # every block: a preempted, evicted
+    assert a.state == "preempted"
+    pool.free(b)
+    assert pool.resume(a) == 0
+    new = list(a.block_table)
+    assert not set(new) & set(old)
+    # WHEN its engine writes through the table from before the preemption, publishes the new
+    # blocks (blank), and K/V lands in them later (another request's stale table)
+    _write(pool, old, 0, 8, prompt)
+    pool.mark_computed(a, 8)
+    _write(pool, new, 0, 8, [t + 50 for t in prompt])
+    pool.free(a)
+    report = analyze_view(pool.view)
+    # THEN the blank publications carry the blocks the preemption released
+    blank = [
+        f
+        for f in report["findings"]
+        if f["kind"] == "published_block_modified" and f["message"].startswith(BLANK[:30])
+    ]
+    assert blank and all(f["request"] == "a" for f in blank)
+    assert all(set(f["preempted_blocks"]) == set(old) for f in blank)
+
+
+@pytest.mark.parametrize("second", ["reused", "fork", "after_free"])
+def test_a_request_id_reused_while_live_is_named_as_the_leak_cause(probes, make_pool, second):
+    from kvscope.child import report_held
+
+    # GIVEN request 7 allocated (an int id) and, while it holds its blocks, a second sequence
+    # with the id 7: a new request given the same id (the bug), a fork of it (by design), or
+    # a new request after the first was freed
+    pool = make_pool(num_blocks=32, block_size=4, num_kv_heads=1, head_dim=4)
+    first = pool.allocate(7, (1, 2, 3, 4, 5))
+    if second == "after_free":
+        pool.free(first)
+    if second == "fork":
+        kid = pool.fork(first, 7)
+        pool.append(kid, [9, 9, 9, 9])  # its own new blocks, allocated under the id
+        pool.free(kid)
+    else:
+        again = pool.allocate(7, (20, 21, 22, 23, 24, 25))
+        pool.free(again)
+    if second == "after_free":
+        leaked = pool.allocate(8, (1, 2, 3))  # a leak that no reuse explains
+    # WHEN the process ends with the first (or another) request still held
+    report_held(pool, "the pool was closed")
+    report = analyze_view(pool.view)
+    leaks = [f for f in report["findings"] if f["kind"] == "leak_finished"]
+    assert len(leaks) == 1
+    causes = report.get("likely_causes", [])
+    # THEN only the reuse while live names the reuse as the cause, with both sequences
+    if second == "reused":
+        assert leaks[0]["request"] == "7"
+        (r,) = leaks[0]["id_reused_while_live"]
+        assert (r["seq_id"], r["reused_by"]) == (first.seq_id, [again.seq_id])
+        (cause,) = causes
+        assert cause.startswith("request ids reused while their request still held its blocks")
+        assert f"'7': sequence {first.seq_id} still held" in cause
+        assert f"when sequence {again.seq_id} was allocated" in cause
+    else:
+        assert "id_reused_while_live" not in leaks[0] and not causes
+    if second == "after_free":
+        pool.free(leaked)
+    else:
+        pool.free(first)
+
+
+@pytest.mark.parametrize("past", [True, False])
+def test_a_write_one_past_the_sequence_end_is_named(probes, make_pool, past):
+    # GIVEN a prompt of two full blocks whose prefill stores one position more than it has
+    pool = make_pool(num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4, guard=True)
+    prompt = list(range(1, 9))
+    a = pool.allocate("a", prompt)
+    flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
+    slots = pool.slot_mapping(a, 0, 8)
+    for p, slot in enumerate(slots):
+        flat[:, :, slot] = float(prompt[p])
+    if past:
+        flat[:, :, slots[-1] + 1] = 0.5  # the bug: position 8, one past the end
+    pool.mark_computed(a, 8)
+    pool.verify()  # (the check the core runs every 10 ms of operations; here, now)
+    pool.free(a)
+    report = analyze_view(pool.view)
+    causes = report.get("likely_causes", [])
+    if not past:
+        assert not report["findings"] and not causes
+        return
+    # THEN the guard violation on its last block is named as a write one past the end
+    (f,) = [f for f in report["findings"] if f["kind"] == "guard_violation"]
+    assert (f["request"], f["block"]) == ("a", a_last := slots[-1] // pool.slots_per_block)
+    (cause,) = causes
+    assert cause.startswith("guard slots overwritten, and no mapped slot left unwritten")
+    assert f"'a' block {a_last}" in cause and "one position past the sequence's end" in cause
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_a_leak_the_engine_stopped_serving_is_named(probes, make_pool, served):
+    from kvscope.child import report_held
+
+    # GIVEN request 'a' admitted, then requests 'b' and 'c' served start to end, and 'a'
+    # either left alone from then on (the engine dropped it: the bug) or served to the end
+    pool = make_pool(num_blocks=32, block_size=4, num_kv_heads=1, head_dim=4)
+    a = pool.allocate("a", (1, 2, 3, 4, 5))
+    for rid, base in (("b", 10), ("c", 20)):
+        s = pool.allocate(rid, tuple(range(base, base + 6)))
+        pool.append(s, [base + 7])
+        pool.free(s)
+    if served:
+        pool.append(a, [6, 7, 8, 9])  # its own new block: an operation after theirs
+    # WHEN the pool is closed with 'a' still held
+    report_held(pool, "the pool was closed")
+    report = analyze_view(pool.view)
+    (leak,) = [f for f in report["findings"] if f["kind"] == "leak_finished"]
+    causes = report.get("likely_causes", [])
+    # THEN only the dropped request is named as one the engine stopped serving
+    if served:
+        assert "served_after" not in leak and not causes
+    else:
+        assert leak["served_after"]["requests"] == ["b", "c"]
+        (cause,) = causes
+        assert cause.startswith("leaked requests the engine stopped serving long before the end")
+        assert "'a', last operation: allocate, then 2 other request(s) began and ended" in cause
+    pool.free(a)
+
+
+def _admit(pool, rid, prompt):
+    """The one allocation site of this test's requests (as an engine's admit is)."""
+    return pool.allocate(rid, prompt)
+
+
+def test_a_finding_whose_block_was_handed_out_again_shows_no_later_life_as_its_own(
+    probes, make_pool
+):
+    from kvscope.report import console, render
+
+    # GIVEN request 'a' publishing its block before writing its K/V (a finding at its release),
+    # then the block handed out again at the same line, and the flight recorder (16 events a
+    # process) turned over by later requests
+    pool = make_pool(num_blocks=4, block_size=4, num_kv_heads=1, head_dim=4, event_capacity=16)
+    a = _admit(pool, "a", (1, 2, 3, 4, 5))
+    pool.mark_computed(a, 5)
+    _write(pool, a.block_table, 0, 5, a.tokens)
+    blk = a.block_table[0]
+    pool.free(a)
+    found = [f for f in pool.findings() if f.kind == "published_block_modified"]
+    assert [f.block for f in found] == [blk]
+    pool.evict(4)
+    for i in range(12):
+        s = _admit(pool, f"r{i}", (100 + i, *[1] * 12))  # every block
+        pool.free(s)
+    assert pool.view.blocks["alloc_ns"][blk] > found[0].to_dict()["extra"]["time_ns"]
+    # WHEN analyzed
+    report = analyze_view(pool.view)
+    (f,) = [f for f in report["findings"] if f["kind"] == "published_block_modified"]
+    # THEN the allocation shown is not the later one's time, and the text says that the events
+    # the recorder holds all came after the finding instead of listing them as its own
+    assert f.get("alloc_ns", 0) <= f["time_ns"]
+    assert f["events"] and all(e["time_ns"] > f["time_ns"] for e in f["events"])
+    import io
+
+    out = io.StringIO()
+    render(report, console(out))
+    text = out.getvalue()
+    assert "no event up to the finding left in the flight recorder" in text
+    assert "_admit" in text
+
+
+@pytest.mark.parametrize("leak", [True, False])
+def test_the_capacity_answer_says_when_leaked_blocks_filled_the_pool(make_pool, leak):
+    from kvscope.allocator import KVPool, PoolExhausted
+    from kvscope.capacity import capacity_answer
+
+    # GIVEN a second handle that closes with a request still held (a leak) or freed, then an
+    # allocation the pool cannot serve
+    pool = make_pool(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4, local_cache_size=0)
+    other = KVPool.attach(pool.name)
+    seq = other.allocate("leaked", tuple(range(1, 21)))  # 5 blocks
+    other.mark_computed(seq, 20)
+    # a request of this handle sharing the other's first two blocks (not stranded: mapped)
+    hit = pool.allocate("hit", tuple(range(1, 9)) + (99,))
+    assert hit.num_cached_tokens == 8
+    if not leak:
+        other.free(seq)
+    other.close()
+    held = pool.allocate("big", tuple(range(100, 108)) if leak else tuple(range(100, 116)))
+    with pytest.raises(PoolExhausted):
+        pool.allocate("more", tuple(range(200, 212)))
+    # WHEN the capacity answer is read
+    cap = capacity_answer(pool.view, None)
+    # THEN it says the leaked blocks were part of the demand, and only then
+    if leak:
+        assert cap["stranded_blocks"] == 3
+        assert (
+            "3 of the blocks held at the end belong to no process holding the pool"
+            in (cap["answer"])
+        )
+    else:
+        assert "stranded_blocks" not in cap and "no process holding" not in cap["answer"]
+    pool.free(held)
+    pool.free(hit)
+
+
+def test_block_and_request_focus_print_times_and_tables_as_text(make_pool, capsys):
+    from kvscope.cli import main
+
+    # GIVEN a live pool with an int request id's sequence
+    pool = make_pool(num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+    seq = pool.allocate(3, tuple(range(1, 10)))
+    blk = seq.block_table[0]
+    # WHEN one block and one request are looked at
+    main(["analyze", pool.name, "--block", str(blk)])
+    block = capsys.readouterr().out
+    main(["analyze", pool.name, "--request", "3"])
+    request = capsys.readouterr().out
+    # THEN times read as times, lists as their items, a sequence as one line (no Python repr)
+    assert "alloc_ns: 20" in block and "mapped_by: '3'" in block and "request: '3'" in block
+    table = ", ".join(map(str, seq.block_table))
+    assert f"sequence: running, pid {pool.pid}, 9 tokens, blocks {table}" in request
+    assert "[{" not in request and "['" not in block
+    pool.free(seq)
+
+
+@pytest.mark.parametrize("order", ["publish_then_store", "store_then_publish"])
+def test_a_decode_step_publishing_before_its_store_is_named(probes, make_pool, order):
+    # GIVEN a request whose decode step's new token fills its first block, published before
+    # (the bug) or after that token's K/V is stored
+    pool = make_pool(num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+    a = pool.allocate("a", (1, 2, 3))
+    _write(pool, a.block_table, 0, 3, a.tokens)
+    pool.mark_computed(a, 3)
+    assert pool.append(a, [4]) == []
+    if order == "publish_then_store":
+        pool.mark_computed(a, 4)
+    _write(pool, a.block_table, 3, 4, a.tokens)
+    if order == "store_then_publish":
+        pool.mark_computed(a, 4)
+    pool.free(a)
+    report = analyze_view(pool.view)
+    causes = report.get("likely_causes", [])
+    if order == "store_then_publish":
+        assert not report["findings"] and not causes
+        return
+    # THEN the block's change since its publication, which nobody else mapped, is its
+    # publisher's late store
+    (f,) = report["findings"]
+    assert f["kind"] == "published_block_modified" and f["mapped_since_published"] == []
+    (cause,) = causes
+    assert cause.startswith("published blocks whose K/V changed while no other request mapped")
+    assert f"('a' block {f['block']})" in cause and "store the step's K/V first" in cause
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_a_worker_that_exits_without_closing_is_named_with_its_requests(make_pool, holds):
+    from kvscope.allocator import KVPool
+    from kvscope.supervisor import dead_owner
+    from tests.forking import fork_child, wait_child
+
+    # GIVEN a forked worker that attaches, allocates request 2099 (or frees it), and leaves
+    # with os._exit without closing its handle
+    pool = make_pool(num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+
+    def work() -> int:
+        mine = KVPool.attach(pool.name)
+        seq = mine.allocate(2099, (1, 2, 3, 4, 5, 6))
+        if not holds:
+            mine.free(seq)
+        return 0
+
+    pid = fork_child(work, alarm_s=60)
+    assert wait_child(pid) == 0
+    # WHEN the supervisor says what it left
+    said = dead_owner(pool.view, pid)
+    # THEN the finding names its request and how such a process ends (with none held, the
+    # free blocks its local cache kept, and no request)
+    if holds:
+        assert said.kind == "leak_dead_owner" and said.request == "2099"
+        assert f"pid {pid} died while attached to the pool" in said.message
+        assert "holding 2 block(s) of request(s) '2099'" in said.message
+        assert "os._exit, a signal or a crash" in said.message
+    else:
+        assert said.request is None and "of request(s)" not in said.message
+        assert (
+            "holding 0 block(s) and " in said.message and "free in its local cache" in said.message
+        )
+    pool.reclaim_dead()
