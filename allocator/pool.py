@@ -319,7 +319,9 @@ class KVPool:
         self._core.guard_sample(self._guard_every)
 
     def close(self) -> None:
-        """Detach: return this process's local cache and slot reserve, release the mapping."""
+        """Detach: report the sequences still live (each holding blocks a `leak_finished`
+        finding: nothing can end them once the handle is gone), return this process's local
+        cache and slot reserve, release the mapping."""
         if self._closed:
             return
         self._check_process()
@@ -331,12 +333,14 @@ class KVPool:
         for fn in callbacks:
             fn(self)
         with self.op_mutex:
-            # The core's: an interrupted operation's journal rolled back, the local cache and the
-            # slot reserve returned, the counters folded into the header, the record detached.
-            self._core.detach()
+            # The core's: the live sequences reported as leaks, an interrupted operation's
+            # journal rolled back, the local cache and the slot reserve returned, the counters
+            # folded into the header, the record detached.
+            self._core.detach(self)
             self._closed = True
         try:
-            # (what the close found: the leases it still held, each a lease_leak)
+            # (what the close found: the sequences and leases it still held, leak_finished and
+            # lease_leak)
             self.deliver_findings()
         finally:
             self._core.close()

@@ -106,10 +106,8 @@ def on_unlink(pool: Any) -> None:
 def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
     """Report each sequence of this process that still holds blocks as leak_finished, and
     print the LEAK SUMMARY of the same sequences (with the leaks probe on)."""
-    seqs = [s for s in pool.live().values() if s.block_table]
-    held = 0
+    seqs = held(pool)
     for seq in seqs:
-        held += len(seq.block_table)
         # Named after the call that created the sequence (its allocate, or the fork of a sample
         # sharing its parent's blocks): the block it is shown by may be another request's.
         site = creation_site(pool.view, seq.slot)
@@ -124,10 +122,20 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
                 request=str(seq.request_id)[:32],
             )
         )
-    text = summary(pool, seqs, "at exit" if when == "the process exited" else f"when {when}")
+    leak_summary(pool, seqs, "at exit" if when == "the process exited" else f"when {when}")
+    return seqs, sum(len(seq.block_table) for seq in seqs)
+
+
+def held(pool: Any) -> list[Any]:
+    """This process's sequences of `pool` that hold blocks."""
+    return [s for s in pool.live().values() if s.block_table]
+
+
+def leak_summary(pool: Any, seqs: list[Any], when: str) -> None:
+    """With the leaks probe on, the LEAK SUMMARY of `seqs` on stderr."""
+    text = summary(pool, seqs, when)
     if text is not None and env_flag("LEAKS"):
         print(text, file=sys.stderr, flush=True)
-    return seqs, held
 
 
 def own_block(pool: Any, seq: Any) -> int:
@@ -147,11 +155,12 @@ def own_block(pool: Any, seq: Any) -> int:
 
 
 def on_close(pool: Any) -> None:
-    """CLOSE_HOOK: closing a pool does not free its sequences, the ones left are leaks; and
-    its KV data is checked while this process can still read it (the supervisor checks the
-    rest at the end of the run, when no other process is busy with the pool)."""
+    """CLOSE_HOOK: the sequences still live are leaks, which the close reports (the core's
+    leak_finished, as it aborts them): their LEAK SUMMARY first, with the leaks probe on; and
+    the pool's KV data is checked while this process can still read it (the supervisor checks
+    the rest at the end of the run, when no other process is busy with the pool)."""
     if pool.pid == os.getpid():
-        report_held(pool, "the pool was closed")
+        leak_summary(pool, held(pool), "when the pool was closed")
         report_checked(pool, data_only=True)
 
 

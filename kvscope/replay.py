@@ -41,7 +41,6 @@ from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.probing import PoolProbes
 from kvscope.allocator.records import OpCode, OpStatus
 from kvscope.allocator.sequence import SEQ_ID_BATCH
-from kvscope.child import report_held
 
 _ALLOCATE, _APPEND, _FORK, _MARK = (
     int(OpCode.ALLOCATE),
@@ -612,11 +611,10 @@ class Session:
                 # a leak the recording's handle reported as it closed: the close, replayed
                 # once (its other reports then), after the process's last operation
                 if r.pid not in self.closed:
-                    # (kvscope run's check at a close, then the close: its leases' leaks)
+                    # (the close: its sequences' leaks, as it aborts them, and its leases')
                     self.held[r.pid] = {
                         str(q.request_id) for q in h.live().values() if q.block_table
                     }
-                    report_held(h, "the pool was closed")
                     self._close(h, r.pid)
                 found[:] = self.closed[r.pid]
             elif op == _CLOSE:
@@ -1588,9 +1586,11 @@ def emit_script(shrunk: Shrunk) -> str:
             else []
         ),
         "finally:",
+        "    ran = len(found)  # (a sequence the closes below find still live: `held` says it)",
         *[f"    {v}.close()" for v in reversed(list(handles.values()))],
         "    pool.unlink()",
-        'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found}'
+        'kinds = sorted({getattr(f.kind, "value", f.kind) for f in found[:ran]}'
+        + ' | {getattr(f.kind, "value", f.kind) for f in found[ran:]} - {"leak_finished"}'
         + "".join(f" | {v}.kinds" for v in procs.values())
         + ' | ({"leak_finished"} if held else set()))',
         'print("findings:", ", ".join(kinds) or "none", *(["held:", *sorted(held)] if held else []))',
@@ -1637,7 +1637,7 @@ def _call(
     if op == _REPORT and any(k == "lease_leak" for k, _ in r.found):
         return None  # (a lease still held as the pool closed: the close below reports it)
     if op == _REPORT and any(k == "leak_finished" for k, _ in r.found):
-        # (kvscope run's check at a close: a sequence still holding blocks is a leak)
+        # (a sequence still holding blocks as its handle closed, or at kvscope run's exit)
         return f"held |= {{str(s.request_id) for s in {h}.live().values() if s.block_table}}"
     if op == _REPORT and any(k in RECLAIMED for k, _ in r.found):
         return f"{h}.reclaim_dead()  # a dead process's locks and blocks recovered"

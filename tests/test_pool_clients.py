@@ -237,8 +237,45 @@ def test_close_with_hundreds_of_live_sequences(make_pool):
         other.allocate(f"r{i}", [i, i + 1, i + 2])
     # WHEN it closes
     other.close()
-    # THEN its record is detached and none of its slots stays reserved
+    # THEN its record is detached and none of its slots stays reserved; its sequences stay,
+    # each a leak (the ring keeps the newest findings)
     seqs = pool.view.seqs
     assert pool.view.clients["state"][other.client] == ClientState.DETACHED
     assert not ((seqs["reserved"] == 1) & (seqs["owner_client"] == other.client)).any()
     assert int((seqs["state"] == SeqState.RUNNING).sum()) == 600
+    leaks = [f for f in pool.findings() if f.kind == "leak_finished"]
+    assert len(leaks) == len(pool.view.findings) < 600
+
+
+def test_a_close_reports_each_sequence_still_holding_blocks(make_pool, capsys):
+    # GIVEN a worker's handle with a request that published its prefix and forked a sample
+    # (neither freed: the bug), a request freed as it should be, and one set waiting
+    pool = make_pool(32, block_size=4)
+    other = KVPool.attach(pool.name)
+    seen = []
+    other.on_finding = seen.append
+    leaked = other.allocate("leaky", list(range(10)))
+    other.mark_computed(leaked, 8)
+    other.fork(leaked, "leaky-sample")
+    other.free(other.allocate("done", list(range(100, 106))))
+    waiting = other.allocate("waiting", list(range(200, 206)))
+    other.set_state(waiting, "waiting")
+    # WHEN it closes
+    other.close()
+    # THEN each live request holding blocks is a leak_finished, handed to on_finding and read
+    # from the ring by another process, by its own first block (not the published prefix;
+    # the sample holds only its parent's blocks, reported once)
+    by_request = {f.request: f for f in seen}
+    assert set(by_request) == {"leaky", "waiting"} and {f.kind for f in seen} == {"leak_finished"}
+    leak = by_request["leaky"]
+    assert leak.block == 2 and leak.owner_pid == os.getpid()
+    assert leak.message == (
+        "request 'leaky' still held 3 block(s) when the pool was closed: "
+        "free or abort every sequence when its request ends"
+    )
+    assert {(f.request, f.block) for f in pool.findings()} == {(f.request, f.block) for f in seen}
+    # AND the blocks stay held, and `kvscope check` reads the pool as leaking, not healthy
+    assert pool.stats()["num_allocated"] == 5
+    assert main(["check", pool.name]) == 1
+    out = capsys.readouterr().out
+    assert "UNHEALTHY" in out and "request 'leaky' still held 3 block(s)" in out

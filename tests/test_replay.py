@@ -270,6 +270,19 @@ def _die_releasing(name: str, path: Path, create: bool) -> int:
     return pid
 
 
+def _last_report_and_close(log):
+    """The log's last record, the handle's close, and the last record before it but the
+    close's own REPORTs (a leak_finished for each sequence it found still live)."""
+    close = log.records[-1]
+    leaks = {("leak_finished",)}
+    report = next(
+        r
+        for r in reversed(log.records[:-1])
+        if not (r.op == OpCode.REPORT and {(k,) for k, _ in r.found} <= leaks)
+    )
+    return report, close
+
+
 def test_a_process_killed_holding_a_lock_replays_in_a_child_that_dies_there(
     tmp_path, pool_name, capsys
 ):
@@ -295,7 +308,7 @@ def test_a_process_killed_holding_a_lock_replays_in_a_child_that_dies_there(
         "held",
     )
     assert len(died.blocks) == 2
-    report, close = log.records[-2:]  # (the survivor's reclaim, then its close)
+    report, close = _last_report_and_close(log)  # (the survivor's reclaim, then its close)
     assert close.op == OpCode.CLOSE
     assert report.op == OpCode.REPORT and report.seq == died.seq + 1
     assert {k for k, _ in report.found} == {"lock_dead_holder", "leak_dead_owner"}
@@ -363,7 +376,7 @@ def test_the_provenance_sweep_is_recorded_and_replays_with_provenance_on(tmp_pat
         pool.unlink()
     log = read_log(str(path))
     assert log.start.start is not None and log.start.start["provenance_sample"] == 1
-    report, close = log.records[-2:]  # (the sweep's REPORT, then the handle's close)
+    report, close = _last_report_and_close(log)  # (the sweep's REPORT, then the close)
     assert close.op == OpCode.CLOSE
     assert report.op == OpCode.REPORT and [k for k, _ in report.found] == ["foreign_slot"]
     out = replay(log, quiet=True)
@@ -759,9 +772,11 @@ def test_stepping_through_a_log_gives_the_pool_at_each_operation(tmp_path, pool_
         assert "allocate r0" in stepper.describe()
         stepper.step(-1)
         assert stepper.at == 0 and _used(stepper.view()) == 0
-        # (the log's last operation: the handle's close, which holds the pool's blocks still)
+        # (the log's last operations: the handle's close, a REPORT of each of the two requests
+        # it found still live, then its CLOSE; the pool's blocks are held still)
         stepper.goto(10**9)
-        assert stepper.at == stepper.last == last + 1 and stepper.record.op == OpCode.CLOSE
+        assert stepper.at == stepper.last == last + 3 and stepper.record.op == OpCode.CLOSE
+        assert [r.request for r in log.records[-3:-1]] == ["r2", "r3"]
         assert _used(stepper.view()) == used[last]
     finally:
         stepper.close()

@@ -518,6 +518,8 @@ static void prov_after_append(Native *n, int64_t slot, const int32_t *ids, int64
                               int64_t pos0, const int32_t *toks, int64_t k, int32_t cow_src);
 static int leases_pass_over(Native *n, int32_t *out, int64_t *k);
 static int leases_at_close(Native *n);
+/* (the sequences a handle holds as it closes: entry.c) */
+static int seqs_at_close(Native *n, PyObject *pool);
 static int leases_step_reclaim(Native *n, int32_t client, int32_t pid, int64_t *done);
 /* The exception classes the core raises (allocator/errors.py), handed to it once by
  * native.py through register_errors(); NULL until then. */

@@ -424,6 +424,64 @@ static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final) {
     Py_RETURN_TRUE;
 }
 
+/* The block a sequence left at a close is reported by: the first its own request allocated
+ * (its record names that request, and its site is the request's own `allocate`), not a shared
+ * prefix block another request allocated; else the first naming its request; else the last
+ * (a fork holding only its parent's blocks). -1 for an empty table. */
+static int32_t own_block(Native *n, const uint8_t *s) {
+    int64_t k = U4(s + SF_NUM_BLOCKS);
+    if (k > n->max_bps) k = n->max_bps;
+    const int32_t *t = (const int32_t *)(s + SF_TABLE);
+    int32_t named = -1, last = -1;
+    for (int64_t i = 0; i < k; i++) {
+        if (t[i] < 0 || t[i] >= n->nb) continue;
+        const uint8_t *r = blk(n, t[i]);
+        last = t[i];
+        if (memcmp(r + BF_REQUEST, s + SF_REQUEST, REQUEST_BYTES) != 0) continue;
+        if (r[BF_INDEXED] != 1) return t[i];
+        if (named < 0) named = t[i];
+    }
+    return named >= 0 ? named : last;
+}
+
+/* The sequences this handle still holds as it closes (recovery.c N_detach): nothing can end
+ * them once the handle is gone, so each holding blocks is a leak_finished finding (its request,
+ * own_block, the site of the call that created it), recorded as a REPORT where the handle
+ * records (a replay replays it as this close). They stay as they are, their blocks held under
+ * the detached record, as a dump shows them. OK, or ERROR with an exception set. */
+static int seqs_at_close(Native *n, PyObject *pool) {
+    if (n->seqs == NULL || PyDict_GET_SIZE(n->seqs) == 0) return OK;
+    if (gate(n, pool) != OK) return ERROR;
+    PyObject *slot_o, *seq;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(n->seqs, &pos, &slot_o, &seq)) {
+        int64_t slot = PyLong_AsLongLong(slot_o);
+        if (slot < 0 || slot >= n->max_seqs) {
+            if (!PyErr_Occurred()) core_bug("a live sequence's slot outside the table");
+            return ERROR;
+        }
+        const uint8_t *s = seqrec(n, slot);
+        int64_t held = U4(s + SF_NUM_BLOCKS);
+        if (held <= 0) continue;
+        Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
+        Seen seen = {.block = own_block(n, s), .owner_pid = n->pid,
+                     .site = (int32_t)U2(s + SF_SITE) - 1, .refcount = 0};
+        memcpy(seen.request, s + SF_REQUEST, REQUEST_BYTES);
+        PyObject *rid = sfield(n, seq, F_REQUEST_ID);
+        PyObject *msg = rid ? PyUnicode_FromFormat(
+                                  "request %R still held %lld block(s) when the pool was closed: "
+                                  "free or abort every sequence when its request ends",
+                                  rid, (long long)held)
+                            : NULL;
+        Py_XDECREF(rid);
+        int rc = msg == NULL ? ERROR : finding_report(n, FK_LEAK_FINISHED, &seen, msg);
+        Py_XDECREF(msg);
+        if (rc != OK) return ERROR;
+        if (n->oplog) oplog_found_report(n, found0, (const char *)s + SF_REQUEST);
+    }
+    return OK;
+}
+
 /* append(pool, seq, tokens) -> copies: tokens as tokens.c reads them (core_append). */
 static PyObject *N_append(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {

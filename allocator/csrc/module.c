@@ -372,8 +372,9 @@ static PyMethodDef N_methods[] = {
      "reclaim_for_attach(pid, start, generation) -> dict | None: this handle's borrowed record"},
     {"flush_local", (PyCFunction)N_flush_local, METH_NOARGS,
      "flush_local(): this process's local cache to the free ring"},
-    {"detach", (PyCFunction)N_detach, METH_NOARGS,
-     "detach(): close's work (local cache, slot reserve, counters, record detached)"},
+    {"detach", (PyCFunction)N_detach, METH_O,
+     "detach(pool): close's work (live sequences reported as leaks, local cache, slot reserve, "
+     "counters, record detached)"},
     {"mark_repaired", (PyCFunction)(void (*)(void))N_mark_repaired, METH_FASTCALL,
      "mark_repaired(pids, kinds) -> [ring position]: findings a repair answered"},
     {"repair_leases", (PyCFunction)N_repair_leases, METH_NOARGS,

@@ -698,11 +698,13 @@ static PyObject *N_flush_local(Native *n, PyObject *unused) {
     return recovery_leave(n, flush_local(n) == OK ? Py_NewRef(Py_None) : NULL);
 }
 
-/* detach(): this handle's close: its own journal rolled back (an operation interrupted
- * without its rollback), its local cache flushed, its slot reserve returned a CHUNK at a time
- * and its counters folded into the header (detach_chunk, under the seqs lock), its record
- * marked detached. */
-static PyObject *N_detach(Native *n, PyObject *unused) {
+/* detach(pool): this handle's close: the sequences it still holds reported as leaks
+ * (entry.c seqs_at_close, with the handle's probes), its own journal rolled back (an
+ * operation interrupted without its rollback), its local cache flushed, its slot reserve
+ * returned a CHUNK at a time and its counters folded into the header (detach_chunk, under the
+ * seqs lock), its record marked detached. */
+static PyObject *N_detach(Native *n, PyObject *pool) {
+    if (seqs_at_close(n, pool) != OK) return NULL;
     if (recovery_enter(n)) return NULL;
     PyObject *why = NULL;
     if (U4(n->seg + n->c_jcount) && journal_rollback(n, n->client, &why) < 0)
