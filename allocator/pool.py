@@ -378,6 +378,16 @@ class KVPool:
         self._check_process()
         return lifecycle.reclaim_dead(self, done)
 
+    def reclaim_orphans(self) -> list[dict[str, Any]]:
+        """End the live sequences no handle holds: a process closed its handle (or detached)
+        without ending them, which its close reported as `leak_finished`; their blocks go back
+        to the pool, shared ones losing only their references (the core's transactions, under
+        every lock: safe while other processes run and reclaim). One entry per sequence ended:
+        `pid`, `client` (its record), `request`, `blocks` (returned to the pool)."""
+        self._check_process()
+        with self.op_mutex:
+            return self._core.reclaim_orphans()
+
     def clear_repaired(self, pids: set[int]) -> list:
         """After a repair returned what the dead processes `pids` held: mark the recorded
         findings about their leaks and the locks they died holding as repaired (the core's

@@ -22,7 +22,7 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.records import REQUEST_BYTES
 from kvscope.allocator.sites import site_frames
-from kvscope.poolsummary import Alive, pool_info, summary
+from kvscope.poolsummary import Alive, pool_info, some, summary
 from kvscope.poolsummary import field_text as _s
 
 if TYPE_CHECKING:
@@ -623,7 +623,7 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         hitters = list(dict.fromkeys(repr(r) for f in blank for r in f["read_unwritten"]))
         causes.append(
             f"blocks published with positions never written, then read by prefix hits"
-            f" ({_blocks_of(blank)}; read by {_some(hitters, 4)}): their"
+            f" ({_blocks_of(blank)}; read by {some(hitters, 4)}): their"
             f" K/V was stored elsewhere (a slot mapping worked out from another block) or not"
             f" at all before pool.mark_computed published them, and every request that hit"
             f" them read K/V nobody wrote; store the prefill through pool.slot_mapping(seq,"
@@ -631,7 +631,7 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         )
     raced = aborted_then_written(findings)
     if raced:
-        named = _some([f"{r!r} block {b}" for r, b in raced], 4)
+        named = some([f"{r!r} block {b}" for r, b in raced], 4)
         causes.append(
             f"K/V written into blocks after their own request was aborted ({named}): a"
             f" step that worked out its slots before the abort stored through them after it;"
@@ -640,7 +640,7 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         )
     reused = [f for f in findings if f.get("id_reused_while_live")]
     if reused:
-        named = _some(
+        named = some(
             [
                 f"{f.get('request')!r}: sequence {r['seq_id']} still held block(s) when sequence"
                 f" {r['reused_by'][0]} was allocated with its id"
@@ -661,7 +661,7 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         if f.get("served_after") and not f.get("id_reused_while_live")  # (its own, above)
     ]
     if idle:
-        named = _some(
+        named = some(
             [
                 f"{f.get('request')!r}, last operation: {f['served_after']['last_op']}, then"
                 f" {f['served_after']['count']} other request(s) began and ended"
@@ -677,7 +677,7 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         )
     lost = lost_to_preemption(findings)
     if lost:
-        named = _some([f"{r!r} block {b}" for r, b in lost], 4)
+        named = some([f"{r!r} block {b}" for r, b in lost], 4)
         causes.append(
             f"K/V written into blocks their request had lost to a preemption ({named}):"
             f" does the engine keep a block table or slot mapping from before a preemption and"
@@ -795,12 +795,6 @@ def _published_early(
         and "since its publication" in f["message"]
     ]
     return (blanks, readers) if blanks and readers else None
-
-
-def _some(texts: list[str], n: int) -> str:
-    """The first `n` of `texts`, comma-separated, and how many more there are."""
-    more = f" and {len(texts) - n} more" if len(texts) > n else ""
-    return ", ".join(texts[:n]) + more
 
 
 def _blocks_of(found: list[dict[str, Any]]) -> str:

@@ -5,7 +5,7 @@ origin (`pool_info`), and its blocks, sequences and processes counted (`summary`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,14 @@ Alive = Callable[[int, int], bool]
 def field_text(raw: bytes | np.bytes_) -> str:
     """A record's fixed-width text field as a str."""
     return bytes(raw).decode(errors="replace")
+
+
+def some(texts: Iterable[str], n: int = 3) -> str:
+    """The first `n` of `texts`, comma-separated, and how many more there are (`'a', 'b',
+    'c' and 4 more`): where a line names a few of many."""
+    texts = list(texts)
+    more = f" and {len(texts) - n} more" if len(texts) > n else ""
+    return ", ".join(texts[:n]) + more
 
 
 def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from kvscope.allocator.snapshot import snapshot
 from kvscope.bootstrap import launch
 from kvscope.child import pool_key
 from kvscope.history import History
-from kvscope.poolsummary import field_text
+from kvscope.poolsummary import field_text, some
 from kvscope.stopper import Stopper
 
 try:
@@ -74,12 +74,7 @@ def dead_owner(view: SegmentView, pid: int) -> Finding | str:
     seqs = view.seqs
     live = (seqs["state"] != SeqState.EMPTY) & (seqs["owner_pid"] == pid)
     names = list(dict.fromkeys(field_text(r) for r in seqs["request"][live].tolist()))
-    of = (
-        f" of request(s) {', '.join(map(repr, names[:3]))}"
-        + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        if names
-        else ""
-    )
+    of = f" of request(s) {some(map(repr, names))}" if names else ""
     local = f" and {cached} free in its local cache" if cached else ""
     return Finding(
         FindingKind.LEAK_DEAD_OWNER,

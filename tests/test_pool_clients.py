@@ -279,3 +279,67 @@ def test_a_close_reports_each_sequence_still_holding_blocks(make_pool, capsys):
     assert main(["check", pool.name]) == 1
     out = capsys.readouterr().out
     assert "UNHEALTHY" in out and "request 'leaky' still held 3 block(s)" in out
+
+
+def _closes_leaking(name: str, prompts: dict[str, list[int]]) -> int:
+    """A worker process that allocates `prompts` (request -> tokens), publishes their full
+    blocks and closes its handle without ending them; its pid, once it has exited."""
+
+    def work() -> int:
+        w = KVPool.attach(name)
+        for rid, tokens in prompts.items():
+            w.mark_computed(w.allocate(rid, tokens), len(tokens))
+        w.close()
+        return 0
+
+    pid = fork_child(work, alarm_s=60)
+    assert _wait(pid) == 0
+    return pid
+
+
+def test_repair_ends_the_sequences_a_closed_handle_left_live(make_pool, capsys):
+    # GIVEN a worker that closed its handle with two requests still live, one sharing its
+    # prefix with a request this process still serves
+    pool = make_pool(32, block_size=4)
+    mine = pool.allocate("mine", list(range(8)) + [50])
+    pool.mark_computed(mine, 8)
+    pid = _closes_leaking(pool.name, {"leaky": list(range(8)) + [60, 61], "other": [70] * 6})
+    before = pool.stats()["num_allocated"]
+    assert main(["check", pool.name]) == 1
+    capsys.readouterr()
+    # WHEN `kvscope check --repair` runs
+    assert main(["check", pool.name, "--repair"]) == 0
+    # THEN it ends both, says so, and the pool is healthy, its close's findings answered
+    err = capsys.readouterr().err
+    assert (
+        f"ended 2 sequences that pid {pid} left live when it closed the pool ('leaky', 'other'),"
+        " returning 2 blocks to the free ring" in err
+    ), err
+    assert "cleared the recorded findings it repaired (2 leak_finished)" in err
+    assert (
+        pool.check() == []
+        and not (pool.view.seqs["owner_pid"][pool.view.seqs["state"] != 0] != os.getpid()).any()
+    )
+    # AND the shared prefix lost only the worker's references: this process's request keeps it
+    st = pool.stats()
+    assert st["num_allocated"] == before - 3 == 3  # (their own 3: 2 freed, 1 published, cached)
+    assert pool.view.blocks["refcount"][mine.block_table[:2]].tolist() == [1, 1]
+    pool.free(mine)
+    assert pool.check() == [] and pool.stats()["num_allocated"] == 0
+
+
+def test_reclaim_orphans_leaves_the_sequences_of_a_process_attached_into_the_record(make_pool):
+    # GIVEN a worker that closed with a request live, and then another process attached into
+    # its client record (a table of two records) and allocated a request of its own
+    pool = make_pool(32, block_size=4, max_clients=2)
+    pid = _closes_leaking(pool.name, {"closed-leak": [1, 2, 3, 4, 5]})
+    other = KVPool.attach(pool.name)
+    held = other.allocate("attached-live", [9, 9, 9, 9, 9])
+    # WHEN the orphans are reclaimed
+    ended = pool.reclaim_orphans()
+    # THEN only the closed process's request is ended; the attached process's stays its own
+    assert [(e["pid"], e["request"], e["blocks"]) for e in ended] == [(pid, "closed-leak", 1)]
+    assert other.live() and pool.reclaim_orphans() == []
+    other.free(held)
+    other.close()
+    assert pool.check() == [] and pool.stats()["num_allocated"] == 0

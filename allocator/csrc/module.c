@@ -366,6 +366,8 @@ static PyMethodDef N_methods[] = {
      "resume(pool, seq) -> cached tokens: re-allocate a preempted sequence"},
     {"reclaim_dead", (PyCFunction)N_reclaim_dead, METH_O,
      "reclaim_dead(said_pids) -> (totals, done): every dead client's blocks returned"},
+    {"reclaim_orphans", (PyCFunction)N_reclaim_orphans, METH_NOARGS,
+     "reclaim_orphans() -> [{pid, client, request, blocks}]: live sequences no handle holds, ended"},
     {"reclaim_client", (PyCFunction)(void (*)(void))N_reclaim_client, METH_FASTCALL,
      "reclaim_client(client, pid, start, generation) -> dict | None: one dead client"},
     {"reclaim_for_attach", (PyCFunction)(void (*)(void))N_reclaim_for_attach, METH_FASTCALL,

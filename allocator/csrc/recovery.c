@@ -53,6 +53,9 @@ typedef struct {
     int64_t client;
     int32_t pid;
     uint64_t start, generation; /* generation: the record's attached_ns */
+    /* 1: not a dead process's record, a closed one's sequences (recovery.c reclaim_orphans):
+     * a step acts while the record holds no process of that pid */
+    int orphans;
 } DeadRec;
 
 static int dead_now(Native *n, int64_t c) {
@@ -67,6 +70,23 @@ static int still_dead(Native *n, const DeadRec *d) {
     return r[CF_STATE] == CL_ATTACHED && I4(r + CF_PID) == d->pid &&
            U8(r + CF_START) == d->start && U8(r + CF_ATTACHED_NS) == d->generation &&
            !proc_alive(d->pid, d->start);
+}
+
+/* Record c is attached with process `pid` in it. */
+static int holds_pid(Native *n, int64_t c, int32_t pid) {
+    const uint8_t *r = crec(n, c);
+    return r[CF_STATE] == CL_ATTACHED && I4(r + CF_PID) == pid;
+}
+
+/* Sequence slot s is live and no handle holds it: its owner's record is attached with no
+ * process of its owner pid (the process closed its handle, or detached, without ending it;
+ * a record reused since holds another process). One its own process attached again into the
+ * same record is not told apart from that handle's own: it is left. */
+static int orphaned(Native *n, int64_t s) {
+    const uint8_t *r = seqrec(n, s);
+    int32_t c = I4(r + SF_OWNER_CLIENT);
+    return r[SF_STATE] != S_EMPTY && c >= 0 && c < n->max_clients &&
+           !holds_pid(n, c, I4(r + SF_OWNER_PID));
 }
 
 static DeadRec dead_rec(Native *n, int64_t c) {
@@ -284,7 +304,7 @@ static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, void *arg) {
     int met = 0;
     for (int i = 0; i < n->num_locks; i++) met |= dead[i].pid != 0;
     if (met) rc = recover_stopped(n, dead, NULL);
-    if (rc == OK && !still_dead(n, d)) rc = GONE;
+    if (rc == OK && !(d->orphans ? !holds_pid(n, d->client, d->pid) : still_dead(n, d))) rc = GONE;
     if (rc == OK) {
         /* (a borrowed record's journal is its dead owner's until the first step) */
         n->jcount = U4(n->seg + n->c_jcount);
@@ -632,6 +652,53 @@ out:
     return recovery_leave(n, result);
 }
 
+/* reclaim_orphans() -> [{pid, client, request, blocks}]: end the live sequences no handle
+ * holds (orphaned: a process closed its handle without ending them, which its close reported
+ * as leak_finished), each dropped from its tail a transaction's worth a step under every lock
+ * (step_drop_tail, its slot released after the last), once its record still holds no process
+ * of its owner pid; one entry per sequence ended (`blocks`: those it returned to the pool, not
+ * counting blocks others still map). Safe beside other reclaimers: a sequence another one ended
+ * first is not listed. */
+static PyObject *N_reclaim_orphans(Native *n, PyObject *unused) {
+    if (recovery_enter(n)) return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return recovery_leave(n, NULL);
+    int rc = OK;
+    /* (a hint, read without locks: each step checks its slot and record again) */
+    for (int64_t slot = 0; rc == OK && slot < n->max_seqs; slot++) {
+        if (!orphaned(n, slot)) continue;
+        const uint8_t *r = seqrec(n, slot);
+        DeadRec d = {.client = I4(r + SF_OWNER_CLIENT), .pid = I4(r + SF_OWNER_PID), .orphans = 1};
+        char request[REQUEST_BYTES + 1];
+        memcpy(request, r + SF_REQUEST, REQUEST_BYTES);
+        request[REQUEST_BYTES] = 0;
+        Tail tail = {slot, 0, 0};
+        int64_t blocks = 0;
+        while (rc == OK && !tail.released) {
+            rc = reclaim_step(n, &d, step_drop_tail, &tail);
+            if (rc == OK && tail.freed > 0) blocks += tail.freed;
+        }
+        if (rc == GONE || (rc == OK && tail.freed < 0)) { /* (not an orphan by then) */
+            rc = OK;
+            continue;
+        }
+        if (rc != OK) break;
+        PyObject *req = PyUnicode_DecodeUTF8(request, (Py_ssize_t)strlen(request), "replace");
+        PyObject *e = req ? Py_BuildValue("{sisLsOsL}", "pid", (int)d.pid, "client",
+                                          (long long)d.client, "request", req, "blocks",
+                                          (long long)blocks)
+                          : NULL;
+        Py_XDECREF(req);
+        if (e == NULL || PyList_Append(out, e)) rc = ERROR;
+        Py_XDECREF(e);
+    }
+    if (rc != OK) {
+        lock_answer(rc);
+        Py_CLEAR(out);
+    }
+    return recovery_leave(n, out);
+}
+
 /* Read (client, pid, start, generation) into d. 0, or -1 with an exception set. */
 static int dead_arg(Native *n, PyObject *const *args, Py_ssize_t nargs, int64_t client,
                     DeadRec *d) {
@@ -644,6 +711,7 @@ static int dead_arg(Native *n, PyObject *const *args, Py_ssize_t nargs, int64_t 
     d->pid = (int32_t)PyLong_AsLong(args[at]);
     d->start = PyLong_AsUnsignedLongLong(args[at + 1]);
     d->generation = PyLong_AsUnsignedLongLong(args[at + 2]);
+    d->orphans = 0;
     if (PyErr_Occurred()) return -1;
     if (d->client < 0 || d->client >= n->max_clients) {
         PyErr_SetString(PyExc_ValueError, "no such client record");

@@ -1,7 +1,8 @@
 """Check a live pool: the same analysis as `analyze`, read without locking the pool.
 
 `--repair` attaches to the pool, rolls back the journals of processes that died mid-operation
-and returns the blocks of dead owners to the free ring, makes the lease section agree with
+and returns the blocks of dead owners to the free ring, ends the sequences that processes left
+live when they closed their handles (returning their blocks), makes the lease section agree with
 itself (leases no holder would release ended, each block's lease count recounted), marks the
 recorded findings it answered (those processes' leaks and the locks they died holding) as
 repaired, then says what it did and checks again.
@@ -20,6 +21,7 @@ from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import PoolError, UsageError
+from kvscope.poolsummary import some
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, live_target, read_live
 
@@ -36,9 +38,11 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
         pool.reclaim_dead(done)
-        # (after the reclaim: a dead holder's leases went with its blocks)
+        # the sequences of processes that closed their handles without ending them
+        orphans = pool.reclaim_orphans()
+        # (after the reclaims: a dead holder's leases went with its blocks)
         leases = pool.repair_leases()
-        cleared = pool.clear_repaired({d["pid"] for d in done})
+        cleared = pool.clear_repaired({d["pid"] for d in done} | {o["pid"] for o in orphans})
     finally:
         pool.close()
     return {
@@ -53,6 +57,7 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
         "blocks": sum(d["blocks"] for d in done),
         "findings_cleared": [f.to_dict() for f in cleared],
         "leases": leases,
+        "orphans": orphans,
     }
 
 
@@ -76,6 +81,16 @@ def describe_repair(done: dict[str, Any]) -> str:
         parts.append(
             f"reclaimed {_n(done['blocks'], 'block')} and {_n(done['sequences'], 'sequence')}"
             f" from {done['processes']} dead process(es) (pid {pids})"
+        )
+    by_pid: dict[int, list[dict[str, Any]]] = {}
+    for o in done.get("orphans", []):
+        by_pid.setdefault(o["pid"], []).append(o)
+    for pid, ended in by_pid.items():
+        returned = sum(o["blocks"] for o in ended)
+        parts.append(
+            f"ended {_n(len(ended), 'sequence')} that pid {pid} left live when it closed the pool"
+            f" ({some(repr(o['request']) for o in ended)}), returning {_n(returned, 'block')}"
+            " to the free ring"
         )
     leases = done.get("leases") or {}
     if leases.get("ended"):
