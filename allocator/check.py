@@ -19,6 +19,7 @@ from kvscope.allocator.checklocks import DEFAULT_LOCK_HOLD_S, lock_findings
 from kvscope.allocator.checkrecords import check_records
 from kvscope.allocator.checkrefs import (
     check_index,
+    check_orphans,
     check_refcounts,
     check_reserves,
     check_states,
@@ -113,6 +114,7 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     check_states(r, live, entries, refs, in_ring, corrupt)
     check_local_caches(r, dead.owned, corrupt)
     check_reserves(r, view)
+    check_orphans(r, live)
     check_refcounts(r, refs, dead, corrupt)
     check_index(r, corrupt)
     check_free_count(r, in_ring, count)

@@ -49,6 +49,52 @@ def dead_owners(
     return DeadOwners(live[keep], of_dead, of_dead.refs(n), owned)
 
 
+def check_orphans(r: CheckReport, live: np.ndarray) -> None:
+    """Live sequences no handle holds: their owner's client record holds no process of the
+    sequence's owner pid (it closed its handle, or detached, without ending them; a record
+    reused since holds another process). Each holding blocks is a `leak_finished` by its
+    request's own first block, as the close reported it (`merge` keeps one of the two where the
+    ring still holds that report); `kvscope check --repair` ends them."""
+    seqs, clients = r.view.seqs, r.view.clients
+    owner = seqs["owner_client"][live].astype(np.int64)
+    pid = seqs["owner_pid"][live].astype(np.int64)
+    known = (owner >= 0) & (owner < len(clients))
+    held = np.zeros(len(live), bool)
+    held[known] = (clients["state"][owner[known]] == ClientState.ATTACHED) & (
+        clients["pid"][owner[known]] == pid[known]
+    )
+    width = seqs["table"].shape[1]
+    for s in live[known & ~held].tolist():
+        k = min(int(seqs["num_blocks"][s]), width)
+        if k == 0:
+            continue
+        request = bytes(seqs["request"][s]).decode(errors="replace")
+        r.capped(
+            Finding(
+                FindingKind.LEAK_FINISHED.value,
+                f"request {request!r} still holds {k} block(s), but pid {int(seqs['owner_pid'][s])}"
+                " closed the pool without freeing or aborting it: no handle can end it"
+                " (`kvscope check --repair` does)",
+                block=own_block(r, seqs["table"][s][:k].tolist(), seqs["request"][s]),
+                owner_pid=int(seqs["owner_pid"][s]),
+                request=request,
+            )
+        )
+
+
+def own_block(r: CheckReport, table: list[int], request: bytes) -> int:
+    """The block a leaked sequence is reported by (as the core's close reports it): the first
+    its own request allocated, not a shared prefix block another request allocated; else the
+    first naming its request; else the last."""
+    b = r.view.blocks
+    ids = [x for x in table if 0 <= x < len(b)]
+    if not ids:
+        return int(table[-1])
+    named = [x for x in ids if bytes(b["request"][x]) == bytes(request)]
+    own = [x for x in named if r.cols.indexed[x] != 1]
+    return int((own or named or ids[-1:])[0])
+
+
 def check_states(
     r: CheckReport,
     live: np.ndarray,

@@ -129,8 +129,9 @@ def finding_key(f: Finding) -> tuple[str, int | None, int | None]:
 def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
     """The one de-duplication rule. The ring's findings are kept, each (they carry the moment
     it happened); a checked finding that repeats one of them (`finding_key`), or says what an
-    earlier checked one said, is dropped, and so is a `leak_dead_owner` about a request whose process
-    reported it as `leak_finished` at its exit (one cause: the process ended holding it). A
+    earlier checked one said, is dropped, and so is a `leak_dead_owner` or a checked `leak_finished`
+    about a request whose process reported it as `leak_finished` at its exit or its close (one
+    cause: the process ended, or let go of the pool, holding it). A
     corrupt header leaves only the header's findings: nothing else in the segment, its ring
     included, can be trusted."""
     if any(f.kind == FindingKind.HEADER_CORRUPT for f in checked):
@@ -146,7 +147,8 @@ def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
     # stopped process holds are two findings about no block.
     said: set[tuple] = set()
     for f in checked:
-        if f.kind == FindingKind.LEAK_DEAD_OWNER and (f.owner_pid, f.request) in finished:
+        leak = f.kind in (FindingKind.LEAK_DEAD_OWNER, FindingKind.LEAK_FINISHED)
+        if leak and (f.owner_pid, f.request) in finished:
             continue
         same = (finding_key(f), f.request, f.extra.get("lock"), f.message)
         if finding_key(f) in seen or same in said:

@@ -245,6 +245,10 @@ def test_close_with_hundreds_of_live_sequences(make_pool):
     assert int((seqs["state"] == SeqState.RUNNING).sum()) == 600
     leaks = [f for f in pool.findings() if f.kind == "leak_finished"]
     assert len(leaks) == len(pool.view.findings) < 600
+    # AND the whole-pool check finds all 600 from the tables, the ring's room aside
+    checked = pool.check()
+    assert {f.kind for f in checked} == {"leak_finished"}
+    assert checked[-1].message.endswith("(600 in all)")
 
 
 def test_a_close_reports_each_sequence_still_holding_blocks(make_pool, capsys):
@@ -335,6 +339,10 @@ def test_reclaim_orphans_leaves_the_sequences_of_a_process_attached_into_the_rec
     pid = _closes_leaking(pool.name, {"closed-leak": [1, 2, 3, 4, 5]})
     other = KVPool.attach(pool.name)
     held = other.allocate("attached-live", [9, 9, 9, 9, 9])
+    # THEN the whole-pool check names the closed process's request, not the attached one's
+    assert [(f.kind, f.request, f.owner_pid) for f in pool.check()] == [
+        ("leak_finished", "closed-leak", pid)
+    ]
     # WHEN the orphans are reclaimed
     ended = pool.reclaim_orphans()
     # THEN only the closed process's request is ended; the attached process's stays its own
