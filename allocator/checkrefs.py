@@ -75,23 +75,24 @@ def check_orphans(r: CheckReport, live: np.ndarray) -> None:
                 f"request {request!r} still holds {k} block(s), but pid {int(seqs['owner_pid'][s])}"
                 " closed the pool without freeing or aborting it: no handle can end it"
                 " (`kvscope check --repair` does)",
-                block=own_block(r, seqs["table"][s][:k].tolist(), seqs["request"][s]),
+                block=own_block(r.view.blocks, seqs["table"][s][:k].tolist(), seqs["request"][s]),
                 owner_pid=int(seqs["owner_pid"][s]),
                 request=request,
             )
         )
 
 
-def own_block(r: CheckReport, table: list[int], request: bytes) -> int:
-    """The block a leaked sequence is reported by (as the core's close reports it): the first
-    its own request allocated, not a shared prefix block another request allocated; else the
-    first naming its request; else the last."""
-    b = r.view.blocks
-    ids = [x for x in table if 0 <= x < len(b)]
+def own_block(blocks: np.ndarray, table: list[int], request: bytes) -> int:
+    """The block a leaked sequence (its `table`, its `request` as the records hold it) is
+    reported by, as the core's close reports it: the first its own request allocated (its
+    record names that request, and its site is the request's own `allocate`), not a shared
+    prefix block another request allocated; else the first naming its request; else the last
+    (a fork holding only its parent's blocks)."""
+    ids = [x for x in table if 0 <= x < len(blocks)]
     if not ids:
         return int(table[-1])
-    named = [x for x in ids if bytes(b["request"][x]) == bytes(request)]
-    own = [x for x in named if r.cols.indexed[x] != 1]
+    named = [x for x in ids if bytes(blocks["request"][x]) == bytes(request)]
+    own = [x for x in named if blocks["indexed"][x] != 1]
     return int((own or named or ids[-1:])[0])
 
 

@@ -28,6 +28,7 @@ import threading
 from typing import Any
 
 from kvscope.allocator import faults
+from kvscope.allocator.checkrefs import own_block
 from kvscope.allocator.findings import LEAK_KINDS, Finding, FindingKind
 from kvscope.allocator.probeflags import env_flag
 from kvscope.allocator.segment import data_path, segment_path
@@ -117,7 +118,9 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
                 FindingKind.LEAK_FINISHED,
                 f"request {seq.request_id!r}{made} still held {len(seq.block_table)} block(s)"
                 f" when {when}: free or abort every sequence when its request ends",
-                block=own_block(pool, seq),
+                block=own_block(
+                    pool.view.blocks, seq.block_table, str(seq.request_id).encode()[:32]
+                ),
                 owner_pid=os.getpid(),
                 request=str(seq.request_id)[:32],
             )
@@ -136,22 +139,6 @@ def leak_summary(pool: Any, seqs: list[Any], when: str) -> None:
     text = summary(pool, seqs, when)
     if text is not None and env_flag("LEAKS"):
         print(text, file=sys.stderr, flush=True)
-
-
-def own_block(pool: Any, seq: Any) -> int:
-    """The block a leaked sequence is reported by: the first one its own request allocated
-    (its record names that request, and the site is the request's own `allocate`), not a
-    shared prefix block another request allocated; the last block when none is its own (a
-    fork holding only its parent's blocks)."""
-    b = pool.view.blocks
-    rid = str(seq.request_id).encode()[:32]
-    for blk in seq.block_table:
-        if bytes(b["request"][blk]) == rid and not b["indexed"][blk]:
-            return int(blk)
-    for blk in seq.block_table:
-        if bytes(b["request"][blk]) == rid:
-            return int(blk)
-    return int(seq.block_table[-1])
 
 
 def on_close(pool: Any) -> None:
