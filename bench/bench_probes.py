@@ -48,9 +48,9 @@ def make(env: dict[str, str]) -> KVPool:
         ),
     )
     if env.get("KVSCOPE_LOCKDEP") == "1":
-        from kvscope.probes import lockdep
+        from kvscope.probes import watchdog
 
-        lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+        watchdog.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
     return pool
 
 

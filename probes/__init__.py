@@ -29,9 +29,9 @@ def __getattr__(name: str) -> Any:
 
 
 def _on_open(pool: Any, env: Mapping[str, str]) -> None:
-    from kvscope.probes import lockdep
+    from kvscope.probes import watchdog
 
-    lockdep.install(pool, env)
+    watchdog.install(pool, env)
 
 
 def install_from_env(environ: Mapping[str, str] | None = None) -> None:

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from kvscope.allocator import _native
@@ -436,19 +436,3 @@ os.register_at_fork(after_in_child=_after_fork)
 LOCKDEP = LockDep()
 # Under `kvscope run --lockdep` user locks are traced from the start, before any pool opens.
 LOCKDEP.enabled = env_flag("LOCKDEP")
-
-
-def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
-    """Instrument `pool` and start its watchdog when lockdep is on; None when off.
-
-    KVSCOPE_LOCKDEP=1/0 decides; unset, it is on under `kvscope run` (as every probe) or when
-    the pool was created with `PoolConfig(lockdep=True)`.
-    """
-    if not (env_flag("LOCKDEP", env) or (ENV not in env and pool.config.lockdep)):
-        return None
-    from kvscope.probes.watchdog import Watchdog
-
-    threshold_s = float(env.get(HOLD_ENV, "1.0"))
-    if LOCKDEP.instrument(pool) and threshold_s > 0:
-        Watchdog(pool, threshold_s=threshold_s, lockdep=LOCKDEP).start()
-    return LOCKDEP

@@ -32,12 +32,11 @@ from opentelemetry import metrics, trace
 
 from kvscope.allocator import pool as pool_module
 from kvscope.allocator.pool import KVPool
-from kvscope.probes.otel_exporters import install_from_env, start_collector
 from kvscope.probes.otel_locks import LockTimes
 from kvscope.probes.otel_metrics import DEVICE, POOL, PoolCollector
 from kvscope.probes.otel_traces import RequestSpans
 
-__all__ = ["KVPoolInstrumentor", "install_from_env", "start_collector"]
+__all__ = ["KVPoolInstrumentor"]
 
 WRAPPED = (
     "allocate", "append", "fork", "free", "abort", "resume", "evict", "mark_computed",

@@ -1,6 +1,7 @@
 """The lock watchdog: reports `lock_held_too_long` with the holder thread's Python stack.
 
-    from kvscope.probes.watchdog import Watchdog
+    from kvscope.probes.watchdog import Watchdog, install
+    install(pool, os.environ)   # lockdep on the pool and its watchdog, as the probes package does
     dog = Watchdog(pool, threshold_s=1.0).start()
     ...
     dog.stop()
@@ -22,12 +23,14 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.probeflags import env_flag
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import KVSCOPE_DIRS
-from kvscope.probes.lockdep import LockDep, SegmentGraph
+from kvscope.probes.lockdep import ENV, HOLD_ENV, LOCKDEP, LockDep, SegmentGraph
 
 STACK_FRAMES = 10
 # The standard library's folders: a holder waiting in threading.py's Condition.wait is shown at
@@ -196,3 +199,17 @@ class Watchdog:
                 f = held_finding(lock, (now - h.t_ns) / 1e9, pid, st.native_id, stack)
                 out.append((h.graph.report, f))
         return out
+
+
+def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
+    """Lockdep on `pool` and its watchdog, when lockdep is on: the LockDep; None when off.
+
+    KVSCOPE_LOCKDEP=1/0 decides; unset, it is on under `kvscope run` (as every probe) or when
+    the pool was created with `PoolConfig(lockdep=True)`.
+    """
+    if not (env_flag("LOCKDEP", env) or (ENV not in env and pool.config.lockdep)):
+        return None
+    threshold_s = float(env.get(HOLD_ENV, "1.0"))
+    if LOCKDEP.instrument(pool) and threshold_s > 0:
+        Watchdog(pool, threshold_s=threshold_s, lockdep=LOCKDEP).start()
+    return LOCKDEP

@@ -12,7 +12,7 @@ import torch
 from kvscope.allocator import KVPool, PoolConfig, faults
 from kvscope.allocator.faults import FAULTS
 from kvscope.allocator.segment import data_path, segment_path
-from kvscope.probes import lockdep
+from kvscope.probes import lockdep, watchdog
 from tests.test_core_faults import work
 
 PROBES = ("LEAKS", "MAGIC", "EVENTS", "OWNERSHIP", "DIGEST")
@@ -93,7 +93,7 @@ def build(scenario: str, prefix: str) -> tuple[str, KVPool | None, bytes]:
     pool = KVPool.create(name, _config(guard=guard))
     intact = bytes(pool.view.raw[:256])
     if scenario in ("lock-inversion", "gil-wait"):
-        lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+        watchdog.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
     try:
         if scenario == "kill-holding-lock":
             pid = os.fork()

@@ -14,7 +14,7 @@ import pytest
 from kvscope.allocator import KVPool, PoolConfig, crash, faults
 from kvscope.allocator.crash import CRASH_POINTS
 from kvscope.analysis import collect_findings, is_alive
-from kvscope.probes import lockdep
+from kvscope.probes import lockdep, watchdog
 from tests.test_crash import _survive_and_reclaim
 
 LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC")
@@ -29,7 +29,7 @@ def probed(monkeypatch, pool_name):
         pool_name,
         PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32"),
     )
-    lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+    watchdog.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
     yield pool
     faults.configure(None)
     lockdep.LOCKDEP.uninstrument(pool)

@@ -18,7 +18,7 @@ from kvscope.allocator import KVPool, PoolConfig, PoolExhausted, devicechecks, i
 from kvscope.allocator.layout import BlockState
 from kvscope.kernels import block_digests
 from kvscope.kernels.digest import fmix64_reference, int_view
-from kvscope.probes import lockdep
+from kvscope.probes import lockdep, watchdog
 from tests.kernels_cases import slot_digests
 
 LIGHT = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
@@ -51,7 +51,7 @@ def _pool(
             event_capacity=events,
         ),
     )
-    lockdep.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
+    watchdog.install(pool, {"KVSCOPE_LOCKDEP": "1", "KVSCOPE_LOCK_HOLD_S": "0"})
     return pool
 
 

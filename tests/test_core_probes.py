@@ -13,7 +13,7 @@ import pytest
 from kvscope.allocator import KVPool, PoolConfig, faults, integrity
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.layout import block_checksums
-from kvscope.probes import lockdep
+from kvscope.probes import lockdep, watchdog
 
 PROBES = ("EVENTS", "OWNERSHIP", "LEAKS", "MAGIC", "LOCKDEP")
 # (block size, local cache, shards, clients)
@@ -38,7 +38,7 @@ def _pool(name: str, bs: int, local: int, shards: int, clients: int, blocks: int
         ),
     )
     # No watchdog: a hold it times would depend on the machine's speed.
-    lockdep.install(pool, {**os.environ, "KVSCOPE_LOCK_HOLD_S": "0"})
+    watchdog.install(pool, {**os.environ, "KVSCOPE_LOCK_HOLD_S": "0"})
     return pool
 
 

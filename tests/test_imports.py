@@ -22,12 +22,6 @@ FOLDERS = {
 PACKAGES = tuple(p for p in FOLDERS.values() if p != "kvscope")
 # Modules compiled from C (setup.py), which import nothing of kvscope.
 EXTENSIONS = {"kvscope.allocator._native": "allocator/_native.c"}
-# Module cycles through imports made inside functions, in code being reworked elsewhere
-# (issue 17): each pair is one feature split over two modules.
-KNOWN_MODULE_CYCLES = [
-    {"kvscope.probes.otel", "kvscope.probes.otel_exporters"},
-    {"kvscope.probes.lockdep", "kvscope.probes.watchdog"},
-]
 
 
 def source_modules() -> dict[str, Path]:
@@ -154,5 +148,5 @@ def test_no_cycle_between_modules():
     # GIVEN every import between kvscope's modules, those inside functions and for the type
     # checker too
     found = cycles(module_graph())
-    # WHEN cycles are searched THEN there is none beyond the known pairs being reworked
-    assert [c for c in found if c not in KNOWN_MODULE_CYCLES] == []
+    # WHEN cycles are searched THEN there is none
+    assert found == []

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from kvscope.allocator import KVPool, _native, faults
 from kvscope.allocator.probing import NATIVE_LOCKDEP
-from kvscope.probes.lockdep import LOCKDEP, LockDep, SegmentGraph, TracedLock, install
-from kvscope.probes.watchdog import Watchdog
+from kvscope.probes.lockdep import LOCKDEP, LockDep, SegmentGraph, TracedLock
+from kvscope.probes.watchdog import Watchdog, install
 from tests import lockholder
 from tests.forking import fork_child
 
