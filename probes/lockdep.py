@@ -92,8 +92,9 @@ class LockDep:
         self._pools: set[int] = set()
         _INSTANCES.add(self)
 
-    def _after_fork(self) -> None:
-        # The child runs only the forking thread; the other threads' stacks stay in the parent.
+    def after_fork(self) -> None:
+        """In a forked child: only the forking thread runs on; the other threads' stacks stay in
+        the parent (the module registers it with os.register_at_fork)."""
         st = getattr(self._tls, "s", None)
         if st is not None:
             st.native_id = threading.get_native_id()
@@ -429,7 +430,7 @@ _INSTANCES: weakref.WeakSet[LockDep] = weakref.WeakSet()
 
 def _after_fork() -> None:
     for lockdep in list(_INSTANCES):
-        lockdep._after_fork()
+        lockdep.after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -183,10 +183,8 @@ class KVPoolInstrumentor:
         self._patch(pool, "on_finding", on_finding)
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        inst = self
-
         def wrapper(pool: KVPool, *args: Any, **kw: Any) -> Any:
-            local = inst._local
+            local = self._local
             if getattr(local, "depth", 0):
                 # Inner calls (resume -> allocate, allocate -> append) belong to the outer op.
                 return original(pool, *args, **kw)
@@ -194,12 +192,12 @@ class KVPoolInstrumentor:
             # Under the mapping's op mutex (which the operation takes itself, reentrantly): no
             # other thread's operation adds to the lock records between the two reads.
             with pool.op_mutex:
-                before = inst._locks.snapshot(pool)
+                before = self._locks.snapshot(pool)
                 try:
-                    return inst._call(name, original, pool, args, kw)
+                    return self._call(name, original, pool, args, kw)
                 finally:
                     local.depth = 0
-                    inst._locks.record(pool, before)
+                    self._locks.record(pool, before)
 
         wrapper.__name__ = wrapper.__qualname__ = name
         wrapper.__doc__ = original.__doc__

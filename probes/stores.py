@@ -57,7 +57,7 @@ class Writers:
         # (id, version) of the slot mapping last checked: one check per mapping, not per layer
         self._checked: tuple[int, int] | None = None
         # what check_blocks saw, for check_slots
-        self._written: _Written | None = None
+        self.written: _Written | None = None
 
     def check(self, slot_mapping: Any) -> None:
         """Under the probes, check the store of `slot_mapping` (once per mapping) and report."""
@@ -144,11 +144,11 @@ class _PoolChecks:
 
     def blocks(self, writers: Writers) -> None:
         """Writers.check_blocks."""
-        writers._written = self._blocks(writers)
+        writers.written = self._blocks(writers)
 
     def slots(self, writers: Writers, slots: np.ndarray) -> None:
         """Writers.check_slots."""
-        written = writers._written
+        written = writers.written
         if written is None:
             written = _Written(writers, caller_stack(stack_depth()))
         self._read_back(written, slots)

@@ -150,3 +150,54 @@ def test_no_cycle_between_modules():
     found = cycles(module_graph())
     # WHEN cycles are searched THEN there is none
     assert found == []
+
+
+# Private names of the standard library, torch and Triton the sources use (each the documented
+# or the only way to do what it does there); any other `x._name` with x not self, cls or super()
+# reaches into another module's or class's private members.
+FOREIGN_PRIVATE = {
+    "_getframe",  # sys: the caller's frame, for sites
+    "_current_frames",  # sys: a lock holder's stack
+    "_exit",  # os: a process that must not run atexit handlers
+    "_asdict",  # a namedtuple's documented method
+    "_C",  # torch._C: the current CUDA stream's raw handle
+    "_cuda_getCurrentRawStream",
+    "_share_cuda_",  # torch: a CUDA storage's IPC handle
+    "_new_shared_cuda",
+    "_init_handles",  # Triton: load a compiled kernel before a graph capture
+}
+
+
+def private_reach_ins(path: Path) -> list[str]:
+    """`obj._name` in one source file, obj not self, cls or super(), the name not foreign."""
+    out = []
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    for node in ast.walk(parsed(path)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") or node.attr in FOREIGN_PRIVATE:
+            continue
+        base = node.value
+        if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+            continue
+        if isinstance(base, ast.Call) and getattr(base.func, "id", "") == "super":
+            continue
+        out.append(f"{where}:{node.lineno} .{node.attr}")
+    return out
+
+
+def test_walker_sees_a_reach_in(tmp_path):
+    # GIVEN a module that reads another object's private member beside its own
+    src = tmp_path / "m.py"
+    src.write_text("class A:\n    def f(self, b):\n        return self._x + b._y + super()._z\n")
+    # WHEN its reach-ins are read THEN only b._y is one
+    assert [r.split(" ")[-1] for r in private_reach_ins(src)] == ["._y"]
+
+
+def test_no_module_reaches_into_private_members():
+    # GIVEN every source module of the installed package
+    found = [
+        r for p in source_modules().values() if p.suffix == ".py" for r in private_reach_ins(p)
+    ]
+    # THEN none reads or writes a private member of another object than its own
+    assert found == []
