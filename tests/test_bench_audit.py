@@ -18,6 +18,7 @@ def _run(*argv: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_host_audit_prints_its_time_per_call():
     out = _run("--rows", "8", "--tokens", "64", "--calls", "50", "--repeat", "2")
     assert "audit of a 8x4 table (8 live rows of 64 tokens, 0 padding rows), CPU pool" in out

@@ -82,6 +82,7 @@ def test_the_a100_budget_is_llama_2_7bs_in_any_model() -> None:
     assert serve_mixes.a100_blocks() == int((0.9 * 40 * 2**30 - weights - 2**30) // 2**23) == 2873
 
 
+@pytest.mark.slow
 def test_the_a100_regime_runs_on_the_tiny_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

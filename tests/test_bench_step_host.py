@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_step_host  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [[], ["--attend"]], ids=["no-model", "attention"])
 def test_a_run_serves_every_request_and_reports_its_steps(
     model: list[str], capsys: pytest.CaptureFixture[str]

@@ -243,6 +243,7 @@ def test_report_waits_for_another_threads_operation_on_the_handle(make_pool):
     assert got[0].request_id == "first"
 
 
+@pytest.mark.slow
 def test_report_under_the_findings_lock_this_thread_holds_writes_at_once(make_pool):
     # GIVEN another thread's allocation waiting for the sequence-table lock another process
     # holds, and this thread holding the findings lock through the lock table (as lockdep's
@@ -292,6 +293,7 @@ def test_a_journal_this_client_left_open_is_rolled_back_by_the_next_operation(ma
 # -- waits ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_operation_waits_for_another_threads_operation_on_the_handle(make_pool):
     # GIVEN another process holding the sequence-table lock for 0.4 s, and a thread whose
     # allocation waits for it (the op mutex held, the GIL let go)
@@ -307,6 +309,7 @@ def test_an_operation_waits_for_another_threads_operation_on_the_handle(make_poo
     assert pool.check() == []
 
 
+@pytest.mark.slow
 def test_a_wait_for_the_op_mutex_another_thread_holds_is_waited_in_the_core(make_pool):
     # GIVEN a cached block, another process holding the sequence-table lock for 0.3 s, and
     # another thread of this one holding the handle's op mutex for 0.6 s, then evicting and

@@ -180,9 +180,8 @@ def _preempting_child(name: str, kill_at: int, want: int) -> None:
     os._exit(code)
 
 
-@pytest.mark.parametrize(
-    "want", [10, pytest.param(47, marks=pytest.mark.slow)], ids=["preempts", "then-exhausted"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("want", [10, 47], ids=["preempts", "then-exhausted"])
 def test_a_kill_at_any_journal_save_of_a_preempting_take_loses_nothing(make_pool, want):
     # GIVEN a full pool whose sequences are waiting (the NUM_BLOCKS of tests/test_crash.py)
     pool = make_pool(48, block_size=BS, local_cache_size=2, num_shards=2, max_clients=8)

@@ -61,6 +61,7 @@ def test_dump_refuses_a_fifo_and_a_directory(capsys, make_pool, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["fifo"]
 
 
+@pytest.mark.slow
 def test_dump_to_stdout(make_pool, tmp_path):
     # GIVEN a pool with a live sequence
     pool = make_pool(16)

@@ -215,6 +215,7 @@ def some_streams(fast: int, full: int) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("n_streams", [fast, pytest.param(full, marks=pytest.mark.slow)])
 
 
+@pytest.mark.slow
 @some_streams(50, 150)
 def test_the_walk_one_event_at_a_time_agrees_with_the_checker_on_random_streams(n_streams):
     # GIVEN random streams full of faults
@@ -423,6 +424,7 @@ def test_the_c_fast_path_agrees_with_the_python_checker_on_random_streams(hashes
     }, sorted(found)
 
 
+@pytest.mark.slow
 @native_only
 @some_streams(70, 200)
 def test_the_c_fast_path_agrees_on_odd_values_and_malformed_payloads(n_streams):

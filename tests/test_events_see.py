@@ -230,6 +230,7 @@ def rows(app, selector: str) -> list[list[str]]:
     return [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
 
 
+@pytest.mark.slow
 @sync
 async def test_top_events_replays_a_file(tmp_path):
     # GIVEN the faulty stream, replayed 4 records per refresh

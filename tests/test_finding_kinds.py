@@ -9,6 +9,8 @@ import functools
 import re
 from pathlib import Path
 
+import pytest
+
 from kvscope.allocator.findings import SEVERITY, FindingKind
 from tests.sources import parsed
 
@@ -47,6 +49,7 @@ def kinds_of_the_core() -> set[FindingKind]:
     return {VALUES[name] for name in re.findall(r'"([a-z_]+)"', table.group(1))}
 
 
+@pytest.mark.slow
 def test_every_kind_is_produced_by_the_library():
     # GIVEN the findings vocabulary WHEN the library's calls and the core's table are read
     produced = {kind for _, kind, _ in kinds_passed()} | kinds_of_the_core()

@@ -76,6 +76,7 @@ def test_the_core_takes_no_record_offsets_at_run_time(make_pool, monkeypatch):
     assert not {"header_fields", "header_check_bytes", "journal_entries", "num_sites"} & set(seen)
 
 
+@pytest.mark.slow
 def test_a_missing_core_is_one_line_at_import_saying_how_to_rebuild(tmp_path):
     # GIVEN a Python that cannot find the built core (a finder that refuses it)
     code = (

@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
+
 from kvscope.allocator import KVPool, _native, faults
 from kvscope.allocator.probing import NATIVE_LOCKDEP
 from kvscope.probes.lockdep import LOCKDEP, LockDep, SegmentGraph, TracedLock
@@ -470,6 +472,7 @@ def test_lockdep_is_off_by_default_and_switched_by_its_variable(make_pool, monke
     assert not pool._probe_bits[0] & NATIVE_LOCKDEP
 
 
+@pytest.mark.slow
 def test_the_watchdog_reports_a_long_hold_once_with_the_holders_stack(make_pool):
     # GIVEN a pool with a watchdog at 0.2 s and a finding callback
     pool = make_pool(16)
@@ -497,6 +500,7 @@ def test_the_watchdog_reports_a_long_hold_once_with_the_holders_stack(make_pool)
     assert any("hold_seqs" in frame for frame in g.extra["stack"])
 
 
+@pytest.mark.slow
 def test_the_watchdog_times_traced_user_locks():
     # GIVEN a traced lock without a pool, and a watchdog on lockdep
     seen: list = []
@@ -570,6 +574,7 @@ def test_a_dead_holder_is_recovered_under_lockdep_without_a_false_cycle(make_poo
     assert lockdep.state().stack == []
 
 
+@pytest.mark.slow
 def test_a_long_hold_in_another_process_is_reported_once(make_pool):
     # GIVEN a watchdog here, and another process with its own watchdog
     pool = make_pool(16)
@@ -593,6 +598,7 @@ def test_a_long_hold_in_another_process_is_reported_once(make_pool):
     assert "hold_free_long" in f.message
 
 
+@pytest.mark.slow
 def test_an_unwatched_process_long_hold_is_reported_by_an_observer(make_pool):
     # GIVEN a watchdog here only
     pool = make_pool(16)

@@ -11,6 +11,8 @@ import signal
 import struct
 from pathlib import Path
 
+import pytest
+
 from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.oplog import read_log
@@ -51,6 +53,7 @@ def recorded(path: Path, name: str, rounds: int) -> KVPool:
     return pool
 
 
+@pytest.mark.slow
 def test_a_killed_process_loses_only_the_records_in_its_chunk(tmp_path, pool_name):
     """A process killed while recording: the log on disk is whole chunks, every one after the
     START's written because it filled, holding the run's records from its START without a gap;

@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
+
 from kvscope.allocator import KVPool
 from tests import lockholder
 from tests.forking import fork_child
@@ -50,6 +52,7 @@ def _segment_fds(path: str) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_a_collected_old_handle_does_not_release_a_live_operations_locks(make_pool):
     # GIVEN a process with the events probe on (its handles sit in reference cycles) that
     # attached, closed, dropped and attached again, leaving the old mapping to the collector
@@ -120,6 +123,7 @@ def test_closing_one_handle_leaves_another_handles_lock_held(make_pool):
     assert pool.check() == []
 
 
+@pytest.mark.slow
 def test_a_forked_child_does_not_keep_its_dead_parents_lock(make_pool):
     # GIVEN a process attached to the pool that forks a long-lived child, then takes a lock
     pool = make_pool(32)

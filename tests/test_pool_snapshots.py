@@ -122,6 +122,7 @@ def _stopped_mid_free(name: str, ready_w: int) -> None:
     p.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", ["analyze", "check"])
 def test_a_stopped_lock_holder_is_a_finding_and_copies_stay_consistent(
     make_pool, capsys, monkeypatch, verb
@@ -155,6 +156,7 @@ def test_a_stopped_lock_holder_is_a_finding_and_copies_stay_consistent(
     assert pool.check() == []
 
 
+@pytest.mark.slow
 def test_a_dump_says_nothing_about_stalls(make_pool, tmp_path, monkeypatch, capsys):
     # GIVEN a dump taken while a lock was held for a long time (its clock is not the reader's)
     monkeypatch.setenv("KVSCOPE_LOCK_HOLD_S", "0.05")

@@ -151,6 +151,7 @@ def _hold_and_die(name: str) -> None:
     _killed_holding(name, hold)
 
 
+@pytest.mark.slow
 def test_a_reclaimer_killed_at_any_journal_save_loses_nothing(make_pool):
     # GIVEN a pool, and for each trial a process killed holding sequences
     pool = make_pool(256, max_clients=8)
@@ -173,6 +174,7 @@ def test_a_reclaimer_killed_at_any_journal_save_loses_nothing(make_pool):
         assert st["num_free"] + st["num_local"] + st["num_cached"] == 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hits", [1, 2, 4])
 def test_an_attach_killed_while_it_reclaims_a_borrowed_record_loses_nothing(make_pool, hits):
     from kvscope.allocator import crash

@@ -111,18 +111,10 @@ def found_at(log) -> tuple[int, str]:
 
 @pytest.mark.parametrize(
     "fault",
-    # (a few seconds each: the fast layer runs one)
+    # (half a second to a few seconds each: the fast layer runs a pool fault and a lease's)
     [
         f
-        if f
-        in (
-            "refcount-skew",
-            "gil-wait",
-            "transfer-after-free",
-            "lease-leak",
-            "kill-holding-lock",
-            "stale-padding-row",
-        )
+        if f in ("refcount-skew", "transfer-after-free")
         else pytest.param(f, marks=pytest.mark.slow)
         for f in REPLAYABLE
     ],
@@ -283,6 +275,7 @@ def _last_report_and_close(log):
     return report, close
 
 
+@pytest.mark.slow
 def test_a_process_killed_holding_a_lock_replays_in_a_child_that_dies_there(
     tmp_path, pool_name, capsys
 ):
@@ -354,6 +347,7 @@ def test_a_log_whose_creator_the_fault_killed_is_refused(tmp_path, pool_name, ca
     assert err.count("\n") == 1 and "was killed by the fault it armed" in err, err
 
 
+@pytest.mark.slow
 def test_the_provenance_sweep_is_recorded_and_replays_with_provenance_on(tmp_path, pool_name):
     """Slot provenance on in the recording (START's provenance_sample): foreign-slot fires in
     the replay where it fired, and the sweep that found it (`check_provenance`, a REPORT)
@@ -789,6 +783,7 @@ def test_top_at_without_a_log_is_one_line_exit_2(tmp_path, capsys):
     assert main(["top", str(tmp_path / "none.kvd"), "--at", "-1"]) == 2
 
 
+@pytest.mark.slow
 def test_lease_operations_replay_with_the_recorded_holders_deadlines_and_now(
     tmp_path, pool_name, capsys
 ):
@@ -971,6 +966,7 @@ def record_stores(path: Path, name: str, stale: bool, n_steps: int = 60) -> None
         pool.unlink()
 
 
+@pytest.mark.slow
 def test_a_store_through_a_stale_slot_mapping_replays_to_its_finding_and_shrinks(
     tmp_path, pool_name
 ):
@@ -1073,6 +1069,7 @@ def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, poo
     assert (out.reason, out.exit_code) == ("end", 0)
 
 
+@pytest.mark.slow
 def test_a_shrunk_store_keeps_the_spans_and_slots_of_the_requests_it_still_makes(
     tmp_path, pool_name
 ):
@@ -1293,6 +1290,7 @@ def record_copies(
         pool.unlink()
 
 
+@pytest.mark.slow
 def test_a_skipped_copy_replays_to_kv_never_written_at_the_same_free_and_shrinks(
     tmp_path, pool_name
 ):
@@ -1378,6 +1376,7 @@ def answered_free(log) -> tuple[Any, Any]:
     return answers[0], free
 
 
+@pytest.mark.slow
 def test_a_skipped_copy_on_a_deferred_check_pool_replays_to_its_answer_at_the_free(
     tmp_path, pool_name, monkeypatch, capsys
 ):

@@ -121,6 +121,7 @@ def test_a_recording_begun_mid_life_replays_to_the_finding_of_one_from_creation(
     assert outs[1].replayed < outs[0].replayed
 
 
+@pytest.mark.slow
 def test_a_mid_life_recording_of_an_attached_process_replays(tmp_path, pool_name):
     """A process attached to a pool nobody recorded records its own operations: the snapshot
     holds the creator's sequences too (its client record taken over by a handle of the
@@ -162,6 +163,7 @@ def test_a_mid_life_recording_of_an_attached_process_replays(tmp_path, pool_name
 LIMIT = 64 * 1024
 
 
+@pytest.mark.slow
 def test_a_bounded_log_wraps_and_replays_from_its_checkpoint_to_the_same_finding(
     tmp_path, pool_name
 ):

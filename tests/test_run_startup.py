@@ -33,6 +33,7 @@ print(json.dumps({"guarded": guarded, "kinds": kinds, "heavy": heavy}))
 """
 
 
+@pytest.mark.slow
 def test_a_guard_mode_pool_under_the_probes_imports_no_triton(tmp_path, pool_name):
     # GIVEN a script that makes a guard-mode pool and breaks one block's canary, run as
     # `kvscope run` starts it (the bootstrap, the probes on)

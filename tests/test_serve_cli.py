@@ -141,6 +141,7 @@ def test_keep_pool_leaves_it_for_kvscope_top(capsys: pytest.CaptureFixture[str])
     assert not os.path.lexists(segment_path(name))
 
 
+@pytest.mark.slow
 def test_workers_reuse_each_others_prefixes() -> None:
     # GIVEN two workers; the first request goes to worker 0, the second, later, to worker 1
     model = tiny_model(0)

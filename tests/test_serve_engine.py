@@ -88,6 +88,7 @@ def assert_pool_clean(pool: KVPool) -> None:
     assert pool.stats()["num_allocated"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
 def test_paged_greedy_equals_full_recomputation(
     model: LlamaModel, pools: list, guard: bool
@@ -108,6 +109,7 @@ def test_paged_greedy_equals_full_recomputation(
     assert_pool_clean(pool)
 
 
+@pytest.mark.slow
 def test_a_step_publishes_its_streams_in_one_call(
     model: LlamaModel, pools: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -142,6 +144,7 @@ def test_a_step_publishes_its_streams_in_one_call(
     assert_pool_clean(pool)
 
 
+@pytest.mark.slow
 def test_preemption_under_a_full_pool_keeps_outputs_exact(model: LlamaModel, pools: list) -> None:
     # GIVEN a pool far too small for the batch it admits
     pool = make_pool(model, 24)
@@ -172,6 +175,7 @@ def test_n_samples_share_the_prompt_through_fork_and_copy_on_write(
     assert_pool_clean(pool)
 
 
+@pytest.mark.slow
 def test_forked_samples_survive_preemption(model: LlamaModel, pools: list) -> None:
     # GIVEN 3 samples per request in a pool too small for all of them: set-aside sequences
     # then hold blocks that are shared with running siblings
@@ -205,6 +209,7 @@ def test_a_long_run_recycles_cached_prefix_blocks(model: LlamaModel, pools: list
     assert_pool_clean(pool)
 
 
+@pytest.mark.slow
 def test_cancelled_requests_are_aborted_without_leaks(model: LlamaModel, pools: list) -> None:
     # GIVEN requests of 2 samples, half of which the client cancels midway, in a tight pool
     pool = make_pool(model, 40)
@@ -322,6 +327,7 @@ def assert_greedy_up_to_ties(
                 tokens.append(token)
 
 
+@pytest.mark.slow
 def test_half_precision_greedy_equals_recomputation_up_to_ties(pools: list) -> None:
     # GIVEN the tiny model and the pool in float16 (what the Triton kernels take on a GPU)
     model = tiny_model(0).half()

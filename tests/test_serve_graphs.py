@@ -76,6 +76,7 @@ def test_token_buckets_cover_every_step_size() -> None:
     assert token_buckets(16) == [16] and token_buckets(40) == [16, 32, 40]
 
 
+@pytest.mark.slow
 def test_static_buffer_steps_equal_eager_steps(pools: list) -> None:
     # GIVEN the tiny model and two pools, one engine with step graphs (on the CPU: their
     # static buffers, run eagerly) for up to 4 sequences of at most 40 tokens and steps of up
@@ -98,6 +99,7 @@ def test_static_buffer_steps_equal_eager_steps(pools: list) -> None:
         assert through_graphs[request.request_id] == [expected]
 
 
+@pytest.mark.slow
 def test_guarded_graph_steps_bring_their_greedy_tokens_back_with_the_error_buffer(
     pools: list,
 ) -> None:
@@ -163,6 +165,7 @@ def test_a_batch_wider_than_the_graphs_runs_eagerly(pools: list) -> None:
     assert through_graphs == serve(model, eager_pool, None, long)
 
 
+@pytest.mark.slow
 def test_guarded_static_buffer_steps_equal_eager_steps(pools: list) -> None:
     # GIVEN a guard-mode pool holding two sequences and step graphs over it
     torch.set_num_threads(1)

@@ -96,6 +96,7 @@ def test_a_saved_checkpoint_loads_back_to_the_same_model(tmp_path: Path, tied: b
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+@pytest.mark.slow
 def test_a_large_checkpoint_loads_through_meta_parameters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,6 +18,7 @@ from server.workload import Request  # noqa: E402
 from tests.ranks_check import leak_on_rank_one  # noqa: E402
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_their_shares_from_their_own_pools() -> None:
     # GIVEN four requests, two of them behind one prefix, and two ranks on the CPU
     prefix = list(range(40, 80))

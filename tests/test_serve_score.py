@@ -135,6 +135,7 @@ def test_transformers_serves_the_same_outputs_as_the_engine(quick: LlamaModel, s
         assert got["requests"] == 4 and got["peak_kv_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_the_memory_accounting_and_the_report_table(quick: LlamaModel) -> None:
     # GIVEN a pool too small for 6 clients of the uniform mix at once (~12 blocks each)
     num_blocks = 40
@@ -193,6 +194,7 @@ def test_a_block_several_streams_map_is_held_once(quick: LlamaModel) -> None:
     assert off["kv"]["peak_bytes"] == 12 * block_bytes and off["kv"]["saved"] == 0
 
 
+@pytest.mark.slow
 def test_the_reports_budget_holds_nine_requests_without_sharing(quick: LlamaModel) -> None:
     # GIVEN requests of 2 blocks (20 + 12 generated tokens but the last: 32) and 3 (40 scored)
     requests = [Request("g", [1] * 20, 13), Request("s", [1] * 39, 0, continuation=[2])]

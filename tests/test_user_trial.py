@@ -347,6 +347,7 @@ def test_a_decode_step_publishing_before_its_store_is_named(probes, make_pool, o
     assert f"('a' block {f['block']})" in cause and "store the step's K/V first" in cause
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("holds", [True, False])
 def test_a_worker_that_exits_without_closing_is_named_with_its_requests(make_pool, holds):
     from kvscope.allocator import KVPool
