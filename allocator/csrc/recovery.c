@@ -89,6 +89,12 @@ static int orphaned(Native *n, int64_t s) {
            !holds_pid(n, c, I4(r + SF_OWNER_PID));
 }
 
+/* What a reclaim step is for still holds, under every lock: the dead process is still in its
+ * record, or (reclaiming orphans) no process of the sequences' owner pid is in it. */
+static int still_reclaimable(Native *n, const DeadRec *d) {
+    return d->orphans ? !holds_pid(n, d->client, d->pid) : still_dead(n, d);
+}
+
 static DeadRec dead_rec(Native *n, int64_t c) {
     uint8_t *r = crec(n, c);
     DeadRec d = {c, I4(r + CF_PID), U8(r + CF_START), U8(r + CF_ATTACHED_NS)};
@@ -304,7 +310,7 @@ static int reclaim_step(Native *n, const DeadRec *d, StepFn fn, void *arg) {
     int met = 0;
     for (int i = 0; i < n->num_locks; i++) met |= dead[i].pid != 0;
     if (met) rc = recover_stopped(n, dead, NULL);
-    if (rc == OK && !(d->orphans ? !holds_pid(n, d->client, d->pid) : still_dead(n, d))) rc = GONE;
+    if (rc == OK && !still_reclaimable(n, d)) rc = GONE;
     if (rc == OK) {
         /* (a borrowed record's journal is its dead owner's until the first step) */
         n->jcount = U4(n->seg + n->c_jcount);
