@@ -352,7 +352,7 @@ def parse_log(data: bytes, name: str = "log", base: int = 0) -> list[OpRecord]:
     `offset` its chunk's in the file (`data` read from offset `base`: a bounded log's first
     chunk after its hole); OplogError (one line) where a chunk is cut short, fails its check or
     holds what no core writes."""
-    from kvscope.allocator.native import _native  # (the core's reader)
+    from kvscope.allocator import _native  # (the core's reader)
 
     try:
         expanded, chunks, at, lists, heads = _native.oplog_expand(data)

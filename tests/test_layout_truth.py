@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvscope.allocator import layout, native, records
+from kvscope.allocator import _native, layout, native, records
 from tests.scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_built_core_has_todays_layout():
     # GIVEN the core pip built / WHEN its exported constants are compared with the dtypes
-    built = native._native.LAYOUT
+    built = _native.LAYOUT
     # THEN every offset, size and constant the core compiled in is the layout's
     assert built == native.expected_layout()
     assert built["CHUNK"] == layout.CHUNK and built["EVICT_BATCH"] == layout.EVICT_BATCH

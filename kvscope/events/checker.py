@@ -137,7 +137,7 @@ def _block(info: _Stored, h: Any) -> tuple[Any, ...]:
     return hashes[i - 1] if i else parent, bs, toks, i * bs, seq, batch
 
 
-class _Publisher:
+class Publisher:
     """One publisher's sequence and accounting, and its caches since its last restart."""
 
     def __init__(self, endpoint: str, topic: bytes, rank: int | None):
@@ -223,7 +223,7 @@ class StreamChecker:
 
     def __init__(self, endpoints: list[str] | None = None):
         self._endpoints = endpoints or []
-        self.publishers: dict[tuple[int, bytes, int | None], _Publisher] = {}
+        self.publishers: dict[tuple[int, bytes, int | None], Publisher] = {}
         self.findings: list[Finding] = []
         self.finding_counts: dict[str, int] = {}
         self.num_records = 0
@@ -238,7 +238,7 @@ class StreamChecker:
         self,
         kind: FindingKind,
         message: str,
-        pub: _Publisher | None,
+        pub: Publisher | None,
         seq: int | None,
         batch: int,
         h: Any = None,
@@ -286,7 +286,7 @@ class StreamChecker:
         _, truncated = self.native.feed_records(self, *stream.mapping())
         stream.truncated = stream.truncated or truncated
 
-    def _apply_rest(self, pub: _Publisher, seq: int, batch: int, payload: bytes, done: int):
+    def _apply_rest(self, pub: Publisher, seq: int, batch: int, payload: bytes, done: int):
         """The events of a batch from index `done` on, which the compiled path left."""
         self._apply(pub, seq, batch, decode_payload(payload)[2][done:])
 
@@ -333,7 +333,7 @@ class StreamChecker:
         key = (endpoint, topic, rank)
         pub = self.publishers.get(key)
         if pub is None:
-            pub = self.publishers[key] = _Publisher(self._endpoint(endpoint), topic, rank)
+            pub = self.publishers[key] = Publisher(self._endpoint(endpoint), topic, rank)
         if source == REPLAYED:
             pub.counts["replayed"] += 1
         if not self._sequence(pub, seq, ts, batch):
@@ -352,7 +352,7 @@ class StreamChecker:
             events = decode_payload(payload)[2][done:]
         self._apply(pub, seq, batch, events)
 
-    def _sequence(self, pub: _Publisher, seq: int, ts: float, batch: int) -> bool:
+    def _sequence(self, pub: Publisher, seq: int, ts: float, batch: int) -> bool:
         """Account for `seq`; False for a batch that must not be applied (reordered)."""
         nxt = pub.next_seq
         if nxt is None:
@@ -408,7 +408,7 @@ class StreamChecker:
         pub.last_ts = ts
         return True
 
-    def _apply(self, pub: _Publisher, seq: int, batch: int, events: list[Any]) -> None:
+    def _apply(self, pub: Publisher, seq: int, batch: int, events: list[Any]) -> None:
         """A batch's events, in order, on the publisher's caches.
 
         The common case stays on a fast path: a BlockStored goes hash by hash while no check

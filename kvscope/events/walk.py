@@ -21,7 +21,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscope.events.checker import StreamChecker, _Publisher
+from kvscope.events.checker import Publisher, StreamChecker
 from kvscope.events.streamfile import StreamFile
 from kvscope.events.wire import CLEARED, REMOVED, STORED
 
@@ -128,7 +128,7 @@ class StreamWalk(StreamChecker):
                     self._now, p.live, hashes, [p.counts["stored"], p.counts["removed"], *hits]
                 )
 
-    def _sequence(self, pub: _Publisher, seq: int, ts: float, batch: int) -> bool:
+    def _sequence(self, pub: Publisher, seq: int, ts: float, batch: int) -> bool:
         t = int(ts * 1e9) if ts > 0 else self._now
         self._now = t
         if not self.first_ns or t < self.first_ns:
@@ -142,7 +142,7 @@ class StreamWalk(StreamChecker):
             self._close_all(key, t, batch, "publisher restarted")
         return ok
 
-    def _key(self, pub: _Publisher) -> PubKey:
+    def _key(self, pub: Publisher) -> PubKey:
         key = self._keys.get(id(pub))
         if key is None:
             for k, p in self.publishers.items():
@@ -152,7 +152,7 @@ class StreamWalk(StreamChecker):
         assert key is not None
         return key
 
-    def _apply(self, pub: _Publisher, seq: int, batch: int, events: list[Any]) -> None:
+    def _apply(self, pub: Publisher, seq: int, batch: int, events: list[Any]) -> None:
         key = self._key(pub)
         hits = self.hits.setdefault(key, [0, 0])
         t = self._now
