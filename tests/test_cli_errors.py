@@ -201,6 +201,22 @@ def test_top_bad_rate(capsys):
     assert "--hz must be positive" in one_line_error(capsys)
 
 
+def test_top_without_a_terminal_is_one_line_exit_2(capsys, tmp_path, make_pool):
+    # GIVEN a live pool, and stdin and stdout that are not terminals (pytest's capture)
+    pool = make_pool(8)
+    # WHEN top, top --events or run --live would draw THEN each refuses in one line, naming
+    # the text commands, and the script does not run
+    assert main(["top", pool.name]) == 2
+    line = one_line_error(capsys)
+    assert "top draws in a terminal" in line and "kvscope analyze" in line
+    assert main(["top", "--events", "tcp://127.0.0.1:1"]) == 2
+    assert "top --events draws in a terminal" in one_line_error(capsys)
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    assert main(["run", "--live", str(script)]) == 2
+    assert "run --live draws in a terminal" in one_line_error(capsys)
+
+
 def test_run_bad_rate(capsys, tmp_path):
     # --hz is top's rate under --live: a value top refuses is refused before the script starts
     script = tmp_path / "s.py"

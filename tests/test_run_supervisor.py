@@ -263,7 +263,7 @@ def test_live_shows_the_first_pool_in_the_tui(capfd, tmp_path, pool_name, monkey
     monkeypatch.setattr(
         run_verb,
         "load_run_top",
-        lambda: lambda target, hz, script=None, stop=None: shown.append((target, hz)) or 0,
+        lambda what="": lambda target, hz, script=None, stop=None: shown.append((target, hz)) or 0,
     )
     # WHEN a script runs with --live THEN the TUI opens on the pool the script created
     code = main(["run", "--live", "--hz", "4", script(tmp_path, "clean"), pool_name])

@@ -74,7 +74,7 @@ def test_run_live_hands_the_output_to_the_tui_then_prints_it_once(
         seen.append(script.tail())
         return 0
 
-    monkeypatch.setattr(run_verb, "load_run_top", lambda: fake_top)
+    monkeypatch.setattr(run_verb, "load_run_top", lambda what="": fake_top)
     script = tmp_path / "s.py"
     script.write_text(
         "import sys\n"

@@ -212,15 +212,20 @@ class EventsApp(App):
         self._findings_shown = len(walk.findings)
 
 
-def run_events_top(targets: list[str], hz: float = 2.0, topic: str = "") -> int:
-    """`kvscope top --events ENDPOINT...|FILE`: the live view; its exit code."""
+def is_file_feed(targets: list[str]) -> bool:
+    """Whether `top --events` targets are one recorded stream file (else endpoints); a
+    UsageError for a mix."""
     from kvscope.errors import UsageError
 
     if len(targets) == 1 and "://" not in targets[0]:
-        feed: Any = FileFeed(targets[0])
-    elif all("://" in t for t in targets):
-        feed = ZmqFeed(targets, topic)
-    else:
-        raise UsageError("top --events takes endpoints or one recorded stream file, not both")
+        return True
+    if all("://" in t for t in targets):
+        return False
+    raise UsageError("top --events takes endpoints or one recorded stream file, not both")
+
+
+def run_events_top(targets: list[str], hz: float = 2.0, topic: str = "") -> int:
+    """`kvscope top --events ENDPOINT...|FILE`: the live view; its exit code."""
+    feed: Any = FileFeed(targets[0]) if is_file_feed(targets) else ZmqFeed(targets, topic)
     EventsApp(feed, hz=hz).run()
     return 0

@@ -229,7 +229,7 @@ class RunCommand:
             raise UsageError(f"--hz must be positive, got {args.hz}")
         if not args.stop_grace >= 0:
             raise UsageError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
-        run_top = load_run_top() if args.live else None
+        run_top = load_run_top("run --live") if args.live else None
         dump_dir = check_dump_dir(args.dump_dir)
         run_dir = tempfile.mkdtemp(prefix="kvscope-run-")
         target = (["-m"] if args.module else []) + [args.script, *args.script_args]

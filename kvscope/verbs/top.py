@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvscope.errors import UsageError
 
 
-def load_run_top():
-    """kvscope.tui.run_top, or a UsageError when the TUI is not available."""
+def require_terminal(what: str) -> None:
+    """A UsageError unless stdin and stdout are terminals: a full-screen view written into a
+    pipe or a file is escape codes, and it would wait for a key that never comes."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError(
+            f"{what} draws in a terminal and stdin or stdout is not one; for text, "
+            "`kvscope analyze NAME|FILE` (a pool's state and findings) or `kvscope check NAME`"
+        )
+
+
+def load_run_top(what: str = "top"):
+    """kvscope.tui.run_top, or a UsageError when the TUI is not available or there is no
+    terminal to draw in (`what` names the command for the message)."""
+    require_terminal(what)
     try:
         from kvscope.tui import run_top  # type: ignore[attr-defined]
     except ImportError as e:
@@ -49,9 +62,11 @@ class TopCommand:
             if args.target is not None:
                 raise UsageError("top takes a pool (NAME|FILE) or --events, not both")
             try:
-                from kvscope.events.top import run_events_top
+                from kvscope.events.top import is_file_feed, run_events_top
             except ImportError as e:
                 raise UsageError(f"the TUI is not available in this install ({e})") from None
+            is_file_feed(args.events)
+            require_terminal("top --events")
             return run_events_top(args.events, hz=args.hz)
         if args.target is None:
             raise UsageError("top needs a pool (NAME|FILE) or --events ENDPOINT")
@@ -70,13 +85,13 @@ def step_top(target: str, at: int, hz: float) -> int:
 
     if at < 0:
         raise UsageError("--at takes an operation number >= 0")
-    run_top = load_run_top()
     path = target + ".ops" if target.endswith(".kvd") else target
     if not os.path.isfile(path):
         raise UsageError(
             f"{target}: no operation log to step through (a dump's is {target}.ops: "
             "kvscope run --record-ops)"
         )
+    run_top = load_run_top()
     try:
         stepper = Stepper(read_log(path))
         stepper.goto(at)
