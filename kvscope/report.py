@@ -117,6 +117,13 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
         con.print("[bold green]health: OK[/bold green] - no findings")
     elif report["healthy"]:
         con.print(f"[bold yellow]health: OK with {len(warnings)} warning(s)[/bold yellow]")
+        dead = sum(1 for f in warnings if f["kind"] == "leak_dead_owner")
+        if dead:
+            con.print(
+                f"  {dead} of them leak_dead_owner: blocks a dead process still held (on a live "
+                "pool, `kvscope check --repair` returns them); `kvscope run`'s default "
+                "--fail-on leak counts them as errors"
+            )
     else:
         con.print(
             f"[bold red]health: UNHEALTHY[/bold red] - {len(errors)} error(s), {len(warnings)} warning(s)"

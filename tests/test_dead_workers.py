@@ -133,3 +133,25 @@ def test_the_supervisor_says_a_dead_worker_once(make_pool, tmp_path, first):
     about = [line for line in said if f"pid {pid}" in line]
     assert len(about) == 1, said
     assert f"{DEAD}" in about[0]
+
+
+def test_analyze_of_a_dump_counts_the_dead_owners_leaks_under_its_warnings(
+    make_pool, tmp_path, capsys
+):
+    # GIVEN a dump of a pool a worker died in, holding a request's blocks
+    from kvscope.cli import main
+    from kvscope.dumpfile import write_dump
+
+    pool = make_pool(64)
+    killed_worker(pool.name, [("w-1", 9)])
+    path = write_dump(pool, tmp_path / "pool.kvd")
+    # WHEN it is analyzed
+    code = main(["analyze", str(path)])
+    out = capsys.readouterr().out
+    # THEN the dead owner's leak is a warning (exit 0), and the line under the headline says
+    # what it is and that kvscope run's default policy fails on it
+    held = sum(1 for line in out.splitlines() if line.startswith("  leak_dead_owner blocks"))
+    blocks = 3  # (9 tokens in blocks of 4)
+    assert code == 0 and held == 1 and f"health: OK with {blocks} warning(s)" in out, out
+    assert f"{blocks} of them leak_dead_owner: blocks a dead process still held" in out, out
+    assert "--fail-on leak counts them as errors" in out
