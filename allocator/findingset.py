@@ -126,9 +126,15 @@ def finding_key(f: Finding) -> tuple[str, int | None, int | None]:
     return (f.kind, f.block, f.owner_pid)
 
 
+def said_key(f: Finding) -> tuple:
+    """What makes two recorded findings one said twice: the same kind, block, owner, request
+    and words (two processes' checks that found the same overwritten poison, say)."""
+    return (*finding_key(f), f.request, f.message)
+
+
 def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
     """The one de-duplication rule. The ring's findings are kept, each (they carry the moment
-    it happened); a checked finding that repeats one of them (`finding_key`), or says what an
+    it happened) but one that says what an earlier one said (`said_key`); a checked finding that repeats one of them (`finding_key`), or says what an
     earlier checked one said, is dropped, and so is a `leak_dead_owner` or a checked `leak_finished`
     about a request whose process reported it as `leak_finished` at its exit or its close (one
     cause: the process ended, or let go of the pool, holding it). A
@@ -137,12 +143,18 @@ def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
     if any(f.kind == FindingKind.HEADER_CORRUPT for f in checked):
         return [f for f in checked if f.kind == FindingKind.HEADER_CORRUPT]
     seen = {finding_key(f) for f in recorded}
+    said_recorded: set[tuple] = set()
     finished = {
         (f.owner_pid, f.request)
         for f in recorded
         if f.kind == FindingKind.LEAK_FINISHED and f.request
     }
-    out = list(recorded)
+    out = []
+    for f in recorded:
+        key = said_key(f)
+        if key not in said_recorded:
+            said_recorded.add(key)
+            out.append(f)
     # Checked findings repeat each other only when they say the same thing: two locks one
     # stopped process holds are two findings about no block.
     said: set[tuple] = set()

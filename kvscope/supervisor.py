@@ -36,7 +36,7 @@ from kvscope.allocator.findings import (
     FindingKind,
     read_findings,
 )
-from kvscope.allocator.findingset import Origin, pool_findings
+from kvscope.allocator.findingset import Origin, pool_findings, said_key
 from kvscope.allocator.layout import BlockState, ClientState, Layout, SegmentView, SeqState
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import data_path, segment_path
@@ -108,6 +108,8 @@ class Watched:
     dead_seen: set[int] = field(default_factory=set)
     # Findings printed as they landed, per kind (LIVE_LINES_PER_KIND each, then one line).
     shown: dict[str, int] = field(default_factory=dict)
+    # What the ring's findings said (findingset.said_key): one said again is not new.
+    said: set[tuple] = field(default_factory=set)
     # The mapping's length (the layout's end), checked against the file several times a poll.
     size: int = 0
 
@@ -246,6 +248,10 @@ class Supervisor:
         new: list[Finding] = []
         for w in self.pools.values():
             for f in self._new_findings(w):
+                key = said_key(f)
+                if key in w.said:
+                    continue
+                w.said.add(key)
                 if f.kind == FindingKind.LEAK_DEAD_OWNER and f.owner_pid:
                     # A survivor's reclaim of a dead process (allocator/recovery.py): said
                     # once, whether this poll or an earlier one (`_deaths`) saw it first.

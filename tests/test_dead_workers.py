@@ -155,3 +155,18 @@ def test_analyze_of_a_dump_counts_the_dead_owners_leaks_under_its_warnings(
     assert code == 0 and held == 1 and f"health: OK with {blocks} warning(s)" in out, out
     assert f"{blocks} of them leak_dead_owner: blocks a dead process still held" in out, out
     assert "--fail-on leak counts them as errors" in out
+
+
+def test_a_finding_two_processes_recorded_in_the_same_words_is_one():
+    # GIVEN the ring holding one use-after-free twice (two processes' checks found the same
+    # overwritten poison of the same free) beside another of the same block said otherwise
+    from kvscope.allocator.findings import Finding
+    from kvscope.allocator.findingset import merge
+
+    def uaf(when: str) -> Finding:
+        msg = f"written after it was freed: pid 7 request 'w4' freed it at {when}"
+        return Finding("use_after_free", msg, block=24, owner_pid=7, request="w4")
+
+    ring = [uaf("12:00:00.288"), uaf("12:00:00.288"), uaf("12:00:01.500")]
+    # WHEN the readers' one rule merges them THEN the repeat is dropped, the other kept
+    assert [f.message[-12:] for f in merge(ring, [])] == ["12:00:00.288", "12:00:01.500"]
