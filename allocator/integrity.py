@@ -173,12 +173,21 @@ def modified_message(
 # -- poison ----------------------------------------------------------------------------------
 
 
+def freed_by(rec: np.void) -> int:
+    """The pid that freed a poisoned block (guard mode): its owner while it is quarantined in
+    the ring; once out of quarantine in a local cache (whose process is then its owner), or
+    flushed back from one, the record's `freed_at` keeps it (csrc/blocks.c freed_by)."""
+    if int(rec["poisoned"]) == 1 and int(rec["state"]) != BlockState.QUARANTINED:
+        return int(np.uint32(int(rec["freed_at"]) & 0xFFFFFFFF).view(np.int32))
+    return int(rec["owner_pid"])
+
+
 def poison_message(rec: np.void, count: int) -> str:
-    """The write-after-free message: who freed the block (its record keeps the last owner)
-    and when (its last access is the release)."""
+    """The write-after-free message: who freed the block (`freed_by`) and when (its last
+    access is the release)."""
     when = datetime.fromtimestamp(int(rec["access_ns"]) / 1e9).strftime("%Y-%m-%d %H:%M:%S.%f")
     return POISON_MESSAGE.format(
-        pid=int(rec["owner_pid"]),
+        pid=freed_by(rec),
         request=bytes(rec["request"]).decode(errors="replace"),
         when=when[:-3],
         slots=count,
@@ -254,11 +263,12 @@ def broken_canaries(kv: KV, ids: np.ndarray | None = None) -> list[int]:
 
 def _finding(view: SegmentView, kind: str, b: int, message: str, **extra) -> Finding:
     rec = view.blocks[b]
+    pid = freed_by(rec) if kind == FindingKind.USE_AFTER_FREE else int(rec["owner_pid"])
     return Finding(
         kind,
         message,
         block=int(b),
-        owner_pid=int(rec["owner_pid"]) or None,
+        owner_pid=pid or None,
         request=bytes(rec["request"]).decode(errors="replace") or None,
         extra=extra,
     )

@@ -110,7 +110,9 @@ def block_fields(block_size: int) -> list[Field]:
         ("site", "<i4"),
         ("num_tokens", "<u4"),
         ("parent_hash", "<u8"),
-        # Guard mode: the free ring's allocation count when this block was quarantined.
+        # Guard mode: the free ring's allocation count when this block was quarantined; once a
+        # refill takes it, still poisoned, into a local cache (whose process becomes its
+        # owner), the pid that freed it (integrity.freed_by).
         ("freed_at", "<u8"),
         ("tokens", "<i4", (block_size,)),
     ]

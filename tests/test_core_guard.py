@@ -7,6 +7,7 @@ the kernels', and its queue keeps its contract."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 
@@ -722,5 +723,55 @@ def test_a_probe_set_again_takes_over_the_cores_waiting_checks(pool_name, monkey
         assert integrity.has_digest(pool.view.blocks, np.asarray(seq.block_table[:2])).all()
         pool.free(seq)
         assert pool.verify() == [] and pool.check() == []
+    finally:
+        _close(pool)
+
+
+@pytest.mark.parametrize("how", ["take", "check"])
+def test_a_write_after_free_names_the_process_that_freed_it_after_a_refill(
+    pool_name, monkeypatch, how
+):
+    """A block another process freed (quarantined, poisoned) and wrote into after, then taken
+    by this process's refill into its own local cache (its record's owner then this process):
+    the finding names the process that freed it, whether this process's take or the whole-pool
+    check (the block still in the local cache) finds it."""
+    from tests.forking import fork_child, wait_child
+
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = _pool(pool_name)
+    try:
+        # GIVEN a worker that allocates, writes, frees, and writes into a freed block after
+        def worker() -> int:
+            mine = KVPool.attach(pool_name)
+            seq = _written(mine, "w", list(range(8)))
+            freed = list(seq.block_table)
+            mine.free(seq)
+            mine.kv[0, 1, freed[0], 2] = 9.0
+            mine.close()
+            return 0
+
+        child = fork_child(worker, alarm_s=60)
+        assert wait_child(child) == 0
+        b = pool.view.blocks
+        poisoned = [int(x) for x in np.flatnonzero(b["poisoned"] == 1)]
+        assert poisoned and all(int(b["owner_pid"][x]) == child for x in poisoned)
+        # WHEN this process takes blocks until its refills reach them (its local cache holds 3)
+        # or, with the block refilled but not taken yet, the whole pool is checked
+        n = 0
+        while how == "take" and not [f for f in pool.findings() if f.kind == "use_after_free"]:
+            pool.allocate(f"b{n}", [100 + n] * 3)
+            n += 1
+            assert n < 48
+        if how == "check":
+            while int(b["state"][poisoned[0]]) != BlockState.LOCAL:
+                pool.allocate(f"b{n}", [100 + n] * 3)
+                n += 1
+                assert n < 48
+            assert int(b["owner_pid"][poisoned[0]]) == os.getpid()
+        found = pool.findings() if how == "take" else pool.check()
+        # THEN the write after free names the worker that freed the block, not this process
+        uaf = [f for f in found if f.kind == "use_after_free"]
+        assert uaf and {f.owner_pid for f in uaf} == {child}, [f.line() for f in uaf]
+        assert all(f"pid {child} request 'w' freed it" in f.message for f in uaf)
     finally:
         _close(pool)

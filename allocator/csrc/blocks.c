@@ -37,6 +37,16 @@ static int ring_append(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
+/* The pid that freed block record r, still poisoned (guard mode): its owner while it is
+ * quarantined in the ring; once a refill took it out into a local cache, whose process is then
+ * its owner, `freed_at` (no longer the ring's count) keeps the pid that freed it, through a
+ * flush back to the ring too. integrity.freed_by reads the same. */
+static inline int32_t freed_by(const uint8_t *r) {
+    if (r[BF_POISONED] == 1 && r[BF_STATE] != B_QUARANTINED)
+        return (int32_t)(uint32_t)U8(r + BF_FREED_AT);
+    return I4(r + BF_OWNER_PID);
+}
+
 /* A block freed in guard mode fewer than `quarantine` allocations ago. */
 static inline int young(Native *n, int32_t b, uint64_t allocs) {
     uint8_t *r = blk(n, b);
@@ -175,6 +185,9 @@ static int refill(Native *n, int64_t later) {
         if (jsave_block(n, ids[i])) return UNHANDLED;
     for (int64_t i = 0; i < got; i++) {
         uint8_t *r = blk(n, ids[i]);
+        /* (a poisoned block out of quarantine keeps who freed it: freed_by) */
+        if (r[BF_POISONED] == 1 && r[BF_STATE] == B_QUARANTINED)
+            U8(r + BF_FREED_AT) = (uint64_t)(uint32_t)I4(r + BF_OWNER_PID);
         I4(r + BF_OWNER_PID) = n->pid;
         I4(r + BF_OWNER_CLIENT) = n->client;
         U8(r + BF_OWNER_START) = n->start;

@@ -42,7 +42,7 @@ static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObj
     p->seen_later = rec == NULL;
     if (rec != NULL) {
         /* (seen_of, of the record as it was) */
-        p->seen.owner_pid = I4(rec + BF_OWNER_PID);
+        p->seen.owner_pid = fk == FK_USE_AFTER_FREE ? freed_by(rec) : I4(rec + BF_OWNER_PID);
         p->seen.site = I4(rec + BF_SITE);
         p->seen.refcount = I4(rec + BF_REFCOUNT);
         memcpy(p->seen.request, rec + BF_REQUEST, REQUEST_BYTES);

@@ -282,7 +282,7 @@ static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
 }
 
 /* integrity.poison_message: a write after free into a block whose record `r` (as the check saw
- * it) still names who freed it and when (its last access, local time to the millisecond as
+ * it) still names who freed it (freed_by) and when (its last access, local time to the millisecond as
  * datetime prints a float timestamp), and `count` elements of its poison overwritten
  * (integrity.POISON_MESSAGE, formatted). */
 static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
@@ -300,7 +300,7 @@ static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
     snprintf(when + w, sizeof when - w, ".%03ld", us / 1000);
     PyObject *request = request_text((const char *)r + BF_REQUEST);
     PyObject *fmt = PyObject_GetAttrString(n->msg_poison, "format"), *args = PyTuple_New(0);
-    PyObject *kw = request ? Py_BuildValue("{s:i,s:O,s:s,s:L}", "pid", I4(r + BF_OWNER_PID),
+    PyObject *kw = request ? Py_BuildValue("{s:i,s:O,s:s,s:L}", "pid", freed_by(r),
                                            "request", request, "when", when, "slots",
                                            (long long)count)
                            : NULL;
@@ -348,6 +348,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
         if (count == 0) continue;
         Seen s;
         seen_of(n, mine[i], &s);
+        s.owner_pid = freed_by(blk(n, mine[i]));
         if (finding_later(n, FK_USE_AFTER_FREE, &s, poison_message(n, blk(n, mine[i]), count)))
             return ERROR;
     }
