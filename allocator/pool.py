@@ -550,8 +550,8 @@ class KVPool:
         return seq
 
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
-        """Append tokens (as `allocate` takes them); returns the copy-on-write (src, dst) block
-        copies to perform first."""
+        """Append tokens (as `allocate` takes them); returns a list of the copy-on-write (src,
+        dst) block pairs to copy first (empty when there is none)."""
         done = self._core.append(self, seq, tokens)
         if self._found:
             self.deliver_findings()

@@ -219,16 +219,23 @@ def test_kvscope_run_with_a_bounded_log_replays_the_late_double_free(tmp_path):
 
 
 def test_bad_limits_are_one_line_errors(tmp_path, capsys, monkeypatch):
-    for argv in (
-        ["run", "--record-ops-limit", "1M", "x.py"],
-        ["run", "--record-ops", "l.ops", "--record-ops-limit", "lots", "x.py"],
-        ["run", "--record-ops", "l.ops", "--record-ops-limit", "1K", "x.py"],
-        ["run", "--record-ops", "l.ops", "--redact", "--record-ops-limit", "1M", "x.py"],
+    # (a script that exists, and must not run: each refusal comes before it starts)
+    (tmp_path / "x.py").write_text("raise SystemExit('the script must not run')\n")
+    monkeypatch.chdir(tmp_path)
+    for argv, words in (
+        (["run", "--record-ops-limit", "1M", "x.py"], "give one"),
+        (["run", "--record-ops", "l.ops", "--record-ops-limit", "lots", "x.py"], "not a size"),
+        (["run", "--record-ops", "l.ops", "--record-ops-limit", "1K", "x.py"], "at least"),
+        (
+            ["run", "--record-ops", "l.ops", "--redact", "--record-ops-limit", "1M", "x.py"],
+            "redact",
+        ),
+        (["run", "--redact", "x.py"], "--redact hashes what --record-ops FILE records"),
     ):
-        monkeypatch.chdir(tmp_path)
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("kvscope: error: ") and err.count("\n") == 1, err
+        assert words in err, err
 
 
 def test_a_redacted_recording_writes_no_snapshot_and_a_bounded_one_is_refused(tmp_path, pool_name):

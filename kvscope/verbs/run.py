@@ -87,6 +87,11 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
             env["KVSCOPE_RECORD_OPS_LIMIT"] = str(record_limit(limit, args))
     elif getattr(args, "record_ops_limit", None):
         raise UsageError("--record-ops-limit bounds the log of --record-ops FILE: give one")
+    elif getattr(args, "redact", False):
+        raise UsageError(
+            "--redact hashes what --record-ops FILE records: give one (the dumps a run writes "
+            "keep token ids; `kvscope dump NAME --redact` writes a redacted one)"
+        )
     faults = parse_faults(args.inject)
     if faults:
         env["KVSCOPE_INJECT"] = ",".join(faults)
