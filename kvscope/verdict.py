@@ -166,7 +166,13 @@ def settle_pools(sup: Supervisor, dumped: list[Watched], *, keep: bool) -> None:
         holders.setdefault(w.key, []).append(pid)
     for w in dumped:
         if w.unlinked_to:
-            continue  # the script unlinked it: its files go with the run (Supervisor.cleanup)
+            # the script unlinked it: its files go with the run (Supervisor.cleanup)
+            if keep:
+                echo(
+                    f"kvscope: pool {w.name!r} was unlinked by the script: --keep-pool cannot "
+                    "keep it (its dump holds what it held)"
+                )
+            continue
         if keep:
             echo(
                 f"kvscope: kept pool {w.name!r} (--keep-pool); `kvscope check {w.name} --repair"

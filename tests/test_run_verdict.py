@@ -116,6 +116,15 @@ def test_a_leak_fails_the_run_by_default_and_fail_on_error_lets_it_pass(
     assert "(warning under --fail-on error)" in err
     assert f"kept pool {pool_name!r} (--keep-pool)" in err
     assert os.path.exists(segment_path(pool_name))
+    # WHEN the script unlinks its pool before it exits, with --keep-pool
+    unlinks = write(tmp_path, "unlinks.py", LEAK + "pool.unlink()\n")
+    other = pool_name + "-u"
+    code = main(["run", "--keep-pool", "--dump-dir", str(dumps), unlinks, other])
+    err = capfd.readouterr().err
+    # THEN the verdict says the pool could not be kept, and it is gone with the run
+    assert code == EXIT_FAIL_ON, err
+    assert f"pool {other!r} was unlinked by the script: --keep-pool cannot keep it" in err, err
+    assert not os.path.exists(segment_path(other))
 
 
 @pytest.mark.slow
