@@ -42,6 +42,33 @@ FAULTS = (
 )
 DEFAULT_AT = 3
 
+# The finding kinds each fault is found as (docs/PROBES.md's table of faults), and where a
+# probe meets it later than the fault strikes, or only under a condition, what finds it:
+# `kvscope run` says so when a fault fired and no finding of its kinds came.
+FOUND_AS: dict[str, tuple[tuple[str, ...], str]] = {
+    "double-free": (("double_free",), ""),
+    "leak": (("leak_finished",), "at the process's exit, or when it closes the pool"),
+    "oob-write": (
+        ("guard_violation",),
+        "guard mode (without it the write lands in the next block)",
+    ),
+    "header-scribble": (("header_corrupt",), ""),
+    "block-scribble": (("block_header_corrupt",), ""),
+    "use-after-free": (("use_after_free",), ""),
+    "refcount-skew": (("refcount_mismatch",), ""),
+    "kill-holding-lock": (("lock_dead_holder", "leak_dead_owner"), "a survivor's reclaim"),
+    "lock-inversion": (("lock_order_cycle",), "lockdep"),
+    "stale-padding-row": (("block_table_mismatch",), "guard mode's audit of the step's table"),
+    "gil-wait": (("wait_holds_gil",), "lockdep"),
+    "transfer-after-free": (("transfer_after_free",), "the transfer's completion"),
+    "lease-leak": (("lease_leak",), "the holder's close(), or expire_leases past its deadline"),
+    "foreign-slot": (
+        ("foreign_slot",),
+        "a later prefix hit on the block, or a sweep of a sequence holding it "
+        "(pool.check_provenance)",
+    ),
+}
+
 # fault -> opportunities left before it fires; empty when nothing is armed (the common case).
 ARMED: dict[str, int] = {}
 # Faults this process injected, in order.

@@ -16,7 +16,7 @@ The hooks record in the run directory:
 - `exit.<pid>`: what the leak check at that process's exit found, as JSON;
 - `faults`: one line per injected fault (`fired<TAB>name<TAB>pid`) the moment it acts, and one
   per fault still armed when a process exits (`unfired<TAB>name<TAB>pid`): a run whose fault
-  never fired in any process proved nothing (`unfired_faults`).
+  never fired in any process proved nothing (`run_faults`).
 """
 
 from __future__ import annotations
@@ -204,8 +204,9 @@ def _record_unfired() -> None:
         _append("faults", f"unfired\t{name}\t{os.getpid()}")
 
 
-def unfired_faults(where: str) -> list[str]:
-    """Faults armed in some process of the run (in a run directory) that fired in none."""
+def run_faults(where: str) -> tuple[list[str], list[str]]:
+    """The faults of a run (its run directory): those some process injected, and those armed
+    in some process that fired in none."""
     fired: set[str] = set()
     armed: set[str] = set()
     try:
@@ -215,8 +216,8 @@ def unfired_faults(where: str) -> list[str]:
                 name = rest.partition("\t")[0]
                 (fired if what == "fired" else armed).add(name)
     except FileNotFoundError:
-        return []
-    return sorted(armed - fired)
+        return [], []
+    return sorted(fired), sorted(armed - fired)
 
 
 def _at_exit() -> None:

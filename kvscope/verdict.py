@@ -143,12 +143,12 @@ def finish(
                 shown = replace(f, severity=ERROR if fails(f, fail_on) else WARNING)
                 echo(f"kvscope: pool {w.name!r}: {shown.line()}")
         echo(f"kvscope run: {what}; {_clean_verdict(sup, sup.live_findings + late)}")
-    unfired = _report_unfired(sup)
+    unproved = _report_unproved(sup, found)
     if outcome.failed:
         return outcome.returncode if outcome.returncode > 0 else 128 + (outcome.signal or 0), dumped
     if dump_failed:
         return EXIT_USAGE, dumped
-    if unfired:
+    if unproved:
         return EXIT_FINDINGS, dumped
     if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
         echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
@@ -214,18 +214,29 @@ def _as_run_sees_it(report: dict[str, Any], fail_on: str) -> None:
     report["healthy"] = not any(d["severity"] == ERROR for d in report["findings"])
 
 
-def _report_unfired(sup: Supervisor) -> bool:
-    """Faults armed for the run that no process injected (kvscope/child.py records them): say
-    so; True when there is one (the run proved nothing about them)."""
-    from kvscope.child import unfired_faults
+def _report_unproved(sup: Supervisor, found: list[Finding]) -> bool:
+    """Faults armed for the run that no process injected (kvscope/child.py records them), and
+    faults injected that no finding of their kinds answered (faults.FOUND_AS): say so; True
+    when there is one (the run proved nothing about them)."""
+    from kvscope.allocator.faults import FOUND_AS
+    from kvscope.child import run_faults
 
-    unfired = unfired_faults(sup.run_dir)
+    fired, unfired = run_faults(sup.run_dir)
     for name in unfired:
         echo(
             f"kvscope: fault {name!r} was armed but never fired: no operation of the script "
             "gave it an opportunity it could act on"
         )
-    return bool(unfired)
+    kinds = {f.kind for f in found}
+    unfound = [n for n in fired if n in FOUND_AS and not kinds & set(FOUND_AS[n][0])]
+    for name in unfound:
+        wanted, where = FOUND_AS[name]
+        found_by = f" (it is found by {where})" if where else ""
+        echo(
+            f"kvscope: fault {name!r} fired but no {' or '.join(wanted)} finding came"
+            f"{found_by}: this run did not show that it is caught"
+        )
+    return bool(unfired or unfound)
 
 
 def _link_log(dump: str, log: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.allocator.faults import FOUND_AS
 from kvscope.analysis import analyze_view
 from kvscope.cli import main
 from kvscope.dumpfile import alive_for, read_dump
@@ -79,6 +80,34 @@ def test_a_fault_that_never_fired_fails_the_run(capfd, tmp_path, pool_name):
 
 def test_every_fault_has_an_expected_finding():
     assert set(EXPECTED) == set(FAULTS)
+    # and the run's own table of what finds each fault (the verdict's) says the same
+    assert set(FOUND_AS) == set(FAULTS)
+    assert all(EXPECTED[f] in FOUND_AS[f][0] for f in FAULTS)
+
+
+@pytest.mark.slow
+def test_a_fault_that_fired_unseen_fails_the_run_and_says_what_finds_it(capfd, tmp_path, pool_name):
+    # GIVEN a script whose requests grow by a block each, oob-write armed, guard mode off
+    script = tmp_path / "grow.py"
+    script.write_text(
+        TWO_REQUESTS.replace(
+            '    pool.free(pool.allocate(f"req-{i}", list(range(i, i + 9))))',
+            '    seq = pool.allocate(f"req-{i}", list(range(i, i + 9)))\n'
+            "    pool.append(seq, [1, 2, 3, 4])\n"
+            "    pool.free(seq)",
+        ).replace("range(2)", "range(6)")
+    )
+    # WHEN it runs under kvscope with the fault: the write lands in the next block unseen
+    code = main(
+        ["run", "--no-guard", "--inject", "oob-write", "--dump-dir", str(tmp_path), str(script),
+         pool_name]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    # THEN the run says the fault fired, that no finding of its kind came and what finds it,
+    # and exits 1: it proved nothing about the probe
+    assert "injecting fault 'oob-write'" in err, err
+    assert "fault 'oob-write' fired but no guard_violation finding came (it is found by " in err
+    assert "guard mode" in err and code == 1, err
 
 
 def test_faults_reach_the_child_environment(tmp_path):
