@@ -192,7 +192,9 @@ def checked_findings(view: SegmentView, origin: Origin) -> PoolFindings:
     else:
         kv = origin.kv(view)
         if kv is not None and kv.bits is not None:
-            checked += check_kv(view, kv.bits, again=kv.again)
+            for f in check_kv(view, kv.bits, again=kv.again):
+                f.extra["kv_data"] = True  # (read from the K/V, which a dump may not carry)
+                checked.append(f)
         checked += origin.files(view)
     for f in checked:
         f.extra["source"] = "check"

@@ -301,11 +301,39 @@ def held_since_intact(
     return event, since
 
 
+def _hits_before_found(view: SegmentView, blk: int, until: int) -> tuple[list[str], int] | None:
+    """The requests whose prefix hits mapped block `blk` before the first `finding` event on
+    it (any process's) in the generation of the newest one at or before `until`, oldest
+    first, and that first finding's time; None when the ring holds no finding event."""
+    from kvscope.allocator.events import EventOp
+
+    ev = _recorded(view, [blk])
+    seen = ev[(ev["op"] == EventOp.FINDING) & (ev["time_ns"] <= until)]
+    if not len(seen):
+        return None
+    generation = int(seen["generation"][-1])
+    first = int(seen["time_ns"][seen["generation"] == generation].min())
+    hits = ev[
+        (ev["op"] == EventOp.PREFIX_HIT)
+        & (ev["generation"] == generation)
+        & (ev["time_ns"] < first)
+    ]
+    out: list[str] = []
+    for raw in hits["request"]:
+        r = _s(raw)
+        if r and r not in out:
+            out.append(r)
+    return out, first
+
+
 def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int) -> None:
     """A block published before its K/V was written (its digest at publication is a blank
-    block's): every prefix hit that verified it before the finding found it still blank, so
-    those requests read K/V nobody had written (`read_unwritten`), the first of them is the
-    first bad event, and the writer is its publisher, after publishing."""
+    block's): every prefix hit that verified it before the first finding on it (in the
+    generation this finding saw) found it still blank, so those requests read K/V nobody had
+    written (`read_unwritten`), the first of them is the first bad event, and the writer is its
+    publisher, after publishing. A hit at or after the first finding is not one of them: the
+    K/V had changed by then (that hit is what found it, or came after what did; a second
+    process's handle reports the same change again at its own later hit)."""
     publishes = [
         e["time_ns"]
         for e in d["events"]
@@ -317,14 +345,16 @@ def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int)
         lost = preempted_before(view, d.get("request"), blk, publishes[-1])
         if lost:
             d["preempted_blocks"] = lost
-    readers = mapped_since_published(view, blk, until, ops=("PREFIX_HIT",))
-    if not readers:
+    # (the ring records what a hit found before the hit itself: that hit is not before it)
+    found = _hits_before_found(view, blk, until)
+    if found is None or not found[0]:
         return
+    readers, first = found
     d["read_unwritten"] = readers
     hits = [
         e
         for e in d["events"]
-        if e["op"] == "prefix_hit" and e["request"] in readers and e["time_ns"] <= until
+        if e["op"] == "prefix_hit" and e["request"] in readers and e["time_ns"] < first
     ]
     if hits:
         d["first_bad_event"] = hits[0]

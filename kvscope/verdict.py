@@ -118,6 +118,13 @@ def finish(
             if path:
                 dumped.append(w)
                 echo(f"kvscope: wrote {path} (kvscope analyze {path})")
+                from_data = sum(1 for f in fs if f.extra.get("kv_data"))
+                if from_data:
+                    echo(
+                        f"kvscope: {from_data} of the findings above were read from the pool's "
+                        "K/V data, which the dump does not carry: `kvscope analyze` of it lists "
+                        "the others (those the ring holds say the same)"
+                    )
                 if record_ops:
                     _link_log(path, record_ops)
             else:

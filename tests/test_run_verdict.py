@@ -235,3 +235,35 @@ def test_a_clean_run_counts_each_warning_it_printed_once(capfd, tmp_path, pool_n
     assert code == 0, err
     assert err.count("warning: lock_held_too_long") == 1, err
     assert "no error, no leak, 1 warning(s) above; nothing to dump" in err, err
+
+
+# argv: pool name. A write after free the process's own checks never see: it leaves at once.
+UNSEEN_WRITE = """
+import os, sys
+from kvscope.allocator import KVPool, PoolConfig
+pool = KVPool.create(sys.argv[1], PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1, dtype="float32"))
+seq = pool.allocate("a", list(range(9)))
+blocks = list(seq.block_table)
+pool.free(seq)
+pool.kv[0, 0, blocks[1], 1] = 5.0
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_the_verdict_says_which_findings_the_dump_without_data_cannot_show(
+    capfd, tmp_path, pool_name
+):
+    # GIVEN a script that writes into a freed block and leaves before any check of its own
+    script = write(tmp_path, "unseen.py", UNSEEN_WRITE)
+    # WHEN it runs under kvscope, which checks the live pool's K/V at the end
+    main(["run", "--dump-dir", str(tmp_path), script, pool_name])
+    err = capfd.readouterr().err
+    # THEN the write after free is in the verdict, and a line says the dump (no K/V data) cannot
+    # show it, so that analyze of the dump lists one finding fewer
+    assert "use_after_free block" in err, err
+    assert "1 of the findings above were read from the pool's K/V data" in err, err
+    (dump,) = glob.glob(str(tmp_path / "*.kvd"))
+    assert main(["analyze", dump, "--json"]) in (0, 1)
+    out = capfd.readouterr().out
+    assert '"use_after_free"' not in out
