@@ -572,7 +572,8 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
     kinds = {f["kind"] for f in findings}
     unwritten = FindingKind.KV_NEVER_WRITTEN in kinds or any(map(_blank_at_publish, findings))
     causes = []
-    if spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten:
+    slots_wrong = spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten
+    if slots_wrong:
         causes.append(
             f"guard slots overwritten and mapped slots left unwritten: does the engine compute a "
             f"slot as block * block_size + offset? A block has {spb} slots for its {bs} tokens "
@@ -595,7 +596,10 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f" [start, end) through pool.slot_mapping(seq, start, end), end at most"
             f" len(seq.tokens)"
         )
-    copied_blank = _copies_of_unwritten(findings, bs)
+    alone = [] if slots_wrong else _never_written_alone(findings)
+    if alone:
+        causes.append(_never_written_sentence(alone))
+    copied_blank = _copies_of_unwritten(findings, bs, {f.get("site") for f in alone})
     skipped, stale = _unwritten_copies(
         [f for f in findings if not any(f is c for c in copied_blank)], bs
     )
@@ -659,7 +663,7 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f" them read K/V nobody wrote; store the prefill through pool.slot_mapping(seq,"
             f" start, end) and publish only what was stored"
         )
-    raced = aborted_then_written(findings)
+    raced = aborted_then_written(findings, explained=slots_wrong)
     if raced:
         named = some([f"{r!r} block {b}" for r, b in raced], 4)
         causes.append(
@@ -860,13 +864,20 @@ def _unwritten_copies(
     return skipped, stale
 
 
-def _copies_of_unwritten(findings: list[dict[str, Any]], block_size: int) -> list[dict[str, Any]]:
+def _copies_of_unwritten(
+    findings: list[dict[str, Any]], block_size: int, alone_sites: set[Any] | None = None
+) -> list[dict[str, Any]]:
     """kv_never_written findings on a copy-on-write copy unwritten from the block's first
     position on (the positions a copy brings: what reads as a skipped copy) whose source block
     has its own kv_never_written finding at overlapping positions, in the generation the copy
     was made from (the source's `cow` event for that copy and its `finding` event agree): the
     copy copied K/V nobody had stored, so the copy is not what was skipped. (Only the appended
-    token's position unwritten is the copy's own write gone elsewhere, whatever its source.)"""
+    token's position unwritten is the copy's own write gone elsewhere, whatever its source.)
+
+    Later positions unwritten in both count too when the source was allocated at one of
+    `alone_sites`, where blocks that no copy touched were left unwritten as well
+    (`_never_written_alone`): positions that go unwritten without any copy were unwritten in
+    the source before the append copied it, not the appended token's written elsewhere."""
     by_block: dict[int, list[dict[str, Any]]] = {}
     for f in findings:
         if f["kind"] == FindingKind.KV_NEVER_WRITTEN and f.get("block") is not None:
@@ -878,8 +889,6 @@ def _copies_of_unwritten(findings: list[dict[str, Any]], block_size: int) -> lis
         if f["kind"] != FindingKind.KV_NEVER_WRITTEN or m is None or src is None:
             continue
         lo, hi = int(m.group(1)), int(m.group(2))
-        if lo % block_size != 0:
-            continue
         for g in by_block.get(int(src), []):
             n = _UNWRITTEN.search(g["message"])
             # (a source that is itself a copy: its own copy's causes come first)
@@ -888,6 +897,7 @@ def _copies_of_unwritten(findings: list[dict[str, Any]], block_size: int) -> lis
                 or n is None
                 or int(n.group(2)) < lo
                 or int(n.group(1)) > hi
+                or (lo % block_size != 0 and g.get("site") not in (alone_sites or ()))
             ):
                 continue
             ev = g.get("events") or []
@@ -901,6 +911,81 @@ def _copies_of_unwritten(findings: list[dict[str, Any]], block_size: int) -> lis
                 out.append(f)
                 break
     return out
+
+
+def _generation_events(f: dict[str, Any]) -> list[dict[str, Any]]:
+    """A finding's block events in the generation its `finding` event (the newest at or before
+    the finding's time) names; all of them when the recorder holds no such event."""
+    events = f.get("events") or []
+    until = f.get("time_ns") or None
+    seen = [e for e in events if e["op"] == "finding" and (until is None or e["time_ns"] <= until)]
+    if not seen:
+        return list(events)
+    generation = seen[-1].get("generation")
+    return [e for e in events if e.get("generation") == generation]
+
+
+def _never_written_alone(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kv_never_written findings that nothing but a write never made explains, when there are
+    such findings of two requests or more and no finding says that K/V landed anywhere
+    (`_WRITE_TRACES`, a guard slot overwritten): each on a block its flight recorder shows no
+    copy-on-write or preemption of (in the generation the finding saw; the recorder must hold
+    its events), not a copy (`copied_from`), not a copy's source, not resumed into
+    (`preempted_blocks`) and not read by prefix hits (`read_unwritten`: their own cause). Its
+    positions were reserved by an allocation or an append and their K/V never stored: a write
+    range that stops short. Empty otherwise."""
+    kinds = {f["kind"] for f in findings}
+    if kinds & {*_WRITE_TRACES, FindingKind.GUARD_VIOLATION}:
+        return []
+    sources = {f.get("copied_from") for f in findings if f.get("copied_from") is not None}
+    out = []
+    for f in findings:
+        if (
+            f["kind"] != FindingKind.KV_NEVER_WRITTEN
+            or f.get("block") is None
+            or f.get("request") is None
+            or not f.get("events")
+            or _UNWRITTEN.search(f.get("message", "")) is None
+            or f.get("copied_from") is not None
+            or f["block"] in sources
+            or f.get("preempted_blocks")
+            or f.get("read_unwritten")
+        ):
+            continue
+        if any(e["op"] in ("cow", "preempt") for e in _generation_events(f)):
+            continue
+        out.append(f)
+    return out if len({f["request"] for f in out}) > 1 else []
+
+
+def _never_written_sentence(alone: list[dict[str, Any]]) -> str:
+    """The sentence for `_never_written_alone`'s findings."""
+    by: dict[Any, list[str]] = {}
+    for f in alone:
+        m = _UNWRITTEN.search(f["message"])
+        assert m is not None
+        lo, hi = m.group(1), m.group(2)
+        where = f"position {lo}" if lo == hi else f"positions {lo}-{hi}"
+        by.setdefault(f["request"], []).append(f"block {f['block']} {where}")
+    named = ", ".join(f"{r!r} {', '.join(b)}" for r, b in list(by.items())[:3]) + (
+        f" and {len(by) - 3} more request(s)" if len(by) > 3 else ""
+    )
+    sites = list(dict.fromkeys(str(f["site"]) for f in alone if f.get("site")))
+    if len(sites) == 1 and all(f.get("site") for f in alone):
+        at = f", all in blocks allocated at {sites[0]}"
+    elif sites:
+        at = f", in blocks allocated at {some(sites, 3)}"
+    else:
+        at = ""
+    return (
+        f"positions never written in blocks that no copy-on-write, preemption or prefix hit"
+        f" touched ({named}){at}; no finding shows K/V landing in a block it does not belong"
+        f" to: the engine reserved these positions and never stored their K/V, as a write"
+        f" whose range stops short of them does (a prefill must store [seq.num_cached_tokens,"
+        f" len(seq.tokens)), every position the allocation reserved; a decode step the"
+        f" position it appended): compare each write's range with the positions the"
+        f" allocation or append added"
+    )
 
 
 def _copies(found: list[dict[str, Any]]) -> str:
@@ -939,25 +1024,46 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     return out
 
 
-def aborted_then_written(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
+def aborted_then_written(
+    findings: list[dict[str, Any]], explained: bool = False
+) -> list[tuple[str, int]]:
     """(request, block) of each write after free (`use_after_free`) whose block's last
     release before the finding, in its flight recorder, is that same request's `abort`: K/V
     stored for a request after it was aborted, as a step does whose slots were worked out
     before an abort from another thread. A release by `free` or a preemption is not it (a
-    table kept after the end, or across a preemption: another cause)."""
+    table kept after the end, or across a preemption: another cause).
+
+    Only the store probe names a write's writer ("request 'r' stored K/V into block ..."): a
+    write it names is the aborted request's own. A write found later, as poison overwritten
+    in quarantine, names only the request that released the block, and any wrong slot lands
+    in some block just released: such a write is counted only when nothing else explains it,
+    that is, unless `explained` (another cause, as slots worked out with the wrong formula,
+    says where stray writes come from) or some other write after free in the findings is not
+    an aborted request's own (a block that no abort released, or a writer other than the
+    request aborted): then writes land in freed blocks whatever ended their request."""
     out: list[tuple[str, int]] = []
+    unnamed: list[tuple[str, int]] = []
+    stray = False
     for f in findings:
         req, blk = f.get("request"), f.get("block")
         if f["kind"] != FindingKind.USE_AFTER_FREE or req is None or blk is None:
             continue
+        named = f.get("message", "").startswith("request ")  # (the store probe's: the writer)
         until = f.get("time_ns") or None
         ends = [
             e
             for e in f.get("events") or ()
             if e["op"] in ("free", "abort", "preempt") and (until is None or e["time_ns"] <= until)
         ]
-        if ends and ends[-1]["op"] == "abort" and ends[-1]["request"] == req:
+        aborted = bool(ends) and ends[-1]["op"] == "abort" and ends[-1]["request"] == req
+        if named and aborted and f["message"].startswith(f"request {req!r} stored K/V into"):
             out.append((req, blk))
+        elif aborted and not named:
+            unnamed.append((req, blk))
+        else:
+            stray = True
+    if not (explained or stray):
+        out.extend(unnamed)
     return out
 
 
