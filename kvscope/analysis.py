@@ -727,7 +727,9 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
         and f.get("mapped_since_published") == []  # (the recorder saw no other request map it)
         and f.get("block") is not None
     ]
-    if late and not (early or resumed or lost):  # (those say where such writes came from)
+    # (those say where such writes came from; so does a slot formula that lands each token in
+    # another block's slot)
+    if late and not (early or resumed or lost or slots_wrong):
         causes.append(
             f"published blocks whose K/V changed while no other request mapped them"
             f" ({_blocks_of(late)}): their publisher stored K/V into them after"

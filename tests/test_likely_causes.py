@@ -138,3 +138,19 @@ def test_a_store_after_its_request_was_aborted_names_the_abort(probes, make_pool
         assert len(raced) == 1 and "'r1' block" in raced[0]
     else:
         assert raced == []
+
+
+def test_published_blocks_changed_beside_the_slot_formula_are_not_their_publishers_writes():
+    # GIVEN guard slots overwritten, slots left unwritten (the slot formula's signature), and
+    # published blocks whose K/V changed while no other request mapped them
+    changed = _f("published_block_modified", "K/V changed since request 'a' published it")
+    changed.update(block=3, request="a", mapped_since_published=[])
+    found = [_f("guard_violation"), _f("kv_never_written"), changed]
+    # WHEN the causes are named
+    causes = likely_causes(GUARD, found)
+    # THEN the slot formula is, and the publisher is not blamed for the changes (a token landed
+    # in another block's slot explains them); without the formula's signature, it is
+    assert "block * block_size + offset" in causes[0]
+    assert not any("their publisher stored K/V" in c for c in causes), causes
+    alone = likely_causes(GUARD, [changed])
+    assert any("their publisher stored K/V" in c for c in alone), alone
