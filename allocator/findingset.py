@@ -127,15 +127,16 @@ def finding_key(f: Finding) -> tuple[str, int | None, int | None]:
 
 
 def said_key(f: Finding) -> tuple:
-    """What makes two recorded findings one said twice: the same kind, block, owner, request
-    and words (two processes' checks that found the same overwritten poison, say)."""
+    """What makes two findings one said twice: the same kind, block, owner, request and words
+    (two processes' checks that found the same overwritten poison; `kvscope run`'s live line
+    and its last read of the same finding)."""
     return (*finding_key(f), f.request, f.message)
 
 
 def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
-    """The one de-duplication rule. The ring's findings are kept, each (they carry the moment
-    it happened) but one that says what an earlier one said (`said_key`); a checked finding that repeats one of them (`finding_key`), or says what an
-    earlier checked one said, is dropped, and so is a `leak_dead_owner` or a checked `leak_finished`
+    """The one de-duplication rule. The ring's findings are kept (they carry the moment each
+    happened), but one that says what an earlier one said (`said_key`); a checked finding that
+    repeats one of them (`finding_key`), or says what an earlier checked one said, is dropped, and so is a `leak_dead_owner` or a checked `leak_finished`
     about a request whose process reported it as `leak_finished` at its exit or its close (one
     cause: the process ended, or let go of the pool, holding it). A
     corrupt header leaves only the header's findings: nothing else in the segment, its ring

@@ -20,6 +20,7 @@ from typing import Any
 from kvscope.allocator.dumpfile import dump_name, write_dump
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, WARNING, Finding
+from kvscope.allocator.findingset import said_key
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
 from kvscope.analysis import analyze_view
@@ -139,13 +140,14 @@ def finish(
                 echo(f"kvscope run: pool {w.name!r}: {cap['answer']}")
         # The final read holds the ring's findings again (the live lines printed them) beside
         # what only the whole-pool check saw: print those too, and count each finding once.
-        said = {_said(f) for f in sup.live_findings}
+        said = {said_key(f) for f in sup.live_findings}
         late = []
         for w, _, fs in finals:
             for f in fs:
-                if _said(f) in said:
+                key = said_key(f)
+                if key in said:
                     continue
-                said.add(_said(f))
+                said.add(key)
                 late.append(f)
                 shown = replace(f, severity=ERROR if fails(f, fail_on) else WARNING)
                 echo(f"kvscope: pool {w.name!r}: {shown.line()}")
@@ -193,11 +195,6 @@ def settle_pools(sup: Supervisor, dumped: list[Watched], *, keep: bool) -> None:
                 f"kvscope: removed pool {w.name!r} from /dev/shm (its dump holds it;"
                 " --keep-pool keeps it)"
             )
-
-
-def _said(f: Finding) -> tuple[Any, ...]:
-    """What one printed finding line says: the same finding read live and again at the end."""
-    return (f.kind, f.block, f.owner_pid, f.request, f.message)
 
 
 def _clean_verdict(sup: Supervisor, found: list) -> str:

@@ -282,9 +282,9 @@ static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
 }
 
 /* integrity.poison_message: a write after free into a block whose record `r` (as the check saw
- * it) still names who freed it (freed_by) and when (its last access, local time to the millisecond as
- * datetime prints a float timestamp), and `count` elements of its poison overwritten
- * (integrity.POISON_MESSAGE, formatted). */
+ * it) still names who freed it (freed_by) and when (its last access, local time to the
+ * millisecond as datetime prints a float timestamp), and `count` elements of its poison
+ * overwritten (integrity.POISON_MESSAGE, formatted). */
 static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
     double ip, frac = modf((double)U8(r + BF_ACCESS_NS) / 1e9, &ip);
     long us = lrint(frac * 1e6);
