@@ -504,6 +504,47 @@ def test_the_cores_never_written_check_names_each_block_and_position(
         _close(pool)
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "deferred"])
+def test_a_block_taken_out_of_the_cache_holds_the_poison(pool_name, monkeypatch, deferred):
+    # GIVEN guard mode, a finished request's three published blocks cached, and every free
+    # block held, so that the next blocks handed out are evicted
+    pool = _probed(pool_name, monkeypatch, deferred)
+    try:
+        old = _written(pool, "old", list(range(12)))
+        pool.mark_computed(old, 12)
+        cached = list(old.block_table)
+        pool.free(old)
+        free = pool.stats()["num_free"] + pool.stats()["num_local"]
+        filler = _written(pool, "filler", [1000 + i for i in range(free * BS)])
+        assert pool.stats()["num_free"] + pool.stats()["num_local"] == 0
+        # WHEN a request takes two blocks out of the cache, pool.evict sends the third to the
+        # free list, and the request's engine writes all but one of the positions the finish
+        # check reads (a store that went elsewhere)
+        new = pool.allocate("new", [500, 501, 502, 503, 504])
+        assert set(new.block_table) < set(cached)
+        assert pool.evict(1) == 1
+        assert pool.stats()["num_cached"] == 0 and pool.stats()["num_free"] == 1
+        pool.verify()
+        # THEN the evicted blocks hold the poison, not the old request's K/V
+        for blk in cached:
+            assert torch.isnan(pool.kv[:, :, blk, :BS]).all()
+        assert pool.check() == []  # (the one on the free list poisoned, as a freed block is)
+        _write(pool, new, 0, skip=1)
+        unwritten = new.block_table[0]
+        pool.free(new)
+        pool.free(filler)
+        # and the position never written is a kv_never_written finding about its block; the
+        # block on the free list is handed out again with no finding
+        again = pool.allocate("again", [900 + i for i in range(4 * BS)])
+        pool.free(again)
+        pool.verify()
+        got = [(f.kind, f.block, f.request) for f in pool.findings()]
+        assert got == [("kv_never_written", unwritten, "new")]
+        assert pool.check() == []
+    finally:
+        _close(pool)
+
+
 # -- the digest, computed by the core ---------------------------------------------------------
 
 

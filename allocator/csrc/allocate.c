@@ -46,7 +46,6 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     int may_hit = p->max_hits > 0 && index_lookup(n, p->keys[0]) >= 0;
     if (may_hit) locks |= shard_lock(n, p->keys[0]);
     locks |= take_locks(n, p->nblocks < cap ? p->nblocks : cap);
-    n->n_poison = 0;
     if (txn_begin(n, locks)) return UNHANDLED;
     findings_hold(n);
     uint64_t now = wall_ns();
@@ -133,7 +132,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
         seal(n, table[j]);
     }
     U8(seqrec(n, slot) + SF_NUM_TOKENS) = (uint64_t)ntok_first;
-    if (preempt_poison(n)) goto abort;
+    if (commit_poison(n)) goto abort;
     /* slot provenance on a CUDA pool: the hit's hashed slots checked on the GPU (provenance.c;
      * with the digest probe, in the digest check's launch above: dev_hit_check) */
     if (n->prov_every && hits && prov_on_device(n) && !(n->probes & P_DIGEST) &&

@@ -130,7 +130,6 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         uint64_t locks = take_locks(n, (need > 0 ? need : 0) + cow) | n->want_locks;
         /* an indexed block is changed under its shard's lock */
         if (cow && blk(n, last)[BF_INDEXED] == 1) locks |= block_shard_lock(n, last);
-        n->n_poison = 0;
         if (txn_begin(n, locks)) return UNHANDLED;
         char request[REQUEST_BYTES];
         memcpy(request, s + SF_REQUEST, REQUEST_BYTES);
@@ -174,7 +173,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
         }
         fill(n, ids, off, toks, k);
         U8(s + SF_NUM_TOKENS) = (uint64_t)n_new;
-        if (preempt_poison(n)) goto abort;
+        if (commit_poison(n)) goto abort;
         txn_commit(n);
         int64_t seq_id = (int64_t)U8(s + SF_SEQ_ID);
         count(n, C_ALLOCS, (uint64_t)((need > 0 ? need : 0) + cow));

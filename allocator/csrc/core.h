@@ -241,10 +241,13 @@ typedef struct {
      * held it: after the rollback the core waits for it, holds it, and runs the operation again
      * (eviction.c rolled_back). */
     int need_mutex;
-    /* Guarded blocks a preemption inside the open transaction freed (quarantined), poisoned
-     * just before its commit (preempt.c preempt_poison). */
+    /* Guard mode's poison the open transaction lays at its commit (kvdata.c commit_poison;
+     * emptied by txn_begin): the blocks a preemption inside it freed (quarantined), and the
+     * blocks it evicted, whoever holds them at the commit. */
     int32_t *poison_ids;
     int64_t n_poison, cap_poison;
+    int32_t *evicted_ids;
+    int64_t n_evicted, cap_evicted;
     int fork_gen;
     uint64_t *coefs;   /* prefix.COEFS[:bs] */
     /* the open transaction */
@@ -945,6 +948,25 @@ static int canaries_intact(Native *n, const int32_t *ids, int64_t k);
  * (under its locks: once they are released the blocks are anyone's). OK, UNHANDLED, ERROR. */
 static int poison_blocks(Native *n, const int32_t *ids, int64_t k);
 
+/* Guard mode's poison laid at the commit of the open transaction (txn_begin empties its
+ * lists): `poison_later` the blocks a guarded preemption freed, poisoned at the commit but
+ * those the same transaction hands out again; `evicted_poison_later` the blocks an eviction
+ * took out of the cache, poisoned at the commit whoever holds them then (the new holder's
+ * slots hold no earlier request's K/V, as a freed block's do not). OK, or ERROR with an
+ * exception set. */
+static int poison_later(Native *n, const int32_t *ids, int64_t k);
+static int evicted_poison_later(Native *n, const int32_t *ids, int64_t k);
+
+/* Just before the commit of a transaction: the poison its preemptions and evictions left to
+ * lay (poison_later, evicted_poison_later). OK, UNHANDLED (a CUDA pool's queue not to be had
+ * now: dev_check), ERROR. */
+static int commit_poison(Native *n);
+
+/* Whether guard mode poisons what this handle frees (in full or sampled) in this cache. */
+static inline int guard_poisons(Native *n) {
+    return (n->probes & (P_GUARD | P_GUARD_SAMPLED)) && n->poison_ok;
+}
+
 /* Guarded freed blocks go to the ring's tail QUARANTINED (never the local cache), marked
  * poisoned where the cache can be (records journaled by the push); the free lock is held. OK;
  * UNHANDLED when the journal has no room. */
@@ -988,11 +1010,6 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
 
 /* -- preempt.c: preemption --------------------------------------------------------------------- */
 
-/* Just before the commit of a transaction that may have preempted (its n_poison set to 0 before
- * it began): the blocks its guarded preemptions freed, poisoned, but those the same
- * transaction took again. OK, UNHANDLED (a CUDA pool's queue not to be had now:
- * dev_check), ERROR. */
-static int preempt_poison(Native *n);
 
 /* After the commit: the sequences preempted[from..to) of this transaction, in order: their
  * events (PREEMPT, then FREE, of their tables), counters, and Sequences (no blocks, state

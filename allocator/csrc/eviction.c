@@ -329,12 +329,23 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
     /* digest: what is evicted is as published (its record still says so) */
     int rc = digests_intact(n, cand, done, "its eviction");
     if (rc != OK) return rc;
+    /* guard mode: what is evicted holds the poison from the commit on (evicted_poison_later),
+     * as a freed block does, so that a slot its next holder never writes (a copy-on-write copy
+     * not made, a store that went elsewhere) is not another request's K/V but the poison its
+     * finish check finds (kv_never_written); those for the ring are marked poisoned, as a
+     * freed block is, their evicting process kept as the one that freed them (freed_by) */
+    int guard = guard_poisons(n);
+    if (guard && evicted_poison_later(n, cand, done)) return ERROR;
     for (int64_t i = 0; i < done; i++) {
         uint8_t *r = blk(n, cand[i]);
         r[BF_INDEXED] = 0;
         I4(r + BF_REFCOUNT) = 0;
         r[BF_STATE] = B_LOCAL; /* in flight to the caller: stamped or pushed to the ring */
         I4(r + BF_OWNER_CLIENT) = n->client;
+        if (guard && i >= mine) {
+            r[BF_POISONED] = 1;
+            U8(r + BF_FREED_AT) = (uint64_t)(uint32_t)n->pid;
+        }
     }
     crash_point(n, CP_AFTER_EVICT);
     if (mine) memcpy(out, cand, 4 * (size_t)mine);
@@ -374,6 +385,7 @@ static int evict_to_ring(Native *n, int64_t num, int64_t *done) {
         n->jfull = n->escalate = n->need_mutex = 0;
         int64_t got;
         int rc = evict_into(n, want_n, 0, 0, NULL, &got, 0);
+        if (rc == OK) rc = commit_poison(n);
         if (rc != OK) {
             txn_abort(n);
             int mutex = n->need_mutex;

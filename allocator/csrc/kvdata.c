@@ -269,6 +269,50 @@ static int poison_blocks(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
+/* ids appended to one of the open transaction's lists (grown as needed). OK, or ERROR with an
+ * exception set. */
+static int ids_append(int32_t **list, int64_t *len, int64_t *cap, const int32_t *ids, int64_t k) {
+    if (*len + k > *cap) {
+        int64_t c = *cap ? *cap : CHUNK;
+        while (c < *len + k) c *= 2;
+        int32_t *p = PyMem_Realloc(*list, sizeof(int32_t) * (size_t)c);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return ERROR;
+        }
+        *list = p;
+        *cap = c;
+    }
+    memcpy(*list + *len, ids, sizeof(int32_t) * (size_t)k);
+    *len += k;
+    return OK;
+}
+
+static int poison_later(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0 || !n->poison_ok) return OK;
+    return ids_append(&n->poison_ids, &n->n_poison, &n->cap_poison, ids, k);
+}
+
+static int evicted_poison_later(Native *n, const int32_t *ids, int64_t k) {
+    if (k == 0 || !guard_poisons(n)) return OK;
+    return ids_append(&n->evicted_ids, &n->n_evicted, &n->cap_evicted, ids, k);
+}
+
+static int commit_poison(Native *n) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n->n_poison; i++)
+        if (blk(n, n->poison_ids[i])[BF_STATE] != B_ALLOCATED) n->poison_ids[k++] = n->poison_ids[i];
+    n->n_poison = k;
+    /* (one list, so that a CUDA pool's fill is queued whole or not at all) */
+    if (n->n_evicted &&
+        ids_append(&n->poison_ids, &n->n_poison, &n->cap_poison, n->evicted_ids, n->n_evicted))
+        return ERROR;
+    n->n_evicted = 0;
+    int rc = poison_blocks(n, n->poison_ids, n->n_poison);
+    if (rc == OK) n->n_poison = 0;
+    return rc;
+}
+
 static int ring_push_quarantined(Native *n, const int32_t *ids, int64_t k) {
     if (k == 0) return OK;
     if (ring_push_state(n, ids, k, B_QUARANTINED)) return UNHANDLED;
@@ -312,16 +356,18 @@ static PyObject *poison_message(Native *n, const uint8_t *r, int64_t count) {
     return msg;
 }
 
-/* Block b was quarantined by a guarded preemption of the open transaction: its poison lands at
- * the commit (preempt.c preempt_poison), so it holds none yet. */
+/* Block b was quarantined by a guarded preemption of the open transaction, or evicted by it:
+ * its poison lands at the commit (commit_poison), so it holds none yet. */
 static int quarantined_now(Native *n, int32_t b) {
     for (int64_t i = 0; i < n->n_poison; i++)
         if (n->poison_ids[i] == b) return 1;
+    for (int64_t i = 0; i < n->n_evicted; i++)
+        if (n->evicted_ids[i] == b) return 1;
     return 0;
 }
 
 static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
-    if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return OK;
+    if (!guard_poisons(n)) return OK;
     int32_t mine[CHUNK];
     int64_t nm = 0;
     for (int64_t i = 0; i < k; i++)
@@ -356,7 +402,7 @@ static int poison_intact(Native *n, const int32_t *ids, int64_t k) {
 }
 
 static void unpoison(Native *n, const int32_t *ids, int64_t k) {
-    if (!(n->probes & (P_GUARD | P_GUARD_SAMPLED)) || !n->poison_ok) return;
+    if (!guard_poisons(n)) return;
     for (int64_t i = 0; i < k; i++) {
         uint8_t *r = blk(n, ids[i]);
         if (r[BF_POISONED] == 1) {

@@ -356,6 +356,7 @@ static int txn_begin(Native *n, uint64_t mask) {
     n->jcount = n->jused = 0;
     n->own_n = 0;
     n->n_kvs = 0;
+    n->n_poison = n->n_evicted = 0; /* (commit_poison's lists: this transaction's) */
     for (int k = 0; k < n->num_locks; k++) {
         int i = invert ? n->num_locks - 1 - k : k;
         if (!(mask & lock_bit(i)) || holds(n, i)) continue;

@@ -253,6 +253,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->seqs);
     Py_XDECREF(n->faults_armed);
     PyMem_Free(n->poison_ids);
+    PyMem_Free(n->evicted_ids);
     lru_drop_pending(n);
     PyMem_Free(n->scan_buf);
     PyMem_Free(n->coefs);

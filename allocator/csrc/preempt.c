@@ -35,36 +35,6 @@ static int64_t oldest_waiting(Native *n, int64_t exclude, PyObject **seq) {
 
 /* -- preemption ------------------------------------------------------------------------------- */
 
-/* Blocks a guarded preemption freed, to be poisoned just before the open transaction commits.
- * OK, or ERROR with an exception set. */
-static int poison_later(Native *n, const int32_t *ids, int64_t k) {
-    if (k == 0 || !n->poison_ok) return OK;
-    if (n->n_poison + k > n->cap_poison) {
-        int64_t cap = n->cap_poison ? n->cap_poison : CHUNK;
-        while (cap < n->n_poison + k) cap *= 2;
-        int32_t *p = PyMem_Realloc(n->poison_ids, sizeof(int32_t) * (size_t)cap);
-        if (p == NULL) {
-            PyErr_NoMemory();
-            return ERROR;
-        }
-        n->poison_ids = p;
-        n->cap_poison = cap;
-    }
-    memcpy(n->poison_ids + n->n_poison, ids, sizeof(int32_t) * (size_t)k);
-    n->n_poison += k;
-    return OK;
-}
-
-static int preempt_poison(Native *n) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < n->n_poison; i++)
-        if (blk(n, n->poison_ids[i])[BF_STATE] != B_ALLOCATED) n->poison_ids[k++] = n->poison_ids[i];
-    n->n_poison = k;
-    int rc = poison_blocks(n, n->poison_ids, n->n_poison);
-    if (rc == OK) n->n_poison = 0;
-    return rc;
-}
-
 /* preempt_one's release of the victim's table (ids, zero: room for its k blocks each), as a
  * release (guard: guard mode guards it: its freed blocks checked, quarantined and poisoned
  * before the commit). The locks it needs: its indexed blocks' shards and the free lock (one
@@ -246,13 +216,12 @@ static int preempt_ahead(Native *n) {
         shards = 0;
         for (Py_ssize_t i = 0; i < k; i++)
             if (blk(n, ids[i])[BF_INDEXED] == 1) shards |= block_shard_lock(n, ids[i]);
-        n->n_poison = 0;
         if (txn_begin(n, shards | lock_bit(n->lock_free) | n->want_locks)) {
             rc = UNHANDLED;
             goto out;
         }
         rc = preempt_table(n, seq, slot, ids, k, shards, ids + len, guard);
-        if (rc == OK) rc = preempt_poison(n);
+        if (rc == OK) rc = commit_poison(n);
         if (rc == OK) break;
         txn_abort(n);
         rc = rolled_back(n);
