@@ -25,6 +25,7 @@ import numpy as np
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.geometry import geometry_problem
 from kvscope.allocator.layout import (
+    DUMP_FAILED,
     DUMP_HEADER_DTYPE,
     DUMP_MAGIC,
     DUMP_REDACTED,
@@ -87,6 +88,7 @@ def write_dump(
     pid: int | None = None,
     header_prefix: bytes | None = None,
     trust_owner: bool = False,
+    failed: bool = False,
 ) -> str:
     """Write a consistent dump of a pool (by name, SegmentView or KVPool) to path, mode 0600;
     path "-" writes it to standard output.
@@ -96,6 +98,8 @@ def write_dump(
         header_prefix: the segment header's first bytes as last seen intact (default: the
             segment's own header when it is intact).
         trust_owner: dump a pool that another user owns (by name).
+        failed: the program the dump is about failed (an exception, a signal, a non-zero exit
+            status: `reason` says which); its live requests ended with it.
     """
     if with_data and redact:
         raise PoolError(
@@ -137,6 +141,7 @@ def write_dump(
         (DUMP_WITH_DATA if with_data else 0)
         | (DUMP_REDACTED if redact else 0)
         | (DUMP_TORN if torn else 0)
+        | (DUMP_FAILED if failed else 0)
     )
     dh["segment_size"], dh["data_size"] = len(seg), len(data)
     dh["created_ns"] = now_ns()

@@ -66,6 +66,17 @@ def read_dump(path: str | os.PathLike[str]) -> tuple[SegmentView, np.void]:
             raise PoolError(f"cannot read {path}: {e.strerror}") from None
 
 
+def read_dump_header(path: str | os.PathLike[str]) -> np.void:
+    """The header of a dump file this kvscope wrote (what `kvscope run` says of the dump it
+    just wrote is what `analyze` will read); PoolError with one line if it has none."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        head = f.read(DUMP_HEADER_DTYPE.itemsize)
+    if len(head) < DUMP_HEADER_DTYPE.itemsize or int.from_bytes(head[:8], "little") != DUMP_MAGIC:
+        raise PoolError(f"{path} does not start with a dump header")
+    return np.frombuffer(head, DUMP_HEADER_DTYPE, 1)[0]
+
+
 def _read(f: BufferedReader, path: str) -> tuple[SegmentView, np.void]:
     size = os.fstat(f.fileno()).st_size
     head = f.read(DUMP_HEADER_DTYPE.itemsize)

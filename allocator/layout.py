@@ -306,4 +306,4 @@ DUMP_HEADER_DTYPE = np.dtype(
         ("segment_header_prefix", "u1", (256,)),
     ]
 )
-DUMP_WITH_DATA, DUMP_REDACTED, DUMP_TORN = 1, 2, 4
+DUMP_WITH_DATA, DUMP_REDACTED, DUMP_TORN, DUMP_FAILED = 1, 2, 4, 8

@@ -539,7 +539,7 @@ def analyze_view(
         "summary": summary(view, alive) if header_ok else {},
         "findings": out_findings,
     }
-    causes = likely_causes(info["geometry"], out_findings)
+    causes = likely_causes(info["geometry"], out_findings, info.get("dump"))
     if causes:
         report["likely_causes"] = causes
     if kv is not None:
@@ -559,8 +559,12 @@ def analyze_view(
     return report
 
 
-def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> list[str]:
-    """Causes that a set of findings points at together, one sentence each (docs/CLI.md).
+def likely_causes(
+    geometry: dict[str, Any], findings: list[dict[str, Any]], dump: dict[str, Any] | None = None
+) -> list[str]:
+    """Causes that a set of findings points at together, one sentence each (docs/CLI.md);
+    `dump` the report's `pool.dump` where the findings are a dump's (its program failed, or
+    not: the requests it still held when it failed ended with it).
 
     Guard mode gives each block one more slot than it has tokens (`slots_per_block`), so an
     engine that computes a slot as `block * block_size + offset`, right on a plain pool,
@@ -689,10 +693,30 @@ def likely_causes(geometry: dict[str, Any], findings: list[dict[str, Any]]) -> l
             f" came again (requests kept by id?); give each request an id of its own, or end"
             f" the old request before its id is given again"
         )
+    failed_pid = dump["pid"] if dump and dump.get("failed") else None
+    cut_short = [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.LEAK_FINISHED
+        and failed_pid is not None
+        and f.get("owner_pid") == failed_pid
+        and not f.get("id_reused_while_live")  # (its own, above)
+    ]
+    if cut_short:
+        how = str(dump.get("reason") or "").split("; ")[0] if dump else ""
+        named = some(list(dict.fromkeys(repr(f.get("request")) for f in cut_short)), 4)
+        causes.append(
+            f"requests the program still held when it failed ({named}; {how or 'see the dump'}):"
+            f" they ended with it, not on a path of their own; fix the failure first, and"
+            f" release the sequences on the error path too (pool.abort in the handler, or a"
+            f" try/finally around the serving loop)"
+        )
     idle = [
         f
         for f in findings
-        if f.get("served_after") and not f.get("id_reused_while_live")  # (its own, above)
+        if f.get("served_after")
+        and not f.get("id_reused_while_live")  # (its own, above)
+        and id(f) not in {id(c) for c in cut_short}  # (no event shows an append in a block)
     ]
     if idle:
         named = some(
@@ -1003,7 +1027,10 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     preemption before the finding (its block's flight recorder shows that request's
     `preempt`): a write after free of a block a preemption freed, or a store into a block
     the writing request no longer maps. Only the kinds that say K/V landed in a block the
-    request did not hold: a kv_never_written or a digest change alone has other causes."""
+    request did not hold: a kv_never_written or a digest change alone has other causes. A
+    block the request took again after its last preemption (its resume handed the same block
+    back: an `allocate` or `prefix_hit` of that request after the `preempt`) is its own again:
+    a write into it is not through a table from before the preemption."""
     out: list[tuple[str, int]] = []
     for f in findings:
         req, blk = f.get("request"), f.get("block")
@@ -1016,12 +1043,15 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
         if not into_other:
             continue
         until = f.get("time_ns") or None
-        if any(
-            e["op"] == "preempt"
-            and e["request"] == req
-            and (until is None or e["time_ns"] <= until)
+        ops = [
+            e["op"]
             for e in f.get("events") or ()
-        ):
+            if e["request"] == req and (until is None or e["time_ns"] <= until)
+        ]
+        if "preempt" not in ops:
+            continue
+        last = len(ops) - 1 - ops[::-1].index("preempt")
+        if not any(op in ("allocate", "prefix_hit") for op in ops[last + 1 :]):
             out.append((req, blk))
     return out
 

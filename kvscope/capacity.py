@@ -225,8 +225,8 @@ def _capacity_answer(view: SegmentView, history: History | None) -> dict[str, An
         lead = f"{exhaustion}; {kind} demand, " if exhaustion else f"{kind}: "
         out["answer"] = (
             f"{lead}{preempted} preemption(s); peak demand {peak} blocks is"
-            f" {peak / max(mean, 1e-9):.1f}x the mean {mean:.0f} ({100 * mean / n:.0f}% of the"
-            f" pool); a pool of {size} blocks (+{size - n}) would have served this run without"
+            f" {peak / max(mean, 1e-9):.1f}x the mean demand of {mean:.0f} (the mean is"
+            f" {100 * mean / n:.0f}% of the pool's {n}); a pool of {size} blocks (+{size - n}) would have served this run without"
             " preemption" + (" or PoolExhausted" if exhausted else "")
         )
     return out

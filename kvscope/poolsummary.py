@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvscope.allocator.layout import (
+    DUMP_FAILED,
     DUMP_REDACTED,
     DUMP_TORN,
     DUMP_WITH_DATA,
@@ -85,6 +86,7 @@ def pool_info(view: SegmentView, dump_header: np.void | None = None) -> dict[str
             "with_data": bool(df & DUMP_WITH_DATA),
             "redacted": bool(df & DUMP_REDACTED),
             "torn": bool(df & DUMP_TORN),
+            "failed": bool(df & DUMP_FAILED),
         }
     return info
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvscope.allocator.dumpfile import dump_name, write_dump
+from kvscope.allocator.dumpread import read_dump_header
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, WARNING, Finding
 from kvscope.allocator.findingset import said_key
@@ -104,14 +105,23 @@ def finish(
         for w, snap, fs in finals:
             path = _unique(os.path.join(dump_dir, dump_name(w.name, pid)), used)
             try:
-                write_dump(snap, path, reason=reason, pid=pid, header_prefix=w.header_prefix)
+                write_dump(
+                    snap,
+                    path,
+                    reason=reason,
+                    pid=pid,
+                    header_prefix=w.header_prefix,
+                    failed=outcome.failed,
+                )
+                header = read_dump_header(path)
             except PoolError as e:
                 echo(f"kvscope: error: {e}")
-                dump_failed, path = True, ""
-            report = analyze_view(snap, alive=is_alive, findings=fs)
+                dump_failed, path, header = True, "", None
+            # (with the dump's header, the report is the one `kvscope analyze` gives of it)
+            report = analyze_view(snap, alive=is_alive, findings=fs, dump_header=header)
             _as_run_sees_it(report, fail_on)
             if path:
-                report["pool"]["dump"] = _dump_info(path, pid, reason)
+                report["pool"]["dump"]["path"] = path
                 _beside_dump(w, snap, path, report)
             con = console(sys.stderr)
             con.print()
@@ -264,18 +274,3 @@ def _unique(path: str, used: set[str]) -> str:
         path = f"{base}-{k}{ext}"
     used.add(path)
     return path
-
-
-def _dump_info(path: str, pid: int, reason: str) -> dict[str, Any]:
-    import socket
-
-    return {
-        "path": path,
-        "pid": pid,
-        "host": socket.gethostname(),
-        "reason": reason,
-        "created_ns": time.time_ns(),
-        "with_data": False,
-        "redacted": False,
-        "torn": False,
-    }

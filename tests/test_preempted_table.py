@@ -73,6 +73,19 @@ def test_no_preemption_or_no_write_into_a_lost_block_names_nothing():
     assert likely_causes(GUARD, [late]) == []
     lost = _f("unmapped_write", "a", "", ["allocate", "preempt"])
     assert likely_causes(GUARD, [lost])
+    # the resume handed the same block back: the request's own again, not lost
+    for took in ("allocate", "prefix_hit"):
+        back = _f("unmapped_write", "a", "", ["allocate", "preempt", "free", took])
+        assert likely_causes(GUARD, [back]) == []
+        again = _f("unmapped_write", "a", "", ["allocate", "preempt", took, "preempt"])
+        assert likely_causes(GUARD, [again])
+    stored_back = _f(
+        "published_block_modified",
+        "a",
+        "request 'a' stored K/V into block 3 at x:1",
+        ["allocate", "preempt", "allocate", "publish"],
+    )
+    assert all("lost to a preemption" not in c for c in likely_causes(GUARD, [stored_back]))
     stored = _f(
         "published_block_modified",
         "a",

@@ -221,6 +221,46 @@ def test_a_leak_the_engine_stopped_serving_is_named(probes, make_pool, served):
     pool.free(a)
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_leak_in_a_program_that_failed_is_named_by_the_failure(
+    probes, make_pool, tmp_path, failed
+):
+    import os
+
+    from kvscope.allocator.dumpfile import write_dump
+    from kvscope.allocator.dumpread import read_dump, read_dump_header
+    from kvscope.child import report_held
+
+    # GIVEN request 'a' admitted and 'b' served start to end after it, then the pool closed
+    # with 'a' still held, and a dump of it about this process, which failed (an exception
+    # ended it while 'a' was decoding: appends within a block leave no event) or ended well
+    pool = make_pool(num_blocks=32, block_size=4, num_kv_heads=1, head_dim=4)
+    a = pool.allocate("a", (1, 2, 3, 4, 5))
+    b = pool.allocate("b", (10, 11, 12))
+    pool.free(b)
+    report_held(pool, "the pool was closed")
+    how = f"child pid {os.getpid()} raised KeyError: 14 (engine.py:50 in store)"
+    path = write_dump(
+        pool, tmp_path / "p.kvd", reason=f"{how}; blocks leaked", pid=os.getpid(), failed=failed
+    )
+    pool.free(a)
+    # WHEN the dump is analyzed
+    view, header = read_dump(path)
+    assert int(read_dump_header(path)["flags"]) == int(header["flags"])
+    report = analyze_view(view, dump_header=header)
+    # THEN the dump says whether its program failed, and a failed program's leak is named by
+    # its failure, not as a request its scheduler dropped
+    assert report["pool"]["dump"]["failed"] is failed
+    (leak,) = [f for f in report["findings"] if f["kind"] == "leak_finished"]
+    assert leak["served_after"]["requests"] == ["b"]
+    (cause,) = report["likely_causes"]
+    if failed:
+        assert cause.startswith(f"requests the program still held when it failed ('a'; {how})")
+        assert "release the sequences on the error path" in cause
+    else:
+        assert cause.startswith("leaked requests the engine stopped serving long before the end")
+
+
 def _admit(pool, rid, prompt):
     """The one allocation site of this test's requests (as an engine's admit is)."""
     return pool.allocate(rid, prompt)
