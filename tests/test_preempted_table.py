@@ -136,3 +136,20 @@ def test_a_resume_whose_positions_stay_unwritten_names_the_preemption(
     (cause,) = report["likely_causes"]
     assert cause.startswith("requests preempted and resumed finished with positions never")
     assert "'a' block" in cause and "after pool.resume(seq), recompute" in cause.lower()
+
+
+def test_a_resume_reserves_the_sequence_under_a_new_id(probes, make_pool):
+    # GIVEN a sequence preempted by another's allocation (docs/POOL.md: a sequence id names
+    # one reservation, not one request)
+    pool = make_pool(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4)
+    a = pool.allocate("a", list(range(8)))
+    first = a.seq_id
+    pool.set_state(a, "waiting")
+    b = pool.allocate("b", list(range(100, 128)))
+    assert a.state == "preempted"
+    pool.free(b)
+    # WHEN it is resumed
+    pool.resume(a)
+    # THEN the same Sequence and request id, under a new, larger sequence id
+    assert a.request_id == "a" and a.seq_id > first
+    pool.free(a)
