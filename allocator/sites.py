@@ -48,22 +48,13 @@ def frame_text(f: FrameType) -> str:
     return f"{shown}:{f.f_lineno} {f.f_code.co_name}"
 
 
-def caller_site() -> str:
-    """`file:line function` of the first frame outside kvscope (cheap: no traceback objects)."""
-    f: FrameType | None = sys._getframe(1)
-    while f is not None:
-        if _outside(f):
-            return frame_text(f)
-        f = f.f_back
-    return "<kvscope>"
-
-
 # The most characters of a store's line with its callers (csrc/stores.c STORE_SITE_CHARS).
 STORE_SITE_CHARS = 100
 
 
 def caller_stack(depth: int) -> str:
-    """caller_site, and with depth > 1 its callers outside kvscope up to `depth` frames,
+    """`file:line function` of the first frame outside kvscope (cheap: no traceback objects),
+    and with depth > 1 its callers outside kvscope up to `depth` frames,
     `frame <- caller <- ...` while they fit in STORE_SITE_CHARS (the first frame whatever its
     length): the line a store check names (csrc/stores.c store_site)."""
     f: FrameType | None = sys._getframe(1)

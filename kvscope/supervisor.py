@@ -237,11 +237,6 @@ class Supervisor:
         """Start the child: `python -m kvscope.bootstrap <target>` (popen_kw: its pipes)."""
         self.proc = launch(self.target, self.env, self.stopper, **popen_kw)
 
-    def signal_child(self, signum: int) -> None:
-        """Forward a signal to the child while it runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signum)
-
     def poll(self) -> list[Finding]:
         """Map pools the child opened since the last poll and return findings new since then."""
         self._discover()
