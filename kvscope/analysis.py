@@ -116,10 +116,12 @@ def copied_from(view: SegmentView, blk: int, request: str | None, until: int | N
 
 def preempted_before(view: SegmentView, request: str | None, blk: int, until: int) -> list[int]:
     """The blocks `request` gave up to its last preemption (its flight-recorder `preempt`
-    events) when block `blk` is one its `resume` took after it (the run of `allocate`,
-    `prefix_hit` and `prefix_miss` events of the request that follows the preemption's, before
-    its next event of another kind): positions the engine writes after the resume. Empty
-    otherwise, or where the recorder no longer holds them."""
+    events) when block `blk` is one its `resume` took fresh after it (an `allocate` in the run
+    of `allocate`, `prefix_hit` and `prefix_miss` events of the request that follows the
+    preemption's, before its next event of another kind): positions the engine writes after
+    the resume. A block the resume's prefix hit mapped holds what was written before the
+    preemption, which the resume does not write. Empty otherwise, or where the recorder no
+    longer holds them."""
     from kvscope.allocator.events import EventOp
 
     if not request:
@@ -142,7 +144,8 @@ def preempted_before(view: SegmentView, request: str | None, blk: int, until: in
     end = begin
     while end < len(ev) and takes[end]:
         end += 1
-    if blk not in ev["block"][begin:end].tolist():
+    fresh = ev["block"][begin:end][ops[begin:end] == EventOp.ALLOCATE]
+    if blk not in fresh.tolist():
         return []
     first = last  # this preemption's events: the run of preempt events that ends at `last`
     while first > 0 and ops[first - 1] == EventOp.PREEMPT:
@@ -518,16 +521,11 @@ def analyze_view(
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
                 if f.message.startswith(UNWRITTEN_AT_PUBLISH):
                     _published_blank(d, view, f.block, until)
-                else:
+                elif stored_by(d) is None:  # (a store names its writer: no suspects to list)
                     mapped = mapped_since_published(view, f.block, until)
                     if mapped is not None:
                         d["mapped_since_published"] = mapped
-                    held = (
-                        held_since_intact(view, f.block, until)
-                        if cpu
-                        and not f.message.startswith("request ")  # (a store names its writer)
-                        else None
-                    )
+                    held = held_since_intact(view, f.block, until) if cpu else None
                     if held is not None:
                         d["intact_at"], d["held_since_intact"] = held
         out_findings.append(d)
@@ -748,8 +746,14 @@ def likely_causes(
         for f in findings
         if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
         and not _blank_at_publish(f)
-        and f.get("mapped_since_published") == []  # (the recorder saw no other request map it)
         and f.get("block") is not None
+        and (
+            # the recorder saw no other request map it, or the store named its publisher as
+            # the writer (a store naming another writer is that writer's, not the publisher's)
+            f.get("mapped_since_published") == []
+            if stored_by(f) is None
+            else f"published by request {stored_by(f)!r} " in f["message"]
+        )
     ]
     # (those say where such writes came from; so does a slot formula that lands each token in
     # another block's slot)
@@ -1022,6 +1026,15 @@ def _copies(found: list[dict[str, Any]]) -> str:
     return named + (f" and {len(found) - 3} more" if len(found) > 3 else "")
 
 
+def stored_by(f: dict[str, Any]) -> str | None:
+    """The writer a store given its writers named in a finding (its message, csrc/stores.c:
+    "request 'w' stored K/V into block ..."; the finding's request is that writer), else None."""
+    req = f.get("request")
+    if req is not None and f["message"].startswith(f"request {req!r} stored K/V into"):
+        return str(req)
+    return None
+
+
 def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     """(request, block) of each write into a block the finding's request had given up by a
     preemption before the finding (its block's flight recorder shows that request's
@@ -1037,8 +1050,7 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
         if req is None or blk is None:
             continue
         into_other = f["kind"] in (FindingKind.USE_AFTER_FREE, FindingKind.UNMAPPED_WRITE) or (
-            f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
-            and f["message"].startswith(f"request {req!r} stored K/V into")
+            f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED and stored_by(f) is not None
         )
         if not into_other:
             continue
