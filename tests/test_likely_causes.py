@@ -154,3 +154,18 @@ def test_published_blocks_changed_beside_the_slot_formula_are_not_their_publishe
     assert not any("their publisher stored K/V" in c for c in causes), causes
     alone = likely_causes(GUARD, [changed])
     assert any("their publisher stored K/V" in c for c in alone), alone
+
+
+@pytest.mark.parametrize("writer", ["p", "w"])
+def test_a_store_after_publication_is_the_publisher_s_only_when_it_named_the_publisher(writer):
+    # GIVEN a published block's K/V changed by a store given its writers, which named the
+    # writer: the block's publisher 'p' itself, or another request 'w'
+    message = (
+        f"request {writer!r} stored K/V into block 3 at engine.py:58 store: published by"
+        " request 'p' (pid 7), shared by prefix hits"
+    )
+    f = {"kind": "published_block_modified", "request": writer, "block": 3, "message": message}
+    causes = likely_causes({"block_size": 4, "slots_per_block": 5}, [f])
+    # THEN only the publisher's own store is named a store after its publication
+    late = [c for c in causes if c.startswith("published blocks whose K/V changed")]
+    assert late if writer == "p" else not late

@@ -153,3 +153,32 @@ def test_a_resume_reserves_the_sequence_under_a_new_id(probes, make_pool):
     # THEN the same Sequence and request id, under a new, larger sequence id
     assert a.request_id == "a" and a.seq_id > first
     pool.free(a)
+
+
+def test_a_resume_s_prefix_hit_on_a_block_never_fully_written_is_not_named_the_resume_s(
+    probes, make_pool
+):
+    # GIVEN a request whose prefill skipped one position of its first block, published, then
+    # preempted (its published blocks stay cached) and resumed through a prefix hit on them
+    pool = make_pool(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4, guard=True)
+    a = pool.allocate("a", list(range(10)))
+    _write(pool, a.block_table, a, 0, 2)
+    _write(pool, a.block_table, a, 3, 10)  # position 2 never stored: the bug
+    pool.mark_computed(a, 8)
+    hit = list(a.block_table[:2])
+    pool.set_state(a, "waiting")
+    b = pool.allocate("b", list(range(100, 124)))
+    assert a.state == "preempted"
+    _write(pool, b.block_table, b, 0, 24)
+    pool.free(b)
+    assert pool.resume(a) == 8 and list(a.block_table[:2]) == hit
+    _write(pool, a.block_table, a, 8, 10)
+    # WHEN it finishes (guard mode: position 2 still poisoned)
+    pool.free(a)
+    report = analyze_view(pool.view)
+    # THEN the block is kv_never_written, not a block its resume wrote through an old table:
+    # the resume mapped it by a prefix hit, holding what was written before the preemption
+    (found,) = [f for f in report["findings"] if f["kind"] == "kv_never_written"]
+    assert found["block"] == hit[0] and "preempted_blocks" not in found
+    causes = report.get("likely_causes", [])
+    assert not any(c.startswith("requests preempted and resumed") for c in causes)
