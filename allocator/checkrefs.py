@@ -11,7 +11,7 @@ import numpy as np
 
 from kvscope.allocator.checkreport import Alive, CheckReport, TableEntries, mapper, state_name
 from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.layout import BlockState, ClientState, SegmentView
+from kvscope.allocator.layout import BlockState, ClientState, SegmentView, SeqState
 
 
 @dataclass
@@ -54,7 +54,8 @@ def check_orphans(r: CheckReport, live: np.ndarray) -> None:
     sequence's owner pid (it closed its handle, or detached, without ending them; a record
     reused since holds another process). Each holding blocks is a `leak_finished` by its
     request's own first block, as the close reported it (`merge` keeps one of the two where the
-    ring still holds that report); `kvscope check --repair` ends them."""
+    ring still holds that report), and so is each preempted one, which holds none (no block:
+    a request its engine lost while it waited); `kvscope check --repair` ends them."""
     seqs, clients = r.view.seqs, r.view.clients
     owner = seqs["owner_client"][live].astype(np.int64)
     pid = seqs["owner_pid"][live].astype(np.int64)
@@ -66,16 +67,22 @@ def check_orphans(r: CheckReport, live: np.ndarray) -> None:
     width = seqs["table"].shape[1]
     for s in live[known & ~held].tolist():
         k = min(int(seqs["num_blocks"][s]), width)
-        if k == 0:
+        preempted = int(seqs["state"][s]) == SeqState.PREEMPTED
+        if k == 0 and not preempted:
             continue
         request = bytes(seqs["request"][s]).decode(errors="replace")
+        what = f"still holds {k} block(s)" if k else "was preempted and neither resumed nor ended"
         r.capped(
             Finding(
                 FindingKind.LEAK_FINISHED.value,
-                f"request {request!r} still holds {k} block(s), but pid {int(seqs['owner_pid'][s])}"
+                f"request {request!r} {what}, but pid {int(seqs['owner_pid'][s])}"
                 " closed the pool without freeing or aborting it: no handle can end it"
                 " (`kvscope check --repair` does)",
-                block=own_block(r.view.blocks, seqs["table"][s][:k].tolist(), seqs["request"][s]),
+                block=(
+                    own_block(r.view.blocks, seqs["table"][s][:k].tolist(), seqs["request"][s])
+                    if k
+                    else None
+                ),
                 owner_pid=int(seqs["owner_pid"][s]),
                 request=request,
             )
@@ -90,7 +97,7 @@ def own_block(blocks: np.ndarray, table: list[int], request: bytes) -> int:
     (a fork holding only its parent's blocks)."""
     ids = [x for x in table if 0 <= x < len(blocks)]
     if not ids:
-        return int(table[-1])
+        return int(table[-1]) if len(table) else -1
     named = [x for x in ids if bytes(blocks["request"][x]) == bytes(request)]
     own = [x for x in named if blocks["indexed"][x] != 1]
     return int((own or named or ids[-1:])[0])

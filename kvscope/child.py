@@ -105,21 +105,30 @@ def on_unlink(pool: Any) -> None:
 
 
 def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
-    """Report each sequence of this process that still holds blocks as leak_finished, and
-    print the LEAK SUMMARY of the same sequences (with the leaks probe on)."""
+    """Report each sequence of this process that still holds blocks, or waits preempted, as
+    leak_finished, and print the LEAK SUMMARY of the same sequences (with the leaks probe
+    on)."""
     seqs = held(pool)
     for seq in seqs:
         # Named after the call that created the sequence (its allocate, or the fork of a sample
         # sharing its parent's blocks): the block it is shown by may be another request's.
         site = creation_site(pool.view, seq.slot)
         made = f" (created at {site})" if site else ""
+        what = (
+            f"still held {len(seq.block_table)} block(s) when {when}: free or abort every"
+            " sequence when its request ends"
+            if seq.block_table
+            else f"was preempted and neither resumed nor ended when {when}: free or abort every"
+            " sequence when its request ends, a preempted one too"
+        )
         pool.report(
             Finding(
                 FindingKind.LEAK_FINISHED,
-                f"request {seq.request_id!r}{made} still held {len(seq.block_table)} block(s)"
-                f" when {when}: free or abort every sequence when its request ends",
-                block=own_block(
-                    pool.view.blocks, seq.block_table, str(seq.request_id).encode()[:32]
+                f"request {seq.request_id!r}{made} {what}",
+                block=(
+                    own_block(pool.view.blocks, seq.block_table, str(seq.request_id).encode()[:32])
+                    if seq.block_table
+                    else None
                 ),
                 owner_pid=os.getpid(),
                 request=str(seq.request_id)[:32],
@@ -130,8 +139,9 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
 
 
 def held(pool: Any) -> list[Any]:
-    """This process's sequences of `pool` that hold blocks."""
-    return [s for s in pool.live().values() if s.block_table]
+    """This process's sequences of `pool` that hold blocks, or wait preempted (no block: a
+    request the engine lost while it waited)."""
+    return [s for s in pool.live().values() if s.block_table or s.state == "preempted"]
 
 
 def leak_summary(pool: Any, seqs: list[Any], when: str) -> None:

@@ -43,9 +43,11 @@ def summary(pool: Any, seqs: list[Any], when: str) -> str | None:
             or "(creation site not recorded: KVSCOPE_OWNERSHIP=1)"
         )
         by_site.setdefault(where, []).append(s)
+    waiting = sum(1 for s in seqs if not s.block_table)
     lines = [
         f"==kvscope== LEAK SUMMARY: pool {pool.name!r}: {len(ids)} blocks ({tokens} tokens of KV)"
         f" in {len(seqs)} request(s) still held by pid {pool.pid} {when}"
+        + (f" ({waiting} of them preempted, holding no block)" if waiting else "")
     ]
     for where, group in sorted(by_site.items(), key=lambda kv: -len(kv[1])):
         lines.append(

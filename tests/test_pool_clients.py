@@ -285,6 +285,45 @@ def test_a_close_reports_each_sequence_still_holding_blocks(make_pool, capsys):
     assert "UNHEALTHY" in out and "request 'leaky' still held 3 block(s)" in out
 
 
+def test_a_close_reports_each_preempted_sequence_left_waiting(make_pool, capsys):
+    # GIVEN a worker's handle whose two waiting requests another request's allocation
+    # preempted, and which it never resumed nor ended (the bug: its scheduler lost them)
+    pool = make_pool(32, block_size=4)
+    other = KVPool.attach(pool.name)
+    seen = []
+    other.on_finding = seen.append
+    lost = [
+        other.allocate(rid, list(range(base, base + 8))) for rid, base in (("pa", 0), ("pb", 50))
+    ]
+    for seq in lost:
+        other.set_state(seq, "waiting")
+    other.free(other.allocate("big", list(range(100, 228))))  # every block: both preempted
+    assert [seq.state for seq in lost] == ["preempted", "preempted"]
+    # WHEN it closes
+    other.close()
+    # THEN each is a leak_finished about no block, naming its request, one finding each
+    assert sorted((f.kind, f.request, f.block) for f in seen) == [
+        ("leak_finished", "pa", None),
+        ("leak_finished", "pb", None),
+    ]
+    assert seen[0].message == (
+        f"request {seen[0].request!r} was preempted and neither resumed nor ended when the pool"
+        " was closed: free or abort every sequence when its request ends, a preempted one too"
+    )
+    # AND the whole-pool check reads them from the tables as sequences no handle can end
+    # (`kvscope check` shows the close's words for them), which `--repair` ends
+    checked = [f.message for f in pool.check() if f.request == "pa"]
+    assert checked and checked[0].startswith(
+        "request 'pa' was preempted and neither resumed nor ended, but pid"
+    )
+    assert main(["check", pool.name]) == 1
+    out = capsys.readouterr().out
+    assert "request 'pa' was preempted and neither resumed nor ended when the pool" in out
+    assert main(["check", pool.name, "--repair"]) == 0
+    capsys.readouterr()
+    assert pool.check() == [] and pool.stats()["num_sequences"] == 0
+
+
 def _closes_leaking(name: str, prompts: dict[str, list[int]]) -> int:
     """A worker process that allocates `prompts` (request -> tokens), publishes their full
     blocks and closes its handle without ending them; its pid, once it has exited."""

@@ -422,3 +422,30 @@ def test_a_worker_that_exits_without_closing_is_named_with_its_requests(make_poo
             "holding 0 block(s) and " in said.message and "free in its local cache" in said.message
         )
     pool.reclaim_dead()
+
+
+def test_a_sequence_left_preempted_at_exit_is_a_leak(probes, make_pool, monkeypatch, capsys):
+    from kvscope.child import report_held
+
+    # GIVEN a request set waiting and preempted by another's allocation, which the engine
+    # then lost (never resumed nor ended), beside one it still holds
+    monkeypatch.setenv("KVSCOPE_LEAKS", "1")
+    pool = make_pool(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4)
+    lost = pool.allocate("lost", list(range(8)))
+    pool.set_state(lost, "waiting")
+    kept = pool.allocate("kept", list(range(100, 128)))
+    assert lost.state == "preempted" and not lost.block_table
+    # WHEN the process's exit check reports what it still holds
+    seqs, blocks = report_held(pool, "the process exited")
+    # THEN both are leaks, the preempted one about no block, and the LEAK SUMMARY counts it
+    assert {s.request_id for s in seqs} == {"lost", "kept"} and blocks == 7
+    found = {f.request: f for f in pool.findings() if f.kind == "leak_finished"}
+    assert found["lost"].block is None and found["kept"].block is not None
+    assert "'lost'" in found["lost"].message and (
+        "was preempted and neither resumed nor ended when the process exited"
+        in found["lost"].message
+    )
+    err = capsys.readouterr().err
+    assert "7 blocks" in err and "in 2 request(s)" in err and "(1 of them preempted" in err
+    pool.free(kept)
+    pool.free(lost)

@@ -446,8 +446,10 @@ static int32_t own_block(Native *n, const uint8_t *s) {
 
 /* The sequences this handle still holds as it closes (recovery.c N_detach): nothing can end
  * them once the handle is gone, so each holding blocks is a leak_finished finding (its request,
- * own_block, the site of the call that created it), recorded as a REPORT where the handle
- * records (a replay replays it as this close). They stay as they are, their blocks held under
+ * own_block, the site of the call that created it), and so is each preempted one, which holds
+ * none (a request its engine lost while it waited: no block, but a sequence slot and a
+ * request never ended), recorded as a REPORT where the handle records (a replay replays it as
+ * this close). They stay as they are, their blocks held under
  * the detached record, as a dump shows them. OK, or ERROR with an exception set. */
 static int seqs_at_close(Native *n, PyObject *pool) {
     if (n->seqs == NULL || PyDict_GET_SIZE(n->seqs) == 0) return OK;
@@ -462,17 +464,23 @@ static int seqs_at_close(Native *n, PyObject *pool) {
         }
         const uint8_t *s = seqrec(n, slot);
         int64_t held = U4(s + SF_NUM_BLOCKS);
-        if (held <= 0) continue;
+        if (held <= 0 && s[SF_STATE] != S_PREEMPTED) continue;
         Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
         Seen seen = {.block = own_block(n, s), .owner_pid = n->pid,
                      .site = (int32_t)U2(s + SF_SITE) - 1, .refcount = 0};
         memcpy(seen.request, s + SF_REQUEST, REQUEST_BYTES);
         PyObject *rid = sfield(n, seq, F_REQUEST_ID);
-        PyObject *msg = rid ? PyUnicode_FromFormat(
+        PyObject *msg = rid == NULL ? NULL
+                        : held > 0
+                            ? PyUnicode_FromFormat(
                                   "request %R still held %lld block(s) when the pool was closed: "
                                   "free or abort every sequence when its request ends",
                                   rid, (long long)held)
-                            : NULL;
+                            : PyUnicode_FromFormat(
+                                  "request %R was preempted and neither resumed nor ended when "
+                                  "the pool was closed: free or abort every sequence when its "
+                                  "request ends, a preempted one too",
+                                  rid);
         Py_XDECREF(rid);
         int rc = msg == NULL ? ERROR : finding_report(n, FK_LEAK_FINISHED, &seen, msg);
         Py_XDECREF(msg);

@@ -390,8 +390,9 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     }
     uint8_t *done = n->reported + (size_t)fk * (size_t)(n->nb + 1) + (size_t)key;
     /* (a double_free about no block, a refused second release, is counted by request: entry.c
-     * double_end) */
-    if (*done && !(fk == FK_DOUBLE_FREE && s->block < 0)) return OK;
+     * double_end; a leak_finished about no block, a preempted sequence at a close, is each
+     * sequence's: entry.c seqs_at_close) */
+    if (*done && !((fk == FK_DOUBLE_FREE || fk == FK_LEAK_FINISHED) && s->block < 0)) return OK;
     Py_ssize_t len;
     const char *text = PyUnicode_AsUTF8AndSize(message, &len);
     if (text == NULL) return ERROR;
