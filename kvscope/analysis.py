@@ -598,6 +598,9 @@ def likely_causes(
             f" [start, end) through pool.slot_mapping(seq, start, end), end at most"
             f" len(seq.tokens)"
         )
+    opened = [] if slots_wrong else _block_openers_unwritten(findings, bs)
+    if opened:
+        causes.append(_block_openers_sentence(opened, findings, bs))
     alone = [] if slots_wrong else _never_written_alone(findings)
     if alone:
         causes.append(_never_written_sentence(alone))
@@ -953,6 +956,60 @@ def _generation_events(f: dict[str, Any]) -> list[dict[str, Any]]:
         return list(events)
     generation = seen[-1].get("generation")
     return [e for e in events if e.get("generation") == generation]
+
+
+def _single_unwritten(f: dict[str, Any]) -> int | None:
+    """The one position a kv_never_written (not on a copy) left unwritten, else None."""
+    if f["kind"] != FindingKind.KV_NEVER_WRITTEN or f.get("copied_from") is not None:
+        return None
+    m = _UNWRITTEN.search(f.get("message", ""))
+    if m is None or m.group(1) != m.group(2):
+        return None
+    return int(m.group(1))
+
+
+def _block_openers_unwritten(findings: list[dict[str, Any]], bs: int) -> list[dict[str, Any]]:
+    """kv_never_written findings of one position each, the first of its block (not position 0:
+    a position an append opened a new block for), when there are two or more: the K/V of the
+    position that opened each block went elsewhere. Empty otherwise."""
+    out = [f for f in findings if (p := _single_unwritten(f)) is not None and p > 0 and p % bs == 0]
+    return out if len(out) > 1 else []
+
+
+def _block_openers_sentence(
+    opened: list[dict[str, Any]], findings: list[dict[str, Any]], bs: int
+) -> str:
+    """The cause of _block_openers_unwritten's findings: a decode's slot worked out before the
+    append gave it its block (or a write range one short), or one position late, which also
+    leaves each request's first decode position unwritten (a single position inside a block,
+    in the same requests)."""
+    requests = {f.get("request") for f in opened}
+    late = any(
+        (p := _single_unwritten(f)) is not None and p % bs != 0 and f.get("request") in requests
+        for f in findings
+    )
+    named = some(
+        [
+            f"{f.get('request')!r} block {f['block']} position {_single_unwritten(f)}"
+            for f in opened
+        ],
+        4,
+    )
+    how = (
+        "one position late: position n - 1's K/V stored in the slot of position n (n ="
+        " seq.num_tokens after the append), which leaves each request's first decode position"
+        " unwritten too, and sends the K/V of a block's last position past the table's end"
+        " (a padded block table's entry: block 0, or another request's block)"
+        if late
+        else "through a slot worked out before pool.append gave the position its block (a block"
+        " table or slot mapping from before the append: the new block's entry was missing or"
+        " padded), or not at all (a write range that stops one position short)"
+    )
+    return (
+        f"positions never written, each the first slot of its block ({named}): their K/V was"
+        f" stored {how}; work out a step's slots after its append, with pool.slot_mapping(seq,"
+        f" start, end)"
+    )
 
 
 def _never_written_alone(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:

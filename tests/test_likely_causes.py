@@ -169,3 +169,41 @@ def test_a_store_after_publication_is_the_publisher_s_only_when_it_named_the_pub
     # THEN only the publisher's own store is named a store after its publication
     late = [c for c in causes if c.startswith("published blocks whose K/V changed")]
     assert late if writer == "p" else not late
+
+
+def _unwritten(request, block, first, last):
+    message = (
+        f"request {request!r} finished with positions {first}-{last} ({last - first + 1} slot(s))"
+        " of this block never written: a copy-on-write copy skipped, or K/V written through a"
+        " stale table"
+    )
+    return {"kind": "kv_never_written", "request": request, "block": block, "message": message}
+
+
+@pytest.mark.parametrize("pattern", ["late", "opened", "ranges"])
+def test_single_positions_unwritten_at_block_starts_name_the_decode_slot(pattern):
+    # GIVEN kv_never_written findings of block size 4: one position each at the first slot of
+    # a block two requests' appends opened, with (late) or without (opened) each request's
+    # first decode position unwritten too inside its block; or ranges of several positions
+    geometry = {"block_size": 4, "slots_per_block": 4}
+    if pattern == "ranges":
+        findings = [_unwritten("a", 1, 4, 6), _unwritten("b", 3, 8, 9)]
+    else:
+        findings = [_unwritten("a", 2, 8, 8), _unwritten("b", 5, 12, 12)]
+    if pattern == "late":
+        findings += [_unwritten("a", 1, 6, 6), _unwritten("b", 4, 9, 9)]
+    # WHEN the causes are worked out
+    causes = [
+        c
+        for c in likely_causes(geometry, findings)
+        if c.startswith("positions never written, each")
+    ]
+    # THEN single positions at block starts name the decode's slot: one position late where
+    # the first decode positions are unwritten too, else a slot from before the append
+    if pattern == "ranges":
+        assert causes == []
+        return
+    (cause,) = causes
+    assert "'a' block 2 position 8" in cause and "'b' block 5 position 12" in cause
+    assert ("one position late" in cause) is (pattern == "late")
+    assert ("before pool.append gave the position its block" in cause) is (pattern == "opened")
