@@ -1010,7 +1010,6 @@ static PyObject *core_append(Native *n, PyObject *pool, PyObject *seq, int64_t s
 
 /* -- preempt.c: preemption --------------------------------------------------------------------- */
 
-
 /* After the commit: the sequences preempted[from..to) of this transaction, in order: their
  * events (PREEMPT, then FREE, of their tables), counters, and Sequences (no blocks, state
  * "preempted", nothing published). OK, or ERROR with an exception set. */
