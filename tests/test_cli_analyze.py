@@ -18,6 +18,7 @@ from kvscope import analysis
 from kvscope.allocator.segment import segment_path
 from kvscope.cli import main
 from kvscope.dumpfile import read_dump, read_dump_data
+from tests.scenarios import published_before_written
 
 
 def analyze_json(capsys, target: str, *extra: str) -> tuple[int, dict]:
@@ -353,12 +354,7 @@ def test_a_block_published_before_its_kv_names_who_read_it_unwritten(
     for name in ("EVENTS", "DIGEST"):
         monkeypatch.setenv(f"KVSCOPE_{name}", "1")
     pool = make_pool(32)
-    seq = pool.allocate("early", list(range(9)))
-    pool.mark_computed(seq, 8)
-    reader = pool.allocate("reader", list(range(8)) + [70])
-    blk = seq.block_table[0]
-    assert reader.block_table[0] == blk
-    pool.kv[:, :, blk] = 1.0  # (the publisher's late write)
+    seq, reader, blk = published_before_written(pool)
     late = pool.allocate("late", list(range(8)) + [90])
     # WHEN analyzed
     code, rep = analyze_json(capsys, pool.name)

@@ -6,11 +6,13 @@ changed since its publication read as one that found it blank."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvscope.allocator import KVPool
 from kvscope.analysis import analyze_view, likely_causes
 from kvscope.kernels import copy_blocks
+from tests.scenarios import published_before_written
 
 GUARD = {"block_size": 4, "slots_per_block": 5}
 STALE = "K/V written through a block table from before pool.append"
@@ -41,7 +43,7 @@ def _unwritten(request, block, lo, hi, events, site="engine.py:89 admit", **extr
             " this block never written: a copy-on-write copy skipped, or K/V written through a"
             " stale table"
         ),
-        "time_ns": max(e["time_ns"] for e in events),
+        "time_ns": max((e["time_ns"] for e in events), default=0),
         "site": site,
         "events": events,
         **extra,
@@ -226,12 +228,7 @@ def test_a_hit_that_found_a_blank_publication_changed_did_not_read_it_blank(prob
     # block, then the publisher writes it, "r1"'s hit finds the change, and a second handle's
     # "w0" hit finds it again (that handle's own report)
     pool = make_pool(32)
-    seq = pool.allocate("early", list(range(9)))
-    pool.mark_computed(seq, 8)
-    reader = pool.allocate("reader", list(range(8)) + [70])
-    blk = seq.block_table[0]
-    assert reader.block_table[0] == blk
-    pool.kv[:, :, blk] = 1.0  # (the publisher's late write)
+    seq, reader, blk = published_before_written(pool)
     r1 = pool.allocate("r1", list(range(8)) + [80])
     other = KVPool.attach(pool.name)
     try:
@@ -253,3 +250,32 @@ def test_a_hit_that_found_a_blank_publication_changed_did_not_read_it_blank(prob
     assert all(f["first_bad_event"]["request"] == "reader" for f in blank)
     for s in (r1, reader, seq):
         pool.free(s)
+
+
+@pytest.mark.parametrize("pattern", ["late", "opened", "ranges"])
+def test_single_positions_unwritten_at_block_starts_name_the_decode_slot(pattern):
+    # GIVEN kv_never_written findings of block size 4: one position each at the first slot of
+    # a block two requests' appends opened, with (late) or without (opened) each request's
+    # first decode position unwritten too inside its block; or ranges of several positions
+    geometry = {"block_size": 4, "slots_per_block": 4}
+    if pattern == "ranges":
+        findings = [_unwritten("a", 1, 4, 6, ()), _unwritten("b", 3, 8, 9, ())]
+    else:
+        findings = [_unwritten("a", 2, 8, 8, ()), _unwritten("b", 5, 12, 12, ())]
+    if pattern == "late":
+        findings += [_unwritten("a", 1, 6, 6, ()), _unwritten("b", 4, 9, 9, ())]
+    # WHEN the causes are worked out
+    causes = [
+        c
+        for c in likely_causes(geometry, findings)
+        if c.startswith("positions never written, each")
+    ]
+    # THEN single positions at block starts name the decode's slot: one position late where
+    # the first decode positions are unwritten too, else a slot from before the append
+    if pattern == "ranges":
+        assert causes == []
+        return
+    (cause,) = causes
+    assert "'a' block 2 position 8" in cause and "'b' block 5 position 12" in cause
+    assert ("one position late" in cause) is (pattern == "late")
+    assert ("before pool.append gave the position its block" in cause) is (pattern == "opened")
