@@ -45,6 +45,32 @@ def _recorded(view: SegmentView, blocks: list[int]) -> np.ndarray:
     return ev[np.argsort(ev["time_ns"], kind="stable")]
 
 
+def _finding_generation(
+    view: SegmentView, blk: int, until: int
+) -> tuple[np.ndarray, int, np.ndarray] | None:
+    """Block `blk`'s recorded events, the generation of the newest `finding` event on it at or
+    before `until` (the generation the finding saw), and that generation's finding events up
+    to then, oldest first; None when the ring holds no such event."""
+    from kvscope.allocator.events import EventOp
+
+    ev = _recorded(view, [blk])
+    seen = ev[(ev["op"] == EventOp.FINDING) & (ev["time_ns"] <= until)]
+    if not len(seen):
+        return None
+    generation = int(seen["generation"][-1])
+    return ev, generation, seen[seen["generation"] == generation]
+
+
+def _requests_of(raw: np.ndarray, skip: str | None = None) -> list[str]:
+    """The requests of recorded events' `request` fields, each once, in order (none empty, and
+    not `skip`)."""
+    out: list[str] = []
+    for r in map(_s, raw):
+        if r and r != skip and r not in out:
+            out.append(r)
+    return out
+
+
 def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[str, Any]]]:
     """Every event the flight recorder still holds that touched each of blocks, oldest first."""
     if not blocks:
@@ -81,20 +107,15 @@ def mapped_since_published(
     while it was published. None when the ring no longer holds the finding's event."""
     from kvscope.allocator.events import EventOp
 
-    ev = _recorded(view, [blk])
-    ev = ev[ev["time_ns"] <= until_ns]
-    seen = ev[ev["op"] == EventOp.FINDING]
-    if not len(seen):
+    found = _finding_generation(view, blk, until_ns)
+    if found is None:
         return None
-    generation, at = int(seen["generation"][-1]), int(seen["time_ns"][-1])
+    ev, generation, seen = found
+    at = int(seen["time_ns"][-1])
     takes = np.isin(ev["op"], [int(EventOp[op]) for op in ops])
-    mine = ev[takes & (ev["generation"] == generation) & (ev["time_ns"] <= at)]
-    out: list[str] = []
-    for raw in mine["request"]:
-        r = _s(raw)
-        if r and r not in out:
-            out.append(r)
-    return out
+    return _requests_of(
+        ev[takes & (ev["generation"] == generation) & (ev["time_ns"] <= at)]["request"]
+    )
 
 
 def copied_from(view: SegmentView, blk: int, request: str | None, until: int | None) -> int | None:
@@ -240,18 +261,12 @@ def hits_on_unwritten(view: SegmentView, blk: int, request: str | None, until: i
     had written. Oldest first; empty when the ring holds no such hit or no finding event."""
     from kvscope.allocator.events import EventOp
 
-    ev = _recorded(view, [blk])
-    seen = ev[(ev["op"] == EventOp.FINDING) & (ev["time_ns"] <= until)]
-    if not len(seen):
+    found = _finding_generation(view, blk, until)
+    if found is None:
         return []
-    generation = int(seen["generation"][-1])
+    ev, generation, _ = found
     hits = ev[(ev["op"] == EventOp.PREFIX_HIT) & (ev["generation"] == generation)]
-    out: list[str] = []
-    for raw in hits["request"]:
-        r = _s(raw)
-        if r and r != request and r not in out:
-            out.append(r)
-    return out
+    return _requests_of(hits["request"], skip=request)
 
 
 def held_since_intact(
@@ -310,23 +325,17 @@ def _hits_before_found(view: SegmentView, blk: int, until: int) -> tuple[list[st
     first, and that first finding's time; None when the ring holds no finding event."""
     from kvscope.allocator.events import EventOp
 
-    ev = _recorded(view, [blk])
-    seen = ev[(ev["op"] == EventOp.FINDING) & (ev["time_ns"] <= until)]
-    if not len(seen):
+    found = _finding_generation(view, blk, until)
+    if found is None:
         return None
-    generation = int(seen["generation"][-1])
-    first = int(seen["time_ns"][seen["generation"] == generation].min())
+    ev, generation, seen = found
+    first = int(seen["time_ns"][0])
     hits = ev[
         (ev["op"] == EventOp.PREFIX_HIT)
         & (ev["generation"] == generation)
         & (ev["time_ns"] < first)
     ]
-    out: list[str] = []
-    for raw in hits["request"]:
-        r = _s(raw)
-        if r and r not in out:
-            out.append(r)
-    return out, first
+    return _requests_of(hits["request"]), first
 
 
 def _published_blank(d: dict[str, Any], view: SegmentView, blk: int, until: int) -> None:
@@ -703,8 +712,10 @@ def likely_causes(
         and f.get("owner_pid") == failed_pid
         and not f.get("id_reused_while_live")  # (its own, above)
     ]
+    cut_ids = {id(f) for f in cut_short}
     if cut_short:
-        how = str(dump.get("reason") or "").split("; ")[0] if dump else ""
+        assert dump is not None  # (cut_short needs the dump's failed pid)
+        how = str(dump.get("reason") or "").split("; ")[0]
         named = some(list(dict.fromkeys(repr(f.get("request")) for f in cut_short)), 4)
         causes.append(
             f"requests the program still held when it failed ({named}; {how or 'see the dump'}):"
@@ -717,7 +728,7 @@ def likely_causes(
         for f in findings
         if f.get("served_after")
         and not f.get("id_reused_while_live")  # (its own, above)
-        and id(f) not in {id(c) for c in cut_short}  # (no event shows an append in a block)
+        and id(f) not in cut_ids  # (no event shows an append in a block)
     ]
     if idle:
         named = some(
