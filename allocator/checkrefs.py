@@ -78,26 +78,25 @@ def check_orphans(r: CheckReport, live: np.ndarray) -> None:
                 f"request {request!r} {what}, but pid {int(seqs['owner_pid'][s])}"
                 " closed the pool without freeing or aborting it: no handle can end it"
                 " (`kvscope check --repair` does)",
-                block=(
-                    own_block(r.view.blocks, seqs["table"][s][:k].tolist(), seqs["request"][s])
-                    if k
-                    else None
-                ),
+                block=own_block(r.view.blocks, seqs["table"][s][:k].tolist(), seqs["request"][s]),
                 owner_pid=int(seqs["owner_pid"][s]),
                 request=request,
             )
         )
 
 
-def own_block(blocks: np.ndarray, table: list[int], request: bytes) -> int:
+def own_block(blocks: np.ndarray, table: list[int], request: bytes) -> int | None:
     """The block a leaked sequence (its `table`, its `request` as the records hold it) is
     reported by, as the core's close reports it: the first its own request allocated (its
     record names that request, and its site is the request's own `allocate`), not a shared
     prefix block another request allocated; else the first naming its request; else the last
-    (a fork holding only its parent's blocks)."""
+    (a fork holding only its parent's blocks). None for an empty table (a preempted
+    sequence's: a finding about no block)."""
+    if not len(table):
+        return None
     ids = [x for x in table if 0 <= x < len(blocks)]
     if not ids:
-        return int(table[-1]) if len(table) else -1
+        return int(table[-1])
     named = [x for x in ids if bytes(blocks["request"][x]) == bytes(request)]
     own = [x for x in named if blocks["indexed"][x] != 1]
     return int((own or named or ids[-1:])[0])

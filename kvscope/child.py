@@ -125,10 +125,8 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
             Finding(
                 FindingKind.LEAK_FINISHED,
                 f"request {seq.request_id!r}{made} {what}",
-                block=(
-                    own_block(pool.view.blocks, seq.block_table, str(seq.request_id).encode()[:32])
-                    if seq.block_table
-                    else None
+                block=own_block(
+                    pool.view.blocks, seq.block_table, str(seq.request_id).encode()[:32]
                 ),
                 owner_pid=os.getpid(),
                 request=str(seq.request_id)[:32],
