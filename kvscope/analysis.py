@@ -608,14 +608,17 @@ def likely_causes(
             f" len(seq.tokens)"
         )
     opened = [] if slots_wrong else _block_openers_unwritten(findings, bs)
+    # one position late: a forked sample's first decode position is in its copy-on-write
+    # copy, so the copy is left with that one position unwritten, as a stale table leaves it
+    late_copies = _late_copies(findings) if _one_late(opened, findings, bs) else []
     if opened:
-        causes.append(_block_openers_sentence(opened, findings, bs))
+        causes.append(_block_openers_sentence(opened, findings, bs, late_copies))
     alone = [] if slots_wrong else _never_written_alone(findings)
     if alone:
         causes.append(_never_written_sentence(alone))
     copied_blank = _copies_of_unwritten(findings, bs, {f.get("site") for f in alone})
     skipped, stale = _unwritten_copies(
-        [f for f in findings if not any(f is c for c in copied_blank)], bs
+        [f for f in findings if not any(f is c for c in copied_blank + late_copies)], bs
     )
     if copied_blank:
         causes.append(
@@ -987,18 +990,38 @@ def _block_openers_unwritten(findings: list[dict[str, Any]], bs: int) -> list[di
     return out if len(out) > 1 else []
 
 
-def _block_openers_sentence(
-    opened: list[dict[str, Any]], findings: list[dict[str, Any]], bs: int
-) -> str:
-    """The cause of _block_openers_unwritten's findings: a decode's slot worked out before the
-    append gave it its block (or a write range one short), or one position late, which also
-    leaves each request's first decode position unwritten (a single position inside a block,
-    in the same requests)."""
+def _one_late(opened: list[dict[str, Any]], findings: list[dict[str, Any]], bs: int) -> bool:
+    """Whether _block_openers_unwritten's findings read as a decode's K/V stored one position
+    late: the same requests' first decode positions (a single position inside a block) are
+    unwritten too."""
     requests = {f.get("request") for f in opened}
-    late = any(
+    return any(
         (p := _single_unwritten(f)) is not None and p % bs != 0 and f.get("request") in requests
         for f in findings
     )
+
+
+def _late_copies(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kv_never_written findings on a copy-on-write copy (`copied_from`) with one position
+    unwritten: the appended token's (a copy is only made of a partial block)."""
+    out = []
+    for f in findings:
+        m = _UNWRITTEN.search(f.get("message", "")) if f.get("copied_from") is not None else None
+        if f["kind"] == FindingKind.KV_NEVER_WRITTEN and m and m.group(1) == m.group(2):
+            out.append(f)
+    return out
+
+
+def _block_openers_sentence(
+    opened: list[dict[str, Any]],
+    findings: list[dict[str, Any]],
+    bs: int,
+    late_copies: list[dict[str, Any]] | None = None,
+) -> str:
+    """The cause of _block_openers_unwritten's findings: a decode's slot worked out before the
+    append gave it its block (or a write range one short), or one position late (_one_late),
+    which also leaves each request's first decode position unwritten, in a forked sample's
+    copy-on-write copy too (`late_copies`)."""
     named = some(
         [
             f"{f.get('request')!r} block {f['block']} position {_single_unwritten(f)}"
@@ -1006,12 +1029,18 @@ def _block_openers_sentence(
         ],
         4,
     )
+    copies = (
+        f"; the forked samples' copy-on-write copies ({_copies(late_copies)}) are left with"
+        " their first decode position unwritten the same way"
+        if late_copies
+        else ""
+    )
     how = (
         "one position late: position n - 1's K/V stored in the slot of position n (n ="
         " seq.num_tokens after the append), which leaves each request's first decode position"
         " unwritten too, and sends the K/V of a block's last position past the table's end"
-        " (a padded block table's entry: block 0, or another request's block)"
-        if late
+        f" (a padded block table's entry: block 0, or another request's block){copies}"
+        if _one_late(opened, findings, bs)
         else "through a slot worked out before pool.append gave the position its block (a block"
         " table or slot mapping from before the append: the new block's entry was missing or"
         " padded), or not at all (a write range that stops one position short)"

@@ -264,12 +264,11 @@ def test_single_positions_unwritten_at_block_starts_name_the_decode_slot(pattern
         findings = [_unwritten("a", 2, 8, 8, ()), _unwritten("b", 5, 12, 12, ())]
     if pattern == "late":
         findings += [_unwritten("a", 1, 6, 6, ()), _unwritten("b", 4, 9, 9, ())]
+    # and a forked sample's copy-on-write copy with its first decode position unwritten
+    findings.append(_unwritten("c", 7, 13, 13, (), copied_from=6))
     # WHEN the causes are worked out
-    causes = [
-        c
-        for c in likely_causes(geometry, findings)
-        if c.startswith("positions never written, each")
-    ]
+    every = likely_causes(geometry, findings)
+    causes = [c for c in every if c.startswith("positions never written, each")]
     # THEN single positions at block starts name the decode's slot: one position late where
     # the first decode positions are unwritten too, else a slot from before the append
     if pattern == "ranges":
@@ -279,3 +278,8 @@ def test_single_positions_unwritten_at_block_starts_name_the_decode_slot(pattern
     assert "'a' block 2 position 8" in cause and "'b' block 5 position 12" in cause
     assert ("one position late" in cause) is (pattern == "late")
     assert ("before pool.append gave the position its block" in cause) is (pattern == "opened")
+    # and the copy's one unwritten position is the late store's where it is one position late
+    # (a forked sample's first decode), else the stale table's (its own cause)
+    late = pattern == "late"
+    assert ("'c' block 7 copied from 6" in cause) is late
+    assert any(c.startswith(STALE) for c in every) is not late
