@@ -94,15 +94,18 @@ def exhaustion_answer(
     )
 
 
+def _holders(view: SegmentView, alive: Alive) -> list[int]:
+    """The client slots of handles that still hold the pool (attached, their process alive)."""
+    clients = view.clients
+    attached = np.flatnonzero(clients["state"] == ClientState.ATTACHED)
+    return [c for c in attached.tolist() if alive(int(clients["pid"][c]), int(clients["start"][c]))]
+
+
 def stranded_blocks(view: SegmentView, alive: Alive = is_alive) -> int:
     """Blocks held (ALLOCATED) by a handle that no longer holds the pool: one closed with them
     (leaked requests) or whose process died attached (by the blocks' owner_client). What the samples counted as
     demand, though no request was served with them."""
-    clients = view.clients
-    attached = np.flatnonzero(clients["state"] == ClientState.ATTACHED)
-    holders = [
-        c for c in attached.tolist() if alive(int(clients["pid"][c]), int(clients["start"][c]))
-    ]
+    holders = _holders(view, alive)
     stranded = (view.blocks["state"] == BlockState.ALLOCATED) & ~np.isin(
         view.blocks["owner_client"], holders
     )
@@ -118,12 +121,38 @@ def stranded_blocks(view: SegmentView, alive: Alive = is_alive) -> int:
     return int(stranded.sum())
 
 
-def _stranded_note(k: int) -> str:
-    """The answer's last clause where `k` blocks were stranded: the demand counted them."""
+def stranded_preempted(view: SegmentView, alive: Alive = is_alive) -> tuple[int, int]:
+    """(sequences, blocks): the preempted sequences of handles that no longer hold the pool
+    (requests their engine lost while they waited: nothing can resume them) and the blocks
+    they wanted back, which the samples counted as demand (kvscope.history) from their
+    preemption on."""
+    seqs = view.seqs
+    lost = (seqs["state"] == SeqState.PREEMPTED) & ~np.isin(
+        seqs["owner_client"], _holders(view, alive)
+    )
+    bs = int(view.h["block_size"])
+    wanted = (seqs["num_tokens"][lost].astype(np.int64) + bs - 1) // bs
+    return int(lost.sum()), int(wanted.sum())
+
+
+def _stranded_note(k: int, seqs: int = 0, wanted: int = 0) -> str:
+    """The answer's last clause where `k` blocks were stranded, or `seqs` preempted sequences
+    wanting `wanted` blocks back were lost: the demand counted them."""
+    parts = []
+    if k:
+        parts.append(
+            f"{k} of the blocks held at the end belong to no process holding the pool (leaked"
+            f" requests, or a dead process's: the leak findings)"
+        )
+    if seqs:
+        parts.append(
+            f"{_plural(seqs, 'preempted sequence')} of no process holding the pool, neither"
+            f" resumed nor ended, wanted {_plural(wanted, 'block')} back (requests lost while"
+            f" they waited: the leak findings)"
+        )
     return (
-        f"; {k} of the blocks held at the end belong to no process holding the pool (leaked"
-        f" requests, or a dead process's: the leak findings): the demand above counts them, so"
-        f" fix those before growing the pool"
+        f"; {' and '.join(parts)}: the demand above counts them, so fix those before growing"
+        f" the pool"
     )
 
 
@@ -135,9 +164,13 @@ def capacity_answer(
     out = _capacity_answer(view, history)
     if out["num_exhausted"] or out["num_preemptions"]:
         k = stranded_blocks(view, alive)
+        seqs, wanted = stranded_preempted(view, alive)
+        if k or seqs:
+            out["answer"] += _stranded_note(k, seqs, wanted)
         if k:
-            out["answer"] += _stranded_note(k)
             out["stranded_blocks"] = k
+        if seqs:
+            out["stranded_preempted"] = {"sequences": seqs, "blocks": wanted}
     return out
 
 

@@ -338,6 +338,38 @@ def test_the_capacity_answer_says_when_leaked_blocks_filled_the_pool(make_pool, 
     pool.free(hit)
 
 
+@pytest.mark.parametrize("lost", [True, False])
+def test_the_capacity_answer_says_when_lost_preempted_requests_were_demand(make_pool, lost):
+    from kvscope.allocator import KVPool
+    from kvscope.capacity import capacity_answer
+
+    # GIVEN a second handle whose waiting request a larger one preempts, then the handle
+    # closes with the preempted request neither resumed nor ended (lost) or freed
+    pool = make_pool(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4, local_cache_size=0)
+    other = KVPool.attach(pool.name)
+    waiting = other.allocate("waiting", tuple(range(1, 19)))  # 18 tokens: 5 blocks
+    other.set_state(waiting, "waiting")
+    big = other.allocate("big", tuple(range(100, 116)))  # 4 blocks: preempts the waiting one
+    assert waiting.state == "preempted"
+    other.free(big)
+    if not lost:
+        other.free(waiting)
+    other.close()
+    # WHEN the capacity answer is read
+    cap = capacity_answer(pool.view, None)
+    # THEN it says the lost request's blocks were counted as demand, and only then
+    assert cap["num_preemptions"] == 1 and "stranded_blocks" not in cap
+    if lost:
+        assert cap["stranded_preempted"] == {"sequences": 1, "blocks": 5}
+        assert cap["demand_now"] == 5
+        assert (
+            "1 preempted sequence of no process holding the pool, neither resumed nor ended,"
+            " wanted 5 blocks back" in cap["answer"]
+        )
+    else:
+        assert "stranded_preempted" not in cap and "no process holding" not in cap["answer"]
+
+
 def test_block_and_request_focus_print_times_and_tables_as_text(make_pool, capsys):
     from kvscope.cli import main
 
