@@ -174,10 +174,11 @@ def modified_message(
 
 
 def freed_by(rec: np.void) -> int:
-    """The pid that freed a poisoned block (guard mode): its owner while it is quarantined in
-    the ring; once out of quarantine in a local cache (whose process is then its owner), or
-    flushed back from one, the record's `freed_at` keeps it (csrc/blocks.c freed_by)."""
-    if int(rec["poisoned"]) == 1 and int(rec["state"]) != BlockState.QUARANTINED:
+    """The pid that freed a free block: its owner while it is quarantined in the ring (guard
+    mode: `freed_at` is then the ring's count); else the record's `freed_at`, which a release
+    outside guard mode, a refill out of the ring and an eviction set and an allocation clears
+    (0: the owner) (csrc/blocks.c freed_by)."""
+    if int(rec["state"]) != BlockState.QUARANTINED and int(rec["freed_at"]) != 0:
         return int(np.uint32(int(rec["freed_at"]) & 0xFFFFFFFF).view(np.int32))
     return int(rec["owner_pid"])
 

@@ -110,9 +110,10 @@ def block_fields(block_size: int) -> list[Field]:
         ("site", "<i4"),
         ("num_tokens", "<u4"),
         ("parent_hash", "<u8"),
-        # Guard mode: the free ring's allocation count when this block was quarantined; once a
-        # refill takes it, still poisoned, into a local cache (whose process becomes its
-        # owner), the pid that freed it (integrity.freed_by).
+        # A quarantined block (guard mode): the free ring's allocation count when it was
+        # quarantined; another free block: the pid that freed it, set by a release outside
+        # guard mode, a refill (before the refilling process becomes its owner) and an
+        # eviction, cleared by an allocation (integrity.freed_by).
         ("freed_at", "<u8"),
         ("tokens", "<i4", (block_size,)),
     ]

@@ -616,9 +616,12 @@ def likely_causes(
     alone = [] if slots_wrong else _never_written_alone(findings)
     if alone:
         causes.append(_never_written_sentence(alone))
-    copied_blank = _copies_of_unwritten(findings, bs, {f.get("site") for f in alone})
+    # (the slot formula leaves mapped slots unwritten everywhere: copies, resumed requests'
+    # blocks and published blocks alike; no cause of an unwritten position beside it)
+    unexplained = [] if slots_wrong else findings
+    copied_blank = _copies_of_unwritten(unexplained, bs, {f.get("site") for f in alone})
     skipped, stale = _unwritten_copies(
-        [f for f in findings if not any(f is c for c in copied_blank + late_copies)], bs
+        [f for f in unexplained if not any(f is c for c in copied_blank + late_copies)], bs
     )
     if copied_blank:
         causes.append(
@@ -643,19 +646,29 @@ def likely_causes(
             f" ({_copies(stale)}): re-read seq.block_table or pool.slot_mapping(seq, start,"
             f" end) after every append, each sequence its own"
         )
-    resumed_blank = _resumed_blank(findings)
-    early = _published_early([f for f in findings if not any(f is r for r in resumed_blank)])
+    resumed_blank = _resumed_blank(unexplained)
+    late = _stored_by_publisher(findings)
+    early = None
+    if not slots_wrong:
+        early = _published_early(
+            [f for f in findings if not any(f is r for r in resumed_blank)], late
+        )
     if early:
         blanks, readers = early
+        read = (
+            f", and read by prefix hits as changed since ({_blocks_of(readers)}): the"
+            f" foreign_slot findings are those readers"
+            if readers
+            else ": their publisher stored the K/V after pool.mark_computed published them,"
+            " and a prefix hit in between reads K/V nobody wrote"
+        )
         causes.append(
-            f"blocks published before their K/V was written ({_blocks_of(blanks)}), and read by"
-            f" prefix hits as changed since ({_blocks_of(readers)}): the foreign_slot findings"
-            f" are those readers; call pool.mark_computed(seq, n) only once the K/V of"
-            f" positions [0, n) is stored"
+            f"blocks published before their K/V was written ({_blocks_of(blanks)}){read};"
+            f" call pool.mark_computed(seq, n) only once the K/V of positions [0, n) is stored"
         )
     resumed = [
         f
-        for f in findings
+        for f in unexplained
         if f["kind"] == FindingKind.KV_NEVER_WRITTEN
         and f.get("preempted_blocks")
         and f.get("copied_from") is None  # (a copy's own causes, above)
@@ -664,7 +677,7 @@ def likely_causes(
         causes.append(_resumed_unwritten(resumed, findings))
     blank = [
         f
-        for f in findings
+        for f in unexplained
         if f["kind"] == FindingKind.KV_NEVER_WRITTEN
         and f.get("read_unwritten")
         and f.get("copied_from") is None
@@ -758,20 +771,6 @@ def likely_causes(
             f' pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, "What the'
             f' probes do not see")'
         )
-    late = [
-        f
-        for f in findings
-        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
-        and not _blank_at_publish(f)
-        and f.get("block") is not None
-        and (
-            # the recorder saw no other request map it, or the store named its publisher as
-            # the writer (a store naming another writer is that writer's, not the publisher's)
-            f.get("mapped_since_published") == []
-            if stored_by(f) is None
-            else f"published by request {stored_by(f)!r} " in f["message"]
-        )
-    ]
     # (those say where such writes came from; so does a slot formula that lands each token in
     # another block's slot)
     if late and not (early or resumed or lost or slots_wrong):
@@ -860,13 +859,35 @@ def _resumed_blank(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [f for f in blanks if written & set(f["preempted_blocks"])]
 
 
+def _stored_by_publisher(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """published_block_modified findings (not published blank) of a publisher's own store
+    after mark_computed: the recorder saw no other request map the block, or the store named
+    its publisher as the writer (a store naming another writer is that writer's)."""
+    return [
+        f
+        for f in findings
+        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+        and not _blank_at_publish(f)
+        and f.get("block") is not None
+        and (
+            f.get("mapped_since_published") == []
+            if stored_by(f) is None
+            else f"published by request {stored_by(f)!r} " in f["message"]
+        )
+    ]
+
+
 def _published_early(
-    findings: list[dict[str, Any]],
+    findings: list[dict[str, Any]], late: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
-    """The blocks published blank (their publisher wrote the K/V after mark_computed) and the
-    foreign_slot findings on those same blocks (a hit that read a slot changed since its
-    publication: the late write itself), when there are both."""
+    """When blocks were published blank (their publisher wrote the K/V after mark_computed):
+    those, with the publishers' own stores into published blocks (`late`: the same early
+    publication, seen at the store), and the foreign_slot findings on any of them (a hit that
+    read a slot changed since its publication: the late write itself)."""
     blanks = [f for f in findings if _blank_at_publish(f)]
+    if not blanks:
+        return None
+    blanks += [f for f in late if not any(f is b for b in blanks)]
     blocks = {f.get("block") for f in blanks}
     readers = [
         f
@@ -875,16 +896,16 @@ def _published_early(
         and f.get("block") in blocks
         and "since its publication" in f["message"]
     ]
-    return (blanks, readers) if blanks and readers else None
+    return blanks, readers
 
 
 def _blocks_of(found: list[dict[str, Any]]) -> str:
     """ "'a' blocks 0, 1, 'b' block 5 and N more": the first 3 requests' blocks."""
-    by: dict[Any, list[int]] = {}
+    by: dict[Any, set[int]] = {}
     for f in found:
-        by.setdefault(f.get("request"), []).append(f["block"])
+        by.setdefault(f.get("request"), set()).add(f["block"])
     parts = [
-        f"{r!r} block{'s' if len(b) > 1 else ''} {', '.join(map(str, sorted(set(b))))}"
+        f"{r!r} block{'s' if len(b) > 1 else ''} {', '.join(map(str, sorted(b)))}"
         for r, b in list(by.items())[:3]
     ]
     return ", ".join(parts) + (f" and {len(by) - 3} more request(s)" if len(by) > 3 else "")

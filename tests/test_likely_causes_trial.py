@@ -283,3 +283,24 @@ def test_single_positions_unwritten_at_block_starts_name_the_decode_slot(pattern
     late = pattern == "late"
     assert ("'c' block 7 copied from 6" in cause) is late
     assert any(c.startswith(STALE) for c in every) is not late
+
+
+def test_beside_the_slot_formula_no_other_cause_of_unwritten_positions_is_named():
+    # GIVEN the slot formula's signature (guard slots overwritten, mapped slots unwritten) and,
+    # from the same formula, unwritten positions in a copy-on-write copy, in a resumed
+    # request's block, and in a published block prefix hits read
+    cow = [_ev("cow", 19, 1, 5, "r21", arg=30)]
+    found = [
+        {"kind": "guard_violation", "block": 4, "request": "r1", "message": "guard slot ..."},
+        _unwritten("r2", 7, 0, 3, [_ev("allocate", 7, 1, 1, "r2")]),
+        _unwritten("r21", 19, 1, 1, cow, copied_from=30),
+        _unwritten("r9", 22, 0, 3, [_ev("allocate", 22, 2, 9, "r9")], preempted_blocks=[1, 12]),
+        _unwritten("r9", 27, 0, 3, [_ev("allocate", 27, 1, 2, "r9")], read_unwritten=["r9/s1"]),
+    ]
+    # WHEN the causes are named
+    causes = likely_causes(GUARD, found)
+    # THEN the formula is the one cause; each of the others alone names its own
+    (cause,) = causes
+    assert "block * block_size + offset" in cause
+    for other in found[2:]:
+        assert likely_causes(GUARD, [other]), other

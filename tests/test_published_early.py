@@ -60,5 +60,46 @@ def test_a_foreign_slot_on_another_block_is_not_tied_to_an_early_publication():
         "request": "b",
         "message": "a prefix hit: slot 0 of block 2 ... was written since its publication: ...",
     }
-    assert likely_causes(geo, [blank, hit]) == []
-    assert likely_causes(geo, [blank, dict(hit, block=1)])
+    # the early publication is named alone, without the hit on another block
+    (alone,) = likely_causes(geo, [blank, hit])
+    assert alone.startswith("blocks published before their K/V was written ('a' block 1):")
+    assert "'b'" not in alone and "a prefix hit in between reads K/V nobody wrote" in alone
+    (tied,) = likely_causes(geo, [blank, dict(hit, block=1)])
+    assert "read by prefix hits as changed since ('b' block 1)" in tied
+
+
+def test_the_publishers_own_stores_into_published_blocks_are_the_same_early_publication():
+    # GIVEN an engine whose prefill publishes before it stores: one block found published
+    # blank, the store probe naming the publisher as the writer into two more, and a prefix
+    # hit that read one of those two changed since its publication
+    geo = {"block_size": 4, "slots_per_block": 5}
+    blank = {
+        "kind": "published_block_modified",
+        "block": 1,
+        "request": "a",
+        "message": "published before its K/V was written: ...",
+    }
+    stores = [
+        {
+            "kind": "published_block_modified",
+            "block": b,
+            "request": r,
+            "message": f"request {r!r} stored K/V into block {b} at e.py:9 store: published by"
+            f" request {r!r} (pid 7), shared by prefix hits",
+        }
+        for r, b in (("a", 1), ("c", 2), ("d", 3))
+    ]
+    hit = {
+        "kind": "foreign_slot",
+        "block": 2,
+        "request": "b",
+        "message": "a prefix hit: slot 0 of block 2 ... was written since its publication: ...",
+    }
+    # WHEN the causes are named
+    (cause,) = likely_causes(geo, [blank, *stores, hit])
+    # THEN they are one early publication, every publisher's block named once, the hit its
+    # reader; not also a late store of a decode step
+    assert cause.startswith(
+        "blocks published before their K/V was written ('a' block 1, 'c' block 2, 'd' block 3)"
+    )
+    assert "read by prefix hits as changed since ('b' block 2)" in cause

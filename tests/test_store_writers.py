@@ -14,6 +14,7 @@ import torch
 from kvscope.allocator import KVPool, PoolConfig
 from kvscope.kernels import store_kv
 from kvscope.probes.stores import Writers, settle_writes
+from tests.forking import fork_child, wait_child
 
 BS = 4
 PROMPT = list(range(100, 110))  # two full blocks and a partial one
@@ -330,3 +331,49 @@ def test_a_recorded_check_is_a_store_record_then_the_core_s_report(make_pool, pr
     assert reported.op == OpCode.REPORT and reported.request == "a"
     assert reported.found == [("unmapped_write", blk)]
     assert log.store_reports() == {reported.seq: stored.seq}
+
+
+def test_a_use_after_free_names_the_pid_that_freed_the_block_not_the_cache_that_took_it(
+    make_pool, probes
+):
+    # GIVEN a request freed by this process into the shared free ring (its local cache full,
+    # every other block held)
+    pool = make_pool(16, local_cache_size=1)
+    seq = pool.allocate("gone", list(range(12)))
+    table = list(seq.block_table)
+    hold = pool.allocate("hold", list(range(100, 144)))
+    pool.free(seq)
+    # ... whose blocks another process's allocation took into its local cache, one of them
+    # allocated, the other still in the cache until that process detached
+
+    def other() -> int:
+        p = KVPool.attach(pool.name)
+        p.free(p.allocate("other", [1000]))
+        p.close()
+        return 0
+
+    child = fork_child(other, alarm_s=60)
+    assert wait_child(child) == 0
+    blocks = pool.view.blocks
+    (cached,) = [
+        b for b in table if blocks["owner_pid"][b] == child and blocks["generation"][b] == 1
+    ]
+    # WHEN the freed request stores through its kept table into that block
+    store(pool, [cached * pool.slots_per_block], Writers(pool, [(seq, 0, 1)]))
+    # THEN the finding names this process as the block's last holder, not the other one
+    (f,) = [f for f in found(pool) if f.block == cached]
+    assert f.kind == "use_after_free"
+    assert f.message.endswith(f"(last held by request 'gone', pid {os.getpid()})")
+    pool.free(hold)
+
+
+def test_a_store_into_a_block_never_allocated_says_so(pool):
+    # GIVEN a pool none of whose blocks was ever allocated, and a request's kept table
+    seq = pool.allocate("late", [1, 2, 3])
+    pool.free(seq)
+    never = next(b for b in range(pool.config.num_blocks) if pool.view.blocks["generation"][b] == 0)
+    # WHEN its store goes through a wrong slot into a block nobody ever held
+    store(pool, [never * pool.slots_per_block], Writers(pool, [(seq, 0, 1)]))
+    # THEN the finding says the block was never allocated (no holder, no pid)
+    (f,) = [f for f in found(pool) if f.block == never]
+    assert f.kind == "use_after_free" and f.message.endswith("the block is free (never allocated)")

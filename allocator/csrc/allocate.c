@@ -319,9 +319,13 @@ static int give_back_freed(Native *n, int32_t *zero, int64_t *nzp, int guard, in
     }
     int64_t fit;
     if (local_push(n, zero, nz, &fit)) return UNHANDLED;
-    if (fit == nz) return OK;
-    if (need_locks(n, lock_bit(n->lock_free))) return UNHANDLED;
-    return ring_push(n, zero + fit, nz - fit);
+    if (fit < nz &&
+        (need_locks(n, lock_bit(n->lock_free)) || ring_push(n, zero + fit, nz - fit)))
+        return UNHANDLED;
+    /* (who freed them, kept through another process's refill: freed_by; the pushes saved the
+     * records) */
+    for (int64_t i = 0; i < nz; i++) U8(blk(n, zero[i]) + BF_FREED_AT) = (uint64_t)(uint32_t)n->pid;
+    return OK;
 }
 
 /* A guarded release's freed blocks (zero, nz: give_back_freed's, with fill_checks) poisoned

@@ -157,6 +157,7 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
                 if (fit == 0 &&
                     (need_locks(n, lock_bit(n->lock_free)) || ring_push(n, &last, 1)))
                     goto abort;
+                U8(src_r + BF_FREED_AT) = (uint64_t)(uint32_t)n->pid; /* (freed_by) */
             }
             if (set_block(n, slot, nb - 1, dst)) goto abort;
             seal(n, dst);

@@ -37,12 +37,13 @@ static int ring_append(Native *n, const int32_t *ids, int64_t k) {
     return OK;
 }
 
-/* The pid that freed block record r, still poisoned (guard mode): its owner while it is
- * quarantined in the ring; once a refill took it out into a local cache, whose process is then
- * its owner, `freed_at` (no longer the ring's count) keeps the pid that freed it, through a
- * flush back to the ring too. integrity.freed_by reads the same. */
+/* The pid that freed block record r (a free one): its owner while it is quarantined in the
+ * ring (guard mode: `freed_at` is then the ring's count); else `freed_at`, which a release
+ * outside guard mode, a refill out of the ring (before it makes the refilling process the
+ * owner) and an eviction set, and an allocation clears (0: none of them since, the owner).
+ * integrity.freed_by reads the same. */
 static inline int32_t freed_by(const uint8_t *r) {
-    if (r[BF_POISONED] == 1 && r[BF_STATE] != B_QUARANTINED)
+    if (r[BF_STATE] != B_QUARANTINED && U8(r + BF_FREED_AT) != 0)
         return (int32_t)(uint32_t)U8(r + BF_FREED_AT);
     return I4(r + BF_OWNER_PID);
 }
@@ -185,8 +186,8 @@ static int refill(Native *n, int64_t later) {
         if (jsave_block(n, ids[i])) return UNHANDLED;
     for (int64_t i = 0; i < got; i++) {
         uint8_t *r = blk(n, ids[i]);
-        /* (a poisoned block out of quarantine keeps who freed it: freed_by) */
-        if (r[BF_POISONED] == 1 && r[BF_STATE] == B_QUARANTINED)
+        /* (a block out of quarantine, or one no release marked, keeps who freed it: freed_by) */
+        if (r[BF_STATE] == B_QUARANTINED || U8(r + BF_FREED_AT) == 0)
             U8(r + BF_FREED_AT) = (uint64_t)(uint32_t)I4(r + BF_OWNER_PID);
         I4(r + BF_OWNER_PID) = n->pid;
         I4(r + BF_OWNER_CLIENT) = n->client;
@@ -276,6 +277,7 @@ static int stamp(Native *n, const int32_t *ids, int64_t k, const char *request, 
         I4(r + BF_SITE) = site;
         U4(r + BF_NUM_TOKENS) = 0;
         U8(r + BF_PARENT_HASH) = 0;
+        U8(r + BF_FREED_AT) = 0;
         seal(n, ids[i]);
     }
     if (k) crash_point(n, CP_AFTER_RECORDS);

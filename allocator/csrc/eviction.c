@@ -342,10 +342,8 @@ static int evict_into(Native *n, int64_t k, int64_t extra, int64_t mine, int32_t
         I4(r + BF_REFCOUNT) = 0;
         r[BF_STATE] = B_LOCAL; /* in flight to the caller: stamped or pushed to the ring */
         I4(r + BF_OWNER_CLIENT) = n->client;
-        if (guard && i >= mine) {
-            r[BF_POISONED] = 1;
-            U8(r + BF_FREED_AT) = (uint64_t)(uint32_t)n->pid;
-        }
+        if (i >= mine) U8(r + BF_FREED_AT) = (uint64_t)(uint32_t)n->pid;
+        if (guard && i >= mine) r[BF_POISONED] = 1;
     }
     crash_point(n, CP_AFTER_EVICT);
     if (mine) memcpy(out, cand, 4 * (size_t)mine);

@@ -209,7 +209,9 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
      * block record keeps the request that allocated it, which a fork's sibling or the writer
      * itself, after a copy-on-write gave it a copy, may no longer be); else the record's. */
     const uint8_t *held = r + BF_REQUEST;
-    int pid = I4(r + BF_OWNER_PID), mapper = 0;
+    /* (a free block's record may be in another process's local cache, which its owner pid then
+     * names: the pid that freed it is freed_by's) */
+    int pid = fk == FK_USE_AFTER_FREE ? freed_by(r) : I4(r + BF_OWNER_PID), mapper = 0;
     if (fk == FK_UNMAPPED_WRITE) {
         for (int64_t slot = 0; slot < n->max_seqs && !mapper; slot++) {
             const uint8_t *q = seqrec(n, slot);
@@ -229,7 +231,11 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
     PyObject *owner = who ? PyUnicode_DecodeUTF8((const char *)held, ol, "replace") : NULL;
     PyObject *msg = NULL;
     if (owner != NULL) {
-        if (fk == FK_USE_AFTER_FREE)
+        if (fk == FK_USE_AFTER_FREE && U4(r + BF_GENERATION) == 0)
+            msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U: the block is "
+                                       "free (never allocated)",
+                                       who, (int)b, c->site);
+        else if (fk == FK_USE_AFTER_FREE)
             msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U: the block is "
                                        "free (last held by request %R, pid %d)",
                                        who, (int)b, c->site, owner, pid);
