@@ -607,6 +607,19 @@ def likely_causes(
             f" [start, end) through pool.slot_mapping(seq, start, end), end at most"
             f" len(seq.tokens)"
         )
+    strays = [] if slots_wrong else never_held_writes(findings)
+    if strays:
+        causes.append(
+            f"K/V stored into blocks their writer never held"
+            f" ({some([f'{w!r} into block {b}' for w, b in strays], 4)}): its slots were worked"
+            f" out from another sequence's block table (another request's row of a batch"
+            f" table: an index off by one, rows out of step with the batch after a finish or a"
+            f" preemption), so the writer's own positions stay unwritten; work out each"
+            f" sequence's slots from its own table, pool.slot_mapping(seq, start, end)"
+        )
+    # (a slot formula or another table's row leaves the writer's own positions unwritten
+    # anywhere: no cause of an unwritten position beside them)
+    slots_wrong = slots_wrong or bool(strays)
     opened = [] if slots_wrong else _block_openers_unwritten(findings, bs)
     # one position late: a forked sample's first decode position is in its copy-on-write
     # copy, so the copy is left with that one position unwritten, as a stale table leaves it
@@ -616,8 +629,6 @@ def likely_causes(
     alone = [] if slots_wrong else _never_written_alone(findings)
     if alone:
         causes.append(_never_written_sentence(alone))
-    # (the slot formula leaves mapped slots unwritten everywhere: copies, resumed requests'
-    # blocks and published blocks alike; no cause of an unwritten position beside it)
     unexplained = [] if slots_wrong else findings
     copied_blank = _copies_of_unwritten(unexplained, bs, {f.get("site") for f in alone})
     skipped, stale = _unwritten_copies(
@@ -862,7 +873,19 @@ def _resumed_blank(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _stored_by_publisher(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """published_block_modified findings (not published blank) of a publisher's own store
     after mark_computed: the recorder saw no other request map the block, or the store named
-    its publisher as the writer (a store naming another writer is that writer's)."""
+    its publisher as the writer. A store naming another writer is that writer's, and so is a
+    change found later on a block such a store, or one into a block its writer does not map,
+    wrote into: the writer is known, and it mapped nothing there."""
+    foreign = {
+        f.get("block")
+        for f in findings
+        if stored_by(f) is not None
+        and (
+            f["kind"] == FindingKind.UNMAPPED_WRITE
+            or f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+            and f"published by request {stored_by(f)!r} " not in f["message"]
+        )
+    }
     return [
         f
         for f in findings
@@ -870,7 +893,7 @@ def _stored_by_publisher(findings: list[dict[str, Any]]) -> list[dict[str, Any]]
         and not _blank_at_publish(f)
         and f.get("block") is not None
         and (
-            f.get("mapped_since_published") == []
+            f.get("mapped_since_published") == [] and f.get("block") not in foreign
             if stored_by(f) is None
             else f"published by request {stored_by(f)!r} " in f["message"]
         )
@@ -1151,6 +1174,33 @@ def stored_by(f: dict[str, Any]) -> str | None:
     if req is not None and f["message"].startswith(f"request {req!r} stored K/V into"):
         return str(req)
     return None
+
+
+def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(writer, block) of each store the store probe named into a block another request
+    holds (an unmapped_write, or a published block changed by a writer not its publisher)
+    whose flight recorder shows no operation of the writer on the block before the finding:
+    not a table kept across a preemption, an abort or a copy-on-write (each of those writes
+    into a block its writer once held), but another sequence's table. Without the recorder's
+    events, none."""
+    out: list[tuple[str, int]] = []
+    for f in findings:
+        writer, blk, events = stored_by(f), f.get("block"), f.get("events")
+        if writer is None or blk is None or not events:
+            continue
+        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED:
+            if f"published by request {writer!r} " in f["message"]:
+                continue
+        elif f["kind"] != FindingKind.UNMAPPED_WRITE:
+            continue
+        until = f.get("time_ns") or events[-1]["time_ns"]
+        held = any(
+            e["request"] == writer and e["op"] != "finding" and e["time_ns"] <= until
+            for e in events
+        )
+        if not held and (writer, blk) not in out:
+            out.append((writer, blk))
+    return out
 
 
 def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:

@@ -304,3 +304,32 @@ def test_beside_the_slot_formula_no_other_cause_of_unwritten_positions_is_named(
     assert "block * block_size + offset" in cause
     for other in found[2:]:
         assert likely_causes(GUARD, [other]), other
+
+
+@pytest.mark.parametrize("held_before", [False, True])
+def test_a_store_into_a_block_its_writer_never_held_names_another_table_s_row(held_before):
+    # GIVEN a decode step's store that the store probe names into a block another request
+    # holds ('n' wrote into 'h''s block 17), its writer's own position left unwritten
+    events = [_ev("allocate", 17, 1, 1, "h"), _ev("publish", 17, 1, 2, "h")]
+    if held_before:  # (the writer held the block once: a table kept from then, not a row)
+        events.insert(0, _ev("allocate", 17, 1, 0, "n"))
+    stray = {
+        "kind": "unmapped_write",
+        "block": 17,
+        "request": "n",
+        "message": "request 'n' stored K/V into block 17 at e.py:9 store, which it does not map"
+        " (held by request 'h', pid 7)",
+        "time_ns": 3,
+        "events": [*events, _ev("finding", 17, 1, 3, "n")],
+    }
+    own = _unwritten("n", 30, 16, 16, [_ev("allocate", 30, 1, 2, "n")])
+    # WHEN the causes are named
+    causes = likely_causes(GUARD, [stray, own])
+    named = [c for c in causes if c.startswith("K/V stored into blocks their writer never held")]
+    if held_before:
+        assert named == []
+        return
+    # THEN the write names another sequence's table row, and the unwritten position is its
+    # consequence, not a cause of its own
+    assert causes == named and "('n' into block 17)" in named[0]
+    assert "pool.slot_mapping(seq, start, end)" in named[0]
