@@ -623,10 +623,20 @@ def likely_causes(
     opened = [] if slots_wrong else _block_openers_unwritten(findings, bs)
     # one position late: a forked sample's first decode position is in its copy-on-write
     # copy, so the copy is left with that one position unwritten, as a stale table leaves it
-    late_copies = _late_copies(findings) if _one_late(opened, findings, bs) else []
+    one_late = _one_late(opened, findings, bs)
+    late_copies = _late_copies(findings) if one_late else []
     if opened:
         causes.append(_block_openers_sentence(opened, findings, bs, late_copies))
     alone = [] if slots_wrong else _never_written_alone(findings)
+    # (not the block openers, named above; one position late also leaves each request's first
+    # decode position unwritten: a single position, the same cause, not a write range that
+    # stops short)
+    alone = [
+        f
+        for f in alone
+        if not any(f is o for o in opened) and not (one_late and _single_unwritten(f) is not None)
+    ]
+    alone = alone if len({f["request"] for f in alone}) > 1 else []
     if alone:
         causes.append(_never_written_sentence(alone))
     unexplained = [] if slots_wrong else findings

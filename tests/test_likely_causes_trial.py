@@ -258,19 +258,26 @@ def test_single_positions_unwritten_at_block_starts_name_the_decode_slot(pattern
     # a block two requests' appends opened, with (late) or without (opened) each request's
     # first decode position unwritten too inside its block; or ranges of several positions
     geometry = {"block_size": 4, "slots_per_block": 4}
+
+    def unwritten(request, block, lo, hi, **extra):
+        return _unwritten(request, block, lo, hi, [_ev("allocate", block, 1, 1, request)], **extra)
+
     if pattern == "ranges":
-        findings = [_unwritten("a", 1, 4, 6, ()), _unwritten("b", 3, 8, 9, ())]
+        findings = [unwritten("a", 1, 4, 6), unwritten("b", 3, 8, 9)]
     else:
-        findings = [_unwritten("a", 2, 8, 8, ()), _unwritten("b", 5, 12, 12, ())]
+        findings = [unwritten("a", 2, 8, 8), unwritten("b", 5, 12, 12)]
     if pattern == "late":
-        findings += [_unwritten("a", 1, 6, 6, ()), _unwritten("b", 4, 9, 9, ())]
+        findings += [unwritten("a", 1, 6, 6), unwritten("b", 4, 9, 9)]
     # and a forked sample's copy-on-write copy with its first decode position unwritten
-    findings.append(_unwritten("c", 7, 13, 13, (), copied_from=6))
+    findings.append(unwritten("c", 7, 13, 13, copied_from=6))
     # WHEN the causes are worked out
     every = likely_causes(geometry, findings)
     causes = [c for c in every if c.startswith("positions never written, each")]
     # THEN single positions at block starts name the decode's slot: one position late where
     # the first decode positions are unwritten too, else a slot from before the append
+    # (ranges of two requests are a write range that stops short; the block openers and the
+    # first decode positions one late leaves unwritten are not named as that too)
+    assert any(c.startswith(NEVER) for c in every) is (pattern == "ranges")
     if pattern == "ranges":
         assert causes == []
         return
