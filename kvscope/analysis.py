@@ -1253,7 +1253,8 @@ def aborted_then_written(
     release before the finding, in its flight recorder, is that same request's `abort`: K/V
     stored for a request after it was aborted, as a step does whose slots were worked out
     before an abort from another thread. A release by `free` or a preemption is not it (a
-    table kept after the end, or across a preemption: another cause).
+    table kept after the end, or across a preemption: another cause). So is a store into the
+    block once another request took it (`_aborted_into_reused`).
 
     Only the store probe names a write's writer ("request 'r' stored K/V into block ..."): a
     write it names is the aborted request's own. A write found later, as poison overwritten
@@ -1268,7 +1269,11 @@ def aborted_then_written(
     stray = False
     for f in findings:
         req, blk = f.get("request"), f.get("block")
-        if f["kind"] != FindingKind.USE_AFTER_FREE or req is None or blk is None:
+        if req is None or blk is None:
+            continue
+        if f["kind"] != FindingKind.USE_AFTER_FREE:
+            if _aborted_into_reused(f):
+                out.append((req, blk))
             continue
         named = f.get("message", "").startswith("request ")  # (the store probe's: the writer)
         until = f.get("time_ns") or None
@@ -1287,6 +1292,31 @@ def aborted_then_written(
     if not (explained or stray):
         out.extend(unnamed)
     return out
+
+
+def _aborted_into_reused(f: dict[str, Any]) -> bool:
+    """A store the store probe named into a block another request holds now (an
+    unmapped_write, or a published block changed by a writer not its publisher) whose writer's
+    own last release of the block before the finding, in its flight recorder, is an `abort`:
+    the aborted request's step stored after the block went to another request, in its process
+    or another one."""
+    writer = stored_by(f)
+    if writer is None or f["kind"] not in (
+        FindingKind.UNMAPPED_WRITE,
+        FindingKind.PUBLISHED_BLOCK_MODIFIED,
+    ):
+        return False
+    if f"published by request {writer!r} " in f["message"]:
+        return False
+    until = f.get("time_ns") or None
+    ends = [
+        e["op"]
+        for e in f.get("events") or ()
+        if e["request"] == writer
+        and e["op"] in ("free", "abort", "preempt")
+        and (until is None or e["time_ns"] <= until)
+    ]
+    return bool(ends) and ends[-1] == "abort"
 
 
 def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -340,3 +340,33 @@ def test_a_store_into_a_block_its_writer_never_held_names_another_table_s_row(he
     # consequence, not a cause of its own
     assert causes == named and "('n' into block 17)" in named[0]
     assert "pool.slot_mapping(seq, start, end)" in named[0]
+
+
+@pytest.mark.parametrize("end", ["abort", "free"])
+def test_a_store_after_an_abort_into_the_block_another_request_took_names_the_abort(end):
+    # GIVEN request 'r3' aborted (or freed), its block 30 taken since by 'r2' in another
+    # process, and the store probe naming 'r3' as the writer into it
+    events = [
+        _ev("allocate", 30, 1, 1, "r3"),
+        _ev(end, 30, 1, 2, "r3"),
+        dict(_ev("allocate", 30, 2, 3, "r2"), pid=8),
+        _ev("finding", 30, 2, 4, "r3"),
+    ]
+    stray = {
+        "kind": "unmapped_write",
+        "block": 30,
+        "request": "r3",
+        "message": "request 'r3' stored K/V into block 30 at e.py:9 store, which it does not map"
+        " (held by request 'r2', pid 8)",
+        "time_ns": 4,
+        "events": events,
+    }
+    # WHEN the causes are named
+    causes = likely_causes(GUARD, [stray])
+    # THEN after an abort it is the abort racing the step; after a free, not
+    raced = [c for c in causes if c.startswith(RACED)]
+    if end == "abort":
+        (cause,) = raced
+        assert "('r3' block 30)" in cause
+    else:
+        assert raced == []
