@@ -271,9 +271,15 @@ def _finding(f: dict[str, Any]) -> str:
     alloc = [e for e in events if e["op"] in ("allocate", "prefix_hit", "fork")]
     freed = [e for e in events if e["op"] in ("free", "abort", "preempt", "evict", "reclaim")]
     stack = f.get("stack") or ([f["site"]] if f.get("site") else [])
+    sites = f.get("block_sites") or {}
+    if len(sites) > 1:  # (blocks of one request allocated at several lines: report.grouped)
+        stack = [
+            f"{site or 'a site not recorded'} (blocks {', '.join(map(str, b))})"
+            for site, b in sites.items()
+        ]
     stack_html = (
         "".join(
-            f"<pre>{'at' if k == 0 else '  called from'} {esc(fr)}</pre>"
+            f"<pre>{'at' if k == 0 or len(sites) > 1 else '  called from'} {esc(fr)}</pre>"
             for k, fr in enumerate(stack)
         )
         or "<p class=sub>allocation site not recorded (KVSCOPE_OWNERSHIP=1; KVSCOPE_STACK_DEPTH=N for N frames)</p>"

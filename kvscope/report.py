@@ -143,7 +143,8 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
 
 
 def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Findings that differ only by block become one entry listing the blocks (the first's events)."""
+    """Findings that differ only by block become one entry listing the blocks (the first's
+    events), and the blocks of each allocation site where they differ (`block_sites`)."""
     out: list[dict[str, Any]] = []
     index: dict[tuple[Any, ...], dict[str, Any]] = {}
     for f in findings:
@@ -155,6 +156,9 @@ def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 index[key] = g
         else:
             index[key]["blocks"].append(f["block"])
+        if f.get("block") is not None:
+            sites = index[key].setdefault("block_sites", {})
+            sites.setdefault(f.get("site") or "", []).append(f["block"])
     return out
 
 
@@ -233,7 +237,12 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
             "      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"]))
         )
     at = f" ({_when(f['alloc_ns'])})" if f.get("alloc_ns") else ""
-    if f.get("stack"):
+    sites = f.get("block_sites") or {}
+    if len(sites) > 1:
+        # (blocks of one request allocated at several lines: a shared prefix's, its own)
+        each = [f"{site or 'a site not recorded'} ({_blocks(b)})" for site, b in sites.items()]
+        con.print(escape("      allocated at " + "; ".join(each)))
+    elif f.get("stack"):
         con.print(escape(f"      allocated at {f['stack'][0]}{at}"))
         for frame in f["stack"][1:]:
             con.print(escape(f"        called from {frame}"))

@@ -38,3 +38,30 @@ def test_a_dead_owner_shows_its_own_events_on_the_block():
     # another kind keeps every process's events
     text = _text([dict(finding, kind="leak_finished")])
     assert "theirs-19" in text and "of pid 5" not in text
+
+
+def test_one_request_s_blocks_allocated_at_several_lines_print_each_line_with_its_blocks():
+    # GIVEN a dead process's request holding a shared prefix block another line allocated and
+    # two blocks of its own
+    def held(block, site):
+        return {
+            "kind": "leak_dead_owner",
+            "severity": "warning",
+            "block": block,
+            "owner_pid": 5,
+            "request": "r8",
+            "message": "block is held by pid 5, which died",
+            "source": "check",
+            "site": site,
+            "events": [],
+        }
+
+    found = [held(6, "e.py:466 main"), held(14, "e.py:268 append"), held(16, "e.py:268 append")]
+    # WHEN the report groups them into one entry
+    text = _text(found)
+    # THEN each line is named with its blocks, not the first block's line for all
+    assert "leak_dead_owner blocks 6, 14, 16 pid 5 request 'r8'" in text
+    assert "allocated at e.py:466 main (block 6); e.py:268 append (blocks 14, 16)" in text
+    # and one line alone is printed as before
+    text = _text([held(14, "e.py:268 append"), held(16, "e.py:268 append")])
+    assert "allocated at e.py:268 append\n" in text + "\n"
