@@ -90,10 +90,10 @@ def test_a_survivors_reclaim_is_recorded_once(make_pool):
     (f,) = recorded
     assert f.owner_pid == pid
     assert (
-        f"pid {pid} died attached to the pool holding 2 sequence(s) and {got['blocks']} block(s)"
-        in f.message
-    )
-    assert f"pid {os.getpid()} reclaimed them" in f.message
+        f"pid {pid} died attached to the pool holding 2 sequence(s) (request(s) 'w-1', 'w-2');"
+        f" pid {os.getpid()} reclaimed them (pool.reclaim_dead()): {got['blocks']} block(s)"
+        " freed, shared ones lost a reference"
+    ) == f.message
     assert got["blocks"] == held
     # AND every reader's assembly shows that one line about the dead worker, the check adding
     # none (what it held is back)

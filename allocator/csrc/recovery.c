@@ -507,13 +507,24 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
     for (int64_t s = 0; rc == OK && s < n->max_seqs; s++)
         if (seqrec(n, s)[SF_STATE] != S_EMPTY && I4(seqrec(n, s) + SF_OWNER_CLIENT) == d->client)
             live[nlive++] = s;
+    /* the requests of the sequences it ends (each read before its step releases the slot) */
+    PyObject *requests = rc == OK ? PyList_New(0) : NULL;
+    if (rc == OK && requests == NULL) rc = ERROR;
     for (int64_t i = 0; rc == OK && i < nlive; i++) {
+        char request[REQUEST_BYTES + 1];
+        memcpy(request, seqrec(n, live[i]) + SF_REQUEST, REQUEST_BYTES);
+        request[REQUEST_BYTES] = 0;
         Tail tail = {live[i], 0, 0};
         while (rc == OK && !tail.released) {
             rc = reclaim_step(n, d, step_drop_tail, &tail);
             if (rc == OK && tail.freed > 0) blocks += tail.freed;
         }
-        if (rc == OK) seqs += tail.freed >= 0;
+        if (rc == OK && tail.freed >= 0) {
+            seqs++;
+            PyObject *req = PyUnicode_DecodeUTF8(request, (Py_ssize_t)strlen(request), "replace");
+            if (req == NULL || PyList_Append(requests, req) < 0) rc = ERROR;
+            Py_XDECREF(req);
+        }
     }
     PyMem_Free(live);
     /* (until a step returns fewer than it may) */
@@ -524,15 +535,16 @@ static PyObject *reclaim_one(Native *n, const DeadRec *d) {
     while (rc == OK && !done) rc = reclaim_step(n, d, step_detach, &done);
     if (rc != OK) {
         Py_XDECREF(rolled.skipped);
+        Py_XDECREF(requests);
         if (rc == GONE) Py_RETURN_NONE;
         if (rc == UNHANDLED && !PyErr_Occurred())
             PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_RuntimeError,
                             "reclaim: a step outgrew the undo journal");
         return NULL;
     }
-    return Py_BuildValue("{sLsLsLsN}", "sequences", (long long)seqs, "blocks", (long long)blocks,
-                         "entries", (long long)rolled.entries, "skipped",
-                         rolled.skipped ? rolled.skipped : Py_NewRef(Py_None));
+    return Py_BuildValue("{sLsNsLsLsN}", "sequences", (long long)seqs, "requests", requests,
+                         "blocks", (long long)blocks, "entries", (long long)rolled.entries,
+                         "skipped", rolled.skipped ? rolled.skipped : Py_NewRef(Py_None));
 }
 
 /* -- entry points ------------------------------------------------------------------------------- */
@@ -601,12 +613,30 @@ static PyObject *N_reclaim_dead(Native *n, PyObject *said) {
         int bad = is_said < 0 || PyErr_Occurred();
         if (!bad && (b || s) && !is_said) {
             /* (the supervisor of a run says a dead worker once, from whichever it sees first) */
+            /* the first two requests of its sequences, each cut to 24 bytes (the ring keeps
+             * FD_MESSAGE_BYTES of the message) */
+            PyObject *reqs = PyDict_GetItemString(got, "requests");
+            Py_ssize_t nr = reqs ? PyList_GET_SIZE(reqs) : 0;
+            char names[96] = "";
+            for (Py_ssize_t j = 0; j < nr && j < 2; j++) {
+                const char *u = PyUnicode_AsUTF8(PyList_GET_ITEM(reqs, j));
+                size_t at = strlen(names);
+                if (u) snprintf(names + at, sizeof names - at, "%s'%.24s'", j ? ", " : "", u);
+            }
+            if (nr > 2) {
+                size_t at = strlen(names);
+                snprintf(names + at, sizeof names - at, " and %zd more", nr - 2);
+            }
             char text[256];
             int len = snprintf(text, sizeof text,
-                               "pid %d died attached to the pool holding %lld sequence(s) and "
-                               "%lld block(s); pid %d reclaimed them (pool.reclaim_dead())",
-                               (int)dead[i].pid, s, b, (int)n->pid);
+                               "pid %d died attached to the pool holding %lld sequence(s)%s%s%s; "
+                               "pid %d reclaimed them (pool.reclaim_dead()): %lld block(s) "
+                               "freed, shared ones lost a reference",
+                               (int)dead[i].pid, s, nr ? " (request(s) " : "", names,
+                               nr ? ")" : "", (int)n->pid, b);
+            if (len >= FD_MESSAGE_BYTES) len = FD_MESSAGE_BYTES - 1;
             Seen none = {.block = -1, .owner_pid = dead[i].pid, .site = -1};
+            PyErr_Clear(); /* (a name that would not encode is left out) */
             bad = lock_answer(lock_take_alone(n, n->lock_findings)) != OK;
             if (!bad) {
                 bad = finding_write(n, FK_LEAK_DEAD_OWNER, &none, text, len) != OK;

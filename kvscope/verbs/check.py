@@ -54,6 +54,7 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
         "dead_owners": [d["pid"] for d in done if d["detached"]],
         "processes": sum(d["detached"] for d in done),
         "sequences": sum(d["sequences"] for d in done),
+        "requests": [r for d in done for r in d.get("requests", ())],
         "blocks": sum(d["blocks"] for d in done),
         "findings_cleared": [f.to_dict() for f in cleared],
         "leases": leases,
@@ -78,9 +79,12 @@ def describe_repair(done: dict[str, Any]) -> str:
             parts.append(f"rolled back {j['entries']} journal entries of dead pid {j['pid']}")
     if done["processes"]:
         pids = ", ".join(map(str, done["dead_owners"]))
+        requests = done.get("requests") or []
+        names = f" ({some(repr(r) for r in requests)})" if requests else ""
         parts.append(
-            f"reclaimed {_n(done['blocks'], 'block')} and {_n(done['sequences'], 'sequence')}"
-            f" from {done['processes']} dead process(es) (pid {pids})"
+            f"reclaimed {_n(done['sequences'], 'sequence')}{names} from"
+            f" {done['processes']} dead process(es) (pid {pids}): {_n(done['blocks'], 'block')}"
+            " freed, the blocks they shared with live ones losing a reference"
         )
     by_pid: dict[int, list[dict[str, Any]]] = {}
     for o in done.get("orphans", []):
