@@ -11,9 +11,9 @@ sample saw demand beyond the pool, the answer says so instead of naming a size.
 A PoolExhausted leaves no demand behind (the failed take is undone) and can fall between two
 samples, so the samples alone would call such a pool big enough. The C core counts every one
 (`num_exhausted`) and records the last one's figures in the header (allocator/stats.py
-`last_exhaustion`): where it found blocks free in other processes' local caches, which the take
-cannot reach, the answer names those ("memory still free"); where it found none, the pool was
-too small for that moment. A pool that raised one is never "big enough".
+`last_exhaustion`): where blocks free in other processes' local caches, which the take cannot
+reach, would have served it, the answer names those ("memory still free"); where it found none,
+or too few, the pool was too small for that moment. A pool that raised one is never "big enough".
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def exhaustion_answer(
     num_exhausted: int, last: dict[str, int] | None, num_blocks: int
 ) -> tuple[str | None, str]:
     """What the pool's PoolExhausted count and its last one's figures (stats.last_exhaustion)
-    say: (cause, sentence); cause "memory_still_free" where the last one found blocks in other
-    processes' local caches, "pool_too_small" where it found none, None where its figures were
-    not recorded. (None, "") where none was raised."""
+    say: (cause, sentence); cause "memory_still_free" where blocks in other processes' local
+    caches would have served the last one, "pool_too_small" where it found none or too few,
+    None where its figures were not recorded. (None, "") where none was raised."""
     if num_exhausted <= 0:
         return None, ""
     times = _plural(num_exhausted, "time")
@@ -75,22 +75,30 @@ def exhaustion_answer(
         last["other_caches"],
     )
     short = _short(last)
-    if other > 0:
+    if other > 0 and not short:
         # Free blocks the take could not reach: the pool's memory was there, parked in other
         # processes' local caches (each keeps up to twice local_cache_size).
-        also = f"; even with them it was {short} blocks short" if short else ""
         return "memory_still_free", (
             f"memory still free: {other} blocks in other processes' local caches at the last"
             f" PoolExhausted (raised {times}): pid {last['pid']} needed {need} blocks with"
-            f" {free} free in the shared free list and {own} in its own local cache{also}; a"
+            f" {free} free in the shared free list and {own} in its own local cache; a"
             " smaller local_cache_size, or pool.flush_local() in the processes that stop"
             " allocating, hands them back"
         )
+    # (blocks parked in other caches too few to serve it: the pool was too small, whatever
+    # the caches held)
+    parked = (
+        f" and {other} in other processes' local caches, which it cannot take (a smaller"
+        " local_cache_size, or pool.flush_local() in the processes that stop allocating, hands"
+        " those back), even with them"
+        if other
+        else " and none in other processes' local caches"
+    )
     return "pool_too_small", (
         f"pool too small: PoolExhausted raised {times}; the last (pid {last['pid']}) needed"
-        f" {need} blocks with {free} free in the shared free list, {own} in its own local cache"
-        f" and none in other processes' local caches: a pool of at least {num_blocks + short}"
-        f" blocks (+{short}) would have served it"
+        f" {need} blocks with {free} free in the shared free list, {own} in its own local"
+        f" cache{parked}: a pool of at least {num_blocks + short} blocks (+{short}) would have"
+        " served it"
     )
 
 

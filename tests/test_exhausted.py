@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvscope.allocator import KVPool, PoolExhausted
-from kvscope.capacity import capacity_answer
+from kvscope.capacity import capacity_answer, exhaustion_answer
 from kvscope.history import History
 from tests.forking import fork_child, wait_child
 
@@ -267,3 +267,21 @@ def test_the_html_report_s_capacity_table_gives_the_exhaustion(make_pool):
         f"<th>last PoolExhausted</th><td>pid {os.getpid()} needed 10 blocks: 6 free in the shared"
         " free list, 0 in its own local cache, 0 in other processes&#x27; local caches</td>"
     ) in page
+
+
+@pytest.mark.parametrize("other", [0, 1, 4])
+def test_blocks_parked_in_other_caches_too_few_to_serve_the_take_leave_the_pool_too_small(other):
+    # GIVEN a last PoolExhausted that needed 4 blocks and found none it could take, and
+    # `other` in other processes' local caches
+    last = {"pid": 7, "needed": 4, "free_list": 0, "own_cache": 0, "other_caches": other}
+    # WHEN the capacity answer reads it
+    cause, said = exhaustion_answer(3, last, 32)
+    # THEN only blocks enough to serve it are memory still free; fewer leave the pool too
+    # small, by what was short even with them, and the parked ones are named beside it
+    if other == 4:
+        assert cause == "memory_still_free" and said.startswith("memory still free: 4 blocks")
+        return
+    assert cause == "pool_too_small" and said.startswith("pool too small:")
+    assert f"a pool of at least {32 + 4 - other} blocks (+{4 - other})" in said
+    assert ("1 in other processes' local caches, which it cannot take" in said) is (other == 1)
+    assert ("none in other processes' local caches" in said) is (other == 0)
