@@ -10,6 +10,7 @@ stack. The C core composes and interns them (csrc/probes.c, frames outside KVSCO
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -73,10 +74,18 @@ def caller_stack(depth: int) -> str:
 
 
 def _raw(view, site: int) -> bytes | None:
+    """A site's text up to its first NUL (the writer pads with them: bytes after one are a
+    damaged segment's, as are control bytes, which read as U+FFFD)."""
     used = min(int(view.h["num_sites_used"]), len(view.sites))
     if site < 0 or site >= used:
         return None
-    return bytes(view.sites["text"][site])
+    raw = bytes(view.sites["text"][site]).split(b"\0", 1)[0]
+    return raw.translate(_CONTROL) if _CONTROL_BYTE.search(raw) else raw
+
+
+# control bytes to 0xFF, which no UTF-8 text holds: decoded with errors="replace", U+FFFD
+_CONTROL = bytes(0xFF if b < 0x20 or b == 0x7F else b for b in range(256))
+_CONTROL_BYTE = re.compile(rb"[\x00-\x1f\x7f]")
 
 
 def site_frames(view, site: int) -> list[str]:

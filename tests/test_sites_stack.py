@@ -137,3 +137,22 @@ def test_a_write_after_free_names_the_allocation_of_the_request_that_freed_it(
     assert uaf["block"] == blk and uaf["request"] == "victim"
     assert f"test_sites_stack.py:{first_line} " in uaf["site"]
     assert "alloc_ns" not in uaf
+
+
+def test_a_damaged_site_text_reads_up_to_its_first_nul_without_control_bytes(
+    make_pool, monkeypatch
+):
+    # GIVEN a recorded site whose padding a bit flip made non-zero, and one with a control byte
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    pool = make_pool(8)
+    pool.free(pool.allocate("a", [1, 2, 3]))
+    pool.free(pool.allocate("b", [4, 5, 6]))
+    text = pool.view.sites["text"]
+    first = bytes(text[0]).rstrip(b"\0")
+    assert first and len(first) + 4 < text.dtype.itemsize
+    text[0] = first + b"\0\0\0\xef"
+    text[1] = b"engine.py:9 st\x1bep"
+    # WHEN it is read
+    # THEN the first reads as written, the second with U+FFFD for the control byte
+    assert site_text(pool.view, 0) == first.decode()
+    assert site_text(pool.view, 1) == "engine.py:9 st\ufffdep"
