@@ -146,7 +146,9 @@ def leak_summary(pool: Any, seqs: list[Any], when: str) -> None:
     """With the leaks probe on, the LEAK SUMMARY of `seqs` on stderr."""
     text = summary(pool, seqs, when)
     if text is not None and env_flag("LEAKS"):
-        print(text, file=sys.stderr, flush=True)
+        # (one write: print's separate newline lets another process's summary in between)
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def on_close(pool: Any) -> None:

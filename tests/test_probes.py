@@ -84,3 +84,29 @@ def test_exit_summary_names_leaked_blocks_by_allocation_site(tmp_path, pool_name
     line = next(x for x in out.stderr.splitlines() if "LEAK SUMMARY" in x)
     assert "9 blocks" in line and "3 request(s)" in line
     assert "leaky.py:6 serve_one" in out.stderr
+
+
+def test_a_leak_summary_is_one_write_so_processes_sharing_stderr_do_not_interleave(
+    make_pool, monkeypatch
+):
+    # GIVEN a pool with a request still held, the leaks probe on, and stderr recording writes
+    import io
+
+    from kvscope.child import held, leak_summary
+
+    monkeypatch.setenv("KVSCOPE_LEAKS", "1")
+    pool = make_pool(16)
+    pool.allocate("kept", list(range(9)))
+    writes: list[str] = []
+
+    class Recording(io.StringIO):
+        def write(self, s: str) -> int:
+            writes.append(s)
+            return len(s)
+
+    monkeypatch.setattr("sys.stderr", Recording())
+    # WHEN its summary is printed
+    leak_summary(pool, held(pool), "when the pool was closed")
+    # THEN it is one write of whole lines (a second process's write lands after its newline)
+    (text,) = writes
+    assert "LEAK SUMMARY" in text and text.count("\n") >= 2 and text.endswith("\n")
