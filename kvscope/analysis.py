@@ -221,7 +221,8 @@ def served_after(view: SegmentView, request: str | None, pid: int | None) -> dic
     whose whole life (first event to a `free` or `abort`) the flight recorder shows after the
     leaked request's last operation. {last_ns, last_op, requests (the first 4), count}; None
     when there is none, or the recorder holds no operation of the request (a request served
-    until the end, as at a crash, is not it)."""
+    until the end, as at a crash, is not it) or a `free` or `abort` of it (its id named
+    another sequence too, which ended)."""
     from kvscope.allocator.events import OP_NAMES, EventOp
 
     if not request or not pid:
@@ -231,7 +232,9 @@ def served_after(view: SegmentView, request: str | None, pid: int | None) -> dic
     ev = ev[~np.isin(ev["op"], [EventOp.FINDING, EventOp.GUARD_VIOLATION])]
     key = _key(request)
     mine = ev[ev["request"] == key]
-    if not len(mine):
+    if not len(mine) or np.isin(mine["op"], [EventOp.FREE, EventOp.ABORT]).any():
+        # (an end of the id's in its own process: another sequence of the same id ended, and
+        # the recorder cannot tell which operations were the leaked one's)
         return None
     at = int(mine["time_ns"].max())
     ops = mine[mine["op"] != EventOp.PREFIX_MISS]  # (an allocate's lookup, no block of its own)

@@ -191,19 +191,23 @@ def test_a_write_one_past_the_sequence_end_is_named(probes, make_pool, past):
     assert f"'a' block {a_last}" in cause and "one position past the sequence's end" in cause
 
 
-@pytest.mark.parametrize("served", [False, True])
+@pytest.mark.parametrize("served", [False, True, "reused"])
 def test_a_leak_the_engine_stopped_serving_is_named(probes, make_pool, served):
     from kvscope.child import report_held
 
     # GIVEN request 'a' admitted, then requests 'b' and 'c' served start to end, and 'a'
-    # either left alone from then on (the engine dropped it: the bug) or served to the end
+    # either left alone from then on (the engine dropped it: the bug) or served to the end,
+    # or its id given to a second sequence that ended (which operations were the leaked one's
+    # is then not known)
     pool = make_pool(num_blocks=32, block_size=4, num_kv_heads=1, head_dim=4)
     a = pool.allocate("a", (1, 2, 3, 4, 5))
+    if served == "reused":
+        pool.free(pool.fork(a, "a"))
     for rid, base in (("b", 10), ("c", 20)):
         s = pool.allocate(rid, tuple(range(base, base + 6)))
         pool.append(s, [base + 7])
         pool.free(s)
-    if served:
+    if served is True:
         pool.append(a, [6, 7, 8, 9])  # its own new block: an operation after theirs
     # WHEN the pool is closed with 'a' still held
     report_held(pool, "the pool was closed")
