@@ -1246,7 +1246,7 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
         last = len(ops) - 1 - ops[::-1].index("preempt")
         if not any(op in ("allocate", "prefix_hit") for op in ops[last + 1 :]):
             out.append((req, blk))
-    return out
+    return list(dict.fromkeys(out))  # (a block found twice: at the store, then as poison)
 
 
 def aborted_then_written(
@@ -1294,7 +1294,7 @@ def aborted_then_written(
             stray = True
     if not (explained or stray):
         out.extend(unnamed)
-    return out
+    return list(dict.fromkeys(out))  # (a block found twice: at the store, then as poison)
 
 
 def _aborted_into_reused(f: dict[str, Any]) -> bool:

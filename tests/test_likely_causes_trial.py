@@ -370,3 +370,22 @@ def test_a_store_after_an_abort_into_the_block_another_request_took_names_the_ab
         assert "('r3' block 30)" in cause
     else:
         assert raced == []
+
+
+def test_a_block_found_twice_after_an_abort_is_named_once():
+    # GIVEN one write after an abort found twice: at the store, naming its writer, and later
+    # as the poison it overwrote
+    events = [_ev("allocate", 13, 1, 1, "r1"), _ev("abort", 13, 1, 2, "r1")]
+    stored = {
+        "kind": "use_after_free",
+        "block": 13,
+        "request": "r1",
+        "message": "request 'r1' stored K/V into block 13 at e.py:9 store: the block is free"
+        " (last held by request 'r1', pid 7)",
+        "time_ns": 3,
+        "events": events,
+    }
+    # WHEN the causes are named
+    (cause,) = likely_causes(GUARD, [stored, dict(stored, time_ns=4)])
+    # THEN the block is named once
+    assert "('r1' block 13)" in cause
