@@ -744,21 +744,26 @@ def likely_causes(
             f" the old request before its id is given again"
         )
     failed_pid = dump["pid"] if dump and dump.get("failed") else None
-    cut_short = [
-        f
-        for f in findings
-        if f["kind"] == FindingKind.LEAK_FINISHED
-        and failed_pid is not None
-        and f.get("owner_pid") == failed_pid
-        and not f.get("id_reused_while_live")  # (its own, above)
-    ]
+    hows: dict[str, None] = {}
+    cut_short = []
+    for f in findings:
+        if f["kind"] != FindingKind.LEAK_FINISHED or f.get("id_reused_while_live"):
+            continue  # (a reused id's: its own, above)
+        raised = _RAISED.search(f["message"])
+        if failed_pid is not None and f.get("owner_pid") == failed_pid:
+            hows[str((dump or {}).get("reason") or "").split("; ")[0] or "see the dump"] = None
+        elif raised:
+            # (a process of the program whose exit an exception caused: kvscope.child)
+            hows[f"pid {f.get('owner_pid')} raised {raised.group(1)}"] = None
+        else:
+            continue
+        cut_short.append(f)
     cut_ids = {id(f) for f in cut_short}
     if cut_short:
-        assert dump is not None  # (cut_short needs the dump's failed pid)
-        how = str(dump.get("reason") or "").split("; ")[0]
+        how = "; ".join(hows)
         named = some(list(dict.fromkeys(repr(f.get("request")) for f in cut_short)), 4)
         causes.append(
-            f"requests the program still held when it failed ({named}; {how or 'see the dump'}):"
+            f"requests the program still held when it failed ({named}; {how}):"
             f" they ended with it, not on a path of their own; fix the failure first, and"
             f" release the sequences on the error path too (pool.abort in the handler, or a"
             f" try/finally around the serving loop)"
@@ -948,6 +953,8 @@ def _blocks_of(found: list[dict[str, Any]]) -> str:
 
 
 _UNWRITTEN = re.compile(r"finished with positions (\d+)-(\d+) ")
+# a leak_finished of a process an exception ended (kvscope.child.exit_when)
+_RAISED = re.compile(r" when the process exited raising (\w+)")
 
 
 def _unwritten_copies(

@@ -132,8 +132,23 @@ def report_held(pool: Any, when: str) -> tuple[list[Any], int]:
                 request=str(seq.request_id)[:32],
             )
         )
-    leak_summary(pool, seqs, "at exit" if when == "the process exited" else f"when {when}")
+    exited = when.removeprefix(EXITED)
+    leak_summary(pool, seqs, f"at exit{exited}" if exited != when else f"when {when}")
     return seqs, sum(len(seq.block_table) for seq in seqs)
+
+
+EXITED = "the process exited"
+
+
+def exit_when() -> str:
+    """How this process is exiting, for its leaks: EXITED, and `raising NAME` where an
+    exception is ending it (a multiprocessing child's target that raised: its exit check runs
+    in the finally that the exception passes through; kvscope.analysis names its leaks by the
+    failure)."""
+    exc = sys.exc_info()[1]
+    if exc is None or isinstance(exc, SystemExit) and exc.code in (0, None):
+        return EXITED
+    return f"{EXITED} raising {type(exc).__name__}"
 
 
 def held(pool: Any) -> list[Any]:
@@ -187,7 +202,7 @@ def check_at_exit() -> dict[str, Any]:
     for pool in _pools:
         if pool.closed or pool.pid != me:
             continue
-        seqs, held = report_held(pool, "the process exited")
+        seqs, held = report_held(pool, exit_when())
         # The local cache is not a leak: flush it to the free ring before looking for orphans.
         pool.flush_local()
         mine = report_checked(pool)

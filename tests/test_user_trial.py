@@ -485,3 +485,34 @@ def test_a_sequence_left_preempted_at_exit_is_a_leak(probes, make_pool, monkeypa
     assert "7 blocks" in err and "in 2 request(s)" in err and "(1 of them preempted" in err
     pool.free(kept)
     pool.free(lost)
+
+
+def test_a_worker_that_an_exception_ended_names_its_leaks_by_the_failure():
+    from kvscope.analysis import likely_causes
+    from kvscope.child import exit_when
+
+    # GIVEN the exit check of a process ending normally, and of one an exception ends (its
+    # check runs in the finally the exception passes through, as a multiprocessing child's)
+    assert exit_when() == "the process exited"
+    with pytest.raises(IndexError):
+        try:
+            [][1]
+        finally:
+            raising = exit_when()
+    assert raising == "the process exited raising IndexError"
+    # WHEN its leak, which the recorder also shows left alone while others were served, is
+    # named
+    leak = {
+        "kind": "leak_finished",
+        "block": 11,
+        "owner_pid": 7,
+        "request": "r1",
+        "message": f"request 'r1' (created at e.py:245) still held 5 block(s) when {raising}:"
+        " free or abort every sequence when its request ends",
+        "served_after": {"last_ns": 1, "last_op": "allocate", "requests": ["b"], "count": 1},
+    }
+    (cause,) = likely_causes({"block_size": 4, "slots_per_block": 5}, [leak])
+    # THEN it is the failure's, not a request the scheduler dropped
+    assert cause.startswith(
+        "requests the program still held when it failed ('r1'; pid 7 raised IndexError)"
+    )
