@@ -28,6 +28,8 @@ class EventOp(enum.IntEnum):
     PREFIX_MISS = 7
     GUARD_VIOLATION = 8
     FINDING = 9
+    # (arg 1: the core abandoned a sequence its own operation could not finish, a long
+    # prompt's or a resume's rest failing; 0: the program's pool.abort)
     ABORT = 10
     PREEMPT = 11
     RECLAIM = 12

@@ -1292,7 +1292,7 @@ def aborted_then_written(
             for e in f.get("events") or ()
             if e["op"] in ("free", "abort", "preempt") and (until is None or e["time_ns"] <= until)
         ]
-        aborted = bool(ends) and ends[-1]["op"] == "abort" and ends[-1]["request"] == req
+        aborted = bool(ends) and _program_abort(ends[-1]) and ends[-1]["request"] == req
         if named and aborted and f["message"].startswith(f"request {req!r} stored K/V into"):
             out.append((req, blk))
         elif aborted and not named:
@@ -1320,13 +1320,20 @@ def _aborted_into_reused(f: dict[str, Any]) -> bool:
         return False
     until = f.get("time_ns") or None
     ends = [
-        e["op"]
+        e
         for e in f.get("events") or ()
         if e["request"] == writer
         and e["op"] in ("free", "abort", "preempt")
         and (until is None or e["time_ns"] <= until)
     ]
-    return bool(ends) and ends[-1] == "abort"
+    return bool(ends) and _program_abort(ends[-1])
+
+
+def _program_abort(e: dict[str, Any]) -> bool:
+    """An `abort` event of the program's pool.abort: not one the core made abandoning a
+    sequence its own operation could not finish (`arg` 1: a long prompt's or a resume's rest
+    failed, and the program got the exception, not the sequence)."""
+    return e["op"] == "abort" and not e.get("arg")
 
 
 def _focus_block(view: SegmentView, blk: int, events: list[dict[str, Any]]) -> dict[str, Any]:

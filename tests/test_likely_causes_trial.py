@@ -342,13 +342,14 @@ def test_a_store_into_a_block_its_writer_never_held_names_another_table_s_row(he
     assert "pool.slot_mapping(seq, start, end)" in named[0]
 
 
-@pytest.mark.parametrize("end", ["abort", "free"])
+@pytest.mark.parametrize("end", ["abort", "free", "abandoned"])
 def test_a_store_after_an_abort_into_the_block_another_request_took_names_the_abort(end):
-    # GIVEN request 'r3' aborted (or freed), its block 30 taken since by 'r2' in another
-    # process, and the store probe naming 'r3' as the writer into it
+    # GIVEN request 'r3' aborted (or freed, or abandoned by the core: its resume ran short),
+    # its block 30 taken since by 'r2' in another process, and the store probe naming 'r3' as
+    # the writer into it
     events = [
         _ev("allocate", 30, 1, 1, "r3"),
-        _ev(end, 30, 1, 2, "r3"),
+        _ev("abort", 30, 1, 2, "r3", arg=1) if end == "abandoned" else _ev(end, 30, 1, 2, "r3"),
         dict(_ev("allocate", 30, 2, 3, "r2"), pid=8),
         _ev("finding", 30, 2, 4, "r3"),
     ]
@@ -363,7 +364,8 @@ def test_a_store_after_an_abort_into_the_block_another_request_took_names_the_ab
     }
     # WHEN the causes are named
     causes = likely_causes(GUARD, [stray])
-    # THEN after an abort it is the abort racing the step; after a free, not
+    # THEN after the program's abort it is the abort racing the step; after a free or the
+    # core's abandon, not
     raced = [c for c in causes if c.startswith(RACED)]
     if end == "abort":
         (cause,) = raced

@@ -161,3 +161,21 @@ def test_a_preemption_ahead_stays_when_the_operation_still_fails(make_pool):
     # ahead stay evicted: docs/POOL.md); the pool is consistent and holds nothing of "huge"
     assert wait.state == "preempted" and pool.stats()["num_allocated"] == 0
     assert pool.check() == []
+
+
+def test_the_abort_of_a_prompt_that_ran_short_is_marked_as_the_core_s_not_the_program_s(
+    make_pool, monkeypatch
+):
+    # GIVEN the flight recorder on, and a pool with room for a prompt's first CHUNK new blocks
+    # but not the rest
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(CHUNK + 20, block_size=BS, max_blocks_per_seq=CHUNK + 64)
+    # WHEN the prompt's allocation runs short (the core abandons what it took), and the
+    # program aborts a request of its own
+    with pytest.raises(PoolExhausted):
+        pool.allocate("too-long", _prompt(9, CHUNK + 40))
+    pool.abort(pool.allocate("mine", [5, 6, 7]))
+    # THEN the abandoned sequence's abort events say so (arg 1), the program's do not (arg 0)
+    aborts = [e for e in recent_events(pool.view, 10_000) if e["op"] == "abort"]
+    args = {(e["request"], e["arg"]) for e in aborts}
+    assert args == {("too-long", 1), ("mine", 0)}, args

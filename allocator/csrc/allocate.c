@@ -364,7 +364,7 @@ static int release_tail(Native *n, const int32_t *ids, Py_ssize_t keep, Py_ssize
     txn_commit(n);
     count(n, C_FREES, (uint64_t)m);
     if (final == S_PREEMPTED) ev_record(n, E_PREEMPT, ids + keep, k - keep, request, 0);
-    ev_record(n, final == 4 ? E_ABORT : E_FREE, part, m, request, 0);
+    ev_record(n, final == 4 ? E_ABORT : E_FREE, part, m, request, final == 4 && n->abandoning);
     return OK;
 }
 
@@ -499,7 +499,7 @@ again:
     if (guard && release_poison(n, zero, nz)) goto abort;
     txn_commit(n);
     count(n, C_FREES, (uint64_t)nkept);
-    ev_record(n, final == 4 ? E_ABORT : E_FREE, drop, nd, request, 0);
+    ev_record(n, final == 4 ? E_ABORT : E_FREE, drop, nd, request, final == 4 && n->abandoning);
     if (skip >= 0) fault_fired(n, FT_LEAK);
     if (stale) fault_fired(n, FT_USE_AFTER_FREE);
     if (twice >= 0) double_free_fired(n, twice, twice_rec, request);

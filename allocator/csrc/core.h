@@ -264,6 +264,7 @@ typedef struct {
     int64_t *probe_bits; /* KVPool._probe_bits: P_* of the handle's probe (read at every call) */
     Py_buffer probe_bits_buf;
     int probes;          /* this call's P_* */
+    int abandoning;      /* an operation aborting the sequence it could not finish (abandon) */
     size_t off_ev, c_event_head; /* this client's event ring and its head */
     uint64_t ev_cap;
     PyObject *kv_dirs;   /* sites._KVSCOPE_DIRS */

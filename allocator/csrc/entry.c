@@ -195,7 +195,9 @@ static PyObject *end_read(Native *n, PyObject *seq, int64_t slot, long final);
 static int abandon(Native *n, PyObject *seq, int64_t slot) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
+    n->abandoning = 1; /* (its abort events: arg 1, not the program's pool.abort) */
     PyObject *ended = end_read(n, seq, slot, 4);
+    n->abandoning = 0;
     if (ended != NULL) {
         Py_DECREF(ended);
         PyErr_Restore(type, value, tb);
