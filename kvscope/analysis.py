@@ -150,6 +150,9 @@ def preempted_before(view: SegmentView, request: str | None, blk: int, until: in
     ev = view.events.reshape(-1)
     ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until)]
     ev = ev[ev["request"] == _key(request)]
+    # (a finding in the request's name, any process's, is no operation of it: not one that
+    # ends the resume's run of takes)
+    ev = ev[~np.isin(ev["op"], [EventOp.FINDING, EventOp.GUARD_VIOLATION])]
     ev = ev[np.argsort(ev["time_ns"], kind="stable")]
     ops = ev["op"]
     preempts = np.flatnonzero(ops == EventOp.PREEMPT)
@@ -622,7 +625,7 @@ def likely_causes(
         )
     # (a slot formula or another table's row leaves the writer's own positions unwritten
     # anywhere: no cause of an unwritten position beside them)
-    slots_wrong = slots_wrong or bool(strays)
+    formula, slots_wrong = slots_wrong, slots_wrong or bool(strays)
     opened = [] if slots_wrong else _block_openers_unwritten(findings, bs)
     # one position late: a forked sample's first decode position is in its copy-on-write
     # copy, so the copy is left with that one position unwritten, as a stale table leaves it
@@ -790,7 +793,8 @@ def likely_causes(
             f" path the other requests did not take (an abort, a timeout, an error, a cancelled"
             f" client); release the sequence on every path that ends a request"
         )
-    lost = lost_to_preemption(findings)
+    # (the slot formula's stray writes land in blocks their writer lost too)
+    lost = [] if formula else lost_to_preemption(findings)
     if lost:
         named = some([f"{r!r} block {b}" for r, b in lost], 4)
         causes.append(

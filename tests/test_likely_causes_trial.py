@@ -295,7 +295,8 @@ def test_single_positions_unwritten_at_block_starts_name_the_decode_slot(pattern
 def test_beside_the_slot_formula_no_other_cause_of_unwritten_positions_is_named():
     # GIVEN the slot formula's signature (guard slots overwritten, mapped slots unwritten) and,
     # from the same formula, unwritten positions in a copy-on-write copy, in a resumed
-    # request's block, and in a published block prefix hits read
+    # request's block, and in a published block prefix hits read, and a write into a block
+    # lost to a preemption
     cow = [_ev("cow", 19, 1, 5, "r21", arg=30)]
     found = [
         {"kind": "guard_violation", "block": 4, "request": "r1", "message": "guard slot ..."},
@@ -303,6 +304,21 @@ def test_beside_the_slot_formula_no_other_cause_of_unwritten_positions_is_named(
         _unwritten("r21", 19, 1, 1, cow, copied_from=30),
         _unwritten("r9", 22, 0, 3, [_ev("allocate", 22, 2, 9, "r9")], preempted_blocks=[1, 12]),
         _unwritten("r9", 27, 0, 3, [_ev("allocate", 27, 1, 2, "r9")], read_unwritten=["r9/s1"]),
+        # and a stray write into a block its writer had lost to a preemption
+        {
+            "kind": "unmapped_write",
+            "block": 17,
+            "request": "r18",
+            "message": "request 'r18' stored K/V into block 17 at e.py:9 store, which it does"
+            " not map (held by request 'r3', pid 7)",
+            "time_ns": 9,
+            "events": [
+                _ev("allocate", 17, 1, 1, "r18"),
+                _ev("preempt", 17, 1, 2, "r18"),
+                _ev("free", 17, 1, 3, "r18"),
+                _ev("allocate", 17, 2, 4, "r3"),
+            ],
+        },
     ]
     # WHEN the causes are named
     causes = likely_causes(GUARD, found)

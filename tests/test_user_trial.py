@@ -88,8 +88,12 @@ def _write(pool, table, start, end, tokens):
         flat[:, :, table[p // bs] * spb + p % bs] = float(tokens[p])
 
 
-def test_a_resumed_request_publishing_blank_blocks_carries_its_preemption(probes, make_pool):
+@pytest.mark.parametrize("found_between", [False, True])
+def test_a_resumed_request_publishing_blank_blocks_carries_its_preemption(
+    probes, make_pool, found_between
+):
     # GIVEN a request computed and published, preempted, its blocks evicted, then resumed
+    # (with, in between, a finding in its name: its store through the old table, checked)
     pool = make_pool(num_blocks=12, block_size=4, num_kv_heads=1, head_dim=4, guard=True)
     prompt = list(range(1, 9))
     a = pool.allocate("a", prompt)
@@ -100,6 +104,16 @@ def test_a_resumed_request_publishing_blank_blocks_carries_its_preemption(probes
     b = pool.allocate("b", list(range(100, 148)))  # every block: a preempted, evicted
     assert a.state == "preempted"
     pool.free(b)
+    if found_between:
+        import torch
+
+        from kvscope.kernels import store_kv
+        from kvscope.probes.stores import Writers
+
+        kv = torch.ones(1, 1, 4)
+        slot = torch.tensor([old[0] * pool.slots_per_block])
+        store_kv(kv, kv, pool.kv[0, 0], pool.kv[0, 1], slot, writers=Writers(pool, [(a, 0, 1)]))
+        assert any(f.request == "a" for f in pool.findings())
     assert pool.resume(a) == 0
     new = list(a.block_table)
     assert not set(new) & set(old)
