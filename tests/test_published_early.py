@@ -11,6 +11,21 @@ from kvscope.analysis import analyze_view, likely_causes
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
 
+GEO = {"block_size": 4, "slots_per_block": 5}
+# block 1 published blank by 'a'; a prefix hit of 'b' that read block 2 changed since
+BLANK = {
+    "kind": "published_block_modified",
+    "block": 1,
+    "request": "a",
+    "message": "published before its K/V was written: ...",
+}
+HIT = {
+    "kind": "foreign_slot",
+    "block": 2,
+    "request": "b",
+    "message": "a prefix hit: slot 0 of block 2 ... was written since its publication: ...",
+}
+
 
 def _write(pool, seq, start, end):
     flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
@@ -47,24 +62,11 @@ def test_a_prefix_published_before_its_kv_is_one_cause(probes, monkeypatch, make
 
 
 def test_a_foreign_slot_on_another_block_is_not_tied_to_an_early_publication():
-    geo = {"block_size": 4, "slots_per_block": 5}
-    blank = {
-        "kind": "published_block_modified",
-        "block": 1,
-        "request": "a",
-        "message": "published before its K/V was written: ...",
-    }
-    hit = {
-        "kind": "foreign_slot",
-        "block": 2,
-        "request": "b",
-        "message": "a prefix hit: slot 0 of block 2 ... was written since its publication: ...",
-    }
     # the early publication is named alone, without the hit on another block
-    (alone,) = likely_causes(geo, [blank, hit])
+    (alone,) = likely_causes(GEO, [BLANK, HIT])
     assert alone.startswith("blocks published before their K/V was written ('a' block 1):")
     assert "'b'" not in alone and "a prefix hit in between reads K/V nobody wrote" in alone
-    (tied,) = likely_causes(geo, [blank, dict(hit, block=1)])
+    (tied,) = likely_causes(GEO, [BLANK, dict(HIT, block=1)])
     assert "read by prefix hits as changed since ('b' block 1)" in tied
 
 
@@ -72,13 +74,6 @@ def test_the_publishers_own_stores_into_published_blocks_are_the_same_early_publ
     # GIVEN an engine whose prefill publishes before it stores: one block found published
     # blank, the store probe naming the publisher as the writer into two more, and a prefix
     # hit that read one of those two changed since its publication
-    geo = {"block_size": 4, "slots_per_block": 5}
-    blank = {
-        "kind": "published_block_modified",
-        "block": 1,
-        "request": "a",
-        "message": "published before its K/V was written: ...",
-    }
     stores = [
         {
             "kind": "published_block_modified",
@@ -89,14 +84,8 @@ def test_the_publishers_own_stores_into_published_blocks_are_the_same_early_publ
         }
         for r, b in (("a", 1), ("c", 2), ("d", 3))
     ]
-    hit = {
-        "kind": "foreign_slot",
-        "block": 2,
-        "request": "b",
-        "message": "a prefix hit: slot 0 of block 2 ... was written since its publication: ...",
-    }
     # WHEN the causes are named
-    (cause,) = likely_causes(geo, [blank, *stores, hit])
+    (cause,) = likely_causes(GEO, [BLANK, *stores, HIT])
     # THEN they are one early publication, every publisher's block named once, the hit its
     # reader; not also a late store of a decode step
     assert cause.startswith(
