@@ -42,7 +42,16 @@ def block_words(blocks: np.ndarray) -> np.ndarray:
 
 def block_checksums(blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Checksum of each block record's identity words (magic, state, refcount, generation, owner, hash)."""
-    w = block_words(blocks)[ids, :IDENTITY_WORDS]
+    return _checksums(block_words(blocks)[ids, :IDENTITY_WORDS], ids)
+
+
+def record_checksums(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """block_checksums of records read out of the segment (`rows[i]` a copy of block
+    `ids[i]`'s record): what its checksum says of the copy, however the live record moved on."""
+    return _checksums(block_words(rows)[:, :IDENTITY_WORDS], ids)
+
+
+def _checksums(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = (w * _K[:IDENTITY_WORDS]).sum(axis=1, dtype=np.uint64) + np.asarray(
             ids, np.uint64

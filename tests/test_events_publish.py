@@ -745,3 +745,46 @@ def test_serve_refuses_an_endpoint_no_rank_can_publish_on(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err == "serve.py: error: --kv-events 'tcp://*' names no port (tcp://*:5557)\n"
+
+
+def test_a_block_published_again_while_a_poll_reads_it_is_announced_by_the_key_it_read(
+    wired, monkeypatch
+):
+    import kvscope.events.publisher as publisher
+
+    pool, pub, sub, _endpoint = wired
+    # GIVEN a prompt published and not yet announced
+    a = pool.allocate("a", list(range(4)))
+    pool.mark_computed(a, 4)
+    (blk,) = a.block_table
+    pool.free(a)
+    # WHEN, while the next poll reads the block records, another process (here: this one)
+    # evicts the block and publishes another prompt into it
+    checksums = publisher.record_checksums
+    moved = []
+
+    def read_then_move(rows, ids):
+        got = checksums(rows, ids)
+        if not moved:
+            assert pool.evict(32) == 1
+            held = [pool.allocate(f"b{i}", list(range(40, 44))) for i in range(32)]
+            (b,) = [s for s in held if s.block_table == [blk]]
+            pool.mark_computed(b, 4)
+            moved.append(blk)
+            for s in held:
+                pool.free(s)
+        return got
+
+    monkeypatch.setattr(publisher, "record_checksums", read_then_move)
+    assert pub.poll() == 1
+    monkeypatch.undo()
+    assert moved == [blk]
+    # THEN the poll announced the key it read, with that key's tokens; the next announces the
+    # move (the new key stored, the old one removed), and the stream holds what the index holds
+    [(_seq, [stored])] = sub.take(1)
+    assert stored[0] == STORED and stored[3] == list(range(4))
+    assert pub.poll() == 2
+    [(_seq, events)] = sub.take(1)
+    assert [e[0] for e in events] == [STORED, REMOVED]
+    assert events[0][3] == list(range(40, 44)) and events[1][1] == stored[1]
+    assert pub.verify() == [] and pub.report()["findings"] == []

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvscope.allocator.checksums import block_checksums
+from kvscope.allocator.checksums import record_checksums
 from kvscope.allocator.config import KVEventsConfig
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
@@ -177,12 +177,18 @@ class KVEventPublisher:
         changed = np.flatnonzero(now != self._announced)
         if len(changed) == 0:
             return 0
+        # Each changed record read once (a copy): its key, its parent's and its tokens are what
+        # its checksum vouches for, however the live record moves on (another process may
+        # evict and publish it again meanwhile; a key read apart from the tokens and the
+        # parent would be announced with another key's, and later removed never stored).
+        rows = b[changed]
+        keys = np.where(rows["indexed"] == 1, rows["prefix_hash"], np.uint64(0))
         # A record is read whole only once its writer sealed it: a block whose checksum does
         # not match its identity words is mid-change, and waits for the next poll.
-        sealed = block_checksums(b, changed) == b["checksum"][changed]
+        sealed = record_checksums(rows, changed) == rows["checksum"]
         unsealed = int((~sealed).sum())
         self.num_deferred += unsealed
-        changed = changed[sealed]
+        keep = sealed & (keys != self._announced[changed])
         if unsealed:
             # A record mid-change may be a child whose parent key it has not written yet: no
             # key leaves the stream until every record is sealed, so that no child is
@@ -190,62 +196,60 @@ class KVEventPublisher:
             # child under an evicted parent: the request holds the whole chain). Blocks that
             # held an announced key wait whole; only fresh stores go out now.
             fresh = self._announced[changed] == 0
-            self.num_deferred += int((~fresh).sum())
-            changed = changed[fresh]
-        changed = self._parents_first(changed, now)
-        if len(changed) == 0:
+            self.num_deferred += int((keep & ~fresh).sum())
+            keep &= fresh
+        keep &= self._parents_first(keys, rows["parent_hash"], keep)
+        if not keep.any():
             return 0
+        changed, rows, new = changed[keep], rows[keep], keys[keep]
         old = self._announced[changed]
-        new = now[changed]
         gone = old[old != 0]
-        came = changed[new != 0]
         # Stores before removals: what changed between two polls is not ordered, and a block
         # published under a parent that was evicted after it must not name a parent the
         # stream already removed. A key that moved to another block is stored once more, then
         # removed once: a second copy for a moment, as vLLM stores one per physical copy.
-        events = self._stores(came)
+        events = self._stores(rows[new != 0])
         if len(gone):
             events.append(self._encoder.removed(gone.tolist(), self.medium))
         self._announced[changed] = new
         self.num_removed += len(gone)
-        self.num_stored += len(came)
+        self.num_stored += int((new != 0).sum())
         self._send(events)
         return len(events)
 
-    def _parents_first(self, changed: np.ndarray, now: np.ndarray) -> np.ndarray:
-        """`changed` less the newly indexed blocks whose parent is neither announced nor
-        announced with them: they wait, so that no subscriber sees a child before its parent.
-        The parent may be indexed with its record mid-change (deferred above), or evicted
-        before the stream saw it (another process's LRU took it first): then the child is
-        unreachable (a lookup stops at the missing parent) and waits until its parent's key is
-        published again, or is evicted unannounced. Repeated until no block waits (a waiting
-        parent holds its own children back too)."""
-        parents = self.view.blocks["parent_hash"][changed]
+    def _parents_first(self, keys: np.ndarray, parents: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Which of the records `keep` marks may go out now: not a newly indexed block whose
+        parent is neither announced nor announced with it. It waits, so that no subscriber
+        sees a child before its parent. The parent may be indexed with its record mid-change
+        (deferred above), or evicted before the stream saw it (another process's LRU took it
+        first): then the child is unreachable (a lookup stops at the missing parent) and waits
+        until its parent's key is published again, or is evicted unannounced. Repeated until
+        no block waits (a waiting parent holds its own children back too)."""
         out = set(self._announced[self._announced != 0].tolist())
-        keep = np.ones(len(changed), bool)
+        keep = keep.copy()
         while True:
-            batch = set(now[changed[keep]].tolist())
+            batch = set(keys[keep].tolist())
             wait = keep & np.fromiter(
                 (
                     k != 0 and p != 0 and p not in out and p not in batch
-                    for k, p in zip(now[changed].tolist(), parents.tolist())
+                    for k, p in zip(keys.tolist(), parents.tolist())
                 ),
                 bool,
-                len(changed),
+                len(keys),
             )
             if not wait.any():
-                return changed[keep]
+                return keep
             self.num_deferred += int(wait.sum())
             keep &= ~wait
 
-    def _stores(self, blocks: np.ndarray) -> list[Any]:
-        """BlockStored events for newly indexed blocks: chains, parents before children."""
-        if len(blocks) == 0:
+    def _stores(self, rows: np.ndarray) -> list[Any]:
+        """BlockStored events for newly indexed blocks (their records as read): chains,
+        parents before children."""
+        if len(rows) == 0:
             return []
-        b = self.view.blocks
-        keys = b["prefix_hash"][blocks].tolist()
-        parents = b["parent_hash"][blocks].tolist()
-        toks = b["tokens"][blocks].tolist()
+        keys = rows["prefix_hash"].tolist()
+        parents = rows["parent_hash"].tolist()
+        toks = rows["tokens"].tolist()
         key_to_row = {k: i for i, k in enumerate(keys)}
         children: dict[int, list[int]] = {}
         roots: list[int] = []
