@@ -57,6 +57,9 @@ class FindingKind(str, enum.Enum):
     KV_EVENT_PARTIAL_REAPPEARED = "kv_event_partial_reappeared"
     # kvscope's own published stream (events/publisher.py) against its pool's prefix index.
     KV_EVENT_INDEX_MISMATCH = "kv_event_index_mismatch"
+    # A process that an operation on a handle its parent opened (inherited through fork) ended
+    # (kvscope.child: its exit check).
+    HANDLE_INHERITED = "handle_inherited"
 
 
 ERROR, WARNING = "error", "warning"

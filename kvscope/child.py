@@ -29,6 +29,7 @@ from typing import Any
 
 from kvscope.allocator import faults
 from kvscope.allocator.checkrefs import own_block
+from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import LEAK_KINDS, Finding, FindingKind
 from kvscope.allocator.probeflags import env_flag
 from kvscope.allocator.segment import data_path, segment_path
@@ -200,6 +201,8 @@ def check_at_exit() -> dict[str, Any]:
     out: dict[str, Any] = {}
     me = os.getpid()
     for pool in _pools:
+        if not pool.closed and pool.pid != me:
+            report_inherited(pool)
         if pool.closed or pool.pid != me:
             continue
         seqs, held = report_held(pool, exit_when())
@@ -217,6 +220,34 @@ def check_at_exit() -> dict[str, Any]:
         if not seqs and not orphans:
             pool.close()
     return out
+
+
+def report_inherited(pool: Any) -> bool:
+    """Where an operation on `pool`, a handle this forked process inherited from the parent
+    that opened it, is what ends the process (its PoolError passing through the exit check):
+    a `handle_inherited` finding in the pool's ring, through a handle of this process's own.
+    Without it a program that outlives its failed workers would end with no finding at all:
+    the workers never attached. Whether it reported."""
+    exc = sys.exc_info()[1]
+    said = f"this handle on pool {pool.name!r} was opened by pid {pool.pid};"
+    if not isinstance(exc, PoolError) or not str(exc).startswith(said):
+        return False
+    me = os.getpid()
+    try:
+        with type(pool).attach(pool.name) as own:
+            own.report(
+                Finding(
+                    FindingKind.HANDLE_INHERITED,
+                    f"pid {me} exited raising PoolError: it used the handle on pool"
+                    f" {pool.name!r} that pid {pool.pid} opened, inherited through fork; in a"
+                    " forked process call KVPool.attach(name) (the requests it was given were"
+                    " not served)",
+                    owner_pid=me,
+                )
+            )
+    except PoolError:
+        return False  # (no handle of its own to be had: the pool gone, its client table full)
+    return True
 
 
 def _fault_fired(name: str) -> None:

@@ -5,6 +5,8 @@ finding event is not the first bad operation on a block."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvscope.analysis import analyze_view, first_bad_event, likely_causes
@@ -530,3 +532,42 @@ def test_a_worker_that_an_exception_ended_names_its_leaks_by_the_failure():
     assert cause.startswith(
         "requests the program still held when it failed ('r1'; pid 7 raised IndexError)"
     )
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_worker_that_an_inherited_handle_ended_is_a_finding(make_pool, attached):
+    from kvscope.allocator import KVPool, PoolError
+    from kvscope.child import report_inherited
+    from tests.forking import fork_child, wait_child
+
+    # GIVEN a forked worker that allocates through the handle its parent opened (the bug), or
+    # through one it attached itself, and raises what that raised
+    pool = make_pool(num_blocks=16)
+
+    def work() -> int:
+        mine = KVPool.attach(pool.name) if attached else pool
+        try:
+            try:
+                mine.allocate("r0", [1, 2, 3])
+                raise RuntimeError("served")
+            finally:
+                # (its exit check, in the finally that the exception passes through)
+                said = report_inherited(pool)
+        except (PoolError, RuntimeError):
+            pass
+        if attached:
+            mine.free(mine.allocate("r1", [4]))
+            mine.close()
+        return 0 if said is not attached else 3
+
+    pid = fork_child(work, alarm_s=60)
+    assert wait_child(pid) == 0
+    # THEN only the inherited handle's failure is a finding, naming the worker and the opener
+    found = [f for f in pool.findings() if f.kind == "handle_inherited"]
+    if attached:
+        assert found == []
+        return
+    (f,) = found
+    assert f.owner_pid == pid and f.severity == "error"
+    assert f"pid {pid} exited raising PoolError" in f.message
+    assert f"that pid {os.getpid()} opened, inherited through fork" in f.message
