@@ -727,7 +727,9 @@ def likely_causes(
             f"K/V written into blocks after their own request was aborted ({named}): a"
             f" step that worked out its slots before the abort stored through them after it;"
             f" is the abort called from another thread while a step runs? Abort between steps"
-            f" (queue it for the engine loop), or under the lock the step holds"
+            f" (queue it for the engine loop), or under the lock the step holds. Or the engine"
+            f" kept the request's table or slots past the abort (keyed by a request id it"
+            f" admits again, or by id(seq), which a new sequence reuses): drop them with it"
         )
     reused = [f for f in findings if f.get("id_reused_while_live")]
     if reused:
