@@ -625,7 +625,7 @@ def likely_causes(
         )
     # (a slot formula or another table's row leaves the writer's own positions unwritten
     # anywhere: no cause of an unwritten position beside them)
-    formula, slots_wrong = slots_wrong, slots_wrong or bool(strays)
+    slots_wrong = slots_wrong or bool(strays)
     opened = [] if slots_wrong else _block_openers_unwritten(findings, bs)
     # one position late: a forked sample's first decode position is in its copy-on-write
     # copy, so the copy is left with that one position unwritten, as a stale table leaves it
@@ -795,8 +795,9 @@ def likely_causes(
             f" path the other requests did not take (an abort, a timeout, an error, a cancelled"
             f" client); release the sequence on every path that ends a request"
         )
-    # (the slot formula's stray writes land in blocks their writer lost too)
-    lost = [] if formula else lost_to_preemption(findings)
+    # (the slot formula's stray writes, and another table's row, land in blocks their writer
+    # lost too)
+    lost = [] if slots_wrong else lost_to_preemption(findings)
     if lost:
         named = some([f"{r!r} block {b}" for r, b in lost], 4)
         causes.append(

@@ -346,14 +346,28 @@ def test_a_store_into_a_block_its_writer_never_held_names_another_table_s_row(he
         "events": [*events, _ev("finding", 17, 1, 3, "n")],
     }
     own = _unwritten("n", 30, 16, 16, [_ev("allocate", 30, 1, 2, "n")])
+    # ... and its store into a block it held before a preemption, another request's now
+    lost = dict(
+        stray,
+        block=22,
+        message=stray["message"].replace("block 17", "block 22"),
+        events=[
+            _ev("allocate", 22, 1, 0, "n"),
+            _ev("preempt", 22, 1, 1, "n"),
+            _ev("free", 22, 1, 1, "n"),
+            _ev("allocate", 22, 2, 2, "h"),
+            _ev("finding", 22, 2, 3, "n"),
+        ],
+    )
     # WHEN the causes are named
-    causes = likely_causes(GUARD, [stray, own])
+    causes = likely_causes(GUARD, [stray, own, lost])
     named = [c for c in causes if c.startswith("K/V stored into blocks their writer never held")]
     if held_before:
         assert named == []
         return
-    # THEN the write names another sequence's table row, and the unwritten position is its
-    # consequence, not a cause of its own
+    # THEN the write names another sequence's table row, and the unwritten position and the
+    # write into the block lost to the preemption (another row's block) are its consequences,
+    # not causes of their own
     assert causes == named and "('n' into block 17)" in named[0]
     assert "pool.slot_mapping(seq, start, end)" in named[0]
 
