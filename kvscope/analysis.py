@@ -259,6 +259,23 @@ def served_after(view: SegmentView, request: str | None, pid: int | None) -> dic
     }
 
 
+def readmitted_after_abort(view: SegmentView, request: str | None, until: int) -> int | None:
+    """When the flight recorder shows `request` aborted by the program (an `abort` event of
+    `arg` 0, any block, any process) and then allocated again before `until`: the time of
+    that allocation (a retry of the request under its id); else None."""
+    from kvscope.allocator.events import EventOp
+
+    if not request:
+        return None
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until) & (ev["request"] == _key(request))]
+    aborts = ev["time_ns"][(ev["op"] == EventOp.ABORT) & (ev["arg"] == 0)]
+    if not len(aborts):
+        return None
+    again = ev["time_ns"][(ev["op"] == EventOp.ALLOCATE) & (ev["time_ns"] > aborts.max())]
+    return int(again.min()) if len(again) else None
+
+
 def hits_on_unwritten(view: SegmentView, blk: int, request: str | None, until: int) -> list[str]:
     """A kv_never_written finding's readers: the requests other than its own whose prefix hits
     mapped block `blk` in the generation the finding saw it in (its `finding` event's, the
@@ -532,6 +549,11 @@ def analyze_view(
                 idle = served_after(view, f.request, f.owner_pid)
                 if idle is not None:
                     d["served_after"] = idle
+            if stored_by(d) is not None:  # (the store probe's: its writer is the request)
+                until = int(d.get("time_ns") or np.iinfo(np.int64).max)
+                again = readmitted_after_abort(view, f.request, until)
+                if again is not None:
+                    d["readmitted_after_abort"] = again
             if f.kind == FindingKind.PUBLISHED_BLOCK_MODIFIED:
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
                 if f.message.startswith(UNWRITTEN_AT_PUBLISH):
@@ -721,15 +743,26 @@ def likely_causes(
             f" start, end) and publish only what was stored"
         )
     raced = aborted_then_written(findings, explained=slots_wrong)
-    if raced:
-        named = some([f"{r!r} block {b}" for r, b in raced], 4)
+    retried = {
+        (f.get("request"), f.get("block")) for f in findings if f.get("readmitted_after_abort")
+    }
+    if [x for x in raced if x not in retried]:
+        named = some([f"{r!r} block {b}" for r, b in raced if (r, b) not in retried], 4)
         causes.append(
             f"K/V written into blocks after their own request was aborted ({named}): a"
             f" step that worked out its slots before the abort stored through them after it;"
             f" is the abort called from another thread while a step runs? Abort between steps"
-            f" (queue it for the engine loop), or under the lock the step holds. Or the engine"
-            f" kept the request's table or slots past the abort (keyed by a request id it"
-            f" admits again, or by id(seq), which a new sequence reuses): drop them with it"
+            f" (queue it for the engine loop), or under the lock the step holds"
+        )
+    if [x for x in raced if x in retried]:
+        named = some([f"{r!r} block {b}" for r, b in raced if (r, b) in retried], 4)
+        causes.append(
+            f"K/V written into blocks a request held before it was aborted and admitted again"
+            f" ({named}): the engine kept the aborted attempt's block table or slots (under the"
+            f" request id it admitted again, or under id(seq), which a new sequence reuses) and"
+            f" stored the new attempt's K/V through them; drop a request's tables and slots"
+            f" when it is aborted, and work the new sequence's out from it"
+            f" (pool.slot_mapping(seq, start, end))"
         )
     reused = [f for f in findings if f.get("id_reused_while_live")]
     if reused:

@@ -107,7 +107,7 @@ def test_blocks_published_unwritten_and_hit_name_their_readers(probes, make_pool
     assert "read by 'b', 'c'" in cause and "pool.slot_mapping" in cause
 
 
-@pytest.mark.parametrize("end", ["abort", "free", "none"])
+@pytest.mark.parametrize("end", ["abort", "free", "none", "retried"])
 def test_a_store_after_its_request_was_aborted_names_the_abort(probes, make_pool, end):
     import torch
 
@@ -120,10 +120,17 @@ def test_a_store_after_its_request_was_aborted_names_the_abort(probes, make_pool
     seq = pool.allocate("r1", [1, 2, 3, 4, 5, 6])
     slots = torch.tensor(pool.slot_mapping(seq, 0, 6))
     writers = Writers(pool, [(seq, 0, 6)])
-    if end == "abort":
+    if end in ("abort", "retried"):
         pool.abort(seq)
     elif end == "free":
         pool.free(seq)
+    if end == "retried":
+        # (another request takes the blocks, the engine admits this one again under its id,
+        # and its step still holds the aborted attempt's slots, the writer named the new
+        # sequence)
+        other = pool.allocate("r2", [1, 2, 3, 4, 5, 6])
+        retry = pool.allocate("r1", [7, 8, 9, 10, 11, 12])
+        writers = Writers(pool, [(retry, 0, 6)])
     k = torch.ones(6, 1, 4)
     store_kv(k, k, pool.kv[0, 0], pool.kv[0, 1], slots, writers=writers)
     report = analyze_view(pool.view)
@@ -131,13 +138,21 @@ def test_a_store_after_its_request_was_aborted_names_the_abort(probes, make_pool
     if end == "none":
         assert not report["findings"] and not causes
         return
-    # THEN the write after free is found; the cause is named for the abort only
-    assert {f["kind"] for f in report["findings"]} == {"use_after_free"}
+    # THEN the write is found; the cause is named for the abort only, and after a retry as
+    # the aborted attempt's slots kept
+    kinds = {f["kind"] for f in report["findings"]}
+    assert kinds == ({"unmapped_write"} if end == "retried" else {"use_after_free"}), kinds
     raced = [c for c in causes if c.startswith("K/V written into blocks after their own request")]
+    kept = [c for c in causes if c.startswith("K/V written into blocks a request held before")]
+    assert len(raced) == (end == "abort") and len(kept) == (end == "retried"), causes
     if end == "abort":
-        assert len(raced) == 1 and "'r1' block" in raced[0]
-    else:
-        assert raced == []
+        assert "'r1' block" in raced[0]
+    if end == "retried":
+        assert "'r1' block" in kept[0] and "admitted again" in kept[0]
+        assert all(f.get("readmitted_after_abort") for f in report["findings"])
+    if end == "retried":
+        pool.free(retry)
+        pool.free(other)
 
 
 def test_published_blocks_changed_beside_the_slot_formula_are_not_their_publishers_writes():
