@@ -135,6 +135,14 @@ def copied_from(view: SegmentView, blk: int, request: str | None, until: int | N
     return best
 
 
+def _request_events(view: SegmentView, request: str, until: int) -> np.ndarray:
+    """Every event the flight recorder holds in `request`'s name (any block, any process) up
+    to `until`, oldest first."""
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until) & (ev["request"] == _key(request))]
+    return ev[np.argsort(ev["time_ns"], kind="stable")]
+
+
 def preempted_before(view: SegmentView, request: str | None, blk: int, until: int) -> list[int]:
     """The blocks `request` gave up to its last preemption (its flight-recorder `preempt`
     events) when block `blk` is one its `resume` took fresh after it (an `allocate` in the run
@@ -147,13 +155,10 @@ def preempted_before(view: SegmentView, request: str | None, blk: int, until: in
 
     if not request:
         return []
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until)]
-    ev = ev[ev["request"] == _key(request)]
+    ev = _request_events(view, request, until)
     # (a finding in the request's name, any process's, is no operation of it: not one that
     # ends the resume's run of takes)
     ev = ev[~np.isin(ev["op"], [EventOp.FINDING, EventOp.GUARD_VIOLATION])]
-    ev = ev[np.argsort(ev["time_ns"], kind="stable")]
     ops = ev["op"]
     preempts = np.flatnonzero(ops == EventOp.PREEMPT)
     if not len(preempts):
@@ -267,8 +272,7 @@ def readmitted_after_abort(view: SegmentView, request: str | None, until: int) -
 
     if not request:
         return None
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until) & (ev["request"] == _key(request))]
+    ev = _request_events(view, request, until)
     aborts = ev["time_ns"][(ev["op"] == EventOp.ABORT) & (ev["arg"] == 0)]
     if not len(aborts):
         return None
@@ -934,16 +938,7 @@ def _stored_by_publisher(findings: list[dict[str, Any]]) -> list[dict[str, Any]]
     its publisher as the writer. A store naming another writer is that writer's, and so is a
     change found later on a block such a store, or one into a block its writer does not map,
     wrote into: the writer is known, and it mapped nothing there."""
-    foreign = {
-        f.get("block")
-        for f in findings
-        if stored_by(f) is not None
-        and (
-            f["kind"] == FindingKind.UNMAPPED_WRITE
-            or f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
-            and f"published by request {stored_by(f)!r} " not in f["message"]
-        )
-    }
+    foreign = {f.get("block") for f in findings if _foreign_store(f) is not None}
     return [
         f
         for f in findings
@@ -1236,6 +1231,17 @@ def stored_by(f: dict[str, Any]) -> str | None:
     return None
 
 
+def _foreign_store(f: dict[str, Any]) -> str | None:
+    """The writer of a store the store probe named into a block another request holds (an
+    unmapped_write, or a published block changed by a writer not its publisher); else None."""
+    writer = stored_by(f)
+    if writer is None or f["kind"] == FindingKind.UNMAPPED_WRITE:
+        return writer
+    if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED:
+        return None if f"published by request {writer!r} " in f["message"] else writer
+    return None
+
+
 def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     """(writer, block) of each store the store probe named into a block another request
     holds (an unmapped_write, or a published block changed by a writer not its publisher)
@@ -1245,13 +1251,8 @@ def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     events, none."""
     out: list[tuple[str, int]] = []
     for f in findings:
-        writer, blk, events = stored_by(f), f.get("block"), f.get("events")
+        writer, blk, events = _foreign_store(f), f.get("block"), f.get("events")
         if writer is None or blk is None or not events:
-            continue
-        if f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED:
-            if f"published by request {writer!r} " in f["message"]:
-                continue
-        elif f["kind"] != FindingKind.UNMAPPED_WRITE:
             continue
         until = f.get("time_ns") or events[-1]["time_ns"]
         held = any(
@@ -1350,13 +1351,8 @@ def _aborted_into_reused(f: dict[str, Any]) -> bool:
     own last release of the block before the finding, in its flight recorder, is an `abort`:
     the aborted request's step stored after the block went to another request, in its process
     or another one."""
-    writer = stored_by(f)
-    if writer is None or f["kind"] not in (
-        FindingKind.UNMAPPED_WRITE,
-        FindingKind.PUBLISHED_BLOCK_MODIFIED,
-    ):
-        return False
-    if f"published by request {writer!r} " in f["message"]:
+    writer = _foreign_store(f)
+    if writer is None:
         return False
     until = f.get("time_ns") or None
     ends = [
