@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kvscope.allocator import crash
     from kvscope.allocator.config import PoolConfig
     from kvscope.allocator.crash import CRASH_POINTS
-    from kvscope.allocator.errors import LockDeadlock, PoolError, PoolExhausted
+    from kvscope.allocator.errors import HandleInherited, LockDeadlock, PoolError, PoolExhausted
     from kvscope.allocator.findings import Finding, FindingKind
     from kvscope.allocator.layout import BlockState, SeqState
     from kvscope.allocator.lease import Lease
@@ -32,6 +32,7 @@ _WHERE = {
     "BlockState": "layout",
     "Finding": "findings",
     "FindingKind": "findings",
+    "HandleInherited": "errors",
     "KVPool": "pool",
     "Lease": "lease",
     "LockDeadlock": "errors",
@@ -47,6 +48,7 @@ __all__ = [
     "BlockState",
     "Finding",
     "FindingKind",
+    "HandleInherited",
     "KVPool",
     "Lease",
     "LockDeadlock",

@@ -56,6 +56,23 @@ class PoolExhausted(PoolError):
         )
 
 
+class HandleInherited(PoolError):
+    """An operation on a pool handle another process opened: a forked child's copy of its
+    parent's handle (the C core raises it, csrc/entry.c `unusable`; the child attaches a handle
+    of its own). `name` is the pool's, `opener_pid` the process that opened the handle."""
+
+    def __init__(self, name: str, opener_pid: int):
+        self.name, self.opener_pid = name, opener_pid
+        super().__init__(
+            f"this handle on pool {name!r} was opened by pid {opener_pid}; "
+            "in a forked child call KVPool.attach(name) instead"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        # (a multiprocessing worker's exception crosses to its parent pickled)
+        return type(self), (self.name, self.opener_pid)
+
+
 class JournalFull(PoolError):
     """An operation's writes outgrow the undo journal (it is rolled back, nothing changed).
 

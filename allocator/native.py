@@ -4,9 +4,9 @@ The core is the pool's only writer: allocate, free/abort, append (copy-on-write 
 mark_computed, fork, set_state and resume, eviction, the slot reserve, recovery and close run
 in it, on the segment's bytes, journal and locks, preempting this handle's oldest waiting
 sequence when a take is short and raising PoolExhausted (the class handed over once:
-`register_errors`, with PoolError and JournalFull) when nothing is left, and PoolError
-(TypeError for a non-integer) for what a caller gets wrong (a closed or a forked parent's
-handle, a sequence that is not this handle's live one, a bad argument: docs/FORMAT.md). What
+`register_errors`, with PoolError, JournalFull and HandleInherited) when nothing is left, and
+PoolError (TypeError for a non-integer) for what a caller gets wrong (a closed handle, a
+forked parent's: HandleInherited, a sequence that is not this handle's live one, a bad argument: docs/FORMAT.md). What
 stops a transaction it deals with itself (more locks, evicting or preempting ahead, smaller
 transactions); a case it does not handle is a bug, raised as a RuntimeError. `pip install`
 compiles it; a missing or stale build fails the import in one line. Every probe `kvscope run`
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvscope.allocator import crash, faults, integrity, records
-from kvscope.allocator.errors import JournalFull, PoolError, PoolExhausted
+from kvscope.allocator.errors import HandleInherited, JournalFull, PoolError, PoolExhausted
 from kvscope.allocator.findings import ERROR, SEVERITY
 from kvscope.allocator.locks import UNTRACED, lock_class
 from kvscope.allocator.prefix import COEFS
@@ -95,8 +95,9 @@ def check_layout(built: Mapping[str, int]) -> None:
 
 check_layout(getattr(_native, "LAYOUT", {}))
 # The exception classes the core raises (a full pool's PoolExhausted, a bad input's PoolError,
-# an operation its journal cannot hold's JournalFull), handed over once.
-_native.register_errors(PoolError, PoolExhausted, JournalFull)
+# an operation its journal cannot hold's JournalFull, a forked parent's handle's
+# HandleInherited), handed over once.
+_native.register_errors(PoolError, PoolExhausted, JournalFull, HandleInherited)
 
 
 def kv_layout(pool: PoolHandle) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from kvscope.allocator import lifecycle, native
 from kvscope.allocator.audit import check_table, host_array
 from kvscope.allocator.check import check_view
 from kvscope.allocator.config import KVEventsConfig, PoolConfig
-from kvscope.allocator.errors import PoolError
+from kvscope.allocator.errors import HandleInherited, PoolError
 from kvscope.allocator.findings import ERROR, REPAIRABLE_KINDS, read_findings, repaired_findings
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
@@ -415,10 +415,7 @@ class KVPool:
         if self._closed:
             raise PoolError(f"pool {self.name!r} is closed")
         if _PID[0] != self.pid:
-            raise PoolError(
-                f"this handle on pool {self.name!r} was opened by pid {self.pid}; "
-                "in a forked child call KVPool.attach(name) instead"
-            )
+            raise HandleInherited(self.name, self.pid)
         # (after the checks above: the verification runs operations of its own)
         if verify and self.probe is not None and self.probe.flags.magic:
             self.probe.verify_often()

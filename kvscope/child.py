@@ -29,7 +29,7 @@ from typing import Any
 
 from kvscope.allocator import faults
 from kvscope.allocator.checkrefs import own_block
-from kvscope.allocator.errors import PoolError
+from kvscope.allocator.errors import HandleInherited, PoolError
 from kvscope.allocator.findings import LEAK_KINDS, Finding, FindingKind
 from kvscope.allocator.probeflags import env_flag
 from kvscope.allocator.segment import data_path, segment_path
@@ -229,8 +229,9 @@ def report_inherited(pool: Any) -> bool:
     Without it a program that outlives its failed workers would end with no finding at all:
     the workers never attached. Whether it reported."""
     exc = sys.exc_info()[1]
-    said = f"this handle on pool {pool.name!r} was opened by pid {pool.pid};"
-    if not isinstance(exc, PoolError) or not str(exc).startswith(said):
+    if not (
+        isinstance(exc, HandleInherited) and exc.name == pool.name and exc.opener_pid == pool.pid
+    ):
         return False
     me = os.getpid()
     try:

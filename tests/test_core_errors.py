@@ -6,12 +6,13 @@ handle (that is a RuntimeError, which no test here expects)."""
 from __future__ import annotations
 
 import copy
+import pickle
 import re
 
 import numpy as np
 import pytest
 
-from kvscope.allocator import KVPool, PoolError
+from kvscope.allocator import Finding, HandleInherited, KVPool, PoolError
 from tests.forking import fork_child, wait_child
 
 # Each operation on a sequence, with arguments it would take.
@@ -347,13 +348,25 @@ def test_a_forked_child_is_refused_its_parents_handle(make_pool):
     stats = pool.stats()
 
     def child() -> int:
-        # WHEN a forked child uses its parent's handle for any operation
+        # WHEN a forked child uses its parent's handle for any operation, or reports through it
         for name, op in ALL_OPS.items():
             target = wait if name == "resume" else seq
-            refused(pool, lambda: op(pool, target), PoolError, message)  # noqa: B023
-        return 0
+            refused(pool, lambda: op(pool, target), HandleInherited, message)  # noqa: B023
+        refused(pool, lambda: pool.record(Finding("leak_orphan", "x")), HandleInherited, message)
+        try:
+            pool.free(seq)
+        except HandleInherited as e:
+            # (naming the pool and its opener, and whole across a pickle, as a worker's error
+            # reaches its parent)
+            again = pickle.loads(pickle.dumps(e))
+            named = (
+                (e.name, e.opener_pid) == (again.name, again.opener_pid) == (pool.name, pool.pid)
+            )
+            return 0 if named and str(again) == message else 5
+        return 4
 
-    # THEN the core refuses each (the child exits 0 only if every one said so)
+    # THEN the core refuses each with HandleInherited (a PoolError; the child exits 0 only if
+    # every one said so)
     assert wait_child(fork_child(child, alarm_s=60)) == 0
     # AND the parent's handle and pool are as they were
     assert pool.stats() == stats

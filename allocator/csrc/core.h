@@ -527,7 +527,7 @@ static int seqs_at_close(Native *n, PyObject *pool);
 static int leases_step_reclaim(Native *n, int32_t client, int32_t pid, int64_t *done);
 /* The exception classes the core raises (allocator/errors.py), handed to it once by
  * native.py through register_errors(); NULL until then. */
-static PyObject *PoolErrorType, *PoolExhaustedType, *JournalFullType;
+static PyObject *PoolErrorType, *PoolExhaustedType, *JournalFullType, *HandleInheritedType;
 
 /* An operation's status as the operation log records it (OpStatus), from the exception it
  * raised (et: its type; NULL: none was set): exhausted, refused (another PoolError), else an

@@ -6,15 +6,17 @@
 static int fork_gen = 0; /* bumped in a forked child: a handle made before the fork is not ours */
 static void atfork_child(void) { fork_gen++; }
 
-/* KVPool._check_process: ERROR with PoolError when the handle is closed, or is a forked
- * child's copy of its parent's (opened by another process); OK otherwise. */
+/* KVPool._check_process: ERROR with PoolError when the handle is closed, HandleInherited
+ * (errors.py composes its message) when it is a forked child's copy of its parent's (opened by
+ * another process); OK otherwise. */
 static int unusable(Native *n) {
     if (n->seg == NULL) return pool_error("pool %R is closed", n->name);
-    if (n->fork_gen != fork_gen)
-        return pool_error("this handle on pool %R was opened by pid %d; in a forked child call "
-                          "KVPool.attach(name) instead",
-                          n->name, (int)n->pid);
-    return OK;
+    if (n->fork_gen == fork_gen) return OK;
+    if (HandleInheritedType == NULL) return pool_error("pool %R: another process's handle", n->name);
+    PyObject *err = PyObject_CallFunction(HandleInheritedType, "Oi", n->name, (int)n->pid);
+    if (err != NULL) PyErr_SetObject(HandleInheritedType, err);
+    Py_XDECREF(err);
+    return ERROR;
 }
 
 /* OK when this call may run: the handle is open and this process's (else ERROR with the

@@ -434,22 +434,24 @@ static PyObject *M_fmix64(PyObject *mod, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(fmix64(h));
 }
 
-/* register_errors(PoolError, PoolExhausted, JournalFull): the exception classes the core
- * raises (allocator/errors.py), handed over once by native.py. */
+/* register_errors(PoolError, PoolExhausted, JournalFull, HandleInherited): the exception
+ * classes the core raises (allocator/errors.py), handed over once by native.py. */
 static PyObject *M_register_errors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
-        !PyType_Check(args[2]) ||
-        !PyType_IsSubtype((PyTypeObject *)args[0], (PyTypeObject *)PyExc_Exception) ||
-        !PyType_IsSubtype((PyTypeObject *)args[1], (PyTypeObject *)args[0]) ||
-        !PyType_IsSubtype((PyTypeObject *)args[2], (PyTypeObject *)args[0])) {
+    int ok = nargs == 4 && PyType_Check(args[0]) &&
+             PyType_IsSubtype((PyTypeObject *)args[0], (PyTypeObject *)PyExc_Exception);
+    for (Py_ssize_t i = 1; ok && i < nargs; i++)
+        ok = PyType_Check(args[i]) &&
+             PyType_IsSubtype((PyTypeObject *)args[i], (PyTypeObject *)args[0]);
+    if (!ok) {
         PyErr_SetString(PyExc_TypeError,
-                        "register_errors(PoolError, PoolExhausted, JournalFull): exception "
-                        "classes, the others subclasses of the first");
+                        "register_errors(PoolError, PoolExhausted, JournalFull, HandleInherited): "
+                        "exception classes, the others subclasses of the first");
         return NULL;
     }
     Py_XSETREF(PoolErrorType, Py_NewRef(args[0]));
     Py_XSETREF(PoolExhaustedType, Py_NewRef(args[1]));
     Py_XSETREF(JournalFullType, Py_NewRef(args[2]));
+    Py_XSETREF(HandleInheritedType, Py_NewRef(args[3]));
     Py_RETURN_NONE;
 }
 
@@ -510,8 +512,8 @@ static PyMethodDef module_methods[] = {
      "records in OPLOG_FIELDS' layout, in pool and number order, each one's chunk offset and "
      "offset, its tokens and table as lists, and the fixed parts one after another"},
     {"register_errors", (PyCFunction)(void (*)(void))M_register_errors, METH_FASTCALL,
-     "register_errors(PoolError, PoolExhausted, JournalFull): the exception classes the core "
-     "raises"},
+     "register_errors(PoolError, PoolExhausted, JournalFull, HandleInherited): the exception "
+     "classes the core raises"},
     {"init_lock_mutexes", (PyCFunction)(void (*)(void))M_init_lock_mutexes, METH_FASTCALL,
      "init_lock_mutexes(records, count): a fresh segment's lock mutexes made (header.py)"},
     {"traced_lock_taken", (PyCFunction)(void (*)(void))M_traced_lock_taken, METH_FASTCALL,

@@ -407,14 +407,9 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
     return rc;
 }
 
-/* A Python caller's check of the handle (N_report, eviction, the stores): 1 (PoolError set) when it is closed or
- * was opened by another process (a forked parent's). */
-static int py_caller_unusable(Native *n) {
-    if (n->seg != NULL && n->fork_gen == fork_gen) return 0;
-    PyErr_SetString(PoolErrorType ? PoolErrorType : PyExc_ValueError,
-                    "this pool handle is closed, or was opened by another process");
-    return 1;
-}
+/* A Python caller's check of the handle (N_report, eviction, the stores): 1 with unusable's
+ * error set (PoolError: closed; HandleInherited: a forked parent's handle), else 0. */
+static int py_caller_unusable(Native *n) { return unusable(n) ? 1 : 0; }
 
 /* An argument of N_report: a str's UTF-8 bytes (NULL with an exception set). */
 static const char *utf8_arg(PyObject *o, Py_ssize_t *len) {
