@@ -14,10 +14,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kvscope.allocator import KVPool, PoolExhausted
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.layout import CLIENT_DTYPE, SeqState
+from kvscope.allocator.layout import CLIENT_DTYPE, BlockState, SeqState
+from kvscope.allocator.lease import lease_totals
 from tests import lockholder
 from tests.test_crash import _survive_and_reclaim, _work
 
@@ -107,6 +109,39 @@ def test_a_copy_whose_take_preempts_the_blocks_other_holder_gives_the_block_back
     assert copies[0][0] == src and a.state == other.state == "preempted"
     assert pool.view.blocks["refcount"][src] == 0 and pool.view.blocks["state"][src] != 1
     assert pool.stats()["num_allocated"] == 2 and pool.check() == []
+    for s in (a, b, other):
+        pool.free(s)
+    assert pool.check() == [] and pool.stats()["num_allocated"] == 0
+
+
+@pytest.mark.parametrize("how", ["lease", "guard"])
+def test_the_copys_source_left_unreferenced_is_given_back_as_a_free_gives_it(
+    make_pool, monkeypatch, how
+):
+    # GIVEN the pool above, where the fork's copy frees its source, with the source under a
+    # transfer's lease, or in guard mode
+    if how == "guard":
+        monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = make_pool(4, block_size=BS, local_cache_size=0, max_clients=4, max_seqs=64)
+    a = pool.allocate("a", [1, 2, 3, 4, 5, 6])
+    b = pool.fork(a, "b")
+    other = pool.allocate("other", list(range(100, 108)))
+    pool.set_state(a, "waiting")
+    pool.set_state(other, "waiting")
+    src = b.block_table[1]
+    lease = pool.lease([src], "read", holder="offload") if how == "lease" else None
+    # WHEN the fork's append copies it, preempting both waiting sequences
+    assert pool.append(b, [7])[0][0] == src and a.state == other.state == "preempted"
+    # THEN the source is given back as a free gives it: quarantined while leased (not handed
+    # to the next take), or in guard mode quarantined and poisoned, as the fork's free would
+    blocks = pool.view.blocks
+    assert blocks["refcount"][src] == 0 and blocks["state"][src] == BlockState.QUARANTINED
+    if lease is not None:
+        assert lease_totals(pool.view)["quarantined"] == 1
+        assert lease.release() is True and lease_totals(pool.view)["quarantined"] == 0
+    else:
+        assert blocks["poisoned"][src] == 1 and torch.isnan(pool.kv[:, :, src, :BS]).all()
+    assert pool.check() == [] and pool.findings() == []
     for s in (a, b, other):
         pool.free(s)
     assert pool.check() == [] and pool.stats()["num_allocated"] == 0

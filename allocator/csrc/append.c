@@ -152,12 +152,15 @@ static int append_chunk(Native *n, PyObject *pool, PyObject *seq, int64_t slot,
             if (freed && src_r[BF_INDEXED] == 1) src_r[BF_STATE] = B_CACHED;
             seal(n, last);
             if (freed && src_r[BF_INDEXED] != 1) {
-                int64_t fit;
-                if (local_push(n, &last, 1, &fit)) goto abort;
-                if (fit == 0 &&
-                    (need_locks(n, lock_bit(n->lock_free)) || ring_push(n, &last, 1)))
+                /* given back as a release gives its blocks back (give_back_freed: a leased
+                 * block quarantined; in guard mode checked, quarantined and poisoned at the
+                 * commit, as this sequence's free would; its freer kept) */
+                int32_t z = last;
+                int64_t nz = 1;
+                int guard = guard_release(n, slot);
+                if (guard < 0 || give_back_freed(n, &z, &nz, guard, 0) != OK ||
+                    (guard && poison_later(n, &z, nz)))
                     goto abort;
-                U8(src_r + BF_FREED_AT) = (uint64_t)(uint32_t)n->pid; /* (freed_by) */
             }
             if (set_block(n, slot, nb - 1, dst)) goto abort;
             seal(n, dst);
