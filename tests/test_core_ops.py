@@ -92,16 +92,22 @@ def test_the_core_preempts_says_the_pool_is_full_and_resumes_itself(make_pool):
     assert pool.check() == []
 
 
-def test_a_copy_whose_take_preempts_the_blocks_other_holder_gives_the_block_back(make_pool):
-    # GIVEN a full pool of 4 blocks: a waiting sequence and its fork share a partial last
-    # block, and another waiting sequence holds the other 2
+def _copy_that_preempts(make_pool):
+    """A full pool of 4 blocks: a waiting sequence and its fork share a partial last block, and
+    another waiting sequence holds the other 2. The pool, (a, the fork b, other), and the shared
+    block."""
     pool = make_pool(4, block_size=BS, local_cache_size=0, max_clients=4, max_seqs=64)
     a = pool.allocate("a", [1, 2, 3, 4, 5, 6])
     b = pool.fork(a, "b")
     other = pool.allocate("other", list(range(100, 108)))
     pool.set_state(a, "waiting")
     pool.set_state(other, "waiting")
-    src = b.block_table[1]
+    return pool, (a, b, other), b.block_table[1]
+
+
+def test_a_copy_whose_take_preempts_the_blocks_other_holder_gives_the_block_back(make_pool):
+    # GIVEN the fork of a waiting sequence sharing its partial last block, in a full pool
+    pool, (a, b, other), src = _copy_that_preempts(make_pool)
     # WHEN the fork appends into the shared block (copy-on-write: one block, found only by
     # preempting both waiting sequences; the first frees nothing but the block's share)
     copies = pool.append(b, [7])
@@ -122,13 +128,7 @@ def test_the_copys_source_left_unreferenced_is_given_back_as_a_free_gives_it(
     # transfer's lease, or in guard mode
     if how == "guard":
         monkeypatch.setenv("KVSCOPE_GUARD", "1")
-    pool = make_pool(4, block_size=BS, local_cache_size=0, max_clients=4, max_seqs=64)
-    a = pool.allocate("a", [1, 2, 3, 4, 5, 6])
-    b = pool.fork(a, "b")
-    other = pool.allocate("other", list(range(100, 108)))
-    pool.set_state(a, "waiting")
-    pool.set_state(other, "waiting")
-    src = b.block_table[1]
+    pool, (a, b, other), src = _copy_that_preempts(make_pool)
     lease = pool.lease([src], "read", holder="offload") if how == "lease" else None
     # WHEN the fork's append copies it, preempting both waiting sequences
     assert pool.append(b, [7])[0][0] == src and a.state == other.state == "preempted"
