@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvscope import __version__
 from kvscope.errors import EXIT_USAGE, PoolError, UsageError
@@ -17,8 +17,19 @@ from kvscope.verbs import VERBS, load, summary
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line and exit code 2, through UsageError."""
 
+    # The innermost parser that read the command line (a verb's, `events record`'s): where an
+    # argument none of them took is explained (argparse reports it from the top-level parser).
+    innermost: Parser | None = None
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        Parser.innermost = self
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+        prog = self.prog
+        if message.startswith("unrecognized arguments") and Parser.innermost is not None:
+            prog = Parser.innermost.prog
+        raise UsageError(f"{message} (see `{prog} --help`)")
 
 
 def build_parser(verb: str | None = None) -> Parser:

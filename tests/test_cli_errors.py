@@ -122,6 +122,19 @@ def test_bad_command_line(capsys, argv):
     one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    "argv, helps",
+    [
+        (["analyze", "x.kvd", "--bogus"], "kvscope analyze"),
+        (["events", "record", "--endpoint", "x", "-o", "y"], "kvscope events record"),
+        (["--bogus"], "kvscope"),
+    ],
+)
+def test_an_argument_nobody_takes_points_at_the_help_of_the_verb_given(capsys, argv, helps):
+    assert main(argv) == 2
+    assert one_line_error(capsys).endswith(f"(see `{helps} --help`)")
+
+
 def test_no_verb_prints_help_and_exits_2(capsys):
     assert main([]) == 2
     assert "usage" in capsys.readouterr().err

@@ -50,6 +50,8 @@ class ReplayCommand:
         from kvscope.allocator.oplog import OplogError, read_log
         from kvscope.replay import Shrinker, emit_script, replay
 
+        if args.until is not None and args.until < 0:
+            raise UsageError("--until takes an operation number >= 0")
         path = args.target
         if path.endswith(".kvd"):
             if not os.path.exists(path + ".ops"):
@@ -58,8 +60,6 @@ class ReplayCommand:
                     f"--record-ops FILE` (a dump's log is read from {path}.ops)"
                 )
             path += ".ops"
-        if args.until is not None and args.until < 0:
-            raise UsageError("--until takes an operation number >= 0")
         try:
             log = read_log(path, args.pool)
         except OplogError as e:
