@@ -202,11 +202,23 @@ def test_run_unknown_fault(capsys, tmp_path):
     assert "unknown fault 'gremlins'" in one_line_error(capsys)
 
 
-def test_run_missing_dump_dir(capsys, tmp_path):
+def test_run_dump_dir_that_is_a_file_or_cannot_be_made(capsys, tmp_path):
     script = tmp_path / "s.py"
     script.write_text("pass\n")
-    assert main(["run", "--dump-dir", str(tmp_path / "nodir"), str(script)]) == 2
-    assert "--dump-dir" in one_line_error(capsys)
+    assert main(["run", "--dump-dir", str(script), str(script)]) == 2
+    assert "is not a directory" in one_line_error(capsys)
+    assert main(["run", "--dump-dir", str(script / "under"), str(script)]) == 2
+    assert "cannot be made: Not a directory" in one_line_error(capsys)
+
+
+def test_run_makes_a_missing_dump_dir(capsys, tmp_path):
+    # GIVEN a script and a dump directory that does not exist yet, two levels down
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    where = tmp_path / "runs" / "one"
+    # WHEN it runs THEN the directory is made before the script starts, and the run is clean
+    assert main(["run", "--dump-dir", str(where), str(script)]) == 0
+    assert where.is_dir()
 
 
 def test_top_bad_rate(capsys):

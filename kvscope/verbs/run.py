@@ -137,7 +137,13 @@ def record_limit(text: str, args: argparse.Namespace) -> int:
 
 
 def check_dump_dir(path: str) -> str:
-    """--dump-dir must be a writable directory (checked before the script starts)."""
+    """--dump-dir must be a writable directory, made (with its parents) where it does not exist
+    yet (before the script starts)."""
+    if not os.path.exists(path):
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--dump-dir {path} cannot be made: {e.strerror or e}") from None
     if not os.path.isdir(path):
         raise UsageError(f"--dump-dir {path} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
