@@ -26,9 +26,11 @@ import errno
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # siginfo si_code of a signal the kernel sent on its own: a terminal's Ctrl-C or hangup.
@@ -62,12 +64,74 @@ def drop_dead_terminal() -> bool:
     return True
 
 
+def echo(line: str) -> None:
+    """One line on kvscope's stderr, at once: one write (the script writes to the same stderr,
+    and print's line and newline, two writes, let its output in between)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+class OutlivingStream:
+    """A text stream (kvscope's stdout or stderr) whose reader may go away (`kvscope run ...
+    2>&1 | head`): a write or flush that meets the closed pipe points its descriptor at
+    /dev/null and carries on, so that what kvscope does after (the dump, the pool's files
+    removed, the script's exit code) does not depend on anyone reading it."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        fd = self._stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+        # (what the stream still buffers goes to /dev/null now)
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        # (fileno, isatty, encoding, ...: the stream's own)
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def outliving_readers() -> Iterator[None]:
+    """sys.stdout and sys.stderr as OutlivingStreams for a while (`kvscope run`)."""
+    old = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = OutlivingStream(old[0]), OutlivingStream(old[1])  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = old
+
+
 class Stopper:
     """Forwards stop signals to one child, and kills it when the grace period runs out."""
 
-    def __init__(self, echo: Callable[[str], None], grace_s: float = DEFAULT_GRACE_S):
+    def __init__(
+        self,
+        echo: Callable[[str], None],
+        grace_s: float = DEFAULT_GRACE_S,
+        before_kill: Callable[[int], None] | None = None,
+    ):
         self.echo = echo
         self.grace_s = grace_s
+        # called with the script's pid when the grace period ran out, before it is killed
+        # (`kvscope run` shows its threads' stacks)
+        self.before_kill = before_kill
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.blocked = False
@@ -156,29 +220,41 @@ class Stopper:
             return
         name = signal.Signals(signum).name
         if self.stopping:
-            self.echo(f"kvscope: {name} again: killing the script (pid {proc.pid}) with SIGKILL")
             self.kill()
+            self._say(f"kvscope: {name} again: killed the script (pid {proc.pid}) with SIGKILL")
             return
         self.stopping = True
         if not from_terminal:
             proc.send_signal(signum)
-        sent = "sent to" if from_terminal else "forwarded to"
-        self.echo(
-            f"kvscope: {name} {sent} the script (pid {proc.pid}); it is killed with SIGKILL"
-            f" if it still runs in {self.grace_s:g} s (--stop-grace) or on a second signal"
-        )
         self._timer = threading.Timer(self.grace_s, self._grace_over)
         self._timer.daemon = True
         self._timer.start()
+        sent = "sent to" if from_terminal else "forwarded to"
+        self._say(
+            f"kvscope: {name} {sent} the script (pid {proc.pid}); it is killed with SIGKILL"
+            f" if it still runs in {self.grace_s:g} s (--stop-grace) or on a second signal"
+        )
 
     def _grace_over(self) -> None:
         proc = self.proc
         if proc is not None and proc.poll() is None:
-            self.echo(
-                f"kvscope: the script (pid {proc.pid}) still runs {self.grace_s:g} s after the"
-                " stop signal: killing it with SIGKILL"
-            )
+            if self.before_kill is not None:
+                # (whatever it meets, the script is killed after it)
+                with contextlib.suppress(Exception):
+                    self.before_kill(proc.pid)
+            # (killed first: the line is said after, where kvscope's stderr may be gone, a pipe
+            # whose reader exited)
             self.kill()
+            self._say(
+                f"kvscope: the script (pid {proc.pid}) still ran {self.grace_s:g} s after the"
+                " stop signal: killed it with SIGKILL"
+            )
+
+    def _say(self, line: str) -> None:
+        """echo a line where kvscope's stderr may be closed (`kvscope run ... 2>&1 | head`):
+        what the stopper does never depends on being able to say it."""
+        with contextlib.suppress(OSError):
+            self.echo(line)
 
     def kill(self) -> None:
         """SIGKILL the child if it still runs."""

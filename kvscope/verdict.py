@@ -29,13 +29,9 @@ from kvscope.capacity import capacity_answer
 from kvscope.errors import EXIT_FAIL_ON, EXIT_FINDINGS, EXIT_USAGE
 from kvscope.history import history_path
 from kvscope.report import console, render
+from kvscope.stopper import echo
 from kvscope.supervisor import Outcome, Supervisor, Watched, fails, is_error, is_leak
 from kvscope.timeline import build_trace, trace_path, write_trace
-
-
-def echo(line: str) -> None:
-    """One line on stderr, at once."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def _beside_dump(w: Watched, snap: SegmentView, path: str, report: dict[str, Any]) -> None:

@@ -70,7 +70,50 @@ def test_sigterm_is_forwarded_and_a_script_ignoring_it_is_killed(tmp_path):
     # THEN it forwarded it, and after the grace period killed the script: the run ends as
     # killed by SIGKILL
     assert "SIGTERM forwarded to the script" in err
-    assert "killing it with SIGKILL" in err
+    assert "killed it with SIGKILL" in err
+    assert run.returncode == 128 + signal.SIGKILL
+
+
+DEADLOCK = (
+    "import threading\n"
+    "a, b, both = threading.Lock(), threading.Lock(), threading.Barrier(2)\n"
+    "def one():\n"
+    "    with a:\n"
+    "        both.wait()\n"
+    "        with b:\n"  # line 8 of the script (start_run's two lines first)
+    "            pass\n"
+    "def two():\n"
+    "    with b:\n"
+    "        both.wait()\n"
+    "        with a:\n"  # line 13
+    "            pass\n"
+    "threads = [threading.Thread(target=f) for f in (one, two)]\n"
+    "for t in threads:\n"
+    "    t.start()\n"
+    "open(ready, 'w').close()\n"
+    "for t in threads:\n"
+    "    t.join()\n"
+)
+
+
+def test_a_deadlocked_script_that_outlives_the_grace_shows_its_threads_then_is_killed(tmp_path):
+    # GIVEN a script whose two threads each hold the lock the other waits for
+    run = start_run(tmp_path, DEADLOCK, "--stop-grace", "0.5")
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
+        # WHEN kvscope gets SIGINT (the main thread's KeyboardInterrupt then waits for them)
+        run.send_signal(signal.SIGINT)
+        _, err = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    # THEN before the kill kvscope shows where each of the script's threads waits: the two
+    # lines of the deadlock, without kvscope's own threads and frames
+    said = err.index("did not stop; its threads now")
+    assert 'script.py", line 8 in one' in err[said:]
+    assert 'script.py", line 13 in two' in err[said:]
+    assert "watchdog" not in err[said:] and "bootstrap" not in err[said:]
+    assert err.index("killed it with SIGKILL") > said
     assert run.returncode == 128 + signal.SIGKILL
 
 
@@ -262,3 +305,35 @@ def test_a_wait_that_returns_an_unfilled_siginfo_is_not_a_stop(monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_run_whose_output_lost_its_reader_still_dumps_cleans_up_and_exits_as_it_would(
+    tmp_path, pool_name
+):
+    # GIVEN a script that leaks a block, run with kvscope's output into a pipe whose reader has
+    # gone (`kvscope run ... 2>&1 | head`, once head has exited)
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from kvscope.allocator import KVPool, PoolConfig\n"
+        f"pool = KVPool.create({pool_name!r}, PoolConfig(num_blocks=8, block_size=4,"
+        " num_layers=1, num_kv_heads=1, head_dim=4, dtype='float32'))\n"
+        "pool.allocate('leaky', [1, 2, 3])\n"
+    )
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        run = subprocess.Popen(
+            [KVSCOPE, "run", "--dump-dir", str(tmp_path), str(script)],
+            stdout=write,
+            stderr=write,
+            start_new_session=True,
+        )
+    finally:
+        os.close(write)
+    # WHEN it ends
+    run.wait(timeout=PATIENCE_S)
+    # THEN the run did all it does with a reader: the dump written, the pool's files removed,
+    # the exit code of a leak (--fail-on leak)
+    assert run.returncode == 66
+    assert len(list(tmp_path.glob("*.kvd"))) == 1
+    assert not os.path.exists(f"/dev/shm/kvscope.{pool_name}")

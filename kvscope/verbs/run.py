@@ -36,7 +36,7 @@ from kvscope.allocator.faults import FAULTS
 from kvscope.bootstrap import launch
 from kvscope.errors import UsageError
 from kvscope.scriptlog import ScriptLog
-from kvscope.stopper import DEFAULT_GRACE_S, Stopper
+from kvscope.stopper import DEFAULT_GRACE_S, Stopper, echo, outliving_readers
 from kvscope.verbs.top import load_run_top
 
 # The supervisor and the verdict (numpy, the checks, the report) are imported once the script
@@ -234,6 +234,13 @@ class RunCommand:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        # (kvscope's own output may lose its reader, `kvscope run ... | head`: the run still
+        # stops its script, writes its dump, removes the pool's files and exits as it would)
+        with outliving_readers():
+            return RunCommand.run_script(args)
+
+    @staticmethod
+    def run_script(args: argparse.Namespace) -> int:
         if not args.module and not os.path.isfile(args.script):
             raise UsageError(f"no script at {args.script}")
         if not args.hz > 0:
@@ -248,7 +255,7 @@ class RunCommand:
 
         otel_env = {**os.environ, **otel_env_from_args(args)}
         env = child_env(otel_env, run_dir, args)
-        stopper = Stopper(_echo, args.stop_grace)
+        stopper = Stopper(echo, args.stop_grace, before_kill=lambda pid: show_stacks(pid, run_dir))
         sup: Supervisor | None = None
         tel = None
         try:
@@ -282,7 +289,7 @@ class RunCommand:
                 from kvscope.supervisor import Supervisor
 
                 sup = Supervisor(
-                    target, run_dir=run_dir, env=env, echo=_echo, fail_on=args.fail_on,
+                    target, run_dir=run_dir, env=env, echo=echo, fail_on=args.fail_on,
                     stopper=stopper, proc=proc,
                 )  # fmt: skip
                 from kvscope import verdict
@@ -312,8 +319,17 @@ class RunCommand:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _echo(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+def show_stacks(pid: int, run_dir: str) -> None:
+    """Before the script that outlived its stop signal's grace period is killed: where each of
+    its threads is (a hang's diagnosis: threads that wait for each other's locks deadlocked)."""
+    from kvscope.bootstrap import thread_stacks
+
+    text = thread_stacks(pid, run_dir)
+    if text:
+        echo(
+            f"kvscope: the script (pid {pid}) did not stop; its threads now (most recent call"
+            " first; threads waiting on locks that the others hold are deadlocked):\n" + text
+        )
 
 
 def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None) -> None:
@@ -345,6 +361,6 @@ def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None
             worker.join()
     if log is not None:
         log.release()
-    sup.echo = _echo
+    sup.echo = echo
     for line in held:
-        _echo(line)
+        echo(line)
