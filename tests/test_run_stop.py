@@ -51,6 +51,18 @@ def finish(run: subprocess.Popen[str], tmp_path) -> tuple[str, str]:
     return (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
 
 
+def stopped(run: subprocess.Popen[str], tmp_path, signum: int) -> tuple[str, str]:
+    """Once the script is ready, send kvscope `signum` and wait for it to exit; its stdout and
+    stderr (the run's processes killed if the test fails first)."""
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
+        run.send_signal(signum)
+        return finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+
+
 def test_sigterm_is_forwarded_and_a_script_ignoring_it_is_killed(tmp_path):
     # GIVEN a script under kvscope run that ignores SIGTERM
     run = start_run(
@@ -59,14 +71,8 @@ def test_sigterm_is_forwarded_and_a_script_ignoring_it_is_killed(tmp_path):
         "--stop-grace",
         "0.5",
     )
-    try:
-        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
-        # WHEN kvscope gets SIGTERM
-        run.send_signal(signal.SIGTERM)
-        _, err = finish(run, tmp_path)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+    # WHEN kvscope gets SIGTERM
+    _, err = stopped(run, tmp_path, signal.SIGTERM)
     # THEN it forwarded it, and after the grace period killed the script: the run ends as
     # killed by SIGKILL
     assert "SIGTERM forwarded to the script" in err
@@ -99,14 +105,8 @@ DEADLOCK = (
 def test_a_deadlocked_script_that_outlives_the_grace_shows_its_threads_then_is_killed(tmp_path):
     # GIVEN a script whose two threads each hold the lock the other waits for
     run = start_run(tmp_path, DEADLOCK, "--stop-grace", "0.5")
-    try:
-        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
-        # WHEN kvscope gets SIGINT (the main thread's KeyboardInterrupt then waits for them)
-        run.send_signal(signal.SIGINT)
-        _, err = finish(run, tmp_path)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+    # WHEN kvscope gets SIGINT (the main thread's KeyboardInterrupt then waits for them)
+    _, err = stopped(run, tmp_path, signal.SIGINT)
     # THEN before the kill kvscope shows where each of the script's threads waits: the two
     # lines of the deadlock, without kvscope's own threads and frames
     said = err.index("did not stop; its threads now")
@@ -131,13 +131,7 @@ def test_a_script_that_handles_sigterm_gets_it_once_and_ends_its_own_way(tmp_pat
         "sys.exit(3)\n"
     )
     run = start_run(tmp_path, body)
-    try:
-        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
-        run.send_signal(signal.SIGTERM)
-        out, err = finish(run, tmp_path)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+    out, err = stopped(run, tmp_path, signal.SIGTERM)
     # THEN the script saw it and chose its exit status, which is the run's
     assert "terms 1" in out
     assert run.returncode == 3
