@@ -844,6 +844,16 @@ def likely_causes(
             f' pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, "What the'
             f' probes do not see")'
         )
+    rewritten = [] if (slots_wrong or lost or raced) else rewritten_by_hitters(findings)
+    if rewritten:
+        named = _blocks_of([{"request": r, "block": b} for r, b in rewritten])
+        causes.append(
+            f"published prefix blocks changed while only a request that hit them held them"
+            f" ({named}): their K/V was intact at its prefix hit; its prefill stored K/V into"
+            f" the positions the hit gave it cached too (from position 0, not from"
+            f" seq.num_cached_tokens), K/V other requests share; store a prompt's K/V from"
+            f" seq.num_cached_tokens on (pool.slot_mapping(seq, seq.num_cached_tokens, n))"
+        )
     # (those say where such writes came from; so does a slot formula that lands each token in
     # another block's slot)
     if late and not (early or resumed or lost or slots_wrong):
@@ -1261,6 +1271,27 @@ def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
         )
         if not held and (writer, blk) not in out:
             out.append((writer, blk))
+    return out
+
+
+def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(request, block) of each published block whose K/V was intact at that request's prefix
+    hit (`intact_at`) and changed when found, no other request holding it in between
+    (`held_since_intact` is that request alone) and no store naming another writer: the
+    request that hit the block stored into it."""
+    out: list[tuple[str, int]] = []
+    for f in findings:
+        at, blk = f.get("intact_at") or {}, f.get("block")
+        hitter = at.get("request")
+        if (
+            f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
+            and blk is not None
+            and at.get("op") == "prefix_hit"
+            and f.get("held_since_intact") == [hitter]
+            and stored_by(f) in (None, hitter)
+            and (hitter, blk) not in out
+        ):
+            out.append((hitter, blk))
     return out
 
 

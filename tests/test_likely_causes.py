@@ -184,3 +184,37 @@ def test_a_store_after_publication_is_the_publisher_s_only_when_it_named_the_pub
     # THEN only the publisher's own store is named a store after its publication
     late = [c for c in causes if c.startswith("published blocks whose K/V changed")]
     assert late if writer == "p" else not late
+
+
+@pytest.mark.parametrize("prefill", ["from_zero", "from_cached"])
+def test_a_prefill_that_rewrites_the_cached_prefix_names_the_request_that_hit_it(
+    probes, make_pool, prefill
+):
+    # GIVEN a shared system prompt published by a first request, and later requests that hit
+    # it, whose prefill stores from position 0 (the bug: K/V of the cached positions stored
+    # again, a little different, as a model's K/V with another batch's numerics) or from
+    # seq.num_cached_tokens
+    pool = make_pool(num_blocks=32, block_size=BS, num_kv_heads=1, head_dim=4, guard=True)
+    system = [7, 7, 8, 8, 9, 9, 10, 10]
+
+    def kv(tok: int, pos: int, noise: float) -> float:
+        return float(tok * 31 + pos) + noise
+
+    for r in range(3):
+        seq = pool.allocate(f"chat-{r}", [*system, 100 + r, 200 + r])
+        start = 0 if prefill == "from_zero" else seq.num_cached_tokens
+        for pos in range(start, len(seq.tokens)):
+            (slot,) = pool.slot_mapping(seq, pos, pos + 1)
+            b, off = divmod(int(slot), pool.slots_per_block)
+            pool.kv[:, :, b, off] = kv(seq.tokens[pos], pos, 1e-3 * r)
+        pool.mark_computed(seq, len(seq.tokens))
+        pool.free(seq)
+    report = analyze_view(pool.view)
+    if prefill == "from_cached":
+        assert not report["findings"] and "likely_causes" not in report
+        return
+    # THEN the cause names the first request that hit the prefix, in both shared blocks
+    (cause,) = report["likely_causes"]
+    assert cause.startswith("published prefix blocks changed while only a request that hit")
+    assert "('chat-1' blocks 0, 1)" in cause and "seq.num_cached_tokens" in cause
+    assert "'chat-0'" not in cause and "'chat-2'" not in cause
