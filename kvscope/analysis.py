@@ -1289,9 +1289,9 @@ def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]
             and at.get("op") == "prefix_hit"
             and f.get("held_since_intact") == [hitter]
             and stored_by(f) in (None, hitter)
-            and (hitter, blk) not in out
+            and (str(hitter), int(blk)) not in out
         ):
-            out.append((hitter, blk))
+            out.append((str(hitter), int(blk)))
     return out
 
 
