@@ -652,6 +652,33 @@ def likely_causes(
     # (a slot formula or another table's row leaves the writer's own positions unwritten
     # anywhere: no cause of an unwritten position beside them)
     slots_wrong = slots_wrong or bool(strays)
+    rewritten = [] if slots_wrong else rewritten_by_hitters(findings)
+    if rewritten:
+        named = _blocks_of([{"request": r, "block": b} for r, b in rewritten])
+        writers = {r for r, _ in rewritten}
+        left = sorted(
+            {
+                repr(f.get("request"))
+                for f in findings
+                if f["kind"] == FindingKind.KV_NEVER_WRITTEN and f.get("request") in writers
+            }
+        )
+        own = (
+            f"; {some(left, 4)} also left positions of their own unwritten: the K/V of the"
+            f" positions after the hit went to slots counted from the hit (the slots of"
+            f" positions 0, 1, ...), into the cached blocks"
+            if left
+            else ""
+        )
+        causes.append(
+            f"published prefix blocks written by requests that hit them ({named}): K/V stored"
+            f" into the positions their prefix hit gave them cached, K/V other requests"
+            f" share{own}; store a prompt's K/V from seq.num_cached_tokens on, at"
+            f" pool.slot_mapping(seq, seq.num_cached_tokens, n)"
+        )
+    # (a write into the cached blocks leaves the positions after the hit unwritten, in any
+    # request that hit them: no other cause of an unwritten position beside it)
+    slots_wrong = slots_wrong or bool(rewritten)
     opened = [] if slots_wrong else _block_openers_unwritten(findings, bs)
     # one position late: a forked sample's first decode position is in its copy-on-write
     # copy, so the copy is left with that one position unwritten, as a stale table leaves it
@@ -843,16 +870,6 @@ def likely_causes(
             f" write through it after pool.resume? Re-read pool.block_table(seq) or"
             f' pool.slot_mapping(seq, start, end) after resume (docs/PROBES.md, "What the'
             f' probes do not see")'
-        )
-    rewritten = [] if (slots_wrong or lost or raced) else rewritten_by_hitters(findings)
-    if rewritten:
-        named = _blocks_of([{"request": r, "block": b} for r, b in rewritten])
-        causes.append(
-            f"published prefix blocks changed while only a request that hit them held them"
-            f" ({named}): their K/V was intact at its prefix hit; its prefill stored K/V into"
-            f" the positions the hit gave it cached too (from position 0, not from"
-            f" seq.num_cached_tokens), K/V other requests share; store a prompt's K/V from"
-            f" seq.num_cached_tokens on (pool.slot_mapping(seq, seq.num_cached_tokens, n))"
         )
     # (those say where such writes came from; so does a slot formula that lands each token in
     # another block's slot)
@@ -1274,24 +1291,37 @@ def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     return out
 
 
+# The flight recorder's operations that start or end a request's hold on a block.
+_HOLDING = ("allocate", "prefix_hit", "fork", "cow", "preempt", "free", "abort", "evict", "reclaim")
+
+
 def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    """(request, block) of each published block whose K/V was intact at that request's prefix
-    hit (`intact_at`) and changed when found, no other request holding it in between
-    (`held_since_intact` is that request alone) and no store naming another writer: the
-    request that hit the block stored into it."""
+    """(request, block) of each published block a request that mapped it by a prefix hit
+    stored into: a store given its writers named that request, whose last operation on the
+    block before the finding in the flight recorder is its prefix_hit (no release since); or, with no store named, the block's K/V was
+    intact at that request's prefix hit (`intact_at`) and no other request held it from then
+    to the finding (`held_since_intact` is that request alone)."""
     out: list[tuple[str, int]] = []
     for f in findings:
-        at, blk = f.get("intact_at") or {}, f.get("block")
-        hitter = at.get("request")
-        if (
-            f["kind"] == FindingKind.PUBLISHED_BLOCK_MODIFIED
-            and blk is not None
-            and at.get("op") == "prefix_hit"
-            and f.get("held_since_intact") == [hitter]
-            and stored_by(f) in (None, hitter)
-            and (str(hitter), int(blk)) not in out
-        ):
-            out.append((str(hitter), int(blk)))
+        blk = f.get("block")
+        if f["kind"] != FindingKind.PUBLISHED_BLOCK_MODIFIED or blk is None:
+            continue
+        writer = stored_by(f)
+        if writer is None:
+            at = f.get("intact_at") or {}
+            writer = at.get("request")
+            hit = at.get("op") == "prefix_hit" and f.get("held_since_intact") == [writer]
+        else:
+            # (holding the block through that hit when it stored: no release since)
+            until = f.get("time_ns") or np.iinfo(np.int64).max
+            held = [
+                e["op"]
+                for e in f.get("events") or ()
+                if e["request"] == writer and e["time_ns"] <= until and e["op"] in _HOLDING
+            ]
+            hit = held[-1:] == ["prefix_hit"]
+        if hit and (str(writer), int(blk)) not in out:
+            out.append((str(writer), int(blk)))
     return out
 
 

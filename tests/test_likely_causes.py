@@ -215,6 +215,48 @@ def test_a_prefill_that_rewrites_the_cached_prefix_names_the_request_that_hit_it
         return
     # THEN the cause names the first request that hit the prefix, in both shared blocks
     (cause,) = report["likely_causes"]
-    assert cause.startswith("published prefix blocks changed while only a request that hit")
+    assert cause.startswith("published prefix blocks written by requests that hit them")
     assert "('chat-1' blocks 0, 1)" in cause and "seq.num_cached_tokens" in cause
     assert "'chat-0'" not in cause and "'chat-2'" not in cause
+
+
+def _event(op: str, request: str, t: int) -> dict:
+    return {"op": op, "request": request, "time_ns": t}
+
+
+def test_stores_after_a_hit_at_slots_counted_from_the_hit_are_one_cause_not_a_resume():
+    # GIVEN what an engine leaves that stores the chunk after a prefix hit at the slots of
+    # positions 0, 1, ... (the trial's prefix_pos): stores given their writers into the shared
+    # blocks by the requests that hit them (one of them resumed after a preemption, its resume
+    # hitting the prefix again), and the positions after the hit unwritten in their own blocks
+    shared = [_event("allocate", "r0", 1), _event("publish", "r0", 2)]
+    hit6, hit8 = _event("prefix_hit", "r6", 3), _event("prefix_hit", "r8", 5)
+    findings = [
+        {
+            "kind": "published_block_modified",
+            "message": f"request {w!r} stored K/V into block {b} at engine.py:267 s_forward:"
+            " published by request 'r0' (pid 7), shared by prefix hits",
+            "block": b,
+            "request": w,
+            "time_ns": t,
+            "events": [*shared, hit6, _event("preempt", "r8", 4), hit8],
+        }
+        for w, b, t in (("r6", 0, 6), ("r8", 1, 7))
+    ] + [
+        {
+            "kind": "kv_never_written",
+            "message": f"request {r!r} finished with positions 16-19 (4 slot(s)) of this block"
+            " never written: a copy-on-write copy skipped, or K/V written through a stale table",
+            "block": b,
+            "request": r,
+            "time_ns": 9,
+            "events": [],
+            **extra,
+        }
+        for r, b, extra in (("r6", 36, {}), ("r8", 28, {"preempted_blocks": [0, 1, 2, 43]}))
+    ]
+    # WHEN the causes are named THEN one: the hitters' writes into the cached blocks, with the
+    # positions they left unwritten; no resume, block opener or stale-table cause beside it
+    (cause,) = likely_causes(GUARD, findings)
+    assert cause.startswith("published prefix blocks written by requests that hit them")
+    assert "('r6' block 0, 'r8' block 1)" in cause and "'r6', 'r8' also left" in cause
