@@ -144,15 +144,38 @@ def test_a_write_lease_completing_into_a_freed_block_is_one_finding_naming_holde
     # WHEN the request is aborted before the receive completes, and then it completes
     pool.abort(seq)
     assert lease.release() is True
-    # THEN one transfer_after_free finding names the holder and the request, handed to
-    # on_finding as well
+    # THEN one transfer_after_free finding names the holder, the request and its abort,
+    # handed to on_finding as well
     (f,) = pool.findings()
     assert f.kind == LATE and f.severity == "error"
     assert f.request == "req-7" and f.owner_pid == os.getpid()
-    assert "'kv-receiver'" in f.message and "'req-7'" in f.message and "freed" in f.message
+    assert "'kv-receiver'" in f.message and "'req-7'" in f.message
+    assert "after the request ended (freed or aborted) and the block was freed" in f.message
     assert f.block in lease.blocks
     assert [x.kind for x in seen] == [LATE]
     assert lease_totals(pool.view)["late"] == 1
+
+
+@pytest.mark.parametrize("end", ["free", "abort"])
+def test_a_late_write_names_a_block_the_end_freed_not_a_shared_one_still_cached(make_pool, end):
+    # GIVEN a request whose first block is a published prefix another request holds too, its
+    # own blocks after it, received into under a write lease on the whole sequence
+    pool = make_pool(16)
+    first = pool.allocate("first", list(range(8)))
+    pool.mark_computed(first, 8)
+    seq = pool.allocate("req-8", list(range(8)) + [50, 51, 52, 53, 54])
+    shared, own = seq.block_table[:2], seq.block_table[2:]
+    assert first.block_table == shared
+    lease = pool.lease(seq, "write", holder="kv-receiver")
+    # WHEN the request ends before the receive completes
+    getattr(pool, end)(seq)
+    lease.release()
+    # THEN the finding is about a block the end released (the write landed in the free
+    # list), not the shared one the other request still holds, and says how the request ended
+    (f,) = [x for x in pool.findings() if x.kind == LATE]
+    assert f.block == own[0] and f.block not in shared
+    assert "after the request ended (freed or aborted) and the block was freed" in f.message
+    pool.free(first)
 
 
 def test_a_write_lease_completing_in_time_is_no_finding(make_pool):

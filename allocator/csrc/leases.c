@@ -457,26 +457,44 @@ static void oplog_lease_take(Native *n, PyObject *const *args, Py_ssize_t nargs,
 
 /* -- its end ----------------------------------------------------------------------------------- */
 
-/* Why block i of write lease l no longer belongs to what the lease was taken on (NULL: it
- * does): freed, another generation, or its sequence ended or preempted. */
+/* Why block i of write lease l no longer belongs to what the lease was taken on, as the words
+ * after "after" (NULL: it does): freed, another generation, or its sequence ended or
+ * preempted. */
 static const char *lease_changed(Native *n, uint8_t *l, int64_t i) {
     int32_t b = lease_ids(l)[i];
-    if (b < 0 || b >= n->nb) return "outside the pool";
+    if (b < 0 || b >= n->nb) return "it was outside the pool";
     uint8_t *r = blk(n, b);
-    if (U4(r + BF_GENERATION) != lease_gens(n, l)[i]) return "handed out again";
+    if (U4(r + BF_GENERATION) != lease_gens(n, l)[i]) return "it was handed out again";
     if (l[LS_ON_SEQ]) {
         int32_t slot = I4(l + LS_SEQ_SLOT);
-        if (slot < 0 || slot >= n->max_seqs) return "outside the sequence table";
+        if (slot < 0 || slot >= n->max_seqs) return "it was outside the sequence table";
         uint8_t *s = seqrec(n, slot);
-        if (U8(s + SF_SEQ_ID) != U8(l + LS_SEQ_ID)) return "freed";
-        if (s[SF_STATE] == S_PREEMPTED) return "preempted";
-        if (s[SF_STATE] != S_RUNNING && s[SF_STATE] != S_WAITING) return "freed";
+        /* (the record keeps no trace of how a sequence ended: a free's and an abort's both
+         * empty it; the flight recorder's events tell them apart) */
+        if (U8(s + SF_SEQ_ID) != U8(l + LS_SEQ_ID) ||
+            (s[SF_STATE] != S_RUNNING && s[SF_STATE] != S_WAITING && s[SF_STATE] != S_PREEMPTED))
+            return r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED
+                       ? "the request ended (freed or aborted) and the block was freed"
+                       : "the request ended (freed or aborted)";
+        if (s[SF_STATE] == S_PREEMPTED) return "the request was preempted";
         /* (its table at the take was the lease's blocks: a copy-on-write replaces one) */
         if (i >= (int64_t)U4(s + SF_NUM_BLOCKS) || ((const int32_t *)(s + SF_TABLE))[i] != b)
-            return "replaced in its sequence's table (copy-on-write)";
+            return "it was replaced in its sequence's table (copy-on-write)";
     }
-    if (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED) return "freed";
+    if (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED) return "it was freed";
     return NULL;
+}
+
+/* Whether block i of write lease l itself changed since the take (handed out again, or no
+ * longer allocated or cached): where a transfer's write lands in what is no longer the
+ * request's, the block a finding names before one its sequence's end left as it was (a
+ * shared prefix block, still cached). */
+static int lease_block_changed(Native *n, uint8_t *l, int64_t i) {
+    int32_t b = lease_ids(l)[i];
+    if (b < 0 || b >= n->nb) return 1;
+    uint8_t *r = blk(n, b);
+    return U4(r + BF_GENERATION) != lease_gens(n, l)[i] ||
+           (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED);
 }
 
 /* The lease's end inside the open transaction (free lock held): each block's count less (a
@@ -545,13 +563,19 @@ static PyObject *taken_at(Native *n, uint8_t *l) {
 static PyObject *late_message(Native *n, uint8_t *l, int64_t i, const char *why) {
     PyObject *holder = text_of(l + LS_HOLDER), *req = text_of(l + LS_REQUEST), *msg = NULL;
     PyObject *at = taken_at(n, l);
-    if (holder && req && at)
+    uint32_t was = lease_gens(n, l)[i], now = U4(blk(n, lease_ids(l)[i]) + BF_GENERATION);
+    if (holder && req && at && was != now)
         msg = PyUnicode_FromFormat(
             "write lease %llu of holder %R (pid %d%U) completed into block %d of request %R "
-            "after it was %s (generation %u, now %u)",
+            "after %s (generation %u, now %u)",
             (unsigned long long)U8(l + LS_LEASE_ID), holder, I4(l + LS_HOLDER_PID), at,
-            (int)lease_ids(l)[i], req, why, lease_gens(n, l)[i],
-            U4(blk(n, lease_ids(l)[i]) + BF_GENERATION));
+            (int)lease_ids(l)[i], req, why, was, now);
+    else if (holder && req && at)
+        msg = PyUnicode_FromFormat(
+            "write lease %llu of holder %R (pid %d%U) completed into block %d of request %R "
+            "after %s (generation %u)",
+            (unsigned long long)U8(l + LS_LEASE_ID), holder, I4(l + LS_HOLDER_PID), at,
+            (int)lease_ids(l)[i], req, why, was);
     Py_XDECREF(holder);
     Py_XDECREF(req);
     Py_XDECREF(at);
@@ -576,7 +600,7 @@ static PyObject *leak_message(Native *n, uint8_t *l, const char *how) {
 /* lease_release(pool, record, lease id) -> bool: the lease's transfer completed; False when
  * the lease is no longer held (reclaimed, or released already). A write lease into a block
  * that changed since it was taken is a transfer_after_free finding (once, about the first
- * such block). The lease-leak fault strikes here: a read lease's release never happens. */
+ * such block: the first whose own record changed, where one did). The lease-leak fault strikes here: a read lease's release never happens. */
 static PyObject *N_lease_release_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "lease_release(pool, record, lease_id)");
@@ -606,6 +630,14 @@ static PyObject *N_lease_release_body(Native *n, PyObject *const *args, Py_ssize
     if (k > n->max_bps) k = n->max_bps;
     for (int64_t i = 0; l[LS_MODE] == LM_WRITE && i < k && why == NULL; i++)
         if ((why = lease_changed(n, l, i)) != NULL) bad = i;
+    /* (the first block that itself changed, where there is one: its sequence's end changes
+     * every block's answer, a shared one still cached too) */
+    for (int64_t i = bad; why != NULL && i < k; i++)
+        if (lease_block_changed(n, l, i)) {
+            bad = i;
+            why = lease_changed(n, l, i);
+            break;
+        }
     PyObject *msg = why ? late_message(n, l, bad, why) : NULL;
     if (why && msg == NULL) return NULL;
     char request[REQUEST_BYTES];
