@@ -43,7 +43,7 @@ class PoolExhausted(PoolError):
             f"pid {p}: {n}" for p, n in sorted(self.elsewhere.items(), key=lambda x: -x[1])[:5]
         )
         super().__init__(
-            f"pool exhausted: {needed} blocks needed, {free} free"
+            f"pool exhausted: {needed} block{'' if needed == 1 else 's'} needed, {free} free"
             + (f" ({away} of them in other processes' local caches, {pids})" if away else "")
             + f", {cached} cached, {held} held"
             + (f" (by {top})" if top else "")

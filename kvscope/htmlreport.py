@@ -152,7 +152,8 @@ def _last_exhausted(last: dict[str, int] | None) -> str | None:
     if not last:
         return None
     return (
-        f"pid {last['pid']} needed {last['needed']:,} blocks: {last['free_list']:,} free in the shared"
+        f"pid {last['pid']} needed {last['needed']:,} block{'' if last['needed'] == 1 else 's'}:"
+        f" {last['free_list']:,} free in the shared"
         f" free list, {last['own_cache']:,} in its own local cache, {last['other_caches']:,} in"
         " other processes' local caches"
     )

@@ -20,7 +20,7 @@ from typing import Any
 from kvscope.allocator.dumpfile import dump_name, write_dump
 from kvscope.allocator.dumpread import read_dump_header
 from kvscope.allocator.errors import PoolError
-from kvscope.allocator.findings import ERROR, WARNING, Finding
+from kvscope.allocator.findings import ERROR, WARNING, Finding, FindingKind
 from kvscope.allocator.findingset import said_key
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
@@ -93,7 +93,13 @@ def finish(
     what = outcome.describe(pid)
     if outcome.failed or errored or leaked:
         notes = [what] + (["findings of severity error"] if errored else [])
-        notes += ["blocks leaked"] if leaked else []
+        # (a lease past its deadline or outliving its holder leaks a lease, not blocks)
+        leases = any(f.kind == FindingKind.LEASE_LEAK for f in found)
+        blocks = leaked_at_exit or any(
+            is_leak(f) and f.kind != FindingKind.LEASE_LEAK for f in found
+        )
+        notes += ["blocks leaked"] if blocks else []
+        notes += ["leases leaked"] if leases else []
         reason = "; ".join(notes)
         if not finals and not dump_failed:
             echo(f"kvscope: {what}; it opened no pool, so there is nothing to dump")

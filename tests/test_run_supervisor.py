@@ -28,6 +28,11 @@ SCRIPTS = {
     "clean": "pool.free(seq)\nprint('args', sys.argv[2:])\npool.close()\npool.unlink()\n",
     "leak": "print('leaving req-1 behind')\n",
     "close_leak": "pool.close()\n",
+    "lease_leak": (
+        "pool.lease(seq, 'read', holder='offload')\n"
+        "pool.free(seq)\n"
+        "pool.close()\n"
+    ),
     "sigkill": "os.kill(os.getpid(), signal.SIGKILL)\n",
     "exception": "raise ValueError('the model exploded')\n",
     "double_free": "pool.free(seq)\npool.free(seq)\n",
@@ -104,6 +109,20 @@ def test_leak_at_exit_is_reported_and_dumped(capfd, tmp_path, pool_name):
     # one finding per cause: the request the exit check reported is not also a dead owner's
     assert [(f["kind"], f["request"]) for f in rep["findings"]] == [("leak_finished", "req-1")]
     assert "blocks leaked" in rep["pool"]["dump"]["reason"]
+
+
+@pytest.mark.slow
+def test_a_lease_left_held_is_dumped_as_a_lease_leaked_not_blocks(capfd, tmp_path, pool_name):
+    # GIVEN a script that frees its request but never releases a transfer's lease on it
+    code = main(["run", "--dump-dir", str(tmp_path), script(tmp_path, "lease_leak"), pool_name])
+    capfd.readouterr()
+    # THEN the run fails on the leak, and its dump's reason says what leaked: a lease
+    assert code == EXIT_FAIL_ON
+    (path,) = dumps(tmp_path)
+    rep = analysis_of(path)
+    assert [f["kind"] for f in rep["findings"]] == ["lease_leak"]
+    reason = rep["pool"]["dump"]["reason"]
+    assert "leases leaked" in reason and "blocks leaked" not in reason
 
 
 @pytest.mark.slow
