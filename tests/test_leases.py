@@ -276,12 +276,14 @@ def test_a_lease_still_held_at_close_is_a_leak_and_released(make_pool, pool_name
     other.free(seq)
     # WHEN it closes without releasing the lease
     other.close()
-    # THEN the lease is a lease_leak, and it is released: its blocks are free again
+    # THEN the lease is a lease_leak, counted as one, and it is released: its blocks are free
+    # again
     (f,) = pool.findings()
     assert f.kind == LEAK and "closed the pool" in f.message and f.request == "r"
     assert pool.leases() == []
     t = lease_totals(pool.view)
     assert t["held"] == 0 and t["quarantined"] == 0 and t["reclaimed"] == 1
+    assert t["leaked"] == 1
     assert not np.any(pool.view.lease_counts)
     with pytest.raises(PoolError, match="closed"):
         lease.release()

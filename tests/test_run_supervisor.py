@@ -28,11 +28,7 @@ SCRIPTS = {
     "clean": "pool.free(seq)\nprint('args', sys.argv[2:])\npool.close()\npool.unlink()\n",
     "leak": "print('leaving req-1 behind')\n",
     "close_leak": "pool.close()\n",
-    "lease_leak": (
-        "pool.lease(seq, 'read', holder='offload')\n"
-        "pool.free(seq)\n"
-        "pool.close()\n"
-    ),
+    "lease_leak": ("pool.lease(seq, 'read', holder='offload')\npool.free(seq)\npool.close()\n"),
     "sigkill": "os.kill(os.getpid(), signal.SIGKILL)\n",
     "exception": "raise ValueError('the model exploded')\n",
     "double_free": "pool.free(seq)\npool.free(seq)\n",

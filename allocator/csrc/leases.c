@@ -823,7 +823,8 @@ static int leases_at_close(Native *n) {
         if (l[LS_STATE] == L_EMPTY || I4(l + LS_HOLDER_CLIENT) != n->client ||
             I4(l + LS_HOLDER_PID) != n->pid)
             continue;
-        if (l[LS_STATE] == L_HELD) {
+        int leaked = l[LS_STATE] == L_HELD;
+        if (leaked) {
             Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
             PyObject *msg = leak_message(n, l, "still held when its holder closed the pool");
             if (lease_finding(n, FK_LEASE_LEAK, l, 0, msg)) PyErr_WriteUnraisable(n->name);
@@ -838,6 +839,8 @@ static int leases_at_close(Native *n) {
             return UNHANDLED;
         }
         U8(lease_head(n) + LH_RECLAIMED) += 1;
+        /* (a lease_leak: counted as one, as expire_leases counts its own) */
+        if (leaked) U8(lease_head(n) + LH_LEAKED) += 1;
         txn_commit(n);
     }
     return OK;
