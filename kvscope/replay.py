@@ -286,6 +286,9 @@ class Session:
         # STORE wrote (by its number: its slots and their values), for a script
         self.log = log
         self.kv_writes: dict[int, tuple[list[int], list[float]]] = {}
+        # whether write leases' transfers are taken as written (transfer_kv): where the replay
+        # writes its K/V and the program stores K/V (a STORE record); None: not asked yet
+        self._transfers: bool | None = None
         self._bare: dict[int, PoolProbes] = {}  # (by pid: a store check's probes where none)
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
@@ -492,6 +495,31 @@ class Session:
             self.kv_writes[r.seq] = (slots, values)
         return out
 
+    def transfers(self) -> bool:
+        """Whether a write lease's transfer is taken as written (transfer_kv): where the replay
+        writes its K/V (OpLog.replays_kv) and the program stores K/V (a STORE record: a
+        program that writes none, whose finish checks find nothing, is left so)."""
+        if self._transfers is None:
+            self._transfers = self.log.replays_kv() and any(
+                r.op == _STORE for r in self.log.records
+            )
+        return self._transfers
+
+    def _transfers_before_release(self, h: KVPool, blocks: list[int]) -> None:
+        """A request released while write leases of this replay's still hold its blocks (a
+        transfer into them not yet completed): the transfers' K/V, which the log does not
+        hold, is taken as written before the release (transfer_kv into the blocks both hold),
+        as the release's finish check in the recording found it; where transfers are not taken
+        as written (`transfers`), nothing."""
+        if not self.transfers():
+            return
+        mine = set(blocks)
+        for lease in self.leases.values():
+            if lease.mode == "write" and not lease.released:
+                both = [b for b in lease.blocks if b in mine]
+                if both:
+                    transfer_kv(h, both)
+
     def _copy(self, h: KVPool, r: OpRecord) -> Result:
         """A COPY record: the blocks the program copied, copied in the replay's K/V (the
         recorded block ids, as the recorded slots of a store)."""
@@ -577,6 +605,7 @@ class Session:
             elif op == _FREE or op == _ABORT:
                 out.seq_id = s.seq_id
                 out.blocks = list(s.block_table)
+                self._transfers_before_release(h, out.blocks)
                 if op == _FREE:
                     h.free(s)
                 else:
@@ -604,6 +633,9 @@ class Session:
                 blocks = list(lease.blocks)
                 out.result = int(h.lease_release(lease))
                 out.blocks = blocks if out.result else []
+                late = any(k == FindingKind.TRANSFER_AFTER_FREE for k, _ in found)
+                if lease.mode == "write" and out.result and not late and self.transfers():
+                    transfer_kv(h, blocks)
             elif op == _EXPIRE:
                 # (the recorded now_ns, compared with the recorded deadlines: not the clock)
                 out.result = h.expire_leases(r.arg)
@@ -927,6 +959,34 @@ def write_kv(pool: Any, slots: list[int], values: list[float]) -> None:
     else:
         both = both.reshape(2, len(slots), heads, dim).to(kv.dtype)
         kv[:, :, at // spb, at % spb] = both
+
+
+def transfer_kv(pool: Any, blocks: list[int]) -> None:
+    """A write lease's transfer as a replay makes it, at its release (one that completed into
+    the blocks it was taken on: no transfer_after_free): the transfer's K/V is not in the log
+    (raw writes into the pool's K/V: docs/REPLAY.md), so the token slots of its blocks that
+    still hold the poison (never written in the replay) are written, each slot kv_value(-1,
+    slot), as write_kv writes a store. Slots the replay wrote are left as they are, and so is
+    a published block the lease covers (a prefix other requests share). Nothing where the K/V
+    is not poisoned (not floating point)."""
+    import torch
+
+    from kvscope.kernels.checks import poison_bits
+    from kvscope.kernels.digest import int_view
+
+    kv = pool.kv
+    # (a published block's K/V is the prefix other requests share, its digest taken: a
+    # transfer into a request's pages does not write it, and the replay leaves it as it is)
+    blocks = [b for b in blocks if pool.view.blocks["indexed"][b] != 1]
+    if not blocks or not kv.dtype.is_floating_point:
+        return
+    bs, spb = pool.block_size, pool.slots_per_block
+    ids = torch.tensor(blocks, dtype=torch.int64)
+    # every element of a slot, every layer, K and V: still the poison
+    same = int_view(kv)[:, :, ids, :bs] == poison_bits(kv.dtype)  # [L, 2, n, bs, H, D]
+    blank = same.flatten(4).all(4).all(1).all(0)  # [n, bs]
+    slots = [int(b) * spb + s for i, b in enumerate(blocks) for s in range(bs) if blank[i, s]]
+    write_kv(pool, slots, [kv_value(-1, x) for x in slots])
 
 
 def copy_kv(pool: Any, pairs: list[tuple[int, int]]) -> None:

@@ -1601,3 +1601,68 @@ def test_replay_of_a_double_free_on_abort_names_the_free_and_no_block_minus_one(
     assert "free request '3'" in out
     found = [ln for ln in out.splitlines() if ln.strip().startswith("found")]
     assert found and "double_free" in found[0] and "@-1" not in found[0], out
+
+
+RECEIVER = """
+import sys, torch
+from kvscope.allocator import KVPool, PoolConfig
+from kvscope.kernels import store_kv
+from kvscope.probes.stores import Writers
+late = sys.argv[2] == "late"
+pool = KVPool.create(sys.argv[1], PoolConfig(num_blocks=24, block_size=4, num_layers=1,
+                     num_kv_heads=1, head_dim=8, dtype="float32"))
+def store(seq, start, end):
+    k = torch.ones(end - start, 1, 8)
+    slots = torch.tensor(pool.slot_mapping(seq, start, end), dtype=torch.int64)
+    store_kv(k, -k, pool.kv[0, 0], pool.kv[0, 1], slots, block_size=4,
+             writers=Writers(pool, [(seq, start, end)]))
+shared = pool.allocate("first", list(range(8)))
+store(shared, 0, 8)
+pool.mark_computed(shared, 8)
+for i in range(12):
+    seq = pool.allocate(f"r{i}", list(range(8)) + [100 + i] * 5)
+    lease = pool.lease(seq, "write", holder="rx")
+    # the transfer: the request's own positions, raw writes (the prefix is shared)
+    pool.kv[:, :, seq.block_table[2:], :4] = 1.0 + i
+    # a decoded token, stored with its writers (a STORE record)
+    pool.append(seq, [7])
+    store(seq, 13, 14)
+    if late and i == 5:
+        pool.free(seq)
+        lease.release()
+        continue
+    lease.release()
+    pool.free(seq)
+pool.free(shared)
+pool.close()
+pool.unlink()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late", [False, True])
+def test_k_v_received_under_a_write_lease_replays_as_written(tmp_path, pool_name, late):
+    """A program that receives a request's K/V under a write lease (a disaggregated prefill's
+    transfer into the pages it reserved: raw writes into pool.kv, which the log does not hold)
+    and stores its decoded tokens with their writers, under `kvscope run --record-ops`,
+    replays to the end: the replay takes the transfer's K/V as written by the lease's release
+    (or by its request's release, where that comes first), so guard mode's finish check at
+    each free finds what it found in the recording, nothing. A transfer released after its
+    request was freed is the recorded transfer_after_free in the replay too."""
+    kvscope = os.path.join(os.path.dirname(sys.executable), "kvscope")
+    (tmp_path / "receiver.py").write_text(RECEIVER)
+    subprocess.run(
+        [kvscope, "run", "--record-ops", "run.ops", "--dump-dir", str(tmp_path), "--fail-on",
+         "never", "receiver.py", pool_name, "late" if late else "in-time"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    log = read_log(str(tmp_path / "run.ops"))
+    assert log.replays_kv()
+    recorded = [k for r in log.records for k, _ in r.found]
+    assert recorded == (["transfer_after_free"] if late else [])
+    out = replay(log)
+    if late:
+        assert out.reason == "finding" and out.got is not None
+        assert [k for k, _ in out.got.found] == ["transfer_after_free"]
+    else:
+        assert (out.reason, out.exit_code) == ("end", 0), out.diff
