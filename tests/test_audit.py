@@ -248,3 +248,18 @@ def test_a_table_audit_refuses_a_table_that_is_not_two_dimensional_integers(make
     for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(2, 2)):
         with pytest.raises(PoolError, match="2-dimensional integer tensor"):
             pool.table_audit(bad)
+
+
+@pytest.mark.parametrize("sites", [True, False])
+def test_a_mismatch_names_the_line_that_audited_the_table(make_pool, monkeypatch, sites):
+    # GIVEN a pool whose ownership probe records call sites (as under kvscope run), or not
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1" if sites else "0")
+    pool = make_pool(32)
+    a, b = _two(pool)
+    t = _table(2, 4, a, b)
+    t[1, 3] = a.block_table[0]  # (past b's 5 tokens: not the padding)
+    # WHEN the table is audited
+    (f,) = pool.audit_block_table(t, rows=[a, b])
+    # THEN the finding says where the program audited it, where sites are recorded
+    here = f"test_audit.py:{sys._getframe().f_lineno - 2} "
+    assert ("; audited at " in f.message and here in f.message) is sites
