@@ -23,6 +23,9 @@ def test_a_bytes_finding_the_log_cannot_replay_is_explained(tmp_path, pool_name,
     assert d["note"].startswith("kv_never_written judges the K/V bytes the program wrote")
     assert "copy-on-write copies are not in the log" in d["note"]
     assert "no K/V store" not in d["note"]  # its stores were given their writers
+    # (and the fix it names is only what the program lacks)
+    assert "call copy_blocks with pool= to replay it" in d["note"]
+    assert "writers=Writers" not in d["note"]
     assert main(["replay", str(path)]) == 1
     assert "  note: kv_never_written judges" in capsys.readouterr().out
 

@@ -157,20 +157,25 @@ def _bytes_note(log: Any, d: dict[str, Any]) -> str:
     from kvscope.allocator.oplog import OpCode
 
     stores = any(r.op == int(OpCode.STORE) for r in log.records)
-    why = []
+    why, fix = [], []
     if not stores:
         why.append("no K/V store of the program was given its writers (no STORE record)")
+        fix.append("give store_kv its writers=Writers(...)")
     if not log.replays_kv():
+        # (append returned copy-on-write pairs and no COPY record came: copies made without
+        # telling the pool, or none made, a skipped copy's bug, which the log cannot tell apart)
         why.append(
-            "its copy-on-write copies are not in the log (copy_blocks without pool=, or skipped)"
+            "its copy-on-write copies are not in the log (copy_blocks without pool=, or the"
+            " copies skipped: with every copy skipped the log cannot tell the two apart)"
         )
+        fix.append("call copy_blocks with pool=")
     if not why:
         return ""
     return (
         f"{', '.join(kinds)} judges the K/V bytes the program wrote, and the log holds not all of"
         f" them: {'; '.join(why)}. The replay's K/V is not the program's, so this finding does"
-        ' not come back; the recording found it (docs/REPLAY.md "What replays"; give'
-        " store_kv its writers=Writers(...) and copy_blocks its pool= to replay it)"
+        ' not come back; the recording found it (docs/REPLAY.md "What replays"; '
+        f"{' and '.join(fix)} to replay it)"
     )
 
 
