@@ -532,7 +532,12 @@ def analyze_view(
             else:
                 d.update({k: detail[k] for k in ("site", "stack", "alloc_ns") if k in detail})
             d["events"] = events.get(f.block, [])
-            bad = first_bad_event(d["events"], detail["generation"])
+            # (what went wrong before the finding: an event after it is not its cause)
+            until = int(d.get("time_ns") or 0)
+            bad = first_bad_event(
+                [e for e in d["events"] if not until or e["time_ns"] <= until],
+                detail["generation"],
+            )
             if bad is not None:
                 d["first_bad_event"] = bad
             if f.kind == FindingKind.KV_NEVER_WRITTEN:

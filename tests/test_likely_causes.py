@@ -260,3 +260,33 @@ def test_stores_after_a_hit_at_slots_counted_from_the_hit_are_one_cause_not_a_re
     (cause,) = likely_causes(GUARD, findings)
     assert cause.startswith("published prefix blocks written by requests that hit them")
     assert "('r6' block 0, 'r8' block 1)" in cause and "'r6', 'r8' also left" in cause
+
+
+def test_the_first_bad_event_is_never_one_after_its_finding(probes, make_pool):
+    # GIVEN a receive under a write lease into a request aborted meanwhile, whose store (given
+    # its writers) is found writing into the freed block, and whose lease is released after
+    # that finding (a lease_end on the released generation)
+    import torch
+
+    from kvscope.kernels import store_kv
+    from kvscope.probes.stores import Writers
+
+    pool = make_pool(num_blocks=8, block_size=BS, num_kv_heads=1, head_dim=4, guard=True)
+    seq = pool.allocate("rx", list(range(6)))
+    writers = Writers(pool, [(seq, 0, 6)])
+    slots = torch.tensor(pool.slot_mapping(seq, 0, 6), dtype=torch.int64)
+    lease = pool.lease(seq, "write", holder="kv-recv")
+    pool.abort(seq)
+    k = torch.ones(6, 1, 4)
+    store_kv(k, -k, pool.kv[0, 0], pool.kv[0, 1], slots, block_size=BS, writers=writers)
+    lease.release()
+    # (and its blocks handed out again: the lease's end is on a generation released since)
+    again = pool.allocate("next", list(range(50, 50 + 8 * BS)))
+    report = analyze_view(pool.view)
+    pool.free(again)
+    # THEN the write after free is found, and whatever first bad event it names came before it
+    found = [f for f in report["findings"] if f["kind"] == "use_after_free"]
+    assert found
+    for f in found:
+        bad = f.get("first_bad_event")
+        assert bad is None or bad["time_ns"] <= f["time_ns"], (bad, f["time_ns"])
