@@ -6,8 +6,8 @@ in it, on the segment's bytes, journal and locks, preempting this handle's oldes
 sequence when a take is short and raising PoolExhausted (the class handed over once:
 `register_errors`, with PoolError, JournalFull and HandleInherited) when nothing is left, and
 PoolError (TypeError for a non-integer) for what a caller gets wrong (a closed handle, a
-forked parent's: HandleInherited, a sequence that is not this handle's live one, a bad argument: docs/FORMAT.md). What
-stops a transaction it deals with itself (more locks, evicting or preempting ahead, smaller
+forked parent's: HandleInherited, a sequence that is not this handle's live one, a bad
+argument: docs/FORMAT.md). What stops a transaction it deals with itself (more locks, evicting or preempting ahead, smaller
 transactions); a case it does not handle is a bug, raised as a RuntimeError. `pip install`
 compiles it; a missing or stale build fails the import in one line. Every probe `kvscope run`
 switches on runs in the core (events, ownership, leaks, magic, lockdep, guard mode in full or

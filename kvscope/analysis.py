@@ -1303,9 +1303,10 @@ _HOLDING = ("allocate", "prefix_hit", "fork", "cow", "preempt", "free", "abort",
 def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     """(request, block) of each published block a request that mapped it by a prefix hit
     stored into: a store given its writers named that request, whose last operation on the
-    block before the finding in the flight recorder is its prefix_hit (no release since); or, with no store named, the block's K/V was
-    intact at that request's prefix hit (`intact_at`) and no other request held it from then
-    to the finding (`held_since_intact` is that request alone)."""
+    block before the finding in the flight recorder is its prefix_hit (no release since); or,
+    with no store named, the block's K/V was intact at that request's prefix hit
+    (`intact_at`) and no other request held it from then to the finding (`held_since_intact`
+    is that request alone)."""
     out: list[tuple[str, int]] = []
     for f in findings:
         blk = f.get("block")

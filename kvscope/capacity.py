@@ -80,8 +80,8 @@ def exhaustion_answer(
         # processes' local caches (each keeps up to twice local_cache_size).
         return "memory_still_free", (
             f"memory still free: {other} blocks in other processes' local caches at the last"
-            f" PoolExhausted (raised {times}): pid {last['pid']} needed {_plural(need, 'block')} with"
-            f" {free} free in the shared free list and {own} in its own local cache; a"
+            f" PoolExhausted (raised {times}): pid {last['pid']} needed"
+            f" {_plural(need, 'block')} with {free} free in the shared free list and {own} in its own local cache; a"
             " smaller local_cache_size, or pool.flush_local() in the processes that stop"
             " allocating, hands them back"
         )
@@ -96,8 +96,8 @@ def exhaustion_answer(
     )
     return "pool_too_small", (
         f"pool too small: PoolExhausted raised {times}; the last (pid {last['pid']}) needed"
-        f" {_plural(need, 'block')} with {free} free in the shared free list, {own} in its own local"
-        f" cache{parked}: a pool of at least {num_blocks + short} blocks (+{short}) would have"
+        f" {_plural(need, 'block')} with {free} free in the shared free list, {own} in its own"
+        f" local cache{parked}: a pool of at least {num_blocks + short} blocks (+{short}) would have"
         " served it"
     )
 
