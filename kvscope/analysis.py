@@ -1286,11 +1286,7 @@ def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
         writer, blk, events = _foreign_store(f), f.get("block"), f.get("events")
         if writer is None or blk is None or not events:
             continue
-        until = f.get("time_ns") or events[-1]["time_ns"]
-        held = any(
-            e["request"] == writer and e["op"] != "finding" and e["time_ns"] <= until
-            for e in events
-        )
+        held = any(e["op"] != "finding" for e in _block_events_of(f, writer))
         if not held and (writer, blk) not in out:
             out.append((writer, blk))
     return out
@@ -1319,12 +1315,7 @@ def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]
             hit = at.get("op") == "prefix_hit" and f.get("held_since_intact") == [writer]
         else:
             # (holding the block through that hit when it stored: no release since)
-            until = f.get("time_ns") or np.iinfo(np.int64).max
-            held = [
-                e["op"]
-                for e in f.get("events") or ()
-                if e["request"] == writer and e["time_ns"] <= until and e["op"] in _HOLDING
-            ]
+            held = [e["op"] for e in _block_events_of(f, writer) if e["op"] in _HOLDING]
             hit = held[-1:] == ["prefix_hit"]
         if hit and (str(writer), int(blk)) not in out:
             out.append((str(writer), int(blk)))
@@ -1350,12 +1341,7 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
         )
         if not into_other:
             continue
-        until = f.get("time_ns") or None
-        ops = [
-            e["op"]
-            for e in f.get("events") or ()
-            if e["request"] == req and (until is None or e["time_ns"] <= until)
-        ]
+        ops = [e["op"] for e in _block_events_of(f, req)]
         if "preempt" not in ops:
             continue
         last = len(ops) - 1 - ops[::-1].index("preempt")
@@ -1421,15 +1407,19 @@ def _aborted_into_reused(f: dict[str, Any]) -> bool:
     writer = _foreign_store(f)
     if writer is None:
         return False
+    ends = [e for e in _block_events_of(f, writer) if e["op"] in ("free", "abort", "preempt")]
+    return bool(ends) and _program_abort(ends[-1])
+
+
+def _block_events_of(f: dict[str, Any], request: str) -> list[dict[str, Any]]:
+    """The flight-recorder events of the finding's block (its `events`) in `request`'s name up
+    to the finding's time (every one where it has none), oldest first."""
     until = f.get("time_ns") or None
-    ends = [
+    return [
         e
         for e in f.get("events") or ()
-        if e["request"] == writer
-        and e["op"] in ("free", "abort", "preempt")
-        and (until is None or e["time_ns"] <= until)
+        if e["request"] == request and (until is None or e["time_ns"] <= until)
     ]
-    return bool(ends) and _program_abort(ends[-1])
 
 
 def _program_abort(e: dict[str, Any]) -> bool:
