@@ -1297,12 +1297,12 @@ _HOLDING = ("allocate", "prefix_hit", "fork", "cow", "preempt", "free", "abort",
 
 
 def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    """(request, block) of each published block a request that mapped it by a prefix hit
-    stored into: a store given its writers named that request, whose last operation on the
-    block before the finding in the flight recorder is its prefix_hit (no release since); or,
-    with no store named, the block's K/V was intact at that request's prefix hit
-    (`intact_at`) and no other request held it from then to the finding (`held_since_intact`
-    is that request alone)."""
+    """(request, block) of each published block a request other than its publisher that
+    mapped it by a prefix hit stored into: a store given its writers named that request, whose
+    last operation on the block before the finding in the flight recorder is its prefix_hit
+    (no release since); or, with no store named, the block's K/V was intact at that request's
+    prefix hit (`intact_at`) and no other request held it from then to the finding
+    (`held_since_intact` is that request alone)."""
     out: list[tuple[str, int]] = []
     for f in findings:
         blk = f.get("block")
@@ -1313,6 +1313,11 @@ def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]
             at = f.get("intact_at") or {}
             writer = at.get("request")
             hit = at.get("op") == "prefix_hit" and f.get("held_since_intact") == [writer]
+            hit = hit and writer != f.get("request")  # (the finding's request: the publisher)
+        elif f"published by request {writer!r} " in f["message"]:
+            # (its own published block, mapped again by its resume's hit: a table kept across
+            # the preemption writes there too, and has causes of its own)
+            hit = False
         else:
             # (holding the block through that hit when it stored: no release since)
             held = [e["op"] for e in _block_events_of(f, writer) if e["op"] in _HOLDING]

@@ -290,3 +290,42 @@ def test_the_first_bad_event_is_never_one_after_its_finding(probes, make_pool):
     for f in found:
         bad = f.get("first_bad_event")
         assert bad is None or bad["time_ns"] <= f["time_ns"], (bad, f["time_ns"])
+
+
+def test_a_publisher_storing_into_its_own_block_after_its_resume_hit_it_is_not_a_hitter():
+    # GIVEN a request that published a block, was preempted, and whose resume mapped the block
+    # again by a prefix hit, then stored into it (a table kept across the preemption: last
+    # session's trial's stale_table), with its resume's blocks left unwritten
+    events = [
+        _event("allocate", "r1", 1),
+        _event("publish", "r1", 2),
+        _event("preempt", "r1", 3),
+        _event("free", "r1", 4),
+        _event("prefix_hit", "r1", 5),
+    ]
+    findings = [
+        {
+            "kind": "published_block_modified",
+            "message": "request 'r1' stored K/V into block 24 at engine.py:103 store: published"
+            " by request 'r1' (pid 7), shared by prefix hits",
+            "block": 24,
+            "request": "r1",
+            "time_ns": 6,
+            "events": events,
+        },
+        {
+            "kind": "kv_never_written",
+            "message": "request 'r1' finished with positions 8-11 (4 slot(s)) of this block"
+            " never written: a copy-on-write copy skipped, or K/V written through a stale table",
+            "block": 30,
+            "request": "r1",
+            "time_ns": 9,
+            "events": [],
+            "preempted_blocks": [24, 25],
+        },
+    ]
+    # WHEN the causes are named THEN not the hitters' (the publisher is no request that hit
+    # another's prefix), and the resume's cause is there
+    causes = likely_causes(GUARD, findings)
+    assert not any(c.startswith("published prefix blocks written by requests") for c in causes)
+    assert any(c.startswith("requests preempted and resumed") for c in causes)
