@@ -92,19 +92,12 @@ static int audit_report(Native *n, const AuditBad *a, int64_t rows, int64_t live
     if (msg == NULL) return ERROR;
     /* (where the program audited the table: the line that reads it, or builds it, is near) */
     int32_t site = site_now(n);
-    size_t len = 0;
-    const char *t = site >= 0 ? site_text_at(n, site, &len) : NULL;
-    if (t != NULL) {
-        PyObject *at = PyUnicode_DecodeUTF8(t, (Py_ssize_t)len, "replace");
-        PyObject *whole = at ? PyUnicode_FromFormat("%U; audited at %U", msg, at) : NULL;
-        Py_XDECREF(at);
-        Py_DECREF(msg);
-        if (whole == NULL) return ERROR;
-        msg = whole;
-    } else if (site == SITE_ERROR) {
-        Py_DECREF(msg);
-        return ERROR;
-    }
+    PyObject *at = site == SITE_ERROR ? NULL : site_words(n, site, "; audited at ");
+    PyObject *whole = at ? PyUnicode_Concat(msg, at) : NULL;
+    Py_XDECREF(at);
+    Py_DECREF(msg);
+    if (whole == NULL) return ERROR;
+    msg = whole;
     int rc = finding_report(n, FK_BLOCK_TABLE_MISMATCH, &s, msg);
     Py_DECREF(msg);
     return rc;

@@ -457,6 +457,11 @@ static void oplog_lease_take(Native *n, PyObject *const *args, Py_ssize_t nargs,
 
 /* -- its end ----------------------------------------------------------------------------------- */
 
+/* Whether block record r is neither held nor cached: freed (or quarantined) since. */
+static inline int rec_released(const uint8_t *r) {
+    return r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED;
+}
+
 /* Why block i of write lease l no longer belongs to what the lease was taken on, as the words
  * after "after" (NULL: it does): freed, another generation, or its sequence ended or
  * preempted. */
@@ -473,7 +478,7 @@ static const char *lease_changed(Native *n, uint8_t *l, int64_t i) {
          * empty it; the flight recorder's events tell them apart) */
         if (U8(s + SF_SEQ_ID) != U8(l + LS_SEQ_ID) ||
             (s[SF_STATE] != S_RUNNING && s[SF_STATE] != S_WAITING && s[SF_STATE] != S_PREEMPTED))
-            return r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED
+            return rec_released(r)
                        ? "the request ended (freed or aborted) and the block was freed"
                        : "the request ended (freed or aborted)";
         if (s[SF_STATE] == S_PREEMPTED) return "the request was preempted";
@@ -481,8 +486,7 @@ static const char *lease_changed(Native *n, uint8_t *l, int64_t i) {
         if (i >= (int64_t)U4(s + SF_NUM_BLOCKS) || ((const int32_t *)(s + SF_TABLE))[i] != b)
             return "it was replaced in its sequence's table (copy-on-write)";
     }
-    if (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED) return "it was freed";
-    return NULL;
+    return rec_released(r) ? "it was freed" : NULL;
 }
 
 /* Whether block i of write lease l itself changed since the take (handed out again, or no
@@ -493,8 +497,7 @@ static int lease_block_changed(Native *n, uint8_t *l, int64_t i) {
     int32_t b = lease_ids(l)[i];
     if (b < 0 || b >= n->nb) return 1;
     uint8_t *r = blk(n, b);
-    return U4(r + BF_GENERATION) != lease_gens(n, l)[i] ||
-           (r[BF_STATE] != B_ALLOCATED && r[BF_STATE] != B_CACHED);
+    return U4(r + BF_GENERATION) != lease_gens(n, l)[i] || rec_released(r);
 }
 
 /* The lease's end inside the open transaction (free lock held): each block's count less (a
@@ -533,30 +536,9 @@ static int lease_finding(Native *n, int fk, uint8_t *l, int64_t i, PyObject *mes
 
 static PyObject *text_of(const uint8_t *b) { return request_text((const char *)b); }
 
-/* The text of site id `site` in the site table (NUL-padded), or NULL for none; a stack's
- * ("stack: ID ID ...", sites.py) is its first frame's. */
-static const char *site_text_at(Native *n, int32_t site, size_t *len) {
-    for (int hop = 0; hop < 2; hop++) {
-        if (site < 0 || site >= NUM_SITES || (uint32_t)site >= U4(n->seg + HDR_NUM_SITES_USED))
-            return NULL;
-        const char *t = (const char *)(n->seg + n->off_sites + (size_t)site * SITE_SIZE);
-        *len = strnlen(t, SR_TEXT_BYTES);
-        if (*len < 7 || memcmp(t, "stack: ", 7) != 0) return t;
-        site = (int32_t)strtol(t + 7, NULL, 10);
-    }
-    return NULL;
-}
-
 /* ", taken at FILE:LINE FUNC" for lease l, or "" when its site was not recorded. */
 static PyObject *taken_at(Native *n, uint8_t *l) {
-    size_t len = 0;
-    const char *t = site_text_at(n, I4(l + LS_SITE), &len);
-    if (t == NULL) return PyUnicode_FromString("");
-    PyObject *text = PyUnicode_DecodeUTF8(t, (Py_ssize_t)len, "replace");
-    if (text == NULL) return NULL;
-    PyObject *out = PyUnicode_FromFormat(", taken at %U", text);
-    Py_DECREF(text);
-    return out;
+    return site_words(n, I4(l + LS_SITE), ", taken at ");
 }
 
 /* The transfer_after_free message of write lease l's block i (why: lease_changed). */
@@ -564,21 +546,19 @@ static PyObject *late_message(Native *n, uint8_t *l, int64_t i, const char *why)
     PyObject *holder = text_of(l + LS_HOLDER), *req = text_of(l + LS_REQUEST), *msg = NULL;
     PyObject *at = taken_at(n, l);
     uint32_t was = lease_gens(n, l)[i], now = U4(blk(n, lease_ids(l)[i]) + BF_GENERATION);
-    if (holder && req && at && was != now)
+    /* (the generation it has now only where it moved on) */
+    PyObject *gen = was != now ? PyUnicode_FromFormat("generation %u, now %u", was, now)
+                               : PyUnicode_FromFormat("generation %u", was);
+    if (holder && req && at && gen)
         msg = PyUnicode_FromFormat(
             "write lease %llu of holder %R (pid %d%U) completed into block %d of request %R "
-            "after %s (generation %u, now %u)",
+            "after %s (%U)",
             (unsigned long long)U8(l + LS_LEASE_ID), holder, I4(l + LS_HOLDER_PID), at,
-            (int)lease_ids(l)[i], req, why, was, now);
-    else if (holder && req && at)
-        msg = PyUnicode_FromFormat(
-            "write lease %llu of holder %R (pid %d%U) completed into block %d of request %R "
-            "after %s (generation %u)",
-            (unsigned long long)U8(l + LS_LEASE_ID), holder, I4(l + LS_HOLDER_PID), at,
-            (int)lease_ids(l)[i], req, why, was);
+            (int)lease_ids(l)[i], req, why, gen);
     Py_XDECREF(holder);
     Py_XDECREF(req);
     Py_XDECREF(at);
+    Py_XDECREF(gen);
     return msg;
 }
 
@@ -600,7 +580,8 @@ static PyObject *leak_message(Native *n, uint8_t *l, const char *how) {
 /* lease_release(pool, record, lease id) -> bool: the lease's transfer completed; False when
  * the lease is no longer held (reclaimed, or released already). A write lease into a block
  * that changed since it was taken is a transfer_after_free finding (once, about the first
- * such block: the first whose own record changed, where one did). The lease-leak fault strikes here: a read lease's release never happens. */
+ * such block: the first whose own record changed, where one did). The lease-leak fault
+ * strikes here: a read lease's release never happens. */
 static PyObject *N_lease_release_body(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "lease_release(pool, record, lease_id)");

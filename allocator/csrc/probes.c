@@ -269,6 +269,33 @@ static int32_t site_now(Native *n) {
     return (int32_t)sid;
 }
 
+/* The text of site id `site` in the site table (NUL-padded), or NULL for none; a stack's
+ * ("stack: ID ID ...", sites.py) is its first frame's. */
+static const char *site_text_at(Native *n, int32_t site, size_t *len) {
+    for (int hop = 0; hop < 2; hop++) {
+        if (site < 0 || site >= NUM_SITES || (uint32_t)site >= U4(n->seg + HDR_NUM_SITES_USED))
+            return NULL;
+        const char *t = (const char *)(n->seg + n->off_sites + (size_t)site * SITE_SIZE);
+        *len = strnlen(t, SR_TEXT_BYTES);
+        if (*len < 7 || memcmp(t, "stack: ", 7) != 0) return t;
+        site = (int32_t)strtol(t + 7, NULL, 10);
+    }
+    return NULL;
+}
+
+/* `lead` and the text of site id `site` ("; audited at FILE:LINE FUNC"), or "" where the site
+ * was not recorded; NULL with an exception set. */
+static PyObject *site_words(Native *n, int32_t site, const char *lead) {
+    size_t len = 0;
+    const char *t = site_text_at(n, site, &len);
+    if (t == NULL) return PyUnicode_FromString("");
+    PyObject *text = PyUnicode_DecodeUTF8(t, (Py_ssize_t)len, "replace");
+    if (text == NULL) return NULL;
+    PyObject *out = PyUnicode_FromFormat("%s%U", lead, text);
+    Py_DECREF(text);
+    return out;
+}
+
 /* -- findings --------------------------------------------------------------------------------- */
 
 /* The kinds of FK_* (core.h), as findings.FindingKind names them. */
