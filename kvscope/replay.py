@@ -275,6 +275,9 @@ class Session:
         self.preempted: set[tuple[int, int]] = set()
         # the leases taken, by their recorded ids (a lease id is the pool's, any process's)
         self.leases: dict[int, Any] = {}
+        # the write leases among them not known released yet (_transfers_before_release reads
+        # them at every free; a released one leaves at the next)
+        self._writing: dict[int, Any] = {}
         # the store checks: the findings of each thread's last one, not yet matched with the
         # REPORT records that follow it (by (pid, tid)); the writers of the stores whose
         # blocks were checked, for their slots (by the STORE record's number)
@@ -351,7 +354,7 @@ class Session:
             for q in seqs:
                 self.seqs[(pid, q.seq_id)] = q
             for lease in leases:
-                self.leases[lease.lease_id] = lease
+                self._took(lease.lease_id, lease)
 
     def _setup(self, pool: KVPool, start: dict[str, Any]) -> None:
         flags = start.get("probes")
@@ -442,7 +445,7 @@ class Session:
             lease = h.lease(target, part.mode, holder=part.holder, timeout=None)
         else:
             lease = h.lease(target, part.mode, holder=part.holder, deadline_ns=part.deadline_ns)
-        self.leases[part.lease_id] = lease
+        self._took(part.lease_id, lease)
         out.result = lease.lease_id
         out.blocks = list(lease.blocks)
         rec = h.view.leases[lease.record]
@@ -514,11 +517,20 @@ class Session:
         if not self.transfers():
             return
         mine = set(blocks)
-        for lease in self.leases.values():
-            if lease.mode == "write" and not lease.released:
-                both = [b for b in lease.blocks if b in mine]
-                if both:
-                    transfer_kv(h, both)
+        for lid, lease in list(self._writing.items()):
+            if lease.released:
+                del self._writing[lid]
+                continue
+            both = [b for b in lease.blocks if b in mine]
+            if both:
+                transfer_kv(h, both)
+
+    def _took(self, lease_id: int, lease: Any) -> None:
+        """A lease the replay holds, by its recorded id (a write lease also among those whose
+        transfers a release takes as written)."""
+        self.leases[lease_id] = lease
+        if lease.mode == "write":
+            self._writing[lease_id] = lease
 
     def _copy(self, h: KVPool, r: OpRecord) -> Result:
         """A COPY record: the blocks the program copied, copied in the replay's K/V (the
