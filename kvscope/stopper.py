@@ -3,11 +3,19 @@
 The script runs in kvscope's process group, as it would without kvscope: Ctrl-C at a terminal
 reaches it (and every process it started) directly. While it runs, kvscope blocks SIGINT,
 SIGTERM and SIGHUP in its own threads and collects them with `sigtimedwait`, which says who
-sent each one: a signal another process sent to kvscope (`kill`, a service manager) is
-forwarded to the script; one the terminal sent (si_code SI_KERNEL) already reached it and is
-not sent twice. Either way the first one starts the grace period (`--stop-grace`, 10 s): if
-the script still runs when it ends, or when a second such signal comes, it is killed with
-SIGKILL. The script itself gets the parent-death signal SIGKILL (PR_SET_PDEATHSIG), so killing
+sent each one: a signal another process sent to kvscope alone (`kill PID`, a service manager)
+is forwarded to the script; one the terminal sent (si_code SI_KERNEL) already reached it and is
+not sent twice, nor one sent to the whole process group or cgroup (`timeout -s INT`, `kill --
+-PGID`, systemd's default KillMode), which a witness tells apart (below). Either way the first
+one starts the grace period (`--stop-grace`, 10 s): if the script still runs when it ends, or
+when a second such signal comes, it is killed with SIGKILL. The same signal from the same
+sender again within a second is the same stop, not a second one (`timeout` sends it to kvscope
+and then to its group).
+
+A signal's siginfo cannot say whether its sender sent it to kvscope alone or to the whole
+group. The witness can: a process of kvscope's own in its group and cgroup (`sleep`, started
+with the stop signals blocked), in which a signal sent to all of them stays pending, where
+/proc shows it. No library offers this, hence the few lines here. The script itself gets the parent-death signal SIGKILL (PR_SET_PDEATHSIG), so killing
 kvscope, even with SIGKILL, never leaves it running on its own.
 
     stopper = Stopper(echo, grace_s=10.0)
@@ -37,6 +45,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 SI_KERNEL = 0x80
 PR_SET_PDEATHSIG = 1
 DEFAULT_GRACE_S = 10.0
+# How long a signal kvscope got may wait for its copy in the witness: a kill of the process
+# group signals every member in one system call, a cgroup's kill (systemd) one process after
+# another.
+WITNESS_WAIT_S = 0.1
+# The same signal from the same sender again within this many seconds is the same stop.
+REPEAT_S = 1.0
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -45,6 +59,67 @@ def _prctl() -> Callable[..., int] | None:
         return libc.prctl  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None
+
+
+class Witness:
+    """A `sleep` in kvscope's process group and cgroup with the stop signals blocked: a signal
+    sent to the whole group stays pending in it, which tells it from one sent to kvscope alone.
+    Started and replaced by the main thread only (its parent-death signal follows the thread
+    that started it)."""
+
+    def __init__(self, prctl: Callable[..., int] | None):
+        self._prctl = prctl
+        self.proc: subprocess.Popen[bytes] | None = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes] | None:
+        prctl = self._prctl
+
+        def setup() -> None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            if prctl is not None:
+                prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+        try:
+            return subprocess.Popen(
+                ["sleep", "2147483647"], preexec_fn=setup, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+            )  # fmt: skip
+        except OSError:
+            return None  # (no `sleep`: every signal from another process is forwarded)
+
+    def pending(self) -> set[int]:
+        """The stop signals pending in the witness (empty when it is gone)."""
+        if self.proc is None:
+            return set()
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                status = f.read()
+        except OSError:
+            return set()
+        mask = 0
+        for line in status.splitlines():
+            if line.startswith(("SigPnd:", "ShdPnd:")):
+                mask |= int(line.split()[1], 16)
+        return {int(s) for s in STOP_SIGNALS if mask >> (int(s) - 1) & 1}
+
+    def saw(self, signum: int) -> bool:
+        """Whether `signum` reached the witness too (waiting up to WITNESS_WAIT_S for it); the
+        witness is replaced when it did, so that it is ready for the next signal."""
+        deadline = time.monotonic() + WITNESS_WAIT_S
+        while signum not in self.pending():
+            if self.proc is None or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        self.stop()
+        self.proc = self._start()
+        return True
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
 def drop_dead_terminal() -> bool:
@@ -138,6 +213,9 @@ class Stopper:
         self._mask: set[int | signal.Signals] | None = None
         self._timer: threading.Timer | None = None
         self._prctl = _prctl()
+        self._witness: Witness | None = None
+        # the first stop: its signal, its sender's pid (0: unknown) and when it came
+        self._first: tuple[int, int, float] | None = None
         # Set by every stop signal, even one that comes after the script ended: what else
         # kvscope waits on (the TUI of --live) stops waiting.
         self.stop_requested = threading.Event()
@@ -152,9 +230,12 @@ class Stopper:
         old = {s: signal.signal(s, self._on_handler) for s in STOP_SIGNALS}
         self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         self.blocked = True
+        self._witness = Witness(self._prctl)
         try:
             yield
         finally:
+            self._witness.stop()
+            self._witness = None
             self.blocked = False
             signal.pthread_sigmask(signal.SIG_SETMASK, self._mask or set())
             for s, h in old.items():
@@ -204,14 +285,16 @@ class Stopper:
         # A wait that a ptrace attach cut short (`py-spy record --subprocesses -- kvscope run`)
         # can come back with a siginfo the kernel never filled: not a signal, so not a stop.
         if info is not None and info.si_signo in STOP_SIGNALS:
-            self.on_signal(info.si_signo, from_terminal=info.si_code == SI_KERNEL)
+            from_terminal = info.si_code == SI_KERNEL
+            self.on_signal(info.si_signo, from_terminal, 0 if from_terminal else info.si_pid)
 
     def _on_handler(self, signum: int, frame: object) -> None:
         self.on_signal(signum, from_terminal=False)
 
-    def on_signal(self, signum: int, from_terminal: bool) -> None:
-        """Forward a stop signal (unless the terminal sent it to the child too); the first
-        starts the grace period, a second one kills the child now."""
+    def on_signal(self, signum: int, from_terminal: bool, sender: int = 0) -> None:
+        """Forward a stop signal unless it reached the child too (the terminal's, or one sent to
+        the whole group); the first starts the grace period, a second one kills the child now.
+        `sender`: the sending process's pid (0: the kernel, or not known)."""
         if signum == signal.SIGHUP:
             drop_dead_terminal()
         self.stop_requested.set()
@@ -220,19 +303,50 @@ class Stopper:
             return
         name = signal.Signals(signum).name
         if self.stopping:
+            if self._repeats(signum, sender):
+                return
             self.kill()
             self._say(f"kvscope: {name} again: killed the script (pid {proc.pid}) with SIGKILL")
             return
         self.stopping = True
-        if not from_terminal:
+        self._first = (signum, sender, time.monotonic())
+        if from_terminal:
+            sent = "sent to"
+        elif self._group_wide(signum, proc):
+            sent = "sent to the whole process group, so also to"
+        else:
+            sent = "forwarded to"
             proc.send_signal(signum)
         self._timer = threading.Timer(self.grace_s, self._grace_over)
         self._timer.daemon = True
         self._timer.start()
-        sent = "sent to" if from_terminal else "forwarded to"
         self._say(
             f"kvscope: {name} {sent} the script (pid {proc.pid}); it is killed with SIGKILL"
             f" if it still runs in {self.grace_s:g} s (--stop-grace) or on a second signal"
+        )
+
+    def _group_wide(self, signum: int, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether `signum` was sent to kvscope's whole process group (or cgroup), the script
+        with it: the witness got it too, and the script is still in kvscope's group."""
+        witness = self._witness
+        if witness is None or threading.current_thread() is not threading.main_thread():
+            return False
+        try:
+            if os.getpgid(proc.pid) != os.getpgrp():
+                return False
+        except ProcessLookupError:
+            return False
+        return witness.saw(signum)
+
+    def _repeats(self, signum: int, sender: int) -> bool:
+        """Whether a signal is the first stop's own again: the same signal from the same
+        process (not the terminal) within REPEAT_S."""
+        first = self._first
+        return (
+            first is not None
+            and sender != 0
+            and (signum, sender) == first[:2]
+            and time.monotonic() - first[2] < REPEAT_S
         )
 
     def _grace_over(self) -> None:

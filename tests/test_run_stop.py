@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from kvscope import stopper as stopper_module
 from kvscope.allocator.process import is_alive
 from kvscope.stopper import Stopper
 
@@ -136,6 +137,72 @@ def test_a_script_that_handles_sigterm_gets_it_once_and_ends_its_own_way(tmp_pat
     assert "terms 1" in out
     assert run.returncode == 3
     assert "killing" not in err
+
+
+COUNTS_SIGINTS = (
+    "got = []\n"
+    "signal.signal(signal.SIGINT, lambda n, f: got.append(n))\n"
+    "open(ready, 'w').close()\n"
+    "while not got:\n"
+    "    time.sleep(0.01)\n"
+    "time.sleep(1.0)\n"  # (a forwarded copy comes within milliseconds)
+    "print('sigints', len(got), flush=True)\n"
+)
+
+
+def test_a_signal_sent_to_the_whole_process_group_reaches_the_script_once(tmp_path):
+    # GIVEN a script that counts its SIGINTs, in kvscope's process group (start_run makes
+    # kvscope the group's leader)
+    run = start_run(tmp_path, COUNTS_SIGINTS)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
+        # WHEN something sends SIGINT to the whole group, as `timeout -s INT` and `kill --
+        # -PGID` do
+        os.killpg(run.pid, signal.SIGINT)
+        out, err = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    # THEN kvscope saw that the script got it and did not send another: the script ends its
+    # own way
+    assert "sent to the whole process group, so also to the script" in err
+    assert "sigints 1" in out
+    assert run.returncode == 0
+
+
+def test_a_signal_sent_to_kvscope_alone_is_forwarded_once(tmp_path):
+    # GIVEN the same script WHEN only kvscope gets SIGINT THEN the script gets one, forwarded
+    out, err = stopped(start_run(tmp_path, COUNTS_SIGINTS), tmp_path, signal.SIGINT)
+    assert "SIGINT forwarded to the script" in err
+    assert "sigints 1" in out
+
+
+def test_the_same_signal_from_the_same_sender_at_once_is_one_stop(monkeypatch):
+    # (`timeout` sends its signal to kvscope, then to kvscope's group: kvscope may get it twice)
+    # GIVEN a stopper that forwarded a SIGTERM from pid 4242 to a live script (the repeat's
+    # window as long as the test's patience: never the outcome of the test)
+    monkeypatch.setattr(stopper_module, "REPEAT_S", PATIENCE_S)
+    lines: list[str] = []
+    stopper = Stopper(lines.append, grace_s=PATIENCE_S)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
+    )
+    try:
+        stopper.watch(proc)
+        stopper.on_signal(signal.SIGTERM, from_terminal=False, sender=4242)
+        # WHEN the same sender sends it again at once THEN it is the same stop
+        stopper.on_signal(signal.SIGTERM, from_terminal=False, sender=4242)
+        assert proc.poll() is None and len(lines) == 1
+        # WHEN another process sends one THEN it is a second stop: the script is killed
+        stopper.on_signal(signal.SIGTERM, from_terminal=False, sender=4343)
+        assert proc.wait(timeout=PATIENCE_S) == -signal.SIGKILL
+        assert "SIGTERM again: killed the script" in lines[-1]
+    finally:
+        proc.kill()
+        proc.wait()
+        if stopper._timer is not None:
+            stopper._timer.cancel()
 
 
 def test_a_terminal_ctrl_c_reaches_the_script_and_is_not_sent_again():

@@ -15,7 +15,8 @@ agrees with that code.
 Once a pool is dumped, its files are removed from /dev/shm when no live process holds it any
 more (--keep-pool keeps them); the verdict says which.
 
-SIGINT, SIGTERM and SIGHUP sent to kvscope are forwarded to the script; if it still runs
+SIGINT, SIGTERM and SIGHUP sent to kvscope alone are forwarded to the script (one sent to the
+whole process group, or by the terminal, reached it already); if it still runs
 --stop-grace seconds later (or at a second signal) it is killed with SIGKILL (kvscope/stopper.py).
 """
 
