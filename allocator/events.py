@@ -1,7 +1,8 @@
 """The flight recorder: each process's ring of recent allocator events, inside the segment.
 
-Each client (attached process) writes only its own ring, so recording takes no lock; readers
-merge the rings by time. Off unless the pool was created with `events=True` or the process runs
+The C core records them (allocator/csrc/probes.c `ev_record`), each process into its own client's
+ring, so recording takes no lock; this module names the events and reads them, merging the
+rings by time. Off unless the pool was created with `events=True` or the process runs
 with KVSCOPE_EVENTS=1 (as under `kvscope run`).
 """
 
@@ -13,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from kvscope.allocator.layout import SegmentView
-from kvscope.allocator.process import now_ns
 
 
 class EventOp(enum.IntEnum):
@@ -40,39 +40,6 @@ class EventOp(enum.IntEnum):
 
 
 OP_NAMES = {op.value: op.name.lower() for op in EventOp}
-
-
-class EventRecorder:
-    """Appends events to this client's ring (lock-free: the ring has one writer)."""
-
-    def __init__(self, view: SegmentView, client: int, pid: int):
-        self.ring = view.events[client]
-        self.capacity = len(self.ring)
-        self.head = view.clients["event_head"][client : client + 1]
-        self.generation = view.blocks["generation"]
-        self.pid = pid
-
-    def record(self, op: EventOp, blocks: Any, request: bytes = b"", arg: int = 0) -> None:
-        """One event per block (or one with block -1 when blocks is empty)."""
-        ids = np.atleast_1d(np.asarray(blocks, dtype=np.int64))
-        if len(ids) == 0:
-            ids = np.array([-1], np.int64)
-        k = min(len(ids), self.capacity)
-        ids = ids[-k:]
-        h = int(self.head[0])
-        pos = (h + np.arange(k)) % self.capacity
-        r = self.ring
-        r["time_ns"][pos] = now_ns()
-        r["pid"][pos] = self.pid
-        r["op"][pos] = int(op)
-        r["block"][pos] = ids
-        valid = ids >= 0
-        gens = np.zeros(k, np.uint32)
-        gens[valid] = self.generation[ids[valid]]
-        r["generation"][pos] = gens
-        r["arg"][pos] = arg
-        r["request"][pos] = request
-        self.head[0] = h + k
 
 
 def _as_dicts(ev: np.ndarray) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvscope.allocator import devicechecks, integrity
-from kvscope.allocator.events import EventOp, EventRecorder, events_for_block, recent_events
+from kvscope.allocator.events import events_for_block, recent_events
 from kvscope.allocator.findings import Finding, FindingKind, finding_at
 from kvscope.allocator.layout import FINDINGS_CAPACITY
 from kvscope.allocator.probeflags import ProbeFlags
@@ -38,7 +38,6 @@ class PoolProbes:
     def __init__(self, pool: PoolHandle, flags: ProbeFlags):
         self.pool = pool
         self.flags = flags
-        self.recorder = EventRecorder(pool.view, pool.client, pool.pid) if flags.events else None
         # frames per allocation site (KVSCOPE_STACK_DEPTH), with the ownership probe
         self.site_depth = stack_depth() if flags.ownership else 0
         self.reported: set[tuple[str, int, str | None]] = set()
@@ -91,13 +90,7 @@ class PoolProbes:
                 f.extra.setdefault("site", site)
                 if f.site_id < 0:
                     f.site_id = site_id
-        if self.recorder is not None:
-            self.recorder.record(
-                EventOp.FINDING,
-                [-1 if f.block is None else f.block],
-                (f.request or "").encode()[:32],
-            )
-        self.pool.report(f)
+        self.pool.report(f)  # (the core records its FINDING event too)
         return True
 
     def block_finding(self, kind: str, block: int, message: str) -> Finding | None:

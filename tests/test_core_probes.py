@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvscope.allocator import KVPool, PoolConfig, faults, integrity
-from kvscope.allocator.events import EventOp
+from kvscope.allocator.events import EventOp, events_for_block
+from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import block_checksums
 from kvscope.probes import lockdep, watchdog
 
@@ -413,6 +414,35 @@ def test_a_refcount_taken_twice_is_reported_by_the_core_and_the_release_goes_on(
             ["allocate"],
             ["allocate", "finding", "free"],
         ]
+    finally:
+        _close(pool)
+
+
+def test_a_finding_reported_from_python_is_in_the_flight_recorder_by_the_core(
+    pool_name, monkeypatch
+):
+    # GIVEN the flight recorder on, and a request holding a block
+    for p in PROBES:
+        monkeypatch.setenv(f"KVSCOPE_{p}", "1" if p == "EVENTS" else "0")
+    pool, seen = _watched(pool_name, *DEFAULT)
+    try:
+        a = pool.allocate("a", [1, 2, 3])
+        x = a.block_table[0]
+        head = int(pool.view.clients["event_head"][pool.client])
+        # WHEN a reader reports a finding about it (as kvscope run's exit check, the block-table
+        # audit and the KV-event publisher do, through pool.report)
+        pool.report(Finding(FindingKind.LEAK_FINISHED, "left held", block=x, request="a"))
+        # THEN its FINDING event is in this process's ring, written by the core (one event, the
+        # ring's head moved by one), before the finding itself
+        assert int(pool.view.clients["event_head"][pool.client]) == head + 1
+        ev = events_for_block(pool.view, x)
+        assert [(e["op"], e["request"], e["pid"]) for e in ev] == [
+            ("allocate", "a", os.getpid()),
+            ("finding", "a", os.getpid()),
+        ]
+        assert ev[-1]["time_ns"] <= pool.findings()[-1].extra["time_ns"]
+        assert [f.kind for f in seen] == ["leak_finished"]
+        pool.free(a)
     finally:
         _close(pool)
 

@@ -470,6 +470,9 @@ static PyObject *N_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     Seen s = {.block = (int32_t)block, .owner_pid = (int32_t)owner, .site = (int32_t)site};
     memset(s.request, 0, REQUEST_BYTES);
     memcpy(s.request, req, (size_t)rl < REQUEST_BYTES ? (size_t)rl : REQUEST_BYTES);
+    /* (the FINDING event first, as finding_report records it: the core writes the flight
+     * recorder, whoever found the finding) */
+    ev_record(n, E_FINDING, &s.block, 1, s.request, 0);
     int mh, taken = leaf_take_py(n, n->lock_findings, &mh, "report");
     if (taken == ERROR) return NULL;
     uint64_t head = ring_put(n, name, (uint8_t)sev, &s, text, (size_t)ml);
