@@ -27,6 +27,8 @@ def dtype_name(dtype: Any) -> str:
 
 # The ZMQ transports a KV-event endpoint may name (vLLM's `KVEventsConfig.endpoint`).
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# The most events one process's flight recorder keeps (64 bytes each, for every client).
+MAX_EVENT_CAPACITY = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,11 @@ class PoolConfig:
                 raise PoolError(f"PoolConfig.{name} must be a positive integer, got {value!r}")
         if c.num_blocks >= 2**31 - 1:
             raise PoolError(f"PoolConfig.num_blocks={c.num_blocks} is too large (max 2**31-2)")
+        if not isinstance(c.event_capacity, int) or not 0 <= c.event_capacity <= MAX_EVENT_CAPACITY:
+            raise PoolError(
+                f"PoolConfig.event_capacity must be an integer in [0, {MAX_EVENT_CAPACITY}] (events"
+                f" each process's flight recorder keeps), got {c.event_capacity!r}"
+            )
         if c.block_size > 1024:
             raise PoolError(f"PoolConfig.block_size={c.block_size} is too large (max 1024)")
         if not (c.device == "cpu" or c.device.startswith("cuda")):

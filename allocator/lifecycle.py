@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from kvscope.allocator import kvdata, ofd, recovery
-from kvscope.allocator.config import KVEventsConfig, PoolConfig, check_kv_events
+from kvscope.allocator.config import (
+    MAX_EVENT_CAPACITY,
+    KVEventsConfig,
+    PoolConfig,
+    check_kv_events,
+)
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.header import config_from_header, init_segment, seal_header
 from kvscope.allocator.layout import COUNTER_FIELDS, ClientState, Layout, SegmentView
@@ -39,6 +44,21 @@ if TYPE_CHECKING:
 P = TypeVar("P", bound="PoolHandle")
 
 
+def event_capacity_floor() -> int:
+    """KVSCOPE_EVENT_CAPACITY (0 when unset): the least events each process's flight recorder
+    keeps; PoolError for a value that is not a count PoolConfig.event_capacity accepts."""
+    raw = os.environ.get("KVSCOPE_EVENT_CAPACITY", "")
+    try:
+        n = int(raw or 0)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_EVENT_CAPACITY:
+        raise PoolError(
+            f"KVSCOPE_EVENT_CAPACITY={raw!r}: give a number of events from 0 to {MAX_EVENT_CAPACITY}"
+        )
+    return n
+
+
 def create(cls: type[P], name: str, config: PoolConfig, restore: Any = None) -> P:
     """A new pool named `name` (`KVPool.create`); PoolError if one exists or it cannot fit.
     With `restore` (a checkpoint.Snapshot: `KVPool.restore`), its metadata is the snapshot's,
@@ -52,6 +72,9 @@ def create(cls: type[P], name: str, config: PoolConfig, restore: Any = None) -> 
     cfg.lockdep = cfg.lockdep or env_flag("LOCKDEP")
     if cfg.guard and not cfg.quarantine:
         cfg.quarantine = int(os.environ.get("KVSCOPE_QUARANTINE", "0") or 0)
+    # Under `kvscope run` each process's flight recorder keeps at least this many events
+    # (a floor: a larger event_capacity of the program's stays).
+    cfg.event_capacity = max(cfg.event_capacity, event_capacity_floor())
     layout = Layout(
         cfg.num_blocks,
         cfg.block_size,

@@ -1302,29 +1302,48 @@ def rewritten_by_hitters(findings: list[dict[str, Any]]) -> list[tuple[str, int]
     last operation on the block before the finding in the flight recorder is its prefix_hit
     (no release since); or, with no store named, the block's K/V was intact at that request's
     prefix hit (`intact_at`) and no other request held it from then to the finding
-    (`held_since_intact` is that request alone)."""
+    (`held_since_intact` is that request alone); or, with several holders since, those of them
+    (not the publisher) that left positions of their own unwritten (`kv_never_written`), as a
+    prefill whose slots were counted from the hit does: its K/V went into the cached blocks."""
+    unwritten = {f.get("request") for f in findings if f["kind"] == FindingKind.KV_NEVER_WRITTEN}
     out: list[tuple[str, int]] = []
     for f in findings:
         blk = f.get("block")
         if f["kind"] != FindingKind.PUBLISHED_BLOCK_MODIFIED or blk is None:
             continue
         writer = stored_by(f)
-        if writer is None:
-            at = f.get("intact_at") or {}
-            writer = at.get("request")
-            hit = at.get("op") == "prefix_hit" and f.get("held_since_intact") == [writer]
-            hit = hit and writer != f.get("request")  # (the finding's request: the publisher)
-        elif f"published by request {writer!r} " in f["message"]:
-            # (its own published block, mapped again by its resume's hit: a table kept across
-            # the preemption writes there too, and has causes of its own)
-            hit = False
+        if writer is not None:
+            writers = [writer] if _stored_through_hit(f, writer) else []
         else:
-            # (holding the block through that hit when it stored: no release since)
-            held = [e["op"] for e in _block_events_of(f, writer) if e["op"] in _HOLDING]
-            hit = held[-1:] == ["prefix_hit"]
-        if hit and (str(writer), int(blk)) not in out:
-            out.append((str(writer), int(blk)))
+            writers = _hitters_since_intact(f, unwritten)
+        for w in writers:
+            if (str(w), int(blk)) not in out:
+                out.append((str(w), int(blk)))
     return out
+
+
+def _stored_through_hit(f: dict[str, Any], writer: str) -> bool:
+    """Whether the store's writer held the published block through a prefix hit when it
+    stored: its last operation on the block before the finding is its prefix_hit."""
+    if f"published by request {writer!r} " in f["message"]:
+        # (its own published block, mapped again by its resume's hit: a table kept across the
+        # preemption writes there too, and has causes of its own)
+        return False
+    held = [e["op"] for e in _block_events_of(f, writer) if e["op"] in _HOLDING]
+    return held[-1:] == ["prefix_hit"]
+
+
+def _hitters_since_intact(f: dict[str, Any], unwritten: set[Any]) -> list[str]:
+    """With no store named: the request whose prefix hit found the block's K/V intact when it
+    alone held it from then to the finding (not the finding's request, its publisher); with
+    several holders since, those of them that left positions of their own unwritten."""
+    at = f.get("intact_at") or {}
+    if at.get("op") != "prefix_hit":
+        return []
+    held = f.get("held_since_intact") or []
+    if held == [at.get("request")]:
+        return [] if held[0] == f.get("request") else held
+    return [r for r in held if r != f.get("request") and r in unwritten] if len(held) > 1 else []
 
 
 def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:

@@ -220,6 +220,44 @@ def test_a_prefill_that_rewrites_the_cached_prefix_names_the_request_that_hit_it
     assert "'chat-0'" not in cause and "'chat-2'" not in cause
 
 
+def test_a_prefill_at_slots_counted_from_the_hit_by_several_hitters_at_once_names_them(
+    probes, make_pool
+):
+    # GIVEN a shared system prompt published by a first request, then three requests that hit
+    # it while all three are running, whose prefill stores positions [hit, n) at the slots of
+    # positions [0, n - hit) (the trial's prefix_offset: slots counted from the hit): into the
+    # cached blocks, the last positions of each prompt left unwritten
+    pool = make_pool(num_blocks=32, block_size=BS, num_kv_heads=1, head_dim=4, guard=True)
+    system = [7, 7, 8, 8, 9, 9, 10, 10]
+
+    def store(seq, start: int, end: int, at: int) -> None:
+        slots = pool.slot_mapping(seq, at, at + end - start)
+        for pos, slot in zip(range(start, end), slots):
+            b, off = divmod(int(slot), pool.slots_per_block)
+            pool.kv[:, :, b, off] = float(seq.tokens[pos] * 31 + pos)
+
+    first = pool.allocate("sys", [*system, 1, 2])
+    store(first, 0, len(first.tokens), 0)
+    pool.mark_computed(first, len(first.tokens))
+    pool.free(first)
+    hitters = [
+        pool.allocate(f"chat-{r}", [*system, *range(100 + 8 * r, 108 + 8 * r)]) for r in range(3)
+    ]
+    for seq in hitters:
+        hit = seq.num_cached_tokens
+        store(seq, hit, len(seq.tokens), 0)
+    for seq in hitters:
+        pool.free(seq)
+    report = analyze_view(pool.view)
+    # THEN one cause: the hitters' writes into the cached blocks, naming them, not the publisher
+    assert {"published_block_modified", "kv_never_written"} <= {
+        f["kind"] for f in report["findings"]
+    }
+    (cause,) = report["likely_causes"]
+    assert cause.startswith("published prefix blocks written by requests that hit them")
+    assert "'chat-0'" in cause and "'sys'" not in cause
+
+
 def _event(op: str, request: str, t: int) -> dict:
     return {"op": op, "request": request, "time_ns": t}
 

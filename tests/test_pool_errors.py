@@ -90,12 +90,43 @@ def test_geometry_that_does_not_fit_fails_and_leaves_nothing(pool_name):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("num_blocks", 0), ("block_size", -1), ("head_dim", 0), ("num_shards", 3), ("dtype", "int8")],
+    [
+        ("num_blocks", 0),
+        ("block_size", -1),
+        ("head_dim", 0),
+        ("num_shards", 3),
+        ("dtype", "int8"),
+        ("event_capacity", -1),
+        ("event_capacity", (1 << 20) + 1),
+    ],
 )
 def test_bad_config_values_are_rejected(pool_name, field, value):
     kw = {"num_blocks": 8, field: value}
     with pytest.raises(PoolError):
         KVPool.create(pool_name, PoolConfig(**kw))
+
+
+def test_the_event_capacity_floor_raises_a_smaller_one_and_keeps_a_larger(pool_name, monkeypatch):
+    # GIVEN KVSCOPE_EVENT_CAPACITY=64, as kvscope run sets it (8,192 there)
+    monkeypatch.setenv("KVSCOPE_EVENT_CAPACITY", "64")
+    # WHEN pools are created with a smaller and a larger event_capacity THEN each process's
+    # flight recorder keeps at least 64 events, and a larger capacity its own
+    for asked, kept in ((16, 64), (100, 100)):
+        pool = KVPool.create(pool_name, PoolConfig(num_blocks=8, head_dim=8, event_capacity=asked))
+        try:
+            assert pool.view.events.shape[1] == kept
+            assert pool.config.event_capacity == kept
+        finally:
+            pool.close()
+            pool.unlink()
+
+
+@pytest.mark.parametrize("value", ["lots", "-5", str((1 << 20) + 1)])
+def test_a_bad_event_capacity_floor_is_one_pool_error_and_no_pool(pool_name, monkeypatch, value):
+    monkeypatch.setenv("KVSCOPE_EVENT_CAPACITY", value)
+    with pytest.raises(PoolError, match="KVSCOPE_EVENT_CAPACITY=.*give a number of events"):
+        KVPool.create(pool_name, PoolConfig(num_blocks=8, head_dim=8))
+    assert not os.path.exists(segment_path(pool_name))
 
 
 def test_files_are_private_by_default(make_pool):

@@ -116,6 +116,12 @@ def test_faults_reach_the_child_environment(tmp_path):
     assert env["KVSCOPE_INJECT"] == "leak,double-free"
     assert env["KVSCOPE_GUARD"] == "1" and env["KVSCOPE_LOCKDEP"] == "0"
     assert env["KVSCOPE_EVENTS"] == "1" and env["KVSCOPE_RUN_DIR"] == str(tmp_path)
+    # (a flight recorder of 8,192 events a process, unless the user's environment says)
+    assert env["KVSCOPE_EVENT_CAPACITY"] == "8192"
+    assert (
+        child_env({"KVSCOPE_EVENT_CAPACITY": "512"}, str(tmp_path), args)["KVSCOPE_EVENT_CAPACITY"]
+        == "512"
+    )
     assert parse_faults(["oob-write", "use-after-free,lock-inversion"]) == [
         "oob-write",
         "use-after-free",

@@ -61,6 +61,11 @@ def parse_faults(values: list[str] | None) -> list[str]:
     return out
 
 
+# Events each process's flight recorder keeps under `kvscope run` (at least: a pool created with
+# more keeps its own): 64 bytes each, per attached process.
+RUN_EVENT_CAPACITY = 8192
+
+
 def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> dict[str, str]:
     """The child's environment: the run directory and the probe flags."""
     env = dict(base)
@@ -68,6 +73,8 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
     env["KVSCOPE_GUARD"] = "1" if args.guard else "0"
     env["KVSCOPE_LOCKDEP"] = "1" if args.lockdep else "0"
     env["KVSCOPE_EVENTS"] = "1"
+    # a flight recorder that holds a few seconds of a busy engine's operations (docs/PROBES.md)
+    env.setdefault("KVSCOPE_EVENT_CAPACITY", str(RUN_EVENT_CAPACITY))
     # slot provenance (docs/POOL.md): every sequence's slots in guard mode, unless set
     env.setdefault("KVSCOPE_PROVENANCE_SAMPLE", "1" if args.guard else "0")
     record = getattr(args, "record_ops", None)
