@@ -207,9 +207,10 @@ EVENT_FIELDS: list[Field] = [
 # of OPLOG_FIELDS (csrc/oplog.c oplog_expand).
 OPLOG_MAGIC = 0x504F_564B  # "KVOP": an expanded record
 OPLOG_CHUNK_MAGIC = 0x434F_564B  # "KVOC": a chunk of the file
-OPLOG_VERSION = 5
-# The versions a reader takes: version 4 is version 5 without the COPY record.
-OPLOG_READABLE = (4, 5)
+OPLOG_VERSION = 6
+# The versions a reader takes: version 5 is version 6 without the FLUSH record, version 4 is
+# version 5 without the COPY record.
+OPLOG_READABLE = (4, 5, 6)
 
 
 class OpCode(enum.IntEnum):
@@ -240,6 +241,9 @@ class OpCode(enum.IntEnum):
     # blocks the program copied (KVPool.copied: kvscope.kernels.copy_blocks(..., pool=)), as
     # the record's copies
     COPY = 19
+    # KVPool.flush_local: the blocks of its local cache it returned to the free ring (its table),
+    # which another process's next allocate may take
+    FLUSH = 20
 
 
 class OpStatus(enum.IntEnum):

@@ -70,6 +70,7 @@ _STORE = int(OpCode.STORE)
 _SNAPSHOT = int(OpCode.SNAPSHOT)
 _CLOSE = int(OpCode.CLOSE)
 _COPY = int(OpCode.COPY)
+_FLUSH = int(OpCode.FLUSH)
 _MARKS = (_START, _SNAPSHOT)  # (records that are no operation: a handle's start, a snapshot)
 _OK, _EXHAUSTED, _REFUSED, _ERROR = (int(s) for s in OpStatus)
 _STATES = {1: "running", 2: "waiting"}
@@ -425,9 +426,7 @@ class Session:
         """Close process `pid`'s handle, once: what it returned to the pool (the blocks of
         its local cache, in the cache's order, and its slot reserve's slots, as the core's
         CLOSE record lists them) and the leases it still held (its lease_leaks) kept."""
-        cl = h.view.clients
-        k = int(cl["local_count"][h.client])
-        returned = [int(b) for b in cl["local"][h.client][:k]]
+        returned = _local_cache(h)
         slots = len(h.core.reserve_state()[0])
         self._leaked = set()
         h.close()
@@ -588,7 +587,7 @@ class Session:
                 found[:] = [pending.pop(pending.index(mine) if mine in pending else 0)]
                 out.found = list(found)
             return out
-        elif op not in (_ALLOCATE, _EVICT, _REPORT, _CLOSE):
+        elif op not in (_ALLOCATE, _EVICT, _REPORT, _CLOSE, _FLUSH):
             s = seqs.get((r.pid, r.src_id if op in (_FORK, _RESUME) else r.seq_id))
             if s is None:
                 return None
@@ -671,6 +670,10 @@ class Session:
                 out.blocks, out.result = self.returned[r.pid]
                 # (its process may attach again: a later START of its pid, a handle of its own)
                 self.handles.pop(r.pid, None)
+            elif op == _FLUSH:
+                # the local cache returned to the free ring (pool.flush_local): its blocks
+                out.blocks = _local_cache(h)
+                h.flush_local()
             elif op == _REPORT and any(k in RECLAIMED for k, _ in r.found):
                 # a dead process's locks and blocks, recovered by `reclaim_dead` there
                 h.reclaim_dead()
@@ -886,6 +889,12 @@ class Child:
             self.conn.send(("close",))
             self.conn.recv()
         self._reap()
+
+
+def _local_cache(h: KVPool) -> list[int]:
+    """The blocks of handle `h`'s local cache, in the cache's order: what a flush returns."""
+    cl = h.view.clients
+    return [int(b) for b in cl["local"][h.client][: int(cl["local_count"][h.client])]]
 
 
 def is_audit(r: OpRecord) -> bool:
@@ -1726,6 +1735,8 @@ def _call(
         return f"{h}.verify()"
     if op == _CLOSE:
         return f"{h}.close()"
+    if op == _FLUSH:
+        return f"{h}.flush_local()"
     return None
 
 

@@ -499,6 +499,39 @@ def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(tmp
     assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
 
 
+def test_a_flush_of_the_local_cache_in_one_process_replays(tmp_path, pool_name):
+    """A second process's pool.flush_local() returns its local cache to the free ring before
+    its close (the trial's worker): the log's FLUSH record lists the blocks, the replay flushes
+    there, the close after it returns nothing, and the creator's allocate gets the same blocks:
+    the replay runs to the end."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
+    pool.record_ops(str(path))
+    try:
+
+        def second() -> None:
+            p = KVPool.attach(pool_name)
+            p.record_ops(str(path))
+            s = p.allocate("child", list(range(100, 120)))
+            p.free(s)
+            p.flush_local()
+            p.close()
+
+        in_a_child(second)
+        every = pool.allocate("every", list(range(1000, 1000 + 4 * CONFIG["num_blocks"])))
+        pool.free(every)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    flush = next(r for r in log.records if r.op == OpCode.FLUSH)
+    close = next(r for r in log.records if r.op == OpCode.CLOSE and r.pid == flush.pid)
+    assert flush.blocks and flush.status == OpStatus.OK and close.blocks == []
+    assert flush.op_name == "flush"
+    out = replay(log)
+    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
+
+
 def record_user_engine(tmp_path: Path, bug: str) -> str:
     """tests/user_engine.py with `bug` under `kvscope run --record-ops ue.ops`, its dump in
     `tmp_path`; the kvscope command's path."""
@@ -1545,7 +1578,7 @@ def test_a_version_4_log_is_read_and_an_older_one_refused_in_one_line(
     start = read_log(str(path)).start
     size = int.from_bytes(data[start.offset + 4 : start.offset + 8], "little")
     chunk = bytearray(data[start.offset : start.offset + size])
-    at = chunk.find(b'"version": 5')
+    at = chunk.find(b'"version": 6')
     assert at > 0
     chunk[at : at + 12] = f'"version": {version}'.encode()
     data[start.offset : start.offset + size] = _rechecked(chunk)

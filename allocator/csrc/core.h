@@ -505,6 +505,8 @@ static void oplog_answer_report(Native *n, Py_ssize_t found0, const char *reques
 static void oplog_check_queued(Native *n);
 static void oplog_dying(Native *n);
 static void oplog_close_record(Native *n, const int32_t *ids, int64_t k, int64_t slots, int ok);
+static void oplog_returned(Native *n, int op, const int32_t *ids, int64_t k, int64_t slots,
+                           int ok);
 static void oplog_audit(Native *n, Py_ssize_t found0, PyObject *rows, int64_t live,
                         const Py_buffer *t, int64_t R, int64_t W, const Py_buffer *l,
                         PyObject *lens_fast, int64_t sentinel);

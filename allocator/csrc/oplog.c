@@ -1185,19 +1185,15 @@ static OPLOG_RARE void oplog_name_checks(Native *n, uint64_t seq) {
     }
 }
 
-/* A recording handle's close (recovery.c N_detach), a CLOSE record after the REPORTs of the
- * lease_leaks it found (docs/REPLAY.md): the close is no operation of the pool's API, but it
- * changes what another process's next allocate gets (it returns the handle's local cache to
- * the free ring, its slot reserve to the table), so a replay closes that process's handle there
- * and compares. `ids` the k blocks of its local cache it returned (the cache's order) as the
- * record's table, `slots` its reserve's slots in `result`; status error where the detach failed.
- * Written at once (the recording ends with it). */
-static __attribute__((noinline, cold)) void oplog_close_record(Native *n, const int32_t *ids,
-                                                               int64_t k, int64_t slots, int ok) {
+/* What a CLOSE or a FLUSH (recovery.c N_flush_local: pool.flush_local) returned to the pool:
+ * `ids` the k blocks of the local cache (the cache's order) as the record's table, `slots` in
+ * `result` (a close's slot reserve; 0 for a flush); status error where it failed. */
+static void oplog_returned(Native *n, int op, const int32_t *ids, int64_t k, int64_t slots,
+                           int ok) {
     if (n->oplog == NULL || n->seg == NULL) return;
     OpRec o;
     memset(&o, 0, sizeof o);
-    o.op = OP_CLOSE;
+    o.op = (uint8_t)op;
     o.status = ok ? OS_OK : OS_ERROR;
     o.seq_id = o.src_id = -1;
     o.result = slots;
@@ -1207,6 +1203,18 @@ static __attribute__((noinline, cold)) void oplog_close_record(Native *n, const 
     o.n_blocks = k;
     oplog_write(n, &o);
     if (PyErr_Occurred()) PyErr_Clear();
+}
+
+/* A recording handle's close (recovery.c N_detach), a CLOSE record after the REPORTs of the
+ * lease_leaks it found (docs/REPLAY.md): the close is no operation of the pool's API, but it
+ * changes what another process's next allocate gets (it returns the handle's local cache to
+ * the free ring, its slot reserve to the table), so a replay closes that process's handle there
+ * and compares. `ids` the k blocks of its local cache it returned (the cache's order) as the
+ * record's table, `slots` its reserve's slots in `result` (oplog_returned); status error where
+ * the detach failed. Written at once (the recording ends with it). */
+static __attribute__((noinline, cold)) void oplog_close_record(Native *n, const int32_t *ids,
+                                                               int64_t k, int64_t slots, int ok) {
+    oplog_returned(n, OP_CLOSE, ids, k, slots, ok);
     if (n->oplog) oplog_flush_all(n->oplog);
 }
 

@@ -100,7 +100,7 @@ static int decode_record(const uint8_t **pp, const uint8_t *end, const uint8_t *
     if (end - p < 2) return ERROR;
     r->op = *p++;
     int bits = *p++;
-    if (r->op < OP_START || r->op > OP_COPY) return ERROR;
+    if (r->op < OP_START || r->op > OP_FLUSH) return ERROR;
     r->status = bits & 3;
     r->flags |= bits & CR_FAULT ? OPLOG_FAULT : 0;
     if (get_u(&p, end, &u) != OK) return ERROR;

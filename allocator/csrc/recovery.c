@@ -795,11 +795,23 @@ static int flush_local(Native *n) {
     return OK;
 }
 
-/* flush_local(): flush_local (at a process's exit, kvscope/child.py, before it looks for
- * orphans; and at close). */
+/* The blocks of this process's local cache, in the cache's order, copied into `out` (room for
+ * LOCAL_CACHE_MAX): what a flush returns, for its FLUSH or CLOSE record; how many. */
+static int64_t local_copy(Native *n, int32_t *out) {
+    int64_t k = local_count(n) < LOCAL_CACHE_MAX ? local_count(n) : LOCAL_CACHE_MAX;
+    memcpy(out, local_arr(n), 4 * (size_t)k);
+    return k;
+}
+
+/* flush_local(): flush_local (pool.flush_local; at a process's exit, kvscope/child.py, before
+ * it looks for orphans). While the handle records, a FLUSH record of the blocks it returned. */
 static PyObject *N_flush_local(Native *n, PyObject *unused) {
     if (recovery_enter(n)) return NULL;
-    return recovery_leave(n, flush_local(n) == OK ? Py_NewRef(Py_None) : NULL);
+    int32_t cache[LOCAL_CACHE_MAX];
+    int64_t n_cache = n->oplog ? local_copy(n, cache) : 0;
+    int rc = flush_local(n);
+    if (n->oplog) oplog_returned(n, OP_FLUSH, cache, n_cache, 0, rc == OK);
+    return recovery_leave(n, rc == OK ? Py_NewRef(Py_None) : NULL);
 }
 
 /* detach(pool): this handle's close: the sequences it still holds reported as leaks
@@ -818,11 +830,7 @@ static PyObject *N_detach(Native *n, PyObject *pool) {
     int rc = lock_answer(leases_at_close(n));
     /* (what the close returns, for its CLOSE record: the local cache's blocks, the slots) */
     int32_t cache[LOCAL_CACHE_MAX];
-    int64_t n_cache = 0, slots = n->res_n;
-    if (n->oplog) {
-        n_cache = local_count(n) < LOCAL_CACHE_MAX ? local_count(n) : LOCAL_CACHE_MAX;
-        memcpy(cache, local_arr(n), 4 * (size_t)n_cache);
-    }
+    int64_t n_cache = n->oplog ? local_copy(n, cache) : 0, slots = n->res_n;
     if (rc == OK) rc = flush_local(n);
     if (rc == OK) n->res_n = 0; /* (its slots go back to the table below) */
     for (int64_t done = 0; rc == OK && !done;) {

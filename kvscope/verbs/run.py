@@ -193,7 +193,7 @@ class RunCommand:
             "--record-ops",
             metavar="FILE",
             help="record every pool operation of the run into the operation log FILE "
-            "(appended to), for `kvscope replay FILE`",
+            "(emptied first), for `kvscope replay FILE`",
         )
         parser.add_argument(
             "--redact",
