@@ -8,7 +8,9 @@ the script runs. It also samples each pool's counters into a bounded time series
 after the child exits, however it exits (SIGKILL included), the supervisor still reads it whole. A process of the run that dies while attached to a pool
 (a worker killed with `kill -9`) is said the first poll that sees it gone, with the blocks it
 left held (`leak_dead_owner`), or once a survivor's `pool.reclaim_dead()` has recorded it:
-one line either way.
+one line either way. A pool whose requests hold blocks while no process operates on it for
+`hang_after_s` (a deadlocked or stuck server) is said once per stall, with the script's threads'
+stacks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import mmap
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -37,11 +40,18 @@ from kvscope.allocator.findings import (
     read_findings,
 )
 from kvscope.allocator.findingset import Origin, pool_findings, said_key
-from kvscope.allocator.layout import BlockState, ClientState, Layout, SegmentView, SeqState
+from kvscope.allocator.layout import (
+    COUNTER_FIELDS,
+    BlockState,
+    ClientState,
+    Layout,
+    SegmentView,
+    SeqState,
+)
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.allocator.snapshot import snapshot
-from kvscope.bootstrap import launch
+from kvscope.bootstrap import launch, thread_stacks
 from kvscope.child import pool_key
 from kvscope.history import History
 from kvscope.poolsummary import field_text, some
@@ -56,6 +66,8 @@ except ImportError:  # built without a C compiler: a cut between check and read 
 HISTORY_INTERVAL_S = 0.1
 # Findings of one kind printed as they land, per pool; the rest are in the verdict and the dump.
 LIVE_LINES_PER_KIND = 10
+# How often the stall watch (`hang_after_s`, `kvscope run --hang-after`) looks at a pool.
+STALL_CHECK_S = 1.0
 
 
 def dead_owner(view: SegmentView, pid: int) -> Finding | str:
@@ -112,6 +124,12 @@ class Watched:
     said: set[tuple] = field(default_factory=set)
     # The mapping's length (the layout's end), checked against the file several times a poll.
     size: int = 0
+    # The stall watch: what the pool's operations last changed (`progress`), when the watch saw
+    # it change (monotonic seconds), when it looked last, and whether this stall was said.
+    progress: tuple[int, ...] = ()
+    progress_at: float = 0.0
+    progress_looked: float = 0.0
+    stall_said: bool = False
 
     def __post_init__(self) -> None:
         self.size = self.layout.offsets()["end"]
@@ -210,9 +228,12 @@ class Supervisor:
         fail_on: str = "error",
         stopper: Stopper | None = None,
         proc: subprocess.Popen[bytes] | None = None,
+        hang_after_s: float = 0.0,
     ):
         """Args:
         proc: the child, when already started (`kvscope.bootstrap.launch`); else `start()`.
+        hang_after_s: a pool whose requests hold blocks with no operation for this long is
+            said to look hung (0: never).
         """
         self.target = target
         self.run_dir = run_dir
@@ -227,6 +248,7 @@ class Supervisor:
         self._short: set[str] = set()
         self.live_findings: list[Finding] = []
         self.proc = proc
+        self.hang_after_s = hang_after_s
 
     @property
     def pid(self) -> int:
@@ -264,8 +286,54 @@ class Supervisor:
                 self._echo_live(w, shown)
                 new.append(death)
             self._sample(w)
+            self._watch_stall(w)
         self.live_findings += new
         return new
+
+    def _watch_stall(self, w: Watched) -> None:
+        """Say once per stall that the pool's requests hold blocks and no process has operated
+        on it for hang_after_s, with the script's threads' stacks (threads that wait for each
+        other's locks deadlocked). Progress is any change of the clients' and the header's
+        operation counters or of the live sequences' lengths (a decode's append)."""
+        now = time.monotonic()
+        if not self.hang_after_s or now - w.progress_looked < STALL_CHECK_S:
+            return
+        w.progress_looked = now
+        if w.header_reported or not self._whole(w):
+            return
+        view = w.view
+        live = view.seqs["state"] != SeqState.EMPTY
+        lengths = view.seqs["num_tokens"][live]
+        progress = (
+            *(int(view.clients[c].sum()) for c in COUNTER_FIELDS),
+            *(int(view.header[c][0]) for c in COUNTER_FIELDS),
+            int(lengths.sum()),
+            int(live.sum()),
+        )
+        if not self._whole(w):
+            return
+        if progress != w.progress or not w.progress_at:
+            w.progress, w.progress_at, w.stall_said = progress, now, False
+            return
+        held = np.flatnonzero(live & (view.seqs["num_blocks"] > 0))
+        if w.stall_said or not len(held) or now - w.progress_at < self.hang_after_s:
+            return
+        w.stall_said = True
+        requests = [field_text(view.seqs["request"][i]) for i in held.tolist()]
+        pids = sorted({int(view.seqs["owner_pid"][i]) for i in held.tolist()})
+        self.echo(
+            f"kvscope: pool {w.name!r}: no pool operation for {now - w.progress_at:.0f} s while"
+            f" {len(held)} request(s) hold blocks ({some([repr(r) for r in requests], 4)};"
+            f" pid {', '.join(map(str, pids))}): the script looks hung (--hang-after)"
+        )
+        if self.proc is not None and self.proc.poll() is None:
+            text = thread_stacks(self.proc.pid, self.run_dir)
+            if text:
+                self.echo(
+                    f"kvscope: the script's (pid {self.proc.pid}) threads now (most recent call"
+                    " first; threads waiting on locks that the others hold are deadlocked):\n"
+                    + text
+                )
 
     def _echo_live(self, w: Watched, f: Finding) -> None:
         """Print a finding as it lands: the first LIVE_LINES_PER_KIND of each kind of a pool,

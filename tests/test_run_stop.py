@@ -276,6 +276,57 @@ def test_ctrl_c_at_a_terminal_stops_the_script(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 1
 
 
+def _pool_script(pool_name: str, hold: bool, then: str) -> str:
+    """A script body: a pool, a request holding blocks (`hold`) or none, then `then`."""
+    return (
+        "from kvscope.allocator import KVPool, PoolConfig\n"
+        f"pool = KVPool.create({pool_name!r}, PoolConfig(num_blocks=16, block_size=4,"
+        " num_layers=1, num_kv_heads=1, head_dim=4, dtype='float32'))\n"
+        + ("seq = pool.allocate('stuck', [1, 2, 3, 4, 5])\n" if hold else "")
+        + then
+    )
+
+
+def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hung(
+    tmp_path, pool_name
+):
+    # GIVEN a script whose request holds blocks, then whose two threads deadlock
+    body = _pool_script(pool_name, True, DEADLOCK)
+    run = start_run(tmp_path, body, "--hang-after", "1", "--stop-grace", "0.5")
+    try:
+        # WHEN no pool operation comes for a second and more
+        wait_for(lambda: "looks hung" in (tmp_path / "err").read_text(), "the stall to be said")
+        run.send_signal(signal.SIGTERM)
+        _, err = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    # THEN the run says so once, naming the request that holds blocks, with the threads'
+    # stacks: the two lines of the deadlock
+    said = err.index("looks hung")
+    assert err.count("looks hung") == 1
+    assert "1 request(s) hold blocks ('stuck'; pid" in err[:said]
+    stacks = err[said:]
+    # (the lines of the script, start_run's two first: each thread's inner `with`)
+    lines = ["", "", *body.splitlines()]
+    one = lines.index("        with b:") + 1
+    two = lines.index("        with a:") + 1
+    assert f'script.py", line {one} in one' in stacks, stacks
+    assert f'script.py", line {two} in two' in stacks, stacks
+
+
+def test_a_script_idle_with_no_request_holding_blocks_is_not_said_hung(tmp_path, pool_name):
+    # GIVEN a script with a pool and no request, idle for three seconds (a server waiting for
+    # requests), under --hang-after 1
+    body = _pool_script(
+        pool_name, False, "open(ready, 'w').close()\ntime.sleep(3)\npool.close()\npool.unlink()\n"
+    )
+    run = start_run(tmp_path, body, "--hang-after", "1")
+    _, err = finish(run, tmp_path)
+    # THEN nothing is said about a hang: no request waited on it
+    assert "looks hung" not in err and run.returncode == 0, err
+
+
 def test_killing_kvscope_does_not_orphan_the_script(tmp_path):
     # GIVEN a script running under kvscope run
     run = start_run(tmp_path, "open(ready, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")

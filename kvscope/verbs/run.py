@@ -61,6 +61,9 @@ def parse_faults(values: list[str] | None) -> list[str]:
     return out
 
 
+# Seconds a pool's requests may hold blocks with no pool operation before the run says the
+# script looks hung (--hang-after; 0: never).
+DEFAULT_HANG_AFTER_S = 20.0
 # Events each process's flight recorder keeps under `kvscope run` (at least: a pool created with
 # more keeps its own): 64 bytes each, per attached process.
 RUN_EVENT_CAPACITY = 8192
@@ -232,6 +235,14 @@ class RunCommand:
             f" after S seconds (default {DEFAULT_GRACE_S:g})",
         )
         parser.add_argument(
+            "--hang-after",
+            type=float,
+            default=DEFAULT_HANG_AFTER_S,
+            metavar="S",
+            help="say, with the script's threads' stacks, when a pool's requests hold blocks and"
+            f" no pool operation came for S seconds (default {DEFAULT_HANG_AFTER_S:g}; 0: never)",
+        )
+        parser.add_argument(
             "-m", dest="module", action="store_true", help="run a library module as a script"
         )
         from kvscope.probes.otel_config import add_otel_arguments
@@ -255,6 +266,8 @@ class RunCommand:
             raise UsageError(f"--hz must be positive, got {args.hz}")
         if not args.stop_grace >= 0:
             raise UsageError(f"--stop-grace must be 0 or more seconds, got {args.stop_grace}")
+        if not args.hang_after >= 0:
+            raise UsageError(f"--hang-after must be 0 or more seconds, got {args.hang_after}")
         run_top = load_run_top("run --live") if args.live else None
         dump_dir = check_dump_dir(args.dump_dir)
         run_dir = tempfile.mkdtemp(prefix="kvscope-run-")
@@ -298,7 +311,7 @@ class RunCommand:
 
                 sup = Supervisor(
                     target, run_dir=run_dir, env=env, echo=echo, fail_on=args.fail_on,
-                    stopper=stopper, proc=proc,
+                    stopper=stopper, proc=proc, hang_after_s=args.hang_after,
                 )  # fmt: skip
                 from kvscope import verdict
 
