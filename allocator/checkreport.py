@@ -7,6 +7,7 @@ million bad blocks costs no more than one with fifty.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,8 @@ class CheckReport:
         self.cols = Columns.of(view.blocks)
         self.out: list[Finding] = []
         self.counts: dict[str, int] = {}
+        # per kind, the (owner pid, request) of each finding past the cap and how many
+        self.unlisted: dict[str, Counter[tuple[int, str]]] = {}
 
     def block(
         self, kind: FindingKind, b: int, message: str, who: Who | None = None, **extra: Any
@@ -94,21 +97,22 @@ class CheckReport:
         """A finding about block b (counted only, past the cap)."""
         n = self.counts.get(kind.value, 0)
         self.counts[kind.value] = n + 1
+        blocks = self.view.blocks
+        # The owner is the block's own record, unless `who` names the sequence at fault.
+        pid, req = who(b) if who is not None else (None, None)
+        own = bytes(blocks["request"][b]).decode(errors="replace") or None
+        f = Finding(
+            kind.value,
+            message,
+            block=int(b),
+            owner_pid=pid or int(blocks["owner_pid"][b]) or None,
+            request=req or own,
+            extra=extra,
+        )
         if n < MAX_PER_KIND:
-            blocks = self.view.blocks
-            # The owner is the block's own record, unless `who` names the sequence at fault.
-            pid, req = who(b) if who is not None else (None, None)
-            own = bytes(blocks["request"][b]).decode(errors="replace") or None
-            self.out.append(
-                Finding(
-                    kind.value,
-                    message,
-                    block=int(b),
-                    owner_pid=pid or int(blocks["owner_pid"][b]) or None,
-                    request=req or own,
-                    extra=extra,
-                )
-            )
+            self.out.append(f)
+        else:
+            self._unlist(f)
 
     def blocks(
         self,
@@ -125,6 +129,21 @@ class CheckReport:
             self.block(kind, b, message(b), who, **(extra(b) if extra is not None else {}))
         if len(ids) > room:
             self.counts[kind.value] = self.counts.get(kind.value, 0) + len(ids) - room
+            # (whose they are, from the blocks' own records: one pass, no loop per block)
+            rest = ids[room:]
+            blocks = self.view.blocks
+            pairs, n = np.unique(
+                np.rec.fromarrays([blocks["owner_pid"][rest], blocks["request"][rest]]),
+                return_counts=True,
+            )
+            tally = self.unlisted.setdefault(kind.value, Counter())
+            for (pid, req), k in zip(pairs.tolist(), n.tolist()):
+                tally[(int(pid), bytes(req).decode(errors="replace"))] += int(k)
+
+    def _unlist(self, f: Finding) -> None:
+        """Count a finding past the cap by its owner and request."""
+        tally = self.unlisted.setdefault(f.kind, Counter())
+        tally[(f.owner_pid or 0, f.request or "")] += 1
 
     def add(self, f: Finding) -> None:
         """A finding about the pool rather than one block."""
@@ -137,17 +156,28 @@ class CheckReport:
         self.counts[f.kind] = n + 1
         if n < MAX_PER_KIND:
             self.out.append(f)
+        else:
+            self._unlist(f)
 
     def finish(self) -> list[Finding]:
-        """Every finding, then one per kind that passed the cap saying how many more."""
+        """Every finding, then one per kind that passed the cap saying how many more, its
+        `not_listed` the owner pid, request and count of each of them."""
         for kind, n in self.counts.items():
             if n > MAX_PER_KIND:
+                tally = self.unlisted.get(kind, Counter())
                 self.out.append(
                     Finding(
-                        kind, f"{n - MAX_PER_KIND} more {kind} findings not listed ({n} in all)"
+                        kind,
+                        not_listed_message(kind, n - MAX_PER_KIND, n),
+                        extra={"not_listed": [[p, r, k] for (p, r), k in sorted(tally.items())]},
                     )
                 )
         return self.out
+
+
+def not_listed_message(kind: str, more: int, total: int) -> str:
+    """The message of the finding that stands for the findings of `kind` past the cap."""
+    return f"{more} more {kind} findings not listed ({total} in all)"
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvscope.allocator.check import check_header, check_view
+from kvscope.allocator.checkreport import not_listed_message
 from kvscope.allocator.findings import Finding, FindingKind, readable_findings
 from kvscope.allocator.integrity import check_kv
 from kvscope.allocator.kvread import KVData, for_dump, for_live
@@ -163,12 +164,33 @@ def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
         leak = f.kind in (FindingKind.LEAK_DEAD_OWNER, FindingKind.LEAK_FINISHED)
         if leak and (f.owner_pid, f.request) in finished:
             continue
+        if leak and "not_listed" in f.extra:
+            # (the check's count of those past its cap: the same rule, by their owners)
+            left = _not_listed_left(f, finished, sum(g.kind == f.kind for g in out))
+            if left is None:
+                continue
+            f = left
         same = (finding_key(f), f.request, f.extra.get("lock"), f.message)
         if finding_key(f) in seen or same in said:
             continue
         said.add(same)
         out.append(f)
     return out
+
+
+def _not_listed_left(f: Finding, finished: set[tuple], listed: int) -> Finding | None:
+    """The check's finding that counts its findings of a leak kind past the cap, less those
+    whose request's process reported it as `leak_finished` (None when that is all of them);
+    `listed`: how many of the kind are kept."""
+    left = [e for e in f.extra["not_listed"] if (e[0] or None, e[1] or None) not in finished]
+    more = sum(e[2] for e in left)
+    if not more:
+        return None
+    return replace(
+        f,
+        message=not_listed_message(f.kind, more, listed + more),
+        extra={**f.extra, "not_listed": left},
+    )
 
 
 def recorded_findings(view: SegmentView) -> list[Finding]:

@@ -249,7 +249,7 @@ def _capacity_answer(view: SegmentView, history: History | None) -> dict[str, An
         out["pool_size_without_preemption"] = min(n, peak)
         out["answer"] = (
             f"big enough: no preemption; peak demand {peak} of {n} blocks"
-            f" ({100 * peak / n:.0f}%), mean {mean:.0f}"
+            f" ({100 * peak / n:.0f}%), mean {round(mean, 1)}"
         )
     elif peak <= n:
         out["pool_size_without_preemption"] = None

@@ -229,9 +229,8 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     if f.get("request"):
         where.append(f"request {f['request']!r}")
     src = " (recorded)" if f.get("source") == "recorded" else ""
-    con.print(
-        f"  [{style}]{f['kind']}[/{style}] {escape(' '.join(where))}{src}: {escape(f['message'])}"
-    )
+    place = f" {escape(' '.join(where))}" if where else ""
+    con.print(f"  [{style}]{f['kind']}[/{style}]{place}{src}: {escape(f['message'])}")
     if f.get("first_bad_event"):
         con.print(
             "      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"]))

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from kvscope.allocator import KVPool
-from kvscope.allocator.findings import FindingKind, read_findings
+from kvscope.allocator.findings import Finding, FindingKind, read_findings
 from kvscope.allocator.findingset import Origin, pool_findings
 from kvscope.allocator.layout import BlockState
 from kvscope.allocator.segment import segment_path
@@ -58,6 +58,67 @@ def test_a_dead_workers_local_cache_is_not_a_second_leak(make_pool):
     assert all(f"with {cached} more free in its local cache" in f.message for f in dead)
     b = pool.view.blocks
     assert all(int(b["state"][f.block]) == BlockState.ALLOCATED for f in dead)
+
+
+def test_past_the_cap_the_dead_owners_leaks_its_exit_reported_are_not_counted_again(make_pool):
+    # GIVEN a process that died holding 14 requests of 5 blocks each (70 blocks: past the
+    # check's 50 findings of a kind), each of which it reported as leak_finished as it exited
+    # (kvscope run's exit check), and one more request it did not report
+    pool = make_pool(128, block_size=4)
+
+    def work() -> KVPool:
+        p = KVPool.attach(pool.name)
+        for i in range(15):
+            seq = p.allocate(f"r{i}", list(range(100 * i, 100 * i + 20)))
+            if i < 14:
+                p.report(
+                    Finding(
+                        FindingKind.LEAK_FINISHED, "left", block=seq.block_table[0],
+                        owner_pid=os.getpid(), request=f"r{i}",
+                    )
+                )  # fmt: skip
+        return p
+
+    pid = killed_after(work)
+    # WHEN its findings are assembled, as every reader does
+    found = pool_findings(snapshot(pool.view), Origin.live(pool.name)).findings
+    # THEN its leaks are the 14 it reported and the one it did not: none of the reported ones
+    # again, listed or counted past the cap (the unreported one's 5 blocks are past the cap,
+    # behind 50 of the reported ones': counted, by their owner and request)
+    assert len([f for f in found if f.kind == FindingKind.LEAK_FINISHED]) == 14
+    (dead,) = [f for f in found if f.kind == DEAD]
+    assert dead.message == f"5 more {DEAD} findings not listed (5 in all)"
+    assert dead.extra["not_listed"] == [[pid, "r14", 5]]
+
+
+def test_past_the_cap_the_findings_not_listed_count_only_those_not_reported(make_pool):
+    # GIVEN the same with 20 requests not reported (100 blocks: 50 listed, 50 counted)
+    pool = make_pool(128, block_size=4)
+
+    def work() -> KVPool:
+        p = KVPool.attach(pool.name)
+        for i in range(24):
+            seq = p.allocate(f"r{i}", list(range(100 * i, 100 * i + 20)))
+            if i < 4:
+                p.report(
+                    Finding(
+                        FindingKind.LEAK_FINISHED, "left", block=seq.block_table[0],
+                        owner_pid=os.getpid(), request=f"r{i}",
+                    )
+                )  # fmt: skip
+        return p
+
+    killed_after(work)
+    found = pool_findings(snapshot(pool.view), Origin.live(pool.name)).findings
+    # THEN the finding that counts those past the cap counts the unreported requests' blocks
+    # only, and says how many of its kind there are in all
+    dead = [f for f in found if f.kind == DEAD]
+    listed = [f for f in dead if f.block is not None]
+    (more,) = [f for f in dead if f.block is None]
+    assert {f.request for f in listed} <= {f"r{i}" for i in range(4, 24)}
+    n = 20 * 5 - len(listed)
+    assert more.message == f"{n} more {DEAD} findings not listed ({20 * 5} in all)"
+    assert sum(e[2] for e in more.extra["not_listed"]) == n
 
 
 def test_a_dead_worker_holding_only_its_local_cache_is_still_reported(make_pool):
