@@ -38,6 +38,10 @@ def pool_stats(view: SegmentView, blocks: Any = None) -> dict[str, Any]:
         "refcount_peak": int(b["refcount"].max()) if n else 0,
         "tokens_stored": int(b["num_tokens"][state == BlockState.ALLOCATED].sum()),
     }
+    # what an allocation can take besides a process's own local cache: the shared free ring's
+    # blocks (guard mode's quarantined ones are handed out when nothing else is free) and the
+    # cached ones (evicted as it needs them)
+    out["num_available"] = out["num_free"] + out["num_quarantined"] + out["num_cached"]
     for f in COUNTER_FIELDS:
         out[f] = int(h[f]) + int(clients[f][live].sum())
     out["utilization"] = out["num_allocated"] / n if n else 0.0

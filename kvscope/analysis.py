@@ -583,7 +583,8 @@ def analyze_view(
         "summary": summary(view, alive) if header_ok else {},
         "findings": out_findings,
     }
-    causes = likely_causes(info["geometry"], out_findings, info.get("dump"))
+    by_state = report["summary"].get("blocks_by_state") if header_ok else None
+    causes = likely_causes(info["geometry"], out_findings, info.get("dump"), by_state)
     if causes:
         report["likely_causes"] = causes
     if kv is not None:
@@ -604,11 +605,15 @@ def analyze_view(
 
 
 def likely_causes(
-    geometry: dict[str, Any], findings: list[dict[str, Any]], dump: dict[str, Any] | None = None
+    geometry: dict[str, Any],
+    findings: list[dict[str, Any]],
+    dump: dict[str, Any] | None = None,
+    by_state: dict[str, int] | None = None,
 ) -> list[str]:
     """Causes that a set of findings points at together, one sentence each (docs/CLI.md);
     `dump` the report's `pool.dump` where the findings are a dump's (its program failed, or
-    not: the requests it still held when it failed ended with it).
+    not: the requests it still held when it failed ended with it); `by_state` the pool's blocks
+    by state then (the summary's `blocks_by_state`).
 
     Guard mode gives each block one more slot than it has tokens (`slots_per_block`), so an
     engine that computes a slot as `block * block_size + offset`, right on a plain pool,
@@ -817,6 +822,9 @@ def likely_causes(
             f" came again (requests kept by id?); give each request an id of its own, or end"
             f" the old request before its id is given again"
         )
+    oom = _oom_with_blocks_left(dump, by_state)
+    if oom:
+        causes.append(oom)
     failed_pid = dump["pid"] if dump and dump.get("failed") else None
     hows: dict[str, None] = {}
     cut_short = []
@@ -1022,6 +1030,42 @@ def _blocks_of(found: list[dict[str, Any]]) -> str:
 _UNWRITTEN = re.compile(r"finished with positions (\d+)-(\d+) ")
 # a leak_finished of a process an exception ended (kvscope.child.exit_when)
 _RAISED = re.compile(r" when the process exited raising (\w+)")
+# A dump's reason: "child pid N raised Type: message (file:line in function)".
+_FAILED_WITH = re.compile(r"raised ([\w.]+)(?::\s*(.*?))?(?: \([^()]*\))?$")
+_OUT_OF_MEMORY = re.compile(r"\b(oom|out of memory|memory|no free blocks?)\b", re.IGNORECASE)
+
+
+def _oom_with_blocks_left(dump: dict[str, Any] | None, by_state: dict[str, int] | None) -> str:
+    """A program that failed with an out-of-memory error of its own (a MemoryError, a message
+    that says OOM) while the pool had blocks an allocation takes: free ones, cached ones (an
+    allocation evicts them) and quarantined ones (guard mode's, handed out when nothing else is
+    free). An admission check on stats()["num_free"] alone, which counts neither, fails so.
+    The sentence, or ""."""
+    if not dump or not dump.get("failed") or not by_state:
+        return ""
+    reason = str(dump.get("reason") or "").split("; ")[0]
+    m = _FAILED_WITH.search(reason)
+    if m is None or m.group(1) == "PoolExhausted":
+        return ""
+    if m.group(1) != "MemoryError" and not _OUT_OF_MEMORY.search(m.group(2) or ""):
+        return ""
+    free, cached, quarantined = (by_state.get(k, 0) for k in ("free", "cached", "quarantined"))
+    if cached + quarantined == 0:
+        return ""
+    said = f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1)
+    parts = [f"{free} free", f"{cached} cached (pool.allocate evicts them as it needs them)"]
+    if quarantined:
+        parts.append(
+            f"{quarantined} quarantined (guard mode's freed blocks, handed out when nothing"
+            " else is free)"
+        )
+    return (
+        f"the program failed with {said!r}, and when it was dumped the pool had"
+        f" {free + cached + quarantined} blocks an allocation takes ({', '.join(parts)}): an"
+        f" admission check that counts stats()['num_free'] alone sees {free} of them; count"
+        f" stats()['num_available'] (free, cached and quarantined), or allocate and handle"
+        f" PoolExhausted"
+    )
 
 
 def _unwritten_copies(

@@ -367,3 +367,54 @@ def test_a_publisher_storing_into_its_own_block_after_its_resume_hit_it_is_not_a
     causes = likely_causes(GUARD, findings)
     assert not any(c.startswith("published prefix blocks written by requests") for c in causes)
     assert any(c.startswith("requests preempted and resumed") for c in causes)
+
+
+@pytest.mark.parametrize(
+    "reason,named",
+    [
+        (
+            "child pid 7 raised MemoryError: KV cache OOM: need 8 blocks, 0 free (engine.py:164 in admit)",
+            True,
+        ),
+        (
+            "child pid 7 raised RuntimeError: out of memory for the batch (engine.py:9 in step)",
+            True,
+        ),
+        ("child pid 7 raised PoolExhausted: pool 'x': need 8 blocks (engine.py:9 in step)", False),
+        ("child pid 7 raised RuntimeError: boom (engine.py:9 in step)", False),
+    ],
+)
+def test_an_oom_of_the_programs_own_with_blocks_an_allocation_takes_is_named(reason, named):
+    # GIVEN a dump of a program that failed so, the pool then holding 1 free, 47 cached and 16
+    # quarantined blocks (its admission check counted stats()["num_free"] alone)
+    dump = {"pid": 7, "reason": reason, "failed": True}
+    by_state = {"free": 1, "allocated": 0, "cached": 47, "local": 0, "quarantined": 16}
+    # WHEN the causes are named
+    causes = likely_causes(GUARD, [], dump, by_state)
+    # THEN an out-of-memory error of its own names the blocks an allocation would have taken
+    if not named:
+        assert causes == []
+        return
+    (cause,) = causes
+    assert cause.startswith("the program failed with ")
+    assert "64 blocks an allocation takes (1 free, 47 cached" in cause
+    assert "16 quarantined" in cause and "stats()['num_available']" in cause
+    # AND not where nothing but free blocks were left (a pool truly full)
+    full = {"free": 0, "allocated": 64, "cached": 0, "local": 0, "quarantined": 0}
+    assert likely_causes(GUARD, [], dump, full) == []
+
+
+def test_num_available_counts_what_an_allocation_takes(make_pool):
+    # GIVEN a guarded pool whose blocks are all cached (published, freed), then all quarantined
+    pool = make_pool(num_blocks=8, block_size=BS, num_kv_heads=1, head_dim=4, guard=True)
+    seq = pool.allocate("a", list(range(8 * BS)))
+    pool.mark_computed(seq, 8 * BS)
+    pool.free(seq)
+    st = pool.stats()
+    assert (st["num_free"], st["num_cached"], st["num_available"]) == (0, 8, 8)
+    again = pool.allocate("b", list(range(100, 100 + 8 * BS)))  # (evicts the cached ones)
+    pool.free(again)
+    st = pool.stats()
+    # THEN num_available counts them either way, and an allocation of all of them succeeds
+    assert (st["num_free"], st["num_quarantined"], st["num_available"]) == (0, 8, 8)
+    pool.free(pool.allocate("c", list(range(200, 200 + 8 * BS))))
