@@ -115,3 +115,29 @@ def test_a_fork_writing_its_new_token_through_another_sequence_s_table_is_not_a_
     assert cause.startswith("K/V written through a block table from before pool.append")
     assert "into another sequence's block through its table" in cause
     assert f"'c1' block {dst} copied from {src}" in cause
+
+
+def test_a_blank_position_in_a_block_a_fork_shares_names_the_request_that_finished(
+    probes, monkeypatch, make_pool
+):
+    # GIVEN a sample 'c' whose copy-on-write copy the engine skipped (positions 4 and 5 of its
+    # copy never written), and a sample 'd' forked from it afterwards, sharing that copy (the
+    # copy's record names 'c', which allocated it)
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
+    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
+    _write(pool, pool.slot_mapping(parent, 0, 6))
+    pool.mark_computed(parent, 6)
+    child = pool.fork(parent, "c")
+    ((_, dst),) = pool.append(child, [7])  # (the copy skipped)
+    _write(pool, pool.slot_mapping(child, 6, 7))
+    grandchild = pool.fork(child, "d")
+    # WHEN 'd' finishes first
+    pool.free(grandchild)
+    # THEN its kv_never_written on the shared copy is about 'd', in its request as in its
+    # message, not about the request whose record the block is
+    found = [f for f in pool.findings() if f.kind == "kv_never_written"]
+    assert [(f.block, f.request) for f in found] == [(dst, "d")]
+    assert found[0].message.startswith("request 'd' finished with positions 4-5")
+    pool.free(child)
+    pool.free(parent)

@@ -150,13 +150,16 @@ typedef struct {
     char request[REQUEST_BYTES];
 } Seen;
 
+#define SEEN_LATER_BUT_REQUEST 2
+
 /* A finding seen inside a transaction, reported when it commits (probes.c finding_later). */
 typedef struct {
     int fk;
     Seen seen;
     PyObject *message;
     int event;      /* an event recorded first, whether or not the finding is new (0: none) */
-    int seen_later; /* the block's record is read when it is reported, not when it was seen */
+    int seen_later; /* the block's record is read when it is reported, not when it was seen
+                     * (SEEN_LATER_BUT_REQUEST: its request kept, the one the finding is about) */
     int64_t pre;    /* the sequences the transaction had preempted when it was seen */
     uint64_t op;    /* a device check's answer: the operation the check belongs to (OP_UNNAMED,
                      * 0: none known), for its REPORT (devanswers.c dev_apply) */

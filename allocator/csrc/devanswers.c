@@ -53,6 +53,14 @@ static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObj
     return 0;
 }
 
+/* The finding dev_found_add added last is about `request` (the block's record read when it is
+ * reported, its request not). */
+static void dev_found_about(Native *n, const char request[REQUEST_BYTES]) {
+    Pending *p = &n->dev->found[n->dev->n_found - 1];
+    p->seen_later = SEEN_LATER_BUT_REQUEST;
+    memcpy(p->seen.request, request, REQUEST_BYTES);
+}
+
 /* Slot provenance's hashes of blocks w[0, k) (answers a: a raw sum per slot, block i's from
  * a[i * stride]; kept: the generation each block had when published), written into the records
  * of the slots recorded in that generation while the block is still in it. Records are not
@@ -337,7 +345,7 @@ static int dev_apply(Native *n, PyObject *pool) {
         static const char no_request[REQUEST_BYTES];
         if (p->fk == FK_GUARD_VIOLATION && canary_back(n, p->seen.block) != OK) rc = -1;
         if (p->event) ev_record(n, p->event, &p->seen.block, 1, no_request, 0);
-        if (p->seen_later) seen_of(n, p->seen.block, &p->seen);
+        seen_when_reported(n, p);
         Py_ssize_t found0 = n->found ? PyList_GET_SIZE(n->found) : 0;
         if (rc == 0 && finding_report(n, p->fk, &p->seen, p->message) != OK) rc = -1;
         /* while the handle records, in the log as the operation's whose check it answers (a

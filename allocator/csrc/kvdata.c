@@ -196,6 +196,7 @@ static void fill_bits(Native *n, uint8_t *p, int64_t m, uint64_t v) {
 }
 
 static int dev_found_add(Native *n, int fk, int32_t b, const uint8_t *rec, PyObject *message);
+static void dev_found_about(Native *n, const char request[REQUEST_BYTES]);
 
 /* -- data the core cannot reach (a CUDA pool) ------------------------------------------------ */
 
@@ -728,6 +729,17 @@ static void slots_blank(Native *n, int32_t b, uint8_t *blank) {
     }
 }
 
+/* A request id (a str) as a record holds it: its UTF-8, cut or zero-padded to REQUEST_BYTES.
+ * OK, or ERROR with an exception set. */
+static int request_bytes(PyObject *request, char out[REQUEST_BYTES]) {
+    Py_ssize_t len;
+    const char *text = PyUnicode_AsUTF8AndSize(request, &len);
+    if (text == NULL) return ERROR;
+    memset(out, 0, REQUEST_BYTES);
+    memcpy(out, text, (size_t)(len < REQUEST_BYTES ? len : REQUEST_BYTES));
+    return OK;
+}
+
 /* integrity.unwritten_in: blank[i * bs + s] is 1 where token slot s of ids[i] still holds the
  * poison in every layer, K and V. Unless none of the slots of positions [0, num) is blank, or
  * every one is (a program that writes no K/V at all), each block with blank ones among them is
@@ -760,12 +772,21 @@ static int unwritten_report(Native *n, const int32_t *ids, int64_t k, int64_t nu
         Py_XDECREF(args);
         Py_XDECREF(kw);
         if (msg == NULL) return ERROR;
+        /* (about the request that finished, whoever's record the block's is: a fork's shared
+         * block names the request that allocated it) */
+        char named[REQUEST_BYTES];
+        if (request_bytes(request, named)) {
+            Py_DECREF(msg);
+            return ERROR;
+        }
         if (later) {
             if (dev_found_add(n, FK_KV_NEVER_WRITTEN, ids[i], NULL, msg)) return ERROR;
+            dev_found_about(n, named);
             continue;
         }
         Seen seen;
         seen_of(n, ids[i], &seen);
+        memcpy(seen.request, named, REQUEST_BYTES);
         int rc = finding_report(n, FK_KV_NEVER_WRITTEN, &seen, msg);
         Py_DECREF(msg);
         if (rc != OK) return rc;

@@ -315,6 +315,16 @@ static void seen_of(Native *n, int32_t b, Seen *s) {
     memcpy(s->request, r + BF_REQUEST, REQUEST_BYTES);
 }
 
+/* A pending finding's block record read now, where it was to be read when reported
+ * (`seen_later`; its request kept where the finding is about a request of its own). */
+static void seen_when_reported(Native *n, Pending *p) {
+    if (!p->seen_later) return;
+    char request[REQUEST_BYTES];
+    memcpy(request, p->seen.request, REQUEST_BYTES);
+    seen_of(n, p->seen.block, &p->seen);
+    if (p->seen_later == SEEN_LATER_BUT_REQUEST) memcpy(p->seen.request, request, REQUEST_BYTES);
+}
+
 /* Lock i, a leaf of the lock order (sites, findings), for one write: OK when taken here
  * (leaf_drop lets go of it), HELD when this thread holds it already (a transaction of this
  * handle, or of another handle on the pool in this thread: its record names this process and
@@ -509,7 +519,7 @@ static void findings_first(Native *n, int64_t upto) {
         Pending *p = &n->pend[i];
         static const char no_request[REQUEST_BYTES];
         if (p->event) ev_record(n, p->event, &p->seen.block, 1, no_request, 0);
-        if (p->seen_later) seen_of(n, p->seen.block, &p->seen);
+        seen_when_reported(n, p);
         if (finding_report(n, p->fk, &p->seen, p->message)) PyErr_WriteUnraisable(n->pool);
         Py_CLEAR(p->message);
     }
