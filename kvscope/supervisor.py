@@ -88,10 +88,21 @@ def dead_owner(view: SegmentView, pid: int) -> Finding | str:
     names = list(dict.fromkeys(field_text(r) for r in seqs["request"][live].tolist()))
     of = f" of request(s) {some(map(repr, names))}" if names else ""
     local = f" and {cached} free in its local cache" if cached else ""
+    # (blocks other processes allocated that only its sequences still map, by prefix hits:
+    # held by it too, as the whole-pool check counts them)
+    table = seqs["table"][live]
+    refs = np.bincount(table[table >= 0], minlength=len(b))
+    theirs = (refs > 0) & ~mine & (b["state"] == BlockState.ALLOCATED) & (b["refcount"] == refs)
+    more = int(theirs.sum())
+    shared = (
+        f"; its requests were also the last to map {more} block(s) other processes allocated"
+        if more
+        else ""
+    )
     return Finding(
         FindingKind.LEAK_DEAD_OWNER,
         f"pid {pid} died while attached to the pool ({how}), holding {len(held)} block(s)"
-        f"{of}{local}: they stay held until a survivor calls pool.reclaim_dead() or"
+        f"{of}{local}{shared}: they stay held until a survivor calls pool.reclaim_dead() or"
         " `kvscope check --repair` runs",
         block=int(held[0]) if len(held) else None,
         owner_pid=pid,

@@ -571,3 +571,33 @@ def test_a_worker_that_an_inherited_handle_ended_is_a_finding(make_pool, attache
     assert f.owner_pid == pid and f.severity == "error"
     assert f"pid {pid} exited raising PoolError" in f.message
     assert f"that pid {os.getpid()} opened, inherited through fork" in f.message
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_also_named_for_the_blocks_only_its_prefix_hits_still_map(make_pool):
+    from kvscope.allocator import KVPool
+    from kvscope.supervisor import dead_owner
+    from tests.forking import fork_child, wait_child
+
+    # GIVEN a prompt of two blocks the creator published and freed (cached), and a forked
+    # worker whose request hit it, then left with os._exit without closing its handle
+    pool = make_pool(num_blocks=16, block_size=4, num_kv_heads=1, head_dim=4)
+    first = pool.allocate("sys", list(range(9)))
+    pool.mark_computed(first, 8)
+    pool.free(first)
+
+    def work() -> int:
+        mine = KVPool.attach(pool.name)
+        seq = mine.allocate("w0", [*range(8), 50, 51])
+        assert seq.num_cached_tokens == 8
+        return 0
+
+    pid = fork_child(work, alarm_s=60)
+    assert wait_child(pid) == 0
+    # WHEN the supervisor says what it left THEN it counts the block it allocated, and the two
+    # the creator allocated that only its request still maps, as the whole-pool check does
+    said = dead_owner(pool.view, pid)
+    assert "holding 1 block(s) of request(s) 'w0'" in said.message
+    assert "its requests were also the last to map 2 block(s) other processes allocated" in (
+        said.message
+    )
