@@ -625,7 +625,13 @@ def likely_causes(
     kinds = {f["kind"] for f in findings}
     unwritten = FindingKind.KV_NEVER_WRITTEN in kinds or any(map(_blank_at_publish, findings))
     causes = []
-    slots_wrong = spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten
+    # A decode storing one position late in guard mode sends each block's last position into
+    # its own guard slot and leaves the next block's first position unwritten, one slot each:
+    # not the slot formula, whose slots land a block's runs elsewhere
+    late_in_guard = spb > bs and _one_late_in_guard(findings, bs)
+    slots_wrong = (
+        spb > bs and FindingKind.GUARD_VIOLATION in kinds and unwritten and not late_in_guard
+    )
     if slots_wrong:
         causes.append(
             f"guard slots overwritten and mapped slots left unwritten: does the engine compute a "
@@ -633,7 +639,7 @@ def likely_causes(
             f"in guard mode; use pool.slot_mapping(seq, start, end), or block * "
             f"pool.slots_per_block + offset (docs/POOL.md)"
         )
-    elif spb > bs and FindingKind.GUARD_VIOLATION in kinds:
+    elif spb > bs and FindingKind.GUARD_VIOLATION in kinds and not late_in_guard:
         over = [
             f
             for f in findings
@@ -1165,6 +1171,21 @@ def _block_openers_unwritten(findings: list[dict[str, Any]], bs: int) -> list[di
     return out if len(out) > 1 else []
 
 
+def _one_late_in_guard(findings: list[dict[str, Any]], bs: int) -> bool:
+    """Whether guard-mode findings read as a decode's K/V stored one position late: block
+    openers and first decode positions unwritten (_one_late), every kv_never_written of one
+    position (or on a copy), and guard violations on blocks of those requests."""
+    opened = _block_openers_unwritten(findings, bs)
+    if not opened or not _one_late(opened, findings, bs):
+        return False
+    never = [f for f in findings if f["kind"] == FindingKind.KV_NEVER_WRITTEN]
+    if any(_single_unwritten(f) is None and f.get("copied_from") is None for f in never):
+        return False
+    requests = {f.get("request") for f in never}
+    over = [f for f in findings if f["kind"] == FindingKind.GUARD_VIOLATION]
+    return bool(over) and any(f.get("request") in requests for f in over)
+
+
 def _one_late(opened: list[dict[str, Any]], findings: list[dict[str, Any]], bs: int) -> bool:
     """Whether _block_openers_unwritten's findings read as a decode's K/V stored one position
     late: the same requests' first decode positions (a single position inside a block) are
@@ -1210,11 +1231,17 @@ def _block_openers_sentence(
         if late_copies
         else ""
     )
+    past = (
+        "into the block's guard slot (its guard_violation), where the slot after it is worked"
+        " out as slot + 1"
+        if any(f["kind"] == FindingKind.GUARD_VIOLATION for f in findings)
+        else "past the table's end (a padded block table's entry: block 0, or another request's"
+        " block)"
+    )
     how = (
         "one position late: position n - 1's K/V stored in the slot of position n (n ="
         " seq.num_tokens after the append), which leaves each request's first decode position"
-        " unwritten too, and sends the K/V of a block's last position past the table's end"
-        f" (a padded block table's entry: block 0, or another request's block){copies}"
+        f" unwritten too, and sends the K/V of a block's last position {past}{copies}"
         if _one_late(opened, findings, bs)
         else "through a slot worked out before pool.append gave the position its block (a block"
         " table or slot mapping from before the append: the new block's entry was missing or"

@@ -418,3 +418,31 @@ def test_num_available_counts_what_an_allocation_takes(make_pool):
     # THEN num_available counts them either way, and an allocation of all of them succeeds
     assert (st["num_free"], st["num_quarantined"], st["num_available"]) == (0, 8, 8)
     pool.free(pool.allocate("c", list(range(200, 200 + 8 * BS))))
+
+
+def test_a_decode_storing_one_slot_late_in_guard_mode_is_not_the_slot_formula(probes, make_pool):
+    # GIVEN requests whose prefill stores right, and whose decode stores position p's K/V at
+    # the slot after p's (slot + 1: a block's last position goes into its guard slot, the next
+    # block's first position is never written): a second trial's slot_plus_one
+    pool = make_pool(num_blocks=32, block_size=BS, num_kv_heads=1, head_dim=4, guard=True)
+
+    def store(slot: int, value: float) -> None:
+        b, off = divmod(int(slot), pool.slots_per_block)
+        pool.kv[:, :, b, off] = value
+
+    for r in range(2):
+        seq = pool.allocate(f"d{r}", list(range(10 * r, 10 * r + 3)))
+        for pos, slot in enumerate(pool.slot_mapping(seq, 0, 3)):
+            store(slot, 1.0 + pos)
+        for pos in range(3, 3 + 3 * BS):
+            pool.append(seq, [100 + pos])
+            (slot,) = pool.slot_mapping(seq, pos, pos + 1)
+            store(int(slot) + 1, 1.0 + pos)
+        pool.free(seq)
+    report = analyze_view(pool.view)
+    assert {"guard_violation", "kv_never_written"} <= {f["kind"] for f in report["findings"]}
+    # THEN the one cause is the store one position late, into the guard slot, and not the
+    # slot formula nor guard slots overwritten with no mapped slot unwritten
+    (cause,) = report["likely_causes"]
+    assert cause.startswith("positions never written, each the first slot of its block")
+    assert "one position late" in cause and "guard slot" in cause
