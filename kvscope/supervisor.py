@@ -141,6 +141,8 @@ class Watched:
     progress_at: float = 0.0
     progress_looked: float = 0.0
     stall_said: bool = False
+    # the last stall said, in a few words for the dump's reason ("" when none)
+    stalled: str = ""
 
     def __post_init__(self) -> None:
         self.size = self.layout.offsets()["end"]
@@ -219,7 +221,8 @@ class Outcome:
             return f"child pid {pid} was killed by {name}"
         if self.exception:
             e = self.exception
-            return f"child pid {pid} raised {e['type']}: {e['message']} ({e['where']})"
+            said = f"{e['type']}: {e['message']}" if e["message"] else e["type"]
+            return f"child pid {pid} raised {said} ({e['where']})"
         if self.returncode:
             return f"child pid {pid} exited with status {self.returncode}"
         return f"child pid {pid} exited normally"
@@ -326,12 +329,19 @@ class Supervisor:
         if progress != w.progress or not w.progress_at:
             w.progress, w.progress_at, w.stall_said = progress, now, False
             return
-        held = np.flatnonzero(live & (view.seqs["num_blocks"] > 0))
-        if w.stall_said or not len(held) or now - w.progress_at < self.hang_after_s:
+        # (a dead process's requests wait on nothing: its death is said on its own)
+        seqs = view.seqs
+        held = [
+            i
+            for i in np.flatnonzero(live & (seqs["num_blocks"] > 0)).tolist()
+            if is_alive(int(seqs["owner_pid"][i]), int(seqs["owner_start"][i]))
+        ]
+        if w.stall_said or not held or now - w.progress_at < self.hang_after_s:
             return
         w.stall_said = True
-        requests = [field_text(view.seqs["request"][i]) for i in held.tolist()]
-        pids = sorted({int(view.seqs["owner_pid"][i]) for i in held.tolist()})
+        w.stalled = f"hung {now - w.progress_at:.0f} s with {len(held)} request(s) holding blocks"
+        requests = [field_text(seqs["request"][i]) for i in held]
+        pids = sorted({int(seqs["owner_pid"][i]) for i in held})
         self.echo(
             f"kvscope: pool {w.name!r}: no pool operation for {now - w.progress_at:.0f} s while"
             f" {len(held)} request(s) hold blocks ({some([repr(r) for r in requests], 4)};"

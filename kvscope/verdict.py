@@ -110,7 +110,8 @@ def finish(
                 write_dump(
                     snap,
                     path,
-                    reason=reason,
+                    # (a stall the run said: after how the script ended, before what leaked)
+                    reason=reason.replace(what, f"{what}; {w.stalled}", 1) if w.stalled else reason,
                     pid=pid,
                     header_prefix=w.header_prefix,
                     failed=outcome.failed,

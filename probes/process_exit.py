@@ -11,6 +11,7 @@ runs it once per process:
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 from collections.abc import Callable
 from multiprocessing import util as mp_util
@@ -37,6 +38,11 @@ def at_exit(func: Callable[[], None]) -> None:
     mp_util.register_after_fork(
         _TOKEN, lambda _: mp_util.Finalize(None, once, exitpriority=EXIT_PRIORITY)
     )
+    if multiprocessing.parent_process() is not None:
+        # Registered from inside a multiprocessing child's target (a worker that imports
+        # kvscope there): its after-fork callbacks have run already, so the finalizer now,
+        # which runs as the target returns or raises (with the exception still in hand).
+        mp_util.Finalize(None, once, exitpriority=EXIT_PRIORITY)
 
 
 def _once(func: Callable[[], None]) -> Callable[[], None]:

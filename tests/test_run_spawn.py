@@ -164,3 +164,51 @@ def test_processes_outside_a_run_get_no_hooks(tmp_path):
     assert hooks(None) == "0 True"
     assert hooks(str(tmp_path / "gone")) == "0 True"
     assert hooks(str(tmp_path)) == "2 False"
+
+
+# A worker that imports kvscope inside its target (not at its module's top), opens the pool
+# there, and raises holding a request.
+RAISES = """
+import multiprocessing as mp
+import sys
+
+
+def worker(name):
+    from kvscope.allocator import KVPool
+
+    pool = KVPool.attach(name)
+    print(f"worker pid {__import__('os').getpid()}", flush=True)
+    pool.allocate("held", list(range(9)))
+    [][1]
+
+
+if __name__ == "__main__":
+    from kvscope.allocator import KVPool, PoolConfig
+
+    method, name = sys.argv[1:3]
+    parent = KVPool.create(name, PoolConfig(num_blocks=64, block_size=4, head_dim=8, num_layers=1))
+    proc = mp.get_context(method).Process(target=worker, args=(name,))
+    proc.start()
+    proc.join()
+    parent.close()
+    parent.unlink()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_a_worker_that_opens_the_pool_in_its_target_and_raises_is_named_by_the_exception(
+    capfd, tmp_path, pool_name, method, monkeypatch
+):
+    # GIVEN a worker whose target imports kvscope, attaches, takes a request and raises
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raises.py").write_text(RAISES)
+    # WHEN the script that starts it runs under kvscope
+    main(["run", "--dump-dir", str(tmp_path), str(tmp_path / "raises.py"), method, pool_name])
+    out, err = capfd.readouterr()
+    pid = worker_pid(out)
+    # THEN its exit check ran as the exception ended it: its leak says so, and the likely
+    # cause names the worker and the exception
+    assert f"pid {pid} request 'held'" in err
+    assert "when the process exited raising IndexError" in err, err
+    assert f"pid {pid} raised IndexError" in err, err

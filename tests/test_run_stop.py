@@ -15,6 +15,7 @@ import time
 import pytest
 
 from kvscope import stopper as stopper_module
+from kvscope.allocator.dumpread import read_dump_header
 from kvscope.allocator.process import is_alive
 from kvscope.stopper import Stopper
 
@@ -313,6 +314,33 @@ def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hu
     two = lines.index("        with a:") + 1
     assert f'script.py", line {one} in one' in stacks, stacks
     assert f'script.py", line {two} in two' in stacks, stacks
+    # AND the dump of the stopped script says it hung, after how it ended
+    (dump,) = tmp_path.glob("*.kvd")
+    reason = bytes(read_dump_header(str(dump))["reason"]).decode()
+    assert reason.startswith("child pid ") and "; hung " in reason, reason
+    assert "with 1 request(s) holding blocks" in reason, reason
+
+
+def test_a_dead_workers_requests_do_not_make_the_script_look_hung(tmp_path, pool_name):
+    # GIVEN a script whose forked worker allocates and dies without its exit check (os._exit),
+    # while the script itself holds no block and waits three seconds, under --hang-after 1
+    body = _pool_script(
+        pool_name,
+        False,
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        f"    w = KVPool.attach({pool_name!r})\n"
+        "    w.allocate('orphan', [1, 2, 3, 4, 5])\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "open(ready, 'w').close()\n"
+        "time.sleep(3)\n",
+    )
+    run = start_run(tmp_path, body, "--hang-after", "1")
+    _, err = finish(run, tmp_path)
+    # THEN its death is said, and no hang: nothing alive waits on the pool
+    assert "died while attached to the pool" in err, err
+    assert "looks hung" not in err, err
 
 
 def test_a_script_idle_with_no_request_holding_blocks_is_not_said_hung(tmp_path, pool_name):
