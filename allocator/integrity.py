@@ -24,6 +24,7 @@ torch); each function below takes either.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -233,10 +234,30 @@ def poison_broken(kv: KV, ids: np.ndarray, block_size: int) -> list[tuple[int, i
     return [(int(b), int(c)) for b, c in zip(np.asarray(ids).tolist(), counts) if c]
 
 
+# `positions`: "position 48", "positions 32-36" (every one of them), or "2 positions between
+# 32 and 36" (the others in between written), composed by the core (csrc/kvdata.c).
+# (at most 200 bytes, a finding's message in the ring: a 32-byte request id and the longest
+# positions leave room for the rest)
 UNWRITTEN_MESSAGE = (
-    "request {request!r} finished with positions {first}-{last} ({slots} slot(s)) of this block "
-    "never written: a copy-on-write copy skipped, or K/V written through a stale table"
+    "request {request!r} finished with {positions} of this block never written: the K/V went"
+    " elsewhere or was never stored"
 )
+# How kvscope.analysis reads those positions back: (first, last) from any of the three forms,
+# and from the form of dumps written before them ("positions 32-36 (2 slot(s))").
+UNWRITTEN_FORMS = (
+    re.compile(r"finished with position (\d+)() of this block"),
+    re.compile(r"finished with positions (\d+)-(\d+) "),
+    re.compile(r"finished with \d+ positions between (\d+) and (\d+) of this block"),
+)
+
+
+def unwritten_span(message: str) -> tuple[int, int] | None:
+    """The first and last position a kv_never_written's message names, else None."""
+    for form in UNWRITTEN_FORMS:
+        m = form.search(message)
+        if m is not None:
+            return int(m.group(1)), int(m.group(2) or m.group(1))
+    return None
 
 
 # -- canaries --------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.allocator.findingset import Origin, pool_findings
-from kvscope.allocator.integrity import UNWRITTEN_AT_PUBLISH
+from kvscope.allocator.integrity import UNWRITTEN_AT_PUBLISH, unwritten_span
 from kvscope.allocator.layout import (
     BlockState,
     SegmentView,
@@ -1033,7 +1033,6 @@ def _blocks_of(found: list[dict[str, Any]]) -> str:
     return ", ".join(parts) + (f" and {len(by) - 3} more request(s)" if len(by) > 3 else "")
 
 
-_UNWRITTEN = re.compile(r"finished with positions (\d+)-(\d+) ")
 # a leak_finished of a process an exception ended (kvscope.child.exit_when)
 _RAISED = re.compile(r" when the process exited raising (\w+)")
 # A dump's reason: "child pid N raised Type: message (file:line in function)".
@@ -1085,10 +1084,10 @@ def _unwritten_copies(
     skipped: list[dict[str, Any]] = []
     stale: list[dict[str, Any]] = []
     for f in findings:
-        m = _UNWRITTEN.search(f["message"]) if f.get("copied_from") is not None else None
-        if f["kind"] != FindingKind.KV_NEVER_WRITTEN or m is None:
+        span = unwritten_span(f["message"]) if f.get("copied_from") is not None else None
+        if f["kind"] != FindingKind.KV_NEVER_WRITTEN or span is None:
             continue
-        (skipped if int(m.group(1)) % block_size == 0 else stale).append(f)
+        (skipped if span[0] % block_size == 0 else stale).append(f)
     return skipped, stale
 
 
@@ -1113,18 +1112,18 @@ def _copies_of_unwritten(
     out = []
     for f in findings:
         src = f.get("copied_from")
-        m = _UNWRITTEN.search(f["message"]) if src is not None else None
-        if f["kind"] != FindingKind.KV_NEVER_WRITTEN or m is None or src is None:
+        span = unwritten_span(f["message"]) if src is not None else None
+        if f["kind"] != FindingKind.KV_NEVER_WRITTEN or span is None or src is None:
             continue
-        lo, hi = int(m.group(1)), int(m.group(2))
+        lo, hi = span
         for g in by_block.get(int(src), []):
-            n = _UNWRITTEN.search(g["message"])
+            n = unwritten_span(g["message"])
             # (a source that is itself a copy: its own copy's causes come first)
             if (
                 g.get("copied_from") is not None
                 or n is None
-                or int(n.group(2)) < lo
-                or int(n.group(1)) > hi
+                or n[1] < lo
+                or n[0] > hi
                 or (lo % block_size != 0 and g.get("site") not in (alone_sites or ()))
             ):
                 continue
@@ -1157,10 +1156,10 @@ def _single_unwritten(f: dict[str, Any]) -> int | None:
     """The one position a kv_never_written (not on a copy) left unwritten, else None."""
     if f["kind"] != FindingKind.KV_NEVER_WRITTEN or f.get("copied_from") is not None:
         return None
-    m = _UNWRITTEN.search(f.get("message", ""))
-    if m is None or m.group(1) != m.group(2):
+    span = unwritten_span(f.get("message", ""))
+    if span is None or span[0] != span[1]:
         return None
-    return int(m.group(1))
+    return span[0]
 
 
 def _block_openers_unwritten(findings: list[dict[str, Any]], bs: int) -> list[dict[str, Any]]:
@@ -1202,8 +1201,8 @@ def _late_copies(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     unwritten: the appended token's (a copy is only made of a partial block)."""
     out = []
     for f in findings:
-        m = _UNWRITTEN.search(f.get("message", "")) if f.get("copied_from") is not None else None
-        if f["kind"] == FindingKind.KV_NEVER_WRITTEN and m and m.group(1) == m.group(2):
+        span = unwritten_span(f.get("message", "")) if f.get("copied_from") is not None else None
+        if f["kind"] == FindingKind.KV_NEVER_WRITTEN and span and span[0] == span[1]:
             out.append(f)
     return out
 
@@ -1274,7 +1273,7 @@ def _never_written_alone(findings: list[dict[str, Any]]) -> list[dict[str, Any]]
             or f.get("block") is None
             or f.get("request") is None
             or not f.get("events")
-            or _UNWRITTEN.search(f.get("message", "")) is None
+            or unwritten_span(f.get("message", "")) is None
             or f.get("copied_from") is not None
             or f["block"] in sources
             or f.get("preempted_blocks")
@@ -1291,9 +1290,9 @@ def _never_written_sentence(alone: list[dict[str, Any]]) -> str:
     """The sentence for `_never_written_alone`'s findings."""
     by: dict[Any, list[str]] = {}
     for f in alone:
-        m = _UNWRITTEN.search(f["message"])
-        assert m is not None
-        lo, hi = m.group(1), m.group(2)
+        span = unwritten_span(f["message"])
+        assert span is not None
+        lo, hi = span
         where = f"position {lo}" if lo == hi else f"positions {lo}-{hi}"
         by.setdefault(f["request"], []).append(f"block {f['block']} {where}")
     named = ", ".join(f"{r!r} {', '.join(b)}" for r, b in list(by.items())[:3]) + (

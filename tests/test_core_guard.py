@@ -481,25 +481,27 @@ def test_the_cores_never_written_check_names_each_block_and_position(
     pool = _probed(pool_name, monkeypatch, deferred)
     try:
         seq = pool.allocate("a", list(range(11)))
-        skipped = {1, 2, 6}
+        skipped = {1, 2, 4, 6, 8}
         for pos in range(11):
             if pos not in skipped:
                 blk = seq.block_table[pos // BS]
                 pool.kv[:, :, blk, pos % BS] = 1.0
         table = list(seq.block_table)
-        # (block, first and last unwritten position, how many) of the first 10 positions
-        want = [(table[0], 1, 2, 2), (table[1], 6, 6, 1)]
+        # each block's unwritten positions of the first 10, as the message says them: all of
+        # them from the first to the last, one, or some of those between
+        want = [
+            (table[0], "positions 1-2"),
+            (table[1], "2 positions between 4 and 6"),
+            (table[2], "position 8"),
+        ]
         # WHEN it finishes
         pool.free(seq)
         pool.verify()
-        # THEN the core reports each block, its first and last unwritten position and how
-        # many, naming the request
+        # THEN the core reports each block and its unwritten positions, naming the request
         got = [f for f in pool.findings() if f.kind == "kv_never_written"]
-        assert [(f.block, f.request) for f in got] == [(blk, "a") for blk, *_ in want]
-        for f, (_, first, last, n) in zip(got, want):
-            assert f.message == integrity.UNWRITTEN_MESSAGE.format(
-                request="a", slots=n, first=first, last=last
-            )
+        assert [(f.block, f.request) for f in got] == [(blk, "a") for blk, _ in want]
+        for f, (_, positions) in zip(got, want):
+            assert f.message == integrity.UNWRITTEN_MESSAGE.format(request="a", positions=positions)
     finally:
         _close(pool)
 

@@ -166,7 +166,7 @@ def test_a_prefill_one_position_short_with_a_forked_request_names_the_short_writ
     # THEN each request left position 6 unwritten; the copy is not blamed on a stale table
     unwritten = [f for f in report["findings"] if f["kind"] == "kv_never_written"]
     assert {f["request"] for f in unwritten} == {"a", "b", "p"}
-    assert all("positions 6-6 " in f["message"] for f in unwritten)
+    assert all("finished with position 6 of this block" in f["message"] for f in unwritten)
     causes = report["likely_causes"]
     assert not [c for c in causes if c.startswith(STALE)], causes
     (blank,) = [c for c in causes if c.startswith(COPIED_BLANK)]

@@ -762,11 +762,19 @@ static int unwritten_report(Native *n, const int32_t *ids, int64_t k, int64_t nu
                 slots++;
             }
         if (slots == 0) continue;
+        /* (all of them, one, or some of the positions from the first to the last) */
+        char positions[96];
+        if (first == last)
+            snprintf(positions, sizeof positions, "position %lld", (long long)first);
+        else if (slots == last - first + 1)
+            snprintf(positions, sizeof positions, "positions %lld-%lld", (long long)first,
+                     (long long)last);
+        else
+            snprintf(positions, sizeof positions, "%lld positions between %lld and %lld",
+                     (long long)slots, (long long)first, (long long)last);
         PyObject *fmt = PyObject_GetAttrString(n->msg_unwritten, "format");
         PyObject *args = PyTuple_New(0);
-        PyObject *kw = Py_BuildValue("{s:O,s:L,s:L,s:L}", "request", request, "slots",
-                                     (long long)slots, "first", (long long)first, "last",
-                                     (long long)last);
+        PyObject *kw = Py_BuildValue("{s:O,s:s}", "request", request, "positions", positions);
         PyObject *msg = fmt && args && kw ? PyObject_Call(fmt, args, kw) : NULL;
         Py_XDECREF(fmt);
         Py_XDECREF(args);
