@@ -1566,7 +1566,33 @@ def _focus_request(view: SegmentView, request: str) -> dict[str, Any]:
         ],
         "blocks_stamped": held.tolist()[:1000],
         "num_blocks_stamped": int(len(held)),
+        "events": request_events(view, request),
     }
+
+
+# The flight-recorder events `--request` shows, at most (the newest).
+REQUEST_EVENTS = 64
+
+
+def request_events(view: SegmentView, request: str) -> list[dict[str, Any]]:
+    """The flight recorder's events in `request`'s name (every process's ring), oldest first:
+    the newest REQUEST_EVENTS of them, one per block an operation touched."""
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["request"] == _key(request))]
+    ev = ev[np.argsort(ev["time_ns"], kind="stable")][-REQUEST_EVENTS:]
+    names = op_names()
+    return [
+        {
+            "time_ns": int(e["time_ns"]),
+            "pid": int(e["pid"]),
+            "op": names.get(int(e["op"]), int(e["op"])),
+            "block": int(e["block"]),
+            "generation": int(e["generation"]),
+            "arg": int(e["arg"]),
+            "request": request,
+        }
+        for e in ev
+    ]
 
 
 def _request_named(view: SegmentView, request: str, focus: dict[str, Any]) -> bool:

@@ -37,10 +37,12 @@ def _when(ns: int) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="milliseconds")
 
 
-def _event_line(e: dict[str, Any]) -> str:
+def _event_line(e: dict[str, Any], with_block: bool = False) -> str:
+    """One flight-recorder event; `with_block`: its block named (a request's events)."""
     req = f" request {e['request']!r}" if e.get("request") else ""
+    blk = f"  block {e['block']}" if with_block and e.get("block", -1) >= 0 else ""
     return (
-        f"{_when(e['time_ns'])}  pid {e['pid']}  {e['op']}  gen {e['generation']}"
+        f"{_when(e['time_ns'])}  pid {e['pid']}  {e['op']}{blk}  gen {e['generation']}"
         f"  arg {e['arg']}{req}"
     )
 
@@ -341,11 +343,17 @@ def _focus_value(k: str, v: Any) -> str:
     return repr(v) if k == "request" and isinstance(v, str) else str(v)
 
 
+# `--request R`'s fields in words (the JSON keeps the keys).
+_FOCUS_LABELS = {"blocks_stamped": "blocks allocated in its name"}
+
+
 def _focus(con: Console, key: str, d: dict[str, Any]) -> None:
     con.print(f"\n[bold]{key} {escape(str(d.get(key)))}[/bold]")
     for k, v in d.items():
-        if k in (key, "events"):
+        if k in (key, "events", "num_blocks_stamped"):
             continue
+        if k == "blocks_stamped" and d.get("num_blocks_stamped", 0) > len(v):
+            v = [*v, f"... ({d['num_blocks_stamped']} in all)"]
         if k == "sequences":
             for q in v:
                 table = ", ".join(map(str, q.get("block_table") or [])) or "none"
@@ -358,9 +366,15 @@ def _focus(con: Console, key: str, d: dict[str, Any]) -> None:
             if not v:
                 con.print("  sequences: none")
             continue
-        con.print(escape(f"  {k}: {_focus_value(k, v)}"))
-    for e in d.get("events") or []:
-        con.print("    " + escape(_event_line(e)))
+        con.print(escape(f"  {_FOCUS_LABELS.get(k, k)}: {_focus_value(k, v)}"))
+    events = d.get("events") or []
+    if key == "request":
+        con.print(
+            f"  its recorded events ({len(events)}, oldest first):" if events else
+            "  its recorded events: none left in the flight recorder"
+        )  # fmt: skip
+    for e in events:
+        con.print("    " + escape(_event_line(e, with_block=key == "request")))
 
 
 def _summary(con: Console, s: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvscope import analysis
+from kvscope.allocator import PoolError
 from kvscope.allocator.segment import segment_path
 from kvscope.cli import main
 from kvscope.dumpfile import read_dump, read_dump_data
@@ -421,3 +422,23 @@ def test_findings_come_in_the_order_things_went_wrong_with_every_event(
     page = (tmp_path / "r.html").read_text()
     assert f"every recorded event of block {leak['block']} ({held})" in page
     assert page.index("<b>leak_finished</b>") < page.index("<b>double_free</b>")
+
+
+def test_a_requests_focus_lists_its_life_from_the_flight_recorder(capsys, make_pool):
+    # GIVEN a request that took two blocks and was aborted, then released again (refused)
+    pool = make_pool(32, events=True)
+    seq = pool.allocate("req-t", list(range(7)))
+    blocks = list(seq.block_table)
+    pool.abort(seq)
+    with pytest.raises(PoolError):
+        pool.free(seq)
+    # WHEN analyzed for it, as JSON and as text
+    code, rep = analyze_json(capsys, pool.name, "--request", "req-t")
+    # THEN its events tell its life, block by block: the allocation and the abort that ended it
+    ops = [(e["op"], e["block"]) for e in rep["request"]["events"]]
+    assert [("allocate", b) for b in blocks] == [o for o in ops if o[0] == "allocate"]
+    assert [("abort", b) for b in blocks] == [o for o in ops if o[0] == "abort"]
+    main(["analyze", pool.name, "--request", "req-t"])
+    text = capsys.readouterr().out
+    assert "blocks allocated in its name: none" in text and "blocks_stamped" not in text
+    assert f"abort  block {blocks[0]}  gen" in text
