@@ -246,18 +246,29 @@ UNWRITTEN_MESSAGE = (
 # and from the form of dumps written before them ("positions 32-36 (2 slot(s))").
 UNWRITTEN_FORMS = (
     re.compile(r"finished with position (\d+)() of this block"),
-    re.compile(r"finished with positions (\d+)-(\d+) "),
-    re.compile(r"finished with \d+ positions between (\d+) and (\d+) of this block"),
+    re.compile(r"finished with positions (\d+)-(\d+) (?:\((\d+) slot\(s\)\) )?"),
+    re.compile(r"finished with (\d+) positions between (\d+) and (\d+) of this block"),
 )
+
+
+def unwritten_positions(message: str) -> tuple[int, int, int] | None:
+    """The first and last position a kv_never_written's message names, and how many of those
+    from the first to the last were never written; None for another message."""
+    one, run, some = (form.search(message) for form in UNWRITTEN_FORMS)
+    if one is not None:
+        return int(one.group(1)), int(one.group(1)), 1
+    if run is not None:
+        first, last = int(run.group(1)), int(run.group(2))
+        return first, last, int(run.group(3) or last - first + 1)
+    if some is not None:
+        return int(some.group(2)), int(some.group(3)), int(some.group(1))
+    return None
 
 
 def unwritten_span(message: str) -> tuple[int, int] | None:
     """The first and last position a kv_never_written's message names, else None."""
-    for form in UNWRITTEN_FORMS:
-        m = form.search(message)
-        if m is not None:
-            return int(m.group(1)), int(m.group(2) or m.group(1))
-    return None
+    got = unwritten_positions(message)
+    return None if got is None else got[:2]
 
 
 # -- canaries --------------------------------------------------------------------------------

@@ -13,7 +13,11 @@ import numpy as np
 
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.allocator.findingset import Origin, pool_findings
-from kvscope.allocator.integrity import UNWRITTEN_AT_PUBLISH, unwritten_span
+from kvscope.allocator.integrity import (
+    UNWRITTEN_AT_PUBLISH,
+    unwritten_positions,
+    unwritten_span,
+)
 from kvscope.allocator.layout import (
     BlockState,
     SegmentView,
@@ -118,21 +122,24 @@ def mapped_since_published(
     )
 
 
-def copied_from(view: SegmentView, blk: int, request: str | None, until: int | None) -> int | None:
-    """The block that the last copy-on-write into `blk` for `request` (an `append` of a shared
-    partial block, its flight-recorder `cow` event: recorded on the source, `arg` the copy)
-    copied from, before `until`; None when the recorder holds none."""
+def copied_from(view: SegmentView, blk: int, until: int | None) -> int | None:
+    """The block that the copy-on-write that made `blk` (an `append` of a shared partial
+    block, its flight-recorder `cow` event: recorded on the source, `arg` the copy) copied
+    from, in the allocation of `blk` current at `until` (no `allocate` of it since the copy):
+    whichever request's append made it (a sample forked from that request shares it); None
+    when the recorder holds none."""
     from kvscope.allocator.events import EventOp
 
     ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & (ev["op"] == EventOp.COW) & (ev["arg"] == blk)]
+    ev = ev[ev["time_ns"] != 0]
     if until:
         ev = ev[ev["time_ns"] <= until]
-    best = None
-    for e in ev[np.argsort(ev["time_ns"], kind="stable")]:
-        if request is None or _s(e["request"]) == request:
-            best = int(e["block"])
-    return best
+    allocated = ev["time_ns"][(ev["op"] == EventOp.ALLOCATE) & (ev["block"] == blk)]
+    since = int(allocated.max()) if len(allocated) else 0
+    cows = ev[(ev["op"] == EventOp.COW) & (ev["arg"] == blk) & (ev["time_ns"] >= since)]
+    if not len(cows):
+        return None
+    return int(cows["block"][np.argmax(cows["time_ns"])])
 
 
 def _request_events(view: SegmentView, request: str, until: int) -> np.ndarray:
@@ -541,7 +548,7 @@ def analyze_view(
             if bad is not None:
                 d["first_bad_event"] = bad
             if f.kind == FindingKind.KV_NEVER_WRITTEN:
-                src = copied_from(view, f.block, f.request, d.get("time_ns"))
+                src = copied_from(view, f.block, d.get("time_ns"))
                 if src is not None:
                     d["copied_from"] = src
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
@@ -711,9 +718,18 @@ def likely_causes(
         for f in alone
         if not any(f is o for o in opened) and not (one_late and _single_unwritten(f) is not None)
     ]
+    # (positions left between written ones: their K/V went to other slots, not a range that
+    # stopped short)
+    scattered = [f for f in alone if _scattered(f)]
+    # (and the single or trailing ones where the same code allocated the blocks: one cause)
+    sites = {f.get("site") for f in scattered}
+    scattered += [f for f in alone if not _scattered(f) and scattered and f.get("site") in sites]
+    alone = [f for f in alone if not any(f is g for g in scattered)]
     alone = alone if len({f["request"] for f in alone}) > 1 else []
     if alone:
         causes.append(_never_written_sentence(alone))
+    if scattered:
+        causes.append(_scattered_sentence(scattered))
     unexplained = [] if slots_wrong else findings
     copied_blank = _copies_of_unwritten(unexplained, bs, {f.get("site") for f in alone})
     skipped, stale = _unwritten_copies(
@@ -1284,6 +1300,37 @@ def _never_written_alone(findings: list[dict[str, Any]]) -> list[dict[str, Any]]
             continue
         out.append(f)
     return out if len({f["request"] for f in out}) > 1 else []
+
+
+def _scattered(f: dict[str, Any]) -> bool:
+    """A kv_never_written whose unwritten positions have written ones between them."""
+    got = unwritten_positions(f.get("message", ""))
+    return got is not None and got[2] < got[1] - got[0] + 1
+
+
+def _scattered_sentence(found: list[dict[str, Any]]) -> str:
+    """The cause of positions never written between written ones, in blocks nothing else
+    explains: each such position's K/V was stored at another slot."""
+    named = some([f"{f['request']!r} block {f['block']} ({_positions_of(f)})" for f in found], 4)
+    return (
+        f"positions never written between written ones ({named}), in blocks that no"
+        f" copy-on-write, preemption or prefix hit touched: the K/V of those positions was"
+        f" stored at other slots, through a slot worked out from a block table kept from an"
+        f" earlier step (stale after an append) or worked out by hand; work out each step's"
+        f" slots after its append, with pool.slot_mapping(seq, start, end)"
+    )
+
+
+def _positions_of(f: dict[str, Any]) -> str:
+    """A kv_never_written's positions, as its message says them."""
+    got = unwritten_positions(f["message"])
+    assert got is not None
+    first, last, n = got
+    if first == last:
+        return f"position {first}"
+    return (
+        f"positions {first}-{last}" if n == last - first + 1 else f"{n} between {first} and {last}"
+    )
 
 
 def _never_written_sentence(alone: list[dict[str, Any]]) -> str:

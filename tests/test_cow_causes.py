@@ -129,7 +129,7 @@ def test_a_blank_position_in_a_block_a_fork_shares_names_the_request_that_finish
     _write(pool, pool.slot_mapping(parent, 0, 6))
     pool.mark_computed(parent, 6)
     child = pool.fork(parent, "c")
-    ((_, dst),) = pool.append(child, [7])  # (the copy skipped)
+    ((src, dst),) = pool.append(child, [7])  # (the copy skipped)
     _write(pool, pool.slot_mapping(child, 6, 7))
     grandchild = pool.fork(child, "d")
     # WHEN 'd' finishes first
@@ -141,3 +141,8 @@ def test_a_blank_position_in_a_block_a_fork_shares_names_the_request_that_finish
     assert found[0].message.startswith("request 'd' finished with positions 4-5")
     pool.free(child)
     pool.free(parent)
+    # AND the analysis knows the block as the copy 'c''s append made, and names the skipped copy
+    report = analyze_view(pool.view)
+    first = next(f for f in report["findings"] if f["kind"] == "kv_never_written")
+    assert (first["request"], first["copied_from"]) == ("d", src)
+    assert report["likely_causes"][0].startswith("copy-on-write copies not made")

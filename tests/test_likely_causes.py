@@ -446,3 +446,38 @@ def test_a_decode_storing_one_slot_late_in_guard_mode_is_not_the_slot_formula(pr
     (cause,) = report["likely_causes"]
     assert cause.startswith("positions never written, each the first slot of its block")
     assert "one position late" in cause and "guard slot" in cause
+
+
+def test_positions_left_between_written_ones_are_stores_at_other_slots_not_a_short_range(
+    probes, make_pool
+):
+    # GIVEN requests whose decode stores every fourth position through the block table it kept
+    # from its first step (a second trial's stale_table: that slot, clamped to the old table's
+    # last block, is another position's), leaving single positions between written ones
+    bs = 16
+    pool = make_pool(num_blocks=32, block_size=bs, num_kv_heads=1, head_dim=4, guard=True)
+
+    def store(slot: int, value: float) -> None:
+        b, off = divmod(int(slot), pool.slots_per_block)
+        pool.kv[:, :, b, off] = value
+
+    for r in range(2):
+        seq = pool.allocate(f"s{r}", list(range(10 * r, 10 * r + 2)))
+        for pos, slot in enumerate(pool.slot_mapping(seq, 0, 2)):
+            store(slot, 1.0 + pos)
+        kept = list(seq.block_table)
+        for step, pos in enumerate(range(2, 2 + 2 * bs)):
+            pool.append(seq, [100 + pos])
+            if step % 4 == 3:
+                slot = kept[-1] * pool.slots_per_block + pos % bs  # the stale table
+            else:
+                (slot,) = pool.slot_mapping(seq, pos, pos + 1)
+            store(int(slot), 1.0 + pos)
+        pool.free(seq)
+    report = analyze_view(pool.view)
+    # THEN the positions between written ones are named as stores at other slots, and no write
+    # range that stops short is blamed
+    causes = report["likely_causes"]
+    (between,) = [c for c in causes if c.startswith("positions never written between written")]
+    assert "block table kept from an earlier step" in between
+    assert not [c for c in causes if "stops short" in c], causes
