@@ -55,7 +55,9 @@ MAX_BLOCKS_ARG = 64
 INSTANT_OPS = {
     EventOp.EVICT: "evict",
     EventOp.RECLAIM: "reclaim",
-    EventOp.GUARD_VIOLATION: "guard violation",
+    # (every check that saw an overwritten canary, repeats included: the `guard_violation`
+    # findings are one per block and process)
+    EventOp.GUARD_VIOLATION: "guard canary overwritten",
 }
 
 
