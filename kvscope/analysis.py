@@ -75,6 +75,23 @@ def _requests_of(raw: np.ndarray, skip: str | None = None) -> list[str]:
     return out
 
 
+def _event_dicts(ev: np.ndarray) -> list[dict[str, Any]]:
+    """Recorded events as the report's dicts, in their order."""
+    names = op_names()
+    return [
+        {
+            "time_ns": int(e["time_ns"]),
+            "pid": int(e["pid"]),
+            "op": names.get(int(e["op"]), int(e["op"])),
+            "block": int(e["block"]),
+            "generation": int(e["generation"]),
+            "arg": int(e["arg"]),
+            "request": _s(e["request"]) or None,
+        }
+        for e in ev
+    ]
+
+
 def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[str, Any]]]:
     """Every event the flight recorder still holds that touched each of blocks, oldest first."""
     if not blocks:
@@ -82,22 +99,9 @@ def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[st
     ev = _recorded(view, blocks)
     if not len(ev):
         return {}
-    names = op_names()
     out: dict[int, list[dict[str, Any]]] = {}
     for blk in np.unique(ev["block"]).tolist():
-        mine = ev[ev["block"] == blk]
-        out[blk] = [
-            {
-                "time_ns": int(e["time_ns"]),
-                "pid": int(e["pid"]),
-                "op": names.get(int(e["op"]), int(e["op"])),
-                "block": int(e["block"]),
-                "generation": int(e["generation"]),
-                "arg": int(e["arg"]),
-                "request": _s(e["request"]) or None,
-            }
-            for e in mine
-        ]
+        out[blk] = _event_dicts(ev[ev["block"] == blk])
     return out
 
 
@@ -1626,20 +1630,7 @@ def request_events(view: SegmentView, request: str) -> list[dict[str, Any]]:
     the newest REQUEST_EVENTS of them, one per block an operation touched."""
     ev = view.events.reshape(-1)
     ev = ev[(ev["time_ns"] != 0) & (ev["request"] == _key(request))]
-    ev = ev[np.argsort(ev["time_ns"], kind="stable")][-REQUEST_EVENTS:]
-    names = op_names()
-    return [
-        {
-            "time_ns": int(e["time_ns"]),
-            "pid": int(e["pid"]),
-            "op": names.get(int(e["op"]), int(e["op"])),
-            "block": int(e["block"]),
-            "generation": int(e["generation"]),
-            "arg": int(e["arg"]),
-            "request": request,
-        }
-        for e in ev
-    ]
+    return _event_dicts(ev[np.argsort(ev["time_ns"], kind="stable")][-REQUEST_EVENTS:])
 
 
 def _request_named(view: SegmentView, request: str, focus: dict[str, Any]) -> bool:

@@ -14,6 +14,16 @@ from kvscope.kernels import copy_blocks
 BS = 4
 
 
+def _guarded_parent(monkeypatch, make_pool, written: int = 6):
+    """Guard mode, a pool, and request 'p' of 6 tokens (two blocks, the second partial), the
+    K/V of its first `written` positions stored."""
+    monkeypatch.setenv("KVSCOPE_GUARD", "1")
+    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
+    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
+    _write(pool, pool.slot_mapping(parent, 0, written))
+    return pool, parent
+
+
 def _write(pool, slots, value=1.0):
     flat = pool.kv.view(pool.kv.shape[0], 2, -1, *pool.kv.shape[4:])
     flat[:, :, slots] = value
@@ -21,10 +31,7 @@ def _write(pool, slots, value=1.0):
 
 @pytest.mark.parametrize("bug", ["none", "skip-copy", "stale-table"])
 def test_a_copy_skipped_or_written_around_is_told_apart(probes, monkeypatch, make_pool, bug):
-    monkeypatch.setenv("KVSCOPE_GUARD", "1")
-    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
-    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
-    _write(pool, pool.slot_mapping(parent, 0, 6))
+    pool, parent = _guarded_parent(monkeypatch, make_pool)
     pool.mark_computed(parent, 6)
     child = pool.fork(parent, "c")
     before = list(child.block_table)
@@ -62,10 +69,7 @@ def test_a_copy_of_positions_never_written_in_its_source_is_not_blamed_on_the_co
 ):
     # GIVEN a parent whose positions 4-5 were never stored in its own block (its K/V went
     # into a sibling's slots, say), forked, and the fork's copy made as append asked
-    monkeypatch.setenv("KVSCOPE_GUARD", "1")
-    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
-    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
-    _write(pool, pool.slot_mapping(parent, 0, 4))  # positions 4-5: never
+    pool, parent = _guarded_parent(monkeypatch, make_pool, written=4)  # positions 4-5: never
     child = pool.fork(parent, "c")
     ((src, dst),) = pool.append(child, [7])
     copy_blocks(pool.kv, torch.tensor([src]), torch.tensor([dst]), pool=pool)
@@ -88,10 +92,7 @@ def test_a_fork_writing_its_new_token_through_another_sequence_s_table_is_not_a_
 ):
     # GIVEN a parent and two forks sharing a partial block, each append's copy made, and the
     # forks writing their new token through the parent's table (into the parent's copy)
-    monkeypatch.setenv("KVSCOPE_GUARD", "1")
-    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
-    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
-    _write(pool, pool.slot_mapping(parent, 0, 6))
+    pool, parent = _guarded_parent(monkeypatch, make_pool)
     kids = [pool.fork(parent, "c1"), pool.fork(parent, "c2")]
     made = {}
     for seq, tok in zip([parent, *kids], [7, 8, 9]):
@@ -123,10 +124,7 @@ def test_a_blank_position_in_a_block_a_fork_shares_names_the_request_that_finish
     # GIVEN a sample 'c' whose copy-on-write copy the engine skipped (positions 4 and 5 of its
     # copy never written), and a sample 'd' forked from it afterwards, sharing that copy (the
     # copy's record names 'c', which allocated it)
-    monkeypatch.setenv("KVSCOPE_GUARD", "1")
-    pool = make_pool(num_blocks=16, block_size=BS, num_kv_heads=1, head_dim=4)
-    parent = pool.allocate("p", [1, 2, 3, 4, 5, 6])
-    _write(pool, pool.slot_mapping(parent, 0, 6))
+    pool, parent = _guarded_parent(monkeypatch, make_pool)
     pool.mark_computed(parent, 6)
     child = pool.fork(parent, "c")
     ((src, dst),) = pool.append(child, [7])  # (the copy skipped)

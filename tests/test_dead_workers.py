@@ -60,17 +60,16 @@ def test_a_dead_workers_local_cache_is_not_a_second_leak(make_pool):
     assert all(int(b["state"][f.block]) == BlockState.ALLOCATED for f in dead)
 
 
-def test_past_the_cap_the_dead_owners_leaks_its_exit_reported_are_not_counted_again(make_pool):
-    # GIVEN a process that died holding 14 requests of 5 blocks each (70 blocks: past the
-    # check's 50 findings of a kind), each of which it reported as leak_finished as it exited
-    # (kvscope run's exit check), and one more request it did not report
-    pool = make_pool(128, block_size=4)
+def died_reporting(pool: KVPool, held: int, reported: int) -> tuple[int, list[Finding]]:
+    """A process that attaches, takes `held` requests of 5 blocks each, reports the first
+    `reported` of them as leak_finished (as kvscope run's exit check does) and is killed; its
+    pid, and the pool's findings as every reader assembles them."""
 
     def work() -> KVPool:
         p = KVPool.attach(pool.name)
-        for i in range(15):
+        for i in range(held):
             seq = p.allocate(f"r{i}", list(range(100 * i, 100 * i + 20)))
-            if i < 14:
+            if i < reported:
                 p.report(
                     Finding(
                         FindingKind.LEAK_FINISHED, "left", block=seq.block_table[0],
@@ -80,8 +79,15 @@ def test_past_the_cap_the_dead_owners_leaks_its_exit_reported_are_not_counted_ag
         return p
 
     pid = killed_after(work)
-    # WHEN its findings are assembled, as every reader does
-    found = pool_findings(snapshot(pool.view), Origin.live(pool.name)).findings
+    return pid, pool_findings(snapshot(pool.view), Origin.live(pool.name)).findings
+
+
+def test_past_the_cap_the_dead_owners_leaks_its_exit_reported_are_not_counted_again(make_pool):
+    # GIVEN a process that died holding 14 requests of 5 blocks each (70 blocks: past the
+    # check's 50 findings of a kind), each of which it reported as leak_finished as it exited
+    # (kvscope run's exit check), and one more request it did not report
+    pool = make_pool(128, block_size=4)
+    pid, found = died_reporting(pool, held=15, reported=14)
     # THEN its leaks are the 14 it reported and the one it did not: none of the reported ones
     # again, listed or counted past the cap (the unreported one's 5 blocks are past the cap,
     # behind 50 of the reported ones': counted, by their owner and request)
@@ -94,22 +100,7 @@ def test_past_the_cap_the_dead_owners_leaks_its_exit_reported_are_not_counted_ag
 def test_past_the_cap_the_findings_not_listed_count_only_those_not_reported(make_pool):
     # GIVEN the same with 20 requests not reported (100 blocks: 50 listed, 50 counted)
     pool = make_pool(128, block_size=4)
-
-    def work() -> KVPool:
-        p = KVPool.attach(pool.name)
-        for i in range(24):
-            seq = p.allocate(f"r{i}", list(range(100 * i, 100 * i + 20)))
-            if i < 4:
-                p.report(
-                    Finding(
-                        FindingKind.LEAK_FINISHED, "left", block=seq.block_table[0],
-                        owner_pid=os.getpid(), request=f"r{i}",
-                    )
-                )  # fmt: skip
-        return p
-
-    killed_after(work)
-    found = pool_findings(snapshot(pool.view), Origin.live(pool.name)).findings
+    _, found = died_reporting(pool, held=24, reported=4)
     # THEN the finding that counts those past the cap counts the unreported requests' blocks
     # only, and says how many of its kind there are in all
     dead = [f for f in found if f.kind == DEAD]

@@ -420,24 +420,31 @@ def test_num_available_counts_what_an_allocation_takes(make_pool):
     pool.free(pool.allocate("c", list(range(200, 200 + 8 * BS))))
 
 
+def _store_at(pool, slot: int, value: float) -> None:
+    """K/V `value` stored at flat slot `slot` (every layer, K and V)."""
+    b, off = divmod(int(slot), pool.slots_per_block)
+    pool.kv[:, :, b, off] = value
+
+
+def _prompt_stored(pool, request: str, tokens: list[int]):
+    """A request allocated and its prompt's K/V stored where pool.slot_mapping says."""
+    seq = pool.allocate(request, tokens)
+    for pos, slot in enumerate(pool.slot_mapping(seq, 0, len(tokens))):
+        _store_at(pool, slot, 1.0 + pos)
+    return seq
+
+
 def test_a_decode_storing_one_slot_late_in_guard_mode_is_not_the_slot_formula(probes, make_pool):
     # GIVEN requests whose prefill stores right, and whose decode stores position p's K/V at
     # the slot after p's (slot + 1: a block's last position goes into its guard slot, the next
     # block's first position is never written): a second trial's slot_plus_one
     pool = make_pool(num_blocks=32, block_size=BS, num_kv_heads=1, head_dim=4, guard=True)
-
-    def store(slot: int, value: float) -> None:
-        b, off = divmod(int(slot), pool.slots_per_block)
-        pool.kv[:, :, b, off] = value
-
     for r in range(2):
-        seq = pool.allocate(f"d{r}", list(range(10 * r, 10 * r + 3)))
-        for pos, slot in enumerate(pool.slot_mapping(seq, 0, 3)):
-            store(slot, 1.0 + pos)
+        seq = _prompt_stored(pool, f"d{r}", list(range(10 * r, 10 * r + 3)))
         for pos in range(3, 3 + 3 * BS):
             pool.append(seq, [100 + pos])
             (slot,) = pool.slot_mapping(seq, pos, pos + 1)
-            store(int(slot) + 1, 1.0 + pos)
+            _store_at(pool, int(slot) + 1, 1.0 + pos)
         pool.free(seq)
     report = analyze_view(pool.view)
     assert {"guard_violation", "kv_never_written"} <= {f["kind"] for f in report["findings"]}
@@ -456,15 +463,8 @@ def test_positions_left_between_written_ones_are_stores_at_other_slots_not_a_sho
     # last block, is another position's), leaving single positions between written ones
     bs = 16
     pool = make_pool(num_blocks=32, block_size=bs, num_kv_heads=1, head_dim=4, guard=True)
-
-    def store(slot: int, value: float) -> None:
-        b, off = divmod(int(slot), pool.slots_per_block)
-        pool.kv[:, :, b, off] = value
-
     for r in range(2):
-        seq = pool.allocate(f"s{r}", list(range(10 * r, 10 * r + 2)))
-        for pos, slot in enumerate(pool.slot_mapping(seq, 0, 2)):
-            store(slot, 1.0 + pos)
+        seq = _prompt_stored(pool, f"s{r}", list(range(10 * r, 10 * r + 2)))
         kept = list(seq.block_table)
         for step, pos in enumerate(range(2, 2 + 2 * bs)):
             pool.append(seq, [100 + pos])
@@ -472,7 +472,7 @@ def test_positions_left_between_written_ones_are_stores_at_other_slots_not_a_sho
                 slot = kept[-1] * pool.slots_per_block + pos % bs  # the stale table
             else:
                 (slot,) = pool.slot_mapping(seq, pos, pos + 1)
-            store(int(slot), 1.0 + pos)
+            _store_at(pool, int(slot), 1.0 + pos)
         pool.free(seq)
     report = analyze_view(pool.view)
     # THEN the positions between written ones are named as stores at other slots, and no write

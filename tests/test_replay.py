@@ -465,11 +465,15 @@ def test_two_processes_interleave_in_one_order(tmp_path, pool_name):
     assert (out.reason, out.exit_code) == ("end", 0)
 
 
-def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(tmp_path, pool_name):
-    """A second process's close returns its local cache of free blocks to the pool's free
-    ring, where the creator's next allocate takes them: the log's CLOSE record lists them, the
-    replay closes that process's handle there, and the creator's allocate after it gets the
-    same blocks: the replay runs to the end with every result as recorded."""
+@pytest.mark.parametrize("flush", [False, True], ids=["close", "flush_local"])
+def test_what_one_process_returns_changes_the_others_next_allocate_and_replays(
+    tmp_path, pool_name, flush
+):
+    """A second process's close, or its pool.flush_local() before it, returns its local cache of
+    free blocks to the pool's free ring, where the creator's next allocate takes them: the log's
+    CLOSE (or FLUSH) record lists them, the replay closes (or flushes) that process's handle
+    there, and the creator's allocate after it gets the same blocks: the replay runs to the end
+    with every result as recorded."""
     path = tmp_path / "run.ops"
     pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
     pool.record_ops(str(path))
@@ -480,54 +484,26 @@ def test_a_close_in_one_process_changes_the_others_next_allocate_and_replays(tmp
             p.record_ops(str(path))
             s = p.allocate("child", list(range(100, 120)))
             p.free(s)
+            if flush:
+                p.flush_local()
             p.close()
 
         in_a_child(second)
-        # every block of the pool: the ring's, and the ones the child's close returned to it
+        # every block of the pool: the ring's, and the ones the child returned to it
         every = pool.allocate("every", list(range(1000, 1000 + 4 * CONFIG["num_blocks"])))
         pool.free(every)
     finally:
         pool.close()
         pool.unlink()
     log = read_log(str(path))
-    child = next(r for r in log.records if r.op == OpCode.CLOSE and r.pid != os.getpid())
-    assert child.blocks  # (its local cache, returned)
+    close = next(r for r in log.records if r.op == OpCode.CLOSE and r.pid != os.getpid())
+    returned = next(r for r in log.records if r.op == OpCode.FLUSH) if flush else close
+    assert returned.blocks and returned.status == OpStatus.OK  # (its local cache, returned)
+    if flush:
+        assert returned.op_name == "flush" and close.blocks == []
     taken = next(r for r in log.records if r.op == OpCode.ALLOCATE and r.request == "every")
-    assert taken.seq > child.seq and set(child.blocks) <= set(taken.blocks)
+    assert taken.seq > close.seq and set(returned.blocks) <= set(taken.blocks)
     assert log.records[-1].op == OpCode.CLOSE and log.records[-1].pid == os.getpid()
-    out = replay(log)
-    assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
-
-
-def test_a_flush_of_the_local_cache_in_one_process_replays(tmp_path, pool_name):
-    """A second process's pool.flush_local() returns its local cache to the free ring before
-    its close (the trial's worker): the log's FLUSH record lists the blocks, the replay flushes
-    there, the close after it returns nothing, and the creator's allocate gets the same blocks:
-    the replay runs to the end."""
-    path = tmp_path / "run.ops"
-    pool = KVPool.create(pool_name, PoolConfig(**CONFIG))
-    pool.record_ops(str(path))
-    try:
-
-        def second() -> None:
-            p = KVPool.attach(pool_name)
-            p.record_ops(str(path))
-            s = p.allocate("child", list(range(100, 120)))
-            p.free(s)
-            p.flush_local()
-            p.close()
-
-        in_a_child(second)
-        every = pool.allocate("every", list(range(1000, 1000 + 4 * CONFIG["num_blocks"])))
-        pool.free(every)
-    finally:
-        pool.close()
-        pool.unlink()
-    log = read_log(str(path))
-    flush = next(r for r in log.records if r.op == OpCode.FLUSH)
-    close = next(r for r in log.records if r.op == OpCode.CLOSE and r.pid == flush.pid)
-    assert flush.blocks and flush.status == OpStatus.OK and close.blocks == []
-    assert flush.op_name == "flush"
     out = replay(log)
     assert (out.reason, out.replayed, out.exit_code) == ("end", len(log.ops), 0), out.diff
 
