@@ -569,6 +569,10 @@ def analyze_view(
                 idle = served_after(view, f.request, f.owner_pid)
                 if idle is not None:
                     d["served_after"] = idle
+            writer = _foreign_store(d)
+            if writer is not None and d.get("events"):
+                until = int(d.get("time_ns") or np.iinfo(np.int64).max)
+                d["writer_recorded_whole"] = writer_recorded_whole(view, writer, until)
             if stored_by(d) is not None:  # (the store probe's: its writer is the request)
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
                 again = readmitted_after_abort(view, f.request, until)
@@ -675,6 +679,17 @@ def likely_causes(
             f" table: an index off by one, rows out of step with the batch after a finish or a"
             f" preemption), so the writer's own positions stay unwritten; work out each"
             f" sequence's slots from its own table, pool.slot_mapping(seq, start, end)"
+        )
+    unseen = [] if slots_wrong else unseen_writes(findings)
+    if unseen:
+        causes.append(
+            f"K/V stored into blocks that no operation of their writer the flight recorder still"
+            f" holds held ({some([f'{w!r} into block {b}' for w, b in unseen], 4)}): the"
+            f" recorder lost the writer's older events, so its slots were worked out either from"
+            f" another sequence's block table or from a table of its own kept from before (a"
+            f" preemption, an abort, a copy-on-write); work out each sequence's slots from its"
+            f" current table, pool.slot_mapping(seq, start, end) (a larger flight recorder,"
+            f" KVSCOPE_EVENT_CAPACITY, tells which)"
         )
     # (a slot formula or another table's row leaves the writer's own positions unwritten
     # anywhere: no cause of an unwritten position beside them)
@@ -1395,6 +1410,27 @@ def _foreign_store(f: dict[str, Any]) -> str | None:
     return None
 
 
+def writer_recorded_whole(view: SegmentView, writer: str, until: int) -> bool:
+    """Whether the flight recorder holds every operation of request `writer` up to `until`: no
+    process's ring has wrapped, or the oldest event it holds of the request is its first
+    allocation (an `allocate`, or a `prefix_hit` that is not a resume's: `arg` 0), so nothing of
+    its life before is lost."""
+    clients = view.clients
+    if (clients["event_head"] <= view.events.shape[1]).all():
+        return True
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until) & (ev["request"] == _key(writer))]
+    if not len(ev):
+        return False
+    first = int(ev["time_ns"].min())
+    at = ev[ev["time_ns"] == first]
+    from kvscope.allocator.events import EventOp
+
+    starts = np.isin(at["op"], [EventOp.ALLOCATE, EventOp.PREFIX_HIT, EventOp.PREFIX_MISS])
+    resumed = ((at["op"] == EventOp.PREFIX_HIT) & (at["arg"] == 1)).any()
+    return bool(starts.any() and not resumed)
+
+
 def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     """(writer, block) of each store the store probe named into a block another request
     holds (an unmapped_write, or a published block changed by a writer not its publisher)
@@ -1402,10 +1438,22 @@ def never_held_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
     not a table kept across a preemption, an abort or a copy-on-write (each of those writes
     into a block its writer once held), but another sequence's table. Without the recorder's
     events, none."""
+    return _unheld_writes(findings, whole=True)
+
+
+def unseen_writes(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """As never_held_writes, where the flight recorder lost the writer's older events
+    (`writer_recorded_whole` false): whether it once held the block is not known."""
+    return _unheld_writes(findings, whole=False)
+
+
+def _unheld_writes(findings: list[dict[str, Any]], whole: bool) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     for f in findings:
         writer, blk, events = _foreign_store(f), f.get("block"), f.get("events")
         if writer is None or blk is None or not events:
+            continue
+        if f.get("writer_recorded_whole", True) is not whole:
             continue
         held = any(e["op"] != "finding" for e in _block_events_of(f, writer))
         if not held and (writer, blk) not in out:

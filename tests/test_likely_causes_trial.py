@@ -421,3 +421,62 @@ def test_a_block_found_twice_after_an_abort_is_named_once():
     (cause,) = likely_causes(GUARD, [stored, dict(stored, time_ns=4)])
     # THEN the block is named once
     assert "('r1' block 13)" in cause
+
+
+def test_the_recorder_holds_a_writers_whole_life_only_from_its_first_allocation(pool_name):
+    from kvscope.allocator import KVPool, PoolConfig
+    from kvscope.analysis import writer_recorded_whole
+
+    # GIVEN a flight recorder of 16 events that wraps: 'old' allocated before it wrapped, 'res'
+    # preempted before it wrapped and resumed after, 'fresh' allocated after
+    pool = KVPool.create(
+        pool_name,
+        PoolConfig(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+                   dtype="float32", events=True, event_capacity=16, local_cache_size=0),
+    )  # fmt: skip
+    try:
+        pool.allocate("old", list(range(8)))
+        res = pool.allocate("res", list(range(100, 108)))
+        pool.set_state(res, "waiting")
+        hogs = [
+            pool.allocate(r, list(range(k, k + n))) for r, k, n in (("h1", 200, 16), ("h2", 300, 8))
+        ]
+        assert res.state == "preempted"
+        for h in hogs:
+            pool.free(h)
+        for i in range(10):
+            pool.free(pool.allocate(f"f{i}", [1000 + i]))
+        pool.resume(res)
+        pool.allocate("fresh", [5000, 5001])
+        # WHEN asked whether the recorder holds each one's whole life THEN only the request
+        # whose first allocation it still holds: not one whose allocation it lost, nor one
+        # whose oldest event left is its resume's (a prefix_hit with arg 1)
+        now = 1 << 62
+        whole = {w: writer_recorded_whole(pool.view, w, now) for w in ("old", "res", "fresh")}
+        assert whole == {"old": False, "res": False, "fresh": True}
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def test_a_store_whose_writers_older_events_are_lost_is_not_said_never_held():
+    # GIVEN a store the store probe named into another request's block, whose writer the
+    # recorder shows no operation of on that block, but whose older events it lost
+    stray = {
+        "kind": "unmapped_write",
+        "message": "request 'n' stored K/V into block 17 at e.py:9 step: it does not map it",
+        "block": 17,
+        "request": "n",
+        "time_ns": 9,
+        "stores": {"writer": "n"},
+        "events": [_ev("allocate", 17, 2, 2, "h"), _ev("finding", 17, 2, 3, "n")],
+        "writer_recorded_whole": False,
+    }
+    # WHEN the causes are named THEN not "never held": either table could have been used
+    causes = likely_causes(GUARD, [stray])
+    assert not [c for c in causes if "never held" in c], causes
+    (unseen,) = [c for c in causes if "no operation of their writer" in c]
+    assert "('n' into block 17)" in unseen and "KVSCOPE_EVENT_CAPACITY" in unseen
+    # AND with the whole life recorded, never held
+    whole = dict(stray, writer_recorded_whole=True)
+    assert [c for c in likely_causes(GUARD, [whole]) if "never held" in c]

@@ -154,7 +154,9 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     count(n, C_ALLOCS, (uint64_t)k);
     count(n, C_QUERIES, (uint64_t)(p->max_hits > 0 ? p->max_hits : 0));
     count(n, C_HITS, (uint64_t)hits);
-    ev_record(n, E_PREFIX_HIT, table, hits, p->request, 0);
+    /* (arg 1: a resume's, so that a reader whose recorder lost the request's older events
+     * knows it had a life before this allocation) */
+    ev_record(n, E_PREFIX_HIT, table, hits, p->request, p->old >= 0);
     ev_record(n, E_ALLOCATE, table + hits, k, p->request, (int64_t)seq_id);
     if (hits < p->max_hits) ev_record(n, E_PREFIX_MISS, NULL, 0, p->request, p->max_hits - hits);
     if (claim_done(n, &claim)) return ERROR;
