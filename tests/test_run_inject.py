@@ -12,6 +12,7 @@ from kvscope.allocator.faults import FOUND_AS
 from kvscope.analysis import analyze_view
 from kvscope.cli import main
 from kvscope.dumpfile import alive_for, read_dump
+from kvscope.errors import UsageError
 from kvscope.verbs.run import FAULTS, child_env, parse_faults
 
 WORKLOAD = """
@@ -122,6 +123,9 @@ def test_faults_reach_the_child_environment(tmp_path):
         child_env({"KVSCOPE_EVENT_CAPACITY": "512"}, str(tmp_path), args)["KVSCOPE_EVENT_CAPACITY"]
         == "512"
     )
+    # (one it cannot be: refused before the script starts, in one line)
+    with pytest.raises(UsageError, match="KVSCOPE_EVENT_CAPACITY='lots': give a number"):
+        child_env({"KVSCOPE_EVENT_CAPACITY": "lots"}, str(tmp_path), args)
     assert parse_faults(["oob-write", "use-after-free,lock-inversion"]) == [
         "oob-write",
         "use-after-free",
@@ -193,3 +197,26 @@ def test_injected_fault_produces_its_finding(capfd, tmp_path, monkeypatch, fault
         assert len(found) == 1, found
         errors = [f for f in rep["findings"] if f["severity"] == "error"]
         assert errors == found, errors
+
+
+@pytest.mark.parametrize(
+    "argv,env",
+    [(["--redact"], {}), ([], {"KVSCOPE_EVENT_CAPACITY": "lots"})],
+    ids=["redact-without-record-ops", "bad-event-capacity"],
+)
+def test_a_run_refused_before_its_script_starts_leaves_no_run_directory(
+    tmp_path, monkeypatch, capsys, argv, env
+):
+    # GIVEN a flag or a variable kvscope run refuses, with the temporary directory in tmp_path
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    # WHEN it runs THEN it is one line, exit 2, the script not run, no run directory left
+    assert main(["run", *argv, str(script)]) == 2
+    out, err = capsys.readouterr()
+    assert "ran" not in out and err.count("\n") == 1
+    assert not list(tmp_path.glob("kvscope-run-*"))

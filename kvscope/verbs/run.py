@@ -69,6 +69,18 @@ DEFAULT_HANG_AFTER_S = 20.0
 RUN_EVENT_CAPACITY = 8192
 
 
+def check_event_capacity(value: str) -> None:
+    """A KVSCOPE_EVENT_CAPACITY of the user's environment, checked before the script starts (a
+    pool it creates would refuse it); UsageError when it is not a count of events."""
+    from kvscope.allocator.config import MAX_EVENT_CAPACITY
+
+    if not (value.isdigit() and int(value) <= MAX_EVENT_CAPACITY):
+        raise UsageError(
+            f"KVSCOPE_EVENT_CAPACITY={value!r}: give a number of events from 0 to"
+            f" {MAX_EVENT_CAPACITY}"
+        )
+
+
 def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> dict[str, str]:
     """The child's environment: the run directory and the probe flags."""
     env = dict(base)
@@ -77,6 +89,8 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
     env["KVSCOPE_LOCKDEP"] = "1" if args.lockdep else "0"
     env["KVSCOPE_EVENTS"] = "1"
     # a flight recorder that holds a few seconds of a busy engine's operations (docs/PROBES.md)
+    if "KVSCOPE_EVENT_CAPACITY" in env:
+        check_event_capacity(env["KVSCOPE_EVENT_CAPACITY"])
     env.setdefault("KVSCOPE_EVENT_CAPACITY", str(RUN_EVENT_CAPACITY))
     # slot provenance (docs/POOL.md): every sequence's slots in guard mode, unless set
     env.setdefault("KVSCOPE_PROVENANCE_SAMPLE", "1" if args.guard else "0")
@@ -270,12 +284,17 @@ class RunCommand:
             raise UsageError(f"--hang-after must be 0 or more seconds, got {args.hang_after}")
         run_top = load_run_top("run --live") if args.live else None
         dump_dir = check_dump_dir(args.dump_dir)
-        run_dir = tempfile.mkdtemp(prefix="kvscope-run-")
         target = (["-m"] if args.module else []) + [args.script, *args.script_args]
         from kvscope.probes.otel_config import OtelConfigError, configured, otel_env_from_args
 
-        otel_env = {**os.environ, **otel_env_from_args(args)}
-        env = child_env(otel_env, run_dir, args)
+        run_dir = tempfile.mkdtemp(prefix="kvscope-run-")
+        try:
+            otel_env = {**os.environ, **otel_env_from_args(args)}
+            env = child_env(otel_env, run_dir, args)
+        except BaseException:
+            # (a flag or variable refused before the script starts: nothing left behind)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         stopper = Stopper(echo, args.stop_grace, before_kill=lambda pid: show_stacks(pid, run_dir))
         sup: Supervisor | None = None
         tel = None
