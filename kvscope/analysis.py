@@ -739,11 +739,12 @@ def likely_causes(
     ]
     # (positions left between written ones: their K/V went to other slots, not a range that
     # stopped short)
-    scattered = [f for f in alone if _scattered(f)]
+    between = [_scattered(f) for f in alone]
     # (and the single or trailing ones where the same code allocated the blocks: one cause)
-    sites = {f.get("site") for f in scattered}
-    scattered += [f for f in alone if not _scattered(f) and scattered and f.get("site") in sites]
-    alone = [f for f in alone if not any(f is g for g in scattered)]
+    sites = {f.get("site") for f, b in zip(alone, between) if b}
+    joined = [b or f.get("site") in sites for f, b in zip(alone, between)]
+    scattered = [f for f, j in zip(alone, joined) if j]
+    alone = [f for f, j in zip(alone, joined) if not j]
     alone = alone if len({f["request"] for f in alone}) > 1 else []
     if alone:
         causes.append(_never_written_sentence(alone))
@@ -1418,12 +1419,10 @@ def writer_recorded_whole(view: SegmentView, writer: str, until: int) -> bool:
     clients = view.clients
     if (clients["event_head"] <= view.events.shape[1]).all():
         return True
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & (ev["time_ns"] <= until) & (ev["request"] == _key(writer))]
+    ev = _request_events(view, writer, until)
     if not len(ev):
         return False
-    first = int(ev["time_ns"].min())
-    at = ev[ev["time_ns"] == first]
+    at = ev[ev["time_ns"] == ev["time_ns"][0]]  # (its oldest operation's events)
     from kvscope.allocator.events import EventOp
 
     starts = np.isin(at["op"], [EventOp.ALLOCATE, EventOp.PREFIX_HIT, EventOp.PREFIX_MISS])
@@ -1676,9 +1675,8 @@ REQUEST_EVENTS = 64
 def request_events(view: SegmentView, request: str) -> list[dict[str, Any]]:
     """The flight recorder's events in `request`'s name (every process's ring), oldest first:
     the newest REQUEST_EVENTS of them, one per block an operation touched."""
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & (ev["request"] == _key(request))]
-    return _event_dicts(ev[np.argsort(ev["time_ns"], kind="stable")][-REQUEST_EVENTS:])
+    everything = int(np.iinfo(np.int64).max)
+    return _event_dicts(_request_events(view, request, everything)[-REQUEST_EVENTS:])
 
 
 def _request_named(view: SegmentView, request: str, focus: dict[str, Any]) -> bool:

@@ -69,6 +69,18 @@ def thread_stacks(pid: int, run_dir: str, wait_s: float = 1.0) -> str:
         return ""
 
 
+def stacks_said(pid: int, run_dir: str, lead: str) -> str:
+    """`kvscope: LEAD; its threads now ...` and the script's threads' stacks (thread_stacks),
+    as kvscope says them; "" when none came."""
+    text = thread_stacks(pid, run_dir)
+    if not text:
+        return ""
+    return (
+        f"kvscope: {lead}; its threads now (most recent call first; threads waiting on locks"
+        " that the others hold are deadlocked):\n" + text
+    )
+
+
 def _program_threads(text: str) -> str:
     """faulthandler's stacks of the program's threads: each thread with a frame of the
     program's own (kvscope's threads in the script, the probes' watchdog, go), its frames

@@ -51,7 +51,7 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.allocator.snapshot import snapshot
-from kvscope.bootstrap import launch, thread_stacks
+from kvscope.bootstrap import launch, stacks_said
 from kvscope.child import pool_key
 from kvscope.history import History
 from kvscope.poolsummary import field_text, some
@@ -336,25 +336,23 @@ class Supervisor:
             for i in np.flatnonzero(live & (seqs["num_blocks"] > 0)).tolist()
             if is_alive(int(seqs["owner_pid"][i]), int(seqs["owner_start"][i]))
         ]
-        if w.stall_said or not held or now - w.progress_at < self.hang_after_s:
+        idle_s = now - w.progress_at
+        if w.stall_said or not held or idle_s < self.hang_after_s:
             return
         w.stall_said = True
-        w.stalled = f"hung {now - w.progress_at:.0f} s with {len(held)} request(s) holding blocks"
+        w.stalled = f"hung {idle_s:.0f} s with {len(held)} request(s) holding blocks"
         requests = [field_text(seqs["request"][i]) for i in held]
         pids = sorted({int(seqs["owner_pid"][i]) for i in held})
         self.echo(
-            f"kvscope: pool {w.name!r}: no pool operation for {now - w.progress_at:.0f} s while"
+            f"kvscope: pool {w.name!r}: no pool operation for {idle_s:.0f} s while"
             f" {len(held)} request(s) hold blocks ({some([repr(r) for r in requests], 4)};"
             f" pid {', '.join(map(str, pids))}): the script looks hung (--hang-after)"
         )
         if self.proc is not None and self.proc.poll() is None:
-            text = thread_stacks(self.proc.pid, self.run_dir)
-            if text:
-                self.echo(
-                    f"kvscope: the script's (pid {self.proc.pid}) threads now (most recent call"
-                    " first; threads waiting on locks that the others hold are deadlocked):\n"
-                    + text
-                )
+            pid = self.proc.pid
+            said = stacks_said(pid, self.run_dir, f"the script (pid {pid}) looks hung")
+            if said:
+                self.echo(said)
 
     def _echo_live(self, w: Watched, f: Finding) -> None:
         """Print a finding as it lands: the first LIVE_LINES_PER_KIND of each kind of a pool,

@@ -92,7 +92,8 @@ def finish(
     errored = any(is_error(f) for f in found)
     what = outcome.describe(pid)
     if outcome.failed or errored or leaked:
-        notes = [what] + (["findings of severity error"] if errored else [])
+        # (after how the script ended, before what leaked; a stall the run said comes between)
+        notes = ["findings of severity error"] if errored else []
         # (a lease past its deadline or outliving its holder leaks a lease, not blocks)
         leases = any(f.kind == FindingKind.LEASE_LEAK for f in found)
         blocks = leaked_at_exit or any(
@@ -100,7 +101,6 @@ def finish(
         )
         notes += ["blocks leaked"] if blocks else []
         notes += ["leases leaked"] if leases else []
-        reason = "; ".join(notes)
         if not finals and not dump_failed:
             echo(f"kvscope: {what}; it opened no pool, so there is nothing to dump")
         used: set[str] = set()
@@ -110,8 +110,7 @@ def finish(
                 write_dump(
                     snap,
                     path,
-                    # (a stall the run said: after how the script ended, before what leaked)
-                    reason=reason.replace(what, f"{what}; {w.stalled}", 1) if w.stalled else reason,
+                    reason="; ".join([what, *([w.stalled] if w.stalled else []), *notes]),
                     pid=pid,
                     header_prefix=w.header_prefix,
                     failed=outcome.failed,

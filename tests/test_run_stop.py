@@ -288,6 +288,10 @@ def _pool_script(pool_name: str, hold: bool, then: str) -> str:
     )
 
 
+# The stall's line (kvscope.supervisor), then the script's threads' stacks.
+STALL = "the script looks hung (--hang-after)"
+
+
 def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hung(
     tmp_path, pool_name
 ):
@@ -296,7 +300,7 @@ def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hu
     run = start_run(tmp_path, body, "--hang-after", "1", "--stop-grace", "0.5")
     try:
         # WHEN no pool operation comes for a second and more
-        wait_for(lambda: "looks hung" in (tmp_path / "err").read_text(), "the stall to be said")
+        wait_for(lambda: STALL in (tmp_path / "err").read_text(), "the stall to be said")
         run.send_signal(signal.SIGTERM)
         _, err = finish(run, tmp_path)
     finally:
@@ -304,8 +308,8 @@ def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hu
             os.killpg(run.pid, signal.SIGKILL)
     # THEN the run says so once, naming the request that holds blocks, with the threads'
     # stacks: the two lines of the deadlock
-    said = err.index("looks hung")
-    assert err.count("looks hung") == 1
+    said = err.index(STALL)
+    assert err.count(STALL) == 1
     assert "1 request(s) hold blocks ('stuck'; pid" in err[:said]
     stacks = err[said:]
     # (the lines of the script, start_run's two first: each thread's inner `with`)

@@ -729,17 +729,6 @@ static void slots_blank(Native *n, int32_t b, uint8_t *blank) {
     }
 }
 
-/* A request id (a str) as a record holds it: its UTF-8, cut or zero-padded to REQUEST_BYTES.
- * OK, or ERROR with an exception set. */
-static int request_bytes(PyObject *request, char out[REQUEST_BYTES]) {
-    Py_ssize_t len;
-    const char *text = PyUnicode_AsUTF8AndSize(request, &len);
-    if (text == NULL) return ERROR;
-    memset(out, 0, REQUEST_BYTES);
-    memcpy(out, text, (size_t)(len < REQUEST_BYTES ? len : REQUEST_BYTES));
-    return OK;
-}
-
 /* integrity.unwritten_in: blank[i * bs + s] is 1 where token slot s of ids[i] still holds the
  * poison in every layer, K and V. Unless none of the slots of positions [0, num) is blank, or
  * every one is (a program that writes no K/V at all), each block with blank ones among them is
@@ -783,7 +772,7 @@ static int unwritten_report(Native *n, const int32_t *ids, int64_t k, int64_t nu
         /* (about the request that finished, whoever's record the block's is: a fork's shared
          * block names the request that allocated it) */
         char named[REQUEST_BYTES];
-        if (request_bytes(request, named)) {
+        if (request_of(request, named)) {
             Py_DECREF(msg);
             return ERROR;
         }

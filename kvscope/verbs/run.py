@@ -362,14 +362,11 @@ class RunCommand:
 def show_stacks(pid: int, run_dir: str) -> None:
     """Before the script that outlived its stop signal's grace period is killed: where each of
     its threads is (a hang's diagnosis: threads that wait for each other's locks deadlocked)."""
-    from kvscope.bootstrap import thread_stacks
+    from kvscope.bootstrap import stacks_said
 
-    text = thread_stacks(pid, run_dir)
-    if text:
-        echo(
-            f"kvscope: the script (pid {pid}) did not stop; its threads now (most recent call"
-            " first; threads waiting on locks that the others hold are deadlocked):\n" + text
-        )
+    said = stacks_said(pid, run_dir, f"the script (pid {pid}) did not stop")
+    if said:
+        echo(said)
 
 
 def _live(sup: Supervisor, run_top: Any, hz: float, log: ScriptLog | None = None) -> None:
