@@ -25,7 +25,7 @@ import numpy as np
 from kvscope.allocator.check import check_header, check_view
 from kvscope.allocator.checkreport import not_listed_message
 from kvscope.allocator.findings import Finding, FindingKind, readable_findings
-from kvscope.allocator.integrity import check_kv
+from kvscope.allocator.integrity import check_kv, seen_apart, seen_together
 from kvscope.allocator.kvread import KVData, for_dump, for_live
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.process import is_alive
@@ -136,7 +136,9 @@ def said_key(f: Finding) -> tuple:
 
 def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
     """The one de-duplication rule. The ring's findings are kept (they carry the moment each
-    happened), but one that says what an earlier one said (`said_key`); a checked finding that
+    happened), but one that says what an earlier one said (`said_key`), and a
+    `published_block_modified` that says the same change of the same block was seen somewhere
+    else too (another process's check: the first names every place, `extra["seen_at"]`); a checked finding that
     repeats one of them (`finding_key`), or says what an earlier checked one said, is dropped, and so is a `leak_dead_owner` or a checked `leak_finished`
     about a request whose process reported it as `leak_finished` at its exit or its close (one
     cause: the process ended, or let go of the pool, holding it). A
@@ -151,12 +153,30 @@ def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
         for f in recorded
         if f.kind == FindingKind.LEAK_FINISHED and f.request
     }
-    out = []
+    out: list[Finding] = []
+    # (one change of a published block seen by several processes' checks: one finding naming
+    # every place it was seen, the first's moment)
+    places: dict[tuple, tuple[int, list[str]]] = {}
     for f in recorded:
         key = said_key(f)
-        if key not in said_recorded:
-            said_recorded.add(key)
-            out.append(f)
+        if key in said_recorded:
+            continue
+        said_recorded.add(key)
+        apart = seen_apart(f.message) if f.kind == FindingKind.PUBLISHED_BLOCK_MODIFIED else None
+        if apart is not None:
+            words, place = apart
+            first = places.setdefault((*finding_key(f), f.request, words), (len(out), []))
+            first[1].append(place)
+            if len(first[1]) > 1:
+                continue
+        out.append(f)
+    for (*_, words), (at, seen) in places.items():
+        if len(seen) > 1:
+            out[at] = replace(
+                out[at],
+                message=seen_together(words, seen),
+                extra={**out[at].extra, "seen_at": seen},
+            )
     # Checked findings repeat each other only when they say the same thing: two locks one
     # stopped process holds are two findings about no block.
     said: set[tuple] = set()

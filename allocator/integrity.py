@@ -156,6 +156,36 @@ BLANK_MODIFIED_MESSAGE = (
 )
 
 
+# Where a `published_block_modified` message says its change was seen (`{when}` of either form
+# above): the words before, the place, the words after. (The publisher's name is a repr, so
+# it is matched as one: it may hold "(seen at " itself.)
+_REPR = r"""(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+_SEEN_AT = re.compile(
+    r"^(?P<head>(?:K/V changed since (?:its publication|request " + _REPR + r" published it)"
+    r"|" + re.escape(UNWRITTEN_AT_PUBLISH) + r": mark_computed digested an all-(?:zero|NaN "
+    r"\(poison\)) block, and its K/V changed since) \(seen at )(?P<when>.*)"
+    r"(?P<tail>; digest now 0x[0-9a-f]+\)|\): written by its publisher or by a request that "
+    r"mapped it since \(its prefix_hit events\))$",
+    re.DOTALL,
+)
+
+
+def seen_apart(message: str) -> tuple[tuple[str, str], str] | None:
+    """A `published_block_modified` message's words before and after where its change was
+    seen, and that place; None for any other message (or one the ring cut short)."""
+    m = _SEEN_AT.match(message)
+    if m is None:
+        return None
+    return (m["head"], m["tail"]), m["when"]
+
+
+def seen_together(words: tuple[str, str], places: list[str]) -> str:
+    """The message of `seen_apart`'s words with every place the same change was seen ("seen at
+    a prefix hit by request 'r2' and at a prefix hit by request 'r0'")."""
+    said = places[0] if len(places) == 1 else ", at ".join(places[:-1]) + " and at " + places[-1]
+    return words[0] + said + words[1]
+
+
 def modified_message(
     when: str, found: int, want: int, kv: KV, block_size: int, rec: np.void
 ) -> str:

@@ -317,3 +317,29 @@ def test_on_a_cuda_pool_the_digest_kernel_and_the_poison_check_find_the_writes(p
     finally:
         pool.close()
         pool.unlink()
+
+
+@pytest.mark.parametrize("blank", [False, True])
+def test_where_a_change_was_seen_comes_apart_and_back_together(blank):
+    from kvscope.allocator.integrity import (
+        BLANK_MODIFIED_MESSAGE,
+        MODIFIED_MESSAGE,
+        seen_apart,
+        seen_together,
+    )
+
+    # GIVEN the message of a change seen at a hit by a request whose name has "(seen at " in it
+    def said(when: str) -> str:
+        if blank:
+            return BLANK_MODIFIED_MESSAGE.format(blank="zero", when=when, found=0x1234)
+        return MODIFIED_MESSAGE.format(published="request 'p (seen at x)' published it", when=when)
+
+    hit = "a prefix hit by request 'r (seen at )'"
+    # WHEN taken apart THEN the words are the same for another place, and put back together
+    # with both places
+    words, place = seen_apart(said(hit))
+    assert place == hit and seen_apart(said("its eviction")) == (words, "its eviction")
+    assert seen_together(words, [hit]) == said(hit)
+    assert seen_together(words, [hit, "its eviction"]) == said(f"{hit} and at its eviction")
+    # a message cut short (the ring keeps 200 bytes) is not taken apart
+    assert seen_apart(said(hit)[:-3]) is None

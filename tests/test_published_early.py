@@ -92,3 +92,43 @@ def test_the_publishers_own_stores_into_published_blocks_are_the_same_early_publ
         "blocks published before their K/V was written ('a' block 1, 'c' block 2, 'd' block 3)"
     )
     assert "read by prefix hits as changed since ('b' block 2)" in cause
+
+
+def test_one_change_two_processes_saw_is_one_finding_naming_both_hits(probes, make_pool):
+    # GIVEN block 0 published blank by 'a' and written after, then read by a prefix hit in this
+    # process and one in another process attached to the pool (each process's core records
+    # the change it saw)
+    import multiprocessing as mp
+
+    from kvscope.allocator.findingset import pool_findings
+
+    pool = make_pool(num_blocks=32, block_size=4, num_kv_heads=1, head_dim=4)
+    a = pool.allocate("a", PROMPT)
+    pool.mark_computed(a, len(PROMPT))
+    _write(pool, a, 0, len(PROMPT))
+    pool.free(pool.allocate("b", PROMPT + [20]))
+    proc = mp.get_context("spawn").Process(target=_hit, args=(pool.name, "c"))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    pool.free(a)
+    # WHEN every reader's one rule assembles the pool's findings
+    found = [f for f in pool_findings(pool.view).findings if f.kind == "published_block_modified"]
+    # THEN each block's change is one finding, naming both hits, the first's first
+    assert sorted(f.block for f in found) == sorted({f.block for f in found}) != []
+    for f in found:
+        assert f.request == "a" and f.extra["seen_at"] == [
+            "a prefix hit by request 'b'",
+            "a prefix hit by request 'c'",
+        ], f.message
+        assert "(seen at a prefix hit by request 'b' and at a prefix hit by request 'c';" in (
+            f.message
+        )
+
+
+def _hit(name: str, request: str) -> None:
+    from kvscope.allocator import KVPool
+
+    pool = KVPool.attach(name)
+    pool.free(pool.allocate(request, PROMPT + [21]))
+    pool.close()
