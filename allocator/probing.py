@@ -10,6 +10,7 @@ findings the core wrote, read back for `on_finding` (`ring_findings`). The pool 
 from __future__ import annotations
 
 import re
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,7 +37,9 @@ class PoolProbes:
     """Probe state of one pool handle."""
 
     def __init__(self, pool: PoolHandle, flags: ProbeFlags):
-        self.pool = pool
+        # (weakly: the pool holds this as `probe`; a cycle would keep a closed pool's segment
+        # mapped until the cyclic collector ran, which a loop of few allocations delays)
+        self._pool = weakref.ref(pool)
         self.flags = flags
         # frames per allocation site (KVSCOPE_STACK_DEPTH), with the ownership probe
         self.site_depth = stack_depth() if flags.ownership else 0
@@ -46,6 +49,10 @@ class PoolProbes:
         # The C core's queue of checks of the K/V whose answers come later (a CUDA pool's:
         # devicechecks.py; None where the core checks the bytes itself, in its operations).
         self.later = devicechecks.for_pool(pool, flags)
+
+    @property
+    def pool(self) -> PoolHandle:
+        return self._pool()  # type: ignore[return-value]
 
     def native_bits(self) -> int:
         """The probes as the C core's probe word (P_* of allocator/csrc/core.h)."""

@@ -109,8 +109,14 @@ class _PoolChecks:
     the ring; they are handed to `on_finding` here."""
 
     def __init__(self, pool: KVPool | Any):
-        self.pool = pool
+        # (weakly: `_CHECKS` holds this as its key's value, so a strong reference would keep
+        # every pool a process ever checked a store of mapped, its segment included)
+        self._pool = weakref.ref(pool)
         self.pending: list[tuple[torch.Tensor, torch.cuda.Event, _Written]] = []
+
+    @property
+    def pool(self) -> KVPool | Any:
+        return self._pool()
 
     def check(self, writers: Writers, slot_mapping: Any) -> None:
         pool = self.pool

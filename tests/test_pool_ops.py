@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvscope.allocator import BlockState, KVPool, PoolError, PoolExhausted
+from kvscope.allocator import BlockState, KVPool, PoolConfig, PoolError, PoolExhausted
 from tests.forking import fork_child, wait_child
 
 
@@ -486,3 +486,38 @@ def test_a_prompts_blocks_share_one_index_shard(make_pool):
         again = pool.allocate(f"again{first}", list(range(first, first + 16 * 4 + 1)))
         assert again.num_cached_tokens == 16 * 4
     assert pool.check() == []
+
+
+def test_a_closed_pool_with_every_probe_lets_go_of_its_segment_with_its_last_reference(
+    probes, monkeypatch, pool_name
+):
+    # GIVEN a pool in guard mode with lockdep, slot provenance and a store check, closed and
+    # unlinked, with the cyclic collector off (a loop of few allocations may not run it for
+    # a long while)
+    import gc
+    import weakref
+
+    from kvscope.probes.stores import Writers
+
+    monkeypatch.setenv("KVSCOPE_PROVENANCE_SAMPLE", "1")
+    cfg = PoolConfig(num_blocks=16, block_size=4, head_dim=4, guard=True, lockdep=True)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        pool = KVPool.create(pool_name, cfg)
+        pool.trace_locks(True)
+        s = pool.allocate("a", list(range(9)))
+        Writers(pool, [(s, 0, 9)]).check(np.array(pool.slot_mapping(s, 0, 9)))
+        pool.mark_computed(s, 8)
+        pool.free(pool.fork(s, "b"))
+        pool.free(s)
+        pool.close()
+        pool.unlink()
+        gone = weakref.ref(pool)
+        # WHEN its last reference goes
+        del pool, s
+        # THEN so does the pool, and its segment's mapping with it
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()

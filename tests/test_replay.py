@@ -1675,3 +1675,59 @@ def test_k_v_received_under_a_write_lease_replays_as_written(tmp_path, pool_name
         assert [k for k, _ in out.got.found] == ["transfer_after_free"]
     else:
         assert (out.reason, out.exit_code) == ("end", 0), out.diff
+
+
+def test_a_shrink_keeps_the_operation_that_found_it_not_another_that_finds_the_kind(
+    tmp_path, pool_name
+):
+    """A store after its request's free (use_after_free at that store) in a run where another
+    request's clean store lands, on a fresh pool without the first request, in blocks nobody
+    holds: the shrunk run finds the kind at the recorded store, of the request that freed, not
+    at the other store (a false reproduction)."""
+    path = tmp_path / "run.ops"
+    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, guard=True))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        pool.record_ops(str(path))
+        a = pool.allocate("a", list(range(8)))
+        late = pool.slot_mapping(a, 0, 8)
+        b = pool.allocate("b", list(range(50, 58)))
+        Writers(pool, [(b, 0, 8)]).check(np.array(pool.slot_mapping(b, 0, 8)))
+        pool.free(a)
+        Writers(pool, [(a, 0, 8)]).check(np.array(late))  # (the bug: a store after the free)
+        pool.free(b)
+    finally:
+        pool.close()
+        pool.unlink()
+    log = read_log(str(path))
+    out = replay(log, quiet=True)
+    assert out.reason == "finding" and out.got is not None
+    assert out.got.found[0][0] == "use_after_free"
+    shrunk = Shrinker(log, out).shrink()
+    stores = [r for r in shrunk.ops if r.op == OpCode.STORE]
+    frees = [r for r in shrunk.ops if r.op == OpCode.FREE]
+    # the free and the store after it kept, the other request's operations dropped
+    assert [r.request for r in frees] == ["a"] and len(stores) == 1
+    assert stores[-1] is shrunk.ops[-1] and {r.request for r in shrunk.ops} <= {"a", ""}
+
+
+def test_a_replays_pools_go_with_its_session_not_at_the_collectors_next_pass(tmp_path, pool_name):
+    """A shrink runs a fresh pool per candidate, hundreds of them: each session's pool is let
+    go when the session closes (a cycle through the handle's `on_finding` kept every one
+    mapped until the cyclic collector ran; one shrink held 24 GB)."""
+    import gc
+    import weakref
+
+    path = tmp_path / "run.ops"
+    record(path, pool_name, None, n_ops=40)
+    log = read_log(str(path))
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with Session(log) as session:
+            pools = [weakref.ref(h) for h in session.handles.values()]
+        del session
+        assert pools and all(p() is None for p in pools)
+    finally:
+        if was:
+            gc.enable()

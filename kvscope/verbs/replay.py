@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from kvscope.errors import UsageError
@@ -68,7 +69,12 @@ class ReplayCommand:
         report: dict[str, Any] = outcome_dict(log, outcome)
         shrunk = None
         if args.shrink or args.emit_script:
-            shrunk = Shrinker(log, outcome).shrink()
+            shrinker = Shrinker(log, outcome)
+            progress = shrinker.progress = _Progress(len(shrinker.ops))
+            try:
+                shrunk = shrinker.shrink()
+            finally:
+                progress.done()
             report["shrunk"] = {
                 "kind": shrunk.kind,
                 "operations": [r.to_dict() for r in shrunk.ops],
@@ -88,6 +94,35 @@ class ReplayCommand:
         else:
             render(report)
         return outcome.exit_code
+
+
+class _Progress:
+    """A shrink's progress on stderr (its runs can take minutes): rewritten in place every
+    half second on a terminal, a line every 10 s otherwise."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.t0 = self.said = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self.shown = False
+
+    def __call__(self, runs: int, left: int) -> None:
+        now = time.monotonic()
+        if now - self.said < (0.5 if self.tty else 10.0):
+            return
+        self.said = now
+        line = (
+            f"kvscope replay: shrinking: {runs} runs, {left} of {self.total} operation(s) "
+            f"left, {now - self.t0:.0f} s"
+        )
+        sys.stderr.write(f"\r{line}\x1b[K" if self.tty else line + "\n")
+        sys.stderr.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown and self.tty:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
 
 
 def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
