@@ -695,6 +695,12 @@ def likely_causes(
     # anywhere: no cause of an unwritten position beside them)
     slots_wrong = slots_wrong or bool(strays)
     rewritten = [] if slots_wrong else rewritten_by_hitters(findings)
+    # (a request that wrote into blocks a preemption took from it writes through its table from
+    # before the preemption, which may map a block it now holds by a prefix hit: that one
+    # cause, not a prompt stored from position 0 as well)
+    preempted = {r for r, _ in lost_to_preemption(findings)} if rewritten else set()
+    if rewritten and {r for r, _ in rewritten} <= preempted:
+        rewritten = []
     if rewritten:
         named = _blocks_of([{"request": r, "block": b} for r, b in rewritten])
         writers = {r for r, _ in rewritten}

@@ -480,3 +480,48 @@ def test_a_store_whose_writers_older_events_are_lost_is_not_said_never_held():
     # AND with the whole life recorded, never held
     whole = dict(stray, writer_recorded_whole=True)
     assert [c for c in likely_causes(GUARD, [whole]) if "never held" in c]
+
+
+def test_a_preempted_request_writing_into_a_block_it_hit_is_the_stale_table_not_a_prompt_rewrite():
+    # GIVEN request 'r131', preempted and resumed, storing through its table from before the
+    # preemption: once into block 7, which the preemption took from it and 'r100' holds now,
+    # and once into block 9, published by 'r117', which its resume maps by a prefix hit (the
+    # trial's stale-resume bug)
+    lost = {
+        "kind": "unmapped_write",
+        "block": 7,
+        "request": "r131",
+        "message": "request 'r131' stored K/V into block 7 at e.py:92 write_kv, which it does"
+        " not map (held by request 'r100', pid 7)",
+        "time_ns": 9,
+        "events": [
+            _ev("allocate", 7, 3, 1, "r131"),
+            _ev("preempt", 7, 3, 2, "r131"),
+            _ev("free", 7, 3, 3, "r131"),
+            _ev("allocate", 7, 4, 4, "r100"),
+            _ev("finding", 7, 4, 9, "r131"),
+        ],
+    }
+    hit = {
+        "kind": "published_block_modified",
+        "block": 9,
+        "request": "r131",  # (the store's writer)
+        "message": "request 'r131' stored K/V into block 9 at e.py:92 write_kv: published by"
+        " request 'r117' (pid 7), shared by prefix hits",
+        "time_ns": 12,
+        "events": [
+            _ev("allocate", 9, 13, 5, "r117"),
+            _ev("publish", 9, 13, 6, "r117"),
+            _ev("prefix_hit", 9, 13, 7, "r131"),
+            _ev("finding", 9, 13, 12, "r131"),
+        ],
+    }
+    # WHEN the causes are named
+    causes = likely_causes(GUARD, [lost, hit])
+    # THEN the one cause is the table kept across the preemption, naming both of its requests'
+    # blocks; the hit block alone is still a prompt stored from position 0
+    (cause,) = causes
+    assert cause.startswith("K/V written into blocks their request had lost to a preemption")
+    assert "'r131' block 7" in cause
+    (alone,) = likely_causes(GUARD, [hit])
+    assert alone.startswith("published prefix blocks written by requests that hit them")
