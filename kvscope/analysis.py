@@ -934,7 +934,27 @@ def likely_causes(
         )
     # (those say where such writes came from; so does a slot formula that lands each token in
     # another block's slot)
-    if late and not (early or resumed or lost or slots_wrong):
+    explained = early or resumed or lost or slots_wrong
+    shifted = [] if explained else _own_prefix_rewritten(late, findings)
+    if shifted:
+        writers = {stored_by(f) for f in shifted}
+        left = [
+            f
+            for f in findings
+            if f["kind"] == FindingKind.KV_NEVER_WRITTEN and f.get("request") in writers
+        ]
+        # (first: the copies and hits of the positions it left unwritten follow from it)
+        causes.insert(
+            0,
+            f"requests that stored K/V into their own published prefix blocks"
+            f" ({_blocks_of(shifted)}) and left later positions of their own unwritten"
+            f" ({_blocks_of(left)}): the K/V of later positions went to the slots of earlier"
+            f" ones, as a chunked prefill does that stores each chunk at positions counted"
+            f" from the chunk's start (0, 1, ...) instead of its own [s, e); store chunk"
+            f" [s, e) at pool.slot_mapping(seq, s, e)",
+        )
+        late = [f for f in late if stored_by(f) not in writers]
+    if late and not explained:
         causes.append(
             f"published blocks whose K/V changed while no other request mapped them"
             f" ({_blocks_of(late)}): their publisher stored K/V into them after"
@@ -1039,6 +1059,17 @@ def _stored_by_publisher(findings: list[dict[str, Any]]) -> list[dict[str, Any]]
             else f"published by request {stored_by(f)!r} " in f["message"]
         )
     ]
+
+
+def _own_prefix_rewritten(
+    late: list[dict[str, Any]], findings: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Of the publishers' own stores into their published blocks (`late`), those the store
+    named whose writer also finished with positions of its own never written: its K/V went to
+    its earlier positions' slots instead (a chunk stored from position 0), not a store made
+    after publishing, which leaves nothing unwritten."""
+    unwritten = {f.get("request") for f in findings if f["kind"] == FindingKind.KV_NEVER_WRITTEN}
+    return [f for f in late if stored_by(f) is not None and stored_by(f) in unwritten]
 
 
 def _published_early(

@@ -237,15 +237,19 @@ def test_a_hit_that_found_a_blank_publication_changed_did_not_read_it_blank(prob
         other.free(w0)
     finally:
         other.close()
-    # WHEN analyzed, THEN every finding of the blank publication names only "reader" as a
-    # request that read it blank: "r1" and "w0" read it changed (their own findings say so)
+    # WHEN analyzed, THEN the finding of the blank publication names only "reader" as a
+    # request that read it blank: "r1" and "w0" read it changed (the finding says so)
     blank = [
         f
         for f in report["findings"]
         if f["kind"] == "published_block_modified" and f["block"] == blk
     ]
-    seen_by = sorted(f["message"].rsplit("request ", 1)[-1].split("'")[1] for f in blank)
-    assert seen_by == ["r1", "w0"], [f["message"] for f in blank]
+    # (one change two handles saw: one finding naming both hits)
+    (change,) = blank
+    assert change["seen_at"] == [
+        "a prefix hit by request 'r1'",
+        "a prefix hit by request 'w0'",
+    ], change["message"]
     assert all(f["read_unwritten"] == ["reader"] for f in blank)
     assert all(f["first_bad_event"]["request"] == "reader" for f in blank)
     for s in (r1, reader, seq):
@@ -525,3 +529,41 @@ def test_a_preempted_request_writing_into_a_block_it_hit_is_the_stale_table_not_
     assert "'r131' block 7" in cause
     (alone,) = likely_causes(GUARD, [hit])
     assert alone.startswith("published prefix blocks written by requests that hit them")
+
+
+@pytest.mark.parametrize("left_unwritten", [True, False])
+def test_a_request_storing_into_its_own_published_prefix_while_leaving_later_positions_unwritten(
+    left_unwritten,
+):
+    # GIVEN request 'r100''s store into block 0, which it published itself (its prompt's first
+    # block), and, with `left_unwritten`, its own block 4 (positions 64-79, a later chunk)
+    # finished never written: a chunked prefill storing each chunk from position 0
+    own = {
+        "kind": "published_block_modified",
+        "block": 0,
+        "request": "r100",
+        "message": "request 'r100' stored K/V into block 0 at e.py:92 write_kv: published by"
+        " request 'r100' (pid 7), shared by prefix hits",
+        "time_ns": 9,
+        "mapped_since_published": [],
+        "events": [
+            _ev("allocate", 0, 1, 1, "r100"),
+            _ev("publish", 0, 1, 2, "r100"),
+            _ev("finding", 0, 1, 9, "r100"),
+        ],
+    }
+    found = [own]
+    if left_unwritten:
+        found.append(_unwritten("r100", 4, 64, 79, [_ev("allocate", 4, 1, 3, "r100")]))
+    # WHEN the causes are named
+    causes = likely_causes(GUARD, found)
+    # THEN with its later positions unwritten, its K/V went to the earlier positions' slots
+    # (named first); without them, the store came after the publication
+    shifted = "requests that stored K/V into their own published prefix blocks ('r100' block 0)"
+    assert causes[0].startswith(shifted) is left_unwritten, causes
+    if left_unwritten:
+        assert "left later positions of their own unwritten ('r100' block 4)" in causes[0]
+        assert "pool.slot_mapping(seq, s, e)" in causes[0]
+    assert any(c.startswith("published blocks whose K/V changed") for c in causes) is not (
+        left_unwritten
+    )
