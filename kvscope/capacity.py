@@ -164,12 +164,67 @@ def _stranded_note(k: int, seqs: int = 0, wanted: int = 0) -> str:
     )
 
 
+# A pool that stood idle at least this long, and this share of the recorded span, at the end
+# of the history, with room an allocation takes that num_free leaves out (idle_with_room).
+IDLE_S = 5.0
+IDLE_SHARE = 0.5
+
+
+def idle_with_room(history: History | None) -> dict[str, Any] | None:
+    """The end of the run where no request held a block and none was allocated, for at least
+    IDLE_S seconds and IDLE_SHARE of the history's span, while free blocks made less than a
+    quarter of the pool and cached and quarantined ones (which an allocation takes: it evicts
+    the one and hands out the other) a quarter or more: what an engine that stopped admitting
+    with the memory still there shows (an admission check counting stats()["num_free"]), and
+    an idle one too. None otherwise."""
+    if history is None or history.count < 2:
+        return None
+    s = history.samples
+    t = s["time_ns"]
+    allocs = s["num_allocs"]
+    busy = np.flatnonzero((s["demand"] > 0) | (np.diff(allocs, prepend=allocs[0]) > 0))
+    if not len(busy) or busy[-1] == len(s) - 1:
+        return None
+    idle = (t[-1] - t[busy[-1]]) / 1e9
+    span = (t[-1] - t[0]) / 1e9
+    end = s[-1]
+    free, room = int(end["num_free"]), int(end["num_cached"] + end["num_quarantined"])
+    blocks = free + room + int(end["num_allocated"]) + int(end["num_local"])
+    if idle < IDLE_S or idle < IDLE_SHARE * span or 4 * free >= blocks or 4 * room < blocks:
+        return None
+    return {
+        "idle_s": round(float(idle), 1),
+        "span_s": round(float(span), 1),
+        "free": free,
+        "cached": int(end["num_cached"]),
+        "quarantined": int(end["num_quarantined"]),
+    }
+
+
+def _idle_note(idle: dict[str, Any], n: int) -> str:
+    return (
+        f"; for the last {idle['idle_s']:g} s of the run (of {idle['span_s']:g} s) no request held"
+        f" a block and none was allocated, with {idle['free']} of the pool's {n} blocks free but"
+        f" {idle['cached']} cached and {idle['quarantined']} quarantined, which an allocation"
+        f" takes (it evicts cached blocks and hands out quarantined ones): if requests were"
+        f" waiting then, the engine stopped admitting with the pool's memory still there, as an"
+        f" admission check counting stats()['num_free'] does (guard mode's quarantine, under"
+        f" kvscope run, keeps freed blocks out of it sooner); count stats()['num_available'],"
+        f" or allocate and handle PoolExhausted"
+    )
+
+
 def capacity_answer(
     view: SegmentView, history: History | None, alive: Alive = is_alive
 ) -> dict[str, Any]:
     """Peak vs mean demand, preemptions, PoolExhausted raised, and the pool size that would
-    have avoided them all."""
+    have avoided them all; where the run ended idle with room that num_free leaves out
+    (`idle_with_room`), says so."""
     out = _capacity_answer(view, history)
+    idle = idle_with_room(history)
+    if idle is not None:
+        out["idle_with_room"] = idle
+        out["answer"] += _idle_note(idle, out["num_blocks"])
     if out["num_exhausted"] or out["num_preemptions"]:
         k = stranded_blocks(view, alive)
         seqs, wanted = stranded_preempted(view, alive)
@@ -263,7 +318,10 @@ def _capacity_answer(view: SegmentView, history: History | None) -> dict[str, An
         size = max(peak, n + _short(st["last_exhausted"]))
         out["pool_size_without_preemption"] = size
         kind = "too small" if mean >= TOO_SMALL * n else "spiky"
-        lead = f"{exhaustion}; {kind} demand, " if exhaustion else f"{kind}: "
+        if exhaustion:
+            lead = f"{exhaustion}; " + ("" if kind == "too small" else "spiky demand, ")
+        else:
+            lead = f"{kind}: "
         out["answer"] = (
             f"{lead}{preempted} preemption(s); peak demand {peak} blocks is"
             f" {peak / max(mean, 1e-9):.1f}x the mean demand of {mean:.0f} (the mean is"

@@ -16,7 +16,7 @@ from kvscope import __version__
 from kvscope.allocator.layout import BlockState, SegmentView
 from kvscope.charts import block_map, esc, histogram, legend, line_chart
 from kvscope.history import History
-from kvscope.report import grouped
+from kvscope.report import counted, grouped
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 980px;
@@ -58,11 +58,13 @@ def _header(analysis: dict[str, Any], source: str) -> str:
     pool = analysis["pool"]
     g = pool["geometry"]
     found = analysis["findings"]
-    errors = sum(f["severity"] == "error" for f in found)
+    # (counted as `kvscope analyze` counts them: those the check counted past its cap too)
+    errors = counted([f for f in found if f["severity"] == "error"])
+    warnings = counted([f for f in found if f["severity"] != "error"])
     if errors:
-        health = f'<span class="bad">UNHEALTHY: {errors} error(s), {len(found) - errors} warning(s)</span>'
+        health = f'<span class="bad">UNHEALTHY: {errors} error(s), {warnings} warning(s)</span>'
     elif found:
-        health = f'<span class="warn">OK with {len(found)} warning(s)</span>'
+        health = f'<span class="warn">OK with {warnings} warning(s)</span>'
     else:
         health = '<span class="ok">OK, no findings</span>'
     probes = ", ".join(f"{k} {'on' if v else 'off'}" for k, v in pool["flags"].items())

@@ -115,11 +115,16 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
     findings = report["findings"]
     errors = [f for f in findings if f["severity"] == "error"]
     warnings = [f for f in findings if f["severity"] != "error"]
+    # (each finding the check counted past its cap too, as its "N more ... (M in all)" line does)
+    n_errors, n_warnings = counted(errors), counted(warnings)
+    unlisted = sum(int(e[2]) for f in findings for e in f.get("not_listed") or ())
+    # the findings below are those listed: said when some are only counted
+    also = f"; {unlisted} of them counted, not listed" if unlisted else ""
     if report["healthy"] and not warnings:
         con.print("[bold green]health: OK[/bold green] - no findings")
     elif report["healthy"]:
-        con.print(f"[bold yellow]health: OK with {len(warnings)} warning(s)[/bold yellow]")
-        dead = sum(1 for f in warnings if f["kind"] == "leak_dead_owner")
+        con.print(f"[bold yellow]health: OK with {n_warnings} warning(s)[/bold yellow]{also}")
+        dead = counted([f for f in warnings if f["kind"] == "leak_dead_owner"])
         if dead:
             con.print(
                 f"  {dead} of them leak_dead_owner: blocks a dead process still held (on a live "
@@ -128,7 +133,8 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
             )
     else:
         con.print(
-            f"[bold red]health: UNHEALTHY[/bold red] - {len(errors)} error(s), {len(warnings)} warning(s)"
+            f"[bold red]health: UNHEALTHY[/bold red] - {n_errors} error(s), {n_warnings}"
+            f" warning(s){also}"
         )
     for cause in report.get("likely_causes", ()):
         con.print(f"[bold]likely cause:[/bold] {escape(cause)}")
@@ -142,6 +148,13 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
     _summary(con, report.get("summary") or {})
     if report.get("capacity"):
         _capacity(con, report["capacity"])
+
+
+def counted(findings: list[dict[str, Any]]) -> int:
+    """How many findings `findings` stand for: one each, but the one that counts the findings
+    of a kind past the check's cap ("46 more leak_dead_owner findings not listed (96 in all)",
+    its `not_listed` the count of each owner and request) stands for those it counts."""
+    return sum(sum(int(e[2]) for e in f.get("not_listed") or ()) or 1 for f in findings)
 
 
 def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -148,7 +148,9 @@ def finish(
         # which stays the last line).
         for w, snap, _ in finals:
             cap = capacity_answer(snap, w.history)
-            if cap["num_exhausted"]:
+            # (and a run that ended idle with room num_free leaves out: a server that stopped
+            # admitting, which the same answer names)
+            if cap["num_exhausted"] or cap.get("idle_with_room"):
                 echo(f"kvscope run: pool {w.name!r}: {cap['answer']}")
         # The final read holds the ring's findings again (the live lines printed them) beside
         # what only the whole-pool check saw: print those too, and count each finding once.
@@ -172,9 +174,28 @@ def finish(
     if unproved:
         return EXIT_FINDINGS, dumped
     if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
-        echo(f"kvscope: {what}, but --fail-on {fail_on} matched: exit {EXIT_FAIL_ON}")
+        echo(f"kvscope: {what}, but {_matched(found, outcome, fail_on)}: exit {EXIT_FAIL_ON}")
         return EXIT_FAIL_ON, dumped
     return 0, dumped
+
+
+# What each --fail-on fails a run on, said in the verdict's last line (its name alone, "leak",
+# reads as if a leak matched when a double free did).
+_FAILS_ON = {"leak": "errors and leaks", "error": "errors other than leaks"}
+
+
+def _matched(found: list[Finding], outcome: Outcome, fail_on: str) -> str:
+    """What matched --fail-on, in words: 'findings of severity error matched --fail-on leak
+    (it fails a run on errors and leaks)', 'leaks matched ...', or both; under `error`, only
+    the errors count."""
+    what = ["findings of severity error"] if any(is_error(f) for f in found) else []
+    if fail_on == "leak" and (
+        any(is_leak(f) for f in found)
+        or any(v.get("blocks") or v.get("leaks") for v in outcome.exit_checks.values())
+    ):
+        what.append("leaks")
+    policy = f"--fail-on {fail_on} (it fails a run on {_FAILS_ON[fail_on]})"
+    return f"{' and '.join(what)} matched {policy}"
 
 
 def settle_pools(sup: Supervisor, dumped: list[Watched], *, keep: bool) -> None:

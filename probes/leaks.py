@@ -49,9 +49,22 @@ def summary(pool: Any, seqs: list[Any], when: str) -> str | None:
         f" in {len(seqs)} request(s) still held by pid {pool.pid} {when}"
         + (f" ({waiting} of them preempted, holding no block)" if waiting else "")
     ]
-    for where, group in sorted(by_site.items(), key=lambda kv: -len(kv[1])):
+    groups = sorted(by_site.items(), key=lambda kv: -len(kv[1]))
+    each = [blocks_of(group) for _, group in groups]
+    for (where, group), held in zip(groups, each):
         lines.append(
-            f"==kvscope==   {len(blocks_of(group))} block(s) held by {len(group)} request(s)"
-            f" created at {where}"
+            f"==kvscope==   {len(held)} block(s) held by {len(group)} request(s) created at {where}"
+        )
+    # A block several requests map (a shared prompt prefix) is one of the distinct blocks of
+    # the first line, and counted again in each group and each request's leak_finished line
+    # that maps it: said, so that the numbers add up.
+    mapped = sum(len(s.block_table) for s in seqs)
+    if mapped > len(ids):
+        shared = int((np.bincount(np.concatenate(each)) > 1).sum()) if len(each) > 1 else 0
+        groups_too = f"{shared} of them in more than one group above; " if shared else ""
+        lines.append(
+            f"==kvscope==   (blocks the requests share are counted once in the {len(ids)}, and"
+            f" in each group and request that maps them: {groups_too}the requests' own"
+            f" leak_finished lines add up to {mapped})"
         )
     return "\n".join(lines)

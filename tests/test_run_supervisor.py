@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -32,6 +33,14 @@ SCRIPTS = {
     "sigkill": "os.kill(os.getpid(), signal.SIGKILL)\n",
     "exception": "raise ValueError('the model exploded')\n",
     "double_free": "pool.free(seq)\npool.free(seq)\n",
+    "double_free_caught": (
+        "pool.free(seq)\n"
+        "try:\n"
+        "    pool.free(seq)\n"
+        "except Exception:\n"
+        "    pass\n"
+        "pool.close()\npool.unlink()\n"
+    ),
     "late_write": (
         "pool.kv[:, :, seq.block_table, :4] = 1.0\n"
         "pool.mark_computed(seq, 8)\n"
@@ -149,7 +158,7 @@ def test_fail_on_leak_turns_a_leak_into_a_failure(capfd, tmp_path, pool_name):
     )
     assert code == EXIT_FAIL_ON
     err = capfd.readouterr().err
-    assert "--fail-on leak matched" in err and "health: UNHEALTHY" in err
+    assert "but leaks matched --fail-on leak" in err and "health: UNHEALTHY" in err
 
 
 @pytest.mark.slow
@@ -208,6 +217,29 @@ def test_double_free_is_rejected_and_reported(capfd, tmp_path, pool_name):
     err = capfd.readouterr().err
     assert code == 1
     assert "already finished" in err and "raised PoolError" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_on", ["leak", "error"])
+def test_a_double_free_without_a_leak_fails_the_run_naming_what_matched(
+    capfd, tmp_path, pool_name, fail_on
+):
+    # GIVEN a script that frees a request twice, catches the refusal, and ends clean (no leak)
+    path = script(tmp_path, "double_free_caught")
+    # WHEN it runs under the default --fail-on (leak), or under --fail-on error
+    code = main(["run", "--fail-on", fail_on, "--dump-dir", str(tmp_path), path, pool_name])
+    err = capfd.readouterr().err
+    # THEN it fails with 66 as before, and the last line names the double free's severity
+    # as what matched, and what the policy fails on; it says no leak
+    assert code == EXIT_FAIL_ON, err
+    assert "double_free" in err
+    last = [line for line in err.splitlines() if "exit 66" in line]
+    what = {"leak": "errors and leaks", "error": "errors other than leaks"}[fail_on]
+    said = (
+        r"kvscope: child pid \d+ exited normally, but findings of severity error matched"
+        rf" --fail-on {fail_on} \(it fails a run on {what}\): exit 66"
+    )
+    assert len(last) == 1 and re.fullmatch(said, last[0]), last
 
 
 @pytest.mark.slow

@@ -96,7 +96,7 @@ def test_a_leak_fails_the_run_by_default_and_fail_on_error_lets_it_pass(
     err = capfd.readouterr().err
     # THEN the run fails as LeakSanitizer's would, and says why
     assert code == EXIT_FAIL_ON, err
-    assert "--fail-on leak matched" in err and "health: UNHEALTHY" in err
+    assert "but leaks matched --fail-on leak" in err and "health: UNHEALTHY" in err
     # and the dump and its history lie in the dump directory, nothing in the working one
     assert os.listdir(work) == []
     names = sorted(os.listdir(dumps))
