@@ -61,14 +61,17 @@ def test_a_request_that_hit_the_prefix_and_stores_its_whole_prompt_is_named(pool
     first = prefill(pool, "publisher")
     # WHEN a second request hits it, then stores its whole prompt (the cached blocks too)
     second = prefill(pool, "hitter", start=0)
-    # THEN one finding per shared block, named by the writer and the store's line
+    # THEN one finding per shared block, named by the writer and the store's line, with the
+    # line that called the engine's store helper (the prefill, where the slots were worked
+    # out: the frames outside kvscope, up to three)
     shared = first.block_table[:2]
     assert second.block_table[:2] == shared
     (a, b) = found(pool)
     assert {a.block, b.block} == set(shared)
     for f in (a, b):
         assert f.kind == "published_block_modified" and f.request == "hitter"
-        assert f"at tests/test_store_writers.py:{STORE_LINE} store: " in f.message
+        at = f"at tests/test_store_writers.py:{STORE_LINE} store <- tests/test_store_writers.py:"
+        assert at in f.message and " prefill" in f.message, f.message
         assert "published by request 'publisher'" in f.message
 
 

@@ -130,18 +130,20 @@ static inline int store_bad_block(Native *n, int64_t b) {
 }
 
 /* The line that called the store (a new reference, or NULL with an exception set): the first
- * frame outside kvscope, and, where the ownership probe records stacks (KVSCOPE_STACK_DEPTH=N),
- * its callers outside kvscope up to N frames, `frame <- caller <- ...` as an allocation
- * site's stack reads: an engine's store is often a helper of its own, called from where the
- * slots were worked out. */
-enum { STORE_SITE_CHARS = 100 };
+ * frame outside kvscope and its callers outside kvscope, `frame <- caller <- ...` as an
+ * allocation site's stack reads, up to STORE_SITE_FRAMES frames, or N where the ownership probe
+ * records stacks (KVSCOPE_STACK_DEPTH=N): an engine's store is often a helper of its own
+ * (`write_kv`), called from where the slots were worked out, which is the line to blame. Looked
+ * up at a finding only, so the callers cost nothing on a clean store. */
+enum { STORE_SITE_CHARS = 100, STORE_SITE_FRAMES = 3 };
 
 static PyObject *store_site(Native *n) {
     int err;
     PyFrameObject *f = frame_outward(n, (PyFrameObject *)Py_XNewRef(PyEval_GetFrame()), 0, &err);
     if (err) return NULL;
     if (f == NULL) return PyUnicode_FromString("<kvscope>");
-    int depth = (n->probes & P_SITES_EACH) ? (int)((n->probes >> P_SITE_DEPTH_SHIFT) & 0x1f) : 1;
+    int depth = (n->probes & P_SITES_EACH) ? (int)((n->probes >> P_SITE_DEPTH_SHIFT) & 0x1f)
+                                           : STORE_SITE_FRAMES;
     PyObject *text = frame_text(f);
     PyFrameObject *g = PyFrame_GetBack(f);
     Py_DECREF(f);
