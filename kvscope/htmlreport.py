@@ -7,7 +7,6 @@ and every finding with its allocation and release history and stack.
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from kvscope import __version__
 from kvscope.allocator.layout import BlockState, SegmentView
 from kvscope.charts import block_map, esc, histogram, legend, line_chart
 from kvscope.history import History
-from kvscope.report import counted, grouped
+from kvscope.report import counted, grouped, when_text
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 980px;
@@ -39,12 +38,6 @@ code, pre { font: 12px ui-monospace, monospace; } pre { margin: 2px 0; white-spa
 .hists { display: flex; flex-wrap: wrap; gap: 12px; }
 """
 COLOURS = {"allocated": "#2e7d32", "cached": "#2166ac", "free": "#9e9e9e", "local": "#00838f"}
-
-
-def _when(ns: int) -> str:
-    if not ns:
-        return "?"
-    return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="milliseconds")
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:
@@ -70,7 +63,7 @@ def _header(analysis: dict[str, Any], source: str) -> str:
     probes = ", ".join(f"{k} {'on' if v else 'off'}" for k, v in pool["flags"].items())
     dump = pool.get("dump")
     origin = (
-        f"dump written {_when(dump['created_ns'])} about pid {dump['pid']} on {dump['host']}"
+        f"dump written {when_text(dump['created_ns'])} about pid {dump['pid']} on {dump['host']}"
         + (f": {dump['reason']}" if dump.get("reason") else "")
         if dump
         else "live pool"
@@ -258,7 +251,7 @@ def _sharing(view: SegmentView, history: History | None) -> str:
 
 def _event_rows(events: list[dict[str, Any]]) -> str:
     rows = "".join(
-        f"<tr><td>{esc(_when(e['time_ns']))}</td><td>pid {e['pid']}</td><td>{esc(e['op'])}</td>"
+        f"<tr><td>{esc(when_text(e['time_ns']))}</td><td>pid {e['pid']}</td><td>{esc(e['op'])}</td>"
         f"<td class=n>gen {e['generation']}</td><td>{esc(e.get('request') or '')}</td></tr>"
         for e in events
     )
@@ -291,7 +284,7 @@ def _finding(f: dict[str, Any]) -> str:
         ("blocks", where or None),
         ("owner pid", f.get("owner_pid")),
         ("request", f.get("request")),
-        ("allocated", _when(f["alloc_ns"]) if f.get("alloc_ns") else None),
+        ("allocated", when_text(f["alloc_ns"]) if f.get("alloc_ns") else None),
         ("source", f.get("source")),
         (
             "read before its K/V was written by",
@@ -309,7 +302,7 @@ def _finding(f: dict[str, Any]) -> str:
         (
             "written after its last intact check",
             f"{f['intact_at']['op'].replace('_', ' ')} of {f['intact_at']['request']!r} (pid"
-            f" {f['intact_at']['pid']}, {_when(f['intact_at']['time_ns'])}); held since by "
+            f" {f['intact_at']['pid']}, {when_text(f['intact_at']['time_ns'])}); held since by "
             + (", ".join(map(repr, f.get("held_since_intact") or [])) or "no request")
             if f.get("intact_at")
             else None,
@@ -359,7 +352,7 @@ def build_report(
             _sharing(view, history),
             _leases(analysis),
             _findings(analysis),
-            f'<p class="sub">kvscope {esc(__version__)}, {esc(_when(_now_ns()))}.'
+            f'<p class="sub">kvscope {esc(__version__)}, {esc(when_text(_now_ns()))}.'
             " This file needs no network and runs no script.</p>",
         ]
     )

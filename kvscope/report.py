@@ -31,7 +31,9 @@ def console(file: IO[str] | None = None) -> Console:
     return Console(file=out, highlight=False, soft_wrap=True, width=width)
 
 
-def _when(ns: int) -> str:
+def when_text(ns: int) -> str:
+    """A wall-clock time (ns since the epoch) as every reader prints a moment: date and time to
+    the millisecond ("?" for none)."""
     if not ns:
         return "?"
     return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="milliseconds")
@@ -42,7 +44,7 @@ def _event_line(e: dict[str, Any], with_block: bool = False) -> str:
     req = f" request {e['request']!r}" if e.get("request") else ""
     blk = f"  block {e['block']}" if with_block and e.get("block", -1) >= 0 else ""
     return (
-        f"{_when(e['time_ns'])}  pid {e['pid']}  {e['op']}{blk}  gen {e['generation']}"
+        f"{when_text(e['time_ns'])}  pid {e['pid']}  {e['op']}{blk}  gen {e['generation']}"
         f"  arg {e['arg']}{req}"
     )
 
@@ -97,7 +99,7 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
         extra = f" ({', '.join(notes)})" if notes else ""
         con.print(
             escape(
-                f"dump written {_when(dump['created_ns'])} about pid {dump['pid']}"
+                f"dump written {when_text(dump['created_ns'])} about pid {dump['pid']}"
                 f" on {dump['host'] or '?'}{why}{extra}"
             )
         )
@@ -250,7 +252,7 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         con.print(
             "      [bold]first bad event:[/bold] " + escape(_event_line(f["first_bad_event"]))
         )
-    at = f" ({_when(f['alloc_ns'])})" if f.get("alloc_ns") else ""
+    at = f" ({when_text(f['alloc_ns'])})" if f.get("alloc_ns") else ""
     sites = f.get("block_sites") or {}
     if len(sites) > 1:
         # (blocks of one request allocated at several lines: a shared prefix's, its own)
@@ -263,7 +265,9 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
     elif f.get("site"):
         con.print(escape(f"      allocated at {f['site']}{at}"))
     elif f.get("alloc_ns"):
-        con.print(escape(f"      allocated {_when(f['alloc_ns'])} (allocation site not recorded)"))
+        con.print(
+            escape(f"      allocated {when_text(f['alloc_ns'])} (allocation site not recorded)")
+        )
     events = f.get("events") or []
     pid, whose = f.get("owner_pid"), ""
     if f["kind"] == "leak_dead_owner" and pid and any(e["pid"] == pid for e in events):
@@ -341,7 +345,7 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
         con.print(
             escape(
                 f"      K/V intact at the {at['op'].replace('_', ' ')} of {at['request']!r} (pid"
-                f" {at['pid']}, {_when(at['time_ns'])}): {who} (or through a table or slot that"
+                f" {at['pid']}, {when_text(at['time_ns'])}): {who} (or through a table or slot that"
                 " does not map it)"
             )
         )
@@ -350,7 +354,7 @@ def _finding(con: Console, f: dict[str, Any], style: str) -> None:
 def _focus_value(k: str, v: Any) -> str:
     """One field of `--block` / `--request` as text: a time as a time, a list as its items."""
     if k.endswith("_ns") and isinstance(v, int) and v > 0:
-        return _when(v)
+        return when_text(v)
     if isinstance(v, list):
         return ", ".join(repr(x) if isinstance(x, str) else str(x) for x in v) or "none"
     return repr(v) if k == "request" and isinstance(v, str) else str(v)

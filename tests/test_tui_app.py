@@ -533,3 +533,69 @@ async def test_top_s_header_says_each_probe_on_or_off_in_words(make_pool):
         await settle(pilot, app)
         # THEN the header's plain text says they are off (not only a dim strike-through style)
         assert "probes: guard off, events off, lockdep off" in app.query_one(PoolHeader)._text
+
+
+@sync
+async def test_top_s_header_accounts_for_every_block_and_says_when_it_was_read(make_pool):
+    # GIVEN a live pool with blocks allocated, cached, in a local cache, quarantined and free
+    from kvscope.tui.frame import clock
+    from kvscope.tui.widgets.header import PoolHeader
+    from tests.test_ls import every_state
+
+    pool = make_pool(16)
+    lease = every_state(pool)
+    app = TopApp(LiveSource(pool.name), hz=20)
+    async with app.run_test(size=(240, 48)) as pilot:
+        await settle(pilot, app)
+        text = app.query_one(PoolHeader)._text
+        # THEN the header's counts add up to the pool's 16 blocks (2 + 9 + 1 + 1 + 3)
+        assert "used 2 (12.5%)  free 9  cached 1  local 1  quarantined 3  seqs 1" in text
+        # AND it says when the snapshot it shows was read, to the millisecond
+        assert f"read {clock(app.frame.taken_ns)}" in text
+    lease.release()
+
+
+@sync
+async def test_one_frame_s_numbers_come_from_its_own_snapshot(make_pool):
+    # GIVEN top showing a live frame of a pool with one sequence
+    from kvscope.tui.frame import Frame
+    from kvscope.tui.widgets.header import PoolHeader
+    from kvscope.tui.widgets.sparklines import Trends
+
+    pool = make_pool(16)
+    pool.allocate("one", list(range(4)))
+    app = TopApp(ViewSource(snapshot(pool.view)))
+
+    def frame_of(taken_ns: int) -> Frame:
+        view = snapshot(pool.view)
+        return Frame(
+            view=view,
+            stats=pool_stats(view),
+            findings=[],
+            taken_ns=taken_ns,
+            copy_ms=0.0,
+            torn=False,
+            live=True,
+        )
+
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, app)
+        t0 = 10**18
+        app.frame = frame_of(t0)
+        await pilot.pause(0.05)
+        sampled = len(app.query_one(Trends).samples[0])
+        # WHEN the next frame, a tenth of a second later, has two more sequences
+        pool.allocate("two", list(range(100, 108)))
+        pool.allocate("three", list(range(200, 212)))
+        app.frame = frame_of(t0 + 100_000_000)
+        await pilot.pause(0.05)
+        # THEN the header, the sequences panel's title and rows, and the trends' labels all
+        # say that frame's numbers (the sparklines themselves sample twice a second)
+        header = app.query_one(PoolHeader)._text
+        seqs = app.query_one(SequenceList)
+        labels = app.query_one(Trends).labels
+        assert "37.5%" in header and "seqs 3 " in header
+        assert str(seqs.border_title) == "sequences (3)" and seqs.num_rows == 3
+        assert labels[0] == "utilization 37.5%"
+        assert labels[1] == f"free blocks {app.frame.stats['num_free']}"
+        assert len(app.query_one(Trends).samples[0]) == sampled

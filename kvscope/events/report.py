@@ -12,7 +12,6 @@ stores and removals per hash (the most stored, how long hashes stayed); the pref
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from typing import Any
@@ -26,6 +25,7 @@ from kvscope.errors import EXIT_OK, UsageError
 from kvscope.events.walk import Series, StreamWalk, Walked, walk_file
 from kvscope.events.wire import hash_text
 from kvscope.htmlreport import CSS
+from kvscope.report import when_text
 
 EXTRA_CSS = """
 ul.tree { list-style: none; padding-left: 18px; margin: 2px 0; }
@@ -41,12 +41,6 @@ TOP_HASHES = 15
 # Rates over time: at most this many intervals.
 RATE_BINS = 100
 HASH_CHARS = 16
-
-
-def _when(ns: int) -> str:
-    if not ns:
-        return "?"
-    return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="milliseconds")
 
 
 def _h(h: Any) -> str:
@@ -90,7 +84,7 @@ def _header(walked: Walked) -> str:
         f"<h1>kvscope report: KV-event stream {esc(os.path.basename(walked.path))}</h1>"
         f'<p class="sub">{esc(walked.path)} &middot; recorded from {esc(eps)}'
         + (f" (replay {esc(replay)})" if replay else "")
-        + f" &middot; started {esc(_when(int(head.get('created_ns') or 0)))}</p>"
+        + f" &middot; started {esc(when_text(int(head.get('created_ns') or 0)))}</p>"
         f"<p><b>health:</b> {health}</p>"
     )
 

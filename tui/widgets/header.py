@@ -17,6 +17,22 @@ def _s(v: bytes) -> str:
     return bytes(v).rstrip(b"\0").decode(errors="replace")
 
 
+def usage(st: dict) -> str:
+    """Where every block of the pool is, from one snapshot's `pool_stats`: the allocated ones
+    (and their share, `utilization`), then free and cached, and the blocks in processes' local
+    caches and quarantined (guard mode, or freed while leased) when there are any: the counts
+    shown add up to the pool's size."""
+    out = (
+        f"used {st['num_allocated']:,} ({100 * st['utilization']:.1f}%)"
+        f"  free {st['num_free']:,}  cached {st['num_cached']:,}"
+    )
+    if st["num_local"]:
+        out += f"  local {st['num_local']:,}"
+    if st["num_quarantined"]:
+        out += f"  quarantined {st['num_quarantined']:,}"
+    return out
+
+
 class PoolHeader(Widget):
     """Two lines: what the pool is, and how it is doing."""
 
@@ -75,10 +91,14 @@ class PoolHeader(Widget):
             t.append(" healthy ", style="bold black on green")
         if errors and warnings:
             t.append(f" {warnings} warnings", style="yellow")
-        t.append(
-            f"  used {100 * st['utilization']:.1f}%  free {st['num_free']:,}  cached {st['num_cached']:,}"
-            f"  seqs {st['num_sequences']}  procs {st['num_clients']}  "
-        )
+        mode_style = "bold reverse" if "paused" in self.mode.lower() else "bold"
+        # (a short mode next, "live 10 Hz", "PAUSED (p resumes)": a line longer than the terminal is
+        # cut at its right edge; a dump's path or a replay's step goes last)
+        first = len(self.mode) <= 32
+        if first:
+            t.append("  ")
+            t.append(self.mode, style=mode_style)
+        t.append(f"  {usage(st)}  seqs {st['num_sequences']}  procs {st['num_clients']}  ")
         if st["num_exhausted"]:
             # (a caught PoolExhausted leaves no finding: the count is its only trace here)
             t.append(f"PoolExhausted {st['num_exhausted']:,}  ", style="bold red")
@@ -86,7 +106,8 @@ class PoolHeader(Widget):
         if held:
             quarantined = int(frame.view.lease_header["quarantined"][0])
             t.append(f"leases {held} ({quarantined} quarantined)  ", style="cyan")
-        t.append(self.mode, style="bold reverse" if "paused" in self.mode else "bold")
+        if not first:
+            t.append(self.mode, style=mode_style)
         gpu = frame.extra.get("gpu")
         if gpu:
             data = int(h["data_bytes"])
@@ -98,8 +119,11 @@ class PoolHeader(Widget):
             )
         if frame.torn:
             t.append("  torn snapshot", style="bold red")
-        if not frame.live and frame.taken_ns:
-            t.append(f"  taken {clock(int(frame.taken_ns))}", style="dim")
+        if frame.taken_ns:
+            # when the snapshot shown was read (a dump: when it was taken), to line it up with
+            # what another reader printed
+            word = "read" if frame.live else "taken"
+            t.append(f"  {word} {clock(int(frame.taken_ns))}", style="dim")
         if t.plain != self._text:
             self._text = t.plain
             segments = t.render(self.app.console)

@@ -9,8 +9,6 @@ from kvscope.tui.messages import BlockChosen, SequenceChosen
 from kvscope.tui.widgets import retitle
 from kvscope.tui.widgets.rows import Row, RowsView
 
-# How often a live pool's sequence count in the title may change (see SequenceList).
-TITLE_EVERY_NS = 500_000_000
 SEQ_STYLES = {
     "running": None,
     "waiting": "yellow",
@@ -33,7 +31,6 @@ class SequenceList(RowsView):
         self.border_title = "sequences"
         self.empty_text = "no live sequences"
         self.slots: list[int] = []
-        self._titled_ns = -TITLE_EVERY_NS
 
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
@@ -56,11 +53,9 @@ class SequenceList(RowsView):
                 SEQ_STYLES.get(state),
             )
 
-        # A busy pool's count moves every frame, and a new title repaints the whole panel: on a
-        # live pool the count is shown twice a second.
-        if not frame.live or frame.taken_ns - self._titled_ns >= TITLE_EVERY_NS:
-            self._titled_ns = frame.taken_ns
-            retitle(self, f"sequences ({len(self.slots)})")
+        # The count of the rows shown, from this frame as the header's `seqs` is (a new title
+        # repaints the whole panel, but only when the count changed: when rows did too).
+        retitle(self, f"sequences ({len(self.slots)})")
         self.set_rows(len(self.slots), row_of)
         self._place_cursor()
 

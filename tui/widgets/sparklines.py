@@ -7,6 +7,7 @@ from collections import deque
 import numpy as np
 from rich.segment import Segment
 from rich.style import Style
+from textual.geometry import Region
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
@@ -34,6 +35,7 @@ class Trends(Widget):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._last: tuple[int, int] | None = None
+        self._rate = 0.0
         self.samples: list[deque[float]] = [deque(maxlen=HISTORY) for _ in TITLES]
         self.labels = [t for t in TITLES]
         self._strips: dict[int, Strip] = {}
@@ -48,27 +50,43 @@ class Trends(Widget):
         self._strips.clear()
         self.refresh()
 
+    def relabel(self, texts: tuple[str, str, str, str]) -> None:
+        """Show `texts` as the trends' current values without a new sample (only the label
+        line is repainted, and only when it changed)."""
+        labels = [f"{t} {x}" for t, x in zip(TITLES, texts)]
+        if labels != self.labels:
+            self.labels = labels
+            self._strips.pop(0, None)
+            self.refresh(Region(0, 0, self.content_size.width, 1))
+
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
             return
-        if frame.live and self._last is not None and frame.taken_ns - self._last[1] < EVERY_NS:
-            return
         st = frame.stats
-        allocs, now = st["num_allocs"], frame.taken_ns
-        rate = 0.0
-        if self._last is not None and now > self._last[1]:
-            rate = max(0.0, (allocs - self._last[0]) / ((now - self._last[1]) / 1e9))
-        if self._last is None or now != self._last[1]:
-            self._last = (allocs, now)
-        self.add(
-            (st["utilization"], st["num_free"], rate, st["prefix_hit_rate"]),
-            (
-                f"{100 * st['utilization']:.1f}%",
-                f"{st['num_free']:,}",
-                f"{rate:,.0f}",
-                f"{100 * st['prefix_hit_rate']:.1f}% of {st['prefix_queries']:,}",
-            ),
+        # The labels say this frame's values, as the header does (the same snapshot): on a
+        # live pool the sparklines take a sample every EVERY_NS, the labels follow every frame
+        # (allocs/s, a rate, is the one over the last sample's interval).
+        sample = not (
+            frame.live and self._last is not None and frame.taken_ns - self._last[1] < EVERY_NS
         )
+        if sample:
+            allocs, now = st["num_allocs"], frame.taken_ns
+            rate = 0.0
+            if self._last is not None and now > self._last[1]:
+                rate = max(0.0, (allocs - self._last[0]) / ((now - self._last[1]) / 1e9))
+            if self._last is None or now != self._last[1]:
+                self._last = (allocs, now)
+            self._rate = rate
+        texts = (
+            f"{100 * st['utilization']:.1f}%",
+            f"{st['num_free']:,}",
+            f"{self._rate:,.0f}",
+            f"{100 * st['prefix_hit_rate']:.1f}% of {st['prefix_queries']:,}",
+        )
+        if sample:
+            self.add((st["utilization"], st["num_free"], self._rate, st["prefix_hit_rate"]), texts)
+        else:
+            self.relabel(texts)
 
     def on_resize(self) -> None:
         self._strips.clear()
