@@ -50,6 +50,26 @@ def _unwritten(request, block, lo, hi, events, site="engine.py:89 admit", **extr
     }
 
 
+def _lost_and_written(writer: str, block: int, holder: str) -> dict:
+    """`writer`'s store into `block`, which a preemption took from it and `holder` holds now
+    (the store probe's unmapped_write, the block's events up to it)."""
+    return {
+        "kind": "unmapped_write",
+        "block": block,
+        "request": writer,
+        "message": f"request {writer!r} stored K/V into block {block} at e.py:9 store, which it"
+        f" does not map (held by request {holder!r}, pid 7)",
+        "time_ns": 9,
+        "events": [
+            _ev("allocate", block, 1, 1, writer),
+            _ev("preempt", block, 1, 2, writer),
+            _ev("free", block, 1, 3, writer),
+            _ev("allocate", block, 2, 4, holder),
+            _ev("finding", block, 2, 9, writer),
+        ],
+    }
+
+
 def _copy_and_source() -> list[dict]:
     """'w2' forked (its two samples share the id) with position 14 of its prompt's last
     block 35 never written; the first sample's append copied block 35 into 49, and both
@@ -309,20 +329,7 @@ def test_beside_the_slot_formula_no_other_cause_of_unwritten_positions_is_named(
         _unwritten("r9", 22, 0, 3, [_ev("allocate", 22, 2, 9, "r9")], preempted_blocks=[1, 12]),
         _unwritten("r9", 27, 0, 3, [_ev("allocate", 27, 1, 2, "r9")], read_unwritten=["r9/s1"]),
         # and a stray write into a block its writer had lost to a preemption
-        {
-            "kind": "unmapped_write",
-            "block": 17,
-            "request": "r18",
-            "message": "request 'r18' stored K/V into block 17 at e.py:9 store, which it does"
-            " not map (held by request 'r3', pid 7)",
-            "time_ns": 9,
-            "events": [
-                _ev("allocate", 17, 1, 1, "r18"),
-                _ev("preempt", 17, 1, 2, "r18"),
-                _ev("free", 17, 1, 3, "r18"),
-                _ev("allocate", 17, 2, 4, "r3"),
-            ],
-        },
+        _lost_and_written("r18", 17, "r3"),
     ]
     # WHEN the causes are named
     causes = likely_causes(GUARD, found)
@@ -491,21 +498,7 @@ def test_a_preempted_request_writing_into_a_block_it_hit_is_the_stale_table_not_
     # preemption: once into block 7, which the preemption took from it and 'r100' holds now,
     # and once into block 9, published by 'r117', which its resume maps by a prefix hit (the
     # trial's stale-resume bug)
-    lost = {
-        "kind": "unmapped_write",
-        "block": 7,
-        "request": "r131",
-        "message": "request 'r131' stored K/V into block 7 at e.py:92 write_kv, which it does"
-        " not map (held by request 'r100', pid 7)",
-        "time_ns": 9,
-        "events": [
-            _ev("allocate", 7, 3, 1, "r131"),
-            _ev("preempt", 7, 3, 2, "r131"),
-            _ev("free", 7, 3, 3, "r131"),
-            _ev("allocate", 7, 4, 4, "r100"),
-            _ev("finding", 7, 4, 9, "r131"),
-        ],
-    }
+    lost = _lost_and_written("r131", 7, "r100")
     hit = {
         "kind": "published_block_modified",
         "block": 9,
