@@ -170,12 +170,12 @@ def merge(recorded: list[Finding], checked: list[Finding]) -> list[Finding]:
             if len(first[1]) > 1:
                 continue
         out.append(f)
-    for (*_, words), (at, seen) in places.items():
-        if len(seen) > 1:
+    for (*_, words), (at, saw) in places.items():
+        if len(saw) > 1:
             out[at] = replace(
                 out[at],
-                message=seen_together(words, seen),
-                extra={**out[at].extra, "seen_at": seen},
+                message=seen_together(words, saw),
+                extra={**out[at].extra, "seen_at": saw},
             )
     # Checked findings repeat each other only when they say the same thing: two locks one
     # stopped process holds are two findings about no block.

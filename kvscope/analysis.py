@@ -937,23 +937,23 @@ def likely_causes(
     explained = early or resumed or lost or slots_wrong
     shifted = [] if explained else _own_prefix_rewritten(late, findings)
     if shifted:
-        writers = {stored_by(f) for f in shifted}
-        left = [
+        shifters = {stored_by(f) for f in shifted}
+        unwritten_own = [
             f
             for f in findings
-            if f["kind"] == FindingKind.KV_NEVER_WRITTEN and f.get("request") in writers
+            if f["kind"] == FindingKind.KV_NEVER_WRITTEN and f.get("request") in shifters
         ]
         # (first: the copies and hits of the positions it left unwritten follow from it)
         causes.insert(
             0,
             f"requests that stored K/V into their own published prefix blocks"
             f" ({_blocks_of(shifted)}) and left later positions of their own unwritten"
-            f" ({_blocks_of(left)}): the K/V of later positions went to the slots of earlier"
-            f" ones, as a chunked prefill does that stores each chunk at positions counted"
+            f" ({_blocks_of(unwritten_own)}): the K/V of later positions went to the slots of"
+            f" earlier ones, as a chunked prefill does that stores each chunk at positions counted"
             f" from the chunk's start (0, 1, ...) instead of its own [s, e); store chunk"
             f" [s, e) at pool.slot_mapping(seq, s, e)",
         )
-        late = [f for f in late if stored_by(f) not in writers]
+        late = [f for f in late if stored_by(f) not in shifters]
     if late and not explained:
         causes.append(
             f"published blocks whose K/V changed while no other request mapped them"
