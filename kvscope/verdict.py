@@ -174,7 +174,7 @@ def finish(
     if unproved:
         return EXIT_FINDINGS, dumped
     if (fail_on == "error" and errored) or (fail_on == "leak" and (errored or leaked)):
-        echo(f"kvscope: {what}, but {_matched(found, outcome, fail_on)}: exit {EXIT_FAIL_ON}")
+        echo(f"kvscope: {what}, but {_matched(errored, leaked, fail_on)}: exit {EXIT_FAIL_ON}")
         return EXIT_FAIL_ON, dumped
     return 0, dumped
 
@@ -184,15 +184,12 @@ def finish(
 _FAILS_ON = {"leak": "errors and leaks", "error": "errors other than leaks"}
 
 
-def _matched(found: list[Finding], outcome: Outcome, fail_on: str) -> str:
+def _matched(errored: bool, leaked: bool, fail_on: str) -> str:
     """What matched --fail-on, in words: 'findings of severity error matched --fail-on leak
     (it fails a run on errors and leaks)', 'leaks matched ...', or both; under `error`, only
     the errors count."""
-    what = ["findings of severity error"] if any(is_error(f) for f in found) else []
-    if fail_on == "leak" and (
-        any(is_leak(f) for f in found)
-        or any(v.get("blocks") or v.get("leaks") for v in outcome.exit_checks.values())
-    ):
+    what = ["findings of severity error"] if errored else []
+    if fail_on == "leak" and leaked:
         what.append("leaks")
     policy = f"--fail-on {fail_on} (it fails a run on {_FAILS_ON[fail_on]})"
     return f"{' and '.join(what)} matched {policy}"
