@@ -54,8 +54,9 @@ def _segment_fds(path: str) -> int:
 
 @pytest.mark.slow
 def test_a_collected_old_handle_does_not_release_a_live_operations_locks(make_pool):
-    # GIVEN a process with the events probe on (its handles sit in reference cycles) that
-    # attached, closed, dropped and attached again, leaving the old mapping to the collector
+    # GIVEN a process with the events probe on that attached, closed, dropped and attached
+    # again, the old handle left in a reference cycle (the program's: a pool lets go of its
+    # mapping with its last reference), so its mapping waits for the collector
     pool = make_pool(32)
     held_r, held_w = os.pipe()
     seen_r, seen_w = os.pipe()
@@ -66,7 +67,9 @@ def test_a_collected_old_handle_does_not_release_a_live_operations_locks(make_po
         old = KVPool.attach(pool.name)
         assert old.probe is not None
         old.close()
-        del old
+        cycle: list = [old]
+        cycle.append(cycle)
+        del old, cycle
         new = KVPool.attach(pool.name)
         before = _segment_fds(pool._mf.path)
 
