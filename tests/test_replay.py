@@ -4,12 +4,13 @@ truncated or edited log is a one-line error."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,21 @@ def record(path: Path, name: str, fault: str | None, n_ops: int = 400) -> None:
         pool.verify()
     finally:
         faults.configure(None)
+        pool.close()
+        pool.unlink()
+
+
+@contextlib.contextmanager
+def recording(path: Path, name: str) -> Iterator[KVPool]:
+    """A new guard-mode pool with every probe on, recording its operations into `path` (the
+    probes before the recording: its START lists them, and the replay's free returns blocks
+    where the recording's did, as its close compares); closed and unlinked after."""
+    pool = KVPool.create(name, PoolConfig(**CONFIG, guard=True))
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        pool.record_ops(str(path))
+        yield pool
+    finally:
         pool.close()
         pool.unlink()
 
@@ -1042,12 +1058,7 @@ def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, poo
     path = tmp_path / "run.ops"
     # (guard mode's guard slot a slot of its own: the replay writes each store's K/V, and a
     # pool without one keeps the guard probe's canary in the last token slot)
-    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, guard=True))
-    try:
-        # (the probes before the recording: its START lists them, and the replay's free
-        # returns blocks where the recording's did, as its close compares)
-        pool.probe = PoolProbes(pool, ALL_PROBES)
-        pool.record_ops(str(path))
+    with recording(path, pool_name) as pool:
         a = pool.allocate("a", list(range(9)))
         b = pool.allocate("b", list(range(50, 56)))
         slots = pool.slot_mapping(b, 0, 6)[::-1] + [-1, -1] + pool.slot_mapping(a, 0, 9)
@@ -1060,9 +1071,6 @@ def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, poo
         ids = (b.seq_id, a.seq_id)
         pool.free(a)
         pool.free(b)
-    finally:
-        pool.close()
-        pool.unlink()
     log = read_log(str(path))
     stores = [r for r in log.records if r.op == OpCode.STORE]
     assert len(stores) == 4
@@ -1685,10 +1693,7 @@ def test_a_shrink_keeps_the_operation_that_found_it_not_another_that_finds_the_k
     holds: the shrunk run finds the kind at the recorded store, of the request that freed, not
     at the other store (a false reproduction)."""
     path = tmp_path / "run.ops"
-    pool = KVPool.create(pool_name, PoolConfig(**CONFIG, guard=True))
-    try:
-        pool.probe = PoolProbes(pool, ALL_PROBES)
-        pool.record_ops(str(path))
+    with recording(path, pool_name) as pool:
         a = pool.allocate("a", list(range(8)))
         late = pool.slot_mapping(a, 0, 8)
         b = pool.allocate("b", list(range(50, 58)))
@@ -1696,9 +1701,6 @@ def test_a_shrink_keeps_the_operation_that_found_it_not_another_that_finds_the_k
         pool.free(a)
         Writers(pool, [(a, 0, 8)]).check(np.array(late))  # (the bug: a store after the free)
         pool.free(b)
-    finally:
-        pool.close()
-        pool.unlink()
     log = read_log(str(path))
     out = replay(log, quiet=True)
     assert out.reason == "finding" and out.got is not None
