@@ -37,6 +37,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from kvscope.allocator.handle import OwnerRef
+
 if TYPE_CHECKING:
     from kvscope.allocator.handle import PoolHandle
     from kvscope.allocator.probeflags import ProbeFlags
@@ -57,6 +59,8 @@ DEFERRED_ON_CPU = False
 
 class DeviceChecks:
     """The core's queue of one pool handle's checks of the K/V (a CUDA pool's)."""
+
+    pool = OwnerRef()  # (the pool's probes hold this as `later`)
 
     def __init__(self, pool: PoolHandle, flags: ProbeFlags):
         self.pool = pool

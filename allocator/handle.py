@@ -7,6 +7,7 @@ typing imports included: tests/test_imports.py). KVPool is the one class that ha
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -65,3 +66,22 @@ class PoolHandle(Protocol):
     def close(self) -> None: ...
 
     def unlink(self) -> None: ...
+
+
+class OwnerRef:
+    """A member holding the pool handle that owns the object (its probes, its K/V checks'
+    queue, its store checks) weakly: `self.pool = pool` stores a weak reference and `self.pool`
+    reads the handle back. The handle holds the object, so a strong reference back would be a
+    cycle, which keeps a closed pool's segment mapped until the cyclic collector runs (a
+    program that creates and closes pools, a shrink's thousand candidates)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}_ref"
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj, self.slot)()
+
+    def __set__(self, obj: object, handle: Any) -> None:
+        setattr(obj, self.slot, weakref.ref(handle))

@@ -10,7 +10,6 @@ findings the core wrote, read back for `on_finding` (`ring_findings`). The pool 
 from __future__ import annotations
 
 import re
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +17,7 @@ import numpy as np
 from kvscope.allocator import devicechecks, integrity
 from kvscope.allocator.events import events_for_block, recent_events
 from kvscope.allocator.findings import Finding, FindingKind, finding_at
+from kvscope.allocator.handle import OwnerRef
 from kvscope.allocator.layout import FINDINGS_CAPACITY
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.sites import site_text, stack_depth
@@ -36,10 +36,10 @@ NATIVE_SITE_DEPTH_SHIFT = 16  # the frames per site, from this bit up
 class PoolProbes:
     """Probe state of one pool handle."""
 
+    pool = OwnerRef()  # (the pool holds this as `probe`)
+
     def __init__(self, pool: PoolHandle, flags: ProbeFlags):
-        # (weakly: the pool holds this as `probe`; a cycle would keep a closed pool's segment
-        # mapped until the cyclic collector ran, which a loop of few allocations delays)
-        self._pool = weakref.ref(pool)
+        self.pool = pool
         self.flags = flags
         # frames per allocation site (KVSCOPE_STACK_DEPTH), with the ownership probe
         self.site_depth = stack_depth() if flags.ownership else 0
@@ -49,10 +49,6 @@ class PoolProbes:
         # The C core's queue of checks of the K/V whose answers come later (a CUDA pool's:
         # devicechecks.py; None where the core checks the bytes itself, in its operations).
         self.later = devicechecks.for_pool(pool, flags)
-
-    @property
-    def pool(self) -> PoolHandle:
-        return self._pool()  # type: ignore[return-value]
 
     def native_bits(self) -> int:
         """The probes as the C core's probe word (P_* of allocator/csrc/core.h)."""

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvscope.allocator.handle import OwnerRef
 from kvscope.allocator.oplog import STORE_BLOCKS, STORE_SLOTS
 from kvscope.allocator.sites import caller_stack, stack_depth
 
@@ -108,15 +109,13 @@ class _PoolChecks:
     check itself is the C core's (`store_check`: csrc/stores.c), which writes its findings into
     the ring; they are handed to `on_finding` here."""
 
-    def __init__(self, pool: KVPool | Any):
-        # (weakly: `_CHECKS` holds this as its key's value, so a strong reference would keep
-        # every pool a process ever checked a store of mapped, its segment included)
-        self._pool = weakref.ref(pool)
-        self.pending: list[tuple[torch.Tensor, torch.cuda.Event, _Written]] = []
+    # (`_CHECKS` holds this as its key's value: a strong reference would keep every pool a
+    # process ever checked a store of mapped, its segment included)
+    pool = OwnerRef()
 
-    @property
-    def pool(self) -> KVPool | Any:
-        return self._pool()
+    def __init__(self, pool: KVPool | Any):
+        self.pool = pool
+        self.pending: list[tuple[torch.Tensor, torch.cuda.Event, _Written]] = []
 
     def check(self, writers: Writers, slot_mapping: Any) -> None:
         pool = self.pool

@@ -488,18 +488,22 @@ def test_a_prompts_blocks_share_one_index_shard(make_pool):
     assert pool.check() == []
 
 
+@pytest.mark.parametrize("deferred", [False, True])
 def test_a_closed_pool_with_every_probe_lets_go_of_its_segment_with_its_last_reference(
-    probes, monkeypatch, pool_name
+    probes, monkeypatch, pool_name, deferred
 ):
-    # GIVEN a pool in guard mode with lockdep, slot provenance and a store check, closed and
-    # unlinked, with the cyclic collector off (a loop of few allocations may not run it for
-    # a long while)
+    # GIVEN a pool in guard mode with lockdep, slot provenance and a store check (and with its
+    # K/V checks queued, as a CUDA pool's are), closed and unlinked, with the cyclic collector
+    # off (a loop of few allocations may not run it for a long while)
     import gc
     import weakref
 
+    from kvscope.allocator import devicechecks
     from kvscope.probes.stores import Writers
 
     monkeypatch.setenv("KVSCOPE_PROVENANCE_SAMPLE", "1")
+    # (deferred: its K/V checks through the core's queue, as a CUDA pool's are)
+    monkeypatch.setattr(devicechecks, "DEFERRED_ON_CPU", deferred)
     cfg = PoolConfig(num_blocks=16, block_size=4, head_dim=4, guard=True, lockdep=True)
     was = gc.isenabled()
     gc.disable()
