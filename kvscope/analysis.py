@@ -674,7 +674,7 @@ def likely_causes(
     if strays:
         causes.append(
             f"K/V stored into blocks their writer never held"
-            f" ({some([f'{w!r} into block {b}' for w, b in strays], 4)}): its slots were worked"
+            f" ({_writes_into(strays)}): its slots were worked"
             f" out from another sequence's block table (another request's row of a batch"
             f" table: an index off by one, rows out of step with the batch after a finish or a"
             f" preemption), so the writer's own positions stay unwritten; work out each"
@@ -684,7 +684,7 @@ def likely_causes(
     if unseen:
         causes.append(
             f"K/V stored into blocks that no operation of their writer the flight recorder still"
-            f" holds held ({some([f'{w!r} into block {b}' for w, b in unseen], 4)}): the"
+            f" holds held ({_writes_into(unseen)}): the"
             f" recorder lost the writer's older events, so its slots were worked out either from"
             f" another sequence's block table or from a table of its own kept from before (a"
             f" preemption, an abort, a copy-on-write); work out each sequence's slots from its"
@@ -1359,6 +1359,11 @@ def _never_written_alone(findings: list[dict[str, Any]]) -> list[dict[str, Any]]
     return out if len({f["request"] for f in out}) > 1 else []
 
 
+def _writes_into(writes: list[tuple[str, int]]) -> str:
+    """(writer, block) pairs as a cause names them: "'w' into block 7", the first 4."""
+    return some([f"{w!r} into block {b}" for w, b in writes], 4)
+
+
 def _scattered(f: dict[str, Any]) -> bool:
     """A kv_never_written whose unwritten positions have written ones between them."""
     got = unwritten_positions(f.get("message", ""))
@@ -1394,11 +1399,7 @@ def _never_written_sentence(alone: list[dict[str, Any]]) -> str:
     """The sentence for `_never_written_alone`'s findings."""
     by: dict[Any, list[str]] = {}
     for f in alone:
-        span = unwritten_span(f["message"])
-        assert span is not None
-        lo, hi = span
-        where = f"position {lo}" if lo == hi else f"positions {lo}-{hi}"
-        by.setdefault(f["request"], []).append(f"block {f['block']} {where}")
+        by.setdefault(f["request"], []).append(f"block {f['block']} {_positions_of(f)}")
     named = ", ".join(f"{r!r} {', '.join(b)}" for r, b in list(by.items())[:3]) + (
         f" and {len(by) - 3} more request(s)" if len(by) > 3 else ""
     )
