@@ -119,7 +119,7 @@ def render(report: dict[str, Any], con: Console | None = None, *, title: str = "
     warnings = [f for f in findings if f["severity"] != "error"]
     # (each finding the check counted past its cap too, as its "N more ... (M in all)" line does)
     n_errors, n_warnings = counted(errors), counted(warnings)
-    unlisted = sum(int(e[2]) for f in findings for e in f.get("not_listed") or ())
+    unlisted = sum(_unlisted(f) for f in findings)
     # the findings below are those listed: said when some are only counted
     also = f"; {unlisted} of them counted, not listed" if unlisted else ""
     if report["healthy"] and not warnings:
@@ -156,7 +156,13 @@ def counted(findings: list[dict[str, Any]]) -> int:
     """How many findings `findings` stand for: one each, but the one that counts the findings
     of a kind past the check's cap ("46 more leak_dead_owner findings not listed (96 in all)",
     its `not_listed` the count of each owner and request) stands for those it counts."""
-    return sum(sum(int(e[2]) for e in f.get("not_listed") or ()) or 1 for f in findings)
+    return sum(_unlisted(f) or 1 for f in findings)
+
+
+def _unlisted(f: dict[str, Any]) -> int:
+    """The findings a finding of the check's counts past its cap (its `not_listed`: owner,
+    request, count), 0 for any other."""
+    return sum(int(e[2]) for e in f.get("not_listed") or ())
 
 
 def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:

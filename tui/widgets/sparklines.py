@@ -46,14 +46,14 @@ class Trends(Widget):
         """Append one sample to each trend and show `texts` as their current values."""
         for q, v in zip(self.samples, values):
             q.append(float(v))
-        self.labels = [f"{t} {x}" for t, x in zip(TITLES, texts)]
+        self.labels = _labels(texts)
         self._strips.clear()
         self.refresh()
 
     def relabel(self, texts: tuple[str, str, str, str]) -> None:
         """Show `texts` as the trends' current values without a new sample (only the label
         line is repainted, and only when it changed)."""
-        labels = [f"{t} {x}" for t, x in zip(TITLES, texts)]
+        labels = _labels(texts)
         if labels != self.labels:
             self.labels = labels
             self._strips.pop(0, None)
@@ -130,3 +130,8 @@ class Trends(Widget):
         strip = Strip(segs, width)
         self._strips[y] = strip
         return strip
+
+
+def _labels(texts: tuple[str, str, str, str]) -> list[str]:
+    """Each trend's title with its current value."""
+    return [f"{t} {x}" for t, x in zip(TITLES, texts)]
