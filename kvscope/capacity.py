@@ -170,10 +170,10 @@ IDLE_S = 5.0
 IDLE_SHARE = 0.5
 
 
-def idle_with_room(history: History | None) -> dict[str, Any] | None:
+def idle_with_room(history: History | None, n: int) -> dict[str, Any] | None:
     """The end of the run where no request held a block and none was allocated, for at least
     IDLE_S seconds and IDLE_SHARE of the history's span, while free blocks made less than a
-    quarter of the pool and cached and quarantined ones (which an allocation takes: it evicts
+    quarter of the pool's `n` and cached and quarantined ones (which an allocation takes: it evicts
     the one and hands out the other) a quarter or more: what an engine that stopped admitting
     with the memory still there shows (an admission check counting stats()["num_free"]), and
     an idle one too. None otherwise."""
@@ -189,8 +189,7 @@ def idle_with_room(history: History | None) -> dict[str, Any] | None:
     span = (t[-1] - t[0]) / 1e9
     end = s[-1]
     free, room = int(end["num_free"]), int(end["num_cached"] + end["num_quarantined"])
-    blocks = free + room + int(end["num_allocated"]) + int(end["num_local"])
-    if idle < IDLE_S or idle < IDLE_SHARE * span or 4 * free >= blocks or 4 * room < blocks:
+    if idle < IDLE_S or idle < IDLE_SHARE * span or 4 * free >= n or 4 * room < n:
         return None
     return {
         "idle_s": round(float(idle), 1),
@@ -221,7 +220,7 @@ def capacity_answer(
     have avoided them all; where the run ended idle with room that num_free leaves out
     (`idle_with_room`), says so."""
     out = _capacity_answer(view, history)
-    idle = idle_with_room(history)
+    idle = idle_with_room(history, out["num_blocks"])
     if idle is not None:
         out["idle_with_room"] = idle
         out["answer"] += _idle_note(idle, out["num_blocks"])
