@@ -37,10 +37,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from kvscope.allocator.handle import OwnerRef
+from kvscope.allocator.handle import OwnerRef, PoolHandle
 
 if TYPE_CHECKING:
-    from kvscope.allocator.handle import PoolHandle
     from kvscope.allocator.probeflags import ProbeFlags
 
 # Answers waiting past this many are taken at the end of the operation that queued the last

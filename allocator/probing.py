@@ -10,21 +10,16 @@ findings the core wrote, read back for `on_finding` (`ring_findings`). The pool 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvscope.allocator import devicechecks, integrity
 from kvscope.allocator.events import events_for_block, recent_events
 from kvscope.allocator.findings import Finding, FindingKind, finding_at
-from kvscope.allocator.handle import OwnerRef
+from kvscope.allocator.handle import OwnerRef, PoolHandle
 from kvscope.allocator.layout import FINDINGS_CAPACITY
 from kvscope.allocator.probeflags import ProbeFlags
 from kvscope.allocator.sites import site_text, stack_depth
-
-if TYPE_CHECKING:
-    from kvscope.allocator.handle import PoolHandle
-
 
 # Bits of the C core's probe word (allocator/csrc/core.h P_*): the probes it runs itself.
 NATIVE_EVENTS, NATIVE_SITES, NATIVE_LEAKS, NATIVE_MAGIC, NATIVE_SITES_EACH = 1, 2, 4, 8, 16
