@@ -34,6 +34,7 @@ from kvscope.allocator.checkreport import (
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.geometry import geometry_problem
 from kvscope.allocator.header import header_corruption
+from kvscope.allocator.idle import idle_findings
 from kvscope.allocator.layout import (
     FORMAT_VERSION,
     HEADER_DTYPE,
@@ -121,4 +122,6 @@ def check_view(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     check_leases(r, corrupt, alive)
     for f in lock_findings(view, alive):
         r.add(f)
+    for f in idle_findings(view, alive):
+        r.capped(f)
     return r.finish()

@@ -60,6 +60,9 @@ class FindingKind(str, enum.Enum):
     # A process that an operation on a handle its parent opened (inherited through fork) ended
     # (kvscope.child: its exit check).
     HANDLE_INHERITED = "handle_inherited"
+    # A live request holding blocks that its process has not served for KVSCOPE_IDLE_REQUEST_S
+    # seconds (allocator/idle.py): a leak in the making in a server that never exits.
+    IDLE_REQUEST = "idle_request"
 
 
 ERROR, WARNING = "error", "warning"
@@ -81,6 +84,7 @@ SEVERITY.update(
         FindingKind.LOCK_HELD_TOO_LONG: WARNING,
         FindingKind.LOCK_DEAD_HOLDER: WARNING,
         FindingKind.KV_EVENT_SEQ_RESET: WARNING,
+        FindingKind.IDLE_REQUEST: WARNING,
     }
 )
 

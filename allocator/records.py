@@ -142,6 +142,10 @@ def seq_fields(max_blocks_per_seq: int) -> list[Field]:
         ("request", f"S{REQUEST_BYTES}"),
         ("num_tokens", "<u8"),
         ("created_ns", "<u8"),
+        # The last call that served the sequence (allocate, fork, append, mark_computed,
+        # set_state, resume, lease), on CLOCK_MONOTONIC at the tick (the coarse clock the core's
+        # gate reads): the whole-pool check's idle_request (allocator/idle.py).
+        ("active_ns", "<u8"),
         ("table", "<i4", (max_blocks_per_seq,)),
         # (records start 8-byte aligned: the core and sequence.py read num_tokens as a u8 word)
         *([("table_pad", "u1", (4,))] if max_blocks_per_seq % 2 else []),

@@ -296,6 +296,14 @@ def snapshot(view: SegmentView, tries: int = 200) -> SegmentView:
     ok = copy_segment(view, np.frombuffer(out, np.uint8), Seqlock(view), tries)
     snap = SegmentView(out, view.layout)
     snap.torn = not ok  # type: ignore[attr-defined]
-    # When it was taken, on the clock of the lock records' `acquired_ns` (check.py's stalls).
-    snap.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
+    mark_taken(snap)
     return snap
+
+
+def mark_taken(view: SegmentView) -> None:
+    """A copy of a live pool says when it was taken: on the clock of the lock records'
+    `acquired_ns` and the sequence records' `active_ns` (the check's stalls and idle
+    requests), and on the flight recorder's (idle.py: what a process did since a request was
+    last served). A dump's view says neither."""
+    view.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
+    view.taken_wall_ns = time.time_ns()  # type: ignore[attr-defined]

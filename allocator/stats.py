@@ -6,14 +6,20 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.allocator.idle import idle_requests, idle_threshold_s
 from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, ClientState, SegmentView, SeqState
 
 
-def pool_stats(view: SegmentView, blocks: Any = None) -> dict[str, Any]:
+def pool_stats(
+    view: SegmentView, blocks: Any = None, now_mono_ns: int | None = None
+) -> dict[str, Any]:
     """Block counts by state, occupancy and counters summed over every process.
 
     `blocks`: the records' state, refcount and num_tokens when the caller holds them apart
     (the TUI copies those columns of a live pool, not its records); `view.blocks` otherwise.
+    `now_mono_ns`: the CLOCK_MONOTONIC time a live pool was read at, for the metrics' idle
+    requests (allocator/idle.py): with it, `idle_requests` (those past KVSCOPE_IDLE_REQUEST_S)
+    and `max_idle_s` (the longest unserved, 0 with none) too.
     """
     h = view.h
     b = view.blocks if blocks is None else blocks
@@ -50,6 +56,11 @@ def pool_stats(view: SegmentView, blocks: Any = None) -> dict[str, Any]:
     q = out["prefix_queries"]
     out["prefix_hit_rate"] = out["prefix_hits"] / q if q else 0.0
     out["last_exhausted"] = last_exhaustion(view)
+    if now_mono_ns is not None:
+        idle = idle_requests(view, now_mono_ns, 0.0)
+        limit = idle_threshold_s()
+        out["idle_requests"] = sum(r.idle_s >= limit for r in idle) if limit > 0 else 0
+        out["max_idle_s"] = round(idle[0].idle_s, 3) if idle else 0.0
     return out
 
 

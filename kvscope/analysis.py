@@ -13,6 +13,7 @@ import numpy as np
 
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.allocator.findingset import Origin, pool_findings
+from kvscope.allocator.idle import overtaken
 from kvscope.allocator.integrity import (
     UNWRITTEN_AT_PUBLISH,
     unwritten_positions,
@@ -259,12 +260,7 @@ def served_after(view: SegmentView, request: str | None, pid: int | None) -> dic
     ops = mine[mine["op"] != EventOp.PREFIX_MISS]  # (an allocate's lookup, no block of its own)
     pick = ops if len(ops) else mine
     last = pick[np.argmax(pick["time_ns"])]
-    others = ev[ev["request"] != key]
-    ended = others[np.isin(others["op"], [EventOp.FREE, EventOp.ABORT])]
-    served: list[str] = []
-    for raw in dict.fromkeys(ended["request"][ended["time_ns"] > at].tolist()):
-        if raw and int(others["time_ns"][others["request"] == raw].min()) > at:
-            served.append(_s(raw))
+    served = overtaken(view, pid, key, at)
     if not served:
         return None
     return {

@@ -179,7 +179,8 @@ def on_close(pool: Any) -> None:
 
 def report_checked(pool: Any, data_only: bool = False) -> list[Finding]:
     """`pool.check()` (with data_only, only its KV data checks), and its findings about this
-    process (or no process) into the ring."""
+    process (or no process) into the ring; not its own requests found idle (`idle_request`):
+    at its exit or close they are the leaks report_held names."""
     from kvscope.allocator.integrity import check_kv
     from kvscope.allocator.snapshot import snapshot
 
@@ -188,7 +189,7 @@ def report_checked(pool: Any, data_only: bool = False) -> list[Finding]:
         found = check_kv(snapshot(pool.view), pool.kv, again=lambda: snapshot(pool.view))
     else:
         found = pool.check()
-    mine = [f for f in found if f.owner_pid in (None, me)]
+    mine = [f for f in found if f.owner_pid in (None, me) and f.kind != FindingKind.IDLE_REQUEST]
     # Through the probes when on: what they already reported about a block is not repeated.
     report = pool.report if pool.probe is None else pool.probe.report
     for f in mine[:MAX_EXIT_FINDINGS]:

@@ -20,6 +20,7 @@ from kvscope.allocator.layout import (
     Flag,
     SegmentView,
     SeqState,
+    field_text,
 )
 from kvscope.allocator.lease import lease_rows, lease_totals
 from kvscope.allocator.stats import pool_stats
@@ -28,11 +29,6 @@ from kvscope.allocator.stats import pool_stats
 MAX_LEASES_LISTED = 20
 # (pid, start time) -> whether that process is alive
 Alive = Callable[[int, int], bool]
-
-
-def field_text(raw: bytes | np.bytes_) -> str:
-    """A record's fixed-width text field as a str."""
-    return bytes(raw).decode(errors="replace")
 
 
 def some(texts: Iterable[str], n: int = 3) -> str:

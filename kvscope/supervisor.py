@@ -10,7 +10,8 @@ after the child exits, however it exits (SIGKILL included), the supervisor still
 left held (`leak_dead_owner`), or once a survivor's `pool.reclaim_dead()` has recorded it:
 one line either way. A pool whose requests hold blocks while no process operates on it for
 `hang_after_s` (a deadlocked or stuck server) is said once per stall, with the script's threads'
-stacks.
+stacks; a request that its live process has not served for KVSCOPE_IDLE_REQUEST_S while holding
+blocks (`idle_request`, allocator/idle.py: a leak in the making) is said once, as it lands.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kvscope.allocator.findings import (
     read_findings,
 )
 from kvscope.allocator.findingset import Origin, pool_findings, said_key
+from kvscope.allocator.idle import idle_findings
 from kvscope.allocator.layout import (
     COUNTER_FIELDS,
     BlockState,
@@ -143,6 +145,10 @@ class Watched:
     stall_said: bool = False
     # the last stall said, in a few words for the dump's reason ("" when none)
     stalled: str = ""
+    # The idle watch (allocator/idle.py): when it looked last, and the sequences (pid, seq_id)
+    # whose idle_request was said.
+    idle_looked: float = 0.0
+    idle_said: set[tuple[int, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.size = self.layout.offsets()["end"]
@@ -301,6 +307,7 @@ class Supervisor:
                 new.append(death)
             self._sample(w)
             self._watch_stall(w)
+            new += self._watch_idle(w)
         self.live_findings += new
         return new
 
@@ -353,6 +360,27 @@ class Supervisor:
             said = stacks_said(pid, self.run_dir, f"the script (pid {pid}) looks hung")
             if said:
                 self.echo(said)
+
+    def _watch_idle(self, w: Watched) -> list[Finding]:
+        """The pool's requests that their live process has not served for
+        KVSCOPE_IDLE_REQUEST_S (idle_request), each said once as it lands: in a server that
+        never exits, a request dropped without pool.free is otherwise said by no exit check.
+        Not while a stall of the whole pool is said (its line names the requests)."""
+        now = time.monotonic()
+        if now - w.idle_looked < STALL_CHECK_S or w.header_reported or w.stall_said:
+            return []
+        w.idle_looked = now
+        if not self._whole(w):
+            return []
+        new = []
+        for f in idle_findings(w.view, now=(time.monotonic_ns(), time.time_ns())):
+            key = (f.owner_pid or 0, int(f.extra["seq_id"]))
+            if key in w.idle_said:
+                continue
+            w.idle_said.add(key)
+            self._echo_live(w, replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING))
+            new.append(f)
+        return new
 
     def _echo_live(self, w: Watched, f: Finding) -> None:
         """Print a finding as it lands: the first LIVE_LINES_PER_KIND of each kind of a pool,

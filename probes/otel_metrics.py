@@ -106,6 +106,19 @@ GAUGES = (
         "{sequence}",
         "Live sequences in the sequence table.",
     ),
+    (
+        "kvscope.pool.requests.idle",
+        "idle_requests",
+        "{request}",
+        "Live requests holding blocks that their process has not served for"
+        " KVSCOPE_IDLE_REQUEST_S seconds (idle_request).",
+    ),
+    (
+        "kvscope.pool.requests.max_idle",
+        "max_idle_s",
+        "s",
+        "The longest any live request holding blocks has gone unserved by its process.",
+    ),
 )
 POOL_METRICS = (
     [MetricSpec(n, "counter", u, d) for n, _, u, d in COUNTERS]
@@ -250,7 +263,7 @@ class PoolCollector:
             out = []
             for r in self._readers.values():
                 try:
-                    stats = pool_stats(r.view)
+                    stats = pool_stats(r.view, now_mono_ns=time.monotonic_ns())
                 except (ValueError, IndexError):
                     # A torn read of a segment being rewritten: skip it this round.
                     continue

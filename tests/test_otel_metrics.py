@@ -123,6 +123,7 @@ def test_pool_metrics_after_a_known_sequence(otel, make_pool):
         "kvscope.pool.refcount.peak": 2,
         "kvscope.pool.prefix.hit_rate": 0.5,
         "kvscope.pool.sequences": 2,
+        "kvscope.pool.requests.idle": 0,
         "kvscope.pool.memory.limit": 16 * BLOCK_BYTES,
     }
     for name, v in expected.items():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -33,7 +32,7 @@ from kvscope.allocator.segment import (
     segment_path,
     validate_bytes,
 )
-from kvscope.allocator.snapshot import Seqlock, copy_segment
+from kvscope.allocator.snapshot import Seqlock, copy_segment, mark_taken
 from kvscope.tui.frame import BLOCK_COLUMNS, block_columns, cow_candidates
 
 # Sections the panels show, copied whole; `blocks` column by column (BLOCK_COLUMNS, and the
@@ -225,7 +224,7 @@ class Snapshotter:
         ok = self._consistent(small, dst)
         mine.columns = columns  # type: ignore[attr-defined]
         mine.torn = not ok  # type: ignore[attr-defined]
-        mine.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
+        mark_taken(mine)
         return mine
 
     def _copy_events(self, i: int) -> None:
@@ -254,7 +253,7 @@ class Snapshotter:
         torn = not copy_segment(self.view, self._full, self._seqlock, FULL_TRIES)
         out = SegmentView(self._full, self.view.layout)
         out.torn = torn  # type: ignore[attr-defined]
-        out.taken_mono_ns = time.monotonic_ns()  # type: ignore[attr-defined]
+        mark_taken(out)
         return out
 
 

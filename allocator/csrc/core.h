@@ -284,6 +284,7 @@ typedef struct {
     uint32_t refs_epoch;
     uint64_t last_verify_ns;
     uint64_t coarse_slack; /* verify_often's clock: 0 not yet asked (coarse_slack_ns) */
+    uint64_t op_ns;        /* the coarse monotonic clock as this operation's gate read it */
     /* lockdep (probes.c lockdep_ok) */
     uint64_t traced;              /* locks lockdep traces (not sites, findings) */
     uint64_t same_class[MAX_LOCKS]; /* locks of lock i's class (the index shards are one) */
@@ -402,6 +403,11 @@ static inline uint8_t *blk(Native *n, int64_t b) { return n->seg + n->off_blocks
 static inline uint8_t *seqrec(Native *n, int64_t s) {
     return n->seg + n->off_seqs + s * n->seq_rec;
 }
+/* The program served sequence `slot` in this operation (an allocate or fork made it; an append,
+ * mark_computed, set_state, resume, lease or adoption named it): its record's `active_ns`, the
+ * gate's clock (FORMAT.md "Sequence records"; the whole-pool check's idle_request, read by
+ * allocator/idle.py). Not journaled: a rollback leaves the time of a call that ran. */
+static inline void seq_touch(Native *n, int64_t slot) { U8(seqrec(n, slot) + SF_ACTIVE_NS) = n->op_ns; }
 static inline uint8_t *idx_entry(Native *n, int64_t i) {
     return n->seg + n->off_index + i * INDEX_ENTRY;
 }
@@ -898,8 +904,8 @@ static int verify_now(Native *n, uint64_t now);
 
 /* The magic probe's periodic check: the header (and, with the leaks probe, conservation) at
  * most every VERIFY_EVERY_NS, on one clock for the handle (the gate's, and N_verify_often's
- * between operations). Every operation reads the clock: the coarse one, with its resolution
- * taken off the interval, so that the check still runs once VERIFY_EVERY_NS have passed (and
+ * between operations). Every operation's gate reads the coarse clock (n->op_ns, which
+ * seq_touch stores too), with its resolution taken off the interval, so that the check still runs once VERIFY_EVERY_NS have passed (and
  * at worst a resolution sooner). Inline in the gate, the check itself out of line: nearly
  * every operation only reads the clock, and a call of its own on every operation's path cost
  * more instructions than the test, and cache lines of code that the interpreter's loop then
@@ -909,7 +915,7 @@ static inline int verify_often(Native *n) {
     uint64_t slack = n->coarse_slack;
     if (__builtin_expect(slack == 0, 0)) slack = n->coarse_slack = coarse_slack_ns();
     int coarse = slack != UINT64_MAX;
-    uint64_t now = coarse ? mono_coarse_ns() : mono_ns();
+    uint64_t now = coarse ? n->op_ns : mono_ns();
     if (__builtin_expect(now - n->last_verify_ns < VERIFY_EVERY_NS - (coarse ? slack : 0), 1))
         return OK;
     return verify_now(n, now);

@@ -41,6 +41,7 @@ static int gate(Native *n, PyObject *pool) {
         if (waited) return gate(n, pool); /* (the handle looked at again) */
     }
     n->probes = (int)*n->probe_bits;
+    n->op_ns = mono_coarse_ns(); /* (verify_often's clock, and seq_touch's) */
     if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
     else if (!n->lockdep_was_on) {
         /* (re)instrumented: the edges it knows are asked for again */
@@ -169,6 +170,7 @@ static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tok
     int64_t slot = own_slot(n, seq);
     if (n->oplog) oplog_tokens(n, t->v, t->n, slot); /* (after the gate: this call's own) */
     if (slot < 0) return NULL;
+    seq_touch(n, slot);
     if (seqrec(n, slot)[SF_STATE] == S_PREEMPTED) {
         /* (its blocks went back at the preemption: set_state's words, not a table mismatch) */
         pool_error("a preempted sequence must be resumed with pool.resume(seq) first");
@@ -519,6 +521,7 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
     GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0) return NULL;
+    seq_touch(n, slot);
     PyObject *o = PyNumber_Index(args[2]);
     if (o == NULL) return NULL;
     int over;
@@ -733,7 +736,9 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     GATE(n, args[0]);
     PyObject *src = args[1];
-    if (own_slot(n, src) < 0) return NULL;
+    int64_t src_slot = own_slot(n, src);
+    if (src_slot < 0) return NULL;
+    seq_touch(n, src_slot);
     char request[REQUEST_BYTES];
     if (request_of(rid, request)) return NULL;
     int32_t site = site_now(n);

@@ -441,6 +441,7 @@ static int rolled_back(Native *n) {
  * probe's periodic check. OK, or ERROR. */
 static int ungated(Native *n, PyObject *pool) {
     n->probes = (int)*n->probe_bits;
+    n->op_ns = mono_coarse_ns();
     if (!(n->probes & P_LOCKDEP)) n->lockdep_was_on = 0;
     else if (!n->lockdep_was_on) {
         memset(n->known_into, 0, sizeof n->known_into);

@@ -154,6 +154,7 @@ static int lease_target(Native *n, PyObject *target, int32_t *ids, int64_t *k, i
     if (PyObject_TypeCheck(target, (PyTypeObject *)n->seq_type)) {
         *slot = own_slot(n, target);
         if (*slot < 0) return ERROR;
+        seq_touch(n, *slot);
         list = sfield(n, target, F_BLOCK_TABLE);
         if (list == NULL) return ERROR;
     } else {

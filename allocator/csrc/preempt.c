@@ -344,6 +344,7 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
     GATE(n, args[0]);
     int64_t slot = own_slot(n, args[1]);
     if (slot < 0) return NULL;
+    seq_touch(n, slot);
     PyObject *state = args[2], *name = NULL;
     if (PyUnicode_Check(state)) {
         if (PyUnicode_CompareWithASCIIString(state, "running") == 0) name = s_running;
@@ -437,6 +438,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *seq = args[1];
     int64_t old = own_slot(n, seq);
     if (old < 0) return NULL;
+    seq_touch(n, old);
     PyObject *state = sfield(n, seq, F_STATE), *tokens = sfield(n, seq, F_TOKENS);
     PyObject *rid = sfield(n, seq, F_REQUEST_ID), *got = NULL, *result = NULL;
     int32_t *toks = NULL;

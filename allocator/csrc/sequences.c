@@ -295,6 +295,7 @@ static int write_claim(Native *n, int64_t slot, uint64_t seq_id, const char *req
     memcpy(s + SF_REQUEST, request, REQUEST_BYTES);
     U8(s + SF_SEQ_ID) = seq_id;
     U8(s + SF_CREATED_NS) = now;
+    seq_touch(n, slot);
     U8(s + SF_NUM_TOKENS) = 0;
     U4(s + SF_NUM_BLOCKS) = 0;
     s[SF_STATE] = S_RUNNING;

@@ -1,0 +1,173 @@
+"""Idle requests: live sequences that hold blocks and that the program has not served for a
+while, by their records' `active_ns` (docs/FORMAT.md section 5), compared with the monotonic
+clock of the moment the copy was taken. What every reader of a live pool says of them: the
+whole-pool check's `idle_request` warning (check.py; so `check`, `analyze`, `top` and the
+metrics' last read), the metrics' idle gauges (probes/otel_metrics.py through stats.py) and
+`kvscope run`'s live line (kvscope/supervisor.py).
+
+A request a scheduler dropped without `pool.free` or `pool.abort` (an abort, a timeout, an
+error path) leaks its blocks in a server that never exits: no exit check ever runs. What
+tells it from a request that waits its turn is what the same process did meanwhile: the
+flight recorder's requests that began and ended after it was last served (`overtaken`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvscope.allocator.checkreport import Alive
+from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.layout import SegmentView, SeqState, field_text
+from kvscope.allocator.process import is_alive
+
+# A request that holds blocks and was not served for longer than this is `idle_request`.
+IDLE_ENV = "KVSCOPE_IDLE_REQUEST_S"
+DEFAULT_IDLE_S = 30.0
+
+
+def idle_threshold_s() -> float:
+    """`KVSCOPE_IDLE_REQUEST_S` (seconds; 0 turns the check off), else 30."""
+    try:
+        return float(os.environ.get(IDLE_ENV, "") or DEFAULT_IDLE_S)
+    except ValueError:
+        return DEFAULT_IDLE_S
+
+
+@dataclass(frozen=True)
+class IdleRequest:
+    """A live sequence not served for `idle_s` seconds, holding `blocks` blocks."""
+
+    slot: int
+    seq_id: int
+    pid: int
+    request: str
+    state: str
+    blocks: int
+    idle_s: float
+
+
+def idle_ages(view: SegmentView, now_mono_ns: int) -> np.ndarray:
+    """Seconds since each sequence slot was last served (`now_mono_ns` on CLOCK_MONOTONIC);
+    NaN where the slot holds no live sequence with blocks, or no time (0)."""
+    seqs = view.seqs
+    active = seqs["active_ns"].astype(np.int64)
+    held = (seqs["state"] != SeqState.EMPTY) & (seqs["num_blocks"] > 0) & (active > 0)
+    return np.where(held, (now_mono_ns - active) / 1e9, np.nan)
+
+
+def idle_requests(
+    view: SegmentView, now_mono_ns: int, min_s: float, alive: Alive = is_alive
+) -> list[IdleRequest]:
+    """The live sequences of live processes that hold blocks and were not served for `min_s`
+    seconds or more, the longest idle first (a dead process's are leaks the check names
+    apart)."""
+    ages = idle_ages(view, now_mono_ns)
+    with np.errstate(invalid="ignore"):
+        slots = np.flatnonzero(ages >= min_s)
+    seqs = view.seqs
+    owners = {
+        (p, t): alive(p, t)
+        for p, t in {(int(seqs["owner_pid"][s]), int(seqs["owner_start"][s])) for s in slots}
+    }
+    out = [
+        IdleRequest(
+            slot=s,
+            seq_id=int(seqs["seq_id"][s]),
+            pid=int(seqs["owner_pid"][s]),
+            request=field_text(seqs["request"][s]),
+            state=SeqState(int(seqs["state"][s])).name.lower(),
+            blocks=int(seqs["num_blocks"][s]),
+            idle_s=float(ages[s]),
+        )
+        for s in slots.tolist()
+        if owners[int(seqs["owner_pid"][s]), int(seqs["owner_start"][s])]
+    ]
+    return sorted(out, key=lambda r: -r.idle_s)
+
+
+def overtaken(view: SegmentView, pid: int, request: bytes, since_wall_ns: int) -> list[str]:
+    """The requests of process `pid` other than `request` (as the records keep it) whose whole
+    life the flight recorder shows after `since_wall_ns` (its first event after it, and a
+    `free` or `abort`), in the order they ended; empty without events."""
+    from kvscope.allocator.events import EventOp
+
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["time_ns"] != 0) & (ev["pid"] == pid) & (ev["request"] != request)]
+    ev = ev[~np.isin(ev["op"], [EventOp.FINDING, EventOp.GUARD_VIOLATION])]
+    ended = ev[np.isin(ev["op"], [EventOp.FREE, EventOp.ABORT]) & (ev["time_ns"] > since_wall_ns)]
+    if not len(ended):
+        return []
+    ended = ended[np.argsort(ended["time_ns"], kind="stable")]
+    out: list[str] = []
+    for raw in dict.fromkeys(ended["request"].tolist()):
+        if raw and int(ev["time_ns"][ev["request"] == raw].min()) > since_wall_ns:
+            out.append(field_text(raw))
+    return out
+
+
+def idle_findings(
+    view: SegmentView, alive: Alive = is_alive, now: tuple[int, int] | None = None
+) -> list[Finding]:
+    """`idle_request` for each live sequence of a live process that holds blocks and that the
+    program has not served for `KVSCOPE_IDLE_REQUEST_S` seconds, on a live pool read at `now`
+    (CLOCK_MONOTONIC and wall-clock ns; a copy's own `taken_mono_ns` and `taken_wall_ns`
+    otherwise); a dump says nothing (its leaks are the exit check's). Each names what the
+    same process did meanwhile."""
+    from kvscope.allocator.checkrefs import own_block
+
+    now_mono, now_wall = (
+        now
+        if now is not None
+        else (getattr(view, "taken_mono_ns", None), getattr(view, "taken_wall_ns", None))
+    )
+    limit = idle_threshold_s()
+    if now_mono is None or now_wall is None or limit <= 0:
+        return []
+    seqs = view.seqs
+    out = []
+    for r in idle_requests(view, now_mono, limit, alive):
+        key = seqs["request"][r.slot]
+        since = now_wall - int(r.idle_s * 1e9)
+        others = overtaken(view, r.pid, bytes(key), since)
+        out.append(
+            Finding(
+                FindingKind.IDLE_REQUEST,
+                idle_message(r, others, events=bool((view.events["pid"] == r.pid).any())),
+                block=own_block(view.blocks, seqs["table"][r.slot][: r.blocks].tolist(), key),
+                owner_pid=r.pid,
+                request=r.request,
+                extra={
+                    "idle_s": round(r.idle_s, 1),
+                    "overtaken": len(others),
+                    "state": r.state,
+                    "seq_id": r.seq_id,
+                },
+            )
+        )
+    return out
+
+
+def idle_message(r: IdleRequest, others: list[str], events: bool) -> str:
+    """What an idle request's finding says: how long, and what its process did meanwhile."""
+    for_s = f"{r.idle_s:.1f}" if r.idle_s < 10 else f"{r.idle_s:.0f}"
+    head = (
+        f"request {r.request!r} ({r.state}) holds {r.blocks} block(s) and pid {r.pid} has not"
+        f" served it for {for_s} s (no append, mark_computed, set_state or resume)"
+    )
+    if others:
+        named = ", ".join(repr(o) for o in others[:3]) + (", ..." if len(others) > 3 else "")
+        return (
+            f"{head}, while {len(others)} other request(s) of the process began and ended"
+            f" ({named}): a request the scheduler dropped without pool.free or pool.abort"
+            f" (an abort, a timeout, an error path) leaks its blocks for as long as the server"
+            f" runs"
+        )
+    if events:
+        return (
+            f"{head}, and no request of the process began and ended since: the process is not"
+            f" serving (a hang, a wedge on PoolExhausted) or holds the request on purpose"
+        )
+    return f"{head} (the flight recorder is off: whether the process served others meanwhile is not known)"

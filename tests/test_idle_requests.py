@@ -1,0 +1,170 @@
+"""Idle requests (allocator/idle.py): a live request holding blocks that its process has not
+served for KVSCOPE_IDLE_REQUEST_S, by its sequence record's `active_ns` (docs/FORMAT.md section
+5), said by every reader of a live pool and by `kvscope run` as it lands."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvscope.allocator.check import check_view
+from kvscope.allocator.findings import FindingKind
+from kvscope.allocator.idle import idle_findings
+from kvscope.allocator.snapshot import snapshot
+from kvscope.allocator.stats import pool_stats
+from tests.test_run_stop import finish, start_run, wait_for
+
+# Longer than any pause between two adjacent lines of a test, even on a loaded machine, and
+# shorter than the sleep that makes a request idle.
+IDLE_S = 0.5
+
+
+def active(pool, seq) -> int:
+    return int(pool.view.seqs["active_ns"][seq.slot])
+
+
+def test_every_call_that_serves_a_sequence_sets_its_active_time_and_reads_do_not(make_pool):
+    # GIVEN a sequence just allocated: its active time is now, on CLOCK_MONOTONIC at the tick
+    pool = make_pool(num_blocks=32)
+    before = time.monotonic_ns()
+    seq = pool.allocate("req", list(range(6)))
+    assert before - 20_000_000 <= active(pool, seq) <= time.monotonic_ns()
+    # WHEN each call that serves it comes after the clock has moved on, THEN it moves on too
+    for serve in (
+        lambda: pool.append(seq, [7]),
+        lambda: pool.mark_computed(seq, 4),
+        lambda: pool.set_state(seq, "waiting"),
+        lambda: pool.set_state(seq, "running"),
+        lambda: pool.fork(seq, "req-child"),
+    ):
+        was = active(pool, seq)
+        time.sleep(0.03)  # (several ticks of the coarse clock)
+        serve()
+        assert active(pool, seq) > was
+    # AND a read of it does not
+    was = active(pool, seq)
+    time.sleep(0.03)
+    pool.slot_mapping(seq, 0, seq.num_tokens)
+    pool.stats()
+    assert active(pool, seq) == was
+
+
+def test_a_request_not_served_while_its_process_serves_others_is_idle_request(
+    make_pool, probes, monkeypatch
+):
+    # GIVEN a request left unserved while the process serves five others from start to end,
+    # and then a request it keeps serving
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
+    pool = make_pool(num_blocks=64)
+    dropped = pool.allocate("dropped", list(range(10)))
+    time.sleep(IDLE_S * 2)
+    for i in range(5):
+        pool.free(pool.allocate(f"other-{i}", [100 + i, 2, 3]))
+    served = pool.allocate("served", [9, 8, 7])
+    pool.append(served, [6])
+    # WHEN a copy of the live pool is checked
+    found = check_view(snapshot(pool.view))
+    # THEN the first is idle_request, a warning naming it, its block and what its process did
+    # meanwhile; the one served just now is not
+    (f,) = [f for f in found if f.kind == FindingKind.IDLE_REQUEST]
+    assert f.severity == "warning" and f.request == "dropped" and f.owner_pid == os.getpid()
+    assert f.block == dropped.block_table[0]
+    assert "while 5 other request(s) of the process began and ended ('other-0'" in f.message
+    assert f.extra["overtaken"] == 5 and f.extra["state"] == "running"
+    assert f.extra["idle_s"] >= IDLE_S
+    assert "served" not in [g.request for g in found if g.kind == FindingKind.IDLE_REQUEST]
+    # AND pool.check() and the metrics' stats say the same of the live pool
+    assert "dropped" in [g.request for g in pool.check() if g.kind == FindingKind.IDLE_REQUEST]
+    st = pool_stats(pool.view, now_mono_ns=time.monotonic_ns())
+    assert st["idle_requests"] >= 1 and st["max_idle_s"] >= IDLE_S * 2
+
+
+def test_an_idle_request_of_a_process_that_served_nobody_since_says_so(
+    make_pool, probes, monkeypatch
+):
+    # GIVEN a process whose one request waits, with nothing else ended since
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
+    pool = make_pool()
+    pool.allocate("parked", list(range(5)))
+    time.sleep(IDLE_S * 2)
+    (f,) = idle_findings(snapshot(pool.view))
+    # THEN it is said with the other reading: the process is not serving, or holds it on purpose
+    assert "no request of the process began and ended since" in f.message
+    assert f.extra["overtaken"] == 0
+
+
+def test_no_idle_request_in_a_dump_in_a_dead_process_or_with_the_check_off(make_pool, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
+    pool = make_pool()
+    pool.allocate("parked", list(range(5)))
+    time.sleep(IDLE_S * 2)
+    snap = snapshot(pool.view)
+    # GIVEN the flight recorder off: said, without what the process did meanwhile
+    (f,) = idle_findings(snap)
+    assert "the flight recorder is off" in f.message
+    # a copy that does not say when it was taken (a dump's): nothing
+    del snap.taken_mono_ns
+    assert idle_findings(snap) == []
+    # a process that is not alive: its requests are leaks, not idle
+    assert idle_findings(snapshot(pool.view), alive=lambda pid, start: False) == []
+    # the check switched off
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", "0")
+    assert idle_findings(snapshot(pool.view)) == []
+    assert pool_stats(pool.view, now_mono_ns=time.monotonic_ns())["idle_requests"] == 0
+
+
+def test_a_request_holding_no_block_is_not_idle(make_pool, probes, monkeypatch):
+    # GIVEN a preempted request (its blocks went back) that waits a long time
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
+    pool = make_pool(num_blocks=8)
+    seq = pool.allocate("pre", list(range(6)))
+    pool.set_state(seq, "waiting")
+    pool.allocate("big", list(range(4 * 7)))  # (takes every block: preempts the waiting one)
+    assert seq.state == "preempted"
+    time.sleep(IDLE_S * 2)
+    snap = snapshot(pool.view)
+    # THEN only the request that holds blocks is said
+    assert [f.request for f in idle_findings(snap)] == ["big"]
+
+
+@pytest.mark.slow
+def test_kvscope_run_says_a_request_its_server_dropped_while_the_server_runs(
+    tmp_path, pool_name, monkeypatch
+):
+    # GIVEN a server that drops one request without freeing it and keeps serving others until
+    # told to stop
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", "0.5")
+    body = (
+        "from kvscope.allocator import KVPool, PoolConfig\n"
+        f"pool = KVPool.create({pool_name!r}, PoolConfig(num_blocks=32, block_size=4,"
+        " num_layers=1, num_kv_heads=1, head_dim=4, dtype='float32'))\n"
+        "pool.allocate('dropped', [1, 2, 3, 4, 5])\n"
+        "stop = ready + '.stop'\n"
+        "i = 0\n"
+        "deadline = time.monotonic() + 100\n"
+        "while not os.path.exists(stop) and time.monotonic() < deadline:\n"
+        "    i += 1\n"
+        "    pool.free(pool.allocate(f'r{i}', [i % 97, 2, 3]))\n"
+        "    time.sleep(0.002)\n"
+    )
+    run = start_run(tmp_path, body)
+    err_file = tmp_path / "err"
+    try:
+        # WHEN the server runs on: kvscope run says it while it runs
+        wait_for(lambda: "idle_request" in err_file.read_text(), "the idle request to be said")
+        (tmp_path / "ready.stop").touch()
+        _, err = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    # THEN once, as a warning naming the request and the requests served meanwhile
+    live = [ln for ln in err.splitlines() if "idle_request" in ln]
+    assert len(live) == 1, err
+    assert "warning: idle_request" in live[0] and "request 'dropped'" in live[0]
+    assert "other request(s) of the process began and ended" in live[0]
+    # AND at the exit the request is the leak it became, said once as such
+    assert "leak_finished" in err and "request 'dropped'" in err
+    assert "(recorded): request 'dropped' (running)" not in err
