@@ -67,6 +67,7 @@ def frozen_view(pool: KVPool):
     s = view.seqs
     s["owner_pid"][s["owner_pid"] != 0] = FROZEN_PID
     s["created_ns"][:] = 0
+    s["active_ns"][:] = 0
     # (which prefix-index lock shard a run takes varies with the pool: no counts either)
     for f in ("wait_ns", "hold_ns", "max_hold_ns", "acquired_ns", "num_acquires", "num_contended"):
         view.locks[f][:] = 0
@@ -599,3 +600,25 @@ async def test_one_frame_s_numbers_come_from_its_own_snapshot(make_pool):
         assert labels[0] == "utilization 37.5%"
         assert labels[1] == f"free blocks {app.frame.stats['num_free']}"
         assert len(app.query_one(Trends).samples[0]) == sampled
+
+
+@sync
+async def test_the_sequences_say_how_long_each_request_has_gone_unserved(make_pool, monkeypatch):
+    # GIVEN a copy of a live pool taken 45 s after one request was last served and 2 s after
+    # another, idle requests said past 30 s
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", "30")
+    pool = make_pool(64)
+    parked = pool.allocate("parked", list(range(8)))
+    busy = pool.allocate("busy", list(range(8)))
+    view = snapshot(pool.view)
+    view.seqs["active_ns"][parked.slot] = view.taken_mono_ns - 45 * 10**9
+    view.seqs["active_ns"][busy.slot] = view.taken_mono_ns - 2 * 10**9
+    app = TopApp(ViewSource(view, name=pool.name))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot, app)
+        lines = _screen_lines(app.query_one(SequenceList))
+    # THEN each row says it in its idle column, and the request past the threshold is a warning
+    (p,) = [x for x in lines if "parked" in x]
+    (b,) = [x for x in lines if "busy" in x]
+    assert " 45s " in p and " 2s " in b, lines
+    assert "idle_request" in [f.kind for f in app.frame.findings]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from textual.reactive import reactive
 
+from kvscope.allocator.idle import idle_ages, idle_threshold_s
 from kvscope.tui.frame import SEQ_STATE_NAMES, STATE_NAMES, Frame, cow_positions, request_of
 from kvscope.tui.messages import BlockChosen, SequenceChosen
 from kvscope.tui.widgets import retitle
@@ -21,7 +24,15 @@ SEQ_STYLES = {
 class SequenceList(RowsView):
     """One row per live sequence; moving the cursor shows its block table."""
 
-    COLUMNS = [("slot", 5), ("request", 16), ("pid", 7), ("state", 9), ("tokens", 7), ("blocks", 6)]
+    COLUMNS = [
+        ("slot", 5),
+        ("request", 16),
+        ("pid", 7),
+        ("state", 9),
+        ("tokens", 7),
+        ("blocks", 6),
+        ("idle", 5),
+    ]
 
     frame: reactive[Frame | None] = reactive(None, repaint=False)
     selected_seq: reactive[int] = reactive(-1, repaint=False)
@@ -37,10 +48,17 @@ class SequenceList(RowsView):
             return
         self.slots = frame.live_slots().tolist()
         seqs = frame.view.seqs
+        # (how long since its process last served each: a live pool's copy says when it was
+        # taken; a dump's does not)
+        now = getattr(frame.view, "taken_mono_ns", None)
+        ages = idle_ages(frame.view, now) if now is not None else None
+        limit = idle_threshold_s()
 
         def row_of(i: int) -> Row:
             s = seqs[self.slots[i]]
             state = SEQ_STATE_NAMES.get(int(s["state"]), str(int(s["state"])))
+            age = math.nan if ages is None else float(ages[self.slots[i]])
+            idle = 0 < limit <= age
             return (
                 (
                     str(self.slots[i]),
@@ -49,8 +67,9 @@ class SequenceList(RowsView):
                     state,
                     str(int(s["num_tokens"])),
                     str(int(s["num_blocks"])),
+                    age_text(age),
                 ),
-                SEQ_STYLES.get(state),
+                "bold red" if idle else SEQ_STYLES.get(state),
             )
 
         # The count of the rows shown, from this frame as the header's `seqs` is (a new title
@@ -73,6 +92,16 @@ class SequenceList(RowsView):
     def on_rows_view_chosen(self, event: RowsView.Chosen) -> None:
         event.stop()
         self.cursor_moved()
+
+
+def age_text(s: float) -> str:
+    """Seconds as a sequence row's `idle` shows them: 42s, 7m, 3h (below 100 of each unit);
+    `-` unknown (a dump, a sequence holding no block)."""
+    if math.isnan(s):
+        return "-"
+    if s < 100:
+        return f"{max(s, 0):.0f}s"
+    return f"{s // 60:.0f}m" if s < 6000 else f"{s // 3600:.0f}h"
 
 
 class BlockTableView(RowsView):
