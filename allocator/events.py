@@ -37,6 +37,9 @@ class EventOp(enum.IntEnum):
     # a lease taken on the block (arg: 1 read, 2 write), and its end (docs/POOL.md "Leases")
     LEASE = 14
     LEASE_END = 15
+    # a take that found too few blocks (arg: how many it needed): its operation raised
+    # PoolExhausted, and changed nothing else
+    EXHAUSTED = 16
 
 
 OP_NAMES = {op.value: op.name.lower() for op in EventOp}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvscope.allocator import KVPool, PoolExhausted
+from kvscope.allocator.events import EventOp
 from kvscope.capacity import capacity_answer, exhaustion_answer
 from kvscope.history import History
 from tests.forking import fork_child, wait_child
@@ -65,6 +66,29 @@ def test_the_core_counts_each_exhaustion_and_records_the_last(make_pool):
     with KVPool.attach(name) as again:
         st = again.stats()
     assert st["num_exhausted"] == 2 and st["last_exhausted"] == last
+
+
+def test_each_exhaustion_is_an_event_naming_its_request_and_the_blocks_it_needed(
+    make_pool, monkeypatch
+):
+    # GIVEN a pool whose flight recorder is on, 3 of its 4 blocks held
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(4, local_cache_size=0)
+    held = pool.allocate("held", list(range(12)))
+    # WHEN an allocation needing 3 and an append needing 1 find too few
+    with pytest.raises(PoolExhausted):
+        pool.allocate("big", list(range(12)))
+    pool.allocate("small", [1])
+    with pytest.raises(PoolExhausted):
+        pool.append(held, [1, 2])
+    # THEN the recorder holds an `exhausted` event for each, the request and the need in it
+    # (a wedged pool's failing operations leave events, not silence)
+    ev = pool.view.events.reshape(-1)
+    ev = ev[ev["op"] == EventOp.EXHAUSTED]
+    assert [(bytes(e["request"]), int(e["arg"]), int(e["block"])) for e in ev] == [
+        (b"big", 3, -1),
+        (b"held", 1, -1),
+    ]
 
 
 def test_blocks_in_another_process_local_cache_are_named_as_memory_still_free(make_pool):

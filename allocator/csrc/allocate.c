@@ -114,7 +114,7 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     }
     Py_ssize_t ntok_first = first * bs < p->ntok ? first * bs : p->ntok;
     int64_t nfull_first = p->nfull < first ? p->nfull : first;
-    if (take(n, k, table + hits, -1) || poison_intact(n, table + hits, k) ||
+    if (take(n, k, table + hits, -1, p->request) || poison_intact(n, table + hits, k) ||
         unmapped(n, table + hits, k, p->request))
         goto abort;
     if (stamp(n, table + hits, k, p->request, p->site, now)) goto abort;

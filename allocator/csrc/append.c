@@ -66,7 +66,7 @@ static int extend_chain(Native *n, PyObject *tokens, PyObject *table, PyObject *
  * is raised). */
 static int take_fresh(Native *n, int64_t k, int32_t *out, const char *request, int32_t site,
                       uint64_t now, int64_t slot) {
-    if (take(n, k, out, slot) || poison_intact(n, out, k) || unmapped(n, out, k, request) ||
+    if (take(n, k, out, slot, request) || poison_intact(n, out, k) || unmapped(n, out, k, request) ||
         stamp(n, out, k, request, site, now))
         return UNHANDLED;
     unpoison(n, out, k);

@@ -197,7 +197,7 @@ static int refill(Native *n, int64_t later) {
     return local_push(n, ids, got, &fit);
 }
 
-static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
+static int take(Native *n, int64_t k, int32_t *out, int64_t exclude, const char *request) {
     int64_t got, more;
     n->evicting = 0; /* (what an earlier operation left, if anything, is not this one's) */
     n->jfull = 0;
@@ -228,6 +228,7 @@ static int take(Native *n, int64_t k, int32_t *out, int64_t exclude) {
     }
     if (got < k) {
         n->exhausted_need = k;
+        memcpy(n->exhausted_request, request, REQUEST_BYTES);
         return UNHANDLED;
     }
     return OK;

@@ -49,7 +49,7 @@ enum { AGAIN = 3, JOURNAL_SHORT = 4 };
 /* Event ops (events.py EventOp). */
 enum { E_ALLOCATE = 1, E_FREE = 2, E_FORK = 3, E_COW = 4, E_EVICT = 5, E_PREFIX_HIT = 6, E_PREFIX_MISS = 7,
        E_GUARD_VIOLATION = 8, E_FINDING = 9, E_ABORT = 10, E_PREEMPT = 11, E_PUBLISH = 13,
-       E_LEASE = 14, E_LEASE_END = 15 };
+       E_LEASE = 14, E_LEASE_END = 15, E_EXHAUSTED = 16 };
 /* probing.VERIFY_EVERY_S */
 #define VERIFY_EVERY_NS 10000000ull
 /* Entries of the core's site cache (a power of two). */
@@ -333,6 +333,7 @@ typedef struct {
     int64_t *pre_slots;
     int64_t n_pre, cap_pre;
     int64_t exhausted_need;
+    char exhausted_request[REQUEST_BYTES]; /* whose take it was (its `exhausted` event) */
     PyObject *guarded;   /* slots of the sequences sampled guard mode guards (the core's own) */
     uint8_t *hdr_copy;   /* magic: the header's checked bytes as the handle attached */
     PyObject *msg_canary, *msg_poison; /* integrity.CANARY_MESSAGE, POISON_MESSAGE */
@@ -677,12 +678,13 @@ static int local_push(Native *n, const int32_t *ids, int64_t k, int64_t *fit_out
 /* The take: k blocks into out from the local cache, the ring, LRU eviction (a batch more
  * to the ring), then this handle's oldest waiting sequences, preempted one at a time (not
  * `exclude`, the slot being grown: preempt.c), each followed by the cache, the ring and
- * eviction again. When they are all short, UNHANDLED with `exhausted_need` set: the
- * transaction's rollback raises PoolExhausted (preempt.c); when the eviction outgrows the
+ * eviction again. When they are all short, UNHANDLED with `exhausted_need` (and `request`,
+ * whose take it was) set: the transaction's rollback records its `exhausted` event and raises
+ * PoolExhausted (preempt.c); when the eviction outgrows the
  * journal, UNHANDLED with `jfull` set: the operation's rollback evicts ahead (rolled_back). The
  * locks each step needs are planned by `take_locks`; one not held (the pool changed since the
  * plan) leaves UNHANDLED: the operation runs again with it (need_locks). */
-static int take(Native *n, int64_t k, int32_t *out, int64_t exclude);
+static int take(Native *n, int64_t k, int32_t *out, int64_t exclude, const char *request);
 
 /* The locks `take(k)` will need (a lock mask for txn_begin), judged before the transaction,
  * without a lock, from the local cache and the ring's count (a hint: where it was wrong, the

@@ -253,6 +253,9 @@ out:
  * their owners' (no lock): their counts are as this read found them. */
 static void exhausted_note(Native *n, int64_t needed) {
     count(n, C_EXHAUSTED, 1);
+    /* (an operation that fails leaves no other event: a pool wedged on PoolExhausted says so
+     * in the flight recorder too) */
+    ev_record(n, E_EXHAUSTED, NULL, 0, n->exhausted_request, needed);
     if (!holds(n, n->lock_free)) return; /* (not reached: see above) */
     uint32_t local = 0;
     for (int64_t c = 0; c < n->max_clients; c++) {
