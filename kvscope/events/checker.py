@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
-from kvscope.events.streamfile import NOTE, REPLAYED, StreamFile
+from kvscope.events.streamfile import NOTE, PUBLISHED, REPLAYED, StreamFile
 from kvscope.events.wire import (
     CLEARED,
     KIND_NAMES,
@@ -51,6 +51,12 @@ _ARRAY16 = struct.Struct(">BH").unpack_from
 
 # At most this many findings of one kind are kept whole (each is counted).
 MAX_FINDINGS_PER_KIND = 200
+
+# Two publishers interleaved on one (endpoint, topic, rank): the seq goes from one of two
+# sequences to the other and back this many times, each within SWITCH_WINDOW batches of the
+# one before. (A restart leaves its old sequence for good, a batch late or twice goes back once.)
+INTERLEAVED_SWITCHES = 3
+SWITCH_WINDOW = 64
 
 # Cache-spec kinds whose stored chains skip blocks (a sliding window's dropped blocks, a
 # Mamba group's masked ones): their parents and token counts are not checked.
@@ -171,6 +177,23 @@ class Publisher:
         # block copies stored now, and the most there were after any event
         self.live = 0
         self.peak_stored = 0
+        # Since the last restart or clear: the first few seq ranges lost (first, last), the
+        # ranges and the batches lost (for what is not verifiable).
+        self.lost: list[tuple[int, int]] = []
+        self.lost_ranges = 0
+        self.lost_batches = 0
+        # Two sequences interleaved: the next seq of the sequence the stream last left (a
+        # restart's old one, a late batch's), the times it continued, the batch count at the
+        # last of those, and whether the publisher was found two publishers interleaved.
+        self.other_next: int | None = None
+        self.switches = 0
+        self.switched_at = 0
+        self.interleaved = False
+        # the events of the batches not applied as reordered
+        self.skipped_events = 0
+        # Its findings kept, and the number it was reported of each kind (those kept and not).
+        self.findings: list[Finding] = []
+        self.reported: dict[str, int] = {}
 
     def cache(self, ck: tuple[Any, Any]) -> _Cache:
         """The cache of (medium, group) `ck`, made empty on its first event."""
@@ -184,6 +207,18 @@ class Publisher:
         rank = "" if self.rank is None else f" rank {self.rank}"
         return f"{self.endpoint}{topic}{rank}"
 
+    def lost_text(self) -> str:
+        """The batches lost, by seq: `seq 7`, `seq 7..9`, the first few ranges and a count."""
+        ranges = [f"{a}" if a == b else f"{a}..{b}" for a, b in self.lost]
+        more = self.lost_ranges - len(ranges)
+        text = ", ".join(ranges) + (f" and {more} more range(s)" if more > 0 else "")
+        return f"{self.lost_batches} batch(es) lost (seq {text})"
+
+    def forget_lost(self) -> None:
+        """A restart or a clear: what was lost before no longer makes anything unverifiable."""
+        self.lost = []
+        self.lost_ranges = self.lost_batches = 0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "endpoint": self.endpoint,
@@ -191,6 +226,7 @@ class Publisher:
             "rank": self.rank,
             "first_seq": self.first_seq,
             "last_seq": None if self.next_seq is None else self.next_seq - 1,
+            "interleaved": self.interleaved,
             "first_ts": self.first_ts,
             "last_ts": self.last_ts,
             **self.counts,
@@ -231,6 +267,8 @@ class StreamChecker:
         self.num_events = 0
         self.notes: list[dict[str, Any]] = []
         self._last_topic: dict[int, bytes] = {}
+        # Bytes of a recorded file not read as records (feed_file): cut short, or corrupt.
+        self.unread_bytes = 0
 
     # --- findings ------------------------------------------------------------------------
 
@@ -247,6 +285,8 @@ class StreamChecker:
     ) -> None:
         n = self.finding_counts.get(kind.value, 0)
         self.finding_counts[kind.value] = n + 1
+        if pub is not None:
+            pub.reported[kind.value] = pub.reported.get(kind.value, 0) + 1
         if n >= MAX_FINDINGS_PER_KIND:
             return
         extra: dict[str, Any] = {"batch": batch, "seq": seq}
@@ -259,14 +299,15 @@ class StreamChecker:
             extra["medium"], extra["group"] = cache_key
         where = f"batch {batch}" + ("" if seq is None else f" (seq {seq})")
         who = f" from {pub.name()}" if pub is not None else ""
-        self.findings.append(
-            Finding(
-                kind=kind,
-                message=f"{where}{who}: {message}",
-                events=events or [],
-                extra=extra,
-            )
+        finding = Finding(
+            kind=kind,
+            message=f"{where}{who}: {message}",
+            events=events or [],
+            extra=extra,
         )
+        self.findings.append(finding)
+        if pub is not None:
+            pub.findings.append(finding)
 
     # --- feeding -------------------------------------------------------------------------
 
@@ -274,17 +315,39 @@ class StreamChecker:
         return self._endpoints[i] if 0 <= i < len(self._endpoints) else f"endpoint {i}"
 
     def feed_file(self, stream: StreamFile) -> None:
-        """Every record of a recorded stream, in order."""
+        """Every record of a recorded stream, in order; a stretch of the file that does not
+        parse as records (corrupt) is a `kv_event_malformed` finding."""
         self._endpoints = stream.endpoints
         if self.native is None:
             for recv_ns, source, endpoint, frames in stream.records():
                 self.feed(recv_ns, source, endpoint, frames)
-            return
-        # The compiled path reads the records itself: a published batch of a publisher seen
-        # before, with its next seq, is applied as feed() would apply it (_apply_rest for
-        # what it leaves); any other record goes to feed().
-        _, truncated = self.native.feed_records(self, *stream.mapping())
-        stream.truncated = stream.truncated or truncated
+        else:
+            # The compiled path reads the records itself: a published batch of a publisher
+            # seen before, with its next seq, is applied as feed() would apply it
+            # (_apply_rest for what it leaves); any other record goes to feed(). It stops at
+            # a record that runs past the end of the file, which the file skips or ends at.
+            buf, first = stream.mapping()
+            end = len(buf)
+            pos: int | None = first
+            while pos is not None and pos < end:
+                pos, stopped = self.native.feed_records(self, buf, pos)
+                if stopped:
+                    pos = stream.skip(pos, self.num_records)
+        self.unread_bytes += stream.unread_bytes
+        for offset, size, before in stream.corrupt:
+            self.num_malformed += 1
+            if offset + size < len(stream.mapping()[0]):
+                what = f"skipped to the next whole record, at byte {offset + size:,}"
+            else:
+                what = "up to the end of the file"
+            self._report(
+                FindingKind.KV_EVENT_MALFORMED,
+                f"{size:,} byte(s) of the file from byte {offset:,} do not parse as records:"
+                f" the file is corrupt there, not cut short ({what})",
+                None,
+                None,
+                before,
+            )
 
     def _apply_rest(self, pub: Publisher, seq: int, batch: int, payload: bytes, done: int):
         """The events of a batch from index `done` on, which the compiled path left."""
@@ -301,13 +364,16 @@ class StreamChecker:
         self.num_records += 1
         if source == NOTE:
             try:
-                self.notes.append({"batch": batch, **json.loads(bytes(frames[0]))})
+                note = json.loads(bytes(frames[0]))
+                self.notes.append({"batch": batch, "endpoint": self._endpoint(endpoint), **note})
             except (ValueError, IndexError, TypeError):
                 pass
             return
         native = self.native
         events: list[Any] | None = None
         try:
+            if source != PUBLISHED and source != REPLAYED:
+                raise WireError(f"a record of unknown source {source} (the file is corrupt)")
             topic, seq, payload = split_message(frames)
             if len(frames) == 2:
                 # a replay reply of vLLM <= 0.25 names no topic: the endpoint's last one
@@ -320,6 +386,8 @@ class StreamChecker:
                 num = len(events)
             else:
                 ts, rank, num = head
+            if rank is not None and rank < 0:
+                raise WireError(f"its data-parallel rank is {rank}")
         except WireError as e:
             self.num_malformed += 1
             self._report(
@@ -336,7 +404,14 @@ class StreamChecker:
             pub = self.publishers[key] = Publisher(self._endpoint(endpoint), topic, rank)
         if source == REPLAYED:
             pub.counts["replayed"] += 1
-        if not self._sequence(pub, seq, ts, batch):
+        if pub.interleaved or not self._sequence(pub, seq, ts, batch):
+            if pub.interleaved:
+                # two publishers' batches, told apart by nothing: counted, not checked
+                pub.counts["batches"] += 1
+                pub.counts["events"] += num
+                self.num_events += num
+            else:
+                pub.skipped_events += num
             return
         pub.counts["batches"] += 1
         pub.counts["events"] += num
@@ -353,7 +428,8 @@ class StreamChecker:
         self._apply(pub, seq, batch, events)
 
     def _sequence(self, pub: Publisher, seq: int, ts: float, batch: int) -> bool:
-        """Account for `seq`; False for a batch that must not be applied (reordered)."""
+        """Account for `seq`; False for a batch that must not be applied (reordered, or the
+        publisher found two publishers interleaved)."""
         nxt = pub.next_seq
         if nxt is None:
             pub.first_seq = seq
@@ -361,52 +437,135 @@ class StreamChecker:
             pub.complete = seq == 0
             if seq:
                 pub.incomplete_because = f"the stream was recorded from seq {seq}, not 0"
-        elif seq > nxt:
-            missing = seq - nxt
-            pub.counts["gaps"] += 1
-            pub.counts["missing_batches"] += missing
-            pub.complete = False
-            pub.incomplete_because = f"batches {nxt}..{seq - 1} were lost"
+        elif seq != nxt:
+            # the sequence the stream last left continues: a second publisher, unless it
+            # stays the once
+            if seq == pub.other_next:
+                if pub.counts["batches"] - pub.switched_at > SWITCH_WINDOW:
+                    pub.switches = 0
+                pub.switches += 1
+                pub.switched_at = pub.counts["batches"]
+                if pub.switches >= INTERLEAVED_SWITCHES:
+                    self._interleaved(pub, seq, batch)
+                    return False
+            if seq > nxt:
+                if seq == pub.other_next:
+                    pub.other_next = nxt
+                self._gap(pub, seq, nxt, batch)
+            else:
+                return self._went_back(pub, seq, nxt, ts, batch)
+        pub.next_seq = seq + 1
+        pub.last_ts = ts
+        return True
+
+    def _gap(self, pub: Publisher, seq: int, nxt: int, batch: int) -> None:
+        missing = seq - nxt
+        pub.counts["gaps"] += 1
+        pub.counts["missing_batches"] += missing
+        if len(pub.lost) < 5:
+            pub.lost.append((nxt, seq - 1))
+        pub.lost_ranges += 1
+        pub.lost_batches += missing
+        pub.complete = False
+        pub.incomplete_because = pub.lost_text()
+        lost = f"seq {nxt}" if missing == 1 else f"seq {nxt}..{seq - 1} ({missing} batches)"
+        self._report(
+            FindingKind.KV_EVENT_GAP,
+            f"{lost} lost: seq jumped from {nxt - 1} to {seq} (a subscriber's index now"
+            " misses their stores and removals)",
+            pub,
+            seq,
+            batch,
+        )
+
+    def _went_back(self, pub: Publisher, seq: int, nxt: int, ts: float, batch: int) -> bool:
+        """A seq below the next one: a restart (to 0, or with a later timestamp), else a batch
+        late or twice (not applied)."""
+        went = f"seq {seq} repeated" if seq == nxt - 1 else f"seq went back from {nxt - 1} to {seq}"
+        if ts > pub.last_ts:
+            when = "a later timestamp"
+        elif ts == pub.last_ts:
+            when = "the same timestamp"
+        else:
+            when = "an earlier timestamp"
+        if seq == 0 or ts > pub.last_ts:
+            pub.counts["resets"] += 1
             self._report(
-                FindingKind.KV_EVENT_GAP,
-                f"seq jumped from {nxt - 1} to {seq}: {missing} batch(es) lost"
-                " (a subscriber's index now misses their stores and removals)",
+                FindingKind.KV_EVENT_SEQ_RESET,
+                f"{went} with {when}: the publisher restarted (its prefix cache starts empty;"
+                " a subscriber must drop what it indexed from it)",
                 pub,
                 seq,
                 batch,
             )
-        elif seq < nxt:
-            if seq == 0 or ts > pub.last_ts:
-                pub.counts["resets"] += 1
-                self._report(
-                    FindingKind.KV_EVENT_SEQ_RESET,
-                    f"seq went back from {nxt - 1} to {seq} with a later timestamp: the"
-                    " publisher restarted (its prefix cache starts empty; a subscriber must"
-                    " drop what it indexed from it)",
-                    pub,
-                    seq,
-                    batch,
-                )
-                pub.caches = {}
-                pub.live = 0
-                pub.complete = seq == 0
-                pub.incomplete_because = (
-                    "" if seq == 0 else f"after a restart the stream resumed at seq {seq}"
-                )
+            pub.caches = {}
+            pub.live = 0
+            pub.forget_lost()
+            pub.complete = seq == 0
+            pub.incomplete_because = (
+                "" if seq == 0 else f"after a restart the stream resumed at seq {seq}"
+            )
+            pub.other_next = nxt
+            pub.next_seq = seq + 1
+            pub.last_ts = ts
+            return True
+        pub.counts["reordered"] += 1
+        if seq == nxt - 1 and ts == pub.last_ts:
+            what = "delivered twice"
+        else:
+            what = "reordered or repeated"
+            # where the late batch's sequence would go on
+            pub.other_next = seq + 1
+        self._report(
+            FindingKind.KV_EVENT_REORDER,
+            f"seq {seq} arrived after seq {nxt - 1} with {when} ({what}; not applied)"
+            if seq != nxt - 1
+            else f"{went}, with {when} ({what}; not applied)",
+            pub,
+            seq,
+            batch,
+        )
+        return False
+
+    def _interleaved(self, pub: Publisher, seq: int, batch: int) -> None:
+        """Two publishers on one (endpoint, topic, rank), their seqs interleaved: what the
+        mix made the checker report is withdrawn, and one finding says it; their batches
+        are counted from here on, not checked (nothing tells them apart)."""
+        withdrawn = sum(pub.reported.values())
+        gone = {id(f) for f in pub.findings}
+        self.findings[:] = [f for f in self.findings if id(f) not in gone]
+        for kind, n in pub.reported.items():
+            left = self.finding_counts[kind] - n
+            if left > 0:
+                self.finding_counts[kind] = left
             else:
-                pub.counts["reordered"] += 1
-                self._report(
-                    FindingKind.KV_EVENT_REORDER,
-                    f"seq {seq} arrived after seq {nxt - 1} with an earlier timestamp"
-                    " (reordered or repeated; not applied)",
-                    pub,
-                    seq,
-                    batch,
-                )
-                return False
-        pub.next_seq = seq + 1
-        pub.last_ts = ts
-        return True
+                del self.finding_counts[kind]
+        pub.findings = []
+        pub.reported = {}
+        # the batches the mix made look reordered were theirs: counted
+        pub.counts["batches"] += pub.counts["reordered"]
+        pub.counts["events"] += pub.skipped_events
+        self.num_events += pub.skipped_events
+        for k in ("gaps", "missing_batches", "resets", "reordered", "unverifiable"):
+            pub.counts[k] = 0
+        pub.caches = {}
+        pub.live = 0
+        pub.forget_lost()
+        pub.interleaved = True
+        pub.complete = False
+        pub.incomplete_because = "two publishers' batches interleaved"
+        pub.next_seq = None
+        self._report(
+            FindingKind.KV_EVENT_INTERLEAVED,
+            "seq alternates between two sequences (from one to the other and back"
+            f" {pub.switches} times, the last at seq {seq}): two publishers share this"
+            " endpoint, topic and data-parallel rank (two engines at one DP rank on one port?);"
+            " their batches cannot be told apart, so they are counted from here on, not checked"
+            + (f" ({withdrawn} finding(s) of the mixed stream withdrawn)" if withdrawn else ""),
+            pub,
+            seq,
+            batch,
+        )
 
     def _apply(self, pub: Publisher, seq: int, batch: int, events: list[Any]) -> None:
         """A batch's events, in order, on the publisher's caches.
@@ -437,6 +596,7 @@ class StreamChecker:
                     c.clear(at)
                 pub.complete = True
                 pub.incomplete_because = ""
+                pub.forget_lost()
                 cache = None
                 continue
             if cache is None or ev.medium != medium or ev.group_idx != group:
@@ -730,6 +890,7 @@ class StreamChecker:
             },
             "malformed": self.num_malformed,
             "truncated": truncated,
+            "unread_bytes": self.unread_bytes,
             "findings_by_kind": dict(sorted(self.finding_counts.items())),
         }
         return {

@@ -110,7 +110,9 @@ def _summary(walked: Walked) -> str:
         )
     ]
     cut = (
-        "<p class=warn>The file ends inside a record (the recorder was killed): read up to it.</p>"
+        "<p class=warn>The file ends inside a record: it was cut short (the recorder killed?),"
+        f" read up to its last whole record; {s.get('unread_bytes', 0):,} byte(s) unread in"
+        " all.</p>"
         if s["truncated"]
         else ""
     )
@@ -118,7 +120,9 @@ def _summary(walked: Walked) -> str:
         [
             esc(p["endpoint"] + (f" topic {p['topic']!r}" if p["topic"] else "")),
             esc("-" if p["rank"] is None else p["rank"]),
-            esc(f"{p['first_seq']}..{p['last_seq']}"),
+            esc(
+                "two interleaved" if p.get("interleaved") else f"{p['first_seq']}..{p['last_seq']}"
+            ),
             esc(f"{p['batches']:,}"),
             esc(f"{p['events']:,}"),
             esc(f"{p['blocks_stored']:,}"),

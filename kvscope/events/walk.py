@@ -136,7 +136,10 @@ class StreamWalk(StreamChecker):
         self.last_ns = max(self.last_ns, t)
         resets = pub.counts["resets"]
         ok = super()._sequence(pub, seq, ts, batch)
-        if pub.counts["resets"] != resets:
+        if pub.interleaved:
+            # two publishers interleaved: nothing of theirs is drawn from here on
+            self._close_all(self._key(pub), t, batch, "publishers interleaved")
+        elif pub.counts["resets"] != resets:
             key = self._key(pub)
             self.resets.append((key, t, batch))
             self._close_all(key, t, batch, "publisher restarted")

@@ -2,9 +2,9 @@
 
 `record ENDPOINT... -o FILE [--topic T] [--replay ENDPOINT...] [--seconds S]` subscribes and
 writes every message with its receive time (docs/EVENTS.md); Ctrl-C or `--seconds` stops it.
-`check FILE|ENDPOINT... [--json] [--seconds S]` checks a recorded stream, or records one for
-`--seconds` and checks it. Exit code 0 clean (warnings at most), 1 findings of severity error,
-2 unusable input.
+`check FILE|ENDPOINT... [--json] [--topic T] [--replay ENDPOINT...] [--seconds S]` checks a
+recorded stream, or records one for `--seconds` and checks it. Exit code 0 clean (warnings at
+most), 1 findings of severity error, 2 unusable input (a stream that holds no batch too).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import tempfile
 from typing import Any
 
 from kvscope.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+
+# How long `events check ENDPOINT...` records by default.
+DEFAULT_SECONDS = 10.0
 
 
 def is_endpoint(target: str) -> bool:
@@ -40,27 +43,89 @@ def record(
     replay: list[str] | None,
     seconds: float | None,
     live: bool,
+    summary: bool = True,
 ) -> Any:
-    """Record into `output`; the recorder's stats (one line on stderr at the end)."""
+    """Record into `output`; the recorder's stats (with `summary`, one line on stderr at the
+    end: what the file holds)."""
     from kvscope.events.recorder import Recorder, live_line
 
-    rec = Recorder(endpoints, output, topic=topic, replay=replay)
+    def warn(message: str) -> None:
+        # (on a terminal, below the live line, which is drawn again after it)
+        lead = "\n" if live else ""
+        print(f"{lead}kvscope: warning: {message}", file=sys.stderr, flush=True)
+
+    rec = Recorder(endpoints, output, topic=topic, replay=replay, warn=warn)
     stats = rec.run(seconds=seconds, live=live_line if live else None)
     if live:
         sys.stderr.write("\n")
-    rate = stats.events / stats.elapsed_s if stats.elapsed_s > 0 else 0.0
-    print(
-        f"kvscope: recorded {stats.messages:,} batch(es), {stats.events:,} event(s)"
-        f" ({rate:,.0f}/s) from {len(stats.publishers)} publisher(s) in {stats.elapsed_s:.1f} s;"
-        f" {stats.gaps} gap(s) of {stats.missing} batch(es), {stats.filled} replayed,"
-        f" {stats.resets} restart(s); wrote {os.path.abspath(output)}",
-        file=sys.stderr,
-    )
+    if summary:
+        rate = stats.events / stats.elapsed_s if stats.elapsed_s > 0 else 0.0
+        print(
+            f"kvscope: recorded {stats.messages:,} batch(es) ({stats.filled:,} replayed),"
+            f" {stats.events:,} event(s) ({rate:,.0f}/s) from {len(stats.publishers)}"
+            f" publisher(s) in {stats.elapsed_s:.1f} s; {stats.gaps} gap(s) of"
+            f" {stats.missing:,} batch(es), {stats.unfilled:,} not replayed;"
+            f" {stats.resets} restart(s)"
+            + (f", {stats.interleaved} publisher(s) interleaved" if stats.interleaved else "")
+            + f"; wrote {os.path.abspath(output)}",
+            file=sys.stderr,
+        )
     return stats
 
 
+def _publisher_line(p: dict[str, Any]) -> str:
+    name = (
+        f"  {p['endpoint']}"
+        + (f" topic {p['topic']!r}" if p["topic"] else "")
+        + ("" if p["rank"] is None else f" rank {p['rank']}")
+    )
+    if p.get("interleaved"):
+        return (
+            f"{name}: two publishers interleaved, {p['batches']:,} batch(es),"
+            f" {p['events']:,} event(s); not checked from where they were found mixed"
+        )
+    seqs = f"seq {p['first_seq']}..{p['last_seq']}" if p["first_seq"] is not None else "no seq"
+    return (
+        f"{name}: {seqs}, {p['batches']:,} batch(es), {p['events']:,} event(s),"
+        f" {p['blocks_stored']:,} block(s) stored now (peak {p['peak_blocks_stored']:,});"
+        f" gaps {p['gaps']} ({p['missing_batches']} batch(es) lost), replayed"
+        f" {p['replayed']}, restarts {p['resets']}, reordered {p['reordered']}"
+    )
+
+
+# Failed replays named per endpoint in the text output (the rest counted).
+NOTES_SHOWN = 3
+
+
+def _note_lines(notes: list[dict[str, Any]]) -> list[str]:
+    """The recorder's replay notes, per endpoint: requests, batches replayed, the failures."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for n in notes:
+        if n.get("note") == "replay":
+            by.setdefault((str(n.get("endpoint", "?")), str(n.get("replay") or "")), []).append(n)
+    lines = []
+    for (ep, replay), ns in by.items():
+        failed = [n for n in ns if n.get("error")]
+        got = sum(n.get("replayed") or 0 for n in ns if isinstance(n.get("replayed"), int))
+        lines.append(
+            f"  replays for {ep}" + (f" from {replay}" if replay else "") + f": {len(ns)}"
+            f" request(s), {got:,} batch(es) replayed, {len(failed)} failed"
+        )
+        for n in failed[:NOTES_SHOWN]:
+            first, stop = n.get("first"), n.get("stop")
+            seqs = (
+                f"seq {first}..{stop - 1}"
+                if isinstance(first, int) and isinstance(stop, int) and stop - 1 > first
+                else f"seq {first}"
+            )
+            lines.append(f"    {seqs} asked: {n['error']}")
+        if len(failed) > NOTES_SHOWN:
+            lines.append(f"    ({len(failed) - NOTES_SHOWN} more failed)")
+    return lines
+
+
 def render(report: dict[str, Any], out=None) -> None:
-    """The check for a person: headline, publishers, findings with their events."""
+    """The check for a person: headline, publishers, replays, findings with their events."""
     out = out or sys.stdout
     s = report["summary"]
     errors = sum(1 for f in report["findings"] if f["severity"] == "error")
@@ -79,25 +144,21 @@ def render(report: dict[str, Any], out=None) -> None:
         file=out,
     )
     if s["truncated"]:
-        print("the file ends inside a record (the recorder was killed): read up to it", file=out)
-    for p in report["publishers"]:
-        seqs = f"seq {p['first_seq']}..{p['last_seq']}" if p["first_seq"] is not None else "no seq"
-        line = (
-            f"  {p['endpoint']}"
-            + (f" topic {p['topic']!r}" if p["topic"] else "")
-            + ("" if p["rank"] is None else f" rank {p['rank']}")
-            + f": {seqs}, {p['batches']:,} batch(es), {p['events']:,} event(s),"
-            f" {p['blocks_stored']:,} block(s) stored now (peak {p['peak_blocks_stored']:,});"
-            f" gaps {p['gaps']} ({p['missing_batches']} batch(es) lost), replayed"
-            f" {p['replayed']}, restarts {p['resets']}, reordered {p['reordered']}"
+        print(
+            "the file ends inside a record: it was cut short (the recorder killed?), read up to"
+            f" its last whole record; {s.get('unread_bytes', 0):,} byte(s) unread in all",
+            file=out,
         )
-        print(line, file=out)
-        if not p["complete"]:
+    for p in report["publishers"]:
+        print(_publisher_line(p), file=out)
+        if not p["complete"] and not p.get("interleaved"):
             print(
                 f"    not verifiable in full: {p['incomplete_because']};"
                 f" {p['unverifiable']} removal(s) or parent(s) not checked",
                 file=out,
             )
+    for line in _note_lines(report.get("notes") or []):
+        print(line, file=out)
     for f in report["findings"]:
         print(f"{f['severity']}: {f['kind']}: {f['message']}", file=out)
         for e in f["events"]:
@@ -108,6 +169,40 @@ def render(report: dict[str, Any], out=None) -> None:
     shown = len(report["findings"])
     if total > shown:
         print(f"({total - shown} more finding(s) counted, not shown: {counts})", file=out)
+
+
+def _no_batch(report: dict[str, Any]) -> bool:
+    """Whether a check read no published or replayed message at all."""
+    s = report["summary"]
+    return s["records"] - len(report.get("notes") or []) == 0
+
+
+def _nothing_in_file(path: str, report: dict[str, Any]) -> str:
+    """Why a recorded file holds no batch, in a line."""
+    from kvscope.events.streamfile import StreamFile
+
+    s = report["summary"]
+    if s["truncated"]:
+        return (
+            f"{path} holds no KV-event batch: it ends inside its first record"
+            f" ({s['unread_bytes']:,} byte(s)), cut short"
+        )
+    if s["unread_bytes"]:
+        return (
+            f"{path} holds no KV-event batch: its {s['unread_bytes']:,} byte(s) of records"
+            " do not parse (the file is corrupt)"
+        )
+    stream = StreamFile(path)
+    try:
+        head = stream.header
+    finally:
+        stream.close()
+    eps = ", ".join(str(e) for e in head.get("endpoints") or []) or "no endpoint"
+    topic = f" (topic {head['topic']!r})" if head.get("topic") else ""
+    return (
+        f"{path} holds no KV-event batch: nothing was recorded from {eps}{topic}; is anything"
+        " publishing there" + (" on that topic?" if topic else "?")
+    )
 
 
 class EventsCommand:
@@ -143,7 +238,7 @@ class EventsCommand:
         chk.add_argument("--topic", default="", help="live: topic prefix (default all)")
         chk.add_argument("--replay", nargs="+", metavar="ENDPOINT", help="live: replay sockets")
         chk.add_argument(
-            "--seconds", type=_seconds, default=10.0, help="live: record this long (default 10)"
+            "--seconds", type=_seconds, help=f"live: record this long (default {DEFAULT_SECONDS:g})"
         )
 
     @staticmethod
@@ -174,16 +269,39 @@ def check(args: argparse.Namespace) -> int:
             raise UsageError("events check takes one recorded file")
         if not os.path.exists(args.targets[0]):
             raise UsageError(f"no such file: {args.targets[0]}")
+        live_only = [
+            flag
+            for flag, given in (
+                ("--seconds", args.seconds is not None),
+                ("--replay", bool(args.replay)),
+                ("--topic", bool(args.topic)),
+            )
+            if given
+        ]
+        if live_only:
+            raise UsageError(
+                f"{', '.join(live_only)}: for live endpoints; a recorded file is checked whole"
+            )
         report = check_file(args.targets[0])
+        if _no_batch(report):
+            raise UsageError(_nothing_in_file(args.targets[0], report))
     else:
+        seconds = DEFAULT_SECONDS if args.seconds is None else args.seconds
         fd, tmp = tempfile.mkstemp(prefix="kvscope-events-", suffix=".kvev")
         os.close(fd)
         try:
-            record(endpoints, tmp, args.topic, args.replay, args.seconds, live=False)
+            # (the check says what was recorded: no line of the recorder's, whose file goes)
+            record(endpoints, tmp, args.topic, args.replay, seconds, live=False, summary=False)
             report = check_file(tmp)
             report["source"] = " ".join(endpoints)
         finally:
             os.unlink(tmp)
+        if _no_batch(report):
+            topic = f" on topic {args.topic!r}" if args.topic else ""
+            raise UsageError(
+                f"no KV-event batch from {' '.join(endpoints)}{topic} in {seconds:g} s: is"
+                " anything publishing there" + (" on that topic?" if args.topic else "?")
+            )
     if args.json:
         print_json(report)
     else:

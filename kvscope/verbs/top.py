@@ -7,14 +7,16 @@ import sys
 
 from kvscope.errors import UsageError
 
+POOL_TEXT = "`kvscope analyze NAME|FILE` (a pool's state and findings) or `kvscope check NAME`"
 
-def require_terminal(what: str) -> None:
+
+def require_terminal(what: str, text: str = POOL_TEXT) -> None:
     """A UsageError unless stdin and stdout are terminals: a full-screen view written into a
-    pipe or a file is escape codes, and it would wait for a key that never comes."""
+    pipe or a file is escape codes, and it would wait for a key that never comes (`text`: the
+    verbs that print the same as text)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(
-            f"{what} draws in a terminal and stdin or stdout is not one; for text, "
-            "`kvscope analyze NAME|FILE` (a pool's state and findings) or `kvscope check NAME`"
+            f"{what} draws in a terminal and stdin or stdout is not one; for text, {text}"
         )
 
 
@@ -65,8 +67,8 @@ class TopCommand:
                 from kvscope.events.top import is_file_feed, run_events_top
             except ImportError as e:
                 raise UsageError(f"the TUI is not available in this install ({e})") from None
-            is_file_feed(args.events)
-            require_terminal("top --events")
+            feed = "FILE" if is_file_feed(args.events) else "ENDPOINT... --seconds S"
+            require_terminal("top --events", f"`kvscope events check {feed}`")
             return run_events_top(args.events, hz=args.hz)
         if args.target is None:
             raise UsageError("top needs a pool (NAME|FILE) or --events ENDPOINT")
