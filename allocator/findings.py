@@ -55,6 +55,8 @@ class FindingKind(str, enum.Enum):
     KV_EVENT_AFTER_CLEAR = "kv_event_after_clear"
     KV_EVENT_TOKEN_COUNT = "kv_event_token_count"
     KV_EVENT_PARTIAL_REAPPEARED = "kv_event_partial_reappeared"
+    # More blocks stored at once than the engine's pool holds (events check --num-blocks).
+    KV_EVENT_OVER_CAPACITY = "kv_event_over_capacity"
     # Two publishers' batches on one (endpoint, topic, rank): their seqs interleave.
     KV_EVENT_INTERLEAVED = "kv_event_interleaved"
     # kvscope's own published stream (events/publisher.py) against its pool's prefix index.

@@ -324,3 +324,38 @@ def test_top_events_without_a_terminal_names_events_check(tmp_path, capsys):
     line = one_line_error(capsys)
     assert "top --events draws in a terminal" in line
     assert "kvscope events check FILE" in line and "analyze" not in line
+
+
+# --- the engine's pool size ----------------------------------------------------------------
+
+
+def test_more_blocks_stored_than_the_pool_holds_is_over_capacity(tmp_path, capsys):
+    # GIVEN a stream that stores 6 blocks and removes 2 (a fork that evicts without publishing
+    # BlockRemoved), from an engine whose pool holds 3
+    s = Stream(False, "int")
+    s.batch(s.stored([1, 2, 3]))
+    s.batch(s.removed([3]), s.removed([2]))
+    s.batch(s.stored([4, 5, 6]))
+    path = s.write(tmp_path / "s.kvev")
+    # WHEN checked with the pool's size
+    rc = main(["events", "check", path, "--num-blocks", "3"])
+    out = capsys.readouterr().out
+    # THEN one kv_event_over_capacity naming the peak and the pool, exit 1
+    assert rc == 1
+    assert "kv_event_over_capacity" in out
+    assert "4 block(s) stored at once (medium GPU) in a pool of 3" in out
+    report = check_file(path, num_blocks=3)
+    assert kinds(report) == {"kv_event_over_capacity": 1}
+    assert report["summary"]["num_blocks"] == 3
+    # AND with a pool big enough, or no size given, the same stream is healthy
+    assert check_file(path, num_blocks=4)["healthy"]
+    assert check_file(path)["healthy"]
+
+
+def test_a_pool_size_that_is_not_a_number_of_blocks_is_one_line(tmp_path, capsys):
+    s = Stream(False, "int")
+    s.batch(s.stored([1]))
+    path = s.write(tmp_path / "s.kvev")
+    for bad in ("0", "-3", "many"):
+        assert main(["events", "check", path, "--num-blocks", bad]) == 2
+        assert "--num-blocks" in one_line_error(capsys)

@@ -257,8 +257,12 @@ class StreamChecker:
     # watches `_apply` event by event (walk.StreamWalk) sets None.
     native: Any = _kvevents
 
-    def __init__(self, endpoints: list[str] | None = None):
+    def __init__(self, endpoints: list[str] | None = None, num_blocks: int | None = None):
         self._endpoints = endpoints or []
+        # The engine's pool size (`events check --num-blocks`): more blocks stored at once is
+        # a stream that misses removals (_over_capacity, once, at the report).
+        self.num_blocks = num_blocks
+        self._capacity_checked = False
         self.publishers: dict[tuple[int, bytes, int | None], Publisher] = {}
         self.findings: list[Finding] = []
         self.finding_counts: dict[str, int] = {}
@@ -868,8 +872,43 @@ class StreamChecker:
 
     # --- the result ----------------------------------------------------------------------
 
+    def _over_capacity(self) -> None:
+        """With the engine's pool size: each publisher (not two interleaved) that had more
+        block copies stored at once in one medium than the pool has blocks. Counted per
+        medium (a CPU offload tier is a pool of its own), the groups of a medium together (one
+        pool serves them); with one medium, its peak over the stream."""
+        if self.num_blocks is None or self._capacity_checked:
+            return
+        self._capacity_checked = True
+        for pub in self.publishers.values():
+            if pub.interleaved:
+                continue
+            by_medium: dict[Any, int] = {}
+            for (medium, _group), cache in pub.caches.items():
+                by_medium[medium] = by_medium.get(medium, 0) + sum(cache.copies.values())
+            if len(by_medium) == 1:
+                (only,) = by_medium
+                by_medium[only] = max(by_medium[only], pub.peak_stored)
+            for medium, n in by_medium.items():
+                if n <= self.num_blocks:
+                    continue
+                where = "" if medium is None else f" (medium {medium})"
+                self._report(
+                    FindingKind.KV_EVENT_OVER_CAPACITY,
+                    f"{n:,} block(s) stored at once{where} in a pool of {self.num_blocks:,}"
+                    " (--num-blocks): the stream misses BlockRemoved events (an eviction or a"
+                    " free the engine did not publish), or the engine restarted without"
+                    " AllBlocksCleared and went on counting seq; an index built from it holds"
+                    " hashes the engine no longer has",
+                    pub,
+                    None if pub.next_seq is None else pub.next_seq - 1,
+                    pub.counts["batches"],
+                    cache_key=(medium, None),
+                )
+
     def report(self, source: str = "", truncated: bool = False) -> dict[str, Any]:
         """The object `events check --json` prints (docs/CLI.md)."""
+        self._over_capacity()
         pubs = [p.to_dict() for p in self.publishers.values()]
         total = {k: sum(p[k] for p in pubs) for k in ("batches", "stored", "removed", "cleared")}
         summary: dict[str, Any] = {
@@ -891,6 +930,7 @@ class StreamChecker:
             "malformed": self.num_malformed,
             "truncated": truncated,
             "unread_bytes": self.unread_bytes,
+            "num_blocks": self.num_blocks,
             "findings_by_kind": dict(sorted(self.finding_counts.items())),
         }
         return {
@@ -903,15 +943,16 @@ class StreamChecker:
         }
 
 
-def check_file(path: str) -> dict[str, Any]:
-    """The check of a recorded stream, as `events check --json` prints it."""
+def check_file(path: str, num_blocks: int | None = None) -> dict[str, Any]:
+    """The check of a recorded stream, as `events check --json` prints it (`num_blocks`: the
+    engine's pool size, for `kv_event_over_capacity`)."""
     stream = StreamFile(path)
     # The checker makes no reference cycles: the cyclic collector would only rescan the
     # objects a long stream keeps (a tenth of the check's time).
     collecting = gc.isenabled()
     gc.disable()
     try:
-        checker = StreamChecker()
+        checker = StreamChecker(num_blocks=num_blocks)
         checker.feed_file(stream)
         return checker.report(source=path, truncated=stream.truncated)
     finally:
