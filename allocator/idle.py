@@ -51,10 +51,12 @@ class IdleRequest:
 
 def idle_ages(view: SegmentView, now_mono_ns: int) -> np.ndarray:
     """Seconds since each sequence slot was last served (`now_mono_ns` on CLOCK_MONOTONIC);
-    NaN where the slot holds no live sequence with blocks, or no time (0)."""
+    NaN where the slot holds no running sequence with blocks, or no time (0). A sequence the
+    engine set waiting (`set_state(seq, "waiting")`) is parked on purpose: its blocks go to
+    the first take that needs them (a preemption), so it is not idle however long it waits."""
     seqs = view.seqs
     active = seqs["active_ns"].astype(np.int64)
-    held = (seqs["state"] != SeqState.EMPTY) & (seqs["num_blocks"] > 0) & (active > 0)
+    held = (seqs["state"] == SeqState.RUNNING) & (seqs["num_blocks"] > 0) & (active > 0)
     return np.where(held, (now_mono_ns - active) / 1e9, np.nan)
 
 
@@ -114,7 +116,7 @@ def overtaken(view: SegmentView, pid: int, request: bytes, since_wall_ns: int) -
 def idle_findings(
     view: SegmentView, alive: Alive = is_alive, now: tuple[int, int] | None = None
 ) -> list[Finding]:
-    """`idle_request` for each live sequence of a live process that holds blocks and that the
+    """`idle_request` for each running sequence of a live process that holds blocks and that the
     program has not served for `KVSCOPE_IDLE_REQUEST_S` seconds, on a live pool read at `now`
     (CLOCK_MONOTONIC and wall-clock ns; a copy's own `taken_mono_ns` and `taken_wall_ns`
     otherwise); a dump says nothing (its leaks are the exit check's). Each names what the
@@ -158,19 +160,21 @@ def idle_message(r: IdleRequest, others: list[str], events: bool) -> str:
     for_s = f"{r.idle_s:.1f}" if r.idle_s < 10 else f"{r.idle_s:.0f}"
     head = (
         f"request {r.request!r} ({r.state}) holds {r.blocks} block(s) and pid {r.pid} has not"
-        f" served it for {for_s} s (no append, mark_computed, set_state or resume)"
+        f" served it for {for_s} s (no append, mark_computed, set_state, resume or lease)"
     )
     if others:
         named = ", ".join(repr(o) for o in others[:3]) + (", ..." if len(others) > 3 else "")
         return (
             f"{head}, while {len(others)} other request(s) of the process began and ended"
             f" ({named}): a request the scheduler dropped without pool.free or pool.abort"
-            f" (an abort, a timeout, an error path) leaks its blocks for as long as the server"
-            f" runs"
+            f" (an abort, a timeout, an error path, a worker that died) leaks its blocks for as"
+            f" long as the server runs; one the engine parks on purpose (a slow client, a"
+            f" session between turns) says so with pool.set_state(seq, 'waiting')"
         )
     if events:
         return (
             f"{head}, and no request of the process began and ended since: the process is not"
-            f" serving (a hang, a wedge on PoolExhausted) or holds the request on purpose"
+            f" serving (a hang, a wedge on PoolExhausted), or parks the request on purpose"
+            f" without saying so (pool.set_state(seq, 'waiting'))"
         )
     return f"{head} (the flight recorder is off: whether the process served others meanwhile is not known)"

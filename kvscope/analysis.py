@@ -904,7 +904,7 @@ def likely_causes(
     if idle:
         named = some(
             [
-                f"{f.get('request')!r}, last operation: {f['served_after']['last_op']}, then"
+                f"{f.get('request')!r}, last recorded event: {f['served_after']['last_op']}, then"
                 f" {f['served_after']['count']} other request(s) began and ended"
                 for f in idle
             ],

@@ -41,7 +41,7 @@ from kvscope.allocator.findings import (
     read_findings,
 )
 from kvscope.allocator.findingset import Origin, pool_findings, said_key
-from kvscope.allocator.idle import idle_findings
+from kvscope.allocator.idle import idle_findings, idle_threshold_s
 from kvscope.allocator.layout import (
     COUNTER_FIELDS,
     BlockState,
@@ -70,6 +70,9 @@ HISTORY_INTERVAL_S = 0.1
 LIVE_LINES_PER_KIND = 10
 # How often the stall watch (`hang_after_s`, `kvscope run --hang-after`) looks at a pool.
 STALL_CHECK_S = 1.0
+# An idle request said at KVSCOPE_IDLE_REQUEST_S is said once more, still not served, at this
+# many times it (a leak only grows; a parked request is seldom parked that long).
+IDLE_AGAIN = 10
 
 
 def dead_owner(view: SegmentView, pid: int) -> Finding | str:
@@ -145,10 +148,11 @@ class Watched:
     stall_said: bool = False
     # the last stall said, in a few words for the dump's reason ("" when none)
     stalled: str = ""
-    # The idle watch (allocator/idle.py): when it looked last, and the sequences (pid, seq_id)
-    # whose idle_request was said.
+    # The idle watch (allocator/idle.py): when it looked last, and for each sequence (pid,
+    # seq_id) whose idle_request was said, its idle seconds then and how many times it was
+    # said in this idle stretch (once at the threshold, once more at IDLE_AGAIN times it).
     idle_looked: float = 0.0
-    idle_said: set[tuple[int, int]] = field(default_factory=set)
+    idle_said: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.size = self.layout.offsets()["end"]
@@ -363,9 +367,11 @@ class Supervisor:
 
     def _watch_idle(self, w: Watched) -> list[Finding]:
         """The pool's requests that their live process has not served for
-        KVSCOPE_IDLE_REQUEST_S (idle_request), each said once as it lands: in a server that
-        never exits, a request dropped without pool.free is otherwise said by no exit check.
-        Not while a stall of the whole pool is said (its line names the requests)."""
+        KVSCOPE_IDLE_REQUEST_S (idle_request), each said as it lands, and once more if it is
+        still not served at IDLE_AGAIN times that: in a server that never exits, a request
+        dropped without pool.free is otherwise said by no exit check. A request served again
+        and idle again is said again. Not while a stall of the whole pool is said (its line
+        names the requests)."""
         now = time.monotonic()
         if now - w.idle_looked < STALL_CHECK_S or w.header_reported or w.stall_said:
             return []
@@ -373,11 +379,14 @@ class Supervisor:
         if not self._whole(w):
             return []
         new = []
+        again_s = idle_threshold_s() * IDLE_AGAIN
         for f in idle_findings(w.view, now=(time.monotonic_ns(), time.time_ns())):
             key = (f.owner_pid or 0, int(f.extra["seq_id"]))
-            if key in w.idle_said:
+            w.idle_said[key], say = idle_to_say(
+                w.idle_said.get(key, (0.0, 0)), float(f.extra["idle_s"]), again_s
+            )
+            if not say:
                 continue
-            w.idle_said.add(key)
             self._echo_live(w, replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING))
             new.append(f)
         return new
@@ -393,7 +402,7 @@ class Supervisor:
         elif n == LIVE_LINES_PER_KIND + 1:
             self.echo(
                 f"kvscope: pool {w.name!r}: more {f.kind} findings: not printed as they land "
-                "(every one is in the verdict and the dump)"
+                "(the verdict counts every one; a dump, where the run writes one, lists them)"
             )
 
     def _deaths(self, w: Watched) -> list[Finding | str]:
@@ -618,6 +627,21 @@ class Supervisor:
 
     def _p(self, name: str) -> str:
         return os.path.join(self.run_dir, name)
+
+
+def idle_to_say(
+    was: tuple[float, int], idle_s: float, again_s: float
+) -> tuple[tuple[float, int], bool]:
+    """The idle watch's rule for one request found idle: `was` its idle seconds when last seen
+    idle and how many times this idle stretch was said; whether to say it now (the first time,
+    and once more at `again_s`; a request idle for less than when last seen was served since:
+    a new stretch), and what to keep."""
+    was_s, said = was
+    if idle_s < was_s:
+        said = 0
+    if said >= (2 if idle_s >= again_s else 1):
+        return (idle_s, said), False
+    return (idle_s, said + 1), True
 
 
 def is_leak(f: Finding) -> bool:

@@ -234,7 +234,7 @@ def _clean_verdict(sup: Supervisor, found: list) -> str:
     names = ", ".join(repr(w.name) for w in sup.pools.values())
     pools = f"pool{'s' if len(sup.pools) > 1 else ''} {names}"
     if found:
-        return f"{pools}: no error, no leak, {len(found)} warning(s) above; nothing to dump"
+        return f"{pools}: no error, no leak, {len(found)} warning(s); nothing to dump"
     return f"{pools}: no finding, no leak; nothing to dump"
 
 

@@ -110,14 +110,14 @@ GAUGES = (
         "kvscope.pool.requests.idle",
         "idle_requests",
         "{request}",
-        "Live requests holding blocks that their process has not served for"
+        "Running requests holding blocks that their process has not served for"
         " KVSCOPE_IDLE_REQUEST_S seconds (idle_request).",
     ),
     (
         "kvscope.pool.requests.max_idle",
         "max_idle_s",
         "s",
-        "The longest any live request holding blocks has gone unserved by its process.",
+        "The longest any running request holding blocks has gone unserved by its process.",
     ),
 )
 POOL_METRICS = (

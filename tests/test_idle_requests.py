@@ -8,13 +8,15 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from kvscope.allocator.check import check_view
 from kvscope.allocator.findings import FindingKind
-from kvscope.allocator.idle import idle_findings
+from kvscope.allocator.idle import idle_ages, idle_findings
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
+from kvscope.supervisor import idle_to_say
 from tests.test_run_stop import finish, start_run, wait_for
 
 # Longer than any pause between two adjacent lines of a test, even on a loaded machine, and
@@ -168,3 +170,31 @@ def test_kvscope_run_says_a_request_its_server_dropped_while_the_server_runs(
     # AND at the exit the request is the leak it became, said once as such
     assert "leak_finished" in err and "request 'dropped'" in err
     assert "(recorded): request 'dropped' (running)" not in err
+
+
+def test_a_request_the_engine_set_waiting_is_parked_on_purpose_not_idle(make_pool, monkeypatch):
+    # GIVEN a request the engine parks with set_state("waiting") (a slow client), and one it
+    # forgot running, both unserved for twice the threshold
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
+    pool = make_pool()
+    parked = pool.allocate("parked", list(range(5)))
+    pool.allocate("forgotten", list(range(5)))
+    pool.set_state(parked, "waiting")
+    time.sleep(IDLE_S * 2)
+    snap = snapshot(pool.view)
+    # THEN only the running one is idle_request; the waiting one's age is not counted
+    assert [f.request for f in idle_findings(snap)] == ["forgotten"]
+    assert np.isnan(idle_ages(snap, snap.taken_mono_ns)[parked.slot])
+
+
+def test_kvscope_run_says_an_idle_request_once_then_once_more_at_ten_times_then_again_if_it_idles_again():
+    again = 10 * 30.0
+    state, said = (0.0, 0), []
+    # found idle poll after poll: said at 31 s, not at 32..299 s, said again at 300 s, not after
+    for idle_s in (31, 32, 150, 299, 300, 301, 900):
+        state, say = idle_to_say(state, idle_s, again)
+        said.append(say)
+    assert said == [True, False, False, False, True, False, False]
+    # served, then idle again: a new stretch, said again
+    state, say = idle_to_say(state, 31, again)
+    assert say and idle_to_say(state, 32, again)[1] is False

@@ -235,7 +235,7 @@ def test_a_clean_run_counts_each_warning_it_printed_once(capfd, tmp_path, pool_n
     # in the final read of the pool too: one finding, not two)
     assert code == 0, err
     assert err.count("warning: lock_held_too_long") == 1, err
-    assert "no error, no leak, 1 warning(s) above; nothing to dump" in err, err
+    assert "no error, no leak, 1 warning(s); nothing to dump" in err, err
 
 
 # argv: pool name. A write after free the process's own checks never see: it leaves at once.

@@ -237,7 +237,9 @@ def test_a_leak_the_engine_stopped_serving_is_named(probes, make_pool, served):
         assert leak["served_after"]["requests"] == ["b", "c"]
         (cause,) = causes
         assert cause.startswith("leaked requests the engine stopped serving long before the end")
-        assert "'a', last operation: allocate, then 2 other request(s) began and ended" in cause
+        assert (
+            "'a', last recorded event: allocate, then 2 other request(s) began and ended" in cause
+        )
     pool.free(a)
 
 
