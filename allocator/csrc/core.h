@@ -405,8 +405,8 @@ static inline uint8_t *seqrec(Native *n, int64_t s) {
     return n->seg + n->off_seqs + s * n->seq_rec;
 }
 /* The program served sequence `slot` in this operation (an allocate or fork made it; an append,
- * mark_computed, set_state, resume, lease or adoption named it): its record's `active_ns`, the
- * gate's clock (FORMAT.md "Sequence records"; the whole-pool check's idle_request, read by
+ * mark_computed, set_state, resume or lease named it): its record's `active_ns`, the gate's
+ * clock (FORMAT.md section 5, the sequence table; the whole-pool check's idle_request, read by
  * allocator/idle.py). Not journaled: a rollback leaves the time of a call that ran. */
 static inline void seq_touch(Native *n, int64_t slot) { U8(seqrec(n, slot) + SF_ACTIVE_NS) = n->op_ns; }
 static inline uint8_t *idx_entry(Native *n, int64_t i) {
@@ -907,8 +907,8 @@ static int verify_now(Native *n, uint64_t now);
 /* The magic probe's periodic check: the header (and, with the leaks probe, conservation) at
  * most every VERIFY_EVERY_NS, on one clock for the handle (the gate's, and N_verify_often's
  * between operations). Every operation's gate reads the coarse clock (n->op_ns, which
- * seq_touch stores too), with its resolution taken off the interval, so that the check still runs once VERIFY_EVERY_NS have passed (and
- * at worst a resolution sooner). Inline in the gate, the check itself out of line: nearly
+ * seq_touch stores too), with its resolution taken off the interval, so that the check still
+ * runs once VERIFY_EVERY_NS have passed (and at worst a resolution sooner). Inline in the gate, the check itself out of line: nearly
  * every operation only reads the clock, and a call of its own on every operation's path cost
  * more instructions than the test, and cache lines of code that the interpreter's loop then
  * lost (callgrind's model of the serving loop under `kvscope run`). OK, or ERROR with an
