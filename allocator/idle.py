@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvscope.allocator.checkrefs import own_block
 from kvscope.allocator.checkreport import Alive
+from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import SegmentView, SeqState, field_text
 from kvscope.allocator.process import is_alive
@@ -90,27 +92,44 @@ def idle_requests(
     return sorted(out, key=lambda r: -r.idle_s)
 
 
-def overtaken(view: SegmentView, pid: int, request: bytes, since_wall_ns: int) -> list[str]:
-    """The requests of process `pid` other than `request` (as the records keep it) whose whole
-    life the flight recorder shows after `since_wall_ns` (its first event after it, and a
-    `free` or `abort`), in the order they ended; empty without events."""
-    from kvscope.allocator.events import EventOp
+class Lifetimes:
+    """The flight recorder's requests of one process (`pid`): each one's first event and its
+    first `free` or `abort`, read from the rings once for every question about the process
+    (the events of a full ring's tens of thousands, not one pass per request asked about)."""
 
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["time_ns"] != 0) & (ev["pid"] == pid) & (ev["request"] != request)]
-    ev = ev[~np.isin(ev["op"], [EventOp.FINDING, EventOp.GUARD_VIOLATION]) & (ev["request"] != b"")]
-    if not len(ev):
-        return []
-    # (each request's first event, in one pass: a ring holds tens of thousands of events)
-    keys, which = np.unique(ev["request"], return_inverse=True)
-    times = ev["time_ns"].astype(np.int64)
-    first = np.full(len(keys), np.iinfo(np.int64).max)
-    np.minimum.at(first, which, times)
-    ends = np.isin(ev["op"], [EventOp.FREE, EventOp.ABORT]) & (times > since_wall_ns)
-    ends &= first[which] > since_wall_ns
-    order = np.argsort(times[ends], kind="stable")
-    done = dict.fromkeys(which[ends][order].tolist())
-    return [field_text(keys[k]) for k in done]
+    def __init__(self, view: SegmentView, pid: int):
+        ev = view.events.reshape(-1)
+        ev = ev[(ev["time_ns"] != 0) & (ev["pid"] == pid)]
+        # whether the recorder holds anything of the process (it was on there)
+        self.recorded = bool(len(ev))
+        ev = ev[~np.isin(ev["op"], [EventOp.FINDING, EventOp.GUARD_VIOLATION])]
+        ev = ev[ev["request"] != b""]
+        self.keys, which = np.unique(ev["request"], return_inverse=True)
+        times = ev["time_ns"].astype(np.int64)
+        never = np.iinfo(np.int64).max
+        self.first = np.full(len(self.keys), never)
+        np.minimum.at(self.first, which, times)
+        ends = np.isin(ev["op"], [EventOp.FREE, EventOp.ABORT])
+        self.ended = np.full(len(self.keys), never)
+        np.minimum.at(self.ended, which[ends], times[ends])
+
+    def overtaken(self, request: bytes, since_wall_ns: int) -> list[str]:
+        """The requests other than `request` (as the records keep it) whose whole life the
+        recorder shows after `since_wall_ns` (their first event after it, and a `free` or an
+        `abort`), in the order they ended."""
+        pick = np.flatnonzero(
+            (self.first > since_wall_ns)
+            & (self.ended != np.iinfo(np.int64).max)
+            & (self.keys != request)
+        )
+        pick = pick[np.argsort(self.ended[pick], kind="stable")]
+        return [field_text(self.keys[k]) for k in pick.tolist()]
+
+
+def overtaken(view: SegmentView, pid: int, request: bytes, since_wall_ns: int) -> list[str]:
+    """Lifetimes.overtaken of process `pid`: the requests the recorder shows begun and ended
+    after `since_wall_ns`, other than `request`; empty without events."""
+    return Lifetimes(view, pid).overtaken(request, since_wall_ns)
 
 
 def idle_findings(
@@ -121,8 +140,6 @@ def idle_findings(
     (CLOCK_MONOTONIC and wall-clock ns; a copy's own `taken_mono_ns` and `taken_wall_ns`
     otherwise); a dump says nothing (its leaks are the exit check's). Each names what the
     same process did meanwhile."""
-    from kvscope.allocator.checkrefs import own_block
-
     now_mono, now_wall = (
         now
         if now is not None
@@ -133,14 +150,16 @@ def idle_findings(
         return []
     seqs = view.seqs
     out = []
+    lives: dict[int, Lifetimes] = {}
     for r in idle_requests(view, now_mono, limit, alive):
         key = seqs["request"][r.slot]
         since = now_wall - int(r.idle_s * 1e9)
-        others = overtaken(view, r.pid, bytes(key), since)
+        life = lives.get(r.pid) or lives.setdefault(r.pid, Lifetimes(view, r.pid))
+        others = life.overtaken(bytes(key), since)
         out.append(
             Finding(
                 FindingKind.IDLE_REQUEST,
-                idle_message(r, others, events=bool((view.events["pid"] == r.pid).any())),
+                idle_message(r, others, events=life.recorded),
                 block=own_block(view.blocks, seqs["table"][r.slot][: r.blocks].tolist(), key),
                 owner_pid=r.pid,
                 request=r.request,

@@ -10,8 +10,9 @@ after the child exits, however it exits (SIGKILL included), the supervisor still
 left held (`leak_dead_owner`), or once a survivor's `pool.reclaim_dead()` has recorded it:
 one line either way. A pool whose requests hold blocks while no process operates on it for
 `hang_after_s` (a deadlocked or stuck server) is said once per stall, with the script's threads'
-stacks; a request that its live process has not served for KVSCOPE_IDLE_REQUEST_S while holding
-blocks (`idle_request`, allocator/idle.py: a leak in the making) is said once, as it lands.
+stacks; a running request that its live process has not served for KVSCOPE_IDLE_REQUEST_S while
+holding blocks (`idle_request`, allocator/idle.py: a leak in the making) is said as it lands, once
+more at IDLE_AGAIN times that, and again after it is served and idles again.
 """
 
 from __future__ import annotations
@@ -393,7 +394,8 @@ class Supervisor:
 
     def _echo_live(self, w: Watched, f: Finding) -> None:
         """Print a finding as it lands: the first LIVE_LINES_PER_KIND of each kind of a pool,
-        then one line saying that the rest of that kind are in the verdict and the dump only
+        then one line saying that the rest of that kind are counted by the verdict (and listed
+        by the dump, where the run writes one) only
         (one systematic bug finds one block after another: the first lines say what it is)."""
         n = w.shown.get(f.kind, 0) + 1
         w.shown[f.kind] = n
