@@ -2,8 +2,9 @@
 
 `record ENDPOINT... -o FILE [--topic T] [--replay ENDPOINT...] [--seconds S]` subscribes and
 writes every message with its receive time (docs/EVENTS.md); Ctrl-C or `--seconds` stops it.
-`check FILE|ENDPOINT... [--json] [--topic T] [--replay ENDPOINT...] [--seconds S]` checks a
-recorded stream, or records one for `--seconds` and checks it. Exit code 0 clean (warnings at
+`check FILE|ENDPOINT... [--json] [--topic T] [--replay ENDPOINT...] [--seconds S]
+[--num-blocks N]` checks a recorded stream, or records one for `--seconds` and checks it (with
+the engine's pool size N, more blocks stored at once is `kv_event_over_capacity`). Exit code 0 clean (warnings at
 most), 1 findings of severity error, 2 unusable input (a stream that holds no batch too).
 """
 
