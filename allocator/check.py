@@ -15,7 +15,7 @@ import numpy as np
 
 from kvscope.allocator.checkfree import check_free_count, check_local_caches, check_ring
 from kvscope.allocator.checkleases import check_leases
-from kvscope.allocator.checklocks import DEFAULT_LOCK_HOLD_S, lock_findings
+from kvscope.allocator.checklocks import lock_findings
 from kvscope.allocator.checkrecords import check_records
 from kvscope.allocator.checkrefs import (
     check_index,
@@ -47,7 +47,6 @@ from kvscope.allocator.process import is_alive
 from kvscope.allocator.ranges import check_tables
 
 __all__ = [
-    "DEFAULT_LOCK_HOLD_S",
     "check_header",
     "check_view",
     "lock_findings",

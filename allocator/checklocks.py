@@ -3,28 +3,21 @@ too long (from the lock records, with the holder's state)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from kvscope.allocator.checkreport import Alive
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import SegmentView
+from kvscope.allocator.probeflags import LOCK_HOLD_ENV, threshold_s
 from kvscope.allocator.process import is_alive, process_state
 
-# A pool lock held longer than this is a stall (`lock_held_too_long`); the lock watchdog's
-# variable and default.
-LOCK_HOLD_ENV = "KVSCOPE_LOCK_HOLD_S"
-DEFAULT_LOCK_HOLD_S = 1.0
 
-
-def lock_hold_threshold_s() -> float:
-    """`KVSCOPE_LOCK_HOLD_S` (seconds; 0 turns the stall check off), else the lock watchdog's
-    default (probes/watchdog.py, tests/test_pool_stalls.py compares the two)."""
-    try:
-        return float(os.environ.get(LOCK_HOLD_ENV, "") or DEFAULT_LOCK_HOLD_S)
-    except ValueError:
-        return DEFAULT_LOCK_HOLD_S
+def lock_hold_threshold_s(view: SegmentView) -> float:
+    """How long a pool lock may be held before it is a stall (`lock_held_too_long`; seconds,
+    0: never): `KVSCOPE_LOCK_HOLD_S` where this process sets it, else the value the pool's
+    creator recorded (the lock watchdog's default, 1 s, unless it set the variable;
+    probes/watchdog.py; tests/test_pool_snapshots.py compares the two)."""
+    return threshold_s(view, LOCK_HOLD_ENV)
 
 
 def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
@@ -39,7 +32,7 @@ def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     out = []
     locks = view.locks
     taken_ns = getattr(view, "taken_mono_ns", None)
-    limit_ns = int(lock_hold_threshold_s() * 1e9)
+    limit_ns = int(lock_hold_threshold_s(view) * 1e9)
     for i in np.flatnonzero(locks["holder_pid"] != 0).tolist():
         pid = int(locks["holder_pid"][i])
         name = bytes(locks["name"][i]).decode(errors="replace")

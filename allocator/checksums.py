@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 
 # The header bytes the checksum covers: every field before `checksum` (layout.HEADER_DTYPE).
-HEADER_CHECKSUM_BYTES = 316
+HEADER_CHECKSUM_BYTES = 324
 # A block record's identity: its first four u64 words (layout.block_dtype).
 IDENTITY_WORDS = 4
 

@@ -23,6 +23,7 @@ from kvscope.allocator.layout import (
     header_checksum,
     lock_names,
 )
+from kvscope.allocator.probeflags import IDLE_REQUEST_ENV, LOCK_HOLD_ENV, threshold_ms
 from kvscope.allocator.process import my_identity, now_ns
 
 
@@ -55,6 +56,8 @@ def init_segment(view: SegmentView, cfg: PoolConfig, name: str) -> None:
         event_capacity=cfg.event_capacity,
         local_cache_size=cfg.local_cache_size,
         quarantine=cfg.quarantine,
+        idle_request_ms=threshold_ms(IDLE_REQUEST_ENV),
+        lock_hold_ms=threshold_ms(LOCK_HOLD_ENV),
         creator_pid=pid,
         creator_start=start,
         created_ns=now_ns(),

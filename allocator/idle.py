@@ -13,7 +13,6 @@ flight recorder's requests that began and ended after it was last served (`overt
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,19 +22,15 @@ from kvscope.allocator.checkreport import Alive
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.layout import SegmentView, SeqState, field_text
+from kvscope.allocator.probeflags import IDLE_REQUEST_ENV, threshold_s
 from kvscope.allocator.process import is_alive
 
-# A request that holds blocks and was not served for longer than this is `idle_request`.
-IDLE_ENV = "KVSCOPE_IDLE_REQUEST_S"
-DEFAULT_IDLE_S = 30.0
 
-
-def idle_threshold_s() -> float:
-    """`KVSCOPE_IDLE_REQUEST_S` (seconds; 0 turns the check off), else 30."""
-    try:
-        return float(os.environ.get(IDLE_ENV, "") or DEFAULT_IDLE_S)
-    except ValueError:
-        return DEFAULT_IDLE_S
+def idle_threshold_s(view: SegmentView) -> float:
+    """How long a request holding blocks may go unserved before it is `idle_request` (seconds;
+    0: never): `KVSCOPE_IDLE_REQUEST_S` where this process sets it, else the value the pool's
+    creator recorded (30 s unless it set the variable)."""
+    return threshold_s(view, IDLE_REQUEST_ENV)
 
 
 @dataclass(frozen=True)
@@ -145,7 +140,7 @@ def idle_findings(
         if now is not None
         else (getattr(view, "taken_mono_ns", None), getattr(view, "taken_wall_ns", None))
     )
-    limit = idle_threshold_s()
+    limit = idle_threshold_s(view)
     if now_mono is None or now_wall is None or limit <= 0:
         return []
     seqs = view.seqs

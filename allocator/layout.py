@@ -61,7 +61,7 @@ from kvscope.allocator.records import (  # noqa: F401 - re-exported: the readers
 )
 
 POOL_MAGIC = 0x4B56_5343_4F50_4531
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 ALIGN = 64
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvscope.allocator.layout import Flag
+from kvscope.allocator.errors import PoolError
+
+if TYPE_CHECKING:  # (numpy: `kvscope run` checks the thresholds before the script starts)
+    from kvscope.allocator.layout import SegmentView
 
 GUARD_SAMPLE_ENV = "KVSCOPE_GUARD_SAMPLE"
 
@@ -32,6 +36,58 @@ def provenance_sample_from_env(environ=os.environ) -> int:
         return 0
 
 
+# The live checks' thresholds, in seconds (0 turns the check off): a request holding blocks
+# that its live process has not served for this long is `idle_request` (allocator/idle.py), a
+# pool lock held this long is `lock_held_too_long` (allocator/checklocks.py). The creating
+# process's values are recorded in the pool's header, so every reader of it (the run's
+# supervisor, `kvscope check`, `top` and the metrics in another shell) says the same.
+IDLE_REQUEST_ENV = "KVSCOPE_IDLE_REQUEST_S"
+DEFAULT_IDLE_REQUEST_S = 30.0
+LOCK_HOLD_ENV = "KVSCOPE_LOCK_HOLD_S"
+DEFAULT_LOCK_HOLD_S = 1.0
+# variable -> (its header field, in ms, and its default)
+THRESHOLDS = {
+    IDLE_REQUEST_ENV: ("idle_request_ms", DEFAULT_IDLE_REQUEST_S),
+    LOCK_HOLD_ENV: ("lock_hold_ms", DEFAULT_LOCK_HOLD_S),
+}
+# (the header keeps milliseconds in a u4: about 49 days)
+MAX_THRESHOLD_S = (2**32 - 1) // 1000
+
+
+def env_seconds(name: str, environ=os.environ) -> float | None:
+    """The seconds a threshold variable sets (0: off); None where it is unset or empty. A
+    PoolError, naming the variable, where it is not a number of seconds >= 0."""
+    text = environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_THRESHOLD_S:  # (NaN too)
+        raise PoolError(
+            f"{name} must be a number of seconds from 0 (off) to {MAX_THRESHOLD_S:,}, got {text!r}"
+        )
+    return value
+
+
+def threshold_ms(name: str, environ=os.environ) -> int:
+    """The header's record of a threshold variable in this process (at a pool's creation):
+    its value in ms, at least 1 where it is on; the default where unset."""
+    value = env_seconds(name, environ)
+    seconds = THRESHOLDS[name][1] if value is None else value
+    return max(1, round(seconds * 1000)) if seconds > 0 else 0
+
+
+def threshold_s(view: SegmentView, name: str, environ=os.environ) -> float:
+    """A threshold as a reader of `view` uses it: its own environment's where that sets one,
+    else the one the pool's creator recorded in the header."""
+    value = env_seconds(name, environ)
+    if value is not None:
+        return value
+    return int(view.header[THRESHOLDS[name][0]][0]) / 1000
+
+
 def env_flag(name: str, environ=os.environ) -> bool:
     """A probe switch: KVSCOPE_<NAME>=1/0; unset means on under `kvscope run`, off otherwise."""
     value = environ.get(f"KVSCOPE_{name}")
@@ -54,6 +110,8 @@ class ProbeFlags:
     @classmethod
     def from_env(cls, header_flags: int, environ=os.environ) -> ProbeFlags:
         """Probes switched on by the environment or recorded in the pool's header."""
+        from kvscope.allocator.layout import Flag
+
         return cls(
             events=env_flag("EVENTS", environ) or bool(header_flags & Flag.EVENTS),
             ownership=env_flag("OWNERSHIP", environ),

@@ -58,7 +58,7 @@ def pool_stats(
     out["last_exhausted"] = last_exhaustion(view)
     if now_mono_ns is not None:
         idle = idle_requests(view, now_mono_ns, 0.0)
-        limit = idle_threshold_s()
+        limit = idle_threshold_s(view)
         out["idle_requests"] = sum(r.idle_s >= limit for r in idle) if limit > 0 else 0
         out["max_idle_s"] = round(idle[0].idle_s, 3) if idle else 0.0
     return out

@@ -380,7 +380,7 @@ class Supervisor:
         if not self._whole(w):
             return []
         new = []
-        again_s = idle_threshold_s() * IDLE_AGAIN
+        again_s = idle_threshold_s(w.view) * IDLE_AGAIN
         for f in idle_findings(w.view, now=(time.monotonic_ns(), time.time_ns())):
             key = (f.owner_pid or 0, int(f.extra["seq_id"]))
             w.idle_said[key], say = idle_to_say(

@@ -50,7 +50,6 @@ from kvscope.probes.lockgraph import (  # noqa: F401
 )
 
 ENV = "KVSCOPE_LOCKDEP"
-HOLD_ENV = "KVSCOPE_LOCK_HOLD_S"
 
 
 class Held:

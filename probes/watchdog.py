@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.probeflags import env_flag
+from kvscope.allocator.probeflags import LOCK_HOLD_ENV, env_flag, threshold_s
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import KVSCOPE_DIRS
-from kvscope.probes.lockdep import ENV, HOLD_ENV, LOCKDEP, LockDep, SegmentGraph
+from kvscope.probes.lockdep import ENV, LOCKDEP, LockDep, SegmentGraph
 
 STACK_FRAMES = 10
 # The standard library's folders: a holder waiting in threading.py's Condition.wait is shown at
@@ -209,7 +209,8 @@ def install(pool: Any, env: Mapping[str, str] = os.environ) -> LockDep | None:
     """
     if not (env_flag("LOCKDEP", env) or (ENV not in env and pool.config.lockdep)):
         return None
-    threshold_s = float(env.get(HOLD_ENV, "1.0"))
-    if LOCKDEP.instrument(pool) and threshold_s > 0:
-        Watchdog(pool, threshold_s=threshold_s, lockdep=LOCKDEP).start()
+    # (this process's KVSCOPE_LOCK_HOLD_S, else the pool's: what its check says)
+    hold_s = threshold_s(pool.view, LOCK_HOLD_ENV, env)
+    if LOCKDEP.instrument(pool) and hold_s > 0:
+        Watchdog(pool, threshold_s=hold_s, lockdep=LOCKDEP).start()
     return LOCKDEP

@@ -11,12 +11,18 @@ import time
 import numpy as np
 import pytest
 
+from kvscope.allocator import KVPool, PoolConfig
 from kvscope.allocator.check import check_view
+from kvscope.allocator.checklocks import lock_hold_threshold_s
+from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import FindingKind
-from kvscope.allocator.idle import idle_ages, idle_findings
+from kvscope.allocator.idle import idle_ages, idle_findings, idle_threshold_s
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
+from kvscope.cli import main
+from kvscope.errors import UsageError
 from kvscope.supervisor import idle_to_say
+from kvscope.verbs.run import child_env
 from tests.test_run_stop import finish, start_run, wait_for
 
 # Longer than any pause between two adjacent lines of a test, even on a loaded machine, and
@@ -198,3 +204,63 @@ def test_kvscope_run_says_an_idle_request_once_then_once_more_at_ten_times_then_
     # served, then idle again: a new stretch, said again
     state, say = idle_to_say(state, 31, again)
     assert say and idle_to_say(state, 32, again)[1] is False
+
+
+def test_every_reader_uses_the_thresholds_the_pools_creator_set_unless_its_own_env_sets_one(
+    make_pool, monkeypatch
+):
+    # GIVEN a pool created by a process that set both thresholds (as `kvscope run` passes the
+    # user's to its script)
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
+    monkeypatch.setenv("KVSCOPE_LOCK_HOLD_S", "0.25")
+    pool = make_pool()
+    pool.allocate("parked", list(range(5)))
+    time.sleep(IDLE_S * 2)
+    # WHEN a reader that sets neither looks (`kvscope check` or `top` in another shell)
+    monkeypatch.delenv("KVSCOPE_IDLE_REQUEST_S")
+    monkeypatch.delenv("KVSCOPE_LOCK_HOLD_S")
+    snap = snapshot(pool.view)
+    # THEN it uses the pool's: the request is idle at the creator's threshold, not at 30 s
+    assert idle_threshold_s(snap) == IDLE_S and lock_hold_threshold_s(snap) == 0.25
+    assert [f.request for f in idle_findings(snap)] == ["parked"]
+    assert pool_stats(pool.view, now_mono_ns=time.monotonic_ns())["idle_requests"] == 1
+    # AND a reader whose own environment sets one uses its own
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", "3600")
+    assert idle_threshold_s(snap) == 3600 and idle_findings(snap) == []
+
+
+def test_a_pool_created_without_the_thresholds_records_the_defaults(make_pool, monkeypatch):
+    monkeypatch.delenv("KVSCOPE_IDLE_REQUEST_S", raising=False)
+    monkeypatch.delenv("KVSCOPE_LOCK_HOLD_S", raising=False)
+    pool = make_pool()
+    assert int(pool.view.header["idle_request_ms"][0]) == 30_000
+    assert int(pool.view.header["lock_hold_ms"][0]) == 1_000
+    # (a threshold below a millisecond is kept on, at 1 ms; 0 is off)
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", "0.0001")
+    monkeypatch.setenv("KVSCOPE_LOCK_HOLD_S", "0")
+    other = make_pool()
+    assert int(other.view.header["idle_request_ms"][0]) == 1
+    assert int(other.view.header["lock_hold_ms"][0]) == 0
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "1e10"])
+def test_a_threshold_that_is_not_seconds_is_refused_in_one_line(
+    value, make_pool, tmp_path, monkeypatch, capsys
+):
+    # GIVEN a pool, and then a malformed threshold in the environment
+    pool = make_pool()
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", value)
+    message = f"KVSCOPE_IDLE_REQUEST_S must be a number of seconds .* got '{value}'"
+    # THEN no pool is created (and nothing is left behind)
+    name = f"thr-{os.getpid()}-{value.replace('.', '')}"
+    with pytest.raises(PoolError, match=message):
+        KVPool.create(name, PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, head_dim=8))
+    assert not os.path.exists(f"/dev/shm/kvscope.{name}")
+    # AND `kvscope run` refuses it before the script starts
+    args = type("A", (), {"guard": True, "lockdep": False})()
+    with pytest.raises(UsageError, match=message):
+        child_env(dict(os.environ), str(tmp_path), args)
+    # AND a reading verb says it in one line, exit 2
+    assert main(["check", pool.name]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "KVSCOPE_IDLE_REQUEST_S must be" in err

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from kvscope.allocator import KVPool, crash
-from kvscope.allocator.check import DEFAULT_LOCK_HOLD_S, check_view
+from kvscope.allocator.check import check_view
 from kvscope.allocator.layout import DUMP_HEADER_DTYPE, DUMP_TORN
+from kvscope.allocator.probeflags import DEFAULT_LOCK_HOLD_S
 from kvscope.allocator.snapshot import snapshot
 from kvscope.cli import main
 from kvscope.dumpfile import write_dump

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.faults import FAULTS
+from kvscope.allocator.probeflags import THRESHOLDS, env_seconds
 from kvscope.bootstrap import launch
 from kvscope.errors import UsageError
 from kvscope.scriptlog import ScriptLog
@@ -91,6 +92,13 @@ def child_env(base: dict[str, str], run_dir: str, args: argparse.Namespace) -> d
     # a flight recorder that holds a few seconds of a busy engine's operations (docs/PROBES.md)
     if "KVSCOPE_EVENT_CAPACITY" in env:
         check_event_capacity(env["KVSCOPE_EVENT_CAPACITY"])
+    # (the idle and lock-hold thresholds: a pool the script creates records them, and this
+    # process's supervisor reads them; checked before the script starts)
+    for name in THRESHOLDS:
+        try:
+            env_seconds(name, env)
+        except PoolError as e:
+            raise UsageError(str(e)) from None
     env.setdefault("KVSCOPE_EVENT_CAPACITY", str(RUN_EVENT_CAPACITY))
     # slot provenance (docs/POOL.md): every sequence's slots in guard mode, unless set
     env.setdefault("KVSCOPE_PROVENANCE_SAMPLE", "1" if args.guard else "0")

@@ -52,7 +52,7 @@ class SequenceList(RowsView):
         # taken; a dump's does not)
         now = getattr(frame.view, "taken_mono_ns", None)
         ages = idle_ages(frame.view, now) if now is not None else None
-        limit = idle_threshold_s()
+        limit = idle_threshold_s(frame.view)
 
         def row_of(i: int) -> Row:
             s = seqs[self.slots[i]]
