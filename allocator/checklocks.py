@@ -20,10 +20,30 @@ def lock_hold_threshold_s(view: SegmentView) -> float:
     return threshold_s(view, LOCK_HOLD_ENV)
 
 
-def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
+def holder_advice(pid: int, state: str) -> str:
+    """What a lock held too long by process `pid`, in `state` (process.process_state), asks for."""
+    if state == "stopped":
+        return (
+            f"it is stopped (SIGSTOP or a debugger): every process that needs the lock waits"
+            f" until it continues (kill -CONT {pid})"
+        )
+    if state == "zombie":
+        return "it is exiting"
+    return f"it is {state or 'gone'}: do not block, sleep or compute long while holding a pool lock"
+
+
+def lock_named(message: str) -> str:
+    """The pool lock a lock finding's message names (`pool lock 'free' ...`); '' for none."""
+    return message.partition("pool lock '")[2].partition("'")[0]
+
+
+def lock_findings(
+    view: SegmentView, alive: Alive = is_alive, now_mono_ns: int | None = None
+) -> list[Finding]:
     """From the lock records: a lock whose holder died (`lock_dead_holder`), and on a live copy
-    (one that carries the monotonic time it was taken, `taken_mono_ns`) a lock a live process
-    has held longer than `KVSCOPE_LOCK_HOLD_S` (`lock_held_too_long`), with the holder's state.
+    (one that carries the monotonic time it was taken, `taken_mono_ns`, or a live pool read at
+    `now_mono_ns`) a lock a live process has held longer than `KVSCOPE_LOCK_HOLD_S`
+    (`lock_held_too_long`), with the holder's state.
 
     A record's `acquired_ns` is the holder's CLOCK_MONOTONIC, comparable with this host's
     clock while it has not rebooted; a dump does not say when it was taken on that clock, so
@@ -31,7 +51,7 @@ def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
     """
     out = []
     locks = view.locks
-    taken_ns = getattr(view, "taken_mono_ns", None)
+    taken_ns = now_mono_ns if now_mono_ns is not None else getattr(view, "taken_mono_ns", None)
     limit_ns = int(lock_hold_threshold_s(view) * 1e9)
     for i in np.flatnonzero(locks["holder_pid"] != 0).tolist():
         pid = int(locks["holder_pid"][i])
@@ -50,13 +70,7 @@ def lock_findings(view: SegmentView, alive: Alive = is_alive) -> list[Finding]:
         if taken_ns is None or limit_ns <= 0 or int(locks["seq"][i]) % 2 == 0 or held_ns < limit_ns:
             continue
         state = process_state(pid)
-        why = {
-            "stopped": f"it is stopped (SIGSTOP or a debugger): every process that needs the lock waits until it continues (kill -CONT {pid})",
-            "zombie": "it is exiting",
-        }.get(
-            state,
-            f"it is {state or 'gone'}: do not block, sleep or compute long while holding a pool lock",
-        )
+        why = holder_advice(pid, state)
         out.append(
             Finding(
                 FindingKind.LOCK_HELD_TOO_LONG,

@@ -21,9 +21,9 @@ from kvscope.allocator.checkrefs import own_block
 from kvscope.allocator.checkreport import Alive
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.layout import SegmentView, SeqState, field_text
+from kvscope.allocator.layout import ClientState, SegmentView, SeqState, field_text
 from kvscope.allocator.probeflags import IDLE_REQUEST_ENV, threshold_s
-from kvscope.allocator.process import is_alive
+from kvscope.allocator.process import is_alive, process_state
 
 
 def idle_threshold_s(view: SegmentView) -> float:
@@ -87,6 +87,14 @@ def idle_requests(
     return sorted(out, key=lambda r: -r.idle_s)
 
 
+def lock_waiters(view: SegmentView) -> set[int]:
+    """The processes whose client record publishes a wait for pool locks now (the core's,
+    allocator/waits.py): blocked, whatever their requests' idle times say."""
+    clients = view.clients
+    on = (clients["state"] == ClientState.ATTACHED) & (clients["op"] != 0)
+    return {int(p) for p in clients["pid"][on].tolist()}
+
+
 class Lifetimes:
     """The flight recorder's requests of one process (`pid`): each one's first event and its
     first `free` or `abort`, read from the rings once for every question about the process
@@ -146,7 +154,15 @@ def idle_findings(
     seqs = view.seqs
     out = []
     lives: dict[int, Lifetimes] = {}
+    # (a process that waits for a pool lock serves nothing until it has it: its requests
+    # wait on the lock's holder, which the lock's own finding names, lock_held_too_long)
+    waiting = lock_waiters(view)
+    stopped: dict[int, bool] = {}
     for r in idle_requests(view, now_mono, limit, alive):
+        if r.pid in waiting:
+            continue
+        if r.pid not in stopped:
+            stopped[r.pid] = process_state(r.pid) == "stopped"
         key = seqs["request"][r.slot]
         since = now_wall - int(r.idle_s * 1e9)
         life = lives.get(r.pid) or lives.setdefault(r.pid, Lifetimes(view, r.pid))
@@ -154,7 +170,7 @@ def idle_findings(
         out.append(
             Finding(
                 FindingKind.IDLE_REQUEST,
-                idle_message(r, others, events=life.recorded),
+                idle_message(r, others, events=life.recorded, stopped=stopped[r.pid]),
                 block=own_block(view.blocks, seqs["table"][r.slot][: r.blocks].tolist(), key),
                 owner_pid=r.pid,
                 request=r.request,
@@ -169,13 +185,19 @@ def idle_findings(
     return out
 
 
-def idle_message(r: IdleRequest, others: list[str], events: bool) -> str:
-    """What an idle request's finding says: how long, and what its process did meanwhile."""
+def idle_message(r: IdleRequest, others: list[str], events: bool, stopped: bool = False) -> str:
+    """What an idle request's finding says: how long, and what its process did meanwhile (or
+    that it is stopped)."""
     for_s = f"{r.idle_s:.1f}" if r.idle_s < 10 else f"{r.idle_s:.0f}"
     head = (
         f"request {r.request!r} ({r.state}) holds {r.blocks} block(s) and pid {r.pid} has not"
         f" served it for {for_s} s (no append, mark_computed, set_state, resume or lease)"
     )
+    if stopped:
+        return (
+            f"{head}: pid {r.pid} is stopped (SIGSTOP or a debugger) and serves nothing until"
+            f" it continues (kill -CONT {r.pid})"
+        )
     if others:
         named = ", ".join(repr(o) for o in others[:3]) + (", ..." if len(others) > 3 else "")
         return (

@@ -14,6 +14,7 @@ import re
 import numpy as np
 
 from kvscope.allocator import devicechecks, integrity
+from kvscope.allocator.checklocks import lock_named
 from kvscope.allocator.events import events_for_block, recent_events
 from kvscope.allocator.findings import Finding, FindingKind, finding_at
 from kvscope.allocator.handle import OwnerRef, PoolHandle
@@ -167,7 +168,7 @@ def ring_findings(view, positions: list[int]) -> list[Finding]:
             f.extra.update(_header_change(f.message))
         elif f.kind == FindingKind.LOCK_DEAD_HOLDER:
             # the lock, as its message names it (csrc/recovery.c)
-            f.extra["lock"] = f.message.partition("pool lock '")[2].partition("'")[0]
+            f.extra["lock"] = lock_named(f.message)
         elif f.block is not None:
             f.events = _events_before(view, at, f.block)
             site = site_text(view, f.site_id) if f.site_id >= 0 else None

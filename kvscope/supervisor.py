@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.allocator.check import check_header
+from kvscope.allocator.check import check_header, lock_findings
+from kvscope.allocator.checklocks import lock_named
 from kvscope.allocator.dumpfile import layout_of_prefix
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.findings import (
@@ -147,16 +148,32 @@ class Watched:
     progress_at: float = 0.0
     progress_looked: float = 0.0
     stall_said: bool = False
-    # the last stall said, in a few words for the dump's reason ("" when none)
-    stalled: str = ""
+    # The last stall said: since when (the monotonic second of the last progress before it; 0:
+    # none said), until when (0 while it lasts) and how many requests held blocks then.
+    stalled_at: float = 0.0
+    stalled_end: float = 0.0
+    stalled_held: int = 0
     # The idle watch (allocator/idle.py): when it looked last, and for each sequence (pid,
     # seq_id) whose idle_request was said, its idle seconds then and how many times it was
     # said in this idle stretch (once at the threshold, once more at IDLE_AGAIN times it).
     idle_looked: float = 0.0
     idle_said: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
+    # The lock watch: when it looked last, and the (lock, holder pid) held too long then.
+    locks_looked: float = 0.0
+    locks_said: set[tuple[str, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.size = self.layout.offsets()["end"]
+
+    def stall_note(self) -> str:
+        """The last stall said, in a few words for the dump's reason ("" when none): how long
+        it lasted, or has lasted so far."""
+        if not self.stalled_at:
+            return ""
+        end = self.stalled_end or time.monotonic()
+        return (
+            f"hung {end - self.stalled_at:.0f} s with {self.stalled_held} request(s) holding blocks"
+        )
 
     def check_size(self) -> bool:
         """True while the file is still as long as the mapping (reading a page the file lost
@@ -294,6 +311,13 @@ class Supervisor:
                 if key in w.said:
                     continue
                 w.said.add(key)
+                if f.kind == FindingKind.LOCK_HELD_TOO_LONG and lock_named(f.message):
+                    # (a pool lock's: one line per holding, whether the lock watch below or
+                    # a process's watchdog, into the ring, saw it first)
+                    hold = (lock_named(f.message), f.owner_pid or 0)
+                    if hold in w.locks_said:
+                        continue
+                    w.locks_said.add(hold)
                 if f.kind == FindingKind.LEAK_DEAD_OWNER and f.owner_pid:
                     # A survivor's reclaim of a dead process (allocator/recovery.py): said
                     # once, whether this poll or an earlier one (`_deaths`) saw it first.
@@ -311,6 +335,7 @@ class Supervisor:
                 self._echo_live(w, shown)
                 new.append(death)
             self._sample(w)
+            new += self._watch_locks(w)
             self._watch_stall(w)
             new += self._watch_idle(w)
         self.live_findings += new
@@ -339,6 +364,8 @@ class Supervisor:
         if not self._whole(w):
             return
         if progress != w.progress or not w.progress_at:
+            if w.stall_said:
+                w.stalled_end = now
             w.progress, w.progress_at, w.stall_said = progress, now, False
             return
         # (a dead process's requests wait on nothing: its death is said on its own)
@@ -352,7 +379,7 @@ class Supervisor:
         if w.stall_said or not held or idle_s < self.hang_after_s:
             return
         w.stall_said = True
-        w.stalled = f"hung {idle_s:.0f} s with {len(held)} request(s) holding blocks"
+        w.stalled_at, w.stalled_end, w.stalled_held = w.progress_at, 0.0, len(held)
         requests = [field_text(seqs["request"][i]) for i in held]
         pids = sorted({int(seqs["owner_pid"][i]) for i in held})
         self.echo(
@@ -365,6 +392,29 @@ class Supervisor:
             said = stacks_said(pid, self.run_dir, f"the script (pid {pid}) looks hung")
             if said:
                 self.echo(said)
+
+    def _watch_locks(self, w: Watched) -> list[Finding]:
+        """A pool lock a live process has held past KVSCOPE_LOCK_HOLD_S (lock_held_too_long:
+        a holder stopped, or blocking inside a callback), said as it lands, once per holding:
+        every process that needs the lock waits behind it, so it is what a stall of the run
+        comes from. A lock let go and held too long again is said again."""
+        now = time.monotonic()
+        if now - w.locks_looked < STALL_CHECK_S or w.header_reported:
+            return []
+        w.locks_looked = now
+        if not self._whole(w):
+            return []
+        stalls = [
+            f
+            for f in lock_findings(w.view, now_mono_ns=time.monotonic_ns())
+            if f.kind == FindingKind.LOCK_HELD_TOO_LONG
+        ]
+        held = {(str(f.extra["lock"]), f.owner_pid or 0) for f in stalls}
+        new = [f for f in stalls if (str(f.extra["lock"]), f.owner_pid or 0) not in w.locks_said]
+        w.locks_said = held  # (a hold no longer seen is said again if it comes back)
+        for f in new:
+            self._echo_live(w, replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING))
+        return new
 
     def _watch_idle(self, w: Watched) -> list[Finding]:
         """The pool's requests that their live process has not served for

@@ -110,7 +110,7 @@ def finish(
                 write_dump(
                     snap,
                     path,
-                    reason="; ".join([what, *([w.stalled] if w.stalled else []), *notes]),
+                    reason="; ".join([what, *([w.stall_note()] if w.stalled_at else []), *notes]),
                     pid=pid,
                     header_prefix=w.header_prefix,
                     failed=outcome.failed,

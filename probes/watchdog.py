@@ -26,9 +26,10 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from kvscope.allocator.checklocks import holder_advice
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.probeflags import LOCK_HOLD_ENV, env_flag, threshold_s
-from kvscope.allocator.process import is_alive
+from kvscope.allocator.process import is_alive, process_state
 from kvscope.allocator.sites import KVSCOPE_DIRS
 from kvscope.probes.lockdep import ENV, LOCKDEP, LockDep, SegmentGraph
 
@@ -64,13 +65,17 @@ def thread_stack(ident: int | None) -> list[str]:
 def held_finding(
     lock: str, held_s: float, pid: int, tid: int, stack: list[str], hold: str = ""
 ) -> Finding:
-    """The `lock_held_too_long` finding; `hold` names one hold of a pool lock (for dedupe)."""
+    """The `lock_held_too_long` finding; `hold` names one hold of a pool lock (for dedupe).
+    Another process's hold says what that process is doing (a stopped one, how to continue
+    it), as the whole-pool check's finding does."""
     where = f", now at {stack[-1]}" if stack else ""
     which = f" ({hold})" if hold else ""
-    msg = (
-        f"{lock} held {held_s:.1f} s so far by pid {pid} thread {tid}{which}{where}: "
-        "do not block, sleep or compute long while holding it"
+    why = (
+        f"; {holder_advice(pid, process_state(pid))}"
+        if pid != os.getpid()
+        else ": do not block, sleep or compute long while holding it"
     )
+    msg = f"{lock} held {held_s:.1f} s so far by pid {pid} thread {tid}{which}{where}{why}"
     return Finding(
         FindingKind.LOCK_HELD_TOO_LONG,
         msg,

@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -154,6 +155,51 @@ def test_a_stopped_lock_holder_is_a_finding_and_copies_stay_consistent(
         assert f["holder_state"] == "stopped" and f["held_s"] >= 0.2
         assert f"kill -CONT {pid}" in f["message"]
     # ... and once it continues, nothing is left
+    assert pool.check() == []
+
+
+def _stopped_holding_free(name: str, ready_w: int) -> None:
+    """Attach, take the free lock and stop (SIGSTOP) holding it; when continued, let go."""
+    p = KVPool.attach(name)
+    lockholder.hold(p, p.FREE)
+    os.write(ready_w, b"1")
+    os.kill(os.getpid(), signal.SIGSTOP)
+    lockholder.let_go(p, p.FREE)
+    p.close()
+
+
+@pytest.mark.slow
+def test_a_read_under_the_probes_does_not_wait_on_a_stopped_lock_holder(
+    make_pool, probes, monkeypatch
+):
+    # GIVEN the probes `kvscope run` turns on (the magic probe's check, with conservation,
+    # comes due between operations) and another process stopped holding the free lock
+    pool = make_pool(32)
+    r, w = os.pipe()
+    pid = _fork(lambda: _stopped_holding_free(pool.name, w))
+    os.read(r, 1)
+    os.waitpid(pid, os.WUNTRACED)
+    reads: list[int] = []
+
+    def read() -> None:
+        for _ in range(5):
+            time.sleep(0.03)  # (past the check's 10 ms interval: it is due at each read)
+            reads.append(pool.stats()["num_blocks"])
+
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        # WHEN this process reads the pool's stats several times
+        reader.start()
+        reader.join(10)
+        # THEN every read returns, as it does without the probes (none waits for the lock)
+        assert not reader.is_alive() and reads == [32] * 5
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        reader.join(10)
+    # AND once the holder lets go, the check runs again: the pool is whole
+    time.sleep(0.03)
+    pool.stats()
     assert pool.check() == []
 
 

@@ -283,6 +283,7 @@ typedef struct {
     uint32_t *refs_stamp; /* ... refs_epoch (probes.c leak_scratch) */
     uint32_t refs_epoch;
     uint64_t last_verify_ns;
+    int verify_between; /* the check runs between operations (entry.c N_verify_often): no waits */
     uint64_t coarse_slack; /* verify_often's clock: 0 not yet asked (coarse_slack_ns) */
     uint64_t op_ns;        /* the coarse monotonic clock as this operation's gate read it */
     /* lockdep (probes.c lockdep_ok) */

@@ -653,9 +653,11 @@ out:
 static PyObject *N_verify_often(Native *n, PyObject *pool) {
     /* It may come from inside an operation's gate (Python the gate calls may ask again): what
      * that gate worked out for its operation stays as it was. */
-    int probes = n->probes;
+    int probes = n->probes, between = n->verify_between;
     PyObject *was = n->pool;
+    n->verify_between = 1; /* (a read waits for no pool lock: probes.c conservation) */
     int g = gate(n, pool);
+    n->verify_between = between;
     n->probes = probes;
     n->pool = was;
     if (g != OK) return NULL;

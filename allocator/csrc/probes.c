@@ -619,6 +619,15 @@ static void free_tally(Native *n, int64_t *free_, int64_t *mine) {
  * pool.verify() (entry.c N_verify): the op mutex a wait took is let go again. OK, or ERROR
  * with an exception set. */
 static int conservation(Native *n) {
+    /* Asked for between operations (a read such as stats()), it does not wait for the free
+     * lock: a holder that is stopped (SIGSTOP, a debugger) would stop the reader too, which
+     * without the probe reads on. It is taken up again at the next call (the clock reset). */
+    pthread_mutex_t *fm = lock_mutex(n, n->lock_free);
+    if (n->verify_between && !holds(n, n->lock_free) &&
+        __atomic_load_n(&fm->__data.__lock, __ATOMIC_RELAXED) != 0) {
+        n->last_verify_ns = 0;
+        return OK;
+    }
     int mh = n->mutex_held;
     int rc = txn_begin(n, lock_bit(n->lock_free));
     if (rc != OK) {
