@@ -22,6 +22,7 @@ class PoolExhausted(PoolError):
         held: int,
         holders: dict[str, int],
         elsewhere: dict[int, int] | None = None,
+        dead: dict[int, int] | None = None,
     ):
         self.needed, self.free, self.cached, self.held, self.holders = (
             needed,
@@ -32,12 +33,25 @@ class PoolExhausted(PoolError):
         )
         # free blocks in other processes' local caches, by pid (this process cannot take them)
         self.elsewhere = elsewhere or {}
+        # blocks that requests of dead processes hold, by pid (each block once): what
+        # reclaim_dead() hands back
+        self.dead = dead or {}
         biggest = sorted(holders.items(), key=lambda x: -x[1])
         top = ", ".join(f"{r}={n}" for r, n in biggest[:5])
         if len(biggest) > 5:
+            # (their blocks are not summed: requests that share a prefix map the same blocks)
             more = len(biggest) - 5
-            top += f" and {more} more request{'s' if more > 1 else ''} holding"
-            top += f" {sum(n for _, n in biggest[5:])}"
+            top += f" and {more} more request{'s' if more > 1 else ''}"
+        lost = sum(self.dead.values())
+        dead_pids = ", ".join(
+            f"pid {p}: {n}" for p, n in sorted(self.dead.items(), key=lambda x: -x[1])[:5]
+        )
+        reclaim = (
+            f"; {lost} of the held blocks belong to requests of processes that died ({dead_pids}):"
+            " pool.reclaim_dead() (or `kvscope check NAME --repair`) hands them back"
+            if lost
+            else ""
+        )
         away = sum(self.elsewhere.values())
         pids = ", ".join(
             f"pid {p}: {n}" for p, n in sorted(self.elsewhere.items(), key=lambda x: -x[1])[:5]
@@ -47,6 +61,7 @@ class PoolExhausted(PoolError):
             + (f" ({away} of them in other processes' local caches, {pids})" if away else "")
             + f", {cached} cached, {held} held"
             + (f" (by {top})" if top else "")
+            + reclaim
             + "; free finished requests, mark idle ones waiting, or create a larger pool"
             + (
                 " (or a smaller local_cache_size: each process keeps up to twice it)"

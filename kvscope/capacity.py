@@ -227,7 +227,20 @@ def capacity_answer(
     if out["num_exhausted"] or out["num_preemptions"]:
         k = stranded_blocks(view, alive)
         seqs, wanted = stranded_preempted(view, alive)
-        if k or seqs:
+        n = out["num_blocks"]
+        if k and (4 * k >= n or k >= _short(out["last_exhausted"]) > 0):
+            # (the stranded blocks alone would have served the last take, or hold a quarter
+            # of the pool: that is the answer, before what the demand counted with them says)
+            out["answer"] = (
+                f"blocks stranded, not a pool too small: {k} of the pool's {n} blocks are held"
+                " by no process holding the pool (a dead process's requests, or leaked ones:"
+                " the leak findings); pool.reclaim_dead() (or `kvscope check NAME --repair`)"
+                " hands a dead process's back, and leaked requests are the engine's to free."
+                " Counting them as demand: " + out["answer"]
+            )
+            if seqs:
+                out["answer"] += _stranded_note(0, seqs, wanted)
+        elif k or seqs:
             out["answer"] += _stranded_note(k, seqs, wanted)
         if k:
             out["stranded_blocks"] = k

@@ -386,3 +386,27 @@ def test_a_run_that_ends_idle_with_its_memory_cached_and_quarantined_says_so(tmp
     )
     assert "no request held a block and none was allocated, with 0 of the pool's 12" in line, line
     assert "9 cached and 3 quarantined" in line and "stats()['num_available']" in line
+
+
+def test_check_of_a_live_pool_prints_the_capacity_answer_as_analyze_does(make_pool, capsys):
+    import json
+
+    from kvscope.cli import main
+
+    # GIVEN a live pool that raised PoolExhausted
+    pool = make_pool(16, local_cache_size=0)
+    held = pool.allocate("held", list(range(40)))
+    with pytest.raises(PoolExhausted):
+        pool.allocate("peak", list(range(100, 140)))
+    # WHEN check and analyze read it
+    answers = {}
+    for verb in ("check", "analyze"):
+        main([verb, pool.name, "--json"])
+        answers[verb] = json.loads(capsys.readouterr().out)["capacity"]
+    main(["check", pool.name])
+    text = capsys.readouterr().out
+    # THEN check says what analyze says: the exhaustion, in its capacity section
+    assert answers["check"]["num_exhausted"] == 1
+    assert answers["check"]["answer"] == answers["analyze"]["answer"]
+    assert "capacity" in text and "PoolExhausted raised 1 time" in text
+    pool.free(held)

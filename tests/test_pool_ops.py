@@ -201,13 +201,45 @@ def test_exhausted_counts_the_holders_it_does_not_name(make_pool):
     # GIVEN a pool held by 7 requests (the message names the 5 biggest)
     pool = make_pool(16, local_cache_size=0)
     held = [pool.allocate(f"r{i}", list(range(i * 100, i * 100 + 8))) for i in range(7)]
-    # WHEN an allocation finds it full THEN the 2 left out are counted with what they hold
+    # WHEN an allocation finds it full THEN the 2 left out are counted (not what they hold:
+    # requests that share a prefix map the same blocks)
     with pytest.raises(PoolExhausted) as e:
         pool.allocate("b", list(range(5000, 5012)))
     assert len(e.value.holders) == 7
-    assert "and 2 more requests holding 4" in str(e.value)
+    assert "and 2 more requests);" in str(e.value)
     for s in held:
         pool.free(s)
+
+
+def test_exhausted_names_the_blocks_a_dead_process_still_holds(make_pool):
+    # GIVEN a pool most of which two requests of a process that died attached still hold (a
+    # shared prompt: the blocks they share counted once)
+    pool = make_pool(16, local_cache_size=0)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            p = type(pool).attach(pool.name)
+            first = p.allocate("w1-r1", list(range(40)))  # 10 blocks
+            p.mark_computed(first, 40)
+            p.allocate("w1-r2", list(range(40)) + [7, 7])  # 10 shared + 1
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    mine = pool.allocate("mine", list(range(100, 112)))  # 3 of the 5 left
+    # WHEN this process's next allocation finds the pool full
+    with pytest.raises(PoolExhausted) as e:
+        pool.allocate("b", list(range(5000, 5012)))
+    # THEN the message says which dead process holds how many blocks, and what hands them back
+    assert e.value.dead == {pid: 11}
+    assert (
+        f"11 of the held blocks belong to requests of processes that died (pid {pid}: 11)"
+        in str(e.value)
+    )
+    assert "pool.reclaim_dead()" in str(e.value)
+    # AND once they are reclaimed the allocation fits
+    pool.reclaim_dead()
+    pool.free(pool.allocate("b", list(range(5000, 5012))))
+    pool.free(mine)
 
 
 def test_exhausted_says_which_free_blocks_sit_in_other_processes_local_caches(make_pool):

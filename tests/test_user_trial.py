@@ -347,13 +347,15 @@ def test_the_capacity_answer_says_when_leaked_blocks_filled_the_pool(make_pool, 
         pool.allocate("more", tuple(range(200, 212)))
     # WHEN the capacity answer is read
     cap = capacity_answer(pool.view, None)
-    # THEN it says the leaked blocks were part of the demand, and only then
+    # THEN it says first that the leaked blocks filled the pool (3 of 8: the answer, not the
+    # pool's size), and only then
     if leak:
         assert cap["stranded_blocks"] == 3
-        assert (
-            "3 of the blocks held at the end belong to no process holding the pool"
-            in (cap["answer"])
+        assert cap["answer"].startswith(
+            "blocks stranded, not a pool too small: 3 of the pool's 8 blocks are held by no"
+            " process holding the pool"
         )
+        assert "Counting them as demand: " in cap["answer"]
     else:
         assert "stranded_blocks" not in cap and "no process holding" not in cap["answer"]
     pool.free(held)

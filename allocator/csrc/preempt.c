@@ -273,9 +273,59 @@ static void exhausted_note(Native *n, int64_t needed) {
     __atomic_store_n((uint64_t *)(h + HDR_EXHAUSTED_NS), wall_ns(), __ATOMIC_RELEASE);
 }
 
+/* The blocks that requests of processes no longer alive hold, by pid, into `dead` (each block
+ * once, however many of their requests map it): what a survivor's reclaim_dead() hands back.
+ * 0, or -1 with an exception set. (A raise's cold path: each process's liveness read once.) */
+static int dead_holders(Native *n, PyObject *dead) {
+    enum { KNOWN = 64 };
+    int32_t pids[KNOWN];
+    uint64_t starts[KNOWN];
+    int alive[KNOWN], known = 0;
+    uint8_t *seen = NULL;
+    int rc = 0;
+    for (int64_t s = 0; s < n->max_seqs && rc == 0; s++) {
+        uint8_t *r = seqrec(n, s);
+        uint32_t nb = U4(r + SF_NUM_BLOCKS);
+        if (r[SF_STATE] == S_EMPTY || nb == 0) continue;
+        int32_t pid = I4(r + SF_OWNER_PID);
+        uint64_t start = U8(r + SF_OWNER_START);
+        int k = 0, live;
+        while (k < known && !(pids[k] == pid && starts[k] == start)) k++;
+        if (k < known)
+            live = alive[k];
+        else {
+            live = proc_alive(pid, start);
+            if (known < KNOWN) pids[known] = pid, starts[known] = start, alive[known++] = live;
+        }
+        if (live) continue;
+        if (seen == NULL && (seen = PyMem_Calloc((size_t)n->nb, 1)) == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        long long count = 0;
+        const int32_t *table = (const int32_t *)(r + SF_TABLE);
+        for (uint32_t i = 0; i < nb && (int64_t)i < n->max_bps; i++) {
+            int32_t b = table[i];
+            if (b >= 0 && b < n->nb && !seen[b]) seen[b] = 1, count++;
+        }
+        if (count == 0) continue;
+        PyObject *key = PyLong_FromLong(pid);
+        PyObject *had = key ? PyDict_GetItemWithError(dead, key) : NULL;
+        PyObject *v = key && !PyErr_Occurred()
+                          ? PyLong_FromLongLong((had ? PyLong_AsLongLong(had) : 0) + count)
+                          : NULL;
+        if (v == NULL || PyDict_SetItem(dead, key, v) < 0) rc = -1;
+        Py_XDECREF(key);
+        Py_XDECREF(v);
+    }
+    PyMem_Free(seen);
+    return rc;
+}
+
 /* PoolExhausted for a take of `needed` blocks, read from the pool as the rollback left it:
  * blocks free (the ring, quarantined, any process's local cache), cached and held; the blocks
- * each live request holds; other attached processes' local caches by pid. */
+ * each live request holds; other attached processes' local caches by pid; the blocks requests
+ * of dead processes hold, by pid (dead_holders). */
 static void raise_exhausted(Native *n, int64_t needed) {
     if (PoolExhaustedType == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "kvscope: _native.register_errors() was not called");
@@ -287,8 +337,8 @@ static void raise_exhausted(Native *n, int64_t needed) {
         if (s <= B_QUARANTINED) st[s]++;
     }
     PyObject *holders = PyDict_New(), *elsewhere = PyDict_New(), *kw = NULL, *args = NULL;
-    PyObject *err = NULL;
-    if (!holders || !elsewhere) goto out;
+    PyObject *err = NULL, *dead = PyDict_New();
+    if (!holders || !elsewhere || !dead || dead_holders(n, dead) < 0) goto out;
     for (int64_t s = 0; s < n->max_seqs; s++) {
         uint8_t *r = seqrec(n, s);
         if (r[SF_STATE] == S_EMPTY) continue;
@@ -319,16 +369,17 @@ static void raise_exhausted(Native *n, int64_t needed) {
         Py_XDECREF(v);
         if (bad) goto out;
     }
-    kw = Py_BuildValue("{sLsLsLsLsOsO}", "needed", (long long)needed, "free",
+    kw = Py_BuildValue("{sLsLsLsLsOsOsO}", "needed", (long long)needed, "free",
                        (long long)(st[B_FREE] + st[B_LOCAL] + st[B_QUARANTINED]), "cached",
                        (long long)st[B_CACHED], "held", (long long)st[B_ALLOCATED], "holders",
-                       holders, "elsewhere", elsewhere);
+                       holders, "elsewhere", elsewhere, "dead", dead);
     args = PyTuple_New(0);
     if (kw && args) err = PyObject_Call(PoolExhaustedType, args, kw);
     if (err) PyErr_SetObject(PoolExhaustedType, err);
 out:
     Py_XDECREF(holders);
     Py_XDECREF(elsewhere);
+    Py_XDECREF(dead);
     Py_XDECREF(kw);
     Py_XDECREF(args);
     Py_XDECREF(err);

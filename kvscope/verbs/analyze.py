@@ -7,12 +7,28 @@ Exit code 0 when healthy, 1 when a finding of severity error is present, 2 on un
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvscope.analysis import analyze_view, exit_code
 from kvscope.capacity import capacity_answer
-from kvscope.history import history_for
+from kvscope.history import History, history_for
 from kvscope.report import print_json, render
-from kvscope.target import add_trust_owner, open_target
+from kvscope.target import Target, add_trust_owner, open_target
+
+
+def add_pool_context(report: dict[str, Any], t: Target, history: History | None) -> None:
+    """What `analyze` and `check` add to a pool's analysis: the capacity answer (from the
+    run's history where there is one, else from the copy) and a live CUDA pool's GPU memory."""
+    if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
+        report["capacity"] = capacity_answer(t.view, history, t.alive)
+    if t.dump_header is None and str(report["pool"]["device"]).startswith("cuda"):
+        # A live pool on a GPU: that GPU's memory now (NVML), beside the pool's own bytes
+        # (kvscope.probes imports the pool, and torch: only here).
+        from kvscope.probes.nvml import gpu_memory
+
+        gpu = gpu_memory(report["pool"]["device"])
+        if gpu is not None:
+            report["pool"]["gpu"] = gpu
 
 
 class AnalyzeCommand:
@@ -41,16 +57,7 @@ class AnalyzeCommand:
             findings=got.findings,
             kv=got.kv,
         )
-        if report["summary"]:  # empty when the header is corrupt: no counter can be trusted
-            report["capacity"] = capacity_answer(t.view, history_for(args.target), t.alive)
-        if t.dump_header is None and str(report["pool"]["device"]).startswith("cuda"):
-            # A live pool on a GPU: that GPU's memory now (NVML), beside the pool's own bytes
-            # (kvscope.probes imports the pool, and torch: only here).
-            from kvscope.probes.nvml import gpu_memory
-
-            gpu = gpu_memory(report["pool"]["device"])
-            if gpu is not None:
-                report["pool"]["gpu"] = gpu
+        add_pool_context(report, t, history_for(args.target))
         if args.json:
             print_json(report)
         else:

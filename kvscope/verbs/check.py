@@ -24,6 +24,7 @@ from kvscope.errors import PoolError, UsageError
 from kvscope.poolsummary import some
 from kvscope.report import print_json, render
 from kvscope.target import add_trust_owner, live_target, read_live
+from kvscope.verbs.analyze import add_pool_context
 
 
 def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
@@ -160,6 +161,7 @@ class CheckCommand:
         t = live_target(args.name, args.trust_owner)
         got = t.findings()
         report = analyze_view(t.view, alive=t.alive, findings=got.findings, kv=got.kv)
+        add_pool_context(report, t, None)  # (as analyze NAME: the same analysis)
         if done is not None:
             report["repair"] = done
         if args.json:
