@@ -13,7 +13,7 @@ from kvscope.analysis import analyze_view, exit_code
 from kvscope.capacity import capacity_answer
 from kvscope.history import History, history_for
 from kvscope.report import print_json, render
-from kvscope.target import Target, add_trust_owner, open_target
+from kvscope.target import Target, add_trust_owner, open_target, removed_meanwhile
 
 
 def add_pool_context(report: dict[str, Any], t: Target, history: History | None) -> None:
@@ -58,6 +58,8 @@ class AnalyzeCommand:
             kv=got.kv,
         )
         add_pool_context(report, t, history_for(args.target))
+        if t.dump_header is None:
+            removed_meanwhile(args.target)
         if args.json:
             print_json(report)
         else:

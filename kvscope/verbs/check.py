@@ -23,7 +23,7 @@ from kvscope.analysis import analyze_view, exit_code
 from kvscope.errors import PoolError, UsageError
 from kvscope.poolsummary import some
 from kvscope.report import print_json, render
-from kvscope.target import add_trust_owner, live_target, read_live
+from kvscope.target import add_trust_owner, live_target, read_live, removed_meanwhile
 from kvscope.verbs.analyze import add_pool_context
 
 
@@ -162,6 +162,7 @@ class CheckCommand:
         got = t.findings()
         report = analyze_view(t.view, alive=t.alive, findings=got.findings, kv=got.kv)
         add_pool_context(report, t, None)  # (as analyze NAME: the same analysis)
+        removed_meanwhile(args.name)
         if done is not None:
             report["repair"] = done
         if args.json:
