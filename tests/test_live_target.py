@@ -29,9 +29,7 @@ def _attach_hold_then(name: str, ready_w: int, go_r: int, die: bool) -> int:
 
 
 @pytest.mark.parametrize("die", [False, True])
-def test_a_process_that_detached_after_the_copy_is_alive_in_it_one_that_died_is_not(
-    make_pool, die
-):
+def test_a_process_that_detached_after_the_copy_is_alive_in_it_one_that_died_is_not(make_pool, die):
     # GIVEN a copy of a live pool taken while a worker holds a request
     pool = make_pool(32)
     ready_r, ready_w = os.pipe()
