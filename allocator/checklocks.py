@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvscope.allocator.checkreport import Alive
-from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.findings import ERROR, WARNING, Finding, FindingKind
 from kvscope.allocator.layout import SegmentView
 from kvscope.allocator.probeflags import LOCK_HOLD_ENV, threshold_s
 from kvscope.allocator.process import is_alive, process_state
@@ -30,6 +30,12 @@ def holder_advice(pid: int, state: str) -> str:
     if state == "zombie":
         return "it is exiting"
     return f"it is {state or 'gone'}: do not block, sleep or compute long while holding a pool lock"
+
+
+def held_severity(state: str) -> str:
+    """A `lock_held_too_long`'s severity by its holder's state: an error where the holder is
+    stopped (the pool is wedged until it continues), else the kind's warning."""
+    return ERROR if state == "stopped" else WARNING
 
 
 def lock_named(message: str) -> str:
@@ -76,6 +82,9 @@ def lock_findings(
                 FindingKind.LOCK_HELD_TOO_LONG,
                 f"pool lock {name!r} held {held_ns / 1e9:.1f} s so far by pid {pid} thread {int(locks['holder_tid'][i])}; {why}",
                 owner_pid=pid,
+                # (a stopped holder wedges every process that needs the lock until it is
+                # continued: an error; one that is slow about it, a warning)
+                severity=held_severity(state),
                 extra={"lock": name, "held_s": round(held_ns / 1e9, 3), "holder_state": state},
             )
         )

@@ -23,6 +23,7 @@ from kvscope.allocator.layout import (
     field_text,
 )
 from kvscope.allocator.lease import lease_rows, lease_totals
+from kvscope.allocator.process import process_state
 from kvscope.allocator.stats import pool_stats
 
 # Held leases `summary` lists (its `leases.list`), oldest first.
@@ -145,10 +146,15 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     seq_pids, seq_num = np.unique(seqs["owner_pid"][live], return_counts=True)
     requests = dict(zip(seq_pids.tolist(), seq_num.tolist()))
     others = _held_for_others(view, state == BlockState.ALLOCATED, live)
+    # (a live copy's alive processes that are stopped now: SIGSTOP or a debugger; a dump's
+    # processes are not asked about)
+    live_copy = getattr(view, "taken_mono_ns", None) is not None
+    stopped = {p for p, a in pid_alive.items() if a and live_copy and process_state(p) == "stopped"}
     by_owner = [
         {
             "pid": pid,
             "alive": pid_alive.get(pid),
+            **({"stopped": True} if pid in stopped else {}),
             "blocks": n,
             "requests": int(requests.get(pid, 0)),
             "held_for_others": int(others.get(pid, 0)),
@@ -168,6 +174,7 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
         "processes": {
             "alive": sorted(p for p, a in pid_alive.items() if a),
             "dead": sorted(p for p, a in pid_alive.items() if not a),
+            "stopped": sorted(stopped),
         },
         "utilization": stats["utilization"],
         "prefix_hit_rate": stats["prefix_hit_rate"],

@@ -429,6 +429,7 @@ def _summary(con: Console, s: dict[str, Any]) -> None:
             t.add_column(col, justify="right" if col != "process" else "left")
         for o in rows:
             state = {True: "alive", False: "dead", None: "detached"}[o["alive"]]
+            state += " (stopped)" if o.get("stopped") else ""
             parked = int(o.get("local", 0))
             row = [str(o["pid"]), state, str(o["blocks"] - parked), str(o["requests"])]
             row += [str(o.get("held_for_others", 0))] if others else []

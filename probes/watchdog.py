@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from kvscope.allocator.checklocks import holder_advice
+from kvscope.allocator.checklocks import held_severity, holder_advice
 from kvscope.allocator.findings import Finding, FindingKind
 from kvscope.allocator.probeflags import LOCK_HOLD_ENV, env_flag, threshold_s
 from kvscope.allocator.process import is_alive, process_state
@@ -70,8 +70,9 @@ def held_finding(
     it), as the whole-pool check's finding does."""
     where = f", now at {stack[-1]}" if stack else ""
     which = f" ({hold})" if hold else ""
+    state = process_state(pid) if pid != os.getpid() else "running"
     why = (
-        f"; {holder_advice(pid, process_state(pid))}"
+        f"; {holder_advice(pid, state)}"
         if pid != os.getpid()
         else ": do not block, sleep or compute long while holding it"
     )
@@ -80,6 +81,7 @@ def held_finding(
         FindingKind.LOCK_HELD_TOO_LONG,
         msg,
         owner_pid=pid,
+        severity=held_severity(state),
         extra={"lock": lock, "held_s": round(held_s, 3), "thread": tid, "stack": stack},
     )
 

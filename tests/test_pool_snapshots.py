@@ -139,21 +139,31 @@ def test_a_stopped_lock_holder_is_a_finding_and_copies_stay_consistent(
     try:
         # ... for longer than KVSCOPE_LOCK_HOLD_S
         time.sleep(0.3)
-        # WHEN the live pool is analyzed (or checked)
+        # WHEN the live pool is analyzed (or checked), and listed
         rep = _analyze(capsys, pool.name, verb)
+        main(["ls", "--json"])
+        (listed,) = [r for r in json.loads(capsys.readouterr().out) if r["name"] == pool.name]
     finally:
         os.kill(pid, signal.SIGCONT)
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    # THEN the copy is consistent: the half-done free is rolled back in it, so no error
+    # THEN the copy is consistent: the half-done free is rolled back in it, so no error but
+    # the stall's
     assert rep["pool"]["consistent"] is True
-    assert rep["healthy"] is True, [f["message"] for f in rep["findings"]]
-    # ... and each lock it holds is a lock_held_too_long warning naming it and its state
     stalls = [f for f in rep["findings"] if f["kind"] == "lock_held_too_long"]
+    assert [f for f in rep["findings"] if f not in stalls and f["severity"] == "error"] == []
+    # ... and each lock it holds is a lock_held_too_long naming it and its state: an error,
+    # the holder being stopped (the pool is wedged until it continues), so not healthy
     assert {f["lock"] for f in stalls} >= {"seqs", "free"}
     for f in stalls:
-        assert f["severity"] == "warning" and f["owner_pid"] == pid
+        assert f["severity"] == "error" and f["owner_pid"] == pid
         assert f["holder_state"] == "stopped" and f["held_s"] >= 0.2
         assert f"kill -CONT {pid}" in f["message"]
+    assert rep["healthy"] is False
+    # ... and the stopped process is alive, and stopped, in the owners and in the listing
+    assert rep["summary"]["processes"]["stopped"] == [pid]
+    (owner,) = [o for o in rep["summary"]["blocks_by_owner"] if o["pid"] == pid]
+    assert owner["alive"] is True and owner["stopped"] is True
+    assert listed["owners_stopped"] == [pid] and pid in listed["owners_alive"]
     # ... and once it continues, nothing is left
     assert pool.check() == []
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import ClientState
-from kvscope.allocator.process import is_alive
+from kvscope.allocator.process import is_alive, process_state
 from kvscope.allocator.segment import list_names, segment_path
 from kvscope.allocator.stats import pool_stats
 from kvscope.poolsummary import pool_info
@@ -59,6 +59,8 @@ def describe(name: str, trust_owner: bool = False) -> dict[str, Any] | None:
     attached = np.flatnonzero(c["state"] == ClientState.ATTACHED).tolist()
     alive = [int(c["pid"][i]) for i in attached if is_alive(int(c["pid"][i]), int(c["start"][i]))]
     dead = [int(c["pid"][i]) for i in attached if int(c["pid"][i]) not in alive]
+    # (SIGSTOP or a debugger: alive, serving nothing until continued)
+    stopped = [p for p in alive if process_state(p) == "stopped"]
     return {
         "name": name,
         "device": info["device"],
@@ -77,6 +79,7 @@ def describe(name: str, trust_owner: bool = False) -> dict[str, Any] | None:
         "read_ns": read_ns,
         "owners_alive": alive,
         "owners_dead": dead,
+        "owners_stopped": stopped,
         "probes": [k for k, v in info["flags"].items() if v],
     }
 
@@ -117,6 +120,8 @@ class LsCommand:
                 continue
             g = r["geometry"]
             owners = f"{len(r['owners_alive'])} alive"
+            if r["owners_stopped"]:
+                owners += f" ({len(r['owners_stopped'])} stopped)"
             if r["owners_dead"]:
                 owners += (
                     f", {len(r['owners_dead'])} dead ({', '.join(map(str, r['owners_dead']))})"
