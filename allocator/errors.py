@@ -9,6 +9,15 @@ class PoolError(Exception):
     exit_code = 2
 
 
+class FormatVersionError(PoolError):
+    """A segment written by a kvscope of another format version: none of it is read (its
+    layout is not this build's). `version` is the file's."""
+
+    def __init__(self, message: str, version: int):
+        self.version = version
+        super().__init__(message)
+
+
 class PoolExhausted(PoolError):
     """No block can be found for a request, even after evicting everything evictable."""
 

@@ -65,3 +65,21 @@ def process_state(pid: int) -> str:
 def now_ns() -> int:
     """Wall-clock time in nanoseconds (comparable across processes)."""
     return time.time_ns()
+
+
+def mapping(paths: list[str]) -> list[int]:
+    """The pids of the processes (of those this user may look at) that map any of `paths` now
+    (/proc/PID/maps): who still uses a pool's files, whatever the pool's format."""
+    wanted = [p.encode() for p in paths]
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", "rb") as f:
+                maps = f.read()
+        except OSError:
+            continue
+        if any(w in maps for w in wanted):
+            out.append(int(entry))
+    return sorted(out)

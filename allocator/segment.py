@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.allocator.errors import PoolError
+from kvscope.allocator.errors import FormatVersionError, PoolError
 from kvscope.allocator.geometry import geometry_problem
 from kvscope.allocator.layout import (
     FORMAT_VERSION,
@@ -334,8 +334,9 @@ def validate_bytes(head: bytes, size: int, where: str) -> Layout:
             f"{where} is not a kvscope pool: magic {int(h['magic']):#018x}, expected {POOL_MAGIC:#018x}"
         )
     if int(h["version"]) != FORMAT_VERSION:
-        raise PoolError(
-            f"{where} has format version {int(h['version'])}; this kvscope reads version {FORMAT_VERSION}"
+        raise FormatVersionError(
+            f"{where} has format version {int(h['version'])}; this kvscope reads version {FORMAT_VERSION}",
+            int(h["version"]),
         )
     raw = np.frombuffer(head, np.uint8)
     if header_checksum(raw) != int(h["checksum"]):

@@ -67,3 +67,42 @@ def test_a_pool_removed_while_it_was_read_is_one_line(make_pool, capsys):
     # (and a verb that finds it gone before reading says that it does not exist)
     assert main(["check", name]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _create_and_leave(name: str) -> int:
+    from kvscope.allocator import PoolConfig
+
+    KVPool.create(name, PoolConfig(num_blocks=8, num_layers=1, num_kv_heads=1, head_dim=8)).close()
+    return 0
+
+
+def test_a_pool_of_another_format_version_is_removed_by_check_unlink_once_unmapped(
+    pool_name, capsys
+):
+    import mmap
+
+    from kvscope.allocator.layout import HEADER_DTYPE
+    from kvscope.allocator.segment import data_path, segment_path
+    from kvscope.cli import main
+
+    # GIVEN a pool another process left behind, of another format version (its version field)
+    name = pool_name
+    assert wait_child(fork_child(lambda: _create_and_leave(name), 60)) == 0
+    path = segment_path(name)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_DTYPE.fields["version"][1])
+        f.write((8).to_bytes(4, "little"))
+    # WHEN it is checked THEN one line says so and how to remove it
+    assert main(["check", name]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has format version 8; this kvscope reads version" in err
+    assert f"`kvscope check {name} --unlink` removes it once no process maps it" in err
+    # AND --unlink refuses while a process (this one) maps its file ...
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        assert main(["check", name, "--unlink"]) == 2
+        assert f"still mapped by pid {os.getpid()}" in capsys.readouterr().err
+    assert os.path.exists(path)
+    # ... and removes both files once none does
+    assert main(["check", name, "--unlink"]) == 0
+    assert "unlinked pool" in capsys.readouterr().err
+    assert not os.path.exists(path) and not os.path.exists(data_path(name))

@@ -17,6 +17,8 @@ import sys
 from collections import Counter
 from typing import Any
 
+from kvscope.allocator.errors import FormatVersionError
+from kvscope.allocator.process import mapping
 from kvscope.allocator.ranges import repair_blocker
 from kvscope.allocator.segment import check_name, data_path, segment_path
 from kvscope.analysis import analyze_view, exit_code
@@ -158,7 +160,16 @@ class CheckCommand:
                 )
             done = repair(args.name, args.trust_owner)
             print(describe_repair(done), file=sys.stderr)
-        t = live_target(args.name, args.trust_owner)
+        try:
+            t = live_target(args.name, args.trust_owner)
+        except FormatVersionError as e:
+            if args.unlink and not args.repair:
+                unlink_other_version(args.name, e.version)
+                return 0
+            raise PoolError(
+                f"{e}: a pool of an older or newer kvscope; `kvscope check {args.name} --unlink`"
+                " removes it once no process maps it"
+            ) from None
         got = t.findings()
         report = analyze_view(t.view, alive=t.alive, findings=got.findings, kv=got.kv)
         add_pool_context(report, t, None)  # (as analyze NAME: the same analysis)
@@ -172,6 +183,28 @@ class CheckCommand:
         if args.unlink:
             unlink(args.name, report["summary"].get("processes", {}).get("alive", []))
         return exit_code(report)
+
+
+def unlink_other_version(name: str, version: int) -> None:
+    """Remove the files of a pool of another format version (none of it is read), unless a
+    process maps them still (its kvscope's processes: /proc/PID/maps)."""
+    paths = [segment_path(name), data_path(name)]
+    users = mapping(paths)
+    if users:
+        raise UsageError(
+            f"pool {name!r} (format version {version}) is still mapped by pid"
+            f" {', '.join(map(str, users))}; stop them before --unlink"
+        )
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+    print(
+        f"unlinked pool {name!r} (format version {version}, which this kvscope does not read:"
+        " not checked; no process maps it)",
+        file=sys.stderr,
+    )
 
 
 def unlink(name: str, alive: list[int]) -> None:
