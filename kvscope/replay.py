@@ -294,6 +294,16 @@ class Session:
         # writes its K/V and the program stores K/V (a STORE record); None: not asked yet
         self._transfers: bool | None = None
         self._bare: dict[int, PoolProbes] = {}  # (by pid: a store check's probes where none)
+        # A free run's (a shrink candidate's) blocks: what block of this replay each recorded
+        # block id stands for now (relearn), so that a STORE's recorded slots and a COPY's
+        # recorded pairs land in the blocks their requests hold here, not in whatever block
+        # has the recorded id after earlier requests were dropped. None: a replay of the whole
+        # log, whose blocks are the recorded ones (compared, not translated).
+        self.reloc: dict[int, int] | None = None
+        # what each STORE's check was given and each COPY copied in this run (by the record's
+        # number): a free run's, translated, for the script of a shrunk one
+        self.store_slots: dict[int, list[int]] = {}
+        self.copy_pairs: dict[int, list[tuple[int, int]]] = {}
         self.fired: list[str] = []
         self._armed = dict(faults.ARMED)
         faults.ARMED.clear()
@@ -467,6 +477,8 @@ class Session:
         spans, slots = store_spans(part, lambda sid: self.seqs.get((r.pid, sid)))
         if not spans:
             return None
+        slots = self._here(slots, h.slots_per_block)
+        self.store_slots[r.seq] = slots
         out = Result(seq_id=spans[0][0].seq_id)
         found = self.found
         found.clear()
@@ -500,6 +512,27 @@ class Session:
             write_kv(h, slots, values)
             self.kv_writes[r.seq] = (slots, values)
         return out
+
+    def relearn(self, r: OpRecord, got: Result) -> None:
+        """In a free run, each block an operation's record names and the one the replay's
+        operation gave in its place (the tables or blocks, position by position; a
+        copy-on-write's pairs), as `reloc` keeps them."""
+        reloc = self.reloc
+        if reloc is None:
+            return
+        if r.blocks and len(r.blocks) == len(got.blocks):
+            reloc.update(zip(r.blocks, got.blocks))
+        if r.copies and len(r.copies) == len(got.copies):
+            for (a, b), (c, d) in zip(r.copies, got.copies):
+                reloc[a], reloc[b] = c, d
+
+    def _here(self, slots: list[int], spb: int) -> list[int]:
+        """Recorded slots as this free run's (reloc): each in the block that stands for its
+        recorded block, at the same place; as recorded in a whole replay."""
+        reloc = self.reloc
+        if not reloc:
+            return slots
+        return [x if x < 0 else reloc.get(x // spb, x // spb) * spb + x % spb for x in slots]
 
     def transfers(self) -> bool:
         """Whether a write lease's transfer is taken as written (transfer_kv): where the replay
@@ -540,8 +573,11 @@ class Session:
         recorded block ids, as the recorded slots of a store)."""
         out = Result(copies=r.copies)
         if self.log.replays_kv():
+            reloc = self.reloc or {}
+            pairs = [(reloc.get(a, a), reloc.get(b, b)) for a, b in r.copies]
+            self.copy_pairs[r.seq] = pairs
             try:
-                copy_kv(h, r.copies)
+                copy_kv(h, pairs)
             except Exception as e:  # (a pair out of the pool's range)
                 out.status = _ERROR
                 out.error = f"{type(e).__name__}: {e}"
@@ -1345,6 +1381,10 @@ class Shrunk:
     statuses: list[int]
     # the K/V each STORE of the minimal run wrote (its slots and their values), by its number
     kv_writes: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # the slots each STORE's check was given and the pairs each COPY copied in the minimal run
+    # (the recorded ones, in the blocks the minimal run's requests hold: Session.reloc)
+    store_slots: dict[int, list[int]] = field(default_factory=dict)
+    copy_pairs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class Shrinker:
@@ -1388,6 +1428,8 @@ class Shrinker:
         self.tests = 0
         self.statuses: list[int] = []
         self.kv_writes: dict[int, tuple[list[int], list[float]]] = {}
+        self.store_slots: dict[int, list[int]] = {}
+        self.copy_pairs: dict[int, list[tuple[int, int]]] = {}
         # told (runs so far, operations in the shortest run that still found it) after each run
         self.progress: Callable[[int, int], None] | None = None
         self.best = len(self.ops)
@@ -1400,7 +1442,10 @@ class Shrinker:
         statuses: list[int] = []
         verify = self.kind in CADENCED
         with _quiet(True), Session(self.log, arm=False) as session:
-            self.kv_writes = session.kv_writes  # (the last run's)
+            session.reloc = {}  # (a free run: the recorded blocks as this run's)
+            # (the last run's: the shrunk one's, for its script)
+            self.kv_writes = session.kv_writes
+            self.store_slots, self.copy_pairs = session.store_slots, session.copy_pairs
             for r in self.starts:
                 session.attach(r)
             i = 0
@@ -1428,6 +1473,8 @@ class Shrinker:
                 i += len(batch)
                 for b, got in zip(batch, results):
                     statuses.append(-1 if got is None else got.status)
+                    if got is not None:
+                        session.relearn(b, got)
                     if got is not None and any(k == self.kind for k, _ in got.found):
                         if self.at is None and self.kind not in CADENCED:
                             self.at = b.seq
@@ -1507,6 +1554,8 @@ class Shrinker:
             time.perf_counter() - t0,
             statuses,
             self.kv_writes,
+            self.store_slots,
+            self.copy_pairs,
         )
 
 
@@ -1655,12 +1704,12 @@ def emit_script(shrunk: Shrunk) -> str:
                 on(r.pid, f"faults.configure({spec!r})") if proc else f"faults.configure({spec!r})"
             )
         if r.op == _STORE:
-            call = _store_call(r, h, names, stores, done)
+            call = _store_call(r, h, names, stores, done, shrunk.store_slots.get(r.seq))
             if call is not None and writes_in and r.seq in shrunk.kv_writes:
                 slots, values = shrunk.kv_writes[r.seq]
                 call += f"\nwrite({h}, {slots!r}, {values!r})"
         elif r.op == _COPY:
-            call = _copy_call(r, h) if copies_in else None
+            call = _copy_call(r, h, shrunk.copy_pairs.get(r.seq)) if copies_in else None
         else:
             call = _call(r, h, names, leases)
         if call is None:
@@ -1826,11 +1875,17 @@ class Process:
 
 
 def _store_call(
-    r: OpRecord, h: str, names: dict[tuple[int, int], str], stores: dict[int, str], done: set
+    r: OpRecord,
+    h: str,
+    names: dict[tuple[int, int], str],
+    stores: dict[int, str],
+    done: set,
+    here: list[int] | None = None,
 ) -> str | None:
     """A store check as a plain call: `Writers(pool, [(s1, 0, 12)]).check(np.array([...]))`
     (a CUDA store's: `check_blocks()` at the store, `check_slots(...)` where its slots were read
-    back), the spans of sequences the script does not make left out."""
+    back), the spans of sequences the script does not make left out; `here`: the slots the
+    shrunk run's check was given (the recorded ones in its blocks), else the recorded ones."""
     part = r.store
     if part is None:
         return None
@@ -1839,6 +1894,8 @@ def _store_call(
     )
     if not spans:
         return None
+    if here is not None and len(here) == len(slots):
+        slots = here
     writers = f"Writers({h}, [{', '.join(f'({v}, {a}, {b})' for v, a, b in spans)}])"
     if part.what & STORE_BLOCKS and part.what & STORE_SLOTS:
         return f"{writers}.check(np.array({slots!r}))"
@@ -1848,12 +1905,14 @@ def _store_call(
     return f"{stores.get(part.ref, writers)}.check_slots(np.array({slots!r}))"
 
 
-def _copy_call(r: OpRecord, h: str) -> str | None:
+def _copy_call(r: OpRecord, h: str, here: list[tuple[int, int]] | None = None) -> str | None:
     """The program's copy of blocks as a plain call: `copy_blocks(pool.kv, torch.tensor([src,
-    ...]), torch.tensor([dst, ...]))` with the recorded blocks."""
-    if not r.copies:
+    ...]), torch.tensor([dst, ...]))` with the blocks the shrunk run copied (`here`: the
+    recorded ones in its blocks), else the recorded ones."""
+    pairs = here if here is not None else r.copies
+    if not pairs:
         return None
-    src, dst = [a for a, _ in r.copies], [b for _, b in r.copies]
+    src, dst = [a for a, _ in pairs], [b for _, b in pairs]
     return f"copy_blocks({h}.kv, torch.tensor({src!r}), torch.tensor({dst!r}))"
 
 

@@ -1090,11 +1090,11 @@ def test_a_log_with_store_records_reads_back_their_spans_and_slots(tmp_path, poo
 def test_a_shrunk_store_keeps_the_spans_and_slots_of_the_requests_it_still_makes(
     tmp_path, pool_name
 ):
-    """A store of two writers, one of them a request already freed: the shrunk run keeps one
-    writer's request and the store, the other's gone with its span and slots (the store's
-    slots are the recording's: on the shrunk run's fresh pool either writer's land in a block
-    that is not allocated). The recording's handle turned its probes on after it began
-    recording: the replay and the script check the store all the same."""
+    """A store of two writers, one of them a request already freed: the shrunk run keeps the
+    freed writer's request (its allocate and its free) and the store, the other's gone with
+    its span and slots (the store's slots are the recording's, taken in the blocks the shrunk
+    run's requests hold: the freed request's, freed). The recording's handle turned its probes
+    on after it began recording: the replay and the script check the store all the same."""
     path = tmp_path / "run.ops"
     pool = KVPool.create(pool_name, PoolConfig(**CONFIG, record_ops=str(path)))
     try:
@@ -1113,14 +1113,14 @@ def test_a_shrunk_store_keeps_the_spans_and_slots_of_the_requests_it_still_makes
     assert out.reason == "finding" and out.got is not None
     assert {k for k, _ in out.got.found} == {"use_after_free"}
     shrunk = Shrinker(log, out).shrink()
-    assert [r.op for r in shrunk.ops] == [OpCode.ALLOCATE, OpCode.STORE]
-    assert len(shrunk.ops[1].store.spans) == 2  # (the record as it was: the script drops one)
+    assert [(r.op, r.request) for r in shrunk.ops] == [
+        (OpCode.ALLOCATE, "done"),
+        (OpCode.FREE, "done"),
+        (OpCode.STORE, "live"),
+    ]
+    assert len(shrunk.ops[2].store.spans) == 2  # (the record as it was: the script drops one)
     text = emit_script(shrunk)
-    assert (
-        f"Writers(pool, [(s1, 0, 6)]).check(np.array({stale!r}))" in text
-        if shrunk.ops[0].request == "done"
-        else f"Writers(pool, [(s1, 0, 7)]).check(np.array({mine!r}))" in text
-    ), text
+    assert f"Writers(pool, [(s1, 0, 6)]).check(np.array({stale!r}))" in text, text
     script = tmp_path / "repro.py"
     script.write_text(text)
     run = run_script(str(script), tmp_path)
@@ -1733,3 +1733,38 @@ def test_a_replays_pools_go_with_its_session_not_at_the_collectors_next_pass(tmp
     finally:
         if was:
             gc.enable()
+
+
+def test_a_store_through_another_requests_table_shrinks_past_the_requests_before_it(
+    tmp_path, pool_name
+):
+    """A store of one request's K/V through another's slot mapping (unmapped_write), after
+    requests that took the pool's first blocks: a candidate without them hands the two
+    requests other block ids, and the STORE's recorded slots are taken in the blocks their
+    requests hold in that run (Session.reloc), so the shrink drops them; the script's store
+    is given those slots and finds the same kind."""
+    path = tmp_path / "run.ops"
+    with recording(path, pool_name) as pool:
+        olds = [pool.allocate(f"old{i}", list(range(i * 100, i * 100 + 8))) for i in range(6)]
+        a = pool.allocate("a", list(range(1000, 1008)))
+        b = pool.allocate("b", list(range(2000, 2008)))
+        for s in olds:
+            pool.free(s)
+        # (the bug: a's K/V stored through b's table)
+        Writers(pool, [(a, 0, 8)]).check(np.array(pool.slot_mapping(b, 0, 8)))
+        pool.free(a)
+        pool.free(b)
+    log = read_log(str(path))
+    out = replay(log, quiet=True)
+    assert out.reason == "finding" and out.got is not None
+    assert out.got.found[0][0] == "unmapped_write"
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == "unmapped_write"
+    assert [(r.op, r.request) for r in shrunk.ops] == [
+        (OpCode.ALLOCATE, "a"),
+        (OpCode.ALLOCATE, "b"),
+        (OpCode.STORE, "a"),
+    ]
+    (tmp_path / "repro.py").write_text(emit_script(shrunk))
+    run = run_script("repro.py", tmp_path)
+    assert run.returncode == 1 and "findings: unmapped_write" in run.stdout, run.stdout + run.stderr
