@@ -1385,6 +1385,8 @@ class Shrunk:
     # (the recorded ones, in the blocks the minimal run's requests hold: Session.reloc)
     store_slots: dict[int, list[int]] = field(default_factory=dict)
     copy_pairs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # an interrupted shrink's: the shortest run found so far, not 1-minimal
+    partial: bool = False
 
 
 class Shrinker:
@@ -1433,6 +1435,10 @@ class Shrinker:
         # told (runs so far, operations in the shortest run that still found it) after each run
         self.progress: Callable[[int, int], None] | None = None
         self.best = len(self.ops)
+        # the shortest candidate that found it so far (None: none yet): what an interrupted
+        # shrink gives (Shrinker.so_far)
+        self.best_ops: list[OpRecord] | None = None
+        self.t0 = time.perf_counter()
 
     def run(self, ops: list[OpRecord]) -> tuple[bool, list[int]]:
         """Whether `ops` (as a free run: results not compared, operations on requests it
@@ -1492,6 +1498,8 @@ class Shrinker:
 
     def test(self, ops: list[OpRecord]) -> bool:
         found = self.run(ops)[0]
+        if found and (self.best_ops is None or len(ops) <= len(self.best_ops)):
+            self.best_ops = list(ops)
         if found:
             self.best = min(self.best, len(ops))
         if self.progress is not None:
@@ -1525,8 +1533,35 @@ class Shrinker:
             i += 1
         return ops
 
+    def so_far(self) -> Shrunk | None:
+        """What a shrink stopped before its end (interrupted) got: the shortest candidate that
+        found the kind so far, run once more for its statuses and its stores' slots (not
+        1-minimal); None where no candidate had found it yet."""
+        if self.best_ops is None:
+            return None
+        ops = self.best_ops
+        ok, statuses = self.run(ops)
+        if not ok:
+            return None
+        return self._shrunk(ops, statuses, partial=True)
+
+    def _shrunk(self, ops: list[OpRecord], statuses: list[int], partial: bool = False) -> Shrunk:
+        return Shrunk(
+            self.log,
+            ops,
+            self.kind,
+            {r.seq: self.fault_at[r.seq] for r in ops if r.seq in self.fault_at},
+            self.tests,
+            time.perf_counter() - self.t0,
+            statuses,
+            self.kv_writes,
+            self.store_slots,
+            self.copy_pairs,
+            partial,
+        )
+
     def shrink(self) -> Shrunk:
-        t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         ops = self.ops
         if not self.test(ops):
             raise ReplayError(
@@ -1545,18 +1580,7 @@ class Shrinker:
         ops = _ddmin(self.merge_appends(ops), self.test)
         ok, statuses = self.run(ops)
         assert ok
-        return Shrunk(
-            self.log,
-            ops,
-            self.kind,
-            {r.seq: self.fault_at[r.seq] for r in ops if r.seq in self.fault_at},
-            self.tests,
-            time.perf_counter() - t0,
-            statuses,
-            self.kv_writes,
-            self.store_slots,
-            self.copy_pairs,
-        )
+        return self._shrunk(ops, statuses)
 
 
 def _tail(items: list[Any], test: Callable[[list[Any]], bool]) -> list[Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -68,19 +69,32 @@ class ReplayCommand:
         outcome = replay(log, args.until, quiet=args.json)
         report: dict[str, Any] = outcome_dict(log, outcome)
         shrunk = None
+        stopped = 0
         if args.shrink or args.emit_script:
             shrinker = Shrinker(log, outcome)
             progress = shrinker.progress = _Progress(len(shrinker.ops))
+            # (SIGINT or SIGTERM mid-shrink: what it found so far is kept, not lost)
+            was = signal.signal(signal.SIGTERM, _stop)
             try:
                 shrunk = shrinker.shrink()
+            except KeyboardInterrupt as e:
+                stopped = 143 if isinstance(e, _Stopped) else 130
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                shrunk = shrinker.so_far()
             finally:
+                signal.signal(signal.SIGTERM, was)
                 progress.done()
+        if stopped and shrunk is None:
+            report["shrunk"] = {"kind": shrinker.kind, "interrupted": True, "tests": shrinker.tests}
+        elif shrunk is not None:
             report["shrunk"] = {
                 "kind": shrunk.kind,
                 "operations": [r.to_dict() for r in shrunk.ops],
                 "tests": shrunk.tests,
                 "seconds": round(shrunk.seconds, 3),
             }
+            if stopped:
+                report["shrunk"]["interrupted"] = True
             if args.emit_script:
                 try:
                     with open(args.emit_script, "w") as f:
@@ -93,7 +107,16 @@ class ReplayCommand:
             sys.stdout.write("\n")
         else:
             render(report)
-        return outcome.exit_code
+        sys.stdout.flush()
+        return stopped or outcome.exit_code
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM during a shrink, raised where it lands (as SIGINT's KeyboardInterrupt is)."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stopped()
 
 
 class _Progress:
@@ -306,11 +329,23 @@ def render(d: dict[str, Any]) -> None:
                     f"{b['state']!s:9}  {b['refcount']:>3}  {b['request']}"
                 )
     s = d.get("shrunk")
-    if s:
+    if s and "operations" not in s:
         print(
-            f"\nshrunk to {len(s['operations'])} operation(s) that still find {s['kind']!r}"
-            f" ({s['tests']} runs, {s['seconds']} s)"
+            f"\nshrink interrupted after {s['tests']} run(s), before any smaller run found"
+            f" {s['kind']!r}: nothing shrunk"
         )
+    elif s:
+        if s.get("interrupted"):
+            print(
+                f"\nshrink interrupted: the smallest run found so far, {len(s['operations'])}"
+                f" operation(s), still finds {s['kind']!r} ({s['tests']} runs, {s['seconds']} s;"
+                " not minimal: run the shrink again for that)"
+            )
+        else:
+            print(
+                f"\nshrunk to {len(s['operations'])} operation(s) that still find {s['kind']!r}"
+                f" ({s['tests']} runs, {s['seconds']} s)"
+            )
         for o in s["operations"]:
             tok = f" tokens {len(o['tokens'])}" if o.get("tokens") else ""
             if o["op"] == "copy":  # (a program's copy of blocks: no request, its pairs)
