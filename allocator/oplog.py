@@ -385,6 +385,8 @@ class OpLog:
     # the numbers of the STARTs after the log's start whose handle ran operations no record
     # holds (`unrecorded`) and after which the log holds no snapshot: a replay stops there
     breaks: list[int] = field(default_factory=list)
+    # the names of the other pools the file holds records of, in the file's order
+    others: list[str] = field(default_factory=list)
 
     _stores: dict[int, int] | None = field(default=None, repr=False, compare=False)
     _answers: dict[int, list[OpRecord]] | None = field(default=None, repr=False, compare=False)
@@ -487,7 +489,8 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
     for r in snaps:
         if r.pool not in named:
             named[r.pool] = str(oplogsnap.meta_of(r.state or b"", path).get("pool"))
-    tag = (starts or snaps)[0].pool
+    # (the file's first pool, where none is named: the records are sorted by pool tag)
+    tag = min(starts or snaps, key=lambda r: r.offset).pool
     if pool is not None:
         tags = [t for t, n in named.items() if n == pool]
         if not tags:
@@ -495,6 +498,11 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
             raise OplogError(f"{path}: no pool {pool!r} in the log (it holds {', '.join(names)})")
         tag = tags[0]
     mine = records if len(named) == 1 else [r for r in records if r.pool == tag]
+    # the other pools the file holds, in the file's order (a replay says it skipped them)
+    first_at: dict[int, int] = {}
+    for r in starts + snaps:
+        first_at[r.pool] = min(first_at.get(r.pool, r.offset), r.offset)
+    others = [named[t] for t in sorted(first_at, key=first_at.__getitem__) if t != tag]
     seqs = np.fromiter((r.seq for r in mine), dtype=np.int64, count=len(mine))
     step = np.diff(seqs)
     if len(step) and step.min() < 1:  # (records of several processes, not in order in the file)
@@ -531,10 +539,14 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
     if not any(p.seq > cut for p in points):
         cut = 0
     if creators and not cut:
-        return OpLog(path, mine, creators[0], len(named), gaps, dropped=base, breaks=breaks)
+        return OpLog(
+            path, mine, creators[0], len(named), gaps, dropped=base, breaks=breaks, others=others
+        )
     if not points:
         first_start = next((r for r in mine if r.op == OpCode.START), mine[0])
-        return OpLog(path, mine, first_start, len(named), gaps, dropped=base, breaks=breaks)
+        return OpLog(
+            path, mine, first_start, len(named), gaps, dropped=base, breaks=breaks, others=others
+        )
     # the first snapshot after the last numbers missing before one (else the last one), and
     # after the last break that one follows
     after_gap = max((b for _, b in gaps if any(p.seq > b for p in points)), default=0)
@@ -567,6 +579,7 @@ def read_log(path: str, pool: str | None = None) -> OpLog:
         starts=by_pid,
         dropped=base,
         breaks=[b for b in breaks if b > at.seq],
+        others=others,
     )
 
 

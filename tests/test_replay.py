@@ -1768,3 +1768,55 @@ def test_a_store_through_another_requests_table_shrinks_past_the_requests_before
     (tmp_path / "repro.py").write_text(emit_script(shrunk))
     run = run_script("repro.py", tmp_path)
     assert run.returncode == 1 and "findings: unmapped_write" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_log_of_two_pools_replays_the_files_first_and_says_it_skipped_the_other(
+    tmp_path, pool_name, capsys
+):
+    # GIVEN two pools' logs, put one after the other in one file, in both orders
+    a, b = tmp_path / "a.ops", tmp_path / "b.ops"
+    record(a, f"{pool_name}-a", None, n_ops=30)
+    record(b, f"{pool_name}-b", None, n_ops=30)
+    for first, second, name, other in ((a, b, "a", "b"), (b, a, "b", "a")):
+        both = tmp_path / f"{name}{other}.ops"
+        both.write_bytes(first.read_bytes() + second.read_bytes())
+        # WHEN it is replayed without --pool
+        assert main(["replay", str(both)]) == 0
+        out = capsys.readouterr().out
+        # THEN the file's first pool is replayed, and the other named as not replayed
+        assert f"pool '{pool_name}-{name}'" in out.splitlines()[0]
+        assert f"the log also holds pool(s) '{pool_name}-{other}', not replayed" in out
+
+
+def test_a_dumps_log_of_another_pool_is_one_line_in_replay_and_timeline(
+    tmp_path, pool_name, capsys
+):
+    from kvscope.dumpfile import write_dump
+
+    # GIVEN a dump of one pool beside the log of another (DUMP.ops a link to it)
+    theirs = tmp_path / "theirs.ops"
+    record(theirs, f"{pool_name}-theirs", None, n_ops=30)
+    mine = tmp_path / "mine.ops"
+    pool = KVPool.create(f"{pool_name}-mine", PoolConfig(**CONFIG, record_ops=str(mine)))
+    try:
+        pool.free(pool.allocate("r1", [1, 2, 3]))
+        dump = tmp_path / "mine.kvd"
+        write_dump(pool, str(dump))
+    finally:
+        pool.close()
+        pool.unlink()
+    os.symlink(theirs, str(dump) + ".ops")
+    # WHEN it is replayed, or its timeline asked for with it
+    for argv in (
+        ["replay", str(dump)],
+        ["timeline", str(dump), "-o", str(tmp_path / "t.json")],
+        ["timeline", str(dump), "-o", str(tmp_path / "t.json"), "--ops", str(theirs)],
+    ):
+        # THEN one line says whose it is, exit 2, instead of a replay of the other pool
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"no pool '{pool_name}-mine' in the log" in err
+    # AND its own log replays
+    os.unlink(str(dump) + ".ops")
+    os.symlink(mine, str(dump) + ".ops")
+    assert main(["replay", str(dump)]) == 0

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from kvscope.errors import UsageError
+from kvscope.errors import PoolError, UsageError
 
 
 class ReplayCommand:
@@ -55,17 +55,27 @@ class ReplayCommand:
         if args.until is not None and args.until < 0:
             raise UsageError("--until takes an operation number >= 0")
         path = args.target
+        dumped = None
         if path.endswith(".kvd"):
             if not os.path.exists(path + ".ops"):
                 raise UsageError(
                     f"{path}: a dump holds no operation log; record one with `kvscope run "
                     f"--record-ops FILE` (a dump's log is read from {path}.ops)"
                 )
+            dumped = dumped_pool(path)
+            if args.pool is not None and args.pool != dumped[0]:
+                raise UsageError(f"{path} is a dump of pool {dumped[0]!r}, not {args.pool!r}")
             path += ".ops"
         try:
-            log = read_log(path, args.pool)
+            log = read_log(path, dumped[0] if dumped else args.pool)
         except OplogError as e:
-            raise UsageError(str(e)) from None
+            if dumped is None:
+                raise UsageError(str(e)) from None
+            raise UsageError(
+                f"{path} is not the log of the pool {args.target} is a dump of ({e})"
+            ) from None
+        if dumped is not None:
+            same_log_as_dump(log, args.target, *dumped)
         outcome = replay(log, args.until, quiet=args.json)
         report: dict[str, Any] = outcome_dict(log, outcome)
         shrunk = None
@@ -117,6 +127,30 @@ class _Stopped(KeyboardInterrupt):
 
 def _stop(signum: int, frame: Any) -> None:
     raise _Stopped()
+
+
+def dumped_pool(path: str) -> tuple[str, int]:
+    """The name and creator pid of the pool a dump file is of."""
+    from kvscope.allocator.dumpread import read_dump
+    from kvscope.allocator.layout import field_text
+
+    try:
+        view, _ = read_dump(path)
+    except PoolError as e:
+        raise UsageError(str(e)) from None
+    return field_text(view.h["name"]), int(view.h["creator_pid"])
+
+
+def same_log_as_dump(log: Any, dump: str, name: str, creator: int) -> None:
+    """UsageError (one line) where a dump's log is of another pool of the same name: its
+    recording from the pool's creation names another creating process."""
+    start = log.start.start or {}
+    pid = int(start.get("pid", 0) or 0)
+    if start.get("created") and pid and pid != creator:
+        raise UsageError(
+            f"{log.path} is the log of another pool named {name!r} (created by pid {pid}; the"
+            f" pool {dump} is a dump of was created by pid {creator})"
+        )
 
 
 class _Progress:
@@ -178,6 +212,8 @@ def outcome_dict(log: Any, outcome: Any) -> dict[str, Any]:
     if outcome.answered_at:
         # (the recording learned the operation's findings there: its device checks' answers)
         d["answered_at"] = outcome.answered_at
+    if log.others:
+        d["other_pools"] = log.others
     if log.snapshot is not None:
         # where it starts: a snapshot of the pool (docs/REPLAY.md "Starting from a snapshot"),
         # a bounded log's checkpoint where it wrapped (its older records dropped)
@@ -253,6 +289,9 @@ def render(d: dict[str, Any]) -> None:
         "missing": "stopped: the log names a process or sequence the replay does not have",
         "lost": "stopped where records are missing from the log",
     }[reason]
+    if d.get("other_pools"):
+        names = ", ".join(repr(n) for n in d["other_pools"])
+        print(f"the log also holds pool(s) {names}, not replayed (--pool NAME replays one)")
     snap = d.get("snapshot")
     if snap is not None:
         how = "a bounded log's checkpoint" if snap["checkpoint"] else "a snapshot of the pool"

@@ -62,7 +62,7 @@ class TimelineCommand:
             end_ns=taken_ns(t, args.target) or time.time_ns(),
             source=args.target,
         )
-        replayed = _mark_replay(trace, args.target, args.ops)
+        replayed = _mark_replay(trace, args.target, args.ops, str(trace["otherData"]["pool"]))
         if args.output == "-":
             import json
 
@@ -85,9 +85,10 @@ class TimelineCommand:
         return 0
 
 
-def _mark_replay(trace: dict, target: str, ops: str | None) -> str:
-    """Replay the pool's operation log (`ops`, or TARGET.ops beside a dump) and mark where it
-    stopped in the trace; what it says ("" without a log)."""
+def _mark_replay(trace: dict, target: str, ops: str | None, pool: str) -> str:
+    """Replay the pool's operation log (`ops`, or TARGET.ops beside a dump: its records of
+    `pool`, the trace's; a log without them is one line) and mark where it stopped in the
+    trace; what it says ("" without a log)."""
     path = ops if ops is not None else target + ".ops"
     if ops is None and not os.path.isfile(path):
         return ""
@@ -96,7 +97,7 @@ def _mark_replay(trace: dict, target: str, ops: str | None) -> str:
     from kvscope.timeline import mark_replay
 
     try:
-        outcome = replay(read_log(path), quiet=True)
+        outcome = replay(read_log(path, pool), quiet=True)
     except (OplogError, ReplayError) as e:
         raise UsageError(str(e)) from None
     s = mark_replay(trace, outcome, path)
