@@ -68,12 +68,19 @@ def _header(analysis: dict[str, Any], source: str) -> str:
         if dump
         else "live pool"
     )
+    # (what analyze's text says of the K/V data checks that did not run)
+    data = analysis.get("data_checks")
+    note = (
+        f'<p class="sub">note: {esc(data["unchecked"])}</p>'
+        if data and not data["checked"]
+        else ""
+    )
     return (
         f"<h1>kvscope report: pool {esc(pool['name'])}</h1>"
         f'<p class="sub">{esc(source)} &middot; {esc(origin)}<br>'
         f"{g['num_blocks']:,} blocks x {g['block_size']} tokens, {g['num_layers']} layers,"
         f" {g['num_kv_heads']} kv heads x {g['head_dim']}, {esc(g['dtype'])} on"
-        f" {esc(pool['device'])}; probes: {esc(probes)}</p><p><b>health:</b> {health}</p>"
+        f" {esc(pool['device'])}; probes: {esc(probes)}</p>{note}<p><b>health:</b> {health}</p>"
     )
 
 
@@ -87,6 +94,10 @@ def _blocks(view: SegmentView, analysis: dict[str, Any]) -> str:
     svg, group = block_map(b["state"], b["refcount"], marked)
     s = analysis.get("summary") or {}
     counts = ", ".join(f"{k} {v:,}" for k, v in (s.get("blocks_by_state") or {}).items())
+    if s:
+        counts += (
+            f"; utilization {s['utilization']:.1%}, prefix hit rate {s['prefix_hit_rate']:.1%}"
+        )
     scale = "one cell per block" if group == 1 else f"one cell per {group} blocks"
     return (
         f"<h2>Block map</h2><p>{scale}; {esc(counts)}</p>{svg}{legend()}"

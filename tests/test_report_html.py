@@ -142,3 +142,28 @@ def test_report_of_a_dump_with_a_corrupt_header(make_pool, tmp_path, capsys):
     page = out.read_text()
     assert "header_corrupt" in page
     assert "its counters cannot be trusted" in page
+
+
+def test_report_says_what_analyze_says_of_unchecked_data_and_the_hit_rate(
+    make_pool, tmp_path, capsys
+):
+    import html
+    import json
+
+    # GIVEN a dump without its K/V data of a guard-mode pool (its data checks cannot run)
+    pool = make_pool(16, guard=True)
+    pool.free(pool.allocate("r1", [1, 2, 3, 4, 5]))
+    pool.allocate("r2", [1, 2, 3, 4, 9])
+    dump = tmp_path / "run.kvd"
+    assert main(["dump", pool.name, "-o", str(dump)]) == 0
+    assert main(["analyze", str(dump), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    unchecked = rep["data_checks"]["unchecked"]
+    assert not rep["data_checks"]["checked"]
+    # WHEN its report is written
+    out = tmp_path / "report.html"
+    assert main(["report", str(dump), "-o", str(out)]) == 0
+    page = html.unescape(out.read_text())
+    # THEN it says what analyze says: the checks that did not run, and the prefix hit rate
+    assert f"note: {unchecked}" in page
+    assert f"prefix hit rate {rep['summary']['prefix_hit_rate']:.1%}" in page
