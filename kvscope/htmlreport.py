@@ -71,9 +71,7 @@ def _header(analysis: dict[str, Any], source: str) -> str:
     # (what analyze's text says of the K/V data checks that did not run)
     data = analysis.get("data_checks")
     note = (
-        f'<p class="sub">note: {esc(data["unchecked"])}</p>'
-        if data and not data["checked"]
-        else ""
+        f'<p class="sub">note: {esc(data["unchecked"])}</p>' if data and not data["checked"] else ""
     )
     return (
         f"<h1>kvscope report: pool {esc(pool['name'])}</h1>"
