@@ -1438,6 +1438,10 @@ class Shrinker:
         # the shortest candidate that found it so far (None: none yet): what an interrupted
         # shrink gives (Shrinker.so_far)
         self.best_ops: list[OpRecord] | None = None
+        # the requests still held where it was found: in the whole run (the first run), and
+        # in the last run that found it (a leak's script names them: Shrinker.end_others)
+        self.held_then: set[str] | None = None
+        self.held_last: set[str] = set()
         self.t0 = time.perf_counter()
 
     def run(self, ops: list[OpRecord]) -> tuple[bool, list[int]]:
@@ -1487,7 +1491,12 @@ class Shrinker:
                         elif self.at is not None and b.seq != self.at:
                             return False, statuses
                         held = session.lease_held if self.kind == "lease_leak" else session.held
-                        if self.leaked is None or self.leaked in held.get(b.pid, ()):
+                        now = set(held.get(b.pid, ()))
+                        if self.leaked is None or self.leaked in now:
+                            # (what it leaves unended there: the whole run's, the first)
+                            if self.held_then is None:
+                                self.held_then = now
+                            self.held_last = now
                             return True, statuses
         return False, statuses
 
@@ -1577,10 +1586,26 @@ class Shrinker:
         ops = _flatten(ops, kept_units)
         # a sequence's appends one at a time (a decode loop's) merged into fewer, then delta
         # debugging over single operations
-        ops = _ddmin(self.merge_appends(ops), self.test)
+        ops = self.end_others(_ddmin(self.merge_appends(ops), self.test))
         ok, statuses = self.run(ops)
         assert ok
         return self._shrunk(ops, statuses)
+
+    def end_others(self, ops: list[OpRecord]) -> list[OpRecord]:
+        """A leak's minimal run that leaves other requests unended where the whole run had
+        ended them (a fork's parent whose free was dropped: its script would say "held: r10
+        r10-s1" where only r10-s1 leaked): each one's recorded free or abort put back, where
+        the run still finds the kind."""
+        if self.leaked is None or self.held_then is None:
+            return ops
+        for request in sorted(self.held_last - self.held_then):
+            ends = [r for r in self.ops if r.request == request and r.op in (_FREE, _ABORT)]
+            if not ends or ends[-1] in ops:
+                continue
+            candidate = sorted([*ops, ends[-1]], key=lambda r: r.seq)
+            if self.test(candidate):
+                ops = candidate
+        return ops
 
 
 def _tail(items: list[Any], test: Callable[[list[Any]], bool]) -> list[Any]:

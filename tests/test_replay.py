@@ -1820,3 +1820,35 @@ def test_a_dumps_log_of_another_pool_is_one_line_in_replay_and_timeline(
     os.unlink(str(dump) + ".ops")
     os.symlink(mine, str(dump) + ".ops")
     assert main(["replay", str(dump)]) == 0
+
+
+def test_a_shrunk_leak_of_a_fork_keeps_its_parents_free_so_the_script_blames_the_fork_alone(
+    tmp_path, pool_name
+):
+    """A fork whose parent is freed and which is never freed itself (leak_finished at the
+    close, about the fork): the minimal run without the parent's free still finds it, but
+    leaves the parent held too, and its script would name both; the parent's free is put back."""
+    path = tmp_path / "run.ops"
+    with recording(path, pool_name) as pool:
+        others = [pool.allocate(f"o{i}", list(range(i * 50, i * 50 + 6))) for i in range(3)]
+        parent = pool.allocate("p", list(range(500, 510)))
+        pool.fork(parent, "p-s1")  # (the bug: never freed)
+        pool.free(parent)
+        for s in others:
+            pool.free(s)
+    log = read_log(str(path))
+    out = replay(log, quiet=True)
+    assert out.reason == "finding" and out.record is not None
+    assert out.record.request == "p-s1"
+    shrunk = Shrinker(log, out).shrink()
+    assert shrunk.kind == "leak_finished"
+    assert [(r.op, r.request) for r in shrunk.ops if r.op != OpCode.REPORT] == [
+        (OpCode.ALLOCATE, "p"),
+        (OpCode.FORK, "p-s1"),
+        (OpCode.FREE, "p"),
+    ]
+    (tmp_path / "repro.py").write_text(emit_script(shrunk))
+    run = run_script("repro.py", tmp_path)
+    assert run.returncode == 1 and "findings: leak_finished held: p-s1\n" in run.stdout, (
+        run.stdout + run.stderr
+    )
