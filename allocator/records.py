@@ -132,7 +132,8 @@ def seq_fields(max_blocks_per_seq: int) -> list[Field]:
         ("state", "u1"),
         # 1: the slot belongs to owner_client's reserve (EMPTY until that process uses it).
         ("reserved", "u1"),
-        # The call that created the sequence (allocate, fork): its site id + 1; 0 not recorded.
+        # The call that created the sequence (allocate, fork; a resume keeps it): its site id
+        # + 1; 0 not recorded.
         ("site", "<u2"),
         ("owner_pid", "<i4"),
         ("owner_client", "<i4"),

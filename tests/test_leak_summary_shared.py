@@ -38,3 +38,32 @@ def test_requests_sharing_nothing_get_no_extra_line(make_pool):
     # WHEN their summary is made, THEN it is the header and one line per creation site
     text = leaks.summary(pool, [a, b], "at exit")
     assert len(text.splitlines()) == 2 and "counted once" not in text, text
+
+
+def _allocate_here(pool, tokens):
+    return pool.allocate("parked", tokens)
+
+
+def _resume_here(pool, seq):
+    return pool.resume(seq)
+
+
+def test_a_resumed_request_is_named_after_the_call_that_created_it(make_pool, monkeypatch):
+    # GIVEN sites recorded, a request allocated in one function, preempted, and resumed in
+    # another
+    monkeypatch.setenv("KVSCOPE_OWNERSHIP", "1")
+    pool = make_pool(8, local_cache_size=0)
+    seq = _allocate_here(pool, list(range(6)))
+    pool.set_state(seq, "waiting")
+    big = pool.allocate("big", list(range(100, 128)))  # (every block: preempts it)
+    assert seq.state == "preempted"
+    pool.free(big)
+    _resume_here(pool, seq)
+    # THEN it is still named after its allocate (its blocks taken now, after the resume)
+    made = leaks.creation_site(pool.view, seq.slot, function=True)
+    assert made is not None and made.endswith("_allocate_here"), made
+    from kvscope.allocator.sites import site_frames
+
+    frames = site_frames(pool.view, int(pool.view.blocks["site"][seq.block_table[0]]))
+    assert frames and frames[0].endswith("_resume_here"), frames
+    pool.free(seq)

@@ -52,7 +52,10 @@ static int allocate_txn(Native *n, const Prompt *p, int64_t hit_cap, int64_t cap
     if (claim_take(n, &claim)) goto abort;
     int64_t slot = claim.slot;
     uint64_t seq_id = claim.seq_id;
-    if (write_claim(n, slot, seq_id, p->request, now, p->site)) goto abort;
+    /* (a resumed sequence keeps the site of the call that created it, its allocate or fork:
+     * its blocks taken here are this call's) */
+    int32_t made_at = old >= 0 ? (int32_t)U2(seqrec(n, old) + SF_SITE) - 1 : p->site;
+    if (write_claim(n, slot, seq_id, p->request, now, made_at)) goto abort;
     /* The longest verified prefix hit. */
     int64_t hits = 0;
     uint64_t parent = 0;
