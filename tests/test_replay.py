@@ -1852,3 +1852,15 @@ def test_a_shrunk_leak_of_a_fork_keeps_its_parents_free_so_the_script_blames_the
     assert run.returncode == 1 and "findings: leak_finished held: p-s1\n" in run.stdout, (
         run.stdout + run.stderr
     )
+
+
+def test_an_until_past_the_logs_end_says_so(tmp_path, pool_name, capsys):
+    path = tmp_path / "run.ops"
+    record(path, pool_name, None, n_ops=30)
+    last = read_log(str(path)).records[-1].seq
+    assert main(["replay", str(path), "--until", str(last + 1000)]) == 0
+    assert f"--until {last + 1000} is past the log's last operation ({last})" in (
+        capsys.readouterr().out
+    )
+    assert main(["replay", str(path), "--until", "3"]) == 0
+    assert "is past the log's last operation" not in capsys.readouterr().out

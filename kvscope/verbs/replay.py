@@ -78,6 +78,9 @@ class ReplayCommand:
             same_log_as_dump(log, args.target, *dumped)
         outcome = replay(log, args.until, quiet=args.json)
         report: dict[str, Any] = outcome_dict(log, outcome)
+        if args.until is not None and outcome.reason == "end" and log.records:
+            # (an --until past the log's last operation: the whole log was replayed)
+            report["until_past_end"] = {"until": args.until, "last": log.records[-1].seq}
         shrunk = None
         stopped = 0
         if args.shrink or args.emit_script:
@@ -302,6 +305,12 @@ def render(d: dict[str, Any]) -> None:
         )
         print(f"started from {how} at operation {snap['operation']}{wrapped}")
     print(f"{head} ({d['replayed']} operation(s) replayed in {d['seconds']} s{rate})")
+    past = d.get("until_past_end")
+    if past:
+        print(
+            f"--until {past['until']} is past the log's last operation ({past['last']}): the"
+            " whole log was replayed"
+        )
     if d.get("lost"):
         a, b = d["lost"]
         print(
