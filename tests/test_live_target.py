@@ -106,3 +106,29 @@ def test_a_pool_of_another_format_version_is_removed_by_check_unlink_once_unmapp
     assert main(["check", name, "--unlink"]) == 0
     assert "unlinked pool" in capsys.readouterr().err
     assert not os.path.exists(path) and not os.path.exists(data_path(name))
+
+
+def _publish_then_die(name: str) -> int:
+    p = KVPool.attach(name)
+    done = p.allocate("published", list(range(16)))
+    p.mark_computed(done, 16)
+    p.allocate("private", list(range(100, 108)))
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+def test_repair_says_which_of_a_dead_processs_blocks_went_back_to_the_prefix_cache(
+    make_pool, capsys
+):
+    from kvscope.cli import main
+
+    # GIVEN a process that died holding a request it published (4 blocks, block_size 4) and
+    # one it did not (2 blocks)
+    pool = make_pool(32, local_cache_size=0)
+    wait_child(fork_child(lambda: _publish_then_die(pool.name), 60))
+    # WHEN the pool is repaired
+    assert main(["check", pool.name, "--repair", "--json"]) == 0
+    err = capsys.readouterr().err
+    # THEN the line says the published ones went back to the prefix cache, not freed
+    assert "2 blocks freed and 4 back in the prefix cache" in err, err
+    assert pool.stats()["num_cached"] == 4

@@ -40,12 +40,15 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
     pool = KVPool.attach(name, trust_owner)
     done: list[dict[str, Any]] = list(pool.reclaimed_at_attach)
     try:
+        cached = pool.stats()["num_cached"]
         pool.reclaim_dead(done)
         # the sequences of processes that closed their handles without ending them
         orphans = pool.reclaim_orphans()
         # (after the reclaims: a dead holder's leases went with its blocks)
         leases = pool.repair_leases()
         cleared = pool.clear_repaired({d["pid"] for d in done} | {o["pid"] for o in orphans})
+        # (published blocks no request holds now: back in the prefix cache, not freed)
+        cached = max(0, pool.stats()["num_cached"] - cached)
     finally:
         pool.close()
     return {
@@ -59,6 +62,7 @@ def repair(name: str, trust_owner: bool = False) -> dict[str, Any]:
         "sequences": sum(d["sequences"] for d in done),
         "requests": [r for d in done for r in d.get("requests", ())],
         "blocks": sum(d["blocks"] for d in done),
+        "blocks_cached": cached,
         "findings_cleared": [f.to_dict() for f in cleared],
         "leases": leases,
         "orphans": orphans,
@@ -87,7 +91,15 @@ def describe_repair(done: dict[str, Any]) -> str:
         parts.append(
             f"reclaimed {_n(done['sequences'], 'sequence')}{names} from"
             f" {done['processes']} dead process(es) (pid {pids}): {_n(done['blocks'], 'block')}"
-            " freed, the blocks they shared with live ones losing a reference"
+            " freed"
+            + (
+                f" and {done['blocks_cached']} back in the prefix cache (published blocks no"
+                " request holds now: the next prompt that shares them hits them, and they are"
+                " evicted when blocks are needed)"
+                if done.get("blocks_cached")
+                else ""
+            )
+            + ", the blocks they shared with live ones losing a reference"
         )
     by_pid: dict[int, list[dict[str, Any]]] = {}
     for o in done.get("orphans", []):
