@@ -74,3 +74,17 @@ def recent_events(view: SegmentView, n: int = 50) -> list[dict[str, Any]]:
     ev = ev[ev["time_ns"] > 0]
     ev = ev[np.argsort(ev["time_ns"], kind="stable")][-n:]
     return _as_dicts(ev)
+
+
+def events_of_process(
+    view: SegmentView, pid: int, n: int = 8, until_ns: int = 0
+) -> list[dict[str, Any]]:
+    """The last n events of one process (before `until_ns`, where given), oldest first: what a
+    process that died holding a lock last did."""
+    ev = view.events.reshape(-1)
+    keep = (ev["pid"] == pid) & (ev["time_ns"] > 0)
+    if until_ns:
+        keep &= ev["time_ns"] <= until_ns
+    ev = ev[keep]
+    ev = ev[np.argsort(ev["time_ns"], kind="stable")][-n:]
+    return _as_dicts(ev)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvscope.allocator.events import events_of_process
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.allocator.findingset import Origin, pool_findings
 from kvscope.allocator.idle import overtaken
@@ -529,6 +530,10 @@ def analyze_view(
     for f in found:
         d = f.to_dict()
         d.update(d.pop("extra", {}))
+        if f.kind == FindingKind.LOCK_DEAD_HOLDER and f.owner_pid and not d["events"]:
+            # (what the process that died holding the lock last did: the operation it died
+            # in is the one after these, rolled back)
+            d["events"] = events_of_process(view, f.owner_pid, 8, int(d.get("time_ns") or 0))
         if f.block is not None and 0 <= f.block < view.layout.num_blocks:
             detail = _block_detail(view, f.block)
             again = 0 < int(d.get("time_ns") or 0) < detail["alloc_ns"]  # (allocated since)

@@ -132,3 +132,44 @@ def test_repair_says_which_of_a_dead_processs_blocks_went_back_to_the_prefix_cac
     # THEN the line says the published ones went back to the prefix cache, not freed
     assert "2 blocks freed and 4 back in the prefix cache" in err, err
     assert pool.stats()["num_cached"] == 4
+
+
+def _serve_then_die_holding_a_lock(name: str) -> int:
+    from kvscope.allocator import faults
+
+    p = KVPool.attach(name)
+    p.free(p.allocate("w1-r1", list(range(8))))
+    held = p.allocate("w1-r2", list(range(20, 30)))
+    faults.configure("kill-holding-lock:1")
+    p.free(held)  # (killed inside it, holding its locks)
+    return 0
+
+
+def test_a_lock_a_dead_process_held_is_shown_with_what_that_process_did_last(
+    make_pool, capsys, monkeypatch
+):
+    import json
+
+    from kvscope.cli import main
+
+    # GIVEN a worker, its flight recorder on, that served a request and was killed inside
+    # the free of the next one, holding the pool's locks
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(32)
+    pid = fork_child(lambda: _serve_then_die_holding_a_lock(pool.name), 60)
+    wait_child(pid)
+    # WHEN the pool is analyzed
+    main(["analyze", pool.name, "--json"])
+    found = json.loads(capsys.readouterr().out)["findings"]
+    # THEN each lock it died holding is shown with its last recorded operations
+    dead = [f for f in found if f["kind"] == "lock_dead_holder"]
+    assert dead and all(f["owner_pid"] == pid for f in dead)
+    for f in dead:
+        ops = [(e["op"], e["request"]) for e in f["events"]]
+        assert ("allocate", "w1-r2") in ops and ("free", "w1-r1") in ops, ops
+        assert ("free", "w1-r2") not in ops  # (the free it died in: rolled back)
+        assert all(e["pid"] == pid for e in f["events"])
+    main(["analyze", pool.name])
+    text = capsys.readouterr().out
+    assert "w1-r2" in text.split("lock_dead_holder", 1)[1]
+    pool.reclaim_dead()
