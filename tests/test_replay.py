@@ -119,6 +119,15 @@ def recording(path: Path, name: str) -> Iterator[KVPool]:
         pool.unlink()
 
 
+def shrunk_finding(path: Path, kind: str) -> Any:
+    """The log at `path` replayed to its first finding, of `kind`, and shrunk."""
+    log = read_log(str(path))
+    out = replay(log, quiet=True)
+    assert out.reason == "finding" and out.got is not None
+    assert out.got.found[0][0] == kind
+    return Shrinker(log, out).shrink()
+
+
 def found_at(log) -> tuple[int, str]:
     """The first recorded operation with a finding: its number and first kind."""
     r = next(r for r in log.records if r.found)
@@ -1701,11 +1710,7 @@ def test_a_shrink_keeps_the_operation_that_found_it_not_another_that_finds_the_k
         pool.free(a)
         Writers(pool, [(a, 0, 8)]).check(np.array(late))  # (the bug: a store after the free)
         pool.free(b)
-    log = read_log(str(path))
-    out = replay(log, quiet=True)
-    assert out.reason == "finding" and out.got is not None
-    assert out.got.found[0][0] == "use_after_free"
-    shrunk = Shrinker(log, out).shrink()
+    shrunk = shrunk_finding(path, "use_after_free")
     stores = [r for r in shrunk.ops if r.op == OpCode.STORE]
     frees = [r for r in shrunk.ops if r.op == OpCode.FREE]
     # the free and the store after it kept, the other request's operations dropped
@@ -1754,11 +1759,7 @@ def test_a_store_through_another_requests_table_shrinks_past_the_requests_before
         Writers(pool, [(a, 0, 8)]).check(np.array(pool.slot_mapping(b, 0, 8)))
         pool.free(a)
         pool.free(b)
-    log = read_log(str(path))
-    out = replay(log, quiet=True)
-    assert out.reason == "finding" and out.got is not None
-    assert out.got.found[0][0] == "unmapped_write"
-    shrunk = Shrinker(log, out).shrink()
+    shrunk = shrunk_finding(path, "unmapped_write")
     assert shrunk.kind == "unmapped_write"
     assert [(r.op, r.request) for r in shrunk.ops] == [
         (OpCode.ALLOCATE, "a"),
