@@ -1131,6 +1131,23 @@ def block_rows(session: Session, rec: Result | None, got: Result | None) -> list
     return rows
 
 
+def _with_close_reports(records: list[OpRecord], at: int) -> Result:
+    """Record `at`'s results, and where it is a REPORT, the findings of the REPORTs of the same
+    process right after it too: a close's reports, one finding each, which the replay's close
+    finds at once (its table's recorded column shows each block as recorded, not as missing)."""
+    r = records[at]
+    out = recorded_result(r)
+    if r.op != _REPORT:
+        return out
+    found = list(r.found)
+    for q in records[at + 1 :]:
+        if q.op != _REPORT or q.pid != r.pid:
+            break
+        found += q.found
+    out.found = found
+    return out
+
+
 def _state_name(state: int) -> str:
     try:
         return BlockState(state).name.lower()
@@ -1204,7 +1221,7 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 st = session.store_reports.get(q.seq)
                 if st is not None:
                     by_store.setdefault(st, []).extend(q.found)
-        for r in records:
+        for at, r in enumerate(records):
             if until is not None and r.seq > until:
                 outcome.reason = "until"
                 break
@@ -1268,7 +1285,7 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
                 outcome = Outcome(
                     "divergence" if diff else "finding", done, total, r, got, diff, faults=fired
                 )
-                outcome.blocks = block_rows(session, recorded_result(r), got)
+                outcome.blocks = block_rows(session, _with_close_reports(records, at), got)
                 if late:
                     outcome.answered_at = [q.seq for q in late]
                 break

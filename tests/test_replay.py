@@ -1865,3 +1865,20 @@ def test_an_until_past_the_logs_end_says_so(tmp_path, pool_name, capsys):
     )
     assert main(["replay", str(path), "--until", "3"]) == 0
     assert "is past the log's last operation" not in capsys.readouterr().out
+
+
+def test_a_closes_leaks_are_each_shown_as_recorded_in_the_blocks_table(tmp_path, pool_name):
+    # GIVEN a recording whose close found three requests still held (a REPORT each)
+    path = tmp_path / "run.ops"
+    with recording(path, pool_name) as pool:
+        for i in range(3):
+            pool.allocate(f"leaked{i}", list(range(i * 40, i * 40 + 6)))
+    log = read_log(str(path))
+    out = replay(log, quiet=True)
+    assert out.reason == "finding" and out.got is not None
+    # THEN every block the replayed close found is shown as the recording found it too, not
+    # as missing from the recording (its later REPORTs are the same close's)
+    leaked = {b for k, b in out.got.found if k == "leak_finished"}
+    assert len(leaked) == 3
+    rows = {row["block"]: row for row in out.blocks}
+    assert all(rows[b]["recorded"] == rows[b]["replayed"] == "leak_finished" for b in leaked)

@@ -370,7 +370,7 @@ def render(d: dict[str, Any]) -> None:
             print(f"  note: {d['note']}")
         if d.get("blocks"):
             print("\nblocks involved (recorded vs replayed; the replay pool's record now)")
-            print(f"  {'block':>5}  {'recorded':18}  {'replayed':18}  state      ref  request")
+            print(f"  {'block':>5}  {'recorded':18}  {'replayed':18}  state      ref  allocated by")
             for b in d["blocks"]:
                 print(
                     f"  {b['block']:>5}  {b['recorded']:18}  {b['replayed']:18}  "
