@@ -44,9 +44,15 @@ def test_a_shrink_stopped_by_a_signal_keeps_the_smallest_run_so_far_and_its_scri
             os.kill(os.getpid(), sig)
 
     monkeypatch.setattr(verb._Progress, "__call__", stopping)
+    # (SIGINT as a terminal's Ctrl-C delivers it: a process started in the background by a
+    # non-interactive shell, a CI runner's, inherits it ignored)
+    was = signal.signal(signal.SIGINT, signal.default_int_handler)
     script = tmp_path / "repro.py"
     # WHEN the shrink is stopped
-    code = main(["replay", str(log), "--shrink", "--emit-script", str(script)])
+    try:
+        code = main(["replay", str(log), "--shrink", "--emit-script", str(script)])
+    finally:
+        signal.signal(signal.SIGINT, was)
     out = capsys.readouterr().out
     # THEN the replay's own result and the smallest run that found it so far are printed,
     # and written as a script that finds it; the exit code says how it was stopped
