@@ -107,6 +107,23 @@ def block_events(view: SegmentView, blocks: list[int]) -> dict[int, list[dict[st
     return out
 
 
+# Findings of a block that say what a request which took it by a prefix hit read.
+_READ_KINDS = (
+    FindingKind.PUBLISHED_BLOCK_MODIFIED,
+    FindingKind.KV_NEVER_WRITTEN,
+    FindingKind.FOREIGN_SLOT,
+)
+
+
+def hit_blocks(view: SegmentView, request: str) -> set[int]:
+    """The blocks the flight recorder saw `request` take through a prefix hit."""
+    from kvscope.allocator.events import EventOp
+
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["op"] == int(EventOp.PREFIX_HIT)) & (ev["request"] == _key(request))]
+    return set(np.unique(ev["block"]).tolist())
+
+
 def mapped_since_published(
     view: SegmentView, blk: int, until_ns: int, ops: tuple[str, ...] = ("PREFIX_HIT", "FORK")
 ) -> list[str] | None:
@@ -519,7 +536,12 @@ def analyze_view(
     if block is not None:
         found = [f for f in found if f.block == block]
     if request is not None:
-        found = [f for f in found if f.request == request]
+        # (its own findings, and those of the blocks it took through a prefix hit: a shared
+        # block another request corrupted, or published blank, is what this one read)
+        hit = hit_blocks(view, request)
+        found = [
+            f for f in found if f.request == request or (f.block in hit and f.kind in _READ_KINDS)
+        ]
     blocks = sorted(
         {f.block for f in found if f.block is not None} | ({block} if block is not None else set())
     )
@@ -583,7 +605,10 @@ def analyze_view(
                 until = int(d.get("time_ns") or np.iinfo(np.int64).max)
                 if f.message.startswith(UNWRITTEN_AT_PUBLISH):
                     _published_blank(d, view, f.block, until)
-                elif stored_by(d) is None:  # (a store names its writer: no suspects to list)
+                elif stored_by(d) is None or _publisher_stored(d):
+                    # (a store names its writer: no suspects to list; but where the writer is
+                    # the block's publisher, those that mapped it before that store read K/V
+                    # its publisher had not written yet)
                     mapped = mapped_since_published(view, f.block, until)
                     if mapped is not None:
                         d["mapped_since_published"] = mapped
@@ -955,6 +980,20 @@ def likely_causes(
             f" [s, e) at pool.slot_mapping(seq, s, e)",
         )
         late = [f for f in late if stored_by(f) not in shifters]
+    # (a publisher's own store into a block that prefix hits had taken before it: published
+    # before its K/V was written, and read blank)
+    read_early = [f for f in late if f.get("mapped_since_published")]
+    if read_early and not explained:
+        takers = list(
+            dict.fromkeys(repr(r) for f in read_early for r in f["mapped_since_published"])
+        )
+        causes.append(
+            f"blocks published before their K/V was written, and taken by prefix hits before"
+            f" their publisher stored it ({_blocks_of(read_early)}; taken by"
+            f" {some(takers, 4)}): those requests attended to K/V nobody had written; call"
+            f" pool.mark_computed(seq, n) only once the K/V of positions [0, n) is stored"
+        )
+        late = [f for f in late if not f.get("mapped_since_published")]
     if late and not explained:
         causes.append(
             f"published blocks whose K/V changed while no other request mapped them"
@@ -1041,6 +1080,12 @@ def _resumed_blank(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [f for f in blanks if written & set(f["preempted_blocks"])]
 
 
+def _publisher_stored(f: dict[str, Any]) -> bool:
+    """A published_block_modified the store probe found in its publisher's own store."""
+    writer = stored_by(f)
+    return writer is not None and f"published by request {writer!r} " in f["message"]
+
+
 def _stored_by_publisher(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """published_block_modified findings (not published blank) of a publisher's own store
     after mark_computed: the recorder saw no other request map the block, or the store named
@@ -1057,7 +1102,7 @@ def _stored_by_publisher(findings: list[dict[str, Any]]) -> list[dict[str, Any]]
         and (
             f.get("mapped_since_published") == [] and f.get("block") not in foreign
             if stored_by(f) is None
-            else f"published by request {stored_by(f)!r} " in f["message"]
+            else _publisher_stored(f)
         )
     ]
 

@@ -380,3 +380,39 @@ def test_a_store_into_a_block_never_allocated_says_so(pool):
     # THEN the finding says the block was never allocated (no holder, no pid)
     (f,) = [f for f in found(pool) if f.block == never]
     assert f.kind == "use_after_free" and f.message.endswith("the block is free (never allocated)")
+
+
+def test_a_prefix_published_before_its_store_and_hit_meanwhile_names_the_requests_that_read_it(
+    pool, capsys, tmp_path
+):
+    import json
+
+    from kvscope.cli import main
+    from kvscope.dumpfile import write_dump
+
+    # GIVEN a publisher that publishes its prompt at admission, before its prefill stores it
+    # (the bug), a request that hits the published blocks meanwhile, then the publisher's store
+    first = pool.allocate("publisher", PROMPT)
+    pool.mark_computed(first, len(PROMPT))
+    reader = pool.allocate("reader", [*PROMPT[:8], 999])
+    assert reader.block_table[:2] == first.block_table[:2]
+    store(pool, pool.slot_mapping(first, 0, len(PROMPT)), Writers(pool, [(first, 0, len(PROMPT))]))
+    # WHEN the pool's dump is analyzed
+    dump = str(tmp_path / "early.kvd")
+    write_dump(pool, dump)
+    main(["analyze", dump, "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    main(["analyze", dump, "--request", "reader", "--json"])
+    narrowed = json.loads(capsys.readouterr().out)
+    # THEN the cause is the early publication, naming the request that took the blocks before
+    # they were written, not "while no other request mapped them"
+    causes = " ".join(rep.get("likely_causes", []))
+    assert "blocks published before their K/V was written, and taken by prefix hits" in causes
+    assert "taken by 'reader'" in causes and "while no other request mapped them" not in causes
+    assert all(
+        f["mapped_since_published"] == ["reader"]
+        for f in rep["findings"]
+        if f["kind"] == "published_block_modified"
+    )
+    # AND the reader's own report lists those blocks' findings (what it read)
+    assert {f["block"] for f in narrowed["findings"]} >= set(first.block_table[:2])
