@@ -454,9 +454,11 @@ def test_serve_under_kvscope_run_publishes_and_checks(tmp_path, flags):
         assert events["rank"] == rank
         assert events["endpoint"] == (endpoint if rank == 0 else f"{endpoint}_dp{rank}")
         assert events["findings_by_kind"] == {}
-        # (a block published and evicted between two polls is never announced: removals
-        # are at most the evictions)
-        assert 0 < events["removed"] <= one["cache_stats"]["num_evictions"]
+        # (the workload evicts; a block published and evicted between two of the publisher's
+        # polls is never announced, and on a loaded machine the polls may catch no eviction
+        # at all: removals are at most the evictions)
+        assert one["cache_stats"]["num_evictions"] > 0
+        assert 0 <= events["removed"] <= one["cache_stats"]["num_evictions"]
         assert events["stored"] - events["removed"] == one["cache_stats"]["num_cached"]
 
 
