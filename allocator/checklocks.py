@@ -7,8 +7,9 @@ import numpy as np
 
 from kvscope.allocator.checkreport import Alive
 from kvscope.allocator.findings import ERROR, WARNING, Finding, FindingKind
+from kvscope.allocator.header import threshold_s
 from kvscope.allocator.layout import SegmentView
-from kvscope.allocator.probeflags import LOCK_HOLD_ENV, threshold_s
+from kvscope.allocator.probeflags import LOCK_HOLD_ENV
 from kvscope.allocator.process import is_alive, process_state
 
 

@@ -3,6 +3,7 @@ naming the field that changed when it no longer checks."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,13 @@ from kvscope.allocator.layout import (
     header_checksum,
     lock_names,
 )
-from kvscope.allocator.probeflags import IDLE_REQUEST_ENV, LOCK_HOLD_ENV, threshold_ms
+from kvscope.allocator.probeflags import (
+    IDLE_REQUEST_ENV,
+    LOCK_HOLD_ENV,
+    THRESHOLDS,
+    env_seconds,
+    threshold_ms,
+)
 from kvscope.allocator.process import my_identity, now_ns
 
 
@@ -200,3 +207,12 @@ def header_corruption(
                 "text": f"header field {field} (byte {off}) is {_show(field, found)}, expected {_show(field, expected[field])}",
             }
     return None
+
+
+def threshold_s(view: SegmentView, name: str, environ=os.environ) -> float:
+    """A live check's threshold (probeflags.THRESHOLDS) as a reader of `view` uses it: its own
+    environment's where that sets one, else the one the pool's creator recorded in the header."""
+    value = env_seconds(name, environ)
+    if value is not None:
+        return value
+    return int(view.header[THRESHOLDS[name][0]][0]) / 1000

@@ -21,9 +21,10 @@ from kvscope.allocator.checkrefs import own_block
 from kvscope.allocator.checkreport import Alive
 from kvscope.allocator.events import EventOp
 from kvscope.allocator.findings import Finding, FindingKind
+from kvscope.allocator.header import threshold_s
 from kvscope.allocator.layout import ClientState, SegmentView, SeqState, field_text
-from kvscope.allocator.probeflags import IDLE_REQUEST_ENV, threshold_s
-from kvscope.allocator.process import is_alive, process_state
+from kvscope.allocator.probeflags import IDLE_REQUEST_ENV
+from kvscope.allocator.process import is_alive, is_stopped
 
 
 def idle_threshold_s(view: SegmentView) -> float:
@@ -162,7 +163,7 @@ def idle_findings(
         if r.pid in waiting:
             continue
         if r.pid not in stopped:
-            stopped[r.pid] = process_state(r.pid) == "stopped"
+            stopped[r.pid] = is_stopped(r.pid)
         key = seqs["request"][r.slot]
         since = now_wall - int(r.idle_s * 1e9)
         life = lives.get(r.pid) or lives.setdefault(r.pid, Lifetimes(view, r.pid))

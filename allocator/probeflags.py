@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvscope.allocator.errors import PoolError
-
-if TYPE_CHECKING:  # (numpy: `kvscope run` checks the thresholds before the script starts)
-    from kvscope.allocator.layout import SegmentView
 
 GUARD_SAMPLE_ENV = "KVSCOPE_GUARD_SAMPLE"
 
@@ -39,8 +35,10 @@ def provenance_sample_from_env(environ=os.environ) -> int:
 # The live checks' thresholds, in seconds (0 turns the check off): a request holding blocks
 # that its live process has not served for this long is `idle_request` (allocator/idle.py), a
 # pool lock held this long is `lock_held_too_long` (allocator/checklocks.py). The creating
-# process's values are recorded in the pool's header, so every reader of it (the run's
-# supervisor, `kvscope check`, `top` and the metrics in another shell) says the same.
+# process's values are recorded in the pool's header (header.py threshold_s reads them back),
+# so every reader of it (the run's supervisor, `kvscope check`, `top` and the metrics in
+# another shell) says the same. (No numpy here: `kvscope run` checks them before the script
+# starts.)
 IDLE_REQUEST_ENV = "KVSCOPE_IDLE_REQUEST_S"
 DEFAULT_IDLE_REQUEST_S = 30.0
 LOCK_HOLD_ENV = "KVSCOPE_LOCK_HOLD_S"
@@ -77,15 +75,6 @@ def threshold_ms(name: str, environ=os.environ) -> int:
     value = env_seconds(name, environ)
     seconds = THRESHOLDS[name][1] if value is None else value
     return max(1, round(seconds * 1000)) if seconds > 0 else 0
-
-
-def threshold_s(view: SegmentView, name: str, environ=os.environ) -> float:
-    """A threshold as a reader of `view` uses it: its own environment's where that sets one,
-    else the one the pool's creator recorded in the header."""
-    value = env_seconds(name, environ)
-    if value is not None:
-        return value
-    return int(view.header[THRESHOLDS[name][0]][0]) / 1000
 
 
 def env_flag(name: str, environ=os.environ) -> bool:

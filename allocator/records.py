@@ -477,7 +477,7 @@ HEADER_IMMUTABLE: list[Field] = [
     ("quarantine", "<u4"),
     # The creating process's KVSCOPE_IDLE_REQUEST_S and KVSCOPE_LOCK_HOLD_S in ms (0: off):
     # the thresholds every reader of the pool uses unless its own environment sets one
-    # (allocator/probeflags.py threshold_s).
+    # (allocator/header.py threshold_s).
     ("idle_request_ms", "<u4"),
     ("lock_hold_ms", "<u4"),
     ("creator_pid", "<i4"),

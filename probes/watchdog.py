@@ -28,7 +28,8 @@ from typing import Any
 
 from kvscope.allocator.checklocks import held_severity, holder_advice
 from kvscope.allocator.findings import Finding, FindingKind
-from kvscope.allocator.probeflags import LOCK_HOLD_ENV, env_flag, threshold_s
+from kvscope.allocator.header import threshold_s
+from kvscope.allocator.probeflags import LOCK_HOLD_ENV, env_flag
 from kvscope.allocator.process import is_alive, process_state
 from kvscope.allocator.sites import KVSCOPE_DIRS
 from kvscope.probes.lockdep import ENV, LOCKDEP, LockDep, SegmentGraph
@@ -70,12 +71,11 @@ def held_finding(
     it), as the whole-pool check's finding does."""
     where = f", now at {stack[-1]}" if stack else ""
     which = f" ({hold})" if hold else ""
-    state = process_state(pid) if pid != os.getpid() else "running"
-    why = (
-        f"; {holder_advice(pid, state)}"
-        if pid != os.getpid()
-        else ": do not block, sleep or compute long while holding it"
-    )
+    if pid == os.getpid():
+        state, why = "running", ": do not block, sleep or compute long while holding it"
+    else:
+        state = process_state(pid)
+        why = f"; {holder_advice(pid, state)}"
     msg = f"{lock} held {held_s:.1f} s so far by pid {pid} thread {tid}{which}{where}{why}"
     return Finding(
         FindingKind.LOCK_HELD_TOO_LONG,
