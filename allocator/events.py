@@ -60,20 +60,22 @@ def _as_dicts(ev: np.ndarray) -> list[dict[str, Any]]:
     ]
 
 
-def events_for_block(view: SegmentView, block: int, n: int = 10) -> list[dict[str, Any]]:
-    """The last n events that touched a block, oldest first (one vectorised pass over the rings)."""
+def _newest(view: SegmentView, keep: Any, n: int) -> list[dict[str, Any]]:
+    """The last n recorded events of every ring where `keep` (a mask over them, or True),
+    oldest first: one vectorised pass over the rings."""
     ev = view.events.reshape(-1)
-    hit = ev[(ev["block"] == block) & (ev["time_ns"] > 0)]
-    hit = hit[np.argsort(hit["time_ns"], kind="stable")][-n:]
-    return _as_dicts(hit)
+    ev = ev[keep & (ev["time_ns"] > 0)]
+    return _as_dicts(ev[np.argsort(ev["time_ns"], kind="stable")][-n:])
+
+
+def events_for_block(view: SegmentView, block: int, n: int = 10) -> list[dict[str, Any]]:
+    """The last n events that touched a block, oldest first."""
+    return _newest(view, view.events.reshape(-1)["block"] == block, n)
 
 
 def recent_events(view: SegmentView, n: int = 50) -> list[dict[str, Any]]:
     """The last n events of every process, oldest first."""
-    ev = view.events.reshape(-1)
-    ev = ev[ev["time_ns"] > 0]
-    ev = ev[np.argsort(ev["time_ns"], kind="stable")][-n:]
-    return _as_dicts(ev)
+    return _newest(view, True, n)
 
 
 def events_of_process(
@@ -82,9 +84,15 @@ def events_of_process(
     """The last n events of one process (before `until_ns`, where given), oldest first: what a
     process that died holding a lock last did."""
     ev = view.events.reshape(-1)
-    keep = (ev["pid"] == pid) & (ev["time_ns"] > 0)
+    keep = ev["pid"] == pid
     if until_ns:
         keep &= ev["time_ns"] <= until_ns
-    ev = ev[keep]
-    ev = ev[np.argsort(ev["time_ns"], kind="stable")][-n:]
-    return _as_dicts(ev)
+    return _newest(view, keep, n)
+
+
+def hit_blocks(view: SegmentView, request: bytes) -> set[int]:
+    """The blocks the flight recorder saw `request` (as the records keep it) take through a
+    prefix hit."""
+    ev = view.events.reshape(-1)
+    ev = ev[(ev["op"] == EventOp.PREFIX_HIT) & (ev["request"] == request)]
+    return set(np.unique(ev["block"]).tolist())

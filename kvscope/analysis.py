@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvscope.allocator.events import events_of_process
+from kvscope.allocator.events import events_of_process, hit_blocks
 from kvscope.allocator.findings import ERROR, Finding, FindingKind
 from kvscope.allocator.findingset import Origin, pool_findings
 from kvscope.allocator.idle import overtaken
@@ -113,15 +113,6 @@ _READ_KINDS = (
     FindingKind.KV_NEVER_WRITTEN,
     FindingKind.FOREIGN_SLOT,
 )
-
-
-def hit_blocks(view: SegmentView, request: str) -> set[int]:
-    """The blocks the flight recorder saw `request` take through a prefix hit."""
-    from kvscope.allocator.events import EventOp
-
-    ev = view.events.reshape(-1)
-    ev = ev[(ev["op"] == int(EventOp.PREFIX_HIT)) & (ev["request"] == _key(request))]
-    return set(np.unique(ev["block"]).tolist())
 
 
 def mapped_since_published(
@@ -538,7 +529,7 @@ def analyze_view(
     if request is not None:
         # (its own findings, and those of the blocks it took through a prefix hit: a shared
         # block another request corrupted, or published blank, is what this one read)
-        hit = hit_blocks(view, request)
+        hit = hit_blocks(view, _key(request))
         found = [
             f for f in found if f.request == request or (f.block in hit and f.kind in _READ_KINDS)
         ]
