@@ -62,6 +62,12 @@ def process_state(pid: int) -> str:
     return _STATES.get(fields[0], fields[0].decode(errors="replace"))
 
 
+def is_stopped(pid: int) -> bool:
+    """True while the process is stopped (SIGSTOP or a debugger): alive, serving nothing until
+    it is continued."""
+    return process_state(pid) == "stopped"
+
+
 def now_ns() -> int:
     """Wall-clock time in nanoseconds (comparable across processes)."""
     return time.time_ns()

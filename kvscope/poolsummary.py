@@ -23,7 +23,7 @@ from kvscope.allocator.layout import (
     field_text,
 )
 from kvscope.allocator.lease import lease_rows, lease_totals
-from kvscope.allocator.process import process_state
+from kvscope.allocator.process import is_stopped
 from kvscope.allocator.stats import pool_stats
 
 # Held leases `summary` lists (its `leases.list`), oldest first.
@@ -149,7 +149,7 @@ def summary(view: SegmentView, alive: Alive) -> dict[str, Any]:
     # (a live copy's alive processes that are stopped now: SIGSTOP or a debugger; a dump's
     # processes are not asked about)
     live_copy = getattr(view, "taken_mono_ns", None) is not None
-    stopped = {p for p, a in pid_alive.items() if a and live_copy and process_state(p) == "stopped"}
+    stopped = {p for p, a in pid_alive.items() if a and live_copy and is_stopped(p)}
     by_owner = [
         {
             "pid": pid,

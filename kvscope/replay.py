@@ -1451,7 +1451,6 @@ class Shrinker:
         self.copy_pairs: dict[int, list[tuple[int, int]]] = {}
         # told (runs so far, operations in the shortest run that still found it) after each run
         self.progress: Callable[[int, int], None] | None = None
-        self.best = len(self.ops)
         # the shortest candidate that found it so far (None: none yet): what an interrupted
         # shrink gives (Shrinker.so_far)
         self.best_ops: list[OpRecord] | None = None
@@ -1526,10 +1525,8 @@ class Shrinker:
         found = self.run(ops)[0]
         if found and (self.best_ops is None or len(ops) <= len(self.best_ops)):
             self.best_ops = list(ops)
-        if found:
-            self.best = min(self.best, len(ops))
         if self.progress is not None:
-            self.progress(self.tests, self.best)
+            self.progress(self.tests, len(self.best_ops or self.ops))
         return found
 
     def merge_appends(self, ops: list[OpRecord]) -> list[OpRecord]:

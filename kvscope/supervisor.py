@@ -314,10 +314,9 @@ class Supervisor:
                 if f.kind == FindingKind.LOCK_HELD_TOO_LONG and lock_named(f.message):
                     # (a pool lock's: one line per holding, whether the lock watch below or
                     # a process's watchdog, into the ring, saw it first)
-                    hold = (lock_named(f.message), f.owner_pid or 0)
-                    if hold in w.locks_said:
+                    if _hold(f) in w.locks_said:
                         continue
-                    w.locks_said.add(hold)
+                    w.locks_said.add(_hold(f))
                 if f.kind == FindingKind.LEAK_DEAD_OWNER and f.owner_pid:
                     # A survivor's reclaim of a dead process (allocator/recovery.py): said
                     # once, whether this poll or an earlier one (`_deaths`) saw it first.
@@ -409,9 +408,9 @@ class Supervisor:
             for f in lock_findings(w.view, now_mono_ns=time.monotonic_ns())
             if f.kind == FindingKind.LOCK_HELD_TOO_LONG
         ]
-        held = {(str(f.extra["lock"]), f.owner_pid or 0) for f in stalls}
-        new = [f for f in stalls if (str(f.extra["lock"]), f.owner_pid or 0) not in w.locks_said]
-        w.locks_said = held  # (a hold no longer seen is said again if it comes back)
+        new = [f for f in stalls if _hold(f) not in w.locks_said]
+        # (a hold no longer seen is said again if it comes back)
+        w.locks_said = {_hold(f) for f in stalls}
         for f in new:
             self._echo_live(w, replace(f, severity=ERROR if fails(f, self.fail_on) else WARNING))
         return new
@@ -679,6 +678,11 @@ class Supervisor:
 
     def _p(self, name: str) -> str:
         return os.path.join(self.run_dir, name)
+
+
+def _hold(f: Finding) -> tuple[str, int]:
+    """A lock_held_too_long's holding: the pool lock its message names and its holder."""
+    return lock_named(f.message), f.owner_pid or 0
 
 
 def idle_to_say(

@@ -197,21 +197,25 @@ class CheckCommand:
         return exit_code(report)
 
 
+def remove_files(name: str) -> None:
+    """The pool's segment and data files removed (either may be gone already)."""
+    for p in (segment_path(name), data_path(name)):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
 def unlink_other_version(name: str, version: int) -> None:
     """Remove the files of a pool of another format version (none of it is read), unless a
     process maps them still (its kvscope's processes: /proc/PID/maps)."""
-    paths = [segment_path(name), data_path(name)]
-    users = mapping(paths)
+    users = mapping([segment_path(name), data_path(name)])
     if users:
         raise UsageError(
             f"pool {name!r} (format version {version}) is still mapped by pid"
             f" {', '.join(map(str, users))}; stop them before --unlink"
         )
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+    remove_files(name)
     print(
         f"unlinked pool {name!r} (format version {version}, which this kvscope does not read:"
         " not checked; no process maps it)",
@@ -225,9 +229,5 @@ def unlink(name: str, alive: list[int]) -> None:
         raise UsageError(
             f"pool {name!r} is still in use by pid {', '.join(map(str, alive))}; stop them before --unlink"
         )
-    for p in (segment_path(name), data_path(name)):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+    remove_files(name)
     print(f"unlinked pool {name!r}", file=sys.stderr)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvscope.allocator.errors import PoolError
 from kvscope.allocator.layout import ClientState
-from kvscope.allocator.process import is_alive, process_state
+from kvscope.allocator.process import is_alive, is_stopped
 from kvscope.allocator.segment import list_names, segment_path
 from kvscope.allocator.stats import pool_stats
 from kvscope.poolsummary import pool_info
@@ -60,7 +60,7 @@ def describe(name: str, trust_owner: bool = False) -> dict[str, Any] | None:
     alive = [int(c["pid"][i]) for i in attached if is_alive(int(c["pid"][i]), int(c["start"][i]))]
     dead = [int(c["pid"][i]) for i in attached if int(c["pid"][i]) not in alive]
     # (SIGSTOP or a debugger: alive, serving nothing until continued)
-    stopped = [p for p in alive if process_state(p) == "stopped"]
+    stopped = [p for p in alive if is_stopped(p)]
     return {
         "name": name,
         "device": info["device"],

@@ -106,7 +106,7 @@ class ReplayCommand:
                 "tests": shrunk.tests,
                 "seconds": round(shrunk.seconds, 3),
             }
-            if stopped:
+            if shrunk.partial:
                 report["shrunk"]["interrupted"] = True
             if args.emit_script:
                 try:
