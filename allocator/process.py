@@ -76,7 +76,9 @@ def now_ns() -> int:
 def mapping(paths: list[str]) -> list[int]:
     """The pids of the processes (of those this user may look at) that map any of `paths` now
     (/proc/PID/maps): who still uses a pool's files, whatever the pool's format."""
-    wanted = [p.encode() for p in paths]
+    # (a line's pathname is its last field: matched whole, so that pool 'a' is not in use by
+    # whoever maps pool 'ab')
+    wanted = {p.encode() for p in paths}
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -86,6 +88,6 @@ def mapping(paths: list[str]) -> list[int]:
                 maps = f.read()
         except OSError:
             continue
-        if any(w in maps for w in wanted):
+        if any(line.split(maxsplit=5)[5:] == [w] for line in maps.splitlines() for w in wanted):
             out.append(int(entry))
     return sorted(out)

@@ -173,3 +173,18 @@ def test_a_lock_a_dead_process_held_is_shown_with_what_that_process_did_last(
     text = capsys.readouterr().out
     assert "w1-r2" in text.split("lock_dead_holder", 1)[1]
     pool.reclaim_dead()
+
+
+def test_the_mappers_of_a_pools_files_are_matched_by_the_whole_path(tmp_path):
+    import mmap
+
+    from kvscope.allocator.process import mapping
+
+    # GIVEN this process mapping a file whose name extends another's ('pool-ab' beside 'pool-a')
+    longer = tmp_path / "pool-ab"
+    longer.write_bytes(b"\0" * 4096)
+    with open(longer, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ):
+        # THEN it maps 'pool-ab', and not 'pool-a'
+        assert os.getpid() in mapping([str(longer)])
+        assert os.getpid() not in mapping([str(tmp_path / "pool-a")])
+    assert os.getpid() not in mapping([str(longer)])
