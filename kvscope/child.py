@@ -14,6 +14,7 @@ The hooks record in the run directory:
 - `unlinks`: pools the script unlinked; the files are renamed aside (the name is free again) and
   the supervisor removes them after it has dumped and analyzed them;
 - `exit.<pid>`: what the leak check at that process's exit found, as JSON;
+- `stacks.PID`: every thread's Python stack, written by faulthandler at STACKS_SIGNAL (below);
 - `faults`: one line per injected fault (`fired<TAB>name<TAB>pid`) the moment it acts, and one
   per fault still armed when a process exits (`unfired<TAB>name<TAB>pid`): a run whose fault
   never fired in any process proved nothing (`run_faults`).
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
-from typing import Any
+import time
+from typing import IO, Any
 
 from kvscope.allocator import faults
 from kvscope.allocator.checkrefs import own_block
@@ -309,6 +312,130 @@ def install() -> None:
     from kvscope.probes import install_from_env
 
     install_from_env()
+    # (the supervisor shows where a hung run's processes are)
+    answer_stacks()
     # After the probes: exit handlers run last registered first, so the exit check runs before
     # the exporters' final flush, which then carries what it found.
     at_exit(_at_exit)
+
+
+# The signal at which each process of the run writes every thread's Python stack into its own
+# `stacks.PID` file in the run directory (faulthandler, which writes from the signal handler
+# without the GIL, so a process whose threads deadlocked holding it still answers): what the
+# supervisor shows of a hung run, and of a script that outlived its stop signal's grace period
+# before it kills it. A real-time signal: no program gives it a meaning of its own (SIGUSR1 and
+# SIGUSR2 often have one: reopen logs, reload).
+STACKS_SIGNAL = signal.SIGRTMIN + 6
+STACKS_FILE = "stacks"
+_stacks_file: IO[str] | None = None  # (this process's: faulthandler writes into its descriptor)
+
+
+def answers_stacks(pid: int) -> bool:
+    """Whether process `pid` catches STACKS_SIGNAL (/proc/PID/status `SigCgt`): a process of
+    the run does; any other one would be killed by it (a real-time signal's default action)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next((ln.split()[1] for ln in f if ln.startswith("SigCgt:")), "0")
+    except (OSError, IndexError):
+        return False
+    return bool(int(caught, 16) >> (STACKS_SIGNAL - 1) & 1)
+
+
+def thread_stacks(pid: int, run_dir: str, wait_s: float = 1.0) -> str:
+    """Process `pid`'s threads' Python stacks, as faulthandler writes them at STACKS_SIGNAL
+    ("" if it does not answer it, or none came within `wait_s`: one stopped in the kernel)."""
+    path = os.path.join(run_dir, f"{STACKS_FILE}.{pid}")
+    if not answers_stacks(pid):
+        return ""
+    try:
+        start = os.path.getsize(path)  # (what an earlier signal wrote)
+    except OSError:
+        start = 0
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+    except ProcessLookupError:
+        return ""
+    deadline = time.monotonic() + wait_s
+    size = -1
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            now = os.path.getsize(path)
+        except OSError:
+            continue
+        if now > start and now == size:
+            break  # (written, and no longer growing)
+        size = now
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(start)
+            return _program_threads(f.read())
+    except OSError:
+        return ""
+
+
+def stacks_said(pid: int, run_dir: str, lead: str, others: dict[int, str] | None = None) -> str:
+    """`kvscope: LEAD; its threads now ...` and the script's threads' stacks (thread_stacks),
+    then, for each other process of the run in `others` (pid: what it is), its own, as kvscope
+    says them; "" when none came."""
+    said = []
+    text = thread_stacks(pid, run_dir)
+    if text:
+        said.append(
+            f"kvscope: {lead}; its threads now (most recent call first; threads waiting on locks"
+            " that the others hold are deadlocked):\n" + text
+        )
+    for other, what in (others or {}).items():
+        text = "" if other == pid else thread_stacks(other, run_dir)
+        if text:
+            said.append(f"kvscope: pid {other} ({what}): its threads now:\n" + text)
+    return "\n".join(said)
+
+
+def _program_threads(text: str) -> str:
+    """faulthandler's stacks of the program's threads: each thread with a frame of the
+    program's own (kvscope's threads in the script, the probes' watchdog, go), its frames
+    without kvscope's and runpy's (the bootstrap that ran the script)."""
+    ours = tuple(_package_dirs())
+    plumbing = ("in _bootstrap", "in _bootstrap_inner", "in run")  # (threading.py's)
+    kept: list[str] = []
+    for block in text.strip().split("\n\n"):
+        lines = block.splitlines()
+        frames = [
+            ln
+            for ln in lines[1:]
+            if not any(d in ln for d in ours)
+            and "runpy" not in ln
+            and not ("/threading.py" in ln and ln.endswith(plumbing))
+        ]
+        if any("/threading.py" not in ln for ln in frames):
+            kept.append("\n".join([lines[0], *frames]))
+    return "\n\n".join(kept)
+
+
+def _package_dirs() -> list[str]:
+    """The directories of kvscope's packages (kvscope.probes and the others live beside
+    kvscope/ in a source tree, not under it), each with a trailing separator."""
+    import importlib.util
+
+    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    for sub in ("allocator", "kernels", "probes", "tui"):
+        spec = importlib.util.find_spec(f"kvscope.{sub}")
+        dirs += list(spec.submodule_search_locations or []) if spec else []
+    return [os.path.abspath(d) + os.sep for d in dirs]
+
+
+def answer_stacks() -> None:
+    """In each process of the run (kvscope/child.py `install`): faulthandler writes every
+    thread's stack into the run directory's `stacks.PID` at STACKS_SIGNAL (the file kept open:
+    faulthandler holds its descriptor); a forked child opens its own."""
+    import faulthandler
+
+    global _stacks_file
+    out = run_dir()
+    if out is None:
+        return
+    if _stacks_file is None:
+        os.register_at_fork(after_in_child=answer_stacks)
+    _stacks_file = open(os.path.join(out, f"{STACKS_FILE}.{os.getpid()}"), "w")
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)

@@ -55,8 +55,8 @@ from kvscope.allocator.layout import (
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.segment import data_path, segment_path
 from kvscope.allocator.snapshot import snapshot
-from kvscope.bootstrap import launch, stacks_said
-from kvscope.child import pool_key
+from kvscope.bootstrap import launch
+from kvscope.child import pool_key, stacks_said
 from kvscope.history import History
 from kvscope.poolsummary import field_text, some
 from kvscope.stopper import Stopper
@@ -388,7 +388,15 @@ class Supervisor:
         )
         if self.proc is not None and self.proc.poll() is None:
             pid = self.proc.pid
-            said = stacks_said(pid, self.run_dir, f"the script (pid {pid}) looks hung")
+            # (the other processes holding the requests: the script's workers)
+            others = {
+                p: "holds "
+                + some(
+                    [repr(r) for i, r in zip(held, requests) if int(seqs["owner_pid"][i]) == p], 4
+                )
+                for p in pids
+            }
+            said = stacks_said(pid, self.run_dir, f"the script (pid {pid}) looks hung", others)
             if said:
                 self.echo(said)
 

@@ -798,6 +798,11 @@ def test_stepping_through_a_log_gives_the_pool_at_each_operation(tmp_path, pool_
         stepper.step(-3)
         assert stepper.at == first and stepper.record is not None
         assert "allocate r0" in stepper.describe()
+        # the pool's number for the operation (the START took one) and its place in the log
+        assert stepper.describe().startswith(f"operation {first} (the log's 1st of ")
+        stepper.step(1)
+        assert f"operation {first + 1} (the log's 2nd of " in stepper.describe()
+        stepper.step(-1)
         stepper.step(-1)
         assert stepper.at == 0 and _used(stepper.view()) == 0
         # (the log's last operations: the handle's close, a REPORT of each of the two requests

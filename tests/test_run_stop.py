@@ -325,6 +325,51 @@ def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hu
     assert "with 1 request(s) holding blocks" in reason, reason
 
 
+WORKERS = (
+    # a forked worker and a started one (`import kvscope` gives it the run's hooks), each
+    # holding a request and waiting on a pipe nothing writes to
+    "import subprocess\n"
+    "r, w = os.pipe()\n"
+    "if os.fork() == 0:\n"
+    "    KVPool.attach(pool.name).allocate('forked', [1, 2])\n"
+    "    os.read(r, 1)\n"  # line 10 of the script
+    "started = subprocess.Popen([sys.executable, '-c', 'import os, sys\\n'\n"
+    "    'from kvscope.allocator import KVPool\\n'\n"
+    "    f'KVPool.attach({pool.name!r}).allocate(\"started\", [3])\\n'\n"
+    "    'sys.stdin.read()\\n'], stdin=subprocess.PIPE)\n"
+    "open(ready, 'w').close()\n"
+    "os.read(r, 1)\n"
+)
+
+
+def test_a_hung_runs_workers_holding_requests_show_their_own_stacks(tmp_path, pool_name):
+    # GIVEN a script holding a request, whose forked worker and started worker each hold one,
+    # all three waiting on nothing
+    body = _pool_script(pool_name, True, WORKERS)
+    run = start_run(tmp_path, body, "--hang-after", "1", "--stop-grace", "0.5")
+    try:
+        # WHEN no pool operation comes for a second and more
+        # (the started worker can take more than the second to start: a stall said before it
+        # allocated is said again after)
+        wait_for(
+            lambda: "holds 'started'): its threads now" in (tmp_path / "err").read_text(), "stacks"
+        )
+        run.send_signal(signal.SIGTERM)
+        _, err = finish(run, tmp_path)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    # THEN the stall names each process's stacks: the script's, and each worker's by its pid
+    # and the request it holds, at the line it waits on
+    said = err.index(STALL)
+    stacks = err[said:]
+    assert "kvscope: the script (pid " in stacks, stacks
+    forked = stacks.index("holds 'forked'): its threads now:")
+    assert 'script.py", line 10 in <module>' in stacks[forked:], stacks
+    started = stacks.index("holds 'started'): its threads now:")
+    assert '"<string>", line 4 in <module>' in stacks[started:], stacks
+
+
 def test_a_dead_workers_requests_do_not_make_the_script_look_hung(tmp_path, pool_name):
     # GIVEN a script whose forked worker allocates and dies without its exit check (os._exit),
     # while the script itself holds no block and waits three seconds, under --hang-after 1

@@ -303,7 +303,9 @@ class RunCommand:
             # (a flag or variable refused before the script starts: nothing left behind)
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        stopper = Stopper(echo, args.stop_grace, before_kill=lambda pid: show_stacks(pid, run_dir))
+        stopper = Stopper(
+            echo, args.stop_grace, before_kill=lambda pid: show_stacks(pid, run_dir, sup)
+        )
         sup: Supervisor | None = None
         tel = None
         try:
@@ -367,12 +369,14 @@ class RunCommand:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def show_stacks(pid: int, run_dir: str) -> None:
+def show_stacks(pid: int, run_dir: str, sup: Supervisor | None) -> None:
     """Before the script that outlived its stop signal's grace period is killed: where each of
-    its threads is (a hang's diagnosis: threads that wait for each other's locks deadlocked)."""
-    from kvscope.bootstrap import stacks_said
+    its threads is, and each other live process's attached to a pool of the run (a hang's
+    diagnosis: threads that wait for each other's locks deadlocked)."""
+    from kvscope.child import stacks_said
 
-    said = stacks_said(pid, run_dir, f"the script (pid {pid}) did not stop")
+    others = {p: f"attached to pool {w.name!r}" for w, p in sup.still_attached()} if sup else {}
+    said = stacks_said(pid, run_dir, f"the script (pid {pid}) did not stop", others)
     if said:
         echo(said)
 
