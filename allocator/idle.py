@@ -116,11 +116,18 @@ class Lifetimes:
         ends = np.isin(ev["op"], [EventOp.FREE, EventOp.ABORT])
         self.ended = np.full(len(self.keys), never)
         np.minimum.at(self.ended, which[ends], times[ends])
+        self.last = np.full(len(self.keys), -1)
+        np.maximum.at(self.last, which, times)
 
     def overtaken(self, request: bytes, since_wall_ns: int) -> list[str]:
         """The requests other than `request` (as the records keep it) whose whole life the
         recorder shows after `since_wall_ns` (their first event after it, and a `free` or an
-        `abort`), in the order they ended."""
+        `abort`), in the order they ended. After the request's own last event too: the record's
+        `active_ns` is read off the coarse clock (a tick, up to a few ms, behind), and a request
+        that ended just before it began is no request served meanwhile."""
+        own = np.flatnonzero(self.keys == request)
+        if len(own):
+            since_wall_ns = max(since_wall_ns, int(self.last[own[0]]))
         pick = np.flatnonzero(
             (self.first > since_wall_ns)
             & (self.ended != np.iinfo(np.int64).max)

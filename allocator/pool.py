@@ -549,9 +549,12 @@ class KVPool:
     def append(self, seq: Sequence, tokens: Tokens) -> list[tuple[int, int]]:
         """Append tokens (as `allocate` takes them); returns a list of the copy-on-write (src,
         dst) block pairs to copy first (empty when there is none)."""
-        done = self._core.append(self, seq, tokens)
-        if self._found:
-            self.deliver_findings()
+        try:
+            done = self._core.append(self, seq, tokens)
+        finally:
+            # (a refused call's finding too: a use_after_free of a sequence already ended)
+            if self._found:
+                self.deliver_findings()
         # (the overdue word is only ever set where there is a queue: `_later` tested first,
         # the cheaper test)
         if self._later is not None and self._overdue[0]:
@@ -586,9 +589,11 @@ class KVPool:
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""
         # (the core's: a transaction per CHUNK blocks, the undo journal's bound)
-        done = self._core.mark_computed(self, seq, num_tokens)
-        if self._found:
-            self.deliver_findings()
+        try:
+            done = self._core.mark_computed(self, seq, num_tokens)
+        finally:
+            if self._found:
+                self.deliver_findings()
         # (the overdue word is only ever set where there is a queue: `_later` tested first,
         # the cheaper test)
         if self._later is not None and self._overdue[0]:
@@ -626,9 +631,11 @@ class KVPool:
     def fork(self, seq: Sequence, request_id: object) -> Sequence:
         """A new sequence sharing every block of seq (refcounts +1); `request_id` as in
         `allocate`."""
-        child = self._core.fork(self, seq, request_id)
-        if self._found:
-            self.deliver_findings()
+        try:
+            child = self._core.fork(self, seq, request_id)
+        finally:
+            if self._found:
+                self.deliver_findings()
         return child
 
     def free(self, seq: Sequence) -> None:
@@ -654,17 +661,21 @@ class KVPool:
 
     def set_state(self, seq: Sequence, state: str) -> None:
         """Mark a sequence running or waiting (only waiting ones may be preempted)."""
-        self._core.set_state(self, seq, state)
-        if self._found:
-            self.deliver_findings()
+        try:
+            self._core.set_state(self, seq, state)
+        finally:
+            if self._found:
+                self.deliver_findings()
 
     def resume(self, seq: Sequence) -> int:
         """Re-reserve blocks for a preempted sequence's tokens; returns its cached-token count."""
         if self._later is not None:
             self._later.settle()
-        cached = self._core.resume(self, seq)
-        if self._found:
-            self.deliver_findings()
+        try:
+            cached = self._core.resume(self, seq)
+        finally:
+            if self._found:
+                self.deliver_findings()
         return cached
 
     def evict(self, num_blocks: int) -> int:
@@ -789,14 +800,16 @@ class KVPool:
                 blocks = [int(b) for b in target]
             except (TypeError, ValueError):
                 blocks = []  # (not block ids: the core refuses it)
-        if deadline_ns is None:
-            record, lease_id = self._core.lease(self, target, mode, who, ns)
-        elif deadline_ns >= 0:
-            record, lease_id = self._core.lease(self, target, mode, who, ns, deadline_ns)
-        else:
+        if deadline_ns is not None and deadline_ns < 0:
             raise PoolError(f"lease deadline_ns must be >= 0, got {deadline_ns!r}")
-        if self._found:
-            self.deliver_findings()
+        try:
+            if deadline_ns is None:
+                record, lease_id = self._core.lease(self, target, mode, who, ns)
+            else:
+                record, lease_id = self._core.lease(self, target, mode, who, ns, deadline_ns)
+        finally:
+            if self._found:
+                self.deliver_findings()
         return Lease(
             self, record, lease_id, mode, who if type(who) is str else str(who), list(blocks)
         )
@@ -831,6 +844,7 @@ class KVPool:
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat KV slot (block * slots_per_block + offset) of each position in [start, end)."""
+        self._own(seq)
         bs, spb, table = self.block_size, self.slots_per_block, seq.block_table
         return [table[p // bs] * spb + p % bs for p in range(start, end)]
 

@@ -848,6 +848,15 @@ def likely_causes(
             f" them read K/V nobody wrote; store the prefill through pool.slot_mapping(seq,"
             f" start, end) and publish only what was stored"
         )
+    kept = kept_after_end(findings)
+    if kept:
+        named = some([f"{r!r} at {where}" for r, where in kept], 3)
+        causes.append(
+            f"sequences the program still used after it ended their request ({named}): it"
+            f" keeps a request it freed or aborted (a cancelled client's, a timed-out one's) in"
+            f" a queue or batch and calls the pool on it, catching the PoolError; drop the"
+            f" request from every queue and batch on the path that ends it"
+        )
     raced = aborted_then_written(findings, explained=slots_wrong)
     retried = {
         (f.get("request"), f.get("block")) for f in findings if f.get("readmitted_after_abort")
@@ -856,9 +865,11 @@ def likely_causes(
         named = some([f"{r!r} block {b}" for r, b in raced if (r, b) not in retried], 4)
         causes.append(
             f"K/V written into blocks after their own request was aborted ({named}): a"
-            f" step that worked out its slots before the abort stored through them after it;"
-            f" is the abort called from another thread while a step runs? Abort between steps"
-            f" (queue it for the engine loop), or under the lock the step holds"
+            f" step that worked out its slots before the abort stored through them after it:"
+            f" an abort called from another thread while a step runs, or a request kept in the"
+            f" running batch after its abort, with the block table it had? Abort between steps"
+            f" (queue it for the engine loop) or under the lock the step holds, and drop the"
+            f" request from every queue and batch then"
         )
     if [x for x in raced if x in retried]:
         named = some([f"{r!r} block {b}" for r, b in raced if (r, b) in retried], 4)
@@ -1615,6 +1626,24 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
         if not any(op in ("allocate", "prefix_hit") for op in ops[last + 1 :]):
             out.append((req, blk))
     return list(dict.fromkeys(out))  # (a block found twice: at the store, then as poison)
+
+
+# A use_after_free the core records of a call on a sequence already ended (no block):
+# "request 'r0' was already aborted and is used again at engine.py:131 step (append): ...".
+_USED_AGAIN = re.compile(r" was already \w+ and is used again at (.+?): the pool refused it")
+
+
+def kept_after_end(findings: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(request, where: the caller's line and the call) of each call on a sequence whose
+    request the program had already freed or aborted (a `use_after_free` about no block)."""
+    out = []
+    for f in findings:
+        if f["kind"] != FindingKind.USE_AFTER_FREE or f.get("block") is not None:
+            continue
+        m = _USED_AGAIN.search(f.get("message", ""))
+        if m and f.get("request") is not None:
+            out.append((str(f["request"]), m.group(1)))
+    return out
 
 
 def aborted_then_written(

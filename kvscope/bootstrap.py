@@ -36,13 +36,16 @@ def _record_exception(e: BaseException) -> None:
     import json
     import traceback
 
-    from kvscope.child import run_dir
+    from kvscope.child import package_dirs, run_dir
 
     out = run_dir()
     if out is None:
         return
     frames = traceback.extract_tb(e.__traceback__)
-    last = frames[-1] if frames else None
+    # (the program's own line that called into kvscope, where the pool raised it)
+    ours = tuple(package_dirs())
+    mine = [f for f in frames if not os.path.abspath(f.filename).startswith(ours)]
+    last = mine[-1] if mine else frames[-1] if frames else None
     where = f"{last.filename}:{last.lineno} in {last.name}" if last else ""
     with open(os.path.join(out, "exception"), "w") as f:
         json.dump({"type": type(e).__name__, "message": str(e)[:500], "where": where}, f)

@@ -312,6 +312,14 @@ def _capacity_answer(view: SegmentView, history: History | None) -> dict[str, An
             f"{exhaustion}; no sample (every {history.interval_s:g} s or less) saw demand"
             f" beyond the pool's {n} blocks: the peak was shorter than the sampling interval"
         )
+    elif preempted == 0 and not exhausted and peak == 0 and st["num_allocs"]:
+        # (the requests came and went between two samples: a short run's whole serving)
+        out["pool_size_without_preemption"] = None
+        out["answer"] = (
+            f"no preemption; no sample (every {history.interval_s:g} s or less) saw a request"
+            f" holding blocks, though {st['num_allocs']} block(s) were allocated: the"
+            " serving was shorter than the sampling interval, and the peak is not known"
+        )
     elif preempted == 0 and not exhausted:
         out["pool_size_without_preemption"] = min(n, peak)
         out["answer"] = (

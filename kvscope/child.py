@@ -396,7 +396,7 @@ def _program_threads(text: str) -> str:
     """faulthandler's stacks of the program's threads: each thread with a frame of the
     program's own (kvscope's threads in the script, the probes' watchdog, go), its frames
     without kvscope's and runpy's (the bootstrap that ran the script)."""
-    ours = tuple(_package_dirs())
+    ours = tuple(package_dirs())
     plumbing = ("in _bootstrap", "in _bootstrap_inner", "in run")  # (threading.py's)
     kept: list[str] = []
     for block in text.strip().split("\n\n"):
@@ -413,7 +413,7 @@ def _program_threads(text: str) -> str:
     return "\n\n".join(kept)
 
 
-def _package_dirs() -> list[str]:
+def package_dirs() -> list[str]:
     """The directories of kvscope's packages (kvscope.probes and the others live beside
     kvscope/ in a source tree, not under it), each with a trailing separator."""
     import importlib.util

@@ -324,6 +324,67 @@ def test_a_second_release_under_the_probes_is_one_double_free(make_pool, probes)
     assert pool.check() == []
 
 
+@pytest.mark.parametrize(
+    "op, call",
+    [
+        ("append", lambda pool, seq: pool.append(seq, [9])),
+        ("mark_computed", lambda pool, seq: pool.mark_computed(seq, 3)),
+        ("fork", lambda pool, seq: pool.fork(seq, "child")),
+        ("set_state", lambda pool, seq: pool.set_state(seq, "waiting")),
+        ("resume", lambda pool, seq: pool.resume(seq)),
+    ],
+)
+def test_a_call_on_an_ended_sequence_under_the_probes_is_one_use_after_free(
+    make_pool, probes, op, call
+):
+    # GIVEN a pool under the probes `kvscope run` switches on, and a request aborted (a
+    # cancelled client) whose sequence the program still holds
+    pool = make_pool(32)
+    seen: list = []
+    pool.on_finding = seen.append
+    seq = pool.allocate("gone", [1, 2, 3, 4, 5])
+    pool.abort(seq)
+    # WHEN the program calls the pool on it twice, catching the refusal each time
+    for _ in range(2):
+        refused(pool, lambda: call(pool, seq), PoolError, "sequence 'gone' was already aborted")
+    # THEN the core recorded one use_after_free, about no block, naming the request, this
+    # process, the call and the caller's line, and handed it to on_finding
+    (f,) = [f for f in pool.findings() if f.kind == "use_after_free"]
+    assert (f.block, f.owner_pid, f.request, f.severity) == (None, pool.pid, "gone", "error")
+    assert re.fullmatch(
+        r"request 'gone' was already aborted and is used again at "
+        rf"\S*test_core_errors\.py:\d+ <lambda> \({op}\): the pool refused it \(PoolError\), "
+        r"but the program kept its sequence after ending it",
+        f.message,
+    ), f.message
+    assert [g.kind for g in seen] == ["use_after_free"]
+    # AND the analysis names the cause: the request kept after its end, with the call's line
+    from kvscope.analysis import analyze_view
+
+    (cause,) = analyze_view(pool.view)["likely_causes"]
+    assert cause.startswith("sequences the program still used after it ended their request")
+    assert re.search(rf"\('gone' at \S*test_core_errors\.py:\d+ <lambda> \({op}\)\)", cause)
+    # AND a release of it after is a double_free of its own
+    refused(pool, lambda: pool.free(seq), PoolError, "sequence 'gone' was already aborted")
+    assert [f.request for f in double_frees(pool)] == ["gone"]
+    assert pool.check() == []
+
+
+def test_slot_mapping_of_an_ended_sequence_is_refused(make_pool):
+    # GIVEN a request freed
+    pool = make_pool(32)
+    seq = pool.allocate("gone", [1, 2, 3, 4, 5])
+    pool.free(seq)
+    # WHEN its slots are asked for THEN the pool refuses it as block_table does
+    refused(
+        pool,
+        lambda: pool.slot_mapping(seq, 0, 5),
+        PoolError,
+        "sequence 'gone' was already finished",
+    )
+    refused(pool, lambda: pool.block_table(seq), PoolError, "sequence 'gone' was already finished")
+
+
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_a_closed_handle_is_refused(make_pool, op):
     # GIVEN a handle with a live sequence, closed

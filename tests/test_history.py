@@ -99,6 +99,21 @@ def test_capacity_without_preemption_and_without_history(make_pool):
     assert "no recorded history" in none["answer"]
 
 
+def test_capacity_of_requests_that_came_and_went_between_samples_names_no_size(make_pool):
+    # GIVEN a run whose requests were all served and freed between two samples
+    pool = make_pool(16)
+    h = History.for_view(pool.view)
+    h.add(pool.view)
+    for i in range(3):
+        pool.free(pool.allocate(f"r{i}", list(range(12))))
+    h.add(pool.view)
+    cap = capacity_answer(snapshot(pool.view), h)
+    # THEN it is not "big enough" on a peak of 0: the samples missed the serving
+    assert cap["peak_demand"] == 0 and cap["pool_size_without_preemption"] is None
+    assert "no sample (every" in cap["answer"] and "9 block(s) were allocated" in cap["answer"]
+    assert "big enough" not in cap["answer"]
+
+
 def test_analyze_reads_the_history_beside_a_dump(make_pool, tmp_path, capsys):
     # GIVEN a dump of a preempting run with its history beside it
     pool = make_pool(16)

@@ -104,6 +104,29 @@ def test_an_idle_request_of_a_process_that_served_nobody_since_says_so(
     assert f.extra["overtaken"] == 0
 
 
+def test_requests_that_ended_before_an_idle_one_began_are_not_served_meanwhile(
+    make_pool, probes, monkeypatch
+):
+    # GIVEN a process that serves three requests from start to end, then admits a fourth and
+    # stops serving (a hang), the fourth's active time read off the coarse clock before the
+    # three began (a tick behind: here made earlier still, so that the test does not depend on
+    # how fast the machine runs them)
+    monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
+    pool = make_pool()
+    before = time.monotonic_ns()
+    for i in range(3):
+        pool.free(pool.allocate(f"r{i}", [10 * i, 2, 3]))
+    late = pool.allocate("late", list(range(5)))
+    pool.view.seqs["active_ns"][late.slot] = before - 1
+    time.sleep(IDLE_S * 2)
+    # WHEN it is checked
+    (f,) = idle_findings(snapshot(pool.view))
+    # THEN the three are not counted as served while it waited (its own allocate came after
+    # them): the process served nobody since, a hang's reading, not a dropped request's
+    assert f.request == "late" and f.extra["overtaken"] == 0, f.message
+    assert "no request of the process began and ended since" in f.message
+
+
 def test_no_idle_request_in_a_dump_in_a_dead_process_or_with_the_check_off(make_pool, monkeypatch):
     monkeypatch.setenv("KVSCOPE_IDLE_REQUEST_S", str(IDLE_S))
     pool = make_pool()

@@ -209,9 +209,9 @@ typedef struct {
     Py_buffer crash_buf;
     int64_t uid;            /* KVPool._uid */
     PyObject *name;         /* KVPool.name (a str: the handle's errors name the pool) */
-    /* the requests whose refused second free or abort was reported (entry.c double_end: a
-     * double_free about no block is reported once per request) */
-    PyObject *ended_twice;
+    /* the (finding kind, request) of each refused call on an ended sequence reported
+     * (entry.c ended_use: a double_free or use_after_free about no block, once per request) */
+    PyObject *ended_used;
     size_t off_lru; /* the segment's LRU list (eviction.c), shared by every process */
     /* Done at commit, under the free lock: evictions to count; how far this transaction's
      * takes advanced the LRU list (pend_takes of them, pend_taken candidates); a scan's

@@ -105,45 +105,62 @@ static int64_t own_slot(Native *n, PyObject *seq) {
     return own_refused(n, seq, mine, is_int && !over && at < 0);
 }
 
-/* Under a probe, a second free or abort of a sequence of this
- * handle (already finished or aborted: own_slot's OWN_ENDED, its PoolError set and kept) is a
- * double_free finding about no block, once per request, before
- * the pool refuses it. A failure to report it is written as unraisable. */
-static void double_end(Native *n, PyObject *seq) {
+/* Under a probe, a call on a sequence of this handle already finished or aborted (own_slot's
+ * OWN_ENDED, its PoolError set and kept), before the pool refuses it: `op` NULL, a second free
+ * or abort, is a double_free finding about no block; else (`op` names the call: an append, a
+ * publication, a fork, a state change, a resume, a lease) the program still uses the handle of
+ * a request it ended, a use_after_free about no block. Once per request and kind. A failure to
+ * report it is written as unraisable. */
+static void ended_use(Native *n, PyObject *seq, const char *op) {
     if (!(n->probes & ~P_LOCKDEP)) return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
+    int fk = op ? FK_USE_AFTER_FREE : FK_DOUBLE_FREE;
     PyObject *state = sfield(n, seq, F_STATE), *rid = sfield(n, seq, F_REQUEST_ID);
-    PyObject *text = NULL, *key = NULL, *site = NULL, *msg = NULL;
+    PyObject *text = NULL, *key = NULL, *seen = NULL, *site = NULL, *msg = NULL;
     int ended = state && PyUnicode_Check(state) &&
                 (PyUnicode_CompareWithASCIIString(state, "finished") == 0 ||
                  PyUnicode_CompareWithASCIIString(state, "aborted") == 0);
     /* (the request as the finding keeps it: its first 32 characters) */
     int fresh = ended && rid && (text = PyObject_Str(rid)) != NULL &&
                 (key = PyUnicode_Substring(text, 0, REQUEST_BYTES)) != NULL &&
-                PySet_Contains(n->ended_twice, key) == 0 && PySet_Add(n->ended_twice, key) == 0;
+                (seen = Py_BuildValue("(iO)", fk, key)) != NULL &&
+                PySet_Contains(n->ended_used, seen) == 0 && PySet_Add(n->ended_used, seen) == 0;
     if (fresh) {
         int err;
         PyFrameObject *f =
             frame_outward(n, (PyFrameObject *)Py_XNewRef(PyEval_GetFrame()), 0, &err);
         site = err ? NULL : f ? frame_text(f) : PyUnicode_FromString("<kvscope>");
         Py_XDECREF(f);
-        if (site)
+        if (site && op)
+            msg = PyUnicode_FromFormat("request %R was already %S and is used again at %U "
+                                       "(%s): the pool refused it (PoolError), but the program "
+                                       "kept its sequence after ending it",
+                                       rid, state, site, op);
+        else if (site)
             msg = PyUnicode_FromFormat("request %R was already %S and is released again at "
                                        "%U: the pool refused it (PoolError), but the caller "
                                        "frees twice",
                                        rid, state, site);
         Seen s = {.block = -1, .owner_pid = n->pid, .site = -1};
-        if (msg && request_of(key, s.request) == OK) finding_report(n, FK_DOUBLE_FREE, &s, msg);
+        if (msg && request_of(key, s.request) == OK) finding_report(n, fk, &s, msg);
     }
     if (PyErr_Occurred()) PyErr_WriteUnraisable(n->pool);
     Py_XDECREF(state);
     Py_XDECREF(rid);
     Py_XDECREF(text);
     Py_XDECREF(key);
+    Py_XDECREF(seen);
     Py_XDECREF(site);
     Py_XDECREF(msg);
     PyErr_Restore(type, value, tb);
+}
+
+/* own_slot for a call `op` on the sequence: one already ended is also ended_use's finding. */
+static int64_t own_used(Native *n, PyObject *seq, const char *op) {
+    int64_t slot = own_slot(n, seq);
+    if (slot == OWN_ENDED) ended_use(n, seq, op);
+    return slot;
 }
 
 /* A new Sequence with these 10 field values (the dataclass's order: its __init__ only assigns
@@ -167,7 +184,7 @@ static PyObject *new_sequence(Native *n, PyObject *const *fields, PyObject *slot
 /* N_append once its tokens are read. */
 static PyObject *append_read(Native *n, PyObject *pool, PyObject *seq, const Tokens *t) {
     GATE(n, pool);
-    int64_t slot = own_slot(n, seq);
+    int64_t slot = own_used(n, seq, "append");
     if (n->oplog) oplog_tokens(n, t->v, t->n, slot); /* (after the gate: this call's own) */
     if (slot < 0) return NULL;
     seq_touch(n, slot);
@@ -334,8 +351,7 @@ static PyObject *N_end(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     }
     GATE(n, args[0]);
     PyObject *seq = args[1];
-    int64_t slot = own_slot(n, seq);
-    if (slot == OWN_ENDED) double_end(n, seq);
+    int64_t slot = own_used(n, seq, NULL);
     if (slot < 0) return NULL;
     return end_read(n, seq, slot, final);
 }
@@ -519,7 +535,7 @@ static PyObject *N_mark_computed(Native *n, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     GATE(n, args[0]);
-    int64_t slot = own_slot(n, args[1]);
+    int64_t slot = own_used(n, args[1], "mark_computed");
     if (slot < 0) return NULL;
     seq_touch(n, slot);
     PyObject *o = PyNumber_Index(args[2]);
@@ -738,7 +754,7 @@ static PyObject *N_fork(Native *n, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *fork_read(Native *n, PyObject *const *args, PyObject *rid) {
     GATE(n, args[0]);
     PyObject *src = args[1];
-    int64_t src_slot = own_slot(n, src);
+    int64_t src_slot = own_used(n, src, "fork");
     if (src_slot < 0) return NULL;
     seq_touch(n, src_slot);
     char request[REQUEST_BYTES];

@@ -152,7 +152,7 @@ static int lease_target(Native *n, PyObject *target, int32_t *ids, int64_t *k, i
     *k = 0;
     PyObject *list;
     if (PyObject_TypeCheck(target, (PyTypeObject *)n->seq_type)) {
-        *slot = own_slot(n, target);
+        *slot = own_used(n, target, "lease");
         if (*slot < 0) return ERROR;
         seq_touch(n, *slot);
         list = sfield(n, target, F_BLOCK_TABLE);

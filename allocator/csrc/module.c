@@ -139,8 +139,8 @@ static int N_init(Native *n, PyObject *args, PyObject *kw) {
     /* the handle's live sequences and guarded slots: the core's own (sequences.c) */
     Py_XSETREF(n->seqs, PyDict_New());
     Py_XSETREF(n->guarded, PySet_New(NULL));
-    Py_XSETREF(n->ended_twice, PySet_New(NULL));
-    if (n->seqs == NULL || n->guarded == NULL || n->ended_twice == NULL) return -1;
+    Py_XSETREF(n->ended_used, PySet_New(NULL));
+    if (n->seqs == NULL || n->guarded == NULL || n->ended_used == NULL) return -1;
     if (faults_init(n, d)) return -1;
     PyObject *coefs = PyDict_GetItemString(d, "coefs");
     if (!coefs || !PyList_Check(coefs)) {
@@ -217,7 +217,7 @@ static void N_dealloc(Native *n) {
     Py_XDECREF(n->fault_fired);
     Py_XDECREF(n->write_past);
     Py_XDECREF(n->guarded);
-    Py_XDECREF(n->ended_twice);
+    Py_XDECREF(n->ended_used);
     Py_XDECREF(n->name);
     Py_XDECREF(n->kv_obj);
     dev_free(n->dev);

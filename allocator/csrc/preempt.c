@@ -396,7 +396,7 @@ static PyObject *N_set_state(Native *n, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     GATE(n, args[0]);
-    int64_t slot = own_slot(n, args[1]);
+    int64_t slot = own_used(n, args[1], "set_state");
     if (slot < 0) return NULL;
     seq_touch(n, slot);
     PyObject *state = args[2], *name = NULL;
@@ -490,7 +490,7 @@ static PyObject *N_resume(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     }
     GATE(n, args[0]);
     PyObject *seq = args[1];
-    int64_t old = own_slot(n, seq);
+    int64_t old = own_used(n, seq, "resume");
     if (old < 0) return NULL;
     seq_touch(n, old);
     PyObject *state = sfield(n, seq, F_STATE), *tokens = sfield(n, seq, F_TOKENS);

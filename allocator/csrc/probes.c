@@ -426,10 +426,13 @@ static int finding_report(Native *n, int fk, const Seen *s, PyObject *message) {
         return ERROR;
     }
     uint8_t *done = n->reported + (size_t)fk * (size_t)(n->nb + 1) + (size_t)key;
-    /* (a double_free about no block, a refused second release, is counted by request: entry.c
-     * double_end; a leak_finished about no block, a preempted sequence at a close, is each
+    /* (a double_free or use_after_free about no block, a refused call on an ended sequence, is
+     * counted by request: entry.c ended_use; a leak_finished about no block, a preempted sequence at a close, is each
      * sequence's: entry.c seqs_at_close) */
-    if (*done && !((fk == FK_DOUBLE_FREE || fk == FK_LEAK_FINISHED) && s->block < 0)) return OK;
+    if (*done &&
+        !((fk == FK_DOUBLE_FREE || fk == FK_LEAK_FINISHED || fk == FK_USE_AFTER_FREE) &&
+          s->block < 0))
+        return OK;
     Py_ssize_t len;
     const char *text = PyUnicode_AsUTF8AndSize(message, &len);
     if (text == NULL) return ERROR;
@@ -552,8 +555,8 @@ static void findings_drop(Native *n) {
 /* first_report(kind, block) -> True | False | None: whether a finding of `kind` about `block`
  * (-1: none) is the handle's first (and it is now reported), for PoolProbes.report; None for a
  * kind the core does not count (the probe keeps those): one it does not report, a
- * lock_order_cycle (each cycle is its own), a double_free about no block (a refused second
- * free, counted by request). */
+ * lock_order_cycle (each cycle is its own), a double_free or use_after_free about no block (a
+ * refused call on an ended sequence, counted by request). */
 static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nargs) {
     const char *kind;
     long block;
@@ -564,7 +567,8 @@ static PyObject *N_first_report(Native *n, PyObject *const *args, Py_ssize_t nar
     }
     int fk = 0;
     while (fk < FK_COUNT && strcmp(FK_NAMES[fk], kind) != 0) fk++;
-    if (fk == FK_COUNT || fk == FK_LOCK_ORDER_CYCLE || (fk == FK_DOUBLE_FREE && block < 0))
+    if (fk == FK_COUNT || fk == FK_LOCK_ORDER_CYCLE ||
+        ((fk == FK_DOUBLE_FREE || fk == FK_USE_AFTER_FREE) && block < 0))
         Py_RETURN_NONE;
     if (n->reported == NULL &&
         (n->reported = PyMem_Calloc((size_t)FK_COUNT * (size_t)(n->nb + 1), 1)) == NULL)
