@@ -526,3 +526,15 @@ def test_a_run_whose_output_lost_its_reader_still_dumps_cleans_up_and_exits_as_i
     assert run.returncode == 66
     assert len(list(tmp_path.glob("*.kvd"))) == 1
     assert not os.path.exists(f"/dev/shm/kvscope.{pool_name}")
+
+
+def test_an_exception_the_pool_raises_is_placed_at_the_programs_line(tmp_path, pool_name):
+    # GIVEN a script whose allocation the pool refuses (a PoolError, raised in the binding)
+    body = _pool_script(pool_name, False, "pool.allocate('big', list(range(100)))\n")
+    run = start_run(tmp_path, body)
+    _, err = finish(run, tmp_path)
+    # THEN the run's verdict places it at the script's line, not at the pool's frame
+    line = len(["", "", *body.splitlines()])
+    assert "raised PoolError: " in err, err
+    assert f'script.py:{line} in <module>)' in err, err
+    assert "pool.py:" not in err.split("raised PoolError")[1].split("\n")[0], err
