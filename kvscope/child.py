@@ -14,7 +14,8 @@ The hooks record in the run directory:
 - `unlinks`: pools the script unlinked; the files are renamed aside (the name is free again) and
   the supervisor removes them after it has dumped and analyzed them;
 - `exit.<pid>`: what the leak check at that process's exit found, as JSON;
-- `stacks.PID`: every thread's Python stack, written by faulthandler at STACKS_SIGNAL (below);
+- `stacks.PID`: every thread's Python stack, written by faulthandler at STACKS_SIGNAL (below),
+  and `threads.PID` the threads' names;
 - `faults`: one line per injected fault (`fired<TAB>name<TAB>pid`) the moment it acts, and one
   per fault still armed when a process exits (`unfired<TAB>name<TAB>pid`): a run whose fault
   never fired in any process proved nothing (`run_faults`).
@@ -327,6 +328,7 @@ def install() -> None:
 # SIGUSR2 often have one: reopen logs, reload).
 STACKS_SIGNAL = signal.SIGRTMIN + 6
 STACKS_FILE = "stacks"
+THREADS_FILE = "threads"
 _stacks_file: IO[str] | None = None  # (this process's: faulthandler writes into its descriptor)
 
 
@@ -351,6 +353,7 @@ def thread_stacks(pid: int, run_dir: str, wait_s: float = 1.0) -> str:
         start = os.path.getsize(path)  # (what an earlier signal wrote)
     except OSError:
         start = 0
+    asked = time.time_ns()
     try:
         os.kill(pid, STACKS_SIGNAL)
     except ProcessLookupError:
@@ -369,9 +372,10 @@ def thread_stacks(pid: int, run_dir: str, wait_s: float = 1.0) -> str:
     try:
         with open(path, errors="replace") as f:
             f.seek(start)
-            return _program_threads(f.read())
+            text = f.read()
     except OSError:
         return ""
+    return _program_threads(text, _thread_names(pid, run_dir, asked))
 
 
 def stacks_said(pid: int, run_dir: str, lead: str, others: dict[int, str] | None = None) -> str:
@@ -392,15 +396,55 @@ def stacks_said(pid: int, run_dir: str, lead: str, others: dict[int, str] | None
     return "\n".join(said)
 
 
-def _program_threads(text: str) -> str:
+def _thread_names(pid: int, run_dir: str, asked_ns: int, wait_s: float = 0.5) -> dict[str, str]:
+    """The threads' names process `pid` wrote at the signal asked at `asked_ns` (its
+    `threads.PID`: `_write_thread_names`), by faulthandler's hex id; {} when none came within
+    `wait_s` (the main thread, which runs Python's handlers, stuck in a call that holds the GIL)."""
+    path = os.path.join(run_dir, f"{THREADS_FILE}.{pid}")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if os.stat(path).st_mtime_ns >= asked_ns:
+                with open(path, errors="replace") as f:
+                    return dict(ln.split(" ", 1) for ln in f.read().splitlines() if " " in ln)
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return {}
+        time.sleep(0.02)
+
+
+def _write_thread_names(signum: int, frame: Any) -> None:
+    """At STACKS_SIGNAL, after faulthandler's stacks (its chain): each thread's hex id, as
+    faulthandler prints it, and its name, into `threads.PID` (written whole, then renamed)."""
+    out = run_dir()
+    if out is None:
+        return
+    path = os.path.join(out, f"{THREADS_FILE}.{os.getpid()}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(f"0x{t.ident:016x} {t.name}\n" for t in threading.enumerate() if t.ident)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def _program_threads(text: str, names: dict[str, str] | None = None) -> str:
     """faulthandler's stacks of the program's threads: each thread with a frame of the
     program's own (kvscope's threads in the script, the probes' watchdog, go), its frames
-    without kvscope's and runpy's (the bootstrap that ran the script)."""
+    without kvscope's and runpy's (the bootstrap that ran the script); each thread's line with
+    its name where `names` (hex id: name) has it."""
     ours = tuple(package_dirs())
     plumbing = ("in _bootstrap", "in _bootstrap_inner", "in run")  # (threading.py's)
     kept: list[str] = []
     for block in text.strip().split("\n\n"):
         lines = block.splitlines()
+        if not lines:
+            continue  # (nothing written: a process that did not answer in time)
+        head = lines[0].split(" (most recent call first)")
+        ident = head[0].rsplit(" ", 1)[-1]
+        if names and ident in names and len(head) == 2:
+            lines[0] = f"{head[0]} {names[ident]!r} (most recent call first){head[1]}"
         frames = [
             ln
             for ln in lines[1:]
@@ -438,4 +482,16 @@ def answer_stacks() -> None:
     if _stacks_file is None:
         os.register_at_fork(after_in_child=answer_stacks)
     _stacks_file = open(os.path.join(out, f"{STACKS_FILE}.{os.getpid()}"), "w")
-    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
+    # The threads' names come from Python's handler, which faulthandler calls after it has
+    # written the stacks (chain): Python runs it in the main thread when it next can (a lock
+    # wait or a sleep is interrupted for it), so a process whose main thread cannot run it
+    # still gives its stacks, without the names.
+    # (a forked child inherits the parent's registration: undone first, so that faulthandler
+    # installs its handler over Python's again)
+    faulthandler.unregister(STACKS_SIGNAL)
+    try:
+        signal.signal(STACKS_SIGNAL, _write_thread_names)
+        chain = True
+    except ValueError:  # (not the main thread: no Python handler can be set here)
+        chain = False
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=chain)

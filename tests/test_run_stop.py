@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -318,6 +319,9 @@ def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hu
     two = lines.index("        with a:") + 1
     assert f'script.py", line {one} in one' in stacks, stacks
     assert f'script.py", line {two} in two' in stacks, stacks
+    # (each thread named as threading names it)
+    assert re.search(r"Thread 0x[0-9a-f]+ 'Thread-\d+ \(one\)' \(most recent call first\)", stacks)
+    assert "'MainThread' (most recent call first)" in stacks, stacks
     # AND the dump of the stopped script says it hung, after how it ended
     (dump,) = tmp_path.glob("*.kvd")
     reason = bytes(read_dump_header(str(dump))["reason"]).decode()
@@ -536,5 +540,5 @@ def test_an_exception_the_pool_raises_is_placed_at_the_programs_line(tmp_path, p
     # THEN the run's verdict places it at the script's line, not at the pool's frame
     line = len(["", "", *body.splitlines()])
     assert "raised PoolError: " in err, err
-    assert f'script.py:{line} in <module>)' in err, err
+    assert f"script.py:{line} in <module>)" in err, err
     assert "pool.py:" not in err.split("raised PoolError")[1].split("\n")[0], err
