@@ -28,11 +28,12 @@ from tests.test_events_check import Stream
 BOUND_S = 30.0
 
 
-def messages(n: int) -> list[list[bytes]]:
-    """Batches seq 0..n-1 of one publisher, each storing one block under the one before."""
+def messages(n: int, base: int = 0) -> list[list[bytes]]:
+    """Batches seq 0..n-1 of one publisher, each storing one block under the one before (block
+    hashes base + 1, base + 2, ...)."""
     s = Stream(True, "int")
     for i in range(n):
-        s.batch(s.stored([i + 1], parent=i or None))
+        s.batch(s.stored([base + i + 1], parent=(base + i) if i else None))
     return s.messages
 
 
@@ -96,11 +97,12 @@ def test_an_unanswered_replay_holds_nothing_up_and_is_given_up_once(tmp_path, zm
         # WHEN seq 1 is lost: seq 2 asks the replay socket for it
         rec.on_message(0, m[0], 1)
         rec.on_message(0, m[2], 2)
-        # THEN the request went out, and the recorder did not wait for its answer: it is
-        # still in flight (its 2 s have not passed on the test's clock)
+        # THEN the request went out (from seq 0, the last recorded: a restart's check), and the
+        # recorder did not wait for its answer: it is still in flight (its 2 s have not passed
+        # on the test's clock)
         assert router.poll(int(BOUND_S * 1000)), "no replay request arrived"
         _identity, empty, start = router.recv_multipart()
-        assert (empty, int.from_bytes(start, "big")) == (b"", 1)
+        assert (empty, int.from_bytes(start, "big")) == (b"", 0)
         assert rec.replays_in_flight == 1
         # AND the messages after it are taken meanwhile, waiting behind it (the file keeps
         # the endpoint's order)
@@ -164,12 +166,14 @@ def test_the_subscription_is_read_while_a_replay_is_in_flight(tmp_path, zmq_ctx)
             pub.send_multipart(m[i])
         assert router.poll(int(BOUND_S * 1000)), "no replay request arrived"
         identity, _, start = router.recv_multipart()
-        assert int.from_bytes(start, "big") == 1
+        assert int.from_bytes(start, "big") == 0
         # THEN while the request is unanswered the recorder still reads its subscription:
         # seq 2, 3 and 4 arrive and wait behind the replay
         until(lambda: rec.waiting == 3, "the batches after the gap were read")
         assert rec.replays_in_flight == 1
-        # WHEN the replay socket answers as vLLM's (>= 0.26): the batch, then the end marker
+        # WHEN the replay socket answers as vLLM's (>= 0.26): from the batch asked for (the one
+        # recorded, not written again), then the end marker
+        router.send_multipart([identity, b"", *m[0]])
         router.send_multipart([identity, b"", *m[1]])
         router.send_multipart([identity, b"", b"", END_SEQ, b""])
         until(lambda: rec.replays_in_flight == 0 and rec.waiting == 0, "the replay ended")
@@ -191,6 +195,59 @@ def test_the_subscription_is_read_while_a_replay_is_in_flight(tmp_path, zmq_ctx)
     assert report["healthy"] and report["findings"] == []
     assert report["summary"]["replayed"] == 1 and report["summary"]["gaps"] == 0
     assert (rec.stats.messages, rec.stats.filled, rec.stats.unfilled) == (5, 1, 0)
+
+
+def test_a_restart_faster_than_the_reconnect_is_a_restart_not_a_gap(tmp_path, zmq_ctx, capsys):
+    # GIVEN a recorder that has recorded seq 0..2 of a publisher, which then restarts and
+    # publishes seq 0..5 of a new sequence before the subscriber is back (its first batches
+    # missed: the next one the recorder sees is the new sequence's seq 6)
+    replay = f"ipc://{tmp_path}/replay"
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.bind(replay)
+    path = str(tmp_path / "r.kvev")
+    rec = Recorder([f"ipc://{tmp_path}/pub"], path, replay=[replay], replay_timeout_s=BOUND_S)
+    old, new = messages(3), messages(8, base=100)
+    try:
+        for i in range(3):
+            rec.on_message(0, old[i], i)
+        rec.on_message(0, new[6], 6)
+        # WHEN the replay socket, asked from seq 2, answers with the new sequence's seq 2
+        assert router.poll(int(BOUND_S * 1000)), "no replay request arrived"
+        identity, _, start = router.recv_multipart()
+        assert int.from_bytes(start, "big") == 2
+        router.send_multipart([identity, b"", *new[2]])
+        until(lambda: rec.service() or router.poll(0), "the request from the new sequence's start")
+        # THEN it is a restart, and the new sequence is asked for from its start
+        identity, _, start = router.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        for i in range(6):
+            router.send_multipart([identity, b"", *new[i]])
+        router.send_multipart([identity, b"", b"", END_SEQ, b""])
+        until(
+            lambda: rec.service() or (rec.replays_in_flight == 0 and rec.waiting == 0),
+            "the replay ended",
+        )
+    finally:
+        rec.close()
+    # AND the file holds the old sequence, then the new one from its start, replayed, then
+    # what revealed it: no gap, one restart, and the check says so without an error
+    assert contents(path) == [
+        *[(PUBLISHED, i) for i in range(3)],
+        (NOTE, None),
+        *[(REPLAYED, i) for i in range(6)],
+        (NOTE, None),
+        (PUBLISHED, 6),
+    ]
+    assert [n["note"] for n in notes(path)] == ["restart", "replay"]
+    st = rec.stats
+    assert (st.gaps, st.missing, st.resets, st.filled, st.unfilled) == (0, 0, 1, 6, 0)
+    report = check_file(path)
+    assert report["summary"]["gaps"] == 0, report["summary"]
+    assert [f["kind"] for f in report["findings"]] == ["kv_event_seq_reset"], report["findings"]
+    capsys.readouterr()
+    main(["events", "check", path])
+    out = capsys.readouterr().out
+    assert "the publisher restarted after seq 2 (the replay of a gap sent another batch 2)" in out
 
 
 def test_two_publishers_on_one_rank_are_said_once_and_not_followed(tmp_path):

@@ -299,3 +299,28 @@ def test_top_events_refusals(tmp_path, capsys):
     assert "--events" in capsys.readouterr().err
     assert main(["top", "--events", path, "tcp://127.0.0.1:1"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hashes", ["int", "bytes"])
+def test_top_events_tree_shows_a_root_hash_whole_or_marked_cut(hashes):
+    from kvscope.events.streamfile import PUBLISHED
+    from kvscope.events.top import tree_lines
+    from kvscope.events.walk import StreamWalk
+    from kvscope.events.wire import hash_text
+
+    # GIVEN a publisher's one chain of two blocks (an int hash of 20 digits, or a digest)
+    s = Stream(True, hashes)
+    s.batch(s.stored([1]), s.stored([2], parent=1))
+    walk = StreamWalk(["tcp://127.0.0.1:5557"])
+    for i, frames in enumerate(s.messages):
+        walk.feed(i + 1, PUBLISHED, 0, frames)
+    # WHEN the tree is drawn
+    (root,) = [ln for ln in tree_lines(walk) if "(root " in ln]
+    shown = root.split()[0]
+    full = hash_text(s.h(1))
+    # THEN a 64-bit hash is shown whole (a cut one would pass for another); a digest is cut,
+    # its end marked
+    if hashes == "int":
+        assert shown == full, root
+    else:
+        assert shown.endswith("…") and full.startswith(shown[:-1]), root

@@ -5,7 +5,11 @@ is written to the recorded-stream file (streamfile.py) as it arrived, frames unt
 its receive time. The recorder follows each publisher's seq (per endpoint, topic and rank):
 a jump forward is a gap, which it fills from that endpoint's replay socket when one is given
 (the replayed batches are written before the message that revealed the gap, marked replayed);
-a jump back is a restart. Usage:
+a jump back is a restart. A gap's replay request starts at the last batch recorded, which the
+replay must send back as recorded: where it sends another, the publisher restarted between the
+two (faster than the subscriber reconnected, so its first batches were missed, not a gap of the
+old sequence's), and the new sequence is asked for from its start instead, as a late join's.
+Usage:
 
     rec = Recorder(["tcp://localhost:5557"], "run.kvev", replay=["tcp://localhost:5558"])
     stats = rec.run(seconds=60)
@@ -142,9 +146,17 @@ def _warn(message: str) -> None:
 class _Replay:
     """A replay request in flight: endpoint i's batches first..stop-1 asked for."""
 
-    __slots__ = ("sock", "first", "stop", "deadline", "gap", "got", "answered")
+    __slots__ = ("sock", "first", "stop", "deadline", "gap", "got", "answered", "last", "restart")
 
-    def __init__(self, sock: zmq.Socket, first: int, stop: int, deadline: float, gap: bool):
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        first: int,
+        stop: int,
+        deadline: float,
+        gap: bool,
+        last: bytes | None = None,
+    ):
         self.sock = sock
         self.first = first
         self.stop = stop
@@ -153,6 +165,10 @@ class _Replay:
         self.gap = gap
         self.got = 0
         self.answered = False
+        # a gap's: the payload of batch first - 1 as recorded, which the replay sends first
+        # (another one: the publisher restarted, `restart`)
+        self.last = last
+        self.restart = False
 
 
 class Recorder:
@@ -186,6 +202,8 @@ class Recorder:
         self._clock = clock
         self.stats = RecordStats()
         self._next: dict[tuple[int, bytes, int | None], int] = {}
+        # per publisher: the payload of the last batch recorded (a gap's replay checks it)
+        self._last: dict[tuple[int, bytes, int | None], bytes] = {}
         # per publisher: the next seq of the sequence it last left, (times that sequence went
         # on, messages written then); the publishers found two interleaved (not followed)
         self._other: dict[tuple[int, bytes, int | None], int] = {}
@@ -279,7 +297,7 @@ class Recorder:
                         if s in ready:
                             self._drain(i, s)
                     if self._pending:
-                        self._service()
+                        self.service()
             except KeyboardInterrupt:
                 pass
             try:
@@ -310,7 +328,7 @@ class Recorder:
                 poller.register(rep.sock, zmq.POLLIN)
             due = min(r.deadline for r in self._pending.values()) - self._clock()
             poller.poll(max(0, int(due * 1000) + 1))
-            self._service()
+            self.service()
 
     def _drain(self, i: int, sock: zmq.Socket) -> None:
         recv = sock.recv_multipart
@@ -332,7 +350,7 @@ class Recorder:
         else:
             self._take(i, frames, recv_ns)
         if self._pending:
-            self._service()
+            self.service()
 
     def _take(self, i: int, frames: list[bytes], recv_ns: int) -> None:
         """Follow a message's seq; write it, or hold it behind the replay it starts."""
@@ -343,6 +361,8 @@ class Recorder:
             seq = int.from_bytes(frames[1], "big")
             expected = self._next.get(key)
             self._next[key] = seq + 1
+            last = self._last.get(key)
+            self._last[key] = frames[2]
             fill = None
             if expected is None:
                 stats.publishers.add(key)
@@ -364,7 +384,7 @@ class Recorder:
                 self._other[key] = expected
             if fill is not None:
                 first, gap = fill
-                if self._ask(i, first, seq, gap):
+                if self._ask(i, first, seq, gap, last if gap else None):
                     self._held.setdefault(i, deque()).appendleft((frames, recv_ns, True))
                     return
                 if gap:
@@ -394,29 +414,39 @@ class Recorder:
         if len(frames) >= 2:
             self.stats.events += peek_batch(frames[-1])[0]
 
-    def _ask(self, i: int, first: int, stop: int, gap: bool) -> bool:
-        """Send endpoint i's replay socket a request for batches first..stop-1; whether one is
-        in flight now (no replay socket, or one given up on: no)."""
+    def _ask(self, i: int, first: int, stop: int, gap: bool, last: bytes | None = None) -> bool:
+        """Send endpoint i's replay socket a request for batches first..stop-1 (from first - 1
+        where `last`, that batch's payload as recorded, is given: the check of a restart);
+        whether one is in flight now (no replay socket, or one given up on: no)."""
         if i >= len(self.replay) or not self.replay[i] or i in self._dead:
             return False
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        ask = first - 1 if last is not None and first > 0 else first
         try:
             sock.connect(self.replay[i])
-            sock.send_multipart([b"", first.to_bytes(8, "big")], zmq.NOBLOCK)
+            sock.send_multipart([b"", ask.to_bytes(8, "big")], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             sock.close(linger=0)
             note = {"note": "replay", "replay": self.replay[i], "first": first, "stop": stop}
             self.writer.note(i, {**note, "replayed": 0, "error": str(e)})
             self._give_up(i, f"cannot be asked ({e})")
             return False
-        rep = _Replay(sock, first, stop, self._clock() + self.replay_timeout_s, gap)
+        rep = _Replay(
+            sock,
+            first,
+            stop,
+            self._clock() + self.replay_timeout_s,
+            gap,
+            last if ask < first else None,
+        )
         self._pending[i] = rep
         self._poller.register(sock, zmq.POLLIN)
         return True
 
-    def _service(self) -> None:
-        """Read what the replays in flight answered; end those done or past their time."""
+    def service(self) -> None:
+        """Read what the replays in flight answered; end those done or past their time (`run`
+        and `on_message` call it; a relay of its own between messages too)."""
         now = self._clock()
         for i, rep in list(self._pending.items()):
             try:
@@ -446,6 +476,11 @@ class Recorder:
             if len(seq_frame) != 8:
                 continue
             seq = int.from_bytes(seq_frame, "big")
+            if seq == rep.first - 1 and rep.last is not None:
+                if frames[-1] != rep.last:
+                    rep.restart = True  # (not the batch recorded: a new publisher's)
+                    return True
+                continue
             if rep.first <= seq < rep.stop:
                 self._write(i, frames, time.time_ns(), REPLAYED)
                 rep.got += 1
@@ -459,6 +494,9 @@ class Recorder:
         except KeyError:
             pass
         rep.sock.close(linger=0)
+        if rep.restart:
+            self._restarted(i, rep)
+            return
         self.stats.filled += rep.got
         if rep.gap:
             self.stats.unfilled += rep.stop - rep.first - rep.got
@@ -480,6 +518,26 @@ class Recorder:
         if why == "timeout" and not rep.answered:
             self._give_up(i, f"did not answer within {timeout}")
         self._release(i)
+
+    def _restarted(self, i: int, rep: _Replay) -> None:
+        """A gap's replay found the publisher restarted: no gap, a restart; the new sequence's
+        batches before the message that revealed it asked for from its start (a late join's),
+        the messages behind it still held."""
+        stats = self.stats
+        stats.gaps -= 1
+        stats.missing -= rep.stop - rep.first
+        stats.resets += 1
+        self.writer.note(
+            i,
+            {
+                "note": "restart",
+                "replay": self.replay[i],
+                "seq": rep.first - 1,
+                "next": rep.stop,
+            },
+        )
+        if not self._ask(i, 0, rep.stop, False):
+            self._release(i)
 
     def _give_up(self, i: int, why: str) -> None:
         """No more replay requests to endpoint i's replay socket; said once."""

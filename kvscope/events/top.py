@@ -23,7 +23,9 @@ from kvscope.events.wire import hash_text
 # Records fed per refresh at most (a recorded file replays over several refreshes).
 MAX_PER_TICK = 200_000
 TREE_ROOTS = 8
-HASH_CHARS = 16
+# A root's hash shown whole up to this many characters (any 64-bit int, signed or not); a
+# longer one (a digest's hex) cut, its end marked: a cut hash is never taken for a whole one.
+HASH_CHARS = 20
 
 
 class FileFeed:
@@ -114,7 +116,9 @@ def tree_lines(walk: StreamWalk, roots: int = TREE_ROOTS) -> list[str]:
         lines.append(f"{where}: {len(parents):,} hashes ever stored, {len(below):,} roots")
         for r, n in sorted(below.items(), key=lambda kv: -kv[1])[:roots]:
             state = "stored" if live.get(r) else "gone"
-            lines.append(f"  {hash_text(r)[:HASH_CHARS]}  {n:,} hashes  (root {state})")
+            text = hash_text(r)
+            text = text if len(text) <= HASH_CHARS else text[: HASH_CHARS - 1] + "…"
+            lines.append(f"  {text}  {n:,} hashes  (root {state})")
     return lines or ["no block stored yet"]
 
 

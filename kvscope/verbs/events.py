@@ -111,16 +111,31 @@ NOTES_SHOWN = 3
 def _note_lines(notes: list[dict[str, Any]]) -> list[str]:
     """The recorder's replay notes, per endpoint: requests, batches replayed, the failures."""
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    lines = []
     for n in notes:
         if n.get("note") == "replay":
             by.setdefault((str(n.get("endpoint", "?")), str(n.get("replay") or "")), []).append(n)
-    lines = []
+        elif n.get("note") == "restart":
+            lines.append(
+                f"  {n.get('endpoint', '?')}: the publisher restarted after seq {n.get('seq')}"
+                f" (the replay of a gap sent another batch {n.get('seq')}): no gap, its new"
+                " sequence asked for from its start"
+            )
     for (ep, replay), ns in by.items():
         failed = [n for n in ns if n.get("error")]
         got = sum(n.get("replayed") or 0 for n in ns if isinstance(n.get("replayed"), int))
+        # (the replay socket no longer held them all: its buffer had moved on)
+        short = [
+            n
+            for n in ns
+            if not n.get("error")
+            and all(isinstance(n.get(k), int) for k in ("first", "stop", "replayed"))
+            and n["replayed"] < n["stop"] - n["first"]
+        ]
         lines.append(
             f"  replays for {ep}" + (f" from {replay}" if replay else "") + f": {len(ns)}"
             f" request(s), {got:,} batch(es) replayed, {len(failed)} failed"
+            + (f", {len(short)} short of what was asked" if short else "")
         )
         for n in failed[:NOTES_SHOWN]:
             first, stop = n.get("first"), n.get("stop")
