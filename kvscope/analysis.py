@@ -904,12 +904,18 @@ def likely_causes(
     failed_pid = dump["pid"] if dump and dump.get("failed") else None
     hows: dict[str, None] = {}
     cut_short = []
+    # (how it failed, and a hang said before it: a hung script stopped)
+    reason = str((dump or {}).get("reason") or "").split("; ")
+    failure = "; ".join(reason[:1] + [r for r in reason[1:2] if r.startswith("hung ")])
     for f in findings:
-        if f["kind"] != FindingKind.LEAK_FINISHED or f.get("id_reused_while_live"):
+        # (a process killed holding requests, by a signal that let no exit check run, leaves
+        # them as a dead owner's)
+        dead = f["kind"] == FindingKind.LEAK_DEAD_OWNER and f.get("owner_pid") == failed_pid
+        if not dead and (f["kind"] != FindingKind.LEAK_FINISHED or f.get("id_reused_while_live")):
             continue  # (a reused id's: its own, above)
         raised = _RAISED.search(f["message"])
         if failed_pid is not None and f.get("owner_pid") == failed_pid:
-            hows[str((dump or {}).get("reason") or "").split("; ")[0] or "see the dump"] = None
+            hows[failure or "see the dump"] = None
         elif raised:
             # (a process of the program whose exit an exception caused: kvscope.child)
             hows[f"pid {f.get('owner_pid')} raised {raised.group(1)}"] = None

@@ -605,3 +605,36 @@ def test_a_dead_worker_is_also_named_for_the_blocks_only_its_prefix_hits_still_m
     assert "its requests were also the last to map 2 block(s) other processes allocated" in (
         said.message
     )
+
+
+def test_the_requests_of_a_hung_script_killed_are_named_by_the_kill_and_the_hang(
+    probes, make_pool, tmp_path
+):
+    import os
+
+    from kvscope.allocator.dumpfile import write_dump
+    from kvscope.allocator.dumpread import read_dump
+
+    # GIVEN a process (forked here) that attached, took a request and was killed before any
+    # exit check ran, and a dump about it, as `kvscope run` writes one after a hang's kill
+    pool = make_pool(num_blocks=32, block_size=4, num_kv_heads=1, head_dim=4, max_clients=4)
+    child = os.fork()
+    if child == 0:
+        try:
+            type(pool).attach(pool.name).allocate("stuck", (1, 2, 3, 4, 5))
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    how = f"child pid {child} was killed by SIGKILL; hung 20 s with 1 request(s) holding blocks"
+    path = write_dump(
+        pool, tmp_path / "p.kvd", reason=f"{how}; blocks leaked", pid=child, failed=True
+    )
+    # WHEN the dump is analyzed
+    view, header = read_dump(path)
+    report = analyze_view(view, dump_header=header)
+    # THEN the dead owner's request is named as held when the program failed, with how it
+    # failed and the hang before it
+    assert "stuck" in [f["request"] for f in report["findings"] if f["kind"] == "leak_dead_owner"]
+    (cause,) = report["likely_causes"]
+    assert cause.startswith(f"requests the program still held when it failed ('stuck'; {how})")
+    pool.reclaim_dead()
