@@ -353,7 +353,11 @@ def thread_stacks(pid: int, run_dir: str, wait_s: float = 1.0) -> str:
         start = os.path.getsize(path)  # (what an earlier signal wrote)
     except OSError:
         start = 0
-    asked = time.time_ns()
+    names = os.path.join(run_dir, f"{THREADS_FILE}.{pid}")
+    try:
+        os.unlink(names)  # (an earlier signal's: this one's is written anew)
+    except OSError:
+        pass
     try:
         os.kill(pid, STACKS_SIGNAL)
     except ProcessLookupError:
@@ -375,7 +379,7 @@ def thread_stacks(pid: int, run_dir: str, wait_s: float = 1.0) -> str:
             text = f.read()
     except OSError:
         return ""
-    return _program_threads(text, _thread_names(pid, run_dir, asked))
+    return _program_threads(text, _thread_names(names))
 
 
 def stacks_said(pid: int, run_dir: str, lead: str, others: dict[int, str] | None = None) -> str:
@@ -396,17 +400,15 @@ def stacks_said(pid: int, run_dir: str, lead: str, others: dict[int, str] | None
     return "\n".join(said)
 
 
-def _thread_names(pid: int, run_dir: str, asked_ns: int, wait_s: float = 0.5) -> dict[str, str]:
-    """The threads' names process `pid` wrote at the signal asked at `asked_ns` (its
-    `threads.PID`: `_write_thread_names`), by faulthandler's hex id; {} when none came within
-    `wait_s` (the main thread, which runs Python's handlers, stuck in a call that holds the GIL)."""
-    path = os.path.join(run_dir, f"{THREADS_FILE}.{pid}")
+def _thread_names(path: str, wait_s: float = 0.5) -> dict[str, str]:
+    """The threads' names a process wrote into `path` (its `threads.PID`, removed before the
+    signal: `_write_thread_names`), by faulthandler's hex id; {} when none came within `wait_s`
+    (the main thread, which runs Python's handlers, stuck in a call that holds the GIL)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            if os.stat(path).st_mtime_ns >= asked_ns:
-                with open(path, errors="replace") as f:
-                    return dict(ln.split(" ", 1) for ln in f.read().splitlines() if " " in ln)
+            with open(path, errors="replace") as f:
+                return dict(ln.split(" ", 1) for ln in f.read().splitlines() if " " in ln)
         except OSError:
             pass
         if time.monotonic() >= deadline:
