@@ -9,7 +9,7 @@ import json
 
 from kvscope.allocator.oplog import OpCode, read_log
 from kvscope.cli import main
-from tests.test_replay import record_copies
+from tests.test_replay import ALL_PROBES, record_copies
 
 
 def test_a_bytes_finding_the_log_cannot_replay_is_explained(tmp_path, pool_name, capsys):
@@ -36,3 +36,44 @@ def test_a_log_that_replays_its_kv_has_no_note(tmp_path, pool_name, capsys):
     assert main(["replay", str(path), "--json"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert d["reason"] == "finding" and "note" not in d
+
+
+def test_a_finding_of_a_write_the_log_lacks_names_that_write(tmp_path, pool_name, capsys):
+    import torch
+
+    from kvscope.allocator import KVPool, PoolConfig
+    from kvscope.allocator.probing import PoolProbes
+    from kvscope.kernels import store_kv
+    from kvscope.probes.stores import Writers
+
+    # GIVEN a recording whose stores were given their writers, but for one: K/V written into a
+    # block after its request was freed (through a table the program kept), not through a
+    # store told its writers; the block handed out again, its poison found overwritten
+    path = tmp_path / "zombie.ops"
+    cfg = dict(num_blocks=4, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4)
+    pool = KVPool.create(
+        pool_name,
+        PoolConfig(**cfg, dtype="float32", guard=True, local_cache_size=0, record_ops=str(path)),
+    )
+    try:
+        pool.probe = PoolProbes(pool, ALL_PROBES)
+        a = pool.allocate("a", [1, 2, 3])
+        slots = torch.tensor(pool.slot_mapping(a, 0, 3))
+        kv = torch.ones(3, 1, 4)
+        store_kv(kv, kv, pool.kv[0, 0], pool.kv[0, 1], slots, block_size=4,
+                 writers=Writers(pool, [(a, 0, 3)]))  # fmt: skip
+        kept = list(a.block_table)
+        pool.free(a)
+        pool.kv[0, 0, kept[0], 0] = 7.0  # the write through the kept table
+        pool.free(pool.allocate("b", list(range(16))))  # (every block: the freed one too)
+    finally:
+        pool.close()
+        pool.unlink()
+    # WHEN it is replayed
+    assert main(["replay", str(path), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    # THEN the finding does not come back, and the note says the write is not in the log
+    assert d["reason"] == "divergence" and "found" in d["differs"], d
+    assert d["note"].startswith("use_after_free judges the K/V bytes the program wrote"), d
+    assert "the write that made it is not among the log's stores" in d["note"]
+    assert "give every store_kv its writers to replay it" in d["note"]

@@ -242,8 +242,9 @@ BYTE_KINDS = ("kv_never_written", "published_block_modified", "use_after_free", 
 
 def _bytes_note(log: Any, d: dict[str, Any]) -> str:
     """Why a divergence on a finding of the K/V bytes is no replay bug: the log holds none of
-    the program's K/V writes (no store given its writers) or of its copies (a copy-on-write
-    pair without a COPY record); '' where that is not the case."""
+    the program's K/V writes (no store given its writers), or not its copies (a copy-on-write
+    pair without a COPY record), or not the write that made it (its stores replayed, and the
+    finding did not come back); '' where it is no such finding."""
     if d["reason"] != "divergence" or "found" not in d["differs"]:
         return ""
     rec = {(f["kind"], f["block"]) for f in (d.get("recorded") or {}).get("found", [])}
@@ -267,7 +268,14 @@ def _bytes_note(log: Any, d: dict[str, Any]) -> str:
         )
         fix.append("call copy_blocks with pool=")
     if not why:
-        return ""
+        # (every store and copy the log holds replayed, and the finding did not come back:
+        # the write that made it is one the log does not hold)
+        why.append(
+            "the write that made it is not among the log's stores (a store not given its"
+            " writers: a kernel of the program's own, a write through a table it kept after"
+            " the sequence's end)"
+        )
+        fix.append("give every store_kv its writers")
     return (
         f"{', '.join(kinds)} judges the K/V bytes the program wrote, and the log holds not all of"
         f" them: {'; '.join(why)}. The replay's K/V is not the program's, so this finding does"
