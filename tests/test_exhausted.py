@@ -91,6 +91,48 @@ def test_each_exhaustion_is_an_event_naming_its_request_and_the_blocks_it_needed
     ]
 
 
+def test_a_requests_forks_count_its_blocks_once_and_a_preempted_one_is_not_a_holder(make_pool):
+    # GIVEN a request sampled four ways (forks sharing its id and its 2 blocks), a request
+    # waiting with a block and then preempted, and the pool's last blocks held by a third
+    pool = make_pool(8, local_cache_size=0)
+    r = pool.allocate("r", list(range(8)))
+    forks = [pool.fork(r, "r") for _ in range(3)]
+    w = pool.allocate("w", [1, 2])
+    pool.set_state(w, "waiting")
+    filler = pool.allocate("filler", list(range(100, 124)))  # (preempts w for its last block)
+    assert w.state == "preempted"
+    # WHEN a take finds too few
+    with pytest.raises(PoolExhausted) as e:
+        pool.allocate("big", list(range(200, 212)))
+    # THEN the holders name r's two blocks once, and no preempted request
+    assert e.value.holders == {"r": 2, "filler": 6}, e.value.holders
+    assert "(by filler=6, r=2)" in str(e.value)
+    for s in (*forks, r, filler, w):
+        pool.free(s)
+
+
+def test_a_retry_storm_is_one_exhausted_event_and_keeps_the_history(make_pool, monkeypatch):
+    # GIVEN a pool whose flight recorder holds 16 events per process, its blocks all held
+    monkeypatch.setenv("KVSCOPE_EVENTS", "1")
+    pool = make_pool(4, local_cache_size=0, event_capacity=16)
+    held = pool.allocate("held", list(range(16)))
+    # WHEN an engine retries one request a thousand times on the full pool, then another
+    for _ in range(1000):
+        with pytest.raises(PoolExhausted):
+            pool.allocate("big", list(range(8)))
+    with pytest.raises(PoolExhausted):
+        pool.allocate("other", [1])
+    # THEN the retries are one event (its time the last's), the other request's its own, and
+    # the held request's allocation is still in the ring; the count has every one
+    ev = pool.view.events.reshape(-1)
+    ev = ev[ev["time_ns"] != 0]
+    ops = [(EventOp(int(e["op"])).name.lower(), bytes(e["request"])) for e in ev]
+    assert ops.count(("exhausted", b"big")) == 1 and ops.count(("exhausted", b"other")) == 1
+    assert ("allocate", b"held") in ops
+    assert pool.stats()["num_exhausted"] == 1001
+    pool.free(held)
+
+
 def test_blocks_in_another_process_local_cache_are_named_as_memory_still_free(make_pool):
     # GIVEN a pool of 16 blocks and another process that allocated and freed 8 of them and
     # keeps its handle open, its freed blocks parked in its local cache (ordered by pipes)

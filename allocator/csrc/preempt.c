@@ -322,6 +322,67 @@ static int dead_holders(Native *n, PyObject *dead) {
     return rc;
 }
 
+/* The live sequences' slots in order of their request field (qsort's comparator reads the
+ * segment through `sort_seg`: raise_exhausted's, under the free lock). */
+static const Native *sort_native;
+static int by_request(const void *a, const void *b) {
+    const Native *n = sort_native;
+    return memcmp(seqrec((Native *)n, *(const int64_t *)a) + SF_REQUEST,
+                  seqrec((Native *)n, *(const int64_t *)b) + SF_REQUEST, REQUEST_BYTES);
+}
+
+/* holders[request] = the distinct blocks the request's live sequences map (a request's forks,
+ * which share its id, share blocks: each counted once), for each request holding any (a
+ * preempted one holds none). 0, or -1 with an exception set. */
+static int request_blocks(Native *n, PyObject *holders) {
+    int64_t *order = PyMem_Calloc((size_t)n->max_seqs + 1, sizeof(int64_t));
+    int64_t *stamp = PyMem_Malloc((size_t)n->nb * sizeof(int64_t));
+    int rc = -1;
+    if (order == NULL || stamp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t k = 0;
+    for (int64_t s = 0; s < n->max_seqs; s++)
+        if (seqrec(n, s)[SF_STATE] != S_EMPTY) order[k++] = s;
+    sort_native = n;
+    qsort(order, (size_t)k, sizeof(int64_t), by_request);
+    for (int64_t b = 0; b < n->nb; b++) stamp[b] = -1;
+    for (int64_t i = 0; i < k;) {
+        uint8_t *r = seqrec(n, order[i]);
+        long long count = 0;
+        int64_t j = i;
+        /* (each sequence of the request marks its blocks with the group's first index) */
+        for (; j < k && memcmp(seqrec(n, order[j]) + SF_REQUEST, r + SF_REQUEST,
+                               REQUEST_BYTES) == 0;
+             j++) {
+            uint8_t *q = seqrec(n, order[j]);
+            const int32_t *table = (const int32_t *)(q + SF_TABLE);
+            uint32_t nb = U4(q + SF_NUM_BLOCKS);
+            for (uint32_t t = 0; t < nb && (int64_t)t < n->max_bps; t++) {
+                int32_t b = table[t];
+                if (b >= 0 && b < n->nb && stamp[b] != i) stamp[b] = i, count++;
+            }
+        }
+        i = j;
+        if (count == 0) continue;
+        /* the request as numpy reads the field: trailing NULs dropped, then UTF-8 (replace) */
+        Py_ssize_t len = REQUEST_BYTES;
+        while (len > 0 && r[SF_REQUEST + len - 1] == 0) len--;
+        PyObject *rq = PyUnicode_DecodeUTF8((const char *)r + SF_REQUEST, len, "replace");
+        PyObject *v = rq ? PyLong_FromLongLong(count) : NULL;
+        int bad = v == NULL || PyDict_SetItem(holders, rq, v) < 0;
+        Py_XDECREF(rq);
+        Py_XDECREF(v);
+        if (bad) goto done;
+    }
+    rc = 0;
+done:
+    PyMem_Free(order);
+    PyMem_Free(stamp);
+    return rc;
+}
+
 /* PoolExhausted for a take of `needed` blocks, read from the pool as the rollback left it:
  * blocks free (the ring, quarantined, any process's local cache), cached and held; the blocks
  * each live request holds; other attached processes' local caches by pid; the blocks requests
@@ -338,23 +399,9 @@ static void raise_exhausted(Native *n, int64_t needed) {
     }
     PyObject *holders = PyDict_New(), *elsewhere = PyDict_New(), *kw = NULL, *args = NULL;
     PyObject *err = NULL, *dead = PyDict_New();
-    if (!holders || !elsewhere || !dead || dead_holders(n, dead) < 0) goto out;
-    for (int64_t s = 0; s < n->max_seqs; s++) {
-        uint8_t *r = seqrec(n, s);
-        if (r[SF_STATE] == S_EMPTY) continue;
-        /* the request as numpy reads the field: trailing NULs dropped, then UTF-8 (replace) */
-        Py_ssize_t len = REQUEST_BYTES;
-        while (len > 0 && r[SF_REQUEST + len - 1] == 0) len--;
-        PyObject *rq = PyUnicode_DecodeUTF8((const char *)r + SF_REQUEST, len, "replace");
-        if (rq == NULL) goto out;
-        PyObject *had = PyDict_GetItemWithError(holders, rq);
-        long long sum = (had ? PyLong_AsLongLong(had) : 0) + (long long)U4(r + SF_NUM_BLOCKS);
-        PyObject *v = PyErr_Occurred() ? NULL : PyLong_FromLongLong(sum);
-        int bad = v == NULL || PyDict_SetItem(holders, rq, v) < 0;
-        Py_DECREF(rq);
-        Py_XDECREF(v);
-        if (bad) goto out;
-    }
+    if (!holders || !elsewhere || !dead || dead_holders(n, dead) < 0 ||
+        request_blocks(n, holders) < 0)
+        goto out;
     for (int64_t c = 0; c < n->max_clients; c++) {
         uint8_t *cr = n->seg + n->off_clients + (size_t)c * (size_t)CLIENT_SIZE;
         uint32_t local = U4(cr + CF_LOCAL_COUNT);

@@ -23,6 +23,18 @@ static void ev_record(Native *n, int op, const int32_t *ids, int64_t k, const ch
         k = (int64_t)n->ev_cap;
     }
     uint64_t h = U8(n->seg + n->c_event_head), now = wall_ns();
+    if (op == E_EXHAUSTED && h > 0) {
+        /* A take that fails again as the one before it, nothing recorded between (an engine
+         * retrying one request on a full pool, thousands of times), moves that event's time
+         * on: a storm of them does not push the ring's history out (the count is the
+         * client's num_exhausted). */
+        uint8_t *e = n->seg + n->off_ev + ((h - 1) % n->ev_cap) * EV_SIZE;
+        if (e[EV_OP] == E_EXHAUSTED && *(int64_t *)(e + EV_ARG) == arg &&
+            memcmp(e + EV_REQUEST, request, REQUEST_BYTES) == 0) {
+            U8(e + EV_TIME) = now;
+            return;
+        }
+    }
     for (int64_t i = 0; i < k; i++) {
         uint8_t *e = n->seg + n->off_ev + ((h + (uint64_t)i) % n->ev_cap) * EV_SIZE;
         U8(e + EV_TIME) = now;
