@@ -21,6 +21,13 @@ class Parser(argparse.ArgumentParser):
     # argument none of them took is explained (argparse reports it from the top-level parser).
     innermost: Parser | None = None
 
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if not action.option_strings and action.nargs in (None, "?"):
+            # (one pool or file: where more are given, the error says so)
+            self.targets = [*getattr(self, "targets", []), action]
+        return action
+
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         Parser.innermost = self
         return super().parse_known_args(args, namespace)
@@ -29,6 +36,16 @@ class Parser(argparse.ArgumentParser):
         prog = self.prog
         if message.startswith("unrecognized arguments") and Parser.innermost is not None:
             prog = Parser.innermost.prog
+            extra = message.partition(": ")[2].split()
+            targets = getattr(Parser.innermost, "targets", [])
+            if extra and len(targets) == 1 and not any(a.startswith("-") for a in extra):
+                # (a glob of several dumps: `kvscope analyze dumps/*.kvd`)
+                more = f"{len(extra)} more {'was' if len(extra) == 1 else 'were'} given"
+                raise UsageError(
+                    f"{prog} takes one {targets[0].metavar or targets[0].dest}, and {more}"
+                    f" ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): name one at"
+                    f" a time (see `{prog} --help`)"
+                )
         raise UsageError(f"{message} (see `{prog} --help`)")
 
 

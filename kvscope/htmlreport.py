@@ -76,7 +76,8 @@ def _header(analysis: dict[str, Any], source: str) -> str:
     return (
         f"<h1>kvscope report: pool {esc(pool['name'])}</h1>"
         f'<p class="sub">{esc(source)} &middot; {esc(origin)}<br>'
-        f"{g['num_blocks']:,} blocks x {g['block_size']} tokens, {g['num_layers']} layers,"
+        f"{g['num_blocks']:,} blocks x {g['block_size']} tokens, {g['num_layers']}"
+        f" layer{'' if g['num_layers'] == 1 else 's'},"
         f" {g['num_kv_heads']} kv heads x {g['head_dim']}, {esc(g['dtype'])} on"
         f" {esc(pool['device'])}; probes: {esc(probes)}</p>{note}<p><b>health:</b> {health}</p>"
     )

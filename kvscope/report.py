@@ -167,7 +167,8 @@ def _unlisted(f: dict[str, Any]) -> int:
 
 def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Findings that differ only by block become one entry listing the blocks (the first's
-    events), and the blocks of each allocation site where they differ (`block_sites`)."""
+    events; its message's "of this block" then "of each block"), and the blocks of each
+    allocation site where they differ (`block_sites`)."""
     out: list[dict[str, Any]] = []
     index: dict[tuple[Any, ...], dict[str, Any]] = {}
     for f in findings:
@@ -178,7 +179,9 @@ def grouped(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if f.get("block") is not None:
                 index[key] = g
         else:
-            index[key]["blocks"].append(f["block"])
+            g = index[key]
+            g["blocks"].append(f["block"])
+            g["message"] = g["message"].replace(" of this block", " of each block")
         if f.get("block") is not None:
             sites = index[key].setdefault("block_sites", {})
             sites.setdefault(f.get("site") or "", []).append(f["block"])

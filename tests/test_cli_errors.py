@@ -288,3 +288,14 @@ def test_one_of_a_thing_is_said_in_the_singular(make_pool, capsys):
     assert "reclaimed 1 sequence from 1 dead process(es) (pid 7): 1 block freed" in said
     assert main(["analyze", pool.name]) == 0
     assert "x 4 tokens, 1 layer, 2 kv heads" in capsys.readouterr().out
+
+
+def test_several_dumps_to_a_verb_of_one_are_named_in_one_line(capsys):
+    # (a glob over a --dump-dir that two runs wrote into)
+    assert main(["analyze", "a.kvd", "b.kvd", "c.kvd"]) == 2
+    line = one_line_error(capsys)
+    assert "kvscope analyze takes one FILE|NAME, and 2 more were given (b.kvd, c.kvd)" in line
+    assert "name one at a time" in line
+    # (a verb of no such argument keeps argparse's words)
+    assert main(["ls", "foo"]) == 2
+    assert "unrecognized arguments: foo" in one_line_error(capsys)

@@ -65,3 +65,18 @@ def test_a_few_findings_are_all_printed():
     text = _text([_finding(i) for i in range(SAME_CAUSE_SHOWN)])
     assert "... and" not in text
     assert all(f"request 'req-{i}' (recorded)" in text for i in range(SAME_CAUSE_SHOWN))
+
+
+def test_findings_grouped_over_several_blocks_say_each_block():
+    from kvscope.report import grouped
+
+    # GIVEN one request's kv_never_written on two blocks, the same positions in each
+    msg = "request 'r2' finished with positions 8-10 of this block never written"
+    f = {"kind": "kv_never_written", "owner_pid": 7, "request": "r2", "message": msg}
+    # WHEN they are grouped THEN the one entry names both blocks and says "each block"
+    (g,) = grouped([{**f, "block": 8}, {**f, "block": 16}])
+    assert g["blocks"] == [8, 16]
+    assert g["message"] == msg.replace("of this block", "of each block")
+    # AND a finding of one block keeps its words
+    (one,) = grouped([{**f, "block": 8}])
+    assert one["message"] == msg
