@@ -127,6 +127,25 @@ def test_an_unmapped_write_names_the_sequence_that_maps_the_block_not_its_alloca
     assert "no live sequence maps it; allocated by request 'gone'" in g.message
 
 
+def test_an_unmapped_write_into_a_forks_sibling_names_the_sibling_sequence(pool):
+    # GIVEN a request sampled twice under its own id (forks sharing it), whose shared partial
+    # block the parent's append copied
+    parent = pool.allocate("p", [1, 2, 3])
+    child = pool.fork(parent, "p")
+    shared = parent.block_table[0]
+    stale = list(parent.block_table)
+    pool.append(parent, [7])
+    # WHEN the parent stores its new token through the table from before the append
+    store(pool, [stale[0] * pool.slots_per_block + 3], Writers(pool, [(parent, 3, 4)]))
+    # THEN the holder is named as the request's other sequence, not as the request itself
+    (f,) = found(pool)
+    assert (f.kind, f.block, f.request) == ("unmapped_write", shared, "p")
+    assert "which this sequence does not map (held by another sequence of the request," in (
+        f.message
+    ), f.message
+    assert f"seq {child.seq_id}: a fork's sibling" in f.message, f.message
+
+
 def _engine_step(pool: KVPool, slots, writers: Writers) -> int:
     """An engine's own step calling its store helper; the line of that call."""
     store(pool, slots, writers)

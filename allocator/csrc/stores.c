@@ -214,6 +214,7 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
     /* (a free block's record may be in another process's local cache, which its owner pid then
      * names: the pid that freed it is freed_by's) */
     int pid = fk == FK_USE_AFTER_FREE ? freed_by(r) : I4(r + BF_OWNER_PID), mapper = 0;
+    long long mapper_seq = -1;
     if (fk == FK_UNMAPPED_WRITE) {
         for (int64_t slot = 0; slot < n->max_seqs && !mapper; slot++) {
             const uint8_t *q = seqrec(n, slot);
@@ -225,6 +226,7 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
             if (mapper) {
                 held = q + SF_REQUEST;
                 pid = I4(q + SF_OWNER_PID);
+                mapper_seq = (long long)U8(q + SF_SEQ_ID);
             }
         }
     }
@@ -245,6 +247,12 @@ static int store_report(Native *n, StoreCheck *c, Py_ssize_t i, int32_t b, int m
             msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U: published by "
                                        "request %R (pid %d), shared by prefix hits",
                                        who, (int)b, c->site, owner, pid);
+        else if (mapper && PyUnicode_Compare(who, owner) == 0)
+            /* (forks share their request's id: the holder is a sibling sequence) */
+            msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U, which this "
+                                       "sequence does not map (held by another sequence of "
+                                       "the request, seq %lld: a fork's sibling, pid %d)",
+                                       who, (int)b, c->site, mapper_seq, pid);
         else if (mapper)
             msg = PyUnicode_FromFormat("request %R stored K/V into block %d at %U, which it "
                                        "does not map (held by request %R, pid %d)",
