@@ -164,3 +164,24 @@ async def test_the_detail_of_a_live_pool_reads_the_finding_s_block_whole(make_po
             f"block 3: allocated, refcount {int(rec['refcount'])}, generation "
             f"{int(rec['generation'])}, request {request_of(rec)}" in text
         )
+
+
+def test_a_gone_owner_is_dead_where_it_holds_the_block_and_exited_where_it_is_cached(make_pool):
+    from kvscope.allocator.snapshot import snapshot
+
+    # GIVEN a live pool with a published block freed (cached) and a block still held, both
+    # recorded as a process's that has exited (a pid of no process: its start time kept)
+    pool = make_pool(32)
+    gone = pool.allocate("gone", list(range(8)))
+    pool.mark_computed(gone, 8)
+    cached = gone.block_table[0]
+    pool.free(gone)
+    held = pool.allocate("held", [1, 2, 3]).block_table[0]
+    view = snapshot(pool.view)
+    for b in (cached, held):
+        view.blocks["owner_pid"][b] = 2**22 + 1  # (above pid_max: no such process)
+    frame = Frame(view=view, stats={}, findings=[], taken_ns=0, copy_ms=0, torn=False, live=True)
+    # THEN the held block's owner is DEAD (no one frees it), the cached one's only exited
+    assert f"pid {2**22 + 1} client" in describe_block(frame, cached).plain
+    assert "(exited)" in describe_block(frame, cached).plain
+    assert "(DEAD)" in describe_block(frame, held).plain

@@ -13,6 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from kvscope.allocator.findings import Finding
+from kvscope.allocator.layout import BlockState
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import site_frames
 from kvscope.tui.frame import STATE_NAMES, Frame, clock, last_events, op_name, request_of
@@ -28,12 +29,15 @@ def _cut(items: list[str], limit: int) -> str:
     return text + f", … ({len(items) - limit} more)" if len(items) > limit else text
 
 
-def _owner(frame: Frame, pid: int, start: int | None) -> str:
-    """`pid N`, and on a live pool whether it is alive (when its start time is known)."""
+def _owner(frame: Frame, pid: int, start: int | None, held: bool = True) -> str:
+    """`pid N`, and on a live pool whether it is alive (when its start time is known): DEAD
+    where it is gone and the block is `held` (allocated: no one will free it), exited where a
+    block it once held is free or cached (nothing is lost)."""
     if not pid:
         return "-"
     if frame.live and start is not None:
-        return f"pid {pid} ({'alive' if is_alive(pid, start) else 'DEAD'})"
+        gone = "DEAD" if held else "exited"
+        return f"pid {pid} ({'alive' if is_alive(pid, start) else gone})"
     return f"pid {pid}"
 
 
@@ -98,7 +102,12 @@ def describe_finding(frame: Frame, f: Finding) -> Group:
             "block",
             f"{b}: {state}, refcount {int(rec['refcount'])}, generation "
             f"{int(rec['generation'])}, request {request_of(rec) or '-'}, owner "
-            + _owner(frame, int(rec["owner_pid"]), int(rec["owner_start"])),
+            + _owner(
+                frame,
+                int(rec["owner_pid"]),
+                int(rec["owner_start"]),
+                held=int(rec["state"]) == BlockState.ALLOCATED,
+            ),
         )
         row("tokens", f"{int(rec['num_tokens'])}: {token_list(rec)}")
     elif f.block is not None:

@@ -9,7 +9,7 @@ from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Static
 
-from kvscope.allocator.layout import BLOCK_MAGIC, SeqState, block_checksums
+from kvscope.allocator.layout import BLOCK_MAGIC, BlockState, SeqState, block_checksums
 from kvscope.allocator.lease import lease_rows
 from kvscope.allocator.process import is_alive
 from kvscope.allocator.sites import site_frames
@@ -60,7 +60,10 @@ def describe_block(frame: Frame, b: int) -> Text:
     pid = int(rec["owner_pid"])
     alive = ""
     if pid and frame.live:
-        alive = " (alive)" if is_alive(pid, int(rec["owner_start"])) else " (DEAD)"
+        # (gone while the block is held: no one frees it; a free or cached block's last
+        # owner that exited lost nothing)
+        gone = " (DEAD)" if int(rec["state"]) == BlockState.ALLOCATED else " (exited)"
+        alive = " (alive)" if is_alive(pid, int(rec["owner_start"])) else gone
     line(
         "owner",
         f"pid {pid} client {int(rec['owner_client'])}{alive}" if pid else "-",
