@@ -1184,12 +1184,6 @@ def _cadenced(r: OpRecord, got: Result, early: set[tuple[str, int]]) -> None:
         got.found = list(got.found) + owed
 
 
-def _ordinal(n: int) -> str:
-    """1st, 2nd, 3rd, 4th, 11th, 21st."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
 @contextlib.contextmanager
 def _quiet(on: bool) -> Iterator[None]:
     """The faults' announcements (stderr) kept out of a shrink's many runs."""
@@ -2113,13 +2107,13 @@ class Stepper:
         """Where it is: the operation and its request, of how many."""
         r = self.record
         if r is None:
-            return f"before operation {self.first} (the log's first of {len(self.ops)})"
+            return f"before operation {self.first} (0/{len(self.ops)} in the log)"
         i = bisect.bisect_right([x.seq for x in self.ops], r.seq)
         what = f"{r.op_name} {r.request}".strip()
         found = f" found {','.join(k for k, _ in r.found)}" if r.found else ""
         # `seq` is the pool's operation counter (a START takes a number, other processes'
         # operations too), so it is told apart from the place in this log's operations.
-        return f"operation {r.seq} (the log's {_ordinal(i)} of {len(self.ops)}): {what}{found}"
+        return f"operation {r.seq} ({i}/{len(self.ops)} in the log): {what}{found}"
 
     def close(self) -> None:
         self._reader = None
