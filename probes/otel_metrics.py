@@ -19,6 +19,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from kvscope.allocator.findings import SEVERITY as KIND_SEVERITY
 from kvscope.allocator.layout import FINDINGS_CAPACITY, BlockState, SegmentView
 from kvscope.allocator.segment import MappedFile, open_existing, release, segment_path, view_of
 from kvscope.allocator.stats import pool_stats
@@ -197,7 +198,14 @@ class _Reader:
         self.attrs = pool_attributes(name, bytes(h["device"]).decode())
         self.block_bytes = int(h["data_bytes"]) // max(1, int(h["num_blocks"]))
         self.findings_seen = 0
-        self.kind_counts: dict[tuple[str, str], int] = {}
+        # Every kind of the pool at 0 from the first read (at its default severity): a rate or
+        # an increase over the counter sees the first finding of a kind, which it would not
+        # were the series to begin at 1.
+        self.kind_counts: dict[tuple[str, str], int] = {
+            (str(k.value), sev): 0
+            for k, sev in KIND_SEVERITY.items()
+            if not k.value.startswith("kv_event_")
+        }
         # The findings emitted, by kvscope.allocator.findingset.finding_key.
         self.emitted: set[tuple[str, int | None, int | None]] = set()
 

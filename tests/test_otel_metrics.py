@@ -100,8 +100,13 @@ def test_pool_metrics_after_a_known_sequence(otel, make_pool):
     known_sequence(pool)
     m = otel.metrics()
     # THEN every pool metric has its unit, the pool's attributes and the expected value
-    # (no finding was reported, so the findings counter has no series yet)
-    assert {s.name for s in POOL_METRICS} - set(m) == {"kvscope.pool.findings"}
+    # (no finding was reported: the findings counter has a series at 0 for each of the pool's
+    # kinds, so the first finding of one is an increase)
+    assert {s.name for s in POOL_METRICS} - set(m) == set()
+    zero = m["kvscope.pool.findings"].data.data_points
+    assert {p.attributes["kvscope.finding.kind"] for p in zero} >= {"double_free", "leak_finished"}
+    assert all(p.value == 0 for p in zero)
+    assert not any(p.attributes["kvscope.finding.kind"].startswith("kv_event_") for p in zero)
     for spec in POOL_METRICS[:-5] + POOL_METRICS[-4:]:
         assert m[spec.name].unit == spec.unit, spec.name
         for p in m[spec.name].data.data_points:
