@@ -82,6 +82,8 @@ class RequestSpans:
             )
 
     def after_resume(self, pool: Any, args: tuple, cached: Any, start_ns: int) -> None:
+        # (running again: its next preemption is an event of its own, whatever comes between)
+        self.preempted.discard(args[0])
         if (span := self.spans.get(args[0])) is not None:
             span.add_event(
                 "resume",

@@ -92,6 +92,25 @@ def test_preemption_and_resume_are_events(otel, make_pool):  # noqa: F811
     assert set(spans) == {"waiting", "running"}
 
 
+def test_a_request_preempted_again_after_its_resume_has_a_second_event(otel, make_pool):  # noqa: F811
+    # GIVEN a waiting request preempted, resumed and set waiting again, nothing preempted
+    # between (its resume took blocks another request had freed)
+    otel.instrument()
+    pool = make_pool(4, block_size=BS, local_cache_size=0)
+    w = pool.allocate("waiting", list(range(8)))
+    pool.set_state(w, "waiting")
+    pool.free(pool.allocate("running", list(range(100, 112))))
+    pool.resume(w)
+    pool.set_state(w, "waiting")
+    # WHEN another request preempts it again
+    pool.free(pool.allocate("again", list(range(200, 212))))
+    pool.resume(w)
+    pool.free(w)
+    # THEN its span has both preemptions, each before its resume
+    names = [n for n, _ in events(spans_by_request(otel)["waiting"])]
+    assert names == ["allocate", "preempt", "resume", "preempt", "resume", "free"]
+
+
 def test_a_finding_is_an_event_on_its_request_span(otel, make_pool):  # noqa: F811
     otel.instrument()
     pool = make_pool(16, block_size=BS)
