@@ -416,13 +416,15 @@ class OpLog:
     def store_reports(self) -> dict[int, int]:
         """The REPORT records that are a store check's findings, by number, each to the number
         of its STORE: the REPORTs of the kinds the check finds (STORE_KINDS) that follow a
-        STORE on its thread (pid, tid) before any other record of that thread."""
+        STORE on its thread (pid, tid) before any other record of that thread; and so a copy
+        check's, to its COPY (`KVPool.copied`: a copy into a block that is no copy-on-write
+        destination)."""
         if self._stores is None:
             out: dict[int, int] = {}
             last: dict[tuple[int, int], int] = {}
             for r in self.records:
                 key = (r.pid, r.tid)
-                if r.op == OpCode.STORE:
+                if r.op in (OpCode.STORE, OpCode.COPY):
                     last[key] = r.seq
                 elif (
                     r.op == OpCode.REPORT

@@ -24,10 +24,17 @@ from kvscope.allocator.audit import check_table, host_array
 from kvscope.allocator.check import check_view
 from kvscope.allocator.config import KVEventsConfig, PoolConfig
 from kvscope.allocator.errors import HandleInherited, PoolError
-from kvscope.allocator.findings import ERROR, REPAIRABLE_KINDS, read_findings, repaired_findings
+from kvscope.allocator.findings import (
+    ERROR,
+    REPAIRABLE_KINDS,
+    Finding,
+    FindingKind,
+    read_findings,
+    repaired_findings,
+)
 from kvscope.allocator.header import config_from_header
 from kvscope.allocator.integrity import check_kv
-from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState
+from kvscope.allocator.layout import COUNTER_FIELDS, BlockState, SegmentView, SeqState, field_text
 from kvscope.allocator.lease import DEFAULT_TIMEOUT_S, Lease, lease_rows
 from kvscope.allocator.locks import LockTable
 from kvscope.allocator.oplog import (
@@ -47,9 +54,12 @@ from kvscope.allocator.process import my_identity
 from kvscope.allocator.recovery import dead_owners
 from kvscope.allocator.segment import release
 from kvscope.allocator.sequence import Sequence
+from kvscope.allocator.sites import caller_stack
 from kvscope.allocator.snapshot import snapshot
 from kvscope.allocator.stats import pool_stats
 
+# Copy-on-write pairs kept owed until the program says it copied them (KVPool._copies_owed).
+COPIES_PENDING = 4096
 # The C core's end() takes the final state as a plain int.
 _FINISHED, _ABORTED = int(SeqState.FINISHED), int(SeqState.ABORTED)
 # (the state as a plain int: numpy compares an IntEnum member at twice the cost)
@@ -159,6 +169,11 @@ class KVPool:
         self.reclaimed_at_attach: list[dict[str, Any]] = []
         # (binds this handle to its client record: _bind; `client`: a restored one's, taken over)
         lifecycle.register_client(self, mf, self._bind, client)
+        # Under the probes, the copy-on-write pairs `append` handed out and the program has not
+        # yet said it copied (`copied`), by destination: a copy told into any other block is
+        # found at the copy (_check_copies). Its oldest dropped past COPIES_PENDING (a program
+        # that copies without telling the pool).
+        self._cow_pending: dict[int, int] = {}
         flags = ProbeFlags.from_env(int(view.h["flags"]))
         self.probe = PoolProbes(self, flags) if flags.any() else None
         for hook in OPEN_HOOKS:
@@ -555,6 +570,8 @@ class KVPool:
             # (a refused call's finding too: a use_after_free of a sequence already ended)
             if self._found:
                 self.deliver_findings()
+        if done and self._probe is not None:
+            self._copies_owed(done)
         # (the overdue word is only ever set where there is a queue: `_later` tested first,
         # the cheaper test)
         if self._later is not None and self._overdue[0]:
@@ -569,8 +586,13 @@ class KVPool:
         skipped is missing there too; not recording, one attribute test. `src`, `dst`: lists,
         numpy arrays or tensors of block ids (a CUDA tensor is read back while recording: pass
         the pairs on the host, as `append` returns them)."""
-        if not self._recording:
+        probe = self._probe
+        if not self._recording and probe is None:
             return
+        if not self._recording and any(
+            isinstance(x, torch.Tensor) and x.is_cuda for x in (src, dst)
+        ):
+            return  # (not read back to check: a CUDA step waits for no copy of its own)
         if isinstance(src, torch.Tensor):
             src = src.detach().cpu().numpy()
         if isinstance(dst, torch.Tensor):
@@ -582,9 +604,52 @@ class KVPool:
         if a.size == 0:
             return
         self._check_process()
-        pairs = np.ascontiguousarray(np.stack([a, b], axis=1))
-        with self.op_mutex:
-            self._core.oplog_copy(pairs)
+        if self._recording:
+            pairs = np.ascontiguousarray(np.stack([a, b], axis=1))
+            with self.op_mutex:
+                self._core.oplog_copy(pairs)
+        if probe is not None:
+            # (after its COPY record: what it finds is the REPORTs that follow it, as a
+            # store check's, which a replay's COPY finds again)
+            self._check_copies(probe, a, b)
+
+    def _copies_owed(self, pairs: list[tuple[int, int]]) -> None:
+        """The copy-on-write pairs an append handed out, owed until `copied` is told them."""
+        owed = self._cow_pending
+        for src, dst in pairs:
+            owed[dst] = src
+        while len(owed) > COPIES_PENDING:
+            del owed[next(iter(owed))]
+
+    def _check_copies(self, probe: PoolProbes, src: np.ndarray, dst: np.ndarray) -> None:
+        """Under the probes, each copy told must be a pair `append` handed out: a copy into
+        another block (one made the wrong way round, into the shared source a sibling still
+        reads; a destination worked out by hand) overwrites K/V its holders read:
+        `published_block_modified` (a published block) or `unmapped_write`, naming the copy's
+        line, found at the copy. Nothing is said before the first pair (a program that makes
+        no copy-on-write copy), nor of a pair never told (copies made without telling)."""
+        owed = self._cow_pending
+        blocks = self.view.blocks
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            if owed.pop(d, None) is not None or not owed or not 0 <= d < len(blocks):
+                continue
+            rec = blocks[d]
+            indexed = bool(rec["indexed"])
+            held = (
+                "published in the prefix index"
+                if indexed
+                else f"held by request {field_text(rec['request'])!r}, refcount {int(rec['refcount'])}"
+            )
+            probe.report(
+                Finding(
+                    FindingKind.PUBLISHED_BLOCK_MODIFIED if indexed else FindingKind.UNMAPPED_WRITE,
+                    f"a copy of block {s} into block {d} at {caller_stack(1)}: block {d} is"
+                    f" no copy-on-write destination append handed out ({held})",
+                    block=d,
+                    owner_pid=int(rec["owner_pid"]) or None,
+                    request=field_text(rec["request"]) or None,
+                )
+            )
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> int:
         """Publish the full blocks of positions [0, num_tokens) in the prefix index; return how many."""

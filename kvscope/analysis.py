@@ -773,7 +773,19 @@ def likely_causes(
         causes.append(_never_written_sentence(alone))
     if scattered:
         causes.append(_scattered_sentence(scattered))
-    unexplained = [] if slots_wrong else findings
+    # A copy told into a block append handed out as no destination (pool.copied's check): the
+    # copies' unwritten positions, in their sources and their destinations, are its doing.
+    misdirected = [f for f in findings if _MISCOPIED.match(f.get("message", ""))]
+    if misdirected:
+        named = some([_MISCOPIED.match(f["message"]).group(1) for f in misdirected], 3)  # type: ignore[union-attr]
+        causes.append(
+            f"copy-on-write copies made into blocks append did not hand out as destinations"
+            f" ({named}): a copy the wrong way round (dst into src: the shared source, which"
+            f" the sequence's siblings still read, overwritten with a copy not yet made) or to"
+            f" a block worked out by hand; copy_blocks(kv, src, dst, pool=pool) copies each"
+            f" (src, dst) pair append returns from src into dst"
+        )
+    unexplained = [] if slots_wrong or misdirected else findings
     copied_blank = _copies_of_unwritten(unexplained, bs, {f.get("site") for f in alone})
     skipped, stale = _unwritten_copies(
         [f for f in unexplained if not any(f is c for c in copied_blank + late_copies)], bs
@@ -1633,6 +1645,11 @@ def lost_to_preemption(findings: list[dict[str, Any]]) -> list[tuple[str, int]]:
             out.append((req, blk))
     return list(dict.fromkeys(out))  # (a block found twice: at the store, then as poison)
 
+
+# pool.copied's check of a copy into a block that is no copy-on-write destination.
+_MISCOPIED = re.compile(
+    r"a copy of (block \d+ into block \d+ at .+?): block \d+ is no copy-on-write"
+)
 
 # A use_after_free the core records of a call on a sequence already ended (no block):
 # "request 'r0' was already aborted and is used again at engine.py:131 step (append): ...".

@@ -570,11 +570,19 @@ class Session:
 
     def _copy(self, h: KVPool, r: OpRecord) -> Result:
         """A COPY record: the blocks the program copied, copied in the replay's K/V (the
-        recorded block ids, as the recorded slots of a store)."""
+        recorded block ids, as the recorded slots of a store), and their check under the
+        probes (`KVPool.copied`), whose findings are kept for the REPORT records that follow
+        it on its thread, as a store check's."""
         out = Result(copies=r.copies)
+        reloc = self.reloc or {}
+        pairs = [(reloc.get(a, a), reloc.get(b, b)) for a, b in r.copies]
+        found = self.found
+        found.clear()
+        if h.probe is not None and pairs:
+            h.copied([a for a, _ in pairs], [b for _, b in pairs])
+        out.found = list(found)
+        self.stored[(r.pid, r.tid)] = list(found)
         if self.log.replays_kv():
-            reloc = self.reloc or {}
-            pairs = [(reloc.get(a, a), reloc.get(b, b)) for a, b in r.copies]
             self.copy_pairs[r.seq] = pairs
             try:
                 copy_kv(h, pairs)
@@ -1259,9 +1267,9 @@ def replay(log: OpLog, until: int | None = None, quiet: bool = False) -> Outcome
             done += 1
             if got.fault:
                 outcome.faults[r.seq] = got.fault
-            if r.op == _STORE:
-                # a store check: its findings are the REPORT records that follow it on its
-                # thread, where the replay stops; a check that finds otherwise diverges here
+            if r.op in (_STORE, _COPY):
+                # a store or copy check: its findings are the REPORT records that follow it on
+                # its thread, where the replay stops; a check that finds otherwise diverges here
                 expected = by_store.get(r.seq, [])
                 if sorted(got.found) == sorted(expected) and got.status == _OK:
                     got.found = []  # (the REPORTs after it compare them, one each)
@@ -1969,14 +1977,15 @@ def _store_call(
 
 
 def _copy_call(r: OpRecord, h: str, here: list[tuple[int, int]] | None = None) -> str | None:
-    """The program's copy of blocks as a plain call: `copy_blocks(pool.kv, torch.tensor([src,
-    ...]), torch.tensor([dst, ...]))` with the blocks the shrunk run copied (`here`: the
-    recorded ones in its blocks), else the recorded ones."""
+    """The program's copy of blocks as a plain call, told to the pool as the program told it:
+    `copy_blocks(pool.kv, torch.tensor([src, ...]), torch.tensor([dst, ...]), pool=pool)` with
+    the blocks the shrunk run copied (`here`: the recorded ones in its blocks), else the
+    recorded ones (the pool's copy check runs on them)."""
     pairs = here if here is not None else r.copies
     if not pairs:
         return None
     src, dst = [a for a, _ in pairs], [b for _, b in pairs]
-    return f"copy_blocks({h}.kv, torch.tensor({src!r}), torch.tensor({dst!r}))"
+    return f"copy_blocks({h}.kv, torch.tensor({src!r}), torch.tensor({dst!r}), pool={h})"
 
 
 # The emitted script's helper where the replay wrote its stores' K/V: the values it wrote.

@@ -144,3 +144,51 @@ def test_a_blank_position_in_a_block_a_fork_shares_names_the_request_that_finish
     first = next(f for f in report["findings"] if f["kind"] == "kv_never_written")
     assert (first["request"], first["copied_from"]) == ("d", src)
     assert report["likely_causes"][0].startswith("copy-on-write copies not made")
+
+
+@pytest.mark.parametrize("bug", ["none", "reversed", "untold"])
+def test_a_copy_the_wrong_way_round_is_found_at_the_copy(
+    probes, monkeypatch, make_pool, tmp_path, bug
+):
+    import re
+
+    from kvscope.allocator.oplog import read_log
+    from kvscope.replay import replay
+
+    # GIVEN a request forked, whose append hands out a copy-on-write pair, recorded
+    pool, parent = _guarded_parent(monkeypatch, make_pool)
+    path = tmp_path / "cow.ops"
+    pool.record_ops(str(path))
+    child = pool.fork(parent, "p")
+    ((src, dst),) = pool.append(child, [7])
+    # WHEN the program copies it as handed out, the wrong way round (dst into src: the block
+    # the parent still reads), or without telling the pool
+    if bug == "none":
+        copy_blocks(pool.kv, torch.tensor([src]), torch.tensor([dst]), pool=pool)
+    elif bug == "reversed":
+        copy_blocks(pool.kv, torch.tensor([dst]), torch.tensor([src]), pool=pool)
+    else:
+        copy_blocks(pool.kv, torch.tensor([src]), torch.tensor([dst]))
+    pool.stop_recording()
+    found = [f for f in pool.findings() if f.block == src]
+    # THEN only the reversed copy is a finding, at the copy: the block it overwrote, held by
+    # the parent's request, and the copy's line; the analysis names the cause
+    if bug != "reversed":
+        assert found == []
+    else:
+        (f,) = found
+        assert (f.kind, f.request) == ("unmapped_write", "p")
+        assert re.match(
+            rf"a copy of block {dst} into block {src} at \S*test_cow_causes\.py:\d+ \S+: block"
+            rf" {src} is no copy-on-write destination append handed out",
+            f.message,
+        ), f.message
+        causes = analyze_view(pool.view)["likely_causes"]
+        assert any(
+            c.startswith("copy-on-write copies made into blocks append did not") for c in causes
+        )
+        # AND a replay of the log finds it again at the copy
+        out = replay(read_log(str(path)), quiet=True)
+        assert out.reason == "finding" and ("unmapped_write", src) in out.got.found, out
+    pool.free(child)
+    pool.free(parent)
