@@ -486,21 +486,21 @@ async def test_top_at_steps_through_the_recorded_operations(tmp_path):
     async with app.run_test(size=(120, 36)) as pilot:
         await settle(pilot, app)
         header = app.query_one("#header")
-        assert "operation 3 (2 of 5): allocate req-b" in header.mode and held() == 5
+        assert "operation 3 (2/5 in the log): allocate req-b" in header.mode and held() == 5
         await pilot.press("right_square_bracket")
         await shown(pilot)
-        assert "operation 4 (3 of 5): free req-a" in header.mode and held() == 2
+        assert "operation 4 (3/5 in the log): free req-a" in header.mode and held() == 2
         # (the creator's close: req-b's blocks still held in the pool it leaves)
         await pilot.press("right_square_bracket")
         await shown(pilot)
-        assert "operation 5 (4 of 5): report req-b found leak_finished" in header.mode
+        assert "operation 5 (4/5 in the log): report req-b found leak_finished" in header.mode
         await pilot.press("right_square_bracket")
         await shown(pilot)
-        assert "operation 6 (5 of 5): close" in header.mode and held() == 2
+        assert "operation 6 (5/5 in the log): close" in header.mode and held() == 2
         await pilot.press("left_square_bracket", "left_square_bracket", "left_square_bracket")
         await pilot.press("left_square_bracket")
         await shown(pilot)
-        assert "operation 2 (1 of 5): allocate req-a" in header.mode and held() == 3
+        assert "operation 2 (1/5 in the log): allocate req-a" in header.mode and held() == 3
         await pilot.press("q")
     app.source.close()
 
