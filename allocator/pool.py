@@ -626,8 +626,9 @@ class KVPool:
         another block (one made the wrong way round, into the shared source a sibling still
         reads; a destination worked out by hand) overwrites K/V its holders read:
         `published_block_modified` (a published block) or `unmapped_write`, naming the copy's
-        line, found at the copy. Nothing is said before the first pair (a program that makes
-        no copy-on-write copy), nor of a pair never told (copies made without telling)."""
+        line, found at the copy. Nothing is said while no pair is owed (a program that makes
+        no copy-on-write copy, or has told every one), nor of a pair never told (copies made
+        without telling)."""
         owed = self._cow_pending
         blocks = self.view.blocks
         for s, d in zip(src.tolist(), dst.tolist(), strict=True):

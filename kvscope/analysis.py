@@ -775,9 +775,9 @@ def likely_causes(
         causes.append(_scattered_sentence(scattered))
     # A copy told into a block append handed out as no destination (pool.copied's check): the
     # copies' unwritten positions, in their sources and their destinations, are its doing.
-    misdirected = [f for f in findings if _MISCOPIED.match(f.get("message", ""))]
+    misdirected = [m.group(1) for f in findings if (m := _MISCOPIED.match(f.get("message", "")))]
     if misdirected:
-        named = some([_MISCOPIED.match(f["message"]).group(1) for f in misdirected], 3)  # type: ignore[union-attr]
+        named = some(misdirected, 3)
         causes.append(
             f"copy-on-write copies made into blocks append did not hand out as destinations"
             f" ({named}): a copy the wrong way round (dst into src: the shared source, which"

@@ -54,11 +54,17 @@ def finish(run: subprocess.Popen[str], tmp_path) -> tuple[str, str]:
     return (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
 
 
-def stopped(run: subprocess.Popen[str], tmp_path, signum: int) -> tuple[str, str]:
-    """Once the script is ready, send kvscope `signum` and wait for it to exit; its stdout and
-    stderr (the run's processes killed if the test fails first)."""
+def stopped(
+    run: subprocess.Popen[str], tmp_path, signum: int, said: str | None = None
+) -> tuple[str, str]:
+    """Once the script is ready (or kvscope has `said` this on stderr), send kvscope `signum`
+    and wait for it to exit; its stdout and stderr (the run's processes killed if the test
+    fails first)."""
     try:
-        wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
+        if said is None:
+            wait_for(lambda: (tmp_path / "ready").exists(), "the script to start")
+        else:
+            wait_for(lambda: said in (tmp_path / "err").read_text(), repr(said))
         run.send_signal(signum)
         return finish(run, tmp_path)
     finally:
@@ -299,14 +305,8 @@ def test_a_script_whose_requests_hold_blocks_and_that_stops_operating_is_said_hu
     # GIVEN a script whose request holds blocks, then whose two threads deadlock
     body = _pool_script(pool_name, True, DEADLOCK)
     run = start_run(tmp_path, body, "--hang-after", "1", "--stop-grace", "0.5")
-    try:
-        # WHEN no pool operation comes for a second and more
-        wait_for(lambda: STALL in (tmp_path / "err").read_text(), "the stall to be said")
-        run.send_signal(signal.SIGTERM)
-        _, err = finish(run, tmp_path)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+    # WHEN no pool operation comes for a second and more
+    _, err = stopped(run, tmp_path, signal.SIGTERM, said=STALL)
     # THEN the run says so once, naming the request that holds blocks, with the threads'
     # stacks: the two lines of the deadlock
     said = err.index(STALL)
@@ -351,18 +351,10 @@ def test_a_hung_runs_workers_holding_requests_show_their_own_stacks(tmp_path, po
     # all three waiting on nothing
     body = _pool_script(pool_name, True, WORKERS)
     run = start_run(tmp_path, body, "--hang-after", "1", "--stop-grace", "0.5")
-    try:
-        # WHEN no pool operation comes for a second and more
-        # (the started worker can take more than the second to start: a stall said before it
-        # allocated is said again after)
-        wait_for(
-            lambda: "holds 'started'): its threads now" in (tmp_path / "err").read_text(), "stacks"
-        )
-        run.send_signal(signal.SIGTERM)
-        _, err = finish(run, tmp_path)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+    # WHEN no pool operation comes for a second and more
+    # (the started worker can take more than the second to start: a stall said before it
+    # allocated is said again after)
+    _, err = stopped(run, tmp_path, signal.SIGTERM, said="holds 'started'): its threads now")
     # THEN the stall names each process's stacks: the script's, and each worker's by its pid
     # and the request it holds, at the line it waits on
     said = err.index(STALL)

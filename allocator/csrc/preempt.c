@@ -322,20 +322,17 @@ static int dead_holders(Native *n, PyObject *dead) {
     return rc;
 }
 
-/* The live sequences' slots in order of their request field (qsort's comparator reads the
- * segment through `sort_seg`: raise_exhausted's, under the free lock). */
-static const Native *sort_native;
+/* qsort's order of sequence records (pointers to them) by their request field. */
 static int by_request(const void *a, const void *b) {
-    const Native *n = sort_native;
-    return memcmp(seqrec((Native *)n, *(const int64_t *)a) + SF_REQUEST,
-                  seqrec((Native *)n, *(const int64_t *)b) + SF_REQUEST, REQUEST_BYTES);
+    return memcmp(*(const uint8_t *const *)a + SF_REQUEST, *(const uint8_t *const *)b + SF_REQUEST,
+                  REQUEST_BYTES);
 }
 
 /* holders[request] = the distinct blocks the request's live sequences map (a request's forks,
  * which share its id, share blocks: each counted once), for each request holding any (a
  * preempted one holds none). 0, or -1 with an exception set. */
 static int request_blocks(Native *n, PyObject *holders) {
-    int64_t *order = PyMem_Calloc((size_t)n->max_seqs + 1, sizeof(int64_t));
+    uint8_t **order = PyMem_Calloc((size_t)n->max_seqs + 1, sizeof(uint8_t *));
     int64_t *stamp = PyMem_Malloc((size_t)n->nb * sizeof(int64_t));
     int rc = -1;
     if (order == NULL || stamp == NULL) {
@@ -344,19 +341,16 @@ static int request_blocks(Native *n, PyObject *holders) {
     }
     int64_t k = 0;
     for (int64_t s = 0; s < n->max_seqs; s++)
-        if (seqrec(n, s)[SF_STATE] != S_EMPTY) order[k++] = s;
-    sort_native = n;
-    qsort(order, (size_t)k, sizeof(int64_t), by_request);
+        if (seqrec(n, s)[SF_STATE] != S_EMPTY) order[k++] = seqrec(n, s);
+    qsort(order, (size_t)k, sizeof(uint8_t *), by_request);
     for (int64_t b = 0; b < n->nb; b++) stamp[b] = -1;
     for (int64_t i = 0; i < k;) {
-        uint8_t *r = seqrec(n, order[i]);
+        uint8_t *r = order[i];
         long long count = 0;
         int64_t j = i;
         /* (each sequence of the request marks its blocks with the group's first index) */
-        for (; j < k && memcmp(seqrec(n, order[j]) + SF_REQUEST, r + SF_REQUEST,
-                               REQUEST_BYTES) == 0;
-             j++) {
-            uint8_t *q = seqrec(n, order[j]);
+        for (; j < k && memcmp(order[j] + SF_REQUEST, r + SF_REQUEST, REQUEST_BYTES) == 0; j++) {
+            uint8_t *q = order[j];
             const int32_t *table = (const int32_t *)(q + SF_TABLE);
             uint32_t nb = U4(q + SF_NUM_BLOCKS);
             for (uint32_t t = 0; t < nb && (int64_t)t < n->max_bps; t++) {

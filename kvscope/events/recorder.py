@@ -422,7 +422,8 @@ class Recorder:
             return False
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        ask = first - 1 if last is not None and first > 0 else first
+        # (a gap's `first` is the seq after one recorded: never 0)
+        ask = first - 1 if last is not None else first
         try:
             sock.connect(self.replay[i])
             sock.send_multipart([b"", ask.to_bytes(8, "big")], zmq.NOBLOCK)
@@ -432,14 +433,7 @@ class Recorder:
             self.writer.note(i, {**note, "replayed": 0, "error": str(e)})
             self._give_up(i, f"cannot be asked ({e})")
             return False
-        rep = _Replay(
-            sock,
-            first,
-            stop,
-            self._clock() + self.replay_timeout_s,
-            gap,
-            last if ask < first else None,
-        )
+        rep = _Replay(sock, first, stop, self._clock() + self.replay_timeout_s, gap, last)
         self._pending[i] = rep
         self._poller.register(sock, zmq.POLLIN)
         return True
